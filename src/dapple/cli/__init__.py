@@ -1,0 +1,57 @@
+"""``dapple`` command line: one sub-module per command, each exposing ``register(subparsers)``.
+
+Errors derived from :class:`dapple.errors.DappleError` (and bad files) are printed as one line
+``dapple: error: ...`` with exit code 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+from dapple.errors import DappleError
+
+__all__ = ["build_parser", "main"]
+
+# Each module defines ``register(sub: argparse._SubParsersAction) -> None`` and sets
+# ``func=callable(args) -> int`` on its parser.
+_COMMANDS = [
+    "dapple.cli.profile_cmd",
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="dapple",
+        description=(
+            "Plan, simulate and run synchronous pipeline + data parallel training (DAPPLE)."
+        ),
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in _COMMANDS:
+        importlib.import_module(name).register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.WARNING,
+        format="%(levelname)s %(name)s: %(message)s",
+    )
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        rc = args.func(args)
+    except DappleError as e:
+        print(f"dapple: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("dapple: interrupted", file=sys.stderr)
+        return 130
+    return int(rc or 0)

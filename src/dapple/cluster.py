@@ -1,0 +1,258 @@
+"""Cluster topology: servers x devices, intra/inter-server links, device memory.
+
+Pure data model, no torch. Device ``d`` lives on server ``d // devices_per_server``.
+Bandwidths are in gigabits per second (Gbps) as network gear is rated; latencies in ms.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dapple._json import check_schema_version, get_field, load_json_file, require
+from dapple.errors import ValidationError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+__all__ = ["CLUSTER_SCHEMA_VERSION", "GB", "PRESETS", "Cluster", "load_cluster"]
+
+CLUSTER_SCHEMA_VERSION = 1
+GB = 1024**3
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Cluster:
+    """G = servers * devices_per_server devices connected hierarchically."""
+
+    name: str = "custom"
+    """Preset or file name, for reports."""
+    servers: int
+    """Number of servers (machines)."""
+    devices_per_server: int
+    """Devices (GPUs or processes) per server, N_s in the paper's table 2."""
+    device_memory_bytes: int
+    """Memory of one device in bytes."""
+    intra_server_bandwidth_gbps: float
+    """Device-to-device bandwidth inside a server (NVLink, PCIe, shared memory), Gbps."""
+    inter_server_bandwidth_gbps: float
+    """Bandwidth between servers (Ethernet/InfiniBand), Gbps."""
+    intra_server_latency_ms: float = 0.005
+    """Per-message latency inside a server, ms."""
+    inter_server_latency_ms: float = 0.02
+    """Per-message latency between servers, ms."""
+    compute_slowdown: float = 1.0
+    """Factor applied to profiled compute times when devices share hardware (e.g. several
+    CPU processes on fewer cores than the profile ran with); 1.0 for dedicated devices."""
+    device_name: str = "device"
+    """Kind of device, for reports."""
+    schema_version: int = CLUSTER_SCHEMA_VERSION
+
+    def __post_init__(self) -> None:
+        for f in ("servers", "devices_per_server"):
+            v = getattr(self, f)
+            require(
+                isinstance(v, int) and not isinstance(v, bool) and v >= 1,
+                f"cluster {self.name!r}: {f} must be an integer >= 1, got {v!r}",
+            )
+        require(
+            isinstance(self.device_memory_bytes, int) and self.device_memory_bytes > 0,
+            f"cluster {self.name!r}: device memory must be > 0 bytes, got {self.device_memory_bytes!r}",
+        )
+        for f in ("intra_server_bandwidth_gbps", "inter_server_bandwidth_gbps", "compute_slowdown"):
+            v = getattr(self, f)
+            require(
+                isinstance(v, (int, float)) and math.isfinite(v) and v > 0,
+                f"cluster {self.name!r}: {f} must be a number > 0, got {v!r}",
+            )
+        for f in ("intra_server_latency_ms", "inter_server_latency_ms"):
+            v = getattr(self, f)
+            require(
+                isinstance(v, (int, float)) and math.isfinite(v) and v >= 0,
+                f"cluster {self.name!r}: {f} must be a number >= 0, got {v!r}",
+            )
+
+    @property
+    def num_devices(self) -> int:
+        """G, the total number of devices."""
+        return self.servers * self.devices_per_server
+
+    def server_of(self, device: int) -> int:
+        """Server index of device id ``device``."""
+        return device // self.devices_per_server
+
+    def same_server(self, a: int, b: int) -> bool:
+        return self.server_of(a) == self.server_of(b)
+
+    def bandwidth_bytes_per_ms(self, a: int, b: int) -> float:
+        """Link bandwidth between devices ``a`` and ``b`` in bytes per millisecond."""
+        gbps = (
+            self.intra_server_bandwidth_gbps
+            if self.same_server(a, b)
+            else self.inter_server_bandwidth_gbps
+        )
+        return gbps * 1e9 / 8 / 1e3
+
+    def latency_ms(self, a: int, b: int) -> float:
+        return (
+            self.intra_server_latency_ms if self.same_server(a, b) else self.inter_server_latency_ms
+        )
+
+    def with_servers(self, servers: int) -> Cluster:
+        """The same cluster with another number of servers (the ``--servers`` override)."""
+        return dataclasses.replace(self, servers=servers, name=f"{self.name}x{servers}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema_version": self.schema_version,
+            "name": self.name,
+            "servers": self.servers,
+            "devices_per_server": self.devices_per_server,
+            "device_memory_gb": self.device_memory_bytes / GB,
+            "intra_server_bandwidth_gbps": self.intra_server_bandwidth_gbps,
+            "inter_server_bandwidth_gbps": self.inter_server_bandwidth_gbps,
+            "intra_server_latency_ms": self.intra_server_latency_ms,
+            "inter_server_latency_ms": self.inter_server_latency_ms,
+            "compute_slowdown": self.compute_slowdown,
+            "device_name": self.device_name,
+        }
+
+    @staticmethod
+    def from_dict(d: dict[str, Any], name: str = "custom") -> Cluster:
+        what = f"cluster {name!r}"
+        require(isinstance(d, dict), f"{what} must be an object, got {type(d).__name__}")
+        check_schema_version(d, CLUSTER_SCHEMA_VERSION, what)
+        known = {f.name for f in dataclasses.fields(Cluster)} | {"device_memory_gb"}
+        unknown = sorted(set(d) - known)
+        require(not unknown, f"{what}: unknown field(s) {unknown}")
+
+        def num(key: str, default: float | None = None) -> float:
+            v = d.get(key, default) if default is not None else get_field(d, key, what)
+            require(
+                isinstance(v, (int, float)) and not isinstance(v, bool),
+                f"{what}: {key} must be a number, got {v!r}",
+            )
+            return float(v)
+
+        def integer(key: str) -> int:
+            v = get_field(d, key, what)
+            require(
+                isinstance(v, int) and not isinstance(v, bool),
+                f"{what}: {key} must be an integer, got {v!r}",
+            )
+            return int(v)
+
+        if "device_memory_bytes" in d:
+            mem = int(num("device_memory_bytes"))
+        else:
+            mem = int(num("device_memory_gb") * GB)
+        return Cluster(
+            name=str(d.get("name", name)),
+            servers=integer("servers"),
+            devices_per_server=integer("devices_per_server"),
+            device_memory_bytes=mem,
+            intra_server_bandwidth_gbps=num("intra_server_bandwidth_gbps"),
+            inter_server_bandwidth_gbps=num("inter_server_bandwidth_gbps"),
+            intra_server_latency_ms=num("intra_server_latency_ms", 0.005),
+            inter_server_latency_ms=num("inter_server_latency_ms", 0.02),
+            compute_slowdown=num("compute_slowdown", 1.0),
+            device_name=str(d.get("device_name", "device")),
+        )
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+
+_V100 = 16 * GB
+PRESETS: dict[str, Cluster] = {
+    # Paper table 2, config A: servers of 8 V100 with NVLink (~130 GB/s), 25 Gbps Ethernet.
+    "paper-a": Cluster(
+        name="paper-a",
+        servers=2,
+        devices_per_server=8,
+        device_memory_bytes=_V100,
+        intra_server_bandwidth_gbps=130 * 8,
+        inter_server_bandwidth_gbps=25,
+        device_name="V100",
+    ),
+    # Config B: 16 servers with one V100 each, 25 Gbps Ethernet.
+    "paper-b": Cluster(
+        name="paper-b",
+        servers=16,
+        devices_per_server=1,
+        device_memory_bytes=_V100,
+        intra_server_bandwidth_gbps=130 * 8,
+        inter_server_bandwidth_gbps=25,
+        device_name="V100",
+    ),
+    # Config C: as B with 10 Gbps Ethernet.
+    "paper-c": Cluster(
+        name="paper-c",
+        servers=16,
+        devices_per_server=1,
+        device_memory_bytes=_V100,
+        intra_server_bandwidth_gbps=130 * 8,
+        inter_server_bandwidth_gbps=10,
+        device_name="V100",
+    ),
+    # A modern server: 8 H100 80 GB with NVLink 4 (~450 GB/s per direction), 400 Gbps between servers.
+    "h100-8x": Cluster(
+        name="h100-8x",
+        servers=1,
+        devices_per_server=8,
+        device_memory_bytes=80 * GB,
+        intra_server_bandwidth_gbps=450 * 8,
+        inter_server_bandwidth_gbps=400,
+        intra_server_latency_ms=0.003,
+        inter_server_latency_ms=0.01,
+        device_name="H100",
+    ),
+    # One CPU machine running several local processes over gloo (loopback); a rough default,
+    # replace with `dapple calibrate` output for real numbers.
+    "local-cpu": Cluster(
+        name="local-cpu",
+        servers=1,
+        devices_per_server=4,
+        device_memory_bytes=4 * GB,
+        intra_server_bandwidth_gbps=20,
+        inter_server_bandwidth_gbps=20,
+        intra_server_latency_ms=0.05,
+        inter_server_latency_ms=0.05,
+        device_name="cpu-process",
+    ),
+}
+
+
+def load_cluster(spec: str, servers: int | None = None) -> Cluster:
+    """A preset name or a JSON/TOML file path, optionally with another number of servers.
+
+    Raises:
+        ValidationError: unknown preset, unreadable or invalid file.
+    """
+    if spec in PRESETS:
+        c = PRESETS[spec]
+    else:
+        p = Path(spec)
+        if not p.exists():
+            raise ValidationError(
+                f"unknown cluster {spec!r}: not a preset ({', '.join(sorted(PRESETS))}) nor an existing file"
+            )
+        if p.suffix == ".toml":
+            try:
+                data = tomllib.loads(p.read_text())
+            except (OSError, tomllib.TOMLDecodeError) as e:
+                raise ValidationError(f"cluster file {spec!r} is not valid TOML: {e}") from e
+        else:
+            data = load_json_file(p, "cluster")
+        c = Cluster.from_dict(data, name=p.stem)
+    if servers is not None:
+        require(servers >= 1, f"--servers must be >= 1, got {servers}")
+        c = c.with_servers(servers)
+    return c

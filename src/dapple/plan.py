@@ -1,0 +1,354 @@
+"""An execution plan: stage partition, per-stage replication and placement, micro-batching.
+
+Pure data model, no torch. Notation (paper sections 4-5): S stages; stage ``s`` holds layers
+``[start, end)`` replicated on ``r_s = len(devices)`` devices; the global batch is cut into M
+micro-batches of ``micro_batch_size`` samples, and each micro-batch entering stage ``s`` is
+split into ``r_s`` slices (uneven when ``r_s`` does not divide it; replica ``j`` takes slice j).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from dapple._json import check_schema_version, get_field, load_json_file, require
+from dapple.errors import ValidationError
+
+__all__ = [
+    "PLAN_SCHEMA_VERSION",
+    "Plan",
+    "StagePlan",
+    "slice_bounds",
+    "split_sizes",
+    "straight_plan",
+    "transfers",
+]
+
+PLAN_SCHEMA_VERSION = 1
+ScheduleName = Literal["dapple", "gpipe"]
+Policy = Literal["A", "B"]
+
+
+def split_sizes(b: int, r: int) -> tuple[int, ...]:
+    """Sizes of the ``r`` slices of a micro-batch of ``b`` samples: the first ``b % r`` get one more.
+
+    Slices may be empty when ``r > b``.
+    """
+    require(b >= 0 and r >= 1, f"split_sizes needs b >= 0 and r >= 1, got b={b}, r={r}")
+    q, rem = divmod(b, r)
+    return tuple(q + 1 if j < rem else q for j in range(r))
+
+
+def slice_bounds(b: int, r: int) -> tuple[tuple[int, int], ...]:
+    """Sample ranges ``[lo, hi)`` of the ``r`` slices of ``split_sizes(b, r)``."""
+    out = []
+    lo = 0
+    for n in split_sizes(b, r):
+        out.append((lo, lo + n))
+        lo += n
+    return tuple(out)
+
+
+def transfers(b: int, r_src: int, r_dst: int) -> tuple[tuple[int, int, int, int], ...]:
+    """Split-concat between a stage with ``r_src`` replicas and one with ``r_dst`` (section 6.2).
+
+    Returns ``(j, k, lo, hi)`` for every non-empty overlap: replica ``j`` of the source sends
+    samples ``[lo, hi)`` of the micro-batch to replica ``k`` of the destination. Covers
+    one-to-one, one-to-many (split), many-to-one (concat) and many-to-many alike.
+    """
+    src = slice_bounds(b, r_src)
+    dst = slice_bounds(b, r_dst)
+    out = []
+    for j, (a0, a1) in enumerate(src):
+        for k, (c0, c1) in enumerate(dst):
+            lo, hi = max(a0, c0), min(a1, c1)
+            if lo < hi:
+                out.append((j, k, lo, hi))
+    return tuple(out)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StagePlan:
+    """One pipeline stage: a contiguous layer range replicated over a device set."""
+
+    layers: tuple[int, int]
+    """Layer range ``[start, end)`` of the chain."""
+    devices: tuple[int, ...]
+    """Device ids of the replicas; replica ``j`` runs on ``devices[j]``."""
+    recompute: bool = False
+    """Re-compute the forward during backward, keeping only the stage input."""
+    max_in_flight: int | None = None
+    """D: how many micro-batches' activations fit on the device (None: unbounded)."""
+
+    def __post_init__(self) -> None:
+        s, e = self.layers
+        require(
+            isinstance(s, int) and isinstance(e, int) and 0 <= s < e,
+            f"stage layers must be [start, end) with 0 <= start < end, got {list(self.layers)}",
+        )
+        require(len(self.devices) >= 1, f"stage {list(self.layers)} has no devices")
+        require(
+            all(isinstance(d, int) and d >= 0 for d in self.devices),
+            f"stage {list(self.layers)}: device ids must be integers >= 0, got {list(self.devices)}",
+        )
+        require(
+            self.max_in_flight is None or self.max_in_flight >= 1,
+            f"stage {list(self.layers)}: max_in_flight must be >= 1, got {self.max_in_flight}",
+        )
+
+    @property
+    def replicas(self) -> int:
+        """r_s, the number of replicas."""
+        return len(self.devices)
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "layers": list(self.layers),
+            "devices": list(self.devices),
+            "recompute": self.recompute,
+        }
+        if self.max_in_flight is not None:
+            d["max_in_flight"] = self.max_in_flight
+        return d
+
+    @staticmethod
+    def from_dict(d: Any, index: int) -> StagePlan:
+        what = f"plan stage {index}"
+        require(isinstance(d, dict), f"{what} must be an object, got {d!r}")
+        layers = get_field(d, "layers", what)
+        require(
+            isinstance(layers, list)
+            and len(layers) == 2
+            and all(isinstance(x, int) for x in layers),
+            f"{what}: layers must be [start, end), got {layers!r}",
+        )
+        devices = get_field(d, "devices", what)
+        require(
+            isinstance(devices, list) and all(isinstance(x, int) for x in devices),
+            f"{what}: devices must be a list of integer ids, got {devices!r}",
+        )
+        mif = d.get("max_in_flight")
+        require(
+            mif is None or isinstance(mif, int),
+            f"{what}: max_in_flight must be an integer, got {mif!r}",
+        )
+        try:
+            return StagePlan(
+                layers=(layers[0], layers[1]),
+                devices=tuple(devices),
+                recompute=bool(d.get("recompute", False)),
+                max_in_flight=mif,
+            )
+        except ValidationError as e:
+            raise ValidationError(f"{what}: {e}") from e
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Plan:
+    """A full hybrid data/pipeline parallel plan for one synchronous training step."""
+
+    planner: str
+    """Which planner produced it (``dapple``, ``dp``, ``straight``, ``gpipe``, ``pipedream``, ...)."""
+    global_batch_size: int
+    """Samples per optimizer step."""
+    micro_batch_size: int
+    """Samples per micro-batch (before the per-stage split into replica slices)."""
+    num_micro_batches: int
+    """M; ``global_batch_size == micro_batch_size * num_micro_batches``."""
+    stages: tuple[StagePlan, ...]
+    """The S stages in pipeline order."""
+    schedule: ScheduleName = "dapple"
+    """``dapple`` (early backward, 1F1B) or ``gpipe`` (all forwards first)."""
+    policy: Policy = "A"
+    """Warm-up policy: A ``K_i = min(S-i, D)``, B ``K_i = min(2(S-i)-1, D)`` (section 6.3)."""
+    predicted_step_ms: float = math.nan
+    """The planner's pipeline latency L (equation 2) in ms; NaN when not predicted."""
+    model_name: str = ""
+    """Model the plan was made for (informational)."""
+    schema_version: int = PLAN_SCHEMA_VERSION
+
+    def __post_init__(self) -> None:
+        require(
+            self.schedule in ("dapple", "gpipe"),
+            f"plan: schedule must be 'dapple' or 'gpipe', got {self.schedule!r}",
+        )
+        require(self.policy in ("A", "B"), f"plan: policy must be 'A' or 'B', got {self.policy!r}")
+        for f in ("global_batch_size", "micro_batch_size", "num_micro_batches"):
+            v = getattr(self, f)
+            require(
+                isinstance(v, int) and not isinstance(v, bool) and v >= 1,
+                f"plan: {f} must be an integer >= 1, got {v!r}",
+            )
+        require(
+            self.micro_batch_size * self.num_micro_batches == self.global_batch_size,
+            f"plan: micro_batch_size ({self.micro_batch_size}) x num_micro_batches ({self.num_micro_batches}) "
+            f"must equal global_batch_size ({self.global_batch_size})",
+        )
+        require(len(self.stages) >= 1, "plan has no stages")
+        require(
+            self.stages[0].layers[0] == 0,
+            f"plan: stage 0 must start at layer 0, got {list(self.stages[0].layers)}",
+        )
+        for i in range(1, len(self.stages)):
+            prev, cur = self.stages[i - 1].layers, self.stages[i].layers
+            require(
+                prev[1] == cur[0],
+                f"plan: stage {i} layers {list(cur)} must start where stage {i - 1} {list(prev)} ends "
+                f"({'overlap' if cur[0] < prev[1] else 'gap'})",
+            )
+        seen: dict[int, int] = {}
+        for i, st in enumerate(self.stages):
+            for d in st.devices:
+                require(
+                    d not in seen, f"plan: device {d} is used by stage {seen.get(d)} and stage {i}"
+                )
+                seen[d] = i
+
+    @property
+    def num_stages(self) -> int:
+        """S, the number of (computation) stages."""
+        return len(self.stages)
+
+    @property
+    def num_layers(self) -> int:
+        """N covered by the plan."""
+        return self.stages[-1].layers[1]
+
+    @property
+    def devices(self) -> tuple[int, ...]:
+        """All device ids in stage order."""
+        return tuple(d for st in self.stages for d in st.devices)
+
+    @property
+    def replication(self) -> str:
+        """Replica counts joined by ':' as in the paper (e.g. ``15:1``)."""
+        return ":".join(str(st.replicas) for st in self.stages)
+
+    @property
+    def split_positions(self) -> tuple[int, ...]:
+        """Layer indices where a new stage starts."""
+        return tuple(st.layers[0] for st in self.stages[1:])
+
+    def stage_of_device(self, device: int) -> tuple[int, int]:
+        """``(stage, replica)`` that ``device`` runs.
+
+        Raises:
+            ValidationError: the device is not part of the plan.
+        """
+        for s, st in enumerate(self.stages):
+            if device in st.devices:
+                return s, st.devices.index(device)
+        raise ValidationError(
+            f"device {device} is not used by the plan (devices {list(self.devices)})"
+        )
+
+    def validate_for(self, num_layers: int, num_devices: int | None = None) -> None:
+        """Check the plan against a model's layer count and a cluster's device count.
+
+        Raises:
+            ValidationError: layers do not cover ``[0, num_layers)`` exactly or a device id
+                does not exist.
+        """
+        require(
+            self.num_layers == num_layers,
+            f"plan covers layers [0, {self.num_layers}) but the model has {num_layers} layers",
+        )
+        if num_devices is not None:
+            bad = [d for d in self.devices if d >= num_devices]
+            require(
+                not bad,
+                f"plan uses device id(s) {bad} but the cluster has only {num_devices} devices (0..{num_devices - 1})",
+            )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema_version": self.schema_version,
+            "planner": self.planner,
+            "model_name": self.model_name,
+            "global_batch_size": self.global_batch_size,
+            "micro_batch_size": self.micro_batch_size,
+            "num_micro_batches": self.num_micro_batches,
+            "schedule": self.schedule,
+            "policy": self.policy,
+            "predicted_step_ms": None
+            if math.isnan(self.predicted_step_ms)
+            else self.predicted_step_ms,
+            "replication": self.replication,
+            "stages": [st.to_dict() for st in self.stages],
+        }
+
+    @staticmethod
+    def from_dict(d: dict[str, Any]) -> Plan:
+        what = "plan"
+        check_schema_version(d, PLAN_SCHEMA_VERSION, what)
+        stages = get_field(d, "stages", what)
+        require(
+            isinstance(stages, list), f"{what}: stages must be a list, got {type(stages).__name__}"
+        )
+        pred = d.get("predicted_step_ms")
+        gbs = get_field(d, "global_batch_size", what)
+        mbs = d.get("micro_batch_size")
+        m = d.get("num_micro_batches")
+        if mbs is None and isinstance(m, int) and isinstance(gbs, int) and m > 0:
+            mbs = gbs // m
+        if m is None and isinstance(mbs, int) and isinstance(gbs, int) and mbs > 0:
+            m = gbs // mbs
+        return Plan(
+            planner=str(d.get("planner", "manual")),
+            model_name=str(d.get("model_name", "")),
+            global_batch_size=gbs,
+            micro_batch_size=mbs if mbs is not None else 0,
+            num_micro_batches=m if m is not None else 0,
+            schedule=d.get("schedule", "dapple"),
+            policy=d.get("policy", "A"),
+            predicted_step_ms=math.nan if pred is None else float(pred),
+            stages=tuple(StagePlan.from_dict(x, i) for i, x in enumerate(stages)),
+        )
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+    @staticmethod
+    def load(path: str | Path) -> Plan:
+        """Load a plan JSON file.
+
+        Raises:
+            ValidationError: unreadable, malformed or invalid plan (message names the field).
+        """
+        return Plan.from_dict(load_json_file(path, "plan"))
+
+
+def straight_plan(
+    num_layers: int,
+    bounds: list[int],
+    *,
+    global_batch_size: int,
+    num_micro_batches: int,
+    replicas: list[int] | None = None,
+    **kw: Any,
+) -> Plan:
+    """Convenience constructor: stages cut at ``bounds`` (e.g. ``[0, 3, 6]``) with ``replicas[s]``
+    consecutive device ids each (default one per stage)."""
+    cuts = [*bounds, num_layers] if bounds[-1] != num_layers else bounds
+    reps = replicas or [1] * (len(cuts) - 1)
+    require(
+        len(reps) == len(cuts) - 1, f"need one replica count per stage, got {reps} for cuts {cuts}"
+    )
+    stages = []
+    dev = 0
+    for s in range(len(cuts) - 1):
+        stages.append(
+            StagePlan(layers=(cuts[s], cuts[s + 1]), devices=tuple(range(dev, dev + reps[s])))
+        )
+        dev += reps[s]
+    return Plan(
+        planner=kw.pop("planner", "manual"),
+        global_batch_size=global_batch_size,
+        micro_batch_size=global_batch_size // num_micro_batches,
+        num_micro_batches=num_micro_batches,
+        stages=tuple(stages),
+        **kw,
+    )

@@ -1,0 +1,255 @@
+"""Per-layer model profile (paper section 3.3): times, activation and parameter sizes.
+
+Pure data model, no torch. Times are affine in the batch size ``b`` of one forward or
+backward call, ``t(b) = fixed_ms + per_sample_ms * b``, fitted from measurements at several
+batch sizes. Sizes are bytes; activation sizes are per sample.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dapple._json import check_schema_version, get_field, load_json_file, require
+
+__all__ = ["PROFILE_SCHEMA_VERSION", "AffineTime", "LayerProfile", "ModelProfile", "fit_affine"]
+
+PROFILE_SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AffineTime:
+    """Time of one call on ``b`` samples: ``fixed_ms + per_sample_ms * b`` (milliseconds)."""
+
+    fixed_ms: float
+    """Per-call overhead independent of the batch size (kernel launches, Python)."""
+    per_sample_ms: float
+    """Marginal time of one more sample."""
+
+    def __post_init__(self) -> None:
+        for name in ("fixed_ms", "per_sample_ms"):
+            v = getattr(self, name)
+            require(
+                isinstance(v, (int, float)) and math.isfinite(v) and v >= 0,
+                f"AffineTime.{name} must be a finite number >= 0, got {v!r}",
+            )
+
+    def at(self, b: float) -> float:
+        """Time in ms of one call on ``b`` samples; 0 for ``b == 0`` (no call is made)."""
+        return 0.0 if b <= 0 else self.fixed_ms + self.per_sample_ms * b
+
+    def to_dict(self) -> dict[str, float]:
+        return {"fixed_ms": self.fixed_ms, "per_sample_ms": self.per_sample_ms}
+
+    @staticmethod
+    def from_dict(d: Any, what: str = "AffineTime") -> AffineTime:
+        require(
+            isinstance(d, dict), f"{what} must be an object with fixed_ms/per_sample_ms, got {d!r}"
+        )
+        return AffineTime(
+            fixed_ms=float(get_field(d, "fixed_ms", what)),
+            per_sample_ms=float(get_field(d, "per_sample_ms", what)),
+        )
+
+
+def fit_affine(
+    batch_sizes: list[int] | tuple[int, ...], times_ms: list[float] | tuple[float, ...]
+) -> AffineTime:
+    """Least-squares fit of ``t(b) = fixed + per_sample * b``, clamped to non-negative terms.
+
+    With a single batch size the whole time is attributed to the per-sample term.
+    """
+    require(
+        len(batch_sizes) == len(times_ms) and len(batch_sizes) > 0,
+        f"fit_affine needs equal, non-empty lists, got {len(batch_sizes)} and {len(times_ms)}",
+    )
+    n = len(batch_sizes)
+    if n == 1 or len(set(batch_sizes)) == 1:
+        mean_b = sum(batch_sizes) / n
+        return AffineTime(fixed_ms=0.0, per_sample_ms=max(0.0, sum(times_ms) / n / mean_b))
+    mb = sum(batch_sizes) / n
+    mt = sum(times_ms) / n
+    sxx = sum((b - mb) ** 2 for b in batch_sizes)
+    sxy = sum((b - mb) * (t - mt) for b, t in zip(batch_sizes, times_ms, strict=True))
+    slope = sxy / sxx
+    icpt = mt - slope * mb
+    if slope < 0:  # noise dominated: treat as constant cost
+        return AffineTime(fixed_ms=max(0.0, mt), per_sample_ms=0.0)
+    if icpt < 0:  # refit through the origin
+        slope = sum(b * t for b, t in zip(batch_sizes, times_ms, strict=True)) / sum(
+            b * b for b in batch_sizes
+        )
+        return AffineTime(fixed_ms=0.0, per_sample_ms=max(0.0, slope))
+    return AffineTime(fixed_ms=icpt, per_sample_ms=slope)
+
+
+def _nonneg(v: Any, what: str) -> float:
+    require(
+        isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0,
+        f"{what} must be a finite number >= 0, got {v!r}",
+    )
+    return float(v)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LayerProfile:
+    """One layer of the chain the planner may cut between."""
+
+    name: str
+    """Human-readable layer name (module path or PipeDream node)."""
+    forward: AffineTime
+    """Forward time of one call as a function of its batch size."""
+    backward: AffineTime
+    """Backward time of one call (gradients of inputs and parameters)."""
+    output_bytes_per_sample: float
+    """Bytes of this layer's output per sample: what crosses a cut placed after it."""
+    parameter_bytes: int
+    """Bytes of this layer's parameters (its own; tied copies are counted on each holder)."""
+    kept_activation_bytes_per_sample: float
+    """Activation bytes held from forward until backward, per sample (without re-computation)."""
+
+    def __post_init__(self) -> None:
+        require(
+            isinstance(self.name, str) and self.name != "",
+            f"LayerProfile.name must be a non-empty string, got {self.name!r}",
+        )
+        _nonneg(self.output_bytes_per_sample, f"layer {self.name!r}: output_bytes_per_sample")
+        _nonneg(
+            self.kept_activation_bytes_per_sample,
+            f"layer {self.name!r}: kept_activation_bytes_per_sample",
+        )
+        require(
+            isinstance(self.parameter_bytes, int)
+            and not isinstance(self.parameter_bytes, bool)
+            and self.parameter_bytes >= 0,
+            f"layer {self.name!r}: parameter_bytes must be an integer >= 0, got {self.parameter_bytes!r}",
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "forward": self.forward.to_dict(),
+            "backward": self.backward.to_dict(),
+            "output_bytes_per_sample": self.output_bytes_per_sample,
+            "parameter_bytes": self.parameter_bytes,
+            "kept_activation_bytes_per_sample": self.kept_activation_bytes_per_sample,
+        }
+
+    @staticmethod
+    def from_dict(d: Any, index: int = 0) -> LayerProfile:
+        what = f"layer {index}"
+        require(isinstance(d, dict), f"{what} must be an object, got {d!r}")
+        pb = get_field(d, "parameter_bytes", what)
+        require(
+            isinstance(pb, (int, float)) and float(pb).is_integer(),
+            f"{what}: parameter_bytes must be an integer, got {pb!r}",
+        )
+        return LayerProfile(
+            name=str(get_field(d, "name", what)),
+            forward=AffineTime.from_dict(get_field(d, "forward", what), f"{what}.forward"),
+            backward=AffineTime.from_dict(get_field(d, "backward", what), f"{what}.backward"),
+            output_bytes_per_sample=_nonneg(
+                get_field(d, "output_bytes_per_sample", what), f"{what}: output_bytes_per_sample"
+            ),
+            parameter_bytes=int(pb),
+            kept_activation_bytes_per_sample=_nonneg(
+                get_field(d, "kept_activation_bytes_per_sample", what),
+                f"{what}: kept_activation_bytes_per_sample",
+            ),
+        )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModelProfile:
+    """A model as the ordered chain of profiled layers (N = len(layers))."""
+
+    model_name: str
+    """Name of the profiled model (zoo name, ``module:factory`` or file name)."""
+    layers: tuple[LayerProfile, ...]
+    """The layers in execution order."""
+    input_bytes_per_sample: float = 0.0
+    """Bytes of the model's input per sample (kept by stage 0 when it re-computes)."""
+    dtype: str = "float32"
+    """Element type the profile was measured with."""
+    device: str = "unknown"
+    """Device the profile was measured on (e.g. ``cpu``, ``NVIDIA H100``, ``V100 (analytic)``)."""
+    batch_sizes: tuple[int, ...] = ()
+    """Batch sizes the affine times were fitted from."""
+    optimizer_state_factor: float = 3.0
+    """Gradient + optimizer state held per parameter byte: 3.0 for fp32 Adam
+    (grad, exp_avg, exp_avg_sq), so parameters take 4x their bytes in all (16 B per fp32 parameter)."""
+    schema_version: int = PROFILE_SCHEMA_VERSION
+
+    def __post_init__(self) -> None:
+        require(len(self.layers) > 0, f"profile {self.model_name!r} has no layers")
+        require(
+            all(b > 0 for b in self.batch_sizes),
+            f"profile {self.model_name!r}: batch_sizes must be > 0, got {self.batch_sizes}",
+        )
+        _nonneg(self.input_bytes_per_sample, f"profile {self.model_name!r}: input_bytes_per_sample")
+        _nonneg(self.optimizer_state_factor, f"profile {self.model_name!r}: optimizer_state_factor")
+
+    @property
+    def num_layers(self) -> int:
+        """N, the number of layers."""
+        return len(self.layers)
+
+    @property
+    def parameter_bytes(self) -> int:
+        """Total parameter bytes of all layers."""
+        return sum(layer.parameter_bytes for layer in self.layers)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema_version": self.schema_version,
+            "model_name": self.model_name,
+            "dtype": self.dtype,
+            "device": self.device,
+            "batch_sizes": list(self.batch_sizes),
+            "input_bytes_per_sample": self.input_bytes_per_sample,
+            "optimizer_state_factor": self.optimizer_state_factor,
+            "layers": [layer.to_dict() for layer in self.layers],
+        }
+
+    @staticmethod
+    def from_dict(d: dict[str, Any]) -> ModelProfile:
+        what = "profile"
+        check_schema_version(d, PROFILE_SCHEMA_VERSION, what)
+        layers = get_field(d, "layers", what)
+        require(
+            isinstance(layers, list) and len(layers) > 0,
+            f"{what}: layers must be a non-empty list, got {layers!r}"[:200],
+        )
+        bs = d.get("batch_sizes", [])
+        require(
+            isinstance(bs, list) and all(isinstance(b, int) for b in bs),
+            f"{what}: batch_sizes must be a list of integers, got {bs!r}",
+        )
+        return ModelProfile(
+            model_name=str(get_field(d, "model_name", what)),
+            dtype=str(d.get("dtype", "float32")),
+            device=str(d.get("device", "unknown")),
+            batch_sizes=tuple(bs),
+            input_bytes_per_sample=_nonneg(
+                d.get("input_bytes_per_sample", 0.0), f"{what}: input_bytes_per_sample"
+            ),
+            optimizer_state_factor=_nonneg(
+                d.get("optimizer_state_factor", 3.0), f"{what}: optimizer_state_factor"
+            ),
+            layers=tuple(LayerProfile.from_dict(x, i) for i, x in enumerate(layers)),
+        )
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+    @staticmethod
+    def load(path: str | Path) -> ModelProfile:
+        """Load a profile JSON file.
+
+        Raises:
+            ValidationError: unreadable, malformed or invalid file (message names the field).
+        """
+        return ModelProfile.from_dict(load_json_file(path, "profile"))

@@ -1,0 +1,27 @@
+"""Schedules as data: IR, GPipe/DAPPLE generators and lowering to per-device programs."""
+
+from dapple.schedule.generators import compute_order, dapple, gpipe, warmup_counts
+from dapple.schedule.ir import (
+    Action,
+    ActionKind,
+    ComputeOrder,
+    Schedule,
+    format_actions,
+    parse_action,
+)
+from dapple.schedule.lower import lower, plan_compute_order
+
+__all__ = [
+    "Action",
+    "ActionKind",
+    "ComputeOrder",
+    "Schedule",
+    "compute_order",
+    "dapple",
+    "format_actions",
+    "gpipe",
+    "lower",
+    "parse_action",
+    "plan_compute_order",
+    "warmup_counts",
+]

@@ -1,0 +1,138 @@
+"""Schedule IR: actions as small immutable records, schedules as data (paper section 6.3).
+
+An :class:`Action` is ``(stage, replica, kind, micro_batch, peer)``. Its compact string form
+round-trips through :func:`parse_action`::
+
+    1F3          stage 1 (replica 0) forward of micro-batch 3
+    2.1B0        stage 2, replica 1, backward of micro-batch 0
+    0.0SEND_F4@1 stage 0 replica 0 sends micro-batch 4's activations to replica 1 of stage 1
+    1.0RECV_B2@0 stage 1 replica 0 receives micro-batch 2's gradients from replica 0 of stage 2
+    0.1AR        stage 0 replica 1 joins its stage's gradient AllReduce
+    0.1OPT       optimizer step
+
+A *compute order* maps each stage to its ordered F/B actions (what the generators produce);
+a *lowered schedule* maps each device id to its ordered actions, communication included
+(what :func:`dapple.schedule.lower.lower` produces and both the simulator and the runtime run).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from enum import Enum
+
+from dapple.errors import ValidationError
+
+__all__ = ["Action", "ActionKind", "ComputeOrder", "Schedule", "format_actions", "parse_action"]
+
+
+class ActionKind(str, Enum):
+    """What an action does."""
+
+    FORWARD = "F"
+    BACKWARD = "B"
+    SEND_F = "SEND_F"
+    """Send forward activations (a slice) to ``peer`` in the next stage."""
+    RECV_F = "RECV_F"
+    """Receive forward activations from ``peer`` in the previous stage."""
+    SEND_B = "SEND_B"
+    """Send input gradients to ``peer`` in the previous stage."""
+    RECV_B = "RECV_B"
+    """Receive output gradients from ``peer`` in the next stage."""
+    ALLREDUCE = "AR"
+    """Gradient AllReduce over the stage's replicas, AR(P_s, g_s)."""
+    STEP = "OPT"
+    """Optimizer step."""
+
+    @property
+    def is_compute(self) -> bool:
+        return self in (ActionKind.FORWARD, ActionKind.BACKWARD)
+
+    @property
+    def is_comm(self) -> bool:
+        return self in (ActionKind.SEND_F, ActionKind.RECV_F, ActionKind.SEND_B, ActionKind.RECV_B)
+
+
+_NEEDS_MB = {
+    ActionKind.FORWARD,
+    ActionKind.BACKWARD,
+    ActionKind.SEND_F,
+    ActionKind.RECV_F,
+    ActionKind.SEND_B,
+    ActionKind.RECV_B,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Action:
+    """One step of one device's program."""
+
+    stage: int
+    kind: ActionKind
+    micro_batch: int | None = None
+    replica: int = 0
+    peer: int | None = None
+    """Replica index in the adjacent stage for send/recv actions."""
+
+    def __post_init__(self) -> None:
+        if self.stage < 0 or self.replica < 0:
+            raise ValidationError(
+                f"action stage/replica must be >= 0, got {self.stage}/{self.replica}"
+            )
+        if (self.kind in _NEEDS_MB) != (self.micro_batch is not None):
+            raise ValidationError(
+                f"action {self.kind.value} on stage {self.stage}: micro_batch "
+                f"{'required' if self.kind in _NEEDS_MB else 'not allowed'}, got {self.micro_batch}"
+            )
+        if self.kind.is_comm != (self.peer is not None):
+            raise ValidationError(
+                f"action {self.kind.value} on stage {self.stage}: peer "
+                f"{'required' if self.kind.is_comm else 'not allowed'}, got {self.peer}"
+            )
+
+    def __str__(self) -> str:
+        head = (
+            f"{self.stage}"
+            if self.replica == 0 and self.peer is None
+            else f"{self.stage}.{self.replica}"
+        )
+        mb = "" if self.micro_batch is None else str(self.micro_batch)
+        tail = "" if self.peer is None else f"@{self.peer}"
+        return f"{head}{self.kind.value}{mb}{tail}"
+
+
+_KINDS = "|".join(sorted((k.value for k in ActionKind), key=len, reverse=True))
+_RE = re.compile(rf"^(\d+)(?:\.(\d+))?({_KINDS})(\d+)?(?:@(\d+))?$")
+
+
+def parse_action(text: str) -> Action:
+    """Inverse of ``str(action)``.
+
+    Raises:
+        ValidationError: ``text`` is not an action string.
+    """
+    m = _RE.match(text.strip())
+    if not m:
+        raise ValidationError(
+            f"not an action string: {text!r} (expected e.g. '1F3', '0.1SEND_F2@0', '1.0AR')"
+        )
+    stage, rep, kind, mb, peer = m.groups()
+    return Action(
+        stage=int(stage),
+        replica=int(rep or 0),
+        kind=ActionKind(kind),
+        micro_batch=None if mb is None else int(mb),
+        peer=None if peer is None else int(peer),
+    )
+
+
+def format_actions(actions: list[Action]) -> str:
+    """Space-separated string form of a program."""
+    return " ".join(str(a) for a in actions)
+
+
+ComputeOrder = dict[int, list[Action]]
+"""stage -> ordered F/B actions (replica 0)."""
+
+Schedule = dict[int, list[Action]]
+"""device id -> ordered actions of that device, communication included."""

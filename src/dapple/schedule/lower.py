@@ -1,0 +1,72 @@
+"""Lowering: a plan's compute order -> per-device programs with split-concat communication,
+per-stage gradient AllReduce and the optimizer step (paper section 6.2).
+
+For every F of micro-batch m on (stage s, replica j): receive the overlapping slices from the
+replicas of stage s-1, run F, send the overlapping slices to the replicas of stage s+1
+(:func:`dapple.plan.transfers`). B mirrors it with gradients. After the last action each
+replicated stage AllReduces its gradients, then every device steps its optimizer.
+Replicas whose slice of a micro-batch is empty (r_s > micro-batch size) skip it.
+"""
+
+from __future__ import annotations
+
+from dapple.plan import Plan, split_sizes, transfers
+from dapple.schedule.generators import compute_order
+from dapple.schedule.ir import Action, ActionKind, ComputeOrder, Schedule
+
+__all__ = ["lower", "plan_compute_order"]
+
+K = ActionKind
+
+
+def plan_compute_order(plan: Plan) -> ComputeOrder:
+    """The stage-level compute order of ``plan`` (its schedule, policy and per-stage D)."""
+    D = [st.max_in_flight for st in plan.stages]
+    return compute_order(plan.schedule, plan.num_stages, plan.num_micro_batches, plan.policy, D)
+
+
+def lower(plan: Plan, order: ComputeOrder | None = None) -> Schedule:
+    """Per-device programs for ``plan``; ``order`` overrides the plan's compute order.
+
+    Returns:
+        device id -> ordered actions.
+    """
+    order = plan_compute_order(plan) if order is None else order
+    b = plan.micro_batch_size
+    S = plan.num_stages
+    reps = [st.replicas for st in plan.stages]
+    # Peers per (stage boundary): for boundary s|s+1, src replica j -> [dst k...], dst k -> [src j...]
+    fwd_peers: list[dict[int, list[int]]] = []
+    bwd_peers: list[dict[int, list[int]]] = []
+    for s in range(S - 1):
+        out: dict[int, list[int]] = {}
+        inn: dict[int, list[int]] = {}
+        for j, k, _lo, _hi in transfers(b, reps[s], reps[s + 1]):
+            out.setdefault(j, []).append(k)
+            inn.setdefault(k, []).append(j)
+        fwd_peers.append(out)
+        bwd_peers.append(inn)
+
+    sched: Schedule = {}
+    for s, st in enumerate(plan.stages):
+        sizes = split_sizes(b, st.replicas)
+        for j, dev in enumerate(st.devices):
+            prog: list[Action] = []
+            if sizes[j] > 0:
+                prev = bwd_peers[s - 1].get(j, []) if s > 0 else []
+                nxt = fwd_peers[s].get(j, []) if s < S - 1 else []
+                for a in order[s]:
+                    m = a.micro_batch
+                    if a.kind is K.FORWARD:
+                        prog += [Action(s, K.RECV_F, m, j, p) for p in prev]
+                        prog.append(Action(s, K.FORWARD, m, j))
+                        prog += [Action(s, K.SEND_F, m, j, p) for p in nxt]
+                    elif a.kind is K.BACKWARD:
+                        prog += [Action(s, K.RECV_B, m, j, p) for p in nxt]
+                        prog.append(Action(s, K.BACKWARD, m, j))
+                        prog += [Action(s, K.SEND_B, m, j, p) for p in prev]
+            if st.replicas > 1:
+                prog.append(Action(s, K.ALLREDUCE, None, j))
+            prog.append(Action(s, K.STEP, None, j))
+            sched[dev] = prog
+    return sched
