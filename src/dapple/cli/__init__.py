@@ -17,9 +17,7 @@ __all__ = ["build_parser", "main"]
 
 # Each module defines ``register(sub: argparse._SubParsersAction) -> None`` and sets
 # ``func=callable(args) -> int`` on its parser.
-_COMMANDS = [
-    "dapple.cli.profile_cmd",
-]
+_COMMANDS: list[str] = []
 
 
 def build_parser() -> argparse.ArgumentParser:
