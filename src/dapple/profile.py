@@ -56,7 +56,7 @@ class AffineTime:
 
 
 def fit_affine(
-    batch_sizes: list[int] | tuple[int, ...], times_ms: list[float] | tuple[float, ...]
+    batch_sizes: Sequence[float], times_ms: Sequence[float]
 ) -> AffineTime:
     """Least-squares fit of ``t(b) = fixed + per_sample * b``, clamped to non-negative terms.
 

@@ -17,7 +17,9 @@ __all__ = ["build_parser", "main"]
 
 # Each module defines ``register(sub: argparse._SubParsersAction) -> None`` and sets
 # ``func=callable(args) -> int`` on its parser.
-_COMMANDS: list[str] = []
+_COMMANDS: list[str] = [
+    "dapple.cli.calibrate_cmd",
+]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,47 @@
+"""``dapple calibrate``: measure links and compute share, write a cluster file."""
+
+from __future__ import annotations
+
+import argparse
+
+from rich.console import Console
+from rich.table import Table
+
+__all__ = ["register"]
+
+
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser(
+        "calibrate", help="measure p2p/AllReduce cost on gloo and write a cluster JSON"
+    )
+    p.add_argument("--nproc", type=int, default=4, help="local processes (default 4)")
+    p.add_argument("--output", "-o", required=True, help="cluster JSON to write")
+    p.add_argument("--repeats", type=int, default=5, help="timed repetitions per message size")
+    p.add_argument("--max-mb", type=float, default=16.0, help="largest message in MiB")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from dapple.calibrate import DEFAULT_SIZES, calibrate
+
+    sizes = tuple(s for s in DEFAULT_SIZES if s <= args.max_mb * (1 << 20))
+    con = Console()
+    with con.status(f"measuring {args.nproc} gloo processes..."):
+        res = calibrate(args.nproc, sizes=sizes, repeats=args.repeats)
+    t = Table(title=f"calibration: {res.nproc} processes, {res.backend}")
+    for col in ("bytes", "p2p one-way ms", f"AllReduce({res.nproc}) ms"):
+        t.add_column(col, justify="right")
+    for n, a, b in zip(res.sizes_bytes, res.p2p_ms, res.allreduce_ms, strict=True):
+        t.add_row(f"{n:,}", f"{a:.3f}", f"{b:.3f}")
+    con.print(t)
+    c = res.cluster
+    for note in res.notes:
+        con.print(note)
+    con.print(
+        f"fitted: bandwidth {c.intra_server_bandwidth_gbps:.2f} Gbps, latency {c.intra_server_latency_ms:.4f} ms, "
+        f"compute_slowdown {c.compute_slowdown:.2f} (matmul {res.matmul_alone_ms:.2f} ms alone, "
+        f"{res.matmul_shared_ms:.2f} ms with {res.nproc} processes)"
+    )
+    c.save(args.output)
+    con.print(f"wrote {args.output}")
+    return 0

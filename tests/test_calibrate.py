@@ -1,0 +1,40 @@
+"""Calibration: the fit recovers known link parameters; a real 2-process run writes a valid cluster."""
+
+from __future__ import annotations
+
+import pytest
+
+from dapple.calibrate import _fit, calibrate
+from dapple.cluster import Cluster
+from dapple.errors import ValidationError
+
+
+def test_fit_recovers_synthetic_link():
+    sizes = (1 << 10, 1 << 16, 1 << 20, 1 << 22)
+    bw_bytes_per_ms = 10e9 / 8 / 1e3  # 10 Gbps
+    lat = 0.05
+    p2p = [lat + s / bw_bytes_per_ms for s in sizes]
+    n = 4
+    ar = [2 * (n - 1) * lat + 2 * (n - 1) / n * s / bw_bytes_per_ms for s in sizes]
+    res = _fit(n, sizes, p2p, ar, alone=1.0, shared=2.5, backend="gloo", memory_bytes=1 << 30)
+    c = res.cluster
+    assert c.intra_server_bandwidth_gbps == pytest.approx(10.0, rel=1e-6)
+    assert c.intra_server_latency_ms == pytest.approx(lat, rel=1e-6)
+    assert c.compute_slowdown == pytest.approx(2.5)
+    assert c.num_devices == 4
+
+
+def test_calibrate_rejects_one_process():
+    with pytest.raises(ValidationError, match="--nproc >= 2"):
+        calibrate(1)
+
+
+@pytest.mark.slow
+def test_calibrate_two_processes(tmp_path):
+    res = calibrate(2, sizes=(1 << 12, 1 << 18, 1 << 20), repeats=2)
+    assert all(t > 0 for t in res.p2p_ms) and all(t > 0 for t in res.allreduce_ms)
+    res.cluster.save(tmp_path / "c.json")
+    from dapple.cluster import load_cluster
+
+    c = load_cluster(str(tmp_path / "c.json"))
+    assert isinstance(c, Cluster) and c.num_devices == 2 and c.intra_server_bandwidth_gbps > 0
