@@ -18,6 +18,7 @@ __all__ = ["build_parser", "main"]
 # Each module defines ``register(sub: argparse._SubParsersAction) -> None`` and sets
 # ``func=callable(args) -> int`` on its parser.
 _COMMANDS: list[str] = [
+    "dapple.cli.simulate_cmd",
     "dapple.cli.calibrate_cmd",
 ]
 

@@ -1,0 +1,106 @@
+"""``dapple simulate``: run a plan's schedule through the discrete-event simulator."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+
+from rich.console import Console
+from rich.table import Table
+
+__all__ = ["register"]
+
+
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser(
+        "simulate",
+        help="simulate one training step of a plan; Gantt chart, Chrome trace, memory plot",
+    )
+    p.add_argument("--plan", required=True, help="plan JSON (from `dapple plan`)")
+    p.add_argument("--profile", required=True, help="model profile JSON")
+    p.add_argument("--cluster", required=True, help="cluster preset name or JSON/TOML file")
+    p.add_argument("--servers", type=int, default=None, help="override the number of servers")
+    p.add_argument(
+        "--schedule", choices=("dapple", "gpipe"), default=None, help="override the plan's"
+    )
+    p.add_argument("--policy", choices=("A", "B"), default=None, help="override the plan's")
+    p.add_argument("--gantt", default=None, help="write a Gantt chart image (PNG/SVG/PDF)")
+    p.add_argument("--trace", default=None, help="write a Chrome/Perfetto trace JSON")
+    p.add_argument("--memory", default=None, help="write a memory-over-time plot image")
+    p.add_argument(
+        "--compare",
+        action="store_true",
+        help="also simulate the other schedule (GPipe vs DAPPLE) and stack both in the pictures",
+    )
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from dapple.cluster import load_cluster
+    from dapple.plan import Plan
+    from dapple.profile import ModelProfile
+    from dapple.simulate import simulate
+
+    plan = Plan.load(args.plan)
+    profile = ModelProfile.load(args.profile)
+    cluster = load_cluster(args.cluster, args.servers)
+    over = {k: v for k, v in (("schedule", args.schedule), ("policy", args.policy)) if v}
+    plan = dataclasses.replace(plan, **over)
+    runs = [(_title(plan), simulate(plan, profile, cluster))]
+    if args.compare:
+        other = dataclasses.replace(
+            plan, schedule="gpipe" if plan.schedule == "dapple" else "dapple"
+        )
+        runs.append((_title(other), simulate(other, profile, cluster)))
+        runs.sort(key=lambda x: x[1].schedule != "gpipe")  # GPipe on top, as in the paper
+
+    con = Console()
+    for title, r in runs:
+        t = Table(title=f"{title} on {cluster.name} ({cluster.num_devices} devices)")
+        for col in ("device", "stage.replica", "busy ms", "bubble %", "peak in flight", "peak MiB"):
+            t.add_column(col, justify="right")
+        for d in r.devices:
+            t.add_row(
+                str(d.device),
+                f"{d.stage}.{d.replica}",
+                f"{d.busy_ms:.2f}",
+                f"{100 * d.bubble_fraction:.1f}",
+                str(d.peak_in_flight),
+                f"{d.peak_memory_bytes / 2**20:.1f}",
+            )
+        con.print(t)
+        L = "n/a" if math.isnan(r.L_ms) else f"{r.L_ms:.3f} ms"
+        gap = "" if math.isnan(r.L_ms) else f" (simulated / L = {r.step_ms / r.L_ms:.3f})"
+        con.print(f"step time {r.step_ms:.3f} ms, planner L {L}{gap}")
+        over_mem = [
+            d.device for d in r.devices if d.peak_memory_bytes > cluster.device_memory_bytes
+        ]
+        if over_mem:
+            con.print(
+                f"[yellow]warning: peak memory exceeds the {cluster.device_memory_bytes / 2**30:.1f} GiB "
+                f"device memory on device(s) {over_mem}[/yellow]"
+            )
+    if args.gantt or args.memory:
+        from dapple.simulate.plots import plot_gantt, plot_memory
+
+        if args.gantt:
+            plot_gantt(runs, args.gantt)
+            con.print(f"wrote {args.gantt}")
+        if args.memory:
+            plot_memory(runs, args.memory)
+            con.print(f"wrote {args.memory}")
+    if args.trace:
+        from dapple.simulate.trace import write_trace
+
+        write_trace(runs[0][1], args.trace)
+        con.print(f"wrote {args.trace}")
+    return 0
+
+
+def _title(plan: object) -> str:
+    from dapple.plan import Plan
+
+    assert isinstance(plan, Plan)
+    name = "GPipe" if plan.schedule == "gpipe" else f"DAPPLE (policy {plan.policy})"
+    return f"{name}, {plan.replication}, M={plan.num_micro_batches}"

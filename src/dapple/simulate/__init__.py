@@ -1,0 +1,5 @@
+"""Discrete-event simulation of lowered schedules, with Gantt, memory and Chrome-trace output."""
+
+from dapple.simulate.engine import DeviceStats, SimEvent, SimResult, activation_bytes, simulate
+
+__all__ = ["DeviceStats", "SimEvent", "SimResult", "activation_bytes", "simulate"]
