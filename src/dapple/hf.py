@@ -1,0 +1,247 @@
+"""Hugging Face GPT-2 and BERT built from a config (offline, random init) as split workloads.
+
+``transformers`` is an optional extra (``pip install dapple[hf]``); it is imported only when a
+factory runs. The models are cut with :func:`dapple.split.workload_from_module`: before every
+transformer block and after the last one, so a model with ``layers`` blocks has
+``layers + 2`` pieces (embeddings, blocks, final norm + LM head). Input and LM-head weights
+stay tied and are reported in ``Workload.tied_parameters``.
+
+Zoo-style specs: ``dapple.hf:gpt2`` and ``dapple.hf:bert`` (keyword arguments as below).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from dapple.errors import ValidationError
+from dapple.split import workload_from_module
+from dapple.workload import Workload
+
+__all__ = ["bert", "bert_mlm_loss", "causal_lm_loss", "gpt2", "hf_bert", "hf_gpt2"]
+
+IGNORE_INDEX = -100
+"""Label of positions that do not count in the loss (Hugging Face convention)."""
+
+
+def _transformers() -> Any:
+    try:
+        import transformers
+    except ImportError as e:
+        raise ValidationError(
+            "Hugging Face workloads need the optional dependency: pip install 'dapple[hf]'"
+        ) from e
+    return transformers
+
+
+@functools.cache
+def _gpt2_class() -> type[nn.Module]:
+    tf = _transformers()
+
+    class GPT2Logits(tf.GPT2LMHeadModel):  # type: ignore[misc, name-defined]
+        """``GPT2LMHeadModel`` called positionally, returning only the logits."""
+
+        def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+            out = super().forward(
+                input_ids=input_ids, attention_mask=attention_mask, use_cache=False
+            )
+            return out.logits  # type: ignore[no-any-return]
+
+    return GPT2Logits
+
+
+@functools.cache
+def _bert_class() -> type[nn.Module]:
+    tf = _transformers()
+
+    class BertMLMLogits(tf.BertForMaskedLM):  # type: ignore[misc, name-defined]
+        """``BertForMaskedLM`` called positionally, returning only the logits."""
+
+        def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+            out = super().forward(input_ids=input_ids, attention_mask=attention_mask)
+            return out.logits  # type: ignore[no-any-return]
+
+    return BertMLMLogits
+
+
+def _check(**values: int) -> None:
+    bad = {k: v for k, v in values.items() if v < 1}
+    if bad:
+        raise ValidationError(f"Hugging Face workload sizes must be >= 1, got {bad}")
+    if values["hidden"] % values["heads"]:
+        raise ValidationError(
+            f"hidden={values['hidden']} is not divisible by heads={values['heads']}"
+        )
+
+
+def causal_lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy: ``logits[:, t]`` predicts ``targets[:, t + 1]`` (mean).
+
+    Every sample has the same number of predicted tokens, so the token mean is the mean of
+    per-sample means (the :class:`~dapple.workload.Workload` loss convention).
+    """
+    vocab = logits.size(-1)
+    return F.cross_entropy(
+        logits[:, :-1].reshape(-1, vocab).float(),
+        targets[:, 1:].reshape(-1),
+        ignore_index=IGNORE_INDEX,
+    )
+
+
+def bert_mlm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Masked-LM cross-entropy over positions whose label is not ``IGNORE_INDEX`` (mean).
+
+    The batch maker masks the same number of positions in every sample, so the mean over
+    masked tokens is the mean of per-sample means.
+    """
+    vocab = logits.size(-1)
+    return F.cross_entropy(
+        logits.reshape(-1, vocab).float(), targets.reshape(-1), ignore_index=IGNORE_INDEX
+    )
+
+
+def hf_gpt2(
+    layers: int = 4,
+    hidden: int = 64,
+    heads: int = 4,
+    vocab: int = 256,
+    seq: int = 32,
+    dropout: float = 0.0,
+    split_at: Sequence[str] | None = None,
+) -> Workload:
+    """GPT-2 causal LM (tied embeddings) from a config, inputs ``(input_ids, attention_mask)``.
+
+    Args:
+        layers: Transformer blocks (``n_layer``).
+        hidden: Model width (``n_embd``).
+        heads: Attention heads.
+        vocab: Vocabulary size.
+        seq: Sequence length of every sample (also ``n_positions``).
+        dropout: Dropout probability of residual, embedding and attention dropout.
+        split_at: Module names to cut before (e.g. ``["transformer.h.2", "lm_head"]``);
+            ``None``: every block.
+
+    Raises:
+        ValidationError: Bad sizes, bad ``split_at`` names, or ``transformers`` is missing.
+    """
+    _check(layers=layers, hidden=hidden, heads=heads, vocab=vocab, seq=seq)
+    tf = _transformers()
+    config = tf.GPT2Config(
+        n_layer=layers,
+        n_embd=hidden,
+        n_head=heads,
+        vocab_size=vocab,
+        n_positions=seq,
+        resid_pdrop=dropout,
+        embd_pdrop=dropout,
+        attn_pdrop=dropout,
+        bos_token_id=vocab - 1,
+        eos_token_id=vocab - 1,
+        use_cache=False,
+        tie_word_embeddings=True,
+    )
+    cls = _gpt2_class()
+
+    def make_batch(batch_size: int, seed: int) -> tuple[Any, torch.Tensor]:
+        gen = torch.Generator().manual_seed(seed)
+        ids = torch.randint(0, vocab, (batch_size, seq), generator=gen)
+        mask = torch.ones(batch_size, seq, dtype=torch.long)
+        return (ids, mask), ids
+
+    return workload_from_module(
+        lambda: cls(config),
+        make_batch,
+        causal_lm_loss,
+        split_at=split_at,
+        name=f"hf-gpt2-{layers}x{hidden}",
+    )
+
+
+def hf_bert(
+    layers: int = 4,
+    hidden: int = 64,
+    heads: int = 4,
+    vocab: int = 256,
+    seq: int = 32,
+    dropout: float = 0.0,
+    masked_per_sample: int | None = None,
+    split_at: Sequence[str] | None = None,
+) -> Workload:
+    """BERT masked LM (tied decoder) from a config, inputs ``(input_ids, attention_mask)``.
+
+    Each sample is right-padded to ``seq`` from a random length in ``[seq/2, seq]`` and has
+    exactly ``masked_per_sample`` non-pad positions replaced by the ``[MASK]`` id
+    (``vocab - 1``); targets hold the original ids there and ``IGNORE_INDEX`` elsewhere.
+
+    Args:
+        layers: Encoder layers.
+        hidden: Model width.
+        heads: Attention heads.
+        vocab: Vocabulary size (id ``vocab - 1`` is ``[MASK]``, ``0`` is padding).
+        seq: Sequence length (also ``max_position_embeddings``).
+        dropout: Hidden and attention dropout probability.
+        masked_per_sample: Masked positions per sample (default ``max(1, seq // 8)``).
+        split_at: Module names to cut before (e.g. ``["bert.encoder.layer.2", "cls"]``);
+            ``None``: every layer.
+
+    Raises:
+        ValidationError: Bad sizes, bad ``split_at`` names, or ``transformers`` is missing.
+    """
+    _check(layers=layers, hidden=hidden, heads=heads, vocab=vocab, seq=seq)
+    n_mask = masked_per_sample if masked_per_sample is not None else max(1, seq // 8)
+    min_len = max(1, seq // 2)
+    if not 1 <= n_mask <= min_len:
+        raise ValidationError(f"masked_per_sample={n_mask} must be in [1, {min_len}]")
+    if vocab < 3:
+        raise ValidationError(f"vocab={vocab} must be >= 3 (padding, tokens, [MASK])")
+    tf = _transformers()
+    config = tf.BertConfig(
+        num_hidden_layers=layers,
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        intermediate_size=4 * hidden,
+        vocab_size=vocab,
+        max_position_embeddings=seq,
+        hidden_dropout_prob=dropout,
+        attention_probs_dropout_prob=dropout,
+        pad_token_id=0,
+        tie_word_embeddings=True,
+    )
+    cls = _bert_class()
+    mask_id = vocab - 1
+
+    def make_batch(batch_size: int, seed: int) -> tuple[Any, torch.Tensor]:
+        gen = torch.Generator().manual_seed(seed)
+        ids = torch.randint(1, mask_id, (batch_size, seq), generator=gen)
+        lengths = torch.randint(min_len, seq + 1, (batch_size,), generator=gen)
+        attention = (torch.arange(seq)[None, :] < lengths[:, None]).long()
+        ids = ids * attention
+        targets = torch.full_like(ids, IGNORE_INDEX)
+        for b in range(batch_size):
+            pos = torch.randperm(int(lengths[b]), generator=gen)[:n_mask]
+            targets[b, pos] = ids[b, pos]
+            ids[b, pos] = mask_id
+        return (ids, attention), targets
+
+    return workload_from_module(
+        lambda: cls(config),
+        make_batch,
+        bert_mlm_loss,
+        split_at=split_at,
+        name=f"hf-bert-{layers}x{hidden}",
+    )
+
+
+def gpt2(**kwargs: Any) -> Workload:
+    """Zoo spec ``dapple.hf:gpt2``: :func:`hf_gpt2` with the same keyword arguments."""
+    return hf_gpt2(**kwargs)
+
+
+def bert(**kwargs: Any) -> Workload:
+    """Zoo spec ``dapple.hf:bert``: :func:`hf_bert` with the same keyword arguments."""
+    return hf_bert(**kwargs)
