@@ -9,6 +9,8 @@ import math
 from rich.console import Console
 from rich.table import Table
 
+from dapple.plan import Plan
+
 __all__ = ["register"]
 
 
@@ -38,7 +40,6 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
 def run(args: argparse.Namespace) -> int:
     from dapple.cluster import load_cluster
-    from dapple.plan import Plan
     from dapple.profile import ModelProfile
     from dapple.simulate import simulate
 
@@ -98,9 +99,6 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _title(plan: object) -> str:
-    from dapple.plan import Plan
-
-    assert isinstance(plan, Plan)
+def _title(plan: Plan) -> str:
     name = "GPipe" if plan.schedule == "gpipe" else f"DAPPLE (policy {plan.policy})"
     return f"{name}, {plan.replication}, M={plan.num_micro_batches}"

@@ -84,7 +84,7 @@ def plot_gantt(runs: Sequence[tuple[str, SimResult]], path: str | Path) -> None:
         runs: ``(title, result)`` per panel, e.g. GPipe and DAPPLE of the same plan.
         path: output image (PNG, SVG, PDF by suffix).
     """
-    heights = [max(1.5, 0.45 * len(r.devices) + 0.8) for _, r in runs]
+    heights = [max(2.0, 0.6 * len(r.devices) + 1.0) for _, r in runs]
     fig, axes = plt.subplots(
         len(runs),
         1,
@@ -109,7 +109,7 @@ def plot_gantt(runs: Sequence[tuple[str, SimResult]], path: str | Path) -> None:
         fontsize=8,
         frameon=False,
     )
-    fig.tight_layout(rect=(0, 0, 1, 0.97))
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.3 / sum(heights)))  # room for the legend
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
