@@ -1,0 +1,147 @@
+"""Hugging Face GPT-2 / BERT workloads: the piece chain equals the HF model's loss and grads."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from dapple.errors import ValidationError
+from dapple.split import original_model, sum_tied_grads_local
+from dapple.workload import Workload
+
+transformers = pytest.importorskip("transformers")
+
+from dapple.hf import hf_bert, hf_gpt2  # noqa: E402
+
+TINY: dict[str, Any] = {"layers": 2, "hidden": 32, "heads": 2, "vocab": 64, "seq": 16}
+
+
+@pytest.fixture(scope="module")
+def gpt2() -> Workload:
+    return hf_gpt2(**TINY)
+
+
+@pytest.fixture(scope="module")
+def bert() -> Workload:
+    return hf_bert(**TINY)
+
+
+def hf_loss(model: torch.nn.Module, inputs: Any, targets: torch.Tensor) -> torch.Tensor:
+    """The loss Hugging Face's own head computes from ``labels`` (not our loss function)."""
+    ids, mask = inputs
+    if isinstance(model, transformers.GPT2LMHeadModel):
+        out = transformers.GPT2LMHeadModel.forward(
+            model, input_ids=ids, attention_mask=mask, labels=targets, use_cache=False
+        )
+    else:
+        out = transformers.BertForMaskedLM.forward(
+            model, input_ids=ids, attention_mask=mask, labels=targets
+        )
+    return out.loss  # type: ignore[no-any-return]
+
+
+def assert_matches_hf(w: Workload, seed: int = 3, batch: int = 3) -> None:
+    model = original_model(w, seed)
+    chain = w.build_model(seed)
+    inputs, targets = w.make_batch(batch, 7)
+    ref = hf_loss(model, inputs, targets)
+    out = chain(inputs)
+    torch.testing.assert_close(out, model(*inputs))
+    loss = w.loss_fn(out, targets)
+    torch.testing.assert_close(loss, ref)
+    ref.backward()
+    loss.backward()
+    sum_tied_grads_local(list(chain), w.tied_parameters)
+    covered = set()
+    for piece in chain:
+        for name, p in piece.named_parameters():
+            orig = model.get_parameter(name)
+            covered.add(id(orig))
+            assert p.grad is not None, name
+            torch.testing.assert_close(p.grad, orig.grad, msg=lambda m, n=name: f"{n}: {m}")
+    assert covered == {id(p) for p in model.parameters()}
+
+
+def test_gpt2_pieces(gpt2: Workload) -> None:
+    assert list(gpt2.layer_names) == ["prologue", "transformer.h.0", "transformer.h.1", "epilogue"]
+    chain = gpt2.build_model(0)
+    assert {n for n, _ in chain[1].named_parameters()} == {
+        n for n, _ in original_model(gpt2).named_parameters() if n.startswith("transformer.h.0.")
+    }
+    assert "transformer.ln_f.weight" in dict(chain[3].named_parameters())
+
+
+def test_gpt2_tied_embeddings_detected(gpt2: Workload) -> None:
+    assert len(gpt2.tied_parameters) == 1
+    (first, name_first), (last, name_last) = sorted(gpt2.tied_parameters[0])
+    assert (first, last) == (0, gpt2.num_layers - 1)
+    model = original_model(gpt2)
+    assert model.get_parameter(name_first) is model.get_parameter(name_last)
+    assert model.get_parameter(name_first) is model.transformer.wte.weight
+
+
+def test_gpt2_equals_hf_loss_and_grads(gpt2: Workload) -> None:
+    assert_matches_hf(gpt2)
+
+
+def test_gpt2_batch_of_one(gpt2: Workload) -> None:
+    assert_matches_hf(gpt2, batch=1)
+
+
+def test_bert_equals_hf_loss_and_grads(bert: Workload) -> None:
+    assert list(bert.layer_names)[1:3] == ["bert.encoder.layer.0", "bert.encoder.layer.1"]
+    assert len(bert.tied_parameters) == 1  # word embeddings and MLM decoder
+    assert_matches_hf(bert)
+
+
+def test_bert_batch_has_padding_and_fixed_masked_count(bert: Workload) -> None:
+    (ids, mask), targets = bert.make_batch(8, 1)
+    assert (mask == 0).any()  # the attention mask really masks something
+    per_sample = (targets != -100).sum(dim=1)
+    assert torch.all(per_sample == per_sample[0])
+    assert torch.all(ids[targets != -100] == TINY["vocab"] - 1)
+    assert torch.all(ids[mask == 0] == 0)
+
+
+def test_bert_mask_changes_output(bert: Workload) -> None:
+    """The int attention mask flows through the cuts: changing it changes the chain's output."""
+    chain = bert.build_model(0)
+    (ids, mask), _ = bert.make_batch(2, 1)
+    with torch.no_grad():
+        a = chain((ids, mask))
+        b = chain((ids, torch.ones_like(mask)))
+    assert not torch.allclose(a[mask == 1], b[mask == 1])
+
+
+def test_gpt2_split_at() -> None:
+    w = hf_gpt2(**TINY, split_at=["lm_head", "transformer.h.1"])
+    assert list(w.layer_names) == ["prologue", "transformer.h.1", "lm_head"]
+    assert w.num_layers == 3
+    assert {n for n, _ in w.build_layer(2).named_parameters()} == {"lm_head.weight"}
+    assert_matches_hf(w)
+
+
+def test_gpt2_bad_split_name() -> None:
+    with pytest.raises(ValidationError, match="valid names") as info:
+        hf_gpt2(**TINY, split_at=["transformer.h.7"])
+    assert "transformer.h.1.attn" in str(info.value)
+    assert "lm_head" in str(info.value)
+
+
+def test_bad_sizes() -> None:
+    with pytest.raises(ValidationError, match="divisible"):
+        hf_gpt2(layers=1, hidden=30, heads=4)
+    with pytest.raises(ValidationError, match="masked_per_sample"):
+        hf_bert(layers=1, seq=8, masked_per_sample=9)
+
+
+def test_zoo_spec() -> None:
+    zoo = pytest.importorskip("dapple.zoo")
+    w = zoo.load_workload("dapple.hf:gpt2", layers=1, hidden=16, heads=2, vocab=32, seq=8)
+    assert w.num_layers == 3
+    w = zoo.load_workload(
+        "dapple.hf:bert", layers=2, hidden=16, heads=2, vocab=32, seq=8, split_at=["cls"]
+    )
+    assert list(w.layer_names) == ["prologue", "cls"]
