@@ -287,3 +287,14 @@ def test_cli_simulate_reports_bad_plan(tmp_path, capsys):
     )
     assert rc == 2
     assert "dapple: error: plan uses device id(s) [4, 5]" in capsys.readouterr().err
+
+
+def test_engine_and_validator_do_not_import_torch():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, dapple.simulate.engine, dapple.schedule.validate, dapple.simulate.trace; "
+        "sys.exit('torch' in sys.modules)"
+    )
+    assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
