@@ -110,7 +110,7 @@ def gnmt(
         g = generator(seed)
         src = torch.randint(0, vocab, (batch_size, seq), generator=g)
         tgt = torch.randint(0, vocab, (batch_size, seq + 1), generator=g)
-        return (src, tgt[:, :-1].contiguous()), tgt[:, 1:].contiguous()
+        return (src, tgt[:, :-1].clone()), tgt[:, 1:].clone()
 
     factories: list[Callable[[], nn.Module]] = [partial(GnmtEmbeddings, vocab, hidden)]
     factories += [partial(EncoderLayer, i, hidden) for i in range(half)]

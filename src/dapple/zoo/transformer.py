@@ -104,7 +104,7 @@ def transformer(
 
     def make_batch(batch_size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
         tokens = torch.randint(0, vocab, (batch_size, seq + 1), generator=generator(seed))
-        return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+        return tokens[:, :-1].clone(), tokens[:, 1:].clone()
 
     factories: list[Callable[[], nn.Module]] = [partial(Embedding, vocab, hidden, seq)]
     factories += [partial(Block, hidden, heads, ffn) for _ in range(layers)]

@@ -1,0 +1,164 @@
+"""``dapple profile``: measure a model's layers with torch and write a profile JSON."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Table
+
+from dapple.errors import ValidationError
+from dapple.profile import ModelProfile
+
+__all__ = ["parse_batch_sizes", "parse_overrides", "print_profile", "register"]
+
+
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser(
+        "profile", help="measure per-layer times and sizes of a model and write a profile JSON"
+    )
+    p.add_argument(
+        "--model", "-m", required=True, help="zoo name, module:factory or file.py:factory"
+    )
+    p.add_argument(
+        "--batch-sizes", default="1,2,4", help="comma-separated batch sizes (default 1,2,4)"
+    )
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
+    p.add_argument("--output", "-o", required=True, help="profile JSON to write")
+    p.add_argument("--repeats", type=int, default=5, help="timed runs per layer, median kept")
+    p.add_argument("--warmup", type=int, default=2, help="untimed runs per layer")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads when profiling on CPU (default 1: stable timings, one per process)",
+    )
+    p.add_argument(
+        "--input-shape", help="per-sample input shape for nn.Sequential factories, e.g. 3,32,32"
+    )
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="model size override, e.g. --set layers=8 --set hidden=128 (repeatable)",
+    )
+    p.set_defaults(func=run)
+
+
+def parse_batch_sizes(text: str) -> list[int]:
+    """``"1,2,4"`` -> ``[1, 2, 4]``.
+
+    Raises:
+        ValidationError: empty, non-integer or non-positive entries.
+    """
+    try:
+        sizes = [int(s) for s in text.split(",") if s.strip()]
+    except ValueError as e:
+        raise ValidationError(
+            f"--batch-sizes must be comma-separated integers, got {text!r}"
+        ) from e
+    if not sizes or min(sizes) < 1:
+        raise ValidationError(f"--batch-sizes must be positive integers, got {text!r}")
+    return sizes
+
+
+def parse_overrides(items: list[str]) -> dict[str, Any]:
+    """``["layers=8", "width=0.5"]`` -> ``{"layers": 8, "width": 0.5}`` (JSON values, else str).
+
+    Raises:
+        ValidationError: an item without ``=``.
+    """
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValidationError(f"--set expects KEY=VALUE, got {item!r}")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
+
+
+def _parse_shape(text: str | None) -> tuple[int, ...] | None:
+    if text is None:
+        return None
+    try:
+        return tuple(int(s) for s in text.split(","))
+    except ValueError as e:
+        raise ValidationError(
+            f"--input-shape must be comma-separated integers, got {text!r}"
+        ) from e
+
+
+def print_profile(con: Console, prof: ModelProfile) -> None:
+    """Print the layers of ``prof`` as a rich table (times at the largest batch size)."""
+    b = max(prof.batch_sizes) if prof.batch_sizes else 1
+    t = Table(title=f"{prof.model_name} on {prof.device} ({prof.num_layers} layers)")
+    for col in (
+        "#",
+        "layer",
+        f"fwd ms (b={b})",
+        f"bwd ms (b={b})",
+        "out KB/sample",
+        "kept KB/sample",
+        "params",
+    ):
+        t.add_column(col, justify="left" if col == "layer" else "right")
+    for i, ly in enumerate(prof.layers):
+        t.add_row(
+            str(i),
+            ly.name,
+            f"{ly.forward.at(b):.3f}",
+            f"{ly.backward.at(b):.3f}",
+            f"{ly.output_bytes_per_sample / 1024:.1f}",
+            f"{ly.kept_activation_bytes_per_sample / 1024:.1f}",
+            f"{ly.parameter_bytes // 4:,}"
+            if prof.dtype == "float32"
+            else f"{ly.parameter_bytes:,} B",
+        )
+    con.print(t)
+
+
+def run(args: argparse.Namespace) -> int:
+    sizes = parse_batch_sizes(args.batch_sizes)
+    overrides = parse_overrides(args.set)
+    shape = _parse_shape(args.input_shape)
+    from dapple.profiler.measure import profile_workload, resolve_device
+    from dapple.zoo import load_workload
+
+    resolve_device(args.device)  # fail fast, before building the model
+    workload = load_workload(args.model, input_shape=shape, **overrides)
+    con = Console()
+    with Progress(
+        TextColumn("[bold]profiling[/bold] {task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeRemainingColumn(),
+        console=con,
+        transient=True,
+    ) as bar:
+        task = bar.add_task(workload.name, total=workload.num_layers * len(set(sizes)))
+
+        def progress(done: int, total: int, desc: str) -> None:
+            bar.update(task, completed=done, total=total, description=desc)
+
+        prof = profile_workload(
+            workload,
+            sizes,
+            device=args.device,
+            warmup=args.warmup,
+            repeats=args.repeats,
+            progress=progress,
+            num_threads=args.threads,
+        )
+    print_profile(con, prof)
+    prof.save(args.output)
+    con.print(
+        f"wrote {args.output}: {prof.num_layers} layers, {prof.parameter_bytes:,} parameter bytes"
+    )
+    return 0

@@ -1,0 +1,272 @@
+"""Torch profiler (paper section 3.3): per-layer times, activation and parameter sizes.
+
+Each layer of a :class:`Workload` is run on the *real* output of the previous layer, at each
+requested batch size ``b``: forward and backward are timed (warm-up, then the median of the
+repeats; CUDA events with synchronisation on GPUs), the output's bytes are counted, and the
+tensors autograd saves for backward are captured with
+:func:`torch.autograd.graph.saved_tensors_hooks` (storages deduplicated, parameters excluded).
+Times and sizes are then fitted affine in ``b`` with :func:`dapple.profile.fit_affine`.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import Any
+
+import torch
+from torch import nn
+
+from dapple.errors import ValidationError
+from dapple.profile import AffineTime, LayerProfile, ModelProfile, fit_affine
+from dapple.workload import Workload
+
+__all__ = ["ProgressFn", "profile_workload", "resolve_device"]
+
+log = logging.getLogger(__name__)
+
+ProgressFn = Callable[[int, int, str], None]
+"""``progress(done, total, description)``, called after each (batch size, layer) step."""
+
+
+def resolve_device(device: str) -> torch.device:
+    """Parse ``device`` (``cpu``, ``cuda``, ``cuda:1``), checking that it exists.
+
+    Raises:
+        ValidationError: unknown device string or CUDA requested but unavailable.
+    """
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValidationError(f"unknown device {device!r}: use cpu or cuda[:N]") from e
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValidationError(f"device {device!r} requested but CUDA is not available here")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValidationError(
+                f"device {device!r}: only {torch.cuda.device_count()} CUDA device(s) present"
+            )
+    elif dev.type != "cpu":
+        raise ValidationError(f"unsupported device {device!r}: use cpu or cuda[:N]")
+    return dev
+
+
+def _tensors(x: Any) -> list[torch.Tensor]:
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, (tuple, list)):
+        return [t for item in x for t in _tensors(item)]
+    return []
+
+
+def _map(x: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    if isinstance(x, torch.Tensor):
+        return fn(x)
+    if isinstance(x, (tuple, list)):
+        return type(x)(_map(item, fn) for item in x)
+    return x
+
+
+def _leaf(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach()
+    return t.requires_grad_(True) if t.is_floating_point() else t
+
+
+def _nbytes(x: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in _tensors(x))
+
+
+class _Timer:
+    def __init__(self, dev: torch.device) -> None:
+        self.cuda = dev.type == "cuda"
+
+    def __call__(self, fn: Callable[[], Any]) -> tuple[float, Any]:
+        """Run ``fn`` and return (elapsed ms, its result)."""
+        if self.cuda:
+            start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+            end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+            torch.cuda.synchronize()
+            start.record()
+            out = fn()
+            end.record()
+            torch.cuda.synchronize()
+            return float(start.elapsed_time(end)), out
+        t0 = time.perf_counter()
+        out = fn()
+        return (time.perf_counter() - t0) * 1e3, out
+
+
+def _saved_bytes(layer: nn.Module, inp: Any) -> tuple[int, Any]:
+    """Bytes autograd saves for backward in one forward of ``layer`` (and the output)."""
+    param_ptrs = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr not in param_ptrs and ptr != 0:
+            seen[ptr] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = layer(inp)
+    return sum(seen.values()), out
+
+
+def _backward(out: Any, grads: list[torch.Tensor]) -> None:
+    outs = [t for t in _tensors(out) if t.requires_grad]
+    if outs:
+        torch.autograd.backward(outs, grads[: len(outs)])
+
+
+def _measure_layer(
+    layer: nn.Module, inp: Any, timer: _Timer, warmup: int, repeats: int
+) -> tuple[float, float, int, int, Any]:
+    """Median forward/backward ms, kept bytes, output bytes and the output of one layer."""
+    kept, out = _saved_bytes(layer, inp)
+    grads = [torch.randn_like(t) for t in _tensors(out) if t.requires_grad]
+    fwd: list[float] = []
+    bwd: list[float] = []
+    for r in range(warmup + repeats):
+        ms, o = timer(lambda: layer(inp))
+        if r >= warmup:
+            fwd.append(ms)
+        if grads:
+            ms_b, _ = timer(partial(_backward, o, grads))
+            if r >= warmup:
+                bwd.append(ms_b)
+    layer.zero_grad(set_to_none=True)
+    out = _map(out, _leaf)
+    bwd_ms = statistics.median(bwd) if bwd else 0.0
+    return statistics.median(fwd), bwd_ms, kept, _nbytes(out), out
+
+
+def _warm_chain(
+    workload: Workload, layers: list[nn.Module], b: int, dev: torch.device, seed: int
+) -> None:
+    """One untimed forward + backward through the whole chain (allocator, kernel caches)."""
+    inputs, targets = workload.make_batch(b, seed)
+    x = _map(inputs, lambda t: t.to(dev))
+    for layer in layers:
+        x = layer(x)
+    loss = workload.loss_fn(x, _map(targets, lambda t: t.to(dev)))
+    if loss.requires_grad:
+        loss.backward()  # type: ignore[no-untyped-call]
+    for layer in layers:
+        layer.zero_grad(set_to_none=True)
+
+
+def _slope(batch_sizes: Sequence[int], values: Sequence[float]) -> float:
+    """Per-sample part of a size measured at several batch sizes (affine fit)."""
+    return fit_affine(list(batch_sizes), list(values)).per_sample_ms
+
+
+def profile_workload(
+    workload: Workload,
+    batch_sizes: Sequence[int],
+    device: str = "cpu",
+    warmup: int = 2,
+    repeats: int = 5,
+    progress: ProgressFn | None = None,
+    seed: int = 0,
+    num_threads: int | None = None,
+) -> ModelProfile:
+    """Measure every layer of ``workload`` at each batch size and fit the profile.
+
+    Args:
+        workload: the layer chain to profile.
+        batch_sizes: batch sizes of one forward/backward call (positive, at least one).
+        device: ``cpu`` or ``cuda[:N]``.
+        warmup: untimed runs before the timed ones.
+        repeats: timed runs; the median is kept.
+        progress: optional callback ``(done, total, description)``.
+        seed: seed of the weights and the synthetic batches.
+        num_threads: torch intra-op threads while profiling on CPU (``None``: unchanged).
+            One thread gives stable timings on a shared machine and matches one CPU process
+            per pipeline device.
+
+    Raises:
+        ValidationError: bad batch sizes, repeats or device, or CUDA unavailable.
+    """
+    sizes = sorted(set(batch_sizes))
+    if not sizes or any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in sizes):
+        raise ValidationError(f"batch sizes must be positive integers, got {list(batch_sizes)}")
+    if repeats < 1 or warmup < 0:
+        raise ValidationError(f"need repeats >= 1 and warmup >= 0, got {repeats} and {warmup}")
+    dev = resolve_device(device)
+    if num_threads is not None and num_threads < 1:
+        raise ValidationError(f"num_threads must be >= 1, got {num_threads}")
+    old_threads = torch.get_num_threads()
+    if num_threads is not None and dev.type == "cpu":
+        torch.set_num_threads(num_threads)
+    try:
+        return _profile(workload, sizes, dev, warmup, repeats, progress, seed)
+    finally:
+        torch.set_num_threads(old_threads)
+
+
+def _profile(
+    workload: Workload,
+    sizes: list[int],
+    dev: torch.device,
+    warmup: int,
+    repeats: int,
+    progress: ProgressFn | None,
+    seed: int,
+) -> ModelProfile:
+    timer = _Timer(dev)
+    n = workload.num_layers
+    layers = [workload.build_layer(i, seed).to(dev).train() for i in range(n)]
+    fwd = [[0.0] * len(sizes) for _ in range(n)]
+    bwd = [[0.0] * len(sizes) for _ in range(n)]
+    kept = [[0.0] * len(sizes) for _ in range(n)]
+    out_b = [[0.0] * len(sizes) for _ in range(n)]
+    input_bytes: list[float] = []
+    total, done = n * len(sizes), 0
+    _warm_chain(workload, layers, sizes[0], dev, seed)
+    for k, b in enumerate(sizes):
+        inputs, _ = workload.make_batch(b, seed)
+        x = _map(inputs, lambda t: _leaf(t.to(dev)))
+        input_bytes.append(float(_nbytes(x)))
+        for i, layer in enumerate(layers):
+            f_ms, b_ms, kept_bytes, nbytes, x = _measure_layer(layer, x, timer, warmup, repeats)
+            fwd[i][k], bwd[i][k], kept[i][k], out_b[i][k] = f_ms, b_ms, kept_bytes, nbytes
+            done += 1
+            log.debug("b=%d layer %d: fwd %.3f ms bwd %.3f ms", b, i, f_ms, b_ms)
+            if progress is not None:
+                progress(done, total, f"b={b} {workload.name_of(i)}")
+        del x
+    param_dtypes = {p.dtype for layer in layers for p in layer.parameters()}
+    dtype = (
+        str(next(iter(param_dtypes))).replace("torch.", "") if len(param_dtypes) == 1 else "mixed"
+    )
+    profiles = tuple(
+        LayerProfile(
+            name=workload.name_of(i) if workload.layer_names else f"{i}.{type(layers[i]).__name__}",
+            forward=_positive(fit_affine(sizes, fwd[i])),
+            backward=fit_affine(sizes, bwd[i]),
+            output_bytes_per_sample=_slope(sizes, out_b[i]),
+            parameter_bytes=sum(p.numel() * p.element_size() for p in layers[i].parameters()),
+            kept_activation_bytes_per_sample=_slope(sizes, kept[i]),
+        )
+        for i in range(n)
+    )
+    dev_name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+    return ModelProfile(
+        model_name=workload.name,
+        layers=profiles,
+        input_bytes_per_sample=_slope(sizes, input_bytes),
+        dtype=dtype,
+        device=dev_name,
+        batch_sizes=tuple(sizes),
+    )
+
+
+def _positive(t: AffineTime) -> AffineTime:
+    """Guard against a zero fit (timer resolution): at least 1 ns per sample."""
+    if t.fixed_ms + t.per_sample_ms > 0:
+        return t
+    return AffineTime(fixed_ms=0.0, per_sample_ms=1e-6)

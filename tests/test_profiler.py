@@ -1,0 +1,167 @@
+"""Torch profiler: exact sizes, positive fitted times, CLI behaviour and errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from dapple.cli import main
+from dapple.errors import ValidationError
+from dapple.profile import ModelProfile
+from dapple.profiler.measure import profile_workload
+from dapple.zoo import get_workload
+
+
+def test_cli_profile_mlp(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "p.json"
+    rc = main(
+        [
+            "profile",
+            "--model",
+            "mlp",
+            "--batch-sizes",
+            "1,2,4",
+            "--device",
+            "cpu",
+            "--output",
+            str(out),
+            "--repeats",
+            "3",
+        ]
+    )
+    assert rc == 0
+    assert "fc0" in capsys.readouterr().out
+    prof = ModelProfile.load(out)
+    model = get_workload("mlp").build_model()
+    assert prof.num_layers == len(model) == 5
+    assert prof.batch_sizes == (1, 2, 4)
+    for ly, layer in zip(prof.layers, model, strict=True):
+        assert ly.parameter_bytes == sum(p.numel() * p.element_size() for p in layer.parameters())
+        assert ly.forward.at(1) > 0 and ly.backward.at(1) > 0
+        assert ly.forward.at(4) >= ly.forward.at(1)
+    assert prof.parameter_bytes == sum(p.numel() * 4 for p in model.parameters())
+    assert prof.input_bytes_per_sample == 32 * 4
+    # Linear keeps its input, ReLU its output (fp32): fc0 32 + 64, fc1..3 64 + 64, head 64
+    kept = [ly.kept_activation_bytes_per_sample for ly in prof.layers]
+    assert kept == [384.0, 512.0, 512.0, 512.0, 256.0]
+    assert [ly.output_bytes_per_sample for ly in prof.layers] == [256.0] * 4 + [40.0]
+
+
+def test_transformer_profile_sizes() -> None:
+    w = get_workload("transformer", layers=2, hidden=32, heads=2, seq=8, vocab=64)
+    calls: list[tuple[int, int]] = []
+    prof = profile_workload(
+        w,
+        [2, 1],
+        warmup=1,
+        repeats=1,
+        progress=lambda d, t, _: calls.append((d, t)),
+        num_threads=1,
+    )
+    assert calls[-1] == (8, 8) and len(calls) == 8
+    assert prof.batch_sizes == (1, 2)
+    assert [ly.name for ly in prof.layers] == ["embedding", "block0", "block1", "lm_head"]
+    assert prof.layers[0].output_bytes_per_sample == 8 * 32 * 4
+    assert prof.layers[-1].output_bytes_per_sample == 8 * 64 * 4
+    assert prof.input_bytes_per_sample == 8 * 8  # int64 token ids
+    # a block keeps at least its LayerNorm inputs, q/k/v and the attention probabilities
+    assert prof.layers[1].kept_activation_bytes_per_sample >= 4 * (
+        2 * 8 * 32 + 3 * 8 * 32 + 2 * 8 * 8
+    )
+    assert prof.layers[0].kept_activation_bytes_per_sample == 8 * 8  # embedding keeps the ids
+
+
+def test_tuple_chain_gnmt() -> None:
+    w = get_workload("gnmt", layers=4, hidden=8, vocab=20, seq=4)
+    prof = profile_workload(w, [1, 2], warmup=0, repeats=1)
+    assert prof.layers[0].output_bytes_per_sample == 2 * 4 * 8 * 4  # (src_emb, tgt_emb)
+    assert prof.layers[1].output_bytes_per_sample == (4 * 16 + 4 * 8) * 4  # bi-LSTM out + tgt
+    assert all(ly.backward.at(1) > 0 for ly in prof.layers)
+
+
+def test_bad_inputs() -> None:
+    w = get_workload("mlp")
+    with pytest.raises(ValidationError, match="batch sizes"):
+        profile_workload(w, [0, 2])
+    with pytest.raises(ValidationError, match="batch sizes"):
+        profile_workload(w, [])
+    with pytest.raises(ValidationError, match="repeats"):
+        profile_workload(w, [1], repeats=0)
+    with pytest.raises(ValidationError, match="device"):
+        profile_workload(w, [1], device="tpu")
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--model", "nope"], "unknown model 'nope'"),
+        (["--model", "mlp", "--batch-sizes", "1,x"], "--batch-sizes"),
+        (["--model", "mlp", "--batch-sizes", "0"], "--batch-sizes"),
+        (["--model", "mlp", "--set", "depth=3"], "accepted"),
+        (["--model", "no_such_mod_q:f"], "cannot import"),
+    ],
+)
+def test_cli_errors_are_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str], message: str
+) -> None:
+    rc = main(["profile", *args, "--output", str(tmp_path / "x.json")])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2
+    assert err.startswith("dapple: error:") and message in err and "\n" not in err
+    assert not (tmp_path / "x.json").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA error")
+def test_cuda_without_cuda(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(
+        ["profile", "--model", "mlp", "--device", "cuda", "--output", str(tmp_path / "x.json")]
+    )
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and "CUDA is not available" in err and "\n" not in err
+
+
+def test_cli_sequential_factory(tmp_path: Path) -> None:
+    f = tmp_path / "m.py"
+    f.write_text(
+        "from torch import nn\n"
+        "def net(width=6):\n"
+        "    return nn.Sequential(nn.Conv2d(3, width, 3), nn.ReLU(), nn.Flatten(),"
+        " nn.Linear(width * 4, 2))\n"
+    )
+    out = tmp_path / "p.json"
+    rc = main(
+        [
+            "profile",
+            "--model",
+            f"{f}:net",
+            "--input-shape",
+            "3,4,4",
+            "--set",
+            "width=5",
+            "--batch-sizes",
+            "1,2",
+            "--repeats",
+            "1",
+            "--output",
+            str(out),
+        ]
+    )
+    assert rc == 0
+    prof = ModelProfile.load(out)
+    assert [ly.parameter_bytes for ly in prof.layers] == [
+        (3 * 9 * 5 + 5) * 4,
+        0,
+        0,
+        (20 * 2 + 2) * 4,
+    ]
+    assert prof.input_bytes_per_sample == 3 * 4 * 4 * 4
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_profile() -> None:  # pragma: no cover - GPU only
+    prof = profile_workload(get_workload("transformer"), [1, 2, 4], device="cuda")
+    assert all(ly.forward.at(1) > 0 for ly in prof.layers)
+    assert prof.device != "cpu"
