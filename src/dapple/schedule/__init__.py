@@ -10,6 +10,7 @@ from dapple.schedule.ir import (
     parse_action,
 )
 from dapple.schedule.lower import lower, plan_compute_order
+from dapple.schedule.validate import format_grid, validate, validate_compute_order
 
 __all__ = [
     "Action",
@@ -19,9 +20,12 @@ __all__ = [
     "compute_order",
     "dapple",
     "format_actions",
+    "format_grid",
     "gpipe",
     "lower",
     "parse_action",
     "plan_compute_order",
+    "validate",
+    "validate_compute_order",
     "warmup_counts",
 ]
