@@ -36,6 +36,7 @@ __all__ = [
     "activation_bytes",
     "allreduce_ms",
     "boundary_bytes",
+    "comm_ms",
     "comm_stage_ms",
     "compute_ms",
     "device_memory_bytes",
@@ -183,7 +184,27 @@ def comm_stage_ms(
     Returns:
         ``(forward_ms, backward_ms)``.
     """
-    cut = src.layers[1]
+    return comm_ms(profile, cluster, src.layers[1], src.devices, dst.devices, micro_batch_size)
+
+
+def comm_ms(
+    profile: ModelProfile,
+    cluster: Cluster,
+    cut: int,
+    src_devices: Sequence[int],
+    dst_devices: Sequence[int],
+    micro_batch_size: int,
+) -> tuple[float, float]:
+    """:func:`comm_stage_ms` on bare device tuples (the planner's fast path).
+
+    Args:
+        profile: boundary activation sizes.
+        cluster: link classes.
+        cut: first layer of the destination stage.
+        src_devices: replicas before the cut, in slice order.
+        dst_devices: replicas after the cut, in slice order.
+        micro_batch_size: b.
+    """
     per_sample = boundary_bytes(profile, cut, 1)
     intra_bpms = cluster.intra_server_bandwidth_gbps * 1e9 / 8 / 1e3
     inter_bpms = cluster.inter_server_bandwidth_gbps * 1e9 / 8 / 1e3
@@ -191,21 +212,18 @@ def comm_stage_ms(
     dev_in: dict[int, float] = {}
     nic_out: dict[int, float] = {}
     nic_in: dict[int, float] = {}
-    worst = 0.0
-    for j, k, lo, hi in transfers(micro_batch_size, src.replicas, dst.replicas):
-        a, b = src.devices[j], dst.devices[k]
+    for j, k, lo, hi in transfers(micro_batch_size, len(src_devices), len(dst_devices)):
+        a, b = src_devices[j], dst_devices[k]
         nbytes = per_sample * (hi - lo)
         if a == b or nbytes <= 0:
             continue
         if cluster.same_server(a, b):
             dev_out[a] = dev_out.get(a, 0.0) + nbytes
             dev_in[b] = dev_in.get(b, 0.0) + nbytes
-            worst = max(worst, cluster.intra_server_latency_ms)
         else:
             sa, sb = cluster.server_of(a), cluster.server_of(b)
             nic_out[sa] = nic_out.get(sa, 0.0) + nbytes
             nic_in[sb] = nic_in.get(sb, 0.0) + nbytes
-            worst = max(worst, cluster.inter_server_latency_ms)
     t = 0.0
     for v in (*dev_out.values(), *dev_in.values()):
         t = max(t, cluster.intra_server_latency_ms + v / intra_bpms)
@@ -368,7 +386,6 @@ def latency_from_stages(
     T_w = sum(F[: Q + 1])
     T_s = (M - 1) * period[Q]
     tail_f = sum(F[Q + 1 :])
-    tail_b = sum(B[Q + 1 :])
     end = 0.0
     acc = 0.0
     for s in range(S - 1, Q, -1):
@@ -377,7 +394,6 @@ def latency_from_stages(
     for s in range(Q, -1, -1):
         acc += B[s]
         end = max(end, acc + AR[s])
-    del tail_b  # included in acc
     T_e = tail_f + end
     return T_w + T_s + T_e, T_w, T_s, T_e, Q
 

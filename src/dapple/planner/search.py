@@ -1,0 +1,252 @@
+"""DAPPLE planning algorithm (section 5.3, equations 4-5): DP over partition, replication, placement.
+
+``T_PL(j, m, g)``: the first j layers are planned as stages on the m devices ``g`` and the
+remaining layers ``[j, N)`` form the last stage on the other G - m devices; its value is the
+pipeline latency L of that whole plan (equation 2). One step (equation 5) cuts the last stage
+at ``j' > j`` into a new stage ``[j, j')`` on ``m'`` devices placed by each of the three
+policies (section 5.2) and a last stage ``[j', N)`` on the rest. Each state keeps its best
+prefix (memoised search); the answer (equation 4) is the best state. The device set g is
+represented by the per-server occupancy, which the placement policies fully determine.
+
+Beyond the paper: the search also chooses M among the divisors of the global batch size, the
+warm-up policy A/B, and per stage re-computation and the in-flight bound D when memory demands
+them (:class:`dapple.planner.evaluate.Scorer`). One pruning keeps it fast, based on the
+cost model's lower bound ``L >= M (F_s + B_s)`` of a computation stage s: a new stage whose
+own M (F + B) already reaches the best L found stops the scan over longer stages (and a
+state whose prefix holds such a stage is not expanded).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+
+from dapple.cluster import Cluster
+from dapple.errors import InfeasibleError
+from dapple.plan import Plan, split_sizes
+from dapple.planner.evaluate import Scored, Scorer, StageSpec, divisors
+from dapple.planner.partition import block_partition
+from dapple.planner.placement import POLICIES, place, remaining_devices
+from dapple.profile import ModelProfile
+
+__all__ = ["candidate_replicas", "dapple_search", "micro_batch_candidates"]
+
+log = logging.getLogger(__name__)
+
+Progress = Callable[[int, int], None]
+_Entry = tuple[float, tuple[StageSpec, ...], tuple[int, ...]]
+
+
+def micro_batch_candidates(global_batch_size: int) -> list[int]:
+    """Candidate M: the divisors of the global batch size.
+
+    Raises:
+        InfeasibleError: the global batch size is not a positive integer.
+    """
+    if global_batch_size < 1:
+        raise InfeasibleError(f"global batch size must be >= 1, got {global_batch_size}")
+    return divisors(global_batch_size)
+
+
+def candidate_replicas(cluster: Cluster, available: int) -> list[int]:
+    """Replica counts tried for a new stage with ``available`` free devices.
+
+    All of 1..available on up to 32 devices; on larger clusters 1..devices_per_server, whole
+    servers, and powers of two (placements by server counts rather than device ids).
+    """
+    if cluster.num_devices <= 32:
+        return list(range(1, available + 1))
+    dps = cluster.devices_per_server
+    c = set(range(1, min(dps, available) + 1))
+    c.update(k * dps for k in range(1, available // dps + 1))
+    p = 1
+    while p <= available:
+        c.add(p)
+        p *= 2
+    return sorted(c)
+
+
+def _bound(sc: Scorer, s: int, e: int, r: int, b: int, M: int) -> float:
+    """M (F_s + B_s) of a stage without re-computation: a lower bound on L."""
+    f, bw = sc.fb_ms(s, e, split_sizes(b, r)[0])
+    return M * (f + bw)
+
+
+def _balanced_cut(sc: Scorer, j: int, r1: int, r2: int, b: int) -> int:
+    """Smallest j1 in (j, N) where stage [j, j1) on r1 replicas is at least as slow per
+    micro-batch as [j1, N) on r2: the two-stage balance point."""
+    lo, hi = j + 1, sc.N - 1
+    s1, s2 = -(-b // r1), -(-b // r2)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        f1, b1 = sc.fb_ms(j, mid, s1)
+        f2, b2 = sc.fb_ms(mid, sc.N, s2)
+        if f1 + b1 >= f2 + b2:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def _seeds(sc: Scorer, b: int) -> list[list[StageSpec]]:
+    """Regular candidates scored first, giving the pruning a good incumbent and covering plans
+    that leave devices idle (which the DP, using all G devices like the paper, cannot): k
+    stages balanced by time (:func:`block_partition`), each on r consecutive devices, k r <= G.
+    """
+    N, G = sc.N, sc.G
+    big = G > 32
+    ks = list(range(1, min(N, G) + 1))
+    if big:
+        ks = sorted({k for k in ks if k & (k - 1) == 0} | {min(N, G)})
+    times = []
+    for i in range(N):
+        f, bw = sc.fb_ms(i, i + 1, b)
+        times.append(f + bw)
+    out: list[list[StageSpec]] = []
+    for k in ks:
+        cuts = block_partition(times, k)
+        rs = {G // k} | (
+            {r for r in range(1, G // k + 1) if r & (r - 1) == 0}
+            if big
+            else set(range(1, G // k + 1))
+        )
+        for r in sorted(rs):
+            out.append([(cuts[i], cuts[i + 1], tuple(range(i * r, (i + 1) * r))) for i in range(k)])
+    return out
+
+
+def dapple_search(
+    profile: ModelProfile,
+    cluster: Cluster,
+    global_batch_size: int,
+    *,
+    max_stages: int | None = None,
+    states_per_layer: int | None = -1,
+    window: int | None = -1,
+    keep: int = -1,
+    progress: Progress | None = None,
+) -> Plan:
+    """The DAPPLE plan minimising L (equations 4-5) over partition, replication, placement, M.
+
+    Args:
+        profile: model profile (N layers).
+        cluster: G devices.
+        global_batch_size: samples per step.
+        max_stages: cap on computation stages (default: no cap but G).
+        states_per_layer: keep only this many best states per layer boundary j (a beam);
+            None keeps every state; -1 (default) picks None for small instances (N x G <= 128)
+            and 4 otherwise.
+        window: try cut points j' within this distance of the two-stage balance point
+            (:func:`_balanced_cut`); None tries every j'; -1 (default) picks None for small
+            instances and 2 otherwise.
+        keep: prefixes kept per state (memoised search keeps 1 in the paper); -1 (default)
+            picks 4 for small instances and 1 otherwise.
+        progress: called as ``progress(done, total)`` after each candidate M.
+
+    Raises:
+        InfeasibleError: no plan fits device memory for any M.
+    """
+    sc = Scorer(profile, cluster, global_batch_size)
+    N, G = sc.N, sc.G
+    S_max = min(G, N, max_stages or G)
+    small = N * G <= 128
+    if states_per_layer == -1:
+        states_per_layer = None if small else 4
+    if window == -1:
+        window = None if small else 2
+    if keep == -1:
+        keep = 4 if small else 1
+    best: tuple[float, list[StageSpec], int, Scored] | None = None
+    Ms = micro_batch_candidates(global_batch_size)
+    ranked: list[tuple[float, int]] = []
+    for M in Ms:
+        m_best = math.inf
+        for stages in _seeds(sc, global_batch_size // M):
+            if len(stages) > S_max:
+                continue
+            got = sc.score(stages, M)
+            if got is not None:
+                m_best = min(m_best, got.L_ms)
+                if best is None or got.L_ms < best[0]:
+                    best = (got.L_ms, stages, M, got)
+        ranked.append((m_best, M))
+    ranked.sort()  # most promising M first: the incumbent then prunes the others harder
+    all_devices = tuple(range(G))
+    for done, (_, M) in enumerate(ranked, 1):
+        b = global_batch_size // M
+        incumbent = best[0] if best else math.inf
+        # memo[(j, sorted occupancy)] = up to `keep` entries (L, prefix stages, occupancy),
+        # best first; an entry's plan is prefix + [j, N) on the other devices (L = inf when
+        # that completion does not fit: the prefix may still fit once [j, N) is split).
+        # Servers are interchangeable, so occupancies equal up to a permutation of servers
+        # share one state.
+        memo: dict[tuple[int, tuple[int, ...]], list[_Entry]] = {}
+        buckets: list[list[tuple[int, tuple[int, ...]]]] = [[] for _ in range(N)]
+        zero = (0,) * cluster.servers
+        first = sc.score([(0, N, all_devices)], M)
+        memo[(0, zero)] = [(first.L_ms if first else math.inf, (), zero)]
+        buckets[0].append((0, zero))
+        for j in range(N - 1):
+            keys = buckets[j]
+            if states_per_layer is not None and len(keys) > states_per_layer:
+                keys = sorted(keys, key=lambda k: memo[k][0][0])[:states_per_layer]
+            for key in keys:
+                for _, prefix, occ in memo[key]:
+                    if len(prefix) + 2 > S_max:
+                        continue
+                    if any(_bound(sc, s, e, len(d), b, M) >= incumbent for s, e, d in prefix):
+                        continue
+                    used = sum(occ)
+                    for m1 in candidate_replicas(cluster, G - used - 1):
+                        seen: set[tuple[int, ...]] = set()
+                        lo, hi = j + 1, N - 1
+                        if window is not None:
+                            mid = _balanced_cut(sc, j, m1, G - used - m1, b)
+                            lo, hi = max(lo, mid - window), min(hi, mid + window)
+                        for pol in POLICIES:
+                            placed = place(cluster, occ, m1, pol)
+                            if placed is None or placed[0] in seen:
+                                continue
+                            g1, occ1 = placed
+                            seen.add(g1)
+                            rest = remaining_devices(cluster, occ1)
+                            canon = tuple(sorted(occ1))
+                            for j1 in range(lo, hi + 1):
+                                if _bound(sc, j, j1, m1, b, M) >= incumbent:
+                                    break
+                                stages = [*prefix, (j, j1, g1), (j1, N, rest)]
+                                got = sc.score(stages, M)
+                                lat = got.L_ms if got is not None else math.inf
+                                k1 = (j1, canon)
+                                entries = memo.get(k1)
+                                if entries is None:
+                                    entries = memo[k1] = []
+                                    buckets[j1].append(k1)
+                                if len(entries) < keep or lat < entries[-1][0]:
+                                    entries.append((lat, (*prefix, (j, j1, g1)), occ1))
+                                    entries.sort(key=lambda x: x[0])
+                                    del entries[keep:]
+                                if got is not None and lat < incumbent:
+                                    incumbent = lat
+                                    best = (lat, stages, M, got)
+        if progress is not None:
+            progress(done, len(Ms))
+    log.debug("dapple search: %d candidates scored", sc.evaluations)
+    if best is None:
+        raise InfeasibleError(_infeasible_message(profile, cluster, global_batch_size))
+    _, stages, M, scored = best
+    return sc.build_plan("dapple", stages, M, scored)
+
+
+def _infeasible_message(profile: ModelProfile, cluster: Cluster, global_batch_size: int) -> str:
+    state = profile.parameter_bytes * (1.0 + profile.optimizer_state_factor)
+    largest = max(
+        layer.parameter_bytes * (1.0 + profile.optimizer_state_factor) for layer in profile.layers
+    )
+    return (
+        f"no plan of {profile.model_name!r} ({profile.num_layers} layers, "
+        f"{state / 2**30:.2f} GiB of parameters+gradients+optimizer state, largest layer "
+        f"{largest / 2**30:.2f} GiB) fits {cluster.num_devices} devices of "
+        f"{cluster.device_memory_bytes / 2**30:.2f} GiB with global batch size {global_batch_size}"
+    )
