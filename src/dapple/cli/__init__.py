@@ -21,6 +21,7 @@ _COMMANDS: list[str] = [
     "dapple.cli.simulate_cmd",
     "dapple.cli.calibrate_cmd",
     "dapple.cli.profile_cmd",
+    "dapple.cli.import_cmd",
 ]
 
 
