@@ -80,6 +80,8 @@ def test_gpt2_tied_embeddings_detected(gpt2: Workload) -> None:
     model = original_model(gpt2)
     assert model.get_parameter(name_first) is model.get_parameter(name_last)
     assert model.get_parameter(name_first) is model.transformer.wte.weight
+    # Each copy is named after the module that uses it in its piece.
+    assert (name_first, name_last) == ("transformer.wte.weight", "lm_head.weight")
 
 
 def test_gpt2_equals_hf_loss_and_grads(gpt2: Workload) -> None:
@@ -116,7 +118,7 @@ def test_bert_mask_changes_output(bert: Workload) -> None:
 
 
 def test_gpt2_split_at() -> None:
-    w = hf_gpt2(**TINY, split_at=["lm_head", "transformer.h.1"])
+    w = hf_gpt2(**TINY, split_at="lm_head,transformer.h.1")  # CLI --set form
     assert list(w.layer_names) == ["prologue", "transformer.h.1", "lm_head"]
     assert w.num_layers == 3
     assert {n for n, _ in w.build_layer(2).named_parameters()} == {"lm_head.weight"}
@@ -128,6 +130,7 @@ def test_gpt2_bad_split_name() -> None:
         hf_gpt2(**TINY, split_at=["transformer.h.7"])
     assert "transformer.h.1.attn" in str(info.value)
     assert "lm_head" in str(info.value)
+    assert "_empty" not in str(info.value)  # only real module names are offered
 
 
 def test_bad_sizes() -> None:
@@ -145,3 +148,16 @@ def test_zoo_spec() -> None:
         "dapple.hf:bert", layers=2, hidden=16, heads=2, vocab=32, seq=8, split_at=["cls"]
     )
     assert list(w.layer_names) == ["prologue", "cls"]
+
+
+def test_cli_split(capsys: pytest.CaptureFixture[str]) -> None:
+    from dapple.cli import main
+
+    argv = ["split", "-m", "dapple.hf:gpt2", "--set", "layers=2", "--set", "hidden=16"]
+    assert main([*argv, "--split-at", "transformer.h.1,lm_head"]) == 0
+    out = capsys.readouterr().out
+    assert "transformer.h.1" in out and "lm_head.weight" in out and "bool[2,1,32,32]" in out
+    assert main([*argv, "--split-at", "transformer.h.9"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("dapple: error: split_at names ['transformer.h.9']")
+    assert len(err.strip().splitlines()) == 1

@@ -15,7 +15,7 @@ Design choices:
       its own input tensors (``aten.sym_size``).
     - A parameter reached from two pieces (tied weights such as GPT-2's ``wte``/``lm_head``) is
       copied into each; :func:`find_tied_parameters` records the groups so the runtime can sum
-      their gradients with :func:`sync_tied_grads` / :func:`sum_tied_grads_local`.
+      their gradients with :mod:`dapple.tied` (re-exported here).
     - Parameter names inside a piece are the original model's fully qualified names, so the
       weights of seed ``s`` are loaded into the traced pieces by name.
 
@@ -32,13 +32,14 @@ import itertools
 import logging
 import operator
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import fx, nn
 
 from dapple.errors import ValidationError
+from dapple.tied import find_tied_parameters, sum_tied_grads_local, sync_tied_grads
 from dapple.workload import Workload, layer_seed
 
 __all__ = [
@@ -85,6 +86,39 @@ def _export(model: nn.Module, inputs: tuple[Any, ...]) -> fx.GraphModule:
             f"{str(e).splitlines()[0] if str(e) else ''}"
         ) from e
     return ep.module(check_guards=False)
+
+
+def _aliases(model: nn.Module) -> dict[str, list[str]]:
+    """Every name of each parameter/buffer that is reachable under several names."""
+    by_id: dict[int, list[str]] = {}
+    named = [
+        *model.named_parameters(remove_duplicate=False),
+        *model.named_buffers(remove_duplicate=False),
+    ]
+    for name, t in named:
+        by_id.setdefault(id(t), []).append(name)
+    return {n: names for names in by_id.values() if len(names) > 1 for n in names}
+
+
+def _fetch(root: nn.Module, target: str) -> Any:
+    obj: Any = root
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _install(root: nn.Module, target: str, obj: Any) -> None:
+    """Set ``root.<target> = obj``, creating plain parent modules; tensors become buffers."""
+    *prefix, field = target.split(".")
+    mod = root
+    for part in prefix:
+        if not hasattr(mod, part):
+            mod.add_module(part, nn.Module())
+        mod = getattr(mod, part)
+    if isinstance(obj, torch.Tensor) and not isinstance(obj, nn.Parameter):
+        mod.register_buffer(field, obj)
+    else:
+        setattr(mod, field, obj)
 
 
 def _module_fqns(node: fx.Node) -> list[str]:
@@ -144,13 +178,15 @@ class SplitModel:
         Args:
             model: The original model, called as ``model(*inputs)``.
             example_inputs: A tensor or tuple of tensors (batch in dimension 0).
-            split_at: Module names to cut before; ``None``: before every block of the largest
-                ``nn.ModuleList`` and after the last block.
+            split_at: Module names to cut before (or one comma-separated string); ``None``:
+                before every block of the largest ``nn.ModuleList`` and after the last block.
 
         Raises:
             ValidationError: A name in ``split_at`` did not run in the model (the message lists
                 the valid names), two names cut at the same place, or tracing failed.
         """
+        if isinstance(split_at, str):  # "a,b" from a CLI --set split_at=a,b
+            split_at = parse_split_at(split_at)
         inputs = _as_tuple(example_inputs)
         self.input_is_tuple = isinstance(example_inputs, tuple)
         with torch.no_grad():
@@ -165,8 +201,12 @@ class SplitModel:
                 f"got {type(eager_out).__name__}"
             )
         self.traced = _export(model, inputs)
+        self.aliases = _aliases(model)
         nodes = list(self.traced.graph.nodes)
-        spans = executed_module_names(self.traced.graph)
+        modules = dict(model.named_modules(remove_duplicate=False))
+        spans = {
+            n: span for n, span in executed_module_names(self.traced.graph).items() if n in modules
+        }
         cuts = self._cut_positions(model, spans, split_at, len(nodes))
         self.pieces, self.names = self._build_pieces(nodes, cuts)
 
@@ -263,8 +303,11 @@ class SplitModel:
             body = [n for n in nodes if piece_of.get(n) == k]
             pack_in = self.input_is_tuple if k == 0 else len(live_in[k]) > 1
             pack_out = self.output_is_tuple if k == num - 1 else len(live_in[k + 1]) > 1
-            graph = self._piece_graph(k, live_in[k], body, live_in[k + 1], pack_in, pack_out)
-            pieces.append(fx.GraphModule(self.traced, graph, class_name=f"Piece{k}"))
+            graph, attrs = self._piece_graph(k, live_in[k], body, live_in[k + 1], pack_in, pack_out)
+            root = nn.Module()
+            for target, obj in attrs.items():
+                _install(root, target, obj)
+            pieces.append(fx.GraphModule(root, graph, class_name=f"Piece{k}"))
         return pieces, names
 
     # -- one piece ----------------------------------------------------------------------------
@@ -277,9 +320,11 @@ class SplitModel:
         outputs: list[fx.Node],
         pack_in: bool,
         pack_out: bool,
-    ) -> fx.Graph:
+    ) -> tuple[fx.Graph, dict[str, Any]]:
         graph = fx.Graph()
         env: dict[fx.Node, fx.Node] = {}
+        attrs: dict[str, Any] = {}
+        members = set(body)
         if pack_in:
             arg = graph.placeholder("inputs")
             for i, v in enumerate(inputs):
@@ -294,7 +339,9 @@ class SplitModel:
             if a in env:
                 return env[a]
             if a.op == "get_attr":
-                env[a] = graph.get_attr(str(a.target))
+                target = self._alias(str(a.target), [u for u in a.users if u in members])
+                attrs[target] = _fetch(self.traced, str(a.target))
+                env[a] = graph.get_attr(target)
                 env[a].meta = copy.copy(a.meta)
                 return env[a]
             return self._materialize(graph, env, a, inputs, k)
@@ -304,7 +351,14 @@ class SplitModel:
         outs = tuple(lookup(v) for v in outputs)
         graph.output(outs if pack_out else outs[0])
         graph.lint()
-        return graph
+        return graph, attrs
+
+    def _alias(self, target: str, users: list[fx.Node]) -> str:
+        """Of the names of a shared tensor, the one owned by a module that uses it here."""
+        names = self.aliases.get(target, [target])
+        owners = {fqn for u in users for fqn in _module_fqns(u)}
+        owned = [n for n in names if n.rpartition(".")[0] in owners]
+        return max(owned, key=lambda n: n.count(".")) if owned else target
 
     @staticmethod
     def _materialize(
@@ -475,81 +529,3 @@ def original_model(workload: Workload, seed: int = 0) -> nn.Module:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(layer_seed(seed, 0))
         return factory.owner.model_factory()
-
-
-# -- tied parameters ----------------------------------------------------------------------------
-
-TiedGroups = Sequence[Sequence[tuple[int, str]]]
-
-
-def find_tied_parameters(pieces: Sequence[nn.Module]) -> list[list[tuple[int, str]]]:
-    """Groups of ``(piece index, parameter name)`` that are one Parameter object in 2+ pieces.
-
-    Call it on pieces that still share the original model's parameters (as
-    :func:`split_module` returns them, before any copy). A parameter shared only inside one
-    piece is not a group: autograd already sums its gradient.
-
-    Args:
-        pieces: The pieces, in chain order.
-    """
-    seen: dict[int, list[tuple[int, str]]] = {}
-    for index, piece in enumerate(pieces):
-        for pname, param in piece.named_parameters(remove_duplicate=True):
-            seen.setdefault(id(param), []).append((index, pname))
-    return [group for group in seen.values() if len({i for i, _ in group}) > 1]
-
-
-def _param(module: nn.Module, name: str) -> nn.Parameter:
-    return module.get_parameter(name)
-
-
-def sync_tied_grads(
-    stage_modules_by_layer: Mapping[int, nn.Module],
-    groups: TiedGroups,
-    group_sum_fn: Callable[[int, torch.Tensor], torch.Tensor],
-) -> None:
-    """Give every local copy of a tied parameter the gradient summed over all copies.
-
-    Call it after the backward passes of a step and before the optimizer step. With data
-    parallelism, either order relative to the replicas' AllReduce gives the same result (both
-    are linear); the sum here is over the *stages* of one replica, never over replicas.
-
-    Args:
-        stage_modules_by_layer: Layer index -> this process's module of that layer (only the
-            layers this process holds).
-        groups: ``Workload.tied_parameters``.
-        group_sum_fn: ``(group index, local sum) -> sum over every process holding a copy of
-            that group``; called only for groups with a copy here (in group order), so all
-            holders must call it for the same groups. Identity in one process.
-
-    Raises:
-        ValidationError: A tied copy has a different shape from its group's first local copy.
-    """
-    for g, group in enumerate(groups):
-        params = [
-            _param(stage_modules_by_layer[i], name)
-            for i, name in group
-            if i in stage_modules_by_layer
-        ]
-        if not params:
-            continue
-        shape = params[0].shape
-        if any(p.shape != shape for p in params):
-            raise ValidationError(f"tied group {g} {list(group)} mixes shapes")
-        local = torch.zeros_like(params[0])
-        for p in params:
-            if p.grad is not None:
-                local += p.grad
-        total = group_sum_fn(g, local)
-        for p in params:
-            p.grad = total.clone()
-
-
-def sum_tied_grads_local(model_pieces: Sequence[nn.Module], groups: TiedGroups) -> None:
-    """:func:`sync_tied_grads` when all pieces are in this process (``model_pieces[i]``).
-
-    Args:
-        model_pieces: Every layer of the workload in order (e.g. ``build_model(seed)``).
-        groups: ``Workload.tied_parameters``.
-    """
-    sync_tied_grads(dict(enumerate(model_pieces)), groups, lambda _g, t: t)
