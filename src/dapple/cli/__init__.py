@@ -22,6 +22,7 @@ _COMMANDS: list[str] = [
     "dapple.cli.calibrate_cmd",
     "dapple.cli.profile_cmd",
     "dapple.cli.import_cmd",
+    "dapple.cli.train_cmd",
     "dapple.cli.split_cmd",
 ]
 

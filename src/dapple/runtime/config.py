@@ -1,0 +1,94 @@
+"""Runtime configuration and per-step metrics records."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from dapple.errors import ValidationError
+
+__all__ = ["OPTIMIZERS", "StepMetrics", "TrainConfig"]
+
+OPTIMIZERS = ("sgd", "adam")
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f}{unit}" if unit == "B" else f"{n:.1f}{unit}"
+        n /= 1024
+    return f"{n:.1f}GiB"  # pragma: no cover
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TrainConfig:
+    """How to run a plan: steps, seed, optimizer, limits and reporting."""
+
+    steps: int = 1
+    """Optimizer steps to run."""
+    seed: int = 0
+    """Initial weights use ``workload.build_stage(.., seed)``; step ``t`` uses batch seed ``seed + t``."""
+    optimizer: str = "sgd"
+    """``sgd`` (plain) or ``adam``."""
+    lr: float = 0.01
+    """Learning rate."""
+    timeout_s: float = 300.0
+    """Process-group timeout: a rank waiting longer on a peer fails with a one-line error."""
+    recompute: bool = False
+    """Force re-computation on every stage (otherwise per stage from ``StagePlan.recompute``)."""
+    metrics_path: str | None = None
+    """JSON-lines file rank 0 writes one :class:`StepMetrics` per step to."""
+    echo: bool = False
+    """Rank 0 prints one line per step to stdout."""
+    device: str = "auto"
+    """``auto`` (CUDA when available, else CPU), ``cpu`` or ``cuda``."""
+    predicted_step_ms: float = math.nan
+    """A prediction (simulator / cost model) printed beside the measured step time."""
+
+    def __post_init__(self) -> None:
+        if self.steps < 1:
+            raise ValidationError(f"steps must be >= 1, got {self.steps}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValidationError(
+                f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}"
+            )
+        if not (self.lr > 0):
+            raise ValidationError(f"lr must be > 0, got {self.lr}")
+        if not (self.timeout_s > 0):
+            raise ValidationError(f"timeout_s must be > 0, got {self.timeout_s}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValidationError(f"device must be auto, cpu or cuda, got {self.device!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class StepMetrics:
+    """One training step as seen from rank 0."""
+
+    step: int
+    loss: float
+    """Mean loss over the global batch (summed from the last stage's slices)."""
+    step_ms: float
+    """Slowest rank's wall time for the step."""
+    samples_per_s: float
+    peak_memory_bytes: tuple[int, ...]
+    """Per stage, max over its replicas."""
+    memory_kind: str
+    """``cuda_max_allocated`` or ``held_activations`` (CPU, see :mod:`dapple.runtime.memory`)."""
+    predicted_step_ms: float | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def line(self) -> str:
+        mem = " ".join(f"s{i}={_human(b)}" for i, b in enumerate(self.peak_memory_bytes))
+        pred = (
+            f" (predicted {self.predicted_step_ms:.1f} ms)"
+            if self.predicted_step_ms is not None
+            else ""
+        )
+        return (
+            f"step {self.step} loss {self.loss:.6f} time {self.step_ms:.1f} ms{pred} "
+            f"{self.samples_per_s:.1f} samples/s peak[{self.memory_kind}] {mem}"
+        )

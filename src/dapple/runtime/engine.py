@@ -1,0 +1,284 @@
+"""Interpreter of a lowered plan on an initialised ``torch.distributed`` process group (section 6).
+
+Every rank runs ``dapple.schedule.lower(plan)[rank]`` - the same per-device program the
+simulator runs - action by action: ``RECV_F``/``RECV_B`` post ``irecv``s, ``F``/``B`` wait for
+them and compute, ``SEND_F``/``SEND_B`` post ``isend``s (waited on at the latest before the
+AllReduce), ``AR`` sums the stage's gradients over its replica group (``dist.new_group``, created
+by every rank in stage order) and ``OPT`` steps the optimizer in lock-step. Each slice's loss is
+scaled by ``slice_samples / global_batch_size`` so the accumulated, AllReduced gradient equals
+the single-device gradient of the global batch.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dapple.errors import DappleError, ValidationError
+from dapple.plan import Plan
+from dapple.runtime.config import StepMetrics, TrainConfig
+from dapple.runtime.memory import ActivationMeter
+from dapple.runtime.stage import StageExecutor
+from dapple.runtime.transport import flatten, infer_boundary_specs
+from dapple.schedule.ir import ActionKind
+from dapple.schedule.lower import lower
+from dapple.workload import Workload
+
+__all__ = ["FAIL_RANK_ENV", "FAIL_STEP_ENV", "RankFailure", "StageRun", "run_plan", "validate_run"]
+
+logger = logging.getLogger(__name__)
+K = ActionKind
+
+FAIL_RANK_ENV = "DAPPLE_TEST_FAIL_RANK"
+"""Test hook: the rank that dies (``os._exit(1)``) mid-step at step ``FAIL_STEP_ENV``."""
+FAIL_STEP_ENV = "DAPPLE_TEST_FAIL_STEP"
+
+
+class RankFailure(DappleError):
+    """A rank could not finish a step (lost peer, timeout, error in a layer)."""
+
+
+class StageRun:
+    """What one rank holds after :func:`run_plan`: its stage layers and rank 0's metrics."""
+
+    def __init__(
+        self,
+        stage: int | None,
+        replica: int | None,
+        module: nn.Module | None,
+        metrics: list[StepMetrics],
+    ) -> None:
+        self.stage, self.replica, self.module, self.metrics = stage, replica, module, metrics
+
+
+def validate_run(plan: Plan, workload: Workload, world_size: int, *, exact: bool = True) -> None:
+    """Checks before any compute: world size, layer count, batch split, tied parameters.
+
+    Raises:
+        ValidationError: the plan does not fit the workload or the process group.
+    """
+    n_dev = len(plan.devices)
+    if exact and world_size != n_dev:
+        raise ValidationError(
+            f"world size {world_size} != {n_dev} devices in the plan ({plan.replication}); "
+            f"launch exactly {n_dev} processes"
+        )
+    plan.validate_for(workload.num_layers, world_size)
+    if plan.micro_batch_size * plan.num_micro_batches != plan.global_batch_size:
+        raise ValidationError(  # pragma: no cover - Plan already enforces it
+            f"global batch {plan.global_batch_size} != {plan.micro_batch_size} x {plan.num_micro_batches}"
+        )
+    for group in workload.tied_parameters:
+        stages = {
+            s
+            for s, st in enumerate(plan.stages)
+            for i, _ in group
+            if st.layers[0] <= i < st.layers[1]
+        }
+        if len(stages) > 1:
+            raise ValidationError(
+                f"tied parameters {list(group)} span stages {sorted(stages)}; the runtime does not "
+                "synchronise tied parameters across stages - cut the model so they share a stage"
+            )
+
+
+def _describe(plan: Plan, rank: int) -> str:
+    if rank < 0:
+        return ""
+    try:
+        s, j = plan.stage_of_device(rank)
+    except ValidationError:
+        return f"rank {rank}"
+    return f"rank {rank} (stage {s} replica {j})"
+
+
+def _short(e: BaseException) -> str:
+    """First line of an exception without gloo/NCCL source-location noise."""
+    text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    text = re.sub(r"\[[^\]]*\.(?:cc|cpp|h):\d+\]\s*", "", text)
+    text = text.split(". This is typically")[0]
+    return f"{type(e).__name__}: {text[:160]}" if text else type(e).__name__
+
+
+def _make_optimizer(name: str, params: list[nn.Parameter], lr: float) -> torch.optim.Optimizer:
+    if name == "adam":
+        return torch.optim.Adam(params, lr=lr)
+    return torch.optim.SGD(params, lr=lr)
+
+
+def _allreduce_grads(params: list[nn.Parameter], group: Any) -> None:
+    """AR(P_s, g_s): SUM the stage's gradients over its replicas in one flat buffer."""
+    if not params:
+        return
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    flat = torch.cat([p.grad.reshape(-1) for p in params])  # type: ignore[union-attr]
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+    off = 0
+    for p in params:
+        n = p.numel()
+        p.grad.copy_(flat[off : off + n].view_as(p))  # type: ignore[union-attr]
+        off += n
+
+
+def run_plan(
+    plan: Plan,
+    workload: Workload,
+    config: TrainConfig,
+    *,
+    device: torch.device,
+    exact_world: bool = True,
+    on_step: Callable[[StepMetrics], None] | None = None,
+) -> StageRun:
+    """Train ``config.steps`` steps of ``plan`` on the current process group.
+
+    Args:
+        plan: the plan; rank ``r`` runs device ``r``.
+        workload: the model, data and loss.
+        config: steps, seed, optimizer, reporting.
+        device: this rank's torch device.
+        exact_world: require world size == plan devices; when False, ranks beyond the plan
+            idle through the collectives (used by tests that loop over plans in one group).
+        on_step: called on rank 0 with each step's metrics.
+
+    Raises:
+        ValidationError: the plan does not fit (before any compute).
+        RankFailure: a peer died or timed out, or a layer failed; names step, rank and peer.
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    validate_run(plan, workload, world, exact=exact_world)
+    G = plan.global_batch_size
+    groups: dict[int, Any] = {}
+    for i, st in enumerate(plan.stages):  # every rank creates every group, in the same order
+        if st.replicas > 1:
+            groups[i] = dist.new_group(list(st.devices))
+    in_plan = rank in plan.devices
+    s: int | None = None
+    j: int | None = None
+    if in_plan:
+        s, j = plan.stage_of_device(rank)
+    inputs, targets = workload.make_batch(G, config.seed)
+    rows = {int(t.shape[0]) for t in (*flatten(inputs), targets)}
+    if rows != {G}:
+        raise ValidationError(
+            f"workload {workload.name!r}: make_batch({G}) returned {sorted(rows)} rows, expected {G}"
+        )
+    module: nn.Module | None = None
+    if in_plan:
+        assert s is not None
+        lo, hi = plan.stages[s].layers
+        module = workload.build_stage(lo, hi, config.seed).to(device)
+        module.train()
+    probe = tuple(t[:1] for t in flatten(inputs))
+    specs = infer_boundary_specs(
+        plan, rank, module, probe if isinstance(inputs, (tuple, list)) else probe[0], device
+    )
+    torch.manual_seed(config.seed * 7919 + rank)  # per-rank RNG for dropout-like layers
+    program = lower(plan)[rank] if in_plan else []
+    params = list(module.parameters()) if module is not None else []
+    opt = _make_optimizer(config.optimizer, params, config.lr) if params else None
+    meter = ActivationMeter(exclude=params)
+    ex: StageExecutor | None = None
+    if in_plan:
+        assert s is not None and j is not None and module is not None
+        recompute = config.recompute or plan.stages[s].recompute
+        ex = StageExecutor(plan, s, j, module, specs, workload.loss_fn, device, recompute, meter)
+    fail_rank = int(os.environ.get(FAIL_RANK_ENV, "-1"))
+    fail_step = int(os.environ.get(FAIL_STEP_ENV, "-1"))
+    cuda = device.type == "cuda"
+    metrics: list[StepMetrics] = []
+    sink = open(config.metrics_path, "w") if (rank == 0 and config.metrics_path) else None  # noqa: SIM115
+    try:
+        for step in range(config.steps):
+            if step > 0:
+                inputs, targets = workload.make_batch(G, config.seed + step)
+            if cuda:
+                torch.cuda.reset_peak_memory_stats(device)
+            meter.reset_peak()
+            t0 = time.perf_counter()
+            where = "start of step"
+            try:
+                if ex is not None:
+                    for p in params:
+                        p.grad = None
+                    ex.begin_step(inputs, targets)
+                    for n_done, a in enumerate(program):
+                        if n_done == 1 and rank == fail_rank and step == fail_step:
+                            os._exit(1)  # test hook: die mid-step
+                        where = f"action {a}"
+                        if a.kind is K.ALLREDUCE:
+                            ex.finish_sends()
+                            where = f"gradient AllReduce over ranks {list(plan.stages[a.stage].devices)}"
+                            _allreduce_grads(params, groups[a.stage])
+                        elif a.kind is K.STEP:
+                            ex.finish_sends()
+                            if opt is not None:
+                                opt.step()
+                        else:
+                            ex.run(a)
+                if cuda:
+                    torch.cuda.synchronize(device)
+                step_ms = (time.perf_counter() - t0) * 1e3
+                peak = torch.cuda.max_memory_allocated(device) if cuda else meter.peak_bytes
+                where = "the step-end metrics gather (all ranks)"
+                mine = torch.tensor(
+                    [
+                        ex.loss_sum if ex else 0.0,
+                        step_ms,
+                        float(peak),
+                        float(-1 if s is None else s),
+                    ],
+                    dtype=torch.float64,
+                    device=device,
+                )
+                allm = [torch.empty_like(mine) for _ in range(world)]
+                dist.all_gather(allm, mine)
+            except Exception as e:
+                waiting = ex.waiting_on if ex is not None else None
+                peer = waiting[1] if waiting else -1
+                what = f"waiting for {waiting[0]}" if waiting else f"during {where}"
+                lost = f"; lost peer {_describe(plan, peer)}" if peer >= 0 else ""
+                raise RankFailure(
+                    f"step {step}: {_describe(plan, rank)} failed {what}{lost} ({_short(e)})"
+                ) from e
+            if rank == 0:
+                rows_m = torch.stack(allm).cpu().tolist()
+                peaks = [0] * plan.num_stages
+                for _loss, _ms, pk, st_i in rows_m:
+                    if st_i >= 0:
+                        peaks[int(st_i)] = max(peaks[int(st_i)], int(pk))
+                slow_ms = max(r[1] for r in rows_m)
+                sm = StepMetrics(
+                    step=step,
+                    loss=sum(r[0] for r in rows_m),
+                    step_ms=slow_ms,
+                    samples_per_s=G / (slow_ms / 1e3) if slow_ms > 0 else float("inf"),
+                    peak_memory_bytes=tuple(peaks),
+                    memory_kind="cuda_max_allocated" if cuda else "held_activations",
+                    predicted_step_ms=None
+                    if config.predicted_step_ms != config.predicted_step_ms
+                    else config.predicted_step_ms,
+                )
+                metrics.append(sm)
+                logger.info(sm.line())
+                if config.echo:
+                    print(sm.line(), flush=True)
+                if sink is not None:
+                    sink.write(json.dumps(sm.to_dict()) + "\n")
+                    sink.flush()
+                if on_step is not None:
+                    on_step(sm)
+    finally:
+        if sink is not None:
+            sink.close()
+    return StageRun(s, j, module, metrics)

@@ -1,0 +1,231 @@
+"""Process launch: under ``torchrun`` (env RANK/WORLD_SIZE/MASTER_ADDR) or standalone, where the
+local worker processes are started here (``spawn``, 127.0.0.1, a free port).
+
+Backend: NCCL when the run uses CUDA, gloo on CPU. ``init_process_group(timeout=...)`` bounds
+every wait on a peer; a failing worker prints one line ``dapple: error: step S: rank R
+(stage s replica j) failed during ...; lost peer rank P ...`` and exits 1 instead of hanging.
+The standalone launcher waits for all workers (at most ``timeout_s`` plus a grace period after
+the first failure, then terminates stragglers) and reports every rank's exit code.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import pickle
+import socket
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from dapple.errors import DappleError, ValidationError
+from dapple.plan import Plan
+from dapple.runtime.config import StepMetrics, TrainConfig
+from dapple.runtime.engine import RankFailure, run_plan, validate_run
+from dapple.workload import Workload
+
+__all__ = ["free_port", "init_distributed", "resolve_workload", "spawn", "train"]
+
+GRACE_S = 10.0
+"""Extra seconds the standalone launcher waits, after the first failure, beyond the timeout."""
+
+
+def resolve_workload(spec: str | Workload) -> Workload:
+    """A :class:`Workload` from ``module:factory`` (factory or Workload attribute) or a zoo name.
+
+    Raises:
+        ValidationError: the module, attribute or zoo name does not exist.
+    """
+    if isinstance(spec, Workload):
+        return spec
+    if ":" in spec:
+        mod_name, attr = spec.split(":", 1)
+        try:
+            obj = getattr(importlib.import_module(mod_name), attr)
+        except (ImportError, AttributeError) as e:
+            raise ValidationError(f"cannot load model {spec!r}: {e}") from e
+        if not isinstance(obj, Workload) and callable(obj):
+            obj = obj()
+        if not isinstance(obj, Workload):
+            raise ValidationError(f"model {spec!r} is a {type(obj).__name__}, not a Workload")
+        return obj
+    try:
+        zoo = importlib.import_module("dapple.zoo")
+        load = zoo.load_workload
+    except (ImportError, AttributeError) as e:
+        raise ValidationError(
+            f"model zoo not available ({e}); pass the model as 'module:factory'"
+        ) from e
+    wl = load(spec)
+    if not isinstance(wl, Workload):
+        raise ValidationError(f"zoo model {spec!r} is a {type(wl).__name__}, not a Workload")
+    return wl
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _pick_device(kind: str, local_rank: int) -> torch.device:
+    if kind == "cuda" or (kind == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise ValidationError("device 'cuda' requested but CUDA is not available")
+        dev = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(dev)
+        return dev
+    return torch.device("cpu")
+
+
+def init_distributed(config: TrainConfig, local_world: int) -> torch.device:
+    """Join the process group from the env (RANK, WORLD_SIZE, MASTER_ADDR/PORT); returns the device."""
+    local_rank = int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")))
+    device = _pick_device(config.device, local_rank)
+    if device.type == "cpu":
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_world)))
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend="nccl" if device.type == "cuda" else "gloo",
+            timeout=timedelta(seconds=config.timeout_s),
+        )
+    return device
+
+
+def _die(msg: str) -> None:
+    """Print one ``dapple: error:`` line in a single write (ranks share stderr) and exit 1."""
+    sys.stdout.flush()
+    os.write(2, f"dapple: error: {msg}\n".encode())
+    os._exit(1)
+
+
+def _entry(
+    fn: Callable[..., None], rank: int, world: int, port: int, args: tuple[Any, ...]
+) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+    )
+    fn(rank, world, *args)
+
+
+def spawn(fn: Callable[..., None], nprocs: int, *args: Any, timeout_s: float = 300.0) -> None:
+    """Run ``fn(rank, world, *args)`` in ``nprocs`` fresh local processes with the env set.
+
+    Raises:
+        RankFailure: a worker exited non-zero (or hung ``timeout_s + GRACE_S`` after a failure);
+            the message lists every failing rank's exit code.
+    """
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    procs = [ctx.Process(target=_entry, args=(fn, r, nprocs, port, args)) for r in range(nprocs)]
+    for p in procs:
+        p.start()
+    first_fail: float | None = None
+    hung: list[int] = []
+    while any(p.is_alive() for p in procs):
+        if first_fail is None and any(p.exitcode not in (None, 0) for p in procs):
+            first_fail = time.monotonic()
+        if first_fail is not None and time.monotonic() - first_fail > timeout_s + GRACE_S:
+            hung = [r for r, p in enumerate(procs) if p.is_alive()]
+            for r in hung:
+                procs[r].kill()
+            break
+        time.sleep(0.05)
+    for p in procs:
+        p.join()
+    bad = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode != 0]
+    if bad:
+        parts = [f"rank {r} " + ("hung (killed)" if r in hung else f"exit {c}") for r, c in bad]
+        raise RankFailure(f"{len(bad)} of {nprocs} workers failed: {', '.join(parts)}")
+
+
+def _worker(
+    rank: int, world: int, plan_d: dict[str, Any], wl: Any, cfg: TrainConfig, out: str | None
+) -> None:
+    try:
+        device = init_distributed(cfg, world)
+        plan = Plan.from_dict(plan_d)
+        run = run_plan(plan, resolve_workload(wl), cfg, device=device)
+        if out and rank == 0:
+            Path(out).write_text(json.dumps([m.to_dict() for m in run.metrics]))
+        dist.destroy_process_group()
+    except Exception as e:
+        msg = str(e) if isinstance(e, DappleError) else f"rank {rank}: {type(e).__name__}: {e}"
+        _die(msg)
+
+
+def _metrics_from(d: dict[str, Any]) -> StepMetrics:
+    d = dict(d)
+    d["peak_memory_bytes"] = tuple(d["peak_memory_bytes"])
+    return StepMetrics(**d)
+
+
+def train(
+    plan: Plan | str | Path,
+    workload: Workload | str,
+    steps: int = 1,
+    **options: Any,
+) -> list[StepMetrics]:
+    """Train ``steps`` synchronous steps of ``plan`` (Python API behind ``dapple train``).
+
+    Under ``torchrun`` (RANK/WORLD_SIZE in the env) this process is one rank; otherwise one
+    process per plan device is started locally.
+
+    Args:
+        plan: a :class:`Plan` or the path of a plan JSON file.
+        workload: a :class:`Workload` (must be picklable when processes are spawned), a
+            ``module:factory`` spec or a zoo model name.
+        steps: optimizer steps.
+        **options: the other :class:`TrainConfig` fields (seed, optimizer, lr, timeout_s,
+            recompute, metrics_path, echo, device, predicted_step_ms).
+
+    Returns:
+        Rank 0's per-step metrics (empty on other torchrun ranks).
+
+    Raises:
+        ValidationError: bad plan/workload/options, before any compute.
+        RankFailure: a worker failed (standalone launch).
+    """
+    if not isinstance(plan, Plan):
+        plan = Plan.load(plan)
+    cfg = TrainConfig(steps=steps, **options)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        wl = resolve_workload(workload)
+        validate_run(plan, wl, int(os.environ["WORLD_SIZE"]))
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
+        try:
+            device = init_distributed(cfg, local_world)
+            run = run_plan(plan, wl, cfg, device=device)
+        except RankFailure as e:  # peers may be gone: report and leave without PG teardown
+            _die(str(e))
+        dist.destroy_process_group()
+        return run.metrics
+    world = len(plan.devices)
+    validate_run(plan, resolve_workload(workload), world)
+    if not isinstance(workload, str):
+        try:
+            pickle.dumps(workload)
+        except Exception as e:
+            raise ValidationError(
+                f"workload {workload.name!r} cannot be sent to spawned workers ({e}); "
+                "pass it as a 'module:factory' spec string"
+            ) from e
+    with tempfile.TemporaryDirectory(prefix="dapple-train-") as tmp:
+        out = str(Path(tmp) / "metrics.json")
+        spawn(_worker, world, plan.to_dict(), workload, cfg, out, timeout_s=cfg.timeout_s)
+        return [_metrics_from(d) for d in json.loads(Path(out).read_text())]

@@ -1,0 +1,265 @@
+"""One replica of one stage executing lowered actions (F, B and split-concat send/recv).
+
+Index conventions: ``s`` stage, ``j`` this replica, ``m`` micro-batch, ``b`` micro-batch size;
+replica ``j`` of stage ``s`` owns samples ``slice_bounds(b, r_s)[j] = [lo, hi)`` of every
+micro-batch. Data: every rank builds the same global batch locally
+(``workload.make_batch(G, seed + step)``) and slices its own rows, so stage 0 replicas take
+their inputs and last-stage replicas their targets without any label traffic. Between stages
+only activations (forward) and their gradients (backward) travel, as the overlapping row
+ranges of :func:`dapple.plan.transfers`, with non-blocking ``isend``/``irecv``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from dapple.plan import Plan, slice_bounds, transfers
+from dapple.runtime.memory import ActivationMeter, Held
+from dapple.runtime.transport import BoundarySpec, flatten, message_tag, unflatten
+from dapple.schedule.ir import Action, ActionKind
+
+__all__ = ["StageExecutor"]
+
+K = ActionKind
+
+
+@dataclass
+class _Recv:
+    lo: int
+    rank: int
+    buffers: list[torch.Tensor]
+    works: list[Any]
+
+
+@dataclass
+class _MicroBatch:
+    inputs: tuple[Any, ...] = ()
+    output: tuple[Any, ...] = ()
+    loss: torch.Tensor | None = None
+    held: list[Held] = field(default_factory=list)
+    sends: list[Any] = field(default_factory=list)
+
+
+class StageExecutor:
+    """Runs the compute and communication actions of replica ``j`` of stage ``s``.
+
+    Attributes:
+        waiting_on: ``(what, peer rank)`` while blocked on a peer (for error messages).
+    """
+
+    def __init__(
+        self,
+        plan: Plan,
+        stage: int,
+        replica: int,
+        module: nn.Module,
+        specs: list[BoundarySpec],
+        loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
+        device: torch.device,
+        recompute: bool,
+        meter: ActivationMeter,
+    ) -> None:
+        self.plan, self.s, self.j = plan, stage, replica
+        self.module, self.loss_fn, self.device = module, loss_fn, device
+        self.recompute, self.meter = recompute, meter
+        b = plan.micro_batch_size
+        S = plan.num_stages
+        reps = [st.replicas for st in plan.stages]
+        self.lo, self.hi = slice_bounds(b, reps[stage])[replica]
+        self.in_spec = specs[stage - 1] if stage > 0 else None
+        self.out_spec = specs[stage] if stage < S - 1 else None
+        # peer replica -> micro-batch rows [lo, hi) exchanged with it
+        self.in_rows: dict[int, tuple[int, int]] = (
+            {
+                p: (lo, hi)
+                for p, k, lo, hi in transfers(b, reps[stage - 1], reps[stage])
+                if k == replica
+            }
+            if stage > 0
+            else {}
+        )
+        self.out_rows: dict[int, tuple[int, int]] = (
+            {
+                k: (lo, hi)
+                for p, k, lo, hi in transfers(b, reps[stage], reps[stage + 1])
+                if p == replica
+            }
+            if stage < S - 1
+            else {}
+        )
+        self.prev_ranks = plan.stages[stage - 1].devices if stage > 0 else ()
+        self.next_ranks = plan.stages[stage + 1].devices if stage < S - 1 else ()
+        self.waiting_on: tuple[str, int] | None = None
+        self._mb: dict[int, _MicroBatch] = {}
+        self._recv_f: dict[int, list[_Recv]] = {}
+        self._recv_b: dict[int, list[_Recv]] = {}
+        self._grad_in: dict[int, tuple[torch.Tensor, ...]] = {}
+        self._grad_in_left: dict[int, int] = {}
+        self._pending_sends: list[Any] = []
+        self._batch_inputs: tuple[Any, ...] = ()
+        self._batch_is_tuple = False
+        self._targets: torch.Tensor | None = None
+        self._global_batch = plan.global_batch_size
+        self.loss_sum = 0.0
+
+    # -- per step -----------------------------------------------------------------------------
+    def begin_step(self, inputs: Any, targets: torch.Tensor) -> None:
+        """Take this step's global batch (only stage 0 reads inputs, the last stage targets)."""
+        self._batch_is_tuple = isinstance(inputs, (tuple, list))
+        self._batch_inputs = flatten(inputs)
+        self._targets = targets
+        self.loss_sum = 0.0
+
+    def finish_sends(self) -> None:
+        """Wait for every outstanding send of this step (before buffers may be reused)."""
+        for mb in self._mb.values():
+            self._pending_sends += mb.sends
+            mb.sends = []
+        for w in self._pending_sends:
+            self.waiting_on = ("send completion", -1)
+            w.wait()
+        self._pending_sends = []
+        self.waiting_on = None
+        self._mb.clear()
+        self._grad_in.clear()
+        self._grad_in_left.clear()
+
+    def run(self, a: Action) -> None:
+        """Execute one action of this replica's lowered program."""
+        m = a.micro_batch
+        assert m is not None
+        if a.kind is K.RECV_F:
+            self._post_recv(self._recv_f, m, a.peer, backward=False)
+        elif a.kind is K.FORWARD:
+            self._forward(m)
+        elif a.kind is K.SEND_F:
+            self._send_forward(m, a.peer)
+        elif a.kind is K.RECV_B:
+            self._post_recv(self._recv_b, m, a.peer, backward=True)
+        elif a.kind is K.BACKWARD:
+            self._backward(m)
+        elif a.kind is K.SEND_B:
+            self._send_backward(m, a.peer)
+        else:  # pragma: no cover - AR/OPT are handled by the engine
+            raise ValueError(f"StageExecutor cannot run {a}")
+        self._poll_sends()
+
+    # -- helpers -------------------------------------------------------------------------------
+    def _poll_sends(self) -> None:
+        self._pending_sends = [w for w in self._pending_sends if not w.is_completed()]
+
+    def _post_recv(self, table: dict[int, list[_Recv]], m: int, peer: Any, backward: bool) -> None:
+        if backward:
+            assert self.out_spec is not None
+            lo, hi = self.out_rows[peer]
+            rank = self.next_ranks[peer]
+            specs = [t for t in self.out_spec.tensors if t.carries_grad]
+        else:
+            assert self.in_spec is not None
+            lo, hi = self.in_rows[peer]
+            rank = self.prev_ranks[peer]
+            specs = list(self.in_spec.tensors)
+        bufs = [t.buffer(hi - lo, self.device) for t in specs]
+        works = [
+            dist.irecv(buf, src=rank, tag=message_tag(m, backward, i)) for i, buf in enumerate(bufs)
+        ]
+        table.setdefault(m, []).append(_Recv(lo, rank, bufs, works))
+
+    def _wait_concat(self, table: dict[int, list[_Recv]], m: int, what: str) -> list[torch.Tensor]:
+        pieces = sorted(table.pop(m), key=lambda r: r.lo)
+        for r in pieces:
+            self.waiting_on = (f"{what} of micro-batch {m}", r.rank)
+            for w in r.works:
+                w.wait()
+        self.waiting_on = None
+        n = len(pieces[0].buffers)
+        if len(pieces) == 1:
+            return pieces[0].buffers
+        return [torch.cat([r.buffers[i] for r in pieces]) for i in range(n)]
+
+    def _stage_fn(self, *tensors: Any) -> Any:
+        is_tuple = self.in_spec.is_tuple if self.in_spec is not None else self._batch_is_tuple
+        return self.module(unflatten(is_tuple, tensors))
+
+    def _forward(self, m: int) -> None:
+        b = self.plan.micro_batch_size
+        st = _MicroBatch()
+        if self.s == 0:
+            r0, r1 = m * b + self.lo, m * b + self.hi
+            # copy: a view would keep (and be metered as) the whole global batch
+            xs = [t[r0:r1].to(self.device, copy=True) for t in self._batch_inputs]
+        else:
+            xs = self._wait_concat(self._recv_f, m, "activations")
+            for t in xs:
+                if t.dtype.is_floating_point or t.dtype.is_complex:
+                    t.requires_grad_(True)
+        st.inputs = tuple(xs)
+        st.held = self.meter.hold(xs)
+        with self.meter.saved_tensors_hooks():
+            if self.recompute:
+                out = checkpoint(self._stage_fn, *xs, use_reentrant=False)
+            else:
+                out = self._stage_fn(*xs)
+            if self.s == self.plan.num_stages - 1:
+                assert self._targets is not None
+                tgt = self._targets[m * b + self.lo : m * b + self.hi].to(self.device, copy=True)
+                st.loss = self.loss_fn(out, tgt) * ((self.hi - self.lo) / self._global_batch)
+                self.loss_sum += float(st.loss.detach())
+        if self.s < self.plan.num_stages - 1:
+            st.output = flatten(out)
+            st.held += self.meter.hold(st.output)
+        self._mb[m] = st
+
+    def _send_forward(self, m: int, peer: Any) -> None:
+        st = self._mb[m]
+        lo, hi = self.out_rows[peer]
+        rank = self.next_ranks[peer]
+        for i, t in enumerate(st.output):
+            piece = t.detach()[lo - self.lo : hi - self.lo].contiguous()
+            st.sends.append(dist.isend(piece, dst=rank, tag=message_tag(m, False, i)))
+
+    def _backward(self, m: int) -> None:
+        st = self._mb[m]
+        if st.loss is not None:
+            torch.autograd.backward([st.loss])
+        else:
+            grads = self._wait_concat(self._recv_b, m, "gradients")
+            outs, gs = [], []
+            gi = iter(grads)
+            for t in st.output:
+                if t.dtype.is_floating_point or t.dtype.is_complex:
+                    g = next(gi)
+                    if t.requires_grad:
+                        outs.append(t)
+                        gs.append(g)
+            if outs:
+                torch.autograd.backward(outs, gs)
+        # The activations' sends finished logically (their gradient came back); reap them.
+        self._pending_sends += st.sends
+        if self.s > 0:
+            self._grad_in[m] = tuple(
+                (x.grad if x.grad is not None else torch.zeros_like(x))
+                for x in st.inputs
+                if x.dtype.is_floating_point or x.dtype.is_complex
+            )
+            self._grad_in_left[m] = len(self.in_rows)
+        for h in st.held:
+            h.release()
+        del self._mb[m]
+
+    def _send_backward(self, m: int, peer: Any) -> None:
+        lo, hi = self.in_rows[peer]
+        rank = self.prev_ranks[peer]
+        for i, g in enumerate(self._grad_in[m]):
+            piece = g[lo - self.lo : hi - self.lo].contiguous()
+            self._pending_sends.append(dist.isend(piece, dst=rank, tag=message_tag(m, True, i)))
+        self._grad_in_left[m] -= 1
+        if self._grad_in_left[m] == 0:  # the pending sends keep their pieces alive
+            del self._grad_in[m], self._grad_in_left[m]

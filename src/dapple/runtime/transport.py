@@ -1,0 +1,136 @@
+"""Stage-boundary transport: boundary shapes, split-concat point-to-point messages (section 6.2).
+
+A boundary value is one tensor or a tuple of tensors with the batch in dimension 0. Receivers
+must know what arrives before posting ``irecv``, so at set-up the runtime runs a *shape probe*
+(:func:`infer_boundary_specs`): replica 0 of stage 0 runs its layers on one real sample and
+sends the (1-sample) result to replica 0 of stage 1 with ``send_object_list``, which does the
+same, down the pipeline; then every rank learns every boundary's :class:`BoundarySpec` with one
+``all_gather_object``. This runs the real layers (no meta-device support needed) once, in eval
+mode and without gradients, so it changes no parameter or running statistic. It assumes a
+boundary tensor's per-sample shape does not depend on the batch size.
+
+Messages between the same pair of ranks are tagged by (micro-batch, direction, tensor index);
+only floating-point boundary tensors carry gradients backwards.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dapple.plan import Plan
+
+__all__ = [
+    "BoundarySpec",
+    "TensorSpec",
+    "flatten",
+    "infer_boundary_specs",
+    "message_tag",
+    "unflatten",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSpec:
+    """dtype and per-sample shape (without the batch dimension) of one boundary tensor."""
+
+    dtype: torch.dtype
+    sample_shape: tuple[int, ...]
+
+    @property
+    def carries_grad(self) -> bool:
+        return self.dtype.is_floating_point or self.dtype.is_complex
+
+    def buffer(self, rows: int, device: torch.device) -> torch.Tensor:
+        return torch.empty((rows, *self.sample_shape), dtype=self.dtype, device=device)
+
+
+@dataclass(frozen=True, slots=True)
+class BoundarySpec:
+    """What crosses one stage boundary: a single tensor or a tuple of tensors."""
+
+    is_tuple: bool
+    tensors: tuple[TensorSpec, ...]
+
+    @staticmethod
+    def of(value: Any) -> BoundarySpec:
+        flat = flatten(value)
+        for t in flat:
+            if not isinstance(t, torch.Tensor) or t.dim() == 0:
+                raise TypeError(
+                    "stage boundary values must be tensors (or tuples of tensors) with the batch "
+                    f"in dimension 0, got {type(t).__name__}"
+                    + (" of dim 0" if isinstance(t, torch.Tensor) else "")
+                )
+        return BoundarySpec(
+            is_tuple=isinstance(value, (tuple, list)),
+            tensors=tuple(TensorSpec(t.dtype, tuple(t.shape[1:])) for t in flat),
+        )
+
+
+def flatten(value: Any) -> tuple[Any, ...]:
+    """A boundary value as a tuple of its tensors."""
+    return tuple(value) if isinstance(value, (tuple, list)) else (value,)
+
+
+def unflatten(spec_is_tuple: bool, tensors: Sequence[torch.Tensor]) -> Any:
+    """Inverse of :func:`flatten`."""
+    return tuple(tensors) if spec_is_tuple else tensors[0]
+
+
+def message_tag(micro_batch: int, backward: bool, index: int) -> int:
+    """Tag of tensor ``index`` of micro-batch ``micro_batch``'s activations (or gradients)."""
+    return (micro_batch * 2 + int(backward)) * 64 + index
+
+
+def _to(value: Any, device: torch.device) -> Any:
+    return unflatten(isinstance(value, (tuple, list)), [t.to(device) for t in flatten(value)])
+
+
+def infer_boundary_specs(
+    plan: Plan,
+    rank: int,
+    module: nn.Module | None,
+    probe_input: Any,
+    device: torch.device,
+) -> list[BoundarySpec]:
+    """The spec of every stage boundary (index ``s`` = output of stage ``s``), on every rank.
+
+    Args:
+        plan: the plan being run.
+        rank: this process's rank (== device id); ranks outside the plan pass ``module=None``.
+        module: this rank's stage layers.
+        probe_input: one sample of the model inputs (used by stage 0's replica 0).
+        device: where the stage lives.
+
+    A collective: every rank of the world must call it.
+    """
+    S = plan.num_stages
+    out_spec: BoundarySpec | None = None
+    if module is not None:
+        s, j = plan.stage_of_device(rank)
+        if j == 0 and s < S - 1:
+            if s == 0:
+                x = _to(probe_input, device)
+            else:
+                box: list[Any] = [None]
+                dist.recv_object_list(box, src=plan.stages[s - 1].devices[0])
+                x = _to(box[0], device)
+            was_training = module.training
+            module.eval()
+            with torch.no_grad():
+                y = module(x)
+            module.train(was_training)
+            out_spec = BoundarySpec.of(y)
+            if s + 1 < S - 1:  # the last stage computes no boundary, so it needs no probe input
+                dist.send_object_list(
+                    [_to(y, torch.device("cpu"))], dst=plan.stages[s + 1].devices[0]
+                )
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, out_spec)
+    return [gathered[plan.stages[s].devices[0]] for s in range(S - 1)]

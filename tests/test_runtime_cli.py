@@ -1,0 +1,113 @@
+"""``dapple train`` end to end: standalone launch, metrics file, validation and a killed rank."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import runtime_workloads as rw
+from conftest import make_profile
+from dapple.plan import straight_plan
+
+TESTS = Path(__file__).parent
+
+
+def _dapple(args: list[str], env_extra: dict[str, str] | None = None, timeout: float = 120):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(TESTS), env.get("PYTHONPATH", "")])
+    env.update(env_extra or {})
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "dapple", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+    )
+    return proc, time.monotonic() - t0
+
+
+@pytest.mark.slow
+def test_train_standalone_matches_reference_and_prints_prediction(tmp_path: Path) -> None:
+    plan = straight_plan(
+        4, [0, 1, 3], global_batch_size=10, num_micro_batches=2, replicas=[2, 1, 1]
+    )
+    plan.save(tmp_path / "p.json")
+    make_profile(n=4).save(tmp_path / "prof.json")
+    proc, _ = _dapple(
+        [
+            "train", "--plan", str(tmp_path / "p.json"), "--model", "runtime_workloads:tuple_chain",
+            "--steps", "3", "--seed", "2", "--optimizer", "adam", "--lr", "0.01",
+            "--metrics", str(tmp_path / "m.jsonl"), "--timeout-s", "60",
+            "--profile", str(tmp_path / "prof.json"), "--cluster", "local-cpu",
+        ]
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    rows = [json.loads(x) for x in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    _, ref_losses = rw.reference_run(rw.tuple_chain(), "adam", 0.01, 2, 10, 3)
+    torch.testing.assert_close(torch.tensor([r["loss"] for r in rows]), torch.tensor(ref_losses))
+    assert all(len(r["peak_memory_bytes"]) == 3 and min(r["peak_memory_bytes"]) > 0 for r in rows)
+    assert all(r["predicted_step_ms"] > 0 for r in rows)
+    out = proc.stdout.splitlines()
+    assert sum(line.startswith("step ") for line in out) == 3
+    assert "vs predicted" in out[-1] and "(simulator)" in out[-1]
+
+
+def test_train_rejects_layer_mismatch_before_launch(tmp_path: Path) -> None:
+    straight_plan(3, [0, 1], global_batch_size=4, num_micro_batches=2).save(tmp_path / "p.json")
+    proc, _ = _dapple(
+        ["train", "--plan", str(tmp_path / "p.json"), "--model", "runtime_workloads:mlp"]
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "dapple: error: plan covers layers [0, 3) but the model has 4 layers"
+    ]
+
+
+@pytest.mark.slow
+def test_killed_rank_makes_every_other_rank_fail_fast(tmp_path: Path) -> None:
+    plan = straight_plan(4, [0, 2, 3], global_batch_size=8, num_micro_batches=4, replicas=[2, 1, 1])
+    plan.save(tmp_path / "p.json")
+    timeout_s = 20
+    proc, elapsed = _dapple(
+        ["train", "--plan", str(tmp_path / "p.json"), "--model", "runtime_workloads:mlp",
+         "--steps", "3", "--timeout-s", str(timeout_s)],
+        env_extra={"DAPPLE_TEST_FAIL_RANK": "2", "DAPPLE_TEST_FAIL_STEP": "1"},
+    )  # fmt: skip
+    assert proc.returncode != 0
+    err = proc.stderr.splitlines()
+    assert "Traceback" not in proc.stderr
+    for rank in (0, 1, 3):
+        mine = [e for e in err if e.startswith(f"dapple: error: step 1: rank {rank} (stage")]
+        assert len(mine) == 1, proc.stderr
+    # the direct neighbours name the lost peer
+    assert any("lost peer rank 2 (stage 1 replica 0)" in e for e in err), proc.stderr
+    assert err[-1] == (
+        "dapple: error: 4 of 4 workers failed: rank 0 exit 1, rank 1 exit 1, rank 2 exit 1, "
+        "rank 3 exit 1"
+    )
+    assert elapsed < timeout_s + 30  # process start-up + the timeout bound; no hang
+    assert proc.stdout.startswith("step 0 ")  # step 0 completed before the failure
+
+
+@pytest.mark.slow
+def test_train_zoo_model(tmp_path: Path) -> None:
+    zoo = pytest.importorskip("dapple.zoo")
+    wl = zoo.load_workload("mlp")
+    n = wl.num_layers
+    straight_plan(n, [0, n // 2], global_batch_size=8, num_micro_batches=4).save(
+        tmp_path / "p.json"
+    )
+    proc, _ = _dapple(
+        ["train", "--plan", str(tmp_path / "p.json"), "--model", "mlp", "--steps", "3"]
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert sum(line.startswith("step ") for line in proc.stdout.splitlines()) == 3
