@@ -239,14 +239,23 @@ def dapple_search(
     return sc.build_plan("dapple", stages, M, scored)
 
 
+def _bytes(n: float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
 def _infeasible_message(profile: ModelProfile, cluster: Cluster, global_batch_size: int) -> str:
-    state = profile.parameter_bytes * (1.0 + profile.optimizer_state_factor)
-    largest = max(
-        layer.parameter_bytes * (1.0 + profile.optimizer_state_factor) for layer in profile.layers
+    f = 1.0 + profile.optimizer_state_factor
+    state = profile.parameter_bytes * f
+    need = max(
+        layer.parameter_bytes * f + layer.kept_activation_bytes_per_sample
+        for layer in profile.layers
     )
     return (
         f"no plan of {profile.model_name!r} ({profile.num_layers} layers, "
-        f"{state / 2**30:.2f} GiB of parameters+gradients+optimizer state, largest layer "
-        f"{largest / 2**30:.2f} GiB) fits {cluster.num_devices} devices of "
-        f"{cluster.device_memory_bytes / 2**30:.2f} GiB with global batch size {global_batch_size}"
+        f"{_bytes(state)} of parameters+gradients+optimizer state; one layer alone needs up to "
+        f"{_bytes(need)} with one sample) fits {cluster.num_devices} devices of "
+        f"{_bytes(cluster.device_memory_bytes)} with global batch size {global_batch_size}"
     )

@@ -1,0 +1,142 @@
+"""Cost model golden values (paper section 5.1, equations 1-3)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from conftest import make_cluster, make_profile
+from dapple.plan import StagePlan, straight_plan
+from dapple.planner.cost import (
+    activation_bytes,
+    allreduce_ms,
+    boundary_bytes,
+    comm_stage_ms,
+    compute_ms,
+    device_memory_bytes,
+    latency_from_stages,
+    parameter_state_bytes,
+    pipeline_latency,
+    stage_compute_ms,
+    transfer_ms,
+)
+
+BPMS_100G = 100e9 / 8 / 1e3  # bytes per ms at 100 Gbps
+
+
+def test_compute_ms_sums_layers_and_recompute_adds_forward() -> None:
+    p, c = make_profile(6, fwd=1.0, bwd=2.0), make_cluster()
+    assert compute_ms(p, c, (0, 3), 4) == (12.0, 24.0)
+    assert compute_ms(p, c, (0, 3), 4, recompute=True) == (12.0, 36.0)
+    assert compute_ms(p, c, (2, 3), 0) == (0.0, 0.0)
+    slow = dataclasses.replace(c, compute_slowdown=2.0)
+    assert compute_ms(p, slow, (0, 1), 1) == (2.0, 4.0)
+
+
+def test_stage_compute_uses_the_largest_slice() -> None:
+    p, c = make_profile(4), make_cluster()
+    st = StagePlan(layers=(0, 2), devices=(0, 1))
+    assert stage_compute_ms(p, c, st, 5) == (6.0, 12.0)  # slices 3 + 2: the 3 paces the stage
+
+
+def test_boundary_bytes() -> None:
+    p = dataclasses.replace(make_profile(3, act=1000.0), input_bytes_per_sample=7.0)
+    assert boundary_bytes(p, 0, 2) == 14.0
+    assert boundary_bytes(p, 2, 3) == 3000.0
+
+
+def test_transfer_ms_latency_plus_bandwidth() -> None:
+    c = make_cluster(servers=2, per_server=2, gbps=100.0)
+    assert transfer_ms(c, 0, 0, 1) == 0.0
+    assert transfer_ms(c, 1e6, 0, 1) == pytest.approx(0.005 + 1e6 / BPMS_100G)
+    assert transfer_ms(c, 1e6, 0, 2) == pytest.approx(0.02 + 1e6 / (BPMS_100G / 4))
+
+
+def test_allreduce_ring_and_hierarchical() -> None:
+    c = make_cluster(servers=2, per_server=4, gbps=100.0)
+    assert allreduce_ms(c, 1e6, [3]) == 0.0
+    ring = 2 * 3 / 4 * 1e6 / BPMS_100G + 6 * 0.005
+    assert allreduce_ms(c, 1e6, [0, 1, 2, 3]) == pytest.approx(ring)
+    # 2 servers x 2 devices: intra reduce-scatter + all-gather, inter ring of 2 servers
+    intra = 2 * (1 / 2 * 1e6 / BPMS_100G + 0.005)
+    inter = 2 * 1 / 2 * 1e6 / (BPMS_100G / 4) + 2 * 0.02
+    assert allreduce_ms(c, 1e6, [0, 1, 4, 5]) == pytest.approx(intra + inter)
+    # one device per server: just the inter-server ring
+    assert allreduce_ms(c, 1e6, [0, 4]) == pytest.approx(inter)
+
+
+def test_comm_stage_follows_split_concat_links() -> None:
+    p, c = make_profile(4, act=1000.0), make_cluster(servers=2, per_server=2, gbps=100.0)
+    src = StagePlan(layers=(0, 2), devices=(0, 1))
+    # concat of 2 replicas into device 2 on the other server: its NIC receives all 4 samples
+    dst = StagePlan(layers=(2, 4), devices=(2,))
+    f, b = comm_stage_ms(p, c, src, dst, 4)
+    assert f == b == pytest.approx(0.02 + 4000 / (BPMS_100G / 4))
+    # one-to-one inside a server: one device link with 4 samples
+    src1 = StagePlan(layers=(0, 2), devices=(0,))
+    dst1 = StagePlan(layers=(2, 4), devices=(1,))
+    assert comm_stage_ms(p, c, src1, dst1, 4)[0] == pytest.approx(0.005 + 4000 / BPMS_100G)
+    # split 1 -> 2 inside a server: the sender's link carries 4 samples in all
+    dst2 = StagePlan(layers=(2, 4), devices=(1, 0))
+    src2 = StagePlan(layers=(0, 2), devices=(0,))
+    # replica 1 of dst is device 0 itself: only 2 samples move (to device 1)
+    assert comm_stage_ms(p, c, src2, dst2, 4)[0] == pytest.approx(0.005 + 2000 / BPMS_100G)
+
+
+def test_memory_terms() -> None:
+    p = dataclasses.replace(make_profile(4, act=100.0, params=1000), input_bytes_per_sample=5.0)
+    assert parameter_state_bytes(p, (0, 2)) == 2000 * 4
+    st = StagePlan(layers=(0, 2), devices=(0, 1))
+    assert activation_bytes(p, st, 3) == 600.0
+    rec = dataclasses.replace(st, recompute=True)
+    assert activation_bytes(p, rec, 3) == 15.0  # only the stage input (model input here)
+    # b = 6 over 2 replicas: slices of 3; 2 in flight
+    assert device_memory_bytes(p, st, 6, 2) == 8000 + 2 * 600
+    assert device_memory_bytes(p, rec, 6, 2) == 8000 + 2 * 15 + 600
+
+
+def test_latency_two_stage_golden() -> None:
+    # 2 stages of 3 layers, F = 6, B = 12 per micro-batch of 2 samples, no comm, no AR (1 replica)
+    p, c = make_profile(6, act=0.0, params=0), make_cluster()
+    plan = straight_plan(6, [0, 3], global_batch_size=8, num_micro_batches=4)
+    r = pipeline_latency(plan, p, c)
+    assert r.S == 3 and r.Q == 2
+    assert (r.T_w_ms, r.T_s_ms, r.T_e_ms) == (12.0, 54.0, 24.0)
+    assert r.L_ms == 90.0  # M (F + B) + F + B of the other stage: the 1F1B makespan
+    assert [s.kind for s in r.stages] == ["compute", "comm", "compute"]
+    assert r.fits_memory
+
+
+def test_pivot_moves_to_a_slow_early_stage() -> None:
+    L, tw, ts, te, Q = latency_from_stages([4.0, 1.0], [8.0, 2.0], [0.0, 0.0], 3, [12.0, 3.0])
+    assert Q == 0
+    assert (tw, ts) == (4.0, 24.0)
+    assert te == 1.0 + 2.0 + 8.0  # the last micro-batch's tail F_1 + B_1, then B_0
+    assert L == 39.0
+
+
+def test_ending_phase_counts_allreduce_of_early_stages() -> None:
+    L, _, _, te, Q = latency_from_stages([1.0, 1.0], [2.0, 2.0], [10.0, 0.0], 2, [3.0, 3.0])
+    assert Q == 1
+    assert te == 2.0 + 2.0 + 10.0
+    assert 2.0 + 3.0 + te == L
+
+
+def test_memory_flag_and_single_stage_is_data_parallel() -> None:
+    p = make_profile(4, act=1e9, params=10**6)
+    c = make_cluster(per_server=2)
+    plan = straight_plan(4, [0], global_batch_size=64, num_micro_batches=1, replicas=[2])
+    r = pipeline_latency(plan, p, c)
+    assert not r.fits_memory  # 32 samples x 4 GB of activations
+    assert r.S == 1 and r.Q == 0
+    assert r.L_ms == r.T_w_ms + r.T_e_ms
+
+
+def test_policy_b_hides_large_comm() -> None:
+    p = make_profile(4, act=5e5, params=0)
+    c = make_cluster(servers=4, per_server=1, gbps=10.0)
+    a = straight_plan(4, [0, 1, 2, 3], global_batch_size=32, num_micro_batches=16, policy="A")
+    b = dataclasses.replace(a, policy="B")
+    la, lb = pipeline_latency(a, p, c).L_ms, pipeline_latency(b, p, c).L_ms
+    assert lb < la

@@ -1,0 +1,72 @@
+"""Properties of the DAPPLE search against the exhaustive oracle and the baselines."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from dapple.cluster import Cluster
+from dapple.errors import InfeasibleError
+from dapple.planner import PLANNERS, make_plan, pipeline_latency
+from dapple.profile import AffineTime, LayerProfile, ModelProfile
+
+_ms = st.floats(min_value=0.0, max_value=2.0, allow_nan=False)
+_per = st.floats(min_value=0.01, max_value=2.0, allow_nan=False)
+
+
+@st.composite
+def _layer(draw: st.DrawFn, i: int) -> LayerProfile:
+    return LayerProfile(
+        name=f"l{i}",
+        forward=AffineTime(fixed_ms=draw(_ms), per_sample_ms=draw(_per)),
+        backward=AffineTime(fixed_ms=draw(_ms), per_sample_ms=draw(_per)),
+        output_bytes_per_sample=draw(st.sampled_from([0.0, 1e3, 1e5, 1e6, 1e7])),
+        parameter_bytes=draw(st.sampled_from([0, 10**5, 10**7, 10**8])),
+        kept_activation_bytes_per_sample=draw(st.sampled_from([1e3, 1e6, 1e7])),
+    )
+
+
+@st.composite
+def instances(draw: st.DrawFn) -> tuple[ModelProfile, Cluster, int]:
+    n = draw(st.integers(1, 6))
+    profile = ModelProfile(model_name="rand", layers=tuple(draw(_layer(i)) for i in range(n)))
+    servers = draw(st.integers(1, 3))
+    per = draw(st.integers(1, 6 // servers))
+    cluster = Cluster(
+        servers=servers,
+        devices_per_server=per,
+        device_memory_bytes=draw(st.sampled_from([2**28, 2**30, 2**33])),
+        intra_server_bandwidth_gbps=draw(st.sampled_from([10.0, 100.0, 1000.0])),
+        inter_server_bandwidth_gbps=draw(st.sampled_from([1.0, 10.0, 25.0])),
+    )
+    return profile, cluster, draw(st.sampled_from([1, 4, 6, 8, 16]))
+
+
+def _plan_or_none(p: ModelProfile, c: Cluster, gbs: int, name: str) -> float | None:
+    try:
+        plan = make_plan(p, c, gbs, name)
+    except InfeasibleError:
+        return None
+    r = pipeline_latency(plan, p, c)
+    assert r.fits_memory, name
+    assert plan.predicted_step_ms == pytest.approx(r.L_ms, rel=1e-9), name
+    return plan.predicted_step_ms
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(instances())
+def test_dapple_near_oracle_and_never_worse_than_baselines(
+    inst: tuple[ModelProfile, Cluster, int],
+) -> None:
+    p, c, gbs = inst
+    got = {name: _plan_or_none(p, c, gbs, name) for name in PLANNERS}
+    dapple = got["dapple"]
+    oracle = got["exhaustive"]
+    if oracle is not None:
+        assert dapple is not None
+        assert dapple <= 1.01 * oracle
+    for name, value in got.items():
+        if value is not None and name != "exhaustive":
+            assert dapple is not None, name
+            assert dapple <= value * (1 + 1e-9), name
