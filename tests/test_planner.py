@@ -204,3 +204,42 @@ def test_progress_is_reported_per_micro_batch_count() -> None:
     seen: list[tuple[int, int]] = []
     make_plan(make_profile(4), make_cluster(), 8, progress=lambda d, t: seen.append((d, t)))
     assert seen[-1] == (4, 4)
+
+
+def test_cli_plan_writes_a_plan_and_reports_errors(
+    tmp_path: pytest.TempPathFactory, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from pathlib import Path
+
+    from dapple.cli import main
+
+    out = Path(str(tmp_path))
+    prof = out / "p.json"
+    make_profile(6, act=1e5, params=10**6).save(prof)
+    args = ["plan", "--profile", str(prof), "--cluster", "paper-a", "--servers", "1"]
+    assert main([*args, "--global-batch-size", "16", "--output", str(out / "plan.json")]) == 0
+    text = capsys.readouterr().out
+    assert "predicted step L" in text and "speed-up over dp" in text
+    plan = Plan.load(out / "plan.json")
+    assert plan.planner == "dapple" and plan.global_batch_size == 16
+    assert main([*args, "--global-batch-size", "16", "--compare"]) == 0
+    text = capsys.readouterr().out
+    for name in PLANNERS:
+        assert name in text
+    assert main([*args]) == 2  # no batch size for a profile file
+    assert "--global-batch-size is required" in capsys.readouterr().err
+    big = out / "big.json"
+    make_profile(2, params=2**33).save(big)
+    assert (
+        main(["plan", "--profile", str(big), "--cluster", "paper-a", "--global-batch-size", "8"])
+        == 2
+    )
+    assert "GiB" in capsys.readouterr().err
+
+
+def test_cli_plan_paper_profile(capsys: pytest.CaptureFixture[str]) -> None:
+    from dapple.cli import main
+
+    assert main(["plan", "--profile", "paper:bert48", "--cluster", "paper-a"]) == 0
+    assert "bert48" in capsys.readouterr().out
+    assert main(["plan", "--profile", "paper:nope", "--cluster", "paper-a"]) == 2

@@ -24,6 +24,7 @@ _COMMANDS: list[str] = [
     "dapple.cli.import_cmd",
     "dapple.cli.train_cmd",
     "dapple.cli.split_cmd",
+    "dapple.cli.plan_cmd",
 ]
 
 

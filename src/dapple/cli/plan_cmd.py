@@ -1,0 +1,237 @@
+"""``dapple plan``: plan a profiled model on a cluster (DAPPLE search or a baseline)."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from collections.abc import Sequence
+
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+from dapple.cluster import Cluster
+from dapple.errors import DappleError, InfeasibleError, ValidationError
+from dapple.plan import Plan
+from dapple.profile import ModelProfile
+
+__all__ = ["format_devices", "load_profile_spec", "register", "run"]
+
+_PLANNERS = ("dapple", "dp", "straight", "gpipe", "pipedream", "exhaustive")
+
+
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser(
+        "plan",
+        help="plan partition, replication, placement and micro-batching (DAPPLE planner)",
+        description="Plan a profiled model on a cluster and print the stages, pivot stage Q, "
+        "predicted step time L and speed-up over data parallelism.",
+    )
+    p.add_argument(
+        "--profile", required=True, help="model profile JSON, or a paper profile: paper:bert48"
+    )
+    p.add_argument("--cluster", required=True, help="cluster preset name or JSON/TOML file")
+    p.add_argument("--servers", type=int, default=None, help="override the number of servers")
+    p.add_argument(
+        "--global-batch-size",
+        type=int,
+        default=None,
+        help="samples per step (default for paper: profiles: the paper's)",
+    )
+    p.add_argument("--planner", choices=_PLANNERS, default="dapple", help="default: dapple")
+    p.add_argument("--output", default=None, help="write the plan JSON here")
+    p.add_argument(
+        "--compare", action="store_true", help="run every planner and compare them side by side"
+    )
+    p.set_defaults(func=run)
+
+
+def load_profile_spec(spec: str) -> tuple[ModelProfile, int | None]:
+    """A profile file, or ``paper:<name>`` for a shipped paper profile (with its paper GBS).
+
+    Raises:
+        ValidationError: unknown paper model or unreadable file.
+    """
+    if spec.startswith("paper:"):
+        from dapple.profiler.paper_models import PAPER_GLOBAL_BATCH, load_paper_profile
+
+        name = spec.split(":", 1)[1]
+        return load_paper_profile(name), PAPER_GLOBAL_BATCH.get(name)
+    return ModelProfile.load(spec), None
+
+
+def format_devices(devices: Sequence[int]) -> str:
+    """Compact device list: ``0-7,12``."""
+    out: list[str] = []
+    ds = list(devices)
+    i = 0
+    while i < len(ds):
+        j = i
+        while j + 1 < len(ds) and ds[j + 1] == ds[j] + 1:
+            j += 1
+        out.append(str(ds[i]) if i == j else f"{ds[i]}-{ds[j]}")
+        i = j + 1
+    return ",".join(out)
+
+
+def _ms(v: float) -> str:
+    return f"{v:.2f}"
+
+
+def _gib(v: float) -> str:
+    return f"{v / 2**30:.2f}"
+
+
+def _plan_with_progress(
+    con: Console, profile: ModelProfile, cluster: Cluster, gbs: int, planner: str
+) -> Plan:
+    """Run one planner; show a progress bar once it has taken more than a second."""
+    from dapple.planner import make_plan
+
+    start = time.perf_counter()
+    bar: Progress | None = None
+    task = None
+
+    def progress(done: int, total: int) -> None:
+        nonlocal bar, task
+        if bar is None and time.perf_counter() - start > 1.0:
+            bar = Progress(console=con, transient=True)
+            bar.start()
+            task = bar.add_task(f"{planner}: micro-batch counts", total=total)
+        if bar is not None and task is not None:
+            bar.update(task, completed=done)
+
+    try:
+        return make_plan(profile, cluster, gbs, planner, progress=progress)
+    finally:
+        if bar is not None:
+            bar.stop()
+
+
+def _stage_table(plan: Plan, profile: ModelProfile, cluster: Cluster) -> Table:
+    from dapple.planner.cost import pipeline_latency
+
+    r = pipeline_latency(plan, profile, cluster)
+    t = Table(title=f"{plan.planner} plan of {profile.model_name} on {cluster.name}")
+    for col in (
+        "stage",
+        "layers",
+        "replicas",
+        "devices",
+        "recompute",
+        "K_i",
+        "F ms",
+        "B ms",
+        "comm F/B ms",
+        "AllReduce ms",
+        "memory GiB",
+    ):
+        t.add_column(col, justify="right" if col not in ("devices",) else "left")
+    rows = r.stages
+    for idx, row in enumerate(rows):
+        if row.kind != "compute":
+            continue
+        st = plan.stages[row.index]
+        comm = rows[idx + 1] if idx + 1 < len(rows) else None
+        pivot = " (Q)" if idx == r.Q else ""
+        t.add_row(
+            f"{row.index}{pivot}",
+            f"[{st.layers[0]}, {st.layers[1]})",
+            str(st.replicas),
+            format_devices(st.devices),
+            "yes" if st.recompute else "no",
+            str(row.in_flight),
+            _ms(row.forward_ms),
+            _ms(row.backward_ms),
+            "-"
+            if comm is None
+            else f"{_ms(comm.forward_ms)}/{_ms(comm.backward_ms)}"
+            + (" (Q)" if idx + 1 == r.Q else ""),
+            _ms(row.allreduce_ms),
+            _gib(row.memory_bytes),
+        )
+    return t
+
+
+def _dp_ms(profile: ModelProfile, cluster: Cluster, gbs: int) -> float:
+    from dapple.planner import make_plan
+
+    try:
+        return make_plan(profile, cluster, gbs, "dp").predicted_step_ms
+    except InfeasibleError:
+        return math.nan
+
+
+def _speedup(dp_ms: float, ms: float) -> str:
+    return "dp infeasible" if math.isnan(dp_ms) else f"{dp_ms / ms:.2f}x"
+
+
+def run(args: argparse.Namespace) -> int:
+    from dapple.cluster import load_cluster
+    from dapple.planner.cost import pipeline_latency
+
+    profile, paper_gbs = load_profile_spec(args.profile)
+    cluster = load_cluster(args.cluster, args.servers)
+    gbs = args.global_batch_size if args.global_batch_size is not None else paper_gbs
+    if gbs is None:
+        raise ValidationError("--global-batch-size is required for a profile file")
+    if gbs < 1:
+        raise ValidationError(f"--global-batch-size must be >= 1, got {gbs}")
+    con = Console()
+    dp_ms = _dp_ms(profile, cluster, gbs)
+    if args.compare:
+        return _compare(con, profile, cluster, gbs, dp_ms, args.output)
+    plan = _plan_with_progress(con, profile, cluster, gbs, args.planner)
+    r = pipeline_latency(plan, profile, cluster)
+    con.print(_stage_table(plan, profile, cluster))
+    con.print(
+        f"S = {plan.num_stages} computation stages ({r.S} with comm stages), "
+        f"replication {plan.replication}, split positions {list(plan.split_positions)}, "
+        f"pivot Q = {r.Q}, M = {plan.num_micro_batches} x {plan.micro_batch_size} samples, "
+        f"schedule {plan.schedule} policy {plan.policy}"
+    )
+    con.print(
+        f"predicted step L = {plan.predicted_step_ms:.2f} ms (T_w {r.T_w_ms:.2f} + T_s "
+        f"{r.T_s_ms:.2f} + T_e {r.T_e_ms:.2f}), speed-up over dp {_speedup(dp_ms, plan.predicted_step_ms)}"
+    )
+    if args.output:
+        plan.save(args.output)
+        con.print(f"plan written to {args.output}")
+    return 0
+
+
+def _compare(
+    con: Console,
+    profile: ModelProfile,
+    cluster: Cluster,
+    gbs: int,
+    dp_ms: float,
+    output: str | None,
+) -> int:
+    t = Table(title=f"planners on {profile.model_name}, {cluster.name}, global batch {gbs}")
+    for col in ("planner", "replication", "split positions", "M", "schedule", "L ms", "vs dp"):
+        t.add_column(col, justify="left" if col in ("planner", "replication") else "right")
+    best: Plan | None = None
+    for name in _PLANNERS:
+        try:
+            plan = _plan_with_progress(con, profile, cluster, gbs, name)
+        except DappleError as e:
+            t.add_row(name, "-", "-", "-", "-", "-", str(e).split(";")[0][:60])
+            continue
+        if name == "dapple":
+            best = plan
+        t.add_row(
+            name,
+            plan.replication,
+            ",".join(map(str, plan.split_positions)) or "-",
+            str(plan.num_micro_batches),
+            f"{plan.schedule}/{plan.policy}",
+            _ms(plan.predicted_step_ms),
+            _speedup(dp_ms, plan.predicted_step_ms),
+        )
+    con.print(t)
+    if output and best is not None:
+        best.save(output)
+        con.print(f"dapple plan written to {output}")
+    return 0
