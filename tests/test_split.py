@@ -289,3 +289,73 @@ def test_untraceable_model_is_validation_error() -> None:
             lambda b, s: (torch.ones(b, 2), torch.zeros(b)),
             lambda o, t: o.sum(),
         )
+
+
+class TableBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.fc(x + table))
+
+
+class TableNet(nn.Module):
+    """Blocks share a (SEQ, DIM) table built from a buffer: it has no batch dimension."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, DIM)
+        self.register_buffer("inv", torch.linspace(0.1, 1.0, DIM))
+        self.blocks = nn.ModuleList(TableBlock() for _ in range(3))
+        self.head = nn.Linear(DIM, VOCAB)
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        table = torch.sin(torch.arange(SEQ, dtype=torch.float32)[:, None] * self.inv[None, :])
+        x = self.emb(ids) * mask.unsqueeze(-1)
+        for block in self.blocks:
+            x = block(x, table)
+        return self.head(x)
+
+
+def test_batch_free_tensors_are_recomputed_not_passed() -> None:
+    w = workload_from_module(TableNet, make_batch, lm_loss)
+    chain = w.build_model(0)
+    x, _ = w.make_batch(3, 0)
+    for piece in list(chain)[:-1]:
+        x = piece(x)
+        assert isinstance(x, torch.Tensor) and x.shape == (3, SEQ, DIM)  # only the stream
+    assert "inv" in dict(chain[2].named_buffers())  # each block piece rebuilds the table
+    assert_chain_equals_model(w)
+
+
+class SeqFirstNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.ModuleList(nn.Linear(DIM, DIM) for _ in range(2))
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        x = self.emb(ids).transpose(0, 1)  # (seq, batch, dim) between the blocks
+        for block in self.blocks:
+            x = block(x)
+        return x.transpose(0, 1)
+
+
+def test_cut_carrying_non_batch_major_tensor_rejected() -> None:
+    with pytest.raises(ValidationError, match="dimension 0 is not the batch"):
+        workload_from_module(SeqFirstNet, make_batch, lm_loss)
+
+
+class FixedBatchNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(SEQ, SEQ)])
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.blocks[0](ids.float().reshape(2, SEQ))
+
+
+def test_model_fixing_the_batch_size_rejected() -> None:
+    with pytest.raises(ValidationError, match="fixes the batch size"):
+        workload_from_module(FixedBatchNet, make_batch, lm_loss)

@@ -1,0 +1,404 @@
+"""Cut a model's ``torch.export`` graph into pieces that each take and return tensors.
+
+Used by :mod:`dapple.split` (see its docstring for the design). A *cut* is a position in the
+exported graph's node list; each run of nodes between two cuts becomes a
+``torch.fx.GraphModule`` whose parameters keep the original model's qualified names.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import operator
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from dapple.errors import ValidationError
+
+__all__ = [
+    "EXAMPLE_BATCH",
+    "SplitModel",
+    "default_cut_names",
+    "executed_module_names",
+    "parse_split_at",
+]
+
+EXAMPLE_BATCH = 2
+"""Batch size the model is traced at (0 and 1 would be specialised by ``torch.export``)."""
+
+
+def parse_split_at(text: str | None) -> list[str] | None:
+    """Parse a CLI ``--split-at NAME,NAME`` value (``None`` or empty: default cuts)."""
+    if text is None:
+        return None
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    return names or None
+
+
+def _as_tuple(inputs: Any) -> tuple[Any, ...]:
+    return inputs if isinstance(inputs, tuple) else (inputs,)
+
+
+def _export(model: nn.Module, inputs: tuple[Any, ...]) -> fx.GraphModule:
+    dyn = torch.export.Dim.DYNAMIC
+    shapes = tuple(
+        {0: dyn} if isinstance(t, torch.Tensor) and t.dim() > 0 else None for t in inputs
+    )
+    try:
+        ep = torch.export.export(model, inputs, dynamic_shapes=shapes, strict=False)
+    except Exception as e:  # torch raises many types; report them as one user error
+        if "Constraints violated" in str(e):
+            raise ValidationError(
+                f"{type(model).__name__}.forward fixes the batch size (dimension 0 of its "
+                "inputs); the layer chain needs any batch size"
+            ) from e
+        raise ValidationError(
+            f"cannot trace {type(model).__name__} with torch.export: {type(e).__name__}: "
+            f"{str(e).splitlines()[0] if str(e) else ''}"
+        ) from e
+    return ep.module(check_guards=False)
+
+
+def _aliases(model: nn.Module) -> dict[str, list[str]]:
+    """Every name of each parameter/buffer that is reachable under several names."""
+    by_id: dict[int, list[str]] = {}
+    named = [
+        *model.named_parameters(remove_duplicate=False),
+        *model.named_buffers(remove_duplicate=False),
+    ]
+    for name, t in named:
+        by_id.setdefault(id(t), []).append(name)
+    return {n: names for names in by_id.values() if len(names) > 1 for n in names}
+
+
+def _fetch(root: nn.Module, target: str) -> Any:
+    obj: Any = root
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _install(root: nn.Module, target: str, obj: Any) -> None:
+    """Set ``root.<target> = obj``, creating plain parent modules; tensors become buffers."""
+    *prefix, field = target.split(".")
+    mod = root
+    for part in prefix:
+        if not hasattr(mod, part):
+            mod.add_module(part, nn.Module())
+        mod = getattr(mod, part)
+    if isinstance(obj, torch.Tensor) and not isinstance(obj, nn.Parameter):
+        mod.register_buffer(field, obj)
+    else:
+        setattr(mod, field, obj)
+
+
+def _batch_symbols(placeholders: list[fx.Node]) -> set[Any]:
+    """The symbolic batch sizes of the traced inputs (dimension 0 of each tensor input)."""
+    syms: set[Any] = set()
+    for ph in placeholders:
+        val = ph.meta.get("val")
+        if (
+            isinstance(val, torch.Tensor)
+            and val.dim() > 0
+            and isinstance(val.shape[0], torch.SymInt)
+        ):
+            syms.add(val.shape[0].node.expr)
+    return syms
+
+
+def _module_fqns(node: fx.Node) -> list[str]:
+    stack = node.meta.get("nn_module_stack") or {}
+    return [str(v[0]) for v in stack.values() if isinstance(v, tuple) and v and v[0]]
+
+
+def executed_module_names(graph: fx.Graph) -> dict[str, tuple[int, int]]:
+    """Module names that ran in ``graph``, mapped to (first, last) node positions.
+
+    Args:
+        graph: A graph from ``torch.export`` whose nodes carry ``nn_module_stack``.
+    """
+    spans: dict[str, tuple[int, int]] = {}
+    for pos, node in enumerate(graph.nodes):
+        for fqn in _module_fqns(node):
+            first, _ = spans.get(fqn, (pos, pos))
+            spans[fqn] = (first, pos)
+    return spans
+
+
+def default_cut_names(model: nn.Module) -> list[str]:
+    """Names of the elements of the model's largest ``nn.ModuleList`` (the blocks).
+
+    Args:
+        model: The original model.
+
+    Raises:
+        ValidationError: The model has no non-empty ``nn.ModuleList``.
+    """
+    best: tuple[int, int, str] | None = None
+    for name, mod in model.named_modules():
+        if isinstance(mod, nn.ModuleList) and len(mod) > 0:
+            size = sum(p.numel() for p in mod.parameters())
+            key = (len(mod), size, name)
+            if best is None or key[:2] > best[:2]:
+                best = key
+    if best is None:
+        raise ValidationError(
+            f"{type(model).__name__} has no nn.ModuleList to split at; give split_at names"
+        )
+    prefix = f"{best[2]}." if best[2] else ""
+    return [f"{prefix}{i}" for i in range(best[0])]
+
+
+class SplitModel:
+    """A model traced once and cut into pieces (templates; weights loaded per seed)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        example_inputs: Any,
+        split_at: Sequence[str] | None = None,
+    ) -> None:
+        """Trace ``model`` on ``example_inputs`` and cut it.
+
+        Args:
+            model: The original model, called as ``model(*inputs)``.
+            example_inputs: A tensor or tuple of tensors (batch in dimension 0).
+            split_at: Module names to cut before (or one comma-separated string); ``None``:
+                before every block of the largest ``nn.ModuleList`` and after the last block.
+
+        Raises:
+            ValidationError: A name in ``split_at`` did not run in the model (the message lists
+                the valid names), two names cut at the same place, or tracing failed.
+        """
+        if isinstance(split_at, str):  # "a,b" from a CLI --set split_at=a,b
+            split_at = parse_split_at(split_at)
+        inputs = _as_tuple(example_inputs)
+        self.input_is_tuple = isinstance(example_inputs, tuple)
+        with torch.no_grad():
+            eager_out = model(*inputs)
+        if isinstance(eager_out, torch.Tensor):
+            self.output_is_tuple = False
+        elif isinstance(eager_out, tuple) and all(isinstance(t, torch.Tensor) for t in eager_out):
+            self.output_is_tuple = True
+        else:
+            raise ValidationError(
+                f"{type(model).__name__} must return a tensor or a tuple of tensors, "
+                f"got {type(eager_out).__name__}"
+            )
+        self.traced = _export(model, inputs)
+        self.aliases = _aliases(model)
+        nodes = list(self.traced.graph.nodes)
+        modules = dict(model.named_modules(remove_duplicate=False))
+        spans = {
+            n: span for n, span in executed_module_names(self.traced.graph).items() if n in modules
+        }
+        cuts = self._cut_positions(model, spans, split_at, len(nodes))
+        self.pieces, self.names = self._build_pieces(nodes, cuts)
+
+    # -- cutting ------------------------------------------------------------------------------
+
+    @staticmethod
+    def _cut_positions(
+        model: nn.Module,
+        spans: dict[str, tuple[int, int]],
+        split_at: Sequence[str] | None,
+        num_nodes: int,
+    ) -> list[tuple[int, str]]:
+        if split_at is None:
+            blocks = [b for b in default_cut_names(model) if b in spans]
+            if not blocks:
+                raise ValidationError("no block of the largest nn.ModuleList ran in forward")
+            cuts = [(spans[b][0], b) for b in blocks]
+            cuts.append((spans[blocks[-1]][1] + 1, "epilogue"))
+            return cuts
+        unknown = [n for n in split_at if n not in spans]
+        if unknown:
+            valid = sorted(spans, key=lambda n: (spans[n][0], n))
+            raise ValidationError(
+                f"split_at names {unknown} are not modules that run in "
+                f"{type(model).__name__}.forward; valid names: {', '.join(valid)}"
+            )
+        cuts = sorted((spans[n][0], n) for n in split_at)
+        for (p, a), (q, b) in itertools.pairwise(cuts):
+            if p == q:
+                raise ValidationError(f"split_at names {a!r} and {b!r} cut at the same place")
+        return cuts
+
+    def _build_pieces(
+        self, nodes: list[fx.Node], cuts: list[tuple[int, str]]
+    ) -> tuple[list[fx.GraphModule], list[str]]:
+        position = {n: i for i, n in enumerate(nodes)}
+        bounds = [0, *[p for p, _ in cuts], len(nodes)]
+        names = ["prologue", *[n for _, n in cuts]]
+        # Assign compute nodes to raw pieces by position.
+        piece_of: dict[fx.Node, int] = {}
+        for node in nodes:
+            if node.op == "call_function":
+                pos = position[node]
+                piece_of[node] = max(k for k in range(len(names)) if bounds[k] <= pos)
+        # getitem on a list-valued node stays with that node (lists never cross a cut).
+        for node in nodes:
+            if node.op == "call_function" and node.target is operator.getitem:
+                src = node.args[0]
+                if isinstance(src, fx.Node) and src in piece_of:
+                    piece_of[node] = piece_of[src]
+        # Drop empty pieces (e.g. nothing runs before the first block).
+        used = sorted(set(piece_of.values()))
+        renumber = {old: new for new, old in enumerate(used)}
+        piece_of = {n: renumber[k] for n, k in piece_of.items()}
+        names = [names[k] for k in used]
+        num = len(names)
+
+        placeholders = [n for n in nodes if n.op == "placeholder"]
+        output = next(n for n in nodes if n.op == "output")
+        final = list(output.all_input_nodes)
+        # Last piece (num = the output) that uses each tensor value.
+        last_use: dict[fx.Node, int] = {}
+        for node in nodes:
+            if node.op != "call_function":
+                continue
+            for arg in node.all_input_nodes:
+                last_use[arg] = max(last_use.get(arg, -1), piece_of[node])
+        for arg in final:
+            last_use[arg] = num
+
+        def defined_in(v: fx.Node) -> int:
+            return -1 if v.op == "placeholder" else piece_of.get(v, -2)
+
+        def is_tensor(v: fx.Node) -> bool:
+            return isinstance(v.meta.get("val"), torch.Tensor)
+
+        # Tensors that do not depend on the inputs (tables built from buffers, causal masks of a
+        # fixed length) are recomputed by each piece that needs them instead of crossing a cut.
+        batch_dep = set(placeholders)
+        for node in nodes:
+            if node.op == "call_function" and any(a in batch_dep for a in node.all_input_nodes):
+                batch_dep.add(node)
+        self._batch_free = {n for n in nodes if n.op == "call_function" and n not in batch_dep}
+        batch_syms = _batch_symbols(placeholders)
+        values = [
+            v
+            for v in nodes
+            if v.op in ("placeholder", "call_function") and is_tensor(v) and v in batch_dep
+        ]
+        live_in: list[list[fx.Node]] = [placeholders]
+        for k in range(1, num):
+            live = [
+                v for v in values if defined_in(v) < k <= last_use.get(v, -1) and defined_in(v) > -2
+            ]
+            for v in live:
+                dim0 = v.meta["val"].shape[0] if v.meta["val"].dim() else None
+                if not (isinstance(dim0, torch.SymInt) and dim0.node.expr in batch_syms):
+                    raise ValidationError(
+                        f"the cut before {names[k]!r} would carry {v.name} of shape "
+                        f"{tuple(v.meta['val'].shape)} whose dimension 0 is not the batch; "
+                        "choose other split_at names"
+                    )
+            live_in.append(live)
+        live_in.append(final)
+        for v in final:
+            if not is_tensor(v):
+                raise ValidationError(f"model output {v.name} is not a tensor")
+
+        pieces = []
+        for k in range(num):
+            body = [n for n in nodes if piece_of.get(n) == k]
+            pack_in = self.input_is_tuple if k == 0 else len(live_in[k]) > 1
+            pack_out = self.output_is_tuple if k == num - 1 else len(live_in[k + 1]) > 1
+            graph, attrs = self._piece_graph(k, live_in[k], body, live_in[k + 1], pack_in, pack_out)
+            root = nn.Module()
+            for target, obj in attrs.items():
+                _install(root, target, obj)
+            pieces.append(fx.GraphModule(root, graph, class_name=f"Piece{k}"))
+        return pieces, names
+
+    # -- one piece ----------------------------------------------------------------------------
+
+    def _piece_graph(
+        self,
+        k: int,
+        inputs: list[fx.Node],
+        body: list[fx.Node],
+        outputs: list[fx.Node],
+        pack_in: bool,
+        pack_out: bool,
+    ) -> tuple[fx.Graph, dict[str, Any]]:
+        graph = fx.Graph()
+        env: dict[fx.Node, fx.Node] = {}
+        attrs: dict[str, Any] = {}
+        members = set(body)
+        if pack_in:
+            arg = graph.placeholder("inputs")
+            for i, v in enumerate(inputs):
+                env[v] = graph.call_function(operator.getitem, (arg, i))
+                env[v].meta = copy.copy(v.meta)
+        else:
+            (v,) = inputs
+            env[v] = graph.placeholder(v.name)
+            env[v].meta = copy.copy(v.meta)
+
+        def lookup(a: fx.Node) -> fx.Node:
+            if a in env:
+                return env[a]
+            if a.op == "get_attr":
+                target = self._alias(str(a.target), [u for u in a.users if u in members])
+                attrs[target] = _fetch(self.traced, str(a.target))
+                env[a] = graph.get_attr(target)
+                env[a].meta = copy.copy(a.meta)
+                return env[a]
+            if a in self._batch_free:
+                env[a] = graph.node_copy(a, lookup)
+                return env[a]
+            return self._materialize(graph, env, a, inputs, k)
+
+        for node in body:
+            env[node] = graph.node_copy(node, lookup)
+        outs = tuple(lookup(v) for v in outputs)
+        graph.output(outs if pack_out else outs[0])
+        graph.lint()
+        return graph, attrs
+
+    def _alias(self, target: str, users: list[fx.Node]) -> str:
+        """Of the names of a shared tensor, the one owned by a module that uses it here."""
+        names = self.aliases.get(target, [target])
+        owners = {fqn for u in users for fqn in _module_fqns(u)}
+        owned = [n for n in names if n.rpartition(".")[0] in owners]
+        return max(owned, key=lambda n: n.count(".")) if owned else target
+
+    @staticmethod
+    def _materialize(
+        graph: fx.Graph,
+        env: dict[fx.Node, fx.Node],
+        value: fx.Node,
+        inputs: list[fx.Node],
+        k: int,
+    ) -> fx.Node:
+        """Recompute a symbolic size from an input tensor's shape instead of passing it."""
+        val = value.meta.get("val")
+        if isinstance(val, torch.SymInt):
+            for v in inputs:
+                fake = v.meta.get("val")
+                if not isinstance(fake, torch.Tensor):
+                    continue
+                for d, size in enumerate(fake.shape):
+                    if isinstance(size, torch.SymInt) and size.node.expr == val.node.expr:
+                        new = graph.call_function(torch.ops.aten.sym_size.int, (env[v], d))
+                        new.meta = copy.copy(value.meta)
+                        env[value] = new
+                        return new
+            if value.op == "call_function" and value.target is not torch.ops.aten.sym_size.int:
+                new = graph.node_copy(
+                    value,
+                    lambda a: (
+                        env[a] if a in env else SplitModel._materialize(graph, env, a, inputs, k)
+                    ),
+                )
+                env[value] = new
+                return new
+        raise ValidationError(
+            f"piece {k} needs {value.name} ({type(val).__name__}) computed before the cut and "
+            "it cannot be passed as a tensor; choose other split_at names"
+        )
