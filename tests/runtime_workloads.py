@@ -6,6 +6,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from dapple.tied import sum_tied_grads_local
 from dapple.workload import Workload
 
 IN, HID, OUT, CLASSES, VOCAB = 6, 12, 3, 5, 7
@@ -28,6 +29,27 @@ def mlp(num_layers: int = 4) -> Workload:
         layer_factories=[block(i) for i in range(num_layers)],
         make_batch=_mlp_batch,
         loss_fn=F.mse_loss,
+    )
+
+
+def tied_mlp() -> Workload:
+    """Like :func:`mlp`, but layers 1 and 2 share one weight (equal initial copies)."""
+
+    def shared() -> nn.Module:
+        block = nn.Sequential(nn.Linear(HID, HID), nn.Tanh())
+        with torch.no_grad():
+            block[0].weight.copy_(
+                torch.randn(HID, HID, generator=torch.Generator().manual_seed(9)) * 0.3
+            )
+        return block
+
+    base = mlp(4)
+    return Workload(
+        name="test-tied",
+        layer_factories=[base.layer_factories[0], shared, shared, base.layer_factories[3]],
+        make_batch=_mlp_batch,
+        loss_fn=F.mse_loss,
+        tied_parameters=[[(1, "0.weight"), (2, "0.weight")]],
     )
 
 
@@ -88,7 +110,7 @@ def tuple_chain() -> Workload:
 # --------------------------------------------------------------------------------------------
 # Multi-process drivers (spawned once per test module; loop over configurations inside).
 
-WORKLOADS = {"mlp": mlp, "tuple": tuple_chain}
+WORKLOADS = {"mlp": mlp, "tuple": tuple_chain, "tied": tied_mlp}
 
 # name -> ((layers, devices), ...) for a 4-layer model on <= 4 ranks
 PLANS: dict[str, tuple[tuple[tuple[int, int], tuple[int, ...]], ...]] = {
@@ -127,7 +149,9 @@ def equivalence_configs() -> list[dict]:
             for recompute in (False, True):
                 if policy == "B" and recompute:
                     continue
-                for wl in WORKLOADS:
+                for wl in ("mlp", "tuple", "tied"):
+                    if wl == "tied" and (schedule, recompute) != ("dapple", False):
+                        continue
                     out.append(
                         dict(
                             plan=plan,
@@ -161,6 +185,7 @@ def reference_run(wl: Workload, optimizer: str, lr: float, seed: int, g: int, st
         opt.zero_grad()
         loss = wl.loss_fn(model(x), y)
         loss.backward()
+        sum_tied_grads_local(list(model), wl.tied_parameters)
         opt.step()
         losses.append(float(loss.detach()))
     return model, losses

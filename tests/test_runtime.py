@@ -23,7 +23,6 @@ from dapple.runtime import (
     spawn,
     validate_run,
 )
-from dapple.workload import Workload
 
 CONFIGS = rw.equivalence_configs()
 
@@ -115,15 +114,6 @@ def test_validate_run_rejects_mismatches() -> None:
         validate_run(plan, wl, 4)
     with pytest.raises(ValidationError, match="model has 5 layers"):
         validate_run(plan, rw.mlp(5), 3)
-    tied = Workload(
-        name="tied",
-        layer_factories=wl.layer_factories,
-        make_batch=wl.make_batch,
-        loss_fn=wl.loss_fn,
-        tied_parameters=[[(0, "0.weight"), (3, "0.weight")]],
-    )
-    with pytest.raises(ValidationError, match="span stages"):
-        validate_run(plan, tied, 3)
 
 
 def test_train_config_validation() -> None:

@@ -17,7 +17,6 @@ import os
 import re
 import time
 from collections.abc import Callable
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -28,6 +27,7 @@ from dapple.plan import Plan
 from dapple.runtime.config import StepMetrics, TrainConfig
 from dapple.runtime.memory import ActivationMeter
 from dapple.runtime.stage import StageExecutor
+from dapple.runtime.sync import GradientSync
 from dapple.runtime.transport import flatten, infer_boundary_specs
 from dapple.schedule.ir import ActionKind
 from dapple.schedule.lower import lower
@@ -61,7 +61,7 @@ class StageRun:
 
 
 def validate_run(plan: Plan, workload: Workload, world_size: int, *, exact: bool = True) -> None:
-    """Checks before any compute: world size, layer count, batch split, tied parameters.
+    """Checks before any compute: world size, layer count, batch split.
 
     Raises:
         ValidationError: the plan does not fit the workload or the process group.
@@ -77,18 +77,6 @@ def validate_run(plan: Plan, workload: Workload, world_size: int, *, exact: bool
         raise ValidationError(  # pragma: no cover - Plan already enforces it
             f"global batch {plan.global_batch_size} != {plan.micro_batch_size} x {plan.num_micro_batches}"
         )
-    for group in workload.tied_parameters:
-        stages = {
-            s
-            for s, st in enumerate(plan.stages)
-            for i, _ in group
-            if st.layers[0] <= i < st.layers[1]
-        }
-        if len(stages) > 1:
-            raise ValidationError(
-                f"tied parameters {list(group)} span stages {sorted(stages)}; the runtime does not "
-                "synchronise tied parameters across stages - cut the model so they share a stage"
-            )
 
 
 def _describe(plan: Plan, rank: int) -> str:
@@ -113,22 +101,6 @@ def _make_optimizer(name: str, params: list[nn.Parameter], lr: float) -> torch.o
     if name == "adam":
         return torch.optim.Adam(params, lr=lr)
     return torch.optim.SGD(params, lr=lr)
-
-
-def _allreduce_grads(params: list[nn.Parameter], group: Any) -> None:
-    """AR(P_s, g_s): SUM the stage's gradients over its replicas in one flat buffer."""
-    if not params:
-        return
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    flat = torch.cat([p.grad.reshape(-1) for p in params])  # type: ignore[union-attr]
-    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
-    off = 0
-    for p in params:
-        n = p.numel()
-        p.grad.copy_(flat[off : off + n].view_as(p))  # type: ignore[union-attr]
-        off += n
 
 
 def run_plan(
@@ -158,10 +130,6 @@ def run_plan(
     rank, world = dist.get_rank(), dist.get_world_size()
     validate_run(plan, workload, world, exact=exact_world)
     G = plan.global_batch_size
-    groups: dict[int, Any] = {}
-    for i, st in enumerate(plan.stages):  # every rank creates every group, in the same order
-        if st.replicas > 1:
-            groups[i] = dist.new_group(list(st.devices))
     in_plan = rank in plan.devices
     s: int | None = None
     j: int | None = None
@@ -183,6 +151,7 @@ def run_plan(
     specs = infer_boundary_specs(
         plan, rank, module, probe if isinstance(inputs, (tuple, list)) else probe[0], device
     )
+    sync = GradientSync(plan, workload, rank, module, s)  # collective: creates the groups
     torch.manual_seed(config.seed * 7919 + rank)  # per-rank RNG for dropout-like layers
     program = lower(plan)[rank] if in_plan else []
     params = list(module.parameters()) if module is not None else []
@@ -212,16 +181,20 @@ def run_plan(
                     for p in params:
                         p.grad = None
                     ex.begin_step(inputs, targets)
+                    synced = False
                     for n_done, a in enumerate(program):
                         if n_done == 1 and rank == fail_rank and step == fail_step:
                             os._exit(1)  # test hook: die mid-step
                         where = f"action {a}"
+                        if a.kind in (K.ALLREDUCE, K.STEP) and not synced:
+                            ex.finish_sends()
+                            where = "tied-parameter gradient AllReduce"
+                            sync.tied()
+                            synced = True
                         if a.kind is K.ALLREDUCE:
-                            ex.finish_sends()
                             where = f"gradient AllReduce over ranks {list(plan.stages[a.stage].devices)}"
-                            _allreduce_grads(params, groups[a.stage])
+                            sync.stage_allreduce()
                         elif a.kind is K.STEP:
-                            ex.finish_sends()
                             if opt is not None:
                                 opt.step()
                         else:
