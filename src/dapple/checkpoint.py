@@ -26,13 +26,10 @@ from __future__ import annotations
 
 import copy
 import hashlib
-import io
 import json
 import logging
 import os
 import random
-import re
-import shutil
 import tempfile
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -42,7 +39,25 @@ from typing import Any
 import torch
 from torch import nn
 
-from dapple.errors import DappleError
+from dapple._checkpoint_files import (
+    CHECKPOINT_SCHEMA_VERSION,
+    CRASH_IN_SAVE_ENV,
+    MANIFEST_NAME,
+    Checkpoint,
+    CheckpointError,
+    CheckpointMeta,
+    atomic_write,
+    fsync_dir,
+    latest_checkpoint,
+    list_checkpoints,
+    merge_parts_into_manifest,
+    prune_checkpoints,
+    read_checkpoint,
+    read_verified,
+    rec_dict,
+    step_dir,
+    to_bytes,
+)
 
 __all__ = [
     "CHECKPOINT_SCHEMA_VERSION",
@@ -59,6 +74,7 @@ __all__ = [
     "list_checkpoints",
     "load_layer_states",
     "load_rng_state",
+    "prune_checkpoints",
     "read_checkpoint",
     "restore_rng_state",
     "restore_stage",
@@ -68,17 +84,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-CHECKPOINT_SCHEMA_VERSION = 1
-MANIFEST_NAME = "manifest.json"
-CRASH_IN_SAVE_ENV = "DAPPLE_TEST_CRASH_IN_SAVE"
-"""Test hook: at the save of this step, a writing rank ``os._exit(3)``s after its first layer
-file, before the barrier and the manifest."""
-_STEP_DIR = re.compile(r"^step-(\d{8,})$")
-
-
-class CheckpointError(DappleError):
-    """A checkpoint is missing, damaged, incompatible, or cannot be written."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,121 +96,6 @@ class LayerState:
     """The layer's ``state_dict()`` (parameters and persistent buffers), on CPU."""
     optimizer: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Optimizer state per parameter name in the layer (``{}`` for a parameter without state)."""
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class CheckpointMeta:
-    """What a checkpoint records besides the layer tensors."""
-
-    model_name: str
-    """Workload name; a checkpoint loads only into the same model."""
-    num_layers: int
-    """N, the length of the layer chain."""
-    step: int
-    """Optimizer steps completed = the index of the next step to run (the data position)."""
-    samples_consumed: int = 0
-    """Training samples consumed so far (``step x global batch`` for a fixed batch)."""
-    plan: dict[str, Any] | None = None
-    """The plan (``Plan.to_dict()``) the run was saved under."""
-    optimizer_type: str = ""
-    """Class name of the optimizer (``SGD``, ``Adam``); empty when no optimizer was saved."""
-    world_size: int = 1
-    """Number of ranks of the run that saved (RNG states are per rank)."""
-    extra: dict[str, Any] = field(default_factory=dict)
-    """Free-form JSON-serialisable run information (seed, lr, skipped steps...)."""
-
-
-@dataclass(frozen=True, slots=True)
-class _FileRecord:
-    file: str
-    bytes: int
-    sha256: str
-
-
-@dataclass(frozen=True, slots=True)
-class _LayerRecord:
-    index: int
-    file: _FileRecord
-    shapes: dict[str, list[int]]
-
-
-@dataclass(frozen=True, slots=True)
-class Checkpoint:
-    """A complete checkpoint on disk (its manifest was read and checked)."""
-
-    path: Path
-    meta: CheckpointMeta
-    layers: tuple[_LayerRecord, ...]
-    rng: dict[int, _FileRecord]
-
-    @property
-    def step(self) -> int:
-        return self.meta.step
-
-    @property
-    def manifest_path(self) -> Path:
-        return self.path / MANIFEST_NAME
-
-
-# -- file helpers -----------------------------------------------------------------------------
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:  # pragma: no cover - platforms without directory fds
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # pragma: no cover
-        pass
-    finally:
-        os.close(fd)
-
-
-def _atomic_write(path: Path, data: bytes) -> _FileRecord:
-    """Write ``data`` to a temporary file beside ``path``, fsync it, rename it over ``path``."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return _FileRecord(path.name, len(data), hashlib.sha256(data).hexdigest())
-
-
-def _to_bytes(obj: Any) -> bytes:
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return buf.getvalue()
-
-
-def _read_verified(ckpt_dir: Path, rec: _FileRecord, what: str) -> Any:
-    path = ckpt_dir / rec.file
-    try:
-        data = path.read_bytes()
-    except OSError as e:
-        raise CheckpointError(f"cannot read {what} file {str(path)!r}: {e.strerror or e}") from e
-    if len(data) != rec.bytes:
-        raise CheckpointError(
-            f"{what} file {str(path)!r} is truncated or damaged: {len(data)} bytes, "
-            f"the manifest says {rec.bytes}"
-        )
-    if hashlib.sha256(data).hexdigest() != rec.sha256:
-        raise CheckpointError(
-            f"{what} file {str(path)!r} is corrupted: sha256 does not match the manifest"
-        )
-    try:
-        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-    except Exception as e:  # one line, whatever torch raises
-        raise CheckpointError(f"{what} file {str(path)!r} cannot be read by torch: {e}") from e
-
-
-def step_dir(root: str | Path, step: int) -> Path:
-    """The directory of the checkpoint taken after ``step`` completed steps."""
-    return Path(root) / f"step-{step:08d}"
 
 
 # -- RNG --------------------------------------------------------------------------------------
@@ -338,17 +228,17 @@ def save_checkpoint(
         for idx in sorted(layer_states):
             ls = layer_states[idx]
             payload = {"index": idx, "tensors": ls.tensors, "optimizer": ls.optimizer}
-            rec = _atomic_write(d / f"layer-{idx:05d}.pt", _to_bytes(payload))
+            rec = atomic_write(d / f"layer-{idx:05d}.pt", to_bytes(payload))
             shapes = {k: list(v.shape) for k, v in ls.tensors.items()}
-            layers.append({"index": idx, **_rec_dict(rec), "shapes": shapes})
+            layers.append({"index": idx, **rec_dict(rec), "shapes": shapes})
             if crash:
                 os._exit(3)  # test hook: die mid-save, before the manifest
-        rng = _atomic_write(
+        rng = atomic_write(
             d / f"rng-rank{rank:05d}.pt",
-            _to_bytes(dict(rng_state) if rng_state is not None else capture_rng_state()),
+            to_bytes(dict(rng_state) if rng_state is not None else capture_rng_state()),
         )
-        part = {"save_id": sid, "rank": rank, "layers": layers, "rng": _rec_dict(rng)}
-        _atomic_write(d / f"part-{sid}-rank{rank:05d}.json", json.dumps(part).encode())
+        part = {"save_id": sid, "rank": rank, "layers": layers, "rng": rec_dict(rng)}
+        atomic_write(d / f"part-{sid}-rank{rank:05d}.json", json.dumps(part).encode())
     except OSError as e:
         raise CheckpointError(
             f"cannot write checkpoint {str(d)!r}: {e.strerror or e} ({e.filename or d})"
@@ -356,170 +246,11 @@ def save_checkpoint(
     if barrier is not None:
         barrier()
     if write_manifest:
-        _write_manifest(d, meta, sid)
-        _fsync_dir(d)
+        merge_parts_into_manifest(d, meta, sid)
+        fsync_dir(d)
         if keep is not None:
             prune_checkpoints(root, keep)
     return d
-
-
-def _rec_dict(rec: _FileRecord) -> dict[str, Any]:
-    return {"file": rec.file, "bytes": rec.bytes, "sha256": rec.sha256}
-
-
-def _write_manifest(d: Path, meta: CheckpointMeta, sid: str) -> None:
-    layers: dict[int, dict[str, Any]] = {}
-    rng: dict[int, dict[str, Any]] = {}
-    for part_path in sorted(d.glob(f"part-{sid}-rank*.json")):
-        part = json.loads(part_path.read_text())
-        rng[int(part["rank"])] = part["rng"]
-        for rec in part["layers"]:
-            layers.setdefault(int(rec["index"]), rec)
-    missing = [i for i in range(meta.num_layers) if i not in layers]
-    if missing:
-        raise CheckpointError(
-            f"checkpoint {str(d)!r}: layers {missing} were written by no rank; manifest not written"
-        )
-    manifest = {
-        "schema_version": CHECKPOINT_SCHEMA_VERSION,
-        "model_name": meta.model_name,
-        "num_layers": meta.num_layers,
-        "step": meta.step,
-        "samples_consumed": meta.samples_consumed,
-        "optimizer_type": meta.optimizer_type,
-        "world_size": meta.world_size,
-        "plan": meta.plan,
-        "extra": meta.extra,
-        "layers": [layers[i] for i in range(meta.num_layers)],
-        "rng": {str(r): rec for r, rec in sorted(rng.items())},
-    }
-    try:
-        _atomic_write(d / MANIFEST_NAME, (json.dumps(manifest, indent=1) + "\n").encode())
-    except OSError as e:
-        raise CheckpointError(f"cannot write {str(d / MANIFEST_NAME)!r}: {e.strerror or e}") from e
-
-
-# -- find and read --------------------------------------------------------------------------------
-def _bad(path: Path, problem: str) -> CheckpointError:
-    return CheckpointError(f"checkpoint manifest {str(path)!r}: {problem}")
-
-
-def _file_record(x: Any, path: Path, what: str) -> _FileRecord:
-    ok = (
-        isinstance(x, dict)
-        and isinstance(x.get("file"), str)
-        and "/" not in x["file"]
-        and isinstance(x.get("bytes"), int)
-        and isinstance(x.get("sha256"), str)
-    )
-    if not ok:
-        raise _bad(path, f"{what} must have file, bytes and sha256, got {x!r}")
-    return _FileRecord(x["file"], x["bytes"], x["sha256"])
-
-
-def read_checkpoint(path: str | Path) -> Checkpoint:
-    """Read and check the manifest of the checkpoint directory ``path``.
-
-    Raises:
-        CheckpointError: no manifest (incomplete save), not JSON, a newer schema version,
-            missing or malformed fields, or a listed file that is missing.
-    """
-    d = Path(path)
-    mp = d / MANIFEST_NAME
-    try:
-        data = json.loads(mp.read_text())
-    except FileNotFoundError as e:
-        raise CheckpointError(f"{str(d)!r} is not a complete checkpoint: no {MANIFEST_NAME}") from e
-    except OSError as e:
-        raise CheckpointError(f"cannot read {str(mp)!r}: {e.strerror or e}") from e
-    except json.JSONDecodeError as e:
-        raise _bad(mp, f"not valid JSON ({e.msg} at line {e.lineno})") from e
-    if not isinstance(data, dict):
-        raise _bad(mp, f"must hold a JSON object, got {type(data).__name__}")
-    v = data.get("schema_version")
-    if not isinstance(v, int):
-        raise _bad(mp, f"schema_version must be an integer, got {v!r}")
-    if v > CHECKPOINT_SCHEMA_VERSION:
-        raise _bad(
-            mp,
-            f"schema_version {v} is newer than this dapple understands "
-            f"({CHECKPOINT_SCHEMA_VERSION}); upgrade dapple",
-        )
-    for key, typ in (("model_name", str), ("num_layers", int), ("step", int), ("layers", list)):
-        if not isinstance(data.get(key), typ):
-            raise _bad(mp, f"field {key!r} must be a {typ.__name__}, got {data.get(key)!r}")
-    n = data["num_layers"]
-    if len(data["layers"]) != n:
-        raise _bad(mp, f"lists {len(data['layers'])} layers but num_layers is {n}")
-    layers = []
-    for i, x in enumerate(data["layers"]):
-        rec = _file_record(x, mp, f"layer {i}")
-        if x.get("index") != i or not isinstance(x.get("shapes"), dict):
-            raise _bad(mp, f"layer entry {i} has index {x.get('index')!r} or no shapes")
-        layers.append(_LayerRecord(i, rec, {k: list(s) for k, s in x["shapes"].items()}))
-    rng_raw = data.get("rng", {})
-    rng = {int(r): _file_record(x, mp, f"rng of rank {r}") for r, x in rng_raw.items()}
-    for rec in [lr.file for lr in layers] + list(rng.values()):
-        if not (d / rec.file).is_file():
-            raise CheckpointError(
-                f"checkpoint {str(d)!r}: file {rec.file!r} listed in the manifest is missing"
-            )
-    meta = CheckpointMeta(
-        model_name=data["model_name"],
-        num_layers=n,
-        step=data["step"],
-        samples_consumed=int(data.get("samples_consumed", 0)),
-        plan=data.get("plan"),
-        optimizer_type=str(data.get("optimizer_type", "")),
-        world_size=int(data.get("world_size", 1)),
-        extra=dict(data.get("extra") or {}),
-    )
-    return Checkpoint(d, meta, tuple(layers), rng)
-
-
-def list_checkpoints(root: str | Path) -> list[Path]:
-    """Checkpoint directories under ``root`` (complete or not), oldest step first."""
-    r = Path(root)
-    if not r.is_dir():
-        return []
-    found = [
-        (int(m.group(1)), p) for p in r.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir()
-    ]
-    return [p for _, p in sorted(found)]
-
-
-def latest_checkpoint(root: str | Path) -> Checkpoint | None:
-    """The newest COMPLETE checkpoint under ``root``, or None when there is none.
-
-    Directories without a manifest (a save that crashed) are skipped. A manifest that is
-    present but invalid or from a newer schema raises instead of silently falling back.
-
-    Raises:
-        CheckpointError: the newest manifest is damaged or from a newer dapple.
-    """
-    for d in reversed(list_checkpoints(root)):
-        if not (d / MANIFEST_NAME).is_file():
-            logger.info("skipping incomplete checkpoint %s (no manifest)", d)
-            continue
-        return read_checkpoint(d)
-    return None
-
-
-def prune_checkpoints(root: str | Path, keep: int) -> list[Path]:
-    """Delete all but the ``keep`` newest complete checkpoints, and incomplete ones older than
-    the newest complete one. Returns the deleted directories."""
-    if keep < 1:
-        raise CheckpointError(f"keep must be >= 1, got {keep}")
-    dirs = list_checkpoints(root)
-    complete = [d for d in dirs if (d / MANIFEST_NAME).is_file()]
-    if not complete:
-        return []
-    kept = set(complete[-keep:])
-    newest = complete[-1]
-    doomed = [d for d in dirs if d not in kept and d.name < newest.name]
-    for d in doomed:
-        shutil.rmtree(d, ignore_errors=True)
-    return doomed
 
 
 # -- load ---------------------------------------------------------------------------------------
@@ -538,7 +269,7 @@ def load_layer_states(ckpt: Checkpoint, layers: Iterable[int]) -> dict[int, Laye
                 f"layer {i} requested"
             )
         rec = ckpt.layers[i]
-        payload = _read_verified(ckpt.path, rec.file, f"layer {i}")
+        payload = read_verified(ckpt.path, rec.file, f"layer {i}")
         if not (isinstance(payload, dict) and payload.get("index") == i):
             raise CheckpointError(f"layer file {str(ckpt.path / rec.file.file)!r} is not layer {i}")
         out[i] = LayerState(i, dict(payload["tensors"]), dict(payload.get("optimizer", {})))
@@ -550,7 +281,7 @@ def load_rng_state(ckpt: Checkpoint, rank: int) -> dict[str, Any] | None:
     rec = ckpt.rng.get(rank)
     if rec is None:
         return None
-    state = _read_verified(ckpt.path, rec, f"rng state of rank {rank}")
+    state = read_verified(ckpt.path, rec, f"rng state of rank {rank}")
     return dict(state)
 
 
