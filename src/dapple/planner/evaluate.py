@@ -62,6 +62,9 @@ class Scorer:
         self._links: dict[
             tuple[tuple[int, ...], tuple[int, ...], int], list[tuple[float, float]]
         ] = {}
+        self._stages: dict[
+            tuple[int, int, tuple[int, ...], int], tuple[float, float, float, int, int]
+        ] = {}
         self.evaluations = 0
 
     # -- per-stage terms ---------------------------------------------------------------------
@@ -128,6 +131,20 @@ class Scorer:
 
         return fit(mem - state, full), fit(mem - state - full, inp)
 
+    def _stage(
+        self, s: int, e: int, d: tuple[int, ...], b: int
+    ) -> tuple[float, float, float, int, int]:
+        """Cached ``(F, B, AR, D without re-computation, D with)`` of one stage."""
+        key = (s, e, d, b)
+        rec = self._stages.get(key)
+        if rec is None:
+            n = -(-b // len(d))  # split_sizes(b, r)[0], the largest slice
+            f, bw = self.fb_ms(s, e, n)
+            d_nr, d_r = self._options(s, e, n)
+            rec = (f, bw, self.ar_ms(s, e, d), d_nr, d_r)
+            self._stages[key] = rec
+        return rec
+
     # -- whole candidates --------------------------------------------------------------------
     def score(
         self,
@@ -151,10 +168,10 @@ class Scorer:
         self.evaluations += 1
         b = self.global_batch_size // M
         S = len(stages)
-        samples = [-(-b // len(d)) for (_, _, d) in stages]  # split_sizes(b, r)[0]
-        opts = [self._options(s, e, n) for (s, e, _), n in zip(stages, samples, strict=True)]
-        fb = [self.fb_ms(s, e, n) for (s, e, _), n in zip(stages, samples, strict=True)]
-        ar = [self.ar_ms(s, e, d) for (s, e, d) in stages]
+        recs = [self._stage(s, e, d, b) for (s, e, d) in stages]
+        opts = [(r[3], r[4]) for r in recs]
+        fb = [(r[0], r[1]) for r in recs]
+        ar = [r[2] for r in recs]
         comm = [self.comm_ms(stages[i][1], stages[i][2], stages[i + 1][2], b) for i in range(S - 1)]
         best: Scored | None = None
         for policy in policies if schedule == "dapple" else ("A",):

@@ -32,15 +32,17 @@ def _greedy(pre: Sequence[float], parts: int, limit: float) -> list[int] | None:
     return cuts
 
 
-def block_partition(costs: Sequence[float], parts: int) -> list[int]:
+def block_partition(costs: Sequence[float], parts: int, *, exact: bool = True) -> list[int]:
     """Split ``costs`` into ``parts`` non-empty contiguous blocks minimising the largest sum.
 
-    Exact dynamic programming for small inputs (``parts x N^2 <= 200000``), otherwise a
-    bisection on the largest sum with greedy packing (within 1e-9 relative of the optimum).
+    Exact dynamic programming for small inputs (``parts x N^2 <= 200000``) when ``exact``,
+    otherwise a bisection on the largest sum with greedy packing (the largest block is within
+    1e-9 relative of the bisection's bound; the packing may differ from the exact optimum).
 
     Args:
         costs: per-layer times (>= 0).
         parts: number of blocks, ``1 <= parts <= len(costs)``.
+        exact: allow the exact O(parts N^2) dynamic program on small inputs.
 
     Returns:
         Cut positions ``[0, c_1, ..., N]``.
@@ -54,7 +56,7 @@ def block_partition(costs: Sequence[float], parts: int) -> list[int]:
     pre = [0.0]
     for c in costs:
         pre.append(pre[-1] + c)
-    if parts * n * n <= 200_000:
+    if exact and parts * n * n <= 200_000:
         inf = math.inf
         best = [[inf] * (n + 1) for _ in range(parts + 1)]
         arg = [[0] * (n + 1) for _ in range(parts + 1)]

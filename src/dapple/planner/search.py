@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from dapple.cluster import Cluster
 from dapple.errors import InfeasibleError
@@ -73,20 +73,67 @@ def _bound(sc: Scorer, s: int, e: int, r: int, b: int, M: int) -> float:
     return M * (f + bw)
 
 
-def _balanced_cut(sc: Scorer, j: int, r1: int, r2: int, b: int) -> int:
-    """Smallest j1 in (j, N) where stage [j, j1) on r1 replicas is at least as slow per
-    micro-batch as [j1, N) on r2: the two-stage balance point."""
-    lo, hi = j + 1, sc.N - 1
+def _balanced_cut(sc: Scorer, cuts: Sequence[int], ji: int, r1: int, r2: int, b: int) -> int:
+    """Smallest index i > ji into ``cuts`` (below the last) where stage [cuts[ji], cuts[i]) on
+    r1 replicas is at least as slow per micro-batch as [cuts[i], N) on r2: the two-stage
+    balance point."""
+    j = cuts[ji]
+    lo, hi = ji + 1, len(cuts) - 2
     s1, s2 = -(-b // r1), -(-b // r2)
     while lo < hi:
         mid = (lo + hi) // 2
-        f1, b1 = sc.fb_ms(j, mid, s1)
-        f2, b2 = sc.fb_ms(mid, sc.N, s2)
+        f1, b1 = sc.fb_ms(j, cuts[mid], s1)
+        f2, b2 = sc.fb_ms(cuts[mid], sc.N, s2)
         if f1 + b1 >= f2 + b2:
             hi = mid
         else:
             lo = mid + 1
     return lo
+
+
+def cut_points(sc: Scorer, limit: int) -> list[int]:
+    """Layer boundaries the DP may cut at: all of 0..N when N <= limit, else ``limit`` points
+    at equal steps of cumulative compute time (the final plan's cuts are then refined by
+    :func:`_refine` to single layers)."""
+    N = sc.N
+    if limit >= N:
+        return list(range(N + 1))
+    total = sum(sc.fb_ms(0, N, 1))
+    out = {0, N}
+    layer = 0
+    for k in range(1, limit):
+        target = total * k / limit
+        while layer < N and sum(sc.fb_ms(0, layer, 1)) < target:
+            layer += 1
+        out.add(layer)
+    return sorted(out)
+
+
+def _refine(
+    sc: Scorer, stages: list[StageSpec], M: int, best: Scored, Ms: Sequence[int]
+) -> tuple[list[StageSpec], int, Scored]:
+    """Hill-climb the cut positions one layer at a time, then re-pick M for the structure."""
+    improved = True
+    rounds = 0
+    while improved and rounds < 4 * sc.N:
+        improved = False
+        rounds += 1
+        for i in range(len(stages) - 1):
+            for delta in (-1, 1):
+                cut = stages[i][1] + delta
+                if not stages[i][0] < cut < stages[i + 1][1]:
+                    continue
+                cand = list(stages)
+                cand[i] = (stages[i][0], cut, stages[i][2])
+                cand[i + 1] = (cut, stages[i + 1][1], stages[i + 1][2])
+                got = sc.score(cand, M)
+                if got is not None and got.L_ms < best.L_ms:
+                    stages, best, improved = cand, got, True
+    for m in Ms:
+        got = sc.score(stages, m)
+        if got is not None and got.L_ms < best.L_ms:
+            M, best = m, got
+    return stages, M, best
 
 
 def _seeds(sc: Scorer, b: int) -> list[list[StageSpec]]:
@@ -105,7 +152,7 @@ def _seeds(sc: Scorer, b: int) -> list[list[StageSpec]]:
         times.append(f + bw)
     out: list[list[StageSpec]] = []
     for k in ks:
-        cuts = block_partition(times, k)
+        cuts = block_partition(times, k, exact=N <= 16)
         rs = {G // k} | (
             {r for r in range(1, G // k + 1) if r & (r - 1) == 0}
             if big
@@ -125,6 +172,8 @@ def dapple_search(
     states_per_layer: int | None = -1,
     window: int | None = -1,
     keep: int = -1,
+    m_candidates: int | None = -1,
+    cut_limit: int = 64,
     progress: Progress | None = None,
 ) -> Plan:
     """The DAPPLE plan minimising L (equations 4-5) over partition, replication, placement, M.
@@ -142,6 +191,12 @@ def dapple_search(
             instances and 2 otherwise.
         keep: prefixes kept per state (memoised search keeps 1 in the paper); -1 (default)
             picks 4 for small instances and 1 otherwise.
+        m_candidates: run the DP for only this many micro-batch counts M, the most promising
+            by their best regular candidate (:func:`_seeds`); None runs all divisors of the
+            global batch size; -1 (default) picks None for small instances, else 3. The final
+            plan's M is re-picked among all divisors.
+        cut_limit: the DP cuts only at :func:`cut_points` (at most this many + 1); the
+            final cuts are refined layer by layer.
         progress: called as ``progress(done, total)`` after each candidate M.
 
     Raises:
@@ -157,6 +212,10 @@ def dapple_search(
         window = None if small else 2
     if keep == -1:
         keep = 4 if small else 1
+    if m_candidates == -1:
+        m_candidates = None if small else 3
+    cuts = cut_points(sc, cut_limit)
+    C = len(cuts)
     best: tuple[float, list[StageSpec], int, Scored] | None = None
     Ms = micro_batch_candidates(global_batch_size)
     ranked: list[tuple[float, int]] = []
@@ -172,23 +231,26 @@ def dapple_search(
                     best = (got.L_ms, stages, M, got)
         ranked.append((m_best, M))
     ranked.sort()  # most promising M first: the incumbent then prunes the others harder
+    if m_candidates is not None:
+        ranked = ranked[:m_candidates]
     all_devices = tuple(range(G))
     for done, (_, M) in enumerate(ranked, 1):
         b = global_batch_size // M
         incumbent = best[0] if best else math.inf
-        # memo[(j, sorted occupancy)] = up to `keep` entries (L, prefix stages, occupancy),
-        # best first; an entry's plan is prefix + [j, N) on the other devices (L = inf when
-        # that completion does not fit: the prefix may still fit once [j, N) is split).
-        # Servers are interchangeable, so occupancies equal up to a permutation of servers
-        # share one state.
+        # memo[(cut index, sorted occupancy)] = up to `keep` entries (L, prefix stages,
+        # occupancy), best first; an entry's plan is prefix + [j, N) on the other devices
+        # (L = inf when that completion does not fit: the prefix may still fit once [j, N)
+        # is split). Servers are interchangeable, so occupancies equal up to a permutation
+        # of servers share one state.
         memo: dict[tuple[int, tuple[int, ...]], list[_Entry]] = {}
-        buckets: list[list[tuple[int, tuple[int, ...]]]] = [[] for _ in range(N)]
+        buckets: list[list[tuple[int, tuple[int, ...]]]] = [[] for _ in range(C)]
         zero = (0,) * cluster.servers
         first = sc.score([(0, N, all_devices)], M)
         memo[(0, zero)] = [(first.L_ms if first else math.inf, (), zero)]
         buckets[0].append((0, zero))
-        for j in range(N - 1):
-            keys = buckets[j]
+        for ji in range(C - 2):
+            j = cuts[ji]
+            keys = buckets[ji]
             if states_per_layer is not None and len(keys) > states_per_layer:
                 keys = sorted(keys, key=lambda k: memo[k][0][0])[:states_per_layer]
             for key in keys:
@@ -200,9 +262,9 @@ def dapple_search(
                     used = sum(occ)
                     for m1 in candidate_replicas(cluster, G - used - 1):
                         seen: set[tuple[int, ...]] = set()
-                        lo, hi = j + 1, N - 1
+                        lo, hi = ji + 1, C - 2
                         if window is not None:
-                            mid = _balanced_cut(sc, j, m1, G - used - m1, b)
+                            mid = _balanced_cut(sc, cuts, ji, m1, G - used - m1, b)
                             lo, hi = max(lo, mid - window), min(hi, mid + window)
                         for pol in POLICIES:
                             placed = place(cluster, occ, m1, pol)
@@ -212,17 +274,18 @@ def dapple_search(
                             seen.add(g1)
                             rest = remaining_devices(cluster, occ1)
                             canon = tuple(sorted(occ1))
-                            for j1 in range(lo, hi + 1):
+                            for j1i in range(lo, hi + 1):
+                                j1 = cuts[j1i]
                                 if _bound(sc, j, j1, m1, b, M) >= incumbent:
                                     break
                                 stages = [*prefix, (j, j1, g1), (j1, N, rest)]
                                 got = sc.score(stages, M)
                                 lat = got.L_ms if got is not None else math.inf
-                                k1 = (j1, canon)
+                                k1 = (j1i, canon)
                                 entries = memo.get(k1)
                                 if entries is None:
                                     entries = memo[k1] = []
-                                    buckets[j1].append(k1)
+                                    buckets[j1i].append(k1)
                                 if len(entries) < keep or lat < entries[-1][0]:
                                     entries.append((lat, (*prefix, (j, j1, g1)), occ1))
                                     entries.sort(key=lambda x: x[0])
@@ -231,11 +294,12 @@ def dapple_search(
                                     incumbent = lat
                                     best = (lat, stages, M, got)
         if progress is not None:
-            progress(done, len(Ms))
+            progress(done, len(ranked))
     log.debug("dapple search: %d candidates scored", sc.evaluations)
     if best is None:
         raise InfeasibleError(_infeasible_message(profile, cluster, global_batch_size))
     _, stages, M, scored = best
+    stages, M, scored = _refine(sc, stages, M, scored, Ms)
     return sc.build_plan("dapple", stages, M, scored)
 
 
