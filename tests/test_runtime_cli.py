@@ -111,3 +111,30 @@ def test_train_zoo_model(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert sum(line.startswith("step ") for line in proc.stdout.splitlines()) == 3
+
+
+@pytest.mark.slow
+def test_train_under_torchrun_with_recompute(tmp_path: Path) -> None:
+    torchrun = Path(sys.executable).with_name("torchrun")
+    if not torchrun.exists():
+        pytest.skip("torchrun not installed next to the interpreter")
+    from dapple.runtime import free_port
+
+    straight_plan(4, [0, 2], global_batch_size=9, num_micro_batches=3, replicas=[1, 2]).save(
+        tmp_path / "p.json"
+    )
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])
+    )
+    proc = subprocess.run(
+        [str(torchrun), "--nproc-per-node", "3", "--master-port", str(free_port()),
+         "-m", "dapple", "train", "--plan", str(tmp_path / "p.json"),
+         "--model", "runtime_workloads:mlp", "--steps", "2", "--recompute", "--lr", "0.1",
+         "--metrics", str(tmp_path / "m.jsonl"), "--timeout-s", "60"],
+        capture_output=True, text=True, env=env, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    rows = [json.loads(x) for x in (tmp_path / "m.jsonl").read_text().splitlines()]
+    _, ref = rw.reference_run(rw.mlp(), "sgd", 0.1, 0, 9, 2)
+    torch.testing.assert_close(torch.tensor([r["loss"] for r in rows]), torch.tensor(ref))
+    assert sum(line.startswith("step ") for line in proc.stdout.splitlines()) == 2  # rank 0 only

@@ -4,9 +4,15 @@ Every rank runs ``dapple.schedule.lower(plan)[rank]`` - the same per-device prog
 simulator runs - action by action: ``RECV_F``/``RECV_B`` post ``irecv``s, ``F``/``B`` wait for
 them and compute, ``SEND_F``/``SEND_B`` post ``isend``s (waited on at the latest before the
 AllReduce), ``AR`` sums the stage's gradients over its replica group (``dist.new_group``, created
-by every rank in stage order) and ``OPT`` steps the optimizer in lock-step. Each slice's loss is
-scaled by ``slice_samples / global_batch_size`` so the accumulated, AllReduced gradient equals
-the single-device gradient of the global batch.
+by every rank in stage order; tied parameters are summed first, see :mod:`dapple.runtime.sync`)
+and ``OPT`` steps the optimizer in lock-step. Each slice's loss is scaled by
+``slice_samples / global_batch_size`` so the accumulated, AllReduced gradient equals the
+single-device gradient of the global batch.
+
+Data: every rank calls ``workload.make_batch(G, seed + step)`` itself (deterministic) and slices
+its rows: stage-0 replicas their inputs, last-stage replicas their targets - labels never travel.
+At the end of each step one world ``all_gather`` brings loss parts, step times and peak memory
+to rank 0, which logs one :class:`StepMetrics` line.
 """
 
 from __future__ import annotations

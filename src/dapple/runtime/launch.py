@@ -211,8 +211,10 @@ def train(
         try:
             device = init_distributed(cfg, local_world)
             run = run_plan(plan, wl, cfg, device=device)
-        except RankFailure as e:  # peers may be gone: report and leave without PG teardown
-            _die(str(e))
+        except ValidationError:
+            raise
+        except Exception as e:  # peers may be gone: report and leave without PG teardown
+            _die(str(e) if isinstance(e, DappleError) else f"{type(e).__name__}: {e}")
         dist.destroy_process_group()
         return run.metrics
     world = len(plan.devices)
