@@ -161,3 +161,25 @@ def test_cli_split(capsys: pytest.CaptureFixture[str]) -> None:
     err = capsys.readouterr().err
     assert err.startswith("dapple: error: split_at names ['transformer.h.9']")
     assert len(err.strip().splitlines()) == 1
+
+
+def test_workload_pickles_for_spawned_workers(gpt2: Workload) -> None:
+    import pickle
+
+    clone = pickle.loads(pickle.dumps(gpt2))
+    assert clone.layer_names == gpt2.layer_names
+    assert clone.tied_parameters == gpt2.tied_parameters
+    for a, b in zip(clone.build_model(4), gpt2.build_model(4), strict=True):
+        for (na, pa), (nb, pb) in zip(a.named_parameters(), b.named_parameters(), strict=True):
+            assert na == nb
+            torch.testing.assert_close(pa, pb)
+
+
+def test_gpt2_under_autocast_matches_hf(gpt2: Workload) -> None:
+    """Mixed precision goes through autocast (pieces are traced in float32)."""
+    model, chain = original_model(gpt2, 0), gpt2.build_model(0)
+    inputs, _ = gpt2.make_batch(2, 0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, ref = chain(inputs), model(*inputs)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, ref)

@@ -359,3 +359,33 @@ class FixedBatchNet(nn.Module):
 def test_model_fixing_the_batch_size_rejected() -> None:
     with pytest.raises(ValidationError, match="fixes the batch size"):
         workload_from_module(FixedBatchNet, make_batch, lm_loss)
+
+
+def _run_on(w: Workload, device: str) -> torch.Tensor:
+    chain = w.build_model(0).to(device)
+    (ids, mask), _ = w.make_batch(2, 0)
+    return chain((ids.to(device), mask.to(device)))
+
+
+@pytest.mark.parametrize("net", [Net, TableNet])
+def test_pieces_follow_their_inputs_device(net: type[nn.Module]) -> None:
+    """Ops traced with ``device=cpu`` (arange, masks) run on the device of the piece's input."""
+    out = _run_on(workload_from_module(net, make_batch, lm_loss), "meta")
+    assert out.device.type == "meta" and out.shape == (2, SEQ, VOCAB)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_chain_on_cuda_equals_cpu() -> None:
+    w = workload_from_module(TableNet, make_batch, lm_loss)
+    torch.testing.assert_close(_run_on(w, "cuda").cpu(), _run_on(w, "cpu"))
+
+
+def test_workload_pickles() -> None:
+    import pickle
+
+    w = workload_from_module(Net, make_batch, lm_loss, split_at="blocks.1,head")
+    clone = pickle.loads(pickle.dumps(w))
+    assert clone.layer_names == w.layer_names == ("prologue", "blocks.1", "head")
+    for a, b in zip(clone.build_model(2), w.build_model(2), strict=True):
+        torch.testing.assert_close(dict(a.named_parameters()), dict(b.named_parameters()))

@@ -69,6 +69,58 @@ def _bert_class() -> type[nn.Module]:
     return BertMLMLogits
 
 
+class _Model:
+    """Picklable factory: the logits-only model class ``kind`` built from config kwargs."""
+
+    def __init__(self, kind: str, config: dict[str, Any]) -> None:
+        self.kind = kind
+        self.config = config
+
+    def __call__(self) -> nn.Module:
+        tf = _transformers()
+        if self.kind == "gpt2":
+            return _gpt2_class()(tf.GPT2Config(**self.config))
+        return _bert_class()(tf.BertConfig(**self.config))
+
+
+class _CausalBatch:
+    """``(batch_size, seed) -> ((input_ids, attention_mask), input_ids)``, all-ones mask."""
+
+    def __init__(self, vocab: int, seq: int) -> None:
+        self.vocab = vocab
+        self.seq = seq
+
+    def __call__(self, batch_size: int, seed: int) -> tuple[Any, torch.Tensor]:
+        gen = torch.Generator().manual_seed(seed)
+        ids = torch.randint(0, self.vocab, (batch_size, self.seq), generator=gen)
+        mask = torch.ones(batch_size, self.seq, dtype=torch.long)
+        return (ids, mask), ids
+
+
+class _MaskedBatch:
+    """Right-padded samples with ``n_mask`` ``[MASK]`` positions each (see :func:`hf_bert`)."""
+
+    def __init__(self, vocab: int, seq: int, n_mask: int, min_len: int) -> None:
+        self.vocab = vocab
+        self.seq = seq
+        self.n_mask = n_mask
+        self.min_len = min_len
+
+    def __call__(self, batch_size: int, seed: int) -> tuple[Any, torch.Tensor]:
+        gen = torch.Generator().manual_seed(seed)
+        seq, mask_id = self.seq, self.vocab - 1
+        ids = torch.randint(1, mask_id, (batch_size, seq), generator=gen)
+        lengths = torch.randint(self.min_len, seq + 1, (batch_size,), generator=gen)
+        attention = (torch.arange(seq)[None, :] < lengths[:, None]).long()
+        ids = ids * attention
+        targets = torch.full_like(ids, IGNORE_INDEX)
+        for b in range(batch_size):
+            pos = torch.randperm(int(lengths[b]), generator=gen)[: self.n_mask]
+            targets[b, pos] = ids[b, pos]
+            ids[b, pos] = mask_id
+        return (ids, attention), targets
+
+
 def _check(**values: int) -> None:
     bad = {k: v for k, v in values.items() if v < 1}
     if bad:
@@ -130,8 +182,8 @@ def hf_gpt2(
         ValidationError: Bad sizes, bad ``split_at`` names, or ``transformers`` is missing.
     """
     _check(layers=layers, hidden=hidden, heads=heads, vocab=vocab, seq=seq)
-    tf = _transformers()
-    config = tf.GPT2Config(
+    _transformers()
+    config = dict(
         n_layer=layers,
         n_embd=hidden,
         n_head=heads,
@@ -145,17 +197,9 @@ def hf_gpt2(
         use_cache=False,
         tie_word_embeddings=True,
     )
-    cls = _gpt2_class()
-
-    def make_batch(batch_size: int, seed: int) -> tuple[Any, torch.Tensor]:
-        gen = torch.Generator().manual_seed(seed)
-        ids = torch.randint(0, vocab, (batch_size, seq), generator=gen)
-        mask = torch.ones(batch_size, seq, dtype=torch.long)
-        return (ids, mask), ids
-
     return workload_from_module(
-        lambda: cls(config),
-        make_batch,
+        _Model("gpt2", config),
+        _CausalBatch(vocab, seq),
         causal_lm_loss,
         split_at=split_at,
         name=f"hf-gpt2-{layers}x{hidden}",
@@ -199,8 +243,8 @@ def hf_bert(
         raise ValidationError(f"masked_per_sample={n_mask} must be in [1, {min_len}]")
     if vocab < 3:
         raise ValidationError(f"vocab={vocab} must be >= 3 (padding, tokens, [MASK])")
-    tf = _transformers()
-    config = tf.BertConfig(
+    _transformers()
+    config = dict(
         num_hidden_layers=layers,
         hidden_size=hidden,
         num_attention_heads=heads,
@@ -212,25 +256,9 @@ def hf_bert(
         pad_token_id=0,
         tie_word_embeddings=True,
     )
-    cls = _bert_class()
-    mask_id = vocab - 1
-
-    def make_batch(batch_size: int, seed: int) -> tuple[Any, torch.Tensor]:
-        gen = torch.Generator().manual_seed(seed)
-        ids = torch.randint(1, mask_id, (batch_size, seq), generator=gen)
-        lengths = torch.randint(min_len, seq + 1, (batch_size,), generator=gen)
-        attention = (torch.arange(seq)[None, :] < lengths[:, None]).long()
-        ids = ids * attention
-        targets = torch.full_like(ids, IGNORE_INDEX)
-        for b in range(batch_size):
-            pos = torch.randperm(int(lengths[b]), generator=gen)[:n_mask]
-            targets[b, pos] = ids[b, pos]
-            ids[b, pos] = mask_id
-        return (ids, attention), targets
-
     return workload_from_module(
-        lambda: cls(config),
-        make_batch,
+        _Model("bert", config),
+        _MaskedBatch(vocab, seq, n_mask, min_len),
         bert_mlm_loss,
         split_at=split_at,
         name=f"hf-bert-{layers}x{hidden}",

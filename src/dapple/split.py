@@ -95,13 +95,25 @@ class _Splitter:
     def __init__(
         self,
         model_factory: Callable[[], nn.Module],
-        split: SplitModel,
-        first_model: tuple[int, nn.Module],
+        make_batch: Callable[[int, int], tuple[Any, torch.Tensor]],
+        split_at: Sequence[str] | None,
     ) -> None:
         self.model_factory = model_factory
-        self.split = split
+        self.make_batch = make_batch
+        self.split_at = split_at
         self.models: OrderedDict[int, dict[str, torch.Tensor]] = OrderedDict()
-        self._remember(*first_model)
+        base = layer_seed(0, 0)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(base)
+            model = model_factory()
+        inputs, _ = make_batch(EXAMPLE_BATCH, 0)
+        self.split = SplitModel(model, inputs, split_at)
+        self.model_name = type(model).__name__
+        self._remember(base, model)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickle the recipe, not the graphs: a spawned worker traces the model again."""
+        return (_Splitter, (self.model_factory, self.make_batch, self.split_at))
 
     def _remember(self, base: int, model: nn.Module) -> dict[str, torch.Tensor]:
         state: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
@@ -156,7 +168,9 @@ def workload_from_module(
     """A :class:`Workload` whose layers are the pieces of any model, cut at module boundaries.
 
     Args:
-        model_factory: Builds the original model (random init from the global RNG).
+        model_factory: Builds the original model (random init from the global RNG). The
+            workload pickles (for spawned workers) when ``model_factory`` and ``make_batch``
+            do; each process traces the model again.
         make_batch: ``(batch_size, seed) -> (inputs, targets)``; ``inputs`` are passed to the
             model as ``model(*inputs)`` (a single tensor: ``model(inputs)``).
         loss_fn: Mean loss of the model's output against ``targets``.
@@ -168,16 +182,13 @@ def workload_from_module(
         ValidationError: Bad ``split_at`` names (the message lists the valid ones) or a model
             ``torch.export`` cannot trace.
     """
-    base = layer_seed(0, 0)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(base)
-        model = model_factory()
-    inputs, _ = make_batch(EXAMPLE_BATCH, 0)
-    split = SplitModel(model, inputs, split_at)
-    splitter = _Splitter(model_factory, split, (base, model))
-    log.debug("split %s into %d pieces: %s", type(model).__name__, len(split.names), split.names)
+    if isinstance(split_at, str):
+        split_at = parse_split_at(split_at)
+    splitter = _Splitter(model_factory, make_batch, list(split_at) if split_at else None)
+    split = splitter.split
+    log.debug("split %s into %d pieces: %s", splitter.model_name, len(split.names), split.names)
     return Workload(
-        name=name or type(model).__name__,
+        name=name or splitter.model_name,
         layer_factories=[_PieceFactory(splitter, i) for i in range(len(split.pieces))],
         make_batch=make_batch,
         loss_fn=loss_fn,

@@ -109,6 +109,33 @@ def _batch_symbols(placeholders: list[fx.Node]) -> set[Any]:
     return syms
 
 
+def _has_device(obj: Any) -> bool:
+    if isinstance(obj, torch.device):
+        return True
+    if isinstance(obj, (tuple, list)):
+        return any(_has_device(x) for x in obj)
+    if isinstance(obj, dict):
+        return any(_has_device(x) for x in obj.values())
+    return False
+
+
+def _follow_input_device(graph: fx.Graph, after: fx.Node, source: fx.Node) -> None:
+    """Replace the trace device baked into ops (``arange(..., device=cpu)``) by the device
+    of the piece's first input at run time, so a piece moved with ``.to(device)`` runs there."""
+    users = [n for n in graph.nodes if n.op == "call_function" and _has_device((n.args, n.kwargs))]
+    if not users:
+        return
+    with graph.inserting_after(after):
+        dev = graph.call_function(getattr, (source, "device"))
+
+    def swap(x: Any) -> Any:
+        return dev if isinstance(x, torch.device) else x
+
+    for node in users:
+        node.args = fx.node.map_aggregate(node.args, swap)
+        node.kwargs = fx.node.map_aggregate(node.kwargs, swap)
+
+
 def _module_fqns(node: fx.Node) -> list[str]:
     stack = node.meta.get("nn_module_stack") or {}
     return [str(v[0]) for v in stack.values() if isinstance(v, tuple) and v and v[0]]
@@ -358,6 +385,7 @@ class SplitModel:
             env[node] = graph.node_copy(node, lookup)
         outs = tuple(lookup(v) for v in outputs)
         graph.output(outs if pack_out else outs[0])
+        _follow_input_device(graph, env[inputs[-1]], env[inputs[0]])
         graph.lint()
         return graph, attrs
 
