@@ -20,6 +20,7 @@ __all__ = ["build_parser", "main"]
 _COMMANDS: list[str] = [
     "dapple.cli.simulate_cmd",
     "dapple.cli.calibrate_cmd",
+    "dapple.cli.demo_cmd",
     "dapple.cli.profile_cmd",
     "dapple.cli.import_cmd",
     "dapple.cli.train_cmd",
