@@ -183,3 +183,25 @@ def test_gpt2_under_autocast_matches_hf(gpt2: Workload) -> None:
         out, ref = chain(inputs), model(*inputs)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out, ref)
+
+
+@pytest.mark.slow
+def test_gpt2_two_stage_runtime_equals_hf_training() -> None:
+    """End to end: 2 pipeline stages (tied wte/lm_head on different ranks) train like HF GPT-2."""
+    runtime = pytest.importorskip("dapple.runtime")
+    from dapple.plan import straight_plan
+
+    w = hf_gpt2(**TINY)
+    plan = straight_plan(w.num_layers, [0, 2], global_batch_size=4, num_micro_batches=2)
+    metrics = runtime.train(plan, w, steps=3, lr=0.1, optimizer="sgd", seed=0, timeout_s=240)
+    model = original_model(w, 0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref = []
+    for step in range(3):
+        inputs, targets = w.make_batch(4, step)
+        opt.zero_grad()
+        loss = hf_loss(model, inputs, targets)
+        loss.backward()
+        opt.step()
+        ref.append(loss.item())
+    assert [m.loss for m in metrics] == pytest.approx(ref, rel=1e-5)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from torch import nn
@@ -72,6 +74,12 @@ def lm_loss(out: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 def net_workload(split_at: list[str] | None = None, tied: bool = True) -> Workload:
+    return _net_workload(tuple(split_at) if split_at is not None else None, tied)
+
+
+@functools.cache
+def _net_workload(split_at: tuple[str, ...] | None, tied: bool) -> Workload:
+    """Traced once per argument set (tracing dominates these tests' time)."""
     return workload_from_module(lambda: Net(tied=tied), make_batch, lm_loss, split_at=split_at)
 
 
