@@ -38,3 +38,20 @@ def test_calibrate_two_processes(tmp_path):
 
     c = load_cluster(str(tmp_path / "c.json"))
     assert isinstance(c, Cluster) and c.num_devices == 2 and c.intra_server_bandwidth_gbps > 0
+
+
+def test_fit_survives_noisy_small_messages():
+    # the smallest message was slowest (warm-up noise): slope would be negative
+    sizes = (1 << 10, 1 << 20)
+    res = _fit(
+        2,
+        sizes,
+        [5.0, 1.0],
+        [5.0, 1.0],
+        alone=1.0,
+        shared=1.0,
+        backend="gloo",
+        memory_bytes=1 << 30,
+    )
+    bw = res.cluster.intra_server_bandwidth_gbps
+    assert bw == pytest.approx((1 << 20) / 1.0 * 8e3 / 1e9)

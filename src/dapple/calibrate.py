@@ -18,6 +18,7 @@ import os
 import socket
 import statistics
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -119,6 +120,19 @@ def _worker(rank: int, world: int, port: int, sizes: tuple[int, ...], repeats: i
         dist.destroy_process_group()
 
 
+def _link_fit(sizes: Sequence[float], times_ms: Sequence[float]) -> tuple[float, float]:
+    """``(bandwidth bytes/ms, latency ms)`` of ``t = latency + bytes / bandwidth``.
+
+    Least squares first; when noise makes the slope non-positive (a slow small message), the
+    bandwidth falls back to the best observed throughput ``bytes / t`` over all sizes.
+    """
+    line = fit_affine(sizes, times_ms)
+    if line.per_sample_ms > 0:
+        return 1.0 / line.per_sample_ms, line.fixed_ms
+    best = max(n / t for n, t in zip(sizes, times_ms, strict=True) if t > 0)
+    return best, min(times_ms)
+
+
 def _fit(
     nproc: int,
     sizes: tuple[int, ...],
@@ -130,13 +144,10 @@ def _fit(
     memory_bytes: int,
 ) -> CalibrationResult:
     notes = []
-    line = fit_affine(list(sizes), p2p)  # ms = latency + bytes * per_byte
-    p2p_bw = 1.0 / line.per_sample_ms if line.per_sample_ms > 0 else float("inf")  # bytes per ms
-    latency = line.fixed_ms
+    p2p_bw, latency = _link_fit(sizes, p2p)
     if nproc > 1:
         k = 2 * (nproc - 1) / nproc
-        ar_line = fit_affine([k * s for s in sizes], ar)
-        ar_bw = 1.0 / ar_line.per_sample_ms if ar_line.per_sample_ms > 0 else float("inf")
+        ar_bw, _ = _link_fit([k * s for s in sizes], ar)
         notes.append(
             f"p2p fit: {latency:.4f} ms + bytes / {p2p_bw * 8e3 / 1e9:.2f} Gbps; "
             f"AllReduce ring fit: bytes / {ar_bw * 8e3 / 1e9:.2f} Gbps"
