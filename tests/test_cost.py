@@ -140,3 +140,15 @@ def test_policy_b_hides_large_comm() -> None:
     b = dataclasses.replace(a, policy="B")
     la, lb = pipeline_latency(a, p, c).L_ms, pipeline_latency(b, p, c).L_ms
     assert lb < la
+
+
+def test_overlaps_equal_split_concat_transfers() -> None:
+    import random
+
+    from dapple.plan import transfers
+    from dapple.planner.cost import overlaps
+
+    rng = random.Random(0)
+    for _ in range(500):
+        b, r1, r2 = rng.randint(0, 40), rng.randint(1, 50), rng.randint(1, 50)
+        assert overlaps(b, r1, r2) == list(transfers(b, r1, r2)), (b, r1, r2)

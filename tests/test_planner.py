@@ -198,6 +198,8 @@ def test_candidate_replicas_prune_large_clusters() -> None:
     big = make_cluster(servers=8, per_server=8)
     got = candidate_replicas(big, 40)
     assert got[:8] == list(range(1, 9)) and 16 in got and 40 in got and 13 not in got
+    huge = candidate_replicas(make_cluster(servers=64, per_server=8), 200)
+    assert huge == [1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192]
 
 
 def test_progress_is_reported_per_micro_batch_count() -> None:

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from dapple.cluster import Cluster
-from dapple.plan import Plan, StagePlan, split_sizes, transfers
+from dapple.plan import Plan, StagePlan, slice_bounds, split_sizes
 from dapple.profile import ModelProfile
 from dapple.schedule.generators import warmup_counts
 
@@ -43,6 +43,7 @@ __all__ = [
     "in_flight_counts",
     "latency_from_stages",
     "max_in_flight_fitting",
+    "overlaps",
     "parameter_state_bytes",
     "pipeline_latency",
     "stage_compute_ms",
@@ -212,7 +213,7 @@ def comm_ms(
     dev_in: dict[int, float] = {}
     nic_out: dict[int, float] = {}
     nic_in: dict[int, float] = {}
-    for j, k, lo, hi in transfers(micro_batch_size, len(src_devices), len(dst_devices)):
+    for j, k, lo, hi in overlaps(micro_batch_size, len(src_devices), len(dst_devices)):
         a, b = src_devices[j], dst_devices[k]
         nbytes = per_sample * (hi - lo)
         if a == b or nbytes <= 0:
@@ -230,6 +231,26 @@ def comm_ms(
     for v in (*nic_out.values(), *nic_in.values()):
         t = max(t, cluster.inter_server_latency_ms + v / inter_bpms)
     return t, t
+
+
+def overlaps(b: int, r_src: int, r_dst: int) -> list[tuple[int, int, int, int]]:
+    """:func:`dapple.plan.transfers` in O(r_src + r_dst) by a two-pointer sweep over the
+    slice bounds (``transfers`` compares every pair)."""
+    src = slice_bounds(b, r_src)
+    dst = slice_bounds(b, r_dst)
+    out: list[tuple[int, int, int, int]] = []
+    j = k = 0
+    while j < r_src and k < r_dst:
+        lo = max(src[j][0], dst[k][0])
+        hi = min(src[j][1], dst[k][1])
+        if lo < hi:
+            out.append((j, k, lo, hi))
+        # advance whichever slice ends first (empty slices end where they start)
+        if src[j][1] <= dst[k][1]:
+            j += 1
+        else:
+            k += 1
+    return out
 
 
 def parameter_state_bytes(profile: ModelProfile, layers: tuple[int, int]) -> float:

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from itertools import accumulate
 
 from dapple.cluster import Cluster
-from dapple.plan import Plan, StagePlan, transfers
-from dapple.planner.cost import allreduce_ms, latency_from_stages
+from dapple.plan import Plan, StagePlan
+from dapple.planner.cost import allreduce_ms, latency_from_stages, overlaps
 from dapple.profile import ModelProfile
 
 __all__ = ["Scored", "Scorer", "StageSpec"]
@@ -255,7 +255,7 @@ def _link_loads(
     intra = cluster.intra_server_bandwidth_gbps * 1e9 / 8 / 1e3
     inter = cluster.inter_server_bandwidth_gbps * 1e9 / 8 / 1e3
     loads: dict[tuple[str, int], float] = {}
-    for j, k, lo, hi in transfers(b, len(src), len(dst)):
+    for j, k, lo, hi in overlaps(b, len(src), len(dst)):
         a, c = src[j], dst[k]
         if a == c:
             continue

@@ -52,17 +52,21 @@ def micro_batch_candidates(global_batch_size: int) -> list[int]:
 def candidate_replicas(cluster: Cluster, available: int) -> list[int]:
     """Replica counts tried for a new stage with ``available`` free devices.
 
-    All of 1..available on up to 32 devices; on larger clusters 1..devices_per_server, whole
-    servers, and powers of two (placements by server counts rather than device ids).
+    All of 1..available on up to 32 devices. Beyond (placements by server counts rather than
+    device ids): 1..devices_per_server, then whole servers up to 128 devices, and past that
+    only powers of two and three times powers of two (1, 2, 3, 4, 6, 8, 12, 16, 24, ...).
     """
     if cluster.num_devices <= 32:
         return list(range(1, available + 1))
     dps = cluster.devices_per_server
     c = set(range(1, min(dps, available) + 1))
-    c.update(k * dps for k in range(1, available // dps + 1))
+    if cluster.num_devices <= 128:
+        c.update(k * dps for k in range(1, available // dps + 1))
     p = 1
     while p <= available:
         c.add(p)
+        if 3 * p <= available:
+            c.add(3 * p)
         p *= 2
     return sorted(c)
 
