@@ -397,3 +397,44 @@ def test_workload_pickles() -> None:
     assert clone.layer_names == w.layer_names == ("prologue", "blocks.1", "head")
     for a, b in zip(clone.build_model(2), w.build_model(2), strict=True):
         torch.testing.assert_close(dict(a.named_parameters()), dict(b.named_parameters()))
+
+
+class RowsBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor, rows: int) -> torch.Tensor:
+        return torch.tanh(self.fc(x.reshape(rows, DIM))).reshape(-1, SEQ, DIM)
+
+
+class ShapeNet(nn.Module):
+    """Only a size is computed before the blocks; that product of sizes is used after cuts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(RowsBlock() for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.size(0) * SEQ
+        for block in self.blocks:
+            x = block(x, rows)
+        return x
+
+
+def _shape_batch(batch_size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(batch_size, SEQ, DIM, generator=gen), torch.zeros(batch_size)
+
+
+def test_size_only_prologue_is_merged_and_sizes_recomputed() -> None:
+    w = workload_from_module(ShapeNet, _shape_batch, lambda out, t: out.square().mean())
+    assert list(w.layer_names) == ["blocks.0", "blocks.1", "blocks.2"]
+    chain, model = w.build_model(1), original_model(w, 1)
+    for batch in (1, 5):
+        x, _ = w.make_batch(batch, 0)
+        h = x
+        for piece in chain:
+            h = piece(h)
+            assert isinstance(h, torch.Tensor)  # sizes never cross a cut as values
+        torch.testing.assert_close(h, model(x))

@@ -272,9 +272,17 @@ class SplitModel:
                 src = node.args[0]
                 if isinstance(src, fx.Node) and src in piece_of:
                     piece_of[node] = piece_of[src]
-        # Drop empty pieces (e.g. nothing runs before the first block).
-        used = sorted(set(piece_of.values()))
-        renumber = {old: new for new, old in enumerate(used)}
+        # Merge pieces that compute no tensor (nothing, or only sizes and checks, runs before
+        # the first block) into the next piece, or the last one into the previous.
+        used = sorted(
+            {k for n, k in piece_of.items() if isinstance(n.meta.get("val"), torch.Tensor)}
+        )
+        if not used:
+            raise ValidationError("the model computes no tensor")
+        renumber = {
+            old: next((new for new, k in enumerate(used) if k >= old), len(used) - 1)
+            for old in set(piece_of.values())
+        }
         piece_of = {n: renumber[k] for n, k in piece_of.items()}
         names = [names[k] for k in used]
         num = len(names)
