@@ -10,10 +10,21 @@ represented by the per-server occupancy, which the placement policies fully dete
 
 Beyond the paper: the search also chooses M among the divisors of the global batch size, the
 warm-up policy A/B, and per stage re-computation and the in-flight bound D when memory demands
-them (:class:`dapple.planner.evaluate.Scorer`). One pruning keeps it fast, based on the
-cost model's lower bound ``L >= M (F_s + B_s)`` of a computation stage s: a new stage whose
-own M (F + B) already reaches the best L found stops the scan over longer stages (and a
-state whose prefix holds such a stage is not expanded).
+them (:class:`dapple.planner.evaluate.Scorer`). It is kept fast by:
+
+* a lower bound ``L >= M (F_s + B_s)`` of a computation stage s: a new stage reaching the best
+  L found stops the scan over longer stages, and prefixes holding such a stage are dropped;
+* regular seed candidates (:func:`_seeds`: k time-balanced stages on r consecutive devices,
+  also with idle devices) scored first, giving a good incumbent and ranking the M;
+* states keyed by occupancy up to a permutation of servers (servers are interchangeable);
+* on instances with N x G > 128 only: a beam of ``states_per_layer`` states per cut point
+  (4, or 2 beyond 128 devices), new cuts within ``window`` cut points of the two-stage
+  balance point (2, or 1 beyond 128 devices), one prefix per state
+  (the paper's memoisation; small instances keep 4), the DP for the 3 most promising M;
+* beyond ``cut_limit`` layers, cuts only at that many equal-time positions
+  (:func:`cut_points`); always a final one-layer hill climb of the best plan's cuts and a
+  re-pick of M (:func:`_refine`);
+* beyond 32 devices, replica counts by server counts (:func:`candidate_replicas`).
 """
 
 from __future__ import annotations
@@ -188,11 +199,11 @@ def dapple_search(
         global_batch_size: samples per step.
         max_stages: cap on computation stages (default: no cap but G).
         states_per_layer: keep only this many best states per layer boundary j (a beam);
-            None keeps every state; -1 (default) picks None for small instances (N x G <= 128)
-            and 4 otherwise.
+            None keeps every state; -1 (default) picks None for small instances (N x G <= 128),
+            2 beyond 128 devices and 4 otherwise.
         window: try cut points j' within this distance of the two-stage balance point
             (:func:`_balanced_cut`); None tries every j'; -1 (default) picks None for small
-            instances and 2 otherwise.
+            instances, 1 beyond 128 devices and 2 otherwise.
         keep: prefixes kept per state (memoised search keeps 1 in the paper); -1 (default)
             picks 4 for small instances and 1 otherwise.
         m_candidates: run the DP for only this many micro-batch counts M, the most promising
@@ -210,10 +221,11 @@ def dapple_search(
     N, G = sc.N, sc.G
     S_max = min(G, N, max_stages or G)
     small = N * G <= 128
+    huge = G > 128
     if states_per_layer == -1:
-        states_per_layer = None if small else 4
+        states_per_layer = None if small else (2 if huge else 4)
     if window == -1:
-        window = None if small else 2
+        window = None if small else (1 if huge else 2)
     if keep == -1:
         keep = 4 if small else 1
     if m_candidates == -1:
