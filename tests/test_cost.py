@@ -152,3 +152,16 @@ def test_overlaps_equal_split_concat_transfers() -> None:
     for _ in range(500):
         b, r1, r2 = rng.randint(0, 40), rng.randint(1, 50), rng.randint(1, 50)
         assert overlaps(b, r1, r2) == list(transfers(b, r1, r2)), (b, r1, r2)
+
+
+def test_max_in_flight_fitting() -> None:
+    from dapple.planner.cost import max_in_flight_fitting
+
+    p = make_profile(2, act=100.0, params=1000)
+    c = dataclasses.replace(make_cluster(), device_memory_bytes=8000 + 2 * 100 * 4 * 3 + 50)
+    st = StagePlan(layers=(0, 2), devices=(0,))
+    assert max_in_flight_fitting(p, c, st, 4) == 3  # 800 B per micro-batch of 4 samples
+    tiny = dataclasses.replace(c, device_memory_bytes=7999)
+    assert max_in_flight_fitting(p, tiny, st, 4) == 0
+    free = make_profile(2, act=0.0, params=0)
+    assert max_in_flight_fitting(free, c, st, 4) == 10**9
