@@ -438,3 +438,44 @@ def test_size_only_prologue_is_merged_and_sizes_recomputed() -> None:
             h = piece(h)
             assert isinstance(h, torch.Tensor)  # sizes never cross a cut as values
         torch.testing.assert_close(h, model(x))
+
+
+class BNBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(DIM, DIM)
+        self.bn = nn.BatchNorm1d(DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.bn(self.fc(x)))
+
+
+class BNNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(BNBlock() for _ in range(2))
+        self.head = nn.Linear(DIM, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def test_buffers_start_at_init_and_update_like_the_model() -> None:
+    """Tracing runs forward; the pieces still start from the untouched BatchNorm statistics."""
+
+    def batch(b: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.randn(b, DIM, generator=torch.Generator().manual_seed(seed)), torch.zeros(b)
+
+    w = workload_from_module(BNNet, batch, lambda out, t: out.square().mean())
+    chain, model = w.build_model(0), original_model(w, 0)
+    assert list(w.layer_names) == ["blocks.0", "blocks.1", "epilogue"]
+    assert torch.all(chain[0].get_buffer("blocks.0.bn.running_mean") == 0)
+    for seed in range(2):
+        x, _ = w.make_batch(4, seed)
+        torch.testing.assert_close(chain(x), model(x))
+    for i, block in enumerate(model.blocks):
+        torch.testing.assert_close(
+            chain[i].get_buffer(f"blocks.{i}.bn.running_var"), block.bn.running_var
+        )

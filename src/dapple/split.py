@@ -106,18 +106,23 @@ class _Splitter:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(base)
             model = model_factory()
+        # Snapshot the initial weights first: tracing runs forward (BatchNorm statistics move).
+        self._remember(base, model, clone=True)
         inputs, _ = make_batch(EXAMPLE_BATCH, 0)
         self.split = SplitModel(model, inputs, split_at)
         self.model_name = type(model).__name__
-        self._remember(base, model)
 
     def __reduce__(self) -> tuple[Any, ...]:
         """Pickle the recipe, not the graphs: a spawned worker traces the model again."""
         return (_Splitter, (self.model_factory, self.make_batch, self.split_at))
 
-    def _remember(self, base: int, model: nn.Module) -> dict[str, torch.Tensor]:
+    def _remember(
+        self, base: int, model: nn.Module, clone: bool = False
+    ) -> dict[str, torch.Tensor]:
         state: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
         state.update(model.named_buffers(remove_duplicate=False))
+        if clone:
+            state = {k: v.detach().clone() for k, v in state.items()}
         self.models[base] = state
         while len(self.models) > 2:
             self.models.popitem(last=False)
