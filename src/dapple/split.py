@@ -23,6 +23,16 @@ Design choices:
     - Parameter names inside a piece are the original model's fully qualified names, so the
       weights of seed ``s`` are loaded into the traced pieces by name.
 
+Limitations (all from tracing once, ahead of time):
+    - train/eval mode, dropout and BatchNorm behaviour are fixed when the model is traced
+      (``piece.eval()`` changes nothing); trace the model in the mode you train it in.
+    - Pieces are traced in float32: use ``torch.autocast`` for mixed precision, not
+      ``piece.to(torch.bfloat16)`` (dtype checks are baked into the graph).
+    - Ops of a parent module that run between two cut modules belong to the piece before
+      the cut; data-dependent Python control flow cannot be exported (a ValidationError).
+    - Every process traces the model once and keeps the initial weights of the whole model
+      for its two most recent seeds.
+
 Piece ``i``'s factory builds the whole model under the run's base seed (recovered from the
 per-layer seed :meth:`dapple.workload.Workload.build_layer` sets) and returns a copy of piece
 ``i`` holding that model's weights, so ``build_stage(i, j, seed)`` equals the layers ``[i, j)``
