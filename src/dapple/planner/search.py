@@ -20,7 +20,7 @@ them (:class:`dapple.planner.evaluate.Scorer`). It is kept fast by:
 * on instances with N x G > 128 only: a beam of ``states_per_layer`` states per cut point
   (4, or 2 beyond 128 devices), new cuts within ``window`` cut points of the two-stage
   balance point (2, or 1 beyond 128 devices), one prefix per state
-  (the paper's memoisation; small instances keep 4), the DP for the 3 most promising M;
+  (the paper's memoisation; small instances keep 64), the DP for the 3 most promising M;
 * beyond ``cut_limit`` layers, cuts only at that many equal-time positions
   (:func:`cut_points`); always a final one-layer hill climb of the best plan's cuts and a
   re-pick of M (:func:`_refine`);
@@ -205,7 +205,7 @@ def dapple_search(
             (:func:`_balanced_cut`); None tries every j'; -1 (default) picks None for small
             instances, 1 beyond 128 devices and 2 otherwise.
         keep: prefixes kept per state (memoised search keeps 1 in the paper); -1 (default)
-            picks 4 for small instances and 1 otherwise.
+            picks 64 for small instances and 1 otherwise.
         m_candidates: run the DP for only this many micro-batch counts M, the most promising
             by their best regular candidate (:func:`_seeds`); None runs all divisors of the
             global batch size; -1 (default) picks None for small instances, else 3. The final
@@ -227,7 +227,7 @@ def dapple_search(
     if window == -1:
         window = None if small else (1 if huge else 2)
     if keep == -1:
-        keep = 4 if small else 1
+        keep = 64 if small else 1
     if m_candidates == -1:
         m_candidates = None if small else 3
     cuts = cut_points(sc, cut_limit)
