@@ -65,7 +65,8 @@ def main() -> None:
         "",
         f"- command: `.venv/bin/python benchmarks/planning_time.py{' --quick' if args.quick else ''}"
         f" --repeat {args.repeat}`",
-        f"- machine: {machine()}",
+        f"- machine: {machine()}; process pinned to CPUs {sorted(os.sched_getaffinity(0))} "
+        "(run under `taskset -c 0` for one core)",
         f"- date: {datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}",
         f"- load average before (1/5/15 min): {load_before[0]:.2f} {load_before[1]:.2f} "
         f"{load_before[2]:.2f} (2 cores shared with other jobs: times are upper bounds)",
