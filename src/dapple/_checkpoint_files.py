@@ -27,7 +27,7 @@ CHECKPOINT_SCHEMA_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 CRASH_IN_SAVE_ENV = "DAPPLE_TEST_CRASH_IN_SAVE"
 """Test hook: at the save of this step, a writing rank ``os._exit(3)``s after its first layer
-file, before the barrier and the manifest."""
+file, before the barrier and the manifest (not in a worker ``torchrun`` restarted)."""
 _STEP_DIR = re.compile(r"^step-(\d{8,})$")
 
 

@@ -223,7 +223,9 @@ def save_checkpoint(
         d.mkdir(parents=True, exist_ok=True)
         if write_manifest:  # re-saving a step: the old manifest must not vouch for new files
             (d / MANIFEST_NAME).unlink(missing_ok=True)
-        crash = os.environ.get(CRASH_IN_SAVE_ENV) == str(meta.step)
+        crash = os.environ.get(CRASH_IN_SAVE_ENV) == str(meta.step) and (
+            os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"  # not after a restart
+        )
         layers = []
         for idx in sorted(layer_states):
             ls = layer_states[idx]
