@@ -7,8 +7,11 @@ AllReduce over all ranks at several message sizes (median of repeats). The p2p o
 model ``2(N-1)/N * n / bw + 2(N-1) * latency`` used by :func:`dapple.planner.cost.allreduce_ms`,
 and the bandwidth the cost model should use is the smaller of the two estimates' fits so both
 kinds of traffic are predicted from one link. ``compute_slowdown`` is the time of a fixed matmul
-in each worker while all N run at once, over its time in one process with the default thread
-count (how profiles are measured): the per-process compute share when processes share cores.
+in each worker while all N run at once, over its time in one process alone, both at the thread
+count the runtime gives each of N local CPU workers (``cores // N``, see
+:func:`runtime_threads`; profile with ``profile_workload(num_threads=runtime_threads(N))``): the
+per-process compute share when processes share cores. The workers time a long run of matmuls
+after a barrier and keep the wall time per matmul of its middle half, when all N run.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import torch.multiprocessing as mp
 from dapple.cluster import GB, Cluster
 from dapple.profile import fit_affine
 
-__all__ = ["DEFAULT_SIZES", "CalibrationResult", "calibrate"]
+__all__ = ["DEFAULT_SIZES", "CalibrationResult", "calibrate", "runtime_threads"]
 
 log = logging.getLogger(__name__)
 
@@ -58,17 +61,39 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _matmul_ms(repeats: int = 5, n: int = 384) -> float:
+def runtime_threads(nproc: int) -> int:
+    """Intra-op threads the runtime gives each of ``nproc`` local CPU workers (``cores // nproc``,
+    as :func:`dapple.runtime.launch.init_distributed`); profile CPU workloads with this count."""
+    return max(1, (os.cpu_count() or 1) // max(1, nproc))
+
+
+def _matmul_ms(repeats: int = 80, n: int = 384) -> float:
+    """Wall time per ``n x n`` matmul over the middle half of ``repeats`` back-to-back runs.
+
+    Wall time of the whole stretch, not per-matmul medians: a process descheduled by the OS
+    (cores shared) loses that time between matmuls. The edges are dropped because concurrently
+    started workers may not all be running yet (or any more).
+    """
     a = torch.randn(n, n)
     b = torch.randn(n, n)
     a @ b  # warm-up
-    times = []
+    stamps = [time.perf_counter()]
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(4):
-            a @ b
-        times.append((time.perf_counter() - t0) * 1e3 / 4)
-    return statistics.median(times)
+        a @ b
+        stamps.append(time.perf_counter())
+    q = repeats // 4
+    lo, hi = (q, repeats - q) if repeats - 2 * q > 0 else (0, repeats)
+    return (stamps[hi] - stamps[lo]) * 1e3 / (hi - lo)
+
+
+def _matmul_alone_ms(nproc: int) -> float:
+    """:func:`_matmul_ms` in this process at the runtime's per-worker thread count."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(runtime_threads(nproc))
+    try:
+        return _matmul_ms()
+    finally:
+        torch.set_num_threads(old)
 
 
 def _measure(rank: int, world: int, sizes: tuple[int, ...], repeats: int) -> dict[str, Any]:
@@ -110,7 +135,7 @@ def _measure(rank: int, world: int, sizes: tuple[int, ...], repeats: int) -> dic
 
 def _worker(rank: int, world: int, port: int, sizes: tuple[int, ...], repeats: int, q: Any) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
+    torch.set_num_threads(runtime_threads(world))  # as the runtime's workers
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         res = _measure(rank, world, sizes, repeats)
@@ -201,7 +226,7 @@ def calibrate(
         return _calibrate_under_torchrun(sizes, repeats)
     if nproc < 2:
         raise ValidationError(f"calibrate needs --nproc >= 2 to measure links, got {nproc}")
-    alone = _matmul_ms()
+    alone = _matmul_alone_ms(nproc)
     ctx = mp.get_context("spawn")
     q = ctx.SimpleQueue()
     port = _free_port()
@@ -236,7 +261,8 @@ def _calibrate_under_torchrun(sizes: tuple[int, ...], repeats: int) -> Calibrati
     """
     world = int(os.environ["WORLD_SIZE"])
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    alone = _matmul_ms()
+    alone = _matmul_alone_ms(local)
+    torch.set_num_threads(runtime_threads(local))  # as the runtime's workers
     dist.init_process_group("gloo")
     try:
         res = _measure(dist.get_rank(), world, sizes, repeats)
