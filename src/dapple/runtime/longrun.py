@@ -111,6 +111,7 @@ class LongRun:
         self.saved: list[int] = []
         """Steps (completed-step counts) this run saved a checkpoint at."""
         self._bad: tuple[int, int] | None = None  # (kind index, micro-batch) of this step
+        self._grad_sums: list[tuple[int, torch.Tensor]] = []
         self._group: Any = None
         if set(plan.devices) != set(range(world)):
             self._group = dist.new_group(sorted(plan.devices))
@@ -153,17 +154,30 @@ class LongRun:
     # -- non-finite guard -----------------------------------------------------------------------
     def begin_step(self) -> None:
         self._bad = None
+        self._grad_sums = []
 
     def watch(self, action: Action, loss_sum: float) -> None:
-        """After a compute action: note the first non-finite loss or gradient of the step."""
-        if self._bad is not None:
-            return
-        if action.kind is ActionKind.FORWARD and self.last_stage and not math.isfinite(loss_sum):
-            self._bad = (0, int(action.micro_batch or 0))
+        """After a compute action: note the first non-finite loss or gradient of the step.
+
+        The loss is already a Python float; gradients are summed on the device (no host sync)
+        after each backward and inspected once, in :meth:`agree_finite`.
+        """
+        if action.kind is ActionKind.FORWARD:
+            if self._bad is None and self.last_stage and not math.isfinite(loss_sum):
+                self._bad = (0, int(action.micro_batch or 0))
         elif action.kind is ActionKind.BACKWARD and self.params:
             grads = [p.grad.sum() for p in self.params if p.grad is not None]
-            if grads and not bool(torch.isfinite(torch.stack(grads).sum())):
-                self._bad = (1, int(action.micro_batch or 0))
+            if grads:
+                self._grad_sums.append((int(action.micro_batch or 0), torch.stack(grads).sum()))
+
+    def _first_bad_gradient(self) -> tuple[int, int] | None:
+        if not self._grad_sums:
+            return None
+        finite = torch.isfinite(torch.stack([t for _, t in self._grad_sums])).tolist()
+        for (m, _), ok in zip(self._grad_sums, finite, strict=True):
+            if not ok:  # gradients accumulate: the first non-finite sum names the micro-batch
+                return (1, m)
+        return None
 
     def agree_finite(self, step: int) -> str | None:
         """Every plan rank's verdict on the step; None when all is finite (a collective).
@@ -172,24 +186,25 @@ class LongRun:
             None to go on; ``""`` when the step must be skipped (its gradients are dropped);
             otherwise the one-line message the caller raises to stop the run.
         """
-        kind, mb = self._bad if self._bad is not None else (-1, -1)
+        bad = self._bad if self._bad is not None else self._first_bad_gradient()
+        kind, mb = bad if bad is not None else (-1, -1)
         s = -1 if self.stage is None else self.stage
         mine = torch.tensor([kind, s, mb, self.rank], dtype=torch.float64, device=self.device)
         n = len(self.plan.devices)
         rows = [torch.empty_like(mine) for _ in range(n)]
         dist.all_gather(rows, mine, group=self._group)
-        bad = sorted(
+        found = sorted(
             (int(r[0]), int(r[2]), int(r[1]), int(r[3]))
             for r in (t.tolist() for t in rows)
             if r[0] >= 0
         )
-        if not bad:
+        if not found:
             return None
-        k, m, st, rk = bad[0]
+        k, m, st, rk = found[0]
         what = f"non-finite {_KINDS[k]} in micro-batch {m} at stage {st} (rank {rk})"
-        if len(bad) > 1:
-            others = sorted({f"stage {b[2]}" for b in bad[1:]})
-            what += f" and {len(bad) - 1} more ({', '.join(others)})"
+        if len(found) > 1:
+            others = sorted({f"stage {b[2]}" for b in found[1:]})
+            what += f" and {len(found) - 1} more ({', '.join(others)})"
         if self.config.on_nonfinite == "skip":
             for p in self.params:
                 p.grad = None
