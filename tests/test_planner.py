@@ -269,3 +269,8 @@ def test_oracle_is_a_lower_bound_of_every_planner_on_a_fixed_case() -> None:
     # (not DAPPLE: its seeds may leave devices idle, outside the oracle's all-device space)
     for name in ("straight", "pipedream", "dp"):
         assert oracle.predicted_step_ms <= make_plan(p, c, 8, name).predicted_step_ms * (1 + 1e-9)
+
+
+def test_pipedream_refuses_huge_instances() -> None:
+    with pytest.raises(ValidationError, match="N=400 layers, G=512 devices"):
+        make_plan(make_profile(400), make_cluster(servers=64, per_server=8), 512, "pipedream")

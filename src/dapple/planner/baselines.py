@@ -11,7 +11,7 @@ import math
 from collections.abc import Callable
 
 from dapple.cluster import Cluster
-from dapple.errors import InfeasibleError
+from dapple.errors import InfeasibleError, ValidationError
 from dapple.plan import Plan
 from dapple.planner.cost import allreduce_ms
 from dapple.planner.evaluate import Scored, Scorer, StageSpec
@@ -20,6 +20,9 @@ from dapple.planner.search import _infeasible_message, micro_batch_candidates
 from dapple.profile import ModelProfile
 
 __all__ = ["dp_plan", "gpipe_plan", "pipedream_plan", "straight_plan_baseline"]
+
+PIPEDREAM_MAX_WORK = 5e6
+"""Largest N^2 G^2 the PipeDream baseline accepts (BERT-48 on 16 devices, 6.4e5, takes ~1.5 s)."""
 
 Candidate = Callable[[int], list[StageSpec] | None]
 
@@ -165,8 +168,15 @@ def pipedream_plan(profile: ModelProfile, cluster: Cluster, global_batch_size: i
     micro-batch size of each candidate M is scored by L (section 7.4).
 
     Raises:
+        ValidationError: the instance is too large for this O(N^2 G^2) dynamic program.
         InfeasibleError: no M fits.
     """
+    N, G = profile.num_layers, cluster.num_devices
+    if N * N * G * G > PIPEDREAM_MAX_WORK:
+        raise ValidationError(
+            f"the pipedream planner's O(N^2 G^2) search is limited to N^2 G^2 <= "
+            f"{PIPEDREAM_MAX_WORK:.0e}; got N={N} layers, G={G} devices"
+        )
     sc = Scorer(profile, cluster, global_batch_size)
     cache: dict[int, list[StageSpec] | None] = {}
 
