@@ -10,6 +10,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
+from dapple.cli.split_cmd import add_split_at_argument, split_at_overrides
 from dapple.errors import ValidationError
 from dapple.profile import ModelProfile
 
@@ -46,6 +47,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         metavar="KEY=VALUE",
         help="model size override, e.g. --set layers=8 --set hidden=128 (repeatable)",
     )
+    add_split_at_argument(p)
     p.set_defaults(func=run)
 
 
@@ -126,7 +128,7 @@ def print_profile(con: Console, prof: ModelProfile) -> None:
 
 def run(args: argparse.Namespace) -> int:
     sizes = parse_batch_sizes(args.batch_sizes)
-    overrides = parse_overrides(args.set)
+    overrides = {**parse_overrides(args.set), **split_at_overrides(args)}
     shape = _parse_shape(args.input_shape)
     from dapple.profiler.measure import profile_workload, resolve_device
     from dapple.zoo import load_workload

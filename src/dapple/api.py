@@ -1,0 +1,319 @@
+"""Python API: profile, plan, simulate, train and verify from a script or a notebook.
+
+Every function takes the objects the CLI reads and writes (:class:`~dapple.profile.ModelProfile`,
+:class:`~dapple.cluster.Cluster`, :class:`~dapple.plan.Plan`) or the paths of their JSON files,
+and a model as a :class:`~dapple.workload.Workload` or a spec string (a zoo name,
+``package.module:factory`` or ``path/to/file.py:factory``) with keyword ``overrides`` for the
+factory (``--set KEY=VALUE`` and ``--split-at`` on the command line)::
+
+    import dapple.api as dp
+
+    prof = dp.profile("dapple.hf:gpt2", batch_sizes=[1, 2, 4], overrides={"layers": 2})
+    plan = dp.plan(prof, "local-cpu", global_batch_size=8)
+    print(dp.simulate(plan, prof, "local-cpu").step_ms)
+    report = dp.verify(plan, "dapple.hf:gpt2", steps=2, overrides={"layers": 2})
+    assert report.ok
+
+Workloads loaded from a spec (:func:`load`) pickle as their spec: spawned worker processes load
+them again, so models defined in a ``file.py`` train and verify like installed ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
+
+from dapple.cluster import Cluster, load_cluster
+from dapple.errors import ValidationError
+from dapple.plan import Plan
+from dapple.profile import ModelProfile
+from dapple.workload import Workload
+
+if TYPE_CHECKING:
+    from dapple.runtime import StepMetrics
+    from dapple.simulate import SimResult
+    from dapple.verify import VerifyReport
+
+__all__ = ["load", "plan", "profile", "simulate", "train", "verify", "verify_many"]
+
+WorkloadLike = Workload | str
+"""A :class:`Workload` or a spec string for :func:`load`."""
+
+
+def _load_spec(spec: str, overrides: dict[str, Any]) -> Workload:
+    """Unpickling hook of :class:`_SpecWorkload`: load the spec again in this process."""
+    return load(spec, **overrides)
+
+
+class _SpecWorkload(Workload):
+    """A :class:`Workload` that remembers the spec it was loaded from and pickles as it."""
+
+    _spec: tuple[str, dict[str, Any]] | None = None
+
+    def __reduce__(self) -> str | tuple[Any, ...]:
+        if self._spec is None:  # e.g. made by dataclasses.replace: pickle the fields
+            return super().__reduce__()
+        return (_load_spec, self._spec)
+
+
+def _absolute_spec(spec: str) -> str:
+    """``file.py:factory`` with an absolute path, so workers in another directory find it."""
+    module, sep, attr = spec.rpartition(":")
+    if sep and (module.endswith(".py") or "/" in module or "\\" in module):
+        return f"{Path(module).resolve()}:{attr}"
+    return spec
+
+
+def load(spec: str, *, input_shape: Sequence[int] | None = None, **overrides: Any) -> Workload:
+    """Load a workload from a spec, e.g. ``load("dapple.hf:gpt2", layers=2, split_at=[...])``.
+
+    The result pickles as ``(spec, overrides)``: a spawned worker loads it again (a
+    ``file.py`` model need not be importable there).
+
+    Args:
+        spec: A zoo name, ``package.module:factory`` or ``path/to/file.py:factory``.
+        input_shape: Per-sample input shape for factories returning an ``nn.Sequential``.
+        **overrides: Keyword arguments of the factory (sizes, ``split_at``).
+
+    Raises:
+        ValidationError: Unknown name, import failure, bad overrides or factory result.
+    """
+    from dapple.zoo import load_workload
+
+    spec = _absolute_spec(spec)
+    wl = load_workload(spec, input_shape=input_shape, **overrides)
+    out = _SpecWorkload(**{f.name: getattr(wl, f.name) for f in dataclasses.fields(Workload)})
+    extra = dict(overrides)
+    if input_shape is not None:
+        extra["input_shape"] = tuple(input_shape)
+    object.__setattr__(out, "_spec", (spec, extra))
+    return out
+
+
+def _workload(workload: WorkloadLike, overrides: Mapping[str, Any] | None) -> Workload:
+    if isinstance(workload, Workload):
+        if overrides:
+            raise ValidationError(
+                f"overrides {sorted(overrides)} apply to a spec string, not to the already "
+                f"built workload {workload.name!r}"
+            )
+        return workload
+    if not isinstance(workload, str):
+        raise ValidationError(
+            f"expected a Workload or a spec string, got {type(workload).__name__}"
+        )
+    return load(workload, **dict(overrides or {}))
+
+
+def _plan(plan: Plan | str | Path) -> Plan:
+    return plan if isinstance(plan, Plan) else Plan.load(plan)
+
+
+def _profile(profile: ModelProfile | str | Path) -> ModelProfile:
+    return profile if isinstance(profile, ModelProfile) else ModelProfile.load(profile)
+
+
+def _cluster(cluster: Cluster | str) -> Cluster:
+    return cluster if isinstance(cluster, Cluster) else load_cluster(cluster)
+
+
+def profile(
+    workload: WorkloadLike,
+    batch_sizes: Sequence[int] = (1, 2, 4),
+    device: str = "cpu",
+    *,
+    overrides: Mapping[str, Any] | None = None,
+    repeats: int = 5,
+    warmup: int = 2,
+    num_threads: int | None = 1,
+    output: str | Path | None = None,
+) -> ModelProfile:
+    """Measure every layer of a model (``dapple profile``).
+
+    Args:
+        workload: A :class:`Workload` or a spec string.
+        batch_sizes: Batch sizes to time (the fit is affine in the batch size).
+        device: ``cpu`` or ``cuda[:N]``.
+        overrides: Factory keyword arguments when ``workload`` is a spec.
+        repeats: Timed runs per layer and batch size (median kept).
+        warmup: Untimed runs first.
+        num_threads: Torch threads on CPU while profiling (``None``: unchanged).
+        output: Also save the profile JSON here.
+
+    Raises:
+        ValidationError: Bad model spec, batch sizes or device.
+    """
+    from dapple.profiler.measure import profile_workload
+
+    prof = profile_workload(
+        _workload(workload, overrides),
+        list(batch_sizes),
+        device=device,
+        warmup=warmup,
+        repeats=repeats,
+        num_threads=num_threads,
+    )
+    if output is not None:
+        prof.save(output)
+    return prof
+
+
+def plan(
+    profile: ModelProfile | str | Path,
+    cluster: Cluster | str,
+    global_batch_size: int,
+    planner: str = "dapple",
+    *,
+    output: str | Path | None = None,
+) -> Plan:
+    """Plan a profiled model on a cluster (``dapple plan``).
+
+    Args:
+        profile: A :class:`ModelProfile` or its JSON path.
+        cluster: A :class:`Cluster`, a preset name (``local-cpu``, ``paper-a``...) or a file.
+        global_batch_size: Samples per optimizer step.
+        planner: ``dapple`` or a baseline (see :data:`dapple.planner.PLANNERS`).
+        output: Also save the plan JSON here.
+
+    Raises:
+        ValidationError: Unknown planner, bad batch size, bad files.
+        InfeasibleError: No plan fits the devices' memory.
+    """
+    from dapple.planner import make_plan
+
+    result = make_plan(_profile(profile), _cluster(cluster), global_batch_size, planner)
+    if output is not None:
+        result.save(output)
+    return result
+
+
+def simulate(
+    plan: Plan | str | Path,
+    profile: ModelProfile | str | Path,
+    cluster: Cluster | str,
+    *,
+    schedule: str | None = None,
+    policy: str | None = None,
+) -> SimResult:
+    """Simulate one step of a plan (``dapple simulate``).
+
+    Args:
+        plan: A :class:`Plan` or its JSON path.
+        profile: A :class:`ModelProfile` or its JSON path.
+        cluster: A :class:`Cluster`, a preset name or a file.
+        schedule: ``dapple`` or ``gpipe`` instead of the plan's.
+        policy: ``A`` or ``B`` instead of the plan's.
+
+    Raises:
+        ValidationError: The plan does not fit the profile or cluster.
+    """
+    from dapple.simulate import simulate as _simulate
+
+    return _simulate(_with(plan, schedule, policy), _profile(profile), _cluster(cluster))
+
+
+def _with(plan: Plan | str | Path, schedule: str | None, policy: str | None) -> Plan:
+    p = _plan(plan)
+    if schedule is not None:
+        p = dataclasses.replace(p, schedule=cast(Any, schedule))  # Plan validates the name
+    if policy is not None:
+        p = dataclasses.replace(p, policy=cast(Any, policy))
+    return p
+
+
+def train(
+    plan: Plan | str | Path,
+    workload: WorkloadLike,
+    steps: int = 1,
+    *,
+    overrides: Mapping[str, Any] | None = None,
+    **options: Any,
+) -> list[StepMetrics]:
+    """Train a plan for ``steps`` synchronous steps (``dapple train``).
+
+    Args:
+        plan: A :class:`Plan` or its JSON path.
+        workload: A :class:`Workload` or a spec string.
+        steps: Optimizer steps.
+        overrides: Factory keyword arguments when ``workload`` is a spec.
+        **options: :class:`dapple.runtime.TrainConfig` fields (``seed``, ``optimizer``,
+            ``lr``, ``echo``, ``device``, ``metrics_path``, ``timeout_s``...).
+
+    Returns:
+        Rank 0's metrics of every step.
+
+    Raises:
+        ValidationError: Bad plan, workload or options.
+        RankFailure: A worker failed.
+    """
+    from dapple.runtime import train as _train
+
+    return _train(_plan(plan), _workload(workload, overrides), steps, **options)
+
+
+def verify(
+    plan: Plan | str | Path,
+    workload: WorkloadLike,
+    steps: int = 2,
+    *,
+    overrides: Mapping[str, Any] | None = None,
+    schedule: str | None = None,
+    policy: str | None = None,
+    **options: Any,
+) -> VerifyReport:
+    """Run a plan distributed and on one process from the same seed; compare (``dapple verify``).
+
+    Args:
+        plan: A :class:`Plan` or its JSON path.
+        workload: A :class:`Workload` or a spec string.
+        steps: Optimizer steps of both runs.
+        overrides: Factory keyword arguments when ``workload`` is a spec.
+        schedule: ``dapple`` or ``gpipe`` instead of the plan's.
+        policy: ``A`` or ``B`` instead of the plan's.
+        **options: ``seed``, ``optimizer``, ``lr``, ``rtol``, ``atol``, ``timeout_s``,
+            ``device`` (see :func:`dapple.verify.verify_many`).
+
+    Returns:
+        A :class:`~dapple.verify.VerifyReport`; ``report.ok`` is the verdict.
+
+    Raises:
+        ValidationError: Bad plan, workload or options.
+        RankFailure: A worker failed.
+    """
+    from dapple.verify import verify as _verify
+
+    return _verify(_with(plan, schedule, policy), _workload(workload, overrides), steps, **options)
+
+
+def verify_many(
+    cases: Sequence[tuple[Plan | str | Path, WorkloadLike]],
+    steps: int = 2,
+    **options: Any,
+) -> list[VerifyReport]:
+    """:func:`verify` several ``(plan, workload)`` pairs in ONE launch of worker processes.
+
+    Spec strings are loaded once each (without overrides; pass a :func:`load` result for
+    those).
+
+    Args:
+        cases: Plans (objects or paths) and workloads (objects or spec strings).
+        steps: Optimizer steps of every run.
+        **options: As in :func:`verify` (no ``schedule``/``policy``: set them on the plans).
+
+    Raises:
+        ValidationError: Bad plan, workload or options.
+        RankFailure: A worker failed.
+    """
+    from dapple.verify import verify_many as _verify_many
+
+    loaded: dict[str, Workload] = {}
+    resolved: list[tuple[Plan, Workload]] = []
+    for p, w in cases:
+        if isinstance(w, str):
+            if w not in loaded:
+                loaded[w] = _workload(w, None)
+            w = loaded[w]
+        resolved.append((_plan(p), _workload(w, None)))
+    return _verify_many(resolved, steps, **options)

@@ -1,0 +1,122 @@
+"""``dapple verify``: train a plan distributed and on one process from the same seed; compare.
+
+Prints, per stage, the largest absolute and relative difference of its parameters (over all
+replicas) from the single-process reference after N steps, and the loss of every step side by
+side. Exit code 0 when every parameter is within the tolerances (``torch.testing.assert_close``
+float32 defaults unless ``--rtol``/``--atol``), 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import TYPE_CHECKING
+
+from rich.console import Console
+from rich.table import Table
+
+from dapple.cli.split_cmd import add_split_at_argument, split_at_overrides
+
+if TYPE_CHECKING:
+    from dapple.verify import VerifyReport
+
+__all__ = ["print_report", "register", "run"]
+
+
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser(
+        "verify",
+        help="check a plan's distributed training against a single-process run (same seed)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--plan", required=True, help="plan JSON file")
+    p.add_argument(
+        "--model", "-m", required=True, help="zoo name, module:factory or file.py:factory"
+    )
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="model factory argument, e.g. --set layers=2 (repeatable)",
+    )
+    add_split_at_argument(p)
+    p.add_argument("--steps", type=int, default=2, help="optimizer steps (default 2)")
+    p.add_argument("--seed", type=int, default=0, help="weights seed; step t uses batch seed+t")
+    p.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd")
+    p.add_argument("--lr", type=float, default=0.01, help="learning rate (default 0.01)")
+    p.add_argument(
+        "--schedule", choices=("dapple", "gpipe"), default=None, help="override the plan's"
+    )
+    p.add_argument("--policy", choices=("A", "B"), default=None, help="override the plan's")
+    p.add_argument("--rtol", type=float, default=None, help="relative tolerance (default 1.3e-6)")
+    p.add_argument("--atol", type=float, default=None, help="absolute tolerance (default 1e-5)")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="cpu")
+    p.add_argument(
+        "--timeout-s", type=float, default=300.0, help="fail instead of waiting longer on a peer"
+    )
+    p.set_defaults(func=run)
+
+
+def _g(x: float) -> str:
+    return f"{x:.3g}"
+
+
+def print_report(con: Console, report: VerifyReport) -> None:
+    """Print the per-stage parameter table and the per-step losses of ``report``."""
+    plan = report.plan
+    t = Table(
+        title=(
+            f"{report.model_name}: {plan.replication} ({plan.schedule}, policy {plan.policy}), "
+            f"{report.options.get('steps')} steps vs {report.reference} "
+            f"(rtol {report.rtol:g}, atol {report.atol:g})"
+        )
+    )
+    for col in ("stage", "layers", "replicas", "#params", "max abs diff", "max rel diff", "ok"):
+        t.add_column(col, justify="right" if col != "ok" else "center")
+    for s in report.stages:
+        t.add_row(
+            str(s.stage),
+            f"[{s.layers[0]}, {s.layers[1]})",
+            str(s.replicas),
+            f"{s.num_params:,}",
+            _g(s.max_abs_diff),
+            _g(s.max_rel_diff),
+            "[green]ok[/green]" if s.ok else "[red]FAIL[/red]",
+        )
+    con.print(t)
+    for s in report.stages:
+        if not s.ok:
+            con.print(f"stage {s.stage}: largest difference in {s.worst}")
+    lt = Table(title="loss per step")
+    for col in ("step", "distributed", "reference", "abs diff"):
+        lt.add_column(col, justify="right")
+    for i, (a, b) in enumerate(zip(report.losses, report.reference_losses, strict=True)):
+        lt.add_row(str(i), f"{a:.7f}", f"{b:.7f}", _g(abs(a - b)))
+    con.print(lt)
+    verdict = "[green]OK[/green]" if report.ok else "[red]MISMATCH[/red]"
+    con.print(f"{verdict}: largest parameter difference {_g(report.max_abs_diff)}")
+
+
+def run(args: argparse.Namespace) -> int:
+    from dapple.api import verify
+    from dapple.cli.profile_cmd import parse_overrides
+
+    overrides = {**parse_overrides(args.set), **split_at_overrides(args)}
+    tol = {k: v for k, v in (("rtol", args.rtol), ("atol", args.atol)) if v is not None}
+    report = verify(
+        args.plan,
+        args.model,
+        args.steps,
+        overrides=overrides,
+        schedule=args.schedule,
+        policy=args.policy,
+        seed=args.seed,
+        optimizer=args.optimizer,
+        lr=args.lr,
+        device=args.device,
+        timeout_s=args.timeout_s,
+        **tol,
+    )
+    print_report(Console(), report)
+    return 0 if report.ok else 1
