@@ -1,0 +1,116 @@
+"""Shared helpers of the benchmark scripts: the CPU benchmark model, machine header, statistics.
+
+The scripts run as ``python benchmarks/<name>.py``; this directory is then ``sys.path[0]`` in
+the parent and (``spawn`` passes ``sys.path`` on) in every worker, so workers resolve the
+benchmark model as the spec ``_bench_common:bench_transformer``.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+__all__ = [
+    "BENCH_MODEL",
+    "BENCH_SPEC",
+    "HERE",
+    "bench_transformer",
+    "header",
+    "load_note",
+    "median_after_warmup",
+    "spearman",
+]
+
+HERE = Path(__file__).resolve().parent
+
+BENCH_MODEL = {"layers": 8, "hidden": 128, "heads": 4, "seq": 64, "vocab": 512}
+"""The CPU benchmark model: zoo ``transformer`` with 8 blocks of width 128 (10 chain layers)."""
+
+BENCH_SPEC = "_bench_common:bench_transformer"
+"""``module:factory`` spec of :func:`bench_transformer` for spawned workers."""
+
+
+def bench_transformer(**overrides: object):  # type: ignore[no-untyped-def]
+    """The zoo transformer at :data:`BENCH_MODEL` sizes (keyword overrides allowed)."""
+    from dapple.zoo import transformer
+
+    kw = {**BENCH_MODEL, "name": "bench-transformer", **overrides}
+    return transformer(**kw)
+
+
+def load_note() -> str:
+    """``uptime``'s load averages and the core count, as one line."""
+    try:
+        one, five, fifteen = os.getloadavg()
+        return f"load average (1/5/15 min) {one:.2f} {five:.2f} {fifteen:.2f} on {os.cpu_count()} cores"
+    except OSError:  # pragma: no cover
+        return "load average unavailable"
+
+
+def header(title: str, command: str) -> list[str]:
+    """Markdown lines: title, exact command, machine, torch version, date and load."""
+    import torch
+
+    try:
+        uname = subprocess.run(["uname", "-a"], capture_output=True, text=True, check=False)
+        un = uname.stdout.strip()
+    except OSError:  # pragma: no cover
+        un = platform.platform()
+    now = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    return [
+        f"# {title}",
+        "",
+        f"- command: `{command}`",
+        f"- machine: `{un}`; nproc {os.cpu_count()}; Python {sys.version.split()[0]}; "
+        f"torch {torch.__version__}",
+        f"- date: {now}",
+        f"- {load_note()} at start (other engineers share these cores: absolute times are "
+        "noisy, compare the side-by-side ratios)",
+        "",
+    ]
+
+
+def median_after_warmup(values: Sequence[float], warmup: int) -> float:
+    """Median of ``values[warmup:]`` (of all values when there are no more)."""
+    tail = list(values[warmup:]) or list(values)
+    return statistics.median(tail) if tail else math.nan
+
+
+def _ranks(xs: Sequence[float]) -> list[float]:
+    """Average ranks (1-based), ties sharing the mean of their positions."""
+    order = sorted(range(len(xs)), key=lambda i: xs[i])
+    ranks = [0.0] * len(xs)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and xs[order[j + 1]] == xs[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            ranks[order[k]] = (i + j) / 2 + 1
+        i = j + 1
+    return ranks
+
+
+def spearman(a: Sequence[float], b: Sequence[float]) -> float:
+    """Spearman rank correlation: Pearson correlation of the average ranks.
+
+    Raises:
+        ValueError: the sequences differ in length or have fewer than 2 items.
+    """
+    if len(a) != len(b) or len(a) < 2:
+        raise ValueError(
+            f"spearman needs two equal-length sequences of >= 2, got {len(a)}, {len(b)}"
+        )
+    ra, rb = _ranks(a), _ranks(b)
+    ma, mb = statistics.fmean(ra), statistics.fmean(rb)
+    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb, strict=True))
+    va = math.sqrt(sum((x - ma) ** 2 for x in ra))
+    vb = math.sqrt(sum((y - mb) ** 2 for y in rb))
+    return cov / (va * vb) if va > 0 and vb > 0 else math.nan

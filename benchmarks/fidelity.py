@@ -1,0 +1,272 @@
+"""Fidelity: the planner's L and the simulator's step time vs the measured step time (CPU).
+
+One model (:data:`_bench_common.BENCH_MODEL`) on 4 local CPU processes; the profile is measured
+the way the runtime runs (``cores // 4`` intra-op threads) and the cluster is this machine's
+``calibrate(4)``. For each replication (DP, 1:1:1:1, 3:1, 1:3, 2:1:1, 2:2) and schedule (DAPPLE
+1F1B policy A, GPipe) the layer cuts are the ones minimising the cost model's L for that
+replication (what the planner would pick), then: L (``pipeline_latency``), the simulated step
+(``simulate``) and the measured step (``dapple.runtime.train``, median after warm-up), the
+relative error of each prediction and the Spearman rank correlation between predicted and
+measured order. Plans run in alternating order over rounds so load drifts hit all of them.
+
+Usage: ``python benchmarks/fidelity.py [--rounds 3 --chunk 3 --skip 1]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _bench_common import (
+    BENCH_MODEL,
+    HERE,
+    bench_transformer,
+    header,
+    load_note,
+    spearman,
+)
+from dapple.cluster import Cluster
+from dapple.plan import Plan, straight_plan
+from dapple.planner import pipeline_latency
+from dapple.profile import ModelProfile
+from dapple.simulate import simulate
+
+REPLICATIONS: tuple[tuple[int, ...], ...] = ((4,), (1, 1, 1, 1), (3, 1), (1, 3), (2, 1, 1), (2, 2))
+"""Replica counts per stage of the plans compared (4 devices each)."""
+
+
+def best_cuts(
+    profile: ModelProfile,
+    cluster: Cluster,
+    reps: tuple[int, ...],
+    G: int,
+    M: int,
+    schedule: str,
+) -> Plan:
+    """The plan with replication ``reps`` whose layer cuts minimise the cost model's L."""
+    n = profile.num_layers
+    best: tuple[float, Plan] | None = None
+    for inner in itertools.combinations(range(1, n), len(reps) - 1):
+        plan = straight_plan(
+            n,
+            [0, *inner],
+            global_batch_size=G,
+            num_micro_batches=M,
+            replicas=list(reps),
+            schedule=schedule,
+            model_name=profile.model_name,
+        )
+        L = pipeline_latency(plan, profile, cluster).L_ms
+        if best is None or best[0] > L:
+            best = (L, plan)
+    assert best is not None
+    return best[1]
+
+
+def _matmul_wall_ms(repeats: int = 60, n: int = 384) -> float:
+    """Wall time per matmul over the middle half of a back-to-back run (as ``calibrate``)."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b
+    stamps = [time.perf_counter()]
+    for _ in range(repeats):
+        a @ b
+        stamps.append(time.perf_counter())
+    q = repeats // 4
+    return (stamps[repeats - q] - stamps[q]) * 1e3 / (repeats - 2 * q)
+
+
+def _group_worker(
+    rank: int, world: int, port: int, plans: list[dict[str, Any]], opts: dict[str, Any], out: str
+) -> None:
+    from dapple.runtime import TrainConfig, run_plan
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(opts["threads"])  # as dapple's runtime: cores // world
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=600))
+    wl = bench_transformer()
+    times: dict[int, list[float]] = {i: [] for i in range(len(plans))}
+    shared: list[float] = []
+    for rnd in range(opts["rounds"]):
+        # this round's compute share: all ranks run the calibration matmul at once
+        dist.barrier()
+        mine = torch.tensor([_matmul_wall_ms()], dtype=torch.float64)
+        got = [torch.zeros_like(mine) for _ in range(world)]
+        dist.all_gather(got, mine)
+        shared.append(statistics.median(float(t) for t in got))
+        # rotate and alternate the order so a load spike at a round boundary does not hit the
+        # same plans in every round
+        n = len(plans)
+        order = [(i + rnd * (n // 3 + 1)) % n for i in range(n)][:: -1 if rnd % 2 else 1]
+        for i in order:
+            cfg = TrainConfig(steps=opts["chunk"], seed=rnd, optimizer="sgd", device="cpu")
+            run = run_plan(Plan.from_dict(plans[i]), wl, cfg, device=torch.device("cpu"))
+            kept = [m.step_ms for m in run.metrics][opts["skip"] :]
+            if rank == 0:
+                med = statistics.median(kept)
+                times[i].append(med)
+                print(
+                    f"  round {rnd} {plans[i]['stages'] and label(Plan.from_dict(plans[i])):34s} "
+                    f"{med:8.1f} ms ({load_note()})",
+                    flush=True,
+                )
+    if rank == 0:
+        Path(out).write_text(json.dumps({"times": times, "shared": shared}))
+    dist.destroy_process_group()
+
+
+def measure_group(plans: list[Plan], opts: dict[str, Any]) -> tuple[list[list[float]], list[float]]:
+    """Per-round median step times (ms) of every plan, interleaved in ONE 4-process gloo group,
+    and the shared matmul time (ms) measured at the start of every round."""
+    from dapple.runtime import free_port
+
+    world = 4
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    with tempfile.TemporaryDirectory() as tmp:
+        out = str(Path(tmp) / "times.json")
+        args = [p.to_dict() for p in plans]
+        procs = [
+            ctx.Process(target=_group_worker, args=(r, world, port, args, opts, out))
+            for r in range(world)
+        ]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join()
+        bad = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode]
+        if bad:
+            raise RuntimeError(f"fidelity workers failed: {bad} (rank, exit code)")
+        got = json.loads(Path(out).read_text())
+    return [got["times"][str(i)] for i in range(len(plans))], got["shared"]
+
+
+def label(plan: Plan) -> str:
+    reps = ":".join(str(s.replicas) for s in plan.stages)
+    cuts = "|".join(str(s.layers[1]) for s in plan.stages[:-1])
+    sched = "-" if plan.num_stages == 1 else plan.schedule
+    return f"{reps} cut {cuts or '-'} M={plan.num_micro_batches} {sched}"
+
+
+def _row_stats(pred: list[float], meas: list[float]) -> tuple[list[float], float]:
+    errs = [(a - m) / m for a, m in zip(pred, meas, strict=True)]
+    return errs, spearman(pred, meas)
+
+
+def _goal_cells(errs: list[float], rho: float) -> tuple[str, str]:
+    n = len(errs)
+    ok = sum(abs(e) <= 0.10 for e in errs)
+    absd = [abs(e) for e in errs]
+    err_cell = (
+        f"{ok}/{n} plans (max {max(absd):.0%}, median {statistics.median(absd):.0%}) - "
+        f"{'met' if ok == n else 'missed'}"
+    )
+    return err_cell, f"{rho:.2f} - {'met' if rho >= 0.9 else 'missed'}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    from dapple.calibrate import calibrate, runtime_threads
+    from dapple.profiler.measure import profile_workload
+
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds")
+    ap.add_argument("--chunk", type=int, default=3, help="steps per plan per round")
+    ap.add_argument("--skip", type=int, default=1, help="warm-up steps dropped per chunk")
+    ap.add_argument("--global-batch", type=int, default=32)
+    ap.add_argument("--micro-batches", type=int, default=8)
+    ap.add_argument("--out", default=str(HERE / "fidelity.md"))
+    args = ap.parse_args(argv)
+    command = "python benchmarks/fidelity.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    lines = header("Fidelity: predicted (planner L, simulator) vs measured step time", command)
+    G, M, nproc = args.global_batch, args.micro_batches, 4
+    threads = runtime_threads(nproc)  # the runtime's per-worker count, the calibration's too
+    wl = bench_transformer()
+    t0 = time.perf_counter()
+    profile = profile_workload(wl, [1, 2, 4, 8], repeats=5, num_threads=threads)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    alone_ms = _matmul_wall_ms()  # the calibration matmul alone, right after profiling
+    torch.set_num_threads(old)
+    cal = calibrate(nproc)
+    cluster = cal.cluster
+    prep_s = time.perf_counter() - t0
+    plans: list[Plan] = []
+    for reps in REPLICATIONS:
+        for sched in ("dapple", "gpipe") if len(reps) > 1 else ("dapple",):
+            plans.append(best_cuts(profile, cluster, reps, G, 1 if len(reps) == 1 else M, sched))
+    opts = {"rounds": args.rounds, "chunk": args.chunk, "skip": args.skip, "threads": threads}
+    times, shared = measure_group(plans, opts)
+    run_slowdown = statistics.median(shared) / alone_ms
+    in_run = dataclasses.replace(cluster, compute_slowdown=max(1.0, run_slowdown))
+    meas = [statistics.median(t) for t in times]
+    L = [pipeline_latency(p, profile, cluster).L_ms for p in plans]
+    sim = [simulate(p, profile, cluster).step_ms for p in plans]
+    L2 = [pipeline_latency(p, profile, in_run).L_ms for p in plans]
+    sim2 = [simulate(p, profile, in_run).step_ms for p in plans]
+    lines += [
+        f"Model: zoo `transformer` {BENCH_MODEL}, global batch {G}, M = {M} for pipelines "
+        f"(M = 1 for DP), 4 CPU processes with {threads} intra-op thread(s) each (the runtime's "
+        f"`cores // 4`). Profile: `profile_workload(batch_sizes=[1, 2, 4, 8], "
+        f"num_threads={threads})`. Cluster: `calibrate(4)` -> "
+        f"{cluster.intra_server_bandwidth_gbps:.2f} Gbps, latency "
+        f"{cluster.intra_server_latency_ms:.3f} ms, compute_slowdown "
+        f"{cluster.compute_slowdown:.2f}. Profiling + calibration took {prep_s:.0f} s. Layer "
+        "cuts per replication: the ones minimising L. Measured: all plans in ONE 4-process gloo "
+        f"group, interleaved ({args.rounds} rounds x {args.chunk} steps per plan, order rotated "
+        f"and alternating, first {args.skip} step(s) of each chunk dropped); measured = median "
+        "over rounds of each round's median step time (slowest rank).",
+        "",
+        f"Load drift correction (second pair of columns): the calibration matmul timed alone "
+        f"right after profiling ({alone_ms:.2f} ms) and by all 4 ranks at once at the start of "
+        f"every round ({', '.join(f'{x:.2f}' for x in shared)} ms) gives the compute slowdown "
+        f"*during* the runs, {run_slowdown:.2f} (vs {cluster.compute_slowdown:.2f} from "
+        "`calibrate(4)` before them); same profile, same links.",
+        "",
+        "| plan (replicas, cuts, M, schedule) | measured ms | L ms (err) | simulated ms (err) "
+        "| L in-run ms (err) | sim in-run ms (err) |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    cols = [L, sim, L2, sim2]
+    stats = [_row_stats(c, meas) for c in cols]
+    for i, p in enumerate(plans):
+        cells = " | ".join(
+            f"{c[i]:.1f} ({st[0][i]:+.0%})" for c, st in zip(cols, stats, strict=True)
+        )
+        lines.append(f"| {label(p)} | {meas[i]:.1f} | {cells} |")
+    goal = [_goal_cells(*st) for st in stats]
+    spread = max(max(t) / min(t) for t in times)
+    lines += [
+        "",
+        "| goal | planner L | simulator | L, in-run slowdown | simulator, in-run slowdown |",
+        "|---|---|---|---|---|",
+        "| abs error <= 10% of measured | " + " | ".join(g[0] for g in goal) + " |",
+        "| Spearman rank correlation >= 0.9 | " + " | ".join(g[1] for g in goal) + " |",
+        "",
+        f"Spread of the per-round medians (max/min, worst plan): {spread:.2f}x; per plan: "
+        + ", ".join(f"{max(t) / min(t):.2f}" for t in times)
+        + ".",
+        "",
+        f"End: {load_note()}.",
+        "",
+    ]
+    Path(args.out).write_text("\n".join(lines))
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Re-run every benchmark and rewrite its markdown result (about 20-25 minutes on 2 busy cores).
+# Usage: benchmarks/run_all.sh [--quick]   (--quick: fewer rounds/steps, for a smoke run)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-.venv/bin/python}
+quick=${1:-}
+run() { echo "== $*"; local t0=$SECONDS; "$PY" "$@"; echo "== done in $((SECONDS - t0)) s"; }
+
+if [[ "$quick" == "--quick" ]]; then
+  run benchmarks/paper.py --no-runtime --out /tmp/dapple-paper.md
+  run benchmarks/fidelity.py --rounds 1 --steps 3 --warmup 1 --out /tmp/dapple-fidelity.md
+  run benchmarks/vs_torch_pipelining.py --rounds 1 --chunk 2 --no-planned --out /tmp/dapple-vs.md
+  exit 0
+fi
+# the planner engineer's benchmarks, when present
+[[ -f benchmarks/planning_time.py ]] && run benchmarks/planning_time.py --repeat 3
+[[ -f benchmarks/paper_planning.py ]] && run benchmarks/paper_planning.py
+run benchmarks/paper.py
+run benchmarks/fidelity.py
+run benchmarks/vs_torch_pipelining.py

@@ -1,0 +1,340 @@
+"""dapple's runtime vs ``torch.distributed.pipelining`` and DDP on the same partition (CPU, gloo).
+
+Same model (:data:`_bench_common.BENCH_MODEL`), same layer partition, same global batch and
+number of micro-batches M, same optimizer (plain SGD) and steps, same intra-op threads per
+process (``cores // processes``, as dapple's runtime sets). Peers:
+
+- ``torch 1F1B`` / ``torch GPipe``: ``PipelineStage`` + ``Schedule1F1B`` / ``ScheduleGPipe``
+  for straight 2- and 4-stage pipelines, compared with dapple's straight plans under the
+  ``dapple`` (1F1B, policy A) and ``gpipe`` schedules;
+- ``torch DDP``: ``DistributedDataParallel`` on 4 processes, against dapple's pure-DP plan;
+- ``dapple planned``: the plan ``make_plan`` picks for 4 processes from this machine's profile
+  and calibration (``calibrate(4)``), against the best hand-configured peer.
+
+Every configuration is timed per step as the slowest rank's wall time from a common start
+(dapple: its ``StepMetrics.step_ms``; peers: barrier, step, ``all_reduce(MAX)``); samples/s is
+the global batch over the median step time after warm-up. The configurations run in
+alternating rounds (dapple and peer back to back) so machine load hits both.
+
+Usage: ``python benchmarks/vs_torch_pipelining.py [--steps 8 --warmup 3 --rounds 2]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _bench_common import (
+    BENCH_MODEL,
+    HERE,
+    bench_transformer,
+    header,
+    load_note,
+)
+from dapple.plan import Plan, straight_plan
+from dapple.runtime import free_port
+
+LR = 0.01
+
+
+# -- one process group per world size, cases interleaved chunk by chunk -----------------------
+class _Peer:
+    """A torch peer set up once per process group: DDP or a PipelineStage + schedule."""
+
+    def __init__(self, kind: str, rank: int, world: int, G: int, M: int, bounds: list[int]):
+        self.kind, self.rank, self.world, self.G = kind, rank, world, G
+        wl = bench_transformer()
+        self.wl = wl
+        if kind == "ddp":
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            self.model: Any = DDP(wl.build_model(0))
+            self.opt = torch.optim.SGD(self.model.parameters(), lr=LR)
+        else:
+            from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+            module = wl.build_stage(bounds[rank], bounds[rank + 1], 0)
+            stage = PipelineStage(module, rank, world, torch.device("cpu"))
+            cls = Schedule1F1B if kind == "1f1b" else ScheduleGPipe
+            self.sched = cls(stage, n_microbatches=M, loss_fn=wl.loss_fn)
+            self.opt = torch.optim.SGD(module.parameters(), lr=LR)
+
+    def step(self, step: int) -> float:
+        """One timed optimizer step; returns this rank's ms."""
+        x, y = self.wl.make_batch(self.G, step)
+        r, w = self.rank, self.world
+        dist.barrier()
+        t0 = time.perf_counter()
+        if self.kind == "ddp":
+            per = self.G // w
+            loss = self.wl.loss_fn(
+                self.model(x[r * per : (r + 1) * per]), y[r * per : (r + 1) * per]
+            )
+            loss.backward()
+        elif r == 0:
+            self.sched.step(x)
+        elif r == w - 1:
+            self.sched.step(target=y, losses=[])
+        else:
+            self.sched.step()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return (time.perf_counter() - t0) * 1e3
+
+
+def _max_over_ranks(values: list[float]) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return [float(v) for v in t.tolist()]
+
+
+def _group_worker(
+    rank: int, world: int, port: int, cases: list[dict[str, Any]], opts: dict[str, Any], out: str
+) -> None:
+    from dapple.runtime import TrainConfig, run_plan
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # as dapple's runtime
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=600))
+    wl = bench_transformer()
+    peers: dict[int, _Peer] = {}
+    times: dict[int, list[float]] = {i: [] for i in range(len(cases))}
+    chunk, skip = opts["chunk"], opts["skip"]
+    for rnd in range(opts["rounds"]):
+        order = list(range(len(cases)))
+        if rnd % 2:
+            order.reverse()
+        for i in order:
+            c = cases[i]
+            if c["runner"] == "dapple":
+                cfg = TrainConfig(steps=chunk, seed=rnd, optimizer="sgd", lr=LR, device="cpu")
+                run = run_plan(Plan.from_dict(c["plan"]), wl, cfg, device=torch.device("cpu"))
+                ms = [m.step_ms for m in run.metrics]  # rank 0: slowest rank per step
+            else:
+                if i not in peers:
+                    peers[i] = _Peer(c["kind"], rank, world, c["G"], c["M"], c["bounds"])
+                ms = _max_over_ranks([peers[i].step(rnd * chunk + k) for k in range(chunk)])
+            times[i] += ms[skip:]
+            if rank == 0:
+                print(
+                    f"  x{world} round {rnd} {c['label']:40s} {statistics.median(ms[skip:]):8.1f} ms"
+                    f"  ({load_note()})",
+                    flush=True,
+                )
+    if rank == 0:
+        Path(out).write_text(json.dumps(times))
+    dist.destroy_process_group()
+
+
+def run_group(world: int, cases: list[dict[str, Any]], opts: dict[str, Any]) -> list[list[float]]:
+    """Run ``cases`` interleaved in one group of ``world`` processes; per-case step times (ms)."""
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    with tempfile.TemporaryDirectory() as tmp:
+        out = str(Path(tmp) / "times.json")
+        procs = [
+            ctx.Process(target=_group_worker, args=(r, world, port, cases, opts, out))
+            for r in range(world)
+        ]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join()
+        bad = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode]
+        if bad:
+            raise RuntimeError(f"benchmark group of {world} failed: {bad} (rank, exit code)")
+        got = json.loads(Path(out).read_text())
+        return [got[str(i)] for i in range(len(cases))]
+
+
+# -- configurations ---------------------------------------------------------------------------
+def even_bounds(num_layers: int, stages: int) -> list[int]:
+    """Cut a ``num_layers`` chain into ``stages`` nearly equal contiguous ranges."""
+    return [round(i * num_layers / stages) for i in range(stages + 1)]
+
+
+def planned_plan(G: int, nproc: int) -> tuple[Plan, str]:
+    """dapple's own plan for ``nproc`` local processes: profile + calibrate + make_plan."""
+    from dapple.calibrate import calibrate, runtime_threads
+    from dapple.planner import make_plan
+    from dapple.profiler.measure import profile_workload
+
+    threads = runtime_threads(nproc)
+    prof = profile_workload(bench_transformer(), [1, 2, 4, 8], repeats=3, num_threads=threads)
+    cal = calibrate(nproc)
+    plan = make_plan(prof, cal.cluster, G, "dapple")
+    note = (
+        f"profile at {threads} thread(s)/process; calibrate({nproc}): "
+        f"{cal.cluster.intra_server_bandwidth_gbps:.2f} Gbps, latency "
+        f"{cal.cluster.intra_server_latency_ms:.3f} ms, compute_slowdown "
+        f"{cal.cluster.compute_slowdown:.2f}"
+    )
+    return plan, note
+
+
+def describe(plan: Plan) -> str:
+    reps = ":".join(str(s.replicas) for s in plan.stages)
+    cuts = ",".join(f"{s.layers[0]}-{s.layers[1]}" for s in plan.stages)
+    return f"{reps} [{cuts}] M={plan.num_micro_batches} {plan.schedule}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds")
+    ap.add_argument("--chunk", type=int, default=4, help="steps per case per round")
+    ap.add_argument("--skip", type=int, default=1, help="warm-up steps dropped per chunk")
+    ap.add_argument("--global-batch", type=int, default=32)
+    ap.add_argument("--micro-batches", type=int, default=8)
+    ap.add_argument("--no-planned", action="store_true", help="skip the planned plan")
+    ap.add_argument("--out", default=str(HERE / "vs_torch_pipelining.md"))
+    args = ap.parse_args(argv)
+    command = "python benchmarks/vs_torch_pipelining.py " + " ".join(
+        sys.argv[1:] if argv is None else argv
+    )
+    lines = header("dapple runtime vs torch.distributed.pipelining / DDP (CPU, gloo)", command)
+    G, M = args.global_batch, args.micro_batches
+    n_layers = bench_transformer().num_layers
+    cases: dict[int, list[dict[str, Any]]] = {2: [], 4: []}
+    for S in (2, 4):
+        b = even_bounds(n_layers, S)
+        for sched, peer in (("dapple", "1f1b"), ("gpipe", "gpipe")):
+            plan = straight_plan(
+                n_layers, b[:-1], global_batch_size=G, num_micro_batches=M, schedule=sched
+            )
+            grp = f"straight {S} stages, cuts {b[1:-1]}, {'1F1B' if peer == '1f1b' else 'GPipe'}"
+            cases[S].append(
+                {
+                    "group": grp,
+                    "label": f"dapple ({sched} schedule)",
+                    "runner": "dapple",
+                    "plan": plan.to_dict(),
+                }
+            )
+            cases[S].append(
+                {
+                    "group": grp,
+                    "label": f"torch Schedule{'1F1B' if peer == '1f1b' else 'GPipe'}",
+                    "runner": "peer",
+                    "kind": peer,
+                    "G": G,
+                    "M": M,
+                    "bounds": b,
+                }
+            )
+    dp = straight_plan(n_layers, [0], global_batch_size=G, num_micro_batches=1, replicas=[4])
+    cases[4].append(
+        {
+            "group": "DP x4",
+            "label": "dapple (pure-DP plan)",
+            "runner": "dapple",
+            "plan": dp.to_dict(),
+        }
+    )
+    cases[4].append(
+        {
+            "group": "DP x4",
+            "label": "torch DDP",
+            "runner": "peer",
+            "kind": "ddp",
+            "G": G,
+            "M": 1,
+            "bounds": [],
+        }
+    )
+    plan_note = ""
+    planned: Plan | None = None
+    if not args.no_planned:
+        t0 = time.perf_counter()
+        planned, plan_note = planned_plan(G, 4)
+        plan_note += f"; planning took {time.perf_counter() - t0:.0f} s"
+        cases[4].append(
+            {
+                "group": "planned x4",
+                "label": f"dapple planned: {describe(planned)}",
+                "runner": "dapple",
+                "plan": planned.to_dict(),
+            }
+        )
+        print(
+            f"planned: {describe(planned)}, predicted {planned.predicted_step_ms:.1f} ms",
+            flush=True,
+        )
+    opts = {"rounds": args.rounds, "chunk": args.chunk, "skip": args.skip}
+    ms: dict[tuple[str, str], float] = {}
+    for world, cs in cases.items():
+        for c, t in zip(cs, run_group(world, cs, opts), strict=True):
+            ms[(c["group"], c["label"])] = statistics.median(t)
+    sps = {k: G / (v / 1e3) for k, v in ms.items()}
+    lines += [
+        f"Model: zoo `transformer` {BENCH_MODEL} ({n_layers} chain layers), global batch {G}, "
+        f"M = {M} for the pipelines (micro-batch {G // M}), plain SGD lr {LR}. All cases of one "
+        f"process count run in ONE gloo process group, interleaved: {args.rounds} rounds x "
+        f"{args.chunk} steps per case (round order alternates), the first {args.skip} step(s) "
+        f"of each chunk dropped; ms/step = median of the rest. Step time = slowest rank, from "
+        f"a common start. Threads per process: cores // processes.",
+        "",
+        "| configuration | runner | ms / step | samples/s | dapple / peer |",
+        "|---|---|---:|---:|---:|",
+    ]
+    ratios: list[tuple[str, float]] = []
+    for cs in cases.values():
+        groups = list(dict.fromkeys(c["group"] for c in cs))
+        for grp in groups:
+            rows = [c["label"] for c in cs if c["group"] == grp]
+            d = [sps[(grp, lab)] for lab in rows if lab.startswith("dapple")]
+            for lab in rows:
+                v = sps[(grp, lab)]
+                ratio = ""
+                if not lab.startswith("dapple") and d:
+                    ratio = f"**{d[0] / v:.2f}x**"
+                    ratios.append((grp, d[0] / v))
+                lines.append(f"| {grp} | {lab} | {ms[(grp, lab)]:.1f} | {v:.1f} | {ratio} |")
+    worst = min(ratios, key=lambda t: t[1])
+    lines += [
+        "",
+        f"Goal dapple >= 1.0x the peer on the same partition: "
+        f"**{'met' if worst[1] >= 1.0 else 'missed'}** (lowest ratio {worst[1]:.2f}x, {worst[0]}).",
+    ]
+    if planned is not None:
+        four = [
+            (g, lab, v)
+            for (g, lab), v in sps.items()
+            if (g, lab) in {(c["group"], c["label"]) for c in cases[4]}
+        ]
+        best_peer = max((t for t in four if not t[1].startswith("dapple")), key=lambda t: t[2])
+        best_hand = max(
+            (t for t in four if t[1].startswith("dapple") and t[0] != "planned x4"),
+            key=lambda t: t[2],
+        )
+        pv = next(v for g, _, v in four if g == "planned x4")
+        lines += [
+            "",
+            f"Planned plan for 4 processes ({plan_note}): {describe(planned)}, predicted "
+            f"{planned.predicted_step_ms:.1f} ms/step.",
+            f"- vs the best hand-configured peer on 4 processes ({best_peer[1]}, {best_peer[0]}, "
+            f"{best_peer[2]:.1f} samples/s): **{pv / best_peer[2]:.2f}x** "
+            f"({'beats it' if pv > best_peer[2] else 'does NOT beat it'})",
+            f"- vs the best hand-configured dapple plan on 4 processes ({best_hand[1]}, "
+            f"{best_hand[0]}, {best_hand[2]:.1f} samples/s): {pv / best_hand[2]:.2f}x",
+        ]
+    lines += ["", f"End: {load_note()}.", ""]
+    Path(args.out).write_text("\n".join(lines))
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
