@@ -11,9 +11,13 @@ import argparse
 import math
 import os
 import statistics
+from typing import TYPE_CHECKING
 
 from dapple.errors import ValidationError
 from dapple.plan import Plan
+
+if TYPE_CHECKING:  # torch-free import of the CLI
+    from dapple.workload import Workload
 
 __all__ = ["register", "run"]
 
@@ -39,7 +43,51 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     )
     p.add_argument("--recompute", action="store_true", help="re-compute forwards on every stage")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    _register_long_run(p)
     p.set_defaults(func=run)
+
+
+def _register_long_run(p: argparse.ArgumentParser) -> None:
+    """Checkpoint / resume / non-finite flags (issue #10)."""
+    g = p.add_argument_group("long runs")
+    g.add_argument("--checkpoint-dir", default=None, help="save checkpoints here (per layer)")
+    g.add_argument("--save-every", type=int, default=0, help="save every N steps (0: never)")
+    g.add_argument("--keep", type=int, default=None, help="keep the K newest checkpoints")
+    g.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the newest complete checkpoint (saved under any plan)",
+    )
+    g.add_argument(
+        "--on-nonfinite",
+        choices=("stop", "skip"),
+        default="stop",
+        help="non-finite loss/gradient: stop (default, exit non-zero) or skip the step",
+    )
+
+
+def check_long_run(
+    checkpoint_dir: str | None, workload: Workload, plan_num_layers: int, *, resume: bool
+) -> None:
+    """Before any worker starts: the checkpoint directory is writable, and with ``resume`` the
+    newest checkpoint (if any) is of this model and the plan covers the model.
+
+    Raises:
+        CheckpointError: unwritable directory, damaged or foreign checkpoint.
+    """
+    from dapple.checkpoint import check_compatible, check_writable, latest_checkpoint
+
+    if checkpoint_dir is None:
+        return
+    check_writable(checkpoint_dir)
+    ck = latest_checkpoint(checkpoint_dir) if resume else None
+    if ck is not None:
+        check_compatible(
+            ck,
+            model_name=workload.name,
+            num_layers=workload.num_layers,
+            plan_num_layers=plan_num_layers,
+        )
 
 
 def _predicted_step_ms(plan: Plan, profile_path: str, cluster_spec: str) -> tuple[float, str]:
@@ -66,6 +114,12 @@ def run(args: argparse.Namespace) -> int:
     if (args.profile is None) != (args.cluster is None):
         raise ValidationError("--profile and --cluster must be given together")
     plan = Plan.load(args.plan)
+    if args.checkpoint_dir is not None:
+        from dapple.runtime import resolve_workload
+
+        check_long_run(
+            args.checkpoint_dir, resolve_workload(args.model), plan.num_layers, resume=args.resume
+        )
     predicted, source = math.nan, ""
     if args.profile is not None:
         predicted, source = _predicted_step_ms(plan, args.profile, args.cluster)
@@ -82,6 +136,11 @@ def run(args: argparse.Namespace) -> int:
         echo=True,
         device=args.device,
         predicted_step_ms=predicted,
+        checkpoint_dir=args.checkpoint_dir,
+        save_every=args.save_every,
+        keep=args.keep,
+        resume=args.resume,
+        on_nonfinite=args.on_nonfinite,
     )
     if metrics and int(os.environ.get("RANK", "0")) == 0:
         # the first step includes connection set-up and warm-up; report the rest when possible

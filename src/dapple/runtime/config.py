@@ -46,7 +46,19 @@ class TrainConfig:
     predicted_step_ms: float = math.nan
     """A prediction (simulator / cost model) printed beside the measured step time."""
 
+    checkpoint_dir: str | None = None
+    """Save checkpoints here and resume from them (:mod:`dapple.runtime.longrun`)."""
+    save_every: int = 0
+    """Save after every N completed steps (0: never save)."""
+    keep: int | None = None
+    """Keep only the K newest complete checkpoints (None: keep all)."""
+    resume: bool = False
+    """Continue from the newest complete checkpoint in ``checkpoint_dir``, saved under any plan."""
+    on_nonfinite: str = "stop"
+    """Non-finite loss or gradient: ``stop`` (exit non-zero, weights untouched) or ``skip`` the step."""
+
     def __post_init__(self) -> None:
+        _check_long_run(self)
         if self.steps < 1:
             raise ValidationError(f"steps must be >= 1, got {self.steps}")
         if self.optimizer not in OPTIMIZERS:
@@ -59,6 +71,18 @@ class TrainConfig:
             raise ValidationError(f"timeout_s must be > 0, got {self.timeout_s}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValidationError(f"device must be auto, cpu or cuda, got {self.device!r}")
+
+
+def _check_long_run(c: TrainConfig) -> None:
+    """Validate the checkpoint and non-finite options (issue #10)."""
+    if c.save_every < 0:
+        raise ValidationError(f"save_every must be >= 0, got {c.save_every}")
+    if c.keep is not None and c.keep < 1:
+        raise ValidationError(f"keep must be >= 1, got {c.keep}")
+    if c.on_nonfinite not in ("stop", "skip"):
+        raise ValidationError(f"on_nonfinite must be stop or skip, got {c.on_nonfinite!r}")
+    if (c.save_every > 0 or c.resume) and c.checkpoint_dir is None:
+        raise ValidationError("save_every and resume need a checkpoint_dir")
 
 
 @dataclass(frozen=True, slots=True)

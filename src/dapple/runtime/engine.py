@@ -31,6 +31,7 @@ from torch import nn
 from dapple.errors import DappleError, ValidationError
 from dapple.plan import Plan
 from dapple.runtime.config import StepMetrics, TrainConfig
+from dapple.runtime.longrun import LongRun, first_attempt
 from dapple.runtime.memory import ActivationMeter
 from dapple.runtime.stage import StageExecutor
 from dapple.runtime.sync import GradientSync
@@ -168,13 +169,17 @@ def run_plan(
         assert s is not None and j is not None and module is not None
         recompute = config.recompute or plan.stages[s].recompute
         ex = StageExecutor(plan, s, j, module, specs, workload.loss_fn, device, recompute, meter)
+    # checkpoints, resume under any plan, non-finite guard (issue #10); a collective
+    longrun = LongRun(plan, workload, config, rank=rank, world=world, stage=s, replica=j,
+                      module=module, optimizer=opt, device=device)  # fmt: skip
+    start = longrun.resume()
     fail_rank = int(os.environ.get(FAIL_RANK_ENV, "-1"))
-    fail_step = int(os.environ.get(FAIL_STEP_ENV, "-1"))
+    fail_step = int(os.environ.get(FAIL_STEP_ENV, "-1")) if first_attempt() else -1
     cuda = device.type == "cuda"
     metrics: list[StepMetrics] = []
     sink = open(config.metrics_path, "w") if (rank == 0 and config.metrics_path) else None  # noqa: SIM115
     try:
-        for step in range(config.steps):
+        for step in range(start, config.steps):
             if step > 0:
                 inputs, targets = workload.make_batch(G, config.seed + step)
             if cuda:
@@ -187,6 +192,7 @@ def run_plan(
                     for p in params:
                         p.grad = None
                     ex.begin_step(inputs, targets)
+                    longrun.begin_step()
                     synced = False
                     for n_done, a in enumerate(program):
                         if n_done == 1 and rank == fail_rank and step == fail_step:
@@ -194,6 +200,12 @@ def run_plan(
                         where = f"action {a}"
                         if a.kind in (K.ALLREDUCE, K.STEP) and not synced:
                             ex.finish_sends()
+                            where = "the non-finite check (all plan ranks)"
+                            verdict = longrun.agree_finite(step)
+                            if verdict:
+                                raise RankFailure(verdict)
+                            if verdict == "":
+                                break  # skip the step: no AllReduce, no update, on every rank
                             where = "tied-parameter gradient AllReduce"
                             sync.tied()
                             synced = True
@@ -205,6 +217,7 @@ def run_plan(
                                 opt.step()
                         else:
                             ex.run(a)
+                            longrun.watch(a, ex.loss_sum)
                 if cuda:
                     torch.cuda.synchronize(device)
                 step_ms = (time.perf_counter() - t0) * 1e3
@@ -222,6 +235,8 @@ def run_plan(
                 )
                 allm = [torch.empty_like(mine) for _ in range(world)]
                 dist.all_gather(allm, mine)
+            except RankFailure:
+                raise
             except Exception as e:
                 waiting = ex.waiting_on if ex is not None else None
                 peer = waiting[1] if waiting else -1
@@ -257,6 +272,7 @@ def run_plan(
                     sink.flush()
                 if on_step is not None:
                     on_step(sm)
+            longrun.after_step(step)
     finally:
         if sink is not None:
             sink.close()

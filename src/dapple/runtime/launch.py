@@ -31,6 +31,7 @@ from dapple.errors import DappleError, ValidationError
 from dapple.plan import Plan
 from dapple.runtime.config import StepMetrics, TrainConfig
 from dapple.runtime.engine import RankFailure, run_plan, validate_run
+from dapple.runtime.longrun import elastic_store
 from dapple.workload import Workload
 
 __all__ = ["free_port", "init_distributed", "resolve_workload", "spawn", "train"]
@@ -98,6 +99,7 @@ def init_distributed(config: TrainConfig, local_world: int) -> torch.device:
         dist.init_process_group(
             backend="nccl" if device.type == "cuda" else "gloo",
             timeout=timedelta(seconds=config.timeout_s),
+            **elastic_store(timedelta(seconds=config.timeout_s)),  # torchrun restarts (#10)
         )
     return device
 
