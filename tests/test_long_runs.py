@@ -39,6 +39,7 @@ PLANS = {
     "3:1": (((0, 2), (0, 1, 2)), ((2, 4), (3,))),
     "straight4": (((0, 1), (0,)), ((1, 2), (1,)), ((2, 3), (2,)), ((3, 4), (3,))),
     "dp4": (((0, 4), (0, 1, 2, 3)),),
+    "straight2": (((0, 3), (0,)), ((3, 4), (1,))),  # 2 processes (ranks 2, 3 idle)
 }
 
 
@@ -172,7 +173,7 @@ def worker(rank: int, world: int, out_dir: str) -> None:
 
     _scenario("same-plan", res, same_plan_exact)
     ref_model, ref_losses = reference(wl, STEPS)
-    for name in ("3:1", "straight4", "dp4"):
+    for name in ("3:1", "straight4", "dp4", "straight2"):
         plan = plan_of(name)
         r = run(plan, steps=STEPS, checkpoint_dir=ck, resume=True)
 
@@ -245,7 +246,7 @@ def test_resume_same_plan_is_exact(spawned) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("plan", ["3:1", "straight4", "dp4"])
+@pytest.mark.parametrize("plan", ["3:1", "straight4", "dp4", "straight2"])
 def test_resume_saved_2_2_under_another_plan(spawned, plan: str) -> None:
     rows = _ok(spawned, plan)
     # every layer's tensors were compared once per replica of the stage that holds them
