@@ -1,0 +1,184 @@
+"""``dapple verify`` and ``dapple.api`` without launching processes: the per-stage comparison,
+the single-process reference, the gradient-perturbation hook, spec-loaded workloads that
+pickle as their spec, and one-line CLI errors (multi-process runs: test_real_inputs.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+from rich.console import Console
+
+import runtime_workloads as rw
+from dapple import api
+from dapple.cli import main
+from dapple.errors import ValidationError
+from dapple.plan import straight_plan
+from dapple.verify import (
+    ATOL,
+    PERTURBATION,
+    StageDiff,
+    VerifyReport,
+    _perturbed,
+    _stage_diffs,
+    reference_run,
+)
+
+PLAN = straight_plan(4, [0, 2], global_batch_size=4, num_micro_batches=2, replicas=[2, 1])
+
+
+def _params(value: float) -> dict[int, dict[str, torch.Tensor]]:
+    return {i: {"w": torch.full((3,), value), "b": torch.zeros(2)} for i in range(4)}
+
+
+def _runs(ref: dict[int, dict[str, torch.Tensor]]) -> list[dict[str, object]]:
+    def clone(lo: int, hi: int) -> dict[int, dict[str, torch.Tensor]]:
+        return {i: {n: t.clone() for n, t in ref[i].items()} for i in range(lo, hi)}
+
+    return [
+        {"stage": 0, "replica": 0, "layers": clone(0, 2)},
+        {"stage": 0, "replica": 1, "layers": clone(0, 2)},
+        {"stage": 1, "replica": 0, "layers": clone(2, 4)},
+    ]
+
+
+def test_stage_diffs_within_and_beyond_tolerance() -> None:
+    ref = _params(2.0)
+    runs = _runs(ref)
+    exact = _stage_diffs(PLAN, ref, runs, 1.3e-6, ATOL)
+    assert [(d.stage, d.layers, d.replicas, d.num_params) for d in exact] == [
+        (0, (0, 2), 2, 10),
+        (1, (2, 4), 1, 10),
+    ]
+    assert all(d.ok and d.max_abs_diff == 0 for d in exact)
+    # replica 1 of stage 0 drifts: within atol passes, beyond fails and is named
+    runs[1]["layers"][1]["w"][0] += 0.5 * ATOL  # type: ignore[index]
+    assert all(d.ok for d in _stage_diffs(PLAN, ref, runs, 1.3e-6, ATOL))
+    runs[1]["layers"][1]["b"][1] += 4 * ATOL  # type: ignore[index]
+    s0, s1 = _stage_diffs(PLAN, ref, runs, 1.3e-6, ATOL)
+    assert not s0.ok and s1.ok
+    assert s0.max_abs_diff == pytest.approx(4 * ATOL, rel=1e-3)
+    assert s0.worst == "layer 1 b"
+    assert s0.max_rel_diff == pytest.approx(
+        0.5 * ATOL / 2.0, rel=1e-2
+    )  # float32 rounding; zeros: atol only
+
+
+def test_stage_diffs_rejects_missing_replica_or_parameter() -> None:
+    ref = _params(1.0)
+    runs = _runs(ref)
+    with pytest.raises(ValidationError, match="stage 0: got the weights of 1 replicas"):
+        _stage_diffs(PLAN, ref, runs[1:], 1.3e-6, ATOL)
+    del runs[2]["layers"][3]["w"]  # type: ignore[attr-defined]
+    with pytest.raises(ValidationError, match="layer 3 parameter 'w'"):
+        _stage_diffs(PLAN, ref, runs, 1.3e-6, ATOL)
+
+
+def test_nan_parameter_fails() -> None:
+    ref = _params(1.0)
+    runs = _runs(ref)
+    runs[2]["layers"][2]["w"][1] = float("nan")  # type: ignore[index]
+    assert [d.ok for d in _stage_diffs(PLAN, ref, runs, 1.3e-6, ATOL)] == [True, False]
+
+
+def test_reference_chain_keeps_tied_copies_equal_and_matches_manual_sgd() -> None:
+    wl = rw.tied_mlp()
+    losses, params, kind = reference_run(wl, 6, 3, seed=1, lr=0.1)
+    assert kind == "layer chain" and len(losses) == 3
+    torch.testing.assert_close(params[1]["0.weight"], params[2]["0.weight"], rtol=0, atol=0)
+    # the untied layer 0 changed by exactly SGD on the summed-tied model's gradient
+    model = wl.build_model(1)
+    tied = torch.nn.Parameter(model[1][0].weight.detach().clone())
+    model[1][0].weight = tied
+    model[2][0].weight = tied  # one parameter, as in an unsplit model
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(3):
+        x, y = wl.make_batch(6, 1 + step)
+        opt.zero_grad()
+        loss = wl.loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        assert losses[step] == pytest.approx(float(loss.detach()), rel=1e-6)
+    torch.testing.assert_close(params[0]["0.weight"], model[0][0].weight.detach())
+    torch.testing.assert_close(params[2]["0.weight"], tied.detach())
+
+
+def test_perturbed_layers_shift_every_gradient() -> None:
+    wl = rw.mlp(2)
+    plain, shifted = wl.build_layer(0, 3), _perturbed(wl).build_layer(0, 3)
+    x, _ = wl.make_batch(4, 0)
+    for layer in (plain, shifted):
+        layer(x).sum().backward()
+    for a, b in zip(plain.parameters(), shifted.parameters(), strict=True):
+        torch.testing.assert_close(b.grad, a.grad + PERTURBATION)
+
+
+def test_report_verdict_and_printing() -> None:
+    good = StageDiff(0, (0, 2), 2, 10, 1e-9, 1e-8, True, "layer 0 w")
+    bad = StageDiff(1, (2, 4), 1, 10, 3e-4, 1e-2, False, "layer 3 lm_head.weight")
+    rep = VerifyReport(PLAN, "m", "layer chain", (good, bad), (2.0, 1.5), (2.0, 1.25))
+    assert not rep.ok and rep.max_abs_diff == 3e-4 and rep.max_loss_diff == 0.25
+    assert dataclasses.replace(rep, stages=(good,)).ok
+    from dapple.cli.verify_cmd import print_report
+
+    con = Console(record=True, width=120)
+    print_report(con, rep)
+    text = con.export_text()
+    assert "FAIL" in text and "MISMATCH" in text and "layer 3 lm_head.weight" in text
+    assert "1.5000000" in text and "1.2500000" in text  # losses side by side
+
+
+USER = """
+from dapple.workload import Workload
+import runtime_workloads as rw
+
+def factory(num_layers=4):
+    return rw.mlp(num_layers)
+"""
+
+
+def test_load_pickles_as_its_spec_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "model.py").write_text(USER)
+    monkeypatch.chdir(tmp_path)
+    wl = api.load("model.py:factory", num_layers=3)
+    assert wl.num_layers == 3
+    again = pickle.loads(pickle.dumps(wl))
+    assert again.num_layers == 3 and again is not wl
+    # the spec was made absolute: it loads from any working directory
+    monkeypatch.chdir(tmp_path.parent)
+    assert pickle.loads(pickle.dumps(wl)).num_layers == 3
+    torch.testing.assert_close(
+        again.build_layer(1, 5).state_dict(), wl.build_layer(1, 5).state_dict()
+    )
+
+
+def test_api_rejects_overrides_on_built_workload_and_bad_plan_overrides() -> None:
+    with pytest.raises(ValidationError, match="overrides"):
+        api.train(PLAN, rw.mlp(4), 1, overrides={"num_layers": 2})
+    with pytest.raises(ValidationError, match="schedule"):
+        api.verify(PLAN, rw.mlp(4), 1, schedule="pipedream")
+    with pytest.raises(ValidationError, match="expected a Workload"):
+        api.verify(PLAN, 42, 1)  # type: ignore[arg-type]
+
+
+def test_api_profile_plan_simulate(tmp_path: Path) -> None:
+    prof = api.profile(rw.mlp(4), batch_sizes=[1, 2], repeats=1, warmup=0)
+    plan = api.plan(prof, "local-cpu", 8, output=tmp_path / "plan.json")
+    assert plan.num_layers == 4 and (tmp_path / "plan.json").exists()
+    sim = api.simulate(tmp_path / "plan.json", prof, "local-cpu", schedule="gpipe")
+    assert sim.step_ms > 0
+
+
+def test_cli_verify_errors_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    PLAN.save(tmp_path / "plan.json")
+    base = ["verify", "--plan", str(tmp_path / "plan.json"), "--model", "runtime_workloads:mlp"]
+    assert main([*base, "--set", "num_layers=6"]) == 2  # the plan covers 4 layers, not 6
+    err = capsys.readouterr().err
+    assert err.startswith("dapple: error:") and err.count("\n") == 1 and "6" in err
+    assert main([*base, "--set", "layers"]) == 2
+    assert "KEY=VALUE" in capsys.readouterr().err
+    assert main([*base, "--rtol", "-1"]) == 2
+    assert "tolerances" in capsys.readouterr().err
