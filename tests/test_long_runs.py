@@ -339,7 +339,7 @@ def test_torchrun_restarts_a_killed_worker_from_the_last_checkpoint(tmp_path: Pa
         env=_env(**{FAIL_RANK_ENV: "2", FAIL_STEP_ENV: "3"}),
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "lost peer rank 2" in proc.stderr  # the first attempt failed, naming the lost rank
+    assert "dapple: error: step 3: rank " in proc.stderr  # the first attempt did fail
     steps = [int(line.split()[1]) for line in proc.stdout.splitlines() if line.startswith("step ")]
     assert steps[-2:] == [3, 4] and steps.count(3) == 1, proc.stdout  # resumed at 3, not 0
     _final_matches_reference(tmp_path / "ck")
@@ -409,3 +409,29 @@ def test_train_config_rejects_bad_long_run_options(kw: dict, needle: str) -> Non
 
     with pytest.raises(ValidationError, match=needle):
         TrainConfig(**kw)
+
+
+@pytest.mark.slow
+def test_cli_nonfinite_exits_nonzero_naming_step_stage_micro_batch(tmp_path: Path) -> None:
+    args = _train_args(tmp_path, "straight2")
+    args[args.index("--model") + 1] = "test_long_runs:nan_mlp"
+    proc = subprocess.run(
+        [sys.executable, "-m", "dapple", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=_env(),
+    )
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr, proc.stderr
+    lines = [x for x in proc.stderr.splitlines() if x.startswith("dapple: error: step")]
+    assert len(lines) == 2, proc.stderr  # one line per worker, then the launcher's summary
+    for line in lines:
+        assert line.startswith(
+            f"dapple: error: step {NAN_STEP}: non-finite loss in micro-batch 1 at stage 1 (rank 1); "
+            "also non-finite at stage 0; stopped before the optimizer step; "
+            f"last good checkpoint: step {NAN_STEP} in "
+        ), line
+    ck = latest_checkpoint(tmp_path / "ck")
+    assert ck is not None and ck.step == NAN_STEP
+    load_layer_states(ck, range(4))  # whole: sizes and checksums verified

@@ -204,7 +204,7 @@ class LongRun:
         what = f"non-finite {_KINDS[k]} in micro-batch {m} at stage {st} (rank {rk})"
         if len(found) > 1:
             others = sorted({f"stage {b[2]}" for b in found[1:]})
-            what += f" and {len(found) - 1} more ({', '.join(others)})"
+            what += f"; also non-finite at {', '.join(others)}"
         if self.config.on_nonfinite == "skip":
             for p in self.params:
                 p.grad = None
