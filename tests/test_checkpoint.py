@@ -463,3 +463,40 @@ def test_read_only_directory(tmp_path: Path) -> None:
         _one_line(e, str(ro), "not writable")
     finally:
         ro.chmod(0o700)
+
+
+class _TiedLayer(nn.Module):
+    """One weight used under two names inside a layer (as a tied embedding/head would be)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4, bias=False)
+        self.b = nn.Linear(4, 4, bias=False)
+        self.b.weight = self.a.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x)))
+
+
+def test_parameter_shared_inside_a_layer_keeps_one_optimizer_state(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(_TiedLayer(), nn.Linear(4, 2))
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    for _ in range(2):
+        opt.zero_grad()
+        model(torch.randn(3, 4)).sum().backward()
+        opt.step()
+    meta = CheckpointMeta(model_name="tied", num_layers=2, step=2, optimizer_type="Adam")
+    save_checkpoint(tmp_path, meta, stage_layer_states(model, 0, opt))
+    ck = latest_checkpoint(tmp_path)
+    assert ck is not None
+    assert set(load_layer_states(ck, [0])[0].optimizer) == {"a.weight", "b.weight"}
+    torch.manual_seed(1)
+    fresh = nn.Sequential(_TiedLayer(), nn.Linear(4, 2))
+    fopt = torch.optim.Adam(fresh.parameters(), lr=0.1)
+    restore_stage(ck, fresh, 0, fopt)
+    assert fresh[0].a.weight is fresh[0].b.weight  # still one parameter
+    assert torch.equal(fresh[0].a.weight, model[0].a.weight)
+    assert len(fopt.state) == 3
+    w = fresh[0].a.weight
+    assert torch.equal(fopt.state[w]["exp_avg"], opt.state[model[0].a.weight]["exp_avg"])
