@@ -186,7 +186,7 @@ def run_plan(
                 torch.cuda.reset_peak_memory_stats(device)
             meter.reset_peak()
             t0 = time.perf_counter()
-            where = "start of step"
+            where: object = "start of step"  # formatted only on failure (hot loop)
             try:
                 if ex is not None:
                     for p in params:
@@ -197,7 +197,7 @@ def run_plan(
                     for n_done, a in enumerate(program):
                         if n_done == 1 and rank == fail_rank and step == fail_step:
                             os._exit(1)  # test hook: die mid-step
-                        where = f"action {a}"
+                        where = a  # "action <a>" is built only if the step fails
                         if a.kind in (K.ALLREDUCE, K.STEP) and not synced:
                             ex.finish_sends()
                             where = "the non-finite check (all plan ranks)"
@@ -210,7 +210,9 @@ def run_plan(
                             sync.tied()
                             synced = True
                         if a.kind is K.ALLREDUCE:
-                            where = f"gradient AllReduce over ranks {list(plan.stages[a.stage].devices)}"
+                            where = "gradient AllReduce over ranks " + str(
+                                list(plan.stages[a.stage].devices)
+                            )
                             sync.stage_allreduce()
                         elif a.kind is K.STEP:
                             if opt is not None:
@@ -240,7 +242,11 @@ def run_plan(
             except Exception as e:
                 waiting = ex.waiting_on if ex is not None else None
                 peer = waiting[1] if waiting else -1
-                what = f"waiting for {waiting[0]}" if waiting else f"during {where}"
+                what = (
+                    f"waiting for {waiting[0]}"
+                    if waiting
+                    else f"during {'action ' if not isinstance(where, str) else ''}{where}"
+                )
                 lost = f"; lost peer {_describe(plan, peer)}" if peer >= 0 else ""
                 raise RankFailure(
                     f"step {step}: {_describe(plan, rank)} failed {what}{lost} ({_short(e)})"
