@@ -1,7 +1,8 @@
 """Interpreter of a lowered plan on an initialised ``torch.distributed`` process group (section 6).
 
 Every rank runs ``dapple.schedule.lower(plan)[rank]`` - the same per-device program the
-simulator runs - action by action: ``RECV_F``/``RECV_B`` post ``irecv``s, ``F``/``B`` wait for
+simulator runs - action by action: ``RECV_F``/``RECV_B`` post ``irecv``s (up to
+:data:`RECV_AHEAD` actions early, so transfers overlap compute), ``F``/``B`` wait for
 them and compute, ``SEND_F``/``SEND_B`` post ``isend``s (waited on at the latest before the
 AllReduce), ``AR`` sums the stage's gradients over its replica group (``dist.new_group``, created
 by every rank in stage order; tied parameters are summed first, see :mod:`dapple.runtime.sync`)
@@ -44,6 +45,10 @@ __all__ = ["FAIL_RANK_ENV", "FAIL_STEP_ENV", "RankFailure", "StageRun", "run_pla
 
 logger = logging.getLogger(__name__)
 K = ActionKind
+
+RECV_AHEAD = 4
+"""Program positions ahead of the current action whose RECV_F/RECV_B are posted early."""
+_RECVS = (ActionKind.RECV_F, ActionKind.RECV_B)
 
 FAIL_RANK_ENV = "DAPPLE_TEST_FAIL_RANK"
 """Test hook: the rank that dies (``os._exit(1)``) mid-step at step ``FAIL_STEP_ENV``."""
@@ -203,6 +208,7 @@ def run_plan(
                     ex.begin_step(inputs, targets)
                     longrun.begin_step()
                     synced = False
+                    early: set[int] = set()  # program positions of receives already posted
                     for n_done, a in enumerate(program):
                         if n_done == 1 and rank == fail_rank and step == fail_step:
                             os._exit(1)  # test hook: die mid-step
@@ -226,9 +232,16 @@ def run_plan(
                         elif a.kind is K.STEP:
                             if opt is not None:
                                 opt.step()
-                        else:
+                        elif n_done not in early:
                             ex.run(a)
                             longrun.watch(a, ex.loss_sum)
+                            # Pre-post the receives of the next few actions: gloo moves a
+                            # message only once its irecv is posted, so a just-in-time irecv
+                            # exposes the whole transfer; posted early it overlaps compute.
+                            for k in range(n_done + 1, min(len(program), n_done + 1 + RECV_AHEAD)):
+                                if program[k].kind in _RECVS and k not in early:
+                                    ex.run(program[k])
+                                    early.add(k)
                 if cuda:
                     torch.cuda.synchronize(device)
                 step_ms = (time.perf_counter() - t0) * 1e3
