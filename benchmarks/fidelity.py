@@ -40,10 +40,10 @@ from _bench_common import (
     load_note,
     spearman,
 )
-from dapple.cluster import Cluster
-from dapple.plan import Plan, straight_plan
+from dapple.core.cluster import Cluster
+from dapple.core.plan import Plan, straight_plan
+from dapple.core.profile import ModelProfile
 from dapple.planner import pipeline_latency
-from dapple.profile import ModelProfile
 from dapple.simulate import simulate
 
 REPLICATIONS: tuple[tuple[int, ...], ...] = ((4,), (1, 1, 1, 1), (3, 1), (1, 3), (2, 1, 1), (2, 2))

@@ -29,11 +29,11 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _bench_common import HERE, header, load_note
-from dapple.cluster import GB, load_cluster
+from dapple.core.cluster import GB, load_cluster
+from dapple.core.plan import Plan, straight_plan
+from dapple.core.profile import ModelProfile
 from dapple.errors import DappleError
-from dapple.plan import Plan, straight_plan
 from dapple.planner import make_plan, pipeline_latency
-from dapple.profile import ModelProfile
 from dapple.profiler.paper_models import PAPER_GLOBAL_BATCH, paper_profile
 from dapple.simulate import simulate
 

@@ -12,13 +12,13 @@ import argparse
 import time
 from datetime import datetime, timezone
 
-from dapple.cluster import PRESETS, Cluster
+from dapple.core.cluster import PRESETS, Cluster
+from dapple.core.plan import Plan
+from dapple.core.profile import ModelProfile
 from dapple.errors import InfeasibleError
-from dapple.plan import Plan
 from dapple.planner import make_plan, pipeline_latency
 from dapple.planner.cost import LatencyBreakdown
 from dapple.planner.evaluate import Scorer, divisors
-from dapple.profile import ModelProfile
 from dapple.profiler.paper_models import PAPER_GLOBAL_BATCH, PAPER_MODELS, load_paper_profile
 
 # The paper's table: (output plan, split position, ACR) per model and config.

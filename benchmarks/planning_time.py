@@ -15,9 +15,9 @@ import platform
 import time
 from datetime import datetime, timezone
 
-from dapple.cluster import PRESETS, Cluster
+from dapple.core.cluster import PRESETS, Cluster
+from dapple.core.profile import ModelProfile
 from dapple.planner.search import dapple_search
-from dapple.profile import ModelProfile
 from dapple.profiler.paper_models import load_paper_profile
 
 

@@ -44,7 +44,7 @@ from _bench_common import (
     header,
     load_note,
 )
-from dapple.plan import Plan, straight_plan
+from dapple.core.plan import Plan, straight_plan
 from dapple.runtime import free_port
 
 LR = 0.01

@@ -10,7 +10,7 @@ original (unsplit, tied-embedding) model trained on one process from the same se
 from __future__ import annotations
 
 import dapple.api as dp
-from dapple.plan import straight_plan
+from dapple.core.plan import straight_plan
 
 GPT2 = {"layers": 2, "hidden": 64, "heads": 4, "vocab": 256, "seq": 16}
 

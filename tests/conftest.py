@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from dapple.cluster import Cluster
-from dapple.profile import AffineTime, LayerProfile, ModelProfile
+from dapple.core.cluster import Cluster
+from dapple.core.profile import AffineTime, LayerProfile, ModelProfile
 
 
 @pytest.fixture(autouse=True)

@@ -125,7 +125,7 @@ PLANS: dict[str, tuple[tuple[tuple[int, int], tuple[int, ...]], ...]] = {
 
 
 def make_plan(name: str, schedule: str, policy: str, recompute: bool, b: int, m: int):
-    from dapple.plan import Plan, StagePlan
+    from dapple.core.plan import Plan, StagePlan
 
     return Plan(
         planner="test",

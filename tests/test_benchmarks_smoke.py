@@ -32,7 +32,7 @@ def test_median_after_warmup():
 
 
 def test_fidelity_best_cuts_balances_a_pipeline():
-    from dapple.plan import straight_plan
+    from dapple.core.plan import straight_plan
     from dapple.planner import pipeline_latency
     from fidelity import best_cuts, label
 

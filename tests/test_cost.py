@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from conftest import make_cluster, make_profile
-from dapple.plan import StagePlan, straight_plan
+from dapple.core.plan import StagePlan, straight_plan
 from dapple.planner.cost import (
     activation_bytes,
     allreduce_ms,
@@ -145,7 +145,7 @@ def test_policy_b_hides_large_comm() -> None:
 def test_overlaps_equal_split_concat_transfers() -> None:
     import random
 
-    from dapple.plan import transfers
+    from dapple.core.plan import transfers
     from dapple.planner.cost import overlaps
 
     rng = random.Random(0)

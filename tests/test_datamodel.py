@@ -7,10 +7,10 @@ import json
 import pytest
 
 from conftest import make_cluster, make_profile
-from dapple.cluster import PRESETS, Cluster, load_cluster
+from dapple.core.cluster import PRESETS, Cluster, load_cluster
+from dapple.core.plan import Plan, StagePlan, slice_bounds, split_sizes, straight_plan, transfers
+from dapple.core.profile import AffineTime, ModelProfile, fit_affine
 from dapple.errors import ValidationError
-from dapple.plan import Plan, StagePlan, slice_bounds, split_sizes, straight_plan, transfers
-from dapple.profile import AffineTime, ModelProfile, fit_affine
 
 
 def test_profile_round_trip(tmp_path):

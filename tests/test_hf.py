@@ -189,7 +189,7 @@ def test_gpt2_under_autocast_matches_hf(gpt2: Workload) -> None:
 def test_gpt2_two_stage_runtime_equals_hf_training() -> None:
     """End to end: 2 pipeline stages (tied wte/lm_head on different ranks) train like HF GPT-2."""
     runtime = pytest.importorskip("dapple.runtime")
-    from dapple.plan import straight_plan
+    from dapple.core.plan import straight_plan
 
     w = hf_gpt2(**TINY)
     plan = straight_plan(w.num_layers, [0, 2], global_batch_size=4, num_micro_batches=2)

@@ -26,7 +26,7 @@ from dapple.checkpoint import (
     load_layer_states,
     step_dir,
 )
-from dapple.plan import Plan, StagePlan
+from dapple.core.plan import Plan, StagePlan
 from dapple.workload import Workload
 
 TESTS = Path(__file__).parent

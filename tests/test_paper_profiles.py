@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
+from dapple.core.profile import ModelProfile
 from dapple.errors import ValidationError
-from dapple.profile import ModelProfile
 from dapple.profiler import paper_models as pm
 from dapple.profiler._paper_arch import resnet50_layers, vgg19_layers
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from dapple.cli import main
+from dapple.core.profile import ModelProfile
 from dapple.errors import ValidationError
-from dapple.profile import ModelProfile
 from dapple.profiler.pipedream import import_pipedream, linearise, parse_graph
 
 

@@ -9,16 +9,16 @@ import random
 import pytest
 
 from conftest import make_cluster, make_profile
-from dapple.cluster import Cluster
+from dapple.core.cluster import Cluster
+from dapple.core.plan import Plan
+from dapple.core.profile import AffineTime, LayerProfile, ModelProfile
 from dapple.errors import InfeasibleError, ValidationError
-from dapple.plan import Plan
 from dapple.planner import PLANNERS, make_plan, pipeline_latency
 from dapple.planner.evaluate import Scorer
 from dapple.planner.oracle import exhaustive_plan, placements
 from dapple.planner.partition import block_partition
 from dapple.planner.placement import place, remaining_devices
 from dapple.planner.search import candidate_replicas
-from dapple.profile import AffineTime, LayerProfile, ModelProfile
 
 
 def _check(plan: Plan, profile: ModelProfile, cluster: Cluster) -> None:
@@ -250,7 +250,7 @@ def test_cli_plan_paper_profile(capsys: pytest.CaptureFixture[str]) -> None:
 def test_bert48_on_two_servers_plans_quickly() -> None:
     import time
 
-    from dapple.cluster import PRESETS
+    from dapple.core.cluster import PRESETS
     from dapple.profiler.paper_models import load_paper_profile
 
     p = load_paper_profile("bert48")

@@ -6,10 +6,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dapple.cluster import Cluster
+from dapple.core.cluster import Cluster
+from dapple.core.profile import AffineTime, LayerProfile, ModelProfile
 from dapple.errors import InfeasibleError
 from dapple.planner import PLANNERS, make_plan, pipeline_latency
-from dapple.profile import AffineTime, LayerProfile, ModelProfile
 
 _ms = st.floats(min_value=0.0, max_value=2.0, allow_nan=False)
 _per = st.floats(min_value=0.01, max_value=2.0, allow_nan=False)

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from dapple.cli import main
+from dapple.core.profile import ModelProfile
 from dapple.errors import ValidationError
-from dapple.profile import ModelProfile
 from dapple.profiler.measure import profile_workload
 from dapple.zoo import get_workload
 

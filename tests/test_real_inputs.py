@@ -16,7 +16,7 @@ import pytest
 
 from dapple import api
 from dapple.cli import main
-from dapple.plan import Plan, straight_plan
+from dapple.core.plan import Plan, straight_plan
 from dapple.verify import PERTURB_GRAD_RANK_ENV
 
 pytest.importorskip("transformers")

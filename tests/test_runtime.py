@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 import runtime_workloads as rw
+from dapple.core.plan import straight_plan
 from dapple.errors import ValidationError
-from dapple.plan import straight_plan
 from dapple.runtime import (
     ActivationMeter,
     BoundarySpec,

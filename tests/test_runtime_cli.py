@@ -14,7 +14,7 @@ import torch
 
 import runtime_workloads as rw
 from conftest import make_profile
-from dapple.plan import straight_plan
+from dapple.core.plan import straight_plan
 
 TESTS = Path(__file__).parent
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from dapple.plan import Plan, StagePlan
+from dapple.core.plan import Plan, StagePlan
 from dapple.schedule import dapple, format_actions, gpipe, lower, warmup_counts
 from dapple.schedule.validate import validate, validate_compute_order
 

@@ -20,10 +20,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dapple.cluster import Cluster
+from dapple.core.cluster import Cluster
+from dapple.core.plan import Plan, StagePlan
+from dapple.core.profile import AffineTime, LayerProfile, ModelProfile
 from dapple.errors import ValidationError
-from dapple.plan import Plan, StagePlan
-from dapple.profile import AffineTime, LayerProfile, ModelProfile
 from dapple.schedule import ActionKind, compute_order, lower, warmup_counts
 from dapple.schedule.validate import validate, validate_compute_order
 from dapple.simulate import simulate

@@ -8,11 +8,11 @@ import pytest
 
 from conftest import make_cluster, make_profile
 from dapple.cli import main
-from dapple.cluster import Cluster
+from dapple.core.cluster import Cluster
+from dapple.core.plan import Plan, StagePlan, straight_plan
+from dapple.core.profile import AffineTime, LayerProfile, ModelProfile
 from dapple.errors import ValidationError
-from dapple.plan import Plan, StagePlan, straight_plan
 from dapple.planner import cost as costs
-from dapple.profile import AffineTime, LayerProfile, ModelProfile
 from dapple.schedule import lower, parse_action
 from dapple.simulate import simulate
 from dapple.simulate.trace import to_chrome_trace

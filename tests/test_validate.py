@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from dapple.core.plan import Plan, StagePlan, straight_plan
 from dapple.errors import ValidationError
-from dapple.plan import Plan, StagePlan, straight_plan
 from dapple.schedule import Action, ActionKind, dapple, lower, parse_action
 from dapple.schedule.validate import format_grid, validate, validate_compute_order
 

@@ -15,8 +15,8 @@ from rich.console import Console
 import runtime_workloads as rw
 from dapple import api
 from dapple.cli import main
+from dapple.core.plan import straight_plan
 from dapple.errors import ValidationError
-from dapple.plan import straight_plan
 from dapple.verify import (
     ATOL,
     PERTURBATION,

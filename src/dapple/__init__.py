@@ -1,17 +1,31 @@
 """dapple: synchronous pipeline + data parallel training (Fan et al., DAPPLE).
 
-Architecture: ``profile`` (torch, measures layers) -> ``planner`` (pure; cost model, DAPPLE
+Architecture: ``profiler`` (torch, measures layers) -> ``planner`` (pure; cost model, DAPPLE
 search, baselines) -> ``schedule`` (pure; schedules as data) -> ``simulate`` (pure; discrete
 events) -> ``runtime`` (torch.distributed; interprets the same schedules), with ``cli`` on top.
-The pure data model lives in :mod:`dapple.profile`, :mod:`dapple.cluster`, :mod:`dapple.plan`.
+The pure data model lives in :mod:`dapple.core` (profile, cluster, plan).
+
+The Python API (:mod:`dapple.api`) is re-exported lazily, so ``import dapple`` stays torch-free::
+
+    import dapple
+    prof = dapple.profile("transformer", batch_sizes=[1, 2, 4])
+    plan = dapple.plan(prof, "local-cpu", global_batch_size=32)
+    dapple.train(plan, "transformer", steps=10)
 """
 
-from dapple.cluster import PRESETS, Cluster, load_cluster
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from dapple.core.cluster import PRESETS, Cluster, load_cluster
+from dapple.core.plan import Plan, StagePlan
+from dapple.core.profile import AffineTime, LayerProfile, ModelProfile
 from dapple.errors import DappleError, InfeasibleError, ValidationError
-from dapple.plan import Plan, StagePlan
-from dapple.profile import AffineTime, LayerProfile, ModelProfile
 
 __version__ = "0.1.0"
+
+_API = ("load", "plan", "profile", "simulate", "train", "verify", "verify_many")
 
 __all__ = [
     "PRESETS",
@@ -24,5 +38,19 @@ __all__ = [
     "Plan",
     "StagePlan",
     "ValidationError",
+    "load",
     "load_cluster",
+    "plan",
+    "profile",
+    "simulate",
+    "train",
+    "verify",
+    "verify_many",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """Lazy access to :mod:`dapple.api` functions (PEP 562): importing torch only when used."""
+    if name in _API:
+        return getattr(importlib.import_module("dapple.api"), name)
+    raise AttributeError(f"module 'dapple' has no attribute {name!r}")

@@ -1,7 +1,7 @@
 """Python API: profile, plan, simulate, train and verify from a script or a notebook.
 
-Every function takes the objects the CLI reads and writes (:class:`~dapple.profile.ModelProfile`,
-:class:`~dapple.cluster.Cluster`, :class:`~dapple.plan.Plan`) or the paths of their JSON files,
+Every function takes the objects the CLI reads and writes (:class:`~dapple.core.profile.ModelProfile`,
+:class:`~dapple.core.cluster.Cluster`, :class:`~dapple.core.plan.Plan`) or the paths of their JSON files,
 and a model as a :class:`~dapple.workload.Workload` or a spec string (a zoo name,
 ``package.module:factory`` or ``path/to/file.py:factory``) with keyword ``overrides`` for the
 factory (``--set KEY=VALUE`` and ``--split-at`` on the command line)::
@@ -25,10 +25,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
-from dapple.cluster import Cluster, load_cluster
+from dapple.core.cluster import Cluster, load_cluster
+from dapple.core.plan import Plan
+from dapple.core.profile import ModelProfile
 from dapple.errors import ValidationError
-from dapple.plan import Plan
-from dapple.profile import ModelProfile
 from dapple.workload import Workload
 
 if TYPE_CHECKING:

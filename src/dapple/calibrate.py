@@ -29,8 +29,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from dapple.cluster import GB, Cluster
-from dapple.profile import fit_affine
+from dapple.core.cluster import GB, Cluster
+from dapple.core.profile import fit_affine
 
 __all__ = ["DEFAULT_SIZES", "CalibrationResult", "calibrate", "runtime_threads"]
 

@@ -38,8 +38,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dapple.core.plan import Plan
 from dapple.errors import DappleError, ValidationError
-from dapple.plan import Plan
 from dapple.runtime import TrainConfig, init_distributed, run_plan, spawn, validate_run
 from dapple.split import original_model, sum_tied_grads_local
 from dapple.workload import Workload

@@ -11,10 +11,10 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from dapple.cluster import Cluster
+from dapple.core.cluster import Cluster
+from dapple.core.plan import Plan
+from dapple.core.profile import ModelProfile
 from dapple.errors import DappleError, InfeasibleError, ValidationError
-from dapple.plan import Plan
-from dapple.profile import ModelProfile
 
 __all__ = ["format_devices", "load_profile_spec", "register", "run"]
 
@@ -168,7 +168,7 @@ def _speedup(dp_ms: float, ms: float) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dapple.cluster import load_cluster
+    from dapple.core.cluster import load_cluster
     from dapple.planner.cost import pipeline_latency
 
     profile, paper_gbs = load_profile_spec(args.profile)

@@ -11,8 +11,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from dapple.cli.split_cmd import add_split_at_argument, split_at_overrides
+from dapple.core.profile import ModelProfile
 from dapple.errors import ValidationError
-from dapple.profile import ModelProfile
 
 __all__ = ["parse_batch_sizes", "parse_overrides", "print_profile", "register"]
 

@@ -9,7 +9,7 @@ import math
 from rich.console import Console
 from rich.table import Table
 
-from dapple.plan import Plan
+from dapple.core.plan import Plan
 
 __all__ = ["register"]
 
@@ -39,8 +39,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
 
 def run(args: argparse.Namespace) -> int:
-    from dapple.cluster import load_cluster
-    from dapple.profile import ModelProfile
+    from dapple.core.cluster import load_cluster
+    from dapple.core.profile import ModelProfile
     from dapple.simulate import simulate
 
     plan = Plan.load(args.plan)

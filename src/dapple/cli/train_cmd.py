@@ -13,8 +13,8 @@ import os
 import statistics
 from typing import TYPE_CHECKING
 
+from dapple.core.plan import Plan
 from dapple.errors import ValidationError
-from dapple.plan import Plan
 
 if TYPE_CHECKING:  # torch-free import of the CLI
     from dapple.workload import Workload
@@ -93,8 +93,8 @@ def check_long_run(
 
 def _predicted_step_ms(plan: Plan, profile_path: str, cluster_spec: str) -> tuple[float, str]:
     """The simulator's step time for ``plan`` (or the planner's L when no simulator exists)."""
-    from dapple.cluster import load_cluster
-    from dapple.profile import ModelProfile
+    from dapple.core.cluster import load_cluster
+    from dapple.core.profile import ModelProfile
 
     profile = ModelProfile.load(profile_path)
     cluster = load_cluster(cluster_spec)

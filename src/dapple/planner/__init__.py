@@ -1,21 +1,21 @@
 """DAPPLE planner (paper section 5): cost model, DP search, baselines and an exhaustive oracle.
 
 ``make_plan(profile, cluster, global_batch_size, planner)`` is the entry point; every planner
-returns a :class:`dapple.plan.Plan` whose ``predicted_step_ms`` is the cost model's L.
+returns a :class:`dapple.core.plan.Plan` whose ``predicted_step_ms`` is the cost model's L.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from dapple.cluster import Cluster
+from dapple.core.cluster import Cluster
+from dapple.core.plan import Plan
+from dapple.core.profile import ModelProfile
 from dapple.errors import ValidationError
-from dapple.plan import Plan
 from dapple.planner.baselines import dp_plan, gpipe_plan, pipedream_plan, straight_plan_baseline
 from dapple.planner.cost import LatencyBreakdown, pipeline_latency
 from dapple.planner.oracle import exhaustive_plan
 from dapple.planner.search import Progress, dapple_search
-from dapple.profile import ModelProfile
 
 __all__ = [
     "PLANNERS",

@@ -10,14 +10,14 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-from dapple.cluster import Cluster
+from dapple.core.cluster import Cluster
+from dapple.core.plan import Plan
+from dapple.core.profile import ModelProfile
 from dapple.errors import InfeasibleError, ValidationError
-from dapple.plan import Plan
 from dapple.planner.cost import allreduce_ms
 from dapple.planner.evaluate import Scored, Scorer, StageSpec
 from dapple.planner.partition import block_partition
 from dapple.planner.search import _infeasible_message, micro_batch_candidates
-from dapple.profile import ModelProfile
 
 __all__ = ["dp_plan", "gpipe_plan", "pipedream_plan", "straight_plan_baseline"]
 

@@ -8,7 +8,7 @@ parameters P_s over its device set g_s, Q the pivot stage (equation 3).
 
 Design choices beyond the paper (each documented where used):
 
-* A micro-batch is split over the r_s replicas of a stage with :func:`dapple.plan.split_sizes`;
+* A micro-batch is split over the r_s replicas of a stage with :func:`dapple.core.plan.split_sizes`;
   F_s/B_s are those of the largest (first) slice, the slowest replica.
 * Cross-server traffic of one server shares its one network interface: the inter-server
   bandwidth is per server, so concurrent transfers (and hierarchical AllReduce shards) leaving
@@ -25,9 +25,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from dapple.cluster import Cluster
-from dapple.plan import Plan, StagePlan, slice_bounds, split_sizes
-from dapple.profile import ModelProfile
+from dapple.core.cluster import Cluster
+from dapple.core.plan import Plan, StagePlan, slice_bounds, split_sizes
+from dapple.core.profile import ModelProfile
 from dapple.schedule.generators import warmup_counts
 
 __all__ = [
@@ -169,7 +169,7 @@ def comm_stage_ms(
 ) -> tuple[float, float]:
     """F and B of the communication stage between computation stages ``src`` and ``dst``.
 
-    Split-concat (section 6.2, :func:`dapple.plan.transfers`): replica j of ``src`` sends its
+    Split-concat (section 6.2, :func:`dapple.core.plan.transfers`): replica j of ``src`` sends its
     overlap with replica k's slice to ``dst.devices[k]``. Transfers proceed concurrently; a
     device link carries its own intra-server messages, and a server's network interface
     carries the sum of all cross-server bytes leaving (or entering) it. The stage time is the
@@ -234,7 +234,7 @@ def comm_ms(
 
 
 def overlaps(b: int, r_src: int, r_dst: int) -> list[tuple[int, int, int, int]]:
-    """:func:`dapple.plan.transfers` in O(r_src + r_dst) by a two-pointer sweep over the
+    """:func:`dapple.core.plan.transfers` in O(r_src + r_dst) by a two-pointer sweep over the
     slice bounds (``transfers`` compares every pair)."""
     src = slice_bounds(b, r_src)
     dst = slice_bounds(b, r_dst)

@@ -13,10 +13,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import accumulate
 
-from dapple.cluster import Cluster
-from dapple.plan import Plan, StagePlan
+from dapple.core.cluster import Cluster
+from dapple.core.plan import Plan, StagePlan
+from dapple.core.profile import ModelProfile
 from dapple.planner.cost import allreduce_ms, latency_from_stages, overlaps
-from dapple.profile import ModelProfile
 
 __all__ = ["Scored", "Scorer", "StageSpec"]
 

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from dapple.cluster import Cluster
+from dapple.core.cluster import Cluster
+from dapple.core.plan import Plan
+from dapple.core.profile import ModelProfile
 from dapple.errors import InfeasibleError, ValidationError
-from dapple.plan import Plan
 from dapple.planner.evaluate import Scored, Scorer, StageSpec
 from dapple.planner.placement import POLICIES, place, remaining_devices
 from dapple.planner.search import _infeasible_message, micro_batch_candidates
-from dapple.profile import ModelProfile
 
 __all__ = ["MAX_ORACLE_DEVICES", "MAX_ORACLE_LAYERS", "exhaustive_plan", "placements"]
 

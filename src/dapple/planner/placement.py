@@ -7,7 +7,7 @@ and a policy only decides how many devices to take from each server.
 
 from __future__ import annotations
 
-from dapple.cluster import Cluster
+from dapple.core.cluster import Cluster
 
 __all__ = ["POLICIES", "place", "remaining_devices"]
 

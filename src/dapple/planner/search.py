@@ -33,13 +33,13 @@ import logging
 import math
 from collections.abc import Callable, Sequence
 
-from dapple.cluster import Cluster
+from dapple.core.cluster import Cluster
+from dapple.core.plan import Plan, split_sizes
+from dapple.core.profile import ModelProfile
 from dapple.errors import InfeasibleError
-from dapple.plan import Plan, split_sizes
 from dapple.planner.evaluate import Scored, Scorer, StageSpec, divisors
 from dapple.planner.partition import block_partition
 from dapple.planner.placement import POLICIES, place, remaining_devices
-from dapple.profile import ModelProfile
 
 __all__ = ["candidate_replicas", "dapple_search", "micro_batch_candidates"]
 

@@ -5,7 +5,7 @@ requested batch size ``b``: forward and backward are timed (warm-up, then the me
 repeats; CUDA events with synchronisation on GPUs), the output's bytes are counted, and the
 tensors autograd saves for backward are captured with
 :func:`torch.autograd.graph.saved_tensors_hooks` (storages deduplicated, parameters excluded).
-Times and sizes are then fitted affine in ``b`` with :func:`dapple.profile.fit_affine`.
+Times and sizes are then fitted affine in ``b`` with :func:`dapple.core.profile.fit_affine`.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from dapple.core.profile import AffineTime, LayerProfile, ModelProfile, fit_affine
 from dapple.errors import ValidationError
-from dapple.profile import AffineTime, LayerProfile, ModelProfile, fit_affine
 from dapple.workload import Workload
 
 __all__ = ["ProgressFn", "profile_workload", "resolve_device"]

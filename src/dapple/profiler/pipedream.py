@@ -25,8 +25,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from dapple.core.profile import AffineTime, LayerProfile, ModelProfile
 from dapple.errors import ValidationError
-from dapple.profile import AffineTime, LayerProfile, ModelProfile
 
 __all__ = [
     "PipeDreamGraph",

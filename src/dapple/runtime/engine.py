@@ -29,8 +29,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dapple.core.plan import Plan
 from dapple.errors import DappleError, ValidationError
-from dapple.plan import Plan
 from dapple.runtime.config import StepMetrics, TrainConfig
 from dapple.runtime.longrun import LongRun, first_attempt
 from dapple.runtime.memory import ActivationMeter

@@ -41,7 +41,7 @@ from dapple.checkpoint import (
     save_checkpoint,
     stage_layer_states,
 )
-from dapple.plan import Plan
+from dapple.core.plan import Plan
 from dapple.runtime.config import TrainConfig
 from dapple.schedule.ir import Action, ActionKind
 from dapple.workload import Workload

@@ -6,7 +6,7 @@ micro-batch. Data: every rank builds the same global batch locally
 (``workload.make_batch(G, seed + step)``) and slices its own rows, so stage 0 replicas take
 their inputs and last-stage replicas their targets without any label traffic. Between stages
 only activations (forward) and their gradients (backward) travel, as the overlapping row
-ranges of :func:`dapple.plan.transfers`, with non-blocking ``isend``/``irecv``.
+ranges of :func:`dapple.core.plan.transfers`, with non-blocking ``isend``/``irecv``.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from dapple.plan import Plan, slice_bounds, transfers
+from dapple.core.plan import Plan, slice_bounds, transfers
 from dapple.runtime.memory import ActivationMeter, Held
 from dapple.runtime.transport import BoundarySpec, flatten, message_tag, unflatten
 from dapple.schedule.ir import Action, ActionKind

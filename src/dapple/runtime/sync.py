@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dapple.plan import Plan
+from dapple.core.plan import Plan
 from dapple.tied import sync_tied_grads
 from dapple.workload import Workload
 

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dapple.plan import Plan
+from dapple.core.plan import Plan
 
 __all__ = [
     "BoundarySpec",

@@ -3,14 +3,14 @@ per-stage gradient AllReduce and the optimizer step (paper section 6.2).
 
 For every F of micro-batch m on (stage s, replica j): receive the overlapping slices from the
 replicas of stage s-1, run F, send the overlapping slices to the replicas of stage s+1
-(:func:`dapple.plan.transfers`). B mirrors it with gradients. After the last action each
+(:func:`dapple.core.plan.transfers`). B mirrors it with gradients. After the last action each
 replicated stage AllReduces its gradients, then every device steps its optimizer.
 Replicas whose slice of a micro-batch is empty (r_s > micro-batch size) skip it.
 """
 
 from __future__ import annotations
 
-from dapple.plan import Plan, split_sizes, transfers
+from dapple.core.plan import Plan, split_sizes, transfers
 from dapple.schedule.generators import compute_order
 from dapple.schedule.ir import Action, ActionKind, ComputeOrder, Schedule
 

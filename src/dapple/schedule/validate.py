@@ -9,7 +9,7 @@ Two entry points:
 * :func:`validate` checks a lowered per-device schedule against its plan: actions belong to
   the device's (stage, replica), the replica's F/B cover every micro-batch once (none when its
   slice is empty), B follows its F, receives precede and sends follow their compute, sends and
-  receives pair up with the split-concat peers of :func:`dapple.plan.transfers`, replicated
+  receives pair up with the split-concat peers of :func:`dapple.core.plan.transfers`, replicated
   stages AllReduce after their last B, the optimizer steps last, and a dry run with blocking
   receives, non-blocking sends and an AllReduce that waits for every replica of its stage
   terminates.
@@ -24,8 +24,8 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 
+from dapple.core.plan import Plan, split_sizes, transfers
 from dapple.errors import ValidationError
-from dapple.plan import Plan, split_sizes, transfers
 from dapple.schedule.ir import Action, ActionKind, ComputeOrder, Schedule
 
 __all__ = ["format_grid", "validate", "validate_compute_order"]

@@ -3,9 +3,9 @@
 Pure: no torch. Every device runs its program (:func:`dapple.schedule.lower`) in order:
 
 * ``F``/``B`` occupy the device for ``compute_ms`` of its replica's slice of the micro-batch
-  (:func:`dapple.plan.split_sizes`); with re-computation ``B`` includes the repeated forward.
+  (:func:`dapple.core.plan.split_sizes`); with re-computation ``B`` includes the repeated forward.
 * ``SEND_F``/``SEND_B`` are non-blocking for the sender's compute; the transfer of the slice
-  overlap ``[lo, hi)`` (:func:`dapple.plan.transfers`) occupies the directed link
+  overlap ``[lo, hi)`` (:func:`dapple.core.plan.transfers`) occupies the directed link
   ``(src, dst)`` for ``transfer_ms`` of its bytes, first come first served per link.
 * ``RECV_F``/``RECV_B`` block the device until the matching transfer has arrived.
 * ``AR`` starts when every replica of the stage has reached it and lasts
@@ -30,11 +30,11 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
-from dapple.cluster import Cluster
+from dapple.core.cluster import Cluster
+from dapple.core.plan import Plan, StagePlan, split_sizes, transfers
+from dapple.core.profile import ModelProfile
 from dapple.errors import DappleError, ValidationError
-from dapple.plan import Plan, StagePlan, split_sizes, transfers
 from dapple.planner import cost as costs
-from dapple.profile import ModelProfile
 from dapple.schedule.ir import Action, ActionKind, Schedule
 from dapple.schedule.lower import lower
 from dapple.schedule.validate import validate

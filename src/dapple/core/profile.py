@@ -56,9 +56,7 @@ class AffineTime:
         )
 
 
-def fit_affine(
-    batch_sizes: Sequence[float], times_ms: Sequence[float]
-) -> AffineTime:
+def fit_affine(batch_sizes: Sequence[float], times_ms: Sequence[float]) -> AffineTime:
     """Least-squares fit of ``t(b) = fixed + per_sample * b``, clamped to non-negative terms.
 
     With a single batch size the whole time is attributed to the per-sample term.
