@@ -100,19 +100,19 @@ def _group_worker(
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=600))
     wl = bench_transformer()
     times: dict[int, list[float]] = {i: [] for i in range(len(plans))}
-    shared: list[float] = []
+    shared: dict[int, list[float]] = {i: [] for i in range(len(plans))}
     for rnd in range(opts["rounds"]):
-        # this round's compute share: all ranks run the calibration matmul at once
-        dist.barrier()
-        mine = torch.tensor([_matmul_wall_ms()], dtype=torch.float64)
-        got = [torch.zeros_like(mine) for _ in range(world)]
-        dist.all_gather(got, mine)
-        shared.append(statistics.median(float(t) for t in got))
         # rotate and alternate the order so a load spike at a round boundary does not hit the
         # same plans in every round
         n = len(plans)
         order = [(i + rnd * (n // 3 + 1)) % n for i in range(n)][:: -1 if rnd % 2 else 1]
         for i in order:
+            # the compute share right now: all ranks run the calibration matmul at once
+            dist.barrier()
+            mine = torch.tensor([_matmul_wall_ms()], dtype=torch.float64)
+            got = [torch.zeros_like(mine) for _ in range(world)]
+            dist.all_gather(got, mine)
+            shared[i].append(statistics.median(float(t) for t in got))
             cfg = TrainConfig(steps=opts["chunk"], seed=rnd, optimizer="sgd", device="cpu")
             run = run_plan(Plan.from_dict(plans[i]), wl, cfg, device=torch.device("cpu"))
             kept = [m.step_ms for m in run.metrics][opts["skip"] :]
@@ -129,9 +129,11 @@ def _group_worker(
     dist.destroy_process_group()
 
 
-def measure_group(plans: list[Plan], opts: dict[str, Any]) -> tuple[list[list[float]], list[float]]:
+def measure_group(
+    plans: list[Plan], opts: dict[str, Any]
+) -> tuple[list[list[float]], list[list[float]]]:
     """Per-round median step times (ms) of every plan, interleaved in ONE 4-process gloo group,
-    and the shared matmul time (ms) measured at the start of every round."""
+    and the shared matmul time (ms) measured by all ranks at once right before each chunk."""
     from dapple.runtime import free_port
 
     world = 4
@@ -152,7 +154,8 @@ def measure_group(plans: list[Plan], opts: dict[str, Any]) -> tuple[list[list[fl
         if bad:
             raise RuntimeError(f"fidelity workers failed: {bad} (rank, exit code)")
         got = json.loads(Path(out).read_text())
-    return [got["times"][str(i)] for i in range(len(plans))], got["shared"]
+    n = len(plans)
+    return [got["times"][str(i)] for i in range(n)], [got["shared"][str(i)] for i in range(n)]
 
 
 def label(plan: Plan) -> str:
@@ -190,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--micro-batches", type=int, default=8)
     ap.add_argument("--out", default=str(HERE / "fidelity.md"))
     args = ap.parse_args(argv)
-    command = "python benchmarks/fidelity.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    args_text = " ".join(sys.argv[1:] if argv is None else argv)
+    command = f"python benchmarks/fidelity.py {args_text}".strip()
     lines = header("Fidelity: predicted (planner L, simulator) vs measured step time", command)
     G, M, nproc = args.global_batch, args.micro_batches, 4
     threads = runtime_threads(nproc)  # the runtime's per-worker count, the calibration's too
@@ -210,13 +214,23 @@ def main(argv: list[str] | None = None) -> int:
             plans.append(best_cuts(profile, cluster, reps, G, 1 if len(reps) == 1 else M, sched))
     opts = {"rounds": args.rounds, "chunk": args.chunk, "skip": args.skip, "threads": threads}
     times, shared = measure_group(plans, opts)
-    run_slowdown = statistics.median(shared) / alone_ms
-    in_run = dataclasses.replace(cluster, compute_slowdown=max(1.0, run_slowdown))
     meas = [statistics.median(t) for t in times]
     L = [pipeline_latency(p, profile, cluster).L_ms for p in plans]
     sim = [simulate(p, profile, cluster).step_ms for p in plans]
-    L2 = [pipeline_latency(p, profile, in_run).L_ms for p in plans]
-    sim2 = [simulate(p, profile, in_run).step_ms for p in plans]
+
+    def at(slowdown_ms: float) -> Cluster:
+        return dataclasses.replace(cluster, compute_slowdown=max(1.0, slowdown_ms / alone_ms))
+
+    # per plan: median over rounds of the prediction with the slowdown measured right before
+    L2 = [
+        statistics.median(pipeline_latency(p, profile, at(x)).L_ms for x in shared[i])
+        for i, p in enumerate(plans)
+    ]
+    sim2 = [
+        statistics.median(simulate(p, profile, at(x)).step_ms for x in shared[i])
+        for i, p in enumerate(plans)
+    ]
+    all_shared = [x / alone_ms for xs in shared for x in xs]
     lines += [
         f"Model: zoo `transformer` {BENCH_MODEL}, global batch {G}, M = {M} for pipelines "
         f"(M = 1 for DP), 4 CPU processes with {threads} intra-op thread(s) each (the runtime's "
@@ -230,11 +244,13 @@ def main(argv: list[str] | None = None) -> int:
         f"and alternating, first {args.skip} step(s) of each chunk dropped); measured = median "
         "over rounds of each round's median step time (slowest rank).",
         "",
-        f"Load drift correction (second pair of columns): the calibration matmul timed alone "
-        f"right after profiling ({alone_ms:.2f} ms) and by all 4 ranks at once at the start of "
-        f"every round ({', '.join(f'{x:.2f}' for x in shared)} ms) gives the compute slowdown "
-        f"*during* the runs, {run_slowdown:.2f} (vs {cluster.compute_slowdown:.2f} from "
-        "`calibrate(4)` before them); same profile, same links.",
+        f"Load drift correction (last two columns): external load changes during the run, so "
+        f"the calibration matmul is also timed alone right after profiling ({alone_ms:.2f} ms) "
+        "and by all 4 ranks at once right before every measured chunk; each chunk is predicted "
+        "with the compute slowdown measured just before it (in-run slowdowns: min "
+        f"{min(all_shared):.2f}, median {statistics.median(all_shared):.2f}, max "
+        f"{max(all_shared):.2f}; `calibrate(4)` before the runs: "
+        f"{cluster.compute_slowdown:.2f}); same profile, same links; median over rounds.",
         "",
         "| plan (replicas, cuts, M, schedule) | measured ms | L ms (err) | simulated ms (err) "
         "| L in-run ms (err) | sim in-run ms (err) |",

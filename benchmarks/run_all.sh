@@ -14,8 +14,12 @@ if [[ "$quick" == "--quick" ]]; then
   exit 0
 fi
 # the planner engineer's benchmarks, when present
-[[ -f benchmarks/planning_time.py ]] && run benchmarks/planning_time.py --repeat 3
-[[ -f benchmarks/paper_planning.py ]] && run benchmarks/paper_planning.py
+if [[ -f benchmarks/planning_time.py ]]; then
+  run benchmarks/planning_time.py --repeat 3 --output benchmarks/planning_time.md
+fi
+if [[ -f benchmarks/paper_planning.py ]]; then
+  run benchmarks/paper_planning.py --output benchmarks/paper_planning.md
+fi
 run benchmarks/paper.py
 run benchmarks/fidelity.py
 run benchmarks/vs_torch_pipelining.py

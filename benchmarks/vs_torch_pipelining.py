@@ -16,7 +16,7 @@ Every configuration is timed per step as the slowest rank's wall time from a com
 the global batch over the median step time after warm-up. The configurations run in
 alternating rounds (dapple and peer back to back) so machine load hits both.
 
-Usage: ``python benchmarks/vs_torch_pipelining.py [--steps 8 --warmup 3 --rounds 2]``.
+Usage: ``python benchmarks/vs_torch_pipelining.py [--rounds 6 --chunk 3 --skip 1] [--no-planned]``.
 """
 
 from __future__ import annotations
@@ -127,10 +127,10 @@ def _group_worker(
                 if i not in peers:
                     peers[i] = _Peer(c["kind"], rank, world, c["G"], c["M"], c["bounds"])
                 ms = _max_over_ranks([peers[i].step(rnd * chunk + k) for k in range(chunk)])
-            times[i] += ms[skip:]
-            if rank == 0:
+            if rank == 0:  # dapple's metrics live on rank 0 only
+                times[i].append(statistics.median(ms[skip:]))  # this round's median
                 print(
-                    f"  x{world} round {rnd} {c['label']:40s} {statistics.median(ms[skip:]):8.1f} ms"
+                    f"  x{world} round {rnd} {c['label']:40s} {times[i][-1]:8.1f} ms"
                     f"  ({load_note()})",
                     flush=True,
                 )
@@ -140,7 +140,8 @@ def _group_worker(
 
 
 def run_group(world: int, cases: list[dict[str, Any]], opts: dict[str, Any]) -> list[list[float]]:
-    """Run ``cases`` interleaved in one group of ``world`` processes; per-case step times (ms)."""
+    """Run ``cases`` interleaved in one group of ``world`` processes; per case, each round's
+    median step time (ms)."""
     ctx = mp.get_context("spawn")
     port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
@@ -193,17 +194,16 @@ def describe(plan: Plan) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds")
-    ap.add_argument("--chunk", type=int, default=4, help="steps per case per round")
+    ap.add_argument("--rounds", type=int, default=6, help="interleaved rounds")
+    ap.add_argument("--chunk", type=int, default=3, help="steps per case per round")
     ap.add_argument("--skip", type=int, default=1, help="warm-up steps dropped per chunk")
     ap.add_argument("--global-batch", type=int, default=32)
     ap.add_argument("--micro-batches", type=int, default=8)
     ap.add_argument("--no-planned", action="store_true", help="skip the planned plan")
     ap.add_argument("--out", default=str(HERE / "vs_torch_pipelining.md"))
     args = ap.parse_args(argv)
-    command = "python benchmarks/vs_torch_pipelining.py " + " ".join(
-        sys.argv[1:] if argv is None else argv
-    )
+    args_text = " ".join(sys.argv[1:] if argv is None else argv)
+    command = f"python benchmarks/vs_torch_pipelining.py {args_text}".strip()
     lines = header("dapple runtime vs torch.distributed.pipelining / DDP (CPU, gloo)", command)
     G, M = args.global_batch, args.micro_batches
     n_layers = bench_transformer().num_layers
@@ -274,19 +274,23 @@ def main(argv: list[str] | None = None) -> int:
         )
     opts = {"rounds": args.rounds, "chunk": args.chunk, "skip": args.skip}
     ms: dict[tuple[str, str], float] = {}
+    per_round: dict[tuple[str, str], list[float]] = {}
     for world, cs in cases.items():
         for c, t in zip(cs, run_group(world, cs, opts), strict=True):
             ms[(c["group"], c["label"])] = statistics.median(t)
+            per_round[(c["group"], c["label"])] = t
     sps = {k: G / (v / 1e3) for k, v in ms.items()}
     lines += [
         f"Model: zoo `transformer` {BENCH_MODEL} ({n_layers} chain layers), global batch {G}, "
         f"M = {M} for the pipelines (micro-batch {G // M}), plain SGD lr {LR}. All cases of one "
         f"process count run in ONE gloo process group, interleaved: {args.rounds} rounds x "
-        f"{args.chunk} steps per case (round order alternates), the first {args.skip} step(s) "
-        f"of each chunk dropped; ms/step = median of the rest. Step time = slowest rank, from "
-        f"a common start. Threads per process: cores // processes.",
+        f"{args.chunk} steps per case (round order alternates, so dapple and its peer always "
+        f"run back to back), the first {args.skip} step(s) of each chunk dropped; ms/step = "
+        "median over rounds of each round's median. Step time = slowest rank, from a common "
+        "start. Threads per process: cores // processes. dapple / peer = median over rounds of "
+        "the paired throughput ratio (peer ms / dapple ms in the same round), with its range.",
         "",
-        "| configuration | runner | ms / step | samples/s | dapple / peer |",
+        "| configuration | runner | ms / step | samples/s | dapple / peer [range over rounds] |",
         "|---|---|---:|---:|---:|",
     ]
     ratios: list[tuple[str, float]] = []
@@ -294,13 +298,20 @@ def main(argv: list[str] | None = None) -> int:
         groups = list(dict.fromkeys(c["group"] for c in cs))
         for grp in groups:
             rows = [c["label"] for c in cs if c["group"] == grp]
-            d = [sps[(grp, lab)] for lab in rows if lab.startswith("dapple")]
+            d = [lab for lab in rows if lab.startswith("dapple")]
             for lab in rows:
                 v = sps[(grp, lab)]
                 ratio = ""
                 if not lab.startswith("dapple") and d:
-                    ratio = f"**{d[0] / v:.2f}x**"
-                    ratios.append((grp, d[0] / v))
+                    paired = [
+                        pm / dm
+                        for pm, dm in zip(
+                            per_round[(grp, lab)], per_round[(grp, d[0])], strict=True
+                        )
+                    ]
+                    r = statistics.median(paired)
+                    ratio = f"**{r:.2f}x** [{min(paired):.2f}-{max(paired):.2f}]"
+                    ratios.append((grp, r))
                 lines.append(f"| {grp} | {lab} | {ms[(grp, lab)]:.1f} | {v:.1f} | {ratio} |")
     worst = min(ratios, key=lambda t: t[1])
     lines += [
