@@ -128,10 +128,12 @@ def test_train_config_validation() -> None:
 def test_resolve_workload_specs() -> None:
     assert resolve_workload("runtime_workloads:mlp").name == "test-mlp"
     assert resolve_workload("runtime_workloads:tuple_chain").num_layers == 4
-    with pytest.raises(ValidationError, match="cannot load model"):
+    with pytest.raises(ValidationError, match="has no callable 'nope'"):
         resolve_workload("runtime_workloads:nope")
-    with pytest.raises(ValidationError, match="not a Workload"):
+    with pytest.raises(ValidationError, match="has no callable 'IN'"):
         resolve_workload("runtime_workloads:IN")
+    with pytest.raises(ValidationError, match="unknown model 'nope'"):
+        resolve_workload("nope")
 
 
 def test_step_metrics_line() -> None:

@@ -10,7 +10,6 @@ the first failure, then terminates stragglers) and reports every rank's exit cod
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import pickle
@@ -41,35 +40,17 @@ GRACE_S = 10.0
 
 
 def resolve_workload(spec: str | Workload) -> Workload:
-    """A :class:`Workload` from ``module:factory`` (factory or Workload attribute) or a zoo name.
+    """A :class:`Workload` as given, or loaded from a spec by :func:`dapple.api.load` (zoo name,
+    ``module:factory`` or ``file.py:factory``; the result pickles as its spec for spawned workers).
 
     Raises:
-        ValidationError: the module, attribute or zoo name does not exist.
+        ValidationError: the module, factory or zoo name does not exist.
     """
     if isinstance(spec, Workload):
         return spec
-    if ":" in spec:
-        mod_name, attr = spec.split(":", 1)
-        try:
-            obj = getattr(importlib.import_module(mod_name), attr)
-        except (ImportError, AttributeError) as e:
-            raise ValidationError(f"cannot load model {spec!r}: {e}") from e
-        if not isinstance(obj, Workload) and callable(obj):
-            obj = obj()
-        if not isinstance(obj, Workload):
-            raise ValidationError(f"model {spec!r} is a {type(obj).__name__}, not a Workload")
-        return obj
-    try:
-        zoo = importlib.import_module("dapple.zoo")
-        load = zoo.load_workload
-    except (ImportError, AttributeError) as e:
-        raise ValidationError(
-            f"model zoo not available ({e}); pass the model as 'module:factory'"
-        ) from e
-    wl = load(spec)
-    if not isinstance(wl, Workload):
-        raise ValidationError(f"zoo model {spec!r} is a {type(wl).__name__}, not a Workload")
-    return wl
+    from dapple.api import load
+
+    return load(spec)
 
 
 def free_port() -> int:
