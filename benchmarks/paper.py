@@ -295,8 +295,11 @@ def runtime_memory() -> list[str]:
             p.start()
         for p in procs:
             p.join()
-        if any(p.exitcode for p in procs):
-            raise RuntimeError(f"runtime memory workers failed: {[p.exitcode for p in procs]}")
+        codes = [p.exitcode for p in procs]
+        if any(codes) and not Path(out).exists():
+            raise RuntimeError(f"runtime memory workers failed: exit codes {codes}")
+        if any(codes):  # rank 0 wrote every result first: a teardown crash loses nothing
+            print(f"warning: runtime memory workers exited with {codes} after the results")
         peaks = json.loads(Path(out).read_text())
     got = dict(zip(keys, peaks, strict=True))
     lines = [
@@ -337,7 +340,8 @@ def policy_a_vs_b() -> list[str]:
     out = [
         "## 3. Warm-up policy A vs B (K_i), 2 x 8 config A, simulated",
         "",
-        "Each model's DAPPLE plan (`make_plan`, the paper's GBS; VGG-19 at 1024, see below), simulated with policy A "
+        "Each model's DAPPLE plan (`make_plan`, the paper's GBS; VGG-19 at 1024 because at 2048 "
+        "our planner picks pure DP, which has no K_i to vary), simulated with policy A "
         "(K_i = min(S - i, D)) and B (K_i = min(2(S - i) - 1, D)); speed-up = step(A) / step(B).",
         "",
         "| model (GBS) | plan | step A ms | step B ms | B over A [paper] |",

@@ -9,7 +9,7 @@ run() { echo "== $*"; local t0=$SECONDS; "$PY" "$@"; echo "== done in $((SECONDS
 
 if [[ "$quick" == "--quick" ]]; then
   run benchmarks/paper.py --no-runtime --out /tmp/dapple-paper.md
-  run benchmarks/fidelity.py --rounds 1 --steps 3 --warmup 1 --out /tmp/dapple-fidelity.md
+  run benchmarks/fidelity.py --rounds 1 --chunk 2 --out /tmp/dapple-fidelity.md
   run benchmarks/vs_torch_pipelining.py --rounds 1 --chunk 2 --no-planned --out /tmp/dapple-vs.md
   exit 0
 fi
