@@ -16,6 +16,10 @@ import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from dapple.workload import Workload
 
 __all__ = [
     "BENCH_MODEL",
@@ -30,14 +34,14 @@ __all__ = [
 
 HERE = Path(__file__).resolve().parent
 
-BENCH_MODEL = {"layers": 8, "hidden": 128, "heads": 4, "seq": 64, "vocab": 512}
+BENCH_MODEL: dict[str, Any] = {"layers": 8, "hidden": 128, "heads": 4, "seq": 64, "vocab": 512}
 """The CPU benchmark model: zoo ``transformer`` with 8 blocks of width 128 (10 chain layers)."""
 
 BENCH_SPEC = "_bench_common:bench_transformer"
 """``module:factory`` spec of :func:`bench_transformer` for spawned workers."""
 
 
-def bench_transformer(**overrides: object):  # type: ignore[no-untyped-def]
+def bench_transformer(**overrides: Any) -> Workload:
     """The zoo transformer at :data:`BENCH_MODEL` sizes (keyword overrides allowed)."""
     from dapple.zoo import transformer
 

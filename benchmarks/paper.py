@@ -266,7 +266,7 @@ def _mem_worker(rank: int, world: int, port: int, cases: list[dict[str, Any]], o
     dist.destroy_process_group()
 
 
-RUNTIME_MODEL = {
+RUNTIME_MODEL: dict[str, Any] = {
     "layers": 6,
     "hidden": 128,
     "heads": 4,
@@ -282,7 +282,7 @@ def runtime_memory() -> list[str]:
 
     from dapple.runtime import free_port
 
-    n = RUNTIME_MODEL["layers"] + 2  # type: ignore[operator]
+    n = RUNTIME_MODEL["layers"] + 2
     cut = n // 2
     keys = [(s, rc, M) for s in ("gpipe", "dapple") for rc in (False, True) for M in (2, 4, 8, 16)]
     cases = [two_stage(n, cut, M, s, rc).to_dict() for s, rc, M in keys]

@@ -83,7 +83,7 @@ class _Peer:
             loss = self.wl.loss_fn(
                 self.model(x[r * per : (r + 1) * per]), y[r * per : (r + 1) * per]
             )
-            loss.backward()
+            loss.backward()  # type: ignore[no-untyped-call,unused-ignore]
         elif r == 0:
             self.sched.step(x)
         elif r == w - 1:
