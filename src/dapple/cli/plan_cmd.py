@@ -213,11 +213,13 @@ def _compare(
     for col in ("planner", "replication", "split positions", "M", "schedule", "L ms", "vs dp"):
         t.add_column(col, justify="left" if col in ("planner", "replication") else "right")
     best: Plan | None = None
+    skipped: list[str] = []
     for name in _PLANNERS:
         try:
             plan = _plan_with_progress(con, profile, cluster, gbs, name)
         except DappleError as e:
-            t.add_row(name, "-", "-", "-", "-", "-", str(e).split(";")[0][:60])
+            t.add_row(name, "-", "-", "-", "-", "n/a", "n/a")
+            skipped.append(f"{name}: {e}")
             continue
         if name == "dapple":
             best = plan
@@ -231,6 +233,8 @@ def _compare(
             _speedup(dp_ms, plan.predicted_step_ms),
         )
     con.print(t)
+    for line in skipped:
+        con.print(f"[yellow]{line}[/yellow]")
     if output and best is not None:
         best.save(output)
         con.print(f"dapple plan written to {output}")
