@@ -17,6 +17,7 @@ from datetime import datetime, timezone
 
 from dapple.core.cluster import PRESETS, Cluster
 from dapple.core.profile import ModelProfile
+from dapple.errors import InfeasibleError
 from dapple.planner.search import dapple_search
 from dapple.profiler.paper_models import load_paper_profile
 
@@ -53,11 +54,55 @@ def machine() -> str:
     return f"{cpu}, {os.cpu_count()} logical cores, Python {platform.python_version()}"
 
 
+def _plot(curve: dict[int, list[tuple[int, float]]], path: str) -> None:
+    """Log-log planning time vs devices, one line per layer count, with both goals marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for n, pts in sorted(curve.items()):
+        ax.plot([g for g, _ in pts], [t for _, t in pts], marker="o", label=f"N = {n} layers")
+    ax.axhline(0.5, color="tab:green", ls="--", lw=1)
+    ax.axhline(10.0, color="tab:red", ls="--", lw=1)
+    ax.annotate(
+        "goal: BERT-48 on 2x8 < 0.5 s",
+        (8, 0.5),
+        textcoords="offset points",
+        xytext=(0, 4),
+        color="tab:green",
+        fontsize=8,
+    )
+    ax.annotate(
+        "goal: 400 layers on 64x8 < 10 s",
+        (8, 10.0),
+        textcoords="offset points",
+        xytext=(0, 4),
+        color="tab:red",
+        fontsize=8,
+    )
+    for g, t in curve.get(400, []):
+        if g == 512:
+            ax.scatter([g], [t], s=120, facecolors="none", edgecolors="tab:red", zorder=5)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("devices G (servers of 8)")
+    ax.set_ylabel("planning time, s (one core)")
+    ax.set_title("DAPPLE planner scaling")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true", help="smaller sweep")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--output", default=None, help="write the markdown report here")
+    ap.add_argument("--plot", default=None, help="write the log-log scaling plot (PNG) here")
     args = ap.parse_args()
     load_before = os.getloadavg()
     lines = [
@@ -88,18 +133,31 @@ def main() -> None:
         "| layers N | servers | devices G | N x G | plan | seconds |",
         "|---:|---:|---:|---:|---|---:|",
     ]
-    ns = (50, 100, 400) if args.quick else (50, 100, 200, 400)
-    servers = (2, 8, 64) if args.quick else (2, 4, 8, 16, 32, 64)
+    ns = (50, 100, 400) if args.quick else (50, 100, 200, 400, 1000)
+    servers = (2, 8, 64) if args.quick else (1, 2, 4, 8, 16, 32, 64)
+    curve: dict[int, list[tuple[int, float]]] = {}
     for n in ns:
         prof = repeated_bert(n)
         for s in servers:
             c = PRESETS["paper-a"].with_servers(s)
-            sec, desc = timed(prof, c, 1024, 1 if n * c.num_devices > 20000 else args.repeat)
+            try:
+                sec, desc = timed(prof, c, 1024, 1 if n * c.num_devices > 20000 else args.repeat)
+            except InfeasibleError:
+                lines.append(
+                    f"| {n} | {s} | {c.num_devices} | {n * c.num_devices} | "
+                    "does not fit in memory (infeasible, reported as such) | - |"
+                )
+                print(lines[-1], flush=True)
+                continue
             lines.append(
                 f"| {n} | {s} | {c.num_devices} | {n * c.num_devices} | {desc} | {sec:.3f} |"
             )
+            curve.setdefault(n, []).append((c.num_devices, sec))
             print(lines[-1], flush=True)
     load_after = os.getloadavg()
+    if args.plot:
+        _plot(curve, args.plot)
+        lines += ["", f"![planning time, log-log]({os.path.basename(args.plot)})"]
     lines += [
         "",
         f"Load average after: {load_after[0]:.2f} {load_after[1]:.2f} {load_after[2]:.2f}.",

@@ -15,7 +15,7 @@ if [[ "$quick" == "--quick" ]]; then
 fi
 # the planner engineer's benchmarks, when present
 if [[ -f benchmarks/planning_time.py ]]; then
-  run benchmarks/planning_time.py --repeat 3 --output benchmarks/planning_time.md
+  run benchmarks/planning_time.py --repeat 3 --output benchmarks/planning_time.md --plot benchmarks/planning_time.png
 fi
 if [[ -f benchmarks/paper_planning.py ]]; then
   run benchmarks/paper_planning.py --output benchmarks/paper_planning.md
