@@ -109,7 +109,7 @@ def main() -> None:
         "# DAPPLE planning time",
         "",
         f"- command: `.venv/bin/python benchmarks/planning_time.py{' --quick' if args.quick else ''}"
-        f" --repeat {args.repeat}`",
+        f" --repeat {args.repeat}{' --plot ' + args.plot if args.plot else ''}`",
         f"- machine: {machine()}; process pinned to CPUs {sorted(os.sched_getaffinity(0))} "
         "(run under `taskset -c 0` for one core)",
         f"- date: {datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}",
