@@ -6,12 +6,24 @@ AllReduce over all ranks at several message sizes (median of repeats). The p2p o
 ``t(n) = latency + n / bandwidth`` is fitted by least squares; the AllReduce fit inverts the ring
 model ``2(N-1)/N * n / bw + 2(N-1) * latency`` used by :func:`dapple.planner.cost.allreduce_ms`,
 and the bandwidth the cost model should use is the smaller of the two estimates' fits so both
-kinds of traffic are predicted from one link. ``compute_slowdown`` is the time of a fixed matmul
-in each worker while all N run at once, over its time in one process alone, both at the thread
-count the runtime gives each of N local CPU workers (``cores // N``, see
-:func:`runtime_threads`; profile with ``profile_workload(num_threads=runtime_threads(N))``): the
-per-process compute share when processes share cores. The workers time a long run of matmuls
-after a barrier and keep the wall time per matmul of its middle half, when all N run.
+kinds of traffic are predicted from one link.
+
+Compute sharing (processor sharing in the simulator, :func:`dapple.planner.cost.
+shared_compute_scale` in the cost model). The profile is taken in ONE process at
+``runtime_threads(N)`` intra-op threads (``profile_workload(num_threads=runtime_threads(N))``),
+the thread count each of the N local workers runs with, so a worker computing *alone* runs at
+the profile's speed: ``compute_slowdown = 1.0``. Sharing is the separate term
+``compute_cores_per_server`` = c, the compute units in full-speed workers, at most
+``len(os.sched_getaffinity(0)) / runtime_threads(N)`` (2 with 4 one-thread workers on 2
+cores), and ``background_load_per_server`` = E. Other programs on a shared machine compete for
+those cores, and how depends on the scheduler: Linux with autogroup shares the CPU fairly
+between *sessions* first, so our N workers together get a fixed share (c below the core count,
+E = 0); plain per-thread fair sharing looks like E competing threads. ``busy_sweep`` times a
+fixed matmul with k = 1 .. N workers computing at once and ``fit_sharing`` fits (c, E) of
+``t_k / t_1 = max(1, (k + E) / c) / max(1, (1 + E) / c)`` (an idle machine gives c = cores,
+E = 0). The workers time a long run of matmuls after a barrier and keep the wall time per matmul of its
+middle half. (``_fit`` without ``cores``, the older calibration,
+puts the all-busy ratio ``t_shared / t_alone`` into ``compute_slowdown`` and leaves c unset.)
 """
 
 from __future__ import annotations
@@ -32,7 +44,15 @@ import torch.multiprocessing as mp
 from dapple.core.cluster import GB, Cluster
 from dapple.core.profile import fit_affine
 
-__all__ = ["DEFAULT_SIZES", "CalibrationResult", "calibrate", "runtime_threads"]
+__all__ = [
+    "DEFAULT_SIZES",
+    "CalibrationResult",
+    "busy_sweep",
+    "calibrate",
+    "fit_sharing",
+    "runtime_threads",
+    "usable_cores",
+]
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +85,14 @@ def runtime_threads(nproc: int) -> int:
     """Intra-op threads the runtime gives each of ``nproc`` local CPU workers (``cores // nproc``,
     as :func:`dapple.runtime.launch.init_distributed`); profile CPU workloads with this count."""
     return max(1, (os.cpu_count() or 1) // max(1, nproc))
+
+
+def usable_cores() -> int:
+    """CPU cores this process may run on (``os.sched_getaffinity``, else ``os.cpu_count``)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
 
 
 def _matmul_ms(repeats: int = 80, n: int = 384) -> float:
@@ -125,12 +153,49 @@ def _measure(rank: int, world: int, sizes: tuple[int, ...], repeats: int) -> dic
             if it > 0:
                 times.append((time.perf_counter() - t0) * 1e3)
         ar.append(statistics.median(times))
-    dist.barrier()
-    shared = _matmul_ms()
-    dist.barrier()
-    gathered = [0.0] * world
-    dist.all_gather_object(gathered, shared)
-    return {"p2p": p2p, "ar": ar, "shared": statistics.median(gathered)}
+    sweep = busy_sweep(rank, world)
+    return {"p2p": p2p, "ar": ar, "shared": sweep[-1], "sweep": sweep}
+
+
+def busy_sweep(rank: int, world: int, repeats: int = 60) -> list[float]:
+    """Matmul wall time (ms, median over the busy ranks) when k = 1 .. world ranks compute at
+    once (the others wait in a barrier, which takes no CPU). Call on every rank."""
+    out = []
+    for k in range(1, world + 1):
+        dist.barrier()
+        mine = _matmul_ms(repeats) if rank < k else 0.0
+        dist.barrier()
+        gathered = [0.0] * world
+        dist.all_gather_object(gathered, mine)
+        out.append(statistics.median(gathered[:k]))
+    return out
+
+
+def fit_sharing(sweep_ms: Sequence[float], max_cores: float) -> tuple[float, float]:
+    """``(c, E)`` (``compute_cores_per_server``, ``background_load_per_server``) that best explain
+    a :func:`busy_sweep`: ``t_k / t_1 = max(1, (k + E) / c) / max(1, (1 + E) / c)`` by least
+    squares on the logs over a grid (c in [1, max_cores] step 0.01, E in [0, 8] step 0.05).
+
+    c below 1 is not needed: with a lone worker already sharing, ``(c, E)`` and ``(1, E')``
+    give the same ratios. Ties keep the largest c, then the smallest E (an idle machine gives
+    ``(max_cores, 0)``).
+    """
+    import math
+
+    t1 = sweep_ms[0]
+    obs = [(k, math.log(t / t1)) for k, t in enumerate(sweep_ms, start=1) if t > 0 and t1 > 0]
+    top = max(1.0, float(max_cores))
+    best_c, best_e, best = top, 0.0, math.inf
+    steps = round((top - 1.0) / 0.01)
+    for i in range(steps + 1):
+        c = 1.0 + (top - 1.0) * i / steps if steps else top
+        for j in range(161):
+            e = j * 0.05
+            base = math.log(max(1.0, (1 + e) / c))
+            err = sum((y - (math.log(max(1.0, (k + e) / c)) - base)) ** 2 for k, y in obs)
+            if err < best - 1e-9 or (abs(err - best) <= 1e-9 and c > best_c):
+                best_c, best_e, best = c, e, err
+    return best_c, best_e
 
 
 def _worker(rank: int, world: int, port: int, sizes: tuple[int, ...], repeats: int, q: Any) -> None:
@@ -167,7 +232,12 @@ def _fit(
     shared: float,
     backend: str,
     memory_bytes: int,
+    cores: float | None = None,
+    sweep: Sequence[float] = (),
 ) -> CalibrationResult:
+    """Fits links; ``cores`` (usable cores / threads per worker) selects the sharing model
+    (module docstring), None the older all-busy ``compute_slowdown``; ``sweep`` is the
+    :func:`busy_sweep` the background load is fitted to (none: E = 0)."""
     notes = []
     p2p_bw, latency = _link_fit(sizes, p2p)
     if nproc > 1:
@@ -182,6 +252,17 @@ def _fit(
         bw = p2p_bw
     gbps = bw * 8e3 / 1e9
     slowdown = max(1.0, shared / alone) if alone > 0 else 1.0
+    capacity: float | None = None
+    load = 0.0
+    if cores is not None:
+        capacity, load = fit_sharing(sweep, cores) if len(sweep) > 1 else (float(cores), 0.0)
+        ratios = ", ".join(f"{t / sweep[0]:.2f}" for t in sweep) if sweep else "-"
+        notes.append(
+            f"compute: {cores:g} usable core(s) per server in worker units; matmul with "
+            f"k = 1..{len(sweep)} busy: {ratios} x one alone -> compute_cores_per_server "
+            f"{capacity:.2f}, background load {load:.2f}; compute_slowdown 1.0"
+        )
+        slowdown = 1.0
     cluster = Cluster(
         name=f"calibrated-{backend}-{nproc}",
         servers=1,
@@ -192,6 +273,8 @@ def _fit(
         intra_server_latency_ms=latency,
         inter_server_latency_ms=latency,
         compute_slowdown=slowdown,
+        compute_cores_per_server=capacity,
+        background_load_per_server=load,
         device_name=f"cpu-process ({backend})",
     )
     return CalibrationResult(
@@ -250,6 +333,8 @@ def calibrate(
         res["shared"],
         "gloo",
         _memory_per_process(nproc),
+        cores=usable_cores() / runtime_threads(nproc),
+        sweep=res["sweep"],
     )
 
 
@@ -277,6 +362,8 @@ def _calibrate_under_torchrun(sizes: tuple[int, ...], repeats: int) -> Calibrati
         res["shared"],
         "gloo",
         _memory_per_process(local),
+        cores=usable_cores() / runtime_threads(local),
+        sweep=res["sweep"],
     )
     servers = max(1, world // local)
     c = out.cluster

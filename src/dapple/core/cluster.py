@@ -49,8 +49,21 @@ class Cluster:
     inter_server_latency_ms: float = 0.02
     """Per-message latency between servers, ms."""
     compute_slowdown: float = 1.0
-    """Factor applied to profiled compute times when devices share hardware (e.g. several
-    CPU processes on fewer cores than the profile ran with); 1.0 for dedicated devices."""
+    """Factor applied to every profiled compute time: how much slower one device computes than
+    the profile measured when it runs *alone* (e.g. a CPU worker with fewer intra-op threads
+    than the profile used); 1.0 for dedicated devices and for a profile taken at the workers'
+    thread count. With ``compute_cores_per_server = None`` it is the only sharing term, so old
+    calibrations put the all-busy slowdown here."""
+    compute_cores_per_server: float | None = None
+    """Shared compute capacity: the devices of one server share this many compute units, in
+    full-speed devices (for local CPU workers: cores / intra-op threads per worker). When k
+    devices of a server compute at once each progresses at rate ``min(1, c / k)`` (processor
+    sharing, on top of ``compute_slowdown``; see :meth:`compute_rate`). None: dedicated
+    devices (GPUs), never shared."""
+    background_load_per_server: float = 0.0
+    """E: runnable work of *other* programs competing for a server's compute units, in device
+    units (only with ``compute_cores_per_server``): k devices computing at once then each get
+    ``min(1, c / (k + E))`` of a unit, relative to ``min(1, c / (1 + E))`` for one alone."""
     device_name: str = "device"
     """Kind of device, for reports."""
     schema_version: int = CLUSTER_SCHEMA_VERSION
@@ -78,6 +91,36 @@ class Cluster:
                 isinstance(v, (int, float)) and math.isfinite(v) and v >= 0,
                 f"cluster {self.name!r}: {f} must be a number >= 0, got {v!r}",
             )
+        e = self.background_load_per_server
+        require(
+            isinstance(e, (int, float)) and not isinstance(e, bool) and math.isfinite(e) and e >= 0,
+            f"cluster {self.name!r}: background_load_per_server must be a number >= 0, got {e!r}",
+        )
+        c = self.compute_cores_per_server
+        require(
+            c is None
+            or (
+                isinstance(c, (int, float))
+                and not isinstance(c, bool)
+                and math.isfinite(c)
+                and c > 0
+            ),
+            f"cluster {self.name!r}: compute_cores_per_server must be None or a number > 0, got {c!r}",
+        )
+
+    def compute_rate(self, busy: float) -> float:
+        """Speed of each of ``busy`` devices of one server computing at once, relative to one
+        device computing alone (processor sharing; 1.0 for dedicated devices).
+
+        ``min(1, c / (k + E)) / min(1, c / (1 + E))`` with c = ``compute_cores_per_server``,
+        E = ``background_load_per_server``, k = ``max(1, busy)``; ``min(1, c / k)`` when E = 0
+        and c >= 1. Fractional ``busy`` (a mean concurrency) is allowed.
+        """
+        c = self.compute_cores_per_server
+        if c is None:
+            return 1.0
+        e = self.background_load_per_server
+        return min(1.0, c / (max(1.0, busy) + e)) / min(1.0, c / (1.0 + e))
 
     @property
     def num_devices(self) -> int:
@@ -121,6 +164,8 @@ class Cluster:
             "intra_server_latency_ms": self.intra_server_latency_ms,
             "inter_server_latency_ms": self.inter_server_latency_ms,
             "compute_slowdown": self.compute_slowdown,
+            "compute_cores_per_server": self.compute_cores_per_server,
+            "background_load_per_server": self.background_load_per_server,
             "device_name": self.device_name,
         }
 
@@ -163,6 +208,12 @@ class Cluster:
             intra_server_latency_ms=num("intra_server_latency_ms", 0.005),
             inter_server_latency_ms=num("inter_server_latency_ms", 0.02),
             compute_slowdown=num("compute_slowdown", 1.0),
+            compute_cores_per_server=(
+                None
+                if d.get("compute_cores_per_server") is None
+                else num("compute_cores_per_server")
+            ),
+            background_load_per_server=num("background_load_per_server", 0.0),
             device_name=str(d.get("device_name", "device")),
         )
 

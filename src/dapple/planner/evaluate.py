@@ -16,7 +16,12 @@ from itertools import accumulate
 from dapple.core.cluster import Cluster
 from dapple.core.plan import Plan, StagePlan
 from dapple.core.profile import ModelProfile
-from dapple.planner.cost import allreduce_ms, latency_from_stages, overlaps
+from dapple.planner.cost import (
+    allreduce_ms,
+    latency_from_stages,
+    overlaps,
+    shared_compute_scale,
+)
 
 __all__ = ["Scored", "Scorer", "StageSpec"]
 
@@ -145,6 +150,16 @@ class Scorer:
             self._stages[key] = rec
         return rec
 
+    def _demand(self, stage: StageSpec, b: int, recompute: bool) -> list[tuple[int, float]]:
+        """``(device, F + B of its slice)`` per replica, as ``cost._slice_demand``."""
+        s, e, devs = stage
+        r = len(devs)
+        out = []
+        for j, d in enumerate(devs):
+            f, bw = self.fb_ms(s, e, b // r + (1 if j < b % r else 0))
+            out.append((d, f + bw + (f if recompute else 0.0)))
+        return out
+
     # -- whole candidates --------------------------------------------------------------------
     def score(
         self,
@@ -215,13 +230,16 @@ class Scorer:
                 B.append(bw + (f if rec[i] else 0.0))
                 AR.append(ar[i])
                 kk.append(ks[i])
-            per = [F[x] + B[x] for x in range(len(F))]
-            if schedule == "dapple":
-                rt = 0.0
-                for x in range(len(F) - 1, -1, -1):
-                    rt += F[x] + B[x]
-                    if kk[x] > 0:
-                        per[x] = max(per[x], rt / kk[x])
+            per = _periods(F, B, kk, schedule)
+            if self.cluster.compute_cores_per_server is not None:  # cost.shared_compute_scale
+                devs = [
+                    self._demand(stages[x // 2], b, rec[x // 2]) if x % 2 == 0 else None
+                    for x in range(len(F))
+                ]
+                alpha = shared_compute_scale(F, B, M, per, devs, self.cluster)
+                F = [f * a for f, a in zip(F, alpha, strict=True)]
+                B = [v * a for v, a in zip(B, alpha, strict=True)]
+                per = _periods(F, B, kk, schedule)
             L = latency_from_stages(F, B, AR, M, per)[0]
             if best is None or best.L_ms > L:
                 best = Scored(L, policy, schedule, tuple(rec), tuple(ds))
@@ -272,6 +290,18 @@ def _link_loads(
         else:
             out.append((cluster.inter_server_latency_ms, n / inter))
     return out
+
+
+def _periods(F: list[float], B: list[float], kk: list[int], schedule: str) -> list[float]:
+    """Steady period per stage, as ``cost._periods`` (bounded in-flight, dapple schedule)."""
+    per = [F[x] + B[x] for x in range(len(F))]
+    if schedule == "dapple":
+        rt = 0.0
+        for x in range(len(F) - 1, -1, -1):
+            rt += F[x] + B[x]
+            if kk[x] > 0:
+                per[x] = max(per[x], rt / kk[x])
+    return per
 
 
 def _nominal_k(S: int, M: int, policy: str) -> list[int]:

@@ -28,7 +28,9 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from dapple.core.cluster import Cluster
 from dapple.core.plan import Plan, StagePlan, split_sizes, transfers
@@ -136,6 +138,182 @@ def activation_bytes(profile: ModelProfile, stage: StagePlan, samples: int) -> t
     ) * samples
 
 
+class _Run:
+    """Mutable state of one simulated step and the two sweeps over it (dedicated or shared
+    compute). Non-compute actions are handled identically by both."""
+
+    def __init__(
+        self,
+        plan: Plan,
+        profile: ModelProfile,
+        cluster: Cluster,
+        sched: Schedule,
+        sizes: list[tuple[int, ...]],
+        moved: dict[tuple[int, int, int], int],
+        compute: Callable[[int, int], tuple[float, float]],
+    ) -> None:
+        self.plan, self.profile, self.cluster, self.sched = plan, profile, cluster, sched
+        self.sizes, self.moved, self.compute = sizes, moved, compute
+        self.where = {d: plan.stage_of_device(d) for d in sched}
+        self.t = dict.fromkeys(sched, 0.0)
+        self.pc = dict.fromkeys(sched, 0)
+        self.busy = dict.fromkeys(sched, 0.0)
+        self.link_free: dict[tuple[int, int], float] = {}
+        self.arrivals: dict[_MsgKey, deque[float]] = {}
+        self.at_ar: dict[int, dict[int, float]] = {}
+        self.events: list[SimEvent] = []
+        # memory deltas (time, +-bytes) and in-flight counters per device
+        self.deltas: dict[int, list[tuple[float, float]]] = {d: [] for d in sched}
+        self.in_flight = dict.fromkeys(sched, 0)
+        self.peak_in_flight = dict.fromkeys(sched, 0)
+
+    def compute_start(self, dev: int, a: Action, now: float) -> float:
+        """Books the memory of F/B ``a`` starting at ``now``; returns its nominal duration."""
+        s, j = self.where[dev]
+        n = self.sizes[s][j]
+        f_ms, b_ms = self.compute(s, n)
+        dur = f_ms if a.kind is K.FORWARD else b_ms
+        held, transient = activation_bytes(self.profile, self.plan.stages[s], n)
+        if a.kind is K.FORWARD:
+            self.deltas[dev].append((now, held))
+            self.in_flight[dev] += 1
+            self.peak_in_flight[dev] = max(self.peak_in_flight[dev], self.in_flight[dev])
+        elif transient:
+            self.deltas[dev].append((now, transient))
+        return dur
+
+    def compute_end(self, dev: int, a: Action, start: float, end: float, busy_ms: float) -> None:
+        """Records F/B ``a`` of ``dev`` over ``[start, end]`` (``busy_ms`` long) and frees a
+        backward's memory."""
+        if a.kind is K.BACKWARD:
+            s, j = self.where[dev]
+            held, transient = activation_bytes(self.profile, self.plan.stages[s], self.sizes[s][j])
+            self.deltas[dev].append((end, -transient - held))
+            self.in_flight[dev] -= 1
+        self.events.append(SimEvent(dev, a, start, end))
+        self.busy[dev] += busy_ms
+        self.t[dev] = end
+
+    def other(self, dev: int, a: Action, now: float) -> bool:
+        """Runs a non-compute action of ``dev`` at ``now``; False when it must wait (a receive
+        whose message is not posted yet, an AllReduce not all replicas have reached)."""
+        stages, cluster, profile = self.plan.stages, self.cluster, self.profile
+        s, j = self.where[dev]
+        if a.kind in (K.SEND_F, K.SEND_B):
+            assert a.micro_batch is not None and a.peer is not None
+            fwd = a.kind is K.SEND_F
+            s_dst = s + 1 if fwd else s - 1
+            dst = stages[s_dst].devices[a.peer]
+            cut = stages[s + 1].layers[0] if fwd else stages[s].layers[0]
+            n = self.moved[(s, j, a.peer)] if fwd else self.moved[(s - 1, a.peer, j)]
+            nbytes = float(costs.boundary_bytes(profile, cut, n))
+            start = max(now, self.link_free.get((dev, dst), 0.0))
+            end = start + costs.transfer_ms(cluster, nbytes, dev, dst)
+            self.link_free[(dev, dst)] = end
+            key = (a.kind, s, a.micro_batch, j, a.peer)
+            self.arrivals.setdefault(key, deque()).append(end)
+            self.events.append(SimEvent(dev, a, start, end, dst, nbytes))
+        elif a.kind in (K.RECV_F, K.RECV_B):
+            assert a.micro_batch is not None and a.peer is not None
+            fwd = a.kind is K.RECV_F
+            key = (K.SEND_F if fwd else K.SEND_B, s - 1 if fwd else s + 1, a.micro_batch, a.peer, j)
+            q = self.arrivals.get(key)
+            if not q:
+                return False
+            self.t[dev] = max(now, q.popleft())
+            src = stages[key[1]].devices[a.peer]
+            self.events.append(SimEvent(dev, a, now, self.t[dev], src))
+        elif a.kind is K.ALLREDUCE:
+            waiting = self.at_ar.setdefault(s, {})
+            waiting[dev] = now
+            if len(waiting) < stages[s].replicas:
+                return False
+            start = max(waiting.values())
+            pbytes = sum(x.parameter_bytes for x in profile.layers[slice(*stages[s].layers)])
+            end = start + costs.allreduce_ms(cluster, pbytes, stages[s].devices)
+            for d, arrived in waiting.items():
+                self.events.append(SimEvent(d, self.sched[d][self.pc[d]], arrived, end))
+                self.t[d] = end
+                if d != dev:
+                    self.pc[d] += 1
+            self.at_ar[s] = {}
+        else:  # OPT: 0 ms, see the module docstring
+            self.events.append(SimEvent(dev, a, now, now))
+        return True
+
+    def sweep_dedicated(self) -> None:
+        """Dedicated devices: a round-robin dataflow sweep (module docstring) gives exact times."""
+        progress = True
+        while progress:
+            progress = False
+            for dev, prog in self.sched.items():
+                while self.pc[dev] < len(prog):
+                    a = prog[self.pc[dev]]
+                    now = self.t[dev]
+                    if a.kind.is_compute:
+                        dur = self.compute_start(dev, a, now)
+                        self.compute_end(dev, a, now, now + dur, dur)
+                    elif not self.other(dev, a, now):
+                        break
+                    self.pc[dev] += 1
+                    progress = True
+        self._check_done()
+
+    def sweep_shared(self) -> None:
+        """Shared compute (processor sharing): a discrete-event simulation in global time.
+
+        Each running F/B keeps its remaining nominal work (ms at full speed). When k devices
+        of one server compute at once, each progresses at rate ``min(1, c / k)`` (c =
+        ``compute_cores_per_server``; :meth:`Cluster.compute_rate` with background load); rates are re-evaluated whenever a compute task starts or finishes on any
+        server, and time jumps to the next finish or the next device becoming ready.
+        """
+        now = 0.0
+        running: dict[int, list[Any]] = {}  # dev -> [remaining_ms, start_ms, action, nominal_ms]
+        server = {d: self.cluster.server_of(d) for d in self.sched}
+        while True:
+            changed = True
+            while changed:  # start every action that can start at `now`
+                changed = False
+                for dev, prog in self.sched.items():
+                    while dev not in running and self.pc[dev] < len(prog) and self.t[dev] <= now:
+                        a = prog[self.pc[dev]]
+                        if a.kind.is_compute:
+                            dur = self.compute_start(dev, a, now)
+                            running[dev] = [dur, now, a, dur]
+                        elif self.other(dev, a, self.t[dev]):
+                            self.pc[dev] += 1
+                        else:
+                            break
+                        changed = True
+            waking = [
+                self.t[d]
+                for d in self.sched
+                if d not in running and self.pc[d] < len(self.sched[d]) and self.t[d] > now
+            ]
+            if not running and not waking:
+                break
+            k: dict[int, int] = {}
+            for d in running:
+                k[server[d]] = k.get(server[d], 0) + 1
+            rate = {d: self.cluster.compute_rate(k[server[d]]) for d in running}
+            nxt = min([now + r[0] / rate[d] for d, r in running.items()] + waking)
+            dt = nxt - now
+            for d in list(running):
+                r = running[d]
+                r[0] -= rate[d] * dt
+                if r[0] <= 1e-9 * max(1.0, r[3]):
+                    del running[d]
+                    self.compute_end(d, r[2], r[1], nxt, nxt - r[1])
+                    self.pc[d] += 1
+            now = nxt
+        self._check_done()
+
+    def _check_done(self) -> None:
+        stuck = [d for d in self.sched if self.pc[d] < len(self.sched[d])]
+        if stuck:  # validate() runs the same dry run, so this is a bug guard
+            raise ValidationError(f"simulation deadlocked at devices {stuck}")
+
+
 def simulate(
     plan: Plan, profile: ModelProfile, cluster: Cluster, schedule: Schedule | None = None
 ) -> SimResult:
@@ -171,97 +349,13 @@ def simulate(
             )
         return comp[(s, n)]
 
-    t = dict.fromkeys(sched, 0.0)
-    pc = dict.fromkeys(sched, 0)
-    busy = dict.fromkeys(sched, 0.0)
-    link_free: dict[tuple[int, int], float] = {}
-    arrivals: dict[_MsgKey, deque[float]] = {}
-    at_ar: dict[int, dict[int, float]] = {}
-    events: list[SimEvent] = []
-    # memory deltas (time, +-bytes) and in-flight counters per device
-    deltas: dict[int, list[tuple[float, float]]] = {d: [] for d in sched}
-    in_flight = dict.fromkeys(sched, 0)
-    peak_in_flight = dict.fromkeys(sched, 0)
-
-    progress = True
-    while progress:
-        progress = False
-        for dev, prog in sched.items():
-            s, j = where[dev]
-            while pc[dev] < len(prog):
-                a = prog[pc[dev]]
-                now = t[dev]
-                if a.kind.is_compute:
-                    n = sizes[s][j]
-                    f_ms, b_ms = compute(s, n)
-                    dur = f_ms if a.kind is K.FORWARD else b_ms
-                    held, transient = activation_bytes(profile, stages[s], n)
-                    if a.kind is K.FORWARD:
-                        deltas[dev].append((now, held))
-                        in_flight[dev] += 1
-                        peak_in_flight[dev] = max(peak_in_flight[dev], in_flight[dev])
-                    else:
-                        if transient:
-                            deltas[dev].append((now, transient))
-                        deltas[dev].append((now + dur, -transient - held))
-                        in_flight[dev] -= 1
-                    events.append(SimEvent(dev, a, now, now + dur))
-                    busy[dev] += dur
-                    t[dev] = now + dur
-                elif a.kind in (K.SEND_F, K.SEND_B):
-                    assert a.micro_batch is not None and a.peer is not None
-                    fwd = a.kind is K.SEND_F
-                    s_dst = s + 1 if fwd else s - 1
-                    dst = stages[s_dst].devices[a.peer]
-                    cut = stages[s + 1].layers[0] if fwd else stages[s].layers[0]
-                    n = moved[(s, j, a.peer)] if fwd else moved[(s - 1, a.peer, j)]
-                    nbytes = float(costs.boundary_bytes(profile, cut, n))
-                    start = max(now, link_free.get((dev, dst), 0.0))
-                    end = start + costs.transfer_ms(cluster, nbytes, dev, dst)
-                    link_free[(dev, dst)] = end
-                    key = (a.kind, s, a.micro_batch, j, a.peer)
-                    arrivals.setdefault(key, deque()).append(end)
-                    events.append(SimEvent(dev, a, start, end, dst, nbytes))
-                elif a.kind in (K.RECV_F, K.RECV_B):
-                    assert a.micro_batch is not None and a.peer is not None
-                    fwd = a.kind is K.RECV_F
-                    key = (
-                        K.SEND_F if fwd else K.SEND_B,
-                        s - 1 if fwd else s + 1,
-                        a.micro_batch,
-                        a.peer,
-                        j,
-                    )
-                    q = arrivals.get(key)
-                    if not q:
-                        break
-                    t[dev] = max(now, q.popleft())
-                    src = stages[key[1]].devices[a.peer]
-                    events.append(SimEvent(dev, a, now, t[dev], src))
-                elif a.kind is K.ALLREDUCE:
-                    waiting = at_ar.setdefault(s, {})
-                    waiting[dev] = now
-                    if len(waiting) < stages[s].replicas:
-                        break
-                    start = max(waiting.values())
-                    pbytes = sum(
-                        x.parameter_bytes for x in profile.layers[slice(*stages[s].layers)]
-                    )
-                    end = start + costs.allreduce_ms(cluster, pbytes, stages[s].devices)
-                    for d, arrived in waiting.items():
-                        events.append(SimEvent(d, sched[d][pc[d]], arrived, end))
-                        t[d] = end
-                        if d != dev:
-                            pc[d] += 1
-                    at_ar[s] = {}
-                else:  # OPT: 0 ms, see the module docstring
-                    events.append(SimEvent(dev, a, now, now))
-                pc[dev] += 1
-                progress = True
-    stuck = [d for d in sched if pc[d] < len(sched[d])]
-    if stuck:  # validate() runs the same dry run, so this is a bug guard
-        raise ValidationError(f"simulation deadlocked at devices {stuck}")
-
+    run = _Run(plan, profile, cluster, sched, sizes, moved, compute)
+    if cluster.compute_cores_per_server is None:
+        run.sweep_dedicated()
+    else:
+        run.sweep_shared()
+    t, busy, events, deltas = run.t, run.busy, run.events, run.deltas
+    peak_in_flight = run.peak_in_flight
     step_ms = max(t.values(), default=0.0)
     memory: dict[int, tuple[tuple[float, float], ...]] = {}
     stats = []
