@@ -166,6 +166,8 @@ def run_plan(
     sync = GradientSync(plan, workload, rank, module, s)  # collective: creates the groups
     torch.manual_seed(config.seed * 7919 + rank)  # per-rank RNG for dropout-like layers
     program = lower(plan)[rank] if in_plan else []
+    backwards = [i for i, a in enumerate(program) if a.kind is K.BACKWARD]
+    last_backward = backwards[-1] if backwards else -1
     params = list(module.parameters()) if module is not None else []
     opt = _make_optimizer(config.optimizer, params, config.lr) if params else None
     meter = ActivationMeter(exclude=params)
@@ -188,6 +190,7 @@ def run_plan(
     metered_shapes: object = None
     known_peak = 0
     sink = open(config.metrics_path, "w") if (rank == 0 and config.metrics_path) else None  # noqa: SIM115
+    clean = False
     try:
         for step in range(start, config.steps):
             if step > 0:
@@ -217,22 +220,28 @@ def run_plan(
                             ex.finish_sends()
                             where = "the non-finite check (all plan ranks)"
                             verdict = longrun.agree_finite(step)
+                            if verdict is not None:  # stop or skip: drop the bucket AllReduces
+                                where = "dropping the gradient AllReduce"
+                                sync.drain()
                             if verdict:
                                 raise RankFailure(verdict)
                             if verdict == "":
-                                break  # skip the step: no AllReduce, no update, on every rank
-                            where = "tied-parameter gradient AllReduce"
-                            sync.tied()
-                            synced = True
-                        if a.kind is K.ALLREDUCE:
+                                break  # skip the step: no update, on every rank
                             where = "gradient AllReduce over ranks " + str(
                                 list(plan.stages[a.stage].devices)
                             )
-                            sync.stage_allreduce()
-                        elif a.kind is K.STEP:
+                            sync.finish()  # AR(P_s, g_s): wait for the overlapped buckets
+                            where = "tied-parameter gradient AllReduce"
+                            sync.tied()
+                            synced = True
+                        if a.kind is K.STEP:
                             if opt is not None:
                                 opt.step()
+                        elif a.kind is K.ALLREDUCE:
+                            pass  # done above, with the overlapped bucket reductions
                         elif n_done not in early:
+                            if n_done == last_backward:
+                                sync.arm()  # reduce gradient buckets as they become final
                             ex.run(a)
                             longrun.watch(a, ex.loss_sum)
                             # Pre-post the receives of the next few actions: gloo moves a
@@ -303,7 +312,28 @@ def run_plan(
                 if on_step is not None:
                     on_step(sm)
             longrun.after_step(step)
+        clean = True
     finally:
         if sink is not None:
             sink.close()
+        if not clean:  # peers may be gone: drop the hooks, wait for nothing
+            sync.close(clean=False)
+    _teardown(sync, longrun, plan, rank)
     return StageRun(s, j, module, metrics)
+
+
+def _teardown(sync: GradientSync, longrun: LongRun, plan: Plan, rank: int) -> None:
+    """End of a run on every rank: a barrier (every rank is done with every collective of
+    this run), then the run's hooks and process groups go, so that many runs in one process
+    group leave no groups, threads or in-flight work behind.
+
+    Raises:
+        RankFailure: a peer died at the end of the run.
+    """
+    try:
+        dist.barrier()
+        sync.close(clean=True)
+        longrun.close()
+    except Exception as e:
+        sync.close(clean=False)
+        raise RankFailure(f"end of run: {_describe(plan, rank)} failed ({_short(e)})") from e

@@ -118,6 +118,12 @@ class LongRun:
         if config.checkpoint_dir is not None:
             check_writable(config.checkpoint_dir)
 
+    def close(self) -> None:
+        """Destroy the group of the plan's ranks (every rank, after every collective of the run)."""
+        if self._group is not None:
+            dist.destroy_process_group(self._group)
+            self._group = None
+
     # -- resume ------------------------------------------------------------------------------
     def resume(self) -> int:
         """Load the newest complete checkpoint (when ``config.resume``); the next step index.

@@ -1,16 +1,30 @@
-"""Synchronous update (section 6.2): tied-parameter sums across stages, then AR(P_s, g_s).
+"""Synchronous update (section 6.2): AR(P_s, g_s) overlapped with the last backward, then
+tied-parameter sums across stages.
 
-Order at the end of a step, on every rank: (1) for each tied group of
-``Workload.tied_parameters`` (groups of ``(layer, parameter name)`` that are one parameter in
-the original model), every copy's gradient becomes the sum over all copies - copies in other
-stages are summed with one AllReduce over all ranks holding a copy, on the *partial*
-(not yet replica-reduced) gradients, which adds every replica's and every stage's share
-exactly once; (2) each replicated stage SUMs its remaining gradients over its replica group.
-Tied parameters already summed in (1) are left out of (2), so nothing is counted twice.
+Order at the end of a step, on every rank:
+
+(1) AR(P_s, g_s), overlapped: before a replicated stage's *last* backward of the step
+    :meth:`GradientSync.arm` turns on per-parameter ``post_accumulate_grad`` hooks. As soon as
+    every gradient of a bucket (parameters in reverse order, about :data:`BUCKET_BYTES` each)
+    is final, the hook copies them into the bucket's flat buffer and starts an asynchronous
+    SUM over the stage's replica group - while backward still computes the earlier layers.
+    Buckets start strictly in bucket order on every replica (a bucket waits for all earlier
+    ones), so the replicas' collectives always match, even when a parameter gets no gradient.
+    ``p.grad`` stays the local gradient until :meth:`GradientSync.finish` (the schedule's
+    ``AR`` action) waits for every bucket and makes each gradient a view of its reduced bucket
+    - so the non-finite guard, which runs before ``finish``, still sees this rank's own
+    gradients, and a NaN stops the step before the optimizer touches the weights.
+(2) for each tied group of ``Workload.tied_parameters`` (groups of ``(layer, parameter name)``
+    that are one parameter in the original model), every copy's gradient becomes the sum over
+    all copies - copies in other stages are summed with one AllReduce over all ranks holding a
+    copy, on the *partial* (not replica-reduced) gradients, which adds every replica's and
+    every stage's share exactly once, so these copies are left out of (1); copies inside one
+    stage are summed locally after (1) (both sums are linear, so the order does not matter).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -21,17 +35,63 @@ from dapple.core.plan import Plan
 from dapple.tied import sync_tied_grads
 from dapple.workload import Workload
 
-__all__ = ["GradientSync"]
+__all__ = ["BUCKET_BYTES", "GradientSync"]
+
+BUCKET_BYTES = 2 * 2**20
+"""Target size of one gradient bucket (the last one may be smaller, a large tensor larger)."""
+
+
+@dataclass
+class _Bucket:
+    params: list[nn.Parameter]
+    offsets: list[int]
+    flat: torch.Tensor
+    ready: set[int] = field(default_factory=set)
+    work: Any = None
+    launched: bool = False
+
+
+def _make_buckets(params: list[nn.Parameter], cap_bytes: int) -> list[_Bucket]:
+    """Consecutive runs of ``params`` of one dtype and device, about ``cap_bytes`` each."""
+    runs: list[list[nn.Parameter]] = []
+    size = 0
+    for p in params:
+        nbytes = p.numel() * p.element_size()
+        last = runs[-1][-1] if runs else None
+        kind = (p.dtype, p.device)
+        if last is None or size + nbytes > cap_bytes or (last.dtype, last.device) != kind:
+            runs.append([])
+            size = 0
+        runs[-1].append(p)
+        size += nbytes
+    out = []
+    for run in runs:
+        offsets, n = [], 0
+        for p in run:
+            offsets.append(n)
+            n += p.numel()
+        flat = torch.zeros(n, dtype=run[0].dtype, device=run[0].device)
+        out.append(_Bucket(run, offsets, flat))
+    return out
 
 
 class GradientSync:
     """Process groups and the end-of-step gradient reductions of one rank.
 
-    Creating it is a collective: every rank creates every group in the same order.
+    Creating it is a collective: every rank creates every group in the same order. Call
+    :meth:`close` when the run ends (every rank, in the same order): it removes the hooks
+    and destroys the groups, so repeated runs in one process group leave nothing behind.
     """
 
     def __init__(
-        self, plan: Plan, workload: Workload, rank: int, module: nn.Module | None, stage: int | None
+        self,
+        plan: Plan,
+        workload: Workload,
+        rank: int,
+        module: nn.Module | None,
+        stage: int | None,
+        *,
+        bucket_bytes: int | None = None,
     ) -> None:
         self.groups = list(workload.tied_parameters)
         self.stage_pg: dict[int, Any] = {}
@@ -65,9 +125,93 @@ class GradientSync:
         params = list(module.parameters()) if module is not None else []
         self.reduced = [p for p in params if id(p) not in cross]
         """Parameters the stage AllReduce sums (cross-stage tied copies are already totals)."""
+        self.pg = self.stage_pg.get(stage) if stage is not None else None
+        self.buckets: list[_Bucket] = []
+        self._where: dict[int, tuple[int, int]] = {}  # id(param) -> (bucket, index in bucket)
+        self._hooks: list[Any] = []
+        self._armed = False
+        self._next = 0  # the next bucket to launch
+        if self.pg is not None and self.reduced:
+            cap = BUCKET_BYTES if bucket_bytes is None else bucket_bytes
+            self.buckets = _make_buckets(self.reduced[::-1], cap)
+            for k, bk in enumerate(self.buckets):
+                for i, p in enumerate(bk.params):
+                    self._where[id(p)] = (k, i)
+                    self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))  # type: ignore[no-untyped-call]
 
+    # -- (1) the overlapped stage AllReduce ------------------------------------------------------
+    def arm(self) -> None:
+        """Before this rank's last backward of the step: reduce buckets as they become final."""
+        if not self.buckets:
+            return
+        for bk in self.buckets:
+            bk.ready.clear()
+            bk.work, bk.launched = None, False
+        self._next = 0
+        self._armed = True
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        if not self._armed:
+            return
+        k, i = self._where[id(p)]
+        bk = self.buckets[k]
+        if bk.launched:
+            raise RuntimeError(
+                "a gradient changed after its bucket's AllReduce started (a parameter "
+                "accumulated twice in one backward)"
+            )
+        bk.ready.add(i)
+        while self._next < len(self.buckets):
+            nb = self.buckets[self._next]
+            if len(nb.ready) < len(nb.params):
+                break
+            self._launch(nb)
+            self._next += 1
+
+    def _launch(self, bk: _Bucket) -> None:
+        for p, off in zip(bk.params, bk.offsets, strict=True):
+            view = bk.flat[off : off + p.numel()]
+            if p.grad is None:
+                view.zero_()
+            else:
+                view.copy_(p.grad.reshape(-1))
+        bk.work = dist.all_reduce(bk.flat, op=dist.ReduceOp.SUM, group=self.pg, async_op=True)
+        bk.launched = True
+
+    def finish(self) -> None:
+        """The ``AR`` action: start the buckets not started yet (in order), wait for all and
+        make every gradient its reduced value (a view of the bucket)."""
+        self._armed = False
+        if not self.buckets:
+            return
+        for bk in self.buckets:
+            if not bk.launched:
+                self._launch(bk)
+        for bk in self.buckets:
+            bk.work.wait()
+            bk.work = None
+            for p, off in zip(bk.params, bk.offsets, strict=True):
+                view = bk.flat[off : off + p.numel()]
+                if p.is_contiguous():
+                    p.grad = view.view_as(p)
+                else:
+                    p.grad = view.view(p.shape).clone(memory_format=torch.preserve_format)
+        for bk in self.buckets:
+            bk.launched = False
+        self._next = 0
+
+    def drain(self) -> None:
+        """Wait for the started buckets and drop them (the step is skipped or stopped)."""
+        self._armed = False
+        for bk in self.buckets:
+            if bk.work is not None:
+                bk.work.wait()
+            bk.work, bk.launched = None, False
+        self._next = 0
+
+    # -- (2) tied parameters -------------------------------------------------------------------
     def tied(self) -> None:
-        """Step (1): sum tied copies (local and, over ``tied_pg``, across stages)."""
+        """Step (2): sum tied copies (local and, over ``tied_pg``, across stages)."""
         if not self.by_layer or not self.groups:
             return
 
@@ -78,17 +222,21 @@ class GradientSync:
 
         sync_tied_grads(self.by_layer, self.groups, group_sum)
 
-    def stage_allreduce(self) -> None:
-        """Step (2), AR(P_s, g_s): SUM the stage's gradients over its replicas in one buffer."""
-        if self.stage is None or self.stage not in self.stage_pg or not self.reduced:
+    # -- teardown -----------------------------------------------------------------------------
+    def close(self, *, clean: bool) -> None:
+        """Remove the hooks; when ``clean`` (every rank finished the run), wait for any bucket
+        still in flight and destroy this run's groups (a collective in creation order).
+
+        After a failure (``clean=False``) peers may be gone: nothing is waited for or destroyed.
+        """
+        self._armed = False
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        if not clean:
             return
-        for p in self.reduced:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        flat = torch.cat([p.grad.reshape(-1) for p in self.reduced])  # type: ignore[union-attr]
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.stage_pg[self.stage])
-        off = 0
-        for p in self.reduced:
-            n = p.numel()
-            p.grad.copy_(flat[off : off + n].view_as(p))  # type: ignore[union-attr]
-            off += n
+        self.drain()
+        self.buckets = []
+        for pg in [*self.stage_pg.values(), *self.tied_pg.values()]:
+            dist.destroy_process_group(pg)
+        self.stage_pg, self.tied_pg, self.pg = {}, {}, None
