@@ -78,21 +78,10 @@ def best_cuts(
     return best[1]
 
 
-def _matmul_wall_ms(repeats: int = 60, n: int = 384) -> float:
-    """Wall time per matmul over the middle half of a back-to-back run (as ``calibrate``)."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    a @ b
-    stamps = [time.perf_counter()]
-    for _ in range(repeats):
-        a @ b
-        stamps.append(time.perf_counter())
-    q = repeats // 4
-    return (stamps[repeats - q] - stamps[q]) * 1e3 / (repeats - 2 * q)
-
-
 def _group_worker(
     rank: int, world: int, port: int, plans: list[dict[str, Any]], opts: dict[str, Any], out: str
 ) -> None:
+    from dapple.calibrate import busy_sweep
     from dapple.runtime import TrainConfig, run_plan
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -100,19 +89,15 @@ def _group_worker(
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=600))
     wl = bench_transformer()
     times: dict[int, list[float]] = {i: [] for i in range(len(plans))}
-    shared: dict[int, list[float]] = {i: [] for i in range(len(plans))}
+    shared: dict[int, list[list[float]]] = {i: [] for i in range(len(plans))}
     for rnd in range(opts["rounds"]):
         # rotate and alternate the order so a load spike at a round boundary does not hit the
         # same plans in every round
         n = len(plans)
         order = [(i + rnd * (n // 3 + 1)) % n for i in range(n)][:: -1 if rnd % 2 else 1]
         for i in order:
-            # the compute share right now: all ranks run the calibration matmul at once
-            dist.barrier()
-            mine = torch.tensor([_matmul_wall_ms()], dtype=torch.float64)
-            got = [torch.zeros_like(mine) for _ in range(world)]
-            dist.all_gather(got, mine)
-            shared[i].append(statistics.median(float(t) for t in got))
+            # the compute share right now: the calibration matmul with k = 1 .. 4 ranks busy
+            shared[i].append(busy_sweep(rank, world))
             cfg = TrainConfig(steps=opts["chunk"], seed=rnd, optimizer="sgd", device="cpu")
             run = run_plan(Plan.from_dict(plans[i]), wl, cfg, device=torch.device("cpu"))
             kept = [m.step_ms for m in run.metrics][opts["skip"] :]
@@ -131,9 +116,10 @@ def _group_worker(
 
 def measure_group(
     plans: list[Plan], opts: dict[str, Any]
-) -> tuple[list[list[float]], list[list[float]]]:
+) -> tuple[list[list[float]], list[list[list[float]]]]:
     """Per-round median step times (ms) of every plan, interleaved in ONE 4-process gloo group,
-    and the shared matmul time (ms) measured by all ranks at once right before each chunk."""
+    and the matmul times (ms) with k = 1 .. 4 ranks busy (``busy_sweep``) right before each
+    chunk."""
     from dapple.runtime import free_port
 
     world = 4
@@ -184,7 +170,13 @@ def _goal_cells(errs: list[float], rho: float) -> tuple[str, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dapple.calibrate import calibrate, runtime_threads
+    from dapple.calibrate import (
+        _matmul_alone_ms,
+        calibrate,
+        fit_sharing,
+        runtime_threads,
+        usable_cores,
+    )
     from dapple.profiler.measure import profile_workload
 
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
@@ -203,10 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     wl = bench_transformer()
     t0 = time.perf_counter()
     profile = profile_workload(wl, [1, 2, 4, 8], repeats=5, num_threads=threads)
-    old = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    alone_ms = _matmul_wall_ms()  # the calibration matmul alone, right after profiling
-    torch.set_num_threads(old)
+    alone_ms = _matmul_alone_ms(nproc)  # the calibration matmul alone, right after profiling
     cal = calibrate(nproc)
     cluster = cal.cluster
     prep_s = time.perf_counter() - t0
@@ -220,19 +209,39 @@ def main(argv: list[str] | None = None) -> int:
     L = [pipeline_latency(p, profile, cluster).L_ms for p in plans]
     sim = [simulate(p, profile, cluster).step_ms for p in plans]
 
-    def at(slowdown_ms: float) -> Cluster:
-        return dataclasses.replace(cluster, compute_slowdown=max(1.0, slowdown_ms / alone_ms))
+    def at(sweep: list[float]) -> Cluster:
+        # the sharing (c, E) fitted to the sweep measured right before the chunk, and a lone
+        # worker's speed then relative to the profile's time (the matmul alone after profiling)
+        c, e = fit_sharing(sweep, usable_cores() / threads)
+        return dataclasses.replace(
+            cluster,
+            compute_cores_per_server=c,
+            background_load_per_server=e,
+            compute_slowdown=sweep[0] / alone_ms,
+        )
+
+    fitted = {id(x): at(x) for xs in shared for x in xs}
+
+    # the older model: one all-busy slowdown for every compute, no sharing
+    flat = dataclasses.replace(
+        cluster,
+        compute_cores_per_server=None,
+        compute_slowdown=max(1.0, cal.matmul_shared_ms / cal.matmul_alone_ms),
+    )
+    L_flat = [pipeline_latency(p, profile, flat).L_ms for p in plans]
 
     # per plan: median over rounds of the prediction with the slowdown measured right before
     L2 = [
-        statistics.median(pipeline_latency(p, profile, at(x)).L_ms for x in shared[i])
+        statistics.median(pipeline_latency(p, profile, fitted[id(x)]).L_ms for x in shared[i])
         for i, p in enumerate(plans)
     ]
     sim2 = [
-        statistics.median(simulate(p, profile, at(x)).step_ms for x in shared[i])
+        statistics.median(simulate(p, profile, fitted[id(x)]).step_ms for x in shared[i])
         for i, p in enumerate(plans)
     ]
-    all_shared = [x / alone_ms for xs in shared for x in xs]
+    caps = [c.compute_cores_per_server or 0.0 for c in fitted.values()]
+    lone = [c.compute_slowdown for c in fitted.values()]
+    loads = [c.background_load_per_server for c in fitted.values()]
     lines += [
         f"Model: zoo `transformer` {BENCH_MODEL}, global batch {G}, M = {M} for pipelines "
         f"(M = 1 for DP), 4 CPU processes with {threads} intra-op thread(s) each (the runtime's "
@@ -240,25 +249,35 @@ def main(argv: list[str] | None = None) -> int:
         f"num_threads={threads})`. Cluster: `calibrate(4)` -> "
         f"{cluster.intra_server_bandwidth_gbps:.2f} Gbps, latency "
         f"{cluster.intra_server_latency_ms:.3f} ms, compute_slowdown "
-        f"{cluster.compute_slowdown:.2f}. Profiling + calibration took {prep_s:.0f} s. Layer "
+        f"{cluster.compute_slowdown:.2f}, compute_cores_per_server "
+        f"{cluster.compute_cores_per_server or 0:.2f}, background_load_per_server "
+        f"{cluster.background_load_per_server:.2f} (processor sharing: k workers computing at "
+        "once each run at min(1, c / (k + E)) / min(1, c / (1 + E))); the first prediction column is the older model "
+        f"(no sharing, every compute x {flat.compute_slowdown:.2f}, the all-busy slowdown). "
+        f"Profiling + calibration took {prep_s:.0f} s. Layer "
         "cuts per replication: the ones minimising L. Measured: all plans in ONE 4-process gloo "
         f"group, interleaved ({args.rounds} rounds x {args.chunk} steps per plan, order rotated "
         f"and alternating, first {args.skip} step(s) of each chunk dropped); measured = median "
         "over rounds of each round's median step time (slowest rank).",
         "",
-        f"Load drift correction (last two columns): external load changes during the run, so "
-        f"the calibration matmul is also timed alone right after profiling ({alone_ms:.2f} ms) "
-        "and by all 4 ranks at once right before every measured chunk; each chunk is predicted "
-        "with the compute slowdown measured just before it (in-run slowdowns: min "
-        f"{min(all_shared):.2f}, median {statistics.median(all_shared):.2f}, max "
-        f"{max(all_shared):.2f}; `calibrate(4)` before the runs: "
-        f"{cluster.compute_slowdown:.2f}); same profile, same links; median over rounds.",
+        "Load drift correction (last two columns): other programs' load changes during the "
+        "run, so right before every measured chunk the calibration matmul is timed with k = 1 "
+        "..4 ranks computing at once (`busy_sweep`) and the sharing (c, E) is re-fitted "
+        "(`fit_sharing`), and `compute_slowdown` = the k = 1 time over the same matmul timed "
+        f"alone right after profiling ({alone_ms:.2f} ms): a lone worker's speed then vs at "
+        "profile time; each chunk is predicted with its own values (in-run slowdown: min "
+        f"{min(lone):.2f}, median {statistics.median(lone):.2f}, max {max(lone):.2f}; c: min "
+        f"{min(caps):.2f}, median {statistics.median(caps):.2f}, max {max(caps):.2f}; E: min "
+        f"{min(loads):.2f}, median {statistics.median(loads):.2f}, max {max(loads):.2f}; "
+        f"`calibrate(4)` before the runs: c = {cluster.compute_cores_per_server or 0:.2f}, E = "
+        f"{cluster.background_load_per_server:.2f}); same profile, same links; median over "
+        "rounds.",
         "",
-        "| plan (replicas, cuts, M, schedule) | measured ms | L ms (err) | simulated ms (err) "
-        "| L in-run ms (err) | sim in-run ms (err) |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| plan (replicas, cuts, M, schedule) | measured ms | L old model ms (err) | L ms (err) "
+        "| simulated ms (err) | L in-run ms (err) | sim in-run ms (err) |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
-    cols = [L, sim, L2, sim2]
+    cols = [L_flat, L, sim, L2, sim2]
     stats = [_row_stats(c, meas) for c in cols]
     for i, p in enumerate(plans):
         cells = " | ".join(
@@ -269,8 +288,9 @@ def main(argv: list[str] | None = None) -> int:
     spread = max(max(t) / min(t) for t in times)
     lines += [
         "",
-        "| goal | planner L | simulator | L, in-run slowdown | simulator, in-run slowdown |",
-        "|---|---|---|---|---|",
+        "| goal | L, old model | planner L | simulator | L, in-run capacity "
+        "| simulator, in-run capacity |",
+        "|---|---|---|---|---|---|",
         "| abs error <= 10% of measured | " + " | ".join(g[0] for g in goal) + " |",
         "| Spearman rank correlation >= 0.9 | " + " | ".join(g[1] for g in goal) + " |",
         "",

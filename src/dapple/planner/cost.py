@@ -20,7 +20,7 @@ Design choices beyond the paper (each documented where used):
   per-micro-batch period of stage s, which reduces to the paper's when memory is ample.
 * Shared compute (an extension beyond equations 1-2, only when
   ``cluster.compute_cores_per_server`` = c is set, e.g. CPU worker processes on fewer cores):
-  see :func:`shared_compute_scale`. With c = None every number is the paper's model above.
+  see :func:`dapple.planner.sharing.shared_compute_scale`. With c = None every number is the paper's model above.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from dapple.core.cluster import Cluster
 from dapple.core.plan import Plan, StagePlan, slice_bounds, split_sizes
 from dapple.core.profile import ModelProfile
+from dapple.planner.sharing import shared_compute_scale
 from dapple.schedule.generators import warmup_counts
 
 __all__ = [
@@ -474,7 +475,8 @@ def pipeline_latency(plan: Plan, profile: ModelProfile, cluster: Cluster) -> Lat
             else None
             for r in rows
         ]
-        alpha = shared_compute_scale(F, Bk, M, period, devs, cluster)
+        span = latency_from_stages(F, Bk, [0.0] * len(F), M, period)[0]
+        alpha = shared_compute_scale(span, M, devs, cluster)
         rows = [
             dataclasses.replace(r, forward_ms=r.forward_ms * a, backward_ms=r.backward_ms * a)
             for r, a in zip(rows, alpha, strict=True)
@@ -522,58 +524,3 @@ def _slice_demand(
         f, bw = compute_ms(profile, cluster, stage.layers, n, recompute=stage.recompute)
         out.append((d, f + bw))
     return out
-
-
-def shared_compute_scale(
-    F: Sequence[float],
-    B: Sequence[float],
-    M: int,
-    period: Sequence[float],
-    devices: Sequence[Sequence[tuple[int, float]] | None],
-    cluster: Cluster,
-) -> list[float]:
-    """Stretch factor alpha_s of each stage's F_s, B_s when a server's devices share compute.
-
-    Extension beyond the paper's equations 1-2 (which assume dedicated devices). The simulator
-    models processor sharing: k devices of a server computing at once on c =
-    ``cluster.compute_cores_per_server`` compute units each progress at ``min(1, c / k)``.
-    Analytically we use the server's *mean* concurrency over the compute span of the step:
-    device d of stage s computes ``W_d = M (F_d + B_d)`` over its own slice of each
-    micro-batch; the span is ``T_c``, L of equations 1-3 without the
-    AllReduce terms (during AR(P_s, g_s) no one computes); server sigma's mean concurrency is
-    ``U_sigma = sum_{d on sigma} W_d / T_c`` and its stretch ``alpha_sigma = max(1, U_sigma /
-    c)`` (``1 / cluster.compute_rate(U_sigma)``, which also covers a background load E). A stage's replicas are paced by the slowest, so ``alpha_s = max`` over the servers of
-    its devices. Exact for data parallelism (all G devices busy over the whole span: alpha =
-    G / c) and for strictly alternating stages (one device busy at a time: alpha = 1); in
-    between it averages the bubbles' idle cores over the step, so it under-estimates the
-    steady phase's stretch when warm-up/ending bubbles are long (the simulator is exact).
-
-    Args:
-        F: F_s per stage (comm stages included), unstretched.
-        B: B_s per stage, unstretched.
-        M: micro-batches.
-        period: steady period per stage (as for :func:`latency_from_stages`).
-        devices: per computation stage ``(device id, F + B of its slice, unstretched)`` of
-            every replica; None for comm stages.
-        cluster: supplies ``compute_cores_per_server`` (None: all factors 1).
-
-    Returns:
-        alpha_s per stage (1.0 for comm stages).
-    """
-    c = cluster.compute_cores_per_server
-    S = len(F)
-    if c is None:
-        return [1.0] * S
-    T_c = latency_from_stages(F, B, [0.0] * S, M, period)[0]
-    if T_c <= 0:
-        return [1.0] * S
-    demand: dict[int, float] = {}  # server -> sum of W_d
-    for devs in devices:
-        for d, fb_ms in devs or ():
-            srv = cluster.server_of(d)
-            demand[srv] = demand.get(srv, 0.0) + M * fb_ms
-    stretch = {srv: 1.0 / cluster.compute_rate(w / T_c) for srv, w in demand.items()}
-    return [
-        max((stretch[cluster.server_of(d)] for d, _ in devs), default=1.0) if devs else 1.0
-        for devs in devices
-    ]

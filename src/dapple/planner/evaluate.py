@@ -20,8 +20,8 @@ from dapple.planner.cost import (
     allreduce_ms,
     latency_from_stages,
     overlaps,
-    shared_compute_scale,
 )
+from dapple.planner.sharing import shared_compute_scale
 
 __all__ = ["Scored", "Scorer", "StageSpec"]
 
@@ -231,12 +231,13 @@ class Scorer:
                 AR.append(ar[i])
                 kk.append(ks[i])
             per = _periods(F, B, kk, schedule)
-            if self.cluster.compute_cores_per_server is not None:  # cost.shared_compute_scale
+            if self.cluster.compute_cores_per_server is not None:  # planner.sharing
                 devs = [
                     self._demand(stages[x // 2], b, rec[x // 2]) if x % 2 == 0 else None
                     for x in range(len(F))
                 ]
-                alpha = shared_compute_scale(F, B, M, per, devs, self.cluster)
+                span = latency_from_stages(F, B, [0.0] * len(F), M, per)[0]
+                alpha = shared_compute_scale(span, M, devs, self.cluster)
                 F = [f * a for f, a in zip(F, alpha, strict=True)]
                 B = [v * a for v, a in zip(B, alpha, strict=True)]
                 per = _periods(F, B, kk, schedule)
