@@ -136,6 +136,10 @@ def _group_worker(
                 )
     if rank == 0:
         Path(out).write_text(json.dumps(times))
+    # DDP's reducer and the pipeline stages hold the process group: drop them first, so no
+    # group outlives destroy_process_group into interpreter shutdown
+    peers.clear()
+    dist.barrier()
     dist.destroy_process_group()
 
 
@@ -155,10 +159,9 @@ def run_group(world: int, cases: list[dict[str, Any]], opts: dict[str, Any]) -> 
         for p in procs:
             p.join()
         bad = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode]
-        if bad and not Path(out).exists():
-            raise RuntimeError(f"benchmark workers failed: {bad} (rank, exit code)")
-        if bad:  # rank 0 wrote every result first: a crash in teardown loses no measurement
-            print(f"warning: workers exited with {bad} (rank, code) after the results", flush=True)
+        if bad:
+            kept = " after writing the results" if Path(out).exists() else ""
+            raise RuntimeError(f"benchmark workers failed{kept}: {bad} (rank, exit code)")
         got = json.loads(Path(out).read_text())
         return [got[str(i)] for i in range(len(cases))]
 

@@ -4,9 +4,11 @@ Every rank runs ``dapple.schedule.lower(plan)[rank]`` - the same per-device prog
 simulator runs - action by action: ``RECV_F``/``RECV_B`` post ``irecv``s (up to
 :data:`RECV_AHEAD` actions early, so transfers overlap compute), ``F``/``B`` wait for
 them and compute, ``SEND_F``/``SEND_B`` post ``isend``s (waited on at the latest before the
-AllReduce), ``AR`` sums the stage's gradients over its replica group (``dist.new_group``, created
-by every rank in stage order; tied parameters are summed first, see :mod:`dapple.runtime.sync`)
-and ``OPT`` steps the optimizer in lock-step. Each slice's loss is scaled by
+AllReduce), ``AR`` waits for the sums of the stage's gradients over its replica group
+(``dist.new_group``, created by every rank in stage order), which started in buckets during the
+rank's last backward, then sums tied parameters (see :mod:`dapple.runtime.sync`); the non-finite
+guard runs first, so a NaN stops the step before ``OPT`` steps the optimizer in lock-step. At
+the end of a run every rank meets at a barrier and destroys the run's groups and hooks. Each slice's loss is scaled by
 ``slice_samples / global_batch_size`` so the accumulated, AllReduced gradient equals the
 single-device gradient of the global batch.
 

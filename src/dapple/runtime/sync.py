@@ -37,8 +37,13 @@ from dapple.workload import Workload
 
 __all__ = ["BUCKET_BYTES", "GradientSync"]
 
-BUCKET_BYTES = 2 * 2**20
-"""Target size of one gradient bucket (the last one may be smaller, a large tensor larger)."""
+BUCKET_BYTES = 25 * 2**20
+"""Target size of one gradient bucket (the last one may be smaller, a large tensor larger).
+
+DDP's default cap. Smaller buckets start earlier but each collective has a fixed cost: on a
+2-core CPU box with 4 gloo processes (7 MB of gradients) 4 MiB buckets were 2.4% and 0.5 MiB
+buckets 16% slower per step than one bucket, which there matches DDP (paired A/B in one group).
+"""
 
 
 @dataclass
