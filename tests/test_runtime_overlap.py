@@ -50,7 +50,24 @@ def unused_mlp() -> Workload:
     )
 
 
-WORKLOADS = {**rw.WORKLOADS, "unused": unused_mlp}
+def _frozen_first() -> nn.Module:
+    block = rw.mlp(4).layer_factories[0]()
+    block[0].weight.requires_grad_(False)
+    return block
+
+
+def frozen_mlp() -> Workload:
+    """``rw.mlp`` whose first weight is frozen (no hook, no gradient, never updated)."""
+    base = rw.mlp(4)
+    return Workload(
+        name="test-frozen",
+        layer_factories=[_frozen_first, *base.layer_factories[1:]],
+        make_batch=base.make_batch,
+        loss_fn=base.loss_fn,
+    )
+
+
+WORKLOADS = {**rw.WORKLOADS, "unused": unused_mlp, "frozen": frozen_mlp}
 
 # (id, plan name, workload, optimizer, micro-batch size)
 CASES: list[tuple[str, str, str, str, int]] = [
@@ -61,6 +78,7 @@ CASES: list[tuple[str, str, str, str, int]] = [
     ("1:3-tied-local-adam", "1:3", "tied", "adam", B),  # both tied copies in the replicated stage
     ("2:1:1-tied-cross-sgd", "2:1:1", "tied", "sgd", B),  # tied copies in two stages
     ("dp4-unused-sgd", "dp4", "unused", "sgd", B),
+    ("3:1-frozen-adam", "3:1", "frozen", "adam", B),
 ]
 
 

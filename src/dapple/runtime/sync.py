@@ -128,8 +128,9 @@ class GradientSync:
                     if lo <= lay < hi:
                         cross.add(id(self.by_layer[lay].get_parameter(name)))
         params = list(module.parameters()) if module is not None else []
-        self.reduced = [p for p in params if id(p) not in cross]
-        """Parameters the stage AllReduce sums (cross-stage tied copies are already totals)."""
+        self.reduced = [p for p in params if id(p) not in cross and p.requires_grad]
+        """Parameters the stage AllReduce sums (cross-stage tied copies are already totals;
+        frozen parameters have no gradient)."""
         self.pg = self.stage_pg.get(stage) if stage is not None else None
         self.buckets: list[_Bucket] = []
         self._where: dict[int, tuple[int, int]] = {}  # id(param) -> (bucket, index in bucket)
