@@ -41,6 +41,7 @@ from torch import nn
 from dapple.core.plan import Plan
 from dapple.errors import DappleError, ValidationError
 from dapple.runtime import TrainConfig, init_distributed, run_plan, spawn, validate_run
+from dapple.runtime.engine import make_optimizer
 from dapple.split import original_model, sum_tied_grads_local
 from dapple.workload import Workload
 
@@ -130,13 +131,6 @@ def _call(model: nn.Module, inputs: Any) -> Any:
     return model(*inputs) if isinstance(inputs, (tuple, list)) else model(inputs)
 
 
-def _optimizer(name: str, params: list[nn.Parameter], lr: float) -> torch.optim.Optimizer:
-    # the runtime's choice (dapple.runtime.engine): plain SGD or Adam with default betas
-    if name == "adam":
-        return torch.optim.Adam(params, lr=lr)
-    return torch.optim.SGD(params, lr=lr)
-
-
 def reference_run(
     workload: Workload,
     global_batch_size: int,
@@ -167,7 +161,7 @@ def reference_run(
     except ValidationError:
         model, kind = chain, "layer chain"
     model.train()
-    opt = _optimizer(optimizer, list(model.parameters()), lr)
+    opt = make_optimizer(optimizer, list(model.parameters()), lr)
     losses: list[float] = []
     for step in range(steps):
         inputs, targets = workload.make_batch(global_batch_size, seed + step)

@@ -43,7 +43,15 @@ from dapple.schedule.ir import ActionKind
 from dapple.schedule.lower import lower
 from dapple.workload import Workload
 
-__all__ = ["FAIL_RANK_ENV", "FAIL_STEP_ENV", "RankFailure", "StageRun", "run_plan", "validate_run"]
+__all__ = [
+    "FAIL_RANK_ENV",
+    "FAIL_STEP_ENV",
+    "RankFailure",
+    "StageRun",
+    "make_optimizer",
+    "run_plan",
+    "validate_run",
+]
 
 logger = logging.getLogger(__name__)
 K = ActionKind
@@ -111,7 +119,8 @@ def _short(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[:160]}" if text else type(e).__name__
 
 
-def _make_optimizer(name: str, params: list[nn.Parameter], lr: float) -> torch.optim.Optimizer:
+def make_optimizer(name: str, params: list[nn.Parameter], lr: float) -> torch.optim.Optimizer:
+    """The optimizer every rank (and the single-process reference) uses: SGD or Adam."""
     if name == "adam":
         return torch.optim.Adam(params, lr=lr)
     return torch.optim.SGD(params, lr=lr)
@@ -171,7 +180,7 @@ def run_plan(
     backwards = [i for i, a in enumerate(program) if a.kind is K.BACKWARD]
     last_backward = backwards[-1] if backwards else -1
     params = list(module.parameters()) if module is not None else []
-    opt = _make_optimizer(config.optimizer, params, config.lr) if params else None
+    opt = make_optimizer(config.optimizer, params, config.lr) if params else None
     meter = ActivationMeter(exclude=params)
     ex: StageExecutor | None = None
     if in_plan:
