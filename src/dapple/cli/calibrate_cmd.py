@@ -42,6 +42,12 @@ def run(args: argparse.Namespace) -> int:
         f"compute_slowdown {c.compute_slowdown:.2f} (matmul {res.matmul_alone_ms:.2f} ms alone, "
         f"{res.matmul_shared_ms:.2f} ms with {res.nproc} processes)"
     )
+    if c.compute_cores_per_server is not None:
+        con.print(
+            f"CPU sharing: {c.compute_cores_per_server:.2f} compute units per server, background "
+            f"load {c.background_load_per_server:.2f} (k busy workers each run at "
+            "min(1, c/(k+E)) / min(1, c/(1+E)) of a lone worker's speed)"
+        )
     c.save(args.output)
     con.print(f"wrote {args.output}")
     return 0
