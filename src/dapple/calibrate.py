@@ -323,17 +323,23 @@ def calibrate(
     bad = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode != 0]
     if bad:
         raise ValidationError(f"calibration worker(s) failed: {bad} (rank, exit code)")
-    res = q.get()
+    return _fit_measured(q.get(), nproc, nproc, sizes, alone)
+
+
+def _fit_measured(
+    res: dict[str, Any], world: int, local: int, sizes: tuple[int, ...], alone: float
+) -> CalibrationResult:
+    """:func:`_fit` of what :func:`_measure` returned on ``world`` ranks, ``local`` per machine."""
     return _fit(
-        nproc,
+        world,
         sizes,
         res["p2p"],
         res["ar"],
         alone,
         res["shared"],
         "gloo",
-        _memory_per_process(nproc),
-        cores=usable_cores() / runtime_threads(nproc),
+        _memory_per_process(local),
+        cores=usable_cores() / runtime_threads(local),
         sweep=res["sweep"],
     )
 
@@ -353,18 +359,7 @@ def _calibrate_under_torchrun(sizes: tuple[int, ...], repeats: int) -> Calibrati
         res = _measure(dist.get_rank(), world, sizes, repeats)
     finally:
         dist.destroy_process_group()
-    out = _fit(
-        world,
-        sizes,
-        res["p2p"],
-        res["ar"],
-        alone,
-        res["shared"],
-        "gloo",
-        _memory_per_process(local),
-        cores=usable_cores() / runtime_threads(local),
-        sweep=res["sweep"],
-    )
+    out = _fit_measured(res, world, local, sizes, alone)
     servers = max(1, world // local)
     c = out.cluster
     import dataclasses
