@@ -138,3 +138,11 @@ def test_split_sizes_and_transfers():
             for r2 in range(1, 5):
                 covered = sorted(x for _, _, lo, hi in transfers(b, r1, r2) for x in range(lo, hi))
                 assert covered == list(range(b))
+
+
+def test_save_to_unwritable_path_is_one_clear_error(tmp_path):
+    p = straight_plan(6, [0, 3], global_batch_size=4, num_micro_batches=2)
+    with pytest.raises(ValidationError, match="cannot write plan file .*missing"):
+        p.save(tmp_path / "missing" / "plan.json")
+    with pytest.raises(ValidationError, match="cannot write profile file"):
+        make_profile().save(tmp_path / "missing" / "p.json")

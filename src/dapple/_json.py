@@ -35,6 +35,19 @@ def load_json_file(path: str | Path, what: str) -> dict[str, Any]:
     return data
 
 
+def save_json_file(path: str | Path, data: dict[str, Any], what: str) -> None:
+    """Write ``data`` as indented JSON to ``path``; ``what`` names the document in errors.
+
+    Raises:
+        ValidationError: the file cannot be written (missing folder, no permission, ...).
+    """
+    p = Path(path)
+    try:
+        p.write_text(json.dumps(data, indent=2) + "\n")
+    except OSError as e:
+        raise ValidationError(f"cannot write {what} file {str(p)!r}: {e.strerror or e}") from e
+
+
 def require(cond: bool, msg: str) -> None:
     """Raise ``ValidationError(msg)`` unless ``cond``."""
     if not cond:

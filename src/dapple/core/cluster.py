@@ -7,14 +7,13 @@ Bandwidths are in gigabits per second (Gbps) as network gear is rated; latencies
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dapple._json import check_schema_version, get_field, load_json_file, require
+from dapple._json import check_schema_version, get_field, load_json_file, require, save_json_file
 from dapple.errors import ValidationError
 
 if sys.version_info >= (3, 11):
@@ -218,7 +217,7 @@ class Cluster:
         )
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        save_json_file(path, self.to_dict(), "cluster")
 
 
 _V100 = 16 * GB

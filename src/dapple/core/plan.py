@@ -8,13 +8,12 @@ split into ``r_s`` slices (uneven when ``r_s`` does not divide it; replica ``j``
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from dapple._json import check_schema_version, get_field, load_json_file, require
+from dapple._json import check_schema_version, get_field, load_json_file, require, save_json_file
 from dapple.errors import ValidationError
 
 __all__ = [
@@ -309,7 +308,7 @@ class Plan:
         )
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        save_json_file(path, self.to_dict(), "plan")
 
     @staticmethod
     def load(path: str | Path) -> Plan:

@@ -7,14 +7,13 @@ batch sizes. Sizes are bytes; activation sizes are per sample.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dapple._json import check_schema_version, get_field, load_json_file, require
+from dapple._json import check_schema_version, get_field, load_json_file, require, save_json_file
 
 __all__ = ["PROFILE_SCHEMA_VERSION", "AffineTime", "LayerProfile", "ModelProfile", "fit_affine"]
 
@@ -242,7 +241,7 @@ class ModelProfile:
         )
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        save_json_file(path, self.to_dict(), "profile")
 
     @staticmethod
     def load(path: str | Path) -> ModelProfile:
