@@ -8,13 +8,14 @@ benchmark model as the spec ``_bench_common:bench_transformer``.
 from __future__ import annotations
 
 import datetime as _dt
+import json
 import math
 import os
 import platform
 import statistics
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -118,3 +119,47 @@ def spearman(a: Sequence[float], b: Sequence[float]) -> float:
     va = math.sqrt(sum((x - ma) ** 2 for x in ra))
     vb = math.sqrt(sum((y - mb) ** 2 for y in rb))
     return cov / (va * vb) if va > 0 and vb > 0 else math.nan
+
+
+def run_worker_group(
+    target: Callable[..., None], world: int, *args: Any, teardown_crash_ok: bool = False
+) -> dict[str, Any]:
+    """Run ``target(rank, world, port, *args, out)`` in ``world`` spawned processes (one gloo
+    group on 127.0.0.1) and return the JSON object rank 0 wrote to ``out``.
+
+    Args:
+        target: the worker; rank 0 writes its results to the path ``out`` before teardown.
+        world: number of processes.
+        *args: passed to every worker after ``port``.
+        teardown_crash_ok: keep the results (with a warning) when a worker exits non-zero
+            after rank 0 wrote them, i.e. during process-group teardown.
+
+    Raises:
+        RuntimeError: a worker failed (before the results were written, or at all when
+            ``teardown_crash_ok`` is False).
+    """
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    from dapple.runtime import free_port
+
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    with tempfile.TemporaryDirectory() as tmp:
+        out = str(Path(tmp) / "results.json")
+        procs = [
+            ctx.Process(target=target, args=(r, world, port, *args, out)) for r in range(world)
+        ]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join()
+        bad = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode]
+        written = Path(out).exists()
+        if bad and not (teardown_crash_ok and written):
+            kept = " after writing the results" if written else ""
+            raise RuntimeError(f"benchmark workers failed{kept}: {bad} (rank, exit code)")
+        if bad:  # rank 0 wrote every result first: a crash in teardown loses no measurement
+            print(f"warning: workers exited with {bad} (rank, code) after the results", flush=True)
+        return dict(json.loads(Path(out).read_text()))

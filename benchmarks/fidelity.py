@@ -21,7 +21,6 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -29,7 +28,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _bench_common import (
@@ -38,6 +36,7 @@ from _bench_common import (
     bench_transformer,
     header,
     load_note,
+    run_worker_group,
     spearman,
 )
 from dapple.core.cluster import Cluster
@@ -120,28 +119,9 @@ def measure_group(
     """Per-round median step times (ms) of every plan, interleaved in ONE 4-process gloo group,
     and the matmul times (ms) with k = 1 .. 4 ranks busy (``busy_sweep``) right before each
     chunk."""
-    from dapple.runtime import free_port
-
-    world = 4
-    ctx = mp.get_context("spawn")
-    port = free_port()
-    with tempfile.TemporaryDirectory() as tmp:
-        out = str(Path(tmp) / "times.json")
-        args = [p.to_dict() for p in plans]
-        procs = [
-            ctx.Process(target=_group_worker, args=(r, world, port, args, opts, out))
-            for r in range(world)
-        ]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join()
-        bad = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode]
-        if bad and not Path(out).exists():
-            raise RuntimeError(f"benchmark workers failed: {bad} (rank, exit code)")
-        if bad:  # rank 0 wrote every result first: a crash in teardown loses no measurement
-            print(f"warning: workers exited with {bad} (rank, code) after the results", flush=True)
-        got = json.loads(Path(out).read_text())
+    got = run_worker_group(
+        _group_worker, 4, [p.to_dict() for p in plans], opts, teardown_crash_ok=True
+    )
     n = len(plans)
     return [got["times"][str(i)] for i in range(n)], [got["shared"][str(i)] for i in range(n)]
 

@@ -26,7 +26,6 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -34,7 +33,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _bench_common import (
@@ -43,9 +41,9 @@ from _bench_common import (
     bench_transformer,
     header,
     load_note,
+    run_worker_group,
 )
 from dapple.core.plan import Plan, straight_plan
-from dapple.runtime import free_port
 
 LR = 0.01
 
@@ -146,24 +144,8 @@ def _group_worker(
 def run_group(world: int, cases: list[dict[str, Any]], opts: dict[str, Any]) -> list[list[float]]:
     """Run ``cases`` interleaved in one group of ``world`` processes; per case, each round's
     median step time (ms)."""
-    ctx = mp.get_context("spawn")
-    port = free_port()
-    with tempfile.TemporaryDirectory() as tmp:
-        out = str(Path(tmp) / "times.json")
-        procs = [
-            ctx.Process(target=_group_worker, args=(r, world, port, cases, opts, out))
-            for r in range(world)
-        ]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join()
-        bad = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode]
-        if bad:
-            kept = " after writing the results" if Path(out).exists() else ""
-            raise RuntimeError(f"benchmark workers failed{kept}: {bad} (rank, exit code)")
-        got = json.loads(Path(out).read_text())
-        return [got[str(i)] for i in range(len(cases))]
+    got = run_worker_group(_group_worker, world, cases, opts)
+    return [got[str(i)] for i in range(len(cases))]
 
 
 # -- configurations ---------------------------------------------------------------------------
