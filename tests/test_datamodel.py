@@ -142,7 +142,7 @@ def test_split_sizes_and_transfers():
 
 def test_save_to_unwritable_path_is_one_clear_error(tmp_path):
     p = straight_plan(6, [0, 3], global_batch_size=4, num_micro_batches=2)
-    with pytest.raises(ValidationError, match="cannot write plan file .*missing"):
+    with pytest.raises(ValidationError, match=r"cannot write plan file .*missing"):
         p.save(tmp_path / "missing" / "plan.json")
     with pytest.raises(ValidationError, match="cannot write profile file"):
         make_profile().save(tmp_path / "missing" / "p.json")
