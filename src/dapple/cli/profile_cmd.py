@@ -3,18 +3,16 @@
 from __future__ import annotations
 
 import argparse
-import json
-from typing import Any
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from dapple.cli.split_cmd import add_split_at_argument, split_at_overrides
+from dapple.cli._model_args import add_model_arguments, model_overrides
 from dapple.core.profile import ModelProfile
 from dapple.errors import ValidationError
 
-__all__ = ["parse_batch_sizes", "parse_overrides", "print_profile", "register"]
+__all__ = ["parse_batch_sizes", "print_profile", "register"]
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -40,14 +38,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument(
         "--input-shape", help="per-sample input shape for nn.Sequential factories, e.g. 3,32,32"
     )
-    p.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="model size override, e.g. --set layers=8 --set hidden=128 (repeatable)",
-    )
-    add_split_at_argument(p)
+    add_model_arguments(p)
     p.set_defaults(func=run)
 
 
@@ -66,24 +57,6 @@ def parse_batch_sizes(text: str) -> list[int]:
     if not sizes or min(sizes) < 1:
         raise ValidationError(f"--batch-sizes must be positive integers, got {text!r}")
     return sizes
-
-
-def parse_overrides(items: list[str]) -> dict[str, Any]:
-    """``["layers=8", "width=0.5"]`` -> ``{"layers": 8, "width": 0.5}`` (JSON values, else str).
-
-    Raises:
-        ValidationError: an item without ``=``.
-    """
-    out: dict[str, Any] = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ValidationError(f"--set expects KEY=VALUE, got {item!r}")
-        try:
-            out[key] = json.loads(value)
-        except json.JSONDecodeError:
-            out[key] = value
-    return out
 
 
 def _parse_shape(text: str | None) -> tuple[int, ...] | None:
@@ -128,7 +101,7 @@ def print_profile(con: Console, prof: ModelProfile) -> None:
 
 def run(args: argparse.Namespace) -> int:
     sizes = parse_batch_sizes(args.batch_sizes)
-    overrides = {**parse_overrides(args.set), **split_at_overrides(args)}
+    overrides = model_overrides(args)
     shape = _parse_shape(args.input_shape)
     from dapple.profiler.measure import profile_workload, resolve_device
     from dapple.zoo import load_workload

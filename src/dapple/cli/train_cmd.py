@@ -13,6 +13,7 @@ import os
 import statistics
 from typing import TYPE_CHECKING
 
+from dapple.cli._model_args import add_model_arguments, model_overrides
 from dapple.core.plan import Plan
 from dapple.errors import ValidationError
 
@@ -43,7 +44,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     )
     p.add_argument("--recompute", action="store_true", help="re-compute forwards on every stage")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    _register_model_args(p)
+    add_model_arguments(p)
     _register_long_run(p)
     p.set_defaults(func=run)
 
@@ -109,27 +110,10 @@ def _predicted_step_ms(plan: Plan, profile_path: str, cluster_spec: str) -> tupl
     return simulate(plan, profile, cluster).step_ms, "simulator"
 
 
-def _register_model_args(p: argparse.ArgumentParser) -> None:
-    """``--set KEY=VALUE`` and ``--split-at NAME,NAME``, as in ``dapple profile`` / ``verify``."""
-    from dapple.cli.split_cmd import add_split_at_argument
-
-    p.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="model factory argument, e.g. --set layers=8 (repeatable)",
-    )
-    add_split_at_argument(p)
-
-
 def _model_arg(args: argparse.Namespace) -> object:
     """``--model`` as given, or the workload loaded from it (``--set``, ``--split-at`` or a
     ``file.py:factory`` spec: it pickles as its spec, so spawned workers load it again)."""
-    from dapple.cli.profile_cmd import parse_overrides
-    from dapple.cli.split_cmd import split_at_overrides
-
-    overrides = {**parse_overrides(args.set), **split_at_overrides(args)}
+    overrides = model_overrides(args)
     module = str(args.model).rpartition(":")[0]
     if not overrides and not module.endswith(".py"):
         return args.model

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from rich.console import Console
 from rich.table import Table
 
-from dapple.cli.split_cmd import add_split_at_argument, split_at_overrides
+from dapple.cli._model_args import add_model_arguments, model_overrides
 
 if TYPE_CHECKING:
     from dapple.verify import VerifyReport
@@ -33,14 +33,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument(
         "--model", "-m", required=True, help="zoo name, module:factory or file.py:factory"
     )
-    p.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="model factory argument, e.g. --set layers=2 (repeatable)",
-    )
-    add_split_at_argument(p)
+    add_model_arguments(p)
     p.add_argument("--steps", type=int, default=2, help="optimizer steps (default 2)")
     p.add_argument("--seed", type=int, default=0, help="weights seed; step t uses batch seed+t")
     p.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd")
@@ -100,9 +93,8 @@ def print_report(con: Console, report: VerifyReport) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from dapple.api import verify
-    from dapple.cli.profile_cmd import parse_overrides
 
-    overrides = {**parse_overrides(args.set), **split_at_overrides(args)}
+    overrides = model_overrides(args)
     tol = {k: v for k, v in (("rtol", args.rtol), ("atol", args.atol)) if v is not None}
     report = verify(
         args.plan,

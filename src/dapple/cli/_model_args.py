@@ -1,0 +1,64 @@
+"""Model arguments shared by every command that loads a model: ``--set`` and ``--split-at``.
+
+Torch-free at import time, so building the CLI parser does not load torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from dapple.errors import ValidationError
+
+__all__ = ["add_model_arguments", "model_overrides", "parse_overrides"]
+
+
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """Add ``--set KEY=VALUE`` (factory arguments) and ``--split-at NAME,NAME`` to ``p``."""
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="model factory argument, e.g. --set layers=8 --set hidden=128 (repeatable)",
+    )
+    p.add_argument(
+        "--split-at",
+        metavar="NAME,NAME",
+        help="cut the model before these modules (default: before every block of its largest "
+        "ModuleList and after the last one)",
+    )
+
+
+def parse_overrides(items: list[str]) -> dict[str, Any]:
+    """``["layers=8", "width=0.5"]`` -> ``{"layers": 8, "width": 0.5}`` (JSON values, else str).
+
+    Raises:
+        ValidationError: an item without ``=``.
+    """
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValidationError(f"--set expects KEY=VALUE, got {item!r}")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
+
+
+def model_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """Keyword arguments for ``load_workload`` from ``--set`` and ``--split-at``.
+
+    Raises:
+        ValidationError: a ``--set`` item without ``=``.
+    """
+    from dapple.split import parse_split_at
+
+    out = parse_overrides(args.set)
+    names = parse_split_at(getattr(args, "split_at", None))
+    if names:
+        out["split_at"] = names
+    return out
