@@ -1,8 +1,9 @@
 """Fidelity: the planner's L and the simulator's step time vs the measured step time (CPU).
 
 One model (:data:`_bench_common.BENCH_MODEL`) on 4 local CPU processes; the profile is measured
-the way the runtime runs (``cores // 4`` intra-op threads) and the cluster is this machine's
-``calibrate(4)``. For each replication (DP, 1:1:1:1, 3:1, 1:3, 2:1:1, 2:2) and schedule (DAPPLE
+the way the runtime runs (``cores // 4`` intra-op threads, and as one of 4 co-located workers:
+``co_workers=4``, CPU time) and the cluster is this machine's ``calibrate(4)`` (links, core
+sharing and the runtime's host CPU overheads). For each replication (DP, 1:1:1:1, 3:1, 1:3, 2:1:1, 2:2) and schedule (DAPPLE
 1F1B policy A, GPipe) the layer cuts are the ones minimising the cost model's L for that
 replication (what the planner would pick), then: L (``pipeline_latency``), the simulated step
 (``simulate``) and the measured step (``dapple.runtime.train``, median after warm-up), the
@@ -174,7 +175,11 @@ def main(argv: list[str] | None = None) -> int:
     threads = runtime_threads(nproc)  # the runtime's per-worker count, the calibration's too
     wl = bench_transformer()
     t0 = time.perf_counter()
-    profile = profile_workload(wl, [1, 2, 4, 8], repeats=5, num_threads=threads)
+    # the model: CPU time of each layer as one of 4 co-located workers (profile_workload's
+    # co_workers), shared cores and host CPU overheads from calibrate
+    profile = profile_workload(wl, [1, 2, 4, 8], repeats=5, num_threads=threads, co_workers=nproc)
+    # the earlier models: wall time of each layer alone
+    wall_profile = profile_workload(wl, [1, 2, 4, 8], repeats=5, num_threads=threads)
     alone_ms = _matmul_alone_ms(nproc)  # the calibration matmul alone, right after profiling
     cal = calibrate(nproc)
     cluster = cal.cluster
@@ -202,13 +207,18 @@ def main(argv: list[str] | None = None) -> int:
 
     fitted = {id(x): at(x) for xs in shared for x in xs}
 
-    # the older model: one all-busy slowdown for every compute, no sharing
+    # the older models, on the wall-time profile and without host overheads: (1) one all-busy
+    # slowdown for every compute, no sharing; (2) processor sharing of (c, E)
+    no_host = dataclasses.replace(
+        cluster, action_overhead_ms=0.0, step_overhead_ms=0.0, comm_cpu_ms_per_mb=0.0
+    )
     flat = dataclasses.replace(
-        cluster,
+        no_host,
         compute_cores_per_server=None,
         compute_slowdown=max(1.0, cal.matmul_shared_ms / cal.matmul_alone_ms),
     )
-    L_flat = [pipeline_latency(p, profile, flat).L_ms for p in plans]
+    L_flat = [pipeline_latency(p, wall_profile, flat).L_ms for p in plans]
+    sim_share = [simulate(p, wall_profile, no_host).step_ms for p in plans]
 
     # per plan: median over rounds of the prediction with the slowdown measured right before
     L2 = [
@@ -225,20 +235,30 @@ def main(argv: list[str] | None = None) -> int:
     lines += [
         f"Model: zoo `transformer` {BENCH_MODEL}, global batch {G}, M = {M} for pipelines "
         f"(M = 1 for DP), 4 CPU processes with {threads} intra-op thread(s) each (the runtime's "
-        f"`cores // 4`). Profile: `profile_workload(batch_sizes=[1, 2, 4, 8], "
-        f"num_threads={threads})`. Cluster: `calibrate(4)` -> "
+        "`cores // 4`). Layer cuts per replication: the ones minimising L of this model.",
+        "",
+        "The model (columns L and simulated): profile `profile_workload(batch_sizes=[1, 2, 4, "
+        f"8], num_threads={threads}, co_workers=4)` - each layer's CPU time while 3 other "
+        "processes train the model, so the slow-down co-located workers cause each other "
+        "beyond time-slicing (caches, memory bandwidth; largest at small batches) is in the "
+        "profile. Cluster `calibrate(4)`: links "
         f"{cluster.intra_server_bandwidth_gbps:.2f} Gbps, latency "
-        f"{cluster.intra_server_latency_ms:.3f} ms, compute_slowdown "
-        f"{cluster.compute_slowdown:.2f}, compute_cores_per_server "
-        f"{cluster.compute_cores_per_server or 0:.2f}, background_load_per_server "
-        f"{cluster.background_load_per_server:.2f} (processor sharing: k workers computing at "
-        "once each run at min(1, c / (k + E)) / min(1, c / (1 + E))); the first prediction column is the older model "
-        f"(no sharing, every compute x {flat.compute_slowdown:.2f}, the all-busy slowdown). "
-        f"Profiling + calibration took {prep_s:.0f} s. Layer "
-        "cuts per replication: the ones minimising L. Measured: all plans in ONE 4-process gloo "
-        f"group, interleaved ({args.rounds} rounds x {args.chunk} steps per plan, order rotated "
-        f"and alternating, first {args.skip} step(s) of each chunk dropped); measured = median "
-        "over rounds of each round's median step time (slowest rank).",
+        f"{cluster.intra_server_latency_ms:.3f} ms; time-slicing c = "
+        f"{cluster.compute_cores_per_server or 0:.2f} compute units, E = "
+        f"{cluster.background_load_per_server:.2f} (k workers computing at once each run at "
+        "min(1, c / (k + E)) / min(1, c / (1 + E))); the runtime's host CPU (`dapple."
+        f"overheads`, measured by running the runtime on a tiny MLP): "
+        f"{cluster.action_overhead_ms:.3f} ms per action, {cluster.step_overhead_ms:.2f} ms "
+        f"per step, {cluster.comm_cpu_ms_per_mb:.3f} ms per MiB sent or received, shared like "
+        "compute (`dapple.planner.host`). Earlier models, for comparison, on the wall-time "
+        "profile taken alone and without host CPU: *old* - no sharing, every compute x "
+        f"{flat.compute_slowdown:.2f} (the all-busy matmul slowdown); *sharing* - the simulator "
+        f"with (c, E) only. Profiling (both) + calibration took {prep_s:.0f} s.",
+        "",
+        "Measured: all plans in ONE 4-process gloo group, interleaved "
+        f"({args.rounds} rounds x {args.chunk} steps per plan, order rotated and alternating, "
+        f"first {args.skip} step(s) of each chunk dropped); measured = median over rounds of "
+        "each round's median step time (the period between consecutive step collectives).",
         "",
         "Load drift correction (last two columns): other programs' load changes during the "
         "run, so right before every measured chunk the calibration matmul is timed with k = 1 "
@@ -248,16 +268,14 @@ def main(argv: list[str] | None = None) -> int:
         "profile time; each chunk is predicted with its own values (in-run slowdown: min "
         f"{min(lone):.2f}, median {statistics.median(lone):.2f}, max {max(lone):.2f}; c: min "
         f"{min(caps):.2f}, median {statistics.median(caps):.2f}, max {max(caps):.2f}; E: min "
-        f"{min(loads):.2f}, median {statistics.median(loads):.2f}, max {max(loads):.2f}; "
-        f"`calibrate(4)` before the runs: c = {cluster.compute_cores_per_server or 0:.2f}, E = "
-        f"{cluster.background_load_per_server:.2f}); same profile, same links; median over "
-        "rounds.",
+        f"{min(loads):.2f}, median {statistics.median(loads):.2f}, max {max(loads):.2f}); same "
+        "profile, links and host terms; median over rounds.",
         "",
-        "| plan (replicas, cuts, M, schedule) | measured ms | L old model ms (err) | L ms (err) "
-        "| simulated ms (err) | L in-run ms (err) | sim in-run ms (err) |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| plan (replicas, cuts, M, schedule) | measured ms | old L ms (err) | sharing sim ms "
+        "(err) | L ms (err) | simulated ms (err) | L in-run ms (err) | sim in-run ms (err) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    cols = [L_flat, L, sim, L2, sim2]
+    cols = [L_flat, sim_share, L, sim, L2, sim2]
     stats = [_row_stats(c, meas) for c in cols]
     for i, p in enumerate(plans):
         cells = " | ".join(
@@ -268,9 +286,9 @@ def main(argv: list[str] | None = None) -> int:
     spread = max(max(t) / min(t) for t in times)
     lines += [
         "",
-        "| goal | L, old model | planner L | simulator | L, in-run capacity "
+        "| goal | old L | sharing sim | L | simulator | L, in-run capacity "
         "| simulator, in-run capacity |",
-        "|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|",
         "| abs error <= 10% of measured | " + " | ".join(g[0] for g in goal) + " |",
         "| Spearman rank correlation >= 0.9 | " + " | ".join(g[1] for g in goal) + " |",
         "",

@@ -43,6 +43,7 @@ import torch.multiprocessing as mp
 
 from dapple.core.cluster import GB, Cluster
 from dapple.core.profile import fit_affine
+from dapple.overheads import comm_cpu_fit, runtime_overheads
 
 __all__ = [
     "DEFAULT_SIZES",
@@ -127,12 +128,15 @@ def _matmul_alone_ms(nproc: int) -> float:
 def _measure(rank: int, world: int, sizes: tuple[int, ...], repeats: int) -> dict[str, Any]:
     """Runs on every rank inside an initialised process group; rank 0's result is used."""
     p2p: list[float] = []
+    cpu: list[float] = []  # CPU ms of this end per message (ranks 0 and 1)
     for n in sizes:
         t = torch.zeros(max(1, n // 4), dtype=torch.float32)
         times = []
+        used = 0.0
         for it in range(repeats + 1):
             dist.barrier()
             t0 = time.perf_counter()
+            c0 = time.process_time()
             if rank == 0:
                 dist.send(t, 1)
                 dist.recv(t, 1)
@@ -141,7 +145,12 @@ def _measure(rank: int, world: int, sizes: tuple[int, ...], repeats: int) -> dic
                 dist.send(t, 0)
             if it > 0:
                 times.append((time.perf_counter() - t0) * 1e3 / 2)
+                used += (time.process_time() - c0) * 1e3 / 2
         p2p.append(statistics.median(times) if rank in (0, 1) else 0.0)
+        cpu.append(used / repeats)
+    both = [torch.tensor(cpu, dtype=torch.float64) for _ in range(world)]
+    dist.all_gather(both, torch.tensor(cpu, dtype=torch.float64))
+    comm_cpu = comm_cpu_fit(sizes, [float(x) for x in both[0] + both[1]])
     ar: list[float] = []
     for n in sizes:
         t = torch.zeros(max(1, n // 4), dtype=torch.float32)
@@ -154,7 +163,14 @@ def _measure(rank: int, world: int, sizes: tuple[int, ...], repeats: int) -> dic
                 times.append((time.perf_counter() - t0) * 1e3)
         ar.append(statistics.median(times))
     sweep = busy_sweep(rank, world)
-    return {"p2p": p2p, "ar": ar, "shared": sweep[-1], "sweep": sweep}
+    action, step = runtime_overheads(rank, world)
+    return {
+        "p2p": p2p,
+        "ar": ar,
+        "shared": sweep[-1],
+        "sweep": sweep,
+        "host": (action, step, comm_cpu),
+    }
 
 
 def busy_sweep(rank: int, world: int, repeats: int = 60) -> list[float]:
@@ -234,10 +250,12 @@ def _fit(
     memory_bytes: int,
     cores: float | None = None,
     sweep: Sequence[float] = (),
+    host: Sequence[float] = (0.0, 0.0, 0.0),
 ) -> CalibrationResult:
     """Fits links; ``cores`` (usable cores / threads per worker) selects the sharing model
     (module docstring), None the older all-busy ``compute_slowdown``; ``sweep`` is the
-    :func:`busy_sweep` the background load is fitted to (none: E = 0)."""
+    :func:`busy_sweep` the background load is fitted to (none: E = 0); ``host`` the runtime's
+    host CPU overheads ``(action ms, step ms, comm CPU ms per MiB)`` (:mod:`dapple.overheads`)."""
     notes = []
     p2p_bw, latency = _link_fit(sizes, p2p)
     if nproc > 1:
@@ -263,6 +281,12 @@ def _fit(
             f"{capacity:.2f}, background load {load:.2f}; compute_slowdown 1.0"
         )
         slowdown = 1.0
+    action, step, comm_cpu = host
+    if any(host):
+        notes.append(
+            f"runtime host CPU: {action:.3f} ms per action, {step:.2f} ms per step, "
+            f"{comm_cpu:.3f} ms per MiB sent or received"
+        )
     cluster = Cluster(
         name=f"calibrated-{backend}-{nproc}",
         servers=1,
@@ -275,6 +299,9 @@ def _fit(
         compute_slowdown=slowdown,
         compute_cores_per_server=capacity,
         background_load_per_server=load,
+        action_overhead_ms=action,
+        step_overhead_ms=step,
+        comm_cpu_ms_per_mb=comm_cpu,
         device_name=f"cpu-process ({backend})",
     )
     return CalibrationResult(
@@ -341,6 +368,7 @@ def _fit_measured(
         _memory_per_process(local),
         cores=usable_cores() / runtime_threads(local),
         sweep=res["sweep"],
+        host=res.get("host", (0.0, 0.0, 0.0)),
     )
 
 

@@ -36,6 +36,14 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         help="torch threads when profiling on CPU (default 1: stable timings, one per process)",
     )
     p.add_argument(
+        "--co-workers",
+        type=int,
+        default=1,
+        metavar="N",
+        help="CPU: profile as one of N local workers sharing the cores (N-1 processes train "
+        "the model meanwhile; times are CPU time); use the N of `dapple train --nproc`",
+    )
+    p.add_argument(
         "--input-shape", help="per-sample input shape for nn.Sequential factories, e.g. 3,32,32"
     )
     add_model_arguments(p)
@@ -130,6 +138,7 @@ def run(args: argparse.Namespace) -> int:
             repeats=args.repeats,
             progress=progress,
             num_threads=args.threads,
+            co_workers=args.co_workers,
         )
     print_profile(con, prof)
     prof.save(args.output)

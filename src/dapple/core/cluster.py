@@ -63,6 +63,19 @@ class Cluster:
     """E: runnable work of *other* programs competing for a server's compute units, in device
     units (only with ``compute_cores_per_server``): k devices computing at once then each get
     ``min(1, c / (k + E))`` of a unit, relative to ``min(1, c / (1 + E))`` for one alone."""
+    action_overhead_ms: float = 0.0
+    """Host CPU time the runtime spends per program action (F, B, SEND, RECV) beyond the
+    profiled layer time: Python, autograd bookkeeping, posting a message. It competes for the
+    server's compute units like F/B (shared-core CPU hosts); 0 for devices whose host work
+    overlaps device compute (GPUs). Measured by ``dapple calibrate``."""
+    step_overhead_ms: float = 0.0
+    """Host CPU time per device per step outside its actions: optimizer step, the non-finite
+    check and step collective, building the batch. Same sharing and measurement as
+    ``action_overhead_ms``."""
+    comm_cpu_ms_per_mb: float = 0.0
+    """Host CPU time per MiB a device sends or receives (copies through host memory and
+    sockets, gloo), for point-to-point transfers and the bytes it moves in a ring AllReduce.
+    Same sharing and measurement as ``action_overhead_ms``."""
     device_name: str = "device"
     """Kind of device, for reports."""
     schema_version: int = CLUSTER_SCHEMA_VERSION
@@ -90,6 +103,15 @@ class Cluster:
                 isinstance(v, (int, float)) and math.isfinite(v) and v >= 0,
                 f"cluster {self.name!r}: {f} must be a number >= 0, got {v!r}",
             )
+        for f in ("action_overhead_ms", "step_overhead_ms", "comm_cpu_ms_per_mb"):
+            v = getattr(self, f)
+            require(
+                isinstance(v, (int, float))
+                and not isinstance(v, bool)
+                and math.isfinite(v)
+                and v >= 0,
+                f"cluster {self.name!r}: {f} must be a number >= 0, got {v!r}",
+            )
         e = self.background_load_per_server
         require(
             isinstance(e, (int, float)) and not isinstance(e, bool) and math.isfinite(e) and e >= 0,
@@ -106,6 +128,12 @@ class Cluster:
             ),
             f"cluster {self.name!r}: compute_cores_per_server must be None or a number > 0, got {c!r}",
         )
+
+    @property
+    def host_overheads(self) -> bool:
+        """Whether any host CPU overhead term (``action_overhead_ms``, ``step_overhead_ms``,
+        ``comm_cpu_ms_per_mb``) is set."""
+        return bool(self.action_overhead_ms or self.step_overhead_ms or self.comm_cpu_ms_per_mb)
 
     def compute_rate(self, busy: float) -> float:
         """Speed of each of ``busy`` devices of one server computing at once, relative to one
@@ -165,6 +193,9 @@ class Cluster:
             "compute_slowdown": self.compute_slowdown,
             "compute_cores_per_server": self.compute_cores_per_server,
             "background_load_per_server": self.background_load_per_server,
+            "action_overhead_ms": self.action_overhead_ms,
+            "step_overhead_ms": self.step_overhead_ms,
+            "comm_cpu_ms_per_mb": self.comm_cpu_ms_per_mb,
             "device_name": self.device_name,
         }
 
@@ -213,6 +244,9 @@ class Cluster:
                 else num("compute_cores_per_server")
             ),
             background_load_per_server=num("background_load_per_server", 0.0),
+            action_overhead_ms=num("action_overhead_ms", 0.0),
+            step_overhead_ms=num("step_overhead_ms", 0.0),
+            comm_cpu_ms_per_mb=num("comm_cpu_ms_per_mb", 0.0),
             device_name=str(d.get("device_name", "device")),
         )
 

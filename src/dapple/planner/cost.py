@@ -32,6 +32,14 @@ from dataclasses import dataclass
 from dapple.core.cluster import Cluster
 from dapple.core.plan import Plan, StagePlan, slice_bounds, split_sizes
 from dapple.core.profile import ModelProfile
+from dapple.planner.host import stage_host_extras
+from dapple.planner.memory import (
+    activation_bytes,
+    boundary_bytes,
+    device_memory_bytes,
+    max_in_flight_fitting,
+    parameter_state_bytes,
+)
 from dapple.planner.sharing import shared_compute_scale
 from dapple.schedule.generators import warmup_counts
 
@@ -97,19 +105,6 @@ def stage_compute_ms(
     """
     samples = split_sizes(micro_batch_size, stage.replicas)[0]
     return compute_ms(profile, cluster, stage.layers, samples, recompute=stage.recompute)
-
-
-def boundary_bytes(profile: ModelProfile, cut: int, samples: int) -> float:
-    """Activation bytes crossing the cut placed before layer ``cut`` for ``samples`` samples.
-
-    That is the output of layer ``cut - 1`` (the model input when ``cut == 0``).
-    """
-    per_sample = (
-        profile.input_bytes_per_sample
-        if cut == 0
-        else profile.layers[cut - 1].output_bytes_per_sample
-    )
-    return per_sample * samples
 
 
 def transfer_ms(cluster: Cluster, nbytes: float, src_device: int, dst_device: int) -> float:
@@ -259,70 +254,6 @@ def overlaps(b: int, r_src: int, r_dst: int) -> list[tuple[int, int, int, int]]:
     return out
 
 
-def parameter_state_bytes(profile: ModelProfile, layers: tuple[int, int]) -> float:
-    """Parameters + gradients + optimizer state of layers ``[start, end)`` on one replica.
-
-    ``params x (1 + optimizer_state_factor)``: 16 bytes per fp32 Adam parameter with the
-    default factor 3.
-    """
-    s, e = layers
-    params = sum(layer.parameter_bytes for layer in profile.layers[s:e])
-    return params * (1.0 + profile.optimizer_state_factor)
-
-
-def activation_bytes(profile: ModelProfile, stage: StagePlan, samples: int) -> float:
-    """Activation bytes kept from forward to backward for one slice of ``samples`` samples.
-
-    All layers' kept activations, or only the stage input when the stage re-computes.
-    """
-    s, e = stage.layers
-    if stage.recompute:
-        return boundary_bytes(profile, s, samples)
-    return sum(layer.kept_activation_bytes_per_sample for layer in profile.layers[s:e]) * samples
-
-
-def device_memory_bytes(
-    profile: ModelProfile, stage: StagePlan, micro_batch_size: int, in_flight: int
-) -> float:
-    """Peak memory of one replica of ``stage`` with ``in_flight`` micro-batches (K_i) in flight.
-
-    Parameters, gradients and optimizer state, plus ``in_flight`` slices of kept activations,
-    plus, when re-computing, the full activations of the one micro-batch being re-computed.
-
-    Args:
-        profile: sizes.
-        stage: layers, replicas and re-computation flag.
-        micro_batch_size: b (a replica keeps the largest slice ``split_sizes(b, r)[0]``).
-        in_flight: K_i, micro-batches whose activations are held at once.
-    """
-    samples = split_sizes(micro_batch_size, stage.replicas)[0]
-    mem = parameter_state_bytes(profile, stage.layers)
-    mem += in_flight * activation_bytes(profile, stage, samples)
-    if stage.recompute:
-        s, e = stage.layers
-        mem += (
-            sum(layer.kept_activation_bytes_per_sample for layer in profile.layers[s:e]) * samples
-        )
-    return mem
-
-
-def max_in_flight_fitting(
-    profile: ModelProfile, cluster: Cluster, stage: StagePlan, micro_batch_size: int
-) -> int:
-    """D: the most micro-batches whose activations fit next to the stage's parameter state.
-
-    Returns 0 when not even one fits; a large number (10**9) when activations take no memory.
-    """
-    samples = split_sizes(micro_batch_size, stage.replicas)[0]
-    per_mb = activation_bytes(profile, stage, samples)
-    free = cluster.device_memory_bytes - device_memory_bytes(profile, stage, micro_batch_size, 0)
-    if free < 0:
-        return 0
-    if per_mb <= 0:
-        return 10**9
-    return int(free // per_mb)
-
-
 def in_flight_counts(plan: Plan) -> list[int]:
     """K_i of each computation stage: M for the GPipe schedule, else :func:`warmup_counts`."""
     S, M = plan.num_stages, plan.num_micro_batches
@@ -340,11 +271,14 @@ class StageCost:
     index: int
     """Computation stage index (for comm stages: the stage before the cut)."""
     forward_ms: float
-    """F_s for one micro-batch."""
+    """F_s for one micro-batch (with its host CPU extra, :mod:`dapple.planner.host`)."""
     backward_ms: float
-    """B_s for one micro-batch (includes re-computation)."""
+    """B_s for one micro-batch (includes re-computation and the host CPU extra)."""
     allreduce_ms: float
     """AR(P_s, g_s); 0 for comm stages."""
+    host_step_ms: float = 0.0
+    """Host CPU once per step after the last backward (:mod:`dapple.planner.host`), added to
+    the stage's ending like AR; 0 for comm stages and dedicated devices."""
     memory_bytes: float
     """Peak memory of one replica (0 for comm stages)."""
     in_flight: int
@@ -435,6 +369,7 @@ def pipeline_latency(plan: Plan, profile: ModelProfile, cluster: Cluster) -> Lat
     """
     b, M = plan.micro_batch_size, plan.num_micro_batches
     ks = in_flight_counts(plan)
+    host = stage_host_extras(profile, cluster, [(*st.layers, st.replicas) for st in plan.stages], b)
     rows: list[StageCost] = []
     for i, st in enumerate(plan.stages):
         if i > 0:
@@ -457,33 +392,40 @@ def pipeline_latency(plan: Plan, profile: ModelProfile, cluster: Cluster) -> Lat
             StageCost(
                 kind="compute",
                 index=i,
-                forward_ms=f,
-                backward_ms=bw,
+                forward_ms=f + host[i].forward_ms,
+                backward_ms=bw + host[i].backward_ms,
                 allreduce_ms=allreduce_ms(cluster, grad_bytes, st.devices),
+                host_step_ms=host[i].step_ms,
                 memory_bytes=device_memory_bytes(profile, st, b, ks[i]),
                 in_flight=ks[i],
             )
         )
     F = [r.forward_ms for r in rows]
     Bk = [r.backward_ms for r in rows]
-    AR = [r.allreduce_ms for r in rows]
     period = _periods(F, Bk, rows, plan.schedule)
     if cluster.compute_cores_per_server is not None:
         devs = [
-            _slice_demand(profile, cluster, plan.stages[r.index], b)
+            _slice_demand(profile, cluster, plan.stages[r.index], b, host[r.index].per_mb(M))
             if r.kind == "compute"
             else None
             for r in rows
         ]
-        span = latency_from_stages(F, Bk, [0.0] * len(F), M, period)[0]
+        # the compute span: no AR, but the host CPU at the end of the step is compute too
+        span = latency_from_stages(F, Bk, [r.host_step_ms for r in rows], M, period)[0]
         alpha = shared_compute_scale(span, M, devs, cluster)
         rows = [
-            dataclasses.replace(r, forward_ms=r.forward_ms * a, backward_ms=r.backward_ms * a)
+            dataclasses.replace(
+                r,
+                forward_ms=r.forward_ms * a,
+                backward_ms=r.backward_ms * a,
+                host_step_ms=r.host_step_ms * a,
+            )
             for r, a in zip(rows, alpha, strict=True)
         ]
         F = [r.forward_ms for r in rows]
         Bk = [r.backward_ms for r in rows]
         period = _periods(F, Bk, rows, plan.schedule)
+    AR = [r.allreduce_ms + r.host_step_ms for r in rows]
     L, tw, ts, te, Q = latency_from_stages(F, Bk, AR, M, period)
     fits = all(r.memory_bytes <= cluster.device_memory_bytes for r in rows)
     return LatencyBreakdown(
@@ -516,11 +458,14 @@ def _periods(
 
 
 def _slice_demand(
-    profile: ModelProfile, cluster: Cluster, stage: StagePlan, b: int
+    profile: ModelProfile, cluster: Cluster, stage: StagePlan, b: int, extra_ms: float = 0.0
 ) -> list[tuple[int, float]]:
-    """``(device, F + B of its slice)`` of every replica (B with re-computation)."""
+    """``(device, F + B of its slice + extra_ms)`` of every replica (B with re-computation).
+
+    ``extra_ms``: the stage's host CPU per micro-batch (:meth:`HostExtra.per_mb`).
+    """
     out = []
     for d, n in zip(stage.devices, split_sizes(b, stage.replicas), strict=True):
         f, bw = compute_ms(profile, cluster, stage.layers, n, recompute=stage.recompute)
-        out.append((d, f + bw))
+        out.append((d, f + bw + extra_ms))
     return out

@@ -21,6 +21,7 @@ from dapple.planner.cost import (
     latency_from_stages,
     overlaps,
 )
+from dapple.planner.host import HostExtra, stage_host_extras
 from dapple.planner.sharing import shared_compute_scale
 
 __all__ = ["Scored", "Scorer", "StageSpec"]
@@ -150,14 +151,16 @@ class Scorer:
             self._stages[key] = rec
         return rec
 
-    def _demand(self, stage: StageSpec, b: int, recompute: bool) -> list[tuple[int, float]]:
-        """``(device, F + B of its slice)`` per replica, as ``cost._slice_demand``."""
+    def _demand(
+        self, stage: StageSpec, b: int, recompute: bool, extra_ms: float
+    ) -> list[tuple[int, float]]:
+        """``(device, F + B of its slice + extra_ms)`` per replica, as ``cost._slice_demand``."""
         s, e, devs = stage
         r = len(devs)
         out = []
         for j, d in enumerate(devs):
             f, bw = self.fb_ms(s, e, b // r + (1 if j < b % r else 0))
-            out.append((d, f + bw + (f if recompute else 0.0)))
+            out.append((d, f + bw + (f if recompute else 0.0) + extra_ms))
         return out
 
     # -- whole candidates --------------------------------------------------------------------
@@ -188,6 +191,11 @@ class Scorer:
         fb = [(r[0], r[1]) for r in recs]
         ar = [r[2] for r in recs]
         comm = [self.comm_ms(stages[i][1], stages[i][2], stages[i + 1][2], b) for i in range(S - 1)]
+        host = (  # planner.host: CPU hosts only
+            stage_host_extras(self.profile, self.cluster, [(s, e, len(d)) for s, e, d in stages], b)
+            if self.cluster.host_overheads
+            else [HostExtra()] * S
+        )
         best: Scored | None = None
         for policy in policies if schedule == "dapple" else ("A",):
             nominal = _nominal_k(S, M, policy) if schedule == "dapple" else [M] * S
@@ -217,6 +225,7 @@ class Scorer:
             F: list[float] = []
             B: list[float] = []
             AR: list[float] = []
+            HS: list[float] = []  # host CPU per step, stretched with F and B below
             per: list[float] = []
             kk: list[int] = []
             for i in range(S):
@@ -224,23 +233,29 @@ class Scorer:
                     F.append(comm[i - 1])
                     B.append(comm[i - 1])
                     AR.append(0.0)
+                    HS.append(0.0)
                     kk.append(0)
                 f, bw = fb[i]
-                F.append(f)
-                B.append(bw + (f if rec[i] else 0.0))
+                F.append(f + host[i].forward_ms)
+                B.append(bw + (f if rec[i] else 0.0) + host[i].backward_ms)
                 AR.append(ar[i])
+                HS.append(host[i].step_ms)
                 kk.append(ks[i])
             per = _periods(F, B, kk, schedule)
             if self.cluster.compute_cores_per_server is not None:  # planner.sharing
                 devs = [
-                    self._demand(stages[x // 2], b, rec[x // 2]) if x % 2 == 0 else None
+                    self._demand(stages[x // 2], b, rec[x // 2], host[x // 2].per_mb(M))
+                    if x % 2 == 0
+                    else None
                     for x in range(len(F))
                 ]
-                span = latency_from_stages(F, B, [0.0] * len(F), M, per)[0]
+                span = latency_from_stages(F, B, HS, M, per)[0]
                 alpha = shared_compute_scale(span, M, devs, self.cluster)
                 F = [f * a for f, a in zip(F, alpha, strict=True)]
                 B = [v * a for v, a in zip(B, alpha, strict=True)]
+                HS = [v * a for v, a in zip(HS, alpha, strict=True)]
                 per = _periods(F, B, kk, schedule)
+            AR = [a + h for a, h in zip(AR, HS, strict=True)]
             L = latency_from_stages(F, B, AR, M, per)[0]
             if best is None or best.L_ms > L:
                 best = Scored(L, policy, schedule, tuple(rec), tuple(ds))

@@ -26,7 +26,7 @@ def shared_compute_scale(
     ``cluster.compute_cores_per_server`` compute units each progress at ``min(1, c / k)``.
     Analytically we use the server's *mean* concurrency over the compute span of the step:
     device d of stage s computes ``W_d = M (F_d + B_d)`` over its own slice of each
-    micro-batch; the span is ``T_c``, L of equations 1-3 without the AllReduce terms (during
+    micro-batch (plus its host CPU, :mod:`dapple.planner.host`); the span is ``T_c``, L of equations 1-3 without the AllReduce terms (during
     AR(P_s, g_s) no one computes); server sigma's mean concurrency is ``U_sigma = sum_{d on
     sigma} W_d / T_c`` and its stretch ``alpha_sigma = max(1, U_sigma / c)`` (``1 /
     cluster.compute_rate(U_sigma)``, which also covers a background load E). A stage's
@@ -37,7 +37,8 @@ def shared_compute_scale(
 
     Args:
         span_ms: T_c, :func:`dapple.planner.cost.latency_from_stages` of the unstretched F_s,
-            B_s with every AR term 0.
+            B_s with every AR term replaced by the stage's per-step host CPU
+            (:mod:`dapple.planner.host`; 0 for dedicated devices).
         M: micro-batches.
         devices: per computation stage ``(device id, F + B of its slice, unstretched)`` of
             every replica; None for comm stages.

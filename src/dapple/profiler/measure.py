@@ -10,7 +10,9 @@ Times and sizes are then fitted affine in ``b`` with :func:`dapple.core.profile.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import multiprocessing as mp
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -80,8 +82,9 @@ def _nbytes(x: Any) -> int:
 
 
 class _Timer:
-    def __init__(self, dev: torch.device) -> None:
+    def __init__(self, dev: torch.device, cpu_time: bool = False) -> None:
         self.cuda = dev.type == "cuda"
+        self.clock = time.process_time if cpu_time else time.perf_counter
 
     def __call__(self, fn: Callable[[], Any]) -> tuple[float, Any]:
         """Run ``fn`` and return (elapsed ms, its result)."""
@@ -94,9 +97,9 @@ class _Timer:
             end.record()
             torch.cuda.synchronize()
             return float(start.elapsed_time(end)), out
-        t0 = time.perf_counter()
+        t0 = self.clock()
         out = fn()
-        return (time.perf_counter() - t0) * 1e3, out
+        return (self.clock() - t0) * 1e3, out
 
 
 def _saved_bytes(layer: nn.Module, inp: Any) -> tuple[int, Any]:
@@ -173,6 +176,7 @@ def profile_workload(
     progress: ProgressFn | None = None,
     seed: int = 0,
     num_threads: int | None = None,
+    co_workers: int = 1,
 ) -> ModelProfile:
     """Measure every layer of ``workload`` at each batch size and fit the profile.
 
@@ -187,6 +191,14 @@ def profile_workload(
         num_threads: torch intra-op threads while profiling on CPU (``None``: unchanged).
             One thread gives stable timings on a shared machine and matches one CPU process
             per pipeline device.
+        co_workers: CPU only. With N > 1 the profile is taken the way N local runtime
+            workers will run: N - 1 forked processes train the same model (forward + backward
+            of the whole chain, same threads) in a loop meanwhile, and every time is the
+            *CPU time* of this process (``time.process_time``), not wall time. Co-located
+            workers slow each other beyond time-slicing (caches, memory bandwidth), most at
+            small batches; that inflation is in these times, and the time-slicing itself is
+            the cluster's ``compute_cores_per_server`` (processor sharing in the simulator).
+            The profile's ``device`` then reads ``cpu (CPU time, N co-workers)``.
 
     Raises:
         ValidationError: bad batch sizes, repeats or device, or CUDA unavailable.
@@ -199,13 +211,67 @@ def profile_workload(
     dev = resolve_device(device)
     if num_threads is not None and num_threads < 1:
         raise ValidationError(f"num_threads must be >= 1, got {num_threads}")
+    if not isinstance(co_workers, int) or co_workers < 1:
+        raise ValidationError(f"co_workers must be an integer >= 1, got {co_workers!r}")
+    shared = co_workers > 1 and dev.type == "cpu"
     old_threads = torch.get_num_threads()
     if num_threads is not None and dev.type == "cpu":
         torch.set_num_threads(num_threads)
+    load = _CoWorkers(workload, co_workers - 1, sizes[len(sizes) // 2], seed) if shared else None
     try:
-        return _profile(workload, sizes, dev, warmup, repeats, progress, seed)
+        prof = _profile(workload, sizes, dev, warmup, repeats, progress, seed, shared)
     finally:
         torch.set_num_threads(old_threads)
+        if load is not None:
+            load.stop()
+    if shared:
+        prof = dataclasses.replace(prof, device=f"cpu (CPU time, {co_workers} co-workers)")
+    return prof
+
+
+class _CoWorkers:
+    """``n`` forked processes training ``workload`` at batch ``b`` until :meth:`stop`."""
+
+    def __init__(self, workload: Workload, n: int, b: int, seed: int) -> None:
+        ctx = mp.get_context("fork")  # the workload's factories need not pickle
+        self._stop = ctx.Event()
+        self._ready = ctx.Barrier(n + 1)
+        threads = torch.get_num_threads()
+        self._procs = [
+            ctx.Process(
+                target=_train_loop,
+                args=(workload, b, seed, threads, self._stop, self._ready),
+                daemon=True,
+            )
+            for _ in range(n)
+        ]
+        for p in self._procs:
+            p.start()
+        self._ready.wait(timeout=120)  # every co-worker built its layers and is computing
+
+    def stop(self) -> None:
+        self._stop.set()
+        for p in self._procs:
+            p.join(timeout=30)
+            if p.is_alive():  # pragma: no cover - a stuck co-worker
+                p.kill()
+
+
+def _train_loop(workload: Workload, b: int, seed: int, threads: int, stop: Any, ready: Any) -> None:
+    """A co-worker: forward + backward of the whole chain at batch ``b`` until ``stop``."""
+    torch.set_num_threads(threads)
+    layers = [workload.build_layer(i, seed).train() for i in range(workload.num_layers)]
+    inputs, targets = workload.make_batch(b, seed)
+    ready.wait(timeout=120)
+    while not stop.is_set():
+        x = inputs
+        for layer in layers:
+            x = layer(x)
+        loss = workload.loss_fn(x, targets)
+        if loss.requires_grad:
+            loss.backward()  # type: ignore[no-untyped-call]
+        for layer in layers:
+            layer.zero_grad(set_to_none=True)
 
 
 def _profile(
@@ -216,8 +282,9 @@ def _profile(
     repeats: int,
     progress: ProgressFn | None,
     seed: int,
+    cpu_time: bool = False,
 ) -> ModelProfile:
-    timer = _Timer(dev)
+    timer = _Timer(dev, cpu_time)
     n = workload.num_layers
     layers = [workload.build_layer(i, seed).to(dev).train() for i in range(n)]
     fwd = [[0.0] * len(sizes) for _ in range(n)]

@@ -11,7 +11,10 @@ Pure: no torch. Every device runs its program (:func:`dapple.schedule.lower`) in
 * ``AR`` starts when every replica of the stage has reached it and lasts
   ``allreduce_ms`` of the stage's parameter bytes over its devices, AR(P_s, g_s).
 * ``OPT`` (the optimizer step) takes 0 ms: the planner's latency L (equation 2) does not
-  model it either, so simulated and predicted step times stay comparable.
+  model it either, so simulated and predicted step times stay comparable - except on hosts
+  with CPU overhead terms (:mod:`dapple.planner.host`): there F/B also carry the host CPU of
+  their action and its messages, and ``OPT`` is a compute task of the per-step host CPU
+  (optimizer, step collective, AllReduce copies), both shared like any compute.
 
 Since sends never block and each link has a single sender, every action's time depends only
 on its device's previous action and on already-posted transfers, so a round-robin dataflow
@@ -37,6 +40,7 @@ from dapple.core.plan import Plan, StagePlan, split_sizes, transfers
 from dapple.core.profile import ModelProfile
 from dapple.errors import DappleError, ValidationError
 from dapple.planner import cost as costs
+from dapple.planner.host import HostExtra, host_extras
 from dapple.schedule.ir import Action, ActionKind, Schedule
 from dapple.schedule.lower import lower
 from dapple.schedule.validate import validate
@@ -151,9 +155,10 @@ class _Run:
         sizes: list[tuple[int, ...]],
         moved: dict[tuple[int, int, int], int],
         compute: Callable[[int, int], tuple[float, float]],
+        host: list[list[HostExtra]],
     ) -> None:
         self.plan, self.profile, self.cluster, self.sched = plan, profile, cluster, sched
-        self.sizes, self.moved, self.compute = sizes, moved, compute
+        self.sizes, self.moved, self.compute, self.host = sizes, moved, compute, host
         self.where = {d: plan.stage_of_device(d) for d in sched}
         self.t = dict.fromkeys(sched, 0.0)
         self.pc = dict.fromkeys(sched, 0)
@@ -167,12 +172,25 @@ class _Run:
         self.in_flight = dict.fromkeys(sched, 0)
         self.peak_in_flight = dict.fromkeys(sched, 0)
 
-    def compute_start(self, dev: int, a: Action, now: float) -> float:
-        """Books the memory of F/B ``a`` starting at ``now``; returns its nominal duration."""
+    def is_cpu(self, dev: int, a: Action) -> bool:
+        """F/B, or an OPT that carries per-step host CPU (module docstring)."""
+        if a.kind.is_compute:
+            return True
+        if a.kind is not K.STEP:
+            return False
         s, j = self.where[dev]
+        return self.host[s][j].step_ms > 0
+
+    def compute_start(self, dev: int, a: Action, now: float) -> float:
+        """Books the memory of F/B ``a`` starting at ``now``; returns its nominal duration
+        (host CPU extras included; an OPT's is the per-step host CPU)."""
+        s, j = self.where[dev]
+        hx = self.host[s][j]
+        if a.kind is K.STEP:
+            return hx.step_ms
         n = self.sizes[s][j]
         f_ms, b_ms = self.compute(s, n)
-        dur = f_ms if a.kind is K.FORWARD else b_ms
+        dur = f_ms + hx.forward_ms if a.kind is K.FORWARD else b_ms + hx.backward_ms
         held, transient = activation_bytes(self.profile, self.plan.stages[s], n)
         if a.kind is K.FORWARD:
             self.deltas[dev].append((now, held))
@@ -191,7 +209,8 @@ class _Run:
             self.deltas[dev].append((end, -transient - held))
             self.in_flight[dev] -= 1
         self.events.append(SimEvent(dev, a, start, end))
-        self.busy[dev] += busy_ms
+        if a.kind.is_compute:
+            self.busy[dev] += busy_ms
         self.t[dev] = end
 
     def other(self, dev: int, a: Action, now: float) -> bool:
@@ -250,7 +269,7 @@ class _Run:
                 while self.pc[dev] < len(prog):
                     a = prog[self.pc[dev]]
                     now = self.t[dev]
-                    if a.kind.is_compute:
+                    if self.is_cpu(dev, a):
                         dur = self.compute_start(dev, a, now)
                         self.compute_end(dev, a, now, now + dur, dur)
                     elif not self.other(dev, a, now):
@@ -277,7 +296,7 @@ class _Run:
                 for dev, prog in self.sched.items():
                     while dev not in running and self.pc[dev] < len(prog) and self.t[dev] <= now:
                         a = prog[self.pc[dev]]
-                        if a.kind.is_compute:
+                        if self.is_cpu(dev, a):
                             dur = self.compute_start(dev, a, now)
                             running[dev] = [dur, now, a, dur]
                         elif self.other(dev, a, self.t[dev]):
@@ -349,7 +368,8 @@ def simulate(
             )
         return comp[(s, n)]
 
-    run = _Run(plan, profile, cluster, sched, sizes, moved, compute)
+    host = host_extras(profile, cluster, [(*st.layers, st.replicas) for st in stages], b)
+    run = _Run(plan, profile, cluster, sched, sizes, moved, compute, host)
     if cluster.compute_cores_per_server is None:
         run.sweep_dedicated()
     else:

@@ -1,0 +1,120 @@
+"""Host CPU overheads of the runtime, for devices that share a host's cores (CPU workers).
+
+An extension beyond the paper's cost model (section 5.1), which times only layer compute and
+link transfers: on a CPU host the runtime itself burns CPU - per program action (Python,
+autograd bookkeeping, posting a message), per step (optimizer, the non-finite check and the
+step collective) and per byte sent or received (copies through host memory and sockets) -
+and that CPU competes with F/B for the same cores. The three terms are
+``Cluster.action_overhead_ms``, ``Cluster.step_overhead_ms`` and
+``Cluster.comm_cpu_ms_per_mb`` (measured by ``dapple calibrate``; all 0 for GPUs, whose host
+work overlaps device compute, and then every function here returns 0).
+
+For replica j of computation stage s, with ``n_in`` pieces of its micro-batch slice arriving
+from stage s-1 and ``n_out`` pieces leaving to stage s+1 (split-concat,
+:func:`dapple.core.plan.transfers`):
+
+* F extra = ``a (1 + n_in + n_out) + c (bytes_in + bytes_out)``: the F action, its RECV_F and
+  SEND_F actions and the bytes they move;
+* B extra = the same with the gradients going the other way (RECV_B from s+1, SEND_B to s-1);
+* step extra = ``step_overhead_ms + c * 2 * 2 (r-1)/r * P_s``: a ring AllReduce over the r
+  replicas sends and receives ``2 (r-1)/r`` times the stage's gradient bytes P_s.
+
+with a = ``action_overhead_ms`` and c = ``comm_cpu_ms_per_mb`` per byte. Pure, no torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from dapple.core.cluster import Cluster
+from dapple.core.plan import slice_bounds
+from dapple.core.profile import ModelProfile
+
+__all__ = ["HostExtra", "host_extras", "stage_host_extras"]
+
+MIB = 1024**2
+
+
+@dataclass(frozen=True, slots=True)
+class HostExtra:
+    """Host CPU ms of one replica: per micro-batch on its F and its B, and once per step."""
+
+    forward_ms: float = 0.0
+    backward_ms: float = 0.0
+    step_ms: float = 0.0
+
+    def per_mb(self, M: int) -> float:
+        """Host CPU per micro-batch over a step of M micro-batches: F + B extras + step / M."""
+        return self.forward_ms + self.backward_ms + self.step_ms / M
+
+
+def _pieces(b: int, r_from: int, r_to: int) -> list[list[int]]:
+    """Samples of each piece replica k of the receiving side gets from the sending side."""
+    src, dst = slice_bounds(b, r_from), slice_bounds(b, r_to)
+    out: list[list[int]] = [[] for _ in range(r_to)]
+    for k, (klo, khi) in enumerate(dst):
+        for jlo, jhi in src:
+            n = min(khi, jhi) - max(klo, jlo)
+            if n > 0:
+                out[k].append(n)
+    return out
+
+
+def host_extras(
+    profile: ModelProfile,
+    cluster: Cluster,
+    stages: Sequence[tuple[int, int, int]],
+    b: int,
+) -> list[list[HostExtra]]:
+    """Host CPU extras of every replica of every computation stage.
+
+    Args:
+        profile: boundary activation sizes and parameter bytes.
+        cluster: the three overhead terms (module docstring).
+        stages: ``(first layer, end layer, replicas)`` per computation stage, in order.
+        b: samples of one micro-batch (before the split over replicas).
+
+    Returns:
+        ``extras[s][j]`` for replica j of stage s.
+    """
+    S = len(stages)
+    if not cluster.host_overheads:
+        return [[HostExtra()] * r for _, _, r in stages]
+    a = cluster.action_overhead_ms
+    c = cluster.comm_cpu_ms_per_mb / MIB
+    out: list[list[HostExtra]] = []
+    for s, (lo, hi, r) in enumerate(stages):
+        # pieces received from s-1 (per replica of s) and sent to s+1 (per replica of s)
+        ins = _pieces(b, stages[s - 1][2], r) if s > 0 else [[] for _ in range(r)]
+        outs = _pieces(b, stages[s + 1][2], r) if s < S - 1 else [[] for _ in range(r)]
+        in_bytes = profile.layers[lo - 1].output_bytes_per_sample if lo > 0 else 0.0
+        out_bytes = profile.layers[hi - 1].output_bytes_per_sample
+        params = sum(x.parameter_bytes for x in profile.layers[lo:hi])
+        step = cluster.step_overhead_ms + (c * 4 * (r - 1) / r * params if r > 1 else 0.0)
+        row = []
+        for j in range(r):
+            n_in, n_out = len(ins[j]), len(outs[j])
+            moved = sum(ins[j]) * in_bytes + sum(outs[j]) * out_bytes
+            per_mb = a * (1 + n_in + n_out) + c * moved
+            row.append(HostExtra(per_mb, per_mb, step))
+        out.append(row)
+    return out
+
+
+def stage_host_extras(
+    profile: ModelProfile,
+    cluster: Cluster,
+    stages: Sequence[tuple[int, int, int]],
+    b: int,
+) -> list[HostExtra]:
+    """Per computation stage, the largest extras over its replicas (the slowest replica paces
+    the stage, as F_s and B_s use the largest slice)."""
+    return [
+        HostExtra(
+            max(x.forward_ms for x in row),
+            max(x.backward_ms for x in row),
+            max(x.step_ms for x in row),
+        )
+        for row in host_extras(profile, cluster, stages, b)
+    ]
