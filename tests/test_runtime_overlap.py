@@ -3,7 +3,8 @@
 One 4-process gloo group runs replicated plans with one bucket per parameter (so the overlap
 path is exercised with many buckets) and compares the trained parameters and losses with the
 single-process reference; it also records when each bucket's AllReduce started (during the
-last backward vs. at the ``AR`` action) and, after many runs, how many process groups are left.
+last backward vs. at the ``AR`` action), how many small collectives each run makes (one per step)
+and, after many runs, how many process groups are left.
 """
 
 from __future__ import annotations
@@ -79,7 +80,19 @@ CASES: list[tuple[str, str, str, str, int]] = [
     ("2:1:1-tied-cross-sgd", "2:1:1", "tied", "sgd", B),  # tied copies in two stages
     ("dp4-unused-sgd", "dp4", "unused", "sgd", B),
     ("3:1-frozen-adam", "3:1", "frozen", "adam", B),
+    ("straight2-mlp-sgd", "straight2", "mlp", "sgd", B),  # ranks 2 and 3 are not in the plan
 ]
+# every collective of torch.distributed other than the gradient AllReduce
+SMALL = ("all_gather", "all_gather_into_tensor", "all_gather_object", "gather", "scatter")
+SMALL += ("broadcast", "broadcast_object_list", "reduce", "barrier", "all_to_all")
+
+
+def _counting(f: Any, name: str, calls: list[str]) -> Any:
+    def counted(*args: Any, **kw: Any) -> Any:
+        calls.append(name)
+        return f(*args, **kw)
+
+    return counted
 
 
 def overlap_worker(rank: int, world: int, out_dir: str) -> None:
@@ -100,15 +113,20 @@ def overlap_worker(rank: int, world: int, out_dir: str) -> None:
         original(self, bk)
 
     sync_mod.GradientSync._launch = recording  # type: ignore[method-assign]
+    small: list[str] = []  # calls of the SMALL collectives (run_plan calls them as dist.<name>)
+    for name in SMALL:
+        setattr(dist, name, _counting(getattr(dist, name), name, small))
     results: dict[str, Any] = {}
     for cid, plan_name, wl_name, optimizer, b in CASES:
         launches.clear()
+        small.clear()
         plan = rw.make_plan(plan_name, "dapple", "A", False, b, M)
         wl = WORKLOADS[wl_name]()
         cfg = TrainConfig(steps=STEPS, seed=SEED, optimizer=optimizer, lr=LR, timeout_s=60)
         run = run_plan(plan, wl, cfg, device=device, exact_world=False)
         ref_model, ref_losses = rw.reference_run(wl, optimizer, LR, SEED, b * M, STEPS)
         res: dict[str, Any] = {"ok": True, "checked": 0, "launches": len(launches)}
+        res["small"] = list(small)
         res["armed"] = sum(armed for armed, _ in launches)
         try:
             if run.module is not None:
@@ -127,6 +145,12 @@ def overlap_worker(rank: int, world: int, out_dir: str) -> None:
         except AssertionError as e:
             res = {"ok": False, "error": str(e)[:3000]}
         results[cid] = res
+    for plan_name in ("dp4", "straight2"):  # the same runs for one step: setup and teardown
+        small.clear()
+        plan = rw.make_plan(plan_name, "dapple", "A", False, B, M)
+        cfg = TrainConfig(steps=1, seed=SEED, lr=LR, timeout_s=60)
+        run_plan(plan, rw.mlp(), cfg, device=device, exact_world=False)
+        results[f"small-1-step-{plan_name}"] = list(small)
     results["groups"] = [groups_before, len(c10d._world.pg_map)]
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
     dist.destroy_process_group()
@@ -166,8 +190,25 @@ def test_overlapped_allreduce_matches_reference(spawned: list[dict[str, Any]], c
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("plan_name", ["dp4", "straight2"])
+def test_one_small_collective_per_step_on_every_rank(
+    spawned: list[dict[str, Any]], plan_name: str
+) -> None:
+    # the non-finite guard and the step metrics share one all_gather per step, which ranks
+    # beyond the plan (straight2: ranks 2 and 3) join too; a run of STEPS steps makes
+    # STEPS - 1 more small collectives than the same run of one step
+    for rank, rep in enumerate(spawned):
+        one = rep[f"small-1-step-{plan_name}"]
+        many = rep[f"{plan_name}-mlp-sgd"]["small"]
+        extra = list(many)
+        for name in one:
+            extra.remove(name)
+        assert extra == ["all_gather"] * (STEPS - 1), f"rank {rank}: {one} vs {many}"
+
+
+@pytest.mark.slow
 def test_runs_leave_no_process_groups_behind(spawned: list[dict[str, Any]]) -> None:
-    # 7 runs created stage, tied and plan-rank groups; all are destroyed at the end of each run
+    # the runs created stage and tied groups; all are destroyed at the end of each run
     for rank, rep in enumerate(spawned):
         before, after = rep["groups"]
         assert after == before, f"rank {rank}: {before} groups before the runs, {after} after"

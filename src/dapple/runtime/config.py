@@ -93,10 +93,13 @@ class StepMetrics:
     loss: float
     """Mean loss over the global batch (summed from the last stage's slices)."""
     step_ms: float
-    """Slowest rank's wall time for the step."""
+    """Wall time per step: rank 0's time from the previous step's collective to this step's
+    (the first step of a run: from its start), where every rank meets (see
+    :mod:`dapple.runtime.engine`)."""
     samples_per_s: float
+    """Global batch over ``step_ms``."""
     peak_memory_bytes: tuple[int, ...]
-    """Per stage, max over its replicas."""
+    """Per stage, max over its replicas (CUDA: over the same period as ``step_ms``)."""
     memory_kind: str
     """``cuda_max_allocated`` or ``held_activations`` (CPU, see :mod:`dapple.runtime.memory`)."""
     predicted_step_ms: float | None = None

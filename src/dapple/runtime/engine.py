@@ -6,16 +6,22 @@ simulator runs - action by action: ``RECV_F``/``RECV_B`` post ``irecv``s (up to
 them and compute, ``SEND_F``/``SEND_B`` post ``isend``s (waited on at the latest before the
 AllReduce), ``AR`` waits for the sums of the stage's gradients over its replica group
 (``dist.new_group``, created by every rank in stage order), which started in buckets during the
-rank's last backward, then sums tied parameters (see :mod:`dapple.runtime.sync`); the non-finite
-guard runs first, so a NaN stops the step before ``OPT`` steps the optimizer in lock-step. At
-the end of a run every rank meets at a barrier and destroys the run's groups and hooks. Each slice's loss is scaled by
-``slice_samples / global_batch_size`` so the accumulated, AllReduced gradient equals the
-single-device gradient of the global batch.
+rank's last backward, then sums tied parameters (see :mod:`dapple.runtime.sync`). At the end of
+a run every rank meets at a barrier and destroys the run's groups and hooks. Each slice's loss
+is scaled by ``slice_samples / global_batch_size`` so the accumulated, AllReduced gradient
+equals the single-device gradient of the global batch.
+
+One small collective per step: before the first ``AR``/``OPT`` action every rank - ranks beyond
+the plan too - joins one world ``all_gather`` (:meth:`LongRun.agree_finite`) of its non-finite
+verdict, loss part and peak memory. So every rank stops or skips on a NaN before ``OPT`` steps
+the optimizer in lock-step, and rank 0 logs one :class:`StepMetrics` line per step. Its step
+time is rank 0's wall time from the previous step's collective to this one's (the first step of
+a run: from its start): the period between consecutive synchronisation points, i.e. the
+throughput a user sees - it includes the previous step's AllReduce wait, optimizer step,
+checkpoint save and ``make_batch``. The CUDA peak covers the same period.
 
 Data: every rank calls ``workload.make_batch(G, seed + step)`` itself (deterministic) and slices
 its rows: stage-0 replicas their inputs, last-stage replicas their targets - labels never travel.
-At the end of each step one world ``all_gather`` brings loss parts, step times and peak memory
-to rank 0, which logs one :class:`StepMetrics` line.
 """
 
 from __future__ import annotations
@@ -59,6 +65,7 @@ K = ActionKind
 RECV_AHEAD = 4
 """Program positions ahead of the current action whose RECV_F/RECV_B are posted early."""
 _RECVS = (ActionKind.RECV_F, ActionKind.RECV_B)
+_SYNCS = (ActionKind.ALLREDUCE, ActionKind.STEP)
 
 FAIL_RANK_ENV = "DAPPLE_TEST_FAIL_RANK"
 """Test hook: the rank that dies (``os._exit(1)``) mid-step at step ``FAIL_STEP_ENV``."""
@@ -187,7 +194,7 @@ def run_plan(
         assert s is not None and j is not None and module is not None
         recompute = config.recompute or plan.stages[s].recompute
         ex = StageExecutor(plan, s, j, module, specs, workload.loss_fn, device, recompute, meter)
-    # checkpoints, resume under any plan, non-finite guard (issue #10); a collective
+    # checkpoints, resume under any plan, non-finite guard (issue #10)
     longrun = LongRun(plan, workload, config, rank=rank, world=world, stage=s, replica=j,
                       module=module, optimizer=opt, device=device)  # fmt: skip
     start = longrun.resume()
@@ -200,20 +207,25 @@ def run_plan(
     # from the last metered one, and reuse that peak otherwise (the hooks cost ~5% of a step).
     metered_shapes: object = None
     known_peak = 0
+    # The program up to its first AR/OPT action, then the step's collective, then the rest.
+    n_body = next((i for i, a in enumerate(program) if a.kind in _SYNCS), len(program))
+    body, tail = program[:n_body], program[n_body:]
+    ar_ranks = list(plan.stages[s].devices) if s is not None else []
+    ar_where = f"gradient AllReduce over ranks {ar_ranks}"
     sink = open(config.metrics_path, "w") if (rank == 0 and config.metrics_path) else None  # noqa: SIM115
     clean = False
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    t_meet = time.perf_counter()  # the previous step's collective (first step: its start)
     try:
         for step in range(start, config.steps):
             if step > 0:
                 inputs, targets = workload.make_batch(G, config.seed + step)
-            if cuda:
-                torch.cuda.reset_peak_memory_stats(device)
             shapes = None if cuda else [(t.shape, t.dtype) for t in (*flatten(inputs), targets)]
             metering = not cuda and shapes != metered_shapes
             if ex is not None:
                 ex.metering = metering
             meter.reset_peak()
-            t0 = time.perf_counter()
             where: object = "start of step"  # formatted only on failure (hot loop)
             try:
                 if ex is not None:
@@ -221,66 +233,50 @@ def run_plan(
                         p.grad = None
                     ex.begin_step(inputs, targets)
                     longrun.begin_step()
-                    synced = False
                     early: set[int] = set()  # program positions of receives already posted
-                    for n_done, a in enumerate(program):
+                    for n_done, a in enumerate(body):
                         if n_done == 1 and rank == fail_rank and step == fail_step:
                             os._exit(1)  # test hook: die mid-step
                         where = a  # "action <a>" is built only if the step fails
-                        if a.kind in (K.ALLREDUCE, K.STEP) and not synced:
-                            ex.finish_sends()
-                            where = "the non-finite check (all plan ranks)"
-                            verdict = longrun.agree_finite(step)
-                            if verdict is not None:  # stop or skip: drop the bucket AllReduces
-                                where = "dropping the gradient AllReduce"
-                                sync.drain()
-                            if verdict:
-                                raise RankFailure(verdict)
-                            if verdict == "":
-                                break  # skip the step: no update, on every rank
-                            where = "gradient AllReduce over ranks " + str(
-                                list(plan.stages[a.stage].devices)
-                            )
-                            sync.finish()  # AR(P_s, g_s): wait for the overlapped buckets
-                            where = "tied-parameter gradient AllReduce"
-                            sync.tied()
-                            synced = True
-                        if a.kind is K.STEP:
-                            if opt is not None:
-                                opt.step()
-                        elif a.kind is K.ALLREDUCE:
-                            pass  # done above, with the overlapped bucket reductions
-                        elif n_done not in early:
-                            if n_done == last_backward:
-                                sync.arm()  # reduce gradient buckets as they become final
-                            ex.run(a)
-                            longrun.watch(a, ex.loss_sum)
-                            # Pre-post the receives of the next few actions: gloo moves a
-                            # message only once its irecv is posted, so a just-in-time irecv
-                            # exposes the whole transfer; posted early it overlaps compute.
-                            for k in range(n_done + 1, min(len(program), n_done + 1 + RECV_AHEAD)):
-                                if program[k].kind in _RECVS and k not in early:
-                                    ex.run(program[k])
-                                    early.add(k)
-                if cuda:
-                    torch.cuda.synchronize(device)
-                step_ms = (time.perf_counter() - t0) * 1e3
+                        if n_done in early:
+                            continue
+                        if n_done == last_backward:
+                            sync.arm()  # reduce gradient buckets as they become final
+                        ex.run(a)
+                        longrun.watch(a, ex.loss_sum)
+                        # Pre-post the receives of the next few actions: gloo moves a
+                        # message only once its irecv is posted, so a just-in-time irecv
+                        # exposes the whole transfer; posted early it overlaps compute.
+                        for k in range(n_done + 1, min(n_body, n_done + 1 + RECV_AHEAD)):
+                            if body[k].kind in _RECVS and k not in early:
+                                ex.run(body[k])
+                                early.add(k)
+                    ex.finish_sends()
                 if metering:
                     known_peak, metered_shapes = meter.peak_bytes, shapes
                 peak = torch.cuda.max_memory_allocated(device) if cuda else known_peak
-                where = "the step-end metrics gather (all ranks)"
-                mine = torch.tensor(
-                    [
-                        ex.loss_sum if ex else 0.0,
-                        step_ms,
-                        float(peak),
-                        float(-1 if s is None else s),
-                    ],
-                    dtype=torch.float64,
-                    device=device,
-                )
-                allm = [torch.empty_like(mine) for _ in range(world)]
-                dist.all_gather(allm, mine)
+                # The step's one collective (every rank, plan or not): verdicts and metrics.
+                where = "the step's collective (non-finite check and metrics, all ranks)"
+                loss_part = ex.loss_sum if ex is not None else 0.0
+                verdict, gathered = longrun.agree_finite(step, (loss_part, float(peak)))
+                now = time.perf_counter()
+                step_ms, t_meet = (now - t_meet) * 1e3, now
+                if cuda:  # the next peak: from here to the next step's collective
+                    torch.cuda.reset_peak_memory_stats(device)
+                if verdict is not None:  # stop or skip: drop the bucket AllReduces
+                    where = "dropping the gradient AllReduce"
+                    sync.drain()
+                    if verdict:
+                        raise RankFailure(verdict)
+                elif ex is not None:  # (a skipped step has no update, on every rank)
+                    where = ar_where
+                    sync.finish()  # AR(P_s, g_s): wait for the overlapped buckets
+                    where = "tied-parameter gradient AllReduce"
+                    sync.tied()
+                    for a in tail:  # AR was done above, with the overlapped buckets
+                        where = a
+                        if a.kind is K.STEP and opt is not None:
+                            opt.step()
             except RankFailure:
                 raise
             except Exception as e:
@@ -296,17 +292,15 @@ def run_plan(
                     f"step {step}: {_describe(plan, rank)} failed {what}{lost} ({_short(e)})"
                 ) from e
             if rank == 0:
-                rows_m = torch.stack(allm).cpu().tolist()
                 peaks = [0] * plan.num_stages
-                for _loss, _ms, pk, st_i in rows_m:
-                    if st_i >= 0:
-                        peaks[int(st_i)] = max(peaks[int(st_i)], int(pk))
-                slow_ms = max(r[1] for r in rows_m)
+                for r in gathered:
+                    if r[1] >= 0:  # rows: [kind, stage, micro-batch, rank, loss part, peak]
+                        peaks[int(r[1])] = max(peaks[int(r[1])], int(r[5]))
                 sm = StepMetrics(
                     step=step,
-                    loss=sum(r[0] for r in rows_m),
-                    step_ms=slow_ms,
-                    samples_per_s=G / (slow_ms / 1e3) if slow_ms > 0 else float("inf"),
+                    loss=sum(r[4] for r in gathered),
+                    step_ms=step_ms,
+                    samples_per_s=G / (step_ms / 1e3) if step_ms > 0 else float("inf"),
                     peak_memory_bytes=tuple(peaks),
                     memory_kind="cuda_max_allocated" if cuda else "held_activations",
                     predicted_step_ms=None
@@ -329,11 +323,11 @@ def run_plan(
             sink.close()
         if not clean:  # peers may be gone: drop the hooks, wait for nothing
             sync.close(clean=False)
-    _teardown(sync, longrun, plan, rank)
+    _teardown(sync, plan, rank)
     return StageRun(s, j, module, metrics)
 
 
-def _teardown(sync: GradientSync, longrun: LongRun, plan: Plan, rank: int) -> None:
+def _teardown(sync: GradientSync, plan: Plan, rank: int) -> None:
     """End of a run on every rank: a barrier (every rank is done with every collective of
     this run), then the run's hooks and process groups go, so that many runs in one process
     group leave no groups, threads or in-flight work behind.
@@ -344,7 +338,6 @@ def _teardown(sync: GradientSync, longrun: LongRun, plan: Plan, rank: int) -> No
     try:
         dist.barrier()
         sync.close(clean=True)
-        longrun.close()
     except Exception as e:
         sync.close(clean=False)
         raise RankFailure(f"end of run: {_describe(plan, rank)} failed ({_short(e)})") from e

@@ -9,13 +9,16 @@
 - :meth:`LongRun.watch` (after every F/B action) notes the first non-finite loss (last stage,
   per micro-batch) or gradient (after each backward) of the step;
 - :meth:`LongRun.agree_finite` (before the first AllReduce/optimizer action) gathers every
-  rank's verdict over the plan's ranks, so all ranks take the same decision *before the
-  optimizer touches the weights*: stop with one line naming step, stage, micro-batch and rank
-  (default), or skip the step and count it (``on_nonfinite="skip"``);
+  rank's verdict over all ranks (ranks beyond the plan send none), so all ranks take the same
+  decision *before the optimizer touches the weights*: stop with one line naming step, stage,
+  micro-batch and rank (default), or skip the step and count it (``on_nonfinite="skip"``).
+  The same gather carries the caller's per-rank values (the step's metrics);
 - :meth:`LongRun.after_step` saves every ``save_every`` steps (replica 0 of each stage writes
   its layers, every rank its RNG state, rank 0 the manifest after a barrier).
 
-Cost: one small all_gather per step, and one reduction over the stage's gradients per backward.
+Cost: one small all_gather per step - the runtime's only per-step collective besides the
+gradient AllReduce, as it also carries the step's metrics (see :mod:`dapple.runtime.engine`) -
+and one reduction over the stage's gradients per backward.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -82,8 +86,8 @@ def elastic_store(timeout: timedelta) -> dict[str, Any]:
 class LongRun:
     """Checkpointing and the non-finite guard of one rank (see the module docstring).
 
-    Creating it is a collective when the plan does not use every rank (it makes the group of
-    the plan's ranks): every rank creates it, in the same order relative to other groups.
+    Every rank creates one, ranks beyond the plan included (with ``stage=None``): they take
+    part in :meth:`agree_finite` and the checkpoint barriers.
     """
 
     def __init__(
@@ -112,17 +116,8 @@ class LongRun:
         """Steps (completed-step counts) this run saved a checkpoint at."""
         self._bad: tuple[int, int] | None = None  # (kind index, micro-batch) of this step
         self._grad_sums: list[tuple[int, torch.Tensor]] = []
-        self._group: Any = None
-        if set(plan.devices) != set(range(world)):
-            self._group = dist.new_group(sorted(plan.devices))
         if config.checkpoint_dir is not None:
             check_writable(config.checkpoint_dir)
-
-    def close(self) -> None:
-        """Destroy the group of the plan's ranks (every rank, after every collective of the run)."""
-        if self._group is not None:
-            dist.destroy_process_group(self._group)
-            self._group = None
 
     # -- resume ------------------------------------------------------------------------------
     def resume(self) -> int:
@@ -185,25 +180,35 @@ class LongRun:
                 return (1, m)
         return None
 
-    def agree_finite(self, step: int) -> str | None:
-        """Every plan rank's verdict on the step; None when all is finite (a collective).
+    def agree_finite(
+        self, step: int, extra: Sequence[float] = ()
+    ) -> tuple[str | None, list[list[float]]]:
+        """Every rank's verdict on the step (a world all_gather; every rank calls it once per
+        step, ranks beyond the plan included).
+
+        Args:
+            step: the step index (for the messages and the skipped-step list).
+            extra: this rank's values to gather along (the same length on every rank).
 
         Returns:
-            None to go on; ``""`` when the step must be skipped (its gradients are dropped);
-            otherwise the one-line message the caller raises to stop the run.
+            The verdict - None to go on; ``""`` when the step must be skipped (its gradients are
+            dropped); otherwise the one-line message the caller raises to stop the run - and
+            the gathered rows by rank: ``[kind, stage, micro-batch, rank, *extra]``.
         """
         bad = self._bad if self._bad is not None else self._first_bad_gradient()
         kind, mb = bad if bad is not None else (-1, -1)
         s = -1 if self.stage is None else self.stage
-        mine = torch.tensor([kind, s, mb, self.rank], dtype=torch.float64, device=self.device)
-        n = len(self.plan.devices)
-        rows = [torch.empty_like(mine) for _ in range(n)]
-        dist.all_gather(rows, mine, group=self._group)
-        found = sorted(
-            (int(r[0]), int(r[2]), int(r[1]), int(r[3]))
-            for r in (t.tolist() for t in rows)
-            if r[0] >= 0
+        mine = torch.tensor(
+            [kind, s, mb, self.rank, *extra], dtype=torch.float64, device=self.device
         )
+        gathered = [torch.empty_like(mine) for _ in range(self.world)]
+        dist.all_gather(gathered, mine)
+        rows: list[list[float]] = torch.stack(gathered).tolist()
+        found = sorted((int(r[0]), int(r[2]), int(r[1]), int(r[3])) for r in rows if r[0] >= 0)
+        return self._verdict(step, found), rows
+
+    def _verdict(self, step: int, found: list[tuple[int, int, int, int]]) -> str | None:
+        """The decision on the sorted ``(kind, micro-batch, stage, rank)`` of the bad ranks."""
         if not found:
             return None
         k, m, st, rk = found[0]
