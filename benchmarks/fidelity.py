@@ -82,7 +82,7 @@ def _group_worker(
     rank: int, world: int, port: int, plans: list[dict[str, Any]], opts: dict[str, Any], out: str
 ) -> None:
     from dapple.calibrate import busy_sweep
-    from dapple.runtime import TrainConfig, run_plan
+    from dapple.runtime import TrainConfig, run_plan, shutdown_distributed
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(opts["threads"])  # as dapple's runtime: cores // world
@@ -111,7 +111,7 @@ def _group_worker(
                 )
     if rank == 0:
         Path(out).write_text(json.dumps({"times": times, "shared": shared}))
-    dist.destroy_process_group()
+    shutdown_distributed()
 
 
 def measure_group(
@@ -177,9 +177,9 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     # the model: CPU time of each layer as one of 4 co-located workers (profile_workload's
     # co_workers), shared cores and host CPU overheads from calibrate
-    profile = profile_workload(wl, [1, 2, 4, 8], repeats=5, num_threads=threads, co_workers=nproc)
+    profile = profile_workload(wl, [1, 2, 4, 8], repeats=9, num_threads=threads, co_workers=nproc)
     # the earlier models: wall time of each layer alone
-    wall_profile = profile_workload(wl, [1, 2, 4, 8], repeats=5, num_threads=threads)
+    wall_profile = profile_workload(wl, [1, 2, 4, 8], repeats=9, num_threads=threads)
     alone_ms = _matmul_alone_ms(nproc)  # the calibration matmul alone, right after profiling
     cal = calibrate(nproc)
     cluster = cal.cluster
@@ -238,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
         "`cores // 4`). Layer cuts per replication: the ones minimising L of this model.",
         "",
         "The model (columns L and simulated): profile `profile_workload(batch_sizes=[1, 2, 4, "
-        f"8], num_threads={threads}, co_workers=4)` - each layer's CPU time while 3 other "
+        f"8], repeats=9, num_threads={threads}, co_workers=4)` - each layer's CPU time while 3 other "
         "processes train the model, so the slow-down co-located workers cause each other "
         "beyond time-slicing (caches, memory bandwidth; largest at small batches) is in the "
         "profile. Cluster `calibrate(4)`: links "

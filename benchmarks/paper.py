@@ -248,7 +248,7 @@ def _mem_worker(rank: int, world: int, port: int, cases: list[dict[str, Any]], o
     import torch
     import torch.distributed as dist
 
-    from dapple.runtime import TrainConfig, run_plan
+    from dapple.runtime import TrainConfig, run_plan, shutdown_distributed
     from dapple.zoo import transformer
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -263,7 +263,7 @@ def _mem_worker(rank: int, world: int, port: int, cases: list[dict[str, Any]], o
             peaks.append(list(run.metrics[0].peak_memory_bytes))
     if rank == 0:
         Path(out).write_text(json.dumps(peaks))
-    dist.destroy_process_group()
+    shutdown_distributed()
 
 
 RUNTIME_MODEL: dict[str, Any] = {

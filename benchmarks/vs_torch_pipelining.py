@@ -102,7 +102,7 @@ def _max_over_ranks(values: list[float]) -> list[float]:
 def _group_worker(
     rank: int, world: int, port: int, cases: list[dict[str, Any]], opts: dict[str, Any], out: str
 ) -> None:
-    from dapple.runtime import TrainConfig, run_plan
+    from dapple.runtime import TrainConfig, run_plan, shutdown_distributed
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # as dapple's runtime
@@ -137,8 +137,7 @@ def _group_worker(
     # DDP's reducer and the pipeline stages hold the process group: drop them first, so no
     # group outlives destroy_process_group into interpreter shutdown
     peers.clear()
-    dist.barrier()
-    dist.destroy_process_group()
+    shutdown_distributed()
 
 
 def run_group(world: int, cases: list[dict[str, Any]], opts: dict[str, Any]) -> list[list[float]]:

@@ -196,7 +196,7 @@ def equivalence_worker(rank: int, world: int, out_dir: str) -> None:
     import json
     from pathlib import Path
 
-    from dapple.runtime import TrainConfig, init_distributed, run_plan
+    from dapple.runtime import TrainConfig, init_distributed, run_plan, shutdown_distributed
 
     b, m, steps, seed, lr = 5, 3, 3, 1, 0.05
     device = init_distributed(TrainConfig(timeout_s=60), world)
@@ -240,4 +240,4 @@ def equivalence_worker(rank: int, world: int, out_dir: str) -> None:
                         run.metrics[0].peak_memory_bytes
                     )
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"results": results, "memory": mem}))
-    torch.distributed.destroy_process_group()
+    shutdown_distributed()

@@ -100,7 +100,7 @@ def overlap_worker(rank: int, world: int, out_dir: str) -> None:
     from torch.distributed import distributed_c10d as c10d
 
     import dapple.runtime.sync as sync_mod
-    from dapple.runtime import TrainConfig, init_distributed, run_plan
+    from dapple.runtime import TrainConfig, init_distributed, run_plan, shutdown_distributed
 
     device = init_distributed(TrainConfig(timeout_s=60), world)
     groups_before = len(c10d._world.pg_map)
@@ -153,7 +153,7 @@ def overlap_worker(rank: int, world: int, out_dir: str) -> None:
         results[f"small-1-step-{plan_name}"] = list(small)
     results["groups"] = [groups_before, len(c10d._world.pg_map)]
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
-    dist.destroy_process_group()
+    shutdown_distributed()
 
 
 @pytest.fixture(scope="module")

@@ -128,6 +128,7 @@ def profile(
     repeats: int = 5,
     warmup: int = 2,
     num_threads: int | None = 1,
+    co_workers: int = 1,
     output: str | Path | None = None,
 ) -> ModelProfile:
     """Measure every layer of a model (``dapple profile``).
@@ -140,6 +141,8 @@ def profile(
         repeats: Timed runs per layer and batch size (median kept).
         warmup: Untimed runs first.
         num_threads: Torch threads on CPU while profiling (``None``: unchanged).
+        co_workers: CPU: profile as one of this many local workers sharing the cores (CPU
+            time while the others train the model; see ``profile_workload``).
         output: Also save the profile JSON here.
 
     Raises:
@@ -154,6 +157,7 @@ def profile(
         warmup=warmup,
         repeats=repeats,
         num_threads=num_threads,
+        co_workers=co_workers,
     )
     if output is not None:
         prof.save(output)

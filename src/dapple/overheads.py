@@ -13,7 +13,7 @@ cores; the simulator shares them like compute.
   its CPU per step is the runtime's own: pure data parallelism over all ranks (2 actions per
   rank: one F, one B) and a straight pipeline over all ranks with M micro-batches (each rank
   runs F, B and its sends and receives: 4M or 6M actions). CPU per step is taken as the
-  difference between a long and a short run, so setup costs cancel. With ``a`` the per-action
+  difference between a long and a short run (after a warm-up run), so setup costs cancel. With ``a`` the per-action
   and ``o`` the per-step overhead, rank means give ``dp = o + 2a`` and ``pipe = o + n a``,
   solved for (a, o). One process alone measures only the DP run: ``a`` = 0.
 """
@@ -52,17 +52,17 @@ def _cpu_per_step(plan: Plan, steps: tuple[int, int]) -> float:
 
     wl = mlp(layers=max(1, plan.num_layers - 1), in_features=4, hidden=4, num_classes=2)
     used = []
-    for n in steps:
+    for n in (1, *steps):  # the first run warms up (first-call costs would skew the short run)
         dist.barrier()
         c0 = time.process_time()
         cfg = TrainConfig(steps=n, seed=0, optimizer="sgd", device="cpu")
         run_plan(plan, wl, cfg, device=torch.device("cpu"))
         used.append(time.process_time() - c0)
-    return max(0.0, (used[1] - used[0]) * 1e3 / (steps[1] - steps[0]))
+    return max(0.0, (used[2] - used[1]) * 1e3 / (steps[1] - steps[0]))
 
 
 def runtime_overheads(
-    rank: int, world: int, steps: tuple[int, int] = (3, 13)
+    rank: int, world: int, steps: tuple[int, int] = (5, 45)
 ) -> tuple[float, float]:
     """``(action_overhead_ms, step_overhead_ms)`` of the runtime on this machine (module
     docstring). Call on every rank of an initialised gloo group; every rank gets the result."""

@@ -35,12 +35,18 @@ from pathlib import Path
 from typing import Any, cast
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from dapple.core.plan import Plan
 from dapple.errors import DappleError, ValidationError
-from dapple.runtime import TrainConfig, init_distributed, run_plan, spawn, validate_run
+from dapple.runtime import (
+    TrainConfig,
+    init_distributed,
+    run_plan,
+    shutdown_distributed,
+    spawn,
+    validate_run,
+)
 from dapple.runtime.engine import make_optimizer
 from dapple.split import original_model, sum_tied_grads_local
 from dapple.workload import Workload
@@ -235,8 +241,7 @@ def _worker(
             if rank == 0:
                 losses = [m.loss for m in run.metrics]
                 Path(out, f"case{c}-losses.json").write_text(json.dumps(losses))
-            dist.barrier()
-        dist.destroy_process_group()
+        shutdown_distributed()
     except Exception as e:
         _die(str(e) if isinstance(e, DappleError) else f"rank {rank}: {type(e).__name__}: {e}")
 

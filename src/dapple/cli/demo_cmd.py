@@ -52,7 +52,9 @@ def run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     wl = load_workload(args.model)
 
-    con.rule(f"1. profile {wl.name} ({wl.num_layers} layers) on cpu")
+    con.rule(
+        f"1. profile {wl.name} ({wl.num_layers} layers) on cpu, as one of {args.nproc} workers"
+    )
     batch_sizes = [1, 2, 4, 8]
     with Progress(console=con, transient=True) as bar:
         task = bar.add_task("profiling", total=wl.num_layers * len(batch_sizes))
@@ -61,6 +63,7 @@ def run(args: argparse.Namespace) -> int:
             batch_sizes,
             device="cpu",
             num_threads=1,
+            co_workers=args.nproc,  # CPU time while the other workers train: they share cores
             progress=lambda done, total, _label: bar.update(task, completed=done, total=total),
         )
     profile.save(out / "profile.json")

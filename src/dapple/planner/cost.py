@@ -20,7 +20,8 @@ Design choices beyond the paper (each documented where used):
   per-micro-batch period of stage s, which reduces to the paper's when memory is ample.
 * Shared compute (an extension beyond equations 1-2, only when
   ``cluster.compute_cores_per_server`` = c is set, e.g. CPU worker processes on fewer cores):
-  see :func:`dapple.planner.sharing.shared_compute_scale`. With c = None every number is the paper's model above.
+  F_s, B_s stretch by alpha_s and the steady period by beta_s, the mean concurrency outside
+  and inside the steady phase; see :func:`dapple.planner.sharing.shared_compute_scale`. With c = None every number is the paper's model above.
 """
 
 from __future__ import annotations
@@ -411,8 +412,10 @@ def pipeline_latency(plan: Plan, profile: ModelProfile, cluster: Cluster) -> Lat
             for r in rows
         ]
         # the compute span: no AR, but the host CPU at the end of the step is compute too
-        span = latency_from_stages(F, Bk, [r.host_step_ms for r in rows], M, period)[0]
-        alpha = shared_compute_scale(span, M, devs, cluster)
+        span, _, steady, _, _ = latency_from_stages(
+            F, Bk, [r.host_step_ms for r in rows], M, period
+        )
+        scale = shared_compute_scale(span, steady, M, devs, cluster)
         rows = [
             dataclasses.replace(
                 r,
@@ -420,11 +423,11 @@ def pipeline_latency(plan: Plan, profile: ModelProfile, cluster: Cluster) -> Lat
                 backward_ms=r.backward_ms * a,
                 host_step_ms=r.host_step_ms * a,
             )
-            for r, a in zip(rows, alpha, strict=True)
+            for r, (a, _) in zip(rows, scale, strict=True)
         ]
         F = [r.forward_ms for r in rows]
         Bk = [r.backward_ms for r in rows]
-        period = _periods(F, Bk, rows, plan.schedule)
+        period = [p * beta for p, (_, beta) in zip(period, scale, strict=True)]
     AR = [r.allreduce_ms + r.host_step_ms for r in rows]
     L, tw, ts, te, Q = latency_from_stages(F, Bk, AR, M, period)
     fits = all(r.memory_bytes <= cluster.device_memory_bytes for r in rows)

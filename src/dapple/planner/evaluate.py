@@ -249,12 +249,12 @@ class Scorer:
                     else None
                     for x in range(len(F))
                 ]
-                span = latency_from_stages(F, B, HS, M, per)[0]
-                alpha = shared_compute_scale(span, M, devs, self.cluster)
-                F = [f * a for f, a in zip(F, alpha, strict=True)]
-                B = [v * a for v, a in zip(B, alpha, strict=True)]
-                HS = [v * a for v, a in zip(HS, alpha, strict=True)]
-                per = _periods(F, B, kk, schedule)
+                span, _, steady, _, _ = latency_from_stages(F, B, HS, M, per)
+                scale = shared_compute_scale(span, steady, M, devs, self.cluster)
+                F = [f * a for f, (a, _) in zip(F, scale, strict=True)]
+                B = [v * a for v, (a, _) in zip(B, scale, strict=True)]
+                HS = [v * a for v, (a, _) in zip(HS, scale, strict=True)]
+                per = [p * beta for p, (_, beta) in zip(per, scale, strict=True)]
             AR = [a + h for a, h in zip(AR, HS, strict=True)]
             L = latency_from_stages(F, B, AR, M, per)[0]
             if best is None or best.L_ms > L:

@@ -15,49 +15,62 @@ __all__ = ["shared_compute_scale"]
 
 def shared_compute_scale(
     span_ms: float,
+    steady_ms: float,
     M: int,
     devices: Sequence[Sequence[tuple[int, float]] | None],
     cluster: Cluster,
-) -> list[float]:
-    """Stretch factor alpha_s of each stage's F_s, B_s when a server's devices share compute.
+) -> list[tuple[float, float]]:
+    """Stretch factors ``(alpha_s, beta_s)`` of each stage's F_s, B_s when a server's devices
+    share compute: alpha_s outside the steady phase (warm-up, ending), beta_s in it.
 
     Extension beyond the paper's equations 1-2 (which assume dedicated devices). The simulator
     models processor sharing: k devices of a server computing at once on c =
-    ``cluster.compute_cores_per_server`` compute units each progress at ``min(1, c / k)``.
-    Analytically we use the server's *mean* concurrency over the compute span of the step:
-    device d of stage s computes ``W_d = M (F_d + B_d)`` over its own slice of each
-    micro-batch (plus its host CPU, :mod:`dapple.planner.host`); the span is ``T_c``, L of equations 1-3 without the AllReduce terms (during
-    AR(P_s, g_s) no one computes); server sigma's mean concurrency is ``U_sigma = sum_{d on
-    sigma} W_d / T_c`` and its stretch ``alpha_sigma = max(1, U_sigma / c)`` (``1 /
-    cluster.compute_rate(U_sigma)``, which also covers a background load E). A stage's
-    replicas are paced by the slowest, so ``alpha_s = max`` over the servers of its devices. Exact for data parallelism (all G devices busy over the whole span: alpha =
-    G / c) and for strictly alternating stages (one device busy at a time: alpha = 1); in
-    between it averages the bubbles' idle cores over the step, so it under-estimates the
-    steady phase's stretch when warm-up/ending bubbles are long (the simulator is exact).
+    ``cluster.compute_cores_per_server`` compute units each progress at ``min(1, c / k)``
+    (:meth:`Cluster.compute_rate`, which also covers a background load E). Analytically we
+    use a server's *mean* concurrency per phase. Device d of stage s computes ``w_d = F_d +
+    B_d`` per micro-batch over its own slice (plus its host CPU, :mod:`dapple.planner.host`).
+    In the steady phase, ``T_s = (M - 1) period_Q`` unstretched (equation 1), every stage
+    runs M - 1 micro-batches, so server sigma's concurrency is ``U_s = sum_{d on sigma} (M -
+    1) w_d / T_s`` and ``beta_sigma = 1 / rate(U_s)``; the rest of its work, ``sum_d w_d``,
+    falls into the rest of the compute span, ``T_c - T_s``, giving ``U_r`` and
+    ``alpha_sigma``. A stage's replicas are paced by the slowest, so a stage takes the max
+    over the servers of its devices. Exact for data parallelism (every device busy the whole
+    span: alpha = G / c) and for a saturated steady phase (every device busy: beta = G / c);
+    within a phase it averages idle cores over the phase.
 
     Args:
         span_ms: T_c, :func:`dapple.planner.cost.latency_from_stages` of the unstretched F_s,
-            B_s with every AR term replaced by the stage's per-step host CPU
-            (:mod:`dapple.planner.host`; 0 for dedicated devices).
+            B_s with every AR term replaced by the stage's per-step host CPU (0 for dedicated
+            devices).
+        steady_ms: T_s of the same unstretched latency, ``(M - 1) period_Q``.
         M: micro-batches.
-        devices: per computation stage ``(device id, F + B of its slice, unstretched)`` of
-            every replica; None for comm stages.
+        devices: per computation stage ``(device id, w_d)`` of every replica, w_d unstretched
+            per micro-batch; None for comm stages.
         cluster: supplies ``compute_cores_per_server`` (None: all factors 1).
 
     Returns:
-        alpha_s per stage (1.0 for comm stages).
+        ``(alpha_s, beta_s)`` per stage (``(1.0, 1.0)`` for comm stages).
     """
     S = len(devices)
-    T_c = span_ms
-    if cluster.compute_cores_per_server is None or T_c <= 0:
-        return [1.0] * S
-    demand: dict[int, float] = {}  # server -> sum of W_d
+    if cluster.compute_cores_per_server is None or span_ms <= 0:
+        return [(1.0, 1.0)] * S
+    rest_ms = max(span_ms - steady_ms, 1e-12)
+    per_mb: dict[int, float] = {}  # server -> sum of w_d
     for devs in devices:
-        for d, fb_ms in devs or ():
+        for d, w in devs or ():
             srv = cluster.server_of(d)
-            demand[srv] = demand.get(srv, 0.0) + M * fb_ms
-    stretch = {srv: 1.0 / cluster.compute_rate(w / T_c) for srv, w in demand.items()}
-    return [
-        max((stretch[cluster.server_of(d)] for d, _ in devs), default=1.0) if devs else 1.0
-        for devs in devices
-    ]
+            per_mb[srv] = per_mb.get(srv, 0.0) + w
+    alpha = {srv: 1.0 / cluster.compute_rate(w / rest_ms) for srv, w in per_mb.items()}
+    beta = (
+        {srv: 1.0 / cluster.compute_rate((M - 1) * w / steady_ms) for srv, w in per_mb.items()}
+        if steady_ms > 0
+        else alpha
+    )
+    out = []
+    for devs in devices:
+        if not devs:
+            out.append((1.0, 1.0))
+            continue
+        srvs = [cluster.server_of(d) for d, _ in devs]
+        out.append((max(alpha[x] for x in srvs), max(beta[x] for x in srvs)))
+    return out

@@ -7,7 +7,14 @@ Entry points: :func:`train` (Python API; spawns local workers or joins a ``torch
 
 from dapple.runtime.config import StepMetrics, TrainConfig
 from dapple.runtime.engine import RankFailure, StageRun, run_plan, validate_run
-from dapple.runtime.launch import free_port, init_distributed, resolve_workload, spawn, train
+from dapple.runtime.launch import (
+    free_port,
+    init_distributed,
+    resolve_workload,
+    shutdown_distributed,
+    spawn,
+    train,
+)
 from dapple.runtime.memory import ActivationMeter
 from dapple.runtime.transport import BoundarySpec, infer_boundary_specs
 
@@ -23,6 +30,7 @@ __all__ = [
     "init_distributed",
     "resolve_workload",
     "run_plan",
+    "shutdown_distributed",
     "spawn",
     "train",
     "validate_run",

@@ -26,6 +26,7 @@ its rows: stage-0 replicas their inputs, last-stage replicas their targets - lab
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -338,6 +339,10 @@ def _teardown(sync: GradientSync, plan: Plan, rank: int) -> None:
     try:
         dist.barrier()
         sync.close(clean=True)
+        # destroyed groups held in reference cycles (hooks <-> modules) would otherwise live,
+        # worker threads and all, until a collection at interpreter exit: see
+        # dapple.runtime.launch.shutdown_distributed
+        gc.collect()
     except Exception as e:
         sync.close(clean=False)
         raise RankFailure(f"end of run: {_describe(plan, rank)} failed ({_short(e)})") from e

@@ -10,6 +10,7 @@ the first failure, then terminates stragglers) and reports every rank's exit cod
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import pickle
@@ -33,7 +34,14 @@ from dapple.runtime.engine import RankFailure, run_plan, validate_run
 from dapple.runtime.longrun import elastic_store
 from dapple.workload import Workload
 
-__all__ = ["free_port", "init_distributed", "resolve_workload", "spawn", "train"]
+__all__ = [
+    "free_port",
+    "init_distributed",
+    "resolve_workload",
+    "shutdown_distributed",
+    "spawn",
+    "train",
+]
 
 GRACE_S = 10.0
 """Extra seconds the standalone launcher waits, after the first failure, beyond the timeout."""
@@ -83,6 +91,24 @@ def init_distributed(config: TrainConfig, local_world: int) -> torch.device:
             **elastic_store(timedelta(seconds=config.timeout_s)),  # torchrun restarts (#10)
         )
     return device
+
+
+def shutdown_distributed() -> None:
+    """Leave the default process group: a barrier, ``destroy_process_group``, then a garbage
+    collection, so every gloo group is gone while Python is still fully alive.
+
+    Why: a gloo group's worker thread drops its last reference to a finished collective (e.g.
+    an ``all_gather`` whose tensors are Python objects) on its own; if that happens while the
+    interpreter is finalizing - the group kept alive by a reference cycle that only the exit-time
+    collection frees - the thread needs the GIL, is told to exit, and the C++ runtime aborts the
+    process ("terminate called without an active exception", SIGABRT; core dump backtrace:
+    ``~AsyncAllgatherWork`` -> ``take_gil`` -> ``pthread_exit`` in ``ProcessGroupGloo::runLoop``).
+    The barrier keeps a rank from tearing down while a peer is still in the last collective.
+    Call it on every rank, only when the group is healthy (after a failure peers may be gone).
+    """
+    dist.barrier()
+    dist.destroy_process_group()
+    gc.collect()
 
 
 def _die(msg: str) -> None:
@@ -146,7 +172,7 @@ def _worker(
         run = run_plan(plan, resolve_workload(wl), cfg, device=device)
         if out and rank == 0:
             Path(out).write_text(json.dumps([m.to_dict() for m in run.metrics]))
-        dist.destroy_process_group()
+        shutdown_distributed()
     except Exception as e:
         msg = str(e) if isinstance(e, DappleError) else f"rank {rank}: {type(e).__name__}: {e}"
         _die(msg)
@@ -198,7 +224,7 @@ def train(
             raise
         except Exception as e:  # peers may be gone: report and leave without PG teardown
             _die(str(e) if isinstance(e, DappleError) else f"{type(e).__name__}: {e}")
-        dist.destroy_process_group()
+        shutdown_distributed()
         return run.metrics
     world = len(plan.devices)
     validate_run(plan, resolve_workload(workload), world)
