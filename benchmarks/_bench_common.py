@@ -121,9 +121,7 @@ def spearman(a: Sequence[float], b: Sequence[float]) -> float:
     return cov / (va * vb) if va > 0 and vb > 0 else math.nan
 
 
-def run_worker_group(
-    target: Callable[..., None], world: int, *args: Any, teardown_crash_ok: bool = False
-) -> dict[str, Any]:
+def run_worker_group(target: Callable[..., None], world: int, *args: Any) -> dict[str, Any]:
     """Run ``target(rank, world, port, *args, out)`` in ``world`` spawned processes (one gloo
     group on 127.0.0.1) and return the JSON object rank 0 wrote to ``out``.
 
@@ -131,12 +129,10 @@ def run_worker_group(
         target: the worker; rank 0 writes its results to the path ``out`` before teardown.
         world: number of processes.
         *args: passed to every worker after ``port``.
-        teardown_crash_ok: keep the results (with a warning) when a worker exits non-zero
-            after rank 0 wrote them, i.e. during process-group teardown.
 
     Raises:
-        RuntimeError: a worker failed (before the results were written, or at all when
-            ``teardown_crash_ok`` is False).
+        RuntimeError: a worker exited non-zero (workers leave their group with
+            ``dapple.runtime.shutdown_distributed``, so teardown is clean too).
     """
     import tempfile
 
@@ -157,9 +153,7 @@ def run_worker_group(
             p.join()
         bad = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode]
         written = Path(out).exists()
-        if bad and not (teardown_crash_ok and written):
+        if bad:
             kept = " after writing the results" if written else ""
             raise RuntimeError(f"benchmark workers failed{kept}: {bad} (rank, exit code)")
-        if bad:  # rank 0 wrote every result first: a crash in teardown loses no measurement
-            print(f"warning: workers exited with {bad} (rank, code) after the results", flush=True)
         return dict(json.loads(Path(out).read_text()))

@@ -120,9 +120,7 @@ def measure_group(
     """Per-round median step times (ms) of every plan, interleaved in ONE 4-process gloo group,
     and the matmul times (ms) with k = 1 .. 4 ranks busy (``busy_sweep``) right before each
     chunk."""
-    got = run_worker_group(
-        _group_worker, 4, [p.to_dict() for p in plans], opts, teardown_crash_ok=True
-    )
+    got = run_worker_group(_group_worker, 4, [p.to_dict() for p in plans], opts)
     n = len(plans)
     return [got["times"][str(i)] for i in range(n)], [got["shared"][str(i)] for i in range(n)]
 
