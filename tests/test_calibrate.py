@@ -38,6 +38,16 @@ def test_calibrate_two_processes(tmp_path):
 
     c = load_cluster(str(tmp_path / "c.json"))
     assert isinstance(c, Cluster) and c.num_devices == 2 and c.intra_server_bandwidth_gbps > 0
+    # the runtime's host CPU, measured by running it: every step costs some CPU, and the
+    # values survive the cluster file
+    assert c.step_overhead_ms + 2 * c.action_overhead_ms > 0
+    assert c.comm_cpu_ms_per_mb >= 0
+    assert (c.action_overhead_ms, c.step_overhead_ms, c.comm_cpu_ms_per_mb) == (
+        res.cluster.action_overhead_ms,
+        res.cluster.step_overhead_ms,
+        res.cluster.comm_cpu_ms_per_mb,
+    )
+    assert any("runtime host CPU" in n for n in res.notes)
 
 
 def test_fit_survives_noisy_small_messages():

@@ -112,3 +112,17 @@ def test_co_worker_profile_is_cpu_time_under_load() -> None:
     assert all(x.forward.at(2) > 0 for x in prof.layers)
     with pytest.raises(ValidationError, match="co_workers must be an integer >= 1, got 0"):
         profile_workload(wl, [1], co_workers=0)
+
+
+def test_L_stretches_a_saturated_steady_phase_like_the_simulator() -> None:
+    """4 equal stages on 2 shared compute units, M = 16: in the steady phase all 4 devices
+    compute, so each runs at half speed; L's steady period must be ~2 (F + B), not the
+    whole-step mean stretch (the simulator is exact)."""
+    p = _profile(4)
+    plan = straight_plan(4, [0, 1, 2, 3], global_batch_size=16, num_micro_batches=16)
+    c = dataclasses.replace(_cluster(4), compute_cores_per_server=2.0)
+    L = pipeline_latency(plan, p, c)
+    sim = simulate(plan, p, c).step_ms
+    f, b = 1.0 + 0.5, 2.0 + 1.0  # one sample per micro-batch
+    assert L.T_s_ms == pytest.approx(15 * 2 * (f + b), rel=0.02)
+    assert L.L_ms == pytest.approx(sim, rel=0.05)
