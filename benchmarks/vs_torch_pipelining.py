@@ -9,9 +9,10 @@ process (``cores // processes``, as dapple's runtime sets). Peers:
   ``dapple`` (1F1B, policy A) and ``gpipe`` schedules;
 - ``torch DDP``: ``DistributedDataParallel`` on 2 and on 4 processes, against dapple's pure-DP
   plan;
-- ``dapple planned``: the plan ``make_plan`` picks for 4 processes from this machine's profile
-  and calibration (``calibrate(4)``), run on the processes it uses (the planner may leave some
-  idle when they share cores), against the best hand-configured peer on 2 or 4 processes.
+- ``dapple planned``: dapple's own plan for up to 4 local processes - for k = 2 and 4 processes
+  a co-worker profile, ``calibrate(k)`` and ``make_plan``, the lowest predicted L wins (the
+  number of processes sharing the cores is part of the plan) - run on the processes it uses,
+  against the best hand-configured peer on 2 or 4 processes.
 
 Every configuration is timed per step as the period between consecutive step ends, steps
 running back to back after one barrier per chunk (dapple: its ``StepMetrics.step_ms``, the
@@ -169,26 +170,40 @@ def even_bounds(num_layers: int, stages: int) -> list[int]:
 
 
 def planned_plan(G: int, nproc: int) -> tuple[Plan, str]:
-    """dapple's own plan for ``nproc`` local processes: profile + calibrate + make_plan."""
+    """dapple's own plan for up to ``nproc`` local processes.
+
+    The number of local worker processes is part of the decision on a CPU host (they share
+    the cores), so for each k in 2 .. ``nproc`` (powers of two) the workload is profiled as
+    one of k co-located workers, ``calibrate(k)`` measures this machine with k processes,
+    and ``make_plan`` plans for k devices; the plan with the lowest predicted L wins.
+    """
     from dapple.calibrate import calibrate, runtime_threads
     from dapple.planner import make_plan
     from dapple.profiler.measure import profile_workload
 
-    threads = runtime_threads(nproc)
-    prof = profile_workload(
-        bench_transformer(), [1, 2, 4, 8], repeats=5, num_threads=threads, co_workers=nproc
-    )
-    cal = calibrate(nproc)
-    plan = make_plan(prof, cal.cluster, G, "dapple")
-    note = (
-        f"profile at {threads} thread(s)/process as one of {nproc} co-workers; "
-        f"calibrate({nproc}): {cal.cluster.intra_server_bandwidth_gbps:.2f} Gbps, latency "
-        f"{cal.cluster.intra_server_latency_ms:.3f} ms, c = "
-        f"{cal.cluster.compute_cores_per_server or 0:.2f} compute units, host CPU "
-        f"{cal.cluster.action_overhead_ms:.3f} ms/action + {cal.cluster.step_overhead_ms:.2f} "
-        "ms/step"
-    )
-    return plan, note
+    best: tuple[Plan, str] | None = None
+    notes = []
+    k = 2
+    while k <= nproc:
+        threads = runtime_threads(k)
+        prof = profile_workload(
+            bench_transformer(), [1, 2, 4, 8, 16], repeats=5, num_threads=threads, co_workers=k
+        )
+        cal = calibrate(k)
+        plan = make_plan(prof, cal.cluster, G, "dapple")
+        c = cal.cluster
+        notes.append(
+            f"k = {k}: {describe(plan)}, predicted {plan.predicted_step_ms:.1f} ms "
+            f"(profile at {threads} thread(s)/process as one of {k} co-workers; calibrate({k}): "
+            f"{c.intra_server_bandwidth_gbps:.2f} Gbps, latency {c.intra_server_latency_ms:.3f} "
+            f"ms, c = {c.compute_cores_per_server or 0:.2f} compute units, host CPU "
+            f"{c.action_overhead_ms:.3f} ms/action + {c.step_overhead_ms:.2f} ms/step)"
+        )
+        if best is None or plan.predicted_step_ms < best[0].predicted_step_ms:
+            best = (plan, f"{k} processes")
+        k *= 2
+    assert best is not None
+    return best[0], "; ".join(notes) + f"; chosen: the plan for {best[1]}"
 
 
 def describe(plan: Plan) -> str:
@@ -343,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
         pv = sps[("planned", f"dapple planned: {describe(planned)}")]
         lines += [
             "",
-            f"Planned plan for 4 available processes ({plan_note}): {describe(planned)} on "
+            f"Planned plan for up to 4 processes ({plan_note}): {describe(planned)} on "
             f"{n_used} process(es), predicted {planned.predicted_step_ms:.1f} ms/step. Peers run "
             "on 2 and on 4 processes; cases of different process counts ran in different "
             "process groups one after the other (not interleaved), so those ratios carry the "
