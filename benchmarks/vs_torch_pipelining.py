@@ -170,40 +170,25 @@ def even_bounds(num_layers: int, stages: int) -> list[int]:
 
 
 def planned_plan(G: int, nproc: int) -> tuple[Plan, str]:
-    """dapple's own plan for up to ``nproc`` local processes.
+    """dapple's own plan for up to ``nproc`` local processes (:func:`dapple.local.plan_local`):
+    for k = 2, 4, .. ``nproc`` a profile as one of k co-located workers, ``calibrate(k)`` and
+    ``make_plan`` for k devices; the lowest predicted L wins."""
+    from dapple.local import plan_local
 
-    The number of local worker processes is part of the decision on a CPU host (they share
-    the cores), so for each k in 2 .. ``nproc`` (powers of two) the workload is profiled as
-    one of k co-located workers, ``calibrate(k)`` measures this machine with k processes,
-    and ``make_plan`` plans for k devices; the plan with the lowest predicted L wins.
-    """
-    from dapple.calibrate import calibrate, runtime_threads
-    from dapple.planner import make_plan
-    from dapple.profiler.measure import profile_workload
-
-    best: tuple[Plan, str] | None = None
+    counts = [k for k in (2, 4, 8, 16) if k <= nproc]
+    best, cands = plan_local(bench_transformer(), G, counts)
     notes = []
-    k = 2
-    while k <= nproc:
-        threads = runtime_threads(k)
-        prof = profile_workload(
-            bench_transformer(), [1, 2, 4, 8, 16], repeats=5, num_threads=threads, co_workers=k
-        )
-        cal = calibrate(k)
-        plan = make_plan(prof, cal.cluster, G, "dapple")
-        c = cal.cluster
+    for c in cands:
+        cl = c.cluster
         notes.append(
-            f"k = {k}: {describe(plan)}, predicted {plan.predicted_step_ms:.1f} ms "
-            f"(profile at {threads} thread(s)/process as one of {k} co-workers; calibrate({k}): "
-            f"{c.intra_server_bandwidth_gbps:.2f} Gbps, latency {c.intra_server_latency_ms:.3f} "
-            f"ms, c = {c.compute_cores_per_server or 0:.2f} compute units, host CPU "
-            f"{c.action_overhead_ms:.3f} ms/action + {c.step_overhead_ms:.2f} ms/step)"
+            f"k = {c.processes}: {describe(c.plan)}, predicted {c.predicted_ms:.1f} ms "
+            f"(profile batch sizes {list(c.profile.batch_sizes)} as one of {c.processes} "
+            f"co-workers; calibrate({c.processes}): {cl.intra_server_bandwidth_gbps:.2f} Gbps, "
+            f"latency {cl.intra_server_latency_ms:.3f} ms, c = "
+            f"{cl.compute_cores_per_server or 0:.2f} compute units, host CPU "
+            f"{cl.action_overhead_ms:.3f} ms/action + {cl.step_overhead_ms:.2f} ms/step)"
         )
-        if best is None or plan.predicted_step_ms < best[0].predicted_step_ms:
-            best = (plan, f"{k} processes")
-        k *= 2
-    assert best is not None
-    return best[0], "; ".join(notes) + f"; chosen: the plan for {best[1]}"
+    return best.plan, "; ".join(notes) + f"; chosen: the plan for {best.processes} processes"
 
 
 def describe(plan: Plan) -> str:

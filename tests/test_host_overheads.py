@@ -126,3 +126,28 @@ def test_L_stretches_a_saturated_steady_phase_like_the_simulator() -> None:
     f, b = 1.0 + 0.5, 2.0 + 1.0  # one sample per micro-batch
     assert L.T_s_ms == pytest.approx(15 * 2 * (f + b), rel=0.02)
     assert L.L_ms == pytest.approx(sim, rel=0.05)
+
+
+def test_default_batch_sizes_cover_pure_data_parallelism() -> None:
+    from dapple.local import default_batch_sizes
+
+    assert default_batch_sizes(32, [2, 4]) == [1, 2, 4, 8, 16]
+    assert default_batch_sizes(1000, [2]) == [1, 2, 4, 8, 16, 32, 64]
+    assert default_batch_sizes(3, [4]) == [1]
+
+
+@pytest.mark.slow
+def test_plan_local_plans_each_process_count_and_keeps_the_fastest() -> None:
+    from dapple.local import plan_local
+    from dapple.zoo import mlp
+
+    wl = mlp(layers=3, in_features=8, hidden=16)
+    best, cands = plan_local(wl, 8, (2, 3), repeats=2)
+    assert [c.processes for c in cands] == [2, 3]
+    for c in cands:
+        assert len(c.plan.devices) <= c.processes
+        assert c.cluster.num_devices == c.processes
+        assert c.profile.device == f"cpu (CPU time, {c.processes} co-workers)"
+    assert best.predicted_ms == min(c.predicted_ms for c in cands)
+    with pytest.raises(ValidationError, match=r"nprocs must be integers >= 2, got \[1\]"):
+        plan_local(wl, 8, (1,))

@@ -25,7 +25,7 @@ from dapple.errors import DappleError, InfeasibleError, ValidationError
 
 __version__ = "0.1.0"
 
-_API = ("load", "plan", "profile", "simulate", "train", "verify", "verify_many")
+_API = ("load", "plan", "plan_local", "profile", "simulate", "train", "verify", "verify_many")
 
 __all__ = [
     "PRESETS",
@@ -41,6 +41,7 @@ __all__ = [
     "load",
     "load_cluster",
     "plan",
+    "plan_local",
     "profile",
     "simulate",
     "train",

@@ -193,6 +193,29 @@ def plan(
     return result
 
 
+def plan_local(
+    workload: WorkloadLike,
+    global_batch_size: int,
+    nprocs: Sequence[int] = (2, 4),
+    *,
+    overrides: Mapping[str, Any] | None = None,
+    repeats: int = 5,
+) -> Plan:
+    """The best plan for this machine's CPU cores over local process counts ``nprocs``: each
+    count is profiled as co-located workers, calibrated and planned; the lowest predicted L
+    wins (:func:`dapple.local.plan_local`, which also returns every candidate).
+
+    Raises:
+        ValidationError: a bad model spec or a count below 2.
+    """
+    from dapple.local import plan_local as _plan_local
+
+    best, _ = _plan_local(
+        _workload(workload, overrides), global_batch_size, nprocs, repeats=repeats
+    )
+    return best.plan
+
+
 def simulate(
     plan: Plan | str | Path,
     profile: ModelProfile | str | Path,
