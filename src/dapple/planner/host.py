@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from dapple.core.cluster import Cluster
-from dapple.core.plan import slice_bounds
+from dapple.core.plan import transfers
 from dapple.core.profile import ModelProfile
 
 __all__ = ["HostExtra", "host_extras", "stage_host_extras"]
@@ -47,18 +47,6 @@ class HostExtra:
     def per_mb(self, M: int) -> float:
         """Host CPU per micro-batch over a step of M micro-batches: F + B extras + step / M."""
         return self.forward_ms + self.backward_ms + self.step_ms / M
-
-
-def _pieces(b: int, r_from: int, r_to: int) -> list[list[int]]:
-    """Samples of each piece replica k of the receiving side gets from the sending side."""
-    src, dst = slice_bounds(b, r_from), slice_bounds(b, r_to)
-    out: list[list[int]] = [[] for _ in range(r_to)]
-    for k, (klo, khi) in enumerate(dst):
-        for jlo, jhi in src:
-            n = min(khi, jhi) - max(klo, jlo)
-            if n > 0:
-                out[k].append(n)
-    return out
 
 
 def host_extras(
@@ -85,9 +73,15 @@ def host_extras(
     c = cluster.comm_cpu_ms_per_mb / MIB
     out: list[list[HostExtra]] = []
     for s, (lo, hi, r) in enumerate(stages):
-        # pieces received from s-1 (per replica of s) and sent to s+1 (per replica of s)
-        ins = _pieces(b, stages[s - 1][2], r) if s > 0 else [[] for _ in range(r)]
-        outs = _pieces(b, stages[s + 1][2], r) if s < S - 1 else [[] for _ in range(r)]
+        # samples of each piece replica j receives from s-1 and sends to s+1 (split-concat)
+        ins: list[list[int]] = [[] for _ in range(r)]
+        outs: list[list[int]] = [[] for _ in range(r)]
+        if s > 0:
+            for _, k, p_lo, p_hi in transfers(b, stages[s - 1][2], r):
+                ins[k].append(p_hi - p_lo)
+        if s < S - 1:
+            for j, _, p_lo, p_hi in transfers(b, r, stages[s + 1][2]):
+                outs[j].append(p_hi - p_lo)
         in_bytes = profile.layers[lo - 1].output_bytes_per_sample if lo > 0 else 0.0
         out_bytes = profile.layers[hi - 1].output_bytes_per_sample
         params = sum(x.parameter_bytes for x in profile.layers[lo:hi])
