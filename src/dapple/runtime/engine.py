@@ -211,6 +211,8 @@ def run_plan(
     # The program up to its first AR/OPT action, then the step's collective, then the rest.
     n_body = next((i for i, a in enumerate(program) if a.kind in _SYNCS), len(program))
     body, tail = program[:n_body], program[n_body:]
+    if any(a.kind not in _SYNCS for a in tail):  # lower() puts AR and OPT last
+        raise ValueError(f"rank {rank}: program has actions after its first AR/OPT: {tail}")
     ar_ranks = list(plan.stages[s].devices) if s is not None else []
     ar_where = f"gradient AllReduce over ranks {ar_ranks}"
     sink = open(config.metrics_path, "w") if (rank == 0 and config.metrics_path) else None  # noqa: SIM115
