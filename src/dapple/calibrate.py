@@ -177,11 +177,13 @@ def busy_sweep(rank: int, world: int, repeats: int = 60, sweeps: int = 3) -> lis
     """Matmul wall time (ms, median over the busy ranks) when k = 1 .. world ranks compute at
     once (the others wait in a barrier, which takes no CPU). Call on every rank.
 
-    The sweep runs ``sweeps`` times and keeps each k's fastest: other programs' load spikes
-    only ever slow a measurement down, and one spike in the k = 1 time alone would otherwise
-    compress every ratio (and fake a background load E in :func:`fit_sharing`).
+    The sweep runs ``sweeps`` times and keeps each k's median: one load spike from another
+    program in a single measurement - say the k = 1 time, which would compress every ratio
+    and fake a background load E in :func:`fit_sharing` - does not move a median of three.
+    (Not the minimum: with more busy ranks than cores the ranks' timed windows overlap only
+    partly, which biases the fastest of several runs low for large k.)
     """
-    best: list[float] = []
+    runs: list[list[float]] = []
     for _ in range(max(1, sweeps)):
         out = []
         for k in range(1, world + 1):
@@ -191,8 +193,8 @@ def busy_sweep(rank: int, world: int, repeats: int = 60, sweeps: int = 3) -> lis
             gathered = [0.0] * world
             dist.all_gather_object(gathered, mine)
             out.append(statistics.median(gathered[:k]))
-        best = out if not best else [min(a, b) for a, b in zip(best, out, strict=True)]
-    return best
+        runs.append(out)
+    return [statistics.median(ts) for ts in zip(*runs, strict=True)]
 
 
 def fit_sharing(sweep_ms: Sequence[float], max_cores: float) -> tuple[float, float]:
