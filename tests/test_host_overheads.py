@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from dapple.core.cluster import Cluster
+from dapple.core.cluster import Cluster, load_cluster
 from dapple.core.plan import straight_plan
 from dapple.core.profile import AffineTime, LayerProfile, ModelProfile
 from dapple.errors import ValidationError
@@ -151,3 +151,28 @@ def test_plan_local_plans_each_process_count_and_keeps_the_fastest() -> None:
     assert best.predicted_ms == min(c.predicted_ms for c in cands)
     with pytest.raises(ValidationError, match=r"nprocs must be integers >= 2, got \[1\]"):
         plan_local(wl, 8, (1,))
+
+
+@pytest.mark.slow
+def test_plan_local_cli_writes_a_trainable_plan(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    from dapple.cli import main
+    from dapple.core.plan import Plan
+
+    rc = main(
+        ["plan-local", "--model", "mlp", "--global-batch-size", "8", "--nproc", "2",
+         "--repeats", "2", "-o", str(tmp_path)]
+    )  # fmt: skip
+    assert rc == 0
+    plan = Plan.load(tmp_path / "plan.json")
+    assert plan.global_batch_size == 8 and len(plan.devices) <= 2
+    assert ModelProfile.load(tmp_path / "profile.json").device == "cpu (CPU time, 2 co-workers)"
+    assert load_cluster(str(tmp_path / "cluster.json")).host_overheads
+    assert "chosen: 2 processes" in capsys.readouterr().out.replace("\n", " ")
+
+
+def test_plan_local_cli_rejects_bad_counts(capsys) -> None:  # type: ignore[no-untyped-def]
+    from dapple.cli import main
+
+    assert main(["plan-local", "--model", "mlp", "--global-batch-size", "8", "--nproc", "1,x",
+                 "-o", "/tmp/unused"]) == 2  # fmt: skip
+    assert "--nproc expects integers >= 2 like 2,4, got '1,x'" in capsys.readouterr().err

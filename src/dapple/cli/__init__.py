@@ -26,6 +26,7 @@ _COMMANDS: list[str] = [
     "dapple.cli.train_cmd",
     "dapple.cli.split_cmd",
     "dapple.cli.plan_cmd",
+    "dapple.cli.plan_local_cmd",
     "dapple.cli.verify_cmd",
 ]
 

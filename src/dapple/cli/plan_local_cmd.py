@@ -1,0 +1,94 @@
+"""``dapple plan-local``: plan for this machine's CPU cores, choosing the number of processes.
+
+For each candidate count k: profile the model as one of k co-located workers, calibrate this
+machine with k processes, plan for k devices (:func:`dapple.local.plan_local`); print every
+candidate and write the best plan with the profile and cluster it was made from, ready for
+``dapple train --plan``.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from dapple.cli._model_args import add_model_arguments, model_overrides
+from dapple.errors import ValidationError
+
+__all__ = ["parse_counts", "register"]
+
+
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser(
+        "plan-local",
+        help="plan for this machine's CPU cores: profile, calibrate and plan for each process "
+        "count, keep the fastest",
+    )
+    p.add_argument("--model", required=True, help="zoo name, module:factory or file.py:factory")
+    p.add_argument("--global-batch-size", type=int, required=True, help="samples per step")
+    p.add_argument(
+        "--nproc", default="2,4", help="candidate numbers of local processes (default 2,4)"
+    )
+    p.add_argument("--repeats", type=int, default=5, help="timed runs per layer, median kept")
+    p.add_argument(
+        "--out-dir",
+        "-o",
+        required=True,
+        help="directory for plan.json and the chosen count's profile.json and cluster.json",
+    )
+    add_model_arguments(p)
+    p.set_defaults(func=run)
+
+
+def parse_counts(text: str) -> list[int]:
+    """``"2,4"`` -> ``[2, 4]``.
+
+    Raises:
+        ValidationError: empty, non-integer or below-2 entries.
+    """
+    try:
+        counts = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        counts = []
+    if not counts or any(k < 2 for k in counts):
+        raise ValidationError(f"--nproc expects integers >= 2 like 2,4, got {text!r}")
+    return counts
+
+
+def run(args: argparse.Namespace) -> int:
+    from dapple.local import plan_local
+    from dapple.zoo import load_workload
+
+    counts = parse_counts(args.nproc)
+    if args.global_batch_size < 1:
+        raise ValidationError(f"--global-batch-size must be >= 1, got {args.global_batch_size}")
+    workload = load_workload(args.model, **model_overrides(args))
+    con = Console()
+    with con.status(f"profiling, calibrating and planning for {counts} processes..."):
+        best, cands = plan_local(workload, args.global_batch_size, counts, repeats=args.repeats)
+    t = Table(title=f"{workload.name}, global batch {args.global_batch_size}")
+    for col in ("processes", "plan", "M", "predicted ms/step", "samples/s"):
+        t.add_column(col, justify="right")
+    for c in cands:
+        mark = " *" if c is best else ""
+        t.add_row(
+            f"{c.processes}{mark}",
+            ":".join(str(s.replicas) for s in c.plan.stages),
+            str(c.plan.num_micro_batches),
+            f"{c.predicted_ms:.1f}",
+            f"{args.global_batch_size / c.predicted_ms * 1e3:.1f}",
+        )
+    con.print(t)
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    best.plan.save(out / "plan.json")
+    best.profile.save(out / "profile.json")
+    best.cluster.save(out / "cluster.json")
+    con.print(
+        f"* chosen: {best.processes} processes -> {out / 'plan.json'} (with profile.json and "
+        f"cluster.json); run it with: dapple train --plan {out / 'plan.json'} --model "
+        f"{args.model}"
+    )
+    return 0
