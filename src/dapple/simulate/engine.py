@@ -415,6 +415,8 @@ def simulate(
         schedule=plan.schedule,
         policy=plan.policy,
         devices=tuple(stats),
-        events=tuple(sorted(events, key=lambda e: (e.start_ms, e.device))),
+        # by start, then device; starts equal up to float rounding (the shared-compute sweep
+        # accumulates rates) count as equal, so the order does not hinge on the last bit
+        events=tuple(sorted(events, key=lambda e: (round(e.start_ms, 9), e.device))),
         memory=memory,
     )
