@@ -78,7 +78,8 @@ class DeviceStats:
     stage: int
     replica: int
     busy_ms: float
-    """Time spent in F/B compute."""
+    """Time spent computing: F/B, and on hosts with CPU overhead terms the per-step host CPU
+    of ``OPT`` (:mod:`dapple.planner.host`)."""
     bubble_fraction: float
     """``1 - busy_ms / step_ms``: idle (or communication-bound) share of the step."""
     static_memory_bytes: float
@@ -209,8 +210,7 @@ class _Run:
             self.deltas[dev].append((end, -transient - held))
             self.in_flight[dev] -= 1
         self.events.append(SimEvent(dev, a, start, end))
-        if a.kind.is_compute:
-            self.busy[dev] += busy_ms
+        self.busy[dev] += busy_ms
         self.t[dev] = end
 
     def other(self, dev: int, a: Action, now: float) -> bool:
