@@ -224,20 +224,30 @@ def fit_sharing(sweep_ms: Sequence[float], max_cores: float) -> tuple[float, flo
     return best_c, best_e
 
 
-def _worker(rank: int, world: int, port: int, sizes: tuple[int, ...], repeats: int, q: Any) -> None:
+def _measure_and_leave(
+    rank: int, world: int, sizes: tuple[int, ...], repeats: int
+) -> dict[str, Any]:
+    """:func:`_measure` on the initialised default group, then leave it: cleanly
+    (``shutdown_distributed``) after a measurement, bare ``destroy_process_group`` after a
+    failure (peers may be gone)."""
     from dapple.runtime import shutdown_distributed
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(runtime_threads(world))  # as the runtime's workers
-    dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         res = _measure(rank, world, sizes, repeats)
     except BaseException:
         dist.destroy_process_group()
         raise
+    shutdown_distributed()
+    return res
+
+
+def _worker(rank: int, world: int, port: int, sizes: tuple[int, ...], repeats: int, q: Any) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(runtime_threads(world))  # as the runtime's workers
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    res = _measure_and_leave(rank, world, sizes, repeats)
     if rank == 0:
         q.put(res)
-    shutdown_distributed()
 
 
 def _link_fit(sizes: Sequence[float], times_ms: Sequence[float]) -> tuple[float, float]:
@@ -397,14 +407,7 @@ def _calibrate_under_torchrun(sizes: tuple[int, ...], repeats: int) -> Calibrati
     alone = _matmul_alone_ms(local)
     torch.set_num_threads(runtime_threads(local))  # as the runtime's workers
     dist.init_process_group("gloo")
-    try:
-        res = _measure(dist.get_rank(), world, sizes, repeats)
-    except BaseException:
-        dist.destroy_process_group()
-        raise
-    from dapple.runtime import shutdown_distributed
-
-    shutdown_distributed()
+    res = _measure_and_leave(dist.get_rank(), world, sizes, repeats)
     out = _fit_measured(res, world, local, sizes, alone)
     servers = max(1, world // local)
     c = out.cluster

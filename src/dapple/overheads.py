@@ -29,10 +29,10 @@ import torch.distributed as dist
 
 from dapple.core.plan import Plan, straight_plan
 from dapple.core.profile import fit_affine
+from dapple.planner.host import MIB
 
 __all__ = ["comm_cpu_fit", "runtime_overheads"]
 
-MIB = 1024**2
 _PIPE_M = 8
 """Micro-batches of the straight tiny pipeline."""
 
