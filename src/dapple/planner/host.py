@@ -31,7 +31,7 @@ from dapple.core.cluster import Cluster
 from dapple.core.plan import transfers
 from dapple.core.profile import ModelProfile
 
-__all__ = ["HostExtra", "host_extras", "stage_host_extras"]
+__all__ = ["MIB", "HostExtra", "host_extras", "stage_host_extras"]
 
 MIB = 1024**2
 
