@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from dapple.workload import Workload
+    from dapple.models.workload import Workload
 
 __all__ = [
     "BENCH_MODEL",
@@ -44,7 +44,7 @@ BENCH_SPEC = "_bench_common:bench_transformer"
 
 def bench_transformer(**overrides: Any) -> Workload:
     """The zoo transformer at :data:`BENCH_MODEL` sizes (keyword overrides allowed)."""
-    from dapple.zoo import transformer
+    from dapple.models.zoo import transformer
 
     kw = {**BENCH_MODEL, "name": "bench-transformer", **overrides}
     return transformer(**kw)

@@ -81,7 +81,7 @@ def best_cuts(
 def _group_worker(
     rank: int, world: int, port: int, plans: list[dict[str, Any]], opts: dict[str, Any], out: str
 ) -> None:
-    from dapple.calibrate import busy_sweep
+    from dapple.calibrate.machine import busy_sweep
     from dapple.runtime import TrainConfig, run_plan, shutdown_distributed
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -149,7 +149,7 @@ def _goal_cells(errs: list[float], rho: float) -> tuple[str, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dapple.calibrate import (
+    from dapple.calibrate.machine import (
         _matmul_alone_ms,
         calibrate,
         fit_sharing,

@@ -248,8 +248,8 @@ def _mem_worker(rank: int, world: int, port: int, cases: list[dict[str, Any]], o
     import torch
     import torch.distributed as dist
 
+    from dapple.models.zoo import transformer
     from dapple.runtime import TrainConfig, run_plan, shutdown_distributed
-    from dapple.zoo import transformer
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)

@@ -170,10 +170,10 @@ def even_bounds(num_layers: int, stages: int) -> list[int]:
 
 
 def planned_plan(G: int, nproc: int) -> tuple[Plan, str]:
-    """dapple's own plan for up to ``nproc`` local processes (:func:`dapple.local.plan_local`):
+    """dapple's own plan for up to ``nproc`` local processes (:func:`dapple.calibrate.local.plan_local`):
     for k = 2, 4, .. ``nproc`` a profile as one of k co-located workers, ``calibrate(k)`` and
     ``make_plan`` for k devices; the lowest predicted L wins."""
-    from dapple.local import plan_local
+    from dapple.calibrate.local import plan_local
 
     counts = [k for k in (2, 4, 8, 16) if k <= nproc]
     best, cands = plan_local(bench_transformer(), G, counts)

@@ -16,7 +16,7 @@ GPT2 = {"layers": 2, "hidden": 64, "heads": 4, "vocab": 256, "seq": 16}
 
 
 def main() -> int:
-    workload = dp.load("dapple.hf:gpt2", **GPT2)  # 4 pieces: embeddings, 2 blocks, LM head
+    workload = dp.load("dapple.models.hf:gpt2", **GPT2)  # 4 pieces: embeddings, 2 blocks, LM head
     profile = dp.profile(workload, batch_sizes=[1, 2, 4], repeats=3)
     plan = dp.plan(profile, "local-cpu", global_batch_size=8)
     sim = dp.simulate(plan, profile, "local-cpu")

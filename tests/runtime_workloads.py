@@ -6,8 +6,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from dapple.tied import sum_tied_grads_local
-from dapple.workload import Workload
+from dapple.models.tied import sum_tied_grads_local
+from dapple.models.workload import Workload
 
 IN, HID, OUT, CLASSES, VOCAB = 6, 12, 3, 5, 7
 

@@ -11,7 +11,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 from _bench_common import median_after_warmup, spearman
-from conftest import make_cluster, make_profile
+from builders import make_cluster, make_profile
 
 
 def test_spearman_known_values():

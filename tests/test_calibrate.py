@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dapple.calibrate import _fit, calibrate
+from dapple.calibrate.machine import _fit, calibrate
 from dapple.core.cluster import Cluster
 from dapple.errors import ValidationError
 

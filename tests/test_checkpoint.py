@@ -18,7 +18,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from dapple.checkpoint import (
+from dapple.errors import DappleError
+from dapple.models.workload import Workload
+from dapple.runtime.checkpoint import (
     CHECKPOINT_SCHEMA_VERSION,
     CRASH_IN_SAVE_ENV,
     MANIFEST_NAME,
@@ -38,8 +40,6 @@ from dapple.checkpoint import (
     stage_layer_states,
     step_dir,
 )
-from dapple.errors import DappleError
-from dapple.workload import Workload
 
 N = 4
 G = 8
@@ -275,7 +275,7 @@ def test_real_process_killed_mid_save(tmp_path: Path) -> None:
         f"""
         import torch
         from torch import nn
-        from dapple.checkpoint import CheckpointMeta, save_checkpoint, stage_layer_states
+        from dapple.runtime.checkpoint import CheckpointMeta, save_checkpoint, stage_layer_states
         m = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3), nn.Linear(3, 2))
         for step in (1, 2):
             meta = CheckpointMeta(model_name="k", num_layers=3, step=step)
@@ -443,7 +443,7 @@ def test_unwritable_directory(tmp_path: Path, monkeypatch) -> None:
     def denied(*a, **k):
         raise PermissionError(13, "Permission denied")
 
-    monkeypatch.setattr("dapple.checkpoint.tempfile.mkstemp", denied)
+    monkeypatch.setattr("dapple.runtime.checkpoint.tempfile.mkstemp", denied)
     with pytest.raises(CheckpointError) as e:
         check_writable(tmp_path)
     _one_line(e, str(tmp_path), "Permission denied")

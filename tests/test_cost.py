@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from conftest import make_cluster, make_profile
+from builders import make_cluster, make_profile
 from dapple.core.plan import StagePlan, straight_plan
 from dapple.planner.cost import (
     activation_bytes,

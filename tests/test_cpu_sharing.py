@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import make_cluster, make_profile
-from dapple.calibrate import _fit, fit_sharing
+from builders import make_cluster, make_profile
+from dapple.calibrate.machine import _fit, fit_sharing
 from dapple.core.cluster import Cluster
 from dapple.core.plan import straight_plan
 from dapple.core.profile import AffineTime, LayerProfile, ModelProfile

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from conftest import make_cluster, make_profile
+from builders import make_cluster, make_profile
 from dapple.core.cluster import PRESETS, Cluster, load_cluster
 from dapple.core.plan import Plan, StagePlan, slice_bounds, split_sizes, straight_plan, transfers
 from dapple.core.profile import AffineTime, ModelProfile, fit_affine

@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from dapple.errors import ValidationError
-from dapple.split import original_model, sum_tied_grads_local
-from dapple.workload import Workload
+from dapple.models.split import original_model, sum_tied_grads_local
+from dapple.models.workload import Workload
 
 transformers = pytest.importorskip("transformers")
 
-from dapple.hf import hf_bert, hf_gpt2  # noqa: E402
+from dapple.models.hf import hf_bert, hf_gpt2  # noqa: E402
 
 TINY: dict[str, Any] = {"layers": 2, "hidden": 32, "heads": 2, "vocab": 64, "seq": 16}
 
@@ -141,11 +141,11 @@ def test_bad_sizes() -> None:
 
 
 def test_zoo_spec() -> None:
-    zoo = pytest.importorskip("dapple.zoo")
-    w = zoo.load_workload("dapple.hf:gpt2", layers=1, hidden=16, heads=2, vocab=32, seq=8)
+    zoo = pytest.importorskip("dapple.models.zoo")
+    w = zoo.load_workload("dapple.models.hf:gpt2", layers=1, hidden=16, heads=2, vocab=32, seq=8)
     assert w.num_layers == 3
     w = zoo.load_workload(
-        "dapple.hf:bert", layers=2, hidden=16, heads=2, vocab=32, seq=8, split_at=["cls"]
+        "dapple.models.hf:bert", layers=2, hidden=16, heads=2, vocab=32, seq=8, split_at=["cls"]
     )
     assert list(w.layer_names) == ["prologue", "cls"]
 
@@ -153,7 +153,7 @@ def test_zoo_spec() -> None:
 def test_cli_split(capsys: pytest.CaptureFixture[str]) -> None:
     from dapple.cli import main
 
-    argv = ["split", "-m", "dapple.hf:gpt2", "--set", "layers=2", "--set", "hidden=16"]
+    argv = ["split", "-m", "dapple.models.hf:gpt2", "--set", "layers=2", "--set", "hidden=16"]
     assert main([*argv, "--split-at", "transformer.h.1,lm_head"]) == 0
     out = capsys.readouterr().out
     assert "transformer.h.1" in out and "lm_head.weight" in out and "bool[2,1,32,32]" in out

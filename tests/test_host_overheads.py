@@ -93,7 +93,7 @@ def test_host_cpu_competes_for_shared_cores() -> None:
 
 
 def test_comm_cpu_fit() -> None:
-    from dapple.overheads import comm_cpu_fit
+    from dapple.calibrate.overheads import comm_cpu_fit
 
     sizes = [MIB, 2 * MIB, 4 * MIB]
     both_ends = [0.1 + 0.6 * s / MIB for s in sizes]  # 0.6 ms per MiB for sender + receiver
@@ -103,8 +103,8 @@ def test_comm_cpu_fit() -> None:
 
 
 def test_co_worker_profile_is_cpu_time_under_load() -> None:
+    from dapple.models.zoo import mlp
     from dapple.profiler.measure import profile_workload
-    from dapple.zoo import mlp
 
     wl = mlp(layers=2, in_features=8, hidden=16)
     prof = profile_workload(wl, [1, 2], repeats=2, warmup=1, num_threads=1, co_workers=2)
@@ -129,7 +129,7 @@ def test_L_stretches_a_saturated_steady_phase_like_the_simulator() -> None:
 
 
 def test_default_batch_sizes_cover_pure_data_parallelism() -> None:
-    from dapple.local import default_batch_sizes
+    from dapple.calibrate.local import default_batch_sizes
 
     assert default_batch_sizes(32, [2, 4]) == [1, 2, 4, 8, 16]
     assert default_batch_sizes(1000, [2]) == [1, 2, 4, 8, 16, 32, 64]
@@ -138,8 +138,8 @@ def test_default_batch_sizes_cover_pure_data_parallelism() -> None:
 
 @pytest.mark.slow
 def test_plan_local_plans_each_process_count_and_keeps_the_fastest() -> None:
-    from dapple.local import plan_local
-    from dapple.zoo import mlp
+    from dapple.calibrate.local import plan_local
+    from dapple.models.zoo import mlp
 
     wl = mlp(layers=3, in_features=8, hidden=16)
     best, cands = plan_local(wl, 8, (2, 3), repeats=2)

@@ -18,7 +18,9 @@ import torch
 from torch import nn
 
 import runtime_workloads as rw
-from dapple.checkpoint import (
+from dapple.core.plan import Plan, StagePlan
+from dapple.models.workload import Workload
+from dapple.runtime.checkpoint import (
     CRASH_IN_SAVE_ENV,
     MANIFEST_NAME,
     CheckpointError,
@@ -26,8 +28,6 @@ from dapple.checkpoint import (
     load_layer_states,
     step_dir,
 )
-from dapple.core.plan import Plan, StagePlan
-from dapple.workload import Workload
 
 TESTS = Path(__file__).parent
 B, M, STEPS, CUT, SEED, LR = 4, 2, 5, 2, 1, 0.05
@@ -364,9 +364,9 @@ def test_process_killed_during_a_save_leaves_the_previous_checkpoint(spawned) ->
 def test_cli_rejects_unwritable_checkpoint_dir_and_foreign_checkpoint(
     tmp_path: Path, capsys
 ) -> None:
-    from dapple.checkpoint import CheckpointMeta, save_checkpoint, stage_layer_states
     from dapple.cli import main
     from dapple.cli.train_cmd import check_long_run
+    from dapple.runtime.checkpoint import CheckpointMeta, save_checkpoint, stage_layer_states
 
     blocker = tmp_path / "file"
     blocker.write_text("x")

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from conftest import make_cluster, make_profile
+from builders import make_cluster, make_profile
 from dapple.core.cluster import Cluster
 from dapple.core.plan import Plan
 from dapple.core.profile import AffineTime, LayerProfile, ModelProfile

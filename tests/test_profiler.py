@@ -10,8 +10,8 @@ import torch
 from dapple.cli import main
 from dapple.core.profile import ModelProfile
 from dapple.errors import ValidationError
+from dapple.models.zoo import get_workload
 from dapple.profiler.measure import profile_workload
-from dapple.zoo import get_workload
 
 
 def test_cli_profile_mlp(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -17,7 +17,7 @@ import pytest
 from dapple import api
 from dapple.cli import main
 from dapple.core.plan import Plan, straight_plan
-from dapple.verify import PERTURB_GRAD_RANK_ENV
+from dapple.runtime.verify import PERTURB_GRAD_RANK_ENV
 
 pytest.importorskip("transformers")
 
@@ -40,7 +40,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from dapple.split import workload_from_module
+from dapple.models.split import workload_from_module
 
 
 class Net(nn.Module):
@@ -116,14 +116,14 @@ def _train_cli(
 
 @pytest.mark.slow
 def test_cli_profile_plan_train_gpt2(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
-    plan = _profile_plan_cli("dapple.hf:gpt2", _set(GPT2), tmp_path, capfd)
+    plan = _profile_plan_cli("dapple.models.hf:gpt2", _set(GPT2), tmp_path, capfd)
     assert plan.num_layers == GPT2["layers"] + 2
-    rows = _train_cli(tmp_path / "plan.json", "dapple.hf:gpt2", _set(GPT2), capfd)
+    rows = _train_cli(tmp_path / "plan.json", "dapple.models.hf:gpt2", _set(GPT2), capfd)
     assert [r["step"] for r in rows] == [0, 1]
     # the same run in one process gives the same losses (random init: ~ln(vocab))
-    from dapple.verify import reference_run
+    from dapple.runtime.verify import reference_run
 
-    wl = api.load("dapple.hf:gpt2", **GPT2)
+    wl = api.load("dapple.models.hf:gpt2", **GPT2)
     ref_losses, _, kind = reference_run(wl, plan.global_batch_size, 2)
     assert kind == "original model"
     assert [r["loss"] for r in rows] == pytest.approx(ref_losses, rel=1e-5)
@@ -175,8 +175,8 @@ def _gpt2_plans() -> list[Plan]:
 
 @pytest.mark.slow
 def test_verify_gpt2_and_bert_plans_both_schedules() -> None:
-    gpt2 = api.load("dapple.hf:gpt2", **GPT2)
-    bert = api.load("dapple.hf:bert", **BERT)
+    gpt2 = api.load("dapple.models.hf:gpt2", **GPT2)
+    bert = api.load("dapple.models.hf:bert", **BERT)
     bert_plan = straight_plan(4, [0, 2, 3], global_batch_size=8, num_micro_batches=2,
                               replicas=[2, 1, 1], policy="B")  # fmt: skip
     cases = [(p, gpt2) for p in _gpt2_plans()] + [

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import runtime_workloads as rw
-from conftest import make_profile
+from builders import make_profile
 from dapple.core.plan import straight_plan
 
 TESTS = Path(__file__).parent
@@ -100,7 +100,7 @@ def test_killed_rank_makes_every_other_rank_fail_fast(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_train_zoo_model(tmp_path: Path) -> None:
-    zoo = pytest.importorskip("dapple.zoo")
+    zoo = pytest.importorskip("dapple.models.zoo")
     wl = zoo.load_workload("mlp")
     n = wl.num_layers
     straight_plan(n, [0, n // 2], global_batch_size=8, num_micro_batches=4).save(

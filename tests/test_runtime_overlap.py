@@ -18,9 +18,9 @@ import torch
 from torch import nn
 
 import runtime_workloads as rw
+from dapple.models.workload import Workload
 from dapple.runtime import spawn
 from dapple.runtime.sync import _make_buckets
-from dapple.workload import Workload
 
 B, M, STEPS, SEED, LR = 5, 3, 3, 1, 0.05
 

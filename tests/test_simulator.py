@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from conftest import make_cluster, make_profile
+from builders import make_cluster, make_profile
 from dapple.cli import main
 from dapple.core.cluster import Cluster
 from dapple.core.plan import Plan, StagePlan, straight_plan

@@ -10,15 +10,15 @@ from torch import nn
 from torch.nn import functional as F
 
 from dapple.errors import ValidationError
-from dapple.split import (
+from dapple.models.split import (
     default_cut_names,
     original_model,
     parse_split_at,
     split_module,
     workload_from_module,
 )
-from dapple.tied import find_tied_parameters, sum_tied_grads_local, sync_tied_grads
-from dapple.workload import Workload
+from dapple.models.tied import find_tied_parameters, sum_tied_grads_local, sync_tied_grads
+from dapple.models.workload import Workload
 
 VOCAB, SEQ, DIM = 16, 6, 8
 

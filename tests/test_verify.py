@@ -17,7 +17,7 @@ from dapple import api
 from dapple.cli import main
 from dapple.core.plan import straight_plan
 from dapple.errors import ValidationError
-from dapple.verify import (
+from dapple.runtime.verify import (
     ATOL,
     PERTURBATION,
     StageDiff,
@@ -132,7 +132,7 @@ def test_report_verdict_and_printing() -> None:
 
 
 USER = """
-from dapple.workload import Workload
+from dapple.models.workload import Workload
 import runtime_workloads as rw
 
 def factory(num_layers=4):

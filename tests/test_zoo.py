@@ -10,9 +10,9 @@ import torch
 from torch import nn
 
 from dapple.errors import ValidationError
+from dapple.models.workload import Workload
+from dapple.models.zoo import NAMES, get_workload, load_workload
 from dapple.profiler import _paper_arch as arch
-from dapple.workload import Workload
-from dapple.zoo import NAMES, get_workload, load_workload
 
 SMALL: dict[str, dict[str, Any]] = {
     "mlp": {},
@@ -125,7 +125,7 @@ def test_load_factory_from_file_and_module(tmp_path: Path) -> None:
     f = tmp_path / "mymodel.py"
     f.write_text(
         "from torch import nn\n"
-        "from dapple.zoo import mlp\n"
+        "from dapple.models.zoo import mlp\n"
         "def seq(width=8):\n"
         "    return nn.Sequential(nn.Linear(4, width), nn.ReLU(), nn.Linear(width, 2))\n"
         "def wl():\n"
@@ -140,7 +140,7 @@ def test_load_factory_from_file_and_module(tmp_path: Path) -> None:
     torch.testing.assert_close(w.build_model(seed=1)(x), w.build_model(seed=2)(x))
     assert w.loss_fn(w.build_model()(x), y).ndim == 0
     assert load_workload(f"{f}:wl").num_layers == 3
-    assert load_workload("dapple.zoo.mlp:mlp", layers=1).num_layers == 2
+    assert load_workload("dapple.models.zoo.mlp:mlp", layers=1).num_layers == 2
     with pytest.raises(ValidationError, match="input_shape"):
         load_workload(f"{f}:seq")
     with pytest.raises(ValidationError, match="must return"):

@@ -2,16 +2,16 @@
 
 Every function takes the objects the CLI reads and writes (:class:`~dapple.core.profile.ModelProfile`,
 :class:`~dapple.core.cluster.Cluster`, :class:`~dapple.core.plan.Plan`) or the paths of their JSON files,
-and a model as a :class:`~dapple.workload.Workload` or a spec string (a zoo name,
+and a model as a :class:`~dapple.models.workload.Workload` or a spec string (a zoo name,
 ``package.module:factory`` or ``path/to/file.py:factory``) with keyword ``overrides`` for the
 factory (``--set KEY=VALUE`` and ``--split-at`` on the command line)::
 
     import dapple.api as dp
 
-    prof = dp.profile("dapple.hf:gpt2", batch_sizes=[1, 2, 4], overrides={"layers": 2})
+    prof = dp.profile("dapple.models.hf:gpt2", batch_sizes=[1, 2, 4], overrides={"layers": 2})
     plan = dp.plan(prof, "local-cpu", global_batch_size=8)
     print(dp.simulate(plan, prof, "local-cpu").step_ms)
-    report = dp.verify(plan, "dapple.hf:gpt2", steps=2, overrides={"layers": 2})
+    report = dp.verify(plan, "dapple.models.hf:gpt2", steps=2, overrides={"layers": 2})
     assert report.ok
 
 Workloads loaded from a spec (:func:`load`) pickle as their spec: spawned worker processes load
@@ -29,67 +29,27 @@ from dapple.core.cluster import Cluster, load_cluster
 from dapple.core.plan import Plan
 from dapple.core.profile import ModelProfile
 from dapple.errors import ValidationError
-from dapple.workload import Workload
+from dapple.models.spec import load
+from dapple.models.workload import Workload
 
 if TYPE_CHECKING:
     from dapple.runtime import StepMetrics
+    from dapple.runtime.verify import VerifyReport
     from dapple.simulate import SimResult
-    from dapple.verify import VerifyReport
 
-__all__ = ["load", "plan", "profile", "simulate", "train", "verify", "verify_many"]
+__all__ = [
+    "load",
+    "plan",
+    "plan_local",
+    "profile",
+    "simulate",
+    "train",
+    "verify",
+    "verify_many",
+]
 
 WorkloadLike = Workload | str
 """A :class:`Workload` or a spec string for :func:`load`."""
-
-
-def _load_spec(spec: str, overrides: dict[str, Any]) -> Workload:
-    """Unpickling hook of :class:`_SpecWorkload`: load the spec again in this process."""
-    return load(spec, **overrides)
-
-
-class _SpecWorkload(Workload):
-    """A :class:`Workload` that remembers the spec it was loaded from and pickles as it."""
-
-    _spec: tuple[str, dict[str, Any]] | None = None
-
-    def __reduce__(self) -> str | tuple[Any, ...]:
-        if self._spec is None:  # e.g. made by dataclasses.replace: pickle the fields
-            return super().__reduce__()
-        return (_load_spec, self._spec)
-
-
-def _absolute_spec(spec: str) -> str:
-    """``file.py:factory`` with an absolute path, so workers in another directory find it."""
-    module, sep, attr = spec.rpartition(":")
-    if sep and (module.endswith(".py") or "/" in module or "\\" in module):
-        return f"{Path(module).resolve()}:{attr}"
-    return spec
-
-
-def load(spec: str, *, input_shape: Sequence[int] | None = None, **overrides: Any) -> Workload:
-    """Load a workload from a spec, e.g. ``load("dapple.hf:gpt2", layers=2, split_at=[...])``.
-
-    The result pickles as ``(spec, overrides)``: a spawned worker loads it again (a
-    ``file.py`` model need not be importable there).
-
-    Args:
-        spec: A zoo name, ``package.module:factory`` or ``path/to/file.py:factory``.
-        input_shape: Per-sample input shape for factories returning an ``nn.Sequential``.
-        **overrides: Keyword arguments of the factory (sizes, ``split_at``).
-
-    Raises:
-        ValidationError: Unknown name, import failure, bad overrides or factory result.
-    """
-    from dapple.zoo import load_workload
-
-    spec = _absolute_spec(spec)
-    wl = load_workload(spec, input_shape=input_shape, **overrides)
-    out = _SpecWorkload(**{f.name: getattr(wl, f.name) for f in dataclasses.fields(Workload)})
-    extra = dict(overrides)
-    if input_shape is not None:
-        extra["input_shape"] = tuple(input_shape)
-    object.__setattr__(out, "_spec", (spec, extra))
-    return out
 
 
 def _workload(workload: WorkloadLike, overrides: Mapping[str, Any] | None) -> Workload:
@@ -203,12 +163,12 @@ def plan_local(
 ) -> Plan:
     """The best plan for this machine's CPU cores over local process counts ``nprocs``: each
     count is profiled as co-located workers, calibrated and planned; the lowest predicted L
-    wins (:func:`dapple.local.plan_local`, which also returns every candidate).
+    wins (:func:`dapple.calibrate.local.plan_local`, which also returns every candidate).
 
     Raises:
         ValidationError: a bad model spec or a count below 2.
     """
-    from dapple.local import plan_local as _plan_local
+    from dapple.calibrate.local import plan_local as _plan_local
 
     best, _ = _plan_local(
         _workload(workload, overrides), global_batch_size, nprocs, repeats=repeats
@@ -300,16 +260,16 @@ def verify(
         schedule: ``dapple`` or ``gpipe`` instead of the plan's.
         policy: ``A`` or ``B`` instead of the plan's.
         **options: ``seed``, ``optimizer``, ``lr``, ``rtol``, ``atol``, ``timeout_s``,
-            ``device`` (see :func:`dapple.verify.verify_many`).
+            ``device`` (see :func:`dapple.runtime.verify.verify_many`).
 
     Returns:
-        A :class:`~dapple.verify.VerifyReport`; ``report.ok`` is the verdict.
+        A :class:`~dapple.runtime.verify.VerifyReport`; ``report.ok`` is the verdict.
 
     Raises:
         ValidationError: Bad plan, workload or options.
         RankFailure: A worker failed.
     """
-    from dapple.verify import verify as _verify
+    from dapple.runtime.verify import verify as _verify
 
     return _verify(_with(plan, schedule, policy), _workload(workload, overrides), steps, **options)
 
@@ -333,7 +293,7 @@ def verify_many(
         ValidationError: Bad plan, workload or options.
         RankFailure: A worker failed.
     """
-    from dapple.verify import verify_many as _verify_many
+    from dapple.runtime.verify import verify_many as _verify_many
 
     loaded: dict[str, Workload] = {}
     resolved: list[tuple[Plan, Workload]] = []

@@ -55,7 +55,7 @@ def model_overrides(args: argparse.Namespace) -> dict[str, Any]:
     Raises:
         ValidationError: a ``--set`` item without ``=``.
     """
-    from dapple.split import parse_split_at
+    from dapple.models.split import parse_split_at
 
     out = parse_overrides(args.set)
     names = parse_split_at(getattr(args, "split_at", None))

@@ -22,7 +22,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
 
 def run(args: argparse.Namespace) -> int:
-    from dapple.calibrate import DEFAULT_SIZES, calibrate
+    from dapple.calibrate.machine import DEFAULT_SIZES, calibrate
 
     sizes = tuple(s for s in DEFAULT_SIZES if s <= args.max_mb * (1 << 20))
     con = Console()

@@ -38,14 +38,14 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
 
 def run(args: argparse.Namespace) -> int:
-    from dapple.calibrate import calibrate
+    from dapple.calibrate.machine import calibrate
+    from dapple.models.zoo import load_workload
     from dapple.planner import make_plan
     from dapple.profiler.measure import profile_workload
     from dapple.runtime import train
     from dapple.simulate import simulate
     from dapple.simulate.plots import plot_gantt, plot_memory
     from dapple.simulate.trace import write_trace
-    from dapple.zoo import load_workload
 
     con = Console()
     out = Path(args.out)

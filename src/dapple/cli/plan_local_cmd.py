@@ -1,7 +1,7 @@
 """``dapple plan-local``: plan for this machine's CPU cores, choosing the number of processes.
 
 For each candidate count k: profile the model as one of k co-located workers, calibrate this
-machine with k processes, plan for k devices (:func:`dapple.local.plan_local`); print every
+machine with k processes, plan for k devices (:func:`dapple.calibrate.local.plan_local`); print every
 candidate and write the best plan with the profile and cluster it was made from, ready for
 ``dapple train --plan``.
 """
@@ -58,8 +58,8 @@ def parse_counts(text: str) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dapple.local import plan_local
-    from dapple.zoo import load_workload
+    from dapple.calibrate.local import plan_local
+    from dapple.models.zoo import load_workload
 
     counts = parse_counts(args.nproc)
     if args.global_batch_size < 1:

@@ -111,8 +111,8 @@ def run(args: argparse.Namespace) -> int:
     sizes = parse_batch_sizes(args.batch_sizes)
     overrides = model_overrides(args)
     shape = _parse_shape(args.input_shape)
+    from dapple.models.zoo import load_workload
     from dapple.profiler.measure import profile_workload, resolve_device
-    from dapple.zoo import load_workload
 
     resolve_device(args.device)  # fail fast, before building the model
     workload = load_workload(args.model, input_shape=shape, **overrides)

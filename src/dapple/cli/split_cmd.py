@@ -16,7 +16,9 @@ __all__ = ["register"]
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("split", help="show the pieces a model is cut into and what flows between")
-    p.add_argument("--model", "-m", required=True, help="module:factory, e.g. dapple.hf:gpt2")
+    p.add_argument(
+        "--model", "-m", required=True, help="module:factory, e.g. dapple.models.hf:gpt2"
+    )
     add_model_arguments(p)
     p.add_argument("--batch-size", type=int, default=2, help="batch run through the chain")
     p.set_defaults(func=run)
@@ -32,7 +34,7 @@ def _describe(value: Any) -> str:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from dapple.zoo import load_workload
+    from dapple.models.zoo import load_workload
 
     if args.batch_size < 1:
         raise ValidationError(f"--batch-size must be >= 1, got {args.batch_size}")

@@ -18,7 +18,7 @@ from dapple.core.plan import Plan
 from dapple.errors import ValidationError
 
 if TYPE_CHECKING:  # torch-free import of the CLI
-    from dapple.workload import Workload
+    from dapple.models.workload import Workload
 
 __all__ = ["register", "run"]
 
@@ -77,7 +77,7 @@ def check_long_run(
     Raises:
         CheckpointError: unwritable directory, damaged or foreign checkpoint.
     """
-    from dapple.checkpoint import check_compatible, check_writable, latest_checkpoint
+    from dapple.runtime.checkpoint import check_compatible, check_writable, latest_checkpoint
 
     if checkpoint_dir is None:
         return

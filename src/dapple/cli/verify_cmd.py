@@ -17,7 +17,7 @@ from rich.table import Table
 from dapple.cli._model_args import add_model_arguments, model_overrides
 
 if TYPE_CHECKING:
-    from dapple.verify import VerifyReport
+    from dapple.runtime.verify import VerifyReport
 
 __all__ = ["print_report", "register", "run"]
 

@@ -13,7 +13,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dapple._json import check_schema_version, get_field, load_json_file, require, save_json_file
+from dapple.core._json import (
+    check_schema_version,
+    get_field,
+    load_json_file,
+    require,
+    save_json_file,
+)
 from dapple.errors import ValidationError
 
 if sys.version_info >= (3, 11):

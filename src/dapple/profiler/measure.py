@@ -24,7 +24,7 @@ from torch import nn
 
 from dapple.core.profile import AffineTime, LayerProfile, ModelProfile, fit_affine
 from dapple.errors import ValidationError
-from dapple.workload import Workload
+from dapple.models.workload import Workload
 
 __all__ = ["ProgressFn", "profile_workload", "resolve_device"]
 

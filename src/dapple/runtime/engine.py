@@ -40,6 +40,7 @@ from torch import nn
 
 from dapple.core.plan import Plan
 from dapple.errors import DappleError, ValidationError
+from dapple.models.workload import Workload
 from dapple.runtime.config import StepMetrics, TrainConfig
 from dapple.runtime.longrun import LongRun, first_attempt
 from dapple.runtime.memory import ActivationMeter
@@ -48,7 +49,6 @@ from dapple.runtime.sync import GradientSync
 from dapple.runtime.transport import flatten, infer_boundary_specs
 from dapple.schedule.ir import ActionKind
 from dapple.schedule.lower import lower
-from dapple.workload import Workload
 
 __all__ = [
     "FAIL_RANK_ENV",

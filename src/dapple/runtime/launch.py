@@ -29,10 +29,10 @@ import torch.multiprocessing as mp
 
 from dapple.core.plan import Plan
 from dapple.errors import DappleError, ValidationError
+from dapple.models.workload import Workload
 from dapple.runtime.config import StepMetrics, TrainConfig
 from dapple.runtime.engine import RankFailure, run_plan, validate_run
 from dapple.runtime.longrun import elastic_store
-from dapple.workload import Workload
 
 __all__ = [
     "free_port",
@@ -48,7 +48,7 @@ GRACE_S = 10.0
 
 
 def resolve_workload(spec: str | Workload) -> Workload:
-    """A :class:`Workload` as given, or loaded from a spec by :func:`dapple.api.load` (zoo name,
+    """A :class:`Workload` as given, or loaded from a spec by :func:`dapple.models.spec.load` (zoo name,
     ``module:factory`` or ``file.py:factory``; the result pickles as its spec for spawned workers).
 
     Raises:
@@ -56,7 +56,7 @@ def resolve_workload(spec: str | Workload) -> Workload:
     """
     if isinstance(spec, Workload):
         return spec
-    from dapple.api import load
+    from dapple.models.spec import load
 
     return load(spec)
 

@@ -34,7 +34,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dapple.checkpoint import (
+from dapple.core.plan import Plan
+from dapple.models.workload import Workload
+from dapple.runtime.checkpoint import (
     CheckpointMeta,
     check_compatible,
     check_writable,
@@ -45,10 +47,8 @@ from dapple.checkpoint import (
     save_checkpoint,
     stage_layer_states,
 )
-from dapple.core.plan import Plan
 from dapple.runtime.config import TrainConfig
 from dapple.schedule.ir import Action, ActionKind
-from dapple.workload import Workload
 
 __all__ = ["OPTIMIZER_CLASSES", "LongRun", "elastic_store", "first_attempt"]
 

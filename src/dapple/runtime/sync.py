@@ -32,8 +32,8 @@ import torch.distributed as dist
 from torch import nn
 
 from dapple.core.plan import Plan
-from dapple.tied import sync_tied_grads
-from dapple.workload import Workload
+from dapple.models.tied import sync_tied_grads
+from dapple.models.workload import Workload
 
 __all__ = ["BUCKET_BYTES", "GradientSync"]
 

@@ -1,6 +1,6 @@
 """Cut a model's ``torch.export`` graph into pieces that each take and return tensors.
 
-Used by :mod:`dapple.split` (see its docstring for the design). A *cut* is a position in the
+Used by :mod:`dapple.models.split` (see its docstring for the design). A *cut* is a position in the
 exported graph's node list; each run of nodes between two cuts becomes a
 ``torch.fx.GraphModule`` whose parameters keep the original model's qualified names.
 """

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dapple._checkpoint_files import (
+from dapple.runtime.checkpoint_files import (
     CHECKPOINT_SCHEMA_VERSION,
     CRASH_IN_SAVE_ENV,
     MANIFEST_NAME,

@@ -17,12 +17,12 @@ from torch import nn
 from torch.nn import functional as F
 
 from dapple.errors import ValidationError
-from dapple.workload import Workload
-from dapple.zoo.cnn import resnet50, vgg19
-from dapple.zoo.common import generator
-from dapple.zoo.gnmt import gnmt
-from dapple.zoo.mlp import mlp
-from dapple.zoo.transformer import transformer
+from dapple.models.workload import Workload
+from dapple.models.zoo.cnn import resnet50, vgg19
+from dapple.models.zoo.common import generator
+from dapple.models.zoo.gnmt import gnmt
+from dapple.models.zoo.mlp import mlp
+from dapple.models.zoo.transformer import transformer
 
 __all__ = ["NAMES", "get_workload", "load_workload", "workload_from_sequential"]
 

@@ -9,8 +9,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from dapple.workload import Workload
-from dapple.zoo.common import generator
+from dapple.models.workload import Workload
+from dapple.models.zoo.common import generator
 
 __all__ = ["mlp"]
 

@@ -16,8 +16,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from dapple.errors import ValidationError
-from dapple.workload import Workload
-from dapple.zoo.common import generator, token_cross_entropy
+from dapple.models.workload import Workload
+from dapple.models.zoo.common import generator, token_cross_entropy
 
 __all__ = ["Block", "Embedding", "LMHead", "transformer"]
 

@@ -17,8 +17,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from dapple.errors import ValidationError
-from dapple.workload import Workload
-from dapple.zoo.common import Flatten, generator
+from dapple.models.workload import Workload
+from dapple.models.zoo.common import Flatten, generator
 
 __all__ = ["Bottleneck", "resnet50", "vgg19"]
 

@@ -19,7 +19,7 @@ from dapple.core.cluster import Cluster
 from dapple.core.plan import Plan
 from dapple.core.profile import ModelProfile
 from dapple.errors import ValidationError
-from dapple.workload import Workload
+from dapple.models.workload import Workload
 
 __all__ = ["LocalCandidate", "default_batch_sizes", "plan_local"]
 
@@ -75,7 +75,7 @@ def plan_local(
     Raises:
         ValidationError: an empty ``nprocs`` or a count below 2; errors of the planner.
     """
-    from dapple.calibrate import calibrate, runtime_threads
+    from dapple.calibrate.machine import calibrate, runtime_threads
     from dapple.planner import make_plan
     from dapple.profiler.measure import profile_workload
 

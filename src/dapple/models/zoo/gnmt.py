@@ -19,8 +19,8 @@ import torch
 from torch import nn
 
 from dapple.errors import ValidationError
-from dapple.workload import Workload
-from dapple.zoo.common import generator, token_cross_entropy
+from dapple.models.workload import Workload
+from dapple.models.zoo.common import generator, token_cross_entropy
 
 __all__ = ["gnmt"]
 

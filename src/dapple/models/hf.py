@@ -1,12 +1,12 @@
 """Hugging Face GPT-2 and BERT built from a config (offline, random init) as split workloads.
 
 ``transformers`` is an optional extra (``pip install dapple[hf]``); it is imported only when a
-factory runs. The models are cut with :func:`dapple.split.workload_from_module`: before every
+factory runs. The models are cut with :func:`dapple.models.split.workload_from_module`: before every
 transformer block and after the last one, so a model with ``layers`` blocks has
 ``layers + 2`` pieces (embeddings, blocks, final norm + LM head). Input and LM-head weights
 stay tied and are reported in ``Workload.tied_parameters``.
 
-Zoo-style specs: ``dapple.hf:gpt2`` and ``dapple.hf:bert`` (keyword arguments as below).
+Zoo-style specs: ``dapple.models.hf:gpt2`` and ``dapple.models.hf:bert`` (keyword arguments as below).
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from dapple.errors import ValidationError
-from dapple.split import workload_from_module
-from dapple.workload import Workload
+from dapple.models.split import workload_from_module
+from dapple.models.workload import Workload
 
 __all__ = ["bert", "bert_mlm_loss", "causal_lm_loss", "gpt2", "hf_bert", "hf_gpt2"]
 
@@ -135,7 +135,7 @@ def causal_lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Next-token cross-entropy: ``logits[:, t]`` predicts ``targets[:, t + 1]`` (mean).
 
     Every sample has the same number of predicted tokens, so the token mean is the mean of
-    per-sample means (the :class:`~dapple.workload.Workload` loss convention).
+    per-sample means (the :class:`~dapple.models.workload.Workload` loss convention).
     """
     vocab = logits.size(-1)
     return F.cross_entropy(
@@ -266,10 +266,10 @@ def hf_bert(
 
 
 def gpt2(**kwargs: Any) -> Workload:
-    """Zoo spec ``dapple.hf:gpt2``: :func:`hf_gpt2` with the same keyword arguments."""
+    """Zoo spec ``dapple.models.hf:gpt2``: :func:`hf_gpt2` with the same keyword arguments."""
     return hf_gpt2(**kwargs)
 
 
 def bert(**kwargs: Any) -> Workload:
-    """Zoo spec ``dapple.hf:bert``: :func:`hf_bert` with the same keyword arguments."""
+    """Zoo spec ``dapple.models.hf:bert``: :func:`hf_bert` with the same keyword arguments."""
     return hf_bert(**kwargs)

@@ -47,8 +47,8 @@ def comm_cpu_fit(sizes: Sequence[int], cpu_ms_both_ends: Sequence[float]) -> flo
 
 def _cpu_per_step(plan: Plan, steps: tuple[int, int]) -> float:
     """This rank's process CPU ms per step of ``plan``: a long run minus a short run."""
+    from dapple.models.zoo import mlp
     from dapple.runtime import TrainConfig, run_plan
-    from dapple.zoo import mlp
 
     wl = mlp(layers=max(1, plan.num_layers - 1), in_features=4, hidden=4, num_classes=2)
     used = []

@@ -41,9 +41,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from dapple.calibrate.overheads import comm_cpu_fit, runtime_overheads
 from dapple.core.cluster import GB, Cluster
 from dapple.core.profile import fit_affine
-from dapple.overheads import comm_cpu_fit, runtime_overheads
 
 __all__ = [
     "DEFAULT_SIZES",
@@ -279,7 +279,7 @@ def _fit(
     """Fits links; ``cores`` (usable cores / threads per worker) selects the sharing model
     (module docstring), None the older all-busy ``compute_slowdown``; ``sweep`` is the
     :func:`busy_sweep` the background load is fitted to (none: E = 0); ``host`` the runtime's
-    host CPU overheads ``(action ms, step ms, comm CPU ms per MiB)`` (:mod:`dapple.overheads`)."""
+    host CPU overheads ``(action ms, step ms, comm CPU ms per MiB)`` (:mod:`dapple.calibrate.overheads`)."""
     notes = []
     p2p_bw, latency = _link_fit(sizes, p2p)
     if nproc > 1:

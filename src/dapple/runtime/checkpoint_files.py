@@ -1,6 +1,6 @@
 """Checkpoint files: atomic writes, the manifest (schema, per-file size and sha256), finding.
 
-Private to :mod:`dapple.checkpoint`, which re-exports the public names.
+Private to :mod:`dapple.runtime.checkpoint`, which re-exports the public names.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch
 
 from dapple.errors import DappleError
 
-logger = logging.getLogger("dapple.checkpoint")
+logger = logging.getLogger("dapple.runtime.checkpoint")
 
 CHECKPOINT_SCHEMA_VERSION = 1
 MANIFEST_NAME = "manifest.json"

@@ -20,7 +20,7 @@ def token_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Te
     """Cross-entropy of ``(batch, seq, vocab)`` logits against ``(batch, seq)`` token ids.
 
     Every sample has the same number of tokens, so the token mean is the mean of per-sample
-    losses, as :class:`dapple.workload.Workload` requires.
+    losses, as :class:`dapple.models.workload.Workload` requires.
     """
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 

@@ -6,10 +6,10 @@ steps in this process on the unsplit model, then compares every parameter after 
 
 Design choices:
     - The reference is the *original* model when the workload was made by
-      :func:`dapple.split.workload_from_module` (``original_model``: tied weights are one
+      :func:`dapple.models.split.workload_from_module` (``original_model``: tied weights are one
       parameter there, so this also checks the cut and the tied-gradient sums), otherwise the
       layer chain ``workload.build_model(seed)`` with tied gradients summed by
-      :func:`dapple.tied.sum_tied_grads_local`.
+      :func:`dapple.models.tied.sum_tied_grads_local`.
     - The reference takes one full-batch step (``loss_fn`` over all ``G`` samples): what the
       plan's micro-batches, split-concat slices and AllReduces must add up to.
     - The distributed side returns its weights through files: each rank writes its layers'
@@ -39,6 +39,8 @@ from torch import nn
 
 from dapple.core.plan import Plan
 from dapple.errors import DappleError, ValidationError
+from dapple.models.split import original_model, sum_tied_grads_local
+from dapple.models.workload import Workload
 from dapple.runtime import (
     TrainConfig,
     init_distributed,
@@ -48,8 +50,6 @@ from dapple.runtime import (
     validate_run,
 )
 from dapple.runtime.engine import make_optimizer
-from dapple.split import original_model, sum_tied_grads_local
-from dapple.workload import Workload
 
 __all__ = [
     "ATOL",
@@ -302,7 +302,7 @@ def verify_many(
 
     Args:
         cases: Plans and the workloads they train (workloads must pickle: spec-loaded ones from
-            :func:`dapple.api.load` or ``dapple.hf`` do).
+            :func:`dapple.api.load` or ``dapple.models.hf`` do).
         steps: Optimizer steps of every run.
         seed: Weights seed; step ``t`` uses batch seed ``seed + t``.
         optimizer: ``sgd`` or ``adam``.

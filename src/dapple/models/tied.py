@@ -1,9 +1,9 @@
 """Tied parameters across pieces: find them, and sum their gradients over every copy.
 
 A parameter the original model uses in two pieces (GPT-2's ``wte`` and ``lm_head``) becomes
-one copy per piece after splitting (:mod:`dapple.split`). Training stays equal to the original
+one copy per piece after splitting (:mod:`dapple.models.split`). Training stays equal to the original
 model if, after the backward passes and before the optimizer step, every copy's gradient is
-replaced by the sum over all copies (and all copies start equal, which ``dapple.split``'s
+replaced by the sum over all copies (and all copies start equal, which ``dapple.models.split``'s
 per-seed construction guarantees). Pure torch; no process group here: the runtime passes the
 cross-process sum as ``group_sum_fn``.
 """

@@ -15,11 +15,11 @@ Design choices:
       its own input tensors (``aten.sym_size``). Tensors that do not depend on the inputs
       (tables built from buffers) are recomputed by every piece that uses them. Every tensor
       crossing a cut has the batch in dimension 0, or the cut is rejected.
-    - Tracing and cutting live in :mod:`dapple.split_graph`; this module turns the pieces
-      into a :class:`~dapple.workload.Workload` with per-seed weights.
+    - Tracing and cutting live in :mod:`dapple.models.split_graph`; this module turns the pieces
+      into a :class:`~dapple.models.workload.Workload` with per-seed weights.
     - A parameter reached from two pieces (tied weights such as GPT-2's ``wte``/``lm_head``) is
       copied into each; :func:`find_tied_parameters` records the groups so the runtime can sum
-      their gradients with :mod:`dapple.tied` (re-exported here).
+      their gradients with :mod:`dapple.models.tied` (re-exported here).
     - Parameter names inside a piece are the original model's fully qualified names, so the
       weights of seed ``s`` are loaded into the traced pieces by name.
 
@@ -34,7 +34,7 @@ Limitations (all from tracing once, ahead of time):
       for its two most recent seeds.
 
 Piece ``i``'s factory builds the whole model under the run's base seed (recovered from the
-per-layer seed :meth:`dapple.workload.Workload.build_layer` sets) and returns a copy of piece
+per-layer seed :meth:`dapple.models.workload.Workload.build_layer` sets) and returns a copy of piece
 ``i`` holding that model's weights, so ``build_stage(i, j, seed)`` equals the layers ``[i, j)``
 of ``build_model(seed)`` and tied copies start equal.
 """
@@ -51,15 +51,15 @@ import torch
 from torch import fx, nn
 
 from dapple.errors import ValidationError
-from dapple.split_graph import (
+from dapple.models.split_graph import (
     EXAMPLE_BATCH,
     SplitModel,
     default_cut_names,
     executed_module_names,
     parse_split_at,
 )
-from dapple.tied import find_tied_parameters, sum_tied_grads_local, sync_tied_grads
-from dapple.workload import Workload, layer_seed
+from dapple.models.tied import find_tied_parameters, sum_tied_grads_local, sync_tied_grads
+from dapple.models.workload import Workload, layer_seed
 
 __all__ = [
     "SplitModel",
