@@ -1,9 +1,10 @@
 """dapple: synchronous pipeline + data parallel training (Fan et al., DAPPLE).
 
-Architecture: ``profiler`` (torch, measures layers) -> ``planner`` (pure; cost model, DAPPLE
-search, baselines) -> ``schedule`` (pure; schedules as data) -> ``simulate`` (pure; discrete
-events) -> ``runtime`` (torch.distributed; interprets the same schedules), with ``cli`` on top.
-The pure data model lives in :mod:`dapple.core` (profile, cluster, plan).
+Architecture, one package per concept, each importing only those below it: ``cli`` > ``api``
+> ``calibrate`` > ``runtime`` | ``simulate`` | ``profiler`` > ``planner`` | ``models`` >
+``schedule`` > ``core``. ``core`` is the pure data model (profile, cluster, plan); ``planner``,
+``schedule`` and ``simulate`` are pure Python; ``runtime`` interprets the same lowered schedules
+the simulator runs. ``lint-imports`` checks the layering.
 
 The Python API (:mod:`dapple.api`) is re-exported lazily, so ``import dapple`` stays torch-free::
 
