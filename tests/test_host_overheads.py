@@ -160,7 +160,7 @@ def test_plan_local_cli_writes_a_trainable_plan(tmp_path, capsys) -> None:  # ty
 
     rc = main(
         ["plan-local", "--model", "mlp", "--global-batch-size", "8", "--nproc", "2",
-         "--repeats", "2", "-o", str(tmp_path)]
+         "--repeats", "2", "--out-dir", str(tmp_path)]
     )  # fmt: skip
     assert rc == 0
     plan = Plan.load(tmp_path / "plan.json")
@@ -174,5 +174,5 @@ def test_plan_local_cli_rejects_bad_counts(capsys) -> None:  # type: ignore[no-u
     from dapple.cli import main
 
     assert main(["plan-local", "--model", "mlp", "--global-batch-size", "8", "--nproc", "1,x",
-                 "-o", "/tmp/unused"]) == 2  # fmt: skip
+                 "--out-dir", "/tmp/unused"]) == 2  # fmt: skip
     assert "--nproc expects integers >= 2 like 2,4, got '1,x'" in capsys.readouterr().err

@@ -1,4 +1,4 @@
-"""Gradient AllReduce overlapped with the last backward (issue #9) and run teardown (issue #6).
+"""Gradient AllReduce overlapped with the last backward, and run teardown.
 
 One 4-process gloo group runs replicated plans with one bucket per parameter (so the overlap
 path is exercised with many buckets) and compares the trained parameters and losses with the

@@ -72,7 +72,9 @@ def _plan(plan: Plan | str | Path) -> Plan:
 
 
 def _profile(profile: ModelProfile | str | Path) -> ModelProfile:
-    return profile if isinstance(profile, ModelProfile) else ModelProfile.load(profile)
+    from dapple.profiler.paper_models import load_profile
+
+    return profile if isinstance(profile, ModelProfile) else load_profile(profile)
 
 
 def _cluster(cluster: Cluster | str) -> Cluster:
@@ -82,7 +84,7 @@ def _cluster(cluster: Cluster | str) -> Cluster:
 def profile(
     workload: WorkloadLike,
     batch_sizes: Sequence[int] = (1, 2, 4),
-    device: str = "cpu",
+    device: str = "auto",
     *,
     overrides: Mapping[str, Any] | None = None,
     repeats: int = 5,
@@ -96,7 +98,7 @@ def profile(
     Args:
         workload: A :class:`Workload` or a spec string.
         batch_sizes: Batch sizes to time (the fit is affine in the batch size).
-        device: ``cpu`` or ``cuda[:N]``.
+        device: ``auto`` (``cuda`` when available, else ``cpu``), ``cpu`` or ``cuda[:N]``.
         overrides: Factory keyword arguments when ``workload`` is a spec.
         repeats: Timed runs per layer and batch size (median kept).
         warmup: Untimed runs first.
@@ -135,7 +137,8 @@ def plan(
     """Plan a profiled model on a cluster (``dapple plan``).
 
     Args:
-        profile: A :class:`ModelProfile` or its JSON path.
+        profile: A :class:`ModelProfile`, its JSON path, or ``paper:NAME`` for a shipped paper
+            profile (:data:`dapple.profiler.paper_models.PAPER_MODELS`).
         cluster: A :class:`Cluster`, a preset name (``local-cpu``, ``paper-a``...) or a file.
         global_batch_size: Samples per optimizer step.
         planner: ``dapple`` or a baseline (see :data:`dapple.planner.PLANNERS`).
@@ -188,7 +191,7 @@ def simulate(
 
     Args:
         plan: A :class:`Plan` or its JSON path.
-        profile: A :class:`ModelProfile` or its JSON path.
+        profile: A :class:`ModelProfile`, its JSON path, or ``paper:NAME``.
         cluster: A :class:`Cluster`, a preset name or a file.
         schedule: ``dapple`` or ``gpipe`` instead of the plan's.
         policy: ``A`` or ``B`` instead of the plan's.
@@ -248,6 +251,7 @@ def verify(
     overrides: Mapping[str, Any] | None = None,
     schedule: str | None = None,
     policy: str | None = None,
+    device: str = "auto",
     **options: Any,
 ) -> VerifyReport:
     """Run a plan distributed and on one process from the same seed; compare (``dapple verify``).
@@ -259,8 +263,10 @@ def verify(
         overrides: Factory keyword arguments when ``workload`` is a spec.
         schedule: ``dapple`` or ``gpipe`` instead of the plan's.
         policy: ``A`` or ``B`` instead of the plan's.
-        **options: ``seed``, ``optimizer``, ``lr``, ``rtol``, ``atol``, ``timeout_s``,
-            ``device`` (see :func:`dapple.runtime.verify.verify_many`).
+        device: Device of the distributed run: ``auto`` (``cuda`` when available, else
+            ``cpu``), ``cpu`` or ``cuda``; the reference runs on the CPU.
+        **options: ``seed``, ``optimizer``, ``lr``, ``rtol``, ``atol``, ``timeout_s``
+            (see :func:`dapple.runtime.verify.verify_many`).
 
     Returns:
         A :class:`~dapple.runtime.verify.VerifyReport`; ``report.ok`` is the verdict.
@@ -271,12 +277,20 @@ def verify(
     """
     from dapple.runtime.verify import verify as _verify
 
-    return _verify(_with(plan, schedule, policy), _workload(workload, overrides), steps, **options)
+    return _verify(
+        _with(plan, schedule, policy),
+        _workload(workload, overrides),
+        steps,
+        device=device,
+        **options,
+    )
 
 
 def verify_many(
     cases: Sequence[tuple[Plan | str | Path, WorkloadLike]],
     steps: int = 2,
+    *,
+    device: str = "auto",
     **options: Any,
 ) -> list[VerifyReport]:
     """:func:`verify` several ``(plan, workload)`` pairs in ONE launch of worker processes.
@@ -287,6 +301,7 @@ def verify_many(
     Args:
         cases: Plans (objects or paths) and workloads (objects or spec strings).
         steps: Optimizer steps of every run.
+        device: As in :func:`verify` (default ``auto``).
         **options: As in :func:`verify` (no ``schedule``/``policy``: set them on the plans).
 
     Raises:
@@ -303,4 +318,4 @@ def verify_many(
                 loaded[w] = _workload(w, None)
             w = loaded[w]
         resolved.append((_plan(p), _workload(w, None)))
-    return _verify_many(resolved, steps, **options)
+    return _verify_many(resolved, steps, device=device, **options)

@@ -1,4 +1,5 @@
-"""Model arguments shared by every command that loads a model: ``--set`` and ``--split-at``.
+"""Model arguments shared by every command that loads a model: ``-m/--model``, ``--set`` and
+``--split-at``.
 
 Torch-free at import time, so building the CLI parser does not load torch.
 """
@@ -11,11 +12,26 @@ from typing import Any
 
 from dapple.errors import ValidationError
 
-__all__ = ["add_model_arguments", "model_overrides", "parse_overrides"]
+__all__ = ["add_model_argument", "add_model_arguments", "model_overrides", "parse_overrides"]
+
+
+def add_model_argument(p: argparse.ArgumentParser, default: str | None = None) -> None:
+    """Add ``-m/--model SPEC`` to ``p``: required unless ``default`` is given."""
+    p.add_argument(
+        "-m",
+        "--model",
+        required=default is None,
+        default=default,
+        metavar="SPEC",
+        help="zoo name, package.module:factory or file.py:factory"
+        + ("" if default is None else " (default %(default)s)"),
+    )
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
-    """Add ``--set KEY=VALUE`` (factory arguments) and ``--split-at NAME,NAME`` to ``p``."""
+    """Add ``-m/--model SPEC`` (required), ``--set KEY=VALUE`` (factory arguments) and
+    ``--split-at NAME,NAME`` to ``p``."""
+    add_model_argument(p)
     p.add_argument(
         "--set",
         action="append",

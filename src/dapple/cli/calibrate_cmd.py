@@ -15,7 +15,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         "calibrate", help="measure p2p/AllReduce cost on gloo and write a cluster JSON"
     )
     p.add_argument("--nproc", type=int, default=4, help="local processes (default 4)")
-    p.add_argument("--output", "-o", required=True, help="cluster JSON to write")
+    p.add_argument("-o", "--output", required=True, help="cluster JSON to write")
     p.add_argument("--repeats", type=int, default=5, help="timed repetitions per message size")
     p.add_argument("--max-mb", type=float, default=16.0, help="largest message in MiB")
     p.set_defaults(func=run)

@@ -3,7 +3,7 @@
 Profile a small built-in transformer, measure this machine's links (``calibrate``), plan it for
 4 local processes with DAPPLE beside the baselines, simulate the chosen plan (Gantt, memory and
 trace files), train it for real across 4 gloo processes, and print predicted vs measured step
-time and the loss curve. Everything is written under ``--out``.
+time and the loss curve. Everything is written under ``--out-dir``.
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
+from dapple.cli._model_args import add_model_argument
+
 __all__ = ["register"]
 
 
@@ -25,15 +27,13 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser(
         "demo", help="profile, plan, simulate and train a small transformer on 4 CPU processes"
     )
-    p.add_argument("--out", default="out/demo", help="output folder (default out/demo)")
+    p.add_argument("--out-dir", default="out/demo", help="output directory (default out/demo)")
     p.add_argument("--nproc", type=int, default=4, help="local processes / devices (default 4)")
     p.add_argument("--steps", type=int, default=20, help="training steps (default 20)")
     p.add_argument(
         "--global-batch-size", type=int, default=32, help="samples per step (default 32)"
     )
-    p.add_argument(
-        "--model", default="transformer", help="zoo name or module:factory (default transformer)"
-    )
+    add_model_argument(p, default="transformer")
     p.set_defaults(func=run)
 
 
@@ -48,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
     from dapple.simulate.trace import write_trace
 
     con = Console()
-    out = Path(args.out)
+    out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     wl = load_workload(args.model)
 

@@ -14,7 +14,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         "import-pipedream", help="convert a PipeDream graph.txt profile into a dapple profile JSON"
     )
     p.add_argument("graph", help="PipeDream graph.txt")
-    p.add_argument("--output", "-o", required=True, help="profile JSON to write")
+    p.add_argument("-o", "--output", required=True, help="profile JSON to write")
     p.add_argument(
         "--batch-size", type=int, default=1, help="PipeDream's profiling batch size (default 1)"
     )

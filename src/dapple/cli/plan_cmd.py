@@ -16,7 +16,7 @@ from dapple.core.plan import Plan
 from dapple.core.profile import ModelProfile
 from dapple.errors import DappleError, InfeasibleError, ValidationError
 
-__all__ = ["format_devices", "load_profile_spec", "register", "run"]
+__all__ = ["format_devices", "register", "run"]
 
 _PLANNERS = ("dapple", "dp", "straight", "gpipe", "pipedream", "exhaustive")
 
@@ -40,25 +40,11 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         help="samples per step (default for paper: profiles: the paper's)",
     )
     p.add_argument("--planner", choices=_PLANNERS, default="dapple", help="default: dapple")
-    p.add_argument("--output", default=None, help="write the plan JSON here")
+    p.add_argument("-o", "--output", default=None, help="plan JSON to write")
     p.add_argument(
         "--compare", action="store_true", help="run every planner and compare them side by side"
     )
     p.set_defaults(func=run)
-
-
-def load_profile_spec(spec: str) -> tuple[ModelProfile, int | None]:
-    """A profile file, or ``paper:<name>`` for a shipped paper profile (with its paper GBS).
-
-    Raises:
-        ValidationError: unknown paper model or unreadable file.
-    """
-    if spec.startswith("paper:"):
-        from dapple.profiler.paper_models import PAPER_GLOBAL_BATCH, load_paper_profile
-
-        name = spec.split(":", 1)[1]
-        return load_paper_profile(name), PAPER_GLOBAL_BATCH.get(name)
-    return ModelProfile.load(spec), None
 
 
 def format_devices(devices: Sequence[int]) -> str:
@@ -170,10 +156,14 @@ def _speedup(dp_ms: float, ms: float) -> str:
 def run(args: argparse.Namespace) -> int:
     from dapple.core.cluster import load_cluster
     from dapple.planner.cost import pipeline_latency
+    from dapple.profiler.paper_models import PAPER_GLOBAL_BATCH, load_profile, paper_name
 
-    profile, paper_gbs = load_profile_spec(args.profile)
+    profile = load_profile(args.profile)
     cluster = load_cluster(args.cluster, args.servers)
-    gbs = args.global_batch_size if args.global_batch_size is not None else paper_gbs
+    gbs = args.global_batch_size
+    if gbs is None:
+        name = paper_name(args.profile)
+        gbs = None if name is None else PAPER_GLOBAL_BATCH[name]
     if gbs is None:
         raise ValidationError("--global-batch-size is required for a profile file")
     if gbs < 1:

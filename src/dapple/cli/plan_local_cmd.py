@@ -26,7 +26,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         help="plan for this machine's CPU cores: profile, calibrate and plan for each process "
         "count, keep the fastest",
     )
-    p.add_argument("--model", required=True, help="zoo name, module:factory or file.py:factory")
+    add_model_arguments(p)
     p.add_argument("--global-batch-size", type=int, required=True, help="samples per step")
     p.add_argument(
         "--nproc", default="2,4", help="candidate numbers of local processes (default 2,4)"
@@ -34,11 +34,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--repeats", type=int, default=5, help="timed runs per layer, median kept")
     p.add_argument(
         "--out-dir",
-        "-o",
         required=True,
         help="directory for plan.json and the chosen count's profile.json and cluster.json",
     )
-    add_model_arguments(p)
     p.set_defaults(func=run)
 
 

@@ -9,6 +9,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from dapple.cli._model_args import add_model_arguments, model_overrides
+from dapple.cli._run_args import add_device_argument
 from dapple.core.profile import ModelProfile
 from dapple.errors import ValidationError
 
@@ -19,14 +20,12 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser(
         "profile", help="measure per-layer times and sizes of a model and write a profile JSON"
     )
-    p.add_argument(
-        "--model", "-m", required=True, help="zoo name, module:factory or file.py:factory"
-    )
+    add_model_arguments(p)
     p.add_argument(
         "--batch-sizes", default="1,2,4", help="comma-separated batch sizes (default 1,2,4)"
     )
-    p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
-    p.add_argument("--output", "-o", required=True, help="profile JSON to write")
+    add_device_argument(p)
+    p.add_argument("-o", "--output", required=True, help="profile JSON to write")
     p.add_argument("--repeats", type=int, default=5, help="timed runs per layer, median kept")
     p.add_argument("--warmup", type=int, default=2, help="untimed runs per layer")
     p.add_argument(
@@ -46,7 +45,6 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument(
         "--input-shape", help="per-sample input shape for nn.Sequential factories, e.g. 3,32,32"
     )
-    add_model_arguments(p)
     p.set_defaults(func=run)
 
 

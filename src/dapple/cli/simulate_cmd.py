@@ -20,7 +20,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         help="simulate one training step of a plan; Gantt chart, Chrome trace, memory plot",
     )
     p.add_argument("--plan", required=True, help="plan JSON (from `dapple plan`)")
-    p.add_argument("--profile", required=True, help="model profile JSON")
+    p.add_argument(
+        "--profile", required=True, help="model profile JSON, or a paper profile: paper:bert48"
+    )
     p.add_argument("--cluster", required=True, help="cluster preset name or JSON/TOML file")
     p.add_argument("--servers", type=int, default=None, help="override the number of servers")
     p.add_argument(
@@ -40,11 +42,11 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
 def run(args: argparse.Namespace) -> int:
     from dapple.core.cluster import load_cluster
-    from dapple.core.profile import ModelProfile
+    from dapple.profiler.paper_models import load_profile
     from dapple.simulate import simulate
 
     plan = Plan.load(args.plan)
-    profile = ModelProfile.load(args.profile)
+    profile = load_profile(args.profile)
     cluster = load_cluster(args.cluster, args.servers)
     over = {k: v for k, v in (("schedule", args.schedule), ("policy", args.policy)) if v}
     plan = dataclasses.replace(plan, **over)

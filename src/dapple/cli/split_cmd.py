@@ -16,9 +16,6 @@ __all__ = ["register"]
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("split", help="show the pieces a model is cut into and what flows between")
-    p.add_argument(
-        "--model", "-m", required=True, help="module:factory, e.g. dapple.models.hf:gpt2"
-    )
     add_model_arguments(p)
     p.add_argument("--batch-size", type=int, default=2, help="batch run through the chain")
     p.set_defaults(func=run)

@@ -13,7 +13,8 @@ import os
 import statistics
 from typing import TYPE_CHECKING
 
-from dapple.cli._model_args import add_model_arguments, model_overrides
+from dapple.cli._model_args import model_overrides
+from dapple.cli._run_args import add_run_arguments, load_run_plan
 from dapple.core.plan import Plan
 from dapple.errors import ValidationError
 
@@ -30,27 +31,21 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--plan", required=True, help="plan JSON file")
-    p.add_argument("--model", required=True, help="zoo model name or module:factory")
-    p.add_argument("--steps", type=int, default=1, help="optimizer steps (default 1)")
-    p.add_argument("--seed", type=int, default=0, help="weights seed; step t uses batch seed+t")
-    p.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd")
-    p.add_argument("--lr", type=float, default=0.01, help="learning rate (default 0.01)")
+    add_run_arguments(p, steps=1)
     p.add_argument("--metrics", default=None, help="write per-step metrics as JSON lines here")
-    p.add_argument("--profile", default=None, help="profile JSON: print the predicted step time")
-    p.add_argument("--cluster", default=None, help="cluster preset or JSON (with --profile)")
     p.add_argument(
-        "--timeout-s", type=float, default=300.0, help="fail instead of waiting longer on a peer"
+        "--profile",
+        default=None,
+        help="profile JSON or paper:NAME: print the simulated step time beside the measured one",
     )
+    p.add_argument("--cluster", default=None, help="cluster preset or JSON (with --profile)")
     p.add_argument("--recompute", action="store_true", help="re-compute forwards on every stage")
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    add_model_arguments(p)
     _register_long_run(p)
     p.set_defaults(func=run)
 
 
 def _register_long_run(p: argparse.ArgumentParser) -> None:
-    """Checkpoint / resume / non-finite flags (issue #10)."""
+    """Checkpoint / resume / non-finite flags."""
     g = p.add_argument_group("long runs")
     g.add_argument("--checkpoint-dir", default=None, help="save checkpoints here (per layer)")
     g.add_argument("--save-every", type=int, default=0, help="save every N steps (0: never)")
@@ -92,22 +87,13 @@ def check_long_run(
         )
 
 
-def _predicted_step_ms(plan: Plan, profile_path: str, cluster_spec: str) -> tuple[float, str]:
-    """The simulator's step time for ``plan`` (or the planner's L when no simulator exists)."""
+def _predicted_step_ms(plan: Plan, profile_spec: str, cluster_spec: str) -> float:
+    """The simulator's step time for ``plan`` on ``profile_spec`` (a file or ``paper:NAME``)."""
     from dapple.core.cluster import load_cluster
-    from dapple.core.profile import ModelProfile
+    from dapple.profiler.paper_models import load_profile
+    from dapple.simulate import simulate
 
-    profile = ModelProfile.load(profile_path)
-    cluster = load_cluster(cluster_spec)
-    try:
-        from dapple.simulate import simulate
-    except ImportError:
-        try:
-            from dapple.planner.cost import pipeline_latency
-        except ImportError:
-            return math.nan, "no simulator or cost model available"
-        return pipeline_latency(plan, profile, cluster).L_ms, "cost model L"
-    return simulate(plan, profile, cluster).step_ms, "simulator"
+    return simulate(plan, load_profile(profile_spec), load_cluster(cluster_spec)).step_ms
 
 
 def _model_arg(args: argparse.Namespace) -> object:
@@ -127,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
 
     if (args.profile is None) != (args.cluster is None):
         raise ValidationError("--profile and --cluster must be given together")
-    plan = Plan.load(args.plan)
+    plan = load_run_plan(args)
     args.model = _model_arg(args)
     if args.checkpoint_dir is not None:
         from dapple.runtime import resolve_workload
@@ -135,9 +121,9 @@ def run(args: argparse.Namespace) -> int:
         check_long_run(
             args.checkpoint_dir, resolve_workload(args.model), plan.num_layers, resume=args.resume
         )
-    predicted, source = math.nan, ""
+    predicted = math.nan
     if args.profile is not None:
-        predicted, source = _predicted_step_ms(plan, args.profile, args.cluster)
+        predicted = _predicted_step_ms(plan, args.profile, args.cluster)
     metrics = train(
         plan,
         args.model,
@@ -162,10 +148,6 @@ def run(args: argparse.Namespace) -> int:
         steady = [m.step_ms for m in metrics[1:]] or [metrics[0].step_ms]
         line = f"measured step time {statistics.median(steady):.1f} ms (median of {len(steady)})"
         if args.profile is not None:
-            line += (
-                f" vs predicted {predicted:.1f} ms ({source})"
-                if not math.isnan(predicted)
-                else f"; no prediction ({source})"
-            )
+            line += f" vs predicted {predicted:.1f} ms (simulator)"
         print(line)
     return 0

@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING
 from rich.console import Console
 from rich.table import Table
 
-from dapple.cli._model_args import add_model_arguments, model_overrides
+from dapple.cli._model_args import model_overrides
+from dapple.cli._run_args import add_run_arguments, load_run_plan
 
 if TYPE_CHECKING:
     from dapple.runtime.verify import VerifyReport
@@ -29,25 +30,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--plan", required=True, help="plan JSON file")
-    p.add_argument(
-        "--model", "-m", required=True, help="zoo name, module:factory or file.py:factory"
-    )
-    add_model_arguments(p)
-    p.add_argument("--steps", type=int, default=2, help="optimizer steps (default 2)")
-    p.add_argument("--seed", type=int, default=0, help="weights seed; step t uses batch seed+t")
-    p.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd")
-    p.add_argument("--lr", type=float, default=0.01, help="learning rate (default 0.01)")
-    p.add_argument(
-        "--schedule", choices=("dapple", "gpipe"), default=None, help="override the plan's"
-    )
-    p.add_argument("--policy", choices=("A", "B"), default=None, help="override the plan's")
+    add_run_arguments(p, steps=2)
     p.add_argument("--rtol", type=float, default=None, help="relative tolerance (default 1.3e-6)")
     p.add_argument("--atol", type=float, default=None, help="absolute tolerance (default 1e-5)")
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="cpu")
-    p.add_argument(
-        "--timeout-s", type=float, default=300.0, help="fail instead of waiting longer on a peer"
-    )
     p.set_defaults(func=run)
 
 
@@ -97,12 +82,10 @@ def run(args: argparse.Namespace) -> int:
     overrides = model_overrides(args)
     tol = {k: v for k, v in (("rtol", args.rtol), ("atol", args.atol)) if v is not None}
     report = verify(
-        args.plan,
+        load_run_plan(args),
         args.model,
         args.steps,
         overrides=overrides,
-        schedule=args.schedule,
-        policy=args.policy,
         seed=args.seed,
         optimizer=args.optimizer,
         lr=args.lr,

@@ -42,7 +42,7 @@ class Workload:
     loss_fn: Callable[[Any, torch.Tensor], torch.Tensor]
     """Mean loss of a batch's outputs against its targets."""
     layer_names: Sequence[str] = field(default=())
-    """Optional names per layer (defaults to the module class names)."""
+    """Optional name of each layer; when empty, :meth:`name_of` gives the layer's index."""
     tied_parameters: Sequence[Sequence[tuple[int, str]]] = field(default=())
     """Groups of ``(layer index, parameter name)`` that are one shared parameter in the original
     model (e.g. GPT-2's input embedding and LM head); their gradients are summed over copies."""
@@ -66,6 +66,7 @@ class Workload:
         return self.build_stage(0, self.num_layers, seed)
 
     def name_of(self, index: int) -> str:
+        """``layer_names[index]``, or ``str(index)`` when the workload has no layer names."""
         if self.layer_names:
             return str(self.layer_names[index])
         return f"{index}"

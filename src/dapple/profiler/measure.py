@@ -35,15 +35,19 @@ ProgressFn = Callable[[int, int, str], None]
 
 
 def resolve_device(device: str) -> torch.device:
-    """Parse ``device`` (``cpu``, ``cuda``, ``cuda:1``), checking that it exists.
+    """Parse ``device`` (``auto``, ``cpu``, ``cuda``, ``cuda:1``), checking that it exists.
+
+    ``auto`` is ``cuda`` when CUDA is available, else ``cpu``.
 
     Raises:
         ValidationError: unknown device string or CUDA requested but unavailable.
     """
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError) as e:
-        raise ValidationError(f"unknown device {device!r}: use cpu or cuda[:N]") from e
+        raise ValidationError(f"unknown device {device!r}: use auto, cpu or cuda[:N]") from e
     if dev.type == "cuda":
         if not torch.cuda.is_available():
             raise ValidationError(f"device {device!r} requested but CUDA is not available here")
@@ -52,7 +56,7 @@ def resolve_device(device: str) -> torch.device:
                 f"device {device!r}: only {torch.cuda.device_count()} CUDA device(s) present"
             )
     elif dev.type != "cpu":
-        raise ValidationError(f"unsupported device {device!r}: use cpu or cuda[:N]")
+        raise ValidationError(f"unsupported device {device!r}: use auto, cpu or cuda[:N]")
     return dev
 
 
@@ -183,7 +187,7 @@ def profile_workload(
     Args:
         workload: the layer chain to profile.
         batch_sizes: batch sizes of one forward/backward call (positive, at least one).
-        device: ``cpu`` or ``cuda[:N]``.
+        device: ``cpu``, ``cuda[:N]`` or ``auto`` (``cuda`` when available, else ``cpu``).
         warmup: untimed runs before the timed ones.
         repeats: timed runs; the median is kept.
         progress: optional callback ``(done, total, description)``.

@@ -48,11 +48,14 @@ __all__ = [
     "PAPER_GLOBAL_BATCH",
     "PAPER_MODELS",
     "PAPER_PARAMS_M",
+    "PAPER_PREFIX",
     "PAPER_PROFILE_BATCH",
     "UTILISATION",
     "V100_HBM_BYTES_PER_S",
     "V100_PEAK_FP32_FLOPS",
     "load_paper_profile",
+    "load_profile",
+    "paper_name",
     "paper_profile",
     "write_paper_profiles",
 ]
@@ -72,6 +75,9 @@ BACKWARD_OVERHEAD_MS = 0.1
 
 PAPER_MODELS: tuple[str, ...] = ("resnet50", "vgg19", "gnmt16", "bert48", "xlnet36", "amoebanet36")
 """The paper's benchmark models (table 1), by profile name."""
+
+PAPER_PREFIX = "paper:"
+"""Prefix of a profile spec naming a shipped paper profile: ``paper:bert48``."""
 
 PAPER_PARAMS_M: dict[str, float] = {
     "gnmt16": 291.0,
@@ -199,6 +205,36 @@ def load_paper_profile(name: str) -> ModelProfile:
     """
     _check_name(name)
     return ModelProfile.load(_data_dir() / f"paper-{name}.json")
+
+
+def paper_name(spec: str | Path) -> str | None:
+    """The model name of a ``paper:NAME`` profile spec (``None`` for a file path).
+
+    Raises:
+        ValidationError: ``NAME`` is not one of :data:`PAPER_MODELS`.
+    """
+    if not isinstance(spec, str) or not spec.startswith(PAPER_PREFIX):
+        return None
+    name = spec.removeprefix(PAPER_PREFIX)
+    if name not in _BUILDERS:
+        known = ", ".join(PAPER_PREFIX + n for n in PAPER_MODELS)
+        raise ValidationError(f"unknown paper profile {spec!r}; known: {known}")
+    return name
+
+
+def load_profile(spec: str | Path) -> ModelProfile:
+    """A profile from a JSON file, or a shipped paper profile for ``paper:NAME``.
+
+    Every command and API function that takes a profile resolves it here.
+
+    Args:
+        spec: a profile JSON path, or ``paper:`` followed by one of :data:`PAPER_MODELS`.
+
+    Raises:
+        ValidationError: unknown paper model, or a missing or malformed file.
+    """
+    name = paper_name(spec)
+    return ModelProfile.load(spec) if name is None else load_paper_profile(name)
 
 
 def write_paper_profiles(directory: str | Path | None = None) -> list[Path]:

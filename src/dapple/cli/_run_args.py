@@ -1,0 +1,122 @@
+"""Flags of the commands that run a plan (``train``, ``verify``) and the ``--device`` flag.
+
+``dapple train`` and ``dapple verify`` both call :func:`add_run_arguments`, so they spell,
+default and document their common flags alike. Torch-free at import time: the optimizer names
+come from :data:`dapple.runtime.config.OPTIMIZERS` only when argparse reads the choices.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from collections.abc import Sequence
+from typing import Any, overload
+
+from dapple.cli._model_args import add_model_arguments
+from dapple.core.plan import Plan
+
+__all__ = ["RUN_DEVICES", "add_device_argument", "add_run_arguments", "load_run_plan"]
+
+RUN_DEVICES = ("auto", "cpu", "cuda")
+"""``--device`` choices of ``train`` and ``verify`` (what :class:`~dapple.runtime.TrainConfig`
+accepts)."""
+
+
+class _OptimizerNames(Sequence[str]):
+    """The runtime's optimizer names, imported on first use (the runtime package imports torch;
+    building the parser must not)."""
+
+    @staticmethod
+    def _names() -> tuple[str, ...]:
+        from dapple.runtime.config import OPTIMIZERS
+
+        return tuple(OPTIMIZERS)
+
+    @overload
+    def __getitem__(self, index: int) -> str: ...
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[str]: ...
+    def __getitem__(self, index: int | slice) -> str | Sequence[str]:
+        return self._names()[index]
+
+    def __len__(self) -> int:
+        return len(self._names())
+
+    def __repr__(self) -> str:
+        return repr(self._names())
+
+
+def add_device_argument(p: argparse.ArgumentParser, choices: Sequence[str] | None = None) -> None:
+    """Add ``--device`` (default ``auto``: ``cuda`` when available, else ``cpu``) to ``p``.
+
+    Args:
+        p: the command's parser.
+        choices: the accepted names; ``None`` also accepts ``cuda:N``.
+    """
+    names = "auto, cpu or cuda[:N]" if choices is None else ", ".join(choices)
+    p.add_argument(
+        "--device",
+        choices=choices,
+        default="auto",
+        metavar="DEVICE",
+        help=f"{names} (default auto: cuda when available, else cpu)",
+    )
+
+
+def add_run_arguments(p: argparse.ArgumentParser, *, steps: int) -> None:
+    """Add the flags ``dapple train`` and ``dapple verify`` share to ``p``.
+
+    ``--plan``, ``-m/--model`` (with ``--set``, ``--split-at``), ``--steps``, ``--seed``,
+    ``--optimizer`` (the runtime's names), ``--lr``, ``--schedule``, ``--policy``,
+    ``--device`` and ``--timeout-s``.
+
+    Args:
+        p: the command's parser.
+        steps: the default of ``--steps``.
+    """
+    p.add_argument("--plan", required=True, help="plan JSON file (from `dapple plan`)")
+    add_model_arguments(p)
+    p.add_argument("--steps", type=int, default=steps, help="optimizer steps (default %(default)s)")
+    p.add_argument(
+        "--seed", type=int, default=0, help="weights seed; step t uses batch seed+t (default 0)"
+    )
+    p.add_argument(
+        "--optimizer",
+        choices=_OptimizerNames(),
+        default="sgd",
+        metavar="NAME",
+        help="one of %(choices)s (default %(default)s)",
+    )
+    p.add_argument("--lr", type=float, default=0.01, help="learning rate (default %(default)s)")
+    p.add_argument(
+        "--schedule",
+        choices=("dapple", "gpipe"),
+        default=None,
+        help="run this schedule instead of the plan's",
+    )
+    p.add_argument(
+        "--policy",
+        choices=("A", "B"),
+        default=None,
+        help="DAPPLE warm-up policy (K_i) instead of the plan's",
+    )
+    add_device_argument(p, RUN_DEVICES)
+    p.add_argument(
+        "--timeout-s",
+        type=float,
+        default=300.0,
+        help="fail instead of waiting longer than this on a peer, seconds (default %(default)s)",
+    )
+
+
+def load_run_plan(args: argparse.Namespace) -> Plan:
+    """The plan of ``--plan`` with ``--schedule`` and ``--policy`` applied.
+
+    Raises:
+        ValidationError: unreadable or invalid plan file.
+    """
+    plan = Plan.load(args.plan)
+    over: dict[str, Any] = {
+        k: v for k, v in (("schedule", args.schedule), ("policy", args.policy)) if v
+    }
+    return dataclasses.replace(plan, **over)

@@ -1,0 +1,277 @@
+"""One CLI vocabulary: ``-o/--output`` is a file, ``--out-dir`` a directory, ``-m/--model``,
+``--device`` defaulting to ``auto``, the flags ``train`` and ``verify`` share, and ``paper:NAME``
+profiles wherever a profile is taken (CLI and API)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import inspect
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dapple import api
+from dapple.cli import build_parser, main
+from dapple.cli._run_args import add_run_arguments, load_run_plan
+from dapple.core.cluster import load_cluster
+from dapple.core.plan import Plan, straight_plan
+from dapple.errors import ValidationError
+from dapple.profiler.paper_models import PAPER_MODELS, load_paper_profile, load_profile
+from dapple.runtime.config import OPTIMIZERS
+from dapple.simulate import simulate
+
+COMMANDS = {
+    "profile",
+    "import-pipedream",
+    "plan",
+    "simulate",
+    "train",
+    "verify",
+    "split",
+    "calibrate",
+    "plan-local",
+    "demo",
+}
+UNKNOWN_PAPER = "dapple: error: unknown paper profile 'paper:bert4'; known: " + ", ".join(
+    f"paper:{n}" for n in PAPER_MODELS
+)
+
+
+def _commands() -> dict[str, argparse.ArgumentParser]:
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(sub.choices)
+
+
+def _options(p: argparse.ArgumentParser) -> dict[str, argparse.Action]:
+    """Every optional argument of ``p`` (but ``-h``) by its longest option string."""
+    return {
+        max(a.option_strings, key=len): a
+        for a in p._actions
+        if a.option_strings and a.dest != "help"
+    }
+
+
+def test_every_command_is_surveyed() -> None:
+    assert set(_commands()) == COMMANDS
+
+
+def test_o_is_always_output_a_file_and_directories_are_out_dir() -> None:
+    with_output = {}
+    with_out_dir = set()
+    for name, p in _commands().items():
+        opts = _options(p)
+        assert "--out" not in opts, name
+        for a in opts.values():
+            if "-o" in a.option_strings:
+                assert a.option_strings == ["-o", "--output"], (name, a.option_strings)
+        if "--output" in opts:
+            with_output[name] = opts["--output"].option_strings
+        if "--out-dir" in opts:
+            assert opts["--out-dir"].option_strings == ["--out-dir"], name
+            with_out_dir.add(name)
+    assert set(with_output) == {"profile", "import-pipedream", "plan", "calibrate"}
+    assert with_out_dir == {"plan-local", "demo"}
+    ns = build_parser().parse_args(
+        ["plan-local", "-m", "mlp", "--global-batch-size", "8", "--out-dir", "out/x"]
+    )
+    assert ns.out_dir == "out/x"
+    assert build_parser().parse_args(["demo", "--out-dir", "d"]).out_dir == "d"
+
+
+def test_plan_local_rejects_o_for_its_directory(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        main(["plan-local", "-m", "mlp", "--global-batch-size", "8", "--out-dir", "d", "-o", "x"])
+    assert e.value.code == 2
+    assert "unrecognized arguments: -o x" in capsys.readouterr().err
+
+
+def test_model_is_m_model_on_every_command_taking_a_model() -> None:
+    with_model = set()
+    for name, p in _commands().items():
+        opts = _options(p)
+        if "--model" in opts:
+            assert opts["--model"].option_strings == ["-m", "--model"], name
+            assert opts["--model"].help, name
+            with_model.add(name)
+    assert with_model == {"profile", "train", "verify", "split", "plan-local", "demo"}
+    ns = build_parser().parse_args(["train", "--plan", "p.json", "-m", "mlp"])
+    assert ns.model == "mlp"
+    assert build_parser().parse_args(["demo"]).model == "transformer"
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["profile", "-m", "mlp", "-o", "p.json"],
+        ["train", "--plan", "p.json", "-m", "mlp"],
+        ["verify", "--plan", "p.json", "-m", "mlp"],
+    ],
+)
+def test_device_defaults_to_auto(argv: list[str]) -> None:
+    assert build_parser().parse_args(argv).device == "auto"
+
+
+def test_device_flag_exists_only_where_parsed_above() -> None:
+    assert {n for n, p in _commands().items() if "--device" in _options(p)} == {
+        "profile",
+        "train",
+        "verify",
+    }
+
+
+def test_api_device_defaults_are_auto() -> None:
+    for fn in (api.profile, api.verify, api.verify_many):
+        assert inspect.signature(fn).parameters["device"].default == "auto", fn.__name__
+
+
+def test_auto_device_resolves_to_cuda_when_available_else_cpu() -> None:
+    from dapple.profiler.measure import resolve_device
+
+    expected = "cuda" if torch.cuda.is_available() else "cpu"
+    assert resolve_device("auto").type == expected
+    with pytest.raises(ValidationError, match="use auto, cpu or cuda"):
+        resolve_device("tpu")
+
+
+def test_train_and_verify_share_one_flag_set_with_help() -> None:
+    ref = argparse.ArgumentParser()
+    add_run_arguments(ref, steps=1)
+    shared = _options(ref)
+    assert set(shared) == {
+        "--plan",
+        "--model",
+        "--set",
+        "--split-at",
+        "--steps",
+        "--seed",
+        "--optimizer",
+        "--lr",
+        "--schedule",
+        "--policy",
+        "--device",
+        "--timeout-s",
+    }
+    cmds = _commands()
+    for name in ("train", "verify"):
+        opts = _options(cmds[name])
+        for flag, a in shared.items():
+            b = opts[flag]
+            assert b.option_strings == a.option_strings, (name, flag)
+            assert b.help == a.help and b.help, (name, flag)
+            assert (b.type, b.required, b.metavar) == (a.type, a.required, a.metavar), (name, flag)
+            assert list(b.choices or ()) == list(a.choices or ()), (name, flag)
+            if flag != "--steps":
+                assert b.default == a.default, (name, flag)
+        for flag, b in opts.items():
+            assert b.help, (name, flag)
+    assert _options(cmds["train"])["--steps"].default == 1
+    assert _options(cmds["verify"])["--steps"].default == 2
+
+
+def test_optimizer_choices_are_the_runtimes(capsys: pytest.CaptureFixture[str]) -> None:
+    for name in ("train", "verify"):
+        assert tuple(_options(_commands()[name])["--optimizer"].choices) == OPTIMIZERS
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--help"])
+    assert e.value.code == 0
+    assert ", ".join(OPTIMIZERS) in " ".join(capsys.readouterr().out.split())
+    with pytest.raises(SystemExit) as e:
+        main(["verify", "--plan", "p.json", "-m", "mlp", "--optimizer", "rmsprop"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "invalid choice: 'rmsprop' (choose from 'sgd', 'adam')" in err
+
+
+def test_building_the_parser_does_not_import_torch() -> None:
+    code = "import sys; from dapple.cli import build_parser; build_parser(); sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
+
+
+# paper:NAME profiles
+
+
+def test_load_profile_reads_files_and_paper_names(tmp_path: Path) -> None:
+    prof = load_paper_profile("vgg19")
+    prof.save(tmp_path / "p.json")
+    assert load_profile(tmp_path / "p.json") == prof
+    assert load_profile(str(tmp_path / "p.json")) == prof
+    assert load_profile("paper:vgg19") == prof
+    with pytest.raises(ValidationError) as e:
+        load_profile("paper:bert4")
+    assert f"dapple: error: {e.value}" == UNKNOWN_PAPER
+
+
+def test_plan_and_simulate_accept_paper_profiles(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "plan.json"
+    args = ["--profile", "paper:resnet50", "--cluster", "paper-b"]
+    assert main(["plan", *args, "-o", str(out)]) == 0
+    plan = Plan.load(out)
+    assert plan.global_batch_size == 2048  # the paper's GBS for ResNet-50
+    capsys.readouterr()
+    assert main(["simulate", "--plan", str(out), *args]) == 0
+    expected = simulate(plan, load_paper_profile("resnet50"), load_cluster("paper-b")).step_ms
+    assert f"step time {expected:.3f} ms" in capsys.readouterr().out
+    assert (
+        main(["simulate", "--plan", str(out), "--profile", "paper:bert4", "--cluster", "paper-b"])
+        == 2
+    )
+    assert capsys.readouterr().err.strip() == UNKNOWN_PAPER
+
+
+def test_api_accepts_paper_profiles() -> None:
+    prof = load_paper_profile("resnet50")
+    plan = api.plan("paper:resnet50", "paper-b", 256)
+    assert plan == api.plan(prof, "paper-b", 256)
+    r = api.simulate(plan, "paper:resnet50", "paper-b")
+    assert r.step_ms == api.simulate(plan, prof, "paper-b").step_ms
+    with pytest.raises(ValidationError, match=r"unknown paper profile 'paper:bert4'; known: "):
+        api.simulate(plan, "paper:bert4", "paper-b")
+
+
+def test_train_rejects_an_unknown_paper_profile_before_launch(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    straight_plan(4, [0], global_batch_size=4, num_micro_batches=1).save(tmp_path / "p.json")
+    argv = ["train", "--plan", str(tmp_path / "p.json"), "-m", "mlp", "--set", "layers=3"]
+    assert main([*argv, "--profile", "paper:bert4", "--cluster", "paper-b"]) == 2
+    assert capsys.readouterr().err.strip() == UNKNOWN_PAPER
+
+
+@pytest.mark.slow
+def test_train_predicts_with_a_paper_profile(tmp_path: Path) -> None:
+    # resnet50's paper profile has 18 layers; mlp(layers=17) too (17 hidden + classifier)
+    plan = straight_plan(18, [0, 9], global_batch_size=4, num_micro_batches=2)
+    plan.save(tmp_path / "p.json")
+    metrics = tmp_path / "m.jsonl"
+    argv = ["train", "--plan", str(tmp_path / "p.json"), "-m", "mlp", "--set", "layers=17"]
+    argv += ["--profile", "paper:resnet50", "--cluster", "paper-b", "--device", "cpu"]
+    assert main([*argv, "--metrics", str(metrics), "--timeout-s", "60"]) == 0
+    expected = simulate(plan, load_paper_profile("resnet50"), load_cluster("paper-b")).step_ms
+    rows = [json.loads(x) for x in metrics.read_text().splitlines()]
+    assert [r["predicted_step_ms"] for r in rows] == [pytest.approx(expected)]
+
+
+@pytest.mark.parametrize("command", ["train", "verify"])
+def test_schedule_and_policy_override_the_plan(
+    command: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    plan = straight_plan(4, [0, 2], global_batch_size=4, num_micro_batches=2)
+    assert (plan.schedule, plan.policy) == ("dapple", "A")
+    plan.save(tmp_path / "p.json")
+    argv = [command, "--plan", str(tmp_path / "p.json"), "-m", "mlp"]
+    assert load_run_plan(build_parser().parse_args(argv)) == plan
+    got = load_run_plan(build_parser().parse_args([*argv, "--schedule", "gpipe"]))
+    assert got == dataclasses.replace(plan, schedule="gpipe")
+    got = load_run_plan(build_parser().parse_args([*argv, "--policy", "B"]))
+    assert got == dataclasses.replace(plan, policy="B")
+    with pytest.raises(SystemExit) as e:
+        main([*argv, "--schedule", "1f1b"])
+    assert e.value.code == 2
+    assert "invalid choice: '1f1b'" in capsys.readouterr().err
