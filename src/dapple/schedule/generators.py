@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dapple.errors import ValidationError
 from dapple.schedule.ir import Action, ActionKind, ComputeOrder
 
-__all__ = ["compute_order", "dapple", "gpipe", "warmup_counts"]
+__all__ = ["compute_order", "dapple", "gpipe", "in_flight_counts", "warmup_counts"]
 
 F, B = ActionKind.FORWARD, ActionKind.BACKWARD
 
@@ -44,7 +44,7 @@ def warmup_counts(
     _check(S, M)
     if policy not in ("A", "B"):
         raise ValidationError(f"policy must be 'A' or 'B', got {policy!r}")
-    d_list: list[int | None] = list(D) if isinstance(D, Sequence) else [D] * S
+    d_list: list[int | None] = [D] * S if D is None or isinstance(D, int) else list(D)
     if len(d_list) != S:
         raise ValidationError(f"D must give one value per stage ({S}), got {len(d_list)}")
     ks: list[int] = []
@@ -77,6 +77,23 @@ def dapple(
                 acts.append(Action(i, F, m + k))
         order[i] = acts
     return order
+
+
+def in_flight_counts(
+    schedule: str, S: int, M: int, policy: str = "A", D: Sequence[int | None] | None = None
+) -> list[int]:
+    """K_i per stage, the micro-batches whose activations stage i holds at most: M for GPipe
+    (every forward runs before the first backward), :func:`warmup_counts` for DAPPLE.
+
+    Raises:
+        ValidationError: unknown schedule name, or bad policy or D (:func:`warmup_counts`).
+    """
+    if schedule == "gpipe":
+        _check(S, M)
+        return [M] * S
+    if schedule == "dapple":
+        return warmup_counts(S, M, policy, D)
+    raise ValidationError(f"unknown schedule {schedule!r}; choose 'dapple' or 'gpipe'")
 
 
 def compute_order(
