@@ -44,7 +44,7 @@ def warmup_counts(
     _check(S, M)
     if policy not in ("A", "B"):
         raise ValidationError(f"policy must be 'A' or 'B', got {policy!r}")
-    d_list: list[int | None] = [D] * S if D is None or isinstance(D, int) else list(D)
+    d_list: list[int | None] = list(D) if isinstance(D, Sequence) else [D] * S
     if len(d_list) != S:
         raise ValidationError(f"D must give one value per stage ({S}), got {len(d_list)}")
     ks: list[int] = []
