@@ -29,7 +29,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _bench_common import HERE, header, load_note
-from dapple.core.cluster import GB, load_cluster
+from dapple.core.cluster import GIB, load_cluster
 from dapple.core.plan import Plan, straight_plan
 from dapple.core.profile import ModelProfile
 from dapple.errors import DappleError
@@ -161,7 +161,7 @@ def dapple_vs_gpipe() -> tuple[list[str], int]:
         "",
         f"Profile `paper:bert48` ({n} layers), cut after layer {cut - 1} (the cut minimising L; "
         f"the paper's 23:25 on 48 blocks), one V100 per stage, capacity "
-        f"{cap / GB:.0f} GB. Throughput = 2M / simulated step; memory = the simulator's peak "
+        f"{cap / GIB:.0f} GB. Throughput = 2M / simulated step; memory = the simulator's peak "
         "(weights + gradients + optimizer state + held activations) averaged over the two "
         "devices; OOM when a device exceeds the capacity. Paper values in brackets.",
         "",
@@ -186,7 +186,7 @@ def dapple_vs_gpipe() -> tuple[list[str], int]:
                 tput = f"{2 * M / (r.step_ms / 1e3):.2f}" if ok else "OOM"
                 out.append(
                     f"| {'DAPPLE' if schedule == 'dapple' else 'GPipe'} | {'yes' if rc else 'no'} "
-                    f"| {M} | {tput} [{ps}] | {avg / GB:.1f}{'' if ok else ' (OOM)'} [{pm}] |"
+                    f"| {M} | {tput} [{ps}] | {avg / GIB:.1f}{'' if ok else ' (OOM)'} [{pm}] |"
                 )
     fit_g = [M for (s, rc, M), v in res.items() if s == "gpipe" and not rc and v[2]]
     g_best = max(fit_g) if fit_g else None
@@ -227,8 +227,8 @@ def _plot_gpipe(res: dict[tuple[str, bool, int], tuple[float, float, bool]], cap
         fit = [M for M in ms if res[(schedule, rc, M)][2]]
         kw = {"markersize": 10, "fillstyle": "none"} if schedule == "gpipe" else {}
         ax1.plot(fit, [res[(schedule, rc, M)][0] for M in fit], style, label=name, **kw)
-        ax2.plot(ms, [res[(schedule, rc, M)][1] / GB for M in ms], style, label=name, **kw)
-    ax2.axhline(cap / GB, color="red", lw=1, label="V100 16 GB")
+        ax2.plot(ms, [res[(schedule, rc, M)][1] / GIB for M in ms], style, label=name, **kw)
+    ax2.axhline(cap / GIB, color="red", lw=1, label="V100 16 GB")
     ax1.set(xlabel="micro-batches M", ylabel="samples/s (simulated)", title="Throughput")
     ax2.set(xlabel="micro-batches M", ylabel="GB", title="Average peak memory", ylim=(0, 40))
     for ax in (ax1, ax2):

@@ -162,6 +162,9 @@ def main() -> None:
         "",
         f"Load average after: {load_after[0]:.2f} {load_after[1]:.2f} {load_after[2]:.2f}.",
         "",
+        "The plans are deterministic; the seconds depend on the machine and on its load during "
+        "the run, so compare times only between runs on one machine.",
+        "",
         "How the search stays fast (see `dapple.planner.search`): states keyed by per-server "
         "occupancy up to a permutation of servers; beyond 32 devices replica counts 1..8 and "
         "whole servers (up to 128 devices) or powers of two and 3 x powers of two (beyond); the DP cuts only at <= 64 equal-time cut points, then the "

@@ -9,13 +9,14 @@ import pytest
 from builders import make_cluster, make_profile
 from dapple.core.plan import StagePlan, straight_plan
 from dapple.planner.cost import (
-    activation_bytes,
     allreduce_ms,
     boundary_bytes,
     comm_stage_ms,
     compute_ms,
     device_memory_bytes,
-    latency_from_stages,
+    held_activation_bytes,
+    in_flight_options,
+    latency,
     parameter_state_bytes,
     pipeline_latency,
     stage_compute_ms,
@@ -88,9 +89,9 @@ def test_memory_terms() -> None:
     p = dataclasses.replace(make_profile(4, act=100.0, params=1000), input_bytes_per_sample=5.0)
     assert parameter_state_bytes(p, (0, 2)) == 2000 * 4
     st = StagePlan(layers=(0, 2), devices=(0, 1))
-    assert activation_bytes(p, st, 3) == 600.0
+    assert held_activation_bytes(p, st, 3) == 600.0
     rec = dataclasses.replace(st, recompute=True)
-    assert activation_bytes(p, rec, 3) == 15.0  # only the stage input (model input here)
+    assert held_activation_bytes(p, rec, 3) == 15.0  # only the stage input (model input here)
     # b = 6 over 2 replicas: slices of 3; 2 in flight
     assert device_memory_bytes(p, st, 6, 2) == 8000 + 2 * 600
     assert device_memory_bytes(p, rec, 6, 2) == 8000 + 2 * 15 + 600
@@ -109,7 +110,7 @@ def test_latency_two_stage_golden() -> None:
 
 
 def test_pivot_moves_to_a_slow_early_stage() -> None:
-    L, tw, ts, te, Q = latency_from_stages([4.0, 1.0], [8.0, 2.0], [0.0, 0.0], 3, [12.0, 3.0])
+    L, tw, ts, te, Q = latency([4.0, 1.0], [8.0, 2.0], [0.0, 0.0], 3, [12.0, 3.0])
     assert Q == 0
     assert (tw, ts) == (4.0, 24.0)
     assert te == 1.0 + 2.0 + 8.0  # the last micro-batch's tail F_1 + B_1, then B_0
@@ -117,7 +118,7 @@ def test_pivot_moves_to_a_slow_early_stage() -> None:
 
 
 def test_ending_phase_counts_allreduce_of_early_stages() -> None:
-    L, _, _, te, Q = latency_from_stages([1.0, 1.0], [2.0, 2.0], [10.0, 0.0], 2, [3.0, 3.0])
+    L, _, _, te, Q = latency([1.0, 1.0], [2.0, 2.0], [10.0, 0.0], 2, [3.0, 3.0])
     assert Q == 1
     assert te == 2.0 + 2.0 + 10.0
     assert 2.0 + 3.0 + te == L
@@ -128,7 +129,7 @@ def test_memory_flag_and_single_stage_is_data_parallel() -> None:
     c = make_cluster(per_server=2)
     plan = straight_plan(4, [0], global_batch_size=64, num_micro_batches=1, replicas=[2])
     r = pipeline_latency(plan, p, c)
-    assert not r.fits_memory  # 32 samples x 4 GB of activations
+    assert not r.fits_memory  # 32 samples x 4 GB (decimal) of activations
     assert r.S == 1 and r.Q == 0
     assert r.L_ms == r.T_w_ms + r.T_e_ms
 
@@ -154,14 +155,15 @@ def test_overlaps_equal_split_concat_transfers() -> None:
         assert overlaps(b, r1, r2) == list(transfers(b, r1, r2)), (b, r1, r2)
 
 
-def test_max_in_flight_fitting() -> None:
-    from dapple.planner.cost import max_in_flight_fitting
-
-    p = make_profile(2, act=100.0, params=1000)
-    c = dataclasses.replace(make_cluster(), device_memory_bytes=8000 + 2 * 100 * 4 * 3 + 50)
-    st = StagePlan(layers=(0, 2), devices=(0,))
-    assert max_in_flight_fitting(p, c, st, 4) == 3  # 800 B per micro-batch of 4 samples
-    tiny = dataclasses.replace(c, device_memory_bytes=7999)
-    assert max_in_flight_fitting(p, tiny, st, 4) == 0
-    free = make_profile(2, act=0.0, params=0)
-    assert max_in_flight_fitting(free, c, st, 4) == 10**9
+def test_in_flight_options() -> None:
+    p = dataclasses.replace(make_profile(2, act=100.0, params=1000), input_bytes_per_sample=5.0)
+    state = parameter_state_bytes(p, (0, 2))
+    assert state == 8000
+    kept = 2 * 100.0 * 4  # 800 B per micro-batch of 4 samples
+    inp = boundary_bytes(p, 0, 4)  # 20 B: the stage input, all a re-computing stage holds
+    mem = 8000 + 2 * 100 * 4 * 3 + 50
+    # 3 micro-batches fit; re-computing holds 20 B each next to one transient 800 B
+    assert in_flight_options(mem, state, kept, inp) == (3, (mem - 8000 - 800) // 20)
+    assert in_flight_options(7999, state, kept, inp) == (0, 0)
+    assert in_flight_options(8500, state, kept, inp) == (0, 0)  # 500 B: not even the transient
+    assert in_flight_options(mem, 0.0, 0.0, 0.0) == (10**9, 10**9)  # activations take no memory

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from builders import make_cluster, make_profile
-from dapple.core.cluster import PRESETS, Cluster, load_cluster
+from dapple.core.cluster import GIB, PRESETS, Cluster, load_cluster
 from dapple.core.plan import Plan, StagePlan, slice_bounds, split_sizes, straight_plan, transfers
 from dapple.core.profile import AffineTime, ModelProfile, fit_affine
 from dapple.errors import ValidationError
@@ -76,6 +76,36 @@ def test_cluster_toml(tmp_path):
     )
     c = load_cluster(str(f))
     assert c.num_devices == 4 and c.device_memory_bytes == 8 * 1024**3
+
+
+def test_cluster_memory_is_written_in_gib_and_old_gb_files_read_the_same():
+    c = PRESETS["paper-a"]
+    d = c.to_dict()
+    assert d["device_memory_gib"] == 16.0 and "device_memory_gb" not in d
+    assert c.device_memory_bytes == 16 * GIB
+    old = {k: v for k, v in d.items() if k != "device_memory_gib"}
+    old["device_memory_gb"] = 16.0  # the key files carried before, in GiB too
+    assert Cluster.from_dict(old, c.name) == c
+    in_bytes = {**old, "device_memory_bytes": 5 * GIB}
+    del in_bytes["device_memory_gb"]
+    assert Cluster.from_dict(in_bytes).device_memory_bytes == 5 * GIB
+    with pytest.raises(
+        ValidationError,
+        match=r"give device memory once, got device_memory_gib=16\.0, device_memory_gb=8",
+    ):
+        Cluster.from_dict({**d, "device_memory_gb": 8})
+    del old["device_memory_gb"]
+    with pytest.raises(ValidationError, match="missing field 'device_memory_gib'"):
+        Cluster.from_dict(old)
+
+
+def test_cluster_toml_in_gib(tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_text(
+        "servers = 1\ndevices_per_server = 2\ndevice_memory_gib = 1.5\n"
+        "intra_server_bandwidth_gbps = 100\ninter_server_bandwidth_gbps = 10\n"
+    )
+    assert load_cluster(str(f)).device_memory_bytes == 3 * 2**29
 
 
 def test_cluster_zero_devices():

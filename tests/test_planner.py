@@ -115,6 +115,24 @@ def test_in_flight_bound_when_even_recompute_cannot_hold_k() -> None:
     assert not r.fits_memory and r.L_ms < plan.predicted_step_ms  # the bound costs time
 
 
+def test_scorer_rejects_unknown_schedules_and_policies() -> None:
+    p, c = make_profile(2), make_cluster(per_server=2)
+    sc = Scorer(p, c, 4)
+    stages = [(0, 1, (0,)), (1, 2, (1,))]
+    with pytest.raises(ValidationError, match="unknown schedule 'zigzag'"):
+        sc.score(stages, 2, schedule="zigzag")  # type: ignore[arg-type]
+    with pytest.raises(ValidationError, match="policy must be 'A' or 'B', got 'C'"):
+        sc.score(stages, 2, policies=("C",))  # type: ignore[arg-type]
+    got = sc.score(stages, 2, schedule="gpipe")
+    assert got is not None and got.schedule == "gpipe"
+    assert sc.build_plan("manual", stages, 2, got).schedule == "gpipe"
+    bad = dataclasses.replace(got, schedule="zigzag")  # type: ignore[arg-type]
+    with pytest.raises(ValidationError, match="schedule must be 'dapple' or 'gpipe', got 'zigzag'"):
+        sc.build_plan("manual", stages, 2, bad)
+    with pytest.raises(ValidationError, match="policy must be 'A' or 'B', got 'C'"):
+        sc.build_plan("manual", stages, 2, dataclasses.replace(got, policy="C"))  # type: ignore[arg-type]
+
+
 def test_infeasible_model_names_the_numbers() -> None:
     p, c = make_profile(2, params=2**33), make_cluster(per_server=2)
     with pytest.raises(InfeasibleError, match=r"32.00 GiB.*16.00 GiB"):

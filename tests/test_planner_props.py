@@ -39,8 +39,8 @@ def instances(draw: st.DrawFn) -> tuple[ModelProfile, Cluster, int]:
         device_memory_bytes=draw(st.sampled_from([2**28, 2**30, 2**33])),
         intra_server_bandwidth_gbps=draw(st.sampled_from([10.0, 100.0, 1000.0])),
         inter_server_bandwidth_gbps=draw(st.sampled_from([1.0, 10.0, 25.0])),
-        # host CPU terms (CPU workers; planner.host): the planner's fast scorer must agree
-        # with pipeline_latency with them too
+        # host CPU terms (CPU workers; planner.host): the scorer's cached arrays must give
+        # pipeline_latency's L with the CPU-host pass too
         action_overhead_ms=draw(st.sampled_from([0.0, 0.0, 0.2])),
         step_overhead_ms=draw(st.sampled_from([0.0, 0.0, 1.5])),
         comm_cpu_ms_per_mb=draw(st.sampled_from([0.0, 0.0, 0.4])),

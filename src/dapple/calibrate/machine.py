@@ -42,7 +42,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from dapple.calibrate.overheads import comm_cpu_fit, runtime_overheads
-from dapple.core.cluster import GB, Cluster
+from dapple.core.cluster import GIB, Cluster
 from dapple.core.profile import fit_affine
 
 __all__ = [
@@ -337,7 +337,7 @@ def _memory_per_process(nproc: int) -> int:
     try:
         pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError):  # pragma: no cover
-        pages = 8 * GB
+        pages = 8 * GIB
     return int(pages // nproc)
 
 

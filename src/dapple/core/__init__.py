@@ -1,11 +1,11 @@
 """The pure data model (no torch): model profiles, cluster topology and execution plans."""
 
-from dapple.core.cluster import GB, PRESETS, Cluster, load_cluster
+from dapple.core.cluster import GIB, PRESETS, Cluster, load_cluster
 from dapple.core.plan import Plan, StagePlan, slice_bounds, split_sizes, straight_plan, transfers
 from dapple.core.profile import AffineTime, LayerProfile, ModelProfile, fit_affine
 
 __all__ = [
-    "GB",
+    "GIB",
     "PRESETS",
     "AffineTime",
     "Cluster",

@@ -1,7 +1,8 @@
 """Cluster topology: servers x devices, intra/inter-server links, device memory.
 
 Pure data model, no torch. Device ``d`` lives on server ``d // devices_per_server``.
-Bandwidths are in gigabits per second (Gbps) as network gear is rated; latencies in ms.
+Bandwidths are in gigabits per second (Gbps) as network gear is rated; latencies in ms; device
+memory in bytes, written to cluster files in GiB (``device_memory_gib``).
 """
 
 from __future__ import annotations
@@ -27,10 +28,15 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-__all__ = ["CLUSTER_SCHEMA_VERSION", "GB", "PRESETS", "Cluster", "load_cluster"]
+__all__ = ["CLUSTER_SCHEMA_VERSION", "GIB", "PRESETS", "Cluster", "load_cluster"]
 
 CLUSTER_SCHEMA_VERSION = 1
-GB = 1024**3
+GIB = 1024**3
+"""Bytes in a gibibyte (GiB); cluster files give device memory in GiB."""
+
+_MEMORY_KEYS = ("device_memory_bytes", "device_memory_gib", "device_memory_gb")
+"""Ways a cluster file may give device memory: bytes, GiB, or ``device_memory_gb``, the
+key of older files, which held GiB too."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -191,7 +197,7 @@ class Cluster:
             "name": self.name,
             "servers": self.servers,
             "devices_per_server": self.devices_per_server,
-            "device_memory_gb": self.device_memory_bytes / GB,
+            "device_memory_gib": self.device_memory_bytes / GIB,
             "intra_server_bandwidth_gbps": self.intra_server_bandwidth_gbps,
             "inter_server_bandwidth_gbps": self.inter_server_bandwidth_gbps,
             "intra_server_latency_ms": self.intra_server_latency_ms,
@@ -210,7 +216,7 @@ class Cluster:
         what = f"cluster {name!r}"
         require(isinstance(d, dict), f"{what} must be an object, got {type(d).__name__}")
         check_schema_version(d, CLUSTER_SCHEMA_VERSION, what)
-        known = {f.name for f in dataclasses.fields(Cluster)} | {"device_memory_gb"}
+        known = {f.name for f in dataclasses.fields(Cluster)} | set(_MEMORY_KEYS)
         unknown = sorted(set(d) - known)
         require(not unknown, f"{what}: unknown field(s) {unknown}")
 
@@ -230,10 +236,17 @@ class Cluster:
             )
             return int(v)
 
-        if "device_memory_bytes" in d:
+        given = [k for k in _MEMORY_KEYS if k in d]
+        require(
+            len(given) <= 1,
+            f"{what}: give device memory once, got {', '.join(f'{k}={d[k]!r}' for k in given)}",
+        )
+        if given == ["device_memory_bytes"]:
             mem = int(num("device_memory_bytes"))
+        elif given:
+            mem = int(num(given[0]) * GIB)
         else:
-            mem = int(num("device_memory_gb") * GB)
+            mem = int(num("device_memory_gib") * GIB)  # reports the missing field
         return Cluster(
             name=str(d.get("name", name)),
             servers=integer("servers"),
@@ -260,9 +273,10 @@ class Cluster:
         save_json_file(path, self.to_dict(), "cluster")
 
 
-_V100 = 16 * GB
+_V100 = 16 * GIB
 PRESETS: dict[str, Cluster] = {
-    # Paper table 2, config A: servers of 8 V100 with NVLink (~130 GB/s), 25 Gbps Ethernet.
+    # Paper table 2, config A: servers of 8 V100 (16 GiB) with NVLink (~130 GB/s), 25 Gbps
+    # Ethernet.
     "paper-a": Cluster(
         name="paper-a",
         servers=2,
@@ -292,25 +306,26 @@ PRESETS: dict[str, Cluster] = {
         inter_server_bandwidth_gbps=10,
         device_name="V100",
     ),
-    # A modern server: 8 H100 80 GB with NVLink 4 (~450 GB/s per direction), 400 Gbps between servers.
+    # A modern server: 8 H100 (80 GiB) with NVLink 4 (~450 GB/s per direction), 400 Gbps between
+    # servers.
     "h100-8x": Cluster(
         name="h100-8x",
         servers=1,
         devices_per_server=8,
-        device_memory_bytes=80 * GB,
+        device_memory_bytes=80 * GIB,
         intra_server_bandwidth_gbps=450 * 8,
         inter_server_bandwidth_gbps=400,
         intra_server_latency_ms=0.003,
         inter_server_latency_ms=0.01,
         device_name="H100",
     ),
-    # One CPU machine running several local processes over gloo (loopback); a rough default,
+    # One CPU machine running several local processes over gloo (loopback), 4 GiB each; a rough default,
     # replace with `dapple calibrate` output for real numbers.
     "local-cpu": Cluster(
         name="local-cpu",
         servers=1,
         devices_per_server=4,
-        device_memory_bytes=4 * GB,
+        device_memory_bytes=4 * GIB,
         intra_server_bandwidth_gbps=20,
         inter_server_bandwidth_gbps=20,
         intra_server_latency_ms=0.05,

@@ -11,10 +11,10 @@ import math
 from collections.abc import Callable
 
 from dapple.core.cluster import Cluster
-from dapple.core.plan import Plan
+from dapple.core.plan import Plan, ScheduleName
 from dapple.core.profile import ModelProfile
 from dapple.errors import InfeasibleError, ValidationError
-from dapple.planner.cost import allreduce_ms
+from dapple.planner.comm import allreduce_ms
 from dapple.planner.evaluate import Scored, Scorer, StageSpec
 from dapple.planner.partition import block_partition
 from dapple.planner.search import _infeasible_message, micro_batch_candidates
@@ -32,7 +32,7 @@ def _best_over_m(
     sc: Scorer,
     make: Candidate,
     *,
-    schedule: str = "dapple",
+    schedule: ScheduleName = "dapple",
     recompute: bool | None = None,
 ) -> Plan:
     best: tuple[float, list[StageSpec], int, Scored] | None = None

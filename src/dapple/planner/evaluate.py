@@ -1,35 +1,36 @@
 """Fast scoring of candidate plans under the cost model, shared by search, baselines and oracle.
 
 A candidate is a list of ``(start, end, devices)`` stages plus M. The :class:`Scorer` caches
-per-stage terms (prefix sums over layers, AllReduce, split-concat comm) so the DP can score
-many candidates sharing stages, decides per stage whether to re-compute and the in-flight
-bound D when memory demands it, tries warm-up policies A and B, and returns L exactly as
-:func:`dapple.planner.cost.pipeline_latency` computes it for the resulting :class:`Plan`.
+per-stage terms (prefix sums over layers, AllReduce, split-concat link loads) so the DP can
+score many candidates sharing stages, decides per stage whether to re-compute and the
+in-flight bound D when memory demands it, tries warm-up policies A and B, and evaluates L with
+the cost model's kernel :func:`dapple.planner.latency.latency` (and the CPU-host pass
+:func:`dapple.planner.host.apply_host` where the cluster has host terms), as
+:func:`dapple.planner.cost.pipeline_latency` does for the resulting :class:`Plan`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 from itertools import accumulate
 
 from dapple.core.cluster import Cluster
-from dapple.core.plan import Plan, StagePlan
+from dapple.core.plan import Plan, Policy, ScheduleName, StagePlan
 from dapple.core.profile import ModelProfile
-from dapple.planner.cost import (
-    allreduce_ms,
-    latency_from_stages,
-    overlaps,
-)
-from dapple.planner.host import HostExtra, stage_host_extras
-from dapple.planner.sharing import shared_compute_scale
+from dapple.errors import ValidationError
+from dapple.planner.comm import allreduce_ms, busiest_link_ms, link_loads
+from dapple.planner.host import apply_host, has_host_terms, stage_host_extras
+from dapple.planner.latency import latency, steady_periods
+from dapple.planner.memory import boundary_bytes, in_flight_options
+from dapple.planner.sharing import slice_work
+from dapple.schedule.generators import in_flight_counts
 
 __all__ = ["Scored", "Scorer", "StageSpec"]
 
 StageSpec = tuple[int, int, tuple[int, ...]]
 """``(start, end, devices)`` of one computation stage."""
-
-_BIG = 10**9
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,8 +38,8 @@ class Scored:
     """A scored candidate: L and the per-stage decisions that achieve it."""
 
     L_ms: float
-    policy: str
-    schedule: str
+    policy: Policy
+    schedule: ScheduleName
     recompute: tuple[bool, ...]
     max_in_flight: tuple[int | None, ...]
 
@@ -94,48 +95,26 @@ class Scorer:
         return v
 
     def comm_ms(self, cut: int, src: tuple[int, ...], dst: tuple[int, ...], b: int) -> float:
-        """Comm stage time across ``cut`` (as :func:`dapple.planner.cost.comm_ms`).
+        """Comm stage time across ``cut`` (as :func:`dapple.planner.comm.comm_stage_ms`).
 
         The split-concat link loads depend on the device sets and b only; they are cached
-        as ``(latency, samples / bandwidth)`` pairs and scaled by the boundary bytes.
+        (:func:`dapple.planner.comm.link_loads`) and scaled by the boundary bytes.
         """
         key = (src, dst, b)
         links = self._links.get(key)
         if links is None:
-            links = _link_loads(self.cluster, src, dst, b)
+            links = link_loads(self.cluster, src, dst, b)
             self._links[key] = links
-        per_sample = (
-            self.profile.input_bytes_per_sample
-            if cut == 0
-            else self.profile.layers[cut - 1].output_bytes_per_sample
+        return busiest_link_ms(links, boundary_bytes(self.profile, cut, 1))
+
+    def _options(self, s: int, e: int, samples: int) -> tuple[int, int]:
+        """D without and with re-computation of layers [s, e) on slices of ``samples``."""
+        return in_flight_options(
+            float(self.cluster.device_memory_bytes),
+            self.param_bytes(s, e) * (1.0 + self.profile.optimizer_state_factor),
+            (self._act[e] - self._act[s]) * samples,
+            boundary_bytes(self.profile, s, samples),
         )
-        if per_sample <= 0:
-            return 0.0
-        t = 0.0
-        for lat, coef in links:
-            v = lat + per_sample * coef
-            if v > t:
-                t = v
-        return t
-
-    def _options(
-        self, s: int, e: int, samples: int
-    ) -> tuple[int, int]:  # D without / with re-computation
-        mem = float(self.cluster.device_memory_bytes)
-        state = self.param_bytes(s, e) * (1.0 + self.profile.optimizer_state_factor)
-        full = (self._act[e] - self._act[s]) * samples
-        inp = (
-            self.profile.input_bytes_per_sample
-            if s == 0
-            else self.profile.layers[s - 1].output_bytes_per_sample
-        ) * samples
-
-        def fit(free: float, per: float) -> int:
-            if free < 0:
-                return 0
-            return _BIG if per <= 0 else int(free // per)
-
-        return fit(mem - state, full), fit(mem - state - full, inp)
 
     def _stage(
         self, s: int, e: int, d: tuple[int, ...], b: int
@@ -151,26 +130,14 @@ class Scorer:
             self._stages[key] = rec
         return rec
 
-    def _demand(
-        self, stage: StageSpec, b: int, recompute: bool, extra_ms: float
-    ) -> list[tuple[int, float]]:
-        """``(device, F + B of its slice + extra_ms)`` per replica, as ``cost._slice_demand``."""
-        s, e, devs = stage
-        r = len(devs)
-        out = []
-        for j, d in enumerate(devs):
-            f, bw = self.fb_ms(s, e, b // r + (1 if j < b % r else 0))
-            out.append((d, f + bw + (f if recompute else 0.0) + extra_ms))
-        return out
-
     # -- whole candidates --------------------------------------------------------------------
     def score(
         self,
         stages: Sequence[StageSpec],
         M: int,
         *,
-        schedule: str = "dapple",
-        policies: Sequence[str] = ("A", "B"),
+        schedule: ScheduleName = "dapple",
+        policies: Sequence[Policy] = ("A", "B"),
         recompute: bool | None = None,
     ) -> Scored | None:
         """L of a candidate, or None when it does not fit in memory.
@@ -182,28 +149,30 @@ class Scorer:
             policies: warm-up policies to try (dapple schedule); the best is kept.
             recompute: force re-computation on (True) or off (False) for every stage; None
                 re-computes a stage only when memory demands it.
+
+        Raises:
+            ValidationError: unknown schedule or policy.
         """
+        if schedule not in ("dapple", "gpipe"):
+            raise ValidationError(f"unknown schedule {schedule!r}; choose 'dapple' or 'gpipe'")
         self.evaluations += 1
         b = self.global_batch_size // M
         S = len(stages)
         recs = [self._stage(s, e, d, b) for (s, e, d) in stages]
-        opts = [(r[3], r[4]) for r in recs]
-        fb = [(r[0], r[1]) for r in recs]
-        ar = [r[2] for r in recs]
         comm = [self.comm_ms(stages[i][1], stages[i][2], stages[i + 1][2], b) for i in range(S - 1)]
-        host = (  # planner.host: CPU hosts only
+        extras = (  # the CPU-host pass: only where the cluster has host terms
             stage_host_extras(self.profile, self.cluster, [(s, e, len(d)) for s, e, d in stages], b)
-            if self.cluster.host_overheads
-            else [HostExtra()] * S
+            if has_host_terms(self.cluster)
+            else None
         )
         best: Scored | None = None
         for policy in policies if schedule == "dapple" else ("A",):
-            nominal = _nominal_k(S, M, policy) if schedule == "dapple" else [M] * S
+            nominal = in_flight_counts(schedule, S, M, policy)
             rec: list[bool] = []
             ds: list[int | None] = []
             ok = True
             for i in range(S):
-                d_nr, d_r = opts[i]
+                d_nr, d_r = recs[i][3], recs[i][4]
                 k = nominal[i]
                 if recompute is None:
                     if d_nr >= k:
@@ -221,56 +190,64 @@ class Scorer:
                 ds.append(d if d < k else None)
             if not ok:
                 continue
-            ks = _bounded_k(nominal, ds) if schedule == "dapple" else [M] * S
+            ks = in_flight_counts(schedule, S, M, policy, ds)
+            # per-stage arrays over all stages, a comm stage between each two computation stages
             F: list[float] = []
             B: list[float] = []
             AR: list[float] = []
-            HS: list[float] = []  # host CPU per step, stretched with F and B below
-            per: list[float] = []
-            kk: list[int] = []
+            K: list[int | None] = []
             for i in range(S):
                 if i > 0:
                     F.append(comm[i - 1])
                     B.append(comm[i - 1])
                     AR.append(0.0)
-                    HS.append(0.0)
-                    kk.append(0)
-                f, bw = fb[i]
-                F.append(f + host[i].forward_ms)
-                B.append(bw + (f if rec[i] else 0.0) + host[i].backward_ms)
-                AR.append(ar[i])
-                HS.append(host[i].step_ms)
-                kk.append(ks[i])
-            per = _periods(F, B, kk, schedule)
-            if self.cluster.compute_cores_per_server is not None:  # planner.sharing
-                devs = [
-                    self._demand(stages[x // 2], b, rec[x // 2], host[x // 2].per_mb(M))
-                    if x % 2 == 0
-                    else None
-                    for x in range(len(F))
-                ]
-                span, _, steady, _, _ = latency_from_stages(F, B, HS, M, per)
-                scale = shared_compute_scale(span, steady, M, devs, self.cluster)
-                F = [f * a for f, (a, _) in zip(F, scale, strict=True)]
-                B = [v * a for v, (a, _) in zip(B, scale, strict=True)]
-                HS = [v * a for v, (a, _) in zip(HS, scale, strict=True)]
-                per = [p * beta for p, (_, beta) in zip(per, scale, strict=True)]
-            AR = [a + h for a, h in zip(AR, HS, strict=True)]
-            L = latency_from_stages(F, B, AR, M, per)[0]
+                    K.append(None)
+                f, bw, ar = recs[i][0], recs[i][1], recs[i][2]
+                F.append(f)
+                B.append(bw + (f if rec[i] else 0.0))
+                AR.append(ar)
+                K.append(ks[i] if schedule == "dapple" else None)
+            if extras is not None:
+                h = apply_host(
+                    F,
+                    B,
+                    AR,
+                    K,
+                    M,
+                    self.cluster,
+                    [None if x % 2 else extras[x // 2] for x in range(len(F))],
+                    partial(self._work, stages, b, tuple(rec)),
+                )
+                L = latency(h.F, h.B, h.AR, M, h.period).L_ms
+            else:
+                L = latency(F, B, AR, M, steady_periods(F, B, K)).L_ms
             if best is None or best.L_ms > L:
                 best = Scored(L, policy, schedule, tuple(rec), tuple(ds))
         return best
 
+    def _work(
+        self, stages: Sequence[StageSpec], b: int, recompute: tuple[bool, ...], x: int
+    ) -> list[tuple[int, float]]:
+        """``(device, F + B of its slice)`` per replica of the computation stage at index x
+        among all stages (:func:`dapple.planner.sharing.slice_work`)."""
+        s, e, devs = stages[x // 2]
+        return slice_work(devs, b, lambda n: self.fb_ms(s, e, n), recompute[x // 2])
+
     def build_plan(self, planner: str, stages: Sequence[StageSpec], M: int, scored: Scored) -> Plan:
-        """The :class:`Plan` of a scored candidate, with ``predicted_step_ms`` = L."""
+        """The :class:`Plan` of a scored candidate, with ``predicted_step_ms`` = L.
+
+        Raises:
+            ValidationError: the scored schedule or policy is not one a plan can carry
+                (:class:`Plan` names the value).
+        """
         return Plan(
             planner=planner,
             model_name=self.profile.model_name,
             global_batch_size=self.global_batch_size,
             micro_batch_size=self.global_batch_size // M,
             num_micro_batches=M,
-            schedule="gpipe" if scored.schedule == "gpipe" else "dapple",
-            policy="B" if scored.policy == "B" else "A",
+            schedule=scored.schedule,
+            policy=scored.policy,
             predicted_step_ms=scored.L_ms,
             stages=tuple(
                 StagePlan(layers=(s, e), devices=d, recompute=r, max_in_flight=k)
@@ -279,64 +256,6 @@ class Scorer:
                 )
             ),
         )
-
-
-def _link_loads(
-    cluster: Cluster, src: tuple[int, ...], dst: tuple[int, ...], b: int
-) -> list[tuple[float, float]]:
-    """``(latency_ms, samples / bytes_per_ms)`` of every busy link of a split-concat: device
-    links inside a server, network interfaces across servers (see ``cost.comm_ms``)."""
-    intra = cluster.intra_server_bandwidth_gbps * 1e9 / 8 / 1e3
-    inter = cluster.inter_server_bandwidth_gbps * 1e9 / 8 / 1e3
-    loads: dict[tuple[str, int], float] = {}
-    for j, k, lo, hi in overlaps(b, len(src), len(dst)):
-        a, c = src[j], dst[k]
-        if a == c:
-            continue
-        if cluster.same_server(a, c):
-            keys = [("do", a), ("di", c)]
-        else:
-            keys = [("no", cluster.server_of(a)), ("ni", cluster.server_of(c))]
-        for key in keys:
-            loads[key] = loads.get(key, 0.0) + (hi - lo)
-    out = []
-    for (kind, _), n in loads.items():
-        if kind[0] == "d":
-            out.append((cluster.intra_server_latency_ms, n / intra))
-        else:
-            out.append((cluster.inter_server_latency_ms, n / inter))
-    return out
-
-
-def _periods(F: list[float], B: list[float], kk: list[int], schedule: str) -> list[float]:
-    """Steady period per stage, as ``cost._periods`` (bounded in-flight, dapple schedule)."""
-    per = [F[x] + B[x] for x in range(len(F))]
-    if schedule == "dapple":
-        rt = 0.0
-        for x in range(len(F) - 1, -1, -1):
-            rt += F[x] + B[x]
-            if kk[x] > 0:
-                per[x] = max(per[x], rt / kk[x])
-    return per
-
-
-def _nominal_k(S: int, M: int, policy: str) -> list[int]:
-    """K_i of :func:`warmup_counts` without a memory bound (already non-increasing)."""
-    if policy == "A":
-        return [min(S - i, M) for i in range(S)]
-    return [min(2 * (S - i) - 1, M) for i in range(S)]
-
-
-def _bounded_k(nominal: list[int], ds: list[int | None]) -> list[int]:
-    """K_i of :func:`warmup_counts` with per-stage bounds D (kept non-increasing)."""
-    out: list[int] = []
-    for k, d in zip(nominal, ds, strict=True):
-        if d is not None and d < k:
-            k = d
-        if out and out[-1] < k:
-            k = out[-1]
-        out.append(k)
-    return out
 
 
 def divisors(n: int) -> list[int]:

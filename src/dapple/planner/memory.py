@@ -5,17 +5,20 @@ Pure functions (no torch), re-exported by :mod:`dapple.planner.cost`.
 
 from __future__ import annotations
 
-from dapple.core.cluster import Cluster
 from dapple.core.plan import StagePlan, split_sizes
 from dapple.core.profile import ModelProfile
 
 __all__ = [
-    "activation_bytes",
+    "UNBOUNDED_IN_FLIGHT",
     "boundary_bytes",
     "device_memory_bytes",
-    "max_in_flight_fitting",
+    "held_activation_bytes",
+    "in_flight_options",
     "parameter_state_bytes",
 ]
+
+UNBOUNDED_IN_FLIGHT = 10**9
+"""D of a stage whose activations take no memory."""
 
 
 def boundary_bytes(profile: ModelProfile, cut: int, samples: int) -> float:
@@ -42,8 +45,8 @@ def parameter_state_bytes(profile: ModelProfile, layers: tuple[int, int]) -> flo
     return params * (1.0 + profile.optimizer_state_factor)
 
 
-def activation_bytes(profile: ModelProfile, stage: StagePlan, samples: int) -> float:
-    """Activation bytes kept from forward to backward for one slice of ``samples`` samples.
+def held_activation_bytes(profile: ModelProfile, stage: StagePlan, samples: int) -> float:
+    """Activation bytes held from forward to backward for one slice of ``samples`` samples.
 
     All layers' kept activations, or only the stage input when the stage re-computes.
     """
@@ -69,7 +72,7 @@ def device_memory_bytes(
     """
     samples = split_sizes(micro_batch_size, stage.replicas)[0]
     mem = parameter_state_bytes(profile, stage.layers)
-    mem += in_flight * activation_bytes(profile, stage, samples)
+    mem += in_flight * held_activation_bytes(profile, stage, samples)
     if stage.recompute:
         s, e = stage.layers
         mem += (
@@ -78,18 +81,30 @@ def device_memory_bytes(
     return mem
 
 
-def max_in_flight_fitting(
-    profile: ModelProfile, cluster: Cluster, stage: StagePlan, micro_batch_size: int
-) -> int:
-    """D: the most micro-batches whose activations fit next to the stage's parameter state.
+def in_flight_options(
+    memory_bytes: float, state_bytes: float, kept_bytes: float, input_bytes: float
+) -> tuple[int, int]:
+    """D without and with re-computation: the most micro-batches one replica can hold.
 
-    Returns 0 when not even one fits; a large number (10**9) when activations take no memory.
+    Without re-computation each micro-batch holds its slice's kept activations; with it, only
+    the stage input, plus the full activations of the one micro-batch being re-computed.
+
+    Args:
+        memory_bytes: device memory.
+        state_bytes: parameters, gradients and optimizer state of the stage
+            (:func:`parameter_state_bytes`).
+        kept_bytes: kept activations of one slice (all layers, no re-computation).
+        input_bytes: the stage input of one slice (:func:`boundary_bytes`).
+
+    Returns:
+        ``(D, D_recompute)``, each 0 when not even one micro-batch fits and
+        :data:`UNBOUNDED_IN_FLIGHT` when a micro-batch takes no memory.
     """
-    samples = split_sizes(micro_batch_size, stage.replicas)[0]
-    per_mb = activation_bytes(profile, stage, samples)
-    free = cluster.device_memory_bytes - device_memory_bytes(profile, stage, micro_batch_size, 0)
-    if free < 0:
-        return 0
-    if per_mb <= 0:
-        return 10**9
-    return int(free // per_mb)
+
+    def fit(free: float, per_mb: float) -> int:
+        if free < 0:
+            return 0
+        return UNBOUNDED_IN_FLIGHT if per_mb <= 0 else int(free // per_mb)
+
+    free = memory_bytes - state_bytes
+    return fit(free, kept_bytes), fit(free - kept_bytes, input_bytes)

@@ -6,11 +6,34 @@ An extension beyond the paper's equations 1-2 (dedicated devices), used only whe
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from dapple.core.cluster import Cluster
+from dapple.core.plan import split_sizes
 
-__all__ = ["shared_compute_scale"]
+__all__ = ["shared_compute_scale", "slice_work"]
+
+
+def slice_work(
+    devices: Sequence[int],
+    b: int,
+    fb_ms: Callable[[int], tuple[float, float]],
+    recompute: bool,
+) -> list[tuple[int, float]]:
+    """``(device, w_d)`` of every replica of a stage: w_d = F + B of its own slice.
+
+    Args:
+        devices: the stage's replicas, in slice order (:func:`dapple.core.plan.split_sizes`).
+        b: samples of one micro-batch before the split.
+        fb_ms: forward and backward ms of the stage's layers on n samples, without
+            re-computation.
+        recompute: the backward repeats the forward.
+    """
+    out = []
+    for d, n in zip(devices, split_sizes(b, len(devices)), strict=True):
+        f, bw = fb_ms(n)
+        out.append((d, f + bw + (f if recompute else 0.0)))
+    return out
 
 
 def shared_compute_scale(
@@ -39,13 +62,13 @@ def shared_compute_scale(
     within a phase it averages idle cores over the phase.
 
     Args:
-        span_ms: T_c, :func:`dapple.planner.cost.latency_from_stages` of the unstretched F_s,
+        span_ms: T_c, :func:`dapple.planner.latency.latency` of the unstretched F_s,
             B_s with every AR term replaced by the stage's per-step host CPU (0 for dedicated
             devices).
         steady_ms: T_s of the same unstretched latency, ``(M - 1) period_Q``.
         M: micro-batches.
         devices: per computation stage ``(device id, w_d)`` of every replica, w_d unstretched
-            per micro-batch; None for comm stages.
+            per micro-batch (:func:`slice_work` plus host CPU); None for comm stages.
         cluster: supplies ``compute_cores_per_server`` (None: all factors 1).
 
     Returns:

@@ -1,6 +1,12 @@
 """Schedules as data: IR, GPipe/DAPPLE generators and lowering to per-device programs."""
 
-from dapple.schedule.generators import compute_order, dapple, gpipe, warmup_counts
+from dapple.schedule.generators import (
+    compute_order,
+    dapple,
+    gpipe,
+    in_flight_counts,
+    warmup_counts,
+)
 from dapple.schedule.ir import (
     Action,
     ActionKind,
@@ -22,6 +28,7 @@ __all__ = [
     "format_actions",
     "format_grid",
     "gpipe",
+    "in_flight_counts",
     "lower",
     "parse_action",
     "plan_compute_order",

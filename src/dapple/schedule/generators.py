@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dapple.errors import ValidationError
 from dapple.schedule.ir import Action, ActionKind, ComputeOrder
 
-__all__ = ["compute_order", "dapple", "gpipe", "warmup_counts"]
+__all__ = ["compute_order", "dapple", "gpipe", "in_flight_counts", "warmup_counts"]
 
 F, B = ActionKind.FORWARD, ActionKind.BACKWARD
 
@@ -77,6 +77,23 @@ def dapple(
                 acts.append(Action(i, F, m + k))
         order[i] = acts
     return order
+
+
+def in_flight_counts(
+    schedule: str, S: int, M: int, policy: str = "A", D: Sequence[int | None] | None = None
+) -> list[int]:
+    """K_i per stage, the micro-batches whose activations stage i holds at most: M for GPipe
+    (every forward runs before the first backward), :func:`warmup_counts` for DAPPLE.
+
+    Raises:
+        ValidationError: unknown schedule name, or bad policy or D (:func:`warmup_counts`).
+    """
+    if schedule == "gpipe":
+        _check(S, M)
+        return [M] * S
+    if schedule == "dapple":
+        return warmup_counts(S, M, policy, D)
+    raise ValidationError(f"unknown schedule {schedule!r}; choose 'dapple' or 'gpipe'")
 
 
 def compute_order(

@@ -1,5 +1,11 @@
 """Discrete-event simulation of lowered schedules, with Gantt, memory and Chrome-trace output."""
 
-from dapple.simulate.engine import DeviceStats, SimEvent, SimResult, activation_bytes, simulate
+from dapple.simulate.engine import (
+    DeviceStats,
+    SimEvent,
+    SimResult,
+    held_and_transient_bytes,
+    simulate,
+)
 
-__all__ = ["DeviceStats", "SimEvent", "SimResult", "activation_bytes", "simulate"]
+__all__ = ["DeviceStats", "SimEvent", "SimResult", "held_and_transient_bytes", "simulate"]

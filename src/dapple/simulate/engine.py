@@ -45,7 +45,7 @@ from dapple.schedule.ir import Action, ActionKind, Schedule
 from dapple.schedule.lower import lower
 from dapple.schedule.validate import validate
 
-__all__ = ["DeviceStats", "SimEvent", "SimResult", "activation_bytes", "simulate"]
+__all__ = ["DeviceStats", "SimEvent", "SimResult", "held_and_transient_bytes", "simulate"]
 
 K = ActionKind
 _MsgKey = tuple[ActionKind, int, int, int, int]
@@ -122,10 +122,12 @@ class SimResult:
         raise ValidationError(f"device {device} not in the simulation")
 
 
-def activation_bytes(profile: ModelProfile, stage: StagePlan, samples: int) -> tuple[float, float]:
+def held_and_transient_bytes(
+    profile: ModelProfile, stage: StagePlan, samples: int
+) -> tuple[float, float]:
     """Activation bytes of one slice on a stage: (held from F to B, extra transient during B).
 
-    The held part is the planner's ``activation_bytes`` (all kept activations, or only the
+    The held part is the planner's ``held_activation_bytes`` (all kept activations, or only the
     stage input with re-computation); a re-computing stage rebuilds its full activations
     during B, the transient part.
 
@@ -134,7 +136,7 @@ def activation_bytes(profile: ModelProfile, stage: StagePlan, samples: int) -> t
         stage: the stage (layer range and re-computation flag).
         samples: samples in the slice.
     """
-    held = float(costs.activation_bytes(profile, stage, samples))
+    held = float(costs.held_activation_bytes(profile, stage, samples))
     if not stage.recompute:
         return held, 0.0
     start, end = stage.layers
@@ -192,7 +194,7 @@ class _Run:
         n = self.sizes[s][j]
         f_ms, b_ms = self.compute(s, n)
         dur = f_ms + hx.forward_ms if a.kind is K.FORWARD else b_ms + hx.backward_ms
-        held, transient = activation_bytes(self.profile, self.plan.stages[s], n)
+        held, transient = held_and_transient_bytes(self.profile, self.plan.stages[s], n)
         if a.kind is K.FORWARD:
             self.deltas[dev].append((now, held))
             self.in_flight[dev] += 1
@@ -206,7 +208,9 @@ class _Run:
         backward's memory."""
         if a.kind is K.BACKWARD:
             s, j = self.where[dev]
-            held, transient = activation_bytes(self.profile, self.plan.stages[s], self.sizes[s][j])
+            held, transient = held_and_transient_bytes(
+                self.profile, self.plan.stages[s], self.sizes[s][j]
+            )
             self.deltas[dev].append((end, -transient - held))
             self.in_flight[dev] -= 1
         self.events.append(SimEvent(dev, a, start, end))

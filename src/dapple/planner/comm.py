@@ -1,0 +1,180 @@
+"""Communication in the cost model: point-to-point transfers, split-concat comm stages and
+the gradient AllReduce AR(P_s, g_s) (paper sections 5.1 and 6.2).
+
+Cross-server traffic of one server shares its one network interface: the inter-server
+bandwidth is per server, so concurrent transfers (and hierarchical AllReduce shards) leaving or
+entering a server add up. Pure, no torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from dapple.core.cluster import Cluster
+from dapple.core.plan import StagePlan, slice_bounds
+from dapple.core.profile import ModelProfile
+from dapple.planner.memory import boundary_bytes
+
+__all__ = [
+    "allreduce_ms",
+    "busiest_link_ms",
+    "comm_stage_ms",
+    "link_loads",
+    "overlaps",
+    "transfer_ms",
+]
+
+
+def transfer_ms(cluster: Cluster, nbytes: float, src_device: int, dst_device: int) -> float:
+    """Point-to-point time of ``nbytes``: link latency + bytes / bandwidth; 0 when nothing moves.
+
+    Args:
+        cluster: link classes (same server or across servers).
+        nbytes: bytes sent.
+        src_device: sending device id.
+        dst_device: receiving device id (the same device costs nothing).
+    """
+    if nbytes <= 0 or src_device == dst_device:
+        return 0.0
+    return cluster.latency_ms(src_device, dst_device) + nbytes / cluster.bandwidth_bytes_per_ms(
+        src_device, dst_device
+    )
+
+
+def _server_counts(cluster: Cluster, devices: Sequence[int]) -> list[int]:
+    counts: dict[int, int] = {}
+    for d in devices:
+        s = cluster.server_of(d)
+        counts[s] = counts.get(s, 0) + 1
+    return list(counts.values())
+
+
+def allreduce_ms(cluster: Cluster, nbytes: float, devices: Sequence[int]) -> float:
+    """AR(P_s, g_s): time to all-reduce ``nbytes`` of gradients over ``devices``.
+
+    Ring within one server: ``2(n-1)/n * bytes / bw + 2(n-1) * latency``. When the set spans k
+    servers, hierarchical: intra-server reduce-scatter, inter-server ring all-reduce of the
+    shards (all shards of a server share its network interface, so a server moves
+    ``2(k-1)/k * bytes`` in all), intra-server all-gather. Zero for one replica.
+
+    Args:
+        cluster: bandwidths and latencies.
+        nbytes: gradient bytes (the stage's parameter bytes).
+        devices: the replicas' device ids.
+    """
+    n = len(devices)
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    counts = _server_counts(cluster, devices)
+    k = len(counts)
+    intra_bpms = cluster.intra_server_bandwidth_gbps * 1e9 / 8 / 1e3
+    inter_bpms = cluster.inter_server_bandwidth_gbps * 1e9 / 8 / 1e3
+    if k == 1:
+        return 2 * (n - 1) / n * nbytes / intra_bpms + 2 * (n - 1) * cluster.intra_server_latency_ms
+    c = max(counts)  # the most crowded server paces the intra-server phases
+    intra = 0.0
+    if c > 1:
+        intra = 2 * ((c - 1) / c * nbytes / intra_bpms + (c - 1) * cluster.intra_server_latency_ms)
+    inter = 2 * (k - 1) / k * nbytes / inter_bpms + 2 * (k - 1) * cluster.inter_server_latency_ms
+    return intra + inter
+
+
+def overlaps(b: int, r_src: int, r_dst: int) -> list[tuple[int, int, int, int]]:
+    """:func:`dapple.core.plan.transfers` in O(r_src + r_dst) by a two-pointer sweep over the
+    slice bounds (``transfers`` compares every pair)."""
+    src = slice_bounds(b, r_src)
+    dst = slice_bounds(b, r_dst)
+    out: list[tuple[int, int, int, int]] = []
+    j = k = 0
+    while j < r_src and k < r_dst:
+        lo = max(src[j][0], dst[k][0])
+        hi = min(src[j][1], dst[k][1])
+        if lo < hi:
+            out.append((j, k, lo, hi))
+        # advance whichever slice ends first (empty slices end where they start)
+        if src[j][1] <= dst[k][1]:
+            j += 1
+        else:
+            k += 1
+    return out
+
+
+def link_loads(
+    cluster: Cluster, src_devices: Sequence[int], dst_devices: Sequence[int], b: int
+) -> list[tuple[float, float]]:
+    """Every busy link of the split-concat between two stages, as ``(latency_ms, samples /
+    bytes_per_ms)``: its latency and the ms it is busy per byte of one sample.
+
+    Split-concat (section 6.2, :func:`dapple.core.plan.transfers`): replica j before the cut
+    sends its overlap with replica k's slice to ``dst_devices[k]``. Transfers proceed
+    concurrently; a device's link inside a server carries its own messages out (and in), and
+    a server's network interface carries the sum of all cross-server samples leaving (or
+    entering) it. A device sending to itself uses no link.
+
+    Args:
+        cluster: link classes.
+        src_devices: replicas before the cut, in slice order.
+        dst_devices: replicas after the cut, in slice order.
+        b: samples of one micro-batch.
+    """
+    intra = cluster.intra_server_bandwidth_gbps * 1e9 / 8 / 1e3
+    inter = cluster.inter_server_bandwidth_gbps * 1e9 / 8 / 1e3
+    loads: dict[tuple[str, int], float] = {}  # (link kind, device or server) -> samples
+    for j, k, lo, hi in overlaps(b, len(src_devices), len(dst_devices)):
+        a, c = src_devices[j], dst_devices[k]
+        if a == c:
+            continue
+        if cluster.same_server(a, c):
+            keys = [("device out", a), ("device in", c)]
+        else:
+            keys = [("nic out", cluster.server_of(a)), ("nic in", cluster.server_of(c))]
+        for key in keys:
+            loads[key] = loads.get(key, 0.0) + (hi - lo)
+    out = []
+    for (kind, _), n in loads.items():
+        if kind.startswith("device"):
+            out.append((cluster.intra_server_latency_ms, n / intra))
+        else:
+            out.append((cluster.inter_server_latency_ms, n / inter))
+    return out
+
+
+def busiest_link_ms(links: Sequence[tuple[float, float]], bytes_per_sample: float) -> float:
+    """Time of a comm stage: its busiest link, ``max(latency + bytes_per_sample * samples /
+    bandwidth)`` over :func:`link_loads`; 0 when nothing moves."""
+    t = 0.0
+    if bytes_per_sample <= 0:
+        return t
+    for lat, coef in links:
+        v = lat + bytes_per_sample * coef
+        if v > t:
+            t = v
+    return t
+
+
+def comm_stage_ms(
+    profile: ModelProfile,
+    cluster: Cluster,
+    src: StagePlan,
+    dst: StagePlan,
+    micro_batch_size: int,
+) -> tuple[float, float]:
+    """F and B of the communication stage between computation stages ``src`` and ``dst``.
+
+    The busiest link of the split-concat (:func:`link_loads`, :func:`busiest_link_ms`) of
+    the activations crossing the cut. Backward gradients take the same links in reverse:
+    same time.
+
+    Args:
+        profile: boundary activation sizes.
+        cluster: link classes.
+        src: the stage before the cut (its end is the cut).
+        dst: the stage after the cut.
+        micro_batch_size: b.
+
+    Returns:
+        ``(forward_ms, backward_ms)``.
+    """
+    links = link_loads(cluster, src.devices, dst.devices, micro_batch_size)
+    t = busiest_link_ms(links, boundary_bytes(profile, src.layers[1], 1))
+    return t, t

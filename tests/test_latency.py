@@ -1,0 +1,194 @@
+"""The latency kernel (equations 1-3) against brute force and the simulator; the CPU-host pass."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from builders import make_cluster, make_profile
+from dapple.core.cluster import Cluster
+from dapple.core.plan import straight_plan
+from dapple.core.profile import AffineTime, LayerProfile, ModelProfile
+from dapple.planner import pipeline_latency
+from dapple.planner.host import HostExtra, apply_host, has_host_terms
+from dapple.planner.latency import latency, steady_periods
+from dapple.simulate import simulate
+
+
+def _brute_force(
+    F: list[float], B: list[float], AR: list[float], M: int, K: list[int | None]
+) -> tuple[float, int]:
+    """L and Q written out term by term: periods from explicit round-trip sums, Q by the
+    paper's pivot algorithm re-summing the stages between for every candidate, and every
+    stage's end of the ending phase summed on its own."""
+    S = len(F)
+    period = []
+    for s in range(S):
+        rt = sum(F[a] + B[a] for a in range(s, S))
+        k = K[s]
+        period.append(F[s] + B[s] if not k else max(F[s] + B[s], rt / k))
+    Q = S - 1
+    for s in range(S - 2, -1, -1):
+        l1 = (M - 1) * period[s]
+        l2 = (M - 1) * period[Q] + sum(F[a] + B[a] for a in range(s + 1, Q))
+        if l1 > l2:
+            Q = s
+    T_w = sum(F[: Q + 1])
+    T_s = (M - 1) * period[Q]
+    tail_f, tail_b = sum(F[Q + 1 :]), sum(B[Q + 1 :])
+    ends = [tail_b + sum(B[s : Q + 1]) + AR[s] if s <= Q else sum(B[s:]) + AR[s] for s in range(S)]
+    T_e = tail_f + max(ends)
+    return T_w + T_s + T_e, Q
+
+
+@st.composite
+def _arrays(
+    draw: st.DrawFn,
+) -> tuple[list[float], list[float], list[float], int, list[int | None]]:
+    # integer-valued times: every sum is exact, so both evaluations see the same ties
+    S = draw(st.integers(1, 7))
+    ms = st.integers(0, 12).map(float)
+    F = [draw(ms) for _ in range(S)]
+    B = [draw(ms) for _ in range(S)]
+    AR = [draw(st.sampled_from([0.0, 0.0, 3.0, 25.0])) for _ in range(S)]
+    K = [draw(st.one_of(st.none(), st.integers(1, S))) for _ in range(S)]
+    return F, B, AR, draw(st.integers(1, 12)), K
+
+
+@settings(max_examples=300, deadline=None)
+@given(_arrays())
+def test_kernel_equals_brute_force_equations(
+    arrays: tuple[list[float], list[float], list[float], int, list[int | None]],
+) -> None:
+    F, B, AR, M, K = arrays
+    got = latency(F, B, AR, M, steady_periods(F, B, K))
+    L, Q = _brute_force(F, B, AR, M, K)
+    assert got.Q == Q
+    assert got.L_ms == pytest.approx(L, rel=1e-12)
+    assert got.L_ms == pytest.approx(got.T_w_ms + got.T_s_ms + got.T_e_ms, rel=1e-12)
+    # the pivot runs all M micro-batches: L >= M (F_Q + B_Q)
+    assert got.L_ms >= M * (F[Q] + B[Q]) * (1 - 1e-12)
+
+
+def test_kernel_paper_case_without_in_flight_bounds() -> None:
+    # no bound: period_s = F_s + B_s, the paper's T_s = (M-1)(F_Q + B_Q)
+    F, B, AR = [2.0, 1.0, 3.0], [4.0, 1.0, 6.0], [5.0, 0.0, 0.0]
+    assert steady_periods(F, B, [None] * 3) == [6.0, 2.0, 9.0]
+    r = latency(F, B, AR, 4, [6.0, 2.0, 9.0])
+    assert r.Q == 2
+    assert (r.T_w_ms, r.T_s_ms) == (6.0, 27.0)
+    assert r.T_e_ms == max(6.0 + 1.0 + 4.0 + 5.0, 6.0)  # stage 0's B and AR end last
+    # a bound K_s = 1 makes a stage wait for its round trip
+    assert steady_periods(F, B, [1, None, 1]) == [17.0, 2.0, 9.0]
+
+
+def _chain(f: list[int], b: list[int]) -> ModelProfile:
+    return ModelProfile(
+        model_name="chain",
+        layers=tuple(
+            LayerProfile(
+                name=f"l{i}",
+                forward=AffineTime(fixed_ms=0.0, per_sample_ms=float(fi)),
+                backward=AffineTime(fixed_ms=0.0, per_sample_ms=float(bi)),
+                output_bytes_per_sample=0.0,
+                parameter_bytes=0,
+                kept_activation_bytes_per_sample=1.0,
+            )
+            for i, (fi, bi) in enumerate(zip(f, b, strict=True))
+        ),
+    )
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.integers(1, 5).flatmap(
+        lambda S: st.tuples(
+            st.lists(st.integers(1, 6), min_size=S, max_size=S),
+            st.lists(st.integers(1, 6), min_size=S, max_size=S),
+        )
+    ),
+    st.integers(1, 8),
+    st.sampled_from(["dapple", "gpipe"]),
+    st.sampled_from(["A", "B"]),
+    st.booleans(),
+)
+def test_kernel_equals_the_simulator_on_non_decreasing_stages(
+    fb: tuple[list[int], list[int]], M: int, schedule: str, policy: str, one_in_flight: bool
+) -> None:
+    """One device per stage, nothing to send or all-reduce, F_s and B_s non-decreasing along
+    the pipeline: the last stage is the pivot and the schedule has no internal bubbles, so L
+    is the exact makespan of the simulated step. Also when each stage holds one micro-batch:
+    every period is then the stage's round trip and the first stage, the longest, paces."""
+    f, b = sorted(fb[0]), sorted(fb[1])
+    S = len(f)
+    prof = _chain(f, b)
+    cluster = make_cluster(1, S)
+    plan = straight_plan(
+        S,
+        list(range(S)),
+        global_batch_size=M,
+        num_micro_batches=M,
+        schedule=schedule,
+        policy=policy,
+    )
+    if one_in_flight and schedule == "dapple":
+        plan = dataclasses.replace(
+            plan, stages=tuple(dataclasses.replace(s, max_in_flight=1) for s in plan.stages)
+        )
+    r = pipeline_latency(plan, prof, cluster)
+    if plan.stages[0].max_in_flight is None:
+        assert r.Q == r.S - 1
+    assert r.L_ms == pytest.approx(simulate(plan, prof, cluster).step_ms, rel=1e-12)
+
+
+def test_dedicated_cluster_is_the_kernel_alone() -> None:
+    """Without host terms L is equations 1-3 over the breakdown's own rows."""
+    p, c = make_profile(6, act=1e5, params=10**6), make_cluster(servers=2, per_server=2)
+    plan = straight_plan(
+        6, [0, 2, 4], global_batch_size=16, num_micro_batches=8, replicas=[2, 1, 1], policy="B"
+    )
+    assert not has_host_terms(c)
+    r = pipeline_latency(plan, p, c)
+    F = [x.forward_ms for x in r.stages]
+    B = [x.backward_ms for x in r.stages]
+    AR = [x.allreduce_ms for x in r.stages]
+    K = [x.in_flight if x.kind == "compute" else None for x in r.stages]
+    assert AR[0] > 0 and F[1] > 0  # an AllReduce and a comm stage take part
+    assert tuple(latency(F, B, AR, 8, steady_periods(F, B, K))) == (
+        r.L_ms,
+        r.T_w_ms,
+        r.T_s_ms,
+        r.T_e_ms,
+        r.Q,
+    )
+    # the host pass with nothing to add is the identity
+    h = apply_host(
+        F, B, AR, K, 8, c, [HostExtra(), None, HostExtra(), None, HostExtra()], lambda s: []
+    )
+    assert (h.F, h.B, h.AR, h.period, h.step) == (F, B, AR, steady_periods(F, B, K), [0.0] * 5)
+
+
+def test_host_pass_by_hand() -> None:
+    """One stage on 4 devices of a 2-core server, M = 1: the extras join F and B, the step CPU
+    joins AR, and the whole step stretches by 4 / 2."""
+    c = Cluster(
+        servers=1,
+        devices_per_server=4,
+        device_memory_bytes=2**30,
+        intra_server_bandwidth_gbps=100.0,
+        inter_server_bandwidth_gbps=100.0,
+        step_overhead_ms=1.0,
+        compute_cores_per_server=2.0,
+    )
+    assert has_host_terms(c)
+    extra = HostExtra(forward_ms=0.5, backward_ms=0.5, step_ms=1.0)
+    h = apply_host([1.0], [2.0], [0.25], [1], 1, c, [extra], lambda s: [(d, 3.0) for d in range(4)])
+    assert (h.F, h.B, h.step, h.AR, h.period) == ([3.0], [5.0], [2.0], [2.25], [8.0])
+    assert latency(h.F, h.B, h.AR, 1, h.period).L_ms == 3.0 + 5.0 + 2.25
+    # dedicated cores: the extras alone, no stretch
+    ded = dataclasses.replace(c, compute_cores_per_server=None)
+    h = apply_host([1.0], [2.0], [0.25], [1], 1, ded, [extra], lambda s: [])
+    assert (h.F, h.B, h.step, h.AR, h.period) == ([1.5], [2.5], [1.0], [1.25], [4.0])
