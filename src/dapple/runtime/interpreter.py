@@ -3,9 +3,10 @@
 Every rank runs ``dapple.schedule.lower(plan)[rank]`` - the same per-device program the
 simulator runs - and dispatches every action on its kind:
 
-- ``RECV_F``/``RECV_B`` post ``irecv``s. Each runs early, right after the action
-  :data:`RECV_AHEAD` positions before it: gloo moves a message only once its irecv is posted,
-  so a just-in-time irecv exposes the whole transfer; posted early it overlaps compute;
+- ``RECV_F``/``RECV_B`` post ``irecv``s, early: right after the first action at most
+  :data:`RECV_AHEAD` positions before them that is not itself an early receive. Gloo moves a
+  message only once its irecv is posted, so a just-in-time irecv exposes the whole transfer;
+  posted early it overlaps compute;
 - ``F``/``B`` wait for their receives and compute; the non-finite guard notes every loss and
   gradient (:meth:`LongRun.watch`); the rank's last ``B`` first arms the overlapped gradient
   AllReduce (:meth:`GradientSync.arm`), whose buckets start while backward still runs;
