@@ -74,7 +74,7 @@ class TrainConfig:
 
 
 def _check_long_run(c: TrainConfig) -> None:
-    """Validate the checkpoint and non-finite options (issue #10)."""
+    """Validate the checkpoint and non-finite options."""
     if c.save_every < 0:
         raise ValidationError(f"save_every must be >= 0, got {c.save_every}")
     if c.keep is not None and c.keep < 1:

@@ -2,8 +2,9 @@
 local worker processes are started here (``spawn``, 127.0.0.1, a free port).
 
 Backend: NCCL when the run uses CUDA, gloo on CPU. ``init_process_group(timeout=...)`` bounds
-every wait on a peer; a failing worker prints one line ``dapple: error: step S: rank R
-(stage s replica j) failed during ...; lost peer rank P ...`` and exits 1 instead of hanging.
+every wait on a peer; a failing worker prints ``dapple: error: step S: rank R (stage s
+replica j) failed during ...; lost peer rank P ...`` - followed, when it failed inside an action,
+by the schedule grid with that action marked - and exits 1 instead of hanging.
 The standalone launcher waits for all workers (at most ``timeout_s`` plus a grace period after
 the first failure, then terminates stragglers) and reports every rank's exit code.
 """
@@ -88,7 +89,7 @@ def init_distributed(config: TrainConfig, local_world: int) -> torch.device:
         dist.init_process_group(
             backend="nccl" if device.type == "cuda" else "gloo",
             timeout=timedelta(seconds=config.timeout_s),
-            **elastic_store(timedelta(seconds=config.timeout_s)),  # torchrun restarts (#10)
+            **elastic_store(timedelta(seconds=config.timeout_s)),  # torchrun restarts
         )
     return device
 
@@ -112,7 +113,7 @@ def shutdown_distributed() -> None:
 
 
 def _die(msg: str) -> None:
-    """Print one ``dapple: error:`` line in a single write (ranks share stderr) and exit 1."""
+    """Print ``dapple: error: msg`` in a single write (ranks share stderr) and exit 1."""
     sys.stdout.flush()
     os.write(2, f"dapple: error: {msg}\n".encode())
     os._exit(1)

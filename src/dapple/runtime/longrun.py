@@ -1,6 +1,7 @@
-"""Long runs: periodic checkpoints, resume under any plan, and the non-finite guard (issue #10).
+"""Long runs: periodic checkpoints, resume under any plan, and the non-finite guard.
 
-:class:`LongRun` is what :func:`dapple.runtime.run_plan` consults around every step:
+:class:`LongRun` is what :func:`dapple.runtime.run_plan` and its program interpreter
+(:mod:`dapple.runtime.interpreter`) consult around every step:
 
 - :meth:`LongRun.resume` (before the first step) loads the newest complete checkpoint of
   ``TrainConfig.checkpoint_dir`` *by layer* into this rank's stage - so a run saved under one
@@ -8,16 +9,17 @@
   step ``t`` trains on ``make_batch(G, seed + t)``);
 - :meth:`LongRun.watch` (after every F/B action) notes the first non-finite loss (last stage,
   per micro-batch) or gradient (after each backward) of the step;
-- :meth:`LongRun.agree_finite` (before the first AllReduce/optimizer action) gathers every
-  rank's verdict over all ranks (ranks beyond the plan send none), so all ranks take the same
-  decision *before the optimizer touches the weights*: stop with one line naming step, stage,
-  micro-batch and rank (default), or skip the step and count it (``on_nonfinite="skip"``).
-  The same gather carries the caller's per-rank values (the step's metrics);
+- :meth:`LongRun.agree_finite` (at the step point, before the first ``AR``/``OPT`` action)
+  gathers every rank's verdict over all ranks (ranks beyond the plan send none), so all ranks
+  take the same decision *before the optimizer touches the weights*: stop with one line naming
+  step, stage, micro-batch and rank (default), or skip the step and count it
+  (``on_nonfinite="skip"``). The same gather carries the caller's per-rank values (the step's
+  metrics);
 - :meth:`LongRun.after_step` saves every ``save_every`` steps (replica 0 of each stage writes
   its layers, every rank its RNG state, rank 0 the manifest after a barrier).
 
 Cost: one small all_gather per step - the runtime's only per-step collective besides the
-gradient AllReduce, as it also carries the step's metrics (see :mod:`dapple.runtime.engine`) -
+gradient AllReduce, as it also carries the step's metrics (see :mod:`dapple.runtime.metrics`) -
 and one reduction over the stage's gradients per backward.
 """
 

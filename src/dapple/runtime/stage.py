@@ -135,24 +135,52 @@ class StageExecutor:
         self._grad_in.clear()
         self._grad_in_left.clear()
 
-    def run(self, a: Action) -> None:
-        """Execute one action of this replica's lowered program."""
-        m = a.micro_batch
-        assert m is not None
-        if a.kind is K.RECV_F:
-            self._post_recv(self._recv_f, m, a.peer, backward=False)
-        elif a.kind is K.FORWARD:
-            self._forward(m)
-        elif a.kind is K.SEND_F:
-            self._send_forward(m, a.peer)
-        elif a.kind is K.RECV_B:
-            self._post_recv(self._recv_b, m, a.peer, backward=True)
-        elif a.kind is K.BACKWARD:
-            self._backward(m)
-        elif a.kind is K.SEND_B:
-            self._send_backward(m, a.peer)
-        else:  # pragma: no cover - AR/OPT are handled by the engine
-            raise ValueError(f"StageExecutor cannot run {a}")
+    def handlers(self) -> dict[ActionKind, Callable[[Action], None]]:
+        """The handler of each action kind this executor runs (F, B and the sends and receives;
+        ``AR`` and ``OPT`` belong to :mod:`dapple.runtime.interpreter`)."""
+        return {
+            K.RECV_F: self.recv_forward,
+            K.FORWARD: self.forward,
+            K.SEND_F: self.send_forward,
+            K.RECV_B: self.recv_backward,
+            K.BACKWARD: self.backward,
+            K.SEND_B: self.send_backward,
+        }
+
+    def recv_forward(self, a: Action) -> None:
+        """``RECV_F``: post the receives of a slice of micro-batch activations."""
+        assert a.micro_batch is not None
+        self._post_recv(self._recv_f, a.micro_batch, a.peer, backward=False)
+        self._poll_sends()
+
+    def forward(self, a: Action) -> None:
+        """``F``: wait for the inputs, compute, and (last stage) the scaled loss."""
+        assert a.micro_batch is not None
+        self._forward(a.micro_batch)
+        self._poll_sends()
+
+    def send_forward(self, a: Action) -> None:
+        """``SEND_F``: post the sends of the activations' slice for replica ``a.peer``."""
+        assert a.micro_batch is not None
+        self._send_forward(a.micro_batch, a.peer)
+        self._poll_sends()
+
+    def recv_backward(self, a: Action) -> None:
+        """``RECV_B``: post the receives of a slice of output gradients."""
+        assert a.micro_batch is not None
+        self._post_recv(self._recv_b, a.micro_batch, a.peer, backward=True)
+        self._poll_sends()
+
+    def backward(self, a: Action) -> None:
+        """``B``: wait for the output gradients (not on the last stage) and back-propagate."""
+        assert a.micro_batch is not None
+        self._backward(a.micro_batch)
+        self._poll_sends()
+
+    def send_backward(self, a: Action) -> None:
+        """``SEND_B``: post the sends of the input gradients' slice for replica ``a.peer``."""
+        assert a.micro_batch is not None
+        self._send_backward(a.micro_batch, a.peer)
         self._poll_sends()
 
     # -- helpers -------------------------------------------------------------------------------

@@ -1,0 +1,270 @@
+"""One rank's lowered program, run action by action through a table of handlers (section 6).
+
+Every rank runs ``dapple.schedule.lower(plan)[rank]`` - the same per-device program the
+simulator runs - and dispatches every action on its kind:
+
+- ``RECV_F``/``RECV_B`` post ``irecv``s, early: right after the first action at most
+  :data:`RECV_AHEAD` positions before them that is not itself an early receive. Gloo moves a
+  message only once its irecv is posted, so a just-in-time irecv exposes the whole transfer;
+  posted early it overlaps compute;
+- ``F``/``B`` wait for their receives and compute; the non-finite guard notes every loss and
+  gradient (:meth:`LongRun.watch`); the rank's last ``B`` first arms the overlapped gradient
+  AllReduce (:meth:`GradientSync.arm`), whose buckets start while backward still runs;
+- ``SEND_F``/``SEND_B`` post ``isend``s (all waited for at the step point);
+- ``AR`` waits for AR(P_s, g_s) over the stage's replicas (:meth:`GradientSync.finish`);
+- ``OPT`` sums the tied parameters' gradients (:meth:`GradientSync.tied`), then steps the
+  optimizer.
+
+The program is compiled once into *ops* - ``(position, action, handler)`` in execution order,
+early receives moved up, the arming wrapped around the last ``B`` - so a step is a plain loop.
+
+The step point: just before the program's first ``AR``/``OPT`` (at the end of an empty program,
+on ranks beyond the plan) every rank joins the step's one world collective,
+:meth:`LongRun.agree_finite`, with its non-finite verdict, loss part and peak memory. ``AR`` and
+``OPT`` run only when every rank's verdict is finite, so a NaN stops or skips the step on every
+rank before ``OPT`` touches the weights. :func:`dapple.schedule.lower.lower` puts ``AR`` and
+``OPT`` last; a program with another action after them is rejected (:func:`step_point`).
+
+A failure inside an action raises :class:`RankFailure` naming the step, the rank, the action or
+what it waited for and the lost peer, followed by the schedule grid with that action marked.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+
+from dapple.core.plan import Plan
+from dapple.errors import ValidationError
+from dapple.runtime.failure import RankFailure, describe_rank, failure_grid, short_error
+from dapple.runtime.longrun import LongRun
+from dapple.runtime.metrics import StepProbe
+from dapple.runtime.stage import StageExecutor
+from dapple.runtime.sync import GradientSync
+from dapple.schedule.ir import Action, ActionKind, Schedule
+from dapple.schedule.validate import format_grid
+
+__all__ = ["RECV_AHEAD", "ProgramInterpreter", "step_point"]
+
+K = ActionKind
+
+RECV_AHEAD = 4
+"""Program positions ahead of the current action whose RECV_F/RECV_B are posted early."""
+_RECVS = (K.RECV_F, K.RECV_B)
+_UPDATES = (K.ALLREDUCE, K.STEP)
+
+Handler = Callable[[Action], None]
+
+
+class _Op(NamedTuple):
+    """One compiled action: its position in the rank's program, the action, its handler."""
+
+    position: int
+    action: Action
+    run: Handler
+
+
+def step_point(schedule: Schedule, rank: int) -> int:
+    """The position of ``rank``'s first ``AR``/``OPT`` (its program's length without one).
+
+    Raises:
+        ValidationError: an action other than ``AR``/``OPT`` follows it; the message holds the
+            schedule grid with those actions marked.
+    """
+    program = schedule.get(rank, [])
+    n = next((i for i, a in enumerate(program) if a.kind in _UPDATES), len(program))
+    late = [(rank, i) for i in range(n, len(program)) if program[i].kind not in _UPDATES]
+    if late:
+        raise ValidationError(
+            f"rank {rank}: program has actions after its first AR/OPT (the step's collective "
+            "must come before every AR/OPT and after every other action)\n"
+            + format_grid(schedule, late)
+        )
+    return n
+
+
+def _compile(program: Sequence[Action], handler_at: Callable[[int], Handler]) -> list[_Op]:
+    """``program`` in execution order: each action, then the receives up to
+    :data:`RECV_AHEAD` positions ahead that are not posted yet."""
+    ops: list[_Op] = []
+    early: set[int] = set()
+    for i, a in enumerate(program):
+        if i in early:
+            continue
+        ops.append(_Op(i, a, handler_at(i)))
+        for k in range(i + 1, min(len(program), i + 1 + RECV_AHEAD)):
+            if program[k].kind in _RECVS and k not in early:
+                ops.append(_Op(k, program[k], handler_at(k)))
+                early.add(k)
+    return ops
+
+
+class ProgramInterpreter:
+    """Runs one rank's lowered program, step by step (see the module docstring).
+
+    Every rank creates one, ranks beyond the plan too (``executor=None``, an empty program):
+    they take part in the step's collective.
+    """
+
+    def __init__(
+        self,
+        plan: Plan,
+        schedule: Schedule,
+        rank: int,
+        *,
+        executor: StageExecutor | None,
+        sync: GradientSync,
+        longrun: LongRun,
+        optimizer: torch.optim.Optimizer | None,
+        params: list[nn.Parameter],
+        probe: StepProbe,
+    ) -> None:
+        self.plan, self.schedule, self.rank = plan, schedule, rank
+        self.ex, self.sync, self.longrun, self.probe = executor, sync, longrun, probe
+        self.optimizer, self.params = optimizer, params
+        program = schedule.get(rank, [])
+        if program and executor is None:
+            raise ValidationError(f"rank {rank} has a program but no stage executor")
+        n = step_point(schedule, rank)
+        table: dict[ActionKind, Handler] = {
+            **(executor.handlers() if executor is not None else {}),
+            K.FORWARD: self._forward,
+            K.BACKWARD: self._backward,
+            K.ALLREDUCE: self._allreduce,
+            K.STEP: self._optimizer_step,
+        }
+        last_b = max((i for i, a in enumerate(program) if a.kind is K.BACKWARD), default=-1)
+
+        def handler_at(i: int) -> Handler:
+            return self._last_backward if i == last_b else table[program[i].kind]
+
+        self._compute = _compile(program[:n], handler_at)
+        """F, B, sends and receives: everything before the step point."""
+        self._update = [_Op(i, program[i], handler_at(i)) for i in range(n, len(program))]
+        """AR and OPT: everything after the step point."""
+        ranks = list(plan.stages[executor.s].devices) if executor is not None else []
+        self._phases = {
+            K.ALLREDUCE: f"gradient AllReduce over ranks {ranks}",
+            K.STEP: "tied-parameter sums and optimizer step",
+        }
+        self._at: _Op | str = "start of step"  # what runs now (formatted only on failure)
+        self._step = -1
+
+    # -- one step ------------------------------------------------------------------------------
+    def run_step(self, step: int, inputs: Any, targets: torch.Tensor) -> list[list[float]]:
+        """Run step ``step`` of the program on this global batch.
+
+        Returns:
+            The rows of the step's collective, one per rank: ``[kind, stage, micro-batch,
+            rank, loss part, peak bytes]`` (see :meth:`LongRun.agree_finite`).
+
+        Raises:
+            RankFailure: a non-finite loss or gradient stops the run (``on_nonfinite="stop"``;
+                one line), or an action, the step's collective or a peer failed (the action's
+                failure carries the schedule grid).
+        """
+        self._step = step
+        self._at = "start of step"
+        try:
+            if self.ex is not None:
+                self._compute_part(inputs, targets)  # F, B, SEND_*, RECV_*
+            verdict, rows = self._meet(step)
+            if verdict is None:
+                self._execute(self._update)  # AR, OPT
+            else:  # stop or skip: drop the bucket AllReduces (a skipped step updates nothing)
+                self._at = "dropping the gradient AllReduce"
+                self.sync.drain()
+                if verdict:
+                    raise RankFailure(verdict)
+        except RankFailure:
+            raise
+        except Exception as e:
+            raise self._failure(step, e) from e
+        return rows
+
+    def _compute_part(self, inputs: Any, targets: torch.Tensor) -> None:
+        """Everything before the step point; then wait for the step's sends."""
+        assert self.ex is not None
+        for p in self.params:
+            p.grad = None
+        self.ex.begin_step(inputs, targets)
+        self.longrun.begin_step()
+        self._execute(self._compute)
+        self._at = "the step's sends"
+        self.ex.finish_sends()
+
+    def _execute(self, ops: list[_Op]) -> None:
+        for op in ops:
+            self._at = op
+            op.run(op.action)
+
+    def _meet(self, step: int) -> tuple[str | None, list[list[float]]]:
+        """The step point: every rank's verdict and measurements in one world collective."""
+        self._at = "the step's collective (non-finite check and metrics, all ranks)"
+        loss_part = self.ex.loss_sum if self.ex is not None else 0.0
+        peak = float(self.probe.peak_bytes())
+        verdict, rows = self.longrun.agree_finite(step, (loss_part, peak))
+        self.probe.lap()
+        return verdict, rows
+
+    # -- handlers of F, B, AR and OPT (the sends and receives are the executor's) -----------
+    def _forward(self, a: Action) -> None:
+        assert self.ex is not None
+        self.ex.forward(a)
+        self.longrun.watch(a, self.ex.loss_sum)
+
+    def _backward(self, a: Action) -> None:
+        assert self.ex is not None
+        self.ex.backward(a)
+        self.longrun.watch(a, self.ex.loss_sum)
+
+    def _last_backward(self, a: Action) -> None:
+        self.sync.arm()  # reduce gradient buckets as they become final
+        self._backward(a)
+
+    def _allreduce(self, a: Action) -> None:
+        self.sync.finish()  # AR(P_s, g_s): wait for the overlapped buckets
+
+    def _optimizer_step(self, a: Action) -> None:
+        self.sync.tied()
+        if self.optimizer is not None:
+            self.optimizer.step()
+
+    # -- test hook -----------------------------------------------------------------------------
+    def die_mid_step(self, step: int) -> None:
+        """Test hook: from now on this rank exits (``os._exit(1)``) before its second action
+        of step ``step``. Installed by wrapping that action's handler, so the loop itself
+        checks nothing."""
+        if len(self._compute) < 2:
+            return
+        op = self._compute[1]
+
+        def die_then_run(a: Action) -> None:
+            if self._step == step:
+                os._exit(1)
+            op.run(a)
+
+        self._compute[1] = op._replace(run=die_then_run)
+
+    # -- failures ------------------------------------------------------------------------------
+    def _failure(self, step: int, e: BaseException) -> RankFailure:
+        """The one-line account of a failure, then (inside an action) the marked grid."""
+        waiting = self.ex.waiting_on if self.ex is not None else None
+        peer = waiting[1] if waiting else -1
+        at = self._at
+        if waiting:
+            what = f"waiting for {waiting[0]}"
+        elif isinstance(at, _Op):
+            phase = self._phases.get(at.action.kind)
+            what = f"during action {at.action}" + (f" ({phase})" if phase else "")
+        else:
+            what = f"during {at}"
+        lost = f"; lost peer {describe_rank(self.plan, peer)}" if peer >= 0 else ""
+        msg = f"step {step}: {describe_rank(self.plan, self.rank)} failed {what}{lost} ({short_error(e)})"
+        if isinstance(at, _Op):
+            msg += "\n" + failure_grid(self.schedule, self.rank, at.position, peer)
+        return RankFailure(msg)
