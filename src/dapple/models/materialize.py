@@ -209,15 +209,24 @@ def init_parameters(
     return out
 
 
-def materialize(model: nn.Module, seed: int, device: torch.device | str = "cpu") -> nn.Module:
+def materialize(
+    model: nn.Module,
+    seed: int,
+    device: torch.device | str = "cpu",
+    values: Callable[[list[str]], dict[str, torch.Tensor]] | None = None,
+) -> nn.Module:
     """Make every parameter of a :func:`build_meta` model real, in place (tied stay tied).
 
     Args:
         model: A model from :func:`build_meta`.
         seed: The run seed (as in :func:`init_parameters`).
         device: Where parameters and buffers go.
+        values: ``names -> tensors`` instead of :func:`init_parameters` (pretrained weights).
     """
-    values = init_parameters(model, [n for n, _ in model.named_parameters()], seed, device)
+    names = [n for n, _ in model.named_parameters()]
+    made_values = (
+        values(names) if values is not None else init_parameters(model, names, seed, device)
+    )
     made: dict[int, nn.Parameter] = {}
     holders: list[tuple[nn.Module, str, Any]] = [
         (mod, key, p)
@@ -228,6 +237,6 @@ def materialize(model: nn.Module, seed: int, device: torch.device | str = "cpu")
     by_id = {id(p): name for name, p in model.named_parameters()}
     for mod, key, p in holders:
         if id(p) not in made:
-            made[id(p)] = nn.Parameter(values[by_id[id(p)]], p.requires_grad)
+            made[id(p)] = nn.Parameter(made_values[by_id[id(p)]], p.requires_grad)
         mod._parameters[key] = made[id(p)]
     return model.to(device)

@@ -42,10 +42,12 @@ of ``build_model(seed)`` and tied copies start equal.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -61,6 +63,7 @@ from dapple.models.split_graph import (
     parse_split_at,
 )
 from dapple.models.tied import find_tied_parameters, sum_tied_grads_local, sync_tied_grads
+from dapple.models.weights import WeightFiles
 from dapple.models.workload import Workload, layer_seed
 
 __all__ = [
@@ -73,6 +76,7 @@ __all__ = [
     "split_module",
     "sum_tied_grads_local",
     "sync_tied_grads",
+    "with_weights",
     "workload_from_module",
 ]
 
@@ -113,6 +117,8 @@ class _Splitter:
         self.model_factory = model_factory
         self.make_batch = make_batch
         self.split_at = split_at
+        self.weights: WeightFiles | None = None
+        self.weight_keys: dict[str, str] = {}
         self.models: OrderedDict[int, nn.Module] = OrderedDict()
         base = layer_seed(0, 0)
         model = self.model(base)
@@ -134,7 +140,29 @@ class _Splitter:
 
     def __reduce__(self) -> tuple[Any, ...]:
         """Pickle the recipe, not the graphs: a spawned worker traces the model again."""
-        return (_Splitter, (self.model_factory, self.make_batch, self.split_at))
+        if self.weights is None:
+            return (_Splitter, (self.model_factory, self.make_batch, self.split_at))
+        recipe = (self.model_factory, self.make_batch, self.split_at)
+        return (_splitter_with_weights, (recipe, self.weights))
+
+    def with_weights(self, weights: WeightFiles) -> _Splitter:
+        """A splitter sharing these templates whose pieces take their parameters from
+        ``weights`` (checked against the model here, before any compute)."""
+        keys = weights.check(self.model(layer_seed(0, 0)))
+        out = copy.copy(self)
+        out.weights, out.weight_keys, out.models = weights, keys, OrderedDict()
+        return out
+
+    def values(self, model: nn.Module, names: list[str], base: int) -> dict[str, torch.Tensor]:
+        """Initial values of the named parameters: from the weights, or initialised."""
+        if self.weights is None:
+            return init_parameters(model, names, base)
+        out = {}
+        for name in names:
+            like = model.get_parameter(name)
+            t = self.weights.get(self.weight_keys[name])
+            out[name] = t.to(dtype=like.dtype, copy=True)
+        return out
 
     def model(self, base: int) -> nn.Module:
         """The model built under ``base`` with its re-initialisable parameters on ``meta``."""
@@ -152,7 +180,7 @@ class _Splitter:
         model = self.model(base)
         piece = copy.deepcopy(self.split.pieces[index])
         names = [n for n, _ in piece.named_parameters(remove_duplicate=False)]
-        values = init_parameters(model, names, base)
+        values = self.values(model, names, base)
         buffers = dict(model.named_buffers(remove_duplicate=False))
         with torch.no_grad():
             for name in names:
@@ -171,7 +199,13 @@ class _Splitter:
 
     def whole(self, base: int) -> nn.Module:
         """The unsplit model of ``base`` with every parameter real (a reference)."""
-        return materialize(build_meta(self.model_factory, base), base)
+        model = build_meta(self.model_factory, base)
+        return materialize(model, base, values=functools.partial(self.values, model, base=base))
+
+
+def _splitter_with_weights(recipe: tuple[Any, ...], weights: WeightFiles) -> _Splitter:
+    """Unpickling hook of a :class:`_Splitter` with pretrained weights."""
+    return _Splitter(*recipe).with_weights(weights)
 
 
 def _to_device(x: Any, device: torch.device) -> Any:
@@ -237,6 +271,34 @@ def workload_from_module(
     )
 
 
+def _splitter_of(workload: Workload) -> _Splitter:
+    factory = workload.layer_factories[0] if workload.num_layers else None
+    if not isinstance(factory, _PieceFactory):
+        raise ValidationError(f"workload {workload.name!r} was not made by workload_from_module")
+    return factory.owner
+
+
+def with_weights(workload: Workload, path: str | Path) -> Workload:
+    """``workload`` whose pieces take their initial parameters from pretrained weights.
+
+    Each rank reads only the tensors of its own pieces. Names, shapes and dtypes are checked
+    here, against the file headers, before any compute.
+
+    Args:
+        workload: A workload made by :func:`workload_from_module`.
+        path: A Hugging Face style directory, a ``.safetensors`` file or a ``state_dict`` file
+            (see :class:`~dapple.models.weights.WeightFiles`).
+
+    Raises:
+        ValidationError: Not a split workload; a missing tensor, shape or dtype mismatch.
+    """
+    owner = _splitter_of(workload).with_weights(WeightFiles(path))
+    return dataclasses.replace(
+        workload,
+        layer_factories=[_PieceFactory(owner, i) for i in range(workload.num_layers)],
+    )
+
+
 def original_model(workload: Workload, seed: int = 0) -> nn.Module:
     """The unsplit model whose weights ``workload.build_model(seed)``'s pieces carry.
 
@@ -247,7 +309,4 @@ def original_model(workload: Workload, seed: int = 0) -> nn.Module:
     Raises:
         ValidationError: ``workload`` was not made by :func:`workload_from_module`.
     """
-    factory = workload.layer_factories[0] if workload.num_layers else None
-    if not isinstance(factory, _PieceFactory):
-        raise ValidationError(f"workload {workload.name!r} was not made by workload_from_module")
-    return factory.owner.whole(layer_seed(seed, 0))
+    return _splitter_of(workload).whole(layer_seed(seed, 0))

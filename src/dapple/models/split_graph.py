@@ -154,6 +154,19 @@ def _follow_input_device(graph: fx.Graph, after: fx.Node, source: fx.Node) -> No
         node.kwargs = fx.node.map_aggregate(node.kwargs, swap)
 
 
+def _follow_device_in_submodules(traced: fx.GraphModule) -> None:
+    """:func:`_follow_input_device` inside the graphs of higher-order ops (``autocast`` or
+    ``no_grad`` regions): each follows the device of its first tensor argument."""
+    for sub in traced.modules():
+        if sub is traced or not isinstance(sub, fx.GraphModule):
+            continue
+        holders = [n for n in sub.graph.nodes if n.op == "placeholder"]
+        tensors = [n for n in holders if isinstance(n.meta.get("val"), torch.Tensor)] or holders
+        if tensors:
+            _follow_input_device(sub.graph, holders[-1], tensors[0])
+            sub.recompile()
+
+
 def _module_fqns(node: fx.Node) -> list[str]:
     stack = node.meta.get("nn_module_stack") or {}
     return [str(v[0]) for v in stack.values() if isinstance(v, tuple) and v and v[0]]
@@ -225,6 +238,7 @@ class SplitModel:
         program = _export(model, inputs)
         self.output_is_tuple = _output_is_tuple(model, program)
         self.traced = program.module(check_guards=False)
+        _follow_device_in_submodules(self.traced)
         self.aliases = _aliases(model)
         nodes = list(self.traced.graph.nodes)
         modules = dict(model.named_modules(remove_duplicate=False))
