@@ -15,12 +15,15 @@ from dapple.errors import ValidationError
 __all__ = ["add_model_argument", "add_model_arguments", "model_overrides", "parse_overrides"]
 
 
-def add_model_argument(p: argparse.ArgumentParser, default: str | None = None) -> None:
-    """Add ``-m/--model SPEC`` to ``p``: required unless ``default`` is given."""
+def add_model_argument(
+    p: argparse.ArgumentParser, default: str | None = None, required: bool | None = None
+) -> None:
+    """Add ``-m/--model SPEC`` to ``p``: required unless ``default`` is given or ``required``
+    is False."""
     p.add_argument(
         "-m",
         "--model",
-        required=default is None,
+        required=default is None if required is None else required,
         default=default,
         metavar="SPEC",
         help="zoo name, package.module:factory, file.py:factory or hf:DIR (a Hugging Face "
@@ -28,10 +31,11 @@ def add_model_argument(p: argparse.ArgumentParser, default: str | None = None) -
     )
 
 
-def add_model_arguments(p: argparse.ArgumentParser) -> None:
+def add_model_arguments(p: argparse.ArgumentParser, required: bool = True) -> None:
     """Add ``-m/--model SPEC`` (required), ``--set KEY=VALUE`` (factory arguments),
-    ``--split-at NAME,NAME`` and ``--weights PATH`` to ``p``."""
-    add_model_argument(p)
+    ``--split-at NAME,NAME`` and ``--weights PATH`` to ``p`` (``-m`` optional when not
+    ``required``)."""
+    add_model_argument(p, required=required)
     p.add_argument(
         "--set",
         action="append",

@@ -23,6 +23,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from dapple.errors import ValidationError
+from dapple.models.materialize import build_meta
 from dapple.models.split import workload_from_module
 from dapple.models.workload import Workload
 
@@ -33,6 +34,7 @@ __all__ = [
     "gpt2",
     "hf_bert",
     "hf_causal_lm",
+    "hf_config",
     "hf_gpt2",
 ]
 
@@ -316,6 +318,27 @@ def hf_bert(
         split_at=split_at,
         name=f"hf-bert-{layers}x{hidden}",
     )
+
+
+def hf_config(workload: Workload) -> Any | None:
+    """The ``transformers`` config of a workload built by this module (``None`` for others),
+    with ``architectures`` naming the ``transformers`` model class."""
+    from dapple.models.split import model_factory_of
+
+    try:
+        factory = model_factory_of(workload)
+    except ValidationError:
+        return None
+    if isinstance(factory, _DirModel):
+        config = _config_from_dir(factory.path)
+    elif isinstance(factory, _Model):
+        tf = _transformers()
+        config = (tf.GPT2Config if factory.kind == "gpt2" else tf.BertConfig)(**factory.config)
+    else:
+        return None
+    model_class = type(build_meta(factory, 0)).__mro__[1]  # the class the wrapper extends
+    config.architectures = [model_class.__name__]
+    return config
 
 
 def hf_causal_lm(

@@ -71,6 +71,7 @@ __all__ = [
     "default_cut_names",
     "executed_module_names",
     "find_tied_parameters",
+    "model_factory_of",
     "original_model",
     "parse_split_at",
     "split_module",
@@ -276,6 +277,15 @@ def _splitter_of(workload: Workload) -> _Splitter:
     if not isinstance(factory, _PieceFactory):
         raise ValidationError(f"workload {workload.name!r} was not made by workload_from_module")
     return factory.owner
+
+
+def model_factory_of(workload: Workload) -> Callable[[], nn.Module]:
+    """The factory of the unsplit model of a :func:`workload_from_module` workload.
+
+    Raises:
+        ValidationError: ``workload`` was not made by :func:`workload_from_module`.
+    """
+    return _splitter_of(workload).model_factory
 
 
 def with_weights(workload: Workload, path: str | Path) -> Workload:
