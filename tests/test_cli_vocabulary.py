@@ -36,6 +36,7 @@ COMMANDS = {
     "calibrate",
     "plan-local",
     "demo",
+    "export",
 }
 UNKNOWN_PAPER = "dapple: error: unknown paper profile 'paper:bert4'; known: " + ", ".join(
     f"paper:{n}" for n in PAPER_MODELS
@@ -75,7 +76,7 @@ def test_o_is_always_output_a_file_and_directories_are_out_dir() -> None:
             assert opts["--out-dir"].option_strings == ["--out-dir"], name
             with_out_dir.add(name)
     assert set(with_output) == {"profile", "import-pipedream", "plan", "calibrate"}
-    assert with_out_dir == {"plan-local", "demo"}
+    assert with_out_dir == {"plan-local", "demo", "export"}
     ns = build_parser().parse_args(
         ["plan-local", "-m", "mlp", "--global-batch-size", "8", "--out-dir", "out/x"]
     )
@@ -98,7 +99,7 @@ def test_model_is_m_model_on_every_command_taking_a_model() -> None:
             assert opts["--model"].option_strings == ["-m", "--model"], name
             assert opts["--model"].help, name
             with_model.add(name)
-    assert with_model == {"profile", "train", "verify", "split", "plan-local", "demo"}
+    assert with_model == {"profile", "train", "verify", "split", "plan-local", "demo", "export"}
     ns = build_parser().parse_args(["train", "--plan", "p.json", "-m", "mlp"])
     assert ns.model == "mlp"
     assert build_parser().parse_args(["demo"]).model == "transformer"
@@ -147,6 +148,7 @@ def test_train_and_verify_share_one_flag_set_with_help() -> None:
         "--model",
         "--set",
         "--split-at",
+        "--weights",
         "--steps",
         "--seed",
         "--optimizer",

@@ -28,6 +28,7 @@ _COMMANDS: list[str] = [
     "dapple.cli.plan_cmd",
     "dapple.cli.plan_local_cmd",
     "dapple.cli.verify_cmd",
+    "dapple.cli.export_cmd",
 ]
 
 

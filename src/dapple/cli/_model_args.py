@@ -1,5 +1,5 @@
-"""Model arguments shared by every command that loads a model: ``-m/--model``, ``--set`` and
-``--split-at``.
+"""Model arguments shared by every command that loads a model: ``-m/--model``, ``--set``,
+``--split-at`` and ``--weights``.
 
 Torch-free at import time, so building the CLI parser does not load torch.
 """
@@ -15,23 +15,27 @@ from dapple.errors import ValidationError
 __all__ = ["add_model_argument", "add_model_arguments", "model_overrides", "parse_overrides"]
 
 
-def add_model_argument(p: argparse.ArgumentParser, default: str | None = None) -> None:
-    """Add ``-m/--model SPEC`` to ``p``: required unless ``default`` is given."""
+def add_model_argument(
+    p: argparse.ArgumentParser, default: str | None = None, required: bool | None = None
+) -> None:
+    """Add ``-m/--model SPEC`` to ``p``: required unless ``default`` is given or ``required``
+    is False."""
     p.add_argument(
         "-m",
         "--model",
-        required=default is None,
+        required=default is None if required is None else required,
         default=default,
         metavar="SPEC",
-        help="zoo name, package.module:factory or file.py:factory"
-        + ("" if default is None else " (default %(default)s)"),
+        help="zoo name, package.module:factory, file.py:factory or hf:DIR (a Hugging Face "
+        "causal LM from DIR/config.json)" + ("" if default is None else " (default %(default)s)"),
     )
 
 
-def add_model_arguments(p: argparse.ArgumentParser) -> None:
-    """Add ``-m/--model SPEC`` (required), ``--set KEY=VALUE`` (factory arguments) and
-    ``--split-at NAME,NAME`` to ``p``."""
-    add_model_argument(p)
+def add_model_arguments(p: argparse.ArgumentParser, required: bool = True) -> None:
+    """Add ``-m/--model SPEC`` (required), ``--set KEY=VALUE`` (factory arguments),
+    ``--split-at NAME,NAME`` and ``--weights PATH`` to ``p`` (``-m`` optional when not
+    ``required``)."""
+    add_model_argument(p, required=required)
     p.add_argument(
         "--set",
         action="append",
@@ -44,6 +48,13 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
         metavar="NAME,NAME",
         help="cut the model before these modules (default: before every block of its largest "
         "ModuleList and after the last one)",
+    )
+    p.add_argument(
+        "--weights",
+        metavar="PATH",
+        help="pretrained weights: a Hugging Face directory (model.safetensors, sharded "
+        "safetensors with their index, pytorch_model.bin), a .safetensors file or a state_dict "
+        "file; each rank reads only its own stage's tensors",
     )
 
 
@@ -66,7 +77,7 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
 
 
 def model_overrides(args: argparse.Namespace) -> dict[str, Any]:
-    """Keyword arguments for ``load_workload`` from ``--set`` and ``--split-at``.
+    """Keyword arguments for ``load_workload`` from ``--set``, ``--split-at`` and ``--weights``.
 
     Raises:
         ValidationError: a ``--set`` item without ``=``.
@@ -77,4 +88,6 @@ def model_overrides(args: argparse.Namespace) -> dict[str, Any]:
     names = parse_split_at(getattr(args, "split_at", None))
     if names:
         out["split_at"] = names
+    if getattr(args, "weights", None):
+        out["weights"] = args.weights
     return out

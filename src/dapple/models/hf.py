@@ -6,13 +6,16 @@ transformer block and after the last one, so a model with ``layers`` blocks has
 ``layers + 2`` pieces (embeddings, blocks, final norm + LM head). Input and LM-head weights
 stay tied and are reported in ``Workload.tied_parameters``.
 
-Zoo-style specs: ``dapple.models.hf:gpt2`` and ``dapple.models.hf:bert`` (keyword arguments as below).
+Zoo-style specs: ``dapple.models.hf:gpt2`` and ``dapple.models.hf:bert`` (keyword arguments as below),
+and ``hf:DIR``: any causal LM whose ``config.json`` is in the local directory ``DIR``
+(:func:`hf_causal_lm`).
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -20,10 +23,20 @@ from torch import nn
 from torch.nn import functional as F
 
 from dapple.errors import ValidationError
+from dapple.models.materialize import build_meta
 from dapple.models.split import workload_from_module
 from dapple.models.workload import Workload
 
-__all__ = ["bert", "bert_mlm_loss", "causal_lm_loss", "gpt2", "hf_bert", "hf_gpt2"]
+__all__ = [
+    "bert",
+    "bert_mlm_loss",
+    "causal_lm_loss",
+    "gpt2",
+    "hf_bert",
+    "hf_causal_lm",
+    "hf_config",
+    "hf_gpt2",
+]
 
 IGNORE_INDEX = -100
 """Label of positions that do not count in the loss (Hugging Face convention)."""
@@ -67,6 +80,48 @@ def _bert_class() -> type[nn.Module]:
             return out.logits  # type: ignore[no-any-return]
 
     return BertMLMLogits
+
+
+@functools.cache
+def _causal_lm_class(base: type[nn.Module]) -> type[nn.Module]:
+    """``base`` (a ``transformers`` causal-LM class) called positionally, returning logits."""
+
+    class CausalLMLogits(base):  # type: ignore[misc, valid-type]
+        def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+            out = super().forward(
+                input_ids=input_ids, attention_mask=attention_mask, use_cache=False
+            )
+            return out.logits  # type: ignore[no-any-return]
+
+    CausalLMLogits.__name__ = CausalLMLogits.__qualname__ = base.__name__
+    return CausalLMLogits
+
+
+def _config_from_dir(path: str) -> Any:
+    tf = _transformers()
+    try:
+        return tf.AutoConfig.from_pretrained(path, local_files_only=True)
+    except Exception as e:  # OSError, ValueError (unknown model_type), JSON errors
+        raise ValidationError(f"cannot read a Hugging Face config from {path}: {e}") from e
+
+
+class _DirModel:
+    """Picklable factory: the causal LM whose ``config.json`` is in ``path`` (offline)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __call__(self) -> nn.Module:
+        config = _config_from_dir(self.path)
+        mapping = _transformers().models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING
+        try:
+            base = mapping[type(config)]
+        except KeyError as e:
+            raise ValidationError(
+                f"{self.path}: {type(config).__name__} has no causal-LM model in transformers"
+            ) from e
+        config.use_cache = False
+        return _causal_lm_class(base)(config)
 
 
 class _Model:
@@ -262,6 +317,61 @@ def hf_bert(
         bert_mlm_loss,
         split_at=split_at,
         name=f"hf-bert-{layers}x{hidden}",
+    )
+
+
+def hf_config(workload: Workload) -> Any | None:
+    """The ``transformers`` config of a workload built by this module (``None`` for others),
+    with ``architectures`` naming the ``transformers`` model class."""
+    from dapple.models.split import model_factory_of
+
+    try:
+        factory = model_factory_of(workload)
+    except ValidationError:
+        return None
+    if isinstance(factory, _DirModel):
+        config = _config_from_dir(factory.path)
+    elif isinstance(factory, _Model):
+        tf = _transformers()
+        config = (tf.GPT2Config if factory.kind == "gpt2" else tf.BertConfig)(**factory.config)
+    else:
+        return None
+    model_class = type(build_meta(factory, 0)).__mro__[1]  # the class the wrapper extends
+    config.architectures = [model_class.__name__]
+    return config
+
+
+def hf_causal_lm(
+    path: str | Path, seq: int = 32, split_at: Sequence[str] | None = None
+) -> Workload:
+    """Any ``transformers`` causal LM from a local directory holding its ``config.json``.
+
+    The model class is the one ``AutoModelForCausalLM`` maps the config to (LLaMA, Mistral,
+    Qwen2, GPT-2, ...), built offline with random weights on the meta device; it trains as a
+    causal LM on synthetic tokens of the config's vocabulary. Give pretrained weights with the
+    ``weights`` override of :func:`dapple.models.spec.load` (``--weights`` on the CLI).
+
+    Args:
+        path: Directory with ``config.json``.
+        seq: Tokens per sample (at most the config's ``max_position_embeddings``).
+        split_at: Module names to cut before; ``None``: every decoder block.
+
+    Raises:
+        ValidationError: No readable config, no causal-LM class for it, a bad ``seq``, or a
+            model ``torch.export`` cannot trace.
+    """
+    where = str(Path(path).resolve())
+    config = _config_from_dir(where)
+    vocab = int(config.vocab_size)
+    limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    if seq < 2 or (limit is not None and seq > int(limit)):
+        raise ValidationError(f"seq={seq} must be in [2, {limit}] for the config in {where}")
+    return workload_from_module(
+        _DirModel(where),
+        _CausalBatch(vocab, seq),
+        causal_lm_loss,
+        split_at=split_at,
+        name=f"hf-{config.model_type}",
     )
 
 

@@ -14,6 +14,7 @@ from typing import Any
 
 from dapple.models.workload import Workload
 from dapple.models.zoo import load_workload
+from dapple.models.zoo.loader import HF_PREFIX
 
 __all__ = ["load"]
 
@@ -35,7 +36,10 @@ class _SpecWorkload(Workload):
 
 
 def _absolute_spec(spec: str) -> str:
-    """``file.py:factory`` with an absolute path, so workers in another directory find it."""
+    """``file.py:factory`` and ``hf:DIR`` with absolute paths, so workers in another directory
+    find them."""
+    if spec.startswith(HF_PREFIX):
+        return HF_PREFIX + str(Path(spec[len(HF_PREFIX) :]).resolve())
     module, sep, attr = spec.rpartition(":")
     if sep and (module.endswith(".py") or "/" in module or "\\" in module):
         return f"{Path(module).resolve()}:{attr}"
@@ -49,14 +53,19 @@ def load(spec: str, *, input_shape: Sequence[int] | None = None, **overrides: An
     ``file.py`` model need not be importable there).
 
     Args:
-        spec: A zoo name, ``package.module:factory`` or ``path/to/file.py:factory``.
+        spec: A zoo name, ``package.module:factory``, ``path/to/file.py:factory`` or
+            ``hf:DIR`` (a Hugging Face causal LM from a local ``config.json``).
         input_shape: Per-sample input shape for factories returning an ``nn.Sequential``.
-        **overrides: Keyword arguments of the factory (sizes, ``split_at``).
+        **overrides: Keyword arguments of the factory (sizes, ``split_at``), and ``weights``:
+            a directory or file of pretrained weights for a model traced from an ``nn.Module``.
 
     Raises:
-        ValidationError: Unknown name, import failure, bad overrides or factory result.
+        ValidationError: Unknown name, import failure, bad overrides or factory result; weights
+            that lack a parameter or do not fit it.
     """
     spec = _absolute_spec(spec)
+    if overrides.get("weights") is not None:
+        overrides["weights"] = str(Path(overrides["weights"]).resolve())
     wl = load_workload(spec, input_shape=input_shape, **overrides)
     out = _SpecWorkload(**{f.name: getattr(wl, f.name) for f in dataclasses.fields(Workload)})
     extra = dict(overrides)

@@ -42,15 +42,19 @@ of ``build_model(seed)`` and tied copies start equal.
 from __future__ import annotations
 
 import copy
+import dataclasses
+import functools
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import fx, nn
 
 from dapple.errors import ValidationError
+from dapple.models.materialize import build_meta, init_parameters, materialize
 from dapple.models.split_graph import (
     EXAMPLE_BATCH,
     SplitModel,
@@ -59,6 +63,7 @@ from dapple.models.split_graph import (
     parse_split_at,
 )
 from dapple.models.tied import find_tied_parameters, sum_tied_grads_local, sync_tied_grads
+from dapple.models.weights import WeightFiles
 from dapple.models.workload import Workload, layer_seed
 
 __all__ = [
@@ -66,11 +71,13 @@ __all__ = [
     "default_cut_names",
     "executed_module_names",
     "find_tied_parameters",
+    "model_factory_of",
     "original_model",
     "parse_split_at",
     "split_module",
     "sum_tied_grads_local",
     "sync_tied_grads",
+    "with_weights",
     "workload_from_module",
 ]
 
@@ -100,7 +107,7 @@ class _PieceFactory:
 
 
 class _Splitter:
-    """Per-process cache: the traced templates and the whole model of recent base seeds."""
+    """Per-process cache: the traced templates and the weightless models of recent base seeds."""
 
     def __init__(
         self,
@@ -111,49 +118,102 @@ class _Splitter:
         self.model_factory = model_factory
         self.make_batch = make_batch
         self.split_at = split_at
-        self.models: OrderedDict[int, dict[str, torch.Tensor]] = OrderedDict()
+        self.weights: WeightFiles | None = None
+        self.weight_keys: dict[str, str] = {}
+        self.models: OrderedDict[int, nn.Module] = OrderedDict()
         base = layer_seed(0, 0)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(base)
-            model = model_factory()
-        # Snapshot the initial weights first: tracing runs forward (BatchNorm statistics move).
-        self._remember(base, model, clone=True)
-        inputs, _ = make_batch(EXAMPLE_BATCH, 0)
-        self.split = SplitModel(model, inputs, split_at)
+        model = self.model(base)
         self.model_name = type(model).__name__
+        inputs, _ = make_batch(EXAMPLE_BATCH, 0)
+        try:  # trace a copy with every tensor on meta: no weights anywhere
+            to_meta = functools.partial(_to_device, device=torch.device("meta"))
+            self.split = SplitModel(copy.deepcopy(model).to("meta"), to_meta(inputs), split_at)
+        except ValidationError as meta_error:
+            try:  # a forward that makes tensors on a fixed device cannot run on meta
+                self.split = SplitModel(self.whole(base), inputs, split_at)
+            except ValidationError:
+                raise meta_error from None
+            log.warning(
+                "%s could not be traced on the meta device (%s); traced with real weights",
+                self.model_name,
+                meta_error,
+            )
 
     def __reduce__(self) -> tuple[Any, ...]:
         """Pickle the recipe, not the graphs: a spawned worker traces the model again."""
-        return (_Splitter, (self.model_factory, self.make_batch, self.split_at))
+        if self.weights is None:
+            return (_Splitter, (self.model_factory, self.make_batch, self.split_at))
+        recipe = (self.model_factory, self.make_batch, self.split_at)
+        return (_splitter_with_weights, (recipe, self.weights))
 
-    def _remember(
-        self, base: int, model: nn.Module, clone: bool = False
-    ) -> dict[str, torch.Tensor]:
-        state: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
-        state.update(model.named_buffers(remove_duplicate=False))
-        if clone:
-            state = {k: v.detach().clone() for k, v in state.items()}
-        self.models[base] = state
-        while len(self.models) > 2:
-            self.models.popitem(last=False)
-        return state
+    def with_weights(self, weights: WeightFiles) -> _Splitter:
+        """A splitter sharing these templates whose pieces take their parameters from
+        ``weights`` (checked against the model here, before any compute)."""
+        keys = weights.check(self.model(layer_seed(0, 0)))
+        out = copy.copy(self)
+        out.weights, out.weight_keys, out.models = weights, keys, OrderedDict()
+        return out
 
-    def state(self, base: int) -> dict[str, torch.Tensor]:
+    def values(self, model: nn.Module, names: list[str], base: int) -> dict[str, torch.Tensor]:
+        """Initial values of the named parameters: from the weights, or initialised."""
+        if self.weights is None:
+            return init_parameters(model, names, base)
+        out = {}
+        for name in names:
+            like = model.get_parameter(name)
+            t = self.weights.get(self.weight_keys[name])
+            out[name] = t.to(dtype=like.dtype, copy=True)
+        return out
+
+    def model(self, base: int) -> nn.Module:
+        """The model built under ``base`` with its re-initialisable parameters on ``meta``."""
         if base in self.models:
             self.models.move_to_end(base)
             return self.models[base]
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(base)
-            return self._remember(base, self.model_factory())
+        self.models[base] = model = build_meta(self.model_factory, base)
+        while len(self.models) > 2:
+            self.models.popitem(last=False)
+        return model
 
     def piece(self, index: int, base: int) -> nn.Module:
-        state = self.state(base)
+        """Piece ``index`` with the initial weights of the model of ``base``; only its own
+        parameters are made real."""
+        model = self.model(base)
         piece = copy.deepcopy(self.split.pieces[index])
+        names = [n for n, _ in piece.named_parameters(remove_duplicate=False)]
+        values = self.values(model, names, base)
+        buffers = dict(model.named_buffers(remove_duplicate=False))
         with torch.no_grad():
-            for name, t in [*piece.named_parameters(), *piece.named_buffers()]:
-                if name in state:
-                    t.copy_(state[name])
+            for name in names:
+                owner, _, leaf = name.rpartition(".")
+                mod = piece.get_submodule(owner)
+                old = mod._parameters[leaf]
+                assert old is not None
+                mod._parameters[leaf] = nn.Parameter(values[name], old.requires_grad)
+            for name, t in piece.named_buffers(remove_duplicate=False):
+                owner, _, leaf = name.rpartition(".")
+                if name in buffers:
+                    piece.get_submodule(owner)._buffers[leaf] = buffers[name].clone()
+                elif t.is_meta:
+                    raise ValidationError(f"piece {index} needs tensor {name!r} the model lacks")
         return piece
+
+    def whole(self, base: int) -> nn.Module:
+        """The unsplit model of ``base`` with every parameter real (a reference)."""
+        model = build_meta(self.model_factory, base)
+        return materialize(model, base, values=functools.partial(self.values, model, base=base))
+
+
+def _splitter_with_weights(recipe: tuple[Any, ...], weights: WeightFiles) -> _Splitter:
+    """Unpickling hook of a :class:`_Splitter` with pretrained weights."""
+    return _Splitter(*recipe).with_weights(weights)
+
+
+def _to_device(x: Any, device: torch.device) -> Any:
+    """Tensors in a tensor / tuple of tensors moved to ``device``."""
+    if isinstance(x, tuple):
+        return tuple(_to_device(t, device) for t in x)
+    return x.to(device) if isinstance(x, torch.Tensor) else x
 
 
 def split_module(
@@ -212,6 +272,43 @@ def workload_from_module(
     )
 
 
+def _splitter_of(workload: Workload) -> _Splitter:
+    factory = workload.layer_factories[0] if workload.num_layers else None
+    if not isinstance(factory, _PieceFactory):
+        raise ValidationError(f"workload {workload.name!r} was not made by workload_from_module")
+    return factory.owner
+
+
+def model_factory_of(workload: Workload) -> Callable[[], nn.Module]:
+    """The factory of the unsplit model of a :func:`workload_from_module` workload.
+
+    Raises:
+        ValidationError: ``workload`` was not made by :func:`workload_from_module`.
+    """
+    return _splitter_of(workload).model_factory
+
+
+def with_weights(workload: Workload, path: str | Path) -> Workload:
+    """``workload`` whose pieces take their initial parameters from pretrained weights.
+
+    Each rank reads only the tensors of its own pieces. Names, shapes and dtypes are checked
+    here, against the file headers, before any compute.
+
+    Args:
+        workload: A workload made by :func:`workload_from_module`.
+        path: A Hugging Face style directory, a ``.safetensors`` file or a ``state_dict`` file
+            (see :class:`~dapple.models.weights.WeightFiles`).
+
+    Raises:
+        ValidationError: Not a split workload; a missing tensor, shape or dtype mismatch.
+    """
+    owner = _splitter_of(workload).with_weights(WeightFiles(path))
+    return dataclasses.replace(
+        workload,
+        layer_factories=[_PieceFactory(owner, i) for i in range(workload.num_layers)],
+    )
+
+
 def original_model(workload: Workload, seed: int = 0) -> nn.Module:
     """The unsplit model whose weights ``workload.build_model(seed)``'s pieces carry.
 
@@ -222,9 +319,4 @@ def original_model(workload: Workload, seed: int = 0) -> nn.Module:
     Raises:
         ValidationError: ``workload`` was not made by :func:`workload_from_module`.
     """
-    factory = workload.layer_factories[0] if workload.num_layers else None
-    if not isinstance(factory, _PieceFactory):
-        raise ValidationError(f"workload {workload.name!r} was not made by workload_from_module")
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(layer_seed(seed, 0))
-        return factory.owner.model_factory()
+    return _splitter_of(workload).whole(layer_seed(seed, 0))

@@ -42,7 +42,7 @@ def _as_tuple(inputs: Any) -> tuple[Any, ...]:
     return inputs if isinstance(inputs, tuple) else (inputs,)
 
 
-def _export(model: nn.Module, inputs: tuple[Any, ...]) -> fx.GraphModule:
+def _export(model: nn.Module, inputs: tuple[Any, ...]) -> torch.export.ExportedProgram:
     dyn = torch.export.Dim.DYNAMIC
     shapes = tuple(
         {0: dyn} if isinstance(t, torch.Tensor) and t.dim() > 0 else None for t in inputs
@@ -59,7 +59,25 @@ def _export(model: nn.Module, inputs: tuple[Any, ...]) -> fx.GraphModule:
             f"cannot trace {type(model).__name__} with torch.export: {type(e).__name__}: "
             f"{str(e).splitlines()[0] if str(e) else ''}"
         ) from e
-    return ep.module(check_guards=False)
+    return ep
+
+
+def _output_is_tuple(model: nn.Module, program: torch.export.ExportedProgram) -> bool:
+    """Whether the traced model returns a tuple of tensors (else one tensor).
+
+    Raises:
+        ValidationError: It returns anything else.
+    """
+    spec = program.call_spec.out_spec
+    if spec is not None and spec.is_leaf():
+        return False
+    kind = getattr(spec, "type", None)
+    if kind is tuple and all(spec.child(i).is_leaf() for i in range(spec.num_children)):
+        return True
+    raise ValidationError(
+        f"{type(model).__name__} must return a tensor or a tuple of tensors, "
+        f"got {getattr(kind, '__name__', kind)}"
+    )
 
 
 def _aliases(model: nn.Module) -> dict[str, list[str]]:
@@ -136,6 +154,19 @@ def _follow_input_device(graph: fx.Graph, after: fx.Node, source: fx.Node) -> No
         node.kwargs = fx.node.map_aggregate(node.kwargs, swap)
 
 
+def _follow_device_in_submodules(traced: fx.GraphModule) -> None:
+    """:func:`_follow_input_device` inside the graphs of higher-order ops (``autocast`` or
+    ``no_grad`` regions): each follows the device of its first tensor argument."""
+    for sub in traced.modules():
+        if sub is traced or not isinstance(sub, fx.GraphModule):
+            continue
+        holders = [n for n in sub.graph.nodes if n.op == "placeholder"]
+        tensors = [n for n in holders if isinstance(n.meta.get("val"), torch.Tensor)] or holders
+        if tensors:
+            _follow_input_device(sub.graph, holders[-1], tensors[0])
+            sub.recompile()
+
+
 def _module_fqns(node: fx.Node) -> list[str]:
     stack = node.meta.get("nn_module_stack") or {}
     return [str(v[0]) for v in stack.values() if isinstance(v, tuple) and v and v[0]]
@@ -204,18 +235,10 @@ class SplitModel:
             split_at = parse_split_at(split_at)
         inputs = _as_tuple(example_inputs)
         self.input_is_tuple = isinstance(example_inputs, tuple)
-        with torch.no_grad():
-            eager_out = model(*inputs)
-        if isinstance(eager_out, torch.Tensor):
-            self.output_is_tuple = False
-        elif isinstance(eager_out, tuple) and all(isinstance(t, torch.Tensor) for t in eager_out):
-            self.output_is_tuple = True
-        else:
-            raise ValidationError(
-                f"{type(model).__name__} must return a tensor or a tuple of tensors, "
-                f"got {type(eager_out).__name__}"
-            )
-        self.traced = _export(model, inputs)
+        program = _export(model, inputs)
+        self.output_is_tuple = _output_is_tuple(model, program)
+        self.traced = program.module(check_guards=False)
+        _follow_device_in_submodules(self.traced)
         self.aliases = _aliases(model)
         nodes = list(self.traced.graph.nodes)
         modules = dict(model.named_modules(remove_duplicate=False))

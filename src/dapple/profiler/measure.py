@@ -11,6 +11,7 @@ Times and sizes are then fitted affine in ``b`` with :func:`dapple.core.profile.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import multiprocessing as mp
 import statistics
@@ -116,7 +117,7 @@ def _saved_bytes(layer: nn.Module, inp: Any) -> tuple[int, Any]:
         ptr = storage.data_ptr()
         if ptr not in param_ptrs and ptr != 0:
             seen[ptr] = storage.nbytes()
-        return t
+        return t.detach()  # the tensor itself would cycle through its grad_fn and leak the layer
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = layer(inp)
@@ -149,21 +150,6 @@ def _measure_layer(
     out = _map(out, _leaf)
     bwd_ms = statistics.median(bwd) if bwd else 0.0
     return statistics.median(fwd), bwd_ms, kept, _nbytes(out), out
-
-
-def _warm_chain(
-    workload: Workload, layers: list[nn.Module], b: int, dev: torch.device, seed: int
-) -> None:
-    """One untimed forward + backward through the whole chain (allocator, kernel caches)."""
-    inputs, targets = workload.make_batch(b, seed)
-    x = _map(inputs, lambda t: t.to(dev))
-    for layer in layers:
-        x = layer(x)
-    loss = workload.loss_fn(x, _map(targets, lambda t: t.to(dev)))
-    if loss.requires_grad:
-        loss.backward()  # type: ignore[no-untyped-call]
-    for layer in layers:
-        layer.zero_grad(set_to_none=True)
 
 
 def _slope(batch_sizes: Sequence[int], values: Sequence[float]) -> float:
@@ -290,37 +276,43 @@ def _profile(
 ) -> ModelProfile:
     timer = _Timer(dev, cpu_time)
     n = workload.num_layers
-    layers = [workload.build_layer(i, seed).to(dev).train() for i in range(n)]
     fwd = [[0.0] * len(sizes) for _ in range(n)]
     bwd = [[0.0] * len(sizes) for _ in range(n)]
     kept = [[0.0] * len(sizes) for _ in range(n)]
     out_b = [[0.0] * len(sizes) for _ in range(n)]
-    input_bytes: list[float] = []
+    xs = [_map(workload.make_batch(b, seed)[0], lambda t: _leaf(t.to(dev))) for b in sizes]
+    input_bytes = [float(_nbytes(x)) for x in xs]
+    param_bytes: list[int] = []
+    param_dtypes: set[torch.dtype] = set()
+    classes: list[str] = []
     total, done = n * len(sizes), 0
-    _warm_chain(workload, layers, sizes[0], dev, seed)
-    for k, b in enumerate(sizes):
-        inputs, _ = workload.make_batch(b, seed)
-        x = _map(inputs, lambda t: _leaf(t.to(dev)))
-        input_bytes.append(float(_nbytes(x)))
-        for i, layer in enumerate(layers):
-            f_ms, b_ms, kept_bytes, nbytes, x = _measure_layer(layer, x, timer, warmup, repeats)
+    for i in range(n):  # one layer at a time: the peak is the largest layer, not the model
+        layer = workload.build_layer(i, seed).to(dev).train()
+        for k, b in enumerate(sizes):
+            f_ms, b_ms, kept_bytes, nbytes, xs[k] = _measure_layer(
+                layer, xs[k], timer, warmup, repeats
+            )
             fwd[i][k], bwd[i][k], kept[i][k], out_b[i][k] = f_ms, b_ms, kept_bytes, nbytes
             done += 1
             log.debug("b=%d layer %d: fwd %.3f ms bwd %.3f ms", b, i, f_ms, b_ms)
             if progress is not None:
                 progress(done, total, f"b={b} {workload.name_of(i)}")
-        del x
-    param_dtypes = {p.dtype for layer in layers for p in layer.parameters()}
+        param_bytes.append(sum(p.numel() * p.element_size() for p in layer.parameters()))
+        param_dtypes |= {p.dtype for p in layer.parameters()}
+        classes.append(type(layer).__name__)
+        del layer
+        gc.collect()  # traced pieces hold reference cycles: free this layer before the next
+    del xs
     dtype = (
         str(next(iter(param_dtypes))).replace("torch.", "") if len(param_dtypes) == 1 else "mixed"
     )
     profiles = tuple(
         LayerProfile(
-            name=workload.name_of(i) if workload.layer_names else f"{i}.{type(layers[i]).__name__}",
+            name=workload.name_of(i) if workload.layer_names else f"{i}.{classes[i]}",
             forward=_positive(fit_affine(sizes, fwd[i])),
             backward=fit_affine(sizes, bwd[i]),
             output_bytes_per_sample=_slope(sizes, out_b[i]),
-            parameter_bytes=sum(p.numel() * p.element_size() for p in layers[i].parameters()),
+            parameter_bytes=param_bytes[i],
             kept_activation_bytes_per_sample=_slope(sizes, kept[i]),
         )
         for i in range(n)

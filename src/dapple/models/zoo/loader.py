@@ -10,7 +10,7 @@ import sys
 from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -24,7 +24,7 @@ from dapple.models.zoo.gnmt import gnmt
 from dapple.models.zoo.mlp import mlp
 from dapple.models.zoo.transformer import transformer
 
-__all__ = ["NAMES", "get_workload", "load_workload", "workload_from_sequential"]
+__all__ = ["HF_PREFIX", "NAMES", "get_workload", "load_workload", "workload_from_sequential"]
 
 _REGISTRY: dict[str, tuple[Callable[..., Workload], dict[str, Any]]] = {
     "mlp": (mlp, {}),
@@ -38,6 +38,9 @@ _REGISTRY: dict[str, tuple[Callable[..., Workload], dict[str, Any]]] = {
     "gnmt": (gnmt, {}),
     "gnmt-16": (gnmt, {"layers": 16, "hidden": 1024, "vocab": 32320, "seq": 50, "name": "gnmt-16"}),
 }
+
+HF_PREFIX = "hf:"
+"""``hf:DIR``: a Hugging Face causal LM from the ``config.json`` in the local directory DIR."""
 
 NAMES: tuple[str, ...] = tuple(_REGISTRY)
 """Zoo model names; ``bert-48``, ``gnmt-16``, ``vgg19`` and ``resnet50`` are paper-sized."""
@@ -164,20 +167,39 @@ def load_workload(
     :class:`Workload` or an ``nn.Sequential`` (wrapped by :func:`workload_from_sequential`,
     which needs ``input_shape``).
 
+    ``hf:DIR`` is any Hugging Face causal LM whose ``config.json`` is in ``DIR``
+    (:func:`dapple.models.hf.hf_causal_lm`). The override ``weights=PATH`` loads pretrained
+    weights into a model traced from an ``nn.Module`` (:func:`dapple.models.split.with_weights`).
+
     Args:
         spec: what to load.
         input_shape: per-sample input shape for ``nn.Sequential`` factories.
-        **overrides: keyword arguments for the zoo builder or the factory.
+        **overrides: keyword arguments for the zoo builder or the factory, and ``weights``.
 
     Raises:
         ValidationError: unknown name, import failure, missing factory, bad return value.
     """
+    weights = overrides.pop("weights", None)
+    wl = _load(spec, input_shape, overrides)
+    if weights is None:
+        return wl
+    from dapple.models.split import with_weights
+
+    return with_weights(wl, weights)
+
+
+def _load(spec: str, input_shape: Sequence[int] | None, overrides: dict[str, Any]) -> Workload:
     if spec in _REGISTRY:
         return get_workload(spec, **overrides)
+    if spec.startswith(HF_PREFIX):
+        from dapple.models.hf import hf_causal_lm
+
+        causal_lm = partial(hf_causal_lm, spec[len(HF_PREFIX) :])
+        return cast(Workload, _call(causal_lm, f"model {spec!r}", overrides))
     if ":" not in spec:
         raise ValidationError(
             f"unknown model {spec!r}; known: {', '.join(NAMES)} "
-            "(or package.module:factory / path/to/file.py:factory)"
+            "(or package.module:factory / path/to/file.py:factory / hf:DIR)"
         )
     factory = _import_factory(spec)
     with torch.random.fork_rng(devices=[]):

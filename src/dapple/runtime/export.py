@@ -1,0 +1,198 @@
+"""Weights out: a layer checkpoint as one Hugging Face style directory of safetensors shards.
+
+The checkpoint is read one layer file at a time and written into shards of at most
+``max_shard_bytes``; at most one layer and one shard are in memory, never the whole model twice.
+Given the workload it was trained as, the directory also gets that model's ``config.json``
+(Hugging Face models, :func:`dapple.models.hf.hf_config`) and holds exactly the tensors of the
+model's ``state_dict`` (a tied parameter once, under its first name), so
+``AutoModelForCausalLM.from_pretrained(DIR)`` loads it. Without a workload every tensor of
+every layer is written by name (``--weights`` reads that back). The directory is assembled
+under a temporary name beside the target and renamed at the end: nothing is overwritten.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dapple.errors import ValidationError
+from dapple.models.workload import Workload
+from dapple.runtime.checkpoint import (
+    CheckpointError,
+    check_compatible,
+    latest_checkpoint,
+    load_layer_states,
+    read_checkpoint,
+)
+
+__all__ = ["DEFAULT_SHARD_BYTES", "ExportResult", "export_checkpoint"]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_SHARD_BYTES = 5 * 1024**3
+"""Shard size limit (5 GiB, as ``transformers``' ``save_pretrained``)."""
+
+_INDEX = "model.safetensors.index.json"
+
+
+@dataclass(frozen=True, slots=True)
+class ExportResult:
+    """What :func:`export_checkpoint` wrote."""
+
+    path: Path
+    step: int
+    """The checkpoint's step (optimizer steps done)."""
+    files: tuple[str, ...]
+    num_tensors: int
+    total_bytes: int
+    config: bool
+    """Whether a ``config.json`` was written."""
+
+
+def _target(out: Path) -> None:
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ValidationError(f"export target {out} exists and is not an empty directory")
+
+
+def _wanted_names(workload: Workload | None) -> tuple[dict[str, str] | None, Any]:
+    """Checkpoint tensor name -> exported name (``None``: all), and the HF config if any."""
+    if workload is None:
+        return None, None
+    from dapple.models.hf import hf_config
+    from dapple.models.materialize import build_meta, canonical_names
+    from dapple.models.split import model_factory_of
+
+    config = hf_config(workload)
+    model = build_meta(model_factory_of(workload), 0)
+    canonical = canonical_names(model)
+    keys = set(model.state_dict(keep_vars=True))
+    names = {n: canonical.get(n, n) for n in keys}
+    return names, config
+
+
+class _Shards:
+    """Tensors written into ``model-XXXXX.safetensors`` shards of at most ``limit`` bytes."""
+
+    def __init__(self, root: Path, limit: int) -> None:
+        self.root, self.limit = root, limit
+        self.pending: dict[str, torch.Tensor] = {}
+        self.pending_bytes = 0
+        self.files: list[str] = []
+        self.where: dict[str, int] = {}
+        self.total = 0
+
+    def add(self, name: str, t: torch.Tensor) -> None:
+        size = t.numel() * t.element_size()
+        if self.pending and self.pending_bytes + size > self.limit:
+            self.flush()
+        self.pending[name] = t.detach().to("cpu").contiguous()
+        self.pending_bytes += size
+        self.where[name] = len(self.files)
+        self.total += size
+
+    def flush(self) -> None:
+        if not self.pending:
+            return
+        from safetensors.torch import save_file
+
+        name = f"part-{len(self.files):05d}.safetensors"
+        save_file(self.pending, str(self.root / name), metadata={"format": "pt"})
+        self.files.append(name)
+        self.pending, self.pending_bytes = {}, 0
+
+    def finish(self) -> list[str]:
+        """Rename the shards to their final names and write the index (several shards)."""
+        self.flush()
+        n = len(self.files)
+        if n == 1:
+            final = ["model.safetensors"]
+        else:
+            final = [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        for old, new in zip(self.files, final, strict=True):
+            os.replace(self.root / old, self.root / new)
+        if n > 1:
+            index = {
+                "metadata": {"total_size": self.total},
+                "weight_map": {k: final[i] for k, i in sorted(self.where.items())},
+            }
+            (self.root / _INDEX).write_text(json.dumps(index, indent=2) + "\n")
+            final.append(_INDEX)
+        return final
+
+
+def export_checkpoint(
+    checkpoint: str | Path,
+    out: str | Path,
+    workload: Workload | None = None,
+    *,
+    max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+) -> ExportResult:
+    """Write a checkpoint's weights as a Hugging Face style directory.
+
+    Args:
+        checkpoint: A checkpoint root (its newest complete checkpoint is used) or one
+            ``step-NNNNNNNN`` directory.
+        out: The directory to create (absent or empty).
+        workload: The model it was trained as: checked against the checkpoint, and for a
+            Hugging Face model the directory gets its ``config.json`` and exactly its tensors.
+        max_shard_bytes: Shard size limit.
+
+    Raises:
+        ValidationError: The target exists and is not empty, no checkpoint, a bad shard size,
+            or a checkpoint of another model.
+        CheckpointError: A damaged checkpoint (the message names the file).
+    """
+    if max_shard_bytes < 1:
+        raise ValidationError(f"max shard size must be positive, got {max_shard_bytes}")
+    target = Path(out).resolve()
+    _target(target)
+    src = Path(checkpoint)
+    ckpt = read_checkpoint(src) if (src / "manifest.json").is_file() else latest_checkpoint(src)
+    if ckpt is None:
+        raise CheckpointError(f"no complete checkpoint under {str(src)!r}")
+    if workload is not None:
+        check_compatible(ckpt, model_name=workload.name, num_layers=workload.num_layers)
+    names, config = _wanted_names(workload)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        shards = _Shards(tmp, max_shard_bytes)
+        written: set[str] = set()
+        for i in range(ckpt.meta.num_layers):  # one layer file in memory at a time
+            for name, t in load_layer_states(ckpt, [i])[i].tensors.items():
+                key = name if names is None else names.get(name)
+                if key is None or key in written:
+                    continue
+                shards.add(key, t)
+                written.add(key)
+        if names is not None:
+            missing = sorted(set(names.values()) - written)
+            if missing:
+                raise CheckpointError(f"checkpoint {str(ckpt.path)!r} lacks tensors {missing[:5]}")
+        files = shards.finish()
+        if config is not None:
+            config.save_pretrained(tmp)
+            files.append("config.json")
+        if target.exists():
+            target.rmdir()  # empty, checked above
+        os.replace(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log.info("exported %s step %d to %s (%d files)", ckpt.path, ckpt.step, target, len(files))
+    return ExportResult(
+        path=target,
+        step=ckpt.step,
+        files=tuple(files),
+        num_tensors=len(written),
+        total_bytes=shards.total,
+        config=config is not None,
+    )
