@@ -56,9 +56,21 @@ def test_train_standalone_matches_reference_and_prints_prediction(tmp_path: Path
     torch.testing.assert_close(torch.tensor([r["loss"] for r in rows]), torch.tensor(ref_losses))
     assert all(len(r["peak_memory_bytes"]) == 3 and min(r["peak_memory_bytes"]) > 0 for r in rows)
     assert all(r["predicted_step_ms"] > 0 for r in rows)
+    # resident memory per stage: the process's VmHWM, and what building and training added
+    assert all(r["resident_kind"] == "VmHWM" for r in rows)
+    assert all(len(r["peak_resident_bytes"]) == 3 for r in rows)
+    assert all(p > 50 * 2**20 for r in rows for p in r["peak_resident_bytes"])  # torch alone
+    grown = rows[-1]["stage_resident_bytes"]
+    assert len(grown) == 3 and all(
+        0 <= g < p for g, p in zip(grown, rows[-1]["peak_resident_bytes"])
+    )
     out = proc.stdout.splitlines()
     assert sum(line.startswith("step ") for line in out) == 3
-    assert "vs predicted" in out[-1] and "(simulator)" in out[-1]
+    measured = next(line for line in out if line.startswith("measured step time"))
+    assert "vs predicted" in measured and "(simulator)" in measured
+    # then each stage's memory beside the planner's estimate
+    table = "\n".join(out[out.index(measured) + 1 :])
+    assert "planner" in table and "estimate" in table and "VmHWM" in table
 
 
 def test_train_rejects_layer_mismatch_before_launch(tmp_path: Path) -> None:

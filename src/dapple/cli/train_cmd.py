@@ -20,6 +20,7 @@ from dapple.errors import ValidationError
 
 if TYPE_CHECKING:  # torch-free import of the CLI
     from dapple.models.workload import Workload
+    from dapple.runtime.config import StepMetrics
 
 __all__ = ["register", "run"]
 
@@ -96,6 +97,44 @@ def _predicted_step_ms(plan: Plan, profile_spec: str, cluster_spec: str) -> floa
     return simulate(plan, load_profile(profile_spec), load_cluster(cluster_spec)).step_ms
 
 
+def _memory_table(
+    plan: Plan, last: StepMetrics, profile_spec: str, cluster_spec: str, optimizer: str
+) -> None:
+    """Each stage's measured memory beside the planner's per-replica estimate."""
+    import dataclasses
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from dapple.core.cluster import load_cluster
+    from dapple.planner.cost import pipeline_latency
+    from dapple.profiler.paper_models import load_profile
+    from dapple.runtime.config import OPTIMIZER_STATE_FACTOR
+
+    profile = dataclasses.replace(
+        load_profile(profile_spec), optimizer_state_factor=OPTIMIZER_STATE_FACTOR[optimizer]
+    )
+    rows = [r for r in pipeline_latency(plan, profile, load_cluster(cluster_spec)).stages]
+    estimate = [r.memory_bytes for r in rows if r.kind == "compute"]
+    mib = 2**20
+    table = Table(title=f"memory per replica (planner: {optimizer} state, K_i in flight)")
+    for col in ("stage", "replicas", f"peak {last.resident_kind}", "added by the stage",
+                f"peak {last.memory_kind}", "planner estimate", "estimate / added"):  # fmt: skip
+        table.add_column(col, justify="right")
+    for s, st in enumerate(plan.stages):
+        added = last.stage_resident_bytes[s] if last.stage_resident_bytes else 0
+        table.add_row(
+            str(s),
+            str(st.replicas),
+            f"{last.peak_resident_bytes[s] / mib:.1f} MiB" if last.peak_resident_bytes else "-",
+            f"{added / mib:.1f} MiB" if last.stage_resident_bytes else "-",
+            f"{last.peak_memory_bytes[s] / mib:.1f} MiB",
+            f"{estimate[s] / mib:.1f} MiB",
+            f"{estimate[s] / added:.2f}" if added > 0 else "-",
+        )
+    Console().print(table)
+
+
 def _model_arg(args: argparse.Namespace) -> object:
     """``--model`` as given, or the workload loaded from it (``--set``, ``--split-at`` or a
     ``file.py:factory`` spec: it pickles as its spec, so spawned workers load it again)."""
@@ -150,4 +189,6 @@ def run(args: argparse.Namespace) -> int:
         if args.profile is not None:
             line += f" vs predicted {predicted:.1f} ms (simulator)"
         print(line)
+        if args.profile is not None:
+            _memory_table(plan, metrics[-1], args.profile, args.cluster, args.optimizer)
     return 0

@@ -8,9 +8,13 @@ from typing import Any
 
 from dapple.errors import ValidationError
 
-__all__ = ["OPTIMIZERS", "StepMetrics", "TrainConfig"]
+__all__ = ["OPTIMIZERS", "OPTIMIZER_STATE_FACTOR", "StepMetrics", "TrainConfig"]
 
 OPTIMIZERS = ("sgd", "adam")
+
+OPTIMIZER_STATE_FACTOR = {"sgd": 1.0, "adam": 3.0}
+"""Bytes of gradients and optimizer state per parameter byte: SGD keeps the gradient, Adam the
+gradient and two moments (the profile's ``optimizer_state_factor`` for the planner)."""
 
 
 def _human(n: float) -> str:
@@ -103,6 +107,15 @@ class StepMetrics:
     memory_kind: str
     """``cuda_max_allocated`` or ``held_activations`` (CPU, see :mod:`dapple.runtime.memory`)."""
     predicted_step_ms: float | None = None
+    peak_resident_bytes: tuple[int, ...] = ()
+    """Per stage, max over its replicas: the process's peak resident memory so far (CPU:
+    ``VmHWM``; CUDA: ``max_memory_reserved`` over the same period as ``step_ms``)."""
+    stage_resident_bytes: tuple[int, ...] = ()
+    """Per stage, max over its replicas: ``peak_resident_bytes`` less the resident memory before
+    the rank built its stage - what the stage's weights, gradients, optimizer state and
+    activations added (the planner's per-replica estimate models this)."""
+    resident_kind: str = ""
+    """``VmHWM`` or ``cuda_max_reserved`` (empty: not measured)."""
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -115,7 +128,9 @@ class StepMetrics:
             if self.predicted_step_ms is not None
             else ""
         )
+        resident = " ".join(f"s{i}={_human(b)}" for i, b in enumerate(self.peak_resident_bytes))
+        resident = f" peak[{self.resident_kind}] {resident}" if resident else ""
         return (
             f"step {self.step} loss {self.loss:.6f} time {self.step_ms:.1f} ms{pred} "
-            f"{self.samples_per_s:.1f} samples/s peak[{self.memory_kind}] {mem}"
+            f"{self.samples_per_s:.1f} samples/s peak[{self.memory_kind}] {mem}{resident}"
         )

@@ -34,7 +34,7 @@ from dapple.runtime.failure import RankFailure, describe_rank, short_error
 from dapple.runtime.interpreter import ProgramInterpreter
 from dapple.runtime.longrun import LongRun, first_attempt
 from dapple.runtime.memory import ActivationMeter
-from dapple.runtime.metrics import MetricsSink, StepProbe
+from dapple.runtime.metrics import MetricsSink, StepProbe, resident_bytes
 from dapple.runtime.stage import StageExecutor
 from dapple.runtime.sync import GradientSync
 from dapple.runtime.transport import flatten, infer_boundary_specs
@@ -123,6 +123,7 @@ def run_plan(
     validate_run(plan, workload, world, exact=exact_world)
     r = _setup(plan, workload, config, device, rank, world)
     sink = MetricsSink(plan, config, rank=rank, memory_kind=r.probe.memory_kind,
+                       resident_kind=r.probe.resident_kind,
                        callbacks=[on_step] if on_step is not None else [])  # fmt: skip
     clean = False
     try:
@@ -173,6 +174,7 @@ def _setup(
 
     Collective: every rank, in the same order (the groups of :class:`GradientSync`).
     """
+    baseline = resident_bytes(device, peak=False)  # before this rank builds anything
     G = plan.global_batch_size
     s, j = plan.stage_of_device(rank) if rank in plan.devices else (None, None)
     inputs, targets = workload.make_batch(G, config.seed)
@@ -203,7 +205,7 @@ def _setup(
     longrun = LongRun(plan, workload, config, rank=rank, world=world, stage=s, replica=j,
                       module=module, optimizer=opt, device=device)  # fmt: skip
     start = longrun.resume()
-    step_probe = StepProbe(device, meter, ex)
+    step_probe = StepProbe(device, meter, ex, baseline)
     interpreter = ProgramInterpreter(plan, lower(plan), rank, executor=ex, sync=sync,
                                      longrun=longrun, optimizer=opt, params=params,
                                      probe=step_probe)  # fmt: skip

@@ -207,7 +207,9 @@ class ProgramInterpreter:
         self._at = "the step's collective (non-finite check and metrics, all ranks)"
         loss_part = self.ex.loss_sum if self.ex is not None else 0.0
         peak = float(self.probe.peak_bytes())
-        verdict, rows = self.longrun.agree_finite(step, (loss_part, peak))
+        resident = float(self.probe.resident_peak_bytes())
+        extra = (loss_part, peak, resident, float(self.probe.baseline_bytes))
+        verdict, rows = self.longrun.agree_finite(step, extra)
         self.probe.lap()
         return verdict, rows
 

@@ -1,8 +1,9 @@
 """Per-step measurements and where they go: a probe on every rank, a sink on rank 0.
 
 :class:`StepProbe` measures one rank's step: its peak memory (CUDA: ``max_memory_allocated``;
-CPU: the held activations of :class:`~dapple.runtime.memory.ActivationMeter`) and the wall time
-between consecutive step collectives. The step's one world collective carries every rank's loss
+CPU: the held activations of :class:`~dapple.runtime.memory.ActivationMeter`), the process's
+peak resident memory (CPU: ``VmHWM``; CUDA: peak reserved) beside what it was before the rank
+built its stage, and the wall time between consecutive step collectives. The step's one world collective carries every rank's loss
 part and peak (see :mod:`dapple.runtime.interpreter`), so rank 0 sees the whole step without
 another message, and :class:`MetricsSink` turns the gathered rows into one
 :class:`~dapple.runtime.config.StepMetrics` per step: kept in a list, logged, echoed to stdout
@@ -26,9 +27,28 @@ from dapple.runtime.memory import ActivationMeter
 from dapple.runtime.stage import StageExecutor
 from dapple.runtime.transport import flatten
 
-__all__ = ["MetricsSink", "StepProbe", "step_metrics"]
+__all__ = ["MetricsSink", "StepProbe", "resident_bytes", "step_metrics"]
 
 logger = logging.getLogger(__name__)
+
+
+def resident_bytes(device: torch.device, peak: bool) -> int:
+    """This process's resident memory: CPU ``VmHWM`` (``peak``) or ``VmRSS`` from
+    ``/proc/self/status``; CUDA ``max_memory_reserved`` or ``memory_reserved`` (0 when neither
+    can be read)."""
+    if device.type == "cuda":
+        return int(
+            torch.cuda.max_memory_reserved(device) if peak else torch.cuda.memory_reserved(device)
+        )
+    key = "VmHWM:" if peak else "VmRSS:"
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(key):
+                    return int(line.split()[1]) * 1024
+    except OSError:  # pragma: no cover - not Linux
+        pass
+    return 0
 
 
 class StepProbe:
@@ -44,11 +64,23 @@ class StepProbe:
     """
 
     def __init__(
-        self, device: torch.device, meter: ActivationMeter, executor: StageExecutor | None
+        self,
+        device: torch.device,
+        meter: ActivationMeter,
+        executor: StageExecutor | None,
+        baseline_bytes: int = 0,
     ) -> None:
+        """Args:
+        device: this rank's device.
+        meter: the held-activation meter (CPU).
+        executor: this rank's stage executor (None: a rank beyond the plan).
+        baseline_bytes: resident bytes before the rank built its stage (:func:`resident_bytes`).
+        """
         self.device, self.meter, self.executor = device, meter, executor
         self.cuda = device.type == "cuda"
         self.memory_kind = "cuda_max_allocated" if self.cuda else "held_activations"
+        self.resident_kind = "cuda_max_reserved" if self.cuda else "VmHWM"
+        self.baseline_bytes = baseline_bytes
         self.step_ms = 0.0
         """The last finished step's wall time (set by :meth:`lap`)."""
         self._metering = False
@@ -74,6 +106,10 @@ class StepProbe:
             self._known_peak, self._metered_shapes = self.meter.peak_bytes, self._shapes
         return torch.cuda.max_memory_allocated(self.device) if self.cuda else self._known_peak
 
+    def resident_peak_bytes(self) -> int:
+        """The process's peak resident memory so far (CPU ``VmHWM``; CUDA peak reserved)."""
+        return resident_bytes(self.device, peak=True)
+
     def lap(self) -> None:
         """Right after the step's collective: the step ends here, the next one starts."""
         now = time.perf_counter()
@@ -89,23 +125,34 @@ def step_metrics(
     step_ms: float,
     memory_kind: str,
     predicted_step_ms: float | None,
+    resident_kind: str = "",
 ) -> StepMetrics:
     """One step's metrics from the rows of its collective.
 
     Args:
         plan: the plan (its stage count and global batch).
         step: the step index.
-        rows: one row per rank, ``[kind, stage, micro-batch, rank, loss part, peak bytes]``
-            (stage -1: a rank beyond the plan), as :meth:`LongRun.agree_finite` gathers them.
+        rows: one row per rank, ``[kind, stage, micro-batch, rank, loss part, peak bytes,
+            peak resident bytes, resident bytes before the stage was built]`` (stage -1: a rank
+            beyond the plan; the last two may be absent), as :meth:`LongRun.agree_finite`
+            gathers them.
         step_ms: rank 0's wall time of the step.
         memory_kind: what the peaks measure (``cuda_max_allocated`` or ``held_activations``).
         predicted_step_ms: a prediction shown beside the measured time (None: none).
+        resident_kind: what the resident peaks measure (``VmHWM`` or ``cuda_max_reserved``).
     """
-    peaks = [0] * plan.num_stages
+    S = plan.num_stages
+    peaks, resident, grown = [0] * S, [0] * S, [0] * S
     for r in rows:
-        if r[1] >= 0:
-            peaks[int(r[1])] = max(peaks[int(r[1])], int(r[5]))
+        if r[1] < 0:
+            continue
+        s = int(r[1])
+        peaks[s] = max(peaks[s], int(r[5]))
+        if len(r) > 7:
+            resident[s] = max(resident[s], int(r[6]))
+            grown[s] = max(grown[s], int(r[6]) - int(r[7]))
     G = plan.global_batch_size
+    has_resident = any(len(r) > 7 for r in rows)
     return StepMetrics(
         step=step,
         loss=sum(r[4] for r in rows),
@@ -114,6 +161,9 @@ def step_metrics(
         peak_memory_bytes=tuple(peaks),
         memory_kind=memory_kind,
         predicted_step_ms=predicted_step_ms,
+        peak_resident_bytes=tuple(resident) if has_resident else (),
+        stage_resident_bytes=tuple(grown) if has_resident else (),
+        resident_kind=resident_kind if has_resident else "",
     )
 
 
@@ -134,9 +184,11 @@ class MetricsSink:
         *,
         rank: int,
         memory_kind: str,
+        resident_kind: str = "",
         callbacks: Iterable[Callable[[StepMetrics], None]] = (),
     ) -> None:
         self.plan, self.memory_kind, self.active = plan, memory_kind, rank == 0
+        self.resident_kind = resident_kind
         self.echo = config.echo
         p = config.predicted_step_ms
         self.predicted_step_ms = None if p != p else p  # NaN: no prediction
@@ -150,7 +202,15 @@ class MetricsSink:
         """Rank 0: one step, from the rows of its collective (see :func:`step_metrics`)."""
         if not self.active:
             return
-        sm = step_metrics(self.plan, step, rows, step_ms, self.memory_kind, self.predicted_step_ms)
+        sm = step_metrics(
+            self.plan,
+            step,
+            rows,
+            step_ms,
+            self.memory_kind,
+            self.predicted_step_ms,
+            self.resident_kind,
+        )
         self.metrics.append(sm)
         line = sm.line()
         logger.info(line)

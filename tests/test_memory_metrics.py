@@ -1,0 +1,39 @@
+"""Resident memory in the step metrics: per stage, max over replicas, beside what it was before."""
+
+from __future__ import annotations
+
+import torch
+
+from dapple.core.plan import straight_plan
+from dapple.runtime.metrics import resident_bytes, step_metrics
+
+MIB = 2**20
+
+
+def test_step_metrics_takes_each_stages_worst_replica() -> None:
+    plan = straight_plan(4, [0, 2], global_batch_size=6, num_micro_batches=2, replicas=[2, 1])
+    # [kind, stage, micro-batch, rank, loss part, held peak, peak resident, resident before]
+    rows = [
+        [-1, 0, -1, 0, 0.0, 5 * MIB, 400 * MIB, 300 * MIB],
+        [-1, 0, -1, 1, 0.0, 6 * MIB, 390 * MIB, 250 * MIB],
+        [-1, 1, -1, 2, 1.5, 2 * MIB, 350 * MIB, 320 * MIB],
+        [-1, -1, -1, 3, 0.0, 0, 900 * MIB, 0],  # a rank beyond the plan: not a stage
+    ]
+    m = step_metrics(plan, 3, rows, 100.0, "held_activations", None, "VmHWM")
+    assert m.peak_memory_bytes == (6 * MIB, 2 * MIB)
+    assert m.peak_resident_bytes == (400 * MIB, 350 * MIB)
+    assert m.stage_resident_bytes == (140 * MIB, 30 * MIB)  # replica 1 of stage 0 grew most
+    assert m.resident_kind == "VmHWM"
+    assert "peak[VmHWM] s0=400.0MiB s1=350.0MiB" in m.line()
+    short = step_metrics(plan, 3, [r[:6] for r in rows], 100.0, "held_activations", None)
+    assert short.peak_resident_bytes == () and "VmHWM" not in short.line()
+
+
+def test_resident_bytes_sees_an_allocation() -> None:
+    cpu = torch.device("cpu")
+    before = resident_bytes(cpu, peak=False)
+    block = torch.ones(64 * MIB // 4)  # 64 MiB, touched
+    after = resident_bytes(cpu, peak=False)
+    assert after - before > 48 * MIB
+    assert resident_bytes(cpu, peak=True) >= after
+    del block
