@@ -60,10 +60,8 @@ def test_train_standalone_matches_reference_and_prints_prediction(tmp_path: Path
     assert all(r["resident_kind"] == "VmHWM" for r in rows)
     assert all(len(r["peak_resident_bytes"]) == 3 for r in rows)
     assert all(p > 50 * 2**20 for r in rows for p in r["peak_resident_bytes"])  # torch alone
-    grown = rows[-1]["stage_resident_bytes"]
-    assert len(grown) == 3 and all(
-        0 <= g < p for g, p in zip(grown, rows[-1]["peak_resident_bytes"])
-    )
+    grown, peaks = rows[-1]["stage_resident_bytes"], rows[-1]["peak_resident_bytes"]
+    assert len(grown) == 3 and all(0 <= g < p for g, p in zip(grown, peaks, strict=True))
     out = proc.stdout.splitlines()
     assert sum(line.startswith("step ") for line in out) == 3
     measured = next(line for line in out if line.startswith("measured step time"))
