@@ -23,6 +23,7 @@ from dapple.runtime.checkpoint import (
     stage_layer_states,
 )
 from dapple.runtime.export import export_checkpoint
+from hf_dirs import save_llama
 
 tf = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
@@ -31,19 +32,7 @@ SEQ = 12
 
 
 def _llama_dir(root: Path) -> Path:
-    cfg = tf.LlamaConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=48,
-        max_position_embeddings=32,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(7)
-    tf.LlamaForCausalLM(cfg).save_pretrained(root / "pretrained")
-    return root / "pretrained"
+    return save_llama(root / "pretrained", seed=7)
 
 
 def _trained_checkpoint(wl: Workload, root: Path) -> torch.nn.Sequential:

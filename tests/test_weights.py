@@ -14,6 +14,7 @@ from dapple.core.plan import straight_plan
 from dapple.errors import ValidationError
 from dapple.models.split import original_model
 from dapple.models.workload import Workload
+from hf_dirs import save_llama
 
 tf = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
@@ -23,20 +24,7 @@ SEQ = 12
 
 def _llama(tmp: Path, name: str = "llama", hidden: int = 32, tied: bool = False) -> Path:
     """A small LLaMA saved as a Hugging Face directory (its own random weights)."""
-    cfg = tf.LlamaConfig(
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=48,
-        max_position_embeddings=32,
-        tie_word_embeddings=tied,
-    )
-    torch.manual_seed(123)
-    out = tmp / name
-    tf.LlamaForCausalLM(cfg).save_pretrained(out)
-    return out
+    return save_llama(tmp / name, hidden=hidden, tied=tied)
 
 
 def _reference_logits(path: Path, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -53,22 +53,6 @@ def _transformers() -> Any:
 
 
 @functools.cache
-def _gpt2_class() -> type[nn.Module]:
-    tf = _transformers()
-
-    class GPT2Logits(tf.GPT2LMHeadModel):  # type: ignore[misc, name-defined]
-        """``GPT2LMHeadModel`` called positionally, returning only the logits."""
-
-        def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-            out = super().forward(
-                input_ids=input_ids, attention_mask=attention_mask, use_cache=False
-            )
-            return out.logits  # type: ignore[no-any-return]
-
-    return GPT2Logits
-
-
-@functools.cache
 def _bert_class() -> type[nn.Module]:
     tf = _transformers()
 
@@ -134,7 +118,7 @@ class _Model:
     def __call__(self) -> nn.Module:
         tf = _transformers()
         if self.kind == "gpt2":
-            return _gpt2_class()(tf.GPT2Config(**self.config))
+            return _causal_lm_class(tf.GPT2LMHeadModel)(tf.GPT2Config(**self.config))
         return _bert_class()(tf.BertConfig(**self.config))
 
 
