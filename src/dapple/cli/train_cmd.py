@@ -114,7 +114,7 @@ def _memory_table(
     profile = dataclasses.replace(
         load_profile(profile_spec), optimizer_state_factor=OPTIMIZER_STATE_FACTOR[optimizer]
     )
-    rows = [r for r in pipeline_latency(plan, profile, load_cluster(cluster_spec)).stages]
+    rows = pipeline_latency(plan, profile, load_cluster(cluster_spec)).stages
     estimate = [r.memory_bytes for r in rows if r.kind == "compute"]
     mib = 2**20
     table = Table(title=f"memory per replica (planner: {optimizer} state, K_i in flight)")

@@ -23,7 +23,6 @@ from torch import nn
 from torch.nn import functional as F
 
 from dapple.errors import ValidationError
-from dapple.models.materialize import build_meta
 from dapple.models.split import workload_from_module
 from dapple.models.workload import Workload
 
@@ -95,17 +94,23 @@ class _DirModel:
     def __init__(self, path: str) -> None:
         self.path = path
 
-    def __call__(self) -> nn.Module:
-        config = _config_from_dir(self.path)
+    def hf_config(self) -> Any:
+        return _config_from_dir(self.path)
+
+    def hf_class(self, config: Any) -> Any:
+        """The ``transformers`` causal-LM class ``AutoModelForCausalLM`` maps ``config`` to."""
         mapping = _transformers().models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING
         try:
-            base = mapping[type(config)]
+            return mapping[type(config)]
         except KeyError as e:
             raise ValidationError(
                 f"{self.path}: {type(config).__name__} has no causal-LM model in transformers"
             ) from e
+
+    def __call__(self) -> nn.Module:
+        config = self.hf_config()
         config.use_cache = False
-        return _causal_lm_class(base)(config)
+        return _causal_lm_class(self.hf_class(config))(config)
 
 
 class _Model:
@@ -115,11 +120,19 @@ class _Model:
         self.kind = kind
         self.config = config
 
-    def __call__(self) -> nn.Module:
+    def hf_config(self) -> Any:
         tf = _transformers()
+        return (tf.GPT2Config if self.kind == "gpt2" else tf.BertConfig)(**self.config)
+
+    def hf_class(self, config: Any) -> Any:
+        tf = _transformers()
+        return tf.GPT2LMHeadModel if self.kind == "gpt2" else tf.BertForMaskedLM
+
+    def __call__(self) -> nn.Module:
+        config = self.hf_config()
         if self.kind == "gpt2":
-            return _causal_lm_class(tf.GPT2LMHeadModel)(tf.GPT2Config(**self.config))
-        return _bert_class()(tf.BertConfig(**self.config))
+            return _causal_lm_class(self.hf_class(config))(config)
+        return _bert_class()(config)
 
 
 class _CausalBatch:
@@ -313,15 +326,10 @@ def hf_config(workload: Workload) -> Any | None:
         factory = model_factory_of(workload)
     except ValidationError:
         return None
-    if isinstance(factory, _DirModel):
-        config = _config_from_dir(factory.path)
-    elif isinstance(factory, _Model):
-        tf = _transformers()
-        config = (tf.GPT2Config if factory.kind == "gpt2" else tf.BertConfig)(**factory.config)
-    else:
+    if not isinstance(factory, (_DirModel, _Model)):
         return None
-    model_class = type(build_meta(factory, 0)).__mro__[1]  # the class the wrapper extends
-    config.architectures = [model_class.__name__]
+    config = factory.hf_config()
+    config.architectures = [factory.hf_class(config).__name__]
     return config
 
 
