@@ -116,6 +116,14 @@ class StepMetrics:
     activations added (the planner's per-replica estimate models this)."""
     resident_kind: str = ""
     """``VmHWM`` or ``cuda_max_reserved`` (empty: not measured)."""
+    lr: float | None = None
+    """The learning rate the step's optimizer update used (None: no update ran)."""
+    grad_norm: float | None = None
+    """The global gradient norm of the whole model before clipping (None: not computed)."""
+    eval_loss: float | None = None
+    """Mean validation loss measured after this step (None: no evaluation this step)."""
+    tokens_per_s: float | None = None
+    """Target tokens of the global batch over ``step_ms`` (None: not a token workload)."""
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
