@@ -93,8 +93,9 @@ def test_memory_terms() -> None:
     rec = dataclasses.replace(st, recompute=True)
     assert held_activation_bytes(p, rec, 3) == 15.0  # only the stage input (model input here)
     # b = 6 over 2 replicas: slices of 3; 2 in flight
-    assert device_memory_bytes(p, st, 6, 2) == 8000 + 2 * 600
-    assert device_memory_bytes(p, rec, 6, 2) == 8000 + 2 * 15 + 600
+    # 2 replicas: one more copy of the gradients (the AllReduce buffers)
+    assert device_memory_bytes(p, st, 6, 2) == 8000 + 2000 + 2 * 600
+    assert device_memory_bytes(p, rec, 6, 2) == 8000 + 2000 + 2 * 15 + 600
 
 
 def test_latency_two_stage_golden() -> None:

@@ -51,6 +51,10 @@ class Cluster:
     """Devices (GPUs or processes) per server, N_s in the paper's table 2."""
     device_memory_bytes: int
     """Memory of one device in bytes."""
+    reserved_memory_bytes: int = 0
+    """Memory of each device the runtime itself takes besides the stage it runs: process-group
+    buffers, threads, allocator slack, a CUDA context. The planner fits a stage's parameters,
+    gradients, optimizer state and activations into :attr:`usable_memory_bytes`."""
     intra_server_bandwidth_gbps: float
     """Device-to-device bandwidth inside a server (NVLink, PCIe, shared memory), Gbps."""
     inter_server_bandwidth_gbps: float
@@ -101,7 +105,13 @@ class Cluster:
             )
         require(
             isinstance(self.device_memory_bytes, int) and self.device_memory_bytes > 0,
-            f"cluster {self.name!r}: device memory must be > 0 bytes, got {self.device_memory_bytes!r}",
+            f"cluster {self.name!r}: device memory must be an integer > 0 bytes, got {self.device_memory_bytes!r}",
+        )
+        r = self.reserved_memory_bytes
+        require(
+            isinstance(r, int) and not isinstance(r, bool) and 0 <= r < self.device_memory_bytes,
+            f"cluster {self.name!r}: reserved memory must be an integer >= 0 bytes and below the "
+            f"device memory {self.device_memory_bytes}, got {r!r}",
         )
         for f in ("intra_server_bandwidth_gbps", "inter_server_bandwidth_gbps", "compute_slowdown"):
             v = getattr(self, f)
@@ -187,6 +197,11 @@ class Cluster:
             self.intra_server_latency_ms if self.same_server(a, b) else self.inter_server_latency_ms
         )
 
+    @property
+    def usable_memory_bytes(self) -> int:
+        """Device memory a stage may fill: ``device_memory_bytes - reserved_memory_bytes``."""
+        return self.device_memory_bytes - self.reserved_memory_bytes
+
     def with_servers(self, servers: int) -> Cluster:
         """The same cluster with another number of servers (the ``--servers`` override)."""
         return dataclasses.replace(self, servers=servers, name=f"{self.name}x{servers}")
@@ -198,6 +213,7 @@ class Cluster:
             "servers": self.servers,
             "devices_per_server": self.devices_per_server,
             "device_memory_gib": self.device_memory_bytes / GIB,
+            "reserved_memory_gib": self.reserved_memory_bytes / GIB,
             "intra_server_bandwidth_gbps": self.intra_server_bandwidth_gbps,
             "inter_server_bandwidth_gbps": self.inter_server_bandwidth_gbps,
             "intra_server_latency_ms": self.intra_server_latency_ms,
@@ -217,6 +233,7 @@ class Cluster:
         require(isinstance(d, dict), f"{what} must be an object, got {type(d).__name__}")
         check_schema_version(d, CLUSTER_SCHEMA_VERSION, what)
         known = {f.name for f in dataclasses.fields(Cluster)} | set(_MEMORY_KEYS)
+        known = (known - {"reserved_memory_bytes"}) | {"reserved_memory_gib"}
         unknown = sorted(set(d) - known)
         require(not unknown, f"{what}: unknown field(s) {unknown}")
 
@@ -252,6 +269,7 @@ class Cluster:
             servers=integer("servers"),
             devices_per_server=integer("devices_per_server"),
             device_memory_bytes=mem,
+            reserved_memory_bytes=int(num("reserved_memory_gib", 0.0) * GIB),
             intra_server_bandwidth_gbps=num("intra_server_bandwidth_gbps"),
             inter_server_bandwidth_gbps=num("inter_server_bandwidth_gbps"),
             intra_server_latency_ms=num("intra_server_latency_ms", 0.005),

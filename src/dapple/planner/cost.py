@@ -155,7 +155,7 @@ class LatencyBreakdown:
     stages: tuple[StageCost, ...]
     """Per-stage rows in pipeline order, comm stages between computation stages."""
     fits_memory: bool
-    """Every replica fits ``cluster.device_memory_bytes``."""
+    """Every replica fits ``cluster.usable_memory_bytes``."""
 
     @property
     def pivot(self) -> StageCost:
@@ -255,5 +255,5 @@ def pipeline_latency(plan: Plan, profile: ModelProfile, cluster: Cluster) -> Lat
         Q=lat.Q,
         S=len(rows),
         stages=rows,
-        fits_memory=all(r.memory_bytes <= cluster.device_memory_bytes for r in rows),
+        fits_memory=all(r.memory_bytes <= cluster.usable_memory_bytes for r in rows),
     )

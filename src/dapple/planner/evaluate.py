@@ -23,7 +23,11 @@ from dapple.errors import ValidationError
 from dapple.planner.comm import allreduce_ms, busiest_link_ms, link_loads
 from dapple.planner.host import apply_host, has_host_terms, stage_host_extras
 from dapple.planner.latency import latency, steady_periods
-from dapple.planner.memory import boundary_bytes, in_flight_options
+from dapple.planner.memory import (
+    boundary_bytes,
+    in_flight_options,
+    state_bytes_per_parameter_byte,
+)
 from dapple.planner.sharing import slice_work
 from dapple.schedule.generators import in_flight_counts
 
@@ -107,11 +111,11 @@ class Scorer:
             self._links[key] = links
         return busiest_link_ms(links, boundary_bytes(self.profile, cut, 1))
 
-    def _options(self, s: int, e: int, samples: int) -> tuple[int, int]:
+    def _options(self, s: int, e: int, samples: int, replicas: int) -> tuple[int, int]:
         """D without and with re-computation of layers [s, e) on slices of ``samples``."""
         return in_flight_options(
-            float(self.cluster.device_memory_bytes),
-            self.param_bytes(s, e) * (1.0 + self.profile.optimizer_state_factor),
+            float(self.cluster.usable_memory_bytes),
+            self.param_bytes(s, e) * state_bytes_per_parameter_byte(self.profile, replicas),
             (self._act[e] - self._act[s]) * samples,
             boundary_bytes(self.profile, s, samples),
         )
@@ -125,7 +129,7 @@ class Scorer:
         if rec is None:
             n = -(-b // len(d))  # split_sizes(b, r)[0], the largest slice
             f, bw = self.fb_ms(s, e, n)
-            d_nr, d_r = self._options(s, e, n)
+            d_nr, d_r = self._options(s, e, n, len(d))
             rec = (f, bw, self.ar_ms(s, e, d), d_nr, d_r)
             self._stages[key] = rec
         return rec

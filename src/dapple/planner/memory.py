@@ -15,6 +15,7 @@ __all__ = [
     "held_activation_bytes",
     "in_flight_options",
     "parameter_state_bytes",
+    "state_bytes_per_parameter_byte",
 ]
 
 UNBOUNDED_IN_FLIGHT = 10**9
@@ -34,15 +35,23 @@ def boundary_bytes(profile: ModelProfile, cut: int, samples: int) -> float:
     return per_sample * samples
 
 
-def parameter_state_bytes(profile: ModelProfile, layers: tuple[int, int]) -> float:
-    """Parameters + gradients + optimizer state of layers ``[start, end)`` on one replica.
+def state_bytes_per_parameter_byte(profile: ModelProfile, replicas: int = 1) -> float:
+    """Bytes one replica holds per parameter byte: the parameter, its gradient and optimizer
+    state (``1 + optimizer_state_factor``), and on a replicated stage (``replicas > 1``) one
+    more copy of the gradient - the flat buffers its AllReduce AR(P_s, g_s) reduces in (the
+    runtime's gradient buckets, :mod:`dapple.runtime.sync`)."""
+    return 1.0 + profile.optimizer_state_factor + (1.0 if replicas > 1 else 0.0)
 
-    ``params x (1 + optimizer_state_factor)``: 16 bytes per fp32 Adam parameter with the
-    default factor 3.
-    """
+
+def parameter_state_bytes(
+    profile: ModelProfile, layers: tuple[int, int], replicas: int = 1
+) -> float:
+    """Parameters + gradients + optimizer state (+ AllReduce buffers) of layers
+    ``[start, end)`` on one of ``replicas`` replicas (:func:`state_bytes_per_parameter_byte`;
+    16 bytes per fp32 Adam parameter with the default factor 3 and no replicas)."""
     s, e = layers
     params = sum(layer.parameter_bytes for layer in profile.layers[s:e])
-    return params * (1.0 + profile.optimizer_state_factor)
+    return params * state_bytes_per_parameter_byte(profile, replicas)
 
 
 def held_activation_bytes(profile: ModelProfile, stage: StagePlan, samples: int) -> float:
@@ -71,7 +80,7 @@ def device_memory_bytes(
         in_flight: K_i, micro-batches whose activations are held at once.
     """
     samples = split_sizes(micro_batch_size, stage.replicas)[0]
-    mem = parameter_state_bytes(profile, stage.layers)
+    mem = parameter_state_bytes(profile, stage.layers, stage.replicas)
     mem += in_flight * held_activation_bytes(profile, stage, samples)
     if stage.recompute:
         s, e = stage.layers

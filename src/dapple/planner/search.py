@@ -329,6 +329,8 @@ def _bytes(n: float) -> str:
 def _infeasible_message(profile: ModelProfile, cluster: Cluster, global_batch_size: int) -> str:
     f = 1.0 + profile.optimizer_state_factor
     state = profile.parameter_bytes * f
+    r = cluster.reserved_memory_bytes
+    reserved = f" ({_bytes(r)} of each reserved for the runtime)" if r else ""
     need = max(
         layer.parameter_bytes * f + layer.kept_activation_bytes_per_sample
         for layer in profile.layers
@@ -337,5 +339,6 @@ def _infeasible_message(profile: ModelProfile, cluster: Cluster, global_batch_si
         f"no plan of {profile.model_name!r} ({profile.num_layers} layers, "
         f"{_bytes(state)} of parameters+gradients+optimizer state; one layer alone needs up to "
         f"{_bytes(need)} with one sample) fits {cluster.num_devices} devices of "
-        f"{_bytes(cluster.device_memory_bytes)} with global batch size {global_batch_size}"
+        f"{_bytes(cluster.device_memory_bytes)}{reserved} with global batch size "
+        f"{global_batch_size}"
     )

@@ -90,7 +90,7 @@ def validate_run(plan: Plan, workload: Workload, world_size: int, *, exact: bool
 def make_optimizer(name: str, params: list[nn.Parameter], lr: float) -> torch.optim.Optimizer:
     """The optimizer every rank (and the single-process reference) uses: SGD or Adam."""
     if name == "adam":
-        return torch.optim.Adam(params, lr=lr)
+        return torch.optim.Adam(params, lr=lr, fused=True)
     return torch.optim.SGD(params, lr=lr)
 
 

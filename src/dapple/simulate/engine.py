@@ -385,7 +385,7 @@ def simulate(
     stats = []
     for dev in sorted(sched):
         s, j = where[dev]
-        static = float(costs.parameter_state_bytes(profile, stages[s].layers))
+        static = float(costs.parameter_state_bytes(profile, stages[s].layers, stages[s].replicas))
         level, peak = static, static
         points = [(0.0, static)]
         # frees before allocations at equal times, so back-to-back B/F do not double count
