@@ -241,3 +241,21 @@ def equivalence_worker(rank: int, world: int, out_dir: str) -> None:
                     )
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"results": results, "memory": mem}))
     shutdown_distributed()
+
+
+class _Branchy(nn.Module):
+    """Control flow that depends on the data: ``torch.export`` cannot trace it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(IN, OUT), nn.Linear(IN, OUT)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.a(x) if bool(x.sum() > 0) else self.b(x)  # type: ignore[no-any-return]
+
+
+def untraceable() -> Workload:
+    """A user's module that ``torch.export`` cannot trace (for the error path)."""
+    from dapple.models.split import workload_from_module
+
+    return workload_from_module(_Branchy, _mlp_batch, F.mse_loss)

@@ -148,3 +148,12 @@ def test_verify_llama_with_pretrained_weights_under_uneven_plans(llama: Path) ->
         assert rep.ok, (plan.replication, [(s.stage, s.max_abs_diff) for s in rep.stages])
         assert [s.replicas for s in rep.stages] == [st.replicas for st in plan.stages]
         assert rep.losses == pytest.approx(rep.reference_losses, rel=1e-5)
+
+
+def test_a_model_torch_export_cannot_trace_is_one_error_line(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["split", "-m", "runtime_workloads:untraceable"]) == 2
+    err = capfd.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("dapple: error:"), err
+    assert "cannot trace _Branchy with torch.export" in err[0]

@@ -7,10 +7,13 @@ exported graph's node list; each run of nodes between two cuts becomes a
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import io
 import itertools
+import logging
 import operator
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -42,13 +45,34 @@ def _as_tuple(inputs: Any) -> tuple[Any, ...]:
     return inputs if isinstance(inputs, tuple) else (inputs,)
 
 
+_TRACE_LOGGERS = ("torch.fx.experimental.symbolic_shapes",)
+"""Loggers that warn about a failed trace: the error raised says what failed."""
+
+
+@contextlib.contextmanager
+def _quiet_trace() -> Iterator[None]:
+    """While ``torch.export`` runs: only errors from :data:`_TRACE_LOGGERS`, and what it prints
+    to stderr (the partial graph of a failed trace) dropped, so a failure is one error."""
+    loggers = [logging.getLogger(n) for n in _TRACE_LOGGERS]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            yield
+    finally:
+        for lg, level in zip(loggers, levels, strict=True):
+            lg.setLevel(level)
+
+
 def _export(model: nn.Module, inputs: tuple[Any, ...]) -> torch.export.ExportedProgram:
     dyn = torch.export.Dim.DYNAMIC
     shapes = tuple(
         {0: dyn} if isinstance(t, torch.Tensor) and t.dim() > 0 else None for t in inputs
     )
     try:
-        ep = torch.export.export(model, inputs, dynamic_shapes=shapes, strict=False)
+        with _quiet_trace():
+            ep = torch.export.export(model, inputs, dynamic_shapes=shapes, strict=False)
     except Exception as e:  # torch raises many types; report them as one user error
         if "Constraints violated" in str(e):
             raise ValidationError(
