@@ -28,7 +28,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     prep.add_argument("text_files", nargs="+", metavar="TEXT_FILE", help="UTF-8 text files")
-    prep.add_argument("--output", required=True, help="training token file, e.g. data/train.bin")
+    prep.add_argument(
+        "-o", "--output", required=True, help="training token file, e.g. data/train.bin"
+    )
     prep.add_argument(
         "--val-fraction",
         type=float,
