@@ -183,3 +183,34 @@ def test_train_and_verify_on_prepared_text(tmp_path: Path, plan_file: Path) -> N
     proc = _dapple(["verify", *run, "--steps", "2"])
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "OK" in proc.stdout
+
+
+# -- Hugging Face causal LMs --------------------------------------------------------------------
+def test_hf_causal_lm_takes_token_windows_as_input_ids(tmp_path: Path) -> None:
+    from dapple.models.spec import load
+    from dapple.runtime.data import CausalLMSamples, fit_data
+
+    wl = load(f"hf:{_hf_dir(tmp_path)}", seq=SEQ)
+    assert model_limits(wl) == (48, 32)
+    ds = TokenFile(tokens(tmp_path / "t.bin", 20 * SEQ + 1, top=48), SEQ)
+    check_data(wl, ds, G)
+    fitted = fit_data(wl, ds)
+    assert isinstance(fitted, CausalLMSamples) and fit_data(wl, fitted) is fitted
+    (ids, mask), targets = fitted[3]
+    assert torch.equal(ids, ds[3][0]) and torch.equal(targets, ids) and mask.eq(1).all()
+    tokens(tmp_path / "big.bin", 20 * SEQ + 1, top=60, seed=1)
+    with pytest.raises(ValidationError, match=r"token id 5\d >= the vocabulary .* \(48\)"):
+        check_data(wl, TokenFile(tmp_path / "big.bin", SEQ), G)
+
+
+@pytest.mark.slow
+def test_verify_a_hf_causal_lm_on_a_token_file(tmp_path: Path) -> None:
+    from dapple import api
+
+    d = _hf_dir(tmp_path)
+    tokens(tmp_path / "t.bin", 20 * SEQ + 1, top=48)
+    plan = straight_plan(4, [0, 2], global_batch_size=G, num_micro_batches=2)
+    report = api.verify(
+        plan, f"hf:{d}", 2, data=tmp_path / "t.bin", seq_len=SEQ, device="cpu", timeout_s=60
+    )
+    assert report.ok and report.max_loss_diff < 1e-5, report

@@ -10,6 +10,11 @@ Checkpoints record :func:`data_state` (dataset length, sampler seed, ``G``, ``se
 the step; since the sampler position is a pure function of the step, resuming at step ``t``
 reads exactly the batch an uninterrupted run reads, and :func:`check_data_resume` rejects a
 resume on another dataset, seed or global batch.
+
+Samples are ``(inputs, targets)`` as the workload's ``make_batch`` rows are. Token windows
+``(x, next tokens)`` fit the zoo transformer as they are; for a Hugging Face causal LM, whose
+batches are ``((input_ids, attention_mask), input_ids)`` (the loss shifts inside),
+:func:`fit_data` presents each window as ``((x, ones), x)``.
 """
 
 from __future__ import annotations
@@ -32,10 +37,12 @@ from dapple.models.workload import Workload
 from dapple.runtime.checkpoint_files import CheckpointError
 
 __all__ = [
+    "CausalLMSamples",
     "RankData",
     "check_data",
     "check_data_resume",
     "data_state",
+    "fit_data",
     "model_limits",
     "open_data",
     "rank_rows",
@@ -54,6 +61,49 @@ def open_data(data: Dataset[Any] | str | Path, seq_len: int | None) -> Dataset[A
         if seq_len is None:
             raise ValidationError(f"a token file ({data}) needs seq_len (--seq-len)")
         return TokenFile(data, seq_len)
+    return data
+
+
+class CausalLMSamples(Dataset[tuple[Any, torch.Tensor]]):
+    """Next-token samples ``(x, y)`` as a Hugging Face causal LM's: ``((x, ones), x)``.
+
+    The model's loss predicts ``x[t + 1]`` from ``x[:t + 1]`` (``seq_len - 1`` targets per
+    sample); ``y`` is unused.
+    """
+
+    def __init__(self, base: Dataset[Any]) -> None:
+        self.base = base
+        self.seq_len: int | None = getattr(base, "seq_len", None)
+
+    def __len__(self) -> int:
+        return len(self.base)  # type: ignore[arg-type]
+
+    def __getitem__(self, i: int) -> tuple[Any, torch.Tensor]:
+        x, _ = self.base[i]
+        return (x, torch.ones_like(x)), x
+
+
+def _is_causal_lm_batch(inputs: Any, targets: torch.Tensor) -> bool:
+    """``((ids, all-ones mask), ids)``: the Hugging Face causal-LM batch convention."""
+    return (
+        isinstance(inputs, (tuple, list))
+        and len(inputs) == 2
+        and all(isinstance(t, torch.Tensor) for t in inputs)
+        and inputs[0].dtype == torch.int64
+        and torch.equal(inputs[0], targets)
+        and bool((inputs[1] == 1).all())
+    )
+
+
+def fit_data(workload: Workload, data: Dataset[Any] | None, seed: int = 0) -> Dataset[Any] | None:
+    """``data`` as the workload's samples: token pairs wrapped in :class:`CausalLMSamples` for
+    a Hugging Face causal LM, anything else as given."""
+    if data is None or isinstance(data, CausalLMSamples):
+        return data
+    x, y = data[0]
+    pairs = isinstance(x, torch.Tensor) and x.shape == y.shape and x.dtype == torch.int64
+    if pairs and _is_causal_lm_batch(*workload.make_batch(2, seed)):
+        return CausalLMSamples(data)
     return data
 
 
@@ -141,14 +191,24 @@ def _fmt(shapes: list[tuple[tuple[int, ...], torch.dtype]]) -> str:
 
 
 def model_limits(workload: Workload, seed: int = 0) -> tuple[int | None, int | None]:
-    """``(vocabulary, positions)`` of the model's first layer, None where not found.
+    """``(vocabulary, positions)`` of the model, None where not found.
 
-    The layer is built on the ``meta`` device (no weight memory). The vocabulary is its first
-    ``nn.Embedding``'s ``num_embeddings``; the positions a Hugging Face config's
-    ``max_position_embeddings`` / ``n_positions``, else a position embedding's
-    ``num_embeddings`` (a module named ``wpe`` or ``*pos*``), else the rows of a parameter
-    named ``pos``. A layer that cannot be built on ``meta`` gives ``(None, None)``.
+    A Hugging Face model (:func:`dapple.models.hf.hf_config`): its config's ``vocab_size`` and
+    ``max_position_embeddings`` / ``n_positions``. Otherwise the first layer, built on the
+    ``meta`` device (no weight memory): the vocabulary is its first ``nn.Embedding``'s
+    ``num_embeddings``; the positions a config's ``max_position_embeddings`` /
+    ``n_positions`` on one of its modules, else a position embedding's ``num_embeddings`` (a
+    module named ``wpe`` or ``*pos*``), else the rows of a parameter named ``pos``. A layer
+    that cannot be built on ``meta`` gives ``(None, None)``.
     """
+    from dapple.models.hf import hf_config
+
+    config = hf_config(workload)
+    if config is not None:  # a Hugging Face model: its config says
+        limit = getattr(config, "max_position_embeddings", None) or getattr(
+            config, "n_positions", None
+        )
+        return int(config.vocab_size), (int(limit) if limit is not None else None)
     try:
         layer = build_meta(partial(workload.build_layer, 0, seed), seed)
     except Exception as e:  # an arbitrary factory: the checks are best effort
@@ -173,6 +233,8 @@ def model_limits(workload: Workload, seed: int = 0) -> tuple[int | None, int | N
 
 
 def _describe(data: Dataset[Any]) -> str:
+    if isinstance(data, CausalLMSamples):
+        return _describe(data.base)
     return str(data.path) if isinstance(data, TokenFile) else type(data).__name__
 
 
@@ -195,11 +257,12 @@ def _check_one(
         raise ValidationError(
             f"--seq-len {seq_len} exceeds the {positions} positions of model {workload.name!r}"
         )
-    if isinstance(data, TokenFile) and vocab is not None:
-        top = data.max_token()
+    tokens = data.base if isinstance(data, CausalLMSamples) else data
+    if isinstance(tokens, TokenFile) and vocab is not None:
+        top = tokens.max_token()
         if top >= vocab:
             raise ValidationError(
-                f"{what} {data.path} holds token id {top} >= the vocabulary of model "
+                f"{what} {tokens.path} holds token id {top} >= the vocabulary of model "
                 f"{workload.name!r} ({vocab})"
             )
     x, y = data[0]
@@ -232,6 +295,7 @@ def check_data(
     if data is None and eval_data is None:
         return
     limits = model_limits(workload, seed)
+    data, eval_data = fit_data(workload, data, seed), fit_data(workload, eval_data, seed)
     if data is not None:
         _check_one(data, "data", workload, global_batch_size, seed, limits)
     if eval_data is not None:

@@ -33,7 +33,7 @@ from dapple.core.plan import Plan
 from dapple.errors import ValidationError
 from dapple.models.workload import Workload
 from dapple.runtime.config import StepMetrics, TrainConfig
-from dapple.runtime.data import RankData, check_data, data_state, sample_row
+from dapple.runtime.data import RankData, check_data, data_state, fit_data, sample_row
 from dapple.runtime.failure import RankFailure, describe_rank, short_error
 from dapple.runtime.interpreter import ProgramInterpreter
 from dapple.runtime.longrun import LongRun, first_attempt
@@ -131,6 +131,10 @@ def run_plan(
     rank, world = dist.get_rank(), dist.get_world_size()
     validate_run(plan, workload, world, exact=exact_world)
     check_data(workload, data, plan.global_batch_size, config.seed, eval_data=eval_data)
+    data, eval_data = (
+        fit_data(workload, data, config.seed),
+        fit_data(workload, eval_data, config.seed),
+    )
     r = _setup(plan, workload, config, device, rank, world, data, eval_data)
     sink = MetricsSink(plan, config, rank=rank, memory_kind=r.probe.memory_kind,
                        resident_kind=r.probe.resident_kind,

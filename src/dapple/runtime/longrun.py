@@ -6,7 +6,8 @@
 - :meth:`LongRun.resume` (before the first step) loads the newest complete checkpoint of
   ``TrainConfig.checkpoint_dir`` *by layer* into this rank's stage - so a run saved under one
   plan continues under another - and returns the index of the next step (the data position:
-  step ``t`` trains on ``make_batch(G, seed + t)``);
+  step ``t`` trains on ``make_batch(G, seed + t)``, or on a dataset's batch ``t`` of
+  :mod:`dapple.runtime.data`, whose record the checkpoint must match);
 - :meth:`LongRun.watch` (after every F/B action) notes the first non-finite loss (last stage,
   per micro-batch) or gradient (after each backward) of the step;
 - :meth:`LongRun.agree_finite` (at the step point, before the first ``AR``/``OPT`` action)

@@ -51,7 +51,7 @@ from dapple.runtime import (
     spawn,
     validate_run,
 )
-from dapple.runtime.data import check_data
+from dapple.runtime.data import check_data, fit_data
 from dapple.runtime.engine import make_optimizer
 
 __all__ = [
@@ -176,6 +176,7 @@ def reference_run(
     opt = make_optimizer(optimizer, list(model.parameters()), lr)
     losses: list[float] = []
     every = range(global_batch_size)
+    data = fit_data(workload, data, seed)
     source = (
         BatchSource(data, global_batch_size, seed, every, every, prefetch=False)
         if data is not None
