@@ -267,3 +267,63 @@ def test_eval_batches_are_the_first_items_in_order(tmp_path: Path) -> None:
         ev.batch(4)
     with pytest.raises(ValidationError, match="fewer than one global batch"):
         EvalBatches(ds, 20, [], [])
+
+
+class _Recording(torch.utils.data.Dataset):
+    """Items ``(i, i)`` as one-element tensors; records which thread read which item."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.reads = n, []
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        import threading
+
+        self.reads.append((i, threading.current_thread().name))
+        t = torch.tensor([i])
+        return t, t
+
+
+def test_batch_source_reads_the_next_step_in_the_background_until_stop() -> None:
+    ds = _Recording(12)
+    src = BatchSource(ds, 4, 0, range(4), [], stop=2)
+    try:
+        first = src.batch(0)
+        src._next[1].result()  # the prefetch of step 1 ran ...
+        background = {i for i, name in ds.reads if name.startswith("dapple-data")}
+        assert background == set(EpochSampler(12, 4, 0).indices(1))  # ... on the data thread
+        n = len(ds.reads)
+        second = src.batch(1)
+        assert len(ds.reads) == n and src._next is None  # served from the prefetch; 2 = stop
+        assert first[0][:, 0].tolist() == EpochSampler(12, 4, 0).indices(0)
+        assert second[0][:, 0].tolist() == EpochSampler(12, 4, 0).indices(1)
+        assert second[1].eq(0).all()  # no target rows asked for
+    finally:
+        src.close()
+
+
+def test_rank_data_eval_batches_and_training_batches(tmp_path: Path) -> None:
+    from dapple.runtime.data import RankData
+
+    ds = TokenFile(write_tokens(tmp_path / "t.bin", np.arange(1, 200)), 4)
+    p = _plan((((0, 2), (0, 1, 2)), ((2, 4), (3,))))  # 3:1
+    first = RankData(p, 1, 5, ds, ds)  # stage 0 replica 1: rows 2 and 6
+    last = RankData(p, 3, 5, None, ds)
+    try:
+        assert first.eval_batches == last.eval_batches == len(ds) // 8
+        x, y = first.eval_batch(1)
+        assert [r for r in range(8) if x[r].any()] == [2, 6] and not y.any()
+        assert torch.equal(x[6], ds[8 + 6][0])
+        x, y = last.eval_batch(1)
+        assert not x.any() and torch.equal(y, torch.stack([ds[8 + r][1] for r in range(8)]))
+        items = EpochSampler(len(ds), 8, 5).indices(3)
+        x, _ = first.batch(3)
+        assert torch.equal(x[2], ds[items[2]][0])
+        assert last.source is None
+    finally:
+        first.close()
+        last.close()
+    with pytest.raises(ValidationError, match="no evaluation data"):
+        RankData(p, 0, 5, ds, None).eval_batch(0)
