@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import re
 from pathlib import Path
 
 import numpy as np
@@ -327,3 +328,27 @@ def test_rank_data_eval_batches_and_training_batches(tmp_path: Path) -> None:
         last.close()
     with pytest.raises(ValidationError, match="no evaluation data"):
         RankData(p, 0, 5, ds, None).eval_batch(0)
+
+
+def test_check_data_resume_wants_the_same_stream(tmp_path: Path) -> None:
+    from dapple.runtime.checkpoint_files import CheckpointError
+    from dapple.runtime.data import check_data_resume, data_state
+
+    ds = TokenFile(write_tokens(tmp_path / "t.bin", range(100)), 4)  # 24 samples
+    saved = data_state(ds, 1, 8)
+    assert saved is not None and saved["items"] == 24 and saved["seq_len"] == 4
+    check_data_resume(saved, data_state(ds, 1, 8), "ck")
+    check_data_resume(None, data_state(None, 1, 8), "ck")  # synthetic both times
+    cases = [
+        (data_state(ds, 1, 4), "global_batch_size 8 (now 4)"),
+        (
+            data_state(TokenFile(tmp_path / "t.bin", 3), 1, 8),
+            "items 24 (now 33), seq_len 4 (now 3)",
+        ),
+        (None, "resume it with the same --data"),
+    ]
+    for now, needle in cases:
+        with pytest.raises(CheckpointError, match=re.escape(needle)):
+            check_data_resume(saved, now, "ck")
+    with pytest.raises(CheckpointError, match="saved training on synthetic batches"):
+        check_data_resume(None, saved, "ck")
