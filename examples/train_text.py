@@ -1,7 +1,7 @@
 """Train a small transformer on a text file with a 3:1 pipeline on 4 CPU processes.
 
-Run: ``python examples/train_text.py [TEXT_FILE]`` (default: this repository's README; about a minute on
-2 cores).
+Run: ``python examples/train_text.py [TEXT_FILE]`` (default: this repository's README; about
+a minute on 2 cores).
 
 The text becomes byte tokens (``train.bin``, ``val.bin``, ``meta.json`` in a temporary
 directory); the run saves a checkpoint half-way, and a second launch resumes from it and
