@@ -79,7 +79,10 @@ def add_run_arguments(p: argparse.ArgumentParser, *, steps: int) -> None:
     add_model_arguments(p)
     p.add_argument("--steps", type=int, default=steps, help="optimizer steps (default %(default)s)")
     p.add_argument(
-        "--seed", type=int, default=0, help="weights seed; step t uses batch seed+t (default 0)"
+        "--seed",
+        type=int,
+        default=0,
+        help="weights seed; step t uses batch seed+t, or with --data the shuffle seed (default 0)",
     )
     p.add_argument(
         "--optimizer",
