@@ -10,7 +10,9 @@ Design choices:
       two epochs;
     - the position is a pure function of ``(seed, t, G, N)``: a run resumed at step ``t``
       reads exactly the batch an uninterrupted run reads at step ``t``, whatever plan either
-      runs under. Nothing but the step index needs saving.
+      runs under. Nothing but the step index needs saving (NumPy keeps a seeded ``Generator``'s
+      stream across releases in practice but does not promise it: resume under the NumPy the
+      run started with).
 """
 
 from __future__ import annotations
