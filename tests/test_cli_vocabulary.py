@@ -37,6 +37,7 @@ COMMANDS = {
     "plan-local",
     "demo",
     "export",
+    "data",
 }
 UNKNOWN_PAPER = "dapple: error: unknown paper profile 'paper:bert4'; known: " + ", ".join(
     f"paper:{n}" for n in PAPER_MODELS
@@ -157,6 +158,8 @@ def test_train_and_verify_share_one_flag_set_with_help() -> None:
         "--policy",
         "--device",
         "--timeout-s",
+        "--data",
+        "--seq-len",
     }
     cmds = _commands()
     for name in ("train", "verify"):

@@ -219,6 +219,9 @@ def train(
     steps: int = 1,
     *,
     overrides: Mapping[str, Any] | None = None,
+    data: Any = None,
+    eval_data: Any = None,
+    seq_len: int | None = None,
     **options: Any,
 ) -> list[StepMetrics]:
     """Train a plan for ``steps`` synchronous steps (``dapple train``).
@@ -228,6 +231,12 @@ def train(
         workload: A :class:`Workload` or a spec string.
         steps: Optimizer steps.
         overrides: Factory keyword arguments when ``workload`` is a spec.
+        data: Training samples: a map-style dataset of ``(inputs, targets)`` or the path of a
+            token file (:class:`~dapple.datasets.TokenFile`, read with ``seq_len``); None: the
+            workload's synthetic batches.
+        eval_data: Evaluation samples, a dataset or a token file path.
+        seq_len: Tokens per sample of token files; a spec-string workload is also built
+            with ``seq=seq_len``.
         **options: :class:`dapple.runtime.TrainConfig` fields (``seed``, ``optimizer``,
             ``lr``, ``echo``, ``device``, ``metrics_path``, ``timeout_s``...).
 
@@ -240,7 +249,36 @@ def train(
     """
     from dapple.runtime import train as _train
 
-    return _train(_plan(plan), _workload(workload, overrides), steps, **options)
+    wl = _workload(workload, _seq_overrides(workload, overrides, seq_len))
+    return _train(
+        _plan(plan),
+        wl,
+        steps,
+        data=_dataset(data, seq_len),
+        eval_data=_dataset(eval_data, seq_len),
+        **options,
+    )
+
+
+def _seq_overrides(
+    workload: WorkloadLike, overrides: Mapping[str, Any] | None, seq_len: int | None
+) -> Mapping[str, Any] | None:
+    """``overrides`` with ``seq=seq_len`` for a spec string (a built workload stays as is)."""
+    if seq_len is None or not isinstance(workload, str):
+        return overrides
+    given = dict(overrides or {})
+    if given.setdefault("seq", seq_len) != seq_len:
+        raise ValidationError(f"overrides seq={given['seq']} disagrees with seq_len={seq_len}")
+    return given
+
+
+def _dataset(data: Any, seq_len: int | None) -> Any:
+    """A dataset as given, or the token file at a path."""
+    if data is None:
+        return None
+    from dapple.runtime.data import open_data
+
+    return open_data(data, seq_len)
 
 
 def verify(
@@ -252,6 +290,8 @@ def verify(
     schedule: str | None = None,
     policy: str | None = None,
     device: str = "auto",
+    data: Any = None,
+    seq_len: int | None = None,
     **options: Any,
 ) -> VerifyReport:
     """Run a plan distributed and on one process from the same seed; compare (``dapple verify``).
@@ -265,6 +305,9 @@ def verify(
         policy: ``A`` or ``B`` instead of the plan's.
         device: Device of the distributed run: ``auto`` (``cuda`` when available, else
             ``cpu``), ``cpu`` or ``cuda``; the reference runs on the CPU.
+        data: Training samples of both runs, a dataset or a token file path (as in
+            :func:`train`).
+        seq_len: As in :func:`train`.
         **options: ``seed``, ``optimizer``, ``lr``, ``rtol``, ``atol``, ``timeout_s``
             (see :func:`dapple.runtime.verify.verify_many`).
 
@@ -279,9 +322,10 @@ def verify(
 
     return _verify(
         _with(plan, schedule, policy),
-        _workload(workload, overrides),
+        _workload(workload, _seq_overrides(workload, overrides, seq_len)),
         steps,
         device=device,
+        data=_dataset(data, seq_len),
         **options,
     )
 

@@ -12,6 +12,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any, overload
 
+from dapple.cli._data_args import add_data_arguments
 from dapple.cli._model_args import add_model_arguments
 from dapple.core.plan import Plan
 
@@ -68,7 +69,7 @@ def add_run_arguments(p: argparse.ArgumentParser, *, steps: int) -> None:
 
     ``--plan``, ``-m/--model`` (with ``--set``, ``--split-at``), ``--steps``, ``--seed``,
     ``--optimizer`` (the runtime's names), ``--lr``, ``--schedule``, ``--policy``,
-    ``--device`` and ``--timeout-s``.
+    ``--device``, ``--timeout-s``, ``--data`` and ``--seq-len``.
 
     Args:
         p: the command's parser.
@@ -78,7 +79,10 @@ def add_run_arguments(p: argparse.ArgumentParser, *, steps: int) -> None:
     add_model_arguments(p)
     p.add_argument("--steps", type=int, default=steps, help="optimizer steps (default %(default)s)")
     p.add_argument(
-        "--seed", type=int, default=0, help="weights seed; step t uses batch seed+t (default 0)"
+        "--seed",
+        type=int,
+        default=0,
+        help="weights seed; step t uses batch seed+t, or with --data the shuffle seed (default 0)",
     )
     p.add_argument(
         "--optimizer",
@@ -107,6 +111,7 @@ def add_run_arguments(p: argparse.ArgumentParser, *, steps: int) -> None:
         default=300.0,
         help="fail instead of waiting longer than this on a peer, seconds (default %(default)s)",
     )
+    add_data_arguments(p)
 
 
 def load_run_plan(args: argparse.Namespace) -> Plan:

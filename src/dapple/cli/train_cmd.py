@@ -13,6 +13,7 @@ import os
 import statistics
 from typing import TYPE_CHECKING
 
+from dapple.cli._data_args import add_eval_data_argument, open_datasets, with_seq_len
 from dapple.cli._model_args import model_overrides
 from dapple.cli._run_args import add_run_arguments, load_run_plan
 from dapple.core.plan import Plan
@@ -41,6 +42,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     )
     p.add_argument("--cluster", default=None, help="cluster preset or JSON (with --profile)")
     p.add_argument("--recompute", action="store_true", help="re-compute forwards on every stage")
+    add_eval_data_argument(p)
     _register_long_run(p)
     p.set_defaults(func=run)
 
@@ -138,7 +140,7 @@ def _memory_table(
 def _model_arg(args: argparse.Namespace) -> object:
     """``--model`` as given, or the workload loaded from it (``--set``, ``--split-at`` or a
     ``file.py:factory`` spec: it pickles as its spec, so spawned workers load it again)."""
-    overrides = model_overrides(args)
+    overrides = with_seq_len(args, model_overrides(args))
     module = str(args.model).rpartition(":")[0]
     if not overrides and not module.endswith(".py"):
         return args.model
@@ -154,6 +156,13 @@ def run(args: argparse.Namespace) -> int:
         raise ValidationError("--profile and --cluster must be given together")
     plan = load_run_plan(args)
     args.model = _model_arg(args)
+    data, eval_data = open_datasets(args)
+    if data is not None or eval_data is not None:  # before the checkpoint directory is made
+        from dapple.runtime import resolve_workload
+        from dapple.runtime.data import check_data
+
+        wl = resolve_workload(args.model)
+        check_data(wl, data, plan.global_batch_size, args.seed, eval_data=eval_data)
     if args.checkpoint_dir is not None:
         from dapple.runtime import resolve_workload
 
@@ -181,6 +190,8 @@ def run(args: argparse.Namespace) -> int:
         keep=args.keep,
         resume=args.resume,
         on_nonfinite=args.on_nonfinite,
+        data=data,
+        eval_data=eval_data,
     )
     if metrics and int(os.environ.get("RANK", "0")) == 0:
         # the first step includes connection set-up and warm-up; report the rest when possible

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from rich.console import Console
 from rich.table import Table
 
+from dapple.cli._data_args import open_datasets, with_seq_len
 from dapple.cli._model_args import model_overrides
 from dapple.cli._run_args import add_run_arguments, load_run_plan
 
@@ -79,7 +80,8 @@ def print_report(con: Console, report: VerifyReport) -> None:
 def run(args: argparse.Namespace) -> int:
     from dapple.api import verify
 
-    overrides = model_overrides(args)
+    overrides = with_seq_len(args, model_overrides(args))
+    data, _ = open_datasets(args)
     tol = {k: v for k, v in (("rtol", args.rtol), ("atol", args.atol)) if v is not None}
     report = verify(
         load_run_plan(args),
@@ -91,6 +93,7 @@ def run(args: argparse.Namespace) -> int:
         lr=args.lr,
         device=args.device,
         timeout_s=args.timeout_s,
+        data=data,
         **tol,
     )
     print_report(Console(), report)

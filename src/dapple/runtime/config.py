@@ -32,7 +32,8 @@ class TrainConfig:
     steps: int = 1
     """Optimizer steps to run."""
     seed: int = 0
-    """Initial weights use ``workload.build_stage(.., seed)``; step ``t`` uses batch seed ``seed + t``."""
+    """Initial weights use ``workload.build_stage(.., seed)``; step ``t`` uses batch seed ``seed + t``
+    (with a dataset: the seed of its per-epoch shuffle, :mod:`dapple.datasets.sampler`)."""
     optimizer: str = "sgd"
     """``sgd`` (plain) or ``adam``."""
     lr: float = 0.01

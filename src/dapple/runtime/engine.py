@@ -12,6 +12,8 @@ equals the single-device gradient of the global batch.
 
 Data: every rank calls ``workload.make_batch(G, seed + step)`` itself (deterministic) and slices
 its rows: stage-0 replicas their inputs, last-stage replicas their targets - labels never travel.
+With ``data`` (a dataset) every rank reads only those rows of the sampled global batch instead
+(:mod:`dapple.runtime.data`).
 """
 
 from __future__ import annotations
@@ -25,11 +27,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils.data import Dataset
 
 from dapple.core.plan import Plan
 from dapple.errors import ValidationError
 from dapple.models.workload import Workload
 from dapple.runtime.config import StepMetrics, TrainConfig
+from dapple.runtime.data import RankData, check_data, data_state, fit_data, sample_row
 from dapple.runtime.failure import RankFailure, describe_rank, short_error
 from dapple.runtime.interpreter import ProgramInterpreter
 from dapple.runtime.longrun import LongRun, first_attempt
@@ -102,6 +106,8 @@ def run_plan(
     device: torch.device,
     exact_world: bool = True,
     on_step: Callable[[StepMetrics], None] | None = None,
+    data: Dataset[Any] | None = None,
+    eval_data: Dataset[Any] | None = None,
 ) -> StageRun:
     """Train ``config.steps`` steps of ``plan`` on the current process group.
 
@@ -113,6 +119,9 @@ def run_plan(
         exact_world: require world size == plan devices; when False, ranks beyond the plan
             idle through the collectives (used by tests that loop over plans in one group).
         on_step: called on rank 0 with each step's metrics.
+        data: training samples ``(inputs, targets)`` (e.g. a
+            :class:`~dapple.datasets.TokenFile`); None: ``workload.make_batch``.
+        eval_data: the evaluation samples behind ``_Rank.eval_batch``; None: none.
 
     Raises:
         ValidationError: the plan does not fit (before any compute).
@@ -121,7 +130,12 @@ def run_plan(
     """
     rank, world = dist.get_rank(), dist.get_world_size()
     validate_run(plan, workload, world, exact=exact_world)
-    r = _setup(plan, workload, config, device, rank, world)
+    check_data(workload, data, plan.global_batch_size, config.seed, eval_data=eval_data)
+    data, eval_data = (
+        fit_data(workload, data, config.seed),
+        fit_data(workload, eval_data, config.seed),
+    )
+    r = _setup(plan, workload, config, device, rank, world, data, eval_data)
     sink = MetricsSink(plan, config, rank=rank, memory_kind=r.probe.memory_kind,
                        resident_kind=r.probe.resident_kind,
                        callbacks=[on_step] if on_step is not None else [])  # fmt: skip
@@ -136,6 +150,7 @@ def run_plan(
         clean = True
     finally:
         sink.close()
+        r.data.close()
         if not clean:  # peers may be gone: drop the hooks, wait for nothing
             r.sync.close(clean=False)
     _teardown(r.sync, plan, rank)
@@ -159,16 +174,31 @@ class _Rank:
     config: TrainConfig
     global_batch_size: int
     first_batch: tuple[Any, torch.Tensor]
+    data: RankData
+    """The run's dataset batches (training and evaluation), when it has datasets."""
 
     def batch(self, step: int) -> tuple[Any, torch.Tensor]:
-        """Step ``step``'s global batch, ``make_batch(G, seed + step)``."""
+        """Step ``step``'s global batch: ``make_batch(G, seed + step)``, or the data's."""
+        if self.data.source is not None:
+            return self.data.batch(step)
         if step == 0:
             return self.first_batch
         return self.workload.make_batch(self.global_batch_size, self.config.seed + step)
 
+    def eval_batch(self, k: int) -> tuple[Any, torch.Tensor]:
+        """Evaluation batch ``k`` of ``eval_data``: samples ``[k*G, (k+1)*G)`` in order."""
+        return self.data.eval_batch(k)
+
 
 def _setup(
-    plan: Plan, workload: Workload, config: TrainConfig, device: torch.device, rank: int, world: int
+    plan: Plan,
+    workload: Workload,
+    config: TrainConfig,
+    device: torch.device,
+    rank: int,
+    world: int,
+    data: Dataset[Any] | None = None,
+    eval_data: Dataset[Any] | None = None,
 ) -> _Rank:
     """Build one rank's stage, groups, optimizer, executor and interpreter; resume if asked.
 
@@ -177,9 +207,12 @@ def _setup(
     baseline = resident_bytes(device, peak=False)  # before this rank builds anything
     G = plan.global_batch_size
     s, j = plan.stage_of_device(rank) if rank in plan.devices else (None, None)
-    inputs, targets = workload.make_batch(G, config.seed)
+    if data is None:
+        inputs, targets = workload.make_batch(G, config.seed)
+    else:  # one real sample: the boundary specs
+        inputs, targets = sample_row(data)
     rows = {int(t.shape[0]) for t in (*flatten(inputs), targets)}
-    if rows != {G}:
+    if data is None and rows != {G}:
         raise ValidationError(
             f"workload {workload.name!r}: make_batch({G}) returned {sorted(rows)} rows, expected {G}"
         )
@@ -204,6 +237,7 @@ def _setup(
         ex = StageExecutor(plan, s, j, module, specs, workload.loss_fn, device, recompute, meter)
     longrun = LongRun(plan, workload, config, rank=rank, world=world, stage=s, replica=j,
                       module=module, optimizer=opt, device=device)  # fmt: skip
+    longrun.data_state = data_state(data, config.seed, G)
     start = longrun.resume()
     step_probe = StepProbe(device, meter, ex, baseline)
     interpreter = ProgramInterpreter(plan, lower(plan), rank, executor=ex, sync=sync,
@@ -211,8 +245,9 @@ def _setup(
                                      probe=step_probe)  # fmt: skip
     if first_attempt() and int(os.environ.get(FAIL_RANK_ENV, "-1")) == rank:
         interpreter.die_mid_step(int(os.environ.get(FAIL_STEP_ENV, "-1")))
+    feed = RankData(plan, rank, config.seed, data, eval_data, stop=config.steps)
     return _Rank(s, j, module, sync, longrun, step_probe, interpreter, start, workload, config,
-                 G, (inputs, targets))  # fmt: skip
+                 G, (inputs, targets), feed)  # fmt: skip
 
 
 def _teardown(sync: GradientSync, plan: Plan, rank: int) -> None:

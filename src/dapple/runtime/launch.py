@@ -32,6 +32,7 @@ from dapple.core.plan import Plan
 from dapple.errors import DappleError, ValidationError
 from dapple.models.workload import Workload
 from dapple.runtime.config import StepMetrics, TrainConfig
+from dapple.runtime.data import check_data, check_data_resume, data_state
 from dapple.runtime.engine import RankFailure, run_plan, validate_run
 from dapple.runtime.longrun import elastic_store
 
@@ -165,12 +166,21 @@ def spawn(fn: Callable[..., None], nprocs: int, *args: Any, timeout_s: float = 3
 
 
 def _worker(
-    rank: int, world: int, plan_d: dict[str, Any], wl: Any, cfg: TrainConfig, out: str | None
+    rank: int,
+    world: int,
+    plan_d: dict[str, Any],
+    wl: Any,
+    cfg: TrainConfig,
+    out: str | None,
+    datasets: tuple[Any, Any] = (None, None),
 ) -> None:
     try:
         device = init_distributed(cfg, world)
         plan = Plan.from_dict(plan_d)
-        run = run_plan(plan, resolve_workload(wl), cfg, device=device)
+        data, eval_data = datasets
+        run = run_plan(
+            plan, resolve_workload(wl), cfg, device=device, data=data, eval_data=eval_data
+        )
         if out and rank == 0:
             Path(out).write_text(json.dumps([m.to_dict() for m in run.metrics]))
         shutdown_distributed()
@@ -189,6 +199,9 @@ def train(
     plan: Plan | str | Path,
     workload: Workload | str,
     steps: int = 1,
+    *,
+    data: Any = None,
+    eval_data: Any = None,
     **options: Any,
 ) -> list[StepMetrics]:
     """Train ``steps`` synchronous steps of ``plan`` (Python API behind ``dapple train``).
@@ -201,6 +214,9 @@ def train(
         workload: a :class:`Workload` (must be picklable when processes are spawned), a
             ``module:factory`` spec or a zoo model name.
         steps: optimizer steps.
+        data: training samples (a map-style dataset of ``(inputs, targets)``, e.g. a
+            :class:`~dapple.datasets.TokenFile`); None: ``workload.make_batch``.
+        eval_data: evaluation samples handed to the runtime (see ``run_plan``).
         **options: the other :class:`TrainConfig` fields (seed, optimizer, lr, timeout_s,
             recompute, metrics_path, echo, device, predicted_step_ms).
 
@@ -217,10 +233,11 @@ def train(
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         wl = resolve_workload(workload)
         validate_run(plan, wl, int(os.environ["WORLD_SIZE"]))
+        _check_datasets(plan, wl, cfg, data, eval_data)
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
         try:
             device = init_distributed(cfg, local_world)
-            run = run_plan(plan, wl, cfg, device=device)
+            run = run_plan(plan, wl, cfg, device=device, data=data, eval_data=eval_data)
         except ValidationError:
             raise
         except Exception as e:  # peers may be gone: report and leave without PG teardown
@@ -229,6 +246,7 @@ def train(
         return run.metrics
     world = len(plan.devices)
     validate_run(plan, resolve_workload(workload), world)
+    _check_datasets(plan, resolve_workload(workload), cfg, data, eval_data)
     if not isinstance(workload, str):
         try:
             pickle.dumps(workload)
@@ -239,5 +257,26 @@ def train(
             ) from e
     with tempfile.TemporaryDirectory(prefix="dapple-train-") as tmp:
         out = str(Path(tmp) / "metrics.json")
-        spawn(_worker, world, plan.to_dict(), workload, cfg, out, timeout_s=cfg.timeout_s)
+        spawn(_worker, world, plan.to_dict(), workload, cfg, out, (data, eval_data),
+              timeout_s=cfg.timeout_s)  # fmt: skip
         return [_metrics_from(d) for d in json.loads(Path(out).read_text())]
+
+
+def _check_datasets(plan: Plan, wl: Workload, cfg: TrainConfig, data: Any, eval_data: Any) -> None:
+    """The datasets fit the model and the batch, and a resume continues the same data stream.
+
+    Raises:
+        ValidationError: see :func:`dapple.runtime.data.check_data`.
+        CheckpointError: the checkpoint to resume was saved on other data.
+    """
+    check_data(wl, data, plan.global_batch_size, cfg.seed, eval_data=eval_data)
+    if cfg.resume and cfg.checkpoint_dir is not None:
+        from dapple.runtime.checkpoint import latest_checkpoint
+
+        ck = latest_checkpoint(cfg.checkpoint_dir)
+        if ck is not None:
+            check_data_resume(
+                ck.meta.extra.get("data"),
+                data_state(data, cfg.seed, plan.global_batch_size),
+                ck.path,
+            )

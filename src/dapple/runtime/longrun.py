@@ -6,7 +6,8 @@
 - :meth:`LongRun.resume` (before the first step) loads the newest complete checkpoint of
   ``TrainConfig.checkpoint_dir`` *by layer* into this rank's stage - so a run saved under one
   plan continues under another - and returns the index of the next step (the data position:
-  step ``t`` trains on ``make_batch(G, seed + t)``);
+  step ``t`` trains on ``make_batch(G, seed + t)``, or on a dataset's batch ``t`` of
+  :mod:`dapple.runtime.data`, whose record the checkpoint must match);
 - :meth:`LongRun.watch` (after every F/B action) notes the first non-finite loss (last stage,
   per micro-batch) or gradient (after each backward) of the step;
 - :meth:`LongRun.agree_finite` (at the step point, before the first ``AR``/``OPT`` action)
@@ -50,6 +51,7 @@ from dapple.runtime.checkpoint import (
     stage_layer_states,
 )
 from dapple.runtime.config import TrainConfig
+from dapple.runtime.data import check_data_resume
 from dapple.schedule.ir import Action, ActionKind
 
 __all__ = ["OPTIMIZER_CLASSES", "LongRun", "elastic_store", "first_attempt"]
@@ -118,6 +120,9 @@ class LongRun:
         """Steps (completed-step counts) this run saved a checkpoint at."""
         self._bad: tuple[int, int] | None = None  # (kind index, micro-batch) of this step
         self._grad_sums: list[tuple[int, torch.Tensor]] = []
+        self.data_state: dict[str, Any] | None = None
+        """The training data's record (:func:`dapple.runtime.data.data_state`; None: synthetic):
+        checkpoints save it, and resume requires the same."""
         if config.checkpoint_dir is not None:
             check_writable(config.checkpoint_dir)
 
@@ -141,6 +146,7 @@ class LongRun:
             num_layers=self.workload.num_layers,
             plan_num_layers=self.plan.num_layers,
         )
+        check_data_resume(ck.meta.extra.get("data"), self.data_state, ck.path)
         if self.module is not None:
             restore_stage(ck, self.module, self.first_layer, self.optimizer)
         same_run = ck.meta.plan == self.plan.to_dict() and ck.meta.world_size == self.world
@@ -256,7 +262,8 @@ class LongRun:
             plan=self.plan.to_dict(),
             optimizer_type=OPTIMIZER_CLASSES[cfg.optimizer],
             world_size=self.world,
-            extra={"seed": cfg.seed, "lr": cfg.lr, "skipped_steps": list(self.skipped)},
+            extra={"seed": cfg.seed, "lr": cfg.lr, "skipped_steps": list(self.skipped)}
+            | ({"data": self.data_state} if self.data_state is not None else {}),
         )
         save_checkpoint(
             cfg.checkpoint_dir,

@@ -36,8 +36,10 @@ from typing import Any, cast
 
 import torch
 from torch import nn
+from torch.utils.data import Dataset
 
 from dapple.core.plan import Plan
+from dapple.datasets import BatchSource
 from dapple.errors import DappleError, ValidationError
 from dapple.models.split import original_model, sum_tied_grads_local
 from dapple.models.workload import Workload
@@ -49,6 +51,7 @@ from dapple.runtime import (
     spawn,
     validate_run,
 )
+from dapple.runtime.data import check_data, fit_data
 from dapple.runtime.engine import make_optimizer
 
 __all__ = [
@@ -145,6 +148,7 @@ def reference_run(
     seed: int = 0,
     optimizer: str = "sgd",
     lr: float = 0.01,
+    data: Dataset[Any] | None = None,
 ) -> tuple[list[float], Params, str]:
     """Train ``steps`` full-batch steps in this process, as the runtime would on one device.
 
@@ -155,6 +159,8 @@ def reference_run(
         seed: Weights seed (``build_model(seed)`` / ``original_model(workload, seed)``).
         optimizer: ``sgd`` or ``adam``.
         lr: Learning rate.
+        data: Training samples; step ``t`` takes the global batch the runtime's sampler picks
+            (:class:`~dapple.datasets.BatchSource`, seeded by ``seed``). None: ``make_batch``.
 
     Returns:
         The loss of each step, the final parameters per layer (named as in the layers) and
@@ -169,8 +175,18 @@ def reference_run(
     model.train()
     opt = make_optimizer(optimizer, list(model.parameters()), lr)
     losses: list[float] = []
+    every = range(global_batch_size)
+    data = fit_data(workload, data, seed)
+    source = (
+        BatchSource(data, global_batch_size, seed, every, every, prefetch=False)
+        if data is not None
+        else None
+    )
     for step in range(steps):
-        inputs, targets = workload.make_batch(global_batch_size, seed + step)
+        if source is not None:
+            inputs, targets = source.batch(step)
+        else:
+            inputs, targets = workload.make_batch(global_batch_size, seed + step)
         opt.zero_grad(set_to_none=True)
         loss = workload.loss_fn(_call(model, inputs), targets)
         torch.autograd.backward([loss])
@@ -218,6 +234,7 @@ def _worker(
     cases: list[tuple[dict[str, Any], Workload]],
     cfg: TrainConfig,
     out: str,
+    data: Dataset[Any] | None = None,
 ) -> None:
     """One rank: run every case's plan in turn and write this rank's layers after each."""
     try:
@@ -226,7 +243,12 @@ def _worker(
         for c, (plan_d, wl) in enumerate(cases):
             plan = Plan.from_dict(plan_d)
             run = run_plan(
-                plan, _perturbed(wl) if perturb else wl, cfg, device=device, exact_world=False
+                plan,
+                _perturbed(wl) if perturb else wl,
+                cfg,
+                device=device,
+                exact_world=False,
+                data=data,
             )
             if run.module is not None and run.stage is not None:
                 lo = plan.stages[run.stage].layers[0]
@@ -294,6 +316,7 @@ def verify_many(
     atol: float = ATOL,
     timeout_s: float = 120.0,
     device: str = "cpu",
+    data: Dataset[Any] | None = None,
 ) -> list[VerifyReport]:
     """:func:`verify` several ``(plan, workload)`` pairs with ONE launch of worker processes.
 
@@ -312,6 +335,8 @@ def verify_many(
         timeout_s: Process-group timeout of the distributed run.
         device: Device of the distributed run (``cpu``, ``cuda`` or ``auto``); the reference
             runs on the CPU.
+        data: Training samples both runs take their batches from (see :func:`reference_run`);
+            None: ``make_batch``.
 
     Raises:
         ValidationError: A plan does not fit its workload, or bad options.
@@ -326,17 +351,18 @@ def verify_many(
     )
     for plan, wl in cases:
         validate_run(plan, wl, len(plan.devices))
+        check_data(wl, data, plan.global_batch_size, seed)
     world = max(len(plan.devices) for plan, _ in cases)
     refs: dict[tuple[int, int], tuple[list[float], Params, str]] = {}
     for plan, wl in cases:
         key = (id(wl), plan.global_batch_size)
         if key not in refs:
             refs[key] = reference_run(
-                wl, plan.global_batch_size, steps, seed=seed, optimizer=optimizer, lr=lr
+                wl, plan.global_batch_size, steps, seed=seed, optimizer=optimizer, lr=lr, data=data
             )
     with tempfile.TemporaryDirectory(prefix="dapple-verify-") as tmp:
         payload = [(plan.to_dict(), wl) for plan, wl in cases]
-        spawn(_worker, world, payload, cfg, tmp, timeout_s=timeout_s)
+        spawn(_worker, world, payload, cfg, tmp, data, timeout_s=timeout_s)
         reports = []
         for c, (plan, wl) in enumerate(cases):
             runs = [
@@ -377,7 +403,7 @@ def verify(plan: Plan, workload: Workload, steps: int = 2, **options: Any) -> Ve
         workload: The model, data and loss (must pickle, see :func:`verify_many`).
         steps: Optimizer steps.
         **options: ``seed``, ``optimizer``, ``lr``, ``rtol``, ``atol``, ``timeout_s``,
-            ``device`` as in :func:`verify_many`.
+            ``device``, ``data`` as in :func:`verify_many`.
 
     Returns:
         Per-stage parameter differences after ``steps`` steps and the losses of both runs.

@@ -1,0 +1,57 @@
+"""``dapple data prepare``: text files -> token files for ``dapple train --data``.
+
+Writes the training split at ``--output`` (e.g. ``data/train.bin``), the last
+``--val-fraction`` of the tokens to ``val.bin`` beside it, and ``meta.json`` (vocabulary,
+dtype, token counts, sources). Tokens are bytes (vocabulary 256) unless ``--tokenizer DIR``
+names a local Hugging Face tokenizer.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+__all__ = ["register", "run_prepare"]
+
+
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser(
+        "data",
+        help="prepare token files for training (dapple data prepare ...)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ops = p.add_subparsers(dest="data_command", metavar="ACTION", required=True)
+    prep = ops.add_parser(
+        "prepare",
+        help="tokenize text files into train.bin, val.bin and meta.json",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    prep.add_argument("text_files", nargs="+", metavar="TEXT_FILE", help="UTF-8 text files")
+    prep.add_argument(
+        "-o", "--output", required=True, help="training token file, e.g. data/train.bin"
+    )
+    prep.add_argument(
+        "--val-fraction",
+        type=float,
+        default=0.01,
+        help="share of the tokens (the last ones) for val.bin (default %(default)s)",
+    )
+    prep.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="DIR",
+        help="a local Hugging Face tokenizer directory (default: bytes, vocabulary 256)",
+    )
+    prep.set_defaults(func=run_prepare)
+
+
+def run_prepare(args: argparse.Namespace) -> int:
+    from dapple.datasets import prepare
+
+    out = prepare(args.text_files, args.output, args.val_fraction, args.tokenizer)
+    print(
+        f"{out.train}: {out.train_tokens:,} tokens; {out.val}: {out.val_tokens:,} tokens; "
+        f"vocabulary {out.vocab_size:,} ({out.dtype}); {out.meta}"
+    )
+    return 0

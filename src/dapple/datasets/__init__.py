@@ -1,0 +1,31 @@
+"""Real training data: token files, their preparation, the step sampler and batch sources.
+
+- :class:`TokenFile`: a flat binary of token ids (nanoGPT ``train.bin``) as windows of
+  ``seq_len`` next-token pairs;
+- :func:`prepare`: text files -> ``train.bin``, ``val.bin``, ``meta.json`` (bytes or a local
+  Hugging Face tokenizer);
+- :class:`EpochSampler`: step ``t`` -> the item indices of its global batch, a pure function
+  of ``(seed, t, G, N)`` so resumed runs read what uninterrupted ones would;
+- :class:`BatchSource` / :class:`EvalBatches`: the global batches a rank trains and
+  evaluates on, reading only the rows the rank needs.
+"""
+
+from dapple.datasets.prepare import Prepared, prepare, val_path
+from dapple.datasets.sampler import EpochSampler
+from dapple.datasets.source import Batch, BatchSource, EvalBatches, read_rows
+from dapple.datasets.token_file import DTYPES, META_NAME, TokenFile, read_meta
+
+__all__ = [
+    "DTYPES",
+    "META_NAME",
+    "Batch",
+    "BatchSource",
+    "EpochSampler",
+    "EvalBatches",
+    "Prepared",
+    "TokenFile",
+    "prepare",
+    "read_meta",
+    "read_rows",
+    "val_path",
+]

@@ -1,0 +1,157 @@
+"""Turn text files into token files: ``train.bin``, ``val.bin`` and ``meta.json``.
+
+Design choices:
+    - tokens are the UTF-8 bytes of the text (vocabulary 256) by default, or the ids of a
+      local Hugging Face tokenizer directory (``AutoTokenizer.from_pretrained(dir)``, offline;
+      no special tokens are added, the end-of-sequence id - if the tokenizer has one -
+      separates files);
+    - the files' tokens are concatenated in the order given; the LAST ``val_fraction`` of them
+      is the validation split (``floor(n * val_fraction)`` tokens), the rest the training split;
+    - ids are stored as ``uint16`` when the vocabulary fits (<= 65,536), else ``uint32``;
+      ``meta.json`` in the output directory records vocabulary size, dtype, tokenizer, each
+      split's file and token count, and the source files;
+    - the validation file is ``val.bin`` beside ``train.bin`` when the output is named
+      ``train.bin``, otherwise ``<stem>.val.bin``; every file is written to a temporary name
+      and renamed, and nothing is written before the inputs have been read and checked.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dapple.datasets.token_file import META_NAME
+from dapple.errors import ValidationError
+
+__all__ = ["Prepared", "prepare", "val_path"]
+
+
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    """What :func:`prepare` wrote."""
+
+    train: Path
+    val: Path
+    meta: Path
+    vocab_size: int
+    dtype: str
+    train_tokens: int
+    val_tokens: int
+
+
+def val_path(output: str | Path) -> Path:
+    """The validation file written beside training file ``output``."""
+    out = Path(output)
+    return (
+        out.with_name("val.bin")
+        if out.name == "train.bin"
+        else out.with_name(f"{out.stem}.val.bin")
+    )
+
+
+def _byte_tokens(texts: Sequence[bytes]) -> tuple[np.ndarray, int, str]:
+    ids = np.frombuffer(b"".join(texts), dtype=np.uint8).astype(np.uint16)
+    return ids, 256, "bytes"
+
+
+def _hf_tokens(texts: Sequence[bytes], tokenizer: str | Path) -> tuple[np.ndarray, int, str]:
+    where = Path(tokenizer)
+    if not where.is_dir():
+        raise ValidationError(f"tokenizer directory {where} does not exist")
+    try:
+        from transformers import AutoTokenizer
+
+        tok: Any = AutoTokenizer.from_pretrained(str(where), local_files_only=True)
+    except ImportError as e:  # pragma: no cover - transformers is an optional dependency
+        raise ValidationError("--tokenizer needs the transformers package") from e
+    except (OSError, ValueError) as e:
+        raise ValidationError(f"cannot load a tokenizer from {where}: {e}") from e
+    eos = tok.eos_token_id
+    ids: list[int] = []
+    for i, raw in enumerate(texts):
+        if i and eos is not None:
+            ids.append(int(eos))
+        ids.extend(int(t) for t in tok.encode(raw.decode("utf-8"), add_special_tokens=False))
+    vocab = len(tok)
+    dtype = np.uint16 if vocab <= 2**16 else np.uint32
+    return np.asarray(ids, dtype=dtype), vocab, str(where.resolve())
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def prepare(
+    text_files: Sequence[str | Path],
+    output: str | Path,
+    val_fraction: float = 0.01,
+    tokenizer: str | Path | None = None,
+) -> Prepared:
+    """Tokenize ``text_files`` into ``output`` (training split), its validation file and
+    ``meta.json`` (see the module docstring).
+
+    Args:
+        text_files: UTF-8 text files, concatenated in this order.
+        output: the training token file (its directory is created if missing).
+        val_fraction: share of the tokens (the last ones) that go to the validation file,
+            in ``[0, 1)``.
+        tokenizer: a local Hugging Face tokenizer directory; ``None``: bytes (vocabulary 256).
+
+    Raises:
+        ValidationError: no or missing text files, text that is not UTF-8 (with a tokenizer),
+            a bad ``val_fraction``, an unloadable tokenizer, or no training tokens.
+    """
+    if not text_files:
+        raise ValidationError("prepare needs at least one text file")
+    if not 0 <= val_fraction < 1:
+        raise ValidationError(f"val_fraction must be in [0, 1), got {val_fraction}")
+    sources = [Path(p) for p in text_files]
+    for p in sources:
+        if not p.is_file():
+            raise ValidationError(f"text file {p} does not exist")
+    texts = [p.read_bytes() for p in sources]
+    try:
+        ids, vocab, kind = (
+            _byte_tokens(texts) if tokenizer is None else _hf_tokens(texts, tokenizer)
+        )
+    except UnicodeDecodeError as e:
+        raise ValidationError(f"a text file is not UTF-8: {e}") from e
+    n_val = int(len(ids) * val_fraction)
+    n_train = len(ids) - n_val
+    if n_train < 2:
+        raise ValidationError(
+            f"the text files give {len(ids)} tokens: {n_train} for training, need at least 2"
+        )
+    train, val = Path(output), val_path(output)
+    train.parent.mkdir(parents=True, exist_ok=True)
+    meta = train.with_name(META_NAME)
+    dtype = str(ids.dtype)
+    info = {
+        "vocab_size": vocab,
+        "dtype": dtype,
+        "tokenizer": kind,
+        "train": {"file": train.name, "tokens": n_train},
+        "val": {"file": val.name, "tokens": n_val, "fraction": val_fraction},
+        "sources": [str(p.resolve()) for p in sources],
+    }
+    little = ids.astype(ids.dtype.newbyteorder("<"))  # the file format is little-endian
+    _write_atomic(train, little[:n_train].tobytes())
+    _write_atomic(val, little[n_train:].tobytes())
+    _write_atomic(meta, (json.dumps(info, indent=2) + "\n").encode())
+    return Prepared(train, val, meta, vocab, dtype, n_train, n_val)
