@@ -86,6 +86,7 @@ class ProgressBar:
         if m.eval_loss is not None:
             status += f" eval {m.eval_loss:.4f}"
         self._progress.update(self._task, completed=m.step + 1, status=status)
+        self._progress.refresh()  # steps may be shorter than the bar's refresh period
 
     def close(self) -> None:
         self._progress.stop()
