@@ -19,7 +19,32 @@ CASES = [
     ("3:1-tuple-recompute", "3:1", "tuple", True, "default"),
     ("1:3-mlp-dataset", "1:3", "mlp", False, "dataset"),
     ("straight2-mlp-callable", "straight2", "mlp", False, "callable"),
+    ("3:1-dropout", "3:1", "dropout", False, "default"),
 ]
+"""The dropout case trains with per-rank RNG (no one-process reference); it checks that
+evaluation turns dropout off, restores train mode and leaves the RNG streams untouched."""
+
+
+def dropout_mlp():
+    """:func:`runtime_workloads.mlp` with dropout (p=0.3) after every block."""
+    from torch import nn
+
+    from dapple.models.workload import Workload
+
+    base = rw.mlp()
+
+    def layer(i: int):
+        return lambda: nn.Sequential(base.layer_factories[i](), nn.Dropout(0.3))
+
+    return Workload(
+        name="test-dropout-mlp",
+        layer_factories=[layer(i) for i in range(base.num_layers)],
+        make_batch=base.make_batch,
+        loss_fn=base.loss_fn,
+    )
+
+
+WORKLOADS = {**rw.WORKLOADS, "dropout": dropout_mlp}
 
 
 def eval_samples(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -54,7 +79,7 @@ def eval_worker(rank: int, world: int, out_dir: str) -> None:
     out: dict[str, dict] = {}
     for name, plan_name, wl_name, recompute, data in CASES:
         plan = rw.make_plan(plan_name, "dapple", "A", recompute, B, M)
-        wl = rw.WORKLOADS[wl_name]()
+        wl = WORKLOADS[wl_name]()
         res: dict = {}
         for every in (1, 0):
             cfg = TrainConfig(
@@ -66,6 +91,8 @@ def eval_worker(rank: int, world: int, out_dir: str) -> None:
             res[f"params{every}"] = _params(run.module) if run.module is not None else {}
             if rank == 0:
                 res[f"metrics{every}"] = [m.to_dict() for m in run.metrics]
+            if every and run.module is not None:  # back in train mode after evaluating
+                res["training_mode"] = run.module.training
         out[name] = res
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(out))
     shutdown_distributed()
