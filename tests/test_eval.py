@@ -86,6 +86,23 @@ def test_eval_batch_sources() -> None:
         eval_batch_fn(wl, 6, 3, 5)
 
 
+def test_evaluation_is_due_every_n_steps_and_after_the_last() -> None:
+    from dapple.runtime.evaluate import Evaluation
+
+    plan = rw.make_plan("straight2", "dapple", "A", False, 2, 2)
+
+    def due(every: int, steps: int) -> list[int]:
+        ev = Evaluation(plan, 3, executor=None, module=None, device=torch.device("cpu"),
+                        batch=ew.callable_batch, batches=1, every=every, steps=steps)  # fmt: skip
+        return [t for t in range(steps) if ev.due(t)]
+
+    assert due(3, 10) == [2, 5, 8, 9]
+    assert due(5, 10) == [4, 9]
+    assert due(1, 3) == [0, 1, 2]
+    assert due(0, 10) == []
+    assert due(20, 10) == [9]
+
+
 def test_train_config_rejects_bad_eval_options(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ValidationError, match="eval_every must be >= 0, got -1"):
         TrainConfig(eval_every=-1)

@@ -229,7 +229,8 @@ def train(
         steps: Optimizer steps.
         overrides: Factory keyword arguments when ``workload`` is a spec.
         **options: :class:`dapple.runtime.TrainConfig` fields (``seed``, ``optimizer``,
-            ``lr``, ``echo``, ``device``, ``metrics_path``, ``timeout_s``...).
+            ``lr``, ``echo``, ``device``, ``metrics_path``, ``timeout_s``, ``eval_every``,
+            ``eval_batches``, ``tensorboard_dir``...).
 
     Returns:
         Rank 0's metrics of every step.
