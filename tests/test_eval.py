@@ -15,7 +15,7 @@ import runtime_workloads as rw
 from dapple.core.plan import split_sizes, transfers
 from dapple.errors import ValidationError
 from dapple.runtime import TrainConfig, spawn
-from dapple.runtime.evaluate import EVAL_SEED_BASE, eval_batch_fn
+from dapple.runtime.evaluate import EVAL_SEED_BASE, Evaluation, eval_batch_fn
 from dapple.schedule import ActionKind, format_actions, lower_forward
 
 K = ActionKind
@@ -87,8 +87,6 @@ def test_eval_batch_sources() -> None:
 
 
 def test_evaluation_is_due_every_n_steps_and_after_the_last() -> None:
-    from dapple.runtime.evaluate import Evaluation
-
     plan = rw.make_plan("straight2", "dapple", "A", False, 2, 2)
 
     def due(every: int, steps: int) -> list[int]:
