@@ -138,7 +138,9 @@ def run_plan(
                             batch=batch_fn, batches=config.eval_batches, every=config.eval_every,
                             steps=config.steps)  # fmt: skip
     reporters = open_reporters(config, rank=rank, start=r.start)
-    callbacks = [*reporters, *([on_step] if on_step is not None else [])]
+    callbacks: list[Callable[[StepMetrics], None]] = [*reporters]
+    if on_step is not None:
+        callbacks.append(on_step)
     sink = MetricsSink(plan, config, rank=rank, memory_kind=r.probe.memory_kind,
                        resident_kind=r.probe.resident_kind, callbacks=callbacks)  # fmt: skip
     clean = False
