@@ -238,7 +238,8 @@ def train(
         seq_len: Tokens per sample of token files; a spec-string workload is also built
             with ``seq=seq_len``.
         **options: :class:`dapple.runtime.TrainConfig` fields (``seed``, ``optimizer``,
-            ``lr``, ``echo``, ``device``, ``metrics_path``, ``timeout_s``...).
+            ``lr``, ``echo``, ``device``, ``metrics_path``, ``timeout_s``, ``eval_every``,
+            ``eval_batches``, ``tensorboard_dir``...).
 
     Returns:
         Rank 0's metrics of every step.

@@ -2,7 +2,9 @@
 
 Standalone it starts one local process per plan device; under ``torchrun --nproc-per-node K
 -m dapple train ...`` each process is one rank (rank r runs plan device r). Rank 0 prints one
-line per step (loss, step time, samples/s, per-stage peak memory).
+line per step (loss, lr, grad norm, eval loss, step time, samples/s, tokens/s, per-stage peak
+memory), a progress bar when stdout is a terminal, and at the end the final train and validation
+losses and the loss-curve PNG.
 """
 
 from __future__ import annotations
@@ -16,6 +18,13 @@ from typing import TYPE_CHECKING
 from dapple.cli._data_args import add_eval_data_argument, open_datasets, with_seq_len
 from dapple.cli._model_args import model_overrides
 from dapple.cli._run_args import add_run_arguments, load_run_plan
+from dapple.cli._train_show import (
+    add_show_arguments,
+    eval_defaults,
+    loss_curve_path,
+    print_summary,
+    show_options,
+)
 from dapple.core.plan import Plan
 from dapple.errors import ValidationError
 
@@ -44,6 +53,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--recompute", action="store_true", help="re-compute forwards on every stage")
     add_eval_data_argument(p)
     _register_long_run(p)
+    add_show_arguments(p)
     p.set_defaults(func=run)
 
 
@@ -155,8 +165,10 @@ def run(args: argparse.Namespace) -> int:
     if (args.profile is None) != (args.cluster is None):
         raise ValidationError("--profile and --cluster must be given together")
     plan = load_run_plan(args)
+    curve = loss_curve_path(args)
     args.model = _model_arg(args)
     data, eval_data = open_datasets(args)
+    eval_defaults(args, len(eval_data) if eval_data is not None else None, plan.global_batch_size)
     if data is not None or eval_data is not None:  # before the checkpoint directory is made
         from dapple.runtime import resolve_workload
         from dapple.runtime.data import check_data
@@ -192,6 +204,7 @@ def run(args: argparse.Namespace) -> int:
         on_nonfinite=args.on_nonfinite,
         data=data,
         eval_data=eval_data,
+        **show_options(args),
     )
     if metrics and int(os.environ.get("RANK", "0")) == 0:
         # the first step includes connection set-up and warm-up; report the rest when possible
@@ -202,4 +215,5 @@ def run(args: argparse.Namespace) -> int:
         print(line)
         if args.profile is not None:
             _memory_table(plan, metrics[-1], args.profile, args.cluster, args.optimizer)
+        print_summary(metrics, curve)
     return 0

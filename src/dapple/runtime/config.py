@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -62,8 +63,20 @@ class TrainConfig:
     on_nonfinite: str = "stop"
     """Non-finite loss or gradient: ``stop`` (exit non-zero, weights untouched) or ``skip`` the step."""
 
+    # -- evaluation and what a run shows (dapple.runtime.evaluate, dapple.runtime.reporting) --
+    eval_every: int = 0
+    """Evaluate after every N steps and after the last one (0: never): the mean loss over
+    ``eval_batches`` fixed global batches, forward only through the pipeline."""
+    eval_batches: int = 4
+    """K, the global batches of each evaluation."""
+    progress: bool = False
+    """Rank 0 shows a progress bar with ETA (only when its stdout is a terminal)."""
+    tensorboard_dir: str | None = None
+    """Rank 0 writes the per-step scalars here for TensorBoard (needs ``tensorboard``)."""
+
     def __post_init__(self) -> None:
         _check_long_run(self)
+        _check_reporting(self)
         if self.steps < 1:
             raise ValidationError(f"steps must be >= 1, got {self.steps}")
         if self.optimizer not in OPTIMIZERS:
@@ -88,6 +101,19 @@ def _check_long_run(c: TrainConfig) -> None:
         raise ValidationError(f"on_nonfinite must be stop or skip, got {c.on_nonfinite!r}")
     if (c.save_every > 0 or c.resume) and c.checkpoint_dir is None:
         raise ValidationError("save_every and resume need a checkpoint_dir")
+
+
+def _check_reporting(c: TrainConfig) -> None:
+    """Validate the evaluation and reporting options."""
+    if c.eval_every < 0:
+        raise ValidationError(f"eval_every must be >= 0, got {c.eval_every}")
+    if c.eval_batches < 1:
+        raise ValidationError(f"eval_batches must be >= 1, got {c.eval_batches}")
+    if c.tensorboard_dir is not None and importlib.util.find_spec("tensorboard") is None:
+        raise ValidationError(
+            f"tensorboard_dir {c.tensorboard_dir!r} needs the 'tensorboard' package "
+            "(pip install tensorboard, or dapple[tensorboard])"
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,7 +165,11 @@ class StepMetrics:
         )
         resident = " ".join(f"s{i}={_human(b)}" for i, b in enumerate(self.peak_resident_bytes))
         resident = f" peak[{self.resident_kind}] {resident}" if resident else ""
+        opt = f" lr {self.lr:.3g}" if self.lr is not None else ""
+        opt += f" grad_norm {self.grad_norm:.4g}" if self.grad_norm is not None else ""
+        ev = f" eval_loss {self.eval_loss:.6f}" if self.eval_loss is not None else ""
+        tok = f" {self.tokens_per_s:.0f} tokens/s" if self.tokens_per_s is not None else ""
         return (
-            f"step {self.step} loss {self.loss:.6f} time {self.step_ms:.1f} ms{pred} "
-            f"{self.samples_per_s:.1f} samples/s peak[{self.memory_kind}] {mem}{resident}"
+            f"step {self.step} loss {self.loss:.6f}{opt}{ev} time {self.step_ms:.1f} ms{pred} "
+            f"{self.samples_per_s:.1f} samples/s{tok} peak[{self.memory_kind}] {mem}{resident}"
         )

@@ -14,12 +14,17 @@ Data: every rank calls ``workload.make_batch(G, seed + step)`` itself (determini
 its rows: stage-0 replicas their inputs, last-stage replicas their targets - labels never travel.
 With ``data`` (a dataset) every rank reads only those rows of the sampled global batch instead
 (:mod:`dapple.runtime.data`).
+
+Every ``eval_every`` steps (and after the last) the run evaluates forward only through the same
+pipeline (:mod:`dapple.runtime.evaluate`); rank 0's reporters (:mod:`dapple.runtime.reporting`:
+progress bar, TensorBoard) receive each step's metrics beside ``on_step``.
 """
 
 from __future__ import annotations
 
 import gc
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -34,11 +39,13 @@ from dapple.errors import ValidationError
 from dapple.models.workload import Workload
 from dapple.runtime.config import StepMetrics, TrainConfig
 from dapple.runtime.data import RankData, check_data, data_state, fit_data, sample_row
+from dapple.runtime.evaluate import Evaluation, eval_batch_fn
 from dapple.runtime.failure import RankFailure, describe_rank, short_error
 from dapple.runtime.interpreter import ProgramInterpreter
 from dapple.runtime.longrun import LongRun, first_attempt
 from dapple.runtime.memory import ActivationMeter
 from dapple.runtime.metrics import MetricsSink, StepProbe, resident_bytes
+from dapple.runtime.reporting import open_reporters, target_tokens
 from dapple.runtime.stage import StageExecutor
 from dapple.runtime.sync import GradientSync
 from dapple.runtime.transport import flatten, infer_boundary_specs
@@ -107,7 +114,7 @@ def run_plan(
     exact_world: bool = True,
     on_step: Callable[[StepMetrics], None] | None = None,
     data: Dataset[Any] | None = None,
-    eval_data: Dataset[Any] | None = None,
+    eval_data: Any = None,
 ) -> StageRun:
     """Train ``config.steps`` steps of ``plan`` on the current process group.
 
@@ -121,7 +128,10 @@ def run_plan(
         on_step: called on rank 0 with each step's metrics.
         data: training samples ``(inputs, targets)`` (e.g. a
             :class:`~dapple.datasets.TokenFile`); None: ``workload.make_batch``.
-        eval_data: the evaluation samples behind ``_Rank.eval_batch``; None: none.
+        eval_data: the eval batches when ``config.eval_every > 0``: a map-style dataset of
+            samples (each rank reads its rows of the fixed batches ``_Rank.eval_batch``), a
+            callable ``k -> (inputs, targets)`` of global batches, or None:
+            ``workload.make_batch`` (see :mod:`dapple.runtime.evaluate`).
 
     Raises:
         ValidationError: the plan does not fit (before any compute).
@@ -130,31 +140,57 @@ def run_plan(
     """
     rank, world = dist.get_rank(), dist.get_world_size()
     validate_run(plan, workload, world, exact=exact_world)
-    check_data(workload, data, plan.global_batch_size, config.seed, eval_data=eval_data)
-    data, eval_data = (
+    G = plan.global_batch_size
+    eval_set = None if callable(eval_data) else eval_data  # a dataset of samples
+    check_data(workload, data, G, config.seed, eval_data=eval_set)
+    evaluates = config.eval_every > 0
+    batch_fn = eval_batch_fn(workload, G, config.eval_batches, eval_data if evaluates else None)
+    data, eval_set = (
         fit_data(workload, data, config.seed),
-        fit_data(workload, eval_data, config.seed),
+        fit_data(workload, eval_set, config.seed),
     )
-    r = _setup(plan, workload, config, device, rank, world, data, eval_data)
+    r = _setup(plan, workload, config, device, rank, world, data, eval_set)
+    if eval_set is not None and evaluates:
+        batch_fn = r.eval_batch  # this rank's rows of the fixed batches, read from the dataset
+    evaluation = Evaluation(plan, rank, executor=r.interpreter.ex, module=r.module, device=device,
+                            batch=batch_fn, batches=config.eval_batches, every=config.eval_every,
+                            steps=config.steps)  # fmt: skip
+    reporters = open_reporters(config, rank=rank, start=r.start)
+    callbacks: list[Callable[[StepMetrics], None]] = [*reporters]
+    if on_step is not None:
+        callbacks.append(on_step)
     sink = MetricsSink(plan, config, rank=rank, memory_kind=r.probe.memory_kind,
-                       resident_kind=r.probe.resident_kind,
-                       callbacks=[on_step] if on_step is not None else [])  # fmt: skip
+                       resident_kind=r.probe.resident_kind, callbacks=callbacks)  # fmt: skip
     clean = False
     try:
         for step in range(r.start, config.steps):
             inputs, targets = r.batch(step)
             r.probe.begin(inputs, targets)
             rows = r.interpreter.run_step(step, inputs, targets)
-            sink.record(step, rows, r.probe.step_ms)
+            eval_loss = _evaluate(evaluation, step, r.probe)
+            sink.record(step, rows, r.probe.step_ms, target_tokens=target_tokens(targets),
+                        eval_loss=eval_loss)  # fmt: skip
             r.longrun.after_step(step)
         clean = True
     finally:
+        for reporter in reporters:
+            reporter.close()
         sink.close()
         r.data.close()
         if not clean:  # peers may be gone: drop the hooks, wait for nothing
             r.sync.close(clean=False)
     _teardown(r.sync, plan, rank)
     return StageRun(r.stage, r.replica, r.module, sink.metrics)
+
+
+def _evaluate(evaluation: Evaluation, step: int, probe: StepProbe) -> float | None:
+    """The eval loss after ``step`` when one is due (its time is left out of the next step's)."""
+    if not evaluation.due(step):
+        return None
+    t0 = time.perf_counter()
+    loss = evaluation.run(step)
+    probe.exclude(time.perf_counter() - t0)
+    return loss
 
 
 @dataclass

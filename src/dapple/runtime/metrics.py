@@ -110,6 +110,11 @@ class StepProbe:
         """The process's peak resident memory so far (CPU ``VmHWM``; CUDA peak reserved)."""
         return resident_bytes(self.device, peak=True)
 
+    def exclude(self, seconds: float) -> None:
+        """Leave ``seconds`` spent since the last :meth:`lap` (an evaluation) out of the
+        current step's time."""
+        self._t += seconds
+
     def lap(self) -> None:
         """Right after the step's collective: the step ends here, the next one starts."""
         now = time.perf_counter()
@@ -126,6 +131,9 @@ def step_metrics(
     memory_kind: str,
     predicted_step_ms: float | None,
     resident_kind: str = "",
+    *,
+    target_tokens: int | None = None,
+    eval_loss: float | None = None,
 ) -> StepMetrics:
     """One step's metrics from the rows of its collective.
 
@@ -140,6 +148,9 @@ def step_metrics(
         memory_kind: what the peaks measure (``cuda_max_allocated`` or ``held_activations``).
         predicted_step_ms: a prediction shown beside the measured time (None: none).
         resident_kind: what the resident peaks measure (``VmHWM`` or ``cuda_max_reserved``).
+        target_tokens: target tokens of the global batch (None: not a token workload); gives
+            ``tokens_per_s``.
+        eval_loss: the mean validation loss measured after the step (None: none).
     """
     S = plan.num_stages
     peaks, resident, grown = [0] * S, [0] * S, [0] * S
@@ -164,6 +175,10 @@ def step_metrics(
         peak_resident_bytes=tuple(resident) if has_resident else (),
         stage_resident_bytes=tuple(grown) if has_resident else (),
         resident_kind=resident_kind if has_resident else "",
+        eval_loss=eval_loss,
+        tokens_per_s=(
+            target_tokens / (step_ms / 1e3) if target_tokens is not None and step_ms > 0 else None
+        ),
     )
 
 
@@ -198,7 +213,15 @@ class MetricsSink:
         if self.active and config.metrics_path:
             self._file = open(config.metrics_path, "w")  # noqa: SIM115 - closed by close()
 
-    def record(self, step: int, rows: Sequence[Sequence[float]], step_ms: float) -> None:
+    def record(
+        self,
+        step: int,
+        rows: Sequence[Sequence[float]],
+        step_ms: float,
+        *,
+        target_tokens: int | None = None,
+        eval_loss: float | None = None,
+    ) -> None:
         """Rank 0: one step, from the rows of its collective (see :func:`step_metrics`)."""
         if not self.active:
             return
@@ -210,6 +233,8 @@ class MetricsSink:
             self.memory_kind,
             self.predicted_step_ms,
             self.resident_kind,
+            target_tokens=target_tokens,
+            eval_loss=eval_loss,
         )
         self.metrics.append(sm)
         line = sm.line()

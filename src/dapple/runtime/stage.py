@@ -135,6 +135,14 @@ class StageExecutor:
         self._grad_in.clear()
         self._grad_in_left.clear()
 
+    def release(self, m: int) -> None:
+        """Forget micro-batch ``m``'s inputs and outputs (a forward-only pass keeps nothing for
+        a backward); its sends stay pending until :meth:`finish_sends`."""
+        st = self._mb.pop(m)
+        self._pending_sends += st.sends
+        for h in st.held:
+            h.release()
+
     def handlers(self) -> dict[ActionKind, Callable[[Action], None]]:
         """The handler of each action kind this executor runs (F, B and the sends and receives;
         ``AR`` and ``OPT`` belong to :mod:`dapple.runtime.interpreter`)."""

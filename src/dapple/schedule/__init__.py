@@ -1,5 +1,6 @@
 """Schedules as data: IR, GPipe/DAPPLE generators and lowering to per-device programs."""
 
+from dapple.schedule.forward import forward_order, lower_forward
 from dapple.schedule.generators import (
     compute_order,
     dapple,
@@ -27,9 +28,11 @@ __all__ = [
     "dapple",
     "format_actions",
     "format_grid",
+    "forward_order",
     "gpipe",
     "in_flight_counts",
     "lower",
+    "lower_forward",
     "parse_action",
     "plan_compute_order",
     "validate",

@@ -1,0 +1,120 @@
+"""``dapple train``'s evaluation and reporting flags and its final summary.
+
+Flags: ``--eval-every N`` and ``--eval-batches K`` (forward-only evaluation through the
+pipeline, :mod:`dapple.runtime.evaluate`), ``--tensorboard DIR`` and ``--loss-curve PATH``.
+The run always asks for a progress bar; rank 0 shows it only when stdout is a terminal.
+
+The summary (rank 0, after the run): the final train loss, the last validation loss and the
+loss-curve PNG, written to ``--loss-curve`` or by default beside the ``--metrics`` file
+(``m.jsonl`` -> ``m.loss.png``); without either no curve is written (a run does not litter the
+current directory).
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from dapple.errors import ValidationError
+
+if TYPE_CHECKING:  # torch-free import of the CLI
+    from dapple.runtime.config import StepMetrics
+
+__all__ = [
+    "DEFAULT_EVAL_BATCHES",
+    "add_show_arguments",
+    "eval_defaults",
+    "loss_curve_path",
+    "print_summary",
+    "show_options",
+]
+
+DEFAULT_EVAL_BATCHES = 4
+"""K when ``--eval-batches`` is not given (fewer when ``--eval-data`` holds fewer batches)."""
+
+
+def eval_defaults(args: argparse.Namespace, eval_samples: int | None, G: int) -> None:
+    """Fill ``--eval-every``/``--eval-batches`` left unset: with ``--eval-data`` (of
+    ``eval_samples`` samples) the run evaluates after its last step at least, over at most
+    :data:`DEFAULT_EVAL_BATCHES` batches the file holds."""
+    if eval_samples is not None:
+        args.eval_every = args.eval_every or args.steps
+    if args.eval_batches is None:
+        k = DEFAULT_EVAL_BATCHES
+        args.eval_batches = k if eval_samples is None else max(1, min(k, eval_samples // G))
+
+
+def add_show_arguments(p: argparse.ArgumentParser) -> None:
+    """Add the evaluation and reporting flags to ``dapple train``'s parser."""
+    g = p.add_argument_group("evaluation and reporting")
+    g.add_argument(
+        "--eval-every",
+        type=int,
+        default=0,
+        metavar="N",
+        help="evaluate forward-only through the pipeline after every N steps and after the "
+        "last one (default 0: never)",
+    )
+    g.add_argument(
+        "--eval-batches",
+        type=int,
+        default=None,
+        metavar="K",
+        help=f"global batches per evaluation, the same fixed set every time (default "
+        f"{DEFAULT_EVAL_BATCHES}, or as many as --eval-data holds if fewer)",
+    )
+    g.add_argument(
+        "--tensorboard",
+        default=None,
+        metavar="DIR",
+        help="write per-step scalars for TensorBoard here (needs the tensorboard package)",
+    )
+    g.add_argument(
+        "--loss-curve",
+        default=None,
+        metavar="PATH",
+        help="write the loss-curve PNG here (default: beside --metrics, as NAME.loss.png)",
+    )
+
+
+def loss_curve_path(args: argparse.Namespace) -> Path | None:
+    """Where the loss curve goes (None: nowhere).
+
+    Raises:
+        ValidationError: its directory does not exist (checked before the run starts).
+    """
+    if args.loss_curve is not None:
+        path = Path(args.loss_curve)
+    elif args.metrics is not None:
+        path = Path(args.metrics).with_suffix(".loss.png")
+    else:
+        return None
+    if not path.parent.is_dir():
+        raise ValidationError(f"loss curve {str(path)!r}: directory {str(path.parent)!r} not found")
+    return path
+
+
+def show_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The :class:`~dapple.runtime.TrainConfig` fields of these flags."""
+    return {
+        "eval_every": args.eval_every,
+        "eval_batches": args.eval_batches,
+        "tensorboard_dir": args.tensorboard,
+        "progress": True,
+    }
+
+
+def print_summary(metrics: Sequence[StepMetrics], curve: Path | None) -> None:
+    """Rank 0 after the run: final train loss, last validation loss, the loss-curve PNG."""
+    if not metrics:
+        return
+    print(f"final train loss {metrics[-1].loss:.6f} (step {metrics[-1].step})")
+    evals = [m for m in metrics if m.eval_loss is not None]
+    if evals:
+        print(f"last validation loss {evals[-1].eval_loss:.6f} (after step {evals[-1].step})")
+    if curve is not None:
+        from dapple.runtime.reporting import write_loss_curve
+
+        print(f"loss curve written to {write_loss_curve(metrics, curve)}")
