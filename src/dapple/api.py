@@ -229,7 +229,7 @@ def train(
         steps: Optimizer steps.
         overrides: Factory keyword arguments when ``workload`` is a spec.
         **options: :class:`dapple.runtime.TrainConfig` fields (``seed``, ``optimizer``,
-            ``lr``, ``echo``, ``device``, ``metrics_path``, ``timeout_s``...).
+            ``lr``, ``echo``, ``device``, ``metrics_path``, ``timeout_s``, ``precision``...).
 
     Returns:
         Rank 0's metrics of every step.
@@ -252,6 +252,7 @@ def verify(
     schedule: str | None = None,
     policy: str | None = None,
     device: str = "auto",
+    precision: str = "fp32",
     **options: Any,
 ) -> VerifyReport:
     """Run a plan distributed and on one process from the same seed; compare (``dapple verify``).
@@ -265,6 +266,8 @@ def verify(
         policy: ``A`` or ``B`` instead of the plan's.
         device: Device of the distributed run: ``auto`` (``cuda`` when available, else
             ``cpu``), ``cpu`` or ``cuda``; the reference runs on the CPU.
+        precision: ``fp32`` or ``bf16`` autocast in both runs (bf16 tolerances:
+            :func:`dapple.runtime.precision.tolerances_for`).
         **options: ``seed``, ``optimizer``, ``lr``, ``rtol``, ``atol``, ``timeout_s``
             (see :func:`dapple.runtime.verify.verify_many`).
 
@@ -282,6 +285,7 @@ def verify(
         _workload(workload, overrides),
         steps,
         device=device,
+        precision=precision,
         **options,
     )
 

@@ -181,6 +181,7 @@ def run(args: argparse.Namespace) -> int:
         keep=args.keep,
         resume=args.resume,
         on_nonfinite=args.on_nonfinite,
+        precision=args.precision,
     )
     if metrics and int(os.environ.get("RANK", "0")) == 0:
         # the first step includes connection set-up and warm-up; report the rest when possible

@@ -31,8 +31,12 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_run_arguments(p, steps=2)
-    p.add_argument("--rtol", type=float, default=None, help="relative tolerance (default 1.3e-6)")
-    p.add_argument("--atol", type=float, default=None, help="absolute tolerance (default 1e-5)")
+    p.add_argument(
+        "--rtol", type=float, default=None, help="relative tolerance (default 1.3e-6; bf16: 1.6e-2)"
+    )
+    p.add_argument(
+        "--atol", type=float, default=None, help="absolute tolerance (default 1e-5; bf16: 1e-3)"
+    )
     p.set_defaults(func=run)
 
 
@@ -91,6 +95,7 @@ def run(args: argparse.Namespace) -> int:
         lr=args.lr,
         device=args.device,
         timeout_s=args.timeout_s,
+        precision=args.precision,
         **tol,
     )
     print_report(Console(), report)

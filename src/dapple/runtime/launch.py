@@ -34,6 +34,7 @@ from dapple.models.workload import Workload
 from dapple.runtime.config import StepMetrics, TrainConfig
 from dapple.runtime.engine import RankFailure, run_plan, validate_run
 from dapple.runtime.longrun import elastic_store
+from dapple.runtime.precision import check_precision
 
 __all__ = [
     "free_port",
@@ -202,7 +203,7 @@ def train(
             ``module:factory`` spec or a zoo model name.
         steps: optimizer steps.
         **options: the other :class:`TrainConfig` fields (seed, optimizer, lr, timeout_s,
-            recompute, metrics_path, echo, device, predicted_step_ms).
+            recompute, metrics_path, echo, device, predicted_step_ms, precision).
 
     Returns:
         Rank 0's per-step metrics (empty on other torchrun ranks).
@@ -214,6 +215,7 @@ def train(
     if not isinstance(plan, Plan):
         plan = Plan.load(plan)
     cfg = TrainConfig(steps=steps, **options)
+    check_precision(cfg.precision, cfg.device)  # fp16 on the CPU etc.: before any compute
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         wl = resolve_workload(workload)
         validate_run(plan, wl, int(os.environ["WORLD_SIZE"]))

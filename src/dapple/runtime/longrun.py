@@ -50,6 +50,7 @@ from dapple.runtime.checkpoint import (
     stage_layer_states,
 )
 from dapple.runtime.config import TrainConfig
+from dapple.runtime.precision import Precision
 from dapple.schedule.ir import Action, ActionKind
 
 __all__ = ["OPTIMIZER_CLASSES", "LongRun", "elastic_store", "first_attempt"]
@@ -105,8 +106,12 @@ class LongRun:
         module: nn.Module | None,
         optimizer: torch.optim.Optimizer | None,
         device: torch.device,
+        precision: Precision | None = None,
     ) -> None:
         self.plan, self.workload, self.config = plan, workload, config
+        self.precision = precision or Precision("fp32", device)
+        """fp16: a non-finite gradient (no non-finite loss) skips the step and lowers the loss
+        scale on every rank; the scale is saved in and restored from checkpoints."""
         self.rank, self.world, self.stage, self.replica = rank, world, stage, replica
         self.module, self.optimizer, self.device = module, optimizer, device
         self.first_layer = plan.stages[stage].layers[0] if stage is not None else 0
@@ -150,6 +155,7 @@ class LongRun:
         else:  # another plan: the saved per-rank streams do not map onto these ranks
             torch.manual_seed(cfg.seed * 7919 + self.rank + 1_000_003 * ck.step)
         self.skipped = [int(x) for x in ck.meta.extra.get("skipped_steps", [])]
+        self.precision.load_state_dict(ck.meta.extra)
         how = "same plan" if same_run else f"plan {self.plan.replication} (saved under another)"
         logger.info("resumed from %s at step %d (%s)", ck.path, ck.step, how)
         return ck.step
@@ -218,6 +224,10 @@ class LongRun:
         if len(found) > 1:
             others = sorted({f"stage {b[2]}" for b in found[1:]})
             what += f"; also non-finite at {', '.join(others)}"
+        if k == 1 and self.precision.overflow(step):  # fp16 overflow: skip, scale / 2, go on
+            for p in self.params:
+                p.grad = None
+            return ""
         if self.config.on_nonfinite == "skip":
             for p in self.params:
                 p.grad = None
@@ -256,7 +266,12 @@ class LongRun:
             plan=self.plan.to_dict(),
             optimizer_type=OPTIMIZER_CLASSES[cfg.optimizer],
             world_size=self.world,
-            extra={"seed": cfg.seed, "lr": cfg.lr, "skipped_steps": list(self.skipped)},
+            extra={
+                "seed": cfg.seed,
+                "lr": cfg.lr,
+                "skipped_steps": list(self.skipped),
+                **self.precision.state_dict(),  # fp16: the loss scale
+            },
         )
         save_checkpoint(
             cfg.checkpoint_dir,
