@@ -92,6 +92,7 @@ def profile(
     num_threads: int | None = 1,
     co_workers: int = 1,
     output: str | Path | None = None,
+    precision: str = "fp32",
 ) -> ModelProfile:
     """Measure every layer of a model (``dapple profile``).
 
@@ -106,9 +107,11 @@ def profile(
         co_workers: CPU: profile as one of this many local workers sharing the cores (CPU
             time while the others train the model; see ``profile_workload``).
         output: Also save the profile JSON here.
+        precision: ``fp32``, ``bf16`` or ``fp16`` autocast while measuring (recorded in the
+            profile; the planner's memory model follows it).
 
     Raises:
-        ValidationError: Bad model spec, batch sizes or device.
+        ValidationError: Bad model spec, batch sizes, device or precision.
     """
     from dapple.profiler.measure import profile_workload
 
@@ -120,6 +123,7 @@ def profile(
         repeats=repeats,
         num_threads=num_threads,
         co_workers=co_workers,
+        precision=precision,
     )
     if output is not None:
         prof.save(output)

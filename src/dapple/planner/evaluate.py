@@ -23,7 +23,11 @@ from dapple.errors import ValidationError
 from dapple.planner.comm import allreduce_ms, busiest_link_ms, link_loads
 from dapple.planner.host import apply_host, has_host_terms, stage_host_extras
 from dapple.planner.latency import latency, steady_periods
-from dapple.planner.memory import boundary_bytes, in_flight_options
+from dapple.planner.memory import (
+    boundary_bytes,
+    in_flight_options,
+    state_bytes_per_parameter_byte,
+)
 from dapple.planner.sharing import slice_work
 from dapple.schedule.generators import in_flight_counts
 
@@ -111,7 +115,7 @@ class Scorer:
         """D without and with re-computation of layers [s, e) on slices of ``samples``."""
         return in_flight_options(
             float(self.cluster.device_memory_bytes),
-            self.param_bytes(s, e) * (1.0 + self.profile.optimizer_state_factor),
+            self.param_bytes(s, e) * state_bytes_per_parameter_byte(self.profile),
             (self._act[e] - self._act[s]) * samples,
             boundary_bytes(self.profile, s, samples),
         )

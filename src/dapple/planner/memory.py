@@ -1,6 +1,8 @@
 """Bytes in the cost model: cut activations, parameter state, kept activations, D (section 5.1).
 
-Pure functions (no torch), re-exported by :mod:`dapple.planner.cost`.
+Pure functions (no torch), re-exported by :mod:`dapple.planner.cost`. Activations are as
+profiled, in the profile's precision (``ModelProfile.precision``); parameters, gradients and
+optimizer state are fp32 in every precision, plus autocast's weight cast cache in bf16/fp16.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ __all__ = [
     "held_activation_bytes",
     "in_flight_options",
     "parameter_state_bytes",
+    "state_bytes_per_parameter_byte",
+    "weight_cast_bytes",
 ]
 
 UNBOUNDED_IN_FLIGHT = 10**9
@@ -34,15 +38,39 @@ def boundary_bytes(profile: ModelProfile, cut: int, samples: int) -> float:
     return per_sample * samples
 
 
-def parameter_state_bytes(profile: ModelProfile, layers: tuple[int, int]) -> float:
-    """Parameters + gradients + optimizer state of layers ``[start, end)`` on one replica.
+WEIGHT_CAST_FACTOR = {"fp32": 0.0, "bf16": 0.5, "fp16": 0.5}
+"""Bytes of autocast's weight cast cache per (fp32) parameter byte: a 2-byte copy of every
+4-byte parameter under bf16/fp16 autocast, none in fp32."""
 
-    ``params x (1 + optimizer_state_factor)``: 16 bytes per fp32 Adam parameter with the
-    default factor 3.
+
+def state_bytes_per_parameter_byte(profile: ModelProfile) -> float:
+    """Bytes a replica holds per parameter byte for the whole step, activations aside.
+
+    ``1 + optimizer_state_factor`` (fp32 parameters, gradients and optimizer state, whatever
+    the compute precision: master weights stay fp32), plus the weight cast cache of a
+    ``bf16``/``fp16`` profile (:data:`WEIGHT_CAST_FACTOR`: parameter count x 2 bytes).
+    """
+    return 1.0 + profile.optimizer_state_factor + WEIGHT_CAST_FACTOR[profile.precision]
+
+
+def weight_cast_bytes(profile: ModelProfile, layers: tuple[int, int]) -> float:
+    """Autocast's low-precision copy of the weights of layers ``[start, end)`` (0 in fp32):
+    parameter count x 2 bytes, the parameters being fp32 (``parameter_bytes`` / 4)."""
+    s, e = layers
+    params = sum(layer.parameter_bytes for layer in profile.layers[s:e])
+    return params * WEIGHT_CAST_FACTOR[profile.precision]
+
+
+def parameter_state_bytes(profile: ModelProfile, layers: tuple[int, int]) -> float:
+    """Parameters + gradients + optimizer state of layers ``[start, end)`` on one replica,
+    plus the weight cast cache under mixed precision.
+
+    ``params x state_bytes_per_parameter_byte``: 16 bytes per fp32 Adam parameter with the
+    default factor 3, 18 under bf16/fp16 autocast.
     """
     s, e = layers
     params = sum(layer.parameter_bytes for layer in profile.layers[s:e])
-    return params * (1.0 + profile.optimizer_state_factor)
+    return params * state_bytes_per_parameter_byte(profile)
 
 
 def held_activation_bytes(profile: ModelProfile, stage: StagePlan, samples: int) -> float:
