@@ -13,10 +13,13 @@
   gathers every rank's verdict over all ranks (ranks beyond the plan send none), so all ranks
   take the same decision *before the optimizer touches the weights*: stop with one line naming
   step, stage, micro-batch and rank (default), or skip the step and count it
-  (``on_nonfinite="skip"``). The same gather carries the caller's per-rank values (the step's
-  metrics);
+  (``on_nonfinite="skip"``). Under fp16 loss scaling a non-finite gradient without a
+  non-finite loss is an overflow: every rank skips the step and halves the loss scale, and the
+  run goes on (:mod:`dapple.runtime.precision`). The same gather carries the caller's per-rank
+  values (the step's metrics);
 - :meth:`LongRun.after_step` saves every ``save_every`` steps (replica 0 of each stage writes
-  its layers, every rank its RNG state, rank 0 the manifest after a barrier).
+  its layers, every rank its RNG state, rank 0 the manifest after a barrier, with the fp16 loss
+  scale in its ``extra``).
 
 Cost: one small all_gather per step - the runtime's only per-step collective besides the
 gradient AllReduce, as it also carries the step's metrics (see :mod:`dapple.runtime.metrics`) -

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -41,6 +42,7 @@ from dapple.runtime.config import PRECISIONS
 
 __all__ = [
     "AUTOCAST_DTYPES",
+    "CPU_FP16_ENV",
     "PRECISIONS",
     "LossScaler",
     "Precision",
@@ -53,6 +55,9 @@ log = logging.getLogger(__name__)
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 """The autocast compute dtype of each low precision."""
+CPU_FP16_ENV = "DAPPLE_TEST_CPU_FP16"
+"""Test hook: with ``1`` here fp16 is accepted on the CPU (torch's CPU autocast computes fp16,
+slowly), so the loss scaling can be tested without a GPU."""
 
 
 def resolve_precision_device(device: str | torch.device) -> torch.device:
@@ -80,7 +85,7 @@ def check_precision(precision: str, device: str | torch.device) -> None:
             f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}"
         )
     dev = resolve_precision_device(device)
-    if precision == "fp16" and dev.type == "cpu":
+    if precision == "fp16" and dev.type == "cpu" and os.environ.get(CPU_FP16_ENV) != "1":
         raise ValidationError(
             "precision fp16: fp16 autocast on CPU is not supported for training "
             "(use bf16 on the CPU, or fp32)"
