@@ -157,6 +157,7 @@ def test_train_and_verify_share_one_flag_set_with_help() -> None:
         "--policy",
         "--device",
         "--timeout-s",
+        "--precision",
     }
     cmds = _commands()
     for name in ("train", "verify"):

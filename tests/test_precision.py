@@ -408,3 +408,17 @@ def test_memory_model_adds_the_weight_cast_cache_in_low_precision() -> None:
     assert parameter_state_bytes(low, (0, 2)) - parameter_state_bytes(prof, (0, 2)) == params / 2
     same_acts = device_memory_bytes(low, stage, B, 2) - device_memory_bytes(prof, stage, B, 2)
     assert same_acts == pytest.approx(params / 2)
+
+
+def test_train_notes_a_profile_measured_in_another_precision(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from dapple.cli._precision import note_profile_precision
+
+    prof = api.profile(rw.mlp(), [2], device="cpu", repeats=1, warmup=0, precision="bf16")
+    prof.save(tmp_path / "p.json")
+    note_profile_precision(str(tmp_path / "p.json"), "bf16")
+    assert capsys.readouterr().err == ""
+    note_profile_precision(str(tmp_path / "p.json"), "fp32")
+    err = capsys.readouterr().err
+    assert "measured in bf16" in err and "--precision fp32" in err

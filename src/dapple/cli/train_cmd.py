@@ -14,6 +14,7 @@ import statistics
 from typing import TYPE_CHECKING
 
 from dapple.cli._model_args import model_overrides
+from dapple.cli._precision import note_profile_precision
 from dapple.cli._run_args import add_run_arguments, load_run_plan
 from dapple.core.plan import Plan
 from dapple.errors import ValidationError
@@ -163,6 +164,7 @@ def run(args: argparse.Namespace) -> int:
     predicted = math.nan
     if args.profile is not None:
         predicted = _predicted_step_ms(plan, args.profile, args.cluster)
+        note_profile_precision(args.profile, args.precision)
     metrics = train(
         plan,
         args.model,
