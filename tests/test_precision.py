@@ -7,6 +7,7 @@ CPU through the test hook :data:`dapple.runtime.precision.CPU_FP16_ENV`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -422,3 +423,42 @@ def test_train_notes_a_profile_measured_in_another_precision(
     note_profile_precision(str(tmp_path / "p.json"), "fp32")
     err = capsys.readouterr().err
     assert "measured in bf16" in err and "--precision fp32" in err
+
+
+def test_weight_cache_keeps_one_cast_of_the_weights_for_all_micro_batches() -> None:
+    p = Precision("bf16", torch.device("cpu"))
+    layer = nn.Linear(8, 8)
+
+    def cast_weights_saved(shared: bool) -> int:
+        ptrs: set[int] = set()
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            if t.dtype == torch.bfloat16 and t.shape == layer.weight.shape:
+                ptrs.add(t.untyped_storage().data_ptr())
+            return t
+
+        outs = []
+        with p.weight_cache() if shared else contextlib.nullcontext():
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                for _ in range(3):  # three micro-batch forwards, each in its own autocast
+                    with p.autocast():
+                        outs.append(layer(torch.randn(2, 8, requires_grad=True)))
+            assert all(o.dtype == torch.bfloat16 for o in outs)
+            sum(o.float().sum() for o in outs).backward()
+        return len(ptrs)
+
+    assert cast_weights_saved(shared=False) == 3
+    assert cast_weights_saved(shared=True) == 1
+    assert layer.weight.grad is not None and layer.weight.grad.dtype == torch.float32
+
+
+def test_cli_profile_precision(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "p.json"
+    argv = ["profile", "-m", "runtime_workloads:mlp", "--batch-sizes", "2", "--device", "cpu"]
+    argv += ["--repeats", "1", "--warmup", "0", "-o", str(out)]
+    assert main([*argv, "--precision", "bf16"]) == 0
+    assert json.loads(out.read_text())["precision"] == "bf16"
+    capsys.readouterr()
+    assert main([*argv, "--precision", "fp16"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("dapple: error:") and err.count("\n") == 1 and "bf16" in err

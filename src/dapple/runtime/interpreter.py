@@ -196,7 +196,8 @@ class ProgramInterpreter:
             p.grad = None
         self.ex.begin_step(inputs, targets)
         self.longrun.begin_step()
-        self._execute(self._compute)
+        with self.precision.weight_cache():  # autocast: one cast of the weights per step
+            self._execute(self._compute)
         self._at = "the step's sends"
         self.ex.finish_sends()
 

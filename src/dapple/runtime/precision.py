@@ -5,8 +5,11 @@
 - every forward a stage runs - and the recomputed forward under re-computation, which
   ``torch.utils.checkpoint`` replays under the autocast state of the original forward - runs
   inside ``torch.autocast(device_type, dtype)``; parameters, gradients and optimizer state stay
-  fp32 (autocast casts the weights per op and keeps the cast copies for the step: the *weight
-  cast cache*);
+  fp32. Autocast casts each weight once and caches the copy while any autocast context is open;
+  :meth:`Precision.weight_cache` keeps one open over the step's compute, so all micro-batches
+  (and their backward) share ONE low-precision copy of the weights per step - the *weight cast
+  cache* the planner adds (:mod:`dapple.planner.memory`) - dropped before ``OPT`` changes the
+  weights;
 - the loss is computed in fp32, outside autocast, on the last stage's output cast to fp32;
 - stage-boundary tensors travel in the dtype autocast produced (e.g. bf16 activations: half the
   bytes of fp32): the runtime's shape probe (:func:`dapple.runtime.transport.infer_boundary_specs`)
@@ -182,6 +185,21 @@ class Precision:
             yield
             return
         with torch.autocast(self.device.type, dtype=self.dtype):
+            yield
+
+    @contextlib.contextmanager
+    def weight_cache(self) -> Iterator[None]:
+        """One step's compute (every F and B): autocast's cast copies of the weights live until
+        its end, shared by every micro-batch, instead of one copy per micro-batch forward.
+
+        An outer, disabled autocast keeps autocast's nesting level above zero, which is what
+        keeps its cache (``torch.autocast.__exit__`` clears it at level 0); leaving it clears
+        the cache, so ``OPT`` must come after. Nothing for fp32.
+        """
+        if self.dtype is None:
+            yield
+            return
+        with torch.autocast(self.device.type, enabled=False):
             yield
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
