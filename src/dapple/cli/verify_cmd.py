@@ -50,7 +50,8 @@ def print_report(con: Console, report: VerifyReport) -> None:
     t = Table(
         title=(
             f"{report.model_name}: {plan.replication} ({plan.schedule}, policy {plan.policy}), "
-            f"{report.options.get('steps')} steps vs {report.reference} "
+            f"{report.options.get('steps')} steps {report.options.get('precision', 'fp32')} "
+            f"vs {report.reference} "
             f"(rtol {report.rtol:g}, atol {report.atol:g})"
         )
     )
