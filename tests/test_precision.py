@@ -462,3 +462,13 @@ def test_cli_profile_precision(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert main([*argv, "--precision", "fp16"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("dapple: error:") and err.count("\n") == 1 and "bf16" in err
+
+
+def test_co_worker_profile_in_bf16() -> None:
+    from dapple.profiler.measure import profile_workload
+
+    prof = profile_workload(
+        rw.mlp(), [1, 2], repeats=1, warmup=0, num_threads=1, co_workers=2, precision="bf16"
+    )
+    assert prof.precision == "bf16" and "2 co-workers" in prof.device
+    assert prof.layers[0].output_bytes_per_sample == rw.HID * 2  # bf16 activations

@@ -275,7 +275,13 @@ def profile_workload(
     old_threads = torch.get_num_threads()
     if num_threads is not None and dev.type == "cpu":
         torch.set_num_threads(num_threads)
-    load = _CoWorkers(workload, co_workers - 1, sizes[len(sizes) // 2], seed) if shared else None
+    load = (
+        _CoWorkers(
+            workload, co_workers - 1, sizes[len(sizes) // 2], seed, _autocast(precision, dev)
+        )
+        if shared
+        else None
+    )
     try:
         prof = _profile(workload, sizes, dev, warmup, repeats, progress, seed, shared, precision)
     finally:
@@ -290,7 +296,9 @@ def profile_workload(
 class _CoWorkers:
     """``n`` forked processes training ``workload`` at batch ``b`` until :meth:`stop`."""
 
-    def __init__(self, workload: Workload, n: int, b: int, seed: int) -> None:
+    def __init__(
+        self, workload: Workload, n: int, b: int, seed: int, cast: Cast = contextlib.nullcontext
+    ) -> None:
         ctx = mp.get_context("fork")  # the workload's factories need not pickle
         self._stop = ctx.Event()
         self._ready = ctx.Barrier(n + 1)
@@ -298,7 +306,7 @@ class _CoWorkers:
         self._procs = [
             ctx.Process(
                 target=_train_loop,
-                args=(workload, b, seed, threads, self._stop, self._ready),
+                args=(workload, b, seed, threads, self._stop, self._ready, cast),
                 daemon=True,
             )
             for _ in range(n)
@@ -315,17 +323,29 @@ class _CoWorkers:
                 p.kill()
 
 
-def _train_loop(workload: Workload, b: int, seed: int, threads: int, stop: Any, ready: Any) -> None:
-    """A co-worker: forward + backward of the whole chain at batch ``b`` until ``stop``."""
+def _train_loop(
+    workload: Workload,
+    b: int,
+    seed: int,
+    threads: int,
+    stop: Any,
+    ready: Any,
+    cast: Cast = contextlib.nullcontext,
+) -> None:
+    """A co-worker: forward (under ``cast``) + backward of the whole chain at batch ``b`` until
+    ``stop``."""
     torch.set_num_threads(threads)
     layers = [workload.build_layer(i, seed).train() for i in range(workload.num_layers)]
     inputs, targets = workload.make_batch(b, seed)
     ready.wait(timeout=120)
     while not stop.is_set():
         x = inputs
-        for layer in layers:
-            x = layer(x)
-        loss = workload.loss_fn(x, targets)
+        with cast():
+            for layer in layers:
+                x = layer(x)
+        loss = workload.loss_fn(
+            _map(x, lambda t: t.float() if t.is_floating_point() else t), targets
+        )
         if loss.requires_grad:
             loss.backward()  # type: ignore[no-untyped-call]
         for layer in layers:
