@@ -39,6 +39,7 @@ from dapple.runtime.precision import (
     check_precision,
     tolerances_for,
 )
+from dapple.runtime.verify import reference_run
 
 B, M, SEED, LR = 4, 2, 1, 0.01
 G = B * M
@@ -139,8 +140,18 @@ def worker(rank: int, world: int, out_dir: str) -> None:
     def fp32_unchanged():
         for a, b in zip(_params(fp32.module), _params(fp32_default.module), strict=True):
             assert torch.equal(a, b)
+        # and still the one-process fp32 run within assert_close's float32 tolerances
+        ref_losses, ref, _ = reference_run(wl, G, 2, seed=SEED, optimizer="adam", lr=LR)
+        if fp32.module is not None and fp32.stage is not None:
+            lo = p31.stages[fp32.stage].layers[0]
+            for k, layer in enumerate(fp32.module.children()):
+                for name, got in layer.named_parameters():
+                    torch.testing.assert_close(got.detach(), ref[lo + k][name])
         if rank == 0:
             assert [m.loss for m in fp32.metrics] == [m.loss for m in fp32_default.metrics]
+            torch.testing.assert_close(
+                torch.tensor([m.loss for m in fp32.metrics]), torch.tensor(ref_losses)
+            )
 
     def bf16_recompute():
         for a, b in zip(_params(bf16.module), _params(bf16_rc.module), strict=True):
