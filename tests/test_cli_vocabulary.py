@@ -160,6 +160,7 @@ def test_train_and_verify_share_one_flag_set_with_help() -> None:
         "--timeout-s",
         "--data",
         "--seq-len",
+        "--precision",
     }
     cmds = _commands()
     for name in ("train", "verify"):

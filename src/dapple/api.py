@@ -92,6 +92,7 @@ def profile(
     num_threads: int | None = 1,
     co_workers: int = 1,
     output: str | Path | None = None,
+    precision: str = "fp32",
 ) -> ModelProfile:
     """Measure every layer of a model (``dapple profile``).
 
@@ -106,9 +107,11 @@ def profile(
         co_workers: CPU: profile as one of this many local workers sharing the cores (CPU
             time while the others train the model; see ``profile_workload``).
         output: Also save the profile JSON here.
+        precision: ``fp32``, ``bf16`` or ``fp16`` autocast while measuring (recorded in the
+            profile; the planner's memory model follows it).
 
     Raises:
-        ValidationError: Bad model spec, batch sizes or device.
+        ValidationError: Bad model spec, batch sizes, device or precision.
     """
     from dapple.profiler.measure import profile_workload
 
@@ -120,6 +123,7 @@ def profile(
         repeats=repeats,
         num_threads=num_threads,
         co_workers=co_workers,
+        precision=precision,
     )
     if output is not None:
         prof.save(output)
@@ -239,7 +243,7 @@ def train(
             with ``seq=seq_len``.
         **options: :class:`dapple.runtime.TrainConfig` fields (``seed``, ``optimizer``,
             ``lr``, ``echo``, ``device``, ``metrics_path``, ``timeout_s``, ``eval_every``,
-            ``eval_batches``, ``tensorboard_dir``...).
+            ``eval_batches``, ``tensorboard_dir``, ``precision``...).
 
     Returns:
         Rank 0's metrics of every step.
@@ -293,6 +297,7 @@ def verify(
     device: str = "auto",
     data: Any = None,
     seq_len: int | None = None,
+    precision: str = "fp32",
     **options: Any,
 ) -> VerifyReport:
     """Run a plan distributed and on one process from the same seed; compare (``dapple verify``).
@@ -309,6 +314,8 @@ def verify(
         data: Training samples of both runs, a dataset or a token file path (as in
             :func:`train`).
         seq_len: As in :func:`train`.
+        precision: ``fp32`` or ``bf16`` autocast in both runs (bf16 tolerances:
+            :func:`dapple.runtime.precision.tolerances_for`).
         **options: ``seed``, ``optimizer``, ``lr``, ``rtol``, ``atol``, ``timeout_s``
             (see :func:`dapple.runtime.verify.verify_many`).
 
@@ -327,6 +334,7 @@ def verify(
         steps,
         device=device,
         data=_dataset(data, seq_len),
+        precision=precision,
         **options,
     )
 

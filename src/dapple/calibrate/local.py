@@ -58,6 +58,7 @@ def plan_local(
     batch_sizes: Sequence[int] | None = None,
     repeats: int = 5,
     planner: str = "dapple",
+    precision: str = "fp32",
 ) -> tuple[LocalCandidate, list[LocalCandidate]]:
     """The best plan over local process counts (module docstring).
 
@@ -68,6 +69,8 @@ def plan_local(
         batch_sizes: profiled batch sizes (default :func:`default_batch_sizes`).
         repeats: timed runs per layer and batch size.
         planner: planner name (``dapple`` or a baseline).
+        precision: the run's ``--precision`` (``fp32`` or ``bf16`` on the CPU): the profile
+            is measured under that autocast.
 
     Returns:
         ``(best, every candidate in nprocs order)``.
@@ -86,7 +89,12 @@ def plan_local(
     out = []
     for k in counts:
         prof = profile_workload(
-            workload, sizes, repeats=repeats, num_threads=runtime_threads(k), co_workers=k
+            workload,
+            sizes,
+            repeats=repeats,
+            num_threads=runtime_threads(k),
+            co_workers=k,
+            precision=precision,
         )
         cluster = calibrate(k).cluster
         out.append(

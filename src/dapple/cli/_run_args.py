@@ -16,7 +16,13 @@ from dapple.cli._data_args import add_data_arguments
 from dapple.cli._model_args import add_model_arguments
 from dapple.core.plan import Plan
 
-__all__ = ["RUN_DEVICES", "add_device_argument", "add_run_arguments", "load_run_plan"]
+__all__ = [
+    "RUN_DEVICES",
+    "add_device_argument",
+    "add_precision_argument",
+    "add_run_arguments",
+    "load_run_plan",
+]
 
 RUN_DEVICES = ("auto", "cpu", "cuda")
 """``--device`` choices of ``train`` and ``verify`` (what :class:`~dapple.runtime.TrainConfig`
@@ -69,7 +75,7 @@ def add_run_arguments(p: argparse.ArgumentParser, *, steps: int) -> None:
 
     ``--plan``, ``-m/--model`` (with ``--set``, ``--split-at``), ``--steps``, ``--seed``,
     ``--optimizer`` (the runtime's names), ``--lr``, ``--schedule``, ``--policy``,
-    ``--device``, ``--timeout-s``, ``--data`` and ``--seq-len``.
+    ``--device``, ``--timeout-s``, ``--data``, ``--seq-len`` and ``--precision``.
 
     Args:
         p: the command's parser.
@@ -112,6 +118,19 @@ def add_run_arguments(p: argparse.ArgumentParser, *, steps: int) -> None:
         help="fail instead of waiting longer than this on a peer, seconds (default %(default)s)",
     )
     add_data_arguments(p)
+    add_precision_argument(p)
+
+
+def add_precision_argument(p: argparse.ArgumentParser) -> None:
+    """Add ``--precision`` (``fp32``, ``bf16``, ``fp16``; default fp32) to ``p``. The names are
+    checked by :class:`~dapple.runtime.TrainConfig` (one error line), not by argparse."""
+    p.add_argument(
+        "--precision",
+        default="fp32",
+        metavar="P",
+        help="fp32, bf16 or fp16: autocast dtype of the forward (weights and optimizer state "
+        "stay fp32; fp16 scales the loss dynamically; CPU: fp32 or bf16) (default %(default)s)",
+    )
 
 
 def load_run_plan(args: argparse.Namespace) -> Plan:

@@ -15,6 +15,7 @@ from rich.console import Console
 from rich.table import Table
 
 from dapple.cli._model_args import add_model_arguments, model_overrides
+from dapple.cli._run_args import add_precision_argument
 from dapple.errors import ValidationError
 
 __all__ = ["parse_counts", "register"]
@@ -32,6 +33,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         "--nproc", default="2,4", help="candidate numbers of local processes (default 2,4)"
     )
     p.add_argument("--repeats", type=int, default=5, help="timed runs per layer, median kept")
+    add_precision_argument(p)
     p.add_argument(
         "--out-dir",
         required=True,
@@ -65,7 +67,13 @@ def run(args: argparse.Namespace) -> int:
     workload = load_workload(args.model, **model_overrides(args))
     con = Console()
     with con.status(f"profiling, calibrating and planning for {counts} processes..."):
-        best, cands = plan_local(workload, args.global_batch_size, counts, repeats=args.repeats)
+        best, cands = plan_local(
+            workload,
+            args.global_batch_size,
+            counts,
+            repeats=args.repeats,
+            precision=args.precision,
+        )
     t = Table(title=f"{workload.name}, global batch {args.global_batch_size}")
     for col in ("processes", "plan", "M", "predicted ms/step", "samples/s"):
         t.add_column(col, justify="right")
@@ -87,6 +95,6 @@ def run(args: argparse.Namespace) -> int:
     con.print(
         f"* chosen: {best.processes} processes -> {out / 'plan.json'} (with profile.json and "
         f"cluster.json); run it with: dapple train --plan {out / 'plan.json'} --model "
-        f"{args.model}"
+        f"{args.model}" + (f" --precision {args.precision}" if args.precision != "fp32" else "")
     )
     return 0

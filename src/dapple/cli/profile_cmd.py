@@ -43,6 +43,13 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         "the model meanwhile; times are CPU time); use the N of `dapple train --nproc`",
     )
     p.add_argument(
+        "--precision",
+        default="fp32",
+        metavar="P",
+        help="fp32, bf16 or fp16: time the layers and measure activations under this autocast, "
+        "as `dapple train --precision` runs them (default %(default)s)",
+    )
+    p.add_argument(
         "--input-shape", help="per-sample input shape for nn.Sequential factories, e.g. 3,32,32"
     )
     p.set_defaults(func=run)
@@ -79,7 +86,9 @@ def _parse_shape(text: str | None) -> tuple[int, ...] | None:
 def print_profile(con: Console, prof: ModelProfile) -> None:
     """Print the layers of ``prof`` as a rich table (times at the largest batch size)."""
     b = max(prof.batch_sizes) if prof.batch_sizes else 1
-    t = Table(title=f"{prof.model_name} on {prof.device} ({prof.num_layers} layers)")
+    t = Table(
+        title=f"{prof.model_name} on {prof.device}, {prof.precision} ({prof.num_layers} layers)"
+    )
     for col in (
         "#",
         "layer",
@@ -137,6 +146,7 @@ def run(args: argparse.Namespace) -> int:
             progress=progress,
             num_threads=args.threads,
             co_workers=args.co_workers,
+            precision=args.precision,
         )
     print_profile(con, prof)
     prof.save(args.output)

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from dapple.cli._data_args import add_eval_data_argument, open_datasets, with_seq_len
 from dapple.cli._model_args import model_overrides
+from dapple.cli._precision import note_profile_precision
 from dapple.cli._run_args import add_run_arguments, load_run_plan
 from dapple.cli._train_show import (
     add_show_arguments,
@@ -184,6 +185,7 @@ def run(args: argparse.Namespace) -> int:
     predicted = math.nan
     if args.profile is not None:
         predicted = _predicted_step_ms(plan, args.profile, args.cluster)
+        note_profile_precision(args.profile, args.precision)
     metrics = train(
         plan,
         args.model,
@@ -205,6 +207,7 @@ def run(args: argparse.Namespace) -> int:
         data=data,
         eval_data=eval_data,
         **show_options(args),
+        precision=args.precision,
     )
     if metrics and int(os.environ.get("RANK", "0")) == 0:
         # the first step includes connection set-up and warm-up; report the rest when possible

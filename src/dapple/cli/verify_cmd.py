@@ -32,8 +32,12 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_run_arguments(p, steps=2)
-    p.add_argument("--rtol", type=float, default=None, help="relative tolerance (default 1.3e-6)")
-    p.add_argument("--atol", type=float, default=None, help="absolute tolerance (default 1e-5)")
+    p.add_argument(
+        "--rtol", type=float, default=None, help="relative tolerance (default 1.3e-6; bf16: 1.6e-2)"
+    )
+    p.add_argument(
+        "--atol", type=float, default=None, help="absolute tolerance (default 1e-5; bf16: 1e-3)"
+    )
     p.set_defaults(func=run)
 
 
@@ -47,7 +51,8 @@ def print_report(con: Console, report: VerifyReport) -> None:
     t = Table(
         title=(
             f"{report.model_name}: {plan.replication} ({plan.schedule}, policy {plan.policy}), "
-            f"{report.options.get('steps')} steps vs {report.reference} "
+            f"{report.options.get('steps')} steps {report.options.get('precision', 'fp32')} "
+            f"vs {report.reference} "
             f"(rtol {report.rtol:g}, atol {report.atol:g})"
         )
     )
@@ -94,6 +99,7 @@ def run(args: argparse.Namespace) -> int:
         device=args.device,
         timeout_s=args.timeout_s,
         data=data,
+        precision=args.precision,
         **tol,
     )
     print_report(Console(), report)

@@ -21,9 +21,19 @@ from dapple.core._json import (
     save_json_file,
 )
 
-__all__ = ["PROFILE_SCHEMA_VERSION", "AffineTime", "LayerProfile", "ModelProfile", "fit_affine"]
+__all__ = [
+    "PROFILE_PRECISIONS",
+    "PROFILE_SCHEMA_VERSION",
+    "AffineTime",
+    "LayerProfile",
+    "ModelProfile",
+    "fit_affine",
+]
 
 PROFILE_SCHEMA_VERSION = 1
+
+PROFILE_PRECISIONS = ("fp32", "bf16", "fp16")
+"""Compute precisions a profile can be measured in (``ModelProfile.precision``)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -185,10 +195,19 @@ class ModelProfile:
     optimizer_state_factor: float = 3.0
     """Gradient + optimizer state held per parameter byte: 3.0 for fp32 Adam
     (grad, exp_avg, exp_avg_sq), so parameters take 4x their bytes in all (16 B per fp32 parameter)."""
+    precision: str = "fp32"
+    """Compute precision the layers were timed and their activations measured in: ``fp32``,
+    or ``bf16``/``fp16`` autocast (parameters stay fp32; see :mod:`dapple.runtime.precision`).
+    A profile without the field is fp32."""
     schema_version: int = PROFILE_SCHEMA_VERSION
 
     def __post_init__(self) -> None:
         require(len(self.layers) > 0, f"profile {self.model_name!r} has no layers")
+        require(
+            self.precision in PROFILE_PRECISIONS,
+            f"profile {self.model_name!r}: precision must be one of "
+            f"{', '.join(PROFILE_PRECISIONS)}, got {self.precision!r}",
+        )
         require(
             all(b > 0 for b in self.batch_sizes),
             f"profile {self.model_name!r}: batch_sizes must be > 0, got {self.batch_sizes}",
@@ -215,6 +234,7 @@ class ModelProfile:
             "batch_sizes": list(self.batch_sizes),
             "input_bytes_per_sample": self.input_bytes_per_sample,
             "optimizer_state_factor": self.optimizer_state_factor,
+            "precision": self.precision,
             "layers": [layer.to_dict() for layer in self.layers],
         }
 
@@ -244,6 +264,7 @@ class ModelProfile:
                 d.get("optimizer_state_factor", 3.0), f"{what}: optimizer_state_factor"
             ),
             layers=tuple(LayerProfile.from_dict(x, i) for i, x in enumerate(layers)),
+            precision=str(d.get("precision", "fp32")),
         )
 
     def save(self, path: str | Path) -> None:

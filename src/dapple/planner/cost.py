@@ -47,6 +47,7 @@ from dapple.planner.memory import (
     held_activation_bytes,
     in_flight_options,
     parameter_state_bytes,
+    weight_cast_bytes,
 )
 from dapple.planner.sharing import shared_compute_scale, slice_work
 from dapple.schedule.generators import in_flight_counts
@@ -72,6 +73,7 @@ __all__ = [
     "stage_compute_ms",
     "steady_periods",
     "transfer_ms",
+    "weight_cast_bytes",
 ]
 
 

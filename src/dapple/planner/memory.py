@@ -1,6 +1,8 @@
 """Bytes in the cost model: cut activations, parameter state, kept activations, D (section 5.1).
 
-Pure functions (no torch), re-exported by :mod:`dapple.planner.cost`.
+Pure functions (no torch), re-exported by :mod:`dapple.planner.cost`. Activations are as
+profiled, in the profile's precision (``ModelProfile.precision``); parameters, gradients and
+optimizer state are fp32 in every precision, plus autocast's weight cast cache in bf16/fp16.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ __all__ = [
     "in_flight_options",
     "parameter_state_bytes",
     "state_bytes_per_parameter_byte",
+    "weight_cast_bytes",
 ]
 
 UNBOUNDED_IN_FLIGHT = 10**9
@@ -35,20 +38,39 @@ def boundary_bytes(profile: ModelProfile, cut: int, samples: int) -> float:
     return per_sample * samples
 
 
+WEIGHT_CAST_FACTOR = {"fp32": 0.0, "bf16": 0.5, "fp16": 0.5}
+"""Bytes of autocast's weight cast cache per (fp32) parameter byte: a 2-byte copy of every
+4-byte parameter under bf16/fp16 autocast, none in fp32."""
+
+
 def state_bytes_per_parameter_byte(profile: ModelProfile, replicas: int = 1) -> float:
-    """Bytes one replica holds per parameter byte: the parameter, its gradient and optimizer
-    state (``1 + optimizer_state_factor``), and on a replicated stage (``replicas > 1``) one
-    more copy of the gradient - the flat buffers its AllReduce AR(P_s, g_s) reduces in (the
-    runtime's gradient buckets, :mod:`dapple.runtime.sync`)."""
-    return 1.0 + profile.optimizer_state_factor + (1.0 if replicas > 1 else 0.0)
+    """Bytes one replica holds per parameter byte for the whole step, activations aside.
+
+    ``1 + optimizer_state_factor`` (fp32 parameters, gradients and optimizer state, whatever
+    the compute precision: master weights stay fp32); the weight cast cache of a
+    ``bf16``/``fp16`` profile (:data:`WEIGHT_CAST_FACTOR`: parameter count x 2 bytes); and on a
+    replicated stage (``replicas > 1``) one more copy of the gradient - the flat buffers its
+    AllReduce AR(P_s, g_s) reduces in (the runtime's gradient buckets, :mod:`dapple.runtime.sync`).
+    """
+    ar_buffers = 1.0 if replicas > 1 else 0.0
+    return 1.0 + profile.optimizer_state_factor + WEIGHT_CAST_FACTOR[profile.precision] + ar_buffers
+
+
+def weight_cast_bytes(profile: ModelProfile, layers: tuple[int, int]) -> float:
+    """Autocast's low-precision copy of the weights of layers ``[start, end)`` (0 in fp32):
+    parameter count x 2 bytes, the parameters being fp32 (``parameter_bytes`` / 4)."""
+    s, e = layers
+    params = sum(layer.parameter_bytes for layer in profile.layers[s:e])
+    return params * WEIGHT_CAST_FACTOR[profile.precision]
 
 
 def parameter_state_bytes(
     profile: ModelProfile, layers: tuple[int, int], replicas: int = 1
 ) -> float:
-    """Parameters + gradients + optimizer state (+ AllReduce buffers) of layers
-    ``[start, end)`` on one of ``replicas`` replicas (:func:`state_bytes_per_parameter_byte`;
-    16 bytes per fp32 Adam parameter with the default factor 3 and no replicas)."""
+    """Parameters + gradients + optimizer state (+ weight cast cache, + AllReduce buffers) of
+    layers ``[start, end)`` on one of ``replicas`` replicas
+    (:func:`state_bytes_per_parameter_byte`; 16 bytes per fp32 Adam parameter with the default
+    factor 3 and no replicas, 18 under bf16/fp16 autocast)."""
     s, e = layers
     params = sum(layer.parameter_bytes for layer in profile.layers[s:e])
     return params * state_bytes_per_parameter_byte(profile, replicas)

@@ -38,6 +38,7 @@ from dapple.core.plan import Plan, split_sizes
 from dapple.core.profile import ModelProfile
 from dapple.errors import InfeasibleError
 from dapple.planner.evaluate import Scored, Scorer, StageSpec, divisors
+from dapple.planner.memory import state_bytes_per_parameter_byte
 from dapple.planner.partition import block_partition
 from dapple.planner.placement import POLICIES, place, remaining_devices
 
@@ -327,7 +328,7 @@ def _bytes(n: float) -> str:
 
 
 def _infeasible_message(profile: ModelProfile, cluster: Cluster, global_batch_size: int) -> str:
-    f = 1.0 + profile.optimizer_state_factor
+    f = state_bytes_per_parameter_byte(profile)
     state = profile.parameter_bytes * f
     r = cluster.reserved_memory_bytes
     reserved = f" ({_bytes(r)} of each reserved for the runtime)" if r else ""

@@ -6,10 +6,18 @@ repeats; CUDA events with synchronisation on GPUs), the output's bytes are count
 tensors autograd saves for backward are captured with
 :func:`torch.autograd.graph.saved_tensors_hooks` (storages deduplicated, parameters excluded).
 Times and sizes are then fitted affine in ``b`` with :func:`dapple.core.profile.fit_affine`.
+
+Precision: with ``precision="bf16"``/``"fp16"`` every forward (timed, and the one whose saved
+tensors are counted) runs under ``torch.autocast`` as the runtime's stages do
+(:mod:`dapple.runtime.precision`), each layer on the previous layer's autocast output, so times,
+output bytes and kept bytes are those of the run. Autocast's cast copies of the weights are
+not activations (the planner adds them as the weight cast cache, :mod:`dapple.planner.memory`)
+and are left out of the kept bytes, like the parameters themselves.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import logging
@@ -23,7 +31,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from dapple.core.profile import AffineTime, LayerProfile, ModelProfile, fit_affine
+from dapple.core.profile import (
+    PROFILE_PRECISIONS,
+    AffineTime,
+    LayerProfile,
+    ModelProfile,
+    fit_affine,
+)
 from dapple.errors import ValidationError
 from dapple.models.workload import Workload
 
@@ -107,19 +121,58 @@ class _Timer:
         return (self.clock() - t0) * 1e3, out
 
 
-def _saved_bytes(layer: nn.Module, inp: Any) -> tuple[int, Any]:
-    """Bytes autograd saves for backward in one forward of ``layer`` (and the output)."""
+_AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+"""Autocast dtype of each low precision (as :data:`dapple.runtime.precision.AUTOCAST_DTYPES`)."""
+
+Cast = Callable[[], contextlib.AbstractContextManager[Any]]
+"""A fresh autocast context for one forward (or a null context in fp32)."""
+
+
+def _autocast(precision: str, dev: torch.device) -> Cast:
+    dtype = _AUTOCAST_DTYPES.get(precision)
+    if dtype is None:
+        return contextlib.nullcontext
+    return partial(torch.autocast, dev.type, dtype=dtype)
+
+
+def _check_precision(precision: str, dev: torch.device) -> None:
+    if precision not in PROFILE_PRECISIONS:
+        raise ValidationError(
+            f"precision must be one of {', '.join(PROFILE_PRECISIONS)}, got {precision!r}"
+        )
+    if precision == "fp16" and dev.type == "cpu":
+        raise ValidationError(
+            "precision fp16: fp16 autocast on CPU is not supported for training "
+            "(profile bf16 on the CPU, or fp32)"
+        )
+
+
+def _is_weight_cast(t: torch.Tensor, params: set[int]) -> bool:
+    """``t`` is autocast's cast copy of one of the parameters (ids in ``params``)."""
+    fn = t.grad_fn
+    if fn is None or not fn.name().startswith("ToCopyBackward"):
+        return False
+    src = fn.next_functions[0][0] if fn.next_functions else None
+    return src is not None and id(getattr(src, "variable", None)) in params
+
+
+def _saved_bytes(
+    layer: nn.Module, inp: Any, cast: Cast = contextlib.nullcontext
+) -> tuple[int, Any]:
+    """Bytes autograd saves for backward in one forward of ``layer`` (and the output);
+    parameters and their autocast copies are not counted."""
     param_ptrs = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+    param_ids = {id(p) for p in layer.parameters()}
     seen: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
         ptr = storage.data_ptr()
-        if ptr not in param_ptrs and ptr != 0:
+        if ptr not in param_ptrs and ptr != 0 and not _is_weight_cast(t, param_ids):
             seen[ptr] = storage.nbytes()
         return t.detach()  # the tensor itself would cycle through its grad_fn and leak the layer
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), cast():
         out = layer(inp)
     return sum(seen.values()), out
 
@@ -131,15 +184,26 @@ def _backward(out: Any, grads: list[torch.Tensor]) -> None:
 
 
 def _measure_layer(
-    layer: nn.Module, inp: Any, timer: _Timer, warmup: int, repeats: int
+    layer: nn.Module,
+    inp: Any,
+    timer: _Timer,
+    warmup: int,
+    repeats: int,
+    cast: Cast = contextlib.nullcontext,
 ) -> tuple[float, float, int, int, Any]:
-    """Median forward/backward ms, kept bytes, output bytes and the output of one layer."""
-    kept, out = _saved_bytes(layer, inp)
+    """Median forward/backward ms, kept bytes, output bytes and the output of one layer
+    (forwards under ``cast``)."""
+    kept, out = _saved_bytes(layer, inp, cast)
     grads = [torch.randn_like(t) for t in _tensors(out) if t.requires_grad]
     fwd: list[float] = []
     bwd: list[float] = []
+
+    def forward() -> Any:
+        with cast():
+            return layer(inp)
+
     for r in range(warmup + repeats):
-        ms, o = timer(lambda: layer(inp))
+        ms, o = timer(forward)
         if r >= warmup:
             fwd.append(ms)
         if grads:
@@ -167,6 +231,7 @@ def profile_workload(
     seed: int = 0,
     num_threads: int | None = None,
     co_workers: int = 1,
+    precision: str = "fp32",
 ) -> ModelProfile:
     """Measure every layer of ``workload`` at each batch size and fit the profile.
 
@@ -189,9 +254,11 @@ def profile_workload(
             small batches; that inflation is in these times, and the time-slicing itself is
             the cluster's ``compute_cores_per_server`` (processor sharing in the simulator).
             The profile's ``device`` then reads ``cpu (CPU time, N co-workers)``.
+        precision: ``fp32``, or ``bf16``/``fp16``: every forward under that autocast, as
+            ``dapple train --precision`` runs it (fp16 needs CUDA); recorded in the profile.
 
     Raises:
-        ValidationError: bad batch sizes, repeats or device, or CUDA unavailable.
+        ValidationError: bad batch sizes, repeats, device or precision, or CUDA unavailable.
     """
     sizes = sorted(set(batch_sizes))
     if not sizes or any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in sizes):
@@ -199,6 +266,7 @@ def profile_workload(
     if repeats < 1 or warmup < 0:
         raise ValidationError(f"need repeats >= 1 and warmup >= 0, got {repeats} and {warmup}")
     dev = resolve_device(device)
+    _check_precision(precision, dev)
     if num_threads is not None and num_threads < 1:
         raise ValidationError(f"num_threads must be >= 1, got {num_threads}")
     if not isinstance(co_workers, int) or co_workers < 1:
@@ -207,9 +275,15 @@ def profile_workload(
     old_threads = torch.get_num_threads()
     if num_threads is not None and dev.type == "cpu":
         torch.set_num_threads(num_threads)
-    load = _CoWorkers(workload, co_workers - 1, sizes[len(sizes) // 2], seed) if shared else None
+    load = (
+        _CoWorkers(
+            workload, co_workers - 1, sizes[len(sizes) // 2], seed, _autocast(precision, dev)
+        )
+        if shared
+        else None
+    )
     try:
-        prof = _profile(workload, sizes, dev, warmup, repeats, progress, seed, shared)
+        prof = _profile(workload, sizes, dev, warmup, repeats, progress, seed, shared, precision)
     finally:
         torch.set_num_threads(old_threads)
         if load is not None:
@@ -222,7 +296,9 @@ def profile_workload(
 class _CoWorkers:
     """``n`` forked processes training ``workload`` at batch ``b`` until :meth:`stop`."""
 
-    def __init__(self, workload: Workload, n: int, b: int, seed: int) -> None:
+    def __init__(
+        self, workload: Workload, n: int, b: int, seed: int, cast: Cast = contextlib.nullcontext
+    ) -> None:
         ctx = mp.get_context("fork")  # the workload's factories need not pickle
         self._stop = ctx.Event()
         self._ready = ctx.Barrier(n + 1)
@@ -230,7 +306,7 @@ class _CoWorkers:
         self._procs = [
             ctx.Process(
                 target=_train_loop,
-                args=(workload, b, seed, threads, self._stop, self._ready),
+                args=(workload, b, seed, threads, self._stop, self._ready, cast),
                 daemon=True,
             )
             for _ in range(n)
@@ -247,17 +323,29 @@ class _CoWorkers:
                 p.kill()
 
 
-def _train_loop(workload: Workload, b: int, seed: int, threads: int, stop: Any, ready: Any) -> None:
-    """A co-worker: forward + backward of the whole chain at batch ``b`` until ``stop``."""
+def _train_loop(
+    workload: Workload,
+    b: int,
+    seed: int,
+    threads: int,
+    stop: Any,
+    ready: Any,
+    cast: Cast = contextlib.nullcontext,
+) -> None:
+    """A co-worker: forward (under ``cast``) + backward of the whole chain at batch ``b`` until
+    ``stop``."""
     torch.set_num_threads(threads)
     layers = [workload.build_layer(i, seed).train() for i in range(workload.num_layers)]
     inputs, targets = workload.make_batch(b, seed)
     ready.wait(timeout=120)
     while not stop.is_set():
         x = inputs
-        for layer in layers:
-            x = layer(x)
-        loss = workload.loss_fn(x, targets)
+        with cast():
+            for layer in layers:
+                x = layer(x)
+        loss = workload.loss_fn(
+            _map(x, lambda t: t.float() if t.is_floating_point() else t), targets
+        )
         if loss.requires_grad:
             loss.backward()  # type: ignore[no-untyped-call]
         for layer in layers:
@@ -273,8 +361,10 @@ def _profile(
     progress: ProgressFn | None,
     seed: int,
     cpu_time: bool = False,
+    precision: str = "fp32",
 ) -> ModelProfile:
     timer = _Timer(dev, cpu_time)
+    cast = _autocast(precision, dev)
     n = workload.num_layers
     fwd = [[0.0] * len(sizes) for _ in range(n)]
     bwd = [[0.0] * len(sizes) for _ in range(n)]
@@ -290,7 +380,7 @@ def _profile(
         layer = workload.build_layer(i, seed).to(dev).train()
         for k, b in enumerate(sizes):
             f_ms, b_ms, kept_bytes, nbytes, xs[k] = _measure_layer(
-                layer, xs[k], timer, warmup, repeats
+                layer, xs[k], timer, warmup, repeats, cast
             )
             fwd[i][k], bwd[i][k], kept[i][k], out_b[i][k] = f_ms, b_ms, kept_bytes, nbytes
             done += 1
@@ -325,6 +415,7 @@ def _profile(
         dtype=dtype,
         device=dev_name,
         batch_sizes=tuple(sizes),
+        precision=precision,
     )
 
 

@@ -9,13 +9,16 @@ from typing import Any
 
 from dapple.errors import ValidationError
 
-__all__ = ["OPTIMIZERS", "OPTIMIZER_STATE_FACTOR", "StepMetrics", "TrainConfig"]
+__all__ = ["OPTIMIZERS", "OPTIMIZER_STATE_FACTOR", "PRECISIONS", "StepMetrics", "TrainConfig"]
 
 OPTIMIZERS = ("sgd", "adam")
 
 OPTIMIZER_STATE_FACTOR = {"sgd": 1.0, "adam": 3.0}
 """Bytes of gradients and optimizer state per parameter byte: SGD keeps the gradient, Adam the
 gradient and two moments (the profile's ``optimizer_state_factor`` for the planner)."""
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+"""``TrainConfig.precision`` values (see :mod:`dapple.runtime.precision`)."""
 
 
 def _human(n: float) -> str:
@@ -74,6 +77,11 @@ class TrainConfig:
     tensorboard_dir: str | None = None
     """Rank 0 writes the per-step scalars here for TensorBoard (needs ``tensorboard``)."""
 
+    # -- mixed precision (dapple.runtime.precision) --
+    precision: str = "fp32"
+    """``fp32``, ``bf16`` or ``fp16``: autocast dtype of every stage forward (weights and
+    optimizer state stay fp32; fp16 adds dynamic loss scaling)."""
+
     def __post_init__(self) -> None:
         _check_long_run(self)
         _check_reporting(self)
@@ -89,6 +97,10 @@ class TrainConfig:
             raise ValidationError(f"timeout_s must be > 0, got {self.timeout_s}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValidationError(f"device must be auto, cpu or cuda, got {self.device!r}")
+        if self.precision not in PRECISIONS:
+            raise ValidationError(
+                f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}"
+            )
 
 
 def _check_long_run(c: TrainConfig) -> None:

@@ -45,6 +45,7 @@ from dapple.runtime.interpreter import ProgramInterpreter
 from dapple.runtime.longrun import LongRun, first_attempt
 from dapple.runtime.memory import ActivationMeter
 from dapple.runtime.metrics import MetricsSink, StepProbe, resident_bytes
+from dapple.runtime.precision import Precision
 from dapple.runtime.reporting import open_reporters, target_tokens
 from dapple.runtime.stage import StageExecutor
 from dapple.runtime.sync import GradientSync
@@ -258,9 +259,11 @@ def _setup(
         module = workload.build_stage(lo, hi, config.seed).to(device)
         module.train()
     sample = tuple(t[:1] for t in flatten(inputs))
-    specs = infer_boundary_specs(
-        plan, rank, module, sample if isinstance(inputs, (tuple, list)) else sample[0], device
-    )
+    precision = Precision(config.precision, device)
+    with precision.autocast():  # boundary buffers get the dtype autocast produces
+        specs = infer_boundary_specs(
+            plan, rank, module, sample if isinstance(inputs, (tuple, list)) else sample[0], device
+        )
     sync = GradientSync(plan, workload, rank, module, s)  # collective: creates the groups
     torch.manual_seed(config.seed * 7919 + rank)  # per-rank RNG for dropout-like layers
     params = list(module.parameters()) if module is not None else []
@@ -270,15 +273,16 @@ def _setup(
     if module is not None:
         assert s is not None and j is not None
         recompute = config.recompute or plan.stages[s].recompute
-        ex = StageExecutor(plan, s, j, module, specs, workload.loss_fn, device, recompute, meter)
+        ex = StageExecutor(plan, s, j, module, specs, workload.loss_fn, device, recompute, meter,
+                           precision)  # fmt: skip
     longrun = LongRun(plan, workload, config, rank=rank, world=world, stage=s, replica=j,
-                      module=module, optimizer=opt, device=device)  # fmt: skip
+                      module=module, optimizer=opt, device=device, precision=precision)  # fmt: skip
     longrun.data_state = data_state(data, config.seed, G)
     start = longrun.resume()
     step_probe = StepProbe(device, meter, ex, baseline)
     interpreter = ProgramInterpreter(plan, lower(plan), rank, executor=ex, sync=sync,
                                      longrun=longrun, optimizer=opt, params=params,
-                                     probe=step_probe)  # fmt: skip
+                                     probe=step_probe, precision=precision)  # fmt: skip
     if first_attempt() and int(os.environ.get(FAIL_RANK_ENV, "-1")) == rank:
         interpreter.die_mid_step(int(os.environ.get(FAIL_STEP_ENV, "-1")))
     feed = RankData(plan, rank, config.seed, data, eval_data, stop=config.steps)

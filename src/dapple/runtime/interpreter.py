@@ -12,8 +12,8 @@ simulator runs - and dispatches every action on its kind:
   AllReduce (:meth:`GradientSync.arm`), whose buckets start while backward still runs;
 - ``SEND_F``/``SEND_B`` post ``isend``s (all waited for at the step point);
 - ``AR`` waits for AR(P_s, g_s) over the stage's replicas (:meth:`GradientSync.finish`);
-- ``OPT`` sums the tied parameters' gradients (:meth:`GradientSync.tied`), then steps the
-  optimizer.
+- ``OPT`` sums the tied parameters' gradients (:meth:`GradientSync.tied`), unscales them
+  (:meth:`Precision.unscale`, fp16 loss scaling), then steps the optimizer.
 
 The program is compiled once into *ops* - ``(position, action, handler)`` in execution order,
 early receives moved up, the arming wrapped around the last ``B`` - so a step is a plain loop.
@@ -43,6 +43,7 @@ from dapple.errors import ValidationError
 from dapple.runtime.failure import RankFailure, describe_rank, failure_grid, short_error
 from dapple.runtime.longrun import LongRun
 from dapple.runtime.metrics import StepProbe
+from dapple.runtime.precision import Precision
 from dapple.runtime.stage import StageExecutor
 from dapple.runtime.sync import GradientSync
 from dapple.schedule.ir import Action, ActionKind, Schedule
@@ -122,10 +123,12 @@ class ProgramInterpreter:
         optimizer: torch.optim.Optimizer | None,
         params: list[nn.Parameter],
         probe: StepProbe,
+        precision: Precision | None = None,
     ) -> None:
         self.plan, self.schedule, self.rank = plan, schedule, rank
         self.ex, self.sync, self.longrun, self.probe = executor, sync, longrun, probe
         self.optimizer, self.params = optimizer, params
+        self.precision = precision or Precision("fp32", torch.device("cpu"))
         program = schedule.get(rank, [])
         if program and executor is None:
             raise ValidationError(f"rank {rank} has a program but no stage executor")
@@ -193,7 +196,8 @@ class ProgramInterpreter:
             p.grad = None
         self.ex.begin_step(inputs, targets)
         self.longrun.begin_step()
-        self._execute(self._compute)
+        with self.precision.weight_cache():  # autocast: one cast of the weights per step
+            self._execute(self._compute)
         self._at = "the step's sends"
         self.ex.finish_sends()
 
@@ -233,6 +237,7 @@ class ProgramInterpreter:
 
     def _optimizer_step(self, a: Action) -> None:
         self.sync.tied()
+        self.precision.unscale(self.params)  # fp16: gradients / S (the loss was x S)
         if self.optimizer is not None:
             self.optimizer.step()
 

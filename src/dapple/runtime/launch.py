@@ -35,6 +35,7 @@ from dapple.runtime.config import StepMetrics, TrainConfig
 from dapple.runtime.data import check_data, check_data_resume, data_state
 from dapple.runtime.engine import RankFailure, run_plan, validate_run
 from dapple.runtime.longrun import elastic_store
+from dapple.runtime.precision import check_precision
 
 __all__ = [
     "free_port",
@@ -218,7 +219,7 @@ def train(
             :class:`~dapple.datasets.TokenFile`); None: ``workload.make_batch``.
         eval_data: evaluation samples handed to the runtime (see ``run_plan``).
         **options: the other :class:`TrainConfig` fields (seed, optimizer, lr, timeout_s,
-            recompute, metrics_path, echo, device, predicted_step_ms).
+            recompute, metrics_path, echo, device, predicted_step_ms, precision).
 
     Returns:
         Rank 0's per-step metrics (empty on other torchrun ranks).
@@ -230,6 +231,7 @@ def train(
     if not isinstance(plan, Plan):
         plan = Plan.load(plan)
     cfg = TrainConfig(steps=steps, **options)
+    check_precision(cfg.precision, cfg.device)  # fp16 on the CPU etc.: before any compute
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         wl = resolve_workload(workload)
         validate_run(plan, wl, int(os.environ["WORLD_SIZE"]))

@@ -14,10 +14,13 @@
   gathers every rank's verdict over all ranks (ranks beyond the plan send none), so all ranks
   take the same decision *before the optimizer touches the weights*: stop with one line naming
   step, stage, micro-batch and rank (default), or skip the step and count it
-  (``on_nonfinite="skip"``). The same gather carries the caller's per-rank values (the step's
-  metrics);
+  (``on_nonfinite="skip"``). Under fp16 loss scaling a non-finite gradient without a
+  non-finite loss is an overflow: every rank skips the step and halves the loss scale, and the
+  run goes on (:mod:`dapple.runtime.precision`). The same gather carries the caller's per-rank
+  values (the step's metrics);
 - :meth:`LongRun.after_step` saves every ``save_every`` steps (replica 0 of each stage writes
-  its layers, every rank its RNG state, rank 0 the manifest after a barrier).
+  its layers, every rank its RNG state, rank 0 the manifest after a barrier, with the fp16 loss
+  scale in its ``extra``).
 
 Cost: one small all_gather per step - the runtime's only per-step collective besides the
 gradient AllReduce, as it also carries the step's metrics (see :mod:`dapple.runtime.metrics`) -
@@ -52,6 +55,7 @@ from dapple.runtime.checkpoint import (
 )
 from dapple.runtime.config import TrainConfig
 from dapple.runtime.data import check_data_resume
+from dapple.runtime.precision import Precision
 from dapple.schedule.ir import Action, ActionKind
 
 __all__ = ["OPTIMIZER_CLASSES", "LongRun", "elastic_store", "first_attempt"]
@@ -107,8 +111,12 @@ class LongRun:
         module: nn.Module | None,
         optimizer: torch.optim.Optimizer | None,
         device: torch.device,
+        precision: Precision | None = None,
     ) -> None:
         self.plan, self.workload, self.config = plan, workload, config
+        self.precision = precision or Precision("fp32", device)
+        """fp16: a non-finite gradient (no non-finite loss) skips the step and lowers the loss
+        scale on every rank; the scale is saved in and restored from checkpoints."""
         self.rank, self.world, self.stage, self.replica = rank, world, stage, replica
         self.module, self.optimizer, self.device = module, optimizer, device
         self.first_layer = plan.stages[stage].layers[0] if stage is not None else 0
@@ -156,6 +164,7 @@ class LongRun:
         else:  # another plan: the saved per-rank streams do not map onto these ranks
             torch.manual_seed(cfg.seed * 7919 + self.rank + 1_000_003 * ck.step)
         self.skipped = [int(x) for x in ck.meta.extra.get("skipped_steps", [])]
+        self.precision.load_state_dict(ck.meta.extra)
         how = "same plan" if same_run else f"plan {self.plan.replication} (saved under another)"
         logger.info("resumed from %s at step %d (%s)", ck.path, ck.step, how)
         return ck.step
@@ -224,6 +233,10 @@ class LongRun:
         if len(found) > 1:
             others = sorted({f"stage {b[2]}" for b in found[1:]})
             what += f"; also non-finite at {', '.join(others)}"
+        if k == 1 and self.precision.overflow(step):  # fp16 overflow: skip, scale / 2, go on
+            for p in self.params:
+                p.grad = None
+            return ""
         if self.config.on_nonfinite == "skip":
             for p in self.params:
                 p.grad = None
@@ -262,7 +275,12 @@ class LongRun:
             plan=self.plan.to_dict(),
             optimizer_type=OPTIMIZER_CLASSES[cfg.optimizer],
             world_size=self.world,
-            extra={"seed": cfg.seed, "lr": cfg.lr, "skipped_steps": list(self.skipped)}
+            extra={
+                "seed": cfg.seed,
+                "lr": cfg.lr,
+                "skipped_steps": list(self.skipped),
+                **self.precision.state_dict(),  # fp16: the loss scale
+            }
             | ({"data": self.data_state} if self.data_state is not None else {}),
         )
         save_checkpoint(

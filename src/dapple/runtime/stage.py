@@ -23,6 +23,7 @@ from torch.utils.checkpoint import checkpoint
 
 from dapple.core.plan import Plan, slice_bounds, transfers
 from dapple.runtime.memory import ActivationMeter, Held
+from dapple.runtime.precision import Precision, to_fp32
 from dapple.runtime.transport import BoundarySpec, flatten, message_tag, unflatten
 from dapple.schedule.ir import Action, ActionKind
 
@@ -66,8 +67,11 @@ class StageExecutor:
         device: torch.device,
         recompute: bool,
         meter: ActivationMeter,
+        precision: Precision | None = None,
     ) -> None:
         self.plan, self.s, self.j = plan, stage, replica
+        self.precision = precision or Precision("fp32", device)
+        """Autocast of the stage's forwards and the fp16 loss scale."""
         self.module, self.loss_fn, self.device = module, loss_fn, device
         self.recompute, self.meter = recompute, meter
         self.metering = True
@@ -245,13 +249,15 @@ class StageExecutor:
         if metering:
             st.held = self.meter.hold(xs)
         with self.meter.saved_tensors_hooks() if metering else contextlib.nullcontext():
-            if self.recompute:
-                out = checkpoint(self._stage_fn, *xs, use_reentrant=False)
-            else:
-                out = self._stage_fn(*xs)
+            with self.precision.autocast():  # checkpoint replays the recompute under it too
+                if self.recompute:
+                    out = checkpoint(self._stage_fn, *xs, use_reentrant=False)
+                else:
+                    out = self._stage_fn(*xs)
             if self.s == self.plan.num_stages - 1:
                 assert self._targets is not None
                 tgt = self._targets[m * b + self.lo : m * b + self.hi].to(self.device, copy=True)
+                out = to_fp32(out) if self.precision.dtype is not None else out  # fp32 loss
                 st.loss = self.loss_fn(out, tgt) * ((self.hi - self.lo) / self._global_batch)
                 self.loss_sum += float(st.loss.detach())
         if self.s < self.plan.num_stages - 1:
@@ -271,7 +277,7 @@ class StageExecutor:
     def _backward(self, m: int) -> None:
         st = self._mb[m]
         if st.loss is not None:
-            torch.autograd.backward([st.loss])
+            torch.autograd.backward([self.precision.scale(st.loss)])  # x S under fp16
         else:
             grads = self._wait_concat(self._recv_b, m, "gradients")
             outs, gs = [], []

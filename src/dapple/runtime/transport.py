@@ -7,7 +7,9 @@ sends the (1-sample) result to replica 0 of stage 1 with ``send_object_list``, w
 same, down the pipeline; then every rank learns every boundary's :class:`BoundarySpec` with one
 ``all_gather_object``. This runs the real layers (no meta-device support needed) once, in eval
 mode and without gradients, so it changes no parameter or running statistic. It assumes a
-boundary tensor's per-sample shape does not depend on the batch size.
+boundary tensor's per-sample shape does not depend on the batch size. Under mixed precision
+the runtime calls it inside the stages' autocast (:mod:`dapple.runtime.precision`), so a spec
+carries the dtype autocast produces (e.g. bf16) and the receivers' buffers match what is sent.
 
 Messages between the same pair of ranks are tagged by (micro-batch, direction, tensor index);
 only floating-point boundary tensors carry gradients backwards.

@@ -2,7 +2,9 @@
 
 ``verify`` trains a plan with the runtime (one process per plan device, gloo/NCCL) and the same
 steps in this process on the unsplit model, then compares every parameter after the last step
-(``torch.testing.assert_close`` float32 tolerances by default) and the loss of every step.
+(``torch.testing.assert_close`` float32 tolerances by default; with ``precision="bf16"`` both
+runs autocast and the tolerances are :func:`dapple.runtime.precision.tolerances_for`) and the
+loss of every step.
 
 Design choices:
     - The reference is the *original* model when the workload was made by
@@ -53,6 +55,7 @@ from dapple.runtime import (
 )
 from dapple.runtime.data import check_data, fit_data
 from dapple.runtime.engine import make_optimizer
+from dapple.runtime.precision import autocast_reference, check_verify_precision, tolerances_for
 
 __all__ = [
     "ATOL",
@@ -149,6 +152,7 @@ def reference_run(
     optimizer: str = "sgd",
     lr: float = 0.01,
     data: Dataset[Any] | None = None,
+    precision: str = "fp32",
 ) -> tuple[list[float], Params, str]:
     """Train ``steps`` full-batch steps in this process, as the runtime would on one device.
 
@@ -161,6 +165,8 @@ def reference_run(
         lr: Learning rate.
         data: Training samples; step ``t`` takes the global batch the runtime's sampler picks
             (:class:`~dapple.datasets.BatchSource`, seeded by ``seed``). None: ``make_batch``.
+        precision: ``fp32`` or ``bf16``: the forward runs under the runtime's CPU autocast,
+            the loss in fp32.
 
     Returns:
         The loss of each step, the final parameters per layer (named as in the layers) and
@@ -188,7 +194,9 @@ def reference_run(
         else:
             inputs, targets = workload.make_batch(global_batch_size, seed + step)
         opt.zero_grad(set_to_none=True)
-        loss = workload.loss_fn(_call(model, inputs), targets)
+        with autocast_reference(precision) as cast:
+            out = _call(model, inputs)
+        loss = workload.loss_fn(cast(out), targets)
         torch.autograd.backward([loss])
         if model is chain:
             sum_tied_grads_local(list(chain), workload.tied_parameters)
@@ -312,11 +320,12 @@ def verify_many(
     seed: int = 0,
     optimizer: str = "sgd",
     lr: float = 0.01,
-    rtol: float = RTOL,
-    atol: float = ATOL,
+    rtol: float | None = None,
+    atol: float | None = None,
     timeout_s: float = 120.0,
     device: str = "cpu",
     data: Dataset[Any] | None = None,
+    precision: str = "fp32",
 ) -> list[VerifyReport]:
     """:func:`verify` several ``(plan, workload)`` pairs with ONE launch of worker processes.
 
@@ -330,24 +339,34 @@ def verify_many(
         seed: Weights seed; step ``t`` uses batch seed ``seed + t``.
         optimizer: ``sgd`` or ``adam``.
         lr: Learning rate.
-        rtol: Relative tolerance per parameter element.
-        atol: Absolute tolerance per parameter element.
+        rtol: Relative tolerance per parameter element (None: ``tolerances_for(precision)``).
+        atol: Absolute tolerance per parameter element (None: ``tolerances_for(precision)``).
         timeout_s: Process-group timeout of the distributed run.
         device: Device of the distributed run (``cpu``, ``cuda`` or ``auto``); the reference
             runs on the CPU.
         data: Training samples both runs take their batches from (see :func:`reference_run`);
             None: ``make_batch``.
+        precision: ``fp32`` or ``bf16`` (:mod:`dapple.runtime.precision`), both runs.
 
     Raises:
         ValidationError: A plan does not fit its workload, or bad options.
         RankFailure: A worker failed.
     """
+    check_verify_precision(precision, device)
+    rtol = tolerances_for(precision)[0] if rtol is None else rtol
+    atol = tolerances_for(precision)[1] if atol is None else atol
     if not cases:
         raise ValidationError("verify needs at least one (plan, workload) case")
     if rtol < 0 or atol < 0:
         raise ValidationError(f"tolerances must be >= 0, got rtol={rtol} atol={atol}")
     cfg = TrainConfig(
-        steps=steps, seed=seed, optimizer=optimizer, lr=lr, timeout_s=timeout_s, device=device
+        steps=steps,
+        seed=seed,
+        optimizer=optimizer,
+        lr=lr,
+        timeout_s=timeout_s,
+        device=device,
+        precision=precision,
     )
     for plan, wl in cases:
         validate_run(plan, wl, len(plan.devices))
@@ -358,7 +377,14 @@ def verify_many(
         key = (id(wl), plan.global_batch_size)
         if key not in refs:
             refs[key] = reference_run(
-                wl, plan.global_batch_size, steps, seed=seed, optimizer=optimizer, lr=lr, data=data
+                wl,
+                plan.global_batch_size,
+                steps,
+                seed=seed,
+                optimizer=optimizer,
+                lr=lr,
+                precision=precision,
+                data=data,
             )
     with tempfile.TemporaryDirectory(prefix="dapple-verify-") as tmp:
         payload = [(plan.to_dict(), wl) for plan, wl in cases]
@@ -381,7 +407,13 @@ def verify_many(
                     reference_losses=tuple(ref_losses),
                     rtol=rtol,
                     atol=atol,
-                    options={"steps": steps, "seed": seed, "optimizer": optimizer, "lr": lr},
+                    options={
+                        "steps": steps,
+                        "seed": seed,
+                        "optimizer": optimizer,
+                        "lr": lr,
+                        "precision": precision,
+                    },
                 )
             )
     for rep in reports:
@@ -403,7 +435,7 @@ def verify(plan: Plan, workload: Workload, steps: int = 2, **options: Any) -> Ve
         workload: The model, data and loss (must pickle, see :func:`verify_many`).
         steps: Optimizer steps.
         **options: ``seed``, ``optimizer``, ``lr``, ``rtol``, ``atol``, ``timeout_s``,
-            ``device``, ``data`` as in :func:`verify_many`.
+            ``device``, ``data``, ``precision`` as in :func:`verify_many`.
 
     Returns:
         Per-stage parameter differences after ``steps`` steps and the losses of both runs.
