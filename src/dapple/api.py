@@ -229,7 +229,8 @@ def train(
         steps: Optimizer steps.
         overrides: Factory keyword arguments when ``workload`` is a spec.
         **options: :class:`dapple.runtime.TrainConfig` fields (``seed``, ``optimizer``,
-            ``lr``, ``echo``, ``device``, ``metrics_path``, ``timeout_s``...).
+            ``lr``, ``weight_decay``, ``lr_schedule``, ``clip_grad_norm``, ``echo``,
+            ``device``, ``metrics_path``, ``timeout_s``...).
 
     Returns:
         Rank 0's metrics of every step.
@@ -265,8 +266,10 @@ def verify(
         policy: ``A`` or ``B`` instead of the plan's.
         device: Device of the distributed run: ``auto`` (``cuda`` when available, else
             ``cpu``), ``cpu`` or ``cuda``; the reference runs on the CPU.
-        **options: ``seed``, ``optimizer``, ``lr``, ``rtol``, ``atol``, ``timeout_s``
-            (see :func:`dapple.runtime.verify.verify_many`).
+        **options: ``seed``, ``optimizer``, ``lr``, ``rtol``, ``atol``, ``timeout_s`` and the
+            optimisation options ``weight_decay``, ``momentum``, ``betas``, ``eps``,
+            ``lr_schedule``, ``warmup_steps``, ``min_lr``, ``clip_grad_norm`` (see
+            :func:`dapple.runtime.verify.verify_many`).
 
     Returns:
         A :class:`~dapple.runtime.verify.VerifyReport`; ``report.ok`` is the verdict.

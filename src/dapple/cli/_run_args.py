@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any, overload
 
 from dapple.cli._model_args import add_model_arguments
+from dapple.cli._optim_args import add_optim_arguments
 from dapple.core.plan import Plan
 
 __all__ = ["RUN_DEVICES", "add_device_argument", "add_run_arguments", "load_run_plan"]
@@ -68,7 +69,8 @@ def add_run_arguments(p: argparse.ArgumentParser, *, steps: int) -> None:
 
     ``--plan``, ``-m/--model`` (with ``--set``, ``--split-at``), ``--steps``, ``--seed``,
     ``--optimizer`` (the runtime's names), ``--lr``, ``--schedule``, ``--policy``,
-    ``--device`` and ``--timeout-s``.
+    ``--device``, ``--timeout-s`` and the optimisation flags
+    (:func:`dapple.cli._optim_args.add_optim_arguments`).
 
     Args:
         p: the command's parser.
@@ -107,6 +109,7 @@ def add_run_arguments(p: argparse.ArgumentParser, *, steps: int) -> None:
         default=300.0,
         help="fail instead of waiting longer than this on a peer, seconds (default %(default)s)",
     )
+    add_optim_arguments(p)
 
 
 def load_run_plan(args: argparse.Namespace) -> Plan:

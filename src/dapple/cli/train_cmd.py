@@ -14,6 +14,7 @@ import statistics
 from typing import TYPE_CHECKING
 
 from dapple.cli._model_args import model_overrides
+from dapple.cli._optim_args import optim_options
 from dapple.cli._run_args import add_run_arguments, load_run_plan
 from dapple.core.plan import Plan
 from dapple.errors import ValidationError
@@ -181,6 +182,7 @@ def run(args: argparse.Namespace) -> int:
         keep=args.keep,
         resume=args.resume,
         on_nonfinite=args.on_nonfinite,
+        **optim_options(args),
     )
     if metrics and int(os.environ.get("RANK", "0")) == 0:
         # the first step includes connection set-up and warm-up; report the rest when possible

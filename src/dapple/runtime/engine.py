@@ -35,6 +35,7 @@ from dapple.runtime.interpreter import ProgramInterpreter
 from dapple.runtime.longrun import LongRun, first_attempt
 from dapple.runtime.memory import ActivationMeter
 from dapple.runtime.metrics import MetricsSink, StepProbe, resident_bytes
+from dapple.runtime.optim import ModelUpdate, counted_parameters, make_optimizer
 from dapple.runtime.stage import StageExecutor
 from dapple.runtime.sync import GradientSync
 from dapple.runtime.transport import flatten, infer_boundary_specs
@@ -87,13 +88,6 @@ def validate_run(plan: Plan, workload: Workload, world_size: int, *, exact: bool
         )
 
 
-def make_optimizer(name: str, params: list[nn.Parameter], lr: float) -> torch.optim.Optimizer:
-    """The optimizer every rank (and the single-process reference) uses: SGD or Adam."""
-    if name == "adam":
-        return torch.optim.Adam(params, lr=lr)
-    return torch.optim.SGD(params, lr=lr)
-
-
 def run_plan(
     plan: Plan,
     workload: Workload,
@@ -131,7 +125,8 @@ def run_plan(
             inputs, targets = r.batch(step)
             r.probe.begin(inputs, targets)
             rows = r.interpreter.run_step(step, inputs, targets)
-            sink.record(step, rows, r.probe.step_ms)
+            report = r.update.take_report() if rank == 0 else {}  # lr, grad_norm
+            sink.record(step, rows, r.probe.step_ms, **report)
             r.longrun.after_step(step)
         clean = True
     finally:
@@ -153,6 +148,7 @@ class _Rank:
     longrun: LongRun
     probe: StepProbe
     interpreter: ProgramInterpreter
+    update: ModelUpdate
     start: int
     """The first step to run (after a resume: the checkpoint's step)."""
     workload: Workload
@@ -195,7 +191,7 @@ def _setup(
     sync = GradientSync(plan, workload, rank, module, s)  # collective: creates the groups
     torch.manual_seed(config.seed * 7919 + rank)  # per-rank RNG for dropout-like layers
     params = list(module.parameters()) if module is not None else []
-    opt = make_optimizer(config.optimizer, params, config.lr) if params else None
+    opt = make_optimizer(config, params) if params else None
     meter = ActivationMeter(exclude=params)
     ex: StageExecutor | None = None
     if module is not None:
@@ -206,13 +202,15 @@ def _setup(
                       module=module, optimizer=opt, device=device)  # fmt: skip
     start = longrun.resume()
     step_probe = StepProbe(device, meter, ex, baseline)
+    counted = counted_parameters(plan, workload, s, j, module)
+    update = ModelUpdate(config, opt, params, counted, device)
     interpreter = ProgramInterpreter(plan, lower(plan), rank, executor=ex, sync=sync,
                                      longrun=longrun, optimizer=opt, params=params,
-                                     probe=step_probe)  # fmt: skip
+                                     probe=step_probe, update=update)  # fmt: skip
     if first_attempt() and int(os.environ.get(FAIL_RANK_ENV, "-1")) == rank:
         interpreter.die_mid_step(int(os.environ.get(FAIL_STEP_ENV, "-1")))
-    return _Rank(s, j, module, sync, longrun, step_probe, interpreter, start, workload, config,
-                 G, (inputs, targets))  # fmt: skip
+    return _Rank(s, j, module, sync, longrun, step_probe, interpreter, update, start, workload,
+                 config, G, (inputs, targets))  # fmt: skip
 
 
 def _teardown(sync: GradientSync, plan: Plan, rank: int) -> None:

@@ -56,7 +56,7 @@ __all__ = ["OPTIMIZER_CLASSES", "LongRun", "elastic_store", "first_attempt"]
 
 logger = logging.getLogger(__name__)
 
-OPTIMIZER_CLASSES = {"sgd": "SGD", "adam": "Adam"}
+OPTIMIZER_CLASSES = {"sgd": "SGD", "adam": "Adam", "adamw": "AdamW"}
 """``TrainConfig.optimizer`` -> the torch class name a checkpoint records."""
 _KINDS = ("loss", "gradient")
 

@@ -13,6 +13,7 @@ to callbacks - in the spirit of torchtitan's metrics processor.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -198,8 +199,11 @@ class MetricsSink:
         if self.active and config.metrics_path:
             self._file = open(config.metrics_path, "w")  # noqa: SIM115 - closed by close()
 
-    def record(self, step: int, rows: Sequence[Sequence[float]], step_ms: float) -> None:
-        """Rank 0: one step, from the rows of its collective (see :func:`step_metrics`)."""
+    def record(
+        self, step: int, rows: Sequence[Sequence[float]], step_ms: float, **fields: Any
+    ) -> None:
+        """Rank 0: one step, from the rows of its collective (see :func:`step_metrics`) and
+        the :class:`StepMetrics` ``fields`` rank 0 knows itself (``lr``, ``grad_norm``)."""
         if not self.active:
             return
         sm = step_metrics(
@@ -211,6 +215,7 @@ class MetricsSink:
             self.predicted_step_ms,
             self.resident_kind,
         )
+        sm = dataclasses.replace(sm, **fields) if fields else sm
         self.metrics.append(sm)
         line = sm.line()
         logger.info(line)
