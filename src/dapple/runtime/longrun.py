@@ -18,8 +18,9 @@
 - :meth:`LongRun.after_step` saves every ``save_every`` steps (replica 0 of each stage writes
   its layers, every rank its RNG state, rank 0 the manifest after a barrier).
 
-Cost: one small all_gather per step - the runtime's only per-step collective besides the
-gradient AllReduce, as it also carries the step's metrics (see :mod:`dapple.runtime.metrics`) -
+Cost: one small all_gather per step - it also carries the step's metrics (see
+:mod:`dapple.runtime.metrics`); besides it the runtime's per-step collectives are the gradient
+AllReduce and the global gradient norm's one-scalar all_reduce (:mod:`dapple.runtime.optim`) -
 and one reduction over the stage's gradients per backward.
 """
 
