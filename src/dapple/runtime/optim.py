@@ -176,8 +176,8 @@ def _local_sq_norm(params: Sequence[nn.Parameter], device: torch.device) -> torc
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return torch.zeros((), dtype=torch.float64, device=device)
-    norms = [torch.linalg.vector_norm(g, 2.0) for g in grads]
-    return torch.stack(norms).double().square().sum()
+    norms = [torch.linalg.vector_norm(g, 2.0).to(device, torch.float64) for g in grads]
+    return torch.stack(norms).square().sum()
 
 
 class ModelUpdate:
