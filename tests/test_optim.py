@@ -466,3 +466,29 @@ def test_resume_continues_schedule_and_momentum_exactly(tmp_path: Path) -> None:
     for a, b in zip(full[CUT:], again, strict=True):
         assert (a["loss"], a["grad_norm"]) == (b["loss"], b["grad_norm"])
     assert all(m["grad_norm"] > RESUME["clip_grad_norm"] for m in full)  # the clip binds
+
+
+# -- the command line ----------------------------------------------------------------------------
+@pytest.mark.slow
+def test_cli_train_and_verify_take_the_optimisation_flags(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    plan = straight_plan(4, [0, 2], global_batch_size=4, num_micro_batches=2)
+    plan.save(tmp_path / "plan.json")
+    flags = ["--optimizer", "adamw", "--lr", "0.02", "--weight-decay", "0.1", "--lr-schedule",
+             "cosine", "--warmup-steps", "1", "--min-lr", "0.002", "--clip-grad-norm", "0.05",
+             "--steps", "3"]  # fmt: skip
+    base = ["--plan", str(tmp_path / "plan.json"), "--model", "runtime_workloads:mlp", *flags]
+    metrics = tmp_path / "m.jsonl"
+    assert main(["train", *base, "--metrics", str(metrics)]) == 0
+    rows = [json.loads(x) for x in metrics.read_text().splitlines()]
+    expect = [
+        lr_at(t, lr=0.02, steps=3, schedule="cosine", warmup_steps=1, min_lr=0.002)
+        for t in range(3)
+    ]
+    assert [r["lr"] for r in rows] == expect
+    assert all(r["grad_norm"] > 0.05 for r in rows)  # pre-clip, and the clip binds
+    capfd.readouterr()
+    assert main(["verify", *base]) == 0
+    out = capfd.readouterr().out
+    assert "gradient norm" in out and "OK" in out and "MISMATCH" not in out
