@@ -11,7 +11,8 @@ Design choices:
       exactly (the checkpoint's step is the next step's index) with no scheduler state.
     - The global gradient norm ``||g||_2`` of the *whole original model* is computed on every
       step, clipping or not, and reported as ``StepMetrics.grad_norm``; it costs one pass over
-      the gradients and ONE world ``all_reduce`` of one float64 per step. Each parameter of the
+      the gradients and ONE world ``all_reduce`` of one float64 per step (1.6 ms with 4 gloo
+      processes oversubscribing a busy 2-core CPU box, 500 timed calls). Each parameter of the
       original model counts once (:func:`counted_parameters`): after AR(P_s, g_s) every replica
       of a stage holds the same gradient, so only replica 0 counts; after the tied sums every
       copy of a tied parameter holds the total, so only the copy in the lowest layer counts.

@@ -123,7 +123,7 @@ class VerifyReport:
     rtol: float = RTOL
     atol: float = ATOL
     options: dict[str, Any] = field(default_factory=dict)
-    """Seed, optimizer and learning rate of both runs."""
+    """Seed, optimizer, learning rate and the other optimisation options of both runs."""
     grad_norms: tuple[float, ...] = ()
     """Distributed global gradient norm of each step, before clipping."""
     reference_grad_norms: tuple[float, ...] = ()
