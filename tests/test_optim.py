@@ -62,6 +62,9 @@ def test_lr_at_cosine_golden_values() -> None:
     assert f(3) == pytest.approx(0.1 + 0.45 * (1 + math.cos(math.pi * 2 / 8)))
     assert f(9) == pytest.approx(0.1)  # the last step
     assert f(12) == pytest.approx(0.1)  # past the end: stays at min_lr
+    # warm-up as long as the run: no decay step; past the end min_lr (no division by T - W)
+    assert lr_at(4, lr=1.0, steps=5, schedule="cosine", warmup_steps=5, min_lr=0.1) == 1.0
+    assert lr_at(7, lr=1.0, steps=5, schedule="cosine", warmup_steps=5, min_lr=0.1) == 0.1
     # no warm-up: the first update already decays a little, the last ends at min_lr
     no_w = [lr_at(t, lr=2.0, steps=3, schedule="cosine") for t in range(3)]
     assert no_w == pytest.approx([1.5, 0.5, 0.0])

@@ -43,6 +43,7 @@ __all__ = [
     "CLIP_EPS",
     "COUNT_EVERY_REPLICA_ENV",
     "ModelUpdate",
+    "config_lr",
     "counted_parameters",
     "decays",
     "lr_at",
@@ -123,7 +124,9 @@ def lr_at(
         return lr * n / warmup_steps
     if schedule == "constant":
         return lr
-    progress = min(1.0, (n - warmup_steps) / (steps - warmup_steps))
+    if n >= steps:
+        return min_lr
+    progress = (n - warmup_steps) / (steps - warmup_steps)  # in (0, 1): W < n < T
     return min_lr + (lr - min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
