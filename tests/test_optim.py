@@ -37,7 +37,7 @@ from dapple.runtime.optim import (
     make_optimizer,
     param_groups,
 )
-from dapple.runtime.optim_config import LR_SCHEDULES
+from dapple.runtime.optim_config import LR_SCHEDULES, state_factor
 from dapple.runtime.verify import reference_run
 
 G = 6
@@ -234,6 +234,9 @@ def test_names_agree_across_layers() -> None:
     assert OPTIMIZER_STATE_FACTOR["adamw"] == OPTIMIZER_STATE_FACTOR["adam"] == 3.0
     assert set(OPTIMIZER_CLASSES) == set(OPTIMIZERS)
     assert LR_SCHEDULE_NAMES == LR_SCHEDULES
+    # the planner's state factor: SGD's momentum buffer is one more parameter-sized tensor
+    assert state_factor("sgd") == 1.0 and state_factor("sgd", 0.9) == 2.0
+    assert state_factor("adamw") == state_factor("adam", 0.0) == 3.0
 
 
 def test_cli_option_errors_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

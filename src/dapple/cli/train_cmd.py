@@ -99,7 +99,12 @@ def _predicted_step_ms(plan: Plan, profile_spec: str, cluster_spec: str) -> floa
 
 
 def _memory_table(
-    plan: Plan, last: StepMetrics, profile_spec: str, cluster_spec: str, optimizer: str
+    plan: Plan,
+    last: StepMetrics,
+    profile_spec: str,
+    cluster_spec: str,
+    optimizer: str,
+    momentum: float = 0.0,
 ) -> None:
     """Each stage's measured memory beside the planner's per-replica estimate."""
     import dataclasses
@@ -110,10 +115,10 @@ def _memory_table(
     from dapple.core.cluster import load_cluster
     from dapple.planner.cost import pipeline_latency
     from dapple.profiler.paper_models import load_profile
-    from dapple.runtime.config import OPTIMIZER_STATE_FACTOR
+    from dapple.runtime.optim_config import state_factor
 
     profile = dataclasses.replace(
-        load_profile(profile_spec), optimizer_state_factor=OPTIMIZER_STATE_FACTOR[optimizer]
+        load_profile(profile_spec), optimizer_state_factor=state_factor(optimizer, momentum)
     )
     rows = pipeline_latency(plan, profile, load_cluster(cluster_spec)).stages
     estimate = [r.memory_bytes for r in rows if r.kind == "compute"]
@@ -192,5 +197,7 @@ def run(args: argparse.Namespace) -> int:
             line += f" vs predicted {predicted:.1f} ms (simulator)"
         print(line)
         if args.profile is not None:
-            _memory_table(plan, metrics[-1], args.profile, args.cluster, args.optimizer)
+            _memory_table(
+                plan, metrics[-1], args.profile, args.cluster, args.optimizer, args.momentum
+            )
     return 0

@@ -14,7 +14,7 @@ from dapple.errors import ValidationError
 if TYPE_CHECKING:
     from dapple.runtime.config import TrainConfig
 
-__all__ = ["LR_SCHEDULES", "OPTIM_FIELDS", "check_optim"]
+__all__ = ["LR_SCHEDULES", "OPTIM_FIELDS", "check_optim", "state_factor"]
 
 LR_SCHEDULES = ("constant", "cosine")
 """``constant``: linear warm-up, then ``lr``; ``cosine``: linear warm-up, then cosine decay to
@@ -69,3 +69,13 @@ def check_optim(c: TrainConfig) -> None:
     clip = c.clip_grad_norm
     if clip is not None and not (clip > 0 and math.isfinite(clip)):
         raise ValidationError(f"clip_grad_norm must be a finite number > 0, got {clip}")
+
+
+def state_factor(optimizer: str, momentum: float = 0.0) -> float:
+    """Bytes of gradients and optimizer state per parameter byte (the planner's
+    ``optimizer_state_factor``): :data:`~dapple.runtime.config.OPTIMIZER_STATE_FACTOR`, plus the
+    momentum buffer of SGD with ``momentum > 0``."""
+    from dapple.runtime.config import OPTIMIZER_STATE_FACTOR
+
+    extra = 1.0 if optimizer == "sgd" and momentum > 0 else 0.0
+    return OPTIMIZER_STATE_FACTOR[optimizer] + extra
