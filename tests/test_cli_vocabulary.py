@@ -161,6 +161,15 @@ def test_train_and_verify_share_one_flag_set_with_help() -> None:
         "--data",
         "--seq-len",
         "--precision",
+        # optimisation (dapple.cli._optim_args)
+        "--weight-decay",
+        "--momentum",
+        "--betas",
+        "--eps",
+        "--lr-schedule",
+        "--warmup-steps",
+        "--min-lr",
+        "--clip-grad-norm",
     }
     cmds = _commands()
     for name in ("train", "verify"):
@@ -190,7 +199,7 @@ def test_optimizer_choices_are_the_runtimes(capsys: pytest.CaptureFixture[str]) 
         main(["verify", "--plan", "p.json", "-m", "mlp", "--optimizer", "rmsprop"])
     assert e.value.code == 2
     err = capsys.readouterr().err
-    assert "invalid choice: 'rmsprop' (choose from 'sgd', 'adam')" in err
+    assert "invalid choice: 'rmsprop' (choose from 'sgd', 'adam', 'adamw')" in err
 
 
 def test_building_the_parser_does_not_import_torch() -> None:

@@ -242,8 +242,9 @@ def train(
         seq_len: Tokens per sample of token files; a spec-string workload is also built
             with ``seq=seq_len``.
         **options: :class:`dapple.runtime.TrainConfig` fields (``seed``, ``optimizer``,
-            ``lr``, ``echo``, ``device``, ``metrics_path``, ``timeout_s``, ``eval_every``,
-            ``eval_batches``, ``tensorboard_dir``, ``precision``...).
+            ``lr``, ``weight_decay``, ``lr_schedule``, ``clip_grad_norm``, ``echo``,
+            ``device``, ``metrics_path``, ``timeout_s``, ``eval_every``, ``eval_batches``,
+            ``tensorboard_dir``, ``precision``...).
 
     Returns:
         Rank 0's metrics of every step.
@@ -316,8 +317,10 @@ def verify(
         seq_len: As in :func:`train`.
         precision: ``fp32`` or ``bf16`` autocast in both runs (bf16 tolerances:
             :func:`dapple.runtime.precision.tolerances_for`).
-        **options: ``seed``, ``optimizer``, ``lr``, ``rtol``, ``atol``, ``timeout_s``
-            (see :func:`dapple.runtime.verify.verify_many`).
+        **options: ``seed``, ``optimizer``, ``lr``, ``rtol``, ``atol``, ``timeout_s`` and the
+            optimisation options ``weight_decay``, ``momentum``, ``betas``, ``eps``,
+            ``lr_schedule``, ``warmup_steps``, ``min_lr``, ``clip_grad_norm`` (see
+            :func:`dapple.runtime.verify.verify_many`).
 
     Returns:
         A :class:`~dapple.runtime.verify.VerifyReport`; ``report.ok`` is the verdict.

@@ -14,6 +14,7 @@ from typing import Any, overload
 
 from dapple.cli._data_args import add_data_arguments
 from dapple.cli._model_args import add_model_arguments
+from dapple.cli._optim_args import add_optim_arguments
 from dapple.core.plan import Plan
 
 __all__ = [
@@ -75,7 +76,8 @@ def add_run_arguments(p: argparse.ArgumentParser, *, steps: int) -> None:
 
     ``--plan``, ``-m/--model`` (with ``--set``, ``--split-at``), ``--steps``, ``--seed``,
     ``--optimizer`` (the runtime's names), ``--lr``, ``--schedule``, ``--policy``,
-    ``--device``, ``--timeout-s``, ``--data``, ``--seq-len`` and ``--precision``.
+    ``--device``, ``--timeout-s``, ``--data``, ``--seq-len``, ``--precision`` and the
+    optimisation flags (:func:`dapple.cli._optim_args.add_optim_arguments`).
 
     Args:
         p: the command's parser.
@@ -118,6 +120,7 @@ def add_run_arguments(p: argparse.ArgumentParser, *, steps: int) -> None:
         help="fail instead of waiting longer than this on a peer, seconds (default %(default)s)",
     )
     add_data_arguments(p)
+    add_optim_arguments(p)
     add_precision_argument(p)
 
 

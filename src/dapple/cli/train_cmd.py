@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from dapple.cli._data_args import add_eval_data_argument, open_datasets, with_seq_len
 from dapple.cli._model_args import model_overrides
+from dapple.cli._optim_args import optim_options
 from dapple.cli._precision import note_profile_precision
 from dapple.cli._run_args import add_run_arguments, load_run_plan
 from dapple.cli._train_show import (
@@ -111,7 +112,12 @@ def _predicted_step_ms(plan: Plan, profile_spec: str, cluster_spec: str) -> floa
 
 
 def _memory_table(
-    plan: Plan, last: StepMetrics, profile_spec: str, cluster_spec: str, optimizer: str
+    plan: Plan,
+    last: StepMetrics,
+    profile_spec: str,
+    cluster_spec: str,
+    optimizer: str,
+    momentum: float = 0.0,
 ) -> None:
     """Each stage's measured memory beside the planner's per-replica estimate."""
     import dataclasses
@@ -122,10 +128,10 @@ def _memory_table(
     from dapple.core.cluster import load_cluster
     from dapple.planner.cost import pipeline_latency
     from dapple.profiler.paper_models import load_profile
-    from dapple.runtime.config import OPTIMIZER_STATE_FACTOR
+    from dapple.runtime.optim_config import state_factor
 
     profile = dataclasses.replace(
-        load_profile(profile_spec), optimizer_state_factor=OPTIMIZER_STATE_FACTOR[optimizer]
+        load_profile(profile_spec), optimizer_state_factor=state_factor(optimizer, momentum)
     )
     rows = pipeline_latency(plan, profile, load_cluster(cluster_spec)).stages
     estimate = [r.memory_bytes for r in rows if r.kind == "compute"]
@@ -208,6 +214,7 @@ def run(args: argparse.Namespace) -> int:
         eval_data=eval_data,
         **show_options(args),
         precision=args.precision,
+        **optim_options(args),
     )
     if metrics and int(os.environ.get("RANK", "0")) == 0:
         # the first step includes connection set-up and warm-up; report the rest when possible
@@ -217,6 +224,8 @@ def run(args: argparse.Namespace) -> int:
             line += f" vs predicted {predicted:.1f} ms (simulator)"
         print(line)
         if args.profile is not None:
-            _memory_table(plan, metrics[-1], args.profile, args.cluster, args.optimizer)
+            _memory_table(
+                plan, metrics[-1], args.profile, args.cluster, args.optimizer, args.momentum
+            )
         print_summary(metrics, curve)
     return 0

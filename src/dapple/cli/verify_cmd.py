@@ -2,8 +2,9 @@
 
 Prints, per stage, the largest absolute and relative difference of its parameters (over all
 replicas) from the single-process reference after N steps, and the loss of every step side by
-side. Exit code 0 when every parameter is within the tolerances (``torch.testing.assert_close``
-float32 defaults unless ``--rtol``/``--atol``), 1 otherwise.
+side, with the global gradient norm (before clipping) of both runs. Exit code 0 when every
+parameter is within the tolerances (``torch.testing.assert_close`` float32 defaults unless
+``--rtol``/``--atol``) and every step's gradient norm within a relative 1e-4, 1 otherwise.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from rich.table import Table
 
 from dapple.cli._data_args import open_datasets, with_seq_len
 from dapple.cli._model_args import model_overrides
+from dapple.cli._optim_args import optim_options
 from dapple.cli._run_args import add_run_arguments, load_run_plan
 
 if TYPE_CHECKING:
@@ -72,12 +74,20 @@ def print_report(con: Console, report: VerifyReport) -> None:
     for s in report.stages:
         if not s.ok:
             con.print(f"stage {s.stage}: largest difference in {s.worst}")
-    lt = Table(title="loss per step")
-    for col in ("step", "distributed", "reference", "abs diff"):
+    lt = Table(title="loss and global gradient norm (before clipping) per step")
+    for col in ("step", "loss", "reference", "abs diff", "grad norm", "reference", "rel diff"):
         lt.add_column(col, justify="right")
-    for i, (a, b) in enumerate(zip(report.losses, report.reference_losses, strict=True)):
-        lt.add_row(str(i), f"{a:.7f}", f"{b:.7f}", _g(abs(a - b)))
+    norms = report.grad_norms or (float("nan"),) * len(report.losses)
+    ref_norms = report.reference_grad_norms or (float("nan"),) * len(report.losses)
+    rows = zip(report.losses, report.reference_losses, norms, ref_norms, strict=True)
+    for i, (a, b, n, rn) in enumerate(rows):
+        rel = abs(n - rn) / abs(rn) if rn else abs(n - rn)
+        lt.add_row(str(i), f"{a:.7f}", f"{b:.7f}", _g(abs(a - b)), f"{n:.7g}", f"{rn:.7g}", _g(rel))
     con.print(lt)
+    if not report.grad_norms_ok:
+        con.print(
+            f"gradient norms differ from the reference by more than rtol {report.grad_norm_rtol:g}"
+        )
     verdict = "[green]OK[/green]" if report.ok else "[red]MISMATCH[/red]"
     con.print(f"{verdict}: largest parameter difference {_g(report.max_abs_diff)}")
 
@@ -101,6 +111,7 @@ def run(args: argparse.Namespace) -> int:
         data=data,
         precision=args.precision,
         **tol,
+        **optim_options(args),
     )
     print_report(Console(), report)
     return 0 if report.ok else 1

@@ -8,14 +8,16 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from dapple.errors import ValidationError
+from dapple.runtime.optim_config import check_optim
 
 __all__ = ["OPTIMIZERS", "OPTIMIZER_STATE_FACTOR", "PRECISIONS", "StepMetrics", "TrainConfig"]
 
-OPTIMIZERS = ("sgd", "adam")
+OPTIMIZERS = ("sgd", "adam", "adamw")
 
-OPTIMIZER_STATE_FACTOR = {"sgd": 1.0, "adam": 3.0}
-"""Bytes of gradients and optimizer state per parameter byte: SGD keeps the gradient, Adam the
-gradient and two moments (the profile's ``optimizer_state_factor`` for the planner)."""
+OPTIMIZER_STATE_FACTOR = {"sgd": 1.0, "adam": 3.0, "adamw": 3.0}
+"""Bytes of gradients and optimizer state per parameter byte: SGD keeps the gradient (plus a
+momentum buffer when ``momentum > 0``, not counted here), Adam and AdamW the gradient and two
+moments (the profile's ``optimizer_state_factor`` for the planner)."""
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 """``TrainConfig.precision`` values (see :mod:`dapple.runtime.precision`)."""
@@ -39,7 +41,7 @@ class TrainConfig:
     """Initial weights use ``workload.build_stage(.., seed)``; step ``t`` uses batch seed ``seed + t``
     (with a dataset: the seed of its per-epoch shuffle, :mod:`dapple.datasets.sampler`)."""
     optimizer: str = "sgd"
-    """``sgd`` (plain) or ``adam``."""
+    """``sgd``, ``adam`` or ``adamw`` (:func:`dapple.runtime.optim.make_optimizer`)."""
     lr: float = 0.01
     """Learning rate."""
     timeout_s: float = 300.0
@@ -82,6 +84,26 @@ class TrainConfig:
     """``fp32``, ``bf16`` or ``fp16``: autocast dtype of every stage forward (weights and
     optimizer state stay fp32; fp16 adds dynamic loss scaling)."""
 
+    # -- optimisation: optimizer options, lr schedule, gradient clipping (runtime/optim.py) ----
+    weight_decay: float = 0.0
+    """Weight decay of the parameters with ``ndim >= 2`` (biases and normalisation weights get
+    none, :func:`dapple.runtime.optim.decays`); decoupled for ``adamw``, L2 for ``sgd``/``adam``."""
+    momentum: float = 0.0
+    """SGD momentum in ``[0, 1)`` (``sgd`` only)."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """Adam/AdamW moment decay rates."""
+    eps: float = 1e-8
+    """Adam/AdamW denominator term."""
+    lr_schedule: str = "constant"
+    """``constant`` or ``cosine`` (:func:`dapple.runtime.optim.lr_at`; ``lr`` is the peak)."""
+    warmup_steps: int = 0
+    """Linear warm-up over the first N steps (both schedules)."""
+    min_lr: float = 0.0
+    """The cosine schedule's lr at the last step."""
+    clip_grad_norm: float | None = None
+    """Clip the global gradient norm of the whole model to this (None: no clipping; the norm is
+    computed and reported either way)."""
+
     def __post_init__(self) -> None:
         _check_long_run(self)
         _check_reporting(self)
@@ -101,6 +123,7 @@ class TrainConfig:
             raise ValidationError(
                 f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}"
             )
+        check_optim(self)
 
 
 def _check_long_run(c: TrainConfig) -> None:

@@ -45,6 +45,7 @@ from dapple.runtime.interpreter import ProgramInterpreter
 from dapple.runtime.longrun import LongRun, first_attempt
 from dapple.runtime.memory import ActivationMeter
 from dapple.runtime.metrics import MetricsSink, StepProbe, resident_bytes
+from dapple.runtime.optim import ModelUpdate, counted_parameters, make_optimizer
 from dapple.runtime.precision import Precision
 from dapple.runtime.reporting import open_reporters, target_tokens
 from dapple.runtime.stage import StageExecutor
@@ -97,13 +98,6 @@ def validate_run(plan: Plan, workload: Workload, world_size: int, *, exact: bool
         raise ValidationError(  # pragma: no cover - Plan already enforces it
             f"global batch {plan.global_batch_size} != {plan.micro_batch_size} x {plan.num_micro_batches}"
         )
-
-
-def make_optimizer(name: str, params: list[nn.Parameter], lr: float) -> torch.optim.Optimizer:
-    """The optimizer every rank (and the single-process reference) uses: SGD or Adam."""
-    if name == "adam":
-        return torch.optim.Adam(params, lr=lr, fused=True)
-    return torch.optim.SGD(params, lr=lr)
 
 
 def run_plan(
@@ -169,8 +163,9 @@ def run_plan(
             r.probe.begin(inputs, targets)
             rows = r.interpreter.run_step(step, inputs, targets)
             eval_loss = _evaluate(evaluation, step, r.probe)
+            report = r.update.take_report() if rank == 0 else {}  # lr, grad_norm
             sink.record(step, rows, r.probe.step_ms, target_tokens=target_tokens(targets),
-                        eval_loss=eval_loss)  # fmt: skip
+                        eval_loss=eval_loss, **report)  # fmt: skip
             r.longrun.after_step(step)
         clean = True
     finally:
@@ -205,6 +200,7 @@ class _Rank:
     longrun: LongRun
     probe: StepProbe
     interpreter: ProgramInterpreter
+    update: ModelUpdate
     start: int
     """The first step to run (after a resume: the checkpoint's step)."""
     workload: Workload
@@ -267,7 +263,7 @@ def _setup(
     sync = GradientSync(plan, workload, rank, module, s)  # collective: creates the groups
     torch.manual_seed(config.seed * 7919 + rank)  # per-rank RNG for dropout-like layers
     params = list(module.parameters()) if module is not None else []
-    opt = make_optimizer(config.optimizer, params, config.lr) if params else None
+    opt = make_optimizer(config, params) if params else None
     meter = ActivationMeter(exclude=params)
     ex: StageExecutor | None = None
     if module is not None:
@@ -280,14 +276,17 @@ def _setup(
     longrun.data_state = data_state(data, config.seed, G)
     start = longrun.resume()
     step_probe = StepProbe(device, meter, ex, baseline)
+    counted = counted_parameters(plan, workload, s, j, module)
+    update = ModelUpdate(config, opt, params, counted, device)
     interpreter = ProgramInterpreter(plan, lower(plan), rank, executor=ex, sync=sync,
                                      longrun=longrun, optimizer=opt, params=params,
-                                     probe=step_probe, precision=precision)  # fmt: skip
+                                     probe=step_probe, update=update,
+                                     precision=precision)  # fmt: skip
     if first_attempt() and int(os.environ.get(FAIL_RANK_ENV, "-1")) == rank:
         interpreter.die_mid_step(int(os.environ.get(FAIL_STEP_ENV, "-1")))
     feed = RankData(plan, rank, config.seed, data, eval_data, stop=config.steps)
-    return _Rank(s, j, module, sync, longrun, step_probe, interpreter, start, workload, config,
-                 G, (inputs, targets), feed)  # fmt: skip
+    return _Rank(s, j, module, sync, longrun, step_probe, interpreter, update, start, workload,
+                 config, G, (inputs, targets), feed)  # fmt: skip
 
 
 def _teardown(sync: GradientSync, plan: Plan, rank: int) -> None:

@@ -13,7 +13,10 @@ simulator runs - and dispatches every action on its kind:
 - ``SEND_F``/``SEND_B`` post ``isend``s (all waited for at the step point);
 - ``AR`` waits for AR(P_s, g_s) over the stage's replicas (:meth:`GradientSync.finish`);
 - ``OPT`` sums the tied parameters' gradients (:meth:`GradientSync.tied`), unscales them
-  (:meth:`Precision.unscale`, fp16 loss scaling), then steps the optimizer.
+  (:meth:`Precision.unscale`, fp16 loss scaling), then :meth:`ModelUpdate.step` computes the
+  global gradient norm (a world all_reduce that ranks beyond the plan join with
+  :meth:`ModelUpdate.join` after their empty program), clips, sets the step's lr and steps the
+  optimizer.
 
 The program is compiled once into *ops* - ``(position, action, handler)`` in execution order,
 early receives moved up, the arming wrapped around the last ``B`` - so a step is a plain loop.
@@ -43,6 +46,7 @@ from dapple.errors import ValidationError
 from dapple.runtime.failure import RankFailure, describe_rank, failure_grid, short_error
 from dapple.runtime.longrun import LongRun
 from dapple.runtime.metrics import StepProbe
+from dapple.runtime.optim import ModelUpdate
 from dapple.runtime.precision import Precision
 from dapple.runtime.stage import StageExecutor
 from dapple.runtime.sync import GradientSync
@@ -123,11 +127,12 @@ class ProgramInterpreter:
         optimizer: torch.optim.Optimizer | None,
         params: list[nn.Parameter],
         probe: StepProbe,
+        update: ModelUpdate,
         precision: Precision | None = None,
     ) -> None:
         self.plan, self.schedule, self.rank = plan, schedule, rank
         self.ex, self.sync, self.longrun, self.probe = executor, sync, longrun, probe
-        self.optimizer, self.params = optimizer, params
+        self.optimizer, self.params, self.update = optimizer, params, update
         self.precision = precision or Precision("fp32", torch.device("cpu"))
         program = schedule.get(rank, [])
         if program and executor is None:
@@ -149,10 +154,12 @@ class ProgramInterpreter:
         """F, B, sends and receives: everything before the step point."""
         self._update = [_Op(i, program[i], handler_at(i)) for i in range(n, len(program))]
         """AR and OPT: everything after the step point."""
+        self._joins = all(op.action.kind is not K.STEP for op in self._update)
+        """No OPT here (a rank beyond the plan): join the global norm's collective directly."""
         ranks = list(plan.stages[executor.s].devices) if executor is not None else []
         self._phases = {
             K.ALLREDUCE: f"gradient AllReduce over ranks {ranks}",
-            K.STEP: "tied-parameter sums and optimizer step",
+            K.STEP: "tied-parameter sums, global gradient norm and optimizer step",
         }
         self._at: _Op | str = "start of step"  # what runs now (formatted only on failure)
         self._step = -1
@@ -178,6 +185,9 @@ class ProgramInterpreter:
             verdict, rows = self._meet(step)
             if verdict is None:
                 self._execute(self._update)  # AR, OPT
+                if self._joins:
+                    self._at = "the global gradient norm (all ranks)"
+                    self.update.join(step)
             else:  # stop or skip: drop the bucket AllReduces (a skipped step updates nothing)
                 self._at = "dropping the gradient AllReduce"
                 self.sync.drain()
@@ -238,8 +248,7 @@ class ProgramInterpreter:
     def _optimizer_step(self, a: Action) -> None:
         self.sync.tied()
         self.precision.unscale(self.params)  # fp16: gradients / S (the loss was x S)
-        if self.optimizer is not None:
-            self.optimizer.step()
+        self.update.step(self._step)  # global norm, clipping, lr_at(step), optimizer step
 
     # -- test hook -----------------------------------------------------------------------------
     def die_mid_step(self, step: int) -> None:

@@ -22,8 +22,9 @@
   its layers, every rank its RNG state, rank 0 the manifest after a barrier, with the fp16 loss
   scale in its ``extra``).
 
-Cost: one small all_gather per step - the runtime's only per-step collective besides the
-gradient AllReduce, as it also carries the step's metrics (see :mod:`dapple.runtime.metrics`) -
+Cost: one small all_gather per step - it also carries the step's metrics (see
+:mod:`dapple.runtime.metrics`); besides it the runtime's per-step collectives are the gradient
+AllReduce and the global gradient norm's one-scalar all_reduce (:mod:`dapple.runtime.optim`) -
 and one reduction over the stage's gradients per backward.
 """
 
@@ -62,7 +63,7 @@ __all__ = ["OPTIMIZER_CLASSES", "LongRun", "elastic_store", "first_attempt"]
 
 logger = logging.getLogger(__name__)
 
-OPTIMIZER_CLASSES = {"sgd": "SGD", "adam": "Adam"}
+OPTIMIZER_CLASSES = {"sgd": "SGD", "adam": "Adam", "adamw": "AdamW"}
 """``TrainConfig.optimizer`` -> the torch class name a checkpoint records."""
 _KINDS = ("loss", "gradient")
 

@@ -13,6 +13,7 @@ to callbacks - in the spirit of torchtitan's metrics processor.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -221,8 +222,10 @@ class MetricsSink:
         *,
         target_tokens: int | None = None,
         eval_loss: float | None = None,
+        **fields: Any,
     ) -> None:
-        """Rank 0: one step, from the rows of its collective (see :func:`step_metrics`)."""
+        """Rank 0: one step, from the rows of its collective (see :func:`step_metrics`) and
+        the :class:`StepMetrics` ``fields`` rank 0 knows itself (``lr``, ``grad_norm``)."""
         if not self.active:
             return
         sm = step_metrics(
@@ -236,6 +239,7 @@ class MetricsSink:
             target_tokens=target_tokens,
             eval_loss=eval_loss,
         )
+        sm = dataclasses.replace(sm, **fields) if fields else sm
         self.metrics.append(sm)
         line = sm.line()
         logger.info(line)

@@ -3,8 +3,9 @@
 ``verify`` trains a plan with the runtime (one process per plan device, gloo/NCCL) and the same
 steps in this process on the unsplit model, then compares every parameter after the last step
 (``torch.testing.assert_close`` float32 tolerances by default; with ``precision="bf16"`` both
-runs autocast and the tolerances are :func:`dapple.runtime.precision.tolerances_for`) and the
-loss of every step.
+runs autocast and the tolerances are :func:`dapple.runtime.precision.tolerances_for`), the loss
+of every step and the global gradient norm of every step (relative tolerance
+:data:`GRAD_NORM_RTOL`, the bf16 ``rtol`` under bf16).
 
 Design choices:
     - The reference is the *original* model when the workload was made by
@@ -14,6 +15,10 @@ Design choices:
       :func:`dapple.models.tied.sum_tied_grads_local`.
     - The reference takes one full-batch step (``loss_fn`` over all ``G`` samples): what the
       plan's micro-batches, split-concat slices and AllReduces must add up to.
+    - Both runs use the same optimizer and parameter groups, lr schedule and clipping
+      (:mod:`dapple.runtime.optim`); the reference clips with ``torch.nn.utils`` over the
+      original model's parameters (the layer chain: every tied group's first copy once), so
+      its pre-clip norm is the number the distributed run's count must reproduce.
     - The distributed side returns its weights through files: each rank writes its layers'
       parameters to a temporary directory after the run (every replica, so replicas that drift
       apart are caught too); rank 0 adds the per-step losses. Several plans run in ONE launch
@@ -54,11 +59,13 @@ from dapple.runtime import (
     validate_run,
 )
 from dapple.runtime.data import check_data, fit_data
-from dapple.runtime.engine import make_optimizer
+from dapple.runtime.optim import config_lr, make_optimizer, set_lr
+from dapple.runtime.optim_config import OPTIM_FIELDS
 from dapple.runtime.precision import autocast_reference, check_verify_precision, tolerances_for
 
 __all__ = [
     "ATOL",
+    "GRAD_NORM_RTOL",
     "PERTURBATION",
     "PERTURB_GRAD_RANK_ENV",
     "RTOL",
@@ -78,6 +85,9 @@ ATOL = 1e-5
 PERTURB_GRAD_RANK_ENV = "DAPPLE_TEST_PERTURB_GRAD_RANK"
 """Test hook: the rank whose gradients get ``PERTURBATION`` added (verification must fail)."""
 PERTURBATION = 1e-2
+GRAD_NORM_RTOL = 1e-4
+"""Relative tolerance of each step's global gradient norm: float32 norms of gradients that
+differ by float32 rounding (any miscount of a parameter is off by far more)."""
 
 Params = dict[int, dict[str, torch.Tensor]]
 """Layer index -> parameter name (as in the layer) -> value."""
@@ -119,12 +129,26 @@ class VerifyReport:
     rtol: float = RTOL
     atol: float = ATOL
     options: dict[str, Any] = field(default_factory=dict)
-    """Seed, optimizer and learning rate of both runs."""
+    """Seed, optimizer, learning rate and the other optimisation options of both runs."""
+    grad_norms: tuple[float, ...] = ()
+    """Distributed global gradient norm of each step, before clipping."""
+    reference_grad_norms: tuple[float, ...] = ()
+    grad_norm_rtol: float = GRAD_NORM_RTOL
 
     @property
     def ok(self) -> bool:
-        """Every parameter of every stage within tolerance."""
-        return all(s.ok for s in self.stages)
+        """Every parameter of every stage and every step's gradient norm within tolerance."""
+        return all(s.ok for s in self.stages) and self.grad_norms_ok
+
+    @property
+    def grad_norms_ok(self) -> bool:
+        """Every step's global gradient norm within ``grad_norm_rtol`` of the reference's."""
+        if len(self.grad_norms) != len(self.reference_grad_norms):
+            return False
+        return all(
+            abs(a - b) <= self.grad_norm_rtol * abs(b)
+            for a, b in zip(self.grad_norms, self.reference_grad_norms, strict=True)
+        )
 
     @property
     def max_abs_diff(self) -> float:
@@ -153,6 +177,7 @@ def reference_run(
     lr: float = 0.01,
     data: Dataset[Any] | None = None,
     precision: str = "fp32",
+    **optim: Any,
 ) -> tuple[list[float], Params, str]:
     """Train ``steps`` full-batch steps in this process, as the runtime would on one device.
 
@@ -161,8 +186,10 @@ def reference_run(
         global_batch_size: Samples per step (``make_batch(G, seed + step)``).
         steps: Optimizer steps.
         seed: Weights seed (``build_model(seed)`` / ``original_model(workload, seed)``).
-        optimizer: ``sgd`` or ``adam``.
-        lr: Learning rate.
+        optimizer: ``sgd``, ``adam`` or ``adamw``.
+        lr: Learning rate (the schedule's peak).
+        **optim: The other optimisation fields of :class:`TrainConfig`
+            (:data:`~dapple.runtime.optim_config.OPTIM_FIELDS`).
         data: Training samples; step ``t`` takes the global batch the runtime's sampler picks
             (:class:`~dapple.datasets.BatchSource`, seeded by ``seed``). None: ``make_batch``.
         precision: ``fp32`` or ``bf16``: the forward runs under the runtime's CPU autocast,
@@ -171,7 +198,40 @@ def reference_run(
     Returns:
         The loss of each step, the final parameters per layer (named as in the layers) and
         which reference ran (``original model`` or ``layer chain``).
+
+    Raises:
+        ValidationError: Bad optimisation options.
     """
+    cfg = replace(_config(steps, seed, optimizer, lr, optim), precision=precision)
+    ref = _reference(workload, global_batch_size, cfg, data)
+    return ref.losses, ref.params, ref.kind
+
+
+def _config(steps: int, seed: int, optimizer: str, lr: float, optim: dict[str, Any]) -> TrainConfig:
+    unknown = sorted(set(optim) - set(OPTIM_FIELDS))
+    if unknown:
+        raise ValidationError(
+            f"unknown options {unknown}; the optimisation options are {', '.join(OPTIM_FIELDS)}"
+        )
+    return TrainConfig(steps=steps, seed=seed, optimizer=optimizer, lr=lr, **optim)
+
+
+@dataclass
+class _Reference:
+    losses: list[float]
+    params: Params
+    kind: str
+    grad_norms: list[float]
+
+
+def _reference(
+    workload: Workload,
+    global_batch_size: int,
+    cfg: TrainConfig,
+    data: Dataset[Any] | None = None,
+) -> _Reference:
+    """:func:`reference_run`, also returning each step's pre-clip global gradient norm."""
+    seed = cfg.seed
     chain = workload.build_model(seed)
     try:
         model: nn.Module = original_model(workload, seed)
@@ -179,8 +239,21 @@ def reference_run(
     except ValidationError:
         model, kind = chain, "layer chain"
     model.train()
-    opt = make_optimizer(optimizer, list(model.parameters()), lr)
+    params = list(model.parameters())
+    opt = make_optimizer(cfg, params)
+    # the parameters of the original model, once each: the chain counts a tied group's
+    # first copy only (after the tied sums every copy holds the whole gradient)
+    counted = params
+    if model is chain:
+        copies = {id(chain[i].get_parameter(n)) for g in workload.tied_parameters for i, n in g}
+        firsts = {
+            id(chain[i].get_parameter(n))
+            for g in workload.tied_parameters
+            for i, n in [min((int(i), str(n)) for i, n in g)]
+        }
+        counted = [p for p in params if id(p) not in copies - firsts]
     losses: list[float] = []
+    norms: list[float] = []
     every = range(global_batch_size)
     data = fit_data(workload, data, seed)
     source = (
@@ -188,28 +261,34 @@ def reference_run(
         if data is not None
         else None
     )
-    for step in range(steps):
+    for step in range(cfg.steps):
         if source is not None:
             inputs, targets = source.batch(step)
         else:
             inputs, targets = workload.make_batch(global_batch_size, seed + step)
         opt.zero_grad(set_to_none=True)
-        with autocast_reference(precision) as cast:
-            out = _call(model, inputs)
-        loss = workload.loss_fn(cast(out), targets)
+        with autocast_reference(cfg.precision) as cast:
+            output = _call(model, inputs)
+        loss = workload.loss_fn(cast(output), targets)
         torch.autograd.backward([loss])
         if model is chain:
             sum_tied_grads_local(list(chain), workload.tied_parameters)
+        grads = [p.grad for p in counted if p.grad is not None]
+        total = torch.nn.utils.get_total_norm(grads, 2.0)
+        if cfg.clip_grad_norm is not None:
+            torch.nn.utils.clip_grads_with_norm_(params, cfg.clip_grad_norm, total)
+        set_lr(opt, config_lr(cfg, step))
         opt.step()
         losses.append(float(loss.detach()))
-    params: Params = {}
+        norms.append(float(total))
+    out: Params = {}
     for i, layer in enumerate(chain):
         names = [n for n, _ in layer.named_parameters()]
         if model is chain:
-            params[i] = {n: p.detach().clone() for n, p in layer.named_parameters()}
+            out[i] = {n: p.detach().clone() for n, p in layer.named_parameters()}
         else:  # a piece's parameter names are the original model's qualified names
-            params[i] = {n: model.get_parameter(n).detach().clone() for n in names}
-    return losses, params, kind
+            out[i] = {n: model.get_parameter(n).detach().clone() for n in names}
+    return _Reference(losses, out, kind, norms)
 
 
 # ------------------------------------------------------------------------- distributed side
@@ -270,7 +349,8 @@ def _worker(
                 )
             if rank == 0:
                 losses = [m.loss for m in run.metrics]
-                Path(out, f"case{c}-losses.json").write_text(json.dumps(losses))
+                norms = [m.grad_norm for m in run.metrics]
+                Path(out, f"case{c}-losses.json").write_text(json.dumps([losses, norms]))
         shutdown_distributed()
     except Exception as e:
         _die(str(e) if isinstance(e, DappleError) else f"rank {rank}: {type(e).__name__}: {e}")
@@ -326,6 +406,7 @@ def verify_many(
     device: str = "cpu",
     data: Dataset[Any] | None = None,
     precision: str = "fp32",
+    **optim: Any,
 ) -> list[VerifyReport]:
     """:func:`verify` several ``(plan, workload)`` pairs with ONE launch of worker processes.
 
@@ -337,13 +418,16 @@ def verify_many(
             :func:`dapple.api.load` or ``dapple.models.hf`` do).
         steps: Optimizer steps of every run.
         seed: Weights seed; step ``t`` uses batch seed ``seed + t``.
-        optimizer: ``sgd`` or ``adam``.
-        lr: Learning rate.
+        optimizer: ``sgd``, ``adam`` or ``adamw``.
+        lr: Learning rate (the schedule's peak).
         rtol: Relative tolerance per parameter element (None: ``tolerances_for(precision)``).
         atol: Absolute tolerance per parameter element (None: ``tolerances_for(precision)``).
         timeout_s: Process-group timeout of the distributed run.
         device: Device of the distributed run (``cpu``, ``cuda`` or ``auto``); the reference
             runs on the CPU.
+        **optim: The other optimisation fields of :class:`TrainConfig` for both runs
+            (``weight_decay``, ``momentum``, ``betas``, ``eps``, ``lr_schedule``,
+            ``warmup_steps``, ``min_lr``, ``clip_grad_norm``).
         data: Training samples both runs take their batches from (see :func:`reference_run`);
             None: ``make_batch``.
         precision: ``fp32`` or ``bf16`` (:mod:`dapple.runtime.precision`), both runs.
@@ -359,11 +443,8 @@ def verify_many(
         raise ValidationError("verify needs at least one (plan, workload) case")
     if rtol < 0 or atol < 0:
         raise ValidationError(f"tolerances must be >= 0, got rtol={rtol} atol={atol}")
-    cfg = TrainConfig(
-        steps=steps,
-        seed=seed,
-        optimizer=optimizer,
-        lr=lr,
+    cfg = replace(
+        _config(steps, seed, optimizer, lr, optim),
         timeout_s=timeout_s,
         device=device,
         precision=precision,
@@ -372,20 +453,11 @@ def verify_many(
         validate_run(plan, wl, len(plan.devices))
         check_data(wl, data, plan.global_batch_size, seed)
     world = max(len(plan.devices) for plan, _ in cases)
-    refs: dict[tuple[int, int], tuple[list[float], Params, str]] = {}
+    refs: dict[tuple[int, int], _Reference] = {}
     for plan, wl in cases:
         key = (id(wl), plan.global_batch_size)
         if key not in refs:
-            refs[key] = reference_run(
-                wl,
-                plan.global_batch_size,
-                steps,
-                seed=seed,
-                optimizer=optimizer,
-                lr=lr,
-                precision=precision,
-                data=data,
-            )
+            refs[key] = _reference(wl, plan.global_batch_size, cfg, data)
     with tempfile.TemporaryDirectory(prefix="dapple-verify-") as tmp:
         payload = [(plan.to_dict(), wl) for plan, wl in cases]
         spawn(_worker, world, payload, cfg, tmp, data, timeout_s=timeout_s)
@@ -395,25 +467,24 @@ def verify_many(
                 torch.load(Path(tmp, f"case{c}-rank{r}.pt"), weights_only=True)
                 for r in plan.devices
             ]
-            losses = json.loads(Path(tmp, f"case{c}-losses.json").read_text())
-            ref_losses, ref_params, kind = refs[(id(wl), plan.global_batch_size)]
+            losses, norms = json.loads(Path(tmp, f"case{c}-losses.json").read_text())
+            ref = refs[(id(wl), plan.global_batch_size)]
             reports.append(
                 VerifyReport(
                     plan=plan,
                     model_name=wl.name,
-                    reference=kind,
-                    stages=_stage_diffs(plan, ref_params, runs, rtol, atol),
+                    reference=ref.kind,
+                    stages=_stage_diffs(plan, ref.params, runs, rtol, atol),
                     losses=tuple(float(x) for x in losses),
-                    reference_losses=tuple(ref_losses),
+                    reference_losses=tuple(ref.losses),
                     rtol=rtol,
                     atol=atol,
-                    options={
-                        "steps": steps,
-                        "seed": seed,
-                        "optimizer": optimizer,
-                        "lr": lr,
-                        "precision": precision,
-                    },
+                    options={"steps": steps, "seed": seed, "optimizer": optimizer, "lr": lr}
+                    | {"precision": precision}
+                    | optim,
+                    grad_norms=tuple(float("nan") if x is None else float(x) for x in norms),
+                    reference_grad_norms=tuple(ref.grad_norms),
+                    grad_norm_rtol=max(GRAD_NORM_RTOL, tolerances_for(precision)[0]),
                 )
             )
     for rep in reports:
@@ -435,7 +506,8 @@ def verify(plan: Plan, workload: Workload, steps: int = 2, **options: Any) -> Ve
         workload: The model, data and loss (must pickle, see :func:`verify_many`).
         steps: Optimizer steps.
         **options: ``seed``, ``optimizer``, ``lr``, ``rtol``, ``atol``, ``timeout_s``,
-            ``device``, ``data``, ``precision`` as in :func:`verify_many`.
+            ``device``, ``data``, ``precision`` and the optimisation options as in
+            :func:`verify_many`.
 
     Returns:
         Per-stage parameter differences after ``steps`` steps and the losses of both runs.

@@ -1,0 +1,81 @@
+"""Optimisation flags of ``dapple train`` and ``dapple verify``: optimizer options, the lr
+schedule and global gradient-norm clipping (the :class:`~dapple.runtime.TrainConfig` fields of
+:data:`dapple.runtime.optim_config.OPTIM_FIELDS`; ``--optimizer`` and ``--lr`` are in
+:mod:`dapple.cli._run_args`). Torch-free at import time."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+__all__ = ["LR_SCHEDULE_NAMES", "add_optim_arguments", "optim_options"]
+
+LR_SCHEDULE_NAMES = ("constant", "cosine")
+"""``--lr-schedule`` choices (:data:`dapple.runtime.optim_config.LR_SCHEDULES`; a test keeps
+the two equal without importing the runtime here)."""
+
+
+def add_optim_arguments(p: argparse.ArgumentParser) -> None:
+    """Add ``--weight-decay``, ``--momentum``, ``--betas``, ``--eps``, ``--lr-schedule``,
+    ``--warmup-steps``, ``--min-lr`` and ``--clip-grad-norm`` to ``p``."""
+    g = p.add_argument_group("optimisation")
+    g.add_argument(
+        "--weight-decay",
+        type=float,
+        default=0.0,
+        help="weight decay of parameters with ndim >= 2 (not biases or norm weights); "
+        "decoupled for adamw (default %(default)s)",
+    )
+    g.add_argument(
+        "--momentum", type=float, default=0.0, help="SGD momentum in [0, 1) (default %(default)s)"
+    )
+    g.add_argument(
+        "--betas",
+        type=float,
+        nargs=2,
+        default=(0.9, 0.999),
+        metavar=("B1", "B2"),
+        help="Adam/AdamW moment decay rates (default 0.9 0.999)",
+    )
+    g.add_argument("--eps", type=float, default=1e-8, help="Adam/AdamW eps (default %(default)s)")
+    g.add_argument(
+        "--lr-schedule",
+        choices=LR_SCHEDULE_NAMES,
+        default="constant",
+        help="constant, or cosine decay to --min-lr at the last step; both after "
+        "--warmup-steps of linear warm-up (default %(default)s)",
+    )
+    g.add_argument(
+        "--warmup-steps",
+        type=int,
+        default=0,
+        metavar="N",
+        help="linear lr warm-up over the first N steps (default %(default)s)",
+    )
+    g.add_argument(
+        "--min-lr",
+        type=float,
+        default=0.0,
+        help="the cosine schedule's lr at the last step (default %(default)s)",
+    )
+    g.add_argument(
+        "--clip-grad-norm",
+        type=float,
+        default=None,
+        metavar="X",
+        help="clip the global gradient norm of the whole model to X (default: no clipping)",
+    )
+
+
+def optim_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The :class:`TrainConfig` optimisation fields from parsed flags."""
+    return {
+        "weight_decay": args.weight_decay,
+        "momentum": args.momentum,
+        "betas": tuple(args.betas),
+        "eps": args.eps,
+        "lr_schedule": args.lr_schedule,
+        "warmup_steps": args.warmup_steps,
+        "min_lr": args.min_lr,
+        "clip_grad_norm": args.clip_grad_norm,
+    }
