@@ -1,9 +1,19 @@
-"""``dapple demo``: the whole flow on one CPU machine, end to end.
+"""``dapple demo``: a real training job on one CPU machine, end to end.
 
-Profile a small built-in transformer, measure this machine's links (``calibrate``), plan it for
-4 local processes with DAPPLE beside the baselines, simulate the chosen plan (Gantt, memory and
-trace files), train it for real across 4 gloo processes, and print predicted vs measured step
-time and the loss curve. Everything is written under ``--out-dir``.
+1. Prepare a byte-level corpus from this machine's Python standard library sources (no
+   download) and compute its unigram byte entropy - the loss to beat.
+2. Profile a small GPT as one of ``--nproc`` workers sharing the cores, measure the local links
+   (``calibrate``), plan it with DAPPLE beside the baselines, simulate the chosen plan (Gantt,
+   memory, Perfetto trace).
+3. Train the chosen plan on the corpus across the local gloo processes: AdamW, warm-up + cosine
+   learning rate, global gradient-norm clipping, validation every quarter of the run, a
+   checkpoint at the end; print predicted vs measured step time, the loss curve and validation
+   loss against the entropy.
+4. Greedily generate a continuation from the trained weights.
+5. Train the same model under an uneven 3:1 plan on the same batches (its losses match the
+   chosen plan's) and ``verify`` it against one process.
+
+Everything is written under ``--out-dir``.
 """
 
 from __future__ import annotations
@@ -11,8 +21,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import shutil
 import statistics
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 from rich.progress import Progress
@@ -20,40 +32,101 @@ from rich.table import Table
 
 from dapple.cli._model_args import add_model_argument
 
-__all__ = ["register"]
+__all__ = ["DEMO_MODEL", "register"]
+
+DEMO_MODEL = {"layers": 4, "hidden": 128, "heads": 4, "vocab": 256}
+"""The default model's sizes (``-m transformer``): a byte-level GPT of about 0.8M parameters."""
+PROMPT = "def __init__(self"
+"""What the trained model continues."""
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser(
-        "demo", help="profile, plan, simulate and train a small transformer on 4 CPU processes"
+        "demo",
+        help="prepare a corpus, plan and train a small GPT on it on 4 CPU processes, "
+        "generate, verify an uneven plan",
     )
     p.add_argument("--out-dir", default="out/demo", help="output directory (default out/demo)")
     p.add_argument("--nproc", type=int, default=4, help="local processes / devices (default 4)")
-    p.add_argument("--steps", type=int, default=20, help="training steps (default 20)")
+    p.add_argument("--steps", type=int, default=240, help="training steps (default 240)")
     p.add_argument(
-        "--global-batch-size", type=int, default=32, help="samples per step (default 32)"
+        "--global-batch-size", type=int, default=16, help="samples per step (default 16)"
+    )
+    p.add_argument("--seq-len", type=int, default=64, help="bytes per sample (default 64)")
+    p.add_argument(
+        "--corpus-mib",
+        type=float,
+        default=2.0,
+        help="MiB of standard library sources to train on (default 2)",
     )
     add_model_argument(p, default="transformer")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from dapple.calibrate.machine import calibrate
-    from dapple.models.zoo import load_workload
-    from dapple.planner import make_plan
-    from dapple.profiler.measure import profile_workload
-    from dapple.runtime import train
-    from dapple.simulate import simulate
-    from dapple.simulate.plots import plot_gantt, plot_memory
-    from dapple.simulate.trace import write_trace
+    import numpy as np
+
+    from dapple.cli._demo_corpus import nats_to_bits, stdlib_sources, unigram_entropy
+    from dapple.datasets import TokenFile, prepare
 
     con = Console()
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    wl = load_workload(args.model)
+    overrides: dict[str, Any] = {"seq": args.seq_len}
+    if args.model == "transformer":
+        overrides |= DEMO_MODEL
 
+    con.rule("1. data: Python standard library sources as bytes")
+    sources = stdlib_sources(int(args.corpus_mib * 2**20))
+    prep = prepare(sources, out / "data" / "train.bin", val_fraction=0.05)
+    train_data, val_data = TokenFile(prep.train, args.seq_len), TokenFile(prep.val, args.seq_len)
+    entropy = unigram_entropy(np.fromfile(prep.train, dtype=prep.dtype), prep.vocab_size)
+    con.print(
+        f"{len(sources)} files ({sources[0].name} .. {sources[-1].name}): "
+        f"{prep.train_tokens:,} training and {prep.val_tokens:,} validation bytes -> {prep.train}"
+    )
+    con.print(
+        f"unigram byte entropy {entropy:.3f} nats ({nats_to_bits(entropy):.2f} bits) per byte: "
+        "the loss of the best model that ignores context"
+    )
+
+    plan, sim = _plan_and_simulate(con, args, out, overrides)
+    metrics = _train(con, args, out, plan, sim.step_ms, overrides, train_data, val_data, entropy)
+    _generate(con, args, out, overrides)
+    _uneven(con, args, plan, overrides, train_data, metrics)
+    (out / "summary.json").write_text(
+        json.dumps(
+            {
+                "plan": plan.to_dict(),
+                "model": args.model,
+                "overrides": overrides,
+                "unigram_entropy_nats": entropy,
+                "simulated_step_ms": sim.step_ms,
+                "losses": [m.loss for m in metrics],
+                "eval_losses": {m.step: m.eval_loss for m in metrics if m.eval_loss is not None},
+            },
+            indent=2,
+        )
+        + "\n"
+    )
+    return 0
+
+
+def _plan_and_simulate(
+    con: Console, args: argparse.Namespace, out: Path, overrides: dict[str, Any]
+) -> tuple[Any, Any]:
+    """Profile, calibrate, plan (DAPPLE and the baselines) and simulate the chosen plan."""
+    from dapple.calibrate.machine import calibrate
+    from dapple.models.zoo import load_workload
+    from dapple.planner import make_plan
+    from dapple.profiler.measure import profile_workload
+    from dapple.simulate import simulate
+    from dapple.simulate.plots import plot_gantt, plot_memory
+    from dapple.simulate.trace import write_trace
+
+    wl = load_workload(args.model, **overrides)
     con.rule(
-        f"1. profile {wl.name} ({wl.num_layers} layers) on cpu, as one of {args.nproc} workers"
+        f"2. profile {wl.name} ({wl.num_layers} layers) on cpu, as one of {args.nproc} workers"
     )
     batch_sizes = [1, 2, 4, 8]
     with Progress(console=con, transient=True) as bar:
@@ -68,56 +141,36 @@ def run(args: argparse.Namespace) -> int:
         )
     profile.save(out / "profile.json")
     con.print(
-        f"{profile.num_layers} layers, {profile.parameter_bytes / 2**20:.2f} MiB of parameters -> {out / 'profile.json'}"
+        f"{profile.num_layers} layers, {profile.parameter_bytes / 2**20:.2f} MiB of parameters "
+        f"-> {out / 'profile.json'}"
     )
-
-    con.rule(f"2. calibrate {args.nproc} local gloo processes")
-    with con.status("measuring links and compute share..."):
+    with con.status(f"measuring the links and compute share of {args.nproc} gloo processes..."):
         cal = calibrate(args.nproc, repeats=3, sizes=(1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 22))
     cluster = cal.cluster
     cluster.save(out / "cluster.json")
     con.print(
-        f"{cluster.intra_server_bandwidth_gbps:.1f} Gbps, latency {cluster.intra_server_latency_ms:.3f} ms, "
-        f"compute slowdown {cluster.compute_slowdown:.2f} -> {out / 'cluster.json'}"
+        f"calibrated: {cluster.intra_server_bandwidth_gbps:.1f} Gbps, latency "
+        f"{cluster.intra_server_latency_ms:.3f} ms, compute slowdown "
+        f"{cluster.compute_slowdown:.2f} -> {out / 'cluster.json'}"
     )
-
-    con.rule(f"3. plan for {cluster.num_devices} devices, global batch {args.global_batch_size}")
+    G = args.global_batch_size
     plans = {}
     for name in ("dapple", "dp", "straight", "gpipe", "pipedream"):
         try:
-            plans[name] = make_plan(profile, cluster, args.global_batch_size, name)
+            plans[name] = make_plan(profile, cluster, G, name)
         except Exception as e:  # a baseline may be infeasible; show why
             con.print(f"[yellow]{name}: {e}[/yellow]")
-    t = Table(title="planners under the same cost model")
-    for col in (
-        "planner",
-        "stages",
-        "replication",
-        "M",
-        "schedule",
-        "predicted L ms",
-        "speed-up vs dp",
-    ):
+    t = Table(title=f"planners under the same cost model, global batch {G}")
+    for col in ("planner", "stages", "replication", "M", "schedule", "predicted L ms", "vs dp"):
         t.add_column(col, justify="right")
     dp_ms = plans["dp"].predicted_step_ms if "dp" in plans else float("nan")
     for name, p in plans.items():
-        t.add_row(
-            name,
-            str(p.num_stages),
-            p.replication,
-            str(p.num_micro_batches),
-            f"{p.schedule}/{p.policy}",
-            f"{p.predicted_step_ms:.2f}",
-            f"{dp_ms / p.predicted_step_ms:.2f}x",
-        )
+        t.add_row(name, str(p.num_stages), p.replication, str(p.num_micro_batches),
+                  f"{p.schedule}/{p.policy}", f"{p.predicted_step_ms:.2f}",
+                  f"{dp_ms / p.predicted_step_ms:.2f}x")  # fmt: skip
     con.print(t)
     plan = plans["dapple"]
     plan.save(out / "plan.json")
-    con.print(
-        f"chosen: {plan.replication} split at {list(plan.split_positions)}, M={plan.num_micro_batches} -> {out / 'plan.json'}"
-    )
-
-    con.rule("4. simulate")
     sim = simulate(plan, profile, cluster)
     other = dataclasses.replace(plan, schedule="gpipe" if plan.schedule == "dapple" else "dapple")
     runs = sorted(
@@ -128,66 +181,136 @@ def run(args: argparse.Namespace) -> int:
     plot_memory(runs, out / "memory.png")
     write_trace(sim, out / "trace.json")
     con.print(
-        f"simulated step {sim.step_ms:.2f} ms (planner L {sim.L_ms:.2f} ms); "
-        f"{out / 'gantt.png'}, {out / 'memory.png'}, {out / 'trace.json'} (open in ui.perfetto.dev)"
+        f"chosen: {plan.replication} split at {list(plan.split_positions)}, "
+        f"M={plan.num_micro_batches} -> {out / 'plan.json'}; simulated step {sim.step_ms:.2f} ms; "
+        f"{out / 'gantt.png'}, {out / 'memory.png'}, {out / 'trace.json'} (ui.perfetto.dev)"
     )
+    return plan, sim
 
-    con.rule(f"5. train {args.steps} steps on {len(plan.devices)} processes")
-    metrics = train(
-        plan,
-        args.model,
-        steps=args.steps,
-        optimizer="adam",
-        lr=1e-3,
-        echo=True,
-        predicted_step_ms=sim.step_ms,
-        metrics_path=str(out / "metrics.jsonl"),
-    )
-    losses = [m.loss for m in metrics]
+
+def _options(steps: int) -> dict[str, Any]:
+    """The optimisation of every demo run: AdamW, warm-up + cosine, clipping at 1."""
+    return {
+        "optimizer": "adamw",
+        "lr": 3e-3,
+        "weight_decay": 0.1,
+        "lr_schedule": "cosine",
+        "warmup_steps": max(1, steps // 10),
+        "min_lr": 3e-4,
+        "clip_grad_norm": 1.0,
+    }
+
+
+def _train(
+    con: Console,
+    args: argparse.Namespace,
+    out: Path,
+    plan: Any,
+    simulated_ms: float,
+    overrides: dict[str, Any],
+    train_data: Any,
+    val_data: Any,
+    entropy: float,
+) -> list[Any]:
+    """Train the chosen plan on the corpus; report time, losses and validation loss."""
+    from dapple import api
+    from dapple.runtime.reporting import write_loss_curve
+
+    steps = args.steps
+    con.rule(f"3. train {plan.replication} for {steps} steps on {len(plan.devices)} processes")
+    ckpt = out / "checkpoints"
+    shutil.rmtree(ckpt, ignore_errors=True)  # the demo's own checkpoints of an earlier run
+    eval_batches = max(1, min(4, len(val_data) // plan.global_batch_size))
+    metrics = api.train(
+        plan, args.model, steps, overrides=overrides, data=train_data, eval_data=val_data,
+        eval_every=max(1, steps // 4), eval_batches=eval_batches, progress=True,
+        predicted_step_ms=simulated_ms, metrics_path=str(out / "metrics.jsonl"),
+        checkpoint_dir=str(ckpt), save_every=steps, keep=1, **_options(steps),
+    )  # fmt: skip
     measured = statistics.median(m.step_ms for m in metrics[min(3, len(metrics) - 1) :])
-
-    con.rule("6. predicted vs measured")
-    t = Table()
-    for col in ("", "step ms", "vs measured"):
+    t = Table(title="training: every validation")
+    for col in ("step", "train loss", "validation loss", "lr", "grad norm", "tokens/s"):
         t.add_column(col, justify="right")
-    t.add_row(
-        "planner L (eq. 2)",
-        f"{plan.predicted_step_ms:.2f}",
-        f"{plan.predicted_step_ms / measured - 1:+.1%}",
-    )
-    t.add_row("simulator", f"{sim.step_ms:.2f}", f"{sim.step_ms / measured - 1:+.1%}")
-    t.add_row("measured (median after 3 warm-up steps)", f"{measured:.2f}", "")
+    for m in metrics:
+        if m.eval_loss is not None:
+            t.add_row(str(m.step), f"{m.loss:.3f}", f"{m.eval_loss:.3f}", f"{m.lr:.2e}",
+                      f"{m.grad_norm:.2f}", f"{m.tokens_per_s or 0:,.0f}")  # fmt: skip
     con.print(t)
-    _plot_loss(losses, out / "loss.png")
-    con.print("loss: " + " ".join(f"{x:.3f}" for x in losses))
-    con.print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f}; curve in {out / 'loss.png'}")
-    (out / "summary.json").write_text(
-        json.dumps(
-            {
-                "plan": plan.to_dict(),
-                "simulated_step_ms": sim.step_ms,
-                "measured_step_ms": measured,
-                "losses": losses,
-            },
-            indent=2,
-        )
-        + "\n"
+    con.print(
+        f"step time: planner L {plan.predicted_step_ms:.1f} ms, simulator {simulated_ms:.1f} ms, "
+        f"measured {measured:.1f} ms (median after 3 steps)"
     )
-    return 0
+    final = [m.eval_loss for m in metrics if m.eval_loss is not None][-1]
+    verdict = "[green]below[/green]" if final < entropy else "[red]NOT below[/red]"
+    con.print(
+        f"validation loss {final:.3f} nats/byte is {verdict} the unigram entropy {entropy:.3f} "
+        f"({entropy - final:+.3f}); loss curve {write_loss_curve(metrics, out / 'loss.png')}"
+    )
+    return metrics
 
 
-def _plot_loss(losses: list[float], path: Path) -> None:
-    import matplotlib
+def _generate(con: Console, args: argparse.Namespace, out: Path, overrides: dict[str, Any]) -> None:
+    """Greedy continuation of :data:`PROMPT` from the run's last checkpoint."""
+    import torch
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from dapple.models.generate import greedy_generate
+    from dapple.models.zoo import load_workload
+    from dapple.runtime.checkpoint import restore_stage
+    from dapple.runtime.checkpoint_files import latest_checkpoint
 
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot(range(1, len(losses) + 1), losses, marker="o")
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss")
-    ax.set_title("dapple demo: training loss")
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    con.rule("4. generate from the trained weights (greedy)")
+    ckpt = latest_checkpoint(out / "checkpoints")
+    if ckpt is None:  # pragma: no cover - the run saves at its last step
+        con.print("[yellow]no checkpoint to generate from[/yellow]")
+        return
+    model = load_workload(args.model, **overrides).build_model(0)
+    restore_stage(ckpt, model, 0)
+    prompt = torch.tensor(list(PROMPT.encode()), dtype=torch.long)
+    ids = greedy_generate(model, prompt, new_tokens=160, context=args.seq_len)
+    text = bytes(int(i) for i in ids).decode("utf-8", errors="replace")
+    con.print(f"checkpoint step {ckpt.step}, prompt {PROMPT!r}:")
+    con.print(text, markup=False, highlight=False)
+
+
+def _uneven(
+    con: Console,
+    args: argparse.Namespace,
+    plan: Any,
+    overrides: dict[str, Any],
+    train_data: Any,
+    metrics: list[Any],
+) -> None:
+    """The same model under a 3:1 plan: same batches, same losses; ``verify`` against one
+    process."""
+    from dapple import api
+    from dapple.cli.verify_cmd import print_report
+    from dapple.core.plan import straight_plan
+
+    n = _num_layers(args.model, overrides)
+    G = plan.global_batch_size
+    uneven = straight_plan(n, [0, n - 2], global_batch_size=G, num_micro_batches=max(1, G // 4),
+                           replicas=[3, 1])  # fmt: skip
+    # within the warm-up the lr does not depend on the run's length: the same lr as the
+    # chosen plan's run at every step, so the losses must agree up to float rounding
+    steps = min(20, _options(args.steps)["warmup_steps"], args.steps)
+    con.rule(f"5. the same model under 3:1 (layers {uneven.stages[0].layers} x 3, "
+             f"{uneven.stages[1].layers} x 1): {steps} steps, then verify")  # fmt: skip
+    mine = api.train(uneven, args.model, steps, overrides=overrides, data=train_data,
+                     **_options(args.steps))  # fmt: skip
+    gap = max(abs(a.loss - b.loss) for a, b in zip(mine, metrics, strict=False))
+    con.print(
+        f"3:1 losses {mine[0].loss:.4f} .. {mine[-1].loss:.4f}; largest difference from the "
+        f"{plan.replication} run over the same {steps} steps (same batches, same lr): {gap:.2e}"
+    )
+    report = api.verify(uneven, args.model, 3, overrides=overrides, data=train_data,
+                        device="cpu", **_options(args.steps))  # fmt: skip
+    print_report(con, report)
+    if not report.ok:
+        con.print("[red]verify failed[/red]")
+
+
+def _num_layers(model: str, overrides: dict[str, Any]) -> int:
+    """The number of chain layers of the demo model."""
+    from dapple.models.zoo import load_workload
+
+    return load_workload(model, **overrides).num_layers
