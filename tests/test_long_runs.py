@@ -391,6 +391,15 @@ def test_cli_rejects_unwritable_checkpoint_dir_and_foreign_checkpoint(
     with pytest.raises(CheckpointError, match="plan covers 2 layers"):
         check_long_run(str(same), rw.mlp(), 2, resume=True)
     check_long_run(str(same), rw.mlp(), 4, resume=True)
+    # a damaged newest checkpoint: one line naming the file, before any worker starts
+    layer = sorted((same / "step-00000001").glob("layer*"))[1]
+    raw = bytearray(layer.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    layer.write_bytes(bytes(raw))
+    args[at] = str(same)
+    assert main([*args, "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is corrupted: sha256" in err and layer.name in err, err
 
 
 @pytest.mark.parametrize(

@@ -82,12 +82,14 @@ def check_long_run(
     checkpoint_dir: str | None, workload: Workload, plan_num_layers: int, *, resume: bool
 ) -> None:
     """Before any worker starts: the checkpoint directory is writable, and with ``resume`` the
-    newest checkpoint (if any) is of this model and the plan covers the model.
+    newest checkpoint (if any) is of this model, the plan covers the model and every file of
+    the checkpoint has the size and hash its manifest lists.
 
     Raises:
         CheckpointError: unwritable directory, damaged or foreign checkpoint.
     """
     from dapple.runtime.checkpoint import check_compatible, check_writable, latest_checkpoint
+    from dapple.runtime.checkpoint_files import check_files
 
     if checkpoint_dir is None:
         return
@@ -100,6 +102,7 @@ def check_long_run(
             num_layers=workload.num_layers,
             plan_num_layers=plan_num_layers,
         )
+        check_files(ck)
 
 
 def _predicted_step_ms(plan: Plan, profile_spec: str, cluster_spec: str) -> float:

@@ -124,12 +124,8 @@ def to_bytes(obj: Any) -> bytes:
     return buf.getvalue()
 
 
-def read_verified(ckpt_dir: Path, rec: _FileRecord, what: str) -> Any:
-    path = ckpt_dir / rec.file
-    try:
-        data = path.read_bytes()
-    except OSError as e:
-        raise CheckpointError(f"cannot read {what} file {str(path)!r}: {e.strerror or e}") from e
+def _check_bytes(path: Path, data: bytes, rec: _FileRecord, what: str) -> None:
+    """``data`` (the file at ``path``) has the size and sha256 the manifest lists."""
     if len(data) != rec.bytes:
         raise CheckpointError(
             f"{what} file {str(path)!r} is truncated or damaged: {len(data)} bytes, "
@@ -139,10 +135,37 @@ def read_verified(ckpt_dir: Path, rec: _FileRecord, what: str) -> Any:
         raise CheckpointError(
             f"{what} file {str(path)!r} is corrupted: sha256 does not match the manifest"
         )
+
+
+def _read(path: Path, what: str) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as e:
+        raise CheckpointError(f"cannot read {what} file {str(path)!r}: {e.strerror or e}") from e
+
+
+def read_verified(ckpt_dir: Path, rec: _FileRecord, what: str) -> Any:
+    path = ckpt_dir / rec.file
+    data = _read(path, what)
+    _check_bytes(path, data, rec, what)
     try:
         return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as e:  # one line, whatever torch raises
         raise CheckpointError(f"{what} file {str(path)!r} cannot be read by torch: {e}") from e
+
+
+def check_files(ckpt: Checkpoint) -> None:
+    """Every file the manifest lists (layers, RNG states) has its listed size and sha256: the
+    launcher's one check before any worker starts, so a damaged checkpoint is one error line.
+
+    Raises:
+        CheckpointError: the first truncated, corrupted or unreadable file (named).
+    """
+    records = [(f"layer {lr.index}", lr.file) for lr in ckpt.layers]
+    records += [(f"rng of rank {r}", rec) for r, rec in sorted(ckpt.rng.items())]
+    for what, rec in records:
+        path = ckpt.path / rec.file
+        _check_bytes(path, _read(path, what), rec, what)
 
 
 def step_dir(root: str | Path, step: int) -> Path:
