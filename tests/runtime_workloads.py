@@ -259,3 +259,21 @@ def untraceable() -> Workload:
     from dapple.models.split import workload_from_module
 
     return workload_from_module(_Branchy, _mlp_batch, F.mse_loss)
+
+
+def overflowing_lm() -> Workload:
+    """A tiny causal LM whose sequence length changes every step (4, 6, 8 tokens) and whose
+    step-3 batch (seed 3) is longer than its position table (12 > 8 tokens)."""
+    import dataclasses
+
+    from dapple.models.zoo.transformer import transformer
+
+    wl = transformer(layers=1, hidden=8, heads=2, seq=8, vocab=16, seq_choices=[4, 6, 8])
+
+    def make_batch(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if seed % 4 != 3:
+            return wl.make_batch(n, seed)
+        tokens = torch.randint(0, 16, (n, 13), generator=torch.Generator().manual_seed(seed))
+        return tokens[:, :-1].clone(), tokens[:, 1:].clone()
+
+    return dataclasses.replace(wl, make_batch=make_batch)

@@ -14,12 +14,14 @@ Conventions:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
+
+from dapple.models.shapes import DynamicDim
 
 __all__ = ["Workload", "layer_seed"]
 
@@ -46,6 +48,10 @@ class Workload:
     tied_parameters: Sequence[Sequence[tuple[int, str]]] = field(default=())
     """Groups of ``(layer index, parameter name)`` that are one shared parameter in the original
     model (e.g. GPT-2's input embedding and LM head); their gradients are summed over copies."""
+    dynamic_dims: Mapping[int, Mapping[int, DynamicDim]] = field(default_factory=dict)
+    """Input dimensions whose size may change from step to step, ``{input position: {dim:
+    DynamicDim}}``, with the sizes the layers accept (see :mod:`dapple.models.shapes`); the
+    runtime adds the ones it finds by drawing ``make_batch`` at a few seeds."""
 
     @property
     def num_layers(self) -> int:

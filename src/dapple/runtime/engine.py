@@ -36,6 +36,13 @@ from torch.utils.data import Dataset
 
 from dapple.core.plan import Plan
 from dapple.errors import ValidationError
+from dapple.models.shapes import (
+    DimsMap,
+    InputShape,
+    check_batch,
+    input_shapes,
+    run_dims,
+)
 from dapple.models.workload import Workload
 from dapple.runtime.config import StepMetrics, TrainConfig
 from dapple.runtime.data import RankData, check_data, data_state, fit_data, sample_row
@@ -209,14 +216,25 @@ class _Rank:
     first_batch: tuple[Any, torch.Tensor]
     data: RankData
     """The run's dataset batches (training and evaluation), when it has datasets."""
+    shapes: tuple[InputShape, ...]
+    """The first batch's input shapes (what :func:`check_batch` compares a step's with)."""
+    dims: DimsMap
+    """The run's dynamic input dimensions (declared and found); empty: static shapes."""
 
     def batch(self, step: int) -> tuple[Any, torch.Tensor]:
-        """Step ``step``'s global batch: ``make_batch(G, seed + step)``, or the data's."""
+        """Step ``step``'s global batch: ``make_batch(G, seed + step)``, or the data's.
+
+        Raises:
+            ValidationError: its inputs do not fit the model (:func:`check_batch`), before
+                the step computes anything.
+        """
         if self.data.source is not None:
             return self.data.batch(step)
         if step == 0:
             return self.first_batch
-        return self.workload.make_batch(self.global_batch_size, self.config.seed + step)
+        batch = self.workload.make_batch(self.global_batch_size, self.config.seed + step)
+        check_batch(self.shapes, self.dims, batch[0], where=f"step {step}")
+        return batch
 
     def eval_batch(self, k: int) -> tuple[Any, torch.Tensor]:
         """Evaluation batch ``k`` of ``eval_data``: samples ``[k*G, (k+1)*G)`` in order."""
@@ -254,6 +272,9 @@ def _setup(
         lo, hi = plan.stages[s].layers
         module = workload.build_stage(lo, hi, config.seed).to(device)
         module.train()
+    dims: DimsMap = {}
+    if data is None:  # the declared dynamic dimensions and those that vary between draws
+        dims = run_dims(workload, G, config.seed)
     sample = tuple(t[:1] for t in flatten(inputs))
     precision = Precision(config.precision, device)
     with precision.autocast():  # boundary buffers get the dtype autocast produces
@@ -270,7 +291,7 @@ def _setup(
         assert s is not None and j is not None
         recompute = config.recompute or plan.stages[s].recompute
         ex = StageExecutor(plan, s, j, module, specs, workload.loss_fn, device, recompute, meter,
-                           precision)  # fmt: skip
+                           precision, dynamic=bool(dims))  # fmt: skip
     longrun = LongRun(plan, workload, config, rank=rank, world=world, stage=s, replica=j,
                       module=module, optimizer=opt, device=device, precision=precision)  # fmt: skip
     longrun.data_state = data_state(data, config.seed, G)
@@ -286,7 +307,7 @@ def _setup(
         interpreter.die_mid_step(int(os.environ.get(FAIL_STEP_ENV, "-1")))
     feed = RankData(plan, rank, config.seed, data, eval_data, stop=config.steps)
     return _Rank(s, j, module, sync, longrun, step_probe, interpreter, update, start, workload,
-                 config, G, (inputs, targets), feed)  # fmt: skip
+                 config, G, (inputs, targets), feed, input_shapes(inputs), dims)  # fmt: skip
 
 
 def _teardown(sync: GradientSync, plan: Plan, rank: int) -> None:

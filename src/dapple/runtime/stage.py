@@ -7,6 +7,12 @@ micro-batch. Data: every rank builds the same global batch locally
 their inputs and last-stage replicas their targets without any label traffic. Between stages
 only activations (forward) and their gradients (backward) travel, as the overlapping row
 ranges of :func:`dapple.core.plan.transfers`, with non-blocking ``isend``/``irecv``.
+
+With ``dynamic=True`` (the model's input shapes change from step to step) every activation
+message is preceded by its shape header (:func:`dapple.runtime.transport.shape_header`): a
+forward receive posts the header's ``irecv`` early and the data's once the header arrived; a
+gradient receive sizes its buffers from the activations this stage sent (posted at once when
+they exist, else when ``B`` waits for them).
 """
 
 from __future__ import annotations
@@ -24,7 +30,16 @@ from torch.utils.checkpoint import checkpoint
 from dapple.core.plan import Plan, slice_bounds, transfers
 from dapple.runtime.memory import ActivationMeter, Held
 from dapple.runtime.precision import Precision, to_fp32
-from dapple.runtime.transport import BoundarySpec, flatten, message_tag, unflatten
+from dapple.runtime.transport import (
+    HEADER_INDEX,
+    BoundarySpec,
+    flatten,
+    header_buffer,
+    message_tag,
+    sample_shapes,
+    shape_header,
+    unflatten,
+)
 from dapple.schedule.ir import Action, ActionKind
 
 __all__ = ["StageExecutor"]
@@ -35,9 +50,14 @@ K = ActionKind
 @dataclass
 class _Recv:
     lo: int
+    hi: int
     rank: int
     buffers: list[torch.Tensor]
     works: list[Any]
+    header: torch.Tensor | None = None
+    """Dynamic shapes, forward: the shape header being received (data not posted yet)."""
+    deferred: bool = False
+    """Dynamic shapes, backward: posted when ``B`` waits (the activations did not exist yet)."""
 
 
 @dataclass
@@ -68,8 +88,11 @@ class StageExecutor:
         recompute: bool,
         meter: ActivationMeter,
         precision: Precision | None = None,
+        dynamic: bool = False,
     ) -> None:
         self.plan, self.s, self.j = plan, stage, replica
+        self.dynamic = dynamic
+        """Boundary shapes change from step to step: messages carry shape headers."""
         self.precision = precision or Precision("fp32", device)
         """Autocast of the stage's forwards and the fp16 loss scale."""
         self.module, self.loss_fn, self.device = module, loss_fn, device
@@ -210,14 +233,59 @@ class StageExecutor:
             lo, hi = self.in_rows[peer]
             rank = self.prev_ranks[peer]
             specs = list(self.in_spec.tensors)
-        bufs = [t.buffer(hi - lo, self.device) for t in specs]
-        works = [
+        if not self.dynamic:
+            bufs = [t.buffer(hi - lo, self.device) for t in specs]
+            table.setdefault(m, []).append(
+                _Recv(lo, hi, rank, bufs, self._irecv(bufs, rank, m, backward))
+            )
+        elif not backward:
+            assert self.in_spec is not None
+            hdr = header_buffer(self.in_spec, self.device)
+            work = dist.irecv(hdr, src=rank, tag=message_tag(m, False, HEADER_INDEX))
+            table.setdefault(m, []).append(_Recv(lo, hi, rank, [], [work], header=hdr))
+        else:
+            r = _Recv(lo, hi, rank, [], [], deferred=True)
+            if m in self._mb:
+                self._post_grad_recv(r, m)
+            table.setdefault(m, []).append(r)
+
+    def _irecv(self, bufs: list[torch.Tensor], rank: int, m: int, backward: bool) -> list[Any]:
+        return [
             dist.irecv(buf, src=rank, tag=message_tag(m, backward, i)) for i, buf in enumerate(bufs)
         ]
-        table.setdefault(m, []).append(_Recv(lo, rank, bufs, works))
+
+    def _post_grad_recv(self, r: _Recv, m: int) -> None:
+        """Dynamic shapes: the gradient buffers of rows ``[r.lo, r.hi)`` of micro-batch ``m``'s
+        activations, shaped like them."""
+        outs = [t for t in self._mb[m].output if t.dtype.is_floating_point or t.dtype.is_complex]
+        r.buffers = [
+            torch.empty((r.hi - r.lo, *t.shape[1:]), dtype=t.dtype, device=self.device)
+            for t in outs
+        ]
+        r.works = self._irecv(r.buffers, r.rank, m, True)
+        r.deferred = False
+
+    def _post_data_recv(self, r: _Recv, m: int, what: str) -> None:
+        """Dynamic shapes, forward: wait for ``r``'s header, then post its data receives."""
+        assert self.in_spec is not None and r.header is not None
+        self.waiting_on = (f"shape header of micro-batch {m}'s {what}", r.rank)
+        for w in r.works:
+            w.wait()
+        shapes = sample_shapes(self.in_spec, r.header)
+        r.buffers = [
+            torch.empty((r.hi - r.lo, *shape), dtype=t.dtype, device=self.device)
+            for t, shape in zip(self.in_spec.tensors, shapes, strict=True)
+        ]
+        r.works = self._irecv(r.buffers, r.rank, m, False)
+        r.header = None
 
     def _wait_concat(self, table: dict[int, list[_Recv]], m: int, what: str) -> list[torch.Tensor]:
         pieces = sorted(table.pop(m), key=lambda r: r.lo)
+        for r in pieces:  # dynamic shapes: size and post every piece's data before waiting
+            if r.header is not None:
+                self._post_data_recv(r, m, what)
+            elif r.deferred:
+                self._post_grad_recv(r, m)
         for r in pieces:
             self.waiting_on = (f"{what} of micro-batch {m}", r.rank)
             for w in r.works:
@@ -270,6 +338,9 @@ class StageExecutor:
         st = self._mb[m]
         lo, hi = self.out_rows[peer]
         rank = self.next_ranks[peer]
+        if self.dynamic:
+            hdr = shape_header(st.output, self.device)
+            st.sends.append(dist.isend(hdr, dst=rank, tag=message_tag(m, False, HEADER_INDEX)))
         for i, t in enumerate(st.output):
             piece = t.detach()[lo - self.lo : hi - self.lo].contiguous()
             st.sends.append(dist.isend(piece, dst=rank, tag=message_tag(m, False, i)))

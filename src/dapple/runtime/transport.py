@@ -13,6 +13,14 @@ carries the dtype autocast produces (e.g. bf16) and the receivers' buffers match
 
 Messages between the same pair of ranks are tagged by (micro-batch, direction, tensor index);
 only floating-point boundary tensors carry gradients backwards.
+
+Shapes that change from step to step (a model with dynamic input dimensions,
+:mod:`dapple.models.shapes`): the probe still fixes each boundary tensor's dtype and rank, and
+every activation message is preceded by a *shape header* - one int64 tensor holding the
+per-sample sizes of the message's tensors (:func:`shape_header`, tag index
+:data:`HEADER_INDEX`) - from which the receiver sizes its buffers (:func:`sample_shapes`).
+Gradients need no header: their shape is that of the activations the receiving stage sent.
+Models without a dynamic dimension keep the static path (buffers from the spec, no header).
 """
 
 from __future__ import annotations
@@ -28,13 +36,20 @@ from torch import nn
 from dapple.core.plan import Plan
 
 __all__ = [
+    "HEADER_INDEX",
     "BoundarySpec",
     "TensorSpec",
     "flatten",
+    "header_buffer",
     "infer_boundary_specs",
     "message_tag",
+    "sample_shapes",
+    "shape_header",
     "unflatten",
 ]
+
+HEADER_INDEX = 63
+"""Tag index (see :func:`message_tag`) of a message's shape header; tensors use 0 .. 62."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +103,29 @@ def unflatten(spec_is_tuple: bool, tensors: Sequence[torch.Tensor]) -> Any:
 def message_tag(micro_batch: int, backward: bool, index: int) -> int:
     """Tag of tensor ``index`` of micro-batch ``micro_batch``'s activations (or gradients)."""
     return (micro_batch * 2 + int(backward)) * 64 + index
+
+
+def shape_header(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The per-sample sizes (every dimension but 0) of ``tensors``, concatenated, as int64."""
+    sizes = [int(d) for t in tensors for d in t.shape[1:]]
+    return torch.tensor(sizes, dtype=torch.int64, device=device)
+
+
+def header_buffer(spec: BoundarySpec, device: torch.device) -> torch.Tensor:
+    """A receive buffer for the shape header of a message of ``spec``'s tensors."""
+    n = sum(len(t.sample_shape) for t in spec.tensors)
+    return torch.empty(n, dtype=torch.int64, device=device)
+
+
+def sample_shapes(spec: BoundarySpec, header: torch.Tensor) -> list[tuple[int, ...]]:
+    """Inverse of :func:`shape_header`: each tensor's per-sample shape (ranks from ``spec``)."""
+    sizes = [int(v) for v in header.tolist()]
+    out, at = [], 0
+    for t in spec.tensors:
+        k = len(t.sample_shape)
+        out.append(tuple(sizes[at : at + k]))
+        at += k
+    return out
 
 
 def _to(value: Any, device: torch.device) -> Any:

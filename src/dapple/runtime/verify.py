@@ -48,6 +48,7 @@ from torch.utils.data import Dataset
 from dapple.core.plan import Plan
 from dapple.datasets import BatchSource
 from dapple.errors import DappleError, ValidationError
+from dapple.models.shapes import check_steps
 from dapple.models.split import original_model, sum_tied_grads_local
 from dapple.models.workload import Workload
 from dapple.runtime import (
@@ -452,6 +453,8 @@ def verify_many(
     for plan, wl in cases:
         validate_run(plan, wl, len(plan.devices))
         check_data(wl, data, plan.global_batch_size, seed)
+        if data is None:  # every step's batch fits the model (shapes that change per step)
+            check_steps(wl, plan.global_batch_size, seed, steps)
     world = max(len(plan.devices) for plan, _ in cases)
     refs: dict[tuple[int, int], _Reference] = {}
     for plan, wl in cases:

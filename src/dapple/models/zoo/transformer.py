@@ -8,7 +8,7 @@ dropout, so every run is deterministic.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
 
 import torch
@@ -16,6 +16,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from dapple.errors import ValidationError
+from dapple.models.shapes import DynamicDim
 from dapple.models.workload import Workload
 from dapple.models.zoo.common import generator, token_cross_entropy
 
@@ -83,6 +84,7 @@ def transformer(
     vocab: int = 256,
     ffn: int | None = None,
     name: str = "transformer",
+    seq_choices: Sequence[int] | None = None,
 ) -> Workload:
     """Causal transformer LM: ``layers + 2`` chain layers (embedding, blocks, head).
 
@@ -94,16 +96,27 @@ def transformer(
         vocab: vocabulary size; batches are uniform random tokens, targets the next token.
         ffn: feed-forward width (default ``4 * hidden``).
         name: workload name.
+        seq_choices: tokens per sample that change from step to step: the batch of seed
+            ``t`` has ``seq_choices[t % len(seq_choices)]`` tokens (each at most ``seq``, the
+            position table); the token dimension is then declared dynamic, ``[1, seq]``.
+            None: always ``seq``.
     """
     if min(layers, hidden, heads, seq, vocab) < 1 or hidden % heads:
         raise ValidationError(
             f"transformer: need positive sizes and heads dividing hidden, got layers={layers} "
             f"hidden={hidden} heads={heads} seq={seq} vocab={vocab}"
         )
+    choices = tuple(int(c) for c in seq_choices) if seq_choices else ()
+    if any(not 1 <= c <= seq for c in choices):
+        raise ValidationError(
+            f"transformer: seq_choices {list(choices)} must lie in [1, seq={seq}] (the position "
+            "table)"
+        )
     ffn = ffn or 4 * hidden
 
     def make_batch(batch_size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-        tokens = torch.randint(0, vocab, (batch_size, seq + 1), generator=generator(seed))
+        n = choices[seed % len(choices)] if choices else seq
+        tokens = torch.randint(0, vocab, (batch_size, n + 1), generator=generator(seed))
         return tokens[:, :-1].clone(), tokens[:, 1:].clone()
 
     factories: list[Callable[[], nn.Module]] = [partial(Embedding, vocab, hidden, seq)]
@@ -115,4 +128,5 @@ def transformer(
         make_batch=make_batch,
         loss_fn=token_cross_entropy,
         layer_names=["embedding"] + [f"block{i}" for i in range(layers)] + ["lm_head"],
+        dynamic_dims={0: {1: DynamicDim("seq", 1, seq)}} if choices else {},
     )

@@ -1,0 +1,182 @@
+"""Input shapes that change from step to step: dynamic dimensions, found or declared, and checks.
+
+A *dynamic dimension* is a non-batch dimension of a model input whose size may differ between
+steps (a sequence length, an image side). A workload declares them in
+:attr:`dapple.models.workload.Workload.dynamic_dims` (``{input position: {dim: DynamicDim}}``,
+with the range its layers accept, e.g. ``seq <= `` the position table); the rest are found by
+drawing ``make_batch`` at a few seeds and marking the dimensions that differ
+(:func:`find_dynamic_dims`). The runtime sends boundary shapes with every message when a model
+has any (:mod:`dapple.runtime.transport`), and :func:`check_batch` stops a step whose batch the
+layers cannot take - a static dimension that changed, a size outside the range, another rank or
+dtype - with one error naming the input, the dimension and the allowed range, before the step
+computes anything.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from dapple.errors import ValidationError
+
+if TYPE_CHECKING:
+    from dapple.models.workload import Workload
+
+__all__ = [
+    "FIND_DRAWS",
+    "DimsMap",
+    "DynamicDim",
+    "InputShape",
+    "check_batch",
+    "check_steps",
+    "find_dynamic_dims",
+    "input_shapes",
+    "merge_dims",
+    "run_dims",
+]
+
+FIND_DRAWS = 3
+"""Batches drawn (seeds ``seed .. seed + FIND_DRAWS - 1``) to find the dimensions that vary."""
+
+
+@dataclass(frozen=True, slots=True)
+class DynamicDim:
+    """One dynamic input dimension: its name and the sizes the layers accept (inclusive)."""
+
+    name: str
+    min: int = 1
+    max: int | None = None
+    """None: no known upper bound."""
+
+    def __post_init__(self) -> None:
+        if self.min < 1 or (self.max is not None and self.max < self.min):
+            raise ValidationError(
+                f"dynamic dimension {self.name!r}: need 1 <= min <= max, got min={self.min} "
+                f"max={self.max}"
+            )
+
+    def range_text(self) -> str:
+        return f"[{self.min}, {self.max if self.max is not None else 'inf'}]"
+
+    def accepts(self, size: int) -> bool:
+        return size >= self.min and (self.max is None or size <= self.max)
+
+
+DimsMap = Mapping[int, Mapping[int, DynamicDim]]
+"""``{input position: {dimension: DynamicDim}}`` (dimension 0, the batch, is never listed)."""
+
+
+@dataclass(frozen=True, slots=True)
+class InputShape:
+    """What one input tensor of a step looks like: dtype and full shape (batch first)."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+def _flat(inputs: Any) -> tuple[Any, ...]:
+    return tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+
+
+def input_shapes(inputs: Any) -> tuple[InputShape, ...]:
+    """The dtype and shape of every input tensor of a batch."""
+    return tuple(InputShape(t.dtype, tuple(int(d) for d in t.shape)) for t in _flat(inputs))
+
+
+def find_dynamic_dims(
+    make_batch: Callable[[int, int], tuple[Any, torch.Tensor]],
+    batch_size: int,
+    seed: int,
+    draws: int = FIND_DRAWS,
+) -> dict[int, dict[int, DynamicDim]]:
+    """The non-batch input dimensions whose size differs between ``draws`` batches.
+
+    Each found dimension is named ``in{position}_d{dim}`` and has no known upper bound.
+    """
+    shapes = [input_shapes(make_batch(batch_size, seed + k)[0]) for k in range(draws)]
+    found: dict[int, dict[int, DynamicDim]] = {}
+    for i, first in enumerate(shapes[0]):
+        for d in range(1, len(first.shape)):
+            sizes = {s[i].shape[d] for s in shapes if i < len(s) and d < len(s[i].shape)}
+            if len(sizes) > 1:
+                found.setdefault(i, {})[d] = DynamicDim(f"in{i}_d{d}")
+    return found
+
+
+def merge_dims(declared: DimsMap, found: DimsMap) -> dict[int, dict[int, DynamicDim]]:
+    """``found`` with ``declared`` on top (a declared dimension keeps its name and range)."""
+    out: dict[int, dict[int, DynamicDim]] = {i: dict(ds) for i, ds in found.items()}
+    for i, ds in declared.items():
+        out.setdefault(i, {}).update(ds)
+    return out
+
+
+def check_batch(
+    reference: tuple[InputShape, ...], dims: DimsMap, inputs: Any, *, where: str
+) -> None:
+    """Raise unless ``inputs`` has the reference's number of inputs, ranks and dtypes, its
+    static dimensions and dynamic sizes inside their ranges (the batch dimension is free).
+
+    Args:
+        reference: the shapes the run was set up with (its first batch).
+        dims: the run's dynamic dimensions.
+        inputs: this batch's inputs.
+        where: what the batch is (``"step 3"``), for the message.
+
+    Raises:
+        ValidationError: naming the input, the dimension and the allowed sizes.
+    """
+    got = input_shapes(inputs)
+    if len(got) != len(reference):
+        raise ValidationError(
+            f"{where}: the batch has {len(got)} inputs, the model was set up with {len(reference)}"
+        )
+    for i, (ref, now) in enumerate(zip(reference, got, strict=True)):
+        if now.dtype != ref.dtype:
+            raise ValidationError(
+                f"{where}: input {i} has dtype {now.dtype}, the model takes {ref.dtype}"
+            )
+        if len(now.shape) != len(ref.shape):
+            raise ValidationError(
+                f"{where}: input {i} has {len(now.shape)} dimensions {list(now.shape)}, the "
+                f"model takes {len(ref.shape)} ({list(ref.shape)})"
+            )
+        declared = dims.get(i, {})
+        for d in range(1, len(ref.shape)):
+            size = now.shape[d]
+            dyn = declared.get(d)
+            if dyn is None and size != ref.shape[d]:
+                raise ValidationError(
+                    f"{where}: input {i} dimension {d} is {size}, but it is static (always "
+                    f"{ref.shape[d]}); declare it dynamic (dynamic_dims={{{i}: {{{d}: ...}}}}) "
+                    "if it may change"
+                )
+            if dyn is not None and not dyn.accepts(size):
+                raise ValidationError(
+                    f"{where}: input {i} dimension {d} ({dyn.name}) is {size}, outside the "
+                    f"allowed range {dyn.range_text()}"
+                )
+
+
+def run_dims(workload: Workload, batch_size: int, seed: int) -> dict[int, dict[int, DynamicDim]]:
+    """A run's dynamic dimensions: the workload's declared ones and those that differ between
+    ``make_batch`` draws at seeds ``seed ..`` (drawn at ``min(batch_size, 2)`` samples)."""
+    found = find_dynamic_dims(workload.make_batch, min(batch_size, 2), seed)
+    return merge_dims(workload.dynamic_dims, found)
+
+
+def check_steps(workload: Workload, batch_size: int, seed: int, steps: int) -> None:
+    """:func:`check_batch` of the batches of steps ``1 .. steps - 1`` against step 0's, as the
+    runtime checks them, but all before any compute (used where the batches are drawn anyway).
+
+    Raises:
+        ValidationError: the first step whose batch the model cannot take.
+    """
+    dims = run_dims(workload, batch_size, seed)
+    reference = input_shapes(workload.make_batch(batch_size, seed)[0])
+    for step in range(1, steps):
+        inputs = workload.make_batch(batch_size, seed + step)[0]
+        check_batch(reference, dims, inputs, where=f"step {step}")

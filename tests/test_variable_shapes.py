@@ -1,0 +1,146 @@
+"""Shapes that change from step to step: finding and declaring dynamic input dimensions, the
+per-step batch check and its one-line errors, the transport's shape header, the zoo
+transformer's per-step sequence lengths, and (slow) ``verify`` with lengths changing every step
+under uneven replication."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import runtime_workloads as rw
+from dapple import api
+from dapple.cli import main
+from dapple.core.plan import straight_plan
+from dapple.errors import ValidationError
+from dapple.models.shapes import (
+    DynamicDim,
+    check_batch,
+    check_steps,
+    find_dynamic_dims,
+    input_shapes,
+    run_dims,
+)
+from dapple.models.zoo.transformer import transformer
+from dapple.runtime.engine import _Rank
+from dapple.runtime.transport import BoundarySpec, sample_shapes, shape_header
+
+SEQ = DynamicDim("seq", 1, 16)
+
+
+def _pair_batch(n: int, seed: int) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """Input 0: ``(n, 4 + seed % 3, 5)`` floats; input 1: ``(n, 3)`` ints (static)."""
+    x = torch.zeros(n, 4 + seed % 3, 5)
+    return (x, torch.zeros(n, 3, dtype=torch.int64)), torch.zeros(n)
+
+
+def test_find_dynamic_dims_marks_only_the_dimensions_that_differ() -> None:
+    found = find_dynamic_dims(_pair_batch, 2, seed=0)
+    assert found == {0: {1: DynamicDim("in0_d1")}}
+    assert find_dynamic_dims(rw._mlp_batch, 2, seed=0) == {}
+
+
+def test_declared_dimensions_override_found_ones() -> None:
+    wl = transformer(layers=1, hidden=8, heads=2, seq=16, vocab=16, seq_choices=[8, 12])
+    assert run_dims(wl, 4, 0) == {0: {1: SEQ}}  # found (8 != 12) and declared with its range
+    static = transformer(layers=1, hidden=8, heads=2, seq=16, vocab=16)
+    assert run_dims(static, 4, 0) == {}
+
+
+def test_check_batch_accepts_sizes_in_range_and_names_what_does_not_fit() -> None:
+    ref = input_shapes((torch.zeros(4, 8, 5), torch.zeros(4, 3, dtype=torch.int64)))
+    dims = {0: {1: SEQ}}
+    ok = (torch.zeros(2, 16, 5), torch.zeros(2, 3, dtype=torch.int64))  # batch is free too
+    check_batch(ref, dims, ok, where="step 1")
+    cases = [
+        ((torch.zeros(4, 17, 5), torch.zeros(4, 3, dtype=torch.int64)),
+         "step 2: input 0 dimension 1 (seq) is 17, outside the allowed range [1, 16]"),
+        ((torch.zeros(4, 8, 6), torch.zeros(4, 3, dtype=torch.int64)),
+         "step 2: input 0 dimension 2 is 6, but it is static (always 5)"),
+        ((torch.zeros(4, 8, 5), torch.zeros(4, 4, dtype=torch.int64)),
+         "step 2: input 1 dimension 1 is 4, but it is static (always 3)"),
+        ((torch.zeros(4, 8), torch.zeros(4, 3, dtype=torch.int64)),
+         "step 2: input 0 has 2 dimensions [4, 8], the model takes 3"),
+        ((torch.zeros(4, 8, 5), torch.zeros(4, 3)),
+         "step 2: input 1 has dtype torch.float32, the model takes torch.int64"),
+        (torch.zeros(4, 8, 5), "step 2: the batch has 1 inputs, the model was set up with 2"),
+    ]  # fmt: skip
+    for inputs, message in cases:
+        with pytest.raises(ValidationError) as e:
+            check_batch(ref, dims, inputs, where="step 2")
+        assert str(e.value).startswith(message), str(e.value)
+
+
+def test_dynamic_dim_rejects_an_empty_range() -> None:
+    with pytest.raises(ValidationError, match="min=9 max=8"):
+        DynamicDim("seq", 9, 8)
+    assert DynamicDim("h").range_text() == "[1, inf]" and DynamicDim("h").accepts(10**6)
+
+
+def test_transformer_seq_choices_vary_per_step_within_the_position_table() -> None:
+    wl = transformer(layers=1, hidden=8, heads=2, seq=16, vocab=16, seq_choices=[8, 12, 16])
+    model = wl.build_model(0)
+    for seed, n in [(0, 8), (1, 12), (2, 16), (3, 8)]:
+        x, y = wl.make_batch(3, seed)
+        assert x.shape == y.shape == (3, n)
+        assert model(x).shape == (3, n, 16)
+    with pytest.raises(ValidationError, match=r"seq_choices \[8, 17\] must lie in \[1, seq=16\]"):
+        transformer(seq=16, seq_choices=[8, 17])
+
+
+def test_shape_header_round_trip() -> None:
+    out = (torch.zeros(3, 7, 5), torch.zeros(3, dtype=torch.int64), torch.zeros(3, 2, 4, 6))
+    spec = BoundarySpec.of(tuple(t[:1] for t in out))
+    header = shape_header(out, torch.device("cpu"))
+    assert header.tolist() == [7, 5, 2, 4, 6] and header.dtype == torch.int64
+    assert sample_shapes(spec, header) == [(7, 5), (), (2, 4, 6)]
+
+
+def test_runtime_checks_each_steps_batch_before_the_step() -> None:
+    wl = rw.overflowing_lm()
+    first = wl.make_batch(4, 0)
+    rank = SimpleNamespace(data=SimpleNamespace(source=None), first_batch=first, workload=wl,
+                           global_batch_size=4, config=SimpleNamespace(seed=0),
+                           shapes=input_shapes(first[0]), dims=run_dims(wl, 4, 0))  # fmt: skip
+    assert _Rank.batch(rank, 2)[0].shape == (4, 8)  # type: ignore[arg-type]
+    with pytest.raises(ValidationError, match=r"step 3: input 0 dimension 1 \(seq\) is 12"):
+        _Rank.batch(rank, 3)  # type: ignore[arg-type]
+    check_steps(wl, 4, 0, 3)  # steps 0..2 fit
+    with pytest.raises(ValidationError, match=r"allowed range \[1, 8\]"):
+        check_steps(wl, 4, 0, 4)
+
+
+def test_cli_verify_stops_on_a_batch_the_model_cannot_take_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    plan = straight_plan(3, [0, 2], global_batch_size=4, num_micro_batches=2, replicas=[1, 1])
+    plan.save(tmp_path / "plan.json")
+    argv = ["verify", "--plan", str(tmp_path / "plan.json"), "--model",
+            "runtime_workloads:overflowing_lm", "--steps", "4", "--device", "cpu"]  # fmt: skip
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert err.startswith(
+        "dapple: error: step 3: input 0 dimension 1 (seq) is 12, outside the allowed range [1, 8]"
+    )
+
+
+@pytest.mark.slow
+def test_verify_lengths_changing_every_step_under_3_1_2_2_and_1_2_1() -> None:
+    """One spawned group: a causal LM whose batches have 8, 12 or 16 tokens by step; the
+    activations cross split-concat boundaries with their shape headers, the gradients come
+    back shaped like them, and every parameter matches the one-process reference."""
+    wl = api.load("transformer", layers=2, hidden=16, heads=2, seq=16, vocab=32,
+                  seq_choices=[8, 12, 16])  # fmt: skip
+    plans = [
+        straight_plan(4, [0, 2], global_batch_size=6, num_micro_batches=2, replicas=[3, 1]),
+        straight_plan(4, [0, 2], global_batch_size=8, num_micro_batches=2, replicas=[2, 2]),
+        straight_plan(4, [0, 1, 3], global_batch_size=4, num_micro_batches=2, replicas=[1, 2, 1]),
+    ]
+    reports = api.verify_many([(p, wl) for p in plans], 3, device="cpu")
+    for rep in reports:
+        assert rep.ok, (rep.plan.replication, rep.max_abs_diff)
+        assert rep.losses == pytest.approx(rep.reference_losses, rel=1e-5)
