@@ -10,6 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from torch import nn
+from torch.nn import functional as F
 
 import runtime_workloads as rw
 from dapple import api
@@ -22,8 +24,10 @@ from dapple.models.shapes import (
     check_steps,
     find_dynamic_dims,
     input_shapes,
+    resolve_dims,
     run_dims,
 )
+from dapple.models.split import original_model, workload_from_module
 from dapple.models.zoo.transformer import transformer
 from dapple.runtime.engine import _Rank
 from dapple.runtime.transport import BoundarySpec, sample_shapes, shape_header
@@ -128,19 +132,107 @@ def test_cli_verify_stops_on_a_batch_the_model_cannot_take_in_one_line(
     )
 
 
+class _Net(nn.Module):
+    """Two linear blocks over ``(b, len, 4)``; doubles its output when ``len > 6``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(4, 4) for _ in range(2)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x)
+        return x * 2 if x.shape[1] > 6 else x
+
+
+def _net_batch(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``len`` = 5, 6, 7 for seeds 0, 1, 2."""
+    g = torch.Generator().manual_seed(seed)
+    s = 5 + seed % 3
+    return torch.randn(n, s, 4, generator=g), torch.randn(n, s, 4, generator=g)
+
+
+def test_split_of_a_model_that_branches_on_a_found_length_names_the_dimension() -> None:
+    with pytest.raises(ValidationError) as e:
+        workload_from_module(_Net, _net_batch, F.mse_loss)
+    assert str(e.value).startswith(
+        "_Net.forward cannot be traced with input 0 dimension 1 (in0_d1) dynamic: it fixes or "
+        "branches on that size; declare the dimension static"
+    )
+
+
+def test_split_with_a_declared_range_or_a_static_declaration() -> None:
+    wl = workload_from_module(_Net, _net_batch, F.mse_loss, dynamic_dims={"x": {1: ("len", 2, 6)}})
+    assert wl.dynamic_dims == {0: {1: DynamicDim("len", 2, 6)}}
+    chain, model = wl.build_model(0), original_model(wl, 0)
+    for seed in (0, 1):
+        x, _ = wl.make_batch(3, seed)
+        torch.testing.assert_close(chain(x), model(x), rtol=0, atol=0)
+    with pytest.raises(
+        ValidationError,
+        match=r"step 2: input 0 dimension 1 \(len\) is 7, outside the allowed range \[2, 6\]",
+    ):
+        check_steps(wl, 4, 0, 3)
+    static = workload_from_module(_Net, _net_batch, F.mse_loss, dynamic_dims={0: {1: None}})
+    assert static.dynamic_dims == {0: {1: None}} and run_dims(static, 4, 0) == {}
+    with pytest.raises(
+        ValidationError, match=r"step 1: input 0 dimension 1 is 6, but it is static \(always 5\)"
+    ):
+        check_steps(static, 4, 0, 2)
+
+
+def test_resolve_dims_by_name_or_position_shares_one_dimension_per_name() -> None:
+    dims = resolve_dims({"ids": {1: "seq"}, 1: {1: "seq", 2: ("w", 1, 8)}, "x": {2: None}},
+                        ["ids", "mask", "x"])  # fmt: skip
+    assert dims == {0: {1: DynamicDim("seq")}, 1: {1: DynamicDim("seq"), 2: DynamicDim("w", 1, 8)},
+                    2: {2: None}}  # fmt: skip
+    assert dims[0][1] is dims[1][1]
+    for bad, message in [({"idz": {1: "s"}}, "names input 'idz'; the inputs are"),
+                         ({3: {1: "s"}}, "names input 3; the model takes 3 inputs"),
+                         ({0: {0: "b"}}, "dimension 0 is the batch")]:  # fmt: skip
+        with pytest.raises(ValidationError, match=message):
+            resolve_dims(bad, ["ids", "mask", "x"])
+
+
+def test_llama_split_with_changing_lengths_matches_the_original_model(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    import hf_dirs
+    from dapple.models.hf import hf_causal_lm
+
+    path = hf_dirs.save_llama(tmp_path / "llama")
+    wl = hf_causal_lm(str(path), seq=16, seq_choices=[6, 10, 16])
+    seq = DynamicDim("seq", 2, 16)
+    assert wl.dynamic_dims == {0: {1: seq}, 1: {1: seq}}
+    chain, model = wl.build_model(0), original_model(wl, 0)
+    for seed, n in [(0, 6), (1, 10), (2, 16)]:
+        x, _ = wl.make_batch(3, seed)
+        assert x[0].shape == (3, n)
+        torch.testing.assert_close(chain(x), model(*x), rtol=0, atol=0)
+    with pytest.raises(ValidationError, match=r"seq_choices \[6, 17\] must lie in \[2, seq=16\]"):
+        hf_causal_lm(str(path), seq=16, seq_choices=[6, 17])
+
+
 @pytest.mark.slow
-def test_verify_lengths_changing_every_step_under_3_1_2_2_and_1_2_1() -> None:
-    """One spawned group: a causal LM whose batches have 8, 12 or 16 tokens by step; the
-    activations cross split-concat boundaries with their shape headers, the gradients come
-    back shaped like them, and every parameter matches the one-process reference."""
-    wl = api.load("transformer", layers=2, hidden=16, heads=2, seq=16, vocab=32,
-                  seq_choices=[8, 12, 16])  # fmt: skip
-    plans = [
-        straight_plan(4, [0, 2], global_batch_size=6, num_micro_batches=2, replicas=[3, 1]),
-        straight_plan(4, [0, 2], global_batch_size=8, num_micro_batches=2, replicas=[2, 2]),
-        straight_plan(4, [0, 1, 3], global_batch_size=4, num_micro_batches=2, replicas=[1, 2, 1]),
-    ]
-    reports = api.verify_many([(p, wl) for p in plans], 3, device="cpu")
+def test_verify_lengths_changing_every_step_under_3_1_2_2_and_1_2_1(tmp_path: Path) -> None:
+    """One spawned group: the zoo transformer (8, 12 or 16 tokens by step) under 3:1 and 2:2,
+    and a LLaMA split from its Hugging Face config (6, 10 or 16 tokens) under 1:2:1; the
+    activations cross split-concat boundaries with their shape headers, the gradients come back
+    shaped like them, and every parameter matches the one-process reference."""
+    pytest.importorskip("transformers")
+    import hf_dirs
+
+    zoo = api.load("transformer", layers=2, hidden=16, heads=2, seq=16, vocab=32,
+                   seq_choices=[8, 12, 16])  # fmt: skip
+    path = hf_dirs.save_llama(tmp_path / "llama")
+    llama = api.load(f"hf:{path}", seq=16, seq_choices=[6, 10, 16])
+    cases = [
+        (straight_plan(4, [0, 2], global_batch_size=6, num_micro_batches=2, replicas=[3, 1]), zoo),
+        (straight_plan(4, [0, 2], global_batch_size=8, num_micro_batches=2, replicas=[2, 2]), zoo),
+        (straight_plan(4, [0, 1, 3], global_batch_size=4, num_micro_batches=2,
+                       replicas=[1, 2, 1]), llama),
+    ]  # fmt: skip
+    reports = api.verify_many(cases, 3, device="cpu")
     for rep in reports:
         assert rep.ok, (rep.plan.replication, rep.max_abs_diff)
         assert rep.losses == pytest.approx(rep.reference_losses, rel=1e-5)
+    assert reports[2].reference == "original model"

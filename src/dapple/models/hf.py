@@ -23,6 +23,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from dapple.errors import ValidationError
+from dapple.models.shapes import DynamicDim
 from dapple.models.split import workload_from_module
 from dapple.models.workload import Workload
 
@@ -136,17 +137,33 @@ class _Model:
 
 
 class _CausalBatch:
-    """``(batch_size, seed) -> ((input_ids, attention_mask), input_ids)``, all-ones mask."""
+    """``(batch_size, seed) -> ((input_ids, attention_mask), input_ids)``, all-ones mask;
+    ``seq`` tokens, or ``seq_choices[seed % len(seq_choices)]`` when given."""
 
-    def __init__(self, vocab: int, seq: int) -> None:
+    def __init__(self, vocab: int, seq: int, seq_choices: Sequence[int] = ()) -> None:
         self.vocab = vocab
         self.seq = seq
+        self.seq_choices = tuple(int(c) for c in seq_choices)
 
     def __call__(self, batch_size: int, seed: int) -> tuple[Any, torch.Tensor]:
         gen = torch.Generator().manual_seed(seed)
-        ids = torch.randint(0, self.vocab, (batch_size, self.seq), generator=gen)
-        mask = torch.ones(batch_size, self.seq, dtype=torch.long)
+        n = self.seq_choices[seed % len(self.seq_choices)] if self.seq_choices else self.seq
+        ids = torch.randint(0, self.vocab, (batch_size, n), generator=gen)
+        mask = torch.ones(batch_size, n, dtype=torch.long)
         return (ids, mask), ids
+
+
+def _seq_dims(seq: int, seq_choices: Sequence[int] | None) -> dict[int | str, Any] | None:
+    """``seq_choices`` checked against the position table, and the token dimension of
+    ``input_ids`` and ``attention_mask`` declared dynamic in ``[2, seq]``."""
+    if not seq_choices:
+        return None
+    if any(not 2 <= int(c) <= seq for c in seq_choices):
+        raise ValidationError(
+            f"seq_choices {list(seq_choices)} must lie in [2, seq={seq}] (the position table)"
+        )
+    dim = DynamicDim("seq", 2, seq)
+    return {0: {1: dim}, 1: {1: dim}}
 
 
 class _MaskedBatch:
@@ -217,6 +234,7 @@ def hf_gpt2(
     seq: int = 32,
     dropout: float = 0.0,
     split_at: Sequence[str] | None = None,
+    seq_choices: Sequence[int] | None = None,
 ) -> Workload:
     """GPT-2 causal LM (tied embeddings) from a config, inputs ``(input_ids, attention_mask)``.
 
@@ -229,6 +247,9 @@ def hf_gpt2(
         dropout: Dropout probability of residual, embedding and attention dropout.
         split_at: Module names to cut before (e.g. ``["transformer.h.2", "lm_head"]``);
             ``None``: every block.
+        seq_choices: Tokens per sample changing from step to step (seed ``t``:
+            ``seq_choices[t % len]``, each in ``[2, seq]``); the pieces are traced with the
+            token dimension dynamic. None: always ``seq``.
 
     Raises:
         ValidationError: Bad sizes, bad ``split_at`` names, or ``transformers`` is missing.
@@ -251,10 +272,11 @@ def hf_gpt2(
     )
     return workload_from_module(
         _Model("gpt2", config),
-        _CausalBatch(vocab, seq),
+        _CausalBatch(vocab, seq, seq_choices or ()),
         causal_lm_loss,
         split_at=split_at,
         name=f"hf-gpt2-{layers}x{hidden}",
+        dynamic_dims=_seq_dims(seq, seq_choices),
     )
 
 
@@ -334,7 +356,10 @@ def hf_config(workload: Workload) -> Any | None:
 
 
 def hf_causal_lm(
-    path: str | Path, seq: int = 32, split_at: Sequence[str] | None = None
+    path: str | Path,
+    seq: int = 32,
+    split_at: Sequence[str] | None = None,
+    seq_choices: Sequence[int] | None = None,
 ) -> Workload:
     """Any ``transformers`` causal LM from a local directory holding its ``config.json``.
 
@@ -347,6 +372,7 @@ def hf_causal_lm(
         path: Directory with ``config.json``.
         seq: Tokens per sample (at most the config's ``max_position_embeddings``).
         split_at: Module names to cut before; ``None``: every decoder block.
+        seq_choices: Tokens per sample changing from step to step, as in :func:`hf_gpt2`.
 
     Raises:
         ValidationError: No readable config, no causal-LM class for it, a bad ``seq``, or a
@@ -360,10 +386,11 @@ def hf_causal_lm(
         raise ValidationError(f"seq={seq} must be in [2, {limit}] for the config in {where}")
     return workload_from_module(
         _DirModel(where),
-        _CausalBatch(vocab, seq),
+        _CausalBatch(vocab, seq, seq_choices or ()),
         causal_lm_loss,
         split_at=split_at,
         name=f"hf-{config.model_type}",
+        dynamic_dims=_seq_dims(seq, seq_choices),
     )
 
 

@@ -14,7 +14,7 @@ computes anything.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "FIND_DRAWS",
+    "DimsArg",
     "DimsMap",
     "DynamicDim",
     "InputShape",
@@ -35,6 +36,7 @@ __all__ = [
     "find_dynamic_dims",
     "input_shapes",
     "merge_dims",
+    "resolve_dims",
     "run_dims",
 ]
 
@@ -94,24 +96,87 @@ def find_dynamic_dims(
 ) -> dict[int, dict[int, DynamicDim]]:
     """The non-batch input dimensions whose size differs between ``draws`` batches.
 
-    Each found dimension is named ``in{position}_d{dim}`` and has no known upper bound.
+    A found dimension is named ``in{position}_d{dim}`` after the first dimension with the same
+    sizes in every draw (an input's ids and its attention mask share one sequence length) and
+    has no known upper bound.
     """
     shapes = [input_shapes(make_batch(batch_size, seed + k)[0]) for k in range(draws)]
     found: dict[int, dict[int, DynamicDim]] = {}
+    by_sizes: dict[tuple[int, ...], DynamicDim] = {}
     for i, first in enumerate(shapes[0]):
         for d in range(1, len(first.shape)):
-            sizes = {s[i].shape[d] for s in shapes if i < len(s) and d < len(s[i].shape)}
-            if len(sizes) > 1:
-                found.setdefault(i, {})[d] = DynamicDim(f"in{i}_d{d}")
+            sizes = tuple(s[i].shape[d] for s in shapes if i < len(s) and d < len(s[i].shape))
+            if len(set(sizes)) > 1:
+                dim = by_sizes.setdefault(sizes, DynamicDim(f"in{i}_d{d}"))
+                found.setdefault(i, {})[d] = dim
     return found
 
 
-def merge_dims(declared: DimsMap, found: DimsMap) -> dict[int, dict[int, DynamicDim]]:
-    """``found`` with ``declared`` on top (a declared dimension keeps its name and range)."""
+DimsArg = Mapping[int | str, Mapping[int, str | DynamicDim | tuple[str, int, int | None] | None]]
+"""A user's declaration: inputs by position or forward-argument name, each dimension's name
+(``"seq"``), :class:`DynamicDim`, ``(name, min, max)``, or None: static (not traced dynamic
+even when its size differs between ``make_batch`` draws)."""
+
+
+def resolve_dims(
+    declared: DimsArg | None, input_names: Sequence[str]
+) -> dict[int, dict[int, DynamicDim | None]]:
+    """A declaration (``{"input_ids": {1: "seq"}}`` or ``{0: {1: ("seq", 1, 512)}}``) by input
+    position; dimensions with one name are one :class:`DynamicDim`.
+
+    Raises:
+        ValidationError: an unknown input name or position, dimension 0 (the batch, always
+            dynamic), or a bad range.
+    """
+    out: dict[int, dict[int, DynamicDim | None]] = {}
+    named: dict[str, DynamicDim] = {}
+    for key, ds in (declared or {}).items():
+        if isinstance(key, str) and not key.isdigit():
+            if key not in input_names:
+                raise ValidationError(
+                    f"dynamic_dims names input {key!r}; the inputs are {list(input_names)}"
+                )
+            i = list(input_names).index(key)
+        else:
+            i = int(key)
+            if not 0 <= i < len(input_names):
+                raise ValidationError(
+                    f"dynamic_dims names input {i}; the model takes {len(input_names)} inputs"
+                )
+        for d, v in ds.items():
+            if int(d) < 1:
+                raise ValidationError(
+                    f"dynamic_dims: input {key!r} dimension {d}: dimension 0 is the batch, "
+                    "dynamic already; name dimensions >= 1"
+                )
+            if v is None:
+                out.setdefault(i, {})[int(d)] = None
+                continue
+            if isinstance(v, DynamicDim):
+                dim = v
+            elif isinstance(v, str):
+                dim = named.get(v) or DynamicDim(v)
+            else:
+                name, lo, hi = v
+                dim = DynamicDim(str(name), int(lo), None if hi is None else int(hi))
+            named.setdefault(dim.name, dim)
+            out.setdefault(i, {})[int(d)] = named[dim.name]
+    return out
+
+
+def merge_dims(
+    declared: Mapping[int, Mapping[int, DynamicDim | None]], found: DimsMap
+) -> dict[int, dict[int, DynamicDim]]:
+    """``found`` with ``declared`` on top (a declared dimension keeps its name and range; one
+    declared ``None`` is static even if it was found)."""
     out: dict[int, dict[int, DynamicDim]] = {i: dict(ds) for i, ds in found.items()}
     for i, ds in declared.items():
-        out.setdefault(i, {}).update(ds)
-    return out
+        for d, dim in ds.items():
+            if dim is None:
+                out.get(i, {}).pop(d, None)
+            else:
+                out.setdefault(i, {})[d] = dim
+    return {i: ds for i, ds in out.items() if ds}
 
 
 def check_batch(

@@ -44,9 +44,10 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import inspect
 import logging
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +56,13 @@ from torch import fx, nn
 
 from dapple.errors import ValidationError
 from dapple.models.materialize import build_meta, init_parameters, materialize
+from dapple.models.shapes import (
+    DimsArg,
+    DynamicDim,
+    find_dynamic_dims,
+    merge_dims,
+    resolve_dims,
+)
 from dapple.models.split_graph import (
     EXAMPLE_BATCH,
     SplitModel,
@@ -114,10 +122,12 @@ class _Splitter:
         model_factory: Callable[[], nn.Module],
         make_batch: Callable[[int, int], tuple[Any, torch.Tensor]],
         split_at: Sequence[str] | None,
+        dynamic_dims: DimsArg | None = None,
     ) -> None:
         self.model_factory = model_factory
         self.make_batch = make_batch
         self.split_at = split_at
+        self.declared_dims = dynamic_dims
         self.weights: WeightFiles | None = None
         self.weight_keys: dict[str, str] = {}
         self.models: OrderedDict[int, nn.Module] = OrderedDict()
@@ -125,12 +135,25 @@ class _Splitter:
         model = self.model(base)
         self.model_name = type(model).__name__
         inputs, _ = make_batch(EXAMPLE_BATCH, 0)
+        names = [
+            p.name
+            for p in inspect.signature(model.forward).parameters.values()
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        ]
+        declared = resolve_dims(dynamic_dims, names)
+        dims = merge_dims(declared, find_dynamic_dims(make_batch, EXAMPLE_BATCH, 0))
+        self.static_dims: dict[int, dict[int, DynamicDim | None]] = {
+            i: {d: None for d, v in ds.items() if v is None} for i, ds in declared.items()
+        }
+        """Dimensions declared static (the runtime does not take them for dynamic ones)."""
         try:  # trace a copy with every tensor on meta: no weights anywhere
             to_meta = functools.partial(_to_device, device=torch.device("meta"))
-            self.split = SplitModel(copy.deepcopy(model).to("meta"), to_meta(inputs), split_at)
+            self.split = SplitModel(
+                copy.deepcopy(model).to("meta"), to_meta(inputs), split_at, dims
+            )
         except ValidationError as meta_error:
             try:  # a forward that makes tensors on a fixed device cannot run on meta
-                self.split = SplitModel(self.whole(base), inputs, split_at)
+                self.split = SplitModel(self.whole(base), inputs, split_at, dims)
             except ValidationError:
                 raise meta_error from None
             log.warning(
@@ -142,8 +165,11 @@ class _Splitter:
     def __reduce__(self) -> tuple[Any, ...]:
         """Pickle the recipe, not the graphs: a spawned worker traces the model again."""
         if self.weights is None:
-            return (_Splitter, (self.model_factory, self.make_batch, self.split_at))
-        recipe = (self.model_factory, self.make_batch, self.split_at)
+            return (
+                _Splitter,
+                (self.model_factory, self.make_batch, self.split_at, self.declared_dims),
+            )
+        recipe = (self.model_factory, self.make_batch, self.split_at, self.declared_dims)
         return (_splitter_with_weights, (recipe, self.weights))
 
     def with_weights(self, weights: WeightFiles) -> _Splitter:
@@ -239,6 +265,7 @@ def workload_from_module(
     loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
     split_at: Sequence[str] | None = None,
     name: str | None = None,
+    dynamic_dims: DimsArg | None = None,
 ) -> Workload:
     """A :class:`Workload` whose layers are the pieces of any model, cut at module boundaries.
 
@@ -252,14 +279,23 @@ def workload_from_module(
         split_at: Module names to cut before; ``None``: before every element of the largest
             ``nn.ModuleList`` and after the last one.
         name: Workload name (default: the model's class name).
+        dynamic_dims: Non-batch input dimensions whose size changes from step to step, by input
+            position or ``forward`` argument name, e.g. ``{"input_ids": {1: "seq"}}`` or
+            ``{0: {1: ("seq", 1, 512)}}`` (a range); dimensions that differ between
+            ``make_batch`` draws at seeds 0, 1, 2 are added. The pieces are traced with them
+            dynamic; :attr:`Workload.dynamic_dims` holds them with the ranges the trace is
+            valid for.
 
     Raises:
-        ValidationError: Bad ``split_at`` names (the message lists the valid ones) or a model
-            ``torch.export`` cannot trace.
+        ValidationError: Bad ``split_at`` names (the message lists the valid ones), a model
+            ``torch.export`` cannot trace, or one that cannot take a dimension dynamic (the
+            message names it and suggests declaring it static).
     """
     if isinstance(split_at, str):
         split_at = parse_split_at(split_at)
-    splitter = _Splitter(model_factory, make_batch, list(split_at) if split_at else None)
+    splitter = _Splitter(
+        model_factory, make_batch, list(split_at) if split_at else None, dynamic_dims
+    )
     split = splitter.split
     log.debug("split %s into %d pieces: %s", splitter.model_name, len(split.names), split.names)
     return Workload(
@@ -269,7 +305,20 @@ def workload_from_module(
         loss_fn=loss_fn,
         layer_names=tuple(split.names),
         tied_parameters=tuple(tuple(g) for g in find_tied_parameters(split.pieces)),
+        dynamic_dims=_with_static(split.dynamic_dims, splitter.static_dims),
     )
+
+
+def _with_static(
+    dynamic: Mapping[int, Mapping[int, DynamicDim]],
+    static: Mapping[int, Mapping[int, DynamicDim | None]],
+) -> dict[int, dict[int, DynamicDim | None]]:
+    """The traced dynamic dimensions and (as None) the ones declared static."""
+    out: dict[int, dict[int, DynamicDim | None]] = {i: dict(ds) for i, ds in dynamic.items()}
+    for i, ds in static.items():
+        if ds:
+            out.setdefault(i, {}).update(ds)
+    return out
 
 
 def _splitter_of(workload: Workload) -> _Splitter:

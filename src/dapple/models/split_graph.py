@@ -20,6 +20,7 @@ import torch
 from torch import fx, nn
 
 from dapple.errors import ValidationError
+from dapple.models.shapes import DimsMap, DynamicDim
 
 __all__ = [
     "EXAMPLE_BATCH",
@@ -65,25 +66,82 @@ def _quiet_trace() -> Iterator[None]:
             lg.setLevel(level)
 
 
-def _export(model: nn.Module, inputs: tuple[Any, ...]) -> torch.export.ExportedProgram:
+def _export(
+    model: nn.Module, inputs: tuple[Any, ...], dims: DimsMap | None = None
+) -> torch.export.ExportedProgram:
+    """Export with dimension 0 of every tensor input dynamic, and the ``dims`` of each input
+    (one ``torch.export.Dim`` per :class:`DynamicDim` name, with its range)."""
     dyn = torch.export.Dim.DYNAMIC
+    dims = dims or {}
+    named: dict[str, Any] = {}
+    for ds in dims.values():
+        for dd in ds.values():
+            if dd.name not in named:
+                named[dd.name] = torch.export.Dim(dd.name, min=dd.min, max=dd.max)
     shapes = tuple(
-        {0: dyn} if isinstance(t, torch.Tensor) and t.dim() > 0 else None for t in inputs
+        {0: dyn, **{d: named[dd.name] for d, dd in dims.get(i, {}).items()}}
+        if isinstance(t, torch.Tensor) and t.dim() > 0
+        else None
+        for i, t in enumerate(inputs)
     )
     try:
         with _quiet_trace():
             ep = torch.export.export(model, inputs, dynamic_shapes=shapes, strict=False)
     except Exception as e:  # torch raises many types; report them as one user error
-        if "Constraints violated" in str(e):
+        text = str(e)
+        culprits = [
+            f"input {i} dimension {d} ({dd.name})"
+            for i, ds in dims.items()
+            for d, dd in ds.items()
+            if f"{dd.name} = " in text or f"{dd.name} " in text.split("\n")[0]
+        ]
+        if "Constraints violated" in text and culprits:
+            raise ValidationError(
+                f"{type(model).__name__}.forward cannot be traced with {', '.join(culprits)} "
+                "dynamic: it fixes or branches on that size; declare the dimension static (or "
+                "give the range the model accepts)"
+            ) from e
+        if "Constraints violated" in text:
             raise ValidationError(
                 f"{type(model).__name__}.forward fixes the batch size (dimension 0 of its "
                 "inputs); the layer chain needs any batch size"
             ) from e
         raise ValidationError(
             f"cannot trace {type(model).__name__} with torch.export: {type(e).__name__}: "
-            f"{str(e).splitlines()[0] if str(e) else ''}"
+            f"{text.splitlines()[0] if text else ''}"
         ) from e
     return ep
+
+
+def _traced_dims(
+    program: torch.export.ExportedProgram, dims: DimsMap
+) -> dict[int, dict[int, DynamicDim]]:
+    """``dims`` with the ranges ``torch.export`` found the traced graph valid for."""
+    placeholders = [
+        n for n in program.graph.nodes if n.op == "placeholder" and n.name in _user_inputs(program)
+    ]
+    out: dict[int, dict[int, DynamicDim]] = {}
+    for i, ds in dims.items():
+        val = placeholders[i].meta.get("val") if i < len(placeholders) else None
+        for d, dd in ds.items():
+            size = val.shape[d] if isinstance(val, torch.Tensor) and d < val.dim() else None
+            vr = (
+                program.range_constraints.get(size.node.expr)
+                if isinstance(size, torch.SymInt)
+                else None
+            )
+            lo, hi = dd.min, dd.max
+            if vr is not None:
+                lo = max(lo, int(vr.lower))
+                upper = vr.upper
+                if upper.is_finite:
+                    hi = int(upper) if hi is None else min(hi, int(upper))
+            out.setdefault(i, {})[d] = DynamicDim(dd.name, lo, hi)
+    return out
+
+
+def _user_inputs(program: torch.export.ExportedProgram) -> set[str]:
+    return set(program.graph_signature.user_inputs)
 
 
 def _output_is_tuple(model: nn.Module, program: torch.export.ExportedProgram) -> bool:
@@ -242,6 +300,7 @@ class SplitModel:
         model: nn.Module,
         example_inputs: Any,
         split_at: Sequence[str] | None = None,
+        dynamic_dims: DimsMap | None = None,
     ) -> None:
         """Trace ``model`` on ``example_inputs`` and cut it.
 
@@ -250,16 +309,21 @@ class SplitModel:
             example_inputs: A tensor or tuple of tensors (batch in dimension 0).
             split_at: Module names to cut before (or one comma-separated string); ``None``:
                 before every block of the largest ``nn.ModuleList`` and after the last block.
+            dynamic_dims: Non-batch input dimensions traced dynamic (see
+                :mod:`dapple.models.shapes`); :attr:`dynamic_dims` holds them with the ranges
+                the traced graph is valid for.
 
         Raises:
             ValidationError: A name in ``split_at`` did not run in the model (the message lists
-                the valid names), two names cut at the same place, or tracing failed.
+                the valid names), two names cut at the same place, or tracing failed (also: the
+                model cannot take a dynamic dimension; the message names it).
         """
         if isinstance(split_at, str):  # "a,b" from a CLI --set split_at=a,b
             split_at = parse_split_at(split_at)
         inputs = _as_tuple(example_inputs)
         self.input_is_tuple = isinstance(example_inputs, tuple)
-        program = _export(model, inputs)
+        program = _export(model, inputs, dynamic_dims)
+        self.dynamic_dims = _traced_dims(program, dynamic_dims or {})
         self.output_is_tuple = _output_is_tuple(model, program)
         self.traced = program.module(check_guards=False)
         _follow_device_in_submodules(self.traced)
@@ -353,13 +417,25 @@ class SplitModel:
         def is_tensor(v: fx.Node) -> bool:
             return isinstance(v.meta.get("val"), torch.Tensor)
 
-        # Tensors that do not depend on the inputs (tables built from buffers, causal masks of a
-        # fixed length) are recomputed by each piece that needs them instead of crossing a cut.
+        # Tensors that do not depend on the inputs' values (tables built from buffers, causal
+        # masks, rotary tables of the inputs' length) are recomputed by each piece that needs
+        # them instead of crossing a cut; a size they read (``aten.sym_size``) is re-read from
+        # the piece's own inputs (:meth:`_materialize`).
         batch_dep = set(placeholders)
         for node in nodes:
-            if node.op == "call_function" and any(a in batch_dep for a in node.all_input_nodes):
+            if (
+                node.op == "call_function"
+                and node.target is not torch.ops.aten.sym_size.int
+                and any(a in batch_dep for a in node.all_input_nodes)
+            ):
                 batch_dep.add(node)
-        self._batch_free = {n for n in nodes if n.op == "call_function" and n not in batch_dep}
+        self._batch_free = {
+            n
+            for n in nodes
+            if n.op == "call_function"
+            and n not in batch_dep
+            and n.target is not torch.ops.aten.sym_size.int
+        }
         batch_syms = _batch_symbols(placeholders)
         values = [
             v

@@ -48,10 +48,11 @@ class Workload:
     tied_parameters: Sequence[Sequence[tuple[int, str]]] = field(default=())
     """Groups of ``(layer index, parameter name)`` that are one shared parameter in the original
     model (e.g. GPT-2's input embedding and LM head); their gradients are summed over copies."""
-    dynamic_dims: Mapping[int, Mapping[int, DynamicDim]] = field(default_factory=dict)
+    dynamic_dims: Mapping[int, Mapping[int, DynamicDim | None]] = field(default_factory=dict)
     """Input dimensions whose size may change from step to step, ``{input position: {dim:
     DynamicDim}}``, with the sizes the layers accept (see :mod:`dapple.models.shapes`); the
-    runtime adds the ones it finds by drawing ``make_batch`` at a few seeds."""
+    runtime adds the ones it finds by drawing ``make_batch`` at a few seeds, except those
+    declared ``None`` (static)."""
 
     @property
     def num_layers(self) -> int:
