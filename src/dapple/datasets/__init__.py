@@ -7,9 +7,18 @@
 - :class:`EpochSampler`: step ``t`` -> the item indices of its global batch, a pure function
   of ``(seed, t, G, N)`` so resumed runs read what uninterrupted ones would;
 - :class:`BatchSource` / :class:`EvalBatches`: the global batches a rank trains and
-  evaluates on, reading only the rows the rank needs.
+  evaluates on, reading only the rows the rank needs;
+- :class:`DocumentBatches`: variable-length documents (JSONL) padded to the longest in the
+  batch, with :func:`masked_token_loss` that ignores the padding.
 """
 
+from dapple.datasets.documents import (
+    IGNORE_INDEX,
+    DocumentBatches,
+    masked_token_loss,
+    pad_batch,
+    read_documents,
+)
 from dapple.datasets.prepare import Prepared, prepare, val_path
 from dapple.datasets.sampler import EpochSampler
 from dapple.datasets.source import Batch, BatchSource, EvalBatches, read_rows
@@ -17,14 +26,19 @@ from dapple.datasets.token_file import DTYPES, META_NAME, TokenFile, read_meta
 
 __all__ = [
     "DTYPES",
+    "IGNORE_INDEX",
     "META_NAME",
     "Batch",
     "BatchSource",
+    "DocumentBatches",
     "EpochSampler",
     "EvalBatches",
     "Prepared",
     "TokenFile",
+    "masked_token_loss",
+    "pad_batch",
     "prepare",
+    "read_documents",
     "read_meta",
     "read_rows",
     "val_path",
