@@ -277,3 +277,30 @@ def overflowing_lm() -> Workload:
         return tokens[:, :-1].clone(), tokens[:, 1:].clone()
 
     return dataclasses.replace(wl, make_batch=make_batch)
+
+
+def _var_images(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Images of side 8, 12 or 16 by seed (found dynamic: nothing declares them)."""
+    g = torch.Generator().manual_seed(seed)
+    side = (8, 12, 16)[seed % 3]
+    return torch.randn(n, 3, side, side, generator=g), torch.randint(0, CLASSES, (n,), generator=g)
+
+
+def var_cnn() -> Workload:
+    """A small CNN (no batch norm) whose image size changes from step to step: two 3x3
+    convolutions, global average pooling, a linear classifier."""
+
+    def conv(cin: int, cout: int):
+        return lambda: nn.Sequential(nn.Conv2d(cin, cout, 3, padding=1), nn.ReLU())
+
+    return Workload(
+        name="test-var-cnn",
+        layer_factories=[
+            conv(3, 4),
+            conv(4, 6),
+            lambda: nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten()),
+            lambda: nn.Linear(6, CLASSES),
+        ],
+        make_batch=_var_images,
+        loss_fn=F.cross_entropy,
+    )

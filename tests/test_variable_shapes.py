@@ -213,9 +213,10 @@ def test_llama_split_with_changing_lengths_matches_the_original_model(tmp_path: 
 
 
 @pytest.mark.slow
-def test_verify_lengths_changing_every_step_under_3_1_2_2_and_1_2_1(tmp_path: Path) -> None:
+def test_verify_shapes_changing_every_step_under_3_1_2_2_and_1_2_1(tmp_path: Path) -> None:
     """One spawned group: the zoo transformer (8, 12 or 16 tokens by step) under 3:1 and 2:2,
-    and a LLaMA split from its Hugging Face config (6, 10 or 16 tokens) under 1:2:1; the
+    a LLaMA split from its Hugging Face config (6, 10 or 16 tokens) under 1:2:1 and a CNN
+    whose images are 8, 12 or 16 pixels wide under 2:2; the
     activations cross split-concat boundaries with their shape headers, the gradients come back
     shaped like them, and every parameter matches the one-process reference."""
     pytest.importorskip("transformers")
@@ -225,11 +226,14 @@ def test_verify_lengths_changing_every_step_under_3_1_2_2_and_1_2_1(tmp_path: Pa
                    seq_choices=[8, 12, 16])  # fmt: skip
     path = hf_dirs.save_llama(tmp_path / "llama")
     llama = api.load(f"hf:{path}", seq=16, seq_choices=[6, 10, 16])
+    cnn = api.load("runtime_workloads:var_cnn")  # images of side 8, 12, 16: found, not declared
     cases = [
         (straight_plan(4, [0, 2], global_batch_size=6, num_micro_batches=2, replicas=[3, 1]), zoo),
         (straight_plan(4, [0, 2], global_batch_size=8, num_micro_batches=2, replicas=[2, 2]), zoo),
         (straight_plan(4, [0, 1, 3], global_batch_size=4, num_micro_batches=2,
                        replicas=[1, 2, 1]), llama),
+        (straight_plan(4, [0, 1], global_batch_size=8, num_micro_batches=2, replicas=[2, 2]),
+         cnn),
     ]  # fmt: skip
     reports = api.verify_many(cases, 3, device="cpu")
     for rep in reports:
