@@ -101,6 +101,8 @@ def test_shape_header_round_trip() -> None:
     header = shape_header(out, torch.device("cpu"))
     assert header.tolist() == [7, 5, 2, 4, 6] and header.dtype == torch.int64
     assert sample_shapes(spec, header) == [(7, 5), (), (2, 4, 6)]
+    with pytest.raises(TypeError, match="carries 64 tensors; at most 63"):
+        BoundarySpec.of(tuple(torch.zeros(1, 2) for _ in range(64)))  # the header's tag is 63
 
 
 def test_runtime_checks_each_steps_batch_before_the_step() -> None:

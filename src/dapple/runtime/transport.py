@@ -84,6 +84,11 @@ class BoundarySpec:
                     f"in dimension 0, got {type(t).__name__}"
                     + (" of dim 0" if isinstance(t, torch.Tensor) else "")
                 )
+        if len(flat) > HEADER_INDEX:
+            raise TypeError(
+                f"a stage boundary carries {len(flat)} tensors; at most {HEADER_INDEX} fit the "
+                "message tags"
+            )
         return BoundarySpec(
             is_tuple=isinstance(value, (tuple, list)),
             tensors=tuple(TensorSpec(t.dtype, tuple(t.shape[1:])) for t in flat),
