@@ -242,3 +242,15 @@ def test_verify_shapes_changing_every_step_under_3_1_2_2_and_1_2_1(tmp_path: Pat
         assert rep.ok, (rep.plan.replication, rep.max_abs_diff)
         assert rep.losses == pytest.approx(rep.reference_losses, rel=1e-5)
     assert reports[2].reference == "original model"
+
+
+def test_step_metrics_report_the_steps_tokens_beside_tokens_per_s() -> None:
+    from dapple.runtime.metrics import step_metrics
+
+    plan = straight_plan(4, [0, 2], global_batch_size=8, num_micro_batches=2)
+    rows = [[0, 0, -1, 0, 0.0, 1024.0], [0, 1, -1, 1, 0.5, 2048.0]]
+    for tokens in (64, 96):  # 8 samples of 8 and of 12 tokens
+        m = step_metrics(plan, 1, rows, 40.0, "held_activations", None, target_tokens=tokens)
+        assert m.tokens == tokens and m.tokens_per_s == pytest.approx(tokens / 0.04)
+        assert f" {tokens} tokens {tokens / 0.04:.0f} tokens/s " in m.line()
+    assert step_metrics(plan, 1, rows, 40.0, "held_activations", None).tokens is None

@@ -186,6 +186,9 @@ class StepMetrics:
     """Mean validation loss measured after this step (None: no evaluation this step)."""
     tokens_per_s: float | None = None
     """Target tokens of the global batch over ``step_ms`` (None: not a token workload)."""
+    tokens: int | None = None
+    """Target tokens of the step's global batch; changes from step to step with the sequence
+    length (None: not a token workload)."""
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -203,7 +206,8 @@ class StepMetrics:
         opt = f" lr {self.lr:.3g}" if self.lr is not None else ""
         opt += f" grad_norm {self.grad_norm:.4g}" if self.grad_norm is not None else ""
         ev = f" eval_loss {self.eval_loss:.6f}" if self.eval_loss is not None else ""
-        tok = f" {self.tokens_per_s:.0f} tokens/s" if self.tokens_per_s is not None else ""
+        tok = f" {self.tokens} tokens" if self.tokens is not None else ""
+        tok += f" {self.tokens_per_s:.0f} tokens/s" if self.tokens_per_s is not None else ""
         return (
             f"step {self.step} loss {self.loss:.6f}{opt}{ev} time {self.step_ms:.1f} ms{pred} "
             f"{self.samples_per_s:.1f} samples/s{tok} peak[{self.memory_kind}] {mem}{resident}"

@@ -150,7 +150,7 @@ def step_metrics(
         predicted_step_ms: a prediction shown beside the measured time (None: none).
         resident_kind: what the resident peaks measure (``VmHWM`` or ``cuda_max_reserved``).
         target_tokens: target tokens of the global batch (None: not a token workload); gives
-            ``tokens_per_s``.
+            ``tokens`` and ``tokens_per_s``.
         eval_loss: the mean validation loss measured after the step (None: none).
     """
     S = plan.num_stages
@@ -180,6 +180,7 @@ def step_metrics(
         tokens_per_s=(
             target_tokens / (step_ms / 1e3) if target_tokens is not None and step_ms > 0 else None
         ),
+        tokens=target_tokens,
     )
 
 
