@@ -23,3 +23,4 @@ fi
 run benchmarks/paper.py
 run benchmarks/fidelity.py
 run benchmarks/vs_torch_pipelining.py
+run benchmarks/variable_shapes.py
