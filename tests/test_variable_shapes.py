@@ -5,6 +5,7 @@ under uneven replication."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -16,7 +17,7 @@ from torch.nn import functional as F
 import runtime_workloads as rw
 from dapple import api
 from dapple.cli import main
-from dapple.core.plan import straight_plan
+from dapple.core.plan import Plan, straight_plan
 from dapple.errors import ValidationError
 from dapple.models.shapes import (
     DynamicDim,
@@ -214,13 +215,19 @@ def test_llama_split_with_changing_lengths_matches_the_original_model(tmp_path: 
         hf_causal_lm(str(path), seq=16, seq_choices=[6, 17])
 
 
+def _recomputing(plan: Plan) -> Plan:
+    """``plan`` with every stage re-computing its forward in backward."""
+    stages = tuple(dataclasses.replace(st, recompute=True) for st in plan.stages)
+    return dataclasses.replace(plan, stages=stages)
+
+
 @pytest.mark.slow
 def test_verify_shapes_changing_every_step_under_3_1_2_2_and_1_2_1(tmp_path: Path) -> None:
-    """One spawned group: the zoo transformer (8, 12 or 16 tokens by step) under 3:1 and 2:2,
-    a LLaMA split from its Hugging Face config (6, 10 or 16 tokens) under 1:2:1 and a CNN
-    whose images are 8, 12 or 16 pixels wide under 2:2; the
-    activations cross split-concat boundaries with their shape headers, the gradients come back
-    shaped like them, and every parameter matches the one-process reference."""
+    """One spawned group: the zoo transformer (8, 12 or 16 tokens by step) under 3:1 and 2:2
+    (re-computing), a LLaMA split from its Hugging Face config (6, 10 or 16 tokens) under 1:2:1
+    and a CNN whose images are 8, 12 or 16 pixels wide under 2:2; the activations cross
+    split-concat boundaries with their shape headers, the gradients come back shaped like them,
+    and every parameter matches the one-process reference."""
     pytest.importorskip("transformers")
     import hf_dirs
 
@@ -231,7 +238,8 @@ def test_verify_shapes_changing_every_step_under_3_1_2_2_and_1_2_1(tmp_path: Pat
     cnn = api.load("runtime_workloads:var_cnn")  # images of side 8, 12, 16: found, not declared
     cases = [
         (straight_plan(4, [0, 2], global_batch_size=6, num_micro_batches=2, replicas=[3, 1]), zoo),
-        (straight_plan(4, [0, 2], global_batch_size=8, num_micro_batches=2, replicas=[2, 2]), zoo),
+        (_recomputing(straight_plan(4, [0, 2], global_batch_size=8, num_micro_batches=2,
+                                    replicas=[2, 2])), zoo),
         (straight_plan(4, [0, 1, 3], global_batch_size=4, num_micro_batches=2,
                        replicas=[1, 2, 1]), llama),
         (straight_plan(4, [0, 1], global_batch_size=8, num_micro_batches=2, replicas=[2, 2]),
