@@ -13,7 +13,10 @@ equals the single-device gradient of the global batch.
 Data: every rank calls ``workload.make_batch(G, seed + step)`` itself (deterministic) and slices
 its rows: stage-0 replicas their inputs, last-stage replicas their targets - labels never travel.
 With ``data`` (a dataset) every rank reads only those rows of the sampled global batch instead
-(:mod:`dapple.runtime.data`).
+(:mod:`dapple.runtime.data`). Shapes that change from step to step: the run's dynamic input
+dimensions (:func:`dapple.models.shapes.run_dims`, declared and found) switch the executors to
+shape-headed messages, and each step's batch is checked against the first before it computes
+(:func:`dapple.models.shapes.check_batch`).
 
 Every ``eval_every`` steps (and after the last) the run evaluates forward only through the same
 pipeline (:mod:`dapple.runtime.evaluate`); rank 0's reporters (:mod:`dapple.runtime.reporting`:
