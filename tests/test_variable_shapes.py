@@ -120,19 +120,21 @@ def test_runtime_checks_each_steps_batch_before_the_step() -> None:
         check_steps(wl, 4, 0, 4)
 
 
-def test_cli_verify_stops_on_a_batch_the_model_cannot_take_in_one_line(
+def test_cli_verify_and_train_stop_on_a_batch_the_model_cannot_take_in_one_line(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     plan = straight_plan(3, [0, 2], global_batch_size=4, num_micro_batches=2, replicas=[1, 1])
     plan.save(tmp_path / "plan.json")
-    argv = ["verify", "--plan", str(tmp_path / "plan.json"), "--model",
-            "runtime_workloads:overflowing_lm", "--steps", "4", "--device", "cpu"]  # fmt: skip
-    assert main(argv) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1, err
-    assert err.startswith(
-        "dapple: error: step 3: input 0 dimension 1 (seq) is 12, outside the allowed range [1, 8]"
-    )
+    for command in ("verify", "train"):  # both before any worker starts
+        argv = [command, "--plan", str(tmp_path / "plan.json"), "--model",
+                "runtime_workloads:overflowing_lm", "--steps", "4", "--device", "cpu"]  # fmt: skip
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1, err
+        assert err.startswith(
+            "dapple: error: step 3: input 0 dimension 1 (seq) is 12, outside the allowed range "
+            "[1, 8]"
+        )
 
 
 class _Net(nn.Module):

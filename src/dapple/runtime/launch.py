@@ -30,6 +30,7 @@ import torch.multiprocessing as mp
 
 from dapple.core.plan import Plan
 from dapple.errors import DappleError, ValidationError
+from dapple.models.shapes import check_steps, run_dims
 from dapple.models.workload import Workload
 from dapple.runtime.config import StepMetrics, TrainConfig
 from dapple.runtime.data import check_data, check_data_resume, data_state
@@ -236,6 +237,7 @@ def train(
         wl = resolve_workload(workload)
         validate_run(plan, wl, int(os.environ["WORLD_SIZE"]))
         _check_datasets(plan, wl, cfg, data, eval_data)
+        _check_shapes(plan, wl, cfg, data)
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
         try:
             device = init_distributed(cfg, local_world)
@@ -247,8 +249,10 @@ def train(
         shutdown_distributed()
         return run.metrics
     world = len(plan.devices)
-    validate_run(plan, resolve_workload(workload), world)
-    _check_datasets(plan, resolve_workload(workload), cfg, data, eval_data)
+    resolved = resolve_workload(workload)
+    validate_run(plan, resolved, world)
+    _check_datasets(plan, resolved, cfg, data, eval_data)
+    _check_shapes(plan, resolved, cfg, data)
     if not isinstance(workload, str):
         try:
             pickle.dumps(workload)
@@ -262,6 +266,18 @@ def train(
         spawn(_worker, world, plan.to_dict(), workload, cfg, out, (data, eval_data),
               timeout_s=cfg.timeout_s)  # fmt: skip
         return [_metrics_from(d) for d in json.loads(Path(out).read_text())]
+
+
+def _check_shapes(plan: Plan, wl: Workload, cfg: TrainConfig, data: Any) -> None:
+    """A model whose input shapes change from step to step (:mod:`dapple.models.shapes`): every
+    step's batch fits it, checked here before any worker starts (the workers check each step
+    again; a model with static shapes is left to them).
+
+    Raises:
+        ValidationError: the first step whose batch the model cannot take.
+    """
+    if data is None and run_dims(wl, plan.global_batch_size, cfg.seed):
+        check_steps(wl, plan.global_batch_size, cfg.seed, cfg.steps)
 
 
 def _check_datasets(plan: Plan, wl: Workload, cfg: TrainConfig, data: Any, eval_data: Any) -> None:
