@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Re-run every benchmark and rewrite its markdown result (about 20-25 minutes on 2 busy cores).
+# Re-run every benchmark and rewrite its markdown result (about 30 minutes on 2 busy cores).
 # Usage: benchmarks/run_all.sh [--quick]   (--quick: fewer rounds/steps, for a smoke run)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -11,6 +11,7 @@ if [[ "$quick" == "--quick" ]]; then
   run benchmarks/paper.py --no-runtime --out /tmp/dapple-paper.md
   run benchmarks/fidelity.py --rounds 1 --chunk 2 --out /tmp/dapple-fidelity.md
   run benchmarks/vs_torch_pipelining.py --rounds 1 --chunk 2 --no-planned --out /tmp/dapple-vs.md
+  run benchmarks/train_real.py --rounds 1 --steps 8 --skip 2 --global-batch 16 --out /tmp/dapple-train-real.md
   exit 0
 fi
 # the planner engineer's benchmarks, when present
@@ -24,3 +25,6 @@ run benchmarks/paper.py
 run benchmarks/fidelity.py
 run benchmarks/vs_torch_pipelining.py
 run benchmarks/variable_shapes.py
+# real data: the demo's loss curve (about 4 min), then dapple's planned plan vs DDP (about 5 min)
+run -m dapple demo --out-dir /tmp/dapple-demo
+run benchmarks/train_real.py --demo-summary /tmp/dapple-demo/summary.json
