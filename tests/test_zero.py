@@ -1,0 +1,216 @@
+"""ZeRO-1 inside replicated stages (:mod:`dapple.runtime.zero`).
+
+Pure tiers first (the owner partition against brute force, the shards and broadcast runs of a
+stage, option checks), then two multi-process runs (marked slow): ``verify`` with
+``zero_stage=1`` under 1:3, 2:2, 1:2:1 and DP x4 with AdamW + a binding clip in one spawned
+group, and a checkpoint saved under 2:2 with ZeRO-1 (whole optimizer state in the layer files,
+each replica's optimizer holding only its shard) resumed under the same plan (bit-exact) and
+under 1:3 without sharding.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import runtime_workloads as rw
+from dapple import api
+from dapple.cli import main
+from dapple.core.plan import straight_plan
+from dapple.errors import ValidationError
+from dapple.runtime.config import TrainConfig
+from dapple.runtime.optim_config import OPTIM_FIELDS, ZERO_STAGES
+from dapple.runtime.zero import StageShards, partition, unsharded_stages
+
+G = 6
+"""Global batch of the verify runs (divisible by 3 replicas x 2 micro-batches)."""
+
+
+# -- the partition ------------------------------------------------------------------------------
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(1, 50), min_size=1, max_size=7), st.integers(1, 4))
+def test_partition_is_the_greedy_least_loaded_assignment(sizes: list[int], r: int) -> None:
+    owner = partition(sizes, r)
+    assert len(owner) == len(sizes) and all(0 <= j < r for j in owner)
+    assert partition(sizes, r) == owner  # deterministic: every replica computes the same
+    # greedy bound: no replica exceeds the lightest by more than the largest parameter
+    load = [sum(n for n, j in zip(sizes, owner, strict=True) if j == k) for k in range(r)]
+    assert max(load) - min(load) <= max(sizes)
+    # brute force over all assignments: the greedy max load is within 4/3 of the optimum
+    # (Graham's bound for list scheduling is 2 - 1/r; in-order greedy on these sizes)
+    if len(sizes) <= 6 and r <= 3:
+        best = min(
+            max(sum(n for n, j in zip(sizes, a, strict=True) if j == k) for k in range(r))
+            for a in itertools.product(range(r), repeat=len(sizes))
+        )
+        assert max(load) <= (2 - 1 / r) * best
+
+
+def test_partition_golden() -> None:
+    assert partition([10, 10, 10, 10], 2) == [0, 1, 0, 1]
+    assert partition([100, 1, 1, 1], 2) == [0, 1, 1, 1]
+    assert partition([5, 5, 5], 4) == [0, 1, 2]  # a replica may own nothing
+
+
+def test_stage_shards_cover_the_stage_once_and_runs_follow_owners() -> None:
+    wl = rw.mlp()
+    plan = straight_plan(4, [0, 1], global_batch_size=G, num_micro_batches=2, replicas=[1, 3])
+    module = wl.build_stage(1, 4, 0)
+    shards = [StageShards(plan, 1, j, module, None, bucket_bytes=64) for j in range(3)]
+    params = list(module.parameters())
+    index = {id(p): k for k, p in enumerate(params)}
+    owned = [id(p) for sh in shards for p in sh.owned]
+    assert sorted(owned) == sorted(id(p) for p in params)  # each parameter once
+    assert sum(sh.owned_fraction() for sh in shards) == pytest.approx(1.0)
+    assert all(sh.owned_fraction() < 0.6 for sh in shards)
+    for sh in shards:  # same broadcast order on every replica, each run one owner's
+        assert [(j, [id(p) for p in ps]) for j, ps in sh.runs] == [
+            (j, [id(p) for p in ps]) for j, ps in shards[0].runs
+        ]
+        for j, ps in sh.runs:
+            assert all(sh.owner[index[id(p)]] == j for p in ps)
+            assert len(ps) == 1 or sum(p.numel() * 4 for p in ps) <= 64
+    assert unsharded_stages(plan) == [0]
+
+
+# -- options -----------------------------------------------------------------------------------
+@pytest.mark.parametrize(("value", "message"), [(2, "ZeRO-2"), (3, "got 3"), (-1, "got -1")])
+def test_bad_zero_stage_is_named(value: int, message: str) -> None:
+    with pytest.raises(ValidationError, match="zero_stage must be one of 0, 1") as e:
+        TrainConfig(zero_stage=value)
+    assert message in str(e.value)
+
+
+def test_zero_stage_is_an_optimisation_option_verify_forwards() -> None:
+    assert "zero_stage" in OPTIM_FIELDS and ZERO_STAGES == (0, 1)
+    assert TrainConfig().zero_stage == 0
+
+
+def test_cli_bad_zero_stage_is_one_line_before_any_compute(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    plan = straight_plan(4, [0, 2], global_batch_size=4, num_micro_batches=2, replicas=[2, 2])
+    plan.save(tmp_path / "plan.json")
+    ck = tmp_path / "ck"
+    args = ["--plan", str(tmp_path / "plan.json"), "--model", "runtime_workloads:mlp",
+            "--zero-stage", "2"]  # fmt: skip
+    saving = ["--checkpoint-dir", str(ck), "--save-every", "1"]
+    for cmd in ("train", "verify"):
+        assert main([cmd, *args, *(saving if cmd == "train" else [])]) != 0
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("dapple: error:"), err
+        assert "zero_stage" in err[0] and "ZeRO-2" in err[0]
+    assert not ck.exists() or not any(ck.iterdir())  # nothing saved
+
+
+# -- multi-process ------------------------------------------------------------------------------
+OPTS = dict(optimizer="adamw", lr=0.02, weight_decay=0.1, lr_schedule="cosine",
+            warmup_steps=1, min_lr=0.002)  # fmt: skip
+CLIP = 0.05
+"""Below every step's global norm of the MLP runs: the clip binds on every step."""
+
+
+@pytest.mark.slow
+def test_verify_zero1_under_1_3_2_2_1_2_1_and_dp4() -> None:
+    wl = api.load("runtime_workloads:mlp")
+    shapes = [([0, 1], [1, 3]), ([0, 2], [2, 2]), ([0, 1, 3], [1, 2, 1]), ([0], [4])]
+    plans = [
+        straight_plan(
+            4, cuts, global_batch_size=8 if reps == [4] else G, num_micro_batches=2, replicas=reps
+        )
+        for cuts, reps in shapes
+    ]
+    steps = 3
+    reports = api.verify_many([(p, wl) for p in plans], steps, device="cpu", clip_grad_norm=CLIP,
+                              zero_stage=1, **OPTS)  # fmt: skip
+    for rep in reports:
+        what = rep.plan.replication
+        assert rep.options["zero_stage"] == 1
+        assert rep.ok, (what, rep.max_abs_diff, rep.grad_norms, rep.reference_grad_norms)
+        assert len(rep.grad_norms) == steps and min(rep.reference_grad_norms) > 4 * CLIP, what
+        assert rep.losses == pytest.approx(rep.reference_losses, rel=1e-5), what
+
+
+RESUME = dict(optimizer="adam", lr=0.02, clip_grad_norm=0.3, seed=3, timeout_s=60)
+STEPS, CUT = 5, 3
+
+
+def resume_worker(rank: int, world: int, out_dir: str) -> None:
+    """2:2 ZeRO-1 straight vs saved at CUT and resumed (2:2 ZeRO-1; 1:3 unsharded)."""
+    from dapple.runtime import init_distributed, run_plan, shutdown_distributed
+    from dapple.runtime.checkpoint import latest_checkpoint, load_layer_states
+
+    device = init_distributed(TrainConfig(timeout_s=60), world)
+    wl = rw.mlp()
+    p22 = straight_plan(4, [0, 2], global_batch_size=6, num_micro_batches=2, replicas=[2, 2])
+    p13 = straight_plan(4, [0, 1], global_batch_size=6, num_micro_batches=2, replicas=[1, 3])
+    ck = str(Path(out_dir, "ck"))
+
+    def run(plan, **kw: object):  # type: ignore[no-untyped-def]
+        cfg = TrainConfig(**{**RESUME, "steps": STEPS, **kw})  # type: ignore[arg-type]
+        return run_plan(plan, wl, cfg, device=device)
+
+    full = run(p22, zero_stage=1)
+    run(p22, zero_stage=1, checkpoint_dir=ck, save_every=CUT)  # saves at CUT only
+    again = run(p22, zero_stage=1, checkpoint_dir=ck, resume=True)
+    other = run(p13, checkpoint_dir=ck, resume=True)  # another plan, unsharded
+    assert full.module is not None and again.module is not None and other.module is not None
+    found = latest_checkpoint(ck)
+    assert found is not None
+    saved = load_layer_states(found, range(4))
+    opt = full.optimizer
+    lo, _ = p22.stages[full.stage or 0].layers
+    state: dict[str, object] = {
+        "same_weights": all(
+            torch.equal(a, b)
+            for a, b in zip(full.module.parameters(), again.module.parameters(), strict=True)
+        ),
+        "stage_params": len(list(full.module.parameters())),
+        "owned": len(opt.state) if opt is not None else 0,
+        # every parameter of every layer has its Adam moments in the checkpoint
+        "saved_complete": all(
+            set(saved[i].optimizer) == set(saved[i].tensors)
+            and all("exp_avg_sq" in v for v in saved[i].optimizer.values())
+            for i in range(4)
+        ),
+        "other": _layers(other.module, p13.stages[other.stage or 0].layers[0]),
+        "full": _layers(full.module, lo),
+    }
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(state))
+    shutdown_distributed()
+
+
+def _layers(module: torch.nn.Module, first: int) -> dict[str, list[object]]:
+    """``{chain index: [each parameter as nested lists]}`` of a stage's layers."""
+    return {
+        str(first + k): [p.detach().tolist() for p in layer.parameters()]
+        for k, layer in enumerate(module.children())
+    }
+
+
+@pytest.mark.slow
+def test_zero1_checkpoint_is_whole_and_resumes_under_another_plan(tmp_path: Path) -> None:
+    from dapple.runtime import spawn
+
+    spawn(resume_worker, 4, str(tmp_path), timeout_s=180)
+    rows = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
+    for r, row in enumerate(rows):
+        assert row["same_weights"], f"rank {r}: resumed weights differ from the straight run"
+        assert row["saved_complete"], r
+    # each replica's optimizer holds state for its shard only; the shards cover the stage
+    for stage_ranks in ([0, 1], [2, 3]):
+        owned = [rows[r]["owned"] for r in stage_ranks]
+        assert all(0 < n < rows[stage_ranks[0]]["stage_params"] for n in owned), owned
+        assert sum(owned) == rows[stage_ranks[0]]["stage_params"]
+    # resumed under 1:3 without sharding: the same weights as the 2:2 ZeRO-1 run, to rounding
+    full = {k: v for row in rows for k, v in row["full"].items()}
+    for row in rows:
+        for k, tensors in row["other"].items():
+            for a, b in zip(tensors, full[k], strict=True):
+                torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=1e-5, atol=1e-5)
