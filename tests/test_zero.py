@@ -10,6 +10,7 @@ under 1:3 without sharding.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 from pathlib import Path
@@ -214,3 +215,73 @@ def test_zero1_checkpoint_is_whole_and_resumes_under_another_plan(tmp_path: Path
         for k, tensors in row["other"].items():
             for a, b in zip(tensors, full[k], strict=True):
                 torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=1e-5, atol=1e-5)
+
+
+# -- the planner's memory and cost model (pure) --------------------------------------------------
+def test_state_bytes_per_parameter_byte_shards_only_the_optimizer_moments() -> None:
+    from builders import make_profile
+    from dapple.planner.memory import state_bytes_per_parameter_byte
+
+    adam = make_profile()  # factor 3: gradient + two moments
+    assert state_bytes_per_parameter_byte(adam, 1) == 4.0
+    assert state_bytes_per_parameter_byte(adam, 1, zero_stage=1) == 4.0  # one replica: no-op
+    assert state_bytes_per_parameter_byte(adam, 4) == 5.0  # + the AllReduce buckets
+    # parameters 1 + gradients 1 + moments 2/4 + buckets 1
+    assert state_bytes_per_parameter_byte(adam, 4, zero_stage=1) == 3.5
+    assert state_bytes_per_parameter_byte(adam, 2, zero_stage=1) == 4.0
+    sgd = dataclasses.replace(adam, optimizer_state_factor=1.0)  # no moments: nothing to shard
+    assert state_bytes_per_parameter_byte(sgd, 4, zero_stage=1) == 3.0
+
+
+def test_plan_memory_and_sync_cost_under_zero1() -> None:
+    from builders import make_cluster, make_profile
+    from dapple.planner.comm import allreduce_ms, stage_sync_ms
+    from dapple.planner.cost import pipeline_latency, zero_saved_bytes
+
+    profile, cluster = make_profile(params=10**6), make_cluster()
+    plan = straight_plan(6, [0, 3], global_batch_size=8, num_micro_batches=2, replicas=[1, 3])
+    zero0 = pipeline_latency(plan, profile, cluster)
+    zero1 = pipeline_latency(plan, profile, cluster, zero_stage=1)
+    c0 = [r for r in zero0.stages if r.kind == "compute"]
+    c1 = [r for r in zero1.stages if r.kind == "compute"]
+    assert c1[0].memory_bytes == c0[0].memory_bytes  # one replica: unchanged
+    assert zero_saved_bytes(profile, (0, 3), 1, 1) == 0.0
+    saved = zero_saved_bytes(profile, (3, 6), 3, 1)
+    assert saved == pytest.approx(3 * 10**6 * 2 * (1 - 1 / 3))  # two Adam moments, 2/3 of them
+    assert c0[1].memory_bytes - c1[1].memory_bytes == pytest.approx(saved)
+    assert c1[1].allreduce_ms == pytest.approx(1.5 * c0[1].allreduce_ms) and c0[1].allreduce_ms > 0
+    assert stage_sync_ms(cluster, 1e6, [0], 1) == 0.0
+    assert stage_sync_ms(cluster, 1e6, [0, 1], 0) == allreduce_ms(cluster, 1e6, [0, 1])
+
+
+def test_search_finds_data_parallel_only_with_sharded_state() -> None:
+    """One stage of 6 x 100 MB of Adam parameters needs 2.4 GB on one device, 3.0 GB per
+    replica of DP x4 (the AllReduce buckets), 2.2 GB under ZeRO-1 with 3 replicas and 2.1 GB
+    with 4: on 2.15 GB devices only sharded DP x4 fits."""
+    from builders import make_cluster, make_profile
+    from dapple.errors import InfeasibleError
+    from dapple.planner.search import dapple_search
+
+    profile = make_profile(params=10**8, act=10.0)
+    cluster = dataclasses.replace(make_cluster(), device_memory_bytes=int(2.15e9))
+    with pytest.raises(InfeasibleError):
+        dapple_search(profile, cluster, 8, max_stages=1)
+    plan = dapple_search(profile, cluster, 8, max_stages=1, zero_stage=1)
+    assert plan.replication == "4"
+
+
+def test_cli_plan_prints_the_zero_choice_and_rejects_two(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from dapple.cli.plan_cmd import _ZERO_STAGES
+
+    assert _ZERO_STAGES == ZERO_STAGES
+    base = ["plan", "--profile", "paper:bert48", "--cluster", "paper-a", "--planner", "dp"]
+    assert main([*base, "--zero-stage", "1"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "zero stage 1 (optimizer state sharded) saves per replica: stage 0 (r=16)" in out
+    assert main([*base]) == 0
+    assert "--zero-stage 1 would save per replica" in " ".join(capsys.readouterr().out.split())
+    assert main([*base, "--zero-stage", "2"]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "ZeRO-2" in err[0] and err[0].startswith("dapple: error:")

@@ -19,6 +19,9 @@ from dapple.errors import DappleError, InfeasibleError, ValidationError
 __all__ = ["format_devices", "register", "run"]
 
 _PLANNERS = ("dapple", "dp", "straight", "gpipe", "pipedream", "exhaustive")
+_ZERO_STAGES = (0, 1)
+"""``--zero-stage`` values (``dapple.runtime.optim_config.ZERO_STAGES``; a test keeps the two
+equal without importing the runtime here)."""
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -43,6 +46,15 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("-o", "--output", default=None, help="plan JSON to write")
     p.add_argument(
         "--compare", action="store_true", help="run every planner and compare them side by side"
+    )
+    p.add_argument(
+        "--zero-stage",
+        type=int,
+        default=0,
+        metavar="Z",
+        help="1: replicated stages shard their optimizer state over their replicas (ZeRO-1; "
+        "what `train --zero-stage 1` runs): the search counts the smaller memory and the "
+        "parameter gather (dapple planner only; default %(default)s)",
     )
     p.set_defaults(func=run)
 
@@ -70,7 +82,12 @@ def _gib(v: float) -> str:
 
 
 def _plan_with_progress(
-    con: Console, profile: ModelProfile, cluster: Cluster, gbs: int, planner: str
+    con: Console,
+    profile: ModelProfile,
+    cluster: Cluster,
+    gbs: int,
+    planner: str,
+    zero_stage: int = 0,
 ) -> Plan:
     """Run one planner; show a progress bar once it has taken more than a second."""
     from dapple.planner import make_plan
@@ -89,16 +106,16 @@ def _plan_with_progress(
             bar.update(task, completed=done)
 
     try:
-        return make_plan(profile, cluster, gbs, planner, progress=progress)
+        return make_plan(profile, cluster, gbs, planner, progress=progress, zero_stage=zero_stage)
     finally:
         if bar is not None:
             bar.stop()
 
 
-def _stage_table(plan: Plan, profile: ModelProfile, cluster: Cluster) -> Table:
+def _stage_table(plan: Plan, profile: ModelProfile, cluster: Cluster, zero_stage: int) -> Table:
     from dapple.planner.cost import pipeline_latency
 
-    r = pipeline_latency(plan, profile, cluster)
+    r = pipeline_latency(plan, profile, cluster, zero_stage)
     t = Table(title=f"{plan.planner} plan of {profile.model_name} on {cluster.name}")
     for col in (
         "stage",
@@ -140,6 +157,30 @@ def _stage_table(plan: Plan, profile: ModelProfile, cluster: Cluster) -> Table:
     return t
 
 
+def zero_line(plan: Plan, profile: ModelProfile, zero_stage: int) -> str:
+    """What sharding the optimizer state (ZeRO-1) saves per replica of each replicated stage:
+    the choice made (``zero_stage`` 1) or the one offered (0)."""
+    from dapple.planner.cost import zero_saved_bytes
+
+    saved = [
+        f"stage {i} (r={st.replicas}) {_gib(zero_saved_bytes(profile, st.layers, st.replicas, 1))} GiB"
+        for i, st in enumerate(plan.stages)
+        if st.replicas > 1
+    ]
+    single = [str(i) for i, st in enumerate(plan.stages) if st.replicas == 1]
+    if not saved:
+        return f"zero stage {zero_stage}: no stage is replicated, nothing to shard"
+    head = (
+        "zero stage 1 (optimizer state sharded) saves per replica: "
+        if zero_stage
+        else "zero stage 0; --zero-stage 1 would save per replica: "
+    )
+    tail = (
+        f"; a no-op on stage(s) {', '.join(single)} (one replica)" if single and zero_stage else ""
+    )
+    return head + ", ".join(saved) + tail
+
+
 def _dp_ms(profile: ModelProfile, cluster: Cluster, gbs: int) -> float:
     from dapple.planner import make_plan
 
@@ -168,13 +209,19 @@ def run(args: argparse.Namespace) -> int:
         raise ValidationError("--global-batch-size is required for a profile file")
     if gbs < 1:
         raise ValidationError(f"--global-batch-size must be >= 1, got {gbs}")
+    zero = args.zero_stage
+    if zero not in _ZERO_STAGES:
+        later = " (ZeRO-2, sharded gradients, is not implemented)" if zero == 2 else ""
+        raise ValidationError(
+            f"--zero-stage must be one of {', '.join(map(str, _ZERO_STAGES))}, got {zero}{later}"
+        )
     con = Console()
     dp_ms = _dp_ms(profile, cluster, gbs)
     if args.compare:
         return _compare(con, profile, cluster, gbs, dp_ms, args.output)
-    plan = _plan_with_progress(con, profile, cluster, gbs, args.planner)
-    r = pipeline_latency(plan, profile, cluster)
-    con.print(_stage_table(plan, profile, cluster))
+    plan = _plan_with_progress(con, profile, cluster, gbs, args.planner, zero)
+    r = pipeline_latency(plan, profile, cluster, zero)
+    con.print(_stage_table(plan, profile, cluster, zero))
     con.print(
         f"S = {plan.num_stages} computation stages ({r.S} with comm stages), "
         f"replication {plan.replication}, split positions {list(plan.split_positions)}, "
@@ -185,6 +232,7 @@ def run(args: argparse.Namespace) -> int:
         f"predicted step L = {plan.predicted_step_ms:.2f} ms (T_w {r.T_w_ms:.2f} + T_s "
         f"{r.T_s_ms:.2f} + T_e {r.T_e_ms:.2f}), speed-up over dp {_speedup(dp_ms, plan.predicted_step_ms)}"
     )
+    con.print(zero_line(plan, profile, zero))
     if args.output:
         plan.save(args.output)
         con.print(f"plan written to {args.output}")

@@ -20,7 +20,7 @@ from dapple.core.cluster import Cluster
 from dapple.core.plan import Plan, Policy, ScheduleName, StagePlan
 from dapple.core.profile import ModelProfile
 from dapple.errors import ValidationError
-from dapple.planner.comm import allreduce_ms, busiest_link_ms, link_loads
+from dapple.planner.comm import busiest_link_ms, link_loads, stage_sync_ms
 from dapple.planner.host import apply_host, has_host_terms, stage_host_extras
 from dapple.planner.latency import latency, steady_periods
 from dapple.planner.memory import (
@@ -51,8 +51,16 @@ class Scored:
 class Scorer:
     """Scores candidate plans of one (profile, cluster, global batch size)."""
 
-    def __init__(self, profile: ModelProfile, cluster: Cluster, global_batch_size: int) -> None:
+    def __init__(
+        self,
+        profile: ModelProfile,
+        cluster: Cluster,
+        global_batch_size: int,
+        zero_stage: int = 0,
+    ) -> None:
         self.profile = profile
+        self.zero_stage = zero_stage
+        """1: replicated stages shard their optimizer state (memory and sync cost, ZeRO-1)."""
         self.cluster = cluster
         self.global_batch_size = global_batch_size
         self.N = profile.num_layers
@@ -94,7 +102,7 @@ class Scorer:
         key = (s, e, devices)
         v = self._ar.get(key)
         if v is None:
-            v = allreduce_ms(self.cluster, self.param_bytes(s, e), devices)
+            v = stage_sync_ms(self.cluster, self.param_bytes(s, e), devices, self.zero_stage)
             self._ar[key] = v
         return v
 
@@ -115,7 +123,8 @@ class Scorer:
         """D without and with re-computation of layers [s, e) on slices of ``samples``."""
         return in_flight_options(
             float(self.cluster.usable_memory_bytes),
-            self.param_bytes(s, e) * state_bytes_per_parameter_byte(self.profile, replicas),
+            self.param_bytes(s, e)
+            * state_bytes_per_parameter_byte(self.profile, replicas, self.zero_stage),
             (self._act[e] - self._act[s]) * samples,
             boundary_bytes(self.profile, s, samples),
         )
