@@ -4,8 +4,9 @@ Pure tiers first (the owner partition against brute force, the shards and broadc
 stage, option checks), then two multi-process runs (marked slow): ``verify`` with
 ``zero_stage=1`` under 1:3, 2:2, 1:2:1 and DP x4 with AdamW + a binding clip in one spawned
 group, and a checkpoint saved under 2:2 with ZeRO-1 (whole optimizer state in the layer files,
-each replica's optimizer holding only its shard) resumed under the same plan (bit-exact) and
-under 1:3 without sharding.
+each replica's optimizer holding only its shard) resumed under the same plan (bit-exact), under
+1:3 without sharding and under 1:3 sharded by 3 (bit-for-bit the unsharded 1:3), and a step
+skipped for a non-finite loss (no shard updated, bit-for-bit the unsharded run).
 """
 
 from __future__ import annotations
@@ -140,10 +141,19 @@ def test_verify_zero1_under_1_3_2_2_1_2_1_and_dp4() -> None:
 
 RESUME = dict(optimizer="adam", lr=0.02, clip_grad_norm=0.3, seed=3, timeout_s=60)
 STEPS, CUT = 5, 3
+NAN_STEP = 1
+
+
+def _nan_batch(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``runtime_workloads`` MLP batches with a NaN input (a non-finite loss) at NAN_STEP."""
+    x, y = rw._mlp_batch(n, seed)
+    if seed == RESUME["seed"] + NAN_STEP:
+        x[0, 0] = float("nan")
+    return x, y
 
 
 def resume_worker(rank: int, world: int, out_dir: str) -> None:
-    """2:2 ZeRO-1 straight vs saved at CUT and resumed (2:2 ZeRO-1; 1:3 unsharded)."""
+    """2:2 ZeRO-1 straight vs saved at CUT and resumed (2:2 ZeRO-1; 1:3 unsharded and ZeRO-1)."""
     from dapple.runtime import init_distributed, run_plan, shutdown_distributed
     from dapple.runtime.checkpoint import latest_checkpoint, load_layer_states
 
@@ -161,6 +171,14 @@ def resume_worker(rank: int, world: int, out_dir: str) -> None:
     run(p22, zero_stage=1, checkpoint_dir=ck, save_every=CUT)  # saves at CUT only
     again = run(p22, zero_stage=1, checkpoint_dir=ck, resume=True)
     other = run(p13, checkpoint_dir=ck, resume=True)  # another plan, unsharded
+    other1 = run(p13, zero_stage=1, checkpoint_dir=ck, resume=True)  # ... and re-sharded by 3
+    # a non-finite loss with on_nonfinite=skip: no replica updates its shard or gathers
+    nan_wl = dataclasses.replace(wl, make_batch=_nan_batch)
+    skips = [
+        run_plan(p22, nan_wl, TrainConfig(**{**RESUME, "steps": 3, "on_nonfinite": "skip",
+                                             "zero_stage": z}), device=device)  # type: ignore[arg-type]
+        for z in (0, 1)
+    ]  # fmt: skip
     assert full.module is not None and again.module is not None and other.module is not None
     found = latest_checkpoint(ck)
     assert found is not None
@@ -172,6 +190,19 @@ def resume_worker(rank: int, world: int, out_dir: str) -> None:
             torch.equal(a, b)
             for a, b in zip(full.module.parameters(), again.module.parameters(), strict=True)
         ),
+        # ZeRO-1 changes who updates a parameter, not the update: bit-for-bit stage 0's
+        "other_same_sharded": all(
+            torch.equal(a, b)
+            for a, b in zip(other.module.parameters(), other1.module.parameters(), strict=True)
+        ),
+        "skip_same": all(
+            torch.equal(a, b)
+            for a, b in zip(skips[0].module.parameters(), skips[1].module.parameters(), strict=True)
+        )
+        and all(torch.isfinite(p).all() for p in skips[1].module.parameters()),
+        "skip_lrs": [m.lr for m in skips[1].metrics],
+        "other1_owned": len(other1.optimizer.state) if other1.optimizer is not None else 0,
+        "other_params": len(list(other.module.parameters())),
         "stage_params": len(list(full.module.parameters())),
         "owned": len(opt.state) if opt is not None else 0,
         # every parameter of every layer has its Adam moments in the checkpoint
@@ -204,6 +235,15 @@ def test_zero1_checkpoint_is_whole_and_resumes_under_another_plan(tmp_path: Path
     for r, row in enumerate(rows):
         assert row["same_weights"], f"rank {r}: resumed weights differ from the straight run"
         assert row["saved_complete"], r
+        assert row["other_same_sharded"], f"rank {r}: 1:3 ZeRO-1 differs from 1:3 unsharded"
+        assert row["skip_same"], f"rank {r}: a skipped step differs under ZeRO-1"
+    assert rows[0]["skip_lrs"][NAN_STEP] is None  # the step was skipped (no update)
+    assert rows[0]["skip_lrs"][NAN_STEP + 1] is not None
+    # 1:3 with ZeRO-1: stage 0 (one replica) keeps everything, stage 1 is sharded by 3
+    assert rows[0]["other1_owned"] == rows[0]["other_params"]
+    owned13 = [rows[r]["other1_owned"] for r in (1, 2, 3)]
+    assert all(0 < n < rows[1]["other_params"] for n in owned13), owned13
+    assert sum(owned13) == rows[1]["other_params"]
     # each replica's optimizer holds state for its shard only; the shards cover the stage
     for stage_ranks in ([0, 1], [2, 3]):
         owned = [rows[r]["owned"] for r in stage_ranks]
