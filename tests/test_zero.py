@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 import runtime_workloads as rw
 from dapple import api
 from dapple.cli import main
-from dapple.core.plan import straight_plan
+from dapple.core.plan import Plan, straight_plan
 from dapple.errors import ValidationError
 from dapple.runtime.config import TrainConfig
 from dapple.runtime.optim_config import OPTIM_FIELDS, ZERO_STAGES
@@ -111,6 +111,22 @@ def test_cli_bad_zero_stage_is_one_line_before_any_compute(
     assert not ck.exists() or not any(ck.iterdir())  # nothing saved
 
 
+def test_verify_report_names_the_zero_stage() -> None:
+    from rich.console import Console
+
+    from dapple.cli.verify_cmd import print_report
+    from dapple.runtime.verify import StageDiff, VerifyReport
+
+    plan = straight_plan(4, [0], global_batch_size=4, num_micro_batches=2, replicas=[4])
+    stage = StageDiff(0, (0, 4), 4, 10, 0.0, 0.0, True)
+    rep = VerifyReport(plan, "m", "layer chain", (stage,), (1.0,), (1.0,),
+                       options={"steps": 1, "zero_stage": 1})  # fmt: skip
+    for zero, shown in ((1, True), (0, False)):
+        con = Console(record=True, width=160)
+        print_report(con, dataclasses.replace(rep, options={"steps": 1, "zero_stage": zero}))
+        assert ("zero stage 1" in con.export_text()) is shown
+
+
 # -- multi-process ------------------------------------------------------------------------------
 OPTS = dict(optimizer="adamw", lr=0.02, weight_decay=0.1, lr_schedule="cosine",
             warmup_steps=1, min_lr=0.002)  # fmt: skip
@@ -168,6 +184,11 @@ def resume_worker(rank: int, world: int, out_dir: str) -> None:
         return run_plan(plan, wl, cfg, device=device)
 
     full = run(p22, zero_stage=1)
+    # the same sharding asked for per stage in the plan (run-wide zero_stage 0)
+    p22z = dataclasses.replace(
+        p22, stages=tuple(dataclasses.replace(st, zero_stage=1) for st in p22.stages)
+    )
+    planned = run(p22z)
     run(p22, zero_stage=1, checkpoint_dir=ck, save_every=CUT)  # saves at CUT only
     again = run(p22, zero_stage=1, checkpoint_dir=ck, resume=True)
     other = run(p13, checkpoint_dir=ck, resume=True)  # another plan, unsharded
@@ -204,6 +225,11 @@ def resume_worker(rank: int, world: int, out_dir: str) -> None:
         "other1_owned": len(other1.optimizer.state) if other1.optimizer is not None else 0,
         "other_params": len(list(other.module.parameters())),
         "stage_params": len(list(full.module.parameters())),
+        "planned_same": all(
+            torch.equal(a, b)
+            for a, b in zip(full.module.parameters(), planned.module.parameters(), strict=True)
+        ),
+        "planned_owned": len(planned.optimizer.state) if planned.optimizer is not None else 0,
         "owned": len(opt.state) if opt is not None else 0,
         # every parameter of every layer has its Adam moments in the checkpoint
         "saved_complete": all(
@@ -237,6 +263,7 @@ def test_zero1_checkpoint_is_whole_and_resumes_under_another_plan(tmp_path: Path
         assert row["saved_complete"], r
         assert row["other_same_sharded"], f"rank {r}: 1:3 ZeRO-1 differs from 1:3 unsharded"
         assert row["skip_same"], f"rank {r}: a skipped step differs under ZeRO-1"
+        assert row["planned_same"] and row["planned_owned"] == row["owned"], r
     assert rows[0]["skip_lrs"][NAN_STEP] is None  # the step was skipped (no update)
     assert rows[0]["skip_lrs"][NAN_STEP + 1] is not None
     # 1:3 with ZeRO-1: stage 0 (one replica) keeps everything, stage 1 is sharded by 3
@@ -308,6 +335,32 @@ def test_search_finds_data_parallel_only_with_sharded_state() -> None:
         dapple_search(profile, cluster, 8, max_stages=1)
     plan = dapple_search(profile, cluster, 8, max_stages=1, zero_stage=1)
     assert plan.replication == "4"
+    assert plan.stages[0].zero_stage == 1  # recorded in the plan, per stage
+    assert Plan.from_dict(plan.to_dict()) == plan
+
+
+def test_plan_json_carries_the_zero_stage_per_stage() -> None:
+    from builders import make_cluster, make_profile
+    from dapple.planner.cost import pipeline_latency
+
+    plan = straight_plan(6, [0, 3], global_batch_size=8, num_micro_batches=2, replicas=[1, 3])
+    assert all("zero_stage" not in st for st in plan.to_dict()["stages"])  # 0: left out
+    sharded = dataclasses.replace(
+        plan, stages=(plan.stages[0], dataclasses.replace(plan.stages[1], zero_stage=1))
+    )
+    d = sharded.to_dict()
+    assert [st.get("zero_stage") for st in d["stages"]] == [None, 1]
+    assert Plan.from_dict(d) == sharded
+    bad = json.loads(json.dumps(d))
+    bad["stages"][1]["zero_stage"] = 2
+    with pytest.raises(ValidationError, match=r"plan stage 1: .*zero_stage must be 0 or 1, got 2"):
+        Plan.from_dict(bad)
+    # the cost model follows the stage's own choice
+    profile, cluster = make_profile(params=10**6), make_cluster()
+    own = pipeline_latency(sharded, profile, cluster)
+    run_wide = pipeline_latency(plan, profile, cluster, zero_stage=1)
+    assert [r.memory_bytes for r in own.stages] == [r.memory_bytes for r in run_wide.stages]
+    assert own.L_ms == run_wide.L_ms
 
 
 def test_cli_plan_prints_the_zero_choice_and_rejects_two(

@@ -52,9 +52,10 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         type=int,
         default=0,
         metavar="Z",
-        help="1: replicated stages shard their optimizer state over their replicas (ZeRO-1; "
-        "what `train --zero-stage 1` runs): the search counts the smaller memory and the "
-        "parameter gather (dapple planner only; default %(default)s)",
+        help="1: replicated stages shard their optimizer state over their replicas (ZeRO-1): "
+        "the search counts the smaller memory and the parameter gather and the plan records "
+        "zero_stage on those stages, which train and verify follow (dapple planner only; "
+        "default %(default)s)",
     )
     p.set_defaults(func=run)
 

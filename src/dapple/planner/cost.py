@@ -183,7 +183,8 @@ def pipeline_latency(
         profile: the model profile it was made for.
         cluster: the cluster it runs on.
         zero_stage: 1: replicated stages shard their optimizer state (ZeRO-1): less memory,
-            the parameter gather added to AR_s (:func:`dapple.planner.comm.stage_sync_ms`).
+            the parameter gather added to AR_s (:func:`dapple.planner.comm.stage_sync_ms`). A
+            stage's own ``StagePlan.zero_stage`` applies when larger.
     """
     b, M = plan.micro_batch_size, plan.num_micro_batches
     ks = in_flight_counts(
@@ -212,7 +213,7 @@ def pipeline_latency(
         index.append(i)
         F.append(f)
         B.append(bw)
-        AR.append(stage_sync_ms(cluster, grad_bytes, st.devices, zero_stage))
+        AR.append(stage_sync_ms(cluster, grad_bytes, st.devices, max(zero_stage, st.zero_stage)))
         K.append(ks[i] if bounded else None)
     step = [0.0] * len(F)
     if has_host_terms(cluster):
@@ -249,7 +250,13 @@ def pipeline_latency(
             allreduce_ms=AR[s],
             host_step_ms=step[s],
             memory_bytes=(
-                device_memory_bytes(profile, plan.stages[index[s]], b, ks[index[s]], zero_stage)
+                device_memory_bytes(
+                    profile,
+                    plan.stages[index[s]],
+                    b,
+                    ks[index[s]],
+                    max(zero_stage, plan.stages[index[s]].zero_stage),
+                )
                 if kinds[s] == "compute"
                 else 0.0
             ),

@@ -263,7 +263,13 @@ class Scorer:
             policy=scored.policy,
             predicted_step_ms=scored.L_ms,
             stages=tuple(
-                StagePlan(layers=(s, e), devices=d, recompute=r, max_in_flight=k)
+                StagePlan(
+                    layers=(s, e),
+                    devices=d,
+                    recompute=r,
+                    max_in_flight=k,
+                    zero_stage=self.zero_stage if len(d) > 1 else 0,
+                )
                 for (s, e, d), r, k in zip(
                     stages, scored.recompute, scored.max_in_flight, strict=True
                 )

@@ -308,18 +308,19 @@ def _shards(
     j: int | None,
     sync: GradientSync,
 ) -> StageShards | None:
-    """This replica's optimizer-state shard under ``zero_stage >= 1`` on a replicated stage
-    (:mod:`dapple.runtime.zero`); None otherwise. Rank 0 says once which stages it leaves
-    alone (one replica: nothing to shard)."""
-    if config.zero_stage == 0:
-        return None
+    """This replica's optimizer-state shard when its stage is replicated and sharded - the run's
+    ``zero_stage`` or the stage's own ``StagePlan.zero_stage``, the larger
+    (:mod:`dapple.runtime.zero`); None otherwise. Rank 0 says once which stages the run's
+    ``zero_stage`` leaves alone (one replica: nothing to shard)."""
     single = unsharded_stages(plan)
-    if rank == 0 and single:
+    if rank == 0 and single and config.zero_stage:
         logger.warning(
             "zero stage %d is a no-op on stage(s) %s: one replica each (plan %s)",
             config.zero_stage, ", ".join(map(str, single)), plan.replication,
         )  # fmt: skip
     if module is None or s is None or j is None or sync.pg is None:
+        return None
+    if max(config.zero_stage, plan.stages[s].zero_stage) == 0:
         return None
     return StageShards(plan, s, j, module, sync.pg)
 
