@@ -20,8 +20,8 @@
   values (the step's metrics);
 - :meth:`LongRun.after_step` saves every ``save_every`` steps (replica 0 of each stage writes
   its layers - under ZeRO-1 with the optimizer shards of the other replicas gathered to it,
-  :mod:`dapple.runtime.zero` - every rank its RNG state, rank 0 the manifest after a barrier, with the fp16 loss
-  scale in its ``extra``).
+  :mod:`dapple.runtime.zero` - every rank its RNG state, rank 0 the manifest after a barrier,
+  with the fp16 loss scale in its ``extra``).
 
 Cost: one small all_gather per step - it also carries the step's metrics (see
 :mod:`dapple.runtime.metrics`); besides it the runtime's per-step collectives are the gradient

@@ -3,10 +3,11 @@
 DAPPLE replicates stage ``s`` on ``r_s`` devices and all-reduces its gradients, AR(P_s, g_s);
 without sharding every replica then runs the same optimizer update on the whole stage and
 keeps the whole optimizer state (Adam: two fp32 moments, 8 of the 16 bytes per parameter).
-With ``TrainConfig.zero_stage = 1`` each replica of a stage with ``r_s > 1`` owns about
-``1/r_s`` of the stage's parameters (:func:`partition`), keeps optimizer state for those only
-and updates only them; then every owner broadcasts its updated parameters to the other replicas
-of the stage (:meth:`StageShards.gather`, the ``OPT`` action's last part).
+With ``TrainConfig.zero_stage = 1`` (every replicated stage) or ``StagePlan.zero_stage = 1``
+(that stage, as ``dapple plan --zero-stage 1`` records it) each replica of a stage with
+``r_s > 1`` owns about ``1/r_s`` of the stage's parameters (:func:`partition`), keeps optimizer
+state for those only and updates only them; then every owner broadcasts its updated parameters
+to the other replicas of the stage (:meth:`StageShards.gather`, the ``OPT`` action's last part).
 
 Design choices:
     - Shards are whole parameters (as ``torch.distributed.optim.ZeroRedundancyOptimizer``):
@@ -16,11 +17,15 @@ Design choices:
       stay per parameter. Owners are assigned greedily in parameter order to the replica with
       the fewest owned elements so far: deterministic, the same on every replica.
     - Gradient synchronisation stays the overlapped bucket AllReduce of
-      :mod:`dapple.runtime.sync` (each replica then holds the whole reduced gradient). This is
-      the gloo-friendly form: it moves ``2 (r-1)/r`` of the gradient bytes where a
-      reduce-scatter would move ``(r-1)/r``, plus the parameter gather's ``(r-1)/r``; in
-      exchange the global gradient norm, clipping, fp16 unscaling and the non-finite guard see
-      the same full gradients as without sharding (each element counted once, by replica 0).
+      :mod:`dapple.runtime.sync` (each replica then holds the whole reduced gradient), not a
+      reduce-scatter: it moves ``2 (r-1)/r`` of the gradient bytes where a reduce-scatter
+      would move ``(r-1)/r``, plus the parameter gather's ``(r-1)/r`` - 1.5x the wire bytes
+      of ZeRO's reduce-scatter + all-gather. In exchange the global gradient norm, clipping,
+      fp16 unscaling and the non-finite guard see the same full gradients as without sharding
+      (each element counted once, by replica 0), and shards of whole parameters (of unequal
+      sizes) need no flat, evenly split buffer. (torch 2.13's gloo does run
+      ``reduce_scatter_tensor`` and ``all_gather_into_tensor`` on CPU tensors; a flat-shard
+      variant could use them.)
     - The gather broadcasts each owner's parameters in runs of at most
       :data:`~dapple.runtime.sync.BUCKET_BYTES` (one flat buffer per run, freed after), so it
       adds at most one bucket to the peak memory.
