@@ -370,11 +370,37 @@ def test_cli_plan_prints_the_zero_choice_and_rejects_two(
 
     assert _ZERO_STAGES == ZERO_STAGES
     base = ["plan", "--profile", "paper:bert48", "--cluster", "paper-a", "--planner", "dp"]
-    assert main([*base, "--zero-stage", "1"]) == 0
-    out = " ".join(capsys.readouterr().out.split())
-    assert "zero stage 1 (optimizer state sharded) saves per replica: stage 0 (r=16)" in out
     assert main([*base]) == 0
-    assert "--zero-stage 1 would save per replica" in " ".join(capsys.readouterr().out.split())
-    assert main([*base, "--zero-stage", "2"]) != 0
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "ZeRO-2" in err[0] and err[0].startswith("dapple: error:")
+    out = " ".join(capsys.readouterr().out.split())
+    assert "stage 0 (r=16) zero stage 0, sharding would save" in out
+    for bad in ("2", "x", "-1"):
+        assert main([*base, "--zero-stage", bad]) != 0
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("dapple: error: --zero-stage must be one of")
+        assert ("ZeRO-2" in err[0]) is (bad == "2")
+
+
+def test_cli_plan_records_the_zero_stage(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    base = ["plan", "--profile", "paper:bert48", "--cluster", "paper-a"]
+    assert main([*base, "--zero-stage", "1", "-o", str(tmp_path / "p.json")]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    plan = Plan.load(tmp_path / "p.json")
+    assert all(st.zero_stage == (st.replicas > 1) for st in plan.stages)
+    assert "zero stage 1, saves" in out
+
+
+def test_auto_shards_only_where_memory_asks() -> None:
+    from builders import make_cluster, make_profile
+    from dapple.planner.evaluate import ZERO_AUTO
+    from dapple.planner.search import dapple_search
+
+    profile = make_profile(params=10**8, act=10.0)
+    tight = dataclasses.replace(make_cluster(), device_memory_bytes=int(2.15e9))
+    plan = dapple_search(profile, tight, 8, max_stages=1, zero_stage=ZERO_AUTO)
+    assert plan.replication == "4" and plan.stages[0].zero_stage == 1  # as zero_stage=1
+    roomy = make_cluster()  # 16 GiB: nothing asks for sharding
+    auto = dapple_search(profile, roomy, 8, zero_stage=ZERO_AUTO)
+    assert auto == dapple_search(profile, roomy, 8)
+    assert all(st.zero_stage == 0 for st in auto.stages)

@@ -20,8 +20,8 @@ __all__ = ["format_devices", "register", "run"]
 
 _PLANNERS = ("dapple", "dp", "straight", "gpipe", "pipedream", "exhaustive")
 _ZERO_STAGES = (0, 1)
-"""``--zero-stage`` values (``dapple.runtime.optim_config.ZERO_STAGES``; a test keeps the two
-equal without importing the runtime here)."""
+"""``--zero-stage`` numbers (``dapple.runtime.optim_config.ZERO_STAGES``; a test keeps the two
+equal without importing the runtime here); ``auto`` besides."""
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -49,13 +49,13 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     )
     p.add_argument(
         "--zero-stage",
-        type=int,
-        default=0,
+        default="0",
         metavar="Z",
-        help="1: replicated stages shard their optimizer state over their replicas (ZeRO-1): "
-        "the search counts the smaller memory and the parameter gather and the plan records "
-        "zero_stage on those stages, which train and verify follow (dapple planner only; "
-        "default %(default)s)",
+        help="1: replicated stages shard their optimizer state over their replicas (ZeRO-1); "
+        "auto: only those whose unsharded state leaves too little memory for their in-flight "
+        "micro-batches without re-computation. The search counts the smaller memory and the "
+        "parameter gather; the plan records zero_stage per stage, which train and verify "
+        "follow (dapple planner only; default %(default)s)",
     )
     p.set_defaults(func=run)
 
@@ -113,10 +113,10 @@ def _plan_with_progress(
             bar.stop()
 
 
-def _stage_table(plan: Plan, profile: ModelProfile, cluster: Cluster, zero_stage: int) -> Table:
+def _stage_table(plan: Plan, profile: ModelProfile, cluster: Cluster) -> Table:
     from dapple.planner.cost import pipeline_latency
 
-    r = pipeline_latency(plan, profile, cluster, zero_stage)
+    r = pipeline_latency(plan, profile, cluster)
     t = Table(title=f"{plan.planner} plan of {profile.model_name} on {cluster.name}")
     for col in (
         "stage",
@@ -158,28 +158,40 @@ def _stage_table(plan: Plan, profile: ModelProfile, cluster: Cluster, zero_stage
     return t
 
 
-def zero_line(plan: Plan, profile: ModelProfile, zero_stage: int) -> str:
-    """What sharding the optimizer state (ZeRO-1) saves per replica of each replicated stage:
-    the choice made (``zero_stage`` 1) or the one offered (0)."""
+def zero_line(plan: Plan, profile: ModelProfile) -> str:
+    """Each replicated stage's zero stage (``StagePlan.zero_stage``) and the memory sharding its
+    optimizer state (ZeRO-1) saves - or would save - per replica."""
     from dapple.planner.cost import zero_saved_bytes
 
-    saved = [
-        f"stage {i} (r={st.replicas}) {_gib(zero_saved_bytes(profile, st.layers, st.replicas, 1))} GiB"
-        for i, st in enumerate(plan.stages)
-        if st.replicas > 1
-    ]
-    single = [str(i) for i, st in enumerate(plan.stages) if st.replicas == 1]
-    if not saved:
-        return f"zero stage {zero_stage}: no stage is replicated, nothing to shard"
-    head = (
-        "zero stage 1 (optimizer state sharded) saves per replica: "
-        if zero_stage
-        else "zero stage 0; --zero-stage 1 would save per replica: "
+    parts = []
+    for i, st in enumerate(plan.stages):
+        if st.replicas == 1:
+            continue
+        gib = _gib(zero_saved_bytes(profile, st.layers, st.replicas, 1))
+        what = f"saves {gib} GiB" if st.zero_stage else f"sharding would save {gib} GiB"
+        parts.append(f"stage {i} (r={st.replicas}) zero stage {st.zero_stage}, {what} per replica")
+    if not parts:
+        return "zero stage: no stage is replicated, nothing to shard"
+    return "; ".join(parts)
+
+
+def _zero_stage(value: str) -> int:
+    """``--zero-stage``: 0, 1, or ``auto`` (:data:`dapple.planner.evaluate.ZERO_AUTO`).
+
+    Raises:
+        ValidationError: any other value (2, ZeRO-2, is named as not implemented).
+    """
+    from dapple.planner.evaluate import ZERO_AUTO
+
+    if value == "auto":
+        return ZERO_AUTO
+    if value.strip().lstrip("-").isdigit() and int(value) in _ZERO_STAGES:
+        return int(value)
+    later = " (ZeRO-2, sharded gradients, is not implemented)" if value.strip() == "2" else ""
+    raise ValidationError(
+        f"--zero-stage must be one of {', '.join(map(str, _ZERO_STAGES))} or auto, got "
+        f"{value!r}{later}"
     )
-    tail = (
-        f"; a no-op on stage(s) {', '.join(single)} (one replica)" if single and zero_stage else ""
-    )
-    return head + ", ".join(saved) + tail
 
 
 def _dp_ms(profile: ModelProfile, cluster: Cluster, gbs: int) -> float:
@@ -210,19 +222,14 @@ def run(args: argparse.Namespace) -> int:
         raise ValidationError("--global-batch-size is required for a profile file")
     if gbs < 1:
         raise ValidationError(f"--global-batch-size must be >= 1, got {gbs}")
-    zero = args.zero_stage
-    if zero not in _ZERO_STAGES:
-        later = " (ZeRO-2, sharded gradients, is not implemented)" if zero == 2 else ""
-        raise ValidationError(
-            f"--zero-stage must be one of {', '.join(map(str, _ZERO_STAGES))}, got {zero}{later}"
-        )
+    zero = _zero_stage(args.zero_stage)
     con = Console()
     dp_ms = _dp_ms(profile, cluster, gbs)
     if args.compare:
         return _compare(con, profile, cluster, gbs, dp_ms, args.output)
     plan = _plan_with_progress(con, profile, cluster, gbs, args.planner, zero)
-    r = pipeline_latency(plan, profile, cluster, zero)
-    con.print(_stage_table(plan, profile, cluster, zero))
+    r = pipeline_latency(plan, profile, cluster)  # each stage's zero stage is in the plan
+    con.print(_stage_table(plan, profile, cluster))
     con.print(
         f"S = {plan.num_stages} computation stages ({r.S} with comm stages), "
         f"replication {plan.replication}, split positions {list(plan.split_positions)}, "
@@ -233,7 +240,10 @@ def run(args: argparse.Namespace) -> int:
         f"predicted step L = {plan.predicted_step_ms:.2f} ms (T_w {r.T_w_ms:.2f} + T_s "
         f"{r.T_s_ms:.2f} + T_e {r.T_e_ms:.2f}), speed-up over dp {_speedup(dp_ms, plan.predicted_step_ms)}"
     )
-    con.print(zero_line(plan, profile, zero))
+    con.print(zero_line(plan, profile))
+    single = [str(i) for i, st in enumerate(plan.stages) if st.replicas == 1]
+    if zero == 1 and single:
+        con.print(f"--zero-stage 1 is a no-op on stage(s) {', '.join(single)} (one replica)")
     if args.output:
         plan.save(args.output)
         con.print(f"plan written to {args.output}")

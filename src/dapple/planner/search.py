@@ -216,7 +216,9 @@ def dapple_search(
             final cuts are refined layer by layer.
         progress: called as ``progress(done, total)`` after each candidate M.
         zero_stage: 1: replicated stages shard their optimizer state (ZeRO-1), in memory and
-            in AR_s (:class:`~dapple.planner.evaluate.Scorer`).
+            in AR_s; :data:`~dapple.planner.evaluate.ZERO_AUTO` (-1): per stage, where memory
+            asks for it (:class:`~dapple.planner.evaluate.Scorer`). The plan records each
+            stage's choice (``StagePlan.zero_stage``).
 
     Raises:
         InfeasibleError: no plan fits device memory for any M.
