@@ -2,8 +2,8 @@
 
 Pure tiers first (the owner partition against brute force, the shards and broadcast runs of a
 stage, option checks), then two multi-process runs (marked slow): ``verify`` with
-``zero_stage=1`` under 1:3, 2:2, 1:2:1 and DP x4 with AdamW + a binding clip in one spawned
-group, and a checkpoint saved under 2:2 with ZeRO-1 (whole optimizer state in the layer files,
+``zero_stage=1`` under 1:3, 2:2, 1:2:1 and DP x4 (and a tied weight across two replicated
+stages) with AdamW + a binding clip in one spawned group, and a checkpoint saved under 2:2 with ZeRO-1 (whole optimizer state in the layer files,
 each replica's optimizer holding only its shard) resumed under the same plan (bit-exact), under
 1:3 without sharding and under 1:3 sharded by 3 (bit-for-bit the unsharded 1:3), and a step
 skipped for a non-finite loss (no shard updated, bit-for-bit the unsharded run).
@@ -144,9 +144,13 @@ def test_verify_zero1_under_1_3_2_2_1_2_1_and_dp4() -> None:
         )
         for cuts, reps in shapes
     ]
+    # a tied weight whose copies sit in two replicated stages (summed across stages, each copy
+    # updated by its own stage's owner)
+    tied = api.load("runtime_workloads:tied_mlp")
+    cases = [(p, wl) for p in plans] + [(plans[1], tied)]
     steps = 3
-    reports = api.verify_many([(p, wl) for p in plans], steps, device="cpu", clip_grad_norm=CLIP,
-                              zero_stage=1, **OPTS)  # fmt: skip
+    reports = api.verify_many(cases, steps, device="cpu", clip_grad_norm=CLIP, zero_stage=1,
+                              **OPTS)  # fmt: skip
     for rep in reports:
         what = rep.plan.replication
         assert rep.options["zero_stage"] == 1
