@@ -94,6 +94,21 @@ def test_zero_stage_is_an_optimisation_option_verify_forwards() -> None:
     assert TrainConfig().zero_stage == 0
 
 
+@pytest.mark.parametrize("cmd", ["train", "verify"])
+def test_cli_zero_stage_flag_reaches_the_train_config(cmd: str) -> None:
+    from dapple.cli import build_parser
+    from dapple.cli._optim_args import optim_options
+
+    args = build_parser().parse_args(
+        [cmd, "--plan", "p.json", "--model", "mlp", "--zero-stage", "1"]
+    )
+    options = optim_options(args)
+    assert options["zero_stage"] == 1
+    assert TrainConfig(**options).zero_stage == 1
+    default = build_parser().parse_args([cmd, "--plan", "p.json", "--model", "mlp"])
+    assert optim_options(default)["zero_stage"] == 0
+
+
 def test_cli_bad_zero_stage_is_one_line_before_any_compute(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
