@@ -67,6 +67,7 @@ def _plans(n: int) -> dict[str, Plan]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(HERE / "sharded_state.md"))
+    ap.add_argument("--rounds", type=int, default=3, help="runs per configuration, alternating")
     args = ap.parse_args()
     pb = _param_bytes()
     prof = _profile(pb)
@@ -77,7 +78,9 @@ def main() -> None:
     lines += [
         f"Model: zoo `mlp` {MODEL}, {n_params / 1e6:.1f}M parameters ({len(pb)} chain layers), "
         f"fp32, Adam (fused), lr 1e-4, global batch {G}, M = {M}, {STEPS} steps, 4 gloo "
-        "processes on this machine. Step time: median of the steps after the first.",
+        "processes on this machine. Each plan runs zero stage 0 and 1 alternately, "
+        f"{args.rounds} times each; step time: median over the runs of the steps after each "
+        "run's first; memory: the largest of the runs.",
         "",
         "| plan | zero stage | stage: replicas x layers | added by the stage, max over replicas "
         "| vs zero 0 | estimate (state + reserved) | estimate / added | step time | vs zero 0 |",
@@ -86,20 +89,27 @@ def main() -> None:
     for name, plan in _plans(len(pb)).items():
         base: tuple[list[float], float] | None = None
         shape = ", ".join(f"{st.replicas} x {st.layers[1] - st.layers[0]}" for st in plan.stages)
+        times: dict[int, list[float]] = {0: [], 1: []}
+        mem: dict[int, list[float]] = {}
+        for k in range(args.rounds):
+            for zero in (0, 1):
+                print(f"{name} zero {zero} round {k}: training", flush=True)
+                metrics = api.train(
+                    plan,
+                    "mlp",
+                    steps=STEPS,
+                    overrides=MODEL,
+                    optimizer="adam",
+                    lr=1e-4,
+                    zero_stage=zero,
+                    device="cpu",
+                )
+                got = [float(a) for a in metrics[-1].stage_resident_bytes]
+                mem[zero] = [max(a, b) for a, b in zip(mem.get(zero, got), got, strict=True)]
+                times[zero] += [m.step_ms for m in metrics[1:]]
         for zero in (0, 1):
-            print(f"{name} zero {zero}: training", flush=True)
-            metrics = api.train(
-                plan,
-                "mlp",
-                steps=STEPS,
-                overrides=MODEL,
-                optimizer="adam",
-                lr=1e-4,
-                zero_stage=zero,
-                device="cpu",
-            )
-            added = [float(a) for a in metrics[-1].stage_resident_bytes]
-            step_ms = statistics.median(m.step_ms for m in metrics[1:])
+            added = mem[zero]
+            step_ms = statistics.median(times[zero])
             est = [
                 parameter_state_bytes(prof, st.layers, st.replicas, zero) + RESERVED
                 for st in plan.stages

@@ -26,9 +26,10 @@ Design choices:
       sizes) need no flat, evenly split buffer. (torch 2.13's gloo does run
       ``reduce_scatter_tensor`` and ``all_gather_into_tensor`` on CPU tensors; a flat-shard
       variant could use them.)
-    - The gather broadcasts each owner's parameters in runs of at most
-      :data:`~dapple.runtime.sync.BUCKET_BYTES` (one flat buffer per run, freed after), so it
-      adds at most one bucket to the peak memory.
+    - The gather broadcasts every parameter of at least :data:`GATHER_RUN_BYTES` straight
+      into its own storage, and smaller ones (biases, norms) in flat runs of about that size;
+      all broadcasts start at once (asynchronous) and are waited for together. So the gather
+      adds at most the flat runs of small parameters to the peak memory, not a bucket.
     - Checkpoints stay complete and layer-keyed: at a save every replica sends the optimizer
       state of the parameters it owns to replica 0 (:meth:`StageShards.layer_states`), which
       writes the layer files as before; at a resume each replica's optimizer, built over its
@@ -48,11 +49,14 @@ from torch import nn
 from dapple.core.plan import Plan
 from dapple.runtime.checkpoint import LayerState, stage_layer_states
 from dapple.runtime.optim_config import ZERO_STAGES
-from dapple.runtime.sync import BUCKET_BYTES
 
-__all__ = ["ZERO_STAGES", "StageShards", "partition", "unsharded_stages"]
+__all__ = ["GATHER_RUN_BYTES", "ZERO_STAGES", "StageShards", "partition", "unsharded_stages"]
 
 logger = logging.getLogger(__name__)
+
+GATHER_RUN_BYTES = 2**20
+"""Parameters this size or larger are broadcast in place; smaller ones in flat runs of up to
+this many bytes (few collectives for many biases, little extra memory)."""
 
 
 def partition(sizes: list[int], replicas: int) -> list[int]:
@@ -88,7 +92,7 @@ class StageShards:
         replica: j, this rank's replica of the stage.
         module: the stage's layers.
         pg: the stage's replica group (:attr:`GradientSync.pg`).
-        bucket_bytes: the largest broadcast run (default :data:`BUCKET_BYTES`).
+        bucket_bytes: the largest flat broadcast run (default :data:`GATHER_RUN_BYTES`).
     """
 
     def __init__(
@@ -107,7 +111,7 @@ class StageShards:
         self.owner = partition([p.numel() for p in self.params], len(self.devices))
         self.owned = [p for p, j in zip(self.params, self.owner, strict=True) if j == replica]
         """The parameters this replica updates (its optimizer's)."""
-        cap = BUCKET_BYTES if bucket_bytes is None else bucket_bytes
+        cap = GATHER_RUN_BYTES if bucket_bytes is None else bucket_bytes
         self.runs: list[tuple[int, list[nn.Parameter]]] = []
         """``(owner, parameters)``: the broadcasts of a gather, in order (every replica)."""
         for j in range(len(self.devices)):
@@ -135,22 +139,28 @@ class StageShards:
     @torch.no_grad()
     def gather(self) -> None:
         """After the owners' update: every parameter takes its owner's value (broadcasts over
-        the stage's replica group, in the same order on every replica)."""
+        the stage's replica group, started in the same order on every replica, then waited
+        for together)."""
+        pending: list[tuple[Any, torch.Tensor | None, bool, list[nn.Parameter]]] = []
         for j, ps in self.runs:
             src = self.devices[j]
             if len(ps) == 1 and ps[0].is_contiguous():
-                dist.broadcast(ps[0].data, src=src, group=self.pg)
+                work = dist.broadcast(ps[0].data, src=src, group=self.pg, async_op=True)
+                pending.append((work, None, False, ps))
                 continue
             if j == self.replica:
                 flat = torch.cat([p.detach().reshape(-1) for p in ps])
             else:
                 flat = torch.empty(sum(p.numel() for p in ps), dtype=ps[0].dtype,
                                    device=ps[0].device)  # fmt: skip
-            dist.broadcast(flat, src=src, group=self.pg)
-            if j != self.replica:
+            work = dist.broadcast(flat, src=src, group=self.pg, async_op=True)
+            pending.append((work, flat, j != self.replica, ps))  # the buffer lives until waited
+        for work, buf, receive, ps in pending:
+            work.wait()
+            if receive and buf is not None:
                 off = 0
                 for p in ps:
-                    p.copy_(flat[off : off + p.numel()].view_as(p))
+                    p.copy_(buf[off : off + p.numel()].view_as(p))
                     off += p.numel()
 
     def layer_states(
