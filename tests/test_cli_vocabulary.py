@@ -170,6 +170,7 @@ def test_train_and_verify_share_one_flag_set_with_help() -> None:
         "--warmup-steps",
         "--min-lr",
         "--clip-grad-norm",
+        "--zero-stage",
     }
     cmds = _commands()
     for name in ("train", "verify"):

@@ -17,7 +17,7 @@ the two equal without importing the runtime here)."""
 
 def add_optim_arguments(p: argparse.ArgumentParser) -> None:
     """Add ``--weight-decay``, ``--momentum``, ``--betas``, ``--eps``, ``--lr-schedule``,
-    ``--warmup-steps``, ``--min-lr`` and ``--clip-grad-norm`` to ``p``."""
+    ``--warmup-steps``, ``--min-lr``, ``--clip-grad-norm`` and ``--zero-stage`` to ``p``."""
     g = p.add_argument_group("optimisation")
     g.add_argument(
         "--weight-decay",
@@ -65,6 +65,15 @@ def add_optim_arguments(p: argparse.ArgumentParser) -> None:
         metavar="X",
         help="clip the global gradient norm of the whole model to X (default: no clipping)",
     )
+    g.add_argument(
+        "--zero-stage",
+        type=int,
+        default=0,
+        metavar="Z",
+        help="0: every replica of a stage keeps the whole optimizer state; 1: each replica of a "
+        "replicated stage keeps and updates 1/r of it, then the stage gathers the parameters "
+        "(ZeRO-1; a no-op on stages with one replica) (default %(default)s)",
+    )
 
 
 def optim_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -78,4 +87,5 @@ def optim_options(args: argparse.Namespace) -> dict[str, Any]:
         "warmup_steps": args.warmup_steps,
         "min_lr": args.min_lr,
         "clip_grad_norm": args.clip_grad_norm,
+        "zero_stage": args.zero_stage,
     }

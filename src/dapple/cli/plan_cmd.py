@@ -19,6 +19,9 @@ from dapple.errors import DappleError, InfeasibleError, ValidationError
 __all__ = ["format_devices", "register", "run"]
 
 _PLANNERS = ("dapple", "dp", "straight", "gpipe", "pipedream", "exhaustive")
+_ZERO_STAGES = (0, 1)
+"""``--zero-stage`` numbers (``dapple.runtime.optim_config.ZERO_STAGES``; a test keeps the two
+equal without importing the runtime here); ``auto`` besides."""
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -43,6 +46,16 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("-o", "--output", default=None, help="plan JSON to write")
     p.add_argument(
         "--compare", action="store_true", help="run every planner and compare them side by side"
+    )
+    p.add_argument(
+        "--zero-stage",
+        default="0",
+        metavar="Z",
+        help="1: replicated stages shard their optimizer state over their replicas (ZeRO-1); "
+        "auto: only those whose unsharded state leaves too little memory for their in-flight "
+        "micro-batches without re-computation. The search counts the smaller memory and the "
+        "parameter gather; the plan records zero_stage per stage, which train and verify "
+        "follow (dapple planner only; default %(default)s)",
     )
     p.set_defaults(func=run)
 
@@ -70,7 +83,12 @@ def _gib(v: float) -> str:
 
 
 def _plan_with_progress(
-    con: Console, profile: ModelProfile, cluster: Cluster, gbs: int, planner: str
+    con: Console,
+    profile: ModelProfile,
+    cluster: Cluster,
+    gbs: int,
+    planner: str,
+    zero_stage: int = 0,
 ) -> Plan:
     """Run one planner; show a progress bar once it has taken more than a second."""
     from dapple.planner import make_plan
@@ -89,7 +107,7 @@ def _plan_with_progress(
             bar.update(task, completed=done)
 
     try:
-        return make_plan(profile, cluster, gbs, planner, progress=progress)
+        return make_plan(profile, cluster, gbs, planner, progress=progress, zero_stage=zero_stage)
     finally:
         if bar is not None:
             bar.stop()
@@ -140,6 +158,42 @@ def _stage_table(plan: Plan, profile: ModelProfile, cluster: Cluster) -> Table:
     return t
 
 
+def zero_line(plan: Plan, profile: ModelProfile) -> str:
+    """Each replicated stage's zero stage (``StagePlan.zero_stage``) and the memory sharding its
+    optimizer state (ZeRO-1) saves - or would save - per replica."""
+    from dapple.planner.cost import zero_saved_bytes
+
+    parts = []
+    for i, st in enumerate(plan.stages):
+        if st.replicas == 1:
+            continue
+        gib = _gib(zero_saved_bytes(profile, st.layers, st.replicas, 1))
+        what = f"saves {gib} GiB" if st.zero_stage else f"sharding would save {gib} GiB"
+        parts.append(f"stage {i} (r={st.replicas}) zero stage {st.zero_stage}, {what} per replica")
+    if not parts:
+        return "zero stage: no stage is replicated, nothing to shard"
+    return "; ".join(parts)
+
+
+def _zero_stage(value: str) -> int:
+    """``--zero-stage``: 0, 1, or ``auto`` (:data:`dapple.planner.evaluate.ZERO_AUTO`).
+
+    Raises:
+        ValidationError: any other value (2, ZeRO-2, is named as not implemented).
+    """
+    from dapple.planner.evaluate import ZERO_AUTO
+
+    if value == "auto":
+        return ZERO_AUTO
+    if value.strip().lstrip("-").isdigit() and int(value) in _ZERO_STAGES:
+        return int(value)
+    later = " (ZeRO-2, sharded gradients, is not implemented)" if value.strip() == "2" else ""
+    raise ValidationError(
+        f"--zero-stage must be one of {', '.join(map(str, _ZERO_STAGES))} or auto, got "
+        f"{value!r}{later}"
+    )
+
+
 def _dp_ms(profile: ModelProfile, cluster: Cluster, gbs: int) -> float:
     from dapple.planner import make_plan
 
@@ -168,12 +222,13 @@ def run(args: argparse.Namespace) -> int:
         raise ValidationError("--global-batch-size is required for a profile file")
     if gbs < 1:
         raise ValidationError(f"--global-batch-size must be >= 1, got {gbs}")
+    zero = _zero_stage(args.zero_stage)
     con = Console()
     dp_ms = _dp_ms(profile, cluster, gbs)
     if args.compare:
         return _compare(con, profile, cluster, gbs, dp_ms, args.output)
-    plan = _plan_with_progress(con, profile, cluster, gbs, args.planner)
-    r = pipeline_latency(plan, profile, cluster)
+    plan = _plan_with_progress(con, profile, cluster, gbs, args.planner, zero)
+    r = pipeline_latency(plan, profile, cluster)  # each stage's zero stage is in the plan
     con.print(_stage_table(plan, profile, cluster))
     con.print(
         f"S = {plan.num_stages} computation stages ({r.S} with comm stages), "
@@ -185,6 +240,10 @@ def run(args: argparse.Namespace) -> int:
         f"predicted step L = {plan.predicted_step_ms:.2f} ms (T_w {r.T_w_ms:.2f} + T_s "
         f"{r.T_s_ms:.2f} + T_e {r.T_e_ms:.2f}), speed-up over dp {_speedup(dp_ms, plan.predicted_step_ms)}"
     )
+    con.print(zero_line(plan, profile))
+    single = [str(i) for i, st in enumerate(plan.stages) if st.replicas == 1]
+    if zero == 1 and single:
+        con.print(f"--zero-stage 1 is a no-op on stage(s) {', '.join(single)} (one replica)")
     if args.output:
         plan.save(args.output)
         con.print(f"plan written to {args.output}")

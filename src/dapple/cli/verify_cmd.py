@@ -54,7 +54,8 @@ def print_report(con: Console, report: VerifyReport) -> None:
         title=(
             f"{report.model_name}: {plan.replication} ({plan.schedule}, policy {plan.policy}), "
             f"{report.options.get('steps')} steps {report.options.get('precision', 'fp32')} "
-            f"vs {report.reference} "
+            + (f"zero stage {zero} " if (zero := report.options.get("zero_stage", 0)) else "")
+            + f"vs {report.reference} "
             f"(rtol {report.rtol:g}, atol {report.atol:g})"
         )
     )

@@ -87,6 +87,9 @@ class StagePlan:
     """Re-compute the forward during backward, keeping only the stage input."""
     max_in_flight: int | None = None
     """D: how many micro-batches' activations fit on the device (None: unbounded)."""
+    zero_stage: int = 0
+    """1: the replicas shard the stage's optimizer state (ZeRO-1, ``dapple.runtime.zero``);
+    0: every replica keeps all of it. Meaningful only with ``r_s > 1``."""
 
     def __post_init__(self) -> None:
         s, e = self.layers
@@ -103,6 +106,10 @@ class StagePlan:
             self.max_in_flight is None or self.max_in_flight >= 1,
             f"stage {list(self.layers)}: max_in_flight must be >= 1, got {self.max_in_flight}",
         )
+        require(
+            self.zero_stage in (0, 1),
+            f"stage {list(self.layers)}: zero_stage must be 0 or 1, got {self.zero_stage!r}",
+        )
 
     @property
     def replicas(self) -> int:
@@ -117,6 +124,8 @@ class StagePlan:
         }
         if self.max_in_flight is not None:
             d["max_in_flight"] = self.max_in_flight
+        if self.zero_stage:
+            d["zero_stage"] = self.zero_stage
         return d
 
     @staticmethod
@@ -146,6 +155,7 @@ class StagePlan:
                 devices=tuple(devices),
                 recompute=bool(d.get("recompute", False)),
                 max_in_flight=mif,
+                zero_stage=d.get("zero_stage", 0),
             )
         except ValidationError as e:
             raise ValidationError(f"{what}: {e}") from e

@@ -48,6 +48,7 @@ def make_plan(
     planner: str = "dapple",
     *,
     progress: Progress | None = None,
+    zero_stage: int = 0,
 ) -> Plan:
     """Plan ``profile`` on ``cluster`` for ``global_batch_size`` samples per step.
 
@@ -57,6 +58,9 @@ def make_plan(
         global_batch_size: samples per optimizer step.
         planner: one of :data:`PLANNERS`.
         progress: ``progress(done, total)`` callback (DAPPLE search only).
+        zero_stage: 1: replicated stages shard their optimizer state (ZeRO-1); -1
+            (``ZERO_AUTO``): per stage, where memory asks for it. DAPPLE search only, the
+            baselines plan unsharded.
 
     Raises:
         ValidationError: unknown planner or bad batch size.
@@ -69,5 +73,7 @@ def make_plan(
             f"global batch size must be an integer >= 1, got {global_batch_size!r}"
         )
     if planner == "dapple":
-        return dapple_search(profile, cluster, global_batch_size, progress=progress)
+        return dapple_search(
+            profile, cluster, global_batch_size, progress=progress, zero_stage=zero_stage
+        )
     return PLANNERS[planner](profile, cluster, global_batch_size)

@@ -37,6 +37,7 @@ from dapple.planner.comm import (
     comm_stage_ms,
     link_loads,
     overlaps,
+    stage_sync_ms,
     transfer_ms,
 )
 from dapple.planner.host import apply_host, has_host_terms, stage_host_extras
@@ -48,6 +49,7 @@ from dapple.planner.memory import (
     in_flight_options,
     parameter_state_bytes,
     weight_cast_bytes,
+    zero_saved_bytes,
 )
 from dapple.planner.sharing import shared_compute_scale, slice_work
 from dapple.schedule.generators import in_flight_counts
@@ -71,9 +73,11 @@ __all__ = [
     "pipeline_latency",
     "shared_compute_scale",
     "stage_compute_ms",
+    "stage_sync_ms",
     "steady_periods",
     "transfer_ms",
     "weight_cast_bytes",
+    "zero_saved_bytes",
 ]
 
 
@@ -165,7 +169,9 @@ class LatencyBreakdown:
         return self.stages[self.Q]
 
 
-def pipeline_latency(plan: Plan, profile: ModelProfile, cluster: Cluster) -> LatencyBreakdown:
+def pipeline_latency(
+    plan: Plan, profile: ModelProfile, cluster: Cluster, zero_stage: int = 0
+) -> LatencyBreakdown:
     """L of ``plan`` under the cost model (equations 1-3), with per-stage rows and memory.
 
     Builds F_s, B_s, AR_s and the in-flight bound K_s of every stage (a comm stage between
@@ -176,6 +182,9 @@ def pipeline_latency(plan: Plan, profile: ModelProfile, cluster: Cluster) -> Lat
         plan: the plan (stages, M, b, schedule, policy, max_in_flight).
         profile: the model profile it was made for.
         cluster: the cluster it runs on.
+        zero_stage: 1: replicated stages shard their optimizer state (ZeRO-1): less memory,
+            the parameter gather added to AR_s (:func:`dapple.planner.comm.stage_sync_ms`). A
+            stage's own ``StagePlan.zero_stage`` applies when larger.
     """
     b, M = plan.micro_batch_size, plan.num_micro_batches
     ks = in_flight_counts(
@@ -204,7 +213,7 @@ def pipeline_latency(plan: Plan, profile: ModelProfile, cluster: Cluster) -> Lat
         index.append(i)
         F.append(f)
         B.append(bw)
-        AR.append(allreduce_ms(cluster, grad_bytes, st.devices))
+        AR.append(stage_sync_ms(cluster, grad_bytes, st.devices, max(zero_stage, st.zero_stage)))
         K.append(ks[i] if bounded else None)
     step = [0.0] * len(F)
     if has_host_terms(cluster):
@@ -241,7 +250,13 @@ def pipeline_latency(plan: Plan, profile: ModelProfile, cluster: Cluster) -> Lat
             allreduce_ms=AR[s],
             host_step_ms=step[s],
             memory_bytes=(
-                device_memory_bytes(profile, plan.stages[index[s]], b, ks[index[s]])
+                device_memory_bytes(
+                    profile,
+                    plan.stages[index[s]],
+                    b,
+                    ks[index[s]],
+                    max(zero_stage, plan.stages[index[s]].zero_stage),
+                )
                 if kinds[s] == "compute"
                 else 0.0
             ),

@@ -20,7 +20,7 @@ from dapple.core.cluster import Cluster
 from dapple.core.plan import Plan, Policy, ScheduleName, StagePlan
 from dapple.core.profile import ModelProfile
 from dapple.errors import ValidationError
-from dapple.planner.comm import allreduce_ms, busiest_link_ms, link_loads
+from dapple.planner.comm import busiest_link_ms, link_loads, stage_sync_ms
 from dapple.planner.host import apply_host, has_host_terms, stage_host_extras
 from dapple.planner.latency import latency, steady_periods
 from dapple.planner.memory import (
@@ -31,7 +31,12 @@ from dapple.planner.memory import (
 from dapple.planner.sharing import slice_work
 from dapple.schedule.generators import in_flight_counts
 
-__all__ = ["Scored", "Scorer", "StageSpec"]
+__all__ = ["ZERO_AUTO", "Scored", "Scorer", "StageSpec"]
+
+ZERO_AUTO = -1
+"""``Scorer(zero_stage=ZERO_AUTO)``: shard a replicated stage's optimizer state (ZeRO-1) only
+where the unsharded state leaves too little memory for the micro-batches the schedule keeps in
+flight there without re-computation - sharding is then preferred to re-computing."""
 
 StageSpec = tuple[int, int, tuple[int, ...]]
 """``(start, end, devices)`` of one computation stage."""
@@ -46,13 +51,25 @@ class Scored:
     schedule: ScheduleName
     recompute: tuple[bool, ...]
     max_in_flight: tuple[int | None, ...]
+    zero_stage: tuple[int, ...] = ()
+    """Per stage: 1 where its replicas shard the optimizer state (empty: the scorer's)."""
 
 
 class Scorer:
     """Scores candidate plans of one (profile, cluster, global batch size)."""
 
-    def __init__(self, profile: ModelProfile, cluster: Cluster, global_batch_size: int) -> None:
+    def __init__(
+        self,
+        profile: ModelProfile,
+        cluster: Cluster,
+        global_batch_size: int,
+        zero_stage: int = 0,
+    ) -> None:
         self.profile = profile
+        self.zero_stage = zero_stage
+        """1: replicated stages shard their optimizer state (memory and sync cost, ZeRO-1);
+        :data:`ZERO_AUTO`: per stage, only where the unsharded state leaves too little memory
+        for its in-flight micro-batches without re-computation (:meth:`score`)."""
         self.cluster = cluster
         self.global_batch_size = global_batch_size
         self.N = profile.num_layers
@@ -69,12 +86,12 @@ class Scorer:
         self._bp = pre([x.backward.per_sample_ms * sd for x in ls])
         self._par = pre([float(x.parameter_bytes) for x in ls])
         self._act = pre([x.kept_activation_bytes_per_sample for x in ls])
-        self._ar: dict[tuple[int, int, tuple[int, ...]], float] = {}
+        self._ar: dict[tuple[int, int, tuple[int, ...], int], float] = {}
         self._links: dict[
             tuple[tuple[int, ...], tuple[int, ...], int], list[tuple[float, float]]
         ] = {}
         self._stages: dict[
-            tuple[int, int, tuple[int, ...], int], tuple[float, float, float, int, int]
+            tuple[int, int, tuple[int, ...], int, int], tuple[float, float, float, int, int]
         ] = {}
         self.evaluations = 0
 
@@ -90,11 +107,12 @@ class Scorer:
     def param_bytes(self, s: int, e: int) -> float:
         return self._par[e] - self._par[s]
 
-    def ar_ms(self, s: int, e: int, devices: tuple[int, ...]) -> float:
-        key = (s, e, devices)
+    def ar_ms(self, s: int, e: int, devices: tuple[int, ...], zero_stage: int = 0) -> float:
+        """AR_s of layers [s, e) on ``devices`` (with ZeRO-1's parameter gather when 1)."""
+        key = (s, e, devices, zero_stage)
         v = self._ar.get(key)
         if v is None:
-            v = allreduce_ms(self.cluster, self.param_bytes(s, e), devices)
+            v = stage_sync_ms(self.cluster, self.param_bytes(s, e), devices, zero_stage)
             self._ar[key] = v
         return v
 
@@ -111,28 +129,43 @@ class Scorer:
             self._links[key] = links
         return busiest_link_ms(links, boundary_bytes(self.profile, cut, 1))
 
-    def _options(self, s: int, e: int, samples: int, replicas: int) -> tuple[int, int]:
+    def _options(
+        self, s: int, e: int, samples: int, replicas: int, zero_stage: int
+    ) -> tuple[int, int]:
         """D without and with re-computation of layers [s, e) on slices of ``samples``."""
         return in_flight_options(
             float(self.cluster.usable_memory_bytes),
-            self.param_bytes(s, e) * state_bytes_per_parameter_byte(self.profile, replicas),
+            self.param_bytes(s, e)
+            * state_bytes_per_parameter_byte(self.profile, replicas, zero_stage),
             (self._act[e] - self._act[s]) * samples,
             boundary_bytes(self.profile, s, samples),
         )
 
     def _stage(
-        self, s: int, e: int, d: tuple[int, ...], b: int
+        self, s: int, e: int, d: tuple[int, ...], b: int, zero_stage: int = 0
     ) -> tuple[float, float, float, int, int]:
         """Cached ``(F, B, AR, D without re-computation, D with)`` of one stage."""
-        key = (s, e, d, b)
+        key = (s, e, d, b, zero_stage)
         rec = self._stages.get(key)
         if rec is None:
             n = -(-b // len(d))  # split_sizes(b, r)[0], the largest slice
             f, bw = self.fb_ms(s, e, n)
-            d_nr, d_r = self._options(s, e, n, len(d))
-            rec = (f, bw, self.ar_ms(s, e, d), d_nr, d_r)
+            d_nr, d_r = self._options(s, e, n, len(d), zero_stage)
+            rec = (f, bw, self.ar_ms(s, e, d, zero_stage), d_nr, d_r)
             self._stages[key] = rec
         return rec
+
+    def _stage_options(
+        self, s: int, e: int, d: tuple[int, ...], b: int
+    ) -> list[tuple[int, tuple[float, float, float, int, int]]]:
+        """``(zero stage, _stage record)`` the scorer may pick from, unsharded first."""
+        if self.zero_stage != ZERO_AUTO:
+            z = self.zero_stage if len(d) > 1 else 0
+            return [(z, self._stage(s, e, d, b, z))]
+        out = [(0, self._stage(s, e, d, b, 0))]
+        if len(d) > 1:
+            out.append((1, self._stage(s, e, d, b, 1)))
+        return out
 
     # -- whole candidates --------------------------------------------------------------------
     def score(
@@ -162,7 +195,7 @@ class Scorer:
         self.evaluations += 1
         b = self.global_batch_size // M
         S = len(stages)
-        recs = [self._stage(s, e, d, b) for (s, e, d) in stages]
+        options = [self._stage_options(s, e, d, b) for (s, e, d) in stages]
         comm = [self.comm_ms(stages[i][1], stages[i][2], stages[i + 1][2], b) for i in range(S - 1)]
         extras = (  # the CPU-host pass: only where the cluster has host terms
             stage_host_extras(self.profile, self.cluster, [(s, e, len(d)) for s, e, d in stages], b)
@@ -174,10 +207,17 @@ class Scorer:
             nominal = in_flight_counts(schedule, S, M, policy)
             rec: list[bool] = []
             ds: list[int | None] = []
+            zs: list[int] = []
+            recs: list[tuple[float, float, float, int, int]] = []
             ok = True
             for i in range(S):
-                d_nr, d_r = recs[i][3], recs[i][4]
                 k = nominal[i]
+                # the first option (unsharded first) that holds k without re-computation, else
+                # the one with the most room (auto: shard rather than re-compute)
+                z, r_i = next(((z, r) for z, r in options[i] if r[3] >= k), options[i][-1])
+                zs.append(z)
+                recs.append(r_i)
+                d_nr, d_r = r_i[3], r_i[4]
                 if recompute is None:
                     if d_nr >= k:
                         use_r, d = False, d_nr
@@ -226,7 +266,7 @@ class Scorer:
             else:
                 L = latency(F, B, AR, M, steady_periods(F, B, K)).L_ms
             if best is None or best.L_ms > L:
-                best = Scored(L, policy, schedule, tuple(rec), tuple(ds))
+                best = Scored(L, policy, schedule, tuple(rec), tuple(ds), tuple(zs))
         return best
 
     def _work(
@@ -254,9 +294,19 @@ class Scorer:
             policy=scored.policy,
             predicted_step_ms=scored.L_ms,
             stages=tuple(
-                StagePlan(layers=(s, e), devices=d, recompute=r, max_in_flight=k)
-                for (s, e, d), r, k in zip(
-                    stages, scored.recompute, scored.max_in_flight, strict=True
+                StagePlan(
+                    layers=(s, e),
+                    devices=d,
+                    recompute=r,
+                    max_in_flight=k,
+                    zero_stage=z,
+                )
+                for (s, e, d), r, k, z in zip(
+                    stages,
+                    scored.recompute,
+                    scored.max_in_flight,
+                    scored.zero_stage or [0] * len(stages),
+                    strict=True,
                 )
             ),
         )

@@ -19,6 +19,7 @@ __all__ = [
     "parameter_state_bytes",
     "state_bytes_per_parameter_byte",
     "weight_cast_bytes",
+    "zero_saved_bytes",
 ]
 
 UNBOUNDED_IN_FLIGHT = 10**9
@@ -43,7 +44,9 @@ WEIGHT_CAST_FACTOR = {"fp32": 0.0, "bf16": 0.5, "fp16": 0.5}
 4-byte parameter under bf16/fp16 autocast, none in fp32."""
 
 
-def state_bytes_per_parameter_byte(profile: ModelProfile, replicas: int = 1) -> float:
+def state_bytes_per_parameter_byte(
+    profile: ModelProfile, replicas: int = 1, zero_stage: int = 0
+) -> float:
     """Bytes one replica holds per parameter byte for the whole step, activations aside.
 
     ``1 + optimizer_state_factor`` (fp32 parameters, gradients and optimizer state, whatever
@@ -51,9 +54,17 @@ def state_bytes_per_parameter_byte(profile: ModelProfile, replicas: int = 1) -> 
     ``bf16``/``fp16`` profile (:data:`WEIGHT_CAST_FACTOR`: parameter count x 2 bytes); and on a
     replicated stage (``replicas > 1``) one more copy of the gradient - the flat buffers its
     AllReduce AR(P_s, g_s) reduces in (the runtime's gradient buckets, :mod:`dapple.runtime.sync`).
+
+    With ``zero_stage >= 1`` on a replicated stage the optimizer state (the factor less the
+    gradient's 1) is held once per stage, ``1/r_s`` on each replica (:mod:`dapple.runtime.zero`:
+    the gradients stay whole, the parameter gather's buffer is one bucket and not counted).
     """
     ar_buffers = 1.0 if replicas > 1 else 0.0
-    return 1.0 + profile.optimizer_state_factor + WEIGHT_CAST_FACTOR[profile.precision] + ar_buffers
+    factor = profile.optimizer_state_factor
+    if zero_stage >= 1 and replicas > 1:
+        moments = max(factor - 1.0, 0.0)
+        factor = factor - moments + moments / replicas
+    return 1.0 + factor + WEIGHT_CAST_FACTOR[profile.precision] + ar_buffers
 
 
 def weight_cast_bytes(profile: ModelProfile, layers: tuple[int, int]) -> float:
@@ -65,7 +76,7 @@ def weight_cast_bytes(profile: ModelProfile, layers: tuple[int, int]) -> float:
 
 
 def parameter_state_bytes(
-    profile: ModelProfile, layers: tuple[int, int], replicas: int = 1
+    profile: ModelProfile, layers: tuple[int, int], replicas: int = 1, zero_stage: int = 0
 ) -> float:
     """Parameters + gradients + optimizer state (+ weight cast cache, + AllReduce buffers) of
     layers ``[start, end)`` on one of ``replicas`` replicas
@@ -73,7 +84,17 @@ def parameter_state_bytes(
     factor 3 and no replicas, 18 under bf16/fp16 autocast)."""
     s, e = layers
     params = sum(layer.parameter_bytes for layer in profile.layers[s:e])
-    return params * state_bytes_per_parameter_byte(profile, replicas)
+    return params * state_bytes_per_parameter_byte(profile, replicas, zero_stage)
+
+
+def zero_saved_bytes(
+    profile: ModelProfile, layers: tuple[int, int], replicas: int, zero_stage: int
+) -> float:
+    """Bytes ``zero_stage`` saves on one replica of layers ``[start, end)`` against stage 0
+    (0 on a stage with one replica)."""
+    return parameter_state_bytes(profile, layers, replicas) - parameter_state_bytes(
+        profile, layers, replicas, zero_stage
+    )
 
 
 def held_activation_bytes(profile: ModelProfile, stage: StagePlan, samples: int) -> float:
@@ -88,7 +109,11 @@ def held_activation_bytes(profile: ModelProfile, stage: StagePlan, samples: int)
 
 
 def device_memory_bytes(
-    profile: ModelProfile, stage: StagePlan, micro_batch_size: int, in_flight: int
+    profile: ModelProfile,
+    stage: StagePlan,
+    micro_batch_size: int,
+    in_flight: int,
+    zero_stage: int = 0,
 ) -> float:
     """Peak memory of one replica of ``stage`` with ``in_flight`` micro-batches (K_i) in flight.
 
@@ -100,9 +125,10 @@ def device_memory_bytes(
         stage: layers, replicas and re-computation flag.
         micro_batch_size: b (a replica keeps the largest slice ``split_sizes(b, r)[0]``).
         in_flight: K_i, micro-batches whose activations are held at once.
+        zero_stage: 1: the optimizer state of a replicated stage is sharded over its replicas.
     """
     samples = split_sizes(micro_batch_size, stage.replicas)[0]
-    mem = parameter_state_bytes(profile, stage.layers, stage.replicas)
+    mem = parameter_state_bytes(profile, stage.layers, stage.replicas, zero_stage)
     mem += in_flight * held_activation_bytes(profile, stage, samples)
     if stage.recompute:
         s, e = stage.layers

@@ -191,6 +191,7 @@ def dapple_search(
     m_candidates: int | None = -1,
     cut_limit: int = 64,
     progress: Progress | None = None,
+    zero_stage: int = 0,
 ) -> Plan:
     """The DAPPLE plan minimising L (equations 4-5) over partition, replication, placement, M.
 
@@ -214,11 +215,15 @@ def dapple_search(
         cut_limit: the DP cuts only at :func:`cut_points` (at most this many + 1); the
             final cuts are refined layer by layer.
         progress: called as ``progress(done, total)`` after each candidate M.
+        zero_stage: 1: replicated stages shard their optimizer state (ZeRO-1), in memory and
+            in AR_s; :data:`~dapple.planner.evaluate.ZERO_AUTO` (-1): per stage, where memory
+            asks for it (:class:`~dapple.planner.evaluate.Scorer`). The plan records each
+            stage's choice (``StagePlan.zero_stage``).
 
     Raises:
         InfeasibleError: no plan fits device memory for any M.
     """
-    sc = Scorer(profile, cluster, global_batch_size)
+    sc = Scorer(profile, cluster, global_batch_size, zero_stage)
     N, G = sc.N, sc.G
     S_max = min(G, N, max_stages or G)
     small = N * G <= 128

@@ -103,6 +103,10 @@ class TrainConfig:
     clip_grad_norm: float | None = None
     """Clip the global gradient norm of the whole model to this (None: no clipping; the norm is
     computed and reported either way)."""
+    zero_stage: int = 0
+    """0: every replica of a stage keeps the whole optimizer state; 1: each replica of a stage
+    with ``r_s > 1`` keeps and updates ``1/r_s`` of it and the updated parameters are gathered
+    in the stage (:mod:`dapple.runtime.zero`); a no-op on stages with one replica."""
 
     def __post_init__(self) -> None:
         _check_long_run(self)

@@ -26,6 +26,7 @@ progress bar, TensorBoard) receive each step's metrics beside ``on_step``.
 from __future__ import annotations
 
 import gc
+import logging
 import os
 import time
 from collections.abc import Callable
@@ -61,6 +62,7 @@ from dapple.runtime.reporting import open_reporters, target_tokens
 from dapple.runtime.stage import StageExecutor
 from dapple.runtime.sync import GradientSync
 from dapple.runtime.transport import flatten, infer_boundary_specs
+from dapple.runtime.zero import StageShards, unsharded_stages
 from dapple.schedule.lower import lower
 
 __all__ = [
@@ -77,9 +79,12 @@ FAIL_RANK_ENV = "DAPPLE_TEST_FAIL_RANK"
 """Test hook: the rank that dies (``os._exit(1)``) mid-step at step ``FAIL_STEP_ENV``."""
 FAIL_STEP_ENV = "DAPPLE_TEST_FAIL_STEP"
 
+logger = logging.getLogger(__name__)
+
 
 class StageRun:
-    """What one rank holds after :func:`run_plan`: its stage layers and rank 0's metrics."""
+    """What one rank holds after :func:`run_plan`: its stage layers, rank 0's metrics and its
+    optimizer (under ZeRO-1 over this replica's shard of the stage's parameters only)."""
 
     def __init__(
         self,
@@ -87,8 +92,10 @@ class StageRun:
         replica: int | None,
         module: nn.Module | None,
         metrics: list[StepMetrics],
+        optimizer: torch.optim.Optimizer | None = None,
     ) -> None:
         self.stage, self.replica, self.module, self.metrics = stage, replica, module, metrics
+        self.optimizer = optimizer
 
 
 def validate_run(plan: Plan, workload: Workload, world_size: int, *, exact: bool = True) -> None:
@@ -186,7 +193,7 @@ def run_plan(
         if not clean:  # peers may be gone: drop the hooks, wait for nothing
             r.sync.close(clean=False)
     _teardown(r.sync, plan, rank)
-    return StageRun(r.stage, r.replica, r.module, sink.metrics)
+    return StageRun(r.stage, r.replica, r.module, sink.metrics, r.interpreter.optimizer)
 
 
 def _evaluate(evaluation: Evaluation, step: int, probe: StepProbe) -> float | None:
@@ -287,7 +294,9 @@ def _setup(
     sync = GradientSync(plan, workload, rank, module, s)  # collective: creates the groups
     torch.manual_seed(config.seed * 7919 + rank)  # per-rank RNG for dropout-like layers
     params = list(module.parameters()) if module is not None else []
-    opt = make_optimizer(config, params) if params else None
+    shards = _shards(plan, config, rank, module, s, j, sync)
+    updated = shards.owned if shards is not None else params  # the optimizer's parameters
+    opt = make_optimizer(config, updated) if updated else None
     meter = ActivationMeter(exclude=params)
     ex: StageExecutor | None = None
     if module is not None:
@@ -296,21 +305,48 @@ def _setup(
         ex = StageExecutor(plan, s, j, module, specs, workload.loss_fn, device, recompute, meter,
                            precision, dynamic=bool(dims))  # fmt: skip
     longrun = LongRun(plan, workload, config, rank=rank, world=world, stage=s, replica=j,
-                      module=module, optimizer=opt, device=device, precision=precision)  # fmt: skip
+                      module=module, optimizer=opt, device=device, precision=precision,
+                      shards=shards)  # fmt: skip
     longrun.data_state = data_state(data, config.seed, G)
     start = longrun.resume()
     step_probe = StepProbe(device, meter, ex, baseline)
     counted = counted_parameters(plan, workload, s, j, module)
-    update = ModelUpdate(config, opt, params, counted, device)
+    update = ModelUpdate(config, opt, updated, counted, device)
     interpreter = ProgramInterpreter(plan, lower(plan), rank, executor=ex, sync=sync,
                                      longrun=longrun, optimizer=opt, params=params,
                                      probe=step_probe, update=update,
-                                     precision=precision)  # fmt: skip
+                                     precision=precision, shards=shards)  # fmt: skip
     if first_attempt() and int(os.environ.get(FAIL_RANK_ENV, "-1")) == rank:
         interpreter.die_mid_step(int(os.environ.get(FAIL_STEP_ENV, "-1")))
     feed = RankData(plan, rank, config.seed, data, eval_data, stop=config.steps)
     return _Rank(s, j, module, sync, longrun, step_probe, interpreter, update, start, workload,
                  config, G, (inputs, targets), feed, input_shapes(inputs), dims)  # fmt: skip
+
+
+def _shards(
+    plan: Plan,
+    config: TrainConfig,
+    rank: int,
+    module: nn.Module | None,
+    s: int | None,
+    j: int | None,
+    sync: GradientSync,
+) -> StageShards | None:
+    """This replica's optimizer-state shard when its stage is replicated and sharded - the run's
+    ``zero_stage`` or the stage's own ``StagePlan.zero_stage``, the larger
+    (:mod:`dapple.runtime.zero`); None otherwise. Rank 0 says once which stages the run's
+    ``zero_stage`` leaves alone (one replica: nothing to shard)."""
+    single = unsharded_stages(plan)
+    if rank == 0 and single and config.zero_stage:
+        logger.warning(
+            "zero stage %d is a no-op on stage(s) %s: one replica each (plan %s)",
+            config.zero_stage, ", ".join(map(str, single)), plan.replication,
+        )  # fmt: skip
+    if module is None or s is None or j is None or sync.pg is None:
+        return None
+    if max(config.zero_stage, plan.stages[s].zero_stage) == 0:
+        return None
+    return StageShards(plan, s, j, module, sync.pg)
 
 
 def _teardown(sync: GradientSync, plan: Plan, rank: int) -> None:

@@ -16,7 +16,8 @@ simulator runs - and dispatches every action on its kind:
   (:meth:`Precision.unscale`, fp16 loss scaling), then :meth:`ModelUpdate.step` computes the
   global gradient norm (a world all_reduce that ranks beyond the plan join with
   :meth:`ModelUpdate.join` after their empty program), clips, sets the step's lr and steps the
-  optimizer.
+  optimizer; under ZeRO-1 (:mod:`dapple.runtime.zero`) the optimizer holds this replica's shard
+  only and :meth:`StageShards.gather` then brings every replica the owners' parameters.
 
 The program is compiled once into *ops* - ``(position, action, handler)`` in execution order,
 early receives moved up, the arming wrapped around the last ``B`` - so a step is a plain loop.
@@ -50,6 +51,7 @@ from dapple.runtime.optim import ModelUpdate
 from dapple.runtime.precision import Precision
 from dapple.runtime.stage import StageExecutor
 from dapple.runtime.sync import GradientSync
+from dapple.runtime.zero import StageShards
 from dapple.schedule.ir import Action, ActionKind, Schedule
 from dapple.schedule.validate import format_grid
 
@@ -129,8 +131,10 @@ class ProgramInterpreter:
         probe: StepProbe,
         update: ModelUpdate,
         precision: Precision | None = None,
+        shards: StageShards | None = None,
     ) -> None:
         self.plan, self.schedule, self.rank = plan, schedule, rank
+        self.shards = shards
         self.ex, self.sync, self.longrun, self.probe = executor, sync, longrun, probe
         self.optimizer, self.params, self.update = optimizer, params, update
         self.precision = precision or Precision("fp32", torch.device("cpu"))
@@ -159,7 +163,8 @@ class ProgramInterpreter:
         ranks = list(plan.stages[executor.s].devices) if executor is not None else []
         self._phases = {
             K.ALLREDUCE: f"gradient AllReduce over ranks {ranks}",
-            K.STEP: "tied-parameter sums, global gradient norm and optimizer step",
+            K.STEP: "tied-parameter sums, global gradient norm and optimizer step"
+            + (" (its shard), parameter gather" if shards is not None else ""),
         }
         self._at: _Op | str = "start of step"  # what runs now (formatted only on failure)
         self._step = -1
@@ -249,6 +254,8 @@ class ProgramInterpreter:
         self.sync.tied()
         self.precision.unscale(self.params)  # fp16: gradients / S (the loss was x S)
         self.update.step(self._step)  # global norm, clipping, lr_at(step), optimizer step
+        if self.shards is not None:  # ZeRO-1: the owners' updated parameters to every replica
+            self.shards.gather()
 
     # -- test hook -----------------------------------------------------------------------------
     def die_mid_step(self, step: int) -> None:

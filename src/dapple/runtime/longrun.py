@@ -19,8 +19,9 @@
   run goes on (:mod:`dapple.runtime.precision`). The same gather carries the caller's per-rank
   values (the step's metrics);
 - :meth:`LongRun.after_step` saves every ``save_every`` steps (replica 0 of each stage writes
-  its layers, every rank its RNG state, rank 0 the manifest after a barrier, with the fp16 loss
-  scale in its ``extra``).
+  its layers - under ZeRO-1 with the optimizer shards of the other replicas gathered to it,
+  :mod:`dapple.runtime.zero` - every rank its RNG state, rank 0 the manifest after a barrier,
+  with the fp16 loss scale in its ``extra``).
 
 Cost: one small all_gather per step - it also carries the step's metrics (see
 :mod:`dapple.runtime.metrics`); besides it the runtime's per-step collectives are the gradient
@@ -57,6 +58,7 @@ from dapple.runtime.checkpoint import (
 from dapple.runtime.config import TrainConfig
 from dapple.runtime.data import check_data_resume
 from dapple.runtime.precision import Precision
+from dapple.runtime.zero import StageShards
 from dapple.schedule.ir import Action, ActionKind
 
 __all__ = ["OPTIMIZER_CLASSES", "LongRun", "elastic_store", "first_attempt"]
@@ -113,8 +115,12 @@ class LongRun:
         optimizer: torch.optim.Optimizer | None,
         device: torch.device,
         precision: Precision | None = None,
+        shards: StageShards | None = None,
     ) -> None:
         self.plan, self.workload, self.config = plan, workload, config
+        self.shards = shards
+        """ZeRO-1: this replica's optimizer holds its shard only; a save gathers the stage's
+        whole optimizer state to replica 0 (:meth:`StageShards.layer_states`)."""
         self.precision = precision or Precision("fp32", device)
         """fp16: a non-finite gradient (no non-finite loss) skips the step and lowers the loss
         scale on every rank; the scale is saved in and restored from checkpoints."""
@@ -266,7 +272,9 @@ class LongRun:
         if cfg.checkpoint_dir is None or cfg.save_every <= 0 or done % cfg.save_every:
             return
         states = {}
-        if self.module is not None and self.replica == 0:
+        if self.shards is not None:  # a collective over the stage's replicas
+            states = self.shards.layer_states(self.first_layer, self.optimizer)
+        elif self.module is not None and self.replica == 0:
             states = stage_layer_states(self.module, self.first_layer, self.optimizer)
         meta = CheckpointMeta(
             model_name=self.workload.name,

@@ -14,11 +14,16 @@ from dapple.errors import ValidationError
 if TYPE_CHECKING:
     from dapple.runtime.config import TrainConfig
 
-__all__ = ["LR_SCHEDULES", "OPTIM_FIELDS", "check_optim", "state_factor"]
+__all__ = ["LR_SCHEDULES", "OPTIM_FIELDS", "ZERO_STAGES", "check_optim", "state_factor"]
 
 LR_SCHEDULES = ("constant", "cosine")
 """``constant``: linear warm-up, then ``lr``; ``cosine``: linear warm-up, then cosine decay to
 ``min_lr`` at the last step (:func:`dapple.runtime.optim.lr_at`)."""
+
+ZERO_STAGES = (0, 1)
+"""``TrainConfig.zero_stage`` values: 0, every replica of a stage keeps the whole optimizer
+state; 1, each of the ``r_s`` replicas keeps and updates its ``1/r_s`` shard
+(:mod:`dapple.runtime.zero`). Sharded gradients (ZeRO-2) are not implemented."""
 
 OPTIM_FIELDS = (
     "weight_decay",
@@ -29,6 +34,7 @@ OPTIM_FIELDS = (
     "warmup_steps",
     "min_lr",
     "clip_grad_norm",
+    "zero_stage",
 )
 """The :class:`TrainConfig` fields of the optimisation options besides ``optimizer`` and
 ``lr`` (what ``verify`` forwards to both of its runs)."""
@@ -65,6 +71,12 @@ def check_optim(c: TrainConfig) -> None:
         raise ValidationError(
             f"min_lr={c.min_lr} applies to the cosine schedule only, got lr_schedule "
             f"{c.lr_schedule!r}"
+        )
+    if c.zero_stage not in ZERO_STAGES:
+        later = " (ZeRO-2, sharded gradients, is not implemented)" if c.zero_stage == 2 else ""
+        raise ValidationError(
+            f"zero_stage must be one of {', '.join(map(str, ZERO_STAGES))}, got "
+            f"{c.zero_stage!r}{later}"
         )
     clip = c.clip_grad_norm
     if clip is not None and not (clip > 0 and math.isfinite(clip)):
