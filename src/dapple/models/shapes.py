@@ -228,8 +228,9 @@ def check_batch(
 
 def run_dims(workload: Workload, batch_size: int, seed: int) -> dict[int, dict[int, DynamicDim]]:
     """A run's dynamic dimensions: the workload's declared ones and those that differ between
-    ``make_batch`` draws at seeds ``seed ..`` (drawn at ``min(batch_size, 2)`` samples)."""
-    found = find_dynamic_dims(workload.make_batch, min(batch_size, 2), seed)
+    ``make_batch`` draws of the run's batch size at seeds ``seed ..`` (a workload's batches
+    need only work at the sizes the run asks for)."""
+    found = find_dynamic_dims(workload.make_batch, batch_size, seed)
     return merge_dims(workload.dynamic_dims, found)
 
 
