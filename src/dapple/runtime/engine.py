@@ -318,7 +318,8 @@ def _setup(
                                      precision=precision, shards=shards)  # fmt: skip
     if first_attempt() and int(os.environ.get(FAIL_RANK_ENV, "-1")) == rank:
         interpreter.die_mid_step(int(os.environ.get(FAIL_STEP_ENV, "-1")))
-    feed = RankData(plan, rank, config.seed, data, eval_data, stop=config.steps)
+    feed = RankData(plan, rank, config.seed, data, eval_data, stop=config.steps,
+                    prefetch=device.type != "cpu")  # fmt: skip
     return _Rank(s, j, module, sync, longrun, step_probe, interpreter, update, start, workload,
                  config, G, (inputs, targets), feed, input_shapes(inputs), dims)  # fmt: skip
 
