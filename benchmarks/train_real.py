@@ -85,10 +85,12 @@ def _ddp_worker(rank: int, world: int, port: int, job: dict[str, Any], data: Any
     from dapple.datasets import BatchSource
     from dapple.models.zoo import load_workload
     from dapple.runtime import shutdown_distributed
+    from dapple.runtime.host_memory import keep_freed_memory
     from dapple.runtime.optim import lr_at, param_groups, set_lr
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # as dapple's launcher
+    keep_freed_memory()  # the C allocator as dapple's CPU ranks set it (both runners)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=600))
     G, steps, seed = job["G"], job["steps"], job["seed"]
     o = job["options"]
@@ -281,7 +283,10 @@ def main(argv: list[str] | None = None) -> int:
         "`StepMetrics.step_ms` (rank 0, between the per-step collectives every rank meets); "
         "DDP: each rank's period between step ends after one barrier, max over ranks. "
         "dapple / DDP = median over rounds of the paired per-round ratio [range]; the "
-        "wall-time column divides the same steps' tokens by their summed step times instead.",
+        "wall-time column divides the same steps' tokens by their summed step times instead. "
+        "Both runners' processes keep freed memory for the next step "
+        "(`dapple.runtime.host_memory.keep_freed_memory`, which dapple's CPU ranks call; the "
+        "DDP workers call it too).",
         "",
         "| G | runner | tokens/s per round (median step) | median over rounds "
         "| step ms [min-max] | dapple / runner [range] | same, wall-time tokens/s [range] "

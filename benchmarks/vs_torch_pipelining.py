@@ -119,9 +119,11 @@ def _group_worker(
     rank: int, world: int, port: int, cases: list[dict[str, Any]], opts: dict[str, Any], out: str
 ) -> None:
     from dapple.runtime import TrainConfig, run_plan, shutdown_distributed
+    from dapple.runtime.host_memory import keep_freed_memory
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # as dapple's runtime
+    keep_freed_memory()  # the C allocator as dapple's CPU ranks set it (both runners)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=600))
     wl = bench_transformer()
     peers: dict[int, _Peer] = {}

@@ -35,6 +35,7 @@ from dapple.models.workload import Workload
 from dapple.runtime.config import StepMetrics, TrainConfig
 from dapple.runtime.data import check_data, check_data_resume, data_state
 from dapple.runtime.engine import RankFailure, run_plan, validate_run
+from dapple.runtime.host_memory import keep_freed_memory
 from dapple.runtime.longrun import elastic_store
 from dapple.runtime.precision import check_precision
 
@@ -83,11 +84,15 @@ def _pick_device(kind: str, local_rank: int) -> torch.device:
 
 
 def init_distributed(config: TrainConfig, local_world: int) -> torch.device:
-    """Join the process group from the env (RANK, WORLD_SIZE, MASTER_ADDR/PORT); returns the device."""
+    """Join the process group from the env (RANK, WORLD_SIZE, MASTER_ADDR/PORT); returns the device.
+
+    A CPU rank also sets its intra-op threads (the cores over the local processes) and keeps
+    freed memory for the next step (:func:`dapple.runtime.host_memory.keep_freed_memory`)."""
     local_rank = int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")))
     device = _pick_device(config.device, local_rank)
     if device.type == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_world)))
+        keep_freed_memory()  # no page faults for each step's fresh activations
     if not dist.is_initialized():
         dist.init_process_group(
             backend="nccl" if device.type == "cuda" else "gloo",

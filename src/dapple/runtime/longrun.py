@@ -225,9 +225,12 @@ class LongRun:
         mine = torch.tensor(
             [kind, s, mb, self.rank, *extra], dtype=torch.float64, device=self.device
         )
-        gathered = [torch.empty_like(mine) for _ in range(self.world)]
-        dist.all_gather(gathered, mine)
-        rows: list[list[float]] = torch.stack(gathered).tolist()
+        if self.world == 1:  # one process: nothing to agree on
+            rows: list[list[float]] = [mine.tolist()]
+        else:
+            gathered = [torch.empty_like(mine) for _ in range(self.world)]
+            dist.all_gather(gathered, mine)
+            rows = torch.stack(gathered).tolist()
         found = sorted((int(r[0]), int(r[2]), int(r[1]), int(r[3])) for r in rows if r[0] >= 0)
         return self._verdict(step, found), rows
 

@@ -183,8 +183,11 @@ def _local_sq_norm(params: Sequence[nn.Parameter], device: torch.device) -> torc
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return torch.zeros((), dtype=torch.float64, device=device)
-    norms = [torch.linalg.vector_norm(g, 2.0).to(device, torch.float64) for g in grads]
-    return torch.stack(norms).square().sum()
+    by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for g in grads:  # torch._foreach_norm takes tensors of one device and dtype
+        by_kind.setdefault((g.device, g.dtype), []).append(g)
+    norms = [n for group in by_kind.values() for n in torch._foreach_norm(group, 2.0)]
+    return torch.stack([n.to(device, torch.float64) for n in norms]).square().sum()
 
 
 class ModelUpdate:
@@ -215,7 +218,8 @@ class ModelUpdate:
     def global_norm(self) -> torch.Tensor:
         """``||g||_2`` of the whole model, float32 (a world all_reduce: every rank calls it)."""
         sq = _local_sq_norm(self.counted, self.device)
-        dist.all_reduce(sq, op=dist.ReduceOp.SUM)
+        if dist.get_world_size() > 1:
+            dist.all_reduce(sq, op=dist.ReduceOp.SUM)
         return sq.sqrt().float()
 
     def step(self, step: int) -> None:
