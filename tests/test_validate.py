@@ -91,7 +91,7 @@ def test_duplicate_and_missing_micro_batch():
     sched = lower(plan)
     for text in ("0F2", "0.0SEND_F2@0", "0.0RECV_B2@0", "0B2"):
         sched[0].remove(parse_action(text))
-    with pytest.raises(ValidationError, match="missing F of micro-batch 2"):
+    with pytest.raises(ValidationError, match="missing F of stage 0 micro-batch 2"):
         validate(sched, plan)
 
 
@@ -103,7 +103,7 @@ def test_deadlock_from_increasing_warmup():
         0: [Action(0, F, 0), Action(0, B, 0), Action(0, F, 1), Action(0, B, 1)],
         1: [Action(1, F, 0), Action(1, F, 1), Action(1, B, 0), Action(1, B, 1)],
     }
-    with pytest.raises(ValidationError, match="deadlock: stage 0 at 0B0, stage 1 at 1F1"):
+    with pytest.raises(ValidationError, match="deadlock: rank 0 at 0B0, rank 1 at 1F1"):
         validate_compute_order(order, 2, 2)
     with pytest.raises(ValidationError) as e:
         validate(lower(plan, order), plan)
@@ -128,7 +128,7 @@ def test_allreduce_rules():
         validate(sched, plan)
     sched = lower(plan)
     sched[1].insert(0, sched[1].pop(_find(sched[1], "0.1AR")))
-    with pytest.raises(ValidationError, match="AR before the last backward"):
+    with pytest.raises(ValidationError, match="AR of stage 0 before its last backward"):
         validate(sched, plan)
     sched = lower(plan)
     sched[2].insert(0, parse_action("1AR"))
@@ -164,9 +164,12 @@ def test_empty_slice_replica_must_not_compute():
 def test_compute_order_coverage_errors():
     order = dapple(3, 4)
     order[1] = [a for a in order[1] if str(a) != "1B2"]
-    with pytest.raises(ValidationError, match=r"stage 1: missing B of micro-batch\(es\) \[2\]"):
+    with pytest.raises(
+        ValidationError,
+        match=r"rank 1: missing backward \(B, or I and W\) of stage 1 micro-batch 2",
+    ):
         validate_compute_order(order, 3, 4)
-    with pytest.raises(ValidationError, match=r"stages must be 0..3"):
+    with pytest.raises(ValidationError, match=r"ranks must be 0..3"):
         validate_compute_order(dapple(3, 4), 4, 4)
 
 

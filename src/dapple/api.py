@@ -31,6 +31,7 @@ from dapple.core.profile import ModelProfile
 from dapple.errors import ValidationError
 from dapple.models.spec import load
 from dapple.models.workload import Workload
+from dapple.schedule.support import require_runtime_support
 
 if TYPE_CHECKING:
     from dapple.runtime import StepMetrics
@@ -217,6 +218,12 @@ def _with(plan: Plan | str | Path, schedule: str | None, policy: str | None) -> 
     return p
 
 
+def _runnable(plan: Plan) -> Plan:
+    """``plan`` when the runtime runs its schedule (:func:`require_runtime_support`)."""
+    require_runtime_support(plan)
+    return plan
+
+
 def train(
     plan: Plan | str | Path,
     workload: WorkloadLike,
@@ -255,9 +262,10 @@ def train(
     """
     from dapple.runtime import train as _train
 
+    run_plan = _runnable(_plan(plan))
     wl = _workload(workload, _seq_overrides(workload, overrides, seq_len))
     return _train(
-        _plan(plan),
+        run_plan,
         wl,
         steps,
         data=_dataset(data, seq_len),
@@ -332,7 +340,7 @@ def verify(
     from dapple.runtime.verify import verify as _verify
 
     return _verify(
-        _with(plan, schedule, policy),
+        _runnable(_with(plan, schedule, policy)),
         _workload(workload, _seq_overrides(workload, overrides, seq_len)),
         steps,
         device=device,
@@ -373,5 +381,5 @@ def verify_many(
             if w not in loaded:
                 loaded[w] = _workload(w, None)
             w = loaded[w]
-        resolved.append((_plan(p), _workload(w, None)))
+        resolved.append((_runnable(_plan(p)), _workload(w, None)))
     return _verify_many(resolved, steps, device=device, **options)

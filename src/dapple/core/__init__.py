@@ -1,7 +1,15 @@
 """The pure data model (no torch): model profiles, cluster topology and execution plans."""
 
 from dapple.core.cluster import GIB, PRESETS, Cluster, load_cluster
-from dapple.core.plan import Plan, StagePlan, slice_bounds, split_sizes, straight_plan, transfers
+from dapple.core.plan import (
+    Plan,
+    StagePlan,
+    interleave,
+    slice_bounds,
+    split_sizes,
+    straight_plan,
+    transfers,
+)
 from dapple.core.profile import AffineTime, LayerProfile, ModelProfile, fit_affine
 
 __all__ = [
@@ -14,6 +22,7 @@ __all__ = [
     "Plan",
     "StagePlan",
     "fit_affine",
+    "interleave",
     "load_cluster",
     "slice_bounds",
     "split_sizes",

@@ -24,8 +24,10 @@ from dapple.errors import ValidationError
 
 __all__ = [
     "PLAN_SCHEMA_VERSION",
+    "SCHEDULES",
     "Plan",
     "StagePlan",
+    "interleave",
     "slice_bounds",
     "split_sizes",
     "straight_plan",
@@ -33,7 +35,10 @@ __all__ = [
 ]
 
 PLAN_SCHEMA_VERSION = 1
-ScheduleName = Literal["dapple", "gpipe"]
+ScheduleName = Literal["dapple", "gpipe", "interleaved", "zbh1"]
+SCHEDULES: tuple[str, ...] = ("gpipe", "dapple", "interleaved", "zbh1")
+"""Schedule names: GPipe, DAPPLE early backward (1F1B), interleaved 1F1B (Megatron-LM, v model
+chunks per device group) and ZB-H1 (Qi et al., backward split into input and weight gradient)."""
 Policy = Literal["A", "B"]
 
 
@@ -176,7 +181,12 @@ class Plan:
     stages: tuple[StagePlan, ...]
     """The S stages in pipeline order."""
     schedule: ScheduleName = "dapple"
-    """``dapple`` (early backward, 1F1B) or ``gpipe`` (all forwards first)."""
+    """``dapple`` (early backward, 1F1B), ``gpipe`` (all forwards first), ``interleaved``
+    (interleaved 1F1B over ``virtual_stages`` chunks per device group) or ``zbh1`` (ZB-H1)."""
+    virtual_stages: int = 1
+    """v: model chunks per device group. With v > 1 (``interleaved`` only) ``stages`` lists the
+    S = P·v virtual stages in pipeline order and stage k runs on the devices of stage k mod P,
+    so each device group of the first P stages holds stages g, g+P, ..., g+(v-1)P."""
     policy: Policy = "A"
     """Warm-up policy: A ``K_i = min(S-i, D)``, B ``K_i = min(2(S-i)-1, D)`` (section 6.3)."""
     predicted_step_ms: float = math.nan
@@ -187,8 +197,17 @@ class Plan:
 
     def __post_init__(self) -> None:
         require(
-            self.schedule in ("dapple", "gpipe"),
-            f"plan: schedule must be 'dapple' or 'gpipe', got {self.schedule!r}",
+            self.schedule in SCHEDULES,
+            f"plan: schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}",
+        )
+        nv = self.virtual_stages
+        require(
+            isinstance(nv, int) and not isinstance(nv, bool) and nv >= 1,
+            f"plan: virtual_stages must be an integer >= 1, got {nv!r}",
+        )
+        require(
+            nv == 1 or self.schedule == "interleaved",
+            f"plan: virtual_stages={nv} needs schedule 'interleaved', got {self.schedule!r}",
         )
         require(self.policy in ("A", "B"), f"plan: policy must be 'A' or 'B', got {self.policy!r}")
         for f in ("global_batch_size", "micro_batch_size", "num_micro_batches"):
@@ -214,8 +233,20 @@ class Plan:
                 f"plan: stage {i} layers {list(cur)} must start where stage {i - 1} {list(prev)} ends "
                 f"({'overlap' if cur[0] < prev[1] else 'gap'})",
             )
+        require(
+            len(self.stages) % nv == 0,
+            f"plan: {len(self.stages)} stages are not virtual_stages={nv} chunks per device group",
+        )
+        P = len(self.stages) // nv
+        for k in range(P, len(self.stages)):
+            require(
+                self.stages[k].devices == self.stages[k % P].devices,
+                f"plan: virtual stage {k} must run on the devices of stage {k % P} "
+                f"{list(self.stages[k % P].devices)} (v={nv}, {P} device groups), got "
+                f"{list(self.stages[k].devices)}",
+            )
         seen: dict[int, int] = {}
-        for i, st in enumerate(self.stages):
+        for i, st in enumerate(self.stages[:P]):
             for d in st.devices:
                 require(
                     d not in seen, f"plan: device {d} is used by stage {seen.get(d)} and stage {i}"
@@ -228,32 +259,46 @@ class Plan:
         return len(self.stages)
 
     @property
+    def num_groups(self) -> int:
+        """P: device groups (pipeline ranks); ``num_stages / virtual_stages``."""
+        return len(self.stages) // self.virtual_stages
+
+    @property
     def num_layers(self) -> int:
         """N covered by the plan."""
         return self.stages[-1].layers[1]
 
     @property
     def devices(self) -> tuple[int, ...]:
-        """All device ids in stage order."""
-        return tuple(d for st in self.stages for d in st.devices)
+        """All device ids in stage order (each once)."""
+        return tuple(d for st in self.stages[: self.num_groups] for d in st.devices)
 
     @property
     def replication(self) -> str:
         """Replica counts joined by ':' as in the paper (e.g. ``15:1``)."""
-        return ":".join(str(st.replicas) for st in self.stages)
+        return ":".join(str(st.replicas) for st in self.stages[: self.num_groups])
 
     @property
     def split_positions(self) -> tuple[int, ...]:
         """Layer indices where a new stage starts."""
         return tuple(st.layers[0] for st in self.stages[1:])
 
-    def stage_of_device(self, device: int) -> tuple[int, int]:
-        """``(stage, replica)`` that ``device`` runs.
+    def stages_of_device(self, device: int) -> tuple[int, ...]:
+        """The stages ``device`` runs: one, or its group's v virtual stages in pipeline order.
 
         Raises:
             ValidationError: the device is not part of the plan.
         """
-        for s, st in enumerate(self.stages):
+        g, _j = self.stage_of_device(device)
+        return tuple(range(g, len(self.stages), self.num_groups))
+
+    def stage_of_device(self, device: int) -> tuple[int, int]:
+        """``(stage, replica)`` that ``device`` runs (its first stage when v > 1).
+
+        Raises:
+            ValidationError: the device is not part of the plan.
+        """
+        for s, st in enumerate(self.stages[: self.num_groups]):
             if device in st.devices:
                 return s, st.devices.index(device)
         raise ValidationError(
@@ -288,6 +333,7 @@ class Plan:
             "num_micro_batches": self.num_micro_batches,
             "schedule": self.schedule,
             "policy": self.policy,
+            **({"virtual_stages": self.virtual_stages} if self.virtual_stages != 1 else {}),
             "predicted_step_ms": None
             if math.isnan(self.predicted_step_ms)
             else self.predicted_step_ms,
@@ -319,6 +365,7 @@ class Plan:
             num_micro_batches=m if m is not None else 0,
             schedule=d.get("schedule", "dapple"),
             policy=d.get("policy", "A"),
+            virtual_stages=d.get("virtual_stages", 1),
             predicted_step_ms=math.nan if pred is None else float(pred),
             stages=tuple(StagePlan.from_dict(x, i) for i, x in enumerate(stages)),
         )
@@ -366,4 +413,62 @@ def straight_plan(
         num_micro_batches=num_micro_batches,
         stages=tuple(stages),
         **kw,
+    )
+
+
+def interleave(plan: Plan, v: int) -> Plan:
+    """``plan`` run as interleaved 1F1B with v model chunks per device group.
+
+    Device group g of ``plan`` (its stage g, ``n_g`` layers) keeps ``n_g`` layers in all, as v
+    chunks of ``n_g / v``; virtual stage ``c·P + g`` (chunk c of group g, P groups) takes the
+    next ``n_g / v`` layers of the chain, so the chunks are placed round-robin over the groups
+    and every group keeps its share of the model.
+
+    Args:
+        plan: a plan with one stage per device group (``virtual_stages == 1``).
+        v: chunks per device group, >= 1.
+
+    Raises:
+        ValidationError: ``plan`` is already interleaved, v < 1, or v does not divide the
+            layers of some device group (naming the group, its layers and v).
+    """
+    require(
+        plan.virtual_stages == 1,
+        f"interleave: the plan already has virtual_stages={plan.virtual_stages}",
+    )
+    require(isinstance(v, int) and v >= 1, f"interleave: v must be an integer >= 1, got {v!r}")
+    counts = [st.layers[1] - st.layers[0] for st in plan.stages]
+    for g, (st, n) in enumerate(zip(plan.stages, counts, strict=True)):
+        require(
+            n % v == 0,
+            f"interleave: v={v} chunks do not divide the {n} layers {list(st.layers)} of "
+            f"stage {g} (devices {list(st.devices)})"
+            + ("; it has fewer layers than chunks" if n < v else ""),
+        )
+    P = len(plan.stages)
+    stages = []
+    start = 0
+    for _c in range(v):
+        for g in range(P):
+            st = plan.stages[g]
+            end = start + counts[g] // v
+            stages.append(
+                StagePlan(
+                    layers=(start, end),
+                    devices=st.devices,
+                    recompute=st.recompute,
+                    zero_stage=st.zero_stage,
+                )
+            )
+            start = end
+    return Plan(
+        planner=plan.planner,
+        global_batch_size=plan.global_batch_size,
+        micro_batch_size=plan.micro_batch_size,
+        num_micro_batches=plan.num_micro_batches,
+        stages=tuple(stages),
+        schedule="interleaved",
+        policy=plan.policy,
+        virtual_stages=v,
+        model_name=plan.model_name,
     )

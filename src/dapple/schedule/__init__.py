@@ -1,4 +1,5 @@
-"""Schedules as data: IR, GPipe/DAPPLE generators and lowering to per-device programs."""
+"""Schedules as data: IR, GPipe / DAPPLE / interleaved 1F1B / ZB-H1 generators and lowering to
+per-device programs."""
 
 from dapple.schedule.forward import forward_order, lower_forward
 from dapple.schedule.generators import (
@@ -8,6 +9,7 @@ from dapple.schedule.generators import (
     in_flight_counts,
     warmup_counts,
 )
+from dapple.schedule.interleaved import interleaved, interleaved_warmup
 from dapple.schedule.ir import (
     Action,
     ActionKind,
@@ -17,9 +19,12 @@ from dapple.schedule.ir import (
     parse_action,
 )
 from dapple.schedule.lower import lower, plan_compute_order
+from dapple.schedule.support import RUNTIME_SCHEDULES, require_runtime_support
 from dapple.schedule.validate import format_grid, validate, validate_compute_order
+from dapple.schedule.zerobubble import zbh1
 
 __all__ = [
+    "RUNTIME_SCHEDULES",
     "Action",
     "ActionKind",
     "ComputeOrder",
@@ -31,11 +36,15 @@ __all__ = [
     "forward_order",
     "gpipe",
     "in_flight_counts",
+    "interleaved",
+    "interleaved_warmup",
     "lower",
     "lower_forward",
     "parse_action",
     "plan_compute_order",
+    "require_runtime_support",
     "validate",
     "validate_compute_order",
     "warmup_counts",
+    "zbh1",
 ]

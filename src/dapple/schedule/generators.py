@@ -8,7 +8,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from dapple.errors import ValidationError
+from dapple.schedule.interleaved import interleaved
 from dapple.schedule.ir import Action, ActionKind, ComputeOrder
+from dapple.schedule.zerobubble import zbh1
 
 __all__ = ["compute_order", "dapple", "gpipe", "in_flight_counts", "warmup_counts"]
 
@@ -83,29 +85,60 @@ def in_flight_counts(
     schedule: str, S: int, M: int, policy: str = "A", D: Sequence[int | None] | None = None
 ) -> list[int]:
     """K_i per stage, the micro-batches whose activations stage i holds at most: M for GPipe
-    (every forward runs before the first backward), :func:`warmup_counts` for DAPPLE.
+    (every forward runs before the first backward), :func:`warmup_counts` for DAPPLE,
+    ``min(S, M)`` for ZB-H1 (from F to W, :mod:`dapple.schedule.zerobubble`).
 
     Raises:
-        ValidationError: unknown schedule name, or bad policy or D (:func:`warmup_counts`).
+        ValidationError: unknown schedule name (``interleaved`` counts per rank, see
+            :func:`dapple.schedule.interleaved.interleaved_warmup`), or bad policy or D
+            (:func:`warmup_counts`).
     """
     if schedule == "gpipe":
         _check(S, M)
         return [M] * S
     if schedule == "dapple":
         return warmup_counts(S, M, policy, D)
-    raise ValidationError(f"unknown schedule {schedule!r}; choose 'dapple' or 'gpipe'")
+    if schedule == "zbh1":
+        _check(S, M)
+        return [min(S, M)] * S
+    raise ValidationError(
+        f"no per-stage in-flight counts for schedule {schedule!r}; choose 'dapple', 'gpipe' or 'zbh1'"
+    )
 
 
 def compute_order(
-    schedule: str, S: int, M: int, policy: str = "A", D: int | Sequence[int | None] | None = None
+    schedule: str,
+    S: int,
+    M: int,
+    policy: str = "A",
+    D: int | Sequence[int | None] | None = None,
+    v: int = 1,
 ) -> ComputeOrder:
     """Dispatch on the plan's schedule name.
 
+    Args:
+        schedule: ``gpipe``, ``dapple``, ``interleaved`` or ``zbh1``.
+        S: pipeline ranks (device groups); the stages are S·v.
+        M: micro-batches.
+        policy: DAPPLE's warm-up policy (``dapple`` only).
+        D: DAPPLE's in-flight bound per stage (``dapple`` only).
+        v: chunks per rank (``interleaved`` only; 1 for the others).
+
     Raises:
-        ValidationError: unknown schedule name.
+        ValidationError: unknown schedule name, or v > 1 for a schedule without chunks.
     """
+    if v != 1 and schedule != "interleaved":
+        raise ValidationError(
+            f"v={v} chunks per rank need schedule 'interleaved', got {schedule!r}"
+        )
     if schedule == "gpipe":
         return gpipe(S, M)
     if schedule == "dapple":
         return dapple(S, M, policy, D)
-    raise ValidationError(f"unknown schedule {schedule!r}; choose 'dapple' or 'gpipe'")
+    if schedule == "interleaved":
+        return interleaved(S, M, v)
+    if schedule == "zbh1":
+        return zbh1(S, M)
+    raise ValidationError(
+        f"unknown schedule {schedule!r}; choose 'gpipe', 'dapple', 'interleaved' or 'zbh1'"
+    )

@@ -5,12 +5,20 @@ round-trips through :func:`parse_action`::
 
     1F3          stage 1 (replica 0) forward of micro-batch 3
     2.1B0        stage 2, replica 1, backward of micro-batch 0
+    2I0 / 2W0    stage 2: the input-gradient / weight-gradient half of that backward (ZB-H1)
     0.0SEND_F4@1 stage 0 replica 0 sends micro-batch 4's activations to replica 1 of stage 1
     1.0RECV_B2@0 stage 1 replica 0 receives micro-batch 2's gradients from replica 0 of stage 2
     0.1AR        stage 0 replica 1 joins its stage's gradient AllReduce
     0.1OPT       optimizer step
 
-A *compute order* maps each stage to its ordered F/B actions (what the generators produce);
+``B`` is a whole backward. Zero-bubble schedules split it as torch.distributed.pipelining
+does: ``I`` computes the gradient of the stage input (Qi et al.'s ``B``, on the critical
+path: its result is sent to the previous stage) and ``W`` the gradients of the parameters
+(Qi et al.'s ``W``, free to fill bubbles); a schedule runs either ``B`` or ``I`` then ``W``.
+
+A *compute order* maps each pipeline rank (device group) to its ordered compute actions (what
+the generators produce); the action's ``stage`` is the stage it runs, the rank itself unless
+the schedule interleaves v virtual stages per rank (rank g runs stages g, g+P, ...);
 a *lowered schedule* maps each device id to its ordered actions, communication included
 (what :func:`dapple.schedule.lower.lower` produces and both the simulator and the runtime run).
 """
@@ -31,6 +39,10 @@ class ActionKind(str, Enum):
 
     FORWARD = "F"
     BACKWARD = "B"
+    BACKWARD_INPUT = "I"
+    """The input-gradient half of a backward (zero-bubble schedules)."""
+    BACKWARD_WEIGHT = "W"
+    """The weight-gradient half of a backward, after its ``I`` (zero-bubble schedules)."""
     SEND_F = "SEND_F"
     """Send forward activations (a slice) to ``peer`` in the next stage."""
     RECV_F = "RECV_F"
@@ -46,7 +58,17 @@ class ActionKind(str, Enum):
 
     @property
     def is_compute(self) -> bool:
-        return self in (ActionKind.FORWARD, ActionKind.BACKWARD)
+        return self in (
+            ActionKind.FORWARD,
+            ActionKind.BACKWARD,
+            ActionKind.BACKWARD_INPUT,
+            ActionKind.BACKWARD_WEIGHT,
+        )
+
+    @property
+    def sends_gradient(self) -> bool:
+        """A backward that produces the stage input's gradient (``B`` or ``I``)."""
+        return self in (ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT)
 
     @property
     def is_comm(self) -> bool:
@@ -56,6 +78,8 @@ class ActionKind(str, Enum):
 _NEEDS_MB = {
     ActionKind.FORWARD,
     ActionKind.BACKWARD,
+    ActionKind.BACKWARD_INPUT,
+    ActionKind.BACKWARD_WEIGHT,
     ActionKind.SEND_F,
     ActionKind.RECV_F,
     ActionKind.SEND_B,
@@ -132,7 +156,7 @@ def format_actions(actions: list[Action]) -> str:
 
 
 ComputeOrder = dict[int, list[Action]]
-"""stage -> ordered F/B actions (replica 0)."""
+"""pipeline rank -> ordered compute actions (replica 0); the rank is the stage unless v > 1."""
 
 Schedule = dict[int, list[Action]]
 """device id -> ordered actions of that device, communication included."""

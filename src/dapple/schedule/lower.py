@@ -20,13 +20,26 @@ K = ActionKind
 
 
 def plan_compute_order(plan: Plan) -> ComputeOrder:
-    """The stage-level compute order of ``plan`` (its schedule, policy and per-stage D)."""
+    """The rank-level compute order of ``plan`` (its schedule, policy, per-stage D and v)."""
     D = [st.max_in_flight for st in plan.stages]
-    return compute_order(plan.schedule, plan.num_stages, plan.num_micro_batches, plan.policy, D)
+    return compute_order(
+        plan.schedule,
+        plan.num_groups,
+        plan.num_micro_batches,
+        plan.policy,
+        D if plan.schedule == "dapple" else None,
+        plan.virtual_stages,
+    )
 
 
 def lower(plan: Plan, order: ComputeOrder | None = None) -> Schedule:
     """Per-device programs for ``plan``; ``order`` overrides the plan's compute order.
+
+    ``order`` maps each device group (pipeline rank) g to its compute actions; every replica
+    of the group runs them on its slice, each action on its own (virtual) stage, with the
+    split-concat transfers of that stage's boundaries. ``I`` sends gradients like ``B``;
+    ``W`` needs no communication. After its last compute a device AllReduces each of its
+    replicated stages (last stage first: its gradients are complete first), then steps.
 
     Returns:
         device id -> ordered actions.
@@ -48,25 +61,29 @@ def lower(plan: Plan, order: ComputeOrder | None = None) -> Schedule:
         bwd_peers.append(inn)
 
     sched: Schedule = {}
-    for s, st in enumerate(plan.stages):
+    for g in range(plan.num_groups):
+        st = plan.stages[g]
+        stages = plan.stages_of_device(st.devices[0])
         sizes = split_sizes(b, st.replicas)
         for j, dev in enumerate(st.devices):
             prog: list[Action] = []
             if sizes[j] > 0:
-                prev = bwd_peers[s - 1].get(j, []) if s > 0 else []
-                nxt = fwd_peers[s].get(j, []) if s < S - 1 else []
-                for a in order[s]:
-                    m = a.micro_batch
+                for a in order[g]:
+                    m, s = a.micro_batch, a.stage
+                    prev = bwd_peers[s - 1].get(j, []) if s > 0 else []
+                    nxt = fwd_peers[s].get(j, []) if s < S - 1 else []
                     if a.kind is K.FORWARD:
                         prog += [Action(s, K.RECV_F, m, j, p) for p in prev]
                         prog.append(Action(s, K.FORWARD, m, j))
                         prog += [Action(s, K.SEND_F, m, j, p) for p in nxt]
-                    elif a.kind is K.BACKWARD:
+                    elif a.kind.sends_gradient:
                         prog += [Action(s, K.RECV_B, m, j, p) for p in nxt]
-                        prog.append(Action(s, K.BACKWARD, m, j))
+                        prog.append(Action(s, a.kind, m, j))
                         prog += [Action(s, K.SEND_B, m, j, p) for p in prev]
+                    else:
+                        prog.append(Action(s, a.kind, m, j))
             if st.replicas > 1:
-                prog.append(Action(s, K.ALLREDUCE, None, j))
-            prog.append(Action(s, K.STEP, None, j))
+                prog += [Action(s, K.ALLREDUCE, None, j) for s in reversed(stages)]
+            prog.append(Action(g, K.STEP, None, j))
             sched[dev] = prog
     return sched

@@ -118,72 +118,101 @@ def _fail(
 # --------------------------------------------------------------------------- compute orders
 
 
-def validate_compute_order(order: ComputeOrder, S: int, M: int) -> None:
-    """Check a stage -> F/B order for S stages and M micro-batches.
+def validate_compute_order(order: ComputeOrder, S: int, M: int, v: int = 1) -> None:
+    """Check a rank -> compute order for S ranks with v stages each and M micro-batches.
+
+    Rank g runs stages g, g+S, ..., g+(v-1)S (v = 1: rank g is stage g). Each of its stages
+    runs F_m once and then either the whole backward B_m or its two halves I_m and W_m (I
+    first) for every m in [0, M). The dry run follows the pipeline's data dependencies: F_m
+    on stage s needs F_m on s-1, B_m/I_m on s needs B_m/I_m on s+1.
 
     Args:
-        order: stage -> ordered F/B actions (as produced by the generators).
-        S: number of stages.
+        order: rank -> ordered compute actions (as produced by the generators).
+        S: number of ranks (device groups).
         M: number of micro-batches.
+        v: stages per rank.
 
     Raises:
-        ValidationError: a stage is missing or extra, an action is not F/B of that stage, an
-            F/B is missing, duplicated or out of range, B_m runs before F_m, or the order
-            deadlocks; the message holds a step x stage grid marking the offending action.
+        ValidationError: a rank is missing or extra, an action is not a compute action of one
+            of the rank's stages, an action is missing, duplicated or out of range, B/I runs
+            before its F or W before its I, a stage mixes B with I/W for one micro-batch, or
+            the order deadlocks; the message holds a step x rank grid marking the offending
+            action.
     """
     problems: list[tuple[str, list[Cell]]] = []
+    if v < 1:
+        raise ValidationError(f"invalid compute order: v must be >= 1, got {v}")
     if sorted(order) != list(range(S)):
-        problems.append((f"stages must be 0..{S - 1}, got {sorted(order)}", []))
-    for s in sorted(order):
-        seen: dict[tuple[ActionKind, int], int] = {}
-        for r, a in enumerate(order[s]):
-            if a.kind not in (K.FORWARD, K.BACKWARD) or a.stage != s:
-                problems.append((f"stage {s} step {r}: {a} is not an F/B of stage {s}", [(s, r)]))
+        problems.append((f"ranks must be 0..{S - 1}, got {sorted(order)}", []))
+    for g in sorted(order):
+        owned = set(range(g, S * v, S))
+        seen: dict[tuple[int, ActionKind, int], int] = {}
+        for r, a in enumerate(order[g]):
+            if not a.kind.is_compute or a.stage not in owned:
+                problems.append(
+                    (
+                        f"rank {g} step {r}: {a} is not a compute action of stages {sorted(owned)}",
+                        [(g, r)],
+                    )
+                )
                 continue
             m = a.micro_batch
             assert m is not None
             if not 0 <= m < M:
-                problems.append((f"stage {s} step {r}: micro-batch {m} not in [0, {M})", [(s, r)]))
-            key = (a.kind, m)
+                problems.append((f"rank {g} step {r}: micro-batch {m} not in [0, {M})", [(g, r)]))
+            key = (a.stage, a.kind, m)
             if key in seen:
-                problems.append((f"stage {s}: {a} appears twice", [(s, seen[key]), (s, r)]))
+                problems.append((f"rank {g}: {a} appears twice", [(g, seen[key]), (g, r)]))
                 continue
             seen[key] = r
-            if a.kind is K.BACKWARD and (K.FORWARD, m) not in seen:
-                problems.append((f"stage {s}: {a} runs before its forward", [(s, r)]))
-        for kind in (K.FORWARD, K.BACKWARD):
-            missing = [m for m in range(M) if (kind, m) not in seen]
-            if missing:
-                problems.append(
-                    (f"stage {s}: missing {kind.value} of micro-batch(es) {missing}", [])
-                )
-    _fail("compute order", problems, order, "stage")
+            need = K.BACKWARD_INPUT if a.kind is K.BACKWARD_WEIGHT else K.FORWARD
+            if a.kind is not K.FORWARD and (a.stage, need, m) not in seen:
+                problems.append((f"rank {g}: {a} runs before its {need.value}", [(g, r)]))
+        for st in sorted(owned):
+            for m in range(M):
+                has = {k for k in K if (st, k, m) in seen}
+                if K.FORWARD not in has:
+                    problems.append((f"rank {g}: missing F of stage {st} micro-batch {m}", []))
+                if K.BACKWARD in has and has & {K.BACKWARD_INPUT, K.BACKWARD_WEIGHT}:
+                    problems.append(
+                        (f"rank {g}: stage {st} micro-batch {m} runs both B and I/W", [])
+                    )
+                elif K.BACKWARD not in has and not {K.BACKWARD_INPUT, K.BACKWARD_WEIGHT} <= has:
+                    problems.append(
+                        (
+                            f"rank {g}: missing backward (B, or I and W) of stage {st} micro-batch {m}",
+                            [],
+                        )
+                    )
+    _fail("compute order", problems, order, "rank")
 
-    # Dry run: F_m on s needs F_m done on s-1, B_m on s needs B_m done on s+1.
-    done: set[tuple[int, ActionKind, int]] = set()
+    # Dry run: F_m on s needs F_m done on s-1, B_m/I_m on s needs B_m/I_m done on s+1.
+    done: set[tuple[int, bool, int]] = set()  # (stage, is forward, micro-batch)
     pc = dict.fromkeys(order, 0)
     progress = True
     while progress:
         progress = False
-        for s in order:
-            while pc[s] < len(order[s]):
-                a = order[s][pc[s]]
+        for g in order:
+            while pc[g] < len(order[g]):
+                a = order[g][pc[g]]
                 m = a.micro_batch
                 assert m is not None
-                dep = (s - 1, K.FORWARD, m) if a.kind is K.FORWARD else (s + 1, K.BACKWARD, m)
-                if 0 <= dep[0] < S and dep not in done:
-                    break
-                done.add((s, a.kind, m))
-                pc[s] += 1
+                fwd = a.kind is K.FORWARD
+                if fwd or a.kind.sends_gradient:
+                    dep = (a.stage - 1 if fwd else a.stage + 1, fwd, m)
+                    if 0 <= dep[0] < S * v and dep not in done:
+                        break
+                    done.add((a.stage, fwd, m))
+                pc[g] += 1
                 progress = True
-    stuck = [s for s in order if pc[s] < len(order[s])]
+    stuck = [g for g in order if pc[g] < len(order[g])]
     if stuck:
-        waits = ", ".join(f"stage {s} at {order[s][pc[s]]}" for s in stuck)
+        waits = ", ".join(f"rank {g} at {order[g][pc[g]]}" for g in stuck)
         _fail(
             "compute order",
-            [(f"deadlock: {waits} wait forever", [(s, pc[s]) for s in stuck])],
+            [(f"deadlock: {waits} wait forever", [(g, pc[g]) for g in stuck])],
             order,
-            "stage",
+            "rank",
         )
 
 
@@ -211,23 +240,27 @@ def _check_device(
 ) -> list[tuple[str, list[Cell]]]:
     """Per-device checks: ownership, coverage, local order of comm around compute, AR/OPT."""
     problems: list[tuple[str, list[Cell]]] = []
-    s, j = plan.stage_of_device(dev)
-    st = plan.stages[s]
+    g, j = plan.stage_of_device(dev)
+    owned = plan.stages_of_device(dev)
+    st = plan.stages[g]
     M, S = plan.num_micro_batches, plan.num_stages
     active = split_sizes(plan.micro_batch_size, st.replicas)[j] > 0
-    prev_peers = set(peers[0][s].get(j, [])) if s > 0 else set()  # replicas of s-1
-    next_peers = set(peers[1][s].get(j, [])) if s < S - 1 else set()  # replicas of s+1
-    where: dict[tuple[ActionKind, int | None, int | None], int] = {}
+    # replicas of s-1 that send to (s, j); replicas of s+1 that (s, j) sends to
+    prev_peers = {s: set(peers[0][s].get(j, [])) if s > 0 else set() for s in owned}
+    next_peers = {s: set(peers[1][s].get(j, [])) if s < S - 1 else set() for s in owned}
+    where: dict[tuple[ActionKind, int, int | None, int | None], int] = {}
+    what = f"stage {g}" if len(owned) == 1 else f"stages {list(owned)}"
     for r, a in enumerate(prog):
         here = [(dev, r)]
-        if (a.stage, a.replica) != (s, j):
-            problems.append((f"device {dev} runs stage {s} replica {j} but step {r} is {a}", here))
+        s = a.stage
+        if s not in owned or a.replica != j:
+            problems.append((f"device {dev} runs {what} replica {j} but step {r} is {a}", here))
             continue
         m = a.micro_batch
         if m is not None and not 0 <= m < M:
             problems.append((f"device {dev} step {r}: micro-batch {m} not in [0, {M})", here))
             continue
-        key = (a.kind, m, a.peer)
+        key = (a.kind, s, m, a.peer)
         if key in where:
             problems.append((f"device {dev}: {a} appears twice", [(dev, where[key]), *here]))
             continue
@@ -236,74 +269,108 @@ def _check_device(
             problems.append(
                 (f"device {dev}: {a} but replica {j}'s slice of a micro-batch is empty", here)
             )
-        elif a.kind in (K.SEND_F, K.RECV_B) and a.peer not in next_peers:
+        elif a.kind in (K.SEND_F, K.RECV_B) and a.peer not in next_peers[s]:
             problems.append(
                 (
                     f"device {dev}: {a} but replica {a.peer} of stage {s + 1} is no split-concat peer",
                     here,
                 )
             )
-        elif a.kind in (K.RECV_F, K.SEND_B) and a.peer not in prev_peers:
+        elif a.kind in (K.RECV_F, K.SEND_B) and a.peer not in prev_peers[s]:
             problems.append(
                 (
                     f"device {dev}: {a} but replica {a.peer} of stage {s - 1} is no split-concat peer",
                     here,
                 )
             )
-        elif a.kind is K.BACKWARD and (K.FORWARD, m, None) not in where:
-            problems.append((f"device {dev}: {a} runs before its forward", here))
-        elif a.kind is K.SEND_F and (K.FORWARD, m, None) not in where:
-            problems.append((f"device {dev}: {a} sends before its forward", here))
-        elif a.kind is K.SEND_B and (K.BACKWARD, m, None) not in where:
+        elif (
+            a.kind in (K.BACKWARD, K.BACKWARD_INPUT, K.SEND_F)
+            and (K.FORWARD, s, m, None) not in where
+        ):
+            verb = "sends" if a.kind is K.SEND_F else "runs"
+            problems.append((f"device {dev}: {a} {verb} before its forward", here))
+        elif a.kind is K.BACKWARD_WEIGHT and (K.BACKWARD_INPUT, s, m, None) not in where:
+            problems.append((f"device {dev}: {a} runs before its input gradient I", here))
+        elif a.kind is K.SEND_B and not (
+            (K.BACKWARD, s, m, None) in where or (K.BACKWARD_INPUT, s, m, None) in where
+        ):
             problems.append((f"device {dev}: {a} sends before its backward", here))
         elif a.kind is K.ALLREDUCE and st.replicas == 1:
             problems.append((f"device {dev}: {a} on a stage with one replica", here))
     if problems:
         return problems
     if active:
-        for m in range(M):
-            for kind, needs, ps in (
-                (K.FORWARD, K.RECV_F, prev_peers),
-                (K.BACKWARD, K.RECV_B, next_peers),
-            ):
-                rc = where.get((kind, m, None))
-                if rc is None:
-                    problems.append((f"device {dev}: missing {kind.value} of micro-batch {m}", []))
-                    continue
-                for p in sorted(ps):
-                    rr = where.get((needs, m, p))
-                    if rr is None or rr > rc:
-                        what = "missing" if rr is None else "after it"
-                        problems.append(
-                            (
-                                f"device {dev}: {prog[rc]} needs {needs.value}{m}@{p} ({what})",
-                                [(dev, rc)],
-                            )
-                        )
-            for kind, send, ps in (
-                (K.FORWARD, K.SEND_F, next_peers),
-                (K.BACKWARD, K.SEND_B, prev_peers),
-            ):
-                missing = [p for p in sorted(ps) if (send, m, p) not in where]
-                rc = where.get((kind, m, None))
-                if missing and rc is not None:
-                    problems.append(
-                        (
-                            f"device {dev}: {prog[rc]} never sends to replica(s) {missing}",
-                            [(dev, rc)],
-                        )
-                    )
-    last_b = max((r for (k, _m, _p), r in where.items() if k is K.BACKWARD), default=-1)
-    ar = where.get((K.ALLREDUCE, None, None))
-    if st.replicas > 1 and ar is None:
-        problems.append((f"device {dev}: stage {s} has {st.replicas} replicas but no AR", []))
-    if ar is not None and ar < last_b:
-        problems.append((f"device {dev}: AR before the last backward", [(dev, ar)]))
-    opt = where.get((K.STEP, None, None))
+        for s in owned:
+            for m in range(M):
+                problems += _check_coverage(dev, prog, where, s, m, prev_peers[s], next_peers[s])
+    backs = (K.BACKWARD, K.BACKWARD_WEIGHT)
+    for s in owned:
+        last_b = max(
+            (r for (k, s2, _m, _p), r in where.items() if k in backs and s2 == s), default=-1
+        )
+        ar = where.get((K.ALLREDUCE, s, None, None))
+        if st.replicas > 1 and ar is None:
+            problems.append((f"device {dev}: stage {s} has {st.replicas} replicas but no AR", []))
+        if ar is not None and ar < last_b:
+            problems.append(
+                (f"device {dev}: AR of stage {s} before its last backward", [(dev, ar)])
+            )
+    last = max(
+        (r for (k, _s, _m, _p), r in where.items() if k in (*backs, K.BACKWARD_INPUT, K.ALLREDUCE)),
+        default=-1,
+    )
+    opt = where.get((K.STEP, g, None, None))
     if opt is None:
-        problems.append((f"device {dev}: no optimizer step (OPT)", []))
-    elif opt < max(last_b, ar if ar is not None else -1):
+        problems.append((f"device {dev}: no optimizer step (OPT) on stage {g}", []))
+    elif opt < last:
         problems.append((f"device {dev}: OPT before the last backward/AR", [(dev, opt)]))
+    return problems
+
+
+def _check_coverage(
+    dev: int,
+    prog: Sequence[Action],
+    where: Mapping[tuple[ActionKind, int, int | None, int | None], int],
+    s: int,
+    m: int,
+    prev_peers: set[int],
+    next_peers: set[int],
+) -> list[tuple[str, list[Cell]]]:
+    """Stage ``s`` runs F_m and B_m (or I_m and W_m) once, after their receives, before their
+    sends."""
+    problems: list[tuple[str, list[Cell]]] = []
+    split = (K.BACKWARD_INPUT, s, m, None) in where or (K.BACKWARD_WEIGHT, s, m, None) in where
+    grad = K.BACKWARD_INPUT if split else K.BACKWARD
+    if split and (K.BACKWARD, s, m, None) in where:
+        problems.append(
+            (
+                f"device {dev}: stage {s} micro-batch {m} runs both B and I/W",
+                [(dev, where[(K.BACKWARD, s, m, None)])],
+            )
+        )
+    if split and (K.BACKWARD_WEIGHT, s, m, None) not in where:
+        problems.append((f"device {dev}: missing W of stage {s} micro-batch {m}", []))
+    for kind, needs, ps in ((K.FORWARD, K.RECV_F, prev_peers), (grad, K.RECV_B, next_peers)):
+        rc = where.get((kind, s, m, None))
+        if rc is None:
+            problems.append(
+                (f"device {dev}: missing {kind.value} of stage {s} micro-batch {m}", [])
+            )
+            continue
+        for p in sorted(ps):
+            rr = where.get((needs, s, m, p))
+            if rr is None or rr > rc:
+                state = "missing" if rr is None else "after it"
+                problems.append(
+                    (f"device {dev}: {prog[rc]} needs {needs.value}{m}@{p} ({state})", [(dev, rc)])
+                )
+    for kind, send, ps in ((K.FORWARD, K.SEND_F, next_peers), (grad, K.SEND_B, prev_peers)):
+        missing = [p for p in sorted(ps) if (send, s, m, p) not in where]
+        rc = where.get((kind, s, m, None))
+        if missing and rc is not None:
+            problems.append(
+                (f"device {dev}: {prog[rc]} never sends to replica(s) {missing}", [(dev, rc)])
+            )
     return problems
 
 
