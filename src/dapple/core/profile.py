@@ -124,6 +124,26 @@ class LayerProfile:
     """Bytes of this layer's parameters (its own; tied copies are counted on each holder)."""
     kept_activation_bytes_per_sample: float
     """Activation bytes held from forward until backward, per sample (without re-computation)."""
+    backward_input: AffineTime | None = None
+    """Time of the input-gradient half of ``backward`` (zero-bubble ``I``; the weight-gradient
+    half ``W`` is the rest) when measured; None: :meth:`backward_split`'s assumed split."""
+
+    def backward_split(self, b: float) -> tuple[float, float]:
+        """``(I, W)``: the input- and weight-gradient halves of the backward on ``b`` samples, ms.
+
+        Measured when ``backward_input`` is set (W = backward - I, at least 0). Otherwise an
+        assumption, not a measurement: a layer without parameters has no weight gradient
+        (all of it is I); a layer with parameters splits its backward evenly, because for the
+        matrix products that dominate it, ``dX = dY·Wᵀ`` and ``dW = Xᵀ·dY`` take the same
+        FLOPs (the ``T_B = T_W`` of Qi et al., ICLR 2024, section 2).
+        """
+        total = self.backward.at(b)
+        if self.backward_input is not None:
+            i = min(self.backward_input.at(b), total)
+            return i, total - i
+        if self.parameter_bytes == 0:
+            return total, 0.0
+        return total / 2, total / 2
 
     def __post_init__(self) -> None:
         require(
@@ -143,7 +163,7 @@ class LayerProfile:
         )
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        d: dict[str, Any] = {
             "name": self.name,
             "forward": self.forward.to_dict(),
             "backward": self.backward.to_dict(),
@@ -151,6 +171,9 @@ class LayerProfile:
             "parameter_bytes": self.parameter_bytes,
             "kept_activation_bytes_per_sample": self.kept_activation_bytes_per_sample,
         }
+        if self.backward_input is not None:
+            d["backward_input"] = self.backward_input.to_dict()
+        return d
 
     @staticmethod
     def from_dict(d: Any, index: int = 0) -> LayerProfile:
@@ -173,6 +196,9 @@ class LayerProfile:
                 get_field(d, "kept_activation_bytes_per_sample", what),
                 f"{what}: kept_activation_bytes_per_sample",
             ),
+            backward_input=None
+            if d.get("backward_input") is None
+            else AffineTime.from_dict(d["backward_input"], f"{what}.backward_input"),
         )
 
 

@@ -4,6 +4,11 @@ Pure: no torch. Every device runs its program (:func:`dapple.schedule.lower`) in
 
 * ``F``/``B`` occupy the device for ``compute_ms`` of its replica's slice of the micro-batch
   (:func:`dapple.core.plan.split_sizes`); with re-computation ``B`` includes the repeated forward.
+  ``I``/``W`` (zero-bubble schedules) are compute tasks of their own, the input- and
+  weight-gradient halves of ``B`` (:func:`dapple.planner.schedules.split_backward_ms`); the
+  re-computed forward belongs to ``I``. A device of an interleaved plan runs several stages
+  (chunks): every action costs and communicates as the stage it names, so a chunk boundary's
+  transfer uses the link between the two chunks' devices.
 * ``SEND_F``/``SEND_B`` are non-blocking for the sender's compute; the transfer of the slice
   overlap ``[lo, hi)`` (:func:`dapple.core.plan.transfers`) occupies the directed link
   ``(src, dst)`` for ``transfer_ms`` of its bytes, first come first served per link.
@@ -22,9 +27,10 @@ sweep over the devices yields exact event times without a priority queue.
 
 Memory per device = parameters + gradients + optimizer state (``parameter_state_bytes``) plus
 activations: without re-computation a micro-batch slice holds its layers'
-``kept_activation_bytes_per_sample`` from the start of its F to the end of its B; with
-re-computation it holds only the stage input from F to B, plus the full activations as a
-transient during B.
+``kept_activation_bytes_per_sample`` from the start of its F to the end of its B (or of its
+W: the weight gradient needs the layers' inputs); with re-computation it holds only the stage
+input from F to B/W, plus the full activations as a transient during B (or I). A device sums
+this over its stages.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ from dapple.core.profile import ModelProfile
 from dapple.errors import DappleError, ValidationError
 from dapple.planner import cost as costs
 from dapple.planner.host import HostExtra, host_extras
+from dapple.planner.schedules import schedule_latency, split_backward_ms
 from dapple.schedule.ir import Action, ActionKind, Schedule
 from dapple.schedule.lower import lower
 from dapple.schedule.validate import validate
@@ -158,10 +165,12 @@ class _Run:
         sizes: list[tuple[int, ...]],
         moved: dict[tuple[int, int, int], int],
         compute: Callable[[int, int], tuple[float, float]],
+        split: Callable[[int, int], tuple[float, float]],
         host: list[list[HostExtra]],
     ) -> None:
         self.plan, self.profile, self.cluster, self.sched = plan, profile, cluster, sched
         self.sizes, self.moved, self.compute, self.host = sizes, moved, compute, host
+        self.split = split
         self.where = {d: plan.stage_of_device(d) for d in sched}
         self.t = dict.fromkeys(sched, 0.0)
         self.pc = dict.fromkeys(sched, 0)
@@ -181,38 +190,47 @@ class _Run:
             return True
         if a.kind is not K.STEP:
             return False
-        s, j = self.where[dev]
-        return self.host[s][j].step_ms > 0
+        return self.host[a.stage][a.replica].step_ms > 0
 
     def compute_start(self, dev: int, a: Action, now: float) -> float:
-        """Books the memory of F/B ``a`` starting at ``now``; returns its nominal duration
-        (host CPU extras included; an OPT's is the per-step host CPU)."""
-        s, j = self.where[dev]
+        """Books the memory of compute action ``a`` starting at ``now``; returns its nominal
+        duration (host CPU extras included; an OPT's is the per-step host CPU)."""
+        s, j = a.stage, a.replica
         hx = self.host[s][j]
         if a.kind is K.STEP:
             return hx.step_ms
         n = self.sizes[s][j]
-        f_ms, b_ms = self.compute(s, n)
-        dur = f_ms + hx.forward_ms if a.kind is K.FORWARD else b_ms + hx.backward_ms
+        if a.kind is K.FORWARD:
+            dur = self.compute(s, n)[0] + hx.forward_ms
+        elif a.kind is K.BACKWARD:
+            dur = self.compute(s, n)[1] + hx.backward_ms
+        elif a.kind is K.BACKWARD_INPUT:
+            dur = self.split(s, n)[0] + hx.backward_ms
+        else:
+            dur = self.split(s, n)[1]
         held, transient = held_and_transient_bytes(self.profile, self.plan.stages[s], n)
         if a.kind is K.FORWARD:
             self.deltas[dev].append((now, held))
             self.in_flight[dev] += 1
             self.peak_in_flight[dev] = max(self.peak_in_flight[dev], self.in_flight[dev])
-        elif transient:
+        elif transient and a.kind.sends_gradient:
             self.deltas[dev].append((now, transient))
         return dur
 
     def compute_end(self, dev: int, a: Action, start: float, end: float, busy_ms: float) -> None:
-        """Records F/B ``a`` of ``dev`` over ``[start, end]`` (``busy_ms`` long) and frees a
-        backward's memory."""
-        if a.kind is K.BACKWARD:
-            s, j = self.where[dev]
+        """Records compute ``a`` of ``dev`` over ``[start, end]`` (``busy_ms`` long) and frees
+        what a B, I or W releases."""
+        if a.kind in (K.BACKWARD, K.BACKWARD_INPUT, K.BACKWARD_WEIGHT):
+            s, j = a.stage, a.replica
             held, transient = held_and_transient_bytes(
                 self.profile, self.plan.stages[s], self.sizes[s][j]
             )
-            self.deltas[dev].append((end, -transient - held))
-            self.in_flight[dev] -= 1
+            freed = (transient if a.kind.sends_gradient else 0.0) + (
+                0.0 if a.kind is K.BACKWARD_INPUT else held
+            )
+            self.deltas[dev].append((end, -freed))
+            if a.kind is not K.BACKWARD_INPUT:
+                self.in_flight[dev] -= 1
         self.events.append(SimEvent(dev, a, start, end))
         self.busy[dev] += busy_ms
         self.t[dev] = end
@@ -221,7 +239,7 @@ class _Run:
         """Runs a non-compute action of ``dev`` at ``now``; False when it must wait (a receive
         whose message is not posted yet, an AllReduce not all replicas have reached)."""
         stages, cluster, profile = self.plan.stages, self.cluster, self.profile
-        s, j = self.where[dev]
+        s, j = a.stage, a.replica
         if a.kind in (K.SEND_F, K.SEND_B):
             assert a.micro_batch is not None and a.peer is not None
             fwd = a.kind is K.SEND_F
@@ -372,8 +390,17 @@ def simulate(
             )
         return comp[(s, n)]
 
+    halves: dict[tuple[int, int], tuple[float, float]] = {}
+
+    def split(s: int, n: int) -> tuple[float, float]:
+        if (s, n) not in halves:
+            halves[(s, n)] = split_backward_ms(
+                profile, cluster, stages[s].layers, n, recompute=stages[s].recompute
+            )
+        return halves[(s, n)]
+
     host = host_extras(profile, cluster, [(*st.layers, st.replicas) for st in stages], b)
-    run = _Run(plan, profile, cluster, sched, sizes, moved, compute, host)
+    run = _Run(plan, profile, cluster, sched, sizes, moved, compute, split, host)
     if cluster.compute_cores_per_server is None:
         run.sweep_dedicated()
     else:
@@ -385,7 +412,10 @@ def simulate(
     stats = []
     for dev in sorted(sched):
         s, j = where[dev]
-        static = float(costs.parameter_state_bytes(profile, stages[s].layers, stages[s].replicas))
+        static = sum(
+            float(costs.parameter_state_bytes(profile, stages[k].layers, stages[k].replicas))
+            for k in plan.stages_of_device(dev)
+        )
         level, peak = static, static
         points = [(0.0, static)]
         # frees before allocations at equal times, so back-to-back B/F do not double count
@@ -410,7 +440,7 @@ def simulate(
             )
         )
     try:
-        L_ms = float(costs.pipeline_latency(plan, profile, cluster).L_ms)
+        L_ms = schedule_latency(plan, profile, cluster)
     except DappleError:
         L_ms = math.nan
     return SimResult(
