@@ -127,7 +127,10 @@ def test_scorer_rejects_unknown_schedules_and_policies() -> None:
     assert got is not None and got.schedule == "gpipe"
     assert sc.build_plan("manual", stages, 2, got).schedule == "gpipe"
     bad = dataclasses.replace(got, schedule="zigzag")  # type: ignore[arg-type]
-    with pytest.raises(ValidationError, match="schedule must be 'dapple' or 'gpipe', got 'zigzag'"):
+    with pytest.raises(
+        ValidationError,
+        match="schedule must be one of gpipe, dapple, interleaved, zbh1, got 'zigzag'",
+    ):
         sc.build_plan("manual", stages, 2, bad)
     with pytest.raises(ValidationError, match="policy must be 'A' or 'B', got 'C'"):
         sc.build_plan("manual", stages, 2, dataclasses.replace(got, policy="C"))  # type: ignore[arg-type]

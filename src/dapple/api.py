@@ -191,6 +191,7 @@ def simulate(
     *,
     schedule: str | None = None,
     policy: str | None = None,
+    virtual_stages: int = 1,
 ) -> SimResult:
     """Simulate one step of a plan (``dapple simulate``).
 
@@ -198,15 +199,24 @@ def simulate(
         plan: A :class:`Plan` or its JSON path.
         profile: A :class:`ModelProfile`, its JSON path, or ``paper:NAME``.
         cluster: A :class:`Cluster`, a preset name or a file.
-        schedule: ``dapple`` or ``gpipe`` instead of the plan's.
+        schedule: ``gpipe``, ``dapple``, ``interleaved`` or ``zbh1`` instead of the plan's.
         policy: ``A`` or ``B`` instead of the plan's.
+        virtual_stages: v, model chunks per device group with ``schedule="interleaved"``.
 
     Raises:
-        ValidationError: The plan does not fit the profile or cluster.
+        ValidationError: The plan does not fit the profile or cluster, or the schedule does not
+            fit the plan (v not dividing a device group's layers, M not a multiple of the
+            groups).
     """
     from dapple.simulate import simulate as _simulate
+    from dapple.simulate.schedules import with_schedule
 
-    return _simulate(_with(plan, schedule, policy), _profile(profile), _cluster(cluster))
+    p = _with(plan, None, policy)
+    if schedule is not None:
+        p = with_schedule(p, schedule, virtual_stages)
+    elif virtual_stages != 1:
+        raise ValidationError(f"virtual_stages={virtual_stages} needs schedule='interleaved'")
+    return _simulate(p, _profile(profile), _cluster(cluster))
 
 
 def _with(plan: Plan | str | Path, schedule: str | None, policy: str | None) -> Plan:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import time
 from collections.abc import Sequence
@@ -12,7 +13,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 from dapple.core.cluster import Cluster
-from dapple.core.plan import Plan
+from dapple.core.plan import SCHEDULES, Plan
 from dapple.core.profile import ModelProfile
 from dapple.errors import DappleError, InfeasibleError, ValidationError
 
@@ -45,7 +46,25 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--planner", choices=_PLANNERS, default="dapple", help="default: dapple")
     p.add_argument("-o", "--output", default=None, help="plan JSON to write")
     p.add_argument(
-        "--compare", action="store_true", help="run every planner and compare them side by side"
+        "--compare",
+        action="store_true",
+        help="run every planner and compare them side by side, then the best plan per schedule "
+        "(simulated)",
+    )
+    p.add_argument(
+        "--schedule",
+        choices=SCHEDULES,
+        default=None,
+        help="run the plan's stages under this schedule (default: the planner's choice, gpipe "
+        "or dapple); interleaved and zbh1 are planned and simulated only, the runtime does not "
+        "run them yet",
+    )
+    p.add_argument(
+        "--virtual-stages",
+        type=int,
+        default=1,
+        metavar="V",
+        help="model chunks per device group with --schedule interleaved (default %(default)s)",
     )
     p.add_argument(
         "--zero-stage",
@@ -225,9 +244,20 @@ def run(args: argparse.Namespace) -> int:
     zero = _zero_stage(args.zero_stage)
     con = Console()
     dp_ms = _dp_ms(profile, cluster, gbs)
+    if args.virtual_stages != 1 and args.schedule != "interleaved":
+        raise ValidationError(
+            f"--virtual-stages {args.virtual_stages} needs --schedule interleaved"
+        )
     if args.compare:
         return _compare(con, profile, cluster, gbs, dp_ms, args.output)
     plan = _plan_with_progress(con, profile, cluster, gbs, args.planner, zero)
+    if args.schedule in ("interleaved", "zbh1"):
+        return _new_schedule(con, plan, profile, cluster, args, dp_ms)
+    if args.schedule:
+        plan = dataclasses.replace(plan, schedule=args.schedule)
+        plan = dataclasses.replace(
+            plan, predicted_step_ms=pipeline_latency(plan, profile, cluster).L_ms
+        )
     r = pipeline_latency(plan, profile, cluster)  # each stage's zero stage is in the plan
     con.print(_stage_table(plan, profile, cluster))
     con.print(
@@ -262,6 +292,7 @@ def _compare(
     for col in ("planner", "replication", "split positions", "M", "schedule", "L ms", "vs dp"):
         t.add_column(col, justify="left" if col in ("planner", "replication") else "right")
     best: Plan | None = None
+    bases: list[Plan] = []
     skipped: list[str] = []
     for name in _PLANNERS:
         try:
@@ -272,6 +303,8 @@ def _compare(
             continue
         if name == "dapple":
             best = plan
+        if name in ("dapple", "straight"):
+            bases.append(plan)
         t.add_row(
             name,
             plan.replication,
@@ -284,7 +317,95 @@ def _compare(
     con.print(t)
     for line in skipped:
         con.print(f"[yellow]{line}[/yellow]")
+    if bases:
+        _schedule_table(con, bases, profile, cluster, dp_ms)
     if output and best is not None:
         best.save(output)
         con.print(f"dapple plan written to {output}")
     return 0
+
+
+def _new_schedule(
+    con: Console,
+    plan: Plan,
+    profile: ModelProfile,
+    cluster: Cluster,
+    args: argparse.Namespace,
+    dp_ms: float,
+) -> int:
+    """The planner's stages under ``--schedule interleaved|zbh1``: predicted and simulated."""
+    from dapple.planner.schedules import schedule_latency
+    from dapple.simulate import simulate
+    from dapple.simulate.schedules import with_schedule
+
+    new = with_schedule(plan, args.schedule, args.virtual_stages)
+    new = dataclasses.replace(new, predicted_step_ms=schedule_latency(new, profile, cluster))
+    res = simulate(new, profile, cluster)
+    t = Table(
+        title=f"{plan.planner} plan of {profile.model_name} on {cluster.name}, {args.schedule}"
+    )
+    for col in ("stage", "layers", "replicas", "devices"):
+        t.add_column(col, justify="left" if col == "devices" else "right")
+    for i, st in enumerate(new.stages):
+        t.add_row(
+            str(i),
+            f"[{st.layers[0]}, {st.layers[1]})",
+            str(st.replicas),
+            format_devices(st.devices),
+        )
+    con.print(t)
+    chunks = f" v = {new.virtual_stages}," if new.virtual_stages > 1 else ""
+    con.print(
+        f"schedule {new.schedule},{chunks} replication {new.replication}, M = "
+        f"{new.num_micro_batches} x {new.micro_batch_size} samples: predicted step "
+        f"{new.predicted_step_ms:.2f} ms, simulated {res.step_ms:.2f} ms, peak memory "
+        f"{_gib(res.peak_memory_bytes)} GiB, speed-up over dp {_speedup(dp_ms, res.step_ms)} "
+        "(simulated only: the runtime does not run this schedule yet)"
+    )
+    if args.output:
+        new.save(args.output)
+        con.print(f"plan written to {args.output}")
+    return 0
+
+
+def _schedule_table(
+    con: Console, bases: list[Plan], profile: ModelProfile, cluster: Cluster, dp_ms: float
+) -> None:
+    """The best plan per schedule over the given bases' partitions (simulated)."""
+    from dapple.simulate.schedules import best_per_schedule
+
+    t = Table(title="best plan per schedule (simulated; M and the schedule vary per partition)")
+    for col in (
+        "schedule",
+        "replication",
+        "split positions",
+        "M",
+        "predicted ms",
+        "simulated ms",
+        "peak GiB",
+        "vs dp",
+    ):
+        t.add_column(col, justify="left" if col in ("schedule", "replication") else "right")
+    notes = []
+    for ch in best_per_schedule(bases, profile, cluster):
+        if ch.plan is None or ch.result is None:
+            t.add_row(ch.label, "-", "-", "-", "n/a", "n/a", "-", "n/a")
+            notes.append(f"{ch.label}: {ch.note}")
+            continue
+        p = ch.plan
+        t.add_row(
+            ch.label,
+            p.replication,
+            ",".join(map(str, p.split_positions)) or "-",
+            str(p.num_micro_batches),
+            _ms(p.predicted_step_ms),
+            _ms(ch.result.step_ms),
+            _gib(ch.result.peak_memory_bytes),
+            _speedup(dp_ms, ch.result.step_ms),
+        )
+    con.print(t)
+    for line in notes:
+        con.print(f"[yellow]{line}[/yellow]")
+    con.print(
+        "interleaved and zbh1 are planned and simulated only: the runtime does not run them yet"
+    )

@@ -9,7 +9,7 @@ import math
 from rich.console import Console
 from rich.table import Table
 
-from dapple.core.plan import Plan
+from dapple.core.plan import SCHEDULES, Plan
 
 __all__ = ["register"]
 
@@ -26,7 +26,18 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--cluster", required=True, help="cluster preset name or JSON/TOML file")
     p.add_argument("--servers", type=int, default=None, help="override the number of servers")
     p.add_argument(
-        "--schedule", choices=("dapple", "gpipe"), default=None, help="override the plan's"
+        "--schedule",
+        choices=SCHEDULES,
+        default=None,
+        help="override the plan's (interleaved and zbh1 are simulated only: the runtime does not "
+        "run them yet)",
+    )
+    p.add_argument(
+        "--virtual-stages",
+        type=int,
+        default=1,
+        metavar="V",
+        help="model chunks per device group with --schedule interleaved (default %(default)s)",
     )
     p.add_argument("--policy", choices=("A", "B"), default=None, help="override the plan's")
     p.add_argument("--gantt", default=None, help="write a Gantt chart image (PNG/SVG/PDF)")
@@ -35,26 +46,33 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument(
         "--compare",
         action="store_true",
-        help="also simulate the other schedule (GPipe vs DAPPLE) and stack both in the pictures",
+        help="also simulate the other schedule (GPipe vs DAPPLE; DAPPLE beside interleaved or "
+        "zbh1) and stack both in the pictures",
     )
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from dapple.core.cluster import load_cluster
+    from dapple.errors import ValidationError
     from dapple.profiler.paper_models import load_profile
     from dapple.simulate import simulate
+    from dapple.simulate.schedules import with_schedule
 
     plan = Plan.load(args.plan)
     profile = load_profile(args.profile)
     cluster = load_cluster(args.cluster, args.servers)
-    over = {k: v for k, v in (("schedule", args.schedule), ("policy", args.policy)) if v}
-    plan = dataclasses.replace(plan, **over)
+    if args.policy:
+        plan = dataclasses.replace(plan, policy=args.policy)
+    if args.schedule:
+        plan = with_schedule(plan, args.schedule, args.virtual_stages)
+    elif args.virtual_stages != 1:
+        raise ValidationError(
+            f"--virtual-stages {args.virtual_stages} needs --schedule interleaved"
+        )
     runs = [(_title(plan), simulate(plan, profile, cluster))]
     if args.compare:
-        other = dataclasses.replace(
-            plan, schedule="gpipe" if plan.schedule == "dapple" else "dapple"
-        )
+        other = with_schedule(plan, "gpipe" if plan.schedule == "dapple" else "dapple")
         runs.append((_title(other), simulate(other, profile, cluster)))
         runs.sort(key=lambda x: x[1].schedule != "gpipe")  # GPipe on top, as in the paper
 
@@ -102,5 +120,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _title(plan: Plan) -> str:
-    name = "GPipe" if plan.schedule == "gpipe" else f"DAPPLE (policy {plan.policy})"
+    name = {
+        "gpipe": "GPipe",
+        "dapple": f"DAPPLE (policy {plan.policy})",
+        "interleaved": f"interleaved 1F1B (v={plan.virtual_stages})",
+        "zbh1": "ZB-H1",
+    }[plan.schedule]
     return f"{name}, {plan.replication}, M={plan.num_micro_batches}"

@@ -1,0 +1,176 @@
+"""A plan under every schedule: the schedule named on the command line, and the best plan per
+schedule by simulation (``dapple plan --compare``).
+
+Pure: no torch. The runtime executes only GPipe and DAPPLE
+(:data:`dapple.schedule.RUNTIME_SCHEDULES`); the others are compared here by simulated step
+time, under the memory limit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from dataclasses import dataclass
+from typing import Any, cast
+
+from dapple.core.cluster import Cluster
+from dapple.core.plan import SCHEDULES, Plan, interleave
+from dapple.core.profile import ModelProfile
+from dapple.errors import DappleError, ValidationError
+from dapple.planner.schedules import schedule_latency
+from dapple.simulate.engine import SimResult, simulate
+
+__all__ = ["SCHEDULE_VARIANTS", "ScheduleChoice", "best_per_schedule", "with_schedule"]
+
+SCHEDULE_VARIANTS: tuple[tuple[str, str, int], ...] = (
+    ("gpipe", "A", 1),
+    ("dapple", "A", 1),
+    ("dapple", "B", 1),
+    ("interleaved", "A", 2),
+    ("interleaved", "A", 4),
+    ("zbh1", "A", 1),
+)
+"""(schedule, policy, v) of each column of :func:`best_per_schedule`."""
+
+
+def with_schedule(
+    plan: Plan, schedule: str, virtual_stages: int = 1, policy: str | None = None
+) -> Plan:
+    """``plan``'s stages, replication and placement under ``schedule``.
+
+    ``interleaved`` cuts each device group's layers into ``virtual_stages`` chunks
+    (:func:`dapple.core.plan.interleave`); the predicted step is the schedule's
+    (:func:`dapple.planner.schedules.schedule_latency`) when the plan had one.
+
+    Raises:
+        ValidationError: unknown schedule, v > 1 for another schedule, v not dividing a
+            device group's layers, or an interleaved plan whose M is not a multiple of its
+            device groups.
+    """
+    if schedule not in SCHEDULES:
+        raise ValidationError(
+            f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}"
+        )
+    if virtual_stages != 1 and schedule != "interleaved":
+        raise ValidationError(
+            f"--virtual-stages {virtual_stages} needs --schedule interleaved, got {schedule!r}"
+        )
+    base = plan
+    if plan.virtual_stages > 1:  # back to one contiguous stage per device group
+        P = plan.num_groups
+        start, rebuilt = 0, []
+        for g, st in enumerate(plan.stages[:P]):
+            n = sum(
+                plan.stages[k].layers[1] - plan.stages[k].layers[0]
+                for k in range(g, plan.num_stages, P)
+            )
+            rebuilt.append(dataclasses.replace(st, layers=(start, start + n)))
+            start += n
+        base = dataclasses.replace(plan, schedule="dapple", virtual_stages=1, stages=tuple(rebuilt))
+    kw: dict[str, Any] = {"policy": policy} if policy else {}
+    if schedule == "interleaved":
+        out = interleave(dataclasses.replace(base, **kw), virtual_stages)
+        if out.num_micro_batches % out.num_groups:
+            raise ValidationError(
+                f"interleaved 1F1B needs M={out.num_micro_batches} to be a multiple of the "
+                f"{out.num_groups} device groups of the plan"
+            )
+    else:
+        out = dataclasses.replace(base, schedule=cast(Any, schedule), **kw)
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduleChoice:
+    """The best plan found for one schedule variant, or why there is none."""
+
+    label: str
+    """``gpipe``, ``dapple/A``, ``dapple/B``, ``interleaved v=2``, ``interleaved v=4``, ``zbh1``."""
+    plan: Plan | None
+    result: SimResult | None
+    note: str = ""
+    """Why no plan fits (layers, M, memory), empty otherwise."""
+
+
+def _rounded(plan: Plan, v: int) -> Plan | None:
+    """``plan`` with every cut moved to the nearest multiple of v, so each device group holds a
+    multiple of v layers; None when impossible (v does not divide the layers, or two cuts
+    would meet)."""
+    N = plan.num_layers
+    if plan.virtual_stages != 1 or N % v:
+        return None
+    cuts = [0, *(v * round(c / v) for c in plan.split_positions), N]
+    if any(b <= a for a, b in itertools.pairwise(cuts)):
+        return None
+    stages = tuple(
+        dataclasses.replace(st, layers=(cuts[g], cuts[g + 1])) for g, st in enumerate(plan.stages)
+    )
+    return dataclasses.replace(plan, stages=stages)
+
+
+def _label(schedule: str, policy: str, v: int) -> str:
+    if schedule == "dapple":
+        return f"dapple/{policy}"
+    return f"interleaved v={v}" if schedule == "interleaved" else schedule
+
+
+def best_per_schedule(
+    bases: list[Plan],
+    profile: ModelProfile,
+    cluster: Cluster,
+    micro_batch_counts: list[int] | None = None,
+) -> list[ScheduleChoice]:
+    """For each of :data:`SCHEDULE_VARIANTS`, the fastest simulated plan that fits the memory.
+
+    Each base plan (e.g. the DAPPLE planner's and the straight pipeline) keeps its stages,
+    replication and placement; the schedule and the number of micro-batches M vary (every M
+    of ``micro_batch_counts`` that divides the global batch, default: the divisors of the
+    global batch up to 64). Interleaved variants also try each base with its cuts moved to
+    the nearest multiples of v (each device group must hold a multiple of v layers).
+
+    Args:
+        bases: plans whose partition, replication and placement are tried.
+        profile: per-layer costs.
+        cluster: devices, links and the memory limit (``usable_memory_bytes``).
+        micro_batch_counts: M values to try.
+    """
+    out = []
+    for schedule, policy, v in SCHEDULE_VARIANTS:
+        best: tuple[Plan, SimResult] | None = None
+        notes: list[str] = []
+        tried = list(bases)
+        if v > 1:  # also the same cuts moved to multiples of v
+            tried += [
+                r for r in (_rounded(b, v) for b in bases) if r is not None and r not in bases
+            ]
+        for base in tried:
+            gbs = base.global_batch_size
+            ms = micro_batch_counts or [m for m in range(1, min(gbs, 64) + 1) if gbs % m == 0]
+            for M in ms:
+                if gbs % M:
+                    continue
+                try:
+                    sized = dataclasses.replace(
+                        base, micro_batch_size=gbs // M, num_micro_batches=M
+                    )
+                    plan = with_schedule(sized, schedule, v, policy)
+                    res = simulate(plan, profile, cluster)
+                except DappleError as e:
+                    notes.append(str(e).splitlines()[0])
+                    continue
+                if res.peak_memory_bytes > cluster.usable_memory_bytes:
+                    notes.append(
+                        f"M={M}: {res.peak_memory_bytes / 2**30:.1f} GiB peak exceeds memory"
+                    )
+                    continue
+                if best is None or res.step_ms < best[1].step_ms:
+                    best = (plan, res)
+        label = _label(schedule, policy, v)
+        if best is None:
+            out.append(ScheduleChoice(label, None, None, notes[-1] if notes else "no plan"))
+        else:
+            plan = dataclasses.replace(
+                best[0], predicted_step_ms=schedule_latency(best[0], profile, cluster)
+            )
+            out.append(ScheduleChoice(label, plan, best[1]))
+    return out

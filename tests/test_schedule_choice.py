@@ -1,0 +1,88 @@
+"""Schedule names on ``plan``/``simulate`` and the best plan per schedule (simulated)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from builders import make_cluster, make_profile
+from dapple.cli import main
+from dapple.core.plan import Plan, straight_plan
+from dapple.errors import ValidationError
+from dapple.simulate import simulate
+from dapple.simulate.schedules import SCHEDULE_VARIANTS, best_per_schedule, with_schedule
+
+
+def _base(reps=(2, 1, 1), cuts=(0, 4, 6), n=8, M=4, gbs=16) -> Plan:
+    return straight_plan(
+        n, list(cuts), global_batch_size=gbs, num_micro_batches=M, replicas=list(reps)
+    )
+
+
+def test_with_schedule_round_trips_through_interleaving():
+    base = _base()
+    inter = with_schedule(_base(cuts=(0, 4, 6), M=3, gbs=12), "interleaved", 2)
+    assert inter.virtual_stages == 2 and inter.num_stages == 6
+    assert [st.layers[1] - st.layers[0] for st in inter.stages] == [2, 1, 1, 2, 1, 1]
+    back = with_schedule(inter, "zbh1")
+    assert back.schedule == "zbh1" and back.stages == _base(M=3, gbs=12).stages
+    assert with_schedule(base, "gpipe").stages == base.stages
+    with pytest.raises(ValidationError, match="M=4 to be a multiple of the 3 device groups"):
+        with_schedule(base, "interleaved", 2)
+    with pytest.raises(ValidationError, match="v=4 chunks do not divide the 2 layers"):
+        with_schedule(_base(M=3, gbs=12), "interleaved", 4)
+    with pytest.raises(ValidationError, match="--virtual-stages 2 needs --schedule interleaved"):
+        with_schedule(base, "zbh1", 2)
+    with pytest.raises(ValidationError, match="unknown schedule 'zbv'"):
+        with_schedule(base, "zbv")
+
+
+def test_best_per_schedule_simulates_every_variant():
+    prof, cluster = make_profile(8), make_cluster()
+    choices = best_per_schedule([_base(M=3, gbs=12)], prof, cluster)
+    assert [c.label for c in choices] == [
+        "gpipe",
+        "dapple/A",
+        "dapple/B",
+        "interleaved v=2",
+        "interleaved v=4",
+        "zbh1",
+    ]
+    assert len(choices) == len(SCHEDULE_VARIANTS)
+    by = {c.label: c for c in choices}
+    for c in choices:
+        if c.plan is None:
+            continue
+        assert c.result is not None
+        assert simulate(c.plan, prof, cluster).step_ms == pytest.approx(c.result.step_ms)
+        assert c.result.peak_memory_bytes <= cluster.usable_memory_bytes
+    inter = by["interleaved v=2"].plan
+    assert inter is not None and inter.num_micro_batches % inter.num_groups == 0
+    # 4 + 2 + 2 layers: no group holds a multiple of 4, and moving the cuts to multiples of 4
+    # leaves a group empty
+    assert by["interleaved v=4"].plan is None and "v=4" in by["interleaved v=4"].note
+    zb, one_f_one_b = by["zbh1"].result, by["dapple/A"].result
+    assert zb is not None and one_f_one_b is not None
+    assert zb.step_ms <= one_f_one_b.step_ms + 1e-9
+
+
+def test_cli_schedule_names(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")
+    prof = tmp_path / "p.json"
+    make_profile(8).save(prof)
+    plan_path = tmp_path / "plan.json"
+    common = ["--profile", str(prof), "--cluster", "paper-b", "--global-batch-size", "16"]
+    assert main(["plan", *common, "--schedule", "zbh1", "-o", str(plan_path)]) == 0
+    out = capsys.readouterr().out
+    assert "simulated only" in out
+    assert json.loads(plan_path.read_text())["schedule"] == "zbh1"
+    sim = ["simulate", "--plan", str(plan_path), "--profile", str(prof), "--cluster", "paper-b"]
+    assert main(sim) == 0
+    assert "ZB-H1" in capsys.readouterr().out
+    assert main([*sim, "--schedule", "interleaved", "--virtual-stages", "3"]) != 0
+    err = capsys.readouterr().err
+    assert err.count("dapple: error:") == 1 and "v=3" in err
+    assert main(["plan", *common, "--compare"]) == 0
+    out = capsys.readouterr().out
+    assert "best plan per schedule" in out and "zbh1" in out
