@@ -19,7 +19,12 @@ from dapple.core.cluster import Cluster
 from dapple.core.plan import interleave, straight_plan
 from dapple.core.profile import AffineTime, LayerProfile, ModelProfile
 from dapple.planner.cost import stage_compute_ms
-from dapple.planner.schedules import activation_peak_bytes, schedule_latency, split_backward_ms
+from dapple.planner.schedules import (
+    activation_peak_bytes,
+    device_memory_by_group,
+    schedule_latency,
+    split_backward_ms,
+)
 from dapple.schedule import ActionKind
 from dapple.simulate import simulate
 
@@ -142,10 +147,12 @@ def test_sim_against_cost_model(times, reps, rounds, schedule):
         if schedule == "zbh1":
             assert t <= (M + P - 1) * work + 1e-6
     peaks = activation_peak_bytes(plan, prof)
+    memory = device_memory_by_group(plan, prof)
     for g in range(plan.num_groups):
         dev = plan.stages[g].devices[0]  # replica 0 has the largest slice
         d = res.device(dev)
         assert d.peak_memory_bytes - d.static_memory_bytes == pytest.approx(peaks[g])
+        assert d.peak_memory_bytes == pytest.approx(memory[g])
     if schedule == "zbh1":
         ws = [e for e in res.events if e.action.kind is K.BACKWARD_WEIGHT]
         active = sum(min(st.replicas, plan.micro_batch_size) for st in plan.stages)
@@ -187,3 +194,17 @@ def test_chunk_transfers_use_the_chunks_devices():
         1,
     }
     assert res.step_ms > 0 and res.step_ms <= schedule_latency(plan, prof, gbps) + 1e-6
+
+
+def test_memory_model_with_recompute_bounds_the_simulator():
+    prof = _profile([1.0] * 4, [2.0] * 4, act=100.0)
+    plan = _straight(2, 2, 4, schedule="zbh1")
+    plan = dataclasses.replace(
+        plan, stages=tuple(dataclasses.replace(st, recompute=True) for st in plan.stages)
+    )
+    res = simulate(plan, prof, NO_COMM)
+    memory = device_memory_by_group(plan, prof)
+    for g, st in enumerate(plan.stages):
+        peak = res.device(st.devices[0]).peak_memory_bytes
+        assert peak <= memory[g] + 1e-6
+        assert peak > res.device(st.devices[0]).static_memory_bytes

@@ -30,11 +30,16 @@ from dapple.core.plan import Plan, split_sizes, transfers
 from dapple.core.profile import ModelProfile
 from dapple.planner.comm import allreduce_ms, transfer_ms
 from dapple.planner.cost import compute_ms, pipeline_latency, stage_compute_ms
-from dapple.planner.memory import boundary_bytes, held_activation_bytes
+from dapple.planner.memory import boundary_bytes, held_activation_bytes, parameter_state_bytes
 from dapple.schedule.ir import ActionKind
 from dapple.schedule.lower import plan_compute_order
 
-__all__ = ["activation_peak_bytes", "schedule_latency", "split_backward_ms"]
+__all__ = [
+    "activation_peak_bytes",
+    "device_memory_by_group",
+    "schedule_latency",
+    "split_backward_ms",
+]
 
 K = ActionKind
 
@@ -146,3 +151,34 @@ def activation_peak_bytes(plan: Plan, profile: ModelProfile) -> list[float]:
                 level -= held
         peaks.append(peak)
     return peaks
+
+
+def device_memory_by_group(plan: Plan, profile: ModelProfile) -> list[float]:
+    """Peak memory of each device group's first replica under the plan's schedule: the
+    parameter state of all its stages (v chunks with interleaving), the activation peak of
+    :func:`activation_peak_bytes`, and a re-computing stage's full activations of the one
+    micro-batch being re-computed.
+
+    Returns:
+        one value per device group (stage g of the first P stages), bytes.
+    """
+    peaks = activation_peak_bytes(plan, profile)
+    out = []
+    for g in range(plan.num_groups):
+        n = split_sizes(plan.micro_batch_size, plan.stages[g].replicas)[0]
+        mine = [plan.stages[k] for k in range(g, plan.num_stages, plan.num_groups)]
+        static = sum(
+            float(parameter_state_bytes(profile, st.layers, st.replicas, st.zero_stage))
+            for st in mine
+        )
+        transient = max(
+            (
+                sum(x.kept_activation_bytes_per_sample for x in profile.layers[slice(*st.layers)])
+                * n
+                for st in mine
+                if st.recompute
+            ),
+            default=0.0,
+        )
+        out.append(static + peaks[g] + transient)
+    return out
