@@ -204,7 +204,7 @@ def test_memory_model_with_recompute_bounds_the_simulator():
     )
     res = simulate(plan, prof, NO_COMM)
     memory = device_memory_by_group(plan, prof)
-    for g, st in enumerate(plan.stages):
-        peak = res.device(st.devices[0]).peak_memory_bytes
+    for g, stage in enumerate(plan.stages):
+        peak = res.device(stage.devices[0]).peak_memory_bytes
         assert peak <= memory[g] + 1e-6
-        assert peak > res.device(st.devices[0]).static_memory_bytes
+        assert peak > res.device(stage.devices[0]).static_memory_bytes
