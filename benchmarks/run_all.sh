@@ -21,6 +21,7 @@ fi
 if [[ -f benchmarks/paper_planning.py ]]; then
   run benchmarks/paper_planning.py --output benchmarks/paper_planning.md
 fi
+run benchmarks/schedules.py --output benchmarks/schedules.md
 run benchmarks/sharded_state.py
 run benchmarks/paper.py
 run benchmarks/fidelity.py

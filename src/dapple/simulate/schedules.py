@@ -146,6 +146,9 @@ def best_per_schedule(
         for base in tried:
             gbs = base.global_batch_size
             ms = micro_batch_counts or [m for m in range(1, min(gbs, 64) + 1) if gbs % m == 0]
+            if v > 1 and base.num_groups == 1:
+                notes.append("one device group (data parallelism): nothing to interleave")
+                continue
             for M in ms:
                 if gbs % M:
                     continue
