@@ -165,3 +165,19 @@ def test_cuda_profile() -> None:  # pragma: no cover - GPU only
     prof = profile_workload(get_workload("transformer"), [1, 2, 4], device="cuda")
     assert all(ly.forward.at(1) > 0 for ly in prof.layers)
     assert prof.device != "cpu"
+
+
+def test_split_backward_measures_the_input_gradient_half() -> None:
+    w = get_workload("transformer", layers=1, hidden=64, heads=2, seq=16, vocab=64)
+    prof = profile_workload(w, [4, 8], warmup=1, repeats=3, num_threads=1, split_backward=True)
+    emb, block, head = prof.layers
+    assert all(ly.backward_input is not None for ly in prof.layers)
+    # token ids are integers: the embedding has no input gradient, all of its backward is W
+    assert emb.backward_input is not None and emb.backward_input.at(8) == 0.0
+    assert emb.backward_split(8) == (0.0, emb.backward.at(8))
+    for ly in (block, head):
+        i, wgt = ly.backward_split(8)
+        assert i > 0 and i + wgt == pytest.approx(ly.backward.at(8))
+    assert ModelProfile.from_dict(prof.to_dict()) == prof
+    plain = profile_workload(w, [4], warmup=0, repeats=1, num_threads=1)
+    assert all(ly.backward_input is None for ly in plain.layers)

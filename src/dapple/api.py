@@ -94,6 +94,7 @@ def profile(
     co_workers: int = 1,
     output: str | Path | None = None,
     precision: str = "fp32",
+    split_backward: bool = False,
 ) -> ModelProfile:
     """Measure every layer of a model (``dapple profile``).
 
@@ -110,6 +111,8 @@ def profile(
         output: Also save the profile JSON here.
         precision: ``fp32``, ``bf16`` or ``fp16`` autocast while measuring (recorded in the
             profile; the planner's memory model follows it).
+        split_backward: Also time each backward's input-gradient half (zero-bubble ``I``;
+            ``W`` is the rest), recorded as ``LayerProfile.backward_input``.
 
     Raises:
         ValidationError: Bad model spec, batch sizes, device or precision.
@@ -125,6 +128,7 @@ def profile(
         num_threads=num_threads,
         co_workers=co_workers,
         precision=precision,
+        split_backward=split_backward,
     )
     if output is not None:
         prof.save(output)

@@ -50,6 +50,12 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         "as `dapple train --precision` runs them (default %(default)s)",
     )
     p.add_argument(
+        "--split-backward",
+        action="store_true",
+        help="also time each backward's input-gradient half (the zero-bubble I; W is the rest), "
+        "for --schedule zbh1; without it an even split of layers with parameters is assumed",
+    )
+    p.add_argument(
         "--input-shape", help="per-sample input shape for nn.Sequential factories, e.g. 3,32,32"
     )
     p.set_defaults(func=run)
@@ -147,6 +153,7 @@ def run(args: argparse.Namespace) -> int:
             num_threads=args.threads,
             co_workers=args.co_workers,
             precision=args.precision,
+            split_backward=args.split_backward,
         )
     print_profile(con, prof)
     prof.save(args.output)

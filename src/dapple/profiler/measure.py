@@ -183,6 +183,13 @@ def _backward(out: Any, grads: list[torch.Tensor]) -> None:
         torch.autograd.backward(outs, grads[: len(outs)])
 
 
+def _input_grad(out: Any, inputs: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+    """The input-gradient half of a backward: gradients of the layer inputs only."""
+    outs = [t for t in _tensors(out) if t.requires_grad]
+    if outs and inputs:
+        torch.autograd.grad(outs, inputs, grads[: len(outs)], allow_unused=True)
+
+
 def _measure_layer(
     layer: nn.Module,
     inp: Any,
@@ -190,13 +197,16 @@ def _measure_layer(
     warmup: int,
     repeats: int,
     cast: Cast = contextlib.nullcontext,
-) -> tuple[float, float, int, int, Any]:
-    """Median forward/backward ms, kept bytes, output bytes and the output of one layer
-    (forwards under ``cast``)."""
+    split_backward: bool = False,
+) -> tuple[float, float, float, int, int, Any]:
+    """Median forward, backward and input-gradient ms (the last 0 unless ``split_backward``),
+    kept bytes, output bytes and the output of one layer (forwards under ``cast``)."""
     kept, out = _saved_bytes(layer, inp, cast)
     grads = [torch.randn_like(t) for t in _tensors(out) if t.requires_grad]
+    inputs = [t for t in _tensors(inp) if t.requires_grad]
     fwd: list[float] = []
     bwd: list[float] = []
+    bwd_in: list[float] = []
 
     def forward() -> Any:
         with cast():
@@ -210,10 +220,16 @@ def _measure_layer(
             ms_b, _ = timer(partial(_backward, o, grads))
             if r >= warmup:
                 bwd.append(ms_b)
+        if grads and inputs and split_backward:  # no float input: no input gradient, I = 0
+            o = forward()
+            ms_i, _ = timer(partial(_input_grad, o, inputs, grads))
+            if r >= warmup:
+                bwd_in.append(ms_i)
     layer.zero_grad(set_to_none=True)
     out = _map(out, _leaf)
     bwd_ms = statistics.median(bwd) if bwd else 0.0
-    return statistics.median(fwd), bwd_ms, kept, _nbytes(out), out
+    in_ms = statistics.median(bwd_in) if bwd_in else 0.0
+    return statistics.median(fwd), bwd_ms, in_ms, kept, _nbytes(out), out
 
 
 def _slope(batch_sizes: Sequence[int], values: Sequence[float]) -> float:
@@ -232,6 +248,7 @@ def profile_workload(
     num_threads: int | None = None,
     co_workers: int = 1,
     precision: str = "fp32",
+    split_backward: bool = False,
 ) -> ModelProfile:
     """Measure every layer of ``workload`` at each batch size and fit the profile.
 
@@ -256,6 +273,11 @@ def profile_workload(
             The profile's ``device`` then reads ``cpu (CPU time, N co-workers)``.
         precision: ``fp32``, or ``bf16``/``fp16``: every forward under that autocast, as
             ``dapple train --precision`` runs it (fp16 needs CUDA); recorded in the profile.
+        split_backward: also time the input-gradient half of each backward
+            (``torch.autograd.grad`` of the layer's inputs only, after an untimed forward) and
+            record it as ``LayerProfile.backward_input``; the weight-gradient half is the rest
+            of the measured backward. Without it zero-bubble schedules use the documented
+            assumed split (:meth:`LayerProfile.backward_split`).
 
     Raises:
         ValidationError: bad batch sizes, repeats, device or precision, or CUDA unavailable.
@@ -283,7 +305,9 @@ def profile_workload(
         else None
     )
     try:
-        prof = _profile(workload, sizes, dev, warmup, repeats, progress, seed, shared, precision)
+        prof = _profile(
+            workload, sizes, dev, warmup, repeats, progress, seed, shared, precision, split_backward
+        )
     finally:
         torch.set_num_threads(old_threads)
         if load is not None:
@@ -362,12 +386,14 @@ def _profile(
     seed: int,
     cpu_time: bool = False,
     precision: str = "fp32",
+    split_backward: bool = False,
 ) -> ModelProfile:
     timer = _Timer(dev, cpu_time)
     cast = _autocast(precision, dev)
     n = workload.num_layers
     fwd = [[0.0] * len(sizes) for _ in range(n)]
     bwd = [[0.0] * len(sizes) for _ in range(n)]
+    bwd_in = [[0.0] * len(sizes) for _ in range(n)]
     kept = [[0.0] * len(sizes) for _ in range(n)]
     out_b = [[0.0] * len(sizes) for _ in range(n)]
     xs = [_map(workload.make_batch(b, seed)[0], lambda t: _leaf(t.to(dev))) for b in sizes]
@@ -379,10 +405,11 @@ def _profile(
     for i in range(n):  # one layer at a time: the peak is the largest layer, not the model
         layer = workload.build_layer(i, seed).to(dev).train()
         for k, b in enumerate(sizes):
-            f_ms, b_ms, kept_bytes, nbytes, xs[k] = _measure_layer(
-                layer, xs[k], timer, warmup, repeats, cast
+            f_ms, b_ms, i_ms, kept_bytes, nbytes, xs[k] = _measure_layer(
+                layer, xs[k], timer, warmup, repeats, cast, split_backward
             )
             fwd[i][k], bwd[i][k], kept[i][k], out_b[i][k] = f_ms, b_ms, kept_bytes, nbytes
+            bwd_in[i][k] = i_ms
             done += 1
             log.debug("b=%d layer %d: fwd %.3f ms bwd %.3f ms", b, i, f_ms, b_ms)
             if progress is not None:
@@ -404,6 +431,7 @@ def _profile(
             output_bytes_per_sample=_slope(sizes, out_b[i]),
             parameter_bytes=param_bytes[i],
             kept_activation_bytes_per_sample=_slope(sizes, kept[i]),
+            backward_input=fit_affine(sizes, bwd_in[i]) if split_backward else None,
         )
         for i in range(n)
     )
