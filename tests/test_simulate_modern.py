@@ -208,3 +208,17 @@ def test_memory_model_with_recompute_bounds_the_simulator():
         peak = res.device(stage.devices[0]).peak_memory_bytes
         assert peak <= memory[g] + 1e-6
         assert peak > res.device(stage.devices[0]).static_memory_bytes
+
+
+def test_gantt_and_trace_draw_the_new_kinds(tmp_path):
+    from dapple.simulate.plots import plot_gantt, plot_memory
+    from dapple.simulate.trace import write_trace
+
+    prof = _profile([1.0] * 4, [2.0] * 4)
+    zb = simulate(_straight(2, 2, 4, schedule="zbh1"), prof, NO_COMM)
+    il = simulate(interleave(_straight(2, 2, 4), 2), prof, NO_COMM)
+    runs = [("ZB-H1", zb), ("interleaved", il)]
+    plot_gantt(runs, tmp_path / "g.png")
+    plot_memory(runs, tmp_path / "m.png")
+    write_trace(zb, tmp_path / "t.json")
+    assert (tmp_path / "g.png").stat().st_size > 0 and (tmp_path / "t.json").stat().st_size > 0

@@ -26,6 +26,8 @@ K = ActionKind
 COLORS = {
     K.FORWARD: "#4C72B0",
     K.BACKWARD: "#55A868",
+    K.BACKWARD_INPUT: "#55A868",
+    K.BACKWARD_WEIGHT: "#8172B2",
     K.ALLREDUCE: "#C44E52",
     "comm": "#DD8452",
 }
@@ -34,6 +36,7 @@ COLORS = {
 def _draw(ax: Axes, result: SimResult, title: str) -> None:
     devs = [d.device for d in result.devices]
     row = {d: i for i, d in enumerate(devs)}
+    first = {d.device: d.stage for d in result.devices}
     span = max(result.step_ms, 1e-9)
     for e in result.events:
         y = row[e.device]
@@ -49,10 +52,14 @@ def _draw(ax: Axes, result: SimResult, title: str) -> None:
                 linewidth=0.5,
             )
             if kind.is_compute and e.duration_ms / span > 0.012:
+                # a device of an interleaved plan runs several stages: name the other chunks'
+                label = str(e.action.micro_batch)
+                if e.action.stage != first[e.device]:
+                    label += f"\ns{e.action.stage}"
                 ax.text(
                     e.start_ms + e.duration_ms / 2,
                     y,
-                    str(e.action.micro_batch),
+                    label,
                     ha="center",
                     va="center",
                     color="white",
@@ -96,16 +103,23 @@ def plot_gantt(runs: Sequence[tuple[str, SimResult]], path: str | Path) -> None:
     for ax, (title, r) in zip(axes[:, 0], runs, strict=True):
         _draw(ax, r, title)
     axes[-1, 0].set_xlabel("time (ms)")
+    kinds = {e.action.kind for _, r in runs for e in r.events}
+    split = K.BACKWARD_WEIGHT in kinds
+    handles = [
+        Patch(color=COLORS[K.FORWARD], label="forward"),
+        Patch(
+            color=COLORS[K.BACKWARD],
+            label="backward (B, or I: input gradient)" if split else "backward",
+        ),
+        *([Patch(color=COLORS[K.BACKWARD_WEIGHT], label="W: weight gradient")] if split else []),
+        Patch(color=COLORS["comm"], label="send (link busy)"),
+        Patch(color=COLORS[K.ALLREDUCE], label="AllReduce"),
+        Patch(color="#F2F2F2", label="bubble"),
+    ]
     fig.legend(
-        handles=[
-            Patch(color=COLORS[K.FORWARD], label="forward"),
-            Patch(color=COLORS[K.BACKWARD], label="backward"),
-            Patch(color=COLORS["comm"], label="send (link busy)"),
-            Patch(color=COLORS[K.ALLREDUCE], label="AllReduce"),
-            Patch(color="#F2F2F2", label="bubble"),
-        ],
+        handles=handles,
         loc="upper center",
-        ncol=5,
+        ncol=len(handles),
         fontsize=8,
         frameon=False,
     )
