@@ -5,7 +5,9 @@ Run: ``.venv/bin/python benchmarks/schedules.py [--output benchmarks/schedules.m
 Simulated only: the runtime runs GPipe and DAPPLE, not interleaved 1F1B or ZB-H1 yet. For each
 model (the shipped analytic V100 profiles ``paper:<name>`` at the paper's global batch size)
 and cluster (``paper-a``, ``paper-b``, ``h100-8x`` with 2 servers = 16 devices), the DAPPLE
-planner's plan and the straight pipeline give the partitions, replication and placement;
+planner's plan, the straight pipeline and balanced pipelines of every depth
+(:func:`dapple.simulate.schedules.balanced_pipelines`) give the partitions, replication and
+placement;
 :func:`dapple.simulate.schedules.best_per_schedule` then tries every schedule and number of
 micro-batches on them and keeps the fastest simulated plan under the memory limit.
 """
@@ -20,7 +22,7 @@ from dapple.core.cluster import load_cluster
 from dapple.errors import DappleError
 from dapple.planner import make_plan
 from dapple.profiler.paper_models import PAPER_GLOBAL_BATCH, PAPER_MODELS, load_paper_profile
-from dapple.simulate.schedules import SCHEDULE_VARIANTS, best_per_schedule
+from dapple.simulate.schedules import SCHEDULE_VARIANTS, balanced_pipelines, best_per_schedule
 
 CLUSTERS = (("paper-a", None), ("paper-b", None), ("h100-8x", 2))
 
@@ -31,10 +33,11 @@ NOTES = """
   that schedule, and its M (micro-batches) and replication. `n/a`: no plan of that schedule
   fits (the reason is listed under the table: interleaving needs each device group to hold a
   multiple of v layers and M a multiple of the device groups; the memory limit).
-- The partitions come from the DAPPLE planner (which optimises for DAPPLE's own latency L) and
-  the straight pipeline; the interleaved variants also try those cuts moved to multiples of v.
-  The planner does not yet search partitions for the other schedules, so these are lower
-  bounds on what each schedule could reach.
+- The partitions come from the DAPPLE planner (which optimises for DAPPLE's own latency L), the
+  straight pipeline and balanced pipelines of every depth P dividing the device count (P groups
+  of D/P devices, layers cut at equal shares of forward + backward time); the interleaved
+  variants also try those cuts moved to multiples of v. This is not a joint search of
+  partition x replication x schedule: each schedule's best here is what these partitions reach.
 - ZB-H1 holds a micro-batch's activations until its W, up to min(S, M) micro-batches on
   every stage (1F1B holds min(S - i, M) on stage i), so on a later stage that is close to the
   memory limit under DAPPLE it may not fit where DAPPLE does (e.g. AmoebaNet-36 on paper-a,
@@ -84,6 +87,7 @@ def main() -> None:
                     bases.append(make_plan(prof, cluster, gbs, planner))
                 except DappleError as e:
                     reasons.append(f"{name}: {planner} planner: {str(e).splitlines()[0]}")
+            bases += balanced_pipelines(prof, cluster, gbs)
             cells = []
             for ch in best_per_schedule(bases, prof, cluster) if bases else []:
                 if ch.plan is None or ch.result is None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -9,6 +10,7 @@ import pytest
 from builders import make_cluster, make_profile
 from dapple.cli import main
 from dapple.core.plan import Plan, straight_plan
+from dapple.core.profile import AffineTime
 from dapple.errors import ValidationError
 from dapple.simulate import simulate
 from dapple.simulate.schedules import SCHEDULE_VARIANTS, best_per_schedule, with_schedule
@@ -72,12 +74,14 @@ def test_cli_schedule_names(tmp_path, capsys, monkeypatch):
     prof = tmp_path / "p.json"
     make_profile(8).save(prof)
     plan_path = tmp_path / "plan.json"
-    common = ["--profile", str(prof), "--cluster", "paper-b", "--global-batch-size", "16"]
+    cluster = tmp_path / "c.json"
+    make_cluster().save(cluster)
+    common = ["--profile", str(prof), "--cluster", str(cluster), "--global-batch-size", "16"]
     assert main(["plan", *common, "--schedule", "zbh1", "-o", str(plan_path)]) == 0
     out = capsys.readouterr().out
     assert "simulated only" in out
     assert json.loads(plan_path.read_text())["schedule"] == "zbh1"
-    sim = ["simulate", "--plan", str(plan_path), "--profile", str(prof), "--cluster", "paper-b"]
+    sim = ["simulate", "--plan", str(plan_path), "--profile", str(prof), "--cluster", str(cluster)]
     assert main(sim) == 0
     assert "ZB-H1" in capsys.readouterr().out
     assert main([*sim, "--schedule", "interleaved", "--virtual-stages", "3"]) != 0
@@ -86,3 +90,23 @@ def test_cli_schedule_names(tmp_path, capsys, monkeypatch):
     assert main(["plan", *common, "--compare"]) == 0
     out = capsys.readouterr().out
     assert "best plan per schedule" in out and "zbh1" in out
+
+
+def test_balanced_pipelines_cut_equal_work():
+    from dapple.simulate.schedules import balanced_pipelines
+
+    cluster = make_cluster(per_server=4)
+    plans = balanced_pipelines(make_profile(8), cluster, 16)
+    assert [p.replication for p in plans] == ["2:2", "1:1:1:1"]
+    assert [p.split_positions for p in plans] == [(4,), (2, 4, 6)]
+    assert all(p.devices == (0, 1, 2, 3) for p in plans)
+    # more groups than layers are skipped; a skewed chain is cut where the work is
+    assert [p.num_stages for p in balanced_pipelines(make_profile(3), cluster, 16)] == [2]
+    prof = make_profile(7)
+    heavy = dataclasses.replace(
+        prof.layers[0],
+        forward=AffineTime(fixed_ms=0.0, per_sample_ms=10.0),
+        backward=AffineTime(fixed_ms=0.0, per_sample_ms=20.0),
+    )
+    prof = dataclasses.replace(prof, layers=(heavy, *prof.layers[1:]))
+    assert balanced_pipelines(prof, cluster, 16)[0].split_positions == (1,)

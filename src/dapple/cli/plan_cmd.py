@@ -371,10 +371,15 @@ def _new_schedule(
 def _schedule_table(
     con: Console, bases: list[Plan], profile: ModelProfile, cluster: Cluster, dp_ms: float
 ) -> None:
-    """The best plan per schedule over the given bases' partitions (simulated)."""
-    from dapple.simulate.schedules import best_per_schedule
+    """The best plan per schedule over the given bases' partitions and balanced pipelines
+    (simulated)."""
+    from dapple.simulate.schedules import balanced_pipelines, best_per_schedule
 
-    t = Table(title="best plan per schedule (simulated; M and the schedule vary per partition)")
+    bases = bases + balanced_pipelines(profile, cluster, bases[0].global_batch_size)
+    t = Table(
+        title="best plan per schedule (simulated; partitions of the dapple and straight planners "
+        "and balanced pipelines of every depth, each M)"
+    )
     for col in (
         "schedule",
         "replication",

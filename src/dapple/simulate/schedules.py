@@ -14,13 +14,19 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 from dapple.core.cluster import Cluster
-from dapple.core.plan import SCHEDULES, Plan, interleave
+from dapple.core.plan import SCHEDULES, Plan, StagePlan, interleave
 from dapple.core.profile import ModelProfile
 from dapple.errors import DappleError, ValidationError
 from dapple.planner.schedules import schedule_latency
 from dapple.simulate.engine import SimResult, simulate
 
-__all__ = ["SCHEDULE_VARIANTS", "ScheduleChoice", "best_per_schedule", "with_schedule"]
+__all__ = [
+    "SCHEDULE_VARIANTS",
+    "ScheduleChoice",
+    "balanced_pipelines",
+    "best_per_schedule",
+    "with_schedule",
+]
 
 SCHEDULE_VARIANTS: tuple[tuple[str, str, int], ...] = (
     ("gpipe", "A", 1),
@@ -106,6 +112,51 @@ def _rounded(plan: Plan, v: int) -> Plan | None:
         dataclasses.replace(st, layers=(cuts[g], cuts[g + 1])) for g, st in enumerate(plan.stages)
     )
     return dataclasses.replace(plan, stages=stages)
+
+
+def balanced_pipelines(
+    profile: ModelProfile, cluster: Cluster, global_batch_size: int
+) -> list[Plan]:
+    """Extra partitions for :func:`best_per_schedule`: for every P >= 2 dividing the device count
+    (and at most the layer count), P device groups of ``D / P`` consecutive devices, the layers
+    cut where the running sum of per-sample forward + backward time crosses each ``k/P`` of the
+    total. The DAPPLE planner optimises partitions for its own latency; these give the other
+    schedules, interleaving above all, pipelines of every depth to work with.
+    """
+    D, N = cluster.num_devices, profile.num_layers
+    work = [x.forward.at(1) + x.backward.at(1) for x in profile.layers]
+    total = sum(work) or 1.0
+    out = []
+    for P in range(2, min(D, N) + 1):
+        if D % P:
+            continue
+        cuts, acc, k = [0], 0.0, 1
+        for i, w in enumerate(work[:-1]):
+            acc += w
+            if k < P and acc >= total * k / P and i + 1 > cuts[-1] and N - (i + 1) >= P - k:
+                cuts.append(i + 1)
+                k += 1
+        while len(cuts) < P:  # too few crossings: split the largest-index tail evenly
+            cuts.append(cuts[-1] + 1)
+        cuts.append(N)
+        if any(b <= a for a, b in itertools.pairwise(cuts)):
+            continue
+        r = D // P
+        stages = tuple(
+            StagePlan(layers=(cuts[g], cuts[g + 1]), devices=tuple(range(g * r, (g + 1) * r)))
+            for g in range(P)
+        )
+        out.append(
+            Plan(
+                planner=f"balanced-{P}",
+                global_batch_size=global_batch_size,
+                micro_batch_size=global_batch_size,
+                num_micro_batches=1,
+                stages=stages,
+                model_name=profile.model_name,
+            )
+        )
+    return out
 
 
 def _label(schedule: str, policy: str, v: int) -> str:
