@@ -31,8 +31,9 @@ NOTES = """
 
 - Each cell: simulated step time in ms / peak device memory in GiB of the best plan found for
   that schedule, and its M (micro-batches) and replication. `n/a`: no plan of that schedule
-  fits (the reason is listed under the table: interleaving needs each device group to hold a
-  multiple of v layers and M a multiple of the device groups; the memory limit).
+  fits; the reason is listed under the table (for several partitions, the last one tried):
+  interleaving needs each device group to hold a multiple of v layers and M a multiple of the
+  device groups, and every plan must fit the memory limit.
 - The partitions come from the DAPPLE planner (which optimises for DAPPLE's own latency L), the
   straight pipeline and balanced pipelines of every depth P dividing the device count (P groups
   of D/P devices, layers cut at equal shares of forward + backward time); the interleaved
@@ -40,8 +41,8 @@ NOTES = """
   partition x replication x schedule: each schedule's best here is what these partitions reach.
 - ZB-H1 holds a micro-batch's activations until its W, up to min(S, M) micro-batches on
   every stage (1F1B holds min(S - i, M) on stage i), so on a later stage that is close to the
-  memory limit under DAPPLE it may not fit where DAPPLE does (e.g. AmoebaNet-36 on paper-a,
-  where it falls back to the straight pipeline).
+  memory limit under DAPPLE it may not fit where DAPPLE does and takes another partition or M
+  (e.g. AmoebaNet-36 on paper-a: 4:4:4:4 instead of DAPPLE's 8:8).
 - ZB-H1's input/weight-gradient split is not measured for these analytic profiles: it is the
   documented assumption of `LayerProfile.backward_split` (an even split for layers with
   parameters, all input gradient for layers without).

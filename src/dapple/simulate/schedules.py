@@ -189,6 +189,19 @@ def best_per_schedule(
     for schedule, policy, v in SCHEDULE_VARIANTS:
         best: tuple[Plan, SimResult] | None = None
         notes: list[str] = []
+        N = bases[0].num_layers if bases else 0
+        if v > 1 and N % v:
+            label = _label(schedule, policy, v)
+            out.append(
+                ScheduleChoice(
+                    label,
+                    None,
+                    None,
+                    f"the {N} layers are not a multiple of v={v} (every device group holds a "
+                    "multiple of v layers)",
+                )
+            )
+            continue
         tried = list(bases)
         if v > 1:  # also the same cuts moved to multiples of v
             tried += [
