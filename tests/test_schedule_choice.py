@@ -110,3 +110,17 @@ def test_balanced_pipelines_cut_equal_work():
     )
     prof = dataclasses.replace(prof, layers=(heavy, *prof.layers[1:]))
     assert balanced_pipelines(prof, cluster, 16)[0].split_positions == (1,)
+
+
+def test_api_schedule_names():
+    import dapple.api as dp
+
+    prof, cluster = make_profile(8), make_cluster()
+    zb = dp.plan(prof, cluster, 16, schedule="zbh1")
+    assert zb.schedule == "zbh1" and zb.predicted_step_ms > 0
+    sim = dp.simulate(_base(M=3, gbs=12), prof, cluster, schedule="interleaved", virtual_stages=2)
+    assert sim.schedule == "interleaved"
+    with pytest.raises(ValidationError, match="needs schedule='interleaved'"):
+        dp.plan(prof, cluster, 16, virtual_stages=2)
+    with pytest.raises(ValidationError, match="runtime does not support it yet"):
+        dp.train(zb, "mlp", steps=1)

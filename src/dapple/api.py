@@ -142,6 +142,8 @@ def plan(
     planner: str = "dapple",
     *,
     output: str | Path | None = None,
+    schedule: str | None = None,
+    virtual_stages: int = 1,
 ) -> Plan:
     """Plan a profiled model on a cluster (``dapple plan``).
 
@@ -152,14 +154,30 @@ def plan(
         global_batch_size: Samples per optimizer step.
         planner: ``dapple`` or a baseline (see :data:`dapple.planner.PLANNERS`).
         output: Also save the plan JSON here.
+        schedule: Run the planned stages under ``gpipe``, ``dapple``, ``interleaved`` or
+            ``zbh1`` instead of the planner's choice (``dapple plan --schedule``); the
+            predicted step is that schedule's
+            (:func:`dapple.planner.schedules.schedule_latency`). ``interleaved`` and ``zbh1``
+            are simulated only: the runtime does not run them yet.
+        virtual_stages: v, model chunks per device group with ``schedule="interleaved"``.
 
     Raises:
-        ValidationError: Unknown planner, bad batch size, bad files.
+        ValidationError: Unknown planner or schedule, bad batch size, bad files, v not
+            dividing a device group's layers.
         InfeasibleError: No plan fits the devices' memory.
     """
     from dapple.planner import make_plan
 
-    result = make_plan(_profile(profile), _cluster(cluster), global_batch_size, planner)
+    prof, cl = _profile(profile), _cluster(cluster)
+    result = make_plan(prof, cl, global_batch_size, planner)
+    if schedule is not None:
+        from dapple.planner.schedules import schedule_latency
+        from dapple.simulate.schedules import with_schedule
+
+        result = with_schedule(result, schedule, virtual_stages)
+        result = dataclasses.replace(result, predicted_step_ms=schedule_latency(result, prof, cl))
+    elif virtual_stages != 1:
+        raise ValidationError(f"virtual_stages={virtual_stages} needs schedule='interleaved'")
     if output is not None:
         result.save(output)
     return result
