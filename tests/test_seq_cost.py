@@ -29,10 +29,10 @@ from dapple.planner.lengths import (
 from dapple.simulate import simulate
 
 LENS = (128.0, 512.0, 1024.0)
-TIMES = (
+TIMES = (  # 1/64, 1/32 and 5/128 ms per token: the time per token grows with the length
     AffineTime(fixed_ms=1.0, per_sample_ms=2.0),
-    AffineTime(fixed_ms=1.5, per_sample_ms=8.0),
-    AffineTime(fixed_ms=2.0, per_sample_ms=20.0),
+    AffineTime(fixed_ms=1.5, per_sample_ms=16.0),
+    AffineTime(fixed_ms=2.0, per_sample_ms=40.0),
 )
 
 
@@ -40,21 +40,26 @@ def test_interpolation_in_tokens_against_hand_computed_values() -> None:
     # L = 256 lies between 128 and 512 at w = (256 - 128) / (512 - 128) = 1/3
     assert segment(LENS, 256) == (0, pytest.approx(1 / 3))
     t = affine_at_length(LENS, TIMES, 256)
-    assert t.fixed_ms == pytest.approx(1.0 + (1.5 - 1.0) / 3)  # 1.1667
-    assert t.per_sample_ms == pytest.approx(2.0 + (8.0 - 2.0) / 3)  # 4.0
-    # the same number as linear interpolation in tokens at b = 4: n = 1024 between 512 and 2048
-    t128, t512 = TIMES[0].at(4), TIMES[1].at(4)  # 9.0 and 33.5 ms
-    assert t.at(4) == pytest.approx(t128 + (1024 - 512) / (2048 - 512) * (t512 - t128))
-    assert t.at(4) == pytest.approx(17.1667, abs=1e-4)
-    # between 512 and 1024 at w = 1/2
-    assert affine_at_length(LENS, TIMES, 768).at(2) == pytest.approx(1.75 + 2 * 14.0)
-    # outside: the fixed part of the nearest length, its per-sample part in proportion to L
+    assert t.fixed_ms == pytest.approx(1.0 + (1.5 - 1.0) / 3)  # T1: 1.1667
+    # T2: the time per token, 1/64 and 1/32 ms, linear in L: 1/48 ms, x 256 tokens
+    assert t.per_sample_ms == pytest.approx(256 * (2 / 3 * 2 / 128 + 1 / 3 * 16 / 512))
+    assert t.per_sample_ms == pytest.approx(5.3333, abs=1e-4)  # the chord would say 6.6667
+    assert t.at(4) == pytest.approx(22.5)
+    # between 512 and 1024 at w = 1/2: 0.03515625 ms per token x 768
+    assert affine_at_length(LENS, TIMES, 768).at(2) == pytest.approx(1.75 + 2 * 27.0)
+    # T3 below: the fixed part of the shortest length, its time per token
     assert fixed_at_length(LENS, [1.0, 1.5, 2.0], 64) == 1.0
-    assert per_sample_at_length(LENS, [2.0, 8.0, 20.0], 64) == pytest.approx(1.0)
-    assert per_sample_at_length(LENS, [2.0, 8.0, 20.0], 2048) == pytest.approx(40.0)
-    assert affine_at_length(LENS, TIMES, 2048).at(1) == pytest.approx(42.0)
-    # one measured length: affine in tokens through it
-    assert affine_at_length([512.0], [TIMES[1]], 256).at(2) == pytest.approx(1.5 + 8.0)
+    assert per_sample_at_length(LENS, [2.0, 16.0, 40.0], 64) == pytest.approx(1.0)
+    # T3 above: per token 5/128 ms grows by (5/128 - 1/32) / 512 per token of length
+    assert per_sample_at_length(LENS, [2.0, 16.0, 40.0], 2048) == pytest.approx(112.0)
+    assert affine_at_length(LENS, TIMES, 2048).at(1) == pytest.approx(114.0)
+    # one measured length: proportional to the tokens
+    assert affine_at_length([512.0], [TIMES[1]], 256).at(2) == pytest.approx(1.5 + 16.0)
+    # a time per token that falls with the length: the per-sample chord
+    assert per_sample_at_length([128.0, 512.0], [4.0, 8.0], 256) == pytest.approx(4 + 4 / 3)
+    # bytes follow the same rule (kept activations of 36 + L/64 KiB per token: exact)
+    kib = [L * (36 + L / 64) for L in (128.0, 1024.0)]
+    assert per_sample_at_length([128.0, 1024.0], kib, 512) == pytest.approx(512 * 44)
 
 
 def _nondecreasing(draw: st.DrawFn, k: int) -> list[float]:

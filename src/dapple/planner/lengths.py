@@ -3,30 +3,33 @@
 Pure functions (no torch). A profile measured at lengths ``L_1 < ... < L_K`` of its dynamic
 dimension (:attr:`dapple.core.profile.ModelProfile.by_length`) has, at each ``L_k``, every
 layer's time affine in the batch size, ``t_k(b) = f_k + s_k b``, and its sizes per sample
-``a_k``. At another length ``L`` a call on ``b`` samples holds ``n = b L`` tokens, and:
+``a_k``. A sample of length ``L`` holds ``L`` tokens; ``p_k = s_k / L_k`` is the time per token
+at ``L_k``. At another length ``L`` the time of a call on ``b`` samples is again affine in
+``b``, ``t(b, L) = f(L) + s(L) b`` (:func:`affine_at_length`), with:
 
-* between two measured lengths, ``L_k <= L <= L_{k+1}``, the time is linear in the tokens
-  between the measured points ``n_k = b L_k`` and ``n_{k+1} = b L_{k+1}`` (equation T1)::
+* T1, the per-call part: ``f(L) = (1 - w) f_k + w f_{k+1}`` between two measured lengths,
+  ``w = (L - L_k) / (L_{k+1} - L_k)``; the nearest measured ``f_k`` outside them
+  (:func:`fixed_at_length`);
+* T2, the per-sample part between two measured lengths (:func:`per_sample_between`): when the
+  time per token grows with the length (``p_{k+1} >= p_k``, as attention's ``L^2`` makes it),
+  the time per token is linear in ``L``, ``s(L) = L ((1 - w) p_k + w p_{k+1})`` - exact for a
+  per-sample cost ``a L + c L^2``; otherwise (per-token costs that fall with the length) the
+  time per sample is, ``s(L) = (1 - w) s_k + w s_{k+1}``. Either way the smaller of the two
+  (the first is convex in ``L`` where it applies, the second then the chord above it);
+* T3, the per-sample part outside the measured lengths (:func:`per_sample_beyond`): the time
+  per token of the shortest below it, ``s(L) = p_1 L``; above the longest, the time per token
+  continued along the last segment's growth, ``s(L) = L (p_K + g (L - L_K))``,
+  ``g = max(0, (p_K - p_{K-1}) / (L_K - L_{K-1}))`` (0 with one length). Lengths far beyond
+  the longest measured one are guesses: profile up to the longest length you train with.
 
-      t(b, L) = t_k(b) + (n - n_k) / (n_{k+1} - n_k) * (t_{k+1}(b) - t_k(b))
-              = (1 - w) t_k(b) + w t_{k+1}(b),  w = (L - L_k) / (L_{k+1} - L_k)
-
-  so ``t(b, L)`` is again affine in ``b``, with each coefficient interpolated with the same
-  weight ``w`` (:func:`fixed_at_length`, :func:`per_sample_at_length`);
-* outside ``[L_1, L_K]`` the time is affine in tokens from the nearest measured length
-  (equation T2): ``t(b, L) = f_k + s_k b L / L_k``; a length beyond the longest measured one
-  thus misses any growth faster than the tokens (attention's ``L^2``) - profile up to the
-  longest length you train with;
-* sizes per sample follow the per-sample rule, ``a(L) = (1 - w) a_k + w a_{k+1}`` between and
-  ``a_k L / L_k`` outside (bytes are proportional to ``b``, so this too is linear in tokens).
-
-At a measured length every term is the measured one (exact), and when the measured terms do
-not decrease with the length (the profiler makes them so, :mod:`dapple.profiler.lengths`) the
-time and sizes are non-decreasing in ``b`` and in ``L``, hence in the tokens.
+Sizes per sample (activation bytes) follow T2 and T3 like ``s``. At a measured length every
+term is the measured one (exact). When the measured ``f_k`` and ``s_k`` do not decrease with the
+length (the profiler makes them so, :mod:`dapple.profiler.lengths`), the time and the sizes are
+non-decreasing in ``b`` and in ``L``, hence in the tokens ``b L``.
 
 A plan for a distribution of lengths uses the mean length for time (a step's time is the sum of
-its micro-batches', linear in their tokens) and the longest for memory (the peak is reached by
-the longest batch): :func:`profile_for_lengths`.
+its micro-batches') and the longest for memory (the peak is reached by the longest batch):
+:func:`profile_for_lengths`.
 """
 
 from __future__ import annotations
@@ -47,6 +50,8 @@ __all__ = [
     "layer_at_length",
     "length_profile",
     "per_sample_at_length",
+    "per_sample_between",
+    "per_sample_beyond",
     "profile_for_lengths",
     "profile_for_plan",
     "segment",
@@ -57,7 +62,7 @@ log = logging.getLogger(__name__)
 
 def segment(lengths: Sequence[float], L: float) -> tuple[int, float]:
     """``(k, w)``: ``L`` lies between ``lengths[k]`` and ``lengths[k + 1]`` at weight ``w`` in
-    ``[0, 1]`` (equation T1). Outside the range: ``(0, 0.0)`` below, ``(K - 1, 0.0)`` above;
+    ``[0, 1)`` (equations T1, T2). Outside the range: ``(0, 0.0)`` below, ``(K - 1, 0.0)`` above;
     one length: ``(0, 0.0)``."""
     K = len(lengths)
     if K == 1 or lengths[0] >= L:
@@ -71,26 +76,51 @@ def segment(lengths: Sequence[float], L: float) -> tuple[int, float]:
 
 
 def fixed_at_length(lengths: Sequence[float], values: Sequence[float], L: float) -> float:
-    """A per-call term (the fixed part of a time) at length ``L``: interpolated between the
-    measured lengths (T1), the nearest measured value outside them (T2)."""
+    """T1: a per-call term (the fixed part of a time) at length ``L``: interpolated between the
+    measured lengths, the nearest measured value outside them."""
     k, w = segment(lengths, L)
     if w == 0.0:
         return values[k]
     return (1.0 - w) * values[k] + w * values[k + 1]
 
 
+def per_sample_between(L_k: float, L_k1: float, s_k: float, s_k1: float, L: float) -> float:
+    """T2: a per-sample term at ``L_k <= L <= L_{k+1}`` from its values ``s_k``, ``s_{k+1}``:
+    the per-token value linear in ``L`` where it grows, else the per-sample value."""
+    w = (L - L_k) / (L_k1 - L_k)
+    chord = (1.0 - w) * s_k + w * s_k1
+    p_k, p_k1 = s_k / L_k, s_k1 / L_k1
+    if p_k1 < p_k:
+        return chord
+    return min(chord, L * ((1.0 - w) * p_k + w * p_k1))
+
+
+def per_sample_beyond(lengths: Sequence[float], values: Sequence[float], L: float) -> float:
+    """T3: a per-sample term at ``L`` outside ``[L_1, L_K]``: the shortest length's per-token
+    value below, the longest's continued along its last segment's growth above."""
+    if lengths[0] >= L:
+        return values[0] / lengths[0] * L
+    p_K = values[-1] / lengths[-1]
+    g = 0.0
+    if len(lengths) > 1:
+        p_prev = values[-2] / lengths[-2]
+        g = max(0.0, (p_K - p_prev) / (lengths[-1] - lengths[-2]))
+    return L * (p_K + g * (L - lengths[-1]))
+
+
 def per_sample_at_length(lengths: Sequence[float], values: Sequence[float], L: float) -> float:
-    """A per-sample term (a time's slope in ``b``, bytes per sample) at length ``L``:
-    interpolated between the measured lengths (T1), proportional to the tokens from the nearest
-    measured length outside them (T2: ``values[k] * L / lengths[k]``)."""
+    """A per-sample term (a time's slope in ``b``, bytes per sample) at length ``L``: the
+    measured value at a measured length, T2 between, T3 outside."""
     k, w = segment(lengths, L)
-    if w == 0.0:  # at a measured length (L / L_k == 1 exactly) or outside the range
-        return values[k] * (L / lengths[k])
-    return (1.0 - w) * values[k] + w * values[k + 1]
+    if lengths[k] == L:
+        return values[k]
+    if w == 0.0:
+        return per_sample_beyond(lengths, values, L)
+    return per_sample_between(lengths[k], lengths[k + 1], values[k], values[k + 1], L)
 
 
 def affine_at_length(lengths: Sequence[float], times: Sequence[AffineTime], L: float) -> AffineTime:
-    """The time of one call on ``b`` samples of length ``L``, affine in ``b`` (T1, T2)."""
+    """The time of one call on ``b`` samples of length ``L``, affine in ``b`` (T1-T3)."""
     return AffineTime(
         fixed_ms=fixed_at_length(lengths, [t.fixed_ms for t in times], L),
         per_sample_ms=per_sample_at_length(lengths, [t.per_sample_ms for t in times], L),
@@ -100,8 +130,8 @@ def affine_at_length(lengths: Sequence[float], times: Sequence[AffineTime], L: f
 def layer_at_length(
     lengths: Sequence[float], layers: Sequence[LayerProfile], L: float
 ) -> LayerProfile:
-    """One layer at length ``L`` from its profiles at ``lengths`` (times T1/T2, sizes per
-    sample by the per-sample rule; parameters do not depend on the length)."""
+    """One layer at length ``L`` from its profiles at ``lengths`` (times T1-T3, sizes per
+    sample T2/T3; parameters do not depend on the length)."""
     first = layers[0]
     return LayerProfile(
         name=first.name,
@@ -167,7 +197,7 @@ def profile_for_lengths(
     if top > profile.seq_lens[-1]:
         log.warning(
             "profile %r was measured up to length %s: at %s time and memory are extrapolated "
-            "in proportion to the tokens",
+            "(the time per token continued along its growth between the two longest lengths)",
             profile.model_name,
             _text(profile.seq_lens[-1]),
             _text(top),
