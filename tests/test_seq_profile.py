@@ -4,6 +4,7 @@ plan made for one length running unchanged on batches of other lengths (two proc
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -13,10 +14,12 @@ import torch
 from dapple import api
 from dapple.cli import main
 from dapple.core.cluster import Cluster
+from dapple.core.plan import straight_plan
 from dapple.core.profile import ModelProfile
 from dapple.errors import ValidationError
 from dapple.models.shapes import DynamicDim
 from dapple.models.zoo.transformer import transformer
+from dapple.planner.cost import pipeline_latency
 from dapple.profiler.lengths import resize_inputs
 from dapple.profiler.measure import profile_workload
 
@@ -26,6 +29,11 @@ HIDDEN = 16
 def _lm(seq: int = 32, choices: tuple[int, ...] = (8, 16, 32)) -> object:
     return api.load("transformer", layers=2, hidden=HIDDEN, heads=2, seq=seq, vocab=32,
                     seq_choices=list(choices))  # fmt: skip
+
+
+def _two() -> Cluster:
+    return Cluster(name="two", servers=1, devices_per_server=2, device_memory_bytes=2**30,
+                   intra_server_bandwidth_gbps=10.0, inter_server_bandwidth_gbps=10.0)  # fmt: skip
 
 
 def test_resize_inputs_cuts_or_tiles_only_the_dynamic_dimensions() -> None:
@@ -53,6 +61,17 @@ def test_profile_at_three_lengths_stores_each_and_plans_at_the_longest_by_defaul
     one = profile_workload(wl, [1, 2], warmup=0, repeats=1, num_threads=1)
     assert [x.parameter_bytes for x in one.layers] == [x.parameter_bytes for x in prof.layers]
     assert ModelProfile.from_dict(json.loads(json.dumps(prof.to_dict()))) == prof
+    # one 2-stage plan costed for 8, for 32, and for a mean of 8 with samples of up to 32
+    plan, cluster = straight_plan(4, [0, 2], global_batch_size=4, num_micro_batches=2), _two()
+
+    def cost(mean: int, top: int) -> tuple[float, float]:
+        sized = dataclasses.replace(plan, seq_len=mean, max_seq_len=top)
+        r = pipeline_latency(sized, prof, cluster)
+        return r.L_ms, max(s.memory_bytes for s in r.stages)
+
+    (t8, m8), (t32, m32), (t_mix, m_mix) = cost(8, 8), cost(32, 32), cost(8, 32)
+    assert t32 >= t8 and m32 > m8
+    assert t_mix == t8 and m_mix == m32
 
 
 def test_lengths_the_model_cannot_take_are_named_before_any_compute() -> None:
@@ -96,10 +115,7 @@ def test_a_plan_made_for_one_length_runs_unchanged_on_other_lengths() -> None:
     it on batches of 8, 16 and 32 tokens in turn (two processes) and matches one process."""
     wl = _lm()
     prof = api.profile(wl, [2], "cpu", seq_lens=[8, 32], repeats=1, warmup=0)
-    cluster = Cluster(name="two", servers=1, devices_per_server=2,
-                      device_memory_bytes=2**30, intra_server_bandwidth_gbps=10.0,
-                      inter_server_bandwidth_gbps=10.0)  # fmt: skip
-    plan = api.plan(prof, cluster, 4, "straight", seq_len=16, max_seq_len=32)
+    plan = api.plan(prof, _two(), 4, "straight", seq_len=16, max_seq_len=32)
     assert (plan.replication, plan.seq_len, plan.max_seq_len) == ("1:1", 16, 32)
     rep = api.verify(plan, wl, steps=3, device="cpu")
     assert rep.ok, rep.max_abs_diff
