@@ -93,6 +93,7 @@ def profile(
     co_workers: int = 1,
     output: str | Path | None = None,
     precision: str = "fp32",
+    seq_lens: Sequence[int] | None = None,
 ) -> ModelProfile:
     """Measure every layer of a model (``dapple profile``).
 
@@ -109,9 +110,14 @@ def profile(
         output: Also save the profile JSON here.
         precision: ``fp32``, ``bf16`` or ``fp16`` autocast while measuring (recorded in the
             profile; the planner's memory model follows it).
+        seq_lens: Also measure at these lengths of the model's dynamic (sequence) dimension:
+            its own batches cut or tiled to each length, same layers
+            (:mod:`dapple.profiler.lengths`); :func:`plan` with ``seq_len`` interpolates
+            between them in tokens.
 
     Raises:
-        ValidationError: Bad model spec, batch sizes, device or precision.
+        ValidationError: Bad model spec, batch sizes, device, precision, or lengths (a model
+            without a dynamic dimension, a length outside its range).
     """
     from dapple.profiler.measure import profile_workload
 
@@ -124,6 +130,7 @@ def profile(
         num_threads=num_threads,
         co_workers=co_workers,
         precision=precision,
+        seq_lens=seq_lens,
     )
     if output is not None:
         prof.save(output)
@@ -137,6 +144,8 @@ def plan(
     planner: str = "dapple",
     *,
     output: str | Path | None = None,
+    seq_len: float | None = None,
+    max_seq_len: float | None = None,
 ) -> Plan:
     """Plan a profiled model on a cluster (``dapple plan``).
 
@@ -147,14 +156,25 @@ def plan(
         global_batch_size: Samples per optimizer step.
         planner: ``dapple`` or a baseline (see :data:`dapple.planner.PLANNERS`).
         output: Also save the plan JSON here.
+        seq_len: Mean tokens per sample to plan the step time for, from a profile measured at
+            several lengths (``profile(seq_lens=...)``; ``dapple plan --seq-len MEAN,MAX``).
+        max_seq_len: Longest sample, which the memory is planned for (default ``seq_len``).
 
     Raises:
-        ValidationError: Unknown planner, bad batch size, bad files.
+        ValidationError: Unknown planner, bad batch size, bad files, lengths without a profile
+            measured at several.
         InfeasibleError: No plan fits the devices' memory.
     """
     from dapple.planner import make_plan
 
-    result = make_plan(_profile(profile), _cluster(cluster), global_batch_size, planner)
+    result = make_plan(
+        _profile(profile),
+        _cluster(cluster),
+        global_batch_size,
+        planner,
+        seq_len=seq_len,
+        max_seq_len=max_seq_len,
+    )
     if output is not None:
         result.save(output)
     return result
