@@ -82,10 +82,10 @@ def _ddp_worker(rank: int, world: int, port: int, job: dict[str, Any], data: Any
     the per-step times (max over ranks) and global losses to ``out``."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    from dapple.core.host_memory import keep_freed_memory
     from dapple.datasets import BatchSource
     from dapple.models.zoo import load_workload
     from dapple.runtime import shutdown_distributed
-    from dapple.runtime.host_memory import keep_freed_memory
     from dapple.runtime.optim import lr_at, param_groups, set_lr
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -285,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
         "dapple / DDP = median over rounds of the paired per-round ratio [range]; the "
         "wall-time column divides the same steps' tokens by their summed step times instead. "
         "Both runners' processes keep freed memory for the next step "
-        "(`dapple.runtime.host_memory.keep_freed_memory`, which dapple's CPU ranks call; the "
+        "(`dapple.core.host_memory.keep_freed_memory`, which dapple's CPU ranks call; the "
         "DDP workers call it too).",
         "",
         "| G | runner | tokens/s per round (median step) | median over rounds "

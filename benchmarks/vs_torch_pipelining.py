@@ -118,8 +118,8 @@ def _max_over_ranks(values: list[float]) -> list[float]:
 def _group_worker(
     rank: int, world: int, port: int, cases: list[dict[str, Any]], opts: dict[str, Any], out: str
 ) -> None:
+    from dapple.core.host_memory import keep_freed_memory
     from dapple.runtime import TrainConfig, run_plan, shutdown_distributed
-    from dapple.runtime.host_memory import keep_freed_memory
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # as dapple's runtime

@@ -95,6 +95,7 @@ def profile(
     output: str | Path | None = None,
     precision: str = "fp32",
     split_backward: bool = False,
+    seq_lens: Sequence[int] | None = None,
 ) -> ModelProfile:
     """Measure every layer of a model (``dapple profile``).
 
@@ -113,9 +114,14 @@ def profile(
             profile; the planner's memory model follows it).
         split_backward: Also time each backward's input-gradient half (zero-bubble ``I``;
             ``W`` is the rest), recorded as ``LayerProfile.backward_input``.
+        seq_lens: Also measure at these lengths of the model's dynamic (sequence) dimension:
+            its own batches cut or tiled to each length, same layers
+            (:mod:`dapple.profiler.lengths`); :func:`plan` with ``seq_len`` interpolates
+            between them in tokens.
 
     Raises:
-        ValidationError: Bad model spec, batch sizes, device or precision.
+        ValidationError: Bad model spec, batch sizes, device, precision, or lengths (a model
+            without a dynamic dimension, a length outside its range).
     """
     from dapple.profiler.measure import profile_workload
 
@@ -129,6 +135,7 @@ def profile(
         co_workers=co_workers,
         precision=precision,
         split_backward=split_backward,
+        seq_lens=seq_lens,
     )
     if output is not None:
         prof.save(output)
@@ -144,6 +151,8 @@ def plan(
     output: str | Path | None = None,
     schedule: str | None = None,
     virtual_stages: int = 1,
+    seq_len: float | None = None,
+    max_seq_len: float | None = None,
 ) -> Plan:
     """Plan a profiled model on a cluster (``dapple plan``).
 
@@ -160,16 +169,21 @@ def plan(
             (:func:`dapple.planner.schedules.schedule_latency`). ``interleaved`` and ``zbh1``
             are simulated only: the runtime does not run them yet.
         virtual_stages: v, model chunks per device group with ``schedule="interleaved"``.
+        seq_len: Mean tokens per sample to plan the step time for, from a profile measured at
+            several lengths (``profile(seq_lens=...)``; ``dapple plan --seq-len MEAN,MAX``).
+        max_seq_len: Longest sample, which the memory is planned for (default ``seq_len``).
 
     Raises:
-        ValidationError: Unknown planner or schedule, bad batch size, bad files, v not
-            dividing a device group's layers.
+        ValidationError: Unknown planner or schedule, bad batch size, bad files, lengths
+            without a profile measured at several, v not dividing a device group's layers.
         InfeasibleError: No plan fits the devices' memory.
     """
     from dapple.planner import make_plan
 
     prof, cl = _profile(profile), _cluster(cluster)
-    result = make_plan(prof, cl, global_batch_size, planner)
+    result = make_plan(
+        prof, cl, global_batch_size, planner, seq_len=seq_len, max_seq_len=max_seq_len
+    )
     if schedule is not None:
         from dapple.planner.schedules import schedule_latency
         from dapple.simulate.schedules import with_schedule

@@ -11,8 +11,8 @@ import importlib
 import logging
 import sys
 
+from dapple.core.host_memory import keep_freed_memory
 from dapple.errors import DappleError
-from dapple.runtime.host_memory import keep_freed_memory
 
 __all__ = ["build_parser", "main"]
 

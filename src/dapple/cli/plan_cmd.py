@@ -17,7 +17,7 @@ from dapple.core.plan import SCHEDULES, Plan
 from dapple.core.profile import ModelProfile
 from dapple.errors import DappleError, InfeasibleError, ValidationError
 
-__all__ = ["format_devices", "register", "run"]
+__all__ = ["format_devices", "parse_seq_len", "register", "run"]
 
 _PLANNERS = ("dapple", "dp", "straight", "gpipe", "pipedream", "exhaustive")
 _ZERO_STAGES = (0, 1)
@@ -44,6 +44,14 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         help="samples per step (default for paper: profiles: the paper's)",
     )
     p.add_argument("--planner", choices=_PLANNERS, default="dapple", help="default: dapple")
+    p.add_argument(
+        "--seq-len",
+        default=None,
+        metavar="MEAN[,MAX]",
+        help="plan for samples of MEAN tokens on average (the step time) and at most MAX (the "
+        "memory; default MEAN), from a profile measured at several lengths (`dapple profile "
+        "--seq-lens`), interpolated in tokens; the plan records both",
+    )
     p.add_argument("-o", "--output", default=None, help="plan JSON to write")
     p.add_argument(
         "--compare",
@@ -77,6 +85,25 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         "follow (dapple planner only; default %(default)s)",
     )
     p.set_defaults(func=run)
+
+
+def parse_seq_len(text: str) -> tuple[float, float]:
+    """``--seq-len``: ``"512"`` -> ``(512, 512)``, ``"300.5,1024"`` -> ``(300.5, 1024)``.
+
+    Raises:
+        ValidationError: not one or two numbers, a length <= 0, or MEAN > MAX.
+    """
+    parts = [s.strip() for s in text.split(",")]
+    try:
+        nums = [float(s) for s in parts]
+    except ValueError:
+        nums = []
+    if len(nums) not in (1, 2) or not all(math.isfinite(n) and n > 0 for n in nums):
+        raise ValidationError(f"--seq-len must be MEAN or MEAN,MAX with lengths > 0, got {text!r}")
+    mean, top = nums[0], nums[-1]
+    if mean > top:
+        raise ValidationError(f"--seq-len {text}: the mean {mean:g} exceeds the maximum {top:g}")
+    return mean, top
 
 
 def format_devices(devices: Sequence[int]) -> str:
@@ -229,9 +256,13 @@ def _speedup(dp_ms: float, ms: float) -> str:
 def run(args: argparse.Namespace) -> int:
     from dapple.core.cluster import load_cluster
     from dapple.planner.cost import pipeline_latency
+    from dapple.planner.lengths import profile_for_lengths
     from dapple.profiler.paper_models import PAPER_GLOBAL_BATCH, load_profile, paper_name
 
+    lengths = parse_seq_len(args.seq_len) if args.seq_len is not None else None
     profile = load_profile(args.profile)
+    if lengths is not None:
+        profile = profile_for_lengths(profile, *lengths)
     cluster = load_cluster(args.cluster, args.servers)
     gbs = args.global_batch_size
     if gbs is None:
@@ -271,6 +302,11 @@ def run(args: argparse.Namespace) -> int:
         f"{r.T_s_ms:.2f} + T_e {r.T_e_ms:.2f}), speed-up over dp {_speedup(dp_ms, plan.predicted_step_ms)}"
     )
     con.print(zero_line(plan, profile))
+    if plan.seq_len is not None:
+        con.print(
+            f"planned for samples of {plan.seq_len:g} tokens on average (step time) and at most "
+            f"{plan.max_seq_len:g} (memory)"
+        )
     single = [str(i) for i, st in enumerate(plan.stages) if st.replicas == 1]
     if zero == 1 and single:
         con.print(f"--zero-stage 1 is a no-op on stage(s) {', '.join(single)} (one replica)")

@@ -16,6 +16,18 @@ from dapple.errors import ValidationError
 __all__ = ["parse_batch_sizes", "print_profile", "register"]
 
 
+def _lengths(text: str | None) -> list[int] | None:
+    if text is None:
+        return None
+    try:
+        lens = [int(s) for s in text.split(",") if s.strip()]
+    except ValueError as e:
+        raise ValidationError(f"--seq-lens must be comma-separated integers, got {text!r}") from e
+    if not lens or min(lens) < 1:
+        raise ValidationError(f"--seq-lens must be positive integers, got {text!r}")
+    return lens
+
+
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser(
         "profile", help="measure per-layer times and sizes of a model and write a profile JSON"
@@ -23,6 +35,15 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     add_model_arguments(p)
     p.add_argument(
         "--batch-sizes", default="1,2,4", help="comma-separated batch sizes (default 1,2,4)"
+    )
+    p.add_argument(
+        "--seq-lens",
+        default=None,
+        metavar="L,L,...",
+        help="also measure at these lengths of the model's dynamic (sequence) dimension, each at "
+        "every batch size: its batches cut or tiled to the length (the model must declare the "
+        "dimension, e.g. --set seq_choices=[...]); `dapple plan --seq-len` then interpolates "
+        "in tokens",
     )
     add_device_argument(p)
     p.add_argument("-o", "--output", required=True, help="profile JSON to write")
@@ -120,8 +141,27 @@ def print_profile(con: Console, prof: ModelProfile) -> None:
     con.print(t)
 
 
+def print_lengths(con: Console, prof: ModelProfile) -> None:
+    """Print the whole model's forward + backward time and kept bytes at each measured length
+    and batch size, with the time per token."""
+    t = Table(title=f"{prof.model_name}: whole model by length")
+    for col in ("length", "batch", "tokens", "fwd+bwd ms", "us/token", "kept MiB"):
+        t.add_column(col, justify="right")
+    for x in prof.by_length:
+        for b in prof.batch_sizes:
+            ms = sum(ly.forward.at(b) + ly.backward.at(b) for ly in x.layers)
+            kept = sum(ly.kept_activation_bytes_per_sample for ly in x.layers) * b
+            n = b * x.seq_len
+            t.add_row(
+                f"{x.seq_len:g}", str(b), f"{n:g}", f"{ms:.3f}", f"{ms * 1e3 / n:.2f}",
+                f"{kept / 2**20:.2f}",
+            )  # fmt: skip
+    con.print(t)
+
+
 def run(args: argparse.Namespace) -> int:
     sizes = parse_batch_sizes(args.batch_sizes)
+    lens = _lengths(args.seq_lens)
     overrides = model_overrides(args)
     shape = _parse_shape(args.input_shape)
     from dapple.models.zoo import load_workload
@@ -138,7 +178,8 @@ def run(args: argparse.Namespace) -> int:
         console=con,
         transient=True,
     ) as bar:
-        task = bar.add_task(workload.name, total=workload.num_layers * len(set(sizes)))
+        passes = len(set(lens)) if lens else 1
+        task = bar.add_task(workload.name, total=workload.num_layers * len(set(sizes)) * passes)
 
         def progress(done: int, total: int, desc: str) -> None:
             bar.update(task, completed=done, total=total, description=desc)
@@ -154,8 +195,11 @@ def run(args: argparse.Namespace) -> int:
             co_workers=args.co_workers,
             precision=args.precision,
             split_backward=args.split_backward,
+            seq_lens=lens,
         )
     print_profile(con, prof)
+    if prof.by_length:
+        print_lengths(con, prof)
     prof.save(args.output)
     con.print(
         f"wrote {args.output}: {prof.num_layers} layers, {prof.parameter_bytes:,} parameter bytes"

@@ -193,6 +193,12 @@ class Plan:
     """The planner's pipeline latency L (equation 2) in ms; NaN when not predicted."""
     model_name: str = ""
     """Model the plan was made for (informational)."""
+    seq_len: float | None = None
+    """Mean tokens per sample the step time was predicted for (a profile at several lengths,
+    :mod:`dapple.planner.lengths`); None: the profile's one size. The plan runs on any length
+    its model accepts."""
+    max_seq_len: float | None = None
+    """Longest sample the memory was planned for; None with ``seq_len``."""
     schema_version: int = PLAN_SCHEMA_VERSION
 
     def __post_init__(self) -> None:
@@ -245,6 +251,16 @@ class Plan:
                 f"{list(self.stages[k % P].devices)} (v={nv}, {P} device groups), got "
                 f"{list(self.stages[k].devices)}",
             )
+        for f in ("seq_len", "max_seq_len"):
+            v = getattr(self, f)
+            require(
+                v is None or (isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0),
+                f"plan: {f} must be a number > 0 or null, got {v!r}",
+            )
+        require(
+            self.seq_len is None or self.max_seq_len is None or self.seq_len <= self.max_seq_len,
+            f"plan: seq_len {self.seq_len} exceeds max_seq_len {self.max_seq_len}",
+        )
         seen: dict[int, int] = {}
         for i, st in enumerate(self.stages[:P]):
             for d in st.devices:
@@ -324,6 +340,11 @@ class Plan:
             )
 
     def to_dict(self) -> dict[str, Any]:
+        lengths = (
+            {}
+            if self.seq_len is None and self.max_seq_len is None
+            else {"seq_len": self.seq_len, "max_seq_len": self.max_seq_len}
+        )
         return {
             "schema_version": self.schema_version,
             "planner": self.planner,
@@ -337,6 +358,7 @@ class Plan:
             "predicted_step_ms": None
             if math.isnan(self.predicted_step_ms)
             else self.predicted_step_ms,
+            **lengths,
             "replication": self.replication,
             "stages": [st.to_dict() for st in self.stages],
         }
@@ -367,6 +389,8 @@ class Plan:
             policy=d.get("policy", "A"),
             virtual_stages=d.get("virtual_stages", 1),
             predicted_step_ms=math.nan if pred is None else float(pred),
+            seq_len=d.get("seq_len"),
+            max_seq_len=d.get("max_seq_len"),
             stages=tuple(StagePlan.from_dict(x, i) for i, x in enumerate(stages)),
         )
 
@@ -471,4 +495,6 @@ def interleave(plan: Plan, v: int) -> Plan:
         policy=plan.policy,
         virtual_stages=v,
         model_name=plan.model_name,
+        seq_len=plan.seq_len,
+        max_seq_len=plan.max_seq_len,
     )

@@ -3,10 +3,18 @@
 Pure data model, no torch. Times are affine in the batch size ``b`` of one forward or
 backward call, ``t(b) = fixed_ms + per_sample_ms * b``, fitted from measurements at several
 batch sizes. Sizes are bytes; activation sizes are per sample.
+
+A model whose inputs have a dynamic dimension (a sequence length, :mod:`dapple.models.shapes`)
+may be measured at several lengths: :attr:`ModelProfile.by_length` then holds one
+:class:`LengthProfile` per length, and the planner interpolates between them in tokens
+(:mod:`dapple.planner.lengths`). A profile for a planned length distribution carries its layers
+at the mean length (times, and the bytes that cross a cut) and, in
+:attr:`ModelProfile.memory_at`, the layers at the longest length, which the memory model uses.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -26,6 +34,7 @@ __all__ = [
     "PROFILE_SCHEMA_VERSION",
     "AffineTime",
     "LayerProfile",
+    "LengthProfile",
     "ModelProfile",
     "fit_affine",
 ]
@@ -98,6 +107,21 @@ def fit_affine(batch_sizes: Sequence[float], times_ms: Sequence[float]) -> Affin
         )
         return AffineTime(fixed_ms=0.0, per_sample_ms=max(0.0, slope))
     return AffineTime(fixed_ms=icpt, per_sample_ms=slope)
+
+
+def _list(v: Any, what: str) -> list[Any]:
+    require(isinstance(v, list), f"{what} must be a list, got {v!r}"[:200])
+    return list(v)
+
+
+def _optional_length(v: Any, what: str) -> float | None:
+    if v is None:
+        return None
+    require(
+        isinstance(v, (int, float)) and not isinstance(v, bool),
+        f"{what} must be a number, got {v!r}",
+    )
+    return float(v) if isinstance(v, float) else int(v)
 
 
 def _nonneg(v: Any, what: str) -> float:
@@ -203,6 +227,57 @@ class LayerProfile:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class LengthProfile:
+    """The layers of a model measured (or interpolated) at one length of its dynamic dimension."""
+
+    seq_len: float
+    """Length of the dynamic dimension (tokens per sample) the layers describe."""
+    layers: tuple[LayerProfile, ...]
+    """The layers in execution order, per-sample sizes at this length."""
+    input_bytes_per_sample: float = 0.0
+    """Bytes of the model's input per sample at this length."""
+
+    def __post_init__(self) -> None:
+        require(
+            isinstance(self.seq_len, (int, float))
+            and not isinstance(self.seq_len, bool)
+            and math.isfinite(self.seq_len)
+            and self.seq_len > 0,
+            f"LengthProfile.seq_len must be a finite number > 0, got {self.seq_len!r}",
+        )
+        require(len(self.layers) > 0, f"length {self.seq_len}: no layers")
+        _nonneg(self.input_bytes_per_sample, f"length {self.seq_len}: input_bytes_per_sample")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "seq_len": self.seq_len,
+            "input_bytes_per_sample": self.input_bytes_per_sample,
+            "layers": [layer.to_dict() for layer in self.layers],
+        }
+
+    @staticmethod
+    def from_dict(d: Any, what: str = "length") -> LengthProfile:
+        require(isinstance(d, dict), f"{what} must be an object, got {d!r}"[:200])
+        layers = get_field(d, "layers", what)
+        require(
+            isinstance(layers, list) and len(layers) > 0,
+            f"{what}: layers must be a non-empty list, got {layers!r}"[:200],
+        )
+        n = get_field(d, "seq_len", what)
+        require(
+            isinstance(n, (int, float)) and not isinstance(n, bool),
+            f"{what}: seq_len must be a number, got {n!r}",
+        )
+        return LengthProfile(
+            seq_len=n,
+            layers=tuple(LayerProfile.from_dict(x, i) for i, x in enumerate(layers)),
+            input_bytes_per_sample=_nonneg(
+                d.get("input_bytes_per_sample", 0.0), f"{what}: input_bytes_per_sample"
+            ),
+        )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ModelProfile:
     """A model as the ordered chain of profiled layers (N = len(layers))."""
 
@@ -225,6 +300,15 @@ class ModelProfile:
     """Compute precision the layers were timed and their activations measured in: ``fp32``,
     or ``bf16``/``fp16`` autocast (parameters stay fp32; see :mod:`dapple.runtime.precision`).
     A profile without the field is fp32."""
+    seq_len: float | None = None
+    """Length of the dynamic dimension (tokens per sample) ``layers`` describe; None: the
+    workload's own batches, no length stated."""
+    by_length: tuple[LengthProfile, ...] = ()
+    """The layers measured at each of several lengths, shortest first (``dapple profile
+    --seq-lens``); empty: measured at one size."""
+    memory_at: LengthProfile | None = None
+    """The layers at the length the memory model plans for (the longest of a length
+    distribution, :mod:`dapple.planner.lengths`); None: ``layers``."""
     schema_version: int = PROFILE_SCHEMA_VERSION
 
     def __post_init__(self) -> None:
@@ -240,6 +324,27 @@ class ModelProfile:
         )
         _nonneg(self.input_bytes_per_sample, f"profile {self.model_name!r}: input_bytes_per_sample")
         _nonneg(self.optimizer_state_factor, f"profile {self.model_name!r}: optimizer_state_factor")
+        require(
+            self.seq_len is None
+            or (
+                (isinstance(self.seq_len, (int, float)) and math.isfinite(self.seq_len))
+                and self.seq_len > 0
+            ),
+            f"profile {self.model_name!r}: seq_len must be a number > 0, got {self.seq_len!r}",
+        )
+        lens = [x.seq_len for x in self.by_length]
+        require(
+            lens == sorted(set(lens)),
+            f"profile {self.model_name!r}: by_length must have distinct lengths, shortest "
+            f"first, got {lens}",
+        )
+        n = len(self.layers)
+        for x in (*self.by_length, *([self.memory_at] if self.memory_at else [])):
+            require(
+                len(x.layers) == n,
+                f"profile {self.model_name!r}: length {x.seq_len} has {len(x.layers)} layers, "
+                f"the profile {n}",
+            )
 
     @property
     def num_layers(self) -> int:
@@ -251,8 +356,28 @@ class ModelProfile:
         """Total parameter bytes of all layers."""
         return sum(layer.parameter_bytes for layer in self.layers)
 
+    @property
+    def seq_lens(self) -> tuple[float, ...]:
+        """The lengths of :attr:`by_length` (empty: measured at one size)."""
+        return tuple(x.seq_len for x in self.by_length)
+
+    @property
+    def for_memory(self) -> ModelProfile:
+        """This profile with the layers of :attr:`memory_at` (itself when None): what the
+        memory model reads (kept activations, stage inputs)."""
+        m = self.memory_at
+        if m is None:
+            return self
+        return dataclasses.replace(
+            self,
+            layers=m.layers,
+            input_bytes_per_sample=m.input_bytes_per_sample,
+            seq_len=m.seq_len,
+            memory_at=None,
+        )
+
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "schema_version": self.schema_version,
             "model_name": self.model_name,
             "dtype": self.dtype,
@@ -263,6 +388,13 @@ class ModelProfile:
             "precision": self.precision,
             "layers": [layer.to_dict() for layer in self.layers],
         }
+        if self.seq_len is not None:
+            out["seq_len"] = self.seq_len
+        if self.by_length:
+            out["by_length"] = [x.to_dict() for x in self.by_length]
+        if self.memory_at is not None:
+            out["memory_at"] = self.memory_at.to_dict()
+        return out
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> ModelProfile:
@@ -291,6 +423,14 @@ class ModelProfile:
             ),
             layers=tuple(LayerProfile.from_dict(x, i) for i, x in enumerate(layers)),
             precision=str(d.get("precision", "fp32")),
+            seq_len=_optional_length(d.get("seq_len"), f"{what}: seq_len"),
+            by_length=tuple(
+                LengthProfile.from_dict(x, f"{what}: by_length[{i}]")
+                for i, x in enumerate(_list(d.get("by_length", []), f"{what}: by_length"))
+            ),
+            memory_at=None
+            if d.get("memory_at") is None
+            else LengthProfile.from_dict(d["memory_at"], f"{what}: memory_at"),
         )
 
     def save(self, path: str | Path) -> None:

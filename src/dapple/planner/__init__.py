@@ -1,11 +1,14 @@
 """DAPPLE planner (paper section 5): cost model, DP search, baselines and an exhaustive oracle.
 
 ``make_plan(profile, cluster, global_batch_size, planner)`` is the entry point; every planner
-returns a :class:`dapple.core.plan.Plan` whose ``predicted_step_ms`` is the cost model's L.
+returns a :class:`dapple.core.plan.Plan` whose ``predicted_step_ms`` is the cost model's L. A
+profile measured at several sequence lengths is planned for a mean and a maximum length
+(:func:`dapple.planner.lengths.profile_for_lengths`; the plan records both).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 from dapple.core.cluster import Cluster
@@ -14,6 +17,7 @@ from dapple.core.profile import ModelProfile
 from dapple.errors import ValidationError
 from dapple.planner.baselines import dp_plan, gpipe_plan, pipedream_plan, straight_plan_baseline
 from dapple.planner.cost import LatencyBreakdown, pipeline_latency
+from dapple.planner.lengths import profile_for_lengths
 from dapple.planner.oracle import exhaustive_plan
 from dapple.planner.search import Progress, dapple_search
 
@@ -27,6 +31,7 @@ __all__ = [
     "make_plan",
     "pipedream_plan",
     "pipeline_latency",
+    "profile_for_lengths",
     "straight_plan_baseline",
 ]
 
@@ -49,6 +54,8 @@ def make_plan(
     *,
     progress: Progress | None = None,
     zero_stage: int = 0,
+    seq_len: float | None = None,
+    max_seq_len: float | None = None,
 ) -> Plan:
     """Plan ``profile`` on ``cluster`` for ``global_batch_size`` samples per step.
 
@@ -61,9 +68,17 @@ def make_plan(
         zero_stage: 1: replicated stages shard their optimizer state (ZeRO-1); -1
             (``ZERO_AUTO``): per stage, where memory asks for it. DAPPLE search only, the
             baselines plan unsharded.
+        seq_len: plan for samples of this mean length (time), from a profile measured at
+            several lengths (:func:`~dapple.planner.lengths.profile_for_lengths`); None: the
+            profile as it is (a profile already for a length keeps its lengths).
+        max_seq_len: the longest sample (memory); default ``seq_len``.
+
+    Returns:
+        The plan, with ``seq_len``/``max_seq_len`` the lengths its profile is for (None for a
+        profile without lengths).
 
     Raises:
-        ValidationError: unknown planner or bad batch size.
+        ValidationError: unknown planner, bad batch size, or lengths the profile cannot give.
         InfeasibleError: no plan fits.
     """
     if planner not in PLANNERS:
@@ -72,8 +87,18 @@ def make_plan(
         raise ValidationError(
             f"global batch size must be an integer >= 1, got {global_batch_size!r}"
         )
+    if seq_len is not None or max_seq_len is not None:
+        if seq_len is None:
+            raise ValidationError(f"max_seq_len {max_seq_len} needs seq_len (the mean length)")
+        profile = profile_for_lengths(profile, seq_len, max_seq_len)
     if planner == "dapple":
-        return dapple_search(
+        plan = dapple_search(
             profile, cluster, global_batch_size, progress=progress, zero_stage=zero_stage
         )
-    return PLANNERS[planner](profile, cluster, global_batch_size)
+    else:
+        plan = PLANNERS[planner](profile, cluster, global_batch_size)
+    if profile.seq_len is None:
+        return plan
+    return dataclasses.replace(
+        plan, seq_len=profile.seq_len, max_seq_len=profile.for_memory.seq_len
+    )

@@ -42,6 +42,7 @@ from dapple.planner.comm import (
 )
 from dapple.planner.host import apply_host, has_host_terms, stage_host_extras
 from dapple.planner.latency import Latency, latency, steady_periods
+from dapple.planner.lengths import profile_for_plan
 from dapple.planner.memory import (
     boundary_bytes,
     device_memory_bytes,
@@ -185,7 +186,11 @@ def pipeline_latency(
         zero_stage: 1: replicated stages shard their optimizer state (ZeRO-1): less memory,
             the parameter gather added to AR_s (:func:`dapple.planner.comm.stage_sync_ms`). A
             stage's own ``StagePlan.zero_stage`` applies when larger.
+
+    A plan made for sequence lengths (``plan.seq_len``) is costed at them when the profile was
+    measured at several (:func:`dapple.planner.lengths.profile_for_plan`).
     """
+    profile = profile_for_plan(profile, plan)
     b, M = plan.micro_batch_size, plan.num_micro_batches
     ks = in_flight_counts(
         plan.schedule, plan.num_stages, M, plan.policy, [st.max_in_flight for st in plan.stages]

@@ -85,7 +85,9 @@ class Scorer:
         self._bf = pre([x.backward.fixed_ms * sd for x in ls])
         self._bp = pre([x.backward.per_sample_ms * sd for x in ls])
         self._par = pre([float(x.parameter_bytes) for x in ls])
-        self._act = pre([x.kept_activation_bytes_per_sample for x in ls])
+        self._memory = profile.for_memory
+        """The layers at the longest planned length: kept activations and stage inputs."""
+        self._act = pre([x.kept_activation_bytes_per_sample for x in self._memory.layers])
         self._ar: dict[tuple[int, int, tuple[int, ...], int], float] = {}
         self._links: dict[
             tuple[tuple[int, ...], tuple[int, ...], int], list[tuple[float, float]]
@@ -138,7 +140,7 @@ class Scorer:
             self.param_bytes(s, e)
             * state_bytes_per_parameter_byte(self.profile, replicas, zero_stage),
             (self._act[e] - self._act[s]) * samples,
-            boundary_bytes(self.profile, s, samples),
+            boundary_bytes(self._memory, s, samples),
         )
 
     def _stage(

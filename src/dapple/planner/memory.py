@@ -3,6 +3,9 @@
 Pure functions (no torch), re-exported by :mod:`dapple.planner.cost`. Activations are as
 profiled, in the profile's precision (``ModelProfile.precision``); parameters, gradients and
 optimizer state are fp32 in every precision, plus autocast's weight cast cache in bf16/fp16.
+Activation memory reads the layers at the longest planned length,
+:attr:`ModelProfile.for_memory <dapple.core.profile.ModelProfile.for_memory>`
+(:mod:`dapple.planner.lengths`).
 """
 
 from __future__ import annotations
@@ -100,8 +103,10 @@ def zero_saved_bytes(
 def held_activation_bytes(profile: ModelProfile, stage: StagePlan, samples: int) -> float:
     """Activation bytes held from forward to backward for one slice of ``samples`` samples.
 
-    All layers' kept activations, or only the stage input when the stage re-computes.
+    All layers' kept activations, or only the stage input when the stage re-computes (at the
+    profile's memory length, :attr:`ModelProfile.for_memory`).
     """
+    profile = profile.for_memory
     s, e = stage.layers
     if stage.recompute:
         return boundary_bytes(profile, s, samples)
@@ -127,6 +132,7 @@ def device_memory_bytes(
         in_flight: K_i, micro-batches whose activations are held at once.
         zero_stage: 1: the optimizer state of a replicated stage is sharded over its replicas.
     """
+    profile = profile.for_memory
     samples = split_sizes(micro_batch_size, stage.replicas)[0]
     mem = parameter_state_bytes(profile, stage.layers, stage.replicas, zero_stage)
     mem += in_flight * held_activation_bytes(profile, stage, samples)

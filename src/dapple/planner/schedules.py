@@ -30,6 +30,7 @@ from dapple.core.plan import Plan, split_sizes, transfers
 from dapple.core.profile import ModelProfile
 from dapple.planner.comm import allreduce_ms, transfer_ms
 from dapple.planner.cost import compute_ms, pipeline_latency, stage_compute_ms
+from dapple.planner.lengths import profile_for_plan
 from dapple.planner.memory import boundary_bytes, held_activation_bytes, parameter_state_bytes
 from dapple.schedule.ir import ActionKind
 from dapple.schedule.lower import plan_compute_order
@@ -105,6 +106,7 @@ def schedule_latency(plan: Plan, profile: ModelProfile, cluster: Cluster) -> flo
     """
     if plan.schedule in ("gpipe", "dapple"):
         return float(pipeline_latency(plan, profile, cluster).L_ms)
+    profile = profile_for_plan(profile, plan)
     b, M = plan.micro_batch_size, plan.num_micro_batches
     fixed = _boundary_ms(plan, profile, cluster) + _allreduce_ms(plan, profile, cluster)
     if plan.schedule == "interleaved":
@@ -137,6 +139,7 @@ def activation_peak_bytes(plan: Plan, profile: ModelProfile) -> list[float]:
     Returns:
         one value per device group (stage g of the first P stages).
     """
+    profile = profile_for_plan(profile, plan).for_memory
     order = plan_compute_order(plan)
     peaks = []
     for g in range(plan.num_groups):
@@ -163,6 +166,7 @@ def device_memory_by_group(plan: Plan, profile: ModelProfile) -> list[float]:
         one value per device group (stage g of the first P stages), bytes.
     """
     peaks = activation_peak_bytes(plan, profile)
+    profile = profile_for_plan(profile, plan).for_memory
     out = []
     for g in range(plan.num_groups):
         n = split_sizes(plan.micro_batch_size, plan.stages[g].replicas)[0]

@@ -339,7 +339,7 @@ def _infeasible_message(profile: ModelProfile, cluster: Cluster, global_batch_si
     reserved = f" ({_bytes(r)} of each reserved for the runtime)" if r else ""
     need = max(
         layer.parameter_bytes * f + layer.kept_activation_bytes_per_sample
-        for layer in profile.layers
+        for layer in profile.for_memory.layers
     )
     return (
         f"no plan of {profile.model_name!r} ({profile.num_layers} layers, "

@@ -6,6 +6,9 @@ repeats; CUDA events with synchronisation on GPUs), the output's bytes are count
 tensors autograd saves for backward are captured with
 :func:`torch.autograd.graph.saved_tensors_hooks` (storages deduplicated, parameters excluded).
 Times and sizes are then fitted affine in ``b`` with :func:`dapple.core.profile.fit_affine`.
+With ``seq_lens`` this is done at each length of the model's dynamic dimension, on its own
+batches cut or tiled to that length (:mod:`dapple.profiler.lengths`), and the profile holds
+every length (``ModelProfile.by_length``).
 
 Precision: with ``precision="bf16"``/``"fp16"`` every forward (timed, and the one whose saved
 tensors are counted) runs under ``torch.autocast`` as the runtime's stages do
@@ -40,6 +43,7 @@ from dapple.core.profile import (
 )
 from dapple.errors import ValidationError
 from dapple.models.workload import Workload
+from dapple.profiler.lengths import check_seq_lens, combine_lengths, workload_at_length
 
 __all__ = ["ProgressFn", "profile_workload", "resolve_device"]
 
@@ -249,6 +253,7 @@ def profile_workload(
     co_workers: int = 1,
     precision: str = "fp32",
     split_backward: bool = False,
+    seq_lens: Sequence[int] | None = None,
 ) -> ModelProfile:
     """Measure every layer of ``workload`` at each batch size and fit the profile.
 
@@ -278,9 +283,15 @@ def profile_workload(
             record it as ``LayerProfile.backward_input``; the weight-gradient half is the rest
             of the measured backward. Without it zero-bubble schedules use the documented
             assumed split (:meth:`LayerProfile.backward_split`).
+        seq_lens: lengths of the model's dynamic dimension (tokens per sample) to measure at,
+            each at every batch size: the workload's own batches cut or tiled to the length
+            along every dynamic dimension, same layers (:mod:`dapple.profiler.lengths`). The
+            profile's ``by_length`` holds them and its ``layers`` are the longest's. None: the
+            workload's batches as they come. Co-workers train at the workload's own length.
 
     Raises:
-        ValidationError: bad batch sizes, repeats, device or precision, or CUDA unavailable.
+        ValidationError: bad batch sizes, repeats, device or precision, or CUDA unavailable;
+            lengths on a model without a dynamic dimension or outside its range.
     """
     sizes = sorted(set(batch_sizes))
     if not sizes or any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in sizes):
@@ -293,6 +304,8 @@ def profile_workload(
         raise ValidationError(f"num_threads must be >= 1, got {num_threads}")
     if not isinstance(co_workers, int) or co_workers < 1:
         raise ValidationError(f"co_workers must be an integer >= 1, got {co_workers!r}")
+    lens = sorted(set(seq_lens)) if seq_lens is not None else None
+    dims = check_seq_lens(workload, lens, sizes[0], seed) if lens is not None else {}
     shared = co_workers > 1 and dev.type == "cpu"
     old_threads = torch.get_num_threads()
     if num_threads is not None and dev.type == "cpu":
@@ -305,9 +318,42 @@ def profile_workload(
         else None
     )
     try:
-        prof = _profile(
-            workload, sizes, dev, warmup, repeats, progress, seed, shared, precision, split_backward
-        )
+        if lens is None:
+            prof = _profile(
+                workload,
+                sizes,
+                dev,
+                warmup,
+                repeats,
+                progress,
+                seed,
+                shared,
+                precision,
+                split_backward,
+            )
+        else:
+            per_length = []
+            for k, L in enumerate(lens):
+                step = _offset(progress, k, len(lens), f"L={L} ")
+                wl = workload_at_length(workload, dims, L)
+                per_length.append(
+                    (
+                        L,
+                        _profile(
+                            wl,
+                            sizes,
+                            dev,
+                            warmup,
+                            repeats,
+                            step,
+                            seed,
+                            shared,
+                            precision,
+                            split_backward,
+                        ),
+                    )
+                )
+            prof = combine_lengths(per_length)
     finally:
         torch.set_num_threads(old_threads)
         if load is not None:
@@ -315,6 +361,18 @@ def profile_workload(
     if shared:
         prof = dataclasses.replace(prof, device=f"cpu (CPU time, {co_workers} co-workers)")
     return prof
+
+
+def _offset(progress: ProgressFn | None, k: int, K: int, prefix: str) -> ProgressFn | None:
+    """``progress`` for the ``k``-th of ``K`` equal passes (one per length)."""
+    if progress is None:
+        return None
+    call = progress
+
+    def step(done: int, total: int, desc: str) -> None:
+        call(k * total + done, K * total, prefix + desc)
+
+    return step
 
 
 class _CoWorkers:

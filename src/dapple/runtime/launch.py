@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from dapple.core.host_memory import keep_freed_memory
 from dapple.core.plan import Plan
 from dapple.errors import DappleError, ValidationError
 from dapple.models.shapes import check_steps, run_dims
@@ -35,7 +36,6 @@ from dapple.models.workload import Workload
 from dapple.runtime.config import StepMetrics, TrainConfig
 from dapple.runtime.data import check_data, check_data_resume, data_state
 from dapple.runtime.engine import RankFailure, run_plan, validate_run
-from dapple.runtime.host_memory import keep_freed_memory
 from dapple.runtime.longrun import elastic_store
 from dapple.runtime.precision import check_precision
 
@@ -87,7 +87,7 @@ def init_distributed(config: TrainConfig, local_world: int) -> torch.device:
     """Join the process group from the env (RANK, WORLD_SIZE, MASTER_ADDR/PORT); returns the device.
 
     A CPU rank also sets its intra-op threads (the cores over the local processes) and keeps
-    freed memory for the next step (:func:`dapple.runtime.host_memory.keep_freed_memory`)."""
+    freed memory for the next step (:func:`dapple.core.host_memory.keep_freed_memory`)."""
     local_rank = int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")))
     device = _pick_device(config.device, local_rank)
     if device.type == "cpu":

@@ -207,8 +207,8 @@ class LongRun:
     def agree_finite(
         self, step: int, extra: Sequence[float] = ()
     ) -> tuple[str | None, list[list[float]]]:
-        """Every rank's verdict on the step (a world all_gather; every rank calls it once per
-        step, ranks beyond the plan included).
+        """Every rank's verdict on the step (a world all_gather, none in a world of one; every
+        rank calls it once per step, ranks beyond the plan included).
 
         Args:
             step: the step index (for the messages and the skipped-step list).

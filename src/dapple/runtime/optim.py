@@ -216,7 +216,8 @@ class ModelUpdate:
         self.grad_norm: torch.Tensor | None = None
 
     def global_norm(self) -> torch.Tensor:
-        """``||g||_2`` of the whole model, float32 (a world all_reduce: every rank calls it)."""
+        """``||g||_2`` of the whole model, float32 (a world all_reduce of the ranks' squared
+        norms, none in a world of one: every rank calls it)."""
         sq = _local_sq_norm(self.counted, self.device)
         if dist.get_world_size() > 1:
             dist.all_reduce(sq, op=dist.ReduceOp.SUM)

@@ -47,6 +47,7 @@ from dapple.core.profile import ModelProfile
 from dapple.errors import DappleError, ValidationError
 from dapple.planner import cost as costs
 from dapple.planner.host import HostExtra, host_extras
+from dapple.planner.lengths import profile_for_plan
 from dapple.planner.schedules import schedule_latency, split_backward_ms
 from dapple.schedule.ir import Action, ActionKind, Schedule
 from dapple.schedule.lower import lower
@@ -148,7 +149,7 @@ def held_and_transient_bytes(
         return held, 0.0
     start, end = stage.layers
     return held, sum(
-        x.kept_activation_bytes_per_sample for x in profile.layers[start:end]
+        x.kept_activation_bytes_per_sample for x in profile.for_memory.layers[start:end]
     ) * samples
 
 
@@ -366,9 +367,13 @@ def simulate(
         cluster: devices and links.
         schedule: a lowered schedule to run instead of ``lower(plan)``; validated first.
 
+    A plan made for sequence lengths (``plan.seq_len``) runs at them when the profile was
+    measured at several (:func:`dapple.planner.lengths.profile_for_plan`).
+
     Raises:
         ValidationError: the plan does not fit the profile/cluster or the schedule is invalid.
     """
+    profile = profile_for_plan(profile, plan)
     plan.validate_for(profile.num_layers, cluster.num_devices)
     sched = lower(plan) if schedule is None else schedule
     validate(sched, plan)
