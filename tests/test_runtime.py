@@ -3,6 +3,7 @@ held-activation memory of DAPPLE vs GPipe, and the pure helpers (specs, meter, v
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -114,6 +115,9 @@ def test_validate_run_rejects_mismatches() -> None:
         validate_run(plan, wl, 4)
     with pytest.raises(ValidationError, match="model has 5 layers"):
         validate_run(plan, rw.mlp(5), 3)
+    zb = dataclasses.replace(plan, schedule="zbh1")
+    with pytest.raises(ValidationError, match="'zbh1' is planned and simulated only"):
+        validate_run(zb, wl, 3)
 
 
 def test_train_config_validation() -> None:

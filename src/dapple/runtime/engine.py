@@ -63,6 +63,7 @@ from dapple.runtime.stage import StageExecutor
 from dapple.runtime.sync import GradientSync
 from dapple.runtime.transport import flatten, infer_boundary_specs
 from dapple.runtime.zero import StageShards, unsharded_stages
+from dapple.schedule import require_runtime_support
 from dapple.schedule.lower import lower
 
 __all__ = [
@@ -104,6 +105,7 @@ def validate_run(plan: Plan, workload: Workload, world_size: int, *, exact: bool
     Raises:
         ValidationError: the plan does not fit the workload or the process group.
     """
+    require_runtime_support(plan)  # interleaved and ZB-H1 are simulated only
     n_dev = len(plan.devices)
     if exact and world_size != n_dev:
         raise ValidationError(
