@@ -150,6 +150,7 @@ def test_train_and_verify_share_one_flag_set_with_help() -> None:
         "--set",
         "--split-at",
         "--weights",
+        "--dynamic-dims",
         "--steps",
         "--seed",
         "--optimizer",

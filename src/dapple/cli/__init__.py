@@ -12,7 +12,6 @@ import logging
 import sys
 
 from dapple.errors import DappleError
-from dapple.runtime.host_memory import keep_freed_memory
 
 __all__ = ["build_parser", "main"]
 
@@ -58,6 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    from dapple.runtime.host_memory import keep_freed_memory  # imports torch: not at parse time
+
     keep_freed_memory()  # profiles measure steps as the CPU ranks run them
     try:
         rc = args.func(args)
