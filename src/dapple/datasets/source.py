@@ -51,7 +51,13 @@ def read_rows(
         items: one item index per row (``G`` of them).
         input_rows: rows whose inputs are read (the others stay zero).
         target_rows: rows whose targets are read (the others stay zero).
+
+    A dataset with a ``read_rows(items, input_rows, target_rows)`` method makes its batches
+    itself (:class:`~dapple.datasets.packing.PaddedDocuments` pads them to their longest).
     """
+    own = getattr(dataset, "read_rows", None)
+    if own is not None:
+        return own(items, input_rows, target_rows)  # type: ignore[no-any-return]
     template_x, template_y = dataset[0]
     xs = [torch.zeros((len(items), *t.shape), dtype=t.dtype) for t in _tensors(template_x)]
     y = torch.zeros((len(items), *template_y.shape), dtype=template_y.dtype)
