@@ -30,6 +30,7 @@ from dapple.datasets import (
     prepare,
 )
 from dapple.errors import ValidationError
+from dapple.models.shapes import DynamicDim
 from dapple.models.zoo.transformer import transformer
 from dapple.runtime.data import check_data, fit_workload
 from dapple.runtime.reporting import target_tokens
@@ -170,6 +171,9 @@ def test_documents_bring_their_loss_and_length_and_are_checked_before_compute(
     static = type(static)(**{**static.__dict__, "dynamic_dims": {0: {1: None}}})
     with pytest.raises(ValidationError, match=r"takes it static; declare it dynamic"):
         fit_workload(static, padded)
+    short = type(static)(**{**static.__dict__, "dynamic_dims": {0: {1: DynamicDim("seq", 1, 8)}}})
+    with pytest.raises(ValidationError, match=r"reach 12 along input 0 dimension 1, .* at most 8"):
+        fit_workload(short, padded)
 
 
 def test_cli_pack_or_pad_need_a_documents_file(

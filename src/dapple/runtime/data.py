@@ -123,15 +123,22 @@ def fit_workload(workload: Workload, data: Dataset[Any] | None) -> Workload:
     own = {i: dict(ds) for i, ds in workload.dynamic_dims.items()}
     for i, ds in wanted.items():
         for d, dim in ds.items():
-            have = own.get(i, {}).get(d, "absent")
-            if have is None or (have == "absent" and is_traced(workload)):
+            if d not in own.get(i, {}) and not is_traced(workload):
+                own.setdefault(i, {})[d] = dim  # a layer chain runs eager modules: declare it
+                continue
+            have = own.get(i, {}).get(d)
+            if have is None:
                 raise ValidationError(
                     f"{_describe(data)}: padded documents change input {i} dimension {d} from "
                     f"batch to batch, but model {workload.name!r} takes it static; declare it "
                     f"dynamic (--dynamic-dims {i}:{d}=seq, dynamic_dims={{{i}: {{{d}: 'seq'}}}})"
                 )
-            if have == "absent":
-                own.setdefault(i, {})[d] = dim
+            if have.max is not None and dim is not None and have.max < (dim.max or 0):
+                raise ValidationError(
+                    f"{_describe(data)}: padded documents reach {dim.max} along input {i} "
+                    f"dimension {d}, but model {workload.name!r} takes at most {have.max} "
+                    f"({have.name} in {have.range_text()}); lower --seq-len"
+                )
     return dataclasses.replace(workload, loss_fn=loss_fn, dynamic_dims=own)
 
 
