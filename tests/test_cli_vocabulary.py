@@ -161,6 +161,8 @@ def test_train_and_verify_share_one_flag_set_with_help() -> None:
         "--timeout-s",
         "--data",
         "--seq-len",
+        "--pack",
+        "--pad",
         "--precision",
         # optimisation (dapple.cli._optim_args)
         "--weight-decay",
