@@ -8,7 +8,8 @@ rows, so every rank slices the batch exactly as with ``Workload.make_batch``.
 
 Design choices:
     - an item is ``(inputs, targets)``; ``inputs`` a tensor or a tuple/list of tensors, all
-      items of one shape (item 0 is the template);
+      items of one shape (item 0 is the template), unless the dataset makes its batches itself
+      (a ``read_rows`` method: padded documents, :mod:`dapple.datasets.packing`);
     - :meth:`BatchSource.batch` hands out step ``t`` and starts reading step ``t + 1`` on one
       background thread, so the read overlaps step ``t``'s compute;
     - :class:`EvalBatches` is the fixed evaluation set: batch ``k`` is items

@@ -14,7 +14,9 @@ resume on another dataset, seed or global batch.
 Samples are ``(inputs, targets)`` as the workload's ``make_batch`` rows are. Token windows
 ``(x, next tokens)`` fit the zoo transformer as they are; for a Hugging Face causal LM, whose
 batches are ``((input_ids, attention_mask), input_ids)`` (the loss shifts inside),
-:func:`fit_data` presents each window as ``((x, ones), x)``.
+:func:`fit_data` presents each window as ``((x, ones), x)``. Documents packed or padded
+(:mod:`dapple.datasets.packing`) bring their loss, which masks the padding, and padded ones
+their dynamic token dimension (:func:`fit_workload`).
 """
 
 from __future__ import annotations
