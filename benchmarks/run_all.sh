@@ -28,6 +28,7 @@ run benchmarks/fidelity.py
 run benchmarks/vs_torch_pipelining.py
 run benchmarks/variable_shapes.py
 run benchmarks/seq_lengths.py --repeats 5
+run benchmarks/metering_cost.py
 # real data: the demo's loss curve (about 4 min), then dapple's planned plan vs DDP (about 5 min)
 run -m dapple demo --out-dir /tmp/dapple-demo
 run benchmarks/train_real.py --demo-summary /tmp/dapple-demo/summary.json

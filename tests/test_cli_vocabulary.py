@@ -150,6 +150,7 @@ def test_train_and_verify_share_one_flag_set_with_help() -> None:
         "--set",
         "--split-at",
         "--weights",
+        "--dynamic-dims",
         "--steps",
         "--seed",
         "--optimizer",
@@ -160,6 +161,8 @@ def test_train_and_verify_share_one_flag_set_with_help() -> None:
         "--timeout-s",
         "--data",
         "--seq-len",
+        "--pack",
+        "--pad",
         "--precision",
         # optimisation (dapple.cli._optim_args)
         "--weight-decay",

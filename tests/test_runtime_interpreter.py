@@ -198,4 +198,8 @@ def test_step_probe_meters_new_shapes_only() -> None:
     probe.begin(x, y)  # same shapes: the known peak, not metered again
     assert probe.peak_bytes() == 40
     probe.begin(torch.zeros(2, 3), torch.zeros(2, 1))  # new shapes: metered (nothing held)
-    assert probe.peak_bytes() == 0
+    assert probe.peak_bytes() == 0 and probe._metering
+    probe.begin(x, y)  # the first shapes again: their peak, not metered again
+    assert not probe._metering and probe.peak_bytes() == 40
+    probe.begin(torch.zeros(2, 3), torch.zeros(2, 1))
+    assert not probe._metering and probe.peak_bytes() == 0

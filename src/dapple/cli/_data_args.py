@@ -1,5 +1,11 @@
-"""Data flags of the commands that run a plan: ``--data``, ``--seq-len`` (``train`` and
-``verify``) and ``--eval-data`` (``train``).
+"""Data flags of the commands that run a plan: ``--data``, ``--seq-len``, ``--pack`` /
+``--pad`` (``train`` and ``verify``) and ``--eval-data`` (``train``).
+
+``--pack`` and ``--pad`` read a documents file (``dapple data prepare --documents``, or a JSONL
+file of ids) as :class:`~dapple.datasets.packing.PackedDocuments` (samples of ``--seq-len``
+pairs packed from whole documents) or :class:`~dapple.datasets.packing.PaddedDocuments` (one
+document per sample, each batch padded to its longest, up to ``--seq-len``); without them a
+token file is read as fixed windows.
 
 With ``--data`` the model is built for the data's sequence length: ``--seq-len N`` becomes
 the factory argument ``seq=N`` (the zoo transformer's and the Hugging Face models'), unless
@@ -14,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from dapple.errors import ValidationError
 
 if TYPE_CHECKING:
-    from dapple.datasets import TokenFile
+    from torch.utils.data import Dataset
 
 __all__ = ["add_data_arguments", "add_eval_data_argument", "open_datasets", "with_seq_len"]
 
@@ -33,7 +39,25 @@ def add_data_arguments(p: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         metavar="N",
-        help="tokens per sample of --data (the model is built with seq=N)",
+        help="tokens per sample of --data (the model is built with seq=N); with --pad the "
+        "longest a document is cut to",
+    )
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument(
+        "--pack",
+        action="store_const",
+        const="pack",
+        dest="documents",
+        help="--data holds documents (prepare --documents, or .jsonl ids): pack them into "
+        "samples of --seq-len next-token pairs, no target crossing a document",
+    )
+    mode.add_argument(
+        "--pad",
+        action="store_const",
+        const="pad",
+        dest="documents",
+        help="--data holds documents: one per sample, each batch padded to its longest "
+        "(the token dimension changes from step to step; padding is masked in the loss)",
     )
 
 
@@ -51,13 +75,27 @@ def _paths(args: argparse.Namespace) -> list[str]:
     return [x for x in (args.data, getattr(args, "eval_data", None)) if x is not None]
 
 
+def _documents_mode(args: argparse.Namespace) -> str | None:
+    """``"pack"``, ``"pad"`` or None.
+
+    Raises:
+        ValidationError: ``--pack`` / ``--pad`` without ``--data``.
+    """
+    mode = getattr(args, "documents", None)
+    if mode is not None and args.data is None:
+        raise ValidationError(f"--{mode} applies to --data; give a documents file")
+    return mode
+
+
 def with_seq_len(args: argparse.Namespace, overrides: dict[str, Any]) -> dict[str, Any]:
     """``overrides`` plus ``seq=--seq-len`` when a data file is given.
 
     Raises:
         ValidationError: ``--seq-len`` without a data file, a data file without ``--seq-len``,
-            or ``--set seq=`` disagreeing with ``--seq-len``.
+            or ``--set seq=`` disagreeing with ``--seq-len``; ``--pack`` / ``--pad``
+            without ``--data``.
     """
+    _documents_mode(args)
     if not _paths(args):
         if args.seq_len is not None:
             raise ValidationError("--seq-len applies to --data / --eval-data; give a data file")
@@ -73,14 +111,23 @@ def with_seq_len(args: argparse.Namespace, overrides: dict[str, Any]) -> dict[st
     return {**overrides, "seq": args.seq_len}
 
 
-def open_datasets(args: argparse.Namespace) -> tuple[TokenFile | None, TokenFile | None]:
-    """The token files of ``--data`` and ``--eval-data`` (None where not given).
+def open_datasets(args: argparse.Namespace) -> tuple[Dataset[Any] | None, Dataset[Any] | None]:
+    """The datasets of ``--data`` and ``--eval-data`` (None where not given): token files, or
+    documents packed or padded (``--pack`` / ``--pad``).
 
     Raises:
-        ValidationError: a missing, empty or too short file.
+        ValidationError: a missing, empty or too short file; ``--pack`` / ``--pad`` without
+            ``--data``, or on a file without document offsets.
     """
-    from dapple.datasets import TokenFile
+    from dapple.datasets import TokenFile, open_documents
 
-    data = TokenFile(args.data, args.seq_len) if args.data is not None else None
-    path = getattr(args, "eval_data", None)
-    return data, (TokenFile(path, args.seq_len) if path is not None else None)
+    mode = _documents_mode(args)
+
+    def one(path: str | None) -> Dataset[Any] | None:
+        if path is None:
+            return None
+        if mode is not None:
+            return open_documents(path, args.seq_len, mode)
+        return TokenFile(path, args.seq_len)
+
+    return one(args.data), one(getattr(args, "eval_data", None))

@@ -3,7 +3,9 @@
 Writes the training split at ``--output`` (e.g. ``data/train.bin``), the last
 ``--val-fraction`` of the tokens to ``val.bin`` beside it, and ``meta.json`` (vocabulary,
 dtype, token counts, sources). Tokens are bytes (vocabulary 256) unless ``--tokenizer DIR``
-names a local Hugging Face tokenizer.
+names a local Hugging Face tokenizer. With ``--documents`` each ``{"text": ...}`` line of a
+``.jsonl`` input (or each other input file) is a document, and ``train.docs.npy`` /
+``val.docs.npy`` beside the splits hold where each starts (``train --pack`` / ``--pad``).
 """
 
 from __future__ import annotations
@@ -43,13 +45,22 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         metavar="DIR",
         help="a local Hugging Face tokenizer directory (default: bytes, vocabulary 256)",
     )
+    prep.add_argument(
+        "--documents",
+        action="store_true",
+        help='the inputs are documents (each {"text": ...} line of a .jsonl file, each other '
+        "file whole): write their offsets beside each split (train.docs.npy) for "
+        "train --data ... --pack / --pad; the validation split is whole documents",
+    )
     prep.set_defaults(func=run_prepare)
 
 
 def run_prepare(args: argparse.Namespace) -> int:
     from dapple.datasets import prepare
 
-    out = prepare(args.text_files, args.output, args.val_fraction, args.tokenizer)
+    out = prepare(
+        args.text_files, args.output, args.val_fraction, args.tokenizer, documents=args.documents
+    )
     print(
         f"{out.train}: {out.train_tokens:,} tokens; {out.val}: {out.val_tokens:,} tokens; "
         f"vocabulary {out.vocab_size:,} ({out.dtype}); {out.meta}"

@@ -178,7 +178,11 @@ def run(args: argparse.Namespace) -> int:
     curve = loss_curve_path(args)
     args.model = _model_arg(args)
     data, eval_data = open_datasets(args)
-    eval_defaults(args, len(eval_data) if eval_data is not None else None, plan.global_batch_size)
+    eval_defaults(
+        args,
+        len(eval_data) if eval_data is not None else None,  # type: ignore[arg-type]
+        plan.global_batch_size,
+    )
     if data is not None or eval_data is not None:  # before the checkpoint directory is made
         from dapple.runtime import resolve_workload
         from dapple.runtime.data import check_data

@@ -9,7 +9,9 @@
 - :class:`BatchSource` / :class:`EvalBatches`: the global batches a rank trains and
   evaluates on, reading only the rows the rank needs;
 - :class:`DocumentBatches`: variable-length documents (JSONL) padded to the longest in the
-  batch, with :func:`masked_token_loss` that ignores the padding.
+  batch, with :func:`masked_token_loss` that ignores the padding;
+- :class:`DocumentFile`, :class:`PackedDocuments`, :class:`PaddedDocuments`: the documents of
+  a token file (offsets beside it) packed to a length budget or padded per batch.
 """
 
 from dapple.datasets.documents import (
@@ -18,6 +20,14 @@ from dapple.datasets.documents import (
     masked_token_loss,
     pad_batch,
     read_documents,
+)
+from dapple.datasets.packing import (
+    DocumentFile,
+    PackedDocuments,
+    PaddedDocuments,
+    docs_path,
+    open_documents,
+    pack_rows,
 )
 from dapple.datasets.prepare import Prepared, prepare, val_path
 from dapple.datasets.sampler import EpochSampler
@@ -31,11 +41,17 @@ __all__ = [
     "Batch",
     "BatchSource",
     "DocumentBatches",
+    "DocumentFile",
     "EpochSampler",
     "EvalBatches",
+    "PackedDocuments",
+    "PaddedDocuments",
     "Prepared",
     "TokenFile",
+    "docs_path",
     "masked_token_loss",
+    "open_documents",
+    "pack_rows",
     "pad_batch",
     "prepare",
     "read_documents",

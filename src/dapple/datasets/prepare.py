@@ -12,11 +12,17 @@ Design choices:
       split's file and token count, and the source files;
     - the validation file is ``val.bin`` beside ``train.bin`` when the output is named
       ``train.bin``, otherwise ``<stem>.val.bin``; every file is written to a temporary name
-      and renamed, and nothing is written before the inputs have been read and checked.
+      and renamed, and nothing is written before the inputs have been read and checked;
+    - with ``documents=True`` the inputs are documents: each line ``{"text": "..."}`` of a
+      ``.jsonl`` file, or each whole other file, is one; no separator is added between them,
+      and each split's document starts go to ``train.docs.npy`` / ``val.docs.npy`` beside it
+      (:mod:`dapple.datasets.packing`); the validation split is the last
+      ``floor(documents * val_fraction)`` documents.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import tempfile
@@ -27,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from dapple.datasets.packing import docs_path
 from dapple.datasets.token_file import META_NAME
 from dapple.errors import ValidationError
 
@@ -84,6 +91,48 @@ def _hf_tokens(texts: Sequence[bytes], tokenizer: str | Path) -> tuple[np.ndarra
     return np.asarray(ids, dtype=dtype), vocab, str(where.resolve())
 
 
+def _document_texts(sources: Sequence[Path]) -> list[bytes]:
+    """One UTF-8 text per document: each ``{"text": ...}`` line of a ``.jsonl`` file, each
+    other file whole."""
+    texts: list[bytes] = []
+    for p in sources:
+        if p.suffix != ".jsonl":
+            texts.append(p.read_bytes())
+            continue
+        for n, line in enumerate(p.read_text().splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValidationError(f"{p}:{n}: not JSON ({e})") from e
+            if not isinstance(row, dict) or not isinstance(row.get("text"), str):
+                raise ValidationError(f'{p}:{n}: expected {{"text": "..."}}')
+            texts.append(row["text"].encode())
+    return texts
+
+
+def _tokenize_each(
+    texts: Sequence[bytes], tokenizer: str | Path | None
+) -> tuple[list[np.ndarray], int, str]:
+    """Each text's ids (no separator), the vocabulary size and the tokenizer's name."""
+    if tokenizer is None:
+        return [_byte_tokens([t])[0] for t in texts], 256, "bytes"
+    where = Path(tokenizer)
+    out: list[np.ndarray] = []
+    vocab, kind = 0, ""
+    for t in texts:
+        ids, vocab, kind = _hf_tokens([t], where)
+        out.append(ids)
+    return out, vocab, kind
+
+
+def _npy(a: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    np.save(buf, a)
+    return buf.getvalue()
+
+
 def _write_atomic(path: Path, data: bytes) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
@@ -102,6 +151,7 @@ def prepare(
     output: str | Path,
     val_fraction: float = 0.01,
     tokenizer: str | Path | None = None,
+    documents: bool = False,
 ) -> Prepared:
     """Tokenize ``text_files`` into ``output`` (training split), its validation file and
     ``meta.json`` (see the module docstring).
@@ -112,6 +162,8 @@ def prepare(
         val_fraction: share of the tokens (the last ones) that go to the validation file,
             in ``[0, 1)``.
         tokenizer: a local Hugging Face tokenizer directory; ``None``: bytes (vocabulary 256).
+        documents: the inputs are documents (``.jsonl`` lines or whole files): write their
+            offsets beside each split, split whole documents.
 
     Raises:
         ValidationError: no or missing text files, text that is not UTF-8 (with a tokenizer),
@@ -125,15 +177,29 @@ def prepare(
     for p in sources:
         if not p.is_file():
             raise ValidationError(f"text file {p} does not exist")
-    texts = [p.read_bytes() for p in sources]
+    offsets: np.ndarray | None = None
     try:
-        ids, vocab, kind = (
-            _byte_tokens(texts) if tokenizer is None else _hf_tokens(texts, tokenizer)
-        )
+        if documents:
+            each, vocab, kind = _tokenize_each(_document_texts(sources), tokenizer)
+            if not each:
+                raise ValidationError("the inputs hold no document")
+            ids = np.concatenate(each).astype(np.uint16 if vocab <= 2**16 else np.uint32)
+            offsets = np.concatenate([[0], np.cumsum([len(x) for x in each])]).astype(np.int64)
+        else:
+            texts = [p.read_bytes() for p in sources]
+            ids, vocab, kind = (
+                _byte_tokens(texts) if tokenizer is None else _hf_tokens(texts, tokenizer)
+            )
     except UnicodeDecodeError as e:
         raise ValidationError(f"a text file is not UTF-8: {e}") from e
-    n_val = int(len(ids) * val_fraction)
-    n_train = len(ids) - n_val
+    if offsets is not None:  # whole documents: the last floor(docs * fraction) validate
+        n_docs = len(offsets) - 1
+        split_doc = n_docs - int(n_docs * val_fraction)
+        n_train = int(offsets[split_doc])
+        n_val = len(ids) - n_train
+    else:
+        n_val = int(len(ids) * val_fraction)
+        n_train = len(ids) - n_val
     if n_train < 2:
         raise ValidationError(
             f"the text files give {len(ids)} tokens: {n_train} for training, need at least 2"
@@ -150,8 +216,14 @@ def prepare(
         "val": {"file": val.name, "tokens": n_val, "fraction": val_fraction},
         "sources": [str(p.resolve()) for p in sources],
     }
+    if offsets is not None:
+        info["train"]["documents"] = split_doc  # type: ignore[index]
+        info["val"]["documents"] = n_docs - split_doc  # type: ignore[index]
     little = ids.astype(ids.dtype.newbyteorder("<"))  # the file format is little-endian
     _write_atomic(train, little[:n_train].tobytes())
     _write_atomic(val, little[n_train:].tobytes())
+    if offsets is not None:
+        _write_atomic(docs_path(train), _npy(offsets[: split_doc + 1]))
+        _write_atomic(docs_path(val), _npy(offsets[split_doc:] - n_train))
     _write_atomic(meta, (json.dumps(info, indent=2) + "\n").encode())
     return Prepared(train, val, meta, vocab, dtype, n_train, n_val)

@@ -8,7 +8,8 @@ rows, so every rank slices the batch exactly as with ``Workload.make_batch``.
 
 Design choices:
     - an item is ``(inputs, targets)``; ``inputs`` a tensor or a tuple/list of tensors, all
-      items of one shape (item 0 is the template);
+      items of one shape (item 0 is the template), unless the dataset makes its batches itself
+      (a ``read_rows`` method: padded documents, :mod:`dapple.datasets.packing`);
     - :meth:`BatchSource.batch` hands out step ``t`` and starts reading step ``t + 1`` on one
       background thread, so the read overlaps step ``t``'s compute;
     - :class:`EvalBatches` is the fixed evaluation set: batch ``k`` is items
@@ -51,7 +52,13 @@ def read_rows(
         items: one item index per row (``G`` of them).
         input_rows: rows whose inputs are read (the others stay zero).
         target_rows: rows whose targets are read (the others stay zero).
+
+    A dataset with a ``read_rows(items, input_rows, target_rows)`` method makes its batches
+    itself (:class:`~dapple.datasets.packing.PaddedDocuments` pads them to their longest).
     """
+    own = getattr(dataset, "read_rows", None)
+    if own is not None:
+        return own(items, input_rows, target_rows)  # type: ignore[no-any-return]
     template_x, template_y = dataset[0]
     xs = [torch.zeros((len(items), *t.shape), dtype=t.dtype) for t in _tensors(template_x)]
     y = torch.zeros((len(items), *template_y.shape), dtype=template_y.dtype)

@@ -216,8 +216,8 @@ def check_batch(
             if dyn is None and size != ref.shape[d]:
                 raise ValidationError(
                     f"{where}: input {i} dimension {d} is {size}, but it is static (always "
-                    f"{ref.shape[d]}); declare it dynamic (dynamic_dims={{{i}: {{{d}: ...}}}}) "
-                    "if it may change"
+                    f"{ref.shape[d]}); declare it dynamic (dynamic_dims={{{i}: {{{d}: ...}}}}, "
+                    f"--dynamic-dims {i}:{d}=NAME) if it may change"
                 )
             if dyn is not None and not dyn.accepts(size):
                 raise ValidationError(

@@ -56,8 +56,11 @@ def load(spec: str, *, input_shape: Sequence[int] | None = None, **overrides: An
         spec: A zoo name, ``package.module:factory``, ``path/to/file.py:factory`` or
             ``hf:DIR`` (a Hugging Face causal LM from a local ``config.json``).
         input_shape: Per-sample input shape for factories returning an ``nn.Sequential``.
-        **overrides: Keyword arguments of the factory (sizes, ``split_at``), and ``weights``:
-            a directory or file of pretrained weights for a model traced from an ``nn.Module``.
+        **overrides: Keyword arguments of the factory (sizes, ``split_at``); ``weights``: a
+            directory or file of pretrained weights for a model traced from an ``nn.Module``;
+            ``dynamic_dims``: input dimensions declared dynamic or static on top of the
+            model's own, e.g. ``{"input_ids": {1: ("seq", 2, 512)}}``
+            (:func:`dapple.models.split.with_dynamic_dims`).
 
     Raises:
         ValidationError: Unknown name, import failure, bad overrides or factory result; weights

@@ -41,13 +41,15 @@ of ``build_model(seed)`` and tied copies start equal.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import functools
 import inspect
 import logging
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
 
@@ -76,15 +78,18 @@ from dapple.models.workload import Workload, layer_seed
 
 __all__ = [
     "SplitModel",
+    "declaring_dims",
     "default_cut_names",
     "executed_module_names",
     "find_tied_parameters",
+    "is_traced",
     "model_factory_of",
     "original_model",
     "parse_split_at",
     "split_module",
     "sum_tied_grads_local",
     "sync_tied_grads",
+    "with_dynamic_dims",
     "with_weights",
     "workload_from_module",
 ]
@@ -92,6 +97,21 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 _SEED_MOD = 2**63 - 1
+
+_DECLARED: ContextVar[DimsArg | None] = ContextVar("dapple_declared_dims", default=None)
+"""Dimensions declared by the caller of a model factory (:func:`declaring_dims`)."""
+
+
+@contextlib.contextmanager
+def declaring_dims(dynamic_dims: DimsArg | None) -> Iterator[None]:
+    """Within the block, :func:`workload_from_module` traces with ``dynamic_dims`` on top of
+    the ones its caller passes: a model factory that traces its model takes a user's
+    declaration (``--dynamic-dims``) without a parameter of its own for it."""
+    token = _DECLARED.set(dynamic_dims)
+    try:
+        yield
+    finally:
+        _DECLARED.reset(token)
 
 
 def _base_seed_of_current_rng(index: int) -> int:
@@ -127,7 +147,6 @@ class _Splitter:
         self.model_factory = model_factory
         self.make_batch = make_batch
         self.split_at = split_at
-        self.declared_dims = dynamic_dims
         self.weights: WeightFiles | None = None
         self.weight_keys: dict[str, str] = {}
         self.models: OrderedDict[int, nn.Module] = OrderedDict()
@@ -140,7 +159,12 @@ class _Splitter:
             for p in inspect.signature(model.forward).parameters.values()
             if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
         ]
+        self.input_names = names
         declared = resolve_dims(dynamic_dims, names)
+        for i, ds in resolve_dims(_DECLARED.get(), names).items():
+            declared.setdefault(i, {}).update(ds)
+        self.declared_dims = declared
+        """The declaration by input position (the caller's and :func:`declaring_dims`')."""
         dims = merge_dims(declared, find_dynamic_dims(make_batch, EXAMPLE_BATCH, 0))
         self.static_dims: dict[int, dict[int, DynamicDim | None]] = {
             i: {d: None for d, v in ds.items() if v is None} for i, ds in declared.items()
@@ -326,6 +350,74 @@ def _splitter_of(workload: Workload) -> _Splitter:
     if not isinstance(factory, _PieceFactory):
         raise ValidationError(f"workload {workload.name!r} was not made by workload_from_module")
     return factory.owner
+
+
+def with_dynamic_dims(workload: Workload, dynamic_dims: DimsArg) -> Workload:
+    """``workload`` with more input dimensions declared dynamic (or static), on top of its own.
+
+    A workload made by :func:`workload_from_module` is traced again with the merged
+    declaration (inputs by position or ``forward`` argument name), so its pieces take the new
+    sizes; any other layer chain runs eager modules, and only its
+    :attr:`~dapple.models.workload.Workload.dynamic_dims` change (inputs by position).
+
+    Raises:
+        ValidationError: an unknown input or a bad dimension (see
+            :func:`~dapple.models.shapes.resolve_dims`); a model that cannot be traced with a
+            dimension dynamic (see :func:`workload_from_module`).
+    """
+    factory = workload.layer_factories[0] if workload.num_layers else None
+    if isinstance(factory, _PieceFactory):
+        old = factory.owner
+        names = old.input_names
+        merged: dict[int | str, dict[int, DynamicDim | None]] = {
+            i: dict(ds) for i, ds in old.declared_dims.items()
+        }
+        for i, ds in resolve_dims(dynamic_dims, names).items():
+            merged.setdefault(i, {}).update(ds)
+        with declaring_dims(None):
+            traced = workload_from_module(
+                old.model_factory,
+                old.make_batch,
+                workload.loss_fn,
+                old.split_at,
+                name=workload.name,
+                dynamic_dims=merged,
+            )
+        if old.weights is not None:
+            owner = _splitter_of(traced).with_weights(old.weights)
+            factories = [_PieceFactory(owner, i) for i in range(traced.num_layers)]
+            traced = dataclasses.replace(traced, layer_factories=factories)
+        return dataclasses.replace(workload, **_traced_fields(traced))
+    count = len(_flat_inputs(workload.make_batch(1, 0)[0]))
+    names = [str(i) for i in range(count)]
+    for key in dynamic_dims:
+        if isinstance(key, str) and not key.isdigit():
+            raise ValidationError(
+                f"dynamic_dims names input {key!r}: workload {workload.name!r} is a layer chain "
+                f"(not traced from a module), name its inputs by position 0..{count - 1}"
+            )
+    own = {i: dict(ds) for i, ds in workload.dynamic_dims.items()}
+    for i, ds in resolve_dims(dynamic_dims, names).items():
+        own.setdefault(i, {}).update(ds)
+    return dataclasses.replace(workload, dynamic_dims={i: ds for i, ds in own.items() if ds})
+
+
+def is_traced(workload: Workload) -> bool:
+    """Whether ``workload`` was made by :func:`workload_from_module`."""
+    return bool(workload.num_layers) and isinstance(workload.layer_factories[0], _PieceFactory)
+
+
+def _traced_fields(traced: Workload) -> dict[str, Any]:
+    return {
+        "layer_factories": traced.layer_factories,
+        "layer_names": traced.layer_names,
+        "tied_parameters": traced.tied_parameters,
+        "dynamic_dims": traced.dynamic_dims,
+    }
+
+
+def _flat_inputs(inputs: Any) -> tuple[Any, ...]:
+    return tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
 
 
 def model_factory_of(workload: Workload) -> Callable[[], nn.Module]:

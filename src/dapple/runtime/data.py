@@ -14,11 +14,14 @@ resume on another dataset, seed or global batch.
 Samples are ``(inputs, targets)`` as the workload's ``make_batch`` rows are. Token windows
 ``(x, next tokens)`` fit the zoo transformer as they are; for a Hugging Face causal LM, whose
 batches are ``((input_ids, attention_mask), input_ids)`` (the loss shifts inside),
-:func:`fit_data` presents each window as ``((x, ones), x)``.
+:func:`fit_data` presents each window as ``((x, ones), x)``. Documents packed or padded
+(:mod:`dapple.datasets.packing`) bring their loss, which masks the padding, and padded ones
+their dynamic token dimension (:func:`fit_workload`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Mapping
 from functools import partial
@@ -41,8 +44,10 @@ __all__ = [
     "RankData",
     "check_data",
     "check_data_resume",
+    "data_dims",
     "data_state",
     "fit_data",
+    "fit_workload",
     "model_limits",
     "open_data",
     "rank_rows",
@@ -93,6 +98,59 @@ def _is_causal_lm_batch(inputs: Any, targets: torch.Tensor) -> bool:
         and torch.equal(inputs[0], targets)
         and bool((inputs[1] == 1).all())
     )
+
+
+def fit_workload(workload: Workload, data: Dataset[Any] | None) -> Workload:
+    """The workload as it trains on ``data``: documents (:mod:`dapple.datasets.packing`) bring
+    their loss (padding masked) and, padded, their dynamic token dimension.
+
+    Raises:
+        ValidationError: documents for a model whose batches are not ``(token ids, next
+            token ids)`` (a Hugging Face causal LM shifts its labels itself), or whose token
+            dimension was traced static (declare it dynamic: ``--dynamic-dims 0:1=seq``).
+    """
+    loss_fn = getattr(data, "loss_fn", None)
+    if data is None or loss_fn is None:
+        return workload
+    if _is_causal_lm_batch(*workload.make_batch(2, 0)):
+        raise ValidationError(
+            f"{_describe(data)}: packed or padded documents train models that take token ids "
+            f"and predict the next ids (e.g. the zoo transformer); {workload.name!r} is a "
+            "Hugging Face causal LM whose loss shifts its labels itself"
+        )
+    from dapple.models.shapes import resolve_dims
+    from dapple.models.split import is_traced
+
+    wanted = resolve_dims(getattr(data, "dynamic_dims", None) or {}, ["0"])
+    own = {i: dict(ds) for i, ds in workload.dynamic_dims.items()}
+    for i, ds in wanted.items():
+        for d, dim in ds.items():
+            if d not in own.get(i, {}) and not is_traced(workload):
+                own.setdefault(i, {})[d] = dim  # a layer chain runs eager modules: declare it
+                continue
+            have = own.get(i, {}).get(d)
+            if have is None:
+                raise ValidationError(
+                    f"{_describe(data)}: padded documents change input {i} dimension {d} from "
+                    f"batch to batch, but model {workload.name!r} takes it static; declare it "
+                    f"dynamic (--dynamic-dims {i}:{d}=seq, dynamic_dims={{{i}: {{{d}: 'seq'}}}})"
+                )
+            if have.max is not None and dim is not None and have.max < (dim.max or 0):
+                raise ValidationError(
+                    f"{_describe(data)}: padded documents reach {dim.max} along input {i} "
+                    f"dimension {d}, but model {workload.name!r} takes at most {have.max} "
+                    f"({have.name} in {have.range_text()}); lower --seq-len"
+                )
+    return dataclasses.replace(workload, loss_fn=loss_fn, dynamic_dims=own)
+
+
+def data_dims(workload: Workload) -> dict[int, dict[int, Any]]:
+    """The dynamic dimensions of a run on a dataset: the workload's declared ones (after
+    :func:`fit_workload`), without those declared static."""
+    out = {
+        i: {d: v for d, v in ds.items() if v is not None} for i, ds in workload.dynamic_dims.items()
+    }
+    return {i: ds for i, ds in out.items() if ds}
 
 
 def fit_data(workload: Workload, data: Dataset[Any] | None, seed: int = 0) -> Dataset[Any] | None:
@@ -244,7 +302,8 @@ def model_limits(workload: Workload, seed: int = 0) -> tuple[int | None, int | N
 def _describe(data: Dataset[Any]) -> str:
     if isinstance(data, CausalLMSamples):
         return _describe(data.base)
-    return str(data.path) if isinstance(data, TokenFile) else type(data).__name__
+    path = getattr(data, "path", None)
+    return str(path) if path is not None else type(data).__name__
 
 
 def _check_one(
@@ -267,17 +326,20 @@ def _check_one(
             f"--seq-len {seq_len} exceeds the {positions} positions of model {workload.name!r}"
         )
     tokens = data.base if isinstance(data, CausalLMSamples) else data
-    if isinstance(tokens, TokenFile) and vocab is not None:
+    if hasattr(tokens, "max_token") and vocab is not None:
         top = tokens.max_token()
         if top >= vocab:
             raise ValidationError(
-                f"{what} {tokens.path} holds token id {top} >= the vocabulary of model "
+                f"{what} {_describe(tokens)} holds token id {top} >= the vocabulary of model "
                 f"{workload.name!r} ({vocab})"
             )
     x, y = data[0]
     wx, wy = workload.make_batch(1, seed)
     got = _shapes(x) + _shapes(y)
     want = [(s[1:], d) for s, d in _shapes(wx) + _shapes(wy)]
+    if getattr(data, "dynamic_dims", None):  # padded documents: lengths vary, ranks do not
+        got = [(tuple(-1 for _ in s), d) for s, d in got]
+        want = [(tuple(-1 for _ in s), d) for s, d in want]
     if got != want:
         raise ValidationError(
             f"{what} {_describe(data)}: a sample is ({_fmt(got)}) but model {workload.name!r} "
@@ -303,6 +365,7 @@ def check_data(
     """
     if data is None and eval_data is None:
         return
+    workload = fit_workload(workload, data if data is not None else eval_data)
     limits = model_limits(workload, seed)
     data, eval_data = fit_data(workload, data, seed), fit_data(workload, eval_data, seed)
     if data is not None:

@@ -49,7 +49,15 @@ from dapple.models.shapes import (
 )
 from dapple.models.workload import Workload
 from dapple.runtime.config import StepMetrics, TrainConfig
-from dapple.runtime.data import RankData, check_data, data_state, fit_data, sample_row
+from dapple.runtime.data import (
+    RankData,
+    check_data,
+    data_dims,
+    data_state,
+    fit_data,
+    fit_workload,
+    sample_row,
+)
 from dapple.runtime.evaluate import Evaluation, eval_batch_fn
 from dapple.runtime.failure import RankFailure, describe_rank, short_error
 from dapple.runtime.interpreter import ProgramInterpreter
@@ -153,6 +161,7 @@ def run_plan(
             (and shows the schedule grid with the failing action marked).
     """
     rank, world = dist.get_rank(), dist.get_world_size()
+    workload = fit_workload(workload, data)  # documents: their loss and dynamic length
     validate_run(plan, workload, world, exact=exact_world)
     G = plan.global_batch_size
     eval_set = None if callable(eval_data) else eval_data  # a dataset of samples
@@ -241,7 +250,10 @@ class _Rank:
                 the step computes anything.
         """
         if self.data.source is not None:
-            return self.data.batch(step)
+            batch = self.data.batch(step)
+            if self.dims:
+                check_batch(self.shapes, self.dims, batch[0], where=f"step {step}")
+            return batch
         if step == 0:
             return self.first_batch
         batch = self.workload.make_batch(self.global_batch_size, self.config.seed + step)
@@ -284,9 +296,10 @@ def _setup(
         lo, hi = plan.stages[s].layers
         module = workload.build_stage(lo, hi, config.seed).to(device)
         module.train()
-    dims: DimsMap = {}
     if data is None:  # the declared dynamic dimensions and those that vary between draws
-        dims = run_dims(workload, G, config.seed)
+        dims: DimsMap = run_dims(workload, G, config.seed)
+    else:  # the declared ones (padded documents declare their length)
+        dims = data_dims(workload)
     sample = tuple(t[:1] for t in flatten(inputs))
     precision = Precision(config.precision, device)
     with precision.autocast():  # boundary buffers get the dtype autocast produces

@@ -36,6 +36,7 @@ from dapple.models.workload import Workload
 from dapple.runtime.config import StepMetrics, TrainConfig
 from dapple.runtime.data import check_data, check_data_resume, data_state
 from dapple.runtime.engine import RankFailure, run_plan, validate_run
+from dapple.runtime.evaluate import eval_batch_fn
 from dapple.runtime.longrun import elastic_store
 from dapple.runtime.precision import check_precision
 
@@ -293,6 +294,8 @@ def _check_datasets(plan: Plan, wl: Workload, cfg: TrainConfig, data: Any, eval_
         CheckpointError: the checkpoint to resume was saved on other data.
     """
     check_data(wl, data, plan.global_batch_size, cfg.seed, eval_data=eval_data)
+    if cfg.eval_every > 0 and eval_data is not None:  # enough eval batches, before any worker
+        eval_batch_fn(wl, plan.global_batch_size, cfg.eval_batches, eval_data)
     if cfg.resume and cfg.checkpoint_dir is not None:
         from dapple.runtime.checkpoint import latest_checkpoint
 

@@ -59,9 +59,9 @@ class StepProbe:
     probe's creation), i.e. the throughput a user sees - it includes the previous step's
     AllReduce wait, optimizer step, checkpoint save and ``make_batch``. The CUDA peak covers the
     same period. On CPU the lowered program is the same every step, so the held-activation peak
-    changes only with the batch shapes: the probe meters the first step and any step whose
-    shapes differ from the last metered one and reuses that peak otherwise (the saved-tensor
-    hooks cost ~5% of a CPU step).
+    changes only with the batch shapes: the probe meters the first step of each distinct set
+    of batch shapes and reuses that shape's peak afterwards (the saved-tensor hooks cost ~5% of
+    a CPU step), so lengths that alternate are metered once each.
     """
 
     def __init__(
@@ -85,9 +85,8 @@ class StepProbe:
         self.step_ms = 0.0
         """The last finished step's wall time (set by :meth:`lap`)."""
         self._metering = False
-        self._shapes: object = None  # the shapes of this step's batch
-        self._metered_shapes: object = None
-        self._known_peak = 0
+        self._shapes: tuple[object, ...] = ()  # the shapes of this step's batch
+        self._peaks: dict[tuple[object, ...], int] = {}  # metered peak by batch shapes
         if self.cuda:
             torch.cuda.reset_peak_memory_stats(device)
         self._t = time.perf_counter()
@@ -95,17 +94,19 @@ class StepProbe:
     def begin(self, inputs: Any, targets: torch.Tensor) -> None:
         """Before a step: meter it when its batch shapes are new (CPU)."""
         if not self.cuda:
-            self._shapes = [(t.shape, t.dtype) for t in (*flatten(inputs), targets)]
-        self._metering = not self.cuda and self._shapes != self._metered_shapes
+            self._shapes = tuple((t.shape, t.dtype) for t in (*flatten(inputs), targets))
+        self._metering = not self.cuda and self._shapes not in self._peaks
         if self.executor is not None:
             self.executor.metering = self._metering
         self.meter.reset_peak()
 
     def peak_bytes(self) -> int:
         """This step's peak so far (called just before the step's collective)."""
+        if self.cuda:
+            return torch.cuda.max_memory_allocated(self.device)
         if self._metering:
-            self._known_peak, self._metered_shapes = self.meter.peak_bytes, self._shapes
-        return torch.cuda.max_memory_allocated(self.device) if self.cuda else self._known_peak
+            self._peaks[self._shapes] = self.meter.peak_bytes
+        return self._peaks.get(self._shapes, 0)
 
     def resident_peak_bytes(self) -> int:
         """The process's peak resident memory so far (CPU ``VmHWM``; CUDA peak reserved)."""

@@ -22,6 +22,7 @@ from typing import Any, Protocol
 
 import torch
 
+from dapple.datasets import IGNORE_INDEX
 from dapple.runtime.config import StepMetrics, TrainConfig
 
 __all__ = [
@@ -43,12 +44,12 @@ class Reporter(Protocol):
 
 
 def target_tokens(targets: torch.Tensor) -> int | None:
-    """Tokens in a global batch: the targets' element count when they are integer token ids
-    (an integer tensor with a sequence dimension); None otherwise (regression targets, one class
-    label per sample)."""
+    """Tokens in a global batch: the targets that are integer token ids (an integer tensor with
+    a sequence dimension), padding (``-100``, the ignore index) left out; None otherwise
+    (regression targets, one class label per sample)."""
     if targets.dtype.is_floating_point or targets.dtype.is_complex or targets.dim() < 2:
         return None
-    return int(targets.numel())
+    return int((targets != IGNORE_INDEX).sum())
 
 
 class ProgressBar:

@@ -59,7 +59,7 @@ from dapple.runtime import (
     spawn,
     validate_run,
 )
-from dapple.runtime.data import check_data, fit_data
+from dapple.runtime.data import check_data, fit_data, fit_workload
 from dapple.runtime.optim import config_lr, make_optimizer, set_lr
 from dapple.runtime.optim_config import OPTIM_FIELDS
 from dapple.runtime.precision import autocast_reference, check_verify_precision, tolerances_for
@@ -232,6 +232,7 @@ def _reference(
     data: Dataset[Any] | None = None,
 ) -> _Reference:
     """:func:`reference_run`, also returning each step's pre-clip global gradient norm."""
+    workload = fit_workload(workload, data)
     seed = cfg.seed
     chain = workload.build_model(seed)
     try:

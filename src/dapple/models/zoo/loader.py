@@ -169,18 +169,28 @@ def load_workload(
 
     ``hf:DIR`` is any Hugging Face causal LM whose ``config.json`` is in ``DIR``
     (:func:`dapple.models.hf.hf_causal_lm`). The override ``weights=PATH`` loads pretrained
-    weights into a model traced from an ``nn.Module`` (:func:`dapple.models.split.with_weights`).
+    weights into a model traced from an ``nn.Module`` (:func:`dapple.models.split.with_weights`);
+    ``dynamic_dims=`` declares input dimensions dynamic or static on top of the model's own:
+    a model traced from an ``nn.Module`` is traced with them
+    (:func:`dapple.models.split.declaring_dims`), a layer chain records them.
 
     Args:
         spec: what to load.
         input_shape: per-sample input shape for ``nn.Sequential`` factories.
-        **overrides: keyword arguments for the zoo builder or the factory, and ``weights``.
+        **overrides: keyword arguments for the zoo builder or the factory, ``weights`` and
+            ``dynamic_dims``.
 
     Raises:
         ValidationError: unknown name, import failure, missing factory, bad return value.
     """
     weights = overrides.pop("weights", None)
-    wl = _load(spec, input_shape, overrides)
+    dims = overrides.pop("dynamic_dims", None)
+    from dapple.models.split import declaring_dims, is_traced, with_dynamic_dims
+
+    with declaring_dims(dims):  # a factory that traces its model traces with them
+        wl = _load(spec, input_shape, overrides)
+    if dims and not is_traced(wl):
+        wl = with_dynamic_dims(wl, dims)
     if weights is None:
         return wl
     from dapple.models.split import with_weights
