@@ -32,3 +32,4 @@ run benchmarks/metering_cost.py
 # real data: the demo's loss curve (about 4 min), then dapple's planned plan vs DDP (about 5 min)
 run -m dapple demo --out-dir /tmp/dapple-demo
 run benchmarks/train_real.py --demo-summary /tmp/dapple-demo/summary.json
+run benchmarks/host_memory.py --rounds 4
