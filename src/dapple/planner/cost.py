@@ -213,7 +213,8 @@ def pipeline_latency(
         index.append(i)
         F.append(f)
         B.append(bw)
-        AR.append(stage_sync_ms(cluster, grad_bytes, st.devices, max(zero_stage, st.zero_stage)))
+        z = max(zero_stage, st.zero_stage)
+        AR.append(stage_sync_ms(cluster, grad_bytes, st.devices, z, plan.num_micro_batches))
         K.append(ks[i] if bounded else None)
     step = [0.0] * len(F)
     if has_host_terms(cluster):

@@ -55,16 +55,22 @@ def state_bytes_per_parameter_byte(
     replicated stage (``replicas > 1``) one more copy of the gradient - the flat buffers its
     AllReduce AR(P_s, g_s) reduces in (the runtime's gradient buckets, :mod:`dapple.runtime.sync`).
 
-    With ``zero_stage >= 1`` on a replicated stage the optimizer state (the factor less the
-    gradient's 1) is held once per stage, ``1/r_s`` on each replica (:mod:`dapple.runtime.zero`:
-    the gradients stay whole, the parameter gather's buffer is one bucket and not counted).
+    On a replicated stage with ``zero_stage`` 1 (:mod:`dapple.runtime.zero`) the gradients
+    accumulate in the flat buckets themselves (no extra copy), each replica holds the reduced
+    gradient of its ``1/r_s`` chunk, and the optimizer state (the factor less the gradient's 1)
+    is held ``1/r_s`` on each replica: ``1 + 1 + (factor - 1 + 1) / r_s``. With 2 the
+    gradients are held only as the ``1/r_s`` shard: ``1 + factor / r_s``. The buckets in
+    flight while ZeRO-2 reduces a micro-batch (about two of
+    :data:`~dapple.runtime.sync.BUCKET_BYTES`) are not counted.
     """
-    ar_buffers = 1.0 if replicas > 1 else 0.0
+    cast = WEIGHT_CAST_FACTOR[profile.precision]
     factor = profile.optimizer_state_factor
-    if zero_stage >= 1 and replicas > 1:
-        moments = max(factor - 1.0, 0.0)
-        factor = factor - moments + moments / replicas
-    return 1.0 + factor + WEIGHT_CAST_FACTOR[profile.precision] + ar_buffers
+    if replicas > 1 and zero_stage >= 2:
+        return 1.0 + factor / replicas + cast
+    if replicas > 1 and zero_stage == 1:
+        return 1.0 + 1.0 + factor / replicas + cast
+    ar_buffers = 1.0 if replicas > 1 else 0.0
+    return 1.0 + factor + cast + ar_buffers
 
 
 def weight_cast_bytes(profile: ModelProfile, layers: tuple[int, int]) -> float:
@@ -125,7 +131,8 @@ def device_memory_bytes(
         stage: layers, replicas and re-computation flag.
         micro_batch_size: b (a replica keeps the largest slice ``split_sizes(b, r)[0]``).
         in_flight: K_i, micro-batches whose activations are held at once.
-        zero_stage: 1: the optimizer state of a replicated stage is sharded over its replicas.
+        zero_stage: 1: the optimizer state of a replicated stage is sharded over its replicas;
+            2: its gradients too.
     """
     samples = split_sizes(micro_batch_size, stage.replicas)[0]
     mem = parameter_state_bytes(profile, stage.layers, stage.replicas, zero_stage)
