@@ -162,7 +162,7 @@ CLIP = 0.05
 
 
 @pytest.mark.slow
-def test_verify_zero1_under_1_3_2_2_1_2_1_and_dp4() -> None:
+def test_verify_zero1_and_zero2_under_1_3_2_2_1_2_1_and_dp4() -> None:
     wl = api.load("runtime_workloads:mlp")
     shapes = [([0, 1], [1, 3]), ([0, 2], [2, 2]), ([0, 1, 3], [1, 2, 1]), ([0], [4])]
     plans = [
@@ -174,10 +174,17 @@ def test_verify_zero1_under_1_3_2_2_1_2_1_and_dp4() -> None:
     # a tied weight whose copies sit in two replicated stages (summed across stages, each copy
     # updated by its own stage's owner)
     tied = api.load("runtime_workloads:tied_mlp")
-    cases = [(p, wl) for p in plans] + [(plans[1], tied)]
+    # ZeRO-2 in the same launch: the plans' own zero stage (the larger of it and the run's)
+    zero2 = [
+        dataclasses.replace(p, stages=tuple(dataclasses.replace(st, zero_stage=2) for st in p.stages))
+        for p in plans
+    ]  # fmt: skip
+    cases = [(p, wl) for p in plans] + [(plans[1], tied)] + [(p, wl) for p in zero2]
+    cases += [(zero2[1], tied)]
     steps = 3
     reports = api.verify_many(cases, steps, device="cpu", clip_grad_norm=CLIP, zero_stage=1,
                               **OPTS)  # fmt: skip
+    assert [max(s.zero_stage for s in r.plan.stages) for r in reports] == [0] * 5 + [2] * 5
     for rep in reports:
         what = rep.plan.replication
         assert rep.options["zero_stage"] == 1
@@ -224,12 +231,19 @@ def resume_worker(rank: int, world: int, out_dir: str) -> None:
     again = run(p22, zero_stage=1, checkpoint_dir=ck, resume=True)
     other = run(p13, checkpoint_dir=ck, resume=True)  # another plan, unsharded
     other1 = run(p13, zero_stage=1, checkpoint_dir=ck, resume=True)  # ... and re-sharded by 3
+    # ZeRO-2: straight; resumed from the ZeRO-1 checkpoint; saved under 1:3 ZeRO-2 and
+    # resumed under 2:2 unsharded
+    z2 = run(p22, zero_stage=2)
+    z2_again = run(p22, zero_stage=2, checkpoint_dir=ck, resume=True)
+    ck2 = str(Path(out_dir, "ck2"))
+    run(p13, zero_stage=2, checkpoint_dir=ck2, save_every=CUT)
+    from_z2 = run(p22, checkpoint_dir=ck2, resume=True)
     # a non-finite loss with on_nonfinite=skip: no replica updates its shard or gathers
     nan_wl = dataclasses.replace(wl, make_batch=_nan_batch)
     skips = [
         run_plan(p22, nan_wl, TrainConfig(**{**RESUME, "steps": 3, "on_nonfinite": "skip",
                                              "zero_stage": z}), device=device)  # type: ignore[arg-type]
-        for z in (0, 1)
+        for z in (0, 1, 2)
     ]  # fmt: skip
     assert full.module is not None and again.module is not None and other.module is not None
     found = latest_checkpoint(ck)
@@ -247,6 +261,11 @@ def resume_worker(rank: int, world: int, out_dir: str) -> None:
         "other_same_sharded": _close(other.module, other1.module),
         "skip_same": _close(skips[0].module, skips[1].module)
         and all(torch.isfinite(p).all() for p in skips[1].module.parameters()),
+        "skip_same2": _close(skips[0].module, skips[2].module),
+        "zero2_same": _close(full.module, z2.module)
+        and _close(full.module, z2_again.module)
+        and _close(full.module, from_z2.module),
+        "zero2_owned": _owned(z2.optimizer),
         "skip_lrs": [m.lr for m in skips[1].metrics],
         "other1_owned": _owned(other1.optimizer),
         "other_params": sum(p.numel() for p in other.module.parameters()),
@@ -302,6 +321,9 @@ def test_zero1_checkpoint_is_whole_and_resumes_under_another_plan(tmp_path: Path
         assert row["saved_complete"], r
         assert row["other_same_sharded"], f"rank {r}: 1:3 ZeRO-1 differs from 1:3 unsharded"
         assert row["skip_same"], f"rank {r}: a skipped step differs under ZeRO-1"
+        assert row["skip_same2"], f"rank {r}: a skipped step differs under ZeRO-2"
+        assert row["zero2_same"], f"rank {r}: ZeRO-2 (straight or resumed) differs"
+        assert row["zero2_owned"] == row["owned"], r
         assert row["planned_same"] and row["planned_owned"] == row["owned"], r
     assert rows[0]["skip_lrs"][NAN_STEP] is None  # the step was skipped (no update)
     assert rows[0]["skip_lrs"][NAN_STEP + 1] is not None
@@ -455,3 +477,42 @@ def test_auto_shards_only_where_memory_asks() -> None:
     auto = dapple_search(profile, roomy, 8, zero_stage=ZERO_AUTO)
     assert auto == dapple_search(profile, roomy, 8)
     assert all(st.zero_stage == 0 for st in auto.stages)
+
+
+def test_auto_weighs_zero2_traffic_against_recomputation() -> None:
+    from dapple.planner.evaluate import _pick
+
+    def opt(
+        z: int, f: float, ar: float, d_nr: int, d_r: int
+    ) -> tuple[int, tuple[float, float, float, int, int]]:
+        return (z, (f, 2 * f, ar, d_nr, d_r))
+
+    # k = 4 in flight, M = 4: 0 and 1 hold 4 only re-computing (AR + M F), 2 without (its AR is
+    # (M + 1) / 2 = 2.5 x the AllReduce)
+    for f, want in ((1.0, 2), (0.1, 0)):
+        options = [opt(0, f, 1.0, 1, 5), opt(1, f, 1.0, 2, 6), opt(2, f, 2.5, 4, 8)]
+        assert _pick(options, 4, 4)[0] == want, f
+    # ZeRO-1 holds k without re-computation at the AllReduce's cost: preferred to ZeRO-2
+    assert (
+        _pick([opt(0, 1.0, 1.0, 1, 5), opt(1, 1.0, 1.0, 4, 6), opt(2, 1.0, 2.5, 4, 8)], 4, 4)[0]
+        == 1
+    )
+    # nothing holds k: the most room
+    assert _pick([opt(0, 1.0, 1.0, 0, 1), opt(2, 1.0, 2.5, 1, 2)], 4, 4)[0] == 2
+
+
+def test_search_finds_plans_only_zero2_fits() -> None:
+    """6 x 100 MB of Adam parameters in one stage: 1.65 GB per replica of DP x4 under ZeRO-1,
+    1.05 GB under ZeRO-2 - on 1.3 GB devices only ZeRO-2 fits; ``auto`` finds it."""
+    from builders import make_cluster, make_profile
+    from dapple.errors import InfeasibleError
+    from dapple.planner.evaluate import ZERO_AUTO
+    from dapple.planner.search import dapple_search
+
+    profile = make_profile(params=10**8, act=10.0)
+    cluster = dataclasses.replace(make_cluster(), device_memory_bytes=int(1.3e9))
+    with pytest.raises(InfeasibleError):
+        dapple_search(profile, cluster, 8, max_stages=1, zero_stage=1)
+    for z in (2, ZERO_AUTO):
+        plan = dapple_search(profile, cluster, 8, max_stages=1, zero_stage=z)
+        assert plan.stages[0].replicas > 1 and plan.stages[0].zero_stage == 2, z

@@ -58,9 +58,9 @@ def make_plan(
         global_batch_size: samples per optimizer step.
         planner: one of :data:`PLANNERS`.
         progress: ``progress(done, total)`` callback (DAPPLE search only).
-        zero_stage: 1: replicated stages shard their optimizer state (ZeRO-1); -1
-            (``ZERO_AUTO``): per stage, where memory asks for it. DAPPLE search only, the
-            baselines plan unsharded.
+        zero_stage: 1: replicated stages shard their optimizer state (ZeRO-1); 2: their
+            gradients too (ZeRO-2); -1 (``ZERO_AUTO``): per stage, where memory asks for it.
+            DAPPLE search only, the baselines plan unsharded.
 
     Raises:
         ValidationError: unknown planner or bad batch size.

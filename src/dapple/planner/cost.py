@@ -182,9 +182,10 @@ def pipeline_latency(
         plan: the plan (stages, M, b, schedule, policy, max_in_flight).
         profile: the model profile it was made for.
         cluster: the cluster it runs on.
-        zero_stage: 1: replicated stages shard their optimizer state (ZeRO-1): less memory,
-            the parameter gather added to AR_s (:func:`dapple.planner.comm.stage_sync_ms`). A
-            stage's own ``StagePlan.zero_stage`` applies when larger.
+        zero_stage: 1: replicated stages shard their optimizer state (ZeRO-1); 2: their
+            gradients too (ZeRO-2): less memory, AR_s as
+            :func:`dapple.planner.comm.stage_sync_ms`. A stage's own ``StagePlan.zero_stage``
+            applies when larger.
     """
     b, M = plan.micro_batch_size, plan.num_micro_batches
     ks = in_flight_counts(

@@ -34,9 +34,10 @@ from dapple.schedule.generators import in_flight_counts
 __all__ = ["ZERO_AUTO", "Scored", "Scorer", "StageSpec"]
 
 ZERO_AUTO = -1
-"""``Scorer(zero_stage=ZERO_AUTO)``: shard a replicated stage's optimizer state (ZeRO-1) only
-where the unsharded state leaves too little memory for the micro-batches the schedule keeps in
-flight there without re-computation - sharding is then preferred to re-computing."""
+"""``Scorer(zero_stage=ZERO_AUTO)``: shard a replicated stage only where the unsharded state
+leaves too little memory for the micro-batches the schedule keeps in flight there without
+re-computation; then the cheapest of ZeRO-1, ZeRO-2 (its M-fold gradient traffic in AR_s) and
+re-computation (M more forward passes) that holds them (:func:`_pick`)."""
 
 StageSpec = tuple[int, int, tuple[int, ...]]
 """``(start, end, devices)`` of one computation stage."""
@@ -67,9 +68,10 @@ class Scorer:
     ) -> None:
         self.profile = profile
         self.zero_stage = zero_stage
-        """1: replicated stages shard their optimizer state (memory and sync cost, ZeRO-1);
-        :data:`ZERO_AUTO`: per stage, only where the unsharded state leaves too little memory
-        for its in-flight micro-batches without re-computation (:meth:`score`)."""
+        """1: replicated stages shard their optimizer state (memory and sync cost, ZeRO-1); 2:
+        their gradients too (ZeRO-2); :data:`ZERO_AUTO`: per stage, only where the unsharded
+        state leaves too little memory for its in-flight micro-batches without re-computation
+        (:meth:`score`)."""
         self.cluster = cluster
         self.global_batch_size = global_batch_size
         self.N = profile.num_layers

@@ -262,7 +262,7 @@ class ProgramInterpreter:
 
     def _allreduce(self, a: Action) -> None:
         self.sync.finish()  # AR(P_s, g_s): wait for the overlapped buckets
-        if self.shards is not None:  # ZeRO-1: the overlapped reduce-scatters
+        if self.shards is not None:  # ZeRO-1: the overlapped reduce-scatters (ZeRO-2: none)
             self.shards.finish()
 
     def _optimizer_step(self, a: Action) -> None:
