@@ -516,3 +516,85 @@ def test_search_finds_plans_only_zero2_fits() -> None:
     for z in (2, ZERO_AUTO):
         plan = dapple_search(profile, cluster, 8, max_stages=1, zero_stage=z)
         assert plan.stages[0].replicas > 1 and plan.stages[0].zero_stage == 2, z
+
+
+# -- bad input ------------------------------------------------------------------------------------
+def _adam_checkpoint(root: Path, plan: Plan, *, cut: tuple[int, str] | None = None,
+                     drop: tuple[int, str] | None = None) -> None:  # fmt: skip
+    """A one-step Adam checkpoint of the 4-layer test MLP, written as a run writes it, with the
+    moments of parameter ``cut`` halved (a missing shard) or the state of ``drop`` left out."""
+    from dapple.runtime.checkpoint import CheckpointMeta, save_checkpoint, stage_layer_states
+
+    wl = rw.mlp()
+    states = stage_layer_states(wl.build_stage(0, 4, 0), 0)
+    for i, ls in states.items():
+        for name, t in ls.tensors.items():
+            st = {"step": torch.tensor(1.0), "exp_avg": torch.zeros_like(t),
+                  "exp_avg_sq": torch.zeros_like(t)}  # fmt: skip
+            if (i, name) == cut:
+                st = {**st, "exp_avg": st["exp_avg"].reshape(-1)[: t.numel() // 2]}
+            if (i, name) != drop:
+                ls.optimizer[name] = st
+    meta = CheckpointMeta(model_name=wl.name, num_layers=4, step=1, samples_consumed=4,
+                          plan=plan.to_dict(), optimizer_type="Adam", world_size=4)  # fmt: skip
+    save_checkpoint(root, meta, states)
+
+
+def _files(root: Path) -> dict[str, bytes]:
+    return {
+        str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()
+    }
+
+
+def test_resume_with_an_incomplete_shard_is_one_line_and_touches_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    plan = straight_plan(4, [0, 2], global_batch_size=4, num_micro_batches=2, replicas=[2, 2])
+    plan.save(tmp_path / "plan.json")
+    ck = tmp_path / "ck"
+    _adam_checkpoint(ck, plan, cut=(1, "0.weight"))
+    before = _files(ck)
+    args = ["train", "--plan", str(tmp_path / "plan.json"), "--model", "runtime_workloads:mlp",
+            "--optimizer", "adam", "--steps", "3", "--checkpoint-dir", str(ck), "--resume",
+            "--save-every", "1"]  # fmt: skip
+    for z in ("0", "1", "2"):
+        assert main([*args, "--zero-stage", z]) != 0
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("dapple: error: checkpoint"), err
+        assert "is incomplete: layer 1 parameter '0.weight': optimizer state 'exp_avg'" in err[0]
+        assert _files(ck) == before  # nothing saved is touched
+
+
+def test_restore_names_a_parameter_without_optimizer_state(tmp_path: Path) -> None:
+    from dapple.runtime.checkpoint import CheckpointError, latest_checkpoint, restore_stage
+
+    plan = straight_plan(4, [0], global_batch_size=4, num_micro_batches=2, replicas=[2])
+    _adam_checkpoint(tmp_path, plan, drop=(2, "0.bias"))
+    ck = latest_checkpoint(tmp_path)
+    assert ck is not None
+    module = rw.mlp().build_stage(0, 4, 0)
+    opt = torch.optim.Adam(module.parameters())
+    with pytest.raises(CheckpointError, match=r"incomplete: layer 2 parameter '0.bias' has no"):
+        restore_stage(ck, module, 0, opt)
+
+
+def test_zero_stage_on_single_replica_stages_is_a_no_op_said_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from dapple.runtime.engine import _zero_stage
+
+    plan = straight_plan(4, [0, 1, 3], global_batch_size=4, num_micro_batches=2, replicas=[1, 2, 1])
+    for z in (1, 2):
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="dapple.runtime.engine"):
+            got = [_zero_stage(plan, TrainConfig(zero_stage=z), rank, plan.stage_of_device(rank)[0])
+                   for rank in plan.devices]  # fmt: skip
+        assert got == [0, z, z, 0]
+        said = [r.getMessage() for r in caplog.records]
+        assert said == [
+            f"zero stage {z} is a no-op on stage(s) 0, 2: one replica each (plan 1:2:1)"
+        ]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="dapple.runtime.engine"):
+        assert _zero_stage(plan, TrainConfig(), 0, 0) == 0
+    assert not caplog.records
