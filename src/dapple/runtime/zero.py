@@ -18,7 +18,7 @@ stage, as ``dapple plan --zero-stage`` records it) at 1 or 2, each replica of a 
   traffic, for ``1/r_s`` of the gradient memory.
 
 In both, the optimizer's parameters are views of this replica's chunks of the flat parameter
-buffer (:attr:`FlatShards.pieces`, cut at parameter boundaries so each keeps its weight-decay
+buffers (:attr:`FlatShards.pieces`, cut at parameter boundaries so each keeps its weight-decay
 group), their gradients views of the gradient shard; after the update every bucket is
 all-gathered in place (``torch.distributed.all_gather_single``, :meth:`FlatShards.gather`).
 torch 2.13 runs both on gloo (CPU) and NCCL; they are the ``reduce_scatter_tensor`` /
@@ -28,9 +28,10 @@ Design choices:
     - Layout: the stage's trainable parameters, in reverse order (the order backward makes
       their gradients final), are cut into buckets of about :data:`~dapple.runtime.sync.BUCKET_BYTES`;
       a bucket of ``n`` elements is padded to ``P = r * ceil(n / r)`` and replica ``j`` owns
-      its chunk ``[j P / r, (j + 1) P / r)``. The parameters become views of one flat buffer
-      that holds every bucket in turn. Each replica thus updates exactly ``1/r_s`` of every
-      bucket, and a bucket's reduce-scatter can start while backward computes earlier layers.
+      its chunk ``[j P / r, (j + 1) P / r)``. The parameters become views of their bucket's
+      flat buffer (built one bucket at a time, so the copy adds one bucket to the peak, not
+      the stage). Each replica thus updates exactly ``1/r_s`` of every bucket, and a bucket's
+      reduce-scatter can start while backward computes earlier layers.
     - The update of each element is the unsharded one (Adam/AdamW/SGD are elementwise), so a
       sharded run equals an unsharded one to rounding; the global gradient norm counts every
       replica's gradient shard (each element once over the replicas), clipping and fp16
@@ -96,7 +97,7 @@ class Piece:
     """The part of one stage parameter inside this replica's chunk of a bucket."""
 
     param: nn.Parameter
-    """The optimizer's parameter: a 1-D view of the flat parameter buffer."""
+    """The optimizer's parameter: a 1-D view of its bucket's flat parameter buffer."""
     origin: nn.Parameter
     """The stage parameter it is part of."""
     offset: int
@@ -106,8 +107,8 @@ class Piece:
 @dataclass
 class _Bucket:
     params: list[nn.Parameter]
-    start: int
-    """Offset of the bucket in the flat parameter buffer."""
+    flat: torch.Tensor
+    """The bucket's parameters, padded (they are views of it)."""
     padded: int
     """P: its element count, a multiple of r."""
     shard_start: int
@@ -161,41 +162,41 @@ class FlatShards:
                 size = 0
             runs[-1].append(p)
             size += nbytes
-        self.buckets: list[_Bucket] = []
-        start = shard = 0
-        for run in runs:
-            n = sum(p.numel() for p in run)
-            padded = -(-n // self.r) * self.r
-            self.buckets.append(_Bucket(run, start, padded, shard))
-            start += padded
-            shard += padded // self.r
         like = params[0] if params else torch.empty(0)
-        self.flat = torch.zeros(start, dtype=like.dtype, device=like.device)
-        """Every bucket's parameters in turn (the stage's parameters are views of it)."""
-        self.grad_shard = torch.zeros(shard, dtype=like.dtype, device=like.device)
-        """This replica's chunk of every bucket's reduced gradient, in bucket order."""
+        kw: dict[str, Any] = {"dtype": like.dtype, "device": like.device}
+        self.buckets: list[_Bucket] = []
         self.pieces: list[Piece] = []
         """The optimizer's parameters, in bucket order."""
         self._where: dict[int, tuple[int, int]] = {}
+        shard = 0
+        pending: list[tuple[int, int, int, nn.Parameter]] = []  # (bucket, lo, hi, parameter)
         with torch.no_grad():
-            for k, bk in enumerate(self.buckets):
-                chunk = bk.padded // self.r
-                lo, hi = bk.start + replica * chunk, bk.start + (replica + 1) * chunk
-                off = bk.start
-                for i, p in enumerate(bk.params):
-                    view = self.flat[off : off + p.numel()]
+            for k, run in enumerate(runs):
+                n = sum(p.numel() for p in run)
+                padded = -(-n // self.r) * self.r
+                chunk = padded // self.r
+                bk = _Bucket(run, torch.zeros(padded, **kw), padded, shard)
+                self.buckets.append(bk)
+                lo, hi = replica * chunk, (replica + 1) * chunk
+                off = 0
+                for i, p in enumerate(run):
+                    view = bk.flat[off : off + p.numel()]
                     view.copy_(p.detach().reshape(-1))
-                    p.data = view.view_as(p)
+                    p.data = view.view_as(p)  # the old storage goes now: one bucket extra at most
                     a, b = max(off, lo), min(off + p.numel(), hi)
                     if a < b:
-                        piece = nn.Parameter(self.flat[a:b])
-                        g0 = bk.shard_start + a - lo
-                        piece.grad = self.grad_shard[g0 : g0 + b - a]
-                        self.pieces.append(Piece(piece, p, a - off))
+                        pending.append((k, a - lo, b - a, p))
+                        self.pieces.append(Piece(nn.Parameter(bk.flat[a:b]), p, a - off))
                     self._where[id(p)] = (k, i)
                     off += p.numel()
                 if zero_stage == 1:
-                    bk.grads = torch.zeros(bk.padded, dtype=like.dtype, device=like.device)
+                    bk.grads = torch.zeros(padded, **kw)
+                shard += chunk
+        self.grad_shard = torch.zeros(shard, **kw)
+        """This replica's chunk of every bucket's reduced gradient, in bucket order."""
+        for pc, (k, at, n, _) in zip(self.pieces, pending, strict=True):
+            g0 = self.buckets[k].shard_start + at
+            pc.param.grad = self.grad_shard[g0 : g0 + n]
         self._sums: list[torch.Tensor] = []
         self._armed = False
         self._next = 0
@@ -248,7 +249,7 @@ class FlatShards:
         if bk.grads is not None:  # ZeRO-1: the accumulated bucket, straight into the shard
             src = bk.grads
         else:  # ZeRO-2: this micro-batch's gradients, then free them
-            src = torch.zeros(bk.padded, dtype=self.flat.dtype, device=self.flat.device)
+            src = torch.zeros_like(bk.flat)
             off = 0
             for p in bk.params:
                 if p.grad is not None:
@@ -303,7 +304,7 @@ class FlatShards:
         works = []
         for bk in self.buckets:
             chunk = bk.padded // self.r
-            full = self.flat[bk.start : bk.start + bk.padded]
+            full = bk.flat
             mine = full[self.replica * chunk : (self.replica + 1) * chunk]
             works.append(dist.all_gather_single(full, mine, group=self.pg, async_op=True))
         for w in works:
