@@ -128,6 +128,9 @@ class LongRun:
         self.module, self.optimizer, self.device = module, optimizer, device
         self.first_layer = plan.stages[stage].layers[0] if stage is not None else 0
         self.params = list(module.parameters()) if module is not None else []
+        sharded = {id(p) for p in shards.params} if shards is not None else set()
+        self._watched = [p for p in self.params if id(p) not in sharded]
+        """The parameters whose ``p.grad`` the guard sums (the sharded ones: by the shards)."""
         self.last_stage = stage == plan.num_stages - 1
         self.skipped: list[int] = []
         """Steps skipped for a non-finite loss or gradient (``on_nonfinite="skip"``)."""
@@ -192,9 +195,9 @@ class LongRun:
             if self._bad is None and self.last_stage and not math.isfinite(loss_sum):
                 self._bad = (0, int(action.micro_batch or 0))
         elif action.kind is ActionKind.BACKWARD and self.params:
-            grads = [p.grad.sum() for p in self.params if p.grad is not None]
-            if self.shards is not None:  # ZeRO-2: the reduced micro-batch's freed gradients
-                grads += self.shards.take_sums()
+            grads = [p.grad.sum() for p in self._watched if p.grad is not None]
+            if self.shards is not None:  # the sharded parameters' local gradients
+                grads += self.shards.grad_sums()
             if grads:
                 self._grad_sums.append((int(action.micro_batch or 0), torch.stack(grads).sum()))
 

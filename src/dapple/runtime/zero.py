@@ -15,14 +15,20 @@ stage, as ``dapple plan --zero-stage`` records it) at 1 or 2, each replica of a 
 - ZeRO-2: no full-size gradient buffer: after *every* micro-batch's backward each bucket is
   copied into a staging buffer, the parameters' gradients are freed and the bucket is
   reduce-scattered and added to this replica's gradient shard - M times ZeRO-1's gradient
-  traffic, for ``1/r_s`` of the gradient memory.
+  traffic, for ``1/r_s`` of the gradient memory (at most :data:`MAX_STAGED` buckets are staged
+  at once).
 
 In both, the optimizer's parameters are views of this replica's chunks of the flat parameter
 buffers (:attr:`FlatShards.pieces`, cut at parameter boundaries so each keeps its weight-decay
 group), their gradients views of the gradient shard; after the update every bucket is
 all-gathered in place (``torch.distributed.all_gather_single``, :meth:`FlatShards.gather`).
-torch 2.13 runs both on gloo (CPU) and NCCL; they are the ``reduce_scatter_tensor`` /
-``all_gather_into_tensor`` of earlier releases, which 2.13 deprecates.
+torch 2.13 runs both on gloo (CPU) and NCCL (they are the ``reduce_scatter_tensor`` /
+``all_gather_into_tensor`` of earlier releases, which 2.13 deprecates), but gloo's are slow: 4
+CPU processes on 2 cores took 590-750 ms to reduce-scatter 29.5M floats - twice the 330-390 ms
+of an AllReduce of them, with a temporary the size of the input - and 210-270 ms to all-gather
+them. On gloo, the stage's group therefore reduces each chunk to its owner
+(``torch.distributed.reduce``, one per replica, asynchronous: 175 ms, the reduce-scatter's
+bytes, in place) and gathers by one ``broadcast`` per chunk from its owner (86-95 ms).
 
 Design choices:
     - Layout: the stage's trainable parameters, in reverse order (the order backward makes
@@ -62,9 +68,20 @@ from dapple.runtime.checkpoint import LayerState, stage_layer_states
 from dapple.runtime.optim_config import ZERO_STAGES
 from dapple.runtime.sync import BUCKET_BYTES
 
-__all__ = ["ZERO_STAGES", "FlatShards", "Piece", "flat_parameters", "unsharded_stages"]
+__all__ = [
+    "MAX_STAGED",
+    "ZERO_STAGES",
+    "FlatShards",
+    "Piece",
+    "flat_parameters",
+    "unsharded_stages",
+]
 
 logger = logging.getLogger(__name__)
+
+MAX_STAGED = 2
+"""ZeRO-2: buckets being reduced at once; launching another first waits for the oldest (so the
+staged gradients take at most this many buckets, not the stage)."""
 
 
 def unsharded_stages(plan: Plan) -> list[int]:
@@ -116,9 +133,15 @@ class _Bucket:
     grads: torch.Tensor | None = None
     """ZeRO-1: the bucket's gradients (``p.grad`` are views of it)."""
     ready: set[int] = field(default_factory=set)
-    work: Any = None
-    out: torch.Tensor | None = None
-    """ZeRO-2: the reduce-scatter's output, added to the shard once it is done."""
+    works: list[Any] = field(default_factory=list)
+    """The reduce-scatter in flight (empty: none)."""
+    result: torch.Tensor | None = None
+    """Where this replica's reduced chunk lands (copied or added to the shard when done)."""
+    staged: torch.Tensor | None = None
+    """ZeRO-2: the micro-batch's gradients being reduced (kept alive until done)."""
+    launched_sum: torch.Tensor | None = None
+    """ZeRO-1: the sum of the bucket's local gradients when its reduction started (for the
+    non-finite guard: on gloo the reduction overwrites them)."""
 
 
 class FlatShards:
@@ -198,6 +221,11 @@ class FlatShards:
             g0 = self.buckets[k].shard_start + at
             pc.param.grad = self.grad_shard[g0 : g0 + n]
         self._sums: list[torch.Tensor] = []
+        self._inflight: list[_Bucket] = []
+        """ZeRO-2: the buckets whose reduction runs, oldest first."""
+        self._gloo = pg is not None and dist.get_backend(pg) == "gloo"
+        """gloo: reductions as one ``reduce`` per chunk and gathers as one ``broadcast`` per
+        chunk (see the module docstring)."""
         self._armed = False
         self._next = 0
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]  # type: ignore[no-untyped-call]
@@ -222,6 +250,8 @@ class FlatShards:
         else:
             self.grad_shard.zero_()
         self._sums = []
+        for bk in self.buckets:
+            bk.launched_sum = None
 
     def arm(self) -> None:
         """Before a backward whose gradients are reduced (ZeRO-1: the step's last; ZeRO-2:
@@ -244,10 +274,9 @@ class FlatShards:
             self._next += 1
 
     def _launch(self, bk: _Bucket) -> None:
-        chunk = bk.padded // self.r
-        out = self.grad_shard[bk.shard_start : bk.shard_start + chunk]
-        if bk.grads is not None:  # ZeRO-1: the accumulated bucket, straight into the shard
+        if bk.grads is not None:  # ZeRO-1: the accumulated bucket, reduced in place
             src = bk.grads
+            bk.launched_sum = src.sum()
         else:  # ZeRO-2: this micro-batch's gradients, then free them
             src = torch.zeros_like(bk.flat)
             off = 0
@@ -257,9 +286,34 @@ class FlatShards:
                     p.grad = None
                 off += p.numel()
             self._sums.append(src.sum())  # for the non-finite guard
-            out = bk.out = torch.empty_like(out)
-        bk.work = dist.reduce_scatter_single(out, src, op=dist.ReduceOp.SUM, group=self.pg,
-                                             async_op=True)  # fmt: skip
+            bk.staged = src
+        chunk = bk.padded // self.r
+        if self._gloo:  # one reduce per chunk, to its owner: the reduce-scatter's bytes
+            bk.works = [
+                dist.reduce(src[j * chunk : (j + 1) * chunk], dst=d, group=self.pg, async_op=True)
+                for j, d in enumerate(self.devices)
+            ]
+            bk.result = src[self.replica * chunk : (self.replica + 1) * chunk]
+        else:
+            bk.result = torch.empty(chunk, dtype=src.dtype, device=src.device)
+            bk.works = [dist.reduce_scatter_single(bk.result, src, op=dist.ReduceOp.SUM,
+                                                   group=self.pg, async_op=True)]  # fmt: skip
+        if bk.staged is not None:  # ZeRO-2: at most MAX_STAGED staging buffers alive
+            self._inflight.append(bk)
+            while len(self._inflight) > MAX_STAGED:
+                self._land(self._inflight.pop(0), add=True)
+
+    def _land(self, bk: _Bucket, *, add: bool) -> None:
+        """Wait for ``bk``'s reduction and copy (ZeRO-1) or add (ZeRO-2) it into the shard."""
+        for w in bk.works:
+            w.wait()
+        if bk.works and bk.result is not None:
+            dst = self.grad_shard[bk.shard_start : bk.shard_start + bk.result.numel()]
+            if add:
+                dst.add_(bk.result)
+            else:
+                dst.copy_(bk.result)
+        bk.works, bk.result, bk.staged = [], None, None
 
     def after_backward(self) -> None:
         """ZeRO-2, after each backward: reduce the buckets not started yet (in order), wait
@@ -267,46 +321,61 @@ class FlatShards:
         for bk in self.buckets[self._next :]:
             self._launch(bk)
         self._armed = False
-        for bk in self.buckets:
-            bk.work.wait()
-            bk.work = None
-            assert bk.out is not None
-            self.grad_shard[bk.shard_start : bk.shard_start + bk.out.numel()].add_(bk.out)
-            bk.out = None
+        for bk in self._inflight:
+            self._land(bk, add=True)
+        self._inflight = []
 
-    def take_sums(self) -> list[torch.Tensor]:
-        """ZeRO-2: the sums of the gradients reduced since the last call (whose ``p.grad`` are
-        freed), for the non-finite guard."""
-        out, self._sums = self._sums, []
-        return out
+    def grad_sums(self) -> list[torch.Tensor]:
+        """For the non-finite guard, after a backward: the sums of this replica's local
+        gradients of the sharded parameters - ZeRO-1: each bucket's as its reduction started
+        (or now, when not started); ZeRO-2: those reduced since the last call (their ``p.grad``
+        are freed)."""
+        if self.zero_stage == 2:
+            out, self._sums = self._sums, []
+            return out
+        sums = []
+        for bk in self.buckets:
+            assert bk.grads is not None
+            sums.append(bk.launched_sum if bk.launched_sum is not None else bk.grads.sum())
+        return sums
 
     def finish(self) -> None:
-        """The ``AR`` action (ZeRO-1): start the buckets not started yet (in order) and wait."""
+        """The ``AR`` action (ZeRO-1): start the buckets not started yet (in order), wait and
+        copy each reduced chunk into the gradient shard."""
         if self.zero_stage != 1:
             return
         for bk in self.buckets[self._next :]:
             self._launch(bk)
-        self.drain()
-
-    def drain(self) -> None:
-        """Wait for the reduce-scatters in flight (the step is skipped or stopped)."""
         self._armed = False
         self._next = len(self.buckets)
         for bk in self.buckets:
-            if bk.work is not None:
-                bk.work.wait()
-            bk.work, bk.out = None, None
+            self._land(bk, add=False)
+            bk.launched_sum = None
+
+    def drain(self) -> None:
+        """Wait for the reductions in flight and drop them (the step is skipped or stopped)."""
+        self._armed = False
+        self._next = len(self.buckets)
+        for bk in self.buckets:
+            for w in bk.works:
+                w.wait()
+            bk.works, bk.result, bk.staged, bk.launched_sum = [], None, None, None
+        self._inflight = []
 
     @torch.no_grad()
     def gather(self) -> None:
-        """After the update of the pieces: every replica's chunks to every replica (an
-        in-place all-gather of each bucket over the stage's replica group)."""
+        """After the update of the pieces: every replica's chunks to every replica, in place
+        (gloo: one broadcast per chunk from its owner; otherwise an all-gather per bucket)."""
         works = []
         for bk in self.buckets:
             chunk = bk.padded // self.r
-            full = bk.flat
-            mine = full[self.replica * chunk : (self.replica + 1) * chunk]
-            works.append(dist.all_gather_single(full, mine, group=self.pg, async_op=True))
+            if self._gloo:
+                for j, d in enumerate(self.devices):
+                    part = bk.flat[j * chunk : (j + 1) * chunk]
+                    works.append(dist.broadcast(part, src=d, group=self.pg, async_op=True))
+            else:
+                mine = bk.flat[self.replica * chunk : (self.replica + 1) * chunk]
+                works.append(dist.all_gather_single(bk.flat, mine, group=self.pg, async_op=True))
         for w in works:
             w.wait()
 
