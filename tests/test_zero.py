@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -238,6 +239,13 @@ def resume_worker(rank: int, world: int, out_dir: str) -> None:
     # resumed under 2:2 unsharded
     z2 = run(p22, zero_stage=2)
     z2_again = run(p22, zero_stage=2, checkpoint_dir=ck, resume=True)
+    # the reduce_scatter_single / all_gather_single path (NCCL's), here on gloo
+    from dapple.runtime.zero import TENSOR_COLLECTIVES_ENV
+
+    os.environ[TENSOR_COLLECTIVES_ENV] = "1"
+    tensor_path = [run(p13, zero_stage=z) for z in (1, 2)]
+    os.environ.pop(TENSOR_COLLECTIVES_ENV)
+    plain13 = run(p13)
     ck2 = str(Path(out_dir, "ck2"))
     run(p13, zero_stage=2, checkpoint_dir=ck2, save_every=CUT)
     from_z2 = run(p22, checkpoint_dir=ck2, resume=True)
@@ -269,6 +277,7 @@ def resume_worker(rank: int, world: int, out_dir: str) -> None:
         and _close(full.module, z2_again.module)
         and _close(full.module, from_z2.module),
         "zero2_owned": _owned(z2.optimizer),
+        "tensor_path_same": all(_close(plain13.module, t.module) for t in tensor_path),
         "skip_lrs": [m.lr for m in skips[1].metrics],
         "other1_owned": _owned(other1.optimizer),
         "other_params": sum(p.numel() for p in other.module.parameters()),
@@ -327,6 +336,7 @@ def test_zero1_checkpoint_is_whole_and_resumes_under_another_plan(tmp_path: Path
         assert row["skip_same2"], f"rank {r}: a skipped step differs under ZeRO-2"
         assert row["zero2_same"], f"rank {r}: ZeRO-2 (straight or resumed) differs"
         assert row["zero2_owned"] == row["owned"], r
+        assert row["tensor_path_same"], f"rank {r}: reduce_scatter/all_gather path differs"
         assert row["planned_same"] and row["planned_owned"] == row["owned"], r
     assert rows[0]["skip_lrs"][NAN_STEP] is None  # the step was skipped (no update)
     assert rows[0]["skip_lrs"][NAN_STEP + 1] is not None

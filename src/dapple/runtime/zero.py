@@ -55,6 +55,7 @@ Design choices:
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -78,6 +79,10 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+TENSOR_COLLECTIVES_ENV = "DAPPLE_TEST_ZERO_TENSOR_COLLECTIVES"
+"""Test hook: with ``1`` here gloo groups use ``reduce_scatter_single``/``all_gather_single``
+too (the path of other backends), so it can be tested on the CPU."""
 
 MAX_STAGED = 2
 """ZeRO-2: buckets being reduced at once; launching another first waits for the oldest (so the
@@ -223,7 +228,11 @@ class FlatShards:
         self._sums: list[torch.Tensor] = []
         self._inflight: list[_Bucket] = []
         """ZeRO-2: the buckets whose reduction runs, oldest first."""
-        self._gloo = pg is not None and dist.get_backend(pg) == "gloo"
+        self._gloo = (
+            pg is not None
+            and dist.get_backend(pg) == "gloo"
+            and os.environ.get(TENSOR_COLLECTIVES_ENV) != "1"
+        )
         """gloo: reductions as one ``reduce`` per chunk and gathers as one ``broadcast`` per
         chunk (see the module docstring)."""
         self._armed = False
