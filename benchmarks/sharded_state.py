@@ -30,7 +30,6 @@ from dapple.planner.memory import parameter_state_bytes
 
 MODEL: dict[str, Any] = {"layers": 7, "in_features": 32, "hidden": 4096, "num_classes": 10}
 G, M, STEPS = 24, 2, 5  # micro-batch 12: splits over 2, 3 and 4 replicas
-ZEROS = (0, 1, 2)
 MIB = 1024**2
 RESERVED = 128 * MIB
 """What a CPU rank's runtime adds besides its stage (``benchmarks/memory.md``)."""
@@ -81,18 +80,24 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(HERE / "sharded_state.md"))
     ap.add_argument("--rounds", type=int, default=2, help="runs per configuration, alternating")
+    ap.add_argument("--plans", default="DP x4,1:3,2:2", help="comma-separated plan names")
+    ap.add_argument("--zeros", default="0,1,2", help="comma-separated zero stages (0 first)")
+    ap.add_argument("--steps", type=int, default=STEPS, help="steps per run")
     args = ap.parse_args()
+    zeros = tuple(int(z) for z in args.zeros.split(","))
+    steps = args.steps
     pb = _param_bytes()
     prof = _profile(pb)
     n_params = sum(pb) // 4
     lines = header(
         "Sharded training state (ZeRO-1/2) per stage",
-        f"python benchmarks/sharded_state.py --rounds {args.rounds}",
+        f"python benchmarks/sharded_state.py --rounds {args.rounds} --plans '{args.plans}' "
+        f"--zeros {args.zeros} --steps {steps}",
     )
     lines += [
         f"Model: zoo `mlp` {MODEL}, {n_params / 1e6:.1f}M parameters ({len(pb)} chain layers), "
-        f"fp32, Adam (fused), lr 1e-4, global batch {G}, M = {M}, {STEPS} steps, 4 gloo "
-        "processes on this machine. Each plan runs zero stage 0, 1 and 2 in turn, "
+        f"fp32, Adam (fused), lr 1e-4, global batch {G}, M = {M}, {steps} steps, 4 gloo "
+        f"processes on this machine. Each plan runs zero stage {args.zeros} in turn, "
         f"{args.rounds} rounds; step time: median over the runs of the steps after each run's "
         "first; memory: the largest of the runs, per stage the largest over its replicas.",
         "",
@@ -102,14 +107,16 @@ def main() -> None:
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, plan in _plans(len(pb)).items():
+        if name not in args.plans.split(","):
+            continue
         shape = ", ".join(f"{st.replicas} x {st.layers[1] - st.layers[0]}" for st in plan.stages)
-        times: dict[int, list[float]] = {z: [] for z in ZEROS}
+        times: dict[int, list[float]] = {z: [] for z in zeros}
         peak: dict[int, list[float]] = {}
         added: dict[int, list[float]] = {}
         for k in range(args.rounds):
-            for zero in ZEROS:
+            for zero in zeros:
                 print(f"{name} zero {zero} round {k}: training", flush=True)
-                metrics = api.train(plan, "mlp", steps=STEPS, overrides=MODEL, optimizer="adam",
+                metrics = api.train(plan, "mlp", steps=steps, overrides=MODEL, optimizer="adam",
                                     lr=1e-4, zero_stage=zero, device="cpu")  # fmt: skip
                 last = metrics[-1]
                 for store, got in ((peak, last.peak_resident_bytes),
@@ -122,7 +129,7 @@ def main() -> None:
                 print(f"  peak {_fmt(peak[zero])}, added {_fmt(added[zero])}, steps "
                       f"{[round(m.step_ms) for m in metrics]} ms", flush=True)  # fmt: skip
         base_ms = statistics.median(times[0])
-        for zero in ZEROS:
+        for zero in zeros:
             step_ms = statistics.median(times[zero])
             est = [
                 parameter_state_bytes(prof, st.layers, st.replicas, zero) + RESERVED
