@@ -19,8 +19,14 @@ __all__ = [
     "parameter_state_bytes",
     "state_bytes_per_parameter_byte",
     "weight_cast_bytes",
+    "zero2_staging_bytes",
     "zero_saved_bytes",
 ]
+
+ZERO2_STAGED_LAYERS = 3
+"""ZeRO-2's gradients in flight while a backward runs, in units of the stage's largest layer:
+the runtime's two staged buckets being reduced (``dapple.runtime.zero.MAX_STAGED``) and the
+gradients autograd is producing - each at most one layer's parameters."""
 
 UNBOUNDED_IN_FLIGHT = 10**9
 """D of a stage whose activations take no memory."""
@@ -59,9 +65,9 @@ def state_bytes_per_parameter_byte(
     accumulate in the flat buckets themselves (no extra copy), each replica holds the reduced
     gradient of its ``1/r_s`` chunk, and the optimizer state (the factor less the gradient's 1)
     is held ``1/r_s`` on each replica: ``1 + 1 + (factor - 1 + 1) / r_s``. With 2 the
-    gradients are held only as the ``1/r_s`` shard: ``1 + factor / r_s``. The buckets in
-    flight while ZeRO-2 reduces a micro-batch (about two of
-    :data:`~dapple.runtime.sync.BUCKET_BYTES`) are not counted.
+    gradients are held only as the ``1/r_s`` shard: ``1 + factor / r_s``. The gradients in
+    flight while ZeRO-2 reduces a micro-batch are a per-stage term (:func:`zero2_staging_bytes`,
+    added by :func:`parameter_state_bytes`).
     """
     cast = WEIGHT_CAST_FACTOR[profile.precision]
     factor = profile.optimizer_state_factor
@@ -87,10 +93,25 @@ def parameter_state_bytes(
     """Parameters + gradients + optimizer state (+ weight cast cache, + AllReduce buffers) of
     layers ``[start, end)`` on one of ``replicas`` replicas
     (:func:`state_bytes_per_parameter_byte`; 16 bytes per fp32 Adam parameter with the default
-    factor 3 and no replicas, 18 under bf16/fp16 autocast)."""
+    factor 3 and no replicas, 18 under bf16/fp16 autocast), plus ZeRO-2's gradients in flight
+    (:func:`zero2_staging_bytes`)."""
     s, e = layers
     params = sum(layer.parameter_bytes for layer in profile.layers[s:e])
-    return params * state_bytes_per_parameter_byte(profile, replicas, zero_stage)
+    staging = zero2_staging_bytes(profile, layers, replicas, zero_stage)
+    return params * state_bytes_per_parameter_byte(profile, replicas, zero_stage) + staging
+
+
+def zero2_staging_bytes(
+    profile: ModelProfile, layers: tuple[int, int], replicas: int, zero_stage: int
+) -> float:
+    """The gradients ZeRO-2 holds while a backward of layers ``[start, end)`` runs, beyond its
+    shard: :data:`ZERO2_STAGED_LAYERS` x the largest layer's parameter bytes (an upper bound:
+    a bucket holds at most one layer's parameters when they are larger than the bucket size);
+    0 unless ``zero_stage >= 2`` on a replicated stage."""
+    if zero_stage < 2 or replicas < 2:
+        return 0.0
+    s, e = layers
+    return ZERO2_STAGED_LAYERS * max(layer.parameter_bytes for layer in profile.layers[s:e])
 
 
 def zero_saved_bytes(
