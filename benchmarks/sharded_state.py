@@ -1,17 +1,18 @@
-"""Per-rank memory and step time of zero stage 0 vs 1 (sharded optimizer state) on 4 ranks.
+"""Per-rank memory and step time of zero stage 0, 1 and 2 on 4 ranks (sharded training state).
 
-The model is the zoo ``mlp`` with 8 hidden layers of width 2048 (about 29M parameters, fp32,
-Adam). Each plan (DP x4, 1:3, 2:2) trains a few steps on 4 local gloo processes, once with
-``zero_stage=0`` and once with ``zero_stage=1``; every rank reports what building and
-training its stage added to its resident memory (``StepMetrics.stage_resident_bytes``, the
-maximum over each stage's replicas). The estimate is the planner's per-replica state
-(:func:`dapple.planner.memory.parameter_state_bytes`: parameters, gradients, Adam moments -
-divided by r_s under ZeRO-1 - and a replicated stage's AllReduce buffers) plus the 128 MiB a
-CPU rank's runtime adds besides its stage (see ``benchmarks/memory.md``); the MLP's
-activations (a few MiB) are left out.
+The model is the zoo ``mlp`` with 7 layers of width 4096 (about 101M parameters, fp32, Adam).
+Each plan (DP x4, 1:3, 2:2) trains a few steps on 4 local gloo processes with ``zero_stage``
+0, 1 and 2 in turn, for ``--rounds`` rounds. Every run reports, per stage and as the maximum
+over the stage's replicas, the rank's peak resident memory (``StepMetrics.peak_resident_bytes``,
+``VmHWM``) and what building and training its stage added to it
+(``StepMetrics.stage_resident_bytes``). The estimate is the planner's per-replica state
+(:func:`dapple.planner.memory.parameter_state_bytes`) plus the 128 MiB a CPU rank's runtime
+adds besides its stage (``benchmarks/memory.md``); the MLP's activations (a few MiB) are left
+out. CPU ranks keep freed memory for reuse (:func:`dapple.runtime.host_memory.keep_freed_memory`,
+set by dapple's launcher).
 
-Run: ``python benchmarks/sharded_state.py [--out benchmarks/sharded_state.md]`` (about 3
-minutes on 2 cores).
+Run: ``python benchmarks/sharded_state.py [--out benchmarks/sharded_state.md] [--rounds N]``
+(about 15 minutes on 2 busy cores; 4 ranks of zero stage 0 hold about 9 GB).
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ from dapple.core.plan import Plan, straight_plan
 from dapple.core.profile import AffineTime, LayerProfile, ModelProfile
 from dapple.planner.memory import parameter_state_bytes
 
-MODEL: dict[str, Any] = {"layers": 8, "in_features": 32, "hidden": 2048, "num_classes": 10}
-G, M, STEPS = 24, 2, 6  # micro-batch 12: splits over 2, 3 and 4 replicas
+MODEL: dict[str, Any] = {"layers": 7, "in_features": 32, "hidden": 4096, "num_classes": 10}
+G, M, STEPS = 24, 2, 5  # micro-batch 12: splits over 2, 3 and 4 replicas
 MIB = 1024**2
 RESERVED = 128 * MIB
 """What a CPU rank's runtime adds besides its stage (``benchmarks/memory.md``)."""
@@ -57,72 +58,88 @@ def _profile(param_bytes: list[int]) -> ModelProfile:
 
 
 def _plans(n: int) -> dict[str, Plan]:
+    half = n // 2
     return {
         "DP x4": straight_plan(n, [0], global_batch_size=G, num_micro_batches=M, replicas=[4]),
         "1:3": straight_plan(n, [0, 2], global_batch_size=G, num_micro_batches=M, replicas=[1, 3]),
-        "2:2": straight_plan(n, [0, 5], global_batch_size=G, num_micro_batches=M, replicas=[2, 2]),
+        "2:2": straight_plan(
+            n, [0, half], global_batch_size=G, num_micro_batches=M, replicas=[2, 2]
+        ),
     }
+
+
+def _fmt(values: list[float], unit: str = " MiB", scale: float = MIB, nd: int = 0) -> str:
+    return " / ".join(f"{v / scale:.{nd}f}{unit}" for v in values)
+
+
+def _ratio(a: list[float], b: list[float]) -> str:
+    return " / ".join(f"{x / y:.2f}x" for x, y in zip(a, b, strict=True))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(HERE / "sharded_state.md"))
-    ap.add_argument("--rounds", type=int, default=3, help="runs per configuration, alternating")
+    ap.add_argument("--rounds", type=int, default=2, help="runs per configuration, alternating")
+    ap.add_argument("--plans", default="DP x4,1:3,2:2", help="comma-separated plan names")
+    ap.add_argument("--zeros", default="0,1,2", help="comma-separated zero stages (0 first)")
+    ap.add_argument("--steps", type=int, default=STEPS, help="steps per run")
     args = ap.parse_args()
+    zeros = tuple(int(z) for z in args.zeros.split(","))
+    steps = args.steps
     pb = _param_bytes()
     prof = _profile(pb)
     n_params = sum(pb) // 4
     lines = header(
-        "Sharded optimizer state (ZeRO-1) per stage", "python benchmarks/sharded_state.py"
+        "Sharded training state (ZeRO-1/2) per stage",
+        f"python benchmarks/sharded_state.py --rounds {args.rounds} --plans '{args.plans}' "
+        f"--zeros {args.zeros} --steps {steps}",
     )
     lines += [
         f"Model: zoo `mlp` {MODEL}, {n_params / 1e6:.1f}M parameters ({len(pb)} chain layers), "
-        f"fp32, Adam (fused), lr 1e-4, global batch {G}, M = {M}, {STEPS} steps, 4 gloo "
-        "processes on this machine. Each plan runs zero stage 0 and 1 alternately, "
-        f"{args.rounds} times each; step time: median over the runs of the steps after each "
-        "run's first; memory: the largest of the runs.",
+        f"fp32, Adam (fused), lr 1e-4, global batch {G}, M = {M}, {steps} steps, 4 gloo "
+        f"processes on this machine. Each plan runs zero stage {args.zeros} in turn, "
+        f"{args.rounds} rounds; step time: median over the runs of the steps after each run's "
+        "first; memory: the largest of the runs, per stage the largest over its replicas.",
         "",
-        "| plan | zero stage | stage: replicas x layers | added by the stage, max over replicas "
-        "| vs zero 0 | estimate (state + reserved) | estimate / added | step time | vs zero 0 |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| plan | zero stage | stage: replicas x layers | peak resident per rank | vs zero 0 "
+        "| added by the stage | vs zero 0 | estimate (state + reserved) | estimate / added "
+        "| step time | vs zero 0 |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, plan in _plans(len(pb)).items():
-        base: tuple[list[float], float] | None = None
+        if name not in args.plans.split(","):
+            continue
         shape = ", ".join(f"{st.replicas} x {st.layers[1] - st.layers[0]}" for st in plan.stages)
-        times: dict[int, list[float]] = {0: [], 1: []}
-        mem: dict[int, list[float]] = {}
+        times: dict[int, list[float]] = {z: [] for z in zeros}
+        peak: dict[int, list[float]] = {}
+        added: dict[int, list[float]] = {}
         for k in range(args.rounds):
-            for zero in (0, 1):
+            for zero in zeros:
                 print(f"{name} zero {zero} round {k}: training", flush=True)
-                metrics = api.train(
-                    plan,
-                    "mlp",
-                    steps=STEPS,
-                    overrides=MODEL,
-                    optimizer="adam",
-                    lr=1e-4,
-                    zero_stage=zero,
-                    device="cpu",
-                )
-                got = [float(a) for a in metrics[-1].stage_resident_bytes]
-                mem[zero] = [max(a, b) for a, b in zip(mem.get(zero, got), got, strict=True)]
+                metrics = api.train(plan, "mlp", steps=steps, overrides=MODEL, optimizer="adam",
+                                    lr=1e-4, zero_stage=zero, device="cpu")  # fmt: skip
+                last = metrics[-1]
+                for store, got in ((peak, last.peak_resident_bytes),
+                                   (added, last.stage_resident_bytes)):  # fmt: skip
+                    vals = [float(a) for a in got]
+                    store[zero] = [
+                        max(a, b) for a, b in zip(store.get(zero, vals), vals, strict=True)
+                    ]
                 times[zero] += [m.step_ms for m in metrics[1:]]
-        for zero in (0, 1):
-            added = mem[zero]
+                print(f"  peak {_fmt(peak[zero])}, added {_fmt(added[zero])}, steps "
+                      f"{[round(m.step_ms) for m in metrics]} ms", flush=True)  # fmt: skip
+        base_ms = statistics.median(times[0])
+        for zero in zeros:
             step_ms = statistics.median(times[zero])
             est = [
                 parameter_state_bytes(prof, st.layers, st.replicas, zero) + RESERVED
                 for st in plan.stages
             ]
-            if base is None:
-                base = (added, step_ms)
             lines.append(
-                f"| {name} | {zero} | {shape} | "
-                f"{' / '.join(f'{a / MIB:.0f} MiB' for a in added)} | "
-                f"{' / '.join(f'{a / b:.2f}x' for a, b in zip(added, base[0], strict=True))} | "
-                f"{' / '.join(f'{e / MIB:.0f} MiB' for e in est)} | "
-                f"{' / '.join(f'{e / a:.2f}' for e, a in zip(est, added, strict=True))} | "
-                f"{step_ms:.0f} ms | {step_ms / base[1]:.2f}x |"
+                f"| {name} | {zero} | {shape} | {_fmt(peak[zero])} | {_ratio(peak[zero], peak[0])} "
+                f"| {_fmt(added[zero])} | {_ratio(added[zero], added[0])} | {_fmt(est)} "
+                f"| {_ratio(est, added[zero]).replace('x', '')} | {step_ms:.0f} ms "
+                f"| {step_ms / base_ms:.2f}x |"
             )
             print(lines[-1], flush=True)
     lines += ["", f"End: {load_note()}."]

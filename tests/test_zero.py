@@ -1,12 +1,13 @@
-"""ZeRO-1 inside replicated stages (:mod:`dapple.runtime.zero`).
+"""ZeRO-1 and ZeRO-2 inside replicated stages (:mod:`dapple.runtime.zero`).
 
-Pure tiers first (the owner partition against brute force, the shards and broadcast runs of a
-stage, option checks), then two multi-process runs (marked slow): ``verify`` with
-``zero_stage=1`` under 1:3, 2:2, 1:2:1 and DP x4 (and a tied weight across two replicated
-stages) with AdamW + a binding clip in one spawned group, and a checkpoint saved under 2:2 with ZeRO-1 (whole optimizer state in the layer files,
-each replica's optimizer holding only its shard) resumed under the same plan (bit-exact), under
-1:3 without sharding and under 1:3 sharded by 3 (bit-for-bit the unsharded 1:3), and a step
-skipped for a non-finite loss (no shard updated, bit-for-bit the unsharded run).
+Pure tiers first (the flat layout: equal chunks of every bucket, each element in exactly one
+replica's pieces, tied parameters left whole; option checks; the planner's memory and cost),
+then multi-process runs (marked slow): ``verify`` with ``zero_stage=1`` under 1:3, 2:2, 1:2:1
+and DP x4 (and a tied weight across two replicated stages) with AdamW + a binding clip in one
+spawned group, and a checkpoint saved under 2:2 with ZeRO-1 (whole optimizer state in the layer
+files, each replica's optimizer holding only its shard) resumed under the same plan
+(bit-exact), under 1:3 without sharding and under 1:3 sharded by 3 (the unsharded 1:3 to
+float32 rounding), and a step skipped for a non-finite loss (no shard updated).
 """
 
 from __future__ import annotations
@@ -14,12 +15,11 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import os
 from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 import runtime_workloads as rw
 from dapple import api
@@ -28,69 +28,85 @@ from dapple.core.plan import Plan, straight_plan
 from dapple.errors import ValidationError
 from dapple.runtime.config import TrainConfig
 from dapple.runtime.optim_config import OPTIM_FIELDS, ZERO_STAGES
-from dapple.runtime.zero import StageShards, partition, unsharded_stages
+from dapple.runtime.zero import FlatShards, flat_parameters, unsharded_stages
 
 G = 6
 """Global batch of the verify runs (divisible by 3 replicas x 2 micro-batches)."""
 
 
-# -- the partition ------------------------------------------------------------------------------
-@settings(max_examples=60, deadline=None)
-@given(st.lists(st.integers(1, 50), min_size=1, max_size=7), st.integers(1, 4))
-def test_partition_is_the_greedy_least_loaded_assignment(sizes: list[int], r: int) -> None:
-    owner = partition(sizes, r)
-    assert len(owner) == len(sizes) and all(0 <= j < r for j in owner)
-    assert partition(sizes, r) == owner  # deterministic: every replica computes the same
-    # greedy bound: no replica exceeds the lightest by more than the largest parameter
-    load = [sum(n for n, j in zip(sizes, owner, strict=True) if j == k) for k in range(r)]
-    assert max(load) - min(load) <= max(sizes)
-    # brute force over all assignments: the greedy max load is within 4/3 of the optimum
-    # (Graham's bound for list scheduling is 2 - 1/r; in-order greedy on these sizes)
-    if len(sizes) <= 6 and r <= 3:
-        best = min(
-            max(sum(n for n, j in zip(sizes, a, strict=True) if j == k) for k in range(r))
-            for a in itertools.product(range(r), repeat=len(sizes))
-        )
-        assert max(load) <= (2 - 1 / r) * best
-
-
-def test_partition_golden() -> None:
-    assert partition([10, 10, 10, 10], 2) == [0, 1, 0, 1]
-    assert partition([100, 1, 1, 1], 2) == [0, 1, 1, 1]
-    assert partition([5, 5, 5], 4) == [0, 1, 2]  # a replica may own nothing
-
-
-def test_stage_shards_cover_the_stage_once_and_runs_follow_owners() -> None:
+# -- the flat layout ----------------------------------------------------------------------------
+@pytest.mark.parametrize(("r", "bucket_bytes"), [(3, 64), (2, 10**9), (4, 100)])
+def test_flat_shards_split_every_bucket_evenly_and_cover_each_element_once(
+    r: int, bucket_bytes: int
+) -> None:
     wl = rw.mlp()
-    plan = straight_plan(4, [0, 1], global_batch_size=G, num_micro_batches=2, replicas=[1, 3])
-    module = wl.build_stage(1, 4, 0)
-    shards = [StageShards(plan, 1, j, module, None, bucket_bytes=64) for j in range(3)]
-    params = list(module.parameters())
-    index = {id(p): k for k, p in enumerate(params)}
-    owned = [id(p) for sh in shards for p in sh.owned]
-    assert sorted(owned) == sorted(id(p) for p in params)  # each parameter once
-    assert sum(sh.owned_fraction() for sh in shards) == pytest.approx(1.0)
-    assert all(sh.owned_fraction() < 0.6 for sh in shards)
-    for sh in shards:  # same broadcast order on every replica, each run one owner's
-        assert [(j, [id(p) for p in ps]) for j, ps in sh.runs] == [
-            (j, [id(p) for p in ps]) for j, ps in shards[0].runs
-        ]
-        for j, ps in sh.runs:
-            assert all(sh.owner[index[id(p)]] == j for p in ps)
-            assert len(ps) == 1 or sum(p.numel() * 4 for p in ps) <= 64
-    assert unsharded_stages(plan) == [0]
+    plan = straight_plan(4, [0, 1], global_batch_size=12, num_micro_batches=2, replicas=[1, r])
+    ref = [p.detach().clone() for p in wl.build_stage(1, 4, 0).parameters()]
+    shards = []
+    for j in range(r):
+        module = wl.build_stage(1, 4, 0)
+        flat = flat_parameters(plan, wl, 1, module)
+        assert flat == list(module.parameters())
+        sh = FlatShards(plan, 1, j, module, flat, None, 1, bucket_bytes=bucket_bytes)
+        shards.append(sh)
+        for p, want in zip(module.parameters(), ref, strict=True):  # views of the flat buffer
+            assert torch.equal(p, want)
+            assert p.untyped_storage().data_ptr() in {
+                bk.flat.untyped_storage().data_ptr() for bk in sh.buckets
+            }
+        sh.close()
+    # every replica updates exactly 1/r of every (padded) bucket
+    sizes = {sum(pc.param.numel() for pc in sh.pieces) + _padding_owned(sh) for sh in shards}
+    total = sum(bk.padded for bk in shards[0].buckets)
+    assert sizes == {total // r} and all(bk.padded % r == 0 for bk in shards[0].buckets)
+    assert len(shards[0].buckets) > 1 or bucket_bytes > 10**6
+    # the pieces of all replicas cover every element of every parameter exactly once
+    for k, p in enumerate(shards[0].params):
+        hits = torch.zeros(p.numel())
+        for sh in shards:
+            for pc in sh.pieces:
+                if pc.origin is sh.params[k]:
+                    hits[pc.offset : pc.offset + pc.param.numel()] += 1
+                    assert torch.equal(
+                        pc.param, sh.params[k].reshape(-1)[pc.offset :][: pc.param.numel()]
+                    )
+        assert torch.equal(hits, torch.ones(p.numel())), k
+    assert 0.0 < shards[0].owned_fraction() <= 1.0
+
+
+def _padding_owned(sh: FlatShards) -> int:
+    """Padding elements in ``sh``'s chunks (a bucket is padded to a multiple of r)."""
+    n = 0
+    for bk in sh.buckets:
+        chunk = bk.padded // sh.r
+        used = sum(p.numel() for p in bk.params)
+        lo = sh.replica * chunk
+        n += max(0, min(lo + chunk, bk.padded) - max(lo, used))
+    return n
+
+
+def test_tied_parameters_stay_whole() -> None:
+    wl = rw.tied_mlp()
+    plan = straight_plan(4, [0, 2], global_batch_size=4, num_micro_batches=2, replicas=[2, 2])
+    module = wl.build_stage(0, 2, 0)
+    flat = flat_parameters(plan, wl, 0, module)
+    tied = {id(dict(enumerate(module.children()))[i].get_parameter(n))
+            for g in wl.tied_parameters for i, n in g if i < 2}  # fmt: skip
+    assert tied and not tied & {id(p) for p in flat}
+    assert len(flat) == len(list(module.parameters())) - len(tied)
+    assert unsharded_stages(plan) == []
 
 
 # -- options -----------------------------------------------------------------------------------
-@pytest.mark.parametrize(("value", "message"), [(2, "ZeRO-2"), (3, "got 3"), (-1, "got -1")])
+@pytest.mark.parametrize(("value", "message"), [(3, "got 3"), (-1, "got -1")])
 def test_bad_zero_stage_is_named(value: int, message: str) -> None:
-    with pytest.raises(ValidationError, match="zero_stage must be one of 0, 1") as e:
+    with pytest.raises(ValidationError, match="zero_stage must be one of 0, 1, 2") as e:
         TrainConfig(zero_stage=value)
     assert message in str(e.value)
 
 
 def test_zero_stage_is_an_optimisation_option_verify_forwards() -> None:
-    assert "zero_stage" in OPTIM_FIELDS and ZERO_STAGES == (0, 1)
+    assert "zero_stage" in OPTIM_FIELDS and ZERO_STAGES == (0, 1, 2)
     assert TrainConfig().zero_stage == 0
 
 
@@ -99,12 +115,13 @@ def test_cli_zero_stage_flag_reaches_the_train_config(cmd: str) -> None:
     from dapple.cli import build_parser
     from dapple.cli._optim_args import optim_options
 
-    args = build_parser().parse_args(
-        [cmd, "--plan", "p.json", "--model", "mlp", "--zero-stage", "1"]
-    )
-    options = optim_options(args)
-    assert options["zero_stage"] == 1
-    assert TrainConfig(**options).zero_stage == 1
+    for z in (1, 2):
+        args = build_parser().parse_args(
+            [cmd, "--plan", "p.json", "--model", "mlp", "--zero-stage", str(z)]
+        )
+        options = optim_options(args)
+        assert options["zero_stage"] == z
+        assert TrainConfig(**options).zero_stage == z
     default = build_parser().parse_args([cmd, "--plan", "p.json", "--model", "mlp"])
     assert optim_options(default)["zero_stage"] == 0
 
@@ -115,14 +132,13 @@ def test_cli_bad_zero_stage_is_one_line_before_any_compute(
     plan = straight_plan(4, [0, 2], global_batch_size=4, num_micro_batches=2, replicas=[2, 2])
     plan.save(tmp_path / "plan.json")
     ck = tmp_path / "ck"
-    args = ["--plan", str(tmp_path / "plan.json"), "--model", "runtime_workloads:mlp",
-            "--zero-stage", "2"]  # fmt: skip
+    args = ["--plan", str(tmp_path / "plan.json"), "--model", "runtime_workloads:mlp"]
     saving = ["--checkpoint-dir", str(ck), "--save-every", "1"]
-    for cmd in ("train", "verify"):
-        assert main([cmd, *args, *(saving if cmd == "train" else [])]) != 0
+    for cmd, bad in itertools.product(("train", "verify"), ("3", "x", "-1")):
+        assert main([cmd, *args, "--zero-stage", bad, *(saving if cmd == "train" else [])]) != 0
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("dapple: error:"), err
-        assert "zero_stage" in err[0] and "ZeRO-2" in err[0]
+        assert f"--zero-stage must be one of 0, 1, 2, got {bad!r}" in err[0], err
     assert not ck.exists() or not any(ck.iterdir())  # nothing saved
 
 
@@ -150,7 +166,7 @@ CLIP = 0.05
 
 
 @pytest.mark.slow
-def test_verify_zero1_under_1_3_2_2_1_2_1_and_dp4() -> None:
+def test_verify_zero1_and_zero2_under_1_3_2_2_1_2_1_and_dp4() -> None:
     wl = api.load("runtime_workloads:mlp")
     shapes = [([0, 1], [1, 3]), ([0, 2], [2, 2]), ([0, 1, 3], [1, 2, 1]), ([0], [4])]
     plans = [
@@ -162,10 +178,17 @@ def test_verify_zero1_under_1_3_2_2_1_2_1_and_dp4() -> None:
     # a tied weight whose copies sit in two replicated stages (summed across stages, each copy
     # updated by its own stage's owner)
     tied = api.load("runtime_workloads:tied_mlp")
-    cases = [(p, wl) for p in plans] + [(plans[1], tied)]
+    # ZeRO-2 in the same launch: the plans' own zero stage (the larger of it and the run's)
+    zero2 = [
+        dataclasses.replace(p, stages=tuple(dataclasses.replace(st, zero_stage=2) for st in p.stages))
+        for p in plans
+    ]  # fmt: skip
+    cases = [(p, wl) for p in plans] + [(plans[1], tied)] + [(p, wl) for p in zero2]
+    cases += [(zero2[1], tied)]
     steps = 3
     reports = api.verify_many(cases, steps, device="cpu", clip_grad_norm=CLIP, zero_stage=1,
                               **OPTS)  # fmt: skip
+    assert [max(s.zero_stage for s in r.plan.stages) for r in reports] == [0] * 5 + [2] * 5
     for rep in reports:
         what = rep.plan.replication
         assert rep.options["zero_stage"] == 1
@@ -212,12 +235,26 @@ def resume_worker(rank: int, world: int, out_dir: str) -> None:
     again = run(p22, zero_stage=1, checkpoint_dir=ck, resume=True)
     other = run(p13, checkpoint_dir=ck, resume=True)  # another plan, unsharded
     other1 = run(p13, zero_stage=1, checkpoint_dir=ck, resume=True)  # ... and re-sharded by 3
+    # ZeRO-2: straight; resumed from the ZeRO-1 checkpoint; saved under 1:3 ZeRO-2 and
+    # resumed under 2:2 unsharded
+    z2 = run(p22, zero_stage=2)
+    z2_again = run(p22, zero_stage=2, checkpoint_dir=ck, resume=True)
+    # the reduce_scatter_single / all_gather_single path (NCCL's), here on gloo
+    from dapple.runtime.zero import TENSOR_COLLECTIVES_ENV
+
+    os.environ[TENSOR_COLLECTIVES_ENV] = "1"
+    tensor_path = [run(p13, zero_stage=z) for z in (1, 2)]
+    os.environ.pop(TENSOR_COLLECTIVES_ENV)
+    plain13 = run(p13)
+    ck2 = str(Path(out_dir, "ck2"))
+    run(p13, zero_stage=2, checkpoint_dir=ck2, save_every=CUT)
+    from_z2 = run(p22, checkpoint_dir=ck2, resume=True)
     # a non-finite loss with on_nonfinite=skip: no replica updates its shard or gathers
     nan_wl = dataclasses.replace(wl, make_batch=_nan_batch)
     skips = [
         run_plan(p22, nan_wl, TrainConfig(**{**RESUME, "steps": 3, "on_nonfinite": "skip",
                                              "zero_stage": z}), device=device)  # type: ignore[arg-type]
-        for z in (0, 1)
+        for z in (0, 1, 2)
     ]  # fmt: skip
     assert full.module is not None and again.module is not None and other.module is not None
     found = latest_checkpoint(ck)
@@ -230,26 +267,27 @@ def resume_worker(rank: int, world: int, out_dir: str) -> None:
             torch.equal(a, b)
             for a, b in zip(full.module.parameters(), again.module.parameters(), strict=True)
         ),
-        # ZeRO-1 changes who updates a parameter, not the update: bit-for-bit stage 0's
-        "other_same_sharded": all(
-            torch.equal(a, b)
-            for a, b in zip(other.module.parameters(), other1.module.parameters(), strict=True)
-        ),
-        "skip_same": all(
-            torch.equal(a, b)
-            for a, b in zip(skips[0].module.parameters(), skips[1].module.parameters(), strict=True)
-        )
+        # ZeRO-1 changes who updates an element, not the update: stage 0's to rounding (the
+        # reduce-scatter and the shards' norms sum in another order than the AllReduce)
+        "other_same_sharded": _close(other.module, other1.module),
+        "skip_same": _close(skips[0].module, skips[1].module)
         and all(torch.isfinite(p).all() for p in skips[1].module.parameters()),
+        "skip_same2": _close(skips[0].module, skips[2].module),
+        "zero2_same": _close(full.module, z2.module)
+        and _close(full.module, z2_again.module)
+        and _close(full.module, from_z2.module),
+        "zero2_owned": _owned(z2.optimizer),
+        "tensor_path_same": all(_close(plain13.module, t.module) for t in tensor_path),
         "skip_lrs": [m.lr for m in skips[1].metrics],
-        "other1_owned": len(other1.optimizer.state) if other1.optimizer is not None else 0,
-        "other_params": len(list(other.module.parameters())),
-        "stage_params": len(list(full.module.parameters())),
+        "other1_owned": _owned(other1.optimizer),
+        "other_params": sum(p.numel() for p in other.module.parameters()),
+        "stage_params": sum(p.numel() for p in full.module.parameters()),
         "planned_same": all(
             torch.equal(a, b)
             for a, b in zip(full.module.parameters(), planned.module.parameters(), strict=True)
         ),
-        "planned_owned": len(planned.optimizer.state) if planned.optimizer is not None else 0,
-        "owned": len(opt.state) if opt is not None else 0,
+        "planned_owned": _owned(planned.optimizer),
+        "owned": _owned(opt),
         # every parameter of every layer has its Adam moments in the checkpoint
         "saved_complete": all(
             set(saved[i].optimizer) == set(saved[i].tensors)
@@ -261,6 +299,19 @@ def resume_worker(rank: int, world: int, out_dir: str) -> None:
     }
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(state))
     shutdown_distributed()
+
+
+def _owned(opt: torch.optim.Optimizer | None) -> int:
+    """Parameter elements with state in ``opt`` (this replica's shard)."""
+    return sum(p.numel() for p in opt.state) if opt is not None else 0  # type: ignore[attr-defined]
+
+
+def _close(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    """Every parameter of ``a`` equals ``b``'s to float32 rounding (1e-6)."""
+    return all(
+        torch.allclose(x, y, rtol=1e-6, atol=1e-6)
+        for x, y in zip(a.parameters(), b.parameters(), strict=True)
+    )
 
 
 def _layers(module: torch.nn.Module, first: int) -> dict[str, list[object]]:
@@ -282,19 +333,23 @@ def test_zero1_checkpoint_is_whole_and_resumes_under_another_plan(tmp_path: Path
         assert row["saved_complete"], r
         assert row["other_same_sharded"], f"rank {r}: 1:3 ZeRO-1 differs from 1:3 unsharded"
         assert row["skip_same"], f"rank {r}: a skipped step differs under ZeRO-1"
+        assert row["skip_same2"], f"rank {r}: a skipped step differs under ZeRO-2"
+        assert row["zero2_same"], f"rank {r}: ZeRO-2 (straight or resumed) differs"
+        assert row["zero2_owned"] == row["owned"], r
+        assert row["tensor_path_same"], f"rank {r}: reduce_scatter/all_gather path differs"
         assert row["planned_same"] and row["planned_owned"] == row["owned"], r
     assert rows[0]["skip_lrs"][NAN_STEP] is None  # the step was skipped (no update)
     assert rows[0]["skip_lrs"][NAN_STEP + 1] is not None
     # 1:3 with ZeRO-1: stage 0 (one replica) keeps everything, stage 1 is sharded by 3
     assert rows[0]["other1_owned"] == rows[0]["other_params"]
     owned13 = [rows[r]["other1_owned"] for r in (1, 2, 3)]
-    assert all(0 < n < rows[1]["other_params"] for n in owned13), owned13
-    assert sum(owned13) == rows[1]["other_params"]
+    assert sum(owned13) == rows[1]["other_params"]  # the shards cover the stage once
+    assert max(owned13) - min(owned13) < 3, owned13  # equal chunks, but for the padding
     # each replica's optimizer holds state for its shard only; the shards cover the stage
     for stage_ranks in ([0, 1], [2, 3]):
         owned = [rows[r]["owned"] for r in stage_ranks]
-        assert all(0 < n < rows[stage_ranks[0]]["stage_params"] for n in owned), owned
         assert sum(owned) == rows[stage_ranks[0]]["stage_params"]
+        assert max(owned) - min(owned) < 2, owned
     # resumed under 1:3 without sharding: the same weights as the 2:2 ZeRO-1 run, to rounding
     full = {k: v for row in rows for k, v in row["full"].items()}
     for row in rows:
@@ -304,46 +359,55 @@ def test_zero1_checkpoint_is_whole_and_resumes_under_another_plan(tmp_path: Path
 
 
 # -- the planner's memory and cost model (pure) --------------------------------------------------
-def test_state_bytes_per_parameter_byte_shards_only_the_optimizer_moments() -> None:
+def test_state_bytes_per_parameter_byte_under_each_zero_stage() -> None:
     from builders import make_profile
     from dapple.planner.memory import state_bytes_per_parameter_byte
 
     adam = make_profile()  # factor 3: gradient + two moments
     assert state_bytes_per_parameter_byte(adam, 1) == 4.0
-    assert state_bytes_per_parameter_byte(adam, 1, zero_stage=1) == 4.0  # one replica: no-op
+    for z in (1, 2):
+        assert state_bytes_per_parameter_byte(adam, 1, zero_stage=z) == 4.0  # one replica: no-op
     assert state_bytes_per_parameter_byte(adam, 4) == 5.0  # + the AllReduce buckets
-    # parameters 1 + gradients 1 + moments 2/4 + buckets 1
-    assert state_bytes_per_parameter_byte(adam, 4, zero_stage=1) == 3.5
-    assert state_bytes_per_parameter_byte(adam, 2, zero_stage=1) == 4.0
-    sgd = dataclasses.replace(adam, optimizer_state_factor=1.0)  # no moments: nothing to shard
-    assert state_bytes_per_parameter_byte(sgd, 4, zero_stage=1) == 3.0
+    # ZeRO-1: parameters 1 + gradients (in the buckets) 1 + (gradient shard + moments) 3/4
+    assert state_bytes_per_parameter_byte(adam, 4, zero_stage=1) == 2.75
+    assert state_bytes_per_parameter_byte(adam, 2, zero_stage=1) == 3.5
+    # ZeRO-2: parameters 1 + (gradient shard + moments) 3/4
+    assert state_bytes_per_parameter_byte(adam, 4, zero_stage=2) == 1.75
+    sgd = dataclasses.replace(adam, optimizer_state_factor=1.0)  # no moments
+    assert state_bytes_per_parameter_byte(sgd, 4, zero_stage=1) == 2.25
+    assert state_bytes_per_parameter_byte(sgd, 4, zero_stage=2) == 1.25
 
 
-def test_plan_memory_and_sync_cost_under_zero1() -> None:
+def test_plan_memory_and_sync_cost_under_zero1_and_zero2() -> None:
     from builders import make_cluster, make_profile
     from dapple.planner.comm import allreduce_ms, stage_sync_ms
     from dapple.planner.cost import pipeline_latency, zero_saved_bytes
 
     profile, cluster = make_profile(params=10**6), make_cluster()
-    plan = straight_plan(6, [0, 3], global_batch_size=8, num_micro_batches=2, replicas=[1, 3])
-    zero0 = pipeline_latency(plan, profile, cluster)
-    zero1 = pipeline_latency(plan, profile, cluster, zero_stage=1)
-    c0 = [r for r in zero0.stages if r.kind == "compute"]
-    c1 = [r for r in zero1.stages if r.kind == "compute"]
-    assert c1[0].memory_bytes == c0[0].memory_bytes  # one replica: unchanged
+    M = 4
+    plan = straight_plan(6, [0, 3], global_batch_size=12, num_micro_batches=M, replicas=[1, 3])
+    z0, z1, z2 = (
+        [r for r in pipeline_latency(plan, profile, cluster, zero_stage=z).stages if r.kind == "compute"]
+        for z in (0, 1, 2)
+    )  # fmt: skip
+    assert z1[0].memory_bytes == z0[0].memory_bytes == z2[0].memory_bytes  # one replica
     assert zero_saved_bytes(profile, (0, 3), 1, 1) == 0.0
-    saved = zero_saved_bytes(profile, (3, 6), 3, 1)
-    assert saved == pytest.approx(3 * 10**6 * 2 * (1 - 1 / 3))  # two Adam moments, 2/3 of them
-    assert c0[1].memory_bytes - c1[1].memory_bytes == pytest.approx(saved)
-    assert c1[1].allreduce_ms == pytest.approx(1.5 * c0[1].allreduce_ms) and c0[1].allreduce_ms > 0
+    saved1 = zero_saved_bytes(profile, (3, 6), 3, 1)
+    assert saved1 == pytest.approx(3 * 10**6 * (5 - 3))  # 5 -> 1 + 1 + 3/3 bytes per byte
+    # ZeRO-2: 5 -> 1 + 3/3, less three layers' gradients in flight (zero2_staging_bytes)
+    assert zero_saved_bytes(profile, (3, 6), 3, 2) == pytest.approx(3 * 10**6 * (5 - 2) - 3 * 10**6)
+    assert z0[1].memory_bytes - z1[1].memory_bytes == pytest.approx(saved1)
+    # ZeRO-1: reduce-scatter + all-gather = the AllReduce's bytes; ZeRO-2: M reduce-scatters
+    assert z1[1].allreduce_ms == pytest.approx(z0[1].allreduce_ms) and z0[1].allreduce_ms > 0
+    assert z2[1].allreduce_ms == pytest.approx((M + 1) / 2 * z0[1].allreduce_ms)
     assert stage_sync_ms(cluster, 1e6, [0], 1) == 0.0
     assert stage_sync_ms(cluster, 1e6, [0, 1], 0) == allreduce_ms(cluster, 1e6, [0, 1])
 
 
 def test_search_finds_data_parallel_only_with_sharded_state() -> None:
     """One stage of 6 x 100 MB of Adam parameters needs 2.4 GB on one device, 3.0 GB per
-    replica of DP x4 (the AllReduce buckets), 2.2 GB under ZeRO-1 with 3 replicas and 2.1 GB
-    with 4: on 2.15 GB devices only sharded DP x4 fits."""
+    replica of DP x4 (the AllReduce buckets), 2.1 GB under ZeRO-1 with 2 replicas and 1.65 GB
+    with 4: on 2.15 GB devices only sharded data parallelism fits."""
     from builders import make_cluster, make_profile
     from dapple.errors import InfeasibleError
     from dapple.planner.search import dapple_search
@@ -371,8 +435,10 @@ def test_plan_json_carries_the_zero_stage_per_stage() -> None:
     assert [st.get("zero_stage") for st in d["stages"]] == [None, 1]
     assert Plan.from_dict(d) == sharded
     bad = json.loads(json.dumps(d))
-    bad["stages"][1]["zero_stage"] = 2
-    with pytest.raises(ValidationError, match=r"plan stage 1: .*zero_stage must be 0 or 1, got 2"):
+    bad["stages"][1]["zero_stage"] = 3
+    with pytest.raises(
+        ValidationError, match=r"plan stage 1: .*zero_stage must be 0, 1 or 2, got 3"
+    ):
         Plan.from_dict(bad)
     # the cost model follows the stage's own choice
     profile, cluster = make_profile(params=10**6), make_cluster()
@@ -382,7 +448,7 @@ def test_plan_json_carries_the_zero_stage_per_stage() -> None:
     assert own.L_ms == run_wide.L_ms
 
 
-def test_cli_plan_prints_the_zero_choice_and_rejects_two(
+def test_cli_plan_prints_the_zero_choice_and_rejects_unknown_stages(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     from dapple.cli.plan_cmd import _ZERO_STAGES
@@ -392,22 +458,24 @@ def test_cli_plan_prints_the_zero_choice_and_rejects_two(
     assert main([*base]) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "stage 0 (r=16) zero stage 0, sharding would save" in out
-    for bad in ("2", "x", "-1"):
+    for bad in ("3", "x", "-1"):
         assert main([*base, "--zero-stage", bad]) != 0
         err = capsys.readouterr().err.strip().splitlines()
-        assert len(err) == 1 and err[0].startswith("dapple: error: --zero-stage must be one of")
-        assert ("ZeRO-2" in err[0]) is (bad == "2")
+        assert len(err) == 1, err
+        assert err[0] == f"dapple: error: --zero-stage must be one of 0, 1, 2 or auto, got {bad!r}"
 
 
 def test_cli_plan_records_the_zero_stage(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     base = ["plan", "--profile", "paper:bert48", "--cluster", "paper-a"]
-    assert main([*base, "--zero-stage", "1", "-o", str(tmp_path / "p.json")]) == 0
-    out = " ".join(capsys.readouterr().out.split())
-    plan = Plan.load(tmp_path / "p.json")
-    assert all(st.zero_stage == (st.replicas > 1) for st in plan.stages)
-    assert "zero stage 1, saves" in out
+    for z in (1, 2):
+        assert main([*base, "--zero-stage", str(z), "-o", str(tmp_path / "p.json")]) == 0
+        out = " ".join(capsys.readouterr().out.split())
+        plan = Plan.load(tmp_path / "p.json")
+        assert any(st.replicas > 1 for st in plan.stages)
+        assert all(st.zero_stage == (z if st.replicas > 1 else 0) for st in plan.stages)
+        assert f"zero stage {z}, saves" in out
 
 
 def test_auto_shards_only_where_memory_asks() -> None:
@@ -423,3 +491,125 @@ def test_auto_shards_only_where_memory_asks() -> None:
     auto = dapple_search(profile, roomy, 8, zero_stage=ZERO_AUTO)
     assert auto == dapple_search(profile, roomy, 8)
     assert all(st.zero_stage == 0 for st in auto.stages)
+
+
+def test_auto_weighs_zero2_traffic_against_recomputation() -> None:
+    from dapple.planner.evaluate import _pick
+
+    def opt(
+        z: int, f: float, ar: float, d_nr: int, d_r: int
+    ) -> tuple[int, tuple[float, float, float, int, int]]:
+        return (z, (f, 2 * f, ar, d_nr, d_r))
+
+    # k = 4 in flight, M = 4: 0 and 1 hold 4 only re-computing (AR + M F), 2 without (its AR is
+    # (M + 1) / 2 = 2.5 x the AllReduce)
+    for f, want in ((1.0, 2), (0.1, 0)):
+        options = [opt(0, f, 1.0, 1, 5), opt(1, f, 1.0, 2, 6), opt(2, f, 2.5, 4, 8)]
+        assert _pick(options, 4, 4)[0] == want, f
+    # ZeRO-1 holds k without re-computation at the AllReduce's cost: preferred to ZeRO-2
+    assert (
+        _pick([opt(0, 1.0, 1.0, 1, 5), opt(1, 1.0, 1.0, 4, 6), opt(2, 1.0, 2.5, 4, 8)], 4, 4)[0]
+        == 1
+    )
+    # nothing holds k: the most room
+    assert _pick([opt(0, 1.0, 1.0, 0, 1), opt(2, 1.0, 2.5, 1, 2)], 4, 4)[0] == 2
+
+
+def test_search_finds_plans_only_zero2_fits() -> None:
+    """6 x 100 MB of Adam parameters in one stage: 1.65 GB per replica of DP x4 under ZeRO-1,
+    1.05 GB + 3 x 100 MB in flight under ZeRO-2 - on 1.5 GB devices only ZeRO-2 fits; ``auto``
+    finds it."""
+    from builders import make_cluster, make_profile
+    from dapple.errors import InfeasibleError
+    from dapple.planner.evaluate import ZERO_AUTO
+    from dapple.planner.search import dapple_search
+
+    profile = make_profile(params=10**8, act=10.0)
+    cluster = dataclasses.replace(make_cluster(), device_memory_bytes=int(1.5e9))
+    with pytest.raises(InfeasibleError):
+        dapple_search(profile, cluster, 8, max_stages=1, zero_stage=1)
+    for z in (2, ZERO_AUTO):
+        plan = dapple_search(profile, cluster, 8, max_stages=1, zero_stage=z)
+        assert plan.stages[0].replicas > 1 and plan.stages[0].zero_stage == 2, z
+
+
+# -- bad input ------------------------------------------------------------------------------------
+def _adam_checkpoint(root: Path, plan: Plan, *, cut: tuple[int, str] | None = None,
+                     drop: tuple[int, str] | None = None) -> None:  # fmt: skip
+    """A one-step Adam checkpoint of the 4-layer test MLP, written as a run writes it, with the
+    moments of parameter ``cut`` halved (a missing shard) or the state of ``drop`` left out."""
+    from dapple.runtime.checkpoint import CheckpointMeta, save_checkpoint, stage_layer_states
+
+    wl = rw.mlp()
+    states = stage_layer_states(wl.build_stage(0, 4, 0), 0)
+    for i, ls in states.items():
+        for name, t in ls.tensors.items():
+            st = {"step": torch.tensor(1.0), "exp_avg": torch.zeros_like(t),
+                  "exp_avg_sq": torch.zeros_like(t)}  # fmt: skip
+            if (i, name) == cut:
+                st = {**st, "exp_avg": st["exp_avg"].reshape(-1)[: t.numel() // 2]}
+            if (i, name) != drop:
+                ls.optimizer[name] = st
+    meta = CheckpointMeta(model_name=wl.name, num_layers=4, step=1, samples_consumed=4,
+                          plan=plan.to_dict(), optimizer_type="Adam", world_size=4)  # fmt: skip
+    save_checkpoint(root, meta, states)
+
+
+def _files(root: Path) -> dict[str, bytes]:
+    return {
+        str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()
+    }
+
+
+def test_resume_with_an_incomplete_shard_is_one_line_and_touches_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    plan = straight_plan(4, [0, 2], global_batch_size=4, num_micro_batches=2, replicas=[2, 2])
+    plan.save(tmp_path / "plan.json")
+    ck = tmp_path / "ck"
+    _adam_checkpoint(ck, plan, cut=(1, "0.weight"))
+    before = _files(ck)
+    args = ["train", "--plan", str(tmp_path / "plan.json"), "--model", "runtime_workloads:mlp",
+            "--optimizer", "adam", "--steps", "3", "--checkpoint-dir", str(ck), "--resume",
+            "--save-every", "1"]  # fmt: skip
+    for z in ("0", "1", "2"):
+        assert main([*args, "--zero-stage", z]) != 0
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("dapple: error: checkpoint"), err
+        assert "is incomplete: layer 1 parameter '0.weight': optimizer state 'exp_avg'" in err[0]
+        assert _files(ck) == before  # nothing saved is touched
+
+
+def test_restore_names_a_parameter_without_optimizer_state(tmp_path: Path) -> None:
+    from dapple.runtime.checkpoint import CheckpointError, latest_checkpoint, restore_stage
+
+    plan = straight_plan(4, [0], global_batch_size=4, num_micro_batches=2, replicas=[2])
+    _adam_checkpoint(tmp_path, plan, drop=(2, "0.bias"))
+    ck = latest_checkpoint(tmp_path)
+    assert ck is not None
+    module = rw.mlp().build_stage(0, 4, 0)
+    opt = torch.optim.Adam(module.parameters())
+    with pytest.raises(CheckpointError, match=r"incomplete: layer 2 parameter '0.bias' has no"):
+        restore_stage(ck, module, 0, opt)
+
+
+def test_zero_stage_on_single_replica_stages_is_a_no_op_said_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from dapple.runtime.engine import _zero_stage
+
+    plan = straight_plan(4, [0, 1, 3], global_batch_size=4, num_micro_batches=2, replicas=[1, 2, 1])
+    for z in (1, 2):
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="dapple.runtime.engine"):
+            got = [_zero_stage(plan, TrainConfig(zero_stage=z), rank, plan.stage_of_device(rank)[0])
+                   for rank in plan.devices]  # fmt: skip
+        assert got == [0, z, z, 0]
+        said = [r.getMessage() for r in caplog.records]
+        assert said == [
+            f"zero stage {z} is a no-op on stage(s) 0, 2: one replica each (plan 1:2:1)"
+        ]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="dapple.runtime.engine"):
+        assert _zero_stage(plan, TrainConfig(), 0, 0) == 0
+    assert not caplog.records

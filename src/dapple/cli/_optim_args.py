@@ -8,7 +8,9 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-__all__ = ["LR_SCHEDULE_NAMES", "add_optim_arguments", "optim_options"]
+from dapple.errors import ValidationError
+
+__all__ = ["LR_SCHEDULE_NAMES", "add_optim_arguments", "optim_options", "zero_stage_flag"]
 
 LR_SCHEDULE_NAMES = ("constant", "cosine")
 """``--lr-schedule`` choices (:data:`dapple.runtime.optim_config.LR_SCHEDULES`; a test keeps
@@ -67,12 +69,13 @@ def add_optim_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--zero-stage",
-        type=int,
-        default=0,
+        default="0",
         metavar="Z",
         help="0: every replica of a stage keeps the whole optimizer state; 1: each replica of a "
-        "replicated stage keeps and updates 1/r of it, then the stage gathers the parameters "
-        "(ZeRO-1; a no-op on stages with one replica) (default %(default)s)",
+        "replicated stage keeps and updates 1/r of it (gradients reduce-scattered, parameters "
+        "all-gathered; ZeRO-1); 2: the accumulated gradients are sharded too, reduce-scattered "
+        "after every micro-batch (ZeRO-2). A no-op on stages with one replica "
+        "(default %(default)s)",
     )
 
 
@@ -87,5 +90,20 @@ def optim_options(args: argparse.Namespace) -> dict[str, Any]:
         "warmup_steps": args.warmup_steps,
         "min_lr": args.min_lr,
         "clip_grad_norm": args.clip_grad_norm,
-        "zero_stage": args.zero_stage,
+        "zero_stage": zero_stage_flag(args.zero_stage),
     }
+
+
+def zero_stage_flag(value: str) -> int:
+    """``--zero-stage`` of ``train`` and ``verify``: 0, 1 or 2.
+
+    Raises:
+        ValidationError: any other value (named).
+    """
+    from dapple.runtime.optim_config import ZERO_STAGES
+
+    if value.strip().isdigit() and int(value) in ZERO_STAGES:
+        return int(value)
+    raise ValidationError(
+        f"--zero-stage must be one of {', '.join(map(str, ZERO_STAGES))}, got {value!r}"
+    )

@@ -20,7 +20,7 @@ from dapple.errors import DappleError, InfeasibleError, ValidationError
 __all__ = ["format_devices", "parse_seq_len", "register", "run"]
 
 _PLANNERS = ("dapple", "dp", "straight", "gpipe", "pipedream", "exhaustive")
-_ZERO_STAGES = (0, 1)
+_ZERO_STAGES = (0, 1, 2)
 """``--zero-stage`` numbers (``dapple.runtime.optim_config.ZERO_STAGES``; a test keeps the two
 equal without importing the runtime here); ``auto`` besides."""
 
@@ -79,10 +79,12 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         default="0",
         metavar="Z",
         help="1: replicated stages shard their optimizer state over their replicas (ZeRO-1); "
-        "auto: only those whose unsharded state leaves too little memory for their in-flight "
-        "micro-batches without re-computation. The search counts the smaller memory and the "
-        "parameter gather; the plan records zero_stage per stage, which train and verify "
-        "follow (dapple planner only; default %(default)s)",
+        "2: their gradients too, reduce-scattered after every micro-batch (ZeRO-2); auto: per "
+        "stage, unsharded unless its state leaves too little memory for its in-flight "
+        "micro-batches, then the cheaper of ZeRO-1, ZeRO-2 and re-computation. The search "
+        "counts the memory and the M-fold gradient traffic of ZeRO-2; the plan records "
+        "zero_stage per stage, which train and verify follow (dapple planner only; default "
+        "%(default)s)",
     )
     p.set_defaults(func=run)
 
@@ -205,15 +207,15 @@ def _stage_table(plan: Plan, profile: ModelProfile, cluster: Cluster) -> Table:
 
 
 def zero_line(plan: Plan, profile: ModelProfile) -> str:
-    """Each replicated stage's zero stage (``StagePlan.zero_stage``) and the memory sharding its
-    optimizer state (ZeRO-1) saves - or would save - per replica."""
+    """Each replicated stage's zero stage (``StagePlan.zero_stage``) and the memory it saves per
+    replica - or, unsharded, what ZeRO-1 would save."""
     from dapple.planner.cost import zero_saved_bytes
 
     parts = []
     for i, st in enumerate(plan.stages):
         if st.replicas == 1:
             continue
-        gib = _gib(zero_saved_bytes(profile, st.layers, st.replicas, 1))
+        gib = _gib(zero_saved_bytes(profile, st.layers, st.replicas, st.zero_stage or 1))
         what = f"saves {gib} GiB" if st.zero_stage else f"sharding would save {gib} GiB"
         parts.append(f"stage {i} (r={st.replicas}) zero stage {st.zero_stage}, {what} per replica")
     if not parts:
@@ -222,10 +224,10 @@ def zero_line(plan: Plan, profile: ModelProfile) -> str:
 
 
 def _zero_stage(value: str) -> int:
-    """``--zero-stage``: 0, 1, or ``auto`` (:data:`dapple.planner.evaluate.ZERO_AUTO`).
+    """``--zero-stage``: 0, 1, 2, or ``auto`` (:data:`dapple.planner.evaluate.ZERO_AUTO`).
 
     Raises:
-        ValidationError: any other value (2, ZeRO-2, is named as not implemented).
+        ValidationError: any other value.
     """
     from dapple.planner.evaluate import ZERO_AUTO
 
@@ -233,10 +235,8 @@ def _zero_stage(value: str) -> int:
         return ZERO_AUTO
     if value.strip().lstrip("-").isdigit() and int(value) in _ZERO_STAGES:
         return int(value)
-    later = " (ZeRO-2, sharded gradients, is not implemented)" if value.strip() == "2" else ""
     raise ValidationError(
-        f"--zero-stage must be one of {', '.join(map(str, _ZERO_STAGES))} or auto, got "
-        f"{value!r}{later}"
+        f"--zero-stage must be one of {', '.join(map(str, _ZERO_STAGES))} or auto, got {value!r}"
     )
 
 
@@ -308,8 +308,8 @@ def run(args: argparse.Namespace) -> int:
             f"{plan.max_seq_len:g} (memory)"
         )
     single = [str(i) for i, st in enumerate(plan.stages) if st.replicas == 1]
-    if zero == 1 and single:
-        con.print(f"--zero-stage 1 is a no-op on stage(s) {', '.join(single)} (one replica)")
+    if zero in (1, 2) and single:
+        con.print(f"--zero-stage {zero} is a no-op on stage(s) {', '.join(single)} (one replica)")
     if args.output:
         plan.save(args.output)
         con.print(f"plan written to {args.output}")

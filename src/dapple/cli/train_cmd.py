@@ -83,12 +83,17 @@ def check_long_run(
 ) -> None:
     """Before any worker starts: the checkpoint directory is writable, and with ``resume`` the
     newest checkpoint (if any) is of this model, the plan covers the model and every file of
-    the checkpoint has the size and hash its manifest lists.
+    the checkpoint has the size and hash its manifest lists, and its optimizer state is whole.
 
     Raises:
         CheckpointError: unwritable directory, damaged or foreign checkpoint.
     """
-    from dapple.runtime.checkpoint import check_compatible, check_writable, latest_checkpoint
+    from dapple.runtime.checkpoint import (
+        check_compatible,
+        check_optimizer_states,
+        check_writable,
+        latest_checkpoint,
+    )
     from dapple.runtime.checkpoint_files import check_files
 
     if checkpoint_dir is None:
@@ -103,6 +108,7 @@ def check_long_run(
             plan_num_layers=plan_num_layers,
         )
         check_files(ck)
+        check_optimizer_states(ck)
 
 
 def _predicted_step_ms(plan: Plan, profile_spec: str, cluster_spec: str) -> float:

@@ -94,7 +94,8 @@ class StagePlan:
     """D: how many micro-batches' activations fit on the device (None: unbounded)."""
     zero_stage: int = 0
     """1: the replicas shard the stage's optimizer state (ZeRO-1, ``dapple.runtime.zero``);
-    0: every replica keeps all of it. Meaningful only with ``r_s > 1``."""
+    2: its gradients too (ZeRO-2); 0: every replica keeps all of it. Meaningful only with
+    ``r_s > 1``."""
 
     def __post_init__(self) -> None:
         s, e = self.layers
@@ -112,8 +113,8 @@ class StagePlan:
             f"stage {list(self.layers)}: max_in_flight must be >= 1, got {self.max_in_flight}",
         )
         require(
-            self.zero_stage in (0, 1),
-            f"stage {list(self.layers)}: zero_stage must be 0 or 1, got {self.zero_stage!r}",
+            self.zero_stage in (0, 1, 2),
+            f"stage {list(self.layers)}: zero_stage must be 0, 1 or 2, got {self.zero_stage!r}",
         )
 
     @property

@@ -65,9 +65,9 @@ def make_plan(
         global_batch_size: samples per optimizer step.
         planner: one of :data:`PLANNERS`.
         progress: ``progress(done, total)`` callback (DAPPLE search only).
-        zero_stage: 1: replicated stages shard their optimizer state (ZeRO-1); -1
-            (``ZERO_AUTO``): per stage, where memory asks for it. DAPPLE search only, the
-            baselines plan unsharded.
+        zero_stage: 1: replicated stages shard their optimizer state (ZeRO-1); 2: their
+            gradients too (ZeRO-2); -1 (``ZERO_AUTO``): per stage, where memory asks for it.
+            DAPPLE search only, the baselines plan unsharded.
         seq_len: plan for samples of this mean length (time), from a profile measured at
             several lengths (:func:`~dapple.planner.lengths.profile_for_lengths`); None: the
             profile as it is (a profile already for a length keeps its lengths).

@@ -16,7 +16,6 @@ from dapple.core.profile import ModelProfile
 from dapple.planner.memory import boundary_bytes
 
 __all__ = [
-    "ZERO_GATHER_FACTOR",
     "allreduce_ms",
     "busiest_link_ms",
     "comm_stage_ms",
@@ -51,22 +50,23 @@ def _server_counts(cluster: Cluster, devices: Sequence[int]) -> list[int]:
     return list(counts.values())
 
 
-ZERO_GATHER_FACTOR = 0.5
-"""The parameter gather of ZeRO-1 (:mod:`dapple.runtime.zero`) over the AllReduce AR(P_s, g_s)
-it follows: it moves the ``(n-1)/n`` of the bytes that is one of the ring AllReduce's two
-halves."""
-
-
 def stage_sync_ms(
-    cluster: Cluster, nbytes: float, devices: Sequence[int], zero_stage: int = 0
+    cluster: Cluster,
+    nbytes: float,
+    devices: Sequence[int],
+    zero_stage: int = 0,
+    micro_batches: int = 1,
 ) -> float:
-    """The end-of-step synchronisation of a stage: AR(P_s, g_s) (:func:`allreduce_ms`), plus
-    under ``zero_stage >= 1`` the gather of the updated parameters
-    (:data:`ZERO_GATHER_FACTOR` of it; the runtime all-reduces, gloo-friendly, rather than
-    reduce-scatters). The smaller optimizer update is not modelled (the cost model has no
-    update term)."""
+    """The gradient and parameter synchronisation of a stage in one step.
+
+    ``zero_stage`` 0: AR(P_s, g_s) (:func:`allreduce_ms`). 1: a reduce-scatter of the gradients
+    and an all-gather of the updated parameters (:mod:`dapple.runtime.zero`), each the
+    ``(n-1)/n`` of the bytes that is one half of the ring AllReduce: AR in all. 2: the
+    reduce-scatter after each of the ``micro_batches`` (M) backward passes, then the
+    all-gather: ``(M + 1) / 2`` x AR. The smaller optimizer update is not modelled (the cost
+    model has no update term)."""
     ar = allreduce_ms(cluster, nbytes, devices)
-    return ar * (1.0 + ZERO_GATHER_FACTOR) if zero_stage >= 1 else ar
+    return ar * (micro_batches + 1) / 2 if zero_stage >= 2 else ar
 
 
 def allreduce_ms(cluster: Cluster, nbytes: float, devices: Sequence[int]) -> float:

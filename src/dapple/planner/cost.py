@@ -183,9 +183,10 @@ def pipeline_latency(
         plan: the plan (stages, M, b, schedule, policy, max_in_flight).
         profile: the model profile it was made for.
         cluster: the cluster it runs on.
-        zero_stage: 1: replicated stages shard their optimizer state (ZeRO-1): less memory,
-            the parameter gather added to AR_s (:func:`dapple.planner.comm.stage_sync_ms`). A
-            stage's own ``StagePlan.zero_stage`` applies when larger.
+        zero_stage: 1: replicated stages shard their optimizer state (ZeRO-1); 2: their
+            gradients too (ZeRO-2): less memory, AR_s as
+            :func:`dapple.planner.comm.stage_sync_ms`. A stage's own ``StagePlan.zero_stage``
+            applies when larger.
 
     A plan made for sequence lengths (``plan.seq_len``) is costed at them when the profile was
     measured at several (:func:`dapple.planner.lengths.profile_for_plan`).
@@ -218,7 +219,8 @@ def pipeline_latency(
         index.append(i)
         F.append(f)
         B.append(bw)
-        AR.append(stage_sync_ms(cluster, grad_bytes, st.devices, max(zero_stage, st.zero_stage)))
+        z = max(zero_stage, st.zero_stage)
+        AR.append(stage_sync_ms(cluster, grad_bytes, st.devices, z, plan.num_micro_batches))
         K.append(ks[i] if bounded else None)
     step = [0.0] * len(F)
     if has_host_terms(cluster):

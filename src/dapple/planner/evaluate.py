@@ -27,6 +27,7 @@ from dapple.planner.memory import (
     boundary_bytes,
     in_flight_options,
     state_bytes_per_parameter_byte,
+    zero2_staging_bytes,
 )
 from dapple.planner.sharing import slice_work
 from dapple.schedule.generators import in_flight_counts
@@ -34,9 +35,10 @@ from dapple.schedule.generators import in_flight_counts
 __all__ = ["ZERO_AUTO", "Scored", "Scorer", "StageSpec"]
 
 ZERO_AUTO = -1
-"""``Scorer(zero_stage=ZERO_AUTO)``: shard a replicated stage's optimizer state (ZeRO-1) only
-where the unsharded state leaves too little memory for the micro-batches the schedule keeps in
-flight there without re-computation - sharding is then preferred to re-computing."""
+"""``Scorer(zero_stage=ZERO_AUTO)``: shard a replicated stage only where the unsharded state
+leaves too little memory for the micro-batches the schedule keeps in flight there without
+re-computation; then the cheapest of ZeRO-1, ZeRO-2 (its M-fold gradient traffic in AR_s) and
+re-computation (M more forward passes) that holds them (:func:`_pick`)."""
 
 StageSpec = tuple[int, int, tuple[int, ...]]
 """``(start, end, devices)`` of one computation stage."""
@@ -67,9 +69,10 @@ class Scorer:
     ) -> None:
         self.profile = profile
         self.zero_stage = zero_stage
-        """1: replicated stages shard their optimizer state (memory and sync cost, ZeRO-1);
-        :data:`ZERO_AUTO`: per stage, only where the unsharded state leaves too little memory
-        for its in-flight micro-batches without re-computation (:meth:`score`)."""
+        """1: replicated stages shard their optimizer state (memory and sync cost, ZeRO-1); 2:
+        their gradients too (ZeRO-2); :data:`ZERO_AUTO`: per stage, only where the unsharded
+        state leaves too little memory for its in-flight micro-batches without re-computation
+        (:meth:`score`)."""
         self.cluster = cluster
         self.global_batch_size = global_batch_size
         self.N = profile.num_layers
@@ -88,7 +91,7 @@ class Scorer:
         self._memory = profile.for_memory
         """The layers at the longest planned length: kept activations and stage inputs."""
         self._act = pre([x.kept_activation_bytes_per_sample for x in self._memory.layers])
-        self._ar: dict[tuple[int, int, tuple[int, ...], int], float] = {}
+        self._ar: dict[tuple[int, int, tuple[int, ...], int, int], float] = {}
         self._links: dict[
             tuple[tuple[int, ...], tuple[int, ...], int], list[tuple[float, float]]
         ] = {}
@@ -109,12 +112,15 @@ class Scorer:
     def param_bytes(self, s: int, e: int) -> float:
         return self._par[e] - self._par[s]
 
-    def ar_ms(self, s: int, e: int, devices: tuple[int, ...], zero_stage: int = 0) -> float:
-        """AR_s of layers [s, e) on ``devices`` (with ZeRO-1's parameter gather when 1)."""
-        key = (s, e, devices, zero_stage)
+    def ar_ms(
+        self, s: int, e: int, devices: tuple[int, ...], zero_stage: int = 0, M: int = 1
+    ) -> float:
+        """AR_s of layers [s, e) on ``devices`` under ``zero_stage`` with M micro-batches
+        (:func:`~dapple.planner.comm.stage_sync_ms`)."""
+        key = (s, e, devices, zero_stage, M if zero_stage >= 2 else 1)
         v = self._ar.get(key)
         if v is None:
-            v = stage_sync_ms(self.cluster, self.param_bytes(s, e), devices, zero_stage)
+            v = stage_sync_ms(self.cluster, self.param_bytes(s, e), devices, zero_stage, M)
             self._ar[key] = v
         return v
 
@@ -138,7 +144,8 @@ class Scorer:
         return in_flight_options(
             float(self.cluster.usable_memory_bytes),
             self.param_bytes(s, e)
-            * state_bytes_per_parameter_byte(self.profile, replicas, zero_stage),
+            * state_bytes_per_parameter_byte(self.profile, replicas, zero_stage)
+            + zero2_staging_bytes(self.profile, (s, e), replicas, zero_stage),
             (self._act[e] - self._act[s]) * samples,
             boundary_bytes(self._memory, s, samples),
         )
@@ -153,7 +160,8 @@ class Scorer:
             n = -(-b // len(d))  # split_sizes(b, r)[0], the largest slice
             f, bw = self.fb_ms(s, e, n)
             d_nr, d_r = self._options(s, e, n, len(d), zero_stage)
-            rec = (f, bw, self.ar_ms(s, e, d, zero_stage), d_nr, d_r)
+            M = self.global_batch_size // b
+            rec = (f, bw, self.ar_ms(s, e, d, zero_stage, M), d_nr, d_r)
             self._stages[key] = rec
         return rec
 
@@ -166,7 +174,7 @@ class Scorer:
             return [(z, self._stage(s, e, d, b, z))]
         out = [(0, self._stage(s, e, d, b, 0))]
         if len(d) > 1:
-            out.append((1, self._stage(s, e, d, b, 1)))
+            out += [(z, self._stage(s, e, d, b, z)) for z in (1, 2)]
         return out
 
     # -- whole candidates --------------------------------------------------------------------
@@ -214,9 +222,7 @@ class Scorer:
             ok = True
             for i in range(S):
                 k = nominal[i]
-                # the first option (unsharded first) that holds k without re-computation, else
-                # the one with the most room (auto: shard rather than re-compute)
-                z, r_i = next(((z, r) for z, r in options[i] if r[3] >= k), options[i][-1])
+                z, r_i = _pick(options[i], k, M)
                 zs.append(z)
                 recs.append(r_i)
                 d_nr, d_r = r_i[3], r_i[4]
@@ -317,3 +323,24 @@ class Scorer:
 def divisors(n: int) -> list[int]:
     """Positive divisors of ``n`` in increasing order (the candidate M)."""
     return [m for m in range(1, n + 1) if n % m == 0]
+
+
+def _pick(
+    options: list[tuple[int, tuple[float, float, float, int, int]]], k: int, M: int
+) -> tuple[int, tuple[float, float, float, int, int]]:
+    """The zero stage of a stage holding k micro-batches in flight: of the options that hold k
+    (without re-computation, or with it at M more forward passes F), the one with the least
+    AR_s (+ M F), the lower zero stage on ties; none holds k: the one with the most room.
+
+    Args:
+        options: ``(zero stage, (F, B, AR, D without re-computation, D with))``, zero stage
+            ascending.
+    """
+    best: tuple[float, int, tuple[float, float, float, int, int]] | None = None
+    for z, r in options:
+        cost = r[2] if r[3] >= k else r[2] + M * r[0] if r[4] >= k else None
+        if cost is not None and (best is None or cost < best[0]):
+            best = (cost, z, r)
+    if best is None:
+        return options[-1]
+    return best[1], best[2]

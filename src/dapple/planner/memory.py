@@ -22,8 +22,14 @@ __all__ = [
     "parameter_state_bytes",
     "state_bytes_per_parameter_byte",
     "weight_cast_bytes",
+    "zero2_staging_bytes",
     "zero_saved_bytes",
 ]
+
+ZERO2_STAGED_LAYERS = 3
+"""ZeRO-2's gradients in flight while a backward runs, in units of the stage's largest layer:
+the runtime's two staged buckets being reduced (``dapple.runtime.zero.MAX_STAGED``) and the
+gradients autograd is producing - each at most one layer's parameters."""
 
 UNBOUNDED_IN_FLIGHT = 10**9
 """D of a stage whose activations take no memory."""
@@ -58,16 +64,22 @@ def state_bytes_per_parameter_byte(
     replicated stage (``replicas > 1``) one more copy of the gradient - the flat buffers its
     AllReduce AR(P_s, g_s) reduces in (the runtime's gradient buckets, :mod:`dapple.runtime.sync`).
 
-    With ``zero_stage >= 1`` on a replicated stage the optimizer state (the factor less the
-    gradient's 1) is held once per stage, ``1/r_s`` on each replica (:mod:`dapple.runtime.zero`:
-    the gradients stay whole, the parameter gather's buffer is one bucket and not counted).
+    On a replicated stage with ``zero_stage`` 1 (:mod:`dapple.runtime.zero`) the gradients
+    accumulate in the flat buckets themselves (no extra copy), each replica holds the reduced
+    gradient of its ``1/r_s`` chunk, and the optimizer state (the factor less the gradient's 1)
+    is held ``1/r_s`` on each replica: ``1 + 1 + (factor - 1 + 1) / r_s``. With 2 the
+    gradients are held only as the ``1/r_s`` shard: ``1 + factor / r_s``. The gradients in
+    flight while ZeRO-2 reduces a micro-batch are a per-stage term (:func:`zero2_staging_bytes`,
+    added by :func:`parameter_state_bytes`).
     """
-    ar_buffers = 1.0 if replicas > 1 else 0.0
+    cast = WEIGHT_CAST_FACTOR[profile.precision]
     factor = profile.optimizer_state_factor
-    if zero_stage >= 1 and replicas > 1:
-        moments = max(factor - 1.0, 0.0)
-        factor = factor - moments + moments / replicas
-    return 1.0 + factor + WEIGHT_CAST_FACTOR[profile.precision] + ar_buffers
+    if replicas > 1 and zero_stage >= 2:
+        return 1.0 + factor / replicas + cast
+    if replicas > 1 and zero_stage == 1:
+        return 1.0 + 1.0 + factor / replicas + cast
+    ar_buffers = 1.0 if replicas > 1 else 0.0
+    return 1.0 + factor + cast + ar_buffers
 
 
 def weight_cast_bytes(profile: ModelProfile, layers: tuple[int, int]) -> float:
@@ -84,10 +96,25 @@ def parameter_state_bytes(
     """Parameters + gradients + optimizer state (+ weight cast cache, + AllReduce buffers) of
     layers ``[start, end)`` on one of ``replicas`` replicas
     (:func:`state_bytes_per_parameter_byte`; 16 bytes per fp32 Adam parameter with the default
-    factor 3 and no replicas, 18 under bf16/fp16 autocast)."""
+    factor 3 and no replicas, 18 under bf16/fp16 autocast), plus ZeRO-2's gradients in flight
+    (:func:`zero2_staging_bytes`)."""
     s, e = layers
     params = sum(layer.parameter_bytes for layer in profile.layers[s:e])
-    return params * state_bytes_per_parameter_byte(profile, replicas, zero_stage)
+    staging = zero2_staging_bytes(profile, layers, replicas, zero_stage)
+    return params * state_bytes_per_parameter_byte(profile, replicas, zero_stage) + staging
+
+
+def zero2_staging_bytes(
+    profile: ModelProfile, layers: tuple[int, int], replicas: int, zero_stage: int
+) -> float:
+    """The gradients ZeRO-2 holds while a backward of layers ``[start, end)`` runs, beyond its
+    shard: :data:`ZERO2_STAGED_LAYERS` x the largest layer's parameter bytes (an upper bound:
+    a bucket holds at most one layer's parameters when they are larger than the bucket size);
+    0 unless ``zero_stage >= 2`` on a replicated stage."""
+    if zero_stage < 2 or replicas < 2:
+        return 0.0
+    s, e = layers
+    return ZERO2_STAGED_LAYERS * max(layer.parameter_bytes for layer in profile.layers[s:e])
 
 
 def zero_saved_bytes(
@@ -130,7 +157,8 @@ def device_memory_bytes(
         stage: layers, replicas and re-computation flag.
         micro_batch_size: b (a replica keeps the largest slice ``split_sizes(b, r)[0]``).
         in_flight: K_i, micro-batches whose activations are held at once.
-        zero_stage: 1: the optimizer state of a replicated stage is sharded over its replicas.
+        zero_stage: 1: the optimizer state of a replicated stage is sharded over its replicas;
+            2: its gradients too.
     """
     profile = profile.for_memory
     samples = split_sizes(micro_batch_size, stage.replicas)[0]

@@ -215,9 +215,9 @@ def dapple_search(
         cut_limit: the DP cuts only at :func:`cut_points` (at most this many + 1); the
             final cuts are refined layer by layer.
         progress: called as ``progress(done, total)`` after each candidate M.
-        zero_stage: 1: replicated stages shard their optimizer state (ZeRO-1), in memory and
-            in AR_s; :data:`~dapple.planner.evaluate.ZERO_AUTO` (-1): per stage, where memory
-            asks for it (:class:`~dapple.planner.evaluate.Scorer`). The plan records each
+        zero_stage: 1: replicated stages shard their optimizer state (ZeRO-1), 2: their
+            gradients too (ZeRO-2), in memory and in AR_s;
+            :data:`~dapple.planner.evaluate.ZERO_AUTO` (-1): per stage, where memory asks for it (:class:`~dapple.planner.evaluate.Scorer`). The plan records each
             stage's choice (``StagePlan.zero_stage``).
 
     Raises:

@@ -69,6 +69,7 @@ __all__ = [
     "LayerState",
     "capture_rng_state",
     "check_compatible",
+    "check_optimizer_states",
     "check_writable",
     "latest_checkpoint",
     "list_checkpoints",
@@ -317,6 +318,7 @@ def restore_stage(
     module: nn.Module,
     first_layer: int,
     optimizer: torch.optim.Optimizer | None = None,
+    views: Mapping[int, tuple[nn.Parameter, int]] | None = None,
 ) -> None:
     """Load layers ``first_layer ..`` into ``module``'s children and rebuild the optimizer state.
 
@@ -324,9 +326,15 @@ def restore_stage(
     order, so a stage of any plan can resume; hyperparameters (lr, betas, ...) stay those of
     ``optimizer``.
 
+    Args:
+        views: ``id(optimizer parameter) -> (stage parameter, offset)`` for optimizer
+            parameters that are 1-D pieces of a stage parameter (a ZeRO shard,
+            :meth:`dapple.runtime.zero.FlatShards.views`): they take that slice of its state.
+
     Raises:
         CheckpointError: a layer's tensor names or shapes differ from the checkpoint's (another
-            model), the optimizer class differs, or a layer file is damaged.
+            model), the optimizer class differs, a layer file is damaged, or the checkpoint has
+            optimizer state but not (all of) it for a parameter the optimizer updates.
     """
     children = list(module.children())
     idxs = range(first_layer, first_layer + len(children))
@@ -358,8 +366,65 @@ def restore_stage(
         return
     sd = optimizer.state_dict()
     order = [p for g in optimizer.param_groups for p in g["params"]]
-    sd["state"] = {n: by_param[id(p)] for n, p in enumerate(order) if id(p) in by_param}
+    views = views or {}
+    names = {id(p): (i, n) for i, c in zip(idxs, children, strict=False)
+             for n, p in c.named_parameters(remove_duplicate=False)}  # fmt: skip
+    sd["state"] = {}
+    for n, p in enumerate(order):
+        origin, offset = views.get(id(p), (p, -1))
+        st = by_param.get(id(origin))
+        if st is None:
+            if by_param and p.requires_grad:
+                where = names.get(id(origin))
+                raise CheckpointError(
+                    f"checkpoint {str(ckpt.manifest_path)!r} is incomplete: layer "
+                    f"{where[0] if where else '?'} parameter {where[1] if where else '?'!r} has "
+                    "no optimizer state"
+                )
+            continue
+        sd["state"][n] = st if offset < 0 else _slice_state(st, offset, p.numel())
     optimizer.load_state_dict(sd)
+
+
+def _slice_state(state: Mapping[str, Any], offset: int, n: int) -> dict[str, Any]:
+    """Elements ``[offset, offset + n)`` of every non-scalar tensor of one parameter's state."""
+    return {
+        k: v.reshape(-1)[offset : offset + n].clone()
+        if isinstance(v, torch.Tensor) and v.ndim > 0
+        else v
+        for k, v in state.items()
+    }
+
+
+def check_optimizer_states(ckpt: Checkpoint) -> None:
+    """Every layer's optimizer state is whole: each entry names a tensor of the layer, has that
+    tensor's shape in every non-scalar state, and has the same state names as the other
+    entries (a checkpoint assembled from ZeRO shards with one missing fails here). Reads one
+    layer file at a time.
+
+    Raises:
+        CheckpointError: the first incomplete entry, named with its layer and parameter.
+    """
+    keys: tuple[str, ...] | None = None
+    where = str(ckpt.manifest_path)
+    for rec in ckpt.layers:
+        ls = load_layer_states(ckpt, [rec.index])[rec.index]
+        for name, st in ls.optimizer.items():
+            have = tuple(sorted(st))
+            keys = have if keys is None else keys
+            what = f"checkpoint {where!r} is incomplete: layer {rec.index} parameter {name!r}"
+            if have != keys:
+                raise CheckpointError(
+                    f"{what} has optimizer state {list(have)}, others {list(keys)}"
+                )
+            t = ls.tensors.get(name)
+            for k, v in st.items():
+                if isinstance(v, torch.Tensor) and v.ndim > 0 and (t is None or v.shape != t.shape):
+                    shape = None if t is None else list(t.shape)
+                    raise CheckpointError(
+                        f"{what}: optimizer state {k!r} has shape {list(v.shape)}, the "
+                        f"parameter {shape}"
+                    )
 
 
 def check_writable(root: str | Path) -> Path:

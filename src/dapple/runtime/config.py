@@ -105,8 +105,9 @@ class TrainConfig:
     computed and reported either way)."""
     zero_stage: int = 0
     """0: every replica of a stage keeps the whole optimizer state; 1: each replica of a stage
-    with ``r_s > 1`` keeps and updates ``1/r_s`` of it and the updated parameters are gathered
-    in the stage (:mod:`dapple.runtime.zero`); a no-op on stages with one replica."""
+    with ``r_s > 1`` keeps and updates ``1/r_s`` of it (gradients reduce-scattered, updated
+    parameters all-gathered in the stage); 2: the accumulated gradients are sharded too
+    (:mod:`dapple.runtime.zero`); a no-op on stages with one replica."""
 
     def __post_init__(self) -> None:
         _check_long_run(self)

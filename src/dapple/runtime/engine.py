@@ -70,7 +70,7 @@ from dapple.runtime.reporting import open_reporters, target_tokens
 from dapple.runtime.stage import StageExecutor
 from dapple.runtime.sync import GradientSync
 from dapple.runtime.transport import flatten, infer_boundary_specs
-from dapple.runtime.zero import StageShards, unsharded_stages
+from dapple.runtime.zero import FlatShards, flat_parameters, unsharded_stages
 from dapple.schedule import require_runtime_support
 from dapple.schedule.lower import lower
 
@@ -93,7 +93,7 @@ logger = logging.getLogger(__name__)
 
 class StageRun:
     """What one rank holds after :func:`run_plan`: its stage layers, rank 0's metrics and its
-    optimizer (under ZeRO-1 over this replica's shard of the stage's parameters only)."""
+    optimizer (under ZeRO over this replica's pieces of the stage's sharded parameters)."""
 
     def __init__(
         self,
@@ -201,6 +201,8 @@ def run_plan(
             reporter.close()
         sink.close()
         r.data.close()
+        if r.interpreter.shards is not None:
+            r.interpreter.shards.close()
         if not clean:  # peers may be gone: drop the hooks, wait for nothing
             r.sync.close(clean=False)
     _teardown(r.sync, plan, rank)
@@ -306,12 +308,21 @@ def _setup(
         specs = infer_boundary_specs(
             plan, rank, module, sample if isinstance(inputs, (tuple, list)) else sample[0], device
         )
-    sync = GradientSync(plan, workload, rank, module, s)  # collective: creates the groups
+    zero = _zero_stage(plan, config, rank, s)
+    flat = flat_parameters(plan, workload, s, module) if zero and module and s is not None else []
+    flat_ids = frozenset(id(p) for p in flat)
+    sync = GradientSync(plan, workload, rank, module, s, exclude=flat_ids)  # creates the groups
     torch.manual_seed(config.seed * 7919 + rank)  # per-rank RNG for dropout-like layers
     params = list(module.parameters()) if module is not None else []
-    shards = _shards(plan, config, rank, module, s, j, sync)
-    updated = shards.owned if shards is not None else params  # the optimizer's parameters
-    opt = make_optimizer(config, updated) if updated else None
+    shards = None
+    if flat and module is not None and s is not None and j is not None:
+        shards = FlatShards(plan, s, j, module, flat, sync.pg, zero)
+    # the optimizer's parameters: this replica's pieces of the sharded ones and the others whole
+    updated = [p for p in params if id(p) not in flat_ids]
+    if shards is not None:
+        updated = [pc.param for pc in shards.pieces] + updated
+    like = {id(pc.param): pc.origin for pc in shards.pieces} if shards is not None else {}
+    opt = make_optimizer(config, updated, like) if updated else None
     meter = ActivationMeter(exclude=params)
     ex: StageExecutor | None = None
     if module is not None:
@@ -325,7 +336,9 @@ def _setup(
     longrun.data_state = data_state(data, config.seed, G)
     start = longrun.resume()
     step_probe = StepProbe(device, meter, ex, baseline)
-    counted = counted_parameters(plan, workload, s, j, module)
+    counted = [p for p in counted_parameters(plan, workload, s, j, module) if id(p) not in flat_ids]
+    if shards is not None:  # every replica counts its gradient shard
+        counted = [pc.param for pc in shards.pieces] + counted
     update = ModelUpdate(config, opt, updated, counted, device)
     interpreter = ProgramInterpreter(plan, lower(plan), rank, executor=ex, sync=sync,
                                      longrun=longrun, optimizer=opt, params=params,
@@ -339,30 +352,19 @@ def _setup(
                  config, G, (inputs, targets), feed, input_shapes(inputs), dims)  # fmt: skip
 
 
-def _shards(
-    plan: Plan,
-    config: TrainConfig,
-    rank: int,
-    module: nn.Module | None,
-    s: int | None,
-    j: int | None,
-    sync: GradientSync,
-) -> StageShards | None:
-    """This replica's optimizer-state shard when its stage is replicated and sharded - the run's
-    ``zero_stage`` or the stage's own ``StagePlan.zero_stage``, the larger
-    (:mod:`dapple.runtime.zero`); None otherwise. Rank 0 says once which stages the run's
-    ``zero_stage`` leaves alone (one replica: nothing to shard)."""
+def _zero_stage(plan: Plan, config: TrainConfig, rank: int, s: int | None) -> int:
+    """The zero stage of this rank's stage: the run's ``zero_stage`` or the stage's own
+    ``StagePlan.zero_stage``, the larger; 0 on a stage with one replica (and off the plan).
+    Rank 0 says once which stages the run's ``zero_stage`` leaves alone (nothing to shard)."""
     single = unsharded_stages(plan)
     if rank == 0 and single and config.zero_stage:
         logger.warning(
             "zero stage %d is a no-op on stage(s) %s: one replica each (plan %s)",
             config.zero_stage, ", ".join(map(str, single)), plan.replication,
         )  # fmt: skip
-    if module is None or s is None or j is None or sync.pg is None:
-        return None
-    if max(config.zero_stage, plan.stages[s].zero_stage) == 0:
-        return None
-    return StageShards(plan, s, j, module, sync.pg)
+    if s is None or plan.stages[s].replicas == 1:
+        return 0
+    return max(config.zero_stage, plan.stages[s].zero_stage)
 
 
 def _teardown(sync: GradientSync, plan: Plan, rank: int) -> None:

@@ -16,8 +16,10 @@ simulator runs - and dispatches every action on its kind:
   (:meth:`Precision.unscale`, fp16 loss scaling), then :meth:`ModelUpdate.step` computes the
   global gradient norm (a world all_reduce that ranks beyond the plan join with
   :meth:`ModelUpdate.join` after their empty program), clips, sets the step's lr and steps the
-  optimizer; under ZeRO-1 (:mod:`dapple.runtime.zero`) the optimizer holds this replica's shard
-  only and :meth:`StageShards.gather` then brings every replica the owners' parameters.
+  optimizer; under ZeRO (:mod:`dapple.runtime.zero`) the optimizer holds this replica's shard
+  only and :meth:`FlatShards.gather` then brings every replica the others' updated chunks.
+  ZeRO-1 reduce-scatters the gradients (overlapped with the last backward, waited for at
+  ``AR``) instead of the AllReduce; ZeRO-2 after every ``B``.
 
 The program is compiled once into *ops* - ``(position, action, handler)`` in execution order,
 early receives moved up, the arming wrapped around the last ``B`` - so a step is a plain loop.
@@ -51,7 +53,7 @@ from dapple.runtime.optim import ModelUpdate
 from dapple.runtime.precision import Precision
 from dapple.runtime.stage import StageExecutor
 from dapple.runtime.sync import GradientSync
-from dapple.runtime.zero import StageShards
+from dapple.runtime.zero import FlatShards
 from dapple.schedule.ir import Action, ActionKind, Schedule
 from dapple.schedule.validate import format_grid
 
@@ -131,7 +133,7 @@ class ProgramInterpreter:
         probe: StepProbe,
         update: ModelUpdate,
         precision: Precision | None = None,
-        shards: StageShards | None = None,
+        shards: FlatShards | None = None,
     ) -> None:
         self.plan, self.schedule, self.rank = plan, schedule, rank
         self.shards = shards
@@ -196,6 +198,8 @@ class ProgramInterpreter:
             else:  # stop or skip: drop the bucket AllReduces (a skipped step updates nothing)
                 self._at = "dropping the gradient AllReduce"
                 self.sync.drain()
+                if self.shards is not None:
+                    self.shards.drain()
                 if verdict:
                     raise RankFailure(verdict)
         except RankFailure:
@@ -209,6 +213,8 @@ class ProgramInterpreter:
         assert self.ex is not None
         for p in self.params:
             p.grad = None
+        if self.shards is not None:
+            self.shards.begin_step()
         self.ex.begin_step(inputs, targets)
         self.longrun.begin_step()
         with self.precision.weight_cache():  # autocast: one cast of the weights per step
@@ -240,21 +246,30 @@ class ProgramInterpreter:
 
     def _backward(self, a: Action) -> None:
         assert self.ex is not None
+        zero2 = self.shards if self.shards is not None and self.shards.zero_stage == 2 else None
+        if zero2 is not None:  # every micro-batch's gradients are reduce-scattered into the shard
+            zero2.arm()
         self.ex.backward(a)
+        if zero2 is not None:
+            zero2.after_backward()
         self.longrun.watch(a, self.ex.loss_sum)
 
     def _last_backward(self, a: Action) -> None:
         self.sync.arm()  # reduce gradient buckets as they become final
+        if self.shards is not None and self.shards.zero_stage == 1:
+            self.shards.arm()
         self._backward(a)
 
     def _allreduce(self, a: Action) -> None:
         self.sync.finish()  # AR(P_s, g_s): wait for the overlapped buckets
+        if self.shards is not None:  # ZeRO-1: the overlapped reduce-scatters (ZeRO-2: none)
+            self.shards.finish()
 
     def _optimizer_step(self, a: Action) -> None:
         self.sync.tied()
-        self.precision.unscale(self.params)  # fp16: gradients / S (the loss was x S)
+        self.precision.unscale(self.update.params)  # fp16: gradients / S (the loss was x S)
         self.update.step(self._step)  # global norm, clipping, lr_at(step), optimizer step
-        if self.shards is not None:  # ZeRO-1: the owners' updated parameters to every replica
+        if self.shards is not None:  # ZeRO: every replica's updated chunks to every replica
             self.shards.gather()
 
     # -- test hook -----------------------------------------------------------------------------

@@ -19,7 +19,7 @@
   run goes on (:mod:`dapple.runtime.precision`). The same gather carries the caller's per-rank
   values (the step's metrics);
 - :meth:`LongRun.after_step` saves every ``save_every`` steps (replica 0 of each stage writes
-  its layers - under ZeRO-1 with the optimizer shards of the other replicas gathered to it,
+  its layers - under ZeRO with the optimizer shards of the other replicas gathered to it,
   :mod:`dapple.runtime.zero` - every rank its RNG state, rank 0 the manifest after a barrier,
   with the fp16 loss scale in its ``extra``).
 
@@ -58,7 +58,7 @@ from dapple.runtime.checkpoint import (
 from dapple.runtime.config import TrainConfig
 from dapple.runtime.data import check_data_resume
 from dapple.runtime.precision import Precision
-from dapple.runtime.zero import StageShards
+from dapple.runtime.zero import FlatShards
 from dapple.schedule.ir import Action, ActionKind
 
 __all__ = ["OPTIMIZER_CLASSES", "LongRun", "elastic_store", "first_attempt"]
@@ -115,12 +115,12 @@ class LongRun:
         optimizer: torch.optim.Optimizer | None,
         device: torch.device,
         precision: Precision | None = None,
-        shards: StageShards | None = None,
+        shards: FlatShards | None = None,
     ) -> None:
         self.plan, self.workload, self.config = plan, workload, config
         self.shards = shards
-        """ZeRO-1: this replica's optimizer holds its shard only; a save gathers the stage's
-        whole optimizer state to replica 0 (:meth:`StageShards.layer_states`)."""
+        """ZeRO: this replica's optimizer holds its shard only; a save gathers the stage's
+        whole optimizer state to replica 0 (:meth:`FlatShards.layer_states`)."""
         self.precision = precision or Precision("fp32", device)
         """fp16: a non-finite gradient (no non-finite loss) skips the step and lowers the loss
         scale on every rank; the scale is saved in and restored from checkpoints."""
@@ -128,6 +128,9 @@ class LongRun:
         self.module, self.optimizer, self.device = module, optimizer, device
         self.first_layer = plan.stages[stage].layers[0] if stage is not None else 0
         self.params = list(module.parameters()) if module is not None else []
+        sharded = {id(p) for p in shards.params} if shards is not None else set()
+        self._watched = [p for p in self.params if id(p) not in sharded]
+        """The parameters whose ``p.grad`` the guard sums (the sharded ones: by the shards)."""
         self.last_stage = stage == plan.num_stages - 1
         self.skipped: list[int] = []
         """Steps skipped for a non-finite loss or gradient (``on_nonfinite="skip"``)."""
@@ -163,7 +166,8 @@ class LongRun:
         )
         check_data_resume(ck.meta.extra.get("data"), self.data_state, ck.path)
         if self.module is not None:
-            restore_stage(ck, self.module, self.first_layer, self.optimizer)
+            views = self.shards.views() if self.shards is not None else None
+            restore_stage(ck, self.module, self.first_layer, self.optimizer, views)
         same_run = ck.meta.plan == self.plan.to_dict() and ck.meta.world_size == self.world
         rng = load_rng_state(ck, self.rank) if same_run else None
         if rng is not None:
@@ -191,7 +195,9 @@ class LongRun:
             if self._bad is None and self.last_stage and not math.isfinite(loss_sum):
                 self._bad = (0, int(action.micro_batch or 0))
         elif action.kind is ActionKind.BACKWARD and self.params:
-            grads = [p.grad.sum() for p in self.params if p.grad is not None]
+            grads = [p.grad.sum() for p in self._watched if p.grad is not None]
+            if self.shards is not None:  # the sharded parameters' local gradients
+                grads += self.shards.grad_sums()
             if grads:
                 self._grad_sums.append((int(action.micro_batch or 0), torch.stack(grads).sum()))
 

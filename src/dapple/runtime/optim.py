@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -64,26 +64,39 @@ def decays(param: torch.Tensor) -> bool:
     return param.ndim >= 2
 
 
-def param_groups(params: Iterable[nn.Parameter], weight_decay: float) -> list[dict[str, Any]]:
+def param_groups(
+    params: Iterable[nn.Parameter],
+    weight_decay: float,
+    like: Mapping[int, torch.Tensor] | None = None,
+) -> list[dict[str, Any]]:
     """The optimizer's parameter groups: ``{"params", "weight_decay"}`` for the decaying
-    parameters (:func:`decays`) and the others (weight decay 0), empty groups left out."""
+    parameters (:func:`decays`) and the others (weight decay 0), empty groups left out.
+
+    ``like`` maps ``id(p)`` of a parameter that is a piece of another (a sharded view) to the
+    parameter whose group it takes."""
     ps = list(params)
+    like = like or {}
+    dec = [decays(like.get(id(p), p)) for p in ps]
     groups = [
-        {"params": [p for p in ps if decays(p)], "weight_decay": weight_decay},
-        {"params": [p for p in ps if not decays(p)], "weight_decay": 0.0},
+        {"params": [p for p, d in zip(ps, dec, strict=True) if d], "weight_decay": weight_decay},
+        {"params": [p for p, d in zip(ps, dec, strict=True) if not d], "weight_decay": 0.0},
     ]
     return [g for g in groups if g["params"]]
 
 
-def make_optimizer(config: TrainConfig, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+def make_optimizer(
+    config: TrainConfig,
+    params: Iterable[nn.Parameter],
+    like: Mapping[int, torch.Tensor] | None = None,
+) -> torch.optim.Optimizer:
     """The optimizer every rank (and the one-process reference) uses, over ``params``.
 
     ``sgd`` (with ``momentum``), ``adam`` or ``adamw`` (``betas``, ``eps``), weight decay per
-    :func:`param_groups`; the lr is ``config.lr`` until :func:`set_lr` sets a step's. Adam and
+    :func:`param_groups` (``like``: as there); the lr is ``config.lr`` until :func:`set_lr` sets a step's. Adam and
     AdamW run fused (one kernel over each parameter, CPU and CUDA): no temporaries the size of
     the stage's parameters at the step, so the step's memory is the planner's parameter state.
     """
-    groups = param_groups(params, config.weight_decay)
+    groups = param_groups(params, config.weight_decay, like)
     fused = True
     c = config
     if c.optimizer == "adamw":

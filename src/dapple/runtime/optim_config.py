@@ -20,10 +20,10 @@ LR_SCHEDULES = ("constant", "cosine")
 """``constant``: linear warm-up, then ``lr``; ``cosine``: linear warm-up, then cosine decay to
 ``min_lr`` at the last step (:func:`dapple.runtime.optim.lr_at`)."""
 
-ZERO_STAGES = (0, 1)
+ZERO_STAGES = (0, 1, 2)
 """``TrainConfig.zero_stage`` values: 0, every replica of a stage keeps the whole optimizer
-state; 1, each of the ``r_s`` replicas keeps and updates its ``1/r_s`` shard
-(:mod:`dapple.runtime.zero`). Sharded gradients (ZeRO-2) are not implemented."""
+state; 1, each of the ``r_s`` replicas keeps and updates its ``1/r_s`` shard of it; 2, the
+gradients are sharded too (:mod:`dapple.runtime.zero`)."""
 
 OPTIM_FIELDS = (
     "weight_decay",
@@ -73,10 +73,8 @@ def check_optim(c: TrainConfig) -> None:
             f"{c.lr_schedule!r}"
         )
     if c.zero_stage not in ZERO_STAGES:
-        later = " (ZeRO-2, sharded gradients, is not implemented)" if c.zero_stage == 2 else ""
         raise ValidationError(
-            f"zero_stage must be one of {', '.join(map(str, ZERO_STAGES))}, got "
-            f"{c.zero_stage!r}{later}"
+            f"zero_stage must be one of {', '.join(map(str, ZERO_STAGES))}, got {c.zero_stage!r}"
         )
     clip = c.clip_grad_norm
     if clip is not None and not (clip > 0 and math.isfinite(clip)):

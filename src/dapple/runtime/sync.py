@@ -97,6 +97,7 @@ class GradientSync:
         stage: int | None,
         *,
         bucket_bytes: int | None = None,
+        exclude: frozenset[int] = frozenset(),
     ) -> None:
         self.groups = list(workload.tied_parameters)
         self.stage_pg: dict[int, Any] = {}
@@ -128,9 +129,12 @@ class GradientSync:
                     if lo <= lay < hi:
                         cross.add(id(self.by_layer[lay].get_parameter(name)))
         params = list(module.parameters()) if module is not None else []
-        self.reduced = [p for p in params if id(p) not in cross and p.requires_grad]
+        self.reduced = [
+            p for p in params if id(p) not in cross and id(p) not in exclude and p.requires_grad
+        ]
         """Parameters the stage AllReduce sums (cross-stage tied copies are already totals;
-        frozen parameters have no gradient)."""
+        frozen parameters have no gradient; ``exclude``: the ids of parameters a
+        :class:`~dapple.runtime.zero.FlatShards` reduce-scatters instead)."""
         self.pg = self.stage_pg.get(stage) if stage is not None else None
         self.buckets: list[_Bucket] = []
         self._where: dict[int, tuple[int, int]] = {}  # id(param) -> (bucket, index in bucket)

@@ -1,45 +1,62 @@
-"""Sharded optimizer state inside a replicated stage (ZeRO-1, per stage).
+"""Sharded training state inside a replicated stage (ZeRO-1 and ZeRO-2, per stage).
 
 DAPPLE replicates stage ``s`` on ``r_s`` devices and all-reduces its gradients, AR(P_s, g_s);
 without sharding every replica then runs the same optimizer update on the whole stage and
 keeps the whole optimizer state (Adam: two fp32 moments, 8 of the 16 bytes per parameter).
-With ``TrainConfig.zero_stage = 1`` (every replicated stage) or ``StagePlan.zero_stage = 1``
-(that stage, as ``dapple plan --zero-stage 1`` records it) each replica of a stage with
-``r_s > 1`` owns about ``1/r_s`` of the stage's parameters (:func:`partition`), keeps optimizer
-state for those only and updates only them; then every owner broadcasts its updated parameters
-to the other replicas of the stage (:meth:`StageShards.gather`, the ``OPT`` action's last part).
+With ``TrainConfig.zero_stage`` (every replicated stage) or ``StagePlan.zero_stage`` (that
+stage, as ``dapple plan --zero-stage`` records it) at 1 or 2, each replica of a stage with
+``r_s > 1`` keeps and updates ``1/r_s`` of the stage's parameters (:class:`FlatShards`):
+
+- ZeRO-1: the gradients accumulate over the step's micro-batches, in place, in flat bucket
+  buffers (``p.grad`` is a view of its bucket); from the last backward on each bucket is
+  reduce-scattered (``torch.distributed.reduce_scatter_single``, SUM) as soon as its gradients are final, so
+  every replica receives the reduced gradient of its own chunk of the bucket - the bytes of
+  the AllReduce's reduce-scatter half - while backward still runs.
+- ZeRO-2: no full-size gradient buffer: after *every* micro-batch's backward each bucket is
+  copied into a staging buffer, the parameters' gradients are freed and the bucket is
+  reduce-scattered and added to this replica's gradient shard - M times ZeRO-1's gradient
+  traffic, for ``1/r_s`` of the gradient memory (at most :data:`MAX_STAGED` buckets are staged
+  at once).
+
+In both, the optimizer's parameters are views of this replica's chunks of the flat parameter
+buffers (:attr:`FlatShards.pieces`, cut at parameter boundaries so each keeps its weight-decay
+group), their gradients views of the gradient shard; after the update every bucket is
+all-gathered in place (``torch.distributed.all_gather_single``, :meth:`FlatShards.gather`).
+torch 2.13 runs both on gloo (CPU) and NCCL (they are the ``reduce_scatter_tensor`` /
+``all_gather_into_tensor`` of earlier releases, which 2.13 deprecates), but gloo's are slow: 4
+CPU processes on 2 cores took 590-750 ms to reduce-scatter 29.5M floats - twice the 330-390 ms
+of an AllReduce of them, with a temporary the size of the input - and 210-270 ms to all-gather
+them. On gloo, the stage's group therefore reduces each chunk to its owner
+(``torch.distributed.reduce``, one per replica, asynchronous: 175 ms, the reduce-scatter's
+bytes, in place) and gathers by one ``broadcast`` per chunk from its owner (86-95 ms).
 
 Design choices:
-    - Shards are whole parameters (as ``torch.distributed.optim.ZeroRedundancyOptimizer``):
-      the optimizer is the ordinary per-parameter one over the owned parameters, so the
-      update of every element is bit-for-bit the unsharded one, the checkpoint stays keyed by
-      layer and parameter name, and weight-decay groups (:func:`dapple.runtime.optim.decays`)
-      stay per parameter. Owners are assigned greedily in parameter order to the replica with
-      the fewest owned elements so far: deterministic, the same on every replica.
-    - Gradient synchronisation stays the overlapped bucket AllReduce of
-      :mod:`dapple.runtime.sync` (each replica then holds the whole reduced gradient), not a
-      reduce-scatter: it moves ``2 (r-1)/r`` of the gradient bytes where a reduce-scatter
-      would move ``(r-1)/r``, plus the parameter gather's ``(r-1)/r`` - 1.5x the wire bytes
-      of ZeRO's reduce-scatter + all-gather. In exchange the global gradient norm, clipping,
-      fp16 unscaling and the non-finite guard see the same full gradients as without sharding
-      (each element counted once, by replica 0), and shards of whole parameters (of unequal
-      sizes) need no flat, evenly split buffer. (torch 2.13's gloo does run
-      ``reduce_scatter_tensor`` and ``all_gather_into_tensor`` on CPU tensors; a flat-shard
-      variant could use them.)
-    - The gather broadcasts every parameter of at least :data:`GATHER_RUN_BYTES` straight
-      into its own storage, and smaller ones (biases, norms) in flat runs of about that size;
-      all broadcasts start at once (asynchronous) and are waited for together. So the gather
-      adds at most the flat runs of small parameters to the peak memory, not a bucket.
+    - Layout: the stage's trainable parameters, in reverse order (the order backward makes
+      their gradients final), are cut into buckets of about :data:`~dapple.runtime.sync.BUCKET_BYTES`;
+      a bucket of ``n`` elements is padded to ``P = r * ceil(n / r)`` and replica ``j`` owns
+      its chunk ``[j P / r, (j + 1) P / r)``. The parameters become views of their bucket's
+      flat buffer (built one bucket at a time, so the copy adds one bucket to the peak, not
+      the stage). Each replica thus updates exactly ``1/r_s`` of every bucket, and a bucket's
+      reduce-scatter can start while backward computes earlier layers.
+    - The update of each element is the unsharded one (Adam/AdamW/SGD are elementwise), so a
+      sharded run equals an unsharded one to rounding; the global gradient norm counts every
+      replica's gradient shard (each element once over the replicas), clipping and fp16
+      unscaling scale the shard.
+    - Parameters of tied groups (``Workload.tied_parameters``) stay whole: their gradients are
+      summed across copies after the stage reduction (:mod:`dapple.runtime.sync`), and every
+      replica updates them as without sharding.
     - Checkpoints stay complete and layer-keyed: at a save every replica sends the optimizer
-      state of the parameters it owns to replica 0 (:meth:`StageShards.layer_states`), which
-      writes the layer files as before; at a resume each replica's optimizer, built over its
-      own parameters, takes only their state from the file (so a checkpoint saved under any
-      plan or zero stage resumes under any other).
+      state of its pieces to replica 0 (:meth:`FlatShards.layer_states`), which writes each
+      parameter's state whole; at a resume each replica slices its pieces' state out of the
+      layer files (:func:`dapple.runtime.checkpoint.restore_stage`), so a checkpoint saved
+      under any plan or zero stage resumes under any other.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -47,35 +64,29 @@ import torch.distributed as dist
 from torch import nn
 
 from dapple.core.plan import Plan
+from dapple.models.workload import Workload
 from dapple.runtime.checkpoint import LayerState, stage_layer_states
 from dapple.runtime.optim_config import ZERO_STAGES
+from dapple.runtime.sync import BUCKET_BYTES
 
-__all__ = ["GATHER_RUN_BYTES", "ZERO_STAGES", "StageShards", "partition", "unsharded_stages"]
+__all__ = [
+    "MAX_STAGED",
+    "ZERO_STAGES",
+    "FlatShards",
+    "Piece",
+    "flat_parameters",
+    "unsharded_stages",
+]
 
 logger = logging.getLogger(__name__)
 
-GATHER_RUN_BYTES = 2**20
-"""Parameters this size or larger are broadcast in place; smaller ones in flat runs of up to
-this many bytes (few collectives for many biases, little extra memory)."""
+TENSOR_COLLECTIVES_ENV = "DAPPLE_TEST_ZERO_TENSOR_COLLECTIVES"
+"""Test hook: with ``1`` here gloo groups use ``reduce_scatter_single``/``all_gather_single``
+too (the path of other backends), so it can be tested on the CPU."""
 
-
-def partition(sizes: list[int], replicas: int) -> list[int]:
-    """The owning replica of each parameter: greedy, in order, to the least-loaded replica.
-
-    Args:
-        sizes: element count of each parameter, in the stage's parameter order.
-        replicas: r_s.
-
-    Returns:
-        ``owner[k]`` in ``range(replicas)`` for parameter ``k`` (ties: the lowest replica).
-    """
-    load = [0] * replicas
-    owner = []
-    for n in sizes:
-        j = min(range(replicas), key=lambda i: (load[i], i))
-        owner.append(j)
-        load[j] += n
-    return owner
+MAX_STAGED = 2
+"""ZeRO-2: buckets being reduced at once; launching another first waits for the oldest (so the
+staged gradients take at most this many buckets, not the stage)."""
 
 
 def unsharded_stages(plan: Plan) -> list[int]:
@@ -83,16 +94,74 @@ def unsharded_stages(plan: Plan) -> list[int]:
     return [i for i, st in enumerate(plan.stages) if st.replicas == 1]
 
 
-class StageShards:
-    """One replica's shard of its stage's optimizer state and the parameter gather.
+def flat_parameters(
+    plan: Plan, workload: Workload, stage: int, module: nn.Module
+) -> list[nn.Parameter]:
+    """The parameters of stage ``stage`` that :class:`FlatShards` shards: the trainable ones of
+    the first trainable parameter's dtype and device, without those of tied groups."""
+    lo, hi = plan.stages[stage].layers
+    layers = dict(zip(range(lo, hi), module.children(), strict=False))
+    tied = {
+        id(layers[int(i)].get_parameter(str(name)))
+        for group in workload.tied_parameters
+        for i, name in group
+        if int(i) in layers
+    }
+    params = [p for p in module.parameters() if p.requires_grad and id(p) not in tied]
+    if not params:
+        return []
+    kind = (params[0].dtype, params[0].device)
+    return [p for p in params if (p.dtype, p.device) == kind]
+
+
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """The part of one stage parameter inside this replica's chunk of a bucket."""
+
+    param: nn.Parameter
+    """The optimizer's parameter: a 1-D view of its bucket's flat parameter buffer."""
+    origin: nn.Parameter
+    """The stage parameter it is part of."""
+    offset: int
+    """Where it starts in ``origin.reshape(-1)``."""
+
+
+@dataclass
+class _Bucket:
+    params: list[nn.Parameter]
+    flat: torch.Tensor
+    """The bucket's parameters, padded (they are views of it)."""
+    padded: int
+    """P: its element count, a multiple of r."""
+    shard_start: int
+    """Offset of this replica's chunk in the gradient shard."""
+    grads: torch.Tensor | None = None
+    """ZeRO-1: the bucket's gradients (``p.grad`` are views of it)."""
+    ready: set[int] = field(default_factory=set)
+    works: list[Any] = field(default_factory=list)
+    """The reduce-scatter in flight (empty: none)."""
+    result: torch.Tensor | None = None
+    """Where this replica's reduced chunk lands (copied or added to the shard when done)."""
+    staged: torch.Tensor | None = None
+    """ZeRO-2: the micro-batch's gradients being reduced (kept alive until done)."""
+    launched_sum: torch.Tensor | None = None
+    """ZeRO-1: the sum of the bucket's local gradients when its reduction started (for the
+    non-finite guard: on gloo the reduction overwrites them)."""
+
+
+class FlatShards:
+    """One replica's shard of its stage's parameters, gradients (ZeRO-2) and optimizer state.
 
     Args:
         plan: the plan.
         stage: s, a stage with ``r_s > 1``.
         replica: j, this rank's replica of the stage.
         module: the stage's layers.
-        pg: the stage's replica group (:attr:`GradientSync.pg`).
-        bucket_bytes: the largest flat broadcast run (default :data:`GATHER_RUN_BYTES`).
+        params: the parameters to shard (:func:`flat_parameters`); the stage's
+            :class:`~dapple.runtime.sync.GradientSync` must leave them out.
+        pg: the stage's replica group.
+        zero_stage: 1 or 2.
+        bucket_bytes: the bucket size (default :data:`~dapple.runtime.sync.BUCKET_BYTES`).
     """
 
     def __init__(
@@ -101,67 +170,235 @@ class StageShards:
         stage: int,
         replica: int,
         module: nn.Module,
+        params: list[nn.Parameter],
         pg: Any,
+        zero_stage: int,
         *,
         bucket_bytes: int | None = None,
     ) -> None:
         self.devices = list(plan.stages[stage].devices)
-        self.replica, self.module, self.pg = replica, module, pg
-        self.params = [p for p in module.parameters() if p.requires_grad]
-        self.owner = partition([p.numel() for p in self.params], len(self.devices))
-        self.owned = [p for p, j in zip(self.params, self.owner, strict=True) if j == replica]
-        """The parameters this replica updates (its optimizer's)."""
-        cap = GATHER_RUN_BYTES if bucket_bytes is None else bucket_bytes
-        self.runs: list[tuple[int, list[nn.Parameter]]] = []
-        """``(owner, parameters)``: the broadcasts of a gather, in order (every replica)."""
-        for j in range(len(self.devices)):
-            mine = [p for p, o in zip(self.params, self.owner, strict=True) if o == j]
-            size = 0
-            for p in mine:
-                nbytes = p.numel() * p.element_size()
-                last = self.runs[-1] if self.runs else None
-                if (
-                    last is None
-                    or last[0] != j
-                    or size + nbytes > cap
-                    or (last[1][-1].dtype, last[1][-1].device) != (p.dtype, p.device)
-                ):
-                    self.runs.append((j, []))
-                    size = 0
-                self.runs[-1][1].append(p)
-                size += nbytes
+        self.r = len(self.devices)
+        self.replica, self.module, self.pg, self.zero_stage = replica, module, pg, zero_stage
+        self.params = params
+        cap = BUCKET_BYTES if bucket_bytes is None else bucket_bytes
+        runs: list[list[nn.Parameter]] = []
+        size = 0
+        for p in params[::-1]:
+            nbytes = p.numel() * p.element_size()
+            if not runs or size + nbytes > cap:
+                runs.append([])
+                size = 0
+            runs[-1].append(p)
+            size += nbytes
+        like = params[0] if params else torch.empty(0)
+        kw: dict[str, Any] = {"dtype": like.dtype, "device": like.device}
+        self.buckets: list[_Bucket] = []
+        self.pieces: list[Piece] = []
+        """The optimizer's parameters, in bucket order."""
+        self._where: dict[int, tuple[int, int]] = {}
+        shard = 0
+        pending: list[tuple[int, int, int, nn.Parameter]] = []  # (bucket, lo, hi, parameter)
+        with torch.no_grad():
+            for k, run in enumerate(runs):
+                n = sum(p.numel() for p in run)
+                padded = -(-n // self.r) * self.r
+                chunk = padded // self.r
+                bk = _Bucket(run, torch.zeros(padded, **kw), padded, shard)
+                self.buckets.append(bk)
+                lo, hi = replica * chunk, (replica + 1) * chunk
+                off = 0
+                for i, p in enumerate(run):
+                    view = bk.flat[off : off + p.numel()]
+                    view.copy_(p.detach().reshape(-1))
+                    p.data = view.view_as(p)  # the old storage goes now: one bucket extra at most
+                    a, b = max(off, lo), min(off + p.numel(), hi)
+                    if a < b:
+                        pending.append((k, a - lo, b - a, p))
+                        self.pieces.append(Piece(nn.Parameter(bk.flat[a:b]), p, a - off))
+                    self._where[id(p)] = (k, i)
+                    off += p.numel()
+                if zero_stage == 1:
+                    bk.grads = torch.zeros(padded, **kw)
+                shard += chunk
+        self.grad_shard = torch.zeros(shard, **kw)
+        """This replica's chunk of every bucket's reduced gradient, in bucket order."""
+        for pc, (k, at, n, _) in zip(self.pieces, pending, strict=True):
+            g0 = self.buckets[k].shard_start + at
+            pc.param.grad = self.grad_shard[g0 : g0 + n]
+        self._sums: list[torch.Tensor] = []
+        self._inflight: list[_Bucket] = []
+        """ZeRO-2: the buckets whose reduction runs, oldest first."""
+        self._gloo = (
+            pg is not None
+            and dist.get_backend(pg) == "gloo"
+            and os.environ.get(TENSOR_COLLECTIVES_ENV) != "1"
+        )
+        """gloo: reductions as one ``reduce`` per chunk and gathers as one ``broadcast`` per
+        chunk (see the module docstring)."""
+        self._armed = False
+        self._next = 0
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]  # type: ignore[no-untyped-call]
 
+    # -- the step ----------------------------------------------------------------------------
     def owned_fraction(self) -> float:
-        """The share of the stage's parameter elements this replica owns."""
+        """The share of the stage's sharded elements this replica updates."""
         total = sum(p.numel() for p in self.params)
-        return sum(p.numel() for p in self.owned) / total if total else 0.0
+        return sum(pc.param.numel() for pc in self.pieces) / total if total else 0.0
+
+    def begin_step(self) -> None:
+        """Start of a step: zero gradients (ZeRO-1: the buckets, ``p.grad`` their views;
+        ZeRO-2: the gradient shard)."""
+        if self.zero_stage == 1:
+            for bk in self.buckets:
+                assert bk.grads is not None
+                bk.grads.zero_()
+                off = 0
+                for p in bk.params:
+                    p.grad = bk.grads[off : off + p.numel()].view_as(p)
+                    off += p.numel()
+        else:
+            self.grad_shard.zero_()
+        self._sums = []
+        for bk in self.buckets:
+            bk.launched_sum = None
+
+    def arm(self) -> None:
+        """Before a backward whose gradients are reduced (ZeRO-1: the step's last; ZeRO-2:
+        every one): reduce-scatter buckets as their gradients become final."""
+        for bk in self.buckets:
+            bk.ready.clear()
+        self._next = 0
+        self._armed = True
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        if not self._armed:
+            return
+        k, i = self._where[id(p)]
+        self.buckets[k].ready.add(i)
+        while self._next < len(self.buckets):
+            nb = self.buckets[self._next]
+            if len(nb.ready) < len(nb.params):
+                break
+            self._launch(nb)
+            self._next += 1
+
+    def _launch(self, bk: _Bucket) -> None:
+        if bk.grads is not None:  # ZeRO-1: the accumulated bucket, reduced in place
+            src = bk.grads
+            bk.launched_sum = src.sum()
+        else:  # ZeRO-2: this micro-batch's gradients, then free them
+            src = torch.zeros_like(bk.flat)
+            off = 0
+            for p in bk.params:
+                if p.grad is not None:
+                    src[off : off + p.numel()].copy_(p.grad.reshape(-1))
+                    p.grad = None
+                off += p.numel()
+            self._sums.append(src.sum())  # for the non-finite guard
+            bk.staged = src
+        chunk = bk.padded // self.r
+        if self._gloo:  # one reduce per chunk, to its owner: the reduce-scatter's bytes
+            bk.works = [
+                dist.reduce(src[j * chunk : (j + 1) * chunk], dst=d, group=self.pg, async_op=True)
+                for j, d in enumerate(self.devices)
+            ]
+            bk.result = src[self.replica * chunk : (self.replica + 1) * chunk]
+        else:
+            bk.result = torch.empty(chunk, dtype=src.dtype, device=src.device)
+            bk.works = [dist.reduce_scatter_single(bk.result, src, op=dist.ReduceOp.SUM,
+                                                   group=self.pg, async_op=True)]  # fmt: skip
+        if bk.staged is not None:  # ZeRO-2: at most MAX_STAGED staging buffers alive
+            self._inflight.append(bk)
+            while len(self._inflight) > MAX_STAGED:
+                self._land(self._inflight.pop(0), add=True)
+
+    def _land(self, bk: _Bucket, *, add: bool) -> None:
+        """Wait for ``bk``'s reduction and copy (ZeRO-1) or add (ZeRO-2) it into the shard."""
+        for w in bk.works:
+            w.wait()
+        if bk.works and bk.result is not None:
+            dst = self.grad_shard[bk.shard_start : bk.shard_start + bk.result.numel()]
+            if add:
+                dst.add_(bk.result)
+            else:
+                dst.copy_(bk.result)
+        bk.works, bk.result, bk.staged = [], None, None
+
+    def after_backward(self) -> None:
+        """ZeRO-2, after each backward: reduce the buckets not started yet (in order), wait
+        for all and add them to the gradient shard."""
+        for bk in self.buckets[self._next :]:
+            self._launch(bk)
+        self._armed = False
+        for bk in self._inflight:
+            self._land(bk, add=True)
+        self._inflight = []
+
+    def grad_sums(self) -> list[torch.Tensor]:
+        """For the non-finite guard, after a backward: the sums of this replica's local
+        gradients of the sharded parameters - ZeRO-1: each bucket's as its reduction started
+        (or now, when not started); ZeRO-2: those reduced since the last call (their ``p.grad``
+        are freed)."""
+        if self.zero_stage == 2:
+            out, self._sums = self._sums, []
+            return out
+        sums = []
+        for bk in self.buckets:
+            assert bk.grads is not None
+            sums.append(bk.launched_sum if bk.launched_sum is not None else bk.grads.sum())
+        return sums
+
+    def finish(self) -> None:
+        """The ``AR`` action (ZeRO-1): start the buckets not started yet (in order), wait and
+        copy each reduced chunk into the gradient shard."""
+        if self.zero_stage != 1:
+            return
+        for bk in self.buckets[self._next :]:
+            self._launch(bk)
+        self._armed = False
+        self._next = len(self.buckets)
+        for bk in self.buckets:
+            self._land(bk, add=False)
+            bk.launched_sum = None
+
+    def drain(self) -> None:
+        """Wait for the reductions in flight and drop them (the step is skipped or stopped)."""
+        self._armed = False
+        self._next = len(self.buckets)
+        for bk in self.buckets:
+            for w in bk.works:
+                w.wait()
+            bk.works, bk.result, bk.staged, bk.launched_sum = [], None, None, None
+        self._inflight = []
 
     @torch.no_grad()
     def gather(self) -> None:
-        """After the owners' update: every parameter takes its owner's value (broadcasts over
-        the stage's replica group, started in the same order on every replica, then waited
-        for together)."""
-        pending: list[tuple[Any, torch.Tensor | None, bool, list[nn.Parameter]]] = []
-        for j, ps in self.runs:
-            src = self.devices[j]
-            if len(ps) == 1 and ps[0].is_contiguous():
-                work = dist.broadcast(ps[0].data, src=src, group=self.pg, async_op=True)
-                pending.append((work, None, False, ps))
-                continue
-            if j == self.replica:
-                flat = torch.cat([p.detach().reshape(-1) for p in ps])
+        """After the update of the pieces: every replica's chunks to every replica, in place
+        (gloo: one broadcast per chunk from its owner; otherwise an all-gather per bucket)."""
+        works = []
+        for bk in self.buckets:
+            chunk = bk.padded // self.r
+            if self._gloo:
+                for j, d in enumerate(self.devices):
+                    part = bk.flat[j * chunk : (j + 1) * chunk]
+                    works.append(dist.broadcast(part, src=d, group=self.pg, async_op=True))
             else:
-                flat = torch.empty(sum(p.numel() for p in ps), dtype=ps[0].dtype,
-                                   device=ps[0].device)  # fmt: skip
-            work = dist.broadcast(flat, src=src, group=self.pg, async_op=True)
-            pending.append((work, flat, j != self.replica, ps))  # the buffer lives until waited
-        for work, buf, receive, ps in pending:
-            work.wait()
-            if receive and buf is not None:
-                off = 0
-                for p in ps:
-                    p.copy_(buf[off : off + p.numel()].view_as(p))
-                    off += p.numel()
+                mine = bk.flat[self.replica * chunk : (self.replica + 1) * chunk]
+                works.append(dist.all_gather_single(bk.flat, mine, group=self.pg, async_op=True))
+        for w in works:
+            w.wait()
+
+    def close(self) -> None:
+        """Remove the hooks."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    # -- checkpoints -------------------------------------------------------------------------
+    def views(self) -> dict[int, tuple[nn.Parameter, int]]:
+        """``id(optimizer parameter) -> (stage parameter, offset)`` (what
+        :func:`dapple.runtime.checkpoint.restore_stage` slices a saved state with)."""
+        return {id(pc.param): (pc.origin, pc.offset) for pc in self.pieces}
 
     def layer_states(
         self, first_layer: int, optimizer: torch.optim.Optimizer | None
@@ -171,39 +408,34 @@ class StageShards:
 
         Args:
             first_layer: chain index of the stage's first layer.
-            optimizer: this replica's optimizer (over :attr:`owned`).
+            optimizer: this replica's optimizer (over :attr:`pieces` and the whole parameters).
         """
-        if self.replica == 0:
-            mine = stage_layer_states(self.module, first_layer, optimizer)
-            shard = {}
-        else:
-            shard = _owned_state(self.module, first_layer, optimizer)
-        got: list[Any] = [None] * len(self.devices) if self.replica == 0 else []
-        dist.gather_object(
-            shard, got if self.replica == 0 else None, dst=self.devices[0], group=self.pg
-        )
+        names = {
+            id(p): (first_layer + i, name)
+            for i, layer in enumerate(self.module.children())
+            for name, p in layer.named_parameters(remove_duplicate=False)
+        }
+        mine = []
+        for pc in self.pieces:
+            st = optimizer.state.get(pc.param) if optimizer is not None else None
+            if st:
+                state = {k: v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else v
+                         for k, v in st.items()}  # fmt: skip
+                mine.append((*names[id(pc.origin)], pc.offset, pc.origin.shape, state))
+        got: list[Any] = [None] * self.r if self.replica == 0 else []
+        dist.gather_object(mine, got if self.replica == 0 else None, dst=self.devices[0],
+                           group=self.pg)  # fmt: skip
         if self.replica != 0:
             return {}
-        for other in got[1:]:
-            for i, opt in other.items():
-                mine[i].optimizer.update(opt)
-        return mine
-
-
-def _owned_state(
-    module: nn.Module, first_layer: int, optimizer: torch.optim.Optimizer | None
-) -> dict[int, dict[str, dict[str, Any]]]:
-    """``{layer: {parameter name: CPU copy of its optimizer state}}`` for the parameters with
-    state in ``optimizer``."""
-    out: dict[int, dict[str, dict[str, Any]]] = {}
-    if optimizer is None:
+        out = stage_layer_states(self.module, first_layer, optimizer)
+        for pieces in got:
+            for layer, name, offset, shape, state in pieces:
+                whole = out[layer].optimizer.setdefault(name, {})
+                for k, v in state.items():
+                    if isinstance(v, torch.Tensor) and v.ndim > 0:
+                        if k not in whole:
+                            whole[k] = torch.zeros(shape, dtype=v.dtype)
+                        whole[k].view(-1)[offset : offset + v.numel()] = v
+                    else:
+                        whole[k] = v
         return out
-    for i, layer in enumerate(module.children()):
-        for name, p in layer.named_parameters(remove_duplicate=False):
-            st = optimizer.state.get(p)
-            if st:
-                out.setdefault(first_layer + i, {})[name] = {
-                    k: v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else v
-                    for k, v in st.items()
-                }
-    return out
