@@ -13,13 +13,15 @@ B, M, STEPS, SEED, LR, K = 5, 3, 2, 1, 0.05, 3
 """Micro-batch size (uneven slices over 3 replicas), micro-batches, steps, seed, lr, eval K."""
 
 CASES = [
-    # (name, plan, workload, recompute, eval data)
+    # (name, plan, workload, recompute, eval data[, eval batch size G_e])
     ("3:1-mlp", "3:1", "mlp", False, "default"),
     ("straight2-mlp", "straight2", "mlp", False, "default"),
     ("3:1-tuple-recompute", "3:1", "tuple", True, "default"),
     ("1:3-mlp-dataset", "1:3", "mlp", False, "dataset"),
     ("straight2-mlp-callable", "straight2", "mlp", False, "callable"),
     ("3:1-dropout", "3:1", "dropout", False, "default"),
+    ("3:1-mlp-eval-batch-7", "3:1", "mlp", False, "dataset", 7),  # M_e = 1, slices 3/2/2
+    ("1:3-mlp-eval-batch-12", "1:3", "mlp", False, "default", 12),  # M_e = 3, b_e = 4
 ]
 """The dropout case trains with per-rank RNG (no one-process reference); it checks that
 evaluation turns dropout off, restores train mode and leaves the RNG streams untouched."""
@@ -77,14 +79,13 @@ def eval_worker(rank: int, world: int, out_dir: str) -> None:
 
     device = init_distributed(TrainConfig(timeout_s=60), world)
     out: dict[str, dict] = {}
-    for name, plan_name, wl_name, recompute, data in CASES:
+    for name, plan_name, wl_name, recompute, data, *eval_bs in CASES:
         plan = rw.make_plan(plan_name, "dapple", "A", recompute, B, M)
         wl = WORKLOADS[wl_name]()
         res: dict = {}
         for every in (1, 0):
-            cfg = TrainConfig(
-                steps=STEPS, seed=SEED, lr=LR, timeout_s=60, eval_every=every, eval_batches=K
-            )
+            cfg = TrainConfig(steps=STEPS, seed=SEED, lr=LR, timeout_s=60, eval_every=every,
+                              eval_batches=K, eval_batch_size=eval_bs[0] if eval_bs else None)  # fmt: skip
             run = run_plan(
                 plan, wl, cfg, device=device, exact_world=False, eval_data=eval_data(data)
             )

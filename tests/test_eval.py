@@ -15,7 +15,7 @@ import runtime_workloads as rw
 from dapple.core.plan import split_sizes, transfers
 from dapple.errors import ValidationError
 from dapple.runtime import TrainConfig, spawn
-from dapple.runtime.evaluate import EVAL_SEED_BASE, Evaluation, eval_batch_fn
+from dapple.runtime.evaluate import EVAL_SEED_BASE, Evaluation, eval_batch_fn, eval_plan
 from dapple.schedule import ActionKind, format_actions, lower_forward
 
 K = ActionKind
@@ -86,6 +86,22 @@ def test_eval_batch_sources() -> None:
         eval_batch_fn(wl, 6, 3, 5)
 
 
+def test_eval_plan_keeps_stages_and_picks_micro_batches() -> None:
+    plan = rw.make_plan("3:1", "dapple", "A", False, ew.B, ew.M)  # G = 15, M = 3
+    assert eval_plan(plan, None) is plan and eval_plan(plan, 15) is plan
+    ev = eval_plan(plan, 12)  # M_e = 3 would give 4 >= 3 replicas
+    assert (ev.global_batch_size, ev.num_micro_batches, ev.micro_batch_size) == (12, 3, 4)
+    assert ev.stages == plan.stages
+    ev = eval_plan(plan, 7)  # 7 is prime: one micro-batch of 7
+    assert (ev.num_micro_batches, ev.micro_batch_size) == (1, 7)
+    ev = eval_plan(plan, 8)  # M_e = 2 gives 4 >= 3; M_e = 3 does not divide 8
+    assert (ev.num_micro_batches, ev.micro_batch_size) == (2, 4)
+    with pytest.raises(ValidationError, match="eval batch size 2 is smaller than the 3 replicas"):
+        eval_plan(plan, 2)
+    with pytest.raises(ValidationError, match="eval_batch_size must be >= 1, got 0"):
+        TrainConfig(eval_batch_size=0)
+
+
 def test_evaluation_is_due_every_n_steps_and_after_the_last() -> None:
     plan = rw.make_plan("straight2", "dapple", "A", False, 2, 2)
 
@@ -124,11 +140,12 @@ def spawned(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     return [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(4)]
 
 
-def _reference_eval(wl, data: str, steps: int) -> float:
-    """The one-process model after ``steps`` steps: mean loss over the K eval batches."""
+def _reference_eval(wl, data: str, steps: int, G_e: int | None = None) -> float:
+    """The one-process model after ``steps`` steps: mean loss over the K eval batches of
+    ``G_e`` samples (default G)."""
     model, _ = rw.reference_run(wl, "sgd", ew.LR, ew.SEED, ew.B * ew.M, steps)
     model.eval()
-    batch = eval_batch_fn(wl, ew.B * ew.M, ew.K, ew.eval_data(data))
+    batch = eval_batch_fn(wl, G_e or ew.B * ew.M, ew.K, ew.eval_data(data))
     with torch.no_grad():
         return sum(float(wl.loss_fn(model(x), y)) for x, y in map(batch, range(ew.K))) / ew.K
 
@@ -160,7 +177,7 @@ def _eval_of_final_weights(spawned: list[dict], case: tuple) -> float:
 @pytest.mark.slow
 @pytest.mark.parametrize("case", ew.CASES, ids=[c[0] for c in ew.CASES])
 def test_eval_loss_matches_single_process_model(spawned: list[dict], case: tuple) -> None:
-    name, _, wl_name, _, data = case
+    name, _, wl_name, _, data, *eval_bs = case
     with_eval = spawned[0][name]["metrics1"]
     assert [m["step"] for m in with_eval] == list(range(ew.STEPS))
     got = [m["eval_loss"] for m in with_eval]
@@ -169,7 +186,7 @@ def test_eval_loss_matches_single_process_model(spawned: list[dict], case: tuple
         torch.testing.assert_close(torch.tensor(got[-1]), torch.tensor(want_last))
         return
     wl = rw.WORKLOADS[wl_name]()
-    want = [_reference_eval(wl, data, t + 1) for t in range(ew.STEPS)]
+    want = [_reference_eval(wl, data, t + 1, *eval_bs) for t in range(ew.STEPS)]
     torch.testing.assert_close(torch.tensor(got), torch.tensor(want))
     assert got[0] != got[1]  # the weights moved between the evaluations
     assert all(m["eval_loss"] is None for m in spawned[0][name]["metrics0"])

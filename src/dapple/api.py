@@ -296,7 +296,7 @@ def train(
             with ``seq=seq_len``.
         **options: :class:`dapple.runtime.TrainConfig` fields (``seed``, ``optimizer``,
             ``lr``, ``weight_decay``, ``lr_schedule``, ``clip_grad_norm``, ``echo``,
-            ``device``, ``metrics_path``, ``timeout_s``, ``eval_every``, ``eval_batches``,
+            ``device``, ``metrics_path``, ``timeout_s``, ``eval_every``, ``eval_batches``, ``eval_batch_size``,
             ``tensorboard_dir``, ``precision``...).
 
     Returns:

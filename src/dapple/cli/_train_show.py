@@ -1,6 +1,6 @@
 """``dapple train``'s evaluation and reporting flags and its final summary.
 
-Flags: ``--eval-every N`` and ``--eval-batches K`` (forward-only evaluation through the
+Flags: ``--eval-every N``, ``--eval-batches K`` and ``--eval-batch-size G_E`` (forward-only evaluation through the
 pipeline, :mod:`dapple.runtime.evaluate`), ``--tensorboard DIR`` and ``--loss-curve PATH``.
 The run always asks for a progress bar; rank 0 shows it only when stdout is a terminal.
 
@@ -43,7 +43,8 @@ def eval_defaults(args: argparse.Namespace, eval_samples: int | None, G: int) ->
         args.eval_every = args.eval_every or args.steps
     if args.eval_batches is None:
         k = DEFAULT_EVAL_BATCHES
-        args.eval_batches = k if eval_samples is None else max(1, min(k, eval_samples // G))
+        G_e = args.eval_batch_size or G
+        args.eval_batches = k if eval_samples is None else max(1, min(k, eval_samples // G_e))
 
 
 def add_show_arguments(p: argparse.ArgumentParser) -> None:
@@ -64,6 +65,14 @@ def add_show_arguments(p: argparse.ArgumentParser) -> None:
         metavar="K",
         help=f"global batches per evaluation, the same fixed set every time (default "
         f"{DEFAULT_EVAL_BATCHES}, or as many as --eval-data holds if fewer)",
+    )
+    g.add_argument(
+        "--eval-batch-size",
+        type=int,
+        default=None,
+        metavar="G_E",
+        help="samples per eval batch (default: the plan's global batch); the same stages and "
+        "replicas evaluate it, in the most micro-batches <= M that divide it",
     )
     g.add_argument(
         "--tensorboard",
@@ -101,6 +110,7 @@ def show_options(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "eval_every": args.eval_every,
         "eval_batches": args.eval_batches,
+        "eval_batch_size": args.eval_batch_size,
         "tensorboard_dir": args.tensorboard,
         "progress": True,
     }

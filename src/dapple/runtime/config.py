@@ -74,6 +74,9 @@ class TrainConfig:
     ``eval_batches`` fixed global batches, forward only through the pipeline."""
     eval_batches: int = 4
     """K, the global batches of each evaluation."""
+    eval_batch_size: int | None = None
+    """Samples per eval batch (None: the plan's global batch G). Another size runs the same
+    stages and replicas with the micro-batching of :func:`dapple.runtime.evaluate.eval_plan`."""
     progress: bool = False
     """Rank 0 shows a progress bar with ETA (only when its stdout is a terminal)."""
     tensorboard_dir: str | None = None
@@ -149,6 +152,8 @@ def _check_reporting(c: TrainConfig) -> None:
         raise ValidationError(f"eval_every must be >= 0, got {c.eval_every}")
     if c.eval_batches < 1:
         raise ValidationError(f"eval_batches must be >= 1, got {c.eval_batches}")
+    if c.eval_batch_size is not None and c.eval_batch_size < 1:
+        raise ValidationError(f"eval_batch_size must be >= 1, got {c.eval_batch_size}")
     if c.tensorboard_dir is not None and importlib.util.find_spec("tensorboard") is None:
         raise ValidationError(
             f"tensorboard_dir {c.tensorboard_dir!r} needs the 'tensorboard' package "

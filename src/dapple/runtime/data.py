@@ -190,6 +190,7 @@ class RankData:
         data: training items ``(inputs, targets)``, or None (synthetic batches).
         eval_data: evaluation items, or None.
         stop: no prefetch at or beyond this step (the run's step count).
+        eval_plan: the plan evaluation runs (its G and rows; default ``plan``).
         prefetch: read the next step's rows on a background thread while this step computes.
             Worth it where the host is idle during compute (a GPU rank). On a CPU rank the
             compute threads already use the cores and the reader only competes with them: a
@@ -207,6 +208,7 @@ class RankData:
         stop: int | None = None,
         *,
         prefetch: bool = True,
+        eval_plan: Plan | None = None,
     ) -> None:
         G = plan.global_batch_size
         inputs, targets = rank_rows(plan, rank)
@@ -215,7 +217,12 @@ class RankData:
             if data is not None
             else None
         )
-        self.eval = EvalBatches(eval_data, G, inputs, targets) if eval_data is not None else None
+        ev = eval_plan or plan
+        self.eval = (
+            EvalBatches(eval_data, ev.global_batch_size, *rank_rows(ev, rank))
+            if eval_data is not None
+            else None
+        )
 
     def batch(self, step: int) -> Batch:
         """Step ``step``'s global batch (``G`` rows, zero where this rank reads nothing)."""
@@ -223,7 +230,7 @@ class RankData:
         return self.source.batch(step)
 
     def eval_batch(self, k: int) -> Batch:
-        """Evaluation batch ``k``: items ``[k*G, (k+1)*G)`` of ``eval_data`` in order.
+        """Evaluation batch ``k``: items ``[k*G_e, (k+1)*G_e)`` of ``eval_data`` in order.
 
         Raises:
             ValidationError: no evaluation data, or ``k`` beyond its whole batches.
@@ -355,8 +362,10 @@ def check_data(
     seed: int = 0,
     *,
     eval_data: Dataset[Any] | None = None,
+    eval_batch_size: int | None = None,
 ) -> None:
-    """Everything about the datasets that can fail, before any compute.
+    """Everything about the datasets that can fail, before any compute (the evaluation data
+    against ``eval_batch_size``, default ``global_batch_size``).
 
     Raises:
         ValidationError: fewer samples than one global batch, a token id beyond the model's
@@ -371,7 +380,8 @@ def check_data(
     if data is not None:
         _check_one(data, "data", workload, global_batch_size, seed, limits)
     if eval_data is not None:
-        _check_one(eval_data, "evaluation data", workload, global_batch_size, seed, limits)
+        G_e = eval_batch_size or global_batch_size
+        _check_one(eval_data, "evaluation data", workload, G_e, seed, limits)
 
 
 # -- checkpoints -----------------------------------------------------------------------------

@@ -58,7 +58,7 @@ from dapple.runtime.data import (
     fit_workload,
     sample_row,
 )
-from dapple.runtime.evaluate import Evaluation, eval_batch_fn
+from dapple.runtime.evaluate import Evaluation, eval_batch_fn, eval_plan
 from dapple.runtime.failure import RankFailure, describe_rank, short_error
 from dapple.runtime.interpreter import ProgramInterpreter
 from dapple.runtime.longrun import LongRun, first_attempt
@@ -164,18 +164,20 @@ def run_plan(
     workload = fit_workload(workload, data)  # documents: their loss and dynamic length
     validate_run(plan, workload, world, exact=exact_world)
     G = plan.global_batch_size
+    ev_plan = eval_plan(plan, config.eval_batch_size)  # plan itself unless G_e != G
+    G_e = ev_plan.global_batch_size
     eval_set = None if callable(eval_data) else eval_data  # a dataset of samples
-    check_data(workload, data, G, config.seed, eval_data=eval_set)
+    check_data(workload, data, G, config.seed, eval_data=eval_set, eval_batch_size=G_e)
     evaluates = config.eval_every > 0
-    batch_fn = eval_batch_fn(workload, G, config.eval_batches, eval_data if evaluates else None)
+    batch_fn = eval_batch_fn(workload, G_e, config.eval_batches, eval_data if evaluates else None)
     data, eval_set = (
         fit_data(workload, data, config.seed),
         fit_data(workload, eval_set, config.seed),
     )
-    r = _setup(plan, workload, config, device, rank, world, data, eval_set)
+    r = _setup(plan, workload, config, device, rank, world, data, eval_set, ev_plan)
     if eval_set is not None and evaluates:
         batch_fn = r.eval_batch  # this rank's rows of the fixed batches, read from the dataset
-    evaluation = Evaluation(plan, rank, executor=r.interpreter.ex, module=r.module, device=device,
+    evaluation = Evaluation(ev_plan, rank, executor=r.eval_executor, module=r.module, device=device,
                             batch=batch_fn, batches=config.eval_batches, every=config.eval_every,
                             steps=config.steps)  # fmt: skip
     reporters = open_reporters(config, rank=rank, start=r.start)
@@ -243,6 +245,9 @@ class _Rank:
     """The first batch's input shapes (what :func:`check_batch` compares a step's with)."""
     dims: DimsMap
     """The run's dynamic input dimensions (declared and found); empty: static shapes."""
+    eval_executor: StageExecutor | None
+    """The executor evaluation runs: the training one, or one over the same layers for an
+    eval batch size of its own (:func:`dapple.runtime.evaluate.eval_plan`)."""
 
     def batch(self, step: int) -> tuple[Any, torch.Tensor]:
         """Step ``step``'s global batch: ``make_batch(G, seed + step)``, or the data's.
@@ -276,6 +281,7 @@ def _setup(
     world: int,
     data: Dataset[Any] | None = None,
     eval_data: Dataset[Any] | None = None,
+    ev_plan: Plan | None = None,
 ) -> _Rank:
     """Build one rank's stage, groups, optimizer, executor and interpreter; resume if asked.
 
@@ -346,10 +352,17 @@ def _setup(
                                      precision=precision, shards=shards)  # fmt: skip
     if first_attempt() and int(os.environ.get(FAIL_RANK_ENV, "-1")) == rank:
         interpreter.die_mid_step(int(os.environ.get(FAIL_STEP_ENV, "-1")))
+    ev_plan = ev_plan or plan
+    ev_ex = ex
+    if ev_plan is not plan and module is not None:
+        assert s is not None and j is not None
+        ev_ex = StageExecutor(ev_plan, s, j, module, specs, workload.loss_fn, device, False,
+                              meter, precision, dynamic=bool(dims))  # fmt: skip
     feed = RankData(plan, rank, config.seed, data, eval_data, stop=config.steps,
-                    prefetch=device.type != "cpu")  # fmt: skip
+                    prefetch=device.type != "cpu", eval_plan=ev_plan)  # fmt: skip
     return _Rank(s, j, module, sync, longrun, step_probe, interpreter, update, start, workload,
-                 config, G, (inputs, targets), feed, input_shapes(inputs), dims)  # fmt: skip
+                 config, G, (inputs, targets), feed, input_shapes(inputs), dims,
+                 ev_ex)  # fmt: skip
 
 
 def _zero_stage(plan: Plan, config: TrainConfig, rank: int, s: int | None) -> int:

@@ -13,7 +13,9 @@ joins (ranks beyond the plan with 0) sums them. No gradient, AllReduce or optimi
 and the CPU (and the stage's CUDA) RNG state is restored afterwards, so evaluation leaves the
 training run bit for bit unchanged.
 
-Eval batch k is a *global* batch of G samples: ``eval_data(k)`` when ``eval_data`` is a
+Eval batch k is a *global* batch of G samples (``TrainConfig.eval_batch_size`` sets another
+size G_e: the same stages, replicas and placement then evaluate with the micro-batching of
+:func:`eval_plan`, through a second executor over the same layers): ``eval_data(k)`` when ``eval_data`` is a
 callable, samples ``[k G, (k+1) G)`` of a map-style dataset of ``(inputs, targets)`` samples
 (collated with ``torch.utils.data.default_collate``), or by default
 ``workload.make_batch(G, EVAL_SEED_BASE + k)``. Every rank builds it itself and slices its rows,
@@ -22,6 +24,7 @@ as in training.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -40,7 +43,7 @@ from dapple.runtime.stage import StageExecutor
 from dapple.schedule.forward import lower_forward
 from dapple.schedule.ir import Action, ActionKind
 
-__all__ = ["EVAL_SEED_BASE", "EvalBatch", "Evaluation", "eval_batch_fn"]
+__all__ = ["EVAL_SEED_BASE", "EvalBatch", "Evaluation", "eval_batch_fn", "eval_plan"]
 
 K = ActionKind
 
@@ -51,6 +54,30 @@ EVAL_SEED_BASE = 1_000_000_000
 
 EvalBatch = Callable[[int], tuple[Any, torch.Tensor]]
 """``k -> (inputs, targets)``: eval global batch k (G rows)."""
+
+
+def eval_plan(plan: Plan, eval_batch_size: int | None) -> Plan:
+    """The plan evaluation runs: ``plan`` itself for G_e = G (or None), else the same stages,
+    replicas and placement with G_e samples in the most micro-batches M_e <= M that divide G_e
+    into micro-batches of at least max_s r_s samples (every replica gets a slice).
+
+    Raises:
+        ValidationError: G_e is smaller than the largest stage's replica count.
+    """
+    G_e = eval_batch_size
+    if G_e is None or G_e == plan.global_batch_size:
+        return plan
+    r_max = max(st.replicas for st in plan.stages)
+    fits = [m for m in range(plan.num_micro_batches, 0, -1) if G_e % m == 0 and G_e // m >= r_max]
+    if not fits:
+        raise ValidationError(
+            f"eval batch size {G_e} is smaller than the {r_max} replicas of the plan's widest "
+            f"stage ({plan.replication}): every replica needs at least one sample"
+        )
+    M_e = fits[0]
+    return dataclasses.replace(
+        plan, global_batch_size=G_e, micro_batch_size=G_e // M_e, num_micro_batches=M_e
+    )
 
 
 def _default_batch(workload: Workload, G: int, k: int) -> tuple[Any, torch.Tensor]:

@@ -36,7 +36,7 @@ from dapple.models.workload import Workload
 from dapple.runtime.config import StepMetrics, TrainConfig
 from dapple.runtime.data import check_data, check_data_resume, data_state
 from dapple.runtime.engine import RankFailure, run_plan, validate_run
-from dapple.runtime.evaluate import eval_batch_fn
+from dapple.runtime.evaluate import eval_batch_fn, eval_plan
 from dapple.runtime.longrun import elastic_store
 from dapple.runtime.precision import check_precision
 
@@ -293,9 +293,10 @@ def _check_datasets(plan: Plan, wl: Workload, cfg: TrainConfig, data: Any, eval_
         ValidationError: see :func:`dapple.runtime.data.check_data`.
         CheckpointError: the checkpoint to resume was saved on other data.
     """
-    check_data(wl, data, plan.global_batch_size, cfg.seed, eval_data=eval_data)
+    G_e = eval_plan(plan, cfg.eval_batch_size).global_batch_size
+    check_data(wl, data, plan.global_batch_size, cfg.seed, eval_data=eval_data, eval_batch_size=G_e)
     if cfg.eval_every > 0 and eval_data is not None:  # enough eval batches, before any worker
-        eval_batch_fn(wl, plan.global_batch_size, cfg.eval_batches, eval_data)
+        eval_batch_fn(wl, G_e, cfg.eval_batches, eval_data)
     if cfg.resume and cfg.checkpoint_dir is not None:
         from dapple.runtime.checkpoint import latest_checkpoint
 
