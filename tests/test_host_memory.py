@@ -40,9 +40,9 @@ def test_freed_memory_is_reused_without_page_faults() -> None:
     # Under glibc's defaults about 4 in 5 processes fault every round (~8,000 faults: the heap
     # top is trimmed and refilled; which processes escape depends on the address layout), so a
     # no-op would fail one of three runs with probability ~0.99; with the thresholds fixed a round
-    # faults ~256 times.
+    # faulted 256-1,024 times in the runs seen.
     runs = [_faults("keep") for _ in range(3)]
-    assert max(runs) < 1000, runs  # 8,192 pages of 4 KiB would be fresh
+    assert max(runs) < 4096, runs  # half the 8,192 pages of 4 KiB that would be fresh
 
 
 def test_disabled_by_environment(monkeypatch: pytest.MonkeyPatch) -> None:
