@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from dapple.core.plan import Plan, StagePlan
-from dapple.datasets import TokenFile
+from dapple.datasets import EpochSampler, TokenFile, open_documents
 from dapple.models.workload import Workload
 
 B, M, STEPS, CUT, SEED, LR = 4, 2, 5, 3, 2, 0.05
@@ -50,6 +50,14 @@ def token_file(path: Path, items: int = ITEMS, seed: int = 0) -> Path:
     return path
 
 
+def docs_file(path: Path, n: int = ITEMS, seed: int = 0) -> Path:
+    """A JSONL file of ``n`` documents of 3-9 token ids (at most ``SEQ + 1``)."""
+    rng = np.random.default_rng(seed)
+    rows = [rng.integers(1, VOCAB, int(rng.integers(3, SEQ + 2))).tolist() for _ in range(n)]
+    path.write_text("\n".join(json.dumps({"ids": r}) for r in rows))
+    return path
+
+
 def _scenario(name: str, results: dict, fn) -> None:
     try:
         results[name] = {"ok": True, **(fn() or {})}
@@ -78,7 +86,7 @@ def worker(rank: int, world: int, out_dir: str) -> None:
     part = run(p31, steps=CUT, checkpoint_dir=ck, save_every=CUT)
     again = run(p31, steps=STEPS, checkpoint_dir=ck, resume=True)
 
-    def resumed_is_exact():
+    def resumed_is_exact(full=full, part=part, again=again, ck=ck):
         for a, b in zip(again.module.parameters(), full.module.parameters(), strict=True):
             assert torch.equal(a, b)
         if rank == 0:
@@ -89,6 +97,13 @@ def worker(rank: int, world: int, out_dir: str) -> None:
         return {"data": manifest.get("extra", {}).get("data")}
 
     _scenario("resume", res, resumed_is_exact)
+    # documents padded to each global batch's longest: the length changes from step to step
+    docs = open_documents(out / "docs.jsonl", SEQ, "pad")
+    ckp = str(out / "ck-padded")
+    full_p = run(p31, d=docs, steps=STEPS)
+    part_p = run(p31, d=docs, steps=CUT, checkpoint_dir=ckp, save_every=CUT)
+    again_p = run(p31, d=docs, steps=STEPS, checkpoint_dir=ckp, resume=True)
+    _scenario("resume-padded", res, lambda: resumed_is_exact(full_p, part_p, again_p, ckp))
 
     # SGD: Adam turns the rounding noise of the attention key bias' zero gradient into steps
     ref_losses, ref_params, _ = reference_run(
@@ -143,6 +158,7 @@ def spawned(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
 
     out = tmp_path_factory.mktemp("data-runtime")
     token_file(out / "train.bin")
+    docs_file(out / "docs.jsonl")
     spawn(worker, 4, str(out), timeout_s=90)
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
 
@@ -166,6 +182,17 @@ def test_resume_on_a_token_file_equals_the_uninterrupted_run_bit_for_bit(spawned
         "source": rows[0]["data"]["source"],
     }
     assert rows[0]["data"]["source"].endswith("train.bin")
+
+
+@pytest.mark.slow
+def test_resume_on_padded_documents_equals_the_uninterrupted_run_bit_for_bit(
+    spawned, tmp_path: Path
+) -> None:
+    docs = open_documents(docs_file(tmp_path / "docs.jsonl"), SEQ, "pad")
+    sampler = EpochSampler(len(docs), G, SEED)
+    assert len({docs.width(sampler.indices(t)) for t in range(STEPS)}) > 1  # lengths change
+    rows = _ok(spawned, "resume-padded")
+    assert rows[0]["data"]["items"] == ITEMS
 
 
 @pytest.mark.slow
