@@ -14,7 +14,9 @@ Pure: no torch. Every device runs its program (:func:`dapple.schedule.lower`) in
   ``(src, dst)`` for ``transfer_ms`` of its bytes, first come first served per link.
 * ``RECV_F``/``RECV_B`` block the device until the matching transfer has arrived.
 * ``AR`` starts when every replica of the stage has reached it and lasts
-  ``allreduce_ms`` of the stage's parameter bytes over its devices, AR(P_s, g_s).
+  ``allreduce_ms`` of the stage's parameter bytes over its devices, AR(P_s, g_s); a stage with
+  ``zero_stage`` 2 takes ``(M + 1) / 2`` of that (its reductions after every backward, then the
+  gather: :func:`dapple.planner.comm.stage_sync_ms`, as the planner counts it).
 * ``OPT`` (the optimizer step) takes 0 ms: the planner's latency L (equation 2) does not
   model it either, so simulated and predicted step times stay comparable - except on hosts
   with CPU overhead terms (:mod:`dapple.planner.host`): there F/B also carry the host CPU of
@@ -46,6 +48,7 @@ from dapple.core.plan import Plan, StagePlan, split_sizes, transfers
 from dapple.core.profile import ModelProfile
 from dapple.errors import DappleError, ValidationError
 from dapple.planner import cost as costs
+from dapple.planner.comm import stage_sync_ms
 from dapple.planner.host import HostExtra, host_extras
 from dapple.planner.lengths import profile_for_plan
 from dapple.planner.schedules import schedule_latency, split_backward_ms
@@ -272,7 +275,10 @@ class _Run:
                 return False
             start = max(waiting.values())
             pbytes = sum(x.parameter_bytes for x in profile.layers[slice(*stages[s].layers)])
-            end = start + costs.allreduce_ms(cluster, pbytes, stages[s].devices)
+            st = stages[s]  # AR, or ZeRO's reductions and gathers (planner.comm.stage_sync_ms)
+            end = start + stage_sync_ms(
+                cluster, pbytes, st.devices, st.zero_stage, self.plan.num_micro_batches
+            )
             for d, arrived in waiting.items():
                 self.events.append(SimEvent(d, self.sched[d][self.pc[d]], arrived, end))
                 self.t[d] = end
