@@ -296,6 +296,10 @@ class ModelProfile:
     optimizer_state_factor: float = 3.0
     """Gradient + optimizer state held per parameter byte: 3.0 for fp32 Adam
     (grad, exp_avg, exp_avg_sq), so parameters take 4x their bytes in all (16 B per fp32 parameter)."""
+    update_ms_per_parameter_byte: float = 0.0
+    """U: time of one optimizer update (fused Adam, the runtime's) per byte of parameters on
+    the profiled device, measured layer by layer by the profiler; 0: not measured (the cost
+    model then has no update term)."""
     precision: str = "fp32"
     """Compute precision the layers were timed and their activations measured in: ``fp32``,
     or ``bf16``/``fp16`` autocast (parameters stay fp32; see :mod:`dapple.runtime.precision`).
@@ -324,6 +328,10 @@ class ModelProfile:
         )
         _nonneg(self.input_bytes_per_sample, f"profile {self.model_name!r}: input_bytes_per_sample")
         _nonneg(self.optimizer_state_factor, f"profile {self.model_name!r}: optimizer_state_factor")
+        _nonneg(
+            self.update_ms_per_parameter_byte,
+            f"profile {self.model_name!r}: update_ms_per_parameter_byte",
+        )
         require(
             self.seq_len is None
             or (
@@ -388,6 +396,8 @@ class ModelProfile:
             "precision": self.precision,
             "layers": [layer.to_dict() for layer in self.layers],
         }
+        if self.update_ms_per_parameter_byte:
+            out["update_ms_per_parameter_byte"] = self.update_ms_per_parameter_byte
         if self.seq_len is not None:
             out["seq_len"] = self.seq_len
         if self.by_length:
@@ -420,6 +430,10 @@ class ModelProfile:
             ),
             optimizer_state_factor=_nonneg(
                 d.get("optimizer_state_factor", 3.0), f"{what}: optimizer_state_factor"
+            ),
+            update_ms_per_parameter_byte=_nonneg(
+                d.get("update_ms_per_parameter_byte", 0.0),
+                f"{what}: update_ms_per_parameter_byte",
             ),
             layers=tuple(LayerProfile.from_dict(x, i) for i, x in enumerate(layers)),
             precision=str(d.get("precision", "fp32")),

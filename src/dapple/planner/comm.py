@@ -69,6 +69,23 @@ def stage_sync_ms(
     return ar * (micro_batches + 1) / 2 if zero_stage >= 2 else ar
 
 
+def stage_update_ms(
+    cluster: Cluster, profile: ModelProfile, nbytes: float, replicas: int, zero_stage: int = 0
+) -> float:
+    """U_s: the optimizer update of a stage's ``nbytes`` of parameters on each replica,
+    ``U * nbytes`` with U the profile's measured ``update_ms_per_parameter_byte``, divided by
+    r_s under ZeRO (each replica updates its 1/r_s shard). The cost model adds it to AR_s: a
+    replica updates after its stage's synchronisation, before the step ends.
+
+    0 for a profile without U, and on clusters with host CPU terms, whose calibrated per-step
+    host CPU (``Cluster.step_overhead_ms``, :mod:`dapple.planner.host`) already holds the
+    update."""
+    if cluster.host_overheads or not profile.update_ms_per_parameter_byte:
+        return 0.0
+    shards = replicas if zero_stage >= 1 and replicas > 1 else 1
+    return profile.update_ms_per_parameter_byte * nbytes / shards
+
+
 def allreduce_ms(cluster: Cluster, nbytes: float, devices: Sequence[int]) -> float:
     """AR(P_s, g_s): time to all-reduce ``nbytes`` of gradients over ``devices``.
 

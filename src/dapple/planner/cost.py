@@ -38,6 +38,7 @@ from dapple.planner.comm import (
     link_loads,
     overlaps,
     stage_sync_ms,
+    stage_update_ms,
     transfer_ms,
 )
 from dapple.planner.host import apply_host, has_host_terms, stage_host_extras
@@ -137,7 +138,9 @@ class StageCost:
     backward_ms: float
     """B_s for one micro-batch (includes re-computation and the host CPU extra)."""
     allreduce_ms: float
-    """AR(P_s, g_s); 0 for comm stages."""
+    """AR(P_s, g_s) (ZeRO's reductions and gathers instead under a zero stage) plus the
+    optimizer update U_s when the profile measured one (:func:`~dapple.planner.comm.
+    stage_update_ms`); 0 for comm stages."""
     host_step_ms: float = 0.0
     """Host CPU once per step after the last backward (:mod:`dapple.planner.host`), added to
     the stage's ending like AR; 0 for comm stages and dedicated devices."""
@@ -220,7 +223,10 @@ def pipeline_latency(
         F.append(f)
         B.append(bw)
         z = max(zero_stage, st.zero_stage)
-        AR.append(stage_sync_ms(cluster, grad_bytes, st.devices, z, plan.num_micro_batches))
+        AR.append(
+            stage_sync_ms(cluster, grad_bytes, st.devices, z, plan.num_micro_batches)
+            + stage_update_ms(cluster, profile, grad_bytes, st.replicas, z)
+        )
         K.append(ks[i] if bounded else None)
     step = [0.0] * len(F)
     if has_host_terms(cluster):

@@ -20,7 +20,7 @@ from dapple.core.cluster import Cluster
 from dapple.core.plan import Plan, Policy, ScheduleName, StagePlan
 from dapple.core.profile import ModelProfile
 from dapple.errors import ValidationError
-from dapple.planner.comm import busiest_link_ms, link_loads, stage_sync_ms
+from dapple.planner.comm import busiest_link_ms, link_loads, stage_sync_ms, stage_update_ms
 from dapple.planner.host import apply_host, has_host_terms, stage_host_extras
 from dapple.planner.latency import latency, steady_periods
 from dapple.planner.memory import (
@@ -161,7 +161,10 @@ class Scorer:
             f, bw = self.fb_ms(s, e, n)
             d_nr, d_r = self._options(s, e, n, len(d), zero_stage)
             M = self.global_batch_size // b
-            rec = (f, bw, self.ar_ms(s, e, d, zero_stage, M), d_nr, d_r)
+            ar = self.ar_ms(s, e, d, zero_stage, M) + stage_update_ms(
+                self.cluster, self.profile, self.param_bytes(s, e), len(d), zero_stage
+            )  # AR_s + U_s
+            rec = (f, bw, ar, d_nr, d_r)
             self._stages[key] = rec
         return rec
 

@@ -194,6 +194,25 @@ def _input_grad(out: Any, inputs: list[torch.Tensor], grads: list[torch.Tensor])
         torch.autograd.grad(outs, inputs, grads[: len(outs)], allow_unused=True)
 
 
+def _update_ms(layer: nn.Module, timer: _Timer, warmup: int, repeats: int) -> float:
+    """Median time of one optimizer update of ``layer``'s parameters as the runtime makes it
+    (fused Adam; lr 0 leaves the weights as they are), after at least one step that allocates
+    the moments. The layer's gradients are put back afterwards."""
+    params = [p for p in layer.parameters() if p.requires_grad and p.is_floating_point()]
+    if not params:
+        return 0.0
+    saved = [p.grad for p in params]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    opt = torch.optim.Adam(params, lr=0.0, fused=True)
+    for _ in range(max(1, warmup)):
+        opt.step()
+    times = [timer(opt.step)[0] for _ in range(repeats)]
+    for p, g in zip(params, saved, strict=True):
+        p.grad = g
+    return statistics.median(times)
+
+
 def _measure_layer(
     layer: nn.Module,
     inp: Any,
@@ -460,6 +479,7 @@ def _profile(
     param_dtypes: set[torch.dtype] = set()
     classes: list[str] = []
     total, done = n * len(sizes), 0
+    update_ms = 0.0  # one optimizer update of every layer's parameters
     for i in range(n):  # one layer at a time: the peak is the largest layer, not the model
         layer = workload.build_layer(i, seed).to(dev).train()
         for k, b in enumerate(sizes):
@@ -472,6 +492,7 @@ def _profile(
             log.debug("b=%d layer %d: fwd %.3f ms bwd %.3f ms", b, i, f_ms, b_ms)
             if progress is not None:
                 progress(done, total, f"b={b} {workload.name_of(i)}")
+        update_ms += _update_ms(layer, timer, warmup, repeats)
         param_bytes.append(sum(p.numel() * p.element_size() for p in layer.parameters()))
         param_dtypes |= {p.dtype for p in layer.parameters()}
         classes.append(type(layer).__name__)
@@ -502,6 +523,7 @@ def _profile(
         device=dev_name,
         batch_sizes=tuple(sizes),
         precision=precision,
+        update_ms_per_parameter_byte=update_ms / sum(param_bytes) if sum(param_bytes) else 0.0,
     )
 
 

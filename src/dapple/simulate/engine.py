@@ -17,11 +17,12 @@ Pure: no torch. Every device runs its program (:func:`dapple.schedule.lower`) in
   ``allreduce_ms`` of the stage's parameter bytes over its devices, AR(P_s, g_s); a stage with
   ``zero_stage`` 2 takes ``(M + 1) / 2`` of that (its reductions after every backward, then the
   gather: :func:`dapple.planner.comm.stage_sync_ms`, as the planner counts it).
-* ``OPT`` (the optimizer step) takes 0 ms: the planner's latency L (equation 2) does not
-  model it either, so simulated and predicted step times stay comparable - except on hosts
-  with CPU overhead terms (:mod:`dapple.planner.host`): there F/B also carry the host CPU of
-  their action and its messages, and ``OPT`` is a compute task of the per-step host CPU
-  (optimizer, step collective, AllReduce copies), both shared like any compute.
+* ``OPT`` (the optimizer step) takes U_s, the update the profile measured for the stage's
+  parameters (1/r_s of them under ZeRO; :func:`dapple.planner.comm.stage_update_ms`), which
+  the planner adds to AR_s; 0 for a profile without it. On hosts with CPU overhead terms
+  (:mod:`dapple.planner.host`) F/B also carry the host CPU of their action and its messages,
+  and ``OPT`` is a compute task of the per-step host CPU (optimizer, step collective,
+  AllReduce copies, so U_s is 0 there), both shared like any compute.
 
 Since sends never block and each link has a single sender, every action's time depends only
 on its device's previous action and on already-posted transfers, so a round-robin dataflow
@@ -48,7 +49,7 @@ from dapple.core.plan import Plan, StagePlan, split_sizes, transfers
 from dapple.core.profile import ModelProfile
 from dapple.errors import DappleError, ValidationError
 from dapple.planner import cost as costs
-from dapple.planner.comm import stage_sync_ms
+from dapple.planner.comm import stage_sync_ms, stage_update_ms
 from dapple.planner.host import HostExtra, host_extras
 from dapple.planner.lengths import profile_for_plan
 from dapple.planner.schedules import schedule_latency, split_backward_ms
@@ -187,14 +188,29 @@ class _Run:
         self.deltas: dict[int, list[tuple[float, float]]] = {d: [] for d in sched}
         self.in_flight = dict.fromkeys(sched, 0)
         self.peak_in_flight = dict.fromkeys(sched, 0)
+        self.update_ms = [
+            stage_update_ms(
+                cluster,
+                profile,
+                sum(x.parameter_bytes for x in profile.layers[slice(*st.layers)]),
+                st.replicas,
+                st.zero_stage,
+            )
+            for st in plan.stages
+        ]
+        """U_s, the optimizer update of stage s on each replica (its OPT's time)."""
+
+    def opt_ms(self, a: Action) -> float:
+        """An OPT's time: the per-step host CPU plus the optimizer update U_s."""
+        return self.host[a.stage][a.replica].step_ms + self.update_ms[a.stage]
 
     def is_cpu(self, dev: int, a: Action) -> bool:
-        """F/B, or an OPT that carries per-step host CPU (module docstring)."""
+        """F/B, or an OPT that takes time (host CPU or the update; module docstring)."""
         if a.kind.is_compute:
             return True
         if a.kind is not K.STEP:
             return False
-        return self.host[a.stage][a.replica].step_ms > 0
+        return self.opt_ms(a) > 0
 
     def compute_start(self, dev: int, a: Action, now: float) -> float:
         """Books the memory of compute action ``a`` starting at ``now``; returns its nominal
@@ -202,7 +218,7 @@ class _Run:
         s, j = a.stage, a.replica
         hx = self.host[s][j]
         if a.kind is K.STEP:
-            return hx.step_ms
+            return self.opt_ms(a)
         n = self.sizes[s][j]
         if a.kind is K.FORWARD:
             dur = self.compute(s, n)[0] + hx.forward_ms
@@ -285,7 +301,7 @@ class _Run:
                 if d != dev:
                     self.pc[d] += 1
             self.at_ar[s] = {}
-        else:  # OPT: 0 ms, see the module docstring
+        else:  # OPT without time (no host CPU, no update): see the module docstring
             self.events.append(SimEvent(dev, a, now, now))
         return True
 

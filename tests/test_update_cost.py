@@ -1,0 +1,88 @@
+"""The optimizer update U_s in the cost model: measured by the profiler, stored in the profile,
+added to AR_s by the planner (1/r_s of it under ZeRO), run as the OPT action's time by the
+simulator, and left out where the calibrated host CPU already holds it."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from builders import make_cluster, make_profile
+from dapple.core.plan import straight_plan
+from dapple.core.profile import ModelProfile
+from dapple.errors import ValidationError
+from dapple.planner.comm import stage_sync_ms, stage_update_ms
+from dapple.planner.cost import pipeline_latency
+from dapple.schedule.ir import ActionKind
+from dapple.simulate import simulate
+
+U = 1e-6  # ms per parameter byte
+PARAMS = 4 * 10**6  # bytes per layer
+
+
+def _profile(u: float = U) -> ModelProfile:
+    return dataclasses.replace(make_profile(params=PARAMS), update_ms_per_parameter_byte=u)
+
+
+def test_profile_json_round_trips_u_and_old_profiles_have_none() -> None:
+    prof = _profile()
+    d = prof.to_dict()
+    assert d["update_ms_per_parameter_byte"] == U
+    assert ModelProfile.from_dict(d) == prof
+    del d["update_ms_per_parameter_byte"]
+    assert ModelProfile.from_dict(d).update_ms_per_parameter_byte == 0.0
+    assert "update_ms_per_parameter_byte" not in _profile(0.0).to_dict()
+    with pytest.raises(ValidationError, match="update_ms_per_parameter_byte must be a finite"):
+        ModelProfile.from_dict({**d, "update_ms_per_parameter_byte": -1})
+
+
+def test_stage_update_is_u_times_bytes_over_the_shards() -> None:
+    cl, prof = make_cluster(), _profile()
+    assert stage_update_ms(cl, prof, 8e6, 3, 0) == pytest.approx(8.0)
+    assert stage_update_ms(cl, prof, 8e6, 4, 1) == pytest.approx(2.0)  # ZeRO: 1/r_s each
+    assert stage_update_ms(cl, prof, 8e6, 1, 2) == pytest.approx(8.0)  # one replica: no shards
+    assert stage_update_ms(cl, _profile(0.0), 8e6, 3, 0) == 0.0
+    host = dataclasses.replace(cl, step_overhead_ms=3.0)  # calibrated host CPU holds it
+    assert stage_update_ms(host, prof, 8e6, 3, 0) == 0.0
+
+
+def test_planner_adds_u_to_ar_and_the_simulator_runs_it_as_opt() -> None:
+    cl = make_cluster()
+    plan = straight_plan(6, [0, 3], global_batch_size=12, num_micro_batches=4, replicas=[1, 3])
+    with_u, without = _profile(), _profile(0.0)
+    rows = {
+        u: [r for r in pipeline_latency(plan, p, cl).stages if r.kind == "compute"]
+        for u, p in ((True, with_u), (False, without))
+    }
+    for s, (lo, hi) in enumerate(st.layers for st in plan.stages):
+        update = U * PARAMS * (hi - lo)
+        assert rows[True][s].allreduce_ms == pytest.approx(rows[False][s].allreduce_ms + update)
+    assert rows[False][1].allreduce_ms == pytest.approx(
+        stage_sync_ms(cl, 3 * PARAMS, plan.stages[1].devices)
+    )
+    sim = simulate(plan, with_u, cl)
+    opt = {e.device: e.duration_ms for e in sim.events if e.action.kind is ActionKind.STEP}
+    assert opt == pytest.approx({0: U * 3 * PARAMS, 1: U * 3 * PARAMS, 2: U * 3 * PARAMS,
+                                 3: U * 3 * PARAMS})  # fmt: skip
+    base = simulate(plan, without, cl)
+    assert sim.step_ms > base.step_ms
+    # ZeRO-1 on the replicated stage: each replica updates a third
+    z1 = dataclasses.replace(
+        plan, stages=(plan.stages[0], dataclasses.replace(plan.stages[1], zero_stage=1))
+    )
+    opt1 = {e.device: e.duration_ms for e in simulate(z1, with_u, cl).events
+            if e.action.kind is ActionKind.STEP}  # fmt: skip
+    assert opt1[0] == pytest.approx(U * 3 * PARAMS) and opt1[1] == pytest.approx(U * PARAMS)
+
+
+def test_profiler_measures_the_update() -> None:
+    pytest.importorskip("torch")
+    from dapple.models.zoo import load_workload
+    from dapple.profiler.measure import profile_workload
+
+    wl = load_workload("mlp", layers=2, in_features=8, hidden=64, num_classes=4)
+    prof = profile_workload(wl, [1, 2], device="cpu", repeats=2, warmup=1)
+    assert prof.update_ms_per_parameter_byte > 0
+    # the same order as a per-byte copy: far below a millisecond per KiB
+    assert prof.update_ms_per_parameter_byte * 1024 < 1.0
