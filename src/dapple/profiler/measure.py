@@ -194,23 +194,48 @@ def _input_grad(out: Any, inputs: list[torch.Tensor], grads: list[torch.Tensor])
         torch.autograd.grad(outs, inputs, grads[: len(outs)], allow_unused=True)
 
 
-def _update_ms(layer: nn.Module, timer: _Timer, warmup: int, repeats: int) -> float:
-    """Median time of one optimizer update of ``layer``'s parameters as the runtime makes it
-    (fused Adam; lr 0 leaves the weights as they are), after at least one step that allocates
-    the moments. The layer's gradients are put back afterwards."""
-    params = [p for p in layer.parameters() if p.requires_grad and p.is_floating_point()]
-    if not params:
+_UPDATE_SAMPLE_BYTES = 8 << 20
+"""At most this many bytes of a layer's parameters are updated when timing the optimizer:
+the update's time is proportional to the bytes, so a larger layer is timed on a prefix of its
+parameters and scaled, and timing it costs at most 4x this much memory (weights, gradients and
+two moments), not 4x the largest layer."""
+
+
+def _trainable(layer: nn.Module) -> list[torch.Tensor]:
+    """``layer``'s parameters the optimizer updates, as meta tensors (shapes and dtypes)."""
+    return [
+        p.detach().to("meta")
+        for p in layer.parameters()
+        if p.requires_grad and p.is_floating_point()
+    ]
+
+
+def _update_ms(
+    params: Sequence[torch.Tensor], dev: torch.device, timer: _Timer, warmup: int, repeats: int
+) -> float:
+    """Median time of one optimizer update of parameters shaped like ``params`` as the runtime
+    makes it (fused Adam), after at least one step that allocates the moments. It runs on
+    zero-filled tensors on ``dev``, up to :data:`_UPDATE_SAMPLE_BYTES` of them (the last one cut
+    flat), scaled to all of the parameters' bytes."""
+    total = sum(p.numel() * p.element_size() for p in params)
+    if not total:
         return 0.0
-    saved = [p.grad for p in params]
+    sample: list[torch.Tensor] = []
+    sampled = 0
     for p in params:
-        p.grad = torch.zeros_like(p)
-    opt = torch.optim.Adam(params, lr=0.0, fused=True)
+        room = (_UPDATE_SAMPLE_BYTES - sampled) // p.element_size()
+        if room <= 0:
+            break
+        shape = p.shape if p.numel() <= room else (room,)
+        sample.append(nn.Parameter(torch.zeros(shape, dtype=p.dtype, device=dev)))
+        sampled += sample[-1].numel() * p.element_size()
+    for t in sample:
+        t.grad = torch.zeros_like(t)
+    opt = torch.optim.Adam(sample, lr=1e-3, fused=True)
     for _ in range(max(1, warmup)):
         opt.step()
     times = [timer(opt.step)[0] for _ in range(repeats)]
-    for p, g in zip(params, saved, strict=True):
-        p.grad = g
-    return statistics.median(times)
+    return statistics.median(times) * total / sampled
 
 
 def _measure_layer(
@@ -492,12 +517,13 @@ def _profile(
             log.debug("b=%d layer %d: fwd %.3f ms bwd %.3f ms", b, i, f_ms, b_ms)
             if progress is not None:
                 progress(done, total, f"b={b} {workload.name_of(i)}")
-        update_ms += _update_ms(layer, timer, warmup, repeats)
+        trainable = _trainable(layer)
         param_bytes.append(sum(p.numel() * p.element_size() for p in layer.parameters()))
         param_dtypes |= {p.dtype for p in layer.parameters()}
         classes.append(type(layer).__name__)
         del layer
         gc.collect()  # traced pieces hold reference cycles: free this layer before the next
+        update_ms += _update_ms(trainable, dev, timer, warmup, repeats)
     del xs
     dtype = (
         str(next(iter(param_dtypes))).replace("torch.", "") if len(param_dtypes) == 1 else "mixed"
