@@ -140,17 +140,23 @@ def make_plan(name: str, schedule: str, policy: str, recompute: bool, b: int, m:
     )
 
 
+ZB_PLANS = ("straight4", "2:1:1", "1:3", "2:1:1-permuted")
+"""The plans ZB-H1 runs in the equivalence configs (without re-computation)."""
+
+
 def equivalence_configs() -> list[dict]:
     """Every plan x schedule x re-computation x workload; micro-batch 5 (uneven slices)."""
     out = []
     i = 0
     for plan in PLANS:
-        for schedule, policy in (("dapple", "A"), ("gpipe", "A"), ("dapple", "B")):
+        for schedule, policy in (("dapple", "A"), ("gpipe", "A"), ("dapple", "B"), ("zbh1", "A")):
             for recompute in (False, True):
                 if policy == "B" and recompute:
                     continue
+                if schedule == "zbh1" and (recompute or plan not in ZB_PLANS):
+                    continue
                 for wl in ("mlp", "tuple", "tied"):
-                    if wl == "tied" and (schedule, recompute) != ("dapple", False):
+                    if (wl == "tied" and recompute) or (wl, schedule) == ("tied", "gpipe"):
                         continue
                     out.append(
                         dict(

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import runtime_workloads as rw
-from dapple.core.plan import straight_plan
+from dapple.core.plan import interleave, straight_plan
 from dapple.errors import ValidationError
 from dapple.runtime import (
     ActivationMeter,
@@ -115,9 +115,10 @@ def test_validate_run_rejects_mismatches() -> None:
         validate_run(plan, wl, 4)
     with pytest.raises(ValidationError, match="model has 5 layers"):
         validate_run(plan, rw.mlp(5), 3)
-    zb = dataclasses.replace(plan, schedule="zbh1")
-    with pytest.raises(ValidationError, match="'zbh1' is planned and simulated only"):
-        validate_run(zb, wl, 3)
+    validate_run(dataclasses.replace(plan, schedule="zbh1"), wl, 3)
+    chunks = interleave(straight_plan(4, [0, 2], global_batch_size=8, num_micro_batches=2), 2)
+    with pytest.raises(ValidationError, match="'interleaved' with v=2 is planned and simulated"):
+        validate_run(chunks, wl, 2)
 
 
 def test_train_config_validation() -> None:

@@ -327,8 +327,9 @@ def test_runtime_refuses_new_schedules(tmp_path, capsys):
     ):
         require_runtime_support(plan)
     require_runtime_support(_plan([1, 1], 2, 2, 1))
+    require_runtime_support(dataclasses.replace(_plan([1, 1], 2, 2, 1), schedule="zbh1"))
     path = tmp_path / "plan.json"
-    dataclasses.replace(_plan([1, 1], 1, 2, 1), schedule="zbh1").save(path)
+    plan.save(path)
     assert main(["train", "--plan", str(path), "-m", "mlp", "--steps", "1"]) != 0
     err = capsys.readouterr().err
     assert err.count("dapple: error:") == 1 and "runtime does not support it yet" in err

@@ -83,6 +83,34 @@ def test_profiler_measures_the_update() -> None:
 
     wl = load_workload("mlp", layers=2, in_features=8, hidden=64, num_classes=4)
     prof = profile_workload(wl, [1, 2], device="cpu", repeats=2, warmup=1)
-    assert prof.update_ms_per_parameter_byte > 0
-    # the same order as a per-byte copy: far below a millisecond per KiB
-    assert prof.update_ms_per_parameter_byte * 1024 < 1.0
+    assert 0 < prof.update_ms_per_parameter_byte < float("inf")
+
+
+def test_update_is_timed_on_a_bounded_sample_and_scaled(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A layer larger than the sample is timed on a prefix of its parameters (the last one cut
+    flat) and the time scaled by its bytes over the sample's."""
+    torch = pytest.importorskip("torch")
+    import dapple.profiler.measure as measure
+
+    monkeypatch.setattr(measure, "_UPDATE_SAMPLE_BYTES", 1000)
+    steps: list[list[int]] = []
+
+    def timer(fn):  # type: ignore[no-untyped-def]
+        fn()
+        return 2.0, None
+
+    real_adam = torch.optim.Adam
+
+    def spy(params, **kw):  # type: ignore[no-untyped-def]
+        params = list(params)
+        steps.append([p.numel() for p in params])
+        return real_adam(params, **kw)
+
+    monkeypatch.setattr(torch.optim, "Adam", spy)
+    layer = torch.nn.Linear(30, 20)  # 600 + 20 floats: 2480 bytes
+    ms = measure._update_ms(measure._trainable(layer), torch.device("cpu"), timer, 1, 3)
+    assert steps == [[250]]  # 1000 bytes: the weight's first 250 elements
+    assert ms == pytest.approx(2.0 * 2480 / 1000)
+    small = torch.nn.Linear(3, 2)  # 8 floats: the whole layer, shapes kept
+    assert measure._update_ms(measure._trainable(small), torch.device("cpu"), timer, 1, 3) == 2.0
+    assert steps[-1] == [6, 2]

@@ -166,8 +166,8 @@ def plan(
         schedule: Run the planned stages under ``gpipe``, ``dapple``, ``interleaved`` or
             ``zbh1`` instead of the planner's choice (``dapple plan --schedule``); the
             predicted step is that schedule's
-            (:func:`dapple.planner.schedules.schedule_latency`). ``interleaved`` and ``zbh1``
-            are simulated only: the runtime does not run them yet.
+            (:func:`dapple.planner.schedules.schedule_latency`). ``interleaved`` is simulated
+            only: the runtime does not run it yet.
         virtual_stages: v, model chunks per device group with ``schedule="interleaved"``.
         seq_len: Mean tokens per sample to plan the step time for, from a profile measured at
             several lengths (``profile(seq_lens=...)``; ``dapple plan --seq-len MEAN,MAX``).

@@ -103,9 +103,10 @@ def add_run_arguments(p: argparse.ArgumentParser, *, steps: int) -> None:
     p.add_argument("--lr", type=float, default=0.01, help="learning rate (default %(default)s)")
     p.add_argument(
         "--schedule",
-        choices=("dapple", "gpipe"),
+        choices=("dapple", "gpipe", "zbh1"),
         default=None,
-        help="run this schedule instead of the plan's",
+        help="run this schedule instead of the plan's (zbh1: the backward split into input- and "
+        "weight-gradient halves, Qi et al.'s ZB-H1)",
     )
     p.add_argument(
         "--policy",

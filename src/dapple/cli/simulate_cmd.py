@@ -29,8 +29,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         "--schedule",
         choices=SCHEDULES,
         default=None,
-        help="override the plan's (interleaved and zbh1 are simulated only: the runtime does not "
-        "run them yet)",
+        help="override the plan's (interleaved is simulated only: the runtime does not run it yet)",
     )
     p.add_argument(
         "--virtual-stages",

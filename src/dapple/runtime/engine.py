@@ -67,6 +67,7 @@ from dapple.runtime.metrics import MetricsSink, StepProbe, resident_bytes
 from dapple.runtime.optim import ModelUpdate, counted_parameters, make_optimizer
 from dapple.runtime.precision import Precision
 from dapple.runtime.reporting import open_reporters, target_tokens
+from dapple.runtime.split_backward import require_split_backward
 from dapple.runtime.stage import StageExecutor
 from dapple.runtime.sync import GradientSync
 from dapple.runtime.transport import flatten, infer_boundary_specs
@@ -113,7 +114,9 @@ def validate_run(plan: Plan, workload: Workload, world_size: int, *, exact: bool
     Raises:
         ValidationError: the plan does not fit the workload or the process group.
     """
-    require_runtime_support(plan)  # interleaved and ZB-H1 are simulated only
+    require_runtime_support(plan)  # interleaved is simulated only
+    if plan.schedule == "zbh1":
+        require_split_backward()
     n_dev = len(plan.devices)
     if exact and world_size != n_dev:
         raise ValidationError(

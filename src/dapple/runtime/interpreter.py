@@ -65,6 +65,8 @@ RECV_AHEAD = 4
 """Program positions ahead of the current action whose RECV_F/RECV_B are posted early."""
 _RECVS = (K.RECV_F, K.RECV_B)
 _UPDATES = (K.ALLREDUCE, K.STEP)
+_GRADS = (K.BACKWARD, K.BACKWARD_WEIGHT)
+"""The actions that accumulate parameter gradients."""
 
 Handler = Callable[[Action], None]
 
@@ -148,10 +150,14 @@ class ProgramInterpreter:
             **(executor.handlers() if executor is not None else {}),
             K.FORWARD: self._forward,
             K.BACKWARD: self._backward,
+            K.BACKWARD_INPUT: self._backward_input,
+            K.BACKWARD_WEIGHT: self._backward,
             K.ALLREDUCE: self._allreduce,
             K.STEP: self._optimizer_step,
         }
-        last_b = max((i for i, a in enumerate(program) if a.kind is K.BACKWARD), default=-1)
+        last_b = max((i for i, a in enumerate(program) if a.kind in _GRADS), default=-1)
+        if executor is not None:  # a W's parameter gradients bypass autograd's hooks
+            executor.on_grad_ready = self._grad_ready
 
         def handler_at(i: int) -> Handler:
             return self._last_backward if i == last_b else table[program[i].kind]
@@ -245,14 +251,29 @@ class ProgramInterpreter:
         self.longrun.watch(a, self.ex.loss_sum)
 
     def _backward(self, a: Action) -> None:
+        """``B`` or ``W``: the parameters' gradients of a micro-batch."""
         assert self.ex is not None
         zero2 = self.shards if self.shards is not None and self.shards.zero_stage == 2 else None
         if zero2 is not None:  # every micro-batch's gradients are reduce-scattered into the shard
             zero2.arm()
-        self.ex.backward(a)
+        if a.kind is K.BACKWARD:
+            self.ex.backward(a)
+        else:
+            self.ex.backward_weight(a)
         if zero2 is not None:
             zero2.after_backward()
         self.longrun.watch(a, self.ex.loss_sum)
+
+    def _backward_input(self, a: Action) -> None:
+        """``I``: the input gradients only (the parameters' follow in the ``W``)."""
+        assert self.ex is not None
+        self.ex.backward_input(a)
+
+    def _grad_ready(self, p: torch.Tensor) -> None:
+        """A ``W`` completed ``p``'s gradient: what autograd's hooks say after a ``B``."""
+        self.sync.on_grad(p)
+        if self.shards is not None:
+            self.shards.on_grad(p)
 
     def _last_backward(self, a: Action) -> None:
         self.sync.arm()  # reduce gradient buckets as they become final

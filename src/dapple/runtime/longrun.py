@@ -194,7 +194,7 @@ class LongRun:
         if action.kind is ActionKind.FORWARD:
             if self._bad is None and self.last_stage and not math.isfinite(loss_sum):
                 self._bad = (0, int(action.micro_batch or 0))
-        elif action.kind is ActionKind.BACKWARD and self.params:
+        elif action.kind in (ActionKind.BACKWARD, ActionKind.BACKWARD_WEIGHT) and self.params:
             grads = [p.grad.sum() for p in self._watched if p.grad is not None]
             if self.shards is not None:  # the sharded parameters' local gradients
                 grads += self.shards.grad_sums()

@@ -30,6 +30,7 @@ from torch.utils.checkpoint import checkpoint
 from dapple.core.plan import Plan, slice_bounds, transfers
 from dapple.runtime.memory import ActivationMeter, Held
 from dapple.runtime.precision import Precision, to_fp32
+from dapple.runtime.split_backward import ParamGroups, input_gradients, weight_gradients
 from dapple.runtime.transport import (
     HEADER_INDEX,
     BoundarySpec,
@@ -67,6 +68,11 @@ class _MicroBatch:
     loss: torch.Tensor | None = None
     held: list[Held] = field(default_factory=list)
     sends: list[Any] = field(default_factory=list)
+    grads: list[torch.Tensor] | None = None
+    """Split backward: the output gradients ``I`` received, for a ``W`` that is the whole
+    backward (a stage whose inputs carry no gradient)."""
+    groups: ParamGroups | None = None
+    """Split backward: what ``I`` left for ``W`` (:func:`input_gradients`)."""
 
 
 class StageExecutor:
@@ -97,6 +103,12 @@ class StageExecutor:
         """Autocast of the stage's forwards and the fp16 loss scale."""
         self.module, self.loss_fn, self.device = module, loss_fn, device
         self.recompute, self.meter = recompute, meter
+        self.split = plan.schedule == "zbh1"
+        """The backward runs as ``I`` then ``W`` (:mod:`dapple.runtime.split_backward`)."""
+        self.on_grad_ready: Callable[[torch.Tensor], None] | None = None
+        """Told of each parameter whose gradient a ``W`` completed (the interpreter's gradient
+        reductions; a whole backward tells them through autograd's hooks instead)."""
+        self.weights = [p for p in module.parameters() if p.requires_grad]
         self.metering = True
         """Count held activations in ``meter`` this step (the engine turns it off on steps whose
         peak is already known: saved-tensor hooks cost ~5% of a CPU step)."""
@@ -179,6 +191,8 @@ class StageExecutor:
             K.SEND_F: self.send_forward,
             K.RECV_B: self.recv_backward,
             K.BACKWARD: self.backward,
+            K.BACKWARD_INPUT: self.backward_input,
+            K.BACKWARD_WEIGHT: self.backward_weight,
             K.SEND_B: self.send_backward,
         }
 
@@ -210,6 +224,38 @@ class StageExecutor:
         """``B``: wait for the output gradients (not on the last stage) and back-propagate."""
         assert a.micro_batch is not None
         self._backward(a.micro_batch)
+        self._poll_sends()
+
+    def backward_input(self, a: Action) -> None:
+        """``I``: wait for the output gradients and compute the input gradients only (a stage
+        whose inputs carry no gradient keeps the output gradients for its ``W``)."""
+        assert a.micro_batch is not None
+        m = a.micro_batch
+        st = self._mb[m]
+        outs, gs = self._output_grads(m)
+        inputs = [x for x in st.inputs if x.requires_grad]
+        if inputs and outs:
+            st.groups = input_gradients(outs, gs, inputs, self.weights)
+        else:
+            st.grads = gs
+        self._after_input_grads(m)
+        self._poll_sends()
+
+    def backward_weight(self, a: Action) -> None:
+        """``W``: the parameters' gradients of micro-batch ``m`` from what its ``I`` left."""
+        assert a.micro_batch is not None
+        m = a.micro_batch
+        st = self._mb[m]
+        if st.groups is not None:
+            weight_gradients(st.groups, self.weights, self.on_grad_ready)
+        elif st.loss is not None:
+            torch.autograd.backward([self.precision.scale(st.loss)])
+        elif st.grads:
+            outs = [t for t in st.output if t.requires_grad]
+            torch.autograd.backward(outs, st.grads)
+        for h in st.held:
+            h.release()
+        del self._mb[m]
         self._poll_sends()
 
     def send_backward(self, a: Action) -> None:
@@ -330,6 +376,12 @@ class StageExecutor:
                 self.loss_sum += float(st.loss.detach())
         if self.s < self.plan.num_stages - 1:
             st.output = flatten(out)
+            if self.split:  # the split backward detaches its outputs in place: copies that
+                # no autograd node saves (a layer may save its own output, e.g. tanh)
+                st.output = tuple(
+                    t.clone() if isinstance(t, torch.Tensor) and t.requires_grad else t
+                    for t in st.output
+                )
             if metering:
                 st.held += self.meter.hold(st.output)
         self._mb[m] = st
@@ -345,24 +397,40 @@ class StageExecutor:
             piece = t.detach()[lo - self.lo : hi - self.lo].contiguous()
             st.sends.append(dist.isend(piece, dst=rank, tag=message_tag(m, False, i)))
 
-    def _backward(self, m: int) -> None:
+    def _output_grads(self, m: int) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+        """The tensors micro-batch ``m``'s backward starts from and their gradients: the scaled
+        loss (gradients None: ones) on the last stage, else the outputs that carry a gradient
+        and the received gradients (waited for)."""
         st = self._mb[m]
         if st.loss is not None:
-            torch.autograd.backward([self.precision.scale(st.loss)])  # x S under fp16
-        else:
-            grads = self._wait_concat(self._recv_b, m, "gradients")
-            outs, gs = [], []
-            gi = iter(grads)
-            for t in st.output:
-                if t.dtype.is_floating_point or t.dtype.is_complex:
-                    g = next(gi)
-                    if t.requires_grad:
-                        outs.append(t)
-                        gs.append(g)
-            if outs:
-                torch.autograd.backward(outs, gs)
+            return [self.precision.scale(st.loss)], None  # x S under fp16
+        grads = self._wait_concat(self._recv_b, m, "gradients")
+        outs, gs = [], []
+        gi = iter(grads)
+        for t in st.output:
+            if t.dtype.is_floating_point or t.dtype.is_complex:
+                g = next(gi)
+                if t.requires_grad:
+                    outs.append(t)
+                    gs.append(g)
+        return outs, gs
+
+    def _backward(self, m: int) -> None:
+        st = self._mb[m]
+        outs, gs = self._output_grads(m)
+        if outs:
+            torch.autograd.backward(outs, gs)
+        self._after_input_grads(m)
+        for h in st.held:
+            h.release()
+        del self._mb[m]
+
+    def _after_input_grads(self, m: int) -> None:
+        """Micro-batch ``m``'s input gradients are computed: keep them for ``SEND_B``."""
+        st = self._mb[m]
         # The activations' sends finished logically (their gradient came back); reap them.
         self._pending_sends += st.sends
+        st.sends = []
         if self.s > 0:
             self._grad_in[m] = tuple(
                 (x.grad if x.grad is not None else torch.zeros_like(x))
@@ -370,9 +438,6 @@ class StageExecutor:
                 if x.dtype.is_floating_point or x.dtype.is_complex
             )
             self._grad_in_left[m] = len(self.in_rows)
-        for h in st.held:
-            h.release()
-        del self._mb[m]
 
     def _send_backward(self, m: int, peer: Any) -> None:
         lo, hi = self.in_rows[peer]

@@ -147,7 +147,7 @@ class GradientSync:
             for k, bk in enumerate(self.buckets):
                 for i, p in enumerate(bk.params):
                     self._where[id(p)] = (k, i)
-                    self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))  # type: ignore[no-untyped-call]
+                    self._hooks.append(p.register_post_accumulate_grad_hook(self.on_grad))  # type: ignore[no-untyped-call]
 
     # -- (1) the overlapped stage AllReduce ------------------------------------------------------
     def arm(self) -> None:
@@ -160,8 +160,11 @@ class GradientSync:
         self._next = 0
         self._armed = True
 
-    def _on_grad(self, p: torch.Tensor) -> None:
-        if not self._armed:
+    def on_grad(self, p: torch.Tensor) -> None:
+        """``p``'s gradient of this backward is complete (autograd's hook, or a ``W``): start
+        the buckets whose gradients are all final, in order; parameters not reduced here are
+        ignored."""
+        if not self._armed or id(p) not in self._where:
             return
         k, i = self._where[id(p)]
         bk = self.buckets[k]

@@ -237,7 +237,7 @@ class FlatShards:
         chunk (see the module docstring)."""
         self._armed = False
         self._next = 0
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]  # type: ignore[no-untyped-call]
+        self._hooks = [p.register_post_accumulate_grad_hook(self.on_grad) for p in params]  # type: ignore[no-untyped-call]
 
     # -- the step ----------------------------------------------------------------------------
     def owned_fraction(self) -> float:
@@ -270,8 +270,11 @@ class FlatShards:
         self._next = 0
         self._armed = True
 
-    def _on_grad(self, p: torch.Tensor) -> None:
-        if not self._armed:
+    def on_grad(self, p: torch.Tensor) -> None:
+        """``p``'s gradient of this backward is complete (autograd's hook, or a ``W``): start
+        the buckets whose gradients are all final, in order; parameters not sharded here are
+        ignored."""
+        if not self._armed or id(p) not in self._where:
             return
         k, i = self._where[id(p)]
         self.buckets[k].ready.add(i)

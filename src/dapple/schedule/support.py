@@ -7,10 +7,9 @@ from dapple.errors import ValidationError
 
 __all__ = ["RUNTIME_SCHEDULES", "require_runtime_support"]
 
-RUNTIME_SCHEDULES = ("gpipe", "dapple")
-"""Schedules :mod:`dapple.runtime` runs. ``interleaved`` and ``zbh1`` need a rank to host
-several stage chunks and a backward split into its input- and weight-gradient halves, which
-the runtime does not do yet."""
+RUNTIME_SCHEDULES = ("gpipe", "dapple", "zbh1")
+"""Schedules :mod:`dapple.runtime` runs. ``interleaved`` needs a rank to host several stage
+chunks, which the runtime does not do yet."""
 
 
 def require_runtime_support(plan: Plan) -> None:
