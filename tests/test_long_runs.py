@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,7 @@ import torch
 from torch import nn
 
 import runtime_workloads as rw
-from dapple.core.plan import Plan, StagePlan
+from dapple.core.plan import Plan, StagePlan, interleave
 from dapple.models.workload import Workload
 from dapple.runtime.checkpoint import (
     CRASH_IN_SAVE_ENV,
@@ -43,7 +44,16 @@ PLANS = {
 }
 
 
+INTERLEAVED = {  # name -> (the plan whose groups take v = 2 chunks each)
+    "interleaved": "straight2x2",
+    "interleaved-2:2": "2:2",
+}
+PLANS["straight2x2"] = (((0, 2), (0,)), ((2, 4), (1,)))
+
+
 def plan_of(name: str) -> Plan:
+    if name in INTERLEAVED:
+        return interleave(plan_of(INTERLEAVED[name]), 2)
     return Plan(
         planner="test",
         global_batch_size=G,
@@ -123,14 +133,15 @@ def reference(
     return model, losses
 
 
-def _close_to(module: nn.Module, ref: nn.Sequential, first: int) -> int:
+def _close_to(module: nn.Module, ref: nn.Sequential, layers: Sequence[int]) -> int:
+    """Compare ``module``'s children (the chain's ``layers``) with the reference's."""
     n = 0
-    for k, layer in enumerate(module.children()):
+    for i, layer in zip(layers, module.children(), strict=True):
         for (name, got), (_, want) in zip(
-            layer.state_dict().items(), ref[first + k].state_dict().items(), strict=True
+            layer.state_dict().items(), ref[i].state_dict().items(), strict=True
         ):
             torch.testing.assert_close(
-                got, want, msg=lambda m, where=f"{first + k}.{name}": f"{where}: {m}"
+                got, want, msg=lambda m, where=f"{i}.{name}": f"{where}: {m}"
             )
             n += 1
     return n
@@ -173,14 +184,14 @@ def worker(rank: int, world: int, out_dir: str) -> None:
 
     _scenario("same-plan", res, same_plan_exact)
     ref_model, ref_losses = reference(wl, STEPS)
-    for name in ("3:1", "straight4", "dp4", "straight2"):
+    for name in ("3:1", "straight4", "dp4", "straight2", "interleaved", "interleaved-2:2"):
         plan = plan_of(name)
         r = run(plan, steps=STEPS, checkpoint_dir=ck, resume=True)
 
         def other_plan(r=r, plan=plan):
             n = 0
             if r.module is not None:
-                n = _close_to(r.module, ref_model, plan.stages[r.stage].layers[0])
+                n = _close_to(r.module, ref_model, plan.layers_of_device(rank))
             if rank == 0:
                 torch.testing.assert_close(
                     torch.tensor([m.loss for m in r.metrics]), torch.tensor(ref_losses[CUT:])
@@ -188,6 +199,22 @@ def worker(rank: int, world: int, out_dir: str) -> None:
             return {"checked": n}
 
         _scenario(name, res, other_plan)
+
+    # saved by an interleaved run (each group's replica 0 writes its chunks' layers), resumed
+    # under 2:2
+    ick = str(out / "interleaved")
+    run(plan_of("interleaved-2:2"), steps=CUT, checkpoint_dir=ick, save_every=1)
+    back = run(p22, steps=STEPS, checkpoint_dir=ick, resume=True)
+
+    def from_interleaved():
+        n = _close_to(back.module, ref_model, p22.layers_of_device(rank))
+        if rank == 0:
+            torch.testing.assert_close(
+                torch.tensor([m.loss for m in back.metrics]), torch.tensor(ref_losses[CUT:])
+            )
+        return {"checked": n}
+
+    _scenario("from-interleaved", res, from_interleaved)
 
     # non-finite loss, default policy: every rank stops before the optimizer step
     nck = str(out / "nan")
@@ -203,7 +230,9 @@ def worker(rank: int, world: int, out_dir: str) -> None:
 
     def nan_skip():
         r = run(p22, w=nan_mlp(), steps=STEPS, on_nonfinite="skip")
-        n = _close_to(r.module, reference(nan_mlp(), STEPS, skip=(NAN_STEP,))[0], r.stage * 2)
+        n = _close_to(
+            r.module, reference(nan_mlp(), STEPS, skip=(NAN_STEP,))[0], p22.layers_of_device(rank)
+        )
         return {"checked": n, "losses": [m.loss for m in r.metrics]}
 
     _scenario("nan-skip", res, nan_skip)
@@ -246,14 +275,22 @@ def test_resume_same_plan_is_exact(spawned) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("plan", ["3:1", "straight4", "dp4", "straight2"])
+@pytest.mark.parametrize(
+    "plan", ["3:1", "straight4", "dp4", "straight2", "interleaved", "interleaved-2:2"]
+)
 def test_resume_saved_2_2_under_another_plan(spawned, plan: str) -> None:
     rows = _ok(spawned, plan)
     # every layer's tensors were compared once per replica of the stage that holds them
     per_layer = 2  # weight, bias
     assert sum(r["checked"] for r in rows) == per_layer * sum(
-        len(devs) * (hi - lo) for (lo, hi), devs in PLANS[plan]
+        len(devs) * (hi - lo) for (lo, hi), devs in PLANS[INTERLEAVED.get(plan, plan)]
     )
+
+
+@pytest.mark.slow
+def test_checkpoint_of_an_interleaved_run_resumes_under_2_2(spawned) -> None:
+    rows = _ok(spawned, "from-interleaved")
+    assert sum(r["checked"] for r in rows) == 2 * 4 * 2  # 4 layers on 2 replicas each
 
 
 @pytest.mark.slow

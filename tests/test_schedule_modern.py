@@ -28,6 +28,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import runtime_workloads as rw
 from dapple.core.plan import Plan, StagePlan, interleave, straight_plan
 from dapple.errors import ValidationError
 from dapple.schedule import (
@@ -317,19 +318,24 @@ def test_bad_input_names_values():
         dataclasses.replace(base, schedule="zbv")
 
 
-def test_runtime_refuses_new_schedules(tmp_path, capsys):
+def test_runtime_refuses_interleaved_it_cannot_run(tmp_path, capsys):
+    """One device group (nothing to interleave), M not a multiple of the groups, sharded
+    state: one error line before any process starts."""
     from dapple.cli import main
-    from dapple.schedule import require_runtime_support
+    from dapple.runtime import validate_run
 
-    plan = interleave(_plan([1, 1], 2, 2, 1), 2)
-    with pytest.raises(
-        ValidationError, match="'interleaved' with v=2 is planned and simulated only"
-    ):
-        require_runtime_support(plan)
-    require_runtime_support(_plan([1, 1], 2, 2, 1))
-    require_runtime_support(dataclasses.replace(_plan([1, 1], 2, 2, 1), schedule="zbh1"))
+    one_group = interleave(_plan([2], 4, 4, 2), 2)
+    with pytest.raises(ValidationError, match="no pipeline to interleave"):
+        validate_run(one_group, rw.mlp(4), 2)
+    odd = interleave(_plan([1, 1, 1], 2, 4, 1), 2)
+    with pytest.raises(ValidationError, match="M=4 to be a multiple of the pipeline ranks P=3"):
+        validate_run(odd, rw.mlp(6), 3)
+    chunks = interleave(_plan([1, 1], 2, 2, 1), 2)
+    validate_run(chunks, rw.mlp(4), 2)
+    with pytest.raises(ValidationError, match="zero stage 1 with v=2"):
+        validate_run(chunks, rw.mlp(4), 2, zero_stage=1)
     path = tmp_path / "plan.json"
-    plan.save(path)
+    one_group.save(path)
     assert main(["train", "--plan", str(path), "-m", "mlp", "--steps", "1"]) != 0
     err = capsys.readouterr().err
-    assert err.count("dapple: error:") == 1 and "runtime does not support it yet" in err
+    assert err.count("dapple: error:") == 1 and "no pipeline to interleave" in err

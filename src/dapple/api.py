@@ -31,7 +31,6 @@ from dapple.core.profile import ModelProfile
 from dapple.errors import ValidationError
 from dapple.models.spec import load
 from dapple.models.workload import Workload
-from dapple.schedule.support import require_runtime_support
 
 if TYPE_CHECKING:
     from dapple.runtime import StepMetrics
@@ -166,8 +165,7 @@ def plan(
         schedule: Run the planned stages under ``gpipe``, ``dapple``, ``interleaved`` or
             ``zbh1`` instead of the planner's choice (``dapple plan --schedule``); the
             predicted step is that schedule's
-            (:func:`dapple.planner.schedules.schedule_latency`). ``interleaved`` is simulated
-            only: the runtime does not run it yet.
+            (:func:`dapple.planner.schedules.schedule_latency`).
         virtual_stages: v, model chunks per device group with ``schedule="interleaved"``.
         seq_len: Mean tokens per sample to plan the step time for, from a profile measured at
             several lengths (``profile(seq_lens=...)``; ``dapple plan --seq-len MEAN,MAX``).
@@ -264,12 +262,6 @@ def _with(plan: Plan | str | Path, schedule: str | None, policy: str | None) -> 
     return p
 
 
-def _runnable(plan: Plan) -> Plan:
-    """``plan`` when the runtime runs its schedule (:func:`require_runtime_support`)."""
-    require_runtime_support(plan)
-    return plan
-
-
 def train(
     plan: Plan | str | Path,
     workload: WorkloadLike,
@@ -308,7 +300,7 @@ def train(
     """
     from dapple.runtime import train as _train
 
-    run_plan = _runnable(_plan(plan))
+    run_plan = _plan(plan)
     wl = _workload(workload, _seq_overrides(workload, overrides, seq_len))
     return _train(
         run_plan,
@@ -386,7 +378,7 @@ def verify(
     from dapple.runtime.verify import verify as _verify
 
     return _verify(
-        _runnable(_with(plan, schedule, policy)),
+        _with(plan, schedule, policy),
         _workload(workload, _seq_overrides(workload, overrides, seq_len)),
         steps,
         device=device,
@@ -427,5 +419,5 @@ def verify_many(
             if w not in loaded:
                 loaded[w] = _workload(w, None)
             w = loaded[w]
-        resolved.append((_runnable(_plan(p)), _workload(w, None)))
+        resolved.append((_plan(p), _workload(w, None)))
     return _verify_many(resolved, steps, device=device, **options)

@@ -64,7 +64,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         choices=SCHEDULES,
         default=None,
         help="run the plan's stages under this schedule (default: the planner's choice, gpipe "
-        "or dapple); interleaved is planned and simulated only, the runtime does not run it yet",
+        "or dapple)",
     )
     p.add_argument(
         "--virtual-stages",
@@ -395,7 +395,6 @@ def _new_schedule(
         f"{new.num_micro_batches} x {new.micro_batch_size} samples: predicted step "
         f"{new.predicted_step_ms:.2f} ms, simulated {res.step_ms:.2f} ms, peak memory "
         f"{_gib(res.peak_memory_bytes)} GiB, speed-up over dp {_speedup(dp_ms, res.step_ms)}"
-        + (" (simulated only: the runtime does not run this schedule yet)" if chunks else "")
     )
     if args.output:
         new.save(args.output)
@@ -446,4 +445,3 @@ def _schedule_table(
     con.print(t)
     for line in notes:
         con.print(f"[yellow]{line}[/yellow]")
-    con.print("interleaved is planned and simulated only: the runtime does not run it yet")

@@ -29,7 +29,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         "--schedule",
         choices=SCHEDULES,
         default=None,
-        help="override the plan's (interleaved is simulated only: the runtime does not run it yet)",
+        help="override the plan's",
     )
     p.add_argument(
         "--virtual-stages",

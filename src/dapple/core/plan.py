@@ -309,6 +309,17 @@ class Plan:
         g, _j = self.stage_of_device(device)
         return tuple(range(g, len(self.stages), self.num_groups))
 
+    def layers_of_device(self, device: int) -> tuple[int, ...]:
+        """The chain indices of the layers ``device`` holds, stage by stage in pipeline order
+        (with v > 1 its chunks' layers, which are not contiguous).
+
+        Raises:
+            ValidationError: the device is not part of the plan.
+        """
+        return tuple(
+            i for s in self.stages_of_device(device) for i in range(*self.stages[s].layers)
+        )
+
     def stage_of_device(self, device: int) -> tuple[int, int]:
         """``(stage, replica)`` that ``device`` runs (its first stage when v > 1).
 

@@ -31,7 +31,7 @@ import logging
 import os
 import random
 import tempfile
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -148,22 +148,36 @@ def _cpu_copy(v: Any) -> Any:
     return copy.deepcopy(v)
 
 
+def _layer_ids(first_layer: int | Sequence[int], n: int) -> list[int]:
+    """The chain index of each of ``n`` children: ``first_layer, first_layer + 1, ...``, or
+    the indices given (a rank holding several chunks, :meth:`Plan.layers_of_device`)."""
+    if isinstance(first_layer, int):
+        return list(range(first_layer, first_layer + n))
+    ids = list(first_layer)
+    if len(ids) != n:
+        raise ValueError(f"{len(ids)} layer indices for {n} layers")
+    return ids
+
+
 def stage_layer_states(
-    module: nn.Module, first_layer: int, optimizer: torch.optim.Optimizer | None = None
+    module: nn.Module,
+    first_layer: int | Sequence[int],
+    optimizer: torch.optim.Optimizer | None = None,
 ) -> dict[int, LayerState]:
     """Split a stage's weights and optimizer state into per-layer states.
 
     Args:
         module: the stage, whose children are the chain's layers ``first_layer, ...`` in
             order (as :meth:`Workload.build_stage` builds it).
-        first_layer: chain index of the first child.
+        first_layer: chain index of the first child, or of every child.
         optimizer: the optimizer over the stage's parameters (state keyed by parameter name).
 
     Returns:
         ``{chain index: LayerState}`` with CPU copies of every tensor.
     """
     out: dict[int, LayerState] = {}
-    for i, layer in enumerate(module.children()):
+    children = list(module.children())
+    for i, layer in zip(_layer_ids(first_layer, len(children)), children, strict=True):
         opt: dict[str, dict[str, Any]] = {}
         if optimizer is not None:
             for name, p in layer.named_parameters(remove_duplicate=False):
@@ -171,7 +185,7 @@ def stage_layer_states(
                 if st:
                     opt[name] = _cpu_copy(dict(st))
         tensors = {k: _cpu_copy(v) for k, v in layer.state_dict().items()}
-        out[first_layer + i] = LayerState(first_layer + i, tensors, opt)
+        out[i] = LayerState(i, tensors, opt)
     return out
 
 
@@ -316,11 +330,12 @@ def check_compatible(
 def restore_stage(
     ckpt: Checkpoint,
     module: nn.Module,
-    first_layer: int,
+    first_layer: int | Sequence[int],
     optimizer: torch.optim.Optimizer | None = None,
     views: Mapping[int, tuple[nn.Parameter, int]] | None = None,
 ) -> None:
-    """Load layers ``first_layer ..`` into ``module``'s children and rebuild the optimizer state.
+    """Load layers ``first_layer ..`` (or the chain indices given, one per child) into
+    ``module``'s children and rebuild the optimizer state.
 
     The optimizer state is re-keyed from parameter names to the optimizer's own parameter
     order, so a stage of any plan can resume; hyperparameters (lr, betas, ...) stay those of
@@ -337,7 +352,7 @@ def restore_stage(
             optimizer state but not (all of) it for a parameter the optimizer updates.
     """
     children = list(module.children())
-    idxs = range(first_layer, first_layer + len(children))
+    idxs = _layer_ids(first_layer, len(children))
     for i, layer in zip(idxs, children, strict=False):
         if i >= ckpt.meta.num_layers:
             break

@@ -177,7 +177,8 @@ def rank_rows(plan: Plan, rank: int) -> tuple[list[int], list[int]]:
     b, M = plan.micro_batch_size, plan.num_micro_batches
     lo, hi = slice_bounds(b, plan.stages[s].replicas)[j]
     rows = [m * b + r for m in range(M) for r in range(lo, hi)]
-    return (rows if s == 0 else []), (rows if s == plan.num_stages - 1 else [])
+    held = plan.stages_of_device(rank)  # with v > 1 chunks: the first and the last stage
+    return (rows if 0 in held else []), (rows if plan.num_stages - 1 in held else [])
 
 
 class RankData:

@@ -48,6 +48,7 @@ from dapple.models.shapes import (
     run_dims,
 )
 from dapple.models.workload import Workload
+from dapple.runtime.chunks import Executor, RankChunks
 from dapple.runtime.config import StepMetrics, TrainConfig
 from dapple.runtime.data import (
     RankData,
@@ -72,8 +73,7 @@ from dapple.runtime.stage import StageExecutor
 from dapple.runtime.sync import GradientSync
 from dapple.runtime.transport import flatten, infer_boundary_specs
 from dapple.runtime.zero import FlatShards, flat_parameters, unsharded_stages
-from dapple.schedule import require_runtime_support
-from dapple.schedule.lower import lower
+from dapple.schedule.lower import lower, plan_compute_order
 
 __all__ = [
     "FAIL_RANK_ENV",
@@ -108,15 +108,31 @@ class StageRun:
         self.optimizer = optimizer
 
 
-def validate_run(plan: Plan, workload: Workload, world_size: int, *, exact: bool = True) -> None:
-    """Checks before any compute: world size, layer count, batch split.
+def validate_run(
+    plan: Plan, workload: Workload, world_size: int, *, exact: bool = True, zero_stage: int = 0
+) -> None:
+    """Checks before any compute: world size, layer count, batch split, what the schedule
+    needs (ZB-H1: torch's split backward; interleaved: M a multiple of the device groups, at
+    least two groups, no sharded state - ``zero_stage`` is the run's).
 
     Raises:
         ValidationError: the plan does not fit the workload or the process group.
     """
-    require_runtime_support(plan)  # interleaved is simulated only
     if plan.schedule == "zbh1":
         require_split_backward()
+    plan_compute_order(plan)  # e.g. interleaved: M a multiple of the device groups
+    if plan.virtual_stages > 1 and plan.num_groups == 1:
+        raise ValidationError(
+            f"interleaved plan with v={plan.virtual_stages} chunks on one device group "
+            f"({plan.replication}): there is no pipeline to interleave (each chunk would send "
+            "to itself); use --schedule dapple"
+        )
+    zero = max([zero_stage, *(st.zero_stage for st in plan.stages)])
+    if plan.virtual_stages > 1 and zero:
+        raise ValidationError(
+            f"zero stage {zero} with v={plan.virtual_stages} chunks per device group: sharded "
+            "state is not supported for interleaved plans; use --zero-stage 0"
+        )
     n_dev = len(plan.devices)
     if exact and world_size != n_dev:
         raise ValidationError(
@@ -165,7 +181,7 @@ def run_plan(
     """
     rank, world = dist.get_rank(), dist.get_world_size()
     workload = fit_workload(workload, data)  # documents: their loss and dynamic length
-    validate_run(plan, workload, world, exact=exact_world)
+    validate_run(plan, workload, world, exact=exact_world, zero_stage=config.zero_stage)
     G = plan.global_batch_size
     ev_plan = eval_plan(plan, config.eval_batch_size)  # plan itself unless G_e != G
     G_e = ev_plan.global_batch_size
@@ -248,7 +264,7 @@ class _Rank:
     """The first batch's input shapes (what :func:`check_batch` compares a step's with)."""
     dims: DimsMap
     """The run's dynamic input dimensions (declared and found); empty: static shapes."""
-    eval_executor: StageExecutor | None
+    eval_executor: Executor | None
     """The executor evaluation runs: the training one, or one over the same layers for an
     eval batch size of its own (:func:`dapple.runtime.evaluate.eval_plan`)."""
 
@@ -303,9 +319,11 @@ def _setup(
             f"workload {workload.name!r}: make_batch({G}) returned {sorted(rows)} rows, expected {G}"
         )
     module: nn.Module | None = None
+    chunks: dict[int, nn.Sequential] = {}  # stage -> its layers (several with v > 1)
     if s is not None:
-        lo, hi = plan.stages[s].layers
-        module = workload.build_stage(lo, hi, config.seed).to(device)
+        for k in plan.stages_of_device(rank):
+            chunks[k] = workload.build_stage(*plan.stages[k].layers, config.seed).to(device)
+        module = chunks[s] if len(chunks) == 1 else nn.Sequential(*_layers_of(chunks))
         module.train()
     if data is None:  # the declared dynamic dimensions and those that vary between draws
         dims: DimsMap = run_dims(workload, G, config.seed)
@@ -315,7 +333,7 @@ def _setup(
     precision = Precision(config.precision, device)
     with precision.autocast():  # boundary buffers get the dtype autocast produces
         specs = infer_boundary_specs(
-            plan, rank, module, sample if isinstance(inputs, (tuple, list)) else sample[0], device
+            plan, rank, chunks, sample if isinstance(inputs, (tuple, list)) else sample[0], device
         )
     zero = _zero_stage(plan, config, rank, s)
     flat = flat_parameters(plan, workload, s, module) if zero and module and s is not None else []
@@ -333,12 +351,19 @@ def _setup(
     like = {id(pc.param): pc.origin for pc in shards.pieces} if shards is not None else {}
     opt = make_optimizer(config, updated, like) if updated else None
     meter = ActivationMeter(exclude=params)
-    ex: StageExecutor | None = None
-    if module is not None:
-        assert s is not None and j is not None
-        recompute = config.recompute or plan.stages[s].recompute
-        ex = StageExecutor(plan, s, j, module, specs, workload.loss_fn, device, recompute, meter,
-                           precision, dynamic=bool(dims))  # fmt: skip
+
+    def executor(run: Plan, training: bool) -> Executor | None:
+        """This rank's executor of ``run``: one per chunk it holds."""
+        if j is None:
+            return None
+        exs = []
+        for k, mod in chunks.items():
+            recompute = training and (config.recompute or run.stages[k].recompute)
+            exs.append(StageExecutor(run, k, j, mod, specs, workload.loss_fn, device, recompute,
+                                     meter, precision, dynamic=bool(dims)))  # fmt: skip
+        return exs[0] if len(exs) == 1 else RankChunks(exs)
+
+    ex = executor(plan, True)
     longrun = LongRun(plan, workload, config, rank=rank, world=world, stage=s, replica=j,
                       module=module, optimizer=opt, device=device, precision=precision,
                       shards=shards)  # fmt: skip
@@ -356,16 +381,17 @@ def _setup(
     if first_attempt() and int(os.environ.get(FAIL_RANK_ENV, "-1")) == rank:
         interpreter.die_mid_step(int(os.environ.get(FAIL_STEP_ENV, "-1")))
     ev_plan = ev_plan or plan
-    ev_ex = ex
-    if ev_plan is not plan and module is not None:
-        assert s is not None and j is not None
-        ev_ex = StageExecutor(ev_plan, s, j, module, specs, workload.loss_fn, device, False,
-                              meter, precision, dynamic=bool(dims))  # fmt: skip
+    ev_ex = ex if ev_plan is plan else executor(ev_plan, False)
     feed = RankData(plan, rank, config.seed, data, eval_data, stop=config.steps,
                     prefetch=device.type != "cpu", eval_plan=ev_plan)  # fmt: skip
     return _Rank(s, j, module, sync, longrun, step_probe, interpreter, update, start, workload,
                  config, G, (inputs, targets), feed, input_shapes(inputs), dims,
                  ev_ex)  # fmt: skip
+
+
+def _layers_of(chunks: dict[int, nn.Sequential]) -> list[nn.Module]:
+    """The layers of a rank's chunks, stage by stage (:meth:`Plan.layers_of_device`'s order)."""
+    return [layer for k in sorted(chunks) for layer in chunks[k]]
 
 
 def _zero_stage(plan: Plan, config: TrainConfig, rank: int, s: int | None) -> int:

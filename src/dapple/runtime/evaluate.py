@@ -37,9 +37,9 @@ from torch.utils.data import default_collate
 from dapple.core.plan import Plan
 from dapple.errors import ValidationError
 from dapple.models.workload import Workload
+from dapple.runtime.chunks import Executor
 from dapple.runtime.failure import RankFailure, describe_rank, failure_grid, short_error
 from dapple.runtime.interpreter import _compile, _Op
-from dapple.runtime.stage import StageExecutor
 from dapple.schedule.forward import lower_forward
 from dapple.schedule.ir import Action, ActionKind
 
@@ -132,7 +132,7 @@ class Evaluation:
         plan: Plan,
         rank: int,
         *,
-        executor: StageExecutor | None,
+        executor: Executor | None,
         module: nn.Module | None,
         device: torch.device,
         batch: EvalBatch,
@@ -158,13 +158,14 @@ class Evaluation:
         program = self.schedule.get(rank, [])
         if program and executor is None:
             raise ValidationError(f"rank {rank} has a forward program but no stage executor")
-        self._sends: dict[int, int] = {}
-        """micro-batch -> its SEND_F actions in the program."""
+        self._sends: dict[tuple[int, int], int] = {}
+        """(stage, micro-batch) -> its SEND_F actions in the program."""
         for a in program:
             if a.kind is K.SEND_F:
                 assert a.micro_batch is not None
-                self._sends[a.micro_batch] = self._sends.get(a.micro_batch, 0) + 1
-        self._left: dict[int, int] = {}
+                key = (a.stage, a.micro_batch)
+                self._sends[key] = self._sends.get(key, 0) + 1
+        self._left: dict[tuple[int, int], int] = {}
         table: dict[ActionKind, Callable[[Action], None]] = (
             {K.RECV_F: executor.recv_forward, K.FORWARD: self._forward, K.SEND_F: self._send}
             if executor is not None
@@ -229,15 +230,16 @@ class Evaluation:
     def _forward(self, a: Action) -> None:
         assert self.ex is not None and a.micro_batch is not None
         self.ex.forward(a)
-        if self._left.get(a.micro_batch, 0) == 0:  # the last stage: only its loss remains
-            self.ex.release(a.micro_batch)
+        if self._left.get((a.stage, a.micro_batch), 0) == 0:  # last stage: only its loss
+            self.ex.release(a)
 
     def _send(self, a: Action) -> None:
         assert self.ex is not None and a.micro_batch is not None
         self.ex.send_forward(a)
-        self._left[a.micro_batch] -= 1
-        if self._left[a.micro_batch] == 0:
-            self.ex.release(a.micro_batch)
+        key = (a.stage, a.micro_batch)
+        self._left[key] -= 1
+        if self._left[key] == 0:
+            self.ex.release(a)
 
     def _failure(self, step: int, e: BaseException) -> RankFailure:
         waiting = self.ex.waiting_on if self.ex is not None else None

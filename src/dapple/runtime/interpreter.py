@@ -10,6 +10,13 @@ simulator runs - and dispatches every action on its kind:
 - ``F``/``B`` wait for their receives and compute; the non-finite guard notes every loss and
   gradient (:meth:`LongRun.watch`); the rank's last ``B`` first arms the overlapped gradient
   AllReduce (:meth:`GradientSync.arm`), whose buckets start while backward still runs;
+- ZB-H1 splits ``B`` into ``I`` (the input gradients, sent at once) and ``W`` (the weight
+  gradients, later; :mod:`dapple.runtime.split_backward`): ``W`` takes ``B``'s place for the
+  guard, ZeRO-2 and the arming, and tells the buckets of each gradient it completes;
+- a rank holding several chunks (interleaved) runs each action on the chunk of its stage
+  (:class:`~dapple.runtime.chunks.RankChunks`); its first ``AR`` reduces every chunk's
+  gradients (one set of buckets over the group's replicas), the later ones do nothing. Only
+  the last backward's chunk overlaps its reduction: the other chunks' buckets start at ``AR``;
 - ``SEND_F``/``SEND_B`` post ``isend``s (all waited for at the step point);
 - ``AR`` waits for AR(P_s, g_s) over the stage's replicas (:meth:`GradientSync.finish`);
 - ``OPT`` sums the tied parameters' gradients (:meth:`GradientSync.tied`), unscales them
@@ -46,12 +53,12 @@ from torch import nn
 
 from dapple.core.plan import Plan
 from dapple.errors import ValidationError
+from dapple.runtime.chunks import Executor
 from dapple.runtime.failure import RankFailure, describe_rank, failure_grid, short_error
 from dapple.runtime.longrun import LongRun
 from dapple.runtime.metrics import StepProbe
 from dapple.runtime.optim import ModelUpdate
 from dapple.runtime.precision import Precision
-from dapple.runtime.stage import StageExecutor
 from dapple.runtime.sync import GradientSync
 from dapple.runtime.zero import FlatShards
 from dapple.schedule.ir import Action, ActionKind, Schedule
@@ -77,6 +84,11 @@ class _Op(NamedTuple):
     position: int
     action: Action
     run: Handler
+
+
+def _reduced(a: Action) -> None:
+    """``AR`` of a rank's second and later chunk (interleaved): its gradients were reduced
+    with the first chunk's, in the same buckets over the same replicas."""
 
 
 def step_point(schedule: Schedule, rank: int) -> int:
@@ -127,7 +139,7 @@ class ProgramInterpreter:
         schedule: Schedule,
         rank: int,
         *,
-        executor: StageExecutor | None,
+        executor: Executor | None,
         sync: GradientSync,
         longrun: LongRun,
         optimizer: torch.optim.Optimizer | None,
@@ -159,8 +171,14 @@ class ProgramInterpreter:
         if executor is not None:  # a W's parameter gradients bypass autograd's hooks
             executor.on_grad_ready = self._grad_ready
 
+        first_ar = next((i for i, a in enumerate(program) if a.kind is K.ALLREDUCE), -1)
+
         def handler_at(i: int) -> Handler:
-            return self._last_backward if i == last_b else table[program[i].kind]
+            if i == last_b:
+                return self._last_backward
+            if program[i].kind is K.ALLREDUCE and i != first_ar:
+                return _reduced  # the rank's first AR reduced every chunk's gradients
+            return table[program[i].kind]
 
         self._compute = _compile(program[:n], handler_at)
         """F, B, sends and receives: everything before the step point."""

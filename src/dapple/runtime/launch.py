@@ -241,7 +241,7 @@ def train(
     check_precision(cfg.precision, cfg.device)  # fp16 on the CPU etc.: before any compute
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         wl = resolve_workload(workload)
-        validate_run(plan, wl, int(os.environ["WORLD_SIZE"]))
+        validate_run(plan, wl, int(os.environ["WORLD_SIZE"]), zero_stage=cfg.zero_stage)
         _check_datasets(plan, wl, cfg, data, eval_data)
         _check_shapes(plan, wl, cfg, data)
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
@@ -256,7 +256,7 @@ def train(
         return run.metrics
     world = len(plan.devices)
     resolved = resolve_workload(workload)
-    validate_run(plan, resolved, world)
+    validate_run(plan, resolved, world, zero_stage=cfg.zero_stage)
     _check_datasets(plan, resolved, cfg, data, eval_data)
     _check_shapes(plan, resolved, cfg, data)
     if not isinstance(workload, str):

@@ -127,11 +127,13 @@ class LongRun:
         self.rank, self.world, self.stage, self.replica = rank, world, stage, replica
         self.module, self.optimizer, self.device = module, optimizer, device
         self.first_layer = plan.stages[stage].layers[0] if stage is not None else 0
+        self.layer_ids = plan.layers_of_device(rank) if stage is not None else ()
+        """The chain index of each of ``module``'s children (several chunks: not contiguous)."""
         self.params = list(module.parameters()) if module is not None else []
         sharded = {id(p) for p in shards.params} if shards is not None else set()
         self._watched = [p for p in self.params if id(p) not in sharded]
         """The parameters whose ``p.grad`` the guard sums (the sharded ones: by the shards)."""
-        self.last_stage = stage == plan.num_stages - 1
+        self.last_stage = stage is not None and plan.num_stages - 1 in plan.stages_of_device(rank)
         self.skipped: list[int] = []
         """Steps skipped for a non-finite loss or gradient (``on_nonfinite="skip"``)."""
         self.saved: list[int] = []
@@ -167,7 +169,7 @@ class LongRun:
         check_data_resume(ck.meta.extra.get("data"), self.data_state, ck.path)
         if self.module is not None:
             views = self.shards.views() if self.shards is not None else None
-            restore_stage(ck, self.module, self.first_layer, self.optimizer, views)
+            restore_stage(ck, self.module, self.layer_ids, self.optimizer, views)
         same_run = ck.meta.plan == self.plan.to_dict() and ck.meta.world_size == self.world
         rng = load_rng_state(ck, self.rank) if same_run else None
         if rng is not None:
@@ -284,7 +286,7 @@ class LongRun:
         if self.shards is not None:  # a collective over the stage's replicas
             states = self.shards.layer_states(self.first_layer, self.optimizer)
         elif self.module is not None and self.replica == 0:
-            states = stage_layer_states(self.module, self.first_layer, self.optimizer)
+            states = stage_layer_states(self.module, self.layer_ids, self.optimizer)
         meta = CheckpointMeta(
             model_name=self.workload.name,
             num_layers=self.workload.num_layers,

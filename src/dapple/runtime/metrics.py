@@ -23,9 +23,9 @@ from typing import IO, Any
 import torch
 
 from dapple.core.plan import Plan
+from dapple.runtime.chunks import Executor
 from dapple.runtime.config import StepMetrics, TrainConfig
 from dapple.runtime.memory import ActivationMeter
-from dapple.runtime.stage import StageExecutor
 from dapple.runtime.transport import flatten
 
 __all__ = ["MetricsSink", "StepProbe", "resident_bytes", "step_metrics"]
@@ -68,7 +68,7 @@ class StepProbe:
         self,
         device: torch.device,
         meter: ActivationMeter,
-        executor: StageExecutor | None,
+        executor: Executor | None,
         baseline_bytes: int = 0,
     ) -> None:
         """Args:

@@ -178,8 +178,8 @@ def counted_parameters(
     every = os.environ.get(COUNT_EVERY_REPLICA_ENV) == "1"
     if replica != 0 and not every:
         return []
-    lo, hi = plan.stages[stage].layers
-    layers = dict(zip(range(lo, hi), module.children(), strict=False))
+    device = plan.stages[stage].devices[replica]
+    layers = dict(zip(plan.layers_of_device(device), module.children(), strict=False))
     keep: set[int] = set()
     drop: set[int] = set()
     for group in workload.tied_parameters:

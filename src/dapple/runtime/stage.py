@@ -174,10 +174,11 @@ class StageExecutor:
         self._grad_in.clear()
         self._grad_in_left.clear()
 
-    def release(self, m: int) -> None:
-        """Forget micro-batch ``m``'s inputs and outputs (a forward-only pass keeps nothing for
-        a backward); its sends stay pending until :meth:`finish_sends`."""
-        st = self._mb.pop(m)
+    def release(self, a: Action) -> None:
+        """Forget the inputs and outputs of ``a``'s micro-batch (a forward-only pass keeps
+        nothing for a backward); its sends stay pending until :meth:`finish_sends`."""
+        assert a.micro_batch is not None
+        st = self._mb.pop(a.micro_batch)
         self._pending_sends += st.sends
         for h in st.held:
             h.release()
@@ -287,7 +288,8 @@ class StageExecutor:
         elif not backward:
             assert self.in_spec is not None
             hdr = header_buffer(self.in_spec, self.device)
-            work = dist.irecv(hdr, src=rank, tag=message_tag(m, False, HEADER_INDEX))
+            tag = message_tag(m, False, HEADER_INDEX, self.s - 1)
+            work = dist.irecv(hdr, src=rank, tag=tag)
             table.setdefault(m, []).append(_Recv(lo, hi, rank, [], [work], header=hdr))
         else:
             r = _Recv(lo, hi, rank, [], [], deferred=True)
@@ -297,7 +299,8 @@ class StageExecutor:
 
     def _irecv(self, bufs: list[torch.Tensor], rank: int, m: int, backward: bool) -> list[Any]:
         return [
-            dist.irecv(buf, src=rank, tag=message_tag(m, backward, i)) for i, buf in enumerate(bufs)
+            dist.irecv(buf, src=rank, tag=message_tag(m, backward, i, self.s - 1 + backward))
+            for i, buf in enumerate(bufs)
         ]
 
     def _post_grad_recv(self, r: _Recv, m: int) -> None:
@@ -392,10 +395,11 @@ class StageExecutor:
         rank = self.next_ranks[peer]
         if self.dynamic:
             hdr = shape_header(st.output, self.device)
-            st.sends.append(dist.isend(hdr, dst=rank, tag=message_tag(m, False, HEADER_INDEX)))
+            tag = message_tag(m, False, HEADER_INDEX, self.s)
+            st.sends.append(dist.isend(hdr, dst=rank, tag=tag))
         for i, t in enumerate(st.output):
             piece = t.detach()[lo - self.lo : hi - self.lo].contiguous()
-            st.sends.append(dist.isend(piece, dst=rank, tag=message_tag(m, False, i)))
+            st.sends.append(dist.isend(piece, dst=rank, tag=message_tag(m, False, i, self.s)))
 
     def _output_grads(self, m: int) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
         """The tensors micro-batch ``m``'s backward starts from and their gradients: the scaled
@@ -444,7 +448,8 @@ class StageExecutor:
         rank = self.prev_ranks[peer]
         for i, g in enumerate(self._grad_in[m]):
             piece = g[lo - self.lo : hi - self.lo].contiguous()
-            self._pending_sends.append(dist.isend(piece, dst=rank, tag=message_tag(m, True, i)))
+            tag = message_tag(m, True, i, self.s - 1)
+            self._pending_sends.append(dist.isend(piece, dst=rank, tag=tag))
         self._grad_in_left[m] -= 1
         if self._grad_in_left[m] == 0:  # the pending sends keep their pieces alive
             del self._grad_in[m], self._grad_in_left[m]

@@ -101,7 +101,7 @@ class GradientSync:
     ) -> None:
         self.groups = list(workload.tied_parameters)
         self.stage_pg: dict[int, Any] = {}
-        for i, st in enumerate(plan.stages):
+        for i, st in enumerate(plan.stages[: plan.num_groups]):  # a group's chunks share one
             if st.replicas > 1:
                 self.stage_pg[i] = dist.new_group(list(st.devices))
         self.tied_pg: dict[int, Any] = {}
@@ -115,18 +115,17 @@ class GradientSync:
                 }
             )
             if len(stages) > 1:
-                ranks = sorted(d for i in stages for d in plan.stages[i].devices)
+                ranks = sorted({d for i in stages for d in plan.stages[i].devices})
                 self.tied_pg[g] = dist.new_group(ranks)
         self.module, self.stage = module, stage
         self.by_layer: dict[int, nn.Module] = {}
         cross: set[int] = set()
         if module is not None and stage is not None:
-            lo, hi = plan.stages[stage].layers
             assert isinstance(module, nn.Sequential)
-            self.by_layer = {lo + k: layer for k, layer in enumerate(module)}
+            self.by_layer = dict(zip(plan.layers_of_device(rank), module, strict=True))
             for g in self.tied_pg:
                 for lay, name in self.groups[g]:
-                    if lo <= lay < hi:
+                    if lay in self.by_layer:
                         cross.add(id(self.by_layer[lay].get_parameter(name)))
         params = list(module.parameters()) if module is not None else []
         self.reduced = [

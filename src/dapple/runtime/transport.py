@@ -25,7 +25,7 @@ Models without a dynamic dimension keep the static path (buffers from the spec, 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -105,9 +105,12 @@ def unflatten(spec_is_tuple: bool, tensors: Sequence[torch.Tensor]) -> Any:
     return tuple(tensors) if spec_is_tuple else tensors[0]
 
 
-def message_tag(micro_batch: int, backward: bool, index: int) -> int:
-    """Tag of tensor ``index`` of micro-batch ``micro_batch``'s activations (or gradients)."""
-    return (micro_batch * 2 + int(backward)) * 64 + index
+def message_tag(micro_batch: int, backward: bool, index: int, boundary: int = 0) -> int:
+    """Tag of tensor ``index`` of micro-batch ``micro_batch``'s activations (or gradients) at
+    stage boundary ``boundary`` (the output of that stage): two chunks a rank holds talk to the
+    same peer about the same micro-batch, at different boundaries. Below 2^31 for boundaries
+    below 256 and micro-batches below 2^16."""
+    return ((boundary * 2**16 + micro_batch) * 2 + int(backward)) * 64 + index
 
 
 def shape_header(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -140,7 +143,7 @@ def _to(value: Any, device: torch.device) -> Any:
 def infer_boundary_specs(
     plan: Plan,
     rank: int,
-    module: nn.Module | None,
+    module: nn.Module | Mapping[int, nn.Module] | None,
     probe_input: Any,
     device: torch.device,
 ) -> list[BoundarySpec]:
@@ -149,33 +152,38 @@ def infer_boundary_specs(
     Args:
         plan: the plan being run.
         rank: this process's rank (== device id); ranks outside the plan pass ``module=None``.
-        module: this rank's stage layers.
+        module: this rank's stage layers, or ``{stage: layers}`` of each chunk it holds.
         probe_input: one sample of the model inputs (used by stage 0's replica 0).
         device: where the stage lives.
 
-    A collective: every rank of the world must call it.
+    A collective: every rank of the world must call it. Replica 0 of each stage runs its layers
+    on the previous stage's probe output, stage by stage in pipeline order (a rank holding
+    several chunks runs each when its input arrives).
     """
     S = plan.num_stages
-    out_spec: BoundarySpec | None = None
-    if module is not None:
-        s, j = plan.stage_of_device(rank)
-        if j == 0 and s < S - 1:
-            if s == 0:
-                x = _to(probe_input, device)
-            else:
-                box: list[Any] = [None]
-                dist.recv_object_list(box, src=plan.stages[s - 1].devices[0])
-                x = _to(box[0], device)
-            was_training = module.training
-            module.eval()
-            with torch.no_grad():
-                y = module(x)
-            module.train(was_training)
-            out_spec = BoundarySpec.of(y)
-            if s + 1 < S - 1:  # the last stage computes no boundary, so it needs no probe input
-                dist.send_object_list(
-                    [_to(y, torch.device("cpu"))], dst=plan.stages[s + 1].devices[0]
-                )
+    chunks: dict[int, nn.Module] = {}
+    if isinstance(module, nn.Module):
+        chunks = {plan.stage_of_device(rank)[0]: module}
+    elif module is not None:
+        chunks = dict(module)
+    specs: dict[int, BoundarySpec] = {}
+    for s, mod in sorted(chunks.items()):
+        if plan.stages[s].devices.index(rank) != 0 or s == S - 1:
+            continue
+        if s == 0:
+            x = _to(probe_input, device)
+        else:
+            box: list[Any] = [None]
+            dist.recv_object_list(box, src=plan.stages[s - 1].devices[0])
+            x = _to(box[0], device)
+        was_training = mod.training
+        mod.eval()
+        with torch.no_grad():
+            y = mod(x)
+        mod.train(was_training)
+        specs[s] = BoundarySpec.of(y)
+        if s + 1 < S - 1:  # the last stage computes no boundary, so it needs no probe input
+            dist.send_object_list([_to(y, torch.device("cpu"))], dst=plan.stages[s + 1].devices[0])
     gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, out_spec)
-    return [gathered[plan.stages[s].devices[0]] for s in range(S - 1)]
+    dist.all_gather_object(gathered, specs)
+    return [gathered[plan.stages[s].devices[0]][s] for s in range(S - 1)]

@@ -340,13 +340,15 @@ def _worker(
                 data=data,
             )
             if run.module is not None and run.stage is not None:
-                lo = plan.stages[run.stage].layers[0]
                 layers = {
-                    lo + k: {n: p.detach().cpu() for n, p in layer.named_parameters()}
-                    for k, layer in enumerate(run.module.children())
+                    i: {n: p.detach().cpu() for n, p in layer.named_parameters()}
+                    for i, layer in zip(
+                        plan.layers_of_device(rank), run.module.children(), strict=True
+                    )
                 }
+                stages = list(plan.stages_of_device(rank))
                 torch.save(
-                    {"stage": run.stage, "replica": run.replica, "layers": layers},
+                    {"stages": stages, "replica": run.replica, "layers": layers},
                     Path(out, f"case{c}-rank{rank}.pt"),
                 )
             if rank == 0:
@@ -364,7 +366,7 @@ def _stage_diffs(
     out = []
     for s, st in enumerate(plan.stages):
         lo, hi = st.layers
-        mine = [r for r in runs if r["stage"] == s]
+        mine = [r for r in runs if s in r["stages"]]
         if len(mine) != st.replicas:
             raise ValidationError(
                 f"stage {s}: got the weights of {len(mine)} replicas, expected {st.replicas}"
@@ -452,7 +454,7 @@ def verify_many(
         precision=precision,
     )
     for plan, wl in cases:
-        validate_run(plan, wl, len(plan.devices))
+        validate_run(plan, wl, len(plan.devices), zero_stage=cfg.zero_stage)
         check_data(wl, data, plan.global_batch_size, seed)
         if data is None:  # every step's batch fits the model (shapes that change per step)
             check_steps(wl, plan.global_batch_size, seed, steps)

@@ -19,12 +19,10 @@ from dapple.schedule.ir import (
     parse_action,
 )
 from dapple.schedule.lower import lower, plan_compute_order
-from dapple.schedule.support import RUNTIME_SCHEDULES, require_runtime_support
 from dapple.schedule.validate import format_grid, validate, validate_compute_order
 from dapple.schedule.zerobubble import zbh1
 
 __all__ = [
-    "RUNTIME_SCHEDULES",
     "Action",
     "ActionKind",
     "ComputeOrder",
@@ -42,7 +40,6 @@ __all__ = [
     "lower_forward",
     "parse_action",
     "plan_compute_order",
-    "require_runtime_support",
     "validate",
     "validate_compute_order",
     "warmup_counts",

@@ -19,9 +19,16 @@ K = ActionKind
 _FORWARD_KINDS = (K.RECV_F, K.FORWARD, K.SEND_F)
 
 
-def forward_order(S: int, M: int) -> ComputeOrder:
-    """Every stage forwards micro-batches 0..M-1 in order (S stages, M micro-batches)."""
-    return {s: [Action(s, K.FORWARD, m) for m in range(M)] for s in range(S)}
+def forward_order(S: int, M: int, groups: int | None = None) -> ComputeOrder:
+    """Every stage forwards micro-batches 0..M-1 in order (S stages, M micro-batches).
+
+    With ``groups`` = P < S (interleaved: group g holds the virtual stages g, g+P, ...) each
+    group runs its stages one after the other, all micro-batches of a chunk before the next
+    chunk: a chunk's inputs come from earlier chunks only, so nothing waits in a cycle."""
+    P = S if groups is None else groups
+    return {
+        g: [Action(s, K.FORWARD, m) for s in range(g, S, P) for m in range(M)] for g in range(P)
+    }
 
 
 def lower_forward(plan: Plan) -> Schedule:
@@ -30,5 +37,6 @@ def lower_forward(plan: Plan) -> Schedule:
     Returns:
         device id -> ordered actions (empty for a replica whose micro-batch slice is empty).
     """
-    full = lower(plan, forward_order(plan.num_stages, plan.num_micro_batches))
+    order = forward_order(plan.num_stages, plan.num_micro_batches, plan.num_groups)
+    full = lower(plan, order)
     return {dev: [a for a in prog if a.kind in _FORWARD_KINDS] for dev, prog in full.items()}

@@ -1,9 +1,8 @@
 """A plan under every schedule: the schedule named on the command line, and the best plan per
 schedule by simulation (``dapple plan --compare``).
 
-Pure: no torch. The runtime executes GPipe, DAPPLE and ZB-H1
-(:data:`dapple.schedule.RUNTIME_SCHEDULES`); every schedule, interleaved included, is compared
-here by simulated step time, under the memory limit.
+Pure: no torch. Every schedule is compared here by simulated step time, under the memory
+limit; the runtime runs each of them.
 """
 
 from __future__ import annotations
