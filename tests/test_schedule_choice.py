@@ -124,3 +124,35 @@ def test_api_schedule_names():
         dp.plan(prof, cluster, 16, virtual_stages=2)
     with pytest.raises(ValidationError, match=r"plan covers layers \[0, 8\) but the model has 5"):
         dp.train(zb, "mlp", steps=1)  # the runtime runs ZB-H1: checked like any plan
+
+
+def test_best_schedule_is_the_fastest_variant_that_fits(tmp_path, capsys, monkeypatch):
+    """``--schedule best`` / ``schedule="best"``: every variant's best plan by simulation, the
+    fastest feasible one chosen (the plan the CLI writes and the API returns)."""
+    from dapple import api
+    from dapple.simulate.schedules import best_schedule
+
+    prof, cluster = make_profile(8), make_cluster()
+    base = _base(M=4, gbs=16)
+    best, choices = best_schedule(base, prof, cluster)
+    assert [c.label for c in choices] == [
+        "gpipe", "dapple/A", "dapple/B", "interleaved v=2", "interleaved v=4", "zbh1"
+    ]  # fmt: skip
+    fits = [c for c in choices if c.result is not None]
+    assert best.result is not None and best.plan is not None
+    assert best.result.step_ms == min(c.result.step_ms for c in fits)  # type: ignore[union-attr]
+    assert simulate(best.plan, prof, cluster).step_ms == best.result.step_ms
+    planned = api.plan(prof, cluster, 16, schedule="best")
+    assert planned.schedule in {"gpipe", "dapple", "interleaved", "zbh1"}
+    monkeypatch.setenv("COLUMNS", "200")
+    prof_path, cl_path, out = tmp_path / "p.json", tmp_path / "c.json", tmp_path / "plan.json"
+    prof.save(prof_path)
+    cluster.save(cl_path)
+    args = ["plan", "--profile", str(prof_path), "--cluster", str(cl_path)]
+    assert main([*args, "--global-batch-size", "16", "--schedule", "best", "-o", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "chosen:" in text and "best plan per schedule" in text
+    assert Plan.load(out) == planned
+    tiny = dataclasses.replace(cluster, device_memory_bytes=1)
+    with pytest.raises(ValidationError, match="no schedule fits the memory: gpipe: "):
+        best_schedule(base, prof, tiny)

@@ -165,7 +165,9 @@ def plan(
         schedule: Run the planned stages under ``gpipe``, ``dapple``, ``interleaved`` or
             ``zbh1`` instead of the planner's choice (``dapple plan --schedule``); the
             predicted step is that schedule's
-            (:func:`dapple.planner.schedules.schedule_latency`).
+            (:func:`dapple.planner.schedules.schedule_latency`). ``best``: the fastest
+            simulated plan over every schedule and M that fits the memory
+            (:func:`dapple.simulate.schedules.best_schedule`).
         virtual_stages: v, model chunks per device group with ``schedule="interleaved"``.
         seq_len: Mean tokens per sample to plan the step time for, from a profile measured at
             several lengths (``profile(seq_lens=...)``; ``dapple plan --seq-len MEAN,MAX``).
@@ -182,7 +184,13 @@ def plan(
     result = make_plan(
         prof, cl, global_batch_size, planner, seq_len=seq_len, max_seq_len=max_seq_len
     )
-    if schedule is not None:
+    if schedule == "best":
+        from dapple.simulate.schedules import best_schedule
+
+        chosen = best_schedule(result, prof, cl)[0].plan
+        assert chosen is not None
+        result = chosen
+    elif schedule is not None:
         from dapple.planner.schedules import schedule_latency
         from dapple.simulate.schedules import with_schedule
 

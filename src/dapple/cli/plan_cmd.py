@@ -7,6 +7,7 @@ import dataclasses
 import math
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.progress import Progress
@@ -16,6 +17,9 @@ from dapple.core.cluster import Cluster
 from dapple.core.plan import SCHEDULES, Plan
 from dapple.core.profile import ModelProfile
 from dapple.errors import DappleError, InfeasibleError, ValidationError
+
+if TYPE_CHECKING:
+    from dapple.simulate.schedules import ScheduleChoice
 
 __all__ = ["format_devices", "parse_seq_len", "register", "run"]
 
@@ -61,10 +65,12 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     )
     p.add_argument(
         "--schedule",
-        choices=SCHEDULES,
+        choices=(*SCHEDULES, "best"),
         default=None,
         help="run the plan's stages under this schedule (default: the planner's choice, gpipe "
-        "or dapple)",
+        "or dapple); best: every schedule (interleaved v = 2, 4 where the layers allow) on the "
+        "planner's partition and balanced pipelines, each M, the fastest simulated plan that "
+        "fits the memory",
     )
     p.add_argument(
         "--virtual-stages",
@@ -281,6 +287,8 @@ def run(args: argparse.Namespace) -> int:
     if args.compare:
         return _compare(con, profile, cluster, gbs, dp_ms, args.output)
     plan = _plan_with_progress(con, profile, cluster, gbs, args.planner, zero)
+    if args.schedule == "best":
+        return _best_schedule(con, plan, profile, cluster, args, dp_ms)
     if args.schedule in ("interleaved", "zbh1"):
         return _new_schedule(con, plan, profile, cluster, args, dp_ms)
     if args.schedule:
@@ -402,6 +410,35 @@ def _new_schedule(
     return 0
 
 
+def _best_schedule(
+    con: Console,
+    plan: Plan,
+    profile: ModelProfile,
+    cluster: Cluster,
+    args: argparse.Namespace,
+    dp_ms: float,
+) -> int:
+    """``--schedule best``: every schedule on the planner's partition and balanced pipelines,
+    each M, by simulation; the fastest that fits the memory is the plan."""
+    from dapple.simulate.schedules import best_schedule
+
+    best, choices = best_schedule(plan, profile, cluster)
+    _choices_table(con, choices, dp_ms, f"the {plan.planner} planner")
+    assert best.plan is not None and best.result is not None
+    new = best.plan
+    con.print(
+        f"chosen: {best.label}, replication {new.replication}, M = {new.num_micro_batches} x "
+        f"{new.micro_batch_size} samples: predicted step {new.predicted_step_ms:.2f} ms, "
+        f"simulated {best.result.step_ms:.2f} ms, peak memory "
+        f"{_gib(best.result.peak_memory_bytes)} GiB, speed-up over dp "
+        f"{_speedup(dp_ms, best.result.step_ms)}"
+    )
+    if args.output:
+        new.save(args.output)
+        con.print(f"plan written to {args.output}")
+    return 0
+
+
 def _schedule_table(
     con: Console, bases: list[Plan], profile: ModelProfile, cluster: Cluster, dp_ms: float
 ) -> None:
@@ -410,9 +447,16 @@ def _schedule_table(
     from dapple.simulate.schedules import balanced_pipelines, best_per_schedule
 
     bases = bases + balanced_pipelines(profile, cluster, bases[0].global_batch_size)
+    _choices_table(
+        con, best_per_schedule(bases, profile, cluster), dp_ms, "the dapple and straight planners"
+    )
+
+
+def _choices_table(con: Console, choices: list[ScheduleChoice], dp_ms: float, whose: str) -> None:
+    """Each schedule variant's best plan side by side (its reason where none fits)."""
     t = Table(
-        title="best plan per schedule (simulated; partitions of the dapple and straight planners "
-        "and balanced pipelines of every depth, each M)"
+        title=f"best plan per schedule (simulated; partitions of {whose} and balanced pipelines "
+        "of every depth, each M)"
     )
     for col in (
         "schedule",
@@ -426,7 +470,7 @@ def _schedule_table(
     ):
         t.add_column(col, justify="left" if col in ("schedule", "replication") else "right")
     notes = []
-    for ch in best_per_schedule(bases, profile, cluster):
+    for ch in choices:
         if ch.plan is None or ch.result is None:
             t.add_row(ch.label, "-", "-", "-", "n/a", "n/a", "-", "n/a")
             notes.append(f"{ch.label}: {ch.note}")

@@ -1,5 +1,6 @@
-"""A plan under every schedule: the schedule named on the command line, and the best plan per
-schedule by simulation (``dapple plan --compare``).
+"""A plan under every schedule: the schedule named on the command line, the best plan per
+schedule by simulation (``dapple plan --compare``) and the best over all of them
+(``dapple plan --schedule best``).
 
 Pure: no torch. Every schedule is compared here by simulated step time, under the memory
 limit; the runtime runs each of them.
@@ -24,6 +25,7 @@ __all__ = [
     "ScheduleChoice",
     "balanced_pipelines",
     "best_per_schedule",
+    "best_schedule",
     "with_schedule",
 ]
 
@@ -240,3 +242,27 @@ def best_per_schedule(
             )
             out.append(ScheduleChoice(label, plan, best[1]))
     return out
+
+
+def best_schedule(
+    plan: Plan, profile: ModelProfile, cluster: Cluster
+) -> tuple[ScheduleChoice, list[ScheduleChoice]]:
+    """The schedule as part of the search: every variant of :data:`SCHEDULE_VARIANTS` on
+    ``plan``'s partition, replication and placement and on the balanced pipelines of every
+    depth, each M (:func:`best_per_schedule`); the fastest simulated plan that fits the memory.
+
+    Returns:
+        The chosen variant (its plan predicted by its schedule's latency) and every variant's
+        best, in :data:`SCHEDULE_VARIANTS` order.
+
+    Raises:
+        ValidationError: no variant fits the memory (each variant's reason listed).
+    """
+    bases = [plan, *balanced_pipelines(profile, cluster, plan.global_batch_size)]
+    choices = best_per_schedule(bases, profile, cluster)
+    fits = [c for c in choices if c.plan is not None and c.result is not None]
+    if not fits:
+        raise ValidationError(
+            "no schedule fits the memory: " + "; ".join(f"{c.label}: {c.note}" for c in choices)
+        )
+    return min(fits, key=lambda c: cast(SimResult, c.result).step_ms), choices
