@@ -310,3 +310,11 @@ def var_cnn() -> Workload:
         make_batch=_var_images,
         loss_fn=F.cross_entropy,
     )
+
+
+def paramfree_mlp() -> Workload:
+    """:func:`mlp` with a layer without parameters in the middle (its stage's ``W`` has no
+    weights to compute)."""
+    base = mlp(4)
+    factories = [*base.layer_factories[:2], nn.Tanh, *base.layer_factories[2:]]
+    return Workload("test-paramfree", factories, _mlp_batch, F.mse_loss)

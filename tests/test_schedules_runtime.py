@@ -105,8 +105,14 @@ def test_verify_zbh1_and_interleaved_zoo_transformer() -> None:
     n = zoo.num_layers
     plans = [*_shapes(n, 8, 4, 1), *_shapes(n, 8, 4, 2), _two_by_two(n)]
     assert [p.schedule for p in plans] == ["zbh1"] * 3 + ["interleaved"] * 4
+    free = api.load("runtime_workloads:paramfree_mlp")  # stage 1 is a Tanh alone: an empty W
+    free_plan = _zb(straight_plan(5, [0, 2, 3], global_batch_size=8, num_micro_batches=4))
     reports = api.verify_many(
-        [(p, zoo) for p in plans], 3, device="cpu", momentum=0.9, clip_grad_norm=0.5
+        [*((p, zoo) for p in plans), (free_plan, free)],
+        3,
+        device="cpu",
+        momentum=0.9,
+        clip_grad_norm=0.5,
     )
     _check(reports)
 

@@ -14,9 +14,9 @@ simulator runs - and dispatches every action on its kind:
   gradients, later; :mod:`dapple.runtime.split_backward`): ``W`` takes ``B``'s place for the
   guard, ZeRO-2 and the arming, and tells the buckets of each gradient it completes;
 - a rank holding several chunks (interleaved) runs each action on the chunk of its stage
-  (:class:`~dapple.runtime.chunks.RankChunks`); its first ``AR`` reduces every chunk's
-  gradients (one set of buckets over the group's replicas), the later ones do nothing. Only
-  the last backward's chunk overlaps its reduction: the other chunks' buckets start at ``AR``;
+  (:class:`~dapple.runtime.chunks.RankChunks`); each chunk's last backward arms its own
+  parameters' buckets, and the first ``AR`` waits for every chunk's gradients (one set of
+  buckets over the group's replicas), the later ones do nothing;
 - ``SEND_F``/``SEND_B`` post ``isend``s (all waited for at the step point);
 - ``AR`` waits for AR(P_s, g_s) over the stage's replicas (:meth:`GradientSync.finish`);
 - ``OPT`` sums the tied parameters' gradients (:meth:`GradientSync.tied`), unscales them
@@ -53,7 +53,7 @@ from torch import nn
 
 from dapple.core.plan import Plan
 from dapple.errors import ValidationError
-from dapple.runtime.chunks import Executor
+from dapple.runtime.chunks import Executor, RankChunks
 from dapple.runtime.failure import RankFailure, describe_rank, failure_grid, short_error
 from dapple.runtime.longrun import LongRun
 from dapple.runtime.metrics import StepProbe
@@ -167,14 +167,15 @@ class ProgramInterpreter:
             K.ALLREDUCE: self._allreduce,
             K.STEP: self._optimizer_step,
         }
-        last_b = max((i for i, a in enumerate(program) if a.kind in _GRADS), default=-1)
+        last_b = {a.stage: i for i, a in enumerate(program) if a.kind in _GRADS}
+        """Each chunk's last ``B``/``W`` of the step: its gradients are final after it."""
         if executor is not None:  # a W's parameter gradients bypass autograd's hooks
             executor.on_grad_ready = self._grad_ready
 
         first_ar = next((i for i, a in enumerate(program) if a.kind is K.ALLREDUCE), -1)
 
         def handler_at(i: int) -> Handler:
-            if i == last_b:
+            if last_b.get(program[i].stage) == i:
                 return self._last_backward
             if program[i].kind is K.ALLREDUCE and i != first_ar:
                 return _reduced  # the rank's first AR reduced every chunk's gradients
@@ -294,7 +295,10 @@ class ProgramInterpreter:
             self.shards.on_grad(p)
 
     def _last_backward(self, a: Action) -> None:
-        self.sync.arm()  # reduce gradient buckets as they become final
+        """A chunk's last ``B``/``W``: from now on its parameters' buckets start as they
+        become final (a rank holding several chunks arms each at its own last backward)."""
+        chunks = self.ex.chunks if isinstance(self.ex, RankChunks) else None
+        self.sync.arm(None if chunks is None else chunks[a.stage].module.parameters())
         if self.shards is not None and self.shards.zero_stage == 1:
             self.shards.arm()
         self._backward(a)

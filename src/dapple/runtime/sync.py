@@ -24,6 +24,7 @@ Order at the end of a step, on every rank:
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -139,6 +140,8 @@ class GradientSync:
         self._where: dict[int, tuple[int, int]] = {}  # id(param) -> (bucket, index in bucket)
         self._hooks: list[Any] = []
         self._armed = False
+        self._final: set[int] | None = None
+        """Armed parameters (None: all): the ones whose gradients are final this step."""
         self._next = 0  # the next bucket to launch
         if self.pg is not None and self.reduced:
             cap = BUCKET_BYTES if bucket_bytes is None else bucket_bytes
@@ -149,21 +152,32 @@ class GradientSync:
                     self._hooks.append(p.register_post_accumulate_grad_hook(self.on_grad))  # type: ignore[no-untyped-call]
 
     # -- (1) the overlapped stage AllReduce ------------------------------------------------------
-    def arm(self) -> None:
-        """Before this rank's last backward of the step: reduce buckets as they become final."""
+    def arm(self, params: Iterable[torch.Tensor] | None = None) -> None:
+        """Before the last backward of the step that accumulates into ``params`` (None: every
+        parameter of the rank): reduce buckets as they become final. A rank holding several
+        chunks arms each chunk's parameters at that chunk's last backward; the gradients of
+        parameters not armed yet are not final and are ignored."""
         if not self.buckets:
             return
-        for bk in self.buckets:
-            bk.ready.clear()
-            bk.work, bk.launched = None, False
-        self._next = 0
-        self._armed = True
+        if not self._armed:
+            for bk in self.buckets:
+                bk.ready.clear()
+                bk.work, bk.launched = None, False
+            self._next = 0
+            self._armed = True
+            self._final = set()
+        if params is None:
+            self._final = None
+        elif self._final is not None:
+            self._final |= {id(p) for p in params}
 
     def on_grad(self, p: torch.Tensor) -> None:
         """``p``'s gradient of this backward is complete (autograd's hook, or a ``W``): start
         the buckets whose gradients are all final, in order; parameters not reduced here are
         ignored."""
         if not self._armed or id(p) not in self._where:
+            return
+        if self._final is not None and id(p) not in self._final:
             return
         k, i = self._where[id(p)]
         bk = self.buckets[k]
