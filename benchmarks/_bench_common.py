@@ -26,10 +26,13 @@ __all__ = [
     "BENCH_MODEL",
     "BENCH_SPEC",
     "HERE",
+    "back_to_back_ms",
     "bench_transformer",
     "header",
     "load_note",
+    "max_over_ranks",
     "median_after_warmup",
+    "run_worker_group",
     "spearman",
 ]
 
@@ -119,6 +122,35 @@ def spearman(a: Sequence[float], b: Sequence[float]) -> float:
     va = math.sqrt(sum((x - ma) ** 2 for x in ra))
     vb = math.sqrt(sum((y - mb) ** 2 for y in rb))
     return cov / (va * vb) if va > 0 and vb > 0 else math.nan
+
+
+def back_to_back_ms(step: Callable[[int], None], steps: Sequence[int]) -> list[float]:
+    """This rank's ms per step over back-to-back ``step(k)`` calls after one barrier: the period
+    between consecutive step ends, as dapple's ``step_ms`` (no barrier inside the chunk, whose
+    cost would otherwise sit outside the timed region). Needs an initialised process group."""
+    import time
+
+    import torch.distributed as dist
+
+    dist.barrier()
+    t = time.perf_counter()
+    out = []
+    for k in steps:
+        step(k)
+        now = time.perf_counter()
+        out.append((now - t) * 1e3)
+        t = now
+    return out
+
+
+def max_over_ranks(values: Sequence[float]) -> list[float]:
+    """Element-wise maximum of ``values`` over the ranks of the default process group."""
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor(list(values), dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return [float(v) for v in t.tolist()]
 
 
 def run_worker_group(target: Callable[..., None], world: int, *args: Any) -> dict[str, Any]:

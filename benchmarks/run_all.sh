@@ -11,6 +11,7 @@ if [[ "$quick" == "--quick" ]]; then
   run benchmarks/paper.py --no-runtime --out /tmp/dapple-paper.md
   run benchmarks/fidelity.py --rounds 1 --chunk 2 --out /tmp/dapple-fidelity.md
   run benchmarks/vs_torch_pipelining.py --rounds 1 --chunk 2 --no-planned --out /tmp/dapple-vs.md
+  run benchmarks/schedules_measured.py --rounds 1 --steps 2 --repeats 2 --out /tmp/dapple-schedules-measured.md
   run benchmarks/train_real.py --rounds 1 --steps 8 --skip 2 --global-batch 16 --out /tmp/dapple-train-real.md
   exit 0
 fi
@@ -26,6 +27,7 @@ run benchmarks/sharded_state.py
 run benchmarks/paper.py
 run benchmarks/fidelity.py
 run benchmarks/vs_torch_pipelining.py
+run benchmarks/schedules_measured.py
 run benchmarks/variable_shapes.py
 run benchmarks/seq_lengths.py --repeats 5
 run benchmarks/metering_cost.py

@@ -43,9 +43,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _bench_common import (
     BENCH_MODEL,
     HERE,
+    back_to_back_ms,
     bench_transformer,
     header,
     load_note,
+    max_over_ranks,
     run_worker_group,
 )
 from dapple.core.plan import Plan, straight_plan
@@ -95,24 +97,9 @@ class _Peer:
         self.opt.zero_grad(set_to_none=True)
 
     def chunk(self, steps: list[int]) -> list[float]:
-        """This rank's ms per step over back-to-back steps after one barrier: the period
-        between consecutive step ends, as dapple's ``step_ms`` (no barrier inside the chunk,
-        whose cost would otherwise sit outside the timed region)."""
-        dist.barrier()
-        t = time.perf_counter()
-        out = []
-        for k in steps:
-            self.step(k)
-            now = time.perf_counter()
-            out.append((now - t) * 1e3)
-            t = now
-        return out
-
-
-def _max_over_ranks(values: list[float]) -> list[float]:
-    t = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return [float(v) for v in t.tolist()]
+        """This rank's ms per step over back-to-back steps after one barrier
+        (:func:`_bench_common.back_to_back_ms`)."""
+        return back_to_back_ms(self.step, steps)
 
 
 def _group_worker(
@@ -142,7 +129,7 @@ def _group_worker(
             else:
                 if i not in peers:
                     peers[i] = _Peer(c["kind"], rank, world, c["G"], c["M"], c["bounds"])
-                ms = _max_over_ranks(peers[i].chunk([rnd * chunk + k for k in range(chunk)]))
+                ms = max_over_ranks(peers[i].chunk([rnd * chunk + k for k in range(chunk)]))
             if rank == 0:  # dapple's metrics live on rank 0 only
                 times[i].append(statistics.median(ms[skip:]))  # this round's median
                 print(
