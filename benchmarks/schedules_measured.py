@@ -380,8 +380,8 @@ def _placement(c: dict[str, Any]) -> str:
 def split_cost(blocks: int, lo: int, hi: int, b: int, repeats: int = 15) -> tuple[float, float]:
     """CPU ms (median, one process, one thread) of one micro-batch of layers ``[lo, hi)``:
     forward + whole backward, and forward + the runtime's split backward (I then W, torch's
-    halves: :mod:`dapple.runtime.split_backward`)."""
-    from dapple.runtime.split_backward import input_gradients, weight_gradients
+    halves: :mod:`dapple.models.split_backward`)."""
+    from dapple.models.split_backward import input_gradients, weight_gradients
 
     wl = bench_transformer(layers=blocks)
     mod = wl.build_stage(lo, hi, 0)

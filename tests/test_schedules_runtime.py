@@ -15,8 +15,8 @@ import torch
 
 from dapple import api
 from dapple.core.plan import Plan, interleave, straight_plan
+from dapple.models.split_backward import input_gradients, weight_gradients
 from dapple.models.zoo import load_workload
-from dapple.runtime.split_backward import input_gradients, weight_gradients
 from dapple.schedule.lower import lower
 
 

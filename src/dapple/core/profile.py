@@ -149,19 +149,26 @@ class LayerProfile:
     kept_activation_bytes_per_sample: float
     """Activation bytes held from forward until backward, per sample (without re-computation)."""
     backward_input: AffineTime | None = None
-    """Time of the input-gradient half of ``backward`` (zero-bubble ``I``; the weight-gradient
-    half ``W`` is the rest) when measured; None: :meth:`backward_split`'s assumed split."""
+    """Time of the input-gradient half of the backward (zero-bubble ``I``) when measured;
+    None: :meth:`backward_split`'s assumed split."""
+    backward_weight: AffineTime | None = None
+    """Time of the weight-gradient half (``W``) when measured beside ``backward_input``: the
+    two halves as the runtime runs them, which together may take longer than ``backward``
+    (the split's own graph walks); None: ``W`` is the rest of ``backward``."""
 
     def backward_split(self, b: float) -> tuple[float, float]:
         """``(I, W)``: the input- and weight-gradient halves of the backward on ``b`` samples, ms.
 
-        Measured when ``backward_input`` is set (W = backward - I, at least 0). Otherwise an
+        Measured when ``backward_input`` is set: W is ``backward_weight`` when that is measured
+        too, else the rest of the backward (backward - I, at least 0). Otherwise an
         assumption, not a measurement: a layer without parameters has no weight gradient
         (all of it is I); a layer with parameters splits its backward evenly, because for the
         matrix products that dominate it, ``dX = dY·Wᵀ`` and ``dW = Xᵀ·dY`` take the same
         FLOPs (the ``T_B = T_W`` of Qi et al., ICLR 2024, section 2).
         """
         total = self.backward.at(b)
+        if self.backward_input is not None and self.backward_weight is not None:
+            return self.backward_input.at(b), self.backward_weight.at(b)
         if self.backward_input is not None:
             i = min(self.backward_input.at(b), total)
             return i, total - i
@@ -197,6 +204,8 @@ class LayerProfile:
         }
         if self.backward_input is not None:
             d["backward_input"] = self.backward_input.to_dict()
+        if self.backward_weight is not None:
+            d["backward_weight"] = self.backward_weight.to_dict()
         return d
 
     @staticmethod
@@ -223,6 +232,9 @@ class LayerProfile:
             backward_input=None
             if d.get("backward_input") is None
             else AffineTime.from_dict(d["backward_input"], f"{what}.backward_input"),
+            backward_weight=None
+            if d.get("backward_weight") is None
+            else AffineTime.from_dict(d["backward_weight"], f"{what}.backward_weight"),
         )
 
 

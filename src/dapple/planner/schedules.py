@@ -56,11 +56,13 @@ def split_backward_ms(
     """``(I, W)``: the input- and weight-gradient halves of the backward of layers
     ``[start, end)`` on ``samples`` samples (:meth:`LayerProfile.backward_split`: measured, or
     the documented assumed split). A re-computed forward runs before ``I`` and counts there.
+    The first stage's inputs carry no gradient: the runtime runs its whole backward as ``W``
+    (:mod:`dapple.models.split_backward`), and so does this.
     """
     s, e = layers
     i = w = 0.0
     for layer in profile.layers[s:e]:
-        li, lw = layer.backward_split(samples)
+        li, lw = (0.0, layer.backward.at(samples)) if s == 0 else layer.backward_split(samples)
         i, w = i + li, w + lw
     f = compute_ms(profile, cluster, layers, samples)[0] if recompute else 0.0
     return i * cluster.compute_slowdown + f, w * cluster.compute_slowdown

@@ -42,6 +42,7 @@ from dapple.core.profile import (
     fit_affine,
 )
 from dapple.errors import ValidationError
+from dapple.models.split_backward import input_gradients, weight_gradients
 from dapple.models.workload import Workload
 from dapple.profiler.lengths import check_seq_lens, combine_lengths, workload_at_length
 
@@ -187,11 +188,21 @@ def _backward(out: Any, grads: list[torch.Tensor]) -> None:
         torch.autograd.backward(outs, grads[: len(outs)])
 
 
-def _input_grad(out: Any, inputs: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
-    """The input-gradient half of a backward: gradients of the layer inputs only."""
-    outs = [t for t in _tensors(out) if t.requires_grad]
-    if outs and inputs:
-        torch.autograd.grad(outs, inputs, grads[: len(outs)], allow_unused=True)
+def _split_ms(
+    layer: nn.Module, out: Any, inputs: list[torch.Tensor], grads: list[torch.Tensor], timer: _Timer
+) -> tuple[float, float]:
+    """``(I, W)`` ms of one backward of ``out`` split as the runtime splits it
+    (:mod:`dapple.models.split_backward`: torch.distributed.pipelining's halves, whose graph
+    walks and captured gradients cost beyond a whole backward). A layer whose inputs carry no
+    gradient runs its whole backward as ``W``, as the runtime's first stage does."""
+    outs = [t.clone() for t in _tensors(out) if t.requires_grad]  # the runtime's outputs
+    weights = [p for p in layer.parameters() if p.requires_grad]
+    g = grads[: len(outs)]
+    if not inputs:
+        return 0.0, timer(partial(torch.autograd.backward, outs, g))[0]
+    ms_i, groups = timer(partial(input_gradients, outs, g, inputs, weights))
+    ms_w, _ = timer(partial(weight_gradients, groups, weights))
+    return ms_i, ms_w
 
 
 _UPDATE_SAMPLE_BYTES = 8 << 20
@@ -246,15 +257,17 @@ def _measure_layer(
     repeats: int,
     cast: Cast = contextlib.nullcontext,
     split_backward: bool = False,
-) -> tuple[float, float, float, int, int, Any]:
-    """Median forward, backward and input-gradient ms (the last 0 unless ``split_backward``),
-    kept bytes, output bytes and the output of one layer (forwards under ``cast``)."""
+) -> tuple[float, float, float, float, int, int, Any]:
+    """Median forward, backward, input-gradient and weight-gradient ms (the last two 0 unless
+    ``split_backward``), kept bytes, output bytes and the output of one layer (forwards under
+    ``cast``)."""
     kept, out = _saved_bytes(layer, inp, cast)
     grads = [torch.randn_like(t) for t in _tensors(out) if t.requires_grad]
     inputs = [t for t in _tensors(inp) if t.requires_grad]
     fwd: list[float] = []
     bwd: list[float] = []
     bwd_in: list[float] = []
+    bwd_w: list[float] = []
 
     def forward() -> Any:
         with cast():
@@ -268,16 +281,17 @@ def _measure_layer(
             ms_b, _ = timer(partial(_backward, o, grads))
             if r >= warmup:
                 bwd.append(ms_b)
-        if grads and inputs and split_backward:  # no float input: no input gradient, I = 0
-            o = forward()
-            ms_i, _ = timer(partial(_input_grad, o, inputs, grads))
+        if grads and split_backward:
+            ms_i, ms_w = _split_ms(layer, forward(), inputs, grads, timer)
             if r >= warmup:
                 bwd_in.append(ms_i)
+                bwd_w.append(ms_w)
     layer.zero_grad(set_to_none=True)
     out = _map(out, _leaf)
     bwd_ms = statistics.median(bwd) if bwd else 0.0
     in_ms = statistics.median(bwd_in) if bwd_in else 0.0
-    return statistics.median(fwd), bwd_ms, in_ms, kept, _nbytes(out), out
+    w_ms = statistics.median(bwd_w) if bwd_w else 0.0
+    return statistics.median(fwd), bwd_ms, in_ms, w_ms, kept, _nbytes(out), out
 
 
 def _slope(batch_sizes: Sequence[int], values: Sequence[float]) -> float:
@@ -496,6 +510,7 @@ def _profile(
     fwd = [[0.0] * len(sizes) for _ in range(n)]
     bwd = [[0.0] * len(sizes) for _ in range(n)]
     bwd_in = [[0.0] * len(sizes) for _ in range(n)]
+    bwd_w = [[0.0] * len(sizes) for _ in range(n)]
     kept = [[0.0] * len(sizes) for _ in range(n)]
     out_b = [[0.0] * len(sizes) for _ in range(n)]
     xs = [_map(workload.make_batch(b, seed)[0], lambda t: _leaf(t.to(dev))) for b in sizes]
@@ -508,11 +523,11 @@ def _profile(
     for i in range(n):  # one layer at a time: the peak is the largest layer, not the model
         layer = workload.build_layer(i, seed).to(dev).train()
         for k, b in enumerate(sizes):
-            f_ms, b_ms, i_ms, kept_bytes, nbytes, xs[k] = _measure_layer(
+            f_ms, b_ms, i_ms, w_ms, kept_bytes, nbytes, xs[k] = _measure_layer(
                 layer, xs[k], timer, warmup, repeats, cast, split_backward
             )
             fwd[i][k], bwd[i][k], kept[i][k], out_b[i][k] = f_ms, b_ms, kept_bytes, nbytes
-            bwd_in[i][k] = i_ms
+            bwd_in[i][k], bwd_w[i][k] = i_ms, w_ms
             done += 1
             log.debug("b=%d layer %d: fwd %.3f ms bwd %.3f ms", b, i, f_ms, b_ms)
             if progress is not None:
@@ -537,6 +552,7 @@ def _profile(
             parameter_bytes=param_bytes[i],
             kept_activation_bytes_per_sample=_slope(sizes, kept[i]),
             backward_input=fit_affine(sizes, bwd_in[i]) if split_backward else None,
+            backward_weight=fit_affine(sizes, bwd_w[i]) if split_backward else None,
         )
         for i in range(n)
     )

@@ -47,6 +47,7 @@ from dapple.models.shapes import (
     input_shapes,
     run_dims,
 )
+from dapple.models.split_backward import require_split_backward
 from dapple.models.workload import Workload
 from dapple.runtime.chunks import Executor, RankChunks
 from dapple.runtime.config import StepMetrics, TrainConfig
@@ -68,7 +69,6 @@ from dapple.runtime.metrics import MetricsSink, StepProbe, resident_bytes
 from dapple.runtime.optim import ModelUpdate, counted_parameters, make_optimizer
 from dapple.runtime.precision import Precision
 from dapple.runtime.reporting import open_reporters, target_tokens
-from dapple.runtime.split_backward import require_split_backward
 from dapple.runtime.stage import StageExecutor
 from dapple.runtime.sync import GradientSync
 from dapple.runtime.transport import flatten, infer_boundary_specs

@@ -11,7 +11,7 @@ simulator runs - and dispatches every action on its kind:
   gradient (:meth:`LongRun.watch`); the rank's last ``B`` first arms the overlapped gradient
   AllReduce (:meth:`GradientSync.arm`), whose buckets start while backward still runs;
 - ZB-H1 splits ``B`` into ``I`` (the input gradients, sent at once) and ``W`` (the weight
-  gradients, later; :mod:`dapple.runtime.split_backward`): ``W`` takes ``B``'s place for the
+  gradients, later; :mod:`dapple.models.split_backward`): ``W`` takes ``B``'s place for the
   guard, ZeRO-2 and the arming, and tells the buckets of each gradient it completes;
 - a rank holding several chunks (interleaved) runs each action on the chunk of its stage
   (:class:`~dapple.runtime.chunks.RankChunks`); each chunk's last backward arms its own

@@ -28,9 +28,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from dapple.core.plan import Plan, slice_bounds, transfers
+from dapple.models.split_backward import ParamGroups, input_gradients, weight_gradients
 from dapple.runtime.memory import ActivationMeter, Held
 from dapple.runtime.precision import Precision, to_fp32
-from dapple.runtime.split_backward import ParamGroups, input_gradients, weight_gradients
 from dapple.runtime.transport import (
     HEADER_INDEX,
     BoundarySpec,
@@ -104,7 +104,7 @@ class StageExecutor:
         self.module, self.loss_fn, self.device = module, loss_fn, device
         self.recompute, self.meter = recompute, meter
         self.split = plan.schedule == "zbh1"
-        """The backward runs as ``I`` then ``W`` (:mod:`dapple.runtime.split_backward`)."""
+        """The backward runs as ``I`` then ``W`` (:mod:`dapple.models.split_backward`)."""
         self.on_grad_ready: Callable[[torch.Tensor], None] | None = None
         """Told of each parameter whose gradient a ``W`` completed (the interpreter's gradient
         reductions; a whole backward tells them through autograd's hooks instead)."""
