@@ -39,9 +39,9 @@ def _runs(ref: dict[int, dict[str, torch.Tensor]]) -> list[dict[str, object]]:
         return {i: {n: t.clone() for n, t in ref[i].items()} for i in range(lo, hi)}
 
     return [
-        {"stage": 0, "replica": 0, "layers": clone(0, 2)},
-        {"stage": 0, "replica": 1, "layers": clone(0, 2)},
-        {"stage": 1, "replica": 0, "layers": clone(2, 4)},
+        {"stages": [0], "replica": 0, "layers": clone(0, 2)},
+        {"stages": [0], "replica": 1, "layers": clone(0, 2)},
+        {"stages": [1], "replica": 0, "layers": clone(2, 4)},
     ]
 
 
