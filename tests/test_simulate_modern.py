@@ -83,8 +83,13 @@ def test_default_backward_split_is_documented_assumption():
     assert measured.backward_split(1) == (1.0, 3.0)
     assert LayerProfile.from_dict(measured.to_dict()) == measured
     assert "backward_input" not in with_params.to_dict()
-    prof = _profile([1.0, 1.0], [4.0, 2.0])
-    assert split_backward_ms(prof, NO_COMM, (0, 2), 1, recompute=True) == (3.0 + 2.0, 3.0)
+    prof = _profile([1.0, 1.0, 1.0], [4.0, 4.0, 2.0])
+    assert split_backward_ms(prof, NO_COMM, (1, 3), 1, recompute=True) == (3.0 + 2.0, 3.0)
+    # the first stage's inputs carry no gradient: its whole backward is W, as the runtime runs it
+    assert split_backward_ms(prof, NO_COMM, (0, 2), 1) == (0.0, 8.0)
+    both = dataclasses.replace(measured, backward_weight=AffineTime(fixed_ms=3.5, per_sample_ms=0))
+    assert both.backward_split(1) == (1.0, 3.5)  # each half measured: may exceed B
+    assert LayerProfile.from_dict(both.to_dict()) == both
 
 
 @FAST

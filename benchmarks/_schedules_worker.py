@@ -1,0 +1,217 @@
+"""The worker of ``schedules_measured.py``: dapple's runs and torch's pipelining peers in one
+gloo process group, with the busy time of every dapple rank measured around the executor's F,
+B, I and W handlers (``src/`` unchanged)."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _bench_common import back_to_back_ms, bench_transformer, load_note, max_over_ranks
+from dapple.core.plan import Plan
+from vs_torch_pipelining import LR
+
+TORCH_SCHEDULES = {
+    "1f1b": "Schedule1F1B",
+    "interleaved1f1b": "ScheduleInterleaved1F1B",
+    "interleavedzb": "ScheduleInterleavedZeroBubble",
+    "zbv": "ScheduleZBVZeroBubble",
+}
+"""The ``torch.distributed.pipelining`` schedule class of each torch runner kind."""
+
+
+# -- measuring the busy time of a dapple rank -----------------------------------------------
+class BusyMeter:
+    """Wall time this process spends inside the stage executors' F, B, I and W handlers, minus
+    the time those handlers wait for incoming activations or gradients, per training step.
+
+    Installed by wrapping the methods of :class:`dapple.runtime.stage.StageExecutor` and
+    :meth:`dapple.runtime.interpreter.ProgramInterpreter.run_step` in this process (the
+    benchmark's worker); ``src/`` is unchanged.
+    """
+
+    def __init__(self) -> None:
+        self.busy = 0.0
+        self.steps: list[float] = []
+        """Busy ms of each ``run_step`` since :meth:`reset`."""
+        self.cpu: list[float] = []
+        """CPU ms of this process (all its threads) in each ``run_step`` since :meth:`reset`."""
+
+    def reset(self) -> None:
+        self.busy, self.steps, self.cpu = 0.0, [], []
+
+    def install(self) -> BusyMeter:
+        from dapple.runtime.interpreter import ProgramInterpreter
+        from dapple.runtime.stage import StageExecutor
+
+        def timed(fn: Callable[..., Any], sign: float) -> Callable[..., Any]:
+            def wrapper(*args: Any, **kwargs: Any) -> Any:
+                t = time.perf_counter()
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    self.busy += sign * (time.perf_counter() - t) * 1e3
+
+            return wrapper
+
+        for name in ("forward", "backward", "backward_input", "backward_weight"):
+            setattr(StageExecutor, name, timed(getattr(StageExecutor, name), 1.0))
+        # the receive waits happen inside F, B and I: not compute
+        StageExecutor._wait_concat = timed(StageExecutor._wait_concat, -1.0)
+        run_step = ProgramInterpreter.run_step
+
+        def counted_step(interp: ProgramInterpreter, *args: Any, **kwargs: Any) -> Any:
+            before, cpu = self.busy, time.process_time()
+            try:
+                return run_step(interp, *args, **kwargs)
+            finally:
+                self.steps.append(self.busy - before)
+                self.cpu.append((time.process_time() - cpu) * 1e3)
+
+        ProgramInterpreter.run_step = counted_step
+        return self
+
+
+# -- torch peers ------------------------------------------------------------------------------
+class TorchPipe:
+    """A ``torch.distributed.pipelining`` schedule with this rank's stages of ``chunks``
+    (stage k: layers ``chunks[k]`` on rank ``placement[k]``)."""
+
+    def __init__(
+        self,
+        kind: str,
+        rank: int,
+        G: int,
+        M: int,
+        chunks: list[list[int]],
+        placement: list[int],
+        blocks: int,
+    ) -> None:
+        from torch.distributed import pipelining as pp
+
+        self.G = G
+        self.wl = bench_transformer(layers=blocks)
+        S = len(chunks)
+        mine = [k for k in range(S) if placement[k] == rank]
+        self.first, self.last = 0 in mine, S - 1 in mine
+        modules = [self.wl.build_stage(chunks[k][0], chunks[k][1], 0) for k in mine]
+        stages = [
+            pp.PipelineStage(mod, k, S, torch.device("cpu"))
+            for k, mod in zip(mine, modules, strict=True)
+        ]
+        cls = getattr(pp, TORCH_SCHEDULES[kind])
+        self.sched = cls(
+            stages[0] if kind == "1f1b" else stages, n_microbatches=M, loss_fn=self.wl.loss_fn
+        )
+        self.opt = torch.optim.SGD([p for m in modules for p in m.parameters()], lr=LR)
+
+    def step(self, k: int) -> None:
+        """One optimizer step on the batch of seed ``k`` (built here, as dapple's runtime does)."""
+        x, y = self.wl.make_batch(self.G, k)
+        args = (x,) if self.first else ()
+        kwargs: dict[str, Any] = {"target": y, "losses": []} if self.last else {}
+        self.sched.step(*args, **kwargs)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+
+
+def _agree(error: str | None) -> str | None:
+    """The first rank's error, if any rank has one (every rank calls this)."""
+    errors: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    return next((e for e in errors if e), None)
+
+
+def _sum_over_ranks(values: list[float]) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return [float(v) for v in t.tolist()]
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"
+
+
+def worker(
+    rank: int, world: int, port: int, cases: list[dict[str, Any]], opts: dict[str, Any], out: str
+) -> None:
+    from dapple.core.host_memory import keep_freed_memory
+    from dapple.runtime import TrainConfig, run_plan, shutdown_distributed
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # as dapple's runtime
+    keep_freed_memory()  # the C allocator as dapple's CPU ranks set it (both runners)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=600))
+    wl = bench_transformer(layers=opts["blocks"])
+    meter = BusyMeter().install()
+    peers: dict[int, TorchPipe] = {}
+    res: dict[int, dict[str, Any]] = {
+        i: {"ms": [], "busy": [], "cpu": [], "error": None} for i in range(len(cases))
+    }
+    steps, skip = opts["steps"], opts["skip"]
+    for rnd in range(opts["rounds"]):
+        order = list(range(len(cases)))
+        if rnd % 2:
+            order.reverse()
+        for i in order:
+            c, r = cases[i], res[i]
+            if r["error"]:
+                continue
+            if c["runner"] == "dapple":
+                meter.reset()
+                cfg = TrainConfig(steps=steps, seed=rnd, optimizer="sgd", lr=LR, device="cpu")
+                run = run_plan(Plan.from_dict(c["plan"]), wl, cfg, device=torch.device("cpu"))
+                ms = [m.step_ms for m in run.metrics]  # rank 0: the period between collectives
+                got = [torch.zeros(len(meter.steps), dtype=torch.float64) for _ in range(world)]
+                dist.all_gather(got, torch.tensor(meter.steps, dtype=torch.float64))
+                cpu = _sum_over_ranks(meter.cpu)
+                if rank == 0:
+                    r["busy"].append([g.tolist() for g in got])  # [rank][step]
+            else:
+                error = None
+                if i not in peers:
+                    try:  # a schedule this torch cannot build here: a row "not run"
+                        peers[i] = TorchPipe(
+                            c["kind"], rank, opts["G"], opts["M"], c["chunks"], c["placement"],
+                            opts["blocks"],
+                        )  # fmt: skip
+                    except Exception as e:
+                        error = _first_line(e)
+                    r["error"] = _agree(error)
+                    if r["error"]:
+                        peers.pop(i, None)
+                        continue
+                peer, peer_cpu = peers[i], list[float]()
+
+                def step(k: int, peer: TorchPipe = peer, out: list[float] = peer_cpu) -> None:
+                    t = time.process_time()
+                    peer.step(k)
+                    out.append((time.process_time() - t) * 1e3)
+
+                ms = max_over_ranks(back_to_back_ms(step, [rnd * steps + k for k in range(steps)]))
+                cpu = _sum_over_ranks(peer_cpu)
+            if rank == 0:
+                r["ms"].append(ms)
+                r["cpu"].append(cpu)
+                print(
+                    f"  round {rnd} {c['group'][:8]} {c['label']:36s} "
+                    f"{statistics.median(ms[skip:]):8.1f} ms"
+                    f"  ({load_note()})",
+                    flush=True,
+                )
+    if rank == 0:
+        Path(out).write_text(json.dumps(res))
+    peers.clear()  # the stages hold the process group: drop them before leaving it
+    shutdown_distributed()
