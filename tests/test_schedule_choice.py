@@ -156,3 +156,27 @@ def test_best_schedule_is_the_fastest_variant_that_fits(tmp_path, capsys, monkey
     tiny = dataclasses.replace(cluster, device_memory_bytes=1)
     with pytest.raises(ValidationError, match="no schedule fits the memory: gpipe: "):
         best_schedule(base, prof, tiny)
+
+
+def test_refine_cuts_searches_the_partition_under_each_schedule():
+    """From a lopsided straight 2-stage cut (1 | 7 layers) hill climbing on the simulated step
+    reaches a faster partition under each schedule; interleaved groups keep multiples of v."""
+    from dapple.simulate.schedules import ScheduleChoice, refine_cuts
+
+    prof, cluster = make_profile(8), make_cluster()
+    lopsided = straight_plan(8, [0, 2], global_batch_size=16, num_micro_batches=4)
+    for schedule, v in (("dapple", 1), ("zbh1", 1), ("interleaved", 2)):
+        plan = with_schedule(lopsided, schedule, v)
+        res = simulate(plan, prof, cluster)
+        got = refine_cuts(ScheduleChoice(schedule, plan, res), prof, cluster)
+        assert got.plan is not None and got.result is not None
+        assert got.result.step_ms < res.step_ms, schedule
+        assert got.plan.schedule == schedule and got.plan.virtual_stages == v
+        assert simulate(got.plan, prof, cluster).step_ms == got.result.step_ms
+        sizes = [st.layers[1] - st.layers[0] for st in got.plan.stages]
+        assert all(n >= 1 for n in sizes)
+        if v > 1:
+            groups = with_schedule(got.plan, "dapple").stages
+            assert all((st.layers[1] - st.layers[0]) % v == 0 for st in groups)
+    none = ScheduleChoice("gpipe", None, None, "no plan")
+    assert refine_cuts(none, prof, cluster) is none

@@ -26,6 +26,7 @@ __all__ = [
     "balanced_pipelines",
     "best_per_schedule",
     "best_schedule",
+    "refine_cuts",
     "with_schedule",
 ]
 
@@ -259,10 +260,65 @@ def best_schedule(
         ValidationError: no variant fits the memory (each variant's reason listed).
     """
     bases = [plan, *balanced_pipelines(profile, cluster, plan.global_batch_size)]
-    choices = best_per_schedule(bases, profile, cluster)
+    choices = [refine_cuts(c, profile, cluster) for c in best_per_schedule(bases, profile, cluster)]
     fits = [c for c in choices if c.plan is not None and c.result is not None]
     if not fits:
         raise ValidationError(
             "no schedule fits the memory: " + "; ".join(f"{c.label}: {c.note}" for c in choices)
         )
     return min(fits, key=lambda c: cast(SimResult, c.result).step_ms), choices
+
+
+def refine_cuts(
+    choice: ScheduleChoice, profile: ModelProfile, cluster: Cluster, max_moves: int = 64
+) -> ScheduleChoice:
+    """A partition search for ``choice``'s schedule: hill climbing on the simulated step.
+
+    Each boundary between two device groups moves by one step (v layers for interleaved v, so
+    every group keeps a multiple of v; one layer otherwise) either way while both groups keep
+    at least one step of layers; a move is kept when the plan under the same schedule, M,
+    replication and placement simulates faster and fits the memory. Stops when no move
+    helps, or after ``max_moves`` kept moves.
+    """
+    if choice.plan is None or choice.result is None:
+        return choice
+    plan, res = choice.plan, choice.result
+    v = plan.virtual_stages
+    policy = plan.policy
+    base = with_schedule(plan, "dapple") if v > 1 else plan
+    for _ in range(max_moves):
+        better: tuple[Plan, Plan, SimResult] | None = None
+        for g in range(base.num_stages - 1):
+            for d in (-v, v):
+                moved = _moved(base, g, d, v)
+                if moved is None:
+                    continue
+                try:
+                    cand = with_schedule(moved, plan.schedule, v, policy)
+                    r = simulate(cand, profile, cluster)
+                except DappleError:
+                    continue
+                best_ms = res.step_ms if better is None else better[2].step_ms
+                if r.peak_memory_bytes <= cluster.usable_memory_bytes and r.step_ms < best_ms:
+                    better = (moved, cand, r)
+        if better is None:
+            break
+        base, plan, res = better
+    if plan is choice.plan:
+        return choice
+    plan = dataclasses.replace(plan, predicted_step_ms=schedule_latency(plan, profile, cluster))
+    return ScheduleChoice(choice.label, plan, res)
+
+
+def _moved(base: Plan, g: int, d: int, v: int) -> Plan | None:
+    """``base`` with the boundary after device group g moved by d layers; None when a group
+    would keep fewer than v layers."""
+    lo, mid = base.stages[g].layers
+    _, hi = base.stages[g + 1].layers
+    cut = mid + d
+    if cut - lo < v or hi - cut < v:
+        return None
+    stages = list(base.stages)
+    stages[g] = dataclasses.replace(stages[g], layers=(lo, cut))
+    stages[g + 1] = dataclasses.replace(stages[g + 1], layers=(cut, hi))
+    return dataclasses.replace(base, stages=tuple(stages))
