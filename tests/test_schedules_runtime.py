@@ -120,9 +120,9 @@ def test_verify_zbh1_and_interleaved_zoo_transformer() -> None:
 @pytest.mark.slow
 def test_verify_zbh1_and_interleaved_gpt2() -> None:
     """GPT-2 (its wte and LM head one tied weight, on different device groups) after 3 steps
-    of SGD with momentum and a binding clip: ZB-H1 on straight, 2:1:1 and 1:2:1, with ZeRO-1 and ZeRO-2 on
-    the replicated stage and with re-computation; interleaved v=2 on 2 devices x 2 chunks and
-    on 1:2:1."""
+    of SGD with momentum and a binding clip: ZB-H1 on straight, 2:1:1 and 1:2:1, with ZeRO-1
+    and ZeRO-2 on the replicated stage and with re-computation; interleaved v=2 on 2 devices x
+    2 chunks and (6 blocks) on straight, 2:1:1 and 1:2:1."""
     pytest.importorskip("transformers")
     gpt2 = api.load("dapple.models.hf:gpt2", layers=2, hidden=32, heads=2, vocab=64, seq=16)
     gpt6 = api.load("dapple.models.hf:gpt2", layers=6, hidden=32, heads=2, vocab=64, seq=16)
@@ -134,7 +134,7 @@ def test_verify_zbh1_and_interleaved_gpt2() -> None:
         (_zb(zb[1], zero=2), gpt2),
         (_zb(zb[2], recompute=True), gpt2),
         (_two_by_two(n), gpt2),
-        (_shapes(gpt6.num_layers, 8, 4, 2)[2], gpt6),
+        *((p, gpt6) for p in _shapes(gpt6.num_layers, 8, 4, 2)),
     ]
     # SGD with momentum (sharded under ZeRO): AdamW turns float32 round-off in GPT-2's
     # near-zero gradients into lr-sized steps, up to 1.5e-4 here under every schedule

@@ -128,7 +128,8 @@ def _memory_table(
     optimizer: str,
     momentum: float = 0.0,
 ) -> None:
-    """Each stage's measured memory beside the planner's per-replica estimate."""
+    """Each stage's measured memory beside the planner's per-replica estimate (interleaved and
+    ZB-H1: per device group, all its chunks, by replaying the schedule's compute order)."""
     import dataclasses
 
     from rich.console import Console
@@ -142,17 +143,23 @@ def _memory_table(
     profile = dataclasses.replace(
         load_profile(profile_spec), optimizer_state_factor=state_factor(optimizer, momentum)
     )
-    rows = pipeline_latency(plan, profile, load_cluster(cluster_spec)).stages
-    estimate = [r.memory_bytes for r in rows if r.kind == "compute"]
+    if plan.schedule in ("interleaved", "zbh1"):
+        from dapple.planner.schedules import device_memory_by_group
+
+        estimate = device_memory_by_group(plan, profile)
+    else:
+        rows = pipeline_latency(plan, profile, load_cluster(cluster_spec)).stages
+        estimate = [float(r.memory_bytes) for r in rows if r.kind == "compute"]
     mib = 2**20
     table = Table(title=f"memory per replica (planner: {optimizer} state, K_i in flight)")
     for col in ("stage", "replicas", f"peak {last.resident_kind}", "added by the stage",
                 f"peak {last.memory_kind}", "planner estimate", "estimate / added"):  # fmt: skip
         table.add_column(col, justify="right")
-    for s, st in enumerate(plan.stages):
+    for s, st in enumerate(plan.stages[: plan.num_groups]):  # a group's chunks: its first stage
         added = last.stage_resident_bytes[s] if last.stage_resident_bytes else 0
+        chunks = plan.stages_of_device(st.devices[0])
         table.add_row(
-            str(s),
+            str(s) if len(chunks) == 1 else ",".join(map(str, chunks)),
             str(st.replicas),
             f"{last.peak_resident_bytes[s] / mib:.1f} MiB" if last.peak_resident_bytes else "-",
             f"{added / mib:.1f} MiB" if last.stage_resident_bytes else "-",

@@ -175,7 +175,8 @@ class StepMetrics:
     samples_per_s: float
     """Global batch over ``step_ms``."""
     peak_memory_bytes: tuple[int, ...]
-    """Per stage, max over its replicas (CUDA: over the same period as ``step_ms``)."""
+    """Per stage, max over its replicas (CUDA: over the same period as ``step_ms``); with
+    interleaving per device group (all its chunks)."""
     memory_kind: str
     """``cuda_max_allocated`` or ``held_activations`` (CPU, see :mod:`dapple.runtime.memory`)."""
     predicted_step_ms: float | None = None

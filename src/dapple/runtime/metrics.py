@@ -154,7 +154,7 @@ def step_metrics(
             ``tokens`` and ``tokens_per_s``.
         eval_loss: the mean validation loss measured after the step (None: none).
     """
-    S = plan.num_stages
+    S = plan.num_groups  # a device group's chunks (interleaved) share its processes
     peaks, resident, grown = [0] * S, [0] * S, [0] * S
     for r in rows:
         if r[1] < 0:
