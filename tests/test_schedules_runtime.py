@@ -156,3 +156,5 @@ def test_interleaved_evaluates_and_trains_like_its_straight_plan() -> None:
     assert [m.eval_loss for m in got] == pytest.approx([m.eval_loss for m in want], rel=1e-5)
     assert [m.loss for m in got] == pytest.approx([m.loss for m in want], rel=1e-5)
     assert len({m.eval_loss for m in got}) == 3  # the weights moved between evaluations
+    # memory per device group (its two chunks), as for the straight plan's two stages
+    assert len(got[-1].peak_memory_bytes) == 2 and min(got[-1].peak_memory_bytes) > 0
