@@ -90,10 +90,11 @@ def weight_gradients(
     left = Counter(node for group in groups for node in group["params"])
     for group in groups:
         nodes = list(group["params"])
-        stage_backward_weight(iter(weights), [group])
+        mine = [param_of[node] for node in nodes]  # torch maps only the weights it is given
+        stage_backward_weight(iter(mine), [group])
         if on_ready is None:
             continue
-        for node in nodes:
+        for node, p in zip(nodes, mine, strict=True):
             left[node] -= 1
-            if left[node] == 0 and node in param_of:
-                on_ready(param_of[node])
+            if left[node] == 0:
+                on_ready(p)
