@@ -111,8 +111,9 @@ def profile(
         output: Also save the profile JSON here.
         precision: ``fp32``, ``bf16`` or ``fp16`` autocast while measuring (recorded in the
             profile; the planner's memory model follows it).
-        split_backward: Also time each backward's input-gradient half (zero-bubble ``I``;
-            ``W`` is the rest), recorded as ``LayerProfile.backward_input``.
+        split_backward: Also time each backward's input- and weight-gradient halves
+            (zero-bubble ``I`` and ``W``) as the runtime runs them, recorded as
+            ``LayerProfile.backward_input`` and ``backward_weight``.
         seq_lens: Also measure at these lengths of the model's dynamic (sequence) dimension:
             its own batches cut or tiled to each length, same layers
             (:mod:`dapple.profiler.lengths`); :func:`plan` with ``seq_len`` interpolates

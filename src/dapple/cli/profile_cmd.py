@@ -73,8 +73,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument(
         "--split-backward",
         action="store_true",
-        help="also time each backward's input-gradient half (the zero-bubble I; W is the rest), "
-        "for --schedule zbh1; without it an even split of layers with parameters is assumed",
+        help="also time each backward's input- and weight-gradient halves (the zero-bubble I and "
+        "W) as the zbh1 runtime runs them; without it an even split of layers with parameters "
+        "is assumed",
     )
     p.add_argument(
         "--input-shape", help="per-sample input shape for nn.Sequential factories, e.g. 3,32,32"

@@ -336,11 +336,10 @@ def profile_workload(
             The profile's ``device`` then reads ``cpu (CPU time, N co-workers)``.
         precision: ``fp32``, or ``bf16``/``fp16``: every forward under that autocast, as
             ``dapple train --precision`` runs it (fp16 needs CUDA); recorded in the profile.
-        split_backward: also time the input-gradient half of each backward
-            (``torch.autograd.grad`` of the layer's inputs only, after an untimed forward) and
-            record it as ``LayerProfile.backward_input``; the weight-gradient half is the rest
-            of the measured backward. Without it zero-bubble schedules use the documented
-            assumed split (:meth:`LayerProfile.backward_split`).
+        split_backward: also time the two halves of each backward as the runtime's ZB-H1 runs
+            them (:func:`_split_ms`, after an untimed forward) and record them as
+            ``LayerProfile.backward_input`` and ``backward_weight``. Without it zero-bubble
+            schedules use the documented assumed split (:meth:`LayerProfile.backward_split`).
         seq_lens: lengths of the model's dynamic dimension (tokens per sample) to measure at,
             each at every batch size: the workload's own batches cut or tiled to the length
             along every dynamic dimension, same layers (:mod:`dapple.profiler.lengths`). The
