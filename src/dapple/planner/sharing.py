@@ -59,7 +59,8 @@ def shared_compute_scale(
     ``alpha_sigma``. A stage's replicas are paced by the slowest, so a stage takes the max
     over the servers of its devices. Exact for data parallelism (every device busy the whole
     span: alpha = G / c) and for a saturated steady phase (every device busy: beta = G / c);
-    within a phase it averages idle cores over the phase.
+    within a phase it averages idle cores over the phase. The concurrency is capped at the
+    server's computing devices (a short phase would otherwise count more than it has).
 
     Args:
         span_ms: T_c, :func:`dapple.planner.latency.latency` of the unstretched F_s,
@@ -79,13 +80,21 @@ def shared_compute_scale(
         return [(1.0, 1.0)] * S
     rest_ms = max(span_ms - steady_ms, 1e-12)
     per_mb: dict[int, float] = {}  # server -> sum of w_d
+    busy: dict[int, set[int]] = {}  # server -> its devices that compute
     for devs in devices:
         for d, w in devs or ():
             srv = cluster.server_of(d)
             per_mb[srv] = per_mb.get(srv, 0.0) + w
-    alpha = {srv: 1.0 / cluster.compute_rate(w / rest_ms) for srv, w in per_mb.items()}
+            busy.setdefault(srv, set()).add(d)
+
+    def stretch(srv: int, concurrency: float) -> float:
+        # no more devices compute at once than the server has: a phase shorter than its work
+        # would otherwise count an impossible concurrency
+        return 1.0 / cluster.compute_rate(min(concurrency, len(busy[srv])))
+
+    alpha = {srv: stretch(srv, w / rest_ms) for srv, w in per_mb.items()}
     beta = (
-        {srv: 1.0 / cluster.compute_rate((M - 1) * w / steady_ms) for srv, w in per_mb.items()}
+        {srv: stretch(srv, (M - 1) * w / steady_ms) for srv, w in per_mb.items()}
         if steady_ms > 0
         else alpha
     )
