@@ -153,6 +153,23 @@ def max_over_ranks(values: Sequence[float]) -> list[float]:
     return [float(v) for v in t.tolist()]
 
 
+def join_worker_group(rank: int, world: int, port: int) -> None:
+    """In a worker of :func:`run_worker_group`: set up this process as dapple's launcher sets up
+    a CPU rank (intra-op threads ``cores // world``, freed memory kept by the C allocator) and
+    join the gloo group on 127.0.0.1:``port``."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from dapple.core.host_memory import keep_freed_memory
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    keep_freed_memory()
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=600))
+
+
 def run_worker_group(target: Callable[..., None], world: int, *args: Any) -> dict[str, Any]:
     """Run ``target(rank, world, port, *args, out)`` in ``world`` spawned processes (one gloo
     group on 127.0.0.1) and return the JSON object rank 0 wrote to ``out``.

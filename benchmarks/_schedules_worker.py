@@ -5,12 +5,10 @@ B, I and W handlers (``src/`` unchanged)."""
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import sys
 import time
 from collections.abc import Callable
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +16,13 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _bench_common import back_to_back_ms, bench_transformer, load_note, max_over_ranks
+from _bench_common import (
+    back_to_back_ms,
+    bench_transformer,
+    join_worker_group,
+    load_note,
+    max_over_ranks,
+)
 from dapple.core.plan import Plan
 from vs_torch_pipelining import LR
 
@@ -147,13 +151,9 @@ def _first_line(e: BaseException) -> str:
 def worker(
     rank: int, world: int, port: int, cases: list[dict[str, Any]], opts: dict[str, Any], out: str
 ) -> None:
-    from dapple.core.host_memory import keep_freed_memory
     from dapple.runtime import TrainConfig, run_plan, shutdown_distributed
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # as dapple's runtime
-    keep_freed_memory()  # the C allocator as dapple's CPU ranks set it (both runners)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=600))
+    join_worker_group(rank, world, port)  # as dapple's CPU ranks, for both runners
     wl = bench_transformer(layers=opts["blocks"])
     meter = BusyMeter().install()
     peers: dict[int, TorchPipe] = {}

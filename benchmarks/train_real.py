@@ -39,7 +39,6 @@ import statistics
 import sys
 import tempfile
 import time
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _bench_common import HERE, header, load_note, run_worker_group
+from _bench_common import HERE, header, join_worker_group, load_note, run_worker_group
 
 SEQ = 64
 """Tokens per sample (the demo's ``--seq-len``)."""
@@ -82,16 +81,12 @@ def _ddp_worker(rank: int, world: int, port: int, job: dict[str, Any], data: Any
     the per-step times (max over ranks) and global losses to ``out``."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from dapple.core.host_memory import keep_freed_memory
     from dapple.datasets import BatchSource
     from dapple.models.zoo import load_workload
     from dapple.runtime import shutdown_distributed
     from dapple.runtime.optim import lr_at, param_groups, set_lr
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # as dapple's launcher
-    keep_freed_memory()  # the C allocator as dapple's CPU ranks set it (both runners)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=600))
+    join_worker_group(rank, world, port)  # as dapple's CPU ranks, for both runners
     G, steps, seed = job["G"], job["steps"], job["seed"]
     o = job["options"]
     wl = load_workload("transformer", **job["overrides"])

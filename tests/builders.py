@@ -1,4 +1,4 @@
-"""Small pure-data builders shared by the tests: a uniform layer chain and a test cluster."""
+"""Small pure-data builders shared by the tests: layer chains and test clusters."""
 
 from __future__ import annotations
 
@@ -40,4 +40,37 @@ def make_cluster(servers: int = 1, per_server: int = 4, gbps: float = 100.0) -> 
         device_memory_bytes=16 * 1024**3,
         intra_server_bandwidth_gbps=gbps,
         inter_server_bandwidth_gbps=gbps / 4,
+    )
+
+
+NO_COMM = Cluster(
+    name="no-comm",
+    servers=1,
+    devices_per_server=16,
+    device_memory_bytes=2**40,
+    intra_server_bandwidth_gbps=1e12,
+    inter_server_bandwidth_gbps=1e12,
+    intra_server_latency_ms=0.0,
+    inter_server_latency_ms=0.0,
+)
+"""16 devices with free communication: step times are compute alone."""
+
+
+def per_call_profile(
+    fwd: list[float], bwd: list[float], params: int = 0, act: float = 1.0
+) -> ModelProfile:
+    """Layers with per-call times (``fixed_ms``, the same on any batch), zero-byte boundaries."""
+    return ModelProfile(
+        model_name="p",
+        layers=tuple(
+            LayerProfile(
+                name=f"l{i}",
+                forward=AffineTime(fixed_ms=f, per_sample_ms=0.0),
+                backward=AffineTime(fixed_ms=b, per_sample_ms=0.0),
+                output_bytes_per_sample=0.0,
+                parameter_bytes=params,
+                kept_activation_bytes_per_sample=act,
+            )
+            for i, (f, b) in enumerate(zip(fwd, bwd, strict=True))
+        ),
     )

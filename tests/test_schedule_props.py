@@ -20,9 +20,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dapple.core.cluster import Cluster
+from builders import NO_COMM, per_call_profile
 from dapple.core.plan import Plan, StagePlan
-from dapple.core.profile import AffineTime, LayerProfile, ModelProfile
 from dapple.errors import ValidationError
 from dapple.schedule import ActionKind, compute_order, lower, warmup_counts
 from dapple.schedule.validate import validate, validate_compute_order
@@ -30,35 +29,6 @@ from dapple.simulate import simulate
 
 K = ActionKind
 FAST = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-
-NO_COMM = Cluster(
-    name="no-comm",
-    servers=1,
-    devices_per_server=16,
-    device_memory_bytes=2**40,
-    intra_server_bandwidth_gbps=1e12,
-    inter_server_bandwidth_gbps=1e12,
-    intra_server_latency_ms=0.0,
-    inter_server_latency_ms=0.0,
-)
-
-
-def _profile(fwd: list[float], bwd: list[float]) -> ModelProfile:
-    """One layer per stage with per-call times (fixed_ms) and zero-byte boundaries."""
-    return ModelProfile(
-        model_name="p",
-        layers=tuple(
-            LayerProfile(
-                name=f"l{i}",
-                forward=AffineTime(fixed_ms=f, per_sample_ms=0.0),
-                backward=AffineTime(fixed_ms=b, per_sample_ms=0.0),
-                output_bytes_per_sample=0.0,
-                parameter_bytes=0,
-                kept_activation_bytes_per_sample=1.0,
-            )
-            for i, (f, b) in enumerate(zip(fwd, bwd, strict=True))
-        ),
-    )
 
 
 def _plan(
@@ -100,7 +70,7 @@ def _plan(
     b=st.floats(0.1, 10.0),
 )
 def test_uniform_stages_same_step_time(S, M, f, b):
-    prof = _profile([f] * S, [b] * S)
+    prof = per_call_profile([f] * S, [b] * S)
     g = simulate(_plan(S, M, "gpipe"), prof, NO_COMM).step_ms
     assert g == pytest.approx((M + S - 1) * (f + b))
     for policy in "AB":
@@ -112,7 +82,7 @@ def test_uniform_stages_same_step_time(S, M, f, b):
 def test_non_uniform_stages_dapple_never_slower(data, S, M):
     fwd = data.draw(st.lists(st.floats(0.1, 5.0), min_size=S, max_size=S))
     bwd = data.draw(st.lists(st.floats(0.1, 10.0), min_size=S, max_size=S))
-    prof = _profile(fwd, bwd)
+    prof = per_call_profile(fwd, bwd)
     g = simulate(_plan(S, M, "gpipe"), prof, NO_COMM).step_ms
     for policy in "AB":
         d = simulate(_plan(S, M, "dapple", policy), prof, NO_COMM).step_ms
@@ -121,7 +91,7 @@ def test_non_uniform_stages_dapple_never_slower(data, S, M):
 
 def test_non_uniform_example_where_dapple_is_faster():
     # S = 3, M = 2; F = [5, 1, 5], B = [5, 8, 1]: GPipe 38 ms, DAPPLE 33 ms (found by search).
-    prof = _profile([5.0, 1.0, 5.0], [5.0, 8.0, 1.0])
+    prof = per_call_profile([5.0, 1.0, 5.0], [5.0, 8.0, 1.0])
     assert simulate(_plan(3, 2, "gpipe"), prof, NO_COMM).step_ms == pytest.approx(38.0)
     assert simulate(_plan(3, 2, "dapple"), prof, NO_COMM).step_ms == pytest.approx(33.0)
 
@@ -140,7 +110,7 @@ def plans(draw, schedule: str | None = None):
 @FAST
 @given(plan=plans())
 def test_peak_in_flight(plan):
-    prof = _profile([1.0] * plan.num_stages, [2.0] * plan.num_stages)
+    prof = per_call_profile([1.0] * plan.num_stages, [2.0] * plan.num_stages)
     r = simulate(plan, prof, NO_COMM)
     M = plan.num_micro_batches
     ks = warmup_counts(plan.num_stages, M, plan.policy, [s.max_in_flight for s in plan.stages])

@@ -15,6 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from builders import NO_COMM, per_call_profile
 from dapple.core.cluster import Cluster
 from dapple.core.plan import interleave, straight_plan
 from dapple.core.profile import AffineTime, LayerProfile, ModelProfile
@@ -31,34 +32,10 @@ from dapple.simulate import simulate
 K = ActionKind
 FAST = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
-NO_COMM = Cluster(
-    name="no-comm",
-    servers=1,
-    devices_per_server=16,
-    device_memory_bytes=2**40,
-    intra_server_bandwidth_gbps=1e12,
-    inter_server_bandwidth_gbps=1e12,
-    intra_server_latency_ms=0.0,
-    inter_server_latency_ms=0.0,
-)
-
 
 def _profile(fwd: list[float], bwd: list[float], params: int = 8, act: float = 1.0) -> ModelProfile:
-    """Layers with per-call times (fixed_ms), zero-byte boundaries."""
-    return ModelProfile(
-        model_name="p",
-        layers=tuple(
-            LayerProfile(
-                name=f"l{i}",
-                forward=AffineTime(fixed_ms=f, per_sample_ms=0.0),
-                backward=AffineTime(fixed_ms=b, per_sample_ms=0.0),
-                output_bytes_per_sample=0.0,
-                parameter_bytes=params,
-                kept_activation_bytes_per_sample=act,
-            )
-            for i, (f, b) in enumerate(zip(fwd, bwd, strict=True))
-        ),
-    )
+    """Layers with per-call times (fixed_ms), zero-byte boundaries, 8 parameter bytes each."""
+    return per_call_profile(fwd, bwd, params, act)
 
 
 def _straight(n_stages: int, per_stage: int, M: int, reps: list[int] | None = None, **kw):

@@ -125,6 +125,17 @@ def add_run_arguments(p: argparse.ArgumentParser, *, steps: int) -> None:
     add_precision_argument(p)
 
 
+def add_virtual_stages_argument(p: argparse.ArgumentParser) -> None:
+    """Add ``--virtual-stages V`` (chunks per device group under ``--schedule interleaved``)."""
+    p.add_argument(
+        "--virtual-stages",
+        type=int,
+        default=1,
+        metavar="V",
+        help="model chunks per device group with --schedule interleaved (default %(default)s)",
+    )
+
+
 def add_precision_argument(p: argparse.ArgumentParser) -> None:
     """Add ``--precision`` (``fp32``, ``bf16``, ``fp16``; default fp32) to ``p``. The names are
     checked by :class:`~dapple.runtime.TrainConfig` (one error line), not by argparse."""

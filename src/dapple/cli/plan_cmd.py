@@ -13,12 +13,14 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
+from dapple.cli._run_args import add_virtual_stages_argument
 from dapple.core.cluster import Cluster
 from dapple.core.plan import SCHEDULES, Plan
 from dapple.core.profile import ModelProfile
 from dapple.errors import DappleError, InfeasibleError, ValidationError
 
 if TYPE_CHECKING:
+    from dapple.simulate.engine import SimResult
     from dapple.simulate.schedules import ScheduleChoice
 
 __all__ = ["format_devices", "parse_seq_len", "register", "run"]
@@ -72,13 +74,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         "planner's partition and balanced pipelines, each M, the fastest simulated plan that "
         "fits the memory",
     )
-    p.add_argument(
-        "--virtual-stages",
-        type=int,
-        default=1,
-        metavar="V",
-        help="model chunks per device group with --schedule interleaved (default %(default)s)",
-    )
+    add_virtual_stages_argument(p)
     p.add_argument(
         "--zero-stage",
         default="0",
@@ -397,17 +393,8 @@ def _new_schedule(
             format_devices(st.devices),
         )
     con.print(t)
-    chunks = f" v = {new.virtual_stages}," if new.virtual_stages > 1 else ""
-    con.print(
-        f"schedule {new.schedule},{chunks} replication {new.replication}, M = "
-        f"{new.num_micro_batches} x {new.micro_batch_size} samples: predicted step "
-        f"{new.predicted_step_ms:.2f} ms, simulated {res.step_ms:.2f} ms, peak memory "
-        f"{_gib(res.peak_memory_bytes)} GiB, speed-up over dp {_speedup(dp_ms, res.step_ms)}"
-    )
-    if args.output:
-        new.save(args.output)
-        con.print(f"plan written to {args.output}")
-    return 0
+    chunks = f", v = {new.virtual_stages}" if new.virtual_stages > 1 else ""
+    return _report(con, f"schedule {new.schedule}{chunks}", new, res, dp_ms, args.output)
 
 
 def _best_schedule(
@@ -425,17 +412,22 @@ def _best_schedule(
     best, choices = best_schedule(plan, profile, cluster)
     _choices_table(con, choices, dp_ms, f"the {plan.planner} planner")
     assert best.plan is not None and best.result is not None
-    new = best.plan
+    return _report(con, f"chosen: {best.label}", best.plan, best.result, dp_ms, args.output)
+
+
+def _report(
+    con: Console, head: str, plan: Plan, res: SimResult, dp_ms: float, output: str | None
+) -> int:
+    """One line on a simulated plan after ``head``; the plan saved to ``output`` if given."""
     con.print(
-        f"chosen: {best.label}, replication {new.replication}, M = {new.num_micro_batches} x "
-        f"{new.micro_batch_size} samples: predicted step {new.predicted_step_ms:.2f} ms, "
-        f"simulated {best.result.step_ms:.2f} ms, peak memory "
-        f"{_gib(best.result.peak_memory_bytes)} GiB, speed-up over dp "
-        f"{_speedup(dp_ms, best.result.step_ms)}"
+        f"{head}, replication {plan.replication}, M = {plan.num_micro_batches} x "
+        f"{plan.micro_batch_size} samples: predicted step {plan.predicted_step_ms:.2f} ms, "
+        f"simulated {res.step_ms:.2f} ms, peak memory {_gib(res.peak_memory_bytes)} GiB, "
+        f"speed-up over dp {_speedup(dp_ms, res.step_ms)}"
     )
-    if args.output:
-        new.save(args.output)
-        con.print(f"plan written to {args.output}")
+    if output:
+        plan.save(output)
+        con.print(f"plan written to {output}")
     return 0
 
 

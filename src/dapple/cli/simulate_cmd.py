@@ -9,6 +9,7 @@ import math
 from rich.console import Console
 from rich.table import Table
 
+from dapple.cli._run_args import add_virtual_stages_argument
 from dapple.core.plan import SCHEDULES, Plan
 
 __all__ = ["register"]
@@ -31,13 +32,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         default=None,
         help="override the plan's",
     )
-    p.add_argument(
-        "--virtual-stages",
-        type=int,
-        default=1,
-        metavar="V",
-        help="model chunks per device group with --schedule interleaved (default %(default)s)",
-    )
+    add_virtual_stages_argument(p)
     p.add_argument("--policy", choices=("A", "B"), default=None, help="override the plan's")
     p.add_argument("--gantt", default=None, help="write a Gantt chart image (PNG/SVG/PDF)")
     p.add_argument("--trace", default=None, help="write a Chrome/Perfetto trace JSON")
