@@ -16,8 +16,9 @@ changes from step to step: declare it, ``dynamic_dims={0: {1: DynamicDim("seq", 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.nn import functional as F
@@ -27,6 +28,7 @@ from dapple.errors import ValidationError
 __all__ = [
     "IGNORE_INDEX",
     "DocumentBatches",
+    "json_rows",
     "masked_token_loss",
     "pad_batch",
     "read_documents",
@@ -34,6 +36,22 @@ __all__ = [
 
 IGNORE_INDEX = -100
 """Target id of a padding position (``F.cross_entropy``'s ``ignore_index``)."""
+
+
+def json_rows(path: Path) -> Iterator[tuple[int, Any]]:
+    """``(line number, value)`` of every non-blank line of a JSON Lines file.
+
+    Raises:
+        ValidationError: a line is not JSON (the message names the file and line).
+    """
+    for n, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValidationError(f"{path}:{n}: not JSON ({e})") from e
+        yield n, row
 
 
 def read_documents(path: str | Path, vocab: int | None = None) -> list[torch.Tensor]:
@@ -48,13 +66,7 @@ def read_documents(path: str | Path, vocab: int | None = None) -> list[torch.Ten
     if not p.is_file():
         raise ValidationError(f"documents file {str(p)!r} does not exist")
     docs: list[torch.Tensor] = []
-    for n, line in enumerate(p.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValidationError(f"{p}:{n}: not JSON ({e})") from e
+    for n, row in json_rows(p):
         ids = row.get("ids") if isinstance(row, dict) else row
         if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
             raise ValidationError(f'{p}:{n}: expected {{"ids": [int, ...]}} or [int, ...]')

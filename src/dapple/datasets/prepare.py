@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from dapple.datasets.documents import json_rows
 from dapple.datasets.packing import docs_path
 from dapple.datasets.token_file import META_NAME
 from dapple.errors import ValidationError
@@ -99,13 +100,7 @@ def _document_texts(sources: Sequence[Path]) -> list[bytes]:
         if p.suffix != ".jsonl":
             texts.append(p.read_bytes())
             continue
-        for n, line in enumerate(p.read_text().splitlines(), start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValidationError(f"{p}:{n}: not JSON ({e})") from e
+        for n, row in json_rows(p):
             if not isinstance(row, dict) or not isinstance(row.get("text"), str):
                 raise ValidationError(f'{p}:{n}: expected {{"text": "..."}}')
             texts.append(row["text"].encode())
