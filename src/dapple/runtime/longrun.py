@@ -126,7 +126,6 @@ class LongRun:
         scale on every rank; the scale is saved in and restored from checkpoints."""
         self.rank, self.world, self.stage, self.replica = rank, world, stage, replica
         self.module, self.optimizer, self.device = module, optimizer, device
-        self.first_layer = plan.stages[stage].layers[0] if stage is not None else 0
         self.layer_ids = plan.layers_of_device(rank) if stage is not None else ()
         """The chain index of each of ``module``'s children (several chunks: not contiguous)."""
         self.params = list(module.parameters()) if module is not None else []
@@ -284,7 +283,7 @@ class LongRun:
             return
         states = {}
         if self.shards is not None:  # a collective over the stage's replicas
-            states = self.shards.layer_states(self.first_layer, self.optimizer)
+            states = self.shards.layer_states(self.layer_ids, self.optimizer)
         elif self.module is not None and self.replica == 0:
             states = stage_layer_states(self.module, self.layer_ids, self.optimizer)
         meta = CheckpointMeta(

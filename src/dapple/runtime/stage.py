@@ -68,9 +68,9 @@ class _MicroBatch:
     loss: torch.Tensor | None = None
     held: list[Held] = field(default_factory=list)
     sends: list[Any] = field(default_factory=list)
-    grads: list[torch.Tensor] | None = None
-    """Split backward: the output gradients ``I`` received, for a ``W`` that is the whole
-    backward (a stage whose inputs carry no gradient)."""
+    whole: tuple[list[torch.Tensor], list[torch.Tensor] | None] | None = None
+    """Split backward: what ``W`` back-propagates when it is the whole backward (a stage whose
+    inputs carry no gradient): :meth:`StageExecutor._output_grads` as ``I`` found it."""
     groups: ParamGroups | None = None
     """Split backward: what ``I`` left for ``W`` (:func:`input_gradients`)."""
 
@@ -178,7 +178,11 @@ class StageExecutor:
         """Forget the inputs and outputs of ``a``'s micro-batch (a forward-only pass keeps
         nothing for a backward); its sends stay pending until :meth:`finish_sends`."""
         assert a.micro_batch is not None
-        st = self._mb.pop(a.micro_batch)
+        self._drop(a.micro_batch)
+
+    def _drop(self, m: int) -> None:
+        """Forget micro-batch ``m`` (its held activations too); its sends stay pending."""
+        st = self._mb.pop(m)
         self._pending_sends += st.sends
         for h in st.held:
             h.release()
@@ -238,7 +242,7 @@ class StageExecutor:
         if inputs and outs:
             st.groups = input_gradients(outs, gs, inputs, self.weights)
         else:
-            st.grads = gs
+            st.whole = (outs, gs)
         self._after_input_grads(m)
         self._poll_sends()
 
@@ -249,14 +253,9 @@ class StageExecutor:
         st = self._mb[m]
         if st.groups is not None:
             weight_gradients(st.groups, self.weights, self.on_grad_ready)
-        elif st.loss is not None:
-            torch.autograd.backward([self.precision.scale(st.loss)])
-        elif st.grads:
-            outs = [t for t in st.output if t.requires_grad]
-            torch.autograd.backward(outs, st.grads)
-        for h in st.held:
-            h.release()
-        del self._mb[m]
+        elif st.whole is not None and st.whole[0]:
+            torch.autograd.backward(*st.whole)
+        self._drop(m)
         self._poll_sends()
 
     def send_backward(self, a: Action) -> None:
@@ -420,14 +419,11 @@ class StageExecutor:
         return outs, gs
 
     def _backward(self, m: int) -> None:
-        st = self._mb[m]
         outs, gs = self._output_grads(m)
         if outs:
             torch.autograd.backward(outs, gs)
         self._after_input_grads(m)
-        for h in st.held:
-            h.release()
-        del self._mb[m]
+        self._drop(m)
 
     def _after_input_grads(self, m: int) -> None:
         """Micro-batch ``m``'s input gradients are computed: keep them for ``SEND_B``."""

@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -404,18 +405,18 @@ class FlatShards:
         return {id(pc.param): (pc.origin, pc.offset) for pc in self.pieces}
 
     def layer_states(
-        self, first_layer: int, optimizer: torch.optim.Optimizer | None
+        self, layer_ids: Sequence[int], optimizer: torch.optim.Optimizer | None
     ) -> dict[int, LayerState]:
         """The stage's layer states with the WHOLE optimizer state on replica 0 (``{}`` on the
         others). A collective over the stage's replica group: every replica calls it.
 
         Args:
-            first_layer: chain index of the stage's first layer.
+            layer_ids: the chain index of each of the stage's layers.
             optimizer: this replica's optimizer (over :attr:`pieces` and the whole parameters).
         """
         names = {
-            id(p): (first_layer + i, name)
-            for i, layer in enumerate(self.module.children())
+            id(p): (i, name)
+            for i, layer in zip(layer_ids, self.module.children(), strict=True)
             for name, p in layer.named_parameters(remove_duplicate=False)
         }
         mine = []
@@ -430,7 +431,7 @@ class FlatShards:
                            group=self.pg)  # fmt: skip
         if self.replica != 0:
             return {}
-        out = stage_layer_states(self.module, first_layer, optimizer)
+        out = stage_layer_states(self.module, layer_ids, optimizer)
         for pieces in got:
             for layer, name, offset, shape, state in pieces:
                 whole = out[layer].optimizer.setdefault(name, {})
