@@ -156,6 +156,7 @@ def test_train_and_verify_share_one_flag_set_with_help() -> None:
         "--optimizer",
         "--lr",
         "--schedule",
+        "--virtual-stages",
         "--policy",
         "--device",
         "--timeout-s",

@@ -180,3 +180,37 @@ def test_refine_cuts_searches_the_partition_under_each_schedule():
             assert all((st.layers[1] - st.layers[0]) % v == 0 for st in groups)
     none = ScheduleChoice("gpipe", None, None, "no plan")
     assert refine_cuts(none, prof, cluster) is none
+
+
+def test_train_and_verify_take_every_schedule_name(tmp_path):
+    """``--schedule`` of ``train``/``verify`` (and the API's ``schedule=``) names every schedule;
+    ``interleaved`` cuts each device group into ``--virtual-stages`` chunks."""
+    import argparse
+
+    from dapple.api import _with
+    from dapple.cli._run_args import load_run_plan
+
+    path = tmp_path / "plan.json"
+    base = _base(M=3, gbs=12)
+    base.save(path)
+
+    def run_plan(schedule, v=1, policy=None):
+        ns = argparse.Namespace(plan=str(path), schedule=schedule, virtual_stages=v, policy=policy)
+        return load_run_plan(ns)
+
+    inter = run_plan("interleaved", 2)
+    assert inter == with_schedule(base, "interleaved", 2) == _with(path, "interleaved", None, 2)
+    assert inter.virtual_stages == 2 and inter.num_stages == 6
+    assert run_plan("zbh1").schedule == "zbh1"
+    assert run_plan(None, policy="B") == dataclasses.replace(base, policy="B")
+    with pytest.raises(ValidationError, match="--virtual-stages 2 needs --schedule interleaved"):
+        run_plan(None, 2)
+    with pytest.raises(ValidationError, match="virtual_stages=2 needs schedule='interleaved'"):
+        _with(path, None, None, 2)
+    from dapple.cli import build_parser
+
+    parser = build_parser()
+    for cmd in ("train", "verify"):
+        ns = parser.parse_args([cmd, "--plan", str(path), "-m", "mlp", "--schedule",
+                                "interleaved", "--virtual-stages", "2"])  # fmt: skip
+        assert (ns.schedule, ns.virtual_stages) == ("interleaved", 2)

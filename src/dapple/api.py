@@ -252,20 +252,23 @@ def simulate(
             groups).
     """
     from dapple.simulate import simulate as _simulate
-    from dapple.simulate.schedules import with_schedule
 
-    p = _with(plan, None, policy)
-    if schedule is not None:
-        p = with_schedule(p, schedule, virtual_stages)
-    elif virtual_stages != 1:
-        raise ValidationError(f"virtual_stages={virtual_stages} needs schedule='interleaved'")
+    p = _with(plan, schedule, policy, virtual_stages)
     return _simulate(p, _profile(profile), _cluster(cluster))
 
 
-def _with(plan: Plan | str | Path, schedule: str | None, policy: str | None) -> Plan:
+def _with(
+    plan: Plan | str | Path, schedule: str | None, policy: str | None, virtual_stages: int = 1
+) -> Plan:
+    """``plan`` under ``schedule`` (with v chunks for ``interleaved``,
+    :func:`dapple.simulate.schedules.with_schedule`) and ``policy``, each when given."""
+    from dapple.simulate.schedules import with_schedule
+
     p = _plan(plan)
     if schedule is not None:
-        p = dataclasses.replace(p, schedule=cast(Any, schedule))  # Plan validates the name
+        return with_schedule(p, schedule, virtual_stages, policy)
+    if virtual_stages != 1:
+        raise ValidationError(f"virtual_stages={virtual_stages} needs schedule='interleaved'")
     if policy is not None:
         p = dataclasses.replace(p, policy=cast(Any, policy))
     return p
@@ -350,6 +353,7 @@ def verify(
     overrides: Mapping[str, Any] | None = None,
     schedule: str | None = None,
     policy: str | None = None,
+    virtual_stages: int = 1,
     device: str = "auto",
     data: Any = None,
     seq_len: int | None = None,
@@ -363,8 +367,9 @@ def verify(
         workload: A :class:`Workload` or a spec string.
         steps: Optimizer steps of both runs.
         overrides: Factory keyword arguments when ``workload`` is a spec.
-        schedule: ``dapple`` or ``gpipe`` instead of the plan's.
+        schedule: ``gpipe``, ``dapple``, ``interleaved`` or ``zbh1`` instead of the plan's.
         policy: ``A`` or ``B`` instead of the plan's.
+        virtual_stages: v, model chunks per device group with ``schedule="interleaved"``.
         device: Device of the distributed run: ``auto`` (``cuda`` when available, else
             ``cpu``), ``cpu`` or ``cuda``; the reference runs on the CPU.
         data: Training samples of both runs, a dataset or a token file path (as in
@@ -387,7 +392,7 @@ def verify(
     from dapple.runtime.verify import verify as _verify
 
     return _verify(
-        _with(plan, schedule, policy),
+        _with(plan, schedule, policy, virtual_stages),
         _workload(workload, _seq_overrides(workload, overrides, seq_len)),
         steps,
         device=device,

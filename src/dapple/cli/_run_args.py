@@ -10,12 +10,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from collections.abc import Sequence
-from typing import Any, overload
+from typing import overload
 
 from dapple.cli._data_args import add_data_arguments
 from dapple.cli._model_args import add_model_arguments
 from dapple.cli._optim_args import add_optim_arguments
-from dapple.core.plan import Plan
+from dapple.core.plan import SCHEDULES, Plan
+from dapple.errors import ValidationError
 
 __all__ = [
     "RUN_DEVICES",
@@ -102,11 +103,12 @@ def add_run_arguments(p: argparse.ArgumentParser, *, steps: int) -> None:
     p.add_argument("--lr", type=float, default=0.01, help="learning rate (default %(default)s)")
     p.add_argument(
         "--schedule",
-        choices=("dapple", "gpipe", "zbh1"),
+        choices=SCHEDULES,
         default=None,
-        help="run this schedule instead of the plan's (zbh1: the backward split into input- and "
-        "weight-gradient halves, Qi et al.'s ZB-H1)",
+        help="run this schedule instead of the plan's (interleaved: --virtual-stages chunks per "
+        "device group; zbh1: the backward split into input- and weight-gradient halves)",
     )
+    add_virtual_stages_argument(p)
     p.add_argument(
         "--policy",
         choices=("A", "B"),
@@ -149,13 +151,19 @@ def add_precision_argument(p: argparse.ArgumentParser) -> None:
 
 
 def load_run_plan(args: argparse.Namespace) -> Plan:
-    """The plan of ``--plan`` with ``--schedule`` and ``--policy`` applied.
+    """The plan of ``--plan`` with ``--schedule`` (and ``--virtual-stages``,
+    :func:`dapple.simulate.schedules.with_schedule`) and ``--policy`` applied.
 
     Raises:
-        ValidationError: unreadable or invalid plan file.
+        ValidationError: unreadable or invalid plan file, or a schedule that does not fit it.
     """
+    from dapple.simulate.schedules import with_schedule
+
     plan = Plan.load(args.plan)
-    over: dict[str, Any] = {
-        k: v for k, v in (("schedule", args.schedule), ("policy", args.policy)) if v
-    }
-    return dataclasses.replace(plan, **over)
+    if args.schedule:
+        return with_schedule(plan, args.schedule, args.virtual_stages, args.policy)
+    if args.virtual_stages != 1:
+        raise ValidationError(
+            f"--virtual-stages {args.virtual_stages} needs --schedule interleaved"
+        )
+    return dataclasses.replace(plan, policy=args.policy) if args.policy else plan
