@@ -85,6 +85,65 @@ def _padding_owned(sh: FlatShards) -> int:
     return n
 
 
+def test_zero1_gradients_land_in_their_buckets_without_zeroing() -> None:
+    """A parameter's first gradient of the step is copied into its bucket (whatever the bucket
+    held), later ones add to it in place, and a parameter without a gradient reads as zeros."""
+    wl = rw.mlp()
+    plan = straight_plan(4, [0, 1], global_batch_size=12, num_micro_batches=2, replicas=[1, 2])
+    module = wl.build_stage(1, 4, 0)
+    ref = wl.build_stage(1, 4, 0)
+    sh = FlatShards(plan, 1, 0, module, flat_parameters(plan, wl, 1, module), None, 1,
+                    bucket_bytes=100)  # fmt: skip
+    for p in sh.params:  # the last step's reduced values: overwritten, never zeroed first
+        k, _, off = sh._where[id(p)]
+        sh.buckets[k].grads[off : off + p.numel()].fill_(float("nan"))  # type: ignore[index]
+    sh.begin_step()
+    x = torch.randn(3, rw.HID)
+    for _ in range(2):  # two micro-batches; only the stage's first layer gets gradients
+        module[0](x).sum().backward()
+        ref[0](x).sum().backward()
+        sums = sh.grad_sums()
+    used = {id(p) for p in module[0].parameters()}
+    for p, q in zip(module.parameters(), ref.parameters(), strict=True):
+        k, _, off = sh._where[id(p)]
+        grads = sh.buckets[k].grads
+        assert grads is not None
+        view = grads[off : off + p.numel()].view_as(p)
+        if id(p) in used:
+            assert p.grad is not None and p.grad.data_ptr() == view.data_ptr()
+            assert torch.allclose(view, q.grad)
+        else:
+            assert p.grad is None and not view.any()
+    assert all(torch.isfinite(t) for t in sums)
+    sh.close()
+
+
+class _Work:
+    def __init__(self, log: list[int], k: int) -> None:
+        self.log, self.k = log, k
+
+    def wait(self) -> None:
+        self.log.append(self.k)
+
+
+def test_a_layer_waits_for_its_own_gathered_buckets_when_it_next_runs() -> None:
+    wl = rw.mlp()
+    plan = straight_plan(4, [0, 1], global_batch_size=12, num_micro_batches=2, replicas=[1, 2])
+    module = wl.build_stage(1, 4, 0)
+    sh = FlatShards(plan, 1, 0, module, flat_parameters(plan, wl, 1, module), None, 1,
+                    bucket_bytes=100)  # fmt: skip
+    waited: list[int] = []
+    sh._gathers = {k: [_Work(waited, k)] for k in range(len(sh.buckets))}
+    of_layer = [sorted({sh._where[id(p)][0] for p in layer.parameters()}) for layer in module]
+    assert len(of_layer[0]) and of_layer[0] != of_layer[-1]
+    module[0](torch.randn(2, rw.HID))
+    assert waited == of_layer[0]  # the first layer's buckets only, before it computes
+    module[0](torch.randn(2, rw.HID))
+    assert waited == of_layer[0]  # nothing left to wait for
+    sh.close()  # waits for the rest
+    assert sorted(waited) == list(range(len(sh.buckets)))
+
+
 def test_tied_parameters_stay_whole() -> None:
     wl = rw.tied_mlp()
     plan = straight_plan(4, [0, 2], global_batch_size=4, num_micro_batches=2, replicas=[2, 2])

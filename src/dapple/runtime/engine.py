@@ -223,7 +223,7 @@ def run_plan(
         sink.close()
         r.data.close()
         if r.interpreter.shards is not None:
-            r.interpreter.shards.close()
+            r.interpreter.shards.close(clean=clean)
         if not clean:  # peers may be gone: drop the hooks, wait for nothing
             r.sync.close(clean=False)
     _teardown(r.sync, plan, rank)

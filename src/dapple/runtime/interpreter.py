@@ -24,7 +24,8 @@ simulator runs - and dispatches every action on its kind:
   global gradient norm (a world all_reduce that ranks beyond the plan join with
   :meth:`ModelUpdate.join` after their empty program), clips, sets the step's lr and steps the
   optimizer; under ZeRO (:mod:`dapple.runtime.zero`) the optimizer holds this replica's shard
-  only and :meth:`FlatShards.gather` then brings every replica the others' updated chunks.
+  only and :meth:`FlatShards.gather` then starts bringing every replica the others' updated
+  chunks (each layer waits for its own before its next forward).
   ZeRO-1 reduce-scatters the gradients (overlapped with the last backward, waited for at
   ``AR``) instead of the AllReduce; ZeRO-2 after every ``B``.
 

@@ -8,7 +8,9 @@ stage, as ``dapple plan --zero-stage`` records it) at 1 or 2, each replica of a 
 ``r_s > 1`` keeps and updates ``1/r_s`` of the stage's parameters (:class:`FlatShards`):
 
 - ZeRO-1: the gradients accumulate over the step's micro-batches, in place, in flat bucket
-  buffers (``p.grad`` is a view of its bucket); from the last backward on each bucket is
+  buffers (``p.grad`` is a view of its bucket: a parameter's first gradient of the step is
+  copied in - no zeroing, no full-size add - later ones add to it); from the last backward on
+  each bucket is
   reduce-scattered (``torch.distributed.reduce_scatter_single``, SUM) as soon as its gradients are final, so
   every replica receives the reduced gradient of its own chunk of the bucket - the bytes of
   the AllReduce's reduce-scatter half - while backward still runs.
@@ -21,7 +23,9 @@ stage, as ``dapple plan --zero-stage`` records it) at 1 or 2, each replica of a 
 In both, the optimizer's parameters are views of this replica's chunks of the flat parameter
 buffers (:attr:`FlatShards.pieces`, cut at parameter boundaries so each keeps its weight-decay
 group), their gradients views of the gradient shard; after the update every bucket is
-all-gathered in place (``torch.distributed.all_gather_single``, :meth:`FlatShards.gather`).
+all-gathered in place (``torch.distributed.all_gather_single``, :meth:`FlatShards.gather`),
+the first layers' buckets first, and waited for by each layer as it next runs forward (a
+forward pre-hook), so the gather overlaps the next step up to and during its forward.
 torch 2.13 runs both on gloo (CPU) and NCCL (they are the ``reduce_scatter_tensor`` /
 ``all_gather_into_tensor`` of earlier releases, which 2.13 deprecates), but gloo's are slow: 4
 CPU processes on 2 cores took 590-750 ms to reduce-scatter 29.5M floats - twice the 330-390 ms
@@ -196,7 +200,8 @@ class FlatShards:
         self.buckets: list[_Bucket] = []
         self.pieces: list[Piece] = []
         """The optimizer's parameters, in bucket order."""
-        self._where: dict[int, tuple[int, int]] = {}
+        self._where: dict[int, tuple[int, int, int]] = {}
+        """``id(stage parameter) -> (bucket, index in it, offset in its flat buffer)``."""
         shard = 0
         pending: list[tuple[int, int, int, nn.Parameter]] = []  # (bucket, lo, hi, parameter)
         with torch.no_grad():
@@ -216,7 +221,7 @@ class FlatShards:
                     if a < b:
                         pending.append((k, a - lo, b - a, p))
                         self.pieces.append(Piece(nn.Parameter(bk.flat[a:b]), p, a - off))
-                    self._where[id(p)] = (k, i)
+                    self._where[id(p)] = (k, i, off)
                     off += p.numel()
                 if zero_stage == 1:
                     bk.grads = torch.zeros(padded, **kw)
@@ -238,7 +243,14 @@ class FlatShards:
         chunk (see the module docstring)."""
         self._armed = False
         self._next = 0
+        self._gathers: dict[int, list[Any]] = {}
+        """The gathers in flight, by bucket (waited for at the first use of its parameters)."""
         self._hooks = [p.register_post_accumulate_grad_hook(self.on_grad) for p in params]  # type: ignore[no-untyped-call]
+        for layer in module.children():
+            needs = sorted({self._where[id(p)][0] for p in layer.parameters()
+                            if id(p) in self._where})  # fmt: skip
+            if needs:
+                self._hooks.append(layer.register_forward_pre_hook(self._before_forward(needs)))
 
     # -- the step ----------------------------------------------------------------------------
     def owned_fraction(self) -> float:
@@ -247,17 +259,11 @@ class FlatShards:
         return sum(pc.param.numel() for pc in self.pieces) / total if total else 0.0
 
     def begin_step(self) -> None:
-        """Start of a step: zero gradients (ZeRO-1: the buckets, ``p.grad`` their views;
-        ZeRO-2: the gradient shard)."""
-        if self.zero_stage == 1:
-            for bk in self.buckets:
-                assert bk.grads is not None
-                bk.grads.zero_()
-                off = 0
-                for p in bk.params:
-                    p.grad = bk.grads[off : off + p.numel()].view_as(p)
-                    off += p.numel()
-        else:
+        """Start of a step (``p.grad`` is None): ZeRO-2 zeroes the gradient shard. ZeRO-1's
+        buckets are not zeroed: a parameter's first gradient of the step is copied into its
+        bucket (:meth:`_own`), so only the gradients of parameters that get none are zeroed,
+        when their bucket is read."""
+        if self.zero_stage == 2:
             self.grad_shard.zero_()
         self._sums = []
         for bk in self.buckets:
@@ -275,9 +281,13 @@ class FlatShards:
         """``p``'s gradient of this backward is complete (autograd's hook, or a ``W``): start
         the buckets whose gradients are all final, in order; parameters not sharded here are
         ignored."""
-        if not self._armed or id(p) not in self._where:
+        if id(p) not in self._where:
             return
-        k, i = self._where[id(p)]
+        if self.zero_stage == 1:
+            self._own(p)
+        if not self._armed:
+            return
+        k, i, _ = self._where[id(p)]
         self.buckets[k].ready.add(i)
         while self._next < len(self.buckets):
             nb = self.buckets[self._next]
@@ -286,8 +296,24 @@ class FlatShards:
             self._launch(nb)
             self._next += 1
 
+    def _own(self, p: torch.Tensor) -> None:
+        """ZeRO-1: make ``p.grad`` the view of its bucket - autograd's first gradient of the
+        step (a fresh tensor) is copied in, later ones accumulate in place; a parameter
+        without a gradient has zeros there."""
+        k, _, off = self._where[id(p)]
+        grads = self.buckets[k].grads
+        assert grads is not None
+        view = grads[off : off + p.numel()]
+        if p.grad is None:
+            view.zero_()
+        elif p.grad.data_ptr() != view.data_ptr():
+            view.copy_(p.grad.reshape(-1))
+            p.grad = view.view_as(p)
+
     def _launch(self, bk: _Bucket) -> None:
         if bk.grads is not None:  # ZeRO-1: the accumulated bucket, reduced in place
+            for p in bk.params:
+                self._own(p)
             src = bk.grads
             bk.launched_sum = src.sum()
         else:  # ZeRO-2: this micro-batch's gradients, then free them
@@ -349,6 +375,9 @@ class FlatShards:
         sums = []
         for bk in self.buckets:
             assert bk.grads is not None
+            if bk.launched_sum is None:
+                for p in bk.params:
+                    self._own(p)
             sums.append(bk.launched_sum if bk.launched_sum is not None else bk.grads.sum())
         return sums
 
@@ -377,23 +406,45 @@ class FlatShards:
 
     @torch.no_grad()
     def gather(self) -> None:
-        """After the update of the pieces: every replica's chunks to every replica, in place
-        (gloo: one broadcast per chunk from its owner; otherwise an all-gather per bucket)."""
-        works = []
-        for bk in self.buckets:
+        """After the update of the pieces: start bringing every replica's chunks to every
+        replica, in place (gloo: one broadcast per chunk from its owner; otherwise an
+        all-gather per bucket), the first layers' buckets first. Nothing waits here: a layer
+        waits for its buckets when it next runs forward (a pre-hook), so the gathers overlap
+        the time up to the next step's forward and that forward itself;
+        :meth:`wait_gathers` waits for all (before the parameters are read otherwise)."""
+        for k in reversed(range(len(self.buckets))):
+            bk = self.buckets[k]
             chunk = bk.padded // self.r
             if self._gloo:
-                for j, d in enumerate(self.devices):
-                    part = bk.flat[j * chunk : (j + 1) * chunk]
-                    works.append(dist.broadcast(part, src=d, group=self.pg, async_op=True))
+                parts = [bk.flat[j * chunk : (j + 1) * chunk] for j in range(self.r)]
+                self._gathers[k] = [
+                    dist.broadcast(part, src=d, group=self.pg, async_op=True)
+                    for part, d in zip(parts, self.devices, strict=True)
+                ]
             else:
                 mine = bk.flat[self.replica * chunk : (self.replica + 1) * chunk]
-                works.append(dist.all_gather_single(bk.flat, mine, group=self.pg, async_op=True))
-        for w in works:
-            w.wait()
+                self._gathers[k] = [
+                    dist.all_gather_single(bk.flat, mine, group=self.pg, async_op=True)
+                ]
 
-    def close(self) -> None:
-        """Remove the hooks."""
+    def _before_forward(self, needs: list[int]) -> Any:
+        def wait(module: nn.Module, args: Any) -> None:
+            self.wait_gathers(needs)
+
+        return wait
+
+    def wait_gathers(self, buckets: Sequence[int] | None = None) -> None:
+        """Wait for the gathers in flight of ``buckets`` (default: all)."""
+        for k in list(self._gathers) if buckets is None else buckets:
+            for w in self._gathers.pop(k, ()):
+                w.wait()
+
+    def close(self, *, clean: bool = True) -> None:
+        """Remove the hooks; ``clean``: first wait for the gathers in flight (the peers may be
+        gone otherwise: then wait for nothing)."""
+        if clean:
+            self.wait_gathers()
+        self._gathers = {}
         for h in self._hooks:
             h.remove()
         self._hooks = []
@@ -414,6 +465,7 @@ class FlatShards:
             layer_ids: the chain index of each of the stage's layers.
             optimizer: this replica's optimizer (over :attr:`pieces` and the whole parameters).
         """
+        self.wait_gathers()
         names = {
             id(p): (i, name)
             for i, layer in zip(layer_ids, self.module.children(), strict=True)
