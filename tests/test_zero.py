@@ -1,7 +1,7 @@
 """ZeRO-1 and ZeRO-2 inside replicated stages (:mod:`dapple.runtime.zero`).
 
 Pure tiers first (the flat layout: equal chunks of every bucket, each element in exactly one
-replica's pieces, tied parameters left whole; option checks; the planner's memory and cost),
+replica's pieces, tied parameters sharded in slices; option checks; the planner's memory and cost),
 then multi-process runs (marked slow): ``verify`` with ``zero_stage=1`` under 1:3, 2:2, 1:2:1
 and DP x4 (and a tied weight across two replicated stages) with AdamW + a binding clip in one
 spawned group, and a checkpoint saved under 2:2 with ZeRO-1 (whole optimizer state in the layer
@@ -28,7 +28,7 @@ from dapple.core.plan import Plan, straight_plan
 from dapple.errors import ValidationError
 from dapple.runtime.config import TrainConfig
 from dapple.runtime.optim_config import OPTIM_FIELDS, ZERO_STAGES
-from dapple.runtime.zero import FlatShards, flat_parameters, unsharded_stages
+from dapple.runtime.zero import FlatShards, flat_parameters, tied_parameters, unsharded_stages
 
 G = 6
 """Global batch of the verify runs (divisible by 3 replicas x 2 micro-batches)."""
@@ -144,16 +144,35 @@ def test_a_layer_waits_for_its_own_gathered_buckets_when_it_next_runs() -> None:
     assert sorted(waited) == list(range(len(sh.buckets)))
 
 
-def test_tied_parameters_stay_whole() -> None:
+def test_tied_parameters_keep_whole_gradients_and_shard_their_state_in_slices() -> None:
     wl = rw.tied_mlp()
-    plan = straight_plan(4, [0, 2], global_batch_size=4, num_micro_batches=2, replicas=[2, 2])
-    module = wl.build_stage(0, 2, 0)
-    flat = flat_parameters(plan, wl, 0, module)
-    tied = {id(dict(enumerate(module.children()))[i].get_parameter(n))
-            for g in wl.tied_parameters for i, n in g if i < 2}  # fmt: skip
-    assert tied and not tied & {id(p) for p in flat}
-    assert len(flat) == len(list(module.parameters())) - len(tied)
-    assert unsharded_stages(plan) == []
+    plan = straight_plan(4, [0, 2], global_batch_size=4, num_micro_batches=2, replicas=[3, 1])
+    hits: torch.Tensor | None = None
+    for j in range(3):
+        module = wl.build_stage(0, 2, 0)
+        flat = flat_parameters(plan, wl, 0, module)
+        tied = tied_parameters(plan, wl, 0, module)
+        weight = dict(enumerate(module.children()))[1].get_parameter("0.weight")
+        assert [id(t) for t in tied] == [id(weight)]  # layer 1's copy (layer 2's: stage 1)
+        assert id(weight) not in {id(p) for p in flat}
+        assert len(flat) == len(list(module.parameters())) - 1
+        sh = FlatShards(plan, 0, j, module, flat, None, 1, tied=tied)
+        (piece,) = [pc for pc in sh.pieces if pc.origin is weight]
+        assert piece.param.data_ptr() == weight.reshape(-1)[piece.offset :].data_ptr()
+        hits = torch.zeros(weight.numel()) if hits is None else hits
+        hits[piece.offset : piece.offset + piece.param.numel()] += 1
+        # its gradient is the slice of the whole (summed) one, pointed at the update
+        weight.grad = torch.arange(weight.numel(), dtype=torch.float32).view_as(weight)
+        sh.point_tied()
+        assert piece.param.grad is not None
+        assert torch.equal(
+            piece.param.grad, weight.grad.reshape(-1)[piece.offset :][: piece.param.numel()]
+        )
+        # the norm counts each piece of what replica 0 counts whole, once over the replicas
+        assert [id(p) for p in sh.counted([weight])] == [id(piece.param)]
+        sh.close()
+    assert hits is not None and torch.equal(hits, torch.ones_like(hits))
+    assert unsharded_stages(plan) == [1]
 
 
 # -- options -----------------------------------------------------------------------------------
@@ -280,9 +299,9 @@ def resume_worker(rank: int, world: int, out_dir: str) -> None:
     p13 = straight_plan(4, [0, 1], global_batch_size=6, num_micro_batches=2, replicas=[1, 3])
     ck = str(Path(out_dir, "ck"))
 
-    def run(plan, **kw: object):  # type: ignore[no-untyped-def]
+    def run(plan, workload=wl, **kw: object):  # type: ignore[no-untyped-def]
         cfg = TrainConfig(**{**RESUME, "steps": STEPS, **kw})  # type: ignore[arg-type]
-        return run_plan(plan, wl, cfg, device=device)
+        return run_plan(plan, workload, cfg, device=device)
 
     full = run(p22, zero_stage=1)
     # the same sharding asked for per stage in the plan (run-wide zero_stage 0)
@@ -308,6 +327,14 @@ def resume_worker(rank: int, world: int, out_dir: str) -> None:
     ck2 = str(Path(out_dir, "ck2"))
     run(p13, zero_stage=2, checkpoint_dir=ck2, save_every=CUT)
     from_z2 = run(p22, checkpoint_dir=ck2, resume=True)
+    # a tied weight across the two replicated stages, its state sharded in slices: saved under
+    # ZeRO-1, resumed unsharded (and the other way) equals the unsharded run
+    tied, ck3, ck4 = rw.tied_mlp(), str(Path(out_dir, "ck3")), str(Path(out_dir, "ck4"))
+    tied_plain = run(p22, tied)
+    run(p22, tied, zero_stage=1, checkpoint_dir=ck3, save_every=CUT)
+    tied_from_z1 = run(p22, tied, checkpoint_dir=ck3, resume=True)
+    run(p22, tied, checkpoint_dir=ck4, save_every=CUT)
+    tied_to_z2 = run(p22, tied, zero_stage=2, checkpoint_dir=ck4, resume=True)
     # a non-finite loss with on_nonfinite=skip: no replica updates its shard or gathers
     nan_wl = dataclasses.replace(wl, make_batch=_nan_batch)
     skips = [
@@ -336,6 +363,8 @@ def resume_worker(rank: int, world: int, out_dir: str) -> None:
         and _close(full.module, z2_again.module)
         and _close(full.module, from_z2.module),
         "zero2_owned": _owned(z2.optimizer),
+        "tied_same": _close(tied_plain.module, tied_from_z1.module)
+        and _close(tied_plain.module, tied_to_z2.module),
         "tensor_path_same": all(_close(plain13.module, t.module) for t in tensor_path),
         "skip_lrs": [m.lr for m in skips[1].metrics],
         "other1_owned": _owned(other1.optimizer),
@@ -395,6 +424,7 @@ def test_zero1_checkpoint_is_whole_and_resumes_under_another_plan(tmp_path: Path
         assert row["skip_same2"], f"rank {r}: a skipped step differs under ZeRO-2"
         assert row["zero2_same"], f"rank {r}: ZeRO-2 (straight or resumed) differs"
         assert row["zero2_owned"] == row["owned"], r
+        assert row["tied_same"], f"rank {r}: the tied weight's sharded state resumed differently"
         assert row["tensor_path_same"], f"rank {r}: reduce_scatter/all_gather path differs"
         assert row["planned_same"] and row["planned_owned"] == row["owned"], r
     assert rows[0]["skip_lrs"][NAN_STEP] is None  # the step was skipped (no update)

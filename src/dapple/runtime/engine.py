@@ -72,7 +72,7 @@ from dapple.runtime.reporting import open_reporters, target_tokens
 from dapple.runtime.stage import StageExecutor
 from dapple.runtime.sync import GradientSync
 from dapple.runtime.transport import flatten, infer_boundary_specs
-from dapple.runtime.zero import FlatShards, flat_parameters, unsharded_stages
+from dapple.runtime.zero import FlatShards, flat_parameters, tied_parameters, unsharded_stages
 from dapple.schedule.lower import lower, plan_compute_order
 
 __all__ = [
@@ -338,14 +338,16 @@ def _setup(
     zero = _zero_stage(plan, config, rank, s)
     flat = flat_parameters(plan, workload, s, module) if zero and module and s is not None else []
     flat_ids = frozenset(id(p) for p in flat)
+    tied = tied_parameters(plan, workload, s, module) if zero and module and s is not None else []
+    sharded = flat_ids | {id(p) for p in tied}
     sync = GradientSync(plan, workload, rank, module, s, exclude=flat_ids)  # creates the groups
     torch.manual_seed(config.seed * 7919 + rank)  # per-rank RNG for dropout-like layers
     params = list(module.parameters()) if module is not None else []
     shards = None
-    if flat and module is not None and s is not None and j is not None:
-        shards = FlatShards(plan, s, j, module, flat, sync.pg, zero)
+    if (flat or tied) and module is not None and s is not None and j is not None:
+        shards = FlatShards(plan, s, j, module, flat, sync.pg, zero, tied=tied)
     # the optimizer's parameters: this replica's pieces of the sharded ones and the others whole
-    updated = [p for p in params if id(p) not in flat_ids]
+    updated = [p for p in params if id(p) not in sharded]
     if shards is not None:
         updated = [pc.param for pc in shards.pieces] + updated
     like = {id(pc.param): pc.origin for pc in shards.pieces} if shards is not None else {}
@@ -370,9 +372,9 @@ def _setup(
     longrun.data_state = data_state(data, config.seed, G)
     start = longrun.resume()
     step_probe = StepProbe(device, meter, ex, baseline)
-    counted = [p for p in counted_parameters(plan, workload, s, j, module) if id(p) not in flat_ids]
-    if shards is not None:  # every replica counts its gradient shard
-        counted = [pc.param for pc in shards.pieces] + counted
+    counted = [p for p in counted_parameters(plan, workload, s, j, module) if id(p) not in sharded]
+    if shards is not None:  # every replica counts its pieces of what its stage counts
+        counted = shards.counted(counted_parameters(plan, workload, s, 0, module)) + counted
     update = ModelUpdate(config, opt, updated, counted, device)
     interpreter = ProgramInterpreter(plan, lower(plan), rank, executor=ex, sync=sync,
                                      longrun=longrun, optimizer=opt, params=params,

@@ -311,6 +311,8 @@ class ProgramInterpreter:
 
     def _optimizer_step(self, a: Action) -> None:
         self.sync.tied()
+        if self.shards is not None:  # the tied pieces' gradients: slices of the sums
+            self.shards.point_tied()
         self.precision.unscale(self.update.params)  # fp16: gradients / S (the loss was x S)
         self.update.step(self._step)  # global norm, clipping, lr_at(step), optimizer step
         if self.shards is not None:  # ZeRO: every replica's updated chunks to every replica

@@ -1,66 +1,9 @@
-"""Sharded training state inside a replicated stage (ZeRO-1 and ZeRO-2, per stage).
-
-DAPPLE replicates stage ``s`` on ``r_s`` devices and all-reduces its gradients, AR(P_s, g_s);
-without sharding every replica then runs the same optimizer update on the whole stage and
-keeps the whole optimizer state (Adam: two fp32 moments, 8 of the 16 bytes per parameter).
-With ``TrainConfig.zero_stage`` (every replicated stage) or ``StagePlan.zero_stage`` (that
-stage, as ``dapple plan --zero-stage`` records it) at 1 or 2, each replica of a stage with
-``r_s > 1`` keeps and updates ``1/r_s`` of the stage's parameters (:class:`FlatShards`):
-
-- ZeRO-1: the gradients accumulate over the step's micro-batches, in place, in flat bucket
-  buffers (``p.grad`` is a view of its bucket: a parameter's first gradient of the step is
-  copied in - no zeroing, no full-size add - later ones add to it); from the last backward on
-  each bucket is
-  reduce-scattered (``torch.distributed.reduce_scatter_single``, SUM) as soon as its gradients are final, so
-  every replica receives the reduced gradient of its own chunk of the bucket - the bytes of
-  the AllReduce's reduce-scatter half - while backward still runs.
-- ZeRO-2: no full-size gradient buffer: after *every* micro-batch's backward each bucket is
-  copied into a staging buffer, the parameters' gradients are freed and the bucket is
-  reduce-scattered and added to this replica's gradient shard - M times ZeRO-1's gradient
-  traffic, for ``1/r_s`` of the gradient memory (at most :data:`MAX_STAGED` buckets are staged
-  at once).
-
-In both, the optimizer's parameters are views of this replica's chunks of the flat parameter
-buffers (:attr:`FlatShards.pieces`, cut at parameter boundaries so each keeps its weight-decay
-group), their gradients views of the gradient shard; after the update every bucket is
-all-gathered in place (``torch.distributed.all_gather_single``, :meth:`FlatShards.gather`),
-the first layers' buckets first, and waited for by each layer as it next runs forward (a
-forward pre-hook), so the gather overlaps the next step up to and during its forward.
-torch 2.13 runs both on gloo (CPU) and NCCL (they are the ``reduce_scatter_tensor`` /
-``all_gather_into_tensor`` of earlier releases, which 2.13 deprecates), but gloo's are slow: 4
-CPU processes on 2 cores took 590-750 ms to reduce-scatter 29.5M floats - twice the 330-390 ms
-of an AllReduce of them, with a temporary the size of the input - and 210-270 ms to all-gather
-them. On gloo, the stage's group therefore reduces each chunk to its owner
-(``torch.distributed.reduce``, one per replica, asynchronous: 175 ms, the reduce-scatter's
-bytes, in place) and gathers by one ``broadcast`` per chunk from its owner (86-95 ms).
-
-Design choices:
-    - Layout: the stage's trainable parameters, in reverse order (the order backward makes
-      their gradients final), are cut into buckets of about :data:`~dapple.runtime.sync.BUCKET_BYTES`;
-      a bucket of ``n`` elements is padded to ``P = r * ceil(n / r)`` and replica ``j`` owns
-      its chunk ``[j P / r, (j + 1) P / r)``. The parameters become views of their bucket's
-      flat buffer (built one bucket at a time, so the copy adds one bucket to the peak, not
-      the stage). Each replica thus updates exactly ``1/r_s`` of every bucket, and a bucket's
-      reduce-scatter can start while backward computes earlier layers.
-    - The update of each element is the unsharded one (Adam/AdamW/SGD are elementwise), so a
-      sharded run equals an unsharded one to rounding; the global gradient norm counts every
-      replica's gradient shard (each element once over the replicas), clipping and fp16
-      unscaling scale the shard.
-    - Parameters of tied groups (``Workload.tied_parameters``) stay whole: their gradients are
-      summed across copies after the stage reduction (:mod:`dapple.runtime.sync`), and every
-      replica updates them as without sharding.
-    - Checkpoints stay complete and layer-keyed: at a save every replica sends the optimizer
-      state of its pieces to replica 0 (:meth:`FlatShards.layer_states`), which writes each
-      parameter's state whole; at a resume each replica slices its pieces' state out of the
-      layer files (:func:`dapple.runtime.checkpoint.restore_stage`), so a checkpoint saved
-      under any plan or zero stage resumes under any other.
-"""
+"""One replica's shard of its stage's training state (:mod:`dapple.runtime.zero` says how)."""
 
 from __future__ import annotations
 
-import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -69,21 +12,10 @@ import torch.distributed as dist
 from torch import nn
 
 from dapple.core.plan import Plan
-from dapple.models.workload import Workload
 from dapple.runtime.checkpoint import LayerState, stage_layer_states
-from dapple.runtime.optim_config import ZERO_STAGES
 from dapple.runtime.sync import BUCKET_BYTES
 
-__all__ = [
-    "MAX_STAGED",
-    "ZERO_STAGES",
-    "FlatShards",
-    "Piece",
-    "flat_parameters",
-    "unsharded_stages",
-]
-
-logger = logging.getLogger(__name__)
+__all__ = ["MAX_STAGED", "TENSOR_COLLECTIVES_ENV", "FlatShards", "Piece"]
 
 TENSOR_COLLECTIVES_ENV = "DAPPLE_TEST_ZERO_TENSOR_COLLECTIVES"
 """Test hook: with ``1`` here gloo groups use ``reduce_scatter_single``/``all_gather_single``
@@ -94,37 +26,14 @@ MAX_STAGED = 2
 staged gradients take at most this many buckets, not the stage)."""
 
 
-def unsharded_stages(plan: Plan) -> list[int]:
-    """The stages a zero stage does not change: those with one replica."""
-    return [i for i, st in enumerate(plan.stages) if st.replicas == 1]
-
-
-def flat_parameters(
-    plan: Plan, workload: Workload, stage: int, module: nn.Module
-) -> list[nn.Parameter]:
-    """The parameters of stage ``stage`` that :class:`FlatShards` shards: the trainable ones of
-    the first trainable parameter's dtype and device, without those of tied groups."""
-    lo, hi = plan.stages[stage].layers
-    layers = dict(zip(range(lo, hi), module.children(), strict=False))
-    tied = {
-        id(layers[int(i)].get_parameter(str(name)))
-        for group in workload.tied_parameters
-        for i, name in group
-        if int(i) in layers
-    }
-    params = [p for p in module.parameters() if p.requires_grad and id(p) not in tied]
-    if not params:
-        return []
-    kind = (params[0].dtype, params[0].device)
-    return [p for p in params if (p.dtype, p.device) == kind]
-
-
 @dataclass(frozen=True, slots=True)
 class Piece:
-    """The part of one stage parameter inside this replica's chunk of a bucket."""
+    """The part of one stage parameter this replica updates: inside its chunk of a bucket, or
+    its slice of a tied parameter."""
 
     param: nn.Parameter
-    """The optimizer's parameter: a 1-D view of its bucket's flat parameter buffer."""
+    """The optimizer's parameter: a 1-D view of its bucket's flat parameter buffer (of the
+    tied parameter)."""
     origin: nn.Parameter
     """The stage parameter it is part of."""
     offset: int
@@ -166,6 +75,9 @@ class FlatShards:
             :class:`~dapple.runtime.sync.GradientSync` must leave them out.
         pg: the stage's replica group.
         zero_stage: 1 or 2.
+        tied: the stage's tied parameters whose optimizer state is sharded
+            (:func:`tied_parameters`): replica ``j`` updates elements
+            ``[j c, (j + 1) c)``, ``c = ceil(n / r)``, of each, from its whole gradient.
         bucket_bytes: the bucket size (default :data:`~dapple.runtime.sync.BUCKET_BYTES`).
     """
 
@@ -179,6 +91,7 @@ class FlatShards:
         pg: Any,
         zero_stage: int,
         *,
+        tied: Sequence[nn.Parameter] = (),
         bucket_bytes: int | None = None,
     ) -> None:
         self.devices = list(plan.stages[stage].devices)
@@ -231,6 +144,14 @@ class FlatShards:
         for pc, (k, at, n, _) in zip(self.pieces, pending, strict=True):
             g0 = self.buckets[k].shard_start + at
             pc.param.grad = self.grad_shard[g0 : g0 + n]
+        self.tied = list(tied)
+        """Tied parameters: whole gradients (summed across stages), optimizer state in slices."""
+        self._tied_pieces: list[Piece] = []
+        for t in self.tied:
+            lo, hi = self._slices(t)[replica]
+            if lo < hi:
+                self._tied_pieces.append(Piece(nn.Parameter(t.detach().view(-1)[lo:hi]), t, lo))
+        self.pieces += self._tied_pieces
         self._sums: list[torch.Tensor] = []
         self._inflight: list[_Bucket] = []
         """ZeRO-2: the buckets whose reduction runs, oldest first."""
@@ -244,15 +165,45 @@ class FlatShards:
         self._armed = False
         self._next = 0
         self._gathers: dict[int, list[Any]] = {}
-        """The gathers in flight, by bucket (waited for at the first use of its parameters)."""
+        """The gathers in flight by key - a bucket's index, or ``len(buckets) + t`` for tied
+        parameter ``t`` - each waited for at the first use of its parameters."""
         self._hooks = [p.register_post_accumulate_grad_hook(self.on_grad) for p in params]  # type: ignore[no-untyped-call]
+        key = {id(p): self._where[id(p)][0] for p in params}
+        key.update({id(t): len(self.buckets) + i for i, t in enumerate(self.tied)})
+        self._order: list[int] = []
+        """The gather keys in the order the stage's forward first needs them."""
         for layer in module.children():
-            needs = sorted({self._where[id(p)][0] for p in layer.parameters()
-                            if id(p) in self._where})  # fmt: skip
+            needs = sorted({key[id(p)] for p in layer.parameters() if id(p) in key})
+            self._order += [k for k in needs if k not in self._order]
             if needs:
                 self._hooks.append(layer.register_forward_pre_hook(self._before_forward(needs)))
+        self._order += [
+            k for k in range(len(self.buckets) + len(self.tied)) if k not in self._order
+        ]
 
     # -- the step ----------------------------------------------------------------------------
+    def _slices(self, t: torch.Tensor) -> list[tuple[int, int]]:
+        """Each replica's elements ``[lo, hi)`` of tied parameter ``t`` (the last may be short
+        or empty)."""
+        n = t.numel()
+        c = -(-n // self.r)
+        return [(min(j * c, n), min((j + 1) * c, n)) for j in range(self.r)]
+
+    def counted(self, counts: Collection[nn.Parameter]) -> list[nn.Parameter]:
+        """The pieces whose gradients this replica adds to the global norm: those of the
+        stage parameters in ``counts`` (what the stage's replica 0 would count whole), so
+        every element counts once over the replicas."""
+        ids = {id(p) for p in counts}
+        return [pc.param for pc in self.pieces if id(pc.origin) in ids]
+
+    def point_tied(self) -> None:
+        """At ``OPT``, after the tied sums: each tied piece's gradient is its slice of the
+        parameter's whole gradient (None without one)."""
+        for pc in self._tied_pieces:
+            g = pc.origin.grad
+            n = pc.param.numel()
+            pc.param.grad = None if g is None else g.reshape(-1)[pc.offset : pc.offset + n]
+
     def owned_fraction(self) -> float:
         """The share of the stage's sharded elements this replica updates."""
         total = sum(p.numel() for p in self.params)
@@ -411,8 +362,17 @@ class FlatShards:
         all-gather per bucket), the first layers' buckets first. Nothing waits here: a layer
         waits for its buckets when it next runs forward (a pre-hook), so the gathers overlap
         the time up to the next step's forward and that forward itself;
-        :meth:`wait_gathers` waits for all (before the parameters are read otherwise)."""
-        for k in reversed(range(len(self.buckets))):
+        :meth:`wait_gathers` waits for all (before the parameters are read otherwise). A tied
+        parameter's slices are broadcast from their owners."""
+        for k in self._order:
+            if k >= len(self.buckets):
+                t = self.tied[k - len(self.buckets)].detach().view(-1)
+                self._gathers[k] = [
+                    dist.broadcast(t[lo:hi], src=d, group=self.pg, async_op=True)
+                    for (lo, hi), d in zip(self._slices(t), self.devices, strict=True)
+                    if lo < hi
+                ]
+                continue
             bk = self.buckets[k]
             chunk = bk.padded // self.r
             if self._gloo:
