@@ -319,8 +319,8 @@ def test_bad_input_names_values():
 
 
 def test_runtime_refuses_interleaved_it_cannot_run(tmp_path, capsys):
-    """One device group (nothing to interleave), M not a multiple of the groups, sharded
-    state: one error line before any process starts."""
+    """One device group (nothing to interleave), M not a multiple of the groups: one error
+    line before any process starts (sharded state is accepted)."""
     from dapple.cli import main
     from dapple.runtime import validate_run
 
@@ -332,8 +332,7 @@ def test_runtime_refuses_interleaved_it_cannot_run(tmp_path, capsys):
         validate_run(odd, rw.mlp(6), 3)
     chunks = interleave(_plan([1, 1], 2, 2, 1), 2)
     validate_run(chunks, rw.mlp(4), 2)
-    with pytest.raises(ValidationError, match="zero stage 1 with v=2"):
-        validate_run(chunks, rw.mlp(4), 2, zero_stage=1)
+    validate_run(chunks, rw.mlp(4), 2, zero_stage=1)
     path = tmp_path / "plan.json"
     one_group.save(path)
     assert main(["train", "--plan", str(path), "-m", "mlp", "--steps", "1"]) != 0

@@ -2,7 +2,7 @@
 gradients) and ``W`` (weight gradients) is checked half by half against autograd in one
 process; both schedules then end to end by ``verify`` against one device on straight, 2:1:1 and
 1:2:1 plans, interleaved also on 2 devices x 2 chunks (zoo transformer and Hugging Face GPT-2,
-ZeRO-1/2, re-computation, a tied weight split across device groups). Tuple boundaries with an integer
+ZeRO-1/2 - interleaved too -, re-computation, a tied weight split across device groups). Tuple boundaries with an integer
 member and a tied weight inside a stage run ZB-H1 in ``test_runtime``'s equivalence configs."""
 
 from __future__ import annotations
@@ -21,11 +21,16 @@ from dapple.schedule.lower import lower
 
 
 def _zb(plan: Plan, zero: int = 0, recompute: bool = False) -> Plan:
+    return dataclasses.replace(_sharded(plan, zero, recompute), schedule="zbh1")
+
+
+def _sharded(plan: Plan, zero: int, recompute: bool = False) -> Plan:
+    """``plan`` with ``zero`` on its replicated stages (and re-computation on every stage)."""
     stages = tuple(
         dataclasses.replace(s, zero_stage=zero if s.replicas > 1 else 0, recompute=recompute)
         for s in plan.stages
     )
-    return dataclasses.replace(plan, schedule="zbh1", stages=stages)
+    return dataclasses.replace(plan, stages=stages)
 
 
 def test_split_backward_equals_autograd_and_reports_each_parameter_once() -> None:
@@ -98,13 +103,15 @@ def _check(reports: list[api.VerifyReport]) -> None:
 
 @pytest.mark.slow
 def test_verify_zbh1_and_interleaved_zoo_transformer() -> None:
-    """ZB-H1 and interleaved v=2 on straight 4, 2:1:1 and 1:2:1, and v=2 on 2 devices x 2
-    chunks: every parameter after 3 steps of SGD with momentum and a binding clip equals one
-    device's."""
+    """ZB-H1 and interleaved v=2 on straight 4, 2:1:1 and 1:2:1 (interleaved also with ZeRO-1
+    and ZeRO-2 on the replicated device group), and v=2 on 2 devices x 2 chunks: every
+    parameter after 3 steps of SGD with momentum and a binding clip equals one device's."""
     zoo = api.load("transformer", layers=6, hidden=16, heads=2, seq=8)
     n = zoo.num_layers
-    plans = [*_shapes(n, 8, 4, 1), *_shapes(n, 8, 4, 2), _two_by_two(n)]
-    assert [p.schedule for p in plans] == ["zbh1"] * 3 + ["interleaved"] * 4
+    inter = _shapes(n, 8, 4, 2)
+    plans = [*_shapes(n, 8, 4, 1), *inter, _two_by_two(n)]
+    plans += [_sharded(inter[1], 1), _sharded(inter[2], 2)]
+    assert [p.schedule for p in plans] == ["zbh1"] * 3 + ["interleaved"] * 6
     free = api.load("runtime_workloads:paramfree_mlp")  # stage 1 is a Tanh alone: an empty W
     free_plan = _zb(straight_plan(5, [0, 2, 3], global_batch_size=8, num_micro_batches=4))
     reports = api.verify_many(
@@ -122,7 +129,8 @@ def test_verify_zbh1_and_interleaved_gpt2() -> None:
     """GPT-2 (its wte and LM head one tied weight, on different device groups) after 3 steps
     of SGD with momentum and a binding clip: ZB-H1 on straight, 2:1:1 and 1:2:1, with ZeRO-1
     and ZeRO-2 on the replicated stage and with re-computation; interleaved v=2 on 2 devices x
-    2 chunks and (6 blocks) on straight, 2:1:1 and 1:2:1."""
+    2 chunks and (6 blocks) on straight, 2:1:1 and 1:2:1, and 2:1:1 with ZeRO-1 (the tied wte
+    sharded in slices over the first device group)."""
     pytest.importorskip("transformers")
     gpt2 = api.load("dapple.models.hf:gpt2", layers=2, hidden=32, heads=2, vocab=64, seq=16)
     gpt6 = api.load("dapple.models.hf:gpt2", layers=6, hidden=32, heads=2, vocab=64, seq=16)
@@ -135,6 +143,7 @@ def test_verify_zbh1_and_interleaved_gpt2() -> None:
         (_zb(zb[2], recompute=True), gpt2),
         (_two_by_two(n), gpt2),
         *((p, gpt6) for p in _shapes(gpt6.num_layers, 8, 4, 2)),
+        (_sharded(_shapes(gpt6.num_layers, 8, 4, 2)[1], 1), gpt6),
     ]
     # SGD with momentum (sharded under ZeRO): AdamW turns float32 round-off in GPT-2's
     # near-zero gradients into lr-sized steps, up to 1.5e-4 here under every schedule

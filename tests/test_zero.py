@@ -24,7 +24,7 @@ import torch
 import runtime_workloads as rw
 from dapple import api
 from dapple.cli import main
-from dapple.core.plan import Plan, straight_plan
+from dapple.core.plan import Plan, interleave, straight_plan
 from dapple.errors import ValidationError
 from dapple.runtime.config import TrainConfig
 from dapple.runtime.optim_config import OPTIM_FIELDS, ZERO_STAGES
@@ -72,6 +72,22 @@ def test_flat_shards_split_every_bucket_evenly_and_cover_each_element_once(
                     )
         assert torch.equal(hits, torch.ones(p.numel())), k
     assert 0.0 < shards[0].owned_fraction() <= 1.0
+
+
+def test_no_bucket_spans_two_chunks_of_an_interleaved_rank() -> None:
+    wl = rw.mlp()
+    plan = interleave(
+        straight_plan(4, [0, 2], global_batch_size=8, num_micro_batches=2, replicas=[2, 2]), 2
+    )
+    assert plan.layers_of_device(0) == (0, 2)  # chunks: layer 0 (stage 0), layer 2 (stage 2)
+    chunks = [wl.build_stage(0, 1, 0), wl.build_stage(2, 3, 0)]
+    module = torch.nn.Sequential(*chunks[0], *chunks[1])
+    flat = flat_parameters(plan, wl, 0, module)
+    held = [list(c.parameters()) for c in chunks]
+    sh = FlatShards(plan, 0, 0, module, flat, None, 1, chunks=held, bucket_bytes=10**9)
+    of = {id(p): c for c, ps in enumerate(held) for p in ps}
+    assert [{of[id(p)] for p in bk.params} for bk in sh.buckets] == [{1}, {0}]
+    sh.close()
 
 
 def _padding_owned(sh: FlatShards) -> int:

@@ -113,7 +113,7 @@ def validate_run(
 ) -> None:
     """Checks before any compute: world size, layer count, batch split, what the schedule
     needs (ZB-H1: torch's split backward; interleaved: M a multiple of the device groups, at
-    least two groups, no sharded state - ``zero_stage`` is the run's).
+    least two groups).
 
     Raises:
         ValidationError: the plan does not fit the workload or the process group.
@@ -126,12 +126,6 @@ def validate_run(
             f"interleaved plan with v={plan.virtual_stages} chunks on one device group "
             f"({plan.replication}): there is no pipeline to interleave (each chunk would send "
             "to itself); use --schedule dapple"
-        )
-    zero = max([zero_stage, *(st.zero_stage for st in plan.stages)])
-    if plan.virtual_stages > 1 and zero:
-        raise ValidationError(
-            f"zero stage {zero} with v={plan.virtual_stages} chunks per device group: sharded "
-            "state is not supported for interleaved plans; use --zero-stage 0"
         )
     n_dev = len(plan.devices)
     if exact and world_size != n_dev:
@@ -345,7 +339,8 @@ def _setup(
     params = list(module.parameters()) if module is not None else []
     shards = None
     if (flat or tied) and module is not None and s is not None and j is not None:
-        shards = FlatShards(plan, s, j, module, flat, sync.pg, zero, tied=tied)
+        held = [list(chunks[k].parameters()) for k in sorted(chunks)] if len(chunks) > 1 else []
+        shards = FlatShards(plan, s, j, module, flat, sync.pg, zero, tied=tied, chunks=held)
     # the optimizer's parameters: this replica's pieces of the sharded ones and the others whole
     updated = [p for p in params if id(p) not in sharded]
     if shards is not None:
@@ -408,7 +403,8 @@ def _zero_stage(plan: Plan, config: TrainConfig, rank: int, s: int | None) -> in
         )  # fmt: skip
     if s is None or plan.stages[s].replicas == 1:
         return 0
-    return max(config.zero_stage, plan.stages[s].zero_stage)
+    mine = plan.stages_of_device(rank)  # the chunks of an interleaved plan: one device group
+    return max(config.zero_stage, *(plan.stages[k].zero_stage for k in mine))
 
 
 def _teardown(sync: GradientSync, plan: Plan, rank: int) -> None:

@@ -275,7 +275,7 @@ class ProgramInterpreter:
         assert self.ex is not None
         zero2 = self.shards if self.shards is not None and self.shards.zero_stage == 2 else None
         if zero2 is not None:  # every micro-batch's gradients are reduce-scattered into the shard
-            zero2.arm()
+            zero2.arm(self._chunk_parameters(a))
         if a.kind is K.BACKWARD:
             self.ex.backward(a)
         else:
@@ -298,11 +298,16 @@ class ProgramInterpreter:
     def _last_backward(self, a: Action) -> None:
         """A chunk's last ``B``/``W``: from now on its parameters' buckets start as they
         become final (a rank holding several chunks arms each at its own last backward)."""
-        chunks = self.ex.chunks if isinstance(self.ex, RankChunks) else None
-        self.sync.arm(None if chunks is None else chunks[a.stage].module.parameters())
+        self.sync.arm(self._chunk_parameters(a))
         if self.shards is not None and self.shards.zero_stage == 1:
-            self.shards.arm()
+            self.shards.arm(self._chunk_parameters(a))
         self._backward(a)
+
+    def _chunk_parameters(self, a: Action) -> list[nn.Parameter] | None:
+        """The parameters of the chunk that runs ``a`` (None: the rank holds one stage)."""
+        if not isinstance(self.ex, RankChunks):
+            return None
+        return list(self.ex.chunks[a.stage].module.parameters())
 
     def _allreduce(self, a: Action) -> None:
         self.sync.finish()  # AR(P_s, g_s): wait for the overlapped buckets

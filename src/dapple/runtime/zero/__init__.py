@@ -52,6 +52,10 @@ Design choices:
       state is sharded all the same: replica ``j`` updates elements ``[j c, (j + 1) c)``,
       ``c = ceil(n / r)``, of each copy from the summed gradient and broadcasts them to the
       stage's other replicas with the gather.
+    - Interleaved plans: a rank's chunks (virtual stages of one device group) share one
+      :class:`FlatShards` over all their layers; no bucket spans two chunks, and each chunk's
+      buckets are armed at its own backward (ZeRO-1: its last of the step; ZeRO-2: each), as
+      the stage AllReduce arms them (:mod:`dapple.runtime.sync`).
     - Checkpoints stay complete and layer-keyed: at a save every replica sends the optimizer
       state of its pieces to replica 0 (:meth:`FlatShards.layer_states`), which writes each
       parameter's state whole; at a resume each replica slices its pieces' state out of the

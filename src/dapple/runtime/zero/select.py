@@ -17,8 +17,8 @@ def unsharded_stages(plan: Plan) -> list[int]:
 
 def _tied_ids(plan: Plan, workload: Workload, stage: int, module: nn.Module) -> set[int]:
     """``id`` of each of the stage's copies of a tied parameter (``Workload.tied_parameters``)."""
-    lo, hi = plan.stages[stage].layers
-    layers = dict(zip(range(lo, hi), module.children(), strict=False))
+    held = plan.layers_of_device(plan.stages[stage].devices[0])  # every chunk's, when v > 1
+    layers = dict(zip(held, module.children(), strict=False))
     return {
         id(layers[int(i)].get_parameter(str(name)))
         for group in workload.tied_parameters

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -78,6 +78,8 @@ class FlatShards:
         tied: the stage's tied parameters whose optimizer state is sharded
             (:func:`tied_parameters`): replica ``j`` updates elements
             ``[j c, (j + 1) c)``, ``c = ceil(n / r)``, of each, from its whole gradient.
+        chunks: the parameters of each of the rank's chunks (interleaved plans): no bucket
+            spans two, so a chunk's buckets are reduced at its own backward.
         bucket_bytes: the bucket size (default :data:`~dapple.runtime.sync.BUCKET_BYTES`).
     """
 
@@ -92,6 +94,7 @@ class FlatShards:
         zero_stage: int,
         *,
         tied: Sequence[nn.Parameter] = (),
+        chunks: Sequence[Collection[nn.Parameter]] = (),
         bucket_bytes: int | None = None,
     ) -> None:
         self.devices = list(plan.stages[stage].devices)
@@ -100,10 +103,14 @@ class FlatShards:
         self.params = params
         cap = BUCKET_BYTES if bucket_bytes is None else bucket_bytes
         runs: list[list[nn.Parameter]] = []
-        size = 0
+        size, chunk_of = 0, {id(p): c for c, ps in enumerate(chunks) for p in ps}
         for p in params[::-1]:
             nbytes = p.numel() * p.element_size()
-            if not runs or size + nbytes > cap:
+            if (
+                not runs
+                or size + nbytes > cap
+                or chunk_of.get(id(p)) != chunk_of.get(id(runs[-1][0]))
+            ):
                 runs.append([])
                 size = 0
             runs[-1].append(p)
@@ -163,7 +170,12 @@ class FlatShards:
         """gloo: reductions as one ``reduce`` per chunk and gathers as one ``broadcast`` per
         chunk (see the module docstring)."""
         self._armed = False
-        self._next = 0
+        self._final: set[int] | None = None
+        """The armed parameters (None: all), whose gradients are final in this backward."""
+        self._todo: list[int] = []
+        """The armed buckets, in the order they are reduced (the same on every replica)."""
+        self._pos = 0
+        """How many of them started."""
         self._gathers: dict[int, list[Any]] = {}
         """The gathers in flight by key - a bucket's index, or ``len(buckets) + t`` for tied
         parameter ``t`` - each waited for at the first use of its parameters."""
@@ -220,13 +232,25 @@ class FlatShards:
         for bk in self.buckets:
             bk.launched_sum = None
 
-    def arm(self) -> None:
-        """Before a backward whose gradients are reduced (ZeRO-1: the step's last; ZeRO-2:
-        every one): reduce-scatter buckets as their gradients become final."""
-        for bk in self.buckets:
-            bk.ready.clear()
-        self._next = 0
-        self._armed = True
+    def arm(self, params: Iterable[torch.Tensor] | None = None) -> None:
+        """Before a backward whose gradients of ``params`` (None: every parameter) are reduced
+        - ZeRO-1: the step's last backward of the rank, or of the chunk holding ``params``;
+        ZeRO-2: every backward: reduce-scatter their buckets, in order, as the gradients
+        become final (the gradients of parameters not armed are not, and are ignored)."""
+        if not self._armed:
+            for bk in self.buckets:
+                bk.ready.clear()
+            self._final, self._todo, self._pos, self._armed = set(), [], 0, True
+        if params is None:
+            self._final = None
+            new: Iterable[int] = range(len(self.buckets))
+        else:
+            ids = {id(p) for p in params if id(p) in self._where}
+            if self._final is not None:
+                self._final |= ids
+            new = sorted({self._where[i][0] for i in ids})
+        armed = set(self._todo)
+        self._todo += [k for k in new if k not in armed]
 
     def on_grad(self, p: torch.Tensor) -> None:
         """``p``'s gradient of this backward is complete (autograd's hook, or a ``W``): start
@@ -236,16 +260,26 @@ class FlatShards:
             return
         if self.zero_stage == 1:
             self._own(p)
-        if not self._armed:
+        if not self._armed or (self._final is not None and id(p) not in self._final):
             return
         k, i, _ = self._where[id(p)]
         self.buckets[k].ready.add(i)
-        while self._next < len(self.buckets):
-            nb = self.buckets[self._next]
+        while self._pos < len(self._todo):
+            nb = self.buckets[self._todo[self._pos]]
             if len(nb.ready) < len(nb.params):
                 break
             self._launch(nb)
-            self._next += 1
+            self._pos += 1
+
+    def _launch_rest(self, *, every: bool) -> None:
+        """Start the armed buckets not started yet, in order (``every``: then the others)."""
+        rest = self._todo[self._pos :]
+        if every:
+            armed = set(self._todo)
+            rest += [k for k in range(len(self.buckets)) if k not in armed]
+        for k in rest:
+            self._launch(self.buckets[k])
+        self._armed, self._pos, self._todo = False, 0, []
 
     def _own(self, p: torch.Tensor) -> None:
         """ZeRO-1: make ``p.grad`` the view of its bucket - autograd's first gradient of the
@@ -308,9 +342,7 @@ class FlatShards:
     def after_backward(self) -> None:
         """ZeRO-2, after each backward: reduce the buckets not started yet (in order), wait
         for all and add them to the gradient shard."""
-        for bk in self.buckets[self._next :]:
-            self._launch(bk)
-        self._armed = False
+        self._launch_rest(every=False)
         for bk in self._inflight:
             self._land(bk, add=True)
         self._inflight = []
@@ -337,18 +369,14 @@ class FlatShards:
         copy each reduced chunk into the gradient shard."""
         if self.zero_stage != 1:
             return
-        for bk in self.buckets[self._next :]:
-            self._launch(bk)
-        self._armed = False
-        self._next = len(self.buckets)
+        self._launch_rest(every=True)
         for bk in self.buckets:
             self._land(bk, add=False)
             bk.launched_sum = None
 
     def drain(self) -> None:
         """Wait for the reductions in flight and drop them (the step is skipped or stopped)."""
-        self._armed = False
-        self._next = len(self.buckets)
+        self._armed, self._pos, self._todo = False, 0, []
         for bk in self.buckets:
             for w in bk.works:
                 w.wait()
