@@ -52,6 +52,13 @@ PLANS = {
 }
 
 
+def _zero(plan: Plan, zero: int) -> Plan:
+    """``plan`` with ``zero`` on its replicated stages."""
+    return dataclasses.replace(plan, stages=tuple(
+        dataclasses.replace(st, zero_stage=zero if st.replicas > 1 else 0) for st in plan.stages
+    ))  # fmt: skip
+
+
 def plan_of(name: str) -> Plan:
     return Plan(
         planner="test",
@@ -186,6 +193,16 @@ def worker(rank: int, world: int, out_dir: str) -> None:
         return {}
 
     _scenario("fp16-skip", res, fp16_skip)
+    # the same under ZeRO-1 and ZeRO-2: the overflow on one replica skips every shard's update
+    sharded = [run(p22, w=overflow_mlp(), steps=2, precision="fp16", zero_stage=z) for z in (1, 2)]
+
+    def fp16_zero():
+        for r in sharded:
+            for a, b in zip(_params(r.module), _params(two.module), strict=True):
+                torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+        return {"lrs": [m.lr for m in sharded[0].metrics]} if rank == 0 else {}
+
+    _scenario("fp16-zero", res, fp16_zero)
     resumed = run(
         p22, w=overflow_mlp(), steps=4, precision="fp16", checkpoint_dir=ck, save_every=1,
         resume=True,
@@ -255,6 +272,12 @@ def test_fp16_overflow_skips_the_step_on_every_rank_and_halves_the_scale(spawned
 
 
 @pytest.mark.slow
+def test_fp16_overflow_skips_every_shard_under_zero1_and_zero2(spawned) -> None:
+    rows = _ok(spawned, "fp16-zero")
+    assert rows[0]["lrs"][BIG_STEP] is None and rows[0]["lrs"][0] is not None  # skipped
+
+
+@pytest.mark.slow
 def test_fp16_resume_continues_with_the_saved_scale(spawned) -> None:
     rows = _ok(spawned, "fp16-resume")
     assert rows[0]["steps"] == [2, 3]
@@ -270,10 +293,11 @@ def test_fp16_nonfinite_loss_still_stops_the_run(spawned) -> None:
 
 
 @pytest.mark.slow
-def test_verify_bf16_two_stage_and_3_1_within_the_stated_tolerance() -> None:
+def test_verify_bf16_two_stage_3_1_and_sharded_within_the_stated_tolerance() -> None:
     wl = api.load("runtime_workloads:mlp")
+    sharded = [_zero(plan_of("3:1"), 1), _zero(plan_of("2:2"), 2)]  # fp32 master shards
     reports = api.verify_many(
-        [(plan_of("1:1"), wl), (plan_of("3:1"), wl)],
+        [(plan_of("1:1"), wl), (plan_of("3:1"), wl), *((p, wl) for p in sharded)],
         3,
         device="cpu",
         precision="bf16",
