@@ -302,13 +302,17 @@ class FlatShards:
             src = bk.grads
             bk.launched_sum = src.sum()
         else:  # ZeRO-2: this micro-batch's gradients, then free them
-            src = torch.zeros_like(bk.flat)
+            src = torch.empty_like(bk.flat)
             off = 0
             for p in bk.params:
-                if p.grad is not None:
-                    src[off : off + p.numel()].copy_(p.grad.reshape(-1))
+                part = src[off : off + p.numel()]
+                if p.grad is None:
+                    part.zero_()
+                else:
+                    part.copy_(p.grad.reshape(-1))
                     p.grad = None
                 off += p.numel()
+            src[off:].zero_()  # the padding
             self._sums.append(src.sum())  # for the non-finite guard
             bk.staged = src
         chunk = bk.padded // self.r
