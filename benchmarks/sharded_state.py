@@ -1,12 +1,12 @@
 """Per-rank memory and step time of zero stage 0, 1 and 2 on 4 ranks (sharded training state).
 
 The model is the zoo ``mlp`` with 7 layers of width 4096 (about 101M parameters, fp32, Adam).
-Each plan (DP x4, 1:3, 2:2) trains a few steps on 4 local gloo processes with ``zero_stage``
+Each plan (DP x4, 1:3, 2:2, and with ``--plans`` 2:2 interleaved with v=2) trains a few steps on 4 local gloo processes with ``zero_stage``
 0, 1 and 2 in turn, for ``--rounds`` rounds. Every run reports, per stage and as the maximum
 over the stage's replicas, the rank's peak resident memory (``StepMetrics.peak_resident_bytes``,
 ``VmHWM``) and what building and training its stage added to it
 (``StepMetrics.stage_resident_bytes``). The estimate is the planner's per-replica state
-(:func:`dapple.planner.memory.parameter_state_bytes`) plus the 128 MiB a CPU rank's runtime
+(:func:`dapple.planner.memory.device_state_bytes`) plus the 128 MiB a CPU rank's runtime
 adds besides its stage (``benchmarks/memory.md``); the MLP's activations (a few MiB) are left
 out. CPU ranks keep freed memory for reuse (:func:`dapple.runtime.host_memory.keep_freed_memory`,
 set by dapple's launcher).
@@ -18,15 +18,16 @@ Run: ``python benchmarks/sharded_state.py [--out benchmarks/sharded_state.md] [-
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 from pathlib import Path
 from typing import Any
 
 from _bench_common import HERE, header, load_note
 from dapple import api
-from dapple.core.plan import Plan, straight_plan
+from dapple.core.plan import Plan, interleave, straight_plan
 from dapple.core.profile import AffineTime, LayerProfile, ModelProfile
-from dapple.planner.memory import parameter_state_bytes
+from dapple.planner.memory import device_state_bytes
 
 MODEL: dict[str, Any] = {"layers": 7, "in_features": 32, "hidden": 4096, "num_classes": 10}
 G, M, STEPS = 24, 2, 6  # micro-batch 12: splits over 2, 3 and 4 replicas
@@ -68,6 +69,10 @@ def _plans(n: int) -> dict[str, Plan]:
         "2:2": straight_plan(
             n, [0, half], global_batch_size=G, num_micro_batches=M, replicas=[2, 2]
         ),
+        "2:2 v=2": interleave(
+            straight_plan(n, [0, half], global_batch_size=G, num_micro_batches=M, replicas=[2, 2]),
+            2,
+        ),
     }
 
 
@@ -83,7 +88,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(HERE / "sharded_state.md"))
     ap.add_argument("--rounds", type=int, default=2, help="runs per configuration, alternating")
-    ap.add_argument("--plans", default="DP x4,1:3,2:2", help="comma-separated plan names")
+    ap.add_argument(
+        "--plans", default="DP x4,1:3,2:2", help="comma-separated plan names (also: 2:2 v=2)"
+    )
     ap.add_argument("--zeros", default="0,1,2", help="comma-separated zero stages (0 first)")
     ap.add_argument("--steps", type=int, default=STEPS, help="steps per run")
     args = ap.parse_args()
@@ -115,7 +122,11 @@ def main() -> None:
     for name, plan in _plans(len(pb)).items():
         if name not in args.plans.split(","):
             continue
-        shape = ", ".join(f"{st.replicas} x {st.layers[1] - st.layers[0]}" for st in plan.stages)
+        groups = [plan.stages[g :: plan.num_groups] for g in range(plan.num_groups)]
+        shape = ", ".join(
+            f"{grp[0].replicas} x " + " + ".join(str(st.layers[1] - st.layers[0]) for st in grp)
+            for grp in groups
+        )
         times: dict[int, list[float]] = {z: [] for z in zeros}
         peak: dict[int, list[float]] = {}
         added: dict[int, list[float]] = {}
@@ -137,9 +148,10 @@ def main() -> None:
         base_ms = statistics.median(times[0])
         for zero in zeros:
             step_ms = statistics.median(times[zero])
-            est = [
-                parameter_state_bytes(prof, st.layers, st.replicas, zero) + RESERVED
-                for st in plan.stages
+            est = [  # a device group's chunks (interleaved: v of them)
+                device_state_bytes(prof, [dataclasses.replace(st, zero_stage=zero) for st in grp])
+                + RESERVED
+                for grp in groups
             ]
             lines.append(
                 f"| {name} | {zero} | {shape} | {_fmt(peak[zero])} | {_ratio(peak[zero], peak[0])} "

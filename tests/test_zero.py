@@ -520,6 +520,42 @@ def test_plan_memory_and_sync_cost_under_zero1_and_zero2() -> None:
     assert sim_ar(2) == pytest.approx(z2[1].allreduce_ms, rel=1e-6)
 
 
+def test_simulated_device_memory_counts_each_stages_zero_stage() -> None:
+    """The simulator's static memory per device is the planner's: ZeRO-1 saves its bytes on the
+    replicated stage only, and an interleaved device holds ZeRO-2's gradients in flight once
+    (one backward at a time), not once per chunk."""
+    from builders import make_cluster, make_profile
+    from dapple.planner.memory import device_state_bytes, zero2_staging_bytes, zero_saved_bytes
+    from dapple.simulate import simulate
+
+    profile, cluster = make_profile(params=10**6), make_cluster()
+    plan = straight_plan(6, [0, 3], global_batch_size=12, num_micro_batches=4, replicas=[1, 3])
+
+    def static(p: Plan) -> dict[int, float]:
+        return {d.device: d.static_memory_bytes for d in simulate(p, profile, cluster).devices}
+
+    base, z1 = static(plan), static(_with_zero(plan, 1))
+    assert base[0] == z1[0]  # one replica: nothing to shard
+    for dev in (1, 2, 3):
+        assert base[dev] - z1[dev] == pytest.approx(zero_saved_bytes(profile, (3, 6), 3, 1))
+    inter = interleave(
+        straight_plan(6, [0, 3], global_batch_size=12, num_micro_batches=4, replicas=[2, 2]), 3
+    )
+    mine = [inter.stages[k] for k in inter.stages_of_device(0)]
+    z2 = [dataclasses.replace(st, zero_stage=2) for st in mine]
+    once = zero2_staging_bytes(profile, z2[0].layers, 2, 2)
+    assert len(z2) == 3 and once > 0
+    per_chunk = sum(device_state_bytes(profile, [st]) for st in z2)
+    assert device_state_bytes(profile, z2) == pytest.approx(per_chunk - 2 * once)
+    assert static(_with_zero(inter, 2))[0] == pytest.approx(device_state_bytes(profile, z2))
+
+
+def _with_zero(plan: Plan, zero: int) -> Plan:
+    return dataclasses.replace(plan, stages=tuple(
+        dataclasses.replace(st, zero_stage=zero if st.replicas > 1 else 0) for st in plan.stages
+    ))  # fmt: skip
+
+
 def test_search_finds_data_parallel_only_with_sharded_state() -> None:
     """One stage of 6 x 100 MB of Adam parameters needs 2.4 GB on one device, 3.0 GB per
     replica of DP x4 (the AllReduce buckets), 2.1 GB under ZeRO-1 with 2 replicas and 1.65 GB

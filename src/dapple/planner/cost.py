@@ -47,6 +47,7 @@ from dapple.planner.lengths import profile_for_plan
 from dapple.planner.memory import (
     boundary_bytes,
     device_memory_bytes,
+    device_state_bytes,
     held_activation_bytes,
     in_flight_options,
     parameter_state_bytes,
@@ -66,6 +67,7 @@ __all__ = [
     "comm_stage_ms",
     "compute_ms",
     "device_memory_bytes",
+    "device_state_bytes",
     "held_activation_bytes",
     "in_flight_options",
     "latency",

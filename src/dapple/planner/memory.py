@@ -10,6 +10,8 @@ Activation memory reads the layers at the longest planned length,
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from dapple.core.plan import StagePlan, split_sizes
 from dapple.core.profile import ModelProfile
 
@@ -17,6 +19,7 @@ __all__ = [
     "UNBOUNDED_IN_FLIGHT",
     "boundary_bytes",
     "device_memory_bytes",
+    "device_state_bytes",
     "held_activation_bytes",
     "in_flight_options",
     "parameter_state_bytes",
@@ -115,6 +118,18 @@ def zero2_staging_bytes(
         return 0.0
     s, e = layers
     return ZERO2_STAGED_LAYERS * max(layer.parameter_bytes for layer in profile.layers[s:e])
+
+
+def device_state_bytes(profile: ModelProfile, stages: Sequence[StagePlan]) -> float:
+    """The parameter state one device holds for ``stages`` (its stage, or its chunks under
+    interleaving): each stage's :func:`parameter_state_bytes` at its own zero stage, with
+    ZeRO-2's gradients in flight (:func:`zero2_staging_bytes`) counted once - one backward
+    runs at a time on a device, and the runtime's chunks share one set of staging buffers."""
+    staging = [zero2_staging_bytes(profile, st.layers, st.replicas, st.zero_stage) for st in stages]
+    whole = sum(
+        parameter_state_bytes(profile, st.layers, st.replicas, st.zero_stage) for st in stages
+    )
+    return whole - sum(staging) + max(staging, default=0.0)
 
 
 def zero_saved_bytes(

@@ -31,7 +31,7 @@ from dapple.core.profile import ModelProfile
 from dapple.planner.comm import allreduce_ms, transfer_ms
 from dapple.planner.cost import compute_ms, pipeline_latency, stage_compute_ms
 from dapple.planner.lengths import profile_for_plan
-from dapple.planner.memory import boundary_bytes, held_activation_bytes, parameter_state_bytes
+from dapple.planner.memory import boundary_bytes, device_state_bytes, held_activation_bytes
 from dapple.schedule.ir import ActionKind
 from dapple.schedule.lower import plan_compute_order
 
@@ -173,10 +173,7 @@ def device_memory_by_group(plan: Plan, profile: ModelProfile) -> list[float]:
     for g in range(plan.num_groups):
         n = split_sizes(plan.micro_batch_size, plan.stages[g].replicas)[0]
         mine = [plan.stages[k] for k in range(g, plan.num_stages, plan.num_groups)]
-        static = sum(
-            float(parameter_state_bytes(profile, st.layers, st.replicas, st.zero_stage))
-            for st in mine
-        )
+        static = float(device_state_bytes(profile, mine))
         transient = max(
             (
                 sum(x.kept_activation_bytes_per_sample for x in profile.layers[slice(*st.layers)])

@@ -28,8 +28,8 @@ Since sends never block and each link has a single sender, every action's time d
 on its device's previous action and on already-posted transfers, so a round-robin dataflow
 sweep over the devices yields exact event times without a priority queue.
 
-Memory per device = parameters + gradients + optimizer state (``parameter_state_bytes``) plus
-activations: without re-computation a micro-batch slice holds its layers'
+Memory per device = parameters + gradients + optimizer state (``device_state_bytes``, at each
+stage's zero stage) plus activations: without re-computation a micro-batch slice holds its layers'
 ``kept_activation_bytes_per_sample`` from the start of its F to the end of its B (or of its
 W: the weight gradient needs the layers' inputs); with re-computation it holds only the stage
 input from F to B/W, plus the full activations as a transient during B (or I). A device sums
@@ -439,9 +439,8 @@ def simulate(
     stats = []
     for dev in sorted(sched):
         s, j = where[dev]
-        static = sum(
-            float(costs.parameter_state_bytes(profile, stages[k].layers, stages[k].replicas))
-            for k in plan.stages_of_device(dev)
+        static = float(
+            costs.device_state_bytes(profile, [stages[k] for k in plan.stages_of_device(dev)])
         )
         level, peak = static, static
         points = [(0.0, static)]
