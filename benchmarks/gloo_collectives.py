@@ -14,7 +14,7 @@ Run: ``python benchmarks/gloo_collectives.py [--bucket-mib 25] [--out FILE]`` (a
 from __future__ import annotations
 
 import argparse
-import os
+import json
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -22,20 +22,18 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from _bench_common import header, load_note
+from _bench_common import header, join_worker_group, load_note, run_worker_group
+from dapple.runtime import shutdown_distributed
 
 N = 100_000_000
 WORLD = 4
 
 
-def _worker(rank: int, bucket_mib: int, port: int, out: str) -> None:
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    torch.set_num_threads(1)
+def _worker(rank: int, world: int, port: int, bucket_mib: int, out: str) -> None:
+    join_worker_group(rank, world, port)  # as dapple's CPU ranks
     size = bucket_mib * 2**20 // 4
-    chunk = size // WORLD
+    chunk = size // world
     bufs = [torch.randn(size) for _ in range(-(-N // size))]
     rows: list[tuple[str, float]] = []
 
@@ -58,23 +56,23 @@ def _worker(rank: int, bucket_mib: int, port: int, out: str) -> None:
           lambda: [dist.all_reduce(b, async_op=True) for b in bufs])  # fmt: skip
     timed("reduce per chunk, to its owner (ZeRO on gloo)",
           lambda: [dist.reduce(part(b, j), dst=j, async_op=True)
-                   for b in bufs for j in range(WORLD)])  # fmt: skip
+                   for b in bufs for j in range(world)])  # fmt: skip
     timed("reduce_scatter_tensor per bucket",
           lambda: [dist.reduce_scatter_tensor(torch.empty(chunk), b, async_op=True)
                    for b in bufs])  # fmt: skip
     timed("reduce_scatter (list of chunk views) per bucket",
-          lambda: [dist.reduce_scatter(torch.empty(chunk), [part(b, j) for j in range(WORLD)],
+          lambda: [dist.reduce_scatter(torch.empty(chunk), [part(b, j) for j in range(world)],
                                        async_op=True) for b in bufs])  # fmt: skip
     timed("broadcast per chunk, from its owner (ZeRO on gloo)",
           lambda: [dist.broadcast(part(b, j), src=j, async_op=True)
-                   for b in bufs for j in range(WORLD)])  # fmt: skip
+                   for b in bufs for j in range(world)])  # fmt: skip
     timed("all_gather_into_tensor per bucket",
           lambda: [dist.all_gather_into_tensor(b, part(b, rank).clone(), async_op=True)
                    for b in bufs])  # fmt: skip
     timed("all_gather (into chunk views) per bucket",
-          lambda: [dist.all_gather([part(b, j) for j in range(WORLD)], part(b, rank).clone(),
+          lambda: [dist.all_gather([part(b, j) for j in range(world)], part(b, rank).clone(),
                                    async_op=True) for b in bufs])  # fmt: skip
-    for name, share in (("whole", 1), ("a quarter", WORLD)):
+    for name, share in (("whole", 1), ("a quarter", world)):
         ps = [torch.nn.Parameter(b[: b.numel() // share]) for b in bufs]
         for p in ps:
             p.grad = torch.randn_like(p)
@@ -88,20 +86,16 @@ def _worker(rank: int, bucket_mib: int, port: int, out: str) -> None:
         timed(f"fused Adam update of {name} of the state (every process)", step)
         del ps, opt
     if rank == 0:
-        Path(out).write_text("\n".join(f"{n}\t{ms:.0f}" for n, ms in rows))
-    dist.destroy_process_group()
+        Path(out).write_text(json.dumps({"rows": rows}))
+    shutdown_distributed()
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--bucket-mib", type=int, default=25)
     ap.add_argument("--out", default=None, help="markdown file to write (default: print)")
-    ap.add_argument("--port", type=int, default=29561)
     args = ap.parse_args()
-    tmp = Path(f"/tmp/gloo_collectives_{os.getpid()}.tsv")
-    mp.spawn(_worker, args=(args.bucket_mib, args.port, str(tmp)), nprocs=WORLD)
-    rows = [line.split("\t") for line in tmp.read_text().splitlines()]
-    tmp.unlink()
+    rows = run_worker_group(_worker, WORLD, args.bucket_mib)["rows"]
     base = float(rows[0][1])
     lines = header(
         "ZeRO's collectives on gloo beside the AllReduce",

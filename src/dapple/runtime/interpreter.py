@@ -298,9 +298,10 @@ class ProgramInterpreter:
     def _last_backward(self, a: Action) -> None:
         """A chunk's last ``B``/``W``: from now on its parameters' buckets start as they
         become final (a rank holding several chunks arms each at its own last backward)."""
-        self.sync.arm(self._chunk_parameters(a))
+        params = self._chunk_parameters(a)
+        self.sync.arm(params)
         if self.shards is not None and self.shards.zero_stage == 1:
-            self.shards.arm(self._chunk_parameters(a))
+            self.shards.arm(params)
         self._backward(a)
 
     def _chunk_parameters(self, a: Action) -> list[nn.Parameter] | None:

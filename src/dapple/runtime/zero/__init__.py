@@ -10,10 +10,9 @@ stage, as ``dapple plan --zero-stage`` records it) at 1 or 2, each replica of a 
 - ZeRO-1: the gradients accumulate over the step's micro-batches, in place, in flat bucket
   buffers (``p.grad`` is a view of its bucket: a parameter's first gradient of the step is
   copied in - no zeroing, no full-size add - later ones add to it); from the last backward on
-  each bucket is
-  reduce-scattered (``torch.distributed.reduce_scatter_single``, SUM) as soon as its gradients are final, so
-  every replica receives the reduced gradient of its own chunk of the bucket - the bytes of
-  the AllReduce's reduce-scatter half - while backward still runs.
+  each bucket is reduce-scattered (``torch.distributed.reduce_scatter_single``, SUM) as soon
+  as its gradients are final, so every replica receives the reduced gradient of its own chunk
+  of the bucket - the bytes of the AllReduce's reduce-scatter half - while backward still runs.
 - ZeRO-2: no full-size gradient buffer: after *every* micro-batch's backward each bucket is
   copied into a staging buffer, the parameters' gradients are freed and the bucket is
   reduce-scattered and added to this replica's gradient shard - M times ZeRO-1's gradient

@@ -217,8 +217,9 @@ class FlatShards:
             pc.param.grad = None if g is None else g.reshape(-1)[pc.offset : pc.offset + n]
 
     def owned_fraction(self) -> float:
-        """The share of the stage's sharded elements this replica updates."""
-        total = sum(p.numel() for p in self.params)
+        """The share of the stage's sharded elements (tied parameters' included) this replica
+        updates."""
+        total = sum(p.numel() for p in [*self.params, *self.tied])
         return sum(pc.param.numel() for pc in self.pieces) / total if total else 0.0
 
     def begin_step(self) -> None:
@@ -399,25 +400,27 @@ class FlatShards:
         for k in self._order:
             if k >= len(self.buckets):
                 t = self.tied[k - len(self.buckets)].detach().view(-1)
-                self._gathers[k] = [
-                    dist.broadcast(t[lo:hi], src=d, group=self.pg, async_op=True)
-                    for (lo, hi), d in zip(self._slices(t), self.devices, strict=True)
-                    if lo < hi
-                ]
+                self._gathers[k] = self._from_owners([t[lo:hi] for lo, hi in self._slices(t)])
                 continue
             bk = self.buckets[k]
             chunk = bk.padded // self.r
             if self._gloo:
                 parts = [bk.flat[j * chunk : (j + 1) * chunk] for j in range(self.r)]
-                self._gathers[k] = [
-                    dist.broadcast(part, src=d, group=self.pg, async_op=True)
-                    for part, d in zip(parts, self.devices, strict=True)
-                ]
+                self._gathers[k] = self._from_owners(parts)
             else:
                 mine = bk.flat[self.replica * chunk : (self.replica + 1) * chunk]
                 self._gathers[k] = [
                     dist.all_gather_single(bk.flat, mine, group=self.pg, async_op=True)
                 ]
+
+    def _from_owners(self, parts: Sequence[torch.Tensor]) -> list[Any]:
+        """Broadcast ``parts[j]`` from replica ``j`` to the others, in place (empty parts are
+        skipped): the works in flight."""
+        return [
+            dist.broadcast(part, src=d, group=self.pg, async_op=True)
+            for part, d in zip(parts, self.devices, strict=True)
+            if part.numel()
+        ]
 
     def _before_forward(self, needs: list[int]) -> Any:
         def wait(module: nn.Module, args: Any) -> None:
