@@ -1,6 +1,9 @@
 """Per-rank memory and step time of zero stage 0, 1 and 2 on 4 ranks (sharded training state).
 
-The model is the zoo ``mlp`` with 7 layers of width 4096 (about 101M parameters, fp32, Adam).
+The model is the zoo ``mlp`` with 7 layers of width 4096 (about 101M parameters, fp32, Adam), or
+with ``--model gpt2`` a 4-block GPT-2 of width 768 with GPT-2's vocabulary of 50257 tokens and
+tied embeddings (67M parameters, 39M of them the embedding its first and last layer each hold a
+copy of), 16 tokens a sample.
 Each plan (DP x4, 1:3, 2:2, and with ``--plans`` 2:2 interleaved with v=2) trains a few steps on 4 local gloo processes with ``zero_stage``
 0, 1 and 2 in turn, for ``--rounds`` rounds. Every run reports, per stage and as the maximum
 over the stage's replicas, the rank's peak resident memory (``StepMetrics.peak_resident_bytes``,
@@ -11,7 +14,8 @@ adds besides its stage (``benchmarks/memory.md``); the MLP's activations (a few 
 out. CPU ranks keep freed memory for reuse (:func:`dapple.runtime.host_memory.keep_freed_memory`,
 set by dapple's launcher).
 
-Run: ``python benchmarks/sharded_state.py [--out benchmarks/sharded_state.md] [--rounds N]``
+Run: ``python benchmarks/sharded_state.py [--out benchmarks/sharded_state.md] [--rounds N]
+[--model mlp|gpt2]``
 (about 15 minutes on 2 busy cores; 4 ranks of zero stage 0 hold about 9 GB).
 """
 
@@ -28,8 +32,16 @@ from dapple import api
 from dapple.core.plan import Plan, interleave, straight_plan
 from dapple.core.profile import AffineTime, LayerProfile, ModelProfile
 from dapple.planner.memory import device_state_bytes
+from dapple.profiler.measure import tied_layer_bytes
 
-MODEL: dict[str, Any] = {"layers": 7, "in_features": 32, "hidden": 4096, "num_classes": 10}
+MODELS: dict[str, tuple[str, dict[str, Any]]] = {
+    "mlp": ("mlp", {"layers": 7, "in_features": 32, "hidden": 4096, "num_classes": 10}),
+    "gpt2": (
+        "dapple.models.hf:gpt2",
+        {"layers": 4, "hidden": 768, "heads": 12, "vocab": 50257, "seq": 16},
+    ),
+}
+"""``--model``: the workload spec and its arguments."""
 G, M, STEPS = 24, 2, 6  # micro-batch 12: splits over 2, 3 and 4 replicas
 WARMUP = 2
 """Steps left out of the step time: the first, and the second - the first optimizer update,
@@ -39,41 +51,50 @@ RESERVED = 128 * MIB
 """What a CPU rank's runtime adds besides its stage (``benchmarks/memory.md``)."""
 
 
-def _param_bytes() -> list[int]:
-    wl = api.load("mlp", **MODEL)
-    return [sum(p.numel() * 4 for p in f().parameters()) for f in wl.layer_factories]
-
-
-def _profile(param_bytes: list[int]) -> ModelProfile:
-    """Only parameter bytes matter for the state estimate (Adam: optimizer_state_factor 3)."""
+def _profile(spec: str, args: dict[str, Any]) -> ModelProfile:
+    """The layers' parameter bytes and tied copies, as the profiler records them: all the state
+    estimate reads (Adam: optimizer_state_factor 3); no times or activations."""
+    wl = api.load(spec, **args)
     zero = AffineTime(fixed_ms=0.0, per_sample_ms=0.0)
-    layers = tuple(
-        LayerProfile(
-            name=f"l{i}",
-            forward=zero,
-            backward=zero,
-            output_bytes_per_sample=0.0,
-            parameter_bytes=b,
-            kept_activation_bytes_per_sample=0.0,
+    layers = []
+    for i in range(wl.num_layers):
+        module = wl.build_layer(i, 0)
+        tied, partners = tied_layer_bytes(wl, i, module)
+        layers.append(
+            LayerProfile(
+                name=wl.name_of(i),
+                forward=zero,
+                backward=zero,
+                output_bytes_per_sample=0.0,
+                parameter_bytes=sum(p.numel() * 4 for p in module.parameters()),
+                kept_activation_bytes_per_sample=0.0,
+                tied_parameter_bytes=tied,
+                tied_layers=partners,
+            )
         )
-        for i, b in enumerate(param_bytes)
-    )
-    return ModelProfile(model_name="mlp", layers=layers, batch_sizes=(1,))
+    return ModelProfile(model_name=wl.name, layers=tuple(layers), batch_sizes=(1,))
 
 
-def _plans(n: int) -> dict[str, Plan]:
+def _plans(n: int, names: list[str]) -> dict[str, Plan]:
+    """The plans of ``names`` over ``n`` layers, in this order: DP x4, 1:3, 2:2, 2:2 v=2."""
     half = n // 2
-    return {
-        "DP x4": straight_plan(n, [0], global_batch_size=G, num_micro_batches=M, replicas=[4]),
-        "1:3": straight_plan(n, [0, 2], global_batch_size=G, num_micro_batches=M, replicas=[1, 3]),
-        "2:2": straight_plan(
+
+    def two_two() -> Plan:
+        return straight_plan(
             n, [0, half], global_batch_size=G, num_micro_batches=M, replicas=[2, 2]
+        )
+
+    make = {
+        "DP x4": lambda: straight_plan(
+            n, [0], global_batch_size=G, num_micro_batches=M, replicas=[4]
         ),
-        "2:2 v=2": interleave(
-            straight_plan(n, [0, half], global_batch_size=G, num_micro_batches=M, replicas=[2, 2]),
-            2,
+        "1:3": lambda: straight_plan(
+            n, [0, 2], global_batch_size=G, num_micro_batches=M, replicas=[1, 3]
         ),
+        "2:2": two_two,
+        "2:2 v=2": lambda: interleave(two_two(), 2),
     }
+    return {name: build() for name, build in make.items() if name in names}
 
 
 def _fmt(values: list[float], unit: str = " MiB", scale: float = MIB, nd: int = 0) -> str:
@@ -93,21 +114,34 @@ def main() -> None:
     )
     ap.add_argument("--zeros", default="0,1,2", help="comma-separated zero stages (0 first)")
     ap.add_argument("--steps", type=int, default=STEPS, help="steps per run")
+    ap.add_argument("--model", choices=sorted(MODELS), default="mlp")
     args = ap.parse_args()
     zeros = tuple(int(z) for z in args.zeros.split(","))
     steps = args.steps
     if steps <= WARMUP:
         ap.error(f"--steps must exceed the {WARMUP} warm-up steps; got {steps}")
-    pb = _param_bytes()
-    prof = _profile(pb)
-    n_params = sum(pb) // 4
+    spec, model_args = MODELS[args.model]
+    prof = _profile(spec, model_args)
+    held = sum(x.parameter_bytes for x in prof.layers)
+    copies = sum(  # each tied parameter's second and later copies
+        x.tied_parameter_bytes
+        for i, x in enumerate(prof.layers)
+        if min(x.tied_layers, default=i) < i
+    )
+    tied = (
+        f", {sum(x.tied_parameter_bytes for x in prof.layers) / 4e6:.1f}M of the layers' "
+        f"{held / 4e6:.1f}M in copies of tied parameters"
+        if copies
+        else ""
+    )
     lines = header(
         "Sharded training state (ZeRO-1/2) per stage",
         f"python benchmarks/sharded_state.py --rounds {args.rounds} --plans '{args.plans}' "
-        f"--zeros {args.zeros} --steps {steps}",
+        f"--zeros {args.zeros} --steps {steps} --model {args.model}",
     )
     lines += [
-        f"Model: zoo `mlp` {MODEL}, {n_params / 1e6:.1f}M parameters ({len(pb)} chain layers), "
+        f"Model: `{spec}` {model_args}, {(held - copies) / 4e6:.1f}M parameters "
+        f"({prof.num_layers} chain layers{tied}), "
         f"fp32, Adam (fused), lr 1e-4, global batch {G}, M = {M}, {steps} steps, 4 gloo "
         f"processes on this machine. Each plan runs zero stage {args.zeros} in turn, "
         f"{args.rounds} rounds; step time: median over the runs of the steps after each run's "
@@ -119,9 +153,7 @@ def main() -> None:
         "| step time | vs zero 0 |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for name, plan in _plans(len(pb)).items():
-        if name not in args.plans.split(","):
-            continue
+    for name, plan in _plans(prof.num_layers, args.plans.split(",")).items():
         groups = [plan.stages[g :: plan.num_groups] for g in range(plan.num_groups)]
         shape = ", ".join(
             f"{grp[0].replicas} x " + " + ".join(str(st.layers[1] - st.layers[0]) for st in grp)
@@ -133,7 +165,7 @@ def main() -> None:
         for k in range(args.rounds):
             for zero in zeros:
                 print(f"{name} zero {zero} round {k}: training", flush=True)
-                metrics = api.train(plan, "mlp", steps=steps, overrides=MODEL, optimizer="adam",
+                metrics = api.train(plan, spec, steps=steps, overrides=model_args, optimizer="adam",
                                     lr=1e-4, zero_stage=zero, device="cpu")  # fmt: skip
                 last = metrics[-1]
                 for store, got in ((peak, last.peak_resident_bytes),

@@ -155,6 +155,12 @@ class LayerProfile:
     """Time of the weight-gradient half (``W``) when measured beside ``backward_input``: the
     two halves as the runtime runs them, which together may take longer than ``backward``
     (the split's own graph walks); None: ``W`` is the rest of ``backward``."""
+    tied_parameter_bytes: int = 0
+    """Bytes of ``parameter_bytes`` that are this layer's copies of parameters tied to other
+    layers (``Workload.tied_parameters``, e.g. GPT-2's embedding and LM head): their gradients
+    are summed whole over the copies, outside a replicated stage's flat buckets."""
+    tied_layers: tuple[int, ...] = ()
+    """The other layers holding copies of this layer's tied parameters."""
 
     def backward_split(self, b: float) -> tuple[float, float]:
         """``(I, W)``: the input- and weight-gradient halves of the backward on ``b`` samples, ms.
@@ -192,6 +198,22 @@ class LayerProfile:
             and self.parameter_bytes >= 0,
             f"layer {self.name!r}: parameter_bytes must be an integer >= 0, got {self.parameter_bytes!r}",
         )
+        require(
+            isinstance(self.tied_parameter_bytes, int)
+            and not isinstance(self.tied_parameter_bytes, bool)
+            and 0 <= self.tied_parameter_bytes <= self.parameter_bytes,
+            f"layer {self.name!r}: tied_parameter_bytes must be an integer in "
+            f"[0, parameter_bytes = {self.parameter_bytes}], got {self.tied_parameter_bytes!r}",
+        )
+        require(
+            isinstance(self.tied_layers, tuple)
+            and all(
+                isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in self.tied_layers
+            )
+            and (self.tied_parameter_bytes > 0) == (len(self.tied_layers) > 0),
+            f"layer {self.name!r}: tied_layers must be layer indices >= 0, given exactly when "
+            f"tied_parameter_bytes > 0; got {self.tied_layers!r} with {self.tied_parameter_bytes}",
+        )
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {
@@ -206,6 +228,9 @@ class LayerProfile:
             d["backward_input"] = self.backward_input.to_dict()
         if self.backward_weight is not None:
             d["backward_weight"] = self.backward_weight.to_dict()
+        if self.tied_parameter_bytes:
+            d["tied_parameter_bytes"] = self.tied_parameter_bytes
+            d["tied_layers"] = list(self.tied_layers)
         return d
 
     @staticmethod
@@ -235,6 +260,8 @@ class LayerProfile:
             backward_weight=None
             if d.get("backward_weight") is None
             else AffineTime.from_dict(d["backward_weight"], f"{what}.backward_weight"),
+            tied_parameter_bytes=d.get("tied_parameter_bytes", 0),
+            tied_layers=tuple(_list(d.get("tied_layers", []), f"{what}: tied_layers")),
         )
 
 
@@ -364,6 +391,12 @@ class ModelProfile:
                 len(x.layers) == n,
                 f"profile {self.model_name!r}: length {x.seq_len} has {len(x.layers)} layers, "
                 f"the profile {n}",
+            )
+        for i, layer in enumerate(self.layers):
+            require(
+                all(t < n and t != i for t in layer.tied_layers),
+                f"profile {self.model_name!r}: layer {i} ({layer.name!r}) is tied to layers "
+                f"{list(layer.tied_layers)}; each must be another of its {n} layers",
             )
 
     @property

@@ -26,8 +26,7 @@ from dapple.planner.latency import latency, steady_periods
 from dapple.planner.memory import (
     boundary_bytes,
     in_flight_options,
-    state_bytes_per_parameter_byte,
-    zero2_staging_bytes,
+    parameter_state_bytes,
 )
 from dapple.planner.sharing import slice_work
 from dapple.schedule.generators import in_flight_counts
@@ -143,9 +142,7 @@ class Scorer:
         """D without and with re-computation of layers [s, e) on slices of ``samples``."""
         return in_flight_options(
             float(self.cluster.usable_memory_bytes),
-            self.param_bytes(s, e)
-            * state_bytes_per_parameter_byte(self.profile, replicas, zero_stage)
-            + zero2_staging_bytes(self.profile, (s, e), replicas, zero_stage),
+            parameter_state_bytes(self.profile, (s, e), replicas, zero_stage),
             (self._act[e] - self._act[s]) * samples,
             boundary_bytes(self._memory, s, samples),
         )

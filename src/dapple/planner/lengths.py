@@ -144,6 +144,8 @@ def layer_at_length(
         kept_activation_bytes_per_sample=per_sample_at_length(
             lengths, [x.kept_activation_bytes_per_sample for x in layers], L
         ),
+        tied_parameter_bytes=first.tied_parameter_bytes,
+        tied_layers=first.tied_layers,
     )
 
 

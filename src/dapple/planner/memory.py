@@ -24,6 +24,7 @@ __all__ = [
     "in_flight_options",
     "parameter_state_bytes",
     "state_bytes_per_parameter_byte",
+    "tied_state_bytes_per_parameter_byte",
     "weight_cast_bytes",
     "zero2_staging_bytes",
     "zero_saved_bytes",
@@ -93,31 +94,79 @@ def weight_cast_bytes(profile: ModelProfile, layers: tuple[int, int]) -> float:
     return params * WEIGHT_CAST_FACTOR[profile.precision]
 
 
+def tied_state_bytes_per_parameter_byte(
+    profile: ModelProfile, replicas: int = 1, zero_stage: int = 0, *, cross_stage: bool = False
+) -> float:
+    """:func:`state_bytes_per_parameter_byte` for a copy of a tied parameter
+    (``LayerProfile.tied_parameter_bytes``), whose gradient the runtime keeps whole and sums
+    over the copies outside the flat buckets.
+
+    On one replica, as any parameter. On a replicated stage the AllReduce buffer is held only
+    when every copy is in the stage (``cross_stage`` False): copies in other stages are
+    summed over all their devices at once, into a transient tensor. Under ZeRO-1/2 the
+    gradient stays whole (1) and only the optimizer state beyond it (``factor - 1``) is held
+    ``1/r_s``, each replica updating its slice in place of the whole gradient.
+    """
+    if replicas < 2:
+        return state_bytes_per_parameter_byte(profile)
+    cast = WEIGHT_CAST_FACTOR[profile.precision]
+    factor = profile.optimizer_state_factor
+    ar_buffers = 0.0 if cross_stage else 1.0
+    if zero_stage >= 1:
+        return 1.0 + 1.0 + (factor - 1.0) / replicas + cast + ar_buffers
+    return 1.0 + factor + cast + ar_buffers
+
+
+def tied_bytes(profile: ModelProfile, layers: tuple[int, int]) -> tuple[int, int]:
+    """``(within, cross)``: parameter bytes of layers ``[start, end)`` that are copies of tied
+    parameters, those whose other copies are all in the range and those with copies outside."""
+    s, e = layers
+    within = cross = 0
+    for layer in profile.layers[s:e]:
+        if layer.tied_parameter_bytes:
+            if all(s <= t < e for t in layer.tied_layers):
+                within += layer.tied_parameter_bytes
+            else:
+                cross += layer.tied_parameter_bytes
+    return within, cross
+
+
 def parameter_state_bytes(
     profile: ModelProfile, layers: tuple[int, int], replicas: int = 1, zero_stage: int = 0
 ) -> float:
     """Parameters + gradients + optimizer state (+ weight cast cache, + AllReduce buffers) of
     layers ``[start, end)`` on one of ``replicas`` replicas
     (:func:`state_bytes_per_parameter_byte`; 16 bytes per fp32 Adam parameter with the default
-    factor 3 and no replicas, 18 under bf16/fp16 autocast), plus ZeRO-2's gradients in flight
+    factor 3 and no replicas, 18 under bf16/fp16 autocast; copies of tied parameters by
+    :func:`tied_state_bytes_per_parameter_byte`), plus ZeRO-2's gradients in flight
     (:func:`zero2_staging_bytes`)."""
     s, e = layers
     params = sum(layer.parameter_bytes for layer in profile.layers[s:e])
-    staging = zero2_staging_bytes(profile, layers, replicas, zero_stage)
-    return params * state_bytes_per_parameter_byte(profile, replicas, zero_stage) + staging
+    within, cross = tied_bytes(profile, layers)
+    untied = params - within - cross
+    return (
+        untied * state_bytes_per_parameter_byte(profile, replicas, zero_stage)
+        + within * tied_state_bytes_per_parameter_byte(profile, replicas, zero_stage)
+        + cross
+        * tied_state_bytes_per_parameter_byte(profile, replicas, zero_stage, cross_stage=True)
+        + zero2_staging_bytes(profile, layers, replicas, zero_stage)
+    )
 
 
 def zero2_staging_bytes(
     profile: ModelProfile, layers: tuple[int, int], replicas: int, zero_stage: int
 ) -> float:
     """The gradients ZeRO-2 holds while a backward of layers ``[start, end)`` runs, beyond its
-    shard: :data:`ZERO2_STAGED_LAYERS` x the largest layer's parameter bytes (an upper bound:
-    a bucket holds at most one layer's parameters when they are larger than the bucket size);
-    0 unless ``zero_stage >= 2`` on a replicated stage."""
+    shard: :data:`ZERO2_STAGED_LAYERS` x the largest layer's parameter bytes in flat buckets
+    (an upper bound: a bucket holds at most one layer's parameters when they are larger than
+    the bucket size; tied copies are not in buckets); 0 unless ``zero_stage >= 2`` on a
+    replicated stage."""
     if zero_stage < 2 or replicas < 2:
         return 0.0
     s, e = layers
-    return ZERO2_STAGED_LAYERS * max(layer.parameter_bytes for layer in profile.layers[s:e])
+    return ZERO2_STAGED_LAYERS * max(
+        layer.parameter_bytes - layer.tied_parameter_bytes for layer in profile.layers[s:e]
+    )
 
 
 def device_state_bytes(profile: ModelProfile, stages: Sequence[StagePlan]) -> float:

@@ -46,7 +46,7 @@ from dapple.models.split_backward import input_gradients, weight_gradients
 from dapple.models.workload import Workload
 from dapple.profiler.lengths import check_seq_lens, combine_lengths, workload_at_length
 
-__all__ = ["ProgressFn", "profile_workload", "resolve_device"]
+__all__ = ["ProgressFn", "profile_workload", "resolve_device", "tied_layer_bytes"]
 
 log = logging.getLogger(__name__)
 
@@ -515,6 +515,7 @@ def _profile(
     xs = [_map(workload.make_batch(b, seed)[0], lambda t: _leaf(t.to(dev))) for b in sizes]
     input_bytes = [float(_nbytes(x)) for x in xs]
     param_bytes: list[int] = []
+    tied: list[tuple[int, tuple[int, ...]]] = []
     param_dtypes: set[torch.dtype] = set()
     classes: list[str] = []
     total, done = n * len(sizes), 0
@@ -533,6 +534,7 @@ def _profile(
                 progress(done, total, f"b={b} {workload.name_of(i)}")
         trainable = _trainable(layer)
         param_bytes.append(sum(p.numel() * p.element_size() for p in layer.parameters()))
+        tied.append(tied_layer_bytes(workload, i, layer))
         param_dtypes |= {p.dtype for p in layer.parameters()}
         classes.append(type(layer).__name__)
         del layer
@@ -552,6 +554,8 @@ def _profile(
             kept_activation_bytes_per_sample=_slope(sizes, kept[i]),
             backward_input=fit_affine(sizes, bwd_in[i]) if split_backward else None,
             backward_weight=fit_affine(sizes, bwd_w[i]) if split_backward else None,
+            tied_parameter_bytes=tied[i][0],
+            tied_layers=tied[i][1],
         )
         for i in range(n)
     )
@@ -566,6 +570,16 @@ def _profile(
         precision=precision,
         update_ms_per_parameter_byte=update_ms / sum(param_bytes) if sum(param_bytes) else 0.0,
     )
+
+
+def tied_layer_bytes(workload: Workload, i: int, layer: nn.Module) -> tuple[int, tuple[int, ...]]:
+    """Bytes of layer ``i``'s copies of tied parameters (``workload.tied_parameters``) and the
+    other layers holding copies of them."""
+    groups = [g for g in workload.tied_parameters if any(int(k) == i for k, _ in g)]
+    names = {str(name) for g in groups for k, name in g if int(k) == i}
+    mine = {id(p): p for p in (layer.get_parameter(name) for name in names)}
+    others = sorted({int(k) for g in groups for k, _ in g if int(k) != i})
+    return sum(p.numel() * p.element_size() for p in mine.values()), tuple(others)
 
 
 def _positive(t: AffineTime) -> AffineTime:
