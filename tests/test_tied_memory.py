@@ -19,6 +19,7 @@ from dapple.errors import ValidationError
 from dapple.planner.cost import pipeline_latency
 from dapple.planner.memory import (
     device_state_bytes,
+    gradients_in_flight_bytes,
     parameter_state_bytes,
     tied_bytes,
     zero2_staging_bytes,
@@ -77,7 +78,7 @@ def test_a_profile_without_tied_fields_reads_as_untied_and_bad_ones_are_named() 
         dataclasses.replace(layer, tied_layers=(2,))
     for bad in ((0,), (9,)):  # itself; past the last layer
         with pytest.raises(
-            ValidationError, match="layer 0 .* each must be another of its 6 layers"
+            ValidationError, match=r"layer 0 .* each must be another of its 6 layers"
         ):
             tied = dataclasses.replace(layer, tied_parameter_bytes=50, tied_layers=bad)
             ModelProfile(model_name="m", layers=(tied, *make_profile().layers[1:]))
@@ -93,38 +94,43 @@ def test_tied_bytes_split_by_where_the_other_copies_are() -> None:
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_tied_copies_keep_whole_gradients_in_the_memory_model(precision: str) -> None:
     """Bytes per parameter byte, Adam (gradient + two moments): parameters 1, gradient 1, moments 2,
-    autocast's weight cast 0.5 in bf16; the AllReduce buffer 1 on a replicated stage."""
+    autocast's weight cast 0.5 in bf16; the AllReduce buffer 1 on a replicated stage. Every
+    stage also holds the largest layer's gradient as autograd produces it (P here)."""
     prof = _tied_profile(precision=precision)
     untied = dataclasses.replace(prof, layers=make_profile(n=4, params=P).layers)
     c = 0.5 if precision == "bf16" else 0.0
     # one replica: a tied copy is any parameter
-    assert parameter_state_bytes(prof, (0, 4)) == pytest.approx(4 * P * (4 + c))
+    assert parameter_state_bytes(prof, (0, 4)) == pytest.approx(4 * P * (4 + c) + P)
     # DP x4, every copy in the stage: AllReduce buffers for all; ZeRO shards only the moments
     # of the tied copies and keeps their gradient whole
-    assert parameter_state_bytes(prof, (0, 4), 4) == pytest.approx(4 * P * (5 + c))
+    assert parameter_state_bytes(prof, (0, 4), 4) == pytest.approx(4 * P * (5 + c) + P)
     tied_z = 1 + 1 + 2 / 4 + c + 1
     assert parameter_state_bytes(prof, (0, 4), 4, 1) == pytest.approx(
-        2 * P * (1 + 1 + 3 / 4 + c) + 2 * P * tied_z
+        2 * P * (1 + 1 + 3 / 4 + c) + 2 * P * tied_z + P
     )
     assert parameter_state_bytes(prof, (0, 4), 4, 2) == pytest.approx(
-        2 * P * (1 + 3 / 4 + c) + 2 * P * tied_z + 3 * P  # 3 untied layers' gradients in flight
+        2 * P * (1 + 3 / 4 + c) + 2 * P * tied_z + P + 2 * P  # + 2 untied layers staged
     )
     # 2:2, the other copy in the other stage: summed across the stages outside any bucket
-    assert parameter_state_bytes(prof, (0, 2), 2) == pytest.approx(P * (5 + c) + P * (4 + c))
+    assert parameter_state_bytes(prof, (0, 2), 2) == pytest.approx(P * (5 + c) + P * (4 + c) + P)
     assert parameter_state_bytes(prof, (0, 2), 2, 2) == pytest.approx(
-        P * (1 + 3 / 2 + c) + P * (1 + 1 + 2 / 2 + c) + 3 * P
+        P * (1 + 3 / 2 + c) + P * (1 + 1 + 2 / 2 + c) + P + 2 * P
     )
     # against the same chain untied, ZeRO-2 holds the tied gradient's (1 - 1/r) more
     gap = parameter_state_bytes(prof, (0, 2), 2, 2) - parameter_state_bytes(untied, (0, 2), 2, 2)
     assert gap == pytest.approx(P * (1 - 1 / 2))
 
 
-def test_zero2_staging_counts_only_bucketed_parameters() -> None:
+def test_gradients_in_flight_count_every_layer_and_staging_only_bucketed_ones() -> None:
     prof = _tied_profile(n=3, tied=(0, 2))
     big = dataclasses.replace(prof.layers[0], parameter_bytes=5 * P, tied_parameter_bytes=P)
     prof = dataclasses.replace(prof, layers=(big, *prof.layers[1:]))
-    assert zero2_staging_bytes(prof, (0, 3), 2, 2) == 3 * 4 * P  # layer 0's 4 P in buckets
+    assert zero2_staging_bytes(prof, (0, 3), 2, 2) == 2 * 4 * P  # layer 0's 4 P in buckets
     assert zero2_staging_bytes(prof, (2, 3), 2, 2) == 0.0  # all of layer 2 is tied
+    # autograd produces the tied gradient too, before it is added to the accumulated one
+    assert gradients_in_flight_bytes(prof, (0, 3), 2, 0) == 5 * P
+    assert gradients_in_flight_bytes(prof, (0, 3), 2, 2) == 5 * P + 8 * P
+    assert gradients_in_flight_bytes(prof, (2, 3), 2, 2) == P
 
 
 def test_plan_and_simulator_memory_count_tied_gradients_whole() -> None:

@@ -499,8 +499,9 @@ def test_plan_memory_and_sync_cost_under_zero1_and_zero2() -> None:
     assert zero_saved_bytes(profile, (0, 3), 1, 1) == 0.0
     saved1 = zero_saved_bytes(profile, (3, 6), 3, 1)
     assert saved1 == pytest.approx(3 * 10**6 * (5 - 3))  # 5 -> 1 + 1 + 3/3 bytes per byte
-    # ZeRO-2: 5 -> 1 + 3/3, less three layers' gradients in flight (zero2_staging_bytes)
-    assert zero_saved_bytes(profile, (3, 6), 3, 2) == pytest.approx(3 * 10**6 * (5 - 2) - 3 * 10**6)
+    # ZeRO-2: 5 -> 1 + 3/3, less two layers' staged gradients (zero2_staging_bytes); the
+    # gradient autograd produces is held at every zero stage
+    assert zero_saved_bytes(profile, (3, 6), 3, 2) == pytest.approx(3 * 10**6 * (5 - 2) - 2 * 10**6)
     assert z0[1].memory_bytes - z1[1].memory_bytes == pytest.approx(saved1)
     # ZeRO-1: reduce-scatter + all-gather = the AllReduce's bytes; ZeRO-2: M reduce-scatters
     assert z1[1].allreduce_ms == pytest.approx(z0[1].allreduce_ms) and z0[1].allreduce_ms > 0
@@ -525,7 +526,12 @@ def test_simulated_device_memory_counts_each_stages_zero_stage() -> None:
     replicated stage only, and an interleaved device holds ZeRO-2's gradients in flight once
     (one backward at a time), not once per chunk."""
     from builders import make_cluster, make_profile
-    from dapple.planner.memory import device_state_bytes, zero2_staging_bytes, zero_saved_bytes
+    from dapple.planner.memory import (
+        device_state_bytes,
+        gradients_in_flight_bytes,
+        zero2_staging_bytes,
+        zero_saved_bytes,
+    )
     from dapple.simulate import simulate
 
     profile, cluster = make_profile(params=10**6), make_cluster()
@@ -543,8 +549,8 @@ def test_simulated_device_memory_counts_each_stages_zero_stage() -> None:
     )
     mine = [inter.stages[k] for k in inter.stages_of_device(0)]
     z2 = [dataclasses.replace(st, zero_stage=2) for st in mine]
-    once = zero2_staging_bytes(profile, z2[0].layers, 2, 2)
-    assert len(z2) == 3 and once > 0
+    once = gradients_in_flight_bytes(profile, z2[0].layers, 2, 2)
+    assert len(z2) == 3 and once == 10**6 + zero2_staging_bytes(profile, z2[0].layers, 2, 2)
     per_chunk = sum(device_state_bytes(profile, [st]) for st in z2)
     assert device_state_bytes(profile, z2) == pytest.approx(per_chunk - 2 * once)
     assert static(_with_zero(inter, 2))[0] == pytest.approx(device_state_bytes(profile, z2))

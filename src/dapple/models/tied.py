@@ -76,13 +76,12 @@ def sync_tied_grads(
         shape = params[0].shape
         if any(p.shape != shape for p in params):
             raise ValidationError(f"tied group {g} {list(group)} mixes shapes")
-        with_grad = [p for p in params if p.grad is not None]
+        grads = [p.grad for p in params if p.grad is not None]
         # the local sum builds up in the first copy's gradient and the others are written in
         # place: no temporary the size of the parameter (GPT-2's embedding is a third of it)
-        local = with_grad[0].grad if with_grad else torch.zeros_like(params[0])
-        assert local is not None
-        for p in with_grad[1:]:
-            local.add_(p.grad)
+        local = grads[0] if grads else torch.zeros_like(params[0])
+        for grad in grads[1:]:
+            local.add_(grad)
         total = group_sum_fn(g, local)
         for p in params:
             if p.grad is None:

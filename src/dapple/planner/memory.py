@@ -20,6 +20,7 @@ __all__ = [
     "boundary_bytes",
     "device_memory_bytes",
     "device_state_bytes",
+    "gradients_in_flight_bytes",
     "held_activation_bytes",
     "in_flight_options",
     "parameter_state_bytes",
@@ -30,10 +31,10 @@ __all__ = [
     "zero_saved_bytes",
 ]
 
-ZERO2_STAGED_LAYERS = 3
-"""ZeRO-2's gradients in flight while a backward runs, in units of the stage's largest layer:
-the runtime's two staged buckets being reduced (``dapple.runtime.zero.MAX_STAGED``) and the
-gradients autograd is producing - each at most one layer's parameters."""
+ZERO2_STAGED_LAYERS = 2
+"""ZeRO-2's staged gradients while a backward runs, in units of the stage's largest layer in
+flat buckets: the runtime's staged buckets being reduced (``dapple.runtime.zero.MAX_STAGED``),
+each at most one layer's parameters."""
 
 UNBOUNDED_IN_FLIGHT = 10**9
 """D of a stage whose activations take no memory."""
@@ -73,8 +74,8 @@ def state_bytes_per_parameter_byte(
     gradient of its ``1/r_s`` chunk, and the optimizer state (the factor less the gradient's 1)
     is held ``1/r_s`` on each replica: ``1 + 1 + (factor - 1 + 1) / r_s``. With 2 the
     gradients are held only as the ``1/r_s`` shard: ``1 + factor / r_s``. The gradients in
-    flight while ZeRO-2 reduces a micro-batch are a per-stage term (:func:`zero2_staging_bytes`,
-    added by :func:`parameter_state_bytes`).
+    flight during a backward (ZeRO-2's staged ones included) are a per-stage term
+    (:func:`gradients_in_flight_bytes`, added by :func:`parameter_state_bytes`).
     """
     cast = WEIGHT_CAST_FACTOR[profile.precision]
     factor = profile.optimizer_state_factor
@@ -138,8 +139,8 @@ def parameter_state_bytes(
     layers ``[start, end)`` on one of ``replicas`` replicas
     (:func:`state_bytes_per_parameter_byte`; 16 bytes per fp32 Adam parameter with the default
     factor 3 and no replicas, 18 under bf16/fp16 autocast; copies of tied parameters by
-    :func:`tied_state_bytes_per_parameter_byte`), plus ZeRO-2's gradients in flight
-    (:func:`zero2_staging_bytes`)."""
+    :func:`tied_state_bytes_per_parameter_byte`), plus the gradients in flight during a
+    backward (:func:`gradients_in_flight_bytes`)."""
     s, e = layers
     params = sum(layer.parameter_bytes for layer in profile.layers[s:e])
     within, cross = tied_bytes(profile, layers)
@@ -149,17 +150,17 @@ def parameter_state_bytes(
         + within * tied_state_bytes_per_parameter_byte(profile, replicas, zero_stage)
         + cross
         * tied_state_bytes_per_parameter_byte(profile, replicas, zero_stage, cross_stage=True)
-        + zero2_staging_bytes(profile, layers, replicas, zero_stage)
+        + gradients_in_flight_bytes(profile, layers, replicas, zero_stage)
     )
 
 
 def zero2_staging_bytes(
     profile: ModelProfile, layers: tuple[int, int], replicas: int, zero_stage: int
 ) -> float:
-    """The gradients ZeRO-2 holds while a backward of layers ``[start, end)`` runs, beyond its
-    shard: :data:`ZERO2_STAGED_LAYERS` x the largest layer's parameter bytes in flat buckets
-    (an upper bound: a bucket holds at most one layer's parameters when they are larger than
-    the bucket size; tied copies are not in buckets); 0 unless ``zero_stage >= 2`` on a
+    """ZeRO-2's staged gradients of layers ``[start, end)`` while they are reduced:
+    :data:`ZERO2_STAGED_LAYERS` x the largest layer's parameter bytes in flat buckets (an
+    upper bound: a bucket holds at most one layer's parameters when they are larger than the
+    bucket size; tied copies are not in buckets); 0 unless ``zero_stage >= 2`` on a
     replicated stage."""
     if zero_stage < 2 or replicas < 2:
         return 0.0
@@ -169,12 +170,26 @@ def zero2_staging_bytes(
     )
 
 
+def gradients_in_flight_bytes(
+    profile: ModelProfile, layers: tuple[int, int], replicas: int, zero_stage: int
+) -> float:
+    """Gradients held during a backward of layers ``[start, end)`` beyond the accumulated ones:
+    the gradient autograd produces before adding it to the accumulated one (or copying it into
+    a bucket) - at most the largest layer's parameters - plus ZeRO-2's staged buckets
+    (:func:`zero2_staging_bytes`)."""
+    s, e = layers
+    largest = max(layer.parameter_bytes for layer in profile.layers[s:e])
+    return largest + zero2_staging_bytes(profile, layers, replicas, zero_stage)
+
+
 def device_state_bytes(profile: ModelProfile, stages: Sequence[StagePlan]) -> float:
     """The parameter state one device holds for ``stages`` (its stage, or its chunks under
-    interleaving): each stage's :func:`parameter_state_bytes` at its own zero stage, with
-    ZeRO-2's gradients in flight (:func:`zero2_staging_bytes`) counted once - one backward
-    runs at a time on a device, and the runtime's chunks share one set of staging buffers."""
-    staging = [zero2_staging_bytes(profile, st.layers, st.replicas, st.zero_stage) for st in stages]
+    interleaving): each stage's :func:`parameter_state_bytes` at its own zero stage, with the
+    gradients in flight (:func:`gradients_in_flight_bytes`) counted once - one backward runs at
+    a time on a device, and the runtime's chunks share one set of ZeRO-2 staging buffers."""
+    staging = [
+        gradients_in_flight_bytes(profile, st.layers, st.replicas, st.zero_stage) for st in stages
+    ]
     whole = sum(
         parameter_state_bytes(profile, st.layers, st.replicas, st.zero_stage) for st in stages
     )
