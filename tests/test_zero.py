@@ -186,6 +186,9 @@ def test_tied_parameters_keep_whole_gradients_and_shard_their_state_in_slices() 
         )
         # the norm counts each piece of what replica 0 counts whole, once over the replicas
         assert [id(p) for p in sh.counted([weight])] == [id(piece.param)]
+        # the next step lets the whole gradient go: the piece no longer holds a view of it
+        sh.begin_step()
+        assert piece.param.grad is None
         sh.close()
     assert hits is not None and torch.equal(hits, torch.ones_like(hits))
     assert unsharded_stages(plan) == [1]

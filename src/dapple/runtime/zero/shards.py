@@ -226,9 +226,12 @@ class FlatShards:
         """Start of a step (``p.grad`` is None): ZeRO-2 zeroes the gradient shard. ZeRO-1's
         buckets are not zeroed: a parameter's first gradient of the step is copied into its
         bucket (:meth:`_own`), so only the gradients of parameters that get none are zeroed,
-        when their bucket is read."""
+        when their bucket is read. The tied pieces drop their gradients: views of the last
+        step's whole gradients, they would keep those alive beside the new ones."""
         if self.zero_stage == 2:
             self.grad_shard.zero_()
+        for pc in self._tied_pieces:
+            pc.param.grad = None
         self._sums = []
         for bk in self.buckets:
             bk.launched_sum = None
