@@ -88,9 +88,9 @@ plan:
    V100 estimates (`dapple.profiler.paper_models`), not the paper's measurements. Our
    cross-stage traffic is much smaller than the paper's for GNMT-16 (ACR 0.21-0.51 against
    the paper's 3.75 on C), which removes the reason the paper gives for a straight GNMT
-   pipeline on C. AmoebaNet-36 fits a 16 GB V100 in our profile (0.93 G parameters x 16 B
-   with RMSProp state, activations of one sample), while the paper reports that DP does not
-   fit; our AmoebaNet cells are more uniform than the real ones, so its uneven `11:5` split
+   pipeline on C. As in the paper, AmoebaNet-36's DP does not fit a 16 GB V100. In our
+   profile its 0.94 G parameters take 16 B each of training state plus 4 B of AllReduce
+   buffers, 17.5 GiB. Our AmoebaNet cells are more uniform than the real ones, so its uneven `11:5` split
    is not reproduced (we find `8:8` on A like the paper, a straight pipeline on B, and
    `8:2:2:2:2` on C).
 5. **Matches.** ResNet-50 (DP on A/B/C), VGG-19 on A (DP), BERT-48 on A (`8:8`, 25:25
