@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 
@@ -162,3 +163,19 @@ def test_layer_at_length_keeps_the_tied_fields() -> None:
     mid = layer_at_length([8.0, 16.0], [layer, layer], 12.0)
     assert (mid.tied_parameter_bytes, mid.tied_layers) == (P, (3,))
     assert isinstance(mid, LayerProfile)
+
+
+def test_cli_profile_shows_and_saves_the_tied_layers(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from dapple.cli import main
+
+    out = tmp_path / "gpt2.json"
+    args = ["--set", "layers=2", "--set", "hidden=32", "--set", "heads=2", "--set", "vocab=64"]
+    rc = main(["profile", "--model", "dapple.models.hf:gpt2", *args, "--set", "seq=16",
+               "--batch-sizes", "2", "--repeats", "1", "--warmup", "0", "-o", str(out)])  # fmt: skip
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert "tied" in printed  # the column of the layers holding the other copies
+    prof = ModelProfile.load(out)
+    assert [x.tied_layers for x in prof.layers] == [(3,), (), (), (0,)]

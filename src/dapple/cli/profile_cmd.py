@@ -112,8 +112,10 @@ def _parse_shape(text: str | None) -> tuple[int, ...] | None:
 
 
 def print_profile(con: Console, prof: ModelProfile) -> None:
-    """Print the layers of ``prof`` as a rich table (times at the largest batch size)."""
+    """Print the layers of ``prof`` as a rich table (times at the largest batch size; the
+    layers holding the other copies of a layer's tied parameters, when there are any)."""
     b = max(prof.batch_sizes) if prof.batch_sizes else 1
+    tied = any(ly.tied_parameter_bytes for ly in prof.layers)
     t = Table(
         title=f"{prof.model_name} on {prof.device}, {prof.precision} ({prof.num_layers} layers)"
     )
@@ -125,6 +127,7 @@ def print_profile(con: Console, prof: ModelProfile) -> None:
         "out KB/sample",
         "kept KB/sample",
         "params",
+        *(["tied with"] if tied else []),
     ):
         t.add_column(col, justify="left" if col == "layer" else "right")
     for i, ly in enumerate(prof.layers):
@@ -138,6 +141,7 @@ def print_profile(con: Console, prof: ModelProfile) -> None:
             f"{ly.parameter_bytes // 4:,}"
             if prof.dtype == "float32"
             else f"{ly.parameter_bytes:,} B",
+            *([", ".join(map(str, ly.tied_layers))] if tied else []),
         )
     con.print(t)
 
