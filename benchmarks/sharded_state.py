@@ -122,7 +122,7 @@ def main() -> None:
         ap.error(f"--steps must exceed the {WARMUP} warm-up steps; got {steps}")
     spec, model_args = MODELS[args.model]
     prof = _profile(spec, model_args)
-    held = sum(x.parameter_bytes for x in prof.layers)
+    held = prof.parameter_bytes
     copies = sum(  # each tied parameter's second and later copies
         x.tied_parameter_bytes
         for i, x in enumerate(prof.layers)

@@ -577,9 +577,9 @@ def tied_layer_bytes(workload: Workload, i: int, layer: nn.Module) -> tuple[int,
     other layers holding copies of them."""
     groups = [g for g in workload.tied_parameters if any(int(k) == i for k, _ in g)]
     names = {str(name) for g in groups for k, name in g if int(k) == i}
-    mine = {id(p): p for p in (layer.get_parameter(name) for name in names)}
+    mine = {layer.get_parameter(name) for name in names}  # tensors hash by identity
     others = sorted({int(k) for g in groups for k, _ in g if int(k) != i})
-    return sum(p.numel() * p.element_size() for p in mine.values()), tuple(others)
+    return sum(p.numel() * p.element_size() for p in mine), tuple(others)
 
 
 def _positive(t: AffineTime) -> AffineTime:

@@ -24,7 +24,7 @@ Order at the end of a step, on every rank:
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,7 +36,7 @@ from dapple.core.plan import Plan
 from dapple.models.tied import sync_tied_grads
 from dapple.models.workload import Workload
 
-__all__ = ["BUCKET_BYTES", "GradientSync"]
+__all__ = ["BUCKET_BYTES", "GradientSync", "bucket_runs"]
 
 BUCKET_BYTES = 25 * 2**20
 """Target size of one gradient bucket (the last one may be smaller, a large tensor larger).
@@ -57,21 +57,27 @@ class _Bucket:
     launched: bool = False
 
 
-def _make_buckets(params: list[nn.Parameter], cap_bytes: int) -> list[_Bucket]:
-    """Consecutive runs of ``params`` of one dtype and device, about ``cap_bytes`` each."""
+def bucket_runs(
+    params: Sequence[nn.Parameter], cap_bytes: int, kind: Callable[[nn.Parameter], object]
+) -> list[list[nn.Parameter]]:
+    """Consecutive runs of ``params`` of one ``kind(p)``, each about ``cap_bytes`` (a run holds
+    at least one parameter, so one larger than the cap is a run of its own)."""
     runs: list[list[nn.Parameter]] = []
     size = 0
     for p in params:
         nbytes = p.numel() * p.element_size()
-        last = runs[-1][-1] if runs else None
-        kind = (p.dtype, p.device)
-        if last is None or size + nbytes > cap_bytes or (last.dtype, last.device) != kind:
+        if not runs or size + nbytes > cap_bytes or kind(runs[-1][0]) != kind(p):
             runs.append([])
             size = 0
         runs[-1].append(p)
         size += nbytes
+    return runs
+
+
+def _make_buckets(params: list[nn.Parameter], cap_bytes: int) -> list[_Bucket]:
+    """Consecutive runs of ``params`` of one dtype and device, about ``cap_bytes`` each."""
     out = []
-    for run in runs:
+    for run in bucket_runs(params, cap_bytes, lambda p: (p.dtype, p.device)):
         offsets, n = [], 0
         for p in run:
             offsets.append(n)

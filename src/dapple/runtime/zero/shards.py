@@ -13,7 +13,7 @@ from torch import nn
 
 from dapple.core.plan import Plan
 from dapple.runtime.checkpoint import LayerState, stage_layer_states
-from dapple.runtime.sync import BUCKET_BYTES
+from dapple.runtime.sync import BUCKET_BYTES, bucket_runs
 
 __all__ = ["MAX_STAGED", "TENSOR_COLLECTIVES_ENV", "FlatShards", "Piece"]
 
@@ -102,19 +102,8 @@ class FlatShards:
         self.replica, self.module, self.pg, self.zero_stage = replica, module, pg, zero_stage
         self.params = params
         cap = BUCKET_BYTES if bucket_bytes is None else bucket_bytes
-        runs: list[list[nn.Parameter]] = []
-        size, chunk_of = 0, {id(p): c for c, ps in enumerate(chunks) for p in ps}
-        for p in params[::-1]:
-            nbytes = p.numel() * p.element_size()
-            if (
-                not runs
-                or size + nbytes > cap
-                or chunk_of.get(id(p)) != chunk_of.get(id(runs[-1][0]))
-            ):
-                runs.append([])
-                size = 0
-            runs[-1].append(p)
-            size += nbytes
+        chunk_of = {id(p): c for c, ps in enumerate(chunks) for p in ps}
+        runs = bucket_runs(params[::-1], cap, lambda p: chunk_of.get(id(p)))
         like = params[0] if params else torch.empty(0)
         kw: dict[str, Any] = {"dtype": like.dtype, "device": like.device}
         self.buckets: list[_Bucket] = []
