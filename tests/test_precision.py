@@ -307,10 +307,12 @@ def test_verify_bf16_two_stage_3_1_and_sharded_within_the_stated_tolerance() -> 
     )
     rtol, atol = tolerances_for("bf16")
     for rep in reports:
-        assert (rep.rtol, rep.atol) == (rtol, atol) and rep.options["precision"] == "bf16"
-        assert rep.ok, [(s.stage, s.max_abs_diff, s.worst) for s in rep.stages]
+        # bf16 gradients at bf16's rtol; each update from the same gradients is fp32 arithmetic
+        assert rep.grad_rtol == rtol and (rep.rtol, rep.atol) == tolerances_for("fp32")
+        assert rep.options["precision"] == "bf16"
+        assert rep.ok, rep.stages
         assert rep.max_loss_diff <= atol, (rep.losses, rep.reference_losses)
-        assert rep.max_abs_diff > 0  # bf16 rounding differs from the reference somewhere
+        assert rep.max_grad_diff > 1e-6  # bf16 rounding differs from the reference somewhere
 
 
 # -- loss scaler and verdicts (pure) -----------------------------------------------------------

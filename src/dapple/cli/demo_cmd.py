@@ -37,6 +37,9 @@ __all__ = ["DEMO_MODEL", "register"]
 DEMO_MODEL = {"layers": 4, "hidden": 128, "heads": 4, "vocab": 256}
 """The default model's sizes (``-m transformer``): a byte-level GPT of about 0.8M parameters."""
 PROMPT = "def __init__(self"
+LOSS_GAP_RTOL = 1e-3
+"""Two plans over the same batches at the same lr: their losses may drift apart by rounding
+(Adam turns rounding of tiny gradients into lr-sized steps), never by a sizeable fraction."""
 """What the trained model continues."""
 
 
@@ -93,7 +96,10 @@ def run(args: argparse.Namespace) -> int:
     plan, sim = _plan_and_simulate(con, args, out, overrides)
     metrics = _train(con, args, out, plan, sim.step_ms, overrides, train_data, val_data, entropy)
     _generate(con, args, out, overrides)
-    _uneven(con, args, plan, overrides, train_data, metrics)
+    failed = _uneven(con, args, plan, overrides, train_data, metrics)
+    final = [m.eval_loss for m in metrics if m.eval_loss is not None][-1]
+    if final >= entropy:
+        failed.append(f"validation loss {final:.3f} not below the unigram entropy {entropy:.3f}")
     (out / "summary.json").write_text(
         json.dumps(
             {
@@ -109,6 +115,12 @@ def run(args: argparse.Namespace) -> int:
         )
         + "\n"
     )
+    for f in failed:
+        con.print(f"[red]check failed:[/red] {f}")
+    if failed:
+        con.print(f"[red]demo: {len(failed)} check(s) failed[/red]")
+        return 1
+    con.print("[green]demo: every check passed[/green]")
     return 0
 
 
@@ -279,9 +291,9 @@ def _uneven(
     overrides: dict[str, Any],
     train_data: Any,
     metrics: list[Any],
-) -> None:
+) -> list[str]:
     """The same model under a 3:1 plan: same batches, same losses; ``verify`` against one
-    process."""
+    process. Returns the checks that failed."""
     from dapple import api
     from dapple.cli.verify_cmd import print_report
     from dapple.core.plan import straight_plan
@@ -305,8 +317,12 @@ def _uneven(
     report = api.verify(uneven, args.model, 3, overrides=overrides, data=train_data,
                         device="cpu", **_options(args.steps))  # fmt: skip
     print_report(con, report)
+    failed = []
+    if gap > LOSS_GAP_RTOL * abs(metrics[0].loss):
+        failed.append(f"3:1 losses differ from the {plan.replication} run's by {gap:.2e}")
     if not report.ok:
-        con.print("[red]verify failed[/red]")
+        failed += [f"verify of 3:1: {f}" for f in report.failures or ["MISMATCH"]]
+    return failed
 
 
 def _num_layers(model: str, overrides: dict[str, Any]) -> int:

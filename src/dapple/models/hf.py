@@ -68,7 +68,14 @@ def _bert_class() -> type[nn.Module]:
 
 @functools.cache
 def _causal_lm_class(base: type[nn.Module]) -> type[nn.Module]:
-    """``base`` (a ``transformers`` causal-LM class) called positionally, returning logits."""
+    """``base`` (a ``transformers`` causal-LM class) called positionally, returning logits.
+
+    ``transformers`` decides whether a model may use its traceable mixture-of-experts kernels
+    (``grouped_mm``, the default) by reading the source of the module that defines the model
+    class; the subclass is defined here, so it answers with ``base``'s module. Without that, a
+    mixture of experts such as Mixtral falls back to the eager loop over the experts that were
+    hit, which ``torch.export`` cannot trace (its trip count depends on the routing).
+    """
 
     class CausalLMLogits(base):  # type: ignore[misc, valid-type]
         def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -77,6 +84,9 @@ def _causal_lm_class(base: type[nn.Module]) -> type[nn.Module]:
             )
             return out.logits  # type: ignore[no-any-return]
 
+    base_can_set = getattr(base, "_can_set_experts_implementation", None)
+    if base_can_set is not None:  # a classmethod bound to base: answers for base's module
+        CausalLMLogits._can_set_experts_implementation = classmethod(lambda cls: base_can_set())
     CausalLMLogits.__name__ = CausalLMLogits.__qualname__ = base.__name__
     return CausalLMLogits
 

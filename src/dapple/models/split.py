@@ -3,7 +3,9 @@
 Design choices:
     - The model is captured once per process with ``torch.export.export`` (non-strict, batch
       dimension of every input dynamic), giving a flat ATen graph whose nodes carry the
-      ``nn_module_stack`` of the module that ran them. We do not write a tracer.
+      ``nn_module_stack`` of the module that ran them. We do not write a tracer. The model is
+      traced without weights, its tensors fake CPU tensors (:mod:`dapple.models.trace`), so
+      code that branches on the device takes the branch the CPU runs.
     - A *cut* is a position in that graph's node list: "before module X" is the first node X
       ran. By default we cut before every element of the model's largest ``nn.ModuleList``
       (the transformer blocks) and after the last one; ``split_at`` names other modules.
@@ -73,6 +75,7 @@ from dapple.models.split_graph import (
     parse_split_at,
 )
 from dapple.models.tied import find_tied_parameters, sum_tied_grads_local, sync_tied_grads
+from dapple.models.trace import fake_copy
 from dapple.models.weights import WeightFiles
 from dapple.models.workload import Workload, layer_seed
 
@@ -170,20 +173,17 @@ class _Splitter:
             i: {d: None for d, v in ds.items() if v is None} for i, ds in declared.items()
         }
         """Dimensions declared static (the runtime does not take them for dynamic ones)."""
-        try:  # trace a copy with every tensor on meta: no weights anywhere
-            to_meta = functools.partial(_to_device, device=torch.device("meta"))
-            self.split = SplitModel(
-                copy.deepcopy(model).to("meta"), to_meta(inputs), split_at, dims
-            )
-        except ValidationError as meta_error:
-            try:  # a forward that makes tensors on a fixed device cannot run on meta
+        try:  # trace a copy whose tensors are fake CPU tensors: no weights anywhere
+            self.split = SplitModel(*_fake_trace_args(model, inputs), split_at, dims)
+        except ValidationError as fake_error:
+            try:  # tensors fake_copy cannot fake (a tensor subclass): the real model
                 self.split = SplitModel(self.whole(base), inputs, split_at, dims)
             except ValidationError:
-                raise meta_error from None
+                raise fake_error from None
             log.warning(
-                "%s could not be traced on the meta device (%s); traced with real weights",
+                "%s could not be traced without its weights (%s); traced with real weights",
                 self.model_name,
-                meta_error,
+                fake_error,
             )
 
     def __reduce__(self) -> tuple[Any, ...]:
@@ -259,11 +259,20 @@ def _splitter_with_weights(recipe: tuple[Any, ...], weights: WeightFiles) -> _Sp
     return _Splitter(*recipe).with_weights(weights)
 
 
-def _to_device(x: Any, device: torch.device) -> Any:
-    """Tensors in a tensor / tuple of tensors moved to ``device``."""
-    if isinstance(x, tuple):
-        return tuple(_to_device(t, device) for t in x)
-    return x.to(device) if isinstance(x, torch.Tensor) else x
+def _fake_trace_args(model: nn.Module, inputs: Any) -> tuple[nn.Module, Any]:
+    """A copy of ``model`` and ``inputs`` (a tensor or a tuple) as fake CPU tensors
+    (:func:`dapple.models.trace.fake_copy`).
+
+    Raises:
+        ValidationError: A tensor cannot be made fake (a tensor subclass torch cannot fake).
+    """
+    try:
+        fake_model, fake_inputs = fake_copy(
+            copy.deepcopy(model), inputs if isinstance(inputs, tuple) else (inputs,)
+        )
+    except Exception as e:  # torch raises many types; the caller falls back to real weights
+        raise ValidationError(f"cannot make fake tensors of it: {type(e).__name__}: {e}") from e
+    return fake_model, fake_inputs if isinstance(inputs, tuple) else fake_inputs[0]
 
 
 def split_module(

@@ -7,20 +7,18 @@ exported graph's node list; each run of nodes between two cuts becomes a
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import io
 import itertools
-import logging
 import operator
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import fx, nn
 
 from dapple.errors import ValidationError
-from dapple.models.shapes import DimsMap, DynamicDim
+from dapple.models.shapes import DimsMap
+from dapple.models.trace import export_model, fake_to_meta, output_is_tuple, traced_dims
 
 __all__ = [
     "EXAMPLE_BATCH",
@@ -44,122 +42,6 @@ def parse_split_at(text: str | None) -> list[str] | None:
 
 def _as_tuple(inputs: Any) -> tuple[Any, ...]:
     return inputs if isinstance(inputs, tuple) else (inputs,)
-
-
-_TRACE_LOGGERS = ("torch.fx.experimental.symbolic_shapes",)
-"""Loggers that warn about a failed trace: the error raised says what failed."""
-
-
-@contextlib.contextmanager
-def _quiet_trace() -> Iterator[None]:
-    """While ``torch.export`` runs: only errors from :data:`_TRACE_LOGGERS`, and what it prints
-    to stderr (the partial graph of a failed trace) dropped, so a failure is one error."""
-    loggers = [logging.getLogger(n) for n in _TRACE_LOGGERS]
-    levels = [lg.level for lg in loggers]
-    for lg in loggers:
-        lg.setLevel(logging.ERROR)
-    try:
-        with contextlib.redirect_stderr(io.StringIO()):
-            yield
-    finally:
-        for lg, level in zip(loggers, levels, strict=True):
-            lg.setLevel(level)
-
-
-def _export(
-    model: nn.Module, inputs: tuple[Any, ...], dims: DimsMap | None = None
-) -> torch.export.ExportedProgram:
-    """Export with dimension 0 of every tensor input dynamic, and the ``dims`` of each input
-    (one ``torch.export.Dim`` per :class:`DynamicDim` name, with its range)."""
-    dyn = torch.export.Dim.DYNAMIC
-    dims = dims or {}
-    named: dict[str, Any] = {}
-    for ds in dims.values():
-        for dd in ds.values():
-            if dd.name not in named:
-                named[dd.name] = torch.export.Dim(dd.name, min=dd.min, max=dd.max)
-    shapes = tuple(
-        {0: dyn, **{d: named[dd.name] for d, dd in dims.get(i, {}).items()}}
-        if isinstance(t, torch.Tensor) and t.dim() > 0
-        else None
-        for i, t in enumerate(inputs)
-    )
-    try:
-        with _quiet_trace():
-            ep = torch.export.export(model, inputs, dynamic_shapes=shapes, strict=False)
-    except Exception as e:  # torch raises many types; report them as one user error
-        text = str(e)
-        culprits = [
-            f"input {i} dimension {d} ({dd.name})"
-            for i, ds in dims.items()
-            for d, dd in ds.items()
-            if f"{dd.name} = " in text or f"{dd.name} " in text.split("\n")[0]
-        ]
-        if "Constraints violated" in text and culprits:
-            raise ValidationError(
-                f"{type(model).__name__}.forward cannot be traced with {', '.join(culprits)} "
-                "dynamic: it fixes or branches on that size; declare the dimension static (or "
-                "give the range the model accepts)"
-            ) from e
-        if "Constraints violated" in text:
-            raise ValidationError(
-                f"{type(model).__name__}.forward fixes the batch size (dimension 0 of its "
-                "inputs); the layer chain needs any batch size"
-            ) from e
-        raise ValidationError(
-            f"cannot trace {type(model).__name__} with torch.export: {type(e).__name__}: "
-            f"{text.splitlines()[0] if text else ''}"
-        ) from e
-    return ep
-
-
-def _traced_dims(
-    program: torch.export.ExportedProgram, dims: DimsMap
-) -> dict[int, dict[int, DynamicDim]]:
-    """``dims`` with the ranges ``torch.export`` found the traced graph valid for."""
-    placeholders = [
-        n for n in program.graph.nodes if n.op == "placeholder" and n.name in _user_inputs(program)
-    ]
-    out: dict[int, dict[int, DynamicDim]] = {}
-    for i, ds in dims.items():
-        val = placeholders[i].meta.get("val") if i < len(placeholders) else None
-        for d, dd in ds.items():
-            size = val.shape[d] if isinstance(val, torch.Tensor) and d < val.dim() else None
-            vr = (
-                program.range_constraints.get(size.node.expr)
-                if isinstance(size, torch.SymInt)
-                else None
-            )
-            lo, hi = dd.min, dd.max
-            if vr is not None:
-                lo = max(lo, int(vr.lower))
-                upper = vr.upper
-                if upper.is_finite:
-                    hi = int(upper) if hi is None else min(hi, int(upper))
-            out.setdefault(i, {})[d] = DynamicDim(dd.name, lo, hi)
-    return out
-
-
-def _user_inputs(program: torch.export.ExportedProgram) -> set[str]:
-    return set(program.graph_signature.user_inputs)
-
-
-def _output_is_tuple(model: nn.Module, program: torch.export.ExportedProgram) -> bool:
-    """Whether the traced model returns a tuple of tensors (else one tensor).
-
-    Raises:
-        ValidationError: It returns anything else.
-    """
-    spec = program.call_spec.out_spec
-    if spec is not None and spec.is_leaf():
-        return False
-    kind = getattr(spec, "type", None)
-    if kind is tuple and all(spec.child(i).is_leaf() for i in range(spec.num_children)):
-        return True
-    raise ValidationError(
-        f"{type(model).__name__} must return a tensor or a tuple of tensors, "
-        f"got {getattr(kind, '__name__', kind)}"
-    )
 
 
 def _aliases(model: nn.Module) -> dict[str, list[str]]:
@@ -322,10 +204,11 @@ class SplitModel:
             split_at = parse_split_at(split_at)
         inputs = _as_tuple(example_inputs)
         self.input_is_tuple = isinstance(example_inputs, tuple)
-        program = _export(model, inputs, dynamic_dims)
-        self.dynamic_dims = _traced_dims(program, dynamic_dims or {})
-        self.output_is_tuple = _output_is_tuple(model, program)
+        program = export_model(model, inputs, dynamic_dims)
+        self.dynamic_dims = traced_dims(program, dynamic_dims or {})
+        self.output_is_tuple = output_is_tuple(model, program)
         self.traced = program.module(check_guards=False)
+        fake_to_meta(self.traced)
         _follow_device_in_submodules(self.traced)
         self.aliases = _aliases(model)
         nodes = list(self.traced.graph.nodes)

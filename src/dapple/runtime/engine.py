@@ -92,6 +92,10 @@ FAIL_STEP_ENV = "DAPPLE_TEST_FAIL_STEP"
 logger = logging.getLogger(__name__)
 
 
+UpdateObserver = Callable[[int, nn.Module, list[tuple[torch.Tensor, torch.Tensor, int]]], None]
+"""``run_plan``'s ``on_update``: ``(step, layers, [(updated, stage parameter, offset)])``."""
+
+
 class StageRun:
     """What one rank holds after :func:`run_plan`: its stage layers, rank 0's metrics and its
     optimizer (under ZeRO over this replica's pieces of the stage's sharded parameters)."""
@@ -150,6 +154,7 @@ def run_plan(
     on_step: Callable[[StepMetrics], None] | None = None,
     data: Dataset[Any] | None = None,
     eval_data: Any = None,
+    on_update: UpdateObserver | None = None,
 ) -> StageRun:
     """Train ``config.steps`` steps of ``plan`` on the current process group.
 
@@ -167,6 +172,10 @@ def run_plan(
             samples (each rank reads its rows of the fixed batches ``_Rank.eval_batch``), a
             callable ``k -> (inputs, targets)`` of global batches, or None:
             ``workload.make_batch`` (see :mod:`dapple.runtime.evaluate`).
+        on_update: called on every rank that updates parameters, at each ``OPT`` before the
+            update, with the step, the rank's layers and what its optimizer updates as
+            ``(parameter, stage parameter it is part of, offset in that one flattened)``
+            (ZeRO: this replica's pieces; otherwise whole parameters at offset 0).
 
     Raises:
         ValidationError: the plan does not fit (before any compute).
@@ -188,6 +197,8 @@ def run_plan(
         fit_data(workload, eval_set, config.seed),
     )
     r = _setup(plan, workload, config, device, rank, world, data, eval_set, ev_plan)
+    if on_update is not None and r.module is not None:
+        r.update.observer = _observer(r, on_update)
     if eval_set is not None and evaluates:
         batch_fn = r.eval_batch  # this rank's rows of the fixed batches, read from the dataset
     evaluation = Evaluation(ev_plan, rank, executor=r.eval_executor, module=r.module, device=device,
@@ -222,6 +233,19 @@ def run_plan(
             r.sync.close(clean=False)
     _teardown(r.sync, plan, rank)
     return StageRun(r.stage, r.replica, r.module, sink.metrics, r.interpreter.optimizer)
+
+
+def _observer(r: _Rank, on_update: UpdateObserver) -> Callable[[int], None]:
+    """``on_update`` bound to this rank's layers and updated parameters."""
+    shards = r.interpreter.shards
+    pieces: list[tuple[torch.Tensor, torch.Tensor, int]] = (
+        [(pc.param, pc.origin, pc.offset) for pc in shards.pieces] if shards else []
+    )
+    sharded = {id(p) for p, _, _ in pieces}
+    held = pieces + [(p, p, 0) for p in r.update.params if id(p) not in sharded]
+    module = r.module
+    assert module is not None
+    return lambda step: on_update(step, module, held)
 
 
 def _evaluate(evaluation: Evaluation, step: int, probe: StepProbe) -> float | None:

@@ -4,18 +4,32 @@ A rank that fails inside an action of its lowered program raises :class:`RankFai
 first line names the step, the rank (stage and replica), what it was doing or waiting for and
 the peer it lost; below it, :func:`dapple.schedule.validate.format_grid` draws the step x
 device grid of the lowered schedule with the failing action marked ``>>like this<<``.
+
+What a dying rank prints is :func:`rank_report`: the whole message when the rank failed on its
+own (an error in a layer, a bad batch), only the first line when it merely lost a peer
+(:func:`lost_peer`), so a killed rank costs every survivor exactly one line.
 """
 
 from __future__ import annotations
 
 import re
 
+import torch.distributed as dist
+
 from dapple.core.plan import Plan
 from dapple.errors import DappleError, ValidationError
 from dapple.schedule.ir import Schedule
 from dapple.schedule.validate import format_grid
 
-__all__ = ["GRID_MAX_DEVICES", "RankFailure", "describe_rank", "failure_grid", "short_error"]
+__all__ = [
+    "GRID_MAX_DEVICES",
+    "RankFailure",
+    "describe_rank",
+    "failure_grid",
+    "lost_peer",
+    "rank_report",
+    "short_error",
+]
 
 GRID_MAX_DEVICES = 8
 """Larger schedules show only the failing rank's column and its peer's in a failure grid."""
@@ -58,3 +72,44 @@ def failure_grid(schedule: Schedule, rank: int, position: int, peer: int = -1) -
     if len(schedule) > GRID_MAX_DEVICES:
         shown = {d: schedule[d] for d in (rank, peer) if d in schedule}
     return format_grid(shown, [(rank, position)])
+
+
+_TRANSPORT = re.compile(r"gloo/transport/|Connection (?:closed|reset) by peer")
+"""A gloo error raised by its transport: a peer's socket closed or reset, or a wait on it timed
+out (``[.../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:5310``)."""
+
+
+def lost_peer(e: BaseException) -> bool:
+    """Whether ``e`` - or an exception it was raised from - is a communication failure: a
+    :class:`torch.distributed.DistError` (NCCL aborts and timeouts, a lost store) or a gloo
+    transport error (connection closed or reset by a peer, a timed-out wait)."""
+    seen: set[int] = set()
+    cur: BaseException | None = e
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        if isinstance(cur, dist.DistError) or (
+            isinstance(cur, RuntimeError) and _TRANSPORT.search(str(cur))
+        ):
+            return True
+        cur = cur.__cause__ or cur.__context__
+    return False
+
+
+def rank_report(e: BaseException, rank: int = -1) -> str:
+    """The text a rank prints when it gives up on ``e``.
+
+    A :class:`~dapple.errors.DappleError` reads as its message, anything else as
+    ``rank R: Type: message`` (no ``rank R:`` for ``rank < 0``). A rank that lost a peer
+    (:func:`lost_peer`) prints only the first line, with gloo/NCCL noise trimmed
+    (:func:`short_error`): the grid adds nothing when the fault is elsewhere, and with one rank
+    dead every survivor says so in one line. A rank that failed on its own keeps everything.
+    """
+    prefix = f"rank {rank}: " if rank >= 0 else ""
+    lost = lost_peer(e)
+    if isinstance(e, DappleError):
+        text = str(e)
+    elif lost:
+        text = prefix + short_error(e)
+    else:
+        text = f"{prefix}{type(e).__name__}: {e}"
+    return text.strip().split("\n", 1)[0] if lost else text

@@ -1,12 +1,18 @@
 """Process launch: under ``torchrun`` (env RANK/WORLD_SIZE/MASTER_ADDR) or standalone, where the
-local worker processes are started here (``spawn``, 127.0.0.1, a free port).
+local worker processes are started here (:func:`spawn`).
 
 Backend: NCCL when the run uses CUDA, gloo on CPU. ``init_process_group(timeout=...)`` bounds
 every wait on a peer; a failing worker prints ``dapple: error: step S: rank R (stage s
-replica j) failed during ...; lost peer rank P ...`` - followed, when it failed inside an action,
-by the schedule grid with that action marked - and exits 1 instead of hanging.
-The standalone launcher waits for all workers (at most ``timeout_s`` plus a grace period after
-the first failure, then terminates stragglers) and reports every rank's exit code.
+replica j) failed during ...; lost peer rank P ...`` and exits 1 instead of hanging. A rank that
+failed on its own adds the schedule grid with its action marked; a rank that only lost a peer
+prints that one line (:func:`dapple.runtime.failure.rank_report`).
+
+The standalone launcher (:mod:`dapple.runtime.local`): its workers end when it ends, however it
+ends (SIGKILL included); SIGTERM or SIGINT to it stops every worker first; the workers ignore
+SIGINT (Ctrl-C reaches the whole process group: the launcher handles it); the rendezvous and
+gloo listen on ``127.0.0.1`` only. It waits for all workers (at most ``timeout_s`` plus a grace
+period after the first failure, then kills stragglers) and reports every rank's exit code or
+signal.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import gc
 import json
 import os
 import pickle
+import signal
 import socket
 import sys
 import tempfile
@@ -30,13 +37,24 @@ import torch.multiprocessing as mp
 
 from dapple.core.host_memory import keep_freed_memory
 from dapple.core.plan import Plan
-from dapple.errors import DappleError, ValidationError
+from dapple.errors import ValidationError
 from dapple.models.shapes import check_steps, run_dims
 from dapple.models.workload import Workload
 from dapple.runtime.config import StepMetrics, TrainConfig
 from dapple.runtime.data import check_data, check_data_resume, data_state
 from dapple.runtime.engine import RankFailure, run_plan, validate_run
 from dapple.runtime.evaluate import eval_batch_fn, eval_plan
+from dapple.runtime.failure import rank_report
+from dapple.runtime.local import (
+    LOOPBACK,
+    StopSignals,
+    end_with_launcher,
+    exit_text,
+    join_loopback,
+    listener,
+    local_store,
+    stop_workers,
+)
 from dapple.runtime.longrun import elastic_store
 from dapple.runtime.precision import check_precision
 
@@ -85,20 +103,27 @@ def _pick_device(kind: str, local_rank: int) -> torch.device:
 
 
 def init_distributed(config: TrainConfig, local_world: int) -> torch.device:
-    """Join the process group from the env (RANK, WORLD_SIZE, MASTER_ADDR/PORT); returns the device.
+    """Join the process group; returns the device.
 
-    A CPU rank also sets its intra-op threads (the cores over the local processes) and keeps
-    freed memory for the next step (:func:`dapple.core.host_memory.keep_freed_memory`)."""
+    In a worker started by :func:`spawn` the ranks meet at rank 0's TCPStore on loopback
+    (:func:`dapple.runtime.local.local_store`); anywhere else as the env says (RANK,
+    WORLD_SIZE, MASTER_ADDR/PORT, e.g. from ``torchrun``, on any host). A CPU rank also sets its
+    intra-op threads (the cores over the local processes) and keeps freed memory for the next
+    step (:func:`dapple.core.host_memory.keep_freed_memory`)."""
     local_rank = int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")))
     device = _pick_device(config.device, local_rank)
     if device.type == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_world)))
         keep_freed_memory()  # no page faults for each step's fresh activations
     if not dist.is_initialized():
+        timeout = timedelta(seconds=config.timeout_s)
+        store = local_store(timeout)
+        if store is None:
+            store = elastic_store(timeout)
         dist.init_process_group(
             backend="nccl" if device.type == "cuda" else "gloo",
-            timeout=timedelta(seconds=config.timeout_s),
-            **elastic_store(timedelta(seconds=config.timeout_s)),  # torchrun restarts
+            timeout=timeout,
+            **store,  # spawned: loopback store; torchrun restarts: a fresh key prefix
         )
     return device
 
@@ -129,15 +154,25 @@ def _die(msg: str) -> None:
 
 
 def _entry(
-    fn: Callable[..., None], rank: int, world: int, port: int, args: tuple[Any, ...]
+    fn: Callable[..., None],
+    rank: int,
+    world: int,
+    port: int,
+    launcher: int,
+    sock: socket.socket | None,
+    args: tuple[Any, ...],
 ) -> None:
+    """A spawned worker: bind its life to the launcher's, then set the env and run ``fn``."""
+    end_with_launcher(launcher)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: the launcher stops the workers
     os.environ.update(
-        MASTER_ADDR="127.0.0.1",
+        MASTER_ADDR=LOOPBACK,
         MASTER_PORT=str(port),
         RANK=str(rank),
         WORLD_SIZE=str(world),
         LOCAL_RANK=str(rank),
         LOCAL_WORLD_SIZE=str(world),
+        **join_loopback(port, sock),
     )
     fn(rank, world, *args)
 
@@ -145,32 +180,52 @@ def _entry(
 def spawn(fn: Callable[..., None], nprocs: int, *args: Any, timeout_s: float = 300.0) -> None:
     """Run ``fn(rank, world, *args)`` in ``nprocs`` fresh local processes with the env set.
 
+    The workers end with this process however it ends, meet on loopback only, and are stopped
+    by SIGTERM or SIGINT to it (see the module docstring).
+
     Raises:
-        RankFailure: a worker exited non-zero (or hung ``timeout_s + GRACE_S`` after a failure);
-            the message lists every failing rank's exit code.
+        RankFailure: a worker exited non-zero or was killed (or hung ``timeout_s + GRACE_S``
+            after a failure); the message lists every failing rank's exit code or signal.
     """
-    ctx = mp.get_context("spawn")
-    port = free_port()
-    procs = [ctx.Process(target=_entry, args=(fn, r, nprocs, port, args)) for r in range(nprocs)]
-    for p in procs:
-        p.start()
-    first_fail: float | None = None
+    ctx = mp.get_context("spawn")  # the launcher itself is each worker's parent
+    sock = listener()  # the store's address, bound before any worker looks for it
+    port = int(sock.getsockname()[1])
+    me = os.getpid()
+    procs = [
+        ctx.Process(target=_entry, args=(fn, r, nprocs, port, me, sock if r == 0 else None, args))
+        for r in range(nprocs)
+    ]  # fmt: skip
     hung: list[int] = []
-    while any(p.is_alive() for p in procs):
+    with StopSignals() as signals:
+        try:
+            for p in procs:
+                if signals.received is None:
+                    p.start()
+            sock.close()  # rank 0 holds its copy
+            hung = _wait(procs, timeout_s, signals)
+        finally:
+            sock.close()
+            stop_workers(procs)
+    bad = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode != 0]
+    if bad:
+        parts = [f"rank {r} " + ("hung (killed)" if r in hung else exit_text(c)) for r, c in bad]
+        raise RankFailure(f"{len(bad)} of {nprocs} workers failed: {', '.join(parts)}")
+
+
+def _wait(procs: list[Any], timeout_s: float, signals: StopSignals) -> list[int]:
+    """Wait until every worker has ended, or a stop signal came; returns the ranks still alive
+    ``timeout_s + GRACE_S`` after the first failure (killed here)."""
+    first_fail: float | None = None
+    while signals.received is None and any(p.is_alive() for p in procs):
         if first_fail is None and any(p.exitcode not in (None, 0) for p in procs):
             first_fail = time.monotonic()
         if first_fail is not None and time.monotonic() - first_fail > timeout_s + GRACE_S:
             hung = [r for r, p in enumerate(procs) if p.is_alive()]
             for r in hung:
                 procs[r].kill()
-            break
+            return hung
         time.sleep(0.05)
-    for p in procs:
-        p.join()
-    bad = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode != 0]
-    if bad:
-        parts = [f"rank {r} " + ("hung (killed)" if r in hung else f"exit {c}") for r, c in bad]
-        raise RankFailure(f"{len(bad)} of {nprocs} workers failed: {', '.join(parts)}")
+    return []
 
 
 def _worker(
@@ -193,8 +248,7 @@ def _worker(
             Path(out).write_text(json.dumps([m.to_dict() for m in run.metrics]))
         shutdown_distributed()
     except Exception as e:
-        msg = str(e) if isinstance(e, DappleError) else f"rank {rank}: {type(e).__name__}: {e}"
-        _die(msg)
+        _die(rank_report(e, rank))
 
 
 def _metrics_from(d: dict[str, Any]) -> StepMetrics:
@@ -251,7 +305,7 @@ def train(
         except ValidationError:
             raise
         except Exception as e:  # peers may be gone: report and leave without PG teardown
-            _die(str(e) if isinstance(e, DappleError) else f"{type(e).__name__}: {e}")
+            _die(rank_report(e))
         shutdown_distributed()
         return run.metrics
     world = len(plan.devices)

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -213,6 +213,9 @@ class ModelUpdate:
     Attributes:
         lr: the lr of the last update (None: no update ran since :meth:`take_report`).
         grad_norm: the global norm before clipping of the last update (a 0-d float32 tensor).
+        observer: called with the step index at the start of :meth:`step`, when the
+            gradients of ``params`` are final and unclipped and the weights not yet updated
+            (``dapple verify`` records both there).
     """
 
     def __init__(
@@ -227,6 +230,7 @@ class ModelUpdate:
         self.counted, self.device = counted, device
         self.lr: float | None = None
         self.grad_norm: torch.Tensor | None = None
+        self.observer: Callable[[int], None] | None = None
 
     def global_norm(self) -> torch.Tensor:
         """``||g||_2`` of the whole model, float32 (a world all_reduce of the ranks' squared
@@ -238,6 +242,8 @@ class ModelUpdate:
 
     def step(self, step: int) -> None:
         """Global norm, clipping (``clip_grad_norm``), ``lr_at(step)``, optimizer step."""
+        if self.observer is not None:
+            self.observer(step)
         total = self.global_norm()
         max_norm = self.config.clip_grad_norm
         grads = [p.grad for p in self.params if p.grad is not None]

@@ -1,0 +1,212 @@
+"""A single-host launch beyond starting processes: workers that end with their launcher, and a
+rendezvous that listens on loopback only (used by :func:`dapple.runtime.launch.spawn`).
+
+Lifetimes. A worker arms :func:`end_with_launcher` first thing: on Linux
+``prctl(PR_SET_PDEATHSIG, SIGKILL)`` makes the kernel kill it when the launcher dies - SIGKILL
+included - and a ``getppid`` check closes the race where the launcher died before that. While
+the launcher waits, :class:`StopSignals` notes SIGTERM and SIGINT; the launcher then stops every
+worker (:func:`stop_workers`: SIGTERM, SIGKILL after :data:`STOP_GRACE_S`, reaped) and lets the
+signal take its usual effect on itself.
+
+Rendezvous. Given only a port, torch's ``TCPStore`` listens on every interface (``*:PORT``) -
+an unauthenticated key-value store, beside pickle-based collectives. The launcher binds the
+store's socket to ``127.0.0.1`` itself (:func:`listener`) and hands it to rank 0, whose store
+serves on it (``master_listen_fd``); gloo's pair sockets follow ``GLOO_SOCKET_IFNAME``, set to
+the loopback interface (:func:`loopback_interface`) whatever the host name resolves to.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from types import FrameType
+from typing import Any
+
+import torch.distributed as dist
+
+from dapple.runtime.failure import RankFailure
+
+__all__ = [
+    "LOOPBACK",
+    "STOP_GRACE_S",
+    "StopSignals",
+    "end_with_launcher",
+    "exit_text",
+    "join_loopback",
+    "listener",
+    "local_store",
+    "loopback_interface",
+    "stop_workers",
+]
+
+logger = logging.getLogger(__name__)
+
+LOOPBACK = "127.0.0.1"
+STOP_GRACE_S = 5.0
+"""Seconds a worker has to end after the launcher's SIGTERM before it gets SIGKILL."""
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+# -- lifetimes -------------------------------------------------------------------------------
+def end_with_launcher(launcher: int) -> None:
+    """Make this process end when the process ``launcher`` (its parent) ends, however it ends.
+
+    Linux: ``prctl(PR_SET_PDEATHSIG, SIGKILL)`` - the kernel kills this process when the thread
+    that started it exits (``spawn`` waits in that thread until every worker is gone).
+    Elsewhere a daemon thread polls ``getppid``. Then, if the launcher ended before that was
+    armed (this process was re-parented already), exit at once.
+
+    Raises:
+        OSError: ``prctl`` failed.
+    """
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"prctl(PR_SET_PDEATHSIG): {os.strerror(err)}")
+    else:
+        threading.Thread(target=_watch_parent, args=(launcher,), daemon=True).start()
+    if os.getppid() != launcher:
+        os._exit(1)
+
+
+def _watch_parent(launcher: int) -> None:
+    while os.getppid() == launcher:
+        time.sleep(1.0)
+    os._exit(1)
+
+
+class StopSignals:
+    """While the launcher waits: SIGTERM and SIGINT are only noted (``received``; the waiting
+    loop then stops the workers), and on leaving they are delivered again under the handlers
+    they had - so the launcher still dies of SIGTERM, raises KeyboardInterrupt on SIGINT, or
+    runs its caller's handler (and if that returns, :class:`RankFailure`). Python runs signal
+    handlers in the main thread only: entered in another thread this changes nothing (the
+    workers still end with the launcher). A signal the process ignores stays ignored."""
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> StopSignals:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                previous = signal.getsignal(sig)
+                if previous not in (signal.SIG_IGN, None):
+                    self._previous[sig] = previous
+                    signal.signal(sig, self._note)
+        return self
+
+    def _note(self, signum: int, frame: FrameType | None) -> None:
+        if self.received is None:
+            self.received = signum
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+        if self.received is not None:
+            name = signal.Signals(self.received).name
+            logger.info("%s: stopped the workers", name)
+            signal.raise_signal(self.received)
+            raise RankFailure(f"workers stopped by {name}")
+
+
+def stop_workers(procs: list[Any]) -> None:
+    """SIGTERM every live worker of ``procs`` (``multiprocessing.Process``), SIGKILL those still
+    alive :data:`STOP_GRACE_S` later, and reap them all (never started ones are skipped)."""
+    started = [p for p in procs if p.pid is not None]
+    for p in started:
+        if p.is_alive():
+            p.terminate()
+    deadline = time.monotonic() + STOP_GRACE_S
+    for p in started:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in started:
+        if p.is_alive():
+            p.kill()
+        p.join()
+
+
+def exit_text(code: int | None) -> str:
+    """A worker's end as words: ``exit 1``, ``killed by SIGKILL``."""
+    if code is not None and code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            pass
+    return f"exit {code}"
+
+
+# -- rendezvous ------------------------------------------------------------------------------
+def listener(port: int = 0) -> socket.socket:
+    """A TCP socket bound to ``127.0.0.1:port`` (0: a free port) and listening."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind((LOOPBACK, port))
+    s.listen(socket.SOMAXCONN)
+    return s
+
+
+def loopback_interface() -> str | None:
+    """The loopback interface's name (``lo`` on Linux, ``lo0`` on BSDs); None if not found."""
+    try:
+        names = [name for _, name in socket.if_nameindex()]
+    except OSError:
+        return None
+    return "lo" if "lo" in names else next((n for n in names if n.startswith("lo")), None)
+
+
+@dataclass
+class _Rendezvous:
+    """The loopback port of rank 0's store and, on rank 0 until a store takes it, the socket
+    the launcher bound and listens on there."""
+
+    port: int
+    listen_fd: int | None = None
+
+
+_joined: _Rendezvous | None = None
+"""Set by :func:`join_loopback` in a worker the launcher started; None in any other process."""
+
+
+def join_loopback(port: int, sock: socket.socket | None) -> dict[str, str]:
+    """In a spawned worker: meet the others at ``127.0.0.1:port`` (rank 0 passes the launcher's
+    listening socket ``sock``). Returns the env to set: gloo on the loopback interface."""
+    global _joined
+    _joined = _Rendezvous(port)
+    if sock is not None:
+        _joined.listen_fd = sock.detach()
+        os.set_inheritable(_joined.listen_fd, False)
+    lo = loopback_interface()
+    return {} if lo is None else {"GLOO_SOCKET_IFNAME": lo}
+
+
+def local_store(timeout: timedelta) -> dict[str, Any] | None:
+    """``init_process_group`` arguments in a worker that :func:`join_loopback`: a TCPStore on
+    ``127.0.0.1`` (rank 0 serves on the launcher's socket; a second group in the same worker
+    binds the port again, on loopback too) with RANK and WORLD_SIZE from the env. None in any
+    other process."""
+    rdv = _joined
+    if rdv is None:
+        return None
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if rank == 0:
+        fd = rdv.listen_fd if rdv.listen_fd is not None else listener(rdv.port).detach()
+        rdv.listen_fd = None  # the store owns it and closes it
+        store = dist.TCPStore(  # type: ignore[attr-defined]
+            LOOPBACK, rdv.port, world, is_master=True, timeout=timeout,
+            master_listen_fd=fd, use_libuv=True,
+        )  # fmt: skip
+    else:
+        store = dist.TCPStore(  # type: ignore[attr-defined]
+            LOOPBACK, rdv.port, world, is_master=False, timeout=timeout
+        )
+    return {"store": store, "rank": rank, "world_size": world}
