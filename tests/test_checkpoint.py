@@ -433,7 +433,10 @@ def test_plan_layer_count_differs_from_model(saved: Path) -> None:
 
 
 def test_unwritable_directory(tmp_path: Path, monkeypatch) -> None:
-    assert check_writable(tmp_path / "a" / "b").is_dir()
+    assert check_writable(tmp_path / "a" / "b") == tmp_path / "a" / "b"
+    assert (
+        list(tmp_path.iterdir()) == []
+    )  # the probe leaves no directory behind (the save makes it)
     blocker = tmp_path / "file"
     blocker.write_text("x")
     with pytest.raises(CheckpointError) as e:
@@ -443,7 +446,7 @@ def test_unwritable_directory(tmp_path: Path, monkeypatch) -> None:
     def denied(*a, **k):
         raise PermissionError(13, "Permission denied")
 
-    monkeypatch.setattr("dapple.runtime.checkpoint.tempfile.mkstemp", denied)
+    monkeypatch.setattr("dapple.runtime.checkpoint_files.tempfile.mkstemp", denied)
     with pytest.raises(CheckpointError) as e:
         check_writable(tmp_path)
     _one_line(e, str(tmp_path), "Permission denied")

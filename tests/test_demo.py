@@ -32,5 +32,22 @@ def test_demo_runs_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     summary = json.loads((out / "summary.json").read_text())
     assert len(summary["losses"]) == 12 and summary["eval_losses"]
     assert (out / "loss.png").is_file() and (out / "gantt.png").is_file()
-    assert "OK: largest parameter difference" in text  # verify of the 3:1 plan passed
+    assert "OK: largest gradient difference" in text  # verify of the 3:1 plan passed
+    assert "demo: every check passed" in text
     assert "def __init__(self" in text  # the generated continuation
+
+
+@pytest.mark.slow
+def test_demo_exits_nonzero_when_a_check_fails(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A verify that fails (rank 1's gradients perturbed) makes the demo fail, not just say so."""
+    from dapple.runtime.verify import PERTURB_GRAD_RANK_ENV
+
+    monkeypatch.setenv(PERTURB_GRAD_RANK_ENV, "1")
+    out = tmp_path / "demo"
+    args = ["demo", "--steps", "4", "--corpus-mib", "0.1", "--out-dir", str(out)]
+    assert main(args) == 1
+    text = capsys.readouterr().out
+    assert "check failed: verify of 3:1: stage 0: step 0 gradient of" in text
+    assert "check(s) failed" in text

@@ -307,13 +307,15 @@ def train(
         Rank 0's metrics of every step.
 
     Raises:
-        ValidationError: Bad plan, workload or options.
+        ValidationError: Bad plan, workload or options; a plan made for another model
+            (:meth:`~dapple.core.plan.Plan.check_model`).
         RankFailure: A worker failed.
     """
-    from dapple.runtime import train as _train
-
     run_plan = _plan(plan)
     wl = _workload(workload, _seq_overrides(workload, overrides, seq_len))
+    run_plan.check_model(wl.name, wl.num_layers)
+    from dapple.runtime import train as _train
+
     return _train(
         run_plan,
         wl,
@@ -360,7 +362,7 @@ def verify(
     precision: str = "fp32",
     **options: Any,
 ) -> VerifyReport:
-    """Run a plan distributed and on one process from the same seed; compare (``dapple verify``).
+    """Run a plan distributed and check it step by step against one process (``dapple verify``).
 
     Args:
         plan: A :class:`Plan` or its JSON path.
@@ -377,23 +379,27 @@ def verify(
         seq_len: As in :func:`train`.
         precision: ``fp32`` or ``bf16`` autocast in both runs (bf16 tolerances:
             :func:`dapple.runtime.precision.tolerances_for`).
-        **options: ``seed``, ``optimizer``, ``lr``, ``rtol``, ``atol``, ``timeout_s`` and the
-            optimisation options ``weight_decay``, ``momentum``, ``betas``, ``eps``,
-            ``lr_schedule``, ``warmup_steps``, ``min_lr``, ``clip_grad_norm`` (see
-            :func:`dapple.runtime.verify.verify_many`).
+        **options: ``seed``, ``optimizer``, ``lr``, ``rtol``, ``atol``, ``grad_rtol``,
+            ``timeout_s`` and the optimisation options ``weight_decay``, ``momentum``,
+            ``betas``, ``eps``, ``lr_schedule``, ``warmup_steps``, ``min_lr``,
+            ``clip_grad_norm``, ``zero_stage`` (see :func:`dapple.runtime.verify.verify_many`).
 
     Returns:
         A :class:`~dapple.runtime.verify.VerifyReport`; ``report.ok`` is the verdict.
 
     Raises:
-        ValidationError: Bad plan, workload or options.
+        ValidationError: Bad plan, workload or options; a plan made for another model
+            (:meth:`~dapple.core.plan.Plan.check_model`).
         RankFailure: A worker failed.
     """
+    run_plan = _with(plan, schedule, policy, virtual_stages)
+    wl = _workload(workload, _seq_overrides(workload, overrides, seq_len))
+    run_plan.check_model(wl.name, wl.num_layers)
     from dapple.runtime.verify import verify as _verify
 
     return _verify(
-        _with(plan, schedule, policy, virtual_stages),
-        _workload(workload, _seq_overrides(workload, overrides, seq_len)),
+        run_plan,
+        wl,
         steps,
         device=device,
         data=_dataset(data, seq_len),
@@ -421,7 +427,8 @@ def verify_many(
         **options: As in :func:`verify` (no ``schedule``/``policy``: set them on the plans).
 
     Raises:
-        ValidationError: Bad plan, workload or options.
+        ValidationError: Bad plan, workload or options; a plan made for another model
+            (:meth:`~dapple.core.plan.Plan.check_model`).
         RankFailure: A worker failed.
     """
     from dapple.runtime.verify import verify_many as _verify_many
@@ -433,5 +440,7 @@ def verify_many(
             if w not in loaded:
                 loaded[w] = _workload(w, None)
             w = loaded[w]
-        resolved.append((_plan(p), _workload(w, None)))
+        run_plan, wl = _plan(p), _workload(w, None)
+        run_plan.check_model(wl.name, wl.num_layers)
+        resolved.append((run_plan, wl))
     return _verify_many(resolved, steps, device=device, **options)

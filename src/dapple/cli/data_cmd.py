@@ -6,6 +6,8 @@ dtype, token counts, sources). Tokens are bytes (vocabulary 256) unless ``--toke
 names a local Hugging Face tokenizer. With ``--documents`` each ``{"text": ...}`` line of a
 ``.jsonl`` input (or each other input file) is a document, and ``train.docs.npy`` /
 ``val.docs.npy`` beside the splits hold where each starts (``train --pack`` / ``--pad``).
+An input that is not UTF-8 text (binary data) or an output path that cannot be written is
+refused before anything is tokenized.
 """
 
 from __future__ import annotations
@@ -59,7 +61,12 @@ def run_prepare(args: argparse.Namespace) -> int:
     from dapple.datasets import prepare
 
     out = prepare(
-        args.text_files, args.output, args.val_fraction, args.tokenizer, documents=args.documents
+        args.text_files,
+        args.output,
+        args.val_fraction,
+        args.tokenizer,
+        documents=args.documents,
+        text=True,
     )
     print(
         f"{out.train}: {out.train_tokens:,} tokens; {out.val}: {out.val_tokens:,} tokens; "

@@ -52,9 +52,10 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
 def run(args: argparse.Namespace) -> int:
     from dapple.models.spec import load
-    from dapple.runtime.export import export_checkpoint
+    from dapple.runtime.export import check_export_target, export_checkpoint
 
     limit = parse_size(args.max_shard_size)
+    check_export_target(args.out_dir)  # before the model is built or the checkpoint read
     workload = load(args.model, **model_overrides(args)) if args.model else None
     result = export_checkpoint(args.checkpoint_dir, args.out_dir, workload, max_shard_bytes=limit)
     print(

@@ -15,6 +15,7 @@ from rich.table import Table
 
 from dapple.cli._run_args import add_virtual_stages_argument
 from dapple.core.cluster import Cluster
+from dapple.core.output_path import check_output_file
 from dapple.core.plan import SCHEDULES, Plan
 from dapple.core.profile import ModelProfile
 from dapple.errors import DappleError, InfeasibleError, ValidationError
@@ -23,9 +24,12 @@ if TYPE_CHECKING:
     from dapple.simulate.engine import SimResult
     from dapple.simulate.schedules import ScheduleChoice
 
-__all__ = ["format_devices", "parse_seq_len", "register", "run"]
+__all__ = ["MAX_SIMULATED_WORK", "format_devices", "parse_seq_len", "register", "run"]
 
 _PLANNERS = ("dapple", "dp", "straight", "gpipe", "pipedream", "exhaustive")
+MAX_SIMULATED_WORK = 1 << 18
+"""Most micro-batches x devices ``--schedule interleaved|zbh1`` simulates: the event simulation
+takes time in proportion (about 0.1 ms each on one CPU core)."""
 _ZERO_STAGES = (0, 1, 2)
 """``--zero-stage`` numbers (``dapple.runtime.optim_config.ZERO_STAGES``; a test keeps the two
 equal without importing the runtime here); ``auto`` besides."""
@@ -274,6 +278,8 @@ def run(args: argparse.Namespace) -> int:
     if gbs < 1:
         raise ValidationError(f"--global-batch-size must be >= 1, got {gbs}")
     zero = _zero_stage(args.zero_stage)
+    if args.output is not None:
+        check_output_file(args.output, "--output plan file")
     con = Console()
     dp_ms = _dp_ms(profile, cluster, gbs)
     if args.virtual_stages != 1 and args.schedule != "interleaved":
@@ -379,6 +385,14 @@ def _new_schedule(
 
     new = with_schedule(plan, args.schedule, args.virtual_stages)
     new = dataclasses.replace(new, predicted_step_ms=schedule_latency(new, profile, cluster))
+    work = new.num_micro_batches * len(new.devices)
+    if work > MAX_SIMULATED_WORK:
+        raise ValidationError(
+            f"--schedule {args.schedule} simulates every micro-batch on every device: "
+            f"M = {new.num_micro_batches:,} micro-batches x {len(new.devices)} devices = "
+            f"{work:,} is more than {MAX_SIMULATED_WORK:,}; give a smaller "
+            "--global-batch-size, or plan without --schedule (no simulation)"
+        )
     res = simulate(new, profile, cluster)
     t = Table(
         title=f"{plan.planner} plan of {profile.model_name} on {cluster.name}, {args.schedule}"

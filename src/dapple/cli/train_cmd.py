@@ -13,6 +13,7 @@ import argparse
 import math
 import os
 import statistics
+import sys
 from typing import TYPE_CHECKING
 
 from dapple.cli._data_args import add_eval_data_argument, open_datasets, with_seq_len
@@ -27,6 +28,7 @@ from dapple.cli._train_show import (
     print_summary,
     show_options,
 )
+from dapple.core.output_path import check_output_file
 from dapple.core.plan import Plan
 from dapple.errors import ValidationError
 
@@ -34,7 +36,10 @@ if TYPE_CHECKING:  # torch-free import of the CLI
     from dapple.models.workload import Workload
     from dapple.runtime.config import StepMetrics
 
-__all__ = ["register", "run"]
+__all__ = ["DEFAULT_KEEP", "check_long_run", "register", "run"]
+
+DEFAULT_KEEP = 3
+"""``--keep``: checkpoints kept on disk (each holds weights, optimizer state and RNG states)."""
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -64,11 +69,29 @@ def _register_long_run(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("long runs")
     g.add_argument("--checkpoint-dir", default=None, help="save checkpoints here (per layer)")
     g.add_argument("--save-every", type=int, default=0, help="save every N steps (0: never)")
-    g.add_argument("--keep", type=int, default=None, help="keep the K newest checkpoints")
+    g.add_argument(
+        "--keep",
+        type=int,
+        default=DEFAULT_KEEP,
+        metavar="K",
+        help="keep the K newest checkpoints (default %(default)s; 0 keeps all)",
+    )
     g.add_argument(
         "--resume",
         action="store_true",
-        help="continue from the newest complete checkpoint (saved under any plan)",
+        help="continue from the newest intact checkpoint (saved under any plan); with none, "
+        "warn and start at step 0",
+    )
+    g.add_argument(
+        "--require-resume",
+        action="store_true",
+        help="as --resume, but fail when --checkpoint-dir holds no checkpoint to resume",
+    )
+    g.add_argument(
+        "--overwrite-checkpoints",
+        action="store_true",
+        help="start at step 0 in a --checkpoint-dir that holds checkpoints: they are deleted "
+        "at this run's first save (without it, or --resume, such a run is refused)",
     )
     g.add_argument(
         "--on-nonfinite",
@@ -79,36 +102,96 @@ def _register_long_run(p: argparse.ArgumentParser) -> None:
 
 
 def check_long_run(
-    checkpoint_dir: str | None, workload: Workload, plan_num_layers: int, *, resume: bool
+    checkpoint_dir: str | None,
+    workload: Workload,
+    plan_num_layers: int,
+    *,
+    resume: bool,
+    require_resume: bool = False,
+    overwrite: bool = False,
+    optimizer: str | None = None,
+    save_every: int = 0,
 ) -> None:
-    """Before any worker starts: the checkpoint directory is writable, and with ``resume`` the
-    newest checkpoint (if any) is of this model, the plan covers the model and every file of
-    the checkpoint has the size and hash its manifest lists, and its optimizer state is whole.
+    """Before any worker starts, and without creating anything: the checkpoint directory is
+    writable; with ``resume`` the newest intact checkpoint (every file's size and hash as its
+    manifest lists, optimizer state whole; damaged newer ones are passed over with a warning)
+    is of this model and ``optimizer`` and the plan covers the model - no checkpoint at all is
+    a warning, or an error with ``require_resume``; without ``resume`` the directory holds no
+    checkpoints unless ``overwrite`` (a warning then). Warnings go to stderr, one line each.
 
     Raises:
-        CheckpointError: unwritable directory, damaged or foreign checkpoint.
+        ValidationError: ``resume`` and ``overwrite`` together.
+        CheckpointError: unwritable directory, no intact or a foreign checkpoint to resume,
+            nothing to resume with ``require_resume``, or checkpoints of another run.
     """
     from dapple.runtime.checkpoint import (
+        CheckpointError,
         check_compatible,
-        check_optimizer_states,
         check_writable,
-        latest_checkpoint,
+        describe_steps,
+        find_resume_checkpoint,
+        list_checkpoints,
+        refuse_occupied,
     )
-    from dapple.runtime.checkpoint_files import check_files
+    from dapple.runtime.longrun import OPTIMIZER_CLASSES
 
     if checkpoint_dir is None:
         return
-    check_writable(checkpoint_dir)
-    ck = latest_checkpoint(checkpoint_dir) if resume else None
-    if ck is not None:
-        check_compatible(
-            ck,
-            model_name=workload.name,
-            num_layers=workload.num_layers,
-            plan_num_layers=plan_num_layers,
+    resume = resume or require_resume
+    if resume and overwrite:
+        raise ValidationError(
+            "--resume continues the checkpoints that --overwrite-checkpoints deletes: give one"
         )
-        check_files(ck)
-        check_optimizer_states(ck)
+    if resume:
+        point = find_resume_checkpoint(checkpoint_dir)
+        ck = point.checkpoint
+        if ck is None:
+            what = "no such directory" if not os.path.isdir(checkpoint_dir) else "none there"
+            if require_resume:
+                raise CheckpointError(
+                    f"--require-resume: no checkpoint to resume in {checkpoint_dir!r} ({what})"
+                )
+            _warn(f"--resume: no checkpoint in {checkpoint_dir!r} ({what}): starting at step 0")
+        else:
+            check_compatible(
+                ck,
+                model_name=workload.name,
+                num_layers=workload.num_layers,
+                plan_num_layers=plan_num_layers,
+                optimizer_type=OPTIMIZER_CLASSES.get(optimizer or ""),
+            )
+            for line in point.skipped:
+                _warn(f"{line}; resuming from the older step {ck.step} ({str(ck.path)!r})")
+    elif overwrite:
+        old = list_checkpoints(checkpoint_dir)
+        if old:
+            when = "at this run's first save" if save_every > 0 else "never: --save-every is 0"
+            _warn(
+                f"--overwrite-checkpoints: the {len(old)} checkpoints in {checkpoint_dir!r} "
+                f"({describe_steps(old)}) are deleted {when}"
+            )
+    else:
+        refuse_occupied(
+            checkpoint_dir,
+            "pass --resume to continue them, or --overwrite-checkpoints to delete them and "
+            "start over (or choose an empty directory)",
+        )
+    check_writable(checkpoint_dir)
+
+
+def _warn(line: str) -> None:
+    print(f"dapple: warning: {line}", file=sys.stderr, flush=True)
+
+
+def _keep(keep: int) -> int | None:
+    """``--keep``: K, or None for 0 (keep all).
+
+    Raises:
+        ValidationError: a negative K.
+    """
+    if keep < 0:
+        raise ValidationError(f"--keep must be >= 0 (0 keeps every checkpoint), got {keep}")
+    return keep or None
 
 
 def _predicted_step_ms(plan: Plan, profile_spec: str, cluster_spec: str) -> float:
@@ -170,6 +253,22 @@ def _memory_table(
     Console().print(table)
 
 
+def _check_output(path: str | os.PathLike[str] | None, what: str) -> None:
+    """Rank 0 (which writes the metrics and the loss curve) refuses, before any worker starts,
+    an output path it could not write at the end (:func:`check_output_file`)."""
+    if path is not None and int(os.environ.get("RANK", "0")) == 0:
+        check_output_file(path, what)
+
+
+def _check_plan_model(plan: Plan, model: object) -> None:
+    """The plan was made for this model (:meth:`Plan.check_model`), checked before any worker
+    starts."""
+    from dapple.runtime import resolve_workload
+
+    wl = resolve_workload(model)  # type: ignore[arg-type]
+    plan.check_model(wl.name, wl.num_layers)
+
+
 def _model_arg(args: argparse.Namespace) -> object:
     """``--model`` as given, or the workload loaded from it (``--set``, ``--split-at`` or a
     ``file.py:factory`` spec: it pickles as its spec, so spawned workers load it again)."""
@@ -188,8 +287,11 @@ def run(args: argparse.Namespace) -> int:
     if (args.profile is None) != (args.cluster is None):
         raise ValidationError("--profile and --cluster must be given together")
     plan = load_run_plan(args)
+    _check_output(args.metrics, "--metrics file")
     curve = loss_curve_path(args)
+    _check_output(curve, "loss curve")
     args.model = _model_arg(args)
+    _check_plan_model(plan, args.model)
     data, eval_data = open_datasets(args)
     eval_defaults(
         args,
@@ -202,11 +304,19 @@ def run(args: argparse.Namespace) -> int:
 
         wl = resolve_workload(args.model)
         check_data(wl, data, plan.global_batch_size, args.seed, eval_data=eval_data)
+    keep = _keep(args.keep)
     if args.checkpoint_dir is not None:
         from dapple.runtime import resolve_workload
 
         check_long_run(
-            args.checkpoint_dir, resolve_workload(args.model), plan.num_layers, resume=args.resume
+            args.checkpoint_dir,
+            resolve_workload(args.model),
+            plan.num_layers,
+            resume=args.resume,
+            require_resume=args.require_resume,
+            overwrite=args.overwrite_checkpoints,
+            optimizer=args.optimizer,
+            save_every=args.save_every,
         )
     predicted = math.nan
     if args.profile is not None:
@@ -227,8 +337,9 @@ def run(args: argparse.Namespace) -> int:
         predicted_step_ms=predicted,
         checkpoint_dir=args.checkpoint_dir,
         save_every=args.save_every,
-        keep=args.keep,
-        resume=args.resume,
+        keep=keep,
+        resume=args.resume or args.require_resume,
+        overwrite_checkpoints=args.overwrite_checkpoints,
         on_nonfinite=args.on_nonfinite,
         data=data,
         eval_data=eval_data,

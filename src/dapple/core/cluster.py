@@ -243,6 +243,9 @@ class Cluster:
                 isinstance(v, (int, float)) and not isinstance(v, bool),
                 f"{what}: {key} must be a number, got {v!r}",
             )
+            require(  # JSON and TOML files may spell NaN and Infinity
+                math.isfinite(v), f"{what}: {key} must be a finite number, got {v!r}"
+            )
             return float(v)
 
         def integer(key: str) -> int:

@@ -193,7 +193,9 @@ class Plan:
     predicted_step_ms: float = math.nan
     """The planner's pipeline latency L (equation 2) in ms; NaN when not predicted."""
     model_name: str = ""
-    """Model the plan was made for (informational)."""
+    """Model the plan was made for: its profile's ``model_name``, which is the workload's
+    ``name``. ``dapple train``/``verify`` refuse a model of another name
+    (:meth:`check_model`); empty (a plan written by hand, an older file): any name."""
     seq_len: float | None = None
     """Mean tokens per sample the step time was predicted for (a profile at several lengths,
     :mod:`dapple.planner.lengths`); None: the profile's one size. The plan runs on any length
@@ -351,6 +353,32 @@ class Plan:
                 f"plan uses device id(s) {bad} but the cluster has only {num_devices} devices (0..{num_devices - 1})",
             )
 
+    def check_model(self, model_name: str, num_layers: int | None = None) -> None:
+        """Check that the plan was made for the model about to run it (when the plan records
+        its model): the same name. The layers it covers are :meth:`validate_for`'s check.
+
+        Args:
+            model_name: the workload's name.
+            num_layers: the workload's layer count, for the message.
+
+        Raises:
+            ValidationError: one line naming the plan's model and the given one.
+        """
+        if self.model_name in ("", model_name):
+            return
+        n = self.num_layers
+        theirs = "" if num_layers is None else f" ({num_layers} layers)"
+        layers = (
+            f"plan covers layers [0, {n}) but the model has {num_layers} layers: "
+            if num_layers not in (None, n)
+            else ""
+        )
+        raise ValidationError(
+            f"{layers}the plan was made for model {self.model_name!r} ({n} layers), not for "
+            f"{model_name!r}{theirs}; profile and plan this model (dapple profile -m MODEL -o "
+            "P.json; dapple plan --profile P.json ...)"
+        )
+
     def to_dict(self) -> dict[str, Any]:
         lengths = (
             {}
@@ -361,6 +389,7 @@ class Plan:
             "schema_version": self.schema_version,
             "planner": self.planner,
             "model_name": self.model_name,
+            "num_layers": self.num_layers,
             "global_batch_size": self.global_batch_size,
             "micro_batch_size": self.micro_batch_size,
             "num_micro_batches": self.num_micro_batches,
@@ -391,7 +420,7 @@ class Plan:
             mbs = gbs // m
         if m is None and isinstance(mbs, int) and isinstance(gbs, int) and mbs > 0:
             m = gbs // mbs
-        return Plan(
+        plan = Plan(
             planner=str(d.get("planner", "manual")),
             model_name=str(d.get("model_name", "")),
             global_batch_size=gbs,
@@ -405,6 +434,12 @@ class Plan:
             max_seq_len=d.get("max_seq_len"),
             stages=tuple(StagePlan.from_dict(x, i) for i, x in enumerate(stages)),
         )
+        n = d.get("num_layers", plan.num_layers)  # files of older versions do not record it
+        require(
+            n == plan.num_layers,
+            f"{what}: num_layers is {n!r} but the stages cover layers [0, {plan.num_layers})",
+        )
+        return plan
 
     def save(self, path: str | Path) -> None:
         save_json_file(path, self.to_dict(), "plan")

@@ -44,7 +44,7 @@ def json_rows(path: Path) -> Iterator[tuple[int, Any]]:
     Raises:
         ValidationError: a line is not JSON (the message names the file and line).
     """
-    for n, line in enumerate(path.read_text().splitlines(), start=1):
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
         if not line.strip():
             continue
         try:

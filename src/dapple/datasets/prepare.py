@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from dapple.core.output_path import check_output_file
 from dapple.datasets.documents import json_rows
 from dapple.datasets.packing import docs_path
 from dapple.datasets.token_file import META_NAME
@@ -92,13 +93,44 @@ def _hf_tokens(texts: Sequence[bytes], tokenizer: str | Path) -> tuple[np.ndarra
     return np.asarray(ids, dtype=dtype), vocab, str(where.resolve())
 
 
-def _document_texts(sources: Sequence[Path]) -> list[bytes]:
+def _read_text(path: Path, text: bool) -> bytes:
+    """The bytes of input file ``path``; with ``text`` checked to be UTF-8 text.
+
+    Raises:
+        ValidationError: a missing or unreadable file; with ``text`` a NUL byte (binary data)
+            or bytes that are not UTF-8 (the message names the file and the byte offset).
+    """
+    if not path.is_file():
+        what = "is a directory" if path.is_dir() else "does not exist"
+        raise ValidationError(f"text file {str(path)!r} {what}")
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise ValidationError(f"cannot read text file {str(path)!r}: {e.strerror or e}") from e
+    if not text:
+        return raw
+    nul = raw.find(b"\0")
+    if nul >= 0:
+        raise ValidationError(
+            f"text file {str(path)!r} holds a NUL byte at offset {nul}: binary data, not UTF-8 text"
+        )
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValidationError(
+            f"text file {str(path)!r} is not UTF-8 text: byte 0x{raw[e.start]:02x} at offset "
+            f"{e.start} ({e.reason})"
+        ) from e
+    return raw
+
+
+def _document_texts(sources: Sequence[Path], raws: Sequence[bytes]) -> list[bytes]:
     """One UTF-8 text per document: each ``{"text": ...}`` line of a ``.jsonl`` file, each
-    other file whole."""
+    other file whole (``raws``: each file's bytes)."""
     texts: list[bytes] = []
-    for p in sources:
+    for p, raw in zip(sources, raws, strict=True):
         if p.suffix != ".jsonl":
-            texts.append(p.read_bytes())
+            texts.append(raw)
             continue
         for n, row in json_rows(p):
             if not isinstance(row, dict) or not isinstance(row.get("text"), str):
@@ -147,6 +179,8 @@ def prepare(
     val_fraction: float = 0.01,
     tokenizer: str | Path | None = None,
     documents: bool = False,
+    *,
+    text: bool = False,
 ) -> Prepared:
     """Tokenize ``text_files`` into ``output`` (training split), its validation file and
     ``meta.json`` (see the module docstring).
@@ -159,34 +193,53 @@ def prepare(
         tokenizer: a local Hugging Face tokenizer directory; ``None``: bytes (vocabulary 256).
         documents: the inputs are documents (``.jsonl`` lines or whole files): write their
             offsets beside each split, split whole documents.
+        text: refuse an input that is not UTF-8 text (a NUL byte or an invalid sequence)
+            before tokenizing anything; always so with a ``tokenizer`` and for ``.jsonl``
+            documents. False: byte tokens take any bytes.
 
     Raises:
-        ValidationError: no or missing text files, text that is not UTF-8 (with a tokenizer),
-            a bad ``val_fraction``, an unloadable tokenizer, or no training tokens.
+        ValidationError: no, missing or unreadable text files, a file that is not UTF-8 text
+            (binary data; see ``text``), an output path that cannot be written (checked
+            before any input is read), a bad ``val_fraction``, an unloadable tokenizer, or no
+            training tokens.
     """
     if not text_files:
         raise ValidationError("prepare needs at least one text file")
     if not 0 <= val_fraction < 1:
         raise ValidationError(f"val_fraction must be in [0, 1), got {val_fraction}")
+    if tokenizer is not None and not Path(tokenizer).is_dir():
+        raise ValidationError(f"tokenizer directory {tokenizer} does not exist")
+    train, val = Path(output), val_path(output)
+    if train.name == META_NAME:
+        raise ValidationError(f"output {str(train)!r}: {META_NAME} is the name of the meta file")
+    written = [
+        (train, "output"),
+        (val, "validation file"),
+        (train.with_name(META_NAME), "meta file"),
+    ]
+    if documents:
+        written += [
+            (docs_path(train), "document offsets file"),
+            (docs_path(val), "validation document offsets file"),
+        ]
+    for path, what in written:
+        check_output_file(path, what, make_parents=True, in_place=False)
     sources = [Path(p) for p in text_files]
-    for p in sources:
-        if not p.is_file():
-            raise ValidationError(f"text file {p} does not exist")
+    texts = [
+        _read_text(p, text or tokenizer is not None or (documents and p.suffix == ".jsonl"))
+        for p in sources
+    ]
     offsets: np.ndarray | None = None
-    try:
-        if documents:
-            each, vocab, kind = _tokenize_each(_document_texts(sources), tokenizer)
-            if not each:
-                raise ValidationError("the inputs hold no document")
-            ids = np.concatenate(each).astype(np.uint16 if vocab <= 2**16 else np.uint32)
-            offsets = np.concatenate([[0], np.cumsum([len(x) for x in each])]).astype(np.int64)
-        else:
-            texts = [p.read_bytes() for p in sources]
-            ids, vocab, kind = (
-                _byte_tokens(texts) if tokenizer is None else _hf_tokens(texts, tokenizer)
-            )
-    except UnicodeDecodeError as e:
-        raise ValidationError(f"a text file is not UTF-8: {e}") from e
+    if documents:
+        each, vocab, kind = _tokenize_each(_document_texts(sources, texts), tokenizer)
+        if not each:
+            raise ValidationError("the inputs hold no document")
+        ids = np.concatenate(each).astype(np.uint16 if vocab <= 2**16 else np.uint32)
+        offsets = np.concatenate([[0], np.cumsum([len(x) for x in each])]).astype(np.int64)
+    else:
+        ids, vocab, kind = (
+            _byte_tokens(texts) if tokenizer is None else _hf_tokens(texts, tokenizer)
+        )
     if offsets is not None:  # whole documents: the last floor(docs * fraction) validate
         n_docs = len(offsets) - 1
         split_doc = n_docs - int(n_docs * val_fraction)
@@ -199,8 +252,6 @@ def prepare(
         raise ValidationError(
             f"the text files give {len(ids)} tokens: {n_train} for training, need at least 2"
         )
-    train, val = Path(output), val_path(output)
-    train.parent.mkdir(parents=True, exist_ok=True)
     meta = train.with_name(META_NAME)
     dtype = str(ids.dtype)
     info = {
@@ -215,10 +266,17 @@ def prepare(
         info["train"]["documents"] = split_doc  # type: ignore[index]
         info["val"]["documents"] = n_docs - split_doc  # type: ignore[index]
     little = ids.astype(ids.dtype.newbyteorder("<"))  # the file format is little-endian
-    _write_atomic(train, little[:n_train].tobytes())
-    _write_atomic(val, little[n_train:].tobytes())
+    files = [(train, little[:n_train].tobytes()), (val, little[n_train:].tobytes())]
     if offsets is not None:
-        _write_atomic(docs_path(train), _npy(offsets[: split_doc + 1]))
-        _write_atomic(docs_path(val), _npy(offsets[split_doc:] - n_train))
-    _write_atomic(meta, (json.dumps(info, indent=2) + "\n").encode())
+        files += [
+            (docs_path(train), _npy(offsets[: split_doc + 1])),
+            (docs_path(val), _npy(offsets[split_doc:] - n_train)),
+        ]
+    files.append((meta, (json.dumps(info, indent=2) + "\n").encode()))
+    for path, data in files:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            _write_atomic(path, data)
+        except OSError as e:
+            raise ValidationError(f"cannot write {str(path)!r}: {e.strerror or e}") from e
     return Prepared(train, val, meta, vocab, dtype, n_train, n_val)

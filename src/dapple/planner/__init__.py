@@ -19,7 +19,7 @@ from dapple.planner.baselines import dp_plan, gpipe_plan, pipedream_plan, straig
 from dapple.planner.cost import LatencyBreakdown, pipeline_latency
 from dapple.planner.lengths import profile_for_lengths
 from dapple.planner.oracle import exhaustive_plan
-from dapple.planner.search import Progress, dapple_search
+from dapple.planner.search import Progress, check_global_batch_size, dapple_search
 
 __all__ = [
     "PLANNERS",
@@ -78,7 +78,9 @@ def make_plan(
         profile without lengths).
 
     Raises:
-        ValidationError: unknown planner, bad batch size, or lengths the profile cannot give.
+        ValidationError: unknown planner, bad batch size (below 1, above
+            :data:`~dapple.planner.search.MAX_GLOBAL_BATCH_SIZE`), or lengths the profile
+            cannot give.
         InfeasibleError: no plan fits.
     """
     if planner not in PLANNERS:
@@ -87,6 +89,7 @@ def make_plan(
         raise ValidationError(
             f"global batch size must be an integer >= 1, got {global_batch_size!r}"
         )
+    check_global_batch_size(global_batch_size)
     if seq_len is not None or max_seq_len is not None:
         if seq_len is None:
             raise ValidationError(f"max_seq_len {max_seq_len} needs seq_len (the mean length)")

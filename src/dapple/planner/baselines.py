@@ -1,8 +1,9 @@
 """Baseline planners scored under the same cost model: DP, straight, GPipe, PipeDream.
 
 Each returns a :class:`Plan` whose ``predicted_step_ms`` is the cost model's L, with M chosen
-among the divisors of the global batch size to minimise L (paper section 7.4 evaluates
-PipeDream's partition/replication as a synchronous plan the same way).
+among divisors of the global batch size
+(:func:`~dapple.planner.search.micro_batch_candidates`) to minimise L (paper section 7.4
+evaluates PipeDream's partition/replication as a synchronous plan the same way).
 """
 
 from __future__ import annotations

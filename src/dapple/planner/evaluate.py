@@ -11,6 +11,7 @@ the cost model's kernel :func:`dapple.planner.latency.latency` (and the CPU-host
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -320,9 +321,18 @@ class Scorer:
         )
 
 
-def divisors(n: int) -> list[int]:
-    """Positive divisors of ``n`` in increasing order (the candidate M)."""
-    return [m for m in range(1, n + 1) if n % m == 0]
+def divisors(n: int, scan: int | None = None) -> list[int]:
+    """Positive divisors of ``n`` in increasing order, by trial division up to sqrt(n).
+
+    Args:
+        n: a positive integer.
+        scan: try only the divisors ``d <= scan``: the result is every divisor d with
+            ``d <= scan`` or ``n / d <= scan`` (all of them when ``n <= scan**2``), found in
+            at most ``scan`` divisions whatever ``n``; None: sqrt(n) divisions, every divisor.
+    """
+    top = math.isqrt(n) if scan is None else min(math.isqrt(n), scan)
+    low = [d for d in range(1, top + 1) if n % d == 0]
+    return low + [n // d for d in reversed(low) if n // d > top]
 
 
 def _pick(

@@ -8,9 +8,10 @@ policies (section 5.2) and a last stage ``[j', N)`` on the rest. Each state keep
 prefix (memoised search); the answer (equation 4) is the best state. The device set g is
 represented by the per-server occupancy, which the placement policies fully determine.
 
-Beyond the paper: the search also chooses M among the divisors of the global batch size, the
-warm-up policy A/B, and per stage re-computation and the in-flight bound D when memory demands
-them (:class:`dapple.planner.evaluate.Scorer`). It is kept fast by:
+Beyond the paper: the search also chooses M among divisors of the global batch size (at most
+:data:`MAX_MICRO_BATCH_COUNTS` of them, :func:`micro_batch_candidates`, so the work does not
+grow with the batch), the warm-up policy A/B, and per stage re-computation and the in-flight
+bound D when memory demands them (:class:`dapple.planner.evaluate.Scorer`). It is kept fast by:
 
 * a lower bound ``L >= M (F_s + B_s)`` of a computation stage s: a new stage reaching the best
   L found stops the scan over longer stages, and prefixes holding such a stage are dropped;
@@ -29,6 +30,7 @@ them (:class:`dapple.planner.evaluate.Scorer`). It is kept fast by:
 
 from __future__ import annotations
 
+import bisect
 import logging
 import math
 from collections.abc import Callable, Sequence
@@ -36,13 +38,22 @@ from collections.abc import Callable, Sequence
 from dapple.core.cluster import Cluster
 from dapple.core.plan import Plan, split_sizes
 from dapple.core.profile import ModelProfile
-from dapple.errors import InfeasibleError
+from dapple.errors import InfeasibleError, ValidationError
 from dapple.planner.evaluate import Scored, Scorer, StageSpec, divisors
 from dapple.planner.memory import state_bytes_per_parameter_byte
 from dapple.planner.partition import block_partition
 from dapple.planner.placement import POLICIES, place, remaining_devices
 
-__all__ = ["candidate_replicas", "dapple_search", "micro_batch_candidates"]
+__all__ = [
+    "DENSE_MICRO_BATCH_COUNTS",
+    "DIVISOR_SCAN",
+    "MAX_GLOBAL_BATCH_SIZE",
+    "MAX_MICRO_BATCH_COUNTS",
+    "candidate_replicas",
+    "check_global_batch_size",
+    "dapple_search",
+    "micro_batch_candidates",
+]
 
 log = logging.getLogger(__name__)
 
@@ -50,15 +61,66 @@ Progress = Callable[[int, int], None]
 _Entry = tuple[float, tuple[StageSpec, ...], tuple[int, ...]]
 
 
-def micro_batch_candidates(global_batch_size: int) -> list[int]:
-    """Candidate M: the divisors of the global batch size.
+MAX_MICRO_BATCH_COUNTS = 64
+"""Most candidate M a planner tries for one global batch size (every planner's work is
+proportional to it, never to the global batch size itself)."""
+DENSE_MICRO_BATCH_COUNTS = 32
+"""Every divisor M up to this is a candidate: there one more micro-batch changes the bubble
+share ``(S - 1) / (M + S - 1)`` of the step most."""
+MAX_GLOBAL_BATCH_SIZE = 2**53
+"""Largest global batch size planned: the cost model counts samples in floating point, exact
+for integers up to 2^53."""
+DIVISOR_SCAN = 1 << 16
+"""Trial divisions spent finding the divisors of the global batch size G: every M with
+``M <= DIVISOR_SCAN`` or ``G / M <= DIVISOR_SCAN`` (few micro-batches, or small ones) is found;
+that is every divisor when ``G <= DIVISOR_SCAN**2``."""
+
+
+def check_global_batch_size(global_batch_size: int) -> None:
+    """Refuse a global batch size above :data:`MAX_GLOBAL_BATCH_SIZE`.
+
+    Raises:
+        ValidationError: naming the size and the limit.
+    """
+    if global_batch_size > MAX_GLOBAL_BATCH_SIZE:
+        digits = str(global_batch_size)
+        shown = digits if len(digits) <= 24 else f"{digits[:6]}... ({len(digits)} digits)"
+        raise ValidationError(
+            f"global batch size {shown} is above the largest the planner "
+            f"handles, 2^53 = {MAX_GLOBAL_BATCH_SIZE:,} (samples are counted in floating point)"
+        )
+
+
+def micro_batch_candidates(
+    global_batch_size: int, limit: int = MAX_MICRO_BATCH_COUNTS
+) -> list[int]:
+    """Candidate M: divisors of the global batch size G, at most ``limit`` of them.
+
+    The divisors found by :data:`DIVISOR_SCAN` trial divisions (all of them for G up to 2^32);
+    when they are more than ``limit``: every one up to :data:`DENSE_MICRO_BATCH_COUNTS` (in
+    at most half the slots), and for the other slots the divisors nearest to targets evenly
+    spaced in log M up to M = G (always kept), so a planner's work does not grow with G.
 
     Raises:
         InfeasibleError: the global batch size is not a positive integer.
+        ValidationError: it is above :data:`MAX_GLOBAL_BATCH_SIZE`.
     """
     if global_batch_size < 1:
         raise InfeasibleError(f"global batch size must be >= 1, got {global_batch_size}")
-    return divisors(global_batch_size)
+    check_global_batch_size(global_batch_size)
+    found = divisors(global_batch_size, DIVISOR_SCAN)
+    if len(found) <= limit:
+        return found
+    picked = set(found[: min(limit // 2, bisect.bisect_right(found, DENSE_MICRO_BATCH_COUNTS))])
+    rest = found[len(picked) :]
+    logs = [math.log(m) for m in rest]
+    slots = limit - len(picked)
+    for k in range(1, slots + 1):  # targets up to log G, the last one M = G itself
+        target = logs[0] + (logs[-1] - logs[0]) * k / slots
+        i = bisect.bisect_left(logs, target)
+        near = [j for j in (i - 1, i) if 0 <= j < len(rest)]
+        picked.add(rest[min(near, key=lambda j: abs(logs[j] - target))])
+    return sorted(picked)
 
 
 def candidate_replicas(cluster: Cluster, available: int) -> list[int]:
@@ -209,9 +271,9 @@ def dapple_search(
         keep: prefixes kept per state (memoised search keeps 1 in the paper); -1 (default)
             picks 64 for small instances and 1 otherwise.
         m_candidates: run the DP for only this many micro-batch counts M, the most promising
-            by their best regular candidate (:func:`_seeds`); None runs all divisors of the
-            global batch size; -1 (default) picks None for small instances, else 3. The final
-            plan's M is re-picked among all divisors.
+            by their best regular candidate (:func:`_seeds`); None runs every
+            :func:`micro_batch_candidates`; -1 (default) picks None for small instances, else 3.
+            The final plan's M is re-picked among all the candidates.
         cut_limit: the DP cuts only at :func:`cut_points` (at most this many + 1); the
             final cuts are refined layer by layer.
         progress: called as ``progress(done, total)`` after each candidate M.

@@ -19,7 +19,11 @@ Design choices:
       any plan reads exactly the layers it holds and rebuilds its optimizer state in its own
       parameter order;
     - every bad input raises :class:`CheckpointError`, one line naming the file and the problem,
-      and nothing ever modifies an existing complete checkpoint except pruning to ``keep``.
+      and nothing ever modifies an existing complete checkpoint except pruning to ``keep`` (and
+      :func:`delete_checkpoints`, when a run is asked to start over);
+    - a resume takes the newest checkpoint whose every file is intact
+      (:func:`find_resume_checkpoint`): a damaged newer one (:class:`DamagedCheckpointError`) is
+      skipped with a warning, never deleted.
 """
 
 from __future__ import annotations
@@ -29,8 +33,6 @@ import hashlib
 import json
 import logging
 import os
-import random
-import tempfile
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,7 +48,13 @@ from dapple.runtime.checkpoint_files import (
     Checkpoint,
     CheckpointError,
     CheckpointMeta,
+    DamagedCheckpointError,
     atomic_write,
+    capture_rng_state,
+    check_files,
+    check_writable,
+    delete_checkpoints,
+    describe_steps,
     fsync_dir,
     latest_checkpoint,
     list_checkpoints,
@@ -55,6 +63,8 @@ from dapple.runtime.checkpoint_files import (
     read_checkpoint,
     read_verified,
     rec_dict,
+    refuse_occupied,
+    restore_rng_state,
     step_dir,
     to_bytes,
 )
@@ -66,17 +76,24 @@ __all__ = [
     "Checkpoint",
     "CheckpointError",
     "CheckpointMeta",
+    "DamagedCheckpointError",
     "LayerState",
+    "ResumePoint",
     "capture_rng_state",
     "check_compatible",
+    "check_files",
     "check_optimizer_states",
     "check_writable",
+    "delete_checkpoints",
+    "describe_steps",
+    "find_resume_checkpoint",
     "latest_checkpoint",
     "list_checkpoints",
     "load_layer_states",
     "load_rng_state",
     "prune_checkpoints",
     "read_checkpoint",
+    "refuse_occupied",
     "restore_rng_state",
     "restore_stage",
     "save_checkpoint",
@@ -97,46 +114,6 @@ class LayerState:
     """The layer's ``state_dict()`` (parameters and persistent buffers), on CPU."""
     optimizer: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Optimizer state per parameter name in the layer (``{}`` for a parameter without state)."""
-
-
-# -- RNG --------------------------------------------------------------------------------------
-def capture_rng_state() -> dict[str, Any]:
-    """This process's torch (CPU and CUDA), python and numpy RNG states."""
-    state: dict[str, Any] = {
-        "torch": torch.get_rng_state(),
-        "python": _listify(random.getstate()),
-    }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    try:
-        import numpy as np
-
-        kind, keys, pos, has_gauss, gauss = np.random.get_state(legacy=True)
-        state["numpy"] = [str(kind), [int(k) for k in keys], int(pos), int(has_gauss), float(gauss)]
-    except ImportError:  # pragma: no cover
-        pass
-    return state
-
-
-def _listify(x: Any) -> Any:
-    return [_listify(v) for v in x] if isinstance(x, (tuple, list)) else x
-
-
-def _tuplify(x: Any) -> Any:
-    return tuple(_tuplify(v) for v in x) if isinstance(x, list) else x
-
-
-def restore_rng_state(state: Mapping[str, Any]) -> None:
-    """Set this process's RNGs from :func:`capture_rng_state`'s result."""
-    torch.set_rng_state(state["torch"])
-    random.setstate(_tuplify(state["python"]))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-    if "numpy" in state:
-        import numpy as np
-
-        kind, keys, pos, has_gauss, gauss = state["numpy"]
-        np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, gauss))
 
 
 # -- per-layer state ----------------------------------------------------------------------------
@@ -266,7 +243,7 @@ def save_checkpoint(
         merge_parts_into_manifest(d, meta, sid)
         fsync_dir(d)
         if keep is not None:
-            prune_checkpoints(root, keep)
+            prune_checkpoints(root, keep, newest_step=meta.step)
     return d
 
 
@@ -288,7 +265,9 @@ def load_layer_states(ckpt: Checkpoint, layers: Iterable[int]) -> dict[int, Laye
         rec = ckpt.layers[i]
         payload = read_verified(ckpt.path, rec.file, f"layer {i}")
         if not (isinstance(payload, dict) and payload.get("index") == i):
-            raise CheckpointError(f"layer file {str(ckpt.path / rec.file.file)!r} is not layer {i}")
+            raise DamagedCheckpointError(
+                f"layer file {str(ckpt.path / rec.file.file)!r} is not layer {i}"
+            )
         out[i] = LayerState(i, dict(payload["tensors"]), dict(payload.get("optimizer", {})))
     return out
 
@@ -303,12 +282,22 @@ def load_rng_state(ckpt: Checkpoint, rank: int) -> dict[str, Any] | None:
 
 
 def check_compatible(
-    ckpt: Checkpoint, *, model_name: str, num_layers: int, plan_num_layers: int | None = None
+    ckpt: Checkpoint,
+    *,
+    model_name: str,
+    num_layers: int,
+    plan_num_layers: int | None = None,
+    optimizer_type: str | None = None,
 ) -> None:
-    """Reject a checkpoint of another model, or a plan that does not cover the model.
+    """Reject a checkpoint of another model or optimizer, or a plan that does not cover the model.
+
+    Args:
+        optimizer_type: the class name of the optimizer that would resume (``AdamW``); None:
+            not checked.
 
     Raises:
-        CheckpointError: model name or layer count differ, or the plan's layer count differs.
+        CheckpointError: model name or layer count differ, the plan's layer count differs, or
+            the checkpoint holds another optimizer's state.
     """
     where = str(ckpt.manifest_path)
     if ckpt.meta.model_name != model_name:
@@ -324,6 +313,16 @@ def check_compatible(
         raise CheckpointError(
             f"plan covers {plan_num_layers} layers but model {model_name!r} (and checkpoint "
             f"{where!r}) has {num_layers}"
+        )
+    if optimizer_type is not None:
+        _check_optimizer_type(ckpt, optimizer_type)
+
+
+def _check_optimizer_type(ckpt: Checkpoint, optimizer_type: str) -> None:
+    if ckpt.meta.optimizer_type not in ("", optimizer_type):
+        raise CheckpointError(
+            f"checkpoint {str(ckpt.manifest_path)!r} has {ckpt.meta.optimizer_type} optimizer "
+            f"state; cannot resume with {optimizer_type}"
         )
 
 
@@ -364,11 +363,8 @@ def restore_stage(
                 f"checkpoint {str(ckpt.manifest_path)!r} is of another model: layer {i} tensor "
                 f"{k!r} has shape {have.get(k)} there but {want.get(k)} in the model"
             )
-    if optimizer is not None and ckpt.meta.optimizer_type not in ("", type(optimizer).__name__):
-        raise CheckpointError(
-            f"checkpoint {str(ckpt.manifest_path)!r} has {ckpt.meta.optimizer_type} optimizer "
-            f"state; cannot resume with {type(optimizer).__name__}"
-        )
+    if optimizer is not None:
+        _check_optimizer_type(ckpt, type(optimizer).__name__)
     states = load_layer_states(ckpt, idxs)
     by_param: dict[int, dict[str, Any]] = {}
     for i, layer in zip(idxs, children, strict=False):
@@ -418,7 +414,7 @@ def check_optimizer_states(ckpt: Checkpoint) -> None:
     layer file at a time.
 
     Raises:
-        CheckpointError: the first incomplete entry, named with its layer and parameter.
+        DamagedCheckpointError: the first incomplete entry, named with its layer and parameter.
     """
     keys: tuple[str, ...] | None = None
     where = str(ckpt.manifest_path)
@@ -429,33 +425,53 @@ def check_optimizer_states(ckpt: Checkpoint) -> None:
             keys = have if keys is None else keys
             what = f"checkpoint {where!r} is incomplete: layer {rec.index} parameter {name!r}"
             if have != keys:
-                raise CheckpointError(
+                raise DamagedCheckpointError(
                     f"{what} has optimizer state {list(have)}, others {list(keys)}"
                 )
             t = ls.tensors.get(name)
             for k, v in st.items():
                 if isinstance(v, torch.Tensor) and v.ndim > 0 and (t is None or v.shape != t.shape):
                     shape = None if t is None else list(t.shape)
-                    raise CheckpointError(
+                    raise DamagedCheckpointError(
                         f"{what}: optimizer state {k!r} has shape {list(v.shape)}, the "
                         f"parameter {shape}"
                     )
 
 
-def check_writable(root: str | Path) -> Path:
-    """Create ``root`` if needed and prove a file can be written there (before training).
+@dataclass(frozen=True, slots=True)
+class ResumePoint:
+    """Where a resume starts: :func:`find_resume_checkpoint`'s answer."""
+
+    checkpoint: Checkpoint | None
+    """The newest intact checkpoint; None when the directory holds none (missing or empty)."""
+    skipped: tuple[str, ...] = ()
+    """One line per newer checkpoint passed over as damaged (what is wrong with it)."""
+
+
+def find_resume_checkpoint(root: str | Path) -> ResumePoint:
+    """The newest checkpoint under ``root`` whose manifest reads, whose every file has the size
+    and sha256 its manifest lists (:func:`check_files`) and whose optimizer state is whole
+    (:func:`check_optimizer_states`); newer damaged ones are passed over and named.
+
+    Reads every file of the checkpoint it returns (and of the damaged ones before it): called
+    once per resume, by the launcher and by rank 0 (:meth:`dapple.runtime.longrun.LongRun.resume`).
 
     Raises:
-        CheckpointError: the directory cannot be created or written.
+        CheckpointError: a manifest from a newer dapple (refused, not skipped), or every
+            checkpoint is damaged (the newest one's problem).
     """
-    r = Path(root)
-    try:
-        r.mkdir(parents=True, exist_ok=True)
-        fd, probe = tempfile.mkstemp(prefix=".dapple-write-probe-", dir=r)
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as e:
-        raise CheckpointError(
-            f"checkpoint directory {str(r)!r} is not writable: {e.strerror or e}"
-        ) from e
-    return r
+    skipped: list[str] = []
+    for d in reversed(list_checkpoints(root)):
+        if not (d / MANIFEST_NAME).is_file():  # a save that crashed: not a checkpoint
+            continue
+        try:
+            ck = read_checkpoint(d)
+            check_files(ck)
+            check_optimizer_states(ck)
+        except DamagedCheckpointError as e:
+            skipped.append(str(e))
+            continue
+        return ResumePoint(ck, tuple(skipped))
+    if skipped:
+        raise DamagedCheckpointError(f"{skipped[0]}; no older intact checkpoint to resume from")
+    return ResumePoint(None)

@@ -1,18 +1,22 @@
-"""Checkpoint files: atomic writes, the manifest (schema, per-file size and sha256), finding.
+"""Checkpoint files: atomic writes, the manifest (schema, per-file size and sha256), RNG states,
+finding, pruning and the checks of a checkpoint directory before a run.
 
 Private to :mod:`dapple.runtime.checkpoint`, which re-exports the public names.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
 import logging
 import os
+import random
 import re
 import shutil
 import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,6 +37,13 @@ _STEP_DIR = re.compile(r"^step-(\d{8,})$")
 
 class CheckpointError(DappleError):
     """A checkpoint is missing, damaged, incompatible, or cannot be written."""
+
+
+class DamagedCheckpointError(CheckpointError):
+    """A checkpoint's files are damaged: a truncated, corrupted, unreadable or missing file, a
+    manifest that is not valid, or incomplete optimizer state. A resume falls back past such a
+    checkpoint to an older intact one (a checkpoint of another model, optimizer or a newer
+    dapple is refused instead)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -89,6 +100,46 @@ class Checkpoint:
         return self.path / MANIFEST_NAME
 
 
+# -- RNG states (one file per rank) --------------------------------------------------------------------------------------
+def capture_rng_state() -> dict[str, Any]:
+    """This process's torch (CPU and CUDA), python and numpy RNG states."""
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "python": _listify(random.getstate()),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    try:
+        import numpy as np
+
+        kind, keys, pos, has_gauss, gauss = np.random.get_state(legacy=True)
+        state["numpy"] = [str(kind), [int(k) for k in keys], int(pos), int(has_gauss), float(gauss)]
+    except ImportError:  # pragma: no cover
+        pass
+    return state
+
+
+def _listify(x: Any) -> Any:
+    return [_listify(v) for v in x] if isinstance(x, (tuple, list)) else x
+
+
+def _tuplify(x: Any) -> Any:
+    return tuple(_tuplify(v) for v in x) if isinstance(x, list) else x
+
+
+def restore_rng_state(state: Mapping[str, Any]) -> None:
+    """Set this process's RNGs from :func:`capture_rng_state`'s result."""
+    torch.set_rng_state(state["torch"])
+    random.setstate(_tuplify(state["python"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    if "numpy" in state:
+        import numpy as np
+
+        kind, keys, pos, has_gauss, gauss = state["numpy"]
+        np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, gauss))
+
+
 # -- file helpers -----------------------------------------------------------------------------
 def fsync_dir(path: Path) -> None:
     try:
@@ -127,12 +178,12 @@ def to_bytes(obj: Any) -> bytes:
 def _check_bytes(path: Path, data: bytes, rec: _FileRecord, what: str) -> None:
     """``data`` (the file at ``path``) has the size and sha256 the manifest lists."""
     if len(data) != rec.bytes:
-        raise CheckpointError(
+        raise DamagedCheckpointError(
             f"{what} file {str(path)!r} is truncated or damaged: {len(data)} bytes, "
             f"the manifest says {rec.bytes}"
         )
     if hashlib.sha256(data).hexdigest() != rec.sha256:
-        raise CheckpointError(
+        raise DamagedCheckpointError(
             f"{what} file {str(path)!r} is corrupted: sha256 does not match the manifest"
         )
 
@@ -141,7 +192,9 @@ def _read(path: Path, what: str) -> bytes:
     try:
         return path.read_bytes()
     except OSError as e:
-        raise CheckpointError(f"cannot read {what} file {str(path)!r}: {e.strerror or e}") from e
+        raise DamagedCheckpointError(
+            f"cannot read {what} file {str(path)!r}: {e.strerror or e}"
+        ) from e
 
 
 def read_verified(ckpt_dir: Path, rec: _FileRecord, what: str) -> Any:
@@ -151,7 +204,9 @@ def read_verified(ckpt_dir: Path, rec: _FileRecord, what: str) -> Any:
     try:
         return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as e:  # one line, whatever torch raises
-        raise CheckpointError(f"{what} file {str(path)!r} cannot be read by torch: {e}") from e
+        raise DamagedCheckpointError(
+            f"{what} file {str(path)!r} cannot be read by torch: {e}"
+        ) from e
 
 
 def check_files(ckpt: Checkpoint) -> None:
@@ -210,8 +265,8 @@ def merge_parts_into_manifest(d: Path, meta: CheckpointMeta, sid: str) -> None:
 
 
 # -- find and read --------------------------------------------------------------------------------
-def _bad(path: Path, problem: str) -> CheckpointError:
-    return CheckpointError(f"checkpoint manifest {str(path)!r}: {problem}")
+def _bad(path: Path, problem: str) -> DamagedCheckpointError:
+    return DamagedCheckpointError(f"checkpoint manifest {str(path)!r}: {problem}")
 
 
 def _file_record(x: Any, path: Path, what: str) -> _FileRecord:
@@ -239,9 +294,11 @@ def read_checkpoint(path: str | Path) -> Checkpoint:
     try:
         data = json.loads(mp.read_text())
     except FileNotFoundError as e:
-        raise CheckpointError(f"{str(d)!r} is not a complete checkpoint: no {MANIFEST_NAME}") from e
+        raise DamagedCheckpointError(
+            f"{str(d)!r} is not a complete checkpoint: no {MANIFEST_NAME}"
+        ) from e
     except OSError as e:
-        raise CheckpointError(f"cannot read {str(mp)!r}: {e.strerror or e}") from e
+        raise DamagedCheckpointError(f"cannot read {str(mp)!r}: {e.strerror or e}") from e
     except json.JSONDecodeError as e:
         raise _bad(mp, f"not valid JSON ({e.msg} at line {e.lineno})") from e
     if not isinstance(data, dict):
@@ -249,11 +306,10 @@ def read_checkpoint(path: str | Path) -> Checkpoint:
     v = data.get("schema_version")
     if not isinstance(v, int):
         raise _bad(mp, f"schema_version must be an integer, got {v!r}")
-    if v > CHECKPOINT_SCHEMA_VERSION:
-        raise _bad(
-            mp,
-            f"schema_version {v} is newer than this dapple understands "
-            f"({CHECKPOINT_SCHEMA_VERSION}); upgrade dapple",
+    if v > CHECKPOINT_SCHEMA_VERSION:  # not damage: refused, never skipped
+        raise CheckpointError(
+            f"checkpoint manifest {str(mp)!r}: schema_version {v} is newer than this dapple "
+            f"understands ({CHECKPOINT_SCHEMA_VERSION}); upgrade dapple"
         )
     for key, typ in (("model_name", str), ("num_layers", int), ("step", int), ("layers", list)):
         if not isinstance(data.get(key), typ):
@@ -271,7 +327,7 @@ def read_checkpoint(path: str | Path) -> Checkpoint:
     rng = {int(r): _file_record(x, mp, f"rng of rank {r}") for r, x in rng_raw.items()}
     for rec in [lr.file for lr in layers] + list(rng.values()):
         if not (d / rec.file).is_file():
-            raise CheckpointError(
+            raise DamagedCheckpointError(
                 f"checkpoint {str(d)!r}: file {rec.file!r} listed in the manifest is missing"
             )
     meta = CheckpointMeta(
@@ -299,28 +355,49 @@ def list_checkpoints(root: str | Path) -> list[Path]:
 
 
 def latest_checkpoint(root: str | Path) -> Checkpoint | None:
-    """The newest COMPLETE checkpoint under ``root``, or None when there is none.
+    """The newest COMPLETE checkpoint under ``root`` whose manifest reads, or None when there is
+    none.
 
-    Directories without a manifest (a save that crashed) are skipped. A manifest that is
-    present but invalid or from a newer schema raises instead of silently falling back.
+    Directories without a manifest (a save that crashed) are skipped; so is a damaged manifest
+    (or one listing a missing file) when an older checkpoint reads, with a warning. Only the
+    manifest is checked here, not the files' checksums (:func:`check_files` does that).
 
     Raises:
-        CheckpointError: the newest manifest is damaged or from a newer dapple.
+        CheckpointError: a manifest from a newer dapple, or every manifest is damaged (the
+            newest one's problem).
     """
+    first: DamagedCheckpointError | None = None
     for d in reversed(list_checkpoints(root)):
         if not (d / MANIFEST_NAME).is_file():
             logger.info("skipping incomplete checkpoint %s (no manifest)", d)
             continue
-        return read_checkpoint(d)
+        try:
+            ck = read_checkpoint(d)
+        except DamagedCheckpointError as e:
+            first = first or e
+            continue
+        if first is not None:
+            logger.warning("%s; using the older checkpoint %s", first, d)
+        return ck
+    if first is not None:
+        raise first
     return None
 
 
-def prune_checkpoints(root: str | Path, keep: int) -> list[Path]:
+def prune_checkpoints(root: str | Path, keep: int, *, newest_step: int | None = None) -> list[Path]:
     """Delete all but the ``keep`` newest complete checkpoints, and incomplete ones older than
-    the newest complete one. Returns the deleted directories."""
+    the newest complete one. Returns the deleted directories.
+
+    Args:
+        newest_step: the step just saved: checkpoints of later steps (left by a run this one
+            resumed before, past a damaged one) neither count among the ``keep`` nor are
+            deleted.
+    """
     if keep < 1:
         raise CheckpointError(f"keep must be >= 1, got {keep}")
     dirs = list_checkpoints(root)
+    if newest_step is not None:
+        dirs = [d for d in dirs if d.name <= step_dir(root, newest_step).name]
     complete = [d for d in dirs if (d / MANIFEST_NAME).is_file()]
     if not complete:
         return []
@@ -330,3 +407,91 @@ def prune_checkpoints(root: str | Path, keep: int) -> list[Path]:
     for d in doomed:
         shutil.rmtree(d, ignore_errors=True)
     return doomed
+
+
+def delete_checkpoints(root: str | Path) -> list[Path]:
+    """Delete every checkpoint directory (``step-*``, complete or not) under ``root``; other
+    files stay. Returns the deleted directories."""
+    doomed = list_checkpoints(root)
+    for d in doomed:
+        shutil.rmtree(d, ignore_errors=True)
+    return doomed
+
+
+def describe_steps(dirs: list[Path]) -> str:
+    """``"steps 1, 2, 3"`` for checkpoint directories (``"step 4"`` for one; at most 5 shown)."""
+    steps = [int(m.group(1)) for d in dirs if (m := _STEP_DIR.match(d.name))]
+    shown = (
+        ", ".join(map(str, steps))
+        if len(steps) <= 5
+        else f"{steps[0]}, {steps[1]}, ..., {steps[-1]}"
+    )
+    return f"step{'s' if len(steps) > 1 else ''} {shown}"
+
+
+def refuse_occupied(root: str | Path, how: str) -> None:
+    """Refuse to start a run from step 0 in a directory that holds checkpoints (complete or
+    not) of another run: its saves would overwrite or, with pruning, delete them.
+
+    Args:
+        how: the caller's ways out, appended to the message (flag or argument names).
+
+    Raises:
+        CheckpointError: ``root`` holds a ``step-*`` directory.
+    """
+    dirs = list_checkpoints(root)
+    if dirs:
+        raise CheckpointError(
+            f"checkpoint directory {str(root)!r} already holds checkpoints ({describe_steps(dirs)})"
+            f" of another run; {how}"
+        )
+
+
+def check_writable(root: str | Path) -> Path:
+    """Prove a file can be written in ``root`` (before training), leaving nothing behind: the
+    directories it creates for the probe are removed again (the first save creates them).
+
+    Safe when several ranks check the same directory at once: a directory another rank made
+    is not removed, and one that another rank removed mid-check is made again.
+
+    Raises:
+        CheckpointError: the directory cannot be created or written.
+    """
+    r = Path(root)
+    made: list[Path] = []
+    try:
+        for attempt in range(_PROBE_ATTEMPTS):
+            try:
+                made += _make_missing(r)
+                fd, probe = tempfile.mkstemp(prefix=".dapple-write-probe-", dir=r)
+            except FileNotFoundError:  # another rank removed a directory it had made
+                if attempt == _PROBE_ATTEMPTS - 1:
+                    raise
+                continue
+            os.close(fd)
+            os.unlink(probe)
+            break
+    except OSError as e:
+        raise CheckpointError(
+            f"checkpoint directory {str(r)!r} is not writable: {e.strerror or e}"
+        ) from e
+    finally:
+        for d in reversed(made):  # innermost first; one another rank still uses stays
+            with contextlib.suppress(OSError):
+                d.rmdir()
+    return r
+
+
+_PROBE_ATTEMPTS = 10
+
+
+def _make_missing(r: Path) -> list[Path]:
+    """Create ``r`` and its missing parents; returns those this call created, outermost first."""
+    made = []
+    for d in reversed([d for d in (r, *r.parents) if not d.exists()]):
+        try:
+            d.mkdir()
+        except FileExistsError:  # made by another rank meanwhile (or a file: mkstemp says so)
+            continue
+        made.append(d)
+    return made

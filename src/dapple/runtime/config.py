@@ -65,6 +65,9 @@ class TrainConfig:
     """Keep only the K newest complete checkpoints (None: keep all)."""
     resume: bool = False
     """Continue from the newest complete checkpoint in ``checkpoint_dir``, saved under any plan."""
+    overwrite_checkpoints: bool = False
+    """Start from step 0 in a ``checkpoint_dir`` that holds checkpoints (refused otherwise): they
+    are deleted at this run's first save."""
     on_nonfinite: str = "stop"
     """Non-finite loss or gradient: ``stop`` (exit non-zero, weights untouched) or ``skip`` the step."""
 
@@ -144,6 +147,8 @@ def _check_long_run(c: TrainConfig) -> None:
         raise ValidationError(f"on_nonfinite must be stop or skip, got {c.on_nonfinite!r}")
     if (c.save_every > 0 or c.resume) and c.checkpoint_dir is None:
         raise ValidationError("save_every and resume need a checkpoint_dir")
+    if c.resume and c.overwrite_checkpoints:
+        raise ValidationError("resume keeps the checkpoints, overwrite_checkpoints deletes them")
 
 
 def _check_reporting(c: TrainConfig) -> None:

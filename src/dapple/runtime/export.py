@@ -6,8 +6,14 @@ Given the workload it was trained as, the directory also gets that model's ``con
 (Hugging Face models, :func:`dapple.models.hf.hf_config`) and holds exactly the tensors of the
 model's ``state_dict`` (a tied parameter once, under its first name), so
 ``AutoModelForCausalLM.from_pretrained(DIR)`` loads it. Without a workload every tensor of
-every layer is written by name (``--weights`` reads that back). The directory is assembled
-under a temporary name beside the target and renamed at the end: nothing is overwritten.
+every layer is written: under its name in the layer when no two layers share a name (a Hugging
+Face model's layers hold its canonical names, so ``--weights`` reads that back), otherwise every
+name is prefixed with its layer, ``layers.{i}.{name}`` (the zoo's blocks all hold
+``fc1.weight``). Either way the count written must equal the count held, or nothing is.
+
+The directory is assembled under a temporary name beside the target and renamed at the end:
+nothing is overwritten. Its place is proved writable before the checkpoint is read, and a
+refused export leaves no directory behind (not even the target's missing parents).
 """
 
 from __future__ import annotations
@@ -26,14 +32,16 @@ import torch
 from dapple.errors import ValidationError
 from dapple.models.workload import Workload
 from dapple.runtime.checkpoint import (
+    Checkpoint,
     CheckpointError,
     check_compatible,
     latest_checkpoint,
+    list_checkpoints,
     load_layer_states,
     read_checkpoint,
 )
 
-__all__ = ["DEFAULT_SHARD_BYTES", "ExportResult", "export_checkpoint"]
+__all__ = ["DEFAULT_SHARD_BYTES", "ExportResult", "check_export_target", "export_checkpoint"]
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +68,56 @@ class ExportResult:
 def _target(out: Path) -> None:
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ValidationError(f"export target {out} exists and is not an empty directory")
+
+
+def _make_workspace(target: Path) -> tuple[Path, list[Path]]:
+    """A temporary directory beside ``target`` and the parents created for it (outermost first).
+
+    Raises:
+        ValidationError: the place cannot be created or written (nothing is left behind).
+    """
+    made: list[Path] = []
+    try:
+        for p in reversed([p for p in target.parents if not p.exists()]):  # outermost first
+            p.mkdir()
+            made.append(p)
+        return Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent)), made
+    except OSError as e:
+        _remove_dirs(made)
+        raise ValidationError(f"cannot write the export to {target}: {e.strerror or e}") from e
+
+
+def check_export_target(out: str | Path) -> None:
+    """The export target is absent or an empty directory and its place is writable; checked
+    before anything is read or built, leaving nothing behind.
+
+    Raises:
+        ValidationError: a non-empty target, or a place that cannot be created or written.
+    """
+    target = Path(out).resolve()
+    _target(target)
+    tmp, made = _make_workspace(target)
+    tmp.rmdir()
+    _remove_dirs(made)
+
+
+def _remove_dirs(made: list[Path]) -> None:
+    """Remove the directories ``made`` (outermost first) that are still empty, innermost first."""
+    for p in reversed(made):
+        try:
+            p.rmdir()
+        except OSError:
+            break
+
+
+def _layer_prefixed(ckpt: Checkpoint) -> bool:
+    """Whether two layers of the checkpoint hold a tensor of the same name."""
+    seen: set[str] = set()
+    for rec in ckpt.layers:
+        if seen & rec.shapes.keys():
+            return True
+        seen |= rec.shapes.keys()
+    return False
 
 
 def _wanted_names(workload: Workload | None) -> tuple[dict[str, str] | None, Any]:
@@ -146,53 +204,77 @@ def export_checkpoint(
         max_shard_bytes: Shard size limit.
 
     Raises:
-        ValidationError: The target exists and is not empty, no checkpoint, a bad shard size,
-            or a checkpoint of another model.
-        CheckpointError: A damaged checkpoint (the message names the file).
+        ValidationError: The target exists and is not empty or cannot be written, a bad shard
+            size, or a checkpoint of another model.
+        CheckpointError: No checkpoint, a damaged one (the message names the file), or the
+            tensors written would not be every tensor held. Nothing is left behind then.
     """
     if max_shard_bytes < 1:
         raise ValidationError(f"max shard size must be positive, got {max_shard_bytes}")
     target = Path(out).resolve()
     _target(target)
-    src = Path(checkpoint)
-    ckpt = read_checkpoint(src) if (src / "manifest.json").is_file() else latest_checkpoint(src)
-    if ckpt is None:
-        raise CheckpointError(f"no complete checkpoint under {str(src)!r}")
-    if workload is not None:
-        check_compatible(ckpt, model_name=workload.name, num_layers=workload.num_layers)
-    names, config = _wanted_names(workload)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    tmp, made = _make_workspace(target)
     try:
-        shards = _Shards(tmp, max_shard_bytes)
-        written: set[str] = set()
-        for i in range(ckpt.meta.num_layers):  # one layer file in memory at a time
-            for name, t in load_layer_states(ckpt, [i])[i].tensors.items():
-                key = name if names is None else names.get(name)
-                if key is None or key in written:
-                    continue
-                shards.add(key, t)
-                written.add(key)
-        if names is not None:
-            missing = sorted(set(names.values()) - written)
-            if missing:
-                raise CheckpointError(f"checkpoint {str(ckpt.path)!r} lacks tensors {missing[:5]}")
-        files = shards.finish()
-        if config is not None:
-            config.save_pretrained(tmp)
-            files.append("config.json")
+        ckpt, shards, files, config = _write(Path(checkpoint), tmp, workload, max_shard_bytes)
         if target.exists():
             target.rmdir()  # empty, checked above
         os.replace(tmp, target)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        _remove_dirs(made)
         raise
     log.info("exported %s step %d to %s (%d files)", ckpt.path, ckpt.step, target, len(files))
     return ExportResult(
         path=target,
         step=ckpt.step,
         files=tuple(files),
-        num_tensors=len(written),
+        num_tensors=len(shards.where),
         total_bytes=shards.total,
         config=config is not None,
     )
+
+
+def _write(
+    src: Path, tmp: Path, workload: Workload | None, max_shard_bytes: int
+) -> tuple[Checkpoint, _Shards, list[str], Any]:
+    """Write the checkpoint at ``src`` into ``tmp``: its shards, index and config.
+
+    Raises:
+        CheckpointError: no checkpoint, a damaged one, or the tensors written are not exactly
+            the tensors held: the model's ``state_dict`` (a tied parameter once), or without a
+            model every tensor of every layer.
+    """
+    ckpt = read_checkpoint(src) if (src / "manifest.json").is_file() else latest_checkpoint(src)
+    if ckpt is None:
+        raise CheckpointError(f"no complete checkpoint under {str(src)!r}")
+    newest = [d for d in list_checkpoints(src) if (d / "manifest.json").is_file()]
+    if newest and newest[-1] != ckpt.path:
+        log.warning("%s is damaged: exporting the older %s", newest[-1], ckpt.path)
+    if workload is not None:
+        check_compatible(ckpt, model_name=workload.name, num_layers=workload.num_layers)
+    names, config = _wanted_names(workload)
+    prefixed = names is None and _layer_prefixed(ckpt)
+    shards = _Shards(tmp, max_shard_bytes)
+    held = 0
+    for i in range(ckpt.meta.num_layers):  # one layer file in memory at a time
+        for name, t in load_layer_states(ckpt, [i])[i].tensors.items():
+            held += 1
+            if names is None:
+                key: str | None = f"layers.{i}.{name}" if prefixed else name
+            else:  # None: not in the model's state_dict (a buffer the layer alone keeps)
+                key = names.get(name)
+            if key is not None and key not in shards.where:  # a tied parameter: once
+                shards.add(key, t)
+    want = held if names is None else len(set(names.values()))
+    if len(shards.where) != want:
+        missing = sorted(set(names.values()) - shards.where.keys()) if names is not None else []
+        raise CheckpointError(
+            f"export of {str(ckpt.path)!r} would write {len(shards.where)} of {want} tensors"
+            + (f"; the checkpoint lacks {missing[:5]}" if missing else "")
+            + "; nothing written"
+        )
+    files = shards.finish()
+    if config is not None:
+        config.save_pretrained(tmp)
+        files.append("config.json")
+    return ckpt, shards, files, config

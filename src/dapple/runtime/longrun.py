@@ -3,9 +3,11 @@
 :class:`LongRun` is what :func:`dapple.runtime.run_plan` and its program interpreter
 (:mod:`dapple.runtime.interpreter`) consult around every step:
 
-- :meth:`LongRun.resume` (before the first step) loads the newest complete checkpoint of
-  ``TrainConfig.checkpoint_dir`` *by layer* into this rank's stage - so a run saved under one
-  plan continues under another - and returns the index of the next step (the data position:
+- :meth:`LongRun.resume` (before the first step) loads the newest intact checkpoint of
+  ``TrainConfig.checkpoint_dir`` (rank 0 verifies every file and names the step to all ranks,
+  passing over damaged newer ones, :func:`dapple.runtime.checkpoint.find_resume_checkpoint`)
+  *by layer* into this rank's stage - so a run saved under one plan continues under another -
+  and returns the index of the next step (the data position:
   step ``t`` trains on ``make_batch(G, seed + t)``, or on a dataset's batch ``t`` of
   :mod:`dapple.runtime.data`, whose record the checkpoint must match);
 - :meth:`LongRun.watch` (after every F/B action) notes the first non-finite loss (last stage,
@@ -21,12 +23,20 @@
 - :meth:`LongRun.after_step` saves every ``save_every`` steps (replica 0 of each stage writes
   its layers - under ZeRO with the optimizer shards of the other replicas gathered to it,
   :mod:`dapple.runtime.zero` - every rank its RNG state, rank 0 the manifest after a barrier,
-  with the fp16 loss scale in its ``extra``).
+  with the fp16 loss scale in its ``extra``). Before writing, every rank checks its stage's
+  weights and buffers are finite and all ranks agree in one all_gather: non-finite weights
+  (a step the guard let through, e.g. an infinite learning rate) are never saved - the run
+  stops naming the last good checkpoint.
+
+A run that does not resume refuses a ``checkpoint_dir`` holding checkpoints (its saves would
+overwrite or prune them), unless ``overwrite_checkpoints``: then rank 0 deletes them at the
+run's first save, so a run that fails before saving leaves them whole.
 
 Cost: one small all_gather per step - it also carries the step's metrics (see
 :mod:`dapple.runtime.metrics`); besides it the runtime's per-step collectives are the gradient
 AllReduce and the global gradient norm's one-scalar all_reduce (:mod:`dapple.runtime.optim`) -
-and one reduction over the stage's gradients per backward.
+and one reduction over the stage's gradients per backward; per save, one pass over the stage's
+weights and one small all_gather.
 """
 
 from __future__ import annotations
@@ -45,15 +55,21 @@ from torch import nn
 from dapple.core.plan import Plan
 from dapple.models.workload import Workload
 from dapple.runtime.checkpoint import (
+    Checkpoint,
+    CheckpointError,
     CheckpointMeta,
     check_compatible,
     check_writable,
-    latest_checkpoint,
+    delete_checkpoints,
+    find_resume_checkpoint,
     load_rng_state,
+    read_checkpoint,
+    refuse_occupied,
     restore_rng_state,
     restore_stage,
     save_checkpoint,
     stage_layer_states,
+    step_dir,
 )
 from dapple.runtime.config import TrainConfig
 from dapple.runtime.data import check_data_resume
@@ -137,25 +153,38 @@ class LongRun:
         """Steps skipped for a non-finite loss or gradient (``on_nonfinite="skip"``)."""
         self.saved: list[int] = []
         """Steps (completed-step counts) this run saved a checkpoint at."""
+        self.last_good: int | None = None
+        """The step of the newest checkpoint known whole and finite: the last save, or the
+        checkpoint this run resumed from."""
         self._bad: tuple[int, int] | None = None  # (kind index, micro-batch) of this step
         self._grad_sums: list[tuple[int, torch.Tensor]] = []
         self.data_state: dict[str, Any] | None = None
         """The training data's record (:func:`dapple.runtime.data.data_state`; None: synthetic):
         checkpoints save it, and resume requires the same."""
         if config.checkpoint_dir is not None:
+            if not (config.resume or config.overwrite_checkpoints):
+                refuse_occupied(
+                    config.checkpoint_dir,
+                    "resume=True continues them, overwrite_checkpoints=True deletes them at the "
+                    "first save; or use another directory",
+                )
             check_writable(config.checkpoint_dir)
+        self._overwrite = config.overwrite_checkpoints
+        """The old checkpoints are still to delete (at the first save)."""
 
     # -- resume ------------------------------------------------------------------------------
     def resume(self) -> int:
-        """Load the newest complete checkpoint (when ``config.resume``); the next step index.
+        """Load the newest intact checkpoint (when ``config.resume``); the next step index.
+
+        A collective (every rank calls it): rank 0 picks the checkpoint and broadcasts its step.
 
         Raises:
-            CheckpointError: damaged checkpoint, another model, or another optimizer.
+            CheckpointError: no intact checkpoint, another model, or another optimizer.
         """
         cfg = self.config
         if not cfg.resume or cfg.checkpoint_dir is None:
             return 0
-        ck = latest_checkpoint(cfg.checkpoint_dir)
+        ck = self._agree_resume_point(cfg.checkpoint_dir)
         if ck is None:
             logger.info("no checkpoint in %s: starting at step 0", cfg.checkpoint_dir)
             return 0
@@ -176,10 +205,30 @@ class LongRun:
         else:  # another plan: the saved per-rank streams do not map onto these ranks
             torch.manual_seed(cfg.seed * 7919 + self.rank + 1_000_003 * ck.step)
         self.skipped = [int(x) for x in ck.meta.extra.get("skipped_steps", [])]
+        self.last_good = ck.step
         self.precision.load_state_dict(ck.meta.extra)
         how = "same plan" if same_run else f"plan {self.plan.replication} (saved under another)"
         logger.info("resumed from %s at step %d (%s)", ck.path, ck.step, how)
         return ck.step
+
+    def _agree_resume_point(self, root: str) -> Checkpoint | None:
+        """Rank 0's choice (:func:`find_resume_checkpoint`, every file verified once), broadcast
+        as a step (or an error line) so every rank loads the same checkpoint."""
+        picked: list[int | str | None] = [None]
+        if self.rank == 0:
+            try:
+                point = find_resume_checkpoint(root)
+            except CheckpointError as e:
+                picked = [str(e)]
+            else:
+                for line in point.skipped:  # the launcher has warned; a note for the log
+                    logger.info("passing over a damaged checkpoint: %s", line)
+                picked = [None if point.checkpoint is None else point.checkpoint.step]
+        if self.world > 1:
+            dist.broadcast_object_list(picked, src=0, device=self.device)
+        if isinstance(picked[0], str):
+            raise CheckpointError(picked[0])
+        return None if picked[0] is None else read_checkpoint(step_dir(root, picked[0]))
 
     # -- non-finite guard -----------------------------------------------------------------------
     def begin_step(self) -> None:
@@ -263,7 +312,7 @@ class LongRun:
                 if self.config.echo:
                     print(f"step {step} skipped: {what}", flush=True)
             return ""
-        last = self.saved[-1] if self.saved else None
+        last = self.last_good
         ck = (
             f"; last good checkpoint: step {last} in {self.config.checkpoint_dir}"
             if last is not None
@@ -281,6 +330,14 @@ class LongRun:
         done = step + 1
         if cfg.checkpoint_dir is None or cfg.save_every <= 0 or done % cfg.save_every:
             return
+        self._refuse_nonfinite_weights(step)
+        if self._overwrite:  # the old run's checkpoints go now, before this run's first files
+            if self.rank == 0:
+                gone = delete_checkpoints(cfg.checkpoint_dir)
+                logger.info("deleted %d old checkpoints in %s", len(gone), cfg.checkpoint_dir)
+            if self.world > 1:
+                dist.barrier()
+            self._overwrite = False
         states = {}
         if self.shards is not None:  # a collective over the stage's replicas
             states = self.shards.layer_states(self.layer_ids, self.optimizer)
@@ -308,7 +365,45 @@ class LongRun:
             states,
             rank=self.rank,
             write_manifest=self.rank == 0,
-            barrier=dist.barrier,
+            barrier=dist.barrier if self.world > 1 else None,
             keep=cfg.keep,
         )
         self.saved.append(done)
+        self.last_good = done
+
+    def _refuse_nonfinite_weights(self, step: int) -> None:
+        """Before a save: every rank checks its stage's floating weights and buffers, one
+        all_gather shares the verdicts, and every rank raises the same line when any is
+        non-finite.
+
+        Raises:
+            CheckpointError: a stage holds a non-finite weight (the first such stage and rank
+                named, with the last good checkpoint); nothing is written.
+        """
+        bad = False
+        if self.module is not None:
+            if self.shards is not None:
+                self.shards.wait_gathers()  # the updated shards are back in the stage's weights
+            ts = [t for t in self.module.state_dict().values() if t.is_floating_point()]
+            bad = bool(ts) and not bool(torch.stack([t.isfinite().all() for t in ts]).all())
+        s = -1 if self.stage is None else self.stage
+        mine = torch.tensor([float(bad), s, self.rank], dtype=torch.float64, device=self.device)
+        rows: list[list[float]] = [mine.tolist()]
+        if self.world > 1:
+            gathered = [torch.empty_like(mine) for _ in range(self.world)]
+            dist.all_gather(gathered, mine)
+            rows = torch.stack(gathered).tolist()
+        found = [(int(r[1]), int(r[2])) for r in rows if r[0]]
+        if not found:
+            return
+        (st, rk), *more = sorted(found)
+        also = sorted({s for s, _ in more} - {st})
+        what = f"stage {st} (rank {rk})" + (
+            f"; also at stage {', '.join(map(str, also))}" if also else ""
+        )
+        last = self.last_good
+        where = f"step {last} in {self.config.checkpoint_dir}" if last is not None else "none yet"
+        raise CheckpointError(
+            f"step {step}: non-finite weights after the optimizer step at {what}; checkpoint of "
+            f"step {step + 1} not saved; last good checkpoint: {where}"
+        )

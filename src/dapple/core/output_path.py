@@ -1,0 +1,85 @@
+"""Output paths checked before any work: a command that writes a file only at its end (token
+files, metrics, a plan) refuses at its start a path it could not write then.
+
+A path is refused when it is a directory, when a component of its folder is a regular file,
+when its folder cannot be written (``os.access`` and a real attempt: a probe file created and
+removed at once, since root passes every permission check and a read-only mount or a full
+disk shows only when writing), or, for writers that open the file in place, when the file
+exists read-only. Pure ``os``/``pathlib``, no torch.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+from dapple.errors import ValidationError
+
+__all__ = ["check_output_file"]
+
+
+def _nearest_existing(folder: Path, what: str) -> Path:
+    """``folder`` or its nearest ancestor that exists."""
+    anc = folder
+    while True:
+        try:
+            if anc.exists():
+                return anc
+        except OSError as e:  # e.g. a folder on the way that cannot be searched
+            raise ValidationError(f"{what}: cannot reach {str(anc)!r}: {e.strerror or e}") from e
+        if anc == anc.parent:
+            return anc
+        anc = anc.parent
+
+
+def _probe(folder: Path, what: str) -> None:
+    """Create and remove a file in ``folder``."""
+    try:
+        fd, name = tempfile.mkstemp(prefix=".dapple-write-probe-", dir=folder)
+        os.close(fd)
+        os.unlink(name)
+    except OSError as e:
+        raise ValidationError(
+            f"{what}: cannot write in folder {str(folder)!r}: {e.strerror or e}"
+        ) from e
+
+
+def check_output_file(
+    path: str | os.PathLike[str], what: str, *, make_parents: bool = False, in_place: bool = True
+) -> Path:
+    """Check that a file can be written at ``path``, before the work that produces it.
+
+    Args:
+        path: the file to write.
+        what: names the file in errors, e.g. ``"--metrics file"``.
+        make_parents: the writer creates missing folders (then the nearest existing one must be
+            a writable directory); False: the folder must already exist.
+        in_place: the writer opens an existing file for writing, so it must be writable;
+            False: the writer renames a new file over it (only the folder matters).
+
+    Returns:
+        ``path`` as a :class:`~pathlib.Path`.
+
+    Raises:
+        ValidationError: one line naming the path and why it cannot be written.
+    """
+    p = Path(path)
+    if p.is_dir():
+        raise ValidationError(f"{what} {str(p)!r} is a directory; give a file path")
+    folder = p.parent
+    anc = _nearest_existing(folder, what)
+    if not anc.is_dir():
+        raise ValidationError(f"{what} {str(p)!r}: {str(anc)!r} is a file, not a directory")
+    if anc != folder and not make_parents:
+        raise ValidationError(f"{what} {str(p)!r}: directory {str(folder)!r} does not exist")
+    if not os.access(anc, os.W_OK | os.X_OK):
+        raise ValidationError(f"{what} {str(p)!r}: directory {str(anc)!r} is not writable")
+    _probe(anc, f"{what} {str(p)!r}")
+    if in_place and p.exists():
+        try:
+            with open(p, "ab"):
+                pass
+        except OSError as e:
+            raise ValidationError(f"{what} {str(p)!r} is not writable: {e.strerror or e}") from e
+    return p

@@ -1,0 +1,481 @@
+"""Bad inputs are refused in one line ``dapple: error: ...`` before any work starts.
+
+Cluster files with NaN or Infinity, huge global batch sizes, ``dapple data prepare`` outputs
+that cannot be written or inputs that are not text, unwritable ``--metrics`` paths, and plans
+made for another model. The fast tests drive the CLI in this process with the expensive step
+(the planner, the tokenizer, ``dapple.runtime.train``) replaced by a function that fails the
+test, so each refusal is proved to come first; the ``slow`` one runs real processes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, NoReturn
+
+import pytest
+
+from builders import make_cluster, make_profile
+from dapple import api
+from dapple.cli import main
+from dapple.core.cluster import load_cluster
+from dapple.core.plan import Plan, straight_plan
+from dapple.errors import ValidationError
+from dapple.planner import make_plan
+from dapple.planner.evaluate import Scorer, divisors
+from dapple.planner.search import (
+    DIVISOR_SCAN,
+    MAX_GLOBAL_BATCH_SIZE,
+    MAX_MICRO_BATCH_COUNTS,
+    micro_batch_candidates,
+)
+
+ROOT = os.geteuid() == 0 if hasattr(os, "geteuid") else False
+"""Root passes every permission check: chmod-based cases are skipped then."""
+
+
+def _boom(*_: Any, **__: Any) -> NoReturn:
+    raise AssertionError("work started although the input should have been refused")
+
+
+def _one_error_line(capsys: pytest.CaptureFixture[str], *needles: str) -> str:
+    err = capsys.readouterr().err
+    assert err.startswith("dapple: error: ") and err.count("\n") == 1, err
+    for n in needles:
+        assert n in err, (n, err)
+    return err
+
+
+def _unwritable_dir(tmp_path: Path) -> Path:
+    """A folder nobody may write into (skipped where permissions do not bind)."""
+    if ROOT:
+        pytest.skip("root writes into read-only folders")
+    d = tmp_path / "ro"
+    d.mkdir()
+    d.chmod(0o555)
+    return d
+
+
+SYS = Path("/sys")
+needs_sys = pytest.mark.skipif(
+    not (sys.platform.startswith("linux") and SYS.is_dir()),
+    reason="needs Linux /sys, a folder no process (not even root) can create files in",
+)
+
+# ---------------------------------------------------------------------------------------------
+# 1. cluster files with NaN / Infinity
+
+_CLUSTER = {
+    "servers": 1,
+    "devices_per_server": 2,
+    "device_memory_gib": 4,
+    "intra_server_bandwidth_gbps": 10,
+    "inter_server_bandwidth_gbps": 10,
+}
+_NUMERIC = [
+    "device_memory_gib",
+    "device_memory_bytes",
+    "reserved_memory_gib",
+    "intra_server_bandwidth_gbps",
+    "inter_server_bandwidth_gbps",
+    "intra_server_latency_ms",
+    "inter_server_latency_ms",
+    "compute_slowdown",
+    "compute_cores_per_server",
+    "background_load_per_server",
+    "action_overhead_ms",
+    "step_overhead_ms",
+    "comm_cpu_ms_per_mb",
+]
+
+
+@pytest.mark.parametrize("value", ["NaN", "Infinity", "-Infinity"])
+@pytest.mark.parametrize("field", _NUMERIC)
+def test_cluster_file_with_non_finite_number(
+    field: str,
+    value: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    memory = field.startswith("device_memory")  # given once: replaces device_memory_gib
+    d: dict[str, Any] = {
+        k: v for k, v in _CLUSTER.items() if not (memory and k == "device_memory_gib")
+    }
+    d[field] = "@@"
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(d).replace('"@@"', value))  # json.loads accepts the literals
+    monkeypatch.setattr("dapple.planner.make_plan", _boom)
+    argv = ["plan", "--profile", "paper:bert48", "--cluster", str(path)]
+    assert main([*argv, "--global-batch-size", "8"]) == 2
+    shown = {"NaN": "nan", "Infinity": "inf", "-Infinity": "-inf"}[value]
+    _one_error_line(capsys, field, f"got {shown}")
+
+
+def test_toml_cluster_with_nan(tmp_path: Path) -> None:
+    path = tmp_path / "c.toml"
+    lines = [f"{k} = {v}" for k, v in _CLUSTER.items() if k != "device_memory_gib"]
+    path.write_text("\n".join([*lines, "device_memory_gib = nan"]) + "\n")
+    with pytest.raises(ValidationError, match="device_memory_gib must be a finite number, got nan"):
+        load_cluster(str(path))
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. huge global batch sizes
+
+
+def test_micro_batch_candidates_are_divisors_bounded_in_number() -> None:
+    for g in range(1, 1500):  # every divisor while there are few (at most 36 below 1500)
+        every = [m for m in range(1, g + 1) if g % m == 0]
+        assert divisors(g) == every == micro_batch_candidates(g)
+    prime = 9007199254740881  # the largest prime below 2^53
+    for g in (720720, 735134400, 10**10, 2**40, 10**15, prime, MAX_GLOBAL_BATCH_SIZE):
+        ms = micro_batch_candidates(g)
+        assert ms == sorted(set(ms)) and all(g % m == 0 for m in ms)
+        assert ms[0] == 1 and ms[-1] == g and len(ms) <= MAX_MICRO_BATCH_COUNTS
+    assert micro_batch_candidates(prime) == [1, prime]
+    # small M stay dense when the candidates are thinned
+    assert micro_batch_candidates(720720)[:16] == list(range(1, 17))
+    with pytest.raises(ValidationError, match="above the largest the planner handles"):
+        micro_batch_candidates(MAX_GLOBAL_BATCH_SIZE + 1)
+
+
+class _CountingInt(int):
+    """An int that counts the divisions (``%``) made on it."""
+
+    calls = 0
+
+    def __mod__(self, other: int) -> int:
+        _CountingInt.calls += 1
+        return int(self) % other
+
+
+def test_divisor_search_work_is_bounded() -> None:
+    _CountingInt.calls = 0
+    got = divisors(_CountingInt(10**18), DIVISOR_SCAN)
+    assert _CountingInt.calls <= DIVISOR_SCAN  # a scan up to 10**18 would never end
+    assert all(10**18 % d == 0 for d in got) and 2**16 in got and 10**18 // 2**16 in got
+    _CountingInt.calls = 0
+    assert divisors(_CountingInt(10**10)) == divisors(10**10)
+    assert _CountingInt.calls == 10**5  # sqrt(n) trial divisions, all divisors
+
+
+def test_planner_tries_a_bounded_set_of_m_for_a_huge_batch(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: set[int] = set()
+    score = Scorer.score
+
+    def spy(self: Scorer, stages: Any, M: int, **kw: Any) -> Any:
+        seen.add(M)
+        return score(self, stages, M, **kw)
+
+    monkeypatch.setattr(Scorer, "score", spy)
+    for planner in ("dapple", "dp", "straight"):
+        seen.clear()
+        plan = make_plan(make_profile(6), make_cluster(), 10**12, planner)
+        assert 0 < len(seen) <= MAX_MICRO_BATCH_COUNTS and plan.num_micro_batches in seen
+        assert plan.global_batch_size == 10**12
+
+
+@pytest.mark.timeout(120)
+def test_cli_plans_a_huge_batch_in_bounded_time(capsys: pytest.CaptureFixture[str]) -> None:
+    t0 = time.perf_counter()
+    argv = ["plan", "--profile", "paper:bert48", "--cluster", "paper-a"]
+    assert main([*argv, "--global-batch-size", "10000000000"]) == 0
+    assert time.perf_counter() - t0 < 30  # generous: well under a second on one core
+    assert "predicted step" in capsys.readouterr().out
+
+
+def test_cli_refuses_batches_beyond_float_exactness(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["plan", "--profile", "paper:bert48", "--cluster", "paper-a", "--global-batch-size"]
+    assert main([*argv, str(10**400)]) == 2
+    _one_error_line(capsys, "(401 digits)", f"{MAX_GLOBAL_BATCH_SIZE:,}")
+    assert main([*argv, str(MAX_GLOBAL_BATCH_SIZE + 1)]) == 2
+    _one_error_line(capsys, str(MAX_GLOBAL_BATCH_SIZE + 1))
+
+
+def test_cli_refuses_simulating_too_many_micro_batches(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["plan", "--profile", "paper:bert48", "--cluster", "paper-a", "--schedule", "zbh1"]
+    assert main([*argv, "--global-batch-size", "10000000000"]) == 2
+    _one_error_line(capsys, "--schedule zbh1 simulates every micro-batch", "micro-batches x")
+
+
+def test_plan_output_checked_before_planning(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("dapple.planner.make_plan", _boom)
+    argv = ["plan", "--profile", "paper:bert48", "--cluster", "paper-a", "-o"]
+    assert main([*argv, str(tmp_path)]) == 2
+    _one_error_line(capsys, "is a directory")
+    (tmp_path / "f").write_text("x")
+    assert main([*argv, str(tmp_path / "f" / "plan.json")]) == 2
+    _one_error_line(capsys, "is a file, not a directory")
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. dapple data prepare
+
+
+PREPARE = importlib.import_module("dapple.datasets.prepare")
+"""The module (``dapple.datasets.prepare`` the attribute is the function of that name)."""
+
+
+@pytest.fixture
+def text(tmp_path: Path) -> Path:
+    p = tmp_path / "in.txt"
+    p.write_text("some text to tokenize, long enough for a split\n" * 4)
+    return p
+
+
+@pytest.fixture
+def no_work(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Reading the inputs or tokenizing fails the test: the outputs are checked first."""
+    monkeypatch.setattr(PREPARE, "_read_text", _boom)
+    monkeypatch.setattr(PREPARE, "_byte_tokens", _boom)
+
+
+def _prepare(*argv: str) -> int:
+    return main(["data", "prepare", *argv])
+
+
+@pytest.mark.usefixtures("no_work")
+def test_prepare_output_is_a_directory(
+    text: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    assert _prepare(str(text), "-o", str(out)) == 2
+    _one_error_line(capsys, f"output {str(out)!r} is a directory")
+    assert list(out.iterdir()) == [] and not (tmp_path / "meta.json").exists()
+    (out / "val.bin").mkdir()  # the validation file beside train.bin
+    assert _prepare(str(text), "-o", str(out / "train.bin")) == 2
+    _one_error_line(capsys, "validation file", "val.bin' is a directory")
+
+
+@pytest.mark.usefixtures("no_work")
+def test_prepare_output_under_a_regular_file(
+    text: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    f = tmp_path / "file"
+    f.write_text("x")
+    for out in (f / "train.bin", f / "deeper" / "train.bin"):
+        assert _prepare(str(text), "-o", str(out)) == 2
+        _one_error_line(capsys, f"{str(f)!r} is a file, not a directory")
+    assert f.read_text() == "x"
+
+
+@pytest.mark.usefixtures("no_work")
+def test_prepare_output_folder_not_writable(
+    text: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ro = _unwritable_dir(tmp_path)
+    assert _prepare(str(text), "-o", str(ro / "sub" / "train.bin")) == 2
+    _one_error_line(capsys, str(ro))
+
+
+@needs_sys
+@pytest.mark.usefixtures("no_work")
+def test_prepare_output_where_even_root_cannot_write(
+    text: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert _prepare(str(text), "-o", str(SYS / "train.bin")) == 2
+    _one_error_line(capsys, "'/sys'")
+
+
+@pytest.mark.parametrize(
+    ("data", "needle"),
+    [
+        (b"ab\x00cd", "NUL byte at offset 2"),
+        (bytes(range(256)), "NUL byte at offset 0"),
+        ("caf\u00e9".encode("latin-1"), "byte 0xe9 at offset 3"),
+        ("hi".encode("utf-16"), "NUL byte at offset 3"),
+    ],
+)
+@pytest.mark.parametrize("documents", [False, True])
+def test_prepare_binary_input(
+    data: bytes,
+    needle: str,
+    documents: bool,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(PREPARE, "_byte_tokens", _boom)
+    monkeypatch.setattr(PREPARE, "_tokenize_each", _boom)
+    good, bad = tmp_path / "good.txt", tmp_path / "data.bin"
+    good.write_text("fine text\n")
+    bad.write_bytes(data)
+    out = tmp_path / "out" / "train.bin"
+    argv = [str(good), str(bad), "-o", str(out), *(["--documents"] if documents else [])]
+    assert _prepare(*argv) == 2
+    _one_error_line(capsys, f"text file {str(bad)!r}", needle)
+    assert not (tmp_path / "out").exists()
+
+
+def test_prepare_still_writes_good_text(text: Path, tmp_path: Path) -> None:
+    out = tmp_path / "new" / "dir" / "train.bin"
+    assert _prepare(str(text), "-o", str(out)) == 0
+    assert out.stat().st_size == 2 * (text.stat().st_size - int(text.stat().st_size * 0.01))
+    assert not [p for p in out.parent.iterdir() if p.name.startswith(".dapple-write-probe")]
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. --metrics of dapple train
+
+
+@pytest.fixture
+def mlp_plan(tmp_path: Path) -> Path:
+    """A plan of the zoo ``mlp`` (5 layers) on two devices."""
+    plan = straight_plan(5, [0, 2], global_batch_size=4, num_micro_batches=2, model_name="mlp")
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    return path
+
+
+def _train(plan: Path, *extra: str) -> int:
+    return main(["train", "--plan", str(plan), "-m", "mlp", "--steps", "1", *extra])
+
+
+@pytest.fixture
+def no_train(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("dapple.runtime.train", _boom)
+
+
+@pytest.mark.usefixtures("no_train")
+def test_metrics_path_is_checked_before_training(
+    mlp_plan: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert _train(mlp_plan, "--metrics", str(tmp_path)) == 2
+    _one_error_line(capsys, "--metrics file", "is a directory")
+    f = tmp_path / "file"
+    f.write_text("x")
+    assert _train(mlp_plan, "--metrics", str(f / "m.jsonl")) == 2
+    _one_error_line(capsys, "--metrics file", f"{str(f)!r} is a file, not a directory")
+    assert _train(mlp_plan, "--metrics", str(tmp_path / "missing" / "m.jsonl")) == 2
+    _one_error_line(capsys, "--metrics file", "does not exist")
+    good = tmp_path / "m.jsonl"
+    assert _train(mlp_plan, "--metrics", str(good), "--loss-curve", str(tmp_path)) == 2
+    _one_error_line(capsys, "loss curve", "is a directory")
+    assert not good.exists()  # checked, not created
+
+
+@pytest.mark.usefixtures("no_train")
+def test_metrics_folder_not_writable(
+    mlp_plan: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ro = _unwritable_dir(tmp_path)
+    assert _train(mlp_plan, "--metrics", str(ro / "m.jsonl")) == 2
+    _one_error_line(capsys, "--metrics file", "not writable")
+
+
+@needs_sys
+@pytest.mark.usefixtures("no_train")
+def test_metrics_where_even_root_cannot_write(
+    mlp_plan: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert _train(mlp_plan, "--metrics", str(SYS / "m.jsonl")) == 2
+    _one_error_line(capsys, "--metrics file", "'/sys'")
+
+
+def test_metrics_check_reaches_training(
+    mlp_plan: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A good path passes the check and reaches the (stubbed) run."""
+    called: list[str | None] = []
+
+    def fake_train(*_: Any, **kw: Any) -> list[Any]:
+        called.append(kw["metrics_path"])
+        return []
+
+    monkeypatch.setattr("dapple.runtime.train", fake_train)
+    assert _train(mlp_plan, "--metrics", str(tmp_path / "m.jsonl")) == 0
+    assert called == [str(tmp_path / "m.jsonl")]
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. plans made for another model
+
+
+def test_plan_records_its_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    plan = make_plan(make_profile(6, name="chain6"), make_cluster(), 8)
+    assert (plan.model_name, plan.num_layers) == ("chain6", 6)
+    d = plan.to_dict()
+    assert (d["model_name"], d["num_layers"]) == ("chain6", 6)
+    assert Plan.from_dict(d) == plan
+    prof, cluster, out = tmp_path / "prof.json", tmp_path / "c.json", tmp_path / "p.json"
+    make_profile(7, name="chain7").save(prof)
+    make_cluster().save(cluster)
+    argv = ["plan", "--profile", str(prof), "--cluster", str(cluster), "-o", str(out)]
+    assert main([*argv, "--global-batch-size", "8"]) == 0
+    saved = json.loads(out.read_text())
+    assert (saved["model_name"], saved["num_layers"]) == ("chain7", 7)
+
+
+def test_old_plan_files_load_and_num_layers_must_agree() -> None:
+    d = make_plan(make_profile(6), make_cluster(), 8).to_dict()
+    old = {k: v for k, v in d.items() if k not in ("num_layers", "model_name")}
+    plan = Plan.from_dict(old)
+    assert plan.model_name == "" and plan.num_layers == 6
+    plan.check_model("anything", 6)  # no recorded model: any name
+    with pytest.raises(
+        ValidationError, match=r"num_layers is 7 but the stages cover layers \[0, 6\)"
+    ):
+        Plan.from_dict({**d, "num_layers": 7})
+
+
+def test_check_model_messages() -> None:
+    plan = dataclasses.replace(make_plan(make_profile(6), make_cluster(), 8), model_name="toy")
+    plan.check_model("toy", 6)
+    with pytest.raises(
+        ValidationError, match=r"made for model 'toy' \(6 layers\), not for 'mlp' \(6 layers\)"
+    ):
+        plan.check_model("mlp", 6)
+    with pytest.raises(
+        ValidationError, match=r"covers layers \[0, 6\) but the model has 5 layers: .*'toy'"
+    ):
+        plan.check_model("mlp", 5)
+
+
+@pytest.mark.usefixtures("no_train")
+def test_train_refuses_a_plan_of_another_model(
+    mlp_plan: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # transformer with 3 blocks has 5 layers, like the plan: only the name tells them apart
+    argv = ["train", "--plan", str(mlp_plan), "-m", "transformer", "--set", "layers=3"]
+    assert main(argv) == 2
+    _one_error_line(capsys, "made for model 'mlp' (5 layers), not for 'transformer' (5 layers)")
+
+
+def test_verify_and_api_refuse_a_plan_of_another_model(
+    mlp_plan: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("dapple.runtime.train", _boom)
+    argv = ["verify", "--plan", str(mlp_plan), "-m", "transformer", "--set", "layers=3"]
+    assert main(argv) == 2
+    _one_error_line(capsys, "made for model 'mlp'", "'transformer'")
+    with pytest.raises(ValidationError, match="made for model 'mlp'"):
+        api.train(mlp_plan, "transformer", overrides={"layers": 3})
+    with pytest.raises(ValidationError, match="made for model 'mlp'"):
+        api.verify(mlp_plan, "transformer", overrides={"layers": 3})
+
+
+@pytest.mark.slow
+def test_profile_plan_train_with_the_right_and_a_wrong_model(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    prof, plan, metrics = tmp_path / "p.json", tmp_path / "plan.json", tmp_path / "m.jsonl"
+    assert main(["profile", "-m", "mlp", "--batch-sizes", "1,2", "--repeats", "1",
+                 "--warmup", "0", "-o", str(prof)]) == 0  # fmt: skip
+    assert main(["plan", "--profile", str(prof), "--cluster", "local-cpu", "--servers", "1",
+                 "--global-batch-size", "4", "-o", str(plan)]) == 0  # fmt: skip
+    assert json.loads(plan.read_text())["model_name"] == "mlp"
+    capsys.readouterr()
+    argv = ["train", "--plan", str(plan), "--steps", "1", "--device", "cpu"]
+    assert main([*argv, "-m", "transformer", "--set", "layers=3"]) == 2
+    _one_error_line(capsys, "made for model 'mlp'")
+    assert main([*argv, "-m", "mlp", "--metrics", str(metrics), "--timeout-s", "120"]) == 0
+    assert len(metrics.read_text().splitlines()) == 1
