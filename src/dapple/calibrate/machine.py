@@ -24,13 +24,17 @@ fixed matmul with k = 1 .. N workers computing at once and ``fit_sharing`` fits 
 E = 0). The workers time a long run of matmuls after a barrier and keep the wall time per matmul of its
 middle half. (``_fit`` without ``cores``, the older calibration,
 puts the all-busy ratio ``t_shared / t_alone`` into ``compute_slowdown`` and leaves c unset.)
+
+Launch: the local processes are started by :func:`dapple.runtime.spawn`, as training's are, so
+they end with the calling process however it ends (SIGKILL included), SIGTERM or SIGINT to it
+stops them first, and they meet on loopback only (rank 0's TCPStore on the launcher's
+``127.0.0.1`` socket, gloo on the loopback interface; :mod:`dapple.runtime.local`).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import socket
 import statistics
 import time
 from collections.abc import Sequence
@@ -40,6 +44,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.constants import default_pg_timeout
 
 from dapple.calibrate.overheads import comm_cpu_fit, runtime_overheads
 from dapple.core.cluster import GIB, Cluster
@@ -74,12 +79,6 @@ class CalibrationResult:
     matmul_shared_ms: float
     cluster: Cluster
     notes: list[str] = field(default_factory=list)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def runtime_threads(nproc: int) -> int:
@@ -241,10 +240,16 @@ def _measure_and_leave(
     return res
 
 
-def _worker(rank: int, world: int, port: int, sizes: tuple[int, ...], repeats: int, q: Any) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _worker(rank: int, world: int, sizes: tuple[int, ...], repeats: int, q: Any) -> None:
+    """One rank started by :func:`dapple.runtime.spawn`: join the gloo group at rank 0's store on
+    loopback (torch's default timeout), measure, and rank 0 puts the result on ``q``."""
+    from dapple.runtime.local import local_store
+
     torch.set_num_threads(runtime_threads(world))  # as the runtime's workers
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    store = local_store(default_pg_timeout)
+    if store is None:
+        raise RuntimeError("calibration worker not started by dapple.runtime.spawn")
+    dist.init_process_group("gloo", **store)
     res = _measure_and_leave(rank, world, sizes, repeats)
     if rank == 0:
         q.put(res)
@@ -344,7 +349,8 @@ def _memory_per_process(nproc: int) -> int:
 def calibrate(
     nproc: int = 4, sizes: tuple[int, ...] = DEFAULT_SIZES, repeats: int = 5
 ) -> CalibrationResult:
-    """Spawn ``nproc`` local gloo processes, measure and fit.
+    """Spawn ``nproc`` local gloo processes (:func:`dapple.runtime.spawn`), measure and fit;
+    under torchrun (RANK and WORLD_SIZE in the env) the job's ranks are measured instead.
 
     Args:
         nproc: number of local processes (>= 2 to measure links).
@@ -352,7 +358,9 @@ def calibrate(
         repeats: timed repetitions per size (median).
 
     Raises:
-        ValidationError: ``nproc < 2``.
+        ValidationError: ``nproc < 2``; a worker failed (the message names every failed rank's
+            exit code or signal), or the workers were stopped by SIGTERM or SIGINT and the
+            caller's own handler of it returned.
     """
     from dapple.errors import ValidationError
 
@@ -360,20 +368,15 @@ def calibrate(
         return _calibrate_under_torchrun(sizes, repeats)
     if nproc < 2:
         raise ValidationError(f"calibrate needs --nproc >= 2 to measure links, got {nproc}")
+    from dapple.runtime.failure import RankFailure
+    from dapple.runtime.launch import spawn
+
     alone = _matmul_alone_ms(nproc)
-    ctx = mp.get_context("spawn")
-    q = ctx.SimpleQueue()
-    port = _free_port()
-    procs = [
-        ctx.Process(target=_worker, args=(r, nproc, port, sizes, repeats, q)) for r in range(nproc)
-    ]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join()
-    bad = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode != 0]
-    if bad:
-        raise ValidationError(f"calibration worker(s) failed: {bad} (rank, exit code)")
+    q = mp.get_context("spawn").SimpleQueue()
+    try:  # after a failure, ranks still alive the group's timeout (+ a grace) later are killed
+        spawn(_worker, nproc, sizes, repeats, q, timeout_s=default_pg_timeout.total_seconds())
+    except RankFailure as e:
+        raise ValidationError(f"calibration: {e}") from e
     return _fit_measured(q.get(), nproc, nproc, sizes, alone)
 
 
