@@ -34,6 +34,7 @@ __all__ = [
     "median_after_warmup",
     "run_worker_group",
     "spearman",
+    "write_report",
 ]
 
 HERE = Path(__file__).resolve().parent
@@ -206,3 +207,11 @@ def run_worker_group(target: Callable[..., None], world: int, *args: Any) -> dic
             kept = " after writing the results" if written else ""
             raise RuntimeError(f"benchmark workers failed{kept}: {bad} (rank, exit code)")
         return dict(json.loads(Path(out).read_text()))
+
+
+def write_report(lines: Sequence[str], out: str | None) -> None:
+    """Print the markdown ``lines`` and write them to ``out`` when given."""
+    text = "\n".join(lines) + "\n"
+    if out:
+        Path(out).write_text(text)
+    print(text)

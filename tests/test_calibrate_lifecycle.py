@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -24,12 +22,11 @@ import pytest
 from test_launcher_lifecycle import (
     DEADLINE_S,
     START_S,
-    _children,
+    Launched,
     _cmdline,
     _is_loopback,
     _routed_interface,
     _running,
-    _stat,
     _tcp_sockets,
     _wait_for,
     linux_only,
@@ -41,38 +38,13 @@ NPROC = 2
 REPEATS = 10_000_000  # far more than a test waits for: the workers are measuring throughout
 
 
-class _Calibration:
+class _Calibration(Launched):
     """A ``dapple calibrate`` subprocess that measures far longer than any test waits."""
 
     def __init__(self, tmp: Path, env: dict[str, str] | None = None) -> None:
-        self.out, self.err = tmp / "out.txt", tmp / "err.txt"
-        full_env = dict(os.environ)
-        full_env.update(env or {})
-        with self.out.open("w") as out, self.err.open("w") as err:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "dapple", "calibrate", "--nproc", str(NPROC),
-                 "-o", str(tmp / "cluster.json"), "--repeats", str(REPEATS), "--max-mb", "1"],
-                stdout=out, stderr=err, env=full_env, text=True,
-            )  # fmt: skip
-        self.seen: dict[int, int] = {}  # every descendant seen: pid -> start time
-
-    def descendants(self) -> list[int]:
-        """The launcher's processes below it now (workers, multiprocessing's resource tracker)."""
-        found, todo = [], [self.proc.pid]
-        while todo:
-            for c in _children(todo.pop()):
-                st = _stat(c)
-                if st is not None:
-                    self.seen.setdefault(c, st[2])
-                found.append(c)
-                todo.append(c)
-        return found
-
-    def workers(self) -> list[int]:
-        """The worker processes, once all of them exist ([] before)."""
-        kids = [p for p in _children(self.proc.pid) if "spawn_main" in _cmdline(p)]
-        self.descendants()
-        return kids if len(kids) == NPROC else []
+        argv = ["calibrate", "--nproc", str(NPROC), "-o", str(tmp / "cluster.json"),
+                "--repeats", str(REPEATS), "--max-mb", "1"]  # fmt: skip
+        super().__init__(tmp, argv, NPROC, env)
 
     def measuring(self) -> list[int]:
         """The workers once every one of them listens and is connected to a peer (the gloo
@@ -86,15 +58,6 @@ class _Calibration:
 
     def wait_measuring(self) -> list[int]:
         return list(_wait_for("measuring workers", self.measuring, START_S, self.proc))
-
-    def close(self) -> None:
-        """Kill, by pid, whatever of the run is still running (a failed test leaves nothing)."""
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.descendants()
-        for pid in _running(self.seen):
-            os.kill(pid, signal.SIGKILL)
-        self.proc.wait(timeout=DEADLINE_S)
 
 
 @pytest.fixture

@@ -91,28 +91,19 @@ def _wait_for(what: str, check: Callable[[], Any], timeout_s: float, launcher: A
     raise AssertionError(f"no {what} within {timeout_s:.0f} s")
 
 
-class _Run:
-    """A ``dapple train`` subprocess of a tiny plan: stdout and stderr go to files."""
+class Launched:
+    """A ``python -m dapple ...`` subprocess that starts ``count`` workers; stdout and stderr
+    go to files, and every descendant it ever had is remembered (to find orphans)."""
 
-    def __init__(self, tmp: Path, devices: int, env: dict[str, str] | None = None) -> None:
-        if devices == 2:
-            plan = straight_plan(4, [0, 2], global_batch_size=8, num_micro_batches=4)
-        else:  # 4 ranks: stage 0 replicated (its AllReduce), stages 1 and 2 single
-            plan = straight_plan(
-                4, [0, 2, 3], global_batch_size=8, num_micro_batches=4, replicas=[2, 1, 1]
-            )
-        plan.save(tmp / "plan.json")
+    def __init__(self, tmp: Path, argv: list[str], count: int, env: dict[str, str] | None) -> None:
         self.out, self.err = tmp / "out.txt", tmp / "err.txt"
         full_env = dict(os.environ)
         full_env["PYTHONPATH"] = os.pathsep.join([str(TESTS), full_env.get("PYTHONPATH", "")])
         full_env.update(env or {})
         with self.out.open("w") as out, self.err.open("w") as err:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "dapple", "train", "--plan", str(tmp / "plan.json"),
-                 "-m", "runtime_workloads:mlp", "--steps", "1000000", "--timeout-s", "20"],
-                stdout=out, stderr=err, env=full_env, text=True,
-            )  # fmt: skip
-        self.devices = devices
+            self.proc = subprocess.Popen([sys.executable, "-m", "dapple", *argv], stdout=out,
+                                         stderr=err, env=full_env, text=True)  # fmt: skip
+        self.count = count
         self.seen: dict[int, int] = {}  # every descendant seen: pid -> start time
 
     def descendants(self) -> list[int]:
@@ -128,18 +119,13 @@ class _Run:
         return found
 
     def workers(self) -> list[int]:
-        """The launcher's worker processes, once all ``devices`` of them exist ([] before)."""
+        """The launcher's worker processes, once all ``count`` of them exist ([] before)."""
         kids = [p for p in _children(self.proc.pid) if "spawn_main" in _cmdline(p)]
         self.descendants()
-        return kids if len(kids) == self.devices else []
+        return kids if len(kids) == self.count else []
 
     def wait_workers(self) -> list[int]:
         return _wait_for("workers", self.workers, START_S, self.proc)
-
-    def wait_training(self) -> list[int]:
-        """Wait for the first step line (every worker is past the rendezvous); the workers."""
-        _wait_for("step line", lambda: "step 0 " in self.out.read_text(), START_S, self.proc)
-        return self.wait_workers()
 
     def close(self) -> None:
         """Kill, by pid, whatever of the run is still running (a failed test leaves nothing)."""
@@ -149,6 +135,28 @@ class _Run:
         for pid in _running(self.seen):
             os.kill(pid, signal.SIGKILL)
         self.proc.wait(timeout=DEADLINE_S)
+
+
+class _Run(Launched):
+    """A ``dapple train`` subprocess of a tiny plan."""
+
+    def __init__(self, tmp: Path, devices: int, env: dict[str, str] | None = None) -> None:
+        if devices == 2:
+            plan = straight_plan(4, [0, 2], global_batch_size=8, num_micro_batches=4)
+        else:  # 4 ranks: stage 0 replicated (its AllReduce), stages 1 and 2 single
+            plan = straight_plan(
+                4, [0, 2, 3], global_batch_size=8, num_micro_batches=4, replicas=[2, 1, 1]
+            )
+        plan.save(tmp / "plan.json")
+        argv = ["train", "--plan", str(tmp / "plan.json"), "-m", "runtime_workloads:mlp",
+                "--steps", "1000000", "--timeout-s", "20"]  # fmt: skip
+        super().__init__(tmp, argv, devices, env)
+        self.devices = devices
+
+    def wait_training(self) -> list[int]:
+        """Wait for the first step line (every worker is past the rendezvous); the workers."""
+        _wait_for("step line", lambda: "step 0 " in self.out.read_text(), START_S, self.proc)
+        return self.wait_workers()
 
 
 @pytest.fixture
