@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -23,10 +22,8 @@ from test_launcher_lifecycle import (
     DEADLINE_S,
     START_S,
     Launched,
-    _cmdline,
     _is_loopback,
     _routed_interface,
-    _running,
     _tcp_sockets,
     _wait_for,
     linux_only,
@@ -75,14 +72,6 @@ def calibration(tmp_path: Path) -> Iterator[Callable[..., _Calibration]]:
         r.close()
 
 
-def _assert_all_end(run: _Calibration) -> None:
-    deadline = time.monotonic() + DEADLINE_S
-    while _running(run.seen) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    left = {p: _cmdline(p)[:90] for p in _running(run.seen)}
-    assert not left, f"still running {DEADLINE_S:.0f} s after the launcher ended: {left}"
-
-
 def test_calibration_workers_listen_and_talk_on_loopback_only(calibration) -> None:
     # even when the environment points gloo at a routed interface, calibration stays on loopback
     iface = _routed_interface()
@@ -108,7 +97,7 @@ def test_sigkill_of_the_calibrating_process_ends_every_worker(calibration) -> No
     assert len(workers) == NPROC and len(run.seen) >= NPROC
     os.kill(run.proc.pid, signal.SIGKILL)
     assert run.proc.wait(timeout=DEADLINE_S) == -signal.SIGKILL
-    _assert_all_end(run)
+    run.assert_all_end()
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
@@ -117,7 +106,7 @@ def test_sigterm_and_sigint_stop_the_workers_then_the_calibration(calibration, s
     run.wait_measuring()
     os.kill(run.proc.pid, sig)
     rc = run.proc.wait(timeout=DEADLINE_S)
-    _assert_all_end(run)
+    run.assert_all_end()
     if sig == signal.SIGTERM:
         assert rc == -signal.SIGTERM  # the launcher still dies of it, after its workers
     else:

@@ -127,6 +127,14 @@ class Launched:
     def wait_workers(self) -> list[int]:
         return _wait_for("workers", self.workers, START_S, self.proc)
 
+    def assert_all_end(self) -> None:
+        """Every process the launcher ever had ends within ``DEADLINE_S``."""
+        deadline = time.monotonic() + DEADLINE_S
+        while _running(self.seen) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        left = {p: _cmdline(p)[:90] for p in _running(self.seen)}
+        assert not left, f"still running {DEADLINE_S:.0f} s after the launcher ended: {left}"
+
     def close(self) -> None:
         """Kill, by pid, whatever of the run is still running (a failed test leaves nothing)."""
         if self.proc.poll() is None:
@@ -174,14 +182,6 @@ def run_factory(tmp_path: Path) -> Iterator[Callable[..., _Run]]:
         r.close()
 
 
-def _assert_all_end(run: _Run) -> None:
-    deadline = time.monotonic() + DEADLINE_S
-    while _running(run.seen) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    left = {p: _cmdline(p)[:90] for p in _running(run.seen)}
-    assert not left, f"still running {DEADLINE_S:.0f} s after the launcher ended: {left}"
-
-
 # -- A: no orphans -----------------------------------------------------------------------------
 @pytest.mark.slow
 @linux_only
@@ -192,7 +192,7 @@ def test_sigkill_of_the_launcher_ends_every_worker(run_factory, phase: str) -> N
     assert len(workers) == 2 and len(run.seen) >= 2
     os.kill(run.proc.pid, signal.SIGKILL)
     assert run.proc.wait(timeout=DEADLINE_S) == -signal.SIGKILL
-    _assert_all_end(run)
+    run.assert_all_end()
 
 
 @pytest.mark.slow
@@ -203,7 +203,7 @@ def test_sigterm_and_sigint_stop_the_workers_then_the_launcher(run_factory, sig)
     run.wait_training()
     os.kill(run.proc.pid, sig)
     rc = run.proc.wait(timeout=DEADLINE_S)
-    _assert_all_end(run)
+    run.assert_all_end()
     if sig == signal.SIGTERM:
         assert rc == -signal.SIGTERM  # the launcher still dies of it, after its workers
     else:
@@ -231,7 +231,7 @@ def test_a_killed_rank_costs_each_survivor_one_line(run_factory) -> None:
     own = [_OWN_RANK.match(line) for line in lines[:-1]]
     assert all(own), lines  # no grid, no traceback: every other line is one rank's account
     assert sorted(int(m.group(1)) for m in own if m) == survivors, lines
-    _assert_all_end(run)
+    run.assert_all_end()
 
 
 # -- B: loopback -------------------------------------------------------------------------------
