@@ -26,8 +26,9 @@ Design choices:
       weights of seed ``s`` are loaded into the traced pieces by name.
 
 Limitations (all from tracing once, ahead of time):
-    - train/eval mode, dropout and BatchNorm behaviour are fixed when the model is traced
-      (``piece.eval()`` changes nothing); trace the model in the mode you train it in.
+    - train/eval mode and BatchNorm behaviour are fixed when the model is traced; only the
+      random sites (dropout, attention dropout: :mod:`dapple.models.rng`) follow
+      ``piece.eval()``. Trace the model in the mode you train it in.
     - Pieces are traced in float32: use ``torch.autocast`` for mixed precision, not
       ``piece.to(torch.bfloat16)`` (dtype checks are baked into the graph).
     - Ops of a parent module that run between two cut modules belong to the piece before
@@ -89,6 +90,7 @@ __all__ = [
     "model_factory_of",
     "original_model",
     "parse_split_at",
+    "random_sites",
     "split_module",
     "sum_tied_grads_local",
     "sync_tied_grads",
@@ -470,3 +472,14 @@ def original_model(workload: Workload, seed: int = 0) -> nn.Module:
         ValidationError: ``workload`` was not made by :func:`workload_from_module`.
     """
     return _splitter_of(workload).whole(layer_seed(seed, 0))
+
+
+def random_sites(workload: Workload) -> list[int | None]:
+    """The batch dimension of each random site (dropout, attention) of a
+    :func:`workload_from_module` workload, in the order its model runs them
+    (:mod:`dapple.models.rng`).
+
+    Raises:
+        ValidationError: ``workload`` was not made by :func:`workload_from_module`.
+    """
+    return list(_splitter_of(workload).split.random_sites)

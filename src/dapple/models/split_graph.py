@@ -17,6 +17,7 @@ import torch
 from torch import fx, nn
 
 from dapple.errors import ValidationError
+from dapple.models.rng_graph import key_random_sites, number_random_sites
 from dapple.models.shapes import DimsMap
 from dapple.models.trace import export_model, fake_to_meta, output_is_tuple, traced_dims
 
@@ -212,12 +213,19 @@ class SplitModel:
         _follow_device_in_submodules(self.traced)
         self.aliases = _aliases(model)
         nodes = list(self.traced.graph.nodes)
+        self.random_sites = number_random_sites(
+            self.traced.graph, _batch_symbols([n for n in nodes if n.op == "placeholder"])
+        )
+        """The batch dimension of each random site (dropout, attention), in run order
+        (:mod:`dapple.models.rng`)."""
         modules = dict(model.named_modules(remove_duplicate=False))
         spans = {
             n: span for n, span in executed_module_names(self.traced.graph).items() if n in modules
         }
         cuts = self._cut_positions(model, spans, split_at, len(nodes))
         self.pieces, self.names = self._build_pieces(nodes, cuts)
+        for piece in self.pieces:
+            key_random_sites(piece)
 
     # -- cutting ------------------------------------------------------------------------------
 
@@ -326,13 +334,17 @@ class SplitModel:
             if v.op in ("placeholder", "call_function") and is_tensor(v) and v in batch_dep
         ]
         live_in: list[list[fx.Node]] = [placeholders]
+        self._folded: set[fx.Node] = set()
         for k in range(1, num):
             live = [
                 v for v in values if defined_in(v) < k <= last_use.get(v, -1) and defined_in(v) > -2
             ]
             for v in live:
                 dim0 = v.meta["val"].shape[0] if v.meta["val"].dim() else None
-                if not (isinstance(dim0, torch.SymInt) and dim0.node.expr in batch_syms):
+                expr = dim0.node.expr if isinstance(dim0, torch.SymInt) else None
+                if expr is not None and expr not in batch_syms and expr.free_symbols & batch_syms:
+                    self._folded.add(v)  # batch x heads (sample-major): crosses as (batch, heads)
+                elif expr not in batch_syms:
                     raise ValidationError(
                         f"the cut before {names[k]!r} would carry {v.name} of shape "
                         f"{tuple(v.meta['val'].shape)} whose dimension 0 is not the batch; "
@@ -371,15 +383,19 @@ class SplitModel:
         env: dict[fx.Node, fx.Node] = {}
         attrs: dict[str, Any] = {}
         members = set(body)
+        raw: list[fx.Node] = []
         if pack_in:
             arg = graph.placeholder("inputs")
-            for i, v in enumerate(inputs):
-                env[v] = graph.call_function(operator.getitem, (arg, i))
-                env[v].meta = copy.copy(v.meta)
+            raw = [graph.call_function(operator.getitem, (arg, i)) for i in range(len(inputs))]
         else:
-            (v,) = inputs
-            env[v] = graph.placeholder(v.name)
-            env[v].meta = copy.copy(v.meta)
+            raw.append(graph.placeholder(inputs[0].name))
+        batch = graph.call_function(torch.ops.aten.sym_size.int, (raw[0], 0))
+        for v, node in zip(inputs, raw, strict=True):
+            node.meta = copy.copy(v.meta)
+            env[v] = node
+            if v in self._folded:  # arrives as (batch, f, ...): back to (batch * f, ...)
+                env[v] = graph.call_function(torch.ops.aten.flatten.using_ints, (node, 0, 1))
+                env[v].meta = copy.copy(v.meta)
 
         def lookup(a: fx.Node) -> fx.Node:
             if a in env:
@@ -397,9 +413,16 @@ class SplitModel:
 
         for node in body:
             env[node] = graph.node_copy(node, lookup)
-        outs = tuple(lookup(v) for v in outputs)
+        outs = tuple(
+            graph.call_function(torch.ops.aten.unflatten.int, (lookup(v), 0, [batch, -1]))
+            if v in self._folded
+            else lookup(v)
+            for v in outputs
+        )
         graph.output(outs if pack_out else outs[0])
-        _follow_input_device(graph, env[inputs[-1]], env[inputs[0]])
+        if not batch.users:
+            graph.erase_node(batch)
+        _follow_input_device(graph, raw[-1], raw[0])
         graph.lint()
         return graph, attrs
 

@@ -67,9 +67,9 @@ class RankChunks:
         self.chunks[a.stage].release(a)
 
     # -- every chunk -----------------------------------------------------------------------------
-    def begin_step(self, inputs: object, targets: torch.Tensor) -> None:
+    def begin_step(self, inputs: object, targets: torch.Tensor, step: int = 0) -> None:
         for ex in self.chunks.values():
-            ex.begin_step(inputs, targets)
+            ex.begin_step(inputs, targets, step)
 
     def finish_sends(self) -> None:
         for ex in self.chunks.values():

@@ -359,7 +359,7 @@ def _setup(
     tied = tied_parameters(plan, workload, s, module) if zero and module and s is not None else []
     sharded = flat_ids | {id(p) for p in tied}
     sync = GradientSync(plan, workload, rank, module, s, exclude=flat_ids)  # creates the groups
-    torch.manual_seed(config.seed * 7919 + rank)  # per-rank RNG for dropout-like layers
+    torch.manual_seed(config.seed * 7919 + rank)  # random ops other than the keyed sites
     params = list(module.parameters()) if module is not None else []
     shards = None
     if (flat or tied) and module is not None and s is not None and j is not None:
@@ -381,7 +381,7 @@ def _setup(
         for k, mod in chunks.items():
             recompute = training and (config.recompute or run.stages[k].recompute)
             exs.append(StageExecutor(run, k, j, mod, specs, workload.loss_fn, device, recompute,
-                                     meter, precision, dynamic=bool(dims)))  # fmt: skip
+                                     meter, precision, dynamic=bool(dims), seed=config.seed))  # fmt: skip
         return exs[0] if len(exs) == 1 else RankChunks(exs)
 
     ex = executor(plan, True)

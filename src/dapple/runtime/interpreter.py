@@ -214,7 +214,7 @@ class ProgramInterpreter:
         self._at = "start of step"
         try:
             if self.ex is not None:
-                self._compute_part(inputs, targets)  # F, B, SEND_*, RECV_*
+                self._compute_part(step, inputs, targets)  # F, B, SEND_*, RECV_*
             verdict, rows = self._meet(step)
             if verdict is None:
                 self._execute(self._update)  # AR, OPT
@@ -234,14 +234,14 @@ class ProgramInterpreter:
             raise self._failure(step, e) from e
         return rows
 
-    def _compute_part(self, inputs: Any, targets: torch.Tensor) -> None:
+    def _compute_part(self, step: int, inputs: Any, targets: torch.Tensor) -> None:
         """Everything before the step point; then wait for the step's sends."""
         assert self.ex is not None
         for p in self.params:
             p.grad = None
         if self.shards is not None:
             self.shards.begin_step()
-        self.ex.begin_step(inputs, targets)
+        self.ex.begin_step(inputs, targets, step)
         self.longrun.begin_step()
         with self.precision.weight_cache():  # autocast: one cast of the weights per step
             self._execute(self._compute)

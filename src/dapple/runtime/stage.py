@@ -28,6 +28,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from dapple.core.plan import Plan, slice_bounds, transfers
+from dapple.models.rng import keyed
 from dapple.models.split_backward import ParamGroups, input_gradients, weight_gradients
 from dapple.runtime.memory import ActivationMeter, Held
 from dapple.runtime.precision import Precision, to_fp32
@@ -95,8 +96,13 @@ class StageExecutor:
         meter: ActivationMeter,
         precision: Precision | None = None,
         dynamic: bool = False,
+        seed: int = 0,
     ) -> None:
         self.plan, self.s, self.j = plan, stage, replica
+        self.seed = seed
+        """The run seed: with the step and the samples' global rows it keys the random sites
+        (:mod:`dapple.models.rng`)."""
+        self.step = 0
         self.dynamic = dynamic
         """Boundary shapes change from step to step: messages carry shape headers."""
         self.precision = precision or Precision("fp32", device)
@@ -153,8 +159,10 @@ class StageExecutor:
         self.loss_sum = 0.0
 
     # -- per step -----------------------------------------------------------------------------
-    def begin_step(self, inputs: Any, targets: torch.Tensor) -> None:
-        """Take this step's global batch (only stage 0 reads inputs, the last stage targets)."""
+    def begin_step(self, inputs: Any, targets: torch.Tensor, step: int = 0) -> None:
+        """Take step ``step``'s global batch (only stage 0 reads inputs, the last stage
+        targets)."""
+        self.step = step
         self._batch_is_tuple = isinstance(inputs, (tuple, list))
         self._batch_inputs = flatten(inputs)
         self._targets = targets
@@ -210,7 +218,8 @@ class StageExecutor:
     def forward(self, a: Action) -> None:
         """``F``: wait for the inputs, compute, and (last stage) the scaled loss."""
         assert a.micro_batch is not None
-        self._forward(a.micro_batch)
+        with self._keys(a.micro_batch):
+            self._forward(a.micro_batch)
         self._poll_sends()
 
     def send_forward(self, a: Action) -> None:
@@ -228,7 +237,8 @@ class StageExecutor:
     def backward(self, a: Action) -> None:
         """``B``: wait for the output gradients (not on the last stage) and back-propagate."""
         assert a.micro_batch is not None
-        self._backward(a.micro_batch)
+        with self._keys(a.micro_batch):  # a re-computation draws the forward's masks again
+            self._backward(a.micro_batch)
         self._poll_sends()
 
     def backward_input(self, a: Action) -> None:
@@ -240,7 +250,8 @@ class StageExecutor:
         outs, gs = self._output_grads(m)
         inputs = [x for x in st.inputs if x.requires_grad]
         if inputs and outs:
-            st.groups = input_gradients(outs, gs, inputs, self.weights)
+            with self._keys(m):
+                st.groups = input_gradients(outs, gs, inputs, self.weights)
         else:
             st.whole = (outs, gs)
         self._after_input_grads(m)
@@ -251,10 +262,11 @@ class StageExecutor:
         assert a.micro_batch is not None
         m = a.micro_batch
         st = self._mb[m]
-        if st.groups is not None:
-            weight_gradients(st.groups, self.weights, self.on_grad_ready)
-        elif st.whole is not None and st.whole[0]:
-            torch.autograd.backward(*st.whole)
+        with self._keys(m):
+            if st.groups is not None:
+                weight_gradients(st.groups, self.weights, self.on_grad_ready)
+            elif st.whole is not None and st.whole[0]:
+                torch.autograd.backward(*st.whole)
         self._drop(m)
         self._poll_sends()
 
@@ -265,6 +277,11 @@ class StageExecutor:
         self._poll_sends()
 
     # -- helpers -------------------------------------------------------------------------------
+    def _keys(self, m: int) -> contextlib.AbstractContextManager[None]:
+        """Key the random sites by this step and micro-batch ``m``'s rows of this replica."""
+        b = self.plan.micro_batch_size
+        return keyed(self.seed, self.step, m * b + self.lo, self.hi - self.lo)
+
     def _poll_sends(self) -> None:
         self._pending_sends = [w for w in self._pending_sends if not w.is_completed()]
 

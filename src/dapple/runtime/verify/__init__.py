@@ -47,7 +47,8 @@ Design choices:
       of rank ``k``; ``DAPPLE_TEST_VERIFY_SETUP=module:function`` is called in every worker
       with its rank before training (to inject a defect).
 
-Dropout must be off (the reference draws other random numbers than the ranks).
+Dropout may be on: every random site draws a mask keyed by the step and the sample, the same in
+the ranks and in the reference (:mod:`dapple.models.rng`); other random operations must be off.
 """
 
 from dapple.runtime.verify.reference import ForcedReference, reference_run

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import Any
@@ -14,7 +15,8 @@ from torch.utils.data import Dataset
 
 from dapple.datasets import BatchSource
 from dapple.errors import ValidationError
-from dapple.models.split import original_model, sum_tied_grads_local
+from dapple.models.rng import KeyedRandomness, keyed
+from dapple.models.split import original_model, random_sites, sum_tied_grads_local
 from dapple.models.workload import Workload
 from dapple.runtime.config import TrainConfig
 from dapple.runtime.data import fit_data, fit_workload
@@ -57,6 +59,8 @@ class _Model:
     parameter of the original model are one parameter)."""
     counted: list[nn.Parameter]
     """The parameters of the original model, once each (the global norm's terms)."""
+    sites: list[int | None] | None = None
+    """The original model's random sites (batch dimension of each, in run order)."""
 
     @property
     def is_chain(self) -> bool:
@@ -73,6 +77,7 @@ def _model(workload: Workload, seed: int) -> _Model:
     except ValidationError:
         model, kind = chain, "layer chain"
     model.train()
+    sites = None if model is chain else random_sites(workload)
     by_layer: dict[tuple[int, str], nn.Parameter] = {}
     for i, layer in enumerate(chain):
         for n, p in layer.named_parameters():
@@ -86,7 +91,7 @@ def _model(workload: Workload, seed: int) -> _Model:
             for i, n in [min((int(i), str(n)) for i, n in g)]
         }
         counted = [p for p in counted if id(p) not in copies - firsts]
-    return _Model(model, chain, kind, by_layer, counted)
+    return _Model(model, chain, kind, by_layer, counted, sites)
 
 
 def _batches(
@@ -107,11 +112,23 @@ def _batches(
             yield workload.make_batch(global_batch_size, cfg.seed + step)
 
 
-def _grads(m: _Model, workload: Workload, cfg: TrainConfig, batch: tuple[Any, Any]) -> float:
-    """Forward and backward of one full batch (every tied copy of the chain gets the sum)."""
+def _rows(inputs: Any) -> int:
+    first = inputs[0] if isinstance(inputs, (tuple, list)) else inputs
+    return int(first.shape[0])
+
+
+def _grads(
+    m: _Model, workload: Workload, cfg: TrainConfig, step: int, batch: tuple[Any, Any]
+) -> float:
+    """Forward and backward of step ``step``'s full batch (every tied copy of the chain gets
+    the sum); random sites keyed as the runtime keys them (:mod:`dapple.models.rng`)."""
     inputs, targets = batch
-    with autocast_reference(cfg.precision) as cast:
-        output = _call(m.model, inputs)
+    with contextlib.ExitStack() as rng:
+        rng.enter_context(keyed(cfg.seed, step, 0, _rows(inputs)))
+        if m.sites is not None:
+            rng.enter_context(KeyedRandomness(m.sites))
+        with autocast_reference(cfg.precision) as cast:
+            output = _call(m.model, inputs)
     loss = workload.loss_fn(cast(output), targets)
     torch.autograd.backward([loss])
     if m.is_chain:
@@ -180,7 +197,7 @@ def reference_run(
     losses = []
     for step, batch in enumerate(_batches(workload, global_batch_size, cfg, data)):
         opt.zero_grad(set_to_none=True)
-        losses.append(_grads(m, workload, cfg, batch))
+        losses.append(_grads(m, workload, cfg, step, batch))
         _update(m, opt, cfg, step)
     return losses, _weights(m), m.kind
 
@@ -248,7 +265,7 @@ class ForcedReference:
             for (i, n), p in m.by_layer.items():
                 p.copy_(_take(weights, i, n, "weights", step))
         self.opt.zero_grad(set_to_none=True)
-        loss = _grads(m, self.workload, self.cfg, next(self._batches))
+        loss = _grads(m, self.workload, self.cfg, step, next(self._batches))
         mine: Params = {i: {} for i in range(len(m.chain))}
         for (i, n), p in m.by_layer.items():
             g = p.grad if p.grad is not None else torch.zeros_like(p)
