@@ -164,8 +164,10 @@ def join_worker_group(rank: int, world: int, port: int) -> None:
     import torch.distributed as dist
 
     from dapple.core.host_memory import keep_freed_memory
+    from dapple.runtime.local import pin_cores
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    pin_cores(rank, world)  # DAPPLE_PIN_CORES=1: each rank on its own cores
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     keep_freed_memory()
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=600))

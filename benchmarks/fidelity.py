@@ -43,7 +43,7 @@ from _bench_common import (
 from dapple.core.cluster import Cluster
 from dapple.core.plan import Plan, straight_plan
 from dapple.core.profile import ModelProfile
-from dapple.planner import pipeline_latency
+from dapple.cost.pipeline import pipeline_latency
 from dapple.simulate import simulate
 
 REPLICATIONS: tuple[tuple[int, ...], ...] = ((4,), (1, 1, 1, 1), (3, 1), (1, 3), (2, 1, 1), (2, 2))

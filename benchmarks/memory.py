@@ -26,7 +26,7 @@ from _bench_common import HERE, header, load_note
 from dapple import api
 from dapple.core.cluster import Cluster
 from dapple.core.plan import Plan, straight_plan
-from dapple.planner.cost import pipeline_latency
+from dapple.cost.pipeline import pipeline_latency
 from dapple.runtime.config import OPTIMIZER_STATE_FACTOR
 
 CONFIG: dict[str, Any] = {

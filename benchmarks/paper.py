@@ -32,8 +32,9 @@ from _bench_common import HERE, header, load_note
 from dapple.core.cluster import GIB, load_cluster
 from dapple.core.plan import Plan, straight_plan
 from dapple.core.profile import ModelProfile
+from dapple.cost.pipeline import pipeline_latency
 from dapple.errors import DappleError
-from dapple.planner import make_plan, pipeline_latency
+from dapple.planner import make_plan
 from dapple.profiler.paper_models import PAPER_GLOBAL_BATCH, paper_profile
 from dapple.simulate import simulate
 

@@ -15,9 +15,9 @@ from datetime import datetime, timezone
 from dapple.core.cluster import PRESETS, Cluster
 from dapple.core.plan import Plan
 from dapple.core.profile import ModelProfile
+from dapple.cost.pipeline import LatencyBreakdown, pipeline_latency
 from dapple.errors import InfeasibleError
-from dapple.planner import make_plan, pipeline_latency
-from dapple.planner.cost import LatencyBreakdown
+from dapple.planner import make_plan
 from dapple.planner.evaluate import Scorer, divisors
 from dapple.profiler.paper_models import PAPER_GLOBAL_BATCH, PAPER_MODELS, load_paper_profile
 

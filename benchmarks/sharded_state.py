@@ -9,7 +9,7 @@ Each plan (DP x4, 1:3, 2:2, and with ``--plans`` 2:2 interleaved with v=2) train
 over the stage's replicas, the rank's peak resident memory (``StepMetrics.peak_resident_bytes``,
 ``VmHWM``) and what building and training its stage added to it
 (``StepMetrics.stage_resident_bytes``). The estimate is the planner's per-replica state
-(:func:`dapple.planner.memory.device_state_bytes`) plus the 128 MiB a CPU rank's runtime
+(:func:`dapple.cost.memory.device_state_bytes`) plus the 128 MiB a CPU rank's runtime
 adds besides its stage (``benchmarks/memory.md``); the MLP's activations (a few MiB) are left
 out. CPU ranks keep freed memory for reuse (:func:`dapple.runtime.host_memory.keep_freed_memory`,
 set by dapple's launcher).
@@ -31,7 +31,7 @@ from _bench_common import HERE, header, load_note
 from dapple import api
 from dapple.core.plan import Plan, interleave, straight_plan
 from dapple.core.profile import AffineTime, LayerProfile, ModelProfile
-from dapple.planner.memory import device_state_bytes
+from dapple.cost.memory import device_state_bytes
 from dapple.profiler.measure import tied_layer_bytes
 
 MODELS: dict[str, tuple[str, dict[str, Any]]] = {

@@ -138,17 +138,22 @@ def dense_model() -> nn.Module:
     return TinyLM(moe=False)
 
 
+def _windows(n: int, length: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Windows of ``length + 1`` random tokens as ``(w[:, :-1], w[:, 1:])``: ``length`` inputs
+    and their next tokens (the targets :func:`causal_lm_loss` takes)."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randint(0, VOCAB, (n, length + 1), generator=g)
+    return w[:, :-1].clone(), w[:, 1:].clone()
+
+
 def fixed_batch(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """16 random tokens per sample (input and target)."""
-    ids = torch.randint(0, VOCAB, (n, 16), generator=torch.Generator().manual_seed(seed))
-    return ids, ids
+    """16 random tokens per sample and their next tokens."""
+    return _windows(n, 16, seed)
 
 
 def varlen_batch(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``LENGTHS[seed % 3]`` random tokens per sample."""
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, VOCAB, (n, LENGTHS[seed % 3]), generator=g)
-    return ids, ids
+    """``LENGTHS[seed % 3]`` random tokens per sample and their next tokens."""
+    return _windows(n, LENGTHS[seed % 3], seed)
 
 
 def moe_lm() -> Workload:

@@ -33,7 +33,7 @@ def test_median_after_warmup():
 
 def test_fidelity_best_cuts_balances_a_pipeline():
     from dapple.core.plan import straight_plan
-    from dapple.planner import pipeline_latency
+    from dapple.cost.pipeline import pipeline_latency
     from fidelity import best_cuts, label
 
     prof = make_profile(6, fwd=1.0, bwd=2.0, act=1000.0, params=1000)

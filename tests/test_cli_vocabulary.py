@@ -37,6 +37,7 @@ COMMANDS = {
     "plan-local",
     "demo",
     "export",
+    "generate",
     "data",
 }
 UNKNOWN_PAPER = "dapple: error: unknown paper profile 'paper:bert4'; known: " + ", ".join(
@@ -100,7 +101,9 @@ def test_model_is_m_model_on_every_command_taking_a_model() -> None:
             assert opts["--model"].option_strings == ["-m", "--model"], name
             assert opts["--model"].help, name
             with_model.add(name)
-    assert with_model == {"profile", "train", "verify", "split", "plan-local", "demo", "export"}
+    assert with_model == {
+        "profile", "train", "verify", "split", "plan-local", "demo", "export", "generate"
+    }  # fmt: skip
     ns = build_parser().parse_args(["train", "--plan", "p.json", "-m", "mlp"])
     assert ns.model == "mlp"
     assert build_parser().parse_args(["demo"]).model == "transformer"

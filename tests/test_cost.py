@@ -8,20 +8,17 @@ import pytest
 
 from builders import make_cluster, make_profile
 from dapple.core.plan import StagePlan, straight_plan
-from dapple.planner.cost import (
-    allreduce_ms,
+from dapple.cost.comm import allreduce_ms, comm_stage_ms, transfer_ms
+from dapple.cost.compute import compute_ms, stage_compute_ms
+from dapple.cost.latency import latency
+from dapple.cost.memory import (
     boundary_bytes,
-    comm_stage_ms,
-    compute_ms,
     device_memory_bytes,
     held_activation_bytes,
     in_flight_options,
-    latency,
     parameter_state_bytes,
-    pipeline_latency,
-    stage_compute_ms,
-    transfer_ms,
 )
+from dapple.cost.pipeline import pipeline_latency
 
 BPMS_100G = 100e9 / 8 / 1e3  # bytes per ms at 100 Gbps
 
@@ -150,7 +147,7 @@ def test_overlaps_equal_split_concat_transfers() -> None:
     import random
 
     from dapple.core.plan import transfers
-    from dapple.planner.cost import overlaps
+    from dapple.cost.comm import overlaps
 
     rng = random.Random(0)
     for _ in range(500):

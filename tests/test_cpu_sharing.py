@@ -15,8 +15,9 @@ from dapple.calibrate.machine import _fit, fit_sharing
 from dapple.core.cluster import Cluster
 from dapple.core.plan import straight_plan
 from dapple.core.profile import AffineTime, LayerProfile, ModelProfile
+from dapple.cost.comm import allreduce_ms
+from dapple.cost.pipeline import pipeline_latency
 from dapple.errors import ValidationError
-from dapple.planner import cost as costs
 from dapple.planner.evaluate import Scorer
 from dapple.simulate import simulate
 
@@ -105,11 +106,11 @@ def test_data_parallel_takes_G_over_c_longer(cores, params):
     prof = _free_profile(params=params)
     ded = simulate(plan, prof, _cluster(G))
     shared = simulate(plan, prof, _cluster(G, cores=cores))
-    ar = costs.allreduce_ms(_cluster(G), 2 * params, tuple(range(G)))
+    ar = allreduce_ms(_cluster(G), 2 * params, tuple(range(G)))
     assert ded.step_ms == pytest.approx(12.0 + ar)
     assert shared.step_ms == pytest.approx(12.0 * max(1.0, G / cores) + ar)
     # the cost model's L agrees exactly for data parallelism
-    L = costs.pipeline_latency(plan, prof, _cluster(G, cores=cores)).L_ms
+    L = pipeline_latency(plan, prof, _cluster(G, cores=cores)).L_ms
     assert pytest.approx(shared.step_ms) == L
 
 
@@ -132,8 +133,8 @@ def test_alternating_pipeline_never_slows(schedule, S):
     one_core = dataclasses.replace(make_cluster(1, S), compute_cores_per_server=1.0)
     r = simulate(plan, prof, one_core)
     assert r.step_ms == pytest.approx(ded.step_ms)
-    assert costs.pipeline_latency(plan, prof, one_core).L_ms == pytest.approx(
-        costs.pipeline_latency(plan, prof, make_cluster(1, S)).L_ms
+    assert pipeline_latency(plan, prof, one_core).L_ms == pytest.approx(
+        pipeline_latency(plan, prof, make_cluster(1, S)).L_ms
     )
 
 
@@ -182,8 +183,8 @@ def test_shared_properties(spec, cores, load):
     # the analytic L: bounded the same way (a phase's concurrency is capped at the server's
     # devices; within 1e-4: equation 3's pivot may move to a stage whose unstretched comm terms
     # then count once more), and the scorer computes the same number
-    L0 = costs.pipeline_latency(plan, prof, cl).L_ms
-    L = costs.pipeline_latency(plan, prof, shared_cl).L_ms
+    L0 = pipeline_latency(plan, prof, cl).L_ms
+    L = pipeline_latency(plan, prof, shared_cl).L_ms
     assert L0 * (1 - 1e-9) <= L <= L0 * worst * (1 + 1e-4)
     sc = Scorer(prof, shared_cl, 8)
     stages = [(s.layers[0], s.layers[1], s.devices) for s in plan.stages]
@@ -211,7 +212,7 @@ def test_capacity_bound_on_total_work():
     r = simulate(plan, prof, cl)
     work = sum(d.busy_ms for d in simulate(plan, prof, _cluster(4)).devices)
     assert r.step_ms >= work / 2 * (1 - 1e-9)
-    L = costs.pipeline_latency(plan, prof, cl).L_ms
+    L = pipeline_latency(plan, prof, cl).L_ms
     assert pytest.approx(r.step_ms, rel=0.15) == L
 
 

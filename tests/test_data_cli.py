@@ -197,7 +197,8 @@ def test_hf_causal_lm_takes_token_windows_as_input_ids(tmp_path: Path) -> None:
     fitted = fit_data(wl, ds)
     assert isinstance(fitted, CausalLMSamples) and fit_data(wl, fitted) is fitted
     (ids, mask), targets = fitted[3]
-    assert torch.equal(ids, ds[3][0]) and torch.equal(targets, ids) and mask.eq(1).all()
+    # all SEQ next tokens are targets (no shift in the loss): the window's x and y as they are
+    assert torch.equal(ids, ds[3][0]) and torch.equal(targets, ds[3][1]) and mask.eq(1).all()
     tokens(tmp_path / "big.bin", 20 * SEQ + 1, top=60, seed=1)
     with pytest.raises(ValidationError, match=r"token id 5\d >= the vocabulary .* \(48\)"):
         check_data(wl, TokenFile(tmp_path / "big.bin", SEQ), G)

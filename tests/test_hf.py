@@ -29,11 +29,21 @@ def bert() -> Workload:
 
 
 def hf_loss(model: torch.nn.Module, inputs: Any, targets: torch.Tensor) -> torch.Tensor:
-    """The loss Hugging Face's own head computes from ``labels`` (not our loss function)."""
+    """The loss Hugging Face's own head computes (not our loss function).
+
+    GPT-2's targets are already the next tokens (``targets[:, t]`` follows ``ids[:, t]``), so
+    they go in as ``shift_labels``, which Hugging Face's causal-LM loss takes unshifted: all
+    ``seq`` targets count (``labels=ids`` would shift them and drop the last).
+    """
     ids, mask = inputs
     if isinstance(model, transformers.GPT2LMHeadModel):
         out = transformers.GPT2LMHeadModel.forward(
-            model, input_ids=ids, attention_mask=mask, labels=targets, use_cache=False
+            model,
+            input_ids=ids,
+            attention_mask=mask,
+            labels=targets,
+            shift_labels=targets,
+            use_cache=False,
         )
     else:
         out = transformers.BertForMaskedLM.forward(

@@ -35,6 +35,7 @@ def _uneven(n: int, shape: str, **kw: object) -> Plan:
                          replicas=[3, 1], **kw)  # fmt: skip
 
 
+@pytest.mark.timeout(1800)  # 16 profiles and 21 verified runs: ~200 s alone on 2 cores
 def test_every_family_trains_like_one_process_with_dropout_on(tmp_path: Path) -> None:
     cases: list[tuple[str, Plan, object]] = []
     for family in FAMILIES:
@@ -61,6 +62,7 @@ def test_every_family_trains_like_one_process_with_dropout_on(tmp_path: Path) ->
     assert len(FAMILIES) >= 12
 
 
+@pytest.mark.timeout(900)
 def test_a_resume_under_another_plan_draws_the_uninterrupted_runs_masks(tmp_path: Path) -> None:
     """GPT-2 with dropout 0.1: 3 steps under 1:2:1 equal 2 steps under 1:2:1, then the third
     resumed from the checkpoint under 3:1 (other micro-batch rows per rank, same masks)."""

@@ -1,4 +1,4 @@
-"""Host CPU overhead terms: cluster fields, planner.host extras, L and the simulator with them,
+"""Host CPU overhead terms: cluster fields, cost.host extras, L and the simulator with them,
 the comm-CPU fit and the co-worker profile."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import pytest
 from dapple.core.cluster import Cluster, load_cluster
 from dapple.core.plan import straight_plan
 from dapple.core.profile import AffineTime, LayerProfile, ModelProfile
+from dapple.cost.host import HostExtra, host_extras
+from dapple.cost.pipeline import pipeline_latency
 from dapple.errors import ValidationError
-from dapple.planner import pipeline_latency
-from dapple.planner.host import HostExtra, host_extras
 from dapple.simulate import simulate
 
 MIB = 1024**2

@@ -12,9 +12,9 @@ from builders import make_cluster, make_profile
 from dapple.core.cluster import Cluster
 from dapple.core.plan import straight_plan
 from dapple.core.profile import AffineTime, LayerProfile, ModelProfile
-from dapple.planner import pipeline_latency
-from dapple.planner.host import HostExtra, apply_host, has_host_terms
-from dapple.planner.latency import latency, steady_periods
+from dapple.cost.host import HostExtra, apply_host, has_host_terms
+from dapple.cost.latency import latency, steady_periods
+from dapple.cost.pipeline import pipeline_latency
 from dapple.simulate import simulate
 
 

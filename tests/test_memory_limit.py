@@ -10,9 +10,9 @@ import pytest
 from builders import make_cluster, make_profile
 from dapple import api
 from dapple.core.cluster import Cluster
+from dapple.cost.memory import parameter_state_bytes
+from dapple.cost.pipeline import pipeline_latency
 from dapple.errors import InfeasibleError, ValidationError
-from dapple.planner.cost import pipeline_latency
-from dapple.planner.memory import parameter_state_bytes
 
 MIB = 2**20
 MODEL = {"layers": 7, "in_features": 1024, "hidden": 3072, "num_classes": 10}

@@ -12,8 +12,9 @@ from builders import make_cluster, make_profile
 from dapple.core.cluster import Cluster
 from dapple.core.plan import Plan
 from dapple.core.profile import AffineTime, LayerProfile, ModelProfile
+from dapple.cost.pipeline import pipeline_latency
 from dapple.errors import InfeasibleError, ValidationError
-from dapple.planner import PLANNERS, make_plan, pipeline_latency
+from dapple.planner import PLANNERS, make_plan
 from dapple.planner.evaluate import Scorer
 from dapple.planner.oracle import exhaustive_plan, placements
 from dapple.planner.partition import block_partition

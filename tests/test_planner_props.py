@@ -8,8 +8,9 @@ from hypothesis import strategies as st
 
 from dapple.core.cluster import Cluster
 from dapple.core.profile import AffineTime, LayerProfile, ModelProfile
+from dapple.cost.pipeline import pipeline_latency
 from dapple.errors import InfeasibleError
-from dapple.planner import PLANNERS, make_plan, pipeline_latency
+from dapple.planner import PLANNERS, make_plan
 
 _ms = st.floats(min_value=0.0, max_value=2.0, allow_nan=False)
 _per = st.floats(min_value=0.01, max_value=2.0, allow_nan=False)
@@ -39,7 +40,7 @@ def instances(draw: st.DrawFn) -> tuple[ModelProfile, Cluster, int]:
         device_memory_bytes=draw(st.sampled_from([2**28, 2**30, 2**33])),
         intra_server_bandwidth_gbps=draw(st.sampled_from([10.0, 100.0, 1000.0])),
         inter_server_bandwidth_gbps=draw(st.sampled_from([1.0, 10.0, 25.0])),
-        # host CPU terms (CPU workers; planner.host): the scorer's cached arrays must give
+        # host CPU terms (CPU workers; cost.host): the scorer's cached arrays must give
         # pipeline_latency's L with the CPU-host pass too
         action_overhead_ms=draw(st.sampled_from([0.0, 0.0, 0.2])),
         step_overhead_ms=draw(st.sampled_from([0.0, 0.0, 1.5])),

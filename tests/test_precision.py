@@ -22,13 +22,13 @@ from dapple import api
 from dapple.cli import main
 from dapple.core.plan import Plan, StagePlan
 from dapple.core.profile import ModelProfile
-from dapple.errors import ValidationError
-from dapple.models.workload import Workload
-from dapple.planner.memory import (
+from dapple.cost.memory import (
     device_memory_bytes,
     parameter_state_bytes,
     weight_cast_bytes,
 )
+from dapple.errors import ValidationError
+from dapple.models.workload import Workload
 from dapple.runtime import TrainConfig
 from dapple.runtime.checkpoint import read_checkpoint, step_dir
 from dapple.runtime.longrun import LongRun

@@ -15,10 +15,7 @@ from hypothesis import strategies as st
 from builders import make_cluster
 from dapple.core.plan import Plan, straight_plan
 from dapple.core.profile import AffineTime, LayerProfile, LengthProfile, ModelProfile
-from dapple.errors import ValidationError
-from dapple.planner import make_plan
-from dapple.planner.cost import pipeline_latency
-from dapple.planner.lengths import (
+from dapple.cost.lengths import (
     affine_at_length,
     fixed_at_length,
     length_profile,
@@ -26,6 +23,9 @@ from dapple.planner.lengths import (
     profile_for_lengths,
     segment,
 )
+from dapple.cost.pipeline import pipeline_latency
+from dapple.errors import ValidationError
+from dapple.planner import make_plan
 from dapple.simulate import simulate
 
 LENS = (128.0, 512.0, 1024.0)

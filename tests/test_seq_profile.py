@@ -16,10 +16,10 @@ from dapple.cli import main
 from dapple.core.cluster import Cluster
 from dapple.core.plan import straight_plan
 from dapple.core.profile import ModelProfile
+from dapple.cost.pipeline import pipeline_latency
 from dapple.errors import ValidationError
 from dapple.models.shapes import DynamicDim
 from dapple.models.zoo.transformer import transformer
-from dapple.planner.cost import pipeline_latency
 from dapple.profiler.lengths import resize_inputs
 from dapple.profiler.measure import profile_workload
 

@@ -19,12 +19,11 @@ from builders import NO_COMM, per_call_profile
 from dapple.core.cluster import Cluster
 from dapple.core.plan import interleave, straight_plan
 from dapple.core.profile import AffineTime, LayerProfile, ModelProfile
-from dapple.planner.cost import stage_compute_ms
-from dapple.planner.schedules import (
+from dapple.cost.compute import split_backward_ms, stage_compute_ms
+from dapple.cost.schedules import (
     activation_peak_bytes,
     device_memory_by_group,
     schedule_latency,
-    split_backward_ms,
 )
 from dapple.schedule import ActionKind
 from dapple.simulate import simulate

@@ -11,8 +11,8 @@ from dapple.cli import main
 from dapple.core.cluster import Cluster
 from dapple.core.plan import Plan, StagePlan, straight_plan
 from dapple.core.profile import AffineTime, LayerProfile, ModelProfile
+from dapple.cost.comm import allreduce_ms
 from dapple.errors import ValidationError
-from dapple.planner import cost as costs
 from dapple.schedule import lower, parse_action
 from dapple.simulate import simulate
 from dapple.simulate.trace import to_chrome_trace
@@ -131,7 +131,7 @@ def test_data_parallel_allreduce_adds_ar_time():
     )
     cl = _cluster()
     r = simulate(plan, _profile(params=MB), cl)
-    ar = costs.allreduce_ms(cl, 2 * MB, (0, 1))
+    ar = allreduce_ms(cl, 2 * MB, (0, 1))
     assert ar > 0
     assert r.step_ms == pytest.approx(2.0 + 4.0 + ar)
     ars = [e for e in r.events if e.action.kind.value == "AR"]

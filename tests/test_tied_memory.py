@@ -16,15 +16,15 @@ from builders import make_cluster, make_profile
 from dapple import api
 from dapple.core.plan import straight_plan
 from dapple.core.profile import LayerProfile, ModelProfile
-from dapple.errors import ValidationError
-from dapple.planner.cost import pipeline_latency
-from dapple.planner.memory import (
+from dapple.cost.memory import (
     device_state_bytes,
     gradients_in_flight_bytes,
     parameter_state_bytes,
     tied_bytes,
     zero2_staging_bytes,
 )
+from dapple.cost.pipeline import pipeline_latency
+from dapple.errors import ValidationError
 from dapple.profiler.measure import profile_workload
 
 P = 10**6
@@ -157,7 +157,7 @@ def test_plan_and_simulator_memory_count_tied_gradients_whole() -> None:
 
 
 def test_layer_at_length_keeps_the_tied_fields() -> None:
-    from dapple.planner.lengths import layer_at_length
+    from dapple.cost.lengths import layer_at_length
 
     layer = _tied_profile().layers[0]
     mid = layer_at_length([8.0, 16.0], [layer, layer], 12.0)

@@ -11,9 +11,9 @@ import pytest
 from builders import make_cluster, make_profile
 from dapple.core.plan import straight_plan
 from dapple.core.profile import ModelProfile
+from dapple.cost.comm import stage_sync_ms, stage_update_ms
+from dapple.cost.pipeline import pipeline_latency
 from dapple.errors import ValidationError
-from dapple.planner.comm import stage_sync_ms, stage_update_ms
-from dapple.planner.cost import pipeline_latency
 from dapple.schedule.ir import ActionKind
 from dapple.simulate import simulate
 

@@ -469,7 +469,7 @@ def test_zero1_checkpoint_is_whole_and_resumes_under_another_plan(tmp_path: Path
 # -- the planner's memory and cost model (pure) --------------------------------------------------
 def test_state_bytes_per_parameter_byte_under_each_zero_stage() -> None:
     from builders import make_profile
-    from dapple.planner.memory import state_bytes_per_parameter_byte
+    from dapple.cost.memory import state_bytes_per_parameter_byte
 
     adam = make_profile()  # factor 3: gradient + two moments
     assert state_bytes_per_parameter_byte(adam, 1) == 4.0
@@ -488,8 +488,9 @@ def test_state_bytes_per_parameter_byte_under_each_zero_stage() -> None:
 
 def test_plan_memory_and_sync_cost_under_zero1_and_zero2() -> None:
     from builders import make_cluster, make_profile
-    from dapple.planner.comm import allreduce_ms, stage_sync_ms
-    from dapple.planner.cost import pipeline_latency, zero_saved_bytes
+    from dapple.cost.comm import allreduce_ms, stage_sync_ms
+    from dapple.cost.memory import zero_saved_bytes
+    from dapple.cost.pipeline import pipeline_latency
 
     profile, cluster = make_profile(params=10**6), make_cluster()
     M = 4
@@ -529,7 +530,7 @@ def test_simulated_device_memory_counts_each_stages_zero_stage() -> None:
     replicated stage only, and an interleaved device holds ZeRO-2's gradients in flight once
     (one backward at a time), not once per chunk."""
     from builders import make_cluster, make_profile
-    from dapple.planner.memory import (
+    from dapple.cost.memory import (
         device_state_bytes,
         gradients_in_flight_bytes,
         zero2_staging_bytes,
@@ -585,7 +586,7 @@ def test_search_finds_data_parallel_only_with_sharded_state() -> None:
 
 def test_plan_json_carries_the_zero_stage_per_stage() -> None:
     from builders import make_cluster, make_profile
-    from dapple.planner.cost import pipeline_latency
+    from dapple.cost.pipeline import pipeline_latency
 
     plan = straight_plan(6, [0, 3], global_batch_size=8, num_micro_batches=2, replicas=[1, 3])
     assert all("zero_stage" not in st for st in plan.to_dict()["stages"])  # 0: left out

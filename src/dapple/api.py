@@ -33,11 +33,13 @@ from dapple.models.spec import load
 from dapple.models.workload import Workload
 
 if TYPE_CHECKING:
+    from dapple.models.generate import Generated
     from dapple.runtime import StepMetrics
     from dapple.runtime.verify import VerifyReport
     from dapple.simulate import SimResult
 
 __all__ = [
+    "generate",
     "load",
     "plan",
     "plan_local",
@@ -444,3 +446,58 @@ def verify_many(
         run_plan.check_model(wl.name, wl.num_layers)
         resolved.append((run_plan, wl))
     return _verify_many(resolved, steps, device=device, **options)
+
+
+def generate(
+    workload: WorkloadLike,
+    prompt: str,
+    max_new_tokens: int = 64,
+    *,
+    checkpoint: str | Path | None = None,
+    overrides: Mapping[str, Any] | None = None,
+    tokenizer: str | Path | None = None,
+    temperature: float = 0.0,
+    seed: int = 0,
+) -> Generated:
+    """Continue ``prompt`` with a trained causal language model (``dapple generate``), on the
+    CPU (:func:`dapple.models.generate.generate_text`).
+
+    Args:
+        workload: A :class:`Workload` or a spec string; the model as it was trained.
+        prompt: The text to continue.
+        max_new_tokens: Tokens to add (generation does not stop at end-of-sequence).
+        checkpoint: A checkpoint root (its newest complete checkpoint) or one
+            ``step-NNNNNNNN`` directory; ``None``: the workload's own weights (pretrained ones
+            with ``overrides={"weights": DIR}``).
+        overrides: Factory keyword arguments when ``workload`` is a spec.
+        tokenizer: A Hugging Face tokenizer directory; ``None``: an ``hf:DIR`` model's own
+            tokenizer when DIR has one, else bytes (vocabulary 256).
+        temperature: 0: greedy; above 0: sampled from ``softmax(logits / temperature)``.
+        seed: Seed of the sampling.
+
+    Returns:
+        A :class:`~dapple.models.generate.Generated`: ``text`` (the prompt and its
+        continuation), ``ids``, ``prompt_tokens``, ``new_tokens``.
+
+    Raises:
+        ValidationError: An empty prompt, no checkpoint under ``checkpoint``, a tokenizer whose
+            vocabulary does not fit the model's, a bad spec, count or temperature.
+        CheckpointError: A checkpoint of another model, or a damaged one.
+    """
+    from dapple.models.generate import check_request, generate_text, tokenizer_for
+    from dapple.runtime.checkpoint import check_compatible, restore_stage
+    from dapple.runtime.export import newest_checkpoint
+
+    wl = _workload(workload, overrides)
+    tok = tokenizer_for(wl, tokenizer)
+    check_request(tok, prompt, max_new_tokens, temperature)  # before the model is built
+    ckpt = None if checkpoint is None else newest_checkpoint(checkpoint)
+    if checkpoint is not None and ckpt is None:
+        raise ValidationError(f"no complete checkpoint under {str(checkpoint)!r}")
+    model = wl.build_model(0)
+    if ckpt is not None:
+        check_compatible(ckpt, model_name=wl.name, num_layers=wl.num_layers)
+        restore_stage(ckpt, model, 0)
+    return generate_text(
+        wl, model, prompt, max_new_tokens, tokenizer=tok, temperature=temperature, seed=seed
+    )

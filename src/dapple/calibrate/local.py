@@ -12,7 +12,7 @@ pure DP on 2 processes is 12% faster than on 4, and this procedure picks it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from dapple.core.cluster import Cluster
@@ -21,7 +21,11 @@ from dapple.core.profile import ModelProfile
 from dapple.errors import ValidationError
 from dapple.models.workload import Workload
 
-__all__ = ["LocalCandidate", "default_batch_sizes", "plan_local"]
+__all__ = ["LocalCandidate", "ProgressFn", "default_batch_sizes", "plan_local"]
+
+ProgressFn = Callable[[int, int, str], None]
+"""``progress(done, total, description)``: after each profiled (batch size, layer), each
+calibration and each plan."""
 
 
 @dataclass(frozen=True)
@@ -59,6 +63,7 @@ def plan_local(
     repeats: int = 5,
     planner: str = "dapple",
     precision: str = "fp32",
+    progress: ProgressFn | None = None,
 ) -> tuple[LocalCandidate, list[LocalCandidate]]:
     """The best plan over local process counts (module docstring).
 
@@ -71,6 +76,8 @@ def plan_local(
         planner: planner name (``dapple`` or a baseline).
         precision: the run's ``--precision`` (``fp32`` or ``bf16`` on the CPU): the profile
             is measured under that autocast.
+        progress: optional callback ``(done, total, description)``: per count, one step per
+            profiled (batch size, layer), one for the calibration, one for the plan.
 
     Returns:
         ``(best, every candidate in nprocs order)``.
@@ -86,8 +93,11 @@ def plan_local(
     if not counts or any(not isinstance(k, int) or k < 2 for k in counts):
         raise ValidationError(f"nprocs must be integers >= 2, got {counts}")
     sizes = list(batch_sizes) if batch_sizes else default_batch_sizes(global_batch_size, counts)
+    steps = workload.num_layers * len(set(sizes))  # profiled (batch size, layer) per count
+    total = (steps + 2) * len(counts)
     out = []
-    for k in counts:
+    for j, k in enumerate(counts):
+        report = _Steps(progress, j * (steps + 2), total, f"{k} processes: ")
         prof = profile_workload(
             workload,
             sizes,
@@ -95,9 +105,32 @@ def plan_local(
             num_threads=runtime_threads(k),
             co_workers=k,
             precision=precision,
+            progress=report.profiled,
         )
+        report(steps, "calibrate")
         cluster = calibrate(k).cluster
+        report(steps + 1, "plan")
         out.append(
             LocalCandidate(k, make_plan(prof, cluster, global_batch_size, planner), prof, cluster)
         )
+        report(steps + 2, "planned")
     return min(out, key=lambda c: c.predicted_ms), out
+
+
+@dataclass(frozen=True)
+class _Steps:
+    """One process count's steps reported to :func:`plan_local`'s ``progress``: step ``done`` of
+    this count is step ``base + done`` of ``total``."""
+
+    progress: ProgressFn | None
+    base: int
+    total: int
+    prefix: str
+
+    def __call__(self, done: int, what: str) -> None:
+        if self.progress is not None:
+            self.progress(self.base + done, self.total, self.prefix + what)
+
+    def profiled(self, done: int, _total: int, what: str) -> None:
+        """``profile_workload``'s callback."""
+        self(done, f"profile {what}")

@@ -30,6 +30,7 @@ _COMMANDS: list[str] = [
     "dapple.cli.plan_local_cmd",
     "dapple.cli.verify_cmd",
     "dapple.cli.export_cmd",
+    "dapple.cli.generate_cmd",
     "dapple.cli.data_cmd",
 ]
 

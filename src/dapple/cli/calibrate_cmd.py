@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import argparse
 
-from rich.console import Console
 from rich.table import Table
+
+from dapple.cli._console import StepProgress, console, print_table
 
 __all__ = ["register"]
 
@@ -25,15 +26,15 @@ def run(args: argparse.Namespace) -> int:
     from dapple.calibrate.machine import DEFAULT_SIZES, calibrate
 
     sizes = tuple(s for s in DEFAULT_SIZES if s <= args.max_mb * (1 << 20))
-    con = Console()
-    with con.status(f"measuring {args.nproc} gloo processes..."):
+    con = console()
+    with StepProgress("calibrate", detail=f"measuring {args.nproc} gloo processes", console=con):
         res = calibrate(args.nproc, sizes=sizes, repeats=args.repeats)
     t = Table(title=f"calibration: {res.nproc} processes, {res.backend}")
     for col in ("bytes", "p2p one-way ms", f"AllReduce({res.nproc}) ms"):
         t.add_column(col, justify="right")
     for n, a, b in zip(res.sizes_bytes, res.p2p_ms, res.allreduce_ms, strict=True):
         t.add_row(f"{n:,}", f"{a:.3f}", f"{b:.3f}")
-    con.print(t)
+    print_table(con, t)
     c = res.cluster
     for note in res.notes:
         con.print(note)

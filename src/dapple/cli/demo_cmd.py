@@ -3,17 +3,22 @@
 1. Prepare a byte-level corpus from this machine's Python standard library sources (no
    download) and compute its unigram byte entropy - the loss to beat.
 2. Profile a small GPT as one of ``--nproc`` workers sharing the cores, measure the local links
-   (``calibrate``), plan it with DAPPLE beside the baselines, simulate the chosen plan (Gantt,
-   memory, Perfetto trace).
-3. Train the chosen plan on the corpus across the local gloo processes: AdamW, warm-up + cosine
+   and how the processes share the cores (``calibrate``), plan it with DAPPLE beside the
+   baselines and say why the planner chose what it chose (predicted step of the candidates,
+   memory, what limited it). The demo trains a pipeline with *uneven* replication over all
+   ``--nproc`` processes whatever the machine: the planner's choice when it is one, else the
+   best such plan under the same cost model (:mod:`dapple.cli._demo_plan`; on a loaded
+   machine the planner may well choose one process). Simulate it (Gantt, memory, Perfetto).
+3. Train that plan on the corpus across the local gloo processes: AdamW, warm-up + cosine
    learning rate, global gradient-norm clipping, validation every quarter of the run, a
    checkpoint at the end; print predicted vs measured step time, the loss curve and validation
    loss against the entropy.
 4. Greedily generate a continuation from the trained weights.
-5. Train the same model under an uneven 3:1 plan on the same batches (its losses match the
-   chosen plan's) and ``verify`` it against one process.
+5. Run the planner's choice (if another plan) on the same batches over the warm-up (its losses
+   match), and ``verify`` the uneven pipeline against one process.
 
-Everything is written under ``--out-dir``.
+Off a terminal every long phase prints plain progress lines (:class:`StepProgress`). Everything
+is written under ``--out-dir``.
 """
 
 from __future__ import annotations
@@ -22,35 +27,63 @@ import argparse
 import dataclasses
 import json
 import shutil
-import statistics
+import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
-from rich.progress import Progress
 from rich.table import Table
 
+from dapple.cli._console import StepProgress, console, format_seconds, print_table
+from dapple.cli._demo_run import median_step_ms, one_thread, run_progress
 from dapple.cli._model_args import add_model_argument
+from dapple.errors import ValidationError
+
+if TYPE_CHECKING:
+    from dapple.cli._demo_plan import Costed
 
 __all__ = ["DEMO_MODEL", "register"]
 
 DEMO_MODEL = {"layers": 4, "hidden": 128, "heads": 4, "vocab": 256}
 """The default model's sizes (``-m transformer``): a byte-level GPT of about 0.8M parameters."""
 PROMPT = "def __init__(self"
+"""What the trained model continues."""
 LOSS_GAP_RTOL = 1e-3
 """Two plans over the same batches at the same lr: their losses may drift apart by rounding
 (Adam turns rounding of tiny gradients into lr-sized steps), never by a sizeable fraction."""
-"""What the trained model continues."""
+CHOICE_STEPS = 4
+"""Steps the planner's choice runs beside the trained pipeline (step 5): enough to compare the
+losses and measure a step, short enough for a loaded machine."""
+VERIFY_STEPS = 2
+"""Steps ``verify`` compares the trained pipeline against one process."""
+BASELINES = ("dp", "straight", "gpipe", "pipedream")
+"""The planners shown beside DAPPLE under the same cost model."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Planned:
+    """What step 2 decided: the planner's choice, the plan trained, and its simulation."""
+
+    choice: Costed
+    """The planner's plan."""
+    trained: Costed
+    """The uneven pipeline trained (``choice`` itself when it is one)."""
+    sim: Any
+    """The simulation of ``trained.plan``."""
+    why: list[str]
+    """The lines that say why the planner chose ``choice``."""
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser(
         "demo",
-        help="prepare a corpus, plan and train a small GPT on it on 4 CPU processes, "
-        "generate, verify an uneven plan",
+        help="prepare a corpus, plan a small GPT for 4 CPU processes, train an uneven pipeline "
+        "on it, generate, verify it",
     )
     p.add_argument("--out-dir", default="out/demo", help="output directory (default out/demo)")
-    p.add_argument("--nproc", type=int, default=4, help="local processes / devices (default 4)")
+    p.add_argument(
+        "--nproc", type=int, default=4, help="local processes / devices, at least 3 (default 4)"
+    )
     p.add_argument("--steps", type=int, default=240, help="training steps (default 240)")
     p.add_argument(
         "--global-batch-size", type=int, default=16, help="samples per step (default 16)"
@@ -72,7 +105,13 @@ def run(args: argparse.Namespace) -> int:
     from dapple.cli._demo_corpus import nats_to_bits, stdlib_sources, unigram_entropy
     from dapple.datasets import TokenFile, prepare
 
-    con = Console()
+    if args.nproc < 3:
+        raise ValidationError(
+            f"--nproc {args.nproc}: the demo runs a pipeline with uneven replication, which "
+            "needs at least 3 processes (2:1)"
+        )
+    started = time.monotonic()
+    con = console()
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     overrides: dict[str, Any] = {"seq": args.seq_len}
@@ -93,23 +132,29 @@ def run(args: argparse.Namespace) -> int:
         "the loss of the best model that ignores context"
     )
 
-    plan, sim = _plan_and_simulate(con, args, out, overrides)
-    metrics = _train(con, args, out, plan, sim.step_ms, overrides, train_data, val_data, entropy)
+    planned = _plan_and_simulate(con, args, out, overrides)
+    plan = planned.trained.plan
+    sim_ms = planned.sim.step_ms
+    metrics = _train(con, args, out, plan, sim_ms, overrides, train_data, val_data, entropy)
     _generate(con, args, out, overrides)
-    failed = _uneven(con, args, plan, overrides, train_data, metrics)
+    failed = _compare_and_verify(con, args, out, planned, overrides, train_data, metrics)
     final = [m.eval_loss for m in metrics if m.eval_loss is not None][-1]
     if final >= entropy:
         failed.append(f"validation loss {final:.3f} not below the unigram entropy {entropy:.3f}")
+    wall_s = time.monotonic() - started
     (out / "summary.json").write_text(
         json.dumps(
             {
                 "plan": plan.to_dict(),
+                "planner_choice": planned.choice.plan.to_dict(),
+                "why": planned.why,
                 "model": args.model,
                 "overrides": overrides,
                 "unigram_entropy_nats": entropy,
-                "simulated_step_ms": sim.step_ms,
+                "simulated_step_ms": planned.sim.step_ms,
                 "losses": [m.loss for m in metrics],
                 "eval_losses": {m.step: m.eval_loss for m in metrics if m.eval_loss is not None},
+                "wall_s": wall_s,
             },
             indent=2,
         )
@@ -118,86 +163,152 @@ def run(args: argparse.Namespace) -> int:
     for f in failed:
         con.print(f"[red]check failed:[/red] {f}")
     if failed:
-        con.print(f"[red]demo: {len(failed)} check(s) failed[/red]")
+        con.print(f"[red]demo: {len(failed)} check(s) failed[/red] ({format_seconds(wall_s)})")
         return 1
-    con.print("[green]demo: every check passed[/green]")
+    con.print(f"[green]demo: every check passed[/green] in {format_seconds(wall_s)}")
     return 0
 
 
 def _plan_and_simulate(
     con: Console, args: argparse.Namespace, out: Path, overrides: dict[str, Any]
+) -> _Planned:
+    """Profile, calibrate, plan (DAPPLE, the baselines and the best uneven pipeline), say why,
+    and simulate the plan to train."""
+    profile, cluster = _profile_and_calibrate(con, args, out, overrides)
+    choice, trained, why = _plan(con, args, out, profile, cluster)
+    sim = _simulate(con, out, trained.plan, profile, cluster)
+    return _Planned(choice=choice, trained=trained, sim=sim, why=why)
+
+
+def _profile_and_calibrate(
+    con: Console, args: argparse.Namespace, out: Path, overrides: dict[str, Any]
 ) -> tuple[Any, Any]:
-    """Profile, calibrate, plan (DAPPLE and the baselines) and simulate the chosen plan."""
+    """The model's profile as one of ``--nproc`` workers, and the calibrated local cluster."""
     from dapple.calibrate.machine import calibrate
     from dapple.models.zoo import load_workload
-    from dapple.planner import make_plan
     from dapple.profiler.measure import profile_workload
-    from dapple.simulate import simulate
-    from dapple.simulate.plots import plot_gantt, plot_memory
-    from dapple.simulate.trace import write_trace
 
     wl = load_workload(args.model, **overrides)
-    con.rule(
-        f"2. profile {wl.name} ({wl.num_layers} layers) on cpu, as one of {args.nproc} workers"
-    )
+    con.rule(f"2. profile, calibrate and plan for {args.nproc} processes")
+    con.print(f"{wl.name}: {wl.num_layers} layers, profiled on cpu as one of {args.nproc} workers")
     batch_sizes = [1, 2, 4, 8]
-    with Progress(console=con, transient=True) as bar:
-        task = bar.add_task("profiling", total=wl.num_layers * len(batch_sizes))
+    total = wl.num_layers * len(batch_sizes)
+    with StepProgress(f"profile {wl.name}", total, console=con) as progress:
         profile = profile_workload(
             wl,
             batch_sizes,
             device="cpu",
             num_threads=1,
             co_workers=args.nproc,  # CPU time while the other workers train: they share cores
-            progress=lambda done, total, _label: bar.update(task, completed=done, total=total),
+            progress=progress,
         )
     profile.save(out / "profile.json")
     con.print(
         f"{profile.num_layers} layers, {profile.parameter_bytes / 2**20:.2f} MiB of parameters "
         f"-> {out / 'profile.json'}"
     )
-    with con.status(f"measuring the links and compute share of {args.nproc} gloo processes..."):
+    detail = f"measuring the links and the core share of {args.nproc} gloo processes"
+    with StepProgress("calibrate", detail=detail, console=con):
         cal = calibrate(args.nproc, repeats=3, sizes=(1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 22))
     cluster = cal.cluster
     cluster.save(out / "cluster.json")
+    c = cluster.compute_cores_per_server
+    share = (
+        f"the {args.nproc} processes share {c:.2f} full-speed workers' worth of cores "
+        f"(background load {cluster.background_load_per_server:.2f})"
+        if c is not None
+        else f"compute slowdown {cluster.compute_slowdown:.2f}"
+    )
     con.print(
         f"calibrated: {cluster.intra_server_bandwidth_gbps:.1f} Gbps, latency "
-        f"{cluster.intra_server_latency_ms:.3f} ms, compute slowdown "
-        f"{cluster.compute_slowdown:.2f} -> {out / 'cluster.json'}"
+        f"{cluster.intra_server_latency_ms:.3f} ms; {share} -> {out / 'cluster.json'}"
     )
+    return profile, cluster
+
+
+def _plan(
+    con: Console, args: argparse.Namespace, out: Path, profile: Any, cluster: Any
+) -> tuple[Costed, Costed, list[str]]:
+    """DAPPLE's plan, the baselines and the best uneven pipeline, in one table; why the planner
+    chose its plan; which plan the demo trains. Returns the choice, the plan to train (both
+    :class:`~dapple.cli._demo_plan.Costed`) and the lines of why."""
+    from dapple.cli._demo_plan import cost, is_uneven_pipeline, uneven_pipeline, why
+    from dapple.planner import make_plan
+
     G = args.global_batch_size
-    plans = {}
-    for name in ("dapple", "dp", "straight", "gpipe", "pipedream"):
+    costed = {"dapple": cost("dapple", make_plan(profile, cluster, G, "dapple"), profile, cluster)}
+    for name in BASELINES:
         try:
-            plans[name] = make_plan(profile, cluster, G, name)
+            costed[name] = cost(name, make_plan(profile, cluster, G, name), profile, cluster)
         except Exception as e:  # a baseline may be infeasible; show why
             con.print(f"[yellow]{name}: {e}[/yellow]")
-    t = Table(title=f"planners under the same cost model, global batch {G}")
-    for col in ("planner", "stages", "replication", "M", "schedule", "predicted L ms", "vs dp"):
+    choice = trained = costed["dapple"]
+    if not is_uneven_pipeline(choice.plan, args.nproc):
+        uneven = uneven_pipeline(profile, cluster, G)
+        trained = costed["uneven"] = cost("uneven", uneven, profile, cluster)
+    _print_candidates(con, args, costed, trained)
+    reasons = why(choice, trained, [costed[n] for n in BASELINES if n in costed], cluster)
+    for line in reasons:
+        con.print(line, markup=False, highlight=False)
+    choice.plan.save(out / "plan-dapple.json")
+    trained.plan.save(out / "plan.json")
+    if trained is choice:
+        con.print(
+            f"trained: dapple's choice {choice.label}, itself a pipeline with uneven replication"
+        )
+    else:
+        con.print(
+            f"trained: {trained.label}, the best plan with uneven replication over all "
+            f"{args.nproc} processes ({trained.step_ms / choice.step_ms:.2f}x dapple's predicted "
+            f"step): what only dapple runs; dapple's choice {choice.label} "
+            f"({out / 'plan-dapple.json'}) runs its {_first(_choice_steps(args.steps))} on the "
+            "same batches in step 5"
+        )
+    return choice, trained, reasons
+
+
+def _print_candidates(
+    con: Console, args: argparse.Namespace, costed: dict[str, Costed], trained: Costed
+) -> None:
+    """One row per planner (and the trained uneven pipeline): L, memory, against DP."""
+    t = Table(
+        title=f"planners under the same cost model, global batch {args.global_batch_size}, "
+        f"{args.nproc} processes"
+    )
+    for col in ("planner", "processes", "stages", "replication", "M", "schedule",
+                "predicted L ms", "vs dp", "peak MiB"):  # fmt: skip
         t.add_column(col, justify="right")
-    dp_ms = plans["dp"].predicted_step_ms if "dp" in plans else float("nan")
-    for name, p in plans.items():
-        t.add_row(name, str(p.num_stages), p.replication, str(p.num_micro_batches),
-                  f"{p.schedule}/{p.policy}", f"{p.predicted_step_ms:.2f}",
-                  f"{dp_ms / p.predicted_step_ms:.2f}x")  # fmt: skip
-    con.print(t)
-    plan = plans["dapple"]
-    plan.save(out / "plan.json")
+    dp_ms = costed["dp"].step_ms if "dp" in costed else float("nan")
+    for name, c in costed.items():
+        p = c.plan
+        mark = " (trained)" if c is trained else ""
+        t.add_row(f"{name}{mark}", str(len(p.devices)), str(p.num_stages), p.replication,
+                  str(p.num_micro_batches), f"{p.schedule}/{p.policy}", f"{c.step_ms:.2f}",
+                  f"{dp_ms / c.step_ms:.2f}x", f"{c.peak_bytes / 2**20:.1f}")  # fmt: skip
+    print_table(con, t)
+
+
+def _simulate(con: Console, out: Path, plan: Any, profile: Any, cluster: Any) -> Any:
+    """Simulate ``plan`` beside its other schedule: Gantt, memory, Perfetto trace."""
+    from dapple.simulate import simulate
+    from dapple.simulate.plots import plot_gantt, plot_memory
+    from dapple.simulate.trace import write_trace
+
     sim = simulate(plan, profile, cluster)
     other = dataclasses.replace(plan, schedule="gpipe" if plan.schedule == "dapple" else "dapple")
     runs = sorted(
-        [(f"{plan.schedule} (chosen)", sim), (other.schedule, simulate(other, profile, cluster))],
+        [(f"{plan.schedule} (trained)", sim), (other.schedule, simulate(other, profile, cluster))],
         key=lambda r: r[1].schedule != "gpipe",
     )
     plot_gantt(runs, out / "gantt.png")
     plot_memory(runs, out / "memory.png")
     write_trace(sim, out / "trace.json")
     con.print(
-        f"chosen: {plan.replication} split at {list(plan.split_positions)}, "
+        f"{plan.replication} layers {[list(st.layers) for st in plan.stages]}, "
         f"M={plan.num_micro_batches} -> {out / 'plan.json'}; simulated step {sim.step_ms:.2f} ms; "
         f"{out / 'gantt.png'}, {out / 'memory.png'}, {out / 'trace.json'} (ui.perfetto.dev)"
     )
-    return plan, sim
+    return sim
 
 
 def _options(steps: int) -> dict[str, Any]:
@@ -213,6 +324,18 @@ def _options(steps: int) -> dict[str, Any]:
     }
 
 
+def _first(steps: int) -> str:
+    """``first 4 steps``, ``first step``."""
+    return f"first {steps} steps" if steps > 1 else "first step"
+
+
+def _choice_steps(steps: int) -> int:
+    """Steps of the planner's choice in step 5: :data:`CHOICE_STEPS`, within the warm-up. There
+    the lr does not depend on the run's length: the same lr as the trained run at every step, so
+    the losses must agree up to float rounding."""
+    return min(CHOICE_STEPS, int(_options(steps)["warmup_steps"]), steps)
+
+
 def _train(
     con: Console,
     args: argparse.Namespace,
@@ -224,7 +347,7 @@ def _train(
     val_data: Any,
     entropy: float,
 ) -> list[Any]:
-    """Train the chosen plan on the corpus; report time, losses and validation loss."""
+    """Train ``plan`` on the corpus; report time, losses and validation loss."""
     from dapple import api
     from dapple.runtime.reporting import write_loss_curve
 
@@ -233,13 +356,14 @@ def _train(
     ckpt = out / "checkpoints"
     shutil.rmtree(ckpt, ignore_errors=True)  # the demo's own checkpoints of an earlier run
     eval_batches = max(1, min(4, len(val_data) // plan.global_batch_size))
-    metrics = api.train(
-        plan, args.model, steps, overrides=overrides, data=train_data, eval_data=val_data,
-        eval_every=max(1, steps // 4), eval_batches=eval_batches, progress=True,
-        predicted_step_ms=simulated_ms, metrics_path=str(out / "metrics.jsonl"),
-        checkpoint_dir=str(ckpt), save_every=steps, keep=1, **_options(steps),
-    )  # fmt: skip
-    measured = statistics.median(m.step_ms for m in metrics[min(3, len(metrics) - 1) :])
+    with run_progress(con, f"train {plan.replication}", steps, out / "metrics.jsonl"):
+        metrics = api.train(
+            plan, args.model, steps, overrides=overrides, data=train_data, eval_data=val_data,
+            eval_every=max(1, steps // 4), eval_batches=eval_batches,
+            predicted_step_ms=simulated_ms, metrics_path=str(out / "metrics.jsonl"),
+            checkpoint_dir=str(ckpt), save_every=steps, keep=1, **_options(steps),
+        )  # fmt: skip
+    measured = median_step_ms(metrics, 3)
     t = Table(title="training: every validation")
     for col in ("step", "train loss", "validation loss", "lr", "grad norm", "tokens/s"):
         t.add_column(col, justify="right")
@@ -247,7 +371,7 @@ def _train(
         if m.eval_loss is not None:
             t.add_row(str(m.step), f"{m.loss:.3f}", f"{m.eval_loss:.3f}", f"{m.lr:.2e}",
                       f"{m.grad_norm:.2f}", f"{m.tokens_per_s or 0:,.0f}")  # fmt: skip
-    con.print(t)
+    print_table(con, t)
     con.print(
         f"step time: planner L {plan.predicted_step_ms:.1f} ms, simulator {simulated_ms:.1f} ms, "
         f"measured {measured:.1f} ms (median after 3 steps)"
@@ -278,55 +402,75 @@ def _generate(con: Console, args: argparse.Namespace, out: Path, overrides: dict
     model = load_workload(args.model, **overrides).build_model(0)
     restore_stage(ckpt, model, 0)
     prompt = torch.tensor(list(PROMPT.encode()), dtype=torch.long)
-    ids = greedy_generate(model, prompt, new_tokens=160, context=args.seq_len)
+    with one_thread():
+        ids = greedy_generate(model, prompt, new_tokens=160, context=args.seq_len)
     text = bytes(int(i) for i in ids).decode("utf-8", errors="replace")
     con.print(f"checkpoint step {ckpt.step}, prompt {PROMPT!r}:")
     con.print(text, markup=False, highlight=False)
 
 
-def _uneven(
+def _compare_and_verify(
     con: Console,
     args: argparse.Namespace,
-    plan: Any,
+    out: Path,
+    planned: _Planned,
     overrides: dict[str, Any],
     train_data: Any,
     metrics: list[Any],
 ) -> list[str]:
-    """The same model under a 3:1 plan: same batches, same losses; ``verify`` against one
-    process. Returns the checks that failed."""
+    """The planner's choice for a few steps on the same batches (same losses as the trained
+    pipeline; its measured step beside the predicted one), then ``verify`` of the trained
+    pipeline against one process. Returns the checks that failed."""
     from dapple import api
     from dapple.cli.verify_cmd import print_report
-    from dapple.core.plan import straight_plan
 
-    n = _num_layers(args.model, overrides)
-    G = plan.global_batch_size
-    uneven = straight_plan(n, [0, n - 2], global_batch_size=G, num_micro_batches=max(1, G // 4),
-                           replicas=[3, 1])  # fmt: skip
-    # within the warm-up the lr does not depend on the run's length: the same lr as the
-    # chosen plan's run at every step, so the losses must agree up to float rounding
-    steps = min(20, _options(args.steps)["warmup_steps"], args.steps)
-    con.rule(f"5. the same model under 3:1 (layers {uneven.stages[0].layers} x 3, "
-             f"{uneven.stages[1].layers} x 1): {steps} steps, then verify")  # fmt: skip
-    mine = api.train(uneven, args.model, steps, overrides=overrides, data=train_data,
-                     **_options(args.steps))  # fmt: skip
-    gap = max(abs(a.loss - b.loss) for a, b in zip(mine, metrics, strict=False))
-    con.print(
-        f"3:1 losses {mine[0].loss:.4f} .. {mine[-1].loss:.4f}; largest difference from the "
-        f"{plan.replication} run over the same {steps} steps (same batches, same lr): {gap:.2e}"
-    )
-    report = api.verify(uneven, args.model, 3, overrides=overrides, data=train_data,
-                        device="cpu", **_options(args.steps))  # fmt: skip
+    plan = planned.trained.plan
+    failed: list[str] = []
+    if planned.trained is planned.choice:
+        con.rule(f"5. verify {plan.replication} against one process")
+    else:
+        con.rule(f"5. dapple's choice on the same batches; verify {plan.replication}")
+        failed += _run_choice(con, args, out, planned, overrides, train_data, metrics)
+    detail = "against one process"
+    with StepProgress(f"verify {plan.replication}", detail=detail, console=con), one_thread():
+        report = api.verify(plan, args.model, VERIFY_STEPS, overrides=overrides, data=train_data,
+                            device="cpu", **_options(args.steps))  # fmt: skip
     print_report(con, report)
-    failed = []
-    if gap > LOSS_GAP_RTOL * abs(metrics[0].loss):
-        failed.append(f"3:1 losses differ from the {plan.replication} run's by {gap:.2e}")
     if not report.ok:
-        failed += [f"verify of 3:1: {f}" for f in report.failures or ["MISMATCH"]]
+        failed += [f"verify of {plan.replication}: {f}" for f in report.failures or ["MISMATCH"]]
     return failed
 
 
-def _num_layers(model: str, overrides: dict[str, Any]) -> int:
-    """The number of chain layers of the demo model."""
-    from dapple.models.zoo import load_workload
+def _run_choice(
+    con: Console,
+    args: argparse.Namespace,
+    out: Path,
+    planned: _Planned,
+    overrides: dict[str, Any],
+    train_data: Any,
+    metrics: list[Any],
+) -> list[str]:
+    """The planner's choice over the trained run's first batches: its losses must match, and
+    its measured step is printed beside the predicted one. Returns the checks that failed."""
+    from dapple import api
 
-    return load_workload(model, **overrides).num_layers
+    plan, choice = planned.trained.plan, planned.choice
+    steps = _choice_steps(args.steps)
+    path = out / "choice-metrics.jsonl"
+    with run_progress(con, f"train {choice.plan.replication}", steps, path):
+        mine = api.train(choice.plan, args.model, steps, overrides=overrides, data=train_data,
+                         metrics_path=str(path), **_options(args.steps))  # fmt: skip
+    gap = max(abs(a.loss - b.loss) for a, b in zip(mine, metrics, strict=False))
+    con.print(
+        f"dapple's choice {choice.label}: losses {mine[0].loss:.4f} .. {mine[-1].loss:.4f}, "
+        f"largest difference from the {plan.replication} run's {_first(steps)} (same batches, "
+        f"same lr) {gap:.2e}"
+    )
+    con.print(
+        f"step time of {choice.label}: predicted {choice.step_ms:.1f} ms, measured "
+        f"{median_step_ms(mine, 1):.1f} ms (median after the first step); {plan.replication}: "
+        f"predicted {plan.predicted_step_ms:.1f} ms, measured {median_step_ms(metrics, 3):.1f} ms"
+    )
+    if gap > LOSS_GAP_RTOL * abs(metrics[0].loss):
+        return [f"{choice.label} losses differ from the {plan.replication} run's by {gap:.2e}"]
+    return []

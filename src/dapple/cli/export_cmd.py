@@ -1,4 +1,5 @@
-"""``dapple export``: a layer checkpoint as a Hugging Face style directory (safetensors)."""
+"""``dapple export``: a layer checkpoint as a Hugging Face style directory (safetensors), with
+an ``hf:DIR`` model's tokenizer files and ``generation_config.json``."""
 
 from __future__ import annotations
 
@@ -30,7 +31,8 @@ def parse_size(text: str) -> int:
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser(
         "export",
-        help="write a checkpoint's weights as a Hugging Face directory (safetensors, config.json)",
+        help="write a checkpoint's weights as a Hugging Face directory (safetensors, config.json, "
+        "an hf:DIR model's tokenizer)",
     )
     p.add_argument(
         "--checkpoint-dir",
@@ -63,4 +65,6 @@ def run(args: argparse.Namespace) -> int:
         f"{result.total_bytes / 2**20:.1f} MiB in {len(result.files)} files to {result.path}"
         + ("" if result.config else " (no config.json: give -m for a Hugging Face model)")
     )
+    if result.copied:
+        print(f"copied from the model's directory: {', '.join(result.copied)}")
     return 0

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import argparse
 
-from rich.console import Console
-
 __all__ = ["register"]
 
 
@@ -23,11 +21,12 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
 
 def run(args: argparse.Namespace) -> int:
+    from dapple.cli._console import console
     from dapple.cli.profile_cmd import print_profile
     from dapple.profiler.pipedream import import_pipedream
 
     prof = import_pipedream(args.graph, batch_size=args.batch_size, model_name=args.name)
-    con = Console()
+    con = console()
     print_profile(con, prof)
     prof.save(args.output)
     con.print(f"wrote {args.output}: {prof.num_layers} layers (linearised PipeDream graph)")

@@ -5,14 +5,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
-import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from rich.console import Console
-from rich.progress import Progress
 from rich.table import Table
 
+from dapple.cli._console import StepProgress, console, print_table
 from dapple.cli._run_args import add_virtual_stages_argument
 from dapple.core.cluster import Cluster
 from dapple.core.output_path import check_output_file
@@ -143,27 +142,12 @@ def _plan_with_progress(
     planner: str,
     zero_stage: int = 0,
 ) -> Plan:
-    """Run one planner; show a progress bar once it has taken more than a second."""
+    """Run one planner; show its progress once it has taken more than a second."""
     from dapple.planner import make_plan
 
-    start = time.perf_counter()
-    bar: Progress | None = None
-    task = None
-
-    def progress(done: int, total: int) -> None:
-        nonlocal bar, task
-        if bar is None and time.perf_counter() - start > 1.0:
-            bar = Progress(console=con, transient=True)
-            bar.start()
-            task = bar.add_task(f"{planner}: micro-batch counts", total=total)
-        if bar is not None and task is not None:
-            bar.update(task, completed=done)
-
-    try:
-        return make_plan(profile, cluster, gbs, planner, progress=progress, zero_stage=zero_stage)
-    finally:
-        if bar is not None:
-            bar.stop()
+    what = f"plan {planner}"
+    with StepProgress(what, detail="micro-batch counts", console=con, delay_s=1.0) as bar:
+        return make_plan(profile, cluster, gbs, planner, progress=bar, zero_stage=zero_stage)
 
 
 def _stage_table(plan: Plan, profile: ModelProfile, cluster: Cluster) -> Table:
@@ -280,7 +264,7 @@ def run(args: argparse.Namespace) -> int:
     zero = _zero_stage(args.zero_stage)
     if args.output is not None:
         check_output_file(args.output, "--output plan file")
-    con = Console()
+    con = console()
     dp_ms = _dp_ms(profile, cluster, gbs)
     if args.virtual_stages != 1 and args.schedule != "interleaved":
         raise ValidationError(
@@ -299,7 +283,7 @@ def run(args: argparse.Namespace) -> int:
             plan, predicted_step_ms=pipeline_latency(plan, profile, cluster).L_ms
         )
     r = pipeline_latency(plan, profile, cluster)  # each stage's zero stage is in the plan
-    con.print(_stage_table(plan, profile, cluster))
+    print_table(con, _stage_table(plan, profile, cluster))
     con.print(
         f"S = {plan.num_stages} computation stages ({r.S} with comm stages), "
         f"replication {plan.replication}, split positions {list(plan.split_positions)}, "
@@ -359,7 +343,7 @@ def _compare(
             _ms(plan.predicted_step_ms),
             _speedup(dp_ms, plan.predicted_step_ms),
         )
-    con.print(t)
+    print_table(con, t)
     for line in skipped:
         con.print(f"[yellow]{line}[/yellow]")
     if bases:
@@ -406,7 +390,7 @@ def _new_schedule(
             str(st.replicas),
             format_devices(st.devices),
         )
-    con.print(t)
+    print_table(con, t)
     chunks = f", v = {new.virtual_stages}" if new.virtual_stages > 1 else ""
     return _report(con, f"schedule {new.schedule}{chunks}", new, res, dp_ms, args.output)
 
@@ -492,6 +476,6 @@ def _choices_table(con: Console, choices: list[ScheduleChoice], dp_ms: float, wh
             _gib(ch.result.peak_memory_bytes),
             _speedup(dp_ms, ch.result.step_ms),
         )
-    con.print(t)
+    print_table(con, t)
     for line in notes:
         con.print(f"[yellow]{line}[/yellow]")

@@ -11,9 +11,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from rich.console import Console
 from rich.table import Table
 
+from dapple.cli._console import StepProgress, console, print_table
 from dapple.cli._model_args import add_model_arguments, model_overrides
 from dapple.cli._run_args import add_precision_argument
 from dapple.errors import ValidationError
@@ -65,14 +65,15 @@ def run(args: argparse.Namespace) -> int:
     if args.global_batch_size < 1:
         raise ValidationError(f"--global-batch-size must be >= 1, got {args.global_batch_size}")
     workload = load_workload(args.model, **model_overrides(args))
-    con = Console()
-    with con.status(f"profiling, calibrating and planning for {counts} processes..."):
+    con = console()
+    with StepProgress("plan-local", console=con) as progress:
         best, cands = plan_local(
             workload,
             args.global_batch_size,
             counts,
             repeats=args.repeats,
             precision=args.precision,
+            progress=progress,
         )
     t = Table(title=f"{workload.name}, global batch {args.global_batch_size}")
     for col in ("processes", "plan", "M", "predicted ms/step", "samples/s"):
@@ -86,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
             f"{c.predicted_ms:.1f}",
             f"{args.global_batch_size / c.predicted_ms * 1e3:.1f}",
         )
-    con.print(t)
+    print_table(con, t)
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     best.plan.save(out / "plan.json")

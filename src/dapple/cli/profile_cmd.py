@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
+from dapple.cli._console import StepProgress, console, print_table
 from dapple.cli._model_args import add_model_arguments, model_overrides
 from dapple.cli._run_args import add_device_argument
 from dapple.core.profile import ModelProfile
@@ -143,7 +143,7 @@ def print_profile(con: Console, prof: ModelProfile) -> None:
             else f"{ly.parameter_bytes:,} B",
             *([", ".join(map(str, ly.tied_layers))] if tied else []),
         )
-    con.print(t)
+    print_table(con, t)
 
 
 def print_lengths(con: Console, prof: ModelProfile) -> None:
@@ -161,7 +161,7 @@ def print_lengths(con: Console, prof: ModelProfile) -> None:
                 f"{x.seq_len:g}", str(b), f"{n:g}", f"{ms:.3f}", f"{ms * 1e3 / n:.2f}",
                 f"{kept / 2**20:.2f}",
             )  # fmt: skip
-    con.print(t)
+    print_table(con, t)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -174,21 +174,10 @@ def run(args: argparse.Namespace) -> int:
 
     resolve_device(args.device)  # fail fast, before building the model
     workload = load_workload(args.model, input_shape=shape, **overrides)
-    con = Console()
-    with Progress(
-        TextColumn("[bold]profiling[/bold] {task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeRemainingColumn(),
-        console=con,
-        transient=True,
-    ) as bar:
-        passes = len(set(lens)) if lens else 1
-        task = bar.add_task(workload.name, total=workload.num_layers * len(set(sizes)) * passes)
-
-        def progress(done: int, total: int, desc: str) -> None:
-            bar.update(task, completed=done, total=total, description=desc)
-
+    con = console()
+    passes = len(set(lens)) if lens else 1
+    total = workload.num_layers * len(set(sizes)) * passes
+    with StepProgress(f"profile {workload.name}", total, console=con) as progress:
         prof = profile_workload(
             workload,
             sizes,

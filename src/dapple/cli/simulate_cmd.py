@@ -6,9 +6,9 @@ import argparse
 import dataclasses
 import math
 
-from rich.console import Console
 from rich.table import Table
 
+from dapple.cli._console import console, print_table
 from dapple.cli._run_args import add_virtual_stages_argument
 from dapple.core.plan import SCHEDULES, Plan
 
@@ -70,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
         runs.append((_title(other), simulate(other, profile, cluster)))
         runs.sort(key=lambda x: x[1].schedule != "gpipe")  # GPipe on top, as in the paper
 
-    con = Console()
+    con = console()
     for title, r in runs:
         t = Table(title=f"{title} on {cluster.name} ({cluster.num_devices} devices)")
         for col in ("device", "stage.replica", "busy ms", "bubble %", "peak in flight", "peak MiB"):
@@ -84,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
                 str(d.peak_in_flight),
                 f"{d.peak_memory_bytes / 2**20:.1f}",
             )
-        con.print(t)
+        print_table(con, t)
         L = "n/a" if math.isnan(r.L_ms) else f"{r.L_ms:.3f} ms"
         gap = "" if math.isnan(r.L_ms) else f" (simulated / L = {r.step_ms / r.L_ms:.3f})"
         con.print(f"step time {r.step_ms:.3f} ms, planner L {L}{gap}")

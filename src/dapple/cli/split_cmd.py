@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from rich.console import Console
 from rich.table import Table
 
+from dapple.cli._console import console, print_table
 from dapple.cli._model_args import add_model_arguments, model_overrides
 from dapple.errors import ValidationError
 
@@ -54,5 +54,5 @@ def run(args: argparse.Namespace) -> int:
                 _describe(x),
                 ", ".join(f"{n} (group {tied[(i, n)]})" for n in names if (i, n) in tied),
             )
-    Console().print(table)
+    print_table(console(), table)
     return 0

@@ -4,12 +4,16 @@ Standalone it starts one local process per plan device; under ``torchrun --nproc
 -m dapple train ...`` each process is one rank (rank r runs plan device r). Rank 0 prints one
 line per step (loss, lr, grad norm, eval loss, step time, samples/s, tokens/s, per-stage peak
 memory), a progress bar when stdout is a terminal, and at the end the final train and validation
-losses and the loss-curve PNG.
+losses and the loss-curve PNG. Before step 0 it names each start-up phase as it starts
+(``start-up: loading the model ...``, ``start-up: rendezvous``, ...), and one line each says
+what was loaded (``weights loaded: ...``), saved (``checkpoint saved: ...``) or resumed
+(``resumed: ...``, and ``lr schedule re-derived: ...`` when the schedule changed).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import statistics
@@ -35,6 +39,7 @@ from dapple.errors import ValidationError
 if TYPE_CHECKING:  # torch-free import of the CLI
     from dapple.models.workload import Workload
     from dapple.runtime.config import StepMetrics
+    from dapple.runtime.early import EarlyWorkers
 
 __all__ = ["DEFAULT_KEEP", "check_long_run", "register", "run"]
 
@@ -179,6 +184,13 @@ def check_long_run(
     check_writable(checkpoint_dir)
 
 
+def _phase(line: str) -> None:
+    """A start-up phase as it starts, on rank 0's stdout as the step lines (under ``torchrun``
+    every rank runs this command; the others stay silent)."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(line, flush=True)
+
+
 def _warn(line: str) -> None:
     print(f"dapple: warning: {line}", file=sys.stderr, flush=True)
 
@@ -215,9 +227,9 @@ def _memory_table(
     ZB-H1: per device group, all its chunks, by replaying the schedule's compute order)."""
     import dataclasses
 
-    from rich.console import Console
     from rich.table import Table
 
+    from dapple.cli._console import console, print_table
     from dapple.core.cluster import load_cluster
     from dapple.planner.cost import pipeline_latency
     from dapple.profiler.paper_models import load_profile
@@ -250,7 +262,7 @@ def _memory_table(
             f"{estimate[s] / mib:.1f} MiB",
             f"{estimate[s] / added:.2f}" if added > 0 else "-",
         )
-    Console().print(table)
+    print_table(console(), table)
 
 
 def _check_output(path: str | os.PathLike[str] | None, what: str) -> None:
@@ -260,38 +272,64 @@ def _check_output(path: str | os.PathLike[str] | None, what: str) -> None:
         check_output_file(path, what)
 
 
-def _check_plan_model(plan: Plan, model: object) -> None:
-    """The plan was made for this model (:meth:`Plan.check_model`), checked before any worker
-    starts."""
-    from dapple.runtime import resolve_workload
-
-    wl = resolve_workload(model)  # type: ignore[arg-type]
-    plan.check_model(wl.name, wl.num_layers)
-
-
-def _model_arg(args: argparse.Namespace) -> object:
-    """``--model`` as given, or the workload loaded from it (``--set``, ``--split-at`` or a
-    ``file.py:factory`` spec: it pickles as its spec, so spawned workers load it again)."""
-    overrides = with_seq_len(args, model_overrides(args))
-    module = str(args.model).rpartition(":")[0]
-    if not overrides and not module.endswith(".py"):
-        return args.model
+def _model_arg(args: argparse.Namespace) -> Workload:
+    """The workload ``--model`` (with ``--set``, ``--split-at``, ``--weights``...) names, loaded
+    once here - every check before the launch uses it - and pickled as its spec, so each
+    spawned worker loads it once more, itself."""
     from dapple.api import load
 
-    return load(args.model, **overrides)
+    return load(args.model, **with_seq_len(args, model_overrides(args)))
+
+
+def _early_workers(
+    args: argparse.Namespace, world: int
+) -> contextlib.AbstractContextManager[EarlyWorkers | None]:
+    """Standalone: the ``world`` workers, started now so that they start and load the model
+    while this process loads it and checks the plan (:mod:`dapple.runtime.early`); they get
+    the run once every check passed, and end without a word otherwise. Under ``torchrun``:
+    none (this process is one rank)."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return contextlib.nullcontext()
+    from dapple.runtime.early import EarlyWorkers
+
+    overrides = with_seq_len(args, model_overrides(args))
+    return EarlyWorkers(world, args.model, overrides, echo=True)
 
 
 def run(args: argparse.Namespace) -> int:
-    from dapple.runtime import train
-
     if (args.profile is None) != (args.cluster is None):
         raise ValidationError("--profile and --cluster must be given together")
     plan = load_run_plan(args)
     _check_output(args.metrics, "--metrics file")
     curve = loss_curve_path(args)
     _check_output(curve, "loss curve")
-    args.model = _model_arg(args)
-    _check_plan_model(plan, args.model)
+    with _early_workers(args, len(plan.devices)) as early:
+        metrics, predicted = _checked_train(args, plan, early)
+    if metrics and int(os.environ.get("RANK", "0")) == 0:
+        # the first step includes connection set-up and warm-up; report the rest when possible
+        steady = [m.step_ms for m in metrics[1:]] or [metrics[0].step_ms]
+        line = f"measured step time {statistics.median(steady):.1f} ms (median of {len(steady)})"
+        if args.profile is not None:
+            line += f" vs predicted {predicted:.1f} ms (simulator)"
+        print(line)
+        if args.profile is not None:
+            _memory_table(
+                plan, metrics[-1], args.profile, args.cluster, args.optimizer, args.momentum
+            )
+        print_summary(metrics, curve)
+    return 0
+
+
+def _checked_train(
+    args: argparse.Namespace, plan: Plan, early: EarlyWorkers | None
+) -> tuple[list[StepMetrics], float]:
+    """Load the model, check the plan, data and checkpoints against it, then train (on the
+    ``early`` workers when given); rank 0's metrics and the predicted step time (NaN: none)."""
+    from dapple.runtime import train
+
+    _phase(f"start-up: loading the model {args.model}")
+    wl = _model_arg(args)
+    plan.check_model(wl.name, wl.num_layers)  # the plan was made for this model
     data, eval_data = open_datasets(args)
     eval_defaults(
         args,
@@ -299,18 +337,16 @@ def run(args: argparse.Namespace) -> int:
         plan.global_batch_size,
     )
     if data is not None or eval_data is not None:  # before the checkpoint directory is made
-        from dapple.runtime import resolve_workload
         from dapple.runtime.data import check_data
 
-        wl = resolve_workload(args.model)
         check_data(wl, data, plan.global_batch_size, args.seed, eval_data=eval_data)
     keep = _keep(args.keep)
     if args.checkpoint_dir is not None:
-        from dapple.runtime import resolve_workload
-
+        if args.resume or args.require_resume:  # every file of the newest one is hashed
+            _phase(f"start-up: checking the checkpoints in {args.checkpoint_dir}")
         check_long_run(
             args.checkpoint_dir,
-            resolve_workload(args.model),
+            wl,
             plan.num_layers,
             resume=args.resume,
             require_resume=args.require_resume,
@@ -324,7 +360,7 @@ def run(args: argparse.Namespace) -> int:
         note_profile_precision(args.profile, args.precision)
     metrics = train(
         plan,
-        args.model,
+        wl,
         steps=args.steps,
         seed=args.seed,
         optimizer=args.optimizer,
@@ -343,20 +379,9 @@ def run(args: argparse.Namespace) -> int:
         on_nonfinite=args.on_nonfinite,
         data=data,
         eval_data=eval_data,
+        early=early,
         **show_options(args),
         precision=args.precision,
         **optim_options(args),
     )
-    if metrics and int(os.environ.get("RANK", "0")) == 0:
-        # the first step includes connection set-up and warm-up; report the rest when possible
-        steady = [m.step_ms for m in metrics[1:]] or [metrics[0].step_ms]
-        line = f"measured step time {statistics.median(steady):.1f} ms (median of {len(steady)})"
-        if args.profile is not None:
-            line += f" vs predicted {predicted:.1f} ms (simulator)"
-        print(line)
-        if args.profile is not None:
-            _memory_table(
-                plan, metrics[-1], args.profile, args.cluster, args.optimizer, args.momentum
-            )
-        print_summary(metrics, curve)
-    return 0
+    return metrics, predicted

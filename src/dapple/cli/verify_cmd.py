@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from rich.console import Console
 from rich.table import Table
 
+from dapple.cli._console import console, print_table
 from dapple.cli._data_args import open_datasets, with_seq_len
 from dapple.cli._model_args import model_overrides
 from dapple.cli._optim_args import optim_options
@@ -85,7 +86,7 @@ def print_report(con: Console, report: VerifyReport) -> None:
             _g(s.max_rel_diff),
             "[green]ok[/green]" if good else "[red]FAIL[/red]",
         )
-    con.print(t)
+    print_table(con, t)
     lt = Table(title="loss and global gradient norm (before clipping) per step, both runs")
     for col in ("step", "loss", "reference", "abs diff", "grad norm", "reference", "rel diff"):
         lt.add_column(col, justify="right")
@@ -95,7 +96,7 @@ def print_report(con: Console, report: VerifyReport) -> None:
     for i, (a, b, n, rn) in enumerate(rows):
         rel = abs(n - rn) / abs(rn) if rn else abs(n - rn)
         lt.add_row(str(i), f"{a:.7f}", f"{b:.7f}", _g(abs(a - b)), f"{n:.7g}", f"{rn:.7g}", _g(rel))
-    con.print(lt)
+    print_table(con, lt)
     for line in report.failures:
         con.print(f"first out of tolerance: {line}", markup=False)
     verdict = "[green]OK[/green]" if report.ok else "[red]MISMATCH[/red]"
@@ -127,5 +128,5 @@ def run(args: argparse.Namespace) -> int:
         **tol,
         **optim_options(args),
     )
-    print_report(Console(), report)
+    print_report(console(), report)
     return 0 if report.ok else 1

@@ -10,7 +10,10 @@ Design choices (the nanoGPT ``train.bin`` convention):
     - item ``i`` is the window of ``seq_len + 1`` tokens starting at token ``i * seq_len``
       (windows overlap by one token, so every token but the first is a target once):
       ``(window[:-1], window[1:])``, both ``int64`` tensors of ``seq_len`` ids. There are
-      ``(n_tokens - 1) // seq_len`` items; the tail that does not fill a window is unused.
+      ``(n_tokens - 1) // seq_len`` items; the tail that does not fill a window is unused;
+    - targets are already the next tokens (``y[t]`` follows ``x[t]``): a loss compares the
+      logits at position ``t`` with ``y[t]`` without shifting (the zoo transformer's and
+      :func:`dapple.models.hf.causal_lm_loss`), so all ``seq_len`` targets of a window train.
 """
 
 from __future__ import annotations

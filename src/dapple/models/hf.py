@@ -9,6 +9,13 @@ stay tied and are reported in ``Workload.tied_parameters``.
 Zoo-style specs: ``dapple.models.hf:gpt2`` and ``dapple.models.hf:bert`` (keyword arguments as below),
 and ``hf:DIR``: any causal LM whose ``config.json`` is in the local directory ``DIR``
 (:func:`hf_causal_lm`).
+
+Causal-LM targets follow the nanoGPT convention of token files (and of the zoo transformer): a
+window ``w`` of ``seq + 1`` tokens is the sample ``x = w[:-1]`` (``input_ids``), ``y = w[1:]``
+(targets), so ``y[t]`` is the token after ``x[t]`` and :func:`causal_lm_loss` compares
+``logits[:, t]`` with ``targets[:, t]`` for every ``t``, without a shift: all ``seq`` targets
+train (Hugging Face's ``labels`` shift inside the model instead, and a window of ``seq`` labels
+trains only ``seq - 1`` of them).
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from dapple.datasets.documents import IGNORE_INDEX, masked_token_loss
 from dapple.errors import ValidationError
 from dapple.models.shapes import DynamicDim
 from dapple.models.split import workload_from_module
@@ -37,9 +45,6 @@ __all__ = [
     "hf_config",
     "hf_gpt2",
 ]
-
-IGNORE_INDEX = -100
-"""Label of positions that do not count in the loss (Hugging Face convention)."""
 
 
 def _transformers() -> Any:
@@ -147,8 +152,9 @@ class _Model:
 
 
 class _CausalBatch:
-    """``(batch_size, seed) -> ((input_ids, attention_mask), input_ids)``, all-ones mask;
-    ``seq`` tokens, or ``seq_choices[seed % len(seq_choices)]`` when given."""
+    """``(batch_size, seed) -> ((x, attention_mask), y)``: windows ``w`` of ``n + 1`` random
+    tokens, ``x = w[:, :-1]``, ``y = w[:, 1:]`` (the next tokens), an all-ones mask; ``n`` is
+    ``seq``, or ``seq_choices[seed % len(seq_choices)]`` when given."""
 
     def __init__(self, vocab: int, seq: int, seq_choices: Sequence[int] = ()) -> None:
         self.vocab = vocab
@@ -158,9 +164,9 @@ class _CausalBatch:
     def __call__(self, batch_size: int, seed: int) -> tuple[Any, torch.Tensor]:
         gen = torch.Generator().manual_seed(seed)
         n = self.seq_choices[seed % len(self.seq_choices)] if self.seq_choices else self.seq
-        ids = torch.randint(0, self.vocab, (batch_size, n), generator=gen)
+        window = torch.randint(0, self.vocab, (batch_size, n + 1), generator=gen)
         mask = torch.ones(batch_size, n, dtype=torch.long)
-        return (ids, mask), ids
+        return (window[:, :-1].clone(), mask), window[:, 1:].clone()
 
 
 def _seq_dims(seq: int, seq_choices: Sequence[int] | None) -> dict[int | str, Any] | None:
@@ -211,17 +217,17 @@ def _check(**values: int) -> None:
 
 
 def causal_lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Next-token cross-entropy: ``logits[:, t]`` predicts ``targets[:, t + 1]`` (mean).
+    """Next-token cross-entropy: ``logits[:, t]`` against ``targets[:, t]`` for every ``t``.
 
-    Every sample has the same number of predicted tokens, so the token mean is the mean of
-    per-sample means (the :class:`~dapple.models.workload.Workload` loss convention).
+    ``targets`` are already the next tokens (``y[t]`` is the token after ``x[t]``, see the module
+    docstring), so nothing is shifted and every target trains. Positions whose target is
+    ``IGNORE_INDEX`` (padding) do not count: each sample's mean over its own targets, then the
+    mean over samples (:func:`~dapple.datasets.masked_token_loss`), so a slice of ``k`` of ``G``
+    samples contributes ``loss * k / G`` (the :class:`~dapple.models.workload.Workload` loss
+    convention). Without padding every sample has the same count and this is the plain token
+    mean, Hugging Face's loss over the same targets.
     """
-    vocab = logits.size(-1)
-    return F.cross_entropy(
-        logits[:, :-1].reshape(-1, vocab).float(),
-        targets[:, 1:].reshape(-1),
-        ignore_index=IGNORE_INDEX,
-    )
+    return masked_token_loss(logits, targets)
 
 
 def bert_mlm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -87,6 +87,7 @@ __all__ = [
     "executed_module_names",
     "find_tied_parameters",
     "is_traced",
+    "loaded_tensors",
     "model_factory_of",
     "original_model",
     "parse_split_at",
@@ -205,6 +206,12 @@ class _Splitter:
         out = copy.copy(self)
         out.weights, out.weight_keys, out.models = weights, keys, OrderedDict()
         return out
+
+    def piece_keys(self, index: int) -> set[str]:
+        """The names in the weight files of the tensors piece ``index`` reads (:meth:`values`
+        of its parameters' names; empty without weights)."""
+        names = self.split.pieces[index].named_parameters(remove_duplicate=False)
+        return {self.weight_keys[n] for n, _ in names} if self.weights is not None else set()
 
     def values(self, model: nn.Module, names: list[str], base: int) -> dict[str, torch.Tensor]:
         """Initial values of the named parameters: from the weights, or initialised."""
@@ -459,6 +466,20 @@ def with_weights(workload: Workload, path: str | Path) -> Workload:
         workload,
         layer_factories=[_PieceFactory(owner, i) for i in range(workload.num_layers)],
     )
+
+
+def loaded_tensors(workload: Workload, first: int, end: int) -> tuple[Path, int] | None:
+    """Where the layers ``[first, end)`` of ``workload`` take pretrained weights from and how
+    many tensors of those files they read (each once, a tied tensor in every stage that holds
+    a copy); None when the workload has no weights (:func:`with_weights`)."""
+    keys: set[str] = set()
+    source: Path | None = None
+    for f in workload.layer_factories[first:end]:
+        if not isinstance(f, _PieceFactory) or f.owner.weights is None:
+            return None
+        keys |= f.owner.piece_keys(f.index)
+        source = f.owner.weights.path
+    return None if source is None else (source, len(keys))
 
 
 def original_model(workload: Workload, seed: int = 0) -> nn.Module:

@@ -1,9 +1,9 @@
-"""DAPPLE planner (paper section 5): cost model, DP search, baselines and an exhaustive oracle.
+"""DAPPLE planner (paper section 5): DP search, baselines and an exhaustive oracle.
 
 ``make_plan(profile, cluster, global_batch_size, planner)`` is the entry point; every planner
-returns a :class:`dapple.core.plan.Plan` whose ``predicted_step_ms`` is the cost model's L. A
-profile measured at several sequence lengths is planned for a mean and a maximum length
-(:func:`dapple.planner.lengths.profile_for_lengths`; the plan records both).
+returns a :class:`dapple.core.plan.Plan` whose ``predicted_step_ms`` is the cost model's L
+(:mod:`dapple.cost`). A profile measured at several sequence lengths is planned for a mean and
+a maximum length (:func:`dapple.cost.lengths.profile_for_lengths`; the plan records both).
 """
 
 from __future__ import annotations
@@ -14,24 +14,20 @@ from collections.abc import Callable
 from dapple.core.cluster import Cluster
 from dapple.core.plan import Plan
 from dapple.core.profile import ModelProfile
+from dapple.cost.lengths import profile_for_lengths
 from dapple.errors import ValidationError
 from dapple.planner.baselines import dp_plan, gpipe_plan, pipedream_plan, straight_plan_baseline
-from dapple.planner.cost import LatencyBreakdown, pipeline_latency
-from dapple.planner.lengths import profile_for_lengths
 from dapple.planner.oracle import exhaustive_plan
 from dapple.planner.search import Progress, check_global_batch_size, dapple_search
 
 __all__ = [
     "PLANNERS",
-    "LatencyBreakdown",
     "dapple_search",
     "dp_plan",
     "exhaustive_plan",
     "gpipe_plan",
     "make_plan",
     "pipedream_plan",
-    "pipeline_latency",
-    "profile_for_lengths",
     "straight_plan_baseline",
 ]
 
@@ -69,7 +65,7 @@ def make_plan(
             gradients too (ZeRO-2); -1 (``ZERO_AUTO``): per stage, where memory asks for it.
             DAPPLE search only, the baselines plan unsharded.
         seq_len: plan for samples of this mean length (time), from a profile measured at
-            several lengths (:func:`~dapple.planner.lengths.profile_for_lengths`); None: the
+            several lengths (:func:`~dapple.cost.lengths.profile_for_lengths`); None: the
             profile as it is (a profile already for a length keeps its lengths).
         max_seq_len: the longest sample (memory); default ``seq_len``.
 

@@ -14,8 +14,8 @@ from collections.abc import Callable
 from dapple.core.cluster import Cluster
 from dapple.core.plan import Plan, ScheduleName
 from dapple.core.profile import ModelProfile
+from dapple.cost.comm import allreduce_ms
 from dapple.errors import InfeasibleError, ValidationError
-from dapple.planner.comm import allreduce_ms
 from dapple.planner.evaluate import Scored, Scorer, StageSpec
 from dapple.planner.partition import block_partition
 from dapple.planner.search import _infeasible_message, micro_batch_candidates

@@ -3,10 +3,11 @@
 A candidate is a list of ``(start, end, devices)`` stages plus M. The :class:`Scorer` caches
 per-stage terms (prefix sums over layers, AllReduce, split-concat link loads) so the DP can
 score many candidates sharing stages, decides per stage whether to re-compute and the
-in-flight bound D when memory demands it, tries warm-up policies A and B, and evaluates L with
-the cost model's kernel :func:`dapple.planner.latency.latency` (and the CPU-host pass
-:func:`dapple.planner.host.apply_host` where the cluster has host terms), as
-:func:`dapple.planner.cost.pipeline_latency` does for the resulting :class:`Plan`.
+in-flight bound D when memory demands it, tries warm-up policies A and B, and evaluates L
+through the cost model's one assembly of equations 1-3, :func:`dapple.cost.terms.pipeline_terms`
+(with the CPU-host pass where the cluster has host terms), from :class:`StageTerms` built of its
+cached sums - the assembly :func:`dapple.cost.pipeline.pipeline_latency` runs for the resulting
+:class:`Plan`.
 """
 
 from __future__ import annotations
@@ -14,22 +15,18 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import partial
 from itertools import accumulate
+from typing import NamedTuple
 
 from dapple.core.cluster import Cluster
 from dapple.core.plan import Plan, Policy, ScheduleName, StagePlan
 from dapple.core.profile import ModelProfile
+from dapple.cost.comm import busiest_link_ms, link_loads, stage_sync_ms, stage_update_ms
+from dapple.cost.host import has_host_terms, stage_host_extras
+from dapple.cost.memory import boundary_bytes, in_flight_options, parameter_state_bytes
+from dapple.cost.sharing import slice_work
+from dapple.cost.terms import StageTerms, pipeline_terms
 from dapple.errors import ValidationError
-from dapple.planner.comm import busiest_link_ms, link_loads, stage_sync_ms, stage_update_ms
-from dapple.planner.host import apply_host, has_host_terms, stage_host_extras
-from dapple.planner.latency import latency, steady_periods
-from dapple.planner.memory import (
-    boundary_bytes,
-    in_flight_options,
-    parameter_state_bytes,
-)
-from dapple.planner.sharing import slice_work
 from dapple.schedule.generators import in_flight_counts
 
 __all__ = ["ZERO_AUTO", "Scored", "Scorer", "StageSpec"]
@@ -42,6 +39,19 @@ re-computation (M more forward passes) that holds them (:func:`_pick`)."""
 
 StageSpec = tuple[int, int, tuple[int, ...]]
 """``(start, end, devices)`` of one computation stage."""
+
+
+class _Option(NamedTuple):
+    """A cached stage under one zero stage: F, B (without re-computation), AR_s + U_s, D
+    without and with re-computation, and the stage's :class:`StageTerms` either way."""
+
+    f: float
+    bw: float
+    ar: float
+    d_nr: int
+    d_r: int
+    plain: StageTerms
+    recomputed: StageTerms
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,9 +105,7 @@ class Scorer:
         self._links: dict[
             tuple[tuple[int, ...], tuple[int, ...], int], list[tuple[float, float]]
         ] = {}
-        self._stages: dict[
-            tuple[int, int, tuple[int, ...], int, int], tuple[float, float, float, int, int]
-        ] = {}
+        self._stages: dict[tuple[int, int, tuple[int, ...], int, int], _Option] = {}
         self.evaluations = 0
 
     # -- per-stage terms ---------------------------------------------------------------------
@@ -116,7 +124,7 @@ class Scorer:
         self, s: int, e: int, devices: tuple[int, ...], zero_stage: int = 0, M: int = 1
     ) -> float:
         """AR_s of layers [s, e) on ``devices`` under ``zero_stage`` with M micro-batches
-        (:func:`~dapple.planner.comm.stage_sync_ms`)."""
+        (:func:`~dapple.cost.comm.stage_sync_ms`)."""
         key = (s, e, devices, zero_stage, M if zero_stage >= 2 else 1)
         v = self._ar.get(key)
         if v is None:
@@ -125,10 +133,10 @@ class Scorer:
         return v
 
     def comm_ms(self, cut: int, src: tuple[int, ...], dst: tuple[int, ...], b: int) -> float:
-        """Comm stage time across ``cut`` (as :func:`dapple.planner.comm.comm_stage_ms`).
+        """Comm stage time across ``cut`` (as :func:`dapple.cost.comm.comm_stage_ms`).
 
         The split-concat link loads depend on the device sets and b only; they are cached
-        (:func:`dapple.planner.comm.link_loads`) and scaled by the boundary bytes.
+        (:func:`dapple.cost.comm.link_loads`) and scaled by the boundary bytes.
         """
         key = (src, dst, b)
         links = self._links.get(key)
@@ -148,10 +156,8 @@ class Scorer:
             boundary_bytes(self._memory, s, samples),
         )
 
-    def _stage(
-        self, s: int, e: int, d: tuple[int, ...], b: int, zero_stage: int = 0
-    ) -> tuple[float, float, float, int, int]:
-        """Cached ``(F, B, AR, D without re-computation, D with)`` of one stage."""
+    def _stage(self, s: int, e: int, d: tuple[int, ...], b: int, zero_stage: int = 0) -> _Option:
+        """Cached terms of one stage (:class:`_Option`)."""
         key = (s, e, d, b, zero_stage)
         rec = self._stages.get(key)
         if rec is None:
@@ -159,16 +165,41 @@ class Scorer:
             f, bw = self.fb_ms(s, e, n)
             d_nr, d_r = self._options(s, e, n, len(d), zero_stage)
             M = self.global_batch_size // b
-            ar = self.ar_ms(s, e, d, zero_stage, M) + stage_update_ms(
+            sync = self.ar_ms(s, e, d, zero_stage, M)
+            update = stage_update_ms(
                 self.cluster, self.profile, self.param_bytes(s, e), len(d), zero_stage
-            )  # AR_s + U_s
-            rec = (f, bw, ar, d_nr, d_r)
+            )
+            plain = StageTerms(
+                forward_ms=f,
+                backward_ms=bw,
+                sync_ms=sync,
+                update_ms=update,
+                work=self._work(s, e, d, b, False),
+            )
+            recomputed = StageTerms(
+                forward_ms=f,
+                backward_ms=bw + f,
+                sync_ms=sync,
+                update_ms=update,
+                work=self._work(s, e, d, b, True),
+            )
+            rec = _Option(f, bw, sync + update, d_nr, d_r, plain, recomputed)
             self._stages[key] = rec
         return rec
 
+    def _work(
+        self, s: int, e: int, d: tuple[int, ...], b: int, recompute: bool
+    ) -> tuple[tuple[int, float], ...]:
+        """``(device, F + B of its slice)`` per replica of layers [s, e) on ``d``
+        (:func:`dapple.cost.sharing.slice_work`), on shared compute cores only (empty
+        otherwise: only the CPU-host pass on shared cores reads it)."""
+        if self.cluster.compute_cores_per_server is None:
+            return ()
+        return tuple(slice_work(d, b, lambda n: self.fb_ms(s, e, n), recompute))
+
     def _stage_options(
         self, s: int, e: int, d: tuple[int, ...], b: int
-    ) -> list[tuple[int, tuple[float, float, float, int, int]]]:
+    ) -> list[tuple[int, _Option]]:
         """``(zero stage, _stage record)`` the scorer may pick from, unsharded first."""
         if self.zero_stage != ZERO_AUTO:
             z = self.zero_stage if len(d) > 1 else 0
@@ -219,14 +250,13 @@ class Scorer:
             rec: list[bool] = []
             ds: list[int | None] = []
             zs: list[int] = []
-            recs: list[tuple[float, float, float, int, int]] = []
+            terms: list[StageTerms] = []
             ok = True
             for i in range(S):
                 k = nominal[i]
                 z, r_i = _pick(options[i], k, M)
                 zs.append(z)
-                recs.append(r_i)
-                d_nr, d_r = r_i[3], r_i[4]
+                d_nr, d_r = r_i.d_nr, r_i.d_r
                 if recompute is None:
                     if d_nr >= k:
                         use_r, d = False, d_nr
@@ -240,51 +270,16 @@ class Scorer:
                     ok = False
                     break
                 rec.append(use_r)
+                terms.append(r_i.recomputed if use_r else r_i.plain)
                 ds.append(d if d < k else None)
             if not ok:
                 continue
             ks = in_flight_counts(schedule, S, M, policy, ds)
-            # per-stage arrays over all stages, a comm stage between each two computation stages
-            F: list[float] = []
-            B: list[float] = []
-            AR: list[float] = []
-            K: list[int | None] = []
-            for i in range(S):
-                if i > 0:
-                    F.append(comm[i - 1])
-                    B.append(comm[i - 1])
-                    AR.append(0.0)
-                    K.append(None)
-                f, bw, ar = recs[i][0], recs[i][1], recs[i][2]
-                F.append(f)
-                B.append(bw + (f if rec[i] else 0.0))
-                AR.append(ar)
-                K.append(ks[i] if schedule == "dapple" else None)
-            if extras is not None:
-                h = apply_host(
-                    F,
-                    B,
-                    AR,
-                    K,
-                    M,
-                    self.cluster,
-                    [None if x % 2 else extras[x // 2] for x in range(len(F))],
-                    partial(self._work, stages, b, tuple(rec)),
-                )
-                L = latency(h.F, h.B, h.AR, M, h.period).L_ms
-            else:
-                L = latency(F, B, AR, M, steady_periods(F, B, K)).L_ms
+            bounds: Sequence[int | None] = ks if schedule == "dapple" else [None] * S
+            L = pipeline_terms(terms, comm, bounds, M, self.cluster, extras).latency().L_ms
             if best is None or best.L_ms > L:
                 best = Scored(L, policy, schedule, tuple(rec), tuple(ds), tuple(zs))
         return best
-
-    def _work(
-        self, stages: Sequence[StageSpec], b: int, recompute: tuple[bool, ...], x: int
-    ) -> list[tuple[int, float]]:
-        """``(device, F + B of its slice)`` per replica of the computation stage at index x
-        among all stages (:func:`dapple.planner.sharing.slice_work`)."""
-        s, e, devs = stages[x // 2]
-        return slice_work(devs, b, lambda n: self.fb_ms(s, e, n), recompute[x // 2])
 
     def build_plan(self, planner: str, stages: Sequence[StageSpec], M: int, scored: Scored) -> Plan:
         """The :class:`Plan` of a scored candidate, with ``predicted_step_ms`` = L.
@@ -335,18 +330,16 @@ def divisors(n: int, scan: int | None = None) -> list[int]:
     return low + [n // d for d in reversed(low) if n // d > top]
 
 
-def _pick(
-    options: list[tuple[int, tuple[float, float, float, int, int]]], k: int, M: int
-) -> tuple[int, tuple[float, float, float, int, int]]:
+def _pick(options: list[tuple[int, _Option]], k: int, M: int) -> tuple[int, _Option]:
     """The zero stage of a stage holding k micro-batches in flight: of the options that hold k
     (without re-computation, or with it at M more forward passes F), the one with the least
     AR_s (+ M F), the lower zero stage on ties; none holds k: the one with the most room.
 
     Args:
-        options: ``(zero stage, (F, B, AR, D without re-computation, D with))``, zero stage
-            ascending.
+        options: ``(zero stage, (F, B, AR, D without re-computation, D with, ...))``, zero
+            stage ascending (:class:`_Option`).
     """
-    best: tuple[float, int, tuple[float, float, float, int, int]] | None = None
+    best: tuple[float, int, _Option] | None = None
     for z, r in options:
         cost = r[2] if r[3] >= k else r[2] + M * r[0] if r[4] >= k else None
         if cost is not None and (best is None or cost < best[0]):

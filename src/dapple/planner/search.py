@@ -38,9 +38,9 @@ from collections.abc import Callable, Sequence
 from dapple.core.cluster import Cluster
 from dapple.core.plan import Plan, split_sizes
 from dapple.core.profile import ModelProfile
+from dapple.cost.memory import state_bytes_per_parameter_byte
 from dapple.errors import InfeasibleError, ValidationError
 from dapple.planner.evaluate import Scored, Scorer, StageSpec, divisors
-from dapple.planner.memory import state_bytes_per_parameter_byte
 from dapple.planner.partition import block_partition
 from dapple.planner.placement import POLICIES, place, remaining_devices
 

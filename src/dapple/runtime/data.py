@@ -11,10 +11,12 @@ the step; since the sampler position is a pure function of the step, resuming at
 reads exactly the batch an uninterrupted run reads, and :func:`check_data_resume` rejects a
 resume on another dataset, seed or global batch.
 
-Samples are ``(inputs, targets)`` as the workload's ``make_batch`` rows are. Token windows
-``(x, next tokens)`` fit the zoo transformer as they are; for a Hugging Face causal LM, whose
-batches are ``((input_ids, attention_mask), input_ids)`` (the loss shifts inside),
-:func:`fit_data` presents each window as ``((x, ones), x)``. Documents packed or padded
+Samples are ``(inputs, targets)`` as the workload's ``make_batch`` rows are. A token window
+``w`` of ``seq_len + 1`` tokens is ``(x, y) = (w[:-1], w[1:])``: ``y[t]`` is the token after
+``x[t]``, and every model trains on all ``seq_len`` targets without shifting them. The pair fits
+the zoo transformer as it is; for a Hugging Face causal LM, whose batches are
+``((input_ids, attention_mask), next ids)`` (:mod:`dapple.models.hf`), :func:`fit_data`
+presents each window as ``((x, ones), y)``. Documents packed or padded
 (:mod:`dapple.datasets.packing`) bring their loss, which masks the padding, and padded ones
 their dynamic token dimension (:func:`fit_workload`).
 """
@@ -70,10 +72,10 @@ def open_data(data: Dataset[Any] | str | Path, seq_len: int | None) -> Dataset[A
 
 
 class CausalLMSamples(Dataset[tuple[Any, torch.Tensor]]):
-    """Next-token samples ``(x, y)`` as a Hugging Face causal LM's: ``((x, ones), x)``.
+    """Next-token samples ``(x, y)`` as a Hugging Face causal LM's: ``((x, ones), y)``.
 
-    The model's loss predicts ``x[t + 1]`` from ``x[:t + 1]`` (``seq_len - 1`` targets per
-    sample); ``y`` is unused.
+    The loss (:func:`dapple.models.hf.causal_lm_loss`) predicts ``y[t]`` (the token after
+    ``x[t]``) from ``x[:t + 1]``: all ``seq_len`` targets of a sample train.
     """
 
     def __init__(self, base: Dataset[Any]) -> None:
@@ -84,19 +86,27 @@ class CausalLMSamples(Dataset[tuple[Any, torch.Tensor]]):
         return len(self.base)  # type: ignore[arg-type]
 
     def __getitem__(self, i: int) -> tuple[Any, torch.Tensor]:
-        x, _ = self.base[i]
-        return (x, torch.ones_like(x)), x
+        x, y = self.base[i]
+        return (x, torch.ones_like(x)), y
 
 
 def _is_causal_lm_batch(inputs: Any, targets: torch.Tensor) -> bool:
-    """``((ids, all-ones mask), ids)``: the Hugging Face causal-LM batch convention."""
-    return (
+    """``((x, all-ones mask), y)`` with ``y`` the next tokens (``y[:, t] == x[:, t + 1]``): the
+    Hugging Face causal-LM batch convention of :mod:`dapple.models.hf`."""
+    if not (
         isinstance(inputs, (tuple, list))
         and len(inputs) == 2
         and all(isinstance(t, torch.Tensor) for t in inputs)
-        and inputs[0].dtype == torch.int64
-        and torch.equal(inputs[0], targets)
-        and bool((inputs[1] == 1).all())
+    ):
+        return False
+    ids, mask = inputs
+    return (
+        ids.dtype == torch.int64
+        and ids.dim() == 2
+        and targets.shape == ids.shape
+        and targets.dtype == torch.int64
+        and torch.equal(targets[:, :-1], ids[:, 1:])
+        and bool((mask == 1).all())
     )
 
 
@@ -106,8 +116,9 @@ def fit_workload(workload: Workload, data: Dataset[Any] | None) -> Workload:
 
     Raises:
         ValidationError: documents for a model whose batches are not ``(token ids, next
-            token ids)`` (a Hugging Face causal LM shifts its labels itself), or whose token
-            dimension was traced static (declare it dynamic: ``--dynamic-dims 0:1=seq``).
+            token ids)`` (a Hugging Face causal LM takes ``(input_ids, attention_mask)``), or
+            whose token dimension was traced static (declare it dynamic:
+            ``--dynamic-dims 0:1=seq``).
     """
     loss_fn = getattr(data, "loss_fn", None)
     if data is None or loss_fn is None:
@@ -116,7 +127,8 @@ def fit_workload(workload: Workload, data: Dataset[Any] | None) -> Workload:
         raise ValidationError(
             f"{_describe(data)}: packed or padded documents train models that take token ids "
             f"and predict the next ids (e.g. the zoo transformer); {workload.name!r} is a "
-            "Hugging Face causal LM whose loss shifts its labels itself"
+            "Hugging Face causal LM taking (input_ids, attention_mask), which documents do not "
+            "feed yet"
         )
     from dapple.models.shapes import resolve_dims
     from dapple.models.split import is_traced

@@ -28,6 +28,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -65,7 +66,7 @@ from dapple.runtime.failure import RankFailure, describe_rank, short_error
 from dapple.runtime.interpreter import ProgramInterpreter
 from dapple.runtime.longrun import LongRun, first_attempt
 from dapple.runtime.memory import ActivationMeter
-from dapple.runtime.metrics import MetricsSink, StepProbe, resident_bytes
+from dapple.runtime.metrics import MetricsSink, StepProbe, announce, resident_bytes
 from dapple.runtime.optim import ModelUpdate, counted_parameters, make_optimizer
 from dapple.runtime.precision import Precision
 from dapple.runtime.reporting import open_reporters, target_tokens
@@ -211,6 +212,8 @@ def run_plan(
     sink = MetricsSink(plan, config, rank=rank, memory_kind=r.probe.memory_kind,
                        resident_kind=r.probe.resident_kind, callbacks=callbacks)  # fmt: skip
     clean = False
+    if rank == 0:
+        announce(f"start-up: first step (step {r.start})", config.echo)
     try:
         for step in range(r.start, config.steps):
             inputs, targets = r.batch(step)
@@ -339,6 +342,8 @@ def _setup(
     module: nn.Module | None = None
     chunks: dict[int, nn.Sequential] = {}  # stage -> its layers (several with v > 1)
     if s is not None:
+        if j == 0:  # one line per stage (device group): its first replica's
+            announce(f"start-up: building {stages_text(plan, rank)}", config.echo)
         for k in plan.stages_of_device(rank):
             chunks[k] = workload.build_stage(*plan.stages[k].layers, config.seed).to(device)
         module = chunks[s] if len(chunks) == 1 else nn.Sequential(*_layers_of(chunks))
@@ -349,10 +354,15 @@ def _setup(
         dims = data_dims(workload)
     sample = tuple(t[:1] for t in flatten(inputs))
     precision = Precision(config.precision, device)
+    if rank == 0:
+        announce("start-up: probing the stage boundaries", config.echo)
     with precision.autocast():  # boundary buffers get the dtype autocast produces
         specs = infer_boundary_specs(
             plan, rank, chunks, sample if isinstance(inputs, (tuple, list)) else sample[0], device
         )
+    if rank == 0:
+        _announce_weights(plan, workload, config.echo)
+        announce("start-up: process groups and optimizer", config.echo)
     zero = _zero_stage(plan, config, rank, s)
     flat = flat_parameters(plan, workload, s, module) if zero and module and s is not None else []
     flat_ids = frozenset(id(p) for p in flat)
@@ -408,6 +418,36 @@ def _setup(
     return _Rank(s, j, module, sync, longrun, step_probe, interpreter, update, start, workload,
                  config, G, (inputs, targets), feed, input_shapes(inputs), dims,
                  ev_ex)  # fmt: skip
+
+
+def _layers_text(layers: tuple[int, int]) -> str:
+    """``layers 3-5`` for the chain's layers ``[3, 6)`` (``layer 3`` for ``[3, 4)``)."""
+    first, end = layers
+    return f"layer {first}" if end - first == 1 else f"layers {first}-{end - 1}"
+
+
+def stages_text(plan: Plan, rank: int) -> str:
+    """The stages ``rank`` holds, in words: ``stage 1 (layers 3-5)``, or with several chunks
+    ``stages 0, 2 (layers 0-1, 4-5)``."""
+    mine = plan.stages_of_device(rank)
+    layers = ", ".join(_layers_text(plan.stages[k].layers) for k in mine)
+    head = f"stage {mine[0]}" if len(mine) == 1 else f"stages {', '.join(map(str, mine))}"
+    return f"{head} ({layers})"
+
+
+def _announce_weights(plan: Plan, workload: Workload, echo: bool) -> None:
+    """Rank 0, once every stage is built (the boundary probe's gather waits for every rank's
+    build): where the pretrained weights came from and how many of their tensors each stage
+    read (:func:`dapple.models.split.loaded_tensors`; nothing without ``--weights``)."""
+    split = sys.modules.get("dapple.models.split")  # not imported: no traced model, no weights
+    if split is None:
+        return
+    per_stage = [split.loaded_tensors(workload, *st.layers) for st in plan.stages]
+    if any(p is None for p in per_stage):
+        return
+    source = per_stage[0][0]
+    counts = ", ".join(f"stage {k} {n}" for k, (_, n) in enumerate(per_stage))
+    announce(f"weights loaded: {source}: tensors per stage: {counts}", echo)
 
 
 def _layers_of(chunks: dict[int, nn.Sequential]) -> list[nn.Module]:

@@ -30,13 +30,13 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.utils.data import default_collate
 
 from dapple.core.plan import Plan
 from dapple.errors import ValidationError
 from dapple.models.workload import Workload
+from dapple.runtime import comm
 from dapple.runtime.chunks import Executor
 from dapple.runtime.failure import RankFailure, describe_rank, failure_grid, short_error
 from dapple.runtime.interpreter import _compile, _Op
@@ -201,7 +201,7 @@ class Evaluation:
                         total += self._one_batch(k)
                 self._at = "the evaluation's loss reduction (all ranks)"
                 t = torch.tensor([total], dtype=torch.float64, device=self.device)
-                dist.all_reduce(t)
+                comm.all_reduce(t)
         except RankFailure:
             raise
         except Exception as e:

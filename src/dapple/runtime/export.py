@@ -13,7 +13,9 @@ name is prefixed with its layer, ``layers.{i}.{name}`` (the zoo's blocks all hol
 
 The directory is assembled under a temporary name beside the target and renamed at the end:
 nothing is overwritten. Its place is proved writable before the checkpoint is read, and a
-refused export leaves no directory behind (not even the target's missing parents).
+refused export leaves no directory behind (not even the target's missing parents). Files and
+directories get the modes the process umask gives a plain ``open()``/``mkdir`` (``tempfile``'s
+private 0700 directory and ``safetensors``' 0600 files are not what a user publishes).
 """
 
 from __future__ import annotations
@@ -21,8 +23,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import secrets
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,6 +32,7 @@ from typing import Any
 import torch
 
 from dapple.errors import ValidationError
+from dapple.models.generate import TOKENIZER_FILES
 from dapple.models.workload import Workload
 from dapple.runtime.checkpoint import (
     Checkpoint,
@@ -41,7 +44,13 @@ from dapple.runtime.checkpoint import (
     read_checkpoint,
 )
 
-__all__ = ["DEFAULT_SHARD_BYTES", "ExportResult", "check_export_target", "export_checkpoint"]
+__all__ = [
+    "DEFAULT_SHARD_BYTES",
+    "ExportResult",
+    "check_export_target",
+    "export_checkpoint",
+    "newest_checkpoint",
+]
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +58,10 @@ DEFAULT_SHARD_BYTES = 5 * 1024**3
 """Shard size limit (5 GiB, as ``transformers``' ``save_pretrained``)."""
 
 _INDEX = "model.safetensors.index.json"
+_COMPANIONS = (*TOKENIZER_FILES, "generation_config.json")
+"""Files of an ``hf:DIR`` model's directory copied into its export, when present."""
+_COMPANION_DIRS = ("additional_chat_templates",)
+"""Directories of such files (``transformers`` saves extra chat templates there)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +76,8 @@ class ExportResult:
     total_bytes: int
     config: bool
     """Whether a ``config.json`` was written."""
+    copied: tuple[str, ...] = ()
+    """Files copied from the ``hf:DIR`` model's directory (tokenizer, generation config)."""
 
 
 def _target(out: Path) -> None:
@@ -81,10 +96,33 @@ def _make_workspace(target: Path) -> tuple[Path, list[Path]]:
         for p in reversed([p for p in target.parents if not p.exists()]):  # outermost first
             p.mkdir()
             made.append(p)
-        return Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent)), made
+        return _mkdir_unique(target.parent, f".{target.name}-"), made
     except OSError as e:
         _remove_dirs(made)
         raise ValidationError(f"cannot write the export to {target}: {e.strerror or e}") from e
+
+
+def _mkdir_unique(parent: Path, prefix: str) -> Path:
+    """A new directory ``parent/prefix<random>``, made by ``mkdir``: mode 0777 less the umask
+    (``tempfile.mkdtemp`` makes 0700, and the export is renamed into place with that mode)."""
+    while True:
+        path = parent / f"{prefix}{secrets.token_hex(4)}"
+        try:
+            path.mkdir()
+            return path
+        except FileExistsError:
+            continue
+
+
+def _file_mode() -> int:
+    """The mode ``open()`` gives a new file: 0666 less the process umask."""
+    try:  # Linux says it without changing it
+        status = Path("/proc/self/status").read_text()
+        umask = int(next(x.split()[1] for x in status.splitlines() if x.startswith("Umask:")), 8)
+    except (OSError, StopIteration, IndexError, ValueError):
+        umask = os.umask(0o077)  # POSIX reads it only by setting it
+        os.umask(umask)
+    return 0o666 & ~umask
 
 
 def check_export_target(out: str | Path) -> None:
@@ -163,6 +201,7 @@ class _Shards:
 
         name = f"part-{len(self.files):05d}.safetensors"
         save_file(self.pending, str(self.root / name), metadata={"format": "pt"})
+        os.chmod(self.root / name, _file_mode())  # safetensors writes 0600 (a renamed temp file)
         self.files.append(name)
         self.pending, self.pending_bytes = {}, 0
 
@@ -200,7 +239,8 @@ def export_checkpoint(
             ``step-NNNNNNNN`` directory.
         out: The directory to create (absent or empty).
         workload: The model it was trained as: checked against the checkpoint, and for a
-            Hugging Face model the directory gets its ``config.json`` and exactly its tensors.
+            Hugging Face model the directory gets its ``config.json`` and exactly its tensors;
+            for an ``hf:DIR`` model also DIR's tokenizer files and ``generation_config.json``.
         max_shard_bytes: Shard size limit.
 
     Raises:
@@ -216,6 +256,7 @@ def export_checkpoint(
     tmp, made = _make_workspace(target)
     try:
         ckpt, shards, files, config = _write(Path(checkpoint), tmp, workload, max_shard_bytes)
+        copied = _copy_companions(_source_dir(config), tmp)
         if target.exists():
             target.rmdir()  # empty, checked above
         os.replace(tmp, target)
@@ -224,13 +265,16 @@ def export_checkpoint(
         _remove_dirs(made)
         raise
     log.info("exported %s step %d to %s (%d files)", ckpt.path, ckpt.step, target, len(files))
+    if copied:
+        log.info("copied %s from %s", ", ".join(copied), _source_dir(config))
     return ExportResult(
         path=target,
         step=ckpt.step,
-        files=tuple(files),
+        files=(*files, *copied),
         num_tensors=len(shards.where),
         total_bytes=shards.total,
         config=config is not None,
+        copied=tuple(copied),
     )
 
 
@@ -244,12 +288,9 @@ def _write(
             the tensors held: the model's ``state_dict`` (a tied parameter once), or without a
             model every tensor of every layer.
     """
-    ckpt = read_checkpoint(src) if (src / "manifest.json").is_file() else latest_checkpoint(src)
+    ckpt = newest_checkpoint(src)
     if ckpt is None:
         raise CheckpointError(f"no complete checkpoint under {str(src)!r}")
-    newest = [d for d in list_checkpoints(src) if (d / "manifest.json").is_file()]
-    if newest and newest[-1] != ckpt.path:
-        log.warning("%s is damaged: exporting the older %s", newest[-1], ckpt.path)
     if workload is not None:
         check_compatible(ckpt, model_name=workload.name, num_layers=workload.num_layers)
     names, config = _wanted_names(workload)
@@ -278,3 +319,49 @@ def _write(
         config.save_pretrained(tmp)
         files.append("config.json")
     return ckpt, shards, files, config
+
+
+def newest_checkpoint(src: str | Path) -> Checkpoint | None:
+    """The checkpoint at ``src``: that ``step-NNNNNNNN`` directory, or the newest complete one
+    under a checkpoint root (a damaged newer one is skipped with a warning); ``None`` if none.
+
+    Raises:
+        CheckpointError: a damaged checkpoint directory, or every one under the root damaged.
+    """
+    src = Path(src)
+    ckpt = read_checkpoint(src) if (src / "manifest.json").is_file() else latest_checkpoint(src)
+    newest = [d for d in list_checkpoints(src) if (d / "manifest.json").is_file()]
+    if ckpt is not None and newest and newest[-1] != ckpt.path:
+        log.warning("%s is damaged: using the older %s", newest[-1], ckpt.path)
+    return ckpt
+
+
+def _source_dir(config: Any) -> Path | None:
+    """The directory of an ``hf:DIR`` model (its config's ``name_or_path``), else ``None``."""
+    where = str(getattr(config, "name_or_path", "") or "")
+    return Path(where) if where and Path(where).is_dir() else None
+
+
+def _copy_companions(src: Path | None, tmp: Path) -> list[str]:
+    """Copy the tokenizer files and ``generation_config.json`` present in ``src`` into ``tmp``.
+
+    ``shutil.copyfile`` creates each file as ``open()`` does (mode from the umask, not the
+    source's). Returns the names copied (``DIR/NAME`` for a file of a directory).
+
+    Raises:
+        ValidationError: a file that cannot be read (nothing is left behind).
+    """
+    if src is None:
+        return []
+    copied = [n for n in _COMPANIONS if (src / n).is_file()]
+    try:
+        for name in copied:
+            shutil.copyfile(src / name, tmp / name)
+        for sub in (d for d in _COMPANION_DIRS if (src / d).is_dir()):
+            (tmp / sub).mkdir()
+            for f in sorted(p for p in (src / sub).iterdir() if p.is_file()):
+                shutil.copyfile(f, tmp / sub / f.name)
+                copied.append(f"{sub}/{f.name}")
+    except OSError as e:
+        raise ValidationError(f"cannot copy {e.filename} into the export: {e.strerror or e}") from e
+    return copied

@@ -1,18 +1,20 @@
 """Process launch: under ``torchrun`` (env RANK/WORLD_SIZE/MASTER_ADDR) or standalone, where the
 local worker processes are started here (:func:`spawn`).
 
-Backend: NCCL when the run uses CUDA, gloo on CPU. ``init_process_group(timeout=...)`` bounds
+Backend: NCCL when the run uses CUDA with a GPU per rank; gloo on CPU, and gloo with device
+tensors staged through host memory when ranks share a GPU (:mod:`dapple.runtime.comm`). ``init_process_group(timeout=...)`` bounds
 every wait on a peer; a failing worker prints ``dapple: error: step S: rank R (stage s
 replica j) failed during ...; lost peer rank P ...`` and exits 1 instead of hanging. A rank that
 failed on its own adds the schedule grid with its action marked; a rank that only lost a peer
 prints that one line (:func:`dapple.runtime.failure.rank_report`).
 
 The standalone launcher (:mod:`dapple.runtime.local`): its workers end when it ends, however it
-ends (SIGKILL included); SIGTERM or SIGINT to it stops every worker first; the workers ignore
-SIGINT (Ctrl-C reaches the whole process group: the launcher handles it); the rendezvous and
-gloo listen on ``127.0.0.1`` only. It waits for all workers (at most ``timeout_s`` plus a grace
-period after the first failure, then kills stragglers) and reports every rank's exit code or
-signal.
+ends (SIGKILL included); SIGTERM or SIGINT to it stops every worker first; each worker runs in
+a session of its own (:mod:`dapple.core.own_session`: Ctrl-C reaches only the launcher, which
+stops them) and ignores SIGINT; the rendezvous and gloo listen on ``127.0.0.1`` only. It waits
+for all workers (at most ``timeout_s`` plus a grace period after the first failure, then kills
+stragglers) and reports every rank's exit code or signal. Rank 0 (and the first replica of each
+stage) prints each start-up phase as it starts (:func:`dapple.runtime.metrics.announce`).
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ import gc
 import json
 import os
 import pickle
-import signal
 import socket
 import sys
 import tempfile
@@ -36,26 +37,29 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from dapple.core.host_memory import keep_freed_memory
+from dapple.core.own_session import Deferred, run_in_own_session
 from dapple.core.plan import Plan
 from dapple.errors import ValidationError
 from dapple.models.shapes import check_steps, run_dims
 from dapple.models.workload import Workload
+from dapple.runtime.comm import set_host_staged, transport_for
 from dapple.runtime.config import StepMetrics, TrainConfig
 from dapple.runtime.data import check_data, check_data_resume, data_state
+from dapple.runtime.early import EarlyWorkers, preloaded
 from dapple.runtime.engine import RankFailure, run_plan, validate_run
 from dapple.runtime.evaluate import eval_batch_fn, eval_plan
 from dapple.runtime.failure import rank_report
 from dapple.runtime.local import (
-    LOOPBACK,
     StopSignals,
-    end_with_launcher,
     exit_text,
-    join_loopback,
     listener,
     local_store,
+    pin_cores,
+    run_worker,
     stop_workers,
 )
 from dapple.runtime.longrun import elastic_store
+from dapple.runtime.metrics import announce
 from dapple.runtime.precision import check_precision
 
 __all__ = [
@@ -112,6 +116,7 @@ def init_distributed(config: TrainConfig, local_world: int) -> torch.device:
     step (:func:`dapple.core.host_memory.keep_freed_memory`)."""
     local_rank = int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")))
     device = _pick_device(config.device, local_rank)
+    pin_cores(local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", local_world)))
     if device.type == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_world)))
         keep_freed_memory()  # no page faults for each step's fresh activations
@@ -120,8 +125,12 @@ def init_distributed(config: TrainConfig, local_world: int) -> torch.device:
         store = local_store(timeout)
         if store is None:
             store = elastic_store(timeout)
+        devices = torch.cuda.device_count() if device.type == "cuda" else 0
+        ranks = int(os.environ.get("LOCAL_WORLD_SIZE", local_world))
+        backend, staged = transport_for(device.type, ranks, devices)
+        set_host_staged(staged)
         dist.init_process_group(
-            backend="nccl" if device.type == "cuda" else "gloo",
+            backend=backend,
             timeout=timeout,
             **store,  # spawned: loopback store; torchrun restarts: a fresh key prefix
         )
@@ -153,58 +162,54 @@ def _die(msg: str) -> None:
     os._exit(1)
 
 
-def _entry(
+def spawn(
     fn: Callable[..., None],
-    rank: int,
-    world: int,
-    port: int,
-    launcher: int,
-    sock: socket.socket | None,
-    args: tuple[Any, ...],
+    nprocs: int,
+    *args: Any,
+    timeout_s: float = 300.0,
+    early: EarlyWorkers | None = None,
 ) -> None:
-    """A spawned worker: bind its life to the launcher's, then set the env and run ``fn``."""
-    end_with_launcher(launcher)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: the launcher stops the workers
-    os.environ.update(
-        MASTER_ADDR=LOOPBACK,
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world),
-        **join_loopback(port, sock),
-    )
-    fn(rank, world, *args)
-
-
-def spawn(fn: Callable[..., None], nprocs: int, *args: Any, timeout_s: float = 300.0) -> None:
     """Run ``fn(rank, world, *args)`` in ``nprocs`` fresh local processes with the env set.
 
     The workers end with this process however it ends, meet on loopback only, and are stopped
-    by SIGTERM or SIGINT to it (see the module docstring).
+    by SIGTERM or SIGINT to it (see the module docstring). Each starts a session of its own
+    before it imports anything heavy, as ``torchrun``'s workers do
+    (:mod:`dapple.core.own_session`: on a busy machine they get torchrun's share of the CPU).
+    With ``early`` (``nprocs`` of them, started before the run was known,
+    :class:`~dapple.runtime.early.EarlyWorkers`) they get the run instead of new processes.
 
     Raises:
         RankFailure: a worker exited non-zero or was killed (or hung ``timeout_s + GRACE_S``
             after a failure); the message lists every failing rank's exit code or signal.
     """
-    ctx = mp.get_context("spawn")  # the launcher itself is each worker's parent
-    sock = listener()  # the store's address, bound before any worker looks for it
-    port = int(sock.getsockname()[1])
-    me = os.getpid()
-    procs = [
-        ctx.Process(target=_entry, args=(fn, r, nprocs, port, me, sock if r == 0 else None, args))
-        for r in range(nprocs)
-    ]  # fmt: skip
+    sock: socket.socket | None = None
+    if early is None:
+        ctx = mp.get_context("spawn")  # the launcher itself is each worker's parent
+        sock = listener()  # the store's address, bound before any worker looks for it
+        port = int(sock.getsockname()[1])
+        me = os.getpid()
+        procs = [
+            ctx.Process(target=run_in_own_session,  # a session of its own, then its imports
+                        args=(Deferred(run_worker, fn, r, nprocs, port, me,
+                                       sock if r == 0 else None, args),))
+            for r in range(nprocs)
+        ]  # fmt: skip
+    else:
+        procs = early.procs
     hung: list[int] = []
     with StopSignals() as signals:
         try:
-            for p in procs:
+            if early is not None:
+                early.hand(fn, args)
+            for p in procs if early is None else []:
                 if signals.received is None:
                     p.start()
-            sock.close()  # rank 0 holds its copy
+            if sock is not None:
+                sock.close()  # rank 0 holds its copy
             hung = _wait(procs, timeout_s, signals)
         finally:
-            sock.close()
+            if sock is not None:
+                sock.close()
             stop_workers(procs)
     bad = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode != 0]
     if bad:
@@ -232,18 +237,26 @@ def _worker(
     rank: int,
     world: int,
     plan_d: dict[str, Any],
-    wl: Any,
+    wl: bytes,
     cfg: TrainConfig,
     out: str | None,
     datasets: tuple[Any, Any] = (None, None),
 ) -> None:
+    """A spawned rank. ``wl`` is the workload pickled (a spec string or a :class:`Workload`,
+    which pickles as its spec): loading it here, not while the process unpickles its
+    arguments, lets rank 0 say so first."""
     try:
+        workload = preloaded(wl)  # an early worker loaded it already
+        if workload is None:
+            if rank == 0:
+                announce(f"start-up: loading the model in each of {world} processes", cfg.echo)
+            workload = resolve_workload(pickle.loads(wl))
+        if rank == 0:
+            announce("start-up: rendezvous", cfg.echo)
         device = init_distributed(cfg, world)
         plan = Plan.from_dict(plan_d)
         data, eval_data = datasets
-        run = run_plan(
-            plan, resolve_workload(wl), cfg, device=device, data=data, eval_data=eval_data
-        )
+        run = run_plan(plan, workload, cfg, device=device, data=data, eval_data=eval_data)
         if out and rank == 0:
             Path(out).write_text(json.dumps([m.to_dict() for m in run.metrics]))
         shutdown_distributed()
@@ -264,12 +277,14 @@ def train(
     *,
     data: Any = None,
     eval_data: Any = None,
+    early: EarlyWorkers | None = None,
     **options: Any,
 ) -> list[StepMetrics]:
     """Train ``steps`` synchronous steps of ``plan`` (Python API behind ``dapple train``).
 
     Under ``torchrun`` (RANK/WORLD_SIZE in the env) this process is one rank; otherwise one
-    process per plan device is started locally.
+    process per plan device is started locally (or, with ``early``, those started before the
+    checks run it: ``dapple train`` starts them first thing, :mod:`dapple.runtime.early`).
 
     Args:
         plan: a :class:`Plan` or the path of a plan JSON file.
@@ -279,6 +294,8 @@ def train(
         data: training samples (a map-style dataset of ``(inputs, targets)``, e.g. a
             :class:`~dapple.datasets.TokenFile`); None: ``workload.make_batch``.
         eval_data: evaluation samples handed to the runtime (see ``run_plan``).
+        early: workers already started for this run (one per plan device; ended when the
+            run is refused).
         **options: the other :class:`TrainConfig` fields (seed, optimizer, lr, timeout_s,
             recompute, metrics_path, echo, device, predicted_step_ms, precision).
 
@@ -299,6 +316,8 @@ def train(
         _check_datasets(plan, wl, cfg, data, eval_data)
         _check_shapes(plan, wl, cfg, data)
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
+        if int(os.environ["RANK"]) == 0:
+            announce("start-up: rendezvous", cfg.echo)
         try:
             device = init_distributed(cfg, local_world)
             run = run_plan(plan, wl, cfg, device=device, data=data, eval_data=eval_data)
@@ -313,18 +332,24 @@ def train(
     validate_run(plan, resolved, world, zero_stage=cfg.zero_stage)
     _check_datasets(plan, resolved, cfg, data, eval_data)
     _check_shapes(plan, resolved, cfg, data)
-    if not isinstance(workload, str):
-        try:
-            pickle.dumps(workload)
-        except Exception as e:
-            raise ValidationError(
-                f"workload {workload.name!r} cannot be sent to spawned workers ({e}); "
-                "pass it as a 'module:factory' spec string"
-            ) from e
+    try:
+        payload = pickle.dumps(workload)
+    except Exception as e:
+        raise ValidationError(
+            f"workload {resolved.name!r} cannot be sent to spawned workers ({e}); "
+            "pass it as a 'module:factory' spec string"
+        ) from e
+    if early is not None and early.nprocs != world:
+        early.close()  # started for another plan
+        early = None
+    if early is None:
+        announce(f"start-up: starting {world} processes", cfg.echo)
+    else:
+        announce(f"start-up: checks done, the run goes to the {world} processes", cfg.echo)
     with tempfile.TemporaryDirectory(prefix="dapple-train-") as tmp:
         out = str(Path(tmp) / "metrics.json")
-        spawn(_worker, world, plan.to_dict(), workload, cfg, out, (data, eval_data),
-              timeout_s=cfg.timeout_s)  # fmt: skip
+        spawn(_worker, world, plan.to_dict(), payload, cfg, out, (data, eval_data),
+              timeout_s=cfg.timeout_s, early=early)  # fmt: skip
         return [_metrics_from(d) for d in json.loads(Path(out).read_text())]
 
 

@@ -1,7 +1,9 @@
 """A single-host launch beyond starting processes: workers that end with their launcher, and a
 rendezvous that listens on loopback only (used by :func:`dapple.runtime.launch.spawn`).
 
-Lifetimes. A worker arms :func:`end_with_launcher` first thing: on Linux
+Lifetimes. A worker starts in a session of its own (:mod:`dapple.core.own_session`: its share
+of a busy machine's CPU, as a ``torchrun`` worker's; terminal signals reach only the launcher),
+then, once its code is imported, arms :func:`end_with_launcher`: on Linux
 ``prctl(PR_SET_PDEATHSIG, SIGKILL)`` makes the kernel kill it when the launcher dies - SIGKILL
 included - and a ``getppid`` check closes the race where the launcher died before that. While
 the launcher waits, :class:`StopSignals` notes SIGTERM and SIGINT; the launcher then stops every
@@ -25,6 +27,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from types import FrameType
@@ -36,6 +39,7 @@ from dapple.runtime.failure import RankFailure
 
 __all__ = [
     "LOOPBACK",
+    "PIN_CORES_ENV",
     "STOP_GRACE_S",
     "StopSignals",
     "end_with_launcher",
@@ -44,6 +48,8 @@ __all__ = [
     "listener",
     "local_store",
     "loopback_interface",
+    "pin_cores",
+    "run_worker",
     "stop_workers",
 ]
 
@@ -145,6 +151,31 @@ def exit_text(code: int | None) -> str:
     return f"exit {code}"
 
 
+def run_worker(
+    fn: Callable[..., None],
+    rank: int,
+    world: int,
+    port: int,
+    launcher: int,
+    sock: socket.socket | None,
+    args: tuple[Any, ...],
+) -> None:
+    """A spawned worker: bind its life to the launcher's, meet the others on loopback (rank 0
+    serves on ``sock``), set the env and run ``fn(rank, world, *args)``."""
+    end_with_launcher(launcher)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: the launcher stops the workers
+    os.environ.update(
+        MASTER_ADDR=LOOPBACK,
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        **join_loopback(port, sock),
+    )
+    fn(rank, world, *args)
+
+
 # -- rendezvous ------------------------------------------------------------------------------
 def listener(port: int = 0) -> socket.socket:
     """A TCP socket bound to ``127.0.0.1:port`` (0: a free port) and listening."""
@@ -210,3 +241,20 @@ def local_store(timeout: timedelta) -> dict[str, Any] | None:
             LOOPBACK, rdv.port, world, is_master=False, timeout=timeout
         )
     return {"store": store, "rank": rank, "world_size": world}
+
+
+PIN_CORES_ENV = "DAPPLE_PIN_CORES"
+"""``1``: each local rank runs on its own share of the machine's cores (:func:`pin_cores`)."""
+
+
+def pin_cores(local_rank: int, local_world: int) -> list[int] | None:
+    """With ``DAPPLE_PIN_CORES=1``, bind this process to cores ``[k * c, (k + 1) * c)`` of the
+    cores it may use (``c`` = cores // local_world, ``k`` = local_rank), so local ranks do not
+    time-slice each other's cores; the cores taken, or None (not asked, or unsupported)."""
+    if os.environ.get(PIN_CORES_ENV) != "1" or not hasattr(os, "sched_setaffinity"):
+        return None
+    cores = sorted(os.sched_getaffinity(0))
+    share = max(1, len(cores) // max(1, local_world))
+    mine = cores[(local_rank * share) % len(cores) :][:share]
+    os.sched_setaffinity(0, mine)
+    return mine

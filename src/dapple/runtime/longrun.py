@@ -54,6 +54,7 @@ from torch import nn
 
 from dapple.core.plan import Plan
 from dapple.models.workload import Workload
+from dapple.runtime import comm
 from dapple.runtime.checkpoint import (
     Checkpoint,
     CheckpointError,
@@ -73,17 +74,31 @@ from dapple.runtime.checkpoint import (
 )
 from dapple.runtime.config import TrainConfig
 from dapple.runtime.data import check_data_resume
+from dapple.runtime.metrics import announce
+from dapple.runtime.optim import config_lr, lr_at
 from dapple.runtime.precision import Precision
 from dapple.runtime.zero import FlatShards
 from dapple.schedule.ir import Action, ActionKind
 
-__all__ = ["OPTIMIZER_CLASSES", "LongRun", "elastic_store", "first_attempt"]
+__all__ = [
+    "OPTIMIZER_CLASSES",
+    "SCHEDULE_KEYS",
+    "LongRun",
+    "data_position",
+    "elastic_store",
+    "first_attempt",
+    "lr_rederived",
+]
 
 logger = logging.getLogger(__name__)
 
 OPTIMIZER_CLASSES = {"sgd": "SGD", "adam": "Adam", "adamw": "AdamW"}
 """``TrainConfig.optimizer`` -> the torch class name a checkpoint records."""
 _KINDS = ("loss", "gradient")
+SCHEDULE_KEYS = ("steps", "lr", "lr_schedule", "warmup_steps", "min_lr")
+"""The :class:`TrainConfig` fields the learning rate of a step depends on
+(:func:`dapple.runtime.optim.lr_at`): a checkpoint records them in its ``extra``, so a resume
+says how its schedule differs (:func:`lr_rederived`)."""
 
 
 def first_attempt() -> bool:
@@ -207,8 +222,16 @@ class LongRun:
         self.skipped = [int(x) for x in ck.meta.extra.get("skipped_steps", [])]
         self.last_good = ck.step
         self.precision.load_state_dict(ck.meta.extra)
-        how = "same plan" if same_run else f"plan {self.plan.replication} (saved under another)"
-        logger.info("resumed from %s at step %d (%s)", ck.path, ck.step, how)
+        if self.rank == 0:
+            how = "same plan" if same_run else f"plan {self.plan.replication}, saved under another"
+            announce(
+                f"resumed: step {ck.step} from {ck.path} ({how}); data position: "
+                f"{data_position(ck.meta.extra.get('data'), ck.step, cfg.seed)}",
+                cfg.echo,
+            )
+            line = lr_rederived(ck.meta.extra, cfg, ck.step)
+            if line is not None:
+                announce(line, cfg.echo)
         return ck.step
 
     def _agree_resume_point(self, root: str) -> Checkpoint | None:
@@ -285,7 +308,7 @@ class LongRun:
             rows: list[list[float]] = [mine.tolist()]
         else:
             gathered = [torch.empty_like(mine) for _ in range(self.world)]
-            dist.all_gather(gathered, mine)
+            comm.all_gather(gathered, mine)
             rows = torch.stack(gathered).tolist()
         found = sorted((int(r[0]), int(r[2]), int(r[1]), int(r[3])) for r in rows if r[0] >= 0)
         return self._verdict(step, found), rows
@@ -334,7 +357,11 @@ class LongRun:
         if self._overwrite:  # the old run's checkpoints go now, before this run's first files
             if self.rank == 0:
                 gone = delete_checkpoints(cfg.checkpoint_dir)
-                logger.info("deleted %d old checkpoints in %s", len(gone), cfg.checkpoint_dir)
+                announce(
+                    f"checkpoints deleted: the {len(gone)} of an earlier run in "
+                    f"{cfg.checkpoint_dir} (overwrite_checkpoints)",
+                    cfg.echo,
+                )
             if self.world > 1:
                 dist.barrier()
             self._overwrite = False
@@ -353,13 +380,13 @@ class LongRun:
             world_size=self.world,
             extra={
                 "seed": cfg.seed,
-                "lr": cfg.lr,
+                **{k: getattr(cfg, k) for k in SCHEDULE_KEYS},  # the lr schedule
                 "skipped_steps": list(self.skipped),
                 **self.precision.state_dict(),  # fp16: the loss scale
             }
             | ({"data": self.data_state} if self.data_state is not None else {}),
         )
-        save_checkpoint(
+        path = save_checkpoint(
             cfg.checkpoint_dir,
             meta,
             states,
@@ -370,6 +397,8 @@ class LongRun:
         )
         self.saved.append(done)
         self.last_good = done
+        if self.rank == 0:
+            announce(f"checkpoint saved: step {done} (steps 0-{step} done) in {path}", cfg.echo)
 
     def _refuse_nonfinite_weights(self, step: int) -> None:
         """Before a save: every rank checks its stage's floating weights and buffers, one
@@ -391,7 +420,7 @@ class LongRun:
         rows: list[list[float]] = [mine.tolist()]
         if self.world > 1:
             gathered = [torch.empty_like(mine) for _ in range(self.world)]
-            dist.all_gather(gathered, mine)
+            comm.all_gather(gathered, mine)
             rows = torch.stack(gathered).tolist()
         found = [(int(r[1]), int(r[2])) for r in rows if r[0]]
         if not found:
@@ -407,3 +436,41 @@ class LongRun:
             f"step {step}: non-finite weights after the optimizer step at {what}; checkpoint of "
             f"step {step + 1} not saved; last good checkpoint: {where}"
         )
+
+
+def data_position(saved: dict[str, Any] | None, step: int, seed: int) -> str:
+    """Where the data stream of a run resumed at ``step`` stands, in words: a dataset's epoch,
+    batch within it and next sample of the epoch's shuffled order
+    (:class:`~dapple.datasets.EpochSampler`, from the checkpoint's record ``saved``), or the
+    seed of the next synthetic batch (``saved`` None: ``make_batch(G, seed + step)``)."""
+    if saved is None:
+        return f"synthetic batches, next make_batch seed {seed + step}"
+    G, items = int(saved["global_batch_size"]), int(saved["items"])
+    per_epoch = max(1, items // G)  # E = N // G steps per epoch
+    epoch, k = divmod(step, per_epoch)
+    return (
+        f"epoch {epoch}, batch {k} of {per_epoch}, next sample {k * G} of the epoch's order of "
+        f"{items} ({step * G} samples consumed)"
+    )
+
+
+def lr_rederived(saved: dict[str, Any], config: TrainConfig, step: int) -> str | None:
+    """One line when this run's learning-rate schedule differs from the one the checkpoint
+    was saved under (``--steps`` changed, say): the fields that changed and the lr of the
+    resume step under each; None when they agree or the checkpoint does not record them."""
+    if any(k not in saved for k in SCHEDULE_KEYS):
+        return None
+    old = {k: saved[k] for k in SCHEDULE_KEYS}
+    changed = [k for k in SCHEDULE_KEYS if old[k] != getattr(config, k)]
+    if not changed:
+        return None
+    names = {"steps": "total steps", "lr": "peak lr", "lr_schedule": "schedule",
+             "warmup_steps": "warm-up steps", "min_lr": "min lr"}  # fmt: skip
+    what = ", ".join(f"{names[k]} {old[k]} -> {getattr(config, k)}" for k in changed)
+    before = lr_at(step, lr=old["lr"], steps=old["steps"], schedule=old["lr_schedule"],
+                   warmup_steps=old["warmup_steps"], min_lr=old["min_lr"])  # fmt: skip
+    after = config_lr(config, step)
+    return (
+        f"lr schedule re-derived: {what}; lr at step {step} {before:.3g} -> {after:.3g} "
+        f"(now {config.lr_schedule} over {config.steps} steps)"
+    )

@@ -9,6 +9,10 @@ another message, and :class:`MetricsSink` turns the gathered rows into one
 :class:`~dapple.runtime.config.StepMetrics` per step: kept in a list, logged, echoed to stdout
 (``TrainConfig.echo``), appended to a JSON-lines file (``TrainConfig.metrics_path``) and handed
 to callbacks - in the spirit of torchtitan's metrics processor.
+
+The run's events between the step lines - each start-up phase as it starts, weights loaded, a
+checkpoint saved, a resume - take the same path, one line each from the rank that knows
+(:func:`announce`).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import IO, Any
@@ -28,9 +33,19 @@ from dapple.runtime.config import StepMetrics, TrainConfig
 from dapple.runtime.memory import ActivationMeter
 from dapple.runtime.transport import flatten
 
-__all__ = ["MetricsSink", "StepProbe", "resident_bytes", "step_metrics"]
+__all__ = ["MetricsSink", "StepProbe", "announce", "resident_bytes", "step_metrics"]
 
 logger = logging.getLogger(__name__)
+
+
+def announce(line: str, echo: bool) -> None:
+    """One event of the run (``start-up: rendezvous``, ``checkpoint saved: ...``), as the step
+    lines go: logged at INFO and, with ``echo`` (``TrainConfig.echo``), printed to stdout in a
+    single flushed write (ranks share stdout). The caller is the one rank that knows."""
+    logger.info(line)
+    if echo:
+        sys.stdout.write(line + "\n")
+        sys.stdout.flush()
 
 
 def resident_bytes(device: torch.device, peak: bool) -> int:
@@ -150,8 +165,11 @@ def step_metrics(
         memory_kind: what the peaks measure (``cuda_max_allocated`` or ``held_activations``).
         predicted_step_ms: a prediction shown beside the measured time (None: none).
         resident_kind: what the resident peaks measure (``VmHWM`` or ``cuda_max_reserved``).
-        target_tokens: target tokens of the global batch (None: not a token workload); gives
-            ``tokens`` and ``tokens_per_s``.
+        target_tokens: target tokens the global batch trains on (None: not a token workload):
+            every target but the ``IGNORE_INDEX`` ones (padding), as
+            :func:`~dapple.runtime.reporting.target_tokens` counts them, so a window of
+            ``seq_len + 1`` tokens counts its ``seq_len`` targets; gives ``tokens`` and
+            ``tokens_per_s``.
         eval_loss: the mean validation loss measured after the step (None: none).
     """
     S = plan.num_groups  # a device group's chunks (interleaved) share its processes

@@ -37,6 +37,7 @@ from torch import nn
 
 from dapple.core.plan import Plan
 from dapple.models.workload import Workload
+from dapple.runtime import comm
 from dapple.runtime.config import TrainConfig
 
 __all__ = [
@@ -237,7 +238,7 @@ class ModelUpdate:
         norms, none in a world of one: every rank calls it)."""
         sq = _local_sq_norm(self.counted, self.device)
         if dist.get_world_size() > 1:
-            dist.all_reduce(sq, op=dist.ReduceOp.SUM)
+            comm.all_reduce(sq, op=dist.ReduceOp.SUM)
         return sq.sqrt().float()
 
     def step(self, step: int) -> None:

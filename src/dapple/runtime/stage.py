@@ -23,13 +23,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from dapple.core.plan import Plan, slice_bounds, transfers
 from dapple.models.rng import keyed
 from dapple.models.split_backward import ParamGroups, input_gradients, weight_gradients
+from dapple.runtime import comm
 from dapple.runtime.memory import ActivationMeter, Held
 from dapple.runtime.precision import Precision, to_fp32
 from dapple.runtime.transport import (
@@ -305,7 +305,7 @@ class StageExecutor:
             assert self.in_spec is not None
             hdr = header_buffer(self.in_spec, self.device)
             tag = message_tag(m, False, HEADER_INDEX, self.s - 1)
-            work = dist.irecv(hdr, src=rank, tag=tag)
+            work = comm.irecv(hdr, src=rank, tag=tag)
             table.setdefault(m, []).append(_Recv(lo, hi, rank, [], [work], header=hdr))
         else:
             r = _Recv(lo, hi, rank, [], [], deferred=True)
@@ -315,7 +315,7 @@ class StageExecutor:
 
     def _irecv(self, bufs: list[torch.Tensor], rank: int, m: int, backward: bool) -> list[Any]:
         return [
-            dist.irecv(buf, src=rank, tag=message_tag(m, backward, i, self.s - 1 + backward))
+            comm.irecv(buf, src=rank, tag=message_tag(m, backward, i, self.s - 1 + backward))
             for i, buf in enumerate(bufs)
         ]
 
@@ -412,10 +412,10 @@ class StageExecutor:
         if self.dynamic:
             hdr = shape_header(st.output, self.device)
             tag = message_tag(m, False, HEADER_INDEX, self.s)
-            st.sends.append(dist.isend(hdr, dst=rank, tag=tag))
+            st.sends.append(comm.isend(hdr, dst=rank, tag=tag))
         for i, t in enumerate(st.output):
             piece = t.detach()[lo - self.lo : hi - self.lo].contiguous()
-            st.sends.append(dist.isend(piece, dst=rank, tag=message_tag(m, False, i, self.s)))
+            st.sends.append(comm.isend(piece, dst=rank, tag=message_tag(m, False, i, self.s)))
 
     def _output_grads(self, m: int) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
         """The tensors micro-batch ``m``'s backward starts from and their gradients: the scaled
@@ -462,7 +462,7 @@ class StageExecutor:
         for i, g in enumerate(self._grad_in[m]):
             piece = g[lo - self.lo : hi - self.lo].contiguous()
             tag = message_tag(m, True, i, self.s - 1)
-            self._pending_sends.append(dist.isend(piece, dst=rank, tag=tag))
+            self._pending_sends.append(comm.isend(piece, dst=rank, tag=tag))
         self._grad_in_left[m] -= 1
         if self._grad_in_left[m] == 0:  # the pending sends keep their pieces alive
             del self._grad_in[m], self._grad_in_left[m]

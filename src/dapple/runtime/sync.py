@@ -35,6 +35,7 @@ from torch import nn
 from dapple.core.plan import Plan
 from dapple.models.tied import sync_tied_grads
 from dapple.models.workload import Workload
+from dapple.runtime import comm
 
 __all__ = ["BUCKET_BYTES", "GradientSync", "bucket_runs"]
 
@@ -207,7 +208,7 @@ class GradientSync:
                 view.zero_()
             else:
                 view.copy_(p.grad.reshape(-1))
-        bk.work = dist.all_reduce(bk.flat, op=dist.ReduceOp.SUM, group=self.pg, async_op=True)
+        bk.work = comm.all_reduce(bk.flat, op=dist.ReduceOp.SUM, group=self.pg, async_op=True)
         bk.launched = True
 
     def finish(self) -> None:
@@ -249,7 +250,7 @@ class GradientSync:
 
         def group_sum(g: int, local: torch.Tensor) -> torch.Tensor:
             if g in self.tied_pg:
-                dist.all_reduce(local, op=dist.ReduceOp.SUM, group=self.tied_pg[g])
+                comm.all_reduce(local, op=dist.ReduceOp.SUM, group=self.tied_pg[g])
             return local
 
         sync_tied_grads(self.by_layer, self.groups, group_sum)

@@ -1,26 +1,29 @@
-"""Discrete-event simulation of a lowered schedule with the planner's costs (paper sections 4, 6).
+"""Discrete-event simulation of a lowered schedule with the cost model's terms (sections 4, 6).
 
-Pure: no torch. Every device runs its program (:func:`dapple.schedule.lower`) in order:
+Pure: no torch. Every time below is a term of the plan's :class:`~dapple.cost.terms.PlanTerms`
+(:func:`dapple.cost.terms.stage_terms`, the assembly the cost model's L reads too). Every device
+runs its program (:func:`dapple.schedule.lower`) in order:
 
-* ``F``/``B`` occupy the device for ``compute_ms`` of its replica's slice of the micro-batch
+* ``F``/``B`` occupy the device for the compute time of its replica's slice of the micro-batch
   (:func:`dapple.core.plan.split_sizes`); with re-computation ``B`` includes the repeated forward.
   ``I``/``W`` (zero-bubble schedules) are compute tasks of their own, the input- and
-  weight-gradient halves of ``B`` (:func:`dapple.planner.schedules.split_backward_ms`); the
+  weight-gradient halves of ``B`` (:func:`dapple.cost.compute.split_backward_ms`); the
   re-computed forward belongs to ``I``. A device of an interleaved plan runs several stages
   (chunks): every action costs and communicates as the stage it names, so a chunk boundary's
   transfer uses the link between the two chunks' devices.
 * ``SEND_F``/``SEND_B`` are non-blocking for the sender's compute; the transfer of the slice
   overlap ``[lo, hi)`` (:func:`dapple.core.plan.transfers`) occupies the directed link
-  ``(src, dst)`` for ``transfer_ms`` of its bytes, first come first served per link.
+  ``(src, dst)`` for the transfer time of its bytes (:func:`dapple.cost.comm.transfer_ms`), first
+  come first served per link.
 * ``RECV_F``/``RECV_B`` block the device until the matching transfer has arrived.
 * ``AR`` starts when every replica of the stage has reached it and lasts
-  ``allreduce_ms`` of the stage's parameter bytes over its devices, AR(P_s, g_s); a stage with
+  AR(P_s, g_s) of the stage's parameter bytes over its devices; a stage with
   ``zero_stage`` 2 takes ``(M + 1) / 2`` of that (its reductions after every backward, then the
-  gather: :func:`dapple.planner.comm.stage_sync_ms`, as the planner counts it).
+  gather: :func:`dapple.cost.comm.stage_sync_ms`, as the planner counts it).
 * ``OPT`` (the optimizer step) takes U_s, the update the profile measured for the stage's
-  parameters (1/r_s of them under ZeRO; :func:`dapple.planner.comm.stage_update_ms`), which
+  parameters (1/r_s of them under ZeRO; :func:`dapple.cost.comm.stage_update_ms`), which
   the planner adds to AR_s; 0 for a profile without it. On hosts with CPU overhead terms
-  (:mod:`dapple.planner.host`) F/B also carry the host CPU of their action and its messages,
+  (:mod:`dapple.cost.host`) F/B also carry the host CPU of their action and its messages,
   and ``OPT`` is a compute task of the per-step host CPU (optimizer, step collective,
   AllReduce copies, so U_s is 0 there), both shared like any compute.
 
@@ -40,19 +43,17 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from dapple.core.cluster import Cluster
-from dapple.core.plan import Plan, StagePlan, split_sizes, transfers
+from dapple.core.plan import Plan, StagePlan
 from dapple.core.profile import ModelProfile
+from dapple.cost.lengths import profile_for_plan
+from dapple.cost.memory import device_state_bytes, held_activation_bytes
+from dapple.cost.schedules import schedule_step_ms
+from dapple.cost.terms import PlanTerms, TransferTerms, stage_terms
 from dapple.errors import DappleError, ValidationError
-from dapple.planner import cost as costs
-from dapple.planner.comm import stage_sync_ms, stage_update_ms
-from dapple.planner.host import HostExtra, host_extras
-from dapple.planner.lengths import profile_for_plan
-from dapple.planner.schedules import schedule_latency, split_backward_ms
 from dapple.schedule.ir import Action, ActionKind, Schedule
 from dapple.schedule.lower import lower
 from dapple.schedule.validate import validate
@@ -91,7 +92,7 @@ class DeviceStats:
     replica: int
     busy_ms: float
     """Time spent computing: F/B, and on hosts with CPU overhead terms the per-step host CPU
-    of ``OPT`` (:mod:`dapple.planner.host`)."""
+    of ``OPT`` (:mod:`dapple.cost.host`)."""
     bubble_fraction: float
     """``1 - busy_ms / step_ms``: idle (or communication-bound) share of the step."""
     static_memory_bytes: float
@@ -148,7 +149,7 @@ def held_and_transient_bytes(
         stage: the stage (layer range and re-computation flag).
         samples: samples in the slice.
     """
-    held = float(costs.held_activation_bytes(profile, stage, samples))
+    held = float(held_activation_bytes(profile, stage, samples))
     if not stage.recompute:
         return held, 0.0
     start, end = stage.layers
@@ -161,21 +162,16 @@ class _Run:
     """Mutable state of one simulated step and the two sweeps over it (dedicated or shared
     compute). Non-compute actions are handled identically by both."""
 
-    def __init__(
-        self,
-        plan: Plan,
-        profile: ModelProfile,
-        cluster: Cluster,
-        sched: Schedule,
-        sizes: list[tuple[int, ...]],
-        moved: dict[tuple[int, int, int], int],
-        compute: Callable[[int, int], tuple[float, float]],
-        split: Callable[[int, int], tuple[float, float]],
-        host: list[list[HostExtra]],
-    ) -> None:
-        self.plan, self.profile, self.cluster, self.sched = plan, profile, cluster, sched
-        self.sizes, self.moved, self.compute, self.host = sizes, moved, compute, host
-        self.split = split
+    def __init__(self, terms: PlanTerms, sched: Schedule) -> None:
+        self.terms, self.sched = terms, sched
+        self.plan, self.profile, self.cluster = terms.plan, terms.profile, terms.cluster
+        # (boundary s|s+1, src replica j, dst replica k) -> the slice transfer
+        self.transfer: dict[tuple[int, int, int], TransferTerms] = {
+            (s, x.src_replica, x.dst_replica): x
+            for s, boundary in enumerate(terms.boundaries)
+            for x in boundary.transfers
+        }
+        plan = self.plan
         self.where = {d: plan.stage_of_device(d) for d in sched}
         self.t = dict.fromkeys(sched, 0.0)
         self.pc = dict.fromkeys(sched, 0)
@@ -188,21 +184,11 @@ class _Run:
         self.deltas: dict[int, list[tuple[float, float]]] = {d: [] for d in sched}
         self.in_flight = dict.fromkeys(sched, 0)
         self.peak_in_flight = dict.fromkeys(sched, 0)
-        self.update_ms = [
-            stage_update_ms(
-                cluster,
-                profile,
-                sum(x.parameter_bytes for x in profile.layers[slice(*st.layers)]),
-                st.replicas,
-                st.zero_stage,
-            )
-            for st in plan.stages
-        ]
-        """U_s, the optimizer update of stage s on each replica (its OPT's time)."""
 
     def opt_ms(self, a: Action) -> float:
         """An OPT's time: the per-step host CPU plus the optimizer update U_s."""
-        return self.host[a.stage][a.replica].step_ms + self.update_ms[a.stage]
+        st = self.terms.stages[a.stage]
+        return st.replicas[a.replica].host.step_ms + st.terms.update_ms
 
     def is_cpu(self, dev: int, a: Action) -> bool:
         """F/B, or an OPT that takes time (host CPU or the update; module docstring)."""
@@ -216,18 +202,18 @@ class _Run:
         """Books the memory of compute action ``a`` starting at ``now``; returns its nominal
         duration (host CPU extras included; an OPT's is the per-step host CPU)."""
         s, j = a.stage, a.replica
-        hx = self.host[s][j]
         if a.kind is K.STEP:
             return self.opt_ms(a)
-        n = self.sizes[s][j]
+        r = self.terms.stages[s].replicas[j]
+        n = r.samples
         if a.kind is K.FORWARD:
-            dur = self.compute(s, n)[0] + hx.forward_ms
+            dur = r.forward_ms + r.host.forward_ms
         elif a.kind is K.BACKWARD:
-            dur = self.compute(s, n)[1] + hx.backward_ms
+            dur = r.backward_ms + r.host.backward_ms
         elif a.kind is K.BACKWARD_INPUT:
-            dur = self.split(s, n)[0] + hx.backward_ms
+            dur = r.input_grad_ms + r.host.backward_ms
         else:
-            dur = self.split(s, n)[1]
+            dur = r.weight_grad_ms
         held, transient = held_and_transient_bytes(self.profile, self.plan.stages[s], n)
         if a.kind is K.FORWARD:
             self.deltas[dev].append((now, held))
@@ -243,7 +229,7 @@ class _Run:
         if a.kind in (K.BACKWARD, K.BACKWARD_INPUT, K.BACKWARD_WEIGHT):
             s, j = a.stage, a.replica
             held, transient = held_and_transient_bytes(
-                self.profile, self.plan.stages[s], self.sizes[s][j]
+                self.profile, self.plan.stages[s], self.terms.stages[s].replicas[j].samples
             )
             freed = (transient if a.kind.sends_gradient else 0.0) + (
                 0.0 if a.kind is K.BACKWARD_INPUT else held
@@ -258,18 +244,17 @@ class _Run:
     def other(self, dev: int, a: Action, now: float) -> bool:
         """Runs a non-compute action of ``dev`` at ``now``; False when it must wait (a receive
         whose message is not posted yet, an AllReduce not all replicas have reached)."""
-        stages, cluster, profile = self.plan.stages, self.cluster, self.profile
+        stages = self.plan.stages
         s, j = a.stage, a.replica
         if a.kind in (K.SEND_F, K.SEND_B):
             assert a.micro_batch is not None and a.peer is not None
             fwd = a.kind is K.SEND_F
             s_dst = s + 1 if fwd else s - 1
             dst = stages[s_dst].devices[a.peer]
-            cut = stages[s + 1].layers[0] if fwd else stages[s].layers[0]
-            n = self.moved[(s, j, a.peer)] if fwd else self.moved[(s - 1, a.peer, j)]
-            nbytes = float(costs.boundary_bytes(profile, cut, n))
+            x = self.transfer[(s, j, a.peer)] if fwd else self.transfer[(s - 1, a.peer, j)]
+            nbytes = x.nbytes
             start = max(now, self.link_free.get((dev, dst), 0.0))
-            end = start + costs.transfer_ms(cluster, nbytes, dev, dst)
+            end = start + (x.forward_ms if fwd else x.backward_ms)
             self.link_free[(dev, dst)] = end
             key = (a.kind, s, a.micro_batch, j, a.peer)
             self.arrivals.setdefault(key, deque()).append(end)
@@ -290,11 +275,8 @@ class _Run:
             if len(waiting) < stages[s].replicas:
                 return False
             start = max(waiting.values())
-            pbytes = sum(x.parameter_bytes for x in profile.layers[slice(*stages[s].layers)])
-            st = stages[s]  # AR, or ZeRO's reductions and gathers (planner.comm.stage_sync_ms)
-            end = start + stage_sync_ms(
-                cluster, pbytes, st.devices, st.zero_stage, self.plan.num_micro_batches
-            )
+            # AR, or ZeRO's reductions and gathers (dapple.cost.comm.stage_sync_ms)
+            end = start + self.terms.stages[s].terms.sync_ms
             for d, arrived in waiting.items():
                 self.events.append(SimEvent(d, self.sched[d][self.pc[d]], arrived, end))
                 self.t[d] = end
@@ -390,7 +372,7 @@ def simulate(
         schedule: a lowered schedule to run instead of ``lower(plan)``; validated first.
 
     A plan made for sequence lengths (``plan.seq_len``) runs at them when the profile was
-    measured at several (:func:`dapple.planner.lengths.profile_for_plan`).
+    measured at several (:func:`dapple.cost.lengths.profile_for_plan`).
 
     Raises:
         ValidationError: the plan does not fit the profile/cluster or the schedule is invalid.
@@ -399,35 +381,10 @@ def simulate(
     plan.validate_for(profile.num_layers, cluster.num_devices)
     sched = lower(plan) if schedule is None else schedule
     validate(sched, plan)
-    b = plan.micro_batch_size
+    terms = stage_terms(plan, profile, cluster)
     stages = plan.stages
     where = {d: plan.stage_of_device(d) for d in sched}
-    sizes = [split_sizes(b, st.replicas) for st in stages]
-    # (boundary s|s+1, src replica j, dst replica k) -> samples moved
-    moved: dict[tuple[int, int, int], int] = {}
-    for s in range(plan.num_stages - 1):
-        for j, k, lo, hi in transfers(b, stages[s].replicas, stages[s + 1].replicas):
-            moved[(s, j, k)] = hi - lo
-    comp: dict[tuple[int, int], tuple[float, float]] = {}
-
-    def compute(s: int, n: int) -> tuple[float, float]:
-        if (s, n) not in comp:
-            comp[(s, n)] = costs.compute_ms(
-                profile, cluster, stages[s].layers, n, recompute=stages[s].recompute
-            )
-        return comp[(s, n)]
-
-    halves: dict[tuple[int, int], tuple[float, float]] = {}
-
-    def split(s: int, n: int) -> tuple[float, float]:
-        if (s, n) not in halves:
-            halves[(s, n)] = split_backward_ms(
-                profile, cluster, stages[s].layers, n, recompute=stages[s].recompute
-            )
-        return halves[(s, n)]
-
-    host = host_extras(profile, cluster, [(*st.layers, st.replicas) for st in stages], b)
-    run = _Run(plan, profile, cluster, sched, sizes, moved, compute, split, host)
+    run = _Run(terms, sched)
     if cluster.compute_cores_per_server is None:
         run.sweep_dedicated()
     else:
@@ -439,9 +396,7 @@ def simulate(
     stats = []
     for dev in sorted(sched):
         s, j = where[dev]
-        static = float(
-            costs.device_state_bytes(profile, [stages[k] for k in plan.stages_of_device(dev)])
-        )
+        static = float(device_state_bytes(profile, [stages[k] for k in plan.stages_of_device(dev)]))
         level, peak = static, static
         points = [(0.0, static)]
         # frees before allocations at equal times, so back-to-back B/F do not double count
@@ -466,7 +421,7 @@ def simulate(
             )
         )
     try:
-        L_ms = schedule_latency(plan, profile, cluster)
+        L_ms = schedule_step_ms(terms)
     except DappleError:
         L_ms = math.nan
     return SimResult(

@@ -16,8 +16,8 @@ from typing import Any, cast
 from dapple.core.cluster import Cluster
 from dapple.core.plan import SCHEDULES, Plan, StagePlan, interleave
 from dapple.core.profile import ModelProfile
+from dapple.cost.schedules import schedule_latency
 from dapple.errors import DappleError, ValidationError
-from dapple.planner.schedules import schedule_latency
 from dapple.simulate.engine import SimResult, simulate
 
 __all__ = [
@@ -48,7 +48,7 @@ def with_schedule(
 
     ``interleaved`` cuts each device group's layers into ``virtual_stages`` chunks
     (:func:`dapple.core.plan.interleave`); the predicted step is the schedule's
-    (:func:`dapple.planner.schedules.schedule_latency`) when the plan had one.
+    (:func:`dapple.cost.schedules.schedule_latency`) when the plan had one.
 
     Raises:
         ValidationError: unknown schedule, v > 1 for another schedule, v not dividing a

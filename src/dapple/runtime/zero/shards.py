@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dapple.core.plan import Plan
+from dapple.runtime import comm
 from dapple.runtime.checkpoint import LayerState, stage_layer_states
 from dapple.runtime.sync import BUCKET_BYTES, bucket_runs
 
@@ -311,13 +312,13 @@ class FlatShards:
         chunk = bk.padded // self.r
         if self._gloo:  # one reduce per chunk, to its owner: the reduce-scatter's bytes
             bk.works = [
-                dist.reduce(src[j * chunk : (j + 1) * chunk], dst=d, group=self.pg, async_op=True)
+                comm.reduce(src[j * chunk : (j + 1) * chunk], dst=d, group=self.pg, async_op=True)
                 for j, d in enumerate(self.devices)
             ]
             bk.result = src[self.replica * chunk : (self.replica + 1) * chunk]
         else:
             bk.result = torch.empty(chunk, dtype=src.dtype, device=src.device)
-            bk.works = [dist.reduce_scatter_single(bk.result, src, op=dist.ReduceOp.SUM,
+            bk.works = [comm.reduce_scatter_single(bk.result, src, op=dist.ReduceOp.SUM,
                                                    group=self.pg, async_op=True)]  # fmt: skip
         if bk.staged is not None:  # ZeRO-2: at most MAX_STAGED staging buffers alive
             self._inflight.append(bk)
@@ -402,14 +403,14 @@ class FlatShards:
             else:
                 mine = bk.flat[self.replica * chunk : (self.replica + 1) * chunk]
                 self._gathers[k] = [
-                    dist.all_gather_single(bk.flat, mine, group=self.pg, async_op=True)
+                    comm.all_gather_single(bk.flat, mine, group=self.pg, async_op=True)
                 ]
 
     def _from_owners(self, parts: Sequence[torch.Tensor]) -> list[Any]:
         """Broadcast ``parts[j]`` from replica ``j`` to the others, in place (empty parts are
         skipped): the works in flight."""
         return [
-            dist.broadcast(part, src=d, group=self.pg, async_op=True)
+            comm.broadcast(part, src=d, group=self.pg, async_op=True)
             for part, d in zip(parts, self.devices, strict=True)
             if part.numel()
         ]

@@ -1,11 +1,11 @@
 """Bytes in the cost model: cut activations, parameter state, kept activations, D (section 5.1).
 
-Pure functions (no torch), re-exported by :mod:`dapple.planner.cost`. Activations are as
-profiled, in the profile's precision (``ModelProfile.precision``); parameters, gradients and
-optimizer state are fp32 in every precision, plus autocast's weight cast cache in bf16/fp16.
+Pure functions (no torch). Activations are as profiled, in the profile's precision
+(``ModelProfile.precision``); parameters, gradients and optimizer state are fp32 in every
+precision, plus autocast's weight cast cache in bf16/fp16.
 Activation memory reads the layers at the longest planned length,
 :attr:`ModelProfile.for_memory <dapple.core.profile.ModelProfile.for_memory>`
-(:mod:`dapple.planner.lengths`).
+(:mod:`dapple.cost.lengths`).
 """
 
 from __future__ import annotations

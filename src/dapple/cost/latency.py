@@ -1,9 +1,9 @@
 """Pipeline latency L (paper section 5.1, equations 1-3) over per-stage arrays.
 
-The one kernel of the cost model: :func:`dapple.planner.cost.pipeline_latency` builds the
-arrays from a :class:`~dapple.core.plan.Plan`, the planner's
-:class:`~dapple.planner.evaluate.Scorer` from its cached prefix sums, and both call
-:func:`latency`. Pure, no torch.
+The one kernel of the cost model: :func:`dapple.cost.terms.pipeline_terms` assembles the
+arrays (for a :class:`~dapple.core.plan.Plan` and for the planner's
+:class:`~dapple.planner.evaluate.Scorer` alike) and :meth:`PipelineTerms.latency
+<dapple.cost.terms.PipelineTerms.latency>` calls :func:`latency`. Pure, no torch.
 
 Notation: S stages *including* the communication stages between computation stages (index
 s in [0, S)), M micro-batches, F_s/B_s forward/backward time of stage s for one micro-batch,

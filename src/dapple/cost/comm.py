@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dapple.core.cluster import Cluster
 from dapple.core.plan import StagePlan, slice_bounds
 from dapple.core.profile import ModelProfile
-from dapple.planner.memory import boundary_bytes
+from dapple.cost.memory import boundary_bytes
 
 __all__ = [
     "allreduce_ms",
@@ -78,7 +78,7 @@ def stage_update_ms(
     replica updates after its stage's synchronisation, before the step ends.
 
     0 for a profile without U, and on clusters with host CPU terms, whose calibrated per-step
-    host CPU (``Cluster.step_overhead_ms``, :mod:`dapple.planner.host`) already holds the
+    host CPU (``Cluster.step_overhead_ms``, :mod:`dapple.cost.host`) already holds the
     update."""
     if cluster.host_overheads or not profile.update_ms_per_parameter_byte:
         return 0.0

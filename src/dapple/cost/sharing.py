@@ -51,7 +51,7 @@ def shared_compute_scale(
     ``cluster.compute_cores_per_server`` compute units each progress at ``min(1, c / k)``
     (:meth:`Cluster.compute_rate`, which also covers a background load E). Analytically we
     use a server's *mean* concurrency per phase. Device d of stage s computes ``w_d = F_d +
-    B_d`` per micro-batch over its own slice (plus its host CPU, :mod:`dapple.planner.host`).
+    B_d`` per micro-batch over its own slice (plus its host CPU, :mod:`dapple.cost.host`).
     In the steady phase, ``T_s = (M - 1) period_Q`` unstretched (equation 1), every stage
     runs M - 1 micro-batches, so server sigma's concurrency is ``U_s = sum_{d on sigma} (M -
     1) w_d / T_s`` and ``beta_sigma = 1 / rate(U_s)``; the rest of its work, ``sum_d w_d``,
@@ -63,7 +63,7 @@ def shared_compute_scale(
     server's computing devices (a short phase would otherwise count more than it has).
 
     Args:
-        span_ms: T_c, :func:`dapple.planner.latency.latency` of the unstretched F_s,
+        span_ms: T_c, :func:`dapple.cost.latency.latency` of the unstretched F_s,
             B_s with every AR term replaced by the stage's per-step host CPU (0 for dedicated
             devices).
         steady_ms: T_s of the same unstretched latency, ``(M - 1) period_Q``.

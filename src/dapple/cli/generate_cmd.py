@@ -1,0 +1,79 @@
+"""``dapple generate``: continue a prompt with your own trained model.
+
+The weights are a training run's newest checkpoint (``--checkpoint-dir``) or pretrained ones
+(``--weights``); the model is given as on ``dapple train`` (``-m``, ``--set``). Tokens are bytes
+(vocabulary 256, what ``dapple data prepare`` makes without a tokenizer) unless ``--tokenizer
+DIR`` names a Hugging Face tokenizer, or the ``hf:DIR`` model's directory holds one. The prompt
+and its continuation are printed on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from dapple.cli._model_args import add_model_arguments, model_overrides
+from dapple.errors import ValidationError
+
+__all__ = ["register"]
+
+
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser(
+        "generate",
+        help="continue a prompt with a trained model (a checkpoint or --weights), bytes or a "
+        "Hugging Face tokenizer",
+    )
+    p.add_argument(
+        "--checkpoint-dir",
+        metavar="DIR",
+        help="checkpoint root (its newest complete checkpoint) or one step-NNNNNNNN directory; "
+        "give the model as trained (-m, --set; --set seq=N for train's --seq-len N)",
+    )
+    add_model_arguments(p)  # the model as on `dapple train`; --weights instead of a checkpoint
+    p.add_argument("--prompt", required=True, metavar="TEXT", help="the text to continue")
+    p.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=64,
+        metavar="N",
+        help="tokens to add (default %(default)s; end-of-sequence does not stop it)",
+    )
+    p.add_argument(
+        "--tokenizer",
+        metavar="DIR",
+        help="a local Hugging Face tokenizer directory (default: an hf:DIR model's own "
+        "tokenizer when DIR has one, else bytes, vocabulary 256)",
+    )
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        metavar="T",
+        help="0: greedy; above 0: sample softmax(logits / T) (default %(default)s)",
+    )
+    p.add_argument(
+        "--seed", type=int, default=0, metavar="S", help="seed of the sampling (default 0)"
+    )
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from dapple import api
+
+    if (args.checkpoint_dir is None) == (args.weights is None):
+        raise ValidationError(
+            "give the weights to generate with: --checkpoint-dir DIR (a training run's "
+            "checkpoints) or --weights PATH (pretrained), one of them"
+        )
+    result = api.generate(
+        args.model,
+        args.prompt,
+        args.max_new_tokens,
+        checkpoint=args.checkpoint_dir,
+        overrides=model_overrides(args),
+        tokenizer=args.tokenizer,
+        temperature=args.temperature,
+        seed=args.seed,
+    )
+    print(result.text)
+    return 0

@@ -1,0 +1,80 @@
+"""Compute in the cost model: F_s, B_s of a stage's slice, and the split backward's I and W.
+
+Pure functions (no torch) over a profile's per-layer affine times (paper section 5.1), scaled
+by ``Cluster.compute_slowdown``. A micro-batch of b samples is split over the r_s replicas of a
+stage with :func:`dapple.core.plan.split_sizes`; F_s, B_s of the stage are those of its largest
+(first) slice, the slowest replica.
+"""
+
+from __future__ import annotations
+
+from dapple.core.cluster import Cluster
+from dapple.core.plan import StagePlan, split_sizes
+from dapple.core.profile import ModelProfile
+
+__all__ = ["compute_ms", "split_backward_ms", "stage_compute_ms"]
+
+
+def compute_ms(
+    profile: ModelProfile,
+    cluster: Cluster,
+    layers: tuple[int, int],
+    samples: int,
+    *,
+    recompute: bool = False,
+) -> tuple[float, float]:
+    """Forward and backward time of one call of layers ``[start, end)`` on ``samples`` samples.
+
+    Args:
+        profile: per-layer affine times.
+        cluster: supplies ``compute_slowdown``.
+        layers: ``(start, end)`` layer range.
+        samples: samples of the call (0 gives 0, 0: no call).
+        recompute: the backward re-runs the forward first (activation re-computation), so it
+            includes the forward time.
+
+    Returns:
+        ``(forward_ms, backward_ms)``.
+    """
+    s, e = layers
+    f = sum(layer.forward.at(samples) for layer in profile.layers[s:e]) * cluster.compute_slowdown
+    b = sum(layer.backward.at(samples) for layer in profile.layers[s:e]) * cluster.compute_slowdown
+    return f, b + (f if recompute else 0.0)
+
+
+def stage_compute_ms(
+    profile: ModelProfile, cluster: Cluster, stage: StagePlan, micro_batch_size: int
+) -> tuple[float, float]:
+    """F_s, B_s of a computation stage: its slowest replica's slice ``split_sizes(b, r_s)[0]``.
+
+    Args:
+        profile: per-layer times.
+        cluster: supplies ``compute_slowdown``.
+        stage: layer range, replicas and re-computation flag.
+        micro_batch_size: b, samples of one micro-batch before the split.
+    """
+    samples = split_sizes(micro_batch_size, stage.replicas)[0]
+    return compute_ms(profile, cluster, stage.layers, samples, recompute=stage.recompute)
+
+
+def split_backward_ms(
+    profile: ModelProfile,
+    cluster: Cluster,
+    layers: tuple[int, int],
+    samples: int,
+    *,
+    recompute: bool = False,
+) -> tuple[float, float]:
+    """``(I, W)``: the input- and weight-gradient halves of the backward of layers
+    ``[start, end)`` on ``samples`` samples (:meth:`LayerProfile.backward_split`: measured, or
+    the documented assumed split). A re-computed forward runs before ``I`` and counts there.
+    The first stage's inputs carry no gradient: the runtime runs its whole backward as ``W``
+    (:mod:`dapple.models.split_backward`), and so does this.
+    """
+    s, e = layers
+    i = w = 0.0
+    for layer in profile.layers[s:e]:
+        li, lw = (0.0, layer.backward.at(samples)) if s == 0 else layer.backward_split(samples)
+        i, w = i + li, w + lw
+    f = compute_ms(profile, cluster, layers, samples)[0] if recompute else 0.0
+    return i * cluster.compute_slowdown + f, w * cluster.compute_slowdown

@@ -1,0 +1,357 @@
+"""A plan's cost terms, assembled once: what L, the schedules' step times and the simulator read.
+
+Two assemblies, each the only one of its kind:
+
+* :func:`stage_terms` - every term of a :class:`~dapple.core.plan.Plan`. Per computation stage:
+  F, B and the split backward's I, W of each replica's slice (:mod:`dapple.cost.compute`), the
+  host CPU extras of each replica (:mod:`dapple.cost.host`), AR(P_s, g_s), the synchronisation
+  under the stage's zero stage and the optimizer update U_s (:mod:`dapple.cost.comm`). Per stage
+  boundary: the comm stage (split-concat over the busiest link) and every slice transfer.
+  :func:`dapple.cost.pipeline.pipeline_latency`, :func:`dapple.cost.schedules.schedule_latency`
+  and the simulator (:func:`dapple.simulate.engine.simulate`) take their numbers from it.
+* :func:`pipeline_terms` - the per-stage arrays of equations 1-3 over all S stages (a comm
+  stage between each two computation stages), after the CPU-host pass
+  (:func:`dapple.cost.host.apply_host`) where the cluster has host terms. It reads one
+  :class:`StageTerms` per computation stage: a plan's (:meth:`PlanTerms.pipeline`), or those
+  the planner's :class:`~dapple.planner.evaluate.Scorer` builds from its cached prefix sums.
+
+Notation: S stages including the comm stages (index s), M micro-batches of b samples, F_s/B_s
+the forward/backward time of stage s for one micro-batch, AR(P_s, g_s) the gradient AllReduce
+of its parameters P_s over its devices g_s, U_s its optimizer update, K_i the micro-batches
+computation stage i keeps in flight. Pure, no torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from dapple.core.cluster import Cluster
+from dapple.core.plan import Plan, StagePlan, split_sizes, transfers
+from dapple.core.profile import ModelProfile
+from dapple.cost.comm import (
+    allreduce_ms,
+    comm_stage_ms,
+    stage_sync_ms,
+    stage_update_ms,
+    transfer_ms,
+)
+from dapple.cost.compute import compute_ms, split_backward_ms
+from dapple.cost.host import HostExtra, apply_host, has_host_terms, host_extras, slowest_extra
+from dapple.cost.latency import Latency, latency, steady_periods
+from dapple.cost.lengths import profile_for_plan
+from dapple.cost.memory import boundary_bytes
+from dapple.cost.sharing import slice_work
+
+__all__ = [
+    "BoundaryTerms",
+    "PipelineTerms",
+    "PlanStageTerms",
+    "PlanTerms",
+    "ReplicaTerms",
+    "StageTerms",
+    "TransferTerms",
+    "pipeline_terms",
+    "stage_terms",
+]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StageTerms:
+    """What equations 1-3 read of one computation stage."""
+
+    forward_ms: float
+    """F_s: the slowest replica's slice (``split_sizes(b, r_s)[0]``), without host CPU."""
+    backward_ms: float
+    """B_s of that slice, re-computation included."""
+    sync_ms: float
+    """AR(P_s, g_s), or ZeRO's reductions and gathers under the stage's zero stage
+    (:func:`~dapple.cost.comm.stage_sync_ms`)."""
+    update_ms: float = 0.0
+    """U_s, the optimizer update after the synchronisation
+    (:func:`~dapple.cost.comm.stage_update_ms`)."""
+    work: tuple[tuple[int, float], ...] = ()
+    """``(device, w_d)`` per replica, w_d the F + B of its own slice without host CPU
+    (:func:`~dapple.cost.sharing.slice_work`). Filled only on shared compute cores, the one
+    case the CPU-host pass reads it."""
+
+
+class PipelineTerms(NamedTuple):
+    """The per-stage arrays of equations 1-3 over all S stages (comm stages included), as
+    :func:`pipeline_terms` assembled them (a named tuple, as cheap to build as the arrays: the
+    planner's scorer builds one per candidate)."""
+
+    M: int
+    F: Sequence[float]
+    """F_s with the host CPU extra, stretched on shared compute cores."""
+    B: Sequence[float]
+    """B_s likewise."""
+    AR: Sequence[float]
+    """AR_s + U_s (0 for comm stages), without host CPU."""
+    host_step: Sequence[float]
+    """Host CPU once per step after the last backward (0 without host terms)."""
+    ending: Sequence[float]
+    """What stage s does once after its last backward: AR_s + U_s + its host step."""
+    period: Sequence[float]
+    """Steady period per micro-batch (:func:`~dapple.cost.latency.steady_periods`)."""
+
+    def latency(self) -> Latency:
+        """L = T_w + T_s + T_e and the pivot Q (equations 1-3,
+        :func:`~dapple.cost.latency.latency`)."""
+        return latency(self.F, self.B, self.ending, self.M, self.period)
+
+
+def pipeline_terms(
+    stages: Sequence[StageTerms],
+    comm_ms: Sequence[float],
+    in_flight: Sequence[int | None],
+    M: int,
+    cluster: Cluster,
+    host: Sequence[HostExtra] | None = None,
+) -> PipelineTerms:
+    """The arrays of equations 1-3: a comm stage between each two computation stages, then the
+    CPU-host pass when ``host`` is given.
+
+    Args:
+        stages: per computation stage i, its :class:`StageTerms`.
+        comm_ms: per boundary i|i+1, the comm stage's time, its F and its B alike (gradients
+            take the same links back).
+        in_flight: K_i per computation stage, bounding its steady period; None: unbounded (the
+            GPipe schedule, whose forwards all run before its backwards).
+        M: micro-batches.
+        cluster: the host terms and the shared compute capacity.
+        host: per computation stage the host CPU extras of its slowest replica
+            (:func:`~dapple.cost.host.stage_host_extras`): runs the CPU-host pass
+            (:func:`~dapple.cost.host.apply_host`); None (dedicated devices): no pass.
+    """
+    F: list[float] = []
+    B: list[float] = []
+    AR: list[float] = []
+    K: list[int | None] = []
+    for i, st in enumerate(stages):
+        if i > 0:
+            c = comm_ms[i - 1]
+            F.append(c)
+            B.append(c)
+            AR.append(0.0)
+            K.append(None)
+        F.append(st.forward_ms)
+        B.append(st.backward_ms)
+        AR.append(st.sync_ms + st.update_ms)
+        K.append(in_flight[i])
+    if host is None:
+        return PipelineTerms(M, F, B, AR, [0.0] * len(F), AR, steady_periods(F, B, K))
+    h = apply_host(
+        F,
+        B,
+        AR,
+        K,
+        M,
+        cluster,
+        [None if x % 2 else host[x // 2] for x in range(len(F))],
+        lambda x: list(stages[x // 2].work),
+    )
+    return PipelineTerms(M, h.F, h.B, AR, h.step, h.AR, h.period)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ReplicaTerms:
+    """One replica's slice of a micro-batch on a computation stage."""
+
+    device: int
+    samples: int
+    """Its slice of the micro-batch (:func:`~dapple.core.plan.split_sizes`)."""
+    forward_ms: float
+    backward_ms: float
+    """Re-computation included."""
+    input_grad_ms: float
+    """I of the split backward (ZB-H1), the re-computed forward included."""
+    weight_grad_ms: float
+    """W of the split backward."""
+    host: HostExtra
+    """Host CPU extras (:func:`~dapple.cost.host.host_extras`; zero without host terms)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PlanStageTerms:
+    """Every term of one computation stage of a plan."""
+
+    terms: StageTerms
+    """What equations 1-3 read (its slowest replica's slice, AR_s under its zero stage, U_s)."""
+    replicas: tuple[ReplicaTerms, ...]
+    parameter_bytes: int
+    """P_s, the gradient bytes AR(P_s, g_s) reduces."""
+    allreduce_ms: float
+    """AR(P_s, g_s) of the unsharded gradients (:func:`~dapple.cost.comm.allreduce_ms`)."""
+    host: HostExtra | None
+    """The largest host CPU extras over its replicas (the slowest paces the stage); None on a
+    cluster without host terms (:func:`~dapple.cost.host.has_host_terms`)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TransferTerms:
+    """One slice overlap crossing a stage boundary (split-concat,
+    :func:`~dapple.core.plan.transfers`)."""
+
+    src_replica: int
+    dst_replica: int
+    samples: int
+    nbytes: float
+    """Activations (and, backwards, their gradients) of ``samples`` samples at the cut."""
+    forward_ms: float
+    """Activations from the source replica's device to the destination's."""
+    backward_ms: float
+    """Gradients back from the destination replica's device to the source's."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BoundaryTerms:
+    """The cut between computation stages i and i+1."""
+
+    comm_ms: float
+    """The comm stage's F (= B): the busiest link of the split-concat
+    (:func:`~dapple.cost.comm.comm_stage_ms`)."""
+    transfers: tuple[TransferTerms, ...]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PlanTerms:
+    """Every cost term of a plan (:func:`stage_terms`)."""
+
+    plan: Plan
+    profile: ModelProfile
+    """The profile at the plan's lengths (:func:`~dapple.cost.lengths.profile_for_plan`)."""
+    cluster: Cluster
+    zero_stage: int
+    """The zero stage given to :func:`stage_terms`; a stage's own applies when larger."""
+    stages: tuple[PlanStageTerms, ...]
+    """Per computation stage."""
+    boundaries: tuple[BoundaryTerms, ...]
+    """Per boundary i|i+1 between computation stages."""
+
+    def pipeline(self, in_flight: Sequence[int | None]) -> PipelineTerms:
+        """The arrays of equations 1-3 (:func:`pipeline_terms`) with K_i = ``in_flight[i]``."""
+        host = [st.host for st in self.stages if st.host is not None]
+        return pipeline_terms(
+            [st.terms for st in self.stages],
+            [x.comm_ms for x in self.boundaries],
+            in_flight,
+            self.plan.num_micro_batches,
+            self.cluster,
+            host if has_host_terms(self.cluster) else None,
+        )
+
+
+def stage_terms(
+    plan: Plan, profile: ModelProfile, cluster: Cluster, zero_stage: int = 0
+) -> PlanTerms:
+    """Every cost term of ``plan`` (module docstring), once.
+
+    Args:
+        plan: stages, replicas, devices, b and M.
+        profile: the model profile; a plan made for sequence lengths (``plan.seq_len``) is
+            costed at them (:func:`~dapple.cost.lengths.profile_for_plan`).
+        cluster: devices, links and host terms.
+        zero_stage: 1: replicated stages shard their optimizer state (ZeRO-1); 2: their
+            gradients too (ZeRO-2), with AR_s as :func:`~dapple.cost.comm.stage_sync_ms`. A
+            stage's own ``StagePlan.zero_stage`` applies when larger.
+    """
+    profile = profile_for_plan(profile, plan)
+    b = plan.micro_batch_size
+    extras = host_extras(profile, cluster, [(*st.layers, st.replicas) for st in plan.stages], b)
+    stages = tuple(
+        _stage_terms(plan, profile, cluster, st, max(zero_stage, st.zero_stage), extras[i])
+        for i, st in enumerate(plan.stages)
+    )
+    boundaries = tuple(
+        _boundary_terms(profile, cluster, plan.stages[i], plan.stages[i + 1], b)
+        for i in range(plan.num_stages - 1)
+    )
+    return PlanTerms(
+        plan=plan,
+        profile=profile,
+        cluster=cluster,
+        zero_stage=zero_stage,
+        stages=stages,
+        boundaries=boundaries,
+    )
+
+
+def _stage_terms(
+    plan: Plan,
+    profile: ModelProfile,
+    cluster: Cluster,
+    st: StagePlan,
+    zero_stage: int,
+    extras: Sequence[HostExtra],
+) -> PlanStageTerms:
+    """The terms of computation stage ``st`` of ``plan`` under ``zero_stage``."""
+    b, M = plan.micro_batch_size, plan.num_micro_batches
+    sizes = split_sizes(b, st.replicas)
+    times = {
+        n: (
+            compute_ms(profile, cluster, st.layers, n, recompute=st.recompute),
+            split_backward_ms(profile, cluster, st.layers, n, recompute=st.recompute),
+        )
+        for n in sorted(set(sizes))
+    }
+    replicas = tuple(
+        ReplicaTerms(
+            device=d,
+            samples=n,
+            forward_ms=times[n][0][0],
+            backward_ms=times[n][0][1],
+            input_grad_ms=times[n][1][0],
+            weight_grad_ms=times[n][1][1],
+            host=x,
+        )
+        for d, n, x in zip(st.devices, sizes, extras, strict=True)
+    )
+    s0, e0 = st.layers
+    pbytes = sum(layer.parameter_bytes for layer in profile.layers[s0:e0])
+    grad_bytes = float(pbytes)
+    work = (
+        tuple(
+            slice_work(
+                st.devices, b, lambda n: compute_ms(profile, cluster, st.layers, n), st.recompute
+            )
+        )
+        if cluster.compute_cores_per_server is not None
+        else ()
+    )
+    terms = StageTerms(
+        forward_ms=replicas[0].forward_ms,
+        backward_ms=replicas[0].backward_ms,
+        sync_ms=stage_sync_ms(cluster, grad_bytes, st.devices, zero_stage, M),
+        update_ms=stage_update_ms(cluster, profile, grad_bytes, st.replicas, zero_stage),
+        work=work,
+    )
+    return PlanStageTerms(
+        terms=terms,
+        replicas=replicas,
+        parameter_bytes=pbytes,
+        allreduce_ms=allreduce_ms(cluster, pbytes, st.devices),
+        host=slowest_extra(extras) if has_host_terms(cluster) else None,
+    )
+
+
+def _boundary_terms(
+    profile: ModelProfile, cluster: Cluster, src: StagePlan, dst: StagePlan, b: int
+) -> BoundaryTerms:
+    """The comm stage and the slice transfers across the cut between ``src`` and ``dst``."""
+    rows = []
+    for j, k, lo, hi in transfers(b, src.replicas, dst.replicas):
+        nbytes = float(boundary_bytes(profile, dst.layers[0], hi - lo))
+        rows.append(
+            TransferTerms(
+                src_replica=j,
+                dst_replica=k,
+                samples=hi - lo,
+                nbytes=nbytes,
+                forward_ms=transfer_ms(cluster, nbytes, src.devices[j], dst.devices[k]),
+                backward_ms=transfer_ms(cluster, nbytes, dst.devices[k], src.devices[j]),
+            )
+        )
+    comm, _ = comm_stage_ms(profile, cluster, src, dst, b)
+    return BoundaryTerms(comm_ms=comm, transfers=tuple(rows))

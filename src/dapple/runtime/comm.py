@@ -1,0 +1,174 @@
+"""The runtime's tensor communication, direct or staged through host memory.
+
+NCCL refuses two ranks on one GPU, so when a node runs more ranks than it has GPUs the runtime
+joins a gloo process group and every message and collective of a device tensor is *host
+staged*: copied to a CPU tensor, moved by gloo, and copied back into the device tensor when the
+work is waited for (:func:`transport_for` chooses; :func:`set_host_staged` switches it on). The
+functions here take the arguments of their ``torch.distributed`` namesakes and return works
+with ``wait()`` and ``is_completed()``; with staging off, or for CPU tensors, they are the
+``torch.distributed`` calls themselves.
+
+``DAPPLE_HOST_STAGED=1`` stages every tensor, CPU ones included (tests run the staged path on
+gloo/CPU that way).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "HOST_STAGED_ENV",
+    "all_gather",
+    "all_gather_single",
+    "all_reduce",
+    "broadcast",
+    "host_staged",
+    "irecv",
+    "isend",
+    "reduce",
+    "reduce_scatter_single",
+    "set_host_staged",
+    "transport_for",
+]
+
+HOST_STAGED_ENV = "DAPPLE_HOST_STAGED"
+_host_staged = False
+
+
+def transport_for(device_type: str, ranks_on_node: int, devices_on_node: int) -> tuple[str, bool]:
+    """The process-group backend and whether device tensors are host staged.
+
+    CPU: gloo. CUDA with at least one GPU per rank of the node: NCCL. CUDA with more ranks than
+    GPUs on the node (ranks share a GPU, which NCCL refuses): gloo, host staged.
+    """
+    if device_type != "cuda":
+        return "gloo", False
+    if ranks_on_node > max(devices_on_node, 0):
+        return "gloo", True
+    return "nccl", False
+
+
+def set_host_staged(on: bool) -> None:
+    """Stage device tensors through host memory (this process, from now on)."""
+    global _host_staged
+    _host_staged = on
+
+
+def host_staged() -> bool:
+    """Whether device tensors are host staged in this process."""
+    return _host_staged or os.environ.get(HOST_STAGED_ENV) == "1"
+
+
+def _stages(t: torch.Tensor) -> bool:
+    return host_staged() and (t.device.type != "cpu" or os.environ.get(HOST_STAGED_ENV) == "1")
+
+
+class _Staged:
+    """A work on host copies; ``wait()`` then copies the results back to the device."""
+
+    def __init__(self, work: Any, back: Callable[[], object] | None, keep: Sequence[Any]) -> None:
+        self.work, self.back, self.keep = work, back, keep
+
+    def wait(self) -> bool:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        if self.back is not None:
+            self.back()
+            self.back = None
+        return True
+
+    def is_completed(self) -> bool:
+        return self.work is None or bool(self.work.is_completed())
+
+
+def _host(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().to("cpu", copy=True)
+
+
+def _staged(
+    fn: Callable[..., Any], tensors: Sequence[torch.Tensor], back: Sequence[int], async_op: bool,
+    **kw: Any,
+) -> Any:  # fmt: skip
+    """``fn`` on host copies of ``tensors``; the copies at ``back`` are copied back into their
+    tensors when the work is waited for (at once without ``async_op``)."""
+    hosts = [_host(t) for t in tensors]
+
+    def copy_back() -> None:
+        for i in back:
+            tensors[i].copy_(hosts[i])
+
+    staged = _Staged(fn(*hosts, async_op=True, **kw), copy_back, hosts)
+    if async_op:
+        return staged
+    staged.wait()
+    return None
+
+
+def isend(t: torch.Tensor, dst: int, tag: int = 0, group: Any = None) -> Any:
+    if not _stages(t):
+        return dist.isend(t, dst=dst, tag=tag, group=group)
+    host = _host(t)
+    return _Staged(dist.isend(host, dst=dst, tag=tag, group=group), None, [host])
+
+
+def irecv(t: torch.Tensor, src: int, tag: int = 0, group: Any = None) -> Any:
+    if not _stages(t):
+        return dist.irecv(t, src=src, tag=tag, group=group)
+    host = torch.empty_like(t, device="cpu")
+    return _Staged(dist.irecv(host, src=src, tag=tag, group=group), lambda: t.copy_(host), [host])
+
+
+def all_reduce(
+    t: torch.Tensor, op: Any = dist.ReduceOp.SUM, group: Any = None, async_op: bool = False
+) -> Any:
+    if not _stages(t):
+        return dist.all_reduce(t, op=op, group=group, async_op=async_op)
+    return _staged(dist.all_reduce, [t], [0], async_op, op=op, group=group)
+
+
+def reduce(
+    t: torch.Tensor, dst: int, op: Any = dist.ReduceOp.SUM, group: Any = None,
+    async_op: bool = False,
+) -> Any:  # fmt: skip
+    if not _stages(t):
+        return dist.reduce(t, dst=dst, op=op, group=group, async_op=async_op)
+    return _staged(dist.reduce, [t], [0], async_op, dst=dst, op=op, group=group)
+
+
+def broadcast(t: torch.Tensor, src: int, group: Any = None, async_op: bool = False) -> Any:
+    if not _stages(t):
+        return dist.broadcast(t, src=src, group=group, async_op=async_op)
+    return _staged(dist.broadcast, [t], [0], async_op, src=src, group=group)
+
+
+def all_gather(outs: list[torch.Tensor], t: torch.Tensor, group: Any = None) -> None:
+    if not _stages(t):
+        dist.all_gather(outs, t, group=group)
+        return
+    hosts = [torch.empty_like(o, device="cpu") for o in outs]
+    dist.all_gather(hosts, _host(t), group=group)
+    for o, h in zip(outs, hosts, strict=True):
+        o.copy_(h)
+
+
+def all_gather_single(
+    out: torch.Tensor, t: torch.Tensor, group: Any = None, async_op: bool = False
+) -> Any:
+    if not _stages(t):
+        return dist.all_gather_single(out, t, group=group, async_op=async_op)
+    return _staged(dist.all_gather_single, [out, t], [0], async_op, group=group)
+
+
+def reduce_scatter_single(
+    out: torch.Tensor, t: torch.Tensor, op: Any = dist.ReduceOp.SUM, group: Any = None,
+    async_op: bool = False,
+) -> Any:  # fmt: skip
+    if not _stages(t):
+        return dist.reduce_scatter_single(out, t, op=op, group=group, async_op=async_op)
+    return _staged(dist.reduce_scatter_single, [out, t], [0], async_op, op=op, group=group)

@@ -1,0 +1,303 @@
+"""Dump every number the cost model and the simulator give for the paper's profiles, as JSON.
+
+A behaviour check for refactors of the cost model (:mod:`dapple.cost`), not a pytest test:
+dump before a change, dump after, and compare - every number must be equal, bit for bit
+(floats are written with ``repr``, which round-trips exactly).
+
+    python tests/cost_dump.py --out /tmp/cost_before.json
+    python tests/cost_dump.py --out /tmp/cost_after.json
+    python tests/cost_dump.py --compare /tmp/cost_before.json /tmp/cost_after.json
+
+For each paper profile (``paper:NAME``) and cluster (``paper-a``, ``paper-b``, ``paper-c``,
+``h100-8x``) and every planner of :data:`dapple.planner.PLANNERS`: the plan (``to_dict``), the
+scorer's L for its stages, :func:`pipeline_latency` (every field), :func:`schedule_latency`, the
+simulated step, and :func:`best_per_schedule` on the plan (each variant's plan, predicted and
+simulated step, per-group memory); :func:`best_schedule` on the DAPPLE plan. Then cases the
+paper clusters do not reach: ZeRO stages, CPU hosts with host terms and shared compute, and a
+profile measured at several sequence lengths.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from dapple.core.cluster import PRESETS, Cluster
+from dapple.core.plan import Plan
+from dapple.core.profile import AffineTime, LayerProfile, LengthProfile, ModelProfile
+from dapple.cost.pipeline import pipeline_latency
+from dapple.cost.schedules import activation_peak_bytes, device_memory_by_group, schedule_latency
+from dapple.errors import DappleError
+from dapple.planner import PLANNERS, make_plan
+from dapple.planner.evaluate import ZERO_AUTO, Scorer
+from dapple.profiler.paper_models import PAPER_GLOBAL_BATCH, PAPER_MODELS, load_profile
+from dapple.simulate.engine import SimResult, simulate
+from dapple.simulate.schedules import best_per_schedule, best_schedule
+
+CLUSTERS = ("paper-a", "paper-b", "paper-c", "h100-8x")
+
+
+def _err(e: Exception) -> dict[str, str]:
+    return {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
+
+
+def _sim(res: SimResult) -> dict[str, Any]:
+    return {
+        "step_ms": res.step_ms,
+        "L_ms": res.L_ms,
+        "peak_memory_bytes": res.peak_memory_bytes,
+        "devices": [dataclasses.asdict(d) for d in res.devices],
+        "events": _events_digest(res),
+    }
+
+
+def _events_digest(res: SimResult) -> dict[str, Any]:
+    """The events as a count and a SHA-256 of their exact ``repr`` (the full list is large)."""
+    rows = [(e.device, str(e.action), e.start_ms, e.end_ms, e.nbytes) for e in res.events]
+    return {"count": len(rows), "sha256": hashlib.sha256(repr(rows).encode()).hexdigest()}
+
+
+def _costs(plan: Plan, profile: ModelProfile, cluster: Cluster, events: bool) -> dict[str, Any]:
+    """Every cost-model number of one plan."""
+    out: dict[str, Any] = {"plan": plan.to_dict()}
+    try:
+        out["pipeline_latency"] = dataclasses.asdict(pipeline_latency(plan, profile, cluster))
+    except DappleError as e:
+        out["pipeline_latency"] = _err(e)
+    try:
+        out["schedule_latency"] = schedule_latency(plan, profile, cluster)
+    except DappleError as e:
+        out["schedule_latency"] = _err(e)
+    try:
+        out["memory_by_group"] = device_memory_by_group(plan, profile)
+        out["activation_peaks"] = activation_peak_bytes(plan, profile)
+    except DappleError as e:
+        out["memory_by_group"] = _err(e)
+    try:
+        sim = _sim(simulate(plan, profile, cluster))
+        if not events:
+            del sim["events"]
+        out["simulate"] = sim
+    except DappleError as e:
+        out["simulate"] = _err(e)
+    if plan.virtual_stages == 1 and plan.schedule in ("dapple", "gpipe"):
+        sc = Scorer(profile, cluster, plan.global_batch_size)
+        stages = [(*st.layers, st.devices) for st in plan.stages]
+        got = sc.score(stages, plan.num_micro_batches, schedule=plan.schedule)
+        out["scorer"] = None if got is None else dataclasses.asdict(got)
+    return out
+
+
+def _choices(choices: list[Any], profile: ModelProfile, cluster: Cluster) -> list[Any]:
+    out = []
+    for c in choices:
+        row: dict[str, Any] = {"label": c.label, "note": c.note}
+        if c.plan is not None and c.result is not None:
+            row["result"] = _sim(c.result)
+            del row["result"]["events"]
+            row.update(_costs(c.plan, profile, cluster, events=False))
+        out.append(row)
+    return out
+
+
+def dump_paper(models: list[str], clusters: list[str], best: bool) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for model in models:
+        profile = load_profile(f"paper:{model}")
+        gbs = PAPER_GLOBAL_BATCH[model]
+        for cname in clusters:
+            cluster = PRESETS[cname]
+            key = f"{model}/{cname}"
+            t0 = time.perf_counter()
+            entry: dict[str, Any] = {}
+            for planner in PLANNERS:
+                try:
+                    plan = make_plan(profile, cluster, gbs, planner)
+                except DappleError as e:
+                    entry[planner] = _err(e)
+                    continue
+                row = _costs(plan, profile, cluster, events=True)
+                row["best_per_schedule"] = _choices(
+                    best_per_schedule([plan], profile, cluster), profile, cluster
+                )
+                if best and planner == "dapple":
+                    try:
+                        chosen, every = best_schedule(plan, profile, cluster)
+                        row["best_schedule"] = {
+                            "chosen": chosen.label,
+                            "choices": _choices(every, profile, cluster),
+                        }
+                    except DappleError as e:
+                        row["best_schedule"] = _err(e)
+                entry[planner] = row
+            out[key] = entry
+            print(f"{key}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+    return out
+
+
+def _lengths_profile() -> ModelProfile:
+    """Six layers measured at three lengths (times and bytes linear in the tokens)."""
+
+    def layer(i: int, L: float) -> LayerProfile:
+        return LayerProfile(
+            name=f"l{i}",
+            forward=AffineTime(fixed_ms=0.1, per_sample_ms=0.01 * (1 + i % 3) * L),
+            backward=AffineTime(fixed_ms=0.2, per_sample_ms=0.02 * (1 + i % 3) * L),
+            output_bytes_per_sample=4.0 * 64 * L,
+            parameter_bytes=40_000 * (1 + i),
+            kept_activation_bytes_per_sample=2048.0 * L,
+        )
+
+    by_length = tuple(
+        LengthProfile(
+            seq_len=L,
+            layers=tuple(layer(i, L) for i in range(6)),
+            input_bytes_per_sample=8.0 * L,
+        )
+        for L in (128, 512, 1024)
+    )
+    return ModelProfile(
+        model_name="lm",
+        layers=by_length[-1].layers,
+        input_bytes_per_sample=by_length[-1].input_bytes_per_sample,
+        batch_sizes=(1, 2, 4),
+        seq_len=1024,
+        by_length=by_length,
+        update_ms_per_parameter_byte=1e-6,
+    )
+
+
+def dump_extra() -> dict[str, Any]:
+    """ZeRO stages, host terms and shared compute, sequence lengths, a measured update."""
+    out: dict[str, Any] = {}
+    bert = load_profile("paper:bert48")
+    gnmt = load_profile("paper:gnmt16")
+    small_mem = dataclasses.replace(PRESETS["paper-a"], device_memory_bytes=8 * 2**30)
+    for zero in (1, 2, ZERO_AUTO):
+        for name, profile, gbs in (("bert48", bert, 64), ("gnmt16", gnmt, 1024)):
+            key = f"zero{zero}/{name}"
+            try:
+                plan = make_plan(profile, small_mem, gbs, "dapple", zero_stage=zero)
+            except DappleError as e:
+                out[key] = _err(e)
+                continue
+            row = _costs(plan, profile, small_mem, events=True)
+            for z in (1, 2):
+                row[f"pipeline_latency_zero{z}"] = dataclasses.asdict(
+                    pipeline_latency(plan, profile, small_mem, zero_stage=z)
+                )
+            out[key] = row
+    cpu = dataclasses.replace(
+        PRESETS["local-cpu"],
+        action_overhead_ms=0.124,
+        step_overhead_ms=4.71,
+        comm_cpu_ms_per_mb=0.163,
+    )
+    shared = dataclasses.replace(cpu, compute_cores_per_server=1.95, background_load_per_server=0.3)
+    cores_only = dataclasses.replace(PRESETS["local-cpu"], compute_cores_per_server=2.5)
+    updating = dataclasses.replace(gnmt, update_ms_per_parameter_byte=2e-9)
+    for cname, cluster in (("host", cpu), ("shared", shared), ("cores", cores_only)):
+        for pname, profile, gbs in (("gnmt16", gnmt, 64), ("gnmt16-update", updating, 64)):
+            for planner in ("dapple", "dp", "straight", "gpipe"):
+                key = f"{cname}/{pname}/{planner}"
+                try:
+                    plan = make_plan(profile, cluster, gbs, planner)
+                except DappleError as e:
+                    out[key] = _err(e)
+                    continue
+                row = _costs(plan, profile, cluster, events=True)
+                row["best_per_schedule"] = _choices(
+                    best_per_schedule([plan], profile, cluster, [4, 8]), profile, cluster
+                )
+                out[key] = row
+    lm = _lengths_profile()
+    lm_cluster = dataclasses.replace(PRESETS["local-cpu"], device_memory_bytes=2**26)
+    for planner in ("dapple", "dp", "straight"):
+        for seq in ((None, None), (320.0, 1024.0), (700.0, 900.0)):
+            key = f"lengths/{planner}/{seq[0]}"
+            try:
+                plan = make_plan(lm, lm_cluster, 16, planner, seq_len=seq[0], max_seq_len=seq[1])
+            except DappleError as e:
+                out[key] = _err(e)
+                continue
+            row = _costs(plan, lm, lm_cluster, events=True)
+            row["best_per_schedule"] = _choices(
+                best_per_schedule([plan], lm, lm_cluster, [2, 4]), lm, lm_cluster
+            )
+            out[key] = row
+    return out
+
+
+def _walk(a: Any, b: Any, path: str, stats: dict[str, int], diffs: list[str]) -> None:
+    if isinstance(a, dict) and isinstance(b, dict):
+        for k in sorted(set(a) | set(b)):
+            if k not in a or k not in b:
+                diffs.append(f"{path}/{k}: only in {'after' if k in b else 'before'}")
+                continue
+            _walk(a[k], b[k], f"{path}/{k}", stats, diffs)
+    elif isinstance(a, list) and isinstance(b, list):
+        if len(a) != len(b):
+            diffs.append(f"{path}: length {len(a)} != {len(b)}")
+        for i, (x, y) in enumerate(zip(a, b, strict=False)):
+            _walk(x, y, f"{path}[{i}]", stats, diffs)
+    elif isinstance(a, (int, float)) and not isinstance(a, bool):
+        stats["numbers"] += 1
+        same = type(a) is type(b) and (a == b or (math.isnan(a) and math.isnan(b)))
+        if same:
+            stats["equal"] += 1
+        else:
+            diffs.append(f"{path}: {a!r} != {b!r}")
+    else:
+        stats["other"] += 1
+        if a != b:
+            diffs.append(f"{path}: {a!r} != {b!r}")
+
+
+def compare(before: Path, after: Path) -> int:
+    a = json.loads(before.read_text())
+    b = json.loads(after.read_text())
+    stats = {"numbers": 0, "equal": 0, "other": 0}
+    diffs: list[str] = []
+    _walk(a, b, "", stats, diffs)
+    print(
+        f"{stats['numbers']} numbers compared, {stats['equal']} equal; "
+        f"{stats['other']} other values; {len(diffs)} differences"
+    )
+    for d in diffs[:50]:
+        print("  " + d)
+    return 0 if not diffs else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--compare", nargs=2, type=Path, metavar=("BEFORE", "AFTER"))
+    ap.add_argument("--models", nargs="*", default=list(PAPER_MODELS))
+    ap.add_argument("--clusters", nargs="*", default=list(CLUSTERS))
+    ap.add_argument("--no-best", action="store_true", help="skip best_schedule (slow)")
+    args = ap.parse_args(argv)
+    if args.compare:
+        return compare(*args.compare)
+    t0 = time.perf_counter()
+    data = {
+        "paper": dump_paper(args.models, args.clusters, not args.no_best),
+        "extra": dump_extra(),
+    }
+    text = json.dumps(data, indent=1, sort_keys=True)
+    if args.out:
+        args.out.write_text(text)
+    else:
+        print(text)
+    print(f"done in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
