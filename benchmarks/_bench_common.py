@@ -156,16 +156,19 @@ def max_over_ranks(values: Sequence[float]) -> list[float]:
 
 def join_worker_group(rank: int, world: int, port: int) -> None:
     """In a worker of :func:`run_worker_group`: set up this process as dapple's launcher sets up
-    a CPU rank (intra-op threads ``cores // world``, freed memory kept by the C allocator) and
-    join the gloo group on 127.0.0.1:``port``."""
+    a CPU rank (a session of its own, intra-op threads ``cores // world``, freed memory kept by
+    the C allocator) and join the gloo group on 127.0.0.1:``port``."""
     from datetime import timedelta
 
     import torch
     import torch.distributed as dist
 
     from dapple.core.host_memory import keep_freed_memory
+    from dapple.core.own_session import SHARED_SESSION_ENV
     from dapple.runtime.local import pin_cores
 
+    if os.environ.get(SHARED_SESSION_ENV) != "1":  # the footing of dapple's and torchrun's
+        os.setsid()  # workers: a session (CPU share under sched_autogroup) of its own
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     pin_cores(rank, world)  # DAPPLE_PIN_CORES=1: each rank on its own cores
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))

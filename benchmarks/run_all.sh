@@ -32,6 +32,7 @@ run benchmarks/variable_shapes.py
 run benchmarks/seq_lengths.py --repeats 5
 run benchmarks/metering_cost.py
 run benchmarks/rng_cost.py -o benchmarks/rng_cost.md
+run benchmarks/startup.py -o benchmarks/startup.md
 # real data: the demo's loss curve (about 4 min), then dapple's planned plan vs DDP (about 5 min)
 run -m dapple demo --out-dir /tmp/dapple-demo
 run benchmarks/train_real.py --demo-summary /tmp/dapple-demo/summary.json

@@ -117,7 +117,7 @@ def check_long_run(
     optimizer: str | None = None,
     save_every: int = 0,
 ) -> None:
-    """Before any worker starts, and without creating anything: the checkpoint directory is
+    """Before any worker gets its run, and without creating anything: the checkpoint directory is
     writable; with ``resume`` the newest intact checkpoint (every file's size and hash as its
     manifest lists, optimizer state whole; damaged newer ones are passed over with a warning)
     is of this model and ``optimizer`` and the plan covers the model - no checkpoint at all is
