@@ -13,7 +13,7 @@ from rich.table import Table
 
 from dapple.cli._console import StepProgress, console, print_table
 from dapple.cli._run_args import add_virtual_stages_argument
-from dapple.core.cluster import Cluster
+from dapple.core.cluster import Cluster, describe_presets
 from dapple.core.output_path import check_output_file
 from dapple.core.plan import SCHEDULES, Plan
 from dapple.core.profile import ModelProfile
@@ -44,7 +44,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument(
         "--profile", required=True, help="model profile JSON, or a paper profile: paper:bert48"
     )
-    p.add_argument("--cluster", required=True, help="cluster preset name or JSON/TOML file")
+    p.add_argument(
+        "--cluster", required=True, help=f"a JSON/TOML file or a preset: {describe_presets()}"
+    )
     p.add_argument("--servers", type=int, default=None, help="override the number of servers")
     p.add_argument(
         "--global-batch-size",

@@ -61,7 +61,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         default=1,
         metavar="N",
         help="CPU: profile as one of N local workers sharing the cores (N-1 processes train "
-        "the model meanwhile; times are CPU time); use the N of `dapple train --nproc`",
+        "the model meanwhile; times are CPU time); use the number of processes the plan "
+        "will run (`dapple train` starts one per device of the plan)",
     )
     p.add_argument(
         "--precision",

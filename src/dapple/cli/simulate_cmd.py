@@ -10,6 +10,7 @@ from rich.table import Table
 
 from dapple.cli._console import console, print_table
 from dapple.cli._run_args import add_virtual_stages_argument
+from dapple.core.cluster import describe_presets
 from dapple.core.plan import SCHEDULES, Plan
 
 __all__ = ["register"]
@@ -24,7 +25,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument(
         "--profile", required=True, help="model profile JSON, or a paper profile: paper:bert48"
     )
-    p.add_argument("--cluster", required=True, help="cluster preset name or JSON/TOML file")
+    p.add_argument(
+        "--cluster", required=True, help=f"a JSON/TOML file or a preset: {describe_presets()}"
+    )
     p.add_argument("--servers", type=int, default=None, help="override the number of servers")
     p.add_argument(
         "--schedule",

@@ -32,6 +32,7 @@ from dapple.cli._train_show import (
     print_summary,
     show_options,
 )
+from dapple.core.cluster import describe_presets
 from dapple.core.output_path import check_output_file
 from dapple.core.plan import Plan
 from dapple.errors import ValidationError
@@ -61,7 +62,11 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         default=None,
         help="profile JSON or paper:NAME: print the simulated step time beside the measured one",
     )
-    p.add_argument("--cluster", default=None, help="cluster preset or JSON (with --profile)")
+    p.add_argument(
+        "--cluster",
+        default=None,
+        help=f"with --profile: a JSON/TOML file or a preset: {describe_presets()}",
+    )
     p.add_argument("--recompute", action="store_true", help="re-compute forwards on every stage")
     add_eval_data_argument(p)
     _register_long_run(p)

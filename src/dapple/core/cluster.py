@@ -382,3 +382,12 @@ def load_cluster(spec: str, servers: int | None = None) -> Cluster:
         require(servers >= 1, f"--servers must be >= 1, got {servers}")
         c = c.with_servers(servers)
     return c
+
+
+def describe_presets() -> str:
+    """The presets as ``name (servers x devices per server, memory per device)``, for help."""
+    return ", ".join(
+        f"{name} ({c.servers} x {c.devices_per_server} devices of "
+        f"{c.device_memory_bytes / 2**30:g} GiB)"
+        for name, c in PRESETS.items()
+    )

@@ -162,6 +162,20 @@ def _die(msg: str) -> None:
     os._exit(1)
 
 
+def _not_while_importing_main() -> None:
+    """In a worker that is still importing the launching script (a script that trains at import
+    time, without an ``if __name__ == "__main__":`` guard): say what to add, in one line, and
+    end this worker instead of starting workers of its own."""
+    if getattr(mp.current_process(), "_inheriting", False):
+        sys.stderr.write(
+            "dapple: error: this script starts dapple's worker processes when it is imported, "
+            "and every worker imports it: put the calls under "
+            '`if __name__ == "__main__":`\n'
+        )
+        sys.stderr.flush()
+        os._exit(1)
+
+
 def spawn(
     fn: Callable[..., None],
     nprocs: int,
@@ -182,6 +196,7 @@ def spawn(
         RankFailure: a worker exited non-zero or was killed (or hung ``timeout_s + GRACE_S``
             after a failure); the message lists every failing rank's exit code or signal.
     """
+    _not_while_importing_main()
     sock: socket.socket | None = None
     if early is None:
         ctx = mp.get_context("spawn")  # the launcher itself is each worker's parent
