@@ -32,8 +32,11 @@ _ATTENTION = {_aten.scaled_dot_product_attention.default}
 _OTHER_RANDOM = (
     "bernoulli",
     "rand",
+    "rand_like",
     "randn",
+    "randn_like",
     "randint",
+    "randint_like",
     "randperm",
     "normal",
     "uniform",

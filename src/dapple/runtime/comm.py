@@ -65,7 +65,8 @@ def host_staged() -> bool:
 
 
 def _stages(t: torch.Tensor) -> bool:
-    return host_staged() and (t.device.type != "cpu" or os.environ.get(HOST_STAGED_ENV) == "1")
+    forced = os.environ.get(HOST_STAGED_ENV) == "1"  # every tensor, CPU ones included
+    return forced or (_host_staged and t.device.type != "cpu")
 
 
 class _Staged:
