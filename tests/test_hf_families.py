@@ -1,8 +1,8 @@
 """Hugging Face causal-LM families with dropout on: profile -> plan -> verify under uneven plans.
 
 Every family of :data:`hf_families.FAMILIES` (tiny config, dropout 0.1) is profiled, planned for
-four processes and verified step by step under the uneven 1:2:1 plan; OPT, Bloom and Falcon
-under 3:1 too, GPT-2 under ZB-H1 with re-computation. One launch of four worker processes runs
+four processes and verified step by step with AdamW under the uneven 1:2:1 plan; OPT, Bloom and
+Falcon under 3:1 too, GPT-2 under ZB-H1 and with re-computation. One launch of four worker processes runs
 every case (:func:`dapple.runtime.verify.verify_many`).
 """
 
@@ -52,7 +52,8 @@ def test_every_family_trains_like_one_process_with_dropout_on(tmp_path: Path) ->
             plan = _uneven(wl.num_layers, "1:2:1")
             stages = tuple(dataclasses.replace(s, recompute=True) for s in plan.stages)
             cases.append(("gpt2 1:2:1 recompute", dataclasses.replace(plan, stages=stages), wl))
-    reports = verify_many([(plan, wl) for _, plan, wl in cases], 2)  # type: ignore[misc]
+    pairs = [(plan, wl) for _, plan, wl in cases]
+    reports = verify_many(pairs, 2, optimizer="adamw", lr=1e-3)  # type: ignore[arg-type]
     failed = {
         name: [d.first_failure for d in r.stages if d.first_failure] or "losses"
         for (name, _, _), r in zip(cases, reports, strict=True)
