@@ -480,3 +480,26 @@ def test_check_writable_tolerates_ranks_checking_at_once(
     assert check_writable(root) == root
     assert events == ["raced", "removed"]
     assert list(tmp_path.iterdir()) == []  # every directory this check made is gone
+
+
+def test_listing_tolerates_a_directory_removed_by_another_ranks_probe(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One rank lists the directory (refusing an occupied one) while another rank's write probe
+    removes it between the listing's look and its read: the listing is empty, not an error."""
+    root = tmp_path / "ck"
+    root.mkdir()
+    real_iterdir = Path.iterdir
+
+    def iterdir_after_removal(self: Path) -> Any:
+        if self == root and root.exists():
+            root.rmdir()  # the other rank's probe cleans up first
+        return real_iterdir(self)
+
+    monkeypatch.setattr(Path, "iterdir", iterdir_after_removal)
+    assert list_checkpoints(root) == []
+    from dapple.runtime.checkpoint import refuse_occupied
+
+    root.mkdir()
+    refuse_occupied(root, "unused")  # no FileNotFoundError
+    assert list_checkpoints(tmp_path / "absent") == []

@@ -345,11 +345,12 @@ def read_checkpoint(path: str | Path) -> Checkpoint:
 
 def list_checkpoints(root: str | Path) -> list[Path]:
     """Checkpoint directories under ``root`` (complete or not), oldest step first."""
-    r = Path(root)
-    if not r.is_dir():
-        return []
+    try:
+        entries = list(Path(root).iterdir())
+    except (FileNotFoundError, NotADirectoryError):  # absent, or removed meanwhile by another
+        return []  # rank's write probe (:func:`check_writable`)
     found = [
-        (int(m.group(1)), p) for p in r.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir()
+        (int(m.group(1)), p) for p in entries if (m := _STEP_DIR.match(p.name)) and p.is_dir()
     ]
     return [p for _, p in sorted(found)]
 
