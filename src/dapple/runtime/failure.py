@@ -36,7 +36,22 @@ GRID_MAX_DEVICES = 8
 
 
 class RankFailure(DappleError):
-    """A rank could not finish a step (lost peer, timeout, error in a layer)."""
+    """A rank could not finish a step (lost peer, timeout, error in a layer).
+
+    Attributes:
+        exit_codes: raised by the local launcher: each failed worker's exit code by rank
+            (negative: killed by that signal; None: hung and killed by the launcher); empty
+            where the failure was seen inside a rank.
+    """
+
+    def __init__(self, message: str, exit_codes: dict[int, int | None] | None = None) -> None:
+        super().__init__(message)
+        self.exit_codes: dict[int, int | None] = dict(exit_codes or {})
+
+    def lost_ranks(self) -> tuple[int, ...]:
+        """The ranks whose process was killed by a signal (a lost device), not those that
+        exited on an error of their own or because they lost a peer."""
+        return tuple(sorted(r for r, c in self.exit_codes.items() if c is not None and c < 0))
 
 
 def describe_rank(plan: Plan, rank: int) -> str:

@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -59,8 +59,11 @@ from dapple.runtime.local import (
     stop_workers,
 )
 from dapple.runtime.longrun import elastic_store
-from dapple.runtime.metrics import announce
+from dapple.runtime.metrics import announce, metrics_from_dict
 from dapple.runtime.precision import check_precision
+
+if TYPE_CHECKING:
+    from dapple.runtime.elastic import ElasticPolicy
 
 __all__ = [
     "free_port",
@@ -229,7 +232,10 @@ def spawn(
     bad = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode != 0]
     if bad:
         parts = [f"rank {r} " + ("hung (killed)" if r in hung else exit_text(c)) for r, c in bad]
-        raise RankFailure(f"{len(bad)} of {nprocs} workers failed: {', '.join(parts)}")
+        raise RankFailure(
+            f"{len(bad)} of {nprocs} workers failed: {', '.join(parts)}",
+            {r: None if r in hung else c for r, c in bad},
+        )
 
 
 def _wait(procs: list[Any], timeout_s: float, signals: StopSignals) -> list[int]:
@@ -279,12 +285,6 @@ def _worker(
         _die(rank_report(e, rank))
 
 
-def _metrics_from(d: dict[str, Any]) -> StepMetrics:
-    d = dict(d)
-    d["peak_memory_bytes"] = tuple(d["peak_memory_bytes"])
-    return StepMetrics(**d)
-
-
 def train(
     plan: Plan | str | Path,
     workload: Workload | str,
@@ -293,6 +293,7 @@ def train(
     data: Any = None,
     eval_data: Any = None,
     early: EarlyWorkers | None = None,
+    elastic: ElasticPolicy | None = None,
     **options: Any,
 ) -> list[StepMetrics]:
     """Train ``steps`` synchronous steps of ``plan`` (Python API behind ``dapple train``).
@@ -311,6 +312,10 @@ def train(
         eval_data: evaluation samples handed to the runtime (see ``run_plan``).
         early: workers already started for this run (one per plan device; ended when the
             run is refused).
+        elastic: re-plan for the devices there are (:mod:`dapple.runtime.elastic`): under
+            ``torchrun`` for ``WORLD_SIZE`` devices, always resuming from the newest
+            checkpoint; standalone whenever a device is lost (:func:`train_elastic`, which
+            returns only the metrics here).
         **options: the other :class:`TrainConfig` fields (seed, optimizer, lr, timeout_s,
             recompute, metrics_path, echo, device, predicted_step_ms, precision).
 
@@ -323,9 +328,18 @@ def train(
     """
     if not isinstance(plan, Plan):
         plan = Plan.load(plan)
+    if elastic is not None and not _under_torchrun():
+        from dapple.runtime.elastic import train_elastic
+
+        def attempt(p: Plan, **opts: Any) -> None:
+            train(p, workload, steps, data=data, eval_data=eval_data, early=early, **opts)
+
+        return train_elastic(plan, steps, attempt, policy=elastic, **options).metrics
+    if elastic is not None:
+        plan, options = _elastic_worker(plan, elastic, options)
     cfg = TrainConfig(steps=steps, **options)
     check_precision(cfg.precision, cfg.device)  # fp16 on the CPU etc.: before any compute
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+    if _under_torchrun():
         wl = resolve_workload(workload)
         validate_run(plan, wl, int(os.environ["WORLD_SIZE"]), zero_stage=cfg.zero_stage)
         _check_datasets(plan, wl, cfg, data, eval_data)
@@ -365,7 +379,22 @@ def train(
         out = str(Path(tmp) / "metrics.json")
         spawn(_worker, world, plan.to_dict(), payload, cfg, out, (data, eval_data),
               timeout_s=cfg.timeout_s, early=early)  # fmt: skip
-        return [_metrics_from(d) for d in json.loads(Path(out).read_text())]
+        return [metrics_from_dict(d) for d in json.loads(Path(out).read_text())]
+
+
+def _under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def _elastic_worker(
+    plan: Plan, policy: ElasticPolicy, options: dict[str, Any]
+) -> tuple[Plan, dict[str, Any]]:
+    """A ``torchrun`` worker of an elastic run: the plan for ``WORLD_SIZE`` devices, resuming
+    from the newest checkpoint (none: step 0)."""
+    from dapple.runtime.elastic import worker_plan
+
+    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    return worker_plan(plan, world, policy, options, announce_it=rank == 0)
 
 
 def _check_shapes(plan: Plan, wl: Workload, cfg: TrainConfig, data: Any) -> None:

@@ -203,6 +203,13 @@ def step_metrics(
     )
 
 
+def metrics_from_dict(d: dict[str, Any]) -> StepMetrics:
+    """A :class:`StepMetrics` from its :meth:`~StepMetrics.to_dict` (a metrics-file line)."""
+    d = dict(d)
+    d["peak_memory_bytes"] = tuple(d["peak_memory_bytes"])
+    return StepMetrics(**d)
+
+
 class MetricsSink:
     """Rank 0's per-step metrics: kept, logged, echoed, written as JSON lines, handed on.
 
@@ -232,7 +239,8 @@ class MetricsSink:
         self.metrics: list[StepMetrics] = []
         self._file: IO[str] | None = None
         if self.active and config.metrics_path:
-            self._file = open(config.metrics_path, "w")  # noqa: SIM115 - closed by close()
+            mode = "a" if config.resume else "w"  # a resumed run continues its record
+            self._file = open(config.metrics_path, mode)  # noqa: SIM115 - closed by close()
 
     def record(
         self,

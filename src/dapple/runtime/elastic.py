@@ -1,0 +1,334 @@
+"""Elastic runs: a lost device costs a re-plan, not the run.
+
+Standalone (:func:`train_elastic`, ``dapple train --elastic``): the launcher runs the plan.
+When its workers end because a device was lost - a worker killed by a signal (``kill -9``, the
+kernel's OOM killer, a dead GPU taking its process down), see
+:meth:`~dapple.runtime.failure.RankFailure.lost_ranks` - it re-plans with the planner's own
+search for the devices left (the same profile, the cluster less the lost devices, the same
+global batch G and memory limit; :func:`replan`) and starts the survivors again from the newest
+complete checkpoint, which a resume reads under any plan. G and the data order stay those of
+the uninterrupted run, so the loss curve continues as if nothing happened apart from the
+steps re-run since that checkpoint. On GPUs the lost device's index leaves
+``CUDA_VISIBLE_DEVICES`` for the next attempt.
+
+Under ``torchrun`` (``torchrun --nnodes=MIN:MAX --max-restarts=K ... dapple train --elastic``)
+torchrun's elastic agent restarts every worker when a node is lost or joins the rendezvous;
+each restarted worker finds ``WORLD_SIZE`` devices and, where the plan names another count,
+plans for them the same way (:func:`plan_for_world`; every rank plans alike, the search being
+deterministic) and resumes from the newest checkpoint. A run that grows back thus re-plans for
+the larger set at the restart torchrun makes when the new node arrives.
+
+Bounds: at most ``max_restarts`` re-plans, and never below ``min_devices`` devices (then the
+run stops with one line naming the checkpoint to resume from). Every re-plan is printed (old
+plan, new plan, why) and written to the metrics file as an ``{"event": "replan", ...}`` line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dapple.core.cluster import Cluster
+from dapple.core.plan import Plan
+from dapple.core.profile import ModelProfile
+from dapple.errors import DappleError, InfeasibleError, ValidationError
+from dapple.runtime.checkpoint import latest_checkpoint
+from dapple.runtime.config import StepMetrics
+from dapple.runtime.failure import RankFailure
+from dapple.runtime.metrics import announce, metrics_from_dict
+
+__all__ = [
+    "ElasticPolicy",
+    "ElasticResult",
+    "ElasticStop",
+    "Replan",
+    "cluster_of",
+    "plan_for_world",
+    "replan",
+    "train_elastic",
+    "worker_plan",
+]
+
+
+class ElasticStop(DappleError):
+    """An elastic run stopped: fewer devices left than its minimum, restarts used up, or no
+    plan fits the devices left. The newest checkpoint stays for ``--resume``."""
+
+
+@dataclass(frozen=True, slots=True)
+class ElasticPolicy:
+    """How an elastic run re-plans and when it gives up."""
+
+    profile: ModelProfile
+    """The model's profile (``dapple profile``), planned again for the devices left."""
+    cluster: Cluster
+    """The cluster the first plan was made for; re-plans take it less the lost devices."""
+    min_devices: int = 1
+    """Stop (with a resumable checkpoint) rather than go on with fewer devices."""
+    max_restarts: int = 3
+    """Re-plans allowed in one run."""
+    zero_stage: int = 0
+    """The planner's ``zero_stage`` for re-plans (see :func:`dapple.planner.make_plan`)."""
+
+    def __post_init__(self) -> None:
+        for name, low in (("min_devices", 1), ("max_restarts", 0)):
+            v = getattr(self, name)
+            if not (isinstance(v, int) and not isinstance(v, bool) and v >= low):
+                raise ValidationError(f"elastic {name} must be an integer >= {low}, got {v!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class Replan:
+    """One re-plan of an elastic run."""
+
+    resume_step: int
+    """The step the run goes on from (the newest complete checkpoint's; 0 without one)."""
+    lost: tuple[int, ...]
+    """Ranks of the old plan whose devices were lost (empty when devices joined)."""
+    old: Plan
+    new: Plan
+    why: str
+    seconds: float = 0.0
+    """Time to plan anew."""
+
+    def line(self) -> str:
+        return (
+            f"re-plan: {_describe(self.old)} -> {_describe(self.new)}, resuming at step "
+            f"{self.resume_step}: {self.why}"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "event": "replan",
+            "resume_step": self.resume_step,
+            "lost_ranks": list(self.lost),
+            "old_plan": self.old.to_dict(),
+            "new_plan": self.new.to_dict(),
+            "why": self.why,
+            "plan_seconds": round(self.seconds, 3),
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class ElasticResult:
+    """What an elastic run did: rank 0's metrics of every attempt, in order (steps re-run after
+    a re-plan appear again), and its re-plans."""
+
+    metrics: list[StepMetrics]
+    replans: tuple[Replan, ...]
+    plan: Plan
+    """The plan the run finished under."""
+
+
+def _describe(plan: Plan) -> str:
+    return f"{plan.replication} on {len(plan.devices)} devices (M={plan.num_micro_batches})"
+
+
+def cluster_of(cluster: Cluster, devices: int) -> Cluster:
+    """``cluster`` with ``devices`` devices: a single server keeps that many; several servers
+    keep the whole servers those devices fill (a plan's tensor of links assumes servers alike,
+    so a partly lost server's other devices are left idle).
+
+    Raises:
+        ElasticStop: fewer devices than one server of a multi-server cluster.
+    """
+    if devices < 1:
+        raise ElasticStop(f"no device left of cluster {cluster.name!r}")
+    if cluster.servers == 1:
+        return dataclasses.replace(cluster, devices_per_server=devices)
+    servers = min(devices // cluster.devices_per_server, cluster.servers)
+    if servers < 1:
+        raise ElasticStop(
+            f"{devices} devices left of cluster {cluster.name!r}, fewer than one server of "
+            f"{cluster.devices_per_server}"
+        )
+    return dataclasses.replace(cluster, servers=servers)
+
+
+def replan(policy: ElasticPolicy, devices: int, global_batch_size: int) -> Plan:
+    """The planner's plan for ``devices`` devices of the policy's cluster, same G.
+
+    Raises:
+        ElasticStop: no plan fits the memory of the devices left.
+    """
+    from dapple.planner import make_plan
+
+    cluster = cluster_of(policy.cluster, devices)
+    try:
+        return make_plan(policy.profile, cluster, global_batch_size, zero_stage=policy.zero_stage)
+    except InfeasibleError as e:
+        raise ElasticStop(f"no plan fits {cluster.num_devices} devices: {e}") from e
+
+
+def plan_for_world(plan: Plan, world: int, policy: ElasticPolicy) -> Plan:
+    """The plan a restarted ``torchrun`` worker runs: ``plan`` when it uses ``world`` devices,
+    else the planner's plan for ``world`` (same G).
+
+    Raises:
+        ElasticStop: ``world`` is below the policy's minimum, or no plan fits.
+    """
+    if len(plan.devices) == world:
+        return plan
+    if world < policy.min_devices:
+        raise ElasticStop(f"{world} devices, fewer than the minimum {policy.min_devices}")
+    return replan(policy, world, plan.global_batch_size)
+
+
+def worker_plan(
+    plan: Plan, world: int, policy: ElasticPolicy, options: dict[str, Any], *, announce_it: bool
+) -> tuple[Plan, dict[str, Any]]:
+    """What a ``torchrun`` worker of an elastic run runs: :func:`plan_for_world`, with options
+    that resume from the newest checkpoint (none: step 0). Where that checkpoint was saved
+    under another plan, ``announce_it`` prints and records the re-plan (rank 0's part).
+
+    Raises:
+        ElasticStop: see :func:`plan_for_world`.
+    """
+    ckpt_dir = _check_options(options)
+    t0 = time.perf_counter()
+    new = plan_for_world(plan, world, policy)
+    seconds = time.perf_counter() - t0
+    ck = latest_checkpoint(ckpt_dir)
+    old = Plan.from_dict(ck.meta.plan) if ck is not None and ck.meta.plan else None
+    if announce_it and ck is not None and old is not None and old.stages != new.stages:
+        why = (
+            f"this attempt has {world} devices, the checkpoint's plan "
+            f"{len(old.devices)}; predicted {new.predicted_step_ms:.1f} ms per step"
+        )
+        _record(Replan(ck.meta.step, (), old, new, why, seconds), options.get("metrics_path"),
+                bool(options.get("echo", False)))  # fmt: skip
+    return new, {**options, "resume": True, "overwrite_checkpoints": False}
+
+
+def _resume_step(checkpoint_dir: str) -> int:
+    ck = latest_checkpoint(checkpoint_dir)
+    return 0 if ck is None else ck.meta.step
+
+
+def _check_options(options: dict[str, Any]) -> str:
+    ck, every = options.get("checkpoint_dir"), options.get("save_every", 0)
+    if ck is None or not every:
+        raise ValidationError(
+            "an elastic run resumes from its checkpoints: give it checkpoint_dir and save_every "
+            f"(got checkpoint_dir={ck!r}, save_every={every!r})"
+        )
+    return str(ck)
+
+
+def _survivors(failure: RankFailure, devices: list[str], policy: ElasticPolicy) -> list[str]:
+    """The device names left after ``failure``; raises ``failure`` itself when no device was
+    lost (an error of the run, not of a device) and :class:`ElasticStop` below the minimum."""
+    lost = failure.lost_ranks()
+    if not lost:
+        raise failure
+    left = [d for r, d in enumerate(devices) if r not in lost]
+    if len(left) < policy.min_devices:
+        raise ElasticStop(
+            f"{failure}; {len(left)} devices left, fewer than the minimum {policy.min_devices}"
+        )
+    return left
+
+
+def _record(replan_: Replan, metrics_path: str | None, echo: bool) -> None:
+    announce(replan_.line(), echo)
+    if metrics_path:
+        with open(metrics_path, "a") as f:
+            f.write(json.dumps(replan_.to_dict()) + "\n")
+
+
+def train_elastic(
+    plan: Plan,
+    steps: int,
+    attempt: Callable[..., Any],
+    *,
+    policy: ElasticPolicy,
+    **options: Any,
+) -> ElasticResult:
+    """Run ``attempt(plan, **options)`` (one standalone launch of ``steps`` steps, see
+    :func:`dapple.runtime.train` with ``elastic``), re-planning for the devices left whenever
+    a device is lost (see the module docstring).
+
+    Args:
+        options: :class:`~dapple.runtime.config.TrainConfig` fields; ``checkpoint_dir`` and
+            ``save_every`` are required.
+
+    Raises:
+        ElasticStop: below ``policy.min_devices``, ``policy.max_restarts`` used up, or no
+            plan fits the devices left.
+        RankFailure: a failure that lost no device (an error of the run itself).
+    """
+    ckpt_dir = _check_options(options)
+    devices = _visible_devices(len(plan.devices))
+    replans: list[Replan] = []
+    with tempfile.TemporaryDirectory(prefix="dapple-elastic-") as tmp:
+        metrics_path = options.get("metrics_path") or str(Path(tmp) / "metrics.jsonl")
+        options = {**options, "metrics_path": metrics_path}
+        while True:
+            try:
+                attempt(plan, **options)
+                break
+            except RankFailure as failure:
+                left = _survivors(failure, devices, policy)
+                resume_step = _resume_step(ckpt_dir)
+                if resume_step >= steps:  # lost after the last step's checkpoint: done
+                    break
+                if len(replans) >= policy.max_restarts:
+                    raise ElasticStop(
+                        f"{failure}; {len(replans)} re-plans made, the most allowed "
+                        f"(max_restarts={policy.max_restarts}); resume from {ckpt_dir!r}"
+                    ) from failure
+                rep = _replan(policy, failure, plan, len(left), resume_step)
+                _record(rep, metrics_path, bool(options.get("echo", False)))
+                replans.append(rep)
+                plan, devices = rep.new, left[: len(rep.new.devices)]
+                _show_devices(devices)
+                options = {**options, "resume": True, "overwrite_checkpoints": False}
+        records, _ = metrics_lines(metrics_path)
+    return ElasticResult([metrics_from_dict(d) for d in records], tuple(replans), plan)
+
+
+def _replan(
+    policy: ElasticPolicy, failure: RankFailure, plan: Plan, left: int, resume_step: int
+) -> Replan:
+    t0 = time.perf_counter()
+    new = replan(policy, left, plan.global_batch_size)
+    lost = failure.lost_ranks()
+    why = (
+        f"lost rank(s) {', '.join(map(str, lost))}; the planner's best plan for the {left} "
+        f"devices left uses {len(new.devices)}, predicted {new.predicted_step_ms:.1f} ms per step"
+    )
+    return Replan(resume_step, lost, plan, new, why, time.perf_counter() - t0)
+
+
+def _visible_devices(n: int) -> list[str]:
+    """The device names of the plan's ``n`` ranks: ``CUDA_VISIBLE_DEVICES``' entries where it is
+    set, else ``0..n-1`` (the local rank is the device index)."""
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    names = [d.strip() for d in env.split(",") if d.strip()] if env else []
+    return names[:n] if len(names) >= n else [str(i) for i in range(n)]
+
+
+def _show_devices(devices: list[str]) -> None:
+    """Hide the lost GPUs from the next attempt's workers (rank r uses the r-th visible one)."""
+    import torch
+
+    if torch.cuda.is_available() or "CUDA_VISIBLE_DEVICES" in os.environ:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(devices)
+
+
+def metrics_lines(path: str | Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """An elastic run's metrics file: (step records, re-plan events), each in file order."""
+    steps: list[dict[str, Any]] = []
+    events: list[dict[str, Any]] = []
+    for line in Path(path).read_text().splitlines():
+        if line.strip():
+            d = json.loads(line)
+            (events if "event" in d else steps).append(d)
+    return steps, events
