@@ -1,4 +1,5 @@
-"""``dapple profile``: measure a model's layers with torch and write a profile JSON."""
+"""``dapple profile``: measure a model's layers with torch (or count them, ``--analytic``) and
+write a profile JSON."""
 
 from __future__ import annotations
 
@@ -69,7 +70,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         default="fp32",
         metavar="P",
         help="fp32, bf16 or fp16: time the layers and measure activations under this autocast, "
-        "as `dapple train --precision` runs them (default %(default)s)",
+        "as `dapple train --precision` runs them (default %(default)s; --analytic: also fp8)",
     )
     p.add_argument(
         "--split-backward",
@@ -80,6 +81,20 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     )
     p.add_argument(
         "--input-shape", help="per-sample input shape for nn.Sequential factories, e.g. 3,32,32"
+    )
+    p.add_argument(
+        "--analytic",
+        action="store_true",
+        help="do not run the model: count each layer's FLOPs and bytes from its shapes and time "
+        "them with a GPU's datasheet roofline (--device h100, a100 or v100; -m a preset such as "
+        "llama3-8b, llama3.1-405b, gpt3-175b, hf:DIR or a zoo transformer; --precision also "
+        "accepts fp8; --act-checkpoint)",
+    )
+    p.add_argument(
+        "--act-checkpoint",
+        default="none",
+        choices=("none", "selective", "full"),
+        help="with --analytic: activation checkpointing of every block (none, selective: the attention core, full: whole blocks) (default %(default)s)",
     )
     p.set_defaults(func=run)
 
@@ -165,8 +180,46 @@ def print_lengths(con: Console, prof: ModelProfile) -> None:
     print_table(con, t)
 
 
+def _run_analytic(args: argparse.Namespace, sizes: list[int], lens: list[int] | None) -> int:
+    """``dapple profile --analytic``: the profile from shapes and a datasheet
+    (:func:`dapple.profiler.analytic.analytic_profile`), at one or several lengths."""
+    from dapple.profiler.analytic import analytic_profile
+    from dapple.profiler.analytic_devices import DEVICES
+
+    if args.device not in DEVICES:
+        raise ValidationError(
+            f"--analytic needs --device {' or '.join(DEVICES)} (a datasheet), got {args.device!r}"
+        )
+    overrides = model_overrides(args)
+
+    def at(seq: int | None) -> ModelProfile:
+        return analytic_profile(
+            args.model, args.device, precision=args.precision, seq_len=seq,
+            checkpoint=args.act_checkpoint, batch_sizes=sizes, overrides=overrides,
+        )  # fmt: skip
+
+    if lens and len(set(lens)) > 1:
+        from dapple.profiler.lengths import combine_lengths
+
+        prof = combine_lengths([(n, at(n)) for n in sorted(set(lens))])
+    else:
+        prof = at(lens[0] if lens else None)
+    con = console()
+    print_profile(con, prof)
+    if prof.by_length:
+        print_lengths(con, prof)
+    prof.save(args.output)
+    con.print(
+        f"wrote {args.output}: {prof.num_layers} layers, {prof.parameter_bytes // 4:,} parameters "
+        f"(analytic, {prof.device})"
+    )
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     sizes = parse_batch_sizes(args.batch_sizes)
+    if args.analytic:
+        return _run_analytic(args, sizes, _lengths(args.seq_lens))
     lens = _lengths(args.seq_lens)
     overrides = model_overrides(args)
     shape = _parse_shape(args.input_shape)

@@ -1,0 +1,173 @@
+"""Analytic layer profiles of transformers: FLOPs and bytes per operation, timed by a roofline.
+
+Builds the :class:`~dapple.core.profile.ModelProfile` the planner and simulator take, without
+running the model, from its shapes (:class:`~dapple.profiler.analytic_models.TransformerSpec`)
+and a device's datasheet (:mod:`dapple.profiler.analytic_devices`). Pure, no torch: it works for
+models far too large for this machine.
+
+The layers and their operations (FLOPs, bytes, kept activations) are counted by
+:mod:`dapple.profiler.analytic_ops`: ``embedding``, one ``block<i>`` per block, ``lm_head``.
+
+An op takes ``max(FLOPs / (efficiency x peak), bytes / (efficiency x bandwidth))`` plus
+:data:`~dapple.profiler.analytic_devices.KERNEL_GAP_US` per kernel: a roofline with one
+efficiency per operation class and device (:class:`~dapple.profiler.analytic_devices.Efficiency`).
+Forward and backward times are summed over a layer's ops at each batch size of the profile and
+fitted affine in the batch size (:func:`~dapple.core.profile.fit_affine`), as measured
+profiles are.
+
+Parameters are counted in fp32 bytes (4 per parameter: master weights), as dapple's memory
+model expects; the optimizer update time ``U`` is AdamW's 28 bytes moved per parameter (30 with
+a 16-bit copy) at the memory efficiency.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from dapple.core.profile import LayerProfile, ModelProfile, fit_affine
+from dapple.errors import ValidationError
+from dapple.profiler.analytic_devices import (
+    ANALYTIC_PRECISIONS,
+    KERNEL_GAP_US,
+    DeviceSpec,
+    Efficiency,
+    get_device,
+)
+from dapple.profiler.analytic_models import TransformerSpec, resolve_spec
+from dapple.profiler.analytic_ops import (
+    LayerCost,
+    Op,
+    block_ops,
+    layer_costs,
+    linear_op,
+)
+
+__all__ = [
+    "LayerCost",
+    "Op",
+    "analytic_profile",
+    "block_ops",
+    "layer_costs",
+    "layer_time_ms",
+    "linear_op",
+]
+
+_PROFILE_PRECISION = {"fp32": "fp32", "bf16": "bf16", "fp16": "fp16", "fp8": "bf16"}
+"""The memory model's precision of each compute precision (fp8 keeps bf16 activations)."""
+_DTYPE = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp8": "float8_e4m3fn"}
+_ADAM_BYTES_PER_PARAMETER = 28.0
+"""AdamW over fp32 master weights: reads parameter, gradient and both moments, writes the
+parameter and the moments."""
+
+
+# -- time -------------------------------------------------------------------------------------
+
+
+def _op_ms(op: Op, b: float, dev: DeviceSpec, precision: str, eff: Efficiency, fwd: bool) -> float:
+    flops = (op.fwd_flops if fwd else op.bwd_flops) * b
+    nbytes = (op.fwd_bytes if fwd else op.bwd_bytes) * b
+    nbytes += op.fwd_bytes_per_call if fwd else op.bwd_bytes_per_call
+    if op.kind == "matmul":
+        p = precision if op.weight_gemm or precision != "fp8" else "bf16"
+        compute = flops / (eff.matmul * dev.matmul_peak(p))
+    elif op.kind == "attention":
+        compute = flops / (eff.attention * dev.attention_peak(precision))
+    else:
+        compute = 0.0
+    memory = nbytes / (eff.memory * dev.hbm_bytes_per_s)
+    kernels = op.kernels[0] if fwd else op.kernels[1]
+    return (max(compute, memory) + kernels * KERNEL_GAP_US * 1e-6) * 1e3
+
+
+def layer_time_ms(
+    layer: LayerCost, b: float, device: DeviceSpec, precision: str, efficiency: Efficiency
+) -> tuple[float, float]:
+    """Roofline ``(forward_ms, backward_ms)`` of one call of ``layer`` on ``b`` samples; the
+    backward includes the recomputed forward ops."""
+    f = sum(_op_ms(op, b, device, precision, efficiency, True) for op in layer.ops)
+    bw = sum(_op_ms(op, b, device, precision, efficiency, False) for op in layer.ops)
+    bw += sum(_op_ms(op, b, device, precision, efficiency, True) for op in layer.recomputed)
+    return f, bw
+
+
+def analytic_profile(
+    model: str | TransformerSpec,
+    device: str | DeviceSpec = "h100",
+    *,
+    precision: str = "bf16",
+    seq_len: int | None = None,
+    checkpoint: str = "none",
+    attention: str | None = None,
+    batch_sizes: Sequence[int] = (1, 2, 4, 8),
+    efficiency: Efficiency | None = None,
+    fold_ends: bool = False,
+    overrides: Mapping[str, Any] | None = None,
+) -> ModelProfile:
+    """A layer profile of ``model`` on ``device`` from its shapes (``dapple profile --analytic``).
+
+    Args:
+        model: a preset name (``llama3-8b``, ``gpt3-175b``, ...), ``hf:DIR``, a zoo
+            transformer name (``transformer``, ``bert-48``) or a :class:`TransformerSpec`.
+        device: ``h100``, ``a100``, ``v100`` or a :class:`DeviceSpec`.
+        precision: ``fp32``, ``bf16``, ``fp16`` or ``fp8`` (weight GEMMs in fp8).
+        seq_len: tokens per sample instead of the model's own.
+        checkpoint: ``none``, ``selective`` or ``full`` activation checkpointing of the blocks.
+        attention: ``flash`` or ``eager``; None: eager in fp32, flash otherwise.
+        batch_sizes: batch sizes the affine times are fitted over.
+        efficiency: the roofline's efficiencies instead of the device's for ``precision``.
+        fold_ends: merge the embedding into the first block and the head into the last.
+        overrides: zoo transformer arguments (``layers``, ``hidden``, ...), zoo names only.
+
+    Raises:
+        ValidationError: unknown model, device, precision (or one the device lacks), mode.
+    """
+    spec = resolve_spec(model, seq_len, **dict(overrides or {}))
+    dev = device if isinstance(device, DeviceSpec) else get_device(device)
+    if precision not in ANALYTIC_PRECISIONS:
+        raise ValidationError(
+            f"precision must be one of {', '.join(ANALYTIC_PRECISIONS)}, got {precision!r}"
+        )
+    eff = efficiency or dev.efficiency_for(precision)
+    sizes = sorted(set(batch_sizes))
+    if not sizes or sizes[0] < 1:
+        raise ValidationError(f"batch_sizes must be positive integers, got {list(batch_sizes)}")
+    costs = layer_costs(
+        spec, precision, attention=attention, checkpoint=checkpoint, fold_ends=fold_ends
+    )
+    holders = [i for i, c in enumerate(costs) if c.tied_parameters]
+    if len(holders) == 1:  # both copies of the tied table in one layer: one parameter
+        c = costs[holders[0]]
+        costs[holders[0]] = dataclasses.replace(
+            c, parameters=c.parameters - c.tied_parameters // 2, tied_parameters=0
+        )
+    layers = []
+    for i, c in enumerate(costs):
+        times = [layer_time_ms(c, b, dev, precision, eff) for b in sizes]
+        layers.append(
+            LayerProfile(
+                name=c.name,
+                forward=fit_affine(sizes, [t[0] for t in times]),
+                backward=fit_affine(sizes, [t[1] for t in times]),
+                output_bytes_per_sample=c.output_bytes_per_sample,
+                parameter_bytes=4 * c.parameters,
+                kept_activation_bytes_per_sample=c.kept_bytes_per_sample,
+                tied_parameter_bytes=4 * c.tied_parameters,
+                tied_layers=tuple(j for j in holders if j != i) if c.tied_parameters else (),
+            )
+        )
+    cast = 0.0 if precision == "fp32" else 2.0
+    update = (_ADAM_BYTES_PER_PARAMETER + cast) / 4 / (eff.memory * dev.hbm_bytes_per_s) * 1e3
+    return ModelProfile(
+        model_name=spec.name,
+        layers=tuple(layers),
+        input_bytes_per_sample=8.0 * spec.seq,
+        dtype=_DTYPE[precision],
+        device=f"{dev.label} (analytic, {precision})",
+        batch_sizes=tuple(sizes),
+        optimizer_state_factor=3.0,
+        update_ms_per_parameter_byte=update,
+        precision=_PROFILE_PRECISION[precision],
+        seq_len=spec.seq,
+    )

@@ -1,0 +1,222 @@
+"""Datasheet numbers and roofline efficiencies of the GPUs the analytic profiler models.
+
+Pure, no torch. One :class:`DeviceSpec` per device kind: peak dense FLOP/s per precision and
+HBM bandwidth from the vendor's datasheet, and one :class:`Efficiency` per precision: the
+fraction of peak each operation class reaches in a training step (a roofline's ceilings scaled
+down). :mod:`dapple.profiler.analytic` turns FLOPs and bytes into time with them.
+
+Datasheets (dense numbers; NVIDIA prints the Tensor Core rates of A100 and H100 "with
+sparsity", twice the dense rate, and the tables below halve them):
+
+* V100: "NVIDIA Tesla V100 GPU Accelerator" datasheet, SXM2 column: 15.7 TFLOP/s fp32,
+  125 TFLOP/s Tensor Core (fp16), 900 GB/s HBM2, 16 or 32 GB.
+* A100: "NVIDIA A100 Tensor Core GPU" datasheet, 80GB SXM column: 19.5 TFLOP/s fp32,
+  312 TFLOP/s bf16/fp16 Tensor Core (624 with sparsity), 2,039 GB/s HBM2e, 80 GB.
+* H100: "NVIDIA H100 Tensor Core GPU" datasheet, SXM column: 67 TFLOP/s fp32, 989 TFLOP/s
+  bf16/fp16 Tensor Core (1,979 with sparsity), 1,979 TFLOP/s fp8 (3,958 with sparsity),
+  3.35 TB/s HBM3, 80 GB.
+
+Efficiencies: three operation classes (:data:`OP_CLASSES`), each with one number per device
+and precision:
+
+* ``matmul``: GEMMs of the linear layers, the LM head and eager attention, as a fraction of the
+  precision's peak. Fitted where a published run dapple can express exists (each value's
+  comment names the run and ``benchmarks/published.md`` the fit), else a prior.
+* ``attention``: the fused (flash) attention kernel's FLOPs as a fraction of the 16-bit Tensor
+  Core peak. Prior: FlashAttention-2 (Dao, 2023) reports 50-73% of A100 peak forward and
+  about 63% backward; on H100 the same kernels reach 35-50% (FlashAttention-3, Shah et al.
+  2024, figure 1), cuDNN's fused attention more.
+* ``memory``: element-wise and reduction kernels (norms, activations, residual adds, rotary,
+  softmax, embeddings, cross entropy) as a fraction of HBM bandwidth. Prior 0.8: streaming
+  copies reach 85-92% of peak HBM bandwidth on these parts; framework element-wise kernels a
+  little less.
+
+``KERNEL_GAP_US``: fixed per-kernel time (launch and tail), charged once per kernel as the
+fixed part of each call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from dapple.core.cluster import GIB
+from dapple.errors import ValidationError
+
+__all__ = [
+    "ANALYTIC_PRECISIONS",
+    "DEVICES",
+    "KERNEL_GAP_US",
+    "OP_CLASSES",
+    "DeviceSpec",
+    "Efficiency",
+    "get_device",
+]
+
+ANALYTIC_PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
+"""Compute precisions of an analytic profile. ``fp8``: linear-layer GEMMs in fp8 (Transformer
+Engine, torchao Float8), everything else in bf16."""
+
+OP_CLASSES = ("matmul", "attention", "memory")
+"""Operation classes, each with its own efficiency."""
+
+KERNEL_GAP_US = 4.0
+"""Fixed time per kernel (launch latency and the tail of a dependent kernel), microseconds."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Efficiency:
+    """Fraction of the roofline's ceilings one operation class reaches (each in (0, 1])."""
+
+    matmul: float
+    """GEMMs: fraction of the precision's peak FLOP/s."""
+    attention: float
+    """Fused attention: fraction of the 16-bit Tensor Core peak FLOP/s."""
+    memory: float
+    """Element-wise kernels: fraction of the HBM bandwidth."""
+    note: str = ""
+    """Where the numbers come from (a fit's published run, or a prior)."""
+
+    def __post_init__(self) -> None:
+        for name in OP_CLASSES:
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and 0 < v <= 1):
+                raise ValidationError(f"Efficiency.{name} must be in (0, 1], got {v!r}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DeviceSpec:
+    """One GPU kind: datasheet peaks and the efficiencies of each precision."""
+
+    name: str
+    """Short name (``h100``)."""
+    label: str
+    """The part the datasheet numbers are for."""
+    peak_flops: dict[str, float]
+    """Dense peak FLOP/s of GEMMs per precision (:data:`ANALYTIC_PRECISIONS`)."""
+    hbm_bytes_per_s: float
+    """Peak HBM bandwidth, bytes/s."""
+    memory_bytes: int
+    """Device memory, bytes."""
+    efficiency: dict[str, Efficiency] = field(default_factory=dict)
+    """Efficiencies per precision."""
+
+    def supports(self, precision: str) -> bool:
+        """Whether the device has a peak for ``precision``."""
+        return precision in self.peak_flops
+
+    def matmul_peak(self, precision: str) -> float:
+        """Peak FLOP/s of GEMMs in ``precision``.
+
+        Raises:
+            ValidationError: the device has no such precision (V100 has no bf16 or fp8).
+        """
+        if precision not in self.peak_flops:
+            raise ValidationError(
+                f"{self.label} has no {precision} peak; it supports {', '.join(self.peak_flops)}"
+            )
+        return self.peak_flops[precision]
+
+    def attention_peak(self, precision: str) -> float:
+        """Peak FLOP/s of the fused attention kernel: 16-bit Tensor Cores (fp8 runs attention in
+        bf16), fp32 in fp32."""
+        if precision == "fp32":
+            return self.matmul_peak("fp32")
+        return self.peak_flops.get("bf16", self.peak_flops.get("fp16", 0.0))
+
+    def efficiency_for(self, precision: str) -> Efficiency:
+        """The efficiencies of ``precision``.
+
+        Raises:
+            ValidationError: the device has no such precision.
+        """
+        self.matmul_peak(precision)
+        return self.efficiency[precision]
+
+
+_MEMORY = 0.8
+"""Prior fraction of HBM bandwidth reached by element-wise kernels (module docstring)."""
+
+DEVICES: dict[str, DeviceSpec] = {
+    "v100": DeviceSpec(
+        name="v100",
+        label="NVIDIA V100 SXM2",
+        peak_flops={"fp32": 15.7e12, "fp16": 125e12},
+        hbm_bytes_per_s=900e9,
+        memory_bytes=16 * GIB,
+        efficiency={
+            # matmul fitted on the DAPPLE paper's BERT-48, DAPPLE schedule, M=16 without RC
+            # (8.18 samples/s; benchmarks/published.md); attention is eager (matmul class) in
+            # fp32, so its value only matters for a flash profile asked for explicitly.
+            "fp32": Efficiency(
+                matmul=0.622,
+                attention=0.622,
+                memory=_MEMORY,
+                note="matmul fitted on dapple-paper-bert48-dapple-m16 (published.md)",
+            ),
+            # matmul fitted on Megatron-LM v1's 1.2B GPT-2 on one V100 (1288 ms per step; a
+            # DGX-2H V100 at 450 W, above this datasheet's peak); attention there is eager.
+            "fp16": Efficiency(
+                matmul=0.828,
+                attention=0.5,
+                memory=_MEMORY,
+                note="matmul fitted on megatron-v1-gpt2-1.2b (published.md)",
+            ),
+        },
+    ),
+    "a100": DeviceSpec(
+        name="a100",
+        label="NVIDIA A100 SXM4 80GB",
+        peak_flops={"fp32": 19.5e12, "bf16": 312e12, "fp16": 312e12},
+        hbm_bytes_per_s=2039e9,
+        memory_bytes=80 * GIB,
+        efficiency={
+            # priors: no published A100 run dapple can express yet (all are FSDP).
+            p: Efficiency(
+                matmul=0.8 if p != "fp32" else 0.85,
+                attention=0.6,
+                memory=_MEMORY,
+                note="prior (not fitted)",
+            )
+            for p in ("fp32", "bf16", "fp16")
+        },
+    ),
+    "h100": DeviceSpec(
+        name="h100",
+        label="NVIDIA H100 SXM5 80GB",
+        peak_flops={"fp32": 66.9e12, "bf16": 989.4e12, "fp16": 989.4e12, "fp8": 1978.9e12},
+        hbm_bytes_per_s=3.35e12,
+        memory_bytes=80 * GIB,
+        efficiency={
+            # priors: no published H100 bf16 run dapple can express yet (FSDP, TP).
+            **{
+                p: Efficiency(
+                    matmul=0.7 if p != "fp32" else 0.85,
+                    attention=0.5,
+                    memory=_MEMORY,
+                    note="prior (not fitted)",
+                )
+                for p in ("fp32", "bf16", "fp16")
+            },
+            # matmul fitted on NeMo's LLAMA2-7B pretraining, 8 H100, fp8 (16,847 tokens/s/GPU).
+            "fp8": Efficiency(
+                matmul=0.476,
+                attention=0.5,
+                memory=_MEMORY,
+                note="matmul fitted on nemo-2407-llama2-7b (published.md)",
+            ),
+        },
+    ),
+}
+"""The modelled devices by short name."""
+
+
+def get_device(name: str) -> DeviceSpec:
+    """The :class:`DeviceSpec` named ``name`` (case-insensitive).
+
+    Raises:
+        ValidationError: unknown device.
+    """
+    spec = DEVICES.get(name.lower())
+    if spec is None:
+        raise ValidationError(f"unknown analytic device {name!r}; known: {', '.join(DEVICES)}")
+    return spec

@@ -1,0 +1,456 @@
+"""Transformer model descriptions for the analytic profiler: shapes only, no weights, no torch.
+
+A :class:`TransformerSpec` holds the fields of a Hugging Face config (hidden size, layers,
+heads, key/value heads, feed-forward width, vocabulary, sequence length) plus the choices that
+change costs (SwiGLU or GELU MLP, RMSNorm or LayerNorm, biases, learned positions, tied
+embeddings, causal or bidirectional attention). It describes Llama-family and GPT-family
+decoders, BERT encoders and dapple's zoo ``transformer``, at any size: a 405B model needs no
+memory to describe.
+
+Specs come from a named preset (:data:`PRESETS`, each from its published configuration), a
+Hugging Face ``config.json`` (``hf:DIR``, :func:`from_hf_config`) or the zoo transformer's
+arguments (:func:`zoo_transformer`); :func:`resolve_spec` reads any of them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from dapple.errors import ValidationError
+
+__all__ = [
+    "PRESETS",
+    "PUBLISHED_PARAMETERS",
+    "TransformerSpec",
+    "from_hf_config",
+    "llama_ffn",
+    "resolve_spec",
+    "zoo_transformer",
+]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TransformerSpec:
+    """Shapes of a transformer LM: embedding, ``layers`` blocks, final norm and head."""
+
+    name: str
+    """Model name (becomes the profile's ``model_name``)."""
+    hidden: int
+    """h: model width."""
+    layers: int
+    """L: transformer blocks."""
+    heads: int
+    """a: query heads."""
+    kv_heads: int | None = None
+    """Key/value heads (grouped-query attention); None: ``heads``."""
+    head_dim: int | None = None
+    """d: width of one head; None: ``hidden // heads``."""
+    ffn: int
+    """f: feed-forward width (the gate/up projections' output)."""
+    vocab: int
+    """V: vocabulary (embedding rows)."""
+    seq: int
+    """s: tokens per sample (the context the model is trained at)."""
+    mlp: Literal["swiglu", "gelu"] = "swiglu"
+    """``swiglu``: gate, up and down projections (Llama); ``gelu``: two projections (GPT, BERT)."""
+    norm: Literal["rmsnorm", "layernorm"] = "rmsnorm"
+    """Normalisation: RMSNorm (weight only) or LayerNorm (weight and bias)."""
+    linear_bias: bool = False
+    """Every linear layer has a bias (GPT-2, GPT-3, BERT, the zoo transformer)."""
+    qkv_bias: bool = False
+    """Only the query/key/value projections have biases (Qwen2)."""
+    learned_positions: bool = False
+    """A learned position table of ``max_positions`` rows (GPT, BERT); False: rotary (no
+    parameters)."""
+    max_positions: int | None = None
+    """Rows of the learned position table; None: ``seq``."""
+    token_types: int = 0
+    """Rows of BERT's token-type table (0: none)."""
+    embedding_norm: bool = False
+    """A norm after the embeddings (BERT)."""
+    final_norm: bool = True
+    """A norm before the head (pre-LN models); BERT has none."""
+    head_outputs: int | None = None
+    """Outputs of the head's projection; None: ``vocab`` (an LM head with cross entropy over
+    the vocabulary). BERT-48 on SQuAD: 2 (span start and end)."""
+    head_bias: bool = False
+    """The head's projection has a bias (the zoo transformer's ``nn.Linear``)."""
+    tied_embeddings: bool = False
+    """The LM head reuses the embedding table (GPT-2, GPT-3, Megatron GPT)."""
+    causal: bool = True
+    """Causal (decoder) attention; False: bidirectional (BERT)."""
+    dropout: bool = False
+    """Training with dropout after attention probabilities and after each residual branch
+    (keeps one-byte masks)."""
+
+    def __post_init__(self) -> None:
+        for f in ("hidden", "layers", "heads", "ffn", "vocab", "seq"):
+            v = getattr(self, f)
+            if not (isinstance(v, int) and not isinstance(v, bool) and v >= 1):
+                raise ValidationError(
+                    f"model {self.name!r}: {f} must be an integer >= 1, got {v!r}"
+                )
+        if self.head_dim is None and self.hidden % self.heads:
+            raise ValidationError(
+                f"model {self.name!r}: heads={self.heads} must divide hidden={self.hidden} "
+                "(or give head_dim)"
+            )
+        if self.heads % self.n_kv_heads:
+            raise ValidationError(
+                f"model {self.name!r}: kv_heads={self.n_kv_heads} must divide heads={self.heads}"
+            )
+        if self.learned_positions and self.positions < self.seq:
+            raise ValidationError(
+                f"model {self.name!r}: seq={self.seq} exceeds the {self.positions} learned positions"
+            )
+
+    @property
+    def n_kv_heads(self) -> int:
+        """Key/value heads."""
+        return self.kv_heads if self.kv_heads is not None else self.heads
+
+    @property
+    def d_head(self) -> int:
+        """d, the width of one head."""
+        return self.head_dim if self.head_dim is not None else self.hidden // self.heads
+
+    @property
+    def positions(self) -> int:
+        """Rows of the learned position table."""
+        return self.max_positions if self.max_positions is not None else self.seq
+
+    @property
+    def outputs(self) -> int:
+        """Outputs of the head's projection."""
+        return self.head_outputs if self.head_outputs is not None else self.vocab
+
+    @property
+    def lm_head(self) -> bool:
+        """Whether the head projects onto the vocabulary (with cross entropy over it)."""
+        return self.head_outputs is None
+
+    def with_seq(self, seq: int) -> TransformerSpec:
+        """This model at another sequence length (the learned table keeps its rows)."""
+        positions = self.positions if self.learned_positions else None
+        return dataclasses.replace(self, seq=seq, max_positions=positions)
+
+    # -- parameters ------------------------------------------------------------------------
+    def embedding_parameters(self) -> int:
+        """Token table, learned positions and token types, embedding norm."""
+        h = self.hidden
+        n = self.vocab * h
+        n += self.positions * h if self.learned_positions else 0
+        n += self.token_types * h
+        n += self._norm_parameters() if self.embedding_norm else 0
+        return n
+
+    def block_parameters(self) -> int:
+        """One transformer block: attention, MLP, two norms."""
+        h, q, kv = self.hidden, self.heads * self.d_head, self.n_kv_heads * self.d_head
+        attn = h * q + 2 * h * kv + q * h
+        if self.linear_bias:
+            attn += q + 2 * kv + h
+        elif self.qkv_bias:
+            attn += q + 2 * kv
+        mlp = 3 * h * self.ffn if self.mlp == "swiglu" else 2 * h * self.ffn
+        if self.linear_bias:
+            mlp += (2 * self.ffn if self.mlp == "swiglu" else self.ffn) + h
+        return attn + mlp + 2 * self._norm_parameters()
+
+    def head_parameters(self) -> int:
+        """Final norm and the head's projection (a tied head counts its copy of the table)."""
+        n = self._norm_parameters() if self.final_norm else 0
+        n += self.hidden * self.outputs + (self.outputs if self.head_bias else 0)
+        return n
+
+    def parameters(self, *, count_tied_once: bool = True) -> int:
+        """All parameters; a tied head's table counted once unless ``count_tied_once`` is
+        False."""
+        n = self.embedding_parameters() + self.layers * self.block_parameters()
+        n += self.head_parameters()
+        if self.tied_embeddings and count_tied_once:
+            n -= self.hidden * self.outputs
+        return n
+
+    def _norm_parameters(self) -> int:
+        return self.hidden * (2 if self.norm == "layernorm" else 1)
+
+
+def llama_ffn(hidden: int, multiplier: float | None, multiple_of: int) -> int:
+    """Feed-forward width of Meta's Llama code (``FeedForward`` in ``model.py``, torchtitan's
+    ``TransformerModelArgs``): ``2/3 * 4h``, times ``ffn_dim_multiplier``, rounded up to a
+    multiple of ``multiple_of``."""
+    f = int(2 * 4 * hidden / 3)
+    if multiplier is not None:
+        f = int(multiplier * f)
+    return multiple_of * math.ceil(f / multiple_of)
+
+
+def _llama(
+    name: str, h: int, layers: int, heads: int, kv: int, f: int, vocab: int, seq: int
+) -> TransformerSpec:
+    return TransformerSpec(
+        name=name, hidden=h, layers=layers, heads=heads, kv_heads=kv, ffn=f, vocab=vocab, seq=seq
+    )
+
+
+def _gpt(
+    name: str, h: int, layers: int, heads: int, vocab: int, seq: int, *, dropout: bool = True
+) -> TransformerSpec:
+    return TransformerSpec(
+        name=name,
+        hidden=h,
+        layers=layers,
+        heads=heads,
+        ffn=4 * h,
+        vocab=vocab,
+        seq=seq,
+        mlp="gelu",
+        norm="layernorm",
+        linear_bias=True,
+        learned_positions=True,
+        tied_embeddings=True,
+        dropout=dropout,
+    )
+
+
+_L3_VOCAB = 128256
+PRESETS: dict[str, TransformerSpec] = {
+    # Llama 3 / 3.1: torchtitan torchtitan/models/llama/__init__.py (llama3_configs: dim,
+    # n_layers, n_heads, n_kv_heads, ffn_dim_multiplier, multiple_of), vocabulary 128,256 (the
+    # Llama 3 tokenizer), context 8,192 (torchtitan's training seq_len). 3.1 has the 3 shapes.
+    "llama3-8b": _llama("llama3-8b", 4096, 32, 32, 8, llama_ffn(4096, 1.3, 1024), _L3_VOCAB, 8192),
+    "llama3-70b": _llama(
+        "llama3-70b", 8192, 80, 64, 8, llama_ffn(8192, 1.3, 4096), _L3_VOCAB, 8192
+    ),
+    "llama3.1-8b": _llama(
+        "llama3.1-8b", 4096, 32, 32, 8, llama_ffn(4096, 1.3, 1024), _L3_VOCAB, 8192
+    ),
+    "llama3.1-70b": _llama(
+        "llama3.1-70b", 8192, 80, 64, 8, llama_ffn(8192, 1.3, 4096), _L3_VOCAB, 8192
+    ),
+    "llama3.1-405b": _llama(
+        "llama3.1-405b", 16384, 126, 128, 8, llama_ffn(16384, 1.2, 4096), _L3_VOCAB, 8192
+    ),
+    # Llama 2: torchtitan's llama2_configs (multiple_of 256 by default; 70B: 1.3 and 4096),
+    # vocabulary 32,000, context 4,096.
+    "llama2-7b": _llama("llama2-7b", 4096, 32, 32, 32, llama_ffn(4096, None, 256), 32000, 4096),
+    "llama2-13b": _llama("llama2-13b", 5120, 40, 40, 40, llama_ffn(5120, None, 256), 32000, 4096),
+    "llama2-70b": _llama("llama2-70b", 8192, 80, 64, 8, llama_ffn(8192, 1.3, 4096), 32000, 4096),
+    # GPT-3 175B: Brown et al. 2020, table 2.1 (96 layers, d_model 12288, 96 heads, context
+    # 2048); GPT-2 BPE vocabulary 50,257 padded to 50,304 (Megatron: multiple of 128).
+    "gpt3-175b": _gpt("gpt3-175b", 12288, 96, 96, 50304, 2048),
+    # NeMo's GPT-3 5B: NVIDIA/NeMo-Framework-Launcher launcher_scripts/conf/training/gpt3/5b.yaml.
+    "gpt3-5b": _gpt("gpt3-5b", 4096, 24, 32, 50304, 2048),
+    # NeMo's GPT-3 20B: the same repository's launcher_scripts/conf/training/gpt3/20b.yaml.
+    "gpt3-20b": _gpt("gpt3-20b", 6144, 44, 48, 50304, 2048),
+    # Megatron-LM's 1.2B GPT-2 (nv-adlr.github.io _projects/megatron-lm.md, table 1, config 1;
+    # vocabulary padded to 51,200, context 1,024).
+    "megatron-gpt2-1.2b": _gpt("megatron-gpt2-1.2b", 1536, 40, 16, 51200, 1024),
+    # The DAPPLE paper's BERT-48 (table 1; BERT-large widths, 48 layers) fine-tuned on SQuAD:
+    # sequence 512, WordPiece vocabulary 30,522, span head (2 outputs), fp32, dropout 0.1.
+    "paper-bert-48": TransformerSpec(
+        name="paper-bert-48",
+        hidden=1024,
+        layers=48,
+        heads=16,
+        ffn=4096,
+        vocab=30522,
+        seq=512,
+        mlp="gelu",
+        norm="layernorm",
+        linear_bias=True,
+        learned_positions=True,
+        token_types=2,
+        embedding_norm=True,
+        final_norm=False,
+        head_outputs=2,
+        head_bias=True,
+        causal=False,
+        dropout=True,
+    ),
+}
+"""Named model presets, each from its published configuration (comments give the source)."""
+
+PUBLISHED_PARAMETERS: dict[str, str] = {
+    "llama3-8b": "8.03B",
+    "llama3-70b": "70.6B",
+    "llama3.1-8b": "8.03B",
+    "llama3.1-70b": "70.6B",
+    "llama3.1-405b": "405B",
+    "llama2-7b": "6.74B",
+    "llama2-13b": "13.0B",
+    "llama2-70b": "69.0B",
+    "gpt3-175b": "175.0B",
+    "gpt3-5b": "5B",
+    "gpt3-20b": "20B",
+    "megatron-gpt2-1.2b": "1.2B",
+    "paper-bert-48": "640M",
+}
+"""Parameter counts as their publishers print them, to the printed precision (Meta's model
+cards and the Hugging Face hub for Llama; Brown et al. table 2.1; NeMo's config name;
+nv-adlr's table 1; the DAPPLE paper's table 1)."""
+
+
+def zoo_transformer(
+    layers: int = 6,
+    hidden: int = 64,
+    heads: int = 4,
+    seq: int = 32,
+    vocab: int = 256,
+    ffn: int | None = None,
+    name: str = "transformer",
+    **_ignored: Any,
+) -> TransformerSpec:
+    """The shapes of :func:`dapple.models.zoo.transformer.transformer` with the same arguments
+    (pre-LN GPT blocks, learned positions, biases, an untied LM head with bias, no dropout)."""
+    return TransformerSpec(
+        name=name,
+        hidden=hidden,
+        layers=layers,
+        heads=heads,
+        ffn=ffn or 4 * hidden,
+        vocab=vocab,
+        seq=seq,
+        mlp="gelu",
+        norm="layernorm",
+        linear_bias=True,
+        learned_positions=True,
+        head_bias=True,
+    )
+
+
+_ZOO = {
+    "transformer": {},
+    "bert-48": {
+        "layers": 48,
+        "hidden": 1024,
+        "heads": 16,
+        "seq": 512,
+        "vocab": 30522,
+        "name": "bert-48",
+    },
+}
+"""Zoo names whose model is :func:`zoo_transformer` (with the zoo loader's defaults)."""
+
+_LLAMA_TYPES = ("llama", "mistral", "qwen2", "qwen3", "granite", "olmo2")
+
+
+def from_hf_config(
+    config: dict[str, Any], name: str = "hf", seq: int | None = None
+) -> TransformerSpec:
+    """A spec from the fields of a Hugging Face ``config.json``.
+
+    Llama-family types (``llama``, ``mistral``, ``qwen2``, ...), ``gpt2`` and ``bert`` are read.
+
+    Args:
+        config: the parsed ``config.json``.
+        name: the spec's name.
+        seq: tokens per sample; None: ``max_position_embeddings`` (``n_positions`` for GPT-2),
+            at most 8,192.
+
+    Raises:
+        ValidationError: an unsupported ``model_type`` or a missing field.
+    """
+    kind = config.get("model_type", "")
+
+    def get(*keys: str, default: Any = None) -> Any:
+        for k in keys:
+            if config.get(k) is not None:
+                return config[k]
+        if default is None:
+            raise ValidationError(f"hf config {name!r}: none of {list(keys)} is set")
+        return default
+
+    if kind in _LLAMA_TYPES:
+        positions = int(get("max_position_embeddings", default=4096))
+        return TransformerSpec(
+            name=name,
+            hidden=int(get("hidden_size")),
+            layers=int(get("num_hidden_layers")),
+            heads=int(get("num_attention_heads")),
+            kv_heads=int(get("num_key_value_heads", "num_attention_heads")),
+            head_dim=config.get("head_dim"),
+            ffn=int(get("intermediate_size")),
+            vocab=int(get("vocab_size")),
+            seq=seq or min(positions, 8192),
+            qkv_bias=bool(config.get("attention_bias", kind == "qwen2")),
+            tied_embeddings=bool(config.get("tie_word_embeddings", False)),
+        )
+    if kind == "gpt2":
+        h = int(get("n_embd"))
+        positions = int(get("n_positions", default=1024))
+        spec = _gpt(
+            name,
+            h,
+            int(get("n_layer")),
+            int(get("n_head")),
+            int(get("vocab_size")),
+            seq or positions,
+        )
+        return dataclasses.replace(
+            spec, ffn=int(config.get("n_inner") or 4 * h), max_positions=positions
+        )
+    if kind == "bert":
+        positions = int(get("max_position_embeddings", default=512))
+        return dataclasses.replace(
+            PRESETS["paper-bert-48"],
+            name=name,
+            hidden=int(get("hidden_size")),
+            layers=int(get("num_hidden_layers")),
+            heads=int(get("num_attention_heads")),
+            ffn=int(get("intermediate_size")),
+            vocab=int(get("vocab_size")),
+            seq=seq or positions,
+            max_positions=positions,
+            token_types=int(config.get("type_vocab_size", 2)),
+        )
+    raise ValidationError(
+        f"hf config {name!r}: model_type {kind!r} is not supported by the analytic profiler; "
+        f"supported: {', '.join((*_LLAMA_TYPES, 'gpt2', 'bert'))}"
+    )
+
+
+def resolve_spec(
+    spec: str | TransformerSpec, seq_len: int | None = None, **overrides: Any
+) -> TransformerSpec:
+    """A :class:`TransformerSpec` from a preset name, ``hf:DIR`` or a zoo transformer name.
+
+    Args:
+        spec: a :data:`PRESETS` name, ``hf:DIR`` (reads ``DIR/config.json``), ``transformer``
+            or ``bert-48`` (the zoo's, with ``overrides`` as its factory arguments), or a spec.
+        seq_len: tokens per sample instead of the spec's own.
+        overrides: zoo factory arguments (``layers=8``, ``seq=64``, ...); only for zoo names.
+
+    Raises:
+        ValidationError: unknown name, unreadable config, or overrides for a non-zoo spec.
+    """
+    if isinstance(spec, TransformerSpec):
+        out = spec
+    elif spec in _ZOO:
+        out = zoo_transformer(**{**_ZOO[spec], **overrides})
+        overrides = {}
+    elif spec.startswith("hf:"):
+        path = Path(spec[3:]) / "config.json"
+        try:
+            config = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValidationError(f"cannot read the Hugging Face config {path}: {e}") from e
+        out = from_hf_config(config, name=Path(spec[3:]).name or "hf", seq=seq_len)
+    elif spec in PRESETS:
+        out = PRESETS[spec]
+    else:
+        raise ValidationError(
+            f"unknown analytic model {spec!r}; give hf:DIR, a zoo transformer "
+            f"({', '.join(_ZOO)}) or a preset: {', '.join(PRESETS)}"
+        )
+    if overrides:
+        raise ValidationError(
+            f"model arguments {sorted(overrides)} apply to zoo transformers only, not to {spec!r}"
+        )
+    return out if seq_len is None or seq_len == out.seq else out.with_seq(seq_len)
