@@ -177,12 +177,22 @@ def _wait_for(what: str, ok: Any, proc: subprocess.Popen[str], timeout: float = 
         time.sleep(0.1)
 
 
-def _start(tmp_path: Path, plan: Plan, steps: int, min_devices: int) -> subprocess.Popen[str]:
+def _start(
+    tmp_path: Path, plan: Plan, steps: int, min_devices: int, cli: bool = False
+) -> subprocess.Popen[str]:
+    """The elastic run as a script calling the API, or (``cli``) as ``dapple train --elastic``."""
     _profile().save(tmp_path / "profile.json")
     plan.save(tmp_path / "plan.json")
     (tmp_path / "run.py").write_text(textwrap.dedent(_SCRIPT))
     cmd = [sys.executable, str(tmp_path / "run.py"), str(tmp_path), str(tmp_path / "plan.json"),
            str(steps), str(min_devices)]  # fmt: skip
+    if cli:
+        cmd = [sys.executable, "-m", "dapple", "train", "--plan", "plan.json", "-m", "mlp",
+               "--steps", str(steps), "--checkpoint-dir", "ck", "--save-every", "1",
+               "--metrics", "m.jsonl", "--optimizer", "adamw", "--lr", "1e-2", "--seed", "5",
+               "--device", "cpu", "--timeout-s", "60", "--keep", "0", "--elastic",
+               "--profile", "profile.json", "--cluster", "local-cpu",
+               "--min-devices", str(min_devices), "--max-restarts", "2"]  # fmt: skip
     return subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env={**os.environ, "PYTHONPATH": _pythonpath()})  # fmt: skip
 
@@ -221,7 +231,7 @@ STEPS = 30  # long enough to kill a worker mid-run: a step takes tens of ms
 def test_a_killed_worker_costs_a_replan_and_the_run_finishes_on_the_survivors(
     tmp_path: Path,
 ) -> None:
-    proc = _start(tmp_path, _plan31(), STEPS, min_devices=1)
+    proc = _start(tmp_path, _plan31(), STEPS, min_devices=1, cli=True)
     try:
         _kill_worker(tmp_path, proc, at_step=3, index=2)
         out, err = proc.communicate(timeout=600)
@@ -325,3 +335,20 @@ def test_a_torchrun_job_grows_back_and_replans_for_the_larger_set(tmp_path: Path
     assert sorted(losses) == list(range(GROW_STEPS))
     ref = _reference_losses(GROW_STEPS, "sgd")
     assert [losses[i] for i in range(GROW_STEPS)] == pytest.approx(ref, rel=1e-5)
+
+
+def test_the_cli_asks_for_what_a_replan_needs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from dapple.cli import main
+
+    _plan31().save(tmp_path / "plan.json")
+    base = ["train", "--plan", str(tmp_path / "plan.json"), "-m", "mlp", "--elastic"]
+    assert main(base) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["dapple: error: elastic re-plans with the planner: give profile and cluster "
+                   "(--profile, --cluster)"]  # fmt: skip
+    given = ["--profile", "prof.json", "--cluster", "local-cpu", "--min-devices", "2"]
+    assert main([*base, *given, "--print-config"]) == 0
+    out = capsys.readouterr().out
+    assert "[elastic]\nelastic = true\nmin_devices = 2\nmax_restarts = 3" in out

@@ -36,6 +36,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 from collections.abc import Callable
 from pathlib import Path
@@ -150,6 +151,19 @@ def _check_best_plan(work: Path, out: str) -> None:
     assert (plan["schedule"], plan["replication"], plan["num_micro_batches"]) == ("zbh1", "8:8", 8)
 
 
+def _check_run_file(root: Path, text: str) -> None:
+    """The config-file example reads as both a run file and a plan file, every key as given."""
+    from dapple.planner.config import load_plan_config
+    from dapple.runtime.run_config import load_run_config
+
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "run.toml"
+        path.write_text(text)
+        run, plan = load_run_config(path), load_plan_config(path)
+    assert (run.model.spec, run.train.lr, run.run.keep) == ("transformer", 3e-4, 3)
+    assert (plan.global_batch_size, plan.zero_stage) == (32, "auto")
+
+
 def _check_tree(root: Path, text: str) -> None:
     """The architecture tree names every package and module of src/dapple, each once, in the
     order of the import-linter layers (top to bottom)."""
@@ -195,6 +209,11 @@ BLOCKS: dict[str, Way] = {
         how="output", lang="",
         why="the package tree, not a command", check=_check_tree,
     ),
+    "Config files#0": Way(
+        how="output", lang="toml",
+        why="a run file, not a command: read as dapple train and dapple plan read it",
+        check=_check_run_file,
+    ),
     "Python API#0": Way(
         how="python", lang="python",
         why="the Python API on a 2-layer GPT-2: load, profile, plan, simulate, train, verify",
@@ -215,6 +234,13 @@ BLOCKS: dict[str, Way] = {
         shrink=(("--steps 1000", "--steps 8"), ("--save-every 100", "--save-every 2")),
         expect=("step 7 ",),
         check=_check_keep,
+    ),
+    "Long runs#1": Way(
+        how="shell", lang="bash",
+        why="an elastic run (nothing lost here: it trains); self-contained",
+        shrink=(("--steps 200", "--steps 3"),),
+        expect=("step 2 ",),
+        files=("ck/step-00000003/manifest.json",),
     ),
     "Real data#0": Way(
         how="shell", lang="bash",

@@ -34,7 +34,7 @@ def test_with_schedule_round_trips_through_interleaving():
         with_schedule(base, "interleaved", 2)
     with pytest.raises(ValidationError, match="v=4 chunks do not divide the 2 layers"):
         with_schedule(_base(M=3, gbs=12), "interleaved", 4)
-    with pytest.raises(ValidationError, match="--virtual-stages 2 needs --schedule interleaved"):
+    with pytest.raises(ValidationError, match="virtual_stages=2 needs schedule='interleaved'"):
         with_schedule(base, "zbh1", 2)
     with pytest.raises(ValidationError, match="unknown schedule 'zbv'"):
         with_schedule(base, "zbv")

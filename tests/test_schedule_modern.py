@@ -293,10 +293,12 @@ def test_bad_input_names_values():
         interleaved_warmup(0, 2, 1)
     with pytest.raises(ValidationError, match="S=0, M=1"):
         zbh1(0, 1)
-    with pytest.raises(ValidationError, match="v=2 chunks per rank need schedule 'interleaved'"):
+    with pytest.raises(ValidationError, match="virtual_stages=2 needs schedule='interleaved'"):
         compute_order("zbh1", 2, 2, v=2)
     base = _plan([1, 1], 2, 2, 1)
-    with pytest.raises(ValidationError, match="virtual_stages=2 needs schedule 'interleaved'"):
+    with pytest.raises(
+        ValidationError, match="plan: virtual_stages=2 needs schedule='interleaved', got 'dapple'"
+    ):
         dataclasses.replace(base, virtual_stages=2)
     with pytest.raises(
         ValidationError, match=r"virtual stage 2 must run on the devices of stage 0 \[0\]"

@@ -30,7 +30,7 @@ from dapple.models.shapes import (
 )
 from dapple.models.split import original_model, workload_from_module
 from dapple.models.zoo.transformer import transformer
-from dapple.runtime.engine import _Rank
+from dapple.runtime.rank import Batches
 from dapple.runtime.transport import BoundarySpec, sample_shapes, shape_header
 
 SEQ = DynamicDim("seq", 1, 16)
@@ -109,12 +109,11 @@ def test_shape_header_round_trip() -> None:
 def test_runtime_checks_each_steps_batch_before_the_step() -> None:
     wl = rw.overflowing_lm()
     first = wl.make_batch(4, 0)
-    rank = SimpleNamespace(data=SimpleNamespace(source=None), first_batch=first, workload=wl,
-                           global_batch_size=4, config=SimpleNamespace(seed=0),
-                           shapes=input_shapes(first[0]), dims=run_dims(wl, 4, 0))  # fmt: skip
-    assert _Rank.batch(rank, 2)[0].shape == (4, 8)  # type: ignore[arg-type]
+    no_data = SimpleNamespace(source=None)
+    batches = Batches(wl, 0, 4, first, no_data, input_shapes(first[0]), run_dims(wl, 4, 0))  # type: ignore[arg-type]
+    assert batches.batch(2)[0].shape == (4, 8)
     with pytest.raises(ValidationError, match=r"step 3: input 0 dimension 1 \(seq\) is 12"):
-        _Rank.batch(rank, 3)  # type: ignore[arg-type]
+        batches.batch(3)
     check_steps(wl, 4, 0, 3)  # steps 0..2 fit
     with pytest.raises(ValidationError, match=r"allowed range \[1, 8\]"):
         check_steps(wl, 4, 0, 4)

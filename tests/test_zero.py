@@ -17,6 +17,7 @@ import itertools
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -597,9 +598,9 @@ def test_plan_json_carries_the_zero_stage_per_stage() -> None:
     assert [st.get("zero_stage") for st in d["stages"]] == [None, 1]
     assert Plan.from_dict(d) == sharded
     bad = json.loads(json.dumps(d))
-    bad["stages"][1]["zero_stage"] = 3
+    bad["stages"][1]["zero_stage"] = 4  # 3 is ZeRO-3 (tests/test_tensor_plan.py)
     with pytest.raises(
-        ValidationError, match=r"plan stage 1: .*zero_stage must be 0, 1 or 2, got 3"
+        ValidationError, match=r"plan stage 1: .*zero_stage must be 0, 1, 2 or 3, got 4"
     ):
         Plan.from_dict(bad)
     # the cost model follows the stage's own choice
@@ -656,12 +657,11 @@ def test_auto_shards_only_where_memory_asks() -> None:
 
 
 def test_auto_weighs_zero2_traffic_against_recomputation() -> None:
-    from dapple.planner.evaluate import _pick
+    from dapple.planner.evaluate import _Option, _pick
 
-    def opt(
-        z: int, f: float, ar: float, d_nr: int, d_r: int
-    ) -> tuple[int, tuple[float, float, float, int, int]]:
-        return (z, (f, 2 * f, ar, d_nr, d_r))
+    def opt(z: int, f: float, ar: float, d_nr: int, d_r: int) -> tuple[int, _Option]:
+        none: Any = None  # the stage terms: not read by the choice
+        return (z, _Option(f, 2 * f, ar, d_nr, d_r, none, none))
 
     # k = 4 in flight, M = 4: 0 and 1 hold 4 only re-computing (AR + M F), 2 without (its AR is
     # (M + 1) / 2 = 2.5 x the AllReduce)

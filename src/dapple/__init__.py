@@ -23,6 +23,7 @@ from dapple.core.cluster import PRESETS, Cluster, load_cluster
 from dapple.core.plan import Plan, StagePlan
 from dapple.core.profile import AffineTime, LayerProfile, ModelProfile
 from dapple.errors import DappleError, InfeasibleError, ValidationError
+from dapple.schedule import registry as _schedule_registry  # noqa: F401  (Plan's schedule rules)
 
 __version__ = "0.1.0"
 

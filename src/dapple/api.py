@@ -31,10 +31,12 @@ from dapple.core.profile import ModelProfile
 from dapple.errors import ValidationError
 from dapple.models.spec import load
 from dapple.models.workload import Workload
+from dapple.schedule.registry import check_virtual_stages
 
 if TYPE_CHECKING:
     from dapple.models.generate import Generated
     from dapple.runtime import StepMetrics
+    from dapple.runtime.early import EarlyWorkers
     from dapple.runtime.verify import VerifyReport
     from dapple.simulate import SimResult
 
@@ -79,8 +81,22 @@ def _profile(profile: ModelProfile | str | Path) -> ModelProfile:
     return profile if isinstance(profile, ModelProfile) else load_profile(profile)
 
 
-def _cluster(cluster: Cluster | str) -> Cluster:
-    return cluster if isinstance(cluster, Cluster) else load_cluster(cluster)
+def _cluster(cluster: Cluster | str, servers: int | None = None) -> Cluster:
+    if isinstance(cluster, Cluster):
+        return cluster if servers is None else cluster.with_servers(servers)
+    return load_cluster(cluster, servers)
+
+
+def _global_batch(profile: ModelProfile | str | Path, given: int | None) -> int:
+    """G as given, or the paper's for a ``paper:NAME`` profile (else a ValidationError)."""
+    from dapple.profiler.paper_models import PAPER_GLOBAL_BATCH, paper_name
+
+    if given is not None:
+        return given
+    name = paper_name(profile) if isinstance(profile, str) else None
+    if name is None:
+        raise ValidationError("global_batch_size is required for a profile that is not paper:NAME")
+    return PAPER_GLOBAL_BATCH[name]
 
 
 def profile(
@@ -147,14 +163,16 @@ def profile(
 def plan(
     profile: ModelProfile | str | Path,
     cluster: Cluster | str,
-    global_batch_size: int,
+    global_batch_size: int | None = None,
     planner: str = "dapple",
     *,
+    servers: int | None = None,
     output: str | Path | None = None,
     schedule: str | None = None,
     virtual_stages: int = 1,
     seq_len: float | None = None,
     max_seq_len: float | None = None,
+    zero_stage: int | str = 0,
 ) -> Plan:
     """Plan a profiled model on a cluster (``dapple plan``).
 
@@ -162,8 +180,10 @@ def plan(
         profile: A :class:`ModelProfile`, its JSON path, or ``paper:NAME`` for a shipped paper
             profile (:data:`dapple.profiler.paper_models.PAPER_MODELS`).
         cluster: A :class:`Cluster`, a preset name (``local-cpu``, ``paper-a``...) or a file.
-        global_batch_size: Samples per optimizer step.
+        global_batch_size: Samples per optimizer step (None: the paper's, for a ``paper:NAME``
+            profile).
         planner: ``dapple`` or a baseline (see :data:`dapple.planner.PLANNERS`).
+        servers: Another number of servers than the cluster's.
         output: Also save the plan JSON here.
         schedule: Run the planned stages under ``gpipe``, ``dapple``, ``interleaved`` or
             ``zbh1`` instead of the planner's choice (``dapple plan --schedule``); the
@@ -175,6 +195,9 @@ def plan(
         seq_len: Mean tokens per sample to plan the step time for, from a profile measured at
             several lengths (``profile(seq_lens=...)``; ``dapple plan --seq-len MEAN,MAX``).
         max_seq_len: Longest sample, which the memory is planned for (default ``seq_len``).
+        zero_stage: 1: replicated stages shard their optimizer state (ZeRO-1); 2: their
+            gradients too (ZeRO-2); ``"auto"``: per stage, where memory asks for it (dapple
+            planner only; the plan records each stage's, which :func:`train` follows).
 
     Raises:
         ValidationError: Unknown planner or schedule, bad batch size, bad files, lengths
@@ -182,10 +205,20 @@ def plan(
         InfeasibleError: No plan fits the devices' memory.
     """
     from dapple.planner import make_plan
+    from dapple.planner.config import PlanConfig, zero_stage_number
 
-    prof, cl = _profile(profile), _cluster(cluster)
+    PlanConfig(  # the checks of `dapple plan` and its config file
+        servers=servers, global_batch_size=global_batch_size, planner=planner, zero_stage=zero_stage
+    )
+    prof, cl = _profile(profile), _cluster(cluster, servers)
     result = make_plan(
-        prof, cl, global_batch_size, planner, seq_len=seq_len, max_seq_len=max_seq_len
+        prof,
+        cl,
+        _global_batch(profile, global_batch_size),
+        planner,
+        seq_len=seq_len,
+        max_seq_len=max_seq_len,
+        zero_stage=zero_stage_number(zero_stage),
     )
     if schedule == "best":
         from dapple.simulate.schedules import best_schedule
@@ -199,8 +232,8 @@ def plan(
 
         result = with_schedule(result, schedule, virtual_stages)
         result = dataclasses.replace(result, predicted_step_ms=schedule_latency(result, prof, cl))
-    elif virtual_stages != 1:
-        raise ValidationError(f"virtual_stages={virtual_stages} needs schedule='interleaved'")
+    else:
+        check_virtual_stages(virtual_stages, None)
     if output is not None:
         result.save(output)
     return result
@@ -269,8 +302,7 @@ def _with(
     p = _plan(plan)
     if schedule is not None:
         return with_schedule(p, schedule, virtual_stages, policy)
-    if virtual_stages != 1:
-        raise ValidationError(f"virtual_stages={virtual_stages} needs schedule='interleaved'")
+    check_virtual_stages(virtual_stages, None)
     if policy is not None:
         p = dataclasses.replace(p, policy=cast(Any, policy))
     return p
@@ -285,25 +317,51 @@ def train(
     data: Any = None,
     eval_data: Any = None,
     seq_len: int | None = None,
+    documents: str | None = None,
+    schedule: str | None = None,
+    policy: str | None = None,
+    virtual_stages: int = 1,
+    keep: int | None = 3,
+    eval_batches: int | None = None,
+    require_resume: bool = False,
+    profile: ModelProfile | str | Path | None = None,
+    cluster: Cluster | str | None = None,
+    elastic: bool = False,
+    min_devices: int = 1,
+    max_restarts: int = 3,
+    early: EarlyWorkers | None = None,
     **options: Any,
 ) -> list[StepMetrics]:
-    """Train a plan for ``steps`` synchronous steps (``dapple train``).
+    """Train a plan for ``steps`` synchronous steps (``dapple train``; the options of a run file,
+    :class:`~dapple.runtime.run_config.RunConfig`, with the same names and defaults).
 
     Args:
         plan: A :class:`Plan` or its JSON path.
         workload: A :class:`Workload` or a spec string.
         steps: Optimizer steps.
-        overrides: Factory keyword arguments when ``workload`` is a spec.
+        overrides: Factory keyword arguments when ``workload`` is a spec (with ``split_at``,
+            ``weights``, ``dynamic_dims``: ``--split-at``, ``--weights``, ``--dynamic-dims``).
         data: Training samples: a map-style dataset of ``(inputs, targets)`` or the path of a
             token file (:class:`~dapple.datasets.TokenFile`, read with ``seq_len``); None: the
             workload's synthetic batches.
-        eval_data: Evaluation samples, a dataset or a token file path.
+        eval_data: Evaluation samples, a dataset or a token file path; without ``eval_every``
+            evaluated after the last step.
         seq_len: Tokens per sample of token files; a spec-string workload is also built
             with ``seq=seq_len``.
-        **options: :class:`dapple.runtime.TrainConfig` fields (``seed``, ``optimizer``,
-            ``lr``, ``weight_decay``, ``lr_schedule``, ``clip_grad_norm``, ``echo``,
-            ``device``, ``metrics_path``, ``timeout_s``, ``eval_every``, ``eval_batches``, ``eval_batch_size``,
-            ``tensorboard_dir``, ``precision``...).
+        documents: ``pack`` or ``pad``: the paths hold documents, packed into samples or one
+            per sample padded per batch (:func:`dapple.datasets.open_documents`).
+        schedule, policy, virtual_stages: As in :func:`verify`.
+        keep, eval_batches, require_resume, profile, cluster: As
+            :class:`~dapple.runtime.run_config.RunOptions` (``keep=None``: every checkpoint);
+            ``profile`` and ``cluster`` may be objects.
+        elastic, min_devices, max_restarts: As :class:`~dapple.runtime.run_config.RunOptions`:
+            re-plan on ``profile`` and ``cluster`` for the devices left when one is lost
+            (:mod:`dapple.runtime.elastic`); the metrics then hold every attempt's steps.
+        early: Workers already started for this run (``dapple train`` starts them first).
+        **options: The other :class:`dapple.runtime.TrainConfig` fields (``seed``,
+            ``optimizer``, ``lr``, ``weight_decay``, ``zero_stage``, ``device``,
+            ``metrics_path``, ``checkpoint_dir``, ``save_every``, ``resume``, ``eval_every``,
+            ``precision``, ``echo``...).
 
     Returns:
         Rank 0's metrics of every step.
@@ -311,21 +369,43 @@ def train(
     Raises:
         ValidationError: Bad plan, workload or options; a plan made for another model
             (:meth:`~dapple.core.plan.Plan.check_model`).
+        CheckpointError: ``require_resume`` and no checkpoint to resume.
         RankFailure: A worker failed.
     """
-    run_plan = _plan(plan)
+    from dapple.runtime import train as _train
+    from dapple.runtime.config import TrainConfig
+    from dapple.runtime.run_config import RunOptions, check_resumable, resolve_train_config
+
+    run = RunOptions(keep=keep or 0, eval_batches=eval_batches, require_resume=require_resume,
+                     elastic=elastic, min_devices=min_devices, max_restarts=max_restarts,
+                     profile=_name(profile), cluster=_name(cluster))  # fmt: skip
+    run_plan = _with(plan, schedule, policy, virtual_stages)
     wl = _workload(workload, _seq_overrides(workload, overrides, seq_len))
     run_plan.check_model(wl.name, wl.num_layers)
-    from dapple.runtime import train as _train
+    train_data = _dataset(data, seq_len, documents)
+    evals = _dataset(eval_data, seq_len, documents)
+    if profile is not None and cluster is not None:
+        options["predicted_step_ms"] = simulate(run_plan, profile, cluster).step_ms
+    G, n_eval = run_plan.global_batch_size, None if evals is None else len(evals)
+    cfg = resolve_train_config(TrainConfig(steps=steps, **options), run, n_eval, G)
+    if require_resume:
+        check_resumable(cfg.checkpoint_dir)
+    fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+    from dapple.runtime.elastic import ElasticPolicy
 
-    return _train(
-        run_plan,
-        wl,
-        steps,
-        data=_dataset(data, seq_len),
-        eval_data=_dataset(eval_data, seq_len),
-        **options,
-    )
+    replan: ElasticPolicy | None = None
+    if elastic and profile is not None and cluster is not None:
+        replan = ElasticPolicy(_profile(profile), _cluster(cluster), min_devices=min_devices,
+                               max_restarts=max_restarts, zero_stage=cfg.zero_stage)  # fmt: skip
+    return _train(run_plan, wl, data=train_data, eval_data=evals, early=early, elastic=replan,
+                  **fields)  # fmt: skip
+
+
+def _name(x: ModelProfile | Cluster | str | Path | None) -> str | None:
+    """How an option given as an object or a path reads in messages."""
+    if isinstance(x, ModelProfile):
+        return x.model_name
+    return x.name if isinstance(x, Cluster) else None if x is None else str(x)
 
 
 def _seq_overrides(
@@ -340,13 +420,11 @@ def _seq_overrides(
     return given
 
 
-def _dataset(data: Any, seq_len: int | None) -> Any:
-    """A dataset as given, or the token file at a path."""
-    if data is None:
-        return None
-    from dapple.runtime.data import open_data
+def _dataset(data: Any, seq_len: int | None, documents: str | None = None) -> Any:
+    """A dataset as given, or the token file (``documents``: the documents) at a path."""
+    from dapple.runtime.run_config import open_run_data
 
-    return open_data(data, seq_len)
+    return None if data is None else open_run_data(data, seq_len, documents)
 
 
 def verify(

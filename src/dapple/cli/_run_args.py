@@ -15,8 +15,8 @@ from typing import overload
 from dapple.cli._data_args import add_data_arguments
 from dapple.cli._model_args import add_model_arguments
 from dapple.cli._optim_args import add_optim_arguments
-from dapple.core.plan import SCHEDULES, Plan
-from dapple.errors import ValidationError
+from dapple.core.plan import Plan
+from dapple.schedule.registry import check_virtual_stages, schedule_names
 
 __all__ = [
     "RUN_DEVICES",
@@ -103,7 +103,7 @@ def add_run_arguments(p: argparse.ArgumentParser, *, steps: int) -> None:
     p.add_argument("--lr", type=float, default=0.01, help="learning rate (default %(default)s)")
     p.add_argument(
         "--schedule",
-        choices=SCHEDULES,
+        choices=schedule_names(),
         default=None,
         help="run this schedule instead of the plan's (interleaved: --virtual-stages chunks per "
         "device group; zbh1: the backward split into input- and weight-gradient halves)",
@@ -160,10 +160,7 @@ def load_run_plan(args: argparse.Namespace) -> Plan:
     from dapple.simulate.schedules import with_schedule
 
     plan = Plan.load(args.plan)
+    check_virtual_stages(args.virtual_stages, args.schedule, cli=True)
     if args.schedule:
         return with_schedule(plan, args.schedule, args.virtual_stages, args.policy)
-    if args.virtual_stages != 1:
-        raise ValidationError(
-            f"--virtual-stages {args.virtual_stages} needs --schedule interleaved"
-        )
     return dataclasses.replace(plan, policy=args.policy) if args.policy else plan

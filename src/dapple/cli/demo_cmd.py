@@ -292,13 +292,13 @@ def _simulate(con: Console, out: Path, plan: Any, profile: Any, cluster: Any) ->
     """Simulate ``plan`` beside its other schedule: Gantt, memory, Perfetto trace."""
     from dapple.simulate import simulate
     from dapple.simulate.plots import plot_gantt, plot_memory
+    from dapple.simulate.schedules import baseline_first, compared_plan
     from dapple.simulate.trace import write_trace
 
     sim = simulate(plan, profile, cluster)
-    other = dataclasses.replace(plan, schedule="gpipe" if plan.schedule == "dapple" else "dapple")
-    runs = sorted(
-        [(f"{plan.schedule} (trained)", sim), (other.schedule, simulate(other, profile, cluster))],
-        key=lambda r: r[1].schedule != "gpipe",
+    other = compared_plan(plan)
+    runs = baseline_first(
+        [(f"{plan.schedule} (trained)", sim), (other.schedule, simulate(other, profile, cluster))]
     )
     plot_gantt(runs, out / "gantt.png")
     plot_memory(runs, out / "memory.png")

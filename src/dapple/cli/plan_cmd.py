@@ -12,12 +12,14 @@ from rich.console import Console
 from rich.table import Table
 
 from dapple.cli._console import StepProgress, console, print_table
+from dapple.cli._plan_config import add_plan_config_arguments, apply_plan_config
 from dapple.cli._run_args import add_virtual_stages_argument
 from dapple.core.cluster import Cluster, describe_presets
 from dapple.core.output_path import check_output_file
-from dapple.core.plan import SCHEDULES, Plan
+from dapple.core.plan import Plan
 from dapple.core.profile import ModelProfile
 from dapple.errors import DappleError, InfeasibleError, ValidationError
+from dapple.schedule.registry import check_virtual_stages, get_schedule, schedule_names
 
 if TYPE_CHECKING:
     from dapple.simulate.engine import SimResult
@@ -27,8 +29,11 @@ __all__ = ["MAX_SIMULATED_WORK", "format_devices", "parse_seq_len", "register", 
 
 _PLANNERS = ("dapple", "dp", "straight", "gpipe", "pipedream", "exhaustive")
 MAX_SIMULATED_WORK = 1 << 18
-"""Most micro-batches x devices ``--schedule interleaved|zbh1`` simulates: the event simulation
-takes time in proportion (about 0.1 ms each on one CPU core)."""
+"""Most micro-batches x devices ``--schedule`` simulates for a schedule with a step rule of its
+own (interleaved, zbh1): the event simulation takes time in proportion (about 0.1 ms each on
+one CPU core)."""
+BEST = "best"
+"""``--schedule best``: the fastest simulated schedule variant that fits the memory."""
 _ZERO_STAGES = (0, 1, 2)
 """``--zero-stage`` numbers (``dapple.runtime.optim_config.ZERO_STAGES``; a test keeps the two
 equal without importing the runtime here); ``auto`` besides."""
@@ -72,7 +77,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     )
     p.add_argument(
         "--schedule",
-        choices=(*SCHEDULES, "best"),
+        choices=(*schedule_names(), BEST),
         default=None,
         help="run the plan's stages under this schedule (default: the planner's choice, gpipe "
         "or dapple); best: every schedule (interleaved v = 2, 4 where the layers allow) on the "
@@ -92,6 +97,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         "zero_stage per stage, which train and verify follow (dapple planner only; default "
         "%(default)s)",
     )
+    add_plan_config_arguments(p)
     p.set_defaults(func=run)
 
 
@@ -250,6 +256,8 @@ def run(args: argparse.Namespace) -> int:
     from dapple.planner.lengths import profile_for_lengths
     from dapple.profiler.paper_models import PAPER_GLOBAL_BATCH, load_profile, paper_name
 
+    if apply_plan_config(args, parse_seq_len):  # --config FILE, --print-config
+        return 0
     lengths = parse_seq_len(args.seq_len) if args.seq_len is not None else None
     profile = load_profile(args.profile)
     if lengths is not None:
@@ -268,16 +276,14 @@ def run(args: argparse.Namespace) -> int:
         check_output_file(args.output, "--output plan file")
     con = console()
     dp_ms = _dp_ms(profile, cluster, gbs)
-    if args.virtual_stages != 1 and args.schedule != "interleaved":
-        raise ValidationError(
-            f"--virtual-stages {args.virtual_stages} needs --schedule interleaved"
-        )
+    best = args.schedule == BEST
+    check_virtual_stages(args.virtual_stages, None if best else args.schedule, cli=True)
     if args.compare:
         return _compare(con, profile, cluster, gbs, dp_ms, args.output)
     plan = _plan_with_progress(con, profile, cluster, gbs, args.planner, zero)
-    if args.schedule == "best":
+    if best:
         return _best_schedule(con, plan, profile, cluster, args, dp_ms)
-    if args.schedule in ("interleaved", "zbh1"):
+    if args.schedule and not get_schedule(args.schedule).uses_pipeline_latency:
         return _new_schedule(con, plan, profile, cluster, args, dp_ms)
     if args.schedule:
         plan = dataclasses.replace(plan, schedule=args.schedule)
@@ -364,7 +370,8 @@ def _new_schedule(
     args: argparse.Namespace,
     dp_ms: float,
 ) -> int:
-    """The planner's stages under ``--schedule interleaved|zbh1``: predicted and simulated."""
+    """The planner's stages under a ``--schedule`` with a step rule of its own (interleaved,
+    zbh1): predicted and simulated."""
     from dapple.planner.schedules import schedule_latency
     from dapple.simulate import simulate
     from dapple.simulate.schedules import with_schedule

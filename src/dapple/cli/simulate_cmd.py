@@ -11,7 +11,8 @@ from rich.table import Table
 from dapple.cli._console import console, print_table
 from dapple.cli._run_args import add_virtual_stages_argument
 from dapple.core.cluster import describe_presets
-from dapple.core.plan import SCHEDULES, Plan
+from dapple.core.plan import Plan
+from dapple.schedule.registry import check_virtual_stages, get_schedule, schedule_names
 
 __all__ = ["register"]
 
@@ -31,7 +32,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--servers", type=int, default=None, help="override the number of servers")
     p.add_argument(
         "--schedule",
-        choices=SCHEDULES,
+        choices=schedule_names(),
         default=None,
         help="override the plan's",
     )
@@ -51,27 +52,22 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
 def run(args: argparse.Namespace) -> int:
     from dapple.core.cluster import load_cluster
-    from dapple.errors import ValidationError
     from dapple.profiler.paper_models import load_profile
     from dapple.simulate import simulate
-    from dapple.simulate.schedules import with_schedule
+    from dapple.simulate.schedules import baseline_first, compared_plan, with_schedule
 
     plan = Plan.load(args.plan)
     profile = load_profile(args.profile)
     cluster = load_cluster(args.cluster, args.servers)
     if args.policy:
         plan = dataclasses.replace(plan, policy=args.policy)
+    check_virtual_stages(args.virtual_stages, args.schedule, cli=True)
     if args.schedule:
         plan = with_schedule(plan, args.schedule, args.virtual_stages)
-    elif args.virtual_stages != 1:
-        raise ValidationError(
-            f"--virtual-stages {args.virtual_stages} needs --schedule interleaved"
-        )
     runs = [(_title(plan), simulate(plan, profile, cluster))]
     if args.compare:
-        other = with_schedule(plan, "gpipe" if plan.schedule == "dapple" else "dapple")
-        runs.append((_title(other), simulate(other, profile, cluster)))
-        runs.sort(key=lambda x: x[1].schedule != "gpipe")  # GPipe on top, as in the paper
+        other = compared_plan(plan)
+        runs = baseline_first([*runs, (_title(other), simulate(other, profile, cluster))])
 
     con = console()
     for title, r in runs:
@@ -117,10 +113,5 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _title(plan: Plan) -> str:
-    name = {
-        "gpipe": "GPipe",
-        "dapple": f"DAPPLE (policy {plan.policy})",
-        "interleaved": f"interleaved 1F1B (v={plan.virtual_stages})",
-        "zbh1": "ZB-H1",
-    }[plan.schedule]
+    name = get_schedule(plan.schedule).title_of(plan)
     return f"{name}, {plan.replication}, M={plan.num_micro_batches}"

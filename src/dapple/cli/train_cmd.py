@@ -14,24 +14,19 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import math
+import dataclasses
 import os
 import statistics
 import sys
 from typing import TYPE_CHECKING
 
+from dapple.cli._config_args import add_config_arguments
 from dapple.cli._data_args import add_eval_data_argument, open_datasets, with_seq_len
 from dapple.cli._model_args import model_overrides
-from dapple.cli._optim_args import optim_options
 from dapple.cli._precision import note_profile_precision
 from dapple.cli._run_args import add_run_arguments, load_run_plan
-from dapple.cli._train_show import (
-    add_show_arguments,
-    eval_defaults,
-    loss_curve_path,
-    print_summary,
-    show_options,
-)
+from dapple.cli._train_config import FILE_GIVES, TRAIN_SECTIONS_HELP, flags_of, run_config_of
+from dapple.cli._train_show import add_show_arguments, loss_curve_path, print_summary
 from dapple.core.cluster import describe_presets
 from dapple.core.output_path import check_output_file
 from dapple.core.plan import Plan
@@ -41,8 +36,9 @@ if TYPE_CHECKING:  # torch-free import of the CLI
     from dapple.models.workload import Workload
     from dapple.runtime.config import StepMetrics
     from dapple.runtime.early import EarlyWorkers
+    from dapple.runtime.run_config import RunConfig
 
-__all__ = ["DEFAULT_KEEP", "check_long_run", "register", "run"]
+__all__ = ["DEFAULT_KEEP", "check_long_run", "register", "run", "run_config"]
 
 DEFAULT_KEEP = 3
 """``--keep``: checkpoints kept on disk (each holds weights, optimizer state and RNG states)."""
@@ -71,6 +67,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     add_eval_data_argument(p)
     _register_long_run(p)
     add_show_arguments(p)
+    add_config_arguments(p, FILE_GIVES, TRAIN_SECTIONS_HELP)
     p.set_defaults(func=run)
 
 
@@ -108,6 +105,28 @@ def _register_long_run(p: argparse.ArgumentParser) -> None:
         choices=("stop", "skip"),
         default="stop",
         help="non-finite loss/gradient: stop (default, exit non-zero) or skip the step",
+    )
+    e = p.add_argument_group("elastic runs")
+    e.add_argument(
+        "--elastic",
+        action="store_true",
+        help="when a device is lost, re-plan for the devices left (the planner's search on "
+        "--profile and --cluster less the lost device, same global batch) and go on from the "
+        "newest checkpoint; under torchrun (--nnodes MIN:MAX), plan for each attempt's devices",
+    )
+    e.add_argument(
+        "--min-devices",
+        type=int,
+        default=1,
+        metavar="N",
+        help="stop, resumable, rather than go on with fewer than N devices (default %(default)s)",
+    )
+    e.add_argument(
+        "--max-restarts",
+        type=int,
+        default=3,
+        metavar="K",
+        help="re-plans an elastic run may make (default %(default)s)",
     )
 
 
@@ -200,26 +219,6 @@ def _warn(line: str) -> None:
     print(f"dapple: warning: {line}", file=sys.stderr, flush=True)
 
 
-def _keep(keep: int) -> int | None:
-    """``--keep``: K, or None for 0 (keep all).
-
-    Raises:
-        ValidationError: a negative K.
-    """
-    if keep < 0:
-        raise ValidationError(f"--keep must be >= 0 (0 keeps every checkpoint), got {keep}")
-    return keep or None
-
-
-def _predicted_step_ms(plan: Plan, profile_spec: str, cluster_spec: str) -> float:
-    """The simulator's step time for ``plan`` on ``profile_spec`` (a file or ``paper:NAME``)."""
-    from dapple.core.cluster import load_cluster
-    from dapple.profiler.paper_models import load_profile
-    from dapple.simulate import simulate
-
-    return simulate(plan, load_profile(profile_spec), load_cluster(cluster_spec)).step_ms
-
-
 def _memory_table(
     plan: Plan,
     last: StepMetrics,
@@ -239,11 +238,12 @@ def _memory_table(
     from dapple.planner.cost import pipeline_latency
     from dapple.profiler.paper_models import load_profile
     from dapple.runtime.optim_config import state_factor
+    from dapple.schedule.registry import get_schedule
 
     profile = dataclasses.replace(
         load_profile(profile_spec), optimizer_state_factor=state_factor(optimizer, momentum)
     )
-    if plan.schedule in ("interleaved", "zbh1"):
+    if not get_schedule(plan.schedule).uses_pipeline_latency:  # not L's rows: replay its order
         from dapple.planner.schedules import device_memory_by_group
 
         estimate = device_memory_by_group(plan, profile)
@@ -302,91 +302,94 @@ def _early_workers(
 
 
 def run(args: argparse.Namespace) -> int:
-    if (args.profile is None) != (args.cluster is None):
-        raise ValidationError("--profile and --cluster must be given together")
-    plan = load_run_plan(args)
-    _check_output(args.metrics, "--metrics file")
-    curve = loss_curve_path(args)
+    cfg = run_config_of(args, check_required=not args.print_config)
+    if args.print_config:
+        from dapple.runtime.run_config import dump_run_config
+
+        print(dump_run_config(cfg), end="")
+        return 0
+    return run_config(cfg)
+
+
+def run_config(cfg: RunConfig) -> int:
+    """Train the run ``cfg`` asks for (``dapple train`` once its flags and file are read)."""
+    flags = flags_of(cfg)  # what the helpers dapple verify shares read
+    plan = load_run_plan(flags)
+    _check_output(cfg.train.metrics_path, "--metrics file")
+    curve = loss_curve_path(flags)
     _check_output(curve, "loss curve")
-    with _early_workers(args, len(plan.devices)) as early:
-        metrics, predicted = _checked_train(args, plan, early)
+    with _early_workers(flags, len(plan.devices)) as early:
+        metrics = _checked_train(cfg, flags, plan, early)
     if metrics and int(os.environ.get("RANK", "0")) == 0:
+        if "replan" in metrics[-1].extra:  # the plan changed: no prediction or table fits
+            final = metrics[-1].extra["replication"]
+            print(f"the run re-planned {metrics[-1].extra['replan']} time(s); it ended as {final}")
+            print_summary(metrics, curve)
+            return 0
         # the first step includes connection set-up and warm-up; report the rest when possible
         steady = [m.step_ms for m in metrics[1:]] or [metrics[0].step_ms]
         line = f"measured step time {statistics.median(steady):.1f} ms (median of {len(steady)})"
-        if args.profile is not None:
-            line += f" vs predicted {predicted:.1f} ms (simulator)"
-        print(line)
-        if args.profile is not None:
-            _memory_table(
-                plan, metrics[-1], args.profile, args.cluster, args.optimizer, args.momentum
-            )
+        predicted = metrics[0].predicted_step_ms
+        print(line + ("" if predicted is None else f" vs predicted {predicted:.1f} ms (simulator)"))
+        profile, cluster, t = cfg.run.profile, cfg.run.cluster, cfg.train
+        if profile is not None and cluster is not None:
+            _memory_table(plan, metrics[-1], profile, cluster, t.optimizer, t.momentum)
         print_summary(metrics, curve)
     return 0
 
 
 def _checked_train(
-    args: argparse.Namespace, plan: Plan, early: EarlyWorkers | None
-) -> tuple[list[StepMetrics], float]:
-    """Load the model, check the plan, data and checkpoints against it, then train (on the
-    ``early`` workers when given); rank 0's metrics and the predicted step time (NaN: none)."""
-    from dapple.runtime import train
+    cfg: RunConfig, flags: argparse.Namespace, plan: Plan, early: EarlyWorkers | None
+) -> list[StepMetrics]:
+    """Load the model, check the plan, data and checkpoints against it, then train through
+    :func:`dapple.api.train` (on the ``early`` workers when given); rank 0's metrics."""
+    from dapple.api import train
+    from dapple.runtime.config import TrainConfig
+    from dapple.runtime.run_config import NOT_IN_FILE
 
-    _phase(f"start-up: loading the model {args.model}")
-    wl = _model_arg(args)
+    _phase(f"start-up: loading the model {cfg.model.spec}")
+    wl = _model_arg(flags)
     plan.check_model(wl.name, wl.num_layers)  # the plan was made for this model
-    data, eval_data = open_datasets(args)
-    eval_defaults(
-        args,
-        len(eval_data) if eval_data is not None else None,  # type: ignore[arg-type]
-        plan.global_batch_size,
-    )
+    data, eval_data = open_datasets(flags)
+    t = cfg.train
     if data is not None or eval_data is not None:  # before the checkpoint directory is made
         from dapple.runtime.data import check_data
 
-        check_data(wl, data, plan.global_batch_size, args.seed, eval_data=eval_data)
-    keep = _keep(args.keep)
-    if args.checkpoint_dir is not None:
-        if args.resume or args.require_resume:  # every file of the newest one is hashed
-            _phase(f"start-up: checking the checkpoints in {args.checkpoint_dir}")
+        check_data(wl, data, plan.global_batch_size, t.seed, eval_data=eval_data)
+    if cfg.run.elastic and "RANK" in os.environ:
+        # every torchrun attempt of an elastic run goes on from the newest checkpoint
+        t = dataclasses.replace(t, resume=True, overwrite_checkpoints=False)
+    if t.checkpoint_dir is not None:
+        if t.resume or cfg.run.require_resume:  # every file of the newest one is hashed
+            _phase(f"start-up: checking the checkpoints in {t.checkpoint_dir}")
         check_long_run(
-            args.checkpoint_dir,
+            t.checkpoint_dir,
             wl,
             plan.num_layers,
-            resume=args.resume,
-            require_resume=args.require_resume,
-            overwrite=args.overwrite_checkpoints,
-            optimizer=args.optimizer,
-            save_every=args.save_every,
+            resume=t.resume,
+            require_resume=cfg.run.require_resume,
+            overwrite=t.overwrite_checkpoints,
+            optimizer=t.optimizer,
+            save_every=t.save_every,
         )
-    predicted = math.nan
-    if args.profile is not None:
-        predicted = _predicted_step_ms(plan, args.profile, args.cluster)
-        note_profile_precision(args.profile, args.precision)
-    metrics = train(
+    if cfg.run.profile is not None:
+        note_profile_precision(cfg.run.profile, t.precision)
+    fields = (f.name for f in dataclasses.fields(TrainConfig) if f.name not in NOT_IN_FILE)
+    options = {name: getattr(t, name) for name in fields}
+    return train(
         plan,
         wl,
-        steps=args.steps,
-        seed=args.seed,
-        optimizer=args.optimizer,
-        lr=args.lr,
-        timeout_s=args.timeout_s,
-        recompute=args.recompute,
-        metrics_path=args.metrics,
-        echo=True,
-        device=args.device,
-        predicted_step_ms=predicted,
-        checkpoint_dir=args.checkpoint_dir,
-        save_every=args.save_every,
-        keep=keep,
-        resume=args.resume or args.require_resume,
-        overwrite_checkpoints=args.overwrite_checkpoints,
-        on_nonfinite=args.on_nonfinite,
         data=data,
         eval_data=eval_data,
+        keep=cfg.run.keep,
+        eval_batches=cfg.run.eval_batches,
+        profile=cfg.run.profile,
+        cluster=cfg.run.cluster,
+        elastic=cfg.run.elastic,
+        min_devices=cfg.run.min_devices,
+        max_restarts=cfg.run.max_restarts,
         early=early,
-        **show_options(args),
-        precision=args.precision,
-        **optim_options(args),
+        echo=True,
+        progress=True,
+        **{**options, "resume": t.resume or cfg.run.require_resume},
     )
-    return metrics, predicted

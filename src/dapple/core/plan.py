@@ -1,9 +1,16 @@
 """An execution plan: stage partition, per-stage replication and placement, micro-batching.
 
 Pure data model, no torch. Notation (paper sections 4-5): S stages; stage ``s`` holds layers
-``[start, end)`` replicated on ``r_s = len(devices)`` devices; the global batch is cut into M
-micro-batches of ``micro_batch_size`` samples, and each micro-batch entering stage ``s`` is
-split into ``r_s`` slices (uneven when ``r_s`` does not divide it; replica ``j`` takes slice j).
+``[start, end)`` replicated r_s times; the global batch is cut into M micro-batches of
+``micro_batch_size`` samples, and each micro-batch entering stage ``s`` is split into ``r_s``
+slices (uneven when ``r_s`` does not divide it; replica ``j`` takes slice j).
+
+Beyond the paper, a stage may shard its layers over a tensor-parallel group of t_s devices
+(Megatron-LM, Shoeybi et al. 2019): ``devices`` then lists all ``r_s x t_s`` devices
+replica-major, replica j's tensor group being ``devices[j*t_s:(j+1)*t_s]``, and
+``r_s = len(devices) / t_s``. The group's first device stands for the replica in the schedule
+(:attr:`StagePlan.replica_devices`); the other ranks of the group run the same actions. With
+t_s = 1 (the default) every device is a replica, as in the paper.
 """
 
 from __future__ import annotations
@@ -11,7 +18,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from dapple.core._json import (
     check_schema_version,
@@ -23,23 +30,49 @@ from dapple.core._json import (
 from dapple.errors import ValidationError
 
 __all__ = [
+    "DEFAULT_SCHEDULE",
     "PLAN_SCHEMA_VERSION",
-    "SCHEDULES",
     "Plan",
+    "ScheduleRules",
     "StagePlan",
     "interleave",
     "slice_bounds",
     "split_sizes",
     "straight_plan",
     "transfers",
+    "use_schedule_rules",
 ]
 
 PLAN_SCHEMA_VERSION = 1
-ScheduleName = Literal["dapple", "gpipe", "interleaved", "zbh1"]
-SCHEDULES: tuple[str, ...] = ("gpipe", "dapple", "interleaved", "zbh1")
-"""Schedule names: GPipe, DAPPLE early backward (1F1B), interleaved 1F1B (Megatron-LM, v model
-chunks per device group) and ZB-H1 (Qi et al., backward split into input and weight gradient)."""
+DEFAULT_SCHEDULE = "dapple"
+"""The schedule of a plan that names none: DAPPLE early backward (1F1B)."""
+ScheduleName = str
+"""A registered schedule's name (:mod:`dapple.schedule.registry`)."""
 Policy = Literal["A", "B"]
+
+
+class ScheduleRules(Protocol):
+    """What a :class:`Plan` asks the schedule registry, which sits above this package
+    (:mod:`dapple.schedule.registry` installs itself with :func:`use_schedule_rules`)."""
+
+    def check(self, plan: Plan) -> None:
+        """Raise :class:`ValidationError` unless the plan's schedule is registered and takes
+        its ``virtual_stages``."""
+
+    def module_of(self, schedule: str) -> str:
+        """The module a plan file records for ``schedule``; empty for a built-in one."""
+
+    def load(self, module: str) -> None:
+        """Import a schedule module a plan file names and register its schedule."""
+
+
+_schedule_rules: list[ScheduleRules] = []
+
+
+def use_schedule_rules(rules: ScheduleRules) -> None:
+    """Install the schedule registry's rules (``import dapple`` does, through
+    :mod:`dapple.schedule.registry`); every :class:`Plan` made afterwards is checked by them."""
+    _schedule_rules[:] = [rules]
 
 
 def split_sizes(b: int, r: int) -> tuple[int, ...]:
@@ -87,15 +120,23 @@ class StagePlan:
     layers: tuple[int, int]
     """Layer range ``[start, end)`` of the chain."""
     devices: tuple[int, ...]
-    """Device ids of the replicas; replica ``j`` runs on ``devices[j]``."""
+    """Device ids of all ``r_s x t_s`` devices, replica-major: replica ``j`` runs on the tensor
+    group ``devices[j*t_s:(j+1)*t_s]`` (``devices[j]`` when t_s = 1)."""
     recompute: bool = False
     """Re-compute the forward during backward, keeping only the stage input."""
     max_in_flight: int | None = None
     """D: how many micro-batches' activations fit on the device (None: unbounded)."""
     zero_stage: int = 0
     """1: the replicas shard the stage's optimizer state (ZeRO-1, ``dapple.runtime.zero``);
-    2: its gradients too (ZeRO-2); 0: every replica keeps all of it. Meaningful only with
-    ``r_s > 1``."""
+    2: its gradients too (ZeRO-2); 3: its parameters too (ZeRO-3 / FSDP,
+    ``dapple.runtime.fsdp``); 0: every replica keeps all of it. Meaningful only with
+    ``r_s > 1`` (3 is refused on one replica)."""
+    tensor_width: int = 1
+    """t_s: devices of one replica's tensor-parallel group (a power of two), all in one server
+    (:func:`dapple.core.tensor_layout.check_tensor_groups`); 1: no tensor parallelism."""
+    regather: bool = False
+    """ZeRO-3 only: re-shard the parameters after every forward and backward and all-gather
+    them again per micro-batch (less memory, more traffic); False: gather once per step."""
 
     def __post_init__(self) -> None:
         s, e = self.layers
@@ -113,14 +154,58 @@ class StagePlan:
             f"stage {list(self.layers)}: max_in_flight must be >= 1, got {self.max_in_flight}",
         )
         require(
-            self.zero_stage in (0, 1, 2),
-            f"stage {list(self.layers)}: zero_stage must be 0, 1 or 2, got {self.zero_stage!r}",
+            self.zero_stage in (0, 1, 2, 3),
+            f"stage {list(self.layers)}: zero_stage must be 0, 1, 2 or 3, got {self.zero_stage!r}",
+        )
+        self._check_tensor_layout()
+
+    def _check_tensor_layout(self) -> None:
+        """t_s a power of two dividing the device count; ZeRO-3 on r_s > 1; regather with 3."""
+        t, n, what = self.tensor_width, len(self.devices), f"stage {list(self.layers)}"
+        require(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 1 and t & (t - 1) == 0,
+            f"{what}: tensor_width must be a power of two >= 1, got {t!r}",
+        )
+        require(
+            n % t == 0,
+            f"{what}: its {n} devices {list(self.devices)} are not whole tensor groups of "
+            f"tensor_width={t}",
+        )
+        require(
+            self.zero_stage != 3 or n // t > 1,
+            f"{what}: zero_stage 3 shards parameters over the replicas, but the stage has one "
+            f"replica (devices {list(self.devices)}, tensor_width={t})",
+        )
+        require(
+            isinstance(self.regather, bool),
+            f"{what}: regather must be a bool, got {self.regather!r}",
+        )
+        require(
+            not self.regather or self.zero_stage == 3,
+            f"{what}: regather applies to zero_stage 3 only, got zero_stage {self.zero_stage}",
         )
 
     @property
     def replicas(self) -> int:
-        """r_s, the number of replicas."""
-        return len(self.devices)
+        """r_s, the number of replicas (tensor groups)."""
+        return len(self.devices) // self.tensor_width
+
+    @property
+    def replica_devices(self) -> tuple[int, ...]:
+        """The first device of each replica's tensor group, in replica order: the device that
+        stands for the replica in schedules and split-concat (``devices`` when t_s = 1)."""
+        t = self.tensor_width
+        return self.devices if t == 1 else self.devices[::t]
+
+    def tensor_group(self, replica: int) -> tuple[int, ...]:
+        """The t_s devices of replica ``replica``'s tensor group."""
+        t = self.tensor_width
+        return self.devices[replica * t : (replica + 1) * t]
+
+    def replica_group(self, tensor_rank: int) -> tuple[int, ...]:
+        """The r_s devices holding tensor shard ``tensor_rank``: the group that all-reduces
+        (or reduce-scatters and gathers) that shard's gradients over the replicas."""
+        return self.devices[tensor_rank :: self.tensor_width]
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {
@@ -132,6 +217,10 @@ class StagePlan:
             d["max_in_flight"] = self.max_in_flight
         if self.zero_stage:
             d["zero_stage"] = self.zero_stage
+        if self.tensor_width != 1:
+            d["tensor_width"] = self.tensor_width
+        if self.regather:
+            d["regather"] = True
         return d
 
     @staticmethod
@@ -162,6 +251,8 @@ class StagePlan:
                 recompute=bool(d.get("recompute", False)),
                 max_in_flight=mif,
                 zero_stage=d.get("zero_stage", 0),
+                tensor_width=d.get("tensor_width", 1),
+                regather=d.get("regather", False),
             )
         except ValidationError as e:
             raise ValidationError(f"{what}: {e}") from e
@@ -181,11 +272,12 @@ class Plan:
     """M; ``global_batch_size == micro_batch_size * num_micro_batches``."""
     stages: tuple[StagePlan, ...]
     """The S stages in pipeline order."""
-    schedule: ScheduleName = "dapple"
-    """``dapple`` (early backward, 1F1B), ``gpipe`` (all forwards first), ``interleaved``
-    (interleaved 1F1B over ``virtual_stages`` chunks per device group) or ``zbh1`` (ZB-H1)."""
+    schedule: ScheduleName = DEFAULT_SCHEDULE
+    """A registered schedule (:mod:`dapple.schedule.registry`): ``dapple`` (early backward,
+    1F1B), ``gpipe`` (all forwards first), ``interleaved`` (interleaved 1F1B over
+    ``virtual_stages`` chunks per device group), ``zbh1`` (ZB-H1) or a plug-in."""
     virtual_stages: int = 1
-    """v: model chunks per device group. With v > 1 (``interleaved`` only) ``stages`` lists the
+    """v: model chunks per device group. With v > 1 (a schedule with chunks) ``stages`` lists the
     S = P·v virtual stages in pipeline order and stage k runs on the devices of stage k mod P,
     so each device group of the first P stages holds stages g, g+P, ..., g+(v-1)P."""
     policy: Policy = "A"
@@ -206,18 +298,16 @@ class Plan:
 
     def __post_init__(self) -> None:
         require(
-            self.schedule in SCHEDULES,
-            f"plan: schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}",
+            isinstance(self.schedule, str) and self.schedule != "",
+            f"plan: schedule must be a schedule name, got {self.schedule!r}",
         )
         nv = self.virtual_stages
         require(
             isinstance(nv, int) and not isinstance(nv, bool) and nv >= 1,
             f"plan: virtual_stages must be an integer >= 1, got {nv!r}",
         )
-        require(
-            nv == 1 or self.schedule == "interleaved",
-            f"plan: virtual_stages={nv} needs schedule 'interleaved', got {self.schedule!r}",
-        )
+        for rules in _schedule_rules:
+            rules.check(self)  # a registered schedule, v > 1 only with chunks
         require(self.policy in ("A", "B"), f"plan: policy must be 'A' or 'B', got {self.policy!r}")
         for f in ("global_batch_size", "micro_batch_size", "num_micro_batches"):
             v = getattr(self, f)
@@ -249,10 +339,11 @@ class Plan:
         P = len(self.stages) // nv
         for k in range(P, len(self.stages)):
             require(
-                self.stages[k].devices == self.stages[k % P].devices,
+                self.stages[k].devices == self.stages[k % P].devices
+                and self.stages[k].tensor_width == self.stages[k % P].tensor_width,
                 f"plan: virtual stage {k} must run on the devices of stage {k % P} "
                 f"{list(self.stages[k % P].devices)} (v={nv}, {P} device groups), got "
-                f"{list(self.stages[k].devices)}",
+                f"{list(self.stages[k].devices)} (tensor_width {self.stages[k].tensor_width})",
             )
         for f in ("seq_len", "max_seq_len"):
             v = getattr(self, f)
@@ -293,6 +384,12 @@ class Plan:
         return tuple(d for st in self.stages[: self.num_groups] for d in st.devices)
 
     @property
+    def replica_devices(self) -> tuple[int, ...]:
+        """The device standing for each replica (its tensor group's first), in stage order:
+        the devices a lowered schedule has programs for (:attr:`devices` when every t_s = 1)."""
+        return tuple(d for st in self.stages[: self.num_groups] for d in st.replica_devices)
+
+    @property
     def replication(self) -> str:
         """Replica counts joined by ':' as in the paper (e.g. ``15:1``)."""
         return ":".join(str(st.replicas) for st in self.stages[: self.num_groups])
@@ -323,14 +420,15 @@ class Plan:
         )
 
     def stage_of_device(self, device: int) -> tuple[int, int]:
-        """``(stage, replica)`` that ``device`` runs (its first stage when v > 1).
+        """``(stage, replica)`` that ``device`` runs (its first stage when v > 1); a device of
+        a tensor group gets its group's replica.
 
         Raises:
             ValidationError: the device is not part of the plan.
         """
         for s, st in enumerate(self.stages[: self.num_groups]):
             if device in st.devices:
-                return s, st.devices.index(device)
+                return s, st.devices.index(device) // st.tensor_width
         raise ValidationError(
             f"device {device} is not used by the plan (devices {list(self.devices)})"
         )
@@ -394,6 +492,7 @@ class Plan:
             "micro_batch_size": self.micro_batch_size,
             "num_micro_batches": self.num_micro_batches,
             "schedule": self.schedule,
+            **self._schedule_module(),
             "policy": self.policy,
             **({"virtual_stages": self.virtual_stages} if self.virtual_stages != 1 else {}),
             "predicted_step_ms": None
@@ -404,10 +503,23 @@ class Plan:
             "stages": [st.to_dict() for st in self.stages],
         }
 
+    def _schedule_module(self) -> dict[str, str]:
+        """``{"schedule_module": module}`` for a schedule outside dapple, else empty."""
+        module = _schedule_rules[0].module_of(self.schedule) if _schedule_rules else ""
+        return {"schedule_module": module} if module else {}
+
     @staticmethod
     def from_dict(d: dict[str, Any]) -> Plan:
         what = "plan"
         check_schema_version(d, PLAN_SCHEMA_VERSION, what)
+        module = d.get("schedule_module")
+        require(
+            module is None or isinstance(module, str),
+            f"{what}: schedule_module must be a module name, got {module!r}",
+        )
+        if module:  # the plug-in that registers the plan's schedule
+            for rules in _schedule_rules:
+                rules.load(module)
         stages = get_field(d, "stages", what)
         require(
             isinstance(stages, list), f"{what}: stages must be a list, got {type(stages).__name__}"
@@ -426,7 +538,7 @@ class Plan:
             global_batch_size=gbs,
             micro_batch_size=mbs if mbs is not None else 0,
             num_micro_batches=m if m is not None else 0,
-            schedule=d.get("schedule", "dapple"),
+            schedule=d.get("schedule", DEFAULT_SCHEDULE),
             policy=d.get("policy", "A"),
             virtual_stages=d.get("virtual_stages", 1),
             predicted_step_ms=math.nan if pred is None else float(pred),
@@ -529,6 +641,8 @@ def interleave(plan: Plan, v: int) -> Plan:
                     devices=st.devices,
                     recompute=st.recompute,
                     zero_stage=st.zero_stage,
+                    tensor_width=st.tensor_width,
+                    regather=st.regather,
                 )
             )
             start = end

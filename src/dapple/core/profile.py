@@ -161,6 +161,11 @@ class LayerProfile:
     are summed whole over the copies, outside a replicated stage's flat buckets."""
     tied_layers: tuple[int, ...] = ()
     """The other layers holding copies of this layer's tied parameters."""
+    tensor_parallel: bool = False
+    """The layer shards over a tensor-parallel group (a transformer block's matrix products,
+    Megatron-LM): its compute, parameters (less tied copies) and most kept activations divide
+    by the width t, at two all-reduces of its output per forward and two per backward
+    (:mod:`dapple.cost.tensor`). False (the safe default): it runs whole on every rank."""
 
     def backward_split(self, b: float) -> tuple[float, float]:
         """``(I, W)``: the input- and weight-gradient halves of the backward on ``b`` samples, ms.
@@ -214,6 +219,10 @@ class LayerProfile:
             f"layer {self.name!r}: tied_layers must be layer indices >= 0, given exactly when "
             f"tied_parameter_bytes > 0; got {self.tied_layers!r} with {self.tied_parameter_bytes}",
         )
+        require(
+            isinstance(self.tensor_parallel, bool),
+            f"layer {self.name!r}: tensor_parallel must be a bool, got {self.tensor_parallel!r}",
+        )
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {
@@ -231,6 +240,8 @@ class LayerProfile:
         if self.tied_parameter_bytes:
             d["tied_parameter_bytes"] = self.tied_parameter_bytes
             d["tied_layers"] = list(self.tied_layers)
+        if self.tensor_parallel:
+            d["tensor_parallel"] = True
         return d
 
     @staticmethod
@@ -262,6 +273,7 @@ class LayerProfile:
             else AffineTime.from_dict(d["backward_weight"], f"{what}.backward_weight"),
             tied_parameter_bytes=d.get("tied_parameter_bytes", 0),
             tied_layers=tuple(_list(d.get("tied_layers", []), f"{what}: tied_layers")),
+            tensor_parallel=d.get("tensor_parallel", False),
         )
 
 

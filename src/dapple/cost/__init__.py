@@ -7,6 +7,8 @@ One module per term, each a set of pure functions over frozen dataclasses
 * :mod:`~dapple.cost.compute` - F_s, B_s of a stage's slice and the split backward's I, W;
 * :mod:`~dapple.cost.comm` - transfers, comm stages, AR(P_s, g_s), ZeRO's synchronisation, U_s;
 * :mod:`~dapple.cost.memory` - parameter state, kept activations, D (micro-batches that fit);
+* :mod:`~dapple.cost.tensor` - a stage of tensor width t_s (Megatron's all-reduces, compute and
+  memory / t_s) and ZeRO-3's gathers (beyond the paper);
 * :mod:`~dapple.cost.host` and :mod:`~dapple.cost.sharing` - host CPU overheads and shared
   compute cores (beyond the paper);
 * :mod:`~dapple.cost.lengths` - a profile measured at several sequence lengths, at the

@@ -200,7 +200,9 @@ def comm_stage_ms(
 
     The busiest link of the split-concat (:func:`link_loads`, :func:`busiest_link_ms`) of
     the activations crossing the cut. Backward gradients take the same links in reverse:
-    same time.
+    same time. A replica of a tensor-parallel stage sends and receives on its group's first
+    device (:attr:`~dapple.core.plan.StagePlan.replica_devices`); the group shares the
+    activations inside its server, not charged.
 
     Args:
         profile: boundary activation sizes.
@@ -212,6 +214,6 @@ def comm_stage_ms(
     Returns:
         ``(forward_ms, backward_ms)``.
     """
-    links = link_loads(cluster, src.devices, dst.devices, micro_batch_size)
+    links = link_loads(cluster, src.replica_devices, dst.replica_devices, micro_batch_size)
     t = busiest_link_ms(links, boundary_bytes(profile, src.layers[1], 1))
     return t, t

@@ -13,9 +13,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from dapple.core.plan import StagePlan, split_sizes
-from dapple.core.profile import ModelProfile
+from dapple.core.profile import LayerProfile, ModelProfile
 
 __all__ = [
+    "TP_REPLICATED_OUTPUTS",
     "UNBOUNDED_IN_FLIGHT",
     "boundary_bytes",
     "device_memory_bytes",
@@ -23,8 +24,12 @@ __all__ = [
     "gradients_in_flight_bytes",
     "held_activation_bytes",
     "in_flight_options",
+    "kept_bytes_per_sample",
     "parameter_state_bytes",
+    "sharded_layer_bytes",
+    "sharded_parameter_bytes",
     "state_bytes_per_parameter_byte",
+    "tensor_kept_bytes_per_sample",
     "tied_state_bytes_per_parameter_byte",
     "weight_cast_bytes",
     "zero2_staging_bytes",
@@ -53,13 +58,44 @@ def boundary_bytes(profile: ModelProfile, cut: int, samples: int) -> float:
     return per_sample * samples
 
 
+TP_REPLICATED_OUTPUTS = 5.0
+"""Kept activation bytes of a tensor-parallel block held whole on every rank, in units of its
+output bytes: ``10 sbh`` of Korthikanti et al. 2022 (equation 2) over the ``2 sbh`` output."""
+
+
+def sharded_layer_bytes(layer: LayerProfile, t: int) -> float:
+    """Parameter bytes one tensor rank holds of ``layer``: ``tied + (P - tied) / t`` when it
+    shards, all of P otherwise."""
+    if t == 1 or not layer.tensor_parallel:
+        return float(layer.parameter_bytes)
+    tied = layer.tied_parameter_bytes
+    return tied + (layer.parameter_bytes - tied) / t
+
+
+def sharded_parameter_bytes(profile: ModelProfile, layers: tuple[int, int], t: int) -> float:
+    """``P_s / t``: parameter (and gradient) bytes of layers ``[start, end)`` on one tensor rank."""
+    s, e = layers
+    return sum(sharded_layer_bytes(layer, t) for layer in profile.layers[s:e])
+
+
+def tensor_kept_bytes_per_sample(layer: LayerProfile, t: int) -> float:
+    """Kept activation bytes per sample of ``layer`` on one of t tensor ranks (Korthikanti et
+    al. 2022, equation 2): ``W + (kept - W) / t`` with ``W = min(kept, 5 x output)`` held
+    whole (:data:`TP_REPLICATED_OUTPUTS`); all of it for a layer that does not shard."""
+    kept = layer.kept_activation_bytes_per_sample
+    if t == 1 or not layer.tensor_parallel:
+        return kept
+    whole = min(kept, TP_REPLICATED_OUTPUTS * layer.output_bytes_per_sample)
+    return whole + (kept - whole) / t
+
+
 WEIGHT_CAST_FACTOR = {"fp32": 0.0, "bf16": 0.5, "fp16": 0.5}
 """Bytes of autocast's weight cast cache per (fp32) parameter byte: a 2-byte copy of every
 4-byte parameter under bf16/fp16 autocast, none in fp32."""
 
 
 def state_bytes_per_parameter_byte(
-    profile: ModelProfile, replicas: int = 1, zero_stage: int = 0
+    profile: ModelProfile, replicas: int = 1, zero_stage: int = 0, regather: bool = False
 ) -> float:
     """Bytes one replica holds per parameter byte for the whole step, activations aside.
 
@@ -76,9 +112,20 @@ def state_bytes_per_parameter_byte(
     gradients are held only as the ``1/r_s`` shard: ``1 + factor / r_s``. The gradients in
     flight during a backward (ZeRO-2's staged ones included) are a per-stage term
     (:func:`gradients_in_flight_bytes`, added by :func:`parameter_state_bytes`).
+
+    With 3 (FSDP, :mod:`dapple.runtime.fsdp`) each replica keeps the ``1/r_s`` shard of the
+    parameters, gradients and optimizer state, ``(1 + factor) / r_s``. Without ``regather``
+    the runtime gathers the parameters at the first forward and keeps them, and the
+    unsharded gradients, until the last backward of the step (no re-shard between
+    micro-batches): ``2 + (1 + factor) / r_s`` plus the whole cast cache. With ``regather``
+    only the layers being computed are whole (:func:`gradients_in_flight_bytes`), the cast
+    cache sharded too.
     """
     cast = WEIGHT_CAST_FACTOR[profile.precision]
     factor = profile.optimizer_state_factor
+    if replicas > 1 and zero_stage >= 3:
+        shards = (1.0 + factor) / replicas
+        return shards + cast / replicas if regather else 2.0 + shards + cast
     if replicas > 1 and zero_stage >= 2:
         return 1.0 + factor / replicas + cast
     if replicas > 1 and zero_stage == 1:
@@ -133,18 +180,34 @@ def tied_bytes(profile: ModelProfile, layers: tuple[int, int]) -> tuple[int, int
 
 
 def parameter_state_bytes(
-    profile: ModelProfile, layers: tuple[int, int], replicas: int = 1, zero_stage: int = 0
+    profile: ModelProfile,
+    layers: tuple[int, int],
+    replicas: int = 1,
+    zero_stage: int = 0,
+    *,
+    tensor_width: int = 1,
+    regather: bool = False,
 ) -> float:
     """Parameters + gradients + optimizer state (+ weight cast cache, + AllReduce buffers) of
     layers ``[start, end)`` on one of ``replicas`` replicas
     (:func:`state_bytes_per_parameter_byte`; 16 bytes per fp32 Adam parameter with the default
     factor 3 and no replicas, 18 under bf16/fp16 autocast; copies of tied parameters by
     :func:`tied_state_bytes_per_parameter_byte`), plus the gradients in flight during a
-    backward (:func:`gradients_in_flight_bytes`)."""
+    backward (:func:`gradients_in_flight_bytes`). On one rank of a tensor group of
+    ``tensor_width`` t, a shardable layer's untied parameters count ``1/t``
+    (:func:`sharded_parameter_bytes`); ``regather``: ZeRO-3 re-gathers per
+    micro-batch."""
     s, e = layers
-    params = sum(layer.parameter_bytes for layer in profile.layers[s:e])
     within, cross = tied_bytes(profile, layers)
+    if tensor_width == 1:
+        params: float = sum(layer.parameter_bytes for layer in profile.layers[s:e])
+    else:
+        params = sharded_parameter_bytes(profile, layers, tensor_width)
     untied = params - within - cross
+    if zero_stage >= 3 or tensor_width > 1:
+        return untied * state_bytes_per_parameter_byte(
+            profile, replicas, zero_stage, regather
+        ) + _tied_and_in_flight(profile, layers, replicas, zero_stage, tensor_width, regather)
     return (
         untied * state_bytes_per_parameter_byte(profile, replicas, zero_stage)
         + within * tied_state_bytes_per_parameter_byte(profile, replicas, zero_stage)
@@ -152,6 +215,31 @@ def parameter_state_bytes(
         * tied_state_bytes_per_parameter_byte(profile, replicas, zero_stage, cross_stage=True)
         + gradients_in_flight_bytes(profile, layers, replicas, zero_stage)
     )
+
+
+def _tied_and_in_flight(
+    profile: ModelProfile,
+    layers: tuple[int, int],
+    replicas: int,
+    zero_stage: int,
+    tensor_width: int,
+    regather: bool,
+) -> float:
+    """The tied copies' state and the gradients in flight of :func:`parameter_state_bytes`."""
+    within, cross = tied_bytes(profile, layers)
+    return (
+        within * tied_state_bytes_per_parameter_byte(profile, replicas, zero_stage)
+        + cross
+        * tied_state_bytes_per_parameter_byte(profile, replicas, zero_stage, cross_stage=True)
+        + gradients_in_flight_bytes(
+            profile, layers, replicas, zero_stage, tensor_width=tensor_width, regather=regather
+        )
+    )
+
+
+ZERO3_GATHERED_LAYERS = 2
+"""ZeRO-3 with re-gathering: whole parameters held at once, in units of the stage's largest
+layer: the layer being computed and the next one, whose all-gather FSDP prefetches."""
 
 
 def zero2_staging_bytes(
@@ -171,15 +259,26 @@ def zero2_staging_bytes(
 
 
 def gradients_in_flight_bytes(
-    profile: ModelProfile, layers: tuple[int, int], replicas: int, zero_stage: int
+    profile: ModelProfile,
+    layers: tuple[int, int],
+    replicas: int,
+    zero_stage: int,
+    *,
+    tensor_width: int = 1,
+    regather: bool = False,
 ) -> float:
     """Gradients held during a backward of layers ``[start, end)`` beyond the accumulated ones:
     the gradient autograd produces before adding it to the accumulated one (or copying it into
-    a bucket) - at most the largest layer's parameters - plus ZeRO-2's staged buckets
-    (:func:`zero2_staging_bytes`)."""
+    a bucket) - at most the largest layer's parameters (its ``1/t`` shard under tensor
+    parallelism) - plus ZeRO-2's staged buckets (:func:`zero2_staging_bytes`), or under
+    ZeRO-3 with ``regather`` the whole parameters of :data:`ZERO3_GATHERED_LAYERS` layers."""
     s, e = layers
-    largest = max(layer.parameter_bytes for layer in profile.layers[s:e])
-    return largest + zero2_staging_bytes(profile, layers, replicas, zero_stage)
+    if tensor_width == 1 and zero_stage < 3:
+        largest = max(layer.parameter_bytes for layer in profile.layers[s:e])
+        return largest + zero2_staging_bytes(profile, layers, replicas, zero_stage)
+    big = max(sharded_layer_bytes(layer, tensor_width) for layer in profile.layers[s:e])
+    gathered = ZERO3_GATHERED_LAYERS * big if zero_stage >= 3 and regather and replicas > 1 else 0
+    return big + gathered + zero2_staging_bytes(profile, layers, replicas, zero_stage)
 
 
 def device_state_bytes(profile: ModelProfile, stages: Sequence[StagePlan]) -> float:
@@ -188,10 +287,26 @@ def device_state_bytes(profile: ModelProfile, stages: Sequence[StagePlan]) -> fl
     gradients in flight (:func:`gradients_in_flight_bytes`) counted once - one backward runs at
     a time on a device, and the runtime's chunks share one set of ZeRO-2 staging buffers."""
     staging = [
-        gradients_in_flight_bytes(profile, st.layers, st.replicas, st.zero_stage) for st in stages
+        gradients_in_flight_bytes(
+            profile,
+            st.layers,
+            st.replicas,
+            st.zero_stage,
+            tensor_width=st.tensor_width,
+            regather=st.regather,
+        )
+        for st in stages
     ]
     whole = sum(
-        parameter_state_bytes(profile, st.layers, st.replicas, st.zero_stage) for st in stages
+        parameter_state_bytes(
+            profile,
+            st.layers,
+            st.replicas,
+            st.zero_stage,
+            tensor_width=st.tensor_width,
+            regather=st.regather,
+        )
+        for st in stages
     )
     return whole - sum(staging) + max(staging, default=0.0)
 
@@ -210,13 +325,21 @@ def held_activation_bytes(profile: ModelProfile, stage: StagePlan, samples: int)
     """Activation bytes held from forward to backward for one slice of ``samples`` samples.
 
     All layers' kept activations, or only the stage input when the stage re-computes (at the
-    profile's memory length, :attr:`ModelProfile.for_memory`).
+    profile's memory length, :attr:`ModelProfile.for_memory`); on one rank of a tensor group
+    (t_s > 1) each layer's :func:`tensor_kept_bytes_per_sample`.
     """
     profile = profile.for_memory
-    s, e = stage.layers
     if stage.recompute:
-        return boundary_bytes(profile, s, samples)
-    return sum(layer.kept_activation_bytes_per_sample for layer in profile.layers[s:e]) * samples
+        return boundary_bytes(profile, stage.layers[0], samples)
+    return kept_bytes_per_sample(profile, stage.layers, stage.tensor_width) * samples
+
+
+def kept_bytes_per_sample(profile: ModelProfile, layers: tuple[int, int], t: int = 1) -> float:
+    """Kept activation bytes per sample of layers ``[start, end)`` on one of t tensor ranks."""
+    s, e = layers
+    if t == 1:
+        return sum(layer.kept_activation_bytes_per_sample for layer in profile.layers[s:e])
+    return sum(tensor_kept_bytes_per_sample(layer, t) for layer in profile.layers[s:e])
 
 
 def device_memory_bytes(
@@ -241,13 +364,17 @@ def device_memory_bytes(
     """
     profile = profile.for_memory
     samples = split_sizes(micro_batch_size, stage.replicas)[0]
-    mem = parameter_state_bytes(profile, stage.layers, stage.replicas, zero_stage)
+    mem = parameter_state_bytes(
+        profile,
+        stage.layers,
+        stage.replicas,
+        zero_stage,
+        tensor_width=stage.tensor_width,
+        regather=stage.regather,
+    )
     mem += in_flight * held_activation_bytes(profile, stage, samples)
     if stage.recompute:
-        s, e = stage.layers
-        mem += (
-            sum(layer.kept_activation_bytes_per_sample for layer in profile.layers[s:e]) * samples
-        )
+        mem += kept_bytes_per_sample(profile, stage.layers, stage.tensor_width) * samples
     return mem
 
 

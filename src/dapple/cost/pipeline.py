@@ -28,7 +28,7 @@ from dapple.core.plan import Plan
 from dapple.core.profile import ModelProfile
 from dapple.cost.memory import device_memory_bytes
 from dapple.cost.terms import PlanTerms, stage_terms
-from dapple.schedule.generators import in_flight_counts
+from dapple.schedule.registry import get_schedule, in_flight_counts
 
 __all__ = [
     "LatencyBreakdown",
@@ -88,9 +88,9 @@ class LatencyBreakdown:
 
 def in_flight_bounds(plan: Plan) -> tuple[list[int], list[int | None]]:
     """``(K_i, bound_i)`` per computation stage: the micro-batches stage i keeps in flight
-    under the plan's schedule (:func:`~dapple.schedule.generators.in_flight_counts`) and the
-    bound they put on its steady period (K_i for DAPPLE; None for GPipe, whose steady phase
-    is not in-flight bound).
+    under the plan's schedule (its memory rule, :func:`~dapple.schedule.registry.in_flight_counts`)
+    and the bound they put on its steady period (K_i for a ``bounded`` schedule, DAPPLE; None
+    for the others, e.g. GPipe, whose steady phase is not in-flight bound).
 
     Raises:
         ValidationError: a schedule without per-stage counts (interleaved), or a bad policy.
@@ -102,7 +102,7 @@ def in_flight_bounds(plan: Plan) -> tuple[list[int], list[int | None]]:
         plan.policy,
         [st.max_in_flight for st in plan.stages],
     )
-    bounded = plan.schedule == "dapple"
+    bounded = get_schedule(plan.schedule).bounded
     return ks, [k if bounded else None for k in ks]
 
 

@@ -1,24 +1,17 @@
-"""Cost model of the schedules beyond the paper: interleaved 1F1B and ZB-H1.
+"""The step time of a plan under its schedule, and memory by replaying its compute order.
 
-Pure, no torch. GPipe and DAPPLE keep the paper's latency L (equations 1-3,
-:func:`dapple.cost.pipeline.pipeline_latency`); :func:`schedule_latency` dispatches on the
-plan's schedule, over the plan's terms (:func:`dapple.cost.terms.stage_terms`). For the newer
-schedules the step time follows their published bubbles, taken over the slowest device group
-(or stage) so that uneven stages are covered conservatively:
-
-* interleaved 1F1B (Narayanan et al., SC 2021, section 2.2.2): P device groups with v chunks;
-  a group's per-micro-batch work is ``T_g = sum over its chunks of (F + B)``, the bubble
-  ``(P-1)/v`` of it: ``L = (M + (P-1)/v) max_g T_g``;
-* ZB-H1 (Qi et al., ICLR 2024, section 2.1): stage s's backward splits into I_s (input
-  gradient) and W_s (weight gradient), the bubble is ``(S-1)(F + I - W)``:
-  ``L = M max_s (F_s + I_s + W_s) + (S-1) max(0, max_s (F_s + I_s - W_s))``.
-
-Both add the point-to-point time of one micro-batch through every stage boundary and back
-(the fill and drain pay it once; the steady state overlaps it with compute) and the largest
-gradient AllReduce of a device (the sum over its stages). With free communication and
-uniform stages both equal the simulator's step time exactly; with uneven stages they are
-estimates (the simulator is the reference): ZB-H1's W passes may not fit its bubbles when
-W > F, and uneven interleaved chunks stall each other beyond the ``(P-1)/v`` bubble.
+Pure, no torch. :func:`schedule_step_ms` asks the schedule registry
+(:func:`dapple.schedule.registry.get_schedule`): a schedule without a step rule of its own
+(GPipe, DAPPLE) keeps the paper's latency L (equations 1-3,
+:func:`dapple.cost.pipeline.pipeline_latency`) over its in-flight counts K_i; one with a rule
+(interleaved 1F1B, ZB-H1: their published bubbles, in their modules
+:mod:`dapple.schedule.interleaved` and :mod:`dapple.schedule.zerobubble`) gets the plan's terms
+as :class:`~dapple.schedule.spec.StepTerms`: each stage's F, B, I and W (the slowest replica's
+slice, :func:`dapple.cost.terms.stage_terms`) and what fill and drain pay once - the
+point-to-point time of one micro-batch through every stage boundary and back (the steady state
+overlaps it with compute) and the largest gradient AllReduce of a device (the sum over its
+stages). With free communication and uniform stages both rules equal the simulator's step
+time exactly; with uneven stages they are estimates (the simulator is the reference).
 
 Memory: :func:`activation_peak_bytes` replays a plan's compute order and returns the largest
 activation footprint of each device group, whatever the schedule.
@@ -30,17 +23,20 @@ from dapple.core.cluster import Cluster
 from dapple.core.plan import Plan, split_sizes
 from dapple.core.profile import ModelProfile
 from dapple.cost.lengths import profile_for_plan
-from dapple.cost.memory import device_state_bytes, held_activation_bytes
+from dapple.cost.memory import device_state_bytes, held_activation_bytes, kept_bytes_per_sample
 from dapple.cost.pipeline import in_flight_bounds
 from dapple.cost.terms import PlanTerms, stage_terms
 from dapple.schedule.ir import ActionKind
 from dapple.schedule.lower import plan_compute_order
+from dapple.schedule.registry import get_schedule
+from dapple.schedule.spec import StageTimes, StepTerms
 
 __all__ = [
     "activation_peak_bytes",
     "device_memory_by_group",
     "schedule_latency",
     "schedule_step_ms",
+    "step_terms",
 ]
 
 K = ActionKind
@@ -70,35 +66,34 @@ def _allreduce_ms(terms: PlanTerms) -> float:
     return worst
 
 
+def step_terms(terms: PlanTerms) -> StepTerms:
+    """What a schedule's step rule reads of the plan's terms (module docstring)."""
+    plan = terms.plan
+    return StepTerms(
+        M=plan.num_micro_batches,
+        P=plan.num_groups,
+        v=plan.virtual_stages,
+        stages=tuple(
+            StageTimes(r.forward_ms, r.backward_ms, r.input_grad_ms, r.weight_grad_ms)
+            for r in (st.replicas[0] for st in terms.stages)  # the slowest replica's slice
+        ),
+        fixed_ms=_boundary_ms(terms) + _allreduce_ms(terms),
+    )
+
+
 def schedule_step_ms(terms: PlanTerms) -> float:
     """Predicted step time in ms of the plan of ``terms`` under its schedule (module
     docstring): L (:meth:`PlanTerms.pipeline <dapple.cost.terms.PlanTerms.pipeline>`,
-    equations 1-3) for GPipe and DAPPLE, the published bubbles for interleaved 1F1B and ZB-H1.
+    equations 1-3) for a schedule without a step rule (GPipe, DAPPLE), else its rule (the
+    published bubbles of interleaved 1F1B and ZB-H1).
+
+    Raises:
+        ValidationError: an unknown schedule, or one without either (from the registry).
     """
-    plan = terms.plan
-    if plan.schedule in ("gpipe", "dapple"):
-        return terms.pipeline(in_flight_bounds(plan)[1]).latency().L_ms
-    M = plan.num_micro_batches
-    fixed = _boundary_ms(terms) + _allreduce_ms(terms)
-    if plan.schedule == "interleaved":
-        P, v = plan.num_groups, plan.virtual_stages
-        work = [
-            sum(
-                terms.stages[k].terms.forward_ms + terms.stages[k].terms.backward_ms
-                for k in range(g, plan.num_stages, P)
-            )
-            for g in range(P)
-        ]
-        return (M + (P - 1) / v) * max(work) + fixed
-    S = plan.num_stages
-    per: list[float] = []
-    bubble = 0.0
-    for st in terms.stages:
-        r = st.replicas[0]  # the slowest replica's slice
-        f, i, w = r.forward_ms, r.input_grad_ms, r.weight_grad_ms
-        per.append(f + i + w)
-        bubble = max(bubble, f + i - w)
-    return M * max(per) + (S - 1) * bubble + fixed
+    rule = get_schedule(terms.plan.schedule).step_ms
+    if rule is None:
+        return terms.pipeline(in_flight_bounds(terms.plan)[1]).latency().L_ms
+    return rule(step_terms(terms))
 
 
 def schedule_latency(plan: Plan, profile: ModelProfile, cluster: Cluster) -> float:
@@ -154,8 +149,7 @@ def device_memory_by_group(plan: Plan, profile: ModelProfile) -> list[float]:
         static = float(device_state_bytes(profile, mine))
         transient = max(
             (
-                sum(x.kept_activation_bytes_per_sample for x in profile.layers[slice(*st.layers)])
-                * n
+                kept_bytes_per_sample(profile, st.layers, st.tensor_width) * n
                 for st in mine
                 if st.recompute
             ),

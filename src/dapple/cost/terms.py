@@ -30,10 +30,10 @@ from typing import NamedTuple
 from dapple.core.cluster import Cluster
 from dapple.core.plan import Plan, StagePlan, split_sizes, transfers
 from dapple.core.profile import ModelProfile
+from dapple.core.tensor_layout import check_tensor_groups
 from dapple.cost.comm import (
     allreduce_ms,
     comm_stage_ms,
-    stage_sync_ms,
     stage_update_ms,
     transfer_ms,
 )
@@ -41,8 +41,14 @@ from dapple.cost.compute import compute_ms, split_backward_ms
 from dapple.cost.host import HostExtra, apply_host, has_host_terms, host_extras, slowest_extra
 from dapple.cost.latency import Latency, latency, steady_periods
 from dapple.cost.lengths import profile_for_plan
-from dapple.cost.memory import boundary_bytes
+from dapple.cost.memory import boundary_bytes, sharded_parameter_bytes
 from dapple.cost.sharing import slice_work
+from dapple.cost.tensor import (
+    fsdp_pass_ms,
+    replica_sync_ms,
+    tensor_compute_ms,
+    tensor_split_backward_ms,
+)
 
 __all__ = [
     "BoundaryTerms",
@@ -256,7 +262,12 @@ def stage_terms(
         zero_stage: 1: replicated stages shard their optimizer state (ZeRO-1); 2: their
             gradients too (ZeRO-2), with AR_s as :func:`~dapple.cost.comm.stage_sync_ms`. A
             stage's own ``StagePlan.zero_stage`` applies when larger.
+
+    Raises:
+        ValidationError: a tensor group of the plan spans servers
+            (:func:`~dapple.core.tensor_layout.check_tensor_groups`).
     """
+    check_tensor_groups(plan, cluster)
     profile = profile_for_plan(profile, plan)
     b = plan.micro_batch_size
     extras = host_extras(profile, cluster, [(*st.layers, st.replicas) for st in plan.stages], b)
@@ -289,13 +300,11 @@ def _stage_terms(
     """The terms of computation stage ``st`` of ``plan`` under ``zero_stage``."""
     b, M = plan.micro_batch_size, plan.num_micro_batches
     sizes = split_sizes(b, st.replicas)
-    times = {
-        n: (
-            compute_ms(profile, cluster, st.layers, n, recompute=st.recompute),
-            split_backward_ms(profile, cluster, st.layers, n, recompute=st.recompute),
-        )
-        for n in sorted(set(sizes))
-    }
+    t = st.tensor_width
+    s0, e0 = st.layers
+    pbytes = sum(layer.parameter_bytes for layer in profile.layers[s0:e0])
+    grad_bytes = float(pbytes) if t == 1 else sharded_parameter_bytes(profile, st.layers, t)
+    times = {n: _slice_times(profile, cluster, st, n, grad_bytes) for n in sorted(set(sizes))}
     replicas = tuple(
         ReplicaTerms(
             device=d,
@@ -306,16 +315,20 @@ def _stage_terms(
             weight_grad_ms=times[n][1][1],
             host=x,
         )
-        for d, n, x in zip(st.devices, sizes, extras, strict=True)
+        for d, n, x in zip(st.replica_devices, sizes, extras, strict=True)
     )
-    s0, e0 = st.layers
-    pbytes = sum(layer.parameter_bytes for layer in profile.layers[s0:e0])
-    grad_bytes = float(pbytes)
     work = (
         tuple(
-            slice_work(
-                st.devices, b, lambda n: compute_ms(profile, cluster, st.layers, n), st.recompute
+            (d, w)
+            for j, (_lead, w) in enumerate(
+                slice_work(
+                    st.replica_devices,
+                    b,
+                    lambda n: _compute(profile, cluster, st.layers, n, t),
+                    st.recompute,
+                )
             )
+            for d in st.tensor_group(j)
         )
         if cluster.compute_cores_per_server is not None
         else ()
@@ -323,7 +336,7 @@ def _stage_terms(
     terms = StageTerms(
         forward_ms=replicas[0].forward_ms,
         backward_ms=replicas[0].backward_ms,
-        sync_ms=stage_sync_ms(cluster, grad_bytes, st.devices, zero_stage, M),
+        sync_ms=replica_sync_ms(cluster, grad_bytes, st, zero_stage, M),
         update_ms=stage_update_ms(cluster, profile, grad_bytes, st.replicas, zero_stage),
         work=work,
     )
@@ -331,9 +344,40 @@ def _stage_terms(
         terms=terms,
         replicas=replicas,
         parameter_bytes=pbytes,
-        allreduce_ms=allreduce_ms(cluster, pbytes, st.devices),
+        allreduce_ms=allreduce_ms(cluster, pbytes, st.devices)
+        if t == 1
+        else replica_sync_ms(cluster, grad_bytes, st, 0, M),
         host=slowest_extra(extras) if has_host_terms(cluster) else None,
     )
+
+
+def _compute(
+    profile: ModelProfile, cluster: Cluster, layers: tuple[int, int], n: int, t: int
+) -> tuple[float, float]:
+    """F, B of layers on n samples on one rank of a width-t tensor group, no re-computation."""
+    if t == 1:
+        return compute_ms(profile, cluster, layers, n)
+    return tensor_compute_ms(profile, cluster, layers, n, t)
+
+
+def _slice_times(
+    profile: ModelProfile, cluster: Cluster, st: StagePlan, n: int, grad_bytes: float
+) -> tuple[tuple[float, float], tuple[float, float]]:
+    """``((F, B), (I, W))`` of one replica's slice of n samples on stage ``st``: the paper's
+    (:mod:`dapple.cost.compute`) at t_s = 1, else one tensor rank's
+    (:mod:`dapple.cost.tensor`), plus ZeRO-3's per-micro-batch gathers when it re-gathers
+    (:func:`~dapple.cost.tensor.fsdp_pass_ms`: the all-gather in F and I, the reduce-scatter in
+    W)."""
+    t, rc = st.tensor_width, st.recompute
+    if t == 1 and not st.regather:
+        return (
+            compute_ms(profile, cluster, st.layers, n, recompute=rc),
+            split_backward_ms(profile, cluster, st.layers, n, recompute=rc),
+        )
+    f, b = tensor_compute_ms(profile, cluster, st.layers, n, t, recompute=rc)
+    i, w = tensor_split_backward_ms(profile, cluster, st.layers, n, t, recompute=rc)
+    ag, ag_rs = fsdp_pass_ms(cluster, grad_bytes, st) if n > 0 else (0.0, 0.0)
+    return (f + ag, b + ag_rs), (i + ag, w + ag_rs - ag)
 
 
 def _boundary_terms(
@@ -341,6 +385,7 @@ def _boundary_terms(
 ) -> BoundaryTerms:
     """The comm stage and the slice transfers across the cut between ``src`` and ``dst``."""
     rows = []
+    a, c = src.replica_devices, dst.replica_devices
     for j, k, lo, hi in transfers(b, src.replicas, dst.replicas):
         nbytes = float(boundary_bytes(profile, dst.layers[0], hi - lo))
         rows.append(
@@ -349,8 +394,8 @@ def _boundary_terms(
                 dst_replica=k,
                 samples=hi - lo,
                 nbytes=nbytes,
-                forward_ms=transfer_ms(cluster, nbytes, src.devices[j], dst.devices[k]),
-                backward_ms=transfer_ms(cluster, nbytes, dst.devices[k], src.devices[j]),
+                forward_ms=transfer_ms(cluster, nbytes, a[j], c[k]),
+                backward_ms=transfer_ms(cluster, nbytes, c[k], a[j]),
             )
         )
     comm, _ = comm_stage_ms(profile, cluster, src, dst, b)

@@ -203,13 +203,51 @@ def prepare(
             before any input is read), a bad ``val_fraction``, an unloadable tokenizer, or no
             training tokens.
     """
+    _check_arguments(text_files, val_fraction, tokenizer)
+    train, val = Path(output), val_path(output)
+    _check_outputs(train, val, documents)
+    sources = [Path(p) for p in text_files]
+    texts = [
+        _read_text(p, text or tokenizer is not None or (documents and p.suffix == ".jsonl"))
+        for p in sources
+    ]
+    tokens = _tokenize(sources, texts, tokenizer, documents)
+    split = _split(tokens, val_fraction)
+    meta = train.with_name(META_NAME)
+    info = _meta_info(tokens, split, train, val, val_fraction, sources)
+    _write_all(
+        [
+            *_split_files(tokens, split, train, val),
+            (meta, (json.dumps(info, indent=2) + "\n").encode()),
+        ]
+    )
+    dtype = str(tokens.ids.dtype)
+    return Prepared(train, val, meta, tokens.vocab, dtype, split.n_train, split.n_val)
+
+
+def _check_arguments(
+    text_files: Sequence[str | Path], val_fraction: float, tokenizer: str | Path | None
+) -> None:
+    """Refuse no text file, a ``val_fraction`` outside ``[0, 1)`` or a missing tokenizer.
+
+    Raises:
+        ValidationError: naming the argument.
+    """
     if not text_files:
         raise ValidationError("prepare needs at least one text file")
     if not 0 <= val_fraction < 1:
         raise ValidationError(f"val_fraction must be in [0, 1), got {val_fraction}")
     if tokenizer is not None and not Path(tokenizer).is_dir():
         raise ValidationError(f"tokenizer directory {tokenizer} does not exist")
-    train, val = Path(output), val_path(output)
+
+
+def _check_outputs(train: Path, val: Path, documents: bool) -> None:
+    """Check every file :func:`prepare` writes can be written (parents made), before any
+    input is read.
+
+    Raises:
+        ValidationError: the output is named like the meta file, or a path cannot be written.
+    """
     if train.name == META_NAME:
         raise ValidationError(f"output {str(train)!r}: {META_NAME} is the name of the meta file")
     written = [
@@ -224,59 +262,124 @@ def prepare(
         ]
     for path, what in written:
         check_output_file(path, what, make_parents=True, in_place=False)
-    sources = [Path(p) for p in text_files]
-    texts = [
-        _read_text(p, text or tokenizer is not None or (documents and p.suffix == ".jsonl"))
-        for p in sources
-    ]
-    offsets: np.ndarray | None = None
-    if documents:
-        each, vocab, kind = _tokenize_each(_document_texts(sources, texts), tokenizer)
-        if not each:
-            raise ValidationError("the inputs hold no document")
-        ids = np.concatenate(each).astype(np.uint16 if vocab <= 2**16 else np.uint32)
-        offsets = np.concatenate([[0], np.cumsum([len(x) for x in each])]).astype(np.int64)
-    else:
+
+
+@dataclass(frozen=True)
+class _Tokens:
+    """The inputs' tokens, concatenated."""
+
+    ids: np.ndarray
+    vocab: int
+    kind: str
+    """The tokenizer's name (``bytes`` or its resolved directory)."""
+    offsets: np.ndarray | None
+    """Documents: where each starts in ``ids``, then ``len(ids)``; None: plain text."""
+
+
+def _tokenize(
+    sources: Sequence[Path], texts: Sequence[bytes], tokenizer: str | Path | None, documents: bool
+) -> _Tokens:
+    """The tokens of the input files (``texts``: their bytes), or of their documents.
+
+    Raises:
+        ValidationError: documents asked for and the inputs hold none, or a tokenizer that
+            cannot be loaded.
+    """
+    if not documents:
         ids, vocab, kind = (
             _byte_tokens(texts) if tokenizer is None else _hf_tokens(texts, tokenizer)
         )
-    if offsets is not None:  # whole documents: the last floor(docs * fraction) validate
-        n_docs = len(offsets) - 1
+        return _Tokens(ids, vocab, kind, None)
+    each, vocab, kind = _tokenize_each(_document_texts(sources, texts), tokenizer)
+    if not each:
+        raise ValidationError("the inputs hold no document")
+    ids = np.concatenate(each).astype(np.uint16 if vocab <= 2**16 else np.uint32)
+    offsets = np.concatenate([[0], np.cumsum([len(x) for x in each])]).astype(np.int64)
+    return _Tokens(ids, vocab, kind, offsets)
+
+
+@dataclass(frozen=True)
+class _Split:
+    """Where the validation split starts."""
+
+    n_train: int
+    n_val: int
+    split_doc: int = 0
+    """Documents: the first validation document (= the training documents)."""
+    n_docs: int = 0
+
+
+def _split(tokens: _Tokens, val_fraction: float) -> _Split:
+    """The last ``floor(n * val_fraction)`` tokens validate, or with documents the last
+    ``floor(documents * val_fraction)`` whole documents.
+
+    Raises:
+        ValidationError: fewer than 2 training tokens.
+    """
+    n = len(tokens.ids)
+    if tokens.offsets is not None:
+        n_docs = len(tokens.offsets) - 1
         split_doc = n_docs - int(n_docs * val_fraction)
-        n_train = int(offsets[split_doc])
-        n_val = len(ids) - n_train
+        n_train = int(tokens.offsets[split_doc])
+        split = _Split(n_train, n - n_train, split_doc, n_docs)
     else:
-        n_val = int(len(ids) * val_fraction)
-        n_train = len(ids) - n_val
-    if n_train < 2:
+        n_val = int(n * val_fraction)
+        split = _Split(n - n_val, n_val)
+    if split.n_train < 2:
         raise ValidationError(
-            f"the text files give {len(ids)} tokens: {n_train} for training, need at least 2"
+            f"the text files give {n} tokens: {split.n_train} for training, need at least 2"
         )
-    meta = train.with_name(META_NAME)
-    dtype = str(ids.dtype)
-    info = {
-        "vocab_size": vocab,
-        "dtype": dtype,
-        "tokenizer": kind,
-        "train": {"file": train.name, "tokens": n_train},
-        "val": {"file": val.name, "tokens": n_val, "fraction": val_fraction},
+    return split
+
+
+def _meta_info(
+    tokens: _Tokens,
+    split: _Split,
+    train: Path,
+    val: Path,
+    val_fraction: float,
+    sources: Sequence[Path],
+) -> dict[str, Any]:
+    """What ``meta.json`` records (see the module docstring)."""
+    info: dict[str, Any] = {
+        "vocab_size": tokens.vocab,
+        "dtype": str(tokens.ids.dtype),
+        "tokenizer": tokens.kind,
+        "train": {"file": train.name, "tokens": split.n_train},
+        "val": {"file": val.name, "tokens": split.n_val, "fraction": val_fraction},
         "sources": [str(p.resolve()) for p in sources],
     }
-    if offsets is not None:
-        info["train"]["documents"] = split_doc  # type: ignore[index]
-        info["val"]["documents"] = n_docs - split_doc  # type: ignore[index]
+    if tokens.offsets is not None:
+        info["train"]["documents"] = split.split_doc
+        info["val"]["documents"] = split.n_docs - split.split_doc
+    return info
+
+
+def _split_files(
+    tokens: _Tokens, split: _Split, train: Path, val: Path
+) -> list[tuple[Path, bytes]]:
+    """The bytes of the two token files (little-endian) and, with documents, their offsets."""
+    ids, n_train = tokens.ids, split.n_train
     little = ids.astype(ids.dtype.newbyteorder("<"))  # the file format is little-endian
     files = [(train, little[:n_train].tobytes()), (val, little[n_train:].tobytes())]
-    if offsets is not None:
+    if tokens.offsets is not None:
+        offsets, split_doc = tokens.offsets, split.split_doc
         files += [
             (docs_path(train), _npy(offsets[: split_doc + 1])),
             (docs_path(val), _npy(offsets[split_doc:] - n_train)),
         ]
-    files.append((meta, (json.dumps(info, indent=2) + "\n").encode()))
+    return files
+
+
+def _write_all(files: Sequence[tuple[Path, bytes]]) -> None:
+    """Write each file atomically, in order.
+
+    Raises:
+        ValidationError: a file cannot be written.
+    """
     for path, data in files:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             _write_atomic(path, data)
         except OSError as e:
             raise ValidationError(f"cannot write {str(path)!r}: {e.strerror or e}") from e
-    return Prepared(train, val, meta, vocab, dtype, n_train, n_val)

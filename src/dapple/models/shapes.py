@@ -16,17 +16,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
 from dapple.errors import ValidationError
 
-if TYPE_CHECKING:
-    from dapple.models.workload import Workload
-
 __all__ = [
     "FIND_DRAWS",
+    "BatchSource",
     "DimsArg",
     "DimsMap",
     "DynamicDim",
@@ -226,7 +224,18 @@ def check_batch(
                 )
 
 
-def run_dims(workload: Workload, batch_size: int, seed: int) -> dict[int, dict[int, DynamicDim]]:
+class BatchSource(Protocol):
+    """What the run-level checks read of a workload (:class:`~dapple.models.workload.Workload`
+    is one; this module does not import it, which imports :class:`DynamicDim` from here)."""
+
+    @property
+    def make_batch(self) -> Callable[[int, int], tuple[Any, torch.Tensor]]: ...
+
+    @property
+    def dynamic_dims(self) -> Mapping[int, Mapping[int, DynamicDim | None]]: ...
+
+
+def run_dims(workload: BatchSource, batch_size: int, seed: int) -> dict[int, dict[int, DynamicDim]]:
     """A run's dynamic dimensions: the workload's declared ones and those that differ between
     ``make_batch`` draws of the run's batch size at seeds ``seed ..`` (a workload's batches
     need only work at the sizes the run asks for)."""
@@ -234,7 +243,7 @@ def run_dims(workload: Workload, batch_size: int, seed: int) -> dict[int, dict[i
     return merge_dims(workload.dynamic_dims, found)
 
 
-def check_steps(workload: Workload, batch_size: int, seed: int, steps: int) -> None:
+def check_steps(workload: BatchSource, batch_size: int, seed: int, steps: int) -> None:
     """:func:`check_batch` of the batches of steps ``1 .. steps - 1`` against step 0's, as the
     runtime checks them, but all before any compute (used where the batches are drawn anyway).
 

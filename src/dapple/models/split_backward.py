@@ -31,8 +31,8 @@ ParamGroups = list[dict[str, Any]]
 """What ``I`` leaves for ``W``: torch's parameter groups with their captured gradients."""
 
 
-def require_split_backward() -> None:
-    """Refuse, before any compute, a torch without the split backward.
+def require_split_backward(schedule: str) -> None:
+    """Refuse, before any compute, a torch without the split backward ``schedule`` runs.
 
     Raises:
         ValidationError: ``torch.distributed.pipelining._backward`` lacks the two halves.
@@ -44,7 +44,7 @@ def require_split_backward() -> None:
         )
     except ImportError as e:
         raise ValidationError(
-            f"schedule 'zbh1' needs torch's split backward "
+            f"schedule {schedule!r} needs torch's split backward "
             f"(torch.distributed.pipelining._backward, torch {torch.__version__} lacks it: {e}); "
             "use --schedule dapple"
         ) from e

@@ -19,6 +19,7 @@ from torch import fx, nn
 from dapple.errors import ValidationError
 from dapple.models.rng_graph import key_random_sites, number_random_sites
 from dapple.models.shapes import DimsMap
+from dapple.models.split_passes import PieceLayout, batch_symbols, layout_pieces
 from dapple.models.trace import export_model, fake_to_meta, output_is_tuple, traced_dims
 
 __all__ = [
@@ -76,20 +77,6 @@ def _install(root: nn.Module, target: str, obj: Any) -> None:
         mod.register_buffer(field, obj)
     else:
         setattr(mod, field, obj)
-
-
-def _batch_symbols(placeholders: list[fx.Node]) -> set[Any]:
-    """The symbolic batch sizes of the traced inputs (dimension 0 of each tensor input)."""
-    syms: set[Any] = set()
-    for ph in placeholders:
-        val = ph.meta.get("val")
-        if (
-            isinstance(val, torch.Tensor)
-            and val.dim() > 0
-            and isinstance(val.shape[0], torch.SymInt)
-        ):
-            syms.add(val.shape[0].node.expr)
-    return syms
 
 
 def _has_device(obj: Any) -> bool:
@@ -214,7 +201,7 @@ class SplitModel:
         self.aliases = _aliases(model)
         nodes = list(self.traced.graph.nodes)
         self.random_sites = number_random_sites(
-            self.traced.graph, _batch_symbols([n for n in nodes if n.op == "placeholder"])
+            self.traced.graph, batch_symbols([n for n in nodes if n.op == "placeholder"])
         )
         """The batch dimension of each random site (dropout, attention), in run order
         (:mod:`dapple.models.rng`)."""
@@ -259,114 +246,24 @@ class SplitModel:
     def _build_pieces(
         self, nodes: list[fx.Node], cuts: list[tuple[int, str]]
     ) -> tuple[list[fx.GraphModule], list[str]]:
-        position = {n: i for i, n in enumerate(nodes)}
-        bounds = [0, *[p for p, _ in cuts], len(nodes)]
-        names = ["prologue", *[n for _, n in cuts]]
-        # Assign compute nodes to raw pieces by position.
-        piece_of: dict[fx.Node, int] = {}
-        for node in nodes:
-            if node.op == "call_function":
-                pos = position[node]
-                piece_of[node] = max(k for k in range(len(names)) if bounds[k] <= pos)
-        # getitem on a list-valued node stays with that node (lists never cross a cut).
-        for node in nodes:
-            if node.op == "call_function" and node.target is operator.getitem:
-                src = node.args[0]
-                if isinstance(src, fx.Node) and src in piece_of:
-                    piece_of[node] = piece_of[src]
-        # Merge pieces that compute no tensor (nothing, or only sizes and checks, runs before
-        # the first block) into the next piece, or the last one into the previous.
-        used = sorted(
-            {k for n, k in piece_of.items() if isinstance(n.meta.get("val"), torch.Tensor)}
-        )
-        if not used:
-            raise ValidationError("the model computes no tensor")
-        renumber = {
-            old: next((new for new, k in enumerate(used) if k >= old), len(used) - 1)
-            for old in set(piece_of.values())
-        }
-        piece_of = {n: renumber[k] for n, k in piece_of.items()}
-        names = [names[k] for k in used]
-        num = len(names)
+        """The pieces of ``nodes`` cut at ``cuts``, and their names (which nodes each piece
+        computes and takes: :func:`~dapple.models.split_passes.layout_pieces`)."""
+        layout = layout_pieces(nodes, cuts)
+        self._batch_free, self._folded = layout.batch_free, layout.folded
+        return [self._piece_module(nodes, layout, k) for k in range(layout.num)], layout.names
 
-        placeholders = [n for n in nodes if n.op == "placeholder"]
-        output = next(n for n in nodes if n.op == "output")
-        final = list(output.all_input_nodes)
-        # Last piece (num = the output) that uses each tensor value.
-        last_use: dict[fx.Node, int] = {}
-        for node in nodes:
-            if node.op != "call_function":
-                continue
-            for arg in node.all_input_nodes:
-                last_use[arg] = max(last_use.get(arg, -1), piece_of[node])
-        for arg in final:
-            last_use[arg] = num
-
-        def defined_in(v: fx.Node) -> int:
-            return -1 if v.op == "placeholder" else piece_of.get(v, -2)
-
-        def is_tensor(v: fx.Node) -> bool:
-            return isinstance(v.meta.get("val"), torch.Tensor)
-
-        # Tensors that do not depend on the inputs' values (tables built from buffers, causal
-        # masks, rotary tables of the inputs' length) are recomputed by each piece that needs
-        # them instead of crossing a cut; a size they read (``aten.sym_size``) is re-read from
-        # the piece's own inputs (:meth:`_materialize`).
-        batch_dep = set(placeholders)
-        for node in nodes:
-            if (
-                node.op == "call_function"
-                and node.target is not torch.ops.aten.sym_size.int
-                and any(a in batch_dep for a in node.all_input_nodes)
-            ):
-                batch_dep.add(node)
-        self._batch_free = {
-            n
-            for n in nodes
-            if n.op == "call_function"
-            and n not in batch_dep
-            and n.target is not torch.ops.aten.sym_size.int
-        }
-        batch_syms = _batch_symbols(placeholders)
-        values = [
-            v
-            for v in nodes
-            if v.op in ("placeholder", "call_function") and is_tensor(v) and v in batch_dep
-        ]
-        live_in: list[list[fx.Node]] = [placeholders]
-        self._folded: set[fx.Node] = set()
-        for k in range(1, num):
-            live = [
-                v for v in values if defined_in(v) < k <= last_use.get(v, -1) and defined_in(v) > -2
-            ]
-            for v in live:
-                dim0 = v.meta["val"].shape[0] if v.meta["val"].dim() else None
-                expr = dim0.node.expr if isinstance(dim0, torch.SymInt) else None
-                if expr is not None and expr not in batch_syms and expr.free_symbols & batch_syms:
-                    self._folded.add(v)  # batch x heads (sample-major): crosses as (batch, heads)
-                elif expr not in batch_syms:
-                    raise ValidationError(
-                        f"the cut before {names[k]!r} would carry {v.name} of shape "
-                        f"{tuple(v.meta['val'].shape)} whose dimension 0 is not the batch; "
-                        "choose other split_at names"
-                    )
-            live_in.append(live)
-        live_in.append(final)
-        for v in final:
-            if not is_tensor(v):
-                raise ValidationError(f"model output {v.name} is not a tensor")
-
-        pieces = []
-        for k in range(num):
-            body = [n for n in nodes if piece_of.get(n) == k]
-            pack_in = self.input_is_tuple if k == 0 else len(live_in[k]) > 1
-            pack_out = self.output_is_tuple if k == num - 1 else len(live_in[k + 1]) > 1
-            graph, attrs = self._piece_graph(k, live_in[k], body, live_in[k + 1], pack_in, pack_out)
-            root = nn.Module()
-            for target, obj in attrs.items():
-                _install(root, target, obj)
-            pieces.append(fx.GraphModule(root, graph, class_name=f"Piece{k}"))
-        return pieces, names
+    def _piece_module(self, nodes: list[fx.Node], layout: PieceLayout, k: int) -> fx.GraphModule:
+        """Piece ``k`` as a graph module whose attributes keep the original model's names; it
+        takes and returns one tensor, or a tuple (several, or the model's own tuple)."""
+        live_in, last = layout.live_in, layout.num - 1
+        pack_in = self.input_is_tuple if k == 0 else len(live_in[k]) > 1
+        pack_out = self.output_is_tuple if k == last else len(live_in[k + 1]) > 1
+        body = layout.body(nodes, k)
+        graph, attrs = self._piece_graph(k, live_in[k], body, live_in[k + 1], pack_in, pack_out)
+        root = nn.Module()
+        for target, obj in attrs.items():
+            _install(root, target, obj)
+        return fx.GraphModule(root, graph, class_name=f"Piece{k}")
 
     # -- one piece ----------------------------------------------------------------------------
 

@@ -53,6 +53,10 @@ class Workload:
     DynamicDim}}``, with the sizes the layers accept (see :mod:`dapple.models.shapes`); the
     runtime adds the ones it finds by drawing ``make_batch`` at a few seeds, except those
     declared ``None`` (static)."""
+    tp_plan: Mapping[str, str] = field(default_factory=dict)
+    """How a stage of this model is cut over a tensor group (t_s > 1): module-name pattern ->
+    ``colwise`` / ``packed_colwise`` / ``rowwise`` (:mod:`dapple.runtime.tp.plan`); empty: a
+    Hugging Face model's config plan, else none (tensor parallelism is refused)."""
 
     @property
     def num_layers(self) -> int:

@@ -12,13 +12,14 @@ import math
 from collections.abc import Callable
 
 from dapple.core.cluster import Cluster
-from dapple.core.plan import Plan, ScheduleName
+from dapple.core.plan import DEFAULT_SCHEDULE, Plan
 from dapple.core.profile import ModelProfile
 from dapple.cost.comm import allreduce_ms
 from dapple.errors import InfeasibleError, ValidationError
 from dapple.planner.evaluate import Scored, Scorer, StageSpec
 from dapple.planner.partition import block_partition
 from dapple.planner.search import _infeasible_message, micro_batch_candidates
+from dapple.schedule.fill_drain import SCHEDULE as GPIPE
 
 __all__ = ["dp_plan", "gpipe_plan", "pipedream_plan", "straight_plan_baseline"]
 
@@ -33,7 +34,7 @@ def _best_over_m(
     sc: Scorer,
     make: Candidate,
     *,
-    schedule: ScheduleName = "dapple",
+    schedule: str = DEFAULT_SCHEDULE,
     recompute: bool | None = None,
 ) -> Plan:
     best: tuple[float, list[StageSpec], int, Scored] | None = None
@@ -99,7 +100,7 @@ def gpipe_plan(profile: ModelProfile, cluster: Cluster, global_batch_size: int) 
     """
     sc = Scorer(profile, cluster, global_batch_size)
     return _best_over_m(
-        "gpipe", sc, lambda M: _one_per_device(sc, M), schedule="gpipe", recompute=True
+        "gpipe", sc, lambda M: _one_per_device(sc, M), schedule=GPIPE.name, recompute=True
     )
 
 

@@ -12,6 +12,7 @@ cached sums - the assembly :func:`dapple.cost.pipeline.pipeline_latency` runs fo
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -19,17 +20,26 @@ from itertools import accumulate
 from typing import NamedTuple
 
 from dapple.core.cluster import Cluster
-from dapple.core.plan import Plan, Policy, ScheduleName, StagePlan
+from dapple.core.plan import DEFAULT_SCHEDULE, Plan, Policy, StagePlan
 from dapple.core.profile import ModelProfile
 from dapple.cost.comm import busiest_link_ms, link_loads, stage_sync_ms, stage_update_ms
 from dapple.cost.host import has_host_terms, stage_host_extras
-from dapple.cost.memory import boundary_bytes, in_flight_options, parameter_state_bytes
+from dapple.cost.memory import (
+    boundary_bytes,
+    in_flight_options,
+    parameter_state_bytes,
+    sharded_layer_bytes,
+    tensor_kept_bytes_per_sample,
+)
 from dapple.cost.sharing import slice_work
+from dapple.cost.tensor import fsdp_pass_ms, replica_sync_ms
 from dapple.cost.terms import StageTerms, pipeline_terms
 from dapple.errors import ValidationError
-from dapple.schedule.generators import in_flight_counts
+from dapple.planner.widths import TensorSums, group_cluster, real_devices
+from dapple.schedule.registry import get_schedule, in_flight_counts, schedules
+from dapple.schedule.spec import ScheduleSpec
 
-__all__ = ["ZERO_AUTO", "Scored", "Scorer", "StageSpec"]
+__all__ = ["ZERO3_REGATHER", "ZERO_AUTO", "Scored", "Scorer", "StageSpec"]
 
 ZERO_AUTO = -1
 """``Scorer(zero_stage=ZERO_AUTO)``: shard a replicated stage only where the unsharded state
@@ -38,7 +48,12 @@ re-computation; then the cheapest of ZeRO-1, ZeRO-2 (its M-fold gradient traffic
 re-computation (M more forward passes) that holds them (:func:`_pick`)."""
 
 StageSpec = tuple[int, int, tuple[int, ...]]
-"""``(start, end, devices)`` of one computation stage."""
+"""``(start, end, devices)`` of one computation stage; under a tensor width t > 1 the devices
+are tensor groups of :func:`~dapple.planner.widths.group_cluster`."""
+
+ZERO3_REGATHER = 4
+"""A scored stage's zero stage for ZeRO-3 re-gathering per micro-batch (``StagePlan.zero_stage``
+3 with ``regather``)."""
 
 
 class _Option(NamedTuple):
@@ -52,6 +67,8 @@ class _Option(NamedTuple):
     d_r: int
     plain: StageTerms
     recomputed: StageTerms
+    traffic: float = 0.0
+    """Per-step traffic inside F and B: ZeRO-3's gathers per micro-batch (M x their time)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,11 +77,12 @@ class Scored:
 
     L_ms: float
     policy: Policy
-    schedule: ScheduleName
+    schedule: str
     recompute: tuple[bool, ...]
     max_in_flight: tuple[int | None, ...]
     zero_stage: tuple[int, ...] = ()
-    """Per stage: 1 where its replicas shard the optimizer state (empty: the scorer's)."""
+    """Per stage: its zero stage (empty: the scorer's); :data:`ZERO3_REGATHER` for ZeRO-3
+    re-gathering per micro-batch."""
 
 
 class Scorer:
@@ -76,8 +94,15 @@ class Scorer:
         cluster: Cluster,
         global_batch_size: int,
         zero_stage: int = 0,
+        tensor_width: int = 1,
     ) -> None:
         self.profile = profile
+        self.tensor_width = tensor_width
+        """t: every stage's tensor width; candidates' devices are then the tensor groups of
+        :func:`~dapple.planner.widths.group_cluster` (:attr:`cluster`)."""
+        self.real_cluster = cluster
+        cluster = group_cluster(cluster, tensor_width)
+        self._tp = TensorSums(profile, cluster, tensor_width)
         self.zero_stage = zero_stage
         """1: replicated stages shard their optimizer state (memory and sync cost, ZeRO-1); 2:
         their gradients too (ZeRO-2); :data:`ZERO_AUTO`: per stage, only where the unsharded
@@ -93,14 +118,16 @@ class Scorer:
         def pre(xs: Sequence[float]) -> list[float]:
             return [0.0, *accumulate(xs)]
 
-        self._ff = pre([x.forward.fixed_ms * sd for x in ls])
-        self._fp = pre([x.forward.per_sample_ms * sd for x in ls])
-        self._bf = pre([x.backward.fixed_ms * sd for x in ls])
-        self._bp = pre([x.backward.per_sample_ms * sd for x in ls])
-        self._par = pre([float(x.parameter_bytes) for x in ls])
+        t = tensor_width
+        k = [t if x.tensor_parallel else 1 for x in ls]  # 1/k of a layer per tensor rank
+        self._ff = pre([x.forward.fixed_ms * sd / n for x, n in zip(ls, k, strict=True)])
+        self._fp = pre([x.forward.per_sample_ms * sd / n for x, n in zip(ls, k, strict=True)])
+        self._bf = pre([x.backward.fixed_ms * sd / n for x, n in zip(ls, k, strict=True)])
+        self._bp = pre([x.backward.per_sample_ms * sd / n for x, n in zip(ls, k, strict=True)])
+        self._par = pre([sharded_layer_bytes(x, t) for x in ls])
         self._memory = profile.for_memory
         """The layers at the longest planned length: kept activations and stage inputs."""
-        self._act = pre([x.kept_activation_bytes_per_sample for x in self._memory.layers])
+        self._act = pre([tensor_kept_bytes_per_sample(x, t) for x in self._memory.layers])
         self._ar: dict[tuple[int, int, tuple[int, ...], int, int], float] = {}
         self._links: dict[
             tuple[tuple[int, ...], tuple[int, ...], int], list[tuple[float, float]]
@@ -115,6 +142,9 @@ class Scorer:
             return 0.0, 0.0
         f = (self._ff[e] - self._ff[s]) + (self._fp[e] - self._fp[s]) * samples
         b = (self._bf[e] - self._bf[s]) + (self._bp[e] - self._bp[s]) * samples
+        if self.tensor_width > 1:
+            c = self._tp.comm_ms(s, e, samples)
+            return f + c, b + c
         return f, b
 
     def param_bytes(self, s: int, e: int) -> float:
@@ -128,9 +158,29 @@ class Scorer:
         key = (s, e, devices, zero_stage, M if zero_stage >= 2 else 1)
         v = self._ar.get(key)
         if v is None:
-            v = stage_sync_ms(self.cluster, self.param_bytes(s, e), devices, zero_stage, M)
+            if self.tensor_width == 1 and zero_stage <= 2:
+                v = stage_sync_ms(self.cluster, self.param_bytes(s, e), devices, zero_stage, M)
+            else:
+                v = replica_sync_ms(
+                    self.real_cluster,
+                    self.param_bytes(s, e),
+                    self.stage_plan(s, e, devices, zero_stage),
+                    min(zero_stage, 3),
+                    M,
+                )
             self._ar[key] = v
         return v
+
+    def stage_plan(self, s: int, e: int, devices: tuple[int, ...], zero_stage: int) -> StagePlan:
+        """The :class:`StagePlan` of layers [s, e) on ``devices`` (tensor groups when t > 1)
+        under a scored zero stage (:data:`ZERO3_REGATHER` included)."""
+        return StagePlan(
+            layers=(s, e),
+            devices=real_devices(devices, self.tensor_width),
+            zero_stage=min(zero_stage, 3),
+            tensor_width=self.tensor_width,
+            regather=zero_stage == ZERO3_REGATHER,
+        )
 
     def comm_ms(self, cut: int, src: tuple[int, ...], dst: tuple[int, ...], b: int) -> float:
         """Comm stage time across ``cut`` (as :func:`dapple.cost.comm.comm_stage_ms`).
@@ -149,9 +199,21 @@ class Scorer:
         self, s: int, e: int, samples: int, replicas: int, zero_stage: int
     ) -> tuple[int, int]:
         """D without and with re-computation of layers [s, e) on slices of ``samples``."""
+        state = (
+            parameter_state_bytes(self.profile, (s, e), replicas, zero_stage)
+            if self.tensor_width == 1 and zero_stage <= 2
+            else parameter_state_bytes(
+                self.profile,
+                (s, e),
+                replicas,
+                min(zero_stage, 3),
+                tensor_width=self.tensor_width,
+                regather=zero_stage == ZERO3_REGATHER,
+            )
+        )
         return in_flight_options(
             float(self.cluster.usable_memory_bytes),
-            parameter_state_bytes(self.profile, (s, e), replicas, zero_stage),
+            state,
             (self._act[e] - self._act[s]) * samples,
             boundary_bytes(self._memory, s, samples),
         )
@@ -167,8 +229,13 @@ class Scorer:
             M = self.global_batch_size // b
             sync = self.ar_ms(s, e, d, zero_stage, M)
             update = stage_update_ms(
-                self.cluster, self.profile, self.param_bytes(s, e), len(d), zero_stage
+                self.cluster, self.profile, self.param_bytes(s, e), len(d), min(zero_stage, 3)
             )
+            ag, ag_rs = (0.0, 0.0)
+            if zero_stage == ZERO3_REGATHER:
+                st = self.stage_plan(s, e, d, zero_stage)
+                ag, ag_rs = fsdp_pass_ms(self.real_cluster, self.param_bytes(s, e), st)
+                f, bw = f + ag, bw + ag_rs
             plain = StageTerms(
                 forward_ms=f,
                 backward_ms=bw,
@@ -183,7 +250,7 @@ class Scorer:
                 update_ms=update,
                 work=self._work(s, e, d, b, True),
             )
-            rec = _Option(f, bw, sync + update, d_nr, d_r, plain, recomputed)
+            rec = _Option(f, bw, sync + update, d_nr, d_r, plain, recomputed, M * (ag + ag_rs))
             self._stages[key] = rec
         return rec
 
@@ -200,13 +267,18 @@ class Scorer:
     def _stage_options(
         self, s: int, e: int, d: tuple[int, ...], b: int
     ) -> list[tuple[int, _Option]]:
-        """``(zero stage, _stage record)`` the scorer may pick from, unsharded first."""
+        """``(zero stage, _stage record)`` the scorer may pick from, unsharded first; none for
+        a stage of width t > 1 with no layer that shards (t ranks would repeat its work).
+        ZeRO-3 is offered gathering once per step and re-gathering (:data:`ZERO3_REGATHER`)."""
+        if self.tensor_width > 1 and self._tp.blocks(s, e) == 0:
+            return []
         if self.zero_stage != ZERO_AUTO:
             z = self.zero_stage if len(d) > 1 else 0
-            return [(z, self._stage(s, e, d, b, z))]
+            zs = (3, ZERO3_REGATHER) if z == 3 else (z,)
+            return [(z, self._stage(s, e, d, b, z)) for z in zs]
         out = [(0, self._stage(s, e, d, b, 0))]
         if len(d) > 1:
-            out += [(z, self._stage(s, e, d, b, z)) for z in (1, 2)]
+            out += [(z, self._stage(s, e, d, b, z)) for z in (1, 2, 3, ZERO3_REGATHER)]
         return out
 
     # -- whole candidates --------------------------------------------------------------------
@@ -215,7 +287,7 @@ class Scorer:
         stages: Sequence[StageSpec],
         M: int,
         *,
-        schedule: ScheduleName = "dapple",
+        schedule: str = DEFAULT_SCHEDULE,
         policies: Sequence[Policy] = ("A", "B"),
         recompute: bool | None = None,
     ) -> Scored | None:
@@ -224,20 +296,22 @@ class Scorer:
         Args:
             stages: ``(start, end, devices)`` per computation stage, covering all layers.
             M: number of micro-batches (must divide the global batch size).
-            schedule: ``dapple`` or ``gpipe`` (all M micro-batches in flight).
-            policies: warm-up policies to try (dapple schedule); the best is kept.
+            schedule: one costed by the paper's L (``dapple``, ``gpipe``: all M micro-batches
+                in flight, or a plug-in without a step rule of its own).
+            policies: warm-up policies to try (those the schedule has); the best is kept.
             recompute: force re-computation on (True) or off (False) for every stage; None
                 re-computes a stage only when memory demands it.
 
         Raises:
-            ValidationError: unknown schedule or policy.
+            ValidationError: unknown schedule or policy, or a schedule with its own step rule.
         """
-        if schedule not in ("dapple", "gpipe"):
-            raise ValidationError(f"unknown schedule {schedule!r}; choose 'dapple' or 'gpipe'")
+        spec = _scored_schedule(schedule)
         self.evaluations += 1
         b = self.global_batch_size // M
         S = len(stages)
         options = [self._stage_options(s, e, d, b) for (s, e, d) in stages]
+        if not all(options):
+            return None
         comm = [self.comm_ms(stages[i][1], stages[i][2], stages[i + 1][2], b) for i in range(S - 1)]
         extras = (  # the CPU-host pass: only where the cluster has host terms
             stage_host_extras(self.profile, self.cluster, [(s, e, len(d)) for s, e, d in stages], b)
@@ -245,7 +319,7 @@ class Scorer:
             else None
         )
         best: Scored | None = None
-        for policy in policies if schedule == "dapple" else ("A",):
+        for policy in policies if len(spec.policies) > 1 else spec.policies:
             nominal = in_flight_counts(schedule, S, M, policy)
             rec: list[bool] = []
             ds: list[int | None] = []
@@ -266,7 +340,7 @@ class Scorer:
                         use_r, d = False, d_nr
                 else:
                     use_r, d = recompute, (d_r if recompute else d_nr)
-                if d < 1 or (schedule == "gpipe" and d < M):
+                if d < 1 or (not spec.bounded and d < k):  # it must hold its K_i
                     ok = False
                     break
                 rec.append(use_r)
@@ -275,7 +349,7 @@ class Scorer:
             if not ok:
                 continue
             ks = in_flight_counts(schedule, S, M, policy, ds)
-            bounds: Sequence[int | None] = ks if schedule == "dapple" else [None] * S
+            bounds: Sequence[int | None] = ks if spec.bounded else [None] * S
             L = pipeline_terms(terms, comm, bounds, M, self.cluster, extras).latency().L_ms
             if best is None or best.L_ms > L:
                 best = Scored(L, policy, schedule, tuple(rec), tuple(ds), tuple(zs))
@@ -298,12 +372,11 @@ class Scorer:
             policy=scored.policy,
             predicted_step_ms=scored.L_ms,
             stages=tuple(
-                StagePlan(
-                    layers=(s, e),
-                    devices=d,
+                dataclasses.replace(
+                    self.stage_plan(s, e, d, z if len(d) > 1 else 0),
                     recompute=r,
                     max_in_flight=k,
-                    zero_stage=z,
+                    zero_stage=min(z, 3),
                 )
                 for (s, e, d), r, k, z in zip(
                     stages,
@@ -314,6 +387,21 @@ class Scorer:
                 )
             ),
         )
+
+
+def _scored_schedule(name: str) -> ScheduleSpec:
+    """The schedule ``name`` if the scorer can cost it (the paper's L over its K_i).
+
+    Raises:
+        ValidationError: unknown, or with a step rule of its own (the names it takes listed).
+    """
+    spec = get_schedule(name)
+    if not spec.uses_pipeline_latency:
+        ok = ", ".join(s.name for s in schedules() if s.uses_pipeline_latency)
+        raise ValidationError(
+            f"schedule {name!r} has a step rule of its own; the scorer costs L: choose {ok}"
+        )
+    return spec
 
 
 def divisors(n: int, scan: int | None = None) -> list[int]:
@@ -341,7 +429,8 @@ def _pick(options: list[tuple[int, _Option]], k: int, M: int) -> tuple[int, _Opt
     """
     best: tuple[float, int, _Option] | None = None
     for z, r in options:
-        cost = r[2] if r[3] >= k else r[2] + M * r[0] if r[4] >= k else None
+        base = r.ar + r.traffic  # ZeRO-3's per-micro-batch gathers count as traffic
+        cost = base if r.d_nr >= k else base + M * r.f if r.d_r >= k else None
         if cost is not None and (best is None or cost < best[0]):
             best = (cost, z, r)
     if best is None:

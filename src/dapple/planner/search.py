@@ -6,7 +6,10 @@ pipeline latency L of that whole plan (equation 2). One step (equation 5) cuts t
 at ``j' > j`` into a new stage ``[j, j')`` on ``m'`` devices placed by each of the three
 policies (section 5.2) and a last stage ``[j', N)`` on the rest. Each state keeps its best
 prefix (memoised search); the answer (equation 4) is the best state. The device set g is
-represented by the per-server occupancy, which the placement policies fully determine.
+represented by the per-server occupancy, which the placement policies fully determine. The
+DP of one M is :class:`dapple.planner.cut_search.CutSearch`; :func:`dapple_search` resolves
+its limits, ranks the M by their seeds (:func:`_rank_micro_batches`), runs the DP for the most
+promising and refines the best plan.
 
 Beyond the paper: the search also chooses M among divisors of the global batch size (at most
 :data:`MAX_MICRO_BATCH_COUNTS` of them, :func:`micro_batch_candidates`, so the work does not
@@ -36,13 +39,14 @@ import math
 from collections.abc import Callable, Sequence
 
 from dapple.core.cluster import Cluster
-from dapple.core.plan import Plan, split_sizes
+from dapple.core.plan import Plan
 from dapple.core.profile import ModelProfile
 from dapple.cost.memory import state_bytes_per_parameter_byte
 from dapple.errors import InfeasibleError, ValidationError
+from dapple.planner.cut_search import CutSearch, Incumbent, candidate_replicas, search_limits
 from dapple.planner.evaluate import Scored, Scorer, StageSpec, divisors
 from dapple.planner.partition import block_partition
-from dapple.planner.placement import POLICIES, place, remaining_devices
+from dapple.planner.widths import width_candidates
 
 __all__ = [
     "DENSE_MICRO_BATCH_COUNTS",
@@ -58,7 +62,6 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 Progress = Callable[[int, int], None]
-_Entry = tuple[float, tuple[StageSpec, ...], tuple[int, ...]]
 
 
 MAX_MICRO_BATCH_COUNTS = 64
@@ -121,52 +124,6 @@ def micro_batch_candidates(
         near = [j for j in (i - 1, i) if 0 <= j < len(rest)]
         picked.add(rest[min(near, key=lambda j: abs(logs[j] - target))])
     return sorted(picked)
-
-
-def candidate_replicas(cluster: Cluster, available: int) -> list[int]:
-    """Replica counts tried for a new stage with ``available`` free devices.
-
-    All of 1..available on up to 32 devices. Beyond (placements by server counts rather than
-    device ids): 1..devices_per_server, then whole servers up to 128 devices, and past that
-    only powers of two and three times powers of two (1, 2, 3, 4, 6, 8, 12, 16, 24, ...).
-    """
-    if cluster.num_devices <= 32:
-        return list(range(1, available + 1))
-    dps = cluster.devices_per_server
-    c = set(range(1, min(dps, available) + 1))
-    if cluster.num_devices <= 128:
-        c.update(k * dps for k in range(1, available // dps + 1))
-    p = 1
-    while p <= available:
-        c.add(p)
-        if 3 * p <= available:
-            c.add(3 * p)
-        p *= 2
-    return sorted(c)
-
-
-def _bound(sc: Scorer, s: int, e: int, r: int, b: int, M: int) -> float:
-    """M (F_s + B_s) of a stage without re-computation: a lower bound on L."""
-    f, bw = sc.fb_ms(s, e, split_sizes(b, r)[0])
-    return M * (f + bw)
-
-
-def _balanced_cut(sc: Scorer, cuts: Sequence[int], ji: int, r1: int, r2: int, b: int) -> int:
-    """Smallest index i > ji into ``cuts`` (below the last) where stage [cuts[ji], cuts[i]) on
-    r1 replicas is at least as slow per micro-batch as [cuts[i], N) on r2: the two-stage
-    balance point."""
-    j = cuts[ji]
-    lo, hi = ji + 1, len(cuts) - 2
-    s1, s2 = -(-b // r1), -(-b // r2)
-    while lo < hi:
-        mid = (lo + hi) // 2
-        f1, b1 = sc.fb_ms(j, cuts[mid], s1)
-        f2, b2 = sc.fb_ms(cuts[mid], sc.N, s2)
-        if f1 + b1 >= f2 + b2:
-            hi = mid
-        else:
-            lo = mid + 1
-    return lo
 
 
 def cut_points(sc: Scorer, limit: int) -> list[int]:
@@ -254,6 +211,7 @@ def dapple_search(
     cut_limit: int = 64,
     progress: Progress | None = None,
     zero_stage: int = 0,
+    tensor_widths: Sequence[int] | None = None,
 ) -> Plan:
     """The DAPPLE plan minimising L (equations 4-5) over partition, replication, placement, M.
 
@@ -266,8 +224,8 @@ def dapple_search(
             None keeps every state; -1 (default) picks None for small instances (N x G <= 128),
             2 beyond 128 devices and 4 otherwise.
         window: try cut points j' within this distance of the two-stage balance point
-            (:func:`_balanced_cut`); None tries every j'; -1 (default) picks None for small
-            instances, 1 beyond 128 devices and 2 otherwise.
+            (:func:`~dapple.planner.cut_search.balanced_cut`); None tries every j'; -1
+            (default) picks None for small instances, 1 beyond 128 devices and 2 otherwise.
         keep: prefixes kept per state (memoised search keeps 1 in the paper); -1 (default)
             picks 64 for small instances and 1 otherwise.
         m_candidates: run the DP for only this many micro-batch counts M, the most promising
@@ -280,111 +238,60 @@ def dapple_search(
         zero_stage: 1: replicated stages shard their optimizer state (ZeRO-1), 2: their
             gradients too (ZeRO-2), in memory and in AR_s;
             :data:`~dapple.planner.evaluate.ZERO_AUTO` (-1): per stage, where memory asks for it (:class:`~dapple.planner.evaluate.Scorer`). The plan records each
-            stage's choice (``StagePlan.zero_stage``).
+            stage's choice (``StagePlan.zero_stage``); 3 (ZeRO-3) re-gathers per
+            micro-batch where memory asks for it (``StagePlan.regather``).
+        tensor_widths: the tensor widths t to search, one search each with every stage of
+            width t (:mod:`dapple.planner.widths`); the best plan over them wins (the
+            narrower on ties). None: :func:`~dapple.planner.widths.width_candidates` (1 alone
+            for a profile with no layer that shards).
 
     Raises:
         InfeasibleError: no plan fits device memory for any M.
     """
-    sc = Scorer(profile, cluster, global_batch_size, zero_stage)
-    N, G = sc.N, sc.G
-    S_max = min(G, N, max_stages or G)
-    small = N * G <= 128
-    huge = G > 128
-    if states_per_layer == -1:
-        states_per_layer = None if small else (2 if huge else 4)
-    if window == -1:
-        window = None if small else (1 if huge else 2)
-    if keep == -1:
-        keep = 64 if small else 1
-    if m_candidates == -1:
-        m_candidates = None if small else 3
-    cuts = cut_points(sc, cut_limit)
-    C = len(cuts)
-    best: tuple[float, list[StageSpec], int, Scored] | None = None
+    widths = width_candidates(profile, cluster) if tensor_widths is None else list(tensor_widths)
     Ms = micro_batch_candidates(global_batch_size)
+    found: list[tuple[float, int, Plan]] = []
+    for i, t in enumerate(widths):
+        sc = Scorer(profile, cluster, global_batch_size, zero_stage, tensor_width=t)
+        limits = search_limits(sc.N, sc.G, max_stages, states_per_layer, window, keep, m_candidates)
+        best = Incumbent()
+        ranked = _rank_micro_batches(sc, Ms, global_batch_size, limits.max_stages, best)
+        if limits.m_candidates is not None:
+            ranked = ranked[: limits.m_candidates]
+        cuts = cut_points(sc, cut_limit)
+        for done, M in enumerate(ranked, 1):
+            CutSearch(sc, sc.cluster, cuts, M, global_batch_size // M, limits, best).run()
+            if progress is not None:
+                progress(i * len(ranked) + done, len(widths) * len(ranked))
+        log.debug("dapple search, width %d: %d candidates scored", t, sc.evaluations)
+        if best.scored is not None:
+            stages, M, scored = _refine(sc, best.stages, best.M, best.scored, Ms)
+            found.append((scored.L_ms, t, sc.build_plan("dapple", stages, M, scored)))
+    if not found:
+        raise InfeasibleError(_infeasible_message(profile, cluster, global_batch_size))
+    return min(found, key=lambda x: (x[0], x[1]))[2]
+
+
+def _rank_micro_batches(
+    sc: Scorer, Ms: Sequence[int], global_batch_size: int, max_stages: int, best: Incumbent
+) -> list[int]:
+    """Score every M's regular candidates (:func:`_seeds`, at most ``max_stages`` stages),
+    offering each that fits to ``best``; the M, most promising (lowest such L) first, so that
+    the incumbent prunes the later ones harder."""
     ranked: list[tuple[float, int]] = []
     for M in Ms:
         m_best = math.inf
         for stages in _seeds(sc, global_batch_size // M):
-            if len(stages) > S_max:
+            if len(stages) > max_stages:
                 continue
             got = sc.score(stages, M)
             if got is not None:
                 m_best = min(m_best, got.L_ms)
-                if best is None or got.L_ms < best[0]:
-                    best = (got.L_ms, stages, M, got)
+                if best.scored is None or got.L_ms < best.L_ms:
+                    best.take(stages, M, got)
         ranked.append((m_best, M))
-    ranked.sort()  # most promising M first: the incumbent then prunes the others harder
-    if m_candidates is not None:
-        ranked = ranked[:m_candidates]
-    all_devices = tuple(range(G))
-    for done, (_, M) in enumerate(ranked, 1):
-        b = global_batch_size // M
-        incumbent = best[0] if best else math.inf
-        # memo[(cut index, sorted occupancy)] = up to `keep` entries (L, prefix stages,
-        # occupancy), best first; an entry's plan is prefix + [j, N) on the other devices
-        # (L = inf when that completion does not fit: the prefix may still fit once [j, N)
-        # is split). Servers are interchangeable, so occupancies equal up to a permutation
-        # of servers share one state.
-        memo: dict[tuple[int, tuple[int, ...]], list[_Entry]] = {}
-        buckets: list[list[tuple[int, tuple[int, ...]]]] = [[] for _ in range(C)]
-        zero = (0,) * cluster.servers
-        first = sc.score([(0, N, all_devices)], M)
-        memo[(0, zero)] = [(first.L_ms if first else math.inf, (), zero)]
-        buckets[0].append((0, zero))
-        for ji in range(C - 2):
-            j = cuts[ji]
-            keys = buckets[ji]
-            if states_per_layer is not None and len(keys) > states_per_layer:
-                keys = sorted(keys, key=lambda k: memo[k][0][0])[:states_per_layer]
-            for key in keys:
-                for _, prefix, occ in memo[key]:
-                    if len(prefix) + 2 > S_max:
-                        continue
-                    if any(_bound(sc, s, e, len(d), b, M) >= incumbent for s, e, d in prefix):
-                        continue
-                    used = sum(occ)
-                    for m1 in candidate_replicas(cluster, G - used - 1):
-                        seen: set[tuple[int, ...]] = set()
-                        lo, hi = ji + 1, C - 2
-                        if window is not None:
-                            mid = _balanced_cut(sc, cuts, ji, m1, G - used - m1, b)
-                            lo, hi = max(lo, mid - window), min(hi, mid + window)
-                        for pol in POLICIES:
-                            placed = place(cluster, occ, m1, pol)
-                            if placed is None or placed[0] in seen:
-                                continue
-                            g1, occ1 = placed
-                            seen.add(g1)
-                            rest = remaining_devices(cluster, occ1)
-                            canon = tuple(sorted(occ1))
-                            for j1i in range(lo, hi + 1):
-                                j1 = cuts[j1i]
-                                if _bound(sc, j, j1, m1, b, M) >= incumbent:
-                                    break
-                                stages = [*prefix, (j, j1, g1), (j1, N, rest)]
-                                got = sc.score(stages, M)
-                                lat = got.L_ms if got is not None else math.inf
-                                k1 = (j1i, canon)
-                                entries = memo.get(k1)
-                                if entries is None:
-                                    entries = memo[k1] = []
-                                    buckets[j1i].append(k1)
-                                if len(entries) < keep or lat < entries[-1][0]:
-                                    entries.append((lat, (*prefix, (j, j1, g1)), occ1))
-                                    entries.sort(key=lambda x: x[0])
-                                    del entries[keep:]
-                                if got is not None and lat < incumbent:
-                                    incumbent = lat
-                                    best = (lat, stages, M, got)
-        if progress is not None:
-            progress(done, len(ranked))
-    log.debug("dapple search: %d candidates scored", sc.evaluations)
-    if best is None:
-        raise InfeasibleError(_infeasible_message(profile, cluster, global_batch_size))
-    _, stages, M, scored = best
-    stages, M, scored = _refine(sc, stages, M, scored, Ms)
-    return sc.build_plan("dapple", stages, M, scored)
+    ranked.sort()
+    return [M for _, M in ranked]
 
 
 def _bytes(n: float) -> str:

@@ -28,7 +28,13 @@ from dapple.errors import ValidationError
 from dapple.models.shapes import DimsMap, run_dims
 from dapple.models.workload import Workload
 
-__all__ = ["check_seq_lens", "combine_lengths", "resize_inputs", "workload_at_length"]
+__all__ = [
+    "check_seq_lens",
+    "combine_lengths",
+    "length_passes",
+    "resize_inputs",
+    "workload_at_length",
+]
 
 
 def check_seq_lens(
@@ -151,3 +157,28 @@ def combine_lengths(profiles: Sequence[tuple[int, ModelProfile]]) -> ModelProfil
         seq_len=last.seq_len,
         by_length=by_length,
     )
+
+
+Progress = Callable[[int, int, str], None]
+"""``progress(done, total, description)`` (:data:`dapple.profiler.measure.ProgressFn`)."""
+
+
+def length_passes(
+    progress: Progress | None, lens: Sequence[int]
+) -> list[tuple[int, Progress | None]]:
+    """Each length with the ``progress`` of its pass: one equal pass per length, in order, the
+    ``k``-th reporting ``k * total + done`` of ``K * total`` with ``L=<length>`` before its
+    description (None without ``progress``)."""
+    return [(L, _offset(progress, k, len(lens), f"L={L} ")) for k, L in enumerate(lens)]
+
+
+def _offset(progress: Progress | None, k: int, K: int, prefix: str) -> Progress | None:
+    """``progress`` for the ``k``-th of ``K`` equal passes (one per length)."""
+    if progress is None:
+        return None
+    call = progress
+
+    def step(done: int, total: int, desc: str) -> None:
+        call(k * total + done, K * total, prefix + desc)
+
+    return step

@@ -24,7 +24,6 @@ import contextlib
 import dataclasses
 import gc
 import logging
-import multiprocessing as mp
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -44,7 +43,13 @@ from dapple.core.profile import (
 from dapple.errors import ValidationError
 from dapple.models.split_backward import input_gradients, weight_gradients
 from dapple.models.workload import Workload
-from dapple.profiler.lengths import check_seq_lens, combine_lengths, workload_at_length
+from dapple.profiler.co_workers import Cast, CoWorkers
+from dapple.profiler.lengths import (
+    check_seq_lens,
+    combine_lengths,
+    length_passes,
+    workload_at_length,
+)
 
 __all__ = ["ProgressFn", "profile_workload", "resolve_device", "tied_layer_bytes"]
 
@@ -128,9 +133,6 @@ class _Timer:
 
 _AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 """Autocast dtype of each low precision (as :data:`dapple.runtime.precision.AUTOCAST_DTYPES`)."""
-
-Cast = Callable[[], contextlib.AbstractContextManager[Any]]
-"""A fresh autocast context for one forward (or a null context in fp32)."""
 
 
 def _autocast(precision: str, dev: torch.device) -> Cast:
@@ -350,6 +352,56 @@ def profile_workload(
         ValidationError: bad batch sizes, repeats, device or precision, or CUDA unavailable;
             lengths on a model without a dynamic dimension or outside its range.
     """
+    sizes, dev = _check_options(batch_sizes, warmup, repeats, device, precision, num_threads,
+                                co_workers)  # fmt: skip
+    lens = sorted(set(seq_lens)) if seq_lens is not None else None
+    dims = check_seq_lens(workload, lens, sizes[0], seed) if lens is not None else {}
+    shared = co_workers > 1 and dev.type == "cpu"
+    old_threads = torch.get_num_threads()
+    if num_threads is not None and dev.type == "cpu":
+        torch.set_num_threads(num_threads)
+    cast = _autocast(precision, dev)
+    load = (
+        CoWorkers(workload, co_workers - 1, sizes[len(sizes) // 2], seed, cast) if shared else None
+    )
+    try:
+        run = partial(_profile, sizes=sizes, dev=dev, warmup=warmup, repeats=repeats, seed=seed,
+                      cpu_time=shared, precision=precision, split_backward=split_backward)  # fmt: skip
+        if lens is None:
+            prof = run(workload, progress=progress)
+        else:
+            prof = combine_lengths(
+                [
+                    (L, run(workload_at_length(workload, dims, L), progress=step))
+                    for L, step in length_passes(progress, lens)
+                ]
+            )
+    finally:
+        torch.set_num_threads(old_threads)
+        if load is not None:
+            load.stop()
+    if shared:
+        prof = dataclasses.replace(prof, device=f"cpu (CPU time, {co_workers} co-workers)")
+    return prof
+
+
+def _check_options(
+    batch_sizes: Sequence[int],
+    warmup: int,
+    repeats: int,
+    device: str,
+    precision: str,
+    num_threads: int | None,
+    co_workers: int,
+) -> tuple[list[int], torch.device]:
+    """:func:`profile_workload`'s options checked, in this order: the distinct batch sizes,
+    sorted, and the device.
+
+    Raises:
+        ValidationError: batch sizes that are not positive integers, ``repeats < 1`` or
+            ``warmup < 0``, a bad device or precision (or CUDA unavailable), ``num_threads <
+            1`` or ``co_workers`` not an integer >= 1.
+    """
     sizes = sorted(set(batch_sizes))
     if not sizes or any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in sizes):
         raise ValidationError(f"batch sizes must be positive integers, got {list(batch_sizes)}")
@@ -361,134 +413,7 @@ def profile_workload(
         raise ValidationError(f"num_threads must be >= 1, got {num_threads}")
     if not isinstance(co_workers, int) or co_workers < 1:
         raise ValidationError(f"co_workers must be an integer >= 1, got {co_workers!r}")
-    lens = sorted(set(seq_lens)) if seq_lens is not None else None
-    dims = check_seq_lens(workload, lens, sizes[0], seed) if lens is not None else {}
-    shared = co_workers > 1 and dev.type == "cpu"
-    old_threads = torch.get_num_threads()
-    if num_threads is not None and dev.type == "cpu":
-        torch.set_num_threads(num_threads)
-    load = (
-        _CoWorkers(
-            workload, co_workers - 1, sizes[len(sizes) // 2], seed, _autocast(precision, dev)
-        )
-        if shared
-        else None
-    )
-    try:
-        if lens is None:
-            prof = _profile(
-                workload,
-                sizes,
-                dev,
-                warmup,
-                repeats,
-                progress,
-                seed,
-                shared,
-                precision,
-                split_backward,
-            )
-        else:
-            per_length = []
-            for k, L in enumerate(lens):
-                step = _offset(progress, k, len(lens), f"L={L} ")
-                wl = workload_at_length(workload, dims, L)
-                per_length.append(
-                    (
-                        L,
-                        _profile(
-                            wl,
-                            sizes,
-                            dev,
-                            warmup,
-                            repeats,
-                            step,
-                            seed,
-                            shared,
-                            precision,
-                            split_backward,
-                        ),
-                    )
-                )
-            prof = combine_lengths(per_length)
-    finally:
-        torch.set_num_threads(old_threads)
-        if load is not None:
-            load.stop()
-    if shared:
-        prof = dataclasses.replace(prof, device=f"cpu (CPU time, {co_workers} co-workers)")
-    return prof
-
-
-def _offset(progress: ProgressFn | None, k: int, K: int, prefix: str) -> ProgressFn | None:
-    """``progress`` for the ``k``-th of ``K`` equal passes (one per length)."""
-    if progress is None:
-        return None
-    call = progress
-
-    def step(done: int, total: int, desc: str) -> None:
-        call(k * total + done, K * total, prefix + desc)
-
-    return step
-
-
-class _CoWorkers:
-    """``n`` forked processes training ``workload`` at batch ``b`` until :meth:`stop`."""
-
-    def __init__(
-        self, workload: Workload, n: int, b: int, seed: int, cast: Cast = contextlib.nullcontext
-    ) -> None:
-        ctx = mp.get_context("fork")  # the workload's factories need not pickle
-        self._stop = ctx.Event()
-        self._ready = ctx.Barrier(n + 1)
-        threads = torch.get_num_threads()
-        self._procs = [
-            ctx.Process(
-                target=_train_loop,
-                args=(workload, b, seed, threads, self._stop, self._ready, cast),
-                daemon=True,
-            )
-            for _ in range(n)
-        ]
-        for p in self._procs:
-            p.start()
-        self._ready.wait(timeout=120)  # every co-worker built its layers and is computing
-
-    def stop(self) -> None:
-        self._stop.set()
-        for p in self._procs:
-            p.join(timeout=30)
-            if p.is_alive():  # pragma: no cover - a stuck co-worker
-                p.kill()
-
-
-def _train_loop(
-    workload: Workload,
-    b: int,
-    seed: int,
-    threads: int,
-    stop: Any,
-    ready: Any,
-    cast: Cast = contextlib.nullcontext,
-) -> None:
-    """A co-worker: forward (under ``cast``) + backward of the whole chain at batch ``b`` until
-    ``stop``."""
-    torch.set_num_threads(threads)
-    layers = [workload.build_layer(i, seed).train() for i in range(workload.num_layers)]
-    inputs, targets = workload.make_batch(b, seed)
-    ready.wait(timeout=120)
-    while not stop.is_set():
-        x = inputs
-        with cast():
-            for layer in layers:
-                x = layer(x)
-        loss = workload.loss_fn(
-            _map(x, lambda t: t.float() if t.is_floating_point() else t), targets
-        )
-        if loss.requires_grad:
-            loss.backward()  # type: ignore[no-untyped-call]
-        for layer in layers:
-            layer.zero_grad(set_to_none=True)
+    return sizes, dev
 
 
 def _profile(

@@ -8,16 +8,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from dapple.errors import ValidationError
-from dapple.runtime.optim_config import check_optim
+from dapple.runtime.optim_config import OPTIMIZER_STATE_FACTOR, OPTIMIZERS, check_optim
 
 __all__ = ["OPTIMIZERS", "OPTIMIZER_STATE_FACTOR", "PRECISIONS", "StepMetrics", "TrainConfig"]
-
-OPTIMIZERS = ("sgd", "adam", "adamw")
-
-OPTIMIZER_STATE_FACTOR = {"sgd": 1.0, "adam": 3.0, "adamw": 3.0}
-"""Bytes of gradients and optimizer state per parameter byte: SGD keeps the gradient (plus a
-momentum buffer when ``momentum > 0``, not counted here), Adam and AdamW the gradient and two
-moments (the profile's ``optimizer_state_factor`` for the planner)."""
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 """``TrainConfig.precision`` values (see :mod:`dapple.runtime.precision`)."""
@@ -62,7 +55,9 @@ class TrainConfig:
     save_every: int = 0
     """Save after every N completed steps (0: never save)."""
     keep: int | None = None
-    """Keep only the K newest complete checkpoints (None: keep all)."""
+    """Keep only the K newest complete checkpoints (None: keep all). ``dapple train``, a run
+    file and :func:`dapple.api.train` keep 3 unless told (:class:`~dapple.runtime.run_config.
+    RunOptions`)."""
     resume: bool = False
     """Continue from the newest complete checkpoint in ``checkpoint_dir``, saved under any plan."""
     overwrite_checkpoints: bool = False
@@ -76,7 +71,8 @@ class TrainConfig:
     """Evaluate after every N steps and after the last one (0: never): the mean loss over
     ``eval_batches`` fixed global batches, forward only through the pipeline."""
     eval_batches: int = 4
-    """K, the global batches of each evaluation."""
+    """K, the global batches of each evaluation (the front doors: as many as the evaluation
+    data holds when fewer, :func:`~dapple.runtime.run_config.resolve_eval`)."""
     eval_batch_size: int | None = None
     """Samples per eval batch (None: the plan's global batch G). Another size runs the same
     stages and replicas with the micro-batching of :func:`dapple.runtime.evaluate.eval_plan`."""
@@ -148,7 +144,9 @@ def _check_long_run(c: TrainConfig) -> None:
     if (c.save_every > 0 or c.resume) and c.checkpoint_dir is None:
         raise ValidationError("save_every and resume need a checkpoint_dir")
     if c.resume and c.overwrite_checkpoints:
-        raise ValidationError("resume keeps the checkpoints, overwrite_checkpoints deletes them")
+        raise ValidationError(
+            "resume keeps the checkpoints, overwrite_checkpoints deletes them: give one"
+        )
 
 
 def _check_reporting(c: TrainConfig) -> None:

@@ -119,7 +119,8 @@ class Replan:
 @dataclass(frozen=True, slots=True)
 class ElasticResult:
     """What an elastic run did: rank 0's metrics of every attempt, in order (steps re-run after
-    a re-plan appear again), and its re-plans."""
+    a re-plan appear again; those after re-plan k carry ``extra["replan"] = k`` and
+    ``extra["replication"]``), and its re-plans."""
 
     metrics: list[StepMetrics]
     replans: tuple[Replan, ...]
@@ -290,7 +291,7 @@ def train_elastic(
                 plan, devices = rep.new, left[: len(rep.new.devices)]
                 _show_devices(devices)
                 options = {**options, "resume": True, "overwrite_checkpoints": False}
-        records, _ = metrics_lines(metrics_path)
+        records = _tagged_steps(metrics_path)
     return ElasticResult([metrics_from_dict(d) for d in records], tuple(replans), plan)
 
 
@@ -321,6 +322,24 @@ def _show_devices(devices: list[str]) -> None:
 
     if torch.cuda.is_available() or "CUDA_VISIBLE_DEVICES" in os.environ:
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(devices)
+
+
+def _tagged_steps(path: str | Path) -> list[dict[str, Any]]:
+    """The step records of an elastic run's metrics file; those after re-plan k (1, 2...)
+    carry ``extra["replan"] = k`` and the replication they ran under."""
+    out, k, replication = [], 0, ""
+    for line in Path(path).read_text().splitlines():
+        if not line.strip():
+            continue
+        d = json.loads(line)
+        if "event" in d:
+            k, replication = k + 1, Plan.from_dict(d["new_plan"]).replication
+        elif k:
+            out.append({**d, "extra": {**d.get("extra", {}), "replan": k,
+                                       "replication": replication}})  # fmt: skip
+        else:
+            out.append(d)
+    return out
 
 
 def metrics_lines(path: str | Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:

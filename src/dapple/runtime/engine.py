@@ -41,40 +41,47 @@ from torch.utils.data import Dataset
 
 from dapple.core.plan import Plan
 from dapple.errors import ValidationError
-from dapple.models.shapes import (
-    DimsMap,
-    InputShape,
-    check_batch,
-    input_shapes,
-    run_dims,
-)
+from dapple.models.shapes import input_shapes
 from dapple.models.split_backward import require_split_backward
 from dapple.models.workload import Workload
-from dapple.runtime.chunks import Executor, RankChunks
+from dapple.runtime.chunks import Executor
 from dapple.runtime.config import StepMetrics, TrainConfig
-from dapple.runtime.data import (
-    RankData,
-    check_data,
-    data_dims,
-    data_state,
-    fit_data,
-    fit_workload,
-    sample_row,
-)
+from dapple.runtime.data import RankData, check_data, data_state, fit_data, fit_workload
 from dapple.runtime.evaluate import Evaluation, eval_batch_fn, eval_plan
 from dapple.runtime.failure import RankFailure, describe_rank, short_error
 from dapple.runtime.interpreter import ProgramInterpreter
 from dapple.runtime.longrun import LongRun, first_attempt
 from dapple.runtime.memory import ActivationMeter
 from dapple.runtime.metrics import MetricsSink, StepProbe, announce, resident_bytes
-from dapple.runtime.optim import ModelUpdate, counted_parameters, make_optimizer
+from dapple.runtime.optim import ModelUpdate, make_optimizer
 from dapple.runtime.precision import Precision
+from dapple.runtime.rank import (
+    Batches,
+    ExecutorFactory,
+    StageLayers,
+    batch_dims,
+    build_layers,
+    build_optimizer,
+    build_shards,
+    cut_layers,
+    first_batch,
+    norm_parameters,
+    probe_boundaries,
+    select_zero,
+)
 from dapple.runtime.reporting import open_reporters, target_tokens
-from dapple.runtime.stage import StageExecutor
+from dapple.runtime.stage_mesh import (
+    StageMesh,
+    check_mesh_run,
+    make_groups,
+    tensor_programs,
+    whole_layers,
+    whole_observer,
+)
 from dapple.runtime.sync import GradientSync
-from dapple.runtime.transport import flatten, infer_boundary_specs
-from dapple.runtime.zero import FlatShards, flat_parameters, tied_parameters, unsharded_stages
+from dapple.runtime.zero import FlatShards, unsharded_stages
 from dapple.schedule.lower import lower, plan_compute_order
+from dapple.schedule.registry import get_schedule
 
 __all__ = [
     "FAIL_RANK_ENV",
@@ -111,6 +118,8 @@ class StageRun:
     ) -> None:
         self.stage, self.replica, self.module, self.metrics = stage, replica, module, metrics
         self.optimizer = optimizer
+        self.whole: dict[int, dict[str, torch.Tensor]] | None = None
+        """A cut stage's final weights whole by layer (only with ``on_update``)."""
 
 
 def validate_run(
@@ -123,8 +132,8 @@ def validate_run(
     Raises:
         ValidationError: the plan does not fit the workload or the process group.
     """
-    if plan.schedule == "zbh1":
-        require_split_backward()
+    if get_schedule(plan.schedule).split_backward:
+        require_split_backward(plan.schedule)
     plan_compute_order(plan)  # e.g. interleaved: M a multiple of the device groups
     if plan.virtual_stages > 1 and plan.num_groups == 1:
         raise ValidationError(
@@ -170,9 +179,10 @@ def run_plan(
         data: training samples ``(inputs, targets)`` (e.g. a
             :class:`~dapple.datasets.TokenFile`); None: ``workload.make_batch``.
         eval_data: the eval batches when ``config.eval_every > 0``: a map-style dataset of
-            samples (each rank reads its rows of the fixed batches ``_Rank.eval_batch``), a
-            callable ``k -> (inputs, targets)`` of global batches, or None:
-            ``workload.make_batch`` (see :mod:`dapple.runtime.evaluate`).
+            samples (each rank reads its rows of the fixed batches,
+            :meth:`~dapple.runtime.rank.Batches.eval_batch`), a callable ``k -> (inputs,
+            targets)`` of global batches, or None: ``workload.make_batch`` (see
+            :mod:`dapple.runtime.evaluate`).
         on_update: called on every rank that updates parameters, at each ``OPT`` before the
             update, with the step, the rank's layers and what its optimizer updates as
             ``(parameter, stage parameter it is part of, offset in that one flattened)``
@@ -186,6 +196,7 @@ def run_plan(
     rank, world = dist.get_rank(), dist.get_world_size()
     workload = fit_workload(workload, data)  # documents: their loss and dynamic length
     validate_run(plan, workload, world, exact=exact_world, zero_stage=config.zero_stage)
+    check_mesh_run(plan, workload, config)
     G = plan.global_batch_size
     ev_plan = eval_plan(plan, config.eval_batch_size)  # plan itself unless G_e != G
     G_e = ev_plan.global_batch_size
@@ -198,13 +209,13 @@ def run_plan(
         fit_data(workload, eval_set, config.seed),
     )
     r = _setup(plan, workload, config, device, rank, world, data, eval_set, ev_plan)
-    if on_update is not None and r.module is not None:
-        r.update.observer = _observer(r, on_update)
+    if on_update is not None and r.layers.module is not None:
+        r.update.observer = _observer(r, on_update, plan, rank)
     if eval_set is not None and evaluates:
-        batch_fn = r.eval_batch  # this rank's rows of the fixed batches, read from the dataset
-    evaluation = Evaluation(ev_plan, rank, executor=r.eval_executor, module=r.module, device=device,
-                            batch=batch_fn, batches=config.eval_batches, every=config.eval_every,
-                            steps=config.steps)  # fmt: skip
+        batch_fn = r.batches.eval_batch  # this rank's rows of the fixed batches, from the dataset
+    evaluation = Evaluation(ev_plan, rank, executor=r.eval_executor, module=r.layers.module,
+                            device=device, batch=batch_fn, batches=config.eval_batches,
+                            every=config.eval_every, steps=config.steps)  # fmt: skip
     reporters = open_reporters(config, rank=rank, start=r.start)
     callbacks: list[Callable[[StepMetrics], None]] = [*reporters]
     if on_step is not None:
@@ -216,7 +227,7 @@ def run_plan(
         announce(f"start-up: first step (step {r.start})", config.echo)
     try:
         for step in range(r.start, config.steps):
-            inputs, targets = r.batch(step)
+            inputs, targets = r.batches.batch(step)
             r.probe.begin(inputs, targets)
             rows = r.interpreter.run_step(step, inputs, targets)
             eval_loss = _evaluate(evaluation, step, r.probe)
@@ -229,24 +240,35 @@ def run_plan(
         for reporter in reporters:
             reporter.close()
         sink.close()
-        r.data.close()
+        r.batches.feed.close()
         if r.interpreter.shards is not None:
             r.interpreter.shards.close(clean=clean)
         if not clean:  # peers may be gone: drop the hooks, wait for nothing
             r.sync.close(clean=False)
+    layers = r.layers
+    whole = None  # a cut stage's final weights whole (for dapple verify): gathered in its groups
+    if on_update is not None and r.mesh.cut and layers.module is not None:
+        whole = whole_layers(r.mesh, layers.module, plan.layers_of_device(rank), grads=False)
     _teardown(r.sync, plan, rank)
-    return StageRun(r.stage, r.replica, r.module, sink.metrics, r.interpreter.optimizer)
+    run = StageRun(
+        layers.stage, layers.replica, layers.module, sink.metrics, r.interpreter.optimizer
+    )
+    run.whole = whole
+    return run
 
 
-def _observer(r: _Rank, on_update: UpdateObserver) -> Callable[[int], None]:
-    """``on_update`` bound to this rank's layers and updated parameters."""
+def _observer(r: _Rank, on_update: UpdateObserver, plan: Plan, rank: int) -> Callable[[int], None]:
+    """``on_update`` bound to this rank's layers and updated parameters (a cut stage's whole,
+    :func:`~dapple.runtime.stage_mesh.whole_observer`)."""
+    if r.mesh.cut and r.layers.module is not None:
+        return whole_observer(r.mesh, r.layers.module, plan.layers_of_device(rank), on_update)
     shards = r.interpreter.shards
     pieces: list[tuple[torch.Tensor, torch.Tensor, int]] = (
         [(pc.param, pc.origin, pc.offset) for pc in shards.pieces] if shards else []
     )
     sharded = {id(p) for p, _, _ in pieces}
     held = pieces + [(p, p, 0) for p in r.update.params if id(p) not in sharded]
-    module = r.module
+    module = r.layers.module
     assert module is not None
     return lambda step: on_update(step, module, held)
 
@@ -261,55 +283,31 @@ def _evaluate(evaluation: Evaluation, step: int, probe: StepProbe) -> float | No
     return loss
 
 
-@dataclass
+@dataclass(frozen=True)
 class _Rank:
-    """One rank's part of a run, as :func:`_setup` builds it."""
+    """One rank's part of a run, as :func:`_setup` builds it (:mod:`dapple.runtime.rank`)."""
 
-    stage: int | None
-    replica: int | None
-    module: nn.Module | None
+    layers: StageLayers
+    """Its stage, replica and layers."""
+    batches: Batches
+    """Each step's global batch and the evaluation batches."""
     sync: GradientSync
-    longrun: LongRun
-    probe: StepProbe
-    interpreter: ProgramInterpreter
+    """Its process groups and end-of-step gradient reductions."""
     update: ModelUpdate
-    start: int
-    """The first step to run (after a resume: the checkpoint's step)."""
-    workload: Workload
-    config: TrainConfig
-    global_batch_size: int
-    first_batch: tuple[Any, torch.Tensor]
-    data: RankData
-    """The run's dataset batches (training and evaluation), when it has datasets."""
-    shapes: tuple[InputShape, ...]
-    """The first batch's input shapes (what :func:`check_batch` compares a step's with)."""
-    dims: DimsMap
-    """The run's dynamic input dimensions (declared and found); empty: static shapes."""
+    """What ``OPT`` updates (ZeRO: this replica's pieces) and the gradient norm counts."""
+    interpreter: ProgramInterpreter
+    """Runs a step of its lowered program (its optimizer and ZeRO shards with it)."""
+    probe: StepProbe
+    """Times a step and meters its memory."""
     eval_executor: Executor | None
     """The executor evaluation runs: the training one, or one over the same layers for an
     eval batch size of its own (:func:`dapple.runtime.evaluate.eval_plan`)."""
-
-    def batch(self, step: int) -> tuple[Any, torch.Tensor]:
-        """Step ``step``'s global batch: ``make_batch(G, seed + step)``, or the data's.
-
-        Raises:
-            ValidationError: its inputs do not fit the model (:func:`check_batch`), before
-                the step computes anything.
-        """
-        if self.data.source is not None:
-            batch = self.data.batch(step)
-            if self.dims:
-                check_batch(self.shapes, self.dims, batch[0], where=f"step {step}")
-            return batch
-        if step == 0:
-            return self.first_batch
-        batch = self.workload.make_batch(self.global_batch_size, self.config.seed + step)
-        check_batch(self.shapes, self.dims, batch[0], where=f"step {step}")
-        return batch
-
-    def eval_batch(self, k: int) -> tuple[Any, torch.Tensor]:
-        """Evaluation batch ``k`` of ``eval_data``: samples ``[k*G, (k+1)*G)`` in order."""
-        return self.data.eval_batch(k)
+    longrun: LongRun
+    """Checkpoints and the non-finite guard between steps."""
+    start: int
+    """The first step to run (after a resume: the checkpoint's step)."""
+    mesh: StageMesh
+    """How its stage is cut over a tensor group and sharded over replicas (t_s > 1, ZeRO-3)."""
 
 
 def _setup(
@@ -325,99 +323,84 @@ def _setup(
 ) -> _Rank:
     """Build one rank's stage, groups, optimizer, executor and interpreter; resume if asked.
 
-    Collective: every rank, in the same order (the groups of :class:`GradientSync`).
+    Collective: every rank, in the same order (the boundary probe, the groups of
+    :class:`GradientSync`, ZeRO's shards).
     """
     baseline = resident_bytes(device, peak=False)  # before this rank builds anything
-    G = plan.global_batch_size
-    s, j = plan.stage_of_device(rank) if rank in plan.devices else (None, None)
-    if data is None:
-        inputs, targets = workload.make_batch(G, config.seed)
-    else:  # one real sample: the boundary specs
-        inputs, targets = sample_row(data)
-    rows = {int(t.shape[0]) for t in (*flatten(inputs), targets)}
-    if data is None and rows != {G}:
-        raise ValidationError(
-            f"workload {workload.name!r}: make_batch({G}) returned {sorted(rows)} rows, expected {G}"
-        )
-    module: nn.Module | None = None
-    chunks: dict[int, nn.Sequential] = {}  # stage -> its layers (several with v > 1)
-    if s is not None:
-        if j == 0:  # one line per stage (device group): its first replica's
-            announce(f"start-up: building {stages_text(plan, rank)}", config.echo)
-        for k in plan.stages_of_device(rank):
-            chunks[k] = workload.build_stage(*plan.stages[k].layers, config.seed).to(device)
-        module = chunks[s] if len(chunks) == 1 else nn.Sequential(*_layers_of(chunks))
-        module.train()
-    if data is None:  # the declared dynamic dimensions and those that vary between draws
-        dims: DimsMap = run_dims(workload, G, config.seed)
-    else:  # the declared ones (padded documents declare their length)
-        dims = data_dims(workload)
-    sample = tuple(t[:1] for t in flatten(inputs))
+    G, echo = plan.global_batch_size, config.echo
+    inputs, targets = first_batch(workload, G, config.seed, data)
+    if rank in plan.devices and plan.stage_of_device(rank)[1] == 0:
+        announce(f"start-up: building {stages_text(plan, rank)}", echo)  # one line per stage
+    layers = build_layers(plan, workload, config.seed, device, rank)
+    dims = batch_dims(workload, G, config.seed, data)
     precision = Precision(config.precision, device)
     if rank == 0:
-        announce("start-up: probing the stage boundaries", config.echo)
-    with precision.autocast():  # boundary buffers get the dtype autocast produces
-        specs = infer_boundary_specs(
-            plan, rank, chunks, sample if isinstance(inputs, (tuple, list)) else sample[0], device
-        )
+        announce("start-up: probing the stage boundaries", echo)
+    specs = probe_boundaries(plan, rank, layers, inputs, device, precision)
     if rank == 0:
-        _announce_weights(plan, workload, config.echo)
-        announce("start-up: process groups and optimizer", config.echo)
-    zero = _zero_stage(plan, config, rank, s)
-    flat = flat_parameters(plan, workload, s, module) if zero and module and s is not None else []
-    flat_ids = frozenset(id(p) for p in flat)
-    tied = tied_parameters(plan, workload, s, module) if zero and module and s is not None else []
-    sharded = flat_ids | {id(p) for p in tied}
-    sync = GradientSync(plan, workload, rank, module, s, exclude=flat_ids)  # creates the groups
+        _announce_weights(plan, workload, echo)
+        announce("start-up: process groups and optimizer", echo)
+    groups = make_groups(plan)  # replica groups per tensor index, tensor groups: collective
+    layers, mesh = cut_layers(plan, workload, layers, groups, rank, device)
+    zero = select_zero(plan, workload, layers, _zero_stage(plan, config, rank, layers.stage))
+    fsdp = frozenset(id(p) for p in mesh.fsdp.parameters()) if mesh.fsdp is not None else None
+    sync = GradientSync(plan, workload, rank, layers.module, layers.stage,
+                        exclude=zero.flat_ids | (fsdp or frozenset()), stage_pg=groups.replica,
+                        tensor_index=mesh.tensor_rank, extra_pg=list(groups.tensor.values()))  # fmt: skip
     torch.manual_seed(config.seed * 7919 + rank)  # random ops other than the keyed sites
-    params = list(module.parameters()) if module is not None else []
-    shards = None
-    if (flat or tied) and module is not None and s is not None and j is not None:
-        held = [list(chunks[k].parameters()) for k in sorted(chunks)] if len(chunks) > 1 else []
-        shards = FlatShards(plan, s, j, module, flat, sync.pg, zero, tied=tied, chunks=held)
-    # the optimizer's parameters: this replica's pieces of the sharded ones and the others whole
-    updated = [p for p in params if id(p) not in sharded]
-    if shards is not None:
-        updated = [pc.param for pc in shards.pieces] + updated
-    like = {id(pc.param): pc.origin for pc in shards.pieces} if shards is not None else {}
-    opt = make_optimizer(config, updated, like) if updated else None
+    params = list(layers.module.parameters()) if layers.module is not None else []
+    shards = build_shards(plan, layers, zero, sync.pg)
+    updated, opt = build_optimizer(config, params, zero.sharded, shards)
     meter = ActivationMeter(exclude=params)
-
-    def executor(run: Plan, training: bool) -> Executor | None:
-        """This rank's executor of ``run``: one per chunk it holds."""
-        if j is None:
-            return None
-        exs = []
-        for k, mod in chunks.items():
-            recompute = training and (config.recompute or run.stages[k].recompute)
-            exs.append(StageExecutor(run, k, j, mod, specs, workload.loss_fn, device, recompute,
-                                     meter, precision, dynamic=bool(dims), seed=config.seed))  # fmt: skip
-        return exs[0] if len(exs) == 1 else RankChunks(exs)
-
+    executor = ExecutorFactory(layers, specs, workload.loss_fn, device, config.recompute, meter,
+                               precision, dynamic=bool(dims), seed=config.seed,
+                               mesh=mesh)  # fmt: skip
     ex = executor(plan, True)
-    longrun = LongRun(plan, workload, config, rank=rank, world=world, stage=s, replica=j,
-                      module=module, optimizer=opt, device=device, precision=precision,
-                      shards=shards)  # fmt: skip
-    longrun.data_state = data_state(data, config.seed, G)
+    longrun = _long_run(plan, workload, config, rank, world, layers, opt, device, precision,
+                        shards, data)  # fmt: skip
     start = longrun.resume()
-    step_probe = StepProbe(device, meter, ex, baseline)
-    counted = [p for p in counted_parameters(plan, workload, s, j, module) if id(p) not in sharded]
-    if shards is not None:  # every replica counts its pieces of what its stage counts
-        counted = shards.counted(counted_parameters(plan, workload, s, 0, module)) + counted
+    probe = StepProbe(device, meter, ex, baseline)
+    counted = norm_parameters(plan, workload, layers, zero.sharded, shards, mesh)
     update = ModelUpdate(config, opt, updated, counted, device)
-    interpreter = ProgramInterpreter(plan, lower(plan), rank, executor=ex, sync=sync,
-                                     longrun=longrun, optimizer=opt, params=params,
-                                     probe=step_probe, update=update,
-                                     precision=precision, shards=shards)  # fmt: skip
-    if first_attempt() and int(os.environ.get(FAIL_RANK_ENV, "-1")) == rank:
-        interpreter.die_mid_step(int(os.environ.get(FAIL_STEP_ENV, "-1")))
+    interpreter = ProgramInterpreter(plan, tensor_programs(plan, lower(plan)), rank, executor=ex, sync=sync,
+                                     longrun=longrun, optimizer=opt, params=params, probe=probe,
+                                     update=update, precision=precision, shards=shards)  # fmt: skip
+    _inject_failure(interpreter, rank)
     ev_plan = ev_plan or plan
     ev_ex = ex if ev_plan is plan else executor(ev_plan, False)
     feed = RankData(plan, rank, config.seed, data, eval_data, stop=config.steps,
                     prefetch=device.type != "cpu", eval_plan=ev_plan)  # fmt: skip
-    return _Rank(s, j, module, sync, longrun, step_probe, interpreter, update, start, workload,
-                 config, G, (inputs, targets), feed, input_shapes(inputs), dims,
-                 ev_ex)  # fmt: skip
+    batches = Batches(workload, config.seed, G, (inputs, targets), feed, input_shapes(inputs), dims)
+    return _Rank(layers, batches, sync, update, interpreter, probe, ev_ex, longrun, start, mesh)
+
+
+def _long_run(
+    plan: Plan,
+    workload: Workload,
+    config: TrainConfig,
+    rank: int,
+    world: int,
+    layers: StageLayers,
+    optimizer: torch.optim.Optimizer | None,
+    device: torch.device,
+    precision: Precision,
+    shards: FlatShards | None,
+    data: Dataset[Any] | None,
+) -> LongRun:
+    """The rank's checkpoints and non-finite guard (:class:`LongRun`), recording the training
+    data's sampler state in its checkpoints."""
+    longrun = LongRun(plan, workload, config, rank=rank, world=world, stage=layers.stage,
+                      replica=layers.replica, module=layers.module, optimizer=optimizer,
+                      device=device, precision=precision, shards=shards)  # fmt: skip
+    longrun.data_state = data_state(data, config.seed, plan.global_batch_size)
+    return longrun
+
+
+def _inject_failure(interpreter: ProgramInterpreter, rank: int) -> None:
+    """Test hook: rank ``$DAPPLE_TEST_FAIL_RANK`` dies mid-step at step
+    ``$DAPPLE_TEST_FAIL_STEP``, on a run's first attempt only."""
+    if first_attempt() and int(os.environ.get(FAIL_RANK_ENV, "-1")) == rank:
+        interpreter.die_mid_step(int(os.environ.get(FAIL_STEP_ENV, "-1")))
 
 
 def _layers_text(layers: tuple[int, int]) -> str:
@@ -448,11 +431,6 @@ def _announce_weights(plan: Plan, workload: Workload, echo: bool) -> None:
     source = per_stage[0][0]
     counts = ", ".join(f"stage {k} {n}" for k, (_, n) in enumerate(per_stage))
     announce(f"weights loaded: {source}: tensors per stage: {counts}", echo)
-
-
-def _layers_of(chunks: dict[int, nn.Sequential]) -> list[nn.Module]:
-    """The layers of a rank's chunks, stage by stage (:meth:`Plan.layers_of_device`'s order)."""
-    return [layer for k in sorted(chunks) for layer in chunks[k]]
 
 
 def _zero_stage(plan: Plan, config: TrainConfig, rank: int, s: int | None) -> int:

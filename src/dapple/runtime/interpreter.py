@@ -256,7 +256,9 @@ class ProgramInterpreter:
     def _meet(self, step: int) -> tuple[str | None, list[list[float]]]:
         """The step point: every rank's verdict and measurements in one world collective."""
         self._at = "the step's collective (non-finite check and metrics, all ranks)"
-        loss_part = self.ex.loss_sum if self.ex is not None else 0.0
+        # the loss once per tensor group: its ranks all compute the same one
+        counts = self.ex is not None and getattr(self.ex, "tensor_rank", 0) == 0
+        loss_part = self.ex.loss_sum if counts and self.ex is not None else 0.0
         peak = float(self.probe.peak_bytes())
         resident = float(self.probe.resident_peak_bytes())
         extra = (loss_part, peak, resident, float(self.probe.baseline_bytes))

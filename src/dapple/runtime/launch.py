@@ -331,8 +331,11 @@ def train(
     if elastic is not None and not _under_torchrun():
         from dapple.runtime.elastic import train_elastic
 
+        first = [early]  # workers started early serve the first attempt only
+
         def attempt(p: Plan, **opts: Any) -> None:
-            train(p, workload, steps, data=data, eval_data=eval_data, early=early, **opts)
+            ready, first[0] = first[0], None
+            train(p, workload, steps, data=data, eval_data=eval_data, early=ready, **opts)
 
         return train_elastic(plan, steps, attempt, policy=elastic, **options).metrics
     if elastic is not None:

@@ -51,6 +51,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from dapple.core.plan import Plan
 from dapple.models.workload import Workload
@@ -123,6 +124,11 @@ def elastic_store(timeout: timedelta) -> dict[str, Any]:
     )
     prefixed = dist.PrefixStore(f"dapple/attempt-{attempt}/", store)  # type: ignore[attr-defined]
     return {"store": prefixed, "rank": rank, "world_size": world}
+
+
+def _local(g: torch.Tensor) -> torch.Tensor:
+    """A gradient as this rank holds it (a ZeRO-3 DTensor: its shard)."""
+    return g.to_local() if isinstance(g, DTensor) else g
 
 
 class LongRun:
@@ -268,7 +274,7 @@ class LongRun:
             if self._bad is None and self.last_stage and not math.isfinite(loss_sum):
                 self._bad = (0, int(action.micro_batch or 0))
         elif action.kind in (ActionKind.BACKWARD, ActionKind.BACKWARD_WEIGHT) and self.params:
-            grads = [p.grad.sum() for p in self._watched if p.grad is not None]
+            grads = [_local(p.grad).sum() for p in self._watched if p.grad is not None]
             if self.shards is not None:  # the sharded parameters' local gradients
                 grads += self.shards.grad_sums()
             if grads:

@@ -16,6 +16,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 __all__ = ["ActivationMeter", "Held"]
 
@@ -41,12 +42,23 @@ class Held:
         self.release()
 
 
+def _storage_ptr(t: torch.Tensor) -> int:
+    """Where ``t``'s storage lives (a ZeRO-3 DTensor: its local shard's); -1 (not metered):
+    a tensor without a real storage (FSDP's unsharded parameters, a tensor subclass)."""
+    if isinstance(t, DTensor):
+        t = t.to_local()
+    try:
+        return int(t.untyped_storage().data_ptr())
+    except (RuntimeError, NotImplementedError):
+        return -1
+
+
 class ActivationMeter:
     """Counts held activation bytes (deduplicated by storage) and records the peak."""
 
     def __init__(self, exclude: Iterable[torch.Tensor] = ()) -> None:
         self._refs: dict[tuple[int, int], int] = {}
-        self._exclude = {t.untyped_storage().data_ptr() for t in exclude}
+        self._exclude = {_storage_ptr(t) for t in exclude} | {-1}  # -1: no real storage
         self.current_bytes = 0
         self.peak_bytes = 0
 
@@ -73,14 +85,14 @@ class ActivationMeter:
         return [
             Held(self, t)
             for t in tensors
-            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in self._exclude
+            if isinstance(t, torch.Tensor) and _storage_ptr(t) not in self._exclude
         ]
 
     def saved_tensors_hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
         """Context manager counting every tensor autograd saves for backward inside it."""
 
         def pack(t: torch.Tensor) -> Any:
-            if t.device.type == "meta" or t.untyped_storage().data_ptr() in self._exclude:
+            if t.device.type == "meta" or _storage_ptr(t) in self._exclude:
                 return t
             return Held(self, t)
 

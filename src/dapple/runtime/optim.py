@@ -34,6 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from dapple.core.plan import Plan
 from dapple.models.workload import Workload
@@ -179,7 +180,7 @@ def counted_parameters(
     every = os.environ.get(COUNT_EVERY_REPLICA_ENV) == "1"
     if replica != 0 and not every:
         return []
-    device = plan.stages[stage].devices[replica]
+    device = plan.stages[stage].replica_devices[replica]
     layers = dict(zip(plan.layers_of_device(device), module.children(), strict=False))
     keep: set[int] = set()
     drop: set[int] = set()
@@ -192,9 +193,14 @@ def counted_parameters(
     return [p for p in module.parameters() if id(p) not in drop - keep]
 
 
+def _local_grad(g: torch.Tensor) -> torch.Tensor:
+    """A gradient as this rank holds it (a ZeRO-3 DTensor's own shard)."""
+    return g.to_local() if isinstance(g, DTensor) else g
+
+
 def _local_sq_norm(params: Sequence[nn.Parameter], device: torch.device) -> torch.Tensor:
     """Sum over ``params`` of the square of each gradient's float32 norm, in float64."""
-    grads = [p.grad for p in params if p.grad is not None]
+    grads = [_local_grad(p.grad) for p in params if p.grad is not None]
     if not grads:
         return torch.zeros((), dtype=torch.float64, device=device)
     by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
@@ -247,7 +253,7 @@ class ModelUpdate:
             self.observer(step)
         total = self.global_norm()
         max_norm = self.config.clip_grad_norm
-        grads = [p.grad for p in self.params if p.grad is not None]
+        grads = [_local_grad(p.grad) for p in self.params if p.grad is not None]
         if max_norm is not None and grads:
             coef = torch.clamp(max_norm / (total + CLIP_EPS), max=1.0)
             torch._foreach_mul_(grads, coef.to(grads[0].device))

@@ -1,20 +1,36 @@
 """Names and checks of the optimisation options of :class:`~dapple.runtime.config.TrainConfig`.
 
 Torch-free (the CLI reads :data:`LR_SCHEDULES` for its choices); the optimizers, the schedule
-and the clipping themselves are in :mod:`dapple.runtime.optim`.
+and the clipping themselves are in :mod:`dapple.runtime.optim`. Imports nothing of
+:mod:`dapple.runtime.config` (which imports this module): :func:`check_optim` takes anything
+with the option fields (:class:`OptimOptions`).
 """
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from dapple.errors import ValidationError
 
-if TYPE_CHECKING:
-    from dapple.runtime.config import TrainConfig
+__all__ = [
+    "LR_SCHEDULES",
+    "OPTIMIZERS",
+    "OPTIMIZER_STATE_FACTOR",
+    "OPTIM_FIELDS",
+    "ZERO_STAGES",
+    "OptimOptions",
+    "check_optim",
+    "state_factor",
+]
 
-__all__ = ["LR_SCHEDULES", "OPTIM_FIELDS", "ZERO_STAGES", "check_optim", "state_factor"]
+OPTIMIZERS = ("sgd", "adam", "adamw")
+"""``TrainConfig.optimizer`` values (:func:`dapple.runtime.optim.make_optimizer`)."""
+
+OPTIMIZER_STATE_FACTOR = {"sgd": 1.0, "adam": 3.0, "adamw": 3.0}
+"""Bytes of gradients and optimizer state per parameter byte: SGD keeps the gradient (plus a
+momentum buffer when ``momentum > 0``, not counted here), Adam and AdamW the gradient and two
+moments (the profile's ``optimizer_state_factor`` for the planner)."""
 
 LR_SCHEDULES = ("constant", "cosine")
 """``constant``: linear warm-up, then ``lr``; ``cosine``: linear warm-up, then cosine decay to
@@ -40,7 +56,34 @@ OPTIM_FIELDS = (
 ``lr`` (what ``verify`` forwards to both of its runs)."""
 
 
-def check_optim(c: TrainConfig) -> None:
+class OptimOptions(Protocol):
+    """The optimisation fields of :class:`~dapple.runtime.config.TrainConfig`."""
+
+    @property
+    def optimizer(self) -> str: ...
+    @property
+    def lr(self) -> float: ...
+    @property
+    def weight_decay(self) -> float: ...
+    @property
+    def momentum(self) -> float: ...
+    @property
+    def betas(self) -> tuple[float, float]: ...
+    @property
+    def eps(self) -> float: ...
+    @property
+    def lr_schedule(self) -> str: ...
+    @property
+    def warmup_steps(self) -> int: ...
+    @property
+    def min_lr(self) -> float: ...
+    @property
+    def clip_grad_norm(self) -> float | None: ...
+    @property
+    def zero_stage(self) -> int: ...
+
+
+def check_optim(c: OptimOptions) -> None:
     """Validate the optimisation options of ``c``.
 
     Raises:
@@ -83,9 +126,7 @@ def check_optim(c: TrainConfig) -> None:
 
 def state_factor(optimizer: str, momentum: float = 0.0) -> float:
     """Bytes of gradients and optimizer state per parameter byte (the planner's
-    ``optimizer_state_factor``): :data:`~dapple.runtime.config.OPTIMIZER_STATE_FACTOR`, plus the
-    momentum buffer of SGD with ``momentum > 0``."""
-    from dapple.runtime.config import OPTIMIZER_STATE_FACTOR
-
+    ``optimizer_state_factor``): :data:`OPTIMIZER_STATE_FACTOR`, plus the momentum buffer of
+    SGD with ``momentum > 0``."""
     extra = 1.0 if optimizer == "sgd" and momentum > 0 else 0.0
     return OPTIMIZER_STATE_FACTOR[optimizer] + extra

@@ -32,6 +32,7 @@ from dapple.models.split_backward import ParamGroups, input_gradients, weight_gr
 from dapple.runtime import comm
 from dapple.runtime.memory import ActivationMeter, Held
 from dapple.runtime.precision import Precision, to_fp32
+from dapple.runtime.stage_mesh import peer_ranks
 from dapple.runtime.transport import (
     HEADER_INDEX,
     BoundarySpec,
@@ -43,6 +44,7 @@ from dapple.runtime.transport import (
     unflatten,
 )
 from dapple.schedule.ir import Action, ActionKind
+from dapple.schedule.registry import get_schedule
 
 __all__ = ["StageExecutor"]
 
@@ -76,6 +78,17 @@ class _MicroBatch:
     """Split backward: what ``I`` left for ``W`` (:func:`input_gradients`)."""
 
 
+def _peers(plan: Plan, s: int, other: int, tensor_rank: int) -> dict[int, tuple[list[int], int]]:
+    """Each replica of stage ``other`` -> (the ranks of its tensor group this rank sends to,
+    the rank it receives from) (:func:`~dapple.runtime.stage_mesh.peer_ranks`)."""
+    st, ot = plan.stages[s], plan.stages[other]
+    t = st.tensor_width
+    return {
+        k: (peer_ranks(ot, k, tensor_rank, t, True), peer_ranks(ot, k, tensor_rank, t, False)[0])
+        for k in range(ot.replicas)
+    }
+
+
 class StageExecutor:
     """Runs the compute and communication actions of replica ``j`` of stage ``s``.
 
@@ -97,8 +110,13 @@ class StageExecutor:
         precision: Precision | None = None,
         dynamic: bool = False,
         seed: int = 0,
+        tensor_rank: int = 0,
     ) -> None:
         self.plan, self.s, self.j = plan, stage, replica
+        self.tensor_rank = tensor_rank
+        """This rank's index in its tensor group (t_s > 1; every index runs the same program)."""
+        self.before_backward: Callable[[int], None] | None = None
+        """Called with the micro-batch before each backward (ZeRO-3's reduce-scatter switch)."""
         self.seed = seed
         """The run seed: with the step and the samples' global rows it keys the random sites
         (:mod:`dapple.models.rng`)."""
@@ -109,7 +127,7 @@ class StageExecutor:
         """Autocast of the stage's forwards and the fp16 loss scale."""
         self.module, self.loss_fn, self.device = module, loss_fn, device
         self.recompute, self.meter = recompute, meter
-        self.split = plan.schedule == "zbh1"
+        self.split = get_schedule(plan.schedule).split_backward
         """The backward runs as ``I`` then ``W`` (:mod:`dapple.models.split_backward`)."""
         self.on_grad_ready: Callable[[torch.Tensor], None] | None = None
         """Told of each parameter whose gradient a ``W`` completed (the interpreter's gradient
@@ -143,8 +161,10 @@ class StageExecutor:
             if stage < S - 1
             else {}
         )
-        self.prev_ranks = plan.stages[stage - 1].devices if stage > 0 else ()
-        self.next_ranks = plan.stages[stage + 1].devices if stage < S - 1 else ()
+        self.prev_ranks = _peers(plan, stage, stage - 1, tensor_rank) if stage > 0 else {}
+        """Replica of stage s-1 -> (the ranks this rank sends gradients to, the one it receives
+        activations from): tensor groups pair by index (:func:`peer_ranks`)."""
+        self.next_ranks = _peers(plan, stage, stage + 1, tensor_rank) if stage < S - 1 else {}
         self.waiting_on: tuple[str, int] | None = None
         self._mb: dict[int, _MicroBatch] = {}
         self._recv_f: dict[int, list[_Recv]] = {}
@@ -289,12 +309,12 @@ class StageExecutor:
         if backward:
             assert self.out_spec is not None
             lo, hi = self.out_rows[peer]
-            rank = self.next_ranks[peer]
+            rank = self.next_ranks[peer][1]
             specs = [t for t in self.out_spec.tensors if t.carries_grad]
         else:
             assert self.in_spec is not None
             lo, hi = self.in_rows[peer]
-            rank = self.prev_ranks[peer]
+            rank = self.prev_ranks[peer][1]
             specs = list(self.in_spec.tensors)
         if not self.dynamic:
             bufs = [t.buffer(hi - lo, self.device) for t in specs]
@@ -408,14 +428,14 @@ class StageExecutor:
     def _send_forward(self, m: int, peer: Any) -> None:
         st = self._mb[m]
         lo, hi = self.out_rows[peer]
-        rank = self.next_ranks[peer]
-        if self.dynamic:
-            hdr = shape_header(st.output, self.device)
-            tag = message_tag(m, False, HEADER_INDEX, self.s)
-            st.sends.append(comm.isend(hdr, dst=rank, tag=tag))
-        for i, t in enumerate(st.output):
-            piece = t.detach()[lo - self.lo : hi - self.lo].contiguous()
-            st.sends.append(comm.isend(piece, dst=rank, tag=message_tag(m, False, i, self.s)))
+        for rank in self.next_ranks[peer][0]:
+            if self.dynamic:
+                hdr = shape_header(st.output, self.device)
+                tag = message_tag(m, False, HEADER_INDEX, self.s)
+                st.sends.append(comm.isend(hdr, dst=rank, tag=tag))
+            for i, t in enumerate(st.output):
+                piece = t.detach()[lo - self.lo : hi - self.lo].contiguous()
+                st.sends.append(comm.isend(piece, dst=rank, tag=message_tag(m, False, i, self.s)))
 
     def _output_grads(self, m: int) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
         """The tensors micro-batch ``m``'s backward starts from and their gradients: the scaled
@@ -436,6 +456,8 @@ class StageExecutor:
         return outs, gs
 
     def _backward(self, m: int) -> None:
+        if self.before_backward is not None:
+            self.before_backward(m)
         outs, gs = self._output_grads(m)
         if outs:
             torch.autograd.backward(outs, gs)
@@ -458,11 +480,11 @@ class StageExecutor:
 
     def _send_backward(self, m: int, peer: Any) -> None:
         lo, hi = self.in_rows[peer]
-        rank = self.prev_ranks[peer]
-        for i, g in enumerate(self._grad_in[m]):
-            piece = g[lo - self.lo : hi - self.lo].contiguous()
-            tag = message_tag(m, True, i, self.s - 1)
-            self._pending_sends.append(comm.isend(piece, dst=rank, tag=tag))
+        for rank in self.prev_ranks[peer][0]:
+            for i, g in enumerate(self._grad_in[m]):
+                piece = g[lo - self.lo : hi - self.lo].contiguous()
+                tag = message_tag(m, True, i, self.s - 1)
+                self._pending_sends.append(comm.isend(piece, dst=rank, tag=tag))
         self._grad_in_left[m] -= 1
         if self._grad_in_left[m] == 0:  # the pending sends keep their pieces alive
             del self._grad_in[m], self._grad_in_left[m]

@@ -37,7 +37,7 @@ from dapple.models.tied import sync_tied_grads
 from dapple.models.workload import Workload
 from dapple.runtime import comm
 
-__all__ = ["BUCKET_BYTES", "GradientSync", "bucket_runs"]
+__all__ = ["BUCKET_BYTES", "GradientSync", "bucket_runs", "tied_stages"]
 
 BUCKET_BYTES = 25 * 2**20
 """Target size of one gradient bucket (the last one may be smaller, a large tensor larger).
@@ -88,6 +88,42 @@ def _make_buckets(params: list[nn.Parameter], cap_bytes: int) -> list[_Bucket]:
     return out
 
 
+def tied_stages(plan: Plan, group: Sequence[tuple[int, str]]) -> list[int]:
+    """The stages holding a copy of a tied group's parameter (``(layer, name)`` copies), in
+    order."""
+    return sorted(
+        {
+            i
+            for i, st in enumerate(plan.stages)
+            for lay, _ in group
+            if st.layers[0] <= lay < st.layers[1]
+        }
+    )
+
+
+def _stage_groups(plan: Plan) -> dict[tuple[int, int], Any]:
+    """A process group per replicated stage among the first ``num_groups`` stages and tensor
+    index ``i`` (``devices[i::t_s]``; t_s = 1: the stage's devices), by ``(stage, i)``: one per
+    device group (an interleaved plan's later chunks on it share it). Collective."""
+    return {
+        (s, i): dist.new_group(list(st.replica_group(i)))
+        for s, st in enumerate(plan.stages[: plan.num_groups])
+        if st.replicas > 1
+        for i in range(st.tensor_width)
+    }
+
+
+def _tied_groups(plan: Plan, groups: Sequence[Sequence[tuple[int, str]]]) -> dict[int, Any]:
+    """A process group per tied group with copies in several stages (every device of those
+    stages), by group index. Collective."""
+    out: dict[int, Any] = {}
+    for g, group in enumerate(groups):
+        stages = tied_stages(plan, group)
+        if len(stages) > 1:
+            out[g] = dist.new_group(sorted({d for i in stages for d in plan.stages[i].devices}))
+    return out
+
+
 class GradientSync:
     """Process groups and the end-of-step gradient reductions of one rank.
 
@@ -106,35 +142,21 @@ class GradientSync:
         *,
         bucket_bytes: int | None = None,
         exclude: frozenset[int] = frozenset(),
+        stage_pg: dict[tuple[int, int], Any] | None = None,
+        tensor_index: int = 0,
+        extra_pg: Sequence[Any] = (),
     ) -> None:
         self.groups = list(workload.tied_parameters)
-        self.stage_pg: dict[int, Any] = {}
-        for i, st in enumerate(plan.stages[: plan.num_groups]):  # a group's chunks share one
-            if st.replicas > 1:
-                self.stage_pg[i] = dist.new_group(list(st.devices))
-        self.tied_pg: dict[int, Any] = {}
-        for g, group in enumerate(self.groups):
-            stages = sorted(
-                {
-                    i
-                    for i, st in enumerate(plan.stages)
-                    for lay, _ in group
-                    if st.layers[0] <= lay < st.layers[1]
-                }
-            )
-            if len(stages) > 1:
-                ranks = sorted({d for i in stages for d in plan.stages[i].devices})
-                self.tied_pg[g] = dist.new_group(ranks)
+        # the groups: stages first (or given: ``stage_pg``, ``extra_pg`` destroyed with them)
+        self.stage_pg = _stage_groups(plan) if stage_pg is None else dict(stage_pg)
+        self.extra_pg = list(extra_pg)
+        self.tied_pg = _tied_groups(plan, self.groups)
         self.module, self.stage = module, stage
         self.by_layer: dict[int, nn.Module] = {}
-        cross: set[int] = set()
         if module is not None and stage is not None:
             assert isinstance(module, nn.Sequential)
             self.by_layer = dict(zip(plan.layers_of_device(rank), module, strict=True))
-            for g in self.tied_pg:
-                for lay, name in self.groups[g]:
-                    if lay in self.by_layer:
-                        cross.add(id(self.by_layer[lay].get_parameter(name)))
+        cross = self._cross_stage_copies()
         params = list(module.parameters()) if module is not None else []
         self.reduced = [
             p for p in params if id(p) not in cross and id(p) not in exclude and p.requires_grad
@@ -142,7 +164,8 @@ class GradientSync:
         """Parameters the stage AllReduce sums (cross-stage tied copies are already totals;
         frozen parameters have no gradient; ``exclude``: the ids of parameters a
         :class:`~dapple.runtime.zero.FlatShards` reduce-scatters instead)."""
-        self.pg = self.stage_pg.get(stage) if stage is not None else None
+        self.pg = self.stage_pg.get((stage, tensor_index)) if stage is not None else None
+        """The stage AllReduce's group: the replicas of this rank's tensor index."""
         self.buckets: list[_Bucket] = []
         self._where: dict[int, tuple[int, int]] = {}  # id(param) -> (bucket, index in bucket)
         self._hooks: list[Any] = []
@@ -151,12 +174,26 @@ class GradientSync:
         """Armed parameters (None: all): the ones whose gradients are final this step."""
         self._next = 0  # the next bucket to launch
         if self.pg is not None and self.reduced:
-            cap = BUCKET_BYTES if bucket_bytes is None else bucket_bytes
-            self.buckets = _make_buckets(self.reduced[::-1], cap)
-            for k, bk in enumerate(self.buckets):
-                for i, p in enumerate(bk.params):
-                    self._where[id(p)] = (k, i)
-                    self._hooks.append(p.register_post_accumulate_grad_hook(self.on_grad))  # type: ignore[no-untyped-call]
+            self._hook_buckets(BUCKET_BYTES if bucket_bytes is None else bucket_bytes)
+
+    def _cross_stage_copies(self) -> set[int]:
+        """The ids of this rank's copies of parameters tied across stages (summed over
+        ``tied_pg``, left out of the stage AllReduce)."""
+        return {
+            id(self.by_layer[lay].get_parameter(name))
+            for g in self.tied_pg
+            for lay, name in self.groups[g]
+            if lay in self.by_layer
+        }
+
+    def _hook_buckets(self, cap_bytes: int) -> None:
+        """Bucket :attr:`reduced` in reverse order (the order backward finishes them) and hook
+        each parameter's gradient accumulation to :meth:`on_grad`."""
+        self.buckets = _make_buckets(self.reduced[::-1], cap_bytes)
+        for k, bk in enumerate(self.buckets):
+            for i, p in enumerate(bk.params):
+                self._where[id(p)] = (k, i)
+                self._hooks.append(p.register_post_accumulate_grad_hook(self.on_grad))  # type: ignore[no-untyped-call]
 
     # -- (1) the overlapped stage AllReduce ------------------------------------------------------
     def arm(self, params: Iterable[torch.Tensor] | None = None) -> None:
@@ -270,6 +307,6 @@ class GradientSync:
             return
         self.drain()
         self.buckets = []
-        for pg in [*self.stage_pg.values(), *self.tied_pg.values()]:
+        for pg in [*self.stage_pg.values(), *self.extra_pg, *self.tied_pg.values()]:
             dist.destroy_process_group(pg)
-        self.stage_pg, self.tied_pg, self.pg = {}, {}, None
+        self.stage_pg, self.tied_pg, self.pg, self.extra_pg = {}, {}, None, []

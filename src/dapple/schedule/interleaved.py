@@ -11,14 +11,22 @@ reverse, ``v - 1 - (n // P) mod v``, over the same micro-batches. Rank g warms u
 ``min((P-g-1)·2 + (v-1)·P, M·v)`` forwards, then alternates one forward and one backward, then
 drains the remaining backwards. With v = 1 the warm-up is DAPPLE's policy B minus the first
 steady forward (K_g = 2(P-g)-1).
+
+Cost (section 2.2.2): a group's per-micro-batch work is ``T_g = sum over its chunks of (F + B)``,
+the bubble ``(P-1)/v`` of it: ``L = (M + (P-1)/v) max_g T_g`` plus what fill and drain pay once
+(:attr:`~dapple.schedule.spec.StepTerms.fixed_ms`), taken over the slowest group so that uneven
+chunks are covered conservatively (uneven chunks stall each other beyond the bubble; the
+simulator is the reference).
 """
 
 from __future__ import annotations
 
+from dapple.core.plan import Plan
 from dapple.errors import ValidationError
 from dapple.schedule.ir import Action, ActionKind, ComputeOrder
+from dapple.schedule.spec import ScheduleSpec, StepTerms
 
-__all__ = ["interleaved", "interleaved_warmup"]
+__all__ = ["SCHEDULE", "interleaved", "interleaved_warmup"]
 
 F, B = ActionKind.FORWARD, ActionKind.BACKWARD
 
@@ -76,3 +84,40 @@ def interleaved(P: int, M: int, v: int) -> ComputeOrder:
         acts += [act(B, n) for n in range(total - w, total)]
         order[g] = acts
     return order
+
+
+def _step_ms(t: StepTerms) -> float:
+    """``(M + (P-1)/v) max_g T_g`` plus the fill and drain's fixed terms (module docstring)."""
+    P, v = t.P, t.v
+    work = [
+        sum(t.stages[k].forward_ms + t.stages[k].backward_ms for k in range(g, len(t.stages), P))
+        for g in range(P)
+    ]
+    return (t.M + (P - 1) / v) * max(work) + t.fixed_ms
+
+
+def _check_plan(plan: Plan) -> None:
+    """M a multiple of the device groups (the chunks cycle every P micro-batches).
+
+    Raises:
+        ValidationError: naming M and the device groups.
+    """
+    if plan.num_micro_batches % plan.num_groups:
+        raise ValidationError(
+            f"interleaved 1F1B needs M={plan.num_micro_batches} to be a multiple of the "
+            f"{plan.num_groups} device groups of the plan"
+        )
+
+
+SCHEDULE = ScheduleSpec(
+    name="interleaved",
+    title="interleaved 1F1B (v={v})",
+    label="interleaved v={v}",
+    order=lambda shape: interleaved(shape.P, shape.M, shape.v),
+    step_ms=_step_ms,
+    variants=(("A", 2), ("A", 4)),
+    chunks=True,
+    check=_check_plan,
+    module=__name__,
+)
+"""Interleaved 1F1B: v chunks per device group, its own step rule (no per-stage K_i)."""

@@ -11,8 +11,8 @@ Replicas whose slice of a micro-batch is empty (r_s > micro-batch size) skip it.
 from __future__ import annotations
 
 from dapple.core.plan import Plan, split_sizes, transfers
-from dapple.schedule.generators import compute_order
 from dapple.schedule.ir import Action, ActionKind, ComputeOrder, Schedule
+from dapple.schedule.registry import compute_order, get_schedule
 
 __all__ = ["lower", "plan_compute_order"]
 
@@ -20,14 +20,15 @@ K = ActionKind
 
 
 def plan_compute_order(plan: Plan) -> ComputeOrder:
-    """The rank-level compute order of ``plan`` (its schedule, policy, per-stage D and v)."""
+    """The rank-level compute order of ``plan`` (its schedule, policy, v and, for a schedule
+    bounded by the stages' in-flight limits, their D)."""
     D = [st.max_in_flight for st in plan.stages]
     return compute_order(
         plan.schedule,
         plan.num_groups,
         plan.num_micro_batches,
         plan.policy,
-        D if plan.schedule == "dapple" else None,
+        D if get_schedule(plan.schedule).bounded else None,
         plan.virtual_stages,
     )
 
@@ -65,7 +66,7 @@ def lower(plan: Plan, order: ComputeOrder | None = None) -> Schedule:
         st = plan.stages[g]
         stages = plan.stages_of_device(st.devices[0])
         sizes = split_sizes(b, st.replicas)
-        for j, dev in enumerate(st.devices):
+        for j, dev in enumerate(st.replica_devices):  # a tensor group's first device
             prog: list[Action] = []
             if sizes[j] > 0:
                 for a in order[g]:

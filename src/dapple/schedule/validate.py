@@ -2,10 +2,10 @@
 
 Two entry points:
 
-* :func:`validate_compute_order` checks a stage-level compute order (what the generators
-  produce): every stage runs F_m and B_m exactly once for m in [0, M), B_m after F_m, and a
-  dry run with the pipeline's data dependencies (F_m on stage s needs F_m on s-1; B_m on s
-  needs B_m on s+1) finishes.
+* :func:`validate_compute_order` (:mod:`dapple.schedule.validate_order`) checks a stage-level
+  compute order (what the generators produce): every stage runs F_m and B_m exactly once for m
+  in [0, M), B_m after F_m, and a dry run with the pipeline's data dependencies (F_m on stage s
+  needs F_m on s-1; B_m on s needs B_m on s+1) finishes.
 * :func:`validate` checks a lowered per-device schedule against its plan: actions belong to
   the device's (stage, replica), the replica's F/B cover every micro-batch once (none when its
   slice is empty), B follows its F, receives precede and sends follow their compute, sends and
@@ -16,207 +16,27 @@ Two entry points:
 
 Failures raise :class:`~dapple.errors.ValidationError` whose message ends with a step x device
 grid (rows: program step, columns: devices, cells: action strings) with the offending actions
-marked ``>>like this<<``.
+marked ``>>like this<<`` (:func:`dapple.schedule.grid.format_grid`). The per-device checks are
+named steps: :func:`_device_view`, :func:`_scan_actions` (:func:`_placement_problem`,
+:func:`_order_problem`), :func:`_check_coverage`, :func:`_allreduce_problems`,
+:func:`_step_problems`.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 from dapple.core.plan import Plan, split_sizes, transfers
 from dapple.errors import ValidationError
-from dapple.schedule.ir import Action, ActionKind, ComputeOrder, Schedule
+from dapple.schedule.grid import Cell, Problem, fail, format_grid
+from dapple.schedule.ir import Action, ActionKind, Schedule
+from dapple.schedule.validate_order import validate_compute_order
 
 __all__ = ["format_grid", "validate", "validate_compute_order"]
 
 K = ActionKind
-Cell = tuple[int, int]
-"""(column key: device or stage, row: program step)."""
-
-_MAX_PROBLEMS = 8
-_CONTEXT_ROWS = 2
-
-
-def format_grid(
-    programs: Mapping[int, Sequence[object]],
-    marks: Iterable[Cell] = (),
-    column_label: str = "dev",
-) -> str:
-    """Render programs as a step x column text grid, marking ``marks`` as ``>>cell<<``.
-
-    Long programs are cut to the rows near a mark (``...`` stands for skipped rows).
-
-    Args:
-        programs: column key (device or stage) -> its ordered actions.
-        marks: ``(column key, step)`` cells to highlight.
-        column_label: header prefix of each column.
-    """
-    cols = sorted(programs)
-    marked = set(marks)
-    nrows = max((len(p) for p in programs.values()), default=0)
-    cells: dict[Cell, str] = {}
-    for c in cols:
-        for r, a in enumerate(programs[c]):
-            cells[(c, r)] = f">>{a}<<" if (c, r) in marked else str(a)
-    for c, r in marked:  # a mark past the end of a program (e.g. a missing action)
-        if r >= len(programs.get(c, ())):
-            cells[(c, r)] = ">><<"
-            nrows = max(nrows, r + 1)
-    header = ["step", *(f"{column_label} {c}" for c in cols)]
-    widths = [max(len(header[0]), len(str(max(nrows - 1, 0))))]
-    for i, c in enumerate(cols):
-        widths.append(
-            max([len(header[i + 1])] + [len(cells.get((c, r), "")) for r in range(nrows)])
-        )
-    if nrows <= 24 or not marked:
-        shown = list(range(min(nrows, 60)))
-    else:
-        keep = {
-            r2
-            for _c, r in marked
-            for r2 in range(r - _CONTEXT_ROWS, r + _CONTEXT_ROWS + 1)
-            if 0 <= r2 < nrows
-        }
-        shown = sorted(keep)
-
-    def line(parts: Sequence[str]) -> str:
-        return " | ".join(p.ljust(w) for p, w in zip(parts, widths, strict=True)).rstrip()
-
-    out = [line(header), "-+-".join("-" * w for w in widths)]
-    prev = -1
-    for r in shown:
-        if r != prev + 1:
-            out.append("...")
-        out.append(line([str(r), *(cells.get((c, r), "") for c in cols)]))
-        prev = r
-    if shown and shown[-1] < nrows - 1:
-        out.append("...")
-    return "\n".join(out)
-
-
-def _fail(
-    what: str,
-    problems: list[tuple[str, list[Cell]]],
-    programs: Mapping[int, Sequence[object]],
-    column_label: str,
-) -> None:
-    if not problems:
-        return
-    msgs = [p for p, _ in problems[:_MAX_PROBLEMS]]
-    if len(problems) > _MAX_PROBLEMS:
-        msgs.append(f"... and {len(problems) - _MAX_PROBLEMS} more")
-    marks = [c for _, cs in problems[:_MAX_PROBLEMS] for c in cs]
-    raise ValidationError(
-        f"invalid {what}: "
-        + "; ".join(msgs)
-        + "\n"
-        + format_grid(programs, marks, column_label=column_label)
-    )
-
-
-# --------------------------------------------------------------------------- compute orders
-
-
-def validate_compute_order(order: ComputeOrder, S: int, M: int, v: int = 1) -> None:
-    """Check a rank -> compute order for S ranks with v stages each and M micro-batches.
-
-    Rank g runs stages g, g+S, ..., g+(v-1)S (v = 1: rank g is stage g). Each of its stages
-    runs F_m once and then either the whole backward B_m or its two halves I_m and W_m (I
-    first) for every m in [0, M). The dry run follows the pipeline's data dependencies: F_m
-    on stage s needs F_m on s-1, B_m/I_m on s needs B_m/I_m on s+1.
-
-    Args:
-        order: rank -> ordered compute actions (as produced by the generators).
-        S: number of ranks (device groups).
-        M: number of micro-batches.
-        v: stages per rank.
-
-    Raises:
-        ValidationError: a rank is missing or extra, an action is not a compute action of one
-            of the rank's stages, an action is missing, duplicated or out of range, B/I runs
-            before its F or W before its I, a stage mixes B with I/W for one micro-batch, or
-            the order deadlocks; the message holds a step x rank grid marking the offending
-            action.
-    """
-    problems: list[tuple[str, list[Cell]]] = []
-    if v < 1:
-        raise ValidationError(f"invalid compute order: v must be >= 1, got {v}")
-    if sorted(order) != list(range(S)):
-        problems.append((f"ranks must be 0..{S - 1}, got {sorted(order)}", []))
-    for g in sorted(order):
-        owned = set(range(g, S * v, S))
-        seen: dict[tuple[int, ActionKind, int], int] = {}
-        for r, a in enumerate(order[g]):
-            if not a.kind.is_compute or a.stage not in owned:
-                problems.append(
-                    (
-                        f"rank {g} step {r}: {a} is not a compute action of stages {sorted(owned)}",
-                        [(g, r)],
-                    )
-                )
-                continue
-            m = a.micro_batch
-            assert m is not None
-            if not 0 <= m < M:
-                problems.append((f"rank {g} step {r}: micro-batch {m} not in [0, {M})", [(g, r)]))
-            key = (a.stage, a.kind, m)
-            if key in seen:
-                problems.append((f"rank {g}: {a} appears twice", [(g, seen[key]), (g, r)]))
-                continue
-            seen[key] = r
-            need = K.BACKWARD_INPUT if a.kind is K.BACKWARD_WEIGHT else K.FORWARD
-            if a.kind is not K.FORWARD and (a.stage, need, m) not in seen:
-                problems.append((f"rank {g}: {a} runs before its {need.value}", [(g, r)]))
-        for st in sorted(owned):
-            for m in range(M):
-                has = {k for k in K if (st, k, m) in seen}
-                if K.FORWARD not in has:
-                    problems.append((f"rank {g}: missing F of stage {st} micro-batch {m}", []))
-                if K.BACKWARD in has and has & {K.BACKWARD_INPUT, K.BACKWARD_WEIGHT}:
-                    problems.append(
-                        (f"rank {g}: stage {st} micro-batch {m} runs both B and I/W", [])
-                    )
-                elif K.BACKWARD not in has and not {K.BACKWARD_INPUT, K.BACKWARD_WEIGHT} <= has:
-                    problems.append(
-                        (
-                            f"rank {g}: missing backward (B, or I and W) of stage {st} micro-batch {m}",
-                            [],
-                        )
-                    )
-    _fail("compute order", problems, order, "rank")
-
-    # Dry run: F_m on s needs F_m done on s-1, B_m/I_m on s needs B_m/I_m done on s+1.
-    done: set[tuple[int, bool, int]] = set()  # (stage, is forward, micro-batch)
-    pc = dict.fromkeys(order, 0)
-    progress = True
-    while progress:
-        progress = False
-        for g in order:
-            while pc[g] < len(order[g]):
-                a = order[g][pc[g]]
-                m = a.micro_batch
-                assert m is not None
-                fwd = a.kind is K.FORWARD
-                if fwd or a.kind.sends_gradient:
-                    dep = (a.stage - 1 if fwd else a.stage + 1, fwd, m)
-                    if 0 <= dep[0] < S * v and dep not in done:
-                        break
-                    done.add((a.stage, fwd, m))
-                pc[g] += 1
-                progress = True
-    stuck = [g for g in order if pc[g] < len(order[g])]
-    if stuck:
-        waits = ", ".join(f"rank {g} at {order[g][pc[g]]}" for g in stuck)
-        _fail(
-            "compute order",
-            [(f"deadlock: {waits} wait forever", [(g, pc[g]) for g in stuck])],
-            order,
-            "rank",
-        )
-
-
-# --------------------------------------------------------------------------- lowered schedules
 
 _MsgKey = tuple[ActionKind, int, int, int, int]
 """(SEND_F or SEND_B, sending stage, micro-batch, sending replica, receiving replica)."""
@@ -235,96 +55,191 @@ def _recv_key(a: Action) -> _MsgKey:
     return (K.SEND_B, a.stage + 1, a.micro_batch, a.peer, a.replica)
 
 
-def _check_device(
-    plan: Plan, dev: int, prog: Sequence[Action], peers: list[list[dict[int, list[int]]]]
-) -> list[tuple[str, list[Cell]]]:
-    """Per-device checks: ownership, coverage, local order of comm around compute, AR/OPT."""
-    problems: list[tuple[str, list[Cell]]] = []
+_Where = dict[tuple[ActionKind, int, int | None, int | None], int]
+"""(kind, stage, micro-batch, peer) -> the step of the device's program that runs it."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Device:
+    """What the checks of one device's program know of it."""
+
+    dev: int
+    group: int
+    """Its device group g (its first stage)."""
+    replica: int
+    """j: its replica index in every stage it runs."""
+    owned: tuple[int, ...]
+    """The stages it runs (v > 1: its group's chunks)."""
+    replicas: int
+    """r_s of its stages."""
+    M: int
+    active: bool
+    """Its slice of a micro-batch is not empty."""
+    prev_peers: dict[int, set[int]]
+    """Per owned stage s: the replicas of s-1 that send to it."""
+    next_peers: dict[int, set[int]]
+    """Per owned stage s: the replicas of s+1 it sends to."""
+
+
+_Peers = list[list[dict[int, list[int]]]]
+"""``peers[0][s][k]``: the replicas of stage s-1 that send to replica k of s; ``peers[1][s][j]``:
+the replicas of s+1 that replica j of s sends to (:func:`_peer_maps`)."""
+
+
+def _peer_maps(plan: Plan) -> _Peers:
+    """The split-concat peers of every stage boundary (:func:`dapple.core.plan.transfers`)."""
+    S = plan.num_stages
+    peers: _Peers = [[{} for _ in range(S)], [{} for _ in range(S)]]
+    for s in range(S - 1):
+        for j, k, _lo, _hi in transfers(
+            plan.micro_batch_size, plan.stages[s].replicas, plan.stages[s + 1].replicas
+        ):
+            peers[1][s].setdefault(j, []).append(k)
+            peers[0][s + 1].setdefault(k, []).append(j)
+    return peers
+
+
+def _device_view(plan: Plan, dev: int, peers: _Peers) -> _Device:
+    """:class:`_Device` of ``dev`` under ``plan`` (``peers`` as built by :func:`validate`)."""
     g, j = plan.stage_of_device(dev)
     owned = plan.stages_of_device(dev)
     st = plan.stages[g]
-    M, S = plan.num_micro_batches, plan.num_stages
-    active = split_sizes(plan.micro_batch_size, st.replicas)[j] > 0
-    # replicas of s-1 that send to (s, j); replicas of s+1 that (s, j) sends to
-    prev_peers = {s: set(peers[0][s].get(j, [])) if s > 0 else set() for s in owned}
-    next_peers = {s: set(peers[1][s].get(j, [])) if s < S - 1 else set() for s in owned}
-    where: dict[tuple[ActionKind, int, int | None, int | None], int] = {}
-    what = f"stage {g}" if len(owned) == 1 else f"stages {list(owned)}"
-    for r, a in enumerate(prog):
-        here = [(dev, r)]
-        s = a.stage
-        if s not in owned or a.replica != j:
-            problems.append((f"device {dev} runs {what} replica {j} but step {r} is {a}", here))
-            continue
-        m = a.micro_batch
-        if m is not None and not 0 <= m < M:
-            problems.append((f"device {dev} step {r}: micro-batch {m} not in [0, {M})", here))
-            continue
-        key = (a.kind, s, m, a.peer)
-        if key in where:
-            problems.append((f"device {dev}: {a} appears twice", [(dev, where[key]), *here]))
-            continue
-        where[key] = r
-        if a.kind.is_compute and not active:
-            problems.append(
-                (f"device {dev}: {a} but replica {j}'s slice of a micro-batch is empty", here)
-            )
-        elif a.kind in (K.SEND_F, K.RECV_B) and a.peer not in next_peers[s]:
-            problems.append(
-                (
-                    f"device {dev}: {a} but replica {a.peer} of stage {s + 1} is no split-concat peer",
-                    here,
-                )
-            )
-        elif a.kind in (K.RECV_F, K.SEND_B) and a.peer not in prev_peers[s]:
-            problems.append(
-                (
-                    f"device {dev}: {a} but replica {a.peer} of stage {s - 1} is no split-concat peer",
-                    here,
-                )
-            )
-        elif (
-            a.kind in (K.BACKWARD, K.BACKWARD_INPUT, K.SEND_F)
-            and (K.FORWARD, s, m, None) not in where
-        ):
-            verb = "sends" if a.kind is K.SEND_F else "runs"
-            problems.append((f"device {dev}: {a} {verb} before its forward", here))
-        elif a.kind is K.BACKWARD_WEIGHT and (K.BACKWARD_INPUT, s, m, None) not in where:
-            problems.append((f"device {dev}: {a} runs before its input gradient I", here))
-        elif a.kind is K.SEND_B and not (
-            (K.BACKWARD, s, m, None) in where or (K.BACKWARD_INPUT, s, m, None) in where
-        ):
-            problems.append((f"device {dev}: {a} sends before its backward", here))
-        elif a.kind is K.ALLREDUCE and st.replicas == 1:
-            problems.append((f"device {dev}: {a} on a stage with one replica", here))
+    S = plan.num_stages
+    return _Device(
+        dev=dev,
+        group=g,
+        replica=j,
+        owned=owned,
+        replicas=st.replicas,
+        M=plan.num_micro_batches,
+        active=split_sizes(plan.micro_batch_size, st.replicas)[j] > 0,
+        prev_peers={s: set(peers[0][s].get(j, [])) if s > 0 else set() for s in owned},
+        next_peers={s: set(peers[1][s].get(j, [])) if s < S - 1 else set() for s in owned},
+    )
+
+
+def _check_device(plan: Plan, dev: int, prog: Sequence[Action], peers: _Peers) -> list[Problem]:
+    """Per-device checks: ownership, coverage, local order of comm around compute, AR/OPT."""
+    d = _device_view(plan, dev, peers)
+    problems, where = _scan_actions(d, prog)
     if problems:
         return problems
-    if active:
-        for s in owned:
-            for m in range(M):
-                problems += _check_coverage(dev, prog, where, s, m, prev_peers[s], next_peers[s])
-    backs = (K.BACKWARD, K.BACKWARD_WEIGHT)
-    for s in owned:
+    if d.active:
+        for s in d.owned:
+            for m in range(d.M):
+                problems += _check_coverage(
+                    dev, prog, where, s, m, d.prev_peers[s], d.next_peers[s]
+                )
+    return problems + _allreduce_problems(d, where) + _step_problems(d, where)
+
+
+def _scan_actions(d: _Device, prog: Sequence[Action]) -> tuple[list[Problem], _Where]:
+    """The device's actions one by one (:func:`_placement_problem`, :func:`_order_problem`).
+
+    Returns:
+        The problems found and where each action runs.
+    """
+    problems: list[Problem] = []
+    where: _Where = {}
+    for r, a in enumerate(prog):
+        bad = _placement_problem(d, r, a, where)
+        if bad is not None:
+            problems.append(bad)
+            continue
+        where[(a.kind, a.stage, a.micro_batch, a.peer)] = r
+        bad = _order_problem(d, r, a, where)
+        if bad is not None:
+            problems.append(bad)
+    return problems, where
+
+
+def _placement_problem(d: _Device, r: int, a: Action, where: _Where) -> Problem | None:
+    """Step r runs one of the device's stages as its replica, a micro-batch in [0, M), and
+    not an action seen before."""
+    here = [(d.dev, r)]
+    if a.stage not in d.owned or a.replica != d.replica:
+        what = f"stage {d.group}" if len(d.owned) == 1 else f"stages {list(d.owned)}"
+        return (f"device {d.dev} runs {what} replica {d.replica} but step {r} is {a}", here)
+    m = a.micro_batch
+    if m is not None and not 0 <= m < d.M:
+        return (f"device {d.dev} step {r}: micro-batch {m} not in [0, {d.M})", here)
+    key = (a.kind, a.stage, m, a.peer)
+    if key in where:
+        return (f"device {d.dev}: {a} appears twice", [(d.dev, where[key]), *here])
+    return None
+
+
+def _order_problem(d: _Device, r: int, a: Action, where: _Where) -> Problem | None:
+    """Step r in order with what came before it: compute only with a non-empty slice, sends
+    and receives with split-concat peers, backward halves and sends after what they need,
+    AR only on a replicated stage."""
+    dev, s, m, here = d.dev, a.stage, a.micro_batch, [(d.dev, r)]
+    if a.kind.is_compute and not d.active:
+        return (
+            f"device {dev}: {a} but replica {d.replica}'s slice of a micro-batch is empty",
+            here,
+        )
+    if a.kind in (K.SEND_F, K.RECV_B) and a.peer not in d.next_peers[s]:
+        return (
+            f"device {dev}: {a} but replica {a.peer} of stage {s + 1} is no split-concat peer",
+            here,
+        )
+    if a.kind in (K.RECV_F, K.SEND_B) and a.peer not in d.prev_peers[s]:
+        return (
+            f"device {dev}: {a} but replica {a.peer} of stage {s - 1} is no split-concat peer",
+            here,
+        )
+    if a.kind in (K.BACKWARD, K.BACKWARD_INPUT, K.SEND_F) and (K.FORWARD, s, m, None) not in where:
+        verb = "sends" if a.kind is K.SEND_F else "runs"
+        return (f"device {dev}: {a} {verb} before its forward", here)
+    if a.kind is K.BACKWARD_WEIGHT and (K.BACKWARD_INPUT, s, m, None) not in where:
+        return (f"device {dev}: {a} runs before its input gradient I", here)
+    if a.kind is K.SEND_B and not (
+        (K.BACKWARD, s, m, None) in where or (K.BACKWARD_INPUT, s, m, None) in where
+    ):
+        return (f"device {dev}: {a} sends before its backward", here)
+    if a.kind is K.ALLREDUCE and d.replicas == 1:
+        return (f"device {dev}: {a} on a stage with one replica", here)
+    return None
+
+
+_BACKS = (K.BACKWARD, K.BACKWARD_WEIGHT)
+"""The actions that complete a micro-batch's parameter gradients."""
+
+
+def _allreduce_problems(d: _Device, where: _Where) -> list[Problem]:
+    """A replicated stage AllReduces once, after its last backward (B or W)."""
+    problems: list[Problem] = []
+    for s in d.owned:
         last_b = max(
-            (r for (k, s2, _m, _p), r in where.items() if k in backs and s2 == s), default=-1
+            (r for (k, s2, _m, _p), r in where.items() if k in _BACKS and s2 == s), default=-1
         )
         ar = where.get((K.ALLREDUCE, s, None, None))
-        if st.replicas > 1 and ar is None:
-            problems.append((f"device {dev}: stage {s} has {st.replicas} replicas but no AR", []))
+        if d.replicas > 1 and ar is None:
+            problems.append((f"device {d.dev}: stage {s} has {d.replicas} replicas but no AR", []))
         if ar is not None and ar < last_b:
             problems.append(
-                (f"device {dev}: AR of stage {s} before its last backward", [(dev, ar)])
+                (f"device {d.dev}: AR of stage {s} before its last backward", [(d.dev, ar)])
             )
+    return problems
+
+
+def _step_problems(d: _Device, where: _Where) -> list[Problem]:
+    """The optimizer step (OPT) comes after every backward and AllReduce."""
     last = max(
-        (r for (k, _s, _m, _p), r in where.items() if k in (*backs, K.BACKWARD_INPUT, K.ALLREDUCE)),
+        (
+            r
+            for (k, _s, _m, _p), r in where.items()
+            if k in (*_BACKS, K.BACKWARD_INPUT, K.ALLREDUCE)
+        ),
         default=-1,
     )
-    opt = where.get((K.STEP, g, None, None))
+    opt = where.get((K.STEP, d.group, None, None))
     if opt is None:
-        problems.append((f"device {dev}: no optimizer step (OPT) on stage {g}", []))
-    elif opt < last:
-        problems.append((f"device {dev}: OPT before the last backward/AR", [(dev, opt)]))
-    return problems
+        return [(f"device {d.dev}: no optimizer step (OPT) on stage {d.group}", [])]
+    if opt < last:
+        return [(f"device {d.dev}: OPT before the last backward/AR", [(d.dev, opt)])]
+    return []
 
 
 def _check_coverage(
@@ -335,10 +250,10 @@ def _check_coverage(
     m: int,
     prev_peers: set[int],
     next_peers: set[int],
-) -> list[tuple[str, list[Cell]]]:
+) -> list[Problem]:
     """Stage ``s`` runs F_m and B_m (or I_m and W_m) once, after their receives, before their
     sends."""
-    problems: list[tuple[str, list[Cell]]] = []
+    problems: list[Problem] = []
     split = (K.BACKWARD_INPUT, s, m, None) in where or (K.BACKWARD_WEIGHT, s, m, None) in where
     grad = K.BACKWARD_INPUT if split else K.BACKWARD
     if split and (K.BACKWARD, s, m, None) in where:
@@ -374,7 +289,7 @@ def _check_coverage(
     return problems
 
 
-def _dry_run(plan: Plan, schedule: Schedule) -> list[tuple[str, list[Cell]]]:
+def _dry_run(plan: Plan, schedule: Schedule) -> list[Problem]:
     """Blocking receives, non-blocking sends, AR waits for all replicas: find a deadlock."""
     pc = dict.fromkeys(schedule, 0)
     posted: Counter[_MsgKey] = Counter()
@@ -424,24 +339,16 @@ def validate(schedule: Schedule, plan: Plan) -> None:
             up, AR/OPT are missing or misplaced, or the dry run deadlocks. The message holds a
             step x device grid marking the offending actions ``>>so<<``.
     """
-    if sorted(schedule) != sorted(plan.devices):
+    if sorted(schedule) != sorted(plan.replica_devices):
         raise ValidationError(
             f"invalid schedule: devices {sorted(schedule)} differ from the plan's "
-            f"{sorted(plan.devices)}\n" + format_grid(schedule)
+            f"{sorted(plan.replica_devices)}\n" + format_grid(schedule)
         )
-    b = plan.micro_batch_size
-    S = plan.num_stages
-    # peers[0][s][k]: replicas of s-1 that send to replica k of s; peers[1][s][j]: replicas of
-    # s+1 that replica j of s sends to.
-    peers: list[list[dict[int, list[int]]]] = [[{} for _ in range(S)], [{} for _ in range(S)]]
-    for s in range(S - 1):
-        for j, k, _lo, _hi in transfers(b, plan.stages[s].replicas, plan.stages[s + 1].replicas):
-            peers[1][s].setdefault(j, []).append(k)
-            peers[0][s + 1].setdefault(k, []).append(j)
-    problems: list[tuple[str, list[Cell]]] = []
+    peers = _peer_maps(plan)
+    problems: list[Problem] = []
     for dev in sorted(schedule):
         problems += _check_device(plan, dev, schedule[dev], peers)
-    _fail("schedule", problems, schedule, "dev")
+    fail("schedule", problems, schedule, "dev")
 
     # Pairing: every send has exactly one receive and vice versa.
     sends: dict[_MsgKey, list[Cell]] = {}
@@ -463,5 +370,5 @@ def validate(schedule: Schedule, plan: Plan) -> None:
                     sends.get(key, []) + recvs.get(key, []),
                 )
             )
-    _fail("schedule", problems, schedule, "dev")
-    _fail("schedule", _dry_run(plan, schedule), schedule, "dev")
+    fail("schedule", problems, schedule, "dev")
+    fail("schedule", _dry_run(plan, schedule), schedule, "dev")

@@ -50,7 +50,7 @@ from dapple.core.cluster import Cluster
 from dapple.core.plan import Plan, StagePlan
 from dapple.core.profile import ModelProfile
 from dapple.cost.lengths import profile_for_plan
-from dapple.cost.memory import device_state_bytes, held_activation_bytes
+from dapple.cost.memory import device_state_bytes, held_activation_bytes, kept_bytes_per_sample
 from dapple.cost.schedules import schedule_step_ms
 from dapple.cost.terms import PlanTerms, TransferTerms, stage_terms
 from dapple.errors import DappleError, ValidationError
@@ -152,9 +152,8 @@ def held_and_transient_bytes(
     held = float(held_activation_bytes(profile, stage, samples))
     if not stage.recompute:
         return held, 0.0
-    start, end = stage.layers
-    return held, sum(
-        x.kept_activation_bytes_per_sample for x in profile.for_memory.layers[start:end]
+    return held, kept_bytes_per_sample(
+        profile.for_memory, stage.layers, stage.tensor_width
     ) * samples
 
 
@@ -250,7 +249,7 @@ class _Run:
             assert a.micro_batch is not None and a.peer is not None
             fwd = a.kind is K.SEND_F
             s_dst = s + 1 if fwd else s - 1
-            dst = stages[s_dst].devices[a.peer]
+            dst = stages[s_dst].replica_devices[a.peer]
             x = self.transfer[(s, j, a.peer)] if fwd else self.transfer[(s - 1, a.peer, j)]
             nbytes = x.nbytes
             start = max(now, self.link_free.get((dev, dst), 0.0))
@@ -267,7 +266,7 @@ class _Run:
             if not q:
                 return False
             self.t[dev] = max(now, q.popleft())
-            src = stages[key[1]].devices[a.peer]
+            src = stages[key[1]].replica_devices[a.peer]
             self.events.append(SimEvent(dev, a, now, self.t[dev], src))
         elif a.kind is K.ALLREDUCE:
             waiting = self.at_ar.setdefault(s, {})

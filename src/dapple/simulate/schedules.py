@@ -2,7 +2,8 @@
 schedule by simulation (``dapple plan --compare``) and the best over all of them
 (``dapple plan --schedule best``).
 
-Pure: no torch. Every schedule is compared here by simulated step time, under the memory
+Pure: no torch. Every registered schedule (:mod:`dapple.schedule.registry`) is compared here,
+each variant it declares (``ScheduleSpec.variants``), by simulated step time, under the memory
 limit; the runtime runs each of them.
 """
 
@@ -14,31 +15,63 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 from dapple.core.cluster import Cluster
-from dapple.core.plan import SCHEDULES, Plan, StagePlan, interleave
+from dapple.core.plan import DEFAULT_SCHEDULE, Plan, StagePlan, interleave
 from dapple.core.profile import ModelProfile
 from dapple.cost.schedules import schedule_latency
 from dapple.errors import DappleError, ValidationError
+from dapple.schedule.registry import (
+    builtin_schedules,
+    check_virtual_stages,
+    get_schedule,
+    schedules,
+)
+from dapple.schedule.spec import ScheduleSpec
 from dapple.simulate.engine import SimResult, simulate
 
 __all__ = [
     "SCHEDULE_VARIANTS",
     "ScheduleChoice",
     "balanced_pipelines",
+    "baseline_first",
     "best_per_schedule",
     "best_schedule",
+    "compared_plan",
     "refine_cuts",
+    "schedule_variants",
+    "unchunked",
     "with_schedule",
 ]
 
-SCHEDULE_VARIANTS: tuple[tuple[str, str, int], ...] = (
-    ("gpipe", "A", 1),
-    ("dapple", "A", 1),
-    ("dapple", "B", 1),
-    ("interleaved", "A", 2),
-    ("interleaved", "A", 4),
-    ("zbh1", "A", 1),
-)
-"""(schedule, policy, v) of each column of :func:`best_per_schedule`."""
+
+def schedule_variants(
+    specs: tuple[ScheduleSpec, ...] | None = None,
+) -> tuple[tuple[str, str, int], ...]:
+    """``(schedule, policy, v)`` of each column of :func:`best_per_schedule`: each schedule's
+    ``variants``, in registry order (default: every registered schedule)."""
+    specs = schedules() if specs is None else specs
+    return tuple((s.name, policy, v) for s in specs for policy, v in s.variants)
+
+
+SCHEDULE_VARIANTS: tuple[tuple[str, str, int], ...] = schedule_variants(builtin_schedules())
+"""The built-in schedules' variants: gpipe, dapple/A, dapple/B, interleaved v=2 and v=4,
+zbh1."""
+
+
+def unchunked(plan: Plan) -> Plan:
+    """``plan`` with one contiguous stage per device group: each group's chunks joined
+    (``plan`` itself when v = 1)."""
+    if plan.virtual_stages == 1:
+        return plan
+    P = plan.num_groups
+    start, rebuilt = 0, []
+    for g, st in enumerate(plan.stages[:P]):
+        n = sum(
+            plan.stages[k].layers[1] - plan.stages[k].layers[0]
+            for k in range(g, plan.num_stages, P)
+        )
+        rebuilt.append(dataclasses.replace(st, layers=(start, start + n)))
+        start += n
+    return dataclasses.replace(plan, virtual_stages=1, stages=tuple(rebuilt))
 
 
 def with_schedule(
@@ -46,46 +79,39 @@ def with_schedule(
 ) -> Plan:
     """``plan``'s stages, replication and placement under ``schedule``.
 
-    ``interleaved`` cuts each device group's layers into ``virtual_stages`` chunks
-    (:func:`dapple.core.plan.interleave`); the predicted step is the schedule's
-    (:func:`dapple.cost.schedules.schedule_latency`) when the plan had one.
+    A schedule with chunks (interleaved) cuts each device group's layers into
+    ``virtual_stages`` chunks (:func:`dapple.core.plan.interleave`); then the schedule's own
+    rules (``ScheduleSpec.check``) must hold. The predicted step is the plan's as given.
 
     Raises:
-        ValidationError: unknown schedule, v > 1 for another schedule, v not dividing a
-            device group's layers, or an interleaved plan whose M is not a multiple of its
-            device groups.
+        ValidationError: unknown schedule, v > 1 for a schedule without chunks, v not
+            dividing a device group's layers, or a rule of the schedule (interleaved: M a
+            multiple of the device groups).
     """
-    if schedule not in SCHEDULES:
-        raise ValidationError(
-            f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}"
-        )
-    if virtual_stages != 1 and schedule != "interleaved":
-        raise ValidationError(
-            f"--virtual-stages {virtual_stages} needs --schedule interleaved, got {schedule!r}"
-        )
-    base = plan
-    if plan.virtual_stages > 1:  # back to one contiguous stage per device group
-        P = plan.num_groups
-        start, rebuilt = 0, []
-        for g, st in enumerate(plan.stages[:P]):
-            n = sum(
-                plan.stages[k].layers[1] - plan.stages[k].layers[0]
-                for k in range(g, plan.num_stages, P)
-            )
-            rebuilt.append(dataclasses.replace(st, layers=(start, start + n)))
-            start += n
-        base = dataclasses.replace(plan, schedule="dapple", virtual_stages=1, stages=tuple(rebuilt))
+    spec = get_schedule(schedule)
+    check_virtual_stages(virtual_stages, schedule)
+    base = unchunked(plan)
     kw: dict[str, Any] = {"policy": policy} if policy else {}
-    if schedule == "interleaved":
-        out = interleave(dataclasses.replace(base, **kw), virtual_stages)
-        if out.num_micro_batches % out.num_groups:
-            raise ValidationError(
-                f"interleaved 1F1B needs M={out.num_micro_batches} to be a multiple of the "
-                f"{out.num_groups} device groups of the plan"
-            )
+    if spec.chunks:
+        chunked = interleave(dataclasses.replace(base, **kw), virtual_stages)
+        out = dataclasses.replace(chunked, schedule=spec.name)
     else:
-        out = dataclasses.replace(base, schedule=cast(Any, schedule), **kw)
+        out = dataclasses.replace(base, schedule=spec.name, **kw)
+    if spec.check is not None:
+        spec.check(out)
     return out
+
+
+def compared_plan(plan: Plan) -> Plan:
+    """``plan`` under the schedule it is compared with (``ScheduleSpec.compare_with``: GPipe
+    beside DAPPLE, DAPPLE beside the others)."""
+    return with_schedule(plan, get_schedule(plan.schedule).compare_with or DEFAULT_SCHEDULE)
+
+
+def baseline_first(runs: list[tuple[str, SimResult]]) -> list[tuple[str, SimResult]]:
+    """``runs`` with the baseline schedule's (GPipe) on top, as in the paper; the others in
+    their order."""
+    return sorted(runs, key=lambda run: not get_schedule(run[1].schedule).baseline)
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,7 +119,8 @@ class ScheduleChoice:
     """The best plan found for one schedule variant, or why there is none."""
 
     label: str
-    """``gpipe``, ``dapple/A``, ``dapple/B``, ``interleaved v=2``, ``interleaved v=4``, ``zbh1``."""
+    """The variant's ``ScheduleSpec.label``: ``gpipe``, ``dapple/A``, ``dapple/B``,
+    ``interleaved v=2``, ``interleaved v=4``, ``zbh1``."""
     plan: Plan | None
     result: SimResult | None
     note: str = ""
@@ -161,25 +188,19 @@ def balanced_pipelines(
     return out
 
 
-def _label(schedule: str, policy: str, v: int) -> str:
-    if schedule == "dapple":
-        return f"dapple/{policy}"
-    return f"interleaved v={v}" if schedule == "interleaved" else schedule
-
-
 def best_per_schedule(
     bases: list[Plan],
     profile: ModelProfile,
     cluster: Cluster,
     micro_batch_counts: list[int] | None = None,
 ) -> list[ScheduleChoice]:
-    """For each of :data:`SCHEDULE_VARIANTS`, the fastest simulated plan that fits the memory.
+    """For each of :func:`schedule_variants`, the fastest simulated plan that fits the memory.
 
     Each base plan (e.g. the DAPPLE planner's and the straight pipeline) keeps its stages,
     replication and placement; the schedule and the number of micro-batches M vary (every M
     of ``micro_batch_counts`` that divides the global batch, default: the divisors of the
-    global batch up to 64). Interleaved variants also try each base with its cuts moved to
-    the nearest multiples of v (each device group must hold a multiple of v layers).
+    global batch up to 64). Chunked variants (interleaved) also try each base with its cuts
+    moved to the nearest multiples of v (each device group must hold a multiple of v layers).
 
     Args:
         bases: plans whose partition, replication and placement are tried.
@@ -187,74 +208,98 @@ def best_per_schedule(
         cluster: devices, links and the memory limit (``usable_memory_bytes``).
         micro_batch_counts: M values to try.
     """
-    out = []
-    for schedule, policy, v in SCHEDULE_VARIANTS:
-        best: tuple[Plan, SimResult] | None = None
-        notes: list[str] = []
-        N = bases[0].num_layers if bases else 0
-        if v > 1 and N % v:
-            label = _label(schedule, policy, v)
-            out.append(
-                ScheduleChoice(
-                    label,
-                    None,
-                    None,
-                    f"the {N} layers are not a multiple of v={v} (every device group holds a "
-                    "multiple of v layers)",
-                )
-            )
+    return [
+        _best_variant(schedule, policy, v, bases, profile, cluster, micro_batch_counts)
+        for schedule, policy, v in schedule_variants()
+    ]
+
+
+def _best_variant(
+    schedule: str,
+    policy: str,
+    v: int,
+    bases: list[Plan],
+    profile: ModelProfile,
+    cluster: Cluster,
+    micro_batch_counts: list[int] | None,
+) -> ScheduleChoice:
+    """One column of :func:`best_per_schedule`: the fastest fitting plan of the variant, or
+    the last reason a try failed."""
+    label = get_schedule(schedule).label_of(policy, v)
+    N = bases[0].num_layers if bases else 0
+    if v > 1 and N % v:
+        note = (
+            f"the {N} layers are not a multiple of v={v} (every device group holds a multiple "
+            "of v layers)"
+        )
+        return ScheduleChoice(label, None, None, note)
+    best: tuple[Plan, SimResult] | None = None
+    notes: list[str] = []
+    for base in _variant_bases(bases, v):
+        if v > 1 and base.num_groups == 1:
+            notes.append("one device group (data parallelism): nothing to interleave")
             continue
-        tried = list(bases)
-        if v > 1:  # also the same cuts moved to multiples of v
-            tried += [
-                r for r in (_rounded(b, v) for b in bases) if r is not None and r not in bases
-            ]
-        for base in tried:
-            gbs = base.global_batch_size
-            ms = micro_batch_counts or [m for m in range(1, min(gbs, 64) + 1) if gbs % m == 0]
-            if v > 1 and base.num_groups == 1:
-                notes.append("one device group (data parallelism): nothing to interleave")
+        gbs = base.global_batch_size
+        ms = micro_batch_counts or [m for m in range(1, min(gbs, 64) + 1) if gbs % m == 0]
+        for M in ms:
+            if gbs % M:
                 continue
-            for M in ms:
-                if gbs % M:
-                    continue
-                try:
-                    sized = dataclasses.replace(
-                        base, micro_batch_size=gbs // M, num_micro_batches=M
-                    )
-                    plan = with_schedule(sized, schedule, v, policy)
-                    res = simulate(plan, profile, cluster)
-                except DappleError as e:
-                    notes.append(str(e).splitlines()[0])
-                    continue
-                if res.peak_memory_bytes > cluster.usable_memory_bytes:
-                    notes.append(
-                        f"M={M}: {res.peak_memory_bytes / 2**30:.1f} GiB peak exceeds memory"
-                    )
-                    continue
-                if best is None or res.step_ms < best[1].step_ms:
-                    best = (plan, res)
-        label = _label(schedule, policy, v)
-        if best is None:
-            out.append(ScheduleChoice(label, None, None, notes[-1] if notes else "no plan"))
-        else:
-            plan = dataclasses.replace(
-                best[0], predicted_step_ms=schedule_latency(best[0], profile, cluster)
-            )
-            out.append(ScheduleChoice(label, plan, best[1]))
-    return out
+            got = _simulated(base, M, schedule, policy, v, profile, cluster)
+            if isinstance(got, str):
+                notes.append(got)
+            elif best is None or got[1].step_ms < best[1].step_ms:
+                best = got
+    if best is None:
+        return ScheduleChoice(label, None, None, notes[-1] if notes else "no plan")
+    plan = dataclasses.replace(
+        best[0], predicted_step_ms=schedule_latency(best[0], profile, cluster)
+    )
+    return ScheduleChoice(label, plan, best[1])
+
+
+def _variant_bases(bases: list[Plan], v: int) -> list[Plan]:
+    """The bases a variant with v chunks tries: all, and for v > 1 also each with its cuts
+    moved to multiples of v."""
+    if v == 1:
+        return list(bases)
+    rounded = (_rounded(b, v) for b in bases)
+    return [*bases, *(r for r in rounded if r is not None and r not in bases)]
+
+
+def _simulated(
+    base: Plan,
+    M: int,
+    schedule: str,
+    policy: str,
+    v: int,
+    profile: ModelProfile,
+    cluster: Cluster,
+) -> tuple[Plan, SimResult] | str:
+    """``base`` with M micro-batches under the variant, simulated: the plan and its result, or
+    why it does not run or fit the memory (one line)."""
+    try:
+        sized = dataclasses.replace(
+            base, micro_batch_size=base.global_batch_size // M, num_micro_batches=M
+        )
+        plan = with_schedule(sized, schedule, v, policy)
+        res = simulate(plan, profile, cluster)
+    except DappleError as e:
+        return str(e).splitlines()[0]
+    if res.peak_memory_bytes > cluster.usable_memory_bytes:
+        return f"M={M}: {res.peak_memory_bytes / 2**30:.1f} GiB peak exceeds memory"
+    return plan, res
 
 
 def best_schedule(
     plan: Plan, profile: ModelProfile, cluster: Cluster
 ) -> tuple[ScheduleChoice, list[ScheduleChoice]]:
-    """The schedule as part of the search: every variant of :data:`SCHEDULE_VARIANTS` on
+    """The schedule as part of the search: every variant of :func:`schedule_variants` on
     ``plan``'s partition, replication and placement and on the balanced pipelines of every
     depth, each M (:func:`best_per_schedule`); the fastest simulated plan that fits the memory.
 
     Returns:
         The chosen variant (its plan predicted by its schedule's latency) and every variant's
-        best, in :data:`SCHEDULE_VARIANTS` order.
+        best, in :func:`schedule_variants` order.
 
     Raises:
         ValidationError: no variant fits the memory (each variant's reason listed).
@@ -285,7 +330,7 @@ def refine_cuts(
     plan, res = choice.plan, choice.result
     v = plan.virtual_stages
     policy = plan.policy
-    base = with_schedule(plan, "dapple") if v > 1 else plan
+    base = unchunked(plan)
     for _ in range(max_moves):
         better: tuple[Plan, Plan, SimResult] | None = None
         for g in range(base.num_stages - 1):

@@ -184,7 +184,7 @@ def stage_diffs(
     for s, st in enumerate(plan.stages):
         lo, hi = st.layers
         mine = [r for r in runs if s in r["stages"]]
-        if len(mine) != st.replicas:
+        if len({int(r["replica"]) for r in mine}) != st.replicas:  # t_s ranks per replica
             raise ValidationError(
                 f"stage {s}: got the weights of {len(mine)} replicas, expected {st.replicas}"
             )

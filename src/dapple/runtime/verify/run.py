@@ -138,13 +138,16 @@ def _worker(
             recorder = _Recorder(plan, rank)
             run = run_plan(plan, perturbed(wl) if perturb else wl, cfg, device=device,
                            exact_world=False, data=data, on_update=recorder)  # fmt: skip
-            if run.module is not None and run.stage is not None:
+            if run.whole is not None:
+                layers = run.whole
+            elif run.module is not None and run.stage is not None:
                 layers = {
                     i: {n: p.detach().cpu() for n, p in layer.named_parameters()}
                     for i, layer in zip(
                         plan.layers_of_device(rank), run.module.children(), strict=True
                     )
                 }
+            if run.module is not None and run.stage is not None:
                 record = {"stages": list(plan.stages_of_device(rank)), "replica": run.replica,
                           "layers": layers, "steps": recorder.steps}  # fmt: skip
                 torch.save(record, Path(out, f"case{c}-rank{rank}.pt"))
@@ -281,14 +284,7 @@ def verify_many(
         RankFailure: A worker failed.
     """
     check_verify_precision(precision, device)
-    low = precision != "fp32"
-    tol = {
-        "rtol": RTOL if rtol is None else rtol,
-        "atol": ATOL if atol is None else atol,
-        "grad_rtol": (tolerances_for(precision)[0] if low else GRAD_RTOL)
-        if grad_rtol is None
-        else grad_rtol,
-    }
+    tol = _tolerances(precision, rtol, atol, grad_rtol)
     if not cases:
         raise ValidationError("verify needs at least one (plan, workload) case")
     if min(tol.values()) < 0:
@@ -301,43 +297,70 @@ def verify_many(
         if data is None:  # every step's batch fits the model (shapes that change per step)
             check_steps(wl, plan.global_batch_size, seed, steps)
     world = max(len(plan.devices) for plan, _ in cases)
-    norm_rtol = max(GRAD_NORM_RTOL, tolerances_for(precision)[0]) if low else GRAD_NORM_RTOL
-    reports = []
+    options = {"steps": steps, "seed": seed, "optimizer": optimizer, "lr": lr}
+    options |= {"precision": precision} | optim
     with tempfile.TemporaryDirectory(prefix="dapple-verify-") as tmp:
         payload = [(plan.to_dict(), wl) for plan, wl in cases]
         spawn(_worker, world, payload, cfg, tmp, data, timeout_s=timeout_s)
-        for c, (plan, wl) in enumerate(cases):
-            records = [
-                torch.load(Path(tmp, f"case{c}-rank{r}.pt"), weights_only=True)
-                for r in plan.devices
-            ]
-            losses, norms = json.loads(Path(tmp, f"case{c}-losses.json").read_text())
-            ref = ForcedReference(wl, plan.global_batch_size, cfg, data)
-            diffs, ref_losses, ref_norms = _compare(plan, ref, records, steps, tol)
-            reports.append(
-                VerifyReport(
-                    plan=plan,
-                    model_name=wl.name,
-                    reference=ref.kind,
-                    stages=diffs,
-                    losses=tuple(float(x) for x in losses),
-                    reference_losses=tuple(ref_losses),
-                    rtol=tol["rtol"],
-                    atol=tol["atol"],
-                    options={"steps": steps, "seed": seed, "optimizer": optimizer, "lr": lr}
-                    | {"precision": precision}
-                    | optim,
-                    grad_norms=tuple(float("nan") if x is None else float(x) for x in norms),
-                    reference_grad_norms=tuple(ref_norms),
-                    grad_norm_rtol=norm_rtol,
-                    grad_rtol=tol["grad_rtol"],
-                )
-            )
+        reports = [
+            _report(Path(tmp), c, plan, wl, cfg, data, tol, options)
+            for c, (plan, wl) in enumerate(cases)
+        ]
     for rep in reports:
         log.info("verify %s %s: gradients %.3g of scale, weights %.3g, %s", rep.model_name,
                  rep.plan.replication, rep.max_grad_diff, rep.max_abs_diff,
                  "ok" if rep.ok else "MISMATCH")  # fmt: skip
     return reports
+
+
+def _tolerances(
+    precision: str, rtol: float | None, atol: float | None, grad_rtol: float | None
+) -> dict[str, float]:
+    """The weights' ``rtol`` and ``atol`` and the gradients' ``grad_rtol``: the given ones, or
+    the defaults (:data:`RTOL`, :data:`ATOL`, :data:`GRAD_RTOL`; low precision: its rtol for
+    the gradients)."""
+    low = precision != "fp32"
+    default_grad = tolerances_for(precision)[0] if low else GRAD_RTOL
+    return {
+        "rtol": RTOL if rtol is None else rtol,
+        "atol": ATOL if atol is None else atol,
+        "grad_rtol": default_grad if grad_rtol is None else grad_rtol,
+    }
+
+
+def _report(
+    tmp: Path,
+    c: int,
+    plan: Plan,
+    wl: Workload,
+    cfg: TrainConfig,
+    data: Dataset[Any] | None,
+    tol: dict[str, float],
+    options: dict[str, Any],
+) -> VerifyReport:
+    """Case ``c``'s report: its workers' records in ``tmp`` against its single-process
+    reference, step by step (:func:`_compare`)."""
+    records = [torch.load(tmp / f"case{c}-rank{r}.pt", weights_only=True) for r in plan.devices]
+    losses, norms = json.loads((tmp / f"case{c}-losses.json").read_text())
+    ref = ForcedReference(wl, plan.global_batch_size, cfg, data)
+    diffs, ref_losses, ref_norms = _compare(plan, ref, records, cfg.steps, tol)
+    low = cfg.precision != "fp32"
+    norm_rtol = max(GRAD_NORM_RTOL, tolerances_for(cfg.precision)[0]) if low else GRAD_NORM_RTOL
+    return VerifyReport(
+        plan=plan,
+        model_name=wl.name,
+        reference=ref.kind,
+        stages=diffs,
+        losses=tuple(float(x) for x in losses),
+        reference_losses=tuple(ref_losses),
+        rtol=tol["rtol"],
+        atol=tol["atol"],
+        options=options,
+        grad_norms=tuple(float("nan") if x is None else float(x) for x in norms),
+        reference_grad_norms=tuple(ref_norms),
+        grad_norm_rtol=norm_rtol,
+        grad_rtol=tol["grad_rtol"],
+    )
 
 
 def verify(plan: Plan, workload: Workload, steps: int = 2, **options: Any) -> VerifyReport:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Collection, Iterable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -15,6 +14,7 @@ from dapple.core.plan import Plan
 from dapple.runtime import comm
 from dapple.runtime.checkpoint import LayerState, stage_layer_states
 from dapple.runtime.sync import BUCKET_BYTES, bucket_runs
+from dapple.runtime.zero.layout import Bucket, Piece, flat_layout, replica_slices, tied_slices
 
 __all__ = ["MAX_STAGED", "TENSOR_COLLECTIVES_ENV", "FlatShards", "Piece"]
 
@@ -25,43 +25,6 @@ too (the path of other backends), so it can be tested on the CPU."""
 MAX_STAGED = 2
 """ZeRO-2: buckets being reduced at once; launching another first waits for the oldest (so the
 staged gradients take at most this many buckets, not the stage)."""
-
-
-@dataclass(frozen=True, slots=True)
-class Piece:
-    """The part of one stage parameter this replica updates: inside its chunk of a bucket, or
-    its slice of a tied parameter."""
-
-    param: nn.Parameter
-    """The optimizer's parameter: a 1-D view of its bucket's flat parameter buffer (of the
-    tied parameter)."""
-    origin: nn.Parameter
-    """The stage parameter it is part of."""
-    offset: int
-    """Where it starts in ``origin.reshape(-1)``."""
-
-
-@dataclass
-class _Bucket:
-    params: list[nn.Parameter]
-    flat: torch.Tensor
-    """The bucket's parameters, padded (they are views of it)."""
-    padded: int
-    """P: its element count, a multiple of r."""
-    shard_start: int
-    """Offset of this replica's chunk in the gradient shard."""
-    grads: torch.Tensor | None = None
-    """ZeRO-1: the bucket's gradients (``p.grad`` are views of it)."""
-    ready: set[int] = field(default_factory=set)
-    works: list[Any] = field(default_factory=list)
-    """The reduce-scatter in flight (empty: none)."""
-    result: torch.Tensor | None = None
-    """Where this replica's reduced chunk lands (copied or added to the shard when done)."""
-    staged: torch.Tensor | None = None
-    """ZeRO-2: the micro-batch's gradients being reduced (kept alive until done)."""
-    launched_sum: torch.Tensor | None = None
-    """ZeRO-1: the sum of the bucket's local gradients when its reduction started (for the
-    non-finite guard: on gloo the reduction overwrites them)."""
 
 
 class FlatShards:
@@ -107,50 +70,21 @@ class FlatShards:
         runs = bucket_runs(params[::-1], cap, lambda p: chunk_of.get(id(p)))
         like = params[0] if params else torch.empty(0)
         kw: dict[str, Any] = {"dtype": like.dtype, "device": like.device}
-        self.buckets: list[_Bucket] = []
-        self.pieces: list[Piece] = []
-        """The optimizer's parameters, in bucket order."""
-        self._where: dict[int, tuple[int, int, int]] = {}
-        """``id(stage parameter) -> (bucket, index in it, offset in its flat buffer)``."""
-        shard = 0
-        pending: list[tuple[int, int, int, nn.Parameter]] = []  # (bucket, lo, hi, parameter)
         with torch.no_grad():
-            for k, run in enumerate(runs):
-                n = sum(p.numel() for p in run)
-                padded = -(-n // self.r) * self.r
-                chunk = padded // self.r
-                bk = _Bucket(run, torch.zeros(padded, **kw), padded, shard)
-                self.buckets.append(bk)
-                lo, hi = replica * chunk, (replica + 1) * chunk
-                off = 0
-                for i, p in enumerate(run):
-                    view = bk.flat[off : off + p.numel()]
-                    view.copy_(p.detach().reshape(-1))
-                    p.data = view.view_as(p)  # the old storage goes now: one bucket extra at most
-                    a, b = max(off, lo), min(off + p.numel(), hi)
-                    if a < b:
-                        pending.append((k, a - lo, b - a, p))
-                        self.pieces.append(Piece(nn.Parameter(bk.flat[a:b]), p, a - off))
-                    self._where[id(p)] = (k, i, off)
-                    off += p.numel()
-                if zero_stage == 1:
-                    bk.grads = torch.zeros(padded, **kw)
-                shard += chunk
-        self.grad_shard = torch.zeros(shard, **kw)
+            layout = flat_layout(runs, replica, self.r, zero_stage, kw)
+        self.buckets = layout.buckets
+        self.pieces = layout.pieces
+        """The optimizer's parameters, in bucket order (then the tied slices)."""
+        self._where = layout.where
+        """``id(stage parameter) -> (bucket, index in it, offset in its flat buffer)``."""
+        self.grad_shard = layout.grad_shard
         """This replica's chunk of every bucket's reduced gradient, in bucket order."""
-        for pc, (k, at, n, _) in zip(self.pieces, pending, strict=True):
-            g0 = self.buckets[k].shard_start + at
-            pc.param.grad = self.grad_shard[g0 : g0 + n]
         self.tied = list(tied)
         """Tied parameters: whole gradients (summed across stages), optimizer state in slices."""
-        self._tied_pieces: list[Piece] = []
-        for t in self.tied:
-            lo, hi = self._slices(t)[replica]
-            if lo < hi:
-                self._tied_pieces.append(Piece(nn.Parameter(t.detach().view(-1)[lo:hi]), t, lo))
+        self._tied_pieces = tied_slices(self.tied, replica, self.r)
         self.pieces += self._tied_pieces
         self._sums: list[torch.Tensor] = []
-        self._inflight: list[_Bucket] = []
+        self._inflight: list[Bucket] = []
         """ZeRO-2: the buckets whose reduction runs, oldest first."""
         self._gloo = (
             pg is not None
@@ -170,10 +104,16 @@ class FlatShards:
         """The gathers in flight by key - a bucket's index, or ``len(buckets) + t`` for tied
         parameter ``t`` - each waited for at the first use of its parameters."""
         self._hooks = [p.register_post_accumulate_grad_hook(self.on_grad) for p in params]  # type: ignore[no-untyped-call]
-        key = {id(p): self._where[id(p)][0] for p in params}
-        key.update({id(t): len(self.buckets) + i for i, t in enumerate(self.tied)})
         self._order: list[int] = []
         """The gather keys in the order the stage's forward first needs them."""
+        self._hook_forward(module, params)
+
+    # -- building ------------------------------------------------------------------------------
+    def _hook_forward(self, module: nn.Module, params: list[nn.Parameter]) -> None:
+        """Record in :attr:`_order` the gather keys in the order the layers first need them
+        and hook each layer that needs some to wait for them before its forward."""
+        key = {id(p): self._where[id(p)][0] for p in params}
+        key.update({id(t): len(self.buckets) + i for i, t in enumerate(self.tied)})
         for layer in module.children():
             needs = sorted({key[id(p)] for p in layer.parameters() if id(p) in key})
             self._order += [k for k in needs if k not in self._order]
@@ -185,11 +125,8 @@ class FlatShards:
 
     # -- the step ----------------------------------------------------------------------------
     def _slices(self, t: torch.Tensor) -> list[tuple[int, int]]:
-        """Each replica's elements ``[lo, hi)`` of tied parameter ``t`` (the last may be short
-        or empty)."""
-        n = t.numel()
-        c = -(-n // self.r)
-        return [(min(j * c, n), min((j + 1) * c, n)) for j in range(self.r)]
+        """Each replica's elements ``[lo, hi)`` of tied parameter ``t``."""
+        return replica_slices(t.numel(), self.r)
 
     def counted(self, counts: Collection[nn.Parameter]) -> list[nn.Parameter]:
         """The pieces whose gradients this replica adds to the global norm: those of the
@@ -289,7 +226,7 @@ class FlatShards:
             view.copy_(p.grad.reshape(-1))
             p.grad = view.view_as(p)
 
-    def _launch(self, bk: _Bucket) -> None:
+    def _launch(self, bk: Bucket) -> None:
         if bk.grads is not None:  # ZeRO-1: the accumulated bucket, reduced in place
             for p in bk.params:
                 self._own(p)
@@ -325,7 +262,7 @@ class FlatShards:
             while len(self._inflight) > MAX_STAGED:
                 self._land(self._inflight.pop(0), add=True)
 
-    def _land(self, bk: _Bucket, *, add: bool) -> None:
+    def _land(self, bk: Bucket, *, add: bool) -> None:
         """Wait for ``bk``'s reduction and copy (ZeRO-1) or add (ZeRO-2) it into the shard."""
         for w in bk.works:
             w.wait()

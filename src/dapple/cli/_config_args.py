@@ -1,0 +1,180 @@
+"""``--config FILE`` and ``--print-config``: a command's flags as one typed configuration.
+
+A command lists its flags as :class:`Flag` rows: the parsed flag (its ``dest``), the config
+fields it sets and how its value converts (and back). :func:`add_config_arguments` adds the two
+flags and marks every other flag so that the parsed namespace records which ones the command
+line gave; :func:`given_values` turns those - and only those - into config values, which go on
+top of the file's. A flag the command line did not give thus never hides a value of the file,
+and the defaults are the dataclasses' (a test keeps each flag's default equal to its field's).
+
+Torch-free at import time.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = [
+    "Flag",
+    "add_config_arguments",
+    "flag_namespace",
+    "given",
+    "given_values",
+    "missing_required",
+]
+
+_GIVEN = "_dapple_given_flags"
+"""Namespace attribute: the dests of the flags the command line gave."""
+
+CLI_ONLY_DESTS = ("config", "print_config")
+
+
+def _same(value: Any) -> tuple[Any, ...]:
+    return (value,)
+
+
+def _first(values: tuple[Any, ...]) -> Any:
+    return values[0]
+
+
+@dataclass(frozen=True)
+class Flag:
+    """One flag of a command as config fields."""
+
+    dest: str
+    """The flag's ``dest`` in the parsed namespace."""
+    fields: tuple[tuple[str, str], ...]
+    """The ``(part, field)`` it sets (:mod:`dapple.core.config_file`)."""
+    to_fields: Callable[[Any], tuple[Any, ...]] = _same
+    """The parsed value as the fields' values (one each)."""
+    to_flag: Callable[[tuple[Any, ...]], Any] = _first
+    """The fields' values as the parsed flag's."""
+
+
+def one(part: str, field: str, dest: str | None = None, **convert: Any) -> Flag:
+    """A flag ``dest`` (default: ``field``) setting one field."""
+    return Flag(dest or field, ((part, field),), **convert)
+
+
+class _ConfigAction(argparse.Action):
+    """Stores its value and makes the flags a file can give optional: they are checked once
+    the file is read (:func:`missing_required`)."""
+
+    def __init__(self, *args: Any, file_gives: Sequence[str] = (), **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.file_gives = tuple(file_gives)
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        setattr(namespace, self.dest, True if self.nargs == 0 else values)
+        for action in parser._actions:
+            if action.dest in self.file_gives:
+                action.required = False
+
+
+def add_config_arguments(p: argparse.ArgumentParser, file_gives: Sequence[str], what: str) -> None:
+    """Add ``--config FILE`` and ``--print-config`` to ``p`` and record, on the parsed namespace,
+    which of its other flags the command line gives (:func:`given`).
+
+    Args:
+        p: the command's parser, every other flag already added.
+        file_gives: dests of required flags a config file may give instead.
+        what: the file's sections, for the help.
+    """
+    g = p.add_argument_group("configuration file")
+    g.add_argument(
+        "--config",
+        action=_ConfigAction,
+        file_gives=file_gives,
+        default=None,
+        metavar="FILE",
+        help=f"read the options from this TOML file ({what}; each key is an option's name as "
+        "the Python API spells it); flags given beside it win",
+    )
+    g.add_argument(
+        "--print-config",
+        action=_ConfigAction,
+        file_gives=file_gives,
+        nargs=0,
+        default=False,
+        help="print the options as a TOML file (--config and the flags merged; feed it back with "
+        "--config) and exit",
+    )
+    for action in p._actions:
+        if action.option_strings and action.dest not in ("help", *CLI_ONLY_DESTS):
+            action.__class__ = _recording(type(action))
+
+
+_RECORDING: dict[type[argparse.Action], type[argparse.Action]] = {}
+
+
+def _recording(cls: type[argparse.Action]) -> type[argparse.Action]:
+    """``cls`` that also adds its dest to the namespace's given flags when the command line
+    uses it (one subclass per action class)."""
+    if cls in _RECORDING:
+        return _RECORDING[cls]
+
+    def __call__(
+        self: argparse.Action,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        seen = getattr(namespace, _GIVEN, None)
+        if seen is None:
+            seen = set()
+            setattr(namespace, _GIVEN, seen)
+        seen.add(self.dest)
+        cls.__call__(self, parser, namespace, values, option_string)
+
+    sub: type[argparse.Action] = type(cls.__name__, (cls,), {"__call__": __call__})
+    _RECORDING[cls] = sub
+    return sub
+
+
+def given(args: argparse.Namespace) -> frozenset[str]:
+    """The dests of the flags the command line gave."""
+    return frozenset(getattr(args, _GIVEN, ()))
+
+
+def given_values(args: argparse.Namespace, flags: Iterable[Flag]) -> dict[tuple[str, str], Any]:
+    """The config values of the flags the command line gave (``(part, field) -> value``).
+
+    Raises:
+        ValidationError: a flag value its converter refuses (named as the flag).
+    """
+    out: dict[tuple[str, str], Any] = {}
+    names = given(args)
+    for flag in flags:
+        if flag.dest in names:
+            out.update(zip(flag.fields, flag.to_fields(getattr(args, flag.dest)), strict=True))
+    return out
+
+
+def flag_namespace(values: dict[tuple[str, str], Any], flags: Iterable[Flag]) -> argparse.Namespace:
+    """The parsed flags that say what ``values`` (every field of the flags) say."""
+    return argparse.Namespace(
+        **{f.dest: f.to_flag(tuple(values[x] for x in f.fields)) for f in flags}
+    )
+
+
+def missing_required(
+    values: dict[tuple[str, str], Any],
+    required: dict[tuple[str, str], str],
+    file_key: Callable[[tuple[str, str]], str],
+) -> str | None:
+    """A message naming the first required field neither a flag nor the file set (None: all
+    set)."""
+    for f, flag in required.items():
+        if values.get(f) is None:
+            return f"{flag} is required (or {file_key(f)} in the --config file)"
+    return None

@@ -1,0 +1,103 @@
+"""``dapple plan``'s flags as :class:`~dapple.planner.config.PlanConfig` fields, and its
+``--config FILE`` / ``--print-config``.
+
+:func:`plan_flags` is the one table from the parsed flags to the config (and back):
+:func:`apply_plan_config` builds the :class:`PlanConfig` of ``--config FILE`` with the flags
+the command line gave on top and writes it back onto the parsed flags, which ``dapple plan``
+then runs as before. Torch-free.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from typing import Any
+
+from dapple.cli._config_args import (
+    Flag,
+    add_config_arguments,
+    flag_namespace,
+    given_values,
+    missing_required,
+    one,
+)
+from dapple.errors import ValidationError
+
+__all__ = ["SeqLenParser", "add_plan_config_arguments", "apply_plan_config", "plan_flags"]
+
+
+def _seq_len_flag(v: tuple[Any, ...]) -> str | None:
+    mean, top = v
+    if mean is None:
+        return None
+    return repr(mean) if top is None else f"{mean!r},{top!r}"
+
+
+def _zero_stage(text: str) -> tuple[int | str]:
+    from dapple.planner.config import ZERO_CHOICES
+
+    value: int | str = int(text) if text.strip().lstrip("-").isdigit() else text
+    if value not in ZERO_CHOICES:
+        raise ValidationError(f"--zero-stage must be one of {_choices(ZERO_CHOICES)}, got {text!r}")
+    return (value,)
+
+
+def _choices(values: tuple[int | str, ...]) -> str:
+    """``0, 1, 2 or auto``."""
+    *head, last = map(str, values)
+    return f"{', '.join(head)} or {last}"
+
+
+SeqLenParser = Callable[[str], tuple[float, float]]
+"""``dapple plan``'s ``--seq-len MEAN[,MAX]`` parser (:func:`dapple.cli.plan_cmd.parse_seq_len`)."""
+
+
+def plan_flags(parse_seq_len: SeqLenParser) -> tuple[Flag, ...]:
+    """Every flag of ``dapple plan`` but ``--config``, ``--print-config`` and ``--compare``, as
+    :class:`~dapple.planner.config.PlanConfig` fields (``--seq-len`` read by ``parse_seq_len``).
+    """
+
+    def seq_len(text: str | None) -> tuple[float | None, float | None]:
+        return (None, None) if text is None else parse_seq_len(text)
+
+    return (
+        *(one("", n) for n in ("profile", "cluster", "servers", "global_batch_size", "planner")),
+        Flag("seq_len", (("", "seq_len"), ("", "max_seq_len")), seq_len, _seq_len_flag),
+        *(one("", n) for n in ("output", "schedule", "virtual_stages")),
+        Flag("zero_stage", (("", "zero_stage"),), _zero_stage, lambda v: str(v[0])),
+    )
+
+
+_REQUIRED = {("", "profile"): "--profile", ("", "cluster"): "--cluster"}
+
+
+def add_plan_config_arguments(p: argparse.ArgumentParser) -> None:
+    """Add ``--config FILE`` and ``--print-config`` to ``dapple plan``'s parser ``p``."""
+    add_config_arguments(p, ("profile", "cluster"), "its [planning] section")
+
+
+def apply_plan_config(args: argparse.Namespace, parse_seq_len: SeqLenParser) -> bool:
+    """Set ``args`` to what ``--config FILE`` and the flags given on top say; with
+    ``--print-config`` print that as TOML instead and return True.
+
+    Raises:
+        ValidationError: a bad file or value, or no profile or cluster.
+    """
+    from dapple.core.config_file import build, values_of
+    from dapple.planner.config import PLAN_SECTIONS, PlanConfig, dump_plan_config, load_plan_config
+
+    flags = plan_flags(parse_seq_len)
+    over = given_values(args, flags)
+    if args.config is not None:
+        cfg = load_plan_config(args.config, over=over)
+    else:
+        cfg = build(PlanConfig, over)
+    if args.print_config:
+        print(dump_plan_config(cfg), end="")
+        return True
+    values = values_of(cfg, PLAN_SECTIONS)
+    missing = missing_required(values, _REQUIRED, lambda f: f"[planning] {f[1]}")
+    if missing:
+        raise ValidationError(missing)
+    vars(args).update(vars(flag_namespace(values, flags)))
+    return False

@@ -1,0 +1,141 @@
+"""``dapple train``'s flags as :class:`~dapple.runtime.run_config.RunConfig` fields.
+
+:data:`TRAIN_FLAGS` is the one table from the parsed flags to the config (and back): ``dapple
+train`` builds its :class:`RunConfig` from ``--config FILE`` with the flags the command line
+gave on top (:func:`run_config_of`), and hands the helpers it shares with ``dapple verify`` the
+flags that config says (:func:`flags_of`). Torch-free at import time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import TYPE_CHECKING, Any
+
+from dapple.cli._config_args import Flag, flag_namespace, given_values, missing_required, one
+from dapple.cli._optim_args import zero_stage_flag
+from dapple.errors import ValidationError
+
+if TYPE_CHECKING:
+    from dapple.runtime.run_config import RunConfig
+
+__all__ = ["FILE_GIVES", "TRAIN_FLAGS", "TRAIN_SECTIONS_HELP", "flags_of", "run_config_of"]
+
+
+def _set_items(items: list[str]) -> tuple[dict[str, Any]]:
+    from dapple.cli._model_args import parse_overrides
+
+    return (parse_overrides(items),)
+
+
+def _split_names(text: str | None) -> tuple[tuple[str, ...]]:
+    return (tuple(t.strip() for t in (text or "").split(",") if t.strip()),)
+
+
+def _keep(k: int) -> tuple[int]:
+    if k < 0:
+        raise ValidationError(f"--keep must be >= 0 (0 keeps every checkpoint), got {k}")
+    return (k,)
+
+
+TRAIN_FLAGS: tuple[Flag, ...] = (
+    # model: -m/--model and its flags (dapple.cli._model_args)
+    one("model", "spec", "model"),
+    Flag(
+        "set",
+        (("model", "set"),),
+        _set_items,
+        lambda v: [f"{k}={json.dumps(x)}" for k, x in v[0].items()],
+    ),
+    Flag("split_at", (("model", "split_at"),), _split_names, lambda v: ",".join(v[0]) or None),
+    one("model", "weights"),
+    Flag("dynamic_dims", (("model", "dynamic_dims"),), lambda v: (tuple(v),), lambda v: list(v[0])),
+    # the plan and how to run it
+    one("plan", "path", "plan"),
+    one("plan", "schedule"),
+    one("plan", "virtual_stages"),
+    one("plan", "policy"),
+    # data (dapple.cli._data_args)
+    one("data", "path", "data"),
+    one("data", "eval_path", "eval_data"),
+    one("data", "seq_len"),
+    one("data", "documents"),
+    # the run
+    *(one("train", n) for n in ("steps", "seed", "device", "timeout_s", "precision", "recompute")),
+    one("train", "on_nonfinite"),
+    # optimisation (dapple.cli._optim_args)
+    *(one("train", n) for n in ("optimizer", "lr", "weight_decay", "momentum")),
+    Flag("betas", (("train", "betas"),), lambda v: (tuple(v),), lambda v: list(v[0])),
+    *(one("train", n) for n in ("eps", "lr_schedule", "warmup_steps", "min_lr", "clip_grad_norm")),
+    Flag(
+        "zero_stage",
+        (("train", "zero_stage"),),
+        lambda v: (zero_stage_flag(v),),
+        lambda v: str(v[0]),
+    ),
+    # long runs
+    *(one("train", n) for n in ("checkpoint_dir", "save_every")),
+    Flag("keep", (("run", "keep"),), _keep),
+    one("train", "resume"),
+    one("run", "require_resume"),
+    one("train", "overwrite_checkpoints"),
+    # evaluation and reporting (dapple.cli._train_show)
+    one("train", "eval_every"),
+    one("run", "eval_batches"),
+    one("train", "eval_batch_size"),
+    one("train", "metrics_path", "metrics"),
+    one("train", "tensorboard_dir", "tensorboard"),
+    one("run", "loss_curve"),
+    one("run", "profile"),
+    one("run", "cluster"),
+    # elastic runs
+    *(one("run", n) for n in ("elastic", "min_devices", "max_restarts")),
+)
+"""Every flag of ``dapple train`` but ``--config`` and ``--print-config``, as config fields."""
+
+FILE_GIVES = ("plan", "model")
+"""Required flags a config file may give instead (``[plan] path``, ``[model] spec``)."""
+
+TRAIN_SECTIONS_HELP = (
+    "[model] [plan] [data] [train] [optimizer] [checkpoint] [eval] [report] [elastic]"
+)
+
+_REQUIRED = {("plan", "path"): "--plan", ("model", "spec"): "-m/--model"}
+
+
+def _file_key(f: tuple[str, str]) -> str:
+    from dapple.runtime.run_config import RUN_SECTIONS
+
+    section = next(s for s, fields in RUN_SECTIONS.items() if f in fields)
+    return f"[{section}] {f[1]}"
+
+
+def run_config_of(args: argparse.Namespace, *, check_required: bool = True) -> RunConfig:
+    """The run ``--config FILE`` and the flags the command line gave (those win) ask for.
+
+    Raises:
+        ValidationError: a bad file (:func:`~dapple.runtime.run_config.load_run_config`), a bad
+            value, or (``check_required``) no plan or model.
+    """
+    from dapple.core.config_file import build, values_of
+    from dapple.runtime.run_config import RUN_SECTIONS, RunConfig, load_run_config
+
+    over = given_values(args, TRAIN_FLAGS)
+    if args.config is not None:
+        cfg = load_run_config(args.config, over=over)
+    else:
+        cfg = build(RunConfig, over)
+    if check_required:
+        missing = missing_required(values_of(cfg, RUN_SECTIONS), _REQUIRED, _file_key)
+        if missing:
+            raise ValidationError(missing)
+    return cfg
+
+
+def flags_of(cfg: RunConfig) -> argparse.Namespace:
+    """The parsed flags that ask for ``cfg`` (what the helpers ``dapple verify`` shares read:
+    :func:`~dapple.cli._run_args.load_run_plan`, ``model_overrides``, ``open_datasets``...)."""
+    from dapple.core.config_file import values_of
+    from dapple.runtime.run_config import RUN_SECTIONS
+
+    return flag_namespace(values_of(cfg, RUN_SECTIONS), TRAIN_FLAGS)

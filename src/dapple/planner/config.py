@@ -1,0 +1,134 @@
+"""What a plan is asked for: one typed configuration behind ``dapple plan``, the ``[planning]``
+section of a config file and :func:`dapple.api.plan`.
+
+``dapple plan --config FILE`` reads :class:`PlanConfig` from the file's ``[planning]`` section
+(each key is its field's name, which is also the API's keyword; flags given beside it win)::
+
+    [planning]
+    profile = "paper:bert48"
+    cluster = "paper-a"
+    zero_stage = "auto"
+    output = "plan.json"
+
+The sections of ``dapple train`` (:data:`dapple.runtime.run_config.RUN_SECTIONS`) may share
+the file: each command reads its own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dapple.core.config_file import Schema, dump, load
+from dapple.errors import ValidationError
+from dapple.planner import PLANNERS
+
+__all__ = [
+    "PLAN_SECTIONS",
+    "RUN_SECTION_NAMES",
+    "ZERO_CHOICES",
+    "PlanConfig",
+    "dump_plan_config",
+    "load_plan_config",
+    "zero_stage_number",
+]
+
+ZERO_CHOICES: tuple[int | str, ...] = (0, 1, 2, "auto")
+"""``zero_stage`` values: 0, 1 (ZeRO-1), 2 (ZeRO-2), or ``auto`` per stage
+(:data:`dapple.planner.evaluate.ZERO_AUTO`)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PlanConfig:
+    """How to plan a profiled model on a cluster."""
+
+    profile: str | None = None
+    """The model profile JSON, or ``paper:NAME`` (required)."""
+    cluster: str | None = None
+    """A cluster JSON/TOML file or preset (required)."""
+    servers: int | None = None
+    """Another number of servers than the cluster's."""
+    global_batch_size: int | None = None
+    """G, samples per optimizer step (None: the paper's, for ``paper:`` profiles)."""
+    planner: str = "dapple"
+    """``dapple`` or a baseline (:data:`dapple.planner.PLANNERS`)."""
+    seq_len: float | None = None
+    """Mean tokens per sample the step time is planned for (a profile measured at several)."""
+    max_seq_len: float | None = None
+    """The longest sample, which the memory is planned for (None: ``seq_len``)."""
+    schedule: str | None = None
+    """Run the planned stages under this schedule, or ``best`` (None: the planner's choice)."""
+    virtual_stages: int = 1
+    """v, model chunks per device group with ``schedule = "interleaved"``."""
+    zero_stage: int | str = 0
+    """0, 1 (ZeRO-1), 2 (ZeRO-2) or ``auto`` (per stage, where memory asks for it)."""
+    output: str | None = None
+    """Also write the plan JSON here."""
+
+    def __post_init__(self) -> None:
+        if self.planner not in PLANNERS:
+            raise ValidationError(
+                f"unknown planner {self.planner!r}; choose one of {', '.join(PLANNERS)}"
+            )
+        if self.zero_stage not in ZERO_CHOICES or isinstance(self.zero_stage, bool):
+            raise ValidationError(
+                f"zero_stage must be one of 0, 1, 2 or auto, got {self.zero_stage!r}"
+            )
+        for name in ("servers", "global_batch_size"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValidationError(f"{name} must be >= 1, got {value}")
+        if self.virtual_stages < 1:
+            raise ValidationError(f"virtual_stages must be >= 1, got {self.virtual_stages}")
+        _check_lengths(self.seq_len, self.max_seq_len)
+
+
+def _check_lengths(mean: float | None, top: float | None) -> None:
+    if mean is None:
+        if top is not None:
+            raise ValidationError(f"max_seq_len={top:g} needs seq_len")
+        return
+    for name, v in (("seq_len", mean), ("max_seq_len", top)):
+        if v is not None and not (math.isfinite(v) and v > 0):
+            raise ValidationError(f"{name} must be a length > 0, got {v}")
+    if top is not None and mean > top:
+        raise ValidationError(f"seq_len {mean:g} exceeds max_seq_len {top:g}")
+
+
+PLAN_SECTIONS: Schema = {"planning": tuple(("", f.name) for f in dataclasses.fields(PlanConfig))}
+"""The section of a plan file and the fields its keys set (each key is its field's name)."""
+
+
+def zero_stage_number(zero_stage: int | str) -> int:
+    """``zero_stage`` as :func:`dapple.planner.make_plan` takes it (``auto``:
+    :data:`~dapple.planner.evaluate.ZERO_AUTO`)."""
+    from dapple.planner.evaluate import ZERO_AUTO
+
+    return ZERO_AUTO if zero_stage == "auto" else int(zero_stage)
+
+
+RUN_SECTION_NAMES = (
+    "model", "plan", "data", "train", "optimizer", "checkpoint", "eval", "report", "elastic",
+)  # fmt: skip
+"""The sections ``dapple train --config`` reads (:data:`dapple.runtime.run_config.RUN_SECTIONS`;
+a test keeps the two equal)."""
+
+
+def load_plan_config(
+    path: str | Path, *, over: dict[tuple[str, str], Any] | None = None
+) -> PlanConfig:
+    """The :class:`PlanConfig` of a file's ``[planning]`` section, with ``over`` on top.
+
+    Raises:
+        ValidationError: an unreadable file, an unknown section or key, a value of the wrong
+            type, or a bad option (each naming the file).
+    """
+    return load(path, PLAN_SECTIONS, PlanConfig, ignore=RUN_SECTION_NAMES, over=over)
+
+
+def dump_plan_config(cfg: PlanConfig) -> str:
+    """``cfg`` as a ``[planning]`` section that :func:`load_plan_config` reads back to ``cfg``."""
+    return dump(cfg, PLAN_SECTIONS, "dapple plan --config FILE (flags given beside it win)")

@@ -1,0 +1,263 @@
+"""Equation 5's DP for one micro-batch count M: from cut point to cut point (section 5.3).
+
+A state is ``(j, g)``: the first j layers planned as stages on the devices g (by per-server
+occupancy, which the placement policies fully determine; servers are interchangeable, so
+occupancies equal up to a permutation of servers share one state). One step cuts the last stage
+``[j, N)`` at ``j' > j`` into a new stage ``[j, j')`` on m' devices, placed by each policy of
+section 5.2, and a last stage ``[j', N)`` on the rest. :class:`CutSearch` runs the steps of one
+M; the :class:`Incumbent` (the best plan so far, over every M) prunes them through the lower
+bound ``L >= M (F_s + B_s)`` of a stage (:func:`stage_bound`).
+:func:`dapple.planner.search.dapple_search` runs it for the most promising M.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from dapple.core.cluster import Cluster
+from dapple.core.plan import split_sizes
+from dapple.planner.evaluate import Scored, Scorer, StageSpec
+from dapple.planner.placement import POLICIES, place, remaining_devices
+
+__all__ = [
+    "CutSearch",
+    "Incumbent",
+    "SearchLimits",
+    "balanced_cut",
+    "candidate_replicas",
+    "search_limits",
+    "stage_bound",
+]
+
+_Entry = tuple[float, tuple[StageSpec, ...], tuple[int, ...]]
+"""A state's kept prefix: ``(L of prefix + [j, N) on the rest, prefix stages, occupancy)``."""
+
+
+def candidate_replicas(cluster: Cluster, available: int) -> list[int]:
+    """Replica counts tried for a new stage with ``available`` free devices.
+
+    All of 1..available on up to 32 devices. Beyond (placements by server counts rather than
+    device ids): 1..devices_per_server, then whole servers up to 128 devices, and past that
+    only powers of two and three times powers of two (1, 2, 3, 4, 6, 8, 12, 16, 24, ...).
+    """
+    if cluster.num_devices <= 32:
+        return list(range(1, available + 1))
+    dps = cluster.devices_per_server
+    c = set(range(1, min(dps, available) + 1))
+    if cluster.num_devices <= 128:
+        c.update(k * dps for k in range(1, available // dps + 1))
+    p = 1
+    while p <= available:
+        c.add(p)
+        if 3 * p <= available:
+            c.add(3 * p)
+        p *= 2
+    return sorted(c)
+
+
+def stage_bound(sc: Scorer, s: int, e: int, r: int, b: int, M: int) -> float:
+    """M (F_s + B_s) of a stage without re-computation: a lower bound on L."""
+    f, bw = sc.fb_ms(s, e, split_sizes(b, r)[0])
+    return M * (f + bw)
+
+
+def balanced_cut(sc: Scorer, cuts: Sequence[int], ji: int, r1: int, r2: int, b: int) -> int:
+    """Smallest index i > ji into ``cuts`` (below the last) where stage [cuts[ji], cuts[i]) on
+    r1 replicas is at least as slow per micro-batch as [cuts[i], N) on r2: the two-stage
+    balance point."""
+    j = cuts[ji]
+    lo, hi = ji + 1, len(cuts) - 2
+    s1, s2 = -(-b // r1), -(-b // r2)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        f1, b1 = sc.fb_ms(j, cuts[mid], s1)
+        f2, b2 = sc.fb_ms(cuts[mid], sc.N, s2)
+        if f1 + b1 >= f2 + b2:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+@dataclass(frozen=True, slots=True)
+class SearchLimits:
+    """How far :func:`~dapple.planner.search.dapple_search` looks on one instance (its ``-1``
+    defaults resolved)."""
+
+    max_stages: int
+    """S_max: the most computation stages of a plan."""
+    states_per_layer: int | None
+    """Beam: states kept per cut point; None keeps every state."""
+    window: int | None
+    """New cuts within this many cut points of the two-stage balance point; None: every cut."""
+    keep: int
+    """Prefixes kept per state (1: the paper's memoisation)."""
+    m_candidates: int | None
+    """The DP runs for this many most promising M; None: every candidate."""
+
+
+def search_limits(
+    N: int,
+    G: int,
+    max_stages: int | None,
+    states_per_layer: int | None,
+    window: int | None,
+    keep: int,
+    m_candidates: int | None,
+) -> SearchLimits:
+    """:func:`~dapple.planner.search.dapple_search`'s knobs for N layers on G devices, each
+    ``-1`` replaced by its default: no beam, no window, 64 prefixes and every M on small
+    instances (N x G <= 128); otherwise a beam of 4 (2 beyond 128 devices), a window of 2 (1),
+    one prefix and the 3 best M."""
+    small = N * G <= 128
+    huge = G > 128
+    if states_per_layer == -1:
+        states_per_layer = None if small else (2 if huge else 4)
+    if window == -1:
+        window = None if small else (1 if huge else 2)
+    if keep == -1:
+        keep = 64 if small else 1
+    if m_candidates == -1:
+        m_candidates = None if small else 3
+    return SearchLimits(min(G, N, max_stages or G), states_per_layer, window, keep, m_candidates)
+
+
+@dataclass(slots=True)
+class Incumbent:
+    """The best plan found so far, over every M: its L prunes the search."""
+
+    L_ms: float = math.inf
+    """Its pipeline latency L (inf until a plan fits)."""
+    stages: list[StageSpec] = field(default_factory=list)
+    M: int = 0
+    scored: Scored | None = None
+
+    def take(self, stages: list[StageSpec], M: int, scored: Scored) -> None:
+        self.L_ms, self.stages, self.M, self.scored = scored.L_ms, stages, M, scored
+
+
+_Key = tuple[int, tuple[int, ...]]
+"""A DP state: (index into the cut points, occupancy sorted: servers are interchangeable)."""
+
+
+class CutSearch:
+    """Equation 5's DP for one M, from cut point to cut point.
+
+    ``memo[(cut index, sorted occupancy)]`` holds up to ``keep`` entries ``(L, prefix stages,
+    occupancy)``, best first; an entry's plan is its prefix plus ``[j, N)`` on the other
+    devices (L = inf when that completion does not fit: the prefix may still fit once
+    ``[j, N)`` is split). Every plan scored is offered to ``best``.
+    """
+
+    def __init__(
+        self,
+        sc: Scorer,
+        cluster: Cluster,
+        cuts: Sequence[int],
+        M: int,
+        b: int,
+        limits: SearchLimits,
+        best: Incumbent,
+    ) -> None:
+        self.sc, self.cluster, self.cuts, self.M, self.b = sc, cluster, cuts, M, b
+        self.limits, self.best = limits, best
+        self.memo: dict[_Key, list[_Entry]] = {}
+        self.buckets: list[list[_Key]] = [[] for _ in cuts]
+        """The states at each cut point, in the order they were found."""
+        empty = (0,) * cluster.servers
+        first = sc.score([(0, sc.N, tuple(range(sc.G)))], M)
+        self.memo[(0, empty)] = [(first.L_ms if first else math.inf, (), empty)]
+        self.buckets[0].append((0, empty))
+
+    def run(self) -> None:
+        """Extend every kept prefix of every state, cut point by cut point."""
+        for ji in range(len(self.cuts) - 2):
+            for key in self.frontier(ji):
+                for _, prefix, occ in self.memo[key]:
+                    if not self.prunable(prefix):
+                        self.extend(ji, prefix, occ)
+
+    def frontier(self, ji: int) -> list[_Key]:
+        """The states at cut point ``ji`` to extend: all, or the beam's best by L."""
+        keys = self.buckets[ji]
+        beam = self.limits.states_per_layer
+        if beam is not None and len(keys) > beam:
+            keys = sorted(keys, key=lambda k: self.memo[k][0][0])[:beam]
+        return keys
+
+    def prunable(self, prefix: tuple[StageSpec, ...]) -> bool:
+        """The prefix cannot take two more stages, or one of its stages alone reaches the
+        incumbent's L (:func:`stage_bound`)."""
+        if len(prefix) + 2 > self.limits.max_stages:
+            return True
+        sc, b, M, incumbent = self.sc, self.b, self.M, self.best.L_ms
+        return any(stage_bound(sc, s, e, len(d), b, M) >= incumbent for s, e, d in prefix)
+
+    def extend(self, ji: int, prefix: tuple[StageSpec, ...], occ: tuple[int, ...]) -> None:
+        """Cut a new stage off the last one at cut point ``ji``: on each replica count m',
+        placed by each policy (section 5.2; placements giving the same devices once)."""
+        G, used = self.sc.G, sum(occ)
+        for m1 in candidate_replicas(self.cluster, G - used - 1):
+            lo, hi = self.cut_range(ji, m1, G - used - m1)
+            seen: set[tuple[int, ...]] = set()
+            for pol in POLICIES:
+                placed = place(self.cluster, occ, m1, pol)
+                if placed is None or placed[0] in seen:
+                    continue
+                seen.add(placed[0])
+                self.scan_cuts(ji, lo, hi, prefix, m1, placed)
+
+    def cut_range(self, ji: int, m1: int, m2: int) -> tuple[int, int]:
+        """The indices of the cut points ``j'`` the new stage may end at: every one after
+        ``ji`` (below the last), or those within ``window`` of the two-stage balance point of
+        m1 and m2 replicas (:func:`balanced_cut`)."""
+        lo, hi = ji + 1, len(self.cuts) - 2
+        window = self.limits.window
+        if window is not None:
+            mid = balanced_cut(self.sc, self.cuts, ji, m1, m2, self.b)
+            lo, hi = max(lo, mid - window), min(hi, mid + window)
+        return lo, hi
+
+    def scan_cuts(
+        self,
+        ji: int,
+        lo: int,
+        hi: int,
+        prefix: tuple[StageSpec, ...],
+        m1: int,
+        placed: tuple[tuple[int, ...], tuple[int, ...]],
+    ) -> None:
+        """Score the plans ``prefix + [j, j')`` on the m1 devices ``g1`` ``+ [j', N)`` on the
+        rest for the cut points ``lo..hi``, shortest new stage first, until its bound reaches
+        the incumbent (``placed``: ``g1`` and the occupancy with it)."""
+        sc, cuts, M, b, best = self.sc, self.cuts, self.M, self.b, self.best
+        g1, occ1 = placed
+        j, N = cuts[ji], sc.N
+        rest = remaining_devices(self.cluster, occ1)
+        canon = tuple(sorted(occ1))
+        for j1i in range(lo, hi + 1):
+            j1 = cuts[j1i]
+            if stage_bound(sc, j, j1, m1, b, M) >= best.L_ms:
+                break
+            stages = [*prefix, (j, j1, g1), (j1, N, rest)]
+            got = sc.score(stages, M)
+            lat = got.L_ms if got is not None else math.inf
+            self.remember((j1i, canon), lat, (*prefix, (j, j1, g1)), occ1)
+            if got is not None and lat < best.L_ms:
+                best.take(stages, M, got)
+
+    def remember(
+        self, key: _Key, lat: float, prefix: tuple[StageSpec, ...], occ: tuple[int, ...]
+    ) -> None:
+        """Keep ``prefix`` in state ``key`` when it is among the state's ``keep`` best."""
+        entries = self.memo.get(key)
+        if entries is None:
+            entries = self.memo[key] = []
+            self.buckets[key[0]].append(key)
+        keep = self.limits.keep
+        if len(entries) < keep or lat < entries[-1][0]:
+            entries.append((lat, prefix, occ))
+            entries.sort(key=lambda x: x[0])
+            del entries[keep:]

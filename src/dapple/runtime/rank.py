@@ -1,0 +1,328 @@
+"""One rank's parts of a run, each from a small typed builder.
+
+:func:`dapple.runtime.engine.run_plan` assembles them in a fixed order (some are collectives:
+the boundary probe, the process groups of :class:`~dapple.runtime.sync.GradientSync`, ZeRO's
+shards): what the rank holds of the plan (:class:`StageLayers`), where each step's batch comes
+from (:class:`Batches`), which parameters ZeRO shards (:class:`ZeroSelection`,
+:func:`build_shards`), what the optimizer updates and the gradient norm counts
+(:func:`build_optimizer`, :func:`norm_parameters`) and the executors of a plan
+(:class:`ExecutorFactory`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+from dapple.core.plan import Plan
+from dapple.errors import ValidationError
+from dapple.models.shapes import DimsMap, InputShape, check_batch, run_dims
+from dapple.models.workload import Workload
+from dapple.runtime.chunks import Executor, RankChunks
+from dapple.runtime.config import TrainConfig
+from dapple.runtime.data import RankData, data_dims, sample_row
+from dapple.runtime.memory import ActivationMeter
+from dapple.runtime.optim import counted_parameters, make_optimizer
+from dapple.runtime.precision import Precision
+from dapple.runtime.stage import StageExecutor
+from dapple.runtime.stage_mesh import RankGroups, StageMesh, mesh_stage
+from dapple.runtime.transport import BoundarySpec, flatten, infer_boundary_specs
+from dapple.runtime.zero import FlatShards, flat_parameters, tied_parameters
+
+__all__ = [
+    "Batches",
+    "ExecutorFactory",
+    "StageLayers",
+    "ZeroSelection",
+    "batch_dims",
+    "build_layers",
+    "build_optimizer",
+    "build_shards",
+    "cut_layers",
+    "first_batch",
+    "norm_parameters",
+    "probe_boundaries",
+    "select_zero",
+]
+
+Batch = tuple[Any, torch.Tensor]
+"""``(inputs, targets)`` of a global batch (or of the rows a rank reads)."""
+
+
+# -- what the rank holds ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class StageLayers:
+    """What one rank holds of the plan: its stage and replica and their layers."""
+
+    stage: int | None
+    """s: the (first) stage of the rank's device group; None: a rank outside the plan."""
+    replica: int | None
+    """j: the rank's replica of its stages."""
+    chunks: dict[int, nn.Sequential]
+    """Each stage the rank holds (several: the chunks of an interleaved plan) -> its layers."""
+    module: nn.Module | None
+    """The rank's layers in :meth:`Plan.layers_of_device` order (its one chunk, or every
+    chunk's layers in one ``nn.Sequential``); None outside the plan."""
+
+
+def build_layers(
+    plan: Plan, workload: Workload, seed: int, device: torch.device, rank: int
+) -> StageLayers:
+    """Build the layers of every stage ``rank`` holds (only those) on ``device``, in train
+    mode, with the weights the single-process model has for ``seed``."""
+    if rank not in plan.devices:
+        return StageLayers(None, None, {}, None)
+    s, j = plan.stage_of_device(rank)
+    chunks = {
+        k: workload.build_stage(*plan.stages[k].layers, seed).to(device)
+        for k in plan.stages_of_device(rank)
+    }
+    module = chunks[s] if len(chunks) == 1 else nn.Sequential(*_layers_of(chunks))
+    module.train()
+    return StageLayers(s, j, chunks, module)
+
+
+def cut_layers(
+    plan: Plan, workload: Workload, layers: StageLayers, groups: RankGroups, rank: int,
+    device: torch.device,
+) -> tuple[StageLayers, StageMesh]:  # fmt: skip
+    """The rank's layers cut over its tensor group and/or sharded over its replicas (t_s > 1,
+    zero_stage 3: :func:`~dapple.runtime.stage_mesh.mesh_stage`); as they are otherwise."""
+    s, j = layers.stage, layers.replica
+    if s is None or j is None:
+        return layers, StageMesh()
+    st = plan.stages[s]
+    if st.tensor_width == 1 and st.zero_stage != 3:
+        return layers, StageMesh()
+    module, mesh = mesh_stage(plan, workload, rank, layers.chunks[s], groups, device)
+    return StageLayers(s, j, {s: module}, module), mesh
+
+
+def _layers_of(chunks: dict[int, nn.Sequential]) -> list[nn.Module]:
+    """The layers of a rank's chunks, stage by stage (:meth:`Plan.layers_of_device`'s order)."""
+    return [layer for k in sorted(chunks) for layer in chunks[k]]
+
+
+# -- batches ----------------------------------------------------------------------------------
+
+
+def first_batch(
+    workload: Workload, global_batch_size: int, seed: int, data: Dataset[Any] | None
+) -> Batch:
+    """Step 0's global batch ``make_batch(G, seed)``, or with a dataset one real sample (what
+    the boundary specs are inferred from).
+
+    Raises:
+        ValidationError: ``make_batch`` returned another number of rows than G.
+    """
+    if data is not None:
+        return sample_row(data)
+    G = global_batch_size
+    inputs, targets = workload.make_batch(G, seed)
+    rows = {int(t.shape[0]) for t in (*flatten(inputs), targets)}
+    if rows != {G}:
+        raise ValidationError(
+            f"workload {workload.name!r}: make_batch({G}) returned {sorted(rows)} rows, expected {G}"
+        )
+    return inputs, targets
+
+
+def batch_dims(
+    workload: Workload, global_batch_size: int, seed: int, data: Dataset[Any] | None
+) -> DimsMap:
+    """The run's dynamic input dimensions: the declared ones and those that vary between
+    ``make_batch`` draws (:func:`~dapple.models.shapes.run_dims`), or on a dataset the declared
+    ones (padded documents declare their length)."""
+    if data is None:
+        return run_dims(workload, global_batch_size, seed)
+    return data_dims(workload)
+
+
+@dataclass(frozen=True)
+class Batches:
+    """Where each step's global batch comes from, checked against the first batch's shapes."""
+
+    workload: Workload
+    seed: int
+    global_batch_size: int
+    first: Batch
+    """Step 0's batch (:func:`first_batch`): synthetic batches only."""
+    feed: RankData
+    """The run's dataset batches (training and evaluation), when it has datasets."""
+    shapes: tuple[InputShape, ...]
+    """The first batch's input shapes (what :func:`check_batch` compares a step's with)."""
+    dims: DimsMap
+    """The run's dynamic input dimensions (declared and found); empty: static shapes."""
+
+    def batch(self, step: int) -> Batch:
+        """Step ``step``'s global batch: ``make_batch(G, seed + step)``, or the data's.
+
+        Raises:
+            ValidationError: its inputs do not fit the model (:func:`check_batch`), before
+                the step computes anything.
+        """
+        if self.feed.source is not None:
+            batch = self.feed.batch(step)
+            if self.dims:
+                check_batch(self.shapes, self.dims, batch[0], where=f"step {step}")
+            return batch
+        if step == 0:
+            return self.first
+        batch = self.workload.make_batch(self.global_batch_size, self.seed + step)
+        check_batch(self.shapes, self.dims, batch[0], where=f"step {step}")
+        return batch
+
+    def eval_batch(self, k: int) -> Batch:
+        """Evaluation batch ``k`` of ``eval_data``: samples ``[k*G, (k+1)*G)`` in order."""
+        return self.feed.eval_batch(k)
+
+
+def probe_boundaries(
+    plan: Plan,
+    rank: int,
+    layers: StageLayers,
+    inputs: Any,
+    device: torch.device,
+    precision: Precision,
+) -> list[BoundarySpec]:
+    """The spec of every stage boundary, from one row of ``inputs`` run through the stages
+    under ``precision``'s autocast (the boundary buffers get the dtype it produces).
+    Collective: every rank."""
+    sample = tuple(t[:1] for t in flatten(inputs))
+    probe = sample if isinstance(inputs, (tuple, list)) else sample[0]
+    with precision.autocast():
+        return infer_boundary_specs(plan, rank, layers.chunks, probe, device)
+
+
+# -- ZeRO and the optimizer -------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ZeroSelection:
+    """The stage parameters this replica's ZeRO shards (none at zero stage 0)."""
+
+    zero_stage: int
+    """The zero stage of the rank's stage (0: nothing sharded)."""
+    flat: list[nn.Parameter]
+    """Parameters laid out in flat buckets (:func:`~dapple.runtime.zero.flat_parameters`)."""
+    tied: list[nn.Parameter]
+    """Tied parameters whose optimizer state is sharded in slices
+    (:func:`~dapple.runtime.zero.tied_parameters`)."""
+
+    @property
+    def flat_ids(self) -> frozenset[int]:
+        """The ids of :attr:`flat` (the stage AllReduce leaves them to the shards)."""
+        return frozenset(id(p) for p in self.flat)
+
+    @property
+    def sharded(self) -> frozenset[int]:
+        """The ids of every sharded parameter (the optimizer holds their pieces)."""
+        return self.flat_ids | {id(p) for p in self.tied}
+
+
+def select_zero(
+    plan: Plan, workload: Workload, layers: StageLayers, zero_stage: int
+) -> ZeroSelection:
+    """What ZeRO at ``zero_stage`` shards of the rank's layers."""
+    s, module = layers.stage, layers.module
+    if zero_stage == 3 or not (zero_stage and module and s is not None):  # 3: FSDP's own
+        return ZeroSelection(zero_stage, [], [])
+    flat = flat_parameters(plan, workload, s, module)
+    return ZeroSelection(zero_stage, flat, tied_parameters(plan, workload, s, module))
+
+
+def build_shards(
+    plan: Plan, layers: StageLayers, zero: ZeroSelection, pg: Any
+) -> FlatShards | None:
+    """This replica's :class:`~dapple.runtime.zero.FlatShards` over the selected parameters
+    (no bucket spans two chunks), or None when nothing is sharded."""
+    s, j, module, chunks = layers.stage, layers.replica, layers.module, layers.chunks
+    if not (zero.flat or zero.tied) or module is None or s is None or j is None:
+        return None
+    held = [list(chunks[k].parameters()) for k in sorted(chunks)] if len(chunks) > 1 else []
+    return FlatShards(plan, s, j, module, zero.flat, pg, zero.zero_stage, tied=zero.tied,
+                      chunks=held)  # fmt: skip
+
+
+def build_optimizer(
+    config: TrainConfig,
+    params: list[nn.Parameter],
+    sharded: frozenset[int],
+    shards: FlatShards | None,
+) -> tuple[list[nn.Parameter], torch.optim.Optimizer | None]:
+    """The optimizer's parameters - this replica's pieces of the sharded ones, then the others
+    whole - and the optimizer over them (None: nothing to update)."""
+    updated = [p for p in params if id(p) not in sharded]
+    if shards is not None:
+        updated = [pc.param for pc in shards.pieces] + updated
+    like = {id(pc.param): pc.origin for pc in shards.pieces} if shards is not None else {}
+    return updated, make_optimizer(config, updated, like) if updated else None
+
+
+def norm_parameters(
+    plan: Plan,
+    workload: Workload,
+    layers: StageLayers,
+    sharded: frozenset[int],
+    shards: FlatShards | None,
+    mesh: StageMesh | None = None,
+) -> list[nn.Parameter]:
+    """The parameters whose gradients this rank adds to the global gradient norm: what its
+    stage counts (:func:`~dapple.runtime.optim.counted_parameters`), each sharded one as this
+    replica's pieces of what the stage's replica 0 counts; a cut stage's as
+    :meth:`StageMesh.norm_counted` says."""
+    s, j, module = layers.stage, layers.replica, layers.module
+    if mesh is not None and mesh.cut and module is not None and j is not None:
+        return mesh.norm_counted(module, j)
+    counted = [p for p in counted_parameters(plan, workload, s, j, module) if id(p) not in sharded]
+    if shards is not None:
+        counted = shards.counted(counted_parameters(plan, workload, s, 0, module)) + counted
+    return counted
+
+
+# -- executors --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ExecutorFactory:
+    """This rank's executor of a plan over its layers: one
+    :class:`~dapple.runtime.stage.StageExecutor` per chunk it holds (:class:`RankChunks` over
+    several); the training plan's and an evaluation plan's share the layers."""
+
+    layers: StageLayers
+    specs: list[BoundarySpec]
+    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor]
+    device: torch.device
+    recompute: bool
+    """The run's re-computation switch (a stage's own ``recompute`` also turns it on)."""
+    meter: ActivationMeter
+    precision: Precision
+    dynamic: bool
+    """Shape-headed messages: the run has dynamic input dimensions."""
+    seed: int
+    mesh: StageMesh | None = None
+    """The rank's cut stage (its tensor index, ZeRO-3's micro-batch switch)."""
+
+    def __call__(self, run: Plan, training: bool) -> Executor | None:
+        """The executor of ``run`` (re-computation only when ``training``); None outside it."""
+        j = self.layers.replica
+        if j is None:
+            return None
+        exs = []
+        for k, mod in self.layers.chunks.items():
+            recompute = training and (self.recompute or run.stages[k].recompute)
+            mesh = self.mesh or StageMesh()
+            ex = StageExecutor(run, k, j, mod, self.specs, self.loss_fn, self.device, recompute,
+                               self.meter, self.precision, dynamic=self.dynamic, seed=self.seed,
+                               tensor_rank=mesh.tensor_rank)  # fmt: skip
+            if training and mesh.fsdp is not None:
+                ex.before_backward = mesh.before_backward
+            exs.append(ex)
+        return exs[0] if len(exs) == 1 else RankChunks(exs)

@@ -1,0 +1,295 @@
+"""A stage's 2-D mesh at run time: tensor groups (TP, t_s > 1) and sharded parameters (ZeRO-3).
+
+A stage of ``r_s x t_s`` devices (replica-major: replica ``j``'s tensor group is
+``devices[j*t:(j+1)*t]``, :class:`~dapple.core.plan.StagePlan`) runs as follows:
+
+- **Groups.** Every rank creates every group in one order (:func:`make_groups`): for each stage
+  of the first ``num_groups``, the replica groups per tensor index ``i`` (``devices[i::t]``,
+  when ``r_s > 1``), then the tensor groups per replica (when ``t_s > 1``). The replica
+  AllReduce of :class:`~dapple.runtime.sync.GradientSync` runs on the group of the rank's own
+  tensor index, so a cut parameter's shard is only summed with the same shard of the others.
+- **Layers.** Each chunk is cut with :func:`dapple.runtime.tp.parallelize_stage` over the
+  tensor group, on the model's TP plan (:func:`tp_plan_of`); with ``zero_stage`` 3 the
+  (cut) chunk is then wrapped with FSDP2 on its replica group
+  (:func:`dapple.runtime.fsdp.shard_stage`), which reduce-scatters the gradients after the
+  step's last backward (so the stage AllReduce leaves its parameters alone).
+- **Transfers.** Stage outputs are whole on every tensor rank (the row-parallel ``g`` makes
+  them so), and so are input gradients (the column-parallel ``f`` all-reduces them), so each
+  receiving rank of tensor index ``k`` takes its message from the sending group's rank
+  ``k mod t_sender`` (:func:`peer_ranks`): no broadcast inside the group, and every rank of a
+  wider group gets its input straight from a peer.
+- **Loss and norm.** The loss is counted by tensor rank 0 only; the global gradient norm
+  counts a cut parameter's shard on every tensor rank and a whole one on tensor rank 0
+  (ZeRO-3: each replica its own shard).
+
+What is not wired yet is refused before any compute (:func:`check_mesh_run`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from dapple.core.plan import Plan, StagePlan
+from dapple.errors import ValidationError
+from dapple.models.workload import Workload
+from dapple.runtime.config import TrainConfig
+from dapple.runtime.fsdp import begin_micro_batch, shard_stage
+from dapple.runtime.tp import TensorParallelModule, parallelize_stage
+from dapple.schedule.registry import get_schedule
+
+__all__ = [
+    "RankGroups",
+    "StageMesh",
+    "check_mesh_run",
+    "make_groups",
+    "mesh_stage",
+    "peer_ranks",
+    "tensor_programs",
+    "tp_plan_of",
+    "whole_layers",
+    "whole_observer",
+    "whole_parameters",
+]
+
+
+def tp_plan_of(workload: Workload) -> dict[str, str]:
+    """The model's TP plan: its own (``Workload.tp_plan``), else a Hugging Face config's
+    ``base_model_tp_plan``; empty: the model cannot be cut."""
+    if workload.tp_plan:
+        return dict(workload.tp_plan)
+    from dapple.models.hf import hf_config
+
+    config = hf_config(workload)
+    return dict(getattr(config, "base_model_tp_plan", None) or {})
+
+
+def _meshed(plan: Plan) -> list[tuple[int, StagePlan]]:
+    return [
+        (s, st)
+        for s, st in enumerate(plan.stages[: plan.num_groups])
+        if st.tensor_width > 1 or st.zero_stage == 3
+    ]
+
+
+def check_mesh_run(plan: Plan, workload: Workload, config: TrainConfig) -> None:
+    """Refuse, before any compute, what the runtime does not run yet with t_s > 1 or ZeRO-3.
+
+    Raises:
+        ValidationError: one line naming the stage and what is unsupported.
+    """
+    meshed = _meshed(plan)
+    if not meshed and config.zero_stage != 3:
+        return
+    if config.zero_stage == 3:
+        raise ValidationError("zero stage 3 is set per stage (StagePlan.zero_stage), not per run")
+    split = get_schedule(plan.schedule).split_backward
+    for s, st in meshed:
+        what = f"stage {s} {list(st.layers)} (tensor_width {st.tensor_width}, zero {st.zero_stage})"
+        if plan.virtual_stages > 1:
+            raise ValidationError(f"{what}: interleaved plans with TP or ZeRO-3 are not supported")
+        if st.tensor_width > 1 and not tp_plan_of(workload):
+            raise ValidationError(f"{what}: model {workload.name!r} has no TP plan")
+        if st.tensor_width > 1 and config.zero_stage in (1, 2):
+            raise ValidationError(f"{what}: ZeRO-{config.zero_stage} with TP is not supported")
+        if config.recompute or st.recompute:
+            raise ValidationError(f"{what}: re-computation with TP or ZeRO-3 is not tested")
+        if workload.tied_parameters:
+            raise ValidationError(f"{what}: tied parameters with TP or ZeRO-3 are not supported")
+        if config.checkpoint_dir is not None:
+            raise ValidationError(f"{what}: checkpoints with TP or ZeRO-3 are not supported yet")
+        if st.zero_stage == 3 and split:
+            raise ValidationError(f"{what}: ZeRO-3 under split-backward schedules is not supported")
+        if config.eval_every > 0:
+            raise ValidationError(f"{what}: evaluation with TP or ZeRO-3 is not supported yet")
+        if config.precision != "fp32":
+            raise ValidationError(f"{what}: TP or ZeRO-3 runs fp32 only so far")
+
+
+# -- process groups ------------------------------------------------------------------------------
+@dataclass
+class RankGroups:
+    """Every replica and tensor group of a plan (created on every rank, in the same order)."""
+
+    replica: dict[tuple[int, int], Any] = field(default_factory=dict)
+    """``(stage, tensor index i)`` -> the group of ``devices[i::t]`` (stages with r_s > 1)."""
+    tensor: dict[tuple[int, int], Any] = field(default_factory=dict)
+    """``(stage, replica j)`` -> the group of ``tensor_group(j)`` (stages with t_s > 1)."""
+
+    def all(self) -> list[Any]:
+        """Every group, in creation order (destroy them in it)."""
+        return [*self.replica.values(), *self.tensor.values()]
+
+
+def make_groups(plan: Plan) -> RankGroups:
+    """Create the plan's replica groups (per tensor index), then its tensor groups. Collective."""
+    out = RankGroups()
+    stages = plan.stages[: plan.num_groups]
+    for s, st in enumerate(stages):
+        if st.replicas > 1:
+            for i in range(st.tensor_width):
+                out.replica[(s, i)] = dist.new_group(list(st.replica_group(i)))
+    for s, st in enumerate(stages):
+        if st.tensor_width > 1:
+            for j in range(st.replicas):
+                out.tensor[(s, j)] = dist.new_group(list(st.tensor_group(j)))
+    return out
+
+
+def tensor_index(plan: Plan, rank: int) -> int:
+    """``rank``'s index in its tensor group (0 off the plan)."""
+    if rank not in plan.devices:
+        return 0
+    st = plan.stages[plan.stage_of_device(rank)[0]]
+    return st.devices.index(rank) % st.tensor_width
+
+
+def peer_ranks(
+    other: StagePlan, replica: int, tensor_rank: int, t_self: int, sends: bool
+) -> list[int]:
+    """The ranks of ``other``'s replica ``replica`` that a rank of tensor index ``tensor_rank``
+    (in a group of ``t_self``) sends to (``sends``) or receives its one message from: a rank of
+    index ``k`` receives from the sender of index ``k mod t_sender``."""
+    group = other.tensor_group(replica)
+    if sends:
+        return [d for k, d in enumerate(group) if k % t_self == tensor_rank]
+    return [group[tensor_rank % other.tensor_width]]
+
+
+# -- the stage's layers -------------------------------------------------------------------------
+@dataclass
+class StageMesh:
+    """How one rank's stage is cut: its TP module and FSDP wrapping (both optional)."""
+
+    tensor_rank: int = 0
+    tp: TensorParallelModule | None = None
+    fsdp: nn.Module | None = None
+    """The FSDP-wrapped stage (ZeRO-3), whose micro-batches :meth:`before_backward` steers."""
+    regather: bool = False
+    num_micro_batches: int = 1
+
+    @property
+    def cut(self) -> bool:
+        return self.tp is not None or self.fsdp is not None
+
+    def before_backward(self, m: int) -> None:
+        """ZeRO-3: reduce-scatter (and reshard) only after micro-batch ``M-1``'s backward."""
+        if self.fsdp is not None:
+            begin_micro_batch(self.fsdp, m, self.num_micro_batches, regather=self.regather)  # type: ignore[arg-type]
+
+    def norm_counted(self, module: nn.Module, replica: int) -> list[nn.Parameter]:
+        """This rank's parameters in the global gradient norm: cut shards on every tensor rank,
+        whole parameters on tensor rank 0; replica 0 only unless ZeRO-3 (each its shard)."""
+        if replica != 0 and self.fsdp is None:
+            return []
+        cut = set(self.tp.layouts) if self.tp is not None else set()
+        return [p for n, p in module.named_parameters() if n in cut or self.tensor_rank == 0]
+
+
+def mesh_stage(
+    plan: Plan, workload: Workload, rank: int, chunk: nn.Sequential, groups: RankGroups,
+    device: torch.device,
+) -> tuple[nn.Sequential, StageMesh]:  # fmt: skip
+    """Cut ``rank``'s stage ``chunk`` over its tensor group and/or shard it over its replicas."""
+    s, j = plan.stage_of_device(rank)
+    st = plan.stages[s]
+    mesh = StageMesh(tensor_index(plan, rank), regather=st.regather,
+                     num_micro_batches=plan.num_micro_batches)  # fmt: skip
+    module: nn.Module = chunk
+    if st.tensor_width > 1:
+        mesh.tp = parallelize_stage(chunk, tp_plan_of(workload), groups.tensor[(s, j)])
+        module = mesh.tp.module
+    if st.zero_stage == 3:
+        pg = groups.replica[(s, mesh.tensor_rank)]
+        replica_mesh = DeviceMesh.from_group(pg, device.type)
+        sharded: Any = shard_stage(module, replica_mesh, regather=st.regather)
+        mesh.fsdp = sharded
+    assert isinstance(module, nn.Sequential)  # the pieces, in place (FSDP swaps the class only)
+    module.train()
+    return module, mesh
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def whole_parameters(mesh: StageMesh, module: nn.Module, grads: bool) -> dict[str, torch.Tensor]:
+    """Every parameter (or gradient: zeros where none) of the stage whole, by name: gathered
+    over the replica group (ZeRO-3), then the tensor group. Collective on both."""
+    local: dict[str, torch.Tensor] = {}
+    for n, p in module.named_parameters():
+        t = p.grad if grads else p.detach()
+        local[n] = _local(t if t is not None else torch.zeros_like(p)).detach()
+    if mesh.tp is None:
+        return local
+    return mesh.tp.full_parameters(grads, local=local)
+
+
+def whole_layers(
+    mesh: StageMesh, module: nn.Module, layer_ids: tuple[int, ...], grads: bool
+) -> dict[int, dict[str, torch.Tensor]]:
+    """:func:`whole_parameters` by layer index (the module's children are its layers)."""
+    whole = whole_parameters(mesh, module, grads)
+    out: dict[int, dict[str, torch.Tensor]] = {i: {} for i in layer_ids}
+    for n, t in whole.items():
+        k, _, name = n.partition(".")
+        out[layer_ids[int(k)]][name] = t.cpu()
+    return out
+
+
+def layer_module(
+    params: Mapping[str, torch.Tensor], grads: Mapping[str, torch.Tensor]
+) -> nn.Module:
+    """A plain module holding ``params`` under their dotted names, each with its gradient."""
+    root = nn.Module()
+    for name, t in params.items():
+        owner = root
+        *path, leaf = name.split(".")
+        for part in path:
+            if not hasattr(owner, part):
+                owner.add_module(part, nn.Module())
+            owner = getattr(owner, part)
+        p = nn.Parameter(t.clone(), requires_grad=False)
+        p.grad = grads[name].clone()
+        owner.register_parameter(leaf, p)
+    return root
+
+
+def whole_observer(
+    mesh: StageMesh,
+    module: nn.Module,
+    layer_ids: tuple[int, ...],
+    on_update: Callable[[int, nn.Module, list[tuple[torch.Tensor, torch.Tensor, int]]], None],
+) -> Callable[[int], None]:
+    """``run_plan``'s ``on_update`` for a cut stage: the layers' whole weights and gradients
+    (gathered at each ``OPT``: collective on the rank's tensor and replica groups), each layer a
+    :func:`layer_module`, every parameter updated whole at offset 0."""
+
+    def observe(step: int) -> None:
+        weights = whole_layers(mesh, module, layer_ids, grads=False)
+        grads = whole_layers(mesh, module, layer_ids, grads=True)
+        whole = nn.Sequential(*(layer_module(weights[i], grads[i]) for i in layer_ids))
+        on_update(step, whole, [(p, p, 0) for p in whole.parameters()])
+
+    return observe
+
+
+def tensor_programs(plan: Plan, schedule: dict[int, Any]) -> dict[int, Any]:
+    """The lowered schedule (one program per tensor group's first device,
+    :func:`dapple.schedule.lower.lower`) with every other rank of each tensor group running its
+    group's program: the same F, B, AR and OPT, and sends and receives with the peers that
+    :func:`peer_ranks` pairs it with."""
+    out = dict(schedule)
+    for st in plan.stages[: plan.num_groups]:
+        for j in range(st.replicas if st.tensor_width > 1 else 0):
+            first, *rest = st.tensor_group(j)
+            for d in rest:
+                out[d] = schedule.get(first, [])
+    return out

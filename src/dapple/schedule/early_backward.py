@@ -1,0 +1,84 @@
+"""DAPPLE early backward scheduling (paper section 4.2, policies of section 6.3): 1F1B.
+
+Index conventions: S stages (one per rank), M micro-batches, stage i in [0, S), micro-batch m
+in [0, M). Stage i warms up with K_i forwards, then alternates one backward and one forward,
+then drains the remaining backwards; K_i (policy A ``min(S-i, D)``, policy B
+``min(2(S-i)-1, D)``) is also how many micro-batches' activations it holds at most.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from dapple.errors import ValidationError
+from dapple.schedule.fill_drain import SCHEDULE as GPIPE
+from dapple.schedule.fill_drain import check_counts
+from dapple.schedule.ir import Action, ActionKind, ComputeOrder
+from dapple.schedule.spec import POLICIES, ScheduleSpec
+
+__all__ = ["SCHEDULE", "dapple", "warmup_counts"]
+
+F, B = ActionKind.FORWARD, ActionKind.BACKWARD
+
+
+def warmup_counts(
+    S: int, M: int, policy: str = "A", D: int | Sequence[int | None] | None = None
+) -> list[int]:
+    """K_i per stage: policy A ``min(S-i, D)``, policy B ``min(2(S-i)-1, D)``, never above M.
+
+    ``D`` is how many micro-batches' activations fit on a device (one value, one per stage, or
+    None for unbounded). K is additionally made non-increasing along the pipeline: a stage
+    that warms up with more forwards than its predecessor would wait for a micro-batch the
+    predecessor only sends after a backward it cannot get, i.e. deadlock.
+    """
+    check_counts(S, M)
+    if policy not in POLICIES:
+        raise ValidationError(f"policy must be 'A' or 'B', got {policy!r}")
+    d_list: list[int | None] = list(D) if isinstance(D, Sequence) else [D] * S
+    if len(d_list) != S:
+        raise ValidationError(f"D must give one value per stage ({S}), got {len(d_list)}")
+    ks: list[int] = []
+    for i in range(S):
+        k = S - i if policy == "A" else 2 * (S - i) - 1
+        d = d_list[i]
+        if d is not None:
+            if d < 1:
+                raise ValidationError(f"D for stage {i} must be >= 1, got {d}")
+            k = min(k, d)
+        k = min(k, M)
+        if ks:
+            k = min(k, ks[-1])
+        ks.append(k)
+    return ks
+
+
+def dapple(
+    S: int, M: int, policy: str = "A", D: int | Sequence[int | None] | None = None
+) -> ComputeOrder:
+    """DAPPLE early backward: K_i forwards, then strictly one backward and one forward, then the
+    remaining backwards (section 4.2). After B_m comes F_{m+K_i}."""
+    ks = warmup_counts(S, M, policy, D)
+    order: ComputeOrder = {}
+    for i, k in enumerate(ks):
+        acts = [Action(i, F, m) for m in range(k)]
+        for m in range(M):
+            acts.append(Action(i, B, m))
+            if m + k < M:
+                acts.append(Action(i, F, m + k))
+        order[i] = acts
+    return order
+
+
+SCHEDULE = ScheduleSpec(
+    name="dapple",
+    title="DAPPLE (policy {policy})",
+    label="dapple/{policy}",
+    order=lambda shape: dapple(shape.P, shape.M, shape.policy, shape.D),
+    in_flight=lambda shape: warmup_counts(shape.P, shape.M, shape.policy, shape.D),
+    bounded=True,
+    policies=POLICIES,
+    variants=(("A", 1), ("B", 1)),
+    compare_with=GPIPE.name,
+    module=__name__,
+)
+"""DAPPLE: K_i bounded by each stage's D, policies A and B; costed by L (section 5.1)."""

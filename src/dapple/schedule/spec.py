@@ -1,0 +1,185 @@
+"""What one schedule declares: a :class:`ScheduleSpec` per schedule module, read through
+:mod:`dapple.schedule.registry` by the CLI, the planner, the cost model, the simulator and the
+runtime.
+
+A schedule module (``fill_drain``, ``early_backward``, ``interleaved``, ``zerobubble``, or a
+plug-in outside dapple) holds its generator and its rules and ends with
+``SCHEDULE = ScheduleSpec(...)``. Its parts:
+
+* the generator: the compute order of each pipeline rank for a :class:`Shape`
+  (:data:`~dapple.schedule.ir.ComputeOrder`, checked by
+  :func:`~dapple.schedule.validate.validate_compute_order` and lowered by
+  :func:`~dapple.schedule.lower.lower`);
+* what it needs from the runtime: the backward split into ``I`` and ``W``
+  (``split_backward``), v model chunks per device group (``chunks``);
+* its memory rule: K_i, the micro-batches whose activations stage i holds at most
+  (``in_flight``), which the cost model's L (equations 1-3) and the planner's scorer read;
+* its step time: None for the paper's L over those K_i, or its own rule over
+  :class:`StepTerms` (the published bubble of interleaved 1F1B or ZB-H1);
+* its validation rules beyond :class:`~dapple.core.plan.Plan`'s (``check``, e.g. M a multiple
+  of the device groups);
+* how it is shown: ``title`` and ``label`` templates over ``{policy}`` and ``{v}``.
+
+Pure, no torch.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from dapple.core.plan import Plan, Policy
+from dapple.errors import ValidationError
+from dapple.schedule.ir import ComputeOrder
+
+__all__ = ["POLICIES", "ScheduleSpec", "Shape", "StageTimes", "StepTerms"]
+
+POLICIES: tuple[Policy, ...] = ("A", "B")
+"""Warm-up policies a plan can carry (section 6.3): A ``K_i = min(S-i, D)``, B
+``min(2(S-i)-1, D)``."""
+
+_NAME = re.compile(r"^[a-z][a-z0-9_-]*$")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Shape:
+    """The pipeline a generator or a memory rule is asked about."""
+
+    P: int
+    """Pipeline ranks (device groups); the stages are S = P·v."""
+    M: int
+    """Micro-batches."""
+    policy: str = "A"
+    """Warm-up policy (schedules whose ``policies`` hold more than A)."""
+    D: int | Sequence[int | None] | None = None
+    """In-flight bound per stage, one value for all, or None (``bounded`` schedules only)."""
+    v: int = 1
+    """Model chunks per rank (``chunks`` schedules; 1 for the others)."""
+
+
+@dataclass(frozen=True, slots=True)
+class StageTimes:
+    """One stage's compute for one micro-batch: its slowest replica's slice, in ms."""
+
+    forward_ms: float
+    """F_s."""
+    backward_ms: float
+    """B_s, re-computation included."""
+    input_grad_ms: float
+    """I_s, the input-gradient half of the split backward (re-computed forward included)."""
+    weight_grad_ms: float
+    """W_s, the weight-gradient half."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StepTerms:
+    """What a schedule's own step-time rule reads (filled by
+    :func:`dapple.cost.schedules.schedule_step_ms` from the plan's cost terms)."""
+
+    M: int
+    """Micro-batches."""
+    P: int
+    """Device groups; ``len(stages) = P·v``."""
+    v: int
+    """Model chunks per device group."""
+    stages: tuple[StageTimes, ...]
+    """Per (virtual) stage in pipeline order."""
+    fixed_ms: float
+    """What fill and drain pay once: one micro-batch through every stage boundary and back
+    (the slowest slice transfer of each) plus the largest sum of a device group's AllReduces."""
+
+
+OrderRule = Callable[[Shape], ComputeOrder]
+InFlightRule = Callable[[Shape], list[int]]
+StepRule = Callable[[StepTerms], float]
+PlanRule = Callable[[Plan], None]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ScheduleSpec:
+    """One schedule, as its module declares it (module docstring)."""
+
+    name: str
+    """What plans, the CLI (``--schedule``) and the Python API call it: lower case letters,
+    digits, ``-`` and ``_``."""
+    title: str
+    """Display name, a template over ``{policy}`` and ``{v}``: ``DAPPLE (policy {policy})``."""
+    order: OrderRule
+    """The generator: rank -> ordered compute actions for a :class:`Shape`."""
+    in_flight: InFlightRule | None = None
+    """Memory rule: K_i per stage for a :class:`Shape` with P = S (one stage per rank); None:
+    no per-stage count (the cost model then needs ``step_ms``)."""
+    step_ms: StepRule | None = None
+    """The step time over :class:`StepTerms`; None: the paper's L over the K_i of
+    ``in_flight`` (equations 1-3)."""
+    label: str = ""
+    """Short label in schedule comparisons, a template like ``title``; default ``name``."""
+    bounded: bool = False
+    """The warm-up obeys each stage's in-flight bound D (``StagePlan.max_in_flight``) and K_i
+    bounds the steady period (DAPPLE); otherwise every stage must hold its K_i."""
+    policies: tuple[Policy, ...] = ("A",)
+    """Warm-up policies the planner's scorer tries."""
+    variants: tuple[tuple[Policy, int], ...] = (("A", 1),)
+    """``(policy, v)`` of each column of the schedule comparison
+    (:func:`dapple.simulate.schedules.best_per_schedule`)."""
+    split_backward: bool = False
+    """The runtime runs the backward as ``I`` then ``W`` (:mod:`dapple.models.split_backward`)."""
+    chunks: bool = False
+    """Takes v > 1 model chunks per device group (``Plan.virtual_stages``)."""
+    check: PlanRule | None = None
+    """Rules a plan must meet beyond :class:`~dapple.core.plan.Plan`'s, run when a plan is put
+    under the schedule (:func:`dapple.simulate.schedules.with_schedule`); raises
+    :class:`~dapple.errors.ValidationError`."""
+    compare_with: str = ""
+    """The schedule ``dapple simulate --compare`` runs beside this one; empty: the default
+    schedule (``Plan.schedule``'s default)."""
+    baseline: bool = False
+    """Shown first when compared (GPipe, the paper's baseline)."""
+    module: str = ""
+    """The importable module that defines it (``SCHEDULE``); default: the generator's. A plan
+    under a schedule outside dapple records it, so that any process loading the plan finds
+    the schedule (:mod:`dapple.schedule.registry`)."""
+
+    def __post_init__(self) -> None:
+        if not _NAME.match(self.name):
+            raise ValidationError(
+                f"schedule name must be lower case letters, digits, '-' or '_', got {self.name!r}"
+            )
+        if self.step_ms is None and self.in_flight is None:
+            raise ValidationError(
+                f"schedule {self.name!r}: give in_flight (the paper's L reads K_i) or step_ms"
+            )
+        bad = [p for p in self.policies if p not in POLICIES]
+        if bad or not self.policies:
+            raise ValidationError(
+                f"schedule {self.name!r}: policies must be some of {POLICIES}, got {self.policies}"
+            )
+        for policy, v in self.variants:
+            if policy not in self.policies or v < 1 or (v > 1 and not self.chunks):
+                raise ValidationError(
+                    f"schedule {self.name!r}: variant (policy {policy!r}, v={v}) needs a policy "
+                    f"of {self.policies} and v >= 1 (v > 1 only with chunks)"
+                )
+        for template in (self.title, self.label):
+            try:
+                template.format(policy="A", v=1)
+            except (KeyError, IndexError, ValueError) as e:
+                raise ValidationError(
+                    f"schedule {self.name!r}: {template!r} may use only {{policy}} and {{v}}"
+                ) from e
+        if not self.module:
+            object.__setattr__(self, "module", self.order.__module__)
+
+    @property
+    def uses_pipeline_latency(self) -> bool:
+        """Costed by the paper's L over its K_i (no ``step_ms`` of its own)."""
+        return self.step_ms is None
+
+    def title_of(self, plan: Plan) -> str:
+        """``title`` for ``plan``'s policy and v."""
+        return self.title.format(policy=plan.policy, v=plan.virtual_stages)
+
+    def label_of(self, policy: str, v: int) -> str:
+        """``label`` (default ``name``) for one variant."""
+        return (self.label or self.name).format(policy=policy, v=v)

@@ -1,0 +1,317 @@
+"""One typed configuration behind three doors: every flag of ``dapple train`` and ``dapple plan``
+is a field of :class:`~dapple.runtime.run_config.RunConfig` / :class:`~dapple.planner.config.
+PlanConfig` with the flag's default, and :func:`dapple.api.train` / :func:`dapple.api.plan` take
+the same option with the same default - but for the few flags that only a command line can have,
+each listed below with its reason. The runs the CLI, a config file and the API ask for reach the
+runtime alike."""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import importlib.util
+import inspect
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dapple import api
+from dapple.cli import build_parser, main
+from dapple.cli._config_args import Flag
+from dapple.cli._plan_config import plan_flags
+from dapple.cli._train_config import TRAIN_FLAGS
+from dapple.cli.plan_cmd import parse_seq_len
+from dapple.cli.train_cmd import DEFAULT_KEEP
+from dapple.core.plan import Plan, straight_plan
+from dapple.errors import ValidationError
+from dapple.planner.config import PLAN_SECTIONS, RUN_SECTION_NAMES, ZERO_CHOICES, PlanConfig
+from dapple.profiler.paper_models import load_profile
+from dapple.runtime.config import TrainConfig
+from dapple.runtime.optim_config import ZERO_STAGES
+from dapple.runtime.run_config import NOT_IN_FILE, RUN_SECTIONS, RunConfig
+
+FILE_FLAGS = {"config", "print_config"}
+"""The flags about the config file itself (no field of it)."""
+
+CLI_ONLY_TRAIN = {
+    "config": "names the file the options come from; the API takes them as arguments "
+    "(a file: dapple.runtime.run_config.load_run_config)",
+    "print_config": "prints the merged options and exits; the API has the object "
+    "(dump_run_config writes it)",
+    "loss_curve": "dapple train draws the PNG after the run; the API returns the metrics "
+    "(dapple.runtime.reporting.write_loss_curve draws them)",
+}
+"""``dapple train`` flags (by dest) that :func:`dapple.api.train` does not take, and why."""
+
+CLI_ONLY_PLAN = {
+    "config": "names the file the options come from; the API takes them as arguments "
+    "(a file: dapple.planner.config.load_plan_config)",
+    "print_config": "prints the merged options and exits; the API has the object "
+    "(dump_plan_config writes it)",
+    "compare": "prints every planner side by side; the API plans with one planner per call",
+}
+"""``dapple plan`` flags (by dest) that :func:`dapple.api.plan` does not take, and why."""
+
+API_NAMES = {
+    ("plan", "path"): "plan",
+    ("model", "spec"): "workload",
+    ("data", "path"): "data",
+    ("data", "eval_path"): "eval_data",
+}
+"""Fields the API takes under another name (its positional subjects and data arguments)."""
+
+OVERRIDES = {
+    ("model", "set"): "the overrides mapping itself",
+    ("model", "split_at"): "split_at",
+    ("model", "weights"): "weights",
+    ("model", "dynamic_dims"): "dynamic_dims",
+}
+"""Fields the API takes as entries of ``overrides=`` (keyword arguments of
+:func:`dapple.models.spec.load`, as ``--set`` items are)."""
+
+API_ONLY_TRAIN = {
+    "overrides": "the model factory's keywords: --set, --split-at, --weights, --dynamic-dims",
+    "early": "workers dapple train starts before its checks",
+    "options": "TrainConfig fields (each checked above)",
+}
+""":func:`dapple.api.train` parameters that are no single flag."""
+
+
+def _parser(command: str) -> argparse.ArgumentParser:
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices[command]
+
+
+def _flag_actions(command: str) -> dict[str, argparse.Action]:
+    """Every flag of ``command`` but ``-h``, by dest (``--pack``/``--pad`` share one)."""
+    return {a.dest: a for a in _parser(command)._actions if a.option_strings and a.dest != "help"}
+
+
+def _default(action: argparse.Action, flag: Flag) -> tuple[Any, ...]:
+    """The flag's default as the config fields' values."""
+    return flag.to_fields(action.default)
+
+
+def _field_default(root: Any, f: tuple[str, str]) -> Any:
+    holder = root if f[0] == "" else getattr(root, f[0])
+    return getattr(holder, f[1])
+
+
+def _in_schema(schema: Any) -> set[tuple[str, str]]:
+    return {f for fields in schema.values() for f in fields}
+
+
+# -- dapple train ---------------------------------------------------------------------------------
+def test_every_train_flag_is_a_config_field_or_cli_only() -> None:
+    dests = set(_flag_actions("train"))
+    table = [f.dest for f in TRAIN_FLAGS]
+    assert len(table) == len(set(table))
+    assert dests == set(table) | FILE_FLAGS
+    fields = [x for f in TRAIN_FLAGS for x in f.fields]
+    assert len(fields) == len(set(fields)), "two flags set one field"
+    assert set(fields) <= _in_schema(RUN_SECTIONS), "a flag's field no file key reaches"
+    assert _in_schema(RUN_SECTIONS) == set(fields), "a file key no flag sets"
+
+
+def test_train_flag_defaults_are_the_config_defaults() -> None:
+    actions, cfg = _flag_actions("train"), RunConfig()
+    for flag in TRAIN_FLAGS:
+        want = tuple(_field_default(cfg, f) for f in flag.fields)
+        assert _default(actions[flag.dest], flag) == want, flag.dest
+    assert cfg.run.keep == DEFAULT_KEEP
+    for dest in ("plan", "model"):  # required unless --config gives them
+        assert actions[dest].required, dest
+
+
+def test_api_train_takes_every_option_with_the_same_default() -> None:
+    params, actions = inspect.signature(api.train).parameters, _flag_actions("train")
+    assert params["options"].kind is inspect.Parameter.VAR_KEYWORD  # TrainConfig fields
+    cfg, train_fields = RunConfig(), {f.name for f in dataclasses.fields(TrainConfig)}
+    taken: set[str] = set()
+    for flag in TRAIN_FLAGS:
+        if flag.dest in CLI_ONLY_TRAIN:
+            continue
+        for f in flag.fields:
+            default = _field_default(cfg, f)
+            if f in OVERRIDES:
+                assert params["overrides"].default is None and not default, f
+                continue
+            name = API_NAMES.get(f, f[1])
+            if name in params:
+                p = params[name]
+                if p.default is inspect.Parameter.empty:  # the required subjects
+                    assert default is None and actions[flag.dest].required, f
+                else:
+                    assert p.default == default, (f, p.default, default)
+            else:  # through **options into TrainConfig
+                assert f[0] == "train" and name in train_fields, f
+                assert getattr(TrainConfig(), name) == default, f
+            taken.add(name)
+    assert set(params) - taken == set(API_ONLY_TRAIN)  # nothing else the API takes
+    for name in NOT_IN_FILE:
+        assert name in train_fields, name
+
+
+def test_train_config_fields_are_each_in_the_file_or_given_a_reason() -> None:
+    in_file = {n for p, n in _in_schema(RUN_SECTIONS) if p == "train"}
+    names = {f.name for f in dataclasses.fields(TrainConfig)}
+    assert in_file | set(NOT_IN_FILE) == names
+    assert not in_file & set(NOT_IN_FILE)
+    assert set(RUN_SECTIONS) == set(RUN_SECTION_NAMES)
+
+
+# -- dapple plan ----------------------------------------------------------------------------------
+def test_every_plan_flag_is_a_config_field_or_cli_only() -> None:
+    flags = plan_flags(parse_seq_len)
+    dests = set(_flag_actions("plan"))
+    assert dests == {f.dest for f in flags} | set(CLI_ONLY_PLAN)
+    fields = [x for f in flags for x in f.fields]
+    assert sorted(fields) == sorted(_in_schema(PLAN_SECTIONS))
+
+
+def test_plan_flag_defaults_and_api_plan_defaults_are_the_config_defaults() -> None:
+    actions, cfg = _flag_actions("plan"), PlanConfig()
+    params = inspect.signature(api.plan).parameters
+    for flag in plan_flags(parse_seq_len):
+        want = tuple(_field_default(cfg, f) for f in flag.fields)
+        assert _default(actions[flag.dest], flag) == want, flag.dest
+        for (_, name), default in zip(flag.fields, want, strict=True):
+            p = params[name]
+            if p.default is inspect.Parameter.empty:
+                assert default is None and actions[flag.dest].required, name
+            else:
+                assert p.default == default, (name, p.default, default)
+    assert set(params) == {n for _, n in _in_schema(PLAN_SECTIONS)}
+    assert (*ZERO_STAGES, "auto") == ZERO_CHOICES
+
+
+def test_api_plan_takes_zero_stage_and_servers_like_the_cli(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "cli.json"
+    argv = ["plan", "--profile", "paper:vgg19", "--cluster", "paper-a", "--servers", "1"]
+    assert main([*argv, "--zero-stage", "auto", "-o", str(out)]) == 0
+    capsys.readouterr()
+    ours = api.plan("paper:vgg19", "paper-a", servers=1, zero_stage="auto")
+    assert ours == Plan.load(out)
+    assert len(ours.devices) == 8  # one server of paper-a
+    with pytest.raises(ValidationError, match="zero_stage must be one of 0, 1, 2 or auto, got 3"):
+        api.plan("paper:vgg19", "paper-a", zero_stage=3)
+    load_profile("paper:vgg19").save(tmp_path / "vgg.json")
+    with pytest.raises(ValidationError, match="global_batch_size is required"):
+        api.plan(tmp_path / "vgg.json", "paper-a")
+
+
+# -- the same run through the three doors --------------------------------------------------------
+EVERY_RUN_OPTION = {
+    "steps": 3, "seed": 5, "optimizer": "adamw", "lr": 0.002, "weight_decay": 0.1,
+    "betas": (0.8, 0.99), "eps": 1e-6, "lr_schedule": "cosine", "warmup_steps": 1,
+    "min_lr": 0.0001, "clip_grad_norm": 1.5, "zero_stage": 1, "device": "cpu",
+    "timeout_s": 60.0, "precision": "bf16", "recompute": True, "on_nonfinite": "skip",
+    "save_every": 2, "keep": 2, "eval_every": 1, "eval_batches": 2, "eval_batch_size": 2,
+}  # fmt: skip
+"""A value other than the default for every option the runtime gets (besides the paths)."""
+
+
+def _flags(options: dict[str, Any]) -> list[str]:
+    out: list[str] = []
+    for k, v in options.items():
+        flag = "--" + k.replace("_", "-")
+        if v is True:
+            out.append(flag)
+        elif isinstance(v, tuple):
+            out += [flag, *map(str, v)]
+        else:
+            out += [flag, str(v)]
+    return out
+
+
+def _toml(options: dict[str, Any]) -> str:
+    sections: dict[str, list[str]] = {}
+    for k, v in options.items():
+        section = next(s for s, fs in RUN_SECTIONS.items() if any(n == k for _, n in fs))
+        text = repr(v) if not isinstance(v, bool | str | tuple) else ""
+        text = text or ("true" if v is True else f'"{v}"' if isinstance(v, str) else repr(list(v)))
+        sections.setdefault(section, []).append(f"{k} = {text}")
+    return "\n".join(f"[{s}]\n" + "\n".join(lines) for s, lines in sections.items()) + "\n"
+
+
+@pytest.fixture
+def runs(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
+    """Every ``dapple.runtime.train`` call (none starts a process): plan and options."""
+    calls: list[dict[str, Any]] = []
+
+    def fake_train(plan: Any, workload: Any, **kw: Any) -> list[Any]:
+        kw.pop("early", None)
+        calls.append({"plan": plan, "workload": workload.name, **kw})
+        return []
+
+    monkeypatch.setattr("dapple.runtime.train", fake_train)
+    monkeypatch.setenv("RANK", "0")  # as one torchrun rank: no early workers
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    return calls
+
+
+def test_cli_file_and_api_ask_the_runtime_for_the_same_run(
+    tmp_path: Path, runs: list[dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    plan = tmp_path / "plan.json"
+    straight_plan(4, [0, 2], global_batch_size=4, num_micro_batches=2).save(plan)
+    paths = {"checkpoint_dir": str(tmp_path / "ck"), "metrics_path": str(tmp_path / "m.jsonl")}
+    flags = [
+        *_flags(EVERY_RUN_OPTION),
+        *("--checkpoint-dir", paths["checkpoint_dir"], "--metrics", paths["metrics_path"]),
+    ]
+    if importlib.util.find_spec("tensorboard") is not None:  # a dev dependency
+        paths["tensorboard_dir"] = str(tmp_path / "tb")
+        flags += ["--tensorboard", paths["tensorboard_dir"]]
+    model = ["-m", "runtime_workloads:mlp", "--set", "num_layers=4"]
+    assert main(["train", "--plan", str(plan), *model, *flags]) == 0
+    run_toml = tmp_path / "run.toml"
+    run_toml.write_text(
+        f'[model]\nspec = "runtime_workloads:mlp"\nset = {{ num_layers = 4 }}\n'
+        f'[plan]\npath = "{plan}"\n' + _toml({**EVERY_RUN_OPTION, **paths})
+    )
+    assert main(["train", "--config", str(run_toml)]) == 0
+    capsys.readouterr()
+    api.train(plan, "runtime_workloads:mlp", overrides={"num_layers": 4}, echo=True,
+              progress=True, **EVERY_RUN_OPTION, **paths)  # fmt: skip
+    cli, from_file, from_api = runs
+    assert cli == from_file == from_api
+    for k, v in EVERY_RUN_OPTION.items():  # each reached the runtime
+        assert cli[k] == v, k
+    assert cli["resume"] is False and cli["echo"] and cli["progress"]
+
+
+def test_optim_config_does_not_import_config() -> None:
+    """The import circle runtime.config <-> runtime.optim_config is gone."""
+    import dapple.runtime.optim_config as m
+
+    tree = ast.parse(Path(m.__file__).read_text())
+    imported = {
+        node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module
+    }
+    assert not {x for x in imported if x.startswith("dapple.runtime")}
+
+
+def test_api_train_opens_documents_and_refuses_before_the_runtime(
+    tmp_path: Path, runs: list[dict[str, Any]]
+) -> None:
+    from dapple.models.spec import load
+    from dapple.runtime.checkpoint import CheckpointError
+
+    plan = straight_plan(4, [0, 2], global_batch_size=4, num_micro_batches=2)
+    wl = load("runtime_workloads:mlp")
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text('{"ids": [1, 2, 3, 4, 5, 6]}\n{"ids": [7, 8, 9]}\n')
+    api.train(plan, wl, data=str(docs), seq_len=4, documents="pack")  # --pack
+    assert type(runs[-1]["data"]).__name__ == "PackedDocuments"
+    with pytest.raises(CheckpointError, match="require_resume: no checkpoint to resume"):
+        api.train(plan, wl, checkpoint_dir=str(tmp_path / "ck"), require_resume=True)
+    with pytest.raises(ValidationError, match="profile and cluster must be given together"):
+        api.train(plan, wl, profile="paper:bert48")
+    with pytest.raises(ValidationError, match="keep must be >= 0"):
+        api.train(plan, wl, keep=-1)
+    assert len(runs) == 1

@@ -1,0 +1,121 @@
+"""The DAPPLE search's named steps (planner/cut_search.py, planner/search.py) on their own."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from builders import make_cluster, make_profile
+from dapple.planner.cut_search import (
+    CutSearch,
+    Incumbent,
+    SearchLimits,
+    balanced_cut,
+    search_limits,
+    stage_bound,
+)
+from dapple.planner.evaluate import Scorer
+from dapple.planner.search import _rank_micro_batches, _seeds, cut_points, dapple_search
+
+
+def _scorer(n: int = 6, servers: int = 1, per_server: int = 4, G: int = 16) -> Scorer:
+    return Scorer(make_profile(n), make_cluster(servers, per_server), G, 0)
+
+
+def test_limits_resolve_the_defaults_by_instance_size() -> None:
+    small = search_limits(8, 16, None, -1, -1, -1, -1)  # N x G = 128: small
+    assert small == SearchLimits(8, None, None, 64, None)
+    mid = search_limits(50, 16, None, -1, -1, -1, -1)
+    assert mid == SearchLimits(16, 4, 2, 1, 3)
+    huge = search_limits(50, 256, 4, -1, -1, -1, -1)  # beyond 128 devices; S_max capped
+    assert huge == SearchLimits(4, 2, 1, 1, 3)
+    given = search_limits(50, 256, None, 7, None, 5, None)  # given values are kept
+    assert given == SearchLimits(50, 7, None, 5, None)
+
+
+def test_incumbent_takes_a_plan_with_its_latency() -> None:
+    sc = _scorer()
+    best = Incumbent()
+    assert best.L_ms == math.inf and best.scored is None
+    stages = [(0, 6, (0, 1, 2, 3))]
+    got = sc.score(stages, 4)
+    assert got is not None
+    best.take(stages, 4, got)
+    assert (best.L_ms, best.stages, best.M, best.scored) == (got.L_ms, stages, 4, got)
+
+
+def test_micro_batch_ranking_offers_every_seed_and_puts_the_best_m_first() -> None:
+    sc = _scorer()
+    Ms = [1, 2, 4, 8, 16]
+    best = Incumbent()
+    ranked = _rank_micro_batches(sc, Ms, 16, 4, best)
+    assert sorted(ranked) == Ms
+    seed_best = {}
+    for M in Ms:
+        scores = [sc.score(s, M) for s in _seeds(sc, 16 // M)]
+        seed_best[M] = min(g.L_ms for g in scores if g is not None)
+    assert ranked == sorted(Ms, key=lambda M: (seed_best[M], M))
+    assert best.L_ms == min(seed_best.values()) and ranked[0] == best.M
+
+
+def test_cut_range_is_every_later_cut_or_a_window_around_the_balance_point() -> None:
+    sc = _scorer(n=12)
+    cuts = cut_points(sc, 64)
+    assert cuts == list(range(13))
+    every = SearchLimits(4, None, None, 1, None)
+    dp = CutSearch(sc, make_cluster(1, 4), cuts, 4, 4, every, Incumbent())
+    assert dp.cut_range(2, 1, 3) == (3, 11)
+    windowed = SearchLimits(4, None, 1, 1, None)
+    dp = CutSearch(sc, make_cluster(1, 4), cuts, 4, 4, windowed, Incumbent())
+    mid = balanced_cut(sc, cuts, 0, 1, 3, 4)
+    assert dp.cut_range(0, 1, 3) == (max(1, mid - 1), min(11, mid + 1))
+    # uniform layers, one replica against three: the balance point gives the first stage
+    # at least as much time per micro-batch as the rest
+    f1, b1 = sc.fb_ms(0, mid, 4)
+    f2, b2 = sc.fb_ms(mid, 12, 2)
+    assert f1 + b1 >= f2 + b2
+
+
+def test_a_state_keeps_its_best_prefixes_and_is_found_at_its_cut() -> None:
+    sc = _scorer()
+    limits = SearchLimits(4, None, None, 2, None)
+    dp = CutSearch(sc, make_cluster(1, 4), list(range(7)), 4, 4, limits, Incumbent())
+    assert dp.buckets[0] == [(0, (0,))] and dp.memo[(0, (0,))][0][1] == ()
+    key = (3, (1,))
+    for lat in (5.0, 3.0, 4.0, 9.0):
+        dp.remember(key, lat, ((0, 3, (0,)),), (1,))
+    assert [e[0] for e in dp.memo[key]] == [3.0, 4.0]  # the two best, best first
+    assert dp.buckets[3] == [key]  # registered once
+
+
+def test_beam_and_pruning() -> None:
+    sc = _scorer()
+    beam = SearchLimits(3, 1, None, 1, None)
+    best = Incumbent()
+    dp = CutSearch(sc, make_cluster(1, 4), list(range(7)), 4, 4, beam, best)
+    dp.remember((2, (1,)), 7.0, ((0, 2, (0,)),), (1,))
+    dp.remember((2, (2,)), 6.0, ((0, 2, (0, 1)),), (2,))
+    assert dp.frontier(2) == [(2, (2,))]  # the beam keeps the best state
+    assert not dp.prunable(((0, 2, (0,)),))
+    assert dp.prunable(((0, 1, (0,)), (1, 2, (1,))))  # S_max 3: no room for two more stages
+    best.L_ms = stage_bound(sc, 0, 2, 1, 4, 4)  # an incumbent the first stage alone reaches
+    assert dp.prunable(((0, 2, (0,)),))
+
+
+def test_the_dp_finds_at_least_the_seeds_best_plan() -> None:
+    sc = _scorer()
+    best = Incumbent()
+    ranked = _rank_micro_batches(sc, [4], 16, 4, best)
+    seeded = best.L_ms
+    CutSearch(sc, make_cluster(1, 4), cut_points(sc, 64), ranked[0], 4,
+              SearchLimits(4, None, None, 64, None), best).run()  # fmt: skip
+    assert best.L_ms <= seeded
+    plan = dapple_search(make_profile(6), make_cluster(1, 4), 16)
+    assert plan.predicted_step_ms <= best.L_ms * (1 + 1e-12)
+
+
+@pytest.mark.parametrize("servers", [1, 2])
+def test_search_is_deterministic(servers: int) -> None:
+    p, c = make_profile(8), make_cluster(servers, 4)
+    assert dapple_search(p, c, 32) == dapple_search(p, c, 32)

@@ -1,0 +1,176 @@
+"""Tensor parallelism (t_s > 1) and ZeRO-3 in the runtime (:mod:`dapple.runtime.stage_mesh`).
+
+Pure tests of the peer pairing and the refusals; (slow tier) ``dapple verify`` on gloo - every
+parameter, gradient, loss and gradient norm against one process, step by step - for issue 30's
+cases: one stage DP2 x TP2, stage 0 TP2 + stage 1 DP2, 1:2 with ZeRO-3 on the replicated
+stage and TP2 x FSDP2 on one 4-rank stage, on the zoo transformer (traced into pieces, its
+:data:`~dapple.runtime.tp.TRANSFORMER_TP_PLAN`) and a tiny Hugging Face LLaMA from a config.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from dapple.core.plan import Plan, StagePlan
+from dapple.errors import ValidationError
+from dapple.models.workload import Workload
+from dapple.runtime.config import TrainConfig
+from dapple.runtime.stage_mesh import check_mesh_run, peer_ranks
+from dapple.runtime.tp import TRANSFORMER_TP_PLAN
+
+ZOO = {"layers": 2, "hidden": 32, "heads": 4, "seq": 16, "vocab": 64}
+LLAMA = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "num_hidden_layers": 2,
+    "vocab_size": 64,
+    "max_position_embeddings": 64,
+}
+G, M = 8, 2
+
+
+def _zoo_model() -> torch.nn.Module:
+    from dapple.models.zoo.transformer import transformer
+
+    return transformer(**ZOO).build_model()
+
+
+def zoo() -> Workload:
+    """The zoo transformer traced into pieces (embedding, block, block, head), with its plan
+    (the factory of :func:`zoo_spec`)."""
+    from dapple.models.split import workload_from_module
+    from dapple.models.zoo.transformer import transformer
+
+    wl = transformer(**ZOO)
+    traced = workload_from_module(_zoo_model, wl.make_batch, wl.loss_fn, split_at=["1", "2", "3"])
+    return replace(traced, tp_plan=dict(TRANSFORMER_TP_PLAN))
+
+
+def zoo_spec() -> Workload:
+    """:func:`zoo` loaded from its spec (it pickles: verify's workers load it again)."""
+    import dapple.api as dp
+
+    return dp.load(f"{Path(__file__).resolve()}:zoo")
+
+
+def llama(path: Path) -> Workload:
+    """A tiny LLaMA saved from a config (no dropout), loaded as ``hf:DIR`` (its config's
+    ``base_model_tp_plan``)."""
+    tf = pytest.importorskip("transformers")
+    import dapple.api as dp
+
+    torch.manual_seed(0)
+    tf.LlamaForCausalLM(tf.LlamaConfig(**LLAMA)).save_pretrained(path)
+    return dp.load(f"hf:{path}")
+
+
+def plan_of(stages: list[StagePlan], schedule: str = "dapple") -> Plan:
+    return Plan(planner="manual", global_batch_size=G, micro_batch_size=G // M,
+                num_micro_batches=M, stages=tuple(stages), schedule=schedule)  # fmt: skip
+
+
+def dp2_tp2(n: int) -> Plan:
+    return plan_of([StagePlan(layers=(0, n), devices=(0, 1, 2, 3), tensor_width=2)])
+
+
+def tp2_then_dp2(n: int, schedule: str = "dapple") -> Plan:
+    return plan_of(
+        [
+            StagePlan(layers=(0, 2), devices=(0, 1), tensor_width=2),
+            StagePlan(layers=(2, n), devices=(2, 3)),
+        ],
+        schedule,
+    )
+
+
+def one_then_zero3(n: int) -> Plan:
+    return plan_of(
+        [
+            StagePlan(layers=(0, 2), devices=(0,)),
+            StagePlan(layers=(2, n), devices=(1, 2), zero_stage=3),
+        ]
+    )
+
+
+def tp2_fsdp2(n: int) -> Plan:
+    return plan_of([StagePlan(layers=(0, n), devices=(0, 1, 2, 3), tensor_width=2, zero_stage=3)])
+
+
+# -- pure -----------------------------------------------------------------------------------
+def test_tensor_groups_pair_by_index_modulo_the_senders_width() -> None:
+    wide = StagePlan(layers=(0, 1), devices=(4, 5, 6, 7), tensor_width=4)
+    narrow = StagePlan(layers=(0, 1), devices=(0, 1), tensor_width=2)
+    # a rank of index k of the wide group receives from the narrow group's rank k mod 2
+    assert [peer_ranks(narrow, 0, k, 4, False) for k in range(4)] == [[0], [1], [0], [1]]
+    # the narrow group's rank i sends to the wide ranks k with k mod 2 == i
+    assert [peer_ranks(wide, 0, i, 2, True) for i in range(2)] == [[4, 6], [5, 7]]
+    # and back: a narrow rank receives from the wide rank of its own index; wide ranks 0, 1 send
+    assert [peer_ranks(wide, 0, i, 2, False) for i in range(2)] == [[4], [5]]
+    assert [peer_ranks(narrow, 0, k, 4, True) for k in range(4)] == [[0], [1], [], []]
+    dp2 = StagePlan(layers=(0, 1), devices=(2, 3))
+    assert peer_ranks(dp2, 1, 1, 2, False) == [3]
+    assert peer_ranks(dp2, 1, 0, 2, True) == [3]
+    assert peer_ranks(dp2, 1, 1, 2, True) == []  # tensor rank 1 of a TP2 sender: nothing
+
+
+def _cfg(**kw: Any) -> TrainConfig:
+    return TrainConfig(steps=1, **kw)
+
+
+def test_unsupported_mesh_runs_are_refused_in_one_line() -> None:
+    wl = zoo()
+    bare = replace(wl, tp_plan={})
+    with pytest.raises(ValidationError, match="has no TP plan"):
+        check_mesh_run(dp2_tp2(4), bare, _cfg())
+    with pytest.raises(ValidationError, match="re-computation"):
+        check_mesh_run(dp2_tp2(4), wl, _cfg(recompute=True))
+    with pytest.raises(ValidationError, match="ZeRO-1 with TP"):
+        check_mesh_run(dp2_tp2(4), wl, _cfg(zero_stage=1))
+    with pytest.raises(ValidationError, match="checkpoints"):
+        check_mesh_run(dp2_tp2(4), wl, _cfg(checkpoint_dir="/tmp/x"))
+    with pytest.raises(ValidationError, match="split-backward"):
+        check_mesh_run(replace(one_then_zero3(4), schedule="zbh1"), wl, _cfg())
+    with pytest.raises(ValidationError, match="evaluation"):
+        check_mesh_run(dp2_tp2(4), wl, _cfg(eval_every=1))
+    check_mesh_run(dp2_tp2(4), wl, _cfg())  # supported
+    check_mesh_run(plan_of([StagePlan(layers=(0, 4), devices=(0, 1))]), bare, _cfg())  # nothing cut
+
+
+# -- slow: dapple verify against one process --------------------------------------------------
+def _verify(plan: Plan, wl: Workload, **kw: Any) -> Any:
+    from dapple.runtime.verify import verify
+
+    rep = verify(plan, wl, steps=2, optimizer="adamw", lr=1e-2, clip_grad_norm=0.5,
+                 timeout_s=300, **kw)  # fmt: skip
+    assert rep.ok, rep
+    assert rep.losses == pytest.approx(rep.reference_losses, rel=1e-5)
+    assert rep.grad_norms == pytest.approx(rep.reference_grad_norms, rel=1e-4)
+    return rep
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("case", [dp2_tp2, tp2_then_dp2, one_then_zero3, tp2_fsdp2])
+def test_verify_zoo_transformer(case: Any) -> None:
+    _verify(case(4), zoo_spec())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("case", [dp2_tp2, tp2_then_dp2, one_then_zero3, tp2_fsdp2])
+def test_verify_hf_llama(case: Any, tmp_path: Path) -> None:
+    _verify(case(4), llama(tmp_path / "llama"))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("case", [dp2_tp2, tp2_then_dp2])
+def test_verify_zoo_transformer_under_zb_h1(case: Any) -> None:
+    _verify(replace(case(4), schedule="zbh1"), zoo_spec())
