@@ -10,9 +10,15 @@ from __future__ import annotations
 
 from dapple.core.cluster import Cluster
 from dapple.core.plan import StagePlan, split_sizes
-from dapple.core.profile import ModelProfile
+from dapple.core.profile import LayerProfile, ModelProfile
 
-__all__ = ["compute_ms", "split_backward_ms", "stage_compute_ms"]
+__all__ = ["compute_ms", "split_backward_ms", "stage_compute_ms", "tensor_share"]
+
+
+def tensor_share(layer: LayerProfile, t: int) -> int:
+    """t_l: the ranks a layer's work is divided over in a width-t tensor group (t for a
+    shardable layer, :attr:`LayerProfile.tensor_parallel`; 1 for one every rank runs whole)."""
+    return t if layer.tensor_parallel else 1
 
 
 def compute_ms(
@@ -22,6 +28,7 @@ def compute_ms(
     samples: int,
     *,
     recompute: bool = False,
+    tensor_width: int = 1,
 ) -> tuple[float, float]:
     """Forward and backward time of one call of layers ``[start, end)`` on ``samples`` samples.
 
@@ -32,13 +39,16 @@ def compute_ms(
         samples: samples of the call (0 gives 0, 0: no call).
         recompute: the backward re-runs the forward first (activation re-computation), so it
             includes the forward time.
+        tensor_width: t, one rank of a width-t group: each layer's time divided by its
+            :func:`tensor_share` (the group's collectives are not included here).
 
     Returns:
         ``(forward_ms, backward_ms)``.
     """
     s, e = layers
-    f = sum(layer.forward.at(samples) for layer in profile.layers[s:e]) * cluster.compute_slowdown
-    b = sum(layer.backward.at(samples) for layer in profile.layers[s:e]) * cluster.compute_slowdown
+    ls, t, sd = profile.layers[s:e], tensor_width, cluster.compute_slowdown
+    f = sum(layer.forward.at(samples) / tensor_share(layer, t) for layer in ls) * sd
+    b = sum(layer.backward.at(samples) / tensor_share(layer, t) for layer in ls) * sd
     return f, b + (f if recompute else 0.0)
 
 
@@ -64,10 +74,12 @@ def split_backward_ms(
     samples: int,
     *,
     recompute: bool = False,
+    tensor_width: int = 1,
 ) -> tuple[float, float]:
     """``(I, W)``: the input- and weight-gradient halves of the backward of layers
     ``[start, end)`` on ``samples`` samples (:meth:`LayerProfile.backward_split`: measured, or
     the documented assumed split). A re-computed forward runs before ``I`` and counts there.
+    ``tensor_width``: as in :func:`compute_ms`.
     The first stage's inputs carry no gradient: the runtime runs its whole backward as ``W``
     (:mod:`dapple.models.split_backward`), and so does this.
     """
@@ -75,6 +87,11 @@ def split_backward_ms(
     i = w = 0.0
     for layer in profile.layers[s:e]:
         li, lw = (0.0, layer.backward.at(samples)) if s == 0 else layer.backward_split(samples)
-        i, w = i + li, w + lw
-    f = compute_ms(profile, cluster, layers, samples)[0] if recompute else 0.0
+        t = tensor_share(layer, tensor_width)
+        i, w = i + li / t, w + lw / t
+    f = (
+        compute_ms(profile, cluster, layers, samples, tensor_width=tensor_width)[0]
+        if recompute
+        else 0.0
+    )
     return i * cluster.compute_slowdown + f, w * cluster.compute_slowdown

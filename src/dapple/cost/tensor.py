@@ -34,8 +34,9 @@ from __future__ import annotations
 
 from dapple.core.cluster import Cluster
 from dapple.core.plan import StagePlan
-from dapple.core.profile import LayerProfile, ModelProfile
+from dapple.core.profile import ModelProfile
 from dapple.cost.comm import allreduce_ms, stage_sync_ms
+from dapple.cost.compute import compute_ms, split_backward_ms
 from dapple.cost.memory import (
     TP_REPLICATED_OUTPUTS,
     sharded_layer_bytes,
@@ -88,10 +89,6 @@ def tensor_comm_ms(
     )
 
 
-def _share(layer: LayerProfile, t: int) -> int:
-    return t if layer.tensor_parallel else 1
-
-
 def tensor_compute_ms(
     profile: ModelProfile,
     cluster: Cluster,
@@ -113,12 +110,9 @@ def tensor_compute_ms(
         t: tensor width.
         recompute: the backward repeats the forward (its all-reduces included).
     """
-    s, e = layers
-    ls = profile.layers[s:e]
-    sd = cluster.compute_slowdown
+    f, b = compute_ms(profile, cluster, layers, samples, tensor_width=t)
     comm = tensor_comm_ms(profile, cluster, layers, samples, t)
-    f = sum(x.forward.at(samples) / _share(x, t) for x in ls) * sd + comm
-    b = sum(x.backward.at(samples) / _share(x, t) for x in ls) * sd + comm
+    f, b = f + comm, b + comm
     return f, b + (f if recompute else 0.0)
 
 
@@ -135,14 +129,9 @@ def tensor_split_backward_ms(
     :func:`dapple.cost.compute.split_backward_ms`, each layer's halves divided by its t_l): the
     backward all-reduces reduce input gradients and count in I (in W on the first stage, which
     runs its whole backward as W); a re-computed forward counts in I."""
-    s, e = layers
-    i = w = 0.0
-    for x in profile.layers[s:e]:
-        li, lw = (0.0, x.backward.at(samples)) if s == 0 else x.backward_split(samples)
-        i, w = i + li / _share(x, t), w + lw / _share(x, t)
-    i, w = i * cluster.compute_slowdown, w * cluster.compute_slowdown
+    i, w = split_backward_ms(profile, cluster, layers, samples, tensor_width=t)
     comm = tensor_comm_ms(profile, cluster, layers, samples, t)
-    if s == 0:
+    if layers[0] == 0:
         w += comm
     else:
         i += comm
