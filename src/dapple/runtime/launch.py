@@ -19,7 +19,6 @@ stage) prints each start-up phase as it starts (:func:`dapple.runtime.metrics.an
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 import pickle
@@ -56,6 +55,7 @@ from dapple.runtime.local import (
     local_store,
     pin_cores,
     run_worker,
+    shutdown_distributed,
     stop_workers,
 )
 from dapple.runtime.longrun import elastic_store
@@ -138,24 +138,6 @@ def init_distributed(config: TrainConfig, local_world: int) -> torch.device:
             **store,  # spawned: loopback store; torchrun restarts: a fresh key prefix
         )
     return device
-
-
-def shutdown_distributed() -> None:
-    """Leave the default process group: a barrier, ``destroy_process_group``, then a garbage
-    collection, so every gloo group is gone while Python is still fully alive.
-
-    Why: a gloo group's worker thread drops its last reference to a finished collective (e.g.
-    an ``all_gather`` whose tensors are Python objects) on its own; if that happens while the
-    interpreter is finalizing - the group kept alive by a reference cycle that only the exit-time
-    collection frees - the thread needs the GIL, is told to exit, and the C++ runtime aborts the
-    process ("terminate called without an active exception", SIGABRT; core dump backtrace:
-    ``~AsyncAllgatherWork`` -> ``take_gil`` -> ``pthread_exit`` in ``ProcessGroupGloo::runLoop``).
-    The barrier keeps a rank from tearing down while a peer is still in the last collective.
-    Call it on every rank, only when the group is healthy (after a failure peers may be gone).
-    """
-    dist.barrier()
-    dist.destroy_process_group()
-    gc.collect()
 
 
 def _die(msg: str) -> None:

@@ -20,6 +20,7 @@ the loopback interface (:func:`loopback_interface`) whatever the host name resol
 from __future__ import annotations
 
 import ctypes
+import gc
 import logging
 import os
 import signal
@@ -50,6 +51,7 @@ __all__ = [
     "loopback_interface",
     "pin_cores",
     "run_worker",
+    "shutdown_distributed",
     "stop_workers",
 ]
 
@@ -161,7 +163,9 @@ def run_worker(
     args: tuple[Any, ...],
 ) -> None:
     """A spawned worker: bind its life to the launcher's, meet the others on loopback (rank 0
-    serves on ``sock``), set the env and run ``fn(rank, world, *args)``."""
+    serves on ``sock``), set the env and run ``fn(rank, world, *args)``; when ``fn`` returns
+    with the default process group still open, leave it (:func:`shutdown_distributed`) before
+    the interpreter finalizes."""
     end_with_launcher(launcher)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: the launcher stops the workers
     os.environ.update(
@@ -174,6 +178,26 @@ def run_worker(
         **join_loopback(port, sock),
     )
     fn(rank, world, *args)
+    if dist.is_initialized():
+        shutdown_distributed()
+
+
+def shutdown_distributed() -> None:
+    """Leave the default process group: a barrier, ``destroy_process_group``, then a garbage
+    collection, so every gloo group is gone while Python is still fully alive.
+
+    Why: a gloo group's worker thread drops its last reference to a finished collective (e.g.
+    an ``all_gather`` whose tensors are Python objects) on its own; if that happens while the
+    interpreter is finalizing - the group kept alive by a reference cycle that only the exit-time
+    collection frees - the thread needs the GIL, is told to exit, and the C++ runtime aborts the
+    process ("terminate called without an active exception", SIGABRT; core dump backtrace:
+    ``~AsyncAllgatherWork`` -> ``take_gil`` -> ``pthread_exit`` in ``ProcessGroupGloo::runLoop``).
+    The barrier keeps a rank from tearing down while a peer is still in the last collective.
+    Call it on every rank, only when the group is healthy (after a failure peers may be gone).
+    """
+    dist.barrier()
+    dist.destroy_process_group()
+    gc.collect()
 
 
 # -- rendezvous ------------------------------------------------------------------------------
