@@ -322,3 +322,10 @@ def test_published_fit_row_reproduces_its_number(published) -> None:  # type: ig
         "sharded parameters (FSDP 8)",
         "torchtitan's selective-op checkpointing policy",
     ]
+
+
+def test_blocks_shard_over_a_tensor_group_and_the_ends_do_not() -> None:
+    prof = analytic_profile("llama3-8b", "h100")
+    marks = {x.name: x.tensor_parallel for x in prof.layers}
+    assert marks.pop("embedding") is False and marks.pop("lm_head") is False
+    assert set(marks.values()) == {True} and len(marks) == 32

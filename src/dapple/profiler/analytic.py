@@ -15,6 +15,9 @@ Forward and backward times are summed over a layer's ops at each batch size of t
 fitted affine in the batch size (:func:`~dapple.core.profile.fit_affine`), as measured
 profiles are.
 
+Transformer blocks are marked shardable (``LayerProfile.tensor_parallel``: Megatron's column- and
+row-parallel attention and MLP); the embedding and the head are not.
+
 Parameters are counted in fp32 bytes (4 per parameter: master weights), as dapple's memory
 model expects; the optimizer update time ``U`` is AdamW's 28 bytes moved per parameter (30 with
 a 16-bit copy) at the memory efficiency.
@@ -155,6 +158,7 @@ def analytic_profile(
                 kept_activation_bytes_per_sample=c.kept_bytes_per_sample,
                 tied_parameter_bytes=4 * c.tied_parameters,
                 tied_layers=tuple(j for j in holders if j != i) if c.tied_parameters else (),
+                tensor_parallel=c.name.startswith("block"),
             )
         )
     cast = 0.0 if precision == "fp32" else 2.0
