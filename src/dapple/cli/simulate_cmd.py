@@ -42,6 +42,12 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--trace", default=None, help="write a Chrome/Perfetto trace JSON")
     p.add_argument("--memory", default=None, help="write a memory-over-time plot image")
     p.add_argument(
+        "--layout",
+        default=None,
+        help="write a picture of the plan's stages on the cluster's servers and devices "
+        "(replicas and tensor groups framed)",
+    )
+    p.add_argument(
         "--compare",
         action="store_true",
         help="also simulate the other schedule (GPipe vs DAPPLE; DAPPLE beside interleaved or "
@@ -104,6 +110,11 @@ def run(args: argparse.Namespace) -> int:
         if args.memory:
             plot_memory(runs, args.memory)
             con.print(f"wrote {args.memory}")
+    if args.layout:
+        from dapple.simulate.layout import plot_layout
+
+        plot_layout(plan, cluster, args.layout)
+        con.print(f"wrote {args.layout}")
     if args.trace:
         from dapple.simulate.trace import write_trace
 
