@@ -184,7 +184,8 @@ def test_plan_flag_defaults_and_api_plan_defaults_are_the_config_defaults() -> N
             else:
                 assert p.default == default, (name, p.default, default)
     assert set(params) == {n for _, n in _in_schema(PLAN_SECTIONS)}
-    assert (*ZERO_STAGES, "auto") == ZERO_CHOICES
+    # a run's zero stages, and 3 (ZeRO-3), which a plan sets per stage (StagePlan.zero_stage)
+    assert (*ZERO_STAGES, 3, "auto") == ZERO_CHOICES
 
 
 def test_api_plan_takes_zero_stage_and_servers_like_the_cli(
@@ -197,8 +198,10 @@ def test_api_plan_takes_zero_stage_and_servers_like_the_cli(
     ours = api.plan("paper:vgg19", "paper-a", servers=1, zero_stage="auto")
     assert ours == Plan.load(out)
     assert len(ours.devices) == 8  # one server of paper-a
-    with pytest.raises(ValidationError, match="zero_stage must be one of 0, 1, 2 or auto, got 3"):
-        api.plan("paper:vgg19", "paper-a", zero_stage=3)
+    with pytest.raises(
+        ValidationError, match="zero_stage must be one of 0, 1, 2, 3 or auto, got 4"
+    ):
+        api.plan("paper:vgg19", "paper-a", zero_stage=4)
     load_profile("paper:vgg19").save(tmp_path / "vgg.json")
     with pytest.raises(ValidationError, match="global_batch_size is required"):
         api.plan(tmp_path / "vgg.json", "paper-a")

@@ -202,8 +202,11 @@ def test_zero3_gathers_once_per_step_when_accumulating(fsdp2: list[dict[str, Any
     for res in fsdp2:
         for step in res["accumulate"]["steps"]:  # [[forward, backward] per micro-batch]
             assert step["comm"] == [[gather, {}], [{}, scatter]]
-        for step in res["regather"]["steps"]:  # gather forward, again backward, reduce
-            assert step["comm"] == [[gather, {**gather, **scatter}]] * M
+        # regather: each of the stage's 3 pieces (layers 1-3) is a unit: per micro-batch it
+        # gathers in the forward, again in the backward, and reduce-scatters its gradients
+        per_piece = {k: 3 * v for k, v in gather.items()}, {k: 3 * v for k, v in scatter.items()}
+        for step in res["regather"]["steps"]:
+            assert step["comm"] == [[per_piece[0], {**per_piece[0], **per_piece[1]}]] * M
         assert "at least 2 ranks" in res["one_rank"]
 
 

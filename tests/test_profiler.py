@@ -11,6 +11,7 @@ import torch
 from dapple.cli import main
 from dapple.core.profile import ModelProfile
 from dapple.errors import ValidationError
+from dapple.models.workload import Workload
 from dapple.models.zoo import get_workload
 from dapple.profiler.measure import profile_workload
 
@@ -189,3 +190,76 @@ def test_split_backward_measures_both_halves_as_the_runtime_runs_them() -> None:
     assert i + wgt == pytest.approx(block.backward.at(8))
     plain = profile_workload(w, [4], warmup=0, repeats=1, num_threads=1)
     assert all(ly.backward_input is None for ly in plain.layers)
+
+
+# -- which layers shard over a tensor group --------------------------------------------------------
+TP_ZOO = {"layers": 2, "hidden": 32, "heads": 4, "seq": 8, "vocab": 64}
+
+
+def _traced_transformer(tp_plan: dict[str, str]) -> Workload:
+    """The zoo transformer traced into pieces (embedding, block, block, head) with ``tp_plan``."""
+    from dapple.models.split import workload_from_module
+    from dapple.models.zoo.transformer import transformer
+
+    wl = transformer(**TP_ZOO)
+    traced = workload_from_module(
+        lambda: transformer(**TP_ZOO).build_model(), wl.make_batch, wl.loss_fn,
+        split_at=["1", "2", "3"],
+    )  # fmt: skip
+    return dataclasses.replace(traced, tp_plan=tp_plan)
+
+
+def _runtime_cuts(wl: Workload, tp_plan: dict[str, str]) -> list[bool]:
+    """Per layer: whether the runtime's :func:`parallelize_stage` cuts it (a traced piece whose
+    parameters the plan matches: :func:`plan_layouts` finds some)."""
+    from torch import fx
+
+    from dapple.runtime.tp import plan_layouts
+
+    out = []
+    for i in range(wl.num_layers):
+        layer = wl.build_layer(i)
+        try:
+            cut = isinstance(layer, fx.GraphModule) and bool(plan_layouts(layer, tp_plan)[0])
+        except ValidationError as e:
+            assert "matches no parameter" in str(e)
+            cut = False
+        out.append(cut)
+    return out
+
+
+def test_profiles_mark_the_layers_the_runtime_cuts() -> None:
+    from dapple.models.tp_plan import TRANSFORMER_TP_PLAN
+
+    wl = _traced_transformer(dict(TRANSFORMER_TP_PLAN))
+    prof = profile_workload(wl, [1, 2], warmup=0, repeats=1)
+    marked = [x.tensor_parallel for x in prof.layers]
+    assert marked == [False, True, True, False]  # the blocks; the embedding and head stay whole
+    assert marked == _runtime_cuts(wl, dict(TRANSFORMER_TP_PLAN))
+    assert ModelProfile.from_dict(prof.to_dict()) == prof  # the marks are saved
+    plain = get_workload("transformer", **TP_ZOO)  # whole layers, no TP plan
+    odd = dataclasses.replace(wl, tp_plan={"*.qkv": "sequence_parallel"})  # no such style
+    for other in (plain, get_workload("mlp"), odd):
+        layers = profile_workload(other, [1], warmup=0, repeats=1).layers
+        assert not any(x.tensor_parallel for x in layers), other.name
+
+
+def test_profile_of_a_hf_llama_marks_its_decoder_layers(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    tf = pytest.importorskip("transformers")
+    from dapple.models.spec import load
+    from dapple.models.tp_plan import tp_plan_of
+
+    path = tmp_path / "llama"
+    tf.LlamaConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                   num_key_value_heads=2, num_hidden_layers=2, vocab_size=48,
+                   max_position_embeddings=32).save_pretrained(path)  # fmt: skip
+    out = tmp_path / "p.json"
+    argv = ["profile", "--model", f"hf:{path}", "--batch-sizes", "1,2", "--repeats", "1"]
+    assert main([*argv, "--warmup", "0", "-o", str(out)]) == 0
+    capsys.readouterr()
+    prof = ModelProfile.load(out)
+    assert [x.tensor_parallel for x in prof.layers] == [False, True, True, False]
+    wl = load(f"hf:{path}")
+    assert _runtime_cuts(wl, tp_plan_of(wl)) == [False, True, True, False]

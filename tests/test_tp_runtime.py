@@ -1,10 +1,12 @@
 """Tensor parallelism (t_s > 1) and ZeRO-3 in the runtime (:mod:`dapple.runtime.stage_mesh`).
 
 Pure tests of the peer pairing and the refusals; (slow tier) ``dapple verify`` on gloo - every
-parameter, gradient, loss and gradient norm against one process, step by step - for issue 30's
-cases: one stage DP2 x TP2, stage 0 TP2 + stage 1 DP2, 1:2 with ZeRO-3 on the replicated
-stage and TP2 x FSDP2 on one 4-rank stage, on the zoo transformer (traced into pieces, its
-:data:`~dapple.runtime.tp.TRANSFORMER_TP_PLAN`) and a tiny Hugging Face LLaMA from a config.
+parameter, gradient, loss and gradient norm against one process, step by step - for one stage
+DP2 x TP2, stage 0 TP2 + stage 1 DP2, 1:2 with ZeRO-3 on the replicated stage and TP2 x FSDP2
+on one 4-rank stage, on the zoo transformer (traced into pieces, its
+:data:`~dapple.runtime.tp.TRANSFORMER_TP_PLAN`) and a tiny Hugging Face LLaMA from a config;
+the zoo transformer also under ZB-H1 (split backward) and with re-computation under TP.
+Checkpoints and evaluation of such plans: ``tests/test_tp_checkpoint.py``.
 """
 
 from __future__ import annotations
@@ -103,6 +105,22 @@ def tp2_fsdp2(n: int) -> Plan:
     return plan_of([StagePlan(layers=(0, n), devices=(0, 1, 2, 3), tensor_width=2, zero_stage=3)])
 
 
+def regathering(plan: Plan) -> Plan:
+    """``plan`` with its ZeRO-3 stages gathering their parameters per micro-batch."""
+    stages = tuple(replace(st, regather=st.zero_stage == 3) for st in plan.stages)
+    return replace(plan, stages=stages)
+
+
+def one_then_zero3_regather(n: int) -> Plan:
+    """1:2 with ZeRO-3 gathering per micro-batch (each piece an FSDP unit)."""
+    return regathering(one_then_zero3(n))
+
+
+def recomputing(plan: Plan) -> Plan:
+    """``plan`` with every stage re-computing its forward in the backward."""
+    return replace(plan, stages=tuple(replace(st, recompute=True) for st in plan.stages))
+
+
 # -- pure -----------------------------------------------------------------------------------
 def test_tensor_groups_pair_by_index_modulo_the_senders_width() -> None:
     wide = StagePlan(layers=(0, 1), devices=(4, 5, 6, 7), tensor_width=4)
@@ -129,17 +147,17 @@ def test_unsupported_mesh_runs_are_refused_in_one_line() -> None:
     bare = replace(wl, tp_plan={})
     with pytest.raises(ValidationError, match="has no TP plan"):
         check_mesh_run(dp2_tp2(4), bare, _cfg())
-    with pytest.raises(ValidationError, match="re-computation"):
-        check_mesh_run(dp2_tp2(4), wl, _cfg(recompute=True))
+    with pytest.raises(ValidationError, match="re-computation with ZeRO-3"):
+        check_mesh_run(tp2_fsdp2(4), wl, _cfg(recompute=True))
     with pytest.raises(ValidationError, match="ZeRO-1 with TP"):
         check_mesh_run(dp2_tp2(4), wl, _cfg(zero_stage=1))
-    with pytest.raises(ValidationError, match="checkpoints"):
-        check_mesh_run(dp2_tp2(4), wl, _cfg(checkpoint_dir="/tmp/x"))
-    with pytest.raises(ValidationError, match="split-backward"):
-        check_mesh_run(replace(one_then_zero3(4), schedule="zbh1"), wl, _cfg())
-    with pytest.raises(ValidationError, match="evaluation"):
-        check_mesh_run(dp2_tp2(4), wl, _cfg(eval_every=1))
+    with pytest.raises(ValidationError, match="regather under split-backward"):
+        check_mesh_run(replace(regathering(one_then_zero3(4)), schedule="zbh1"), wl, _cfg())
+    check_mesh_run(replace(one_then_zero3(4), schedule="zbh1"), wl, _cfg())
     check_mesh_run(dp2_tp2(4), wl, _cfg())  # supported
+    check_mesh_run(recomputing(dp2_tp2(4)), wl, _cfg(recompute=True))
+    # checkpoints and evaluation: tests/test_tp_checkpoint.py
+    check_mesh_run(tp2_fsdp2(4), wl, _cfg(checkpoint_dir="/tmp/x", eval_every=1))
     check_mesh_run(plan_of([StagePlan(layers=(0, 4), devices=(0, 1))]), bare, _cfg())  # nothing cut
 
 
@@ -157,7 +175,9 @@ def _verify(plan: Plan, wl: Workload, **kw: Any) -> Any:
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("case", [dp2_tp2, tp2_then_dp2, one_then_zero3, tp2_fsdp2])
+@pytest.mark.parametrize(
+    "case", [dp2_tp2, tp2_then_dp2, one_then_zero3, tp2_fsdp2, one_then_zero3_regather]
+)
 def test_verify_zoo_transformer(case: Any) -> None:
     _verify(case(4), zoo_spec())
 
@@ -171,6 +191,23 @@ def test_verify_hf_llama(case: Any, tmp_path: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("case", [dp2_tp2, tp2_then_dp2])
+@pytest.mark.parametrize("case", [dp2_tp2, tp2_then_dp2, one_then_zero3, tp2_fsdp2])
 def test_verify_zoo_transformer_under_zb_h1(case: Any) -> None:
     _verify(replace(case(4), schedule="zbh1"), zoo_spec())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_verify_zoo_transformer_with_recompute_under_tp() -> None:
+    """Re-computation replays a cut block's forward, its row-parallel all-reduces included, in
+    the backward: every rank of the tensor group replays the same collectives."""
+    from dapple.runtime.verify import verify_many
+
+    wl = zoo_spec()
+    cases = [(recomputing(dp2_tp2(4)), wl), (recomputing(tp2_then_dp2(4)), wl)]
+    reps = verify_many(cases, steps=2, optimizer="adamw", lr=1e-2, clip_grad_norm=0.5,
+                       timeout_s=300)  # fmt: skip
+    for rep in reps:
+        assert rep.ok, rep
+        assert rep.losses == pytest.approx(rep.reference_losses, rel=1e-5)
+        assert rep.grad_norms == pytest.approx(rep.reference_grad_norms, rel=1e-4)

@@ -614,18 +614,15 @@ def test_plan_json_carries_the_zero_stage_per_stage() -> None:
 def test_cli_plan_prints_the_zero_choice_and_rejects_unknown_stages(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    from dapple.cli.plan_cmd import _ZERO_STAGES
-
-    assert _ZERO_STAGES == ZERO_STAGES
     base = ["plan", "--profile", "paper:bert48", "--cluster", "paper-a", "--planner", "dp"]
     assert main([*base]) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "stage 0 (r=16) zero stage 0, sharding would save" in out
-    for bad in ("3", "x", "-1"):
+    for bad in ("4", "x", "-1"):
         assert main([*base, "--zero-stage", bad]) != 0
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1, err
-        assert err[0] == f"dapple: error: --zero-stage must be one of 0, 1, 2 or auto, got {bad!r}"
+        assert err[0] == f"dapple: error: --zero-stage must be one of 0, 1, 2, 3 or auto, got {bad!r}"
 
 
 def test_cli_plan_records_the_zero_stage(

@@ -173,6 +173,7 @@ def plan(
     seq_len: float | None = None,
     max_seq_len: float | None = None,
     zero_stage: int | str = 0,
+    tensor_widths: str | Sequence[int] = "auto",
 ) -> Plan:
     """Plan a profiled model on a cluster (``dapple plan``).
 
@@ -196,20 +197,27 @@ def plan(
             several lengths (``profile(seq_lens=...)``; ``dapple plan --seq-len MEAN,MAX``).
         max_seq_len: Longest sample, which the memory is planned for (default ``seq_len``).
         zero_stage: 1: replicated stages shard their optimizer state (ZeRO-1); 2: their
-            gradients too (ZeRO-2); ``"auto"``: per stage, where memory asks for it (dapple
-            planner only; the plan records each stage's, which :func:`train` follows).
+            gradients too (ZeRO-2); 3: their parameters too (ZeRO-3, gathered once per step or
+            per micro-batch); ``"auto"``: per stage, where memory asks for it (dapple planner
+            only; the plan records each stage's, which :func:`train` follows).
+        tensor_widths: The tensor widths t to search (each of 1, 2, 4, 8, dividing the server
+            size; dapple planner only), or ``"auto"``: 1, and every width that fits when some
+            layer of the profile shards (``LayerProfile.tensor_parallel``).
 
     Raises:
         ValidationError: Unknown planner or schedule, bad batch size, bad files, lengths
-            without a profile measured at several, v not dividing a device group's layers.
+            without a profile measured at several, v not dividing a device group's layers,
+            tensor widths that cannot be searched (t > 1 for a profile where no layer shards).
         InfeasibleError: No plan fits the devices' memory.
     """
     from dapple.planner import make_plan
-    from dapple.planner.config import PlanConfig, zero_stage_number
+    from dapple.planner.config import PlanConfig, tensor_width_list, zero_stage_number
 
-    PlanConfig(  # the checks of `dapple plan` and its config file
-        servers=servers, global_batch_size=global_batch_size, planner=planner, zero_stage=zero_stage
-    )
+    widths = tensor_widths if isinstance(tensor_widths, str) else tuple(tensor_widths)
+    cfg = PlanConfig(  # the checks of `dapple plan` and its config file
+        servers=servers, global_batch_size=global_batch_size, planner=planner,
+        zero_stage=zero_stage, tensor_widths=widths,
+    )  # fmt: skip
     prof, cl = _profile(profile), _cluster(cluster, servers)
     result = make_plan(
         prof,
@@ -219,6 +227,7 @@ def plan(
         seq_len=seq_len,
         max_seq_len=max_seq_len,
         zero_stage=zero_stage_number(zero_stage),
+        tensor_widths=tensor_width_list(cfg.tensor_widths),
     )
     if schedule == "best":
         from dapple.simulate.schedules import best_schedule
@@ -368,26 +377,30 @@ def train(
 
     Raises:
         ValidationError: Bad plan, workload or options; a plan made for another model
-            (:meth:`~dapple.core.plan.Plan.check_model`).
+            (:meth:`~dapple.core.plan.Plan.check_model`); a stage of tensor width t_s > 1
+            the model cannot be cut over (:mod:`dapple.runtime.tensor_check`).
         CheckpointError: ``require_resume`` and no checkpoint to resume.
         RankFailure: A worker failed.
     """
     from dapple.runtime import train as _train
     from dapple.runtime.config import TrainConfig
     from dapple.runtime.run_config import RunOptions, check_resumable, resolve_train_config
+    from dapple.runtime.stage_mesh import check_mesh_run
 
     run = RunOptions(keep=keep or 0, eval_batches=eval_batches, require_resume=require_resume,
                      elastic=elastic, min_devices=min_devices, max_restarts=max_restarts,
                      profile=_name(profile), cluster=_name(cluster))  # fmt: skip
     run_plan = _with(plan, schedule, policy, virtual_stages)
     wl = _workload(workload, _seq_overrides(workload, overrides, seq_len))
-    run_plan.check_model(wl.name, wl.num_layers)
+    _check_run(run_plan, wl, None if cluster is None else _cluster(cluster, None))
     train_data = _dataset(data, seq_len, documents)
     evals = _dataset(eval_data, seq_len, documents)
-    if profile is not None and cluster is not None:
-        options["predicted_step_ms"] = simulate(run_plan, profile, cluster).step_ms
     G, n_eval = run_plan.global_batch_size, None if evals is None else len(evals)
     cfg = resolve_train_config(TrainConfig(steps=steps, **options), run, n_eval, G)
+    check_mesh_run(run_plan, wl, cfg)  # what stages of t_s > 1 or ZeRO-3 cannot run yet
+    if profile is not None and cluster is not None:
+        predicted = simulate(run_plan, profile, cluster).step_ms
+        cfg = dataclasses.replace(cfg, predicted_step_ms=predicted)
     if require_resume:
         check_resumable(cfg.checkpoint_dir)
     fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
@@ -399,6 +412,15 @@ def train(
                                max_restarts=max_restarts, zero_stage=cfg.zero_stage)  # fmt: skip
     return _train(run_plan, wl, data=train_data, eval_data=evals, early=early, elastic=replan,
                   **fields)  # fmt: skip
+
+
+def _check_run(plan: Plan, wl: Workload, cluster: Cluster | None = None) -> None:
+    """The plan was made for this model (:meth:`~dapple.core.plan.Plan.check_model`) and its
+    tensor groups can cut it (:func:`dapple.runtime.tensor_check.check_tensor_run`)."""
+    from dapple.runtime.tensor_check import check_tensor_run
+
+    plan.check_model(wl.name, wl.num_layers)
+    check_tensor_run(plan, wl, cluster)
 
 
 def _name(x: ModelProfile | Cluster | str | Path | None) -> str | None:
@@ -469,12 +491,13 @@ def verify(
 
     Raises:
         ValidationError: Bad plan, workload or options; a plan made for another model
-            (:meth:`~dapple.core.plan.Plan.check_model`).
+            (:meth:`~dapple.core.plan.Plan.check_model`); a stage of tensor width t_s > 1
+            the model cannot be cut over (:mod:`dapple.runtime.tensor_check`).
         RankFailure: A worker failed.
     """
     run_plan = _with(plan, schedule, policy, virtual_stages)
     wl = _workload(workload, _seq_overrides(workload, overrides, seq_len))
-    run_plan.check_model(wl.name, wl.num_layers)
+    _check_run(run_plan, wl)
     from dapple.runtime.verify import verify as _verify
 
     return _verify(
@@ -508,7 +531,8 @@ def verify_many(
 
     Raises:
         ValidationError: Bad plan, workload or options; a plan made for another model
-            (:meth:`~dapple.core.plan.Plan.check_model`).
+            (:meth:`~dapple.core.plan.Plan.check_model`); a stage of tensor width t_s > 1
+            the model cannot be cut over (:mod:`dapple.runtime.tensor_check`).
         RankFailure: A worker failed.
     """
     from dapple.runtime.verify import verify_many as _verify_many
@@ -521,7 +545,7 @@ def verify_many(
                 loaded[w] = _workload(w, None)
             w = loaded[w]
         run_plan, wl = _plan(p), _workload(w, None)
-        run_plan.check_model(wl.name, wl.num_layers)
+        _check_run(run_plan, wl)
         resolved.append((run_plan, wl))
     return _verify_many(resolved, steps, device=device, **options)
 

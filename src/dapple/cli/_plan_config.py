@@ -23,7 +23,13 @@ from dapple.cli._config_args import (
 )
 from dapple.errors import ValidationError
 
-__all__ = ["SeqLenParser", "add_plan_config_arguments", "apply_plan_config", "plan_flags"]
+__all__ = [
+    "SeqLenParser",
+    "add_plan_config_arguments",
+    "apply_plan_config",
+    "parse_tensor_widths",
+    "plan_flags",
+]
 
 
 def _seq_len_flag(v: tuple[Any, ...]) -> str | None:
@@ -34,18 +40,40 @@ def _seq_len_flag(v: tuple[Any, ...]) -> str | None:
 
 
 def _zero_stage(text: str) -> tuple[int | str]:
-    from dapple.planner.config import ZERO_CHOICES
+    from dapple.planner.config import ZERO_CHOICES, choices
 
     value: int | str = int(text) if text.strip().lstrip("-").isdigit() else text
     if value not in ZERO_CHOICES:
-        raise ValidationError(f"--zero-stage must be one of {_choices(ZERO_CHOICES)}, got {text!r}")
+        raise ValidationError(f"--zero-stage must be one of {choices(ZERO_CHOICES)}, got {text!r}")
     return (value,)
 
 
-def _choices(values: tuple[int | str, ...]) -> str:
-    """``0, 1, 2 or auto``."""
-    *head, last = map(str, values)
-    return f"{', '.join(head)} or {last}"
+def parse_tensor_widths(text: str) -> str | tuple[int, ...]:
+    """``--tensor-widths``: ``"auto"`` -> ``"auto"``, ``"4,1,2"`` -> ``(1, 2, 4)``.
+
+    Raises:
+        ValidationError: neither ``auto`` nor comma-separated widths of 1, 2, 4, 8.
+    """
+    from dapple.core.tensor_layout import TENSOR_WIDTHS
+    from dapple.planner.config import AUTO
+
+    if text.strip() == AUTO:
+        return AUTO
+    parts = [p.strip() for p in text.split(",")]
+    if not all(p.isdigit() and int(p) in TENSOR_WIDTHS for p in parts):
+        raise ValidationError(
+            f"--tensor-widths must be auto or comma-separated widths from "
+            f"{', '.join(map(str, TENSOR_WIDTHS))}, got {text!r}"
+        )
+    return tuple(sorted({int(p) for p in parts}))
+
+
+def _widths_fields(text: str) -> tuple[str | tuple[int, ...]]:
+    return (parse_tensor_widths(text),)
+
+
+def _widths_flag(v: tuple[Any, ...]) -> str:
+    return v[0] if isinstance(v[0], str) else ",".join(map(str, v[0]))
 
 
 SeqLenParser = Callable[[str], tuple[float, float]]
@@ -65,6 +93,7 @@ def plan_flags(parse_seq_len: SeqLenParser) -> tuple[Flag, ...]:
         Flag("seq_len", (("", "seq_len"), ("", "max_seq_len")), seq_len, _seq_len_flag),
         *(one("", n) for n in ("output", "schedule", "virtual_stages")),
         Flag("zero_stage", (("", "zero_stage"),), _zero_stage, lambda v: str(v[0])),
+        Flag("tensor_widths", (("", "tensor_widths"),), _widths_fields, _widths_flag),
     )
 
 

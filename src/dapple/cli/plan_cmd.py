@@ -5,14 +5,25 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
-from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.table import Table
 
 from dapple.cli._console import StepProgress, console, print_table
-from dapple.cli._plan_config import add_plan_config_arguments, apply_plan_config
+from dapple.cli._plan_config import (
+    add_plan_config_arguments,
+    apply_plan_config,
+    parse_tensor_widths,
+)
+from dapple.cli._plan_show import (
+    format_devices,
+    gib_text,
+    mesh_columns,
+    ms_text,
+    stage_table,
+    zero_line,
+)
 from dapple.cli._run_args import add_virtual_stages_argument
 from dapple.core.cluster import Cluster, describe_presets
 from dapple.core.output_path import check_output_file
@@ -34,9 +45,6 @@ own (interleaved, zbh1): the event simulation takes time in proportion (about 0.
 one CPU core)."""
 BEST = "best"
 """``--schedule best``: the fastest simulated schedule variant that fits the memory."""
-_ZERO_STAGES = (0, 1, 2)
-"""``--zero-stage`` numbers (``dapple.runtime.optim_config.ZERO_STAGES``; a test keeps the two
-equal without importing the runtime here); ``auto`` besides."""
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -90,12 +98,26 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         default="0",
         metavar="Z",
         help="1: replicated stages shard their optimizer state over their replicas (ZeRO-1); "
-        "2: their gradients too, reduce-scattered after every micro-batch (ZeRO-2); auto: per "
-        "stage, unsharded unless its state leaves too little memory for its in-flight "
-        "micro-batches, then the cheaper of ZeRO-1, ZeRO-2 and re-computation. The search "
-        "counts the memory and the M-fold gradient traffic of ZeRO-2; the plan records "
-        "zero_stage per stage, which train and verify follow (dapple planner only; default "
-        "%(default)s)",
+        "2: their gradients too, reduce-scattered after every micro-batch (ZeRO-2); 3: their "
+        "parameters too (ZeRO-3 / FSDP), all-gathered once per step or again per micro-batch "
+        "(less memory, more traffic), whichever gives the lower step time; auto: per stage, "
+        "unsharded unless its state leaves too little memory for its in-flight micro-batches, "
+        "then the cheapest of ZeRO-1, ZeRO-2, ZeRO-3 and re-computation. A stage with one "
+        "replica stays unsharded. The search counts the memory and the traffic of each; the "
+        "plan records zero_stage (and ZeRO-3's regather) per stage, which train and verify "
+        "follow (dapple planner only; default %(default)s)",
+    )
+    p.add_argument(
+        "--tensor-widths",
+        default="auto",
+        metavar="auto|T[,T...]",
+        help="tensor-parallel widths t to search (Megatron-style groups of t devices inside one "
+        "server per replica; each of 1, 2, 4, 8 dividing the server size), one search per "
+        "width with every stage that width, the fastest plan winning; auto: 1, and every width "
+        "that fits when some layer of the profile shards (layers a TP plan cuts: dapple "
+        "profile marks them, from the model's own plan or its Hugging Face "
+        "base_model_tp_plan); a width > 1 for a profile where no layer shards is refused "
+        "(dapple planner only; default %(default)s)",
     )
     add_plan_config_arguments(p)
     p.set_defaults(func=run)
@@ -120,28 +142,6 @@ def parse_seq_len(text: str) -> tuple[float, float]:
     return mean, top
 
 
-def format_devices(devices: Sequence[int]) -> str:
-    """Compact device list: ``0-7,12``."""
-    out: list[str] = []
-    ds = list(devices)
-    i = 0
-    while i < len(ds):
-        j = i
-        while j + 1 < len(ds) and ds[j + 1] == ds[j] + 1:
-            j += 1
-        out.append(str(ds[i]) if i == j else f"{ds[i]}-{ds[j]}")
-        i = j + 1
-    return ",".join(out)
-
-
-def _ms(v: float) -> str:
-    return f"{v:.2f}"
-
-
-def _gib(v: float) -> str:
-    return f"{v / 2**30:.2f}"
-
-
 def _plan_with_progress(
     con: Console,
     profile: ModelProfile,
@@ -149,92 +149,31 @@ def _plan_with_progress(
     gbs: int,
     planner: str,
     zero_stage: int = 0,
+    tensor_widths: list[int] | None = None,
 ) -> Plan:
     """Run one planner; show its progress once it has taken more than a second."""
     from dapple.planner import make_plan
 
     what = f"plan {planner}"
     with StepProgress(what, detail="micro-batch counts", console=con, delay_s=1.0) as bar:
-        return make_plan(profile, cluster, gbs, planner, progress=bar, zero_stage=zero_stage)
-
-
-def _stage_table(plan: Plan, profile: ModelProfile, cluster: Cluster) -> Table:
-    from dapple.planner.cost import pipeline_latency
-
-    r = pipeline_latency(plan, profile, cluster)
-    t = Table(title=f"{plan.planner} plan of {profile.model_name} on {cluster.name}")
-    for col in (
-        "stage",
-        "layers",
-        "replicas",
-        "devices",
-        "recompute",
-        "K_i",
-        "F ms",
-        "B ms",
-        "comm F/B ms",
-        "AllReduce ms",
-        "memory GiB",
-    ):
-        t.add_column(col, justify="right" if col not in ("devices",) else "left")
-    rows = r.stages
-    for idx, row in enumerate(rows):
-        if row.kind != "compute":
-            continue
-        st = plan.stages[row.index]
-        comm = rows[idx + 1] if idx + 1 < len(rows) else None
-        pivot = " (Q)" if idx == r.Q else ""
-        t.add_row(
-            f"{row.index}{pivot}",
-            f"[{st.layers[0]}, {st.layers[1]})",
-            str(st.replicas),
-            format_devices(st.devices),
-            "yes" if st.recompute else "no",
-            str(row.in_flight),
-            _ms(row.forward_ms),
-            _ms(row.backward_ms),
-            "-"
-            if comm is None
-            else f"{_ms(comm.forward_ms)}/{_ms(comm.backward_ms)}"
-            + (" (Q)" if idx + 1 == r.Q else ""),
-            _ms(row.allreduce_ms),
-            _gib(row.memory_bytes),
-        )
-    return t
-
-
-def zero_line(plan: Plan, profile: ModelProfile) -> str:
-    """Each replicated stage's zero stage (``StagePlan.zero_stage``) and the memory it saves per
-    replica - or, unsharded, what ZeRO-1 would save."""
-    from dapple.planner.cost import zero_saved_bytes
-
-    parts = []
-    for i, st in enumerate(plan.stages):
-        if st.replicas == 1:
-            continue
-        gib = _gib(zero_saved_bytes(profile, st.layers, st.replicas, st.zero_stage or 1))
-        what = f"saves {gib} GiB" if st.zero_stage else f"sharding would save {gib} GiB"
-        parts.append(f"stage {i} (r={st.replicas}) zero stage {st.zero_stage}, {what} per replica")
-    if not parts:
-        return "zero stage: no stage is replicated, nothing to shard"
-    return "; ".join(parts)
+        return make_plan(profile, cluster, gbs, planner, progress=bar, zero_stage=zero_stage,
+                         tensor_widths=tensor_widths)  # fmt: skip
 
 
 def _zero_stage(value: str) -> int:
-    """``--zero-stage``: 0, 1, 2, or ``auto`` (:data:`dapple.planner.evaluate.ZERO_AUTO`).
+    """``--zero-stage`` (:data:`dapple.planner.config.ZERO_CHOICES`) as
+    :func:`dapple.planner.make_plan` takes it (``auto``:
+    :data:`dapple.planner.evaluate.ZERO_AUTO`).
 
     Raises:
         ValidationError: any other value.
     """
-    from dapple.planner.evaluate import ZERO_AUTO
+    from dapple.planner.config import ZERO_CHOICES, choices, zero_stage_number
 
-    if value == "auto":
-        return ZERO_AUTO
-    if value.strip().lstrip("-").isdigit() and int(value) in _ZERO_STAGES:
-        return int(value)
-    raise ValidationError(
-        f"--zero-stage must be one of {', '.join(map(str, _ZERO_STAGES))} or auto, got {value!r}"
-    )
+    number: int | str = int(value) if value.strip().lstrip("-").isdigit() else value
+    if number not in ZERO_CHOICES:
+        raise ValidationError(f"--zero-stage must be one of {choices(ZERO_CHOICES)}, got {value!r}")
+    return zero_stage_number(number)
 
 
 def _dp_ms(profile: ModelProfile, cluster: Cluster, gbs: int) -> float:
@@ -252,6 +191,7 @@ def _speedup(dp_ms: float, ms: float) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from dapple.core.cluster import load_cluster
+    from dapple.planner.config import tensor_width_list
     from dapple.planner.cost import pipeline_latency
     from dapple.planner.lengths import profile_for_lengths
     from dapple.profiler.paper_models import PAPER_GLOBAL_BATCH, load_profile, paper_name
@@ -272,15 +212,16 @@ def run(args: argparse.Namespace) -> int:
     if gbs < 1:
         raise ValidationError(f"--global-batch-size must be >= 1, got {gbs}")
     zero = _zero_stage(args.zero_stage)
+    widths = tensor_width_list(parse_tensor_widths(args.tensor_widths), "--tensor-widths")
     if args.output is not None:
         check_output_file(args.output, "--output plan file")
     con = console()
-    dp_ms = _dp_ms(profile, cluster, gbs)
     best = args.schedule == BEST
     check_virtual_stages(args.virtual_stages, None if best else args.schedule, cli=True)
     if args.compare:
-        return _compare(con, profile, cluster, gbs, dp_ms, args.output)
-    plan = _plan_with_progress(con, profile, cluster, gbs, args.planner, zero)
+        return _compare(con, profile, cluster, gbs, _dp_ms(profile, cluster, gbs), args.output)
+    plan = _plan_with_progress(con, profile, cluster, gbs, args.planner, zero, widths)
+    dp_ms = _dp_ms(profile, cluster, gbs)  # after the planner's checks of the options
     if best:
         return _best_schedule(con, plan, profile, cluster, args, dp_ms)
     if args.schedule and not get_schedule(args.schedule).uses_pipeline_latency:
@@ -291,7 +232,7 @@ def run(args: argparse.Namespace) -> int:
             plan, predicted_step_ms=pipeline_latency(plan, profile, cluster).L_ms
         )
     r = pipeline_latency(plan, profile, cluster)  # each stage's zero stage is in the plan
-    print_table(con, _stage_table(plan, profile, cluster))
+    print_table(con, stage_table(plan, profile, cluster))
     con.print(
         f"S = {plan.num_stages} computation stages ({r.S} with comm stages), "
         f"replication {plan.replication}, split positions {list(plan.split_positions)}, "
@@ -309,7 +250,7 @@ def run(args: argparse.Namespace) -> int:
             f"{plan.max_seq_len:g} (memory)"
         )
     single = [str(i) for i, st in enumerate(plan.stages) if st.replicas == 1]
-    if zero in (1, 2) and single:
+    if zero in (1, 2, 3) and single:
         con.print(f"--zero-stage {zero} is a no-op on stage(s) {', '.join(single)} (one replica)")
     if args.output:
         plan.save(args.output)
@@ -348,7 +289,7 @@ def _compare(
             ",".join(map(str, plan.split_positions)) or "-",
             str(plan.num_micro_batches),
             f"{plan.schedule}/{plan.policy}",
-            _ms(plan.predicted_step_ms),
+            ms_text(plan.predicted_step_ms),
             _speedup(dp_ms, plan.predicted_step_ms),
         )
     print_table(con, t)
@@ -390,13 +331,15 @@ def _new_schedule(
     t = Table(
         title=f"{plan.planner} plan of {profile.model_name} on {cluster.name}, {args.schedule}"
     )
-    for col in ("stage", "layers", "replicas", "devices"):
+    mesh, mesh_cells = mesh_columns(new)
+    for col in ("stage", "layers", "replicas", *mesh, "devices"):
         t.add_column(col, justify="left" if col == "devices" else "right")
     for i, st in enumerate(new.stages):
         t.add_row(
             str(i),
             f"[{st.layers[0]}, {st.layers[1]})",
             str(st.replicas),
+            *mesh_cells(st),
             format_devices(st.devices),
         )
     print_table(con, t)
@@ -429,7 +372,7 @@ def _report(
     con.print(
         f"{head}, replication {plan.replication}, M = {plan.num_micro_batches} x "
         f"{plan.micro_batch_size} samples: predicted step {plan.predicted_step_ms:.2f} ms, "
-        f"simulated {res.step_ms:.2f} ms, peak memory {_gib(res.peak_memory_bytes)} GiB, "
+        f"simulated {res.step_ms:.2f} ms, peak memory {gib_text(res.peak_memory_bytes)} GiB, "
         f"speed-up over dp {_speedup(dp_ms, res.step_ms)}"
     )
     if output:
@@ -480,9 +423,9 @@ def _choices_table(con: Console, choices: list[ScheduleChoice], dp_ms: float, wh
             p.replication,
             ",".join(map(str, p.split_positions)) or "-",
             str(p.num_micro_batches),
-            _ms(p.predicted_step_ms),
-            _ms(ch.result.step_ms),
-            _gib(ch.result.peak_memory_bytes),
+            ms_text(p.predicted_step_ms),
+            ms_text(ch.result.step_ms),
+            gib_text(ch.result.peak_memory_bytes),
             _speedup(dp_ms, ch.result.step_ms),
         )
     print_table(con, t)

@@ -9,11 +9,12 @@ a maximum length (:func:`dapple.cost.lengths.profile_for_lengths`; the plan reco
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from dapple.core.cluster import Cluster
 from dapple.core.plan import Plan
 from dapple.core.profile import ModelProfile
+from dapple.core.tensor_layout import check_tensor_widths
 from dapple.cost.lengths import profile_for_lengths
 from dapple.errors import ValidationError
 from dapple.planner.baselines import dp_plan, gpipe_plan, pipedream_plan, straight_plan_baseline
@@ -52,6 +53,7 @@ def make_plan(
     zero_stage: int = 0,
     seq_len: float | None = None,
     max_seq_len: float | None = None,
+    tensor_widths: Sequence[int] | None = None,
 ) -> Plan:
     """Plan ``profile`` on ``cluster`` for ``global_batch_size`` samples per step.
 
@@ -62,12 +64,16 @@ def make_plan(
         planner: one of :data:`PLANNERS`.
         progress: ``progress(done, total)`` callback (DAPPLE search only).
         zero_stage: 1: replicated stages shard their optimizer state (ZeRO-1); 2: their
-            gradients too (ZeRO-2); -1 (``ZERO_AUTO``): per stage, where memory asks for it.
-            DAPPLE search only, the baselines plan unsharded.
+            gradients too (ZeRO-2); 3: their parameters too (ZeRO-3), gathered once per step or
+            per micro-batch, whichever gives the lower L; -1 (``ZERO_AUTO``): per stage, where
+            memory asks for it. DAPPLE search only, the baselines plan unsharded.
         seq_len: plan for samples of this mean length (time), from a profile measured at
             several lengths (:func:`~dapple.cost.lengths.profile_for_lengths`); None: the
             profile as it is (a profile already for a length keeps its lengths).
         max_seq_len: the longest sample (memory); default ``seq_len``.
+        tensor_widths: the tensor widths t to search (DAPPLE search only,
+            :func:`~dapple.planner.search.dapple_search`); None: 1, and every width dividing the
+            server size when some layer shards (:func:`~dapple.planner.widths.width_candidates`).
 
     Returns:
         The plan, with ``seq_len``/``max_seq_len`` the lengths its profile is for (None for a
@@ -75,8 +81,9 @@ def make_plan(
 
     Raises:
         ValidationError: unknown planner, bad batch size (below 1, above
-            :data:`~dapple.planner.search.MAX_GLOBAL_BATCH_SIZE`), or lengths the profile
-            cannot give.
+            :data:`~dapple.planner.search.MAX_GLOBAL_BATCH_SIZE`), lengths the profile
+            cannot give, or tensor widths that cannot be searched
+            (:func:`~dapple.core.tensor_layout.check_tensor_widths`; t > 1 with a baseline).
         InfeasibleError: no plan fits.
     """
     if planner not in PLANNERS:
@@ -86,14 +93,18 @@ def make_plan(
             f"global batch size must be an integer >= 1, got {global_batch_size!r}"
         )
     check_global_batch_size(global_batch_size)
+    if tensor_widths is not None:
+        check_tensor_widths(tensor_widths, profile, cluster)
+        if planner != "dapple" and list(tensor_widths) != [1]:
+            raise ValidationError(f"tensor widths {list(tensor_widths)} are searched by the "
+                                  f"dapple planner only, not {planner!r}")  # fmt: skip
     if seq_len is not None or max_seq_len is not None:
         if seq_len is None:
             raise ValidationError(f"max_seq_len {max_seq_len} needs seq_len (the mean length)")
         profile = profile_for_lengths(profile, seq_len, max_seq_len)
     if planner == "dapple":
-        plan = dapple_search(
-            profile, cluster, global_batch_size, progress=progress, zero_stage=zero_stage
-        )
+        plan = dapple_search(profile, cluster, global_batch_size, progress=progress,
+                             zero_stage=zero_stage, tensor_widths=tensor_widths)  # fmt: skip
     else:
         plan = PLANNERS[planner](profile, cluster, global_batch_size)
     if profile.seq_len is None:

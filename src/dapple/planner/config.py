@@ -8,6 +8,7 @@ section of a config file and :func:`dapple.api.plan`.
     profile = "paper:bert48"
     cluster = "paper-a"
     zero_stage = "auto"
+    tensor_widths = [1, 2, 4]
     output = "plan.json"
 
 The sections of ``dapple train`` (:data:`dapple.runtime.run_config.RUN_SECTIONS`) may share
@@ -18,11 +19,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from dapple.core.config_file import Schema, dump, load
+from dapple.core.tensor_layout import TENSOR_WIDTHS
 from dapple.errors import ValidationError
 from dapple.planner import PLANNERS
 
@@ -31,14 +34,20 @@ __all__ = [
     "RUN_SECTION_NAMES",
     "ZERO_CHOICES",
     "PlanConfig",
+    "choices",
     "dump_plan_config",
     "load_plan_config",
+    "tensor_width_list",
     "zero_stage_number",
 ]
 
-ZERO_CHOICES: tuple[int | str, ...] = (0, 1, 2, "auto")
-"""``zero_stage`` values: 0, 1 (ZeRO-1), 2 (ZeRO-2), or ``auto`` per stage
-(:data:`dapple.planner.evaluate.ZERO_AUTO`)."""
+ZERO_CHOICES: tuple[int | str, ...] = (0, 1, 2, 3, "auto")
+"""``zero_stage`` values: 0, 1 (ZeRO-1), 2 (ZeRO-2), 3 (ZeRO-3, gathering the parameters once
+per step or per micro-batch, whichever L prefers), or ``auto`` per stage
+(:data:`dapple.planner.evaluate.ZERO_AUTO`); a stage with one replica stays at 0."""
+
+AUTO = "auto"
+"""``tensor_widths = "auto"``: the widths :func:`dapple.planner.widths.width_candidates` picks."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -64,7 +73,10 @@ class PlanConfig:
     virtual_stages: int = 1
     """v, model chunks per device group with ``schedule = "interleaved"``."""
     zero_stage: int | str = 0
-    """0, 1 (ZeRO-1), 2 (ZeRO-2) or ``auto`` (per stage, where memory asks for it)."""
+    """0, 1 (ZeRO-1), 2 (ZeRO-2), 3 (ZeRO-3) or ``auto`` (per stage, where memory asks for it)."""
+    tensor_widths: str | tuple[int, ...] = AUTO
+    """Tensor widths t to search (each of 1, 2, 4, 8), or ``auto``: 1, and every width
+    dividing the server size when some layer of the profile shards."""
     output: str | None = None
     """Also write the plan JSON here."""
 
@@ -75,8 +87,10 @@ class PlanConfig:
             )
         if self.zero_stage not in ZERO_CHOICES or isinstance(self.zero_stage, bool):
             raise ValidationError(
-                f"zero_stage must be one of 0, 1, 2 or auto, got {self.zero_stage!r}"
+                f"zero_stage must be one of {choices(ZERO_CHOICES)}, got {self.zero_stage!r}"
             )
+        widths = tensor_width_list(self.tensor_widths)
+        object.__setattr__(self, "tensor_widths", AUTO if widths is None else tuple(widths))
         for name in ("servers", "global_batch_size"):
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -96,6 +110,30 @@ def _check_lengths(mean: float | None, top: float | None) -> None:
             raise ValidationError(f"{name} must be a length > 0, got {v}")
     if top is not None and mean > top:
         raise ValidationError(f"seq_len {mean:g} exceeds max_seq_len {top:g}")
+
+
+def choices(values: Sequence[int | str]) -> str:
+    """``0, 1, 2, 3 or auto``."""
+    *head, last = map(str, values)
+    return f"{', '.join(head)} or {last}"
+
+
+def tensor_width_list(value: str | Sequence[int], what: str = "tensor_widths") -> list[int] | None:
+    """``tensor_widths`` as :func:`dapple.planner.make_plan` takes them: None for ``auto``,
+    else the distinct widths in increasing order.
+
+    Raises:
+        ValidationError: neither ``auto`` nor widths of :data:`TENSOR_WIDTHS` (naming ``what``).
+    """
+    if value == AUTO:
+        return None
+    widths = list(value) if isinstance(value, (list, tuple)) else None
+    if not widths or any(isinstance(t, bool) or t not in TENSOR_WIDTHS for t in widths):
+        raise ValidationError(
+            f"{what} must be auto or widths from {', '.join(map(str, TENSOR_WIDTHS))}, "
+            f"got {value if widths is None else widths!r}"
+        )
+    return sorted(set(widths))
 
 
 PLAN_SECTIONS: Schema = {"planning": tuple(("", f.name) for f in dataclasses.fields(PlanConfig))}

@@ -8,7 +8,9 @@ tensors autograd saves for backward are captured with
 Times and sizes are then fitted affine in ``b`` with :func:`dapple.core.profile.fit_affine`.
 With ``seq_lens`` this is done at each length of the model's dynamic dimension, on its own
 batches cut or tiled to that length (:mod:`dapple.profiler.lengths`), and the profile holds
-every length (``ModelProfile.by_length``).
+every length (``ModelProfile.by_length``). A layer the runtime can cut over a tensor group -
+a traced piece that the model's TP plan matches (:func:`dapple.models.tp_plan.cut_by`) - is
+marked ``LayerProfile.tensor_parallel``; a model without a TP plan marks none.
 
 Precision: with ``precision="bf16"``/``"fp16"`` every forward (timed, and the one whose saved
 tensors are counted) runs under ``torch.autocast`` as the runtime's stages do
@@ -42,6 +44,7 @@ from dapple.core.profile import (
 )
 from dapple.errors import ValidationError
 from dapple.models.split_backward import input_gradients, weight_gradients
+from dapple.models.tp_plan import cut_by, tp_plan_of
 from dapple.models.workload import Workload
 from dapple.profiler.co_workers import Cast, CoWorkers
 from dapple.profiler.lengths import (
@@ -443,6 +446,7 @@ def _profile(
     tied: list[tuple[int, tuple[int, ...]]] = []
     param_dtypes: set[torch.dtype] = set()
     classes: list[str] = []
+    tp_plan, shards = tp_plan_of(workload), [False] * n
     total, done = n * len(sizes), 0
     update_ms = 0.0  # one optimizer update of every layer's parameters
     for i in range(n):  # one layer at a time: the peak is the largest layer, not the model
@@ -462,6 +466,7 @@ def _profile(
         tied.append(tied_layer_bytes(workload, i, layer))
         param_dtypes |= {p.dtype for p in layer.parameters()}
         classes.append(type(layer).__name__)
+        shards[i] = _shards(layer, tp_plan, workload.name_of(i))
         del layer
         gc.collect()  # traced pieces hold reference cycles: free this layer before the next
         update_ms += _update_ms(trainable, dev, timer, warmup, repeats)
@@ -481,6 +486,7 @@ def _profile(
             backward_weight=fit_affine(sizes, bwd_w[i]) if split_backward else None,
             tied_parameter_bytes=tied[i][0],
             tied_layers=tied[i][1],
+            tensor_parallel=shards[i],
         )
         for i in range(n)
     )
@@ -495,6 +501,16 @@ def _profile(
         precision=precision,
         update_ms_per_parameter_byte=update_ms / sum(param_bytes) if sum(param_bytes) else 0.0,
     )
+
+
+def _shards(layer: nn.Module, tp_plan: dict[str, str], name: str) -> bool:
+    """Whether the runtime cuts ``layer`` over a tensor group (:func:`cut_by`); a layer the plan
+    gives a style the runtime does not implement (a mixture of experts') is not cut."""
+    try:
+        return cut_by(layer, tp_plan)
+    except ValidationError as e:
+        log.warning("layer %s is not marked tensor parallel: %s", name, e)
+        return False
 
 
 def tied_layer_bytes(workload: Workload, i: int, layer: nn.Module) -> tuple[int, tuple[int, ...]]:

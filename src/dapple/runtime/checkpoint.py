@@ -82,7 +82,9 @@ __all__ = [
     "capture_rng_state",
     "check_compatible",
     "check_files",
+    "check_layer_shapes",
     "check_optimizer_states",
+    "check_optimizer_type",
     "check_writable",
     "delete_checkpoints",
     "describe_steps",
@@ -315,14 +317,31 @@ def check_compatible(
             f"{where!r}) has {num_layers}"
         )
     if optimizer_type is not None:
-        _check_optimizer_type(ckpt, optimizer_type)
+        check_optimizer_type(ckpt, optimizer_type)
 
 
-def _check_optimizer_type(ckpt: Checkpoint, optimizer_type: str) -> None:
+def check_optimizer_type(ckpt: Checkpoint, optimizer_type: str) -> None:
+    """Refuse (:class:`CheckpointError`) a checkpoint holding another optimizer's state."""
     if ckpt.meta.optimizer_type not in ("", optimizer_type):
         raise CheckpointError(
             f"checkpoint {str(ckpt.manifest_path)!r} has {ckpt.meta.optimizer_type} optimizer "
             f"state; cannot resume with {optimizer_type}"
+        )
+
+
+def check_layer_shapes(ckpt: Checkpoint, index: int, want: Mapping[str, list[int]]) -> None:
+    """Layer ``index`` of ``ckpt`` holds exactly the tensors ``want`` names, in those (whole)
+    shapes.
+
+    Raises:
+        CheckpointError: the first tensor whose shape differs or that one side lacks.
+    """
+    have = ckpt.layers[index].shapes
+    if dict(want) != have:
+        k = next(k for k in [*want, *have] if want.get(k) != have.get(k))
+        raise CheckpointError(
+            f"checkpoint {str(ckpt.manifest_path)!r} is of another model: layer {index} tensor "
+            f"{k!r} has shape {have.get(k)} there but {want.get(k)} in the model"
         )
 
 
@@ -355,16 +374,9 @@ def restore_stage(
     for i, layer in zip(idxs, children, strict=False):
         if i >= ckpt.meta.num_layers:
             break
-        want = {k: list(v.shape) for k, v in layer.state_dict().items()}
-        have = ckpt.layers[i].shapes
-        if want != have:
-            k = next(k for k in [*want, *have] if want.get(k) != have.get(k))
-            raise CheckpointError(
-                f"checkpoint {str(ckpt.manifest_path)!r} is of another model: layer {i} tensor "
-                f"{k!r} has shape {have.get(k)} there but {want.get(k)} in the model"
-            )
+        check_layer_shapes(ckpt, i, {k: list(v.shape) for k, v in layer.state_dict().items()})
     if optimizer is not None:
-        _check_optimizer_type(ckpt, type(optimizer).__name__)
+        check_optimizer_type(ckpt, type(optimizer).__name__)
     states = load_layer_states(ckpt, idxs)
     by_param: dict[int, dict[str, Any]] = {}
     for i, layer in zip(idxs, children, strict=False):

@@ -70,6 +70,7 @@ from dapple.runtime.rank import (
     select_zero,
 )
 from dapple.runtime.reporting import open_reporters, target_tokens
+from dapple.runtime.sharded_state import CutStage
 from dapple.runtime.stage_mesh import (
     StageMesh,
     check_mesh_run,
@@ -342,6 +343,8 @@ def _setup(
         announce("start-up: process groups and optimizer", echo)
     groups = make_groups(plan)  # replica groups per tensor index, tensor groups: collective
     layers, mesh = cut_layers(plan, workload, layers, groups, rank, device)
+    if mesh.cut:
+        gc.collect()  # the uncut layers sit in reference cycles (traced graphs): free them now
     zero = select_zero(plan, workload, layers, _zero_stage(plan, config, rank, layers.stage))
     fsdp = frozenset(id(p) for p in mesh.fsdp.parameters()) if mesh.fsdp is not None else None
     sync = GradientSync(plan, workload, rank, layers.module, layers.stage,
@@ -357,7 +360,7 @@ def _setup(
                                mesh=mesh)  # fmt: skip
     ex = executor(plan, True)
     longrun = _long_run(plan, workload, config, rank, world, layers, opt, device, precision,
-                        shards, data)  # fmt: skip
+                        shards, data, mesh)  # fmt: skip
     start = longrun.resume()
     probe = StepProbe(device, meter, ex, baseline)
     counted = norm_parameters(plan, workload, layers, zero.sharded, shards, mesh)
@@ -386,12 +389,18 @@ def _long_run(
     precision: Precision,
     shards: FlatShards | None,
     data: Dataset[Any] | None,
+    mesh: StageMesh,
 ) -> LongRun:
     """The rank's checkpoints and non-finite guard (:class:`LongRun`), recording the training
-    data's sampler state in its checkpoints."""
+    data's sampler state in its checkpoints; a cut stage's checkpoints go through
+    :class:`~dapple.runtime.sharded_state.CutStage` (whole layers, written by its first device)."""
+    cut = None
+    if mesh.cut and layers.module is not None:
+        cut = CutStage(mesh, layers.module, plan.layers_of_device(rank),
+                       writes=layers.replica == 0 and mesh.tensor_rank == 0)  # fmt: skip
     longrun = LongRun(plan, workload, config, rank=rank, world=world, stage=layers.stage,
                       replica=layers.replica, module=layers.module, optimizer=optimizer,
-                      device=device, precision=precision, shards=shards)  # fmt: skip
+                      device=device, precision=precision, shards=shards, cut=cut)  # fmt: skip
     longrun.data_state = data_state(data, config.seed, plan.global_batch_size)
     return longrun
 

@@ -5,8 +5,10 @@ Every ``TrainConfig.eval_every`` steps (and after the last step) each rank runs 
 forward-only program, :func:`dapple.schedule.forward.lower_forward` - the same stages, replicas
 and split-concat transfers as training, ``RECV_F``/``F``/``SEND_F`` only - once per eval batch
 k in [0, K), through its :class:`~dapple.runtime.stage.StageExecutor` under ``torch.no_grad()``
-with the stage in ``eval()`` mode. Nothing is kept for a backward pass: a micro-batch's tensors
-are dropped after its last send (on the last stage, after its loss). The last stage's slices
+with the stage in ``eval()`` mode (every rank of a tensor group runs its group's program,
+:func:`~dapple.runtime.stage_mesh.tensor_programs`, and only tensor rank 0 counts the loss).
+Nothing is kept for a backward pass: a micro-batch's tensors are dropped after its last send
+(on the last stage, after its loss). The last stage's slices
 contribute ``loss_fn * slice_samples / G`` each, as in training, so the parts summed over ranks
 and divided by K are the mean loss over the K batches; one world ``all_reduce`` that every rank
 joins (ranks beyond the plan with 0) sums them. No gradient, AllReduce or optimizer step runs,
@@ -40,6 +42,7 @@ from dapple.runtime import comm
 from dapple.runtime.chunks import Executor
 from dapple.runtime.failure import RankFailure, describe_rank, failure_grid, short_error
 from dapple.runtime.interpreter import _compile, _Op
+from dapple.runtime.stage_mesh import tensor_programs
 from dapple.schedule.forward import lower_forward
 from dapple.schedule.ir import Action, ActionKind
 
@@ -154,7 +157,7 @@ class Evaluation:
         self.plan, self.rank, self.ex, self.module = plan, rank, executor, module
         self.device, self.batch, self.batches = device, batch, batches
         self.every, self.steps = every, steps
-        self.schedule = lower_forward(plan)
+        self.schedule = tensor_programs(plan, lower_forward(plan))
         program = self.schedule.get(rank, [])
         if program and executor is None:
             raise ValidationError(f"rank {rank} has a forward program but no stage executor")
@@ -225,7 +228,8 @@ class Evaluation:
             op.run(op.action)
         self._at = "the evaluation's sends"
         self.ex.finish_sends()
-        return self.ex.loss_sum
+        counts = getattr(self.ex, "tensor_rank", 0) == 0  # a tensor group's loss once
+        return self.ex.loss_sum if counts else 0.0
 
     def _forward(self, a: Action) -> None:
         assert self.ex is not None and a.micro_batch is not None

@@ -8,12 +8,17 @@ The stage's parameters are cut over its replica mesh (``Shard(0)`` DTensors); th
   nor reshard after backward (``set_reshard_after_backward``): they accumulate whole gradients
   locally, as dapple's ZeRO-0 replicas do, and the next forward needs no all-gather;
 - micro-batch ``M-1`` reduce-scatters the accumulated gradients and reshards, so the optimizer
-  steps on this rank's shard of parameters and gradients only.
+  steps on this rank's shard of parameters and gradients only;
+- under a split backward (ZB-H1: ``I`` then ``W``) no backward reduces
+  (:func:`hold_gradients`): the step's last ``W`` runs FSDP2's post-backward by hand
+  (:func:`reduce_gradients`).
 
 Memory: whole parameters and whole gradients live from the first forward to the last backward
 of a step (ZeRO-3's saving is then the optimizer state and the time between steps); re-gathering
-per micro-batch instead (``regather=True``) keeps only shards between micro-batches, at the cost
-of ``M`` all-gathers forward, ``M`` backward and ``M`` reduce-scatters per step. Which one a
+per micro-batch instead (``regather=True``) makes each piece an FSDP unit of its own (the stage
+the root), so only the running piece's parameters are whole and the gradients accumulate in
+their shards, at the cost of ``M`` all-gathers forward, ``M`` backward and ``M``
+reduce-scatters per step and piece. Which one a
 stage gets is the planner's choice (issue 30).
 
 Gradients are *summed* over the replicas (divide factor 1, plain ``SUM`` reductions: the factor
@@ -36,7 +41,13 @@ from torch.distributed.tensor import DTensor
 
 from dapple.errors import ValidationError
 
-__all__ = ["begin_micro_batch", "full_parameters", "shard_stage"]
+__all__ = [
+    "begin_micro_batch",
+    "full_parameters",
+    "hold_gradients",
+    "reduce_gradients",
+    "shard_stage",
+]
 
 
 def shard_stage(module: nn.Module, mesh: DeviceMesh, *, regather: bool = False) -> FSDPModule:
@@ -56,12 +67,33 @@ def shard_stage(module: nn.Module, mesh: DeviceMesh, *, regather: bool = False) 
         raise ValidationError(
             f"ZeRO-3 needs a 1-D replica mesh of at least 2 ranks, got shape {tuple(mesh.shape)}"
         )
+    _forget_earlier_meshes()
+    if regather:  # one unit per piece: only the running piece's parameters are whole
+        for piece in module.children():
+            if any(True for _ in piece.parameters()):
+                fully_shard(piece, mesh=mesh, reshard_after_forward=True)
     fully_shard(module, mesh=mesh, reshard_after_forward=regather)
+    for unit in module.modules():
+        if isinstance(unit, FSDPModule):
+            unit.set_gradient_divide_factor(1.0)
+            unit.set_force_sum_reduction_for_comms(True)  # factor 1 alone: PREMUL_SUM, no gloo
     sharded: Any = module
     assert isinstance(sharded, FSDPModule)
-    sharded.set_gradient_divide_factor(1.0)
-    sharded.set_force_sum_reduction_for_comms(True)  # factor 1 alone is PREMUL_SUM: not on gloo
     return sharded
+
+
+def _forget_earlier_meshes() -> None:
+    """Clear DTensor's sharding-propagation caches (torch 2.13).
+
+    They key a ``DeviceMesh`` by its ranks (``DeviceMesh.__eq__`` ignores the process group), so
+    in a process that ran an earlier stage over the same ranks, the parameters ``fully_shard``
+    makes (and every DTensor computed from them) would carry that run's mesh, whose destroyed
+    group fails the first DTensor collective (``full_tensor``: "Could not resolve the process
+    group").
+    """
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()  # type: ignore[no-untyped-call]
 
 
 def begin_micro_batch(module: FSDPModule, m: int, M: int, *, regather: bool = False) -> None:
@@ -71,6 +103,29 @@ def begin_micro_batch(module: FSDPModule, m: int, M: int, *, regather: bool = Fa
     each = regather or m == M - 1
     module.set_requires_gradient_sync(each)
     module.set_reshard_after_backward(each)
+
+
+def hold_gradients(module: FSDPModule) -> None:
+    """Split backward (``I`` then ``W``): no backward of the step reduce-scatters or reshards;
+    the whole gradients accumulate until :func:`reduce_gradients` (FSDP2's hooks fire when ``I``
+    reaches the stage's inputs, before ``W`` has computed any weight gradient)."""
+    module.set_is_last_backward(False)
+    module.set_requires_gradient_sync(False)
+    module.set_reshard_after_backward(False)
+
+
+def reduce_gradients(module: FSDPModule) -> None:
+    """After the step's last ``W``: reduce-scatter the accumulated gradients and reshard, by
+    running FSDP2's post-backward by hand (as ``torch.distributed.pipelining``'s
+    ``perform_reduce_grad`` does for its zero-bubble schedules)."""
+    module.set_is_last_backward(True)
+    module.set_requires_gradient_sync(True)
+    module.set_reshard_after_backward(True)
+    state = fully_shard.state(module)  # type: ignore[attr-defined]
+    for each in state._state_ctx.all_states:
+        for group in each._fsdp_param_groups:
+            group.post_backward()
+    state._root_post_backward_final_callback()
 
 
 def full_parameters(module: nn.Module, grads: bool = False) -> dict[str, torch.Tensor]:

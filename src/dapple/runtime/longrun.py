@@ -22,11 +22,12 @@
   values (the step's metrics);
 - :meth:`LongRun.after_step` saves every ``save_every`` steps (replica 0 of each stage writes
   its layers - under ZeRO with the optimizer shards of the other replicas gathered to it,
-  :mod:`dapple.runtime.zero` - every rank its RNG state, rank 0 the manifest after a barrier,
-  with the fp16 loss scale in its ``extra``). Before writing, every rank checks its stage's
-  weights and buffers are finite and all ranks agree in one all_gather: non-finite weights
-  (a step the guard let through, e.g. an infinite learning rate) are never saved - the run
-  stops naming the last good checkpoint.
+  :mod:`dapple.runtime.zero`; a stage cut over a tensor group or sharded by ZeRO-3 gathers its
+  layers whole to its first device, :mod:`dapple.runtime.sharded_state` - every rank its RNG
+  state, rank 0 the manifest after a barrier, with the fp16 loss scale in its ``extra``).
+  Before writing, every rank checks its stage's weights and buffers are finite and all ranks
+  agree in one all_gather: non-finite weights (a step the guard let through, e.g. an infinite
+  learning rate) are never saved - the run stops naming the last good checkpoint.
 
 A run that does not resume refuses a ``checkpoint_dir`` holding checkpoints (its saves would
 overwrite or prune them), unless ``overwrite_checkpoints``: then rank 0 deletes them at the
@@ -78,6 +79,7 @@ from dapple.runtime.data import check_data_resume
 from dapple.runtime.metrics import announce
 from dapple.runtime.optim import config_lr, lr_at
 from dapple.runtime.precision import Precision
+from dapple.runtime.sharded_state import CutStage
 from dapple.runtime.zero import FlatShards
 from dapple.schedule.ir import Action, ActionKind
 
@@ -127,7 +129,7 @@ def elastic_store(timeout: timedelta) -> dict[str, Any]:
 
 
 def _local(g: torch.Tensor) -> torch.Tensor:
-    """A gradient as this rank holds it (a ZeRO-3 DTensor: its shard)."""
+    """A tensor as this rank holds it (a ZeRO-3 DTensor: its shard)."""
     return g.to_local() if isinstance(g, DTensor) else g
 
 
@@ -153,8 +155,13 @@ class LongRun:
         device: torch.device,
         precision: Precision | None = None,
         shards: FlatShards | None = None,
+        cut: CutStage | None = None,
     ) -> None:
         self.plan, self.workload, self.config = plan, workload, config
+        self.cut = cut
+        """A stage cut over a tensor group or sharded by ZeRO-3: saves gather its layers whole
+        to its first device, resumes load this rank's parts
+        (:mod:`dapple.runtime.sharded_state`)."""
         self.shards = shards
         """ZeRO: this replica's optimizer holds its shard only; a save gathers the stage's
         whole optimizer state to replica 0 (:meth:`FlatShards.layer_states`)."""
@@ -216,7 +223,9 @@ class LongRun:
             plan_num_layers=self.plan.num_layers,
         )
         check_data_resume(ck.meta.extra.get("data"), self.data_state, ck.path)
-        if self.module is not None:
+        if self.cut is not None:
+            self.cut.restore(ck, self.optimizer)
+        elif self.module is not None:
             views = self.shards.views() if self.shards is not None else None
             restore_stage(ck, self.module, self.layer_ids, self.optimizer, views)
         same_run = ck.meta.plan == self.plan.to_dict() and ck.meta.world_size == self.world
@@ -372,7 +381,9 @@ class LongRun:
                 dist.barrier()
             self._overwrite = False
         states = {}
-        if self.shards is not None:  # a collective over the stage's replicas
+        if self.cut is not None:  # a collective over the stage's tensor and replica groups
+            states = self.cut.layer_states(self.optimizer)
+        elif self.shards is not None:  # a collective over the stage's replicas
             states = self.shards.layer_states(self.layer_ids, self.optimizer)
         elif self.module is not None and self.replica == 0:
             states = stage_layer_states(self.module, self.layer_ids, self.optimizer)
@@ -419,7 +430,7 @@ class LongRun:
         if self.module is not None:
             if self.shards is not None:
                 self.shards.wait_gathers()  # the updated shards are back in the stage's weights
-            ts = [t for t in self.module.state_dict().values() if t.is_floating_point()]
+            ts = [_local(t) for t in self.module.state_dict().values() if t.is_floating_point()]
             bad = bool(ts) and not bool(torch.stack([t.isfinite().all() for t in ts]).all())
         s = -1 if self.stage is None else self.stage
         mine = torch.tensor([float(bad), s, self.rank], dtype=torch.float64, device=self.device)

@@ -324,5 +324,7 @@ class ExecutorFactory:
                                tensor_rank=mesh.tensor_rank)  # fmt: skip
             if training and mesh.fsdp is not None:
                 ex.before_backward = mesh.before_backward
+                ex.after_weights = mesh.after_weights
+                ex.live_weights = True
             exs.append(ex)
         return exs[0] if len(exs) == 1 else RankChunks(exs)

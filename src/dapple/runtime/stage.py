@@ -76,6 +76,8 @@ class _MicroBatch:
     inputs carry no gradient): :meth:`StageExecutor._output_grads` as ``I`` found it."""
     groups: ParamGroups | None = None
     """Split backward: what ``I`` left for ``W`` (:func:`input_gradients`)."""
+    weights: list[nn.Parameter] = field(default_factory=list)
+    """Split backward, ``live_weights``: the parameters ``I`` found in the module."""
 
 
 def _peers(plan: Plan, s: int, other: int, tensor_rank: int) -> dict[int, tuple[list[int], int]]:
@@ -116,7 +118,11 @@ class StageExecutor:
         self.tensor_rank = tensor_rank
         """This rank's index in its tensor group (t_s > 1; every index runs the same program)."""
         self.before_backward: Callable[[int], None] | None = None
-        """Called with the micro-batch before each backward (ZeRO-3's reduce-scatter switch)."""
+        """Called with the micro-batch before each ``B`` or ``I`` (ZeRO-3's reduce switch)."""
+        self.after_weights: Callable[[int], None] | None = None
+        """Called with the micro-batch after each ``W`` (ZeRO-3's reduce-scatter)."""
+        self.live_weights = False
+        """FSDP2 swaps shards for whole parameters in a step: ``I`` reads them, ``W`` reuses."""
         self.seed = seed
         """The run seed: with the step and the samples' global rows it keys the random sites
         (:mod:`dapple.models.rng`)."""
@@ -269,9 +275,13 @@ class StageExecutor:
         st = self._mb[m]
         outs, gs = self._output_grads(m)
         inputs = [x for x in st.inputs if x.requires_grad]
+        if self.before_backward is not None:
+            self.before_backward(m)
+        if self.live_weights:
+            st.weights = [p for p in self.module.parameters() if p.requires_grad]
         if inputs and outs:
             with self._keys(m):
-                st.groups = input_gradients(outs, gs, inputs, self.weights)
+                st.groups = input_gradients(outs, gs, inputs, st.weights or self.weights)
         else:
             st.whole = (outs, gs)
         self._after_input_grads(m)
@@ -284,10 +294,12 @@ class StageExecutor:
         st = self._mb[m]
         with self._keys(m):
             if st.groups is not None:
-                weight_gradients(st.groups, self.weights, self.on_grad_ready)
+                weight_gradients(st.groups, st.weights or self.weights, self.on_grad_ready)
             elif st.whole is not None and st.whole[0]:
                 torch.autograd.backward(*st.whole)
         self._drop(m)
+        if self.after_weights is not None:
+            self.after_weights(m)
         self._poll_sends()
 
     def send_backward(self, a: Action) -> None:

@@ -12,7 +12,8 @@ A stage of ``r_s x t_s`` devices (replica-major: replica ``j``'s tensor group is
   tensor group, on the model's TP plan (:func:`tp_plan_of`); with ``zero_stage`` 3 the
   (cut) chunk is then wrapped with FSDP2 on its replica group
   (:func:`dapple.runtime.fsdp.shard_stage`), which reduce-scatters the gradients after the
-  step's last backward (so the stage AllReduce leaves its parameters alone).
+  step's last backward, or its last ``W`` under a split backward (so the stage AllReduce
+  leaves its parameters alone).
 - **Transfers.** Stage outputs are whole on every tensor rank (the row-parallel ``g`` makes
   them so), and so are input gradients (the column-parallel ``f`` all-reduces them), so each
   receiving rank of tensor index ``k`` takes its message from the sending group's rank
@@ -39,9 +40,10 @@ from torch.distributed.tensor import DTensor
 
 from dapple.core.plan import Plan, StagePlan
 from dapple.errors import ValidationError
+from dapple.models.tp_plan import tp_plan_of
 from dapple.models.workload import Workload
 from dapple.runtime.config import TrainConfig
-from dapple.runtime.fsdp import begin_micro_batch, shard_stage
+from dapple.runtime.fsdp import begin_micro_batch, hold_gradients, reduce_gradients, shard_stage
 from dapple.runtime.tp import TensorParallelModule, parallelize_stage
 from dapple.schedule.registry import get_schedule
 
@@ -53,22 +55,10 @@ __all__ = [
     "mesh_stage",
     "peer_ranks",
     "tensor_programs",
-    "tp_plan_of",
     "whole_layers",
     "whole_observer",
     "whole_parameters",
 ]
-
-
-def tp_plan_of(workload: Workload) -> dict[str, str]:
-    """The model's TP plan: its own (``Workload.tp_plan``), else a Hugging Face config's
-    ``base_model_tp_plan``; empty: the model cannot be cut."""
-    if workload.tp_plan:
-        return dict(workload.tp_plan)
-    from dapple.models.hf import hf_config
-
-    config = hf_config(workload)
-    return dict(getattr(config, "base_model_tp_plan", None) or {})
 
 
 def _meshed(plan: Plan) -> list[tuple[int, StagePlan]]:
@@ -99,16 +89,14 @@ def check_mesh_run(plan: Plan, workload: Workload, config: TrainConfig) -> None:
             raise ValidationError(f"{what}: model {workload.name!r} has no TP plan")
         if st.tensor_width > 1 and config.zero_stage in (1, 2):
             raise ValidationError(f"{what}: ZeRO-{config.zero_stage} with TP is not supported")
-        if config.recompute or st.recompute:
-            raise ValidationError(f"{what}: re-computation with TP or ZeRO-3 is not tested")
+        if (config.recompute or st.recompute) and st.zero_stage == 3:
+            raise ValidationError(f"{what}: re-computation with ZeRO-3 is not supported yet")
         if workload.tied_parameters:
             raise ValidationError(f"{what}: tied parameters with TP or ZeRO-3 are not supported")
-        if config.checkpoint_dir is not None:
-            raise ValidationError(f"{what}: checkpoints with TP or ZeRO-3 are not supported yet")
-        if st.zero_stage == 3 and split:
-            raise ValidationError(f"{what}: ZeRO-3 under split-backward schedules is not supported")
-        if config.eval_every > 0:
-            raise ValidationError(f"{what}: evaluation with TP or ZeRO-3 is not supported yet")
+        if st.regather and split:
+            raise ValidationError(
+                f"{what}: ZeRO-3 regather under split-backward schedules is not supported"
+            )
         if config.precision != "fp32":
             raise ValidationError(f"{what}: TP or ZeRO-3 runs fp32 only so far")
 
@@ -174,15 +162,34 @@ class StageMesh:
     """The FSDP-wrapped stage (ZeRO-3), whose micro-batches :meth:`before_backward` steers."""
     regather: bool = False
     num_micro_batches: int = 1
+    split: bool = False
+    """The schedule splits the backward (``I`` then ``W``): ZeRO-3 reduce-scatters after the
+    step's last ``W`` (:meth:`after_weights`), not in a backward."""
+    _weights_done: int = 0
 
     @property
     def cut(self) -> bool:
         return self.tp is not None or self.fsdp is not None
 
     def before_backward(self, m: int) -> None:
-        """ZeRO-3: reduce-scatter (and reshard) only after micro-batch ``M-1``'s backward."""
-        if self.fsdp is not None:
-            begin_micro_batch(self.fsdp, m, self.num_micro_batches, regather=self.regather)  # type: ignore[arg-type]
+        """ZeRO-3: reduce-scatter (and reshard) only after micro-batch ``M-1``'s backward
+        (split backward: in none, :meth:`after_weights` does)."""
+        sharded: Any = self.fsdp
+        if sharded is None:
+            return
+        if self.split:
+            hold_gradients(sharded)
+        else:
+            begin_micro_batch(sharded, m, self.num_micro_batches, regather=self.regather)
+
+    def after_weights(self, m: int) -> None:
+        """Split backward, after each ``W``: the step's ``M``-th reduce-scatters (ZeRO-3)."""
+        if self.fsdp is None:
+            return
+        self._weights_done += 1
+        if self._weights_done == self.num_micro_batches:
+            self._weights_done = 0
+            reduce_gradients(self.fsdp)  # type: ignore[arg-type]
 
     def norm_counted(self, module: nn.Module, replica: int) -> list[nn.Parameter]:
         """This rank's parameters in the global gradient norm: cut shards on every tensor rank,
@@ -201,7 +208,8 @@ def mesh_stage(
     s, j = plan.stage_of_device(rank)
     st = plan.stages[s]
     mesh = StageMesh(tensor_index(plan, rank), regather=st.regather,
-                     num_micro_batches=plan.num_micro_batches)  # fmt: skip
+                     num_micro_batches=plan.num_micro_batches,
+                     split=get_schedule(plan.schedule).split_backward)  # fmt: skip
     module: nn.Module = chunk
     if st.tensor_width > 1:
         mesh.tp = parallelize_stage(chunk, tp_plan_of(workload), groups.tensor[(s, j)])

@@ -1,9 +1,7 @@
 """TP plans: which parameters of a stage piece are cut over a tensor group, and how.
 
-A TP plan maps module-name patterns to a style, in the format of a Hugging Face config's
-``base_model_tp_plan`` (``{"layers.*.self_attn.q_proj": "colwise", ...}``): ``*`` stands for
-one name component and a pattern matches a module name that equals it or ends with ``.`` and
-it (a piece's parameters keep the whole model's names, ``model.layers.0.self_attn.q_proj``).
+A TP plan maps module-name patterns to a style (:mod:`dapple.models.tp_plan`: its format,
+:func:`~dapple.models.tp_plan.match_style`, the zoo transformer's plan).
 
 Styles (Megatron-LM's column- and row-parallel linear layers, Shoeybi et al. 2019, §3):
 
@@ -18,14 +16,13 @@ Styles (Megatron-LM's column- and row-parallel linear layers, Shoeybi et al. 201
 
 from __future__ import annotations
 
-import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 
 from dapple.errors import ValidationError
+from dapple.models.tp_plan import STYLES, TRANSFORMER_TP_PLAN, Style, match_style
 
 __all__ = [
     "STYLES",
@@ -34,45 +31,6 @@ __all__ = [
     "Style",
     "match_style",
 ]
-
-Style = Literal["colwise", "packed_colwise", "rowwise"]
-STYLES: tuple[Style, ...] = ("colwise", "packed_colwise", "rowwise")
-"""The TP styles a piece can be cut with (Hugging Face's other styles are refused)."""
-
-TRANSFORMER_TP_PLAN: Mapping[str, Style] = {
-    "*.qkv": "packed_colwise",
-    "*.proj": "rowwise",
-    "*.fc1": "colwise",
-    "*.fc2": "rowwise",
-}
-"""The zoo transformer's (:mod:`dapple.models.zoo.transformer`) plan: attention heads and the
-MLP's hidden units cut over the tensor group, as Megatron cuts a GPT block."""
-
-
-def _pattern(text: str) -> re.Pattern[str]:
-    body = r"[^.]+".join(re.escape(part) for part in text.split("*"))
-    return re.compile(rf"(?:^|.*\.){body}")
-
-
-def match_style(module: str, plan: Mapping[str, str]) -> Style | None:
-    """The style ``plan`` gives module ``module`` (None: kept whole on every rank).
-
-    Raises:
-        ValidationError: ``module`` matches patterns of different styles, or a style this
-            module does not implement.
-    """
-    found = {style for pat, style in plan.items() if _pattern(pat).fullmatch(module)}
-    if len(found) > 1:
-        raise ValidationError(f"TP plan: module {module!r} matches styles {sorted(found)}")
-    if not found:
-        return None
-    style = found.pop()
-    if style not in STYLES:
-        raise ValidationError(
-            f"TP plan: style {style!r} of module {module!r} is not supported; "
-            f"supported: {', '.join(STYLES)}"
-        )
-    return style
 
 
 @dataclass(frozen=True, slots=True)
