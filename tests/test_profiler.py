@@ -263,3 +263,18 @@ def test_profile_of_a_hf_llama_marks_its_decoder_layers(
     assert [x.tensor_parallel for x in prof.layers] == [False, True, True, False]
     wl = load(f"hf:{path}")
     assert _runtime_cuts(wl, tp_plan_of(wl)) == [False, True, True, False]
+
+
+def test_a_model_with_tied_parameters_marks_no_layer(tmp_path: Path) -> None:
+    """The runtime cuts no layer of a model with tied parameters, so its profile marks none."""
+    tf = pytest.importorskip("transformers")
+    from dapple.models.spec import load
+
+    path = tmp_path / "tied"
+    tf.LlamaConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                   num_key_value_heads=2, num_hidden_layers=2, vocab_size=48,
+                   max_position_embeddings=32, tie_word_embeddings=True).save_pretrained(path)  # fmt: skip
+    wl = load(f"hf:{path}")
+    assert wl.tied_parameters
+    layers = profile_workload(wl, [1], warmup=0, repeats=1).layers
+    assert not any(x.tensor_parallel for x in layers)
