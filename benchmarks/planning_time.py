@@ -1,4 +1,5 @@
-"""Planning time of the DAPPLE search: BERT-48 on 2 x 8 V100 and a layers x devices sweep.
+"""Planning time of the DAPPLE search: BERT-48 on 2 x 8 V100, a layers x devices sweep and
+tensor widths on 512 H100s (:mod:`planning_time_tp`).
 
 Run: ``.venv/bin/python benchmarks/planning_time.py [--quick] [--output benchmarks/planning_time.md]``.
 The sweep model repeats BERT-48's analytic encoder layer (``paper:bert48``) to N layers; the
@@ -20,6 +21,21 @@ from dapple.core.profile import ModelProfile
 from dapple.errors import InfeasibleError
 from dapple.planner.search import dapple_search
 from dapple.profiler.paper_models import load_paper_profile
+from planning_time_tp import table as tensor_width_table
+
+TENSOR_WIDTHS_INTRO = [
+    "## Tensor widths: 80 shardable blocks on 512 H100s (`h100-8x`, 64 servers of 8), "
+    "global batch 1024",
+    "",
+    "From `benchmarks/planning_time_tp.py` (one run each; its docstring describes the profiles). "
+    "`{1}`: no tensor parallelism; `uniform`: one DAPPLE search per width t with every stage of "
+    "width t (`dapple_search(..., stage_widths=False)`), each search pruned by the best L of the "
+    "narrower widths; `per stage`: each width's plan then refined stage by stage to its own width "
+    "t_i, re-split of a stage's devices, cut moves and merges (`dapple.planner.stage_widths`), "
+    "the default. CPU s: this process's CPU time (the seconds column is wall-clock, inflated "
+    "by other jobs on the 2 cores).",
+]
+"""The heading and notes of the tensor-width rows (:func:`planning_time_tp.table`)."""
 
 
 def repeated_bert(n: int) -> ModelProfile:
@@ -154,10 +170,11 @@ def main() -> None:
             )
             curve.setdefault(n, []).append((c.num_devices, sec))
             print(lines[-1], flush=True)
-    load_after = os.getloadavg()
     if args.plot:
         _plot(curve, args.plot)
         lines += ["", f"![planning time, log-log]({os.path.basename(args.plot)})"]
+    lines += ["", *TENSOR_WIDTHS_INTRO, "", *tensor_width_table()]
+    load_after = os.getloadavg()
     lines += [
         "",
         f"Load average after: {load_after[0]:.2f} {load_after[1]:.2f} {load_after[2]:.2f}.",

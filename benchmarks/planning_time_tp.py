@@ -1,20 +1,31 @@
-"""Planning time with the tensor-width search (issue 30): 80 shardable blocks on 512 H100s.
+"""Planning time with tensor widths: 80 shardable blocks on 512 H100s (64 servers of 8).
 
-Times :func:`dapple.planner.search.dapple_search` side by side with widths {1} (today's search)
-and {1, 2, 4, 8} (one search per width, :mod:`dapple.planner.widths`). The profile is a
-synthetic Llama-70B-like block (bf16, sequence 2048, hidden 8192), all blocks
-``tensor_parallel``. Run: ``.venv/bin/python benchmarks/planning_time_tp.py``.
+Times :func:`dapple.planner.search.dapple_search` with widths {1} (no tensor parallelism),
+{1, 2, 4, 8} with every stage of one width (``stage_widths=False``: one search per width,
+:mod:`dapple.planner.widths`) and {1, 2, 4, 8} with per-stage widths (the default: each width's
+plan refined stage by stage, :mod:`dapple.planner.stage_widths`), on two profiles:
+
+* ``blocks80``: a synthetic Llama-70B-like block (bf16, sequence 2048, hidden 8192) repeated 80
+  times, every block ``tensor_parallel``;
+* ``llama3-70b``: the analytic H100 profile (:func:`dapple.profiler.analytic.analytic_profile`),
+  80 shardable blocks between an embedding and an LM head that do not shard.
+
+Run: ``.venv/bin/python benchmarks/planning_time_tp.py``. Seconds are wall-clock (as in
+``planning_time.md``) and CPU seconds of this process (less sensitive to other jobs).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 
-from dapple.core.cluster import load_cluster
+from dapple.core.cluster import Cluster, load_cluster
 from dapple.core.profile import AffineTime, LayerProfile, ModelProfile
 from dapple.planner.search import dapple_search
+from dapple.profiler.analytic import analytic_profile
 
 SEQ, HIDDEN = 2048, 8192
+GLOBAL_BATCH = 1024
 
 
 def _profile(n: int = 80) -> ModelProfile:
@@ -35,20 +46,50 @@ def _fields(x: LayerProfile) -> dict[str, object]:
     return {f: getattr(x, f) for f in x.__slots__}  # type: ignore[attr-defined]
 
 
+def _widths(stages: Sequence[int]) -> str:
+    """Per-stage widths, runs of one width compressed: ``2x3, 8x2`` for 2, 2, 2, 8, 8."""
+    runs: list[list[int]] = []
+    for t in stages:
+        if runs and runs[-1][0] == t:
+            runs[-1][1] += 1
+        else:
+            runs.append([t, 1])
+    return ", ".join(f"{t}x{n}" for t, n in runs)
+
+
+def _row(name: str, prof: ModelProfile, cluster: Cluster, label: str, kw: dict[str, object]) -> str:
+    t0, c0 = time.perf_counter(), time.process_time()
+    plan = dapple_search(prof, cluster, GLOBAL_BATCH, **kw)  # type: ignore[arg-type]
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    widths = _widths([s.tensor_width for s in plan.stages])
+    return (
+        f"| {name} | {label} | {wall:.2f} | {cpu:.2f} | {plan.replication} | {widths} "
+        f"| {plan.num_micro_batches} | {plan.predicted_step_ms:.1f} |"
+    )
+
+
+def table() -> list[str]:
+    """The markdown table, one row per profile and widths (printed as each row is done)."""
+    cluster = load_cluster("h100-8x", servers=64)
+    lines = [
+        "| profile | widths | seconds | CPU s | plan | widths chosen | M | L (ms) |",
+        "|---|---|---:|---:|---|---|---:|---:|",
+    ]
+    print("\n".join(lines), flush=True)
+    runs: list[tuple[str, dict[str, object]]] = [
+        ("{1}", {"tensor_widths": [1]}),
+        ("{1, 2, 4, 8} uniform", {"stage_widths": False}),
+        ("{1, 2, 4, 8} per stage", {}),
+    ]
+    for name, prof in (("blocks80", _profile()), ("llama3-70b", analytic_profile("llama3-70b"))):
+        for label, kw in runs:
+            lines.append(_row(name, prof, cluster, label, kw))
+            print(lines[-1], flush=True)
+    return lines
+
+
 def main() -> None:
-    prof, cluster = _profile(), load_cluster("h100-8x", servers=64)
-    print("| widths | seconds | plan | widths chosen | M | L (ms) |")
-    print("|---|---:|---|---|---:|---:|")
-    for widths in ([1], None):
-        t0 = time.perf_counter()
-        plan = dapple_search(prof, cluster, 1024, tensor_widths=widths)
-        dt = time.perf_counter() - t0
-        chosen = sorted({s.tensor_width for s in plan.stages})
-        name = "{1}" if widths else "{1, 2, 4, 8}"
-        print(
-            f"| {name} | {dt:.2f} | {plan.replication} | {chosen} | {plan.num_micro_batches} "
-            f"| {plan.predicted_step_ms:.1f} |"
-        )
+    table()
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ if [[ "$quick" == "--quick" ]]; then
   run benchmarks/vs_torch_pipelining.py --rounds 1 --chunk 2 --no-planned --out /tmp/dapple-vs.md
   run benchmarks/schedules_measured.py --rounds 1 --steps 2 --repeats 2 --out /tmp/dapple-schedules-measured.md
   run benchmarks/train_real.py --rounds 1 --steps 8 --skip 2 --global-batch 16 --out /tmp/dapple-train-real.md
+  run benchmarks/tp_memory.py --tiny --out /tmp/dapple-tp-memory.md
   exit 0
 fi
 # the planner engineer's benchmarks, when present
@@ -23,7 +24,11 @@ if [[ -f benchmarks/paper_planning.py ]]; then
   run benchmarks/paper_planning.py --output benchmarks/paper_planning.md
 fi
 run benchmarks/schedules.py --output benchmarks/schedules.md
+# dapple vs the torchtitan-style grid, Llama-3 8B/70B on 64-512 H100 (analytic; ~15 min on 2 busy cores)
+run benchmarks/plan_space.py --out benchmarks/plan_space.md
 run benchmarks/sharded_state.py
+# per-rank memory of TP2 / FSDP x2 / TP2 x FSDP2 vs one unsharded stage, tracked tensor bytes (~2 min)
+run benchmarks/tp_memory.py --out benchmarks/tp_memory.md
 run benchmarks/paper.py
 run benchmarks/fidelity.py
 run benchmarks/vs_torch_pipelining.py

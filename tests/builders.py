@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from typing import Any, NoReturn
+
+import pytest
+
 from dapple.core.cluster import Cluster
 from dapple.core.profile import AffineTime, LayerProfile, ModelProfile
 
@@ -74,3 +78,17 @@ def per_call_profile(
             for i, (f, b) in enumerate(zip(fwd, bwd, strict=True))
         ),
     )
+
+
+def boom(*_: Any, **__: Any) -> NoReturn:
+    """Stands in for work that must not start: a refused input never reaches it."""
+    raise AssertionError("work started although the input should have been refused")
+
+
+def one_error_line(capsys: pytest.CaptureFixture[str], *needles: str) -> str:
+    """The captured stderr: exactly one ``dapple: error:`` line holding every needle."""
+    err = capsys.readouterr().err
+    assert err.startswith("dapple: error: ") and err.count("\n") == 1, err
+    for n in needles:
+        assert n in err, (n, err)
+    return err

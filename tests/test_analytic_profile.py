@@ -318,10 +318,8 @@ def test_published_fit_row_reproduces_its_number(published) -> None:  # type: ig
     assert not published.blockers(row)
     pred = published.predict(row)  # the library's fitted constant
     assert pred.samples_per_s == pytest.approx(published.published_samples_per_s(row), rel=0.01)
-    assert published.blockers(by_id["torchtitan-h100-8b-fsdp8"]) == [
-        "sharded parameters (FSDP 8)",
-        "torchtitan's selective-op checkpointing policy",
-    ]
+    assert published.blockers(by_id["torchtitan-h100-8b-fsdp8"]) == []
+    assert published.blockers(by_id["torchtitan-h100-8b-cp2"]) == ["context parallelism (CP 2)"]
 
 
 def test_blocks_shard_over_a_tensor_group_and_the_ends_do_not() -> None:

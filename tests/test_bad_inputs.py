@@ -16,11 +16,11 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import pytest
 
-from builders import make_cluster, make_profile
+from builders import boom, make_cluster, make_profile, one_error_line
 from dapple import api
 from dapple.cli import main
 from dapple.core.cluster import load_cluster
@@ -37,18 +37,6 @@ from dapple.planner.search import (
 
 ROOT = os.geteuid() == 0 if hasattr(os, "geteuid") else False
 """Root passes every permission check: chmod-based cases are skipped then."""
-
-
-def _boom(*_: Any, **__: Any) -> NoReturn:
-    raise AssertionError("work started although the input should have been refused")
-
-
-def _one_error_line(capsys: pytest.CaptureFixture[str], *needles: str) -> str:
-    err = capsys.readouterr().err
-    assert err.startswith("dapple: error: ") and err.count("\n") == 1, err
-    for n in needles:
-        assert n in err, (n, err)
-    return err
 
 
 def _unwritable_dir(tmp_path: Path) -> Path:
@@ -110,11 +98,11 @@ def test_cluster_file_with_non_finite_number(
     d[field] = "@@"
     path = tmp_path / "c.json"
     path.write_text(json.dumps(d).replace('"@@"', value))  # json.loads accepts the literals
-    monkeypatch.setattr("dapple.planner.make_plan", _boom)
+    monkeypatch.setattr("dapple.planner.make_plan", boom)
     argv = ["plan", "--profile", "paper:bert48", "--cluster", str(path)]
     assert main([*argv, "--global-batch-size", "8"]) == 2
     shown = {"NaN": "nan", "Infinity": "inf", "-Infinity": "-inf"}[value]
-    _one_error_line(capsys, field, f"got {shown}")
+    one_error_line(capsys, field, f"got {shown}")
 
 
 def test_toml_cluster_with_nan(tmp_path: Path) -> None:
@@ -193,27 +181,27 @@ def test_cli_plans_a_huge_batch_in_bounded_time(capsys: pytest.CaptureFixture[st
 def test_cli_refuses_batches_beyond_float_exactness(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["plan", "--profile", "paper:bert48", "--cluster", "paper-a", "--global-batch-size"]
     assert main([*argv, str(10**400)]) == 2
-    _one_error_line(capsys, "(401 digits)", f"{MAX_GLOBAL_BATCH_SIZE:,}")
+    one_error_line(capsys, "(401 digits)", f"{MAX_GLOBAL_BATCH_SIZE:,}")
     assert main([*argv, str(MAX_GLOBAL_BATCH_SIZE + 1)]) == 2
-    _one_error_line(capsys, str(MAX_GLOBAL_BATCH_SIZE + 1))
+    one_error_line(capsys, str(MAX_GLOBAL_BATCH_SIZE + 1))
 
 
 def test_cli_refuses_simulating_too_many_micro_batches(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["plan", "--profile", "paper:bert48", "--cluster", "paper-a", "--schedule", "zbh1"]
     assert main([*argv, "--global-batch-size", "10000000000"]) == 2
-    _one_error_line(capsys, "--schedule zbh1 simulates every micro-batch", "micro-batches x")
+    one_error_line(capsys, "--schedule zbh1 simulates every micro-batch", "micro-batches x")
 
 
 def test_plan_output_checked_before_planning(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("dapple.planner.make_plan", _boom)
+    monkeypatch.setattr("dapple.planner.make_plan", boom)
     argv = ["plan", "--profile", "paper:bert48", "--cluster", "paper-a", "-o"]
     assert main([*argv, str(tmp_path)]) == 2
-    _one_error_line(capsys, "is a directory")
+    one_error_line(capsys, "is a directory")
     (tmp_path / "f").write_text("x")
     assert main([*argv, str(tmp_path / "f" / "plan.json")]) == 2
-    _one_error_line(capsys, "is a file, not a directory")
+    one_error_line(capsys, "is a file, not a directory")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -234,8 +222,8 @@ def text(tmp_path: Path) -> Path:
 @pytest.fixture
 def no_work(monkeypatch: pytest.MonkeyPatch) -> None:
     """Reading the inputs or tokenizing fails the test: the outputs are checked first."""
-    monkeypatch.setattr(PREPARE, "_read_text", _boom)
-    monkeypatch.setattr(PREPARE, "_byte_tokens", _boom)
+    monkeypatch.setattr(PREPARE, "_read_text", boom)
+    monkeypatch.setattr(PREPARE, "_byte_tokens", boom)
 
 
 def _prepare(*argv: str) -> int:
@@ -249,11 +237,11 @@ def test_prepare_output_is_a_directory(
     out = tmp_path / "out"
     out.mkdir()
     assert _prepare(str(text), "-o", str(out)) == 2
-    _one_error_line(capsys, f"output {str(out)!r} is a directory")
+    one_error_line(capsys, f"output {str(out)!r} is a directory")
     assert list(out.iterdir()) == [] and not (tmp_path / "meta.json").exists()
     (out / "val.bin").mkdir()  # the validation file beside train.bin
     assert _prepare(str(text), "-o", str(out / "train.bin")) == 2
-    _one_error_line(capsys, "validation file", "val.bin' is a directory")
+    one_error_line(capsys, "validation file", "val.bin' is a directory")
 
 
 @pytest.mark.usefixtures("no_work")
@@ -264,7 +252,7 @@ def test_prepare_output_under_a_regular_file(
     f.write_text("x")
     for out in (f / "train.bin", f / "deeper" / "train.bin"):
         assert _prepare(str(text), "-o", str(out)) == 2
-        _one_error_line(capsys, f"{str(f)!r} is a file, not a directory")
+        one_error_line(capsys, f"{str(f)!r} is a file, not a directory")
     assert f.read_text() == "x"
 
 
@@ -274,7 +262,7 @@ def test_prepare_output_folder_not_writable(
 ) -> None:
     ro = _unwritable_dir(tmp_path)
     assert _prepare(str(text), "-o", str(ro / "sub" / "train.bin")) == 2
-    _one_error_line(capsys, str(ro))
+    one_error_line(capsys, str(ro))
 
 
 @needs_sys
@@ -283,7 +271,7 @@ def test_prepare_output_where_even_root_cannot_write(
     text: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     assert _prepare(str(text), "-o", str(SYS / "train.bin")) == 2
-    _one_error_line(capsys, "'/sys'")
+    one_error_line(capsys, "'/sys'")
 
 
 @pytest.mark.parametrize(
@@ -304,15 +292,15 @@ def test_prepare_binary_input(
     capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(PREPARE, "_byte_tokens", _boom)
-    monkeypatch.setattr(PREPARE, "_tokenize_each", _boom)
+    monkeypatch.setattr(PREPARE, "_byte_tokens", boom)
+    monkeypatch.setattr(PREPARE, "_tokenize_each", boom)
     good, bad = tmp_path / "good.txt", tmp_path / "data.bin"
     good.write_text("fine text\n")
     bad.write_bytes(data)
     out = tmp_path / "out" / "train.bin"
     argv = [str(good), str(bad), "-o", str(out), *(["--documents"] if documents else [])]
     assert _prepare(*argv) == 2
-    _one_error_line(capsys, f"text file {str(bad)!r}", needle)
+    one_error_line(capsys, f"text file {str(bad)!r}", needle)
     assert not (tmp_path / "out").exists()
 
 
@@ -342,7 +330,7 @@ def _train(plan: Path, *extra: str) -> int:
 
 @pytest.fixture
 def no_train(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("dapple.runtime.train", _boom)
+    monkeypatch.setattr("dapple.runtime.train", boom)
 
 
 @pytest.mark.usefixtures("no_train")
@@ -350,16 +338,16 @@ def test_metrics_path_is_checked_before_training(
     mlp_plan: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     assert _train(mlp_plan, "--metrics", str(tmp_path)) == 2
-    _one_error_line(capsys, "--metrics file", "is a directory")
+    one_error_line(capsys, "--metrics file", "is a directory")
     f = tmp_path / "file"
     f.write_text("x")
     assert _train(mlp_plan, "--metrics", str(f / "m.jsonl")) == 2
-    _one_error_line(capsys, "--metrics file", f"{str(f)!r} is a file, not a directory")
+    one_error_line(capsys, "--metrics file", f"{str(f)!r} is a file, not a directory")
     assert _train(mlp_plan, "--metrics", str(tmp_path / "missing" / "m.jsonl")) == 2
-    _one_error_line(capsys, "--metrics file", "does not exist")
+    one_error_line(capsys, "--metrics file", "does not exist")
     good = tmp_path / "m.jsonl"
     assert _train(mlp_plan, "--metrics", str(good), "--loss-curve", str(tmp_path)) == 2
-    _one_error_line(capsys, "loss curve", "is a directory")
+    one_error_line(capsys, "loss curve", "is a directory")
     assert not good.exists()  # checked, not created
 
 
@@ -369,7 +357,7 @@ def test_metrics_folder_not_writable(
 ) -> None:
     ro = _unwritable_dir(tmp_path)
     assert _train(mlp_plan, "--metrics", str(ro / "m.jsonl")) == 2
-    _one_error_line(capsys, "--metrics file", "not writable")
+    one_error_line(capsys, "--metrics file", "not writable")
 
 
 @needs_sys
@@ -378,7 +366,7 @@ def test_metrics_where_even_root_cannot_write(
     mlp_plan: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     assert _train(mlp_plan, "--metrics", str(SYS / "m.jsonl")) == 2
-    _one_error_line(capsys, "--metrics file", "'/sys'")
+    one_error_line(capsys, "--metrics file", "'/sys'")
 
 
 def test_metrics_check_reaches_training(
@@ -447,16 +435,16 @@ def test_train_refuses_a_plan_of_another_model(
     # transformer with 3 blocks has 5 layers, like the plan: only the name tells them apart
     argv = ["train", "--plan", str(mlp_plan), "-m", "transformer", "--set", "layers=3"]
     assert main(argv) == 2
-    _one_error_line(capsys, "made for model 'mlp' (5 layers), not for 'transformer' (5 layers)")
+    one_error_line(capsys, "made for model 'mlp' (5 layers), not for 'transformer' (5 layers)")
 
 
 def test_verify_and_api_refuse_a_plan_of_another_model(
     mlp_plan: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("dapple.runtime.train", _boom)
+    monkeypatch.setattr("dapple.runtime.train", boom)
     argv = ["verify", "--plan", str(mlp_plan), "-m", "transformer", "--set", "layers=3"]
     assert main(argv) == 2
-    _one_error_line(capsys, "made for model 'mlp'", "'transformer'")
+    one_error_line(capsys, "made for model 'mlp'", "'transformer'")
     with pytest.raises(ValidationError, match="made for model 'mlp'"):
         api.train(mlp_plan, "transformer", overrides={"layers": 3})
     with pytest.raises(ValidationError, match="made for model 'mlp'"):
@@ -476,6 +464,6 @@ def test_profile_plan_train_with_the_right_and_a_wrong_model(
     capsys.readouterr()
     argv = ["train", "--plan", str(plan), "--steps", "1", "--device", "cpu"]
     assert main([*argv, "-m", "transformer", "--set", "layers=3"]) == 2
-    _one_error_line(capsys, "made for model 'mlp'")
+    one_error_line(capsys, "made for model 'mlp'")
     assert main([*argv, "-m", "mlp", "--metrics", str(metrics), "--timeout-s", "120"]) == 0
     assert len(metrics.read_text().splitlines()) == 1

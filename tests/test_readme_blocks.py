@@ -227,6 +227,12 @@ BLOCKS: dict[str, Way] = {
         expect=("weights loaded: ", "LlamaForCausalLM("),
         files=("prof.json", "plan.json", "trained/config.json", "trained/model.safetensors"),
     ),
+    "The 3-D plan space: tensor parallelism and ZeRO-3#0": Way(
+        how="shell", lang="bash",
+        why="analytic Llama-3 8B planned on 16 H100 with per-stage widths, drawn; already quick",
+        expect=("tensor width", "wrote plan_3d.png"),
+        files=("llama8b.json", "plan.json", "plan_3d.png"),
+    ),
     "Long runs#0": Way(
         how="shell", lang="bash",
         why="checkpointed mlp run: needs the reader's plan.json",

@@ -17,11 +17,10 @@ import dataclasses
 import importlib
 import json
 from pathlib import Path
-from typing import Any, NoReturn
 
 import pytest
 
-from builders import make_cluster, make_profile
+from builders import boom, make_cluster, make_profile, one_error_line
 from dapple import api
 from dapple.cli import main
 from dapple.core.plan import Plan, StagePlan
@@ -42,18 +41,6 @@ LLAMA = {
 }
 
 
-def _boom(*_: Any, **__: Any) -> NoReturn:
-    raise AssertionError("work started although the input should have been refused")
-
-
-def _one_error_line(capsys: pytest.CaptureFixture[str], *needles: str) -> str:
-    err = capsys.readouterr().err
-    assert err.startswith("dapple: error: ") and err.count("\n") == 1, err
-    for n in needles:
-        assert n in err, (n, err)
-    return err
-
-
 def tp_profile(n: int = 8) -> ModelProfile:
     """A chain whose inner layers shard (as a profile of a model with a TP plan marks them)."""
     p = make_profile(n=n, params=4_000_000, act=100_000.0)
@@ -72,8 +59,8 @@ def profiles(tmp_path: Path) -> tuple[Path, Path]:
 
 @pytest.fixture
 def no_search(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("dapple.planner.dapple_search", _boom)
-    monkeypatch.setattr("dapple.planner.PLANNERS", {k: _boom for k in ("dapple", "dp")})
+    monkeypatch.setattr("dapple.planner.dapple_search", boom)
+    monkeypatch.setattr("dapple.planner.PLANNERS", {k: boom for k in ("dapple", "dp")})
 
 
 def _columns(shown: str) -> str:
@@ -128,7 +115,7 @@ def test_plan_refuses_widths_for_a_profile_where_no_layer_shards(
     _, plain = profiles
     for widths in ("2", "1,2"):
         assert _plan(plain, "--tensor-widths", widths) == 2
-        _one_error_line(capsys, "no layer of profile 'toy' shards over a tensor group",
+        one_error_line(capsys, "no layer of profile 'toy' shards over a tensor group",
                         "the model has no TP plan")  # fmt: skip
     with pytest.raises(ValidationError, match=r"tensor widths \[2, 4\]: no layer of profile"):
         api.plan(plain, "local-cpu", 8, tensor_widths=(4, 2))
@@ -140,7 +127,7 @@ def test_plan_refuses_widths_outside_1_2_4_8(
     widths: str, profiles: tuple[Path, Path], capsys: pytest.CaptureFixture[str]
 ) -> None:
     assert _plan(profiles[0], "--tensor-widths", widths) == 2
-    _one_error_line(
+    one_error_line(
         capsys,
         f"--tensor-widths must be auto or comma-separated widths from 1, 2, 4, 8, got {widths!r}",
     )
@@ -160,13 +147,13 @@ def test_plan_refuses_a_width_wider_than_or_not_dividing_the_server(
     profiles: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     assert _plan(profiles[0], "--tensor-widths", "1,8") == 2  # local-cpu: 4 per server
-    _one_error_line(capsys, "tensor width(s) [8] do not divide the 4 devices of a server of "
+    one_error_line(capsys, "tensor width(s) [8] do not divide the 4 devices of a server of "
                     "local-cpu", "widths that fit: [1, 2, 4]")  # fmt: skip
     six = tmp_path / "six.json"
     make_cluster(per_server=6).save(six)
     argv = ["plan", "--profile", str(profiles[0]), "--cluster", str(six)]
     assert main([*argv, "--global-batch-size", "8", "--tensor-widths", "2,4"]) == 2
-    _one_error_line(capsys, "tensor width(s) [4] do not divide the 6 devices", "fit: [1, 2]")
+    one_error_line(capsys, "tensor width(s) [4] do not divide the 6 devices", "fit: [1, 2]")
 
 
 @pytest.mark.usefixtures("no_search")
@@ -177,9 +164,9 @@ def test_plan_refuses_widths_on_shared_cores_and_with_a_baseline(
     dataclasses.replace(make_cluster(), compute_cores_per_server=2.0).save(shared)
     argv = ["plan", "--profile", str(profiles[0]), "--global-batch-size", "8"]
     assert main([*argv, "--cluster", str(shared), "--tensor-widths", "2"]) == 2
-    _one_error_line(capsys, "share 2 compute cores per server", "no tensor groups")
+    one_error_line(capsys, "share 2 compute cores per server", "no tensor groups")
     assert main([*argv, "--cluster", "local-cpu", "--tensor-widths", "2", "--planner", "dp"]) == 2
-    _one_error_line(capsys, "tensor widths [2] are searched by the dapple planner only, not 'dp'")
+    one_error_line(capsys, "tensor widths [2] are searched by the dapple planner only, not 'dp'")
 
 
 @pytest.mark.usefixtures("no_search")
@@ -187,7 +174,7 @@ def test_plan_refuses_zero_stages_it_does_not_know(capsys: pytest.CaptureFixture
     argv = ["plan", "--profile", "paper:bert48", "--cluster", "paper-a"]
     for bad in ("4", "x", "-1"):
         assert main([*argv, "--zero-stage", bad]) == 2
-        _one_error_line(capsys, f"--zero-stage must be one of 0, 1, 2, 3 or auto, got {bad!r}")
+        one_error_line(capsys, f"--zero-stage must be one of 0, 1, 2, 3 or auto, got {bad!r}")
 
 
 # -- plan files and simulate ------------------------------------------------------------------
@@ -206,10 +193,10 @@ def test_zero_stage_3_on_one_replica_is_refused_at_plan_load(
     path.write_text(json.dumps(d))
     with pytest.raises(ValidationError, match=r"plan stage 0: stage .* has one replica"):
         Plan.load(path)
-    monkeypatch.setattr(importlib.import_module("dapple.simulate.engine"), "_Run", _boom)
+    monkeypatch.setattr(importlib.import_module("dapple.simulate.engine"), "_Run", boom)
     argv = ["simulate", "--plan", str(path), "--profile", "paper:bert48", "--cluster", "paper-a"]
     assert main(argv) == 2
-    _one_error_line(capsys, "zero_stage 3 shards parameters over the replicas", "one replica",
+    one_error_line(capsys, "zero_stage 3 shards parameters over the replicas", "one replica",
                     "tensor_width=2")  # fmt: skip
 
 
@@ -223,9 +210,9 @@ def test_simulate_refuses_a_tensor_group_across_servers(
     plan.save(files["plan"])
     tp_profile().save(files["profile"])
     make_cluster(servers=2, per_server=2).save(files["cluster"])
-    monkeypatch.setattr(importlib.import_module("dapple.simulate.engine"), "_Run", _boom)
+    monkeypatch.setattr(importlib.import_module("dapple.simulate.engine"), "_Run", boom)
     assert main(["simulate", *(f"--{k}={v}" for k, v in files.items())]) == 2
-    _one_error_line(capsys, "plan stage 1 [4, 8]: tensor group 0 on devices [1, 2] spans "
+    one_error_line(capsys, "plan stage 1 [4, 8]: tensor group 0 on devices [1, 2] spans "
                     "servers [0, 1]")  # fmt: skip
 
 
@@ -256,9 +243,9 @@ def llama_dir(tmp_path: Path) -> Path:
 @pytest.fixture
 def no_run(monkeypatch: pytest.MonkeyPatch) -> None:
     """The runtime fails the test; as one torchrun rank, so no early workers start."""
-    monkeypatch.setattr("dapple.runtime.train", _boom)
-    monkeypatch.setattr("dapple.runtime.verify.verify", _boom)
-    monkeypatch.setattr("dapple.runtime.verify.verify_many", _boom)
+    monkeypatch.setattr("dapple.runtime.train", boom)
+    monkeypatch.setattr("dapple.runtime.verify.verify", boom)
+    monkeypatch.setattr("dapple.runtime.verify.verify_many", boom)
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "4")
 
@@ -279,7 +266,7 @@ def test_train_and_verify_refuse_a_width_that_does_not_divide_the_heads(
     plan = _tp_plan_file(tmp_path, 4)  # 2 key/value heads
     for cmd in ("train", "verify"):
         assert main([cmd, "--plan", str(plan), "-m", f"hf:{llama_dir}"]) == 2
-        _one_error_line(capsys, "plan stage 0 [0, 4] (tensor_width 4): TP width 4 does not "
+        one_error_line(capsys, "plan stage 0 [0, 4] (tensor_width 4): TP width 4 does not "
                         "divide the 2 key/value heads", "num_attention_heads 4",
                         "hidden_size 32")  # fmt: skip
     zoo = f"{Path(__file__).resolve()}:zoo_tp"
@@ -296,7 +283,7 @@ def test_train_refuses_tensor_parallelism_for_a_model_without_a_tp_plan(
     plan = _tp_plan_file(tmp_path, 2, layers=(0, 4))
     argv = ["train", "--plan", str(plan), "-m", "transformer", "--set", "layers=2"]
     assert main(argv) == 2
-    _one_error_line(capsys, "plan stage 0 [0, 4] (tensor_width 2): model 'transformer' has no "
+    one_error_line(capsys, "plan stage 0 [0, 4] (tensor_width 2): model 'transformer' has no "
                     "TP plan")  # fmt: skip
 
 
@@ -335,4 +322,4 @@ def test_train_refuses_what_tensor_stages_cannot_run_yet_before_the_launch(
     path = tmp_path / "interleaved.json"
     plan.save(path)
     assert main(["train", "--plan", str(path), "-m", f"hf:{llama_dir}"]) == 2
-    _one_error_line(capsys, "stage 0 [0, 1] (tensor_width 2, zero 0): interleaved plans with TP")
+    one_error_line(capsys, "stage 0 [0, 1] (tensor_width 2, zero 0): interleaved plans with TP")

@@ -17,7 +17,11 @@ from dapple.core.cluster import Cluster
 from dapple.core.plan import Plan, StagePlan
 from dapple.core.profile import AffineTime, LayerProfile, ModelProfile
 from dapple.core.tensor_layout import check_tensor_groups
-from dapple.cost.memory import parameter_state_bytes, state_bytes_per_parameter_byte
+from dapple.cost.memory import (
+    gradients_in_flight_bytes,
+    parameter_state_bytes,
+    state_bytes_per_parameter_byte,
+)
 from dapple.cost.schedules import schedule_latency
 from dapple.cost.terms import stage_terms
 from dapple.errors import ValidationError
@@ -190,9 +194,18 @@ def test_zero3_gathers_once_per_step_or_per_micro_batch() -> None:
     assert again.sync_ms == 0.0
     assert again.forward_ms == pytest.approx(ar.forward_ms + ar.sync_ms / 2)
     assert again.backward_ms == pytest.approx(ar.backward_ms + ar.sync_ms)
-    # memory: (1 + 3) / r sharded; without regather the whole parameters and gradients too
+    # memory: (1 + 3) / r sharded; without regather the whole parameters and gradients, the
+    # parameter shard and the moments' shards (3 - 1) / r: the gradient shard exists only from
+    # the step's reduce-scatter on, whose flat input takes the re-sharded parameters' place and
+    # whose output (P / r) is in flight then
     assert state_bytes_per_parameter_byte(prof, 2, 3, regather=True) == pytest.approx(2.0)
-    assert state_bytes_per_parameter_byte(prof, 2, 3) == pytest.approx(4.0)
+    assert state_bytes_per_parameter_byte(prof, 2, 3) == pytest.approx(2 + 3 / 2)
+    P = prof.parameter_bytes  # 2 blocks x 8e6
+    assert gradients_in_flight_bytes(prof, (0, 2), 2, 3) == pytest.approx(P / 2)
+    # regather: one block computing, 2 gathered (prefetch), one block's reduce-scatter buffers
+    assert gradients_in_flight_bytes(prof, (0, 2), 2, 3, regather=True) == pytest.approx(
+        (1 + 2 + 1.5) * 8e6
+    )
 
 
 @settings(max_examples=25, deadline=None)

@@ -622,7 +622,9 @@ def test_cli_plan_prints_the_zero_choice_and_rejects_unknown_stages(
         assert main([*base, "--zero-stage", bad]) != 0
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1, err
-        assert err[0] == f"dapple: error: --zero-stage must be one of 0, 1, 2, 3 or auto, got {bad!r}"
+        assert (
+            err[0] == f"dapple: error: --zero-stage must be one of 0, 1, 2, 3 or auto, got {bad!r}"
+        )
 
 
 def test_cli_plan_records_the_zero_stage(

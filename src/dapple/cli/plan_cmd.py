@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 
 __all__ = ["MAX_SIMULATED_WORK", "format_devices", "parse_seq_len", "register", "run"]
 
-_PLANNERS = ("dapple", "dp", "straight", "gpipe", "pipedream", "exhaustive")
+_PLANNERS = ("dapple", "dp", "straight", "gpipe", "pipedream", "exhaustive", "grid")
 MAX_SIMULATED_WORK = 1 << 18
 """Most micro-batches x devices ``--schedule`` simulates for a schedule with a step rule of its
 own (interleaved, zbh1): the event simulation takes time in proportion (about 0.1 ms each on

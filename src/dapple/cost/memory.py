@@ -117,15 +117,17 @@ def state_bytes_per_parameter_byte(
     parameters, gradients and optimizer state, ``(1 + factor) / r_s``. Without ``regather``
     the runtime gathers the parameters at the first forward and keeps them, and the
     unsharded gradients, until the last backward of the step (no re-shard between
-    micro-batches): ``2 + (1 + factor) / r_s`` plus the whole cast cache. With ``regather``
-    only the layers being computed are whole (:func:`gradients_in_flight_bytes`), the cast
-    cache sharded too.
+    micro-batches), and the gradient shard exists only from the step's reduce-scatter on:
+    ``2 + factor / r_s`` plus the whole cast cache (the reduce-scatter's buffers are in
+    :func:`gradients_in_flight_bytes`). With ``regather`` only the pieces being computed are
+    whole (:func:`gradients_in_flight_bytes`), the cast cache sharded too.
     """
     cast = WEIGHT_CAST_FACTOR[profile.precision]
     factor = profile.optimizer_state_factor
     if replicas > 1 and zero_stage >= 3:
-        shards = (1.0 + factor) / replicas
-        return shards + cast / replicas if regather else 2.0 + shards + cast
+        if regather:
+            return (1.0 + factor + cast) / replicas
+        return 2.0 + factor / replicas + cast
     if replicas > 1 and zero_stage >= 2:
         return 1.0 + factor / replicas + cast
     if replicas > 1 and zero_stage == 1:
@@ -248,9 +250,9 @@ def zero2_staging_bytes(
     """ZeRO-2's staged gradients of layers ``[start, end)`` while they are reduced:
     :data:`ZERO2_STAGED_LAYERS` x the largest layer's parameter bytes in flat buckets (an
     upper bound: a bucket holds at most one layer's parameters when they are larger than the
-    bucket size; tied copies are not in buckets); 0 unless ``zero_stage >= 2`` on a
-    replicated stage."""
-    if zero_stage < 2 or replicas < 2:
+    bucket size; tied copies are not in buckets); 0 unless ``zero_stage`` is 2 on a
+    replicated stage (FSDP's reduce-scatter buffers are :func:`gradients_in_flight_bytes`')."""
+    if zero_stage != 2 or replicas < 2:
         return 0.0
     s, e = layers
     return ZERO2_STAGED_LAYERS * max(
@@ -270,15 +272,24 @@ def gradients_in_flight_bytes(
     """Gradients held during a backward of layers ``[start, end)`` beyond the accumulated ones:
     the gradient autograd produces before adding it to the accumulated one (or copying it into
     a bucket) - at most the largest layer's parameters (its ``1/t`` shard under tensor
-    parallelism) - plus ZeRO-2's staged buckets (:func:`zero2_staging_bytes`), or under
-    ZeRO-3 with ``regather`` the whole parameters of :data:`ZERO3_GATHERED_LAYERS` layers."""
+    parallelism) - plus ZeRO-2's staged buckets (:func:`zero2_staging_bytes`). Under ZeRO-3
+    FSDP2's reduce-scatter copies the gradients it reduces into a flat input and a ``1/r_s``
+    output after re-sharding their parameters: without ``regather`` the whole stage's at once
+    after the last backward (the freed whole parameters make room for the input, so the stage
+    grows by its ``1/r_s`` output), with ``regather`` one piece's after each backward, beside
+    the whole parameters of :data:`ZERO3_GATHERED_LAYERS` pieces."""
     s, e = layers
     if tensor_width == 1 and zero_stage < 3:
         largest = max(layer.parameter_bytes for layer in profile.layers[s:e])
         return largest + zero2_staging_bytes(profile, layers, replicas, zero_stage)
-    big = max(sharded_layer_bytes(layer, tensor_width) for layer in profile.layers[s:e])
-    gathered = ZERO3_GATHERED_LAYERS * big if zero_stage >= 3 and regather and replicas > 1 else 0
-    return big + gathered + zero2_staging_bytes(profile, layers, replicas, zero_stage)
+    sizes = [sharded_layer_bytes(layer, tensor_width) for layer in profile.layers[s:e]]
+    big = max(sizes)
+    if zero_stage < 3 or replicas < 2:
+        return big + zero2_staging_bytes(profile, layers, replicas, zero_stage)
+    scatter = 1.0 + 1.0 / replicas
+    if regather:
+        return big + ZERO3_GATHERED_LAYERS * big + scatter * big
+    return max(big, sum(sizes) / replicas)
 
 
 def device_state_bytes(profile: ModelProfile, stages: Sequence[StagePlan]) -> float:

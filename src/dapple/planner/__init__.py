@@ -18,6 +18,7 @@ from dapple.core.tensor_layout import check_tensor_widths
 from dapple.cost.lengths import profile_for_lengths
 from dapple.errors import ValidationError
 from dapple.planner.baselines import dp_plan, gpipe_plan, pipedream_plan, straight_plan_baseline
+from dapple.planner.grid import grid_plan
 from dapple.planner.oracle import exhaustive_plan
 from dapple.planner.search import Progress, check_global_batch_size, dapple_search
 
@@ -27,6 +28,7 @@ __all__ = [
     "dp_plan",
     "exhaustive_plan",
     "gpipe_plan",
+    "grid_plan",
     "make_plan",
     "pipedream_plan",
     "straight_plan_baseline",
@@ -39,6 +41,7 @@ PLANNERS: dict[str, Callable[[ModelProfile, Cluster, int], Plan]] = {
     "gpipe": gpipe_plan,
     "pipedream": pipedream_plan,
     "exhaustive": exhaustive_plan,
+    "grid": grid_plan,
 }
 """Planner names accepted by :func:`make_plan` and ``dapple plan --planner``."""
 

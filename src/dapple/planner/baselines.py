@@ -16,9 +16,9 @@ from dapple.core.plan import DEFAULT_SCHEDULE, Plan
 from dapple.core.profile import ModelProfile
 from dapple.cost.comm import allreduce_ms
 from dapple.errors import InfeasibleError, ValidationError
+from dapple.planner.batches import infeasible_message, micro_batch_candidates
 from dapple.planner.evaluate import Scored, Scorer, StageSpec
 from dapple.planner.partition import block_partition
-from dapple.planner.search import _infeasible_message, micro_batch_candidates
 from dapple.schedule.fill_drain import SCHEDULE as GPIPE
 
 __all__ = ["dp_plan", "gpipe_plan", "pipedream_plan", "straight_plan_baseline"]
@@ -47,7 +47,7 @@ def _best_over_m(
             best = (got.L_ms, stages, M, got)
     if best is None:
         raise InfeasibleError(
-            f"{name}: " + _infeasible_message(sc.profile, sc.cluster, sc.global_batch_size)
+            f"{name}: " + infeasible_message(sc.profile, sc.cluster, sc.global_batch_size)
         )
     _, stages, M, scored = best
     return sc.build_plan(name, stages, M, scored)

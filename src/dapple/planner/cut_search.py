@@ -29,24 +29,28 @@ __all__ = [
     "candidate_replicas",
     "search_limits",
     "stage_bound",
+    "stage_unfit",
 ]
 
 _Entry = tuple[float, tuple[StageSpec, ...], tuple[int, ...]]
 """A state's kept prefix: ``(L of prefix + [j, N) on the rest, prefix stages, occupancy)``."""
 
 
-def candidate_replicas(cluster: Cluster, available: int) -> list[int]:
+def candidate_replicas(cluster: Cluster, available: int, devices: int | None = None) -> list[int]:
     """Replica counts tried for a new stage with ``available`` free devices.
 
     All of 1..available on up to 32 devices. Beyond (placements by server counts rather than
     device ids): 1..devices_per_server, then whole servers up to 128 devices, and past that
     only powers of two and three times powers of two (1, 2, 3, 4, 6, 8, 12, 16, 24, ...).
+    ``devices``: the count deciding these classes (None: the cluster's; a search on tensor
+    groups passes the devices they group, :attr:`SearchLimits.devices`).
     """
-    if cluster.num_devices <= 32:
+    n = cluster.num_devices if devices is None else devices
+    if n <= 32:
         return list(range(1, available + 1))
     dps = cluster.devices_per_server
     c = set(range(1, min(dps, available) + 1))
-    if cluster.num_devices <= 128:
+    if n <= 128:
         c.update(k * dps for k in range(1, available // dps + 1))
     p = 1
     while p <= available:
@@ -61,6 +65,14 @@ def stage_bound(sc: Scorer, s: int, e: int, r: int, b: int, M: int) -> float:
     """M (F_s + B_s) of a stage without re-computation: a lower bound on L."""
     f, bw = sc.fb_ms(s, e, split_sizes(b, r)[0])
     return M * (f + bw)
+
+
+def stage_unfit(sc: Scorer, s: int, e: int, d: tuple[int, ...], b: int) -> bool:
+    """Whether layers [s, e) on ``d`` hold no micro-batch under any of the scorer's options,
+    with or without re-computation, whatever the rest of the plan; False for a stage with no
+    option (no shardable layer at t > 1: a longer one may have options)."""
+    options = sc.stage_options(s, e, d, b)
+    return bool(options) and all(max(r.d_nr, r.d_r) < 1 for _, r in options)
 
 
 def balanced_cut(sc: Scorer, cuts: Sequence[int], ji: int, r1: int, r2: int, b: int) -> int:
@@ -96,6 +108,14 @@ class SearchLimits:
     """Prefixes kept per state (1: the paper's memoisation)."""
     m_candidates: int | None
     """The DP runs for this many most promising M; None: every candidate."""
+    devices: int | None = None
+    """The devices a search on tensor groups (:func:`~dapple.planner.widths.group_cluster`)
+    groups: they, not the groups, set the instance's size class here and in
+    :func:`candidate_replicas`; None: the searched cluster's."""
+    drop_unfit: bool = False
+    """Stop scanning a new stage's cut points at the first where the stage alone fits no
+    memory (:func:`stage_unfit`; longer stages on its devices fit no better): its prefixes
+    never complete to a plan. False keeps them as states (the width-1 search does)."""
 
 
 def search_limits(
@@ -106,13 +126,16 @@ def search_limits(
     window: int | None,
     keep: int,
     m_candidates: int | None,
+    devices: int | None = None,
 ) -> SearchLimits:
     """:func:`~dapple.planner.search.dapple_search`'s knobs for N layers on G devices, each
     ``-1`` replaced by its default: no beam, no window, 64 prefixes and every M on small
     instances (N x G <= 128); otherwise a beam of 4 (2 beyond 128 devices), a window of 2 (1),
-    one prefix and the 3 best M."""
-    small = N * G <= 128
-    huge = G > 128
+    one prefix and the 3 best M. ``devices``: G's tensor groups group this many devices, which
+    decide the size class (:attr:`SearchLimits.devices`)."""
+    size = G if devices is None else devices
+    small = N * size <= 128
+    huge = size > 128
     if states_per_layer == -1:
         states_per_layer = None if small else (2 if huge else 4)
     if window == -1:
@@ -121,7 +144,9 @@ def search_limits(
         keep = 64 if small else 1
     if m_candidates == -1:
         m_candidates = None if small else 3
-    return SearchLimits(min(G, N, max_stages or G), states_per_layer, window, keep, m_candidates)
+    return SearchLimits(
+        min(G, N, max_stages or G), states_per_layer, window, keep, m_candidates, devices
+    )
 
 
 @dataclass(slots=True)
@@ -129,7 +154,8 @@ class Incumbent:
     """The best plan found so far, over every M: its L prunes the search."""
 
     L_ms: float = math.inf
-    """Its pipeline latency L (inf until a plan fits)."""
+    """Its pipeline latency L (inf until a plan fits); a bound alone while ``scored`` is None
+    (the best L of the widths searched before)."""
     stages: list[StageSpec] = field(default_factory=list)
     M: int = 0
     scored: Scored | None = None
@@ -199,7 +225,7 @@ class CutSearch:
         """Cut a new stage off the last one at cut point ``ji``: on each replica count m',
         placed by each policy (section 5.2; placements giving the same devices once)."""
         G, used = self.sc.G, sum(occ)
-        for m1 in candidate_replicas(self.cluster, G - used - 1):
+        for m1 in candidate_replicas(self.cluster, G - used - 1, self.limits.devices):
             lo, hi = self.cut_range(ji, m1, G - used - m1)
             seen: set[tuple[int, ...]] = set()
             for pol in POLICIES:
@@ -231,7 +257,8 @@ class CutSearch:
     ) -> None:
         """Score the plans ``prefix + [j, j')`` on the m1 devices ``g1`` ``+ [j', N)`` on the
         rest for the cut points ``lo..hi``, shortest new stage first, until its bound reaches
-        the incumbent (``placed``: ``g1`` and the occupancy with it)."""
+        the incumbent, or until it fits no memory with ``drop_unfit`` (``placed``: ``g1`` and
+        the occupancy with it)."""
         sc, cuts, M, b, best = self.sc, self.cuts, self.M, self.b, self.best
         g1, occ1 = placed
         j, N = cuts[ji], sc.N
@@ -240,6 +267,8 @@ class CutSearch:
         for j1i in range(lo, hi + 1):
             j1 = cuts[j1i]
             if stage_bound(sc, j, j1, m1, b, M) >= best.L_ms:
+                break
+            if self.limits.drop_unfit and stage_unfit(sc, j, j1, g1, b):
                 break
             stages = [*prefix, (j, j1, g1), (j1, N, rest)]
             got = sc.score(stages, M)

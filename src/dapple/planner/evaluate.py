@@ -23,7 +23,7 @@ from dapple.core.cluster import Cluster
 from dapple.core.plan import DEFAULT_SCHEDULE, Plan, Policy, StagePlan
 from dapple.core.profile import ModelProfile
 from dapple.cost.comm import busiest_link_ms, link_loads, stage_sync_ms, stage_update_ms
-from dapple.cost.host import has_host_terms, stage_host_extras
+from dapple.cost.host import HostExtra, has_host_terms, stage_host_extras
 from dapple.cost.memory import (
     boundary_bytes,
     in_flight_options,
@@ -39,7 +39,15 @@ from dapple.planner.widths import TensorSums, group_cluster, real_devices
 from dapple.schedule.registry import get_schedule, in_flight_counts, schedules
 from dapple.schedule.spec import ScheduleSpec
 
-__all__ = ["ZERO3_REGATHER", "ZERO_AUTO", "Scored", "Scorer", "StageSpec"]
+__all__ = [
+    "ZERO3_REGATHER",
+    "ZERO_AUTO",
+    "Scored",
+    "Scorer",
+    "StageSpec",
+    "score_options",
+    "scored_plan",
+]
 
 ZERO_AUTO = -1
 """``Scorer(zero_stage=ZERO_AUTO)``: shard a replicated stage only where the unsharded state
@@ -133,6 +141,7 @@ class Scorer:
             tuple[tuple[int, ...], tuple[int, ...], int], list[tuple[float, float]]
         ] = {}
         self._stages: dict[tuple[int, int, tuple[int, ...], int, int], _Option] = {}
+        self._sync_plans: dict[tuple[tuple[int, ...], int], StagePlan] = {}
         self.evaluations = 0
 
     # -- per-stage terms ---------------------------------------------------------------------
@@ -164,12 +173,20 @@ class Scorer:
                 v = replica_sync_ms(
                     self.real_cluster,
                     self.param_bytes(s, e),
-                    self.stage_plan(s, e, devices, zero_stage),
+                    self._sync_plan(devices, zero_stage),
                     min(zero_stage, 3),
                     M,
                 )
             self._ar[key] = v
         return v
+
+    def _sync_plan(self, devices: tuple[int, ...], zero_stage: int) -> StagePlan:
+        """A :class:`StagePlan` on ``devices`` for the terms its layers do not enter (AR_s,
+        ZeRO-3's gathers), cached: a plan's validation is linear in its devices."""
+        key = (devices, zero_stage)
+        if key not in self._sync_plans:
+            self._sync_plans[key] = self.stage_plan(0, 1, devices, zero_stage)
+        return self._sync_plans[key]
 
     def stage_plan(self, s: int, e: int, devices: tuple[int, ...], zero_stage: int) -> StagePlan:
         """The :class:`StagePlan` of layers [s, e) on ``devices`` (tensor groups when t > 1)
@@ -233,7 +250,7 @@ class Scorer:
             )
             ag, ag_rs = (0.0, 0.0)
             if zero_stage == ZERO3_REGATHER:
-                st = self.stage_plan(s, e, d, zero_stage)
+                st = self._sync_plan(d, zero_stage)
                 ag, ag_rs = fsdp_pass_ms(self.real_cluster, self.param_bytes(s, e), st)
                 f, bw = f + ag, bw + ag_rs
             plain = StageTerms(
@@ -264,7 +281,7 @@ class Scorer:
             return ()
         return tuple(slice_work(d, b, lambda n: self.fb_ms(s, e, n), recompute))
 
-    def _stage_options(
+    def stage_options(
         self, s: int, e: int, d: tuple[int, ...], b: int
     ) -> list[tuple[int, _Option]]:
         """``(zero stage, _stage record)`` the scorer may pick from, unsharded first; none for
@@ -308,85 +325,114 @@ class Scorer:
         spec = _scored_schedule(schedule)
         self.evaluations += 1
         b = self.global_batch_size // M
-        S = len(stages)
-        options = [self._stage_options(s, e, d, b) for (s, e, d) in stages]
+        options = [self.stage_options(s, e, d, b) for (s, e, d) in stages]
         if not all(options):
             return None
-        comm = [self.comm_ms(stages[i][1], stages[i][2], stages[i + 1][2], b) for i in range(S - 1)]
+        comm = [
+            self.comm_ms(stages[i][1], stages[i][2], stages[i + 1][2], b)
+            for i in range(len(stages) - 1)
+        ]
         extras = (  # the CPU-host pass: only where the cluster has host terms
             stage_host_extras(self.profile, self.cluster, [(s, e, len(d)) for s, e, d in stages], b)
             if has_host_terms(self.cluster)
             else None
         )
-        best: Scored | None = None
-        for policy in policies if len(spec.policies) > 1 else spec.policies:
-            nominal = in_flight_counts(schedule, S, M, policy)
-            rec: list[bool] = []
-            ds: list[int | None] = []
-            zs: list[int] = []
-            terms: list[StageTerms] = []
-            ok = True
-            for i in range(S):
-                k = nominal[i]
-                z, r_i = _pick(options[i], k, M)
-                zs.append(z)
-                d_nr, d_r = r_i.d_nr, r_i.d_r
-                if recompute is None:
-                    if d_nr >= k:
-                        use_r, d = False, d_nr
-                    elif d_r >= k or d_r > d_nr:
-                        use_r, d = True, d_r
-                    else:
-                        use_r, d = False, d_nr
-                else:
-                    use_r, d = recompute, (d_r if recompute else d_nr)
-                if d < 1 or (not spec.bounded and d < k):  # it must hold its K_i
-                    ok = False
-                    break
-                rec.append(use_r)
-                terms.append(r_i.recomputed if use_r else r_i.plain)
-                ds.append(d if d < k else None)
-            if not ok:
-                continue
-            ks = in_flight_counts(schedule, S, M, policy, ds)
-            bounds: Sequence[int | None] = ks if spec.bounded else [None] * S
-            L = pipeline_terms(terms, comm, bounds, M, self.cluster, extras).latency().L_ms
-            if best is None or best.L_ms > L:
-                best = Scored(L, policy, schedule, tuple(rec), tuple(ds), tuple(zs))
-        return best
+        return score_options(
+            options, comm, extras, M, self.cluster, schedule, spec, policies, recompute
+        )
 
     def build_plan(self, planner: str, stages: Sequence[StageSpec], M: int, scored: Scored) -> Plan:
-        """The :class:`Plan` of a scored candidate, with ``predicted_step_ms`` = L.
+        """The :class:`Plan` of a scored candidate, with ``predicted_step_ms`` = L
+        (:func:`scored_plan`, whose errors it raises)."""
+        bare = [
+            self.stage_plan(s, e, d, z if len(d) > 1 else 0)
+            for (s, e, d), z in zip(stages, scored.zero_stage or [0] * len(stages), strict=True)
+        ]
+        return scored_plan(planner, self.profile, self.global_batch_size, bare, M, scored)
 
-        Raises:
-            ValidationError: the scored schedule or policy is not one a plan can carry
-                (:class:`Plan` names the value).
-        """
-        return Plan(
-            planner=planner,
-            model_name=self.profile.model_name,
-            global_batch_size=self.global_batch_size,
-            micro_batch_size=self.global_batch_size // M,
-            num_micro_batches=M,
-            schedule=scored.schedule,
-            policy=scored.policy,
-            predicted_step_ms=scored.L_ms,
-            stages=tuple(
-                dataclasses.replace(
-                    self.stage_plan(s, e, d, z if len(d) > 1 else 0),
-                    recompute=r,
-                    max_in_flight=k,
-                    zero_stage=min(z, 3),
-                )
-                for (s, e, d), r, k, z in zip(
-                    stages,
-                    scored.recompute,
-                    scored.max_in_flight,
-                    scored.zero_stage or [0] * len(stages),
-                    strict=True,
-                )
-            ),
-        )
+
+def score_options(
+    options: Sequence[list[tuple[int, _Option]]],
+    comm: Sequence[float],
+    extras: Sequence[HostExtra] | None,
+    M: int,
+    cluster: Cluster,
+    schedule: str,
+    spec: ScheduleSpec,
+    policies: Sequence[Policy] = ("A", "B"),
+    recompute: bool | None = None,
+) -> Scored | None:
+    """L of a candidate from its stages' options (:meth:`Scorer.stage_options`), its comm
+    stages and host extras: per warm-up policy, each stage's zero stage (:func:`_pick`) and
+    re-computation for its K_i, then equations 1-3 (:func:`pipeline_terms`); the best policy,
+    or None when no policy fits memory (arguments as :meth:`Scorer.score`)."""
+    S = len(options)
+    best: Scored | None = None
+    for policy in policies if len(spec.policies) > 1 else spec.policies:
+        nominal = in_flight_counts(schedule, S, M, policy)
+        rec: list[bool] = []
+        ds: list[int | None] = []
+        zs: list[int] = []
+        terms: list[StageTerms] = []
+        for i in range(S):
+            k = nominal[i]
+            z, r_i = _pick(options[i], k, M)
+            d_nr, d_r = r_i.d_nr, r_i.d_r
+            # re-compute only when memory demands it, unless forced either way
+            use_r = d_nr < k and (d_r >= k or d_r > d_nr) if recompute is None else recompute
+            d = d_r if use_r else d_nr
+            if d < 1 or (not spec.bounded and d < k):  # it must hold its K_i
+                break
+            zs.append(z)
+            rec.append(use_r)
+            terms.append(r_i.recomputed if use_r else r_i.plain)
+            ds.append(d if d < k else None)
+        if len(terms) < S:
+            continue
+        ks = in_flight_counts(schedule, S, M, policy, ds)
+        bounds: Sequence[int | None] = ks if spec.bounded else [None] * S
+        L = pipeline_terms(terms, comm, bounds, M, cluster, extras).latency().L_ms
+        if best is None or best.L_ms > L:
+            best = Scored(L, policy, schedule, tuple(rec), tuple(ds), tuple(zs))
+    return best
+
+
+def scored_plan(
+    planner: str,
+    profile: ModelProfile,
+    global_batch_size: int,
+    bare: Sequence[StagePlan],
+    M: int,
+    scored: Scored,
+) -> Plan:
+    """The :class:`Plan` of a scored candidate whose stages are ``bare`` (layers, devices,
+    tensor width, regather), each given the scored re-computation, D and zero stage, with
+    ``predicted_step_ms`` = L.
+
+    Raises:
+        ValidationError: the scored schedule or policy is not one a plan can carry
+            (:class:`Plan` names the value).
+    """
+    return Plan(
+        planner=planner,
+        model_name=profile.model_name,
+        global_batch_size=global_batch_size,
+        micro_batch_size=global_batch_size // M,
+        num_micro_batches=M,
+        schedule=scored.schedule,
+        policy=scored.policy,
+        predicted_step_ms=scored.L_ms,
+        stages=tuple(
+            dataclasses.replace(st, recompute=r, max_in_flight=k, zero_stage=min(z, 3))
+            for st, r, k, z in zip(
+                bare,
+                scored.recompute,
+                scored.max_in_flight,
+                scored.zero_stage or [0] * len(bare),
+                strict=True,
+            )
+        ),
+    )
 
 
 def _scored_schedule(name: str) -> ScheduleSpec:

@@ -13,9 +13,9 @@ from dapple.core.cluster import Cluster
 from dapple.core.plan import Plan
 from dapple.core.profile import ModelProfile
 from dapple.errors import InfeasibleError, ValidationError
+from dapple.planner.batches import infeasible_message, micro_batch_candidates
 from dapple.planner.evaluate import Scored, Scorer, StageSpec
 from dapple.planner.placement import POLICIES, place, remaining_devices
-from dapple.planner.search import _infeasible_message, micro_batch_candidates
 
 __all__ = ["MAX_ORACLE_DEVICES", "MAX_ORACLE_LAYERS", "exhaustive_plan", "placements"]
 
@@ -85,6 +85,6 @@ def exhaustive_plan(profile: ModelProfile, cluster: Cluster, global_batch_size: 
                         if got is not None and (best is None or got.L_ms < best[0]):
                             best = (got.L_ms, stages, M, got)
     if best is None:
-        raise InfeasibleError(_infeasible_message(profile, cluster, global_batch_size))
+        raise InfeasibleError(infeasible_message(profile, cluster, global_batch_size))
     _, stages, M, scored = best
     return sc.build_plan("exhaustive", stages, M, scored)

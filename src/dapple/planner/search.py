@@ -14,7 +14,9 @@ promising and refines the best plan.
 Beyond the paper: the search also chooses M among divisors of the global batch size (at most
 :data:`MAX_MICRO_BATCH_COUNTS` of them, :func:`micro_batch_candidates`, so the work does not
 grow with the batch), the warm-up policy A/B, and per stage re-computation and the in-flight
-bound D when memory demands them (:class:`dapple.planner.evaluate.Scorer`). It is kept fast by:
+bound D when memory demands them (:class:`dapple.planner.evaluate.Scorer`), and the tensor width
+t_i of each stage: one search per width t with every stage of width t, each plan then refined to
+per-stage widths by a local search (:mod:`dapple.planner.stage_widths`). It is kept fast by:
 
 * a lower bound ``L >= M (F_s + B_s)`` of a computation stage s: a new stage reaching the best
   L found stops the scan over longer stages, and prefixes holding such a stage are dropped;
@@ -28,12 +30,15 @@ bound D when memory demands them (:class:`dapple.planner.evaluate.Scorer`). It i
 * beyond ``cut_limit`` layers, cuts only at that many equal-time positions
   (:func:`cut_points`); always a final one-layer hill climb of the best plan's cuts and a
   re-pick of M (:func:`_refine`);
-* beyond 32 devices, replica counts by server counts (:func:`candidate_replicas`).
+* beyond 32 devices, replica counts by server counts (:func:`candidate_replicas`);
+* the widths t in increasing order, each search pruned by the best L of the narrower ones; a
+  width-t search (t > 1) stops a new stage's scan where the stage alone fits no memory
+  (:attr:`~dapple.planner.cut_search.SearchLimits.drop_unfit`).
 """
 
 from __future__ import annotations
 
-import bisect
+import dataclasses
 import logging
 import math
 from collections.abc import Callable, Sequence
@@ -41,12 +46,22 @@ from collections.abc import Callable, Sequence
 from dapple.core.cluster import Cluster
 from dapple.core.plan import Plan
 from dapple.core.profile import ModelProfile
-from dapple.cost.memory import state_bytes_per_parameter_byte
-from dapple.errors import InfeasibleError, ValidationError
+from dapple.errors import InfeasibleError
+from dapple.planner.batches import (
+    DENSE_MICRO_BATCH_COUNTS,
+    DIVISOR_SCAN,
+    MAX_GLOBAL_BATCH_SIZE,
+    MAX_MICRO_BATCH_COUNTS,
+    check_global_batch_size,
+    infeasible_message,
+    micro_batch_candidates,
+)
 from dapple.planner.cut_search import CutSearch, Incumbent, candidate_replicas, search_limits
-from dapple.planner.evaluate import Scored, Scorer, StageSpec, divisors
+from dapple.planner.evaluate import ZERO_AUTO, Scored, Scorer, StageSpec
+from dapple.planner.grid import grid_candidates
 from dapple.planner.partition import block_partition
-from dapple.planner.widths import width_candidates
+from dapple.planner.stage_widths import MixedScorer, refine_stage_widths
+from dapple.planner.widths import real_devices, width_candidates
 
 __all__ = [
     "DENSE_MICRO_BATCH_COUNTS",
@@ -62,68 +77,6 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 Progress = Callable[[int, int], None]
-
-
-MAX_MICRO_BATCH_COUNTS = 64
-"""Most candidate M a planner tries for one global batch size (every planner's work is
-proportional to it, never to the global batch size itself)."""
-DENSE_MICRO_BATCH_COUNTS = 32
-"""Every divisor M up to this is a candidate: there one more micro-batch changes the bubble
-share ``(S - 1) / (M + S - 1)`` of the step most."""
-MAX_GLOBAL_BATCH_SIZE = 2**53
-"""Largest global batch size planned: the cost model counts samples in floating point, exact
-for integers up to 2^53."""
-DIVISOR_SCAN = 1 << 16
-"""Trial divisions spent finding the divisors of the global batch size G: every M with
-``M <= DIVISOR_SCAN`` or ``G / M <= DIVISOR_SCAN`` (few micro-batches, or small ones) is found;
-that is every divisor when ``G <= DIVISOR_SCAN**2``."""
-
-
-def check_global_batch_size(global_batch_size: int) -> None:
-    """Refuse a global batch size above :data:`MAX_GLOBAL_BATCH_SIZE`.
-
-    Raises:
-        ValidationError: naming the size and the limit.
-    """
-    if global_batch_size > MAX_GLOBAL_BATCH_SIZE:
-        digits = str(global_batch_size)
-        shown = digits if len(digits) <= 24 else f"{digits[:6]}... ({len(digits)} digits)"
-        raise ValidationError(
-            f"global batch size {shown} is above the largest the planner "
-            f"handles, 2^53 = {MAX_GLOBAL_BATCH_SIZE:,} (samples are counted in floating point)"
-        )
-
-
-def micro_batch_candidates(
-    global_batch_size: int, limit: int = MAX_MICRO_BATCH_COUNTS
-) -> list[int]:
-    """Candidate M: divisors of the global batch size G, at most ``limit`` of them.
-
-    The divisors found by :data:`DIVISOR_SCAN` trial divisions (all of them for G up to 2^32);
-    when they are more than ``limit``: every one up to :data:`DENSE_MICRO_BATCH_COUNTS` (in
-    at most half the slots), and for the other slots the divisors nearest to targets evenly
-    spaced in log M up to M = G (always kept), so a planner's work does not grow with G.
-
-    Raises:
-        InfeasibleError: the global batch size is not a positive integer.
-        ValidationError: it is above :data:`MAX_GLOBAL_BATCH_SIZE`.
-    """
-    if global_batch_size < 1:
-        raise InfeasibleError(f"global batch size must be >= 1, got {global_batch_size}")
-    check_global_batch_size(global_batch_size)
-    found = divisors(global_batch_size, DIVISOR_SCAN)
-    if len(found) <= limit:
-        return found
-    picked = set(found[: min(limit // 2, bisect.bisect_right(found, DENSE_MICRO_BATCH_COUNTS))])
-    rest = found[len(picked) :]
-    logs = [math.log(m) for m in rest]
-    slots = limit - len(picked)
-    for k in range(1, slots + 1):  # targets up to log G, the last one M = G itself
-        target = logs[0] + (logs[-1] - logs[0]) * k / slots
-        i = bisect.bisect_left(logs, target)
-        near = [j for j in (i - 1, i) if 0 <= j < len(rest)]
-        picked.add(rest[min(near, key=lambda j: abs(logs[j] - target))])
-    return sorted(picked)
 
 
 def cut_points(sc: Scorer, limit: int) -> list[int]:
@@ -212,6 +165,8 @@ def dapple_search(
     progress: Progress | None = None,
     zero_stage: int = 0,
     tensor_widths: Sequence[int] | None = None,
+    stage_widths: bool = True,
+    grid: bool = True,
 ) -> Plan:
     """The DAPPLE plan minimising L (equations 4-5) over partition, replication, placement, M.
 
@@ -241,20 +196,35 @@ def dapple_search(
             stage's choice (``StagePlan.zero_stage``); 3 (ZeRO-3) re-gathers per
             micro-batch where memory asks for it (``StagePlan.regather``).
         tensor_widths: the tensor widths t to search, one search each with every stage of
-            width t (:mod:`dapple.planner.widths`); the best plan over them wins (the
-            narrower on ties). None: :func:`~dapple.planner.widths.width_candidates` (1 alone
-            for a profile with no layer that shards).
+            width t (:mod:`dapple.planner.widths`), each plan then refined to per-stage widths
+            t_i among them (:mod:`dapple.planner.stage_widths`, when more than one width is
+            searched and some layer shards); the best plan over them wins (the one from the
+            narrower search on ties). The widths run narrowest first, each search pruned by the
+            best L found before it (only plans below it are kept).
+            None: :func:`~dapple.planner.widths.width_candidates`
+            (1 alone for a profile with no layer that shards).
+        stage_widths: refine each width's plan to per-stage widths (as above); False keeps
+            the uniform-width plans only.
+        grid: also offer the uniform dp x tp x pp grid's 1F1B plans (:mod:`dapple.planner.grid`,
+            torchtitan's layout) that this search allows, so the plan is never slower by L than
+            any of them.
 
     Raises:
         InfeasibleError: no plan fits device memory for any M.
     """
     widths = width_candidates(profile, cluster) if tensor_widths is None else list(tensor_widths)
     Ms = micro_batch_candidates(global_batch_size)
+    scorers = {t: Scorer(profile, cluster, global_batch_size, zero_stage, t) for t in widths}
+    shards = any(x.tensor_parallel for x in profile.layers)
+    mixed = MixedScorer(scorers) if stage_widths and len(scorers) > 1 and shards else None
     found: list[tuple[float, int, Plan]] = []
     for i, t in enumerate(widths):
-        sc = Scorer(profile, cluster, global_batch_size, zero_stage, tensor_width=t)
-        limits = search_limits(sc.N, sc.G, max_stages, states_per_layer, window, keep, m_candidates)
-        best = Incumbent()
+        sc = scorers[t]
+        limits = search_limits(
+            sc.N, sc.G, max_stages, states_per_layer, window, keep, m_candidates, sc.G * t
+        )
+        limits = dataclasses.replace(limits, drop_unfit=t > 1)
+        best = Incumbent(min((x[0] for x in found), default=math.inf))  # narrower widths' L
         ranked = _rank_micro_batches(sc, Ms, global_batch_size, limits.max_stages, best)
         if limits.m_candidates is not None:
             ranked = ranked[: limits.m_candidates]
@@ -267,17 +237,67 @@ def dapple_search(
         if best.scored is not None:
             stages, M, scored = _refine(sc, best.stages, best.M, best.scored, Ms)
             found.append((scored.L_ms, t, sc.build_plan("dapple", stages, M, scored)))
+            if mixed is not None:
+                found += _stage_widths(mixed, t, stages, M, scored, Ms)
+    if grid:
+        found += _grid_offers(profile, cluster, global_batch_size, zero_stage, widths, max_stages)
     if not found:
-        raise InfeasibleError(_infeasible_message(profile, cluster, global_batch_size))
+        raise InfeasibleError(infeasible_message(profile, cluster, global_batch_size))
     return min(found, key=lambda x: (x[0], x[1]))[2]
+
+
+def _grid_offers(
+    profile: ModelProfile,
+    cluster: Cluster,
+    global_batch_size: int,
+    zero_stage: int,
+    widths: Sequence[int],
+    max_stages: int | None,
+) -> list[tuple[float, int, Plan]]:
+    """The feasible 1F1B points of the uniform grid (:mod:`dapple.planner.grid`) inside this
+    search's space: widths among ``widths``, at most ``max_stages`` stages, ZeRO-3 only when
+    ``zero_stage`` allows it (3 or auto; none under ZeRO-1/2, which the grid lacks). Its interleaved points are left to the schedule
+    choice (``dapple plan --schedule best``)."""
+    if zero_stage in (1, 2):  # the grid has no ZeRO-1/2 points
+        return []
+    out = []
+    for c in grid_candidates(profile, cluster, global_batch_size):
+        p = c.point
+        if not c.fits or p.tp not in widths or (max_stages is not None and p.pp > max_stages):
+            continue
+        if p.zero_stage != 0 and zero_stage not in (3, ZERO_AUTO):
+            continue
+        if p.v > 1:
+            continue
+        out.append((c.L_ms, p.tp, dataclasses.replace(c.plan, planner="dapple")))
+    return out
+
+
+def _stage_widths(
+    mixed: MixedScorer,
+    t: int,
+    stages: list[StageSpec],
+    M: int,
+    scored: Scored,
+    Ms: Sequence[int],
+) -> list[tuple[float, int, Plan]]:
+    """The plan of per-stage widths refined from the width-t search's plan
+    (:func:`~dapple.planner.stage_widths.refine_stage_widths`), when its L is lower."""
+    start = [(s, e, real_devices(d, t), t) for s, e, d in stages]
+    got = refine_stage_widths(mixed, start, M, Ms)
+    if got is None or got[2].L_ms >= scored.L_ms:
+        return []
+    mixed_stages, m, best = got
+    log.debug("dapple search, width %d: per-stage widths L %.3f -> %.3f", t, scored.L_ms, best.L_ms)
+    return [(best.L_ms, t, mixed.build_plan("dapple", mixed_stages, m, best))]
 
 
 def _rank_micro_batches(
     sc: Scorer, Ms: Sequence[int], global_batch_size: int, max_stages: int, best: Incumbent
 ) -> list[int]:
     """Score every M's regular candidates (:func:`_seeds`, at most ``max_stages`` stages),
-    offering each that fits to ``best``; the M, most promising (lowest such L) first, so that
-    the incumbent prunes the later ones harder."""
+    offering each that fits to ``best`` (taken when below its L); the M, most promising (lowest
+    such L) first, so that the incumbent prunes the later ones harder."""
     ranked: list[tuple[float, int]] = []
     for M in Ms:
         m_best = math.inf
@@ -287,33 +307,8 @@ def _rank_micro_batches(
             got = sc.score(stages, M)
             if got is not None:
                 m_best = min(m_best, got.L_ms)
-                if best.scored is None or got.L_ms < best.L_ms:
+                if got.L_ms < best.L_ms:
                     best.take(stages, M, got)
         ranked.append((m_best, M))
     ranked.sort()
     return [M for _, M in ranked]
-
-
-def _bytes(n: float) -> str:
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{n:.0f} B"
-
-
-def _infeasible_message(profile: ModelProfile, cluster: Cluster, global_batch_size: int) -> str:
-    f = state_bytes_per_parameter_byte(profile)
-    state = profile.parameter_bytes * f
-    r = cluster.reserved_memory_bytes
-    reserved = f" ({_bytes(r)} of each reserved for the runtime)" if r else ""
-    need = max(
-        layer.parameter_bytes * f + layer.kept_activation_bytes_per_sample
-        for layer in profile.for_memory.layers
-    )
-    return (
-        f"no plan of {profile.model_name!r} ({profile.num_layers} layers, "
-        f"{_bytes(state)} of parameters+gradients+optimizer state; one layer alone needs up to "
-        f"{_bytes(need)} with one sample) fits {cluster.num_devices} devices of "
-        f"{_bytes(cluster.device_memory_bytes)}{reserved} with global batch size "
-        f"{global_batch_size}"
-    )

@@ -1,8 +1,8 @@
 """Tensor-parallel widths in the planner: a width-t search on a cluster of tensor groups.
 
-The planner searches one tensor width t for all stages at a time (uniform t_s, as torchtitan's
-and Megatron's grids; per-stage widths are left out to keep planning fast: each width is one
-run of the DAPPLE search, :func:`dapple.planner.search.dapple_search`). A width-t search runs
+The DAPPLE search (:func:`dapple.planner.search.dapple_search`) runs once per tensor width t with
+every stage of width t (uniform t_s, as torchtitan's and Megatron's grids), then refines each
+plan to per-stage widths (:mod:`dapple.planner.stage_widths`). A width-t search runs
 on :func:`group_cluster`: every t consecutive devices of a server, one tensor group, act as one
 device, so every placement the search makes keeps a tensor group inside a server and the
 split-concat links between groups are those between their first devices, as the cost model

@@ -1,0 +1,215 @@
+"""Per-stage tensor widths t_i: a local search from the plans of the uniform-width searches.
+
+Each uniform-width search (:mod:`dapple.planner.widths`, one run of the DAPPLE DP per t) gives a
+plan whose stages all have width t. :func:`refine_stage_widths` improves such a plan one move at
+a time, keeping a move only when the whole plan's L (equations 1-3, scored as the DP scores it:
+:class:`MixedScorer`) drops and every stage fits memory:
+
+* width: re-split one stage's own devices into r' tensor groups of width t' (r' x t' = its
+  device count, t' among the searched widths);
+* cut: move the boundary between two stages by one layer; a stage left with no shardable layer
+  (``LayerProfile.tensor_parallel``) drops to t = 1 on the same devices;
+* merge: two neighbouring stages become one on the union of their devices, at each width.
+
+Each round takes the best improving move; the rounds stop when none improves, then M is
+re-picked among the candidates and the rounds repeat until M stays. A stage of width t keeps
+its tensor groups aligned, each ``t`` consecutive devices starting at a multiple of t, so
+inside one server (t divides the server size) and on the tensor groups the width-t
+:class:`~dapple.planner.evaluate.Scorer` represents: its cached terms cost the stage, and the
+plan records exactly what was scored. Pure, no torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+
+from dapple.core.plan import DEFAULT_SCHEDULE, Plan
+from dapple.cost.comm import busiest_link_ms, link_loads
+from dapple.cost.host import has_host_terms, stage_host_extras
+from dapple.cost.memory import boundary_bytes
+from dapple.planner.evaluate import Scored, Scorer, score_options, scored_plan
+from dapple.planner.widths import TensorSums
+from dapple.schedule.registry import get_schedule
+
+__all__ = ["MixedScorer", "WidthStage", "refine_stage_widths", "regroup"]
+
+WidthStage = tuple[int, int, tuple[int, ...], int]
+"""``(start, end, devices, t)``: layers ``[start, end)`` on the cluster's devices (replica-major,
+r x t of them, each tensor group t consecutive devices starting at a multiple of t) at width t."""
+
+MAX_ROUNDS_PER_LAYER = 4
+"""The moves of one M stop after this many rounds per layer (each round lowers L)."""
+
+
+def regroup(devices: Sequence[int], t: int) -> tuple[int, ...] | None:
+    """``devices`` in increasing order as tensor groups of width t, each t consecutive devices
+    starting at a multiple of t; None when they do not form such groups."""
+    d = sorted(devices)
+    if len(d) % t:
+        return None
+    for j in range(0, len(d), t):
+        if d[j] % t or d[j + t - 1] != d[j] + t - 1:
+            return None
+    return tuple(d)
+
+
+class MixedScorer:
+    """Scores plans whose stages have their own widths, from the width-t scorers' cached terms.
+
+    A stage of width t is costed by ``scorers[t]`` (F, B, AR_s, U_s, memory, zero stage and
+    re-computation options, :meth:`Scorer.stage_options`); a comm stage between two stages of
+    one width t as ``scorers[t]`` costs it, between widths by the split-concat between their
+    tensor groups' first devices (:func:`~dapple.cost.comm.comm_stage_ms`). A plan of one width
+    t scores as ``scorers[t]`` scores it.
+    """
+
+    def __init__(self, scorers: Mapping[int, Scorer]) -> None:
+        self.scorers = dict(scorers)
+        one = next(iter(self.scorers.values()))
+        self.profile = one.profile
+        self.cluster = one.real_cluster
+        self.global_batch_size = one.global_batch_size
+        self.N = one.N
+        self.widths = sorted(self.scorers)
+        self._shardable = TensorSums(self.profile, self.cluster, 1)
+        self._links: dict[
+            tuple[tuple[int, ...], tuple[int, ...], int], list[tuple[float, float]]
+        ] = {}
+        self._spec = get_schedule(DEFAULT_SCHEDULE)
+
+    def shards(self, s: int, e: int) -> bool:
+        """Whether layers ``[s, e)`` hold a shardable layer."""
+        return self._shardable.blocks(s, e) > 0
+
+    def score(self, stages: Sequence[WidthStage], M: int) -> Scored | None:
+        """L of the candidate under the default schedule, or None when it does not fit memory
+        (or a stage of width t > 1 has no shardable layer)."""
+        b = self.global_batch_size // M
+        options = []
+        for s, e, d, t in stages:
+            opts = self.scorers[t].stage_options(s, e, _groups(d, t), b)
+            if not opts:
+                return None
+            options.append(opts)
+        comm = [self._comm_ms(stages[i], stages[i + 1], b) for i in range(len(stages) - 1)]
+        extras = (
+            stage_host_extras(
+                self.profile, self.cluster, [(s, e, len(d) // t) for s, e, d, t in stages], b
+            )
+            if has_host_terms(self.cluster)
+            else None
+        )
+        return score_options(options, comm, extras, M, self.cluster, DEFAULT_SCHEDULE, self._spec)
+
+    def _comm_ms(self, src: WidthStage, dst: WidthStage, b: int) -> float:
+        """The comm stage across the cut ``src | dst``."""
+        (_, cut, d0, t0), (_, _, d1, t1) = src, dst
+        if t0 == t1:
+            return self.scorers[t0].comm_ms(cut, _groups(d0, t0), _groups(d1, t1), b)
+        key = (d0[::t0], d1[::t1], b)
+        links = self._links.get(key)
+        if links is None:
+            links = self._links[key] = link_loads(self.cluster, key[0], key[1], b)
+        return busiest_link_ms(links, boundary_bytes(self.profile, cut, 1))
+
+    def build_plan(
+        self, planner: str, stages: Sequence[WidthStage], M: int, scored: Scored
+    ) -> Plan:
+        """The :class:`Plan` of a scored candidate, with ``predicted_step_ms`` = L."""
+        zs = scored.zero_stage or [0] * len(stages)
+        bare = [
+            self.scorers[t].stage_plan(s, e, _groups(d, t), z if len(d) > t else 0)
+            for (s, e, d, t), z in zip(stages, zs, strict=True)
+        ]
+        return scored_plan(planner, self.profile, self.global_batch_size, bare, M, scored)
+
+
+def _groups(devices: tuple[int, ...], t: int) -> tuple[int, ...]:
+    """The tensor groups of width t (ids of :func:`~dapple.planner.widths.group_cluster`)."""
+    return devices if t == 1 else tuple(d // t for d in devices[::t])
+
+
+def _width_moves(ms: MixedScorer, stages: list[WidthStage]) -> Iterator[list[WidthStage]]:
+    """Each stage's devices re-split at each other width."""
+    for i, (s, e, d, t) in enumerate(stages):
+        for t2 in ms.widths:
+            d2 = regroup(d, t2) if t2 != t else None
+            if d2 is not None:
+                yield [*stages[:i], (s, e, d2, t2), *stages[i + 1 :]]
+
+
+def _narrowed(ms: MixedScorer, st: WidthStage) -> WidthStage:
+    """``st``, at t = 1 when it has no shardable layer (and 1 is a searched width)."""
+    s, e, d, t = st
+    if t == 1 or ms.shards(s, e) or 1 not in ms.scorers:
+        return st
+    return (s, e, tuple(sorted(d)), 1)
+
+
+def _cut_moves(ms: MixedScorer, stages: list[WidthStage]) -> Iterator[list[WidthStage]]:
+    """Each boundary moved by one layer (:func:`_narrowed`)."""
+    for i in range(len(stages) - 1):
+        (s0, c, d0, t0), (_, e1, d1, t1) = stages[i], stages[i + 1]
+        for cut in (c - 1, c + 1):
+            if s0 < cut < e1:
+                a = _narrowed(ms, (s0, cut, d0, t0))
+                z = _narrowed(ms, (cut, e1, d1, t1))
+                yield [*stages[:i], a, z, *stages[i + 2 :]]
+
+
+def _merge_moves(ms: MixedScorer, stages: list[WidthStage]) -> Iterator[list[WidthStage]]:
+    """Each two neighbouring stages as one on their devices, at each width."""
+    for i in range(len(stages) - 1):
+        (s0, _, d0, _), (_, e1, d1, _) = stages[i], stages[i + 1]
+        for t in ms.widths:
+            d = regroup((*d0, *d1), t)
+            if d is not None:
+                yield [*stages[:i], (s0, e1, d, t), *stages[i + 2 :]]
+
+
+def _climb(
+    ms: MixedScorer, stages: list[WidthStage], M: int, best: Scored
+) -> tuple[list[WidthStage], Scored]:
+    """Rounds of the best improving move (module docstring) at M until none improves."""
+    for _ in range(MAX_ROUNDS_PER_LAYER * ms.N):
+        found: tuple[list[WidthStage], Scored] | None = None
+        for moves in (_width_moves, _cut_moves, _merge_moves):
+            for cand in moves(ms, stages):
+                got = ms.score(cand, M)
+                if got is not None and got.L_ms < (found[1] if found else best).L_ms:
+                    found = (cand, got)
+        if found is None:
+            break
+        stages, best = found
+    return stages, best
+
+
+def refine_stage_widths(
+    ms: MixedScorer, stages: Sequence[WidthStage], M: int, Ms: Sequence[int]
+) -> tuple[list[WidthStage], int, Scored] | None:
+    """The local search of the module docstring from ``stages`` at M.
+
+    Args:
+        ms: the scorer of mixed widths.
+        stages: the starting plan, every stage's groups aligned (:func:`regroup`).
+        M: its micro-batch count.
+        Ms: the candidate M to re-pick from.
+
+    Returns:
+        ``(stages, M, scored)`` of the best plan found (the start when no move improves), or
+        None when the start does not fit.
+    """
+    best = ms.score(stages, M)
+    if best is None:
+        return None
+    cur = list(stages)
+    while True:
+        cur, best = _climb(ms, cur, M, best)
+        picked = M
+        for m in Ms:
+            got = ms.score(cur, m)
+            if got is not None and got.L_ms < best.L_ms:
+                picked, best = m, got
+        if picked == M:
+            return cur, M, best
+        M = picked
