@@ -51,6 +51,7 @@ from dapple.planner.evaluate import ZERO3_REGATHER, Scored, Scorer, divisors
 
 __all__ = [
     "INTERLEAVED_CHUNKS",
+    "MAX_INTERLEAVED_ACTIONS",
     "GridCandidate",
     "GridPoint",
     "factorisations",
@@ -59,6 +60,10 @@ __all__ = [
     "grid_points",
     "torchtitan_cuts",
 ]
+
+MAX_INTERLEAVED_ACTIONS = 1 << 16
+"""Most compute actions (M x pp x v per replica) an interleaved grid point may have: its memory
+is found by replaying its compute order, so larger M are left out to keep planning bounded."""
 
 INTERLEAVED_CHUNKS = (2,)
 """v, model chunks per pipeline rank of the interleaved candidates: torchtitan's default for a
@@ -150,19 +155,38 @@ def factorisations(profile: ModelProfile, cluster: Cluster) -> list[tuple[int, i
     return out
 
 
-def grid_points(profile: ModelProfile, cluster: Cluster, global_batch_size: int) -> list[GridPoint]:
-    """Every grid point (module docstring): factorisations x zero stage x M x schedule."""
+def grid_points(
+    profile: ModelProfile,
+    cluster: Cluster,
+    global_batch_size: int,
+    *,
+    interleaved: bool = True,
+    micro_batches: Sequence[int] | None = None,
+) -> list[GridPoint]:
+    """Every grid point (module docstring): factorisations x zero stage x M x schedule.
+
+    ``interleaved=False`` leaves out the interleaved points; an interleaved point of more than
+    :data:`MAX_INTERLEAVED_ACTIONS` compute actions (M x pp x v) is left out too (its memory
+    replays its compute order). ``micro_batches``: M only among these (each dividing the local
+    batch) instead of :func:`~dapple.planner.batches.micro_batch_candidates` of it.
+    """
     B, N = global_batch_size, profile.num_layers
     out = []
     for dp, tp, pp in factorisations(profile, cluster):
         if B % dp:
             continue  # a replica's local batch must be whole
+        local = B // dp
+        Ms = (
+            micro_batch_candidates(local)
+            if micro_batches is None
+            else [m for m in micro_batches if local % m == 0]
+        )
         for z in (0, 3) if dp > 1 else (0,):
-            for M in micro_batch_candidates(B // dp):
+            for M in Ms:
                 base = GridPoint(dp=dp, tp=tp, pp=pp, M=M, zero_stage=z)
                 out.append(base)
-                for v in INTERLEAVED_CHUNKS if pp > 1 else ():
-                    if pp * v <= N and M % pp == 0:
+                for v in INTERLEAVED_CHUNKS if pp > 1 and interleaved else ():
+                    if pp * v <= N and M % pp == 0 and M * pp * v <= MAX_INTERLEAVED_ACTIONS:
                         out.append(dataclasses.replace(base, schedule=INTERLEAVED, v=v))
     return out
 
@@ -258,9 +282,15 @@ def _every_stage_shards(profile: ModelProfile, p: GridPoint) -> bool:
 
 
 def grid_candidates(
-    profile: ModelProfile, cluster: Cluster, global_batch_size: int
+    profile: ModelProfile,
+    cluster: Cluster,
+    global_batch_size: int,
+    *,
+    interleaved: bool = True,
+    micro_batches: Sequence[int] | None = None,
 ) -> list[GridCandidate]:
-    """Every grid point of :func:`grid_points` scored by the cost model, in enumeration order.
+    """Every grid point of :func:`grid_points` (``interleaved`` and ``micro_batches`` as
+    there) scored by the cost model, in enumeration order.
 
     Raises:
         ValidationError: the global batch size is not an integer >= 1 or above the planner's
@@ -273,7 +303,10 @@ def grid_candidates(
     check_global_batch_size(global_batch_size)
     sc = _Scorers(profile, cluster, global_batch_size)
     out = []
-    for p in grid_points(profile, cluster, global_batch_size):
+    points = grid_points(
+        profile, cluster, global_batch_size, interleaved=interleaved, micro_batches=micro_batches
+    )
+    for p in points:
         score = _score_interleaved if p.schedule == INTERLEAVED else _score_1f1b
         L, regather = score(sc, p)
         out.append(GridCandidate(p, _plan(profile, global_batch_size, p, regather, L), L))

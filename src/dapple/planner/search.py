@@ -261,13 +261,14 @@ def _grid_offers(
     if zero_stage in (1, 2):  # the grid has no ZeRO-1/2 points
         return []
     out = []
-    for c in grid_candidates(profile, cluster, global_batch_size):
+    Ms = micro_batch_candidates(global_batch_size)  # the M this search tries
+    for c in grid_candidates(
+        profile, cluster, global_batch_size, interleaved=False, micro_batches=Ms
+    ):
         p = c.point
         if not c.fits or p.tp not in widths or (max_stages is not None and p.pp > max_stages):
             continue
         if p.zero_stage != 0 and zero_stage not in (3, ZERO_AUTO):
-            continue
-        if p.v > 1:
             continue
         out.append((c.L_ms, p.tp, dataclasses.replace(c.plan, planner="dapple")))
     return out
