@@ -5,13 +5,23 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from rich.console import Console
 from rich.table import Table
 
+from dapple.cli._console import print_table
 from dapple.core.cluster import Cluster
 from dapple.core.plan import Plan, StagePlan
 from dapple.core.profile import ModelProfile
 
-__all__ = ["format_devices", "gib_text", "mesh_columns", "ms_text", "stage_table", "zero_line"]
+__all__ = [
+    "format_devices",
+    "gib_text",
+    "mesh_columns",
+    "ms_text",
+    "print_stage_table",
+    "stage_table",
+    "zero_line",
+]
 
 
 def format_devices(devices: Sequence[int]) -> str:
@@ -119,3 +129,8 @@ def _zero_saved_bytes(profile: ModelProfile, st: StagePlan) -> float:
     return whole - parameter_state_bytes(
         profile, st.layers, st.replicas, z, tensor_width=t, regather=st.regather
     )
+
+
+def print_stage_table(con: Console, plan: Plan, profile: ModelProfile, cluster: Cluster) -> None:
+    """Print :func:`stage_table` (through the CLI's ``print_table``)."""
+    print_table(con, stage_table(plan, profile, cluster))

@@ -21,7 +21,7 @@ from dapple.cli._plan_show import (
     gib_text,
     mesh_columns,
     ms_text,
-    stage_table,
+    print_stage_table,
     zero_line,
 )
 from dapple.cli._run_args import add_virtual_stages_argument
@@ -232,7 +232,7 @@ def run(args: argparse.Namespace) -> int:
             plan, predicted_step_ms=pipeline_latency(plan, profile, cluster).L_ms
         )
     r = pipeline_latency(plan, profile, cluster)  # each stage's zero stage is in the plan
-    print_table(con, stage_table(plan, profile, cluster))
+    print_stage_table(con, plan, profile, cluster)
     con.print(
         f"S = {plan.num_stages} computation stages ({r.S} with comm stages), "
         f"replication {plan.replication}, split positions {list(plan.split_positions)}, "
