@@ -241,7 +241,8 @@ def test_a_killed_worker_costs_a_replan_and_the_run_finishes_on_the_survivors(
     assert "re-plan: 3:1 on 4 devices (M=2) -> " in out, out[-3000:]
     _, events = metrics_lines(tmp_path / "m.jsonl")
     assert len(events) == 1 and len(events[0]["lost_ranks"]) == 1, events
-    assert events[0]["resume_step"] >= 3
+    # the kill lands once step 3's metrics line is out, before or after step 3's save
+    assert events[0]["resume_step"] >= 2
     losses = _last_loss_per_step(tmp_path / "m.jsonl")
     assert sorted(losses) == list(range(STEPS))
     ref = _reference_losses(STEPS)
