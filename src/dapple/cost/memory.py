@@ -10,7 +10,7 @@ Activation memory reads the layers at the longest planned length,
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from dapple.core.plan import StagePlan, split_sizes
 from dapple.core.profile import LayerProfile, ModelProfile
@@ -297,29 +297,17 @@ def device_state_bytes(profile: ModelProfile, stages: Sequence[StagePlan]) -> fl
     interleaving): each stage's :func:`parameter_state_bytes` at its own zero stage, with the
     gradients in flight (:func:`gradients_in_flight_bytes`) counted once - one backward runs at
     a time on a device, and the runtime's chunks share one set of ZeRO-2 staging buffers."""
-    staging = [
-        gradients_in_flight_bytes(
-            profile,
-            st.layers,
-            st.replicas,
-            st.zero_stage,
-            tensor_width=st.tensor_width,
-            regather=st.regather,
-        )
-        for st in stages
-    ]
-    whole = sum(
-        parameter_state_bytes(
-            profile,
-            st.layers,
-            st.replicas,
-            st.zero_stage,
-            tensor_width=st.tensor_width,
-            regather=st.regather,
-        )
-        for st in stages
-    )
+    staging = [_of_stage(gradients_in_flight_bytes, profile, st) for st in stages]
+    whole = sum(_of_stage(parameter_state_bytes, profile, st) for st in stages)
     return whole - sum(staging) + max(staging, default=0.0)
+
+
+def _of_stage(fn: Callable[..., float], profile: ModelProfile, st: StagePlan) -> float:
+    """``fn`` (a per-stage memory term) of ``st``'s layers, replicas, zero stage and width."""
+    return fn(
+        profile, st.layers, st.replicas, st.zero_stage,
+        tensor_width=st.tensor_width, regather=st.regather,
+    )  # fmt: skip
 
 
 def zero_saved_bytes(
