@@ -315,11 +315,10 @@ def test_train_refuses_what_tensor_stages_cannot_run_yet_before_the_launch(
 ) -> None:
     """:func:`dapple.runtime.stage_mesh.check_mesh_run` runs in ``dapple train`` before the
     workers get the run, not only in each worker."""
-    stages = [StagePlan(layers=(k, k + 1), devices=(2 * (k % 2), 2 * (k % 2) + 1), tensor_width=2)
-              for k in range(4)]  # fmt: skip
+    stage = StagePlan(layers=(0, 4), devices=(0, 1), zero_stage=3, recompute=True)
     plan = Plan(planner="manual", global_batch_size=8, micro_batch_size=4, num_micro_batches=2,
-                stages=tuple(stages), schedule="interleaved", virtual_stages=2)  # fmt: skip
-    path = tmp_path / "interleaved.json"
+                stages=(stage,))  # fmt: skip
+    path = tmp_path / "zero3-recompute.json"
     plan.save(path)
     assert main(["train", "--plan", str(path), "-m", f"hf:{llama_dir}"]) == 2
-    one_error_line(capsys, "stage 0 [0, 1] (tensor_width 2, zero 0): interleaved plans with TP")
+    one_error_line(capsys, "stage 0 [0, 4] (tensor_width 1, zero 3): re-computation with ZeRO-3")

@@ -1,15 +1,16 @@
 """Checkpoints of tensor-parallel and ZeRO-3 stages: whole layers, resumable under any plan.
 
 One group of 4 gloo workers is spawned ONCE and trains the zoo transformer (traced into pieces,
-its TP plan) with AdamW: five uninterrupted runs of ``STEPS`` steps (DP2 x TP2, 2:2, 1:2 with
-ZeRO-3, 1:2, TP2 x FSDP2), each saving at steps ``CUT`` and ``STEPS``, then resumes from a copy
-of one run's ``CUT`` checkpoint under another plan (or the same), saving again at ``STEPS``.
-The checks read the checkpoint files here: a cut stage's checkpoint holds what an unsharded
-run's holds (same files, names, whole shapes, values within float rounding, AdamW moments
-included); a resumed run's final checkpoint and losses equal the uninterrupted run's - bit for
-bit when the plan resumes itself; ``dapple export`` reads a TP checkpoint as any other. Three
-more runs evaluate (``eval_every``) under the cut plans: their eval losses equal the one-process
-model's with the checkpoint's weights, and their training equals the runs without evaluation.
+its TP plan) with AdamW: six uninterrupted runs of ``STEPS`` steps (DP2 x TP2, 2:2, 1:2 with
+ZeRO-3, 1:2, TP2 x FSDP2, and TP2 then ZeRO-3 as interleaved 1F1B), each saving at steps
+``CUT`` and ``STEPS``, then resumes from a copy of one run's ``CUT`` checkpoint under another
+plan (or the same), saving again at ``STEPS``. The checks read the checkpoint files here: a cut
+stage's checkpoint holds what an unsharded run's holds (same files, names, whole shapes, values
+within float rounding, AdamW moments included); a resumed run's final checkpoint and losses
+equal the uninterrupted run's - bit for bit when the plan resumes itself; ``dapple export``
+reads a TP checkpoint as any other. Four more runs evaluate (``eval_every``) under the cut
+plans: their eval losses equal the one-process model's with the checkpoint's weights, and their
+training equals the runs without evaluation.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Any
 import pytest
 import torch
 
-from dapple.core.plan import Plan, StagePlan
+from dapple.core.plan import Plan, StagePlan, interleave
 from dapple.models.workload import Workload
 from dapple.runtime.checkpoint import Checkpoint, load_layer_states, read_checkpoint, step_dir
 
@@ -44,8 +45,15 @@ PLANS: dict[str, tuple[StagePlan, ...]] = {
     ),
     "1:2": (StagePlan(layers=(0, 2), devices=(0,)), StagePlan(layers=(2, 4), devices=(1, 2))),
     "tp2xfsdp2": (StagePlan(layers=(0, 4), devices=(0, 1, 2, 3), tensor_width=2, zero_stage=3),),
+    "i-tp2:z3": (
+        StagePlan(layers=(0, 2), devices=(0, 1), tensor_width=2),
+        StagePlan(layers=(2, 4), devices=(2, 3), zero_stage=3),
+    ),
 }
-PLAIN = {"dp2xtp2": "2:2", "1:2z3": "1:2", "tp2xfsdp2": "2:2"}
+INTERLEAVED = {"i-tp2:z3": 2}
+"""Plans run as interleaved 1F1B with v chunks per device group (each rank holds two chunks:
+TP2 on the embedding's and the second block's group, ZeRO-3 on the other)."""
+PLAIN = {"dp2xtp2": "2:2", "1:2z3": "1:2", "tp2xfsdp2": "2:2", "i-tp2:z3": "2:2"}
 """Each cut plan -> the unsharded plan whose checkpoints its must equal (within rounding)."""
 RESUMES = [
     ("dp2xtp2", "dp2xtp2"),
@@ -56,13 +64,17 @@ RESUMES = [
     ("1:2", "1:2z3"),
     ("tp2xfsdp2", "2:2"),
     ("2:2", "tp2xfsdp2"),
+    ("i-tp2:z3", "i-tp2:z3"),
+    ("i-tp2:z3", "dp2xtp2"),
+    ("1:2z3", "i-tp2:z3"),
 ]
 """(plan that saved step CUT, plan that resumes it)."""
 
 
 def plan_of(name: str) -> Plan:
-    return Plan(planner="test", global_batch_size=G, micro_batch_size=B, num_micro_batches=M,
+    plan = Plan(planner="test", global_batch_size=G, micro_batch_size=B, num_micro_batches=M,
                 stages=PLANS[name])  # fmt: skip
+    return interleave(plan, INTERLEAVED[name]) if name in INTERLEAVED else plan
 
 
 def _zoo_model() -> torch.nn.Module:

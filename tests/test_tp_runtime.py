@@ -5,7 +5,8 @@ parameter, gradient, loss and gradient norm against one process, step by step - 
 DP2 x TP2, stage 0 TP2 + stage 1 DP2, 1:2 with ZeRO-3 on the replicated stage and TP2 x FSDP2
 on one 4-rank stage, on the zoo transformer (traced into pieces, its
 :data:`~dapple.runtime.tp.TRANSFORMER_TP_PLAN`) and a tiny Hugging Face LLaMA from a config;
-the zoo transformer also under ZB-H1 (split backward) and with re-computation under TP.
+both under ZB-H1 (split backward) and under interleaved 1F1B (two chunks per rank); the zoo
+transformer also with re-computation under TP.
 Checkpoints and evaluation of such plans: ``tests/test_tp_checkpoint.py``.
 """
 
@@ -18,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 
-from dapple.core.plan import Plan, StagePlan
+from dapple.core.plan import Plan, StagePlan, interleave
 from dapple.errors import ValidationError
 from dapple.models.workload import Workload
 from dapple.runtime.config import TrainConfig
@@ -101,6 +102,15 @@ def one_then_zero3(n: int) -> Plan:
     )
 
 
+def tp2_then_zero3(n: int) -> Plan:
+    return plan_of(
+        [
+            StagePlan(layers=(0, 2), devices=(0, 1), tensor_width=2),
+            StagePlan(layers=(2, n), devices=(2, 3), zero_stage=3),
+        ]
+    )
+
+
 def tp2_fsdp2(n: int) -> Plan:
     return plan_of([StagePlan(layers=(0, n), devices=(0, 1, 2, 3), tensor_width=2, zero_stage=3)])
 
@@ -155,6 +165,9 @@ def test_unsupported_mesh_runs_are_refused_in_one_line() -> None:
         check_mesh_run(replace(regathering(one_then_zero3(4)), schedule="zbh1"), wl, _cfg())
     check_mesh_run(replace(one_then_zero3(4), schedule="zbh1"), wl, _cfg())
     check_mesh_run(dp2_tp2(4), wl, _cfg())  # supported
+    check_mesh_run(interleave(tp2_then_zero3(4), 2), wl, _cfg())
+    with pytest.raises(ValidationError, match="re-computation with ZeRO-3"):
+        check_mesh_run(interleave(tp2_then_zero3(4), 2), wl, _cfg(recompute=True))
     check_mesh_run(recomputing(dp2_tp2(4)), wl, _cfg(recompute=True))
     # checkpoints and evaluation: tests/test_tp_checkpoint.py
     check_mesh_run(tp2_fsdp2(4), wl, _cfg(checkpoint_dir="/tmp/x", eval_every=1))
@@ -196,18 +209,42 @@ def test_verify_zoo_transformer_under_zb_h1(case: Any) -> None:
     _verify(replace(case(4), schedule="zbh1"), zoo_spec())
 
 
+def _verify_all(cases: list[tuple[Plan, Workload]]) -> None:
+    """:func:`_verify`'s checks on every case, with one launch of the workers."""
+    from dapple.runtime.verify import verify_many
+
+    reps = verify_many(cases, steps=2, optimizer="adamw", lr=1e-2, clip_grad_norm=0.5,
+                       timeout_s=300)  # fmt: skip
+    assert len(reps) == len(cases)
+    for rep in reps:
+        assert rep.ok, rep
+        assert rep.losses == pytest.approx(rep.reference_losses, rel=1e-5)
+        assert rep.grad_norms == pytest.approx(rep.reference_grad_norms, rel=1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_verify_hf_llama_under_zb_h1(tmp_path: Path) -> None:
+    wl = llama(tmp_path / "llama")
+    _verify_all([(replace(c(4), schedule="zbh1"), wl) for c in (dp2_tp2, tp2_then_dp2,
+                                                                 one_then_zero3, tp2_fsdp2)])  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_verify_interleaved_1f1b_with_tp_and_zero3(tmp_path: Path) -> None:
+    """Interleaved 1F1B (v=2): each rank holds two chunks, cut over its device group's tensor
+    group and/or sharded over its replicas, each chunk an FSDP root of its own; a chunk without
+    a layer of the TP plan (the embedding, the head) runs whole on every tensor rank."""
+    zoo = [tp2_then_dp2, one_then_zero3, tp2_then_zero3, one_then_zero3_regather]
+    cases = [(interleave(c(4), 2), zoo_spec()) for c in zoo]
+    _verify_all([*cases, (interleave(tp2_then_zero3(4), 2), llama(tmp_path / "llama"))])
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_verify_zoo_transformer_with_recompute_under_tp() -> None:
     """Re-computation replays a cut block's forward, its row-parallel all-reduces included, in
     the backward: every rank of the tensor group replays the same collectives."""
-    from dapple.runtime.verify import verify_many
-
     wl = zoo_spec()
-    cases = [(recomputing(dp2_tp2(4)), wl), (recomputing(tp2_then_dp2(4)), wl)]
-    reps = verify_many(cases, steps=2, optimizer="adamw", lr=1e-2, clip_grad_norm=0.5,
-                       timeout_s=300)  # fmt: skip
-    for rep in reps:
-        assert rep.ok, rep
-        assert rep.losses == pytest.approx(rep.reference_losses, rel=1e-5)
-        assert rep.grad_norms == pytest.approx(rep.reference_grad_norms, rel=1e-4)
+    _verify_all([(recomputing(dp2_tp2(4)), wl), (recomputing(tp2_then_dp2(4)), wl)])

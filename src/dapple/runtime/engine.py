@@ -346,9 +346,9 @@ def _setup(
     if mesh.cut:
         gc.collect()  # the uncut layers sit in reference cycles (traced graphs): free them now
     zero = select_zero(plan, workload, layers, _zero_stage(plan, config, rank, layers.stage))
-    fsdp = frozenset(id(p) for p in mesh.fsdp.parameters()) if mesh.fsdp is not None else None
+    fsdp = frozenset(id(p) for unit in mesh.fsdp_units() for p in unit.parameters())
     sync = GradientSync(plan, workload, rank, layers.module, layers.stage,
-                        exclude=zero.flat_ids | (fsdp or frozenset()), stage_pg=groups.replica,
+                        exclude=zero.flat_ids | fsdp, stage_pg=groups.replica,
                         tensor_index=mesh.tensor_rank, extra_pg=list(groups.tensor.values()))  # fmt: skip
     torch.manual_seed(config.seed * 7919 + rank)  # random ops other than the keyed sites
     params = list(layers.module.parameters()) if layers.module is not None else []

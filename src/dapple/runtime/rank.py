@@ -98,11 +98,11 @@ def cut_layers(
     s, j = layers.stage, layers.replica
     if s is None or j is None:
         return layers, StageMesh()
-    st = plan.stages[s]
-    if st.tensor_width == 1 and st.zero_stage != 3:
+    held = [plan.stages[k] for k in layers.chunks]
+    if all(st.tensor_width == 1 and st.zero_stage != 3 for st in held):
         return layers, StageMesh()
-    module, mesh = mesh_stage(plan, workload, rank, layers.chunks[s], groups, device)
-    return StageLayers(s, j, {s: module}, module), mesh
+    chunks, module, mesh = mesh_stage(plan, workload, rank, layers.chunks, groups, device)
+    return StageLayers(s, j, chunks, module), mesh
 
 
 def _layers_of(chunks: dict[int, nn.Sequential]) -> list[nn.Module]:
@@ -322,9 +322,10 @@ class ExecutorFactory:
             ex = StageExecutor(run, k, j, mod, self.specs, self.loss_fn, self.device, recompute,
                                self.meter, self.precision, dynamic=self.dynamic, seed=self.seed,
                                tensor_rank=mesh.tensor_rank)  # fmt: skip
-            if training and mesh.fsdp is not None:
-                ex.before_backward = mesh.before_backward
-                ex.after_weights = mesh.after_weights
+            shard = mesh.shards.get(k)
+            if training and shard is not None:
+                ex.before_backward = shard.before_backward
+                ex.after_weights = shard.after_weights
                 ex.live_weights = True
             exs.append(ex)
         return exs[0] if len(exs) == 1 else RankChunks(exs)

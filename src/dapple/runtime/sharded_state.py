@@ -60,8 +60,8 @@ class CutStage:
 
     def _resharded(self) -> None:
         """ZeRO-3: the sharded DTensor parameters registered (those the optimizer keys)."""
-        if self.mesh.fsdp is not None:
-            self.mesh.fsdp.reshard()  # type: ignore[operator]
+        for unit in self.mesh.fsdp_units():
+            unit.reshard()  # type: ignore[operator]
 
     def _whole(self, name: str, t: torch.Tensor) -> torch.Tensor:
         """``t`` (parameter ``name``'s value or state) whole, on CPU. Collective."""

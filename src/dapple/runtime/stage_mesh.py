@@ -8,11 +8,12 @@ A stage of ``r_s x t_s`` devices (replica-major: replica ``j``'s tensor group is
   when ``r_s > 1``), then the tensor groups per replica (when ``t_s > 1``). The replica
   AllReduce of :class:`~dapple.runtime.sync.GradientSync` runs on the group of the rank's own
   tensor index, so a cut parameter's shard is only summed with the same shard of the others.
-- **Layers.** Each chunk is cut with :func:`dapple.runtime.tp.parallelize_stage` over the
-  tensor group, on the model's TP plan (:func:`tp_plan_of`); with ``zero_stage`` 3 the
-  (cut) chunk is then wrapped with FSDP2 on its replica group
-  (:func:`dapple.runtime.fsdp.shard_stage`), which reduce-scatters the gradients after the
-  step's last backward, or its last ``W`` under a split backward (so the stage AllReduce
+- **Layers.** Each chunk the rank holds (several under interleaved 1F1B, all on the device
+  group's one mesh) is cut with :func:`dapple.runtime.tp.parallelize_stage` over the tensor
+  group, on the model's TP plan (:func:`tp_plan_of`); with ``zero_stage`` 3 the (cut) chunk is
+  then wrapped with FSDP2 on its replica group (:func:`dapple.runtime.fsdp.shard_stage`), a
+  root of its own (:class:`ChunkShard`), which reduce-scatters the gradients after the chunk's
+  last backward of the step, or its last ``W`` under a split backward (so the stage AllReduce
   leaves its parameters alone).
 - **Transfers.** Stage outputs are whole on every tensor rank (the row-parallel ``g`` makes
   them so), and so are input gradients (the column-parallel ``f`` all-reduces them), so each
@@ -29,7 +30,7 @@ What is not wired yet is refused before any compute (:func:`check_mesh_run`).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -48,6 +49,7 @@ from dapple.runtime.tp import TensorParallelModule, parallelize_stage
 from dapple.schedule.registry import get_schedule
 
 __all__ = [
+    "ChunkShard",
     "RankGroups",
     "StageMesh",
     "check_mesh_run",
@@ -62,10 +64,9 @@ __all__ = [
 
 
 def _meshed(plan: Plan) -> list[tuple[int, StagePlan]]:
+    """The (virtual) stages cut over a tensor group or sharded over their replicas."""
     return [
-        (s, st)
-        for s, st in enumerate(plan.stages[: plan.num_groups])
-        if st.tensor_width > 1 or st.zero_stage == 3
+        (s, st) for s, st in enumerate(plan.stages) if st.tensor_width > 1 or st.zero_stage == 3
     ]
 
 
@@ -83,8 +84,6 @@ def check_mesh_run(plan: Plan, workload: Workload, config: TrainConfig) -> None:
     split = get_schedule(plan.schedule).split_backward
     for s, st in meshed:
         what = f"stage {s} {list(st.layers)} (tensor_width {st.tensor_width}, zero {st.zero_stage})"
-        if plan.virtual_stages > 1:
-            raise ValidationError(f"{what}: interleaved plans with TP or ZeRO-3 are not supported")
         if st.tensor_width > 1 and not tp_plan_of(workload):
             raise ValidationError(f"{what}: model {workload.name!r} has no TP plan")
         if st.tensor_width > 1 and config.zero_stage in (1, 2):
@@ -153,75 +152,136 @@ def peer_ranks(
 
 # -- the stage's layers -------------------------------------------------------------------------
 @dataclass
-class StageMesh:
-    """How one rank's stage is cut: its TP module and FSDP wrapping (both optional)."""
+class ChunkShard:
+    """One chunk's FSDP2 wrapping (ZeRO-3) and when it reduce-scatters: its own ``M``
+    micro-batches, whatever the other chunks of an interleaved plan do."""
 
-    tensor_rank: int = 0
-    tp: TensorParallelModule | None = None
-    fsdp: nn.Module | None = None
-    """The FSDP-wrapped stage (ZeRO-3), whose micro-batches :meth:`before_backward` steers."""
+    fsdp: nn.Module
+    """The FSDP-wrapped chunk (a root of its own)."""
     regather: bool = False
     num_micro_batches: int = 1
     split: bool = False
-    """The schedule splits the backward (``I`` then ``W``): ZeRO-3 reduce-scatters after the
+    """The schedule splits the backward (``I`` then ``W``): the chunk reduce-scatters after the
     step's last ``W`` (:meth:`after_weights`), not in a backward."""
     _weights_done: int = 0
 
-    @property
-    def cut(self) -> bool:
-        return self.tp is not None or self.fsdp is not None
-
     def before_backward(self, m: int) -> None:
-        """ZeRO-3: reduce-scatter (and reshard) only after micro-batch ``M-1``'s backward
-        (split backward: in none, :meth:`after_weights` does)."""
+        """Reduce-scatter (and reshard) only after micro-batch ``M-1``'s backward (split
+        backward: in none, :meth:`after_weights` does)."""
         sharded: Any = self.fsdp
-        if sharded is None:
-            return
         if self.split:
             hold_gradients(sharded)
         else:
             begin_micro_batch(sharded, m, self.num_micro_batches, regather=self.regather)
 
     def after_weights(self, m: int) -> None:
-        """Split backward, after each ``W``: the step's ``M``-th reduce-scatters (ZeRO-3)."""
-        if self.fsdp is None:
-            return
+        """Split backward, after each ``W``: the step's ``M``-th reduce-scatters."""
         self._weights_done += 1
         if self._weights_done == self.num_micro_batches:
             self._weights_done = 0
             reduce_gradients(self.fsdp)  # type: ignore[arg-type]
 
+
+@dataclass
+class StageMesh:
+    """How one rank's stage (its chunks, interleaved) is cut: TP and FSDP wrapping, both
+    optional."""
+
+    tensor_rank: int = 0
+    tp: TensorParallelModule | None = None
+    """The rank's layers cut over its tensor group, as one module (every chunk's cut layers in
+    :meth:`Plan.layers_of_device` order; the layouts named in it)."""
+    shards: dict[int, ChunkShard] = field(default_factory=dict)
+    """Stage index -> its chunk's FSDP wrapping (the ZeRO-3 chunks of the rank)."""
+
+    @property
+    def cut(self) -> bool:
+        return self.tp is not None or bool(self.shards)
+
+    def fsdp_units(self) -> list[nn.Module]:
+        """The FSDP-wrapped chunks (one root each)."""
+        return [c.fsdp for c in self.shards.values()]
+
     def norm_counted(self, module: nn.Module, replica: int) -> list[nn.Parameter]:
         """This rank's parameters in the global gradient norm: cut shards on every tensor rank,
         whole parameters on tensor rank 0; replica 0 only unless ZeRO-3 (each its shard)."""
-        if replica != 0 and self.fsdp is None:
+        if replica != 0 and not self.shards:
             return []
         cut = set(self.tp.layouts) if self.tp is not None else set()
         return [p for n, p in module.named_parameters() if n in cut or self.tensor_rank == 0]
 
 
 def mesh_stage(
-    plan: Plan, workload: Workload, rank: int, chunk: nn.Sequential, groups: RankGroups,
-    device: torch.device,
-) -> tuple[nn.Sequential, StageMesh]:  # fmt: skip
-    """Cut ``rank``'s stage ``chunk`` over its tensor group and/or shard it over its replicas."""
+    plan: Plan, workload: Workload, rank: int, chunks: Mapping[int, nn.Sequential],
+    groups: RankGroups, device: torch.device,
+) -> tuple[dict[int, nn.Sequential], nn.Sequential, StageMesh]:  # fmt: skip
+    """Cut ``rank``'s chunks over its tensor group and/or shard each over its replicas.
+
+    Returns:
+        The cut chunks by stage index, the rank's layers as one module (the one chunk itself,
+        or every chunk's layers in one ``nn.Sequential``) and how they are cut.
+
+    Raises:
+        ValidationError: the TP plan cuts no layer of any of the rank's chunks.
+    """
     s, j = plan.stage_of_device(rank)
-    st = plan.stages[s]
-    mesh = StageMesh(tensor_index(plan, rank), regather=st.regather,
-                     num_micro_batches=plan.num_micro_batches,
-                     split=get_schedule(plan.schedule).split_backward)  # fmt: skip
-    module: nn.Module = chunk
-    if st.tensor_width > 1:
-        mesh.tp = parallelize_stage(chunk, tp_plan_of(workload), groups.tensor[(s, j)])
-        module = mesh.tp.module
-    if st.zero_stage == 3:
-        pg = groups.replica[(s, mesh.tensor_rank)]
-        replica_mesh = DeviceMesh.from_group(pg, device.type)
-        sharded: Any = shard_stage(module, replica_mesh, regather=st.regather)
-        mesh.fsdp = sharded
-    assert isinstance(module, nn.Sequential)  # the pieces, in place (FSDP swaps the class only)
-    module.train()
-    return module, mesh
+    mesh = StageMesh(tensor_index(plan, rank))
+    split = get_schedule(plan.schedule).split_backward
+    tp = _cut_chunks(plan, workload, chunks, groups.tensor.get((s, j)))
+    out: dict[int, nn.Sequential] = {}
+    for k in sorted(chunks):
+        module: nn.Module = tp[k].module if k in tp else chunks[k]
+        st = plan.stages[k]
+        if st.zero_stage == 3:
+            pg = groups.replica[(s, mesh.tensor_rank)]
+            shard_stage(module, DeviceMesh.from_group(pg, device.type), regather=st.regather)
+            mesh.shards[k] = ChunkShard(module, st.regather, plan.num_micro_batches, split)
+        assert isinstance(module, nn.Sequential)  # the pieces, in place (FSDP swaps the class)
+        module.train()
+        out[k] = module
+    whole = out[s] if len(out) == 1 else nn.Sequential(*(x for k in sorted(out) for x in out[k]))
+    if tp:
+        mesh.tp = _joined(tp, out, whole)
+    return out, whole, mesh
+
+
+def _cut_chunks(
+    plan: Plan, workload: Workload, chunks: Mapping[int, nn.Sequential], group: Any
+) -> dict[int, TensorParallelModule]:
+    """Each chunk cut over the tensor group ``group`` (None: t_s = 1, nothing cut); a chunk of
+    an interleaved plan that holds no layer of the TP plan runs whole on every tensor rank."""
+    if group is None:
+        return {}
+    plan_map = tp_plan_of(workload)
+    tp = {k: parallelize_stage(c, plan_map, group, require=len(chunks) == 1)
+          for k, c in chunks.items()}  # fmt: skip
+    if not any(t.layouts for t in tp.values()):
+        stages = sorted(chunks)
+        raise ValidationError(
+            f"tensor parallel: the TP plan cuts no layer of stages {stages} "
+            f"(layers {[list(plan.stages[k].layers) for k in stages]})"
+        )
+    return tp
+
+
+def _joined(
+    tp: Mapping[int, TensorParallelModule], out: Mapping[int, nn.Sequential], whole: nn.Module
+) -> TensorParallelModule:
+    """The chunks' TP modules as one over ``whole``: each chunk's layouts renamed from its own
+    piece index to the piece's index in ``whole``."""
+    if len(tp) == 1:
+        (only,) = tp.values()
+        return replace(only, module=whole)
+    layouts = {}
+    offset = 0
+    for k in sorted(out):
+        for name, lay in tp[k].layouts.items():
+            piece, _, rest = name.partition(".")
+            moved = f"{int(piece) + offset}.{rest}"
+            layouts[moved] = replace(lay, name=moved)
+        offset += len(out[k])
+    first = next(iter(tp.values()))
+    return replace(first, module=whole, layouts=layouts)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -343,12 +343,19 @@ def parallelize_stage(
     stage: nn.Sequential,
     plan: Mapping[str, str],
     group: dist.ProcessGroup | DeviceMesh,
+    *,
+    require: bool = True,
 ) -> TensorParallelModule:
     """:func:`parallelize_piece` on each piece of ``stage`` that ``plan`` cuts; the others
     (an embedding, a head) run whole on every rank of the group.
 
+    Args:
+        require: Refuse a stage of which ``plan`` cuts no piece (False: such a stage runs
+            whole, e.g. one chunk of an interleaved plan whose other chunks are cut).
+
     Raises:
-        ValidationError: ``plan`` cuts no piece of the stage, or as :func:`parallelize_piece`.
+        ValidationError: ``plan`` cuts no piece of the stage (with ``require``), or as
+            :func:`parallelize_piece`.
     """
     pg = _group(group)
     pieces: list[nn.Module] = []
@@ -362,7 +369,7 @@ def parallelize_stage(
         layouts.update(
             {f"{k}.{name}": replace(lay, name=f"{k}.{name}") for name, lay in tp.layouts.items()}
         )
-    if not layouts:
+    if require and not layouts:
         raise ValidationError("tensor parallel: the TP plan matches no parameter of this stage")
     return TensorParallelModule(
         nn.Sequential(*pieces), layouts, pg, dist.get_rank(pg), dist.get_world_size(pg)
