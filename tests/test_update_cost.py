@@ -90,7 +90,7 @@ def test_update_is_timed_on_a_bounded_sample_and_scaled(monkeypatch: pytest.Monk
     """A layer larger than the sample is timed on a prefix of its parameters (the last one cut
     flat) and the time scaled by its bytes over the sample's."""
     torch = pytest.importorskip("torch")
-    import dapple.profiler.measure as measure
+    import dapple.profiler.layer_measure as measure
 
     monkeypatch.setattr(measure, "_UPDATE_SAMPLE_BYTES", 1000)
     steps: list[list[int]] = []
@@ -108,9 +108,16 @@ def test_update_is_timed_on_a_bounded_sample_and_scaled(monkeypatch: pytest.Monk
 
     monkeypatch.setattr(torch.optim, "Adam", spy)
     layer = torch.nn.Linear(30, 20)  # 600 + 20 floats: 2480 bytes
-    ms = measure._update_ms(measure._trainable(layer), torch.device("cpu"), timer, 1, 3)
+    ms = measure.optimizer_update_ms(
+        measure.trainable_params(layer), torch.device("cpu"), timer, 1, 3
+    )
     assert steps == [[250]]  # 1000 bytes: the weight's first 250 elements
     assert ms == pytest.approx(2.0 * 2480 / 1000)
     small = torch.nn.Linear(3, 2)  # 8 floats: the whole layer, shapes kept
-    assert measure._update_ms(measure._trainable(small), torch.device("cpu"), timer, 1, 3) == 2.0
+    assert (
+        measure.optimizer_update_ms(
+            measure.trainable_params(small), torch.device("cpu"), timer, 1, 3
+        )
+        == 2.0
+    )
     assert steps[-1] == [6, 2]

@@ -1,16 +1,15 @@
 """An execution plan: stage partition, per-stage replication and placement, micro-batching.
 
 Pure data model, no torch. Notation (paper sections 4-5): S stages; stage ``s`` holds layers
-``[start, end)`` replicated r_s times; the global batch is cut into M micro-batches of
+``[start, end)`` replicated r_s times (:class:`~dapple.core.stage_plan.StagePlan`, with its
+tensor groups of t_s devices); the global batch is cut into M micro-batches of
 ``micro_batch_size`` samples, and each micro-batch entering stage ``s`` is split into ``r_s``
-slices (uneven when ``r_s`` does not divide it; replica ``j`` takes slice j).
+slices (uneven when ``r_s`` does not divide it; replica ``j`` takes slice j,
+:mod:`dapple.core.slicing`). This module also holds the plan's JSON round-trip and two ways of
+making a plan from another: :func:`straight_plan` and :func:`interleave`.
 
-Beyond the paper, a stage may shard its layers over a tensor-parallel group of t_s devices
-(Megatron-LM, Shoeybi et al. 2019): ``devices`` then lists all ``r_s x t_s`` devices
-replica-major, replica j's tensor group being ``devices[j*t_s:(j+1)*t_s]``, and
-``r_s = len(devices) / t_s``. The group's first device stands for the replica in the schedule
-(:attr:`StagePlan.replica_devices`); the other ranks of the group run the same actions. With
-t_s = 1 (the default) every device is a replica, as in the paper.
+:class:`StagePlan` and the split-concat functions (:func:`split_sizes`, :func:`slice_bounds`,
+:func:`transfers`) are importable from here too.
 """
 
 from __future__ import annotations
@@ -27,6 +26,8 @@ from dapple.core._json import (
     require,
     save_json_file,
 )
+from dapple.core.slicing import slice_bounds, split_sizes, transfers
+from dapple.core.stage_plan import StagePlan
 from dapple.errors import ValidationError
 
 __all__ = [
@@ -73,189 +74,6 @@ def use_schedule_rules(rules: ScheduleRules) -> None:
     """Install the schedule registry's rules (``import dapple`` does, through
     :mod:`dapple.schedule.registry`); every :class:`Plan` made afterwards is checked by them."""
     _schedule_rules[:] = [rules]
-
-
-def split_sizes(b: int, r: int) -> tuple[int, ...]:
-    """Sizes of the ``r`` slices of a micro-batch of ``b`` samples: the first ``b % r`` get one more.
-
-    Slices may be empty when ``r > b``.
-    """
-    require(b >= 0 and r >= 1, f"split_sizes needs b >= 0 and r >= 1, got b={b}, r={r}")
-    q, rem = divmod(b, r)
-    return tuple(q + 1 if j < rem else q for j in range(r))
-
-
-def slice_bounds(b: int, r: int) -> tuple[tuple[int, int], ...]:
-    """Sample ranges ``[lo, hi)`` of the ``r`` slices of ``split_sizes(b, r)``."""
-    out = []
-    lo = 0
-    for n in split_sizes(b, r):
-        out.append((lo, lo + n))
-        lo += n
-    return tuple(out)
-
-
-def transfers(b: int, r_src: int, r_dst: int) -> tuple[tuple[int, int, int, int], ...]:
-    """Split-concat between a stage with ``r_src`` replicas and one with ``r_dst`` (section 6.2).
-
-    Returns ``(j, k, lo, hi)`` for every non-empty overlap: replica ``j`` of the source sends
-    samples ``[lo, hi)`` of the micro-batch to replica ``k`` of the destination. Covers
-    one-to-one, one-to-many (split), many-to-one (concat) and many-to-many alike.
-    """
-    src = slice_bounds(b, r_src)
-    dst = slice_bounds(b, r_dst)
-    out = []
-    for j, (a0, a1) in enumerate(src):
-        for k, (c0, c1) in enumerate(dst):
-            lo, hi = max(a0, c0), min(a1, c1)
-            if lo < hi:
-                out.append((j, k, lo, hi))
-    return tuple(out)
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class StagePlan:
-    """One pipeline stage: a contiguous layer range replicated over a device set."""
-
-    layers: tuple[int, int]
-    """Layer range ``[start, end)`` of the chain."""
-    devices: tuple[int, ...]
-    """Device ids of all ``r_s x t_s`` devices, replica-major: replica ``j`` runs on the tensor
-    group ``devices[j*t_s:(j+1)*t_s]`` (``devices[j]`` when t_s = 1)."""
-    recompute: bool = False
-    """Re-compute the forward during backward, keeping only the stage input."""
-    max_in_flight: int | None = None
-    """D: how many micro-batches' activations fit on the device (None: unbounded)."""
-    zero_stage: int = 0
-    """1: the replicas shard the stage's optimizer state (ZeRO-1, ``dapple.runtime.zero``);
-    2: its gradients too (ZeRO-2); 3: its parameters too (ZeRO-3 / FSDP,
-    ``dapple.runtime.fsdp``); 0: every replica keeps all of it. Meaningful only with
-    ``r_s > 1`` (3 is refused on one replica)."""
-    tensor_width: int = 1
-    """t_s: devices of one replica's tensor-parallel group (a power of two), all in one server
-    (:func:`dapple.core.tensor_layout.check_tensor_groups`); 1: no tensor parallelism."""
-    regather: bool = False
-    """ZeRO-3 only: re-shard the parameters after every forward and backward and all-gather
-    them again per micro-batch (less memory, more traffic); False: gather once per step."""
-
-    def __post_init__(self) -> None:
-        s, e = self.layers
-        require(
-            isinstance(s, int) and isinstance(e, int) and 0 <= s < e,
-            f"stage layers must be [start, end) with 0 <= start < end, got {list(self.layers)}",
-        )
-        require(len(self.devices) >= 1, f"stage {list(self.layers)} has no devices")
-        require(
-            all(isinstance(d, int) and d >= 0 for d in self.devices),
-            f"stage {list(self.layers)}: device ids must be integers >= 0, got {list(self.devices)}",
-        )
-        require(
-            self.max_in_flight is None or self.max_in_flight >= 1,
-            f"stage {list(self.layers)}: max_in_flight must be >= 1, got {self.max_in_flight}",
-        )
-        require(
-            self.zero_stage in (0, 1, 2, 3),
-            f"stage {list(self.layers)}: zero_stage must be 0, 1, 2 or 3, got {self.zero_stage!r}",
-        )
-        self._check_tensor_layout()
-
-    def _check_tensor_layout(self) -> None:
-        """t_s a power of two dividing the device count; ZeRO-3 on r_s > 1; regather with 3."""
-        t, n, what = self.tensor_width, len(self.devices), f"stage {list(self.layers)}"
-        require(
-            isinstance(t, int) and not isinstance(t, bool) and t >= 1 and t & (t - 1) == 0,
-            f"{what}: tensor_width must be a power of two >= 1, got {t!r}",
-        )
-        require(
-            n % t == 0,
-            f"{what}: its {n} devices {list(self.devices)} are not whole tensor groups of "
-            f"tensor_width={t}",
-        )
-        require(
-            self.zero_stage != 3 or n // t > 1,
-            f"{what}: zero_stage 3 shards parameters over the replicas, but the stage has one "
-            f"replica (devices {list(self.devices)}, tensor_width={t})",
-        )
-        require(
-            isinstance(self.regather, bool),
-            f"{what}: regather must be a bool, got {self.regather!r}",
-        )
-        require(
-            not self.regather or self.zero_stage == 3,
-            f"{what}: regather applies to zero_stage 3 only, got zero_stage {self.zero_stage}",
-        )
-
-    @property
-    def replicas(self) -> int:
-        """r_s, the number of replicas (tensor groups)."""
-        return len(self.devices) // self.tensor_width
-
-    @property
-    def replica_devices(self) -> tuple[int, ...]:
-        """The first device of each replica's tensor group, in replica order: the device that
-        stands for the replica in schedules and split-concat (``devices`` when t_s = 1)."""
-        t = self.tensor_width
-        return self.devices if t == 1 else self.devices[::t]
-
-    def tensor_group(self, replica: int) -> tuple[int, ...]:
-        """The t_s devices of replica ``replica``'s tensor group."""
-        t = self.tensor_width
-        return self.devices[replica * t : (replica + 1) * t]
-
-    def replica_group(self, tensor_rank: int) -> tuple[int, ...]:
-        """The r_s devices holding tensor shard ``tensor_rank``: the group that all-reduces
-        (or reduce-scatters and gathers) that shard's gradients over the replicas."""
-        return self.devices[tensor_rank :: self.tensor_width]
-
-    def to_dict(self) -> dict[str, Any]:
-        d: dict[str, Any] = {
-            "layers": list(self.layers),
-            "devices": list(self.devices),
-            "recompute": self.recompute,
-        }
-        if self.max_in_flight is not None:
-            d["max_in_flight"] = self.max_in_flight
-        if self.zero_stage:
-            d["zero_stage"] = self.zero_stage
-        if self.tensor_width != 1:
-            d["tensor_width"] = self.tensor_width
-        if self.regather:
-            d["regather"] = True
-        return d
-
-    @staticmethod
-    def from_dict(d: Any, index: int) -> StagePlan:
-        what = f"plan stage {index}"
-        require(isinstance(d, dict), f"{what} must be an object, got {d!r}")
-        layers = get_field(d, "layers", what)
-        require(
-            isinstance(layers, list)
-            and len(layers) == 2
-            and all(isinstance(x, int) for x in layers),
-            f"{what}: layers must be [start, end), got {layers!r}",
-        )
-        devices = get_field(d, "devices", what)
-        require(
-            isinstance(devices, list) and all(isinstance(x, int) for x in devices),
-            f"{what}: devices must be a list of integer ids, got {devices!r}",
-        )
-        mif = d.get("max_in_flight")
-        require(
-            mif is None or isinstance(mif, int),
-            f"{what}: max_in_flight must be an integer, got {mif!r}",
-        )
-        try:
-            return StagePlan(
-                layers=(layers[0], layers[1]),
-                devices=tuple(devices),
-                recompute=bool(d.get("recompute", False)),
-                max_in_flight=mif,
-                zero_stage=d.get("zero_stage", 0),
-                tensor_width=d.get("tensor_width", 1),
-                regather=d.get("regather", False),
-            )
-        except ValidationError as e:
-            raise ValidationError(f"{what}: {e}") from e
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

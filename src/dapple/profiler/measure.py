@@ -1,11 +1,9 @@
 """Torch profiler (paper section 3.3): per-layer times, activation and parameter sizes.
 
-Each layer of a :class:`Workload` is run on the *real* output of the previous layer, at each
-requested batch size ``b``: forward and backward are timed (warm-up, then the median of the
-repeats; CUDA events with synchronisation on GPUs), the output's bytes are counted, and the
-tensors autograd saves for backward are captured with
-:func:`torch.autograd.graph.saved_tensors_hooks` (storages deduplicated, parameters excluded).
-Times and sizes are then fitted affine in ``b`` with :func:`dapple.core.profile.fit_affine`.
+Each layer of a :class:`Workload` is built alone and run on the *real* output of the previous
+layer, at each requested batch size ``b``, by :func:`dapple.profiler.layer_measure.measure_layer`
+(timed forward and backward, output bytes, the bytes autograd keeps for backward). Times and
+sizes are then fitted affine in ``b`` with :func:`dapple.core.profile.fit_affine`.
 With ``seq_lens`` this is done at each length of the model's dynamic dimension, on its own
 batches cut or tiled to that length (:mod:`dapple.profiler.lengths`), and the profile holds
 every length (``ModelProfile.by_length``). A layer the runtime can cut over a tensor group -
@@ -14,24 +12,18 @@ marked ``LayerProfile.tensor_parallel``; a model without a TP plan, or with tied
 (which the runtime does not cut yet), marks none.
 
 Precision: with ``precision="bf16"``/``"fp16"`` every forward (timed, and the one whose saved
-tensors are counted) runs under ``torch.autocast`` as the runtime's stages do
-(:mod:`dapple.runtime.precision`), each layer on the previous layer's autocast output, so times,
-output bytes and kept bytes are those of the run. Autocast's cast copies of the weights are
-not activations (the planner adds them as the weight cast cache, :mod:`dapple.planner.memory`)
-and are left out of the kept bytes, like the parameters themselves.
+tensors are counted) runs under ``torch.autocast`` as the runtime's stages do, each layer on
+the previous layer's autocast output, so times, output bytes and kept bytes are those of the
+run.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import gc
 import logging
-import statistics
-import time
 from collections.abc import Callable, Sequence
 from functools import partial
-from typing import Any
 
 import torch
 from torch import nn
@@ -44,10 +36,19 @@ from dapple.core.profile import (
     fit_affine,
 )
 from dapple.errors import ValidationError
-from dapple.models.split_backward import input_gradients, weight_gradients
 from dapple.models.tp_plan import cut_by, tp_plan_of
 from dapple.models.workload import Workload
-from dapple.profiler.co_workers import Cast, CoWorkers
+from dapple.profiler.co_workers import CoWorkers
+from dapple.profiler.layer_measure import (
+    Timer,
+    as_leaf,
+    autocast_for,
+    map_tensors,
+    measure_layer,
+    optimizer_update_ms,
+    tensor_bytes,
+    trainable_params,
+)
 from dapple.profiler.lengths import (
     check_seq_lens,
     combine_lengths,
@@ -89,63 +90,6 @@ def resolve_device(device: str) -> torch.device:
     return dev
 
 
-def _tensors(x: Any) -> list[torch.Tensor]:
-    if isinstance(x, torch.Tensor):
-        return [x]
-    if isinstance(x, (tuple, list)):
-        return [t for item in x for t in _tensors(item)]
-    return []
-
-
-def _map(x: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    if isinstance(x, torch.Tensor):
-        return fn(x)
-    if isinstance(x, (tuple, list)):
-        return type(x)(_map(item, fn) for item in x)
-    return x
-
-
-def _leaf(t: torch.Tensor) -> torch.Tensor:
-    t = t.detach()
-    return t.requires_grad_(True) if t.is_floating_point() else t
-
-
-def _nbytes(x: Any) -> int:
-    return sum(t.numel() * t.element_size() for t in _tensors(x))
-
-
-class _Timer:
-    def __init__(self, dev: torch.device, cpu_time: bool = False) -> None:
-        self.cuda = dev.type == "cuda"
-        self.clock = time.process_time if cpu_time else time.perf_counter
-
-    def __call__(self, fn: Callable[[], Any]) -> tuple[float, Any]:
-        """Run ``fn`` and return (elapsed ms, its result)."""
-        if self.cuda:
-            start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-            end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-            torch.cuda.synchronize()
-            start.record()
-            out = fn()
-            end.record()
-            torch.cuda.synchronize()
-            return float(start.elapsed_time(end)), out
-        t0 = self.clock()
-        out = fn()
-        return (self.clock() - t0) * 1e3, out
-
-
-_AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-"""Autocast dtype of each low precision (as :data:`dapple.runtime.precision.AUTOCAST_DTYPES`)."""
-
-
-def _autocast(precision: str, dev: torch.device) -> Cast:
-    dtype = _AUTOCAST_DTYPES.get(precision)
-    if dtype is None:
-        return contextlib.nullcontext
-    return partial(torch.autocast, dev.type, dtype=dtype)
-
-
 def _check_precision(precision: str, dev: torch.device) -> None:
     if precision not in PROFILE_PRECISIONS:
         raise ValidationError(
@@ -156,148 +100,6 @@ def _check_precision(precision: str, dev: torch.device) -> None:
             "precision fp16: fp16 autocast on CPU is not supported for training "
             "(profile bf16 on the CPU, or fp32)"
         )
-
-
-def _is_weight_cast(t: torch.Tensor, params: set[int]) -> bool:
-    """``t`` is autocast's cast copy of one of the parameters (ids in ``params``)."""
-    fn = t.grad_fn
-    if fn is None or not fn.name().startswith("ToCopyBackward"):
-        return False
-    src = fn.next_functions[0][0] if fn.next_functions else None
-    return src is not None and id(getattr(src, "variable", None)) in params
-
-
-def _saved_bytes(
-    layer: nn.Module, inp: Any, cast: Cast = contextlib.nullcontext
-) -> tuple[int, Any]:
-    """Bytes autograd saves for backward in one forward of ``layer`` (and the output);
-    parameters and their autocast copies are not counted."""
-    param_ptrs = {p.untyped_storage().data_ptr() for p in layer.parameters()}
-    param_ids = {id(p) for p in layer.parameters()}
-    seen: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        ptr = storage.data_ptr()
-        if ptr not in param_ptrs and ptr != 0 and not _is_weight_cast(t, param_ids):
-            seen[ptr] = storage.nbytes()
-        return t.detach()  # the tensor itself would cycle through its grad_fn and leak the layer
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), cast():
-        out = layer(inp)
-    return sum(seen.values()), out
-
-
-def _backward(out: Any, grads: list[torch.Tensor]) -> None:
-    outs = [t for t in _tensors(out) if t.requires_grad]
-    if outs:
-        torch.autograd.backward(outs, grads[: len(outs)])
-
-
-def _split_ms(
-    layer: nn.Module, out: Any, inputs: list[torch.Tensor], grads: list[torch.Tensor], timer: _Timer
-) -> tuple[float, float]:
-    """``(I, W)`` ms of one backward of ``out`` split as the runtime splits it
-    (:mod:`dapple.models.split_backward`: torch.distributed.pipelining's halves, whose graph
-    walks and captured gradients cost beyond a whole backward). A layer whose inputs carry no
-    gradient runs its whole backward as ``W``, as the runtime's first stage does."""
-    outs = [t.clone() for t in _tensors(out) if t.requires_grad]  # the runtime's outputs
-    weights = [p for p in layer.parameters() if p.requires_grad]
-    g = grads[: len(outs)]
-    if not inputs:
-        return 0.0, timer(partial(torch.autograd.backward, outs, g))[0]
-    ms_i, groups = timer(partial(input_gradients, outs, g, inputs, weights))
-    ms_w, _ = timer(partial(weight_gradients, groups, weights))
-    return ms_i, ms_w
-
-
-_UPDATE_SAMPLE_BYTES = 8 << 20
-"""At most this many bytes of a layer's parameters are updated when timing the optimizer:
-the update's time is proportional to the bytes, so a larger layer is timed on a prefix of its
-parameters and scaled, and timing it costs at most 4x this much memory (weights, gradients and
-two moments), not 4x the largest layer."""
-
-
-def _trainable(layer: nn.Module) -> list[torch.Tensor]:
-    """``layer``'s parameters the optimizer updates, as meta tensors (shapes and dtypes)."""
-    return [
-        p.detach().to("meta")
-        for p in layer.parameters()
-        if p.requires_grad and p.is_floating_point()
-    ]
-
-
-def _update_ms(
-    params: Sequence[torch.Tensor], dev: torch.device, timer: _Timer, warmup: int, repeats: int
-) -> float:
-    """Median time of one optimizer update of parameters shaped like ``params`` as the runtime
-    makes it (fused Adam), after at least one step that allocates the moments. It runs on
-    zero-filled tensors on ``dev``, up to :data:`_UPDATE_SAMPLE_BYTES` of them (the last one cut
-    flat), scaled to all of the parameters' bytes."""
-    total = sum(p.numel() * p.element_size() for p in params)
-    if not total:
-        return 0.0
-    sample: list[torch.Tensor] = []
-    sampled = 0
-    for p in params:
-        room = (_UPDATE_SAMPLE_BYTES - sampled) // p.element_size()
-        if room <= 0:
-            break
-        shape = p.shape if p.numel() <= room else (room,)
-        sample.append(nn.Parameter(torch.zeros(shape, dtype=p.dtype, device=dev)))
-        sampled += sample[-1].numel() * p.element_size()
-    for t in sample:
-        t.grad = torch.zeros_like(t)
-    opt = torch.optim.Adam(sample, lr=1e-3, fused=True)
-    for _ in range(max(1, warmup)):
-        opt.step()
-    times = [timer(opt.step)[0] for _ in range(repeats)]
-    return statistics.median(times) * total / sampled
-
-
-def _measure_layer(
-    layer: nn.Module,
-    inp: Any,
-    timer: _Timer,
-    warmup: int,
-    repeats: int,
-    cast: Cast = contextlib.nullcontext,
-    split_backward: bool = False,
-) -> tuple[float, float, float, float, int, int, Any]:
-    """Median forward, backward, input-gradient and weight-gradient ms (the last two 0 unless
-    ``split_backward``), kept bytes, output bytes and the output of one layer (forwards under
-    ``cast``)."""
-    kept, out = _saved_bytes(layer, inp, cast)
-    grads = [torch.randn_like(t) for t in _tensors(out) if t.requires_grad]
-    inputs = [t for t in _tensors(inp) if t.requires_grad]
-    fwd: list[float] = []
-    bwd: list[float] = []
-    bwd_in: list[float] = []
-    bwd_w: list[float] = []
-
-    def forward() -> Any:
-        with cast():
-            return layer(inp)
-
-    for r in range(warmup + repeats):
-        ms, o = timer(forward)
-        if r >= warmup:
-            fwd.append(ms)
-        if grads:
-            ms_b, _ = timer(partial(_backward, o, grads))
-            if r >= warmup:
-                bwd.append(ms_b)
-        if grads and split_backward:
-            ms_i, ms_w = _split_ms(layer, forward(), inputs, grads, timer)
-            if r >= warmup:
-                bwd_in.append(ms_i)
-                bwd_w.append(ms_w)
-    layer.zero_grad(set_to_none=True)
-    out = _map(out, _leaf)
-    bwd_ms = statistics.median(bwd) if bwd else 0.0
-    in_ms = statistics.median(bwd_in) if bwd_in else 0.0
-    w_ms = statistics.median(bwd_w) if bwd_w else 0.0
-    return statistics.median(fwd), bwd_ms, in_ms, w_ms, kept, _nbytes(out), out
 
 
 def _slope(batch_sizes: Sequence[int], values: Sequence[float]) -> float:
@@ -343,9 +145,10 @@ def profile_workload(
         precision: ``fp32``, or ``bf16``/``fp16``: every forward under that autocast, as
             ``dapple train --precision`` runs it (fp16 needs CUDA); recorded in the profile.
         split_backward: also time the two halves of each backward as the runtime's ZB-H1 runs
-            them (:func:`_split_ms`, after an untimed forward) and record them as
-            ``LayerProfile.backward_input`` and ``backward_weight``. Without it zero-bubble
-            schedules use the documented assumed split (:meth:`LayerProfile.backward_split`).
+            them (:func:`~dapple.profiler.layer_measure.measure_layer`, after an untimed
+            forward) and record them as ``LayerProfile.backward_input`` and
+            ``backward_weight``. Without it zero-bubble schedules use the documented assumed
+            split (:meth:`LayerProfile.backward_split`).
         seq_lens: lengths of the model's dynamic dimension (tokens per sample) to measure at,
             each at every batch size: the workload's own batches cut or tiled to the length
             along every dynamic dimension, same layers (:mod:`dapple.profiler.lengths`). The
@@ -364,7 +167,7 @@ def profile_workload(
     old_threads = torch.get_num_threads()
     if num_threads is not None and dev.type == "cpu":
         torch.set_num_threads(num_threads)
-    cast = _autocast(precision, dev)
+    cast = autocast_for(precision, dev)
     load = (
         CoWorkers(workload, co_workers - 1, sizes[len(sizes) // 2], seed, cast) if shared else None
     )
@@ -432,8 +235,8 @@ def _profile(
     precision: str = "fp32",
     split_backward: bool = False,
 ) -> ModelProfile:
-    timer = _Timer(dev, cpu_time)
-    cast = _autocast(precision, dev)
+    timer = Timer(dev, cpu_time)
+    cast = autocast_for(precision, dev)
     n = workload.num_layers
     fwd = [[0.0] * len(sizes) for _ in range(n)]
     bwd = [[0.0] * len(sizes) for _ in range(n)]
@@ -441,8 +244,8 @@ def _profile(
     bwd_w = [[0.0] * len(sizes) for _ in range(n)]
     kept = [[0.0] * len(sizes) for _ in range(n)]
     out_b = [[0.0] * len(sizes) for _ in range(n)]
-    xs = [_map(workload.make_batch(b, seed)[0], lambda t: _leaf(t.to(dev))) for b in sizes]
-    input_bytes = [float(_nbytes(x)) for x in xs]
+    xs = [map_tensors(workload.make_batch(b, seed)[0], lambda t: as_leaf(t.to(dev))) for b in sizes]
+    input_bytes = [float(tensor_bytes(x)) for x in xs]
     param_bytes: list[int] = []
     tied: list[tuple[int, tuple[int, ...]]] = []
     param_dtypes: set[torch.dtype] = set()
@@ -455,7 +258,7 @@ def _profile(
     for i in range(n):  # one layer at a time: the peak is the largest layer, not the model
         layer = workload.build_layer(i, seed).to(dev).train()
         for k, b in enumerate(sizes):
-            f_ms, b_ms, i_ms, w_ms, kept_bytes, nbytes, xs[k] = _measure_layer(
+            f_ms, b_ms, i_ms, w_ms, kept_bytes, nbytes, xs[k] = measure_layer(
                 layer, xs[k], timer, warmup, repeats, cast, split_backward
             )
             fwd[i][k], bwd[i][k], kept[i][k], out_b[i][k] = f_ms, b_ms, kept_bytes, nbytes
@@ -464,7 +267,7 @@ def _profile(
             log.debug("b=%d layer %d: fwd %.3f ms bwd %.3f ms", b, i, f_ms, b_ms)
             if progress is not None:
                 progress(done, total, f"b={b} {workload.name_of(i)}")
-        trainable = _trainable(layer)
+        trainable = trainable_params(layer)
         param_bytes.append(sum(p.numel() * p.element_size() for p in layer.parameters()))
         tied.append(tied_layer_bytes(workload, i, layer))
         param_dtypes |= {p.dtype for p in layer.parameters()}
@@ -472,7 +275,7 @@ def _profile(
         shards[i] = _shards(layer, tp_plan, workload.name_of(i))
         del layer
         gc.collect()  # traced pieces hold reference cycles: free this layer before the next
-        update_ms += _update_ms(trainable, dev, timer, warmup, repeats)
+        update_ms += optimizer_update_ms(trainable, dev, timer, warmup, repeats)
     del xs
     dtype = (
         str(next(iter(param_dtypes))).replace("torch.", "") if len(param_dtypes) == 1 else "mixed"

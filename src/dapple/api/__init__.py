@@ -1,0 +1,44 @@
+"""Python API: profile, plan, simulate, train and verify from a script or a notebook.
+
+Every function takes the objects the CLI reads and writes (:class:`~dapple.core.profile.ModelProfile`,
+:class:`~dapple.core.cluster.Cluster`, :class:`~dapple.core.plan.Plan`) or the paths of their JSON files,
+and a model as a :class:`~dapple.models.workload.Workload` or a spec string (a zoo name,
+``package.module:factory`` or ``path/to/file.py:factory``) with keyword ``overrides`` for the
+factory (``--set KEY=VALUE`` and ``--split-at`` on the command line)::
+
+    import dapple.api as dp
+
+    prof = dp.profile("dapple.models.hf:gpt2", batch_sizes=[1, 2, 4], overrides={"layers": 2})
+    plan = dp.plan(prof, "local-cpu", global_batch_size=8)
+    print(dp.simulate(plan, prof, "local-cpu").step_ms)
+    report = dp.verify(plan, "dapple.models.hf:gpt2", steps=2, overrides={"layers": 2})
+    assert report.ok
+
+Workloads loaded from a spec (:func:`load`) pickle as their spec: spawned worker processes load
+them again, so models defined in a ``file.py`` train and verify like installed ones.
+
+The functions live in :mod:`dapple.api.planning` (profile, plan, plan_local, simulate) and
+:mod:`dapple.api.running` (train, verify, verify_many, generate).
+"""
+
+from __future__ import annotations
+
+from dapple.api._inputs import plan_with
+from dapple.api.planning import plan, plan_local, profile, simulate
+from dapple.api.running import generate, train, verify, verify_many
+from dapple.models.spec import load
+
+__all__ = [
+    "generate",
+    "load",
+    "plan",
+    "plan_local",
+    "profile",
+    "simulate",
+    "train",
+    "verify",
+    "verify_many",
+]
+
+_with = plan_with
+"""A plan under another schedule and policy (:func:`dapple.api._inputs.plan_with`)."""

@@ -1,0 +1,103 @@
+"""What the Python API's functions take: each input as an object, a path or a name, resolved.
+
+A model is a :class:`~dapple.models.workload.Workload` or a spec string for
+:func:`dapple.models.spec.load`; a plan, a profile and a cluster are objects or the paths
+(names, for a cluster preset or a ``paper:NAME`` profile) of their JSON files. A plan given to
+run or simulate may be put under another schedule and policy (:func:`plan_with`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, cast
+
+from dapple.core.cluster import Cluster, load_cluster
+from dapple.core.plan import Plan
+from dapple.core.profile import ModelProfile
+from dapple.errors import ValidationError
+from dapple.models.spec import load
+from dapple.models.workload import Workload
+from dapple.schedule.registry import check_virtual_stages
+
+__all__ = [
+    "WorkloadLike",
+    "as_cluster",
+    "as_plan",
+    "as_profile",
+    "as_workload",
+    "global_batch_of",
+    "plan_with",
+]
+
+WorkloadLike = Workload | str
+"""A :class:`Workload` or a spec string for :func:`dapple.models.spec.load`."""
+
+
+def as_workload(workload: WorkloadLike, overrides: Mapping[str, Any] | None) -> Workload:
+    """``workload`` as given, or built from its spec with ``overrides``.
+
+    Raises:
+        ValidationError: overrides for a built workload, neither a workload nor a string, or a
+            bad spec.
+    """
+    if isinstance(workload, Workload):
+        if overrides:
+            raise ValidationError(
+                f"overrides {sorted(overrides)} apply to a spec string, not to the already "
+                f"built workload {workload.name!r}"
+            )
+        return workload
+    if not isinstance(workload, str):
+        raise ValidationError(
+            f"expected a Workload or a spec string, got {type(workload).__name__}"
+        )
+    return load(workload, **dict(overrides or {}))
+
+
+def as_plan(plan: Plan | str | Path) -> Plan:
+    """``plan`` as given, or loaded from its JSON file."""
+    return plan if isinstance(plan, Plan) else Plan.load(plan)
+
+
+def as_profile(profile: ModelProfile | str | Path) -> ModelProfile:
+    """``profile`` as given, or loaded from its JSON file or ``paper:NAME``."""
+    from dapple.profiler.paper_models import load_profile
+
+    return profile if isinstance(profile, ModelProfile) else load_profile(profile)
+
+
+def as_cluster(cluster: Cluster | str, servers: int | None = None) -> Cluster:
+    """``cluster`` (a preset name or a file, else as given), with ``servers`` when given."""
+    if isinstance(cluster, Cluster):
+        return cluster if servers is None else cluster.with_servers(servers)
+    return load_cluster(cluster, servers)
+
+
+def global_batch_of(profile: ModelProfile | str | Path, given: int | None) -> int:
+    """G as given, or the paper's for a ``paper:NAME`` profile (else a ValidationError)."""
+    from dapple.profiler.paper_models import PAPER_GLOBAL_BATCH, paper_name
+
+    if given is not None:
+        return given
+    name = paper_name(profile) if isinstance(profile, str) else None
+    if name is None:
+        raise ValidationError("global_batch_size is required for a profile that is not paper:NAME")
+    return PAPER_GLOBAL_BATCH[name]
+
+
+def plan_with(
+    plan: Plan | str | Path, schedule: str | None, policy: str | None, virtual_stages: int = 1
+) -> Plan:
+    """``plan`` under ``schedule`` (with v chunks for ``interleaved``,
+    :func:`dapple.simulate.schedules.with_schedule`) and ``policy``, each when given."""
+    from dapple.simulate.schedules import with_schedule
+
+    p = as_plan(plan)
+    if schedule is not None:
+        return with_schedule(p, schedule, virtual_stages, policy)
+    check_virtual_stages(virtual_stages, None)
+    if policy is not None:
+        p = dataclasses.replace(p, policy=cast(Any, policy))
+    return p

@@ -1,0 +1,232 @@
+"""The Python API's planning side: profile a model, plan it on a cluster, simulate a step.
+
+:func:`profile`, :func:`plan`, :func:`plan_local` and :func:`simulate` (``dapple profile``,
+``dapple plan``, ``dapple simulate``), re-exported by :mod:`dapple.api`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from dapple.api._inputs import (
+    WorkloadLike,
+    as_cluster,
+    as_profile,
+    as_workload,
+    global_batch_of,
+    plan_with,
+)
+from dapple.core.cluster import Cluster
+from dapple.core.plan import Plan
+from dapple.core.profile import ModelProfile
+from dapple.schedule.registry import check_virtual_stages
+
+if TYPE_CHECKING:
+    from dapple.simulate import SimResult
+
+__all__ = ["plan", "plan_local", "profile", "simulate"]
+
+
+def profile(
+    workload: WorkloadLike,
+    batch_sizes: Sequence[int] = (1, 2, 4),
+    device: str = "auto",
+    *,
+    overrides: Mapping[str, Any] | None = None,
+    repeats: int = 5,
+    warmup: int = 2,
+    num_threads: int | None = 1,
+    co_workers: int = 1,
+    output: str | Path | None = None,
+    precision: str = "fp32",
+    split_backward: bool = False,
+    seq_lens: Sequence[int] | None = None,
+) -> ModelProfile:
+    """Measure every layer of a model (``dapple profile``).
+
+    Args:
+        workload: A :class:`Workload` or a spec string.
+        batch_sizes: Batch sizes to time (the fit is affine in the batch size).
+        device: ``auto`` (``cuda`` when available, else ``cpu``), ``cpu`` or ``cuda[:N]``.
+        overrides: Factory keyword arguments when ``workload`` is a spec.
+        repeats: Timed runs per layer and batch size (median kept).
+        warmup: Untimed runs first.
+        num_threads: Torch threads on CPU while profiling (``None``: unchanged).
+        co_workers: CPU: profile as one of this many local workers sharing the cores (CPU
+            time while the others train the model; see ``profile_workload``).
+        output: Also save the profile JSON here.
+        precision: ``fp32``, ``bf16`` or ``fp16`` autocast while measuring (recorded in the
+            profile; the planner's memory model follows it).
+        split_backward: Also time each backward's input- and weight-gradient halves
+            (zero-bubble ``I`` and ``W``) as the runtime runs them, recorded as
+            ``LayerProfile.backward_input`` and ``backward_weight``.
+        seq_lens: Also measure at these lengths of the model's dynamic (sequence) dimension:
+            its own batches cut or tiled to each length, same layers
+            (:mod:`dapple.profiler.lengths`); :func:`plan` with ``seq_len`` interpolates
+            between them in tokens.
+
+    Raises:
+        ValidationError: Bad model spec, batch sizes, device, precision, or lengths (a model
+            without a dynamic dimension, a length outside its range).
+    """
+    from dapple.profiler.measure import profile_workload
+
+    prof = profile_workload(
+        as_workload(workload, overrides),
+        list(batch_sizes),
+        device=device,
+        warmup=warmup,
+        repeats=repeats,
+        num_threads=num_threads,
+        co_workers=co_workers,
+        precision=precision,
+        split_backward=split_backward,
+        seq_lens=seq_lens,
+    )
+    if output is not None:
+        prof.save(output)
+    return prof
+
+
+def plan(
+    profile: ModelProfile | str | Path,
+    cluster: Cluster | str,
+    global_batch_size: int | None = None,
+    planner: str = "dapple",
+    *,
+    servers: int | None = None,
+    output: str | Path | None = None,
+    schedule: str | None = None,
+    virtual_stages: int = 1,
+    seq_len: float | None = None,
+    max_seq_len: float | None = None,
+    zero_stage: int | str = 0,
+    tensor_widths: str | Sequence[int] = "auto",
+) -> Plan:
+    """Plan a profiled model on a cluster (``dapple plan``).
+
+    Args:
+        profile: A :class:`ModelProfile`, its JSON path, or ``paper:NAME`` for a shipped paper
+            profile (:data:`dapple.profiler.paper_models.PAPER_MODELS`).
+        cluster: A :class:`Cluster`, a preset name (``local-cpu``, ``paper-a``...) or a file.
+        global_batch_size: Samples per optimizer step (None: the paper's, for a ``paper:NAME``
+            profile).
+        planner: ``dapple`` or a baseline (see :data:`dapple.planner.PLANNERS`).
+        servers: Another number of servers than the cluster's.
+        output: Also save the plan JSON here.
+        schedule: Run the planned stages under ``gpipe``, ``dapple``, ``interleaved`` or
+            ``zbh1`` instead of the planner's choice (``dapple plan --schedule``); the
+            predicted step is that schedule's
+            (:func:`dapple.planner.schedules.schedule_latency`). ``best``: the fastest
+            simulated plan over every schedule and M that fits the memory
+            (:func:`dapple.simulate.schedules.best_schedule`).
+        virtual_stages: v, model chunks per device group with ``schedule="interleaved"``.
+        seq_len: Mean tokens per sample to plan the step time for, from a profile measured at
+            several lengths (``profile(seq_lens=...)``; ``dapple plan --seq-len MEAN,MAX``).
+        max_seq_len: Longest sample, which the memory is planned for (default ``seq_len``).
+        zero_stage: 1: replicated stages shard their optimizer state (ZeRO-1); 2: their
+            gradients too (ZeRO-2); 3: their parameters too (ZeRO-3, gathered once per step or
+            per micro-batch); ``"auto"``: per stage, where memory asks for it (dapple planner
+            only; the plan records each stage's, which :func:`train` follows).
+        tensor_widths: The tensor widths t to search (each of 1, 2, 4, 8, dividing the server
+            size; dapple planner only), or ``"auto"``: 1, and every width that fits when some
+            layer of the profile shards (``LayerProfile.tensor_parallel``).
+
+    Raises:
+        ValidationError: Unknown planner or schedule, bad batch size, bad files, lengths
+            without a profile measured at several, v not dividing a device group's layers,
+            tensor widths that cannot be searched (t > 1 for a profile where no layer shards).
+        InfeasibleError: No plan fits the devices' memory.
+    """
+    from dapple.planner import make_plan
+    from dapple.planner.config import PlanConfig, tensor_width_list, zero_stage_number
+
+    widths = tensor_widths if isinstance(tensor_widths, str) else tuple(tensor_widths)
+    cfg = PlanConfig(  # the checks of `dapple plan` and its config file
+        servers=servers, global_batch_size=global_batch_size, planner=planner,
+        zero_stage=zero_stage, tensor_widths=widths,
+    )  # fmt: skip
+    prof, cl = as_profile(profile), as_cluster(cluster, servers)
+    result = make_plan(
+        prof,
+        cl,
+        global_batch_of(profile, global_batch_size),
+        planner,
+        seq_len=seq_len,
+        max_seq_len=max_seq_len,
+        zero_stage=zero_stage_number(zero_stage),
+        tensor_widths=tensor_width_list(cfg.tensor_widths),
+    )
+    if schedule == "best":
+        from dapple.simulate.schedules import best_schedule
+
+        chosen = best_schedule(result, prof, cl)[0].plan
+        assert chosen is not None
+        result = chosen
+    elif schedule is not None:
+        from dapple.planner.schedules import schedule_latency
+        from dapple.simulate.schedules import with_schedule
+
+        result = with_schedule(result, schedule, virtual_stages)
+        result = dataclasses.replace(result, predicted_step_ms=schedule_latency(result, prof, cl))
+    else:
+        check_virtual_stages(virtual_stages, None)
+    if output is not None:
+        result.save(output)
+    return result
+
+
+def plan_local(
+    workload: WorkloadLike,
+    global_batch_size: int,
+    nprocs: Sequence[int] = (2, 4),
+    *,
+    overrides: Mapping[str, Any] | None = None,
+    repeats: int = 5,
+) -> Plan:
+    """The best plan for this machine's CPU cores over local process counts ``nprocs``: each
+    count is profiled as co-located workers, calibrated and planned; the lowest predicted L
+    wins (:func:`dapple.calibrate.local.plan_local`, which also returns every candidate).
+
+    Raises:
+        ValidationError: a bad model spec or a count below 2.
+    """
+    from dapple.calibrate.local import plan_local as _plan_local
+
+    best, _ = _plan_local(
+        as_workload(workload, overrides), global_batch_size, nprocs, repeats=repeats
+    )
+    return best.plan
+
+
+def simulate(
+    plan: Plan | str | Path,
+    profile: ModelProfile | str | Path,
+    cluster: Cluster | str,
+    *,
+    schedule: str | None = None,
+    policy: str | None = None,
+    virtual_stages: int = 1,
+) -> SimResult:
+    """Simulate one step of a plan (``dapple simulate``).
+
+    Args:
+        plan: A :class:`Plan` or its JSON path.
+        profile: A :class:`ModelProfile`, its JSON path, or ``paper:NAME``.
+        cluster: A :class:`Cluster`, a preset name or a file.
+        schedule: ``gpipe``, ``dapple``, ``interleaved`` or ``zbh1`` instead of the plan's.
+        policy: ``A`` or ``B`` instead of the plan's.
+        virtual_stages: v, model chunks per device group with ``schedule="interleaved"``.
+
+    Raises:
+        ValidationError: The plan does not fit the profile or cluster, or the schedule does not
+            fit the plan (v not dividing a device group's layers, M not a multiple of the
+            groups).
+    """
+    from dapple.simulate import simulate as _simulate
+
+    p = plan_with(plan, schedule, policy, virtual_stages)
+    return _simulate(p, as_profile(profile), as_cluster(cluster))

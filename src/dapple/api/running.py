@@ -1,0 +1,317 @@
+"""The Python API's running side: train a plan, verify it against one process, generate text.
+
+:func:`train`, :func:`verify`, :func:`verify_many` and :func:`generate` (``dapple train``,
+``dapple verify``, ``dapple generate``), re-exported by :mod:`dapple.api`. Training and verifying
+check the plan against the model before any worker starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from dapple.api._inputs import WorkloadLike, as_cluster, as_plan, as_profile, as_workload, plan_with
+from dapple.api.planning import simulate
+from dapple.core.cluster import Cluster
+from dapple.core.plan import Plan
+from dapple.core.profile import ModelProfile
+from dapple.errors import ValidationError
+from dapple.models.workload import Workload
+
+if TYPE_CHECKING:
+    from dapple.models.generate import Generated
+    from dapple.runtime import StepMetrics
+    from dapple.runtime.early import EarlyWorkers
+    from dapple.runtime.verify import VerifyReport
+
+__all__ = ["generate", "train", "verify", "verify_many"]
+
+
+def train(
+    plan: Plan | str | Path,
+    workload: WorkloadLike,
+    steps: int = 1,
+    *,
+    overrides: Mapping[str, Any] | None = None,
+    data: Any = None,
+    eval_data: Any = None,
+    seq_len: int | None = None,
+    documents: str | None = None,
+    schedule: str | None = None,
+    policy: str | None = None,
+    virtual_stages: int = 1,
+    keep: int | None = 3,
+    eval_batches: int | None = None,
+    require_resume: bool = False,
+    profile: ModelProfile | str | Path | None = None,
+    cluster: Cluster | str | None = None,
+    elastic: bool = False,
+    min_devices: int = 1,
+    max_restarts: int = 3,
+    early: EarlyWorkers | None = None,
+    **options: Any,
+) -> list[StepMetrics]:
+    """Train a plan for ``steps`` synchronous steps (``dapple train``; the options of a run file,
+    :class:`~dapple.runtime.run_config.RunConfig`, with the same names and defaults).
+
+    Args:
+        plan: A :class:`Plan` or its JSON path.
+        workload: A :class:`Workload` or a spec string.
+        steps: Optimizer steps.
+        overrides: Factory keyword arguments when ``workload`` is a spec (with ``split_at``,
+            ``weights``, ``dynamic_dims``: ``--split-at``, ``--weights``, ``--dynamic-dims``).
+        data: Training samples: a map-style dataset of ``(inputs, targets)`` or the path of a
+            token file (:class:`~dapple.datasets.TokenFile`, read with ``seq_len``); None: the
+            workload's synthetic batches.
+        eval_data: Evaluation samples, a dataset or a token file path; without ``eval_every``
+            evaluated after the last step.
+        seq_len: Tokens per sample of token files; a spec-string workload is also built
+            with ``seq=seq_len``.
+        documents: ``pack`` or ``pad``: the paths hold documents, packed into samples or one
+            per sample padded per batch (:func:`dapple.datasets.open_documents`).
+        schedule, policy, virtual_stages: As in :func:`verify`.
+        keep, eval_batches, require_resume, profile, cluster: As
+            :class:`~dapple.runtime.run_config.RunOptions` (``keep=None``: every checkpoint);
+            ``profile`` and ``cluster`` may be objects.
+        elastic, min_devices, max_restarts: As :class:`~dapple.runtime.run_config.RunOptions`:
+            re-plan on ``profile`` and ``cluster`` for the devices left when one is lost
+            (:mod:`dapple.runtime.elastic`); the metrics then hold every attempt's steps.
+        early: Workers already started for this run (``dapple train`` starts them first).
+        **options: The other :class:`dapple.runtime.TrainConfig` fields (``seed``,
+            ``optimizer``, ``lr``, ``weight_decay``, ``zero_stage``, ``device``,
+            ``metrics_path``, ``checkpoint_dir``, ``save_every``, ``resume``, ``eval_every``,
+            ``precision``, ``echo``...).
+
+    Returns:
+        Rank 0's metrics of every step.
+
+    Raises:
+        ValidationError: Bad plan, workload or options; a plan made for another model
+            (:meth:`~dapple.core.plan.Plan.check_model`); a stage of tensor width t_s > 1
+            the model cannot be cut over (:mod:`dapple.runtime.tensor_check`).
+        CheckpointError: ``require_resume`` and no checkpoint to resume.
+        RankFailure: A worker failed.
+    """
+    from dapple.runtime import train as _train
+    from dapple.runtime.config import TrainConfig
+    from dapple.runtime.run_config import RunOptions, check_resumable, resolve_train_config
+    from dapple.runtime.stage_mesh import check_mesh_run
+
+    run = RunOptions(keep=keep or 0, eval_batches=eval_batches, require_resume=require_resume,
+                     elastic=elastic, min_devices=min_devices, max_restarts=max_restarts,
+                     profile=_name(profile), cluster=_name(cluster))  # fmt: skip
+    run_plan = plan_with(plan, schedule, policy, virtual_stages)
+    wl = as_workload(workload, _seq_overrides(workload, overrides, seq_len))
+    _check_run(run_plan, wl, None if cluster is None else as_cluster(cluster, None))
+    train_data = _dataset(data, seq_len, documents)
+    evals = _dataset(eval_data, seq_len, documents)
+    G, n_eval = run_plan.global_batch_size, None if evals is None else len(evals)
+    cfg = resolve_train_config(TrainConfig(steps=steps, **options), run, n_eval, G)
+    check_mesh_run(run_plan, wl, cfg)  # what stages of t_s > 1 or ZeRO-3 cannot run yet
+    if profile is not None and cluster is not None:
+        predicted = simulate(run_plan, profile, cluster).step_ms
+        cfg = dataclasses.replace(cfg, predicted_step_ms=predicted)
+    if require_resume:
+        check_resumable(cfg.checkpoint_dir)
+    fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+    from dapple.runtime.elastic import ElasticPolicy
+
+    replan: ElasticPolicy | None = None
+    if elastic and profile is not None and cluster is not None:
+        replan = ElasticPolicy(as_profile(profile), as_cluster(cluster), min_devices=min_devices,
+                               max_restarts=max_restarts, zero_stage=cfg.zero_stage)  # fmt: skip
+    return _train(run_plan, wl, data=train_data, eval_data=evals, early=early, elastic=replan,
+                  **fields)  # fmt: skip
+
+
+def _check_run(plan: Plan, wl: Workload, cluster: Cluster | None = None) -> None:
+    """The plan was made for this model (:meth:`~dapple.core.plan.Plan.check_model`) and its
+    tensor groups can cut it (:func:`dapple.runtime.tensor_check.check_tensor_run`)."""
+    from dapple.runtime.tensor_check import check_tensor_run
+
+    plan.check_model(wl.name, wl.num_layers)
+    check_tensor_run(plan, wl, cluster)
+
+
+def _name(x: ModelProfile | Cluster | str | Path | None) -> str | None:
+    """How an option given as an object or a path reads in messages."""
+    if isinstance(x, ModelProfile):
+        return x.model_name
+    return x.name if isinstance(x, Cluster) else None if x is None else str(x)
+
+
+def _seq_overrides(
+    workload: WorkloadLike, overrides: Mapping[str, Any] | None, seq_len: int | None
+) -> Mapping[str, Any] | None:
+    """``overrides`` with ``seq=seq_len`` for a spec string (a built workload stays as is)."""
+    if seq_len is None or not isinstance(workload, str):
+        return overrides
+    given = dict(overrides or {})
+    if given.setdefault("seq", seq_len) != seq_len:
+        raise ValidationError(f"overrides seq={given['seq']} disagrees with seq_len={seq_len}")
+    return given
+
+
+def _dataset(data: Any, seq_len: int | None, documents: str | None = None) -> Any:
+    """A dataset as given, or the token file (``documents``: the documents) at a path."""
+    from dapple.runtime.run_config import open_run_data
+
+    return None if data is None else open_run_data(data, seq_len, documents)
+
+
+def verify(
+    plan: Plan | str | Path,
+    workload: WorkloadLike,
+    steps: int = 2,
+    *,
+    overrides: Mapping[str, Any] | None = None,
+    schedule: str | None = None,
+    policy: str | None = None,
+    virtual_stages: int = 1,
+    device: str = "auto",
+    data: Any = None,
+    seq_len: int | None = None,
+    precision: str = "fp32",
+    **options: Any,
+) -> VerifyReport:
+    """Run a plan distributed and check it step by step against one process (``dapple verify``).
+
+    Args:
+        plan: A :class:`Plan` or its JSON path.
+        workload: A :class:`Workload` or a spec string.
+        steps: Optimizer steps of both runs.
+        overrides: Factory keyword arguments when ``workload`` is a spec.
+        schedule: ``gpipe``, ``dapple``, ``interleaved`` or ``zbh1`` instead of the plan's.
+        policy: ``A`` or ``B`` instead of the plan's.
+        virtual_stages: v, model chunks per device group with ``schedule="interleaved"``.
+        device: Device of the distributed run: ``auto`` (``cuda`` when available, else
+            ``cpu``), ``cpu`` or ``cuda``; the reference runs on the CPU.
+        data: Training samples of both runs, a dataset or a token file path (as in
+            :func:`train`).
+        seq_len: As in :func:`train`.
+        precision: ``fp32`` or ``bf16`` autocast in both runs (bf16 tolerances:
+            :func:`dapple.runtime.precision.tolerances_for`).
+        **options: ``seed``, ``optimizer``, ``lr``, ``rtol``, ``atol``, ``grad_rtol``,
+            ``timeout_s`` and the optimisation options ``weight_decay``, ``momentum``,
+            ``betas``, ``eps``, ``lr_schedule``, ``warmup_steps``, ``min_lr``,
+            ``clip_grad_norm``, ``zero_stage`` (see :func:`dapple.runtime.verify.verify_many`).
+
+    Returns:
+        A :class:`~dapple.runtime.verify.VerifyReport`; ``report.ok`` is the verdict.
+
+    Raises:
+        ValidationError: Bad plan, workload or options; a plan made for another model
+            (:meth:`~dapple.core.plan.Plan.check_model`); a stage of tensor width t_s > 1
+            the model cannot be cut over (:mod:`dapple.runtime.tensor_check`).
+        RankFailure: A worker failed.
+    """
+    run_plan = plan_with(plan, schedule, policy, virtual_stages)
+    wl = as_workload(workload, _seq_overrides(workload, overrides, seq_len))
+    _check_run(run_plan, wl)
+    from dapple.runtime.verify import verify as _verify
+
+    return _verify(
+        run_plan,
+        wl,
+        steps,
+        device=device,
+        data=_dataset(data, seq_len),
+        precision=precision,
+        **options,
+    )
+
+
+def verify_many(
+    cases: Sequence[tuple[Plan | str | Path, WorkloadLike]],
+    steps: int = 2,
+    *,
+    device: str = "auto",
+    **options: Any,
+) -> list[VerifyReport]:
+    """:func:`verify` several ``(plan, workload)`` pairs in ONE launch of worker processes.
+
+    Spec strings are loaded once each (without overrides; pass a
+    :func:`~dapple.models.spec.load` result for those).
+
+    Args:
+        cases: Plans (objects or paths) and workloads (objects or spec strings).
+        steps: Optimizer steps of every run.
+        device: As in :func:`verify` (default ``auto``).
+        **options: As in :func:`verify` (no ``schedule``/``policy``: set them on the plans).
+
+    Raises:
+        ValidationError: Bad plan, workload or options; a plan made for another model
+            (:meth:`~dapple.core.plan.Plan.check_model`); a stage of tensor width t_s > 1
+            the model cannot be cut over (:mod:`dapple.runtime.tensor_check`).
+        RankFailure: A worker failed.
+    """
+    from dapple.runtime.verify import verify_many as _verify_many
+
+    loaded: dict[str, Workload] = {}
+    resolved: list[tuple[Plan, Workload]] = []
+    for p, w in cases:
+        if isinstance(w, str):
+            if w not in loaded:
+                loaded[w] = as_workload(w, None)
+            w = loaded[w]
+        run_plan, wl = as_plan(p), as_workload(w, None)
+        _check_run(run_plan, wl)
+        resolved.append((run_plan, wl))
+    return _verify_many(resolved, steps, device=device, **options)
+
+
+def generate(
+    workload: WorkloadLike,
+    prompt: str,
+    max_new_tokens: int = 64,
+    *,
+    checkpoint: str | Path | None = None,
+    overrides: Mapping[str, Any] | None = None,
+    tokenizer: str | Path | None = None,
+    temperature: float = 0.0,
+    seed: int = 0,
+) -> Generated:
+    """Continue ``prompt`` with a trained causal language model (``dapple generate``), on the
+    CPU (:func:`dapple.models.generate.generate_text`).
+
+    Args:
+        workload: A :class:`Workload` or a spec string; the model as it was trained.
+        prompt: The text to continue.
+        max_new_tokens: Tokens to add (generation does not stop at end-of-sequence).
+        checkpoint: A checkpoint root (its newest complete checkpoint) or one
+            ``step-NNNNNNNN`` directory; ``None``: the workload's own weights (pretrained ones
+            with ``overrides={"weights": DIR}``).
+        overrides: Factory keyword arguments when ``workload`` is a spec.
+        tokenizer: A Hugging Face tokenizer directory; ``None``: an ``hf:DIR`` model's own
+            tokenizer when DIR has one, else bytes (vocabulary 256).
+        temperature: 0: greedy; above 0: sampled from ``softmax(logits / temperature)``.
+        seed: Seed of the sampling.
+
+    Returns:
+        A :class:`~dapple.models.generate.Generated`: ``text`` (the prompt and its
+        continuation), ``ids``, ``prompt_tokens``, ``new_tokens``.
+
+    Raises:
+        ValidationError: An empty prompt, no checkpoint under ``checkpoint``, a tokenizer whose
+            vocabulary does not fit the model's, a bad spec, count or temperature.
+        CheckpointError: A checkpoint of another model, or a damaged one.
+    """
+    from dapple.models.generate import check_request, generate_text, tokenizer_for
+    from dapple.runtime.checkpoint import check_compatible, restore_stage
+    from dapple.runtime.export import newest_checkpoint
+
+    wl = as_workload(workload, overrides)
+    tok = tokenizer_for(wl, tokenizer)
+    check_request(tok, prompt, max_new_tokens, temperature)  # before the model is built
+    ckpt = None if checkpoint is None else newest_checkpoint(checkpoint)
+    if checkpoint is not None and ckpt is None:
+        raise ValidationError(f"no complete checkpoint under {str(checkpoint)!r}")
+    model = wl.build_model(0)
+    if ckpt is not None:
+        check_compatible(ckpt, model_name=wl.name, num_layers=wl.num_layers)
+        restore_stage(ckpt, model, 0)
+    return generate_text(
+        wl, model, prompt, max_new_tokens, tokenizer=tok, temperature=temperature, seed=seed
+    )

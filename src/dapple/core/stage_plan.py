@@ -1,0 +1,165 @@
+"""One pipeline stage of a plan: a contiguous layer range on its replicas and tensor groups.
+
+Pure data model, no torch. Stage ``s`` holds layers ``[start, end)`` replicated r_s times.
+Beyond the paper, a stage may shard its layers over a tensor-parallel group of t_s devices
+(Megatron-LM, Shoeybi et al. 2019): ``devices`` then lists all ``r_s x t_s`` devices
+replica-major, replica j's tensor group being ``devices[j*t_s:(j+1)*t_s]``, and
+``r_s = len(devices) / t_s``. The group's first device stands for the replica in the schedule
+(:attr:`StagePlan.replica_devices`); the other ranks of the group run the same actions. With
+t_s = 1 (the default) every device is a replica, as in the paper.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from dapple.core._json import get_field, require
+from dapple.errors import ValidationError
+
+__all__ = ["StagePlan"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StagePlan:
+    """One pipeline stage: a contiguous layer range replicated over a device set."""
+
+    layers: tuple[int, int]
+    """Layer range ``[start, end)`` of the chain."""
+    devices: tuple[int, ...]
+    """Device ids of all ``r_s x t_s`` devices, replica-major: replica ``j`` runs on the tensor
+    group ``devices[j*t_s:(j+1)*t_s]`` (``devices[j]`` when t_s = 1)."""
+    recompute: bool = False
+    """Re-compute the forward during backward, keeping only the stage input."""
+    max_in_flight: int | None = None
+    """D: how many micro-batches' activations fit on the device (None: unbounded)."""
+    zero_stage: int = 0
+    """1: the replicas shard the stage's optimizer state (ZeRO-1, ``dapple.runtime.zero``);
+    2: its gradients too (ZeRO-2); 3: its parameters too (ZeRO-3 / FSDP,
+    ``dapple.runtime.fsdp``); 0: every replica keeps all of it. Meaningful only with
+    ``r_s > 1`` (3 is refused on one replica)."""
+    tensor_width: int = 1
+    """t_s: devices of one replica's tensor-parallel group (a power of two), all in one server
+    (:func:`dapple.core.tensor_layout.check_tensor_groups`); 1: no tensor parallelism."""
+    regather: bool = False
+    """ZeRO-3 only: re-shard the parameters after every forward and backward and all-gather
+    them again per micro-batch (less memory, more traffic); False: gather once per step."""
+
+    def __post_init__(self) -> None:
+        s, e = self.layers
+        require(
+            isinstance(s, int) and isinstance(e, int) and 0 <= s < e,
+            f"stage layers must be [start, end) with 0 <= start < end, got {list(self.layers)}",
+        )
+        require(len(self.devices) >= 1, f"stage {list(self.layers)} has no devices")
+        require(
+            all(isinstance(d, int) and d >= 0 for d in self.devices),
+            f"stage {list(self.layers)}: device ids must be integers >= 0, got {list(self.devices)}",
+        )
+        require(
+            self.max_in_flight is None or self.max_in_flight >= 1,
+            f"stage {list(self.layers)}: max_in_flight must be >= 1, got {self.max_in_flight}",
+        )
+        require(
+            self.zero_stage in (0, 1, 2, 3),
+            f"stage {list(self.layers)}: zero_stage must be 0, 1, 2 or 3, got {self.zero_stage!r}",
+        )
+        self._check_tensor_layout()
+
+    def _check_tensor_layout(self) -> None:
+        """t_s a power of two dividing the device count; ZeRO-3 on r_s > 1; regather with 3."""
+        t, n, what = self.tensor_width, len(self.devices), f"stage {list(self.layers)}"
+        require(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 1 and t & (t - 1) == 0,
+            f"{what}: tensor_width must be a power of two >= 1, got {t!r}",
+        )
+        require(
+            n % t == 0,
+            f"{what}: its {n} devices {list(self.devices)} are not whole tensor groups of "
+            f"tensor_width={t}",
+        )
+        require(
+            self.zero_stage != 3 or n // t > 1,
+            f"{what}: zero_stage 3 shards parameters over the replicas, but the stage has one "
+            f"replica (devices {list(self.devices)}, tensor_width={t})",
+        )
+        require(
+            isinstance(self.regather, bool),
+            f"{what}: regather must be a bool, got {self.regather!r}",
+        )
+        require(
+            not self.regather or self.zero_stage == 3,
+            f"{what}: regather applies to zero_stage 3 only, got zero_stage {self.zero_stage}",
+        )
+
+    @property
+    def replicas(self) -> int:
+        """r_s, the number of replicas (tensor groups)."""
+        return len(self.devices) // self.tensor_width
+
+    @property
+    def replica_devices(self) -> tuple[int, ...]:
+        """The first device of each replica's tensor group, in replica order: the device that
+        stands for the replica in schedules and split-concat (``devices`` when t_s = 1)."""
+        t = self.tensor_width
+        return self.devices if t == 1 else self.devices[::t]
+
+    def tensor_group(self, replica: int) -> tuple[int, ...]:
+        """The t_s devices of replica ``replica``'s tensor group."""
+        t = self.tensor_width
+        return self.devices[replica * t : (replica + 1) * t]
+
+    def replica_group(self, tensor_rank: int) -> tuple[int, ...]:
+        """The r_s devices holding tensor shard ``tensor_rank``: the group that all-reduces
+        (or reduce-scatters and gathers) that shard's gradients over the replicas."""
+        return self.devices[tensor_rank :: self.tensor_width]
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "layers": list(self.layers),
+            "devices": list(self.devices),
+            "recompute": self.recompute,
+        }
+        if self.max_in_flight is not None:
+            d["max_in_flight"] = self.max_in_flight
+        if self.zero_stage:
+            d["zero_stage"] = self.zero_stage
+        if self.tensor_width != 1:
+            d["tensor_width"] = self.tensor_width
+        if self.regather:
+            d["regather"] = True
+        return d
+
+    @staticmethod
+    def from_dict(d: Any, index: int) -> StagePlan:
+        what = f"plan stage {index}"
+        require(isinstance(d, dict), f"{what} must be an object, got {d!r}")
+        layers = get_field(d, "layers", what)
+        require(
+            isinstance(layers, list)
+            and len(layers) == 2
+            and all(isinstance(x, int) for x in layers),
+            f"{what}: layers must be [start, end), got {layers!r}",
+        )
+        devices = get_field(d, "devices", what)
+        require(
+            isinstance(devices, list) and all(isinstance(x, int) for x in devices),
+            f"{what}: devices must be a list of integer ids, got {devices!r}",
+        )
+        mif = d.get("max_in_flight")
+        require(
+            mif is None or isinstance(mif, int),
+            f"{what}: max_in_flight must be an integer, got {mif!r}",
+        )
+        try:
+            return StagePlan(
+                layers=(layers[0], layers[1]),
+                devices=tuple(devices),
+                recompute=bool(d.get("recompute", False)),
+                max_in_flight=mif,
+                zero_stage=d.get("zero_stage", 0),
+                tensor_width=d.get("tensor_width", 1),
+                regather=d.get("regather", False),
+            )
+        except ValidationError as e:
+            raise ValidationError(f"{what}: {e}") from e
