@@ -164,7 +164,13 @@ def test_unsupported_mesh_runs_are_refused_in_one_line() -> None:
     with pytest.raises(ValidationError, match="regather under split-backward"):
         check_mesh_run(replace(regathering(one_then_zero3(4)), schedule="zbh1"), wl, _cfg())
     check_mesh_run(replace(one_then_zero3(4), schedule="zbh1"), wl, _cfg())
+    with pytest.raises(ValidationError, match="ZeRO-3 regather with precision bf16"):
+        check_mesh_run(regathering(tp2_fsdp2(4)), wl, _cfg(precision="bf16"))
+    check_mesh_run(tp2_fsdp2(4), wl, _cfg(precision="bf16"))
+    with pytest.raises(ValidationError, match="precision fp16 with TP or ZeRO-3"):
+        check_mesh_run(dp2_tp2(4), wl, _cfg(precision="fp16"))
     check_mesh_run(dp2_tp2(4), wl, _cfg())  # supported
+    check_mesh_run(dp2_tp2(4), wl, _cfg(precision="bf16"))
     check_mesh_run(interleave(tp2_then_zero3(4), 2), wl, _cfg())
     with pytest.raises(ValidationError, match="re-computation with ZeRO-3"):
         check_mesh_run(interleave(tp2_then_zero3(4), 2), wl, _cfg(recompute=True))
@@ -209,17 +215,33 @@ def test_verify_zoo_transformer_under_zb_h1(case: Any) -> None:
     _verify(replace(case(4), schedule="zbh1"), zoo_spec())
 
 
-def _verify_all(cases: list[tuple[Plan, Workload]]) -> None:
-    """:func:`_verify`'s checks on every case, with one launch of the workers."""
+def _verify_all(cases: list[tuple[Plan, Workload]], precision: str = "fp32") -> None:
+    """:func:`_verify`'s checks on every case, with one launch of the workers (bf16: within
+    verify's stated bf16 tolerances, both runs under autocast)."""
+    from dapple.runtime.precision import tolerances_for
     from dapple.runtime.verify import verify_many
 
     reps = verify_many(cases, steps=2, optimizer="adamw", lr=1e-2, clip_grad_norm=0.5,
-                       timeout_s=300)  # fmt: skip
+                       timeout_s=300, precision=precision)  # fmt: skip
     assert len(reps) == len(cases)
+    low = tolerances_for(precision)[0] if precision != "fp32" else None
     for rep in reps:
         assert rep.ok, rep
-        assert rep.losses == pytest.approx(rep.reference_losses, rel=1e-5)
-        assert rep.grad_norms == pytest.approx(rep.reference_grad_norms, rel=1e-4)
+        assert rep.losses == pytest.approx(rep.reference_losses, rel=low or 1e-5)
+        assert rep.grad_norms == pytest.approx(rep.reference_grad_norms, rel=low or 1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_verify_tp_and_zero3_under_bf16_autocast() -> None:
+    """bf16 autocast over cut stages: each rank casts its own weight slices, the row-parallel
+    all-reduces sum bf16 partial products; ZeRO-3 reduce-scatters after the step's last
+    backward has completed every weight gradient (a stage whose inputs carry gradients, 1:2,
+    is where FSDP2's own post-backward would come too early)."""
+    wl = zoo_spec()
+    cases = [dp2_tp2(4), tp2_then_dp2(4), interleave(tp2_then_dp2(4), 2), one_then_zero3(4),
+             tp2_fsdp2(4), interleave(tp2_then_zero3(4), 2)]  # fmt: skip
+    _verify_all([(c, wl) for c in cases], precision="bf16")
 
 
 @pytest.mark.slow

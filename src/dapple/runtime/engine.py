@@ -342,7 +342,8 @@ def _setup(
         _announce_weights(plan, workload, echo)
         announce("start-up: process groups and optimizer", echo)
     groups = make_groups(plan)  # replica groups per tensor index, tensor groups: collective
-    layers, mesh = cut_layers(plan, workload, layers, groups, rank, device)
+    layers, mesh = cut_layers(plan, workload, layers, groups, rank, device,
+                              autocast=precision.dtype is not None)  # fmt: skip
     if mesh.cut:
         gc.collect()  # the uncut layers sit in reference cycles (traced graphs): free them now
     zero = select_zero(plan, workload, layers, _zero_stage(plan, config, rank, layers.stage))

@@ -91,7 +91,7 @@ def build_layers(
 
 def cut_layers(
     plan: Plan, workload: Workload, layers: StageLayers, groups: RankGroups, rank: int,
-    device: torch.device,
+    device: torch.device, autocast: bool = False,
 ) -> tuple[StageLayers, StageMesh]:  # fmt: skip
     """The rank's layers cut over its tensor group and/or sharded over its replicas (t_s > 1,
     zero_stage 3: :func:`~dapple.runtime.stage_mesh.mesh_stage`); as they are otherwise."""
@@ -101,7 +101,7 @@ def cut_layers(
     held = [plan.stages[k] for k in layers.chunks]
     if all(st.tensor_width == 1 and st.zero_stage != 3 for st in held):
         return layers, StageMesh()
-    chunks, module, mesh = mesh_stage(plan, workload, rank, layers.chunks, groups, device)
+    chunks, module, mesh = mesh_stage(plan, workload, rank, layers.chunks, groups, device, autocast)
     return StageLayers(s, j, chunks, module), mesh
 
 

@@ -120,7 +120,7 @@ class StageExecutor:
         self.before_backward: Callable[[int], None] | None = None
         """Called with the micro-batch before each ``B`` or ``I`` (ZeRO-3's reduce switch)."""
         self.after_weights: Callable[[int], None] | None = None
-        """Called with the micro-batch after each ``W`` (ZeRO-3's reduce-scatter)."""
+        """Called with the micro-batch after each ``W`` or ``B`` (ZeRO-3's held reduce-scatter)."""
         self.live_weights = False
         """FSDP2 swaps shards for whole parameters in a step: ``I`` reads them, ``W`` reuses."""
         self.seed = seed
@@ -475,6 +475,8 @@ class StageExecutor:
             torch.autograd.backward(outs, gs)
         self._after_input_grads(m)
         self._drop(m)
+        if self.after_weights is not None:
+            self.after_weights(m)
 
     def _after_input_grads(self, m: int) -> None:
         """Micro-batch ``m``'s input gradients are computed: keep them for ``SEND_B``."""

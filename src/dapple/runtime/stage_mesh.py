@@ -96,8 +96,12 @@ def check_mesh_run(plan: Plan, workload: Workload, config: TrainConfig) -> None:
             raise ValidationError(
                 f"{what}: ZeRO-3 regather under split-backward schedules is not supported"
             )
-        if config.precision != "fp32":
-            raise ValidationError(f"{what}: TP or ZeRO-3 runs fp32 only so far")
+        if config.precision == "fp16":
+            raise ValidationError(f"{what}: precision fp16 with TP or ZeRO-3 is not supported yet")
+        if st.regather and config.precision != "fp32":
+            raise ValidationError(
+                f"{what}: ZeRO-3 regather with precision {config.precision} is not supported"
+            )
 
 
 # -- process groups ------------------------------------------------------------------------------
@@ -160,22 +164,28 @@ class ChunkShard:
     """The FSDP-wrapped chunk (a root of its own)."""
     regather: bool = False
     num_micro_batches: int = 1
-    split: bool = False
-    """The schedule splits the backward (``I`` then ``W``): the chunk reduce-scatters after the
-    step's last ``W`` (:meth:`after_weights`), not in a backward."""
+    held: bool = False
+    """No backward reduce-scatters: the chunk's ``M``-th weight gradients do, by hand
+    (:meth:`after_weights`). Needed where FSDP2's post-backward, which fires when the gradient
+    reaches the chunk's inputs, can come before a weight's gradient is complete: a split
+    backward (``I`` then ``W``), and autocast, whose one cached low-precision copy of a weight
+    per step is a node autograd runs after the inputs' gradients."""
     _weights_done: int = 0
 
     def before_backward(self, m: int) -> None:
-        """Reduce-scatter (and reshard) only after micro-batch ``M-1``'s backward (split
-        backward: in none, :meth:`after_weights` does)."""
+        """Reduce-scatter (and reshard) only after micro-batch ``M-1``'s backward (``held``: in
+        none, :meth:`after_weights` does)."""
         sharded: Any = self.fsdp
-        if self.split:
+        if self.held:
             hold_gradients(sharded)
         else:
             begin_micro_batch(sharded, m, self.num_micro_batches, regather=self.regather)
 
     def after_weights(self, m: int) -> None:
-        """Split backward, after each ``W``: the step's ``M``-th reduce-scatters."""
+        """After micro-batch ``m``'s weight gradients (its ``W``, or its whole backward):
+        ``held``, the step's ``M``-th reduce-scatters."""
+        if not self.held:
+            return
         self._weights_done += 1
         if self._weights_done == self.num_micro_batches:
             self._weights_done = 0
@@ -213,9 +223,10 @@ class StageMesh:
 
 def mesh_stage(
     plan: Plan, workload: Workload, rank: int, chunks: Mapping[int, nn.Sequential],
-    groups: RankGroups, device: torch.device,
+    groups: RankGroups, device: torch.device, autocast: bool = False,
 ) -> tuple[dict[int, nn.Sequential], nn.Sequential, StageMesh]:  # fmt: skip
-    """Cut ``rank``'s chunks over its tensor group and/or shard each over its replicas.
+    """Cut ``rank``'s chunks over its tensor group and/or shard each over its replicas
+    (``autocast``: the run computes in a low precision, :attr:`ChunkShard.held`).
 
     Returns:
         The cut chunks by stage index, the rank's layers as one module (the one chunk itself,
@@ -226,7 +237,7 @@ def mesh_stage(
     """
     s, j = plan.stage_of_device(rank)
     mesh = StageMesh(tensor_index(plan, rank))
-    split = get_schedule(plan.schedule).split_backward
+    held = autocast or get_schedule(plan.schedule).split_backward
     tp = _cut_chunks(plan, workload, chunks, groups.tensor.get((s, j)))
     out: dict[int, nn.Sequential] = {}
     for k in sorted(chunks):
@@ -235,7 +246,7 @@ def mesh_stage(
         if st.zero_stage == 3:
             pg = groups.replica[(s, mesh.tensor_rank)]
             shard_stage(module, DeviceMesh.from_group(pg, device.type), regather=st.regather)
-            mesh.shards[k] = ChunkShard(module, st.regather, plan.num_micro_batches, split)
+            mesh.shards[k] = ChunkShard(module, st.regather, plan.num_micro_batches, held)
         assert isinstance(module, nn.Sequential)  # the pieces, in place (FSDP swaps the class)
         module.train()
         out[k] = module
