@@ -315,10 +315,10 @@ def test_train_refuses_what_tensor_stages_cannot_run_yet_before_the_launch(
 ) -> None:
     """:func:`dapple.runtime.stage_mesh.check_mesh_run` runs in ``dapple train`` before the
     workers get the run, not only in each worker."""
-    stage = StagePlan(layers=(0, 4), devices=(0, 1), zero_stage=3, recompute=True)
+    stage = StagePlan(layers=(0, 4), devices=(0, 1), zero_stage=3, regather=True)
     plan = Plan(planner="manual", global_batch_size=8, micro_batch_size=4, num_micro_batches=2,
-                stages=(stage,))  # fmt: skip
-    path = tmp_path / "zero3-recompute.json"
+                stages=(stage,), schedule="zbh1")  # fmt: skip
+    path = tmp_path / "zero3-regather-zbh1.json"
     plan.save(path)
     assert main(["train", "--plan", str(path), "-m", f"hf:{llama_dir}"]) == 2
-    one_error_line(capsys, "stage 0 [0, 4] (tensor_width 1, zero 3): re-computation with ZeRO-3")
+    one_error_line(capsys, "stage 0 [0, 4] (tensor_width 1, zero 3): ZeRO-3 regather under split")

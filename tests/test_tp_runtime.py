@@ -157,8 +157,6 @@ def test_unsupported_mesh_runs_are_refused_in_one_line() -> None:
     bare = replace(wl, tp_plan={})
     with pytest.raises(ValidationError, match="has no TP plan"):
         check_mesh_run(dp2_tp2(4), bare, _cfg())
-    with pytest.raises(ValidationError, match="re-computation with ZeRO-3"):
-        check_mesh_run(tp2_fsdp2(4), wl, _cfg(recompute=True))
     with pytest.raises(ValidationError, match="ZeRO-1 with TP"):
         check_mesh_run(dp2_tp2(4), wl, _cfg(zero_stage=1))
     with pytest.raises(ValidationError, match="regather under split-backward"):
@@ -172,9 +170,8 @@ def test_unsupported_mesh_runs_are_refused_in_one_line() -> None:
     check_mesh_run(dp2_tp2(4), wl, _cfg())  # supported
     check_mesh_run(dp2_tp2(4), wl, _cfg(precision="bf16"))
     check_mesh_run(interleave(tp2_then_zero3(4), 2), wl, _cfg())
-    with pytest.raises(ValidationError, match="re-computation with ZeRO-3"):
-        check_mesh_run(interleave(tp2_then_zero3(4), 2), wl, _cfg(recompute=True))
     check_mesh_run(recomputing(dp2_tp2(4)), wl, _cfg(recompute=True))
+    check_mesh_run(recomputing(tp2_fsdp2(4)), wl, _cfg(recompute=True))
     # checkpoints and evaluation: tests/test_tp_checkpoint.py
     check_mesh_run(tp2_fsdp2(4), wl, _cfg(checkpoint_dir="/tmp/x", eval_every=1))
     check_mesh_run(plan_of([StagePlan(layers=(0, 4), devices=(0, 1))]), bare, _cfg())  # nothing cut
@@ -265,8 +262,12 @@ def test_verify_interleaved_1f1b_with_tp_and_zero3(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_verify_zoo_transformer_with_recompute_under_tp() -> None:
+def test_verify_zoo_transformer_with_recompute_under_tp_and_zero3() -> None:
     """Re-computation replays a cut block's forward, its row-parallel all-reduces included, in
-    the backward: every rank of the tensor group replays the same collectives."""
+    the backward: every rank of the tensor group replays the same collectives; a ZeRO-3 stage
+    replays its FSDP2 root's forward (re-gathered: its all-gathers too), under 1F1B, ZB-H1 and
+    interleaved 1F1B."""
     wl = zoo_spec()
-    _verify_all([(recomputing(dp2_tp2(4)), wl), (recomputing(tp2_then_dp2(4)), wl)])
+    cases = [dp2_tp2(4), tp2_then_dp2(4), one_then_zero3(4), one_then_zero3_regather(4),
+             replace(tp2_fsdp2(4), schedule="zbh1"), interleave(tp2_then_zero3(4), 2)]  # fmt: skip
+    _verify_all([(recomputing(c), wl) for c in cases])

@@ -88,8 +88,6 @@ def check_mesh_run(plan: Plan, workload: Workload, config: TrainConfig) -> None:
             raise ValidationError(f"{what}: model {workload.name!r} has no TP plan")
         if st.tensor_width > 1 and config.zero_stage in (1, 2):
             raise ValidationError(f"{what}: ZeRO-{config.zero_stage} with TP is not supported")
-        if (config.recompute or st.recompute) and st.zero_stage == 3:
-            raise ValidationError(f"{what}: re-computation with ZeRO-3 is not supported yet")
         if workload.tied_parameters:
             raise ValidationError(f"{what}: tied parameters with TP or ZeRO-3 are not supported")
         if st.regather and split:
