@@ -2,8 +2,9 @@
 
 For each model and cluster size: the grid baseline (:mod:`dapple.planner.grid`: every
 dp x tp x pp, DDP or FSDP, every M, 1F1B or interleaved 1F1B, the best by the cost model's L)
-and dapple's search (:func:`dapple.planner.search.dapple_search` with tensor widths 1/2/4/8,
-run with ZeRO 0 and with ZeRO-3, the better kept) at the same global batch, both simulated
+and dapple's search (:func:`dapple.planner.search.dapple_search` with tensor widths 1/2/4/8 and
+interleaved 1F1B, run with ZeRO 0 and with ZeRO-3, the better kept) at the same global batch,
+both simulated
 (:func:`dapple.simulate.simulate`): step time, L, tokens/s/GPU, peak memory per device, planning
 time, and per device group what each plan does (layers, replicas x width, F + B per
 micro-batch, AR + U), which is where the speed-up comes from.
@@ -107,13 +108,18 @@ def _side(
 
 def plan_dapple(profiles: Profiles, cluster: Cluster, B: int) -> tuple[tuple[str, Plan], float]:
     """dapple's best ``(checkpointing, plan)`` over the profiles and :data:`ZERO_STAGES` (every
-    width), and the total planning seconds."""
+    width, interleaved 1F1B included), and the total planning seconds."""
     t0 = time.perf_counter()
     plans = [
         (
             ac,
             dapple_search(
-                prof, cluster, B, tensor_widths=width_candidates(prof, cluster), zero_stage=z
+                prof,
+                cluster,
+                B,
+                tensor_widths=width_candidates(prof, cluster),
+                zero_stage=z,
+                interleaved=True,
             ),
         )
         for ac, prof in profiles.items()
@@ -298,6 +304,13 @@ def summary_lines(cases: Sequence[Case]) -> list[str]:
               f"{len(cases)} cases{':' if slower else '.'}"]  # fmt: skip
     lines += [f"  - {c.model} on {c.gpus}: {c.speedup:.3f}x simulated, "
               f"{c.grid.L_ms / c.dapple.L_ms:.3f}x by L; {why_slower(c)}" for c in slower]  # fmt: skip
+    same = [c for c in cases if same_plan(c)]
+    lines.append(f"- dapple's plan is the grid's own in {len(same)} of {len(cases)} cases"
+                 + (": " + ", ".join(f"{c.model} on {c.gpus}" for c in same) if same else "."))  # fmt: skip
+    faster = [c for c in cases if c.speedup > 1 and c.dapple.L_ms < c.grid.L_ms]
+    lines.append(f"- dapple faster by both L and simulated step in {len(faster)} of {len(cases)} "
+                 "cases" + (": " + ", ".join(f"{c.model} on {c.gpus} {c.speedup:.3f}x" for c in faster)
+                            if faster else "."))  # fmt: skip
     return [*lines, ""]
 
 
@@ -305,17 +318,28 @@ def why_slower(c: Case) -> str:
     """What the numbers say about a case where dapple is slower than the grid."""
     g, d = c.grid, c.dapple
     out = []
-    if g.plan.virtual_stages > 1:
+    if d.L_ms > g.L_ms:
         out.append(
-            f"the grid's plan is interleaved 1F1B (v={g.plan.virtual_stages}), a schedule "
-            "dapple's search does not try"
+            "slower by L too: dapple's search missed a grid point it offers itself "
+            f"({'an interleaved' if g.plan.virtual_stages > 1 else 'a 1F1B'} one)"
         )
-    if d.L_ms < g.L_ms and d.step_ms > g.step_ms:
+    elif d.step_ms > g.step_ms:
         out.append(
             f"by L dapple is the faster, the simulator disagrees (L / simulated {d.L_ms / d.step_ms:.3f} "
             f"for dapple's plan, {g.L_ms / g.step_ms:.3f} for the grid's)"
         )
-    return "; ".join(out) or "dapple's search missed a grid point it can express"
+    return "; ".join(out)
+
+
+def same_plan(c: Case) -> bool:
+    """dapple's plan is the grid's (its stages, M and schedule)."""
+    g, d = c.grid.plan, c.dapple.plan
+    return (g.stages, g.num_micro_batches, g.schedule, g.virtual_stages) == (
+        d.stages,
+        d.num_micro_batches,
+        d.schedule,
+        d.virtual_stages,
+    )
 
 
 def report(cases: Sequence[Case], command: str, notes: Sequence[str] = ()) -> list[str]:
@@ -346,12 +370,14 @@ NOTES: list[str] = """## How to read this
   devices, layers split as torchtitan's `generate_llm_fqn_per_model_part`, DDP or FSDP
   (re-gathering per micro-batch where memory needs it), M with a whole local batch per replica,
   1F1B (policy A) or interleaved 1F1B v=2, no extra re-computation.
-- dapple: `dapple_search(tensor_widths=(1, 2, 4, 8), zero_stage=z)` for z = 0 and 3 on each
-  checkpointing profile, the lowest L kept: any cut, any replica count per stage, a tensor width
-  per stage (the uniform-width searches refined stage by stage, `dapple.planner.stage_widths`),
-  policy A or B, re-computation and an in-flight bound D per stage where memory needs them;
-  1F1B only (no interleaving). Its planning time is the sum of all its searches; the grid's
-  likewise over the profiles.
+- dapple: `dapple_search(tensor_widths=(1, 2, 4, 8), zero_stage=z, interleaved=True)` for
+  z = 0 and 3 on each checkpointing profile, the lowest L kept: any cut, any replica count per
+  stage, a tensor width per stage (the uniform-width searches refined stage by stage,
+  `dapple.planner.stage_widths`), policy A or B, re-computation and an in-flight bound D per
+  stage where memory needs them; the grid's points inside that space; and interleaved 1F1B
+  (v = 2): its own plans cut into chunks and the grid's interleaved points, each also with its
+  chunk boundaries re-balanced by time (`dapple.planner.interleaving`). Its planning time is the
+  sum of all its searches; the grid's likewise over the profiles.
 - Checkpointing: torchtitan runs 8B with selective (op) and 70B with full activation
   checkpointing. The analytic profile's `selective` mode drops only eager attention's
   probabilities, so with flash attention (bf16) it keeps what no checkpointing keeps; 8B is
@@ -364,30 +390,37 @@ NOTES: list[str] = """## How to read this
   (local batch 2 x FSDP 128 = 256 on 128 GPUs) and `torchtitan-h100-70b-2d` (16 x dp 32 = 512 on
   256 GPUs) in `published_runs.toml`: 128, 512 and 1024 samples on 64, 256 and 512 GPUs.
 
-## Findings (written from the runs of 2026-11-26 10:09 and 10:14 UTC, equal but for planning time; the tables above are regenerated by each run, this section is not)
+## Findings (written from the runs of 2026-11-26 13:05 and 13:07 UTC, equal but for planning time; the tables above are regenerated by each run, this section is not)
 
-- Llama-3 8B: dapple is faster on all three sizes, 1.08x (64 GPUs), 1.05x (256), 1.04x
-  (512) simulated. The grid's best is FSDP dp x pp4 with M = 8 at tp 1; dapple's plans run
-  M = 16 half-size micro-batches, DDP instead of FSDP, 5 stages of uneven length (5 layers on
-  the embedding's stage, 6 on the head's) and a width per stage (tp 1 on the first stages, tp 2
-  on the later ones). Their steady part (M x max F+B) is longer (1,727 vs 1,606 ms at 64 GPUs), but fill, drain
-  and the AR+U tail shrink from 762 to 458 ms (920 to 615 ms at 512).
-- Llama-3 70B: **dapple is slower on all three sizes**, 0.996x (64 GPUs), 0.989x (256),
-  0.964x (512) simulated. In each the grid's best is interleaved 1F1B (v = 2; pp 16, 16 and 8,
-  FSDP, tp 2), a schedule dapple's search does not try. Against the grid's 1F1B points dapple's
-  plan is better by L in all three (at 512: 21,755 ms against 22,279 ms for dp32 x tp2 x pp8
-  FSDP 1F1B). By L dapple also beats the interleaved plans on 64 and 256 GPUs (1.076x,
-  1.014x), but the simulator says otherwise: the interleaved step rule over-estimates the
-  grid's plans (L / simulated 1.03) and at 64 GPUs L under-estimates dapple's plan (0.956; its
-  last two stages, 4 replicas x tp 4 spanning two servers under ZeRO-3, end the step with
-  1.4-1.6 s of AR+U; which term L misses there is not checked). So the verdict on 64 and 256
-  GPUs rests on a 1-4% model gap, and on 512 GPUs on the missing schedule.
-- What would close the gap: interleaved 1F1B in dapple's search (the scorer costs only the
-  paper's L, so the DP would need the interleaved step rule and its memory rule), and a look at
-  why L and the simulator disagree by 4% on wide ZeRO-3 stages that span servers.
-- Planning time: the grid 0.7-4 s, dapple 2-69 s in the 10:14 run (load 3-6 on 2 shared cores;
-  4-175 s in the 10:09 run at load 5-10). dapple's longest are 8B on 256 and 512 GPUs: 2
-  profiles x 2 zero stages x 4 widths plus the per-stage width refinement.
+- dapple is never slower than the grid, by L or simulated: its search offers every grid point
+  inside its space, interleaved ones included (`dapple.planner.interleaving`), so at worst it
+  returns the grid's own plan. That is what happens for Llama-3 70B on 256 and 512 GPUs
+  (1.000x): the grid's dp x tp2 x pp8 FSDP M=32 interleaved v=2 is also dapple's best.
+- Llama-3 8B, 1.172x (64 GPUs), 1.072x (256), 1.071x (512) simulated; 1.178x, 1.039x, 1.038x
+  by L. dapple keeps the grid's mesh (dp x tp1 x pp4 FSDP, M = 8, interleaved v = 2) and moves
+  the chunk boundaries by time instead of by layer count: 9+9+9+7 layers per group instead of
+  9+9+8+8, because the group with the LM head (about 2.4 blocks' worth of F+B) is the slowest
+  in torchtitan's split. M x max F+B drops from 1,606 to 1,534 ms. On 64 GPUs the grid's best
+  is 1F1B: its interleaved v=2 of that mesh needs 81.1 GiB on the first group without
+  re-gathering (torchtitan's first chunk holds the embedding and 4 blocks, dapple's 3, and the
+  first chunk is most in flight), while dapple's peaks at 77.3 GiB. The step rule over-estimates dapple's re-balanced plan
+  (L / simulated 1.018) and under-estimates the grid's (0.986), hence the gap between the two
+  speed-ups on 256 and 512 GPUs.
+- Llama-3 70B on 64 GPUs, 1.074x simulated (1.075x by L): dapple's own plan interleaved, 8
+  groups of mixed width (dp1 x tp8 on the embedding's group, dp2 x tp4 on the other seven),
+  DDP, M = 64, chunks re-balanced by time, against the grid's best dp4 x tp2 x pp8 FSDP 1F1B
+  M = 32. Its steady part is longer (18,248 vs 17,366 ms) but fill, drain and the AR+U tail
+  shrink from 3,398 to 1,077 ms (no FSDP traffic, half the bubble).
+- Why no gain on 70B at 256 and 512 GPUs: there the per-group F+B of the best mesh is bound by
+  granularity - 80 blocks, an embedding and a head on 8 groups leave some group 11 blocks
+  (542.7 ms) whatever the cuts, and the other meshes (pp16, wider tp, DDP) are slower by L;
+  dapple's mixed-width 1F1B plans, interleaved, do not beat it either.
+- Planning time is wall-clock on 2 cores shared with other jobs and varies about 2x with their
+  load (runs at 13:05 and 13:07 UTC, load 2.5 and 4.0: the grid 0.5-3.0 s and 0.5-4.4 s, dapple
+  1.4-17.7 s and 3.0-33.9 s). dapple's is the sum of 2 or 4 searches (profiles x zero stages),
+  each with 4 widths, the per-stage width refinement, the grid's points and the interleaved
+  candidates. One search's CPU time is in `planning_time.md`: Llama-3 70B on 512 H100 with
+  ZeRO-3 and interleaving, 3.8 CPU s (6.3 s wall at load 4.6).
 """.splitlines()
 
 

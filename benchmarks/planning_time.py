@@ -32,8 +32,10 @@ TENSOR_WIDTHS_INTRO = [
     "width t (`dapple_search(..., stage_widths=False)`), each search pruned by the best L of the "
     "narrower widths; `per stage`: each width's plan then refined stage by stage to its own width "
     "t_i, re-split of a stage's devices, cut moves and merges (`dapple.planner.stage_widths`), "
-    "the default. CPU s: this process's CPU time (the seconds column is wall-clock, inflated "
-    "by other jobs on the 2 cores).",
+    "the default; `interleaved`: also interleaved 1F1B, the search's plans and the grid's "
+    "interleaved points (`dapple_search(..., interleaved=True)`, `dapple.planner.interleaving`); "
+    "`ZeRO-3`: `zero_stage=3` (the grid's FSDP points join). CPU s: this process's CPU time "
+    "(the seconds column is wall-clock, inflated by other jobs on the 2 cores).",
 ]
 """The heading and notes of the tensor-width rows (:func:`planning_time_tp.table`)."""
 

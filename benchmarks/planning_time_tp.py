@@ -2,8 +2,10 @@
 
 Times :func:`dapple.planner.search.dapple_search` with widths {1} (no tensor parallelism),
 {1, 2, 4, 8} with every stage of one width (``stage_widths=False``: one search per width,
-:mod:`dapple.planner.widths`) and {1, 2, 4, 8} with per-stage widths (the default: each width's
-plan refined stage by stage, :mod:`dapple.planner.stage_widths`), on two profiles:
+:mod:`dapple.planner.widths`), {1, 2, 4, 8} with per-stage widths (the default: each width's
+plan refined stage by stage, :mod:`dapple.planner.stage_widths`), and that with interleaved 1F1B
+(``interleaved=True``, :mod:`dapple.planner.interleaving`), also under ZeRO-3 (``zero_stage=3``:
+the grid's FSDP points join), on two profiles:
 
 * ``blocks80``: a synthetic Llama-70B-like block (bf16, sequence 2048, hidden 8192) repeated 80
   times, every block ``tensor_parallel``;
@@ -47,7 +49,7 @@ def _fields(x: LayerProfile) -> dict[str, object]:
 
 
 def _widths(stages: Sequence[int]) -> str:
-    """Per-stage widths, runs of one width compressed: ``2x3, 8x2`` for 2, 2, 2, 8, 8."""
+    """Per-group widths, runs of one width compressed: ``2x3, 8x2`` for 2, 2, 2, 8, 8."""
     runs: list[list[int]] = []
     for t in stages:
         if runs and runs[-1][0] == t:
@@ -61,9 +63,10 @@ def _row(name: str, prof: ModelProfile, cluster: Cluster, label: str, kw: dict[s
     t0, c0 = time.perf_counter(), time.process_time()
     plan = dapple_search(prof, cluster, GLOBAL_BATCH, **kw)  # type: ignore[arg-type]
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-    widths = _widths([s.tensor_width for s in plan.stages])
+    widths = _widths([s.tensor_width for s in plan.stages[: plan.num_groups]])
+    chunks = f" interleaved v={plan.virtual_stages}" if plan.virtual_stages > 1 else ""
     return (
-        f"| {name} | {label} | {wall:.2f} | {cpu:.2f} | {plan.replication} | {widths} "
+        f"| {name} | {label} | {wall:.2f} | {cpu:.2f} | {plan.replication}{chunks} | {widths} "
         f"| {plan.num_micro_batches} | {plan.predicted_step_ms:.1f} |"
     )
 
@@ -72,7 +75,7 @@ def table() -> list[str]:
     """The markdown table, one row per profile and widths (printed as each row is done)."""
     cluster = load_cluster("h100-8x", servers=64)
     lines = [
-        "| profile | widths | seconds | CPU s | plan | widths chosen | M | L (ms) |",
+        "| profile | widths | seconds | CPU s | plan (replicas per group) | widths per group | M | L (ms) |",
         "|---|---|---:|---:|---|---|---:|---:|",
     ]
     print("\n".join(lines), flush=True)
@@ -80,6 +83,8 @@ def table() -> list[str]:
         ("{1}", {"tensor_widths": [1]}),
         ("{1, 2, 4, 8} uniform", {"stage_widths": False}),
         ("{1, 2, 4, 8} per stage", {}),
+        ("{1, 2, 4, 8} per stage, interleaved", {"interleaved": True}),
+        ("{1, 2, 4, 8} per stage, ZeRO-3, interleaved", {"zero_stage": 3, "interleaved": True}),
     ]
     for name, prof in (("blocks80", _profile()), ("llama3-70b", analytic_profile("llama3-70b"))):
         for label, kw in runs:

@@ -50,6 +50,7 @@ from dapple.planner.batches import (
 from dapple.planner.evaluate import ZERO3_REGATHER, Scored, Scorer, divisors
 
 __all__ = [
+    "INTERLEAVED",
     "INTERLEAVED_CHUNKS",
     "MAX_INTERLEAVED_ACTIONS",
     "GridCandidate",
@@ -58,6 +59,7 @@ __all__ = [
     "grid_candidates",
     "grid_plan",
     "grid_points",
+    "point_plan",
     "torchtitan_cuts",
 ]
 
@@ -70,6 +72,7 @@ INTERLEAVED_CHUNKS = (2,)
 multi-stage schedule without ``pipeline_parallel_layers_per_stage``."""
 
 INTERLEAVED = "interleaved"
+"""The schedule name of the interleaved grid points."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -191,7 +194,7 @@ def grid_points(
     return out
 
 
-def _plan(
+def point_plan(
     profile: ModelProfile, B: int, p: GridPoint, regather: Sequence[bool], L_ms: float
 ) -> Plan:
     """The plan of grid point ``p``: virtual stage k on pipeline rank k mod pp, whose dp x tp
@@ -266,7 +269,7 @@ def _score_interleaved(sc: _Scorers, p: GridPoint) -> tuple[float, tuple[bool, .
         return math.inf, (False,) * S
     for regather in (False, True) if p.zero_stage == 3 else (False,):
         flags = (regather,) * S
-        plan = _plan(sc.profile, sc.B, p, flags, math.nan)
+        plan = point_plan(sc.profile, sc.B, p, flags, math.nan)
         peak = max(device_memory_by_group(plan, sc.profile))
         if peak <= sc.cluster.usable_memory_bytes:
             return schedule_latency(plan, sc.profile, sc.cluster), flags
@@ -309,7 +312,7 @@ def grid_candidates(
     for p in points:
         score = _score_interleaved if p.schedule == INTERLEAVED else _score_1f1b
         L, regather = score(sc, p)
-        out.append(GridCandidate(p, _plan(profile, global_batch_size, p, regather, L), L))
+        out.append(GridCandidate(p, point_plan(profile, global_batch_size, p, regather, L), L))
     return out
 
 

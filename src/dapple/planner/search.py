@@ -16,7 +16,12 @@ Beyond the paper: the search also chooses M among divisors of the global batch s
 grow with the batch), the warm-up policy A/B, and per stage re-computation and the in-flight
 bound D when memory demands them (:class:`dapple.planner.evaluate.Scorer`), and the tensor width
 t_i of each stage: one search per width t with every stage of width t, each plan then refined to
-per-stage widths by a local search (:mod:`dapple.planner.stage_widths`). It is kept fast by:
+per-stage widths by a local search (:mod:`dapple.planner.stage_widths`). It offers the
+uniform torchtitan-style grid's 1F1B plans inside its space (:mod:`dapple.planner.grid`) and,
+with ``interleaved=True``, interleaved 1F1B: its own plans cut into v = 2 chunks per device
+group and the grid's interleaved points, costed by the interleaved step rule and memory replay
+(:mod:`dapple.planner.interleaving`); its plan is never slower by L than any of them.
+It is kept fast by:
 
 * a lower bound ``L >= M (F_s + B_s)`` of a computation stage s: a new stage reaching the best
   L found stops the scan over longer stages, and prefixes holding such a stage are dropped;
@@ -41,11 +46,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from dapple.core.cluster import Cluster
 from dapple.core.plan import Plan
 from dapple.core.profile import ModelProfile
+from dapple.cost.host import has_host_terms
 from dapple.errors import InfeasibleError
 from dapple.planner.batches import (
     DENSE_MICRO_BATCH_COUNTS,
@@ -58,7 +64,8 @@ from dapple.planner.batches import (
 )
 from dapple.planner.cut_search import CutSearch, Incumbent, candidate_replicas, search_limits
 from dapple.planner.evaluate import ZERO_AUTO, Scored, Scorer, StageSpec
-from dapple.planner.grid import grid_candidates
+from dapple.planner.grid import GridPoint, grid_candidates
+from dapple.planner.interleaving import best_interleaved, grid_offers, own_offers
 from dapple.planner.partition import block_partition
 from dapple.planner.stage_widths import MixedScorer, refine_stage_widths
 from dapple.planner.widths import real_devices, width_candidates
@@ -167,6 +174,7 @@ def dapple_search(
     tensor_widths: Sequence[int] | None = None,
     stage_widths: bool = True,
     grid: bool = True,
+    interleaved: bool = False,
 ) -> Plan:
     """The DAPPLE plan minimising L (equations 4-5) over partition, replication, placement, M.
 
@@ -205,9 +213,18 @@ def dapple_search(
             (1 alone for a profile with no layer that shards).
         stage_widths: refine each width's plan to per-stage widths (as above); False keeps
             the uniform-width plans only.
-        grid: also offer the uniform dp x tp x pp grid's 1F1B plans (:mod:`dapple.planner.grid`,
-            torchtitan's layout) that this search allows, so the plan is never slower by L than
-            any of them.
+        grid: also offer the uniform dp x tp x pp grid's plans (:mod:`dapple.planner.grid`,
+            torchtitan's layout) that this search allows (widths among the searched, at most
+            ``max_stages`` device groups, ZeRO-3 under ``zero_stage`` 3 or auto), 1F1B and
+            (with ``interleaved``) interleaved 1F1B at this search's M, so the plan is never
+            slower by L than any of them (than any 1F1B one without ``interleaved``).
+        interleaved: also try interleaved 1F1B (v = 2 chunks per device group): this search's
+            own plans cut into chunks, and the grid's interleaved points (with ``grid``); the
+            fastest that fits is offered (:mod:`dapple.planner.interleaving`). Not on a cluster
+            with host terms (CPU overheads, shared cores): the interleaved step rule does not
+            cost them, so its L would not compare with the DP's. False (default): 1F1B plans
+            only, each with the paper's K_i per stage, which the planner's callers (``dapple
+            plan``'s latency breakdown) read.
 
     Raises:
         InfeasibleError: no plan fits device memory for any M.
@@ -239,8 +256,14 @@ def dapple_search(
             found.append((scored.L_ms, t, sc.build_plan("dapple", stages, M, scored)))
             if mixed is not None:
                 found += _stage_widths(mixed, t, stages, M, scored, Ms)
+    own = [(t, plan) for _, t, plan in found]
     if grid:
         found += _grid_offers(profile, cluster, global_batch_size, zero_stage, widths, max_stages)
+    if interleaved and not has_host_terms(cluster):  # the step rule has no CPU-host pass
+        accept = _grid_filter(zero_stage, widths, max_stages) if grid else None
+        found += _interleaved_offers(
+            scorers, own, accept, min((x[0] for x in found), default=math.inf)
+        )
     if not found:
         raise InfeasibleError(infeasible_message(profile, cluster, global_batch_size))
     return min(found, key=lambda x: (x[0], x[1]))[2]
@@ -254,24 +277,57 @@ def _grid_offers(
     widths: Sequence[int],
     max_stages: int | None,
 ) -> list[tuple[float, int, Plan]]:
-    """The feasible 1F1B points of the uniform grid (:mod:`dapple.planner.grid`) inside this
-    search's space: widths among ``widths``, at most ``max_stages`` stages, ZeRO-3 only when
-    ``zero_stage`` allows it (3 or auto; none under ZeRO-1/2, which the grid lacks). Its interleaved points are left to the schedule
-    choice (``dapple plan --schedule best``)."""
+    """The feasible 1F1B points of the uniform grid (:mod:`dapple.planner.grid`) at this
+    search's M inside its space (:func:`_grid_filter`); the interleaved ones are
+    :func:`_interleaved_offers`."""
     if zero_stage in (1, 2):  # the grid has no ZeRO-1/2 points
         return []
-    out = []
+    accept = _grid_filter(zero_stage, widths, max_stages)
     Ms = micro_batch_candidates(global_batch_size)  # the M this search tries
-    for c in grid_candidates(
-        profile, cluster, global_batch_size, interleaved=False, micro_batches=Ms
-    ):
-        p = c.point
-        if not c.fits or p.tp not in widths or (max_stages is not None and p.pp > max_stages):
-            continue
-        if p.zero_stage != 0 and zero_stage not in (3, ZERO_AUTO):
-            continue
-        out.append((c.L_ms, p.tp, dataclasses.replace(c.plan, planner="dapple")))
-    return out
+    return [
+        (c.L_ms, c.point.tp, dataclasses.replace(c.plan, planner="dapple"))
+        for c in grid_candidates(
+            profile, cluster, global_batch_size, interleaved=False, micro_batches=Ms
+        )
+        if c.fits and accept(c.point)
+    ]
+
+
+def _grid_filter(
+    zero_stage: int, widths: Sequence[int], max_stages: int | None
+) -> Callable[[GridPoint], bool]:
+    """Whether a grid point is inside this search's space: its width among ``widths``, at most
+    ``max_stages`` device groups (pp; an interleaved point's pp x v virtual stages run on pp
+    groups), ZeRO-3 only when ``zero_stage`` allows it (3 or auto) and nothing under ZeRO-1/2
+    (the grid has no ZeRO-1/2 points)."""
+
+    def accept(p: GridPoint) -> bool:
+        if zero_stage in (1, 2) or p.tp not in widths:
+            return False
+        if max_stages is not None and p.pp > max_stages:
+            return False
+        return p.zero_stage == 0 or zero_stage in (3, ZERO_AUTO)
+
+    return accept
+
+
+def _interleaved_offers(
+    scorers: Mapping[int, Scorer],
+    own: Sequence[tuple[int, Plan]],
+    accept: Callable[[GridPoint], bool] | None,
+    below_ms: float,
+) -> list[tuple[float, int, Plan]]:
+    """The interleaved 1F1B plan of least L below ``below_ms`` that fits, if any
+    (:mod:`dapple.planner.interleaving`): the search's ``own`` plans interleaved, and the grid's
+    interleaved points that ``accept`` takes (none when None), at this search's M."""
+    sc = next(iter(scorers.values()))
+    profile, cluster, B = sc.profile, sc.real_cluster, sc.global_batch_size
+    Ms = micro_batch_candidates(B)
+    offers = own_offers(own, profile, list(scorers), Ms)
+    if accept is not None:
+        offers += grid_offers(profile, cluster, B, list(scorers), Ms, accept)
+    got = best_interleaved(offers, scorers, profile, cluster, below_ms)
+    return [] if got is None else [got]
 
 
 def _stage_widths(

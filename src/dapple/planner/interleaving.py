@@ -1,0 +1,384 @@
+"""Interleaved 1F1B plans for the DAPPLE search, costed best first from lower bounds.
+
+The DAPPLE DP costs the paper's L (equations 1-3); interleaved 1F1B (Narayanan et al., SC 2021)
+has a step rule of its own, ``(M + (P-1)/v) max_g T_g`` plus what fill and drain pay once
+(:mod:`dapple.schedule.interleaved`; P device groups, v chunks each, T_g the F + B of group g's
+chunks), and its memory comes from replaying its compute order
+(:func:`~dapple.cost.schedules.device_memory_by_group`). Both are a pass over the whole plan,
+so :func:`best_interleaved` ranks the candidates by lower bounds, cheapest first:
+
+* of L, ``(M + (P-1)/v) max_g T_g`` with T_g summed layer by layer from the search's scorers
+  (F + B of the largest replica slice at the group's width, :meth:`Scorer.fb_ms`; no
+  re-computation, ZeRO-3 gathers, fill or drain): :func:`lower_bound_ms`;
+* of the peak memory, each group's parameter state and the activations of the forwards it runs
+  before its first backward: :func:`memory_floor_bytes`.
+
+A candidate is costed (:func:`~dapple.cost.schedules.schedule_latency`) only while its bound is
+below the best L found so far, and its memory replayed only while its floor fits and its L is
+below; so the first that fits, in bound order, has the least L of all candidates that fit.
+
+The candidates (:class:`Offer`), each at every M of the search that is a multiple of P with at
+most :data:`~dapple.planner.grid.MAX_INTERLEAVED_ACTIONS` compute actions (M x P x v), so the
+work does not grow with the global batch:
+
+* grid (:func:`grid_offers`): the interleaved points of :func:`~dapple.planner.grid.grid_points`
+  that a filter accepts (torchtitan's cuts, FSDP gathering once per step, else re-gathering on
+  every stage, as :mod:`dapple.planner.grid` scores them);
+* own (:func:`own_offers`): each plan of the search, its device groups, widths, zero stages and
+  re-computation kept, cut into v chunks per group (:func:`~dapple.core.plan.interleave`), as
+  planned where v divides each group's layers, else after moving every cut to the nearest
+  multiple of v; ZeRO-3 stages gathering once per step, as planned, or re-gathering
+  (:func:`regather_variants`).
+
+Each candidate is also tried with its chunk boundaries re-balanced by time
+(:func:`balanced_cuts`: torchtitan splits by layer count, not time, and an embedding or an LM
+head is not a block), bounded until then by :func:`any_cuts_bound_ms`. A chunk of width t > 1
+must hold a shardable layer (``LayerProfile.tensor_parallel``; its t ranks would repeat its
+work otherwise), as in the DP. Pure, no torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import itertools
+import math
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+
+from dapple.core.cluster import Cluster
+from dapple.core.plan import Plan, interleave, split_sizes
+from dapple.core.profile import ModelProfile
+from dapple.cost.lengths import profile_for_plan
+from dapple.cost.memory import device_state_bytes, held_activation_bytes
+from dapple.cost.schedules import device_memory_by_group, schedule_latency
+from dapple.planner.evaluate import Scorer
+from dapple.planner.grid import (
+    INTERLEAVED,
+    INTERLEAVED_CHUNKS,
+    MAX_INTERLEAVED_ACTIONS,
+    GridPoint,
+    grid_points,
+    point_plan,
+    torchtitan_cuts,
+)
+from dapple.schedule.interleaved import interleaved_warmup
+
+__all__ = [
+    "ChunkStage",
+    "Offer",
+    "any_cuts_bound_ms",
+    "balanced_cuts",
+    "best_interleaved",
+    "grid_offers",
+    "group_work_ms",
+    "lower_bound_ms",
+    "memory_floor_bytes",
+    "own_offers",
+    "regather_variants",
+]
+
+ChunkStage = tuple[int, int, int, int]
+"""``(start, end, replicas, t)`` of one virtual stage: layers ``[start, end)`` on r replicas of
+tensor width t."""
+
+SLACK = 1e-9
+"""Relative margin taken off every bound: a range's F + B summed layer by layer may differ from
+the cost model's by rounding."""
+
+
+@dataclass(frozen=True, slots=True)
+class Offer:
+    """One interleaved candidate: P device groups of v chunks each at M micro-batches of b
+    samples; its plan is built only when costed."""
+
+    chunks: tuple[ChunkStage, ...]
+    """The virtual stages in chain order; virtual stage k runs on device group k mod P."""
+    P: int
+    v: int
+    M: int
+    b: int
+    width: int
+    """The tensor width of the search it is offered to (the tie-break among equal L)."""
+    build: Callable[[], Plan]
+    """Its plan at :attr:`chunks`' cuts, ZeRO-3 stages re-gathering as proposed."""
+
+    @property
+    def cuts(self) -> list[int]:
+        """Chunk boundaries ``[0, c_1, ..., N]``."""
+        return [c[0] for c in self.chunks] + [self.chunks[-1][1]]
+
+
+class _LayerCosts:
+    """F + B of each layer on the largest slice of a replica, per (t, samples), from the
+    search's scorers (cached): the additive terms of :meth:`Scorer.fb_ms` layer by layer."""
+
+    def __init__(self, scorers: Mapping[int, Scorer]) -> None:
+        self.scorers = scorers
+        self._by: dict[tuple[int, int], list[float]] = {}
+
+    def prefix(self, t: int, n: int) -> list[float]:
+        """Prefix sums over the layers of F + B at width t on n samples."""
+        key = (t, n)
+        if key not in self._by:
+            sc, acc = self.scorers[t], [0.0]
+            for i in range(sc.N):
+                f, bw = sc.fb_ms(i, i + 1, n)
+                acc.append(acc[-1] + f + bw)
+            self._by[key] = acc
+        return self._by[key]
+
+    def groups(self, o: Offer) -> list[list[float]]:
+        """Per device group g of ``o``, the prefix sums at its width and slice."""
+        return [self.prefix(t, -(-o.b // r)) for _, _, r, t in o.chunks[: o.P]]
+
+
+def group_work_ms(pre: Sequence[Sequence[float]], cuts: Sequence[int]) -> list[float]:
+    """T_g: per device group g (P = ``len(pre)``), the F + B of its chunks (virtual stages g,
+    g+P, ... between ``cuts``), from its prefix sums ``pre[g]``."""
+    P = len(pre)
+    work = [0.0] * P
+    for k in range(len(cuts) - 1):
+        g = k % P
+        work[g] += pre[g][cuts[k + 1]] - pre[g][cuts[k]]
+    return work
+
+
+def lower_bound_ms(pre: Sequence[Sequence[float]], cuts: Sequence[int], v: int, M: int) -> float:
+    """``(M + (P-1)/v) max_g T_g`` (:func:`group_work_ms`): the interleaved step rule without
+    fill and drain, and without re-computation or ZeRO-3 gathers in T_g; a lower bound of L."""
+    P = len(pre)
+    return (M + (P - 1) / v) * max(group_work_ms(pre, cuts)) * (1 - SLACK)
+
+
+def any_cuts_bound_ms(pre: Sequence[Sequence[float]], v: int, M: int) -> float:
+    """A lower bound of :func:`lower_bound_ms` over every chunking: each layer costs at least
+    its cheapest group's time, so ``max_g T_g`` is at least a P-th of their sum and at least
+    the largest."""
+    P, N = len(pre), len(pre[0]) - 1
+    least = [min(p[i + 1] - p[i] for p in pre) for i in range(N)]
+    return (M + (P - 1) / v) * max(sum(least) / P, max(least)) * (1 - SLACK)
+
+
+def balanced_cuts(pre: Sequence[Sequence[float]], cuts: Sequence[int]) -> list[int]:
+    """Chunk boundaries lowering ``max_g T_g`` (then the sum of the T_g squared): a hill climb
+    from ``cuts`` moving one boundary by one layer at a time, the first move that improves
+    taken, at most 4 N rounds (N layers)."""
+    P, out = len(pre), list(cuts)
+    work = group_work_ms(pre, out)
+
+    def key(w: Sequence[float]) -> tuple[float, float]:
+        return max(w), sum(x * x for x in w)
+
+    best = key(work)
+    for _ in range(4 * (out[-1] + 1)):
+        improved = False
+        for k in range(1, len(out) - 1):
+            a, c = (k - 1) % P, k % P
+            for layer, to, frm, cut in ((out[k] - 1, c, a, out[k] - 1), (out[k], a, c, out[k] + 1)):
+                if not out[k - 1] < cut < out[k + 1]:
+                    continue
+                moved = list(work)
+                moved[frm] -= pre[frm][layer + 1] - pre[frm][layer]
+                moved[to] += pre[to][layer + 1] - pre[to][layer]
+                if key(moved) < best:
+                    out[k], work, best, improved = cut, moved, key(moved), True
+                    break
+        if not improved:
+            break
+    return out
+
+
+def _shards(profile: ModelProfile, chunks: Sequence[ChunkStage]) -> bool:
+    """Every chunk of width t > 1 holds a shardable layer."""
+    tp = [x.tensor_parallel for x in profile.layers]
+    return all(t == 1 or any(tp[s:e]) for s, e, _, t in chunks)
+
+
+def _at_cuts(o: Offer, cuts: Sequence[int]) -> tuple[ChunkStage, ...]:
+    return tuple((cuts[k], cuts[k + 1], r, t) for k, (_, _, r, t) in enumerate(o.chunks))
+
+
+def best_interleaved(
+    offers: Sequence[Offer],
+    scorers: Mapping[int, Scorer],
+    profile: ModelProfile,
+    cluster: Cluster,
+    below_ms: float,
+) -> tuple[float, int, Plan] | None:
+    """The plan of least L below ``below_ms`` that fits device memory, as ``(L, width, plan)``
+    with ``predicted_step_ms`` = L; None when there is none.
+
+    Best first by lower bound (module docstring), each offer at its own cuts and re-cut by
+    :func:`balanced_cuts` (bounded by :func:`any_cuts_bound_ms` until re-cut); a plan is costed
+    by :func:`~dapple.cost.schedules.schedule_latency` while its bound is below the best L found,
+    and its memory replayed (:func:`~dapple.cost.schedules.device_memory_by_group`) while its L
+    is, its regather variants in turn (:func:`regather_variants`).
+    """
+    costs = _LayerCosts(scorers)
+    heap: list[tuple[float, int, int, list[int] | None]] = []  # (bound, width, entry, cuts)
+    entries = itertools.count()
+    offer_of: dict[int, Offer] = {}
+
+    def push(bound: float, o: Offer, cuts: list[int] | None) -> None:
+        n = next(entries)
+        offer_of[n] = o
+        heapq.heappush(heap, (bound, o.width, n, cuts))
+
+    for o in offers:
+        pre = costs.groups(o)
+        push(lower_bound_ms(pre, o.cuts, o.v, o.M), o, o.cuts)
+        push(any_cuts_bound_ms(pre, o.v, o.M), o, None)
+    best: tuple[float, int, Plan] | None = None
+    limit = below_ms
+    while heap and heap[0][0] < limit:
+        _, width, n, cuts = heapq.heappop(heap)
+        o = offer_of.pop(n)
+        if cuts is None:  # re-cut, then ranked by its own bound
+            pre = costs.groups(o)
+            new = balanced_cuts(pre, o.cuts)
+            if new != o.cuts and _shards(profile, _at_cuts(o, new)):
+                push(lower_bound_ms(pre, new, o.v, o.M), o, new)
+            continue
+        plan = o.build() if cuts == o.cuts else _recut(o.build(), cuts)
+        for variant in regather_variants(plan):
+            L = _fitting_ms(variant, profile, cluster, limit)
+            if L is not None:
+                best, limit = (L, width, dataclasses.replace(variant, predicted_step_ms=L)), L
+                break
+    return best
+
+
+def _fitting_ms(
+    plan: Plan, profile: ModelProfile, cluster: Cluster, below_ms: float
+) -> float | None:
+    """L of ``plan`` when below ``below_ms`` and its replayed memory is within the devices',
+    else None (the replay skipped where :func:`memory_floor_bytes` is already over)."""
+    usable = cluster.usable_memory_bytes
+    if memory_floor_bytes(plan, profile) > usable:
+        return None
+    step_ms = schedule_latency(plan, profile, cluster)
+    if step_ms >= below_ms or max(device_memory_by_group(plan, profile)) > usable:
+        return None
+    return step_ms
+
+
+def memory_floor_bytes(plan: Plan, profile: ModelProfile) -> float:
+    """A lower bound of the largest :func:`~dapple.cost.schedules.device_memory_by_group` of an
+    interleaved plan without its replay: per device group, its parameter state and the
+    activations of the forwards it runs before its first backward (its warm-up,
+    :func:`~dapple.schedule.interleaved.interleaved_warmup`, and one more), forward n of
+    chunk ``(n // P) mod v``."""
+    P, v, M = plan.num_groups, plan.virtual_stages, plan.num_micro_batches
+    memory = profile_for_plan(profile, plan).for_memory
+    worst = 0.0
+    for g, w in enumerate(interleaved_warmup(P, M, v)):
+        mine = [plan.stages[k] for k in range(g, plan.num_stages, P)]
+        n = split_sizes(plan.micro_batch_size, mine[0].replicas)[0]
+        cycles, rest = divmod(min(w + 1, M * v), P * v)  # forwards before the first backward
+        held = sum(
+            (cycles * P + min(max(rest - c * P, 0), P)) * held_activation_bytes(memory, st, n)
+            for c, st in enumerate(mine)
+        )
+        worst = max(worst, device_state_bytes(memory, mine) + held)
+    return worst
+
+
+def _recut(plan: Plan, cuts: Sequence[int]) -> Plan:
+    """``plan`` with virtual stage k on layers ``[cuts[k], cuts[k+1])``."""
+    stages = tuple(
+        dataclasses.replace(st, layers=(cuts[k], cuts[k + 1])) for k, st in enumerate(plan.stages)
+    )
+    return dataclasses.replace(plan, stages=stages)
+
+
+def regather_variants(plan: Plan) -> Iterator[Plan]:
+    """``plan`` with its ZeRO-3 stages gathering once per step, as proposed, then re-gathering
+    per micro-batch (each distinct variant once; ``plan`` alone without ZeRO-3 stages)."""
+    seen = set()
+    for mode in (False, None, True):  # None: as proposed
+        stages = tuple(
+            dataclasses.replace(s, regather=s.regather if mode is None else mode)
+            if s.zero_stage == 3
+            else s
+            for s in plan.stages
+        )
+        if stages not in seen:
+            seen.add(stages)
+            yield plan if stages == plan.stages else dataclasses.replace(plan, stages=stages)
+
+
+def grid_offers(
+    profile: ModelProfile,
+    cluster: Cluster,
+    global_batch_size: int,
+    widths: Sequence[int],
+    micro_batches: Sequence[int],
+    accept: Callable[[GridPoint], bool],
+) -> list[Offer]:
+    """The interleaved grid points at ``micro_batches`` that ``accept`` takes, of a width
+    among ``widths`` (module docstring), as offers of ``planner="dapple"`` plans."""
+    B, out = global_batch_size, []
+    for p in grid_points(profile, cluster, B, micro_batches=micro_batches):
+        if p.schedule != INTERLEAVED or p.tp not in widths or not accept(p):
+            continue
+        cuts = torchtitan_cuts(profile.num_layers, p.pp * p.v)
+        chunks = tuple((cuts[k], cuts[k + 1], p.dp, p.tp) for k in range(p.pp * p.v))
+        if _shards(profile, chunks):
+            out.append(Offer(chunks, p.pp, p.v, p.M, B // p.M, p.tp, _grid_plan(profile, B, p)))
+    return out
+
+
+def _grid_plan(profile: ModelProfile, B: int, p: GridPoint) -> Callable[[], Plan]:
+    def build() -> Plan:
+        plan = point_plan(profile, B, p, (False,) * (p.pp * p.v), math.nan)
+        return dataclasses.replace(plan, planner="dapple")
+
+    return build
+
+
+def own_offers(
+    plans: Iterable[tuple[int, Plan]], profile: ModelProfile, widths: Sequence[int],
+    micro_batches: Sequence[int],
+) -> list[Offer]:  # fmt: skip
+    """Each ``(width, plan)`` of the search interleaved (module docstring), at every M of
+    ``micro_batches`` the schedule takes, for each v of
+    :data:`~dapple.planner.grid.INTERLEAVED_CHUNKS`; plans of equal stages (at other M) once."""
+    out, seen = [], set()
+    for (t, plan), v in itertools.product(plans, INTERLEAVED_CHUNKS):
+        base = _chunkable(plan, v)
+        if base is None or any(s.tensor_width not in widths for s in base.stages):
+            continue
+        chunked = dataclasses.replace(interleave(base, v), policy="A")
+        chunks = tuple((*s.layers, s.replicas, s.tensor_width) for s in chunked.stages)
+        P = chunked.num_groups
+        if chunked.stages in seen or not _shards(profile, chunks):
+            continue  # the same stages come once (at every M)
+        seen.add(chunked.stages)
+        for M in micro_batches:
+            if M % P == 0 and M * P * v <= MAX_INTERLEAVED_ACTIONS:
+                b = plan.global_batch_size // M
+                out.append(Offer(chunks, P, v, M, b, t, _own_plan(chunked, M, b)))
+    return out
+
+
+def _own_plan(chunked: Plan, M: int, b: int) -> Callable[[], Plan]:
+    def build() -> Plan:
+        return dataclasses.replace(chunked, num_micro_batches=M, micro_batch_size=b)
+
+    return build
+
+
+def _chunkable(plan: Plan, v: int) -> Plan | None:
+    """``plan`` (one stage per device group, at least two groups) with v dividing every group's
+    layers: as it is, else every cut moved to the nearest multiple of v; None when neither
+    (v does not divide the layers, or two cuts would meet)."""
+    if plan.virtual_stages != 1 or plan.num_stages < 2:
+        return None
+    if all((s.layers[1] - s.layers[0]) % v == 0 for s in plan.stages):
+        return plan
+    N = plan.num_layers
+    cuts = [0, *(v * round(c / v) for c in plan.split_positions), N]
+    if N % v or any(e <= s for s, e in itertools.pairwise(cuts)):
+        return None
+    return _recut(plan, cuts)
