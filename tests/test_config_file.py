@@ -284,7 +284,8 @@ def test_resolve_eval_and_keep_as_the_cli_always_did() -> None:
 PLAN_VALUES = {
     "profile": "paper:bert48", "cluster": "paper-a", "servers": 2, "global_batch_size": 64,
     "planner": "straight", "seq_len": 300.5, "max_seq_len": 512.0, "schedule": "interleaved",
-    "virtual_stages": 2, "zero_stage": "auto", "tensor_widths": (1, 2), "output": "plan.json",
+    "virtual_stages": 2, "zero_stage": "auto", "tensor_widths": (1, 2), "interleave": True,
+    "output": "plan.json",
 }  # fmt: skip
 
 

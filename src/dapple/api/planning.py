@@ -105,6 +105,7 @@ def plan(
     max_seq_len: float | None = None,
     zero_stage: int | str = 0,
     tensor_widths: str | Sequence[int] = "auto",
+    interleave: bool = False,
 ) -> Plan:
     """Plan a profiled model on a cluster (``dapple plan``).
 
@@ -134,21 +135,33 @@ def plan(
         tensor_widths: The tensor widths t to search (each of 1, 2, 4, 8, dividing the server
             size; dapple planner only), or ``"auto"``: 1, and every width that fits when some
             layer of the profile shards (``LayerProfile.tensor_parallel``).
+        interleave: Also search interleaved 1F1B (v = 2 chunks per device group): the dapple
+            planner's own plans interleaved and the grid's interleaved points
+            (:mod:`dapple.planner.interleaving`); the plan may then have
+            ``schedule == "interleaved"``, its ``predicted_step_ms`` that schedule's step rule
+            (``dapple plan --interleave``; dapple planner only, not with ``schedule``).
 
     Raises:
         ValidationError: Unknown planner or schedule, bad batch size, bad files, lengths
             without a profile measured at several, v not dividing a device group's layers,
-            tensor widths that cannot be searched (t > 1 for a profile where no layer shards).
+            tensor widths that cannot be searched (t > 1 for a profile where no layer shards),
+            ``interleave`` with a ``schedule``, a baseline planner or a cluster with host terms.
         InfeasibleError: No plan fits the devices' memory.
     """
     from dapple.planner import make_plan
-    from dapple.planner.config import PlanConfig, tensor_width_list, zero_stage_number
+    from dapple.planner.config import (
+        PlanConfig,
+        check_interleave,
+        tensor_width_list,
+        zero_stage_number,
+    )
 
     widths = tensor_widths if isinstance(tensor_widths, str) else tuple(tensor_widths)
     cfg = PlanConfig(  # the checks of `dapple plan` and its config file
         servers=servers, global_batch_size=global_batch_size, planner=planner,
-        zero_stage=zero_stage, tensor_widths=widths,
+        zero_stage=zero_stage, tensor_widths=widths, interleave=interleave,
     )  # fmt: skip
+    check_interleave(interleave, schedule)
     prof, cl = as_profile(profile), as_cluster(cluster, servers)
     result = make_plan(
         prof,
@@ -159,6 +172,7 @@ def plan(
         max_seq_len=max_seq_len,
         zero_stage=zero_stage_number(zero_stage),
         tensor_widths=tensor_width_list(cfg.tensor_widths),
+        interleaved=interleave,
     )
     if schedule == "best":
         from dapple.simulate.schedules import best_schedule

@@ -94,6 +94,7 @@ def plan_flags(parse_seq_len: SeqLenParser) -> tuple[Flag, ...]:
         *(one("", n) for n in ("output", "schedule", "virtual_stages")),
         Flag("zero_stage", (("", "zero_stage"),), _zero_stage, lambda v: str(v[0])),
         Flag("tensor_widths", (("", "tensor_widths"),), _widths_fields, _widths_flag),
+        one("", "interleave"),
     )
 
 

@@ -1,8 +1,13 @@
 """What ``dapple plan`` prints of a plan: its stage table (each stage's tensor width and zero
-stage where any is not 1 / 0) and what each replicated stage's zero stage saves. Torch-free."""
+stage where any is not 1 / 0), its summary lines, and what each replicated stage's zero stage
+saves. A plan under a schedule costed by the paper's L (GPipe, DAPPLE) shows L's rows
+(:func:`stage_table`) and terms; one under a schedule with a step rule of its own (interleaved
+1F1B, ZB-H1) shows its stage terms, its step rule's time and each device group's replayed
+memory (:func:`schedule_stage_table`). Torch-free."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
 from rich.console import Console
@@ -18,7 +23,10 @@ __all__ = [
     "gib_text",
     "mesh_columns",
     "ms_text",
+    "plan_summary",
     "print_stage_table",
+    "schedule_stage_table",
+    "speedup_text",
     "stage_table",
     "zero_line",
 ]
@@ -44,6 +52,11 @@ def ms_text(v: float) -> str:
 
 def gib_text(v: float) -> str:
     return f"{v / 2**30:.2f}"
+
+
+def speedup_text(dp_ms: float, ms: float) -> str:
+    """The speed-up of a step of ``ms`` over data parallelism's ``dp_ms`` (NaN: infeasible)."""
+    return "dp infeasible" if math.isnan(dp_ms) else f"{dp_ms / ms:.2f}x"
 
 
 def mesh_columns(plan: Plan) -> tuple[list[str], Callable[[StagePlan], list[str]]]:
@@ -101,6 +114,42 @@ def stage_table(plan: Plan, profile: ModelProfile, cluster: Cluster) -> Table:
     return t
 
 
+def schedule_stage_table(plan: Plan, profile: ModelProfile, cluster: Cluster) -> Table:
+    """The stages of a plan under a schedule with a step rule of its own: per (virtual) stage
+    its device group, F_s and B_s of its slowest replica's slice, the transfer to the next
+    stage, AR_s under its zero stage, and its group's peak memory replayed from the schedule's
+    compute order (:func:`~dapple.cost.schedules.device_memory_by_group`)."""
+    from dapple.cost.terms import stage_terms
+    from dapple.planner.schedules import device_memory_by_group
+
+    terms = stage_terms(plan, profile, cluster)
+    memory = device_memory_by_group(plan, profile)
+    P = plan.num_groups
+    t = Table(title=f"{plan.planner} plan of {profile.model_name} on {cluster.name}")
+    mesh, mesh_cells = mesh_columns(plan)
+    for col in ("stage", "group", "layers", "replicas", *mesh, "devices", "recompute", "F ms",
+                "B ms", "comm ms", "AllReduce ms", "group memory GiB"):  # fmt: skip
+        t.add_column(col, justify="left" if col == "devices" else "right")
+    for k, (st, term) in enumerate(zip(plan.stages, terms.stages, strict=True)):
+        slowest = term.replicas[0]
+        comm = terms.boundaries[k].comm_ms if k < len(terms.boundaries) else None
+        t.add_row(
+            str(k),
+            str(k % P),
+            f"[{st.layers[0]}, {st.layers[1]})",
+            str(st.replicas),
+            *mesh_cells(st),
+            format_devices(st.devices),
+            "yes" if st.recompute else "no",
+            ms_text(slowest.forward_ms),
+            ms_text(slowest.backward_ms),
+            "-" if comm is None else ms_text(comm),
+            ms_text(term.terms.sync_ms),
+            gib_text(memory[k % P]),
+        )
+    return t
+
+
 def zero_line(plan: Plan, profile: ModelProfile) -> str:
     """Each replicated stage's zero stage (``StagePlan.zero_stage``) and the memory it saves per
     replica - or, unsharded, what ZeRO-1 would save."""
@@ -132,5 +181,59 @@ def _zero_saved_bytes(profile: ModelProfile, st: StagePlan) -> float:
 
 
 def print_stage_table(con: Console, plan: Plan, profile: ModelProfile, cluster: Cluster) -> None:
-    """Print :func:`stage_table` (through the CLI's ``print_table``)."""
-    print_table(con, stage_table(plan, profile, cluster))
+    """Print :func:`stage_table`, or :func:`schedule_stage_table` for a plan whose schedule
+    has a step rule of its own (through the CLI's ``print_table``)."""
+    from dapple.schedule.registry import get_schedule
+
+    show = (
+        stage_table if get_schedule(plan.schedule).uses_pipeline_latency else schedule_stage_table
+    )
+    print_table(con, show(plan, profile, cluster))
+
+
+def plan_summary(plan: Plan, profile: ModelProfile, cluster: Cluster, dp_ms: float) -> list[str]:
+    """Two lines on the plan: under a schedule costed by L, S, Q, M and L's terms T_w, T_s, T_e
+    (equations 1-3); else its device groups, M, and the step time by the schedule's own rule
+    (:func:`~dapple.cost.schedules.schedule_latency`) with the replayed peak memory."""
+    from dapple.schedule.registry import get_schedule
+
+    if get_schedule(plan.schedule).uses_pipeline_latency:
+        return _latency_summary(plan, profile, cluster, dp_ms)
+    return _step_rule_summary(plan, profile, cluster, dp_ms)
+
+
+def _latency_summary(
+    plan: Plan, profile: ModelProfile, cluster: Cluster, dp_ms: float
+) -> list[str]:
+    from dapple.planner.cost import pipeline_latency
+
+    r = pipeline_latency(plan, profile, cluster)  # each stage's zero stage is in the plan
+    return [
+        f"S = {plan.num_stages} computation stages ({r.S} with comm stages), "
+        f"replication {plan.replication}, split positions {list(plan.split_positions)}, "
+        f"pivot Q = {r.Q}, M = {plan.num_micro_batches} x {plan.micro_batch_size} samples, "
+        f"schedule {plan.schedule} policy {plan.policy}",
+        f"predicted step L = {plan.predicted_step_ms:.2f} ms (T_w {r.T_w_ms:.2f} + T_s "
+        f"{r.T_s_ms:.2f} + T_e {r.T_e_ms:.2f}), speed-up over dp "
+        f"{speedup_text(dp_ms, plan.predicted_step_ms)}",
+    ]
+
+
+def _step_rule_summary(
+    plan: Plan, profile: ModelProfile, cluster: Cluster, dp_ms: float
+) -> list[str]:
+    from dapple.planner.schedules import device_memory_by_group, schedule_latency
+    from dapple.schedule.registry import get_schedule
+
+    title = get_schedule(plan.schedule).title_of(plan)
+    step_ms = schedule_latency(plan, profile, cluster)
+    peak = max(device_memory_by_group(plan, profile))
+    return [
+        f"S = {plan.num_stages} computation stages on P = {plan.num_groups} device groups "
+        f"(v = {plan.virtual_stages}), replication {plan.replication}, split positions "
+        f"{list(plan.split_positions)}, M = {plan.num_micro_batches} x "
+        f"{plan.micro_batch_size} samples, schedule {title}",
+        f"predicted step L = {step_ms:.2f} ms (the {title} step rule), peak memory "
+        f"{gib_text(peak)} of {gib_text(cluster.usable_memory_bytes)} GiB, speed-up over dp "
+        f"{speedup_text(dp_ms, step_ms)}",
+    ]

@@ -21,7 +21,9 @@ from dapple.cli._plan_show import (
     gib_text,
     mesh_columns,
     ms_text,
+    plan_summary,
     print_stage_table,
+    speedup_text,
     zero_line,
 )
 from dapple.cli._run_args import add_virtual_stages_argument
@@ -119,6 +121,15 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         "base_model_tp_plan); a width > 1 for a profile where no layer shards is refused "
         "(dapple planner only; default %(default)s)",
     )
+    p.add_argument(
+        "--interleave",
+        action="store_true",
+        help="also search interleaved 1F1B (v = 2 model chunks per device group): the dapple "
+        "planner's own plans cut into chunks and the dp x tp x pp grid's interleaved points, "
+        "each costed by the interleaved step rule and its replayed memory; the fastest plan "
+        "wins, interleaved or 1F1B (dapple planner only, not with --schedule, nor on a "
+        "cluster with host terms)",
+    )
     add_plan_config_arguments(p)
     p.set_defaults(func=run)
 
@@ -150,6 +161,7 @@ def _plan_with_progress(
     planner: str,
     zero_stage: int = 0,
     tensor_widths: list[int] | None = None,
+    interleaved: bool = False,
 ) -> Plan:
     """Run one planner; show its progress once it has taken more than a second."""
     from dapple.planner import make_plan
@@ -157,7 +169,7 @@ def _plan_with_progress(
     what = f"plan {planner}"
     with StepProgress(what, detail="micro-batch counts", console=con, delay_s=1.0) as bar:
         return make_plan(profile, cluster, gbs, planner, progress=bar, zero_stage=zero_stage,
-                         tensor_widths=tensor_widths)  # fmt: skip
+                         tensor_widths=tensor_widths, interleaved=interleaved)  # fmt: skip
 
 
 def _zero_stage(value: str) -> int:
@@ -185,19 +197,15 @@ def _dp_ms(profile: ModelProfile, cluster: Cluster, gbs: int) -> float:
         return math.nan
 
 
-def _speedup(dp_ms: float, ms: float) -> str:
-    return "dp infeasible" if math.isnan(dp_ms) else f"{dp_ms / ms:.2f}x"
-
-
 def run(args: argparse.Namespace) -> int:
     from dapple.core.cluster import load_cluster
-    from dapple.planner.config import tensor_width_list
-    from dapple.planner.cost import pipeline_latency
+    from dapple.planner.config import check_interleave, tensor_width_list
     from dapple.planner.lengths import profile_for_lengths
     from dapple.profiler.paper_models import PAPER_GLOBAL_BATCH, load_profile, paper_name
 
     if apply_plan_config(args, parse_seq_len):  # --config FILE, --print-config
         return 0
+    check_interleave(args.interleave, args.schedule, cli=True)
     lengths = parse_seq_len(args.seq_len) if args.seq_len is not None else None
     profile = load_profile(args.profile)
     if lengths is not None:
@@ -219,36 +227,19 @@ def run(args: argparse.Namespace) -> int:
     best = args.schedule == BEST
     check_virtual_stages(args.virtual_stages, None if best else args.schedule, cli=True)
     if args.compare:
-        return _compare(con, profile, cluster, gbs, _dp_ms(profile, cluster, gbs), args.output)
-    plan = _plan_with_progress(con, profile, cluster, gbs, args.planner, zero, widths)
+        dp_ms = _dp_ms(profile, cluster, gbs)
+        return _compare(con, profile, cluster, gbs, dp_ms, args.output, args.interleave)
+    plan = _plan_with_progress(
+        con, profile, cluster, gbs, args.planner, zero, widths, args.interleave
+    )
     dp_ms = _dp_ms(profile, cluster, gbs)  # after the planner's checks of the options
     if best:
         return _best_schedule(con, plan, profile, cluster, args, dp_ms)
     if args.schedule and not get_schedule(args.schedule).uses_pipeline_latency:
         return _new_schedule(con, plan, profile, cluster, args, dp_ms)
     if args.schedule:
-        plan = dataclasses.replace(plan, schedule=args.schedule)
-        plan = dataclasses.replace(
-            plan, predicted_step_ms=pipeline_latency(plan, profile, cluster).L_ms
-        )
-    r = pipeline_latency(plan, profile, cluster)  # each stage's zero stage is in the plan
-    print_stage_table(con, plan, profile, cluster)
-    con.print(
-        f"S = {plan.num_stages} computation stages ({r.S} with comm stages), "
-        f"replication {plan.replication}, split positions {list(plan.split_positions)}, "
-        f"pivot Q = {r.Q}, M = {plan.num_micro_batches} x {plan.micro_batch_size} samples, "
-        f"schedule {plan.schedule} policy {plan.policy}"
-    )
-    con.print(
-        f"predicted step L = {plan.predicted_step_ms:.2f} ms (T_w {r.T_w_ms:.2f} + T_s "
-        f"{r.T_s_ms:.2f} + T_e {r.T_e_ms:.2f}), speed-up over dp {_speedup(dp_ms, plan.predicted_step_ms)}"
-    )
-    con.print(zero_line(plan, profile))
-    if plan.seq_len is not None:
-        con.print(
-            f"planned for samples of {plan.seq_len:g} tokens on average (step time) and at most "
-            f"{plan.max_seq_len:g} (memory)"
-        )
+        plan = _under_schedule(plan, args.schedule, profile, cluster)
+    _print_plan(con, plan, profile, cluster, dp_ms)
     single = [str(i) for i, st in enumerate(plan.stages) if st.replicas == 1]
     if zero in (1, 2, 3) and single:
         con.print(f"--zero-stage {zero} is a no-op on stage(s) {', '.join(single)} (one replica)")
@@ -258,6 +249,34 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _under_schedule(plan: Plan, schedule: str, profile: ModelProfile, cluster: Cluster) -> Plan:
+    """The planner's plan under ``--schedule`` costed by L (gpipe, dapple): an interleaved
+    plan's chunks joined into one stage per device group
+    (:func:`~dapple.simulate.schedules.with_schedule`), predicted by L (equations 1-3)."""
+    from dapple.planner.cost import pipeline_latency
+    from dapple.simulate.schedules import with_schedule
+
+    plan = with_schedule(plan, schedule)
+    return dataclasses.replace(
+        plan, predicted_step_ms=pipeline_latency(plan, profile, cluster).L_ms
+    )
+
+
+def _print_plan(
+    con: Console, plan: Plan, profile: ModelProfile, cluster: Cluster, dp_ms: float
+) -> None:
+    """The stage table and the summary lines of the plan (:func:`plan_summary`)."""
+    print_stage_table(con, plan, profile, cluster)
+    for line in plan_summary(plan, profile, cluster, dp_ms):
+        con.print(line)
+    con.print(zero_line(plan, profile))
+    if plan.seq_len is not None:
+        con.print(
+            f"planned for samples of {plan.seq_len:g} tokens on average (step time) and at most "
+            f"{plan.max_seq_len:g} (memory)"
+        )
+
+
 def _compare(
     con: Console,
     profile: ModelProfile,
@@ -265,7 +284,10 @@ def _compare(
     gbs: int,
     dp_ms: float,
     output: str | None,
+    interleaved: bool = False,
 ) -> int:
+    """Every planner side by side (the dapple planner with ``interleaved``), then the best
+    plan per schedule; the dapple planner's plan saved to ``output`` if given."""
     t = Table(title=f"planners on {profile.model_name}, {cluster.name}, global batch {gbs}")
     for col in ("planner", "replication", "split positions", "M", "schedule", "L ms", "vs dp"):
         t.add_column(col, justify="left" if col in ("planner", "replication") else "right")
@@ -274,7 +296,8 @@ def _compare(
     skipped: list[str] = []
     for name in _PLANNERS:
         try:
-            plan = _plan_with_progress(con, profile, cluster, gbs, name)
+            mine = interleaved and name == "dapple"
+            plan = _plan_with_progress(con, profile, cluster, gbs, name, interleaved=mine)
         except DappleError as e:
             t.add_row(name, "-", "-", "-", "-", "n/a", "n/a")
             skipped.append(f"{name}: {e}")
@@ -290,7 +313,7 @@ def _compare(
             str(plan.num_micro_batches),
             f"{plan.schedule}/{plan.policy}",
             ms_text(plan.predicted_step_ms),
-            _speedup(dp_ms, plan.predicted_step_ms),
+            speedup_text(dp_ms, plan.predicted_step_ms),
         )
     print_table(con, t)
     for line in skipped:
@@ -373,7 +396,7 @@ def _report(
         f"{head}, replication {plan.replication}, M = {plan.num_micro_batches} x "
         f"{plan.micro_batch_size} samples: predicted step {plan.predicted_step_ms:.2f} ms, "
         f"simulated {res.step_ms:.2f} ms, peak memory {gib_text(res.peak_memory_bytes)} GiB, "
-        f"speed-up over dp {_speedup(dp_ms, res.step_ms)}"
+        f"speed-up over dp {speedup_text(dp_ms, res.step_ms)}"
     )
     if output:
         plan.save(output)
@@ -426,7 +449,7 @@ def _choices_table(con: Console, choices: list[ScheduleChoice], dp_ms: float, wh
             ms_text(p.predicted_step_ms),
             ms_text(ch.result.step_ms),
             gib_text(ch.result.peak_memory_bytes),
-            _speedup(dp_ms, ch.result.step_ms),
+            speedup_text(dp_ms, ch.result.step_ms),
         )
     print_table(con, t)
     for line in notes:

@@ -15,6 +15,7 @@ from dapple.core.cluster import Cluster
 from dapple.core.plan import Plan
 from dapple.core.profile import ModelProfile
 from dapple.core.tensor_layout import check_tensor_widths
+from dapple.cost.host import has_host_terms
 from dapple.cost.lengths import profile_for_lengths
 from dapple.errors import ValidationError
 from dapple.planner.baselines import dp_plan, gpipe_plan, pipedream_plan, straight_plan_baseline
@@ -57,6 +58,7 @@ def make_plan(
     seq_len: float | None = None,
     max_seq_len: float | None = None,
     tensor_widths: Sequence[int] | None = None,
+    interleaved: bool = False,
 ) -> Plan:
     """Plan ``profile`` on ``cluster`` for ``global_batch_size`` samples per step.
 
@@ -77,6 +79,9 @@ def make_plan(
         tensor_widths: the tensor widths t to search (DAPPLE search only,
             :func:`~dapple.planner.search.dapple_search`); None: 1, and every width dividing the
             server size when some layer shards (:func:`~dapple.planner.widths.width_candidates`).
+        interleaved: also offer interleaved 1F1B plans (v = 2) and the grid's interleaved
+            points (DAPPLE search only, :mod:`dapple.planner.interleaving`); the plan may then
+            have ``schedule == "interleaved"``, costed by its step rule.
 
     Returns:
         The plan, with ``seq_len``/``max_seq_len`` the lengths its profile is for (None for a
@@ -86,7 +91,9 @@ def make_plan(
         ValidationError: unknown planner, bad batch size (below 1, above
             :data:`~dapple.planner.search.MAX_GLOBAL_BATCH_SIZE`), lengths the profile
             cannot give, or tensor widths that cannot be searched
-            (:func:`~dapple.core.tensor_layout.check_tensor_widths`; t > 1 with a baseline).
+            (:func:`~dapple.core.tensor_layout.check_tensor_widths`; t > 1 with a baseline),
+            ``interleaved`` with a baseline or on a cluster with host terms (the interleaved
+            step rule does not cost them).
         InfeasibleError: no plan fits.
     """
     if planner not in PLANNERS:
@@ -101,13 +108,16 @@ def make_plan(
         if planner != "dapple" and list(tensor_widths) != [1]:
             raise ValidationError(f"tensor widths {list(tensor_widths)} are searched by the "
                                   f"dapple planner only, not {planner!r}")  # fmt: skip
+    if interleaved:
+        _check_interleaved(planner, cluster)
     if seq_len is not None or max_seq_len is not None:
         if seq_len is None:
             raise ValidationError(f"max_seq_len {max_seq_len} needs seq_len (the mean length)")
         profile = profile_for_lengths(profile, seq_len, max_seq_len)
     if planner == "dapple":
         plan = dapple_search(profile, cluster, global_batch_size, progress=progress,
-                             zero_stage=zero_stage, tensor_widths=tensor_widths)  # fmt: skip
+                             zero_stage=zero_stage, tensor_widths=tensor_widths,
+                             interleaved=interleaved)  # fmt: skip
     else:
         plan = PLANNERS[planner](profile, cluster, global_batch_size)
     if profile.seq_len is None:
@@ -115,3 +125,16 @@ def make_plan(
     return dataclasses.replace(
         plan, seq_len=profile.seq_len, max_seq_len=profile.for_memory.seq_len
     )
+
+
+def _check_interleaved(planner: str, cluster: Cluster) -> None:
+    """Refuse ``interleaved`` where it would not be searched (a baseline, host terms)."""
+    if planner != "dapple":
+        raise ValidationError(
+            f"interleaved plans are searched by the dapple planner only, not {planner!r}"
+        )
+    if has_host_terms(cluster):
+        raise ValidationError(
+            f"cluster {cluster.name!r} has host terms (CPU overheads or shared cores), which "
+            "the interleaved step rule does not cost: plan it without interleaving"
+        )

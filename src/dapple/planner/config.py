@@ -9,6 +9,7 @@ section of a config file and :func:`dapple.api.plan`.
     cluster = "paper-a"
     zero_stage = "auto"
     tensor_widths = [1, 2, 4]
+    interleave = true
     output = "plan.json"
 
 The sections of ``dapple train`` (:data:`dapple.runtime.run_config.RUN_SECTIONS`) may share
@@ -34,6 +35,7 @@ __all__ = [
     "RUN_SECTION_NAMES",
     "ZERO_CHOICES",
     "PlanConfig",
+    "check_interleave",
     "choices",
     "dump_plan_config",
     "load_plan_config",
@@ -77,6 +79,9 @@ class PlanConfig:
     tensor_widths: str | tuple[int, ...] = AUTO
     """Tensor widths t to search (each of 1, 2, 4, 8), or ``auto``: 1, and every width
     dividing the server size when some layer of the profile shards."""
+    interleave: bool = False
+    """Also search interleaved 1F1B plans (v = 2) and the grid's interleaved points (dapple
+    planner only, :mod:`dapple.planner.interleaving`), so the plan may be interleaved."""
     output: str | None = None
     """Also write the plan JSON here."""
 
@@ -89,6 +94,8 @@ class PlanConfig:
             raise ValidationError(
                 f"zero_stage must be one of {choices(ZERO_CHOICES)}, got {self.zero_stage!r}"
             )
+        if not isinstance(self.interleave, bool):
+            raise ValidationError(f"interleave must be true or false, got {self.interleave!r}")
         widths = tensor_width_list(self.tensor_widths)
         object.__setattr__(self, "tensor_widths", AUTO if widths is None else tuple(widths))
         for name in ("servers", "global_batch_size"):
@@ -110,6 +117,21 @@ def _check_lengths(mean: float | None, top: float | None) -> None:
             raise ValidationError(f"{name} must be a length > 0, got {v}")
     if top is not None and mean > top:
         raise ValidationError(f"seq_len {mean:g} exceeds max_seq_len {top:g}")
+
+
+def check_interleave(interleave: bool, schedule: str | None, *, cli: bool = False) -> None:
+    """Refuse ``interleave`` beside a ``schedule``: the schedule replaces the planner's choice
+    between 1F1B and interleaved 1F1B (``best`` makes that choice by simulation). ``cli``:
+    name them as ``dapple plan``'s flags.
+
+    Raises:
+        ValidationError: both given.
+    """
+    if interleave and schedule is not None:
+        what = ("--interleave", "--schedule") if cli else ("interleave", "schedule")
+        raise ValidationError(
+            f"{what[0]} searches the schedule, {what[1]} {schedule} fixes it: give one of them"
+        )
 
 
 def choices(values: Sequence[int | str]) -> str:

@@ -223,8 +223,7 @@ def dapple_search(
             fastest that fits is offered (:mod:`dapple.planner.interleaving`). Not on a cluster
             with host terms (CPU overheads, shared cores): the interleaved step rule does not
             cost them, so its L would not compare with the DP's. False (default): 1F1B plans
-            only, each with the paper's K_i per stage, which the planner's callers (``dapple
-            plan``'s latency breakdown) read.
+            only, each with the paper's K_i per stage (``dapple plan --interleave`` sets it).
 
     Raises:
         InfeasibleError: no plan fits device memory for any M.
