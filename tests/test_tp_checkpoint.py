@@ -1,14 +1,14 @@
 """Checkpoints of tensor-parallel and ZeRO-3 stages: whole layers, resumable under any plan.
 
 One group of 4 gloo workers is spawned ONCE and trains the zoo transformer (traced into pieces,
-its TP plan) with AdamW: six uninterrupted runs of ``STEPS`` steps (DP2 x TP2, 2:2, 1:2 with
-ZeRO-3, 1:2, TP2 x FSDP2, and TP2 then ZeRO-3 as interleaved 1F1B), each saving at steps
-``CUT`` and ``STEPS``, then resumes from a copy of one run's ``CUT`` checkpoint under another
-plan (or the same), saving again at ``STEPS``. The checks read the checkpoint files here: a cut
+its TP plan) with AdamW: seven uninterrupted runs of ``STEPS`` steps (DP2 x TP2, 2:2, 1:2 with
+ZeRO-3, 1:2, TP2 x FSDP2, TP2 then ZeRO-3 as interleaved 1F1B, and DP2 x TP2 with ZeRO-2),
+each saving at steps ``CUT`` and ``STEPS``, then resumes from a copy of one run's ``CUT``
+checkpoint under another plan (or the same), saving again at ``STEPS``. The checks read the checkpoint files here: a cut
 stage's checkpoint holds what an unsharded run's holds (same files, names, whole shapes, values
 within float rounding, AdamW moments included); a resumed run's final checkpoint and losses
 equal the uninterrupted run's - bit for bit when the plan resumes itself; ``dapple export``
-reads a TP checkpoint as any other. Four more runs evaluate (``eval_every``) under the cut
+reads a TP checkpoint as any other. Five more runs evaluate (``eval_every``) under the cut
 plans: their eval losses equal the one-process model's with the checkpoint's weights, and their
 training equals the runs without evaluation.
 """
@@ -50,10 +50,20 @@ PLANS: dict[str, tuple[StagePlan, ...]] = {
         StagePlan(layers=(2, 4), devices=(2, 3), zero_stage=3),
     ),
 }
+PLANS["dp2xtp2+z2"] = PLANS["dp2xtp2"]
+ZERO = {"dp2xtp2+z2": 2}
+"""Runs with the run's ZeRO-1/2 stage (the optimizer state and gradients sharded over the
+replicas of each tensor index)."""
 INTERLEAVED = {"i-tp2:z3": 2}
 """Plans run as interleaved 1F1B with v chunks per device group (each rank holds two chunks:
 TP2 on the embedding's and the second block's group, ZeRO-3 on the other)."""
-PLAIN = {"dp2xtp2": "2:2", "1:2z3": "1:2", "tp2xfsdp2": "2:2", "i-tp2:z3": "2:2"}
+PLAIN = {
+    "dp2xtp2": "2:2",
+    "1:2z3": "1:2",
+    "tp2xfsdp2": "2:2",
+    "i-tp2:z3": "2:2",
+    "dp2xtp2+z2": "2:2",
+}
 """Each cut plan -> the unsharded plan whose checkpoints its must equal (within rounding)."""
 RESUMES = [
     ("dp2xtp2", "dp2xtp2"),
@@ -67,6 +77,9 @@ RESUMES = [
     ("i-tp2:z3", "i-tp2:z3"),
     ("i-tp2:z3", "dp2xtp2"),
     ("1:2z3", "i-tp2:z3"),
+    ("dp2xtp2+z2", "dp2xtp2+z2"),
+    ("dp2xtp2+z2", "2:2"),
+    ("dp2xtp2", "dp2xtp2+z2"),
 ]
 """(plan that saved step CUT, plan that resumes it)."""
 
@@ -112,7 +125,7 @@ def worker(rank: int, world: int, out_dir: str) -> None:
     runs: dict[str, dict[str, list[Any]]] = {}
 
     def run(name: str, ck: Path, **kw: Any) -> None:
-        cfg = TrainConfig(**{**base, **kw}, checkpoint_dir=str(ck))
+        cfg = TrainConfig(**{**base, **kw}, checkpoint_dir=str(ck), zero_stage=ZERO.get(name, 0))
         r = run_plan(plan_of(name), wl, cfg, device=device, exact_world=False)
         if rank == 0:
             runs[ck.name] = {"loss": [m.loss for m in r.metrics],

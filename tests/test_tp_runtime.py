@@ -5,8 +5,8 @@ parameter, gradient, loss and gradient norm against one process, step by step - 
 DP2 x TP2, stage 0 TP2 + stage 1 DP2, 1:2 with ZeRO-3 on the replicated stage and TP2 x FSDP2
 on one 4-rank stage, on the zoo transformer (traced into pieces, its
 :data:`~dapple.runtime.tp.TRANSFORMER_TP_PLAN`) and a tiny Hugging Face LLaMA from a config;
-both under ZB-H1 (split backward) and under interleaved 1F1B (two chunks per rank); the zoo
-transformer also with re-computation under TP.
+both under ZB-H1 (split backward) and under interleaved 1F1B (two chunks per rank); with
+ZeRO-1/2 under TP; re-computation under TP and ZeRO-3; bf16 autocast.
 Checkpoints and evaluation of such plans: ``tests/test_tp_checkpoint.py``.
 """
 
@@ -63,14 +63,15 @@ def zoo_spec() -> Workload:
     return dp.load(f"{Path(__file__).resolve()}:zoo")
 
 
-def llama(path: Path) -> Workload:
-    """A tiny LLaMA saved from a config (no dropout), loaded as ``hf:DIR`` (its config's
-    ``base_model_tp_plan``)."""
+def llama(path: Path, layers: int = 2) -> Workload:
+    """A tiny LLaMA of ``layers`` decoder layers saved from a config (no dropout), loaded as
+    ``hf:DIR`` (its config's ``base_model_tp_plan``)."""
     tf = pytest.importorskip("transformers")
     import dapple.api as dp
 
     torch.manual_seed(0)
-    tf.LlamaForCausalLM(tf.LlamaConfig(**LLAMA)).save_pretrained(path)
+    config = tf.LlamaConfig(**{**LLAMA, "num_hidden_layers": layers})
+    tf.LlamaForCausalLM(config).save_pretrained(path)
     return dp.load(f"hf:{path}")
 
 
@@ -157,8 +158,6 @@ def test_unsupported_mesh_runs_are_refused_in_one_line() -> None:
     bare = replace(wl, tp_plan={})
     with pytest.raises(ValidationError, match="has no TP plan"):
         check_mesh_run(dp2_tp2(4), bare, _cfg())
-    with pytest.raises(ValidationError, match="ZeRO-1 with TP"):
-        check_mesh_run(dp2_tp2(4), wl, _cfg(zero_stage=1))
     with pytest.raises(ValidationError, match="regather under split-backward"):
         check_mesh_run(replace(regathering(one_then_zero3(4)), schedule="zbh1"), wl, _cfg())
     check_mesh_run(replace(one_then_zero3(4), schedule="zbh1"), wl, _cfg())
@@ -168,6 +167,7 @@ def test_unsupported_mesh_runs_are_refused_in_one_line() -> None:
     with pytest.raises(ValidationError, match="precision fp16 with TP or ZeRO-3"):
         check_mesh_run(dp2_tp2(4), wl, _cfg(precision="fp16"))
     check_mesh_run(dp2_tp2(4), wl, _cfg())  # supported
+    check_mesh_run(dp2_tp2(4), wl, _cfg(zero_stage=2))
     check_mesh_run(dp2_tp2(4), wl, _cfg(precision="bf16"))
     check_mesh_run(interleave(tp2_then_zero3(4), 2), wl, _cfg())
     check_mesh_run(recomputing(dp2_tp2(4)), wl, _cfg(recompute=True))
@@ -212,14 +212,16 @@ def test_verify_zoo_transformer_under_zb_h1(case: Any) -> None:
     _verify(replace(case(4), schedule="zbh1"), zoo_spec())
 
 
-def _verify_all(cases: list[tuple[Plan, Workload]], precision: str = "fp32") -> None:
+def _verify_all(
+    cases: list[tuple[Plan, Workload]], precision: str = "fp32", zero_stage: int = 0
+) -> None:
     """:func:`_verify`'s checks on every case, with one launch of the workers (bf16: within
     verify's stated bf16 tolerances, both runs under autocast)."""
     from dapple.runtime.precision import tolerances_for
     from dapple.runtime.verify import verify_many
 
     reps = verify_many(cases, steps=2, optimizer="adamw", lr=1e-2, clip_grad_norm=0.5,
-                       timeout_s=300, precision=precision)  # fmt: skip
+                       timeout_s=300, precision=precision, zero_stage=zero_stage)  # fmt: skip
     assert len(reps) == len(cases)
     low = tolerances_for(precision)[0] if precision != "fp32" else None
     for rep in reps:
@@ -243,6 +245,18 @@ def test_verify_tp_and_zero3_under_bf16_autocast() -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
+@pytest.mark.parametrize("zero_stage", [1, 2])
+def test_verify_tp_with_zero_1_and_2(zero_stage: int, tmp_path: Path) -> None:
+    """ZeRO-1/2 over the replicas of each tensor index: each replica updates its pieces of the
+    stage's slices (the gradient norm counts them once; verify sees the reduced gradients)."""
+    wl = zoo_spec()
+    cases = [(dp2_tp2(4), wl), (interleave(tp2_then_dp2(4), 2), wl),
+             (dp2_tp2(4), llama(tmp_path / "llama"))]  # fmt: skip
+    _verify_all(cases, zero_stage=zero_stage)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_verify_hf_llama_under_zb_h1(tmp_path: Path) -> None:
     wl = llama(tmp_path / "llama")
     _verify_all([(replace(c(4), schedule="zbh1"), wl) for c in (dp2_tp2, tp2_then_dp2,
@@ -254,10 +268,21 @@ def test_verify_hf_llama_under_zb_h1(tmp_path: Path) -> None:
 def test_verify_interleaved_1f1b_with_tp_and_zero3(tmp_path: Path) -> None:
     """Interleaved 1F1B (v=2): each rank holds two chunks, cut over its device group's tensor
     group and/or sharded over its replicas, each chunk an FSDP root of its own; a chunk without
-    a layer of the TP plan (the embedding, the head) runs whole on every tensor rank."""
+    a layer of the TP plan (the embedding, the head) runs whole on every tensor rank; chunks
+    may differ in length."""
     zoo = [tp2_then_dp2, one_then_zero3, tp2_then_zero3, one_then_zero3_regather]
     cases = [(interleave(c(4), 2), zoo_spec()) for c in zoo]
-    _verify_all([*cases, (interleave(tp2_then_zero3(4), 2), llama(tmp_path / "llama"))])
+    tp2, z3 = (
+        StagePlan(layers=(0, 2), devices=(0, 1), tensor_width=2),
+        StagePlan(layers=(2, 3), devices=(2, 3), zero_stage=3),
+    )
+    uneven = replace(  # chunks of 2, 1, 1 and 1 layers, as the planner's re-cut chunks may be
+        plan_of([tp2, z3, replace(tp2, layers=(3, 4)), replace(z3, layers=(4, 5))]),
+        schedule="interleaved",
+        virtual_stages=2,
+    )
+    _verify_all([*cases, (interleave(tp2_then_zero3(4), 2), llama(tmp_path / "llama")),
+                 (uneven, llama(tmp_path / "llama3", layers=3))])  # fmt: skip
 
 
 @pytest.mark.slow

@@ -99,6 +99,7 @@ __all__ = [
     "restore_rng_state",
     "restore_stage",
     "save_checkpoint",
+    "slice_state",
     "stage_layer_states",
     "step_dir",
 ]
@@ -405,11 +406,11 @@ def restore_stage(
                     "no optimizer state"
                 )
             continue
-        sd["state"][n] = st if offset < 0 else _slice_state(st, offset, p.numel())
+        sd["state"][n] = st if offset < 0 else slice_state(st, offset, p.numel())
     optimizer.load_state_dict(sd)
 
 
-def _slice_state(state: Mapping[str, Any], offset: int, n: int) -> dict[str, Any]:
+def slice_state(state: Mapping[str, Any], offset: int, n: int) -> dict[str, Any]:
     """Elements ``[offset, offset + n)`` of every non-scalar tensor of one parameter's state."""
     return {
         k: v.reshape(-1)[offset : offset + n].clone()

@@ -262,7 +262,8 @@ def _observer(r: _Rank, on_update: UpdateObserver, plan: Plan, rank: int) -> Cal
     """``on_update`` bound to this rank's layers and updated parameters (a cut stage's whole,
     :func:`~dapple.runtime.stage_mesh.whole_observer`)."""
     if r.mesh.cut and r.layers.module is not None:
-        return whole_observer(r.mesh, r.layers.module, plan.layers_of_device(rank), on_update)
+        return whole_observer(r.mesh, r.layers.module, plan.layers_of_device(rank), on_update,
+                              r.interpreter.shards)  # fmt: skip
     shards = r.interpreter.shards
     pieces: list[tuple[torch.Tensor, torch.Tensor, int]] = (
         [(pc.param, pc.origin, pc.offset) for pc in shards.pieces] if shards else []
@@ -353,7 +354,7 @@ def _setup(
                         tensor_index=mesh.tensor_rank, extra_pg=list(groups.tensor.values()))  # fmt: skip
     torch.manual_seed(config.seed * 7919 + rank)  # random ops other than the keyed sites
     params = list(layers.module.parameters()) if layers.module is not None else []
-    shards = build_shards(plan, layers, zero, sync.pg)
+    shards = build_shards(plan, layers, zero, sync.pg, mesh.tensor_rank)
     updated, opt = build_optimizer(config, params, zero.sharded, shards)
     meter = ActivationMeter(exclude=params)
     executor = ExecutorFactory(layers, specs, workload.loss_fn, device, config.recompute, meter,
@@ -398,7 +399,8 @@ def _long_run(
     cut = None
     if mesh.cut and layers.module is not None:
         cut = CutStage(mesh, layers.module, plan.layers_of_device(rank),
-                       writes=layers.replica == 0 and mesh.tensor_rank == 0)  # fmt: skip
+                       writes=layers.replica == 0 and mesh.tensor_rank == 0,
+                       shards=shards)  # fmt: skip
     longrun = LongRun(plan, workload, config, rank=rank, world=world, stage=layers.stage,
                       replica=layers.replica, module=layers.module, optimizer=optimizer,
                       device=device, precision=precision, shards=shards, cut=cut)  # fmt: skip

@@ -239,16 +239,17 @@ def select_zero(
 
 
 def build_shards(
-    plan: Plan, layers: StageLayers, zero: ZeroSelection, pg: Any
+    plan: Plan, layers: StageLayers, zero: ZeroSelection, pg: Any, tensor_index: int = 0
 ) -> FlatShards | None:
     """This replica's :class:`~dapple.runtime.zero.FlatShards` over the selected parameters
-    (no bucket spans two chunks), or None when nothing is sharded."""
+    (no bucket spans two chunks) among the replicas of its tensor index, or None when nothing
+    is sharded."""
     s, j, module, chunks = layers.stage, layers.replica, layers.module, layers.chunks
     if not (zero.flat or zero.tied) or module is None or s is None or j is None:
         return None
     held = [list(chunks[k].parameters()) for k in sorted(chunks)] if len(chunks) > 1 else []
     return FlatShards(plan, s, j, module, zero.flat, pg, zero.zero_stage, tied=zero.tied,
-                      chunks=held)  # fmt: skip
+                      chunks=held, tensor_index=tensor_index)  # fmt: skip
 
 
 def build_optimizer(
@@ -279,11 +280,17 @@ def norm_parameters(
     replica's pieces of what the stage's replica 0 counts; a cut stage's as
     :meth:`StageMesh.norm_counted` says."""
     s, j, module = layers.stage, layers.replica, layers.module
-    if mesh is not None and mesh.cut and module is not None and j is not None:
-        return mesh.norm_counted(module, j)
-    counted = [p for p in counted_parameters(plan, workload, s, j, module) if id(p) not in sharded]
+    cut = mesh is not None and mesh.cut and module is not None and j is not None
+
+    def stage_counts(replica: int | None) -> list[nn.Parameter]:
+        if cut:
+            assert mesh is not None and module is not None and replica is not None
+            return mesh.norm_counted(module, replica)
+        return counted_parameters(plan, workload, s, replica, module)
+
+    counted = [p for p in stage_counts(j) if id(p) not in sharded]
     if shards is not None:
-        counted = shards.counted(counted_parameters(plan, workload, s, 0, module)) + counted
+        counted = shards.counted(stage_counts(0)) + counted
     return counted
 
 

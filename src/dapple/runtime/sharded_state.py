@@ -38,9 +38,11 @@ from dapple.runtime.checkpoint import (
     check_layer_shapes,
     check_optimizer_type,
     load_layer_states,
+    slice_state,
 )
 from dapple.runtime.stage_mesh import StageMesh
 from dapple.runtime.tp.collectives import all_gather_list
+from dapple.runtime.zero import FlatShards
 
 __all__ = ["CutStage"]
 
@@ -57,6 +59,9 @@ class CutStage:
     layer_ids: tuple[int, ...]
     writes: bool
     """This rank writes the stage's layers (replica 0, tensor rank 0)."""
+    shards: FlatShards | None = None
+    """ZeRO-1/2 over the replicas of the rank's tensor index: the optimizer updates this
+    replica's pieces (:class:`~dapple.runtime.zero.FlatShards`) of the stage's slices."""
 
     def _resharded(self) -> None:
         """ZeRO-3: the sharded DTensor parameters registered (those the optimizer keys)."""
@@ -106,6 +111,8 @@ class CutStage:
         in the same order).
         """
         self._resharded()
+        if self.shards is not None:
+            return self._gathered_states(optimizer)
         out: dict[int, LayerState] = {}
         for i, prefix, layer in self._layers():
             tensors = {n: self._whole(prefix + n, v) for n, v in layer.state_dict().items()}
@@ -114,6 +121,26 @@ class CutStage:
                 st = optimizer.state.get(p) if optimizer is not None else None
                 if st:
                     opt[n] = {k: self._state_whole(prefix + n, v) for k, v in sorted(st.items())}
+            if self.writes:
+                out[i] = LayerState(i, tensors, opt)
+        return out
+
+    def _gathered_states(self, optimizer: torch.optim.Optimizer | None) -> dict[int, LayerState]:
+        """ZeRO-1/2: the optimizer pieces gathered to replica 0 (the replica group), whose tensor
+        ranks then join each tensor's slices (the tensor group). Collective on both."""
+        assert self.shards is not None
+        local = self.shards.layer_states(self.layer_ids, optimizer)
+        if not local:  # a replica other than 0
+            return {}
+        dev = next(self.module.parameters()).device
+        out: dict[int, LayerState] = {}
+        for i, prefix, _ in self._layers():
+            got = local[i]
+            tensors = {n: self._whole(prefix + n, v.to(dev)) for n, v in got.tensors.items()}
+            opt = {
+                n: {k: self._state_whole(prefix + n, _on(v, dev)) for k, v in sorted(st.items())}
+                for n, st in sorted(got.optimizer.items())
+            }
             if self.writes:
                 out[i] = LayerState(i, tensors, opt)
         return out
@@ -160,19 +187,29 @@ class CutStage:
         sd = optimizer.state_dict()
         sd["state"] = {}
         names = {id(p): n for n, p in self.module.named_parameters()}
+        views = self.shards.views() if self.shards is not None else {}
         order = [p for g in optimizer.param_groups for p in g["params"]]
         for k, p in enumerate(order):
-            found = by_param.get(id(p))
+            origin, offset = views.get(id(p), (p, -1))  # a ZeRO-1/2 piece: its origin's slice
+            found = by_param.get(id(origin))
             if found is None:
                 if by_param and p.requires_grad:
                     raise CheckpointError(
                         f"checkpoint {str(ckpt.manifest_path)!r} is incomplete: parameter "
-                        f"{names.get(id(p), '?')!r} has no optimizer state"
+                        f"{names.get(id(origin), '?')!r} has no optimizer state"
                     )
                 continue
             name, st = found
-            sd["state"][k] = {
-                key: self._mine(name, v, p) if isinstance(v, torch.Tensor) and v.ndim > 0 else v
+            mine = {
+                key: self._mine(name, v, origin)
+                if isinstance(v, torch.Tensor) and v.ndim > 0 else v
                 for key, v in st.items()
-            }
+            }  # fmt: skip
+            sd["state"][k] = mine if offset < 0 else slice_state(mine, offset, p.numel())
         optimizer.load_state_dict(sd)
+
+
+def _on(v: Any, dev: torch.device) -> Any:
+    """A non-scalar tensor of optimizer state moved to ``dev`` (for the tensor group's
+    gather); anything else as it is."""
+    return v.to(dev) if isinstance(v, torch.Tensor) and v.ndim > 0 else v

@@ -43,9 +43,11 @@ from dapple.core.plan import Plan, StagePlan
 from dapple.errors import ValidationError
 from dapple.models.tp_plan import tp_plan_of
 from dapple.models.workload import Workload
+from dapple.runtime import comm
 from dapple.runtime.config import TrainConfig
 from dapple.runtime.fsdp import begin_micro_batch, hold_gradients, reduce_gradients, shard_stage
 from dapple.runtime.tp import TensorParallelModule, parallelize_stage
+from dapple.runtime.zero import FlatShards
 from dapple.schedule.registry import get_schedule
 
 __all__ = [
@@ -86,8 +88,6 @@ def check_mesh_run(plan: Plan, workload: Workload, config: TrainConfig) -> None:
         what = f"stage {s} {list(st.layers)} (tensor_width {st.tensor_width}, zero {st.zero_stage})"
         if st.tensor_width > 1 and not tp_plan_of(workload):
             raise ValidationError(f"{what}: model {workload.name!r} has no TP plan")
-        if st.tensor_width > 1 and config.zero_stage in (1, 2):
-            raise ValidationError(f"{what}: ZeRO-{config.zero_stage} with TP is not supported")
         if workload.tied_parameters:
             raise ValidationError(f"{what}: tied parameters with TP or ZeRO-3 are not supported")
         if st.regather and split:
@@ -297,23 +297,49 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def whole_parameters(mesh: StageMesh, module: nn.Module, grads: bool) -> dict[str, torch.Tensor]:
+def whole_parameters(
+    mesh: StageMesh, module: nn.Module, grads: bool, shards: FlatShards | None = None
+) -> dict[str, torch.Tensor]:
     """Every parameter (or gradient: zeros where none) of the stage whole, by name: gathered
-    over the replica group (ZeRO-3), then the tensor group. Collective on both."""
+    over the replica group (ZeRO-3, or a ZeRO-1/2 gradient from this replica's ``shards``),
+    then the tensor group. Collective on both."""
     local: dict[str, torch.Tensor] = {}
     for n, p in module.named_parameters():
         t = p.grad if grads else p.detach()
         local[n] = _local(t if t is not None else torch.zeros_like(p)).detach()
+    if grads and shards is not None:
+        local |= _summed_pieces(module, shards)
     if mesh.tp is None:
         return local
     return mesh.tp.full_parameters(grads, local=local)
 
 
+def _summed_pieces(module: nn.Module, shards: FlatShards) -> dict[str, torch.Tensor]:
+    """Each ZeRO-1/2 parameter's reduced gradient, whole over the replicas: this replica's
+    pieces at their offsets, summed over the replica group (each element is one replica's).
+    Collective on the replica group."""
+    names = {id(p): n for n, p in module.named_parameters()}
+    out = {names[id(p)]: torch.zeros(p.numel(), dtype=p.dtype, device=p.device)
+           for p in shards.params}  # fmt: skip
+    for pc in shards.pieces:
+        name = names.get(id(pc.origin))
+        if name is not None and pc.param.grad is not None:
+            out[name][pc.offset : pc.offset + pc.param.numel()] = pc.param.grad.reshape(-1)
+    for name in sorted(out):  # every replica: the same parameters, in the same order
+        comm.all_reduce(out[name], op=dist.ReduceOp.SUM, group=shards.pg)
+    shapes = dict(module.named_parameters())
+    return {n: t.view_as(shapes[n]) for n, t in out.items()}
+
+
 def whole_layers(
-    mesh: StageMesh, module: nn.Module, layer_ids: tuple[int, ...], grads: bool
+    mesh: StageMesh,
+    module: nn.Module,
+    layer_ids: tuple[int, ...],
+    grads: bool,
+    shards: FlatShards | None = None,
 ) -> dict[int, dict[str, torch.Tensor]]:
     """:func:`whole_parameters` by layer index (the module's children are its layers)."""
-    whole = whole_parameters(mesh, module, grads)
+    whole = whole_parameters(mesh, module, grads, shards)
     out: dict[int, dict[str, torch.Tensor]] = {i: {} for i in layer_ids}
     for n, t in whole.items():
         k, _, name = n.partition(".")
@@ -344,6 +370,7 @@ def whole_observer(
     module: nn.Module,
     layer_ids: tuple[int, ...],
     on_update: Callable[[int, nn.Module, list[tuple[torch.Tensor, torch.Tensor, int]]], None],
+    shards: FlatShards | None = None,
 ) -> Callable[[int], None]:
     """``run_plan``'s ``on_update`` for a cut stage: the layers' whole weights and gradients
     (gathered at each ``OPT``: collective on the rank's tensor and replica groups), each layer a
@@ -351,7 +378,7 @@ def whole_observer(
 
     def observe(step: int) -> None:
         weights = whole_layers(mesh, module, layer_ids, grads=False)
-        grads = whole_layers(mesh, module, layer_ids, grads=True)
+        grads = whole_layers(mesh, module, layer_ids, grads=True, shards=shards)
         whole = nn.Sequential(*(layer_module(weights[i], grads[i]) for i in layer_ids))
         on_update(step, whole, [(p, p, 0) for p in whole.parameters()])
 

@@ -45,6 +45,9 @@ class FlatShards:
         chunks: the parameters of each of the rank's chunks (interleaved plans): no bucket
             spans two, so a chunk's buckets are reduced at its own backward.
         bucket_bytes: the bucket size (default :data:`~dapple.runtime.sync.BUCKET_BYTES`).
+        tensor_index: the rank's index in its tensor group (t_s > 1): the replicas are the
+            stage's devices of that index (:meth:`StagePlan.replica_group`), each holding the
+            same slice of every cut parameter.
     """
 
     def __init__(
@@ -60,8 +63,9 @@ class FlatShards:
         tied: Sequence[nn.Parameter] = (),
         chunks: Sequence[Collection[nn.Parameter]] = (),
         bucket_bytes: int | None = None,
+        tensor_index: int = 0,
     ) -> None:
-        self.devices = list(plan.stages[stage].devices)
+        self.devices = list(plan.stages[stage].replica_group(tensor_index))
         self.r = len(self.devices)
         self.replica, self.module, self.pg, self.zero_stage = replica, module, pg, zero_stage
         self.params = params
