@@ -47,6 +47,23 @@ def make_cluster(servers: int = 1, per_server: int = 4, gbps: float = 100.0) -> 
     )
 
 
+def link_cluster(
+    name: str, servers: int, per_server: int, memory_gib: float, gib: int = 2**30
+) -> Cluster:
+    """8 Gbit/s = 1e6 bytes per ms inside a server, a quarter of it between servers, 0.01 ms
+    latency: links slow enough that tensor and data parallel traffic matter."""
+    return Cluster(
+        name=name,
+        servers=servers,
+        devices_per_server=per_server,
+        device_memory_bytes=int(memory_gib * gib),
+        intra_server_bandwidth_gbps=8.0,
+        inter_server_bandwidth_gbps=2.0,
+        intra_server_latency_ms=0.01,
+        inter_server_latency_ms=0.01,
+    )
+
+
 NO_COMM = Cluster(
     name="no-comm",
     servers=1,

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from builders import make_profile
+from builders import link_cluster, make_profile
 from dapple.core.cluster import Cluster
 from dapple.core.plan import Plan
 from dapple.core.profile import AffineTime, LayerProfile, ModelProfile
@@ -33,17 +33,7 @@ GIB = 2**30
 
 
 def _cluster(servers: int = 2, per_server: int = 4, memory_gib: float = 16.0) -> Cluster:
-    """8 Gbit/s = 1e6 bytes per ms inside a server, a quarter of it between servers."""
-    return Cluster(
-        name="grid-test",
-        servers=servers,
-        devices_per_server=per_server,
-        device_memory_bytes=int(memory_gib * GIB),
-        intra_server_bandwidth_gbps=8.0,
-        inter_server_bandwidth_gbps=2.0,
-        intra_server_latency_ms=0.01,
-        inter_server_latency_ms=0.01,
-    )
+    return link_cluster("grid-test", servers, per_server, memory_gib)
 
 
 def _layer(name: str, tp: bool, params_gib: float, fwd: float = 4.0) -> LayerProfile:
@@ -288,3 +278,19 @@ def test_grid_point_labels() -> None:
     assert p.label == "dp2 x tp4 x pp1 FSDP M=2 1F1B"
     q = dataclasses.replace(p, zero_stage=0, pp=2, schedule="interleaved", v=2)
     assert q.label == "dp2 x tp4 x pp2 DDP M=2 interleaved v=2"
+
+
+def test_zero3_re_gathers_per_micro_batch_only_in_fp32() -> None:
+    """Under autocast the runtime's ZeRO-3 reduce-scatters once per step, so no plan of a bf16
+    profile re-gathers; the same fp32 profile re-gathers where memory needs it."""
+    from dapple.planner.evaluate import ZERO3_REGATHER, zero3_modes
+
+    fp32, cluster = _llm(6, 2.0), _cluster(memory_gib=12.0)
+    bf16 = dataclasses.replace(fp32, precision="bf16")
+    assert zero3_modes(fp32) == (3, ZERO3_REGATHER) and zero3_modes(bf16) == (3,)
+
+    def regathers(prof: ModelProfile) -> bool:
+        cands = [c for c in grid_candidates(prof, cluster, 8) if c.fits]
+        return any(st.regather for c in cands for st in c.plan.stages)
+
+    assert regathers(fp32) and not regathers(bf16)

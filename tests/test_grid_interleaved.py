@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from builders import link_cluster
 from dapple.core.cluster import Cluster
 from dapple.core.plan import Plan
 from dapple.core.profile import AffineTime, LayerProfile, ModelProfile
@@ -39,17 +40,7 @@ GIB = 2**30
 
 
 def _cluster(servers: int = 1, per_server: int = 8, memory_gib: float = 12.0) -> Cluster:
-    """8 Gbit/s = 1e6 bytes per ms inside a server, a quarter of it between servers."""
-    return Cluster(
-        name="interleaved-test",
-        servers=servers,
-        devices_per_server=per_server,
-        device_memory_bytes=int(memory_gib * GIB),
-        intra_server_bandwidth_gbps=8.0,
-        inter_server_bandwidth_gbps=2.0,
-        intra_server_latency_ms=0.01,
-        inter_server_latency_ms=0.01,
-    )
+    return link_cluster("interleaved-test", servers, per_server, memory_gib)
 
 
 def _layer(name: str, tp: bool, params_gib: float, fwd: float) -> LayerProfile:

@@ -28,6 +28,7 @@ from dapple.core.profile import ModelProfile
 from dapple.errors import ValidationError
 from dapple.models.workload import Workload
 from dapple.planner import make_plan
+from dapple.runtime.precision import CPU_FP16_ENV
 
 ZOO = {"layers": 2, "hidden": 32, "heads": 4, "seq": 16, "vocab": 64}
 LLAMA = {
@@ -311,14 +312,18 @@ def test_train_with_a_cluster_refuses_a_tensor_group_across_servers(
 
 @pytest.mark.usefixtures("no_run")
 def test_train_refuses_what_tensor_stages_cannot_run_yet_before_the_launch(
-    llama_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    llama_dir: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """:func:`dapple.runtime.stage_mesh.check_mesh_run` runs in ``dapple train`` before the
     workers get the run, not only in each worker."""
-    stage = StagePlan(layers=(0, 4), devices=(0, 1), zero_stage=3, regather=True)
+    monkeypatch.setenv(CPU_FP16_ENV, "1")  # fp16 on the CPU: what is left is the stage's refusal
+    stage = StagePlan(layers=(0, 4), devices=(0, 1, 2, 3), tensor_width=2)
     plan = Plan(planner="manual", global_batch_size=8, micro_batch_size=4, num_micro_batches=2,
-                stages=(stage,), schedule="zbh1")  # fmt: skip
-    path = tmp_path / "zero3-regather-zbh1.json"
+                stages=(stage,))  # fmt: skip
+    path = tmp_path / "tp2-fp16.json"
     plan.save(path)
-    assert main(["train", "--plan", str(path), "-m", f"hf:{llama_dir}"]) == 2
-    one_error_line(capsys, "stage 0 [0, 4] (tensor_width 1, zero 3): ZeRO-3 regather under split")
+    assert main(["train", "--plan", str(path), "-m", f"hf:{llama_dir}", "--precision", "fp16"]) == 2
+    one_error_line(capsys, "stage 0 [0, 4] (tensor_width 2, zero 0): precision fp16 with TP")

@@ -47,6 +47,7 @@ __all__ = [
     "StageSpec",
     "score_options",
     "scored_plan",
+    "zero3_modes",
 ]
 
 ZERO_AUTO = -1
@@ -62,6 +63,13 @@ are tensor groups of :func:`~dapple.planner.widths.group_cluster`."""
 ZERO3_REGATHER = 4
 """A scored stage's zero stage for ZeRO-3 re-gathering per micro-batch (``StagePlan.zero_stage``
 3 with ``regather``)."""
+
+
+def zero3_modes(profile: ModelProfile) -> tuple[int, ...]:
+    """ZeRO-3's choices for a stage of ``profile``: gathered once per step, and re-gathered per
+    micro-batch (:data:`ZERO3_REGATHER`) in fp32 only - under autocast the runtime's ZeRO-3
+    reduce-scatters once, after the step's last backward (``dapple.runtime.stage_mesh``)."""
+    return (3, ZERO3_REGATHER) if profile.precision == "fp32" else (3,)
 
 
 class _Option(NamedTuple):
@@ -291,11 +299,11 @@ class Scorer:
             return []
         if self.zero_stage != ZERO_AUTO:
             z = self.zero_stage if len(d) > 1 else 0
-            zs = (3, ZERO3_REGATHER) if z == 3 else (z,)
+            zs = zero3_modes(self.profile) if z == 3 else (z,)
             return [(z, self._stage(s, e, d, b, z)) for z in zs]
         out = [(0, self._stage(s, e, d, b, 0))]
         if len(d) > 1:
-            out += [(z, self._stage(s, e, d, b, z)) for z in (1, 2, 3, ZERO3_REGATHER)]
+            out += [(z, self._stage(s, e, d, b, z)) for z in (1, 2, *zero3_modes(self.profile))]
         return out
 
     # -- whole candidates --------------------------------------------------------------------

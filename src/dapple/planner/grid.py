@@ -47,7 +47,7 @@ from dapple.planner.batches import (
     infeasible_message,
     micro_batch_candidates,
 )
-from dapple.planner.evaluate import ZERO3_REGATHER, Scored, Scorer, divisors
+from dapple.planner.evaluate import ZERO3_REGATHER, Scored, Scorer, divisors, zero3_modes
 
 __all__ = [
     "INTERLEAVED",
@@ -245,7 +245,7 @@ def _score_1f1b(sc: _Scorers, p: GridPoint) -> tuple[float, tuple[bool, ...]]:
     and re-gathering on every stage."""
     cuts = torchtitan_cuts(sc.profile.num_layers, p.pp)
     stages = [(cuts[i], cuts[i + 1], tuple(range(i * p.dp, (i + 1) * p.dp))) for i in range(p.pp)]
-    zs = (3, ZERO3_REGATHER) if p.zero_stage == 3 else (0,)
+    zs = zero3_modes(sc.profile) if p.zero_stage == 3 else (0,)
     best: tuple[float, tuple[bool, ...]] = (math.inf, (False,) * p.pp)
     for z in zs:
         got = sc.get(p.tp, z).score(stages, p.M, policies=("A",), recompute=False)
@@ -267,7 +267,8 @@ def _score_interleaved(sc: _Scorers, p: GridPoint) -> tuple[float, tuple[bool, .
     S = p.pp * p.v
     if p.tp > 1 and not _every_stage_shards(sc.profile, p):
         return math.inf, (False,) * S
-    for regather in (False, True) if p.zero_stage == 3 else (False,):
+    regathers = ZERO3_REGATHER in zero3_modes(sc.profile) and p.zero_stage == 3
+    for regather in (False, True) if regathers else (False,):
         flags = (regather,) * S
         plan = point_plan(sc.profile, sc.B, p, flags, math.nan)
         peak = max(device_memory_by_group(plan, sc.profile))

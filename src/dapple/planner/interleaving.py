@@ -52,7 +52,7 @@ from dapple.core.profile import ModelProfile
 from dapple.cost.lengths import profile_for_plan
 from dapple.cost.memory import device_state_bytes, held_activation_bytes
 from dapple.cost.schedules import device_memory_by_group, schedule_latency
-from dapple.planner.evaluate import Scorer
+from dapple.planner.evaluate import ZERO3_REGATHER, Scorer, zero3_modes
 from dapple.planner.grid import (
     INTERLEAVED,
     INTERLEAVED_CHUNKS,
@@ -241,7 +241,7 @@ def best_interleaved(
                 push(lower_bound_ms(pre, new, o.v, o.M), o, new)
             continue
         plan = o.build() if cuts == o.cuts else _recut(o.build(), cuts)
-        for variant in regather_variants(plan):
+        for variant in regather_variants(plan, ZERO3_REGATHER in zero3_modes(profile)):
             L = _fitting_ms(variant, profile, cluster, limit)
             if L is not None:
                 best, limit = (L, width, dataclasses.replace(variant, predicted_step_ms=L)), L
@@ -292,11 +292,12 @@ def _recut(plan: Plan, cuts: Sequence[int]) -> Plan:
     return dataclasses.replace(plan, stages=stages)
 
 
-def regather_variants(plan: Plan) -> Iterator[Plan]:
-    """``plan`` with its ZeRO-3 stages gathering once per step, as proposed, then re-gathering
-    per micro-batch (each distinct variant once; ``plan`` alone without ZeRO-3 stages)."""
+def regather_variants(plan: Plan, regather: bool = True) -> Iterator[Plan]:
+    """``plan`` with its ZeRO-3 stages gathering once per step, as proposed, then (with
+    ``regather``) re-gathering per micro-batch (each distinct variant once; ``plan`` alone
+    without ZeRO-3 stages)."""
     seen = set()
-    for mode in (False, None, True):  # None: as proposed
+    for mode in (False, None, True) if regather else (False, None):  # None: as proposed
         stages = tuple(
             dataclasses.replace(s, regather=s.regather if mode is None else mode)
             if s.zero_stage == 3

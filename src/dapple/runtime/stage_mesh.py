@@ -83,17 +83,12 @@ def check_mesh_run(plan: Plan, workload: Workload, config: TrainConfig) -> None:
         return
     if config.zero_stage == 3:
         raise ValidationError("zero stage 3 is set per stage (StagePlan.zero_stage), not per run")
-    split = get_schedule(plan.schedule).split_backward
     for s, st in meshed:
         what = f"stage {s} {list(st.layers)} (tensor_width {st.tensor_width}, zero {st.zero_stage})"
         if st.tensor_width > 1 and not tp_plan_of(workload):
             raise ValidationError(f"{what}: model {workload.name!r} has no TP plan")
         if workload.tied_parameters:
             raise ValidationError(f"{what}: tied parameters with TP or ZeRO-3 are not supported")
-        if st.regather and split:
-            raise ValidationError(
-                f"{what}: ZeRO-3 regather under split-backward schedules is not supported"
-            )
         if config.precision == "fp16":
             raise ValidationError(f"{what}: precision fp16 with TP or ZeRO-3 is not supported yet")
         if st.regather and config.precision != "fp32":

@@ -270,6 +270,13 @@ class _PlanRules:
             check_virtual_stages(plan.virtual_stages, plan.schedule)
         except ValidationError as e:
             raise ValidationError(f"plan: {e}") from e
+        regathered = [k for k, st in enumerate(plan.stages) if st.regather]
+        if regathered and get_schedule(plan.schedule).split_backward:
+            raise ValidationError(
+                f"plan: stages {regathered} re-gather their ZeRO-3 parameters per micro-batch, "
+                f"which the split backward of schedule {plan.schedule!r} does not run (its W "
+                "needs the parameters its I gathered)"
+            )
 
     def module_of(self, schedule: str) -> str:
         spec = _find(schedule)
