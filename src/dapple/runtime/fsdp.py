@@ -31,6 +31,7 @@ layers inside a piece.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -68,6 +69,10 @@ def shard_stage(module: nn.Module, mesh: DeviceMesh, *, regather: bool = False) 
             f"ZeRO-3 needs a 1-D replica mesh of at least 2 ranks, got shape {tuple(mesh.shape)}"
         )
     _forget_earlier_meshes()
+    # A stage's output is often a view (a reshape); FSDP2 warns that an in-place op on it would
+    # skip its pre-backward hook. The executor never changes an output in place (the split
+    # backward detaches a clone), so the warning says nothing here.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
     if regather:  # one unit per piece: only the running piece's parameters are whole
         for piece in module.children():
             if any(True for _ in piece.parameters()):
