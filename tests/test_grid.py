@@ -291,6 +291,38 @@ def test_zero3_re_gathers_per_micro_batch_only_in_fp32() -> None:
 
     def regathers(prof: ModelProfile) -> bool:
         cands = [c for c in grid_candidates(prof, cluster, 8) if c.fits]
-        return any(st.regather for c in cands for st in c.plan.stages)
+        return any(sp.regather for c in cands for sp in c.plan.stages)
 
     assert regathers(fp32) and not regathers(bf16)
+
+
+def test_no_plan_shards_a_stage_holding_a_tied_copy() -> None:
+    """The embedding and the head share a tied parameter: no stage holding either gets ZeRO-3
+    (its sum over the copies needs it whole), in the search, the grid's 1F1B points or its
+    interleaved ones; the blocks' stages still may."""
+    base = _llm(6, 1.0)
+    ends = (base.layers[0], base.layers[-1])
+    tied = dataclasses.replace(
+        base,
+        layers=(
+            dataclasses.replace(
+                ends[0], tied_parameter_bytes=ends[0].parameter_bytes, tied_layers=(7,)
+            ),
+            *base.layers[1:-1],
+            dataclasses.replace(
+                ends[1], tied_parameter_bytes=ends[1].parameter_bytes, tied_layers=(0,)
+            ),
+        ),
+    )
+    cluster = _cluster(memory_gib=12.0)
+
+    def holds_tied(plan: Plan, k: int) -> bool:
+        a, b = plan.stages[k].layers
+        return any(x.tied_parameter_bytes for x in tied.layers[a:b])
+
+    plans = [c.plan for c in grid_candidates(tied, cluster, 8) if c.fits]
+    plans.append(dapple_search(tied, cluster, 8, zero_stage=3, interleaved=True))
+    assert any(sp.zero_stage == 3 for p in plans for sp in p.stages)
+    for plan in plans:
+        for k, sp in enumerate(plan.stages):
+            assert not (sp.zero_stage == 3 and holds_tied(plan, k)), (plan.planner, k)

@@ -265,8 +265,9 @@ def test_profile_of_a_hf_llama_marks_its_decoder_layers(
     assert _runtime_cuts(wl, tp_plan_of(wl)) == [False, True, True, False]
 
 
-def test_a_model_with_tied_parameters_marks_no_layer(tmp_path: Path) -> None:
-    """The runtime cuts no layer of a model with tied parameters, so its profile marks none."""
+def test_a_model_with_tied_parameters_marks_its_blocks(tmp_path: Path) -> None:
+    """The runtime cuts a tied model's blocks (its tied embedding and head stay whole on every
+    tensor rank), so its profile marks them as any other."""
     tf = pytest.importorskip("transformers")
     from dapple.models.spec import load
 
@@ -277,4 +278,5 @@ def test_a_model_with_tied_parameters_marks_no_layer(tmp_path: Path) -> None:
     wl = load(f"hf:{path}")
     assert wl.tied_parameters
     layers = profile_workload(wl, [1], warmup=0, repeats=1).layers
-    assert not any(x.tensor_parallel for x in layers)
+    assert [x.tensor_parallel for x in layers] == [False, True, True, False]
+    assert [x.tied_parameter_bytes > 0 for x in layers] == [True, False, False, True]

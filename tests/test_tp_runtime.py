@@ -6,7 +6,8 @@ DP2 x TP2, stage 0 TP2 + stage 1 DP2, 1:2 with ZeRO-3 on the replicated stage an
 on one 4-rank stage, on the zoo transformer (traced into pieces, its
 :data:`~dapple.runtime.tp.TRANSFORMER_TP_PLAN`) and a tiny Hugging Face LLaMA from a config;
 both under ZB-H1 (split backward) and under interleaved 1F1B (two chunks per rank); with
-ZeRO-1/2 under TP; re-computation under TP and ZeRO-3; bf16 autocast.
+ZeRO-1/2 under TP; tied embeddings under TP; re-computation under TP and ZeRO-3; bf16
+autocast.
 Checkpoints and evaluation of such plans: ``tests/test_tp_checkpoint.py``.
 """
 
@@ -63,14 +64,15 @@ def zoo_spec() -> Workload:
     return dp.load(f"{Path(__file__).resolve()}:zoo")
 
 
-def llama(path: Path, layers: int = 2) -> Workload:
-    """A tiny LLaMA of ``layers`` decoder layers saved from a config (no dropout), loaded as
-    ``hf:DIR`` (its config's ``base_model_tp_plan``)."""
+def llama(path: Path, layers: int = 2, tied: bool = False) -> Workload:
+    """A tiny LLaMA of ``layers`` decoder layers saved from a config (no dropout; ``tied``:
+    the LM head tied to the embedding), loaded as ``hf:DIR`` (its config's
+    ``base_model_tp_plan``)."""
     tf = pytest.importorskip("transformers")
     import dapple.api as dp
 
     torch.manual_seed(0)
-    config = tf.LlamaConfig(**{**LLAMA, "num_hidden_layers": layers})
+    config = tf.LlamaConfig(**{**LLAMA, "num_hidden_layers": layers, "tie_word_embeddings": tied})
     tf.LlamaForCausalLM(config).save_pretrained(path)
     return dp.load(f"hf:{path}")
 
@@ -168,6 +170,16 @@ def test_unsupported_mesh_runs_are_refused_in_one_line() -> None:
         check_mesh_run(dp2_tp2(4), wl, _cfg(precision="fp16"))
     check_mesh_run(dp2_tp2(4), wl, _cfg())  # supported
     check_mesh_run(dp2_tp2(4), wl, _cfg(zero_stage=2))
+    tied = replace(wl, tied_parameters=(((0, "tok.weight"), (3, "head.weight")),))
+    check_mesh_run(dp2_tp2(4), tied, _cfg())
+    with pytest.raises(ValidationError, match=r"ZeRO-3 on a stage holding tied parameters"):
+        check_mesh_run(tp2_fsdp2(4), tied, _cfg())
+    inner = replace(tied, tied_parameters=(((1, "ln1.weight"), (2, "ln1.weight")),))
+    check_mesh_run(tp2_then_dp2(4), inner, _cfg())  # no ZeRO-3 stage
+    with pytest.raises(ValidationError, match=r"tied parameters \[\(2, 'ln1.weight'\)\]"):
+        check_mesh_run(one_then_zero3(4), inner, _cfg())  # stage 1 (layers 2-4) holds one
+    first = replace(tied, tied_parameters=(((0, "tok.weight"), (1, "ln1.weight")),))
+    check_mesh_run(one_then_zero3(4), first, _cfg())  # ZeRO-3 on stage 1, the copies in stage 0
     check_mesh_run(dp2_tp2(4), wl, _cfg(precision="bf16"))
     check_mesh_run(interleave(tp2_then_zero3(4), 2), wl, _cfg())
     check_mesh_run(recomputing(dp2_tp2(4)), wl, _cfg(recompute=True))
@@ -253,6 +265,19 @@ def test_verify_tp_with_zero_1_and_2(zero_stage: int, tmp_path: Path) -> None:
     cases = [(dp2_tp2(4), wl), (interleave(tp2_then_dp2(4), 2), wl),
              (dp2_tp2(4), llama(tmp_path / "llama"))]  # fmt: skip
     _verify_all(cases, zero_stage=zero_stage)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("zero_stage", [0, 1])
+def test_verify_tied_embeddings_under_tp(zero_stage: int, tmp_path: Path) -> None:
+    """The LM head tied to the embedding, both whole on every tensor rank: in one TP2 stage (a
+    local sum), and across a TP2 and a DP2 stage, 1F1B and interleaved (the cross-stage sum
+    over every device of both stages, each tensor rank adding 1/t_s)."""
+    wl = llama(tmp_path / "tied", tied=True)
+    assert wl.tied_parameters
+    cases = [dp2_tp2(4), tp2_then_dp2(4), interleave(tp2_then_dp2(4), 2)]
+    _verify_all([(c, wl) for c in cases], zero_stage=zero_stage)
 
 
 @pytest.mark.slow

@@ -65,10 +65,14 @@ ZERO3_REGATHER = 4
 3 with ``regather``)."""
 
 
-def zero3_modes(profile: ModelProfile) -> tuple[int, ...]:
-    """ZeRO-3's choices for a stage of ``profile``: gathered once per step, and re-gathered per
-    micro-batch (:data:`ZERO3_REGATHER`) in fp32 only - under autocast the runtime's ZeRO-3
-    reduce-scatters once, after the step's last backward (``dapple.runtime.stage_mesh``)."""
+def zero3_modes(profile: ModelProfile, s: int = 0, e: int = 0) -> tuple[int, ...]:
+    """ZeRO-3's choices for layers [s, e) of ``profile``: gathered once per step, and
+    re-gathered per micro-batch (:data:`ZERO3_REGATHER`) in fp32 only - under autocast the
+    runtime's ZeRO-3 reduce-scatters once, after the step's last backward - and none for a
+    stage holding a copy of a tied parameter, whose sum over the copies needs it whole
+    (``dapple.runtime.stage_mesh``)."""
+    if any(x.tied_parameter_bytes for x in profile.layers[s:e]):
+        return ()
     return (3, ZERO3_REGATHER) if profile.precision == "fp32" else (3,)
 
 
@@ -299,11 +303,12 @@ class Scorer:
             return []
         if self.zero_stage != ZERO_AUTO:
             z = self.zero_stage if len(d) > 1 else 0
-            zs = zero3_modes(self.profile) if z == 3 else (z,)
+            zs = (zero3_modes(self.profile, s, e) or (0,)) if z == 3 else (z,)
             return [(z, self._stage(s, e, d, b, z)) for z in zs]
         out = [(0, self._stage(s, e, d, b, 0))]
         if len(d) > 1:
-            out += [(z, self._stage(s, e, d, b, z)) for z in (1, 2, *zero3_modes(self.profile))]
+            z3 = zero3_modes(self.profile, s, e)
+            out += [(z, self._stage(s, e, d, b, z)) for z in (1, 2, *z3)]
         return out
 
     # -- whole candidates --------------------------------------------------------------------

@@ -198,16 +198,22 @@ def point_plan(
     profile: ModelProfile, B: int, p: GridPoint, regather: Sequence[bool], L_ms: float
 ) -> Plan:
     """The plan of grid point ``p``: virtual stage k on pipeline rank k mod pp, whose dp x tp
-    devices are the (k mod pp)-th contiguous block; ``regather`` per (virtual) stage."""
+    devices are the (k mod pp)-th contiguous block; ``regather`` per (virtual) stage. FSDP
+    leaves whole a stage holding a tied parameter's copy (:func:`zero3_modes`)."""
     cuts = torchtitan_cuts(profile.num_layers, p.pp * p.v)
     width = p.dp * p.tp
+
+    def zero(k: int) -> int:
+        sharded = p.zero_stage != 3 or zero3_modes(profile, cuts[k], cuts[k + 1])
+        return p.zero_stage if sharded else 0
+
     stages = tuple(
         StagePlan(
             layers=(cuts[k], cuts[k + 1]),
             devices=tuple(range((k % p.pp) * width, (k % p.pp + 1) * width)),
-            zero_stage=p.zero_stage,
+            zero_stage=zero(k),
             tensor_width=p.tp,
-            regather=regather[k],
+            regather=regather[k] and zero(k) == 3,
         )
         for k in range(p.pp * p.v)
     )
@@ -267,6 +273,8 @@ def _score_interleaved(sc: _Scorers, p: GridPoint) -> tuple[float, tuple[bool, .
     S = p.pp * p.v
     if p.tp > 1 and not _every_stage_shards(sc.profile, p):
         return math.inf, (False,) * S
+    if p.zero_stage == 3 and any(x.tied_parameter_bytes for x in sc.profile.layers):
+        return math.inf, (False,) * S  # FSDP on every chunk: the tied copies' too (none)
     regathers = ZERO3_REGATHER in zero3_modes(sc.profile) and p.zero_stage == 3
     for regather in (False, True) if regathers else (False,):
         flags = (regather,) * S

@@ -8,8 +8,7 @@ With ``seq_lens`` this is done at each length of the model's dynamic dimension, 
 batches cut or tiled to that length (:mod:`dapple.profiler.lengths`), and the profile holds
 every length (``ModelProfile.by_length``). A layer the runtime can cut over a tensor group -
 a traced piece that the model's TP plan matches (:func:`dapple.models.tp_plan.cut_by`) - is
-marked ``LayerProfile.tensor_parallel``; a model without a TP plan, or with tied parameters
-(which the runtime does not cut yet), marks none.
+marked ``LayerProfile.tensor_parallel``; a model without a TP plan marks none.
 
 Precision: with ``precision="bf16"``/``"fp16"`` every forward (timed, and the one whose saved
 tensors are counted) runs under ``torch.autocast`` as the runtime's stages do, each layer on
@@ -250,8 +249,7 @@ def _profile(
     tied: list[tuple[int, tuple[int, ...]]] = []
     param_dtypes: set[torch.dtype] = set()
     classes: list[str] = []
-    # the runtime cuts no layer of a model with tied parameters (runtime/stage_mesh.py)
-    tp_plan = {} if workload.tied_parameters else tp_plan_of(workload)
+    tp_plan = tp_plan_of(workload)
     shards = [False] * n
     total, done = n * len(sizes), 0
     update_ms = 0.0  # one optimizer update of every layer's parameters

@@ -283,9 +283,10 @@ def norm_parameters(
     cut = mesh is not None and mesh.cut and module is not None and j is not None
 
     def stage_counts(replica: int | None) -> list[nn.Parameter]:
-        if cut:
+        if cut:  # of a tied parameter, the copy replica 0 counts
             assert mesh is not None and module is not None and replica is not None
-            return mesh.norm_counted(module, replica)
+            once = {id(p) for p in counted_parameters(plan, workload, s, 0, module)}
+            return [p for p in mesh.norm_counted(module, replica) if id(p) in once]
         return counted_parameters(plan, workload, s, replica, module)
 
     counted = [p for p in stage_counts(j) if id(p) not in sharded]

@@ -87,8 +87,12 @@ def check_mesh_run(plan: Plan, workload: Workload, config: TrainConfig) -> None:
         what = f"stage {s} {list(st.layers)} (tensor_width {st.tensor_width}, zero {st.zero_stage})"
         if st.tensor_width > 1 and not tp_plan_of(workload):
             raise ValidationError(f"{what}: model {workload.name!r} has no TP plan")
-        if workload.tied_parameters:
-            raise ValidationError(f"{what}: tied parameters with TP or ZeRO-3 are not supported")
+        tied = [(i, n) for g in workload.tied_parameters for i, n in g
+                if st.layers[0] <= i < st.layers[1]]  # fmt: skip
+        if tied and st.zero_stage == 3:
+            raise ValidationError(
+                f"{what}: ZeRO-3 on a stage holding tied parameters {tied} is not supported"
+            )
         if config.precision == "fp16":
             raise ValidationError(f"{what}: precision fp16 with TP or ZeRO-3 is not supported yet")
         if st.regather and config.precision != "fp32":
@@ -246,7 +250,20 @@ def mesh_stage(
     whole = out[s] if len(out) == 1 else nn.Sequential(*(x for k in sorted(out) for x in out[k]))
     if tp:
         mesh.tp = _joined(tp, out, whole)
+        _check_tied_uncut(plan, workload, rank, mesh.tp)
     return out, whole, mesh
+
+
+def _check_tied_uncut(plan: Plan, workload: Workload, rank: int, tp: TensorParallelModule) -> None:
+    """A tied parameter stays whole on every tensor rank (its copies in other stages are)."""
+    position = {layer: k for k, layer in enumerate(plan.layers_of_device(rank))}
+    for group in workload.tied_parameters:
+        for layer, name in group:
+            if layer in position and f"{position[layer]}.{name}" in tp.layouts:
+                raise ValidationError(
+                    f"tensor parallel: layer {layer}'s {name} is tied to {list(group)} and "
+                    "the TP plan cuts it; tied parameters must stay whole"
+                )
 
 
 def _cut_chunks(
@@ -316,9 +333,9 @@ def _summed_pieces(module: nn.Module, shards: FlatShards) -> dict[str, torch.Ten
     names = {id(p): n for n, p in module.named_parameters()}
     out = {names[id(p)]: torch.zeros(p.numel(), dtype=p.dtype, device=p.device)
            for p in shards.params}  # fmt: skip
-    for pc in shards.pieces:
+    for pc in shards.pieces:  # a tied parameter's pieces: its gradient is whole already
         name = names.get(id(pc.origin))
-        if name is not None and pc.param.grad is not None:
+        if name in out and pc.param.grad is not None:
             out[name][pc.offset : pc.offset + pc.param.numel()] = pc.param.grad.reshape(-1)
     for name in sorted(out):  # every replica: the same parameters, in the same order
         comm.all_reduce(out[name], op=dist.ReduceOp.SUM, group=shards.pg)

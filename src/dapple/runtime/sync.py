@@ -152,6 +152,9 @@ class GradientSync:
         self.extra_pg = list(extra_pg)
         self.tied_pg = _tied_groups(plan, self.groups)
         self.module, self.stage = module, stage
+        self.tensor_width = plan.stages[stage].tensor_width if stage is not None else 1
+        """t_s: a tied copy outside the TP cut is whole on each of the t_s tensor ranks, each
+        with the same gradient (:meth:`tied` counts it once)."""
         self.by_layer: dict[int, nn.Module] = {}
         if module is not None and stage is not None:
             assert isinstance(module, nn.Sequential)
@@ -286,7 +289,9 @@ class GradientSync:
             return
 
         def group_sum(g: int, local: torch.Tensor) -> torch.Tensor:
-            if g in self.tied_pg:
+            if g in self.tied_pg:  # every device of the stages: each tensor rank adds 1/t_s
+                if self.tensor_width > 1:
+                    local.div_(self.tensor_width)  # t_s a power of two: exact
                 comm.all_reduce(local, op=dist.ReduceOp.SUM, group=self.tied_pg[g])
             return local
 
