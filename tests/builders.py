@@ -64,6 +64,21 @@ def link_cluster(
     )
 
 
+def llm_layer(name: str, tp: bool, params_gib: float, fwd: float = 4.0) -> LayerProfile:
+    """One layer of a hand-made LLM chain: ``fwd`` ms per sample forward, twice that backward,
+    ``params_gib`` of parameters, 0.5 GB kept per sample; ``tp``: it shards over a tensor
+    group."""
+    return LayerProfile(
+        name=name,
+        forward=AffineTime(fixed_ms=0.1, per_sample_ms=fwd),
+        backward=AffineTime(fixed_ms=0.2, per_sample_ms=2 * fwd),
+        output_bytes_per_sample=2e5,
+        parameter_bytes=int(params_gib * 2**30),
+        kept_activation_bytes_per_sample=5e8,
+        tensor_parallel=tp,
+    )
+
+
 NO_COMM = Cluster(
     name="no-comm",
     servers=1,

@@ -12,10 +12,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from builders import link_cluster, make_profile
+from builders import link_cluster, llm_layer, make_profile
 from dapple.core.cluster import Cluster
 from dapple.core.plan import Plan
-from dapple.core.profile import AffineTime, LayerProfile, ModelProfile
+from dapple.core.profile import ModelProfile
 from dapple.core.tensor_layout import check_tensor_groups
 from dapple.cost.schedules import device_memory_by_group, schedule_latency
 from dapple.errors import InfeasibleError, ValidationError
@@ -36,24 +36,12 @@ def _cluster(servers: int = 2, per_server: int = 4, memory_gib: float = 16.0) ->
     return link_cluster("grid-test", servers, per_server, memory_gib)
 
 
-def _layer(name: str, tp: bool, params_gib: float, fwd: float = 4.0) -> LayerProfile:
-    return LayerProfile(
-        name=name,
-        forward=AffineTime(fixed_ms=0.1, per_sample_ms=fwd),
-        backward=AffineTime(fixed_ms=0.2, per_sample_ms=2 * fwd),
-        output_bytes_per_sample=2e5,
-        parameter_bytes=int(params_gib * GIB),
-        kept_activation_bytes_per_sample=5e8,
-        tensor_parallel=tp,
-    )
-
-
 def _llm(blocks: int = 4, block_gib: float = 0.5, end_gib: float = 0.25) -> ModelProfile:
     """embedding, ``blocks`` shardable blocks, head: the chain ``analytic_profile`` builds."""
     layers = (
-        _layer("embedding", False, end_gib, fwd=0.5),
-        *(_layer(f"block{i}", True, block_gib) for i in range(blocks)),
-        _layer("lm_head", False, end_gib, fwd=1.0),
+        llm_layer("embedding", False, end_gib, fwd=0.5),
+        *(llm_layer(f"block{i}", True, block_gib) for i in range(blocks)),
+        llm_layer("lm_head", False, end_gib, fwd=1.0),
     )
     return ModelProfile(model_name="tiny-llm", layers=layers)
 

@@ -12,10 +12,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from builders import link_cluster
+from builders import link_cluster, llm_layer
 from dapple.core.cluster import Cluster
 from dapple.core.plan import Plan
-from dapple.core.profile import AffineTime, LayerProfile, ModelProfile
+from dapple.core.profile import ModelProfile
 from dapple.cost.schedules import device_memory_by_group, schedule_latency
 from dapple.planner import interleaving
 from dapple.planner.batches import MAX_MICRO_BATCH_COUNTS, micro_batch_candidates
@@ -43,24 +43,12 @@ def _cluster(servers: int = 1, per_server: int = 8, memory_gib: float = 12.0) ->
     return link_cluster("interleaved-test", servers, per_server, memory_gib)
 
 
-def _layer(name: str, tp: bool, params_gib: float, fwd: float) -> LayerProfile:
-    return LayerProfile(
-        name=name,
-        forward=AffineTime(fixed_ms=0.1, per_sample_ms=fwd),
-        backward=AffineTime(fixed_ms=0.2, per_sample_ms=2 * fwd),
-        output_bytes_per_sample=2e5,
-        parameter_bytes=int(params_gib * GIB),
-        kept_activation_bytes_per_sample=5e8,
-        tensor_parallel=tp,
-    )
-
-
 def _llm(blocks: int = 6, block_gib: float = 0.25, head_fwd: float = 1.0) -> ModelProfile:
     """embedding, ``blocks`` shardable blocks (4 ms per sample forward), an LM head."""
     layers = (
-        _layer("embedding", False, 0.25, 0.5),
-        *(_layer(f"block{i}", True, block_gib, 4.0) for i in range(blocks)),
-        _layer("lm_head", False, 0.25, head_fwd),
+        llm_layer("embedding", False, 0.25, 0.5),
+        *(llm_layer(f"block{i}", True, block_gib, 4.0) for i in range(blocks)),
+        llm_layer("lm_head", False, 0.25, head_fwd),
     )
     return ModelProfile(model_name="tiny-llm", layers=layers)
 
