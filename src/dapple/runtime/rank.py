@@ -98,8 +98,8 @@ def cut_layers(
     s, j = layers.stage, layers.replica
     if s is None or j is None:
         return layers, StageMesh()
-    held = [plan.stages[k] for k in layers.chunks]
-    if all(st.tensor_width == 1 and st.zero_stage != 3 for st in held):
+    mine = [plan.stages[k] for k in layers.chunks]
+    if all(st.tensor_width == 1 and st.zero_stage != 3 for st in mine):
         return layers, StageMesh()
     chunks, module, mesh = mesh_stage(plan, workload, rank, layers.chunks, groups, device, autocast)
     return StageLayers(s, j, chunks, module), mesh

@@ -107,39 +107,28 @@ class CutStage:
     def layer_states(self, optimizer: torch.optim.Optimizer | None) -> dict[int, LayerState]:
         """Every layer whole (tensors and optimizer state); empty on every rank but the writer.
 
-        Collective over the stage's tensor and replica groups (every rank of the stage calls it,
-        in the same order).
+        Under ZeRO-1/2 (:attr:`shards`) the optimizer pieces are first gathered to replica 0
+        over the replica group; its tensor ranks then join the slices. Collective over the
+        stage's tensor and replica groups (every rank of the stage calls it, in the same order).
         """
         self._resharded()
+        gathered = None
         if self.shards is not None:
-            return self._gathered_states(optimizer)
+            gathered = self.shards.layer_states(self.layer_ids, optimizer)
+            if not gathered:  # a replica other than 0
+                return {}
+        dev = next(self.module.parameters()).device
         out: dict[int, LayerState] = {}
         for i, prefix, layer in self._layers():
             tensors = {n: self._whole(prefix + n, v) for n, v in layer.state_dict().items()}
-            opt: dict[str, dict[str, Any]] = {}
-            for n, p in layer.named_parameters():
-                st = optimizer.state.get(p) if optimizer is not None else None
-                if st:
-                    opt[n] = {k: self._state_whole(prefix + n, v) for k, v in sorted(st.items())}
-            if self.writes:
-                out[i] = LayerState(i, tensors, opt)
-        return out
-
-    def _gathered_states(self, optimizer: torch.optim.Optimizer | None) -> dict[int, LayerState]:
-        """ZeRO-1/2: the optimizer pieces gathered to replica 0 (the replica group), whose tensor
-        ranks then join each tensor's slices (the tensor group). Collective on both."""
-        assert self.shards is not None
-        local = self.shards.layer_states(self.layer_ids, optimizer)
-        if not local:  # a replica other than 0
-            return {}
-        dev = next(self.module.parameters()).device
-        out: dict[int, LayerState] = {}
-        for i, prefix, _ in self._layers():
-            got = local[i]
-            tensors = {n: self._whole(prefix + n, v.to(dev)) for n, v in got.tensors.items()}
+            if gathered is not None:  # on the CPU, the same names in the same order everywhere
+                states = sorted(gathered[i].optimizer.items())
+            else:
+                states = [(n, optimizer.state[p]) for n, p in layer.named_parameters()
+                          if optimizer is not None and optimizer.state.get(p)]  # fmt: skip
             opt = {
                 n: {k: self._state_whole(prefix + n, _on(v, dev)) for k, v in sorted(st.items())}
-                for n, st in sorted(got.optimizer.items())
+                for n, st in states
             }
             if self.writes:
                 out[i] = LayerState(i, tensors, opt)

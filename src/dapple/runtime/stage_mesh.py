@@ -13,8 +13,8 @@ A stage of ``r_s x t_s`` devices (replica-major: replica ``j``'s tensor group is
   group, on the model's TP plan (:func:`tp_plan_of`); with ``zero_stage`` 3 the (cut) chunk is
   then wrapped with FSDP2 on its replica group (:func:`dapple.runtime.fsdp.shard_stage`), a
   root of its own (:class:`ChunkShard`), which reduce-scatters the gradients after the chunk's
-  last backward of the step, or its last ``W`` under a split backward (so the stage AllReduce
-  leaves its parameters alone).
+  last backward of the step - by hand after its last ``W`` or backward under a split backward
+  or autocast (:attr:`ChunkShard.held`) - so the stage AllReduce leaves its parameters alone.
 - **Transfers.** Stage outputs are whole on every tensor rank (the row-parallel ``g`` makes
   them so), and so are input gradients (the column-parallel ``f`` all-reduces them), so each
   receiving rank of tensor index ``k`` takes its message from the sending group's rank
@@ -290,9 +290,6 @@ def _joined(
 ) -> TensorParallelModule:
     """The chunks' TP modules as one over ``whole``: each chunk's layouts renamed from its own
     piece index to the piece's index in ``whole``."""
-    if len(tp) == 1:
-        (only,) = tp.values()
-        return replace(only, module=whole)
     layouts = {}
     offset = 0
     for k in sorted(out):
@@ -331,16 +328,17 @@ def _summed_pieces(module: nn.Module, shards: FlatShards) -> dict[str, torch.Ten
     pieces at their offsets, summed over the replica group (each element is one replica's).
     Collective on the replica group."""
     names = {id(p): n for n, p in module.named_parameters()}
-    out = {names[id(p)]: torch.zeros(p.numel(), dtype=p.dtype, device=p.device)
-           for p in shards.params}  # fmt: skip
+    out = {
+        names[id(p)]: torch.zeros(p.shape, dtype=p.dtype, device=p.device) for p in shards.params
+    }
     for pc in shards.pieces:  # a tied parameter's pieces: its gradient is whole already
         name = names.get(id(pc.origin))
         if name in out and pc.param.grad is not None:
-            out[name][pc.offset : pc.offset + pc.param.numel()] = pc.param.grad.reshape(-1)
+            flat = out[name].view(-1)
+            flat[pc.offset : pc.offset + pc.param.numel()] = pc.param.grad.reshape(-1)
     for name in sorted(out):  # every replica: the same parameters, in the same order
         comm.all_reduce(out[name], op=dist.ReduceOp.SUM, group=shards.pg)
-    shapes = dict(module.named_parameters())
-    return {n: t.view_as(shapes[n]) for n, t in out.items()}
+    return out
 
 
 def whole_layers(
