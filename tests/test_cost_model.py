@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from dapple.core.cluster import PRESETS, Cluster
+from dapple.core.cuts import rounded_to_chunks
 from dapple.core.plan import Plan
 from dapple.core.profile import ModelProfile
 from dapple.cost import terms as cost_terms
@@ -28,7 +29,7 @@ from dapple.planner.evaluate import Scorer
 from dapple.profiler.paper_models import PAPER_GLOBAL_BATCH, load_profile
 from dapple.schedule import ActionKind
 from dapple.simulate import simulate
-from dapple.simulate.schedules import _rounded, balanced_pipelines, with_schedule
+from dapple.simulate.schedules import balanced_pipelines, with_schedule
 
 K = ActionKind
 
@@ -101,7 +102,9 @@ def test_scorer_latency_schedules_and_simulator_keep_their_numbers(row: tuple[An
     got += [schedule_latency(zb, profile, cluster), simulate(zb, profile, cluster).step_ms]
     gbs = plan.global_batch_size
     two = balanced_pipelines(profile, cluster, gbs)[0]
-    base = _rounded(dataclasses.replace(two, micro_batch_size=gbs // 8, num_micro_batches=8), 2)
+    base = rounded_to_chunks(
+        dataclasses.replace(two, micro_batch_size=gbs // 8, num_micro_batches=8), 2
+    )
     assert base is not None
     inter = with_schedule(base, "interleaved", 2)
     got += [schedule_latency(inter, profile, cluster), simulate(inter, profile, cluster).step_ms]

@@ -19,9 +19,10 @@ from dapple.cost.host import has_host_terms
 from dapple.cost.lengths import profile_for_lengths
 from dapple.errors import ValidationError
 from dapple.planner.baselines import dp_plan, gpipe_plan, pipedream_plan, straight_plan_baseline
+from dapple.planner.batches import check_batch_argument
 from dapple.planner.grid import grid_plan
 from dapple.planner.oracle import exhaustive_plan
-from dapple.planner.search import Progress, check_global_batch_size, dapple_search
+from dapple.planner.search import Progress, dapple_search
 
 __all__ = [
     "PLANNERS",
@@ -98,11 +99,7 @@ def make_plan(
     """
     if planner not in PLANNERS:
         raise ValidationError(f"unknown planner {planner!r}; choose one of {', '.join(PLANNERS)}")
-    if not isinstance(global_batch_size, int) or global_batch_size < 1:
-        raise ValidationError(
-            f"global batch size must be an integer >= 1, got {global_batch_size!r}"
-        )
-    check_global_batch_size(global_batch_size)
+    check_batch_argument(global_batch_size)
     if tensor_widths is not None:
         check_tensor_widths(tensor_widths, profile, cluster)
         if planner != "dapple" and list(tensor_widths) != [1]:

@@ -17,6 +17,7 @@ __all__ = [
     "DIVISOR_SCAN",
     "MAX_GLOBAL_BATCH_SIZE",
     "MAX_MICRO_BATCH_COUNTS",
+    "check_batch_argument",
     "check_global_batch_size",
     "infeasible_message",
     "micro_batch_candidates",
@@ -51,6 +52,20 @@ def check_global_batch_size(global_batch_size: int) -> None:
             f"global batch size {shown} is above the largest the planner "
             f"handles, 2^53 = {MAX_GLOBAL_BATCH_SIZE:,} (samples are counted in floating point)"
         )
+
+
+def check_batch_argument(global_batch_size: object) -> None:
+    """Refuse a global batch size that is not an integer >= 1, or one above the limit
+    (:func:`check_global_batch_size`): what a planner's caller passes, before any search.
+
+    Raises:
+        ValidationError: naming the value.
+    """
+    if not isinstance(global_batch_size, int) or global_batch_size < 1:
+        raise ValidationError(
+            f"global batch size must be an integer >= 1, got {global_batch_size!r}"
+        )
+    check_global_batch_size(global_batch_size)
 
 
 def micro_batch_candidates(

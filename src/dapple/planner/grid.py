@@ -43,7 +43,7 @@ from dapple.core.tensor_layout import TENSOR_WIDTHS
 from dapple.cost.schedules import device_memory_by_group, schedule_latency
 from dapple.errors import InfeasibleError, ValidationError
 from dapple.planner.batches import (
-    check_global_batch_size,
+    check_batch_argument,
     infeasible_message,
     micro_batch_candidates,
 )
@@ -306,13 +306,9 @@ def grid_candidates(
 
     Raises:
         ValidationError: the global batch size is not an integer >= 1 or above the planner's
-            limit (:func:`~dapple.planner.search.check_global_batch_size`).
+            limit (:func:`~dapple.planner.batches.check_batch_argument`).
     """
-    if not isinstance(global_batch_size, int) or global_batch_size < 1:
-        raise ValidationError(
-            f"global batch size must be an integer >= 1, got {global_batch_size!r}"
-        )
-    check_global_batch_size(global_batch_size)
+    check_batch_argument(global_batch_size)
     sc = _Scorers(profile, cluster, global_batch_size)
     out = []
     points = grid_points(

@@ -47,6 +47,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from dapple.core.cluster import Cluster
+from dapple.core.cuts import rounded_to_chunks, with_cuts
 from dapple.core.plan import Plan, interleave, split_sizes
 from dapple.core.profile import ModelProfile
 from dapple.cost.lengths import profile_for_plan
@@ -240,7 +241,7 @@ def best_interleaved(
             if new != o.cuts and _shards(profile, _at_cuts(o, new)):
                 push(lower_bound_ms(pre, new, o.v, o.M), o, new)
             continue
-        plan = o.build() if cuts == o.cuts else _recut(o.build(), cuts)
+        plan = o.build() if cuts == o.cuts else with_cuts(o.build(), cuts)
         for variant in regather_variants(plan, ZERO3_REGATHER in zero3_modes(profile)):
             L = _fitting_ms(variant, profile, cluster, limit)
             if L is not None:
@@ -282,14 +283,6 @@ def memory_floor_bytes(plan: Plan, profile: ModelProfile) -> float:
         )
         worst = max(worst, device_state_bytes(memory, mine) + held)
     return worst
-
-
-def _recut(plan: Plan, cuts: Sequence[int]) -> Plan:
-    """``plan`` with virtual stage k on layers ``[cuts[k], cuts[k+1])``."""
-    stages = tuple(
-        dataclasses.replace(st, layers=(cuts[k], cuts[k + 1])) for k, st in enumerate(plan.stages)
-    )
-    return dataclasses.replace(plan, stages=stages)
 
 
 def regather_variants(plan: Plan, regather: bool = True) -> Iterator[Plan]:
@@ -372,14 +365,5 @@ def _own_plan(chunked: Plan, M: int, b: int) -> Callable[[], Plan]:
 
 def _chunkable(plan: Plan, v: int) -> Plan | None:
     """``plan`` (one stage per device group, at least two groups) with v dividing every group's
-    layers: as it is, else every cut moved to the nearest multiple of v; None when neither
-    (v does not divide the layers, or two cuts would meet)."""
-    if plan.virtual_stages != 1 or plan.num_stages < 2:
-        return None
-    if all((s.layers[1] - s.layers[0]) % v == 0 for s in plan.stages):
-        return plan
-    N = plan.num_layers
-    cuts = [0, *(v * round(c / v) for c in plan.split_positions), N]
-    if N % v or any(e <= s for s, e in itertools.pairwise(cuts)):
-        return None
-    return _recut(plan, cuts)
+    layers (:func:`~dapple.core.plan.rounded_to_chunks`); None when it cannot."""
+    return rounded_to_chunks(plan, v) if plan.num_stages >= 2 else None

@@ -256,12 +256,12 @@ def dapple_search(
             if mixed is not None:
                 found += _stage_widths(mixed, t, stages, M, scored, Ms)
     own = [(t, plan) for _, t, plan in found]
-    if grid:
-        found += _grid_offers(profile, cluster, global_batch_size, zero_stage, widths, max_stages)
+    accept = _grid_filter(zero_stage, widths, max_stages) if grid else None
+    if accept is not None and zero_stage not in (1, 2):  # the grid has no ZeRO-1/2 points
+        found += _grid_offers(profile, cluster, global_batch_size, Ms, accept)
     if interleaved and not has_host_terms(cluster):  # the step rule has no CPU-host pass
-        accept = _grid_filter(zero_stage, widths, max_stages) if grid else None
         found += _interleaved_offers(
-            scorers, own, accept, min((x[0] for x in found), default=math.inf)
+            scorers, own, accept, Ms, min((x[0] for x in found), default=math.inf)
         )
     if not found:
         raise InfeasibleError(infeasible_message(profile, cluster, global_batch_size))
@@ -272,17 +272,12 @@ def _grid_offers(
     profile: ModelProfile,
     cluster: Cluster,
     global_batch_size: int,
-    zero_stage: int,
-    widths: Sequence[int],
-    max_stages: int | None,
+    Ms: Sequence[int],
+    accept: Callable[[GridPoint], bool],
 ) -> list[tuple[float, int, Plan]]:
     """The feasible 1F1B points of the uniform grid (:mod:`dapple.planner.grid`) at this
-    search's M inside its space (:func:`_grid_filter`); the interleaved ones are
+    search's M (``Ms``) that ``accept`` takes (:func:`_grid_filter`); the interleaved ones are
     :func:`_interleaved_offers`."""
-    if zero_stage in (1, 2):  # the grid has no ZeRO-1/2 points
-        return []
-    accept = _grid_filter(zero_stage, widths, max_stages)
-    Ms = micro_batch_candidates(global_batch_size)  # the M this search tries
     return [
         (c.L_ms, c.point.tp, dataclasses.replace(c.plan, planner="dapple"))
         for c in grid_candidates(
@@ -314,14 +309,14 @@ def _interleaved_offers(
     scorers: Mapping[int, Scorer],
     own: Sequence[tuple[int, Plan]],
     accept: Callable[[GridPoint], bool] | None,
+    Ms: Sequence[int],
     below_ms: float,
 ) -> list[tuple[float, int, Plan]]:
     """The interleaved 1F1B plan of least L below ``below_ms`` that fits, if any
     (:mod:`dapple.planner.interleaving`): the search's ``own`` plans interleaved, and the grid's
-    interleaved points that ``accept`` takes (none when None), at this search's M."""
+    interleaved points that ``accept`` takes (none when None), at this search's M (``Ms``)."""
     sc = next(iter(scorers.values()))
     profile, cluster, B = sc.profile, sc.real_cluster, sc.global_batch_size
-    Ms = micro_batch_candidates(B)
     offers = own_offers(own, profile, list(scorers), Ms)
     if accept is not None:
         offers += grid_offers(profile, cluster, B, list(scorers), Ms, accept)

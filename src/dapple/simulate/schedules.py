@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 from dapple.core.cluster import Cluster
+from dapple.core.cuts import rounded_to_chunks
 from dapple.core.plan import DEFAULT_SCHEDULE, Plan, StagePlan, interleave
 from dapple.core.profile import ModelProfile
 from dapple.cost.schedules import schedule_latency
@@ -125,22 +126,6 @@ class ScheduleChoice:
     result: SimResult | None
     note: str = ""
     """Why no plan fits (layers, M, memory), empty otherwise."""
-
-
-def _rounded(plan: Plan, v: int) -> Plan | None:
-    """``plan`` with every cut moved to the nearest multiple of v, so each device group holds a
-    multiple of v layers; None when impossible (v does not divide the layers, or two cuts
-    would meet)."""
-    N = plan.num_layers
-    if plan.virtual_stages != 1 or N % v:
-        return None
-    cuts = [0, *(v * round(c / v) for c in plan.split_positions), N]
-    if any(b <= a for a, b in itertools.pairwise(cuts)):
-        return None
-    stages = tuple(
-        dataclasses.replace(st, layers=(cuts[g], cuts[g + 1])) for g, st in enumerate(plan.stages)
-    )
-    return dataclasses.replace(plan, stages=stages)
 
 
 def balanced_pipelines(
@@ -262,7 +247,7 @@ def _variant_bases(bases: list[Plan], v: int) -> list[Plan]:
     moved to multiples of v."""
     if v == 1:
         return list(bases)
-    rounded = (_rounded(b, v) for b in bases)
+    rounded = (rounded_to_chunks(b, v) for b in bases)
     return [*bases, *(r for r in rounded if r is not None and r not in bases)]
 
 
