@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing as mp
+import os
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from dapple.core.parent_death import end_with_parent
 from dapple.models.workload import Workload
 
 __all__ = ["CoWorkers"]
@@ -23,7 +25,12 @@ Cast = Callable[[], contextlib.AbstractContextManager[Any]]
 
 
 class CoWorkers:
-    """``n`` forked processes training ``workload`` at batch ``b`` until :meth:`stop`."""
+    """``n`` forked processes training ``workload`` at batch ``b`` until :meth:`stop`.
+
+    Each ends with this process however it ends (SIGKILL included):
+    :func:`dapple.core.parent_death.end_with_parent` is its first act. ``daemon=True`` alone
+    covers only a parent that exits through Python's shutdown.
+    """
 
     def __init__(
         self, workload: Workload, n: int, b: int, seed: int, cast: Cast = contextlib.nullcontext
@@ -35,7 +42,7 @@ class CoWorkers:
         self._procs = [
             ctx.Process(
                 target=_train_loop,
-                args=(workload, b, seed, threads, self._stop, self._ready, cast),
+                args=(workload, b, seed, threads, self._stop, self._ready, cast, os.getpid()),
                 daemon=True,
             )
             for _ in range(n)
@@ -69,9 +76,11 @@ def _train_loop(
     stop: Any,
     ready: Any,
     cast: Cast = contextlib.nullcontext,
+    parent: int | None = None,
 ) -> None:
     """A co-worker: forward (under ``cast``) + backward of the whole chain at batch ``b`` until
-    ``stop``."""
+    ``stop``, or until the process ``parent`` (None: this one's parent now) ends."""
+    end_with_parent(os.getppid() if parent is None else parent)
     torch.set_num_threads(threads)
     layers = [workload.build_layer(i, seed).train() for i in range(workload.num_layers)]
     inputs, targets = workload.make_batch(b, seed)
