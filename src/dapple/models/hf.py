@@ -21,6 +21,7 @@ trains only ``seq - 1`` of them).
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -47,13 +48,35 @@ __all__ = [
 ]
 
 
+MIN_TRANSFORMERS = (5, 23)
+"""The oldest ``transformers`` dapple runs (pyproject's ``hf`` extra, ``transformers>=5.23``):
+5.17 fails inside an HF LLaMA's rotary embedding under bf16 autocast ("Tensor dtype mismatch")."""
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """The leading numbers of a version string (``5.24.0.dev0`` -> ``(5, 24, 0)``)."""
+    return tuple(int(n) for n in re.findall(r"\d+", version.split("+")[0].split("dev")[0])[:3])
+
+
 def _transformers() -> Any:
+    """The ``transformers`` module, checked against :data:`MIN_TRANSFORMERS`.
+
+    Raises:
+        ValidationError: Not installed, or older than the minimum (one line naming both).
+    """
     try:
         import transformers
     except ImportError as e:
         raise ValidationError(
             "Hugging Face workloads need the optional dependency: pip install 'dapple[hf]'"
         ) from e
+    installed = str(getattr(transformers, "__version__", "0"))
+    if _release(installed) < MIN_TRANSFORMERS:
+        need = ".".join(map(str, MIN_TRANSFORMERS))
+        raise ValidationError(
+            f"transformers {installed} is installed; dapple's Hugging Face models need "
+            f"transformers>={need} (pip install 'transformers>={need}')"
+        )
     return transformers
 
 
