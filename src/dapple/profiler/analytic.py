@@ -33,9 +33,10 @@ from dapple.core.profile import LayerProfile, ModelProfile, fit_affine
 from dapple.errors import ValidationError
 from dapple.profiler.analytic_devices import (
     ANALYTIC_PRECISIONS,
-    KERNEL_GAP_US,
+    FITTED,
     DeviceSpec,
     Efficiency,
+    fitted_efficiency,
     get_device,
 )
 from dapple.profiler.analytic_models import TransformerSpec, resolve_spec
@@ -55,6 +56,7 @@ __all__ = [
     "layer_costs",
     "layer_time_ms",
     "linear_op",
+    "op_efficiencies",
 ]
 
 _PROFILE_PRECISION = {"fp32": "fp32", "bf16": "bf16", "fp16": "fp16", "fp8": "bf16"}
@@ -68,20 +70,41 @@ parameter and the moments."""
 # -- time -------------------------------------------------------------------------------------
 
 
+_EMBEDDING_OPS = frozenset({"token_embedding", "position_embedding", "token_type_embedding"})
+"""Ops timed at :attr:`Efficiency.embedding` (lookups, the dense table gradient)."""
+
+
+def op_efficiencies(op: Op, eff: Efficiency) -> tuple[float, float]:
+    """``(compute, memory)`` efficiencies of ``op``: its class's (:class:`Efficiency`), the
+    finer classes (eager attention's core, the LM head, unaligned GEMMs, embeddings) where set."""
+    if op.core and eff.eager_attention is not None:
+        return eff.eager_attention, eff.eager_attention
+    compute = eff.matmul if op.kind == "matmul" else eff.attention
+    if op.kind == "matmul" and not op.aligned and eff.unaligned is not None:
+        compute = eff.unaligned
+    elif op.kind == "matmul" and op.name == "head" and eff.head is not None:
+        compute = eff.head
+    memory = eff.memory
+    if op.name in _EMBEDDING_OPS and eff.embedding is not None:
+        memory = eff.embedding
+    return compute, memory
+
+
 def _op_ms(op: Op, b: float, dev: DeviceSpec, precision: str, eff: Efficiency, fwd: bool) -> float:
     flops = (op.fwd_flops if fwd else op.bwd_flops) * b
     nbytes = (op.fwd_bytes if fwd else op.bwd_bytes) * b
     nbytes += op.fwd_bytes_per_call if fwd else op.bwd_bytes_per_call
+    c_eff, m_eff = op_efficiencies(op, eff)
     if op.kind == "matmul":
         p = precision if op.weight_gemm or precision != "fp8" else "bf16"
-        compute = flops / (eff.matmul * dev.matmul_peak(p))
+        compute = flops / (c_eff * dev.matmul_peak(p))
     elif op.kind == "attention":
-        compute = flops / (eff.attention * dev.attention_peak(precision))
+        compute = flops / (c_eff * dev.attention_peak(precision))
     else:
         compute = 0.0
-    memory = nbytes / (eff.memory * dev.hbm_bytes_per_s)
+    memory = nbytes / (m_eff * dev.hbm_bytes_per_s)
     kernels = op.kernels[0] if fwd else op.kernels[1]
-    return (max(compute, memory) + kernels * KERNEL_GAP_US * 1e-6) * 1e3
+    return (max(compute, memory) + kernels * eff.kernel_gap_us * 1e-6) * 1e3
 
 
 def layer_time_ms(
@@ -105,6 +128,7 @@ def analytic_profile(
     attention: str | None = None,
     batch_sizes: Sequence[int] = (1, 2, 4, 8),
     efficiency: Efficiency | None = None,
+    kernels: str | None = None,
     fold_ends: bool = False,
     overrides: Mapping[str, Any] | None = None,
 ) -> ModelProfile:
@@ -120,6 +144,11 @@ def analytic_profile(
         attention: ``flash`` or ``eager``; None: eager in fp32, flash otherwise.
         batch_sizes: batch sizes the affine times are fitted over.
         efficiency: the roofline's efficiencies instead of the device's for ``precision``.
+        kernels: ``eager`` (autocast's weight casts counted) or ``fused``: the efficiencies
+            fitted on measured layers for that kernel setting
+            (:func:`~dapple.profiler.analytic_devices.fitted_efficiency`); with ``efficiency``
+            only the casts follow it. None: the device's ``default_kernels`` where fitted for
+            ``precision`` (``h200``: eager), else the device's efficiencies without casts.
         fold_ends: merge the embedding into the first block and the head into the last.
         overrides: zoo transformer arguments (``layers``, ``hidden``, ...), zoo names only.
 
@@ -132,13 +161,21 @@ def analytic_profile(
         raise ValidationError(
             f"precision must be one of {', '.join(ANALYTIC_PRECISIONS)}, got {precision!r}"
         )
-    eff = efficiency or dev.efficiency_for(precision)
+    if kernels is None and efficiency is None and (precision, dev.default_kernels) in FITTED:
+        kernels = dev.default_kernels
+    if efficiency is not None:
+        eff = efficiency
+    elif kernels is not None:
+        eff = fitted_efficiency(dev, precision, kernels)
+    else:
+        eff = dev.efficiency_for(precision)
     sizes = sorted(set(batch_sizes))
     if not sizes or sizes[0] < 1:
         raise ValidationError(f"batch_sizes must be positive integers, got {list(batch_sizes)}")
     costs = layer_costs(
-        spec, precision, attention=attention, checkpoint=checkpoint, fold_ends=fold_ends
-    )
+        spec, precision, attention=attention, checkpoint=checkpoint, fold_ends=fold_ends,
+        autocast=kernels == "eager",
+    )  # fmt: skip
     holders = [i for i, c in enumerate(costs) if c.tied_parameters]
     if len(holders) == 1:  # both copies of the tied table in one layer: one parameter
         c = costs[holders[0]]
@@ -168,7 +205,7 @@ def analytic_profile(
         layers=tuple(layers),
         input_bytes_per_sample=8.0 * spec.seq,
         dtype=_DTYPE[precision],
-        device=f"{dev.label} (analytic, {precision})",
+        device=f"{dev.label} (analytic, {precision}{f', {kernels} kernels' if kernels else ''})",
         batch_sizes=tuple(sizes),
         optimizer_state_factor=3.0,
         update_ms_per_parameter_byte=update,

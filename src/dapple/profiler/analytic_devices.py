@@ -45,10 +45,14 @@ from dapple.errors import ValidationError
 __all__ = [
     "ANALYTIC_PRECISIONS",
     "DEVICES",
+    "FITTED",
     "KERNEL_GAP_US",
+    "KERNEL_SETTINGS",
+    "OPTIONAL_CLASSES",
     "OP_CLASSES",
     "DeviceSpec",
     "Efficiency",
+    "fitted_efficiency",
     "get_device",
 ]
 
@@ -58,6 +62,13 @@ Engine, torchao Float8), everything else in bf16."""
 
 OP_CLASSES = ("matmul", "attention", "memory")
 """Operation classes, each with its own efficiency."""
+OPTIONAL_CLASSES = ("eager_attention", "head", "unaligned", "embedding")
+"""Finer classes fitted on measured layers (:data:`FITTED`); unset, they fall back to the
+three of :data:`OP_CLASSES`."""
+KERNEL_SETTINGS = ("eager", "fused")
+"""Kernel settings of the fitted efficiencies: ``eager`` (eager PyTorch under autocast, what
+dapple runs and profiles) and ``fused`` (compiled or fused kernels: torchtitan with
+torch.compile, Megatron with Transformer Engine)."""
 
 KERNEL_GAP_US = 4.0
 """Fixed time per kernel (launch latency and the tail of a dependent kernel), microseconds."""
@@ -73,12 +84,31 @@ class Efficiency:
     """Fused attention: fraction of the 16-bit Tensor Core peak FLOP/s."""
     memory: float
     """Element-wise kernels: fraction of the HBM bandwidth."""
+    eager_attention: float | None = None
+    """Eager attention's core (scores and context GEMMs, softmax, masks): fraction of the
+    precision's peak FLOP/s and of the HBM bandwidth; None: ``matmul`` and ``memory``."""
+    head: float | None = None
+    """The LM head's GEMM: fraction of the precision's peak; None: ``matmul``."""
+    unaligned: float | None = None
+    """GEMMs with a dimension not a multiple of 8 elements (GPT-2's 50,257-word head):
+    fraction of the peak; None: as aligned ones."""
+    embedding: float | None = None
+    """Embedding lookups and their table gradient: fraction of the HBM bandwidth; None:
+    ``memory``."""
+    kernel_gap_us: float = KERNEL_GAP_US
+    """Fixed time per kernel, microseconds (:data:`KERNEL_GAP_US` unless fitted)."""
     note: str = ""
-    """Where the numbers come from (a fit's published run, or a prior)."""
+    """Where the numbers come from (a fit's published run, a measured row, or a prior)."""
 
     def __post_init__(self) -> None:
-        for name in OP_CLASSES:
+        if not (isinstance(self.kernel_gap_us, (int, float)) and self.kernel_gap_us >= 0):
+            raise ValidationError(
+                f"Efficiency.kernel_gap_us must be >= 0, got {self.kernel_gap_us!r}"
+            )
+        for name in OP_CLASSES + OPTIONAL_CLASSES:
             v = getattr(self, name)
+            if v is None and name in OPTIONAL_CLASSES:
+                continue
             if not (isinstance(v, (int, float)) and 0 < v <= 1):
                 raise ValidationError(f"Efficiency.{name} must be in (0, 1], got {v!r}")
 
@@ -99,6 +129,9 @@ class DeviceSpec:
     """Device memory, bytes."""
     efficiency: dict[str, Efficiency] = field(default_factory=dict)
     """Efficiencies per precision."""
+    default_kernels: str | None = None
+    """The kernel setting (:data:`KERNEL_SETTINGS`) an analytic profile gets when none is asked
+    for (None: :attr:`efficiency` without autocast's casts)."""
 
     def supports(self, precision: str) -> bool:
         """Whether the device has a peak for ``precision``."""
@@ -206,6 +239,18 @@ DEVICES: dict[str, DeviceSpec] = {
             ),
         },
     ),
+    # H200: "NVIDIA H200 Tensor Core GPU" datasheet, SXM column: the H100's peaks (989 TFLOP/s
+    # bf16 dense, 1,979 fp8 dense, 67 fp32), 141 GB HBM3e at 4.8 TB/s. The measured part
+    # (/work/shared/evidence/h200-2026-11-28) reports 143,771 MiB; 141 GB is the datasheet's.
+    "h200": DeviceSpec(
+        name="h200",
+        label="NVIDIA H200 SXM 141GB",
+        peak_flops={"fp32": 66.9e12, "bf16": 989.4e12, "fp16": 989.4e12, "fp8": 1978.9e12},
+        hbm_bytes_per_s=4.8e12,
+        memory_bytes=141 * 10**9,
+        efficiency={},  # filled below: the fitted eager efficiencies (FITTED)
+        default_kernels="eager",  # what dapple runs, as measured on this part
+    ),
 }
 """The modelled devices by short name."""
 
@@ -220,3 +265,82 @@ def get_device(name: str) -> DeviceSpec:
     if spec is None:
         raise ValidationError(f"unknown analytic device {name!r}; known: {', '.join(DEVICES)}")
     return spec
+
+
+HOPPER = ("h100", "h200")
+"""Parts sharing the fitted efficiencies of :data:`FITTED`: the same SMs and peaks (the H200
+is an H100 with HBM3e), so the same fractions of peak; only the bandwidth differs."""
+
+_EAGER_BF16 = Efficiency(
+    # Each value: `python benchmarks/gpu_fit.py` over benchmarks/gpu_measured.toml (dapple's
+    # profile on one H200, bf16 autocast, /work/shared/evidence/h200-2026-11-28/
+    # run1-analytic_vs_measured.md); leave-one-out errors of every row in benchmarks/gpu_fit.md.
+    # rows gpt2:block{0,1}:b{1,2} and llama:block{0,1}:b{1,2} (HF blocks, SDPA), F and B:
+    matmul=0.415,
+    # the same rows, fitted with matmul (b=1 against b=2 separates them): HF's eager blocks
+    # launch many more kernels than the ops here count, and autocast's casts wait on the host
+    kernel_gap_us=27.8,
+    # not fitted: the SDPA blocks cannot tell attention from GEMM time apart (fitting both on
+    # the GPT-2 rows gives 0.38 / 0.26, on the Llama rows 0.60 / 0.08); the prior stays.
+    attention=0.5,
+    memory=0.8,  # not fitted: the prior (no row is element-wise alone)
+    # rows zoo:block{0,1}:b{1,2} (the zoo transformer's eager attention at seq 2048), F and B:
+    eager_attention=0.31,
+    # rows llama:lm_head:b{1,2} and zoo:lm_head:b{1,2} (vocabulary 128,256 and 32,000), F and B:
+    head=0.913,
+    # rows gpt2:lm_head:b{1,2} (vocabulary 50,257: no Tensor Core-aligned layout), F and B:
+    unaligned=0.127,
+    # rows gpt2/llama/zoo:embedding:b{1,2}, backward only (HF's prologue forward is host-bound):
+    embedding=0.429,
+    note="eager: fitted on dapple's H200 profile (benchmarks/gpu_fit.md)",
+)
+_FUSED_BF16 = Efficiency(
+    # GEMMs (blocks and head): the one direct GEMM measurement of the same run, bf16 8192^3 at
+    # 796 TFLOP/s of 989.4 (the evidence file's first line, not a table row): fused and
+    # compiled frameworks run the same cuBLAS GEMMs without autocast's casts around them.
+    matmul=0.805,
+    head=0.805,
+    attention=0.5,  # prior: no fused attention kernel was measured
+    memory=0.8,  # prior: no fused element-wise kernel was measured
+    unaligned=0.127,  # rows gpt2:lm_head:b{1,2}, as eager: the GEMM kernel is the same
+    note="fused: GEMMs at the H200's measured 8192^3 GEMM, the rest priors (benchmarks/gpu_fit.md)",
+)
+FITTED: dict[tuple[str, str], Efficiency] = {
+    ("bf16", "eager"): _EAGER_BF16,
+    ("fp16", "eager"): _EAGER_BF16,  # the same Tensor Core rate; fp16 was not measured
+    ("bf16", "fused"): _FUSED_BF16,
+    ("fp16", "fused"): _FUSED_BF16,
+}
+"""Efficiencies fitted on measured layers, by (precision, kernel setting), for the
+:data:`HOPPER` parts. ``eager`` profiles count autocast's weight casts
+(``layer_costs(autocast=True)``), as the fit did."""
+
+DEVICES["h200"].efficiency.update(
+    {
+        "fp32": DEVICES["h100"].efficiency["fp32"],  # prior, as the H100's
+        "bf16": _EAGER_BF16,
+        "fp16": _EAGER_BF16,
+        "fp8": DEVICES["h100"].efficiency["fp8"],  # the H100's NeMo fit
+    }
+)
+
+
+def fitted_efficiency(device: DeviceSpec | str, precision: str, kernels: str) -> Efficiency:
+    """The efficiencies fitted for ``kernels`` (:data:`KERNEL_SETTINGS`) on ``device``.
+
+    Raises:
+        ValidationError: an unknown setting, or a device or precision without a fit.
+    """
+    dev = device if isinstance(device, DeviceSpec) else get_device(device)
+    if kernels not in KERNEL_SETTINGS:
+        raise ValidationError(
+            f"kernels must be one of {', '.join(KERNEL_SETTINGS)}, got {kernels!r}"
+        )
+    eff = FITTED.get((precision, kernels)) if dev.name in HOPPER else None
+    if eff is None:
+        fitted = sorted({p for p, _ in FITTED})
+        raise ValidationError(
+            f"no {kernels} efficiencies fitted for {dev.label} in {precision}; fitted: "
+            f"{', '.join(HOPPER)} in {', '.join(fitted) or 'nothing'}"
+        )
+    return eff

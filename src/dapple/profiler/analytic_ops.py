@@ -38,6 +38,7 @@ forward during the backward).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -51,6 +52,7 @@ __all__ = [
     "ELEMENT_BYTES",
     "LayerCost",
     "Op",
+    "autocast_casts",
     "block_ops",
     "layer_costs",
     "linear_op",
@@ -85,6 +87,9 @@ class Op:
     """Kernels launched forward, backward."""
     weight_gemm: bool = False
     """A GEMM with a weight (runs in fp8 under ``fp8``; attention GEMMs stay in bf16)."""
+    aligned: bool = True
+    """Every GEMM dimension is a multiple of 8 elements (16 bytes in 16 bits): Tensor Core
+    kernels need it; GPT-2's 50,257-word head is not."""
     core: bool = False
     """Part of eager attention's core (scores, softmax, dropout, context): what selective
     checkpointing recomputes."""
@@ -134,6 +139,7 @@ def linear_op(name: str, n_in: int, n_out: int, s: float, e: int, *, bias: bool 
         kept_bytes=s * n_in * e,
         kernels=(1, 3 if bias else 2),
         weight_gemm=True,
+        aligned=n_in % 8 == 0 and n_out % 8 == 0,
     )
 
 
@@ -334,6 +340,7 @@ def layer_costs(
     attention: str | None = None,
     checkpoint: str = "none",
     fold_ends: bool = False,
+    autocast: bool = False,
 ) -> list[LayerCost]:
     """The model's chain of layers as ops: embedding, ``spec.layers`` blocks, head.
 
@@ -343,6 +350,9 @@ def layer_costs(
         attention: ``flash`` or ``eager``; None: eager in fp32, flash otherwise.
         checkpoint: one of :data:`CHECKPOINTS` (applies to the blocks).
         fold_ends: merge the embedding into the first block and the head into the last.
+        autocast: fp32 weights cast to 16 bits at every call (``torch.autocast`` in eager
+            PyTorch, as dapple runs): each layer with weight GEMMs gets an
+            ``autocast_weight_casts`` op (:func:`autocast_casts`).
 
     Raises:
         ValidationError: an unknown precision, attention or checkpoint mode.
@@ -367,11 +377,34 @@ def layer_costs(
                checkpoint, hidden_bytes)
         for i in range(spec.layers)
     ]  # fmt: skip
+    if autocast and precision != "fp32":
+        embedding, head = _with_casts(embedding, e), _with_casts(head, e)
+        blocks = [_with_casts(b, e) for b in blocks]
     if not fold_ends:
         return [embedding, *blocks, head]
     blocks[0] = _merge(embedding, blocks[0], f"embedding+{blocks[0].name}")
     blocks[-1] = _merge(blocks[-1], head, f"{blocks[-1].name}+lm_head")
     return blocks
+
+
+def autocast_casts(ops: Sequence[Op], e: int) -> Op | None:
+    """The weight casts of autocast over ``ops``' weight GEMMs (None: none): forward, each fp32
+    weight read and its ``e``-byte copy written; backward, the ``e``-byte weight gradient
+    written, read back and cast to fp32 (4 bytes) for the fp32 ``.grad``; per call, one kernel
+    per weight each way."""
+    weights = [op.fwd_bytes_per_call / e for op in ops if op.weight_gemm]
+    if not weights:
+        return None
+    n = sum(weights)
+    return Op(name="autocast_weight_casts", kind="memory", fwd_bytes_per_call=n * (4 + e),
+              bwd_bytes_per_call=n * (2 * e + 4), kernels=(len(weights), len(weights)))  # fmt: skip
+
+
+def _with_casts(layer: LayerCost, e: int) -> LayerCost:
+    cast = autocast_casts(layer.ops, e)
+    if cast is None:
+        return layer
+    return dataclasses.replace(layer, ops=(*layer.ops, cast))
 
 
 def _merge(a: LayerCost, b: LayerCost, name: str) -> LayerCost:
