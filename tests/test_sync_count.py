@@ -116,7 +116,6 @@ def counted(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="issue 46: the runtime still reads 4-7 times a step")
 @pytest.mark.parametrize("plan", list(PLANS))
 def test_at_most_one_host_sync_per_step(counted: list[dict[str, Any]], plan: str) -> None:
     for rank, res in enumerate(counted):

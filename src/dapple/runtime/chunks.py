@@ -76,9 +76,9 @@ class RankChunks:
             ex.finish_sends()
 
     @property
-    def loss_sum(self) -> float:
-        """The step's loss part (only the last stage's chunk has one)."""
-        return sum(ex.loss_sum for ex in self.chunks.values())
+    def loss_sum(self) -> torch.Tensor | float:
+        """The step's loss part (only the last stage's chunk has one; a device tensor)."""
+        return sum((ex.loss_sum for ex in self.chunks.values()), 0.0)
 
     @property
     def waiting_on(self) -> tuple[str, int] | None:

@@ -52,7 +52,7 @@ from dapple.runtime.failure import RankFailure, describe_rank, short_error
 from dapple.runtime.interpreter import ProgramInterpreter
 from dapple.runtime.longrun import LongRun, first_attempt
 from dapple.runtime.memory import ActivationMeter
-from dapple.runtime.metrics import MetricsSink, StepProbe, announce, resident_bytes
+from dapple.runtime.metrics import MetricsSink, StepProbe, announce, resident_bytes, row_tokens
 from dapple.runtime.optim import ModelUpdate, make_optimizer
 from dapple.runtime.precision import Precision
 from dapple.runtime.rank import (
@@ -69,7 +69,7 @@ from dapple.runtime.rank import (
     probe_boundaries,
     select_zero,
 )
-from dapple.runtime.reporting import open_reporters, target_tokens
+from dapple.runtime.reporting import open_reporters
 from dapple.runtime.sharded_state import CutStage
 from dapple.runtime.stage_mesh import (
     StageMesh,
@@ -233,7 +233,7 @@ def run_plan(
             rows = r.interpreter.run_step(step, inputs, targets)
             eval_loss = _evaluate(evaluation, step, r.probe)
             report = r.update.take_report() if rank == 0 else {}  # lr, grad_norm
-            sink.record(step, rows, r.probe.step_ms, target_tokens=target_tokens(targets),
+            sink.record(step, rows, r.probe.step_ms, target_tokens=row_tokens(rows),
                         eval_loss=eval_loss, **report)  # fmt: skip
             r.longrun.after_step(step)
         clean = True

@@ -190,7 +190,7 @@ class Evaluation:
             RankFailure: an action, a peer or the reduction failed; names the step, the rank,
                 the action or what it waited for (and shows the forward program's grid).
         """
-        total = 0.0
+        total: torch.Tensor | float = 0.0
         training = self.module.training if self.module is not None else False
         metering = self.ex.metering if self.ex is not None else False
         rng_devices = [self.device] if self.device.type == "cuda" else []
@@ -201,9 +201,10 @@ class Evaluation:
                 if self.ex is not None and self._ops:
                     self.ex.metering = False
                     for k in range(self.batches):
-                        total += self._one_batch(k)
+                        total = total + self._one_batch(k)
                 self._at = "the evaluation's loss reduction (all ranks)"
-                t = torch.tensor([total], dtype=torch.float64, device=self.device)
+                t = torch.zeros(1, dtype=torch.float64, device=self.device)
+                t += total  # the loss parts stay on the device until the one read below
                 comm.all_reduce(t)
         except RankFailure:
             raise
@@ -216,7 +217,7 @@ class Evaluation:
                 self.ex.metering = metering
         return float(t.item()) / self.batches
 
-    def _one_batch(self, k: int) -> float:
+    def _one_batch(self, k: int) -> torch.Tensor | float:
         """Run the forward program on eval batch ``k``; this rank's loss part."""
         assert self.ex is not None
         self._at = f"building eval batch {k}"

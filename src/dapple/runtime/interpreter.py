@@ -19,25 +19,29 @@ simulator runs - and dispatches every action on its kind:
   buckets over the group's replicas), the later ones do nothing;
 - ``SEND_F``/``SEND_B`` post ``isend``s (all waited for at the step point);
 - ``AR`` waits for AR(P_s, g_s) over the stage's replicas (:meth:`GradientSync.finish`);
-- ``OPT`` sums the tied parameters' gradients (:meth:`GradientSync.tied`), unscales them
-  (:meth:`Precision.unscale`, fp16 loss scaling), then :meth:`ModelUpdate.step` computes the
-  global gradient norm (a world all_reduce that ranks beyond the plan join with
-  :meth:`ModelUpdate.join` after their empty program), clips, sets the step's lr and steps the
-  optimizer; under ZeRO (:mod:`dapple.runtime.zero`) the optimizer holds this replica's shard
-  only and :meth:`FlatShards.gather` then starts bringing every replica the others' updated
-  chunks (each layer waits for its own before its next forward).
+- ``OPT`` runs in two parts around the step point. Before it: the tied parameters' gradient
+  sums (:meth:`GradientSync.tied`), the fp16 unscaling (:meth:`Precision.unscale_grads`) and
+  this rank's part of the global gradient norm (:meth:`ModelUpdate.local_sq_norm`). After it:
+  :meth:`ModelUpdate.step` clips by the global norm, sets the step's lr and steps the
+  optimizer (ranks beyond the plan call :meth:`ModelUpdate.join` after their empty program);
+  under ZeRO (:mod:`dapple.runtime.zero`) the optimizer holds this replica's shard only and
+  :meth:`FlatShards.gather` then starts bringing every replica the others' updated chunks
+  (each layer waits for its own before its next forward).
   ZeRO-1 reduce-scatters the gradients (overlapped with the last backward, waited for at
   ``AR``) instead of the AllReduce; ZeRO-2 after every ``B``.
 
 The program is compiled once into *ops* - ``(position, action, handler)`` in execution order,
 early receives moved up, the arming wrapped around the last ``B`` - so a step is a plain loop.
 
-The step point: just before the program's first ``AR``/``OPT`` (at the end of an empty program,
-on ranks beyond the plan) every rank joins the step's one world collective,
-:meth:`LongRun.agree_finite`, with its non-finite verdict, loss part and peak memory. ``AR`` and
-``OPT`` run only when every rank's verdict is finite, so a NaN stops or skips the step on every
-rank before ``OPT`` touches the weights. :func:`dapple.schedule.lower.lower` puts ``AR`` and
-``OPT`` last; a program with another action after them is rejected (:func:`step_point`).
+The step point: after the program's ``AR`` and the first part of its ``OPT`` (at the end of
+an empty program, on ranks beyond the plan) every rank joins the step's one world collective,
+:meth:`LongRun.agree_finite`, with its non-finite verdict, loss part, peak memory, the batch's
+target tokens and its part of the gradient norm - all on the device until that collective's
+one host read, the only one of a step (no micro-batch reads anything: the losses and the
+guard's sums stay on the device). The optimizer step runs only when every rank's verdict is
+finite, so a NaN stops or skips the step on every rank before ``OPT`` touches the weights (its
+gradients are dropped). :func:`dapple.schedule.lower.lower` puts ``AR`` and ``OPT`` last; a
+program with another action after them is rejected (:func:`step_point`).
 
 A failure inside an action raises :class:`RankFailure` naming the step, the rank, the action or
 what it waited for and the lost peer, followed by the schedule grid with that action marked.
@@ -57,9 +61,10 @@ from dapple.errors import ValidationError
 from dapple.runtime.chunks import Executor, RankChunks
 from dapple.runtime.failure import RankFailure, describe_rank, failure_grid, short_error
 from dapple.runtime.longrun import LongRun
-from dapple.runtime.metrics import StepProbe
+from dapple.runtime.metrics import ROW_SQ_NORM, StepProbe, global_norm
 from dapple.runtime.optim import ModelUpdate
 from dapple.runtime.precision import Precision
+from dapple.runtime.reporting import target_token_count
 from dapple.runtime.sync import GradientSync
 from dapple.runtime.zero import FlatShards
 from dapple.schedule.ir import Action, ActionKind, Schedule
@@ -166,7 +171,7 @@ class ProgramInterpreter:
             K.BACKWARD_INPUT: self._backward_input,
             K.BACKWARD_WEIGHT: self._backward,
             K.ALLREDUCE: self._allreduce,
-            K.STEP: self._optimizer_step,
+            K.STEP: self._prepare_update,
         }
         last_b = {a.stage: i for i, a in enumerate(program) if a.kind in _GRADS}
         """Each chunk's last ``B``/``W`` of the step: its gradients are final after it."""
@@ -184,10 +189,17 @@ class ProgramInterpreter:
 
         self._compute = _compile(program[:n], handler_at)
         """F, B, sends and receives: everything before the step point."""
-        self._update = [_Op(i, program[i], handler_at(i)) for i in range(n, len(program))]
-        """AR and OPT: everything after the step point."""
-        self._joins = all(op.action.kind is not K.STEP for op in self._update)
-        """No OPT here (a rank beyond the plan): join the global norm's collective directly."""
+        self._reduce = [_Op(i, program[i], handler_at(i)) for i in range(n, len(program))]
+        """AR and OPT's first part (tied sums, unscaling, this rank's part of the norm): after
+        the compute, before the step point."""
+        self._apply = [
+            op._replace(run=self._apply_update) for op in self._reduce if op.action.kind is K.STEP
+        ]
+        """OPT's second part (clipping, optimizer step, ZeRO's gather): after the step point."""
+        self._joins = not self._apply
+        """No OPT here (a rank beyond the plan): it only reports the step's lr."""
+        self._sq_norm: torch.Tensor | float = 0.0
+        """This step's part of the squared gradient norm (0 until OPT's first part)."""
         ranks = list(plan.stages[executor.s].devices) if executor is not None else []
         self._phases = {
             K.ALLREDUCE: f"gradient AllReduce over ranks {ranks}",
@@ -203,7 +215,9 @@ class ProgramInterpreter:
 
         Returns:
             The rows of the step's collective, one per rank: ``[kind, stage, micro-batch,
-            rank, loss part, peak bytes]`` (see :meth:`LongRun.agree_finite`).
+            rank, loss part, peak bytes, peak resident bytes, baseline bytes, target tokens,
+            squared gradient norm part]`` (see :meth:`LongRun.agree_finite` and
+            :data:`dapple.runtime.metrics.ROW_TOKENS`).
 
         Raises:
             RankFailure: a non-finite loss or gradient stops the run (``on_nonfinite="stop"``;
@@ -212,16 +226,17 @@ class ProgramInterpreter:
         """
         self._step = step
         self._at = "start of step"
+        self._sq_norm = 0.0
         try:
             if self.ex is not None:
                 self._compute_part(step, inputs, targets)  # F, B, SEND_*, RECV_*
-            verdict, rows = self._meet(step)
+            self._execute(self._reduce)  # AR, OPT's first part
+            verdict, rows = self._meet(step, targets)
             if verdict is None:
-                self._execute(self._update)  # AR, OPT
+                self._execute(self._apply)  # OPT's second part
                 if self._joins:
-                    self._at = "the global gradient norm (all ranks)"
                     self.update.join(step)
-            else:  # stop or skip: drop the bucket AllReduces (a skipped step updates nothing)
+            else:  # stop or skip: drop what is in flight (a skipped step updates nothing)
                 self._at = "dropping the gradient AllReduce"
                 self.sync.drain()
                 if self.shards is not None:
@@ -253,17 +268,22 @@ class ProgramInterpreter:
             self._at = op
             op.run(op.action)
 
-    def _meet(self, step: int) -> tuple[str | None, list[list[float]]]:
-        """The step point: every rank's verdict and measurements in one world collective."""
+    def _meet(self, step: int, targets: torch.Tensor) -> tuple[str | None, list[list[float]]]:
+        """The step point: every rank's verdict, measurements and part of the gradient norm in
+        one world collective, read once; the norm's sum stays on the device for clipping."""
         self._at = "the step's collective (non-finite check and metrics, all ranks)"
         # the loss once per tensor group: its ranks all compute the same one
         counts = self.ex is not None and getattr(self.ex, "tensor_rank", 0) == 0
         loss_part = self.ex.loss_sum if counts and self.ex is not None else 0.0
         peak = float(self.probe.peak_bytes())
         resident = float(self.probe.resident_peak_bytes())
-        extra = (loss_part, peak, resident, float(self.probe.baseline_bytes))
-        verdict, rows = self.longrun.agree_finite(step, extra)
+        tokens = target_token_count(targets)
+        extra = (loss_part, peak, resident, float(self.probe.baseline_bytes),
+                 -1.0 if tokens is None else tokens, self._sq_norm)  # fmt: skip
+        verdict, rows, table = self.longrun.agree_finite(step, extra)
         self.probe.lap()
+        if verdict is None:
+            self.update.set_norm(table[:, ROW_SQ_NORM].sum(), global_norm(rows))
         return verdict, rows
 
     # -- handlers of F, B, AR and OPT (the sends and receives are the executor's) -----------
@@ -317,12 +337,18 @@ class ProgramInterpreter:
         if self.shards is not None:  # ZeRO-1: the overlapped reduce-scatters (ZeRO-2: none)
             self.shards.finish()
 
-    def _optimizer_step(self, a: Action) -> None:
+    def _prepare_update(self, a: Action) -> None:
+        """OPT before the step point: the final gradients and this rank's part of the norm."""
         self.sync.tied()
         if self.shards is not None:  # the tied pieces' gradients: slices of the sums
             self.shards.point_tied()
-        self.precision.unscale(self.update.params)  # fp16: gradients / S (the loss was x S)
-        self.update.step(self._step)  # global norm, clipping, lr_at(step), optimizer step
+        self.precision.unscale_grads(self.update.params)  # fp16: gradients / S (loss was x S)
+        self._sq_norm = self.update.local_sq_norm()
+
+    def _apply_update(self, a: Action) -> None:
+        """OPT after the step point (every rank's gradients finite)."""
+        self.precision.clean_step()  # fp16: one more step without overflow
+        self.update.step(self._step)  # clipping, lr_at(step), optimizer step
         if self.shards is not None:  # ZeRO: every replica's updated chunks to every replica
             self.shards.gather()
 

@@ -10,12 +10,13 @@
   and returns the index of the next step (the data position:
   step ``t`` trains on ``make_batch(G, seed + t)``, or on a dataset's batch ``t`` of
   :mod:`dapple.runtime.data`, whose record the checkpoint must match);
-- :meth:`LongRun.watch` (after every F/B action) notes the first non-finite loss (last stage,
-  per micro-batch) or gradient (after each backward) of the step;
-- :meth:`LongRun.agree_finite` (at the step point, before the first ``AR``/``OPT`` action)
-  gathers every rank's verdict over all ranks (ranks beyond the plan send none), so all ranks
-  take the same decision *before the optimizer touches the weights*: stop with one line naming
-  step, stage, micro-batch and rank (default), or skip the step and count it
+- :meth:`LongRun.watch` (after every F/B action) keeps, on the device, the step's loss so far
+  (last stage, per micro-batch) and a sum of its gradients (after each backward);
+- :meth:`LongRun.agree_finite` (at the step point, after the gradient reductions and before
+  the optimizer step) finds the first non-finite one on the device and gathers every rank's
+  verdict over all ranks (ranks beyond the plan send none) with the step's ONE host read, so
+  all ranks take the same decision *before the optimizer touches the weights*: stop with one
+  line naming step, stage, micro-batch and rank (default), or skip the step and count it
   (``on_nonfinite="skip"``). Under fp16 loss scaling a non-finite gradient without a
   non-finite loss is an overflow: every rank skips the step and halves the loss scale, and the
   run goes on (:mod:`dapple.runtime.precision`). The same gather carries the caller's per-rank
@@ -33,17 +34,16 @@ A run that does not resume refuses a ``checkpoint_dir`` holding checkpoints (its
 overwrite or prune them), unless ``overwrite_checkpoints``: then rank 0 deletes them at the
 run's first save, so a run that fails before saving leaves them whole.
 
-Cost: one small all_gather per step - it also carries the step's metrics (see
-:mod:`dapple.runtime.metrics`); besides it the runtime's per-step collectives are the gradient
-AllReduce and the global gradient norm's one-scalar all_reduce (:mod:`dapple.runtime.optim`) -
-and one reduction over the stage's gradients per backward; per save, one pass over the stage's
-weights and one small all_gather.
+Cost: one small all_gather per step and one host read of it - it also carries the step's
+metrics (see :mod:`dapple.runtime.metrics`) and each rank's part of the global gradient norm
+(:mod:`dapple.runtime.optim`); besides it the runtime's per-step collectives are the gradient
+AllReduce - and one reduction over the stage's gradients per backward; per save, one pass over
+the stage's weights and one small all_gather.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import os
 from collections.abc import Sequence
 from datetime import timedelta
@@ -74,9 +74,10 @@ from dapple.runtime.checkpoint import (
     stage_layer_states,
     step_dir,
 )
+from dapple.runtime.checkpoint_files import refuse_foreign
 from dapple.runtime.config import TrainConfig
 from dapple.runtime.data import check_data_resume
-from dapple.runtime.metrics import announce
+from dapple.runtime.metrics import announce, device_row
 from dapple.runtime.optim import config_lr, lr_at
 from dapple.runtime.precision import Precision
 from dapple.runtime.sharded_state import CutStage
@@ -184,8 +185,8 @@ class LongRun:
         self.last_good: int | None = None
         """The step of the newest checkpoint known whole and finite: the last save, or the
         checkpoint this run resumed from."""
-        self._bad: tuple[int, int] | None = None  # (kind index, micro-batch) of this step
-        self._grad_sums: list[tuple[int, torch.Tensor]] = []
+        self._loss_sums: list[tuple[int, torch.Tensor]] = []  # (micro-batch, loss so far)
+        self._grad_sums: list[tuple[int, torch.Tensor]] = []  # (micro-batch, gradient sum)
         self.data_state: dict[str, Any] | None = None
         """The training data's record (:func:`dapple.runtime.data.data_state`; None: synthetic):
         checkpoints save it, and resume requires the same."""
@@ -196,6 +197,8 @@ class LongRun:
                     "resume=True continues them, overwrite_checkpoints=True deletes them at the "
                     "first save; or use another directory",
                 )
+            elif config.overwrite_checkpoints:
+                refuse_foreign(config.checkpoint_dir, "move them away or use another directory")
             check_writable(config.checkpoint_dir)
         self._overwrite = config.overwrite_checkpoints
         """The old checkpoints are still to delete (at the first save)."""
@@ -270,18 +273,17 @@ class LongRun:
 
     # -- non-finite guard -----------------------------------------------------------------------
     def begin_step(self) -> None:
-        self._bad = None
+        self._loss_sums = []
         self._grad_sums = []
 
-    def watch(self, action: Action, loss_sum: float) -> None:
-        """After a compute action: note the first non-finite loss or gradient of the step.
-
-        The loss is already a Python float; gradients are summed on the device (no host sync)
-        after each backward and inspected once, in :meth:`agree_finite`.
-        """
+    def watch(self, action: Action, loss_sum: torch.Tensor | float) -> None:
+        """After a compute action: keep the step's loss so far (last stage, after an F) or a
+        sum of the gradients (after a backward), on the device (no host read); the first
+        non-finite one is found in :meth:`agree_finite`."""
         if action.kind is ActionKind.FORWARD:
-            if self._bad is None and self.last_stage and not math.isfinite(loss_sum):
-                self._bad = (0, int(action.micro_batch or 0))
+            if self.last_stage:
+                loss = torch.as_tensor(loss_sum, dtype=torch.float64, device=self.device)
+                self._loss_sums.append((int(action.micro_batch or 0), loss))
         elif action.kind in (ActionKind.BACKWARD, ActionKind.BACKWARD_WEIGHT) and self.params:
             grads = [_local(p.grad).sum() for p in self._watched if p.grad is not None]
             if self.shards is not None:  # the sharded parameters' local gradients
@@ -289,44 +291,51 @@ class LongRun:
             if grads:
                 self._grad_sums.append((int(action.micro_batch or 0), torch.stack(grads).sum()))
 
-    def _first_bad_gradient(self) -> tuple[int, int] | None:
-        if not self._grad_sums:
-            return None
-        finite = torch.isfinite(torch.stack([t for _, t in self._grad_sums])).tolist()
-        for (m, _), ok in zip(self._grad_sums, finite, strict=True):
-            if not ok:  # gradients accumulate: the first non-finite sum names the micro-batch
-                return (1, m)
-        return None
+    def _first_bad(self) -> torch.Tensor:
+        """``[kind, micro-batch]`` of the step's first non-finite loss, else of its first
+        non-finite gradient sum (gradients accumulate: the first non-finite sum names the
+        micro-batch), else ``[-1, -1]``: float64 on the device, nothing read on the host."""
+        out = torch.full((2,), -1.0, dtype=torch.float64, device=self.device)
+        for kind in (1, 0):  # a non-finite loss comes first
+            sums = self._loss_sums if kind == 0 else self._grad_sums
+            if not sums:
+                continue
+            bad = ~torch.isfinite(torch.stack([t for _, t in sums]))
+            mbs = torch.tensor([m for m, _ in sums], dtype=torch.float64, device=self.device)
+            first = mbs[bad.to(torch.uint8).argmax()]  # argmax: the first of the maxima
+            here = torch.stack([torch.full_like(first, kind), first])
+            out = torch.where(bad.any(), here, out)
+        return out
 
     def agree_finite(
-        self, step: int, extra: Sequence[float] = ()
-    ) -> tuple[str | None, list[list[float]]]:
+        self, step: int, extra: Sequence[float | torch.Tensor] = ()
+    ) -> tuple[str | None, list[list[float]], torch.Tensor]:
         """Every rank's verdict on the step (a world all_gather, none in a world of one; every
-        rank calls it once per step, ranks beyond the plan included).
+        rank calls it once per step, ranks beyond the plan included), read on the host once.
 
         Args:
             step: the step index (for the messages and the skipped-step list).
-            extra: this rank's values to gather along (the same length on every rank).
+            extra: this rank's values to gather along (the same length on every rank; numbers
+                or 0-d tensors on the device, read with the rest).
 
         Returns:
             The verdict - None to go on; ``""`` when the step must be skipped (its gradients are
-            dropped); otherwise the one-line message the caller raises to stop the run - and
-            the gathered rows by rank: ``[kind, stage, micro-batch, rank, *extra]``.
+            dropped); otherwise the one-line message the caller raises to stop the run - the
+            gathered rows by rank: ``[kind, stage, micro-batch, rank, *extra]``, and the same
+            rows as a float64 tensor on the device.
         """
-        bad = self._bad if self._bad is not None else self._first_bad_gradient()
-        kind, mb = bad if bad is not None else (-1, -1)
+        bad = self._first_bad()
         s = -1 if self.stage is None else self.stage
-        mine = torch.tensor(
-            [kind, s, mb, self.rank, *extra], dtype=torch.float64, device=self.device
-        )
+        mine = device_row([bad[0], s, bad[1], self.rank, *extra], self.device)
         if self.world == 1:  # one process: nothing to agree on
-            rows: list[list[float]] = [mine.tolist()]
+            table = mine.unsqueeze(0)
         else:
             gathered = [torch.empty_like(mine) for _ in range(self.world)]
             comm.all_gather(gathered, mine)
-            rows = torch.stack(gathered).tolist()
+            table = torch.stack(gathered)
+        rows: list[list[float]] = table.tolist()  # the step's one host read
         found = sorted((int(r[0]), int(r[2]), int(r[1]), int(r[3])) for r in rows if r[0] >= 0)
-        return self._verdict(step, found), rows
+        return self._verdict(step, found), rows, table
 
     def _verdict(self, step: int, found: list[tuple[int, int, int, int]]) -> str | None:
         """The decision on the sorted ``(kind, micro-batch, stage, rank)`` of the bad ranks."""

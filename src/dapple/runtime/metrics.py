@@ -20,6 +20,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
+import struct
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -33,9 +35,28 @@ from dapple.runtime.config import StepMetrics, TrainConfig
 from dapple.runtime.memory import ActivationMeter
 from dapple.runtime.transport import flatten
 
-__all__ = ["MetricsSink", "StepProbe", "announce", "resident_bytes", "step_metrics"]
+__all__ = [
+    "ROW_SQ_NORM",
+    "ROW_TOKENS",
+    "MetricsSink",
+    "StepProbe",
+    "announce",
+    "device_row",
+    "global_norm",
+    "resident_bytes",
+    "row_tokens",
+    "step_metrics",
+]
 
 logger = logging.getLogger(__name__)
+
+ROW_TOKENS = 8
+"""Column of a step's collective row (:meth:`LongRun.agree_finite`'s ``[kind, stage,
+micro-batch, rank]`` then the interpreter's ``[loss part, peak bytes, peak resident bytes,
+baseline bytes, target tokens, squared gradient norm part]``): the target tokens of the rank's
+batch (-1: not a token workload)."""
+ROW_SQ_NORM = 9
+"""Column of a step's collective row: the rank's part of the squared global gradient norm."""
 
 
 def announce(line: str, echo: bool) -> None:
@@ -46,6 +67,39 @@ def announce(line: str, echo: bool) -> None:
     if echo:
         sys.stdout.write(line + "\n")
         sys.stdout.flush()
+
+
+def device_row(values: Sequence[float | torch.Tensor], device: torch.device) -> torch.Tensor:
+    """``values`` as one float64 vector on ``device`` without reading any on the host: the
+    numbers go in one host-to-device copy, the (0-d) tensors are placed on the device."""
+    row = torch.tensor(
+        [0.0 if isinstance(v, torch.Tensor) else float(v) for v in values],
+        dtype=torch.float64,
+        device=device,
+    )
+    at = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor)]
+    if at:
+        placed = [
+            v.reshape(()).to(device, torch.float64) for v in values if isinstance(v, torch.Tensor)
+        ]
+        row[at] = torch.stack(placed)
+    return row
+
+
+def global_norm(rows: Sequence[Sequence[float]]) -> float:
+    """``||g||_2`` from the rows' parts: summed in float64 in rank order, its square root
+    rounded to float32 (as the norm clipping uses; no tensor is read)."""
+    norm = math.sqrt(sum(r[ROW_SQ_NORM] for r in rows))
+    try:
+        return float(struct.unpack("f", struct.pack("f", norm))[0])
+    except OverflowError:  # beyond float32's range: inf, as a float32 tensor would hold
+        return math.inf
+
+
+def row_tokens(rows: Sequence[Sequence[float]]) -> int | None:
+    """Rank 0's target tokens from the rows (None: not a token workload)."""
+    n = rows[0][ROW_TOKENS] if rows and len(rows[0]) > ROW_TOKENS else -1.0
+    return None if n < 0 else int(n)
 
 
 def resident_bytes(device: torch.device, peak: bool) -> int:

@@ -11,13 +11,15 @@ Design choices:
       exactly (the checkpoint's step is the next step's index) with no scheduler state.
     - The global gradient norm ``||g||_2`` of the *whole original model* is computed on every
       step, clipping or not, and reported as ``StepMetrics.grad_norm``; it costs one pass over
-      the gradients and ONE world ``all_reduce`` of one float64 per step (1.6 ms with 4 gloo
-      processes oversubscribing a busy 2-core CPU box, 500 timed calls). Each parameter of the
-      original model counts once (:func:`counted_parameters`): after AR(P_s, g_s) every replica
-      of a stage holds the same gradient, so only replica 0 counts; after the tied sums every
-      copy of a tied parameter holds the total, so only the copy in the lowest layer counts.
-      Every rank (ranks beyond the plan too, with 0) joins the all_reduce at the same point,
-      ``OPT`` after the tied sums (:meth:`ModelUpdate.step`, :meth:`ModelUpdate.join`).
+      the gradients and one float64 per rank in the step's one all_gather, which every rank
+      joins anyway (:meth:`dapple.runtime.longrun.LongRun.agree_finite`): each rank's squared
+      norm (:meth:`ModelUpdate.local_sq_norm`, after the tied sums; 0 beyond the plan) travels
+      in its row, the sum of the rows is the square of the norm on the device (clipping reads
+      nothing on the host) and rank 0 reads the norm with the rest of the row - no collective
+      and no host read of its own. Each parameter of the original model counts once
+      (:func:`counted_parameters`): after AR(P_s, g_s) every replica of a stage holds the same
+      gradient, so only replica 0 counts; after the tied sums every copy of a tied parameter
+      holds the total, so only the copy in the lowest layer counts.
     - Clipping is ``torch.nn.utils.clip_grad_norm_``'s: float32 per-parameter norms, the total
       in float32, ``clip_coef = max_norm / (total + 1e-6)`` clamped to 1, every gradient times
       the coefficient. The squares of the per-parameter norms are summed in float64 across
@@ -32,13 +34,11 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from dapple.core.plan import Plan
 from dapple.models.workload import Workload
-from dapple.runtime import comm
 from dapple.runtime.config import TrainConfig
 
 __all__ = [
@@ -215,11 +215,13 @@ class ModelUpdate:
     clipping, the step's lr and the optimizer step (see the module docstring).
 
     Every rank creates one; a rank beyond the plan (no parameters) calls :meth:`join` where
-    the others call :meth:`step`.
+    the others call :meth:`step`. Before either, the step's collective carries
+    :meth:`local_sq_norm` and :meth:`set_norm` takes the sum.
 
     Attributes:
         lr: the lr of the last update (None: no update ran since :meth:`take_report`).
-        grad_norm: the global norm before clipping of the last update (a 0-d float32 tensor).
+        grad_norm: the global norm before clipping of the last update, as read on the host.
+        total: the same norm on the device (a 0-d float32 tensor: what clipping uses).
         observer: called with the step index at the start of :meth:`step`, when the
             gradients of ``params`` are final and unclipped and the weights not yet updated
             (``dapple verify`` records both there).
@@ -236,44 +238,45 @@ class ModelUpdate:
         self.config, self.optimizer, self.params = config, optimizer, params
         self.counted, self.device = counted, device
         self.lr: float | None = None
-        self.grad_norm: torch.Tensor | None = None
+        self.grad_norm: float | None = None
+        self.total: torch.Tensor | None = None
         self.observer: Callable[[int], None] | None = None
 
-    def global_norm(self) -> torch.Tensor:
-        """``||g||_2`` of the whole model, float32 (a world all_reduce of the ranks' squared
-        norms, none in a world of one: every rank calls it)."""
-        sq = _local_sq_norm(self.counted, self.device)
-        if dist.get_world_size() > 1:
-            comm.all_reduce(sq, op=dist.ReduceOp.SUM)
-        return sq.sqrt().float()
+    def local_sq_norm(self) -> torch.Tensor:
+        """This rank's part of ``||g||_2^2``: the squares of its counted gradients' float32
+        norms, summed in float64 on the device (0 with nothing counted)."""
+        return _local_sq_norm(self.counted, self.device)
+
+    def set_norm(self, sq_total: torch.Tensor, reported: float) -> None:
+        """The step's ``||g||_2^2`` summed over every rank's part (on the device) and the norm
+        rank 0 read with the step's collective (``StepMetrics.grad_norm``)."""
+        self.total = sq_total.sqrt().float()
+        self.grad_norm = reported
 
     def step(self, step: int) -> None:
-        """Global norm, clipping (``clip_grad_norm``), ``lr_at(step)``, optimizer step."""
+        """Clipping (``clip_grad_norm``) by the norm of :meth:`set_norm`, ``lr_at(step)``,
+        optimizer step."""
         if self.observer is not None:
             self.observer(step)
-        total = self.global_norm()
+        total = self.total
+        assert total is not None, "set_norm comes first"
         max_norm = self.config.clip_grad_norm
         grads = [_local_grad(p.grad) for p in self.params if p.grad is not None]
         if max_norm is not None and grads:
             coef = torch.clamp(max_norm / (total + CLIP_EPS), max=1.0)
             torch._foreach_mul_(grads, coef.to(grads[0].device))
         self.lr = config_lr(self.config, step)
-        self.grad_norm = total
         if self.optimizer is not None:
             set_lr(self.optimizer, self.lr)
             self.optimizer.step()
 
     def join(self, step: int) -> None:
-        """A rank beyond the plan: its part (0) of the global norm; it reports like the rest."""
-        self.grad_norm = self.global_norm()
+        """A rank beyond the plan (its part of the norm was 0): it reports like the rest."""
         self.lr = config_lr(self.config, step)
 
     def take_report(self) -> dict[str, float | None]:
         """The last update's ``lr`` and ``grad_norm`` (as :class:`StepMetrics` fields), then
         forget them (a skipped step reports None)."""
-        out = {
-            "lr": self.lr,
-            "grad_norm": float(self.grad_norm) if self.grad_norm is not None else None,
-        }
-        self.lr, self.grad_norm = None, None
+        out = {"lr": self.lr, "grad_norm": self.grad_norm}
+        self.lr, self.grad_norm, self.total = None, None, None
         return out

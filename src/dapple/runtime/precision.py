@@ -21,8 +21,9 @@
   steps). The overflow decision is the step's world collective
   (:meth:`dapple.runtime.longrun.LongRun.agree_finite`): a non-finite gradient on any rank skips
   the step on every rank and halves the scale there (:meth:`Precision.overflow`); otherwise the
-  ``OPT`` action divides the gradients by the scale before the optimizer step
-  (:meth:`Precision.unscale`, which also counts the clean step). Every rank of the plan thus
+  ``OPT`` action divides the gradients by the scale before the step's collective
+  (:meth:`Precision.unscale_grads`) and counts the clean step after it
+  (:meth:`Precision.clean_step`). Every rank of the plan thus
   holds the same scale; checkpoints save it (:meth:`Precision.state_dict`).
 
 bf16 has fp32's exponent range and needs no loss scaling.
@@ -207,16 +208,26 @@ class Precision:
         return loss if self.scaler is None else loss * self.scaler.scale
 
     def unscale(self, params: Iterable[nn.Parameter]) -> None:
-        """``OPT``, before the optimizer step: divide the (finite) gradients by S and count a
-        clean step (the scale grows every ``growth_interval`` of them). Nothing without loss
-        scaling."""
+        """Divide the (finite) gradients by S and count a clean step: :meth:`unscale_grads`
+        then :meth:`clean_step`."""
+        self.unscale_grads(params)
+        self.clean_step()
+
+    def unscale_grads(self, params: Iterable[nn.Parameter]) -> None:
+        """``OPT``, before the step's collective: divide the gradients by S (a non-finite one
+        stays non-finite). Nothing without loss scaling."""
         if self.scaler is None:
             return
         inv = 1.0 / self.scaler.scale  # S is a power of two: exact
         grads = [p.grad for p in params if p.grad is not None]
         if grads:
             torch._foreach_mul_(grads, inv)
-        self.scaler.update(overflow=False)
+
+    def clean_step(self) -> None:
+        """The step's collective found every gradient finite: count a clean step (the scale
+        grows every ``growth_interval`` of them). Nothing without loss scaling."""
+        if self.scaler is not None:
+            self.scaler.update(overflow=False)
 
     def overflow(self, step: int) -> bool:
         """A non-finite gradient at ``step`` on some rank: with loss scaling, halve S and

@@ -31,6 +31,7 @@ __all__ = [
     "TensorBoardWriter",
     "open_reporters",
     "scalars",
+    "target_token_count",
     "target_tokens",
     "write_loss_curve",
 ]
@@ -50,6 +51,14 @@ def target_tokens(targets: torch.Tensor) -> int | None:
     if targets.dtype.is_floating_point or targets.dtype.is_complex or targets.dim() < 2:
         return None
     return int((targets != IGNORE_INDEX).sum())
+
+
+def target_token_count(targets: torch.Tensor) -> torch.Tensor | None:
+    """:func:`target_tokens` as a 0-d tensor where ``targets`` live, not read on the host;
+    None: not a token workload (known from the dtype and shape alone)."""
+    if targets.dtype.is_floating_point or targets.dtype.is_complex or targets.dim() < 2:
+        return None
+    return (targets != IGNORE_INDEX).sum()
 
 
 class ProgressBar:

@@ -182,7 +182,9 @@ class StageExecutor:
         self._batch_is_tuple = False
         self._targets: torch.Tensor | None = None
         self._global_batch = plan.global_batch_size
-        self.loss_sum = 0.0
+        self.loss_sum: torch.Tensor | float = 0.0
+        """The step's loss part so far (last stage): a float64 tensor on the device, summed
+        without reading it on the host (0.0 before the first loss)."""
 
     # -- per step -----------------------------------------------------------------------------
     def begin_step(self, inputs: Any, targets: torch.Tensor, step: int = 0) -> None:
@@ -424,7 +426,7 @@ class StageExecutor:
                 tgt = self._targets[m * b + self.lo : m * b + self.hi].to(self.device, copy=True)
                 out = to_fp32(out) if self.precision.dtype is not None else out  # fp32 loss
                 st.loss = self.loss_fn(out, tgt) * ((self.hi - self.lo) / self._global_batch)
-                self.loss_sum += float(st.loss.detach())
+                self.loss_sum = self.loss_sum + st.loss.detach().double()  # no host read
         if self.s < self.plan.num_stages - 1:
             st.output = flatten(out)
             if self.split:  # the split backward detaches its outputs in place: copies that
