@@ -163,6 +163,7 @@ def join_worker_group(rank: int, world: int, port: int) -> None:
     import torch
     import torch.distributed as dist
 
+    from dapple.core.cpu_cores import threads_per_worker
     from dapple.core.host_memory import keep_freed_memory
     from dapple.core.own_session import SHARED_SESSION_ENV
     from dapple.runtime.local import pin_cores
@@ -170,8 +171,8 @@ def join_worker_group(rank: int, world: int, port: int) -> None:
     if os.environ.get(SHARED_SESSION_ENV) != "1":  # the footing of dapple's and torchrun's
         os.setsid()  # workers: a session (CPU share under sched_autogroup) of its own
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    pin_cores(rank, world)  # DAPPLE_PIN_CORES=1: each rank on its own cores
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    pinned = pin_cores(rank, world)  # DAPPLE_PIN_CORES=1: each rank on its own cores
+    torch.set_num_threads(len(pinned) if pinned else threads_per_worker(world))  # as the runtime
     keep_freed_memory()
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=600))
 

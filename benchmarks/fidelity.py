@@ -1,8 +1,8 @@
 """Fidelity: the planner's L and the simulator's step time vs the measured step time (CPU).
 
 One model (:data:`_bench_common.BENCH_MODEL`) on 4 local CPU processes; the profile is measured
-the way the runtime runs (``cores // 4`` intra-op threads, and as one of 4 co-located workers:
-``co_workers=4``, CPU time) and the cluster is this machine's ``calibrate(4)`` (links, core
+the way the runtime runs (usable cores // 4 intra-op threads, and as one of 4 co-located
+workers: ``co_workers=4``, CPU time of the profiling thread) and the cluster is this machine's ``calibrate(4)`` (links, core
 sharing and the runtime's host CPU overheads). For each replication (DP, 1:1:1:1, 3:1, 1:3, 2:1:1, 2:2) and schedule (DAPPLE
 1F1B policy A, GPipe) the layer cuts are the ones minimising the cost model's L for that
 replication (what the planner would pick), then: L (``pipeline_latency``), the simulated step
@@ -10,7 +10,13 @@ replication (what the planner would pick), then: L (``pipeline_latency``), the s
 relative error of each prediction and the Spearman rank correlation between predicted and
 measured order. Plans run in alternating order over rounds so load drifts hit all of them.
 
-Usage: ``python benchmarks/fidelity.py [--rounds 3 --chunk 3 --skip 1]``.
+Every input (both profiles, the calibrated cluster, the plans, the measured step times and
+load sweeps) is saved beside the report as ``<report>.inputs.json``; ``--replay`` re-predicts a
+saved run with this checkout's cost model, so a run on another machine can be judged again
+offline after a change to the model.
+
+Usage: ``python benchmarks/fidelity.py [--rounds 3 --chunk 3 --skip 1]``;
+``python benchmarks/fidelity.py --replay fidelity.inputs.json --out fidelity-replay.md``.
 """
 
 from __future__ import annotations
@@ -148,27 +154,12 @@ def _goal_cells(errs: list[float], rho: float) -> tuple[str, str]:
     return err_cell, f"{rho:.2f} - {'met' if rho >= 0.9 else 'missed'}"
 
 
-def main(argv: list[str] | None = None) -> int:
-    from dapple.calibrate.machine import (
-        _matmul_alone_ms,
-        calibrate,
-        fit_sharing,
-        runtime_threads,
-        usable_cores,
-    )
+def collect(args: argparse.Namespace) -> dict[str, Any]:
+    """Profile, calibrate and measure on this machine: every input of :func:`report`."""
+    from dapple.calibrate.machine import _matmul_alone_ms, calibrate, runtime_threads
+    from dapple.core.cpu_cores import usable_cores
     from dapple.profiler.measure import profile_workload
 
-    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds")
-    ap.add_argument("--chunk", type=int, default=3, help="steps per plan per round")
-    ap.add_argument("--skip", type=int, default=1, help="warm-up steps dropped per chunk")
-    ap.add_argument("--global-batch", type=int, default=32)
-    ap.add_argument("--micro-batches", type=int, default=8)
-    ap.add_argument("--out", default=str(HERE / "fidelity.md"))
-    args = ap.parse_args(argv)
-    args_text = " ".join(sys.argv[1:] if argv is None else argv)
-    command = f"python benchmarks/fidelity.py {args_text}".strip()
-    lines = header("Fidelity: predicted (planner L, simulator) vs measured step time", command)
     G, M, nproc = args.global_batch, args.micro_batches, 4
     threads = runtime_threads(nproc)  # the runtime's per-worker count, the calibration's too
     wl = bench_transformer()
@@ -188,6 +179,38 @@ def main(argv: list[str] | None = None) -> int:
             plans.append(best_cuts(profile, cluster, reps, G, 1 if len(reps) == 1 else M, sched))
     opts = {"rounds": args.rounds, "chunk": args.chunk, "skip": args.skip, "threads": threads}
     times, shared = measure_group(plans, opts)
+    return {
+        "args": {
+            k: getattr(args, k)
+            for k in ("rounds", "chunk", "skip", "global_batch", "micro_batches")
+        },
+        "threads": threads,
+        "usable_cores": usable_cores(),
+        "profile": profile.to_dict(),
+        "wall_profile": wall_profile.to_dict(),
+        "cluster": cluster.to_dict(),
+        "matmul_alone_ms": alone_ms,
+        "calibration_matmul_ms": [cal.matmul_alone_ms, cal.matmul_shared_ms],
+        "prep_s": prep_s,
+        "plans": [p.to_dict() for p in plans],
+        "times": times,
+        "shared": shared,
+    }
+
+
+def report(inp: dict[str, Any]) -> list[str]:
+    """The fidelity tables from :func:`collect`'s inputs, predicted by this checkout's model."""
+    from dapple.calibrate.machine import fit_sharing
+
+    a = inp["args"]
+    G, M, threads = a["global_batch"], a["micro_batches"], inp["threads"]
+    profile = ModelProfile.from_dict(inp["profile"])
+    wall_profile = ModelProfile.from_dict(inp["wall_profile"])
+    cluster = Cluster.from_dict(inp["cluster"])
+    plans = [Plan.from_dict(p) for p in inp["plans"]]
+    times, shared = inp["times"], inp["shared"]
+    alone_ms, prep_s = inp["matmul_alone_ms"], inp["prep_s"]
+    cal_alone, cal_shared = inp["calibration_matmul_ms"]
     meas = [statistics.median(t) for t in times]
     L = [pipeline_latency(p, profile, cluster).L_ms for p in plans]
     sim = [simulate(p, profile, cluster).step_ms for p in plans]
@@ -195,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     def at(sweep: list[float]) -> Cluster:
         # the sharing (c, E) fitted to the sweep measured right before the chunk, and a lone
         # worker's speed then relative to the profile's time (the matmul alone after profiling)
-        c, e = fit_sharing(sweep, usable_cores() / threads)
+        c, e = fit_sharing(sweep, inp["usable_cores"] / threads)
         return dataclasses.replace(
             cluster,
             compute_cores_per_server=c,
@@ -213,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     flat = dataclasses.replace(
         no_host,
         compute_cores_per_server=None,
-        compute_slowdown=max(1.0, cal.matmul_shared_ms / cal.matmul_alone_ms),
+        compute_slowdown=max(1.0, cal_shared / cal_alone),
     )
     L_flat = [pipeline_latency(p, wall_profile, flat).L_ms for p in plans]
     sim_share = [simulate(p, wall_profile, no_host).step_ms for p in plans]
@@ -230,13 +253,15 @@ def main(argv: list[str] | None = None) -> int:
     caps = [c.compute_cores_per_server or 0.0 for c in fitted.values()]
     lone = [c.compute_slowdown for c in fitted.values()]
     loads = [c.background_load_per_server for c in fitted.values()]
-    lines += [
+    lines = [
         f"Model: zoo `transformer` {BENCH_MODEL}, global batch {G}, M = {M} for pipelines "
         f"(M = 1 for DP), 4 CPU processes with {threads} intra-op thread(s) each (the runtime's "
-        "`cores // 4`). Layer cuts per replication: the ones minimising L of this model.",
+        f"usable cores // 4; {inp['usable_cores']} usable cores). Layer cuts per replication: "
+        "the ones minimising L of this model.",
         "",
         "The model (columns L and simulated): profile `profile_workload(batch_sizes=[1, 2, 4, "
-        f"8], repeats=9, num_threads={threads}, co_workers=4)` - each layer's CPU time while 3 other "
+        f"8], repeats=9, num_threads={threads}, co_workers=4)` - each layer's CPU time (of the "
+        "profiling thread) while 3 other "
         "processes train the model, so the slow-down co-located workers cause each other "
         "beyond time-slicing (caches, memory bandwidth; largest at small batches) is in the "
         "profile. Cluster `calibrate(4)`: links "
@@ -254,8 +279,8 @@ def main(argv: list[str] | None = None) -> int:
         f"with (c, E) only. Profiling (both) + calibration took {prep_s:.0f} s.",
         "",
         "Measured: all plans in ONE 4-process gloo group, interleaved "
-        f"({args.rounds} rounds x {args.chunk} steps per plan, order rotated and alternating, "
-        f"first {args.skip} step(s) of each chunk dropped); measured = median over rounds of "
+        f"({a['rounds']} rounds x {a['chunk']} steps per plan, order rotated and alternating, "
+        f"first {a['skip']} step(s) of each chunk dropped); measured = median over rounds of "
         "each round's median step time (the period between consecutive step collectives).",
         "",
         "Load drift correction (last two columns): other programs' load changes during the "
@@ -294,10 +319,56 @@ def main(argv: list[str] | None = None) -> int:
         + ", ".join(f"{max(t) / min(t):.2f}" for t in times)
         + ".",
         "",
-        f"End: {load_note()}.",
-        "",
     ]
-    Path(args.out).write_text("\n".join(lines))
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds")
+    ap.add_argument("--chunk", type=int, default=3, help="steps per plan per round")
+    ap.add_argument("--skip", type=int, default=1, help="warm-up steps dropped per chunk")
+    ap.add_argument("--global-batch", type=int, default=32)
+    ap.add_argument("--micro-batches", type=int, default=8)
+    ap.add_argument("--out", default=str(HERE / "fidelity.md"))
+    ap.add_argument(
+        "--replay",
+        metavar="INPUTS_JSON",
+        help="re-predict a saved run (its *.inputs.json) with this checkout's cost model, "
+        "measuring nothing",
+    )
+    args = ap.parse_args(argv)
+    args_text = " ".join(sys.argv[1:] if argv is None else argv)
+    command = f"python benchmarks/fidelity.py {args_text}".strip()
+    out = Path(args.out)
+    if args.replay:
+        inp = json.loads(Path(args.replay).read_text())
+        lines = [
+            *inp["header"][:-1],
+            f"- replayed: `{command}` on {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
+            " - the measured columns and every input are the saved run's; the predictions are "
+            "this checkout's",
+            "",
+            *report(inp),
+            f"End of the measured run: {inp['end_load']}.",
+            "",
+        ]
+    else:
+        title = "Fidelity: predicted (planner L, simulator) vs measured step time"
+        inp = {"header": header(title, command), **collect(args), "end_load": load_note()}
+        saved = out.with_suffix(".inputs.json")
+        saved.write_text(json.dumps(inp, indent=1))
+        lines = [
+            *inp["header"],
+            *report(inp),
+            f"End: {inp['end_load']}.",
+            "",
+            f"Inputs (profiles, calibration, cluster, plans, measured times and sweeps): "
+            f"`{saved.name}`; `python benchmarks/fidelity.py --replay {saved.name}` re-predicts "
+            "them offline.",
+            "",
+        ]
+    out.write_text("\n".join(lines))
     print("\n".join(lines))
     return 0
 

@@ -210,3 +210,32 @@ def test_tp_memory_runs_at_tiny_size(tmp_path):
     text = out.read_text()
     assert text.startswith("# Per-rank memory") and "## Goals" in text
     assert text.rstrip().endswith("## Analysis\n\nkept across runs")
+
+
+def test_fidelity_replays_its_saved_inputs(tmp_path: Path) -> None:
+    """A saved run (a real 2-core run's inputs, tests/data) is re-predicted offline: the
+    measured column is the run's own and the predictions come from this checkout's model."""
+    import json
+    import statistics
+
+    from dapple.core.cluster import Cluster
+    from dapple.core.plan import Plan
+    from dapple.core.profile import ModelProfile
+    from dapple.cost.pipeline import pipeline_latency
+    from fidelity import label, main
+
+    saved = Path(__file__).parent / "data" / "fidelity-2cores.inputs.json"
+    inp = json.loads(saved.read_text())
+    out = tmp_path / "replay.md"
+    assert main(["--replay", str(saved), "--out", str(out)]) == 0
+    text = out.read_text()
+    assert "- replayed: `python benchmarks/fidelity.py --replay" in text
+    profile = ModelProfile.from_dict(inp["profile"])
+    cluster = Cluster.from_dict(inp["cluster"])
+    for plan_d, times in zip(inp["plans"], inp["times"], strict=True):
+        plan = Plan.from_dict(plan_d)
+        L = pipeline_latency(plan, profile, cluster).L_ms
+        meas = statistics.median(times)
+        row = f"| {label(plan)} | {meas:.1f} | "
+        assert row in text
+        assert f"| {L:.1f} (" in text.split(row)[1].split("\n")[0]

@@ -48,6 +48,7 @@ from torch.distributed.constants import default_pg_timeout
 
 from dapple.calibrate.overheads import comm_cpu_fit, runtime_overheads
 from dapple.core.cluster import GIB, Cluster
+from dapple.core.cpu_cores import threads_per_worker, usable_cores
 from dapple.core.profile import fit_affine
 
 __all__ = [
@@ -82,17 +83,10 @@ class CalibrationResult:
 
 
 def runtime_threads(nproc: int) -> int:
-    """Intra-op threads the runtime gives each of ``nproc`` local CPU workers (``cores // nproc``,
-    as :func:`dapple.runtime.launch.init_distributed`); profile CPU workloads with this count."""
-    return max(1, (os.cpu_count() or 1) // max(1, nproc))
-
-
-def usable_cores() -> int:
-    """CPU cores this process may run on (``os.sched_getaffinity``, else ``os.cpu_count``)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # pragma: no cover - not Linux
-        return os.cpu_count() or 1
+    """Intra-op threads the runtime gives each of ``nproc`` local CPU workers (the usable cores
+    over ``nproc``, :func:`dapple.core.cpu_cores.threads_per_worker`, as
+    :func:`dapple.runtime.launch.init_distributed`); profile CPU workloads with this count."""
+    return threads_per_worker(nproc)
 
 
 def _matmul_ms(repeats: int = 80, n: int = 384) -> float:

@@ -70,11 +70,19 @@ def tensor_bytes(x: Any) -> int:
 
 
 class Timer:
-    """Times a call in ms: CUDA events on a GPU, else wall time or this process's CPU time."""
+    """Times a call in ms: CUDA events on a GPU, else wall time or the calling thread's CPU time.
+
+    CPU time is the calling thread's (``time.thread_time``), not the process's
+    (``time.process_time``): with t intra-op threads the process's CPU time sums all t threads,
+    spinning ones included, and reads about t times the time the call takes on its cores.
+    The calling thread takes part in every parallel region and waits for the others at its end,
+    so its CPU time is the call's time while it was scheduled: wall time without the waits of
+    time-slicing, which the cost model adds back (``Cluster.compute_cores_per_server``).
+    """
 
     def __init__(self, dev: torch.device, cpu_time: bool = False) -> None:
         self.cuda = dev.type == "cuda"
-        self.clock = time.process_time if cpu_time else time.perf_counter
+        self.clock = time.thread_time if cpu_time else time.perf_counter
 
     def __call__(self, fn: Callable[[], Any]) -> tuple[float, Any]:
         """Run ``fn`` and return (elapsed ms, its result)."""

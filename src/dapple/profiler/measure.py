@@ -136,7 +136,8 @@ def profile_workload(
         co_workers: CPU only. With N > 1 the profile is taken the way N local runtime
             workers will run: N - 1 forked processes train the same model (forward + backward
             of the whole chain, same threads) in a loop meanwhile, and every time is the
-            *CPU time* of this process (``time.process_time``), not wall time. Co-located
+            *CPU time* of the profiling thread (``time.thread_time``: with t intra-op threads
+            the process's CPU time would count each call about t times), not wall time. Co-located
             workers slow each other beyond time-slicing (caches, memory bandwidth), most at
             small batches; that inflation is in these times, and the time-slicing itself is
             the cluster's ``compute_cores_per_server`` (processor sharing in the simulator).

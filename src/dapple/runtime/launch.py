@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from dapple.core.cpu_cores import threads_per_worker
 from dapple.core.host_memory import keep_freed_memory
 from dapple.core.own_session import Deferred, run_in_own_session
 from dapple.core.plan import Plan
@@ -119,9 +120,11 @@ def init_distributed(config: TrainConfig, local_world: int) -> torch.device:
     step (:func:`dapple.core.host_memory.keep_freed_memory`)."""
     local_rank = int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")))
     device = _pick_device(config.device, local_rank)
-    pin_cores(local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", local_world)))
+    pinned = pin_cores(local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", local_world)))
     if device.type == "cpu":
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_world)))
+        # the cores granted to this process (its affinity), not the host's: threads beyond
+        # them oversubscribe and every parallel region waits for a descheduled thread
+        torch.set_num_threads(len(pinned) if pinned else threads_per_worker(local_world))
         keep_freed_memory()  # no page faults for each step's fresh activations
     if not dist.is_initialized():
         timeout = timedelta(seconds=config.timeout_s)
