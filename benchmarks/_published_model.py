@@ -11,7 +11,8 @@ do; gathered once per step with pipelining, torchtitan's default there), ZeRO-1 
 distributed optimizer, interleaving for ``vp``. :func:`predict` simulates it
 (:func:`dapple.simulate.simulate`) and costs L (:func:`dapple.cost.schedule_latency`).
 
-Efficiencies: the library's (:mod:`dapple.profiler.analytic_devices`), except that each
+Efficiencies: the library's (:mod:`dapple.profiler.analytic_devices`; on the H100 in 16 bits
+its ``fused`` fit, :func:`kernels_for`), except that each
 (part, precision) of :data:`FIT_ROWS` has its ``matmul`` efficiency fitted on exactly that row
 (:func:`efficiency_for`): re-fitted here by bisection when the library's constant is a prior.
 A part is the GPU, or ``gpu@<W>W`` for a row whose cluster states a power limit
@@ -35,7 +36,14 @@ from dapple.core.plan import Plan, StagePlan, interleave
 from dapple.core.profile import ModelProfile
 from dapple.cost import schedule_latency
 from dapple.profiler.analytic import analytic_profile
-from dapple.profiler.analytic_devices import DEVICES, DeviceSpec, Efficiency
+from dapple.profiler.analytic_devices import (
+    DEVICES,
+    FITTED,
+    HOPPER,
+    DeviceSpec,
+    Efficiency,
+    fitted_efficiency,
+)
 from dapple.profiler.analytic_models import PRESETS, resolve_spec
 from dapple.simulate import simulate
 
@@ -171,9 +179,28 @@ def device_for(run: dict[str, Any]) -> DeviceSpec:
     )
 
 
+def kernels_for(part: str, precision: str) -> str | None:
+    """The kernel setting a part's rows are predicted with: ``fused`` on the Hopper parts where
+    the library has a fused fit for ``precision`` (Megatron's Transformer Engine, torchtitan's
+    kernels; the GEMM efficiency measured on the H200, :mod:`gpu_fit`), None elsewhere (the
+    part's own efficiencies)."""
+    fused = part.split("@")[0] in HOPPER and (precision, "fused") in FITTED
+    return "fused" if fused else None
+
+
+def base_efficiency(part: str, precision: str) -> Efficiency:
+    """The library's efficiencies of a part and precision before any fit on a row: the fused
+    fit where :func:`kernels_for` says so, else the device's own."""
+    gpu = part.split("@")[0]
+    kernels = kernels_for(part, precision)
+    if kernels is not None:
+        return fitted_efficiency(gpu, precision, kernels)
+    return DEVICES[gpu].efficiency_for(precision)
+
+
 def library_efficiency(run: dict[str, Any]) -> Efficiency:
-    """The library's efficiencies of the row's GPU and precision."""
-    return DEVICES[run["cluster"]["gpu"]].efficiency_for(run["parallel"]["precision"])
+    """The library's efficiencies of the row's GPU and precision (:func:`base_efficiency`)."""
+    return base_efficiency(part_of(run), run["parallel"]["precision"])
 
 
 def efficiency_for(run: dict[str, Any]) -> Efficiency:
@@ -183,7 +210,18 @@ def efficiency_for(run: dict[str, Any]) -> Efficiency:
     rid = FIT_ROWS.get((part_of(run), run["parallel"]["precision"]))
     if rid is None or rid in base.note:
         return base
-    return dataclasses.replace(base, matmul=fitted_matmul(rid), note=f"matmul fitted here on {rid}")
+    eff = with_matmul(base, fitted_matmul(rid), part_of(run))
+    return dataclasses.replace(eff, note=f"matmul fitted here on {rid}")
+
+
+def with_matmul(base: Efficiency, matmul: float, part: str) -> Efficiency:
+    """``base`` with ``matmul``; on a power-limited part (``gpu@<W>W``) the attention kernel's
+    efficiency is scaled by the same factor: a power limit lowers the clocks of every Tensor
+    Core kernel alike, so the one number fitted on the part's row is a throttle of both."""
+    if "@" not in part:
+        return dataclasses.replace(base, matmul=matmul)
+    attention = min(1.0, base.attention * matmul / base.matmul)
+    return dataclasses.replace(base, matmul=matmul, attention=attention)
 
 
 @functools.cache
@@ -364,12 +402,13 @@ def published_samples_per_s(run: dict[str, Any]) -> float | None:
 
 def fit_matmul(run: dict[str, Any], lo: float = 0.05, hi: float = 1.0) -> float:
     """The matmul efficiency at which the row's predicted throughput equals the published
-    one (bisection; the throughput rises with the efficiency)."""
+    one (bisection; the throughput rises with the efficiency; on a power-limited part the
+    attention efficiency moves with it, :func:`with_matmul`)."""
     target = published_samples_per_s(run)
     assert target is not None, run["id"]
     base = library_efficiency(run)
     for _ in range(40):
         mid = (lo + hi) / 2
-        got = predict(run, dataclasses.replace(base, matmul=mid)).samples_per_s
+        got = predict(run, with_matmul(base, mid, part_of(run))).samples_per_s
         lo, hi = (mid, hi) if got < target else (lo, mid)
     return (lo + hi) / 2

@@ -25,17 +25,20 @@ from dataclasses import dataclass
 from typing import Any
 
 from _bench_common import header, spearman, write_report
+from _published_loo import loo_lines
 from _published_model import (
     DATA,
     FIT_ROWS,
     REFUSED_FITS,
     Prediction,
+    base_efficiency,
     blockers,
     check_runs,
     efficiency_for,
     fit_matmul,
     fitted_matmul,
     free_comm_step_ms,
+    kernels_for,
     load_runs,
     part_of,
     predict,
@@ -141,20 +144,27 @@ def _memory_cells(run: dict[str, Any], pred: Prediction) -> tuple[str, str, floa
 def _efficiency_lines(runs: list[dict[str, Any]]) -> list[str]:
     by_id = {r["id"]: r for r in runs}
     lines = ["## Efficiencies", "",
-             "| part | precision | matmul used | library matmul | attention | memory | source |",
-             "|---|---|---:|---:|---:|---:|---|"]  # fmt: skip
+             "`base`: the library's efficiencies before any fit on a row: on the H100 in 16 bits "
+             "the `fused` kernel setting (GEMMs at the bf16 8192^3 GEMM measured on the H200, "
+             "`benchmarks/gpu_fit.md`), elsewhere the device's own. On a power-limited part "
+             "(`@500W`) the fitted number scales the attention efficiency too (a throttle of "
+             "every Tensor Core kernel): `attention` shows the value used.", "",
+             "| part | precision | kernels | matmul used | base matmul | attention | memory | source |",
+             "|---|---|---|---:|---:|---:|---:|---|"]  # fmt: skip
     keys = [(n, p) for n, dev in DEVICES.items() for p in dev.efficiency]
     keys += sorted(k for k in FIT_ROWS if k not in keys)
     for part, prec in keys:
-        lib = DEVICES[part.split("@")[0]].efficiency[prec]
+        base = base_efficiency(part, prec)
         rid = FIT_ROWS.get((part, prec))
-        used = efficiency_for(by_id[rid]).matmul if rid else lib.matmul
-        note = lib.note if not rid or rid in lib.note else f"matmul fitted here on {rid}"
+        used = efficiency_for(by_id[rid]).matmul if rid else base.matmul
+        note = base.note if not rid or rid in base.note else f"matmul fitted here on {rid}"
         if (part, prec) in REFUSED_FITS:
             fid = REFUSED_FITS[(part, prec)]
             note += f"; a fit on {fid} reaches {fitted_matmul(fid):.3f} (the bound): not used"
-        lines.append(f"| {part} | {prec} | {used:.3f} | {lib.matmul:.3f} | {lib.attention:.2f} | "
-                     f"{lib.memory:.2f} | {note} |")  # fmt: skip
+        kernels = kernels_for(part, prec) or "-"
+        att = efficiency_for(by_id[rid]).attention if rid else base.attention
+        lines.append(f"| {part} | {prec} | {kernels} | {used:.3f} | {base.matmul:.3f} | "
+                     f"{att:.2f} | {base.memory:.2f} | {note} |")  # fmt: skip
     return lines
 
 
@@ -314,8 +324,10 @@ def report(
     command: str,
     *,
     search: bool = True,
+    loo: bool = True,
 ) -> list[str]:
-    """The markdown of ``published.md`` (``search``: also plan every expressed row)."""
+    """The markdown of ``published.md`` (``search``: also plan every expressed row; ``loo``:
+    leave-one-out errors of the fit rows)."""
     lines = header("Published GPU training runs and dapple's predictions", command)
     lines.insert(
         -1, "- predictions are analytic (no GPU was used); the machine only runs the arithmetic"
@@ -324,6 +336,10 @@ def report(
     searched = {j.run["id"]: search_row(j.run) for j in judged} if search else None
     lines += _efficiency_lines(runs)
     lines += ["", *_summary_lines(sources, runs, judged), "", *_expressed_lines(judged)]
+    lines += [
+        "",
+        *(loo_lines(runs) if loo else ["## Leave-one-out", "", "Not run (`--no-loo`).", ""]),
+    ]
     lines += ["", *_search_lines(judged, searched)]
     lines += ["", "## Rows dapple does not express", "",
               "| row | model | GPUs | configuration | published | needs |", "|---|---|---|---|---|---|"]  # fmt: skip
@@ -348,11 +364,15 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None, help="also write the markdown here")
     ap.add_argument("--no-search", action="store_true", help="skip dapple's own plans (part 4)")
+    ap.add_argument("--no-loo", action="store_true", help="skip the fit rows' leave-one-out")
     args = ap.parse_args(argv)
     sources, runs = load_runs()
     command = "python benchmarks/published.py" + (f" --out {args.out}" if args.out else "")
     command += " --no-search" if args.no_search else ""
-    write_report(report(sources, runs, command, search=not args.no_search), args.out)
+    command += " --no-loo" if args.no_loo else ""
+    write_report(
+        report(sources, runs, command, search=not args.no_search, loo=not args.no_loo), args.out
+    )
     return 0
 
 

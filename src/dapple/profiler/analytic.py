@@ -141,7 +141,8 @@ def analytic_profile(
         precision: ``fp32``, ``bf16``, ``fp16`` or ``fp8`` (weight GEMMs in fp8).
         seq_len: tokens per sample instead of the model's own.
         checkpoint: ``none``, ``selective`` or ``full`` activation checkpointing of the blocks.
-        attention: ``flash`` or ``eager``; None: eager in fp32, flash otherwise.
+        attention: ``flash``, ``eager`` or ``masked`` (SDPA given a mask); None: eager in
+            fp32, masked under ``kernels="eager"``, flash otherwise.
         batch_sizes: batch sizes the affine times are fitted over.
         efficiency: the roofline's efficiencies instead of the device's for ``precision``.
         kernels: ``eager`` (autocast's weight casts counted) or ``fused``: the efficiencies
@@ -172,9 +173,12 @@ def analytic_profile(
     sizes = sorted(set(batch_sizes))
     if not sizes or sizes[0] < 1:
         raise ValidationError(f"batch_sizes must be positive integers, got {list(batch_sizes)}")
+    eager = kernels == "eager" and precision != "fp32"
+    if eager and attention is None:
+        attention = "masked"  # dapple's traced HF models: SDPA given the causal mask
     costs = layer_costs(
         spec, precision, attention=attention, checkpoint=checkpoint, fold_ends=fold_ends,
-        autocast=kernels == "eager",
+        autocast=eager,
     )  # fmt: skip
     holders = [i for i, c in enumerate(costs) if c.tied_parameters]
     if len(holders) == 1:  # both copies of the tied table in one layer: one parameter

@@ -62,8 +62,9 @@ ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 2}
 """Bytes per activation element by precision (fp8 keeps bf16 activations)."""
 CHECKPOINTS = ("none", "selective", "full")
 """Activation checkpointing modes (module docstring)."""
-ATTENTION_IMPLS = ("flash", "eager")
-"""Attention implementations: fused (flash) or materialised scores."""
+ATTENTION_IMPLS = ("flash", "eager", "masked")
+"""Attention implementations: fused (flash), materialised scores, or a fused kernel given an
+explicit mask (``masked``: SDPA in a traced Hugging Face model)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -185,6 +186,8 @@ def _dropout(name: str, elements: float, e: int, *, keep_output: bool = False) -
 def _attention_ops(spec: TransformerSpec, s: float, e: int, impl: str) -> list[Op]:
     a, d = spec.heads, spec.d_head
     q_w, kv_w = a * d, spec.n_kv_heads * d
+    if impl == "masked":
+        return _masked_sdpa_ops(spec, s, e)
     if impl == "flash":
         s_kv = (s + 1) / 2 if spec.causal else s
         qkv = s * (q_w + 2 * kv_w) * e
@@ -238,6 +241,29 @@ def _attention_ops(spec: TransformerSpec, s: float, e: int, impl: str) -> list[O
             core=True,
         )
     )
+    return ops
+
+
+def _masked_sdpa_ops(spec: TransformerSpec, s: float, e: int) -> list[Op]:
+    """SDPA given an explicit mask (class ``attention``): what a traced Hugging Face model runs
+    (the causal mask is materialised in its prologue, so no flash kernel; grouped K and V are
+    expanded to every head first, ``repeat_kv``). A fused kernel over all ``s x s`` tiles (an
+    arbitrary mask skips none): ``4 s^2 a d`` FLOPs forward, 2.5 times that backward; bytes:
+    Q, expanded K and V, O, the log-sum-exp and the ``s x s`` boolean mask."""
+    a, d = spec.heads, spec.d_head
+    q_w, kv_w = a * d, spec.n_kv_heads * d
+    ops = []
+    if kv_w != q_w:  # repeat_kv: K and V read, expanded copies written; gradients summed back
+        ops.append(_pointwise("repeat_kv", s * 2 * q_w, e, reads=0, bwd=1, kept=0))
+        ops[-1] = dataclasses.replace(
+            ops[-1], fwd_bytes=s * 2 * (kv_w + q_w) * e, bwd_bytes=s * 2 * (kv_w + q_w) * e
+        )
+    qkv, lse, mask = s * 3 * q_w * e, a * s * 4.0, s * s
+    fwd = 4.0 * s * s * a * d
+    ops.append(Op(name="attention", kind="attention", fwd_flops=fwd, bwd_flops=2.5 * fwd,
+                  fwd_bytes=qkv + s * q_w * e + lse + mask,
+                  bwd_bytes=2 * qkv + 2 * s * q_w * e + lse + mask, kept_bytes=qkv + lse,
+                  kernels=(1, 2)))  # fmt: skip
     return ops
 
 
