@@ -210,3 +210,22 @@ def test_judge_marks_fit_rows_and_memory(rows) -> None:  # type: ignore[no-untyp
     assert j.role == "judged" and j.error is not None and j.error < 0  # compile is left out
     assert j.memory[0] == "77.0 GiB (max)" and j.free_comm > j.pred.samples_per_s
     assert published.judge(rows["torchtitan-h100-8b-fsdp8"]).role == "fit"
+
+
+def test_a_power_limit_throttles_attention_with_the_gemms() -> None:
+    from dapple.profiler.analytic_devices import Efficiency
+
+    base = Efficiency(matmul=0.8, attention=0.5, memory=0.8)
+    assert pm.with_matmul(base, 0.4, "h100@500W").attention == pytest.approx(0.25)
+    assert pm.with_matmul(base, 0.4, "h100").attention == 0.5  # no power limit: GEMMs only
+
+
+def test_leave_one_out_peers_share_part_precision_and_what_is_unmodelled(rows) -> None:  # type: ignore[no-untyped-def]
+    import _published_loo as loo
+
+    runs = list(rows.values())
+    assert [r["id"] for r in loo.peers(rows["torchtitan-h100-8b-fsdp8"], runs)] == [
+        "torchtitan-h100-8b-fsdp128"
+    ]
+    assert loo.peers(rows["megatron-v1-gpt2-1.2b"], runs) == []
+    assert pm.kernels_for("h100@500W", "bf16") == "fused" and pm.kernels_for("a100", "bf16") is None
