@@ -137,7 +137,7 @@ def analytic_profile(
     Args:
         model: a preset name (``llama3-8b``, ``gpt3-175b``, ...), ``hf:DIR``, a zoo
             transformer name (``transformer``, ``bert-48``) or a :class:`TransformerSpec`.
-        device: ``h100``, ``a100``, ``v100`` or a :class:`DeviceSpec`.
+        device: ``h200``, ``h100``, ``a100``, ``v100`` or a :class:`DeviceSpec`.
         precision: ``fp32``, ``bf16``, ``fp16`` or ``fp8`` (weight GEMMs in fp8).
         seq_len: tokens per sample instead of the model's own.
         checkpoint: ``none``, ``selective`` or ``full`` activation checkpointing of the blocks.

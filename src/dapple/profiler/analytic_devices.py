@@ -15,6 +15,8 @@ sparsity", twice the dense rate, and the tables below halve them):
 * H100: "NVIDIA H100 Tensor Core GPU" datasheet, SXM column: 67 TFLOP/s fp32, 989 TFLOP/s
   bf16/fp16 Tensor Core (1,979 with sparsity), 1,979 TFLOP/s fp8 (3,958 with sparsity),
   3.35 TB/s HBM3, 80 GB.
+* H200: "NVIDIA H200 Tensor Core GPU" datasheet, SXM column: the H100's peaks, 4.8 TB/s
+  HBM3e, 141 GB.
 
 Efficiencies: three operation classes (:data:`OP_CLASSES`), each with one number per device
 and precision:
@@ -33,6 +35,15 @@ and precision:
 
 ``KERNEL_GAP_US``: fixed per-kernel time (launch and tail), charged once per kernel as the
 fixed part of each call.
+
+Fitted on measurement (:data:`FITTED`, the H100 and H200): finer classes (:data:`OPTIONAL_CLASSES`:
+eager attention's core, the LM head, unaligned GEMMs, embeddings) and a per-kernel gap, in two
+kernel settings (:data:`KERNEL_SETTINGS`): ``eager``, fitted by ``benchmarks/gpu_fit.py`` on
+dapple's own profile of three models on one H200 (``benchmarks/gpu_fit.md``; every value's
+comment names its rows), and ``fused``, the GEMM measured on the same H200 with priors
+elsewhere, for frameworks with fused or compiled kernels (``benchmarks/published.md``). The
+H200 profiles eager by default (:attr:`DeviceSpec.default_kernels`); the H100 keeps its priors
+unless a setting is asked for.
 """
 
 from __future__ import annotations
