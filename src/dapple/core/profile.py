@@ -161,6 +161,10 @@ class LayerProfile:
     are summed whole over the copies, outside a replicated stage's flat buckets."""
     tied_layers: tuple[int, ...] = ()
     """The other layers holding copies of this layer's tied parameters."""
+    cast_parameter_bytes: int | None = None
+    """Bytes of ``parameter_bytes`` that autocast casts to 16 bits (weights of matrix products,
+    their biases); None: all of them. An embedding table (a lookup, not an autocast op) and
+    norm weights are not cast (:mod:`dapple.cost.peak_memory`)."""
     tensor_parallel: bool = False
     """The layer shards over a tensor-parallel group (a transformer block's matrix products,
     Megatron-LM): its compute, parameters (less tied copies) and most kept activations divide
@@ -220,6 +224,15 @@ class LayerProfile:
             f"tied_parameter_bytes > 0; got {self.tied_layers!r} with {self.tied_parameter_bytes}",
         )
         require(
+            self.cast_parameter_bytes is None
+            or (
+                isinstance(self.cast_parameter_bytes, int)
+                and 0 <= self.cast_parameter_bytes <= self.parameter_bytes
+            ),
+            f"layer {self.name!r}: cast_parameter_bytes must be None or an integer in "
+            f"[0, parameter_bytes = {self.parameter_bytes}], got {self.cast_parameter_bytes!r}",
+        )
+        require(
             isinstance(self.tensor_parallel, bool),
             f"layer {self.name!r}: tensor_parallel must be a bool, got {self.tensor_parallel!r}",
         )
@@ -242,6 +255,8 @@ class LayerProfile:
             d["tied_layers"] = list(self.tied_layers)
         if self.tensor_parallel:
             d["tensor_parallel"] = True
+        if self.cast_parameter_bytes is not None:
+            d["cast_parameter_bytes"] = self.cast_parameter_bytes
         return d
 
     @staticmethod
@@ -274,6 +289,7 @@ class LayerProfile:
             tied_parameter_bytes=d.get("tied_parameter_bytes", 0),
             tied_layers=tuple(_list(d.get("tied_layers", []), f"{what}: tied_layers")),
             tensor_parallel=d.get("tensor_parallel", False),
+            cast_parameter_bytes=d.get("cast_parameter_bytes"),
         )
 
 

@@ -1,0 +1,237 @@
+"""Peak memory of one replica over a training step, phase by phase (what
+``torch.cuda.max_memory_allocated`` reads).
+
+Pure, no torch. Bytes are what the runtime (:mod:`dapple.runtime.interpreter`,
+:mod:`dapple.runtime.stage`) holds, tensor by tensor:
+
+* **always** (``static``): fp32 parameters, optimizer state (AdamW: two fp32 moments), ZeRO's and
+  the AllReduce's buffers (:func:`~dapple.cost.memory.parameter_state_bytes` without the
+  gradients), autocast's weight cast cache from the first forward until ``OPT``
+  (:func:`~dapple.cost.memory.weight_cast_bytes`: 2 bytes per *cast* parameter,
+  ``LayerProfile.cast_parameter_bytes``; an embedding table is looked up, never cast), and on
+  CUDA the per-process workspaces (:data:`CUDA_WORKSPACE_BYTES`).
+* **gradients** G = P (fp32): the runtime sets them to None at the start of every step
+  (``p.grad = None``), so they appear during the step's first backward, layer by layer from the
+  last, while that micro-batch's activations are freed; ZeRO's flat buckets and shards stay
+  (counted in ``static`` instead).
+* **activations** of one micro-batch A: every layer's kept bytes (the stage input only under
+  re-computation), the stage output the runtime holds until its gradient comes back (not on the
+  last stage), and on the last stage the loss's fp32 log-softmax (:func:`loss_bytes`).
+* **the moment of a layer's backward** (layer j of the stage, micro-batch being back-propagated):
+  the kept bytes of layers ``<= j`` (later ones are freed), the gradient arriving at its output
+  (``output_bytes``), and its weight gradient before it is added to ``.grad``: the 16-bit
+  gradient of a cast weight and its fp32 copy (``P_j + cast_j``), an fp32 gradient otherwise
+  (the embedding's dense ``V x h`` table). A layer counts as one tensor, an upper bound for a
+  block (its largest weight is a fraction of it).
+* **the loss moment** (last stage, first in every backward): the fp32 log-softmax (kept) plus the
+  NLL gradient and the log-softmax gradient, both fp32 logits-shaped (:func:`loss_bytes`).
+
+Phases, with K in-flight micro-batches (K_i of the schedule) out of M:
+
+* first backward: ``(K - 1) A`` of the other micro-batches, no gradients but those of the layers
+  already back-propagated; the forwards before it hold at most ``K A``, which this bounds;
+* later backwards (M > 1): all of G, and the other micro-batches in flight: ``K - 1`` when
+  a forward runs between backwards (M > K, one-forward-one-backward), ``K - 2`` when they all
+  ran before (M == K: GPipe, or DAPPLE's first stages with few micro-batches);
+* ``OPT``: G and ``static`` less the cast cache (fused AdamW allocates nothing more).
+
+Measured on one H200 (``shared/evidence/h200-2026-11-28/run2-realistic.md``), the cost model's
+older sum (all gradients + a largest layer's gradient + K A at once, the cast of every
+parameter, no loss) over-estimated stage 0 of a 1:1 plan by 16% and under-estimated its last
+stage by 20%: ``benchmarks/gpu_memory_fit.md``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dapple.core.plan import StagePlan, split_sizes
+from dapple.core.profile import LayerProfile, ModelProfile
+from dapple.cost.memory import (
+    WEIGHT_CAST_FACTOR,
+    boundary_bytes,
+    gradients_in_flight_bytes,
+    parameter_state_bytes,
+    tensor_kept_bytes_per_sample,
+)
+
+__all__ = [
+    "CUDA_WORKSPACE_BYTES",
+    "LOSS_BACKWARD_FP32_COPIES",
+    "LOSS_KEPT_FP32_COPIES",
+    "StagePeak",
+    "cast_bytes",
+    "loss_bytes",
+    "stage_peak",
+    "workspace_bytes",
+]
+
+CUDA_WORKSPACE_BYTES = 64 * 2**20
+"""Memory a CUDA process allocates through the caching allocator whatever the model: two cuBLAS
+workspaces of 32 MiB (torch's default ``:4096:8`` on Hopper, one per handle: the forward's
+thread and autograd's device thread, which runs the backward). Measured: tiny models' peaks
+were 63.4-65.8 MiB above the plan on an H200
+(``shared/evidence/h200-2026-11-28/run1-gpu_check.md``, profile table: 78.2 - 14.8 ...
+67.1 - 1.9 MiB)."""
+
+LOSS_KEPT_FP32_COPIES = 1
+"""Logits-shaped fp32 tensors the loss keeps from forward to backward: the log-softmax output
+(saved by ``LogSoftmaxBackward`` and ``NllLossBackward``)."""
+
+LOSS_BACKWARD_FP32_COPIES = 2
+"""Logits-shaped fp32 tensors the loss's backward adds at its peak: the NLL gradient and the
+log-softmax gradient (alive together in ``LogSoftmaxBackward``). Before it, the forward held at
+most the 16-bit logits, their fp32 copy (``to_fp32``) and the log-softmax, fewer bytes."""
+
+
+def workspace_bytes(device: str) -> float:
+    """Fixed per-process bytes on ``device`` (``cuda``: :data:`CUDA_WORKSPACE_BYTES`; else 0)."""
+    return float(CUDA_WORKSPACE_BYTES) if device.startswith("cuda") else 0.0
+
+
+def _element_bytes(profile: ModelProfile) -> int:
+    return 4 if profile.precision == "fp32" else 2
+
+
+def loss_bytes(profile: ModelProfile, samples: int) -> tuple[float, float]:
+    """``(kept, backward)`` bytes of the runtime's loss on ``samples`` samples.
+
+    The runtime casts the last layer's output (the logits, ``n`` elements per sample in the
+    profile's precision: ``output_bytes_per_sample / e``) to fp32 and takes the cross entropy:
+    kept ``4 n`` (:data:`LOSS_KEPT_FP32_COPIES`), and its backward adds ``8 n``
+    (:data:`LOSS_BACKWARD_FP32_COPIES`). Llama-3's head at s = 4,096, V = 128,256: n = 525M,
+    2,004 MiB kept and 4,008 MiB more in the backward, per sample.
+    """
+    n = profile.layers[-1].output_bytes_per_sample / _element_bytes(profile) * samples
+    return 4.0 * n * LOSS_KEPT_FP32_COPIES, 4.0 * n * LOSS_BACKWARD_FP32_COPIES
+
+
+def cast_bytes(profile: ModelProfile, layer: LayerProfile) -> float:
+    """Autocast's 16-bit copy of ``layer``'s cast parameters (0 in fp32)."""
+    cast = (
+        layer.parameter_bytes if layer.cast_parameter_bytes is None else layer.cast_parameter_bytes
+    )
+    return cast * WEIGHT_CAST_FACTOR[profile.precision]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StagePeak:
+    """One replica's bytes per phase of a step (module docstring)."""
+
+    static: float
+    """Parameters, optimizer state, ZeRO/AllReduce buffers, cast cache, workspaces."""
+    first_backward: float
+    """Above ``static`` at the worst moment of the step's first backward."""
+    later_backward: float
+    """Above ``static`` at the worst moment of a later backward (0 when M = 1)."""
+    optimizer: float
+    """Above ``static`` during ``OPT`` (the gradients, less the cast cache freed before it)."""
+
+    @property
+    def peak(self) -> float:
+        """The step's peak."""
+        return self.static + max(self.first_backward, self.later_backward, self.optimizer)
+
+    @property
+    def phase(self) -> str:
+        """The phase that sets the peak."""
+        phases = {
+            "first backward": self.first_backward,
+            "later backward": self.later_backward,
+            "optimizer": self.optimizer,
+        }
+        return max(phases, key=lambda k: phases[k])
+
+
+def stage_peak(
+    profile: ModelProfile,
+    stage: StagePlan,
+    micro_batch_size: int,
+    in_flight: int,
+    num_micro_batches: int | None = None,
+    zero_stage: int = 0,
+    workspace: float = 0.0,
+) -> StagePeak:
+    """Peak bytes of one replica of ``stage`` over a step, by phase (module docstring).
+
+    Args:
+        profile: sizes (activations at :attr:`ModelProfile.for_memory`).
+        stage: layers, replicas, tensor width, re-computation.
+        micro_batch_size: b (a replica's slice: ``split_sizes(b, r)[0]``).
+        in_flight: K, micro-batches whose activations the stage holds at once.
+        num_micro_batches: M; None: more than K (a forward between backwards).
+        zero_stage: as :func:`~dapple.cost.memory.parameter_state_bytes`.
+        workspace: fixed per-process bytes (:func:`workspace_bytes`).
+    """
+    profile = profile.for_memory
+    s, e = stage.layers
+    t = stage.tensor_width
+    samples = split_sizes(micro_batch_size, stage.replicas)[0]
+    last = e == len(profile.layers)
+    layers = profile.layers[s:e]
+    state = parameter_state_bytes(
+        profile, stage.layers, stage.replicas, zero_stage, tensor_width=t, regather=stage.regather
+    )
+    # the older model's cast of every parameter, less what autocast does not cast
+    over_cast = sum(
+        layer.parameter_bytes * WEIGHT_CAST_FACTOR[profile.precision] - cast_bytes(profile, layer)
+        for layer in layers
+    ) / (t if t > 1 else 1)
+    cache = sum(cast_bytes(profile, layer) for layer in layers) / (t if t > 1 else 1)
+    plain = t == 1 and (stage.replicas == 1 or zero_stage == 0)
+    if plain:  # .grad set to None each step; the in-flight gradient is per layer below
+        grads = [float(layer.parameter_bytes) for layer in layers]
+        in_flight_grad = [
+            float(layer.parameter_bytes) + cast_bytes(profile, layer) for layer in layers
+        ]
+        static = (
+            state
+            - over_cast
+            - gradients_in_flight_bytes(profile, stage.layers, stage.replicas, zero_stage)
+            - sum(grads)
+        )
+    else:  # ZeRO buckets, shards, tensor ranks: the gradients stay as the older model counts
+        grads = [0.0] * len(layers)
+        in_flight_grad = [0.0] * len(layers)
+        static = state - over_cast
+    kept = [tensor_kept_bytes_per_sample(layer, t) * samples for layer in layers]
+    held_out = 0.0 if last else boundary_bytes(profile, e, samples)
+    loss_kept, loss_backward = loss_bytes(profile, samples) if last else (0.0, 0.0)
+    full = sum(kept) + held_out + loss_kept  # the micro-batch being back-propagated
+    other = (
+        (boundary_bytes(profile, s, samples) + held_out + loss_kept) if stage.recompute else full
+    )
+    k = max(in_flight, 1)
+    m = num_micro_batches if num_micro_batches is not None else k + 1
+    moments = _backward_moments(kept, grads, in_flight_grad, layers, samples, held_out)
+    loss_moment = full + loss_backward if last else 0.0
+    first = (k - 1) * other + max(loss_moment, *(mo + later for mo, later in moments))
+    later = 0.0
+    if m > 1:
+        others = k - 1 if m > k else max(k - 2, 0)
+        later = sum(grads) + others * other + max(loss_moment, *(mo for mo, _ in moments))
+    return StagePeak(
+        static=static + workspace,
+        first_backward=first,
+        later_backward=later,
+        optimizer=sum(grads) - cache,
+    )
+
+
+def _backward_moments(
+    kept: list[float],
+    grads: list[float],
+    in_flight_grad: list[float],
+    layers: tuple[LayerProfile, ...],
+    samples: int,
+    held_out: float,
+) -> list[tuple[float, float]]:
+    """Per layer j of the stage: ``(live, later_grads)`` during its backward: the kept bytes of
+    layers ``<= j``, the held stage output, its output's gradient and its weight gradient in
+    flight; and the gradients of the layers after it (present in a first backward)."""
+    out = []
+    for j, layer in enumerate(layers):
+        live = sum(kept[: j + 1]) + held_out
+        live += layer.output_bytes_per_sample * samples + in_flight_grad[j]
+        out.append((live, sum(grads[j + 1 :])))
+    return out
