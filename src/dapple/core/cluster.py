@@ -340,6 +340,19 @@ PRESETS: dict[str, Cluster] = {
         inter_server_latency_ms=0.01,
         device_name="H100",
     ),
+    # The same server with H200s: 141 GB (HBM3e) each, the same NVLink 4 and 400 Gbps; its
+    # analytic profile is `analytic_profile(..., "h200")` (benchmarks/gpu_fit.md).
+    "h200-8x": Cluster(
+        name="h200-8x",
+        servers=1,
+        devices_per_server=8,
+        device_memory_bytes=141 * 10**9,
+        intra_server_bandwidth_gbps=450 * 8,
+        inter_server_bandwidth_gbps=400,
+        intra_server_latency_ms=0.003,
+        inter_server_latency_ms=0.01,
+        device_name="H200",
+    ),
     # One CPU machine running several local processes over gloo (loopback), 4 GiB each; a rough default,
     # replace with `dapple calibrate` output for real numbers.
     "local-cpu": Cluster(

@@ -249,7 +249,7 @@ def _masked_sdpa_ops(spec: TransformerSpec, s: float, e: int) -> list[Op]:
     (the causal mask is materialised in its prologue, so no flash kernel; grouped K and V are
     expanded to every head first, ``repeat_kv``). A fused kernel over all ``s x s`` tiles (an
     arbitrary mask skips none): ``4 s^2 a d`` FLOPs forward, 2.5 times that backward; bytes:
-    Q, expanded K and V, O, the log-sum-exp and the ``s x s`` boolean mask."""
+    Q, expanded K and V, O, the log-sum-exp and the ``s x s`` additive mask (16 bits)."""
     a, d = spec.heads, spec.d_head
     q_w, kv_w = a * d, spec.n_kv_heads * d
     ops = []
@@ -258,7 +258,7 @@ def _masked_sdpa_ops(spec: TransformerSpec, s: float, e: int) -> list[Op]:
         ops[-1] = dataclasses.replace(
             ops[-1], fwd_bytes=s * 2 * (kv_w + q_w) * e, bwd_bytes=s * 2 * (kv_w + q_w) * e
         )
-    qkv, lse, mask = s * 3 * q_w * e, a * s * 4.0, s * s
+    qkv, lse, mask = s * 3 * q_w * e, a * s * 4.0, s * s * e
     fwd = 4.0 * s * s * a * d
     ops.append(Op(name="attention", kind="attention", fwd_flops=fwd, bwd_flops=2.5 * fwd,
                   fwd_bytes=qkv + s * q_w * e + lse + mask,
