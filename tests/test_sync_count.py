@@ -140,3 +140,60 @@ def test_the_counter_counts_every_kind_of_read() -> None:
         for n, f in saved.items():
             setattr(torch.Tensor, n, f)
         torch.cuda.synchronize = cuda_sync
+
+
+# -- the pieces of the one read, on one process ----------------------------------------------
+def test_device_row_places_numbers_and_tensors_in_order() -> None:
+    from dapple.runtime.metrics import device_row
+
+    row = device_row(
+        [1, torch.tensor(2.5), 3.0, torch.tensor([4], dtype=torch.int64)], torch.device("cpu")
+    )
+    assert row.dtype == torch.float64 and row.tolist() == [1.0, 2.5, 3.0, 4.0]
+    assert device_row([7, 8], torch.device("cpu")).tolist() == [7.0, 8.0]
+
+
+def test_global_norm_is_the_float32_root_of_the_summed_parts() -> None:
+    from dapple.runtime.metrics import ROW_SQ_NORM, global_norm, row_tokens
+
+    parts = [0.1, 2.0 / 3.0, 0.0]
+    rows = [[0.0] * ROW_SQ_NORM + [p] for p in parts]
+    want = torch.tensor(parts, dtype=torch.float64).sum().sqrt().float().item()
+    assert global_norm(rows) == want
+    assert global_norm([[0.0] * ROW_SQ_NORM + [1e300]]) == float("inf")  # float32's range
+    assert row_tokens([[0.0] * 8]) is None  # a row without the token column
+    assert row_tokens([[0.0] * 8 + [12.0, 0.0], [0.0] * 8 + [5.0, 0.0]]) == 12  # rank 0's
+    assert row_tokens([[0.0] * 8 + [-1.0, 0.0]]) is None  # not a token workload
+
+
+def test_guard_verdict_on_the_device_names_the_first_bad_micro_batch() -> None:
+    from torch import nn
+
+    import runtime_workloads as rw
+    from dapple.runtime import TrainConfig
+    from dapple.runtime.longrun import LongRun
+    from dapple.schedule.ir import Action, ActionKind
+
+    plan = Plan(planner="test", global_batch_size=4, micro_batch_size=1, num_micro_batches=4,
+                schedule="dapple", policy="A",
+                stages=(StagePlan(layers=(0, 4), devices=(0,)),))  # fmt: skip
+    module = nn.Sequential(*[nn.Linear(2, 2) for _ in range(4)])
+    lr = LongRun(plan, rw.mlp(), TrainConfig(), rank=0, world=1, stage=0, replica=0,
+                 module=module, optimizer=None, device=torch.device("cpu"))  # fmt: skip
+    nan = float("nan")
+
+    def step(losses: list[float], grads: list[float]) -> list[float]:
+        lr.begin_step()
+        for m, (loss, g) in enumerate(zip(losses, grads, strict=True)):
+            lr.watch(
+                Action(stage=0, kind=ActionKind.FORWARD, micro_batch=m),
+                torch.tensor(loss, dtype=torch.float64),
+            )
+            for q in module.parameters():
+                q.grad = torch.full_like(q, g)
+            lr.watch(Action(stage=0, kind=ActionKind.BACKWARD, micro_batch=m), 0.0)
+        return lr._first_bad().tolist()
+
+    assert step([1.0, 2.0, 3.0, 4.0], [1.0, 1.0, 1.0, 1.0]) == [-1.0, -1.0]
+    assert step([1.0, 2.0, 3.0, 4.0], [1.0, nan, float("inf"), 1.0]) == [1.0, 1.0]
+    assert step([1.0, 2.0, nan, nan], [1.0, nan, 1.0, 1.0]) == [0.0, 2.0]  # the loss first

@@ -323,10 +323,11 @@ class MetricsSink:
         )
         sm = dataclasses.replace(sm, **fields) if fields else sm
         self.metrics.append(sm)
-        line = sm.line()
-        logger.info(line)
-        if self.echo:
-            print(line, flush=True)
+        if self.echo or logger.isEnabledFor(logging.INFO):  # the line only for a reader
+            line = sm.line()
+            logger.info(line)
+            if self.echo:
+                print(line, flush=True)
         if self._file is not None:
             self._file.write(json.dumps(sm.to_dict()) + "\n")
             self._file.flush()

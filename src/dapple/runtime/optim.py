@@ -206,8 +206,11 @@ def _local_sq_norm(params: Sequence[nn.Parameter], device: torch.device) -> torc
     by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for g in grads:  # torch._foreach_norm takes tensors of one device and dtype
         by_kind.setdefault((g.device, g.dtype), []).append(g)
-    norms = [n for group in by_kind.values() for n in torch._foreach_norm(group, 2.0)]
-    return torch.stack([n.to(device, torch.float64) for n in norms]).square().sum()
+    norms = [  # one stack and one conversion per kind, not one per gradient
+        torch.stack(torch._foreach_norm(group, 2.0)).to(device, torch.float64)
+        for group in by_kind.values()
+    ]
+    return torch.cat(norms).square().sum()
 
 
 class ModelUpdate:
