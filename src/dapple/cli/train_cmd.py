@@ -162,6 +162,7 @@ def check_long_run(
         list_checkpoints,
         refuse_occupied,
     )
+    from dapple.runtime.checkpoint_files import refuse_foreign
     from dapple.runtime.longrun import OPTIMIZER_CLASSES
 
     if checkpoint_dir is None:
@@ -192,6 +193,11 @@ def check_long_run(
             for line in point.skipped:
                 _warn(f"{line}; resuming from the older step {ck.step} ({str(ck.path)!r})")
     elif overwrite:
+        refuse_foreign(
+            checkpoint_dir,
+            "--overwrite-checkpoints deletes only what dapple wrote: move them "
+            "away or choose another directory",
+        )
         old = list_checkpoints(checkpoint_dir)
         if old:
             when = "at this run's first save" if save_every > 0 else "never: --save-every is 0"

@@ -205,8 +205,8 @@ def prepare(
     """
     _check_arguments(text_files, val_fraction, tokenizer)
     train, val = Path(output), val_path(output)
-    _check_outputs(train, val, documents)
     sources = [Path(p) for p in text_files]
+    _check_outputs(train, val, documents, sources)
     texts = [
         _read_text(p, text or tokenizer is not None or (documents and p.suffix == ".jsonl"))
         for p in sources
@@ -241,12 +241,13 @@ def _check_arguments(
         raise ValidationError(f"tokenizer directory {tokenizer} does not exist")
 
 
-def _check_outputs(train: Path, val: Path, documents: bool) -> None:
-    """Check every file :func:`prepare` writes can be written (parents made), before any
-    input is read.
+def _check_outputs(train: Path, val: Path, documents: bool, sources: Sequence[Path]) -> None:
+    """Check every file :func:`prepare` writes can be written (parents made) and would replace
+    nothing but an earlier :func:`prepare`'s output, before any input is read.
 
     Raises:
-        ValidationError: the output is named like the meta file, or a path cannot be written.
+        ValidationError: the output is named like the meta file, a path cannot be written, an
+            output is one of the inputs, or an output exists that this command did not write.
     """
     if train.name == META_NAME:
         raise ValidationError(f"output {str(train)!r}: {META_NAME} is the name of the meta file")
@@ -262,6 +263,74 @@ def _check_outputs(train: Path, val: Path, documents: bool) -> None:
         ]
     for path, what in written:
         check_output_file(path, what, make_parents=True, in_place=False)
+    _check_no_input_overwritten(written, sources)
+    _check_only_own_files_replaced(train, val, written)
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    """``a`` and ``b`` name one existing file (links and ``..`` included)."""
+    try:
+        return a.exists() and b.exists() and os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def _check_no_input_overwritten(
+    written: Sequence[tuple[Path, str]], sources: Sequence[Path]
+) -> None:
+    """Refuse an output path that is one of the input files.
+
+    Raises:
+        ValidationError: naming both.
+    """
+    for path, what in written:
+        for src in sources:
+            if _same_file(path, src) or path.resolve() == src.resolve():
+                raise ValidationError(
+                    f"{what} {str(path)!r} is the input text file {str(src)!r}: writing it "
+                    "would destroy the input; choose another output path"
+                )
+
+
+def _check_only_own_files_replaced(
+    train: Path, val: Path, written: Sequence[tuple[Path, str]]
+) -> None:
+    """Refuse to replace an existing output file unless the ``meta.json`` beside it is one
+    :func:`prepare` wrote for these very files (a re-run replaces its own output).
+
+    Raises:
+        ValidationError: naming the file that would be lost.
+    """
+    existing = [(p, what) for p, what in written if p.exists()]
+    if not existing:
+        return
+    meta = train.with_name(META_NAME)
+    info: Any = None
+    if meta.is_file():
+        try:
+            info = json.loads(meta.read_bytes())
+        except (OSError, ValueError, RecursionError):
+            info = None
+    ours = (
+        isinstance(info, dict)
+        and isinstance(info.get("train"), dict)
+        and isinstance(info.get("val"), dict)
+        and "vocab_size" in info
+        and info["train"].get("file") == train.name
+        and info["val"].get("file") == val.name
+    )
+    if not ours:
+        path, what = existing[0]
+        found = (
+            f"{str(meta)!r} exists and is not the meta file dapple data prepare wrote for "
+            f"{train.name!r}"
+            if meta.exists()
+            else f"{what} {str(path)!r} exists and no {META_NAME} beside it says dapple data "
+            "prepare wrote it"
+        )
+        raise ValidationError(
+            f"{found}; refusing to overwrite it: remove it or choose another output directory"
+        )
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,11 @@ CRASH_IN_SAVE_ENV = "DAPPLE_TEST_CRASH_IN_SAVE"
 """Test hook: at the save of this step, a writing rank ``os._exit(3)``s after its first layer
 file, before the barrier and the manifest (not in a worker ``torchrun`` restarted)."""
 _STEP_DIR = re.compile(r"^step-(\d{8,})$")
+_OWN_FILE = re.compile(
+    r"^\.?(manifest\.json|layer-\d{5,}\.pt|rng-rank\d{5,}\.pt|part-[\w-]+-rank\d{5,}\.json)"
+    r"(\.\w+\.tmp)?$|^\.dapple-write-probe-\w+$"
+)
+"""The names of the files a save writes in a ``step-*`` directory (and its temporary files)."""
 
 
 class CheckpointError(DappleError):
@@ -383,9 +388,35 @@ def latest_checkpoint(root: str | Path) -> Checkpoint | None:
     return None
 
 
+def foreign_entries(d: Path) -> list[str]:
+    """The names in checkpoint directory ``d`` that no dapple save writes (a user's files,
+    sub-directories): such a directory is never deleted."""
+    try:
+        return sorted(e.name for e in d.iterdir() if e.is_dir() or not _OWN_FILE.match(e.name))
+    except OSError:  # gone meanwhile, or unreadable: nothing of it is deleted either
+        return []
+
+
+def _remove_own(d: Path) -> bool:
+    """Delete checkpoint directory ``d`` when it holds only files a dapple save writes; else
+    leave it whole with a warning. True if deleted."""
+    foreign = foreign_entries(d)
+    if foreign:
+        shown = ", ".join(repr(n) for n in foreign[:3]) + (", ..." if len(foreign) > 3 else "")
+        logger.warning(
+            "kept %s: it holds files dapple did not write (%s); remove it yourself if unwanted",
+            d,
+            shown,
+        )
+        return False
+    shutil.rmtree(d, ignore_errors=True)
+    return True
+
+
 def prune_checkpoints(root: str | Path, keep: int, *, newest_step: int | None = None) -> list[Path]:
     """Delete all but the ``keep`` newest complete checkpoints, and incomplete ones older than
-    the newest complete one. Returns the deleted directories.
+    the newest complete one - only directories holding nothing but the files a save writes
+    (see :func:`foreign_entries`). Returns the deleted directories.
 
     Args:
         newest_step: the step just saved: checkpoints of later steps (left by a run this one
@@ -403,18 +434,34 @@ def prune_checkpoints(root: str | Path, keep: int, *, newest_step: int | None = 
     kept = set(complete[-keep:])
     newest = complete[-1]
     doomed = [d for d in dirs if d not in kept and d.name < newest.name]
-    for d in doomed:
-        shutil.rmtree(d, ignore_errors=True)
-    return doomed
+    return [d for d in doomed if _remove_own(d)]
 
 
 def delete_checkpoints(root: str | Path) -> list[Path]:
-    """Delete every checkpoint directory (``step-*``, complete or not) under ``root``; other
-    files stay. Returns the deleted directories."""
-    doomed = list_checkpoints(root)
-    for d in doomed:
-        shutil.rmtree(d, ignore_errors=True)
-    return doomed
+    """Delete every checkpoint directory (``step-*``, complete or not) under ``root`` that
+    holds only files a save writes; other files and directories stay. Returns the deleted
+    directories."""
+    return [d for d in list_checkpoints(root) if _remove_own(d)]
+
+
+def refuse_foreign(root: str | Path, how: str) -> None:
+    """Refuse to start over in ``root`` when one of its ``step-*`` directories holds files
+    dapple did not write: it could be neither deleted nor safely saved into.
+
+    Args:
+        how: the caller's ways out, appended to the message.
+
+    Raises:
+        CheckpointError: naming the directory and its first foreign entries.
+    """
+    for d in list_checkpoints(root):
+        foreign = foreign_entries(d)
+        if foreign:
+            shown = ", ".join(repr(n) for n in foreign[:3]) + (", ..." if len(foreign) > 3 else "")
+            raise CheckpointError(
+                f"checkpoint directory {str(d)!r} holds files dapple did not write ({shown}): "
+                f"it is not deleted; {how}"
+            )
 
 
 def describe_steps(dirs: list[Path]) -> str:

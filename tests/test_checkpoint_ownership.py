@@ -1,0 +1,146 @@
+"""``--keep`` and ``--overwrite-checkpoints`` delete only what dapple wrote (issue 47, item 2):
+a ``step-*`` directory holding a file no save writes is kept, with a warning, and starting over
+in a directory holding one is refused up front."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+
+from dapple.runtime.checkpoint_files import (
+    CheckpointError,
+    delete_checkpoints,
+    foreign_entries,
+    prune_checkpoints,
+    refuse_foreign,
+    step_dir,
+)
+
+
+def _save(root: Path, step: int, *, manifest: bool = True, extra: str | None = None) -> Path:
+    """A step directory with the files a save writes (and optionally a foreign one)."""
+    d = step_dir(root, step)
+    d.mkdir(parents=True)
+    (d / "layer-00000.pt").write_bytes(b"w")
+    (d / "rng-rank00000.pt").write_bytes(b"r")
+    (d / "part-ab12-rank00000.json").write_text("{}")
+    (d / ".layer-00001.pt.x7k_q.tmp").write_bytes(b"")  # an interrupted atomic write
+    if manifest:
+        (d / "manifest.json").write_text("{}")
+    if extra is not None:
+        (d / extra).write_text("mine")
+    return d
+
+
+def test_foreign_entries_names_what_no_save_writes(tmp_path: Path) -> None:
+    d = _save(tmp_path, 1)
+    assert foreign_entries(d) == []
+    (d / "notes.txt").write_text("x")
+    (d / "sub").mkdir()
+    (d / "layer-00000.pt.bak").write_text("x")
+    assert foreign_entries(d) == ["layer-00000.pt.bak", "notes.txt", "sub"]
+
+
+def test_keep_prunes_only_directories_dapple_wrote(tmp_path: Path, caplog) -> None:  # type: ignore[no-untyped-def]
+    mine = _save(tmp_path, 1)
+    theirs = _save(tmp_path, 2, extra="thesis.tex")
+    crashed_theirs = _save(tmp_path, 3, manifest=False, extra="data.csv")
+    crashed_mine = _save(tmp_path, 4, manifest=False)
+    newest = _save(tmp_path, 5)
+    with caplog.at_level(logging.WARNING, logger="dapple.runtime.checkpoint"):
+        gone = prune_checkpoints(tmp_path, keep=1)
+    assert gone == [mine, crashed_mine]
+    assert not mine.exists() and not crashed_mine.exists()
+    assert (theirs / "thesis.tex").read_text() == "mine"
+    assert (crashed_theirs / "data.csv").read_text() == "mine"
+    assert newest.exists()
+    assert "thesis.tex" in caplog.text and "data.csv" in caplog.text
+
+
+def test_overwrite_deletes_only_directories_dapple_wrote(tmp_path: Path) -> None:
+    mine = _save(tmp_path, 1)
+    theirs = _save(tmp_path, 2, manifest=False, extra="results.json")
+    (tmp_path / "notes.txt").write_text("kept")
+    assert delete_checkpoints(tmp_path) == [mine]
+    assert (theirs / "results.json").read_text() == "mine"
+    assert (tmp_path / "notes.txt").read_text() == "kept"
+
+
+def test_starting_over_among_foreign_files_is_refused_up_front(tmp_path: Path) -> None:
+    _save(tmp_path, 1)
+    refuse_foreign(tmp_path, "move them")  # only dapple's files: fine
+    _save(tmp_path, 2, extra="thesis.tex")
+    with pytest.raises(CheckpointError, match=r"step-00000002.*'thesis.tex'.*move them"):
+        refuse_foreign(tmp_path, "move them")
+
+
+def test_train_overwrite_checkpoints_refuses_foreign_files_before_compute(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from builders import boom, one_error_line
+    from dapple.cli import main
+    from dapple.core.plan import straight_plan
+
+    monkeypatch.setattr("dapple.runtime.train", boom)
+    plan = tmp_path / "plan.json"
+    straight_plan(5, [0], global_batch_size=2, num_micro_batches=1, model_name="mlp").save(plan)
+    d = _save(tmp_path / "ck", 1, extra="thesis.tex")
+    argv = ["train", "--plan", str(plan), "-m", "mlp", "--steps", "1", "--checkpoint-dir",
+            str(tmp_path / "ck"), "--overwrite-checkpoints", "--save-every", "1"]  # fmt: skip
+    assert main(argv) == 2
+    one_error_line(capsys, "thesis.tex", "not deleted")
+    assert (d / "thesis.tex").read_text() == "mine"
+
+
+# -- dapple data prepare never destroys its input or a file it did not write -----------------
+
+
+def _prepare(*argv: str) -> int:
+    from dapple.cli import main
+
+    return main(["data", "prepare", *argv])
+
+
+def test_prepare_refuses_to_overwrite_its_input(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from builders import one_error_line
+
+    t = tmp_path / "t.txt"
+    t.write_text("hello world\n")
+    for out in (t, tmp_path / "sub" / ".." / "t.txt"):
+        assert _prepare(str(t), "-o", str(out)) == 2
+        one_error_line(capsys, "is the input text file", "choose another output")
+    val = tmp_path / "x.val.bin"  # the validation file written beside x.bin
+    val.write_text("precious")
+    assert _prepare(str(val), "-o", str(tmp_path / "x.bin")) == 2
+    one_error_line(capsys, "validation file", "is the input text file")
+    assert t.read_text() == "hello world\n" and val.read_text() == "precious"
+
+
+def test_prepare_replaces_only_its_own_output(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from builders import one_error_line
+
+    t = tmp_path / "t.txt"
+    t.write_text("hello world\n" * 20)
+    meta = tmp_path / "out" / "meta.json"
+    meta.parent.mkdir()
+    meta.write_text('{"mine": true}')
+    out = tmp_path / "out" / "train.bin"
+    assert _prepare(str(t), "-o", str(out)) == 2
+    one_error_line(capsys, "meta.json", "not the meta file dapple data prepare wrote")
+    assert meta.read_text() == '{"mine": true}' and not out.exists()
+    meta.unlink()
+    out.write_text("their tokens")
+    assert _prepare(str(t), "-o", str(out)) == 2
+    one_error_line(capsys, "train.bin", "exists and no meta.json beside it")
+    assert out.read_text() == "their tokens"
+    out.unlink()
+    assert _prepare(str(t), "-o", str(out)) == 0  # fresh
+    assert _prepare(str(t), "-o", str(out)) == 0  # a re-run replaces its own output
+    assert _prepare(str(t), "-o", str(tmp_path / "out" / "other.bin")) == 2  # another's meta
+    one_error_line(capsys, "not the meta file dapple data prepare wrote for 'other.bin'")
