@@ -34,7 +34,14 @@ import torch.multiprocessing as mp
 
 from dapple.core.own_session import Deferred, run_in_own_session
 from dapple.models.workload import Workload
-from dapple.runtime.local import end_with_launcher, listener, run_worker, stop_workers
+from dapple.runtime.local import (
+    end_with_launcher,
+    heartbeats,
+    listener,
+    run_worker,
+    start_heartbeat,
+    stop_workers,
+)
 from dapple.runtime.metrics import announce
 
 __all__ = ["EarlyWorkers", "preloaded"]
@@ -63,6 +70,7 @@ class EarlyWorkers:
         sock = listener()  # rank 0's store address, bound before any worker looks for it
         port, me = int(sock.getsockname()[1]), os.getpid()
         self.nprocs = nprocs
+        self.beats = heartbeats(nprocs)  # each worker's heartbeat, read by the launcher
         self.procs: list[Any] = []
         self._runs: list[Connection] = []  # the launcher's end of each worker's pipe
         try:
@@ -71,7 +79,7 @@ class EarlyWorkers:
                 p = ctx.Process(target=run_in_own_session,
                                 args=(Deferred(_early_worker, r, nprocs, port, me,
                                                sock if r == 0 else None, wait_end, spec,
-                                               dict(overrides), echo),))  # fmt: skip
+                                               dict(overrides), echo, self.beats),))  # fmt: skip
                 self._runs.append(run_end)
                 self.procs.append(p)
                 p.start()
@@ -129,9 +137,12 @@ def _early_worker(
     spec: str,
     overrides: dict[str, Any],
     echo: bool,
+    beats: Any = None,
 ) -> None:
-    """An early worker: end with the launcher, load the model, wait for the run and run it."""
+    """An early worker: end with the launcher, beat (:func:`~dapple.runtime.local.heartbeats`),
+    load the model, wait for the run and run it."""
     end_with_launcher(launcher)
+    start_heartbeat(beats, rank)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: the launcher stops the workers
     if rank == 0:
         announce(f"start-up: loading the model in each of {world} processes", echo)

@@ -20,6 +20,7 @@ stage) prints each start-up phase as it starts (:func:`dapple.runtime.metrics.an
 from __future__ import annotations
 
 import json
+import logging
 import os
 import pickle
 import socket
@@ -52,11 +53,13 @@ from dapple.runtime.failure import rank_report
 from dapple.runtime.local import (
     StopSignals,
     exit_text,
+    heartbeats,
     listener,
     local_store,
     pin_cores,
     run_worker,
     shutdown_distributed,
+    silent_ranks,
     stop_workers,
 )
 from dapple.runtime.longrun import elastic_store
@@ -74,6 +77,8 @@ __all__ = [
     "spawn",
     "train",
 ]
+
+logger = logging.getLogger(__name__)
 
 GRACE_S = 10.0
 """Extra seconds the standalone launcher waits, after the first failure, beyond the timeout."""
@@ -186,6 +191,7 @@ def spawn(
     """
     _not_while_importing_main()
     sock: socket.socket | None = None
+    beats = heartbeats(nprocs) if early is None else early.beats
     if early is None:
         ctx = mp.get_context("spawn")  # the launcher itself is each worker's parent
         sock = listener()  # the store's address, bound before any worker looks for it
@@ -194,12 +200,13 @@ def spawn(
         procs = [
             ctx.Process(target=run_in_own_session,  # a session of its own, then its imports
                         args=(Deferred(run_worker, fn, r, nprocs, port, me,
-                                       sock if r == 0 else None, args),))
+                                       sock if r == 0 else None, args, beats),))
             for r in range(nprocs)
         ]  # fmt: skip
     else:
         procs = early.procs
     hung: list[int] = []
+    silent: list[int] = []
     with StopSignals() as signals:
         try:
             if early is not None:
@@ -209,34 +216,55 @@ def spawn(
                     p.start()
             if sock is not None:
                 sock.close()  # rank 0 holds its copy
-            hung = _wait(procs, timeout_s, signals)
+            hung, silent = _wait(procs, timeout_s, signals, beats)
         finally:
             if sock is not None:
                 sock.close()
             stop_workers(procs)
     bad = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode != 0]
     if bad:
-        parts = [f"rank {r} " + ("hung (killed)" if r in hung else exit_text(c)) for r, c in bad]
+        parts = [f"rank {r} " + _end_text(r, c, hung, silent, timeout_s) for r, c in bad]
         raise RankFailure(
             f"{len(bad)} of {nprocs} workers failed: {', '.join(parts)}",
             {r: None if r in hung else c for r, c in bad},
         )
 
 
-def _wait(procs: list[Any], timeout_s: float, signals: StopSignals) -> list[int]:
-    """Wait until every worker has ended, or a stop signal came; returns the ranks still alive
-    ``timeout_s + GRACE_S`` after the first failure (killed here)."""
+def _end_text(
+    r: int, code: int | None, hung: list[int], silent: list[int], timeout_s: float
+) -> str:
+    if r in silent:
+        return f"stopped responding (no heartbeat for {timeout_s:g} s: killed, a lost device)"
+    return "hung (killed)" if r in hung else exit_text(code)
+
+
+def _wait(
+    procs: list[Any], timeout_s: float, signals: StopSignals, beats: Any
+) -> tuple[list[int], list[int]]:
+    """Wait until every worker has ended, or a stop signal came. Returns ``(hung, silent)``:
+    the ranks still alive ``timeout_s + GRACE_S`` after the first failure, and those whose
+    heartbeat (:func:`~dapple.runtime.local.heartbeats`) stopped for more than ``timeout_s``;
+    both are killed here (SIGKILL). A silent worker is frozen (stopped, or starved of every
+    core), so it counts as a lost device: its exit code is SIGKILL's, and its peers, waiting
+    for it in a collective, fail as soon as its sockets close - the run ends about
+    ``timeout_s`` after the worker froze, not after the peers' own timeouts and this grace."""
     first_fail: float | None = None
+    silent: list[int] = []
     while signals.received is None and any(p.is_alive() for p in procs):
+        for r in silent_ranks(procs, beats, timeout_s):
+            logger.warning("rank %d: no heartbeat for %.0f s, killing it", r, timeout_s)
+            procs[r].kill()
+            procs[r].join()
+            silent.append(r)
         if first_fail is None and any(p.exitcode not in (None, 0) for p in procs):
             first_fail = time.monotonic()
         if first_fail is not None and time.monotonic() - first_fail > timeout_s + GRACE_S:
             hung = [r for r, p in enumerate(procs) if p.is_alive()]
             for r in hung:
                 procs[r].kill()
-            return hung
+            return hung, silent
         time.sleep(0.05)
-    return []
+    return [], silent
 
 
 def _worker(

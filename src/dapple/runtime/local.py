@@ -22,6 +22,7 @@ from __future__ import annotations
 import ctypes
 import gc
 import logging
+import multiprocessing as mp
 import os
 import signal
 import socket
@@ -39,12 +40,14 @@ import torch.distributed as dist
 from dapple.runtime.failure import RankFailure
 
 __all__ = [
+    "HEARTBEAT_S",
     "LOOPBACK",
     "PIN_CORES_ENV",
     "STOP_GRACE_S",
     "StopSignals",
     "end_with_launcher",
     "exit_text",
+    "heartbeats",
     "join_loopback",
     "listener",
     "local_store",
@@ -52,6 +55,8 @@ __all__ = [
     "pin_cores",
     "run_worker",
     "shutdown_distributed",
+    "silent_ranks",
+    "start_heartbeat",
     "stop_workers",
 ]
 
@@ -61,6 +66,8 @@ LOOPBACK = "127.0.0.1"
 STOP_GRACE_S = 5.0
 """Seconds a worker has to end after the launcher's SIGTERM before it gets SIGKILL."""
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+HEARTBEAT_S = 1.0
+"""Seconds between a worker's heartbeats (:func:`heartbeats`)."""
 
 
 # -- lifetimes -------------------------------------------------------------------------------
@@ -143,6 +150,42 @@ def stop_workers(procs: list[Any]) -> None:
         p.join()
 
 
+# -- heartbeats ------------------------------------------------------------------------------
+def heartbeats(n: int) -> Any:
+    """Shared slots, one per worker, where each worker's heartbeat thread writes the
+    ``time.monotonic()`` of its latest beat every :data:`HEARTBEAT_S` (0: no beat yet).
+
+    A stopped or frozen worker (SIGSTOP, a debugger, a process starved of CPU for good) stops
+    beating, while one merely waiting for a peer in a collective keeps beating: its waits
+    release the GIL. The launcher ends a worker silent for longer than the run's timeout as a
+    lost device (:func:`silent_ranks`), so peers waiting for it fail at once instead of after
+    their own timeouts, and an elastic run re-plans. The slots take no lock (a worker stopped
+    while holding one would block the launcher); an aligned double is written whole.
+    """
+    return mp.get_context("spawn").RawArray("d", n)
+
+
+def _beat(beats: Any, rank: int) -> None:
+    while True:
+        beats[rank] = time.monotonic()  # CLOCK_MONOTONIC: one clock for every process
+        time.sleep(HEARTBEAT_S)
+
+
+def start_heartbeat(beats: Any, rank: int) -> None:
+    """Beat into ``beats[rank]`` from a daemon thread of this worker (nothing for None)."""
+    if beats is not None:
+        beats[rank] = time.monotonic()
+        threading.Thread(target=_beat, args=(beats, rank), daemon=True).start()
+
+
+def silent_ranks(procs: list[Any], beats: Any, after_s: float) -> list[int]:
+    """Ranks of live workers that beat once and then not for more than ``after_s``."""
+    if beats is None:
+        return []
+    now = time.monotonic()
+    return [r for r, p in enumerate(procs) if p.is_alive() and 0 < beats[r] < now - after_s]
+
+
 def exit_text(code: int | None) -> str:
     """A worker's end as words: ``exit 1``, ``killed by SIGKILL``."""
     if code is not None and code < 0:
@@ -161,12 +204,14 @@ def run_worker(
     launcher: int,
     sock: socket.socket | None,
     args: tuple[Any, ...],
+    beats: Any = None,
 ) -> None:
-    """A spawned worker: bind its life to the launcher's, meet the others on loopback (rank 0
-    serves on ``sock``), set the env and run ``fn(rank, world, *args)``; when ``fn`` returns
-    with the default process group still open, leave it (:func:`shutdown_distributed`) before
-    the interpreter finalizes."""
+    """A spawned worker: bind its life to the launcher's, beat into ``beats`` (:func:`heartbeats`),
+    meet the others on loopback (rank 0 serves on ``sock``), set the env and run
+    ``fn(rank, world, *args)``; when ``fn`` returns with the default process group still open,
+    leave it (:func:`shutdown_distributed`) before the interpreter finalizes."""
     end_with_launcher(launcher)
+    start_heartbeat(beats, rank)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: the launcher stops the workers
     os.environ.update(
         MASTER_ADDR=LOOPBACK,
