@@ -187,7 +187,7 @@ def test_train_and_verify_take_every_schedule_name(tmp_path):
     ``interleaved`` cuts each device group into ``--virtual-stages`` chunks."""
     import argparse
 
-    from dapple.api import _with
+    from dapple.api._inputs import plan_with
     from dapple.cli._run_args import load_run_plan
 
     path = tmp_path / "plan.json"
@@ -199,14 +199,14 @@ def test_train_and_verify_take_every_schedule_name(tmp_path):
         return load_run_plan(ns)
 
     inter = run_plan("interleaved", 2)
-    assert inter == with_schedule(base, "interleaved", 2) == _with(path, "interleaved", None, 2)
+    assert inter == with_schedule(base, "interleaved", 2) == plan_with(path, "interleaved", None, 2)
     assert inter.virtual_stages == 2 and inter.num_stages == 6
     assert run_plan("zbh1").schedule == "zbh1"
     assert run_plan(None, policy="B") == dataclasses.replace(base, policy="B")
     with pytest.raises(ValidationError, match="--virtual-stages 2 needs --schedule interleaved"):
         run_plan(None, 2)
     with pytest.raises(ValidationError, match="virtual_stages=2 needs schedule='interleaved'"):
-        _with(path, None, None, 2)
+        plan_with(path, None, None, 2)
     from dapple.cli import build_parser
 
     parser = build_parser()

@@ -23,7 +23,6 @@ The functions live in :mod:`dapple.api.planning` (profile, plan, plan_local, sim
 
 from __future__ import annotations
 
-from dapple.api._inputs import plan_with
 from dapple.api.planning import plan, plan_local, profile, simulate
 from dapple.api.running import generate, train, verify, verify_many
 from dapple.models.spec import load
@@ -39,6 +38,3 @@ __all__ = [
     "verify",
     "verify_many",
 ]
-
-_with = plan_with
-"""A plan under another schedule and policy (:func:`dapple.api._inputs.plan_with`)."""

@@ -15,7 +15,7 @@ making a plan from another: :func:`straight_plan` and :func:`interleave`.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
@@ -26,6 +26,7 @@ from dapple.core._json import (
     require,
     save_json_file,
 )
+from dapple.core.planning_options import PlanningOptions
 from dapple.core.slicing import slice_bounds, split_sizes, transfers
 from dapple.core.stage_plan import StagePlan
 from dapple.errors import ValidationError
@@ -112,6 +113,10 @@ class Plan:
     its model accepts."""
     max_seq_len: float | None = None
     """Longest sample the memory was planned for; None with ``seq_len``."""
+    planned_with: PlanningOptions | None = field(default=None, compare=False)
+    """The search options :func:`dapple.planner.make_plan` made it with (an elastic re-plan
+    searches them again); None: a plan made by hand or by an older version. Not compared:
+    two plans of the same stages are the same plan however they were found."""
     schema_version: int = PLAN_SCHEMA_VERSION
 
     def __post_init__(self) -> None:
@@ -317,6 +322,7 @@ class Plan:
             if math.isnan(self.predicted_step_ms)
             else self.predicted_step_ms,
             **lengths,
+            **({} if self.planned_with is None else {"planned_with": self.planned_with.to_dict()}),
             "replication": self.replication,
             "stages": [st.to_dict() for st in self.stages],
         }
@@ -362,6 +368,9 @@ class Plan:
             predicted_step_ms=math.nan if pred is None else float(pred),
             seq_len=d.get("seq_len"),
             max_seq_len=d.get("max_seq_len"),
+            planned_with=None
+            if d.get("planned_with") is None
+            else PlanningOptions.from_dict(d["planned_with"]),
             stages=tuple(StagePlan.from_dict(x, i) for i, x in enumerate(stages)),
         )
         n = d.get("num_layers", plan.num_layers)  # files of older versions do not record it

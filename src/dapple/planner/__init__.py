@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 
 from dapple.core.cluster import Cluster
 from dapple.core.plan import Plan
+from dapple.core.planning_options import PlanningOptions
 from dapple.core.profile import ModelProfile
 from dapple.core.tensor_layout import check_tensor_widths
 from dapple.cost.host import has_host_terms
@@ -86,7 +87,7 @@ def make_plan(
 
     Returns:
         The plan, with ``seq_len``/``max_seq_len`` the lengths its profile is for (None for a
-        profile without lengths).
+        profile without lengths) and ``planned_with`` these search options.
 
     Raises:
         ValidationError: unknown planner, bad batch size (below 1, above
@@ -117,6 +118,12 @@ def make_plan(
                              interleaved=interleaved)  # fmt: skip
     else:
         plan = PLANNERS[planner](profile, cluster, global_batch_size)
+    widths = None if tensor_widths is None else tuple(tensor_widths)
+    plan = dataclasses.replace(
+        plan,
+        planned_with=PlanningOptions(planner=planner, zero_stage=zero_stage,
+                                     tensor_widths=widths, interleaved=interleaved),
+    )  # fmt: skip
     if profile.seq_len is None:
         return plan
     return dataclasses.replace(

@@ -37,6 +37,7 @@ from typing import Any
 
 from dapple.core.cluster import Cluster
 from dapple.core.plan import Plan
+from dapple.core.planning_options import PlanningOptions
 from dapple.core.profile import ModelProfile
 from dapple.errors import DappleError, InfeasibleError, ValidationError
 from dapple.runtime.checkpoint import latest_checkpoint
@@ -75,7 +76,8 @@ class ElasticPolicy:
     max_restarts: int = 3
     """Re-plans allowed in one run."""
     zero_stage: int = 0
-    """The planner's ``zero_stage`` for re-plans (see :func:`dapple.planner.make_plan`)."""
+    """The planner's ``zero_stage`` for re-plans of a plan that records no search options
+    (:attr:`~dapple.core.plan.Plan.planned_with`; see :func:`replan`)."""
 
     def __post_init__(self) -> None:
         for name, low in (("min_devices", 1), ("max_restarts", 0)):
@@ -153,8 +155,13 @@ def cluster_of(cluster: Cluster, devices: int) -> Cluster:
     return dataclasses.replace(cluster, servers=servers)
 
 
-def replan(policy: ElasticPolicy, devices: int, global_batch_size: int) -> Plan:
-    """The planner's plan for ``devices`` devices of the policy's cluster, same G.
+def replan(policy: ElasticPolicy, devices: int, plan: Plan) -> Plan:
+    """The planner's plan for ``devices`` devices of the policy's cluster, with ``plan``'s G
+    and the search options ``plan`` was made with (:attr:`Plan.planned_with`: planner, ZeRO
+    stage or auto, tensor widths, interleaving; and its lengths ``seq_len``/``max_seq_len``).
+    A plan that records none (made by hand) is re-planned with the policy's ``zero_stage``.
+    Tensor widths that no longer divide a server of the devices left are dropped (width 1
+    stays).
 
     Raises:
         ElasticStop: no plan fits the memory of the devices left.
@@ -162,8 +169,17 @@ def replan(policy: ElasticPolicy, devices: int, global_batch_size: int) -> Plan:
     from dapple.planner import make_plan
 
     cluster = cluster_of(policy.cluster, devices)
+    opts = plan.planned_with or PlanningOptions(zero_stage=policy.zero_stage)
+    widths = opts.tensor_widths
+    if widths is not None:
+        widths = tuple(t for t in widths if cluster.devices_per_server % t == 0) or (1,)
+    by_length = plan.seq_len is not None and bool(policy.profile.by_length)
     try:
-        return make_plan(policy.profile, cluster, global_batch_size, zero_stage=policy.zero_stage)
+        return make_plan(policy.profile, cluster, plan.global_batch_size, opts.planner,
+                         zero_stage=opts.zero_stage, tensor_widths=widths,
+                         interleaved=opts.interleaved,
+                         seq_len=plan.seq_len if by_length else None,
+                         max_seq_len=plan.max_seq_len if by_length else None)  # fmt: skip
     except InfeasibleError as e:
         raise ElasticStop(f"no plan fits {cluster.num_devices} devices: {e}") from e
 
@@ -179,7 +195,7 @@ def plan_for_world(plan: Plan, world: int, policy: ElasticPolicy) -> Plan:
         return plan
     if world < policy.min_devices:
         raise ElasticStop(f"{world} devices, fewer than the minimum {policy.min_devices}")
-    return replan(policy, world, plan.global_batch_size)
+    return replan(policy, world, plan)
 
 
 def worker_plan(
@@ -299,7 +315,7 @@ def _replan(
     policy: ElasticPolicy, failure: RankFailure, plan: Plan, left: int, resume_step: int
 ) -> Replan:
     t0 = time.perf_counter()
-    new = replan(policy, left, plan.global_batch_size)
+    new = replan(policy, left, plan)
     lost = failure.lost_ranks()
     why = (
         f"lost rank(s) {', '.join(map(str, lost))}; the planner's best plan for the {left} "

@@ -96,14 +96,6 @@ class TensorParallelModule:
             for name, t in local.items()
         }  # fmt: skip
 
-    def load_full(self, tensors: Mapping[str, torch.Tensor]) -> None:
-        """Copy whole parameters (a layer-keyed checkpoint) into this rank's slices."""
-        with torch.no_grad():
-            for name, p in self.module.named_parameters():
-                lay = self.layouts.get(name)
-                full = tensors[name]
-                p.copy_(full if lay is None else lay.shard(full, self.rank, self.t))
-
 
 def _weight_styles(gm: fx.GraphModule, plan: Mapping[str, str]) -> dict[str, tuple[Style, str]]:
     """Planned parameter name -> (style, weight name), checking that each is only a linear's
