@@ -273,7 +273,7 @@ def report(inp: dict[str, Any]) -> list[str]:
         f"overheads`, measured by running the runtime on a tiny MLP): "
         f"{cluster.action_overhead_ms:.3f} ms per action, {cluster.step_overhead_ms:.2f} ms "
         f"per step, {cluster.comm_cpu_ms_per_mb:.3f} ms per MiB sent or received, shared like "
-        "compute (`dapple.planner.host`). Earlier models, for comparison, on the wall-time "
+        "compute (`dapple.cost.host`). Earlier models, for comparison, on the wall-time "
         "profile taken alone and without host CPU: *old* - no sharing, every compute x "
         f"{flat.compute_slowdown:.2f} (the all-busy matmul slowdown); *sharing* - the simulator "
         f"with (c, E) only. Profiling (both) + calibration took {prep_s:.0f} s.",

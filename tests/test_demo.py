@@ -22,9 +22,9 @@ from dapple.cli._demo_plan import cost, is_uneven_pipeline, uneven_pipeline, why
 from dapple.cli._demo_run import median_step_ms, one_thread, run_progress
 from dapple.core.cluster import Cluster
 from dapple.core.plan import Plan, straight_plan
+from dapple.cost.pipeline import pipeline_latency
 from dapple.errors import ValidationError
 from dapple.planner import make_plan
-from dapple.planner.cost import pipeline_latency
 
 
 def test_unigram_entropy_of_known_distributions() -> None:

@@ -121,7 +121,7 @@ def plan(
         schedule: Run the planned stages under ``gpipe``, ``dapple``, ``interleaved`` or
             ``zbh1`` instead of the planner's choice (``dapple plan --schedule``); the
             predicted step is that schedule's
-            (:func:`dapple.planner.schedules.schedule_latency`). ``best``: the fastest
+            (:func:`dapple.cost.schedules.schedule_latency`). ``best``: the fastest
             simulated plan over every schedule and M that fits the memory
             (:func:`dapple.simulate.schedules.best_schedule`).
         virtual_stages: v, model chunks per device group with ``schedule="interleaved"``.
@@ -181,7 +181,7 @@ def plan(
         assert chosen is not None
         result = chosen
     elif schedule is not None:
-        from dapple.planner.schedules import schedule_latency
+        from dapple.cost.schedules import schedule_latency
         from dapple.simulate.schedules import with_schedule
 
         result = with_schedule(result, schedule, virtual_stages)

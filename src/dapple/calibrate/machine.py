@@ -4,11 +4,11 @@ backend, fitted to the cost model's link parameters (latency + bytes / bandwidth
 Design: N local processes (or a torchrun job) time a ping-pong between ranks 0 and 1 and an
 AllReduce over all ranks at several message sizes (median of repeats). The p2p one-way time
 ``t(n) = latency + n / bandwidth`` is fitted by least squares; the AllReduce fit inverts the ring
-model ``2(N-1)/N * n / bw + 2(N-1) * latency`` used by :func:`dapple.planner.cost.allreduce_ms`,
+model ``2(N-1)/N * n / bw + 2(N-1) * latency`` used by :func:`dapple.cost.comm.allreduce_ms`,
 and the bandwidth the cost model should use is the smaller of the two estimates' fits so both
 kinds of traffic are predicted from one link.
 
-Compute sharing (processor sharing in the simulator, :func:`dapple.planner.cost.
+Compute sharing (processor sharing in the simulator, :func:`dapple.cost.sharing.
 shared_compute_scale` in the cost model). The profile is taken in ONE process at
 ``runtime_threads(N)`` intra-op threads (``profile_workload(num_threads=runtime_threads(N))``),
 the thread count each of the N local workers runs with, so a worker computing *alone* runs at

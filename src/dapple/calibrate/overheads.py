@@ -1,6 +1,6 @@
 """Measure the runtime's host CPU overheads on this machine (for :mod:`dapple.calibrate`).
 
-The cost model's host terms (:mod:`dapple.planner.host`): ``action_overhead_ms``,
+The cost model's host terms (:mod:`dapple.cost.host`): ``action_overhead_ms``,
 ``step_overhead_ms`` and ``comm_cpu_ms_per_mb``. All are *CPU time* (``time.process_time``:
 every thread of the process, gloo's included), so they hold however many workers share the
 cores; the simulator shares them like compute.
@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from dapple.core.plan import Plan, straight_plan
 from dapple.core.profile import fit_affine
-from dapple.planner.host import MIB
+from dapple.cost.host import MIB
 
 __all__ = ["comm_cpu_fit", "runtime_overheads"]
 

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from dapple.core.cluster import Cluster
 from dapple.core.plan import Plan
 from dapple.core.profile import ModelProfile
+from dapple.cost.pipeline import pipeline_latency
 from dapple.errors import InfeasibleError, ValidationError
-from dapple.planner.cost import pipeline_latency
 from dapple.planner.evaluate import Scored, Scorer, StageSpec
 from dapple.planner.oracle import placements
 from dapple.planner.search import micro_batch_candidates

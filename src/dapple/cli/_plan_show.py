@@ -79,7 +79,7 @@ def mesh_columns(plan: Plan) -> tuple[list[str], Callable[[StagePlan], list[str]
 
 
 def stage_table(plan: Plan, profile: ModelProfile, cluster: Cluster) -> Table:
-    from dapple.planner.cost import pipeline_latency
+    from dapple.cost.pipeline import pipeline_latency
 
     r = pipeline_latency(plan, profile, cluster)
     t = Table(title=f"{plan.planner} plan of {profile.model_name} on {cluster.name}")
@@ -119,8 +119,8 @@ def schedule_stage_table(plan: Plan, profile: ModelProfile, cluster: Cluster) ->
     its device group, F_s and B_s of its slowest replica's slice, the transfer to the next
     stage, AR_s under its zero stage, and its group's peak memory replayed from the schedule's
     compute order (:func:`~dapple.cost.schedules.device_memory_by_group`)."""
+    from dapple.cost.schedules import device_memory_by_group
     from dapple.cost.terms import stage_terms
-    from dapple.planner.schedules import device_memory_by_group
 
     terms = stage_terms(plan, profile, cluster)
     memory = device_memory_by_group(plan, profile)
@@ -205,7 +205,7 @@ def plan_summary(plan: Plan, profile: ModelProfile, cluster: Cluster, dp_ms: flo
 def _latency_summary(
     plan: Plan, profile: ModelProfile, cluster: Cluster, dp_ms: float
 ) -> list[str]:
-    from dapple.planner.cost import pipeline_latency
+    from dapple.cost.pipeline import pipeline_latency
 
     r = pipeline_latency(plan, profile, cluster)  # each stage's zero stage is in the plan
     return [
@@ -222,7 +222,7 @@ def _latency_summary(
 def _step_rule_summary(
     plan: Plan, profile: ModelProfile, cluster: Cluster, dp_ms: float
 ) -> list[str]:
-    from dapple.planner.schedules import device_memory_by_group, schedule_latency
+    from dapple.cost.schedules import device_memory_by_group, schedule_latency
     from dapple.schedule.registry import get_schedule
 
     title = get_schedule(plan.schedule).title_of(plan)

@@ -199,8 +199,8 @@ def _dp_ms(profile: ModelProfile, cluster: Cluster, gbs: int) -> float:
 
 def run(args: argparse.Namespace) -> int:
     from dapple.core.cluster import load_cluster
+    from dapple.cost.lengths import profile_for_lengths
     from dapple.planner.config import check_interleave, tensor_width_list
-    from dapple.planner.lengths import profile_for_lengths
     from dapple.profiler.paper_models import PAPER_GLOBAL_BATCH, load_profile, paper_name
 
     if apply_plan_config(args, parse_seq_len):  # --config FILE, --print-config
@@ -253,7 +253,7 @@ def _under_schedule(plan: Plan, schedule: str, profile: ModelProfile, cluster: C
     """The planner's plan under ``--schedule`` costed by L (gpipe, dapple): an interleaved
     plan's chunks joined into one stage per device group
     (:func:`~dapple.simulate.schedules.with_schedule`), predicted by L (equations 1-3)."""
-    from dapple.planner.cost import pipeline_latency
+    from dapple.cost.pipeline import pipeline_latency
     from dapple.simulate.schedules import with_schedule
 
     plan = with_schedule(plan, schedule)
@@ -336,7 +336,7 @@ def _new_schedule(
 ) -> int:
     """The planner's stages under a ``--schedule`` with a step rule of its own (interleaved,
     zbh1): predicted and simulated."""
-    from dapple.planner.schedules import schedule_latency
+    from dapple.cost.schedules import schedule_latency
     from dapple.simulate import simulate
     from dapple.simulate.schedules import with_schedule
 

@@ -241,7 +241,7 @@ def _memory_table(
 
     from dapple.cli._console import console, print_table
     from dapple.core.cluster import load_cluster
-    from dapple.planner.cost import pipeline_latency
+    from dapple.cost.pipeline import pipeline_latency
     from dapple.profiler.paper_models import load_profile
     from dapple.runtime.optim_config import state_factor
     from dapple.schedule.registry import get_schedule
@@ -250,7 +250,7 @@ def _memory_table(
         load_profile(profile_spec), optimizer_state_factor=state_factor(optimizer, momentum)
     )
     if not get_schedule(plan.schedule).uses_pipeline_latency:  # not L's rows: replay its order
-        from dapple.planner.schedules import device_memory_by_group
+        from dapple.cost.schedules import device_memory_by_group
 
         estimate = device_memory_by_group(plan, profile)
     else:

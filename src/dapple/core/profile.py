@@ -7,7 +7,7 @@ batch sizes. Sizes are bytes; activation sizes are per sample.
 A model whose inputs have a dynamic dimension (a sequence length, :mod:`dapple.models.shapes`)
 may be measured at several lengths: :attr:`ModelProfile.by_length` then holds one
 :class:`LengthProfile` per length, and the planner interpolates between them in tokens
-(:mod:`dapple.planner.lengths`). A profile for a planned length distribution carries its layers
+(:mod:`dapple.cost.lengths`). A profile for a planned length distribution carries its layers
 at the mean length (times, and the bytes that cross a cut) and, in
 :attr:`ModelProfile.memory_at`, the layers at the longest length, which the memory model uses.
 """
@@ -379,7 +379,7 @@ class ModelProfile:
     --seq-lens``); empty: measured at one size."""
     memory_at: LengthProfile | None = None
     """The layers at the length the memory model plans for (the longest of a length
-    distribution, :mod:`dapple.planner.lengths`); None: ``layers``."""
+    distribution, :mod:`dapple.cost.lengths`); None: ``layers``."""
     schema_version: int = PROFILE_SCHEMA_VERSION
 
     def __post_init__(self) -> None:
