@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from dapple.core.plan import straight_plan
-from dapple.cost.memory import parameter_state_bytes
+from dapple.cost.memory import parameter_state_bytes, uncast_bytes, weight_cast_bytes
 from dapple.cost.peak_memory import (
     CUDA_WORKSPACE_BYTES,
     cast_bytes,
@@ -106,6 +106,20 @@ def test_embedding_is_not_cast_and_workspace_only_on_cuda():
         cast_parameters(SPEC, "head")
 
 
+def test_cast_cache_leaves_out_what_autocast_does_not_cast():
+    prof = _profile()
+    unsaid = dataclasses.replace(
+        prof, layers=tuple(dataclasses.replace(x, cast_parameter_bytes=None) for x in prof.layers)
+    )
+    table = 128256 * 4096  # embedding parameters: looked up, never cast
+    assert uncast_bytes(unsaid, (0, 2)) == 0
+    assert uncast_bytes(prof, (0, 1)) == 2 * table
+    assert weight_cast_bytes(prof, (0, 1)) == 0
+    assert parameter_state_bytes(unsaid, (0, 2)) - parameter_state_bytes(prof, (0, 2)) == (
+        2 * (table + 2 * 4096)  # 2 B per parameter of the table and block0's two norms
+    )
+
+
 def test_older_sum_bounds_the_first_stage_and_misses_the_loss():
     """The older sum (all gradients, a largest layer's gradient and K micro-batches at once)
     is above the step peak on stage 0 and below it on the loss stage."""
@@ -163,3 +177,16 @@ def test_cpu_tensor_accounting_within_10_percent():
     assert rows[0]["counted"] > 1.5 * 3 * params
     for r in rows:
         assert r["predicted"] == pytest.approx(r["counted"], rel=0.10), r
+
+
+def test_cast_parameter_bytes_round_trips_and_is_checked():
+    from dapple.core.profile import ModelProfile
+
+    prof = _profile()
+    back = ModelProfile.from_dict(prof.to_dict())
+    assert [x.cast_parameter_bytes for x in back.layers] == [
+        x.cast_parameter_bytes for x in prof.layers
+    ]
+    assert back.layers[0].cast_parameter_bytes == 0
+    with pytest.raises(ValidationError, match="cast_parameter_bytes"):
+        dataclasses.replace(prof.layers[1], cast_parameter_bytes=prof.layers[1].parameter_bytes + 1)

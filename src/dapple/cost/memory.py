@@ -31,6 +31,7 @@ __all__ = [
     "state_bytes_per_parameter_byte",
     "tensor_kept_bytes_per_sample",
     "tied_state_bytes_per_parameter_byte",
+    "uncast_bytes",
     "weight_cast_bytes",
     "zero2_staging_bytes",
     "zero_saved_bytes",
@@ -138,10 +139,32 @@ def state_bytes_per_parameter_byte(
 
 def weight_cast_bytes(profile: ModelProfile, layers: tuple[int, int]) -> float:
     """Autocast's low-precision copy of the weights of layers ``[start, end)`` (0 in fp32):
-    parameter count x 2 bytes, the parameters being fp32 (``parameter_bytes`` / 4)."""
+    cast parameter count x 2 bytes, the parameters being fp32 (``cast_parameter_bytes`` / 4,
+    all of ``parameter_bytes`` when the profile does not say)."""
     s, e = layers
-    params = sum(layer.parameter_bytes for layer in profile.layers[s:e])
+    params = sum(_cast_of(layer) for layer in profile.layers[s:e])
     return params * WEIGHT_CAST_FACTOR[profile.precision]
+
+
+def _cast_of(layer: LayerProfile) -> int:
+    c = layer.cast_parameter_bytes
+    return layer.parameter_bytes if c is None else c
+
+
+def uncast_bytes(
+    profile: ModelProfile, layers: tuple[int, int], tensor_width: int = 1, shards: int = 1
+) -> float:
+    """What :func:`state_bytes_per_parameter_byte`'s cast cache over-counts for layers
+    ``[start, end)``: 2 bytes per parameter autocast never casts (an embedding table is looked
+    up, a norm weight multiplied element-wise: ``parameter_bytes - cast_parameter_bytes``),
+    on one of ``tensor_width`` ranks (a shardable layer's share ``1/t``) and ``shards`` ZeRO-3
+    replicas re-gathering; 0 in fp32 or when the profile does not say."""
+    s, e = layers
+    total = 0.0
+    for layer in profile.layers[s:e]:
+        n = layer.parameter_bytes - _cast_of(layer)
+        total += n / tensor_width if layer.tensor_parallel else n
+    return total * WEIGHT_CAST_FACTOR[profile.precision] / shards
 
 
 def tied_state_bytes_per_parameter_byte(
@@ -195,7 +218,8 @@ def parameter_state_bytes(
     (:func:`state_bytes_per_parameter_byte`; 16 bytes per fp32 Adam parameter with the default
     factor 3 and no replicas, 18 under bf16/fp16 autocast; copies of tied parameters by
     :func:`tied_state_bytes_per_parameter_byte`), plus the gradients in flight during a
-    backward (:func:`gradients_in_flight_bytes`). On one rank of a tensor group of
+    backward (:func:`gradients_in_flight_bytes`), less the cast cache of the parameters
+    autocast never casts (:func:`uncast_bytes`). On one rank of a tensor group of
     ``tensor_width`` t, a shardable layer's untied parameters count ``1/t``
     (:func:`sharded_parameter_bytes`); ``regather``: ZeRO-3 re-gathers per
     micro-batch."""
@@ -206,11 +230,15 @@ def parameter_state_bytes(
     else:
         params = sharded_parameter_bytes(profile, layers, tensor_width)
     untied = params - within - cross
+    shards = replicas if zero_stage >= 3 and regather and replicas > 1 else 1
+    uncast = uncast_bytes(profile, layers, tensor_width, shards)
     if zero_stage >= 3 or tensor_width > 1:
-        return untied * state_bytes_per_parameter_byte(
-            profile, replicas, zero_stage, regather
-        ) + _tied_and_in_flight(profile, layers, replicas, zero_stage, tensor_width, regather)
-    return (
+        return (
+            untied * state_bytes_per_parameter_byte(profile, replicas, zero_stage, regather)
+            + _tied_and_in_flight(profile, layers, replicas, zero_stage, tensor_width, regather)
+            - uncast
+        )
+    return -uncast + (
         untied * state_bytes_per_parameter_byte(profile, replicas, zero_stage)
         + within * tied_state_bytes_per_parameter_byte(profile, replicas, zero_stage)
         + cross

@@ -172,11 +172,6 @@ def stage_peak(
     state = parameter_state_bytes(
         profile, stage.layers, stage.replicas, zero_stage, tensor_width=t, regather=stage.regather
     )
-    # the older model's cast of every parameter, less what autocast does not cast
-    over_cast = sum(
-        layer.parameter_bytes * WEIGHT_CAST_FACTOR[profile.precision] - cast_bytes(profile, layer)
-        for layer in layers
-    ) / (t if t > 1 else 1)
     cache = sum(cast_bytes(profile, layer) for layer in layers) / (t if t > 1 else 1)
     plain = t == 1 and (stage.replicas == 1 or zero_stage == 0)
     if plain:  # .grad set to None each step; the in-flight gradient is per layer below
@@ -186,14 +181,13 @@ def stage_peak(
         ]
         static = (
             state
-            - over_cast
             - gradients_in_flight_bytes(profile, stage.layers, stage.replicas, zero_stage)
             - sum(grads)
         )
     else:  # ZeRO buckets, shards, tensor ranks: the gradients stay as the older model counts
         grads = [0.0] * len(layers)
         in_flight_grad = [0.0] * len(layers)
-        static = state - over_cast
+        static = state
     kept = [tensor_kept_bytes_per_sample(layer, t) * samples for layer in layers]
     held_out = 0.0 if last else boundary_bytes(profile, e, samples)
     loss_kept, loss_backward = loss_bytes(profile, samples) if last else (0.0, 0.0)
