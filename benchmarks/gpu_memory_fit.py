@@ -96,8 +96,12 @@ WHY = [
     "own bf16 input copy, SDPA gets a materialised mask and K, V expanded to all heads: "
     "1,024.5 MiB per Llama-3-8B block and sample, where the analytic profile's bf16 count is 656.",
     "",
-    "Stage 0 stays 2% low (about 300 MiB); not accounted for: CUDA-only buffers of the embedding "
-    "backward and the gloo receive buffers, which the CPU count below does not have.",
+    "Stage 0 stays 2% low (about 300 MiB), and that with the block's weight gradient in flight "
+    "counted as the whole block's (1,248 MiB: a profile does not list a layer's tensors); its "
+    "largest weight (58.7M parameters, 336 MiB in bf16 and fp32) would give 13,313 MiB (0.92x). "
+    "So 300 to 1,200 MiB of stage 0 are not accounted for; candidates, not checked on a GPU: the "
+    "CUDA embedding backward's sort and segment buffers, the gloo receive and staging buffers of "
+    "two ranks sharing one GPU. The CPU count below has neither.",
 ]
 """The report's explanation (numbers from the accounting above, Llama-3-8B shapes)."""
 
