@@ -98,8 +98,8 @@ WHY = [
     "",
     "Stage 0 stays 2% low (about 300 MiB), and that with the block's weight gradient in flight "
     "counted as the whole block's (1,248 MiB: a profile does not list a layer's tensors); its "
-    "largest weight (58.7M parameters, 336 MiB in bf16 and fp32) would give 13,313 MiB (0.92x). "
-    "So 300 to 1,200 MiB of stage 0 are not accounted for; candidates, not checked on a GPU: the "
+    "largest weight (58.7M parameters, 336 MiB in bf16 and fp32) would move the peak to the embedding's backward (its 2,004 MiB fp32 gradient) at 13,956 MiB (0.96x). "
+    "So 300 to 570 MiB of stage 0 are not accounted for; candidates, not checked on a GPU: the "
     "CUDA embedding backward's sort and segment buffers, the gloo receive and staging buffers of "
     "two ranks sharing one GPU. The CPU count below has neither.",
 ]
