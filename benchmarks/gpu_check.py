@@ -145,6 +145,14 @@ def _summary(out: Path, part: str, names: list[str], results: dict[str, Any], dr
         f"- date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; cores "
         f"{gpu_common.cores()}; load average {load}",
         f"- every input and output: `{part}.tar.gz` (folder `{work.name}/`)",
+        *(
+            [
+                "- a dry run checks that every step runs and writes its files: its numbers (tiny "
+                "shapes, a shared CPU) measure nothing"
+            ]
+            if dry
+            else []
+        ),
         "",
         "| step | status | seconds | limit s |",
         "|---|---|---|---|",
@@ -170,7 +178,7 @@ def _summary(out: Path, part: str, names: list[str], results: dict[str, Any], dr
 
 def _run_step(name: str, work: Path, dry: bool, limit: float) -> dict[str, Any]:
     log = work / f"{name}.log"
-    part = work / f"{name}.json"
+    part = work / f"{name}.report.json"
     part.unlink(missing_ok=True)
     cmd = [sys.executable, __file__, "--step", name, "--work", str(work)]
     cmd += ["--dry-run"] if dry else []
@@ -227,7 +235,7 @@ def _one_step(name: str, work: Path, dry: bool) -> None:
     """Run one step in this process (the runner's child): its lines to ``WORK/<name>.json``."""
     step = _steps()[name]
     work.mkdir(parents=True, exist_ok=True)
-    gpu_common.SINK = work / f"{name}.json"
+    gpu_common.SINK = work / f"{name}.report.json"
     ctx = context(work, dry) if step.cuda else Ctx(work, dry, "cpu")
     lines = step.run(ctx)
     gpu_common.SINK.write_text(json.dumps(lines))

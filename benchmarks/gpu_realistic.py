@@ -171,7 +171,7 @@ def step_realistic(ctx: Ctx) -> list[str]:
         profiles[f"analytic {d}"].save(ctx.path(f"profile_llama_analytic_{d}.json"))
     fb = sum(lp.forward.at(2) + lp.backward.at(2) for lp in measured.layers)
     _say(lines)
-    _say(lines, f"- dapple's CUDA profile (1, 2) in {time.perf_counter() - t0:.0f} s: forward + "
+    _say(lines, f"- dapple's {ctx.device} profile (1, 2) in {time.perf_counter() - t0:.0f} s: forward + "
                 f"backward of every layer at b=2 sums to {fb:.1f} ms")  # fmt: skip
     name = "h200-8x" if "h200-8x" in PRESETS else "h100-8x"
     cluster = PRESETS[name]
@@ -191,8 +191,8 @@ def step_realistic(ctx: Ctx) -> list[str]:
     for label, plan, mem in (("1 stage", one, [one_peak]), ("1:1", two, two_peaks)):
         planned = {c: _planned(plan, p, cluster) for c, p in profiles.items()}
         for i, m in enumerate(mem):
-            cells = " | ".join(f"{planned[c][i]:.0f} | {m / planned[c][i]:.2f}" for c in cols)
-            _say(lines, f"| {label} | {i} | {m:.0f} | {cells} |")
+            cells = " | ".join(f"{planned[c][i]:.1f} | {m / planned[c][i]:.2f}" for c in cols)
+            _say(lines, f"| {label} | {i} | {m:.1f} | {cells} |")
             table.append({"plan": label, "stage": i, "measured_mib": m,
                           "planned_mib": {c: planned[c][i] for c in cols}})  # fmt: skip
     save_json(ctx, "realistic_memory.json", table)

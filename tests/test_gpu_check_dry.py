@@ -43,6 +43,11 @@ def test_the_dry_run_runs_every_step_and_writes_its_inputs(tmp_path: Path) -> No
         env=env, capture_output=True, text=True, timeout=1800, check=False,
     )  # fmt: skip
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    check_output(tmp_path)
+
+
+def check_output(tmp_path: Path) -> None:
+    """Every step ok; the files a GPU run writes are there, packed, and parse."""
     gpu, cpu = (tmp_path / "gpu.md").read_text(), (tmp_path / "cpu.md").read_text()
     assert _statuses(gpu) == dict.fromkeys(GPU_STEPS, "ok"), gpu[:3000]
     assert _statuses(cpu) == dict.fromkeys(CPU_STEPS, "ok"), cpu[:3000]
