@@ -352,12 +352,17 @@ def calibrate(
         repeats: timed repetitions per size (median).
 
     Raises:
-        ValidationError: ``nproc < 2``; a worker failed (the message names every failed rank's
-            exit code or signal), or the workers were stopped by SIGTERM or SIGINT and the
+        ValidationError: ``nproc < 2``, ``repeats < 1`` or fewer than 2 sizes; a worker
+            failed (the message names every failed rank's exit code or signal), or the
+            workers were stopped by SIGTERM or SIGINT and the
             caller's own handler of it returned.
     """
     from dapple.errors import ValidationError
 
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValidationError(f"calibrate needs --repeats >= 1, got {repeats!r}")
+    if len(sizes) < 2:
+        raise ValidationError(f"calibrate needs at least 2 message sizes to fit, got {len(sizes)}")
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return _calibrate_under_torchrun(sizes, repeats)
     if nproc < 2:

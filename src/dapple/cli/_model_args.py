@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 from typing import Any
 
 from dapple.errors import ValidationError
@@ -149,12 +150,30 @@ def parse_dynamic_dims(
     return out
 
 
+def _checked_weights(path: str) -> str:
+    """``--weights PATH`` when it names a directory or a non-empty file: checked here, before
+    any worker starts (the weights themselves are read as the model loads).
+
+    Raises:
+        ValidationError: a missing path, an empty file or an empty directory.
+    """
+    p = Path(path)
+    if not p.exists():
+        raise ValidationError(f"--weights {path!r}: no such file or directory")
+    if p.is_file() and p.stat().st_size == 0:
+        raise ValidationError(f"--weights {path!r} is an empty file")
+    if p.is_dir() and not any(p.iterdir()):
+        raise ValidationError(f"--weights {path!r} is an empty directory")
+    return path
+
+
 def model_overrides(args: argparse.Namespace) -> dict[str, Any]:
     """Keyword arguments for ``load_workload`` from ``--set``, ``--split-at``, ``--weights`` and
     ``--dynamic-dims``.
 
     Raises:
-        ValidationError: a ``--set`` item without ``=``, a bad ``--dynamic-dims`` item.
+        ValidationError: a ``--set`` item without ``=``, a bad ``--dynamic-dims`` item, a
+            missing or empty ``--weights``.
     """
     from dapple.models.split import parse_split_at
 
@@ -163,7 +182,7 @@ def model_overrides(args: argparse.Namespace) -> dict[str, Any]:
     if names:
         out["split_at"] = names
     if getattr(args, "weights", None):
-        out["weights"] = args.weights
+        out["weights"] = _checked_weights(args.weights)
     dims = parse_dynamic_dims(getattr(args, "dynamic_dims", None) or [])
     if dims:
         out["dynamic_dims"] = dims

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import math
 
 from rich.table import Table
 
 from dapple.cli._console import StepProgress, console, print_table
+from dapple.core.output_path import check_output_file
+from dapple.errors import ValidationError
 
 __all__ = ["register"]
 
@@ -25,6 +28,17 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 def run(args: argparse.Namespace) -> int:
     from dapple.calibrate.machine import DEFAULT_SIZES, calibrate
 
+    check_output_file(args.output, "--output cluster file")
+    least = DEFAULT_SIZES[1] / (1 << 20)
+    if not (math.isfinite(args.max_mb) and args.max_mb >= least):
+        raise ValidationError(
+            f"--max-mb must be a number >= {least:g} (two message sizes to fit a line through), "
+            f"got {args.max_mb}"
+        )
+    if args.repeats < 1:
+        raise ValidationError(f"--repeats must be >= 1, got {args.repeats}")
+    if args.nproc < 2:
+        raise ValidationError(f"calibrate needs --nproc >= 2 to measure links, got {args.nproc}")
     sizes = tuple(s for s in DEFAULT_SIZES if s <= args.max_mb * (1 << 20))
     con = console()
     with StepProgress("calibrate", detail=f"measuring {args.nproc} gloo processes", console=con):

@@ -37,7 +37,6 @@ from rich.table import Table
 from dapple.cli._console import StepProgress, console, format_seconds, print_table
 from dapple.cli._demo_run import median_step_ms, one_thread, run_progress
 from dapple.cli._model_args import add_model_argument
-from dapple.errors import ValidationError
 
 if TYPE_CHECKING:
     from dapple.cli._demo_plan import Costed
@@ -102,17 +101,13 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 def run(args: argparse.Namespace) -> int:
     import numpy as np
 
+    from dapple.cli._demo_args import check_demo_args
     from dapple.cli._demo_corpus import nats_to_bits, stdlib_sources, unigram_entropy
     from dapple.datasets import TokenFile, prepare
 
-    if args.nproc < 3:
-        raise ValidationError(
-            f"--nproc {args.nproc}: the demo runs a pipeline with uneven replication, which "
-            "needs at least 3 processes (2:1)"
-        )
+    out = check_demo_args(args)
     started = time.monotonic()
     con = console()
-    out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     overrides: dict[str, Any] = {"seq": args.seq_len}
     if args.model == "transformer":

@@ -23,8 +23,10 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 def run(args: argparse.Namespace) -> int:
     from dapple.cli._console import console
     from dapple.cli.profile_cmd import print_profile
+    from dapple.core.output_path import check_output_file
     from dapple.profiler.pipedream import import_pipedream
 
+    check_output_file(args.output, "--output profile file")
     prof = import_pipedream(args.graph, batch_size=args.batch_size, model_name=args.name)
     con = console()
     print_profile(con, prof)

@@ -217,6 +217,9 @@ def _run_analytic(args: argparse.Namespace, sizes: list[int], lens: list[int] | 
 
 
 def run(args: argparse.Namespace) -> int:
+    from dapple.core.output_path import check_output_file
+
+    check_output_file(args.output, "--output profile file")  # before any measuring
     sizes = parse_batch_sizes(args.batch_sizes)
     if args.analytic:
         return _run_analytic(args, sizes, _lengths(args.seq_lens))

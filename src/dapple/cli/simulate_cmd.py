@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+from pathlib import Path
 
 from rich.table import Table
 
@@ -12,6 +13,7 @@ from dapple.cli._console import console, print_table
 from dapple.cli._run_args import add_virtual_stages_argument
 from dapple.core.cluster import describe_presets
 from dapple.core.plan import Plan
+from dapple.errors import ValidationError
 from dapple.schedule.registry import check_virtual_stages, get_schedule, schedule_names
 
 __all__ = ["register"]
@@ -62,6 +64,7 @@ def run(args: argparse.Namespace) -> int:
     from dapple.simulate import simulate
     from dapple.simulate.schedules import baseline_first, compared_plan, with_schedule
 
+    _check_outputs(args)
     plan = Plan.load(args.plan)
     profile = load_profile(args.profile)
     cluster = load_cluster(args.cluster, args.servers)
@@ -121,6 +124,34 @@ def run(args: argparse.Namespace) -> int:
         write_trace(runs[0][1], args.trace)
         con.print(f"wrote {args.trace}")
     return 0
+
+
+IMAGE_SUFFIXES = (".png", ".svg", ".svgz", ".pdf", ".eps", ".ps", ".jpg", ".jpeg", ".tif",
+                  ".tiff", ".webp")  # fmt: skip
+"""Picture formats ``--gantt``, ``--memory`` and ``--layout`` write (matplotlib's, with Pillow)."""
+
+
+def _check_outputs(args: argparse.Namespace) -> None:
+    """Every file asked for can be written, and each picture has a known format, before any
+    simulation.
+
+    Raises:
+        ValidationError: naming the option and the path.
+    """
+    from dapple.core.output_path import check_output_file
+
+    for opt in ("gantt", "memory", "layout", "trace"):
+        path = getattr(args, opt)
+        if path is None:
+            continue
+        what = f"--{opt} file"
+        suffix = Path(path).suffix.lower()
+        if opt != "trace" and suffix not in IMAGE_SUFFIXES:
+            raise ValidationError(
+                f"{what} {path!r}: unknown picture format {suffix or '(none)'!r}; use one of "
+                f"{', '.join(IMAGE_SUFFIXES)}"
+            )
+        check_output_file(path, what)
 
 
 def _title(plan: Plan) -> str:

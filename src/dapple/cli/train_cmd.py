@@ -18,6 +18,7 @@ import dataclasses
 import os
 import statistics
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dapple.cli._config_args import add_config_arguments
@@ -322,6 +323,11 @@ def run_config(cfg: RunConfig) -> int:
     flags = flags_of(cfg)  # what the helpers dapple verify shares read
     plan = load_run_plan(flags)
     _check_output(cfg.train.metrics_path, "--metrics file")
+    if cfg.train.tensorboard_dir is not None and int(os.environ.get("RANK", "0")) == 0:
+        tb = Path(cfg.train.tensorboard_dir)  # the writer makes the folder and writes in it
+        if tb.exists() and not tb.is_dir():
+            raise ValidationError(f"--tensorboard {str(tb)!r} is a file, not a directory")
+        check_output_file(tb / "events", "--tensorboard directory", make_parents=True)
     curve = loss_curve_path(flags)
     _check_output(curve, "loss curve")
     with _early_workers(flags, len(plan.devices)) as early:

@@ -3,31 +3,72 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
 from dapple.errors import ValidationError
 
-__all__ = ["check_schema_version", "get_field", "load_json_file", "require"]
+__all__ = [
+    "as_float",
+    "check_schema_version",
+    "get_field",
+    "load_json_file",
+    "parse_json_text",
+    "read_text_file",
+    "require",
+]
+
+
+def read_text_file(path: str | Path, what: str) -> str:
+    """The UTF-8 text of file ``path``; ``what`` names the file in errors (``"cluster file"``).
+
+    Raises:
+        ValidationError: the file is missing, a directory, unreadable, or not UTF-8 text (the
+            message names the first bad byte and its offset).
+    """
+    p = Path(path)
+    try:
+        raw = p.read_bytes()
+    except OSError as e:
+        raise ValidationError(f"cannot read {what} {str(p)!r}: {e.strerror or e}") from None
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValidationError(
+            f"{what} {str(p)!r} is not UTF-8 text: byte 0x{raw[e.start]:02x} at offset {e.start} "
+            "(a binary file?)"
+        ) from None
+
+
+def parse_json_text(text: str, where: str) -> Any:
+    """``json.loads(text)``; ``where`` (e.g. ``"plan file 'p.json'"``) names the text in errors.
+
+    Raises:
+        ValidationError: not JSON, or nested deeper than the parser can follow.
+    """
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValidationError(
+            f"{where} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}"
+        ) from None
+    except RecursionError:
+        raise ValidationError(
+            f"{where} is nested too deeply (arrays or objects over ~{sys.getrecursionlimit()} "
+            "levels)"
+        ) from None
 
 
 def load_json_file(path: str | Path, what: str) -> dict[str, Any]:
     """Read a JSON object from ``path``; ``what`` names the document in errors.
 
     Raises:
-        ValidationError: the file is missing, unreadable, not JSON or not an object.
+        ValidationError: the file is missing, unreadable, not UTF-8, not JSON (or nested too
+            deeply) or not an object.
     """
     p = Path(path)
-    try:
-        text = p.read_text()
-    except OSError as e:
-        raise ValidationError(f"cannot read {what} file {str(p)!r}: {e.strerror or e}") from e
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValidationError(
-            f"{what} file {str(p)!r} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}"
-        ) from e
+    data = parse_json_text(read_text_file(p, f"{what} file"), f"{what} file {str(p)!r}")
     if not isinstance(data, dict):
         raise ValidationError(
             f"{what} file {str(p)!r} must hold a JSON object, got {type(data).__name__}"
@@ -62,6 +103,20 @@ def check_schema_version(data: dict[str, Any], current: int, what: str) -> None:
         v <= current,
         f"{what}: schema_version {v} is newer than this dapple understands ({current}); upgrade dapple",
     )
+
+
+def as_float(x: Any, what: str) -> float:
+    """``float(x)`` for a JSON number (or a string holding one); ``what`` names the field.
+
+    Raises:
+        ValidationError: ``x`` is no number (a list, an object, a boolean, ``null``, text).
+    """
+    if isinstance(x, bool) or not isinstance(x, (int, float, str)):
+        raise ValidationError(f"{what} must be a number, got {x!r}")
+    try:
+        return float(x)
+    except (ValueError, OverflowError):
+        raise ValidationError(f"{what} must be a number, got {x!r}") from None
 
 
 def get_field(data: dict[str, Any], key: str, what: str) -> Any:

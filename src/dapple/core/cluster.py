@@ -18,6 +18,7 @@ from dapple.core._json import (
     check_schema_version,
     get_field,
     load_json_file,
+    read_text_file,
     require,
     save_json_file,
 )
@@ -384,10 +385,13 @@ def load_cluster(spec: str, servers: int | None = None) -> Cluster:
                 f"unknown cluster {spec!r}: not a preset ({', '.join(sorted(PRESETS))}) nor an existing file"
             )
         if p.suffix == ".toml":
+            text = read_text_file(p, "cluster file")
             try:
-                data = tomllib.loads(p.read_text())
-            except (OSError, tomllib.TOMLDecodeError) as e:
-                raise ValidationError(f"cluster file {spec!r} is not valid TOML: {e}") from e
+                data = tomllib.loads(text)
+            except tomllib.TOMLDecodeError as e:
+                raise ValidationError(f"cluster file {spec!r} is not valid TOML: {e}") from None
+            except RecursionError:
+                raise ValidationError(f"cluster file {spec!r} is nested too deeply") from None
         else:
             data = load_json_file(p, "cluster")
         c = Cluster.from_dict(data, name=p.stem)

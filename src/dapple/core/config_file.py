@@ -26,6 +26,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar, Union
 
+from dapple.core._json import read_text_file
 from dapple.errors import ValidationError
 
 if sys.version_info >= (3, 11):
@@ -71,14 +72,13 @@ def read_toml(path: str | Path) -> dict[str, Any]:
         ValidationError: a missing or unreadable file, or a TOML syntax error (with its line).
     """
     p = Path(path)
-    try:
-        text = p.read_text(encoding="utf-8")
-    except OSError as e:
-        raise ValidationError(f"config file {str(p)!r}: {e.strerror or e}") from None
+    text = read_text_file(p, "config file")
     try:
         data: dict[str, Any] = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise ValidationError(f"config file {str(p)!r}: {e}") from None
+    except RecursionError:
+        raise ValidationError(f"config file {str(p)!r} is nested too deeply") from None
     return data
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Literal, Protocol
 
 from dapple.core._json import (
+    as_float,
     check_schema_version,
     get_field,
     load_json_file,
@@ -365,7 +366,7 @@ class Plan:
             schedule=d.get("schedule", DEFAULT_SCHEDULE),
             policy=d.get("policy", "A"),
             virtual_stages=d.get("virtual_stages", 1),
-            predicted_step_ms=math.nan if pred is None else float(pred),
+            predicted_step_ms=math.nan if pred is None else as_float(pred, "predicted_step_ms"),
             seq_len=d.get("seq_len"),
             max_seq_len=d.get("max_seq_len"),
             planned_with=None

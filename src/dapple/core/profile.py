@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from dapple.core._json import (
+    as_float,
     check_schema_version,
     get_field,
     load_json_file,
@@ -75,8 +76,8 @@ class AffineTime:
             isinstance(d, dict), f"{what} must be an object with fixed_ms/per_sample_ms, got {d!r}"
         )
         return AffineTime(
-            fixed_ms=float(get_field(d, "fixed_ms", what)),
-            per_sample_ms=float(get_field(d, "per_sample_ms", what)),
+            fixed_ms=as_float(get_field(d, "fixed_ms", what), f"{what}.fixed_ms"),
+            per_sample_ms=as_float(get_field(d, "per_sample_ms", what), f"{what}.per_sample_ms"),
         )
 
 

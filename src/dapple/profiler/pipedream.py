@@ -25,6 +25,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from dapple.core._json import read_text_file
 from dapple.core.profile import AffineTime, LayerProfile, ModelProfile
 from dapple.errors import ValidationError
 
@@ -248,10 +249,7 @@ def import_pipedream(
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValidationError(f"--batch-size must be a positive integer, got {batch_size!r}")
     p = Path(path)
-    try:
-        text = p.read_text()
-    except OSError as e:
-        raise ValidationError(f"cannot read PipeDream graph {str(p)!r}: {e.strerror or e}") from e
+    text = read_text_file(p, "PipeDream graph")
     graph = parse_graph(text, str(p))
     order = linearise(graph)
     crossing = cut_bytes(order, graph.edges)

@@ -122,6 +122,8 @@ class TrainConfig:
             )
         if not (self.lr > 0):
             raise ValidationError(f"lr must be > 0, got {self.lr}")
+        if not math.isfinite(self.lr):
+            raise ValidationError(f"lr must be finite, got {self.lr}")
         if not (self.timeout_s > 0):
             raise ValidationError(f"timeout_s must be > 0, got {self.timeout_s}")
         if self.device not in ("auto", "cpu", "cuda"):

@@ -22,6 +22,7 @@ from dapple.models.zoo.cnn import resnet50, vgg19
 from dapple.models.zoo.common import generator
 from dapple.models.zoo.gnmt import gnmt
 from dapple.models.zoo.mlp import mlp
+from dapple.models.zoo.override_check import check_override_types
 from dapple.models.zoo.transformer import transformer
 
 __all__ = ["HF_PREFIX", "NAMES", "get_workload", "load_workload", "workload_from_sequential"]
@@ -75,6 +76,7 @@ def get_workload(name: str, **overrides: Any) -> Workload:
     if name not in _REGISTRY:
         raise ValidationError(f"unknown model {name!r}; known: {', '.join(NAMES)}")
     builder, preset = _REGISTRY[name]
+    check_override_types(builder, f"model {name!r}", overrides)
     return _call(builder, f"model {name!r}", {**preset, **overrides})  # type: ignore[no-any-return]
 
 

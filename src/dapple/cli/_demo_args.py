@@ -1,0 +1,41 @@
+"""``dapple demo``'s arguments, checked before anything is written or measured: a run that
+would be refused 30-50 s in (after the profile and calibration), or leave a partial
+``--out-dir`` behind, is refused in one line at once."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from pathlib import Path
+
+from dapple.core.output_path import check_output_file
+from dapple.errors import ValidationError
+
+__all__ = ["check_demo_args"]
+
+
+def check_demo_args(args: argparse.Namespace) -> Path:
+    """Check the demo's counts, corpus size and output directory; returns ``--out-dir``.
+
+    Raises:
+        ValidationError: naming the first offending flag and its value.
+    """
+    if args.nproc < 3:
+        raise ValidationError(
+            f"--nproc {args.nproc}: the demo runs a pipeline with uneven replication, which "
+            "needs at least 3 processes (2:1)"
+        )
+    for flag, value in (
+        ("--steps", args.steps),
+        ("--global-batch-size", args.global_batch_size),
+        ("--seq-len", args.seq_len),
+    ):
+        if value < 1:
+            raise ValidationError(f"{flag} must be >= 1, got {value}")
+    if not (math.isfinite(args.corpus_mib) and args.corpus_mib > 0):
+        raise ValidationError(f"--corpus-mib must be a number > 0, got {args.corpus_mib}")
+    out = Path(args.out_dir)
+    if out.exists() and not out.is_dir():
+        raise ValidationError(f"--out-dir {str(out)!r} is a file, not a directory")
+    check_output_file(out / "summary.json", "--out-dir", make_parents=True)
+    return out
