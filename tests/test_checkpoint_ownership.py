@@ -144,3 +144,24 @@ def test_prepare_replaces_only_its_own_output(
     assert _prepare(str(t), "-o", str(out)) == 0  # a re-run replaces its own output
     assert _prepare(str(t), "-o", str(tmp_path / "out" / "other.bin")) == 2  # another's meta
     one_error_line(capsys, "not the meta file dapple data prepare wrote for 'other.bin'")
+
+
+# -- a resume that would train nothing is refused (issue 47, item 6) -----------------------------
+
+
+def test_resume_with_steps_already_done_is_refused(tmp_path: Path) -> None:
+    from torch import nn
+
+    import runtime_workloads as rw
+    from dapple.cli.train_cmd import check_long_run
+    from dapple.runtime.checkpoint import CheckpointMeta, save_checkpoint, stage_layer_states
+
+    m = nn.Sequential(*[nn.Linear(2, 2) for _ in range(4)])
+    meta = CheckpointMeta(model_name="test-mlp", num_layers=4, step=5)
+    save_checkpoint(tmp_path, meta, stage_layer_states(m, 0))
+    for steps in (3, 5):
+        with pytest.raises(
+            CheckpointError, match=rf"at step 5, which already covers --steps {steps}"
+        ):
+            check_long_run(str(tmp_path), rw.mlp(), 4, resume=True, steps=steps)
+    check_long_run(str(tmp_path), rw.mlp(), 4, resume=True, steps=6)  # one step to go: fine

@@ -87,7 +87,7 @@ def launches(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
 def _train(tmp: Path, ck: Path | str, *extra: str, layers: int = 4) -> list[str]:
     plan = tmp / f"plan{layers}.json"
     straight_plan(layers, [0], global_batch_size=G, num_micro_batches=M).save(plan)
-    return ["train", "--plan", str(plan), "--model", "runtime_workloads:mlp", "--steps", "2",
+    return ["train", "--plan", str(plan), "--model", "runtime_workloads:mlp", "--steps", "4",
             "--checkpoint-dir", str(ck), *extra]  # fmt: skip
 
 

@@ -56,7 +56,9 @@ def gib_text(v: float) -> str:
 
 def speedup_text(dp_ms: float, ms: float) -> str:
     """The speed-up of a step of ``ms`` over data parallelism's ``dp_ms`` (NaN: infeasible)."""
-    return "dp infeasible" if math.isnan(dp_ms) else f"{dp_ms / ms:.2f}x"
+    return (
+        "n/a (data parallelism alone does not fit)" if math.isnan(dp_ms) else f"{dp_ms / ms:.2f}x"
+    )
 
 
 def mesh_columns(plan: Plan) -> tuple[list[str], Callable[[StagePlan], list[str]]]:

@@ -141,18 +141,22 @@ def check_long_run(
     overwrite: bool = False,
     optimizer: str | None = None,
     save_every: int = 0,
+    steps: int | None = None,
 ) -> None:
     """Before any worker gets its run, and without creating anything: the checkpoint directory is
     writable; with ``resume`` the newest intact checkpoint (every file's size and hash as its
     manifest lists, optimizer state whole; damaged newer ones are passed over with a warning)
     is of this model and ``optimizer`` and the plan covers the model - no checkpoint at all is
     a warning, or an error with ``require_resume``; without ``resume`` the directory holds no
-    checkpoints unless ``overwrite`` (a warning then). Warnings go to stderr, one line each.
+    checkpoints unless ``overwrite`` (a warning then); with ``steps`` the checkpoint resumed
+    is below it (a run asked for no more steps than are done would do nothing). Warnings go
+    to stderr, one line each.
 
     Raises:
         ValidationError: ``resume`` and ``overwrite`` together.
         CheckpointError: unwritable directory, no intact or a foreign checkpoint to resume,
-            nothing to resume with ``require_resume``, or checkpoints of another run.
+            nothing to resume with ``require_resume``, a checkpoint at or past ``steps``, or
+            checkpoints of another run.
     """
     from dapple.runtime.checkpoint import (
         CheckpointError,
@@ -193,6 +197,12 @@ def check_long_run(
             )
             for line in point.skipped:
                 _warn(f"{line}; resuming from the older step {ck.step} ({str(ck.path)!r})")
+            if steps is not None and ck.step >= steps:
+                raise CheckpointError(
+                    f"--resume: the checkpoint {str(ck.path)!r} is at step {ck.step}, which "
+                    f"already covers --steps {steps}: nothing to train; pass --steps above "
+                    f"{ck.step} to go on"
+                )
     elif overwrite:
         refuse_foreign(
             checkpoint_dir,
@@ -213,6 +223,14 @@ def check_long_run(
             "start over (or choose an empty directory)",
         )
     check_writable(checkpoint_dir)
+
+
+def _restarted(cfg: RunConfig) -> bool:
+    """Under ``torchrun``, a restarted attempt or an elastic run: it resumes whatever step it
+    finds (a run whose last save came just before a failure ends at once, not in an error)."""
+    if "RANK" not in os.environ:
+        return False
+    return cfg.run.elastic or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
 
 
 def _phase(line: str) -> None:
@@ -383,6 +401,7 @@ def _checked_train(
             overwrite=t.overwrite_checkpoints,
             optimizer=t.optimizer,
             save_every=t.save_every,
+            steps=None if _restarted(cfg) else t.steps,
         )
     if cfg.run.profile is not None:
         note_profile_precision(cfg.run.profile, t.precision)

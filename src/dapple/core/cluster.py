@@ -205,7 +205,7 @@ class Cluster:
 
     def with_servers(self, servers: int) -> Cluster:
         """The same cluster with another number of servers (the ``--servers`` override)."""
-        return dataclasses.replace(self, servers=servers, name=f"{self.name}x{servers}")
+        return dataclasses.replace(self, servers=servers, name=f"{self.name} ({servers} servers)")
 
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -65,7 +65,7 @@ class EarlyWorkers:
         self, nprocs: int, spec: str, overrides: Mapping[str, Any], *, echo: bool = False
     ) -> None:
         """Start the workers (saying ``start-up: starting N processes`` with ``echo``)."""
-        announce(f"start-up: starting {nprocs} processes", echo)
+        announce(f"start-up: starting {nprocs} process{'es' if nprocs != 1 else ''}", echo)
         ctx = mp.get_context("spawn")  # the launcher itself is each worker's parent
         sock = listener()  # rank 0's store address, bound before any worker looks for it
         port, me = int(sock.getsockname()[1]), os.getpid()

@@ -388,7 +388,7 @@ def train(
         early.close()  # started for another plan
         early = None
     if early is None:
-        announce(f"start-up: starting {world} processes", cfg.echo)
+        announce(f"start-up: starting {world} process{'es' if world != 1 else ''}", cfg.echo)
     else:
         announce(f"start-up: checks done, the run goes to the {world} processes", cfg.echo)
     with tempfile.TemporaryDirectory(prefix="dapple-train-") as tmp:
