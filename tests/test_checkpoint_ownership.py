@@ -165,3 +165,19 @@ def test_resume_with_steps_already_done_is_refused(tmp_path: Path) -> None:
         ):
             check_long_run(str(tmp_path), rw.mlp(), 4, resume=True, steps=steps)
     check_long_run(str(tmp_path), rw.mlp(), 4, resume=True, steps=6)  # one step to go: fine
+
+
+def test_resume_on_synthetic_batches_with_another_seed_is_refused(tmp_path: Path) -> None:
+    from torch import nn
+
+    import runtime_workloads as rw
+    from dapple.cli.train_cmd import check_long_run
+    from dapple.runtime.checkpoint import CheckpointMeta, save_checkpoint, stage_layer_states
+
+    m = nn.Sequential(*[nn.Linear(2, 2) for _ in range(4)])
+    meta = CheckpointMeta(model_name="test-mlp", num_layers=4, step=1, extra={"seed": 3})
+    save_checkpoint(tmp_path, meta, stage_layer_states(m, 0))
+    with pytest.raises(CheckpointError, match=r"synthetic batches of --seed 3, not 4.*--seed 3"):
+        check_long_run(str(tmp_path), rw.mlp(), 4, resume=True, synthetic_seed=4)
+    check_long_run(str(tmp_path), rw.mlp(), 4, resume=True, synthetic_seed=3)
+    check_long_run(str(tmp_path), rw.mlp(), 4, resume=True)  # a --data run: checked with the data

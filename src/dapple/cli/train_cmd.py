@@ -142,6 +142,7 @@ def check_long_run(
     optimizer: str | None = None,
     save_every: int = 0,
     steps: int | None = None,
+    synthetic_seed: int | None = None,
 ) -> None:
     """Before any worker gets its run, and without creating anything: the checkpoint directory is
     writable; with ``resume`` the newest intact checkpoint (every file's size and hash as its
@@ -149,14 +150,15 @@ def check_long_run(
     is of this model and ``optimizer`` and the plan covers the model - no checkpoint at all is
     a warning, or an error with ``require_resume``; without ``resume`` the directory holds no
     checkpoints unless ``overwrite`` (a warning then); with ``steps`` the checkpoint resumed
-    is below it (a run asked for no more steps than are done would do nothing). Warnings go
-    to stderr, one line each.
+    is below it (a run asked for no more steps than are done would do nothing); with
+    ``synthetic_seed`` (a run on synthetic batches) a checkpoint saved on synthetic batches
+    has that seed (as ``--data`` runs must keep theirs). Warnings go to stderr, one line each.
 
     Raises:
         ValidationError: ``resume`` and ``overwrite`` together.
         CheckpointError: unwritable directory, no intact or a foreign checkpoint to resume,
-            nothing to resume with ``require_resume``, a checkpoint at or past ``steps``, or
-            checkpoints of another run.
+            nothing to resume with ``require_resume``, a checkpoint at or past ``steps`` or of
+            another seed, or checkpoints of another run.
     """
     from dapple.runtime.checkpoint import (
         CheckpointError,
@@ -197,6 +199,18 @@ def check_long_run(
             )
             for line in point.skipped:
                 _warn(f"{line}; resuming from the older step {ck.step} ({str(ck.path)!r})")
+            saved_seed = ck.meta.extra.get("seed")
+            if (
+                synthetic_seed is not None
+                and ck.meta.extra.get("data") is None
+                and saved_seed is not None
+                and saved_seed != synthetic_seed
+            ):
+                raise CheckpointError(
+                    f"--resume: the checkpoint {str(ck.path)!r} was trained on synthetic batches "
+                    f"of --seed {saved_seed}, not {synthetic_seed}: the run would not continue "
+                    f"it; pass --seed {saved_seed}"
+                )
             if steps is not None and ck.step >= steps:
                 raise CheckpointError(
                     f"--resume: the checkpoint {str(ck.path)!r} is at step {ck.step}, which "
@@ -402,6 +416,7 @@ def _checked_train(
             optimizer=t.optimizer,
             save_every=t.save_every,
             steps=None if _restarted(cfg) else t.steps,
+            synthetic_seed=t.seed if data is None else None,
         )
     if cfg.run.profile is not None:
         note_profile_precision(cfg.run.profile, t.precision)
