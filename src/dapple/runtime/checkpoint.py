@@ -52,7 +52,6 @@ from dapple.runtime.checkpoint_files import (
     atomic_write,
     capture_rng_state,
     check_files,
-    check_writable,
     delete_checkpoints,
     describe_steps,
     fsync_dir,
@@ -68,6 +67,7 @@ from dapple.runtime.checkpoint_files import (
     step_dir,
     to_bytes,
 )
+from dapple.runtime.checkpoint_probe import check_writable
 
 __all__ = [
     "CHECKPOINT_SCHEMA_VERSION",

@@ -6,7 +6,6 @@ Private to :mod:`dapple.runtime.checkpoint`, which re-exports the public names.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import io
 import json
@@ -353,7 +352,7 @@ def list_checkpoints(root: str | Path) -> list[Path]:
     try:
         entries = list(Path(root).iterdir())
     except (FileNotFoundError, NotADirectoryError):  # absent, or removed meanwhile by another
-        return []  # rank's write probe (:func:`check_writable`)
+        return []  # rank's write probe (:func:`dapple.runtime.checkpoint_probe.check_writable`)
     found = [(int(m.group(1)), p) for p in entries if (m := _STEP_DIR.match(p.name)) and p.is_dir()]
     return [p for _, p in sorted(found)]
 
@@ -491,53 +490,3 @@ def refuse_occupied(root: str | Path, how: str) -> None:
             f"checkpoint directory {str(root)!r} already holds checkpoints ({describe_steps(dirs)})"
             f" of another run; {how}"
         )
-
-
-def check_writable(root: str | Path) -> Path:
-    """Prove a file can be written in ``root`` (before training), leaving nothing behind: the
-    directories it creates for the probe are removed again (the first save creates them).
-
-    Safe when several ranks check the same directory at once: a directory another rank made
-    is not removed, and one that another rank removed mid-check is made again.
-
-    Raises:
-        CheckpointError: the directory cannot be created or written.
-    """
-    r = Path(root)
-    made: list[Path] = []
-    try:
-        for attempt in range(_PROBE_ATTEMPTS):
-            try:
-                made += _make_missing(r)
-                fd, probe = tempfile.mkstemp(prefix=".dapple-write-probe-", dir=r)
-            except FileNotFoundError:  # another rank removed a directory it had made
-                if attempt == _PROBE_ATTEMPTS - 1:
-                    raise
-                continue
-            os.close(fd)
-            os.unlink(probe)
-            break
-    except OSError as e:
-        raise CheckpointError(
-            f"checkpoint directory {str(r)!r} is not writable: {e.strerror or e}"
-        ) from e
-    finally:
-        for d in reversed(made):  # innermost first; one another rank still uses stays
-            with contextlib.suppress(OSError):
-                d.rmdir()
-    return r
-
-
-_PROBE_ATTEMPTS = 10
-
-
-def _make_missing(r: Path) -> list[Path]:
-    """Create ``r`` and its missing parents; returns those this call created, outermost first."""
-    made = []
-    for d in reversed([d for d in (r, *r.parents) if not d.exists()]):
-        try:
-            d.mkdir()
-        except FileExistsError:  # made by another rank meanwhile (or a file: mkstemp says so)
-            continue
-        made.append(d)
-    return made
