@@ -150,13 +150,12 @@ def test_prepare_replaces_only_its_own_output(
 
 
 def test_resume_with_steps_already_done_is_refused(tmp_path: Path) -> None:
-    from torch import nn
 
     import runtime_workloads as rw
     from dapple.cli.train_cmd import check_long_run
     from dapple.runtime.checkpoint import CheckpointMeta, save_checkpoint, stage_layer_states
 
-    m = nn.Sequential(*[nn.Linear(2, 2) for _ in range(4)])
+    m = rw.mlp().build_model(0)
     meta = CheckpointMeta(model_name="test-mlp", num_layers=4, step=5)
     save_checkpoint(tmp_path, meta, stage_layer_states(m, 0))
     for steps in (3, 5):
@@ -168,16 +167,33 @@ def test_resume_with_steps_already_done_is_refused(tmp_path: Path) -> None:
 
 
 def test_resume_on_synthetic_batches_with_another_seed_is_refused(tmp_path: Path) -> None:
-    from torch import nn
 
     import runtime_workloads as rw
     from dapple.cli.train_cmd import check_long_run
     from dapple.runtime.checkpoint import CheckpointMeta, save_checkpoint, stage_layer_states
 
-    m = nn.Sequential(*[nn.Linear(2, 2) for _ in range(4)])
+    m = rw.mlp().build_model(0)
     meta = CheckpointMeta(model_name="test-mlp", num_layers=4, step=1, extra={"seed": 3})
     save_checkpoint(tmp_path, meta, stage_layer_states(m, 0))
     with pytest.raises(CheckpointError, match=r"synthetic batches of --seed 3, not 4.*--seed 3"):
         check_long_run(str(tmp_path), rw.mlp(), 4, resume=True, synthetic_seed=4)
     check_long_run(str(tmp_path), rw.mlp(), 4, resume=True, synthetic_seed=3)
     check_long_run(str(tmp_path), rw.mlp(), 4, resume=True)  # a --data run: checked with the data
+
+
+def test_resume_from_another_models_sizes_is_refused_before_launch(tmp_path: Path) -> None:
+    """Same name, same layer count, other widths: refused from the manifest's shapes."""
+    from torch import nn
+
+    import runtime_workloads as rw
+    from dapple.cli.train_cmd import check_long_run
+    from dapple.runtime.checkpoint import CheckpointMeta, save_checkpoint, stage_layer_states
+
+    wide = nn.Sequential(*[nn.Linear(3, 3) for _ in range(4)])
+    meta = CheckpointMeta(model_name="test-mlp", num_layers=4, step=1)
+    save_checkpoint(tmp_path / "wide", meta, stage_layer_states(wide, 0))
+    with pytest.raises(CheckpointError, match=r"is of another model: layer 0 tensor"):
+        check_long_run(str(tmp_path / "wide"), rw.mlp(), 4, resume=True)
+    same = rw.mlp().build_model(0)
+    save_checkpoint(tmp_path / "same", meta, stage_layer_states(same, 0))
+    check_long_run(str(tmp_path / "same"), rw.mlp(), 4, resume=True)

@@ -422,8 +422,11 @@ def test_cli_rejects_unwritable_checkpoint_dir_and_foreign_checkpoint(
     err = capsys.readouterr().err
     assert "'not-mlp', not 'test-mlp'" in err and err.count("\n") == 1, err
     same = tmp_path / "same"
+    mlp_chain = rw.mlp().build_model(0)  # the model's own shapes (others: refused up front)
     save_checkpoint(
-        same, CheckpointMeta(model_name="test-mlp", num_layers=4, step=1), stage_layer_states(m, 0)
+        same,
+        CheckpointMeta(model_name="test-mlp", num_layers=4, step=1),
+        stage_layer_states(mlp_chain, 0),
     )
     with pytest.raises(CheckpointError, match="plan covers 2 layers"):
         check_long_run(str(same), rw.mlp(), 2, resume=True)

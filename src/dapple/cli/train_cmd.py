@@ -35,6 +35,7 @@ from dapple.errors import ValidationError
 
 if TYPE_CHECKING:  # torch-free import of the CLI
     from dapple.models.workload import Workload
+    from dapple.runtime.checkpoint import Checkpoint
     from dapple.runtime.config import StepMetrics
     from dapple.runtime.early import EarlyWorkers
     from dapple.runtime.run_config import RunConfig
@@ -197,6 +198,7 @@ def check_long_run(
                 plan_num_layers=plan_num_layers,
                 optimizer_type=OPTIMIZER_CLASSES.get(optimizer or ""),
             )
+            _check_shapes(ck, workload)
             for line in point.skipped:
                 _warn(f"{line}; resuming from the older step {ck.step} ({str(ck.path)!r})")
             saved_seed = ck.meta.extra.get("seed")
@@ -237,6 +239,27 @@ def check_long_run(
             "start over (or choose an empty directory)",
         )
     check_writable(checkpoint_dir)
+
+
+def _check_shapes(ck: Checkpoint, workload: Workload) -> None:
+    """Every layer of checkpoint ``ck`` holds the tensors of ``workload``'s layer, in its
+    shapes - another model of the same name and layer count (other sizes) is refused here,
+    before any worker starts. Layers are built on ``meta`` (no memory, no init); a layer that
+    cannot be built so is left to the workers' own check.
+
+    Raises:
+        CheckpointError: the first tensor whose shape differs (see ``check_layer_shapes``).
+    """
+    from dapple.models.materialize import build_meta
+    from dapple.runtime.checkpoint import check_layer_shapes
+
+    for i in range(min(workload.num_layers, len(ck.layers))):
+        try:
+            layer = build_meta(workload.layer_factories[i], 0)
+            want = {k: list(v.shape) for k, v in layer.state_dict().items()}
+        except Exception:  # the workers check it on the real layer
+            continue
+        check_layer_shapes(ck, i, want)
 
 
 def _restarted(cfg: RunConfig) -> bool:
