@@ -9,6 +9,7 @@ candidate and write the best plan with the profile and cluster it was made from,
 from __future__ import annotations
 
 import argparse
+import shlex
 from pathlib import Path
 
 from rich.table import Table
@@ -16,6 +17,7 @@ from rich.table import Table
 from dapple.cli._console import StepProgress, console, print_table
 from dapple.cli._model_args import add_model_arguments, model_overrides
 from dapple.cli._run_args import add_precision_argument
+from dapple.core.output_path import check_output_file
 from dapple.errors import ValidationError
 
 __all__ = ["parse_counts", "register"]
@@ -57,6 +59,22 @@ def parse_counts(text: str) -> list[int]:
     return counts
 
 
+def train_command(args: argparse.Namespace, plan: Path) -> str:
+    """The ``dapple train`` command line for the chosen plan, with every model option given
+    here (``--set``, ``--split-at``, ``--weights``, ``--dynamic-dims``) and the precision."""
+    argv = ["dapple", "train", "--plan", str(plan), "--model", args.model]
+    for item in args.set or []:
+        argv += ["--set", item]
+    for flag, dest in (("--split-at", "split_at"), ("--weights", "weights")):
+        if getattr(args, dest, None):
+            argv += [flag, str(getattr(args, dest))]
+    for item in getattr(args, "dynamic_dims", None) or []:
+        argv += ["--dynamic-dims", item]
+    if args.precision != "fp32":
+        argv += ["--precision", args.precision]
+    return shlex.join(argv)
+
+
 def run(args: argparse.Namespace) -> int:
     from dapple.calibrate.local import plan_local
     from dapple.models.zoo import load_workload
@@ -64,6 +82,11 @@ def run(args: argparse.Namespace) -> int:
     counts = parse_counts(args.nproc)
     if args.global_batch_size < 1:
         raise ValidationError(f"--global-batch-size must be >= 1, got {args.global_batch_size}")
+    out = Path(args.out_dir)
+    if out.exists() and not out.is_dir():
+        raise ValidationError(f"--out-dir {str(out)!r} is a file, not a directory")
+    for name in ("plan.json", "profile.json", "cluster.json"):  # before any measuring
+        check_output_file(out / name, "--out-dir file", make_parents=True)
     workload = load_workload(args.model, **model_overrides(args))
     con = console()
     with StepProgress("plan-local", console=con) as progress:
@@ -88,14 +111,14 @@ def run(args: argparse.Namespace) -> int:
             f"{args.global_batch_size / c.predicted_ms * 1e3:.1f}",
         )
     print_table(con, t)
-    out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     best.plan.save(out / "plan.json")
     best.profile.save(out / "profile.json")
     best.cluster.save(out / "cluster.json")
+    used = len(best.plan.devices)
+    runs_on = "" if used == best.processes else f", the plan runs on {used} of them"
     con.print(
-        f"* chosen: {best.processes} processes -> {out / 'plan.json'} (with profile.json and "
-        f"cluster.json); run it with: dapple train --plan {out / 'plan.json'} --model "
-        f"{args.model}" + (f" --precision {args.precision}" if args.precision != "fp32" else "")
+        f"* chosen: {best.processes} processes{runs_on} -> {out / 'plan.json'} (with "
+        f"profile.json and cluster.json); run it with: {train_command(args, out / 'plan.json')}"
     )
     return 0

@@ -1,0 +1,38 @@
+"""``dapple plan-local`` prints a ``dapple train`` command that carries every model option it
+was given (issue 47, item 9), and refuses an unwritable ``--out-dir`` before measuring."""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+
+import pytest
+
+from builders import boom, one_error_line
+from dapple.cli import build_parser, main
+from dapple.cli.plan_local_cmd import train_command
+
+
+def test_train_command_keeps_the_model_options() -> None:
+    argv = ["plan-local", "-m", "transformer", "--set", "layers=8", "--set", "seq_choices=[8, 16]",
+            "--global-batch-size", "8", "--out-dir", "o", "--precision", "bf16"]  # fmt: skip
+    args = build_parser().parse_args(argv)
+    line = train_command(args, Path("o") / "plan.json")
+    words = shlex.split(line)
+    assert words[:2] == ["dapple", "train"]
+    train = build_parser().parse_args(words[1:])  # it parses as a train command
+    assert train.set == ["layers=8", "seq_choices=[8, 16]"]
+    assert train.model == "transformer" and train.precision == "bf16"
+    assert train.plan == str(Path("o") / "plan.json")
+
+
+def test_unwritable_out_dir_is_refused_before_measuring(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("dapple.calibrate.local.plan_local", boom)
+    (tmp_path / "f").write_text("x")
+    argv = ["plan-local", "-m", "mlp", "--global-batch-size", "4", "--out-dir"]
+    assert main([*argv, str(tmp_path / "f")]) == 2
+    one_error_line(capsys, "is a file, not a directory")
+    assert main([*argv, str(tmp_path / "f" / "sub")]) == 2
+    one_error_line(capsys, "is a file, not a directory")
