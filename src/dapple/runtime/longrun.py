@@ -289,23 +289,21 @@ class LongRun:
             if self.shards is not None:  # the sharded parameters' local gradients
                 grads += self.shards.grad_sums()
             if grads:
-                self._grad_sums.append((int(action.micro_batch or 0), torch.stack(grads).sum()))
+                total = torch.stack(grads).sum(dtype=torch.float64)
+                self._grad_sums.append((int(action.micro_batch or 0), total))
 
     def _first_bad(self) -> torch.Tensor:
         """``[kind, micro-batch]`` of the step's first non-finite loss, else of its first
         non-finite gradient sum (gradients accumulate: the first non-finite sum names the
         micro-batch), else ``[-1, -1]``: float64 on the device, nothing read on the host."""
-        out = torch.full((2,), -1.0, dtype=torch.float64, device=self.device)
-        for kind in (1, 0):  # a non-finite loss comes first
-            sums = self._loss_sums if kind == 0 else self._grad_sums
-            if not sums:
-                continue
-            bad = ~torch.isfinite(torch.stack([t for _, t in sums]))
-            mbs = torch.tensor([m for m, _ in sums], dtype=torch.float64, device=self.device)
-            first = mbs[bad.to(torch.uint8).argmax()]  # argmax: the first of the maxima
-            here = torch.stack([torch.full_like(first, kind), first])
-            out = torch.where(bad.any(), here, out)
-        return out
+        sums = [t for _, t in self._loss_sums] + [t for _, t in self._grad_sums]
+        if not sums:
+            return torch.full((2,), -1.0, dtype=torch.float64, device=self.device)
+        bad = torch.stack(sums).isfinite().logical_not()
+        meta = [[0.0, m] for m, _ in self._loss_sums] + [[1.0, m] for m, _ in self._grad_sums]
+        which = torch.tensor(meta, dtype=torch.float64, device=self.device)
+        # the losses come first, and argmax gives the first of the maxima
+        return torch.where(bad.any(), which[bad.to(torch.uint8).argmax()], -1.0)
 
     def agree_finite(
         self, step: int, extra: Sequence[float | torch.Tensor] = ()
@@ -324,9 +322,9 @@ class LongRun:
             gathered rows by rank: ``[kind, stage, micro-batch, rank, *extra]``, and the same
             rows as a float64 tensor on the device.
         """
-        bad = self._first_bad()
         s = -1 if self.stage is None else self.stage
-        mine = device_row([bad[0], s, bad[1], self.rank, *extra], self.device)
+        mine = device_row([-1, s, -1, self.rank, *extra], self.device)
+        mine[0:3:2] = self._first_bad()  # kind and micro-batch
         if self.world == 1:  # one process: nothing to agree on
             table = mine.unsqueeze(0)
         else:

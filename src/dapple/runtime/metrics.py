@@ -79,11 +79,16 @@ def device_row(values: Sequence[float | torch.Tensor], device: torch.device) -> 
     )
     at = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor)]
     if at:
-        placed = [
-            v.reshape(()).to(device, torch.float64) for v in values if isinstance(v, torch.Tensor)
-        ]
+        placed = [_f64(v, device) for v in values if isinstance(v, torch.Tensor)]
         row[at] = torch.stack(placed)
     return row
+
+
+def _f64(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` as a 0-d float64 tensor on ``device`` (itself when it already is one)."""
+    if t.dim() == 0 and t.dtype == torch.float64 and t.device == device:
+        return t
+    return t.reshape(()).to(device, torch.float64)
 
 
 def global_norm(rows: Sequence[Sequence[float]]) -> float:

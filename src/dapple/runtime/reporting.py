@@ -54,11 +54,11 @@ def target_tokens(targets: torch.Tensor) -> int | None:
 
 
 def target_token_count(targets: torch.Tensor) -> torch.Tensor | None:
-    """:func:`target_tokens` as a 0-d tensor where ``targets`` live, not read on the host;
+    """:func:`target_tokens` as a 0-d float64 tensor where ``targets`` live, not read on the host;
     None: not a token workload (known from the dtype and shape alone)."""
     if targets.dtype.is_floating_point or targets.dtype.is_complex or targets.dim() < 2:
         return None
-    return (targets != IGNORE_INDEX).sum()
+    return (targets != IGNORE_INDEX).sum(dtype=torch.float64)
 
 
 class ProgressBar:
