@@ -36,3 +36,9 @@ def test_unwritable_out_dir_is_refused_before_measuring(
     one_error_line(capsys, "is a file, not a directory")
     assert main([*argv, str(tmp_path / "f" / "sub")]) == 2
     one_error_line(capsys, "is a file, not a directory")
+
+
+def test_generated_text_cannot_drive_the_terminal() -> None:
+    from dapple.cli.generate_cmd import terminal_safe
+
+    assert terminal_safe("a\x1b[31mb\nc\td\x00\u00e9") == "a\\x1b[31mb\nc\td\\x00\u00e9"

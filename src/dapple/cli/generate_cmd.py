@@ -10,6 +10,8 @@ and its continuation are printed on stdout.
 from __future__ import annotations
 
 import argparse
+import sys
+import unicodedata
 
 from dapple.cli._model_args import add_model_arguments, model_overrides
 from dapple.errors import ValidationError
@@ -65,6 +67,11 @@ def run(args: argparse.Namespace) -> int:
             "give the weights to generate with: --checkpoint-dir DIR (a training run's "
             "checkpoints) or --weights PATH (pretrained), one of them"
         )
+    loaded = None
+    if args.checkpoint_dir is not None:
+        from dapple.runtime.export import newest_checkpoint
+
+        loaded = newest_checkpoint(args.checkpoint_dir)  # none: api.generate says so, one line
     result = api.generate(
         args.model,
         args.prompt,
@@ -75,5 +82,20 @@ def run(args: argparse.Namespace) -> int:
         temperature=args.temperature,
         seed=args.seed,
     )
-    print(result.text)
+    if loaded is not None:
+        print(
+            f"generated from the checkpoint of step {loaded.step} ({loaded.path})", file=sys.stderr
+        )
+    print(terminal_safe(result.text) if sys.stdout.isatty() else result.text)
     return 0
+
+
+def terminal_safe(text: str) -> str:
+    """``text`` with control and other non-printing characters (but newlines and tabs) shown
+    as escapes (``\\x1b``), so a generated escape sequence cannot drive the terminal."""
+    return "".join(
+        c
+        if c in "\n\t" or unicodedata.category(c)[0] != "C"
+        else c.encode("unicode_escape").decode()
+        for c in text
+    )
