@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import math
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -37,7 +38,14 @@ from rich.progress import (
 )
 from rich.table import Table
 
-__all__ = ["PLAIN_INTERVAL_S", "StepProgress", "console", "format_seconds", "print_table"]
+__all__ = [
+    "PLAIN_INTERVAL_S",
+    "StepProgress",
+    "console",
+    "format_seconds",
+    "plain_doc",
+    "print_table",
+]
 
 PLAIN_INTERVAL_S = 5.0
 """Off a terminal, the fewest seconds between two progress lines of one :class:`StepProgress`."""
@@ -245,3 +253,10 @@ class StepProgress:
         """Off a terminal: a line every ``interval_s`` while no call brings one."""
         while not self._stop.wait(min(self._interval_s, 1.0)):
             self._show()
+
+
+def plain_doc(doc: str | None) -> str:
+    """A module docstring as ``--help`` text: reStructuredText roles (``:func:`x```) and double
+    backticks dropped, so the terminal shows ``x`` as plain x."""
+    text = re.sub(r":\w+:`~?([^`]+)`", r"\1", doc or "")
+    return text.replace("``", "")

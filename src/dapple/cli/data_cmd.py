@@ -6,13 +6,16 @@ dtype, token counts, sources). Tokens are bytes (vocabulary 256) unless ``--toke
 names a local Hugging Face tokenizer. With ``--documents`` each ``{"text": ...}`` line of a
 ``.jsonl`` input (or each other input file) is a document, and ``train.docs.npy`` /
 ``val.docs.npy`` beside the splits hold where each starts (``train --pack`` / ``--pad``).
-An input that is not UTF-8 text (binary data) or an output path that cannot be written is
-refused before anything is tokenized.
+An input that is not UTF-8 text (binary data), an output path that cannot be written, an
+output that is one of the inputs, or an existing output that no ``meta.json`` beside it says
+this command wrote, is refused before anything is tokenized.
 """
 
 from __future__ import annotations
 
 import argparse
+
+from dapple.cli._console import plain_doc
 
 __all__ = ["register", "run_prepare"]
 
@@ -21,14 +24,14 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser(
         "data",
         help="prepare token files for training (dapple data prepare ...)",
-        description=__doc__,
+        description=plain_doc(__doc__),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ops = p.add_subparsers(dest="data_command", metavar="ACTION", required=True)
     prep = ops.add_parser(
         "prepare",
         help="tokenize text files into train.bin, val.bin and meta.json",
-        description=__doc__,
+        description=plain_doc(__doc__),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     prep.add_argument("text_files", nargs="+", metavar="TEXT_FILE", help="UTF-8 text files")

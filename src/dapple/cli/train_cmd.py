@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dapple.cli._config_args import add_config_arguments
+from dapple.cli._console import plain_doc
 from dapple.cli._data_args import add_eval_data_argument, open_datasets, with_seq_len
 from dapple.cli._model_args import model_overrides
 from dapple.cli._precision import note_profile_precision
@@ -50,7 +51,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser(
         "train",
         help="train a plan on torch.distributed (standalone or under torchrun)",
-        description=__doc__,
+        description=plain_doc(__doc__),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_run_arguments(p, steps=1)

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from rich.console import Console
 from rich.table import Table
 
-from dapple.cli._console import console, print_table
+from dapple.cli._console import console, plain_doc, print_table
 from dapple.cli._data_args import open_datasets, with_seq_len
 from dapple.cli._model_args import model_overrides
 from dapple.cli._optim_args import optim_options
@@ -33,7 +33,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser(
         "verify",
         help="check a plan's distributed training against a single-process run (same seed)",
-        description=__doc__,
+        description=plain_doc(__doc__),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_run_arguments(p, steps=2)
