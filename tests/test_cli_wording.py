@@ -1,5 +1,7 @@
-"""``dapple plan-local`` prints a ``dapple train`` command that carries every model option it
-was given (issue 47, item 9), and refuses an unwritable ``--out-dir`` before measuring."""
+"""What a new user meets (issue 47, item 9): ``dapple plan-local`` prints a ``dapple train``
+command that carries every model option it was given and refuses an unwritable ``--out-dir``
+before measuring; generated text cannot drive the terminal; ``--help`` is plain text; the
+speed-up over an infeasible data parallelism and a cluster with other servers read well."""
 
 from __future__ import annotations
 
@@ -42,3 +44,22 @@ def test_generated_text_cannot_drive_the_terminal() -> None:
     from dapple.cli.generate_cmd import terminal_safe
 
     assert terminal_safe("a\x1b[31mb\nc\td\x00\u00e9") == "a\\x1b[31mb\nc\td\\x00\u00e9"
+
+
+@pytest.mark.parametrize("argv", [["train"], ["verify"], ["data", "prepare"]])
+def test_help_has_no_restructuredtext_markup(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        main([*argv, "--help"])
+    out = capsys.readouterr().out
+    assert "``" not in out and ":func:`" not in out and ":class:`" not in out
+
+
+def test_speed_up_over_infeasible_dp_and_servers_name() -> None:
+    from builders import make_cluster
+    from dapple.cli._plan_show import speedup_text
+
+    assert speedup_text(float("nan"), 2.0) == "n/a (data parallelism alone does not fit)"
+    assert speedup_text(4.0, 2.0) == "2.00x"
+    assert make_cluster().with_servers(2).name.endswith("(2 servers)")
