@@ -32,6 +32,17 @@ def mlp(num_layers: int = 4) -> Workload:
     )
 
 
+def steep_mlp() -> Workload:
+    """:func:`mlp` with its loss scaled by 1e15: gradients near 1e15 keep loss and gradient norm
+    finite in float32, and an SGD step with ``lr`` 1e30 overflows every weight to infinity."""
+    base = mlp(4)
+
+    def steep_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(out, target) * 1e15
+
+    return Workload("test-steep-mlp", base.layer_factories, _mlp_batch, steep_loss)
+
+
 def tied_mlp() -> Workload:
     """Like :func:`mlp`, but layers 1 and 2 share one weight (equal initial copies)."""
 

@@ -389,10 +389,12 @@ def _dapple(args: list[str]) -> subprocess.CompletedProcess[str]:
                           timeout=300, env=env)  # fmt: skip
 
 
-def _two_stage(tmp: Path, ck: Path, steps: int, *extra: str) -> list[str]:
+def _two_stage(
+    tmp: Path, ck: Path, steps: int, *extra: str, model: str = "runtime_workloads:mlp"
+) -> list[str]:
     plan = tmp / "plan22.json"
     straight_plan(4, [0, 2], global_batch_size=G, num_micro_batches=M).save(plan)
-    return ["train", "--plan", str(plan), "--model", "runtime_workloads:mlp", "--steps",
+    return ["train", "--plan", str(plan), "--model", model, "--steps",
             str(steps), "--checkpoint-dir", str(ck), "--save-every", "1", "--timeout-s", "60",
             *extra]  # fmt: skip
 
@@ -400,8 +402,10 @@ def _two_stage(tmp: Path, ck: Path, steps: int, *extra: str) -> list[str]:
 @pytest.mark.slow
 def test_two_ranks_agree_never_to_save_nonfinite_weights(tmp_path: Path) -> None:
     ck = tmp_path / "ck"
-    assert _dapple(_two_stage(tmp_path, ck, 2)).returncode == 0
-    proc = _dapple(_two_stage(tmp_path, ck, 4, "--resume", "--lr", "inf"))
+    steep = "runtime_workloads:steep_mlp"  # gradients near 1e15
+    assert _dapple(_two_stage(tmp_path, ck, 2, "--lr", "1e-20", model=steep)).returncode == 0
+    # a finite learning rate large enough that every weight overflows in the next update
+    proc = _dapple(_two_stage(tmp_path, ck, 4, "--resume", "--lr", "1e30", model=steep))
     assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr
     lines = [x for x in proc.stderr.splitlines() if "non-finite weights" in x]
     assert len(lines) == 2, proc.stderr  # one per rank, the same decision

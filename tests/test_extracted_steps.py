@@ -69,12 +69,12 @@ def test_split_files_and_meta_record_both_splits(tmp_path: Path) -> None:
 
 def test_outputs_are_checked_before_any_input_is_read(tmp_path: Path) -> None:
     with pytest.raises(ValidationError, match="is the name of the meta file"):
-        _check_outputs(tmp_path / "meta.json", tmp_path / "meta.val.bin", False)
-    _check_outputs(tmp_path / "new" / "train.bin", tmp_path / "new" / "val.bin", True)
+        _check_outputs(tmp_path / "meta.json", tmp_path / "meta.val.bin", False, ())
+    _check_outputs(tmp_path / "new" / "train.bin", tmp_path / "new" / "val.bin", True, ())
     assert not (tmp_path / "new" / "train.bin").exists()  # checked, nothing written
     (tmp_path / "file").write_text("")
     with pytest.raises(ValidationError):
-        _check_outputs(tmp_path / "file" / "train.bin", tmp_path / "file" / "val.bin", False)
+        _check_outputs(tmp_path / "file" / "train.bin", tmp_path / "file" / "val.bin", False, ())
 
 
 def test_profile_options_are_checked_in_order() -> None:
