@@ -18,13 +18,14 @@ from rich.console import Console
 from builders import make_cluster, make_profile
 from dapple.cli import main
 from dapple.cli._demo_corpus import stdlib_sources, unigram_entropy
-from dapple.cli._demo_plan import cost, is_uneven_pipeline, uneven_pipeline, why
+from dapple.cli._demo_plan import cost, why
 from dapple.cli._demo_run import median_step_ms, one_thread, run_progress
 from dapple.core.cluster import Cluster
 from dapple.core.plan import Plan, straight_plan
 from dapple.cost.pipeline import pipeline_latency
 from dapple.errors import ValidationError
 from dapple.planner import make_plan
+from dapple.planner.uneven import is_uneven_pipeline, uneven_pipeline
 
 
 def test_unigram_entropy_of_known_distributions() -> None:

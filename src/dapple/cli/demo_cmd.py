@@ -7,7 +7,7 @@
    baselines and say why the planner chose what it chose (predicted step of the candidates,
    memory, what limited it). The demo trains a pipeline with *uneven* replication over all
    ``--nproc`` processes whatever the machine: the planner's choice when it is one, else the
-   best such plan under the same cost model (:mod:`dapple.cli._demo_plan`; on a loaded
+   best such plan under the same cost model (:mod:`dapple.planner.uneven`; on a loaded
    machine the planner may well choose one process). Simulate it (Gantt, memory, Perfetto).
 3. Train that plan on the corpus across the local gloo processes: AdamW, warm-up + cosine
    learning rate, global gradient-norm clipping, validation every quarter of the run, a
@@ -227,8 +227,9 @@ def _plan(
     """DAPPLE's plan, the baselines and the best uneven pipeline, in one table; why the planner
     chose its plan; which plan the demo trains. Returns the choice, the plan to train (both
     :class:`~dapple.cli._demo_plan.Costed`) and the lines of why."""
-    from dapple.cli._demo_plan import cost, is_uneven_pipeline, uneven_pipeline, why
+    from dapple.cli._demo_plan import cost, why
     from dapple.planner import make_plan
+    from dapple.planner.uneven import is_uneven_pipeline, uneven_pipeline
 
     G = args.global_batch_size
     costed = {"dapple": cost("dapple", make_plan(profile, cluster, G, "dapple"), profile, cluster)}
