@@ -232,11 +232,11 @@ def test_cli_bad_zero_stage_is_one_line_before_any_compute(
     ck = tmp_path / "ck"
     args = ["--plan", str(tmp_path / "plan.json"), "--model", "runtime_workloads:mlp"]
     saving = ["--checkpoint-dir", str(ck), "--save-every", "1"]
-    for cmd, bad in itertools.product(("train", "verify"), ("3", "x", "-1")):
+    for cmd, bad in itertools.product(("train", "verify"), ("4", "x", "-1")):
         assert main([cmd, *args, "--zero-stage", bad, *(saving if cmd == "train" else [])]) != 0
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("dapple: error:"), err
-        assert f"--zero-stage must be one of 0, 1, 2, got {bad!r}" in err[0], err
+        assert f"--zero-stage must be one of 0, 1, 2, 3, got {bad!r}" in err[0], err
     assert not ck.exists() or not any(ck.iterdir())  # nothing saved
 
 

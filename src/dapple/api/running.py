@@ -97,7 +97,7 @@ def train(
     from dapple.runtime import train as _train
     from dapple.runtime.config import TrainConfig
     from dapple.runtime.run_config import RunOptions, check_resumable, resolve_train_config
-    from dapple.runtime.stage_mesh import check_mesh_run
+    from dapple.runtime.stage_mesh import check_mesh_run, zero_floored
 
     run = RunOptions(keep=keep or 0, eval_batches=eval_batches, require_resume=require_resume,
                      elastic=elastic, min_devices=min_devices, max_restarts=max_restarts,
@@ -111,7 +111,7 @@ def train(
     cfg = resolve_train_config(TrainConfig(steps=steps, **options), run, n_eval, G)
     check_mesh_run(run_plan, wl, cfg)  # what stages of t_s > 1 or ZeRO-3 cannot run yet
     if profile is not None and cluster is not None:
-        predicted = simulate(run_plan, profile, cluster).step_ms
+        predicted = simulate(zero_floored(run_plan, cfg.zero_stage), profile, cluster).step_ms
         cfg = dataclasses.replace(cfg, predicted_step_ms=predicted)
     if require_resume:
         check_resumable(cfg.checkpoint_dir)

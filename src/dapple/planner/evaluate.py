@@ -478,14 +478,18 @@ def divisors(n: int, scan: int | None = None) -> list[int]:
 
 
 def _pick(options: list[tuple[int, _Option]], k: int, M: int) -> tuple[int, _Option]:
-    """The zero stage of a stage holding k micro-batches in flight: of the options that hold k
-    (without re-computation, or with it at M more forward passes F), the one with the least
-    AR_s (+ M F), the lower zero stage on ties; none holds k: the one with the most room.
+    """The zero stage of a stage holding k micro-batches in flight: unsharded when it holds k
+    without re-computation (ZeRO's 1/r_s update in AR_s + U_s does not buy a shard where memory
+    does not ask for one); else, of the options that hold k (without re-computation, or with it
+    at M more forward passes F), the one with the least AR_s + U_s (+ M F), the lower zero stage
+    on ties; none holds k: the one with the most room.
 
     Args:
         options: ``(zero stage, (F, B, AR, D without re-computation, D with, ...))``, zero
             stage ascending (:class:`_Option`).
     """
+    if options[0][0] == 0 and options[0][1].d_nr >= k:
+        return options[0]
     best: tuple[float, int, _Option] | None = None
     for z, r in options:
         base = r.ar + r.traffic  # ZeRO-3's per-micro-batch gathers count as traffic

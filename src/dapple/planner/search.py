@@ -258,7 +258,7 @@ def dapple_search(
     own = [(t, plan) for _, t, plan in found]
     accept = _grid_filter(zero_stage, widths, max_stages) if grid else None
     if accept is not None and zero_stage not in (1, 2):  # the grid has no ZeRO-1/2 points
-        found += _grid_offers(profile, cluster, global_batch_size, Ms, accept)
+        found += _grid_offers(profile, cluster, global_batch_size, Ms, accept, zero_stage)
     if interleaved and not has_host_terms(cluster):  # the step rule has no CPU-host pass
         found += _interleaved_offers(
             scorers, own, accept, Ms, min((x[0] for x in found), default=math.inf)
@@ -274,16 +274,25 @@ def _grid_offers(
     global_batch_size: int,
     Ms: Sequence[int],
     accept: Callable[[GridPoint], bool],
+    zero_stage: int = 0,
 ) -> list[tuple[float, int, Plan]]:
     """The feasible 1F1B points of the uniform grid (:mod:`dapple.planner.grid`) at this
     search's M (``Ms``) that ``accept`` takes (:func:`_grid_filter`); the interleaved ones are
-    :func:`_interleaved_offers`."""
+    :func:`_interleaved_offers`. Under ``zero_stage`` auto an FSDP point is offered only where
+    its DDP twin does not fit (auto shards only where memory asks for it)."""
+    cands = grid_candidates(
+        profile, cluster, global_batch_size, interleaved=False, micro_batches=Ms
+    )
+    ddp_fits = {c.point for c in cands if c.fits and c.point.zero_stage == 0}
+
+    def offered(p: GridPoint) -> bool:
+        twin = dataclasses.replace(p, zero_stage=0)
+        return accept(p) and not (zero_stage == ZERO_AUTO and p.zero_stage and twin in ddp_fits)
+
     return [
         (c.L_ms, c.point.tp, dataclasses.replace(c.plan, planner="dapple"))
-        for c in grid_candidates(
-            profile, cluster, global_batch_size, interleaved=False, micro_batches=Ms
-        )
-        if c.fits and accept(c.point)
+        for c in cands
+        if c.fits and offered(c.point)
     ]
 
 
