@@ -196,15 +196,15 @@ def test_tied_parameters_keep_whole_gradients_and_shard_their_state_in_slices() 
 
 
 # -- options -----------------------------------------------------------------------------------
-@pytest.mark.parametrize(("value", "message"), [(3, "got 3"), (-1, "got -1")])
+@pytest.mark.parametrize(("value", "message"), [(4, "got 4"), (-1, "got -1")])
 def test_bad_zero_stage_is_named(value: int, message: str) -> None:
-    with pytest.raises(ValidationError, match="zero_stage must be one of 0, 1, 2") as e:
+    with pytest.raises(ValidationError, match="zero_stage must be one of 0, 1, 2, 3") as e:
         TrainConfig(zero_stage=value)
     assert message in str(e.value)
 
 
 def test_zero_stage_is_an_optimisation_option_verify_forwards() -> None:
-    assert "zero_stage" in OPTIM_FIELDS and ZERO_STAGES == (0, 1, 2)
+    assert "zero_stage" in OPTIM_FIELDS and ZERO_STAGES == (0, 1, 2, 3)
     assert TrainConfig().zero_stage == 0
 
 

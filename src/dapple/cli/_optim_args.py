@@ -74,7 +74,9 @@ def add_optim_arguments(p: argparse.ArgumentParser) -> None:
         help="0: every replica of a stage keeps the whole optimizer state; 1: each replica of a "
         "replicated stage keeps and updates 1/r of it (gradients reduce-scattered, parameters "
         "all-gathered; ZeRO-1); 2: the accumulated gradients are sharded too, reduce-scattered "
-        "after every micro-batch (ZeRO-2). A no-op on stages with one replica "
+        "after every micro-batch (ZeRO-2); 3: the parameters too, each replicated stage an FSDP2 "
+        "root (ZeRO-3). A floor under the plan's own zero stage per stage; a no-op on stages "
+        "with one replica "
         "(default %(default)s)",
     )
 
@@ -95,7 +97,7 @@ def optim_options(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def zero_stage_flag(value: str) -> int:
-    """``--zero-stage`` of ``train`` and ``verify``: 0, 1 or 2.
+    """``--zero-stage`` of ``train`` and ``verify``: 0, 1, 2 or 3.
 
     Raises:
         ValidationError: any other value (named).

@@ -78,6 +78,7 @@ from dapple.runtime.stage_mesh import (
     tensor_programs,
     whole_layers,
     whole_observer,
+    zero_floored,
 )
 from dapple.runtime.sync import GradientSync
 from dapple.runtime.zero import FlatShards, unsharded_stages
@@ -196,6 +197,7 @@ def run_plan(
     """
     rank, world = dist.get_rank(), dist.get_world_size()
     workload = fit_workload(workload, data)  # documents: their loss and dynamic length
+    plan = zero_floored(plan, config.zero_stage)  # the run's floor, ZeRO-3 in the plan's stages
     validate_run(plan, workload, world, exact=exact_world, zero_stage=config.zero_stage)
     check_mesh_run(plan, workload, config)
     G = plan.global_batch_size

@@ -62,7 +62,23 @@ __all__ = [
     "whole_layers",
     "whole_observer",
     "whole_parameters",
+    "zero_floored",
 ]
+
+
+def zero_floored(plan: Plan, zero_stage: int) -> Plan:
+    """``plan`` with the run's ``zero_stage`` (``TrainConfig.zero_stage``) as a floor: each
+    stage with more than one replica per tensor index gets at least that zero stage. ZeRO-3
+    is carried by the plan's stages (each such stage an FSDP2 root), so a run-wide 3 is written
+    into them here; 1 and 2 are also applied per rank by the engine. ``plan`` itself when
+    nothing changes."""
+    stages = tuple(
+        replace(st, zero_stage=zero_stage)
+        if st.replicas > 1 and st.zero_stage < zero_stage
+        else st
+        for st in plan.stages
+    )
+    return plan if stages == plan.stages else replace(plan, stages=stages)
 
 
 def _meshed(plan: Plan) -> list[tuple[int, StagePlan]]:
@@ -78,11 +94,7 @@ def check_mesh_run(plan: Plan, workload: Workload, config: TrainConfig) -> None:
     Raises:
         ValidationError: one line naming the stage and what is unsupported.
     """
-    meshed = _meshed(plan)
-    if not meshed and config.zero_stage != 3:
-        return
-    if config.zero_stage == 3:
-        raise ValidationError("zero stage 3 is set per stage (StagePlan.zero_stage), not per run")
+    meshed = _meshed(zero_floored(plan, config.zero_stage))
     for s, st in meshed:
         what = f"stage {s} {list(st.layers)} (tensor_width {st.tensor_width}, zero {st.zero_stage})"
         if st.tensor_width > 1 and not tp_plan_of(workload):
