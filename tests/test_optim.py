@@ -407,6 +407,19 @@ RESUME = dict(optimizer="sgd", momentum=0.9, lr=0.05, lr_schedule="cosine", warm
 STEPS, CUT = 5, 3
 
 
+def _crashed_past_cut(ck: str, rank: int) -> None:
+    """The run's last save (step STEPS) removed by rank 0: ``ck`` as after a crash past CUT."""
+    import shutil
+
+    import torch.distributed as dist
+
+    from dapple.runtime.checkpoint import step_dir
+
+    if rank == 0:
+        shutil.rmtree(step_dir(ck, STEPS))
+    dist.barrier()
+
+
 def resume_worker(rank: int, world: int, out_dir: str) -> None:
     """Straight through vs saved at CUT and resumed, under 2:2, in one process group."""
     from dapple.runtime import init_distributed, run_plan, shutdown_distributed
@@ -421,7 +434,8 @@ def resume_worker(rank: int, world: int, out_dir: str) -> None:
         return run_plan(plan, wl, cfg, device=device)
 
     full = run(steps=STEPS)
-    run(steps=STEPS, checkpoint_dir=ck, save_every=CUT)  # saves at CUT only (2 * CUT > STEPS)
+    run(steps=STEPS, checkpoint_dir=ck, save_every=CUT)  # saves at CUT and at the end, STEPS
+    _crashed_past_cut(ck, rank)
     again = run(steps=STEPS, checkpoint_dir=ck, resume=True)  # as after a crash past CUT
     assert full.module is not None and again.module is not None
     same = all(

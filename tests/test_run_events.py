@@ -77,26 +77,27 @@ def test_checkpoint_saved_resumed_and_lr_rederived(
                                 lr_schedule="cosine", warmup_steps=1)  # fmt: skip
     train(_plan(), rw.mlp(), 3, save_every=2, **opts)
     out = capsys.readouterr().out
-    assert _lines(out, "checkpoint saved:") == [
-        f"checkpoint saved: step 2 (steps 0-1 done) in {step_dir(ck, 2)}"
+    assert _lines(out, "checkpoint saved:") == [  # every 2 steps, and the run's last step
+        f"checkpoint saved: step 2 (steps 0-1 done) in {step_dir(ck, 2)}",
+        f"checkpoint saved: step 3 (steps 0-2 done) in {step_dir(ck, 3)}",
     ]
     train(_plan(), rw.mlp(), 6, resume=True, **opts)  # --steps 3 -> 6: another schedule
     out = capsys.readouterr().out
     assert _lines(out, "resumed:") == [
-        f"resumed: step 2 from {step_dir(ck, 2)} (same plan); data position: synthetic "
-        f"batches, next make_batch seed {SEED + 2}"
+        f"resumed: step 3 from {step_dir(ck, 3)} (same plan); data position: synthetic "
+        f"batches, next make_batch seed {SEED + 3}"
     ]
-    before = lr_at(2, lr=0.1, steps=3, schedule="cosine", warmup_steps=1)
-    after = lr_at(2, lr=0.1, steps=6, schedule="cosine", warmup_steps=1)
+    before = lr_at(3, lr=0.1, steps=3, schedule="cosine", warmup_steps=1)
+    after = lr_at(3, lr=0.1, steps=6, schedule="cosine", warmup_steps=1)
     assert before != after
     assert _lines(out, "lr schedule") == [
-        f"lr schedule re-derived: total steps 3 -> 6; lr at step 2 {before:.3g} -> {after:.3g} "
+        f"lr schedule re-derived: total steps 3 -> 6; lr at step 3 {before:.3g} -> {after:.3g} "
         "(now cosine over 6 steps)"
     ]
     # the resumed run's first step trains at the new schedule's lr, as the line says
-    steps = _lines(out, "step 2 ")
+    steps = _lines(out, "step 3 ")
     assert len(steps) == 1 and f" lr {after:.3g} " in steps[0], out
-    assert out.index("resumed:") < out.index("start-up: first step (step 2)")
+    assert out.index("resumed:") < out.index("start-up: first step (step 3)")
 
 
 def test_same_schedule_on_resume_says_nothing_about_it(

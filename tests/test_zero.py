@@ -308,6 +308,19 @@ def _nan_batch(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, y
 
 
+def _crashed_past_cut(ck: str, rank: int) -> None:
+    """The run's last save (step STEPS) removed by rank 0: ``ck`` as after a crash past CUT."""
+    import shutil
+
+    import torch.distributed as dist
+
+    from dapple.runtime.checkpoint import step_dir
+
+    if rank == 0:
+        shutil.rmtree(step_dir(ck, STEPS))
+    dist.barrier()
+
+
 def resume_worker(rank: int, world: int, out_dir: str) -> None:
     """2:2 ZeRO-1 straight vs saved at CUT and resumed (2:2 ZeRO-1; 1:3 unsharded and ZeRO-1)."""
     from dapple.runtime import init_distributed, run_plan, shutdown_distributed
@@ -329,7 +342,8 @@ def resume_worker(rank: int, world: int, out_dir: str) -> None:
         p22, stages=tuple(dataclasses.replace(st, zero_stage=1) for st in p22.stages)
     )
     planned = run(p22z)
-    run(p22, zero_stage=1, checkpoint_dir=ck, save_every=CUT)  # saves at CUT only
+    run(p22, zero_stage=1, checkpoint_dir=ck, save_every=CUT)  # saves at CUT and STEPS
+    _crashed_past_cut(ck, rank)
     again = run(p22, zero_stage=1, checkpoint_dir=ck, resume=True)
     other = run(p13, checkpoint_dir=ck, resume=True)  # another plan, unsharded
     other1 = run(p13, zero_stage=1, checkpoint_dir=ck, resume=True)  # ... and re-sharded by 3
@@ -346,14 +360,17 @@ def resume_worker(rank: int, world: int, out_dir: str) -> None:
     plain13 = run(p13)
     ck2 = str(Path(out_dir, "ck2"))
     run(p13, zero_stage=2, checkpoint_dir=ck2, save_every=CUT)
+    _crashed_past_cut(ck2, rank)
     from_z2 = run(p22, checkpoint_dir=ck2, resume=True)
     # a tied weight across the two replicated stages, its state sharded in slices: saved under
     # ZeRO-1, resumed unsharded (and the other way) equals the unsharded run
     tied, ck3, ck4 = rw.tied_mlp(), str(Path(out_dir, "ck3")), str(Path(out_dir, "ck4"))
     tied_plain = run(p22, tied)
     run(p22, tied, zero_stage=1, checkpoint_dir=ck3, save_every=CUT)
+    _crashed_past_cut(ck3, rank)
     tied_from_z1 = run(p22, tied, checkpoint_dir=ck3, resume=True)
     run(p22, tied, checkpoint_dir=ck4, save_every=CUT)
+    _crashed_past_cut(ck4, rank)
     tied_to_z2 = run(p22, tied, zero_stage=2, checkpoint_dir=ck4, resume=True)
     # a non-finite loss with on_nonfinite=skip: no replica updates its shard or gathers
     nan_wl = dataclasses.replace(wl, make_batch=_nan_batch)

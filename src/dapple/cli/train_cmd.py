@@ -78,7 +78,12 @@ def _register_long_run(p: argparse.ArgumentParser) -> None:
     """Checkpoint / resume / non-finite flags."""
     g = p.add_argument_group("long runs")
     g.add_argument("--checkpoint-dir", default=None, help="save checkpoints here (per layer)")
-    g.add_argument("--save-every", type=int, default=0, help="save every N steps (0: never)")
+    g.add_argument(
+        "--save-every",
+        type=int,
+        default=0,
+        help="save every N steps and at the run's last step (0: never)",
+    )
     g.add_argument(
         "--keep",
         type=int,

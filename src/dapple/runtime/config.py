@@ -53,7 +53,7 @@ class TrainConfig:
     checkpoint_dir: str | None = None
     """Save checkpoints here and resume from them (:mod:`dapple.runtime.longrun`)."""
     save_every: int = 0
-    """Save after every N completed steps (0: never save)."""
+    """Save after every N completed steps and after the run's last step (0: never save)."""
     keep: int | None = None
     """Keep only the K newest complete checkpoints (None: keep all). ``dapple train``, a run
     file and :func:`dapple.api.train` keep 3 unless told (:class:`~dapple.runtime.run_config.

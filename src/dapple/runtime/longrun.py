@@ -21,11 +21,12 @@
   non-finite loss is an overflow: every rank skips the step and halves the loss scale, and the
   run goes on (:mod:`dapple.runtime.precision`). The same gather carries the caller's per-rank
   values (the step's metrics);
-- :meth:`LongRun.after_step` saves every ``save_every`` steps (replica 0 of each stage writes
-  its layers - under ZeRO with the optimizer shards of the other replicas gathered to it,
-  :mod:`dapple.runtime.zero`; a stage cut over a tensor group or sharded by ZeRO-3 gathers its
-  layers whole to its first device, :mod:`dapple.runtime.sharded_state` - every rank its RNG
-  state, rank 0 the manifest after a barrier, with the fp16 loss scale in its ``extra``).
+- :meth:`LongRun.after_step` saves every ``save_every`` steps and at the run's last step
+  (replica 0 of each stage writes its layers - under ZeRO with the optimizer shards of the
+  other replicas gathered to it, :mod:`dapple.runtime.zero`; a stage cut over a tensor group
+  or sharded by ZeRO-3 gathers its layers whole to its first device,
+  :mod:`dapple.runtime.sharded_state` - every rank its RNG state, rank 0 the manifest after a
+  barrier, with the fp16 loss scale in its ``extra``).
   Before writing, every rank checks its stage's weights and buffers are finite and all ranks
   agree in one all_gather: non-finite weights (a step the guard let through, e.g. an infinite
   learning rate) are never saved - the run stops naming the last good checkpoint.
@@ -370,10 +371,14 @@ class LongRun:
 
     # -- save ----------------------------------------------------------------------------------
     def after_step(self, step: int) -> None:
-        """Save when ``step + 1`` completed steps is a multiple of ``save_every`` (a collective)."""
+        """Save when ``step + 1`` completed steps is a multiple of ``save_every`` or the run's
+        last step (``config.steps``), so the steps after the last multiple are kept too (a
+        collective; ``save_every`` 0 never saves)."""
         cfg = self.config
         done = step + 1
-        if cfg.checkpoint_dir is None or cfg.save_every <= 0 or done % cfg.save_every:
+        if cfg.checkpoint_dir is None or cfg.save_every <= 0:
+            return
+        if done % cfg.save_every and done != cfg.steps:
             return
         self._refuse_nonfinite_weights(step)
         if self._overwrite:  # the old run's checkpoints go now, before this run's first files
