@@ -58,10 +58,13 @@ def check_tensor_run(plan: Plan, workload: Workload, cluster: Cluster | None = N
     tp_plan = tp_plan_of(workload)
     if not tp_plan:
         s, st = wide[0]
+        zoo = " (-m transformer-tp is the zoo transformer with one)" * (
+            workload.name == "transformer"
+        )
         raise ValidationError(
             f"{_what(s, st)}: model {workload.name!r} has no TP plan (no Workload.tp_plan, no "
             "Hugging Face base_model_tp_plan), so it cannot be cut over a tensor group; plan "
-            "it with tensor width 1"
+            f"it with tensor width 1{zoo}"
         )
     from dapple.models.hf import hf_config
 

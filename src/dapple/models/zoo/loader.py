@@ -23,13 +23,14 @@ from dapple.models.zoo.common import generator
 from dapple.models.zoo.gnmt import gnmt
 from dapple.models.zoo.mlp import mlp
 from dapple.models.zoo.override_check import check_override_types
-from dapple.models.zoo.transformer import transformer
+from dapple.models.zoo.transformer import transformer, transformer_tp
 
 __all__ = ["HF_PREFIX", "NAMES", "get_workload", "load_workload", "workload_from_sequential"]
 
 _REGISTRY: dict[str, tuple[Callable[..., Workload], dict[str, Any]]] = {
     "mlp": (mlp, {}),
     "transformer": (transformer, {}),
+    "transformer-tp": (transformer_tp, {}),
     "bert-48": (
         transformer,
         {"layers": 48, "hidden": 1024, "heads": 16, "seq": 512, "vocab": 30522, "name": "bert-48"},

@@ -7,9 +7,11 @@ dropout, so every run is deterministic.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from functools import partial
+from typing import Any
 
 import torch
 from torch import nn
@@ -20,7 +22,7 @@ from dapple.models.shapes import DynamicDim
 from dapple.models.workload import Workload
 from dapple.models.zoo.common import generator, token_cross_entropy
 
-__all__ = ["Block", "Embedding", "LMHead", "transformer"]
+__all__ = ["Block", "Embedding", "LMHead", "transformer", "transformer_tp"]
 
 
 class Embedding(nn.Module):
@@ -130,3 +132,44 @@ def transformer(
         layer_names=["embedding"] + [f"block{i}" for i in range(layers)] + ["lm_head"],
         dynamic_dims={0: {1: DynamicDim("seq", 1, seq)}} if choices else {},
     )
+
+
+def _whole_model(sizes: dict[str, Any]) -> nn.Module:
+    """The zoo transformer of ``sizes`` as one ``nn.Sequential`` (the factory
+    :func:`transformer_tp` traces)."""
+    return transformer(**sizes).build_model()
+
+
+def transformer_tp(
+    layers: int = 6,
+    hidden: int = 64,
+    heads: int = 4,
+    seq: int = 32,
+    vocab: int = 256,
+    ffn: int | None = None,
+    name: str = "transformer-tp",
+) -> Workload:
+    """The zoo transformer traced into pieces (embedding, each block, head) with its TP plan
+    (:data:`dapple.models.tp_plan.TRANSFORMER_TP_PLAN`: heads and MLP units cut over a tensor
+    group, as Megatron cuts a GPT block), so a plan of tensor width t > 1 can run it. The
+    arguments, batches and loss are :func:`transformer`'s; the weights of a seed are drawn for
+    the whole model (:func:`dapple.models.split.workload_from_module`), not layer by layer.
+    ``heads`` and ``4 * hidden`` (or ``ffn``) must be divisible by t."""
+    from dapple.models.split import workload_from_module
+    from dapple.models.tp_plan import TRANSFORMER_TP_PLAN
+
+    sizes: dict[str, Any] = {
+        "layers": layers,
+        "hidden": hidden,
+        "heads": heads,
+        "seq": seq,
+        "vocab": vocab,
+    }
+    if ffn is not None:
+        sizes["ffn"] = ffn
+    wl = transformer(**sizes)  # checks the sizes
+    cuts = [str(i) for i in range(1, layers + 2)]  # before each block and before the head
+    traced = workload_from_module(
+        partial(_whole_model, sizes), wl.make_batch, wl.loss_fn, split_at=cuts, name=name
+    )
+    return dataclasses.replace(traced, tp_plan=dict(TRANSFORMER_TP_PLAN))
