@@ -183,6 +183,7 @@ TOML_ARGS: list[tuple[str, Callable[[dict[str, Path], Path], list[str]]]] = [
                                     str(x)]),
     ("train --config", lambda f, x: ["train", "--plan", str(f["mlp-plan"]), *M, "--config",
                                      str(x)]),
+    ("profile --config", lambda f, x: ["profile", *M, "-o", "profiled.json", "--config", str(x)]),
 ]  # fmt: skip
 TEXT_ARGS: list[tuple[str, Callable[[dict[str, Path], Path], list[str]]]] = [
     ("import-pipedream", lambda f, x: ["import-pipedream", str(x), "-o", "imported.json"]),

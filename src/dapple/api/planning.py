@@ -236,11 +236,15 @@ def simulate(
         virtual_stages: v, model chunks per device group with ``schedule="interleaved"``.
 
     Raises:
-        ValidationError: The plan does not fit the profile or cluster, or the schedule does not
-            fit the plan (v not dividing a device group's layers, M not a multiple of the
-            groups).
+        ValidationError: The plan does not fit the profile or cluster, the profile is of
+            another model than the plan's (:meth:`~dapple.core.plan.Plan.check_fingerprint`),
+            or the schedule does not fit the plan (v not dividing a device group's layers, M
+            not a multiple of the groups).
     """
     from dapple.simulate import simulate as _simulate
 
     p = plan_with(plan, schedule, policy, virtual_stages)
-    return _simulate(p, as_profile(profile), as_cluster(cluster))
+    prof = as_profile(profile)
+    named = f"of {prof.model_name!r}" if isinstance(profile, ModelProfile) else repr(str(profile))
+    p.check_fingerprint(prof.model_fingerprint, f"the profile {named}")
+    return _simulate(p, prof, as_cluster(cluster))

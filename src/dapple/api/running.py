@@ -89,8 +89,9 @@ def train(
 
     Raises:
         ValidationError: Bad plan, workload or options; a plan made for another model
-            (:meth:`~dapple.core.plan.Plan.check_model`); a stage of tensor width t_s > 1
-            the model cannot be cut over (:mod:`dapple.runtime.tensor_check`).
+            (:meth:`~dapple.core.plan.Plan.check_model`); a ``profile`` measured on another
+            model (:func:`~dapple.models.fingerprint.check_profile_model`); a stage of tensor
+            width t_s > 1 the model cannot be cut over (:mod:`dapple.runtime.tensor_check`).
         CheckpointError: ``require_resume`` and no checkpoint to resume.
         RankFailure: A worker failed.
     """
@@ -105,6 +106,13 @@ def train(
     run_plan = plan_with(plan, schedule, policy, virtual_stages)
     wl = as_workload(workload, _seq_overrides(workload, overrides, seq_len))
     _check_run(run_plan, wl, None if cluster is None else as_cluster(cluster, None))
+    if profile is not None:  # measured on this model (its layers' tensors), before any compute
+        from dapple.models.fingerprint import check_profile_model
+
+        named = (
+            f"of {_name(profile)!r}" if isinstance(profile, ModelProfile) else repr(_name(profile))
+        )
+        check_profile_model(as_profile(profile), wl, f"the profile {named}")
     train_data = _dataset(data, seq_len, documents)
     evals = _dataset(eval_data, seq_len, documents)
     G, n_eval = run_plan.global_batch_size, None if evals is None else len(evals)
@@ -194,7 +202,8 @@ def verify(
         precision: ``fp32`` or ``bf16`` autocast in both runs (bf16 tolerances:
             :func:`dapple.runtime.precision.tolerances_for`).
         **options: ``seed``, ``optimizer``, ``lr``, ``rtol``, ``atol``, ``grad_rtol``,
-            ``timeout_s`` and the optimisation options ``weight_decay``, ``momentum``,
+            ``timeout_s``, ``progress`` (default True: which run is going, on stderr, as it
+            goes) and the optimisation options ``weight_decay``, ``momentum``,
             ``betas``, ``eps``, ``lr_schedule``, ``warmup_steps``, ``min_lr``,
             ``clip_grad_norm``, ``zero_stage`` (see :func:`dapple.runtime.verify.verify_many`).
 

@@ -63,7 +63,13 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"exported step {result.step}: {result.num_tensors} tensors, "
         f"{result.total_bytes / 2**20:.1f} MiB in {len(result.files)} files to {result.path}"
-        + ("" if result.config else " (no config.json: give -m for a Hugging Face model)")
+        + (
+            ""
+            if result.config
+            else f" (no config.json: {args.model!r} is not a Hugging Face model)"
+            if args.model
+            else " (no config.json: give -m for a Hugging Face model)"
+        )
     )
     if result.copied:
         print(f"copied from the model's directory: {', '.join(result.copied)}")

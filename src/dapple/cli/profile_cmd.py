@@ -10,6 +10,7 @@ from rich.table import Table
 
 from dapple.cli._console import StepProgress, console, print_table
 from dapple.cli._model_args import add_model_arguments, model_overrides
+from dapple.cli._profile_config import add_profile_config_arguments, apply_profile_config
 from dapple.cli._run_args import add_device_argument
 from dapple.core.profile import ModelProfile
 from dapple.errors import ValidationError
@@ -96,6 +97,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         choices=("none", "selective", "full"),
         help="with --analytic: activation checkpointing of every block (none, selective: the attention core, full: whole blocks) (default %(default)s)",
     )
+    add_profile_config_arguments(p)  # the model from a run file's [model] section
     p.set_defaults(func=run)
 
 
@@ -219,6 +221,8 @@ def _run_analytic(args: argparse.Namespace, sizes: list[int], lens: list[int] | 
 def run(args: argparse.Namespace) -> int:
     from dapple.core.output_path import check_output_file
 
+    if apply_profile_config(args):  # --config FILE's [model], --print-config
+        return 0
     check_output_file(args.output, "--output profile file")  # before any measuring
     sizes = parse_batch_sizes(args.batch_sizes)
     if args.analytic:

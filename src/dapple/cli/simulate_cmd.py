@@ -67,6 +67,7 @@ def run(args: argparse.Namespace) -> int:
     _check_outputs(args)
     plan = Plan.load(args.plan)
     profile = load_profile(args.profile)
+    plan.check_fingerprint(profile.model_fingerprint, f"--profile {args.profile!r}")
     cluster = load_cluster(args.cluster, args.servers)
     if args.policy:
         plan = dataclasses.replace(plan, policy=args.policy)

@@ -118,6 +118,10 @@ class Plan:
     """The search options :func:`dapple.planner.make_plan` made it with (an elastic re-plan
     searches them again); None: a plan made by hand or by an older version. Not compared:
     two plans of the same stages are the same plan however they were found."""
+    model_fingerprint: str | None = field(default=None, compare=False)
+    """Its profile's :attr:`~dapple.core.profile.ModelProfile.model_fingerprint` (the model's
+    layers' tensors): ``dapple simulate`` refuses a profile of another model. None: not
+    recorded (not checked). Not compared, as :attr:`planned_with`."""
     schema_version: int = PLAN_SCHEMA_VERSION
 
     def __post_init__(self) -> None:
@@ -301,12 +305,30 @@ class Plan:
             "P.json; dapple plan --profile P.json ...)"
         )
 
+    def check_fingerprint(self, fingerprint: str | None, what: str) -> None:
+        """Check that ``what`` (a profile, named for the message) is of the model the plan was
+        made for, when both record a :attr:`model_fingerprint` (no check otherwise).
+
+        Raises:
+            ValidationError: one line naming both fingerprints and the plan's model.
+        """
+        mine = self.model_fingerprint
+        if mine is None or fingerprint is None or mine == fingerprint:
+            return
+        raise ValidationError(
+            f"{what} was measured on another model than the plan was made for "
+            f"({self.model_name or 'unnamed'!r}, {self.num_layers} layers: fingerprint {mine}; "
+            f"the profile's {fingerprint}): give the profile the plan was made from, or plan "
+            "with this one (dapple plan --profile ...)"
+        )
+
     def to_dict(self) -> dict[str, Any]:
         lengths = (
             {}
             if self.seq_len is None and self.max_seq_len is None
             else {"seq_len": self.seq_len, "max_seq_len": self.max_seq_len}
         )
+        fp = self.model_fingerprint
         return {
             "schema_version": self.schema_version,
             "planner": self.planner,
@@ -324,6 +346,7 @@ class Plan:
             else self.predicted_step_ms,
             **lengths,
             **({} if self.planned_with is None else {"planned_with": self.planned_with.to_dict()}),
+            **({} if fp is None else {"model_fingerprint": fp}),
             "replication": self.replication,
             "stages": [st.to_dict() for st in self.stages],
         }
@@ -350,6 +373,11 @@ class Plan:
             isinstance(stages, list), f"{what}: stages must be a list, got {type(stages).__name__}"
         )
         pred = d.get("predicted_step_ms")
+        fp = d.get("model_fingerprint")
+        require(
+            fp is None or isinstance(fp, str),
+            f"{what}: model_fingerprint must be a string, got {fp!r}"[:200],
+        )
         gbs = get_field(d, "global_batch_size", what)
         mbs = d.get("micro_batch_size")
         m = d.get("num_micro_batches")
@@ -373,6 +401,7 @@ class Plan:
             if d.get("planned_with") is None
             else PlanningOptions.from_dict(d["planned_with"]),
             stages=tuple(StagePlan.from_dict(x, i) for i, x in enumerate(stages)),
+            model_fingerprint=fp,
         )
         n = d.get("num_layers", plan.num_layers)  # files of older versions do not record it
         require(

@@ -381,6 +381,11 @@ class ModelProfile:
     memory_at: LengthProfile | None = None
     """The layers at the length the memory model plans for (the longest of a length
     distribution, :mod:`dapple.cost.lengths`); None: ``layers``."""
+    model_fingerprint: str | None = None
+    """A hash of the profiled model's layer count and its layers' tensor names, shapes and dtypes
+    (:func:`dapple.models.fingerprint.model_fingerprint`): a command given this profile beside a
+    model refuses another model of the same name and layer count. None (an analytic, imported
+    or older profile): not checked."""
     schema_version: int = PROFILE_SCHEMA_VERSION
 
     def __post_init__(self) -> None:
@@ -478,6 +483,8 @@ class ModelProfile:
             out["by_length"] = [x.to_dict() for x in self.by_length]
         if self.memory_at is not None:
             out["memory_at"] = self.memory_at.to_dict()
+        if self.model_fingerprint is not None:
+            out["model_fingerprint"] = self.model_fingerprint
         return out
 
     @staticmethod
@@ -490,6 +497,11 @@ class ModelProfile:
             f"{what}: layers must be a non-empty list, got {layers!r}"[:200],
         )
         bs = d.get("batch_sizes", [])
+        fp = d.get("model_fingerprint")
+        require(
+            fp is None or isinstance(fp, str),
+            f"{what}: model_fingerprint must be a string, got {fp!r}"[:200],
+        )
         require(
             isinstance(bs, list) and all(isinstance(b, int) for b in bs),
             f"{what}: batch_sizes must be a list of integers, got {bs!r}",
@@ -519,6 +531,7 @@ class ModelProfile:
             memory_at=None
             if d.get("memory_at") is None
             else LengthProfile.from_dict(d["memory_at"], f"{what}: memory_at"),
+            model_fingerprint=fp,
         )
 
     def save(self, path: str | Path) -> None:

@@ -87,7 +87,8 @@ def make_plan(
 
     Returns:
         The plan, with ``seq_len``/``max_seq_len`` the lengths its profile is for (None for a
-        profile without lengths) and ``planned_with`` these search options.
+        profile without lengths), ``planned_with`` these search options and the profile's
+        ``model_fingerprint``.
 
     Raises:
         ValidationError: unknown planner, bad batch size (below 1, above
@@ -123,6 +124,7 @@ def make_plan(
         plan,
         planned_with=PlanningOptions(planner=planner, zero_stage=zero_stage,
                                      tensor_widths=widths, interleaved=interleaved),
+        model_fingerprint=profile.model_fingerprint,
     )  # fmt: skip
     if profile.seq_len is None:
         return plan

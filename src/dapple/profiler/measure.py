@@ -35,6 +35,7 @@ from dapple.core.profile import (
     fit_affine,
 )
 from dapple.errors import ValidationError
+from dapple.models.fingerprint import model_fingerprint
 from dapple.models.tp_plan import cut_by, tp_plan_of
 from dapple.models.workload import Workload
 from dapple.profiler.co_workers import CoWorkers
@@ -189,7 +190,7 @@ def profile_workload(
             load.stop()
     if shared:
         prof = dataclasses.replace(prof, device=f"cpu (CPU time, {co_workers} co-workers)")
-    return prof
+    return dataclasses.replace(prof, model_fingerprint=model_fingerprint(workload))
 
 
 def _check_options(

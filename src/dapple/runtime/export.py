@@ -5,11 +5,12 @@ The checkpoint is read one layer file at a time and written into shards of at mo
 Given the workload it was trained as, the directory also gets that model's ``config.json``
 (Hugging Face models, :func:`dapple.models.hf.hf_config`) and holds exactly the tensors of the
 model's ``state_dict`` (a tied parameter once, under its first name), so
-``AutoModelForCausalLM.from_pretrained(DIR)`` loads it. Without a workload every tensor of
-every layer is written: under its name in the layer when no two layers share a name (a Hugging
-Face model's layers hold its canonical names, so ``--weights`` reads that back), otherwise every
-name is prefixed with its layer, ``layers.{i}.{name}`` (the zoo's blocks all hold
-``fc1.weight``). Either way the count written must equal the count held, or nothing is.
+``AutoModelForCausalLM.from_pretrained(DIR)`` loads it. Given a layer chain (a zoo model, no
+module to follow) the checkpoint's shapes are checked against its layers built on ``meta``.
+Without a workload, or with a layer chain, every tensor of every layer is written: under its
+name in the layer when no two layers share a name (a Hugging Face model's layers hold its
+canonical names, so ``--weights`` reads that back), otherwise every name is prefixed with its
+layer, ``layers.{i}.{name}`` (the zoo's blocks all hold ``fc1.weight``). Either way the count written must equal the count held, or nothing is.
 
 The directory is assembled under a temporary name beside the target and renamed at the end:
 nothing is overwritten. Its place is proved writable before the checkpoint is read, and a
@@ -38,6 +39,7 @@ from dapple.runtime.checkpoint import (
     Checkpoint,
     CheckpointError,
     check_compatible,
+    check_layer_shapes,
     latest_checkpoint,
     list_checkpoints,
     load_layer_states,
@@ -159,12 +161,15 @@ def _layer_prefixed(ckpt: Checkpoint) -> bool:
 
 
 def _wanted_names(workload: Workload | None) -> tuple[dict[str, str] | None, Any]:
-    """Checkpoint tensor name -> exported name (``None``: all), and the HF config if any."""
-    if workload is None:
+    """Checkpoint tensor name -> exported name (``None``: all), and the HF config if any.
+    A layer chain (a zoo model, not cut from one module) has no model ``state_dict`` to
+    follow: all of its tensors, as without a workload."""
+    from dapple.models.split import is_traced, model_factory_of
+
+    if workload is None or not is_traced(workload):
         return None, None
     from dapple.models.hf import hf_config
     from dapple.models.materialize import build_meta, canonical_names
-    from dapple.models.split import model_factory_of
 
     config = hf_config(workload)
     model = build_meta(model_factory_of(workload), 0)
@@ -293,6 +298,7 @@ def _write(
         raise CheckpointError(f"no complete checkpoint under {str(src)!r}")
     if workload is not None:
         check_compatible(ckpt, model_name=workload.name, num_layers=workload.num_layers)
+        _check_chain_shapes(ckpt, workload)
     names, config = _wanted_names(workload)
     prefixed = names is None and _layer_prefixed(ckpt)
     shards = _Shards(tmp, max_shard_bytes)
@@ -319,6 +325,24 @@ def _write(
         config.save_pretrained(tmp)
         files.append("config.json")
     return ckpt, shards, files, config
+
+
+def _check_chain_shapes(ckpt: Checkpoint, workload: Workload) -> None:
+    """A layer chain's checkpoint holds its layers' tensors in their shapes (another size of
+    the same zoo model is refused; a traced model is checked against its ``state_dict``).
+
+    Raises:
+        CheckpointError: the first tensor whose shape differs (``check_layer_shapes``).
+    """
+    from dapple.models.fingerprint import layer_tensors
+    from dapple.models.split import is_traced
+
+    if is_traced(workload):
+        return
+    for i in range(min(workload.num_layers, len(ckpt.layers))):
+        tensors = layer_tensors(workload, i)
+        if tensors is not None:
+            check_layer_shapes(ckpt, i, {k: shape for k, (shape, _) in tensors.items()})
 
 
 def newest_checkpoint(src: str | Path) -> Checkpoint | None:

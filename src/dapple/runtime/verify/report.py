@@ -159,6 +159,23 @@ class VerifyReport:
             default=0.0,
         )
 
+    def __str__(self) -> str:
+        """A short summary: the verdict, the run, the largest differences against their
+        tolerances and the first check out of tolerance (``repr`` keeps every field)."""
+        plan, opts = self.plan, self.options
+        lines = [
+            f"verify {'OK' if self.ok else 'MISMATCH'}: {self.model_name} on "
+            f"{plan.replication} ({plan.schedule}, policy {plan.policy}), {len(self.losses)} "
+            f"steps {opts.get('precision', 'fp32')} vs the {self.reference}",
+            f"  largest gradient difference {self.max_grad_diff:.3g} of its layer's scale "
+            f"(tolerance {self.grad_rtol:g})",
+            f"  largest weight difference after an update {self.max_abs_diff:.3g} "
+            f"(rtol {self.rtol:g}, atol {self.atol:g})",
+            f"  largest loss difference {self.max_loss_diff:.3g} (rtol {self.grad_norm_rtol:g})",
+        ]
+        lines += [f"  out of tolerance: {line}" for line in self.failures]
+        return "\n".join(lines)
+
 
 def _close(got: tuple[float, ...], ref: tuple[float, ...], rtol: float) -> bool:
     if len(got) != len(ref):

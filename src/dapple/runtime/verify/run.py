@@ -82,9 +82,11 @@ class _Recorder:
     """``run_plan``'s ``on_update``: this rank's weights and the gradients its optimizer is
     about to apply, at every step (on the CPU)."""
 
-    def __init__(self, plan: Plan, rank: int) -> None:
+    def __init__(self, plan: Plan, rank: int, progress: str | None = None) -> None:
         self.plan, self.rank = plan, rank
         self.steps: dict[int, dict[str, Any]] = {}
+        self.progress = progress
+        """Rank 0: the run's name, said on stderr at each step (:func:`say`); None: silent."""
 
     def __call__(
         self, step: int, module: nn.Module, held: list[tuple[torch.Tensor, torch.Tensor, int]]
@@ -104,6 +106,14 @@ class _Recorder:
             for i, n in names[id(origin)]:
                 grads.append((i, n, offset, flat.float().clone()))
         self.steps[step] = {"weights": weights, "grads": grads}
+        if self.progress is not None:
+            say(f"{self.progress}: step {step} done")
+
+
+def say(line: str) -> None:
+    """One progress line of ``dapple verify`` on stderr, as it happens (stdout keeps the
+    report)."""
+    print(f"verify: {line}", file=sys.stderr, flush=True)
 
 
 def _die(msg: str) -> None:
@@ -126,16 +136,19 @@ def _worker(
     cfg: TrainConfig,
     out: str,
     data: Dataset[Any] | None = None,
+    progress: bool = False,
 ) -> None:
     """One rank: run every case's plan in turn, recording each step's weights and gradients;
-    write this rank's record after each case."""
+    write this rank's record after each case (with ``progress`` rank 0 says each step on
+    stderr)."""
     try:
         device = init_distributed(cfg, world)
         _setup_hook(rank)
         perturb = rank == int(os.environ.get(PERTURB_GRAD_RANK_ENV, "-1"))
         for c, (plan_d, wl) in enumerate(cases):
             plan = Plan.from_dict(plan_d)
-            recorder = _Recorder(plan, rank)
+            name = f"the plan's run ({plan.replication}, {len(plan.devices)} processes)"
+            recorder = _Recorder(plan, rank, name if progress and rank == 0 else None)
             run = run_plan(plan, perturbed(wl) if perturb else wl, cfg, device=device,
                            exact_world=False, data=data, on_update=recorder)  # fmt: skip
             if run.whole is not None:
@@ -219,13 +232,17 @@ def _compare(
     records: list[dict[str, Any]],
     steps: int,
     tol: dict[str, float],
+    progress: bool = False,
 ) -> tuple[tuple[StageDiff, ...], list[float], list[float]]:
     """Step by step (:class:`ForcedReference`): the initial weights, then each step's
-    gradients on the same weights and weights after the same update."""
+    gradients on the same weights and weights after the same update (with ``progress`` each
+    step said on stderr)."""
     rtol, atol = tol["rtol"], tol["atol"]
     diffs = stage_diffs(plan, ref.initial, _weights_at(records, 0, steps), rtol, atol, "initial ")
     losses, norms = [], []
     for t in range(steps):
+        if progress:
+            say(f"the single-device reference ({ref.kind}): step {t} of {steps}, comparing")
         res = ref.step(t, _replica0_weights(records, t), _whole_grads(records, t, ref.initial))
         grads = grad_diffs(plan, res.grads, _grads_at(records, t), tol["grad_rtol"], f"step {t} ")
         after = stage_diffs(plan, res.expected, _weights_at(records, t + 1, steps), rtol, atol,
@@ -250,6 +267,7 @@ def verify_many(
     device: str = "cpu",
     data: Dataset[Any] | None = None,
     precision: str = "fp32",
+    progress: bool = True,
     **optim: Any,
 ) -> list[VerifyReport]:
     """:func:`verify` several ``(plan, workload)`` pairs with ONE launch of worker processes.
@@ -275,6 +293,8 @@ def verify_many(
         data: Training samples both runs take their batches from (see
             :func:`~dapple.runtime.verify.reference_run`); None: ``make_batch``.
         precision: ``fp32`` or ``bf16`` (:mod:`dapple.runtime.precision`), both runs.
+        progress: Say on stderr, as it goes, which run is going: the plan's (each step, from
+            rank 0), then the single-device reference and the comparison (each step).
         **optim: The other optimisation fields of :class:`TrainConfig` for both runs
             (``weight_decay``, ``momentum``, ``betas``, ``eps``, ``lr_schedule``,
             ``warmup_steps``, ``min_lr``, ``clip_grad_norm``, ``zero_stage``).
@@ -301,11 +321,16 @@ def verify_many(
     options |= {"precision": precision} | optim
     with tempfile.TemporaryDirectory(prefix="dapple-verify-") as tmp:
         payload = [(plan.to_dict(), wl) for plan, wl in cases]
-        spawn(_worker, world, payload, cfg, tmp, data, timeout_s=timeout_s)
+        if progress:
+            say(f"starting {world} process{'es' * (world != 1)} for the plan's run"
+                + (f" ({len(cases)} plans in turn)" if len(cases) > 1 else ""))  # fmt: skip
+        spawn(_worker, world, payload, cfg, tmp, data, progress, timeout_s=timeout_s)
         reports = [
-            _report(Path(tmp), c, plan, wl, cfg, data, tol, options)
+            _report(Path(tmp), c, plan, wl, cfg, data, tol, options, progress)
             for c, (plan, wl) in enumerate(cases)
         ]
+    if progress:
+        say("done")
     for rep in reports:
         log.info("verify %s %s: gradients %.3g of scale, weights %.3g, %s", rep.model_name,
                  rep.plan.replication, rep.max_grad_diff, rep.max_abs_diff,
@@ -337,13 +362,14 @@ def _report(
     data: Dataset[Any] | None,
     tol: dict[str, float],
     options: dict[str, Any],
+    progress: bool = False,
 ) -> VerifyReport:
     """Case ``c``'s report: its workers' records in ``tmp`` against its single-process
     reference, step by step (:func:`_compare`)."""
     records = [torch.load(tmp / f"case{c}-rank{r}.pt", weights_only=True) for r in plan.devices]
     losses, norms = json.loads((tmp / f"case{c}-losses.json").read_text())
     ref = ForcedReference(wl, plan.global_batch_size, cfg, data)
-    diffs, ref_losses, ref_norms = _compare(plan, ref, records, cfg.steps, tol)
+    diffs, ref_losses, ref_norms = _compare(plan, ref, records, cfg.steps, tol, progress)
     low = cfg.precision != "fp32"
     norm_rtol = max(GRAD_NORM_RTOL, tolerances_for(cfg.precision)[0]) if low else GRAD_NORM_RTOL
     return VerifyReport(
@@ -371,8 +397,8 @@ def verify(plan: Plan, workload: Workload, steps: int = 2, **options: Any) -> Ve
         workload: The model, data and loss (must pickle, see :func:`verify_many`).
         steps: Optimizer steps.
         **options: ``seed``, ``optimizer``, ``lr``, ``rtol``, ``atol``, ``grad_rtol``,
-            ``timeout_s``, ``device``, ``data``, ``precision`` and the optimisation options as
-            in :func:`verify_many`.
+            ``timeout_s``, ``device``, ``data``, ``precision``, ``progress`` and the
+            optimisation options as in :func:`verify_many`.
 
     Returns:
         Per-stage differences of gradients and weights, and both runs' losses and norms.

@@ -1,0 +1,72 @@
+"""``dapple profile --config FILE`` / ``--print-config``: the model from a run file's ``[model]``
+section (:class:`~dapple.runtime.run_config.ModelConfig`), as ``dapple train --config`` reads it.
+
+The model flags (``-m``, ``--set``, ``--split-at``, ``--weights``, ``--dynamic-dims``) are
+:data:`dapple.cli._train_config.TRAIN_FLAGS`' own rows; flags given beside ``--config`` win
+(``--set`` is merged into ``[model] set``), and the file's other sections (``dapple train``'s,
+``dapple plan``'s ``[planning]``) are skipped unread. Torch-free at import time.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from dapple.cli._config_args import (
+    Flag,
+    add_config_arguments,
+    flag_namespace,
+    given_values,
+    missing_required,
+)
+from dapple.cli._train_config import TRAIN_FLAGS
+from dapple.errors import ValidationError
+
+__all__ = ["MODEL_FLAGS", "add_profile_config_arguments", "apply_profile_config"]
+
+MODEL_FLAGS: tuple[Flag, ...] = tuple(
+    Flag(f.dest, tuple(("", name) for _, name in f.fields), f.to_fields, f.to_flag)
+    for f in TRAIN_FLAGS
+    if all(part == "model" for part, _ in f.fields)
+)
+"""``dapple train``'s model flags as :class:`ModelConfig` fields (the ``[model]`` section)."""
+
+_OTHER_SECTIONS = (
+    "plan", "data", "train", "optimizer", "checkpoint", "eval", "report", "elastic", "planning",
+)  # fmt: skip
+"""The sections ``dapple train`` and ``dapple plan`` read besides ``[model]``."""
+
+
+def add_profile_config_arguments(p: argparse.ArgumentParser) -> None:
+    """Add ``--config FILE`` and ``--print-config`` to ``dapple profile``'s parser ``p`` (every
+    other flag already added)."""
+    add_config_arguments(p, ("model",), "its [model] section, as dapple train reads it")
+
+
+def apply_profile_config(args: argparse.Namespace) -> bool:
+    """Set the model flags of ``args`` to what ``--config FILE``'s ``[model]`` section and the
+    flags given on top say; with ``--print-config`` print that section as TOML instead and
+    return True.
+
+    Raises:
+        ValidationError: a bad file or value, or no model at all.
+    """
+    if args.config is None and not args.print_config:
+        return False
+    from dapple.core.config_file import build, dump, load, values_of
+    from dapple.runtime.run_config import ModelConfig
+
+    schema = {"model": tuple(f for flag in MODEL_FLAGS for f in flag.fields)}
+    over = given_values(args, MODEL_FLAGS)
+    if args.config is not None:
+        cfg = load(args.config, schema, ModelConfig, ignore=_OTHER_SECTIONS, over=over)
+    else:
+        cfg = build(ModelConfig, over)
+    if args.print_config:
+        print(dump(cfg, schema, "dapple profile --config FILE (flags given beside it win)"), end="")
+        return True
+    values = values_of(cfg, schema)
+    missing = missing_required(values, {("", "spec"): "-m/--model"}, lambda f: f"[model] {f[1]}")
+    if missing:
+        raise ValidationError(missing)
+    vars(args).update(vars(flag_namespace(values, MODEL_FLAGS)))
+    return False

@@ -1,0 +1,84 @@
+"""A model's tensors as its layers build them on ``meta``, and a fingerprint of them.
+
+Two models of the same name and layer count (a zoo transformer at two widths) differ in their
+layers' tensors. Each layer is built on ``meta`` (:func:`dapple.models.materialize.build_meta`:
+no memory, no initialisation) and its ``state_dict`` read: each tensor's name, shape and dtype.
+``dapple train --resume`` holds a checkpoint's shapes against them; ``dapple profile`` writes
+:func:`model_fingerprint`, a hash of them, into the profile
+(:attr:`dapple.core.profile.ModelProfile.model_fingerprint`), and the commands that take a
+profile beside a model refuse a profile of another model (:func:`check_profile_model`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+from dapple.core.profile import ModelProfile
+from dapple.errors import ValidationError
+from dapple.models.workload import Workload
+
+__all__ = ["check_profile_model", "layer_tensors", "model_fingerprint"]
+
+FINGERPRINT_KIND = "meta-state-v1"
+"""What the fingerprint hashes (the prefix of its string): the layer count and each layer's
+``state_dict`` names, shapes and dtypes, in chain order."""
+
+
+def layer_tensors(workload: Workload, index: int) -> dict[str, tuple[list[int], str]] | None:
+    """Layer ``index`` of ``workload`` built on ``meta``: each ``state_dict`` tensor's name ->
+    (shape, dtype); None when the layer cannot be built so (its check is left to the real
+    layer)."""
+    from dapple.models.materialize import build_meta
+
+    try:
+        layer = build_meta(workload.layer_factories[index], 0)
+        state = layer.state_dict()
+    except Exception:  # a factory that needs real tensors: nothing to compare here
+        return None
+    return {k: (list(v.shape), str(v.dtype).removeprefix("torch.")) for k, v in state.items()}
+
+
+def model_fingerprint(workload: Workload) -> str | None:
+    """``meta-state-v1:`` and the sha256 (16 hex digits) of ``workload``'s layer count and each
+    layer's tensor names, shapes and dtypes (:func:`layer_tensors`); None when a layer cannot
+    be built on ``meta``."""
+    layers = []
+    for i in range(workload.num_layers):
+        t = layer_tensors(workload, i)
+        if t is None:
+            return None
+        layers.append(sorted(t.items()))
+    text = json.dumps([workload.num_layers, layers], separators=(",", ":"))
+    return f"{FINGERPRINT_KIND}:{hashlib.sha256(text.encode()).hexdigest()[:16]}"
+
+
+def check_profile_model(profile: ModelProfile, workload: Workload, what: str) -> None:
+    """``profile`` was measured on ``workload``: the same layer count and, when the profile
+    records a fingerprint (older, analytic and the paper's profiles do not), the same one.
+
+    Args:
+        profile: the profile given beside the model.
+        workload: the model.
+        what: the profile's option and file, for the message (``--profile p.json``).
+
+    Raises:
+        ValidationError: one line naming the profile's model and this one.
+    """
+    theirs = f"{profile.model_name!r} ({profile.num_layers} layers)"
+    ours = f"{workload.name!r} ({workload.num_layers} layers)"
+    if profile.num_layers != workload.num_layers:
+        raise ValidationError(
+            f"{what} was measured on {theirs}, not on the model {ours}; profile this model "
+            "(dapple profile -m MODEL ...)"
+        )
+    if profile.model_fingerprint is None:
+        return
+    mine = model_fingerprint(workload)
+    if mine is not None and mine != profile.model_fingerprint:
+        raise ValidationError(
+            f"{what} was measured on another model than {ours}: same layer count, other "
+            f"tensor shapes or dtypes (fingerprint {profile.model_fingerprint} there, {mine} "
+            f"here; profiled as {profile.model_name!r}); profile this model with the same "
+            "--set options (dapple profile -m MODEL --set ...)"
+        )
