@@ -430,7 +430,8 @@ def _compare_and_verify(
     detail = "against one process"
     with StepProgress(f"verify {plan.replication}", detail=detail, console=con), one_thread():
         report = api.verify(plan, args.model, VERIFY_STEPS, overrides=overrides, data=train_data,
-                            device="cpu", **_options(args.steps))  # fmt: skip
+                            device="cpu", progress=False,  # the bar above says it
+                            **_options(args.steps))  # fmt: skip
     print_report(con, report)
     if not report.ok:
         failed += [f"verify of {plan.replication}: {f}" for f in report.failures or ["MISMATCH"]]
