@@ -21,7 +21,7 @@ of the commit before issue 46, ``git worktree add /tmp/before 81351c0``, passed 
 alternates) and each process runs the three contenders one after another, each for
 ``--warmup`` + ``--steps`` steps, then an *instrumented* dapple run (not used for the ratios):
 
-- phases: exclusive wall time in the runtime's methods (forward, backward, the guard's sums,
+- phases: exclusive wall time in the runtime's methods (forward, backward, the guard's checks,
   the step's collective, the gradient norm, clipping, the optimizer step, memory probes, the
   metrics line, the batch), by wrappers that subtract nested phases; the rest of the step is
   the program interpreter's own loop (dispatch, zeroing the gradients, sends and receives);
@@ -64,7 +64,7 @@ READS = ("item", "__float__", "__int__", "__bool__", "tolist", "cpu", "numpy")
 PHASES: list[tuple[str, str, str]] = [
     ("dapple.runtime.stage", "StageExecutor.forward", "forward (F: slicing, layers, loss)"),
     ("dapple.runtime.stage", "StageExecutor.backward", "backward (B)"),
-    ("dapple.runtime.longrun", "LongRun.watch", "non-finite guard: per-micro-batch sums"),
+    ("dapple.runtime.longrun", "LongRun.watch", "non-finite guard: per-backward check"),
     ("dapple.runtime.longrun", "LongRun.agree_finite", "step collective: verdict, metric rows"),
     ("dapple.runtime.optim", "ModelUpdate.global_norm", "gradient norm"),
     ("dapple.runtime.optim", "ModelUpdate.local_sq_norm", "gradient norm"),

@@ -38,7 +38,7 @@ an empty program, on ranks beyond the plan) every rank joins the step's one worl
 :meth:`LongRun.agree_finite`, with its non-finite verdict, loss part, peak memory, the batch's
 target tokens and its part of the gradient norm - all on the device until that collective's
 one host read, the only one of a step (no micro-batch reads anything: the losses and the
-guard's sums stay on the device). The optimizer step runs only when every rank's verdict is
+guard's flags stay on the device). The optimizer step runs only when every rank's verdict is
 finite, so a NaN stops or skips the step on every rank before ``OPT`` touches the weights (its
 gradients are dropped). :func:`dapple.schedule.lower.lower` puts ``AR`` and ``OPT`` last; a
 program with another action after them is rejected (:func:`step_point`).

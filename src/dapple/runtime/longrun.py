@@ -11,7 +11,8 @@
   step ``t`` trains on ``make_batch(G, seed + t)``, or on a dataset's batch ``t`` of
   :mod:`dapple.runtime.data`, whose record the checkpoint must match);
 - :meth:`LongRun.watch` (after every F/B action) keeps, on the device, the step's loss so far
-  (last stage, per micro-batch) and a sum of its gradients (after each backward);
+  (last stage, per micro-batch) and a flag of whether its gradients are non-finite (after each
+  backward: one fused pass over them);
 - :meth:`LongRun.agree_finite` (at the step point, after the gradient reductions and before
   the optimizer step) finds the first non-finite one on the device and gathers every rank's
   verdict over all ranks (ranks beyond the plan send none) with the step's ONE host read, so
@@ -38,8 +39,10 @@ run's first save, so a run that fails before saving leaves them whole.
 Cost: one small all_gather per step and one host read of it - it also carries the step's
 metrics (see :mod:`dapple.runtime.metrics`) and each rank's part of the global gradient norm
 (:mod:`dapple.runtime.optim`); besides it the runtime's per-step collectives are the gradient
-AllReduce - and one reduction over the stage's gradients per backward; per save, one pass over
-the stage's weights and one small all_gather.
+AllReduce - and one read of the stage's gradients per backward (:meth:`LongRun.watch`: a
+few kernels on CUDA whatever the number of parameters; on CPU, where ``torch._foreach_norm``
+has no fused kernel, one norm per gradient); per save, one pass over the stage's weights and
+one small all_gather.
 """
 
 from __future__ import annotations
@@ -79,7 +82,7 @@ from dapple.runtime.checkpoint_files import refuse_foreign
 from dapple.runtime.config import TrainConfig
 from dapple.runtime.data import check_data_resume
 from dapple.runtime.metrics import announce, device_row
-from dapple.runtime.optim import config_lr, lr_at
+from dapple.runtime.optim import GradGroups, config_lr, lr_at
 from dapple.runtime.precision import Precision
 from dapple.runtime.sharded_state import CutStage
 from dapple.runtime.zero import FlatShards
@@ -100,6 +103,7 @@ logger = logging.getLogger(__name__)
 OPTIMIZER_CLASSES = {"sgd": "SGD", "adam": "Adam", "adamw": "AdamW"}
 """``TrainConfig.optimizer`` -> the torch class name a checkpoint records."""
 _KINDS = ("loss", "gradient")
+_HALF = (torch.float16, torch.bfloat16)
 SCHEDULE_KEYS = ("steps", "lr", "lr_schedule", "warmup_steps", "min_lr")
 """The :class:`TrainConfig` fields the learning rate of a step depends on
 (:func:`dapple.runtime.optim.lr_at`): a checkpoint records them in its ``extra``, so a resume
@@ -176,8 +180,8 @@ class LongRun:
         """The chain index of each of ``module``'s children (several chunks: not contiguous)."""
         self.params = list(module.parameters()) if module is not None else []
         sharded = {id(p) for p in shards.params} if shards is not None else set()
-        self._watched = [p for p in self.params if id(p) not in sharded]
-        """The parameters whose ``p.grad`` the guard sums (the sharded ones: by the shards)."""
+        self._groups = GradGroups(p for p in self.params if id(p) not in sharded)
+        """The parameters whose ``p.grad`` the guard checks (the sharded ones: by the shards)."""
         self.last_stage = stage is not None and plan.num_stages - 1 in plan.stages_of_device(rank)
         self.skipped: list[int] = []
         """Steps skipped for a non-finite loss or gradient (``on_nonfinite="skip"``)."""
@@ -187,7 +191,12 @@ class LongRun:
         """The step of the newest checkpoint known whole and finite: the last save, or the
         checkpoint this run resumed from."""
         self._loss_sums: list[tuple[int, torch.Tensor]] = []  # (micro-batch, loss so far)
-        self._grad_sums: list[tuple[int, torch.Tensor]] = []  # (micro-batch, gradient sum)
+        self._grad_mbs: list[int] = []
+        """The micro-batch of each backward the guard checked this step (its flag's slot)."""
+        self._flags = torch.zeros(0, dtype=torch.float32, device=device)
+        """Per checked backward: 1 when it left a non-finite gradient (on the device)."""
+        self._one = torch.ones(1, dtype=torch.float32, device=device)
+        """The check's "inverse scale": 1, so the norms it runs over keep their values."""
         self.data_state: dict[str, Any] | None = None
         """The training data's record (:func:`dapple.runtime.data.data_state`; None: synthetic):
         checkpoints save it, and resume requires the same."""
@@ -274,34 +283,73 @@ class LongRun:
 
     # -- non-finite guard -----------------------------------------------------------------------
     def begin_step(self) -> None:
+        if self._grad_mbs:  # last step's flags back to 0 (only those it used were written)
+            self._flags.zero_()
         self._loss_sums = []
-        self._grad_sums = []
+        self._grad_mbs = []
 
     def watch(self, action: Action, loss_sum: torch.Tensor | float) -> None:
-        """After a compute action: keep the step's loss so far (last stage, after an F) or a
-        sum of the gradients (after a backward), on the device (no host read); the first
-        non-finite one is found in :meth:`agree_finite`."""
+        """After a compute action: keep the step's loss so far (last stage, after an F) or
+        flag whether the gradients are non-finite (after a backward), on the device (no host
+        read); the first non-finite one is found in :meth:`agree_finite`.
+
+        A backward's check is one fused pass over the stage's gradients: per (device, dtype)
+        group one ``torch._foreach_norm`` (L1: a NaN or an infinity makes it non-finite, as a
+        sum whose float32 range overflows does), then one
+        ``torch._amp_foreach_non_finite_check_and_unscale_`` over those norms into this
+        backward's slot of a flag vector (it writes only the norms, by 1: the gradients are
+        only read). fp16 and bf16 gradients are summed in float32 instead (their L1 norm would
+        overflow fp16's range).
+        """
         if action.kind is ActionKind.FORWARD:
             if self.last_stage:
-                loss = torch.as_tensor(loss_sum, dtype=torch.float64, device=self.device)
+                loss = (
+                    loss_sum
+                    if isinstance(loss_sum, torch.Tensor)
+                    else torch.as_tensor(loss_sum, dtype=torch.float64, device=self.device)
+                )
                 self._loss_sums.append((int(action.micro_batch or 0), loss))
         elif action.kind in (ActionKind.BACKWARD, ActionKind.BACKWARD_WEIGHT) and self.params:
-            grads = [_local(p.grad).sum() for p in self._watched if p.grad is not None]
-            if self.shards is not None:  # the sharded parameters' local gradients
-                grads += self.shards.grad_sums()
-            if grads:
-                total = torch.stack(grads).sum(dtype=torch.float64)
-                self._grad_sums.append((int(action.micro_batch or 0), total))
+            checks: list[torch.Tensor] = []
+            for dtype, grads in self._groups.grads():
+                if dtype in _HALF:
+                    checks += [g.sum(dtype=torch.float32) for g in grads]
+                else:
+                    checks += torch._foreach_norm(grads, 1.0)
+            if self.shards is not None:  # the sharded parameters' local gradients' sums
+                sums = self.shards.grad_sums()
+                if sums:
+                    checks.append(torch.stack(sums).sum(dtype=torch.float64))
+            if checks:
+                flag = self._flag(len(self._grad_mbs))
+                torch._amp_foreach_non_finite_check_and_unscale_(checks, flag, self._one)
+                self._grad_mbs.append(int(action.micro_batch or 0))
+
+    def _flag(self, k: int) -> torch.Tensor:
+        """The step's ``k``-th backward's slot of the flag vector (grown when the program has
+        more backwards than it holds)."""
+        n = self._flags.numel()
+        if k >= n:
+            grown = torch.zeros(max(8, 2 * n), dtype=torch.float32, device=self.device)
+            grown[:n] = self._flags
+            self._flags = grown
+        return self._flags[k : k + 1]
 
     def _first_bad(self) -> torch.Tensor:
         """``[kind, micro-batch]`` of the step's first non-finite loss, else of its first
-        non-finite gradient sum (gradients accumulate: the first non-finite sum names the
-        micro-batch), else ``[-1, -1]``: float64 on the device, nothing read on the host."""
-        sums = [t for _, t in self._loss_sums] + [t for _, t in self._grad_sums]
-        if not sums:
+        backward that left non-finite gradients (gradients accumulate: the first such backward
+        names the micro-batch), else ``[-1, -1]``: float64 on the device, nothing read on the
+        host."""
+        k = len(self._grad_mbs)
+        parts = []
+        if self._loss_sums:
+            parts.append(torch.stack([t for _, t in self._loss_sums]).isfinite().logical_not())
+        if k:
+            parts.append(self._flags[:k] != 0)
+        if not parts:
             return torch.full((2,), -1.0, dtype=torch.float64, device=self.device)
-        bad = torch.stack(sums).isfinite().logical_not()
-        meta = [[0.0, m] for m, _ in self._loss_sums] + [[1.0, m] for m, _ in self._grad_sums]
+        bad = torch.cat(parts) if len(parts) > 1 else parts[0]
+        meta = [[0.0, m] for m, _ in self._loss_sums] + [[1.0, m] for m in self._grad_mbs]
         which = torch.tensor(meta, dtype=torch.float64, device=self.device)
         # the losses come first, and argmax gives the first of the maxima
         return torch.where(bad.any(), which[bad.to(torch.uint8).argmax()], -1.0)

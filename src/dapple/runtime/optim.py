@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -44,6 +44,7 @@ from dapple.runtime.config import TrainConfig
 __all__ = [
     "CLIP_EPS",
     "COUNT_EVERY_REPLICA_ENV",
+    "GradGroups",
     "ModelUpdate",
     "config_lr",
     "counted_parameters",
@@ -198,19 +199,48 @@ def _local_grad(g: torch.Tensor) -> torch.Tensor:
     return g.to_local() if isinstance(g, DTensor) else g
 
 
-def _local_sq_norm(params: Sequence[nn.Parameter], device: torch.device) -> torch.Tensor:
-    """Sum over ``params`` of the square of each gradient's float32 norm, in float64."""
-    grads = [_local_grad(p.grad) for p in params if p.grad is not None]
-    if not grads:
-        return torch.zeros((), dtype=torch.float64, device=device)
-    by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    for g in grads:  # torch._foreach_norm takes tensors of one device and dtype
-        by_kind.setdefault((g.device, g.dtype), []).append(g)
+class GradGroups:
+    """Parameters grouped by device and dtype, once: each group's gradients are what one
+    ``torch._foreach_*`` call takes (tensors of one device and dtype), gathered each step
+    without a Python call per parameter.
+
+    A gradient has its parameter's dtype and device, so the groups hold for every step; a
+    DTensor parameter (ZeRO-3, FSDP) contributes its gradient's local shard.
+    """
+
+    def __init__(self, params: Iterable[nn.Parameter]) -> None:
+        kinds: dict[tuple[torch.device, torch.dtype], list[nn.Parameter]] = {}
+        for p in params:
+            kinds.setdefault((p.device, p.dtype), []).append(p)
+        self.groups = list(kinds.values())
+        """The parameters of each (device, dtype), in their first appearance's order."""
+        self.dtypes = [ps[0].dtype for ps in self.groups]
+        self._dtensor = any(isinstance(p, DTensor) for ps in self.groups for p in ps)
+
+    def grads(self) -> list[tuple[torch.dtype, list[torch.Tensor]]]:
+        """Each group's dtype and its parameters' gradients as this rank holds them (missing
+        gradients left out, groups without any too)."""
+        if self._dtensor:
+            found = [[_local_grad(p.grad) for p in ps if p.grad is not None] for ps in self.groups]
+        else:
+            found = [[p.grad for p in ps if p.grad is not None] for ps in self.groups]
+        return [(d, gs) for d, gs in zip(self.dtypes, found, strict=True) if gs]
+
+    def flat(self) -> list[torch.Tensor]:
+        """Every gradient of :meth:`grads`, in one list."""
+        return [g for _, gs in self.grads() for g in gs]
+
+
+def _local_sq_norm(groups: GradGroups, device: torch.device) -> torch.Tensor:
+    """Sum over ``groups``' parameters of the square of each gradient's float32 norm, in
+    float64."""
     norms = [  # one stack and one conversion per kind, not one per gradient
-        torch.stack(torch._foreach_norm(group, 2.0)).to(device, torch.float64)
-        for group in by_kind.values()
+        torch.stack(torch._foreach_norm(gs, 2.0)).to(device, torch.float64)
+        for _, gs in groups.grads()
     ]
-    return torch.cat(norms).square().sum()
+    if not norms:
+        return torch.zeros((), dtype=torch.float64, device=device)
+    return (torch.cat(norms) if len(norms) > 1 else norms[0]).square().sum()
 
 
 class ModelUpdate:
@@ -240,6 +270,8 @@ class ModelUpdate:
     ) -> None:
         self.config, self.optimizer, self.params = config, optimizer, params
         self.counted, self.device = counted, device
+        self._counted = GradGroups(counted)
+        self._clipped = GradGroups(params)
         self.lr: float | None = None
         self.grad_norm: float | None = None
         self.total: torch.Tensor | None = None
@@ -248,7 +280,7 @@ class ModelUpdate:
     def local_sq_norm(self) -> torch.Tensor:
         """This rank's part of ``||g||_2^2``: the squares of its counted gradients' float32
         norms, summed in float64 on the device (0 with nothing counted)."""
-        return _local_sq_norm(self.counted, self.device)
+        return _local_sq_norm(self._counted, self.device)
 
     def set_norm(self, sq_total: torch.Tensor, reported: float) -> None:
         """The step's ``||g||_2^2`` summed over every rank's part (on the device) and the norm
@@ -264,7 +296,7 @@ class ModelUpdate:
         total = self.total
         assert total is not None, "set_norm comes first"
         max_norm = self.config.clip_grad_norm
-        grads = [_local_grad(p.grad) for p in self.params if p.grad is not None]
+        grads = self._clipped.flat() if max_norm is not None else []
         if max_norm is not None and grads:
             coef = torch.clamp(max_norm / (total + CLIP_EPS), max=1.0)
             torch._foreach_mul_(grads, coef.to(grads[0].device))

@@ -27,7 +27,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from dapple.core.plan import Plan, slice_bounds, transfers
-from dapple.models.rng import keyed
+from dapple.models.rng import KeyedAttention, KeyedDropout, keyed
 from dapple.models.split_backward import ParamGroups, input_gradients, weight_gradients
 from dapple.runtime import comm
 from dapple.runtime.memory import ActivationMeter, Held
@@ -46,9 +46,11 @@ from dapple.runtime.transport import (
 from dapple.schedule.ir import Action, ActionKind
 from dapple.schedule.registry import get_schedule
 
-__all__ = ["StageExecutor"]
+__all__ = ["StageExecutor", "draws_keyed"]
 
 K = ActionKind
+_UNKEYED = contextlib.nullcontext()
+"""What a stage without keyed randomness runs its backwards under (reusable)."""
 
 
 @dataclass
@@ -78,6 +80,24 @@ class _MicroBatch:
     """Split backward: what ``I`` left for ``W`` (:func:`input_gradients`)."""
     weights: list[nn.Parameter] = field(default_factory=list)
     """Split backward, ``live_weights``: the parameters ``I`` found in the module."""
+
+
+def _rows(t: torch.Tensor, r0: int, r1: int, device: torch.device, copy: bool) -> torch.Tensor:
+    """Rows ``[r0, r1)`` of ``t`` on ``device``: a view when ``t`` is there and not ``copy``."""
+    rows = t[r0:r1]
+    return rows if not copy and rows.device == device else rows.to(device, copy=True)
+
+
+def draws_keyed(module: nn.Module) -> bool:
+    """Whether ``module`` may draw keyed randomness (:mod:`dapple.models.rng`): it holds a
+    random site of a traced piece (:class:`KeyedDropout`, :class:`KeyedAttention`), or a module
+    of a class from neither torch nor dapple (user code, which may call the keyed functions)."""
+    for sub in module.modules():
+        if isinstance(sub, (KeyedDropout, KeyedAttention)):
+            return True
+        if not type(sub).__module__.startswith(("torch.", "dapple.")):
+            return True
+    return False
 
 
 def _peers(plan: Plan, s: int, other: int, tensor_rank: int) -> dict[int, tuple[list[int], int]]:
@@ -126,6 +146,9 @@ class StageExecutor:
         self.seed = seed
         """The run seed: with the step and the samples' global rows it keys the random sites
         (:mod:`dapple.models.rng`)."""
+        self.keyed = draws_keyed(module)
+        """The stage may draw keyed randomness: its F and B run under :func:`keyed` (a stage
+        without random sites runs without it)."""
         self.step = 0
         self.dynamic = dynamic
         """Boundary shapes change from step to step: messages carry shape headers."""
@@ -144,6 +167,8 @@ class StageExecutor:
         peak is already known: saved-tensor hooks cost ~5% of a CPU step)."""
         b = plan.micro_batch_size
         S = plan.num_stages
+        self.last = stage == S - 1
+        """The last stage: its forwards compute the loss."""
         reps = [st.replicas for st in plan.stages]
         self.lo, self.hi = slice_bounds(b, reps[stage])[replica]
         self.in_spec = specs[stage - 1] if stage > 0 else None
@@ -246,9 +271,13 @@ class StageExecutor:
     def forward(self, a: Action) -> None:
         """``F``: wait for the inputs, compute, and (last stage) the scaled loss."""
         assert a.micro_batch is not None
-        with self._keys(a.micro_batch):
+        if self.keyed:
+            with self._keys(a.micro_batch):
+                self._forward(a.micro_batch)
+        else:
             self._forward(a.micro_batch)
-        self._poll_sends()
+        if self._pending_sends:
+            self._poll_sends()
 
     def send_forward(self, a: Action) -> None:
         """``SEND_F``: post the sends of the activations' slice for replica ``a.peer``."""
@@ -265,9 +294,13 @@ class StageExecutor:
     def backward(self, a: Action) -> None:
         """``B``: wait for the output gradients (not on the last stage) and back-propagate."""
         assert a.micro_batch is not None
-        with self._keys(a.micro_batch):  # a re-computation draws the forward's masks again
+        if self.keyed:
+            with self._keys(a.micro_batch):  # a re-computation draws the forward's masks again
+                self._backward(a.micro_batch)
+        else:
             self._backward(a.micro_batch)
-        self._poll_sends()
+        if self._pending_sends:
+            self._poll_sends()
 
     def backward_input(self, a: Action) -> None:
         """``I``: wait for the output gradients and compute the input gradients only (a stage
@@ -312,7 +345,10 @@ class StageExecutor:
 
     # -- helpers -------------------------------------------------------------------------------
     def _keys(self, m: int) -> contextlib.AbstractContextManager[None]:
-        """Key the random sites by this step and micro-batch ``m``'s rows of this replica."""
+        """Key the random sites by this step and micro-batch ``m``'s rows of this replica
+        (nothing to key on a stage that draws none)."""
+        if not self.keyed:
+            return _UNKEYED
         b = self.plan.micro_batch_size
         return keyed(self.seed, self.step, m * b + self.lo, self.hi - self.lo)
 
@@ -402,32 +438,25 @@ class StageExecutor:
     def _forward(self, m: int) -> None:
         b = self.plan.micro_batch_size
         st = _MicroBatch()
+        metering = self.metering
         if self.s == 0:
             r0, r1 = m * b + self.lo, m * b + self.hi
-            # copy: a view would keep (and be metered as) the whole global batch
-            xs = [t[r0:r1].to(self.device, copy=True) for t in self._batch_inputs]
+            # metered: a copy (a view would keep, and be metered as, the whole global batch);
+            # otherwise the rows as they are (the step holds the global batch anyway)
+            xs = [_rows(t, r0, r1, self.device, metering) for t in self._batch_inputs]
         else:
             xs = self._wait_concat(self._recv_f, m, "activations")
             for t in xs:
                 if t.dtype.is_floating_point or t.dtype.is_complex:
                     t.requires_grad_(True)
         st.inputs = tuple(xs)
-        metering = self.metering
         if metering:
             st.held = self.meter.hold(xs)
-        with self.meter.saved_tensors_hooks() if metering else contextlib.nullcontext():
-            with self.precision.autocast():  # checkpoint replays the recompute under it too
-                if self.recompute:
-                    out = checkpoint(self._stage_fn, *xs, use_reentrant=False)
-                else:
-                    out = self._stage_fn(*xs)
-            if self.s == self.plan.num_stages - 1:
-                assert self._targets is not None
-                tgt = self._targets[m * b + self.lo : m * b + self.hi].to(self.device, copy=True)
-                out = to_fp32(out) if self.precision.dtype is not None else out  # fp32 loss
-                st.loss = self.loss_fn(out, tgt) * ((self.hi - self.lo) / self._global_batch)
-                self.loss_sum = self.loss_sum + st.loss.detach().double()  # no host read
-        if self.s < self.plan.num_stages - 1:
+            with self.meter.saved_tensors_hooks():
+                out = self._compute(m, st, xs)
+        else:
+            out = self._compute(m, st, xs)
+        if not self.last:
             st.output = flatten(out)
             if self.split:  # the split backward detaches its outputs in place: copies that
                 # no autograd node saves (a layer may save its own output, e.g. tanh)
@@ -438,6 +467,34 @@ class StageExecutor:
             if metering:
                 st.held += self.meter.hold(st.output)
         self._mb[m] = st
+
+    def _compute(self, m: int, st: _MicroBatch, xs: list[torch.Tensor]) -> Any:
+        """The stage's layers on ``xs`` (under autocast, re-computed in ``B`` with
+        ``recompute``) and, on the last stage, micro-batch ``m``'s scaled loss into ``st``
+        and the step's loss sum."""
+        if self.precision.dtype is not None:
+            with self.precision.autocast():  # checkpoint replays the recompute under it too
+                out = self._layers(xs)
+        else:
+            out = self._layers(xs)
+        if self.last:
+            b = self.plan.micro_batch_size
+            assert self._targets is not None
+            r0 = m * b
+            tgt = _rows(self._targets, r0 + self.lo, r0 + self.hi, self.device, self.metering)
+            out = to_fp32(out) if self.precision.dtype is not None else out  # fp32 loss
+            st.loss = self.loss_fn(out, tgt) * ((self.hi - self.lo) / self._global_batch)
+            part = st.loss.detach()  # summed in float64, without a host read
+            total = self.loss_sum
+            self.loss_sum = (
+                total + part if isinstance(total, torch.Tensor) else part.to(torch.float64)
+            )
+        return out
+
+    def _layers(self, xs: list[torch.Tensor]) -> Any:
+        if self.recompute:
+            return checkpoint(self._stage_fn, *xs, use_reentrant=False)
+        return self._stage_fn(*xs)
 
     def _send_forward(self, m: int, peer: Any) -> None:
         st = self._mb[m]

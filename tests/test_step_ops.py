@@ -1,0 +1,154 @@
+"""What a dapple step does beyond a plain loop, counted: aten ops and Python calls (issue 46).
+
+One process (a gloo group of one) trains a 1-stage plan of an 8-layer MLP (16 parameter
+tensors) with AdamW, metrics and the non-finite guard on, and a plain loop over the same
+layers (same batches, micro-batches, optimizer; its loss read once a step). One step of each,
+after warm-up, is counted: ``torch.profiler``'s ``aten::`` events (nested ones included) and
+``cProfile``'s calls. M = 2 and M = 4 separate what dapple adds per micro-batch from what it
+adds once per step. Counts, never time: they do not move with the machine's load.
+
+The bounds: per micro-batch, the guard's fused check costs on CPU one norm per gradient
+(``torch._foreach_norm`` has no fused CPU kernel: two events each) and a few ops of its own,
+and the executor and guard a fixed number of Python calls, whatever the number of parameters;
+per step, the gradient norm (two events per gradient and one stack of them), the guard's
+verdict, the step's collective row and the metrics.
+"""
+
+from __future__ import annotations
+
+import cProfile
+import pstats
+import socket
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import runtime_workloads as rw
+from dapple.core.plan import straight_plan
+from dapple.runtime import TrainConfig, run_plan
+from dapple.runtime.optim import make_optimizer
+
+LAYERS, B, WARMUP, SEED = 8, 2, 3, 0
+N_GRADS = 2 * LAYERS  # weight and bias per layer
+
+PER_MB_OPS = 3 * N_GRADS + 8
+"""aten ops dapple may add per micro-batch: the guard's norm per gradient (2 events each on
+torch 2.13's CPU) and its own few. Before the fused check: 106 here (a sum, a fill, a stack's
+view and two strides per gradient)."""
+PER_MB_CALLS = 45
+"""Python calls dapple may add per micro-batch: the executor, the interpreter and the guard,
+none per parameter (31 here; 118 before, with calls per gradient and a keyed-RNG context)."""
+PER_STEP_OPS = 4 * N_GRADS + 120
+"""aten ops dapple may add once per step: the gradient norm (a norm and a stack's view per
+gradient), the guard's verdict, the collective's row, the metrics (151 here)."""
+PER_STEP_CALLS = 270
+"""Python calls dapple may add once per step (228 here; 316 before)."""
+
+
+@pytest.fixture(scope="module")
+def one_rank() -> Iterator[None]:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+class _Window:
+    """Counts of what runs between :meth:`start` and :meth:`stop`."""
+
+    def start(self) -> None:
+        self.calls = cProfile.Profile()
+        self.ops = torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=False
+        )
+        self.ops.__enter__()
+        self.calls.enable()
+
+    def stop(self) -> tuple[int, int]:
+        self.calls.disable()
+        self.ops.__exit__(None, None, None)
+        stats: Any = pstats.Stats(self.calls)
+        calls = sum(v[1] for v in stats.stats.values())
+        ops = sum(1 for e in self.ops.events() if e.name.startswith("aten::"))
+        return ops, calls
+
+
+def _config() -> TrainConfig:
+    return TrainConfig(steps=WARMUP + 2, seed=SEED, optimizer="adamw", lr=1e-3, timeout_s=60)
+
+
+def _plain(m: int) -> tuple[int, int]:
+    wl = rw.mlp(LAYERS)
+    model = wl.build_model(SEED)
+    params = list(model.parameters())
+    opt = make_optimizer(_config(), params)
+    G = B * m
+    win = _Window()
+    counted = (0, 0)
+    for step in range(WARMUP + 1):
+        if step == WARMUP:
+            win.start()
+        x, y = wl.make_batch(G, SEED + step)
+        for p in params:
+            p.grad = None
+        total: Any = 0.0
+        for k in range(m):
+            loss = wl.loss_fn(model(x[k * B : (k + 1) * B]), y[k * B : (k + 1) * B]) * (B / G)
+            loss.backward()
+            total = total + loss.detach()
+        opt.step()
+        float(total)
+        if step == WARMUP:
+            counted = win.stop()
+    return counted
+
+
+def _dapple(m: int) -> tuple[int, int]:
+    wl = rw.mlp(LAYERS)
+    plan = straight_plan(LAYERS, [0], global_batch_size=B * m, num_micro_batches=m)
+    win = _Window()
+    counted: list[tuple[int, int]] = []
+
+    def on_step(metrics: Any) -> None:  # one whole step: from the end of the one before
+        if metrics.step == WARMUP - 1:
+            win.start()
+        elif metrics.step == WARMUP:
+            counted.append(win.stop())
+
+    run_plan(plan, wl, _config(), device=torch.device("cpu"), on_step=on_step)
+    return counted[0]
+
+
+@pytest.fixture(scope="module")
+def extra(one_rank: None) -> dict[int, tuple[int, int]]:
+    """M -> (aten ops, Python calls) dapple's step makes beyond the plain loop's."""
+    out = {}
+    for m in (2, 4):
+        d, p = _dapple(m), _plain(m)
+        out[m] = (d[0] - p[0], d[1] - p[1])
+    return out
+
+
+def test_dapple_adds_per_micro_batch_only_the_guards_fused_check(
+    extra: dict[int, tuple[int, int]],
+) -> None:
+    ops = (extra[4][0] - extra[2][0]) / 2
+    calls = (extra[4][1] - extra[2][1]) / 2
+    assert ops <= PER_MB_OPS, f"{ops} aten ops per micro-batch beyond the plain loop's"
+    assert calls <= PER_MB_CALLS, f"{calls} Python calls per micro-batch beyond the plain loop's"
+
+
+def test_dapple_adds_per_step_a_bounded_step_end(extra: dict[int, tuple[int, int]]) -> None:
+    per_mb_ops = (extra[4][0] - extra[2][0]) / 2
+    per_mb_calls = (extra[4][1] - extra[2][1]) / 2
+    ops = extra[2][0] - 2 * per_mb_ops
+    calls = extra[2][1] - 2 * per_mb_calls
+    assert ops <= PER_STEP_OPS, f"{ops} aten ops per step beyond the plain loop's"
+    assert calls <= PER_STEP_CALLS, f"{calls} Python calls per step beyond the plain loop's"
