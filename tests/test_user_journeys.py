@@ -254,6 +254,9 @@ def test_a_verify_report_prints_as_a_short_summary(ok: bool) -> None:
     assert "3e-06" in text and "2e-07" in text
     assert ("step 1 weight of layer 2 fc.weight" in text) is (not ok)
     assert len(lines) <= 6 and "StageDiff" not in text and "StageDiff" in repr(rep)
+    one = dataclasses.replace(rep, losses=(1.0,), reference_losses=(1.0,), grad_norms=(2.0,),
+                              reference_grad_norms=(2.0,))  # fmt: skip
+    assert ", 1 step fp32 vs" in str(one)
 
 
 @pytest.mark.slow  # two verify launches (about a minute on 2 loaded cores)

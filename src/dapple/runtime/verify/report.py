@@ -162,11 +162,11 @@ class VerifyReport:
     def __str__(self) -> str:
         """A short summary: the verdict, the run, the largest differences against their
         tolerances and the first check out of tolerance (``repr`` keeps every field)."""
-        plan, opts = self.plan, self.options
+        plan, opts, n = self.plan, self.options, len(self.losses)
         lines = [
             f"verify {'OK' if self.ok else 'MISMATCH'}: {self.model_name} on "
-            f"{plan.replication} ({plan.schedule}, policy {plan.policy}), {len(self.losses)} "
-            f"steps {opts.get('precision', 'fp32')} vs the {self.reference}",
+            f"{plan.replication} ({plan.schedule}, policy {plan.policy}), {n} "
+            f"step{'s' * (n != 1)} {opts.get('precision', 'fp32')} vs the {self.reference}",
             f"  largest gradient difference {self.max_grad_diff:.3g} of its layer's scale "
             f"(tolerance {self.grad_rtol:g})",
             f"  largest weight difference after an update {self.max_abs_diff:.3g} "
