@@ -158,6 +158,8 @@ def test_demo_runs_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert "profile transformer: done 24/24 in" in text and "calibrate: done in" in text
     assert "demo: every check passed in" in text
     assert "def __init__(self" in text  # the generated continuation
+    assert "160 bytes sampled (seed 0):" in text and "greedy (argmax) continuation: " in text
+    assert "the prediction rests on the profile" in text
     assert "…" not in text  # no line or table cut to fit 80 columns
 
 

@@ -98,3 +98,138 @@ def test_verify_a_tp2_plan_of_transformer_tp_equals_one_device(
     assert main([*args, "-m", "transformer-tp"]) == 0
     out = capsys.readouterr().out
     assert "OK: largest gradient difference" in out
+
+
+# -- item 6: what a prediction rests on ---------------------------------------------------------
+def test_the_prediction_names_its_basis_and_points_to_calibrate(tmp_path: Path) -> None:
+    from dapple.cli._prediction_note import OFF_RATIO, prediction_basis
+    from dapple.core.cluster import PRESETS
+
+    prof = tmp_path / "p.json"
+    dataclasses.replace(make_profile(), device="cpu").save(prof)
+    close = prediction_basis(str(prof), "local-cpu", 10.0, 10.0 * OFF_RATIO * 0.99)
+    assert "preset cluster 'local-cpu'" in close and "measured on cpu" in close
+    assert "dapple calibrate" not in close and len(close.splitlines()) == 1
+    off = prediction_basis(str(prof), "local-cpu", 58.4, 8.5).splitlines()
+    assert len(off) == 2 and "6.87x" in off[1] and "dapple calibrate" in off[1]
+    assert "0.15x" in prediction_basis(str(prof), "local-cpu", 8.5, 58.4)  # too slow a guess too
+    calibrated = dataclasses.replace(PRESETS["local-cpu"], name="cal", step_overhead_ms=1.0)
+    calibrated.save(tmp_path / "c.json")
+    got = prediction_basis(str(prof), str(tmp_path / "c.json"), 209.5, 50.7)
+    assert "calibrated host CPU terms" in got and "as it was loaded then" in got
+    analytic = dataclasses.replace(make_profile(), device="H100 (analytic)")
+    analytic.save(tmp_path / "a.json")
+    assert "analytic profile" in prediction_basis(str(tmp_path / "a.json"), "h100-8x", 1.0, 1.0)
+
+
+# -- item 4: generate's cut prompt and the demo's continuation ----------------------------------
+def test_a_prompt_longer_than_the_context_is_said_to_be_cut() -> None:
+    from dapple.cli.generate_cmd import prompt_cut
+    from dapple.models.generate import generate_text
+    from dapple.models.zoo import load_workload
+
+    wl = load_workload("transformer", layers=1, hidden=16, heads=2, seq=8, vocab=256)
+    model = wl.build_model(0)
+    short = generate_text(wl, model, "abc", 2)
+    assert short.context == 8 and prompt_cut(short) == ""
+    long = generate_text(wl, model, "x" * 20, 2)
+    assert long.context == 8 and long.prompt_tokens == 20 and long.text.startswith("x" * 20)
+    warning = prompt_cut(long)
+    assert warning.startswith("dapple: warning:") and "last 8" in warning and "first 12" in warning
+
+
+def test_the_demo_shows_a_repeated_byte_as_a_run() -> None:
+    from dapple.cli.demo_cmd import _is_run, _runs
+
+    assert _is_run(" " * 140) and _runs(" " * 140) == "' ' x 140"
+    assert not _is_run("ab ") and _runs("a\\nb") == repr("a\\nb")
+    assert not _is_run("")
+
+
+# -- item 3: elastic and stop wording -------------------------------------------------------------
+def test_the_stop_line_names_the_last_step_and_checkpoint(tmp_path: Path) -> None:
+    import json
+
+    from dapple.runtime.stop_line import last_logged_step, stop_line
+
+    m = tmp_path / "m.jsonl"
+    m.write_text("\n".join([json.dumps({"step": 0}), json.dumps({"step": 1}),
+                            json.dumps({"event": "replan", "step": 9}), '{"step": 2, "lo']))  # fmt: skip
+    assert last_logged_step(str(m)) == 1 and last_logged_step(None) is None
+    assert stop_line("SIGTERM", str(m), None) == (
+        "dapple: stopped by SIGTERM after step 1; nothing saved (no --checkpoint-dir)"
+    )
+    empty = tmp_path / "ck"
+    empty.mkdir()
+    assert stop_line("SIGINT", None, str(empty)) == (
+        f"dapple: stopped by SIGINT; no complete checkpoint in {empty}"
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_sigtermed_run_ends_with_a_closing_line(tmp_path: Path) -> None:
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from dapple.core.plan import straight_plan
+
+    straight_plan(5, [0], global_batch_size=4, num_micro_batches=1).save(tmp_path / "p.json")
+    cmd = [sys.executable, "-m", "dapple", "train", "--plan", "p.json", "-m", "mlp",
+           "--steps", "100000", "--checkpoint-dir", "ck", "--save-every", "2",
+           "--metrics", "m.jsonl", "--device", "cpu"]  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 400
+        m = tmp_path / "m.jsonl"
+        while time.monotonic() < deadline and proc.poll() is None:
+            lines = m.read_text().splitlines() if m.is_file() else []
+            if sum('"step"' in x for x in lines) >= 4:
+                break
+            time.sleep(0.5)
+        os.kill(proc.pid, signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == -signal.SIGTERM, err[-2000:]
+    last = err.strip().splitlines()[-1]
+    steps = [json.loads(x)["step"] for x in m.read_text().splitlines() if '"step"' in x]
+    assert last.startswith(f"dapple: stopped by SIGTERM after step {steps[-1]}; last checkpoint: "
+                           "step "), err[-2000:]  # fmt: skip
+    assert last.endswith("resume with --resume")
+
+
+# -- item 5: wording ------------------------------------------------------------------------------
+def test_the_bars_eta_moves_with_the_clock_between_steps() -> None:
+    import io
+
+    from rich.console import Console
+
+    from dapple.cli._console import StepProgress
+
+    now = [0.0]
+    con = Console(file=io.StringIO(), force_terminal=True, width=100)
+    with StepProgress("train", 4, console=con, heartbeat=False, clock=lambda: now[0]) as p:
+        now[0] = 2.0
+        p(1)  # 2 s a step so far: 3 left, 6 s
+        assert p._bar is not None and p._bar.tasks[0].fields["eta"] == "6.0 s"
+        now[0] = 5.0
+        p._show()  # no step ended: the mean per step grew with the clock
+        assert p._bar.tasks[0].fields["eta"] == "15.0 s"
+        now[0] = 6.0
+        p(3)
+        assert p._bar.tasks[0].fields["eta"] == "2.0 s"
+
+
+def test_a_tensor_parallel_stage_announces_its_build_once() -> None:
+    from dapple.runtime.engine import _announces_build
+
+    plan = Plan(planner="manual", global_batch_size=4, micro_batch_size=2, num_micro_batches=2,
+                stages=(StagePlan(layers=(0, 2), devices=(0, 1, 2, 3), tensor_width=2),
+                        StagePlan(layers=(2, 4), devices=(4, 5))))  # fmt: skip
+    assert [r for r in range(6) if _announces_build(plan, r)] == [0, 4]

@@ -66,6 +66,7 @@ def test_train_standalone_matches_reference_and_prints_prediction(tmp_path: Path
     assert sum(line.startswith("step ") for line in out) == 3
     measured = next(line for line in out if line.startswith("measured step time"))
     assert "vs predicted" in measured and "(simulator)" in measured
+    assert out[out.index(measured) + 1].startswith("the prediction rests on the profile")
     # then each stage's memory beside the planner's estimate
     table = "\n".join(out[out.index(measured) + 1 :])
     assert "planner" in table and "estimate" in table and "VmHWM" in table

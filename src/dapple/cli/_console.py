@@ -34,7 +34,6 @@ from rich.progress import (
     TaskID,
     TextColumn,
     TimeElapsedColumn,
-    TimeRemainingColumn,
 )
 from rich.table import Table
 
@@ -127,7 +126,8 @@ class StepProgress:
         delay_s: show nothing before this many seconds (a loop that ends sooner prints
             nothing at all).
         heartbeat: off a terminal, repeat the last state every ``interval_s`` while no step
-            ends (a thread); without it lines come from the calls only.
+            ends; on one, bring the bar's ETA up to date every second (a thread); without it
+            lines and the bar change on the calls only.
         clock: seconds, monotonic (tests pass a fake one).
         """
         self.what = what
@@ -153,7 +153,7 @@ class StepProgress:
     def __enter__(self) -> StepProgress:
         self._start = self._clock()
         self._show()
-        if self._plain and self._heartbeat:
+        if self._heartbeat:  # off a terminal a line, on one the bar's ETA, every second
             self._thread = threading.Thread(target=self._beat, name="progress", daemon=True)
             self._thread.start()
         return self
@@ -194,11 +194,17 @@ class StepProgress:
             return f"{self.what}: {', '.join([*parts, f'elapsed {format_seconds(elapsed)}'])}"
         detail = f" ({self.detail})" if self.detail else ""
         frac = self.done / self.total if self.total > 0 else 0.0
-        eta = elapsed / self.done * (self.total - self.done) if self.done > 0 else math.inf
         return (
             f"{self.what}: {self.done}/{self.total}{detail} {100 * frac:.0f}% "
-            f"elapsed {format_seconds(elapsed)} eta {format_seconds(eta)}"
+            f"elapsed {format_seconds(elapsed)} eta {format_seconds(self._eta(elapsed))}"
         )
+
+    def _eta(self, elapsed: float) -> float:
+        """Seconds left at the mean time per step so far, elapsed time included: it moves
+        with the clock (up during a slow step, down as steps end), inf before the first."""
+        if self.total is None or self.done <= 0:
+            return math.inf
+        return elapsed / self.done * max(self.total - self.done, 0)
 
     def _closing(self, failed: bool) -> str:
         elapsed = format_seconds(self._clock() - self._start)
@@ -223,11 +229,11 @@ class StepProgress:
             if self._bar is None:
                 self._bar = self._new_bar()
                 self._bar.start()
-                self._task = self._bar.add_task("", total=self.total)
+                self._task = self._bar.add_task("", total=self.total, eta="-")
             assert self._task is not None
-            self._bar.update(
-                self._task, completed=self.done, total=self.total, description=escape(self.detail)
-            )
+            eta = format_seconds(self._eta(now - self._start))
+            self._bar.update(self._task, completed=self.done, total=self.total,
+                             description=escape(self.detail), eta=eta)  # fmt: skip
             self._shown = True
 
     def _print(self, line: str) -> None:
@@ -243,8 +249,7 @@ class StepProgress:
             BarColumn(),
             MofNCompleteColumn(),
             TimeElapsedColumn(),
-            TextColumn("ETA"),
-            TimeRemainingColumn(),
+            TextColumn("ETA {task.fields[eta]}"),
             console=self._con,
             transient=True,
         )

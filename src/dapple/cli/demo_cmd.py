@@ -13,7 +13,7 @@
    learning rate, global gradient-norm clipping, validation every quarter of the run, a
    checkpoint at the end; print predicted vs measured step time, the loss curve and validation
    loss against the entropy.
-4. Greedily generate a continuation from the trained weights.
+4. Generate a continuation from the trained weights (sampled; the greedy one beside it).
 5. Run the planner's choice (if another plan) on the same batches over the warm-up (its losses
    match), and ``verify`` the uneven pipeline against one process.
 
@@ -372,6 +372,11 @@ def _train(
         f"step time: planner L {plan.predicted_step_ms:.1f} ms, simulator {simulated_ms:.1f} ms, "
         f"measured {measured:.1f} ms (median after 3 steps)"
     )
+    from dapple.cli._prediction_note import prediction_basis
+
+    basis = prediction_basis(str(out / "profile.json"), str(out / "cluster.json"), measured,
+                             simulated_ms)  # fmt: skip
+    con.print(basis, markup=False, highlight=False)
     final = [m.eval_loss for m in metrics if m.eval_loss is not None][-1]
     verdict = "[green]below[/green]" if final < entropy else "[red]NOT below[/red]"
     con.print(
@@ -382,27 +387,53 @@ def _train(
 
 
 def _generate(con: Console, args: argparse.Namespace, out: Path, overrides: dict[str, Any]) -> None:
-    """Greedy continuation of :data:`PROMPT` from the run's last checkpoint."""
+    """A continuation of :data:`PROMPT` from the run's last checkpoint, sampled at
+    :data:`DEMO_TEMPERATURE` (seed 0), and the greedy one beside it as a ``repr``: greedy
+    decoding of a byte model this briefly trained tends to repeat one likely byte (a space)."""
     import torch
 
-    from dapple.models.generate import greedy_generate
+    from dapple.models.generate import greedy_generate, sample_tokens
     from dapple.models.zoo import load_workload
     from dapple.runtime.checkpoint import restore_stage
     from dapple.runtime.checkpoint_files import latest_checkpoint
 
-    con.rule("4. generate from the trained weights (greedy)")
+    con.rule(f"4. generate from the trained weights (sampled at temperature {DEMO_TEMPERATURE})")
     ckpt = latest_checkpoint(out / "checkpoints")
     if ckpt is None:  # pragma: no cover - the run saves at its last step
         con.print("[yellow]no checkpoint to generate from[/yellow]")
         return
     model = load_workload(args.model, **overrides).build_model(0)
     restore_stage(ckpt, model, 0)
+    model.eval()
     prompt = torch.tensor(list(PROMPT.encode()), dtype=torch.long)
-    with one_thread():
-        ids = greedy_generate(model, prompt, new_tokens=160, context=args.seq_len)
-    text = bytes(int(i) for i in ids).decode("utf-8", errors="replace")
-    con.print(f"checkpoint step {ckpt.step}, prompt {PROMPT!r}:")
-    con.print(text, markup=False, highlight=False)
+    with one_thread(), torch.no_grad():
+        sampled = sample_tokens(lambda w: model(w.unsqueeze(0))[0, -1], prompt, 160,
+                                args.seq_len, temperature=DEMO_TEMPERATURE, seed=0)  # fmt: skip
+        greedy = greedy_generate(model, prompt, new_tokens=160, context=args.seq_len)
+    con.print(f"checkpoint step {ckpt.step}, prompt {PROMPT!r}, 160 bytes sampled (seed 0):")
+    con.print(_decoded(sampled), markup=False, highlight=False)
+    tail = _decoded(greedy[prompt.numel() :])
+    why = " (one byte repeated: greedy decoding of an under-trained model)" * _is_run(tail)
+    con.print(f"greedy (argmax) continuation: {_runs(tail)}{why}", markup=False, highlight=False)
+
+
+DEMO_TEMPERATURE = 0.8
+"""The demo's sampling temperature (``dapple generate --temperature``)."""
+
+
+def _decoded(ids: Any) -> str:
+    return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
+
+
+def _is_run(text: str) -> bool:
+    return bool(text) and text == text[0] * len(text)
+
+
+def _runs(text: str) -> str:
+    """``text`` as a ``repr``, a run of one character as ``' ' x 140``."""
+    if _is_run(text):
+        return f"{text[0]!r} x {len(text)}"
+    return repr(text[:80]) + ("..." if len(text) > 80 else "")
 
 
 def _compare_and_verify(

@@ -12,9 +12,13 @@ from __future__ import annotations
 import argparse
 import sys
 import unicodedata
+from typing import TYPE_CHECKING
 
 from dapple.cli._model_args import add_model_arguments, model_overrides
 from dapple.errors import ValidationError
+
+if TYPE_CHECKING:
+    from dapple.models.generate import Generated
 
 __all__ = ["register"]
 
@@ -86,6 +90,9 @@ def run(args: argparse.Namespace) -> int:
         print(
             f"generated from the checkpoint of step {loaded.step} ({loaded.path})", file=sys.stderr
         )
+    cut = prompt_cut(result)
+    if cut:
+        print(cut, file=sys.stderr)
     print(terminal_safe(result.text) if sys.stdout.isatty() else result.text)
     return 0
 
@@ -98,4 +105,16 @@ def terminal_safe(text: str) -> str:
         if c in "\n\t" or unicodedata.category(c)[0] != "C"
         else c.encode("unicode_escape").decode()
         for c in text
+    )
+
+
+def prompt_cut(result: Generated) -> str:
+    """A warning when the prompt is longer than the model's context (``--set seq``): the model
+    continues from its last ``context`` tokens only; empty otherwise."""
+    n, c = result.prompt_tokens, result.context
+    if not c or n <= c:
+        return ""
+    return (
+        f"dapple: warning: the prompt is {n} tokens but the model sees at most {c} (--set "
+        f"seq): it continued from the last {c}, the first {n - c} are printed but were not seen"
     )

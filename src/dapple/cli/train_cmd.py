@@ -402,6 +402,10 @@ def run_config(cfg: RunConfig) -> int:
         predicted = metrics[0].predicted_step_ms
         print(line + ("" if predicted is None else f" vs predicted {predicted:.1f} ms (simulator)"))
         profile, cluster, t = cfg.run.profile, cfg.run.cluster, cfg.train
+        if predicted is not None and profile is not None and cluster is not None:
+            from dapple.cli._prediction_note import prediction_basis
+
+            print(prediction_basis(profile, cluster, statistics.median(steady), predicted))
         if profile is not None and cluster is not None:
             _memory_table(plan, metrics[-1], profile, cluster, t.optimizer, t.momentum)
         print_summary(metrics, curve)

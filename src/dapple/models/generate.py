@@ -259,6 +259,9 @@ class Generated:
     prompt_tokens: int
     tokenizer: str
     """``bytes`` or the tokenizer's directory."""
+    context: int = 0
+    """The most tokens the model sees at once: a longer prompt is continued from its last
+    ``context`` tokens (0: not stated)."""
 
     @property
     def new_tokens(self) -> int:
@@ -341,4 +344,4 @@ def generate_text(
     all_ids = [int(i) for i in out]
     full, head = tok.decode(all_ids), tok.decode(prompt_ids)
     tail = full[len(head) :] if full.startswith(head) else tok.decode(all_ids[len(prompt_ids) :])
-    return Generated(prompt + tail, tuple(all_ids), len(prompt_ids), tok.name)
+    return Generated(prompt + tail, tuple(all_ids), len(prompt_ids), tok.name, context)

@@ -301,6 +301,9 @@ def train_elastic(
                         f"{failure}; {len(replans)} re-plans made, the most allowed "
                         f"(max_restarts={policy.max_restarts}); resume from {ckpt_dir!r}"
                     ) from failure
+                lost = ", ".join(map(str, failure.lost_ranks()))
+                announce(f"lost rank {lost}, re-planning for the {len(left)} devices left",
+                         bool(options.get("echo", False)))  # fmt: skip
                 rep = _replan(policy, failure, plan, len(left), resume_step)
                 _record(rep, metrics_path, bool(options.get("echo", False)))
                 replans.append(rep)

@@ -333,8 +333,8 @@ def _setup(
     baseline = resident_bytes(device, peak=False)  # before this rank builds anything
     G, echo = plan.global_batch_size, config.echo
     inputs, targets = first_batch(workload, G, config.seed, data)
-    if rank in plan.devices and plan.stage_of_device(rank)[1] == 0:
-        announce(f"start-up: building {stages_text(plan, rank)}", echo)  # one line per stage
+    if _announces_build(plan, rank):
+        announce(f"start-up: building {stages_text(plan, rank)}", echo)
     layers = build_layers(plan, workload, config.seed, device, rank)
     dims = batch_dims(workload, G, config.seed, data)
     precision = Precision(config.precision, device)
@@ -421,6 +421,12 @@ def _layers_text(layers: tuple[int, int]) -> str:
     """``layers 3-5`` for the chain's layers ``[3, 6)`` (``layer 3`` for ``[3, 4)``)."""
     first, end = layers
     return f"layer {first}" if end - first == 1 else f"layers {first}-{end - 1}"
+
+
+def _announces_build(plan: Plan, rank: int) -> bool:
+    """Whether ``rank`` says its stage is being built: one line per stage, from its first device
+    (replica 0's tensor rank 0)."""
+    return rank in plan.devices and plan.stages[plan.stage_of_device(rank)[0]].devices[0] == rank
 
 
 def stages_text(plan: Plan, rank: int) -> str:

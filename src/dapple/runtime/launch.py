@@ -29,6 +29,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -49,7 +50,7 @@ from dapple.runtime.data import check_data, check_data_resume, data_state
 from dapple.runtime.early import EarlyWorkers, preloaded
 from dapple.runtime.engine import RankFailure, run_plan, validate_run
 from dapple.runtime.evaluate import eval_batch_fn, eval_plan
-from dapple.runtime.failure import rank_report
+from dapple.runtime.failure import lost_peer, rank_report
 from dapple.runtime.local import (
     StopSignals,
     exit_text,
@@ -65,6 +66,7 @@ from dapple.runtime.local import (
 from dapple.runtime.longrun import elastic_store
 from dapple.runtime.metrics import announce, metrics_from_dict
 from dapple.runtime.precision import check_precision
+from dapple.runtime.stop_line import stop_line
 
 if TYPE_CHECKING:
     from dapple.runtime.elastic import ElasticPolicy
@@ -148,10 +150,11 @@ def init_distributed(config: TrainConfig, local_world: int) -> torch.device:
     return device
 
 
-def _die(msg: str) -> None:
-    """Print ``dapple: error: msg`` in a single write (ranks share stderr) and exit 1."""
+def _die(msg: str, kind: str = "error: ") -> None:
+    """Print ``dapple: error: msg`` (``kind`` after ``dapple: ``) in a single write (ranks share
+    stderr) and exit 1."""
     sys.stdout.flush()
-    os.write(2, f"dapple: error: {msg}\n".encode())
+    os.write(2, f"dapple: {kind}{msg}\n".encode())
     os._exit(1)
 
 
@@ -175,6 +178,7 @@ def spawn(
     *args: Any,
     timeout_s: float = 300.0,
     early: EarlyWorkers | None = None,
+    closing: Callable[[str], str] | None = None,
 ) -> None:
     """Run ``fn(rank, world, *args)`` in ``nprocs`` fresh local processes with the env set.
 
@@ -184,6 +188,7 @@ def spawn(
     (:mod:`dapple.core.own_session`: on a busy machine they get torchrun's share of the CPU).
     With ``early`` (``nprocs`` of them, started before the run was known,
     :class:`~dapple.runtime.early.EarlyWorkers`) they get the run instead of new processes.
+    ``closing`` makes the line written to stderr when a signal stopped them (its name given).
 
     Raises:
         RankFailure: a worker exited non-zero or was killed (or hung ``timeout_s + GRACE_S``
@@ -207,7 +212,7 @@ def spawn(
         procs = early.procs
     hung: list[int] = []
     silent: list[int] = []
-    with StopSignals() as signals:
+    with StopSignals(closing) as signals:
         try:
             if early is not None:
                 early.hand(fn, args)
@@ -275,10 +280,12 @@ def _worker(
     cfg: TrainConfig,
     out: str | None,
     datasets: tuple[Any, Any] = (None, None),
+    elastic: bool = False,
 ) -> None:
     """A spawned rank. ``wl`` is the workload pickled (a spec string or a :class:`Workload`,
     which pickles as its spec): loading it here, not while the process unpickles its
-    arguments, lets rank 0 say so first."""
+    arguments, lets rank 0 say so first. In an ``elastic`` attempt a rank that lost a peer
+    says so as the loss's consequence, not as an error (the launcher re-plans)."""
     try:
         workload = preloaded(wl)  # an early worker loaded it already
         if workload is None:
@@ -295,6 +302,8 @@ def _worker(
             Path(out).write_text(json.dumps([m.to_dict() for m in run.metrics]))
         shutdown_distributed()
     except Exception as e:
+        if elastic and lost_peer(e):
+            _die(f"rank {rank} stops with its lost peer ({rank_report(e)})", kind="")
         _die(rank_report(e, rank))
 
 
@@ -307,6 +316,7 @@ def train(
     eval_data: Any = None,
     early: EarlyWorkers | None = None,
     elastic: ElasticPolicy | None = None,
+    elastic_attempt: bool = False,
     **options: Any,
 ) -> list[StepMetrics]:
     """Train ``steps`` synchronous steps of ``plan`` (Python API behind ``dapple train``).
@@ -329,6 +339,8 @@ def train(
             ``torchrun`` for ``WORLD_SIZE`` devices, always resuming from the newest
             checkpoint; standalone whenever a device is lost (:func:`train_elastic`, which
             returns only the metrics here).
+        elastic_attempt: one launch of such a run (:func:`train_elastic`'s): a rank that
+            loses a peer reports it as the loss's consequence, not as an error.
         **options: the other :class:`TrainConfig` fields (seed, optimizer, lr, timeout_s,
             recompute, metrics_path, echo, device, predicted_step_ms, precision).
 
@@ -348,7 +360,8 @@ def train(
 
         def attempt(p: Plan, **opts: Any) -> None:
             ready, first[0] = first[0], None
-            train(p, workload, steps, data=data, eval_data=eval_data, early=ready, **opts)
+            train(p, workload, steps, data=data, eval_data=eval_data, early=ready,
+                  elastic_attempt=True, **opts)  # fmt: skip
 
         return train_elastic(plan, steps, attempt, policy=elastic, **options).metrics
     if elastic is not None:
@@ -393,8 +406,10 @@ def train(
         announce(f"start-up: checks done, the run goes to the {world} processes", cfg.echo)
     with tempfile.TemporaryDirectory(prefix="dapple-train-") as tmp:
         out = str(Path(tmp) / "metrics.json")
+        closing = partial(stop_line, metrics_path=cfg.metrics_path,
+                          checkpoint_dir=cfg.checkpoint_dir)  # fmt: skip
         spawn(_worker, world, plan.to_dict(), payload, cfg, out, (data, eval_data),
-              timeout_s=cfg.timeout_s, early=early)  # fmt: skip
+              elastic_attempt, timeout_s=cfg.timeout_s, early=early, closing=closing)  # fmt: skip
         return [metrics_from_dict(d) for d in json.loads(Path(out).read_text())]
 
 

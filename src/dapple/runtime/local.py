@@ -107,9 +107,12 @@ class StopSignals:
     handlers in the main thread only: entered in another thread this changes nothing (the
     workers still end with the launcher). A signal the process ignores stays ignored."""
 
-    def __init__(self) -> None:
+    def __init__(self, closing: Callable[[str], str] | None = None) -> None:
         self.received: int | None = None
         self._previous: dict[int, Any] = {}
+        self._closing = closing
+        """The run's closing line for a signal's name, written to stderr before the signal
+        takes effect (None: none)."""
 
     def __enter__(self) -> StopSignals:
         if threading.current_thread() is threading.main_thread():
@@ -130,6 +133,9 @@ class StopSignals:
         if self.received is not None:
             name = signal.Signals(self.received).name
             logger.info("%s: stopped the workers", name)
+            if self._closing is not None:
+                sys.stdout.flush()
+                os.write(2, (self._closing(name) + "\n").encode())
             signal.raise_signal(self.received)
             raise RankFailure(f"workers stopped by {name}")
 
