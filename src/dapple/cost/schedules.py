@@ -24,6 +24,7 @@ from dapple.core.plan import Plan, split_sizes
 from dapple.core.profile import ModelProfile
 from dapple.cost.lengths import profile_for_plan
 from dapple.cost.memory import device_state_bytes, held_activation_bytes, kept_bytes_per_sample
+from dapple.cost.overlap import NO_OVERLAP, CommOverlap
 from dapple.cost.pipeline import in_flight_bounds
 from dapple.cost.terms import PlanTerms, stage_terms
 from dapple.schedule.ir import ActionKind
@@ -96,14 +97,17 @@ def schedule_step_ms(terms: PlanTerms) -> float:
     return rule(step_terms(terms))
 
 
-def schedule_latency(plan: Plan, profile: ModelProfile, cluster: Cluster) -> float:
+def schedule_latency(
+    plan: Plan, profile: ModelProfile, cluster: Cluster, overlap: CommOverlap = NO_OVERLAP
+) -> float:
     """Predicted step time of ``plan`` in ms under its schedule (:func:`schedule_step_ms` of
-    :func:`~dapple.cost.terms.stage_terms`).
+    :func:`~dapple.cost.terms.stage_terms`), with the traffic ``overlap`` leaves exposed
+    (:mod:`dapple.cost.overlap`; default: dapple's runtime, all of it).
 
     Raises:
         ValidationError: the plan does not fit the profile (from the cost model).
     """
-    return schedule_step_ms(stage_terms(plan, profile, cluster))
+    return schedule_step_ms(stage_terms(plan, profile, cluster, overlap=overlap))
 
 
 def activation_peak_bytes(plan: Plan, profile: ModelProfile) -> list[float]:

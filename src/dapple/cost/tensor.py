@@ -176,8 +176,9 @@ def replica_sync_ms(
 def fsdp_pass_ms(cluster: Cluster, nbytes: float, stage: StagePlan) -> tuple[float, float]:
     """ZeRO-3 with ``regather``: the traffic added to one forward and to one backward of a
     replica, ``(AG, AG + RS)``, each of all-gather and reduce-scatter half a ring AllReduce of
-    the tensor-sharded parameter bytes ``nbytes`` (no overlap with compute assumed); ``(0, 0)``
-    otherwise."""
+    the tensor-sharded parameter bytes ``nbytes`` (no overlap with compute: dapple's runtime;
+    :func:`dapple.cost.overlap.exposed_fsdp_pass_ms` gives what a framework that prefetches
+    leaves exposed); ``(0, 0)`` otherwise."""
     if stage.zero_stage != 3 or not stage.regather:
         return 0.0, 0.0
     half = _parallel_allreduce_ms(cluster, nbytes, stage) / 2

@@ -41,7 +41,8 @@ from dapple.cost.compute import compute_ms, split_backward_ms
 from dapple.cost.host import HostExtra, apply_host, has_host_terms, host_extras, slowest_extra
 from dapple.cost.latency import Latency, latency, steady_periods
 from dapple.cost.lengths import profile_for_plan
-from dapple.cost.memory import boundary_bytes, sharded_parameter_bytes
+from dapple.cost.memory import boundary_bytes, sharded_layer_bytes, sharded_parameter_bytes
+from dapple.cost.overlap import NO_OVERLAP, CommOverlap, exposed_fsdp_pass_ms, exposed_sync_ms
 from dapple.cost.sharing import slice_work
 from dapple.cost.tensor import (
     fsdp_pass_ms,
@@ -250,7 +251,11 @@ class PlanTerms:
 
 
 def stage_terms(
-    plan: Plan, profile: ModelProfile, cluster: Cluster, zero_stage: int = 0
+    plan: Plan,
+    profile: ModelProfile,
+    cluster: Cluster,
+    zero_stage: int = 0,
+    overlap: CommOverlap = NO_OVERLAP,
 ) -> PlanTerms:
     """Every cost term of ``plan`` (module docstring), once.
 
@@ -262,6 +267,9 @@ def stage_terms(
         zero_stage: 1: replicated stages shard their optimizer state (ZeRO-1); 2: their
             gradients too (ZeRO-2), with AR_s as :func:`~dapple.cost.comm.stage_sync_ms`. A
             stage's own ``StagePlan.zero_stage`` applies when larger.
+        overlap: the data-parallel and ZeRO traffic the training framework hides under
+            compute (:mod:`dapple.cost.overlap`); :data:`~dapple.cost.overlap.NO_OVERLAP`
+            (dapple's runtime, the default): none, every byte on the critical path.
 
     Raises:
         ValidationError: a tensor group of the plan spans servers
@@ -272,7 +280,7 @@ def stage_terms(
     b = plan.micro_batch_size
     extras = host_extras(profile, cluster, [(*st.layers, st.replicas) for st in plan.stages], b)
     stages = tuple(
-        _stage_terms(plan, profile, cluster, st, max(zero_stage, st.zero_stage), extras[i])
+        _stage_terms(plan, profile, cluster, st, max(zero_stage, st.zero_stage), extras[i], overlap)
         for i, st in enumerate(plan.stages)
     )
     boundaries = tuple(
@@ -296,15 +304,19 @@ def _stage_terms(
     st: StagePlan,
     zero_stage: int,
     extras: Sequence[HostExtra],
+    overlap: CommOverlap = NO_OVERLAP,
 ) -> PlanStageTerms:
-    """The terms of computation stage ``st`` of ``plan`` under ``zero_stage``."""
+    """The terms of computation stage ``st`` of ``plan`` under ``zero_stage``, with the traffic
+    ``overlap`` leaves exposed."""
     b, M = plan.micro_batch_size, plan.num_micro_batches
     sizes = split_sizes(b, st.replicas)
     t = st.tensor_width
     s0, e0 = st.layers
     pbytes = sum(layer.parameter_bytes for layer in profile.layers[s0:e0])
     grad_bytes = float(pbytes) if t == 1 else sharded_parameter_bytes(profile, st.layers, t)
-    times = {n: _slice_times(profile, cluster, st, n, grad_bytes) for n in sorted(set(sizes))}
+    times = {
+        n: _slice_times(profile, cluster, st, n, grad_bytes, overlap) for n in sorted(set(sizes))
+    }
     replicas = tuple(
         ReplicaTerms(
             device=d,
@@ -333,10 +345,14 @@ def _stage_terms(
         if cluster.compute_cores_per_server is not None
         else ()
     )
+    sync = replica_sync_ms(cluster, grad_bytes, st, zero_stage, M)
+    if overlap.any and sync > 0:
+        fwd, bwd, nbytes = _layer_times(profile, cluster, st, sizes[0])
+        sync = exposed_sync_ms(overlap, sync, zero_stage, M, fwd, bwd, nbytes)
     terms = StageTerms(
         forward_ms=replicas[0].forward_ms,
         backward_ms=replicas[0].backward_ms,
-        sync_ms=replica_sync_ms(cluster, grad_bytes, st, zero_stage, M),
+        sync_ms=sync,
         update_ms=stage_update_ms(cluster, profile, grad_bytes, st.replicas, zero_stage),
         work=work,
     )
@@ -360,14 +376,38 @@ def _compute(
     return tensor_compute_ms(profile, cluster, layers, n, t)
 
 
+def _layer_times(
+    profile: ModelProfile, cluster: Cluster, st: StagePlan, n: int
+) -> tuple[list[float], list[float], list[float]]:
+    """Per layer of stage ``st`` on n samples of one tensor rank: F, B (re-computation
+    included) and the gradient bytes, in layer order: what :mod:`dapple.cost.overlap` hides
+    traffic under."""
+    t = st.tensor_width
+    fwd: list[float] = []
+    bwd: list[float] = []
+    nbytes: list[float] = []
+    for i in range(*st.layers):
+        f, b = _compute(profile, cluster, (i, i + 1), n, t)
+        fwd.append(f)
+        bwd.append(b + (f if st.recompute else 0.0))
+        nbytes.append(sharded_layer_bytes(profile.layers[i], t))
+    return fwd, bwd, nbytes
+
+
 def _slice_times(
-    profile: ModelProfile, cluster: Cluster, st: StagePlan, n: int, grad_bytes: float
+    profile: ModelProfile,
+    cluster: Cluster,
+    st: StagePlan,
+    n: int,
+    grad_bytes: float,
+    overlap: CommOverlap = NO_OVERLAP,
 ) -> tuple[tuple[float, float], tuple[float, float]]:
     """``((F, B), (I, W))`` of one replica's slice of n samples on stage ``st``: the paper's
     (:mod:`dapple.cost.compute`) at t_s = 1, else one tensor rank's
     (:mod:`dapple.cost.tensor`), plus ZeRO-3's per-micro-batch gathers when it re-gathers
     (:func:`~dapple.cost.tensor.fsdp_pass_ms`: the all-gather in F and I, the reduce-scatter in
-    W)."""
+    W); the part ``overlap`` leaves exposed, :func:`~dapple.cost.overlap.exposed_fsdp_pass_ms`,
+    when it hides any)."""
     t, rc = st.tensor_width, st.recompute
     if t == 1 and not st.regather:
         return (
@@ -377,6 +417,10 @@ def _slice_times(
     f, b = tensor_compute_ms(profile, cluster, st.layers, n, t, recompute=rc)
     i, w = tensor_split_backward_ms(profile, cluster, st.layers, n, t, recompute=rc)
     ag, ag_rs = fsdp_pass_ms(cluster, grad_bytes, st) if n > 0 else (0.0, 0.0)
+    if overlap.any and ag_rs > 0:
+        fwd, bwd, nbytes = _layer_times(profile, cluster, st, n)
+        ag, ag_rs = exposed_fsdp_pass_ms(overlap, ag, ag_rs - ag, fwd, bwd, nbytes)
+        return (f + ag, b + ag_rs), (i + ag, w + max(0.0, ag_rs - ag))
     return (f + ag, b + ag_rs), (i + ag, w + ag_rs - ag)
 
 

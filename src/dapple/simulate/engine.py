@@ -51,6 +51,7 @@ from dapple.core.plan import Plan, StagePlan
 from dapple.core.profile import ModelProfile
 from dapple.cost.lengths import profile_for_plan
 from dapple.cost.memory import device_state_bytes, held_activation_bytes, kept_bytes_per_sample
+from dapple.cost.overlap import NO_OVERLAP, CommOverlap
 from dapple.cost.schedules import schedule_step_ms
 from dapple.cost.terms import PlanTerms, TransferTerms, stage_terms
 from dapple.errors import DappleError, ValidationError
@@ -360,7 +361,12 @@ class _Run:
 
 
 def simulate(
-    plan: Plan, profile: ModelProfile, cluster: Cluster, schedule: Schedule | None = None
+    plan: Plan,
+    profile: ModelProfile,
+    cluster: Cluster,
+    schedule: Schedule | None = None,
+    *,
+    overlap: CommOverlap = NO_OVERLAP,
 ) -> SimResult:
     """Simulate one training step of ``plan``.
 
@@ -369,6 +375,8 @@ def simulate(
         profile: per-layer costs.
         cluster: devices and links.
         schedule: a lowered schedule to run instead of ``lower(plan)``; validated first.
+        overlap: the traffic the training framework hides under compute
+            (:mod:`dapple.cost.overlap`); default: dapple's runtime, none.
 
     A plan made for sequence lengths (``plan.seq_len``) runs at them when the profile was
     measured at several (:func:`dapple.cost.lengths.profile_for_plan`).
@@ -380,7 +388,7 @@ def simulate(
     plan.validate_for(profile.num_layers, cluster.num_devices)
     sched = lower(plan) if schedule is None else schedule
     validate(sched, plan)
-    terms = stage_terms(plan, profile, cluster)
+    terms = stage_terms(plan, profile, cluster, overlap=overlap)
     stages = plan.stages
     where = {d: plan.stage_of_device(d) for d in sched}
     run = _Run(terms, sched)
