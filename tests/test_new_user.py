@@ -233,3 +233,20 @@ def test_a_tensor_parallel_stage_announces_its_build_once() -> None:
                 stages=(StagePlan(layers=(0, 2), devices=(0, 1, 2, 3), tensor_width=2),
                         StagePlan(layers=(2, 4), devices=(4, 5))))  # fmt: skip
     assert [r for r in range(6) if _announces_build(plan, r)] == [0, 4]
+
+
+def test_a_tensor_group_is_one_row_named_by_all_its_devices(tmp_path: Path) -> None:
+    from dapple.simulate import simulate
+    from dapple.simulate.plots import _devs, plot_gantt
+    from test_tensor_plan import _blocks, _cluster
+
+    plan = Plan(planner="manual", global_batch_size=4, micro_batch_size=2, num_micro_batches=2,
+                stages=(StagePlan(layers=(0, 1), devices=(0, 1, 2, 3), tensor_width=2),
+                        StagePlan(layers=(1, 2), devices=(4, 5))))  # fmt: skip
+    r = simulate(plan, _blocks(2), _cluster())
+    rows = [(_devs(d), d.stage, d.replica) for d in r.devices]
+    assert rows == [("devs 0-1 (TP2)", 0, 0), ("devs 2-3 (TP2)", 0, 1), ("dev 4", 1, 0),
+                    ("dev 5", 1, 1)]  # fmt: skip
+    assert [d.devices_text for d in r.devices] == ["0-1", "2-3", "4", "5"]
+    plot_gantt([("tp", r)], tmp_path / "g.png")
+    assert (tmp_path / "g.png").stat().st_size > 0

@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
             t.add_column(col, justify="right")
         for d in r.devices:
             t.add_row(
-                str(d.device),
+                d.devices_text,  # a tensor group: one row, its devices
                 f"{d.stage}.{d.replica}",
                 f"{d.busy_ms:.2f}",
                 f"{100 * d.bubble_fraction:.1f}",

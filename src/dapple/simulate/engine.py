@@ -102,6 +102,15 @@ class DeviceStats:
     """Static memory plus the largest activation footprint over time."""
     peak_in_flight: int
     """Most micro-batches whose F has started and whose B has not finished."""
+    tensor_width: int = 1
+    """Devices of its tensor group, ``device`` the first: a stage of width t > 1 is simulated
+    once per tensor group (its t devices run the same actions at the same times)."""
+
+    @property
+    def devices_text(self) -> str:
+        """``3``, or ``2-3`` for a tensor group of two."""
+        last = self.device + self.tensor_width - 1
+        return str(self.device) if last == self.device else f"{self.device}-{last}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -425,6 +434,7 @@ def simulate(
                 static_memory_bytes=static,
                 peak_memory_bytes=peak,
                 peak_in_flight=peak_in_flight[dev],
+                tensor_width=stages[s].tensor_width,
             )
         )
     try:

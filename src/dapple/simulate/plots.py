@@ -1,4 +1,5 @@
-"""Pictures of a simulated step: a Gantt chart (one row per device) and memory over time.
+"""Pictures of a simulated step: a Gantt chart (one row per device; a tensor group, whose devices
+run the same actions, is one row labelled with all of them) and memory over time.
 
 The Gantt chart follows the paper's GPipe vs DAPPLE figure: forward boxes blue, backward green,
 micro-batch numbers inside, gaps are bubbles. Transfers are thin orange bars at the bottom of
@@ -18,7 +19,7 @@ from matplotlib.axes import Axes
 from matplotlib.patches import Patch
 
 from dapple.schedule.ir import ActionKind
-from dapple.simulate.engine import SimResult
+from dapple.simulate.engine import DeviceStats, SimResult
 
 __all__ = ["plot_gantt", "plot_memory"]
 
@@ -31,6 +32,14 @@ COLORS = {
     K.ALLREDUCE: "#C44E52",
     "comm": "#DD8452",
 }
+
+
+def _devs(d: DeviceStats) -> str:
+    """A row's devices: ``dev 3``, or ``devs 2-3 (TP2)`` for a stage replica's tensor group
+    (one row per stage replica: its tensor ranks run the same actions)."""
+    if d.tensor_width == 1:
+        return f"dev {d.device}"
+    return f"devs {d.devices_text} (TP{d.tensor_width})"
 
 
 def _draw(ax: Axes, result: SimResult, title: str) -> None:
@@ -74,7 +83,7 @@ def _draw(ax: Axes, result: SimResult, title: str) -> None:
                 [(e.start_ms, e.duration_ms)], (y + 0.28, 0.12), facecolors=COLORS["comm"]
             )
     ax.set_yticks(range(len(devs)))
-    ax.set_yticklabels([f"dev {d.device}\nstage {d.stage}.{d.replica}" for d in result.devices])
+    ax.set_yticklabels([f"{_devs(d)}\nstage {d.stage}.{d.replica}" for d in result.devices])
     ax.set_ylim(len(devs) - 0.5, -0.5)
     ax.set_xlim(0, span * 1.01)
     ax.set_facecolor("#F2F2F2")  # bubbles show as grey gaps
@@ -143,7 +152,7 @@ def plot_memory(runs: Sequence[tuple[str, SimResult]], path: str | Path) -> None
                 [t for t, _ in pts],
                 [b / 2**20 for _, b in pts],
                 where="post",
-                label=f"dev {d.device} (stage {d.stage}.{d.replica}) peak {d.peak_memory_bytes / 2**20:.1f} MiB",
+                label=f"{_devs(d)} (stage {d.stage}.{d.replica}) peak {d.peak_memory_bytes / 2**20:.1f} MiB",
             )
         ax.set_title(f"{title}: memory per device", fontsize=10)
         ax.set_ylabel("MiB")
