@@ -21,6 +21,7 @@ from dapple.core.profile import ModelProfile
 __all__ = [
     "format_devices",
     "gib_text",
+    "idle_line",
     "mesh_columns",
     "ms_text",
     "plan_summary",
@@ -239,3 +240,29 @@ def _step_rule_summary(
         f"{gib_text(peak)} of {gib_text(cluster.usable_memory_bytes)} GiB, speed-up over dp "
         f"{speedup_text(dp_ms, step_ms)}",
     ]
+
+
+def idle_line(plan: Plan, profile: ModelProfile, cluster: Cluster) -> str | None:
+    """How many of the cluster's devices ``plan`` leaves idle (None: it uses them all); for a
+    dapple plan on more devices than a plan of its batch can keep busy, that bound
+    (:func:`~dapple.core.usable.usable_devices`), the most its search looked at."""
+    from dapple.core.usable import usable_devices
+    from dapple.planner.widths import width_candidates
+
+    used, G = len(plan.devices), cluster.num_devices
+    if used >= G:
+        return None
+    line = f"{G - used:,} of {G:,} devices left idle (the plan uses {used:,})"
+    done = plan.planned_with
+    if plan.planner != "dapple" or (done is not None and done.planner != "dapple"):
+        return line
+    widths = done.tensor_widths if done is not None and done.tensor_widths else None
+    ts = list(widths) if widths is not None else width_candidates(profile, cluster)
+    B, N = plan.global_batch_size, profile.num_layers
+    usable = usable_devices(N, B, ts)
+    if usable >= G:
+        return line
+    return (
+        f"{line}: a global batch of {B} keeps at most {usable:,} busy ({N} stages x {B} "
+        f"replicas x tensor width {max(ts)}), the most the search looked at"
+    )

@@ -19,6 +19,7 @@ from dapple.cli._plan_config import (
 from dapple.cli._plan_show import (
     format_devices,
     gib_text,
+    idle_line,
     mesh_columns,
     ms_text,
     plan_summary,
@@ -269,12 +270,20 @@ def _print_plan(
     print_stage_table(con, plan, profile, cluster)
     for line in plan_summary(plan, profile, cluster, dp_ms):
         con.print(line)
+    _print_idle(con, plan, profile, cluster)
     con.print(zero_line(plan, profile))
     if plan.seq_len is not None:
         con.print(
             f"planned for samples of {plan.seq_len:g} tokens on average (step time) and at most "
             f"{plan.max_seq_len:g} (memory)"
         )
+
+
+def _print_idle(con: Console, plan: Plan, profile: ModelProfile, cluster: Cluster) -> None:
+    """The line on the devices ``plan`` leaves idle, if any (:func:`idle_line`)."""
+    idle = idle_line(plan, profile, cluster)
+    if idle is not None:
+        con.print(idle)
 
 
 def _compare(
@@ -367,6 +376,7 @@ def _new_schedule(
         )
     print_table(con, t)
     chunks = f", v = {new.virtual_stages}" if new.virtual_stages > 1 else ""
+    _print_idle(con, new, profile, cluster)
     return _report(con, f"schedule {new.schedule}{chunks}", new, res, dp_ms, args.output)
 
 
@@ -385,6 +395,7 @@ def _best_schedule(
     best, choices = best_schedule(plan, profile, cluster)
     _choices_table(con, choices, dp_ms, f"the {plan.planner} planner")
     assert best.plan is not None and best.result is not None
+    _print_idle(con, best.plan, profile, cluster)
     return _report(con, f"chosen: {best.label}", best.plan, best.result, dp_ms, args.output)
 
 

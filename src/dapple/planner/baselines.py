@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dapple.core.cluster import Cluster
 from dapple.core.plan import DEFAULT_SCHEDULE, Plan
 from dapple.core.profile import ModelProfile
+from dapple.core.usable import usable_cluster, usable_devices
 from dapple.cost.comm import allreduce_ms
 from dapple.errors import InfeasibleError, ValidationError
 from dapple.planner.batches import infeasible_message, micro_batch_candidates
@@ -63,11 +64,15 @@ def _layer_times(sc: Scorer, samples: int) -> list[float]:
 
 def dp_plan(profile: ModelProfile, cluster: Cluster, global_batch_size: int) -> Plan:
     """Pure data parallelism: one stage on every device, gradient accumulation over M
-    micro-batches (M the one with the least L among those that fit, no re-computation).
+    micro-batches (M the one with the least L among those that fit, no re-computation). On a
+    cluster of more than B devices (B the global batch size), every device of the fewest
+    servers holding B (:func:`~dapple.core.usable.usable_cluster`): a replica beyond the
+    B samples of a step would have none to compute.
 
     Raises:
         InfeasibleError: the whole model does not fit one device for any M.
     """
+    cluster = usable_cluster(cluster, usable_devices(1, global_batch_size, [1]))
     sc = Scorer(profile, cluster, global_batch_size)
     devices = tuple(range(sc.G))
     return _best_over_m("dp", sc, lambda M: [(0, sc.N, devices)], recompute=False)

@@ -36,20 +36,25 @@ _Entry = tuple[float, tuple[StageSpec, ...], tuple[int, ...]]
 """A state's kept prefix: ``(L of prefix + [j, N) on the rest, prefix stages, occupancy)``."""
 
 
+_EVERY_COUNT = 32
+"""Every replica count up to this is tried (:func:`candidate_replicas`)."""
+
+
 def candidate_replicas(cluster: Cluster, available: int, devices: int | None = None) -> list[int]:
     """Replica counts tried for a new stage with ``available`` free devices.
 
     All of 1..available on up to 32 devices. Beyond (placements by server counts rather than
-    device ids): 1..devices_per_server, then whole servers up to 128 devices, and past that
-    only powers of two and three times powers of two (1, 2, 3, 4, 6, 8, 12, 16, 24, ...).
+    device ids): 1..devices_per_server (1..32 in a larger server), then whole servers up to 128
+    devices, and past that only powers of two and three times powers of two (1, 2, 3, 4, 6, 8,
+    12, 16, 24, ...).
     ``devices``: the count deciding these classes (None: the cluster's; a search on tensor
     groups passes the devices they group, :attr:`SearchLimits.devices`).
     """
     n = cluster.num_devices if devices is None else devices
-    if n <= 32:
+    if n <= _EVERY_COUNT:
         return list(range(1, available + 1))
     dps = cluster.devices_per_server
-    c = set(range(1, min(dps, available) + 1))
+    c = set(range(1, min(dps, available, _EVERY_COUNT) + 1))
     if n <= 128:
         c.update(k * dps for k in range(1, available // dps + 1))
     p = 1

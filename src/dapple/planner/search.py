@@ -23,6 +23,8 @@ group and the grid's interleaved points, costed by the interleaved step rule and
 (:mod:`dapple.planner.interleaving`); its plan is never slower by L than any of them.
 It is kept fast by:
 
+* on a cluster of more devices than any plan of the batch keeps busy (S_max x B x t_max), the
+  search enumerates only the first servers holding that many (:mod:`dapple.core.usable`);
 * a lower bound ``L >= M (F_s + B_s)`` of a computation stage s: a new stage reaching the best
   L found stops the scan over longer stages, and prefixes holding such a stage are dropped;
 * regular seed candidates (:func:`_seeds`: k time-balanced stages on r consecutive devices,
@@ -51,6 +53,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dapple.core.cluster import Cluster
 from dapple.core.plan import Plan
 from dapple.core.profile import ModelProfile
+from dapple.core.usable import usable_cluster, usable_devices
 from dapple.cost.host import has_host_terms
 from dapple.errors import InfeasibleError
 from dapple.planner.batches import (
@@ -229,6 +232,8 @@ def dapple_search(
         InfeasibleError: no plan fits device memory for any M.
     """
     widths = width_candidates(profile, cluster) if tensor_widths is None else list(tensor_widths)
+    usable = usable_devices(profile.num_layers, global_batch_size, widths, max_stages)
+    cluster = usable_cluster(cluster, usable)  # idle devices do not enlarge the search
     Ms = micro_batch_candidates(global_batch_size)
     scorers = {t: Scorer(profile, cluster, global_batch_size, zero_stage, t) for t in widths}
     shards = any(x.tensor_parallel for x in profile.layers)

@@ -18,6 +18,7 @@ from dapple.core.cluster import Cluster
 from dapple.core.cuts import rounded_to_chunks
 from dapple.core.plan import DEFAULT_SCHEDULE, Plan, StagePlan, interleave
 from dapple.core.profile import ModelProfile
+from dapple.core.usable import usable_cluster, usable_devices
 from dapple.cost.schedules import schedule_latency
 from dapple.errors import DappleError, ValidationError
 from dapple.schedule.registry import (
@@ -135,9 +136,13 @@ def balanced_pipelines(
     (and at most the layer count), P device groups of ``D / P`` consecutive devices, the layers
     cut where the running sum of per-sample forward + backward time crosses each ``k/P`` of the
     total. The DAPPLE planner optimises partitions for its own latency; these give the other
-    schedules, interleaving above all, pipelines of every depth to work with.
+    schedules, interleaving above all, pipelines of every depth to work with. On a cluster of
+    more devices than N stages of B replicas keep busy (B the global batch size), the device
+    count is that of the fewest first servers holding N x B
+    (:func:`~dapple.core.usable.usable_cluster`).
     """
-    D, N = cluster.num_devices, profile.num_layers
+    N = profile.num_layers
+    D = usable_cluster(cluster, usable_devices(N, global_batch_size, [1])).num_devices
     work = [x.forward.at(1) + x.backward.at(1) for x in profile.layers]
     total = sum(work) or 1.0
     out = []

@@ -1,0 +1,151 @@
+"""Work bounded by what can be used: the planner on far more devices than a batch keeps busy,
+and a model too large for host memory refused before it is built (issue 47 item 4).
+
+The bounds are counts (candidates scored, devices enumerated), never wall time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from builders import make_cluster, make_profile
+from dapple.cli import main
+from dapple.core.cluster import Cluster
+from dapple.core.profile import ModelProfile
+from dapple.core.tensor_layout import TENSOR_WIDTHS
+from dapple.core.usable import usable_cluster, usable_devices
+from dapple.planner import dapple_search, make_plan
+from dapple.planner.evaluate import Scorer
+from dapple.planner.widths import width_candidates
+from dapple.simulate.schedules import balanced_pipelines
+
+B = 2
+"""The global batch: 2 samples keep at most 2 replicas of a stage busy."""
+
+
+def _sharded(n: int) -> ModelProfile:
+    """A chain of n layers whose middle ones shard over a tensor group."""
+    p = make_profile(n, act=1e5, params=10**6)
+    layers = tuple(
+        dataclasses.replace(x, tensor_parallel=0 < i < n - 1) for i, x in enumerate(p.layers)
+    )
+    return dataclasses.replace(p, layers=layers)
+
+
+@pytest.fixture
+def scored(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
+    """The number of candidates every :class:`Scorer` scores, one count per test."""
+    count = [0]
+    score = Scorer.score
+
+    def counted(self: Scorer, *args: object, **kwargs: object) -> object:
+        count[0] += 1
+        return score(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Scorer, "score", counted)
+    yield count
+
+
+def _search(profile: ModelProfile, cluster: Cluster, counter: list[int]) -> tuple[object, int]:
+    counter[0] = 0
+    plan = dapple_search(profile, cluster, B)
+    return plan, counter[0]
+
+
+@pytest.mark.parametrize(
+    ("profile", "per_server"),
+    [(make_profile(4), 4), (_sharded(4), 8)],
+    ids=["width-1", "widths-1-2-4-8"],
+)
+def test_search_work_is_the_same_on_1024_and_a_million_devices(
+    scored: list[int], profile: ModelProfile, per_server: int
+) -> None:
+    widths = width_candidates(profile, make_cluster(1, per_server))
+    usable = usable_devices(profile.num_layers, B, widths)
+    assert usable == profile.num_layers * B * max(widths)
+    assert usable < 1024
+    small = make_cluster(servers=-(-usable // per_server), per_server=per_server)
+    plan_u, work_u = _search(profile, small, scored)
+    plan_k, work_k = _search(profile, make_cluster(1024 // per_server, per_server), scored)
+    plan_m, work_m = _search(profile, make_cluster(10**6 // per_server, per_server), scored)
+    assert work_u == work_k == work_m > 0
+    assert plan_u == plan_k == plan_m
+
+
+def test_one_huge_server_is_cut_with_its_tensor_widths(scored: list[int]) -> None:
+    profile = _sharded(4)
+    one_k = make_cluster(1, 1024)
+    one_m = make_cluster(1, 10**6)
+    assert width_candidates(profile, one_m) == list(TENSOR_WIDTHS)
+    usable = usable_devices(profile.num_layers, B, TENSOR_WIDTHS)
+    cut = usable_cluster(one_m, usable)
+    assert cut.servers == 1 and usable <= cut.devices_per_server < 1024
+    assert width_candidates(profile, cut) == list(TENSOR_WIDTHS)
+    plan_c, work_c = _search(profile, cut, scored)
+    plan_k, work_k = _search(profile, one_k, scored)
+    plan_m, work_m = _search(profile, one_m, scored)
+    assert work_c == work_k == work_m > 0
+    assert plan_c == plan_k == plan_m
+
+
+def test_usable_cluster_keeps_small_clusters_and_the_tensor_widths() -> None:
+    c = make_cluster(servers=4, per_server=8)
+    assert usable_cluster(c, 32) is c and usable_cluster(c, 100) is c
+    cut = usable_cluster(c, 12)
+    assert (cut.servers, cut.devices_per_server) == (2, 8)
+    assert dataclasses.replace(cut, servers=4) == c  # links, memory, host terms unchanged
+    for dps in (10**6, 10**6 + 1, 10**6 + 2, 3 * 2**20, 7 * 4 * 10**5):
+        big = make_cluster(servers=3, per_server=dps)
+        for usable in (1, 7, 12, 384, 1000):
+            got = usable_cluster(big, usable)
+            assert got.servers == 1 and usable <= got.devices_per_server <= dps
+            for t in TENSOR_WIDTHS:
+                assert (got.devices_per_server % t == 0) == (dps % t == 0), (dps, usable, t)
+
+
+def test_usable_devices_counts_stages_batch_and_width() -> None:
+    assert usable_devices(6, 8, [1, 2, 4, 8]) == 6 * 8 * 8
+    assert usable_devices(6, 8, [1]) == 48
+    assert usable_devices(6, 8, [1, 2], max_stages=2) == 2 * 8 * 2
+    assert usable_devices(48, 64, [1]) == 48 * 64
+
+
+def test_dp_baseline_and_balanced_pipelines_stop_at_the_batch() -> None:
+    profile = make_profile(4)
+    huge = make_cluster(10**6 // 4, 4)
+    first = make_cluster(1, 4)  # the first server holds the B replicas of one stage
+    dp = make_plan(profile, huge, B, "dp")
+    assert dp == make_plan(profile, first, B, "dp") and len(dp.devices) == 4
+    pipes = balanced_pipelines(profile, huge, B)
+    assert pipes == balanced_pipelines(profile, make_cluster(2, 4), B)  # N x B = 8 devices
+    assert max(len(p.devices) for p in pipes) <= profile.num_layers * B
+
+
+def test_cli_plan_on_a_million_devices_names_the_idle_ones(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    prof = tmp_path / "p.json"
+    make_profile(4).save(prof)
+    cluster = tmp_path / "c.json"
+    cluster.write_text(
+        json.dumps(
+            {
+                "servers": 250_000,
+                "devices_per_server": 4,
+                "device_memory_gib": 16,
+                "intra_server_bandwidth_gbps": 100,
+                "inter_server_bandwidth_gbps": 25,
+            }
+        )
+    )
+    args = ["plan", "--profile", str(prof), "--cluster", str(cluster)]
+    assert main([*args, "--global-batch-size", str(B)]) == 0
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if "devices left idle" in x)
+    assert "of 1,000,000 devices left idle" in line
+    assert f"keeps at most {4 * B} busy" in line, line
