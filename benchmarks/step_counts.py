@@ -156,15 +156,26 @@ def _report(res: dict[str, dict[int, dict[str, Any]]], args: Any, versions: dict
             per_mb = (extra[v, kind, hi] - extra[v, kind, lo]) / (hi - lo)
             cells += [f"{per_mb:+g}", f"{extra[v, kind, lo] - lo * per_mb:+g}"]
         lines.append(f"| {v} | " + " | ".join(cells) + " |")
+    lines += ["", "What dapple adds per micro-batch, by aten op (``(extra(4) - extra(2)) / 2``):",
+              "", "| " + " | ".join(f"{v}: per micro-batch | {v}: op" for v in res) + " |",
+              "|" + "---|---|" * len(res)]  # fmt: skip
+    cols = []
+    for by_m in res.values():
+        ex = {m: _extra(by_m[m], "ops") for m in (lo, hi)}
+        per = {k: (ex[hi].get(k, 0) - ex[lo].get(k, 0)) / (hi - lo) for k in ex[hi].keys() | ex[lo]}
+        cols.append(sorted(((k, n) for k, n in per.items() if n), key=lambda kv: (-kv[1], kv[0])))
+    for i in range(max(len(c) for c in cols)):
+        cells = []
+        for c in cols:
+            cells += [f"{c[i][1]:+g}", f"`{c[i][0]}`"] if i < len(c) else ["", ""]
+        lines.append("| " + " | ".join(cells) + " |")
     for kind, what in (("ops", "aten op"), ("calls", "Python call")):
         lines += ["", f"Largest differences per {what} at M = {hi} (dapple - plain):", "",
                   "| " + " | ".join(f"{v}: count | {v}: name" for v in res) + " |",
                   "|" + "---|---|" * len(res)]  # fmt: skip
         cols = []
         for by_m in res.values():
-            r = by_m[hi]
-            p, d = Counter(r["plain"][kind]), Counter(r["dapple"][kind])
-            diff = {k: d[k] - p[k] for k in set(p) | set(d) if d[k] != p[k]}
+            diff = _extra(by_m[hi], kind)
             cols.append(sorted(diff.items(), key=lambda kv: (-abs(kv[1]), kv[0]))[:12])
         for i in range(max(len(c) for c in cols)):
             cells = []
@@ -172,6 +183,12 @@ def _report(res: dict[str, dict[int, dict[str, Any]]], args: Any, versions: dict
                 cells += [f"{c[i][1]:+d}", f"`{c[i][0]}`"] if i < len(c) else ["", ""]
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _extra(r: dict[str, Any], kind: str) -> dict[str, int]:
+    """Per name: dapple's count minus the plain loop's."""
+    p, d = Counter(r["plain"][kind]), Counter(r["dapple"][kind])
+    return {k: d[k] - p[k] for k in p.keys() | d.keys() if d[k] != p[k]}
 
 
 def _torch_version() -> str:
@@ -190,6 +207,7 @@ def main() -> None:
     ap.add_argument("--child", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--before-src", type=Path, default=Path("/tmp/before/src"))
     ap.add_argument("--out", type=Path, default=None, help="write the tables here too")
+    ap.add_argument("--load", type=Path, help="the counts of an earlier run (its --out .json)")
     args = ap.parse_args()
     if args.child:
         print(json.dumps(child(args.child)))
@@ -197,7 +215,13 @@ def main() -> None:
     srcs = {"before": args.before_src, "after": ROOT / "src"}
     versions = {"before": str(args.before_src),
                 "after": f"{_git(ROOT, 'rev-parse', '--short', 'HEAD')} + working tree"}  # fmt: skip
-    res = {v: {m: _run_child(s, m) for m in MS} for v, s in srcs.items()}
+    if args.load is not None:
+        raw = json.loads(args.load.read_text())
+        res = {v: {int(m): r for m, r in by_m.items()} for v, by_m in raw.items()}
+    else:
+        res = {v: {m: _run_child(s, m) for m in MS} for v, s in srcs.items()}
+        if args.out is not None:
+            args.out.with_suffix(".json").write_text(json.dumps(res))
     text = _report(res, args, versions)
     if args.out is not None:
         args.out.write_text(text)
