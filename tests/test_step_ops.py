@@ -12,6 +12,9 @@ The bounds: per micro-batch, the guard's fused check costs on CPU one norm per g
 and the executor and guard a fixed number of Python calls, whatever the number of parameters;
 per step, the gradient norm (two events per gradient and one stack of them), the guard's
 verdict, the step's collective row and the metrics.
+
+Besides the counts: which stages run under the keyed-RNG context, and the guard's fused check
+naming the first backward that left a non-finite gradient, in every gradient dtype.
 """
 
 from __future__ import annotations
@@ -152,3 +155,50 @@ def test_dapple_adds_per_step_a_bounded_step_end(extra: dict[int, tuple[int, int
     calls = extra[2][1] - 2 * per_mb_calls
     assert ops <= PER_STEP_OPS, f"{ops} aten ops per step beyond the plain loop's"
     assert calls <= PER_STEP_CALLS, f"{calls} Python calls per step beyond the plain loop's"
+
+
+# -- what the per-micro-batch savings rest on ----------------------------------------------------
+def test_only_a_stage_that_may_draw_keyed_randomness_runs_under_the_keys() -> None:
+    from torch import nn
+
+    from dapple.models.rng import KeyedDropout
+    from dapple.runtime.stage import draws_keyed
+
+    class UserLayer(nn.Module):  # user code may call dapple.models.rng's functions itself
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x
+
+    assert not draws_keyed(nn.Sequential(nn.Linear(2, 2), nn.Tanh()))
+    assert draws_keyed(nn.Sequential(nn.Linear(2, 2), KeyedDropout(0.1, 0, 0)))
+    assert draws_keyed(nn.Sequential(nn.Linear(2, 2), UserLayer()))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+def test_the_guards_fused_check_flags_each_backward_in_any_gradient_dtype(
+    dtype: torch.dtype,
+) -> None:
+    from torch import nn
+
+    from dapple.runtime.longrun import LongRun
+    from dapple.schedule.ir import Action, ActionKind
+
+    plan = straight_plan(4, [0], global_batch_size=4, num_micro_batches=4)
+    module = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3, dtype=dtype), nn.Linear(3, 1))
+    lr = LongRun(plan, rw.mlp(), TrainConfig(), rank=0, world=1, stage=0, replica=0,
+                 module=module, optimizer=None, device=torch.device("cpu"))  # fmt: skip
+    big = 6e4 if dtype is torch.float16 else 1e30  # finite, but their sum is not in fp16
+
+    def first_bad(values: list[float]) -> list[float]:
+        lr.begin_step()
+        for m, v in enumerate(values):
+            for p in module.parameters():
+                p.grad = torch.full_like(p, 1.0)
+            module[1].weight.grad = torch.full_like(module[1].weight, v)
+            lr.watch(Action(stage=0, kind=ActionKind.BACKWARD, micro_batch=m), 0.0)
+        return lr._first_bad().tolist()
+
+    assert first_bad([1.0, big, -big, 2.0]) == [-1.0, -1.0]
+    assert first_bad([1.0, 2.0, float("nan"), 1.0]) == [1.0, 2.0]
+    assert first_bad([float("-inf"), 1.0, float("nan"), 1.0]) == [1.0, 0.0]
+    assert first_bad([1.0] * 9 + [float("inf")]) == [1.0, 9.0]  # more backwards than 8 slots
+    assert first_bad([1.0, 1.0]) == [-1.0, -1.0]  # the flags of the step before were reset
