@@ -386,6 +386,11 @@ class ModelProfile:
     (:func:`dapple.models.fingerprint.model_fingerprint`): a command given this profile beside a
     model refuses another model of the same name and layer count. None (an analytic, imported
     or older profile): not checked."""
+    tensor_widths: tuple[int, ...] | None = None
+    """The tensor widths t the model's shardable layers can be cut over (a Hugging Face
+    config's heads, key/value heads and MLP units each divisible by t); None: not recorded
+    (an analytic, imported or older profile, a model without a Hugging Face config): the
+    planner tries every width and the runtime checks the plan's."""
     schema_version: int = PROFILE_SCHEMA_VERSION
 
     def __post_init__(self) -> None:
@@ -419,6 +424,13 @@ class ModelProfile:
             f"profile {self.model_name!r}: by_length must have distinct lengths, shortest "
             f"first, got {lens}",
         )
+        require(
+            self.tensor_widths is None
+            or all(isinstance(t, int) and not isinstance(t, bool) and t >= 1
+                   for t in self.tensor_widths),
+            f"profile {self.model_name!r}: tensor_widths must be integers >= 1, "
+            f"got {self.tensor_widths!r}"[:200],
+        )  # fmt: skip
         n = len(self.layers)
         for x in (*self.by_length, *([self.memory_at] if self.memory_at else [])):
             require(
@@ -485,6 +497,8 @@ class ModelProfile:
             out["memory_at"] = self.memory_at.to_dict()
         if self.model_fingerprint is not None:
             out["model_fingerprint"] = self.model_fingerprint
+        if self.tensor_widths is not None:
+            out["tensor_widths"] = list(self.tensor_widths)
         return out
 
     @staticmethod
@@ -532,6 +546,7 @@ class ModelProfile:
             if d.get("memory_at") is None
             else LengthProfile.from_dict(d["memory_at"], f"{what}: memory_at"),
             model_fingerprint=fp,
+            tensor_widths=_optional_widths(d.get("tensor_widths"), f"{what}: tensor_widths"),
         )
 
     def save(self, path: str | Path) -> None:
@@ -545,3 +560,15 @@ class ModelProfile:
             ValidationError: unreadable, malformed or invalid file (message names the field).
         """
         return ModelProfile.from_dict(load_json_file(path, "profile"))
+
+
+def _optional_widths(value: Any, what: str) -> tuple[int, ...] | None:
+    """A profile file's ``tensor_widths``: None, or a list of integers."""
+    if value is None:
+        return None
+    require(
+        isinstance(value, list)
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in value),
+        f"{what} must be a list of integers, got {value!r}"[:200],
+    )
+    return tuple(value)

@@ -25,7 +25,32 @@ from torch import fx, nn
 from dapple.errors import ValidationError
 from dapple.models.workload import Workload
 
-__all__ = ["STYLES", "TRANSFORMER_TP_PLAN", "Style", "cut_by", "match_style", "tp_plan_of"]
+__all__ = [
+    "HF_CUT_SIZES",
+    "STYLES",
+    "TRANSFORMER_TP_PLAN",
+    "Style",
+    "cut_by",
+    "hf_tensor_widths",
+    "match_style",
+    "tp_plan_of",
+]
+
+HF_CUT_SIZES = (
+    ("num_attention_heads", "attention heads"),
+    ("num_key_value_heads", "key/value heads"),
+    ("intermediate_size", "MLP hidden units (intermediate_size)"),
+)
+"""The Hugging Face config sizes a tensor group cuts (Megatron's column-parallel q/k/v and
+gate/up projections), and how an error names them."""
+
+
+def hf_tensor_widths(config: object, widths: tuple[int, ...]) -> tuple[int, ...]:
+    """The ``widths`` that divide every size of ``config`` a tensor group cuts
+    (:data:`HF_CUT_SIZES`; a size the config lacks does not limit them)."""
+    sizes = [getattr(config, key, None) for key, _ in HF_CUT_SIZES]
+    return tuple(t for t in widths if all(not isinstance(n, int) or n % t == 0 for n in sizes))
+
 
 Style = Literal["colwise", "packed_colwise", "rowwise"]
 STYLES: tuple[Style, ...] = ("colwise", "packed_colwise", "rowwise")

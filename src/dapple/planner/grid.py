@@ -145,12 +145,16 @@ def torchtitan_cuts(num_layers: int, num_stages: int) -> list[int]:
 
 def factorisations(profile: ModelProfile, cluster: Cluster) -> list[tuple[int, int, int]]:
     """``(dp, tp, pp)`` with dp x tp x pp = G: tp of :data:`TENSOR_WIDTHS` dividing the server
-    size (1 alone when no layer shards, ``LayerProfile.tensor_parallel``), pp <= N."""
+    size (1 alone when no layer shards, ``LayerProfile.tensor_parallel``) and, where the profile
+    records them, the model's sizes (``ModelProfile.tensor_widths``), pp <= N."""
     G, N = cluster.num_devices, profile.num_layers
     shards = any(x.tensor_parallel for x in profile.layers)
+    cuttable = profile.tensor_widths
     out = []
     for tp in TENSOR_WIDTHS:
         if cluster.devices_per_server % tp or (tp > 1 and not shards):
+            continue
+        if tp > 1 and cuttable is not None and tp not in cuttable:
             continue
         for pp in divisors(G // tp):
             if pp <= N:

@@ -27,12 +27,19 @@ __all__ = ["TensorSums", "group_cluster", "real_devices", "width_candidates"]
 def width_candidates(profile: ModelProfile, cluster: Cluster) -> list[int]:
     """The widths t the planner tries: 1, and each of :data:`TENSOR_WIDTHS` that divides the
     server size when some layer shards (``LayerProfile.tensor_parallel``) and the cluster's
-    devices compute on dedicated cores (the shared-core model counts devices per server)."""
+    devices compute on dedicated cores (the shared-core model counts devices per server); of
+    those, only widths the model's sizes allow where the profile records them
+    (``ModelProfile.tensor_widths``)."""
     if cluster.compute_cores_per_server is not None or not any(
         x.tensor_parallel for x in profile.layers
     ):
         return [1]
-    return [t for t in TENSOR_WIDTHS if cluster.devices_per_server % t == 0]
+    cuttable = profile.tensor_widths
+    return [
+        t
+        for t in TENSOR_WIDTHS
+        if cluster.devices_per_server % t == 0 and (t == 1 or cuttable is None or t in cuttable)
+    ]
 
 
 def group_cluster(cluster: Cluster, t: int) -> Cluster:

@@ -34,9 +34,10 @@ from dapple.core.profile import (
     ModelProfile,
     fit_affine,
 )
+from dapple.core.tensor_layout import TENSOR_WIDTHS
 from dapple.errors import ValidationError
 from dapple.models.fingerprint import model_fingerprint
-from dapple.models.tp_plan import cut_by, tp_plan_of
+from dapple.models.tp_plan import cut_by, hf_tensor_widths, tp_plan_of
 from dapple.models.workload import Workload
 from dapple.profiler.co_workers import CoWorkers
 from dapple.profiler.layer_measure import (
@@ -190,7 +191,18 @@ def profile_workload(
             load.stop()
     if shared:
         prof = dataclasses.replace(prof, device=f"cpu (CPU time, {co_workers} co-workers)")
-    return dataclasses.replace(prof, model_fingerprint=model_fingerprint(workload))
+    return dataclasses.replace(
+        prof, model_fingerprint=model_fingerprint(workload), tensor_widths=_tensor_widths(workload)
+    )
+
+
+def _tensor_widths(workload: Workload) -> tuple[int, ...] | None:
+    """The tensor widths a Hugging Face model's sizes allow (heads, key/value heads, MLP
+    units: :func:`~dapple.models.tp_plan.hf_tensor_widths`); None for other models."""
+    from dapple.models.hf import hf_config
+
+    config = hf_config(workload) if not workload.tp_plan else None
+    return None if config is None else hf_tensor_widths(config, TENSOR_WIDTHS)
 
 
 def _check_options(

@@ -23,18 +23,10 @@ from dapple.core.cluster import Cluster
 from dapple.core.plan import Plan, StagePlan
 from dapple.core.tensor_layout import check_tensor_groups
 from dapple.errors import ValidationError
-from dapple.models.tp_plan import cut_by, tp_plan_of
+from dapple.models.tp_plan import HF_CUT_SIZES, cut_by, tp_plan_of
 from dapple.models.workload import Workload
 
 __all__ = ["HF_CUT_SIZES", "check_tensor_run"]
-
-HF_CUT_SIZES = (
-    ("num_attention_heads", "attention heads"),
-    ("num_key_value_heads", "key/value heads"),
-    ("intermediate_size", "MLP hidden units (intermediate_size)"),
-)
-"""The Hugging Face config sizes a tensor group cuts (Megatron's column-parallel q/k/v and
-gate/up projections), and how an error names them."""
 
 
 def check_tensor_run(plan: Plan, workload: Workload, cluster: Cluster | None = None) -> None:
