@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,6 +22,7 @@ from dapple.core.cluster import Cluster
 from dapple.core.profile import ModelProfile
 from dapple.core.tensor_layout import TENSOR_WIDTHS
 from dapple.core.usable import usable_cluster, usable_devices
+from dapple.errors import ValidationError
 from dapple.planner import dapple_search, make_plan
 from dapple.planner.evaluate import Scorer
 from dapple.planner.widths import width_candidates
@@ -149,3 +153,44 @@ def test_cli_plan_on_a_million_devices_names_the_idle_ones(
     line = next(x for x in out.splitlines() if "devices left idle" in x)
     assert "of 1,000,000 devices left idle" in line
     assert f"keeps at most {4 * B} busy" in line, line
+
+
+def test_host_memory_estimate_is_the_layers_real_storage() -> None:
+    from dapple.models.zoo import load_workload
+    from dapple.profiler.host_fit import check_host_memory, meta_layer_bytes
+
+    wl = load_workload("transformer", layers=2, hidden=32)
+    sizes = meta_layer_bytes(wl)
+    assert sizes is not None and len(sizes) == wl.num_layers
+    real = []
+    for i in range(wl.num_layers):
+        layer = wl.build_layer(i)
+        params = sum(p.numel() * p.element_size() for p in layer.parameters())
+        grads = sum(p.numel() * p.element_size() for p in layer.parameters() if p.requires_grad)
+        buffers = sum(b.numel() * b.element_size() for b in layer.buffers())
+        real.append(params + grads + buffers)
+    assert [x.training_bytes for x in sizes] == real
+    need = max(real)
+    assert check_host_memory(wl, available=need) == need
+    assert check_host_memory(wl, co_workers=3, available=10**15) == need + 2 * sum(real)
+    with pytest.raises(ValidationError) as e:
+        check_host_memory(wl, available=need - 1)
+    assert f"{need:,} bytes" in str(e.value) and f"{need - 1:,} bytes" in str(e.value)
+
+
+def test_profile_of_a_huge_model_is_refused_before_any_layer_is_built(tmp_path: Path) -> None:
+    """hidden=10^7 makes a block of 4.8e15 bytes: refused in one line, exit code 2, the
+    process never grows past what importing torch takes."""
+    out = tmp_path / "p.json"
+    cmd = [sys.executable, "-m", "dapple", "profile", "-m", "transformer",
+           "--set", "hidden=10000000", "-o", str(out), "--device", "cpu"]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _, status, usage = os.wait4(proc.pid, 0)
+    err = proc.stderr.read() if proc.stderr is not None else ""
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    assert proc.returncode == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("dapple: error: "), err
+    assert "9,600,001,040,000,000 bytes" in lines[0] and "available" in lines[0]
+    assert "Traceback" not in err and not out.exists()
+    assert usage.ru_maxrss * 1024 < 2 * 2**30  # KiB on Linux; one real block would be 4.8e15

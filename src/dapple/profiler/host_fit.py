@@ -1,0 +1,128 @@
+"""Whether profiling a model fits host memory, judged before any of its layers is built for real.
+
+Each layer factory runs under ``torch.device("meta")``: its parameters and buffers get shapes
+and dtypes but no storage, so a model of any size is sized in milliseconds. Profiling holds one
+layer at a time (:func:`dapple.profiler.measure.profile_workload` builds it on the host, then
+moves it to the device), with the gradients of its trainable parameters; each of N - 1
+co-workers (``--co-workers N``) holds the whole chain with its gradients. The sum is a lower
+bound of the need (activations, batches and the framework come on top), so a refusal is never
+wrong: :func:`check_host_memory` refuses when it exceeds the memory the kernel reports
+available.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from dapple.errors import ValidationError
+from dapple.models.workload import Workload
+
+__all__ = ["LayerBytes", "available_host_bytes", "check_host_memory", "meta_layer_bytes"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class LayerBytes:
+    """One layer's storage, from its build on ``meta``."""
+
+    name: str
+    parameter_bytes: int
+    trainable_bytes: int
+    """Of ``parameter_bytes``, the parameters that get a gradient of their size."""
+    buffer_bytes: int
+
+    @property
+    def training_bytes(self) -> int:
+        """Parameters, their gradients and buffers: the layer held for a backward pass."""
+        return self.parameter_bytes + self.trainable_bytes + self.buffer_bytes
+
+
+def meta_layer_bytes(workload: Workload) -> list[LayerBytes] | None:
+    """Each layer of ``workload`` built on ``meta`` and sized; None when a factory cannot run
+    there (it makes real tensors itself, or calls what ``meta`` lacks): no estimate."""
+    out = []
+    for i, factory in enumerate(workload.layer_factories):
+        try:
+            with torch.random.fork_rng(devices=[]), torch.device("meta"):
+                layer = factory()
+        except Exception as e:  # any failure only means no estimate: profiling reports its own
+            log.debug("layer %d does not build on meta (%s): no host memory estimate", i, e)
+            return None
+        params = list(layer.parameters())
+        if not isinstance(layer, torch.nn.Module) or any(not p.is_meta for p in params):
+            return None  # built real (e.g. a piece of a model traced at load): nothing to add
+        out.append(
+            LayerBytes(
+                name=workload.name_of(i),
+                parameter_bytes=sum(_nbytes(p) for p in params),
+                trainable_bytes=sum(_nbytes(p) for p in params if p.requires_grad),
+                buffer_bytes=sum(_nbytes(b) for b in layer.buffers()),
+            )
+        )
+    return out
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def available_host_bytes() -> int | None:
+    """Memory the kernel can give without swapping: ``MemAvailable`` of ``/proc/meminfo``
+    (Linux), else the free physical pages (``os.sysconf``); None where neither is known."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:,.2f} GiB ({n:,} bytes)"
+
+
+def check_host_memory(
+    workload: Workload, co_workers: int = 1, available: int | None = None, what: str = "profiling"
+) -> int | None:
+    """Refuse ``workload`` when holding its largest layer with gradients, plus the whole chain
+    with gradients in each of ``co_workers - 1`` co-workers, exceeds the host memory available.
+
+    Args:
+        workload: the layer chain (nothing of it is built for real here).
+        co_workers: processes holding the model (the profiling one and N - 1 training ones).
+        available: bytes available (None: :func:`available_host_bytes`).
+        what: the work named in the message.
+
+    Returns:
+        The estimated bytes, or None when they cannot be estimated (nothing checked).
+
+    Raises:
+        ValidationError: the estimate exceeds the memory available, naming both.
+    """
+    sizes = meta_layer_bytes(workload)
+    if not sizes:
+        return None
+    largest = max(sizes, key=lambda x: x.training_bytes)
+    whole = sum(x.training_bytes for x in sizes)
+    need = largest.training_bytes + (co_workers - 1) * whole
+    avail = available_host_bytes() if available is None else available
+    if avail is None or need <= avail:
+        return need
+    workers = (
+        f" and {co_workers - 1} co-worker(s) holding all {whole:,} bytes" if co_workers > 1 else ""
+    )
+    raise ValidationError(
+        f"{what} {workload.name!r} needs at least {_gib(need)} of host memory (layer "
+        f"{largest.name!r}: {largest.parameter_bytes:,} bytes of parameters, their gradients "
+        f"and buffers{workers}), more than the {_gib(avail)} available: give a smaller model"
+    )
