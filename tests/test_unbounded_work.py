@@ -116,6 +116,7 @@ def test_usable_devices_counts_stages_batch_and_width() -> None:
     assert usable_devices(6, 8, [1, 2, 4, 8]) == 6 * 8 * 8
     assert usable_devices(6, 8, [1]) == 48
     assert usable_devices(6, 8, [1, 2], max_stages=2) == 2 * 8 * 2
+    assert usable_devices(6, 8, [1], max_stages=0) == 48  # 0: no cap, as dapple_search reads it
     assert usable_devices(48, 64, [1]) == 48 * 64
 
 

@@ -37,9 +37,9 @@ def usable_devices(
         num_layers: N, the profile's layers (the most stages).
         global_batch_size: B, samples per step (the most samples of one micro-batch).
         widths: the tensor widths searched (t_max is the largest).
-        max_stages: a cap on the stages below N (None: N).
+        max_stages: a cap on the stages below N (None or 0: N, as the search reads it).
     """
-    stages = num_layers if max_stages is None else max(1, min(num_layers, max_stages))
+    stages = min(num_layers, max_stages) if max_stages else num_layers
     return stages * global_batch_size * max(widths, default=1)
 
 
