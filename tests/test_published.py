@@ -4,6 +4,7 @@ fitted efficiencies, and dapple's own plan beside a row's configuration."""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 from typing import Any
@@ -14,10 +15,12 @@ BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCH))
 
 import _published_ac as ac  # noqa: E402
+import _published_misses as pmiss  # noqa: E402
 import _published_model as pm  # noqa: E402
 import _published_search as ps  # noqa: E402
 from dapple.core.plan import Plan, StagePlan  # noqa: E402
 from dapple.core.tensor_layout import check_tensor_groups  # noqa: E402
+from dapple.cost.overlap import NO_OVERLAP  # noqa: E402
 from dapple.profiler.analytic import analytic_profile  # noqa: E402
 from dapple.profiler.analytic_devices import DEVICES  # noqa: E402
 from dapple.profiler.analytic_models import resolve_spec  # noqa: E402
@@ -108,10 +111,36 @@ def test_a_power_limited_part_has_its_own_efficiencies(rows) -> None:  # type: i
     assert pred.samples_per_s == pytest.approx(pm.published_samples_per_s(fit), rel=1e-3)
 
 
-def test_refused_fit_stays_at_the_prior(rows) -> None:  # type: ignore[no-untyped-def]
-    run = rows[pm.REFUSED_FITS[("a100", "bf16")]]
-    assert pm.efficiency_for(run) == DEVICES["a100"].efficiency["bf16"]
-    assert pm.fitted_matmul(run["id"]) > 0.99  # the bisection's bound: no efficiency fits
+def test_each_source_names_its_frameworks_overlap(rows) -> None:  # type: ignore[no-untyped-def]
+    assert pm.overlap_for(rows["dapple-paper-bert48-dapple-m8"]) is NO_OVERLAP
+    assert pm.overlap_for(rows["nemo-2407-gpt3-20b"]).name == "megatron"
+    assert pm.overlap_for(rows["bridge-2511-llama3-8b"]).name == "megatron"
+    fsdp2 = pm.overlap_for(rows["torchtitan-a100-llama2-70b-full"])
+    assert fsdp2.name == "fsdp2" and fsdp2.grad_reduce and fsdp2.param_gather
+
+
+def test_overlap_lies_between_all_exposed_and_free_links(rows) -> None:  # type: ignore[no-untyped-def]
+    # the library's efficiencies (no fit), so the three differ only in the communication
+    for rid in ("torchtitan-a100-llama2-70b-sel-op", "nemo-2407-gpt3-20b"):
+        run = rows[rid]
+        prof, cluster = pm.profile_for(run, pm.library_efficiency(run)), pm.cluster_for(run)
+        plan = pm.plan_for(run, prof, cluster)
+        none = pm.simulate_plan(run, plan, prof, cluster).step_ms
+        got = pm.simulate_plan(run, plan, prof, cluster, pm.overlap_for(run)).step_ms
+        free = dataclasses.replace(
+            cluster, intra_server_bandwidth_gbps=1e15, inter_server_bandwidth_gbps=1e15,
+            intra_server_latency_ms=0.0, inter_server_latency_ms=0.0,
+        )  # fmt: skip
+        lo = pm.simulate_plan(run, plan, prof, free).step_ms
+        assert lo <= got < none, rid
+
+
+def test_a100_bf16_is_fitted_on_one_row_below_the_bound(rows) -> None:  # type: ignore[no-untyped-def]
+    fit, judged = rows[pm.FIT_ROWS[("a100", "bf16")]], rows["torchtitan-a100-llama3-8b-sel-op"]
+    matmul = pm.fitted_matmul(fit["id"])
+    assert 0.05 < matmul < 0.99  # the bisection's bounds are 0.05 and 1
+    assert pm.efficiency_for(judged).matmul == matmul
+    assert pm.efficiency_for(judged).note == f"matmul fitted here on {fit['id']}"
 
 
 def test_describe_names_width_zero_and_schedule(rows) -> None:  # type: ignore[no-untyped-def]
@@ -229,3 +258,18 @@ def test_leave_one_out_peers_share_part_precision_and_what_is_unmodelled(rows) -
     ]
     assert loo.peers(rows["megatron-v1-gpt2-1.2b"], runs) == []
     assert pm.kernels_for("h100@500W", "bf16") == "fused" and pm.kernels_for("a100", "bf16") is None
+
+
+def test_misses_are_classified_by_where_the_published_number_lies() -> None:
+    assert pmiss.cause(110.0, 120.0, 100.0) == "-"
+    assert pmiss.cause(80.0, 90.0, 100.0) == "exposed communication"
+    assert pmiss.cause(70.0, 80.0, 100.0) == "compute, slow"
+    assert pmiss.cause(120.0, 125.0, 100.0) == "compute, fast"
+    row = {"id": "r", "framework": "fsdp2", "published": 100.0, "pred": 80.0,
+           "no_overlap": 60.0, "free": 90.0, "left_out": ""}  # fmt: skip
+    lines = pmiss.miss_lines([row, dict(row, id="ok", pred=99.0)])
+    assert [x for x in lines if x.startswith("| r |")] == [
+        "| r | fsdp2 | 100.00 | 80.00 | -20.0% | -40.0% | -10.0% | exposed communication | - |"
+    ]
+    assert not any(x.startswith("| ok |") for x in lines)
+    assert "- 1 misses: 1 exposed communication." in lines
