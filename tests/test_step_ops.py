@@ -39,8 +39,8 @@ N_GRADS = 2 * LAYERS  # weight and bias per layer
 
 PER_MB_OPS = 3 * N_GRADS + 8
 """aten ops dapple may add per micro-batch: the guard's norm per gradient (2 events each on
-torch 2.13's CPU) and its own few. Before the fused check: 106 here (a sum, a fill, a stack's
-view and two strides per gradient)."""
+torch 2.13's CPU), its own few and the copies of the micro-batch's rows (50 here). Before the
+fused check: 106 (a sum, a fill, a stack's view and two strides per gradient)."""
 PER_MB_CALLS = 45
 """Python calls dapple may add per micro-batch: the executor, the interpreter and the guard,
 none per parameter (31 here; 118 before, with calls per gradient and a keyed-RNG context)."""
@@ -48,7 +48,7 @@ PER_STEP_OPS = 4 * N_GRADS + 120
 """aten ops dapple may add once per step: the gradient norm (a norm and a stack's view per
 gradient), the guard's verdict, the collective's row, the metrics (151 here)."""
 PER_STEP_CALLS = 270
-"""Python calls dapple may add once per step (228 here; 316 before)."""
+"""Python calls dapple may add once per step (227 here; 316 before)."""
 
 
 @pytest.fixture(scope="module")

@@ -82,12 +82,6 @@ class _MicroBatch:
     """Split backward, ``live_weights``: the parameters ``I`` found in the module."""
 
 
-def _rows(t: torch.Tensor, r0: int, r1: int, device: torch.device, copy: bool) -> torch.Tensor:
-    """Rows ``[r0, r1)`` of ``t`` on ``device``: a view when ``t`` is there and not ``copy``."""
-    rows = t[r0:r1]
-    return rows if not copy and rows.device == device else rows.to(device, copy=True)
-
-
 def draws_keyed(module: nn.Module) -> bool:
     """Whether ``module`` may draw keyed randomness (:mod:`dapple.models.rng`): it holds a
     random site of a traced piece (:class:`KeyedDropout`, :class:`KeyedAttention`), or a module
@@ -441,9 +435,10 @@ class StageExecutor:
         metering = self.metering
         if self.s == 0:
             r0, r1 = m * b + self.lo, m * b + self.hi
-            # metered: a copy (a view would keep, and be metered as, the whole global batch);
-            # otherwise the rows as they are (the step holds the global batch anyway)
-            xs = [_rows(t, r0, r1, self.device, metering) for t in self._batch_inputs]
+            # a copy, metered or not: a view would keep (and be metered as) the whole global
+            # batch, and its offset in memory can change a kernel's rounding, so a step that is
+            # metered (after a resume: its first) would not compute what an unmetered one does
+            xs = [t[r0:r1].to(self.device, copy=True) for t in self._batch_inputs]
         else:
             xs = self._wait_concat(self._recv_f, m, "activations")
             for t in xs:
@@ -480,8 +475,7 @@ class StageExecutor:
         if self.last:
             b = self.plan.micro_batch_size
             assert self._targets is not None
-            r0 = m * b
-            tgt = _rows(self._targets, r0 + self.lo, r0 + self.hi, self.device, self.metering)
+            tgt = self._targets[m * b + self.lo : m * b + self.hi].to(self.device, copy=True)
             out = to_fp32(out) if self.precision.dtype is not None else out  # fp32 loss
             st.loss = self.loss_fn(out, tgt) * ((self.hi - self.lo) / self._global_batch)
             part = st.loss.detach()  # summed in float64, without a host read
