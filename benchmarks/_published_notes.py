@@ -74,13 +74,13 @@ NOTES: list[str] = """## The model
   H100 in bf16, so the measured GEMM is the base of the 500 W bf16 fit only.
 - torchtitan's H100s are another part: 96 GB HBM2e at 2.4 TB/s under a 500 W power limit
   (`power_w = 500` in the data file), so they get their own fits, each on the first row of
-  torchtitan's Table 1 in its precision: bf16 at 44% of 989 TFLOP/s on the FSDP 8 row (its
-  7% of modelled FSDP traffic on NVLink absorbed), fp8 at 37% of 1,979 TFLOP/s on the FSDP +
-  compile + Float8 row (torchtitan has no fp8 row without torch.compile, so this fit absorbs
-  compile's fusion: the fp8 rows are judged with compile counted in). A power limit lowers the
-  clocks of every Tensor Core kernel, so each fit scales the attention efficiency by the same
-  factor as the GEMMs' (bf16: 0.5 x 0.435 / 0.805; fp8: 0.5 x 0.369 / 0.476): one fitted
-  number per part and precision, as before, now a throttle of both classes.
+  torchtitan's Table 1 in its precision, with FSDP2's overlap: bf16 at 40.5% of 989 TFLOP/s on
+  the FSDP 8 row, fp8 at 33% of 1,979 TFLOP/s on the FSDP + compile + Float8 row (torchtitan
+  has no fp8 row without torch.compile, so this fit absorbs compile's fusion: the fp8 rows are
+  judged with compile counted in). A power limit lowers the clocks of every Tensor Core
+  kernel, so each fit scales the attention efficiency by the same factor as the GEMMs' (bf16:
+  0.5 x 0.405 / 0.805; fp8: 0.5 x 0.329 / 0.476): one fitted number per part and precision, a
+  throttle of both classes.
 - Leave-one-out (section above): each fit row predicted by the median fit of its peers (same
   part, precision and unmodelled features); the table gives each error, and the rows that
   have peers land within 15%. With the library's base instead (no row at all), the 500 W rows
