@@ -73,9 +73,7 @@ def zero_floored(plan: Plan, zero_stage: int) -> Plan:
     into them here; 1 and 2 are also applied per rank by the engine. ``plan`` itself when
     nothing changes."""
     stages = tuple(
-        replace(st, zero_stage=zero_stage)
-        if st.replicas > 1 and st.zero_stage < zero_stage
-        else st
+        replace(st, zero_stage=zero_stage) if st.replicas > 1 and st.zero_stage < zero_stage else st
         for st in plan.stages
     )
     return plan if stages == plan.stages else replace(plan, stages=stages)
