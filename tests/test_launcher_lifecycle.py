@@ -207,7 +207,9 @@ def test_sigterm_and_sigint_stop_the_workers_then_the_launcher(run_factory, sig)
     if sig == signal.SIGTERM:
         assert rc == -signal.SIGTERM  # the launcher still dies of it, after its workers
     else:
-        assert rc == 130 and run.err.read_text().splitlines() == ["dapple: interrupted"]
+        assert rc == 130 and run.err.read_text().splitlines() == [
+            "dapple: stopped by SIGINT; nothing saved (no --checkpoint-dir)"
+        ]
 
 
 _OWN_RANK = re.compile(r"^dapple: error: (?:[^:]*step \d+: |end of run: )?rank (\d+)\b")

@@ -66,6 +66,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dapple: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("dapple: interrupted", file=sys.stderr)
+        local = sys.modules.get("dapple.runtime.local")  # a launcher's closing line says it all
+        if local is None or not local.StopSignals.closing_written:
+            print("dapple: interrupted", file=sys.stderr)
         return 130
     return int(rc or 0)

@@ -107,6 +107,10 @@ class StopSignals:
     handlers in the main thread only: entered in another thread this changes nothing (the
     workers still end with the launcher). A signal the process ignores stays ignored."""
 
+    closing_written = False
+    """Whether a launcher of this process wrote its closing line (the CLI then adds no
+    ``dapple: interrupted`` of its own)."""
+
     def __init__(self, closing: Callable[[str], str] | None = None) -> None:
         self.received: int | None = None
         self._previous: dict[int, Any] = {}
@@ -136,6 +140,7 @@ class StopSignals:
             if self._closing is not None:
                 sys.stdout.flush()
                 os.write(2, (self._closing(name) + "\n").encode())
+                StopSignals.closing_written = True
             signal.raise_signal(self.received)
             raise RankFailure(f"workers stopped by {name}")
 
