@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import pathlib
 import subprocess
 import sys
 import textwrap
@@ -181,3 +182,22 @@ def test_no_process_holds_the_whole_model_to_build_a_stage() -> None:
     assert stage["peak"] < 0.5 * model_bytes, (stage, model_bytes)
     assert profiled["held"] >= model_bytes  # every parameter (tied copies once per piece)
     assert profiled["peak"] < 0.5 * model_bytes, (profiled, model_bytes)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama", "bloom", "opt"])
+def test_layer_tensors_of_a_traced_model_are_the_built_layers(
+    family: str, tmp_path: pathlib.Path
+) -> None:
+    """The fingerprint reads a traced model's pieces as traced (no tensor is made): the same
+    names, shapes and dtypes as each layer built for real."""
+    pytest.importorskip("transformers")
+    from dapple.models.fingerprint import layer_tensors
+    from dapple.models.hf import hf_causal_lm
+    from hf_families import save_family
+
+    w = hf_causal_lm(save_family(family, tmp_path), seq=8)
+    for i in range(w.num_layers):
+        built = w.build_layer(i, seed=0).state_dict()
+        assert layer_tensors(w, i) == {
+            k: (list(v.shape), str(v.dtype).removeprefix("torch.")) for k, v in built.items()
+        }

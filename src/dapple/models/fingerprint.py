@@ -26,13 +26,16 @@ FINGERPRINT_KIND = "meta-state-v1"
 
 
 def layer_tensors(workload: Workload, index: int) -> dict[str, tuple[list[int], str]] | None:
-    """Layer ``index`` of ``workload`` built on ``meta``: each ``state_dict`` tensor's name ->
-    (shape, dtype); None when the layer cannot be built so (its check is left to the real
-    layer)."""
+    """Layer ``index`` of ``workload`` built on ``meta`` (a traced model's piece as traced,
+    which makes no tensor): each ``state_dict`` tensor's name -> (shape, dtype); None when the
+    layer cannot be built so (its check is left to the real layer)."""
     from dapple.models.materialize import build_meta
+    from dapple.models.split import piece_template
 
     try:
-        layer = build_meta(workload.layer_factories[index], 0)
+        layer = piece_template(workload, index)
+        if layer is None:
+            layer = build_meta(workload.layer_factories[index], 0)
         state = layer.state_dict()
     except Exception:  # a factory that needs real tensors: nothing to compare here
         return None

@@ -91,6 +91,7 @@ __all__ = [
     "model_factory_of",
     "original_model",
     "parse_split_at",
+    "piece_template",
     "random_sites",
     "split_module",
     "sum_tied_grads_local",
@@ -423,6 +424,15 @@ def with_dynamic_dims(workload: Workload, dynamic_dims: DimsArg) -> Workload:
 def is_traced(workload: Workload) -> bool:
     """Whether ``workload`` was made by :func:`workload_from_module`."""
     return bool(workload.num_layers) and isinstance(workload.layer_factories[0], _PieceFactory)
+
+
+def piece_template(workload: Workload, index: int) -> nn.Module | None:
+    """Layer ``index`` of a traced ``workload`` as traced: its parameters on ``meta`` (names,
+    shapes and dtypes of the built layer, no memory); None for a workload not traced."""
+    factory = workload.layer_factories[index]
+    if not isinstance(factory, _PieceFactory):
+        return None
+    return factory.owner.split.pieces[factory.index]
 
 
 def _traced_fields(traced: Workload) -> dict[str, Any]:
