@@ -16,9 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from builders import make_cluster, make_profile
+from builders import make_cluster, make_profile, one_error_line
 from dapple.cli import main
 from dapple.core.cluster import Cluster
+from dapple.core.plan import straight_plan
 from dapple.core.profile import ModelProfile
 from dapple.core.tensor_layout import TENSOR_WIDTHS
 from dapple.core.usable import usable_cluster, usable_devices
@@ -195,3 +196,60 @@ def test_profile_of_a_huge_model_is_refused_before_any_layer_is_built(tmp_path: 
     assert "9,600,001,040,000,000 bytes" in lines[0] and "available" in lines[0]
     assert "Traceback" not in err and not out.exists()
     assert usage.ru_maxrss * 1024 < 2 * 2**30  # KiB on Linux; one real block would be 4.8e15
+
+
+def test_training_memory_is_the_model_once_with_its_state() -> None:
+    """The lower bound of a run on one host: every parameter and buffer once, and the gradient
+    and optimizer state (bytes per trainable byte) of each trainable one."""
+    from dapple.models.zoo import load_workload
+    from dapple.profiler.host_fit import check_training_memory
+
+    wl = load_workload("transformer", layers=2, hidden=32)
+    params = buffers = 0
+    for i in range(wl.num_layers):
+        layer = wl.build_layer(i)
+        params += sum(p.numel() * p.element_size() for p in layer.parameters())
+        buffers += sum(b.numel() * b.element_size() for b in layer.buffers())
+    need = params + buffers + 3 * params  # AdamW: the gradient and two moments
+    assert check_training_memory(wl, 3.0, available=need) == need
+    with pytest.raises(ValidationError, match=f"{need:,} bytes.*{need - 1:,} bytes"):
+        check_training_memory(wl, 3.0, available=need - 1)
+
+
+def test_a_traced_models_pieces_are_sized_without_building_them() -> None:
+    pytest.importorskip("transformers")
+    from dapple.models.hf import hf_gpt2
+    from dapple.profiler.host_fit import meta_layer_bytes
+
+    wl = hf_gpt2(layers=2, hidden=16, heads=2, vocab=32, seq=8)
+    sizes = meta_layer_bytes(wl)
+    assert sizes is not None
+    built = [wl.build_layer(i) for i in range(wl.num_layers)]
+    assert [x.parameter_bytes for x in sizes] == [
+        sum(p.numel() * p.element_size() for p in b.parameters()) for b in built
+    ]
+
+
+@pytest.mark.parametrize("command", ["train", "verify"])
+def test_a_run_of_a_huge_model_is_refused_before_any_layer_is_built(
+    command: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """hidden=10^6 on one host: one line naming the bytes, before a worker builds a layer."""
+    plan = tmp_path / "plan.json"
+    two = straight_plan(
+        8, [0, 4], global_batch_size=4, num_micro_batches=2, model_name="transformer"
+    )
+    plan.write_text(json.dumps(two.to_dict()))
+    args = [command, "-m", "transformer", "--set", "hidden=1000000", "--plan", str(plan)]
+    assert main([*args, "--device", "cpu"]) == 2
+    one_error_line(capsys, "of host memory", "288,002,496,001,024 bytes of parameters")
+
+
+def test_plan_local_of_a_huge_model_is_refused_before_profiling(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "out"
+    args = ["plan-local", "-m", "transformer", "--set", "hidden=1000000", "--nproc", "2"]
+    assert main([*args, "--global-batch-size", "8", "--out-dir", str(out)]) == 2
+    one_error_line(capsys, "planning 'transformer'", "1 co-worker(s)")
+    assert not out.exists()

@@ -118,6 +118,7 @@ def train(
     G, n_eval = run_plan.global_batch_size, None if evals is None else len(evals)
     cfg = resolve_train_config(TrainConfig(steps=steps, **options), run, n_eval, G)
     check_mesh_run(run_plan, wl, cfg)  # what stages of t_s > 1 or ZeRO-3 cannot run yet
+    _check_host_memory(wl, cfg.device, cfg.optimizer, cfg.momentum, "training")
     if profile is not None and cluster is not None:
         predicted = simulate(zero_floored(run_plan, cfg.zero_stage), profile, cluster).step_ms
         cfg = dataclasses.replace(cfg, predicted_step_ms=predicted)
@@ -141,6 +142,28 @@ def _check_run(plan: Plan, wl: Workload, cluster: Cluster | None = None) -> None
 
     plan.check_model(wl.name, wl.num_layers)
     check_tensor_run(plan, wl, cluster)
+
+
+def _check_host_memory(
+    wl: Workload, device: str, optimizer: str, momentum: float, what: str
+) -> None:
+    """A run whose processes all start on this host and compute on its CPU: the model held
+    once with gradients and optimizer state fits the host memory available
+    (:func:`dapple.profiler.host_fit.check_training_memory`); before any layer is built.
+    Under torchrun each host holds only its own ranks' stages: not checked."""
+    import os
+
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return
+    import torch
+
+    if device == "cuda" or (device == "auto" and torch.cuda.is_available()):
+        return
+    from dapple.profiler.host_fit import check_training_memory
+    from dapple.runtime.optim_config import OPTIMIZERS, state_factor
+
+    if optimizer in OPTIMIZERS:  # another name is refused by the run's own checks
+        check_training_memory(wl, state_factor(optimizer, momentum), what=what)
 
 
 def _name(x: ModelProfile | Cluster | str | Path | None) -> str | None:
@@ -219,6 +242,8 @@ def verify(
     run_plan = plan_with(plan, schedule, policy, virtual_stages)
     wl = as_workload(workload, _seq_overrides(workload, overrides, seq_len))
     _check_run(run_plan, wl)
+    optimizer = options.get("optimizer", "sgd")
+    _check_host_memory(wl, device, optimizer, options.get("momentum", 0.0), "verifying")
     from dapple.runtime.verify import verify as _verify
 
     return _verify(

@@ -181,9 +181,11 @@ def _profile_and_calibrate(
     """The model's profile as one of ``--nproc`` workers, and the calibrated local cluster."""
     from dapple.calibrate.machine import calibrate
     from dapple.models.zoo import load_workload
+    from dapple.profiler.host_fit import check_host_memory
     from dapple.profiler.measure import profile_workload
 
     wl = load_workload(args.model, **overrides)
+    check_host_memory(wl, args.nproc)  # before any layer is built
     con.rule(f"2. profile, calibrate and plan for {args.nproc} processes")
     con.print(f"{wl.name}: {wl.num_layers} layers, profiled on cpu as one of {args.nproc} workers")
     batch_sizes = [1, 2, 4, 8]

@@ -88,6 +88,9 @@ def run(args: argparse.Namespace) -> int:
     for name in ("plan.json", "profile.json", "cluster.json"):  # before any measuring
         check_output_file(out / name, "--out-dir file", make_parents=True)
     workload = load_workload(args.model, **model_overrides(args))
+    from dapple.profiler.host_fit import check_host_memory
+
+    check_host_memory(workload, max(counts), what="planning")  # profiled with co-workers
     con = console()
     with StepProgress("plan-local", console=con) as progress:
         best, cands = plan_local(

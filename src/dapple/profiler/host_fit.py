@@ -21,7 +21,13 @@ import torch
 from dapple.errors import ValidationError
 from dapple.models.workload import Workload
 
-__all__ = ["LayerBytes", "available_host_bytes", "check_host_memory", "meta_layer_bytes"]
+__all__ = [
+    "LayerBytes",
+    "available_host_bytes",
+    "check_host_memory",
+    "check_training_memory",
+    "meta_layer_bytes",
+]
 
 log = logging.getLogger(__name__)
 
@@ -45,17 +51,21 @@ class LayerBytes:
 def meta_layer_bytes(workload: Workload) -> list[LayerBytes] | None:
     """Each layer of ``workload`` built on ``meta`` and sized; None when a factory cannot run
     there (it makes real tensors itself, or calls what ``meta`` lacks): no estimate."""
+    from dapple.models.split import piece_template
+
     out = []
     for i, factory in enumerate(workload.layer_factories):
-        try:
-            with torch.random.fork_rng(devices=[]), torch.device("meta"):
-                layer = factory()
-        except Exception as e:  # any failure only means no estimate: profiling reports its own
-            log.debug("layer %d does not build on meta (%s): no host memory estimate", i, e)
-            return None
+        layer = piece_template(workload, i)  # a traced model's piece: on meta already
+        if layer is None:
+            try:
+                with torch.random.fork_rng(devices=[]), torch.device("meta"):
+                    layer = factory()
+            except Exception as e:  # any failure only means no estimate: the run reports its own
+                log.debug("layer %d does not build on meta (%s): no host memory estimate", i, e)
+                return None
         params = list(layer.parameters())
-        if not isinstance(layer, torch.nn.Module) or any(not p.is_meta for p in params):
-            return None  # built real (e.g. a piece of a model traced at load): nothing to add
+        if not isinstance(layer, torch.nn.Module) or any(not _sized(p) for p in params):
+            return None  # a factory that made real tensors itself: nothing to add
         out.append(
             LayerBytes(
                 name=workload.name_of(i),
@@ -65,6 +75,13 @@ def meta_layer_bytes(workload: Workload) -> list[LayerBytes] | None:
             )
         )
     return out
+
+
+def _sized(t: torch.Tensor) -> bool:
+    """Whether ``t`` has a size but no storage (``meta``, or a fake tensor of a trace)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return t.is_meta or isinstance(t, FakeTensor)
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -125,4 +142,47 @@ def check_host_memory(
         f"{what} {workload.name!r} needs at least {_gib(need)} of host memory (layer "
         f"{largest.name!r}: {largest.parameter_bytes:,} bytes of parameters, their gradients "
         f"and buffers{workers}), more than the {_gib(avail)} available: give a smaller model"
+    )
+
+
+def check_training_memory(
+    workload: Workload,
+    state_factor: float,
+    available: int | None = None,
+    what: str = "training",
+) -> int | None:
+    """Refuse a run whose processes all live on this host when the model, held once with its
+    gradients and optimizer state, exceeds the host memory available.
+
+    Every parameter and buffer is held by at least one process of the run, with its gradient
+    and optimizer state when trainable (sharding over replicas divides copies, never below one),
+    so this sum is a lower bound of what the run needs: a refusal is never wrong.
+
+    Args:
+        workload: the layer chain (nothing of it is built for real here).
+        state_factor: bytes of gradient and optimizer state per trainable parameter byte
+            (:func:`dapple.runtime.optim_config.state_factor`).
+        available: bytes available (None: :func:`available_host_bytes`).
+        what: the work named in the message.
+
+    Returns:
+        The estimated bytes, or None when they cannot be estimated (nothing checked).
+
+    Raises:
+        ValidationError: the estimate exceeds the memory available, naming both.
+    """
+    sizes = meta_layer_bytes(workload)
+    if not sizes:
+        return None
+    params = sum(x.parameter_bytes + x.buffer_bytes for x in sizes)
+    state = int(state_factor * sum(x.trainable_bytes for x in sizes))
+    need = params + state
+    avail = available_host_bytes() if available is None else available
+    if avail is None or need <= avail:
+        return need
+    raise ValidationError(
+        f"{what} {workload.name!r} needs at least {_gib(need)} of host memory (its "
+        f"{params:,} bytes of parameters and buffers, held once by the run's processes, and "
+        f"{state:,} bytes of gradients and optimizer state), more than the {_gib(avail)} "
+        "available: give a smaller model, or run it over several hosts (torchrun)"
     )
