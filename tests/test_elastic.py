@@ -356,3 +356,34 @@ def test_the_cli_asks_for_what_a_replan_needs(
     assert main([*base, *given, "--print-config"]) == 0
     out = capsys.readouterr().out
     assert "[elastic]\nelastic = true\nmin_devices = 2\nmax_restarts = 3" in out
+
+
+@pytest.mark.parametrize(("restarts_done", "closing"), [(0, "rank 1 stops"), (3, "error: ")])
+def test_a_torchrun_survivor_of_a_lost_peer_says_so_while_torchrun_restarts(
+    restarts_done: int, closing: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Under torchrun with restarts left, a rank whose peer is gone prints what happens next,
+    not an error; with none left it is the run's error."""
+    from dapple.runtime import launch
+
+    env = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+           "TORCHELASTIC_RESTART_COUNT": str(restarts_done), "TORCHELASTIC_MAX_RESTARTS": "3"}  # fmt: skip
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+
+    def lost(*_: Any) -> None:
+        raise RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [::1]:1")
+
+    def die(msg: str, kind: str = "error: ") -> None:
+        raise SystemExit(f"dapple: {kind}{msg}")
+
+    monkeypatch.setattr(launch, "_elastic_worker", lambda plan, policy, options: (plan, options))
+    monkeypatch.setattr(launch, "init_distributed", lost)
+    monkeypatch.setattr(launch, "_die", die)
+    plan = straight_plan(5, [0, 2], global_batch_size=4, num_micro_batches=2)
+    with pytest.raises(SystemExit) as stop:
+        launch.train(plan, "mlp", 2, elastic=_policy(), **_options(tmp_path))
+    line = str(stop.value)
+    assert line.startswith(f"dapple: {closing}"), line
+    assert "Connection closed by peer" in line
+    assert ("torchrun restarts the workers and dapple re-plans" in line) == (restarts_done == 0)

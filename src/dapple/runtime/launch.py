@@ -382,6 +382,9 @@ def train(
         except ValidationError:
             raise
         except Exception as e:  # peers may be gone: report and leave without PG teardown
+            if elastic is not None and lost_peer(e) and _restarts_left():
+                _die(f"rank {os.environ['RANK']} stops with its lost peer ({rank_report(e)}); "
+                     "torchrun restarts the workers and dapple re-plans", kind="")  # fmt: skip
             _die(rank_report(e))
         shutdown_distributed()
         return run.metrics
@@ -415,6 +418,16 @@ def train(
 
 def _under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def _restarts_left() -> bool:
+    """Whether torchrun's elastic agent restarts this worker's group once it fails
+    (``TORCHELASTIC_RESTART_COUNT`` below ``TORCHELASTIC_MAX_RESTARTS``)."""
+    try:
+        done = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        return done < int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+    except ValueError:
+        return False
 
 
 def _elastic_worker(
