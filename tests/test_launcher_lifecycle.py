@@ -28,7 +28,7 @@ from dapple.core.plan import straight_plan
 from dapple.errors import ValidationError
 from dapple.runtime import local
 from dapple.runtime.failure import RankFailure, lost_peer, rank_report
-from dapple.runtime.local import StopSignals, exit_text
+from dapple.runtime.local import Interrupted, StopSignals, exit_text
 
 TESTS = Path(__file__).parent
 DEADLINE_S = 30.0  # workers must be gone this long after the launcher ends
@@ -375,8 +375,11 @@ def test_stop_signals_note_then_deliver_again_under_the_previous_handler() -> No
                 time.sleep(0.01)
             assert stop.received == signal.SIGTERM and got == []  # only noted
         assert got == [signal.SIGTERM]  # then the caller's own handler ran
-        with pytest.raises(KeyboardInterrupt), StopSignals():  # SIGINT: Python's default handler
+        with pytest.raises(KeyboardInterrupt) as plain, StopSignals():  # Python's default handler
             signal.raise_signal(signal.SIGINT)
+        assert not isinstance(plain.value, Interrupted)  # no closing line: the CLI says it
+        with pytest.raises(Interrupted), StopSignals(closing=lambda name: f"closing {name}"):
+            signal.raise_signal(signal.SIGINT)  # the line written, the CLI adds none
         with StopSignals() as quiet:  # no signal: nothing happens
             pass
         assert quiet.received is None

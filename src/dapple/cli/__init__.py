@@ -65,9 +65,9 @@ def main(argv: list[str] | None = None) -> int:
     except DappleError as e:
         print(f"dapple: error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         local = sys.modules.get("dapple.runtime.local")  # a launcher's closing line says it all
-        if local is None or not local.StopSignals.closing_written:
+        if local is None or not isinstance(e, local.Interrupted):
             print("dapple: interrupted", file=sys.stderr)
         return 130
     return int(rc or 0)

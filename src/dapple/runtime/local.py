@@ -44,6 +44,7 @@ __all__ = [
     "LOOPBACK",
     "PIN_CORES_ENV",
     "STOP_GRACE_S",
+    "Interrupted",
     "StopSignals",
     "end_with_launcher",
     "exit_text",
@@ -99,6 +100,11 @@ def _watch_parent(launcher: int) -> None:
     os._exit(1)
 
 
+class Interrupted(KeyboardInterrupt):
+    """SIGINT under Python's default handler, after the launcher wrote the run's closing line
+    (the CLI then adds no ``dapple: interrupted`` of its own)."""
+
+
 class StopSignals:
     """While the launcher waits: SIGTERM and SIGINT are only noted (``received``; the waiting
     loop then stops the workers), and on leaving they are delivered again under the handlers
@@ -106,10 +112,6 @@ class StopSignals:
     runs its caller's handler (and if that returns, :class:`RankFailure`). Python runs signal
     handlers in the main thread only: entered in another thread this changes nothing (the
     workers still end with the launcher). A signal the process ignores stays ignored."""
-
-    closing_written = False
-    """Whether a launcher of this process wrote its closing line (the CLI then adds no
-    ``dapple: interrupted`` of its own)."""
 
     def __init__(self, closing: Callable[[str], str] | None = None) -> None:
         self.received: int | None = None
@@ -140,7 +142,8 @@ class StopSignals:
             if self._closing is not None:
                 sys.stdout.flush()
                 os.write(2, (self._closing(name) + "\n").encode())
-                StopSignals.closing_written = True
+                if self._previous.get(self.received) is signal.default_int_handler:
+                    raise Interrupted(name)  # what that handler raises, closing line written
             signal.raise_signal(self.received)
             raise RankFailure(f"workers stopped by {name}")
 
