@@ -24,10 +24,8 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import cProfile
 import json
 import os
-import pstats
 import subprocess
 import sys
 import time
@@ -40,28 +38,22 @@ WARMUP = 3
 MS = (2, 4)
 
 
-class _Window:
-    """cProfile and torch.profiler around one step."""
+def _op_counter() -> Any:
+    """This checkout's :class:`dapple.profiler.op_counts.OpCounter`, loaded by file path: the
+    child's ``dapple`` is the version measured (``--before-src`` may predate the module)."""
+    import importlib.util
 
-    def start(self) -> None:
-        import torch
+    path = ROOT / "src" / "dapple" / "profiler" / "op_counts.py"
+    spec = importlib.util.spec_from_file_location("_op_counts", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve the module of their class
+    spec.loader.exec_module(module)
+    return module.OpCounter()
 
-        self.calls = cProfile.Profile()
-        self.ops = torch.profiler.profile(
-            activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=False
-        )
-        self.ops.__enter__()
-        self.calls.enable()
 
-    def stop(self) -> dict[str, Any]:
-        self.calls.disable()
-        self.ops.__exit__(None, None, None)
-        stats: Any = pstats.Stats(self.calls)
-        calls = Counter()
-        for (path, line, name), v in stats.stats.items():
-            calls[f"{Path(path).name}:{line}({name})"] += v[1]
-        ops = Counter(e.name for e in self.ops.events() if e.name.startswith("aten::"))
-        return {"calls": dict(calls), "ops": dict(ops)}
+def _as_dicts(counts: Any) -> dict[str, Any]:
+    return {"calls": dict(counts.calls), "ops": dict(counts.ops)}
 
 
 def child(m: int) -> dict[str, Any]:
@@ -82,7 +74,7 @@ def child(m: int) -> dict[str, Any]:
         G, b = size["G"], size["G"] // m
         params = list(model.parameters())
         opt = make_optimizer(ro._config(WARMUP + 1), params)
-        win = _Window()
+        win = _op_counter()
         for step in range(WARMUP + 1):  # the plain loop of runtime_overhead._plain_ms
             if step == WARMUP:
                 win.start()
@@ -97,14 +89,14 @@ def child(m: int) -> dict[str, Any]:
             opt.step()
             float(total)
             if step == WARMUP:
-                out["plain"] = win.stop()
-        dwin = _Window()
+                out["plain"] = _as_dicts(win.stop())
+        dwin = _op_counter()
 
         def on_step(metrics: Any) -> None:
             if metrics.step == WARMUP - 1:
                 dwin.start()
             elif metrics.step == WARMUP:
-                out["dapple"] = dwin.stop()
+                out["dapple"] = _as_dicts(dwin.stop())
 
         ro._dapple(wl, size, WARMUP + 2, on_step)
     finally:

@@ -19,8 +19,6 @@ naming the first backward that left a non-finite gradient, in every gradient dty
 
 from __future__ import annotations
 
-import cProfile
-import pstats
 import socket
 from collections.abc import Iterator
 from typing import Any
@@ -31,6 +29,7 @@ import torch.distributed as dist
 
 import runtime_workloads as rw
 from dapple.core.plan import straight_plan
+from dapple.profiler.op_counts import OpCounter
 from dapple.runtime import TrainConfig, run_plan
 from dapple.runtime.optim import make_optimizer
 
@@ -63,26 +62,6 @@ def one_rank() -> Iterator[None]:
         dist.destroy_process_group()
 
 
-class _Window:
-    """Counts of what runs between :meth:`start` and :meth:`stop`."""
-
-    def start(self) -> None:
-        self.calls = cProfile.Profile()
-        self.ops = torch.profiler.profile(
-            activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=False
-        )
-        self.ops.__enter__()
-        self.calls.enable()
-
-    def stop(self) -> tuple[int, int]:
-        self.calls.disable()
-        self.ops.__exit__(None, None, None)
-        stats: Any = pstats.Stats(self.calls)
-        calls = sum(v[1] for v in stats.stats.values())
-        ops = sum(1 for e in self.ops.events() if e.name.startswith("aten::"))
-        return ops, calls
-
-
 def _config() -> TrainConfig:
     return TrainConfig(steps=WARMUP + 2, seed=SEED, optimizer="adamw", lr=1e-3, timeout_s=60)
 
@@ -93,7 +72,7 @@ def _plain(m: int) -> tuple[int, int]:
     params = list(model.parameters())
     opt = make_optimizer(_config(), params)
     G = B * m
-    win = _Window()
+    win = OpCounter()
     counted = (0, 0)
     for step in range(WARMUP + 1):
         if step == WARMUP:
@@ -109,21 +88,23 @@ def _plain(m: int) -> tuple[int, int]:
         opt.step()
         float(total)
         if step == WARMUP:
-            counted = win.stop()
+            counts = win.stop()
+            counted = (counts.total_ops, counts.total_calls)
     return counted
 
 
 def _dapple(m: int) -> tuple[int, int]:
     wl = rw.mlp(LAYERS)
     plan = straight_plan(LAYERS, [0], global_batch_size=B * m, num_micro_batches=m)
-    win = _Window()
+    win = OpCounter()
     counted: list[tuple[int, int]] = []
 
     def on_step(metrics: Any) -> None:  # one whole step: from the end of the one before
         if metrics.step == WARMUP - 1:
             win.start()
         elif metrics.step == WARMUP:
-            counted.append(win.stop())
+            counts = win.stop()
+            counted.append((counts.total_ops, counts.total_calls))
 
     run_plan(plan, wl, _config(), device=torch.device("cpu"), on_step=on_step)
     return counted[0]
