@@ -38,10 +38,11 @@ class OpCounter:
 
     def start(self) -> None:
         self._calls = cProfile.Profile()
-        self._ops: Any = torch.profiler.profile(
+        ops: Any = torch.profiler.profile(
             activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=False
         )
-        self._ops.__enter__()
+        self._ops = ops
+        ops.__enter__()
         self._calls.enable()
 
     def stop(self) -> OpCounts:
