@@ -7,9 +7,11 @@ after warm-up, is counted: ``torch.profiler``'s ``aten::`` events (nested ones i
 ``cProfile``'s calls. M = 2 and M = 4 separate what dapple adds per micro-batch from what it
 adds once per step. Counts, never time: they do not move with the machine's load.
 
-The bounds: per micro-batch, the guard's fused check costs on CPU one norm per gradient
-(``torch._foreach_norm`` has no fused CPU kernel: two events each) and a few ops of its own,
-and the executor and guard a fixed number of Python calls, whatever the number of parameters;
+The bounds: per micro-batch, the guard's check costs on CPU one sum per gradient (on CPU
+``torch._foreach_norm`` has no fused kernel, and an L1 norm per gradient took 3.7x a sum's
+time on the 20 MiB of ``runtime_overhead.py``'s medium model: 5.49 vs 1.48 ms, tiny 0.34 vs
+0.19 ms) and a few ops of its own, and the executor and guard a fixed number of Python calls
+besides the sums;
 per step, the gradient norm (two events per gradient and one stack of them), the guard's
 verdict, the step's collective row and the metrics.
 
@@ -36,13 +38,15 @@ from dapple.runtime.optim import make_optimizer
 LAYERS, B, WARMUP, SEED = 8, 2, 3, 0
 N_GRADS = 2 * LAYERS  # weight and bias per layer
 
-PER_MB_OPS = 3 * N_GRADS + 8
-"""aten ops dapple may add per micro-batch: the guard's norm per gradient (2 events each on
-torch 2.13's CPU), its own few and the copies of the micro-batch's rows (50 here). Before the
-fused check: 106 (a sum, a fill, a stack's view and two strides per gradient)."""
-PER_MB_CALLS = 45
-"""Python calls dapple may add per micro-batch: the executor, the interpreter and the guard,
-none per parameter (31 here; 118 before, with calls per gradient and a keyed-RNG context)."""
+PER_MB_OPS = 4 * N_GRADS + 8
+"""aten ops dapple may add per micro-batch: the guard's sum per gradient (3 events each on
+torch 2.13's CPU: a sum, a fill and a stride), its own few and the copies of the micro-batch's
+rows (65 here). Before the fused check: 106 (a sum, a fill, a stack's view and two strides per
+gradient)."""
+PER_MB_CALLS = N_GRADS + 45
+"""Python calls dapple may add per micro-batch: the guard's sum per gradient, and a fixed
+number for the executor, the interpreter and the guard (118 before, with more calls per
+gradient and a keyed-RNG context)."""
 PER_STEP_OPS = 4 * N_GRADS + 120
 """aten ops dapple may add once per step: the gradient norm (a norm and a stack's view per
 gradient), the guard's verdict, the collective's row, the metrics (151 here)."""
