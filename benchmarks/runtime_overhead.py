@@ -19,7 +19,9 @@ Two versions of dapple run side by side: ``after`` (this checkout) and ``before`
 of the commit before issue 46, ``git worktree add /tmp/before 81351c0``, passed as
 ``--before-src /tmp/before/src``). Each round starts one process per version (the order
 alternates) and each process runs the three contenders one after another, each for
-``--warmup`` + ``--steps`` steps, then an *instrumented* dapple run (not used for the ratios):
+``--warmup`` + ``--steps`` steps, then the two loops step by step (one dapple step, one
+plain step, alternating: ``_interleaved_ms``; the paired ratios), then an *instrumented*
+dapple run (not used for the ratios):
 
 - phases: exclusive wall time in the runtime's methods (forward, backward, the guard's checks,
   the step's collective, the gradient norm, clipping, the optimizer step, memory probes, the
@@ -126,18 +128,17 @@ def _config(steps: int) -> Any:
     return TrainConfig(steps=steps, seed=SEED, optimizer="adamw", lr=1e-4, timeout_s=120)
 
 
-def _plain_ms(model: Any, wl: Any, size: dict[str, int], steps: int) -> list[float]:
-    """A plain loop: ms per step from make_batch to after the optimizer step."""
+def _plain_step(model: Any, wl: Any, size: dict[str, int], steps: int) -> Any:
+    """One step of a plain loop per call (``step(k)``): make_batch to after the optimizer step."""
     from dapple.runtime.optim import make_optimizer
 
     G, M = size["G"], size["M"]
     b = G // M
     params = list(model.parameters())
     opt = make_optimizer(_config(steps), params)
-    out = []
-    for step in range(steps):
-        t0 = time.perf_counter()
-        x, y = wl.make_batch(G, SEED + step)
+
+    def step(k: int) -> None:
+        x, y = wl.make_batch(G, SEED + k)
         for p in params:
             p.grad = None
         total = 0.0
@@ -147,8 +148,43 @@ def _plain_ms(model: Any, wl: Any, size: dict[str, int], steps: int) -> list[flo
             total = total + loss.detach()
         opt.step()
         float(total)  # its one read per step
+
+    return step
+
+
+def _plain_ms(model: Any, wl: Any, size: dict[str, int], steps: int) -> list[float]:
+    """A plain loop: ms per step from make_batch to after the optimizer step."""
+    step = _plain_step(model, wl, size, steps)
+    out = []
+    for k in range(steps):
+        t0 = time.perf_counter()
+        step(k)
         out.append((time.perf_counter() - t0) * 1e3)
     return out
+
+
+def _interleaved_ms(wl: Any, size: dict[str, int], steps: int) -> tuple[list[float], list[float]]:
+    """dapple's steps and a plain loop's (over the same pieces) one after the other in one
+    process: each dapple step's ``on_step`` runs one plain step. A dapple step is the time from
+    the end of the previous plain step to its own ``on_step`` (all of it: batch, interpreter,
+    collective, optimizer, metrics line), so a slow spell of the machine falls on both loops
+    alike. Returns ``(plain ms, dapple ms)`` per step."""
+    plain = _plain_step(wl.build_model(SEED + 1), wl, size, steps)
+    plain_ms: list[float] = []
+    dapple_ms: list[float] = []
+    mark = [0.0]
+
+    def on_step(metrics: Any) -> None:
+        t0 = time.perf_counter()
+        if mark[0]:
+            dapple_ms.append((t0 - mark[0]) * 1e3)
+        plain(metrics.step)
+        t1 = time.perf_counter()
+        plain_ms.append((t1 - t0) * 1e3)
+        mark[0] = t1
+
+    _dapple(wl, size, steps + 1, on_step)  # the first step has no start mark
+    return plain_ms[1:], dapple_ms
 
 
 def _dapple(wl: Any, size: dict[str, int], steps: int, on_step: Any = None) -> list[float]:
@@ -277,6 +313,11 @@ def child(model: str, warmup: int, steps: int) -> dict[str, Any]:
             "plain module": _plain_ms(original(), wl, size, n)[warmup:],
             "dapple": _dapple(wl, size, n)[warmup:],
         }
+        alt_plain, alt_dapple = _interleaved_ms(wl, size, n)
+        res["interleaved plain"], res["interleaved dapple"] = (
+            alt_plain[warmup:],
+            alt_dapple[warmup:],
+        )
         res["instrumented"] = _instrumented(wl, size, warmup, steps)
         res["slicing_ms"] = _slicing_ms(wl, size)
     finally:
@@ -334,6 +375,25 @@ def _report(results: dict[str, dict[str, list[dict[str, Any]]]], args: Any,
             s = statistics.mean(r["instrumented"]["syncs"] for r in runs)
             lines.append(f"| {model} | {version} | {o:.2f} | {p:.2f} | {d:.2f} | {p / d:.3f} | "
                          f"{o / d:.3f} | {s:g} |")  # fmt: skip
+    lines += [
+        "",
+        "Step by step, in one process (``_interleaved_ms``: each dapple step's ``on_step`` runs "
+        "one plain step over the same pieces, so a slow spell of the machine falls on both): "
+        "the paired ratio is the median over steps of plain ms / dapple ms of adjacent steps, "
+        "with its 25th-75th percentiles.",
+        "",
+        "| model | version | plain ms | dapple ms | paired ratio | IQR |",
+        "|---|---|---|---|---|---|",
+    ]
+    for model, by_version in results.items():
+        for version, runs in by_version.items():
+            pairs = [(a, b) for r in runs
+                     for a, b in zip(r["interleaved plain"], r["interleaved dapple"], strict=True)]  # fmt: skip
+            ratios = sorted(a / b for a, b in pairs)
+            q1, _, q3 = statistics.quantiles(ratios, n=4)
+            lines.append(f"| {model} | {version} | {med([a for a, _ in pairs]):.2f} | "
+                         f"{med([b for _, b in pairs]):.2f} | {med(ratios):.3f} | "
+                         f"{q1:.3f}-{q3:.3f} |")  # fmt: skip
     for model, by_version in results.items():
         size = MODELS[model]
         lines += ["", f"## {model}: {size}", "", "Phases of dapple's step (instrumented run, mean "
