@@ -327,3 +327,31 @@ def test_blocks_shard_over_a_tensor_group_and_the_ends_do_not() -> None:
     marks = {x.name: x.tensor_parallel for x in prof.layers}
     assert marks.pop("embedding") is False and marks.pop("lm_head") is False
     assert set(marks.values()) == {True} and len(marks) == 32
+
+
+@pytest.mark.parametrize(("device", "precision"), [("h100", "bf16"), ("v100", "fp16")])
+def test_cli_profile_analytic_defaults_to_the_datasheets_16_bit_format(
+    device: str, precision: str, tmp_path: Path
+) -> None:
+    out = tmp_path / "p.json"
+    rc = main(["profile", "--analytic", "--device", device, "-m", "llama3-8b",
+               "--batch-sizes", "1", "-o", str(out)])  # fmt: skip
+    assert rc == 0 and ModelProfile.load(out).precision == precision
+
+
+def test_cli_profile_analytic_of_a_hf_config_takes_set_seq(tmp_path: Path) -> None:
+    """``--set seq=N`` sets a Hugging Face config's length, as for its measured profile."""
+    (tmp_path / "cfg").mkdir()
+    (tmp_path / "cfg" / "config.json").write_text(json.dumps({
+        "model_type": "llama", "hidden_size": 256, "intermediate_size": 512,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "vocab_size": 1000, "max_position_embeddings": 8192}))  # fmt: skip
+    profiles = {}
+    for seq in (1024, 2048):
+        out = tmp_path / f"p{seq}.json"
+        rc = main(["profile", "--analytic", "--device", "h100", "-m", f"hf:{tmp_path / 'cfg'}",
+                   "--set", f"seq={seq}", "--batch-sizes", "1", "-o", str(out)])  # fmt: skip
+        assert rc == 0
+        profiles[seq] = ModelProfile.load(out)
+    block = [p.layers[1].kept_activation_bytes_per_sample for p in profiles.values()]
+    assert block[1] == 2 * block[0]  # a block's kept activations grow with the length

@@ -68,10 +68,11 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     )
     p.add_argument(
         "--precision",
-        default="fp32",
+        default=None,
         metavar="P",
         help="fp32, bf16 or fp16: time the layers and measure activations under this autocast, "
-        "as `dapple train --precision` runs them (default %(default)s; --analytic: also fp8)",
+        "as `dapple train --precision` runs them (default fp32; --analytic: also fp8, default "
+        "the datasheet's 16-bit format: bf16, fp16 on a V100)",
     )
     p.add_argument(
         "--split-backward",
@@ -193,10 +194,11 @@ def _run_analytic(args: argparse.Namespace, sizes: list[int], lens: list[int] | 
             f"--analytic needs --device {' or '.join(DEVICES)} (a datasheet), got {args.device!r}"
         )
     overrides = model_overrides(args)
+    precision = args.precision or DEVICES[args.device].default_precision
 
     def at(seq: int | None) -> ModelProfile:
         return analytic_profile(
-            args.model, args.device, precision=args.precision, seq_len=seq,
+            args.model, args.device, precision=precision, seq_len=seq,
             checkpoint=args.act_checkpoint, batch_sizes=sizes, overrides=overrides,
         )  # fmt: skip
 
@@ -251,7 +253,7 @@ def run(args: argparse.Namespace) -> int:
             progress=progress,
             num_threads=args.threads,
             co_workers=args.co_workers,
-            precision=args.precision,
+            precision=args.precision or "fp32",
             split_backward=args.split_backward,
             seq_lens=lens,
         )

@@ -144,6 +144,12 @@ class DeviceSpec:
     """The kernel setting (:data:`KERNEL_SETTINGS`) an analytic profile gets when none is asked
     for (None: :attr:`efficiency` without autocast's casts)."""
 
+    @property
+    def default_precision(self) -> str:
+        """What a model trains in on this device unless told otherwise: bf16 where the
+        datasheet has it, else fp16, else fp32."""
+        return next(p for p in ("bf16", "fp16", "fp32") if p in self.peak_flops)
+
     def supports(self, precision: str) -> bool:
         """Whether the device has a peak for ``precision``."""
         return precision in self.peak_flops

@@ -425,7 +425,8 @@ def resolve_spec(
         spec: a :data:`PRESETS` name, ``hf:DIR`` (reads ``DIR/config.json``), ``transformer``
             or ``bert-48`` (the zoo's, with ``overrides`` as its factory arguments), or a spec.
         seq_len: tokens per sample instead of the spec's own.
-        overrides: zoo factory arguments (``layers=8``, ``seq=64``, ...); only for zoo names.
+        overrides: zoo factory arguments (``layers=8``, ``seq=64``, ...); only for zoo names,
+            but ``seq`` (tokens per sample, as ``seq_len``) for ``hf:DIR`` too.
 
     Raises:
         ValidationError: unknown name, unreadable config, or overrides for a non-zoo spec.
@@ -436,6 +437,15 @@ def resolve_spec(
         out = zoo_transformer(**{**_ZOO[spec], **overrides})
         overrides = {}
     elif spec.startswith("hf:"):
+        overrides = dict(overrides)
+        if "seq" in overrides:  # as --set seq= sets a measured Hugging Face profile's length
+            if seq_len is None:
+                seq_len = int(overrides["seq"])
+            elif int(overrides["seq"]) != seq_len:
+                raise ValidationError(
+                    f"two lengths for {spec!r}: seq={overrides['seq']} and {seq_len} tokens"
+                )
+            del overrides["seq"]
         path = Path(spec[3:]) / "config.json"
         try:
             config = json.loads(path.read_text())
