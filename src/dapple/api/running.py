@@ -107,12 +107,7 @@ def train(
     wl = as_workload(workload, _seq_overrides(workload, overrides, seq_len))
     _check_run(run_plan, wl, None if cluster is None else as_cluster(cluster, None))
     if profile is not None:  # measured on this model (its layers' tensors), before any compute
-        from dapple.models.fingerprint import check_profile_model
-
-        named = (
-            f"of {_name(profile)!r}" if isinstance(profile, ModelProfile) else repr(_name(profile))
-        )
-        check_profile_model(as_profile(profile), wl, f"the profile {named}")
+        _check_profile(profile, wl)
     train_data = _dataset(data, seq_len, documents)
     evals = _dataset(eval_data, seq_len, documents)
     G, n_eval = run_plan.global_batch_size, None if evals is None else len(evals)
@@ -142,6 +137,14 @@ def _check_run(plan: Plan, wl: Workload, cluster: Cluster | None = None) -> None
 
     plan.check_model(wl.name, wl.num_layers)
     check_tensor_run(plan, wl, cluster)
+
+
+def _check_profile(profile: ModelProfile | str | Path, wl: Workload) -> None:
+    """``profile`` was measured on ``wl`` (:func:`dapple.models.fingerprint.check_profile_model`)."""
+    from dapple.models.fingerprint import check_profile_model
+
+    named = f"of {_name(profile)!r}" if isinstance(profile, ModelProfile) else repr(_name(profile))
+    check_profile_model(as_profile(profile), wl, f"the profile {named}")
 
 
 def _check_host_memory(

@@ -369,25 +369,7 @@ def train(
     cfg = TrainConfig(steps=steps, **options)
     check_precision(cfg.precision, cfg.device)  # fp16 on the CPU etc.: before any compute
     if _under_torchrun():
-        wl = resolve_workload(workload)
-        validate_run(plan, wl, int(os.environ["WORLD_SIZE"]), zero_stage=cfg.zero_stage)
-        _check_datasets(plan, wl, cfg, data, eval_data)
-        _check_shapes(plan, wl, cfg, data)
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
-        if int(os.environ["RANK"]) == 0:
-            announce("start-up: rendezvous", cfg.echo)
-        try:
-            device = init_distributed(cfg, local_world)
-            run = run_plan(plan, wl, cfg, device=device, data=data, eval_data=eval_data)
-        except ValidationError:
-            raise
-        except Exception as e:  # peers may be gone: report and leave without PG teardown
-            if elastic is not None and lost_peer(e) and _restarts_left():
-                _die(f"rank {os.environ['RANK']} stops with its lost peer ({rank_report(e)}); "
-                     "torchrun restarts the workers and dapple re-plans", kind="")  # fmt: skip
-            _die(rank_report(e))
-        shutdown_distributed()
-        return run.metrics
+        return _torchrun_rank(plan, workload, cfg, data, eval_data, elastic=elastic is not None)
     world = len(plan.devices)
     resolved = resolve_workload(workload)
     validate_run(plan, resolved, world, zero_stage=cfg.zero_stage)
@@ -414,6 +396,33 @@ def train(
         spawn(_worker, world, plan.to_dict(), payload, cfg, out, (data, eval_data),
               elastic_attempt, timeout_s=cfg.timeout_s, early=early, closing=closing)  # fmt: skip
         return [metrics_from_dict(d) for d in json.loads(Path(out).read_text())]
+
+
+def _torchrun_rank(
+    plan: Plan, workload: Any, cfg: TrainConfig, data: Any, eval_data: Any, *, elastic: bool
+) -> list[StepMetrics]:
+    """This ``torchrun`` worker's rank of the run: checked, joined, run; a failure ends the
+    process with its one line (with restarts left in an ``elastic`` run, a lost peer is what
+    happens next, not an error)."""
+    wl = resolve_workload(workload)
+    validate_run(plan, wl, int(os.environ["WORLD_SIZE"]), zero_stage=cfg.zero_stage)
+    _check_datasets(plan, wl, cfg, data, eval_data)
+    _check_shapes(plan, wl, cfg, data)
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
+    if int(os.environ["RANK"]) == 0:
+        announce("start-up: rendezvous", cfg.echo)
+    try:
+        device = init_distributed(cfg, local_world)
+        run = run_plan(plan, wl, cfg, device=device, data=data, eval_data=eval_data)
+    except ValidationError:
+        raise
+    except Exception as e:  # peers may be gone: report and leave without PG teardown
+        if elastic and lost_peer(e) and _restarts_left():
+            _die(f"rank {os.environ['RANK']} stops with its lost peer ({rank_report(e)}); "
+                 "torchrun restarts the workers and dapple re-plans", kind="")  # fmt: skip
+        _die(rank_report(e))
+    shutdown_distributed()
+    return run.metrics
 
 
 def _under_torchrun() -> bool:
