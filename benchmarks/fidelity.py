@@ -166,7 +166,8 @@ def collect(args: argparse.Namespace) -> dict[str, Any]:
     t0 = time.perf_counter()
     # the model: CPU time of each layer as one of 4 co-located workers (profile_workload's
     # co_workers), shared cores and host CPU overheads from calibrate
-    profile = profile_workload(wl, [1, 2, 4, 8], repeats=9, num_threads=threads, co_workers=nproc)
+    profile = profile_workload(wl, [1, 2, 4, 8], repeats=9, num_threads=threads, co_workers=nproc,
+                               passes=args.profile_passes)  # fmt: skip
     # the earlier models: wall time of each layer alone
     wall_profile = profile_workload(wl, [1, 2, 4, 8], repeats=9, num_threads=threads)
     alone_ms = _matmul_alone_ms(nproc)  # the calibration matmul alone, right after profiling
@@ -182,7 +183,7 @@ def collect(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "args": {
             k: getattr(args, k)
-            for k in ("rounds", "chunk", "skip", "global_batch", "micro_batches")
+            for k in ("rounds", "chunk", "skip", "global_batch", "micro_batches", "profile_passes")
         },
         "threads": threads,
         "usable_cores": usable_cores(),
@@ -260,7 +261,8 @@ def report(inp: dict[str, Any]) -> list[str]:
         "the ones minimising L of this model.",
         "",
         "The model (columns L and simulated): profile `profile_workload(batch_sizes=[1, 2, 4, "
-        f"8], repeats=9, num_threads={threads}, co_workers=4)` - each layer's CPU time (of the "
+        f"8], repeats=9, num_threads={threads}, co_workers=4, "
+        f"passes={a.get('profile_passes', 1)})` - each layer's CPU time (of the "
         "profiling thread) while 3 other "
         "processes train the model, so the slow-down co-located workers cause each other "
         "beyond time-slicing (caches, memory bandwidth; largest at small batches) is in the "
@@ -328,6 +330,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds")
     ap.add_argument("--chunk", type=int, default=3, help="steps per plan per round")
     ap.add_argument("--skip", type=int, default=1, help="warm-up steps dropped per chunk")
+    ap.add_argument(
+        "--profile-passes",
+        type=int,
+        default=1,
+        help="co-worker profile passes, per layer the median one (profile_workload)",
+    )
     ap.add_argument("--global-batch", type=int, default=32)
     ap.add_argument("--micro-batches", type=int, default=8)
     ap.add_argument("--out", default=str(HERE / "fidelity.md"))

@@ -280,3 +280,29 @@ def test_a_model_with_tied_parameters_marks_its_blocks(tmp_path: Path) -> None:
     layers = profile_workload(wl, [1], warmup=0, repeats=1).layers
     assert [x.tensor_parallel for x in layers] == [False, True, True, False]
     assert [x.tied_parameter_bytes > 0 for x in layers] == [True, False, False, True]
+
+
+def test_median_layers_keeps_each_layers_median_pass_whole() -> None:
+    from builders import make_profile
+    from dapple.profiler.measure import median_layers
+
+    a, b, c = (make_profile(n=3, fwd=f, bwd=2 * f) for f in (1.0, 3.0, 2.0))
+    slow = dataclasses.replace(
+        c.layers[1], forward=dataclasses.replace(c.layers[1].forward, per_sample_ms=9.0)
+    )
+    c = dataclasses.replace(c, layers=(c.layers[0], slow, c.layers[2]))  # its layer 1: slowest
+    out = median_layers([a, b, c], b=2)
+    assert [layer.forward.per_sample_ms for layer in out.layers] == [2.0, 3.0, 2.0]
+    assert out.layers[0] is c.layers[0] and out.layers[1] is b.layers[1]
+    assert median_layers([a], b=2) is a
+    with pytest.raises(ValidationError, match="no profile pass"):
+        median_layers([], b=2)
+
+
+def test_profile_passes_are_checked() -> None:
+    wl = get_workload("mlp")
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValidationError, match="passes must be an integer >= 1"):
+            profile_workload(wl, [1], passes=bad)  # type: ignore[arg-type]
+    with pytest.raises(ValidationError, match="one length"):
+        profile_workload(wl, [1], passes=2, seq_lens=[8])

@@ -121,6 +121,7 @@ def profile_workload(
     precision: str = "fp32",
     split_backward: bool = False,
     seq_lens: Sequence[int] | None = None,
+    passes: int = 1,
 ) -> ModelProfile:
     """Measure every layer of ``workload`` at each batch size and fit the profile.
 
@@ -156,6 +157,12 @@ def profile_workload(
             along every dynamic dimension, same layers (:mod:`dapple.profiler.lengths`). The
             profile's ``by_length`` holds them and its ``layers`` are the longest's. None: the
             workload's batches as they come. Co-workers train at the workload's own length.
+        passes: with co-workers, profile the whole chain this many times, each pass with its
+            co-workers forked afresh, and keep per layer the pass whose forward + backward at
+            the middle batch size is the median (:func:`median_layers`): on shared cores one
+            pass's times move together by 10-15% from one pass to the next, the median of
+            three much less. Ignored without co-workers; only with one length (no
+            ``seq_lens``).
 
     Raises:
         ValidationError: bad batch sizes, repeats, device or precision, or CUDA unavailable;
@@ -163,6 +170,10 @@ def profile_workload(
     """
     sizes, dev = _check_options(batch_sizes, warmup, repeats, device, precision, num_threads,
                                 co_workers)  # fmt: skip
+    if not isinstance(passes, int) or isinstance(passes, bool) or passes < 1:
+        raise ValidationError(f"passes must be an integer >= 1, got {passes!r}")
+    if passes > 1 and seq_lens is not None:
+        raise ValidationError("profile passes > 1 take one length; give passes=1 with seq_lens")
     lens = sorted(set(seq_lens)) if seq_lens is not None else None
     dims = check_seq_lens(workload, lens, sizes[0], seed) if lens is not None else {}
     shared = co_workers > 1 and dev.type == "cpu"
@@ -170,30 +181,62 @@ def profile_workload(
     if num_threads is not None and dev.type == "cpu":
         torch.set_num_threads(num_threads)
     cast = autocast_for(precision, dev)
-    load = (
-        CoWorkers(workload, co_workers - 1, sizes[len(sizes) // 2], seed, cast) if shared else None
-    )
+    run = partial(_profile, sizes=sizes, dev=dev, warmup=warmup, repeats=repeats, seed=seed,
+                  cpu_time=shared, precision=precision, split_backward=split_backward)  # fmt: skip
+    taken = []
     try:
-        run = partial(_profile, sizes=sizes, dev=dev, warmup=warmup, repeats=repeats, seed=seed,
-                      cpu_time=shared, precision=precision, split_backward=split_backward)  # fmt: skip
-        if lens is None:
-            prof = run(workload, progress=progress)
-        else:
-            prof = combine_lengths(
-                [
-                    (L, run(workload_at_length(workload, dims, L), progress=step))
-                    for L, step in length_passes(progress, lens)
-                ]
+        for k in range(passes if shared else 1):
+            load = (
+                CoWorkers(workload, co_workers - 1, sizes[len(sizes) // 2], seed, cast)
+                if shared
+                else None
             )
+            try:
+                if lens is None:
+                    taken.append(run(workload, progress=progress))
+                else:
+                    taken.append(combine_lengths([
+                        (L, run(workload_at_length(workload, dims, L), progress=step))
+                        for L, step in length_passes(progress, lens)
+                    ]))  # fmt: skip
+            finally:
+                if load is not None:
+                    load.stop()
+            log.debug("profile pass %d: %.3f ms", k, _pass_ms(taken[-1], sizes))
     finally:
         torch.set_num_threads(old_threads)
-        if load is not None:
-            load.stop()
+    prof = median_layers(taken, sizes[len(sizes) // 2])
     if shared:
         prof = dataclasses.replace(prof, device=f"cpu (CPU time, {co_workers} co-workers)")
     return dataclasses.replace(
         prof, model_fingerprint=model_fingerprint(workload), tensor_widths=_tensor_widths(workload)
     )
+
+
+def _pass_ms(prof: ModelProfile, sizes: Sequence[int]) -> float:
+    b = sizes[len(sizes) // 2]
+    return sum(layer.forward.at(b) + layer.backward.at(b) for layer in prof.layers)
+
+
+def median_layers(passes: Sequence[ModelProfile], b: int) -> ModelProfile:
+    """One profile from several passes over the same chain: per layer, the pass whose
+    forward + backward at batch ``b`` is the median (the lower middle of an even count),
+    whole (its times, split halves and lengths stay together); ``passes[0]`` elsewhere.
+
+    Raises:
+        ValidationError: no pass.
+    """
+    if not passes:
+        raise ValidationError("no profile pass to take the median of")
+    if len(passes) == 1:
+        return passes[0]
+    layers = []
+    for i in range(passes[0].num_layers):
+        ranked = sorted(
+            passes, key=lambda p: p.layers[i].forward.at(b) + p.layers[i].backward.at(b)
+        )
+        layers.append(ranked[(len(ranked) - 1) // 2].layers[i])
+    return dataclasses.replace(passes[0], layers=tuple(layers))
 
 
 def _tensor_widths(workload: Workload) -> tuple[int, ...] | None:
