@@ -108,18 +108,17 @@ def row_tokens(rows: Sequence[Sequence[float]]) -> int | None:
 
 
 def resident_bytes(device: torch.device, peak: bool) -> int:
-    """This process's resident memory: CPU peak (``getrusage``'s ``ru_maxrss``, the kernel's
-    ``VmHWM``, read in one system call: it is read every step) or ``VmRSS`` from
+    """This process's resident memory: CPU ``VmHWM`` (``peak``) or ``VmRSS`` from
     ``/proc/self/status``; CUDA ``max_memory_reserved`` or ``memory_reserved`` (0 when neither
-    can be read)."""
+    can be read).
+
+    Not ``getrusage``'s ``ru_maxrss``, though one system call is cheaper than reading the file:
+    it survives ``execve``, so a spawned worker's starts at its launcher's resident size at the
+    fork, where ``VmHWM`` is the worker's own."""
     if device.type == "cuda":
         return int(
             torch.cuda.max_memory_reserved(device) if peak else torch.cuda.memory_reserved(device)
         )
-    if peak and sys.platform.startswith("linux"):  # KiB on Linux
-        import resource
-
-        return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
     key = "VmHWM:" if peak else "VmRSS:"
     try:
         with open("/proc/self/status") as f:
