@@ -49,6 +49,7 @@ import dataclasses
 import logging
 import math
 from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 
 from dapple.core.cluster import Cluster
 from dapple.core.plan import Plan
@@ -65,7 +66,13 @@ from dapple.planner.batches import (
     infeasible_message,
     micro_batch_candidates,
 )
-from dapple.planner.cut_search import CutSearch, Incumbent, candidate_replicas, search_limits
+from dapple.planner.cut_search import (
+    CutSearch,
+    Incumbent,
+    SearchLimits,
+    candidate_replicas,
+    search_limits,
+)
 from dapple.planner.evaluate import ZERO_AUTO, Scored, Scorer, StageSpec
 from dapple.planner.grid import GridPoint, grid_candidates
 from dapple.planner.interleaving import best_interleaved, grid_offers, own_offers
@@ -246,15 +253,8 @@ def dapple_search(
         )
         limits = dataclasses.replace(limits, drop_unfit=t > 1)
         best = Incumbent(min((x[0] for x in found), default=math.inf))  # narrower widths' L
-        ranked = _rank_micro_batches(sc, Ms, global_batch_size, limits.max_stages, best)
-        if limits.m_candidates is not None:
-            ranked = ranked[: limits.m_candidates]
-        cuts = cut_points(sc, cut_limit)
-        for done, M in enumerate(ranked, 1):
-            CutSearch(sc, sc.cluster, cuts, M, global_batch_size // M, limits, best).run()
-            if progress is not None:
-                progress(i * len(ranked) + done, len(widths) * len(ranked))
-        log.debug("dapple search, width %d: %d candidates scored", t, sc.evaluations)
+        step = None if progress is None else partial(_width_progress, progress, i, len(widths))
+        _search_width(sc, Ms, global_batch_size, limits, best, cut_limit, step)
         if best.scored is not None:
             stages, M, scored = _refine(sc, best.stages, best.M, best.scored, Ms)
             found.append((scored.L_ms, t, sc.build_plan("dapple", stages, M, scored)))
@@ -271,6 +271,33 @@ def dapple_search(
     if not found:
         raise InfeasibleError(infeasible_message(profile, cluster, global_batch_size))
     return min(found, key=lambda x: (x[0], x[1]))[2]
+
+
+def _width_progress(progress: Progress, i: int, widths: int, done: int, total: int) -> None:
+    """``progress`` over all widths from the ``i``-th width's own ``(done, total)``."""
+    progress(i * total + done, widths * total)
+
+
+def _search_width(
+    sc: Scorer,
+    Ms: Sequence[int],
+    global_batch_size: int,
+    limits: SearchLimits,
+    best: Incumbent,
+    cut_limit: int,
+    progress: Callable[[int, int], None] | None,
+) -> None:
+    """The DP of one tensor width: every promising M (the first ``limits.m_candidates`` of
+    :func:`_rank_micro_batches`), cuts at :func:`cut_points`; the best found goes to ``best``."""
+    ranked = _rank_micro_batches(sc, Ms, global_batch_size, limits.max_stages, best)
+    if limits.m_candidates is not None:
+        ranked = ranked[: limits.m_candidates]
+    cuts = cut_points(sc, cut_limit)
+    for done, M in enumerate(ranked, 1):
+        CutSearch(sc, sc.cluster, cuts, M, global_batch_size // M, limits, best).run()
+        if progress is not None:
+            progress(done, len(ranked))
+    log.debug("dapple search, width %d: %d candidates scored", sc.tensor_width, sc.evaluations)
 
 
 def _grid_offers(
