@@ -159,10 +159,12 @@ def profile_workload(
             workload's batches as they come. Co-workers train at the workload's own length.
         passes: with co-workers, profile the whole chain this many times, each pass with its
             co-workers forked afresh, and keep per layer the pass whose forward + backward at
-            the middle batch size is the median (:func:`median_layers`): on shared cores one
-            pass's times move together by 10-15% from one pass to the next, the median of
-            three much less. Ignored without co-workers; only with one length (no
-            ``seq_lens``).
+            the middle batch size is the median (:func:`median_layers`). On 2 shared cores
+            (zoo transformer of ``benchmarks/fidelity.py``, b = 8 summed over the layers) one
+            pass per process read 119-158 ms over 11 processes (this code, 81351c0's and
+            this one on ``process_time``), three passes 136.9-141.6 ms over 4 (the passes of
+            one process 4-5% apart): a small sample. Ignored without co-workers; only with one
+            length (no ``seq_lens``).
 
     Raises:
         ValidationError: bad batch sizes, repeats, device or precision, or CUDA unavailable;
