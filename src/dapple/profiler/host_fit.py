@@ -64,7 +64,7 @@ def meta_layer_bytes(workload: Workload) -> list[LayerBytes] | None:
                 log.debug("layer %d does not build on meta (%s): no host memory estimate", i, e)
                 return None
         params = list(layer.parameters())
-        if not isinstance(layer, torch.nn.Module) or any(not _sized(p) for p in params):
+        if not isinstance(layer, torch.nn.Module) or any(not p.is_meta for p in params):
             return None  # a factory that made real tensors itself: nothing to add
         out.append(
             LayerBytes(
@@ -75,13 +75,6 @@ def meta_layer_bytes(workload: Workload) -> list[LayerBytes] | None:
             )
         )
     return out
-
-
-def _sized(t: torch.Tensor) -> bool:
-    """Whether ``t`` has a size but no storage (``meta``, or a fake tensor of a trace)."""
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    return t.is_meta or isinstance(t, FakeTensor)
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -108,6 +101,13 @@ def _gib(n: int) -> str:
     return f"{n / 2**30:,.2f} GiB ({n:,} bytes)"
 
 
+def _short_of(need: int, available: int | None) -> int | None:
+    """The bytes available (``available``, None: :func:`available_host_bytes`) when ``need``
+    exceeds them; None when it fits or nothing is known."""
+    avail = available_host_bytes() if available is None else available
+    return avail if avail is not None and need > avail else None
+
+
 def check_host_memory(
     workload: Workload, co_workers: int = 1, available: int | None = None, what: str = "profiling"
 ) -> int | None:
@@ -132,8 +132,8 @@ def check_host_memory(
     largest = max(sizes, key=lambda x: x.training_bytes)
     whole = sum(x.training_bytes for x in sizes)
     need = largest.training_bytes + (co_workers - 1) * whole
-    avail = available_host_bytes() if available is None else available
-    if avail is None or need <= avail:
+    avail = _short_of(need, available)
+    if avail is None:
         return need
     workers = (
         f" and {co_workers - 1} co-worker(s) holding all {whole:,} bytes" if co_workers > 1 else ""
@@ -177,8 +177,8 @@ def check_training_memory(
     params = sum(x.parameter_bytes + x.buffer_bytes for x in sizes)
     state = int(state_factor * sum(x.trainable_bytes for x in sizes))
     need = params + state
-    avail = available_host_bytes() if available is None else available
-    if avail is None or need <= avail:
+    avail = _short_of(need, available)
+    if avail is None:
         return need
     raise ValidationError(
         f"{what} {workload.name!r} needs at least {_gib(need)} of host memory (its "

@@ -183,16 +183,13 @@ def profile_workload(
     if num_threads is not None and dev.type == "cpu":
         torch.set_num_threads(num_threads)
     cast = autocast_for(precision, dev)
+    mid = sizes[len(sizes) // 2]  # the co-workers' batch and the passes' median key
     run = partial(_profile, sizes=sizes, dev=dev, warmup=warmup, repeats=repeats, seed=seed,
                   cpu_time=shared, precision=precision, split_backward=split_backward)  # fmt: skip
     taken = []
     try:
         for k in range(passes if shared else 1):
-            load = (
-                CoWorkers(workload, co_workers - 1, sizes[len(sizes) // 2], seed, cast)
-                if shared
-                else None
-            )
+            load = CoWorkers(workload, co_workers - 1, mid, seed, cast) if shared else None
             try:
                 if lens is None:
                     taken.append(run(workload, progress=progress))
@@ -204,10 +201,10 @@ def profile_workload(
             finally:
                 if load is not None:
                     load.stop()
-            log.debug("profile pass %d: %.3f ms", k, _pass_ms(taken[-1], sizes))
+            log.debug("profile pass %d: %.3f ms", k, sum(map(_layer_key(mid), taken[-1].layers)))
     finally:
         torch.set_num_threads(old_threads)
-    prof = median_layers(taken, sizes[len(sizes) // 2])
+    prof = median_layers(taken, mid)
     if shared:
         prof = dataclasses.replace(prof, device=f"cpu (CPU time, {co_workers} co-workers)")
     return dataclasses.replace(
@@ -215,9 +212,9 @@ def profile_workload(
     )
 
 
-def _pass_ms(prof: ModelProfile, sizes: Sequence[int]) -> float:
-    b = sizes[len(sizes) // 2]
-    return sum(layer.forward.at(b) + layer.backward.at(b) for layer in prof.layers)
+def _layer_key(b: int) -> Callable[[LayerProfile], float]:
+    """A layer's forward + backward ms at batch ``b``: what passes are ranked by."""
+    return lambda layer: layer.forward.at(b) + layer.backward.at(b)
 
 
 def median_layers(passes: Sequence[ModelProfile], b: int) -> ModelProfile:
@@ -232,12 +229,11 @@ def median_layers(passes: Sequence[ModelProfile], b: int) -> ModelProfile:
         raise ValidationError("no profile pass to take the median of")
     if len(passes) == 1:
         return passes[0]
+    key = _layer_key(b)
     layers = []
     for i in range(passes[0].num_layers):
-        ranked = sorted(
-            passes, key=lambda p: p.layers[i].forward.at(b) + p.layers[i].backward.at(b)
-        )
-        layers.append(ranked[(len(ranked) - 1) // 2].layers[i])
+        ranked = sorted((p.layers[i] for p in passes), key=key)
+        layers.append(ranked[(len(ranked) - 1) // 2])
     return dataclasses.replace(passes[0], layers=tuple(layers))
 
 
