@@ -145,10 +145,14 @@ def test_tp_memory_estimates_a_hand_made_profile():
     # layers halved
     assert one["state"] == 4 * 16000
     assert tp2["state"] == 4 * (4000 + 2000 + 2000 + 4000)
-    # + the largest layer's gradient in flight + K = 1 micro-batch of 2 samples x 4 layers x 1000
-    # kept bytes (a TP layer keeps min(kept, 5 x output) whole: all of it here)
-    assert one["step"] == 64000 + 4000 + 8000
-    assert tp2["step"] == 48000 + 4000 + 8000
+    # the step peak (dapple.cost.peak_memory), K = 1 micro-batch of 2 samples x 4 layers x 1000
+    # kept bytes (a TP layer keeps min(kept, 5 x output) whole: all of it here). One rank: a
+    # later backward of the last layer: parameters and moments 48000, every gradient 16000,
+    # the kept 8000, the arriving gradient 2000 and the layer's weight gradient 4000 in flight.
+    assert one["step"] == 48000 + 16000 + 8000 + 2000 + 4000
+    # TP2: the state with its gradients (they stay on tensor ranks) and the largest gradient in
+    # flight, then the loss's moment: kept 8000, log-softmax 2000, its two gradients 4000
+    assert tp2["step"] == 48000 + 4000 + 8000 + 2000 + 4000
     # FSDP x2 gathered once per step: whole parameters and gradients (2 x 16000), the parameter
     # shard and the moments' shards (8000 + 16000); regathered: every shard, (1 + 3) / 2 x 16000
     fsdp = tp_memory.estimate(tp_memory.plan_of("FSDP x2", 4), prof)

@@ -13,11 +13,10 @@ from dapple.cost.compute import compute_ms, stage_compute_ms
 from dapple.cost.latency import latency
 from dapple.cost.memory import (
     boundary_bytes,
-    device_memory_bytes,
     held_activation_bytes,
-    in_flight_options,
     parameter_state_bytes,
 )
+from dapple.cost.peak_memory import in_flight_limit, stage_bytes, stage_peak
 from dapple.cost.pipeline import pipeline_latency
 
 BPMS_100G = 100e9 / 8 / 1e3  # bytes per ms at 100 Gbps
@@ -91,10 +90,14 @@ def test_memory_terms() -> None:
     assert held_activation_bytes(p, st, 3) == 600.0
     rec = dataclasses.replace(st, recompute=True)
     assert held_activation_bytes(p, rec, 3) == 15.0  # only the stage input (model input here)
-    # b = 6 over 2 replicas: slices of 3; 2 in flight
-    # 2 replicas: one more copy of the gradients (the AllReduce buffers)
-    assert device_memory_bytes(p, st, 6, 2) == 9000 + 2000 + 2 * 600
-    assert device_memory_bytes(p, rec, 6, 2) == 9000 + 2000 + 2 * 15 + 600
+    # b = 6 over 2 replicas: slices of 3; K = 2 in flight of M = 3 (dapple.cost.peak_memory).
+    # Always held: parameters, the AllReduce buffers and two moments, 8000 B (the gradients
+    # are set to None each step). A micro-batch holds 600 B kept and its 300 B output until
+    # the output's gradient comes back (re-computing: the 15 B input and the output). A later
+    # backward of layer 1: both gradients 2000, the other micro-batch, its 900 B, the arriving
+    # 300 B gradient and layer 1's 1000 B weight gradient in flight.
+    assert stage_peak(p, st, 6, 2, 3).peak == 8000 + 2000 + 900 + (900 + 300 + 1000)
+    assert stage_peak(p, rec, 6, 2, 3).peak == 8000 + 2000 + 315 + (900 + 300 + 1000)
 
 
 def test_latency_two_stage_golden() -> None:
@@ -155,15 +158,26 @@ def test_overlaps_equal_split_concat_transfers() -> None:
         assert overlaps(b, r1, r2) == list(transfers(b, r1, r2)), (b, r1, r2)
 
 
-def test_in_flight_options() -> None:
+def test_in_flight_limit() -> None:
     p = dataclasses.replace(make_profile(2, act=100.0, params=1000), input_bytes_per_sample=5.0)
-    state = parameter_state_bytes(p, (0, 2))
-    assert state == 9000  # 4 B per parameter byte + one layer's gradient in flight
-    kept = 2 * 100.0 * 4  # 800 B per micro-batch of 4 samples
-    inp = boundary_bytes(p, 0, 4)  # 20 B: the stage input, all a re-computing stage holds
-    mem = 9000 + 2 * 100 * 4 * 3 + 50
-    # 3 micro-batches fit; re-computing holds 20 B each next to one transient 800 B
-    assert in_flight_options(mem, state, kept, inp) == (3, (mem - 9000 - 800) // 20)
-    assert in_flight_options(8999, state, kept, inp) == (0, 0)
-    assert in_flight_options(9500, state, kept, inp) == (0, 0)  # 500 B: not even the transient
-    assert in_flight_options(mem, 0.0, 0.0, 0.0) == (10**9, 10**9)  # activations take no memory
+    st = StagePlan(layers=(0, 2), devices=(0,))
+    sb = stage_bytes(p, (0, 2), 4)  # one stage (the last): micro-batches of 4 samples
+    # parameters and two moments 6000 B; a micro-batch holds 800 B kept and the loss's 400 B
+    # log-softmax (4 B x 100 fp32 logits); a later backward adds both gradients (2000) to its
+    # layer 1 moment (kept 800 + arriving gradient 400 + weight gradient 1000)
+    assert (sb.static, sb.other, sb.grads, sb.later) == (6000, 1200, 2000, 2200)
+    mem = 6000 + 4200 + 2 * 1200 + 50
+    # 3 micro-batches fit; re-computing holds 20 B of input and the 400 B log-softmax each
+    redone = stage_bytes(p, (0, 2), 4, recompute=True)
+    assert in_flight_limit(sb, mem, 8) == 3
+    assert in_flight_limit(redone, mem, 8) == 1 + (mem - 6000 - 4200) // 420
+    assert in_flight_limit(sb, 6000 + 4199, 8) == in_flight_limit(redone, 6000 + 4199, 8) == 0
+    # K = M (GPipe): the later backwards hold M - 2 others, so 2 of 2 fit where 2 of 3 do not
+    tight = 6000 + 4200 + 1199
+    assert in_flight_limit(sb, tight, 3) == 1 and in_flight_limit(sb, tight, 2) == 2
+    assert stage_peak(p, st, 4, 2, 2).peak <= tight < stage_peak(p, st, 4, 2, 3).peak
+    empty = dataclasses.replace(p, layers=tuple(
+        dataclasses.replace(x, parameter_bytes=0, kept_activation_bytes_per_sample=0.0,
+                            output_bytes_per_sample=0.0) for x in p.layers
+    ), input_bytes_per_sample=0.0)  # fmt: skip
+    assert in_flight_limit(stage_bytes(empty, (0, 2), 4), mem, 8) == 10**9  # no memory taken

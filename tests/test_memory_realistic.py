@@ -70,6 +70,25 @@ def test_realistic_prediction_within_10_percent_of_the_h200(key):
     assert predicted == pytest.approx(MEASURED_MIB[key], rel=0.10), (key, predicted)
 
 
+@pytest.mark.parametrize("key", sorted(MEASURED_MIB))
+def test_the_planner_reads_the_same_peaks(key):
+    """The cost model's rows (what the planner fits into a device) and the schedule replay are
+    the step peak: with the CUDA workspaces (a cluster's reserved bytes) within 10% of the H200."""
+    from dapple.core.cluster import PRESETS
+    from dapple.cost.pipeline import pipeline_latency
+    from dapple.cost.schedules import device_memory_by_group
+
+    name, i = key
+    plan, prof = _plans()[name], _profile()
+    rows = [
+        r for r in pipeline_latency(plan, prof, PRESETS["h200-8x"]).stages if r.kind == "compute"
+    ]
+    planned = rows[i].memory_bytes + CUDA_WORKSPACE_BYTES
+    assert planned == pytest.approx(_peaks(prof)[key].peak)
+    assert device_memory_by_group(plan, prof)[i] + CUDA_WORKSPACE_BYTES == pytest.approx(planned)
+    assert planned / MIB == pytest.approx(MEASURED_MIB[key], rel=0.10)
+
+
 def test_realistic_phases_are_those_the_accounting_names():
     peaks = _peaks(_profile())
     # one stage, M = 1: the loss's backward, no gradients yet

@@ -97,16 +97,20 @@ def test_recompute_when_memory_demands_it() -> None:
 
 
 def test_in_flight_bound_when_even_recompute_cannot_hold_k() -> None:
-    # stage 1's input is as big as its kept activations, so re-computation frees nothing
-    # there; stage 0's input is the (empty) model input, so it re-computes
+    # per micro-batch (1 MB kept, 1 MB output per layer): stage 1 holds its kept bytes and its
+    # output, 2 MB, and re-computing holds its 1 MB input and output, 2 MB: it frees nothing
+    # there, and its backward adds the arriving gradient: 3 MB for the first, 2 MB more for
+    # each other (D = 1 in 4.5 MB). Stage 0's input is the (empty) model input: re-computing,
+    # it holds 1 MB per micro-batch beside the 3 MB backward, D = 2 of K_0 = 3. Stage 2 (the
+    # loss's 1 MB log-softmax kept and 2 MB of gradients) needs 4 MB at K_2 = 1.
     p = make_profile(3, act=1e6, params=0)
-    c = dataclasses.replace(make_cluster(per_server=3), device_memory_bytes=1_500_000)
+    c = dataclasses.replace(make_cluster(per_server=3), device_memory_bytes=4_500_000)
     sc = Scorer(p, c, 6)
     stages = [(0, 1, (0,)), (1, 2, (1,)), (2, 3, (2,))]
     got = sc.score(stages, 6, policies=("A",))
     assert got is not None
     assert got.recompute == (True, False, False)
-    assert got.max_in_flight == (None, 1, None)
+    assert got.max_in_flight == (2, 1, None)
     plan = sc.build_plan("manual", stages, 6, got)
     _check(plan, p, c)
     unbounded = dataclasses.replace(

@@ -104,8 +104,9 @@ def test_sim_against_cost_model(times, reps, rounds, schedule):
     """Uneven stages and replication: the simulated and the predicted step are at least the
     busiest device's work ``M max_g T_g``; for ZB-H1 both are at most that work with a full
     1F1B bubble, ``(M + S - 1) max_s T_s`` (uneven interleaved chunks can exceed it: the
-    published bubbles hold exactly only for uniform stages, above). The simulator's activation
-    peak is the compute-order replay, and W is a task of its own."""
+    published bubbles hold exactly only for uniform stages, above). The simulator's peak is the
+    cost model's compute-order replay and holds at least the activations' replay, and W is a
+    task of its own."""
     P = len(reps)
     v = 2 if schedule == "interleaved" else 1
     n = P * v
@@ -132,7 +133,7 @@ def test_sim_against_cost_model(times, reps, rounds, schedule):
     for g in range(plan.num_groups):
         dev = plan.stages[g].devices[0]  # replica 0 has the largest slice
         d = res.device(dev)
-        assert d.peak_memory_bytes - d.static_memory_bytes == pytest.approx(peaks[g])
+        assert d.peak_memory_bytes - d.static_memory_bytes >= peaks[g] * (1 - 1e-9)
         assert d.peak_memory_bytes == pytest.approx(memory[g])
     if schedule == "zbh1":
         ws = [e for e in res.events if e.action.kind is K.BACKWARD_WEIGHT]

@@ -83,24 +83,33 @@ def test_two_stage_two_micro_batch_hand_computed():
 
 
 def test_memory_and_in_flight_hand_computed():
-    # params 1 MB per layer, Adam factor 3: 4 MB, and the 1 MB gradient autograd produces
-    # before adding it to the accumulated one: 5 MB static; one slice holds 2 x 0.5 MB = 1 MB.
+    # params 1 MB per layer, fp32 Adam: parameters and two moments always held, 3 MB static;
+    # the 1 MB gradient exists from the stage's first backward on (set to None each step).
+    # b = 2: a slice keeps 1 MB, its output is 1 MB. Stage 0 holds per micro-batch 2 MB (kept +
+    # its output, until the gradient comes back); its backward moment: kept 1 + output 1 +
+    # arriving gradient 1 + the weight gradient in flight 1 = 4 MB. Stage 1 (last) holds 2 MB
+    # (kept + the loss's fp32 log-softmax, 4 B x 0.25M logits); its moment is the loss's
+    # backward: those 2 + two fp32 logits-shaped gradients 2 = 4 MB.
     prof = _profile(params=MB)
     d = simulate(_two_stage("dapple"), prof, _cluster())
     g = simulate(_two_stage("gpipe"), prof, _cluster())
     assert [x.peak_in_flight for x in d.devices] == [2, 1]
     assert [x.peak_in_flight for x in g.devices] == [2, 2]
-    assert [x.static_memory_bytes for x in d.devices] == [5 * MB, 5 * MB]
-    assert [x.peak_memory_bytes for x in d.devices] == [7 * MB, 6 * MB]
-    assert [x.peak_memory_bytes for x in g.devices] == [7 * MB, 7 * MB]
-    # stage 1 under DAPPLE: up at F0 (3.5), down at the end of B0 (9.5), up at F1, down at 15.5
-    assert [t for t, _ in d.memory[1]] == pytest.approx([0.0, 3.5, 9.5, 15.5])
-    assert [b for _, b in d.memory[1]] == [5 * MB, 6 * MB, 6 * MB, 5 * MB]
+    assert [x.static_memory_bytes for x in d.devices] == [3 * MB, 3 * MB]
+    # stage 0: B0 with F1 held: 3 + 2 + 4; stage 1 under DAPPLE: B1 with the gradient: 3 + 1 + 4
+    assert [x.peak_memory_bytes for x in d.devices] == [9 * MB, 8 * MB]
+    assert [x.peak_memory_bytes for x in g.devices] == [9 * MB, 9 * MB]
+    # stage 1 under DAPPLE: F0 at 3.5 (+2), B0 [5.5, 9.5] (+2, then -4 and the gradient +1),
+    # F1 at 9.5 (+2), B1 [11.5, 15.5] (+2, then -4)
+    assert [t for t, _ in d.memory[1]] == pytest.approx([0.0, 3.5, 5.5, 9.5, 11.5, 15.5])
+    assert [b for _, b in d.memory[1]] == [3 * MB, 5 * MB, 7 * MB, 6 * MB, 8 * MB, 4 * MB]
 
 
 def test_recompute_holds_only_the_stage_input():
-    # stage 1 re-computes: holds its 1 MB input per slice (output of layer 0) from F to B, plus
-    # its full activations (2 layers x 0.5 MB x 2 samples = 2 MB) while B runs; B = 4 + 2 ms.
+    # stage 1 (last) re-computes: holds per slice its 1 MB input (output of layer 0) and the
+    # loss's 1 MB fp32 log-softmax from F to B; while B runs, the slice being back-propagated
+    # holds its full activations (2 layers x 0.5 MB x 2 samples = 2 MB), the log-softmax and the
+    # loss's two gradients (2 MB): 5 MB beside the other slice's 2 MB. B = 4 + 2 ms.
     plan = Plan(
         planner="manual",
         global_batch_size=4,
@@ -114,7 +123,7 @@ def test_recompute_holds_only_the_stage_input():
     )
     r = simulate(plan, _profile(3), _cluster())
     dev1 = r.device(1)
-    assert dev1.peak_memory_bytes == pytest.approx(2 * MB + 2 * MB)
+    assert dev1.peak_memory_bytes == pytest.approx(2 * MB + 5 * MB)
     b_events = [e for e in r.events if e.device == 1 and str(e.action) == "1B0"]
     assert b_events[0].duration_ms == pytest.approx(8.0 + 4.0)  # bwd 2x2x2 + recomputed fwd 2x1x2
 

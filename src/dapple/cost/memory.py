@@ -12,18 +12,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from dapple.core.plan import StagePlan, split_sizes
+from dapple.core.plan import StagePlan
 from dapple.core.profile import LayerProfile, ModelProfile
 
 __all__ = [
     "TP_REPLICATED_OUTPUTS",
     "UNBOUNDED_IN_FLIGHT",
     "boundary_bytes",
-    "device_memory_bytes",
     "device_state_bytes",
     "gradients_in_flight_bytes",
     "held_activation_bytes",
-    "in_flight_options",
     "kept_bytes_per_sample",
     "parameter_state_bytes",
     "sharded_layer_bytes",
@@ -367,68 +365,3 @@ def kept_bytes_per_sample(profile: ModelProfile, layers: tuple[int, int], t: int
     if t == 1:
         return sum(layer.kept_activation_bytes_per_sample for layer in profile.layers[s:e])
     return sum(tensor_kept_bytes_per_sample(layer, t) for layer in profile.layers[s:e])
-
-
-def device_memory_bytes(
-    profile: ModelProfile,
-    stage: StagePlan,
-    micro_batch_size: int,
-    in_flight: int,
-    zero_stage: int = 0,
-) -> float:
-    """Peak memory of one replica of ``stage`` with ``in_flight`` micro-batches (K_i) in flight.
-
-    Parameters, gradients and optimizer state, plus ``in_flight`` slices of kept activations,
-    plus, when re-computing, the full activations of the one micro-batch being re-computed.
-
-    Args:
-        profile: sizes.
-        stage: layers, replicas and re-computation flag.
-        micro_batch_size: b (a replica keeps the largest slice ``split_sizes(b, r)[0]``).
-        in_flight: K_i, micro-batches whose activations are held at once.
-        zero_stage: 1: the optimizer state of a replicated stage is sharded over its replicas;
-            2: its gradients too.
-    """
-    profile = profile.for_memory
-    samples = split_sizes(micro_batch_size, stage.replicas)[0]
-    mem = parameter_state_bytes(
-        profile,
-        stage.layers,
-        stage.replicas,
-        zero_stage,
-        tensor_width=stage.tensor_width,
-        regather=stage.regather,
-    )
-    mem += in_flight * held_activation_bytes(profile, stage, samples)
-    if stage.recompute:
-        mem += kept_bytes_per_sample(profile, stage.layers, stage.tensor_width) * samples
-    return mem
-
-
-def in_flight_options(
-    memory_bytes: float, state_bytes: float, kept_bytes: float, input_bytes: float
-) -> tuple[int, int]:
-    """D without and with re-computation: the most micro-batches one replica can hold.
-
-    Without re-computation each micro-batch holds its slice's kept activations; with it, only
-    the stage input, plus the full activations of the one micro-batch being re-computed.
-
-    Args:
-        memory_bytes: device memory.
-        state_bytes: parameters, gradients and optimizer state of the stage
-            (:func:`parameter_state_bytes`).
-        kept_bytes: kept activations of one slice (all layers, no re-computation).
-        input_bytes: the stage input of one slice (:func:`boundary_bytes`).
-
-    Returns:
-        ``(D, D_recompute)``, each 0 when not even one micro-batch fits and
-        :data:`UNBOUNDED_IN_FLIGHT` when a micro-batch takes no memory.
-    """
-
-    def fit(free: float, per_mb: float) -> int:
-        if free < 0:
-            return 0
-        return UNBOUNDED_IN_FLIGHT if per_mb <= 0 else int(free // per_mb)
-
-    free = memory_bytes - state_bytes
-    return fit(free, kept_bytes), fit(free - kept_bytes, input_bytes)

@@ -43,25 +43,33 @@ stage by 20%: ``benchmarks/gpu_memory_fit.md``.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from dapple.core.plan import StagePlan, split_sizes
 from dapple.core.profile import LayerProfile, ModelProfile
 from dapple.cost.memory import (
+    UNBOUNDED_IN_FLIGHT,
     WEIGHT_CAST_FACTOR,
     boundary_bytes,
     gradients_in_flight_bytes,
     parameter_state_bytes,
     tensor_kept_bytes_per_sample,
 )
+from dapple.schedule.ir import Action, ActionKind
 
 __all__ = [
     "CUDA_WORKSPACE_BYTES",
     "LOSS_BACKWARD_FP32_COPIES",
     "LOSS_KEPT_FP32_COPIES",
+    "StageBytes",
     "StagePeak",
     "cast_bytes",
+    "device_peak",
+    "in_flight_limit",
     "loss_bytes",
+    "plan_stage_bytes",
+    "stage_bytes",
     "stage_peak",
     "workspace_bytes",
 ]
@@ -143,6 +151,84 @@ class StagePeak:
         return max(phases, key=lambda k: phases[k])
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StageBytes:
+    """The terms of one replica's step peak (module docstring), for one stage and slice."""
+
+    static: float
+    """Always held: parameters, optimizer state, ZeRO/AllReduce buffers, cast cache; without
+    :attr:`shared` (no workspaces)."""
+    shared: float
+    """The gradients in flight of a stage whose gradients stay (ZeRO buckets, shards, tensor
+    ranks): one backward runs at a time on a device, so a device counts its chunks' largest."""
+    grads: float
+    """G: the gradients set to None each step (0 where they stay, counted in ``static``)."""
+    other: float
+    """Held from a micro-batch's F to its B: its activations (the stage input only under
+    re-computation), the stage output, the loss's log-softmax."""
+    first: float
+    """The moment of this stage's first backward, above ``static``: the micro-batch being
+    back-propagated, the gradients it creates, its loss moment (at least ``other``: what the
+    micro-batch held stays until its backward ends)."""
+    later: float
+    """The moment of a later backward, above ``static`` and the stage's G."""
+    cache: float
+    """Autocast's cast cache (freed before ``OPT``)."""
+
+
+def stage_bytes(
+    profile: ModelProfile,
+    layers: tuple[int, int],
+    samples: int,
+    *,
+    replicas: int = 1,
+    zero_stage: int = 0,
+    tensor_width: int = 1,
+    regather: bool = False,
+    recompute: bool = False,
+) -> StageBytes:
+    """:class:`StageBytes` of layers ``[start, end)`` on one of ``replicas`` replicas (each
+    back-propagating a slice of ``samples`` samples) of a tensor group of ``tensor_width``."""
+    profile = profile.for_memory
+    s, e = layers
+    t = tensor_width
+    last = e == len(profile.layers)
+    mine = profile.layers[s:e]
+    state = parameter_state_bytes(
+        profile, layers, replicas, zero_stage, tensor_width=t, regather=regather
+    )
+    cache = sum(cast_bytes(profile, layer) for layer in mine) / (t if t > 1 else 1)
+    in_flight = gradients_in_flight_bytes(
+        profile, layers, replicas, zero_stage, tensor_width=t, regather=regather
+    )
+    if t == 1 and (replicas == 1 or zero_stage == 0):  # .grad set to None each step
+        grads = [float(layer.parameter_bytes) for layer in mine]
+        in_flight_grad = [
+            float(layer.parameter_bytes) + cast_bytes(profile, layer) for layer in mine
+        ]
+        static, shared = state - in_flight - sum(grads), 0.0
+    else:  # ZeRO buckets, shards, tensor ranks: the gradients stay as the older model counts
+        grads = [0.0] * len(mine)
+        in_flight_grad = grads
+        static, shared = state - in_flight, in_flight
+    kept = [tensor_kept_bytes_per_sample(layer, t) * samples for layer in mine]
+    held_out = 0.0 if last else boundary_bytes(profile, e, samples)
+    loss_kept, loss_backward = loss_bytes(profile, samples) if last else (0.0, 0.0)
+    full = sum(kept) + held_out + loss_kept  # the micro-batch being back-propagated
+    other = (boundary_bytes(profile, s, samples) + held_out + loss_kept) if recompute else full
+    moments = _backward_moments(kept, grads, in_flight_grad, mine, samples, held_out)
+    loss_moment = full + loss_backward if last else 0.0
+    return StageBytes(
+        static=static,
+        shared=shared,
+        grads=sum(grads),
+        other=other,
+        first=max(other, loss_moment, *(mo + later for mo, later in moments)),
+        later=max(other, loss_moment, *(mo for mo, _ in moments)),
+        cache=cache,
+    )
+
+
 def stage_peak(
     profile: ModelProfile,
     stage: StagePlan,
@@ -163,52 +249,98 @@ def stage_peak(
         zero_stage: as :func:`~dapple.cost.memory.parameter_state_bytes`.
         workspace: fixed per-process bytes (:func:`workspace_bytes`).
     """
-    profile = profile.for_memory
-    s, e = stage.layers
-    t = stage.tensor_width
-    samples = split_sizes(micro_batch_size, stage.replicas)[0]
-    last = e == len(profile.layers)
-    layers = profile.layers[s:e]
-    state = parameter_state_bytes(
-        profile, stage.layers, stage.replicas, zero_stage, tensor_width=t, regather=stage.regather
-    )
-    cache = sum(cast_bytes(profile, layer) for layer in layers) / (t if t > 1 else 1)
-    plain = t == 1 and (stage.replicas == 1 or zero_stage == 0)
-    if plain:  # .grad set to None each step; the in-flight gradient is per layer below
-        grads = [float(layer.parameter_bytes) for layer in layers]
-        in_flight_grad = [
-            float(layer.parameter_bytes) + cast_bytes(profile, layer) for layer in layers
-        ]
-        static = (
-            state
-            - gradients_in_flight_bytes(profile, stage.layers, stage.replicas, zero_stage)
-            - sum(grads)
-        )
-    else:  # ZeRO buckets, shards, tensor ranks: the gradients stay as the older model counts
-        grads = [0.0] * len(layers)
-        in_flight_grad = [0.0] * len(layers)
-        static = state
-    kept = [tensor_kept_bytes_per_sample(layer, t) * samples for layer in layers]
-    held_out = 0.0 if last else boundary_bytes(profile, e, samples)
-    loss_kept, loss_backward = loss_bytes(profile, samples) if last else (0.0, 0.0)
-    full = sum(kept) + held_out + loss_kept  # the micro-batch being back-propagated
-    other = (
-        (boundary_bytes(profile, s, samples) + held_out + loss_kept) if stage.recompute else full
-    )
+    sb = plan_stage_bytes(profile, stage, micro_batch_size, zero_stage)
     k = max(in_flight, 1)
     m = num_micro_batches if num_micro_batches is not None else k + 1
-    moments = _backward_moments(kept, grads, in_flight_grad, layers, samples, held_out)
-    loss_moment = full + loss_backward if last else 0.0
-    first = (k - 1) * other + max(loss_moment, *(mo + later for mo, later in moments))
     later = 0.0
     if m > 1:
         others = k - 1 if m > k else max(k - 2, 0)
-        later = sum(grads) + others * other + max(loss_moment, *(mo for mo, _ in moments))
+        later = sb.grads + others * sb.other + sb.later
     return StagePeak(
-        static=static + workspace,
-        first_backward=first,
+        static=sb.static + sb.shared + workspace,
+        first_backward=(k - 1) * sb.other + sb.first,
         later_backward=later,
-        optimizer=sum(grads) - cache,
+        optimizer=sb.grads - sb.cache,
+    )
+
+
+def plan_stage_bytes(
+    profile: ModelProfile, stage: StagePlan, micro_batch_size: int, zero_stage: int = 0
+) -> StageBytes:
+    """:func:`stage_bytes` of one replica of ``stage`` (its slice of b, its zero stage or
+    ``zero_stage`` where higher)."""
+    return stage_bytes(
+        profile,
+        stage.layers,
+        split_sizes(micro_batch_size, stage.replicas)[0],
+        replicas=stage.replicas,
+        zero_stage=max(zero_stage, stage.zero_stage),
+        tensor_width=stage.tensor_width,
+        regather=stage.regather,
+        recompute=stage.recompute,
+    )
+
+
+def in_flight_limit(sb: StageBytes, memory: float, num_micro_batches: int) -> int:
+    """D: the most micro-batches one replica holds at once within ``memory`` bytes (the
+    phases of :func:`stage_peak` with K in flight out of M; 0 when not even one fits,
+    :data:`~dapple.cost.memory.UNBOUNDED_IN_FLIGHT` when a micro-batch takes no memory).
+
+    The peak grows by ``other`` per micro-batch while K < M; at K = M the later backwards
+    hold one fewer (GPipe), which is checked on its own.
+    """
+    m = num_micro_batches
+    later = sb.grads + sb.later if m > 1 else 0.0
+    free = memory - sb.static - sb.shared
+    if free < max(sb.first, later, sb.grads - sb.cache):
+        return 0
+    if sb.other <= 0:
+        return UNBOUNDED_IN_FLIGHT
+    d = 1 + int((free - max(sb.first, later)) // sb.other)
+    if d == m - 1 and m > 1:  # K = M: the first backward holds M - 1 others, later ones M - 2
+        at_m = max((m - 1) * sb.other + sb.first, sb.grads + (m - 2) * sb.other + sb.later)
+        if at_m <= free:
+            return m
+    return d
+
+
+def device_peak(parts: Mapping[int, StageBytes], order: Sequence[Action]) -> StagePeak:
+    """The step peak of one device running ``order`` (its compute actions: one stage, or its
+    chunks under interleaving), replayed action by action from ``parts`` (stage index ->
+    :class:`StageBytes` of this device's slice).
+
+    F adds the micro-batch's held bytes; a backward (``B``, or either half ``I``/``W`` of a
+    split one, each charged as a whole backward) holds the other micro-batches in flight,
+    the gradients already created and its moment (the stage's first or later one); ``B`` or
+    ``W`` frees the micro-batch and leaves the stage's gradients. ``OPT``: every gradient, the
+    cast caches freed. Under 1F1B and GPipe the replay is :func:`stage_peak`'s closed form.
+    """
+    level = grads = 0.0
+    first_b = later_b = 0.0
+    seen: set[int] = set()
+    splits = {a.stage for a in order if a.kind is ActionKind.BACKWARD_WEIGHT}
+    for a in order:
+        sb = parts[a.stage]
+        if a.kind is ActionKind.FORWARD:
+            level += sb.other
+            first_b = max(first_b, level + grads)
+        elif a.kind.is_compute:
+            if a.stage in seen:
+                later_b = max(later_b, level - sb.other + grads + sb.later)
+            else:
+                first_b = max(first_b, level - sb.other + grads + sb.first)
+            frees = a.kind is ActionKind.BACKWARD_WEIGHT or a.stage not in splits
+            if frees:
+                level -= sb.other
+                if a.stage not in seen:
+                    seen.add(a.stage)
+                    grads += sb.grads
+    held = parts.values()
+    return StagePeak(
+        static=sum(p.static for p in held) + max((p.shared for p in held), default=0.0),
+        first_backward=first_b,
+        later_backward=later_b,
+        optimizer=sum(p.grads - p.cache for p in held),
     )
 
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from dapple.core.cluster import Cluster
 from dapple.core.plan import Plan
 from dapple.core.profile import ModelProfile
-from dapple.cost.memory import device_memory_bytes
+from dapple.cost.peak_memory import stage_peak
 from dapple.cost.terms import PlanTerms, stage_terms
 from dapple.schedule.registry import get_schedule, in_flight_counts
 
@@ -131,13 +131,14 @@ def latency_breakdown(terms: PlanTerms) -> LatencyBreakdown:
                 allreduce_ms=pipe.AR[s],
                 host_step_ms=pipe.host_step[s],
                 memory_bytes=(
-                    device_memory_bytes(
+                    stage_peak(
                         profile,
                         st,
                         plan.micro_batch_size,
                         ks[i],
+                        plan.num_micro_batches,
                         max(terms.zero_stage, st.zero_stage),
-                    )
+                    ).peak
                     if compute
                     else 0.0
                 ),

@@ -13,8 +13,9 @@ overlaps it with compute) and the largest gradient AllReduce of a device (the su
 stages). With free communication and uniform stages both rules equal the simulator's step
 time exactly; with uneven stages they are estimates (the simulator is the reference).
 
-Memory: :func:`activation_peak_bytes` replays a plan's compute order and returns the largest
-activation footprint of each device group, whatever the schedule.
+Memory: :func:`device_memory_by_group` replays a plan's compute order and returns each device
+group's step peak (:mod:`dapple.cost.peak_memory`), whatever the schedule;
+:func:`activation_peak_bytes` its activations alone.
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ from dapple.core.cluster import Cluster
 from dapple.core.plan import Plan, split_sizes
 from dapple.core.profile import ModelProfile
 from dapple.cost.lengths import profile_for_plan
-from dapple.cost.memory import device_state_bytes, held_activation_bytes, kept_bytes_per_sample
+from dapple.cost.memory import held_activation_bytes
 from dapple.cost.overlap import NO_OVERLAP, CommOverlap
+from dapple.cost.peak_memory import device_peak, plan_stage_bytes
 from dapple.cost.pipeline import in_flight_bounds
 from dapple.cost.terms import PlanTerms, stage_terms
 from dapple.schedule.ir import ActionKind
@@ -136,28 +138,20 @@ def activation_peak_bytes(plan: Plan, profile: ModelProfile) -> list[float]:
 
 
 def device_memory_by_group(plan: Plan, profile: ModelProfile) -> list[float]:
-    """Peak memory of each device group's first replica under the plan's schedule: the
-    parameter state of all its stages (v chunks with interleaving), the activation peak of
-    :func:`activation_peak_bytes`, and a re-computing stage's full activations of the one
-    micro-batch being re-computed.
+    """Peak memory of each device group's first replica under the plan's schedule: its
+    stages' (v chunks with interleaving) step peak, replayed over its compute order
+    (:func:`dapple.cost.peak_memory.device_peak`).
 
     Returns:
         one value per device group (stage g of the first P stages), bytes.
     """
-    peaks = activation_peak_bytes(plan, profile)
-    profile = profile_for_plan(profile, plan).for_memory
+    profile = profile_for_plan(profile, plan)
+    order = plan_compute_order(plan)
     out = []
     for g in range(plan.num_groups):
-        n = split_sizes(plan.micro_batch_size, plan.stages[g].replicas)[0]
-        mine = [plan.stages[k] for k in range(g, plan.num_stages, plan.num_groups)]
-        static = float(device_state_bytes(profile, mine))
-        transient = max(
-            (
-                kept_bytes_per_sample(profile, st.layers, st.tensor_width) * n
-                for st in mine
-                if st.recompute
-            ),
-            default=0.0,
-        )
-        out.append(static + peaks[g] + transient)
+        parts = {
+            k: plan_stage_bytes(profile, plan.stages[k], plan.micro_batch_size)
+            for k in range(g, plan.num_stages, plan.num_groups)
+        }
+        out.append(device_peak(parts, order[g]).peak)
     return out

@@ -77,7 +77,8 @@ def stage_unfit(sc: Scorer, s: int, e: int, d: tuple[int, ...], b: int) -> bool:
     with or without re-computation, whatever the rest of the plan; False for a stage with no
     option (no shardable layer at t > 1: a longer one may have options)."""
     options = sc.stage_options(s, e, d, b)
-    return bool(options) and all(max(r.d_nr, r.d_r) < 1 for _, r in options)
+    usable = sc.cluster.usable_memory_bytes
+    return bool(options) and all(r.floor > usable for _, r in options)
 
 
 def balanced_cut(sc: Scorer, cuts: Sequence[int], ji: int, r1: int, r2: int, b: int) -> int:

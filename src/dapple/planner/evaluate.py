@@ -24,13 +24,8 @@ from dapple.core.plan import DEFAULT_SCHEDULE, Plan, Policy, StagePlan
 from dapple.core.profile import ModelProfile
 from dapple.cost.comm import busiest_link_ms, link_loads, stage_sync_ms, stage_update_ms
 from dapple.cost.host import HostExtra, has_host_terms, stage_host_extras
-from dapple.cost.memory import (
-    boundary_bytes,
-    in_flight_options,
-    parameter_state_bytes,
-    sharded_layer_bytes,
-    tensor_kept_bytes_per_sample,
-)
+from dapple.cost.memory import boundary_bytes, sharded_layer_bytes, tensor_kept_bytes_per_sample
+from dapple.cost.peak_memory import in_flight_limit, stage_bytes
 from dapple.cost.sharing import slice_work
 from dapple.cost.tensor import fsdp_pass_ms, replica_sync_ms
 from dapple.cost.terms import StageTerms, pipeline_terms
@@ -87,6 +82,9 @@ class _Option(NamedTuple):
     d_r: int
     plain: StageTerms
     recomputed: StageTerms
+    floor: float = 0.0
+    """Bytes below the step peak of this stage and of any longer one on the same devices,
+    with or without re-computation (:meth:`Scorer._options`)."""
     traffic: float = 0.0
     """Per-step traffic inside F and B: ZeRO-3's gathers per micro-batch (M x their time)."""
 
@@ -225,27 +223,28 @@ class Scorer:
         return busiest_link_ms(links, boundary_bytes(self.profile, cut, 1))
 
     def _options(
-        self, s: int, e: int, samples: int, replicas: int, zero_stage: int
-    ) -> tuple[int, int]:
-        """D without and with re-computation of layers [s, e) on slices of ``samples``."""
-        state = (
-            parameter_state_bytes(self.profile, (s, e), replicas, zero_stage)
-            if self.tensor_width == 1 and zero_stage <= 2
-            else parameter_state_bytes(
-                self.profile,
+        self, s: int, e: int, samples: int, replicas: int, zero_stage: int, M: int
+    ) -> tuple[int, int, float]:
+        """D without and with re-computation of layers [s, e) on slices of ``samples``
+        (:func:`~dapple.cost.peak_memory.in_flight_limit` of the step peak), and a floor of
+        the bytes one micro-batch needs under either that no longer stage on the same devices
+        is below: the always-held state and one micro-batch's kept activations."""
+        usable = float(self.cluster.usable_memory_bytes)
+        plain, redone = (
+            stage_bytes(
+                self._memory,
                 (s, e),
-                replicas,
-                min(zero_stage, 3),
+                samples,
+                replicas=replicas,
+                zero_stage=min(zero_stage, 3),
                 tensor_width=self.tensor_width,
                 regather=zero_stage == ZERO3_REGATHER,
+                recompute=recompute,
             )
+            for recompute in (False, True)
         )
-        return in_flight_options(
-            float(self.cluster.usable_memory_bytes),
-            state,
-            (self._act[e] - self._act[s]) * samples,
-            boundary_bytes(self._memory, s, samples),
-        )
+        floor = plain.static + plain.shared + (self._act[e] - self._act[s]) * samples
+        return in_flight_limit(plain, usable, M), in_flight_limit(redone, usable, M), floor
 
     def _stage(self, s: int, e: int, d: tuple[int, ...], b: int, zero_stage: int = 0) -> _Option:
         """Cached terms of one stage (:class:`_Option`)."""
@@ -254,8 +253,8 @@ class Scorer:
         if rec is None:
             n = -(-b // len(d))  # split_sizes(b, r)[0], the largest slice
             f, bw = self.fb_ms(s, e, n)
-            d_nr, d_r = self._options(s, e, n, len(d), zero_stage)
             M = self.global_batch_size // b
+            d_nr, d_r, floor = self._options(s, e, n, len(d), zero_stage, M)
             sync = self.ar_ms(s, e, d, zero_stage, M)
             update = stage_update_ms(
                 self.cluster, self.profile, self.param_bytes(s, e), len(d), min(zero_stage, 3)
@@ -279,7 +278,9 @@ class Scorer:
                 update_ms=update,
                 work=self._work(s, e, d, b, True),
             )
-            rec = _Option(f, bw, sync + update, d_nr, d_r, plain, recomputed, M * (ag + ag_rs))
+            rec = _Option(
+                f, bw, sync + update, d_nr, d_r, plain, recomputed, floor, M * (ag + ag_rs)
+            )
             self._stages[key] = rec
         return rec
 

@@ -48,10 +48,10 @@ from dataclasses import dataclass
 
 from dapple.core.cluster import Cluster
 from dapple.core.cuts import rounded_to_chunks, with_cuts
-from dapple.core.plan import Plan, interleave, split_sizes
+from dapple.core.plan import Plan, interleave
 from dapple.core.profile import ModelProfile
 from dapple.cost.lengths import profile_for_plan
-from dapple.cost.memory import device_state_bytes, held_activation_bytes
+from dapple.cost.peak_memory import plan_stage_bytes
 from dapple.cost.schedules import device_memory_by_group, schedule_latency
 from dapple.planner.evaluate import ZERO3_REGATHER, Scorer, zero3_modes
 from dapple.planner.grid import (
@@ -266,22 +266,25 @@ def _fitting_ms(
 
 def memory_floor_bytes(plan: Plan, profile: ModelProfile) -> float:
     """A lower bound of the largest :func:`~dapple.cost.schedules.device_memory_by_group` of an
-    interleaved plan without its replay: per device group, its parameter state and the
-    activations of the forwards it runs before its first backward (its warm-up,
+    interleaved plan without its replay: per device group, its always-held state and the
+    bytes held by the forwards it runs before its first backward (its warm-up,
     :func:`~dapple.schedule.interleaved.interleaved_warmup`, and one more), forward n of
-    chunk ``(n // P) mod v``."""
+    chunk ``(n // P) mod v`` (:func:`~dapple.cost.peak_memory.device_peak` reaches that level
+    before any gradient exists)."""
     P, v, M = plan.num_groups, plan.virtual_stages, plan.num_micro_batches
-    memory = profile_for_plan(profile, plan).for_memory
+    memory = profile_for_plan(profile, plan)
     worst = 0.0
     for g, w in enumerate(interleaved_warmup(P, M, v)):
-        mine = [plan.stages[k] for k in range(g, plan.num_stages, P)]
-        n = split_sizes(plan.micro_batch_size, mine[0].replicas)[0]
+        mine = [
+            plan_stage_bytes(memory, plan.stages[k], plan.micro_batch_size)
+            for k in range(g, plan.num_stages, P)
+        ]
         cycles, rest = divmod(min(w + 1, M * v), P * v)  # forwards before the first backward
         held = sum(
-            (cycles * P + min(max(rest - c * P, 0), P)) * held_activation_bytes(memory, st, n)
-            for c, st in enumerate(mine)
+            (cycles * P + min(max(rest - c * P, 0), P)) * sb.other for c, sb in enumerate(mine)
         )
-        worst = max(worst, device_state_bytes(memory, mine) + held)
+        static = sum(sb.static for sb in mine) + max(sb.shared for sb in mine)
+        worst = max(worst, static + held)
     return worst
 
 

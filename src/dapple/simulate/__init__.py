@@ -4,8 +4,7 @@ from dapple.simulate.engine import (
     DeviceStats,
     SimEvent,
     SimResult,
-    held_and_transient_bytes,
     simulate,
 )
 
-__all__ = ["DeviceStats", "SimEvent", "SimResult", "held_and_transient_bytes", "simulate"]
+__all__ = ["DeviceStats", "SimEvent", "SimResult", "simulate"]

@@ -31,12 +31,13 @@ Since sends never block and each link has a single sender, every action's time d
 on its device's previous action and on already-posted transfers, so a round-robin dataflow
 sweep over the devices yields exact event times without a priority queue.
 
-Memory per device = parameters + gradients + optimizer state (``device_state_bytes``, at each
-stage's zero stage) plus activations: without re-computation a micro-batch slice holds its layers'
-``kept_activation_bytes_per_sample`` from the start of its F to the end of its B (or of its
-W: the weight gradient needs the layers' inputs); with re-computation it holds only the stage
-input from F to B/W, plus the full activations as a transient during B (or I). A device sums
-this over its stages.
+Memory per device follows :mod:`dapple.cost.peak_memory` over time: the always-held state
+(parameters, optimizer state, ZeRO/AllReduce buffers, cast cache), plus per micro-batch slice its
+held bytes (activations, or the stage input under re-computation; the stage output; the loss's
+log-softmax) from the start of its F to the end of its B (or of its W: the weight gradient needs
+the layers' inputs), plus each backward's moment while it runs (B, I and W each charged as a
+whole backward), plus a stage's gradients from the end of its first B or W, less the cast cache
+at the step's end (OPT). The peak equals :func:`dapple.cost.schedules.device_memory_by_group`.
 """
 
 from __future__ import annotations
@@ -47,11 +48,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dapple.core.cluster import Cluster
-from dapple.core.plan import Plan, StagePlan
+from dapple.core.plan import Plan
 from dapple.core.profile import ModelProfile
 from dapple.cost.lengths import profile_for_plan
-from dapple.cost.memory import device_state_bytes, held_activation_bytes, kept_bytes_per_sample
 from dapple.cost.overlap import NO_OVERLAP, CommOverlap
+from dapple.cost.peak_memory import StageBytes, stage_bytes
 from dapple.cost.schedules import schedule_step_ms
 from dapple.cost.terms import PlanTerms, TransferTerms, stage_terms
 from dapple.errors import DappleError, ValidationError
@@ -59,7 +60,7 @@ from dapple.schedule.ir import Action, ActionKind, Schedule
 from dapple.schedule.lower import lower
 from dapple.schedule.validate import validate
 
-__all__ = ["DeviceStats", "SimEvent", "SimResult", "held_and_transient_bytes", "simulate"]
+__all__ = ["DeviceStats", "SimEvent", "SimResult", "simulate"]
 
 K = ActionKind
 _MsgKey = tuple[ActionKind, int, int, int, int]
@@ -145,28 +146,6 @@ class SimResult:
         raise ValidationError(f"device {device} not in the simulation")
 
 
-def held_and_transient_bytes(
-    profile: ModelProfile, stage: StagePlan, samples: int
-) -> tuple[float, float]:
-    """Activation bytes of one slice on a stage: (held from F to B, extra transient during B).
-
-    The held part is the planner's ``held_activation_bytes`` (all kept activations, or only the
-    stage input with re-computation); a re-computing stage rebuilds its full activations
-    during B, the transient part.
-
-    Args:
-        profile: the model profile.
-        stage: the stage (layer range and re-computation flag).
-        samples: samples in the slice.
-    """
-    held = float(held_activation_bytes(profile, stage, samples))
-    if not stage.recompute:
-        return held, 0.0
-    return held, kept_bytes_per_sample(
-        profile.for_memory, stage.layers, stage.tensor_width
-    ) * samples
-
-
 class _Run:
     """Mutable state of one simulated step and the two sweeps over it (dedicated or shared
     compute). Non-compute actions are handled identically by both."""
@@ -193,6 +172,33 @@ class _Run:
         self.deltas: dict[int, list[tuple[float, float]]] = {d: [] for d in sched}
         self.in_flight = dict.fromkeys(sched, 0)
         self.peak_in_flight = dict.fromkeys(sched, 0)
+        self.seen: dict[int, set[int]] = {d: set() for d in sched}
+        """Per device, the stages whose gradients exist (after their first B or W)."""
+        self._bytes: dict[tuple[int, int], StageBytes] = {}
+
+    def stage_bytes(self, s: int, j: int) -> StageBytes:
+        """:class:`StageBytes` of replica ``j`` of stage ``s`` (its slice)."""
+        key = (s, j)
+        if key not in self._bytes:
+            st = self.plan.stages[s]
+            self._bytes[key] = stage_bytes(
+                self.profile,
+                st.layers,
+                self.terms.stages[s].replicas[j].samples,
+                replicas=st.replicas,
+                zero_stage=st.zero_stage,
+                tensor_width=st.tensor_width,
+                regather=st.regather,
+                recompute=st.recompute,
+            )
+        return self._bytes[key]
+
+    def moment(self, dev: int, a: Action) -> float:
+        """Bytes a backward (B, I or W) of ``a``'s stage adds while it runs, beyond the level:
+        its first or later moment less the micro-batch's held bytes
+        (:func:`~dapple.cost.peak_memory.device_peak`)."""
+        sb = self.stage_bytes(a.stage, a.replica)
+        return (sb.later if a.stage in self.seen[dev] else sb.first) - sb.other
 
     def opt_ms(self, a: Action) -> float:
         """An OPT's time: the per-step host CPU plus the optimizer update U_s."""
@@ -214,7 +220,6 @@ class _Run:
         if a.kind is K.STEP:
             return self.opt_ms(a)
         r = self.terms.stages[s].replicas[j]
-        n = r.samples
         if a.kind is K.FORWARD:
             dur = r.forward_ms + r.host.forward_ms
         elif a.kind is K.BACKWARD:
@@ -223,29 +228,27 @@ class _Run:
             dur = r.input_grad_ms + r.host.backward_ms
         else:
             dur = r.weight_grad_ms
-        held, transient = held_and_transient_bytes(self.profile, self.plan.stages[s], n)
         if a.kind is K.FORWARD:
-            self.deltas[dev].append((now, held))
+            self.deltas[dev].append((now, self.stage_bytes(s, j).other))
             self.in_flight[dev] += 1
             self.peak_in_flight[dev] = max(self.peak_in_flight[dev], self.in_flight[dev])
-        elif transient and a.kind.sends_gradient:
-            self.deltas[dev].append((now, transient))
+        else:
+            self.deltas[dev].append((now, self.moment(dev, a)))
         return dur
 
     def compute_end(self, dev: int, a: Action, start: float, end: float, busy_ms: float) -> None:
         """Records compute ``a`` of ``dev`` over ``[start, end]`` (``busy_ms`` long) and frees
         what a B, I or W releases."""
         if a.kind in (K.BACKWARD, K.BACKWARD_INPUT, K.BACKWARD_WEIGHT):
-            s, j = a.stage, a.replica
-            held, transient = held_and_transient_bytes(
-                self.profile, self.plan.stages[s], self.terms.stages[s].replicas[j].samples
-            )
-            freed = (transient if a.kind.sends_gradient else 0.0) + (
-                0.0 if a.kind is K.BACKWARD_INPUT else held
-            )
-            self.deltas[dev].append((end, -freed))
-            if a.kind is not K.BACKWARD_INPUT:
+            sb = self.stage_bytes(a.stage, a.replica)
+            freed = self.moment(dev, a)
+            if a.kind is not K.BACKWARD_INPUT:  # B or W: the micro-batch goes, gradients stay
+                freed += sb.other
                 self.in_flight[dev] -= 1
+                if a.stage not in self.seen[dev]:
+                    self.seen[dev].add(a.stage)
+                    freed -= sb.grads
+            self.deltas[dev].append((end, -freed))
         self.events.append(SimEvent(dev, a, start, end))
         self.busy[dev] += busy_ms
         self.t[dev] = end
@@ -412,11 +415,14 @@ def simulate(
     stats = []
     for dev in sorted(sched):
         s, j = where[dev]
-        static = float(device_state_bytes(profile, [stages[k] for k in plan.stages_of_device(dev)]))
+        j_of = [run.stage_bytes(k, j) for k in plan.stages_of_device(dev)]
+        static = sum(x.static for x in j_of) + max((x.shared for x in j_of), default=0.0)
         level, peak = static, static
         points = [(0.0, static)]
+        # OPT at the device's end: every gradient, the cast caches freed
+        opt = [(t[dev], -sum(x.cache for x in j_of))] if any(x.cache for x in j_of) else []
         # frees before allocations at equal times, so back-to-back B/F do not double count
-        for when, delta in sorted(deltas[dev], key=lambda x: (x[0], x[1])):
+        for when, delta in sorted([*deltas[dev], *opt], key=lambda x: (x[0], x[1])):
             level += delta
             peak = max(peak, level)
             if points[-1][0] == when:
