@@ -174,22 +174,29 @@ def plan(
         tensor_widths=tensor_width_list(cfg.tensor_widths),
         interleaved=interleave,
     )
+    result = _under_schedule(result, prof, cl, schedule, virtual_stages)
+    if output is not None:
+        result.save(output)
+    return result
+
+
+def _under_schedule(
+    result: Plan, prof: ModelProfile, cl: Cluster, schedule: str | None, virtual_stages: int
+) -> Plan:
+    """The planned stages under ``schedule`` (:func:`plan`'s argument), its step predicted."""
     if schedule == "best":
         from dapple.simulate.schedules import best_schedule
 
         chosen = best_schedule(result, prof, cl)[0].plan
         assert chosen is not None
-        result = chosen
-    elif schedule is not None:
+        return chosen
+    if schedule is not None:
         from dapple.cost.schedules import schedule_latency
         from dapple.simulate.schedules import with_schedule
 
         result = with_schedule(result, schedule, virtual_stages)
-        result = dataclasses.replace(result, predicted_step_ms=schedule_latency(result, prof, cl))
-    else:
-        check_virtual_stages(virtual_stages, None)
-    if output is not None:
-        result.save(output)
+        return dataclasses.replace(result, predicted_step_ms=schedule_latency(result, prof, cl))
+    check_virtual_stages(virtual_stages, None)
     return result
 
 

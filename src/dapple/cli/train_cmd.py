@@ -168,16 +168,12 @@ def check_long_run(
             another seed, or checkpoints of another run.
     """
     from dapple.runtime.checkpoint import (
-        CheckpointError,
-        check_compatible,
         check_writable,
         describe_steps,
-        find_resume_checkpoint,
         list_checkpoints,
         refuse_occupied,
     )
     from dapple.runtime.checkpoint_files import refuse_foreign
-    from dapple.runtime.longrun import OPTIMIZER_CLASSES
 
     if checkpoint_dir is None:
         return
@@ -187,44 +183,10 @@ def check_long_run(
             "--resume continues the checkpoints that --overwrite-checkpoints deletes: give one"
         )
     if resume:
-        point = find_resume_checkpoint(checkpoint_dir)
-        ck = point.checkpoint
-        if ck is None:
-            what = "no such directory" if not os.path.isdir(checkpoint_dir) else "none there"
-            if require_resume:
-                raise CheckpointError(
-                    f"--require-resume: no checkpoint to resume in {checkpoint_dir!r} ({what})"
-                )
-            _warn(f"--resume: no checkpoint in {checkpoint_dir!r} ({what}): starting at step 0")
-        else:
-            check_compatible(
-                ck,
-                model_name=workload.name,
-                num_layers=workload.num_layers,
-                plan_num_layers=plan_num_layers,
-                optimizer_type=OPTIMIZER_CLASSES.get(optimizer or ""),
-            )
-            _check_shapes(ck, workload)
-            for line in point.skipped:
-                _warn(f"{line}; resuming from the older step {ck.step} ({str(ck.path)!r})")
-            saved_seed = ck.meta.extra.get("seed")
-            if (
-                synthetic_seed is not None
-                and ck.meta.extra.get("data") is None
-                and saved_seed is not None
-                and saved_seed != synthetic_seed
-            ):
-                raise CheckpointError(
-                    f"--resume: the checkpoint {str(ck.path)!r} was trained on synthetic batches "
-                    f"of --seed {saved_seed}, not {synthetic_seed}: the run would not continue "
-                    f"it; pass --seed {saved_seed}"
-                )
-            if steps is not None and ck.step >= steps:
-                raise CheckpointError(
-                    f"--resume: the checkpoint {str(ck.path)!r} is at step {ck.step}, which "
-                    f"already covers --steps {steps}: nothing to train; pass --steps above "
-                    f"{ck.step} to go on"
-                )
+        _check_resume_point(
+            checkpoint_dir, workload, plan_num_layers, require_resume, optimizer, steps,
+            synthetic_seed,
+        )  # fmt: skip
     elif overwrite:
         refuse_foreign(
             checkpoint_dir,
@@ -245,6 +207,66 @@ def check_long_run(
             "start over (or choose an empty directory)",
         )
     check_writable(checkpoint_dir)
+
+
+def _check_resume_point(
+    checkpoint_dir: str,
+    workload: Workload,
+    plan_num_layers: int,
+    require_resume: bool,
+    optimizer: str | None,
+    steps: int | None,
+    synthetic_seed: int | None,
+) -> None:
+    """:func:`check_long_run` with ``resume``: the checkpoint a run would resume from."""
+    from dapple.runtime.checkpoint import CheckpointError, check_compatible, find_resume_checkpoint
+    from dapple.runtime.longrun import OPTIMIZER_CLASSES
+
+    point = find_resume_checkpoint(checkpoint_dir)
+    ck = point.checkpoint
+    if ck is None:
+        what = "no such directory" if not os.path.isdir(checkpoint_dir) else "none there"
+        if require_resume:
+            raise CheckpointError(
+                f"--require-resume: no checkpoint to resume in {checkpoint_dir!r} ({what})"
+            )
+        _warn(f"--resume: no checkpoint in {checkpoint_dir!r} ({what}): starting at step 0")
+        return
+    check_compatible(
+        ck,
+        model_name=workload.name,
+        num_layers=workload.num_layers,
+        plan_num_layers=plan_num_layers,
+        optimizer_type=OPTIMIZER_CLASSES.get(optimizer or ""),
+    )
+    _check_shapes(ck, workload)
+    for line in point.skipped:
+        _warn(f"{line}; resuming from the older step {ck.step} ({str(ck.path)!r})")
+    _check_continues(ck, steps, synthetic_seed)
+
+
+def _check_continues(ck: Checkpoint, steps: int | None, synthetic_seed: int | None) -> None:
+    """The run would continue ``ck``: the same synthetic seed, more steps than it has done."""
+    from dapple.runtime.checkpoint import CheckpointError
+
+    saved_seed = ck.meta.extra.get("seed")
+    if (
+        synthetic_seed is not None
+        and ck.meta.extra.get("data") is None
+        and saved_seed is not None
+        and saved_seed != synthetic_seed
+    ):
+        raise CheckpointError(
+            f"--resume: the checkpoint {str(ck.path)!r} was trained on synthetic batches "
+            f"of --seed {saved_seed}, not {synthetic_seed}: the run would not continue "
+            f"it; pass --seed {saved_seed}"
+        )
+    if steps is not None and ck.step >= steps:
+        raise CheckpointError(
+            f"--resume: the checkpoint {str(ck.path)!r} is at step {ck.step}, which "
+            f"already covers --steps {steps}: nothing to train; pass --steps above "
+            f"{ck.step} to go on"
+        )
 
 
 def _check_shapes(ck: Checkpoint, workload: Workload) -> None:

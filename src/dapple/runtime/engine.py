@@ -30,7 +30,7 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -240,14 +240,7 @@ def run_plan(
             r.longrun.after_step(step)
         clean = True
     finally:
-        for reporter in reporters:
-            reporter.close()
-        sink.close()
-        r.batches.feed.close()
-        if r.interpreter.shards is not None:
-            r.interpreter.shards.close(clean=clean)
-        if not clean:  # peers may be gone: drop the hooks, wait for nothing
-            r.sync.close(clean=False)
+        _close_run(r, [*reporters, sink], clean)
     layers = r.layers
     whole = None  # a cut stage's final weights whole (for dapple verify): gathered in its groups
     if on_update is not None and r.mesh.cut and layers.module is not None:
@@ -258,6 +251,19 @@ def run_plan(
     )
     run.whole = whole
     return run
+
+
+def _close_run(r: _Rank, outputs: Sequence[Any], clean: bool) -> None:
+    """After the steps (or a failure): the reporters and metrics sink closed, the data feed
+    stopped, ZeRO's pending gathers settled, and without ``clean`` the gradient hooks dropped
+    waiting for nothing (peers may be gone)."""
+    for out in outputs:
+        out.close()
+    r.batches.feed.close()
+    if r.interpreter.shards is not None:
+        r.interpreter.shards.close(clean=clean)
+    if not clean:
+        r.sync.close(clean=False)
 
 
 def _observer(r: _Rank, on_update: UpdateObserver, plan: Plan, rank: int) -> Callable[[int], None]:
