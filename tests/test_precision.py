@@ -436,6 +436,23 @@ def test_profile_records_its_precision_and_halves_activation_bytes(tmp_path: Pat
         api.profile(rw.mlp(), [2], device="cpu", repeats=1, warmup=0, precision="fp16")
 
 
+def test_bf16_profile_records_what_autocast_casts() -> None:
+    """A measured bf16 profile names the parameters autocast copies: a block's linears and the
+    head's, not the embedding table (looked up) nor a norm's weight (run in fp32); an fp32
+    profile casts nothing."""
+    ov = {"layers": 2, "hidden": 64, "heads": 4, "seq": 16, "vocab": 512}
+    bf16 = api.profile("transformer", [2, 4], device="cpu", overrides=ov, repeats=1, warmup=0,
+                       precision="bf16")  # fmt: skip
+    norm = 2 * 64 * 4  # a LayerNorm's weight and bias, fp32
+    emb, block, head = bf16.layers[0], bf16.layers[1], bf16.layers[-1]
+    assert emb.cast_parameter_bytes == 0
+    assert block.cast_parameter_bytes == block.parameter_bytes - 2 * norm
+    assert head.cast_parameter_bytes == head.parameter_bytes - norm
+    assert ModelProfile.from_dict(bf16.to_dict()).layers == bf16.layers
+    fp32 = api.profile("transformer", [2], device="cpu", overrides=ov, repeats=1, warmup=0)
+    assert all(x.cast_parameter_bytes is None for x in fp32.layers)
+
+
 def test_memory_model_adds_the_weight_cast_cache_in_low_precision() -> None:
     prof = api.profile(rw.mlp(), [2, 4], device="cpu", repeats=1, warmup=0)
     low = dataclasses.replace(prof, precision="bf16")

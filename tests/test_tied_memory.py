@@ -163,6 +163,8 @@ def test_layer_at_length_keeps_the_tied_fields() -> None:
     mid = layer_at_length([8.0, 16.0], [layer, layer], 12.0)
     assert (mid.tied_parameter_bytes, mid.tied_layers) == (P, (3,))
     assert isinstance(mid, LayerProfile)
+    cast = dataclasses.replace(layer, cast_parameter_bytes=P // 2)  # autocast's part
+    assert layer_at_length([8.0, 16.0], [cast, cast], 12.0).cast_parameter_bytes == P // 2
 
 
 def test_cli_profile_shows_and_saves_the_tied_layers(

@@ -146,6 +146,7 @@ def layer_at_length(
         ),
         tied_parameter_bytes=first.tied_parameter_bytes,
         tied_layers=first.tied_layers,
+        cast_parameter_bytes=first.cast_parameter_bytes,
         tensor_parallel=first.tensor_parallel,
     )
 

@@ -33,6 +33,7 @@ __all__ = [
     "Timer",
     "as_leaf",
     "autocast_for",
+    "cast_parameter_bytes",
     "map_tensors",
     "measure_layer",
     "optimizer_update_ms",
@@ -119,6 +120,30 @@ def _is_weight_cast(t: torch.Tensor, params: set[int]) -> bool:
         return False
     src = fn.next_functions[0][0] if fn.next_functions else None
     return src is not None and id(getattr(src, "variable", None)) in params
+
+
+def cast_parameter_bytes(out: Any, layer: nn.Module) -> int:
+    """Bytes of ``layer``'s parameters that autocast cast to 16 bits in the forward that
+    made ``out`` (``LayerProfile.cast_parameter_bytes``): those reached from the output's
+    autograd graph through a ``ToCopyBackward`` node (a linear's weight, not an embedding table
+    that is looked up, nor a norm's weight that runs in fp32). Each counts once, whatever the
+    number of uses: autocast caches its copy."""
+    params = {id(p): p for p in layer.parameters()}
+    cast: dict[int, int] = {}
+    seen: set[Any] = set()
+    stack = [t.grad_fn for t in _tensors(out) if t.grad_fn is not None]
+    while stack:
+        fn = stack.pop()
+        if fn in seen:
+            continue
+        seen.add(fn)
+        nexts = [n for n, _ in fn.next_functions if n is not None]
+        if fn.name().startswith("ToCopyBackward") and nexts:
+            p = params.get(id(getattr(nexts[0], "variable", None)))
+            if p is not None:
+                cast[id(p)] = p.numel() * p.element_size()
+        stack.extend(nexts)
+    return sum(cast.values())
 
 
 def _saved_bytes(

@@ -44,6 +44,7 @@ from dapple.profiler.layer_measure import (
     Timer,
     as_leaf,
     autocast_for,
+    cast_parameter_bytes,
     map_tensors,
     measure_layer,
     optimizer_update_ms,
@@ -308,8 +309,12 @@ def _profile(
     shards = [False] * n
     total, done = n * len(sizes), 0
     update_ms = 0.0  # one optimizer update of every layer's parameters
+    casts: list[int | None] = [None] * n  # bytes of the parameters autocast casts
     for i in range(n):  # one layer at a time: the peak is the largest layer, not the model
         layer = workload.build_layer(i, seed).to(dev).train()
+        if precision != "fp32":
+            with cast():
+                casts[i] = cast_parameter_bytes(layer(xs[0]), layer)
         for k, b in enumerate(sizes):
             f_ms, b_ms, i_ms, w_ms, kept_bytes, nbytes, xs[k] = measure_layer(
                 layer, xs[k], timer, warmup, repeats, cast, split_backward
@@ -345,6 +350,7 @@ def _profile(
             backward_weight=fit_affine(sizes, bwd_w[i]) if split_backward else None,
             tied_parameter_bytes=tied[i][0],
             tied_layers=tied[i][1],
+            cast_parameter_bytes=casts[i],
             tensor_parallel=shards[i],
         )
         for i in range(n)
