@@ -274,15 +274,20 @@ def run_cpu(
         wl = api.load(f"hf:{tmp}", seq=seq)
         spec = from_hf_config(config, name="llama-small", seq=seq)
         predicted = predict(spec, workspace=0.0)
+        # the planner's path: a profile measured on this CPU under bf16 autocast
+        measured = api.profile(wl, [1, 2], device="cpu", precision="bf16", repeats=1, warmup=0)
         rows = []
         for name, plan in plans(wl.num_layers).items():
+            ks, _ = in_flight_bounds(plan)
             for i, peak in enumerate(stage_step_peaks(wl, plan, steps)):
+                st, b, m = plan.stages[i], plan.micro_batch_size, plan.num_micro_batches
                 rows.append(
                     {
                         "seq": seq,
                         "plan": name,
                         "stage": i,
                         "predicted": predicted[(name, i)],
+                        "profiled": stage_peak(measured, st, b, ks[i], m).peak,
                         "counted": peak,
                     }
                 )
@@ -332,15 +337,20 @@ def report(cpu_rows: list[dict[str, Any]], command: str) -> list[str]:
         "A LLaMA of the same structure at width 256 (2 blocks, 8 heads, 2 KV heads, FFN 896, "
         "vocabulary 4,096; seq 128 to 512), the same plans and batch; counted: the peak of "
         "live tensor bytes over the third step (every storage the step's ops allocate, "
-        "parameters, moments and gradients included), no CUDA workspace.",
+        "parameters, moments and gradients included), no CUDA workspace. *Predicted*: fed the "
+        "analytic autocast profile of the shapes; *from a CPU profile*: fed the profile "
+        "`dapple profile --precision bf16` measures on this CPU (kept bytes by saved-tensor "
+        "hooks, the cast parameters off the autograd graph), as the planner is.",
         "",
-        "| seq | plan | stage | predicted KiB | counted KiB | predicted / counted |",
-        "|---|---|---|---|---|---|",
+        "| seq | plan | stage | predicted KiB | from a CPU profile KiB | counted KiB | "
+        "predicted / counted | from a CPU profile / counted |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in cpu_rows:
-        p, c = r["predicted"] / 1024, r["counted"] / 1024
+        p, q, c = r["predicted"] / 1024, r["profiled"] / 1024, r["counted"] / 1024
         lines.append(
-            f"| {r['seq']} | {r['plan']} | {r['stage']} | {p:,.0f} | {c:,.0f} | {p / c:.3f} |"
+            f"| {r['seq']} | {r['plan']} | {r['stage']} | {p:,.0f} | {q:,.0f} | {c:,.0f} | "
+            f"{p / c:.3f} | {q / c:.3f} |"
         )
     return lines
 
