@@ -11,6 +11,7 @@ import importlib
 import logging
 import sys
 
+from dapple.cli._file_roles import refuse_input_overwrite
 from dapple.core.host_memory import keep_freed_memory
 from dapple.errors import DappleError
 
@@ -61,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     keep_freed_memory()  # profiles measure steps as the CPU ranks run them
     try:
+        refuse_input_overwrite(args)
         rc = args.func(args)
     except DappleError as e:
         print(f"dapple: error: {e}", file=sys.stderr)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
-from pathlib import Path
+import sys
 
 from rich.table import Table
 
@@ -13,7 +13,6 @@ from dapple.cli._console import console, print_table
 from dapple.cli._run_args import add_virtual_stages_argument
 from dapple.core.cluster import describe_presets
 from dapple.core.plan import Plan
-from dapple.errors import ValidationError
 from dapple.schedule.registry import check_virtual_stages, get_schedule, schedule_names
 
 __all__ = ["register"]
@@ -68,6 +67,9 @@ def run(args: argparse.Namespace) -> int:
     plan = Plan.load(args.plan)
     profile = load_profile(args.profile)
     plan.check_fingerprint(profile.model_fingerprint, f"--profile {args.profile!r}")
+    doubt = plan.profile_doubt(profile.model_name, profile.model_fingerprint)
+    if doubt is not None:
+        print(f"dapple: warning: --profile {args.profile!r}: {doubt}", file=sys.stderr)
     cluster = load_cluster(args.cluster, args.servers)
     if args.policy:
         plan = dataclasses.replace(plan, policy=args.policy)
@@ -127,11 +129,6 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-IMAGE_SUFFIXES = (".png", ".svg", ".svgz", ".pdf", ".eps", ".ps", ".jpg", ".jpeg", ".tif",
-                  ".tiff", ".webp")  # fmt: skip
-"""Picture formats ``--gantt``, ``--memory`` and ``--layout`` write (matplotlib's, with Pillow)."""
-
-
 def _check_outputs(args: argparse.Namespace) -> None:
     """Every file asked for can be written, and each picture has a known format, before any
     simulation.
@@ -139,20 +136,13 @@ def _check_outputs(args: argparse.Namespace) -> None:
     Raises:
         ValidationError: naming the option and the path.
     """
-    from dapple.core.output_path import check_output_file
+    from dapple.core.output_path import check_output_file, check_picture_file
 
     for opt in ("gantt", "memory", "layout", "trace"):
         path = getattr(args, opt)
-        if path is None:
-            continue
-        what = f"--{opt} file"
-        suffix = Path(path).suffix.lower()
-        if opt != "trace" and suffix not in IMAGE_SUFFIXES:
-            raise ValidationError(
-                f"{what} {path!r}: unknown picture format {suffix or '(none)'!r}; use one of "
-                f"{', '.join(IMAGE_SUFFIXES)}"
-            )
-        check_output_file(path, what)
+        if path is not None:
+            check = check_output_file if opt == "trace" else check_picture_file
+            check(path, f"--{opt} file")
 
 
 def _title(plan: Plan) -> str:

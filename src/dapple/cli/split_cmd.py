@@ -32,11 +32,13 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from dapple.models.zoo import load_workload
+    from dapple.profiler.host_fit import check_training_memory
 
     if args.batch_size < 1:
         raise ValidationError(f"--batch-size must be >= 1, got {args.batch_size}")
     overrides = model_overrides(args)
     workload = load_workload(args.model, **overrides)
+    check_training_memory(workload, 0.0, what="splitting")  # the whole model is built below
     tied = {(i, n): g for g, group in enumerate(workload.tied_parameters) for i, n in group}
     chain = workload.build_model(0)
     x, _ = workload.make_batch(args.batch_size, 0)

@@ -16,7 +16,11 @@ from pathlib import Path
 
 from dapple.errors import ValidationError
 
-__all__ = ["check_output_file"]
+__all__ = ["PICTURE_SUFFIXES", "check_output_file", "check_picture_file"]
+
+PICTURE_SUFFIXES = (".png", ".svg", ".svgz", ".pdf", ".eps", ".ps", ".jpg", ".jpeg", ".tif",
+                    ".tiff", ".webp")  # fmt: skip
+"""Picture formats dapple's plots write (matplotlib's, with Pillow)."""
 
 
 def _nearest_existing(folder: Path, what: str) -> Path:
@@ -83,3 +87,19 @@ def check_output_file(
         except OSError as e:
             raise ValidationError(f"{what} {str(p)!r} is not writable: {e.strerror or e}") from e
     return p
+
+
+def check_picture_file(path: str | os.PathLike[str], what: str) -> Path:
+    """:func:`check_output_file` for a plot: its suffix also names a known picture format.
+
+    Raises:
+        ValidationError: naming ``what``, the path and the formats.
+    """
+    checked = check_output_file(path, what)
+    suffix = checked.suffix.lower()
+    if suffix not in PICTURE_SUFFIXES:
+        raise ValidationError(
+            f"{what} {str(path)!r}: unknown picture format {suffix or '(none)'!r}; use one of "
+            f"{', '.join(PICTURE_SUFFIXES)}"
+        )
+    return checked

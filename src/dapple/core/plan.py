@@ -322,6 +322,22 @@ class Plan:
             "with this one (dapple plan --profile ...)"
         )
 
+    def profile_doubt(self, model_name: str, fingerprint: str | None) -> str | None:
+        """Why a profile of ``model_name`` with ``fingerprint`` cannot be checked to be of the
+        model the plan was made for (:meth:`check_fingerprint` refuses a mismatch of two
+        fingerprints); None when it is, or when the plan records nothing to check it with."""
+        if self.model_name and model_name and model_name != self.model_name:
+            return (
+                f"profiled as {model_name!r}, the plan was made for {self.model_name!r}: "
+                "the step times and memory may be another model's"
+            )
+        if self.model_fingerprint is not None and fingerprint is None:
+            return (
+                "the profile records no model fingerprint (imported, analytic or older): "
+                f"dapple cannot check it was measured on the plan's {self.model_name!r}"
+            )
+        return None
+
     def to_dict(self) -> dict[str, Any]:
         lengths = (
             {}

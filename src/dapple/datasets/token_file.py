@@ -88,8 +88,15 @@ class TokenFile(Dataset[tuple[torch.Tensor, torch.Tensor]]):
         if seq_len < 1:
             raise ValidationError(f"seq_len must be >= 1, got {seq_len}")
         self.seq_len = seq_len
+        if self.path.is_dir():
+            raise ValidationError(f"data file {self.path} is a directory, not a token file")
         if not self.path.is_file():
             raise ValidationError(f"data file {self.path} does not exist")
+        try:
+            with self.path.open("rb"):
+                pass
+        except OSError as e:
+            raise ValidationError(f"cannot read data file {self.path}: {e.strerror or e}") from None
         size = self.path.stat().st_size
         itemsize = np.dtype(self.dtype).itemsize
         if size == 0:

@@ -13,10 +13,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
+
+import torch
 
 from dapple.core.profile import ModelProfile
 from dapple.errors import ValidationError
 from dapple.models.workload import Workload
+
+log = logging.getLogger(__name__)
 
 __all__ = ["check_profile_model", "layer_tensors", "model_fingerprint"]
 
@@ -29,13 +34,13 @@ def layer_tensors(workload: Workload, index: int) -> dict[str, tuple[list[int], 
     """Layer ``index`` of ``workload`` built on ``meta`` (a traced model's piece as traced,
     which makes no tensor): each ``state_dict`` tensor's name -> (shape, dtype); None when the
     layer cannot be built so (its check is left to the real layer)."""
-    from dapple.models.materialize import build_meta
     from dapple.models.split import piece_template
 
     try:
         layer = piece_template(workload, index)
-        if layer is None:
-            layer = build_meta(workload.layer_factories[index], 0)
+        if layer is None:  # every tensor the factory makes on meta: no memory, whatever the size
+            with torch.random.fork_rng(devices=[]), torch.device("meta"):
+                layer = workload.layer_factories[index]()
         state = layer.state_dict()
     except Exception:  # a factory that needs real tensors: nothing to compare here
         return None
@@ -76,6 +81,12 @@ def check_profile_model(profile: ModelProfile, workload: Workload, what: str) ->
             "(dapple profile -m MODEL ...)"
         )
     if profile.model_fingerprint is None:
+        if profile.model_name and profile.model_name != workload.name:
+            log.warning(
+                "%s records no model fingerprint and was profiled as %r: dapple cannot check "
+                "it was measured on %s",
+                what, profile.model_name, ours,
+            )  # fmt: skip
         return
     mine = model_fingerprint(workload)
     if mine is not None and mine != profile.model_fingerprint:

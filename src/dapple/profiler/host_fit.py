@@ -180,6 +180,12 @@ def check_training_memory(
     avail = _short_of(need, available)
     if avail is None:
         return need
+    if state == 0:  # the model alone (inference: no gradients, no optimizer)
+        raise ValidationError(
+            f"{what} {workload.name!r} needs at least {_gib(need)} of host memory (its "
+            f"{params:,} bytes of parameters and buffers), more than the {_gib(avail)} "
+            "available: give a smaller model"
+        )
     raise ValidationError(
         f"{what} {workload.name!r} needs at least {_gib(need)} of host memory (its "
         f"{params:,} bytes of parameters and buffers, held once by the run's processes, and "

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 import json
 import logging
+import math
 import os
 import sys
 import tempfile
@@ -307,8 +308,9 @@ def verify_many(
     tol = _tolerances(precision, rtol, atol, grad_rtol)
     if not cases:
         raise ValidationError("verify needs at least one (plan, workload) case")
-    if min(tol.values()) < 0:
-        raise ValidationError(f"tolerances must be >= 0, got {tol}")
+    bad = {k: v for k, v in tol.items() if not (math.isfinite(v) and v >= 0)}
+    if bad:
+        raise ValidationError(f"tolerances must be finite numbers >= 0, got {bad}")
     cfg = replace(config(steps, seed, optimizer, lr, optim), timeout_s=timeout_s, device=device,
                   precision=precision)  # fmt: skip
     for plan, wl in cases:
