@@ -17,6 +17,7 @@ from builders import boom, make_cluster, make_profile, one_error_line
 from dapple import api
 from dapple.cli import main
 from dapple.core.plan import straight_plan
+from dapple.core.profile import AffineTime, LayerProfile, ModelProfile
 from dapple.datasets.token_file import TokenFile
 from dapple.errors import ValidationError
 from dapple.models.fingerprint import layer_tensors, model_fingerprint
@@ -146,3 +147,46 @@ def test_simulate_says_when_the_profile_cannot_be_checked(
     prof.write_text(json.dumps(unnamed))
     assert main(argv) == 0
     assert "records no model fingerprint" in capsys.readouterr().err
+
+
+def _battery_profile() -> ModelProfile:
+    """The battery's 2-block transformer as it profiled (rounded): fixed costs dominate, so
+    the search splits it over many devices."""
+    rows = [  # name, F fixed/per sample, B fixed/per sample ms, output, parameters, kept bytes
+        ("embedding", 0.065, 0.00045, 0.119, 0.0073, 4096, 36864, 256),
+        ("block0", 0.571, 0.0654, 0.975, 0.0, 4096, 50816, 82432),
+        ("block1", 0.603, 0.0515, 0.884, 0.129, 4096, 50816, 82432),
+        ("lm_head", 0.081, 0.0148, 0.133, 0.034, 32768, 34048, 8448),
+    ]
+    return ModelProfile(
+        model_name="transformer",
+        layers=tuple(
+            LayerProfile(
+                name=n,
+                forward=AffineTime(fixed_ms=ff, per_sample_ms=fp),
+                backward=AffineTime(fixed_ms=bf, per_sample_ms=bp),
+                output_bytes_per_sample=float(out),
+                parameter_bytes=par,
+                kept_activation_bytes_per_sample=float(kept),
+            )
+            for n, ff, fp, bf, bp, out, par, kept in rows
+        ),
+        input_bytes_per_sample=256.0,
+    )
+
+
+@pytest.mark.parametrize("devices, batch", [(8, 2), (16, 4), (6, 1)])
+def test_no_stage_has_more_replicas_than_samples(devices: int, batch: int) -> None:
+    """A replica beyond the micro-batch's b samples would get none: the search never plans one
+    (the battery's 8 devices at global batch 2 were planned 1:2:5, three replicas idle)."""
+    from dapple.planner import make_plan
+
+    cluster = dataclasses.replace(make_cluster(1, devices), intra_server_bandwidth_gbps=10.0)
+    plan = make_plan(_battery_profile(), cluster, batch)
+    assert all(st.replicas <= plan.micro_batch_size for st in plan.stages), plan.replication
+
+
+def test_bad_model_arguments_name_only_the_unknown_ones(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["split", "-m", "transformer", "--set", "layers=2", "--set", "hiden=3"]) == 2
+    err = one_error_line(capsys, "bad arguments ['hiden']", "accepted: layers, hidden")
+    assert "'layers'" not in err

@@ -57,6 +57,10 @@ def test_keep_prunes_only_directories_dapple_wrote(tmp_path: Path, caplog) -> No
     assert (crashed_theirs / "data.csv").read_text() == "mine"
     assert newest.exists()
     assert "thesis.tex" in caplog.text and "data.csv" in caplog.text
+    caplog.clear()  # the next saves prune again: the kept directories are not said again
+    with caplog.at_level(logging.WARNING, logger="dapple.runtime.checkpoint"):
+        assert prune_checkpoints(tmp_path, keep=1) == []
+    assert "thesis.tex" not in caplog.text
 
 
 def test_overwrite_deletes_only_directories_dapple_wrote(tmp_path: Path) -> None:

@@ -180,7 +180,9 @@ class CutSearch:
     ``memo[(cut index, sorted occupancy)]`` holds up to ``keep`` entries ``(L, prefix stages,
     occupancy)``, best first; an entry's plan is its prefix plus ``[j, N)`` on the other
     devices (L = inf when that completion does not fit: the prefix may still fit once
-    ``[j, N)`` is split). Every plan scored is offered to ``best``.
+    ``[j, N)`` is split). Every plan scored is offered to ``best``. The last stage takes at most
+    b of the free devices: a replica beyond the micro-batch's b samples would get none and
+    only join the AllReduce.
     """
 
     def __init__(
@@ -199,7 +201,7 @@ class CutSearch:
         self.buckets: list[list[_Key]] = [[] for _ in cuts]
         """The states at each cut point, in the order they were found."""
         empty = (0,) * cluster.servers
-        first = sc.score([(0, sc.N, tuple(range(sc.G)))], M)
+        first = sc.score([(0, sc.N, tuple(range(min(sc.G, b))))], M)
         self.memo[(0, empty)] = [(first.L_ms if first else math.inf, (), empty)]
         self.buckets[0].append((0, empty))
 
@@ -232,6 +234,8 @@ class CutSearch:
         placed by each policy (section 5.2; placements giving the same devices once)."""
         G, used = self.sc.G, sum(occ)
         for m1 in candidate_replicas(self.cluster, G - used - 1, self.limits.devices):
+            if m1 > self.b:  # its replicas beyond b would idle
+                break
             lo, hi = self.cut_range(ji, m1, G - used - m1)
             seen: set[tuple[int, ...]] = set()
             for pol in POLICIES:
@@ -268,7 +272,7 @@ class CutSearch:
         sc, cuts, M, b, best = self.sc, self.cuts, self.M, self.b, self.best
         g1, occ1 = placed
         j, N = cuts[ji], sc.N
-        rest = remaining_devices(self.cluster, occ1)
+        rest = remaining_devices(self.cluster, occ1)[:b]  # a replica beyond b would idle
         canon = tuple(sorted(occ1))
         for j1i in range(lo, hi + 1):
             j1 = cuts[j1i]

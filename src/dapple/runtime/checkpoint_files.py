@@ -396,17 +396,23 @@ def foreign_entries(d: Path) -> list[str]:
         return []
 
 
+_KEPT_SAID: set[str] = set()
+"""Checkpoint directories this process has warned it keeps (:func:`_remove_own`)."""
+
+
 def _remove_own(d: Path) -> bool:
     """Delete checkpoint directory ``d`` when it holds only files a dapple save writes; else
     leave it whole with a warning. True if deleted."""
     foreign = foreign_entries(d)
     if foreign:
-        shown = ", ".join(repr(n) for n in foreign[:3]) + (", ..." if len(foreign) > 3 else "")
-        logger.warning(
-            "kept %s: it holds files dapple did not write (%s); remove it yourself if unwanted",
-            d,
-            shown,
-        )
+        if str(d) not in _KEPT_SAID:  # said once: every later save's pruning meets it again
+            _KEPT_SAID.add(str(d))
+            shown = ", ".join(repr(n) for n in foreign[:3]) + (", ..." if len(foreign) > 3 else "")
+            logger.warning(
+                "kept %s: it holds files dapple did not write (%s); remove it yourself if unwanted",
+                d,
+                shown,
+            )
         return False
     shutil.rmtree(d, ignore_errors=True)
     return True

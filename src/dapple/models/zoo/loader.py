@@ -53,12 +53,12 @@ def _call(factory: Callable[..., Any], what: str, kwargs: dict[str, Any]) -> Any
         inspect.signature(factory).bind(**kwargs)
     except TypeError as e:
         try:
-            accepted = ", ".join(inspect.signature(factory).parameters)
+            names = list(inspect.signature(factory).parameters)
         except (TypeError, ValueError):  # pragma: no cover - builtins without signature
-            accepted = "?"
-        raise ValidationError(
-            f"{what}: bad arguments {sorted(kwargs)} ({e}); accepted: {accepted}"
-        ) from e
+            names = []
+        unknown = sorted(k for k in kwargs if k not in names) or sorted(kwargs)
+        accepted = ", ".join(names) or "?"
+        raise ValidationError(f"{what}: bad arguments {unknown} ({e}); accepted: {accepted}") from e
     except ValueError:  # pragma: no cover - no signature available
         pass
     return factory(**kwargs)
