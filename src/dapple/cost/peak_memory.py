@@ -70,6 +70,7 @@ __all__ = [
     "loss_bytes",
     "plan_stage_bytes",
     "stage_bytes",
+    "stage_bytes_both",
     "stage_peak",
     "workspace_bytes",
 ]
@@ -189,6 +190,24 @@ def stage_bytes(
 ) -> StageBytes:
     """:class:`StageBytes` of layers ``[start, end)`` on one of ``replicas`` replicas (each
     back-propagating a slice of ``samples`` samples) of a tensor group of ``tensor_width``."""
+    plain, redone = stage_bytes_both(
+        profile, layers, samples, replicas=replicas, zero_stage=zero_stage,
+        tensor_width=tensor_width, regather=regather,
+    )  # fmt: skip
+    return redone if recompute else plain
+
+
+def stage_bytes_both(
+    profile: ModelProfile,
+    layers: tuple[int, int],
+    samples: int,
+    *,
+    replicas: int = 1,
+    zero_stage: int = 0,
+    tensor_width: int = 1,
+    regather: bool = False,
+) -> tuple[StageBytes, StageBytes]:
+    """:func:`stage_bytes` without and with re-computation, from one pass over the layers."""
     profile = profile.for_memory
     s, e = layers
     t = tensor_width
@@ -197,15 +216,14 @@ def stage_bytes(
     state = parameter_state_bytes(
         profile, layers, replicas, zero_stage, tensor_width=t, regather=regather
     )
-    cache = sum(cast_bytes(profile, layer) for layer in mine) / (t if t > 1 else 1)
+    casts = [cast_bytes(profile, layer) for layer in mine]
+    cache = sum(casts) / (t if t > 1 else 1)
     in_flight = gradients_in_flight_bytes(
         profile, layers, replicas, zero_stage, tensor_width=t, regather=regather
     )
     if t == 1 and (replicas == 1 or zero_stage == 0):  # .grad set to None each step
         grads = [float(layer.parameter_bytes) for layer in mine]
-        in_flight_grad = [
-            float(layer.parameter_bytes) + cast_bytes(profile, layer) for layer in mine
-        ]
+        in_flight_grad = [g + c for g, c in zip(grads, casts, strict=True)]
         static, shared = state - in_flight - sum(grads), 0.0
     else:  # ZeRO buckets, shards, tensor ranks: the gradients stay as the older model counts
         grads = [0.0] * len(mine)
@@ -215,18 +233,16 @@ def stage_bytes(
     held_out = 0.0 if last else boundary_bytes(profile, e, samples)
     loss_kept, loss_backward = loss_bytes(profile, samples) if last else (0.0, 0.0)
     full = sum(kept) + held_out + loss_kept  # the micro-batch being back-propagated
-    other = (boundary_bytes(profile, s, samples) + held_out + loss_kept) if recompute else full
     moments = _backward_moments(kept, grads, in_flight_grad, mine, samples, held_out)
     loss_moment = full + loss_backward if last else 0.0
-    return StageBytes(
-        static=static,
-        shared=shared,
-        grads=sum(grads),
-        other=other,
-        first=max(other, loss_moment, *(mo + later for mo, later in moments)),
-        later=max(other, loss_moment, *(mo for mo, _ in moments)),
-        cache=cache,
-    )
+    first = max(loss_moment, *(mo + later for mo, later in moments))
+    later = max(loss_moment, *(mo for mo, _ in moments))
+
+    def held(other: float) -> StageBytes:
+        return StageBytes(static=static, shared=shared, grads=sum(grads), other=other,
+                          first=max(other, first), later=max(other, later), cache=cache)  # fmt: skip
+
+    return held(full), held(boundary_bytes(profile, s, samples) + held_out + loss_kept)
 
 
 def stage_peak(
@@ -356,8 +372,10 @@ def _backward_moments(
     layers ``<= j``, the held stage output, its output's gradient and its weight gradient in
     flight; and the gradients of the layers after it (present in a first backward)."""
     out = []
+    below, after = 0.0, sum(grads)  # running sums: kept of layers <= j, gradients after j
     for j, layer in enumerate(layers):
-        live = sum(kept[: j + 1]) + held_out
-        live += layer.output_bytes_per_sample * samples + in_flight_grad[j]
-        out.append((live, sum(grads[j + 1 :])))
+        below += kept[j]
+        after -= grads[j]
+        live = below + held_out + layer.output_bytes_per_sample * samples + in_flight_grad[j]
+        out.append((live, after))
     return out

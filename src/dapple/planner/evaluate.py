@@ -25,7 +25,7 @@ from dapple.core.profile import ModelProfile
 from dapple.cost.comm import busiest_link_ms, link_loads, stage_sync_ms, stage_update_ms
 from dapple.cost.host import HostExtra, has_host_terms, stage_host_extras
 from dapple.cost.memory import boundary_bytes, sharded_layer_bytes, tensor_kept_bytes_per_sample
-from dapple.cost.peak_memory import in_flight_limit, stage_bytes
+from dapple.cost.peak_memory import in_flight_limit, stage_bytes_both
 from dapple.cost.sharing import slice_work
 from dapple.cost.tensor import fsdp_pass_ms, replica_sync_ms
 from dapple.cost.terms import StageTerms, pipeline_terms
@@ -152,6 +152,7 @@ class Scorer:
         ] = {}
         self._stages: dict[tuple[int, int, tuple[int, ...], int, int], _Option] = {}
         self._sync_plans: dict[tuple[tuple[int, ...], int], StagePlan] = {}
+        self._memory_options: dict[tuple[int, int, int, int, int, int], tuple[int, int, float]] = {}
         self.evaluations = 0
 
     # -- per-stage terms ---------------------------------------------------------------------
@@ -229,22 +230,24 @@ class Scorer:
         (:func:`~dapple.cost.peak_memory.in_flight_limit` of the step peak), and a floor of
         the bytes one micro-batch needs under either that no longer stage on the same devices
         is below: the always-held state and one micro-batch's kept activations."""
+        key = (s, e, samples, replicas, zero_stage, M)
+        got = self._memory_options.get(key)
+        if got is not None:  # placements of the same replica count share it
+            return got
         usable = float(self.cluster.usable_memory_bytes)
-        plain, redone = (
-            stage_bytes(
-                self._memory,
-                (s, e),
-                samples,
-                replicas=replicas,
-                zero_stage=min(zero_stage, 3),
-                tensor_width=self.tensor_width,
-                regather=zero_stage == ZERO3_REGATHER,
-                recompute=recompute,
-            )
-            for recompute in (False, True)
+        plain, redone = stage_bytes_both(
+            self._memory,
+            (s, e),
+            samples,
+            replicas=replicas,
+            zero_stage=min(zero_stage, 3),
+            tensor_width=self.tensor_width,
+            regather=zero_stage == ZERO3_REGATHER,
         )
         floor = plain.static + plain.shared + (self._act[e] - self._act[s]) * samples
-        return in_flight_limit(plain, usable, M), in_flight_limit(redone, usable, M), floor
+        got = in_flight_limit(plain, usable, M), in_flight_limit(redone, usable, M), floor
+        self._memory_options[key] = got
+        return got
 
     def _stage(self, s: int, e: int, d: tuple[int, ...], b: int, zero_stage: int = 0) -> _Option:
         """Cached terms of one stage (:class:`_Option`)."""
