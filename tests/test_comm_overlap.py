@@ -4,7 +4,7 @@ bounds and monotonicity, and dapple's own plans costing what they cost without i
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from dapple.core.cluster import Cluster
@@ -132,6 +132,7 @@ def test_closed_form_matches_the_pass_and_is_bounded(comm, compute, k, more) -> 
 
 @settings(max_examples=200, deadline=None)
 @given(_passes(), _times, st.integers(0, 3), st.integers(1, 16))
+@example(([0.0], [0.0], [5e-324], 0, 0.0), 1.5, 0, 1)  # a denormal byte count: its share is 1
 def test_a_stage_sync_stays_between_zero_and_all_of_it(case, sync, zero, M) -> None:  # type: ignore[no-untyped-def]
     compute, _, nbytes, _, _ = case
     for overlap in FRAMEWORKS.values():

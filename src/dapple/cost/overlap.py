@@ -107,7 +107,7 @@ def split_by_bytes(total_ms: float, layer_bytes: Sequence[float]) -> list[float]
     whole = float(sum(layer_bytes))
     if whole <= 0:
         return [total_ms] + [0.0] * (len(layer_bytes) - 1)
-    return [total_ms * b / whole for b in layer_bytes]
+    return [total_ms * (b / whole) for b in layer_bytes]  # the share first: no denormal product
 
 
 def layered_pass_exposed_ms(
