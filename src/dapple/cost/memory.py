@@ -1,4 +1,5 @@
-"""Bytes in the cost model: cut activations, parameter state, kept activations, D (section 5.1).
+"""Bytes in the cost model: cut activations, parameter state, kept activations (section 5.1);
+the step peak they add up to, and D, are :mod:`dapple.cost.peak_memory`'s.
 
 Pure functions (no torch). Activations are as profiled, in the profile's precision
 (``ModelProfile.precision``); parameters, gradients and optimizer state are fp32 in every

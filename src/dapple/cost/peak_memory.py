@@ -1,5 +1,8 @@
 """Peak memory of one replica over a training step, phase by phase (what
-``torch.cuda.max_memory_allocated`` reads).
+``torch.cuda.max_memory_allocated`` reads): the memory model the planner fits stages into (D,
+the most micro-batches in flight: :func:`in_flight_limit`), the cost model reports
+(:func:`stage_peak`) and the schedule replay and simulator follow over time
+(:func:`device_peak`).
 
 Pure, no torch. Bytes are what the runtime (:mod:`dapple.runtime.interpreter`,
 :mod:`dapple.runtime.stage`) holds, tensor by tensor:
