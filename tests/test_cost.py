@@ -161,14 +161,13 @@ def test_overlaps_equal_split_concat_transfers() -> None:
 def test_in_flight_limit() -> None:
     p = dataclasses.replace(make_profile(2, act=100.0, params=1000), input_bytes_per_sample=5.0)
     st = StagePlan(layers=(0, 2), devices=(0,))
-    sb = stage_bytes(p, (0, 2), 4)  # one stage (the last): micro-batches of 4 samples
+    sb, redone = stage_bytes(p, (0, 2), 4)  # one stage (the last): micro-batches of 4 samples
     # parameters and two moments 6000 B; a micro-batch holds 800 B kept and the loss's 400 B
     # log-softmax (4 B x 100 fp32 logits); a later backward adds both gradients (2000) to its
     # layer 1 moment (kept 800 + arriving gradient 400 + weight gradient 1000)
     assert (sb.static, sb.other, sb.grads, sb.later) == (6000, 1200, 2000, 2200)
     mem = 6000 + 4200 + 2 * 1200 + 50
     # 3 micro-batches fit; re-computing holds 20 B of input and the 400 B log-softmax each
-    redone = stage_bytes(p, (0, 2), 4, recompute=True)
     assert in_flight_limit(sb, mem, 8) == 3
     assert in_flight_limit(redone, mem, 8) == 1 + (mem - 6000 - 4200) // 420
     assert in_flight_limit(sb, 6000 + 4199, 8) == in_flight_limit(redone, 6000 + 4199, 8) == 0
@@ -180,4 +179,4 @@ def test_in_flight_limit() -> None:
         dataclasses.replace(x, parameter_bytes=0, kept_activation_bytes_per_sample=0.0,
                             output_bytes_per_sample=0.0) for x in p.layers
     ), input_bytes_per_sample=0.0)  # fmt: skip
-    assert in_flight_limit(stage_bytes(empty, (0, 2), 4), mem, 8) == 10**9  # no memory taken
+    assert in_flight_limit(stage_bytes(empty, (0, 2), 4)[0], mem, 8) == 10**9  # no memory taken

@@ -95,6 +95,7 @@ def train(
         CheckpointError: ``require_resume`` and no checkpoint to resume.
         RankFailure: A worker failed.
     """
+    from dapple.models.fingerprint import check_plan_model
     from dapple.runtime import train as _train
     from dapple.runtime.config import TrainConfig
     from dapple.runtime.run_config import RunOptions, check_resumable, resolve_train_config
@@ -106,7 +107,7 @@ def train(
     run_plan = plan_with(plan, schedule, policy, virtual_stages)
     wl = as_workload(workload, _seq_overrides(workload, overrides, seq_len))
     _check_run(run_plan, wl, None if cluster is None else as_cluster(cluster, None))
-    _check_plan_fingerprint(run_plan, wl)
+    check_plan_model(run_plan.model_fingerprint, wl)  # before any compute
     if profile is not None:  # measured on this model (its layers' tensors), before any compute
         _check_profile(profile, wl)
     train_data = _dataset(data, seq_len, documents)
@@ -138,28 +139,6 @@ def _check_run(plan: Plan, wl: Workload, cluster: Cluster | None = None) -> None
 
     plan.check_model(wl.name, wl.num_layers)
     check_tensor_run(plan, wl, cluster)
-
-
-def _check_plan_fingerprint(plan: Plan, wl: Workload) -> None:
-    """A plan made from a profile of this model's tensors (its
-    :attr:`~dapple.core.plan.Plan.model_fingerprint`; none recorded: not checked): its memory
-    and step time were planned for them.
-
-    Raises:
-        ValidationError: one line naming both fingerprints.
-    """
-    from dapple.models.fingerprint import model_fingerprint
-
-    if plan.model_fingerprint is None:
-        return
-    mine = model_fingerprint(wl)
-    if mine is not None and mine != plan.model_fingerprint:
-        raise ValidationError(
-            f"the plan was made for another {wl.name!r} ({wl.num_layers} layers): same layer "
-            f"count, other tensor shapes or dtypes (fingerprint {plan.model_fingerprint} in the "
-            f"plan, {mine} here), so its memory and step time do not hold; profile and plan this "
-            "model with the same --set options (dapple profile -m MODEL --set ...; dapple plan)"
-        )
 
 
 def _check_profile(profile: ModelProfile | str | Path, wl: Workload) -> None:

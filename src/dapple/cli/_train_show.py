@@ -17,7 +17,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dapple.core.output_path import check_picture_file
 from dapple.errors import ValidationError
 
 if TYPE_CHECKING:  # torch-free import of the CLI
@@ -103,7 +102,6 @@ def loss_curve_path(args: argparse.Namespace) -> Path | None:
         return None
     if not path.parent.is_dir():
         raise ValidationError(f"loss curve {str(path)!r}: directory {str(path.parent)!r} not found")
-    check_picture_file(path, "loss curve file")
     return path
 
 

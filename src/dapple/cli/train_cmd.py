@@ -30,7 +30,7 @@ from dapple.cli._run_args import add_run_arguments, load_run_plan
 from dapple.cli._train_config import FILE_GIVES, TRAIN_SECTIONS_HELP, flags_of, run_config_of
 from dapple.cli._train_show import add_show_arguments, loss_curve_path, print_summary
 from dapple.core.cluster import describe_presets
-from dapple.core.output_path import check_output_file
+from dapple.core.output_path import check_output_file, check_picture_file
 from dapple.core.plan import Plan
 from dapple.errors import ValidationError
 
@@ -357,11 +357,12 @@ def _memory_table(
     print_table(console(), table)
 
 
-def _check_output(path: str | os.PathLike[str] | None, what: str) -> None:
+def _check_output(path: str | os.PathLike[str] | None, what: str, *, picture: bool = False) -> None:
     """Rank 0 (which writes the metrics and the loss curve) refuses, before any worker starts,
-    an output path it could not write at the end (:func:`check_output_file`)."""
+    an output path it could not write at the end (:func:`check_output_file`; ``picture``: in
+    a format it cannot draw, :func:`check_picture_file`)."""
     if path is not None and int(os.environ.get("RANK", "0")) == 0:
-        check_output_file(path, what)
+        (check_picture_file if picture else check_output_file)(path, what)
 
 
 def _model_arg(args: argparse.Namespace) -> Workload:
@@ -409,7 +410,7 @@ def run_config(cfg: RunConfig) -> int:
             raise ValidationError(f"--tensorboard {str(tb)!r} is a file, not a directory")
         check_output_file(tb / "events", "--tensorboard directory", make_parents=True)
     curve = loss_curve_path(flags)
-    _check_output(curve, "loss curve")
+    _check_output(curve, "loss curve file", picture=True)
     with _early_workers(flags, len(plan.devices)) as early:
         metrics = _checked_train(cfg, flags, plan, early)
     if metrics and int(os.environ.get("RANK", "0")) == 0:

@@ -46,7 +46,7 @@ stage by 20%: ``benchmarks/gpu_memory_fit.md``.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from dapple.core.plan import StagePlan, split_sizes
@@ -69,11 +69,11 @@ __all__ = [
     "StagePeak",
     "cast_bytes",
     "device_peak",
+    "device_static",
     "in_flight_limit",
     "loss_bytes",
     "plan_stage_bytes",
     "stage_bytes",
-    "stage_bytes_both",
     "stage_peak",
     "workspace_bytes",
 ]
@@ -189,28 +189,10 @@ def stage_bytes(
     zero_stage: int = 0,
     tensor_width: int = 1,
     regather: bool = False,
-    recompute: bool = False,
-) -> StageBytes:
-    """:class:`StageBytes` of layers ``[start, end)`` on one of ``replicas`` replicas (each
-    back-propagating a slice of ``samples`` samples) of a tensor group of ``tensor_width``."""
-    plain, redone = stage_bytes_both(
-        profile, layers, samples, replicas=replicas, zero_stage=zero_stage,
-        tensor_width=tensor_width, regather=regather,
-    )  # fmt: skip
-    return redone if recompute else plain
-
-
-def stage_bytes_both(
-    profile: ModelProfile,
-    layers: tuple[int, int],
-    samples: int,
-    *,
-    replicas: int = 1,
-    zero_stage: int = 0,
-    tensor_width: int = 1,
-    regather: bool = False,
 ) -> tuple[StageBytes, StageBytes]:
-    """:func:`stage_bytes` without and with re-computation, from one pass over the layers."""
+    """:class:`StageBytes` of layers ``[start, end)`` on one of ``replicas`` replicas (each
+    back-propagating a slice of ``samples`` samples) of a tensor group of ``tensor_width``:
+    ``(without, with re-computation)``, from one pass over the layers."""
     profile = profile.for_memory
     s, e = layers
     t = tensor_width
@@ -284,20 +266,26 @@ def stage_peak(
 
 
 def plan_stage_bytes(
-    profile: ModelProfile, stage: StagePlan, micro_batch_size: int, zero_stage: int = 0
+    profile: ModelProfile,
+    stage: StagePlan,
+    micro_batch_size: int,
+    zero_stage: int = 0,
+    *,
+    samples: int | None = None,
 ) -> StageBytes:
-    """:func:`stage_bytes` of one replica of ``stage`` (its slice of b, its zero stage or
-    ``zero_stage`` where higher)."""
-    return stage_bytes(
+    """:func:`stage_bytes` of one replica of ``stage`` as it runs (re-computing or not): its
+    slice of ``samples`` (None: the largest slice of b), its zero stage or ``zero_stage``
+    where higher."""
+    plain, redone = stage_bytes(
         profile,
         stage.layers,
-        split_sizes(micro_batch_size, stage.replicas)[0],
+        split_sizes(micro_batch_size, stage.replicas)[0] if samples is None else samples,
         replicas=stage.replicas,
         zero_stage=max(zero_stage, stage.zero_stage),
         tensor_width=stage.tensor_width,
         regather=stage.regather,
-        recompute=stage.recompute,
     )
+    return redone if stage.recompute else plain
 
 
 def in_flight_limit(sb: StageBytes, memory: float, num_micro_batches: int) -> int:
@@ -354,13 +342,19 @@ def device_peak(parts: Mapping[int, StageBytes], order: Sequence[Action]) -> Sta
                 if a.stage not in seen:
                     seen.add(a.stage)
                     grads += sb.grads
-    held = parts.values()
     return StagePeak(
-        static=sum(p.static for p in held) + max((p.shared for p in held), default=0.0),
+        static=device_static(parts.values()),
         first_backward=first_b,
         later_backward=later_b,
-        optimizer=sum(p.grads - p.cache for p in held),
+        optimizer=sum(p.grads - p.cache for p in parts.values()),
     )
+
+
+def device_static(parts: Iterable[StageBytes]) -> float:
+    """What a device holds all step for its stages (its chunks under interleaving): each
+    one's ``static``, and the largest ``shared`` once (one backward runs at a time)."""
+    held = list(parts)
+    return sum(p.static for p in held) + max((p.shared for p in held), default=0.0)
 
 
 def _backward_moments(

@@ -23,7 +23,7 @@ from dapple.models.workload import Workload
 
 log = logging.getLogger(__name__)
 
-__all__ = ["check_profile_model", "layer_tensors", "model_fingerprint"]
+__all__ = ["check_plan_model", "check_profile_model", "layer_tensors", "model_fingerprint"]
 
 FINGERPRINT_KIND = "meta-state-v1"
 """What the fingerprint hashes (the prefix of its string): the layer count and each layer's
@@ -88,11 +88,38 @@ def check_profile_model(profile: ModelProfile, workload: Workload, what: str) ->
                 what, profile.model_name, ours,
             )  # fmt: skip
         return
-    mine = model_fingerprint(workload)
-    if mine is not None and mine != profile.model_fingerprint:
+    mine = _other_fingerprint(profile.model_fingerprint, workload)
+    if mine is not None:
         raise ValidationError(
             f"{what} was measured on another model than {ours}: same layer count, other "
             f"tensor shapes or dtypes (fingerprint {profile.model_fingerprint} there, {mine} "
             f"here; profiled as {profile.model_name!r}); profile this model with the same "
             "--set options (dapple profile -m MODEL --set ...)"
         )
+
+
+def check_plan_model(fingerprint: str | None, workload: Workload) -> None:
+    """A plan made from a profile whose fingerprint was ``fingerprint``
+    (:attr:`~dapple.core.plan.Plan.model_fingerprint`; None: not checked) runs this model's
+    tensors: its memory and step time were planned for them.
+
+    Raises:
+        ValidationError: one line naming both fingerprints.
+    """
+    mine = _other_fingerprint(fingerprint, workload)
+    if mine is not None:
+        raise ValidationError(
+            f"the plan was made for another {workload.name!r} ({workload.num_layers} layers): "
+            f"same layer count, other tensor shapes or dtypes (fingerprint {fingerprint} in the "
+            f"plan, {mine} here), so its memory and step time do not hold; profile and plan this "
+            "model with the same --set options (dapple profile -m MODEL --set ...; dapple plan)"
+        )
+
+
+def _other_fingerprint(recorded: str | None, workload: Workload) -> str | None:
+    """``workload``'s fingerprint when ``recorded`` is another one; None when they agree or
+    either is unknown."""
+    if recorded is None:
+        return None
+    mine = model_fingerprint(workload)
+    return mine if mine is not None and mine != recorded else None

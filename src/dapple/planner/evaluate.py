@@ -25,7 +25,7 @@ from dapple.core.profile import ModelProfile
 from dapple.cost.comm import busiest_link_ms, link_loads, stage_sync_ms, stage_update_ms
 from dapple.cost.host import HostExtra, has_host_terms, stage_host_extras
 from dapple.cost.memory import boundary_bytes, sharded_layer_bytes, tensor_kept_bytes_per_sample
-from dapple.cost.peak_memory import in_flight_limit, stage_bytes_both
+from dapple.cost.peak_memory import in_flight_limit, stage_bytes
 from dapple.cost.sharing import slice_work
 from dapple.cost.tensor import fsdp_pass_ms, replica_sync_ms
 from dapple.cost.terms import StageTerms, pipeline_terms
@@ -235,7 +235,7 @@ class Scorer:
         if got is not None:  # placements of the same replica count share it
             return got
         usable = float(self.cluster.usable_memory_bytes)
-        plain, redone = stage_bytes_both(
+        plain, redone = stage_bytes(
             self._memory,
             (s, e),
             samples,

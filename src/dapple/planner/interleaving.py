@@ -51,7 +51,7 @@ from dapple.core.cuts import rounded_to_chunks, with_cuts
 from dapple.core.plan import Plan, interleave
 from dapple.core.profile import ModelProfile
 from dapple.cost.lengths import profile_for_plan
-from dapple.cost.peak_memory import plan_stage_bytes
+from dapple.cost.peak_memory import device_static, plan_stage_bytes
 from dapple.cost.schedules import device_memory_by_group, schedule_latency
 from dapple.planner.evaluate import ZERO3_REGATHER, Scorer, zero3_modes
 from dapple.planner.grid import (
@@ -283,8 +283,7 @@ def memory_floor_bytes(plan: Plan, profile: ModelProfile) -> float:
         held = sum(
             (cycles * P + min(max(rest - c * P, 0), P)) * sb.other for c, sb in enumerate(mine)
         )
-        static = sum(sb.static for sb in mine) + max(sb.shared for sb in mine)
-        worst = max(worst, static + held)
+        worst = max(worst, device_static(mine) + held)
     return worst
 
 

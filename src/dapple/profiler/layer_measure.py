@@ -113,13 +113,19 @@ def autocast_for(precision: str, dev: torch.device) -> Cast:
     return partial(torch.autocast, dev.type, dtype=dtype)
 
 
+def _cast_of(fn: Any) -> int | None:
+    """The id of the tensor autograd node ``fn`` copies when it is a cast of a leaf (autocast's
+    copy of a parameter: ``ToCopyBackward`` fed by its ``AccumulateGrad``), else None."""
+    if fn is None or not fn.name().startswith("ToCopyBackward") or not fn.next_functions:
+        return None
+    src = fn.next_functions[0][0]
+    leaf = getattr(src, "variable", None) if src is not None else None
+    return None if leaf is None else id(leaf)
+
+
 def _is_weight_cast(t: torch.Tensor, params: set[int]) -> bool:
     """``t`` is autocast's cast copy of one of the parameters (ids in ``params``)."""
-    fn = t.grad_fn
-    if fn is None or not fn.name().startswith("ToCopyBackward"):
-        return False
-    src = fn.next_functions[0][0] if fn.next_functions else None
-    return src is not None and id(getattr(src, "variable", None)) in params
+    return _cast_of(t.grad_fn) in params
 
 
 def cast_parameter_bytes(out: Any, layer: nn.Module) -> int:
@@ -137,12 +143,10 @@ def cast_parameter_bytes(out: Any, layer: nn.Module) -> int:
         if fn in seen:
             continue
         seen.add(fn)
-        nexts = [n for n, _ in fn.next_functions if n is not None]
-        if fn.name().startswith("ToCopyBackward") and nexts:
-            p = params.get(id(getattr(nexts[0], "variable", None)))
-            if p is not None:
-                cast[id(p)] = p.numel() * p.element_size()
-        stack.extend(nexts)
+        leaf = _cast_of(fn)
+        if leaf in params:
+            cast[leaf] = params[leaf].numel() * params[leaf].element_size()
+        stack.extend(n for n, _ in fn.next_functions if n is not None)
     return sum(cast.values())
 
 

@@ -52,7 +52,7 @@ from dapple.core.plan import Plan
 from dapple.core.profile import ModelProfile
 from dapple.cost.lengths import profile_for_plan
 from dapple.cost.overlap import NO_OVERLAP, CommOverlap
-from dapple.cost.peak_memory import StageBytes, stage_bytes
+from dapple.cost.peak_memory import StageBytes, device_static, plan_stage_bytes
 from dapple.cost.schedules import schedule_step_ms
 from dapple.cost.terms import PlanTerms, TransferTerms, stage_terms
 from dapple.errors import DappleError, ValidationError
@@ -180,16 +180,11 @@ class _Run:
         """:class:`StageBytes` of replica ``j`` of stage ``s`` (its slice)."""
         key = (s, j)
         if key not in self._bytes:
-            st = self.plan.stages[s]
-            self._bytes[key] = stage_bytes(
+            self._bytes[key] = plan_stage_bytes(
                 self.profile,
-                st.layers,
-                self.terms.stages[s].replicas[j].samples,
-                replicas=st.replicas,
-                zero_stage=st.zero_stage,
-                tensor_width=st.tensor_width,
-                regather=st.regather,
-                recompute=st.recompute,
+                self.plan.stages[s],
+                self.plan.micro_batch_size,
+                samples=self.terms.stages[s].replicas[j].samples,
             )
         return self._bytes[key]
 
@@ -416,7 +411,7 @@ def simulate(
     for dev in sorted(sched):
         s, j = where[dev]
         j_of = [run.stage_bytes(k, j) for k in plan.stages_of_device(dev)]
-        static = sum(x.static for x in j_of) + max((x.shared for x in j_of), default=0.0)
+        static = device_static(j_of)
         level, peak = static, static
         points = [(0.0, static)]
         # OPT at the device's end: every gradient, the cast caches freed
