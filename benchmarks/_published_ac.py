@@ -23,11 +23,12 @@ from __future__ import annotations
 
 import dataclasses
 
+from dapple.core.precision import precision_of
 from dapple.core.profile import AffineTime, LayerProfile, ModelProfile, fit_affine
 from dapple.profiler.analytic import layer_time_ms
 from dapple.profiler.analytic_devices import DeviceSpec, Efficiency
 from dapple.profiler.analytic_models import TransformerSpec
-from dapple.profiler.analytic_ops import ELEMENT_BYTES, LayerCost, Op, block_ops
+from dapple.profiler.analytic_ops import LayerCost, Op, block_ops
 
 __all__ = ["TORCHTITAN_POLICIES", "apply_policy", "selective_op_cost"]
 
@@ -59,7 +60,7 @@ def selective_op_cost(spec: TransformerSpec, precision: str, block: LayerCost) -
     names = {op.name for op in block.ops}
     if spec.mlp != "swiglu" or "attention" not in names or "rotary" not in names:
         raise ValueError(f"{spec.name}: the op policy is modelled for Llama blocks only")
-    e, s, h, f = ELEMENT_BYTES[precision], float(spec.seq), spec.hidden, spec.ffn
+    e, s, h, f = precision_of(precision).element_bytes, float(spec.seq), spec.hidden, spec.ffn
     q_w, kv_w = spec.heads * spec.d_head, spec.n_kv_heads * spec.d_head
     lse = spec.heads * s * 4.0
     kept = s * e * (h + q_w + kv_w + q_w + f + h) + lse
@@ -103,7 +104,7 @@ def apply_policy(
             if layer.name.startswith("block") and int(layer.name[5:]) % 2 == 1:
                 layers[i] = full.layers[i]
         return dataclasses.replace(profile, layers=tuple(layers))
-    e = ELEMENT_BYTES[precision]
+    e = precision_of(precision).element_bytes
     block = selective_op_cost(spec, precision, _block_cost(spec, e))
     sizes = profile.batch_sizes
     backward = fit_affine(

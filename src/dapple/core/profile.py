@@ -29,9 +29,9 @@ from dapple.core._json import (
     require,
     save_json_file,
 )
+from dapple.core.precision import TRAINING_PRECISIONS
 
 __all__ = [
-    "PROFILE_PRECISIONS",
     "PROFILE_SCHEMA_VERSION",
     "AffineTime",
     "LayerProfile",
@@ -41,9 +41,6 @@ __all__ = [
 ]
 
 PROFILE_SCHEMA_VERSION = 1
-
-PROFILE_PRECISIONS = ("fp32", "bf16", "fp16")
-"""Compute precisions a profile can be measured in (``ModelProfile.precision``)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -396,9 +393,9 @@ class ModelProfile:
     def __post_init__(self) -> None:
         require(len(self.layers) > 0, f"profile {self.model_name!r} has no layers")
         require(
-            self.precision in PROFILE_PRECISIONS,
+            self.precision in TRAINING_PRECISIONS,
             f"profile {self.model_name!r}: precision must be one of "
-            f"{', '.join(PROFILE_PRECISIONS)}, got {self.precision!r}",
+            f"{', '.join(TRAINING_PRECISIONS)}, got {self.precision!r}",
         )
         require(
             all(b > 0 for b in self.batch_sizes),

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from dapple.core.plan import StagePlan
+from dapple.core.precision import precision_of
 from dapple.core.profile import LayerProfile, ModelProfile
 
 __all__ = [
@@ -89,9 +90,10 @@ def tensor_kept_bytes_per_sample(layer: LayerProfile, t: int) -> float:
     return whole + (kept - whole) / t
 
 
-WEIGHT_CAST_FACTOR = {"fp32": 0.0, "bf16": 0.5, "fp16": 0.5}
-"""Bytes of autocast's weight cast cache per (fp32) parameter byte: a 2-byte copy of every
-4-byte parameter under bf16/fp16 autocast, none in fp32."""
+def _cast_factor(profile: ModelProfile) -> float:
+    """Bytes of autocast's weight cast cache per (fp32) parameter byte: a 2-byte copy of every
+    4-byte parameter under bf16/fp16 autocast, none in fp32."""
+    return precision_of(profile.precision).weight_cast_factor
 
 
 def state_bytes_per_parameter_byte(
@@ -101,7 +103,7 @@ def state_bytes_per_parameter_byte(
 
     ``1 + optimizer_state_factor`` (fp32 parameters, gradients and optimizer state, whatever
     the compute precision: master weights stay fp32); the weight cast cache of a
-    ``bf16``/``fp16`` profile (:data:`WEIGHT_CAST_FACTOR`: parameter count x 2 bytes); and on a
+    ``bf16``/``fp16`` profile (parameter count x 2 bytes); and on a
     replicated stage (``replicas > 1``) one more copy of the gradient - the flat buffers its
     AllReduce AR(P_s, g_s) reduces in (the runtime's gradient buckets, :mod:`dapple.runtime.sync`).
 
@@ -122,7 +124,7 @@ def state_bytes_per_parameter_byte(
     :func:`gradients_in_flight_bytes`). With ``regather`` only the pieces being computed are
     whole (:func:`gradients_in_flight_bytes`), the cast cache sharded too.
     """
-    cast = WEIGHT_CAST_FACTOR[profile.precision]
+    cast = _cast_factor(profile)
     factor = profile.optimizer_state_factor
     if replicas > 1 and zero_stage >= 3:
         if regather:
@@ -142,7 +144,7 @@ def weight_cast_bytes(profile: ModelProfile, layers: tuple[int, int]) -> float:
     all of ``parameter_bytes`` when the profile does not say)."""
     s, e = layers
     params = sum(_cast_of(layer) for layer in profile.layers[s:e])
-    return params * WEIGHT_CAST_FACTOR[profile.precision]
+    return params * _cast_factor(profile)
 
 
 def _cast_of(layer: LayerProfile) -> int:
@@ -163,7 +165,7 @@ def uncast_bytes(
     for layer in profile.layers[s:e]:
         n = layer.parameter_bytes - _cast_of(layer)
         total += n / tensor_width if layer.tensor_parallel else n
-    return total * WEIGHT_CAST_FACTOR[profile.precision] / shards
+    return total * _cast_factor(profile) / shards
 
 
 def tied_state_bytes_per_parameter_byte(
@@ -181,7 +183,7 @@ def tied_state_bytes_per_parameter_byte(
     """
     if replicas < 2:
         return state_bytes_per_parameter_byte(profile)
-    cast = WEIGHT_CAST_FACTOR[profile.precision]
+    cast = _cast_factor(profile)
     factor = profile.optimizer_state_factor
     ar_buffers = 0.0 if cross_stage else 1.0
     if zero_stage >= 1:

@@ -50,10 +50,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from dapple.core.plan import StagePlan, split_sizes
+from dapple.core.precision import precision_of
 from dapple.core.profile import LayerProfile, ModelProfile
 from dapple.cost.memory import (
     UNBOUNDED_IN_FLIGHT,
-    WEIGHT_CAST_FACTOR,
     boundary_bytes,
     gradients_in_flight_bytes,
     parameter_state_bytes,
@@ -102,7 +102,7 @@ def workspace_bytes(device: str) -> float:
 
 
 def _element_bytes(profile: ModelProfile) -> int:
-    return 4 if profile.precision == "fp32" else 2
+    return precision_of(profile.precision).element_bytes
 
 
 def loss_bytes(profile: ModelProfile, samples: int) -> tuple[float, float]:
@@ -123,7 +123,7 @@ def cast_bytes(profile: ModelProfile, layer: LayerProfile) -> float:
     cast = (
         layer.parameter_bytes if layer.cast_parameter_bytes is None else layer.cast_parameter_bytes
     )
-    return cast * WEIGHT_CAST_FACTOR[profile.precision]
+    return cast * precision_of(profile.precision).weight_cast_factor
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

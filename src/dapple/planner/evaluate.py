@@ -21,6 +21,7 @@ from typing import NamedTuple
 
 from dapple.core.cluster import Cluster
 from dapple.core.plan import DEFAULT_SCHEDULE, Plan, Policy, StagePlan
+from dapple.core.precision import precision_of
 from dapple.core.profile import ModelProfile
 from dapple.cost.comm import busiest_link_ms, link_loads, stage_sync_ms, stage_update_ms
 from dapple.cost.host import HostExtra, has_host_terms, stage_host_extras
@@ -68,7 +69,7 @@ def zero3_modes(profile: ModelProfile, s: int = 0, e: int = 0) -> tuple[int, ...
     (``dapple.runtime.stage_mesh``)."""
     if any(x.tied_parameter_bytes for x in profile.layers[s:e]):
         return ()
-    return (3, ZERO3_REGATHER) if profile.precision == "fp32" else (3,)
+    return (3,) if precision_of(profile.precision).autocast else (3, ZERO3_REGATHER)
 
 
 class _Option(NamedTuple):

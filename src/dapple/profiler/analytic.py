@@ -29,10 +29,10 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from dapple.core.precision import ANALYTIC_PRECISIONS, precision_of
 from dapple.core.profile import LayerProfile, ModelProfile, fit_affine
 from dapple.errors import ValidationError
 from dapple.profiler.analytic_devices import (
-    ANALYTIC_PRECISIONS,
     FITTED,
     DeviceSpec,
     Efficiency,
@@ -59,9 +59,6 @@ __all__ = [
     "op_efficiencies",
 ]
 
-_PROFILE_PRECISION = {"fp32": "fp32", "bf16": "bf16", "fp16": "fp16", "fp8": "bf16"}
-"""The memory model's precision of each compute precision (fp8 keeps bf16 activations)."""
-_DTYPE = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp8": "float8_e4m3fn"}
 _ADAM_BYTES_PER_PARAMETER = 28.0
 """AdamW over fp32 master weights: reads parameter, gradient and both moments, writes the
 parameter and the moments."""
@@ -96,7 +93,7 @@ def _op_ms(op: Op, b: float, dev: DeviceSpec, precision: str, eff: Efficiency, f
     nbytes += op.fwd_bytes_per_call if fwd else op.bwd_bytes_per_call
     c_eff, m_eff = op_efficiencies(op, eff)
     if op.kind == "matmul":
-        p = precision if op.weight_gemm or precision != "fp8" else "bf16"
+        p = precision if op.weight_gemm else precision_of(precision).tensor_precision.value
         compute = flops / (c_eff * dev.matmul_peak(p))
     elif op.kind == "attention":
         compute = flops / (c_eff * dev.attention_peak(precision))
@@ -173,7 +170,8 @@ def analytic_profile(
     sizes = sorted(set(batch_sizes))
     if not sizes or sizes[0] < 1:
         raise ValidationError(f"batch_sizes must be positive integers, got {list(batch_sizes)}")
-    eager = kernels == "eager" and precision != "fp32"
+    prec = precision_of(precision)
+    eager = kernels == "eager" and prec.autocast
     if eager and attention is None:
         attention = "masked"  # dapple's traced HF models: SDPA given the causal mask
     costs = layer_costs(
@@ -202,17 +200,17 @@ def analytic_profile(
                 tensor_parallel=c.name.startswith("block"),
             )
         )
-    cast = 0.0 if precision == "fp32" else 2.0
+    cast = prec.element_bytes if prec.autocast else 0.0
     update = (_ADAM_BYTES_PER_PARAMETER + cast) / 4 / (eff.memory * dev.hbm_bytes_per_s) * 1e3
     return ModelProfile(
         model_name=spec.name,
         layers=tuple(layers),
         input_bytes_per_sample=8.0 * spec.seq,
-        dtype=_DTYPE[precision],
+        dtype=prec.dtype_name,
         device=f"{dev.label} (analytic, {precision}{f', {kernels} kernels' if kernels else ''})",
         batch_sizes=tuple(sizes),
         optimizer_state_factor=3.0,
         update_ms_per_parameter_byte=update,
-        precision=_PROFILE_PRECISION[precision],
+        precision=prec.tensor_precision.value,
         seq_len=spec.seq,
     )

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from dapple.core.precision import TRAINING_PRECISIONS, precision_of
 from dapple.core.profile import ModelProfile
 from dapple.errors import ValidationError
 from dapple.profiler.analytic_models import TransformerSpec
@@ -46,9 +47,6 @@ __all__ = [
     "autocast_profile",
     "cast_parameters",
 ]
-
-_E = {"bf16": 2, "fp16": 2}
-"""Bytes of an autocast element."""
 
 
 def autocast_block_kept_bytes(spec: TransformerSpec, precision: str = "bf16") -> float:
@@ -123,6 +121,7 @@ def autocast_profile(profile: ModelProfile, spec: TransformerSpec) -> ModelProfi
 
 
 def _element_bytes(precision: str) -> int:
-    if precision not in _E:
+    """Bytes of an autocast element of ``precision`` (bf16 or fp16)."""
+    if precision not in TRAINING_PRECISIONS or not precision_of(precision).autocast:
         raise ValidationError(f"autocast bytes need precision bf16 or fp16, got {precision!r}")
-    return _E[precision]
+    return precision_of(precision).element_bytes

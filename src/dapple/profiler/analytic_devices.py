@@ -51,10 +51,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from dapple.core.cluster import GIB
+from dapple.core.precision import ComputePrecision, precision_of
 from dapple.errors import ValidationError
 
 __all__ = [
-    "ANALYTIC_PRECISIONS",
     "DEVICES",
     "FITTED",
     "KERNEL_GAP_US",
@@ -67,9 +67,8 @@ __all__ = [
     "get_device",
 ]
 
-ANALYTIC_PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
-"""Compute precisions of an analytic profile. ``fp8``: linear-layer GEMMs in fp8 (Transformer
-Engine, torchao Float8), everything else in bf16."""
+_TRAINING_PREFERENCE = (ComputePrecision.BF16, ComputePrecision.FP16, ComputePrecision.FP32)
+"""What a model trains in on a device, first choice first (:attr:`DeviceSpec.default_precision`)."""
 
 OP_CLASSES = ("matmul", "attention", "memory")
 """Operation classes, each with its own efficiency."""
@@ -133,7 +132,8 @@ class DeviceSpec:
     label: str
     """The part the datasheet numbers are for."""
     peak_flops: dict[str, float]
-    """Dense peak FLOP/s of GEMMs per precision (:data:`ANALYTIC_PRECISIONS`)."""
+    """Dense peak FLOP/s of GEMMs per precision
+    (:data:`~dapple.core.precision.ANALYTIC_PRECISIONS`)."""
     hbm_bytes_per_s: float
     """Peak HBM bandwidth, bytes/s."""
     memory_bytes: int
@@ -148,7 +148,7 @@ class DeviceSpec:
     def default_precision(self) -> str:
         """What a model trains in on this device unless told otherwise: bf16 where the
         datasheet has it, else fp16, else fp32."""
-        return next(p for p in ("bf16", "fp16", "fp32") if p in self.peak_flops)
+        return next(p.value for p in _TRAINING_PREFERENCE if p.value in self.peak_flops)
 
     def supports(self, precision: str) -> bool:
         """Whether the device has a peak for ``precision``."""
@@ -169,8 +169,8 @@ class DeviceSpec:
     def attention_peak(self, precision: str) -> float:
         """Peak FLOP/s of the fused attention kernel: 16-bit Tensor Cores (fp8 runs attention in
         bf16), fp32 in fp32."""
-        if precision == "fp32":
-            return self.matmul_peak("fp32")
+        if not precision_of(precision).autocast:
+            return self.matmul_peak(precision)
         return self.peak_flops.get("bf16", self.peak_flops.get("fp16", 0.0))
 
     def efficiency_for(self, precision: str) -> Efficiency:

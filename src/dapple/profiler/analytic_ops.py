@@ -42,14 +42,13 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from dapple.core.precision import ANALYTIC_PRECISIONS, precision_of
 from dapple.errors import ValidationError
-from dapple.profiler.analytic_devices import ANALYTIC_PRECISIONS
 from dapple.profiler.analytic_models import TransformerSpec
 
 __all__ = [
     "ATTENTION_IMPLS",
     "CHECKPOINTS",
-    "ELEMENT_BYTES",
     "LayerCost",
     "Op",
     "autocast_casts",
@@ -58,8 +57,6 @@ __all__ = [
     "linear_op",
 ]
 
-ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 2}
-"""Bytes per activation element by precision (fp8 keeps bf16 activations)."""
 CHECKPOINTS = ("none", "selective", "full")
 """Activation checkpointing modes (module docstring)."""
 ATTENTION_IMPLS = ("flash", "eager", "masked")
@@ -372,7 +369,7 @@ def layer_costs(
 
     Args:
         spec: the model.
-        precision: one of :data:`~dapple.profiler.analytic_devices.ANALYTIC_PRECISIONS`.
+        precision: one of :data:`~dapple.core.precision.ANALYTIC_PRECISIONS`.
         attention: ``flash`` or ``eager``; None: eager in fp32, flash otherwise.
         checkpoint: one of :data:`CHECKPOINTS` (applies to the blocks).
         fold_ends: merge the embedding into the first block and the head into the last.
@@ -384,10 +381,11 @@ def layer_costs(
         ValidationError: an unknown precision, attention or checkpoint mode.
     """
     _check(precision, ANALYTIC_PRECISIONS, "precision")
-    impl = attention or ("eager" if precision == "fp32" else "flash")
+    prec = precision_of(precision)
+    impl = attention or ("flash" if prec.autocast else "eager")
     _check(impl, ATTENTION_IMPLS, "attention")
     _check(checkpoint, CHECKPOINTS, "checkpoint")
-    e, s, h = ELEMENT_BYTES[precision], float(spec.seq), spec.hidden
+    e, s, h = prec.element_bytes, float(spec.seq), spec.hidden
     hidden_bytes = s * h * e
     tied = spec.hidden * spec.outputs if spec.tied_embeddings else 0
     embedding = _layer(
@@ -403,7 +401,7 @@ def layer_costs(
                checkpoint, hidden_bytes)
         for i in range(spec.layers)
     ]  # fmt: skip
-    if autocast and precision != "fp32":
+    if autocast and prec.autocast:
         embedding, head = _with_casts(embedding, e), _with_casts(head, e)
         blocks = [_with_casts(b, e) for b in blocks]
     if not fold_ends:

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from dapple.core.precision import ComputePrecision
 from dapple.models.split_backward import input_gradients, weight_gradients
 from dapple.profiler.co_workers import Cast
 
@@ -101,8 +102,11 @@ class Timer:
         return (self.clock() - t0) * 1e3, out
 
 
-_AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-"""Autocast dtype of each low precision (as :data:`dapple.runtime.precision.AUTOCAST_DTYPES`)."""
+_AUTOCAST_DTYPES = {
+    p.value: getattr(torch, p.dtype_name) for p in ComputePrecision if p.trains and p.autocast
+}
+"""Autocast dtype of each low precision a profile is measured in, by name (as
+:data:`dapple.runtime.precision.AUTOCAST_DTYPES`)."""
 
 
 def autocast_for(precision: str, dev: torch.device) -> Cast:

@@ -27,8 +27,8 @@ from functools import partial
 import torch
 from torch import nn
 
+from dapple.core.precision import TRAINING_PRECISIONS, precision_of
 from dapple.core.profile import (
-    PROFILE_PRECISIONS,
     AffineTime,
     LayerProfile,
     ModelProfile,
@@ -93,13 +93,13 @@ def resolve_device(device: str) -> torch.device:
 
 
 def _check_precision(precision: str, dev: torch.device) -> None:
-    if precision not in PROFILE_PRECISIONS:
+    if precision not in TRAINING_PRECISIONS:
         raise ValidationError(
-            f"precision must be one of {', '.join(PROFILE_PRECISIONS)}, got {precision!r}"
+            f"precision must be one of {', '.join(TRAINING_PRECISIONS)}, got {precision!r}"
         )
-    if precision == "fp16" and dev.type == "cpu":
+    if not precision_of(precision).trains_on_cpu and dev.type == "cpu":
         raise ValidationError(
-            "precision fp16: fp16 autocast on CPU is not supported for training "
+            f"precision {precision}: {precision} autocast on CPU is not supported for training "
             "(profile bf16 on the CPU, or fp32)"
         )
 
@@ -312,7 +312,7 @@ def _profile(
     casts: list[int | None] = [None] * n  # bytes of the parameters autocast casts
     for i in range(n):  # one layer at a time: the peak is the largest layer, not the model
         layer = workload.build_layer(i, seed).to(dev).train()
-        if precision != "fp32":
+        if precision_of(precision).autocast:
             with cast():
                 casts[i] = cast_parameter_bytes(layer(xs[0]), layer)
         for k, b in enumerate(sizes):

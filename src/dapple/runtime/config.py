@@ -7,13 +7,11 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from dapple.core.precision import TRAINING_PRECISIONS
 from dapple.errors import ValidationError
 from dapple.runtime.optim_config import OPTIMIZER_STATE_FACTOR, OPTIMIZERS, check_optim
 
-__all__ = ["OPTIMIZERS", "OPTIMIZER_STATE_FACTOR", "PRECISIONS", "StepMetrics", "TrainConfig"]
-
-PRECISIONS = ("fp32", "bf16", "fp16")
-"""``TrainConfig.precision`` values (see :mod:`dapple.runtime.precision`)."""
+__all__ = ["OPTIMIZERS", "OPTIMIZER_STATE_FACTOR", "StepMetrics", "TrainConfig"]
 
 
 def _human(n: float) -> str:
@@ -128,9 +126,9 @@ class TrainConfig:
             raise ValidationError(f"timeout_s must be > 0, got {self.timeout_s}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValidationError(f"device must be auto, cpu or cuda, got {self.device!r}")
-        if self.precision not in PRECISIONS:
+        if self.precision not in TRAINING_PRECISIONS:
             raise ValidationError(
-                f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}"
+                f"precision must be one of {', '.join(TRAINING_PRECISIONS)}, got {self.precision!r}"
             )
         check_optim(self)
 

@@ -41,13 +41,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from dapple.core.precision import TRAINING_PRECISIONS, ComputePrecision, precision_of
 from dapple.errors import ValidationError
-from dapple.runtime.config import PRECISIONS
 
 __all__ = [
     "AUTOCAST_DTYPES",
     "CPU_FP16_ENV",
-    "PRECISIONS",
     "LossScaler",
     "Precision",
     "check_precision",
@@ -57,8 +56,10 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-"""The autocast compute dtype of each low precision."""
+AUTOCAST_DTYPES = {
+    p.value: getattr(torch, p.dtype_name) for p in ComputePrecision if p.trains and p.autocast
+}
+"""The autocast compute dtype of each low precision the runtime trains in, by name."""
 CPU_FP16_ENV = "DAPPLE_TEST_CPU_FP16"
 """Test hook: with ``1`` here fp16 is accepted on the CPU (torch's CPU autocast computes fp16,
 slowly), so the loss scaling can be tested without a GPU."""
@@ -84,18 +85,20 @@ def check_precision(precision: str, device: str | torch.device) -> None:
         ValidationError: an unknown precision, fp16 on the CPU, or bf16 on a CUDA device
             without bf16 support.
     """
-    if precision not in PRECISIONS:
+    if precision not in TRAINING_PRECISIONS:
         raise ValidationError(
-            f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}"
+            f"precision must be one of {', '.join(TRAINING_PRECISIONS)}, got {precision!r}"
         )
+    prec = precision_of(precision)
     dev = resolve_precision_device(device)
-    if precision == "fp16" and dev.type == "cpu" and os.environ.get(CPU_FP16_ENV) != "1":
+    cpu_refused = not prec.trains_on_cpu and os.environ.get(CPU_FP16_ENV) != "1"
+    if cpu_refused and dev.type == "cpu":
         raise ValidationError(
-            "precision fp16: fp16 autocast on CPU is not supported for training "
+            f"precision {precision}: {precision} autocast on CPU is not supported for training "
             "(use bf16 on the CPU, or fp32)"
         )
     cuda = dev.type == "cuda" and torch.cuda.is_available()
-    if precision == "bf16" and cuda and not torch.cuda.is_bf16_supported():
+    if prec is ComputePrecision.BF16 and cuda and not torch.cuda.is_bf16_supported():
         name = torch.cuda.get_device_name(dev)
         raise ValidationError(
             f"precision bf16: CUDA device {name!r} does not support bf16 (use fp16 or fp32)"
@@ -169,7 +172,7 @@ class Precision:
         self.device = device
         self.dtype = AUTOCAST_DTYPES.get(precision)
         """The autocast dtype (None: fp32, no autocast)."""
-        self.scaler = (scaler or LossScaler()) if precision == "fp16" else None
+        self.scaler = (scaler or LossScaler()) if precision_of(precision).loss_scaling else None
         """Dynamic loss scaling (fp16 only)."""
         self.overflow_steps: list[int] = []
         """Steps skipped for an fp16 gradient overflow."""
@@ -251,6 +254,13 @@ class Precision:
 
 
 # ------------------------------------------------------------------ dapple verify's reference
+_VERIFY_TOLERANCES = {
+    ComputePrecision.FP32.value: (1.3e-6, 1e-5),
+    ComputePrecision.BF16.value: (1.6e-2, 1e-3),
+}
+"""``(rtol, atol)`` of each precision ``dapple verify`` supports, by name (:func:`tolerances_for`)."""
+
+
 def tolerances_for(precision: str) -> tuple[float, float]:
     """``(rtol, atol)`` that ``dapple verify`` allows at ``precision``.
 
@@ -266,10 +276,9 @@ def tolerances_for(precision: str) -> tuple[float, float]:
     Raises:
         ValidationError: an unknown precision or one verify does not support (fp16).
     """
-    if precision == "fp32":
-        return 1.3e-6, 1e-5
-    if precision == "bf16":
-        return 1.6e-2, 1e-3
+    tolerances = _VERIFY_TOLERANCES.get(precision)
+    if tolerances is not None:
+        return tolerances
     raise ValidationError(
         f"verify supports precision fp32 or bf16, got {precision!r} (the one-process "
         "reference runs on the CPU, where fp16 autocast does not train)"

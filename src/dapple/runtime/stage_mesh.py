@@ -40,6 +40,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from dapple.core.plan import Plan, StagePlan
+from dapple.core.precision import precision_of
 from dapple.errors import ValidationError
 from dapple.models.tp_plan import tp_plan_of
 from dapple.models.workload import Workload
@@ -103,9 +104,12 @@ def check_mesh_run(plan: Plan, workload: Workload, config: TrainConfig) -> None:
             raise ValidationError(
                 f"{what}: ZeRO-3 on a stage holding tied parameters {tied} is not supported"
             )
-        if config.precision == "fp16":
-            raise ValidationError(f"{what}: precision fp16 with TP or ZeRO-3 is not supported yet")
-        if st.regather and config.precision != "fp32":
+        precision = precision_of(config.precision)
+        if precision.loss_scaling:
+            raise ValidationError(
+                f"{what}: precision {config.precision} with TP or ZeRO-3 is not supported yet"
+            )
+        if st.regather and precision.autocast:
             raise ValidationError(
                 f"{what}: ZeRO-3 regather with precision {config.precision} is not supported"
             )

@@ -20,6 +20,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from dapple.core.plan import Plan
+from dapple.core.precision import precision_of
 from dapple.errors import DappleError, ValidationError
 from dapple.models.shapes import check_steps
 from dapple.models.workload import Workload
@@ -346,7 +347,7 @@ def _tolerances(
     """The weights' ``rtol`` and ``atol`` and the gradients' ``grad_rtol``: the given ones, or
     the defaults (:data:`RTOL`, :data:`ATOL`, :data:`GRAD_RTOL`; low precision: its rtol for
     the gradients)."""
-    low = precision != "fp32"
+    low = precision_of(precision).autocast
     default_grad = tolerances_for(precision)[0] if low else GRAD_RTOL
     return {
         "rtol": RTOL if rtol is None else rtol,
@@ -372,7 +373,7 @@ def _report(
     losses, norms = json.loads((tmp / f"case{c}-losses.json").read_text())
     ref = ForcedReference(wl, plan.global_batch_size, cfg, data)
     diffs, ref_losses, ref_norms = _compare(plan, ref, records, cfg.steps, tol, progress)
-    low = cfg.precision != "fp32"
+    low = precision_of(cfg.precision).autocast
     norm_rtol = max(GRAD_NORM_RTOL, tolerances_for(cfg.precision)[0]) if low else GRAD_NORM_RTOL
     return VerifyReport(
         plan=plan,
