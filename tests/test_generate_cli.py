@@ -8,11 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from builders import boom
 from dapple import api
-from dapple.cli import main
+from dapple.cli import generate_cmd, main
 from dapple.core.plan import straight_plan
 from dapple.errors import ValidationError
-from dapple.models.generate import BYTES, chain_logits
+from dapple.models.generate import BYTES, MAX_NEW_TOKENS, chain_logits
 from dapple.models.workload import Workload
 from dapple.runtime.checkpoint import CheckpointMeta, save_checkpoint, stage_layer_states
 
@@ -142,7 +143,8 @@ def test_errors_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str])
                                          *ZOO_ARGS, "--prompt", "x"],
         "give the weights to generate with": ["generate", *ZOO_ARGS, "--prompt", "x"],
         "the prompt is empty": [*ok, "--prompt", ""],
-        "count of new tokens must be >= 0": [*ok, "--prompt", "x", "--max-new-tokens", "-1"],
+        "--max-new-tokens must be an integer from 1 to 65536, got -1": [
+            *ok, "--prompt", "x", "--max-new-tokens", "-1"],
         "temperature must be >= 0": [*ok, "--prompt", "x", "--temperature", "-1"],
         "tokenizer directory": [*ok, "--prompt", "x", "--tokenizer", str(tmp_path / "none")],
     }  # fmt: skip
@@ -201,3 +203,50 @@ def test_prepare_train_one_process_and_generate(
     overrides = {"layers": 1, "hidden": 16, "heads": 2, "seq": SEQ}
     r = api.generate("transformer", "def ", 10, checkpoint=ckpt, overrides=overrides)
     assert out == r.text + "\n" and r.text.startswith("def ") and r.new_tokens == 10
+
+
+@pytest.mark.parametrize("count", ["0", "-1", str(MAX_NEW_TOKENS + 1), "10000000000000"])
+def test_max_new_tokens_is_bounded_before_any_compute(
+    count: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    wl = api.load("transformer", **ZOO)
+    _checkpoint(wl, tmp_path / "ckpt")
+    monkeypatch.setattr(Workload, "build_model", boom)  # refused before the model is built
+    argv = ["generate", "--checkpoint-dir", str(tmp_path / "ckpt"), *ZOO_ARGS, "--prompt", "x"]
+    assert main([*argv, "--max-new-tokens", count]) == 2
+    assert _err_line(capsys) == (
+        f"dapple: error: --max-new-tokens must be an integer from 1 to {MAX_NEW_TOKENS}, got "
+        f"{count} (each new token is one forward pass over the model's context; the window "
+        "slides, so the model's positions do not limit the count)"
+    )
+
+
+def test_the_help_states_the_bound(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    assert f"tokens to add, 1 to {MAX_NEW_TOKENS} " in " ".join(capsys.readouterr().out.split())
+
+
+def test_progress_after_each_token(tmp_path: Path) -> None:
+    calls: list[tuple[int, int]] = []
+    r = api.generate("transformer", "hi", 5, overrides=ZOO, progress=lambda *a: calls.append(a))
+    assert r.new_tokens == 5 and calls == [(i, 5) for i in range(1, 6)]
+
+
+def test_a_long_generation_shows_progress_on_stderr_a_short_one_none(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    wl = api.load("transformer", **ZOO)
+    _checkpoint(wl, tmp_path / "ckpt")
+    argv = ["generate", "--checkpoint-dir", str(tmp_path / "ckpt"), *ZOO_ARGS, "--prompt", "hi"]
+    assert main([*argv, "--max-new-tokens", "8"]) == 0  # under PROGRESS_MIN_TOKENS: none
+    short = capsys.readouterr()
+    assert "generate:" not in short.err and short.err.count("\n") == 1  # the step loaded
+    monkeypatch.setattr(generate_cmd, "PROGRESS_MIN_TOKENS", 8)  # "long", shown at once
+    monkeypatch.setattr(generate_cmd, "PROGRESS_DELAY_S", 0.0)
+    assert main([*argv, "--max-new-tokens", "8"]) == 0
+    long = capsys.readouterr()
+    assert long.out == short.out  # stdout holds the text only
+    lines = long.err.splitlines()
+    assert lines[0].startswith("generate: 0/8 ") and "generate: done 8/8 in " in lines[-2]
+    assert lines[-1].startswith("generated from the checkpoint of step 1 ")

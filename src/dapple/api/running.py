@@ -8,7 +8,7 @@ check the plan against the model before any worker starts.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -311,6 +311,7 @@ def generate(
     tokenizer: str | Path | None = None,
     temperature: float = 0.0,
     seed: int = 0,
+    progress: Callable[[int, int], None] | None = None,
 ) -> Generated:
     """Continue ``prompt`` with a trained causal language model (``dapple generate``), on the
     CPU (:func:`dapple.models.generate.generate_text`).
@@ -327,6 +328,7 @@ def generate(
             tokenizer when DIR has one, else bytes (vocabulary 256).
         temperature: 0: greedy; above 0: sampled from ``softmax(logits / temperature)``.
         seed: Seed of the sampling.
+        progress: Called after each new token with ``(done, max_new_tokens)``.
 
     Returns:
         A :class:`~dapple.models.generate.Generated`: ``text`` (the prompt and its
@@ -334,7 +336,8 @@ def generate(
 
     Raises:
         ValidationError: An empty prompt, no checkpoint under ``checkpoint``, a tokenizer whose
-            vocabulary does not fit the model's, a bad spec, count or temperature.
+            vocabulary does not fit the model's, a bad spec or temperature, a count outside
+            1 .. :data:`~dapple.models.generate.MAX_NEW_TOKENS`.
         CheckpointError: A checkpoint of another model, or a damaged one.
     """
     from dapple.models.generate import check_request, generate_text, tokenizer_for
@@ -354,6 +357,5 @@ def generate(
     if ckpt is not None:
         check_compatible(ckpt, model_name=wl.name, num_layers=wl.num_layers)
         restore_stage(ckpt, model, 0)
-    return generate_text(
-        wl, model, prompt, max_new_tokens, tokenizer=tok, temperature=temperature, seed=seed
-    )
+    return generate_text(wl, model, prompt, max_new_tokens, tokenizer=tok,
+                         temperature=temperature, seed=seed, progress=progress)  # fmt: skip

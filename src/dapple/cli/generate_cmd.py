@@ -10,17 +10,26 @@ and its continuation are printed on stdout.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import unicodedata
 from typing import TYPE_CHECKING
 
+from rich.console import Console
+
+from dapple.cli._console import StepProgress
 from dapple.cli._model_args import add_model_arguments, model_overrides
 from dapple.errors import ValidationError
 
 if TYPE_CHECKING:
     from dapple.models.generate import Generated
 
-__all__ = ["register"]
+__all__ = ["PROGRESS_DELAY_S", "PROGRESS_MIN_TOKENS", "register"]
+
+PROGRESS_MIN_TOKENS = 256
+"""A request for at least this many tokens shows progress on stderr (fewer: none)."""
+PROGRESS_DELAY_S = 2.0
+"""Seconds before that progress first shows: a long request that ends sooner prints none."""
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -42,7 +51,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         type=int,
         default=64,
         metavar="N",
-        help="tokens to add (default %(default)s; end-of-sequence does not stop it)",
+        help="tokens to add, 1 to 65536 (default %(default)s; end-of-sequence does not stop it; "
+        "the window slides, so the model's positions do not limit N)",
     )
     p.add_argument(
         "--tokenizer",
@@ -76,16 +86,18 @@ def run(args: argparse.Namespace) -> int:
         from dapple.runtime.export import newest_checkpoint
 
         loaded = newest_checkpoint(args.checkpoint_dir)  # none: api.generate says so, one line
-    result = api.generate(
-        args.model,
-        args.prompt,
-        args.max_new_tokens,
-        checkpoint=args.checkpoint_dir,
-        overrides=model_overrides(args),
-        tokenizer=args.tokenizer,
-        temperature=args.temperature,
-        seed=args.seed,
-    )
+    with _progress(args.max_new_tokens) as progress:
+        result = api.generate(
+            args.model,
+            args.prompt,
+            args.max_new_tokens,
+            checkpoint=args.checkpoint_dir,
+            overrides=model_overrides(args),
+            tokenizer=args.tokenizer,
+            temperature=args.temperature,
+            seed=args.seed,
+            progress=progress,
+        )
     if loaded is not None:
         print(
             f"generated from the checkpoint of step {loaded.step} ({loaded.path})", file=sys.stderr
@@ -95,6 +107,15 @@ def run(args: argparse.Namespace) -> int:
         print(cut, file=sys.stderr)
     print(terminal_safe(result.text) if sys.stdout.isatty() else result.text)
     return 0
+
+
+def _progress(new_tokens: int) -> contextlib.AbstractContextManager[StepProgress | None]:
+    """Progress on stderr (so stdout holds only the text) for a request of at least
+    :data:`PROGRESS_MIN_TOKENS` tokens, shown once it has run :data:`PROGRESS_DELAY_S`."""
+    if new_tokens < PROGRESS_MIN_TOKENS:
+        return contextlib.nullcontext()
+    con = Console(stderr=True, soft_wrap=True)
+    return StepProgress("generate", new_tokens, console=con, delay_s=PROGRESS_DELAY_S)
 
 
 def terminal_safe(text: str) -> str:

@@ -28,6 +28,7 @@ from dapple.models.workload import Workload
 
 __all__ = [
     "BYTES",
+    "MAX_NEW_TOKENS",
     "TOKENIZER_FILES",
     "Generated",
     "Tokenizer",
@@ -64,6 +65,13 @@ the vocabulary files of the tokenizer classes (BPE ``vocab.json`` + ``merges.txt
 
 LogitsFn = Callable[[torch.Tensor], torch.Tensor]
 """1-D window of token ids -> the model's 1-D logits for the token after it."""
+Progress = Callable[[int, int], None]
+"""Called after each new token with ``(tokens done, tokens in all)``."""
+
+MAX_NEW_TOKENS = 1 << 16
+"""The most tokens one request adds. The window slides, so a model's positions (its context)
+do not limit the count; each token costs one forward pass over the context, so this bounds
+the work."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,6 +196,7 @@ def sample_tokens(
     temperature: float = 0.0,
     seed: int = 0,
     vocab: int | None = None,
+    progress: Progress | None = None,
 ) -> torch.Tensor:
     """Append ``new_tokens`` tokens to ``prompt``, each drawn from the logits of the last
     ``context`` tokens: the argmax at ``temperature`` 0, else a sample of
@@ -197,6 +206,7 @@ def sample_tokens(
         next_logits: 1-D window (at most ``context`` ids) -> next-token logits.
         prompt: 1-D token ids (at least one).
         vocab: draw only ids below it (``None``: every id of the logits).
+        progress: called after each token with ``(done, new_tokens)``.
 
     Returns:
         The prompt followed by the generated tokens (1-D).
@@ -215,13 +225,15 @@ def sample_tokens(
         raise ValidationError(f"temperature must be >= 0, got {temperature}")
     gen = torch.Generator().manual_seed(seed)
     ids = prompt.clone()
-    for _ in range(new_tokens):
+    for done in range(1, new_tokens + 1):
         logits = next_logits(ids[-context:])[:vocab].float()
         if temperature == 0:
             nxt = logits.argmax().reshape(1)
         else:
             nxt = torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=gen)
         ids = torch.cat([ids, nxt.to(ids.dtype)])
+        if progress is not None:
+            progress(done, new_tokens)
     return ids
 
 
@@ -286,13 +298,21 @@ def check_request(tok: Tokenizer, prompt: str, new_tokens: int, temperature: flo
     """The ids of ``prompt``, once the request is checked (before any model is built).
 
     Raises:
-        ValidationError: an empty prompt or one that encodes to no tokens, a negative count, a
-            negative or non-finite temperature.
+        ValidationError: an empty prompt or one that encodes to no tokens, a count of new
+            tokens outside 1 .. :data:`MAX_NEW_TOKENS`, a negative or non-finite temperature.
     """
     if not prompt:
         raise ValidationError("the prompt is empty: give some text to continue")
-    if new_tokens < 0:
-        raise ValidationError(f"the count of new tokens must be >= 0, got {new_tokens}")
+    if (
+        isinstance(new_tokens, bool)
+        or not isinstance(new_tokens, int)
+        or not 1 <= new_tokens <= MAX_NEW_TOKENS
+    ):
+        raise ValidationError(
+            f"--max-new-tokens must be an integer from 1 to {MAX_NEW_TOKENS}, got "
+            f"{new_tokens!r} (each new token is one forward pass over the model's context; the "
+            "window slides, so the model's positions do not limit the count)"
+        )
     if not (math.isfinite(temperature) and temperature >= 0):
         raise ValidationError(f"temperature must be >= 0, got {temperature}")
     ids = tok.encode(prompt)
@@ -310,12 +330,14 @@ def generate_text(
     tokenizer: Tokenizer | None = None,
     temperature: float = 0.0,
     seed: int = 0,
+    progress: Progress | None = None,
 ) -> Generated:
     """Continue ``prompt`` by ``new_tokens`` tokens with ``model``, ``workload``'s chain.
 
     Args:
         tokenizer: ``None``: :func:`tokenizer_for` the workload.
         temperature: 0: greedy; above 0: sampled, reproducibly for one ``seed``.
+        progress: called after each new token with ``(done, new_tokens)``.
 
     Raises:
         ValidationError: an empty prompt, a tokenizer whose vocabulary does not fit the
@@ -338,6 +360,7 @@ def generate_text(
             temperature=temperature,
             seed=seed,
             vocab=tok.vocab_size,
+            progress=progress,
         )
     finally:
         model.train(was_training)
