@@ -41,7 +41,7 @@ def test_names() -> None:
     assert TRAINING_PRECISIONS == ("fp32", "bf16", "fp16")
     assert ANALYTIC_PRECISIONS == ("fp32", "bf16", "fp16", "fp8")
     assert precision_of("bf16") is ComputePrecision.BF16
-    with pytest.raises(ValidationError, match="precision must be one of .*got 'fp64'"):
+    with pytest.raises(ValidationError, match=r"precision must be one of .*got 'fp64'"):
         precision_of("fp64")
 
 
@@ -49,7 +49,8 @@ def test_dtype_names_are_torch_dtypes() -> None:
     for p in ComputePrecision:
         assert isinstance(getattr(torch, p.dtype_name), torch.dtype)
     want = {"bf16": torch.bfloat16, "fp16": torch.float16}
-    assert AUTOCAST_DTYPES == want and _AUTOCAST_DTYPES == want
+    assert want == AUTOCAST_DTYPES
+    assert want == _AUTOCAST_DTYPES
 
 
 def test_runtime_precision_follows_the_registry() -> None:
