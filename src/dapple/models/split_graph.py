@@ -209,7 +209,7 @@ class SplitModel:
         spans = {
             n: span for n, span in executed_module_names(self.traced.graph).items() if n in modules
         }
-        cuts = self._cut_positions(model, spans, split_at, len(nodes))
+        cuts = self._cut_positions(model, spans, split_at)
         self.pieces, self.names = self._build_pieces(nodes, cuts)
         for piece in self.pieces:
             key_random_sites(piece)
@@ -221,7 +221,6 @@ class SplitModel:
         model: nn.Module,
         spans: dict[str, tuple[int, int]],
         split_at: Sequence[str] | None,
-        num_nodes: int,
     ) -> list[tuple[int, str]]:
         if split_at is None:
             blocks = [b for b in default_cut_names(model) if b in spans]

@@ -150,10 +150,6 @@ class DeviceSpec:
         datasheet has it, else fp16, else fp32."""
         return next(p.value for p in _TRAINING_PREFERENCE if p.value in self.peak_flops)
 
-    def supports(self, precision: str) -> bool:
-        """Whether the device has a peak for ``precision``."""
-        return precision in self.peak_flops
-
     def matmul_peak(self, precision: str) -> float:
         """Peak FLOP/s of GEMMs in ``precision``.
 

@@ -129,7 +129,7 @@ class StopSignals:
                     signal.signal(sig, self._note)
         return self
 
-    def _note(self, signum: int, frame: FrameType | None) -> None:
+    def _note(self, signum: int, _frame: FrameType | None) -> None:
         if self.received is None:
             self.received = signum
 
