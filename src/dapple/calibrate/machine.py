@@ -234,9 +234,10 @@ def _measure_and_leave(
     return res
 
 
-def _worker(rank: int, world: int, sizes: tuple[int, ...], repeats: int, q: Any) -> None:
+def _worker(rank: int, world: int, sizes: tuple[int, ...], repeats: int, out: Any) -> None:
     """One rank started by :func:`dapple.runtime.spawn`: join the gloo group at rank 0's store on
-    loopback (torch's default timeout), measure, and rank 0 puts the result on ``q``."""
+    loopback (torch's default timeout), measure, and rank 0 sends the result on ``out`` (the
+    write end of a pipe)."""
     from dapple.runtime.local import local_store
 
     torch.set_num_threads(runtime_threads(world))  # as the runtime's workers
@@ -246,7 +247,7 @@ def _worker(rank: int, world: int, sizes: tuple[int, ...], repeats: int, q: Any)
     dist.init_process_group("gloo", **store)
     res = _measure_and_leave(rank, world, sizes, repeats)
     if rank == 0:
-        q.put(res)
+        out.send(res)
 
 
 def _link_fit(sizes: Sequence[float], times_ms: Sequence[float]) -> tuple[float, float]:
@@ -371,12 +372,21 @@ def calibrate(
     from dapple.runtime.launch import spawn
 
     alone = _matmul_alone_ms(nproc)
-    q = mp.get_context("spawn").SimpleQueue()
+    # A pipe, not a queue: a queue's locks are named semaphores that Python's resource tracker
+    # reports as leaked when SIGTERM ends this process while the workers run.
+    results, sender = mp.get_context("spawn").Pipe(duplex=False)
     try:  # after a failure, ranks still alive the group's timeout (+ a grace) later are killed
-        spawn(_worker, nproc, sizes, repeats, q, timeout_s=default_pg_timeout.total_seconds())
+        spawn(_worker, nproc, sizes, repeats, sender, timeout_s=default_pg_timeout.total_seconds())
     except RankFailure as e:
         raise ValidationError(f"calibration: {e}") from e
-    return _fit_measured(q.get(), nproc, nproc, sizes, alone)
+    finally:
+        sender.close()
+    with results:
+        try:
+            res = results.recv()
+        except EOFError as e:  # every rank exited 0 and rank 0 sent nothing
+            raise ValidationError("calibration: rank 0 ended without its measurements") from e
+    return _fit_measured(res, nproc, nproc, sizes, alone)
 
 
 def _fit_measured(
