@@ -217,13 +217,14 @@ DEVICES: dict[str, DeviceSpec] = {
         memory_bytes=80 * GIB,
         efficiency={
             # priors: no published A100 run dapple can express yet (all are FSDP).
-            p: Efficiency(
-                matmul=0.8 if p != "fp32" else 0.85,
+            p.value: Efficiency(
+                matmul=0.8 if p.autocast else 0.85,
                 attention=0.6,
                 memory=_MEMORY,
                 note="prior (not fitted)",
             )
-            for p in ("fp32", "bf16", "fp16")
+            for p in ComputePrecision
+            if p.trains
         },
     ),
     "h100": DeviceSpec(
@@ -235,13 +236,14 @@ DEVICES: dict[str, DeviceSpec] = {
         efficiency={
             # priors: no published H100 bf16 run dapple can express yet (FSDP, TP).
             **{
-                p: Efficiency(
-                    matmul=0.7 if p != "fp32" else 0.85,
+                p.value: Efficiency(
+                    matmul=0.7 if p.autocast else 0.85,
                     attention=0.5,
                     memory=_MEMORY,
                     note="prior (not fitted)",
                 )
-                for p in ("fp32", "bf16", "fp16")
+                for p in ComputePrecision
+                if p.trains
             },
             # matmul fitted on NeMo's LLAMA2-7B pretraining, 8 H100, fp8 (16,847 tokens/s/GPU).
             "fp8": Efficiency(
