@@ -7,6 +7,7 @@ CLI scenarios (torchrun restart, a worker killed during a save) each start one j
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -147,6 +148,17 @@ def _close_to(module: nn.Module, ref: nn.Sequential, layers: Sequence[int]) -> i
     return n
 
 
+class _Collect(logging.Handler):
+    """Keeps the messages of the records it handles."""
+
+    def __init__(self, into: list[str]) -> None:
+        super().__init__()
+        self.into = into
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.into.append(record.getMessage())
+
+
 def _scenario(name: str, results: dict, fn) -> None:
     try:
         results[name] = {"ok": True, **(fn() or {})}
@@ -245,6 +257,34 @@ def worker(rank: int, world: int, out_dir: str) -> None:
         raise AssertionError("the NaN gradient did not stop the run")
 
     _scenario("grad-stop", res, grad_stop)
+    for zero in (1, 2):  # the replay that names the micro-batch checks the gradient shards
+
+        def grad_stop_zero(zero=zero):
+            try:
+                run(p22, w=grad_nan_mlp(), steps=STEPS, zero_stage=zero)
+            except Exception as e:
+                return {"error": str(e)}
+            raise AssertionError("the NaN gradient did not stop the run")
+
+        _scenario(f"grad-stop-zero{zero}", res, grad_stop_zero)
+
+    def grad_skip():
+        warned: list[str] = []
+        catch = _Collect(warned)
+        logging.getLogger("dapple.runtime.longrun").addHandler(catch)
+        try:  # the step is replayed to name its micro-batch, then dropped
+            r = run(p22, w=grad_nan_mlp(), steps=STEPS, on_nonfinite="skip")
+        finally:
+            logging.getLogger("dapple.runtime.longrun").removeHandler(catch)
+        ref = reference(grad_nan_mlp(), STEPS, skip=(NAN_STEP,))
+        n = _close_to(r.module, ref[0], p22.layers_of_device(rank))
+        if rank == 0:
+            torch.testing.assert_close(
+                torch.tensor([m.loss for m in r.metrics]), torch.tensor(ref[1])
+            )
+        return {"checked": n, "warned": warned}
+
+    _scenario("grad-skip", res, grad_skip)
     (out / f"rank{rank}.json").write_text(json.dumps(res))
     # last: every rank of a straight run really dies (os._exit) in the middle of its 2nd save
     os.environ[CRASH_IN_SAVE_ENV] = "2"
@@ -329,6 +369,28 @@ def test_nonfinite_gradient_names_stage_and_micro_batch(spawned) -> None:
         assert r["error"].startswith(
             f"step {NAN_STEP}: non-finite gradient in micro-batch 1 at stage 0 (rank 0)"
         ), r["error"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("zero", [1, 2])
+def test_nonfinite_gradient_is_named_under_zero(spawned, zero: int) -> None:
+    rows = _ok(spawned, f"grad-stop-zero{zero}")
+    for r in rows:
+        assert r["error"].startswith(
+            f"step {NAN_STEP}: non-finite gradient in micro-batch 1 at stage 0 (rank 0)"
+        ), r["error"]
+
+
+@pytest.mark.slow
+def test_nonfinite_gradient_skip_names_the_micro_batch_and_trains_as_if_dropped(spawned) -> None:
+    """The replay that names the micro-batch leaves nothing behind: the run equals the
+    reference that skips the step, and rank 0 warns once, naming it."""
+    rows = _ok(spawned, "grad-skip")
+    assert all(r["checked"] == 4 for r in rows)
+    assert rows[0]["warned"] == [
+        f"step {NAN_STEP} skipped: non-finite gradient in micro-batch 1 at stage 0 (rank 0)"
+    ]
+    assert all(r["warned"] == [] for r in rows[1:])
 
 
 # -- through the CLI -----------------------------------------------------------------------------

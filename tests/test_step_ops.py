@@ -7,16 +7,14 @@ after warm-up, is counted: ``torch.profiler``'s ``aten::`` events (nested ones i
 ``cProfile``'s calls. M = 2 and M = 4 separate what dapple adds per micro-batch from what it
 adds once per step. Counts, never time: they do not move with the machine's load.
 
-The bounds: per micro-batch, the guard's check costs on CPU one sum per gradient (on CPU
-``torch._foreach_norm`` has no fused kernel, and an L1 norm per gradient took 3.7x a sum's
-time on the 20 MiB of ``runtime_overhead.py``'s medium model: 5.49 vs 1.48 ms, tiny 0.34 vs
-0.19 ms) and a few ops of its own, and the executor and guard a fixed number of Python calls
-besides the sums;
-per step, the gradient norm (two events per gradient and one stack of them), the guard's
-verdict, the step's collective row and the metrics.
+The bounds: per micro-batch, a fixed number of ops and calls whatever the number of gradients
+(the guard reads no gradient there: their norm is its check, once per step); per step, the
+gradient norm (two events per gradient and one stack of them), the guard's verdict, the
+step's collective row and the metrics.
 
-Besides the counts: which stages run under the keyed-RNG context, and the guard's fused check
-naming the first backward that left a non-finite gradient, in every gradient dtype.
+Besides the counts: which stages run under the keyed-RNG context, and the fused check after
+each backward of the replay that names the first backward that left a non-finite gradient,
+in every gradient dtype.
 """
 
 from __future__ import annotations
@@ -38,15 +36,14 @@ from dapple.runtime.optim import make_optimizer
 LAYERS, B, WARMUP, SEED = 8, 2, 3, 0
 N_GRADS = 2 * LAYERS  # weight and bias per layer
 
-PER_MB_OPS = 4 * N_GRADS + 8
-"""aten ops dapple may add per micro-batch: the guard's sum per gradient (3 events each on
-torch 2.13's CPU: a sum, a fill and a stride), its own few and the copies of the micro-batch's
-rows (65 here). Before the fused check: 106 (a sum, a fill, a stack's view and two strides per
-gradient)."""
-PER_MB_CALLS = N_GRADS + 45
-"""Python calls dapple may add per micro-batch: the guard's sum per gradient, and a fixed
-number for the executor, the interpreter and the guard (118 before, with more calls per
-gradient and a keyed-RNG context)."""
+PER_MB_OPS = 20
+"""aten ops dapple may add per micro-batch, whatever the number of gradients: the copies of
+the micro-batch's rows and the loss kept for the guard (14 here). Before the guard read its
+verdict off the gradient norm: 65 (a sum, a fill and a stride per gradient after each
+backward), and 106 before that."""
+PER_MB_CALLS = 30
+"""Python calls dapple may add per micro-batch: a fixed number for the executor, the
+interpreter and the guard (22 here; 61 with a check after each backward, 118 before that)."""
 PER_STEP_OPS = 4 * N_GRADS + 120
 """aten ops dapple may add once per step: the gradient norm (a norm and a stack's view per
 gradient), the guard's verdict, the collective's row, the metrics (151 here)."""
@@ -124,7 +121,7 @@ def extra(one_rank: None) -> dict[int, tuple[int, int]]:
     return out
 
 
-def test_dapple_adds_per_micro_batch_only_the_guards_fused_check(
+def test_dapple_adds_per_micro_batch_a_fixed_number_of_ops(
     extra: dict[int, tuple[int, int]],
 ) -> None:
     ops = (extra[4][0] - extra[2][0]) / 2
@@ -173,14 +170,18 @@ def test_the_guards_fused_check_flags_each_backward_in_any_gradient_dtype(
                  module=module, optimizer=None, device=torch.device("cpu"))  # fmt: skip
     big = 6e4 if dtype is torch.float16 else 1e30  # finite, but their sum is not in fp16
 
-    def first_bad(values: list[float]) -> list[float]:
+    def run(values: list[float]) -> None:
         lr.begin_step()
         for m, v in enumerate(values):
             for p in module.parameters():
                 p.grad = torch.full_like(p, 1.0)
             module[1].weight.grad = torch.full_like(module[1].weight, v)
             lr.watch(Action(stage=0, kind=ActionKind.BACKWARD, micro_batch=m), 0.0)
-        return lr._first_bad().tolist()
+
+    def first_bad(values: list[float]) -> list[float]:
+        """``[kind, micro-batch]`` the replay that names a bad step finds."""
+        found = lr._name_micro_batch(lambda: run(values))
+        return [float(found[0][0]), float(found[0][1])] if found else [-1.0, -1.0]
 
     assert first_bad([1.0, big, -big, 2.0]) == [-1.0, -1.0]
     assert first_bad([1.0, 2.0, float("nan"), 1.0]) == [1.0, 2.0]

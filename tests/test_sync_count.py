@@ -182,7 +182,7 @@ def test_guard_verdict_on_the_device_names_the_first_bad_micro_batch() -> None:
                  module=module, optimizer=None, device=torch.device("cpu"))  # fmt: skip
     nan = float("nan")
 
-    def step(losses: list[float], grads: list[float]) -> list[float]:
+    def run(losses: list[float], grads: list[float]) -> None:
         lr.begin_step()
         for m, (loss, g) in enumerate(zip(losses, grads, strict=True)):
             lr.watch(
@@ -192,8 +192,71 @@ def test_guard_verdict_on_the_device_names_the_first_bad_micro_batch() -> None:
             for q in module.parameters():
                 q.grad = torch.full_like(q, g)
             lr.watch(Action(stage=0, kind=ActionKind.BACKWARD, micro_batch=m), 0.0)
-        return lr._first_bad().tolist()
 
-    assert step([1.0, 2.0, 3.0, 4.0], [1.0, 1.0, 1.0, 1.0]) == [-1.0, -1.0]
-    assert step([1.0, 2.0, 3.0, 4.0], [1.0, nan, float("inf"), 1.0]) == [1.0, 1.0]
-    assert step([1.0, 2.0, nan, nan], [1.0, nan, 1.0, 1.0]) == [0.0, 2.0]  # the loss first
+    def step(losses: list[float], grads: list[float], sq_norm: float) -> list[float]:
+        run(losses, grads)
+        assert lr._grad_mbs == []  # a step checks no backward: the norm is the check
+        return lr._first_bad(torch.tensor(sq_norm, dtype=torch.float64)).tolist()
+
+    def named(losses: list[float], grads: list[float]) -> list[tuple[int, int, int, int]]:
+        return lr._name_micro_batch(lambda: run(losses, grads))
+
+    assert step([1.0, 2.0, 3.0, 4.0], [1.0, 1.0, 1.0, 1.0], 4.0) == [-1.0, -1.0]
+    assert step([1.0, 2.0, 3.0, 4.0], [1.0, nan, float("inf"), 1.0], nan) == [1.0, -1.0]
+    assert step([1.0, 2.0, 3.0, 4.0], [1.0, 1.0, 1.0, 1.0], float("inf")) == [1.0, -1.0]
+    assert step([1.0, 2.0, nan, nan], [1.0, nan, 1.0, 1.0], nan) == [0.0, 2.0]  # the loss first
+    # the replay checks each backward: the first that left a non-finite gradient is named
+    assert named([1.0, 2.0, 3.0, 4.0], [1.0, nan, float("inf"), 1.0]) == [(1, 1, 0, 0)]
+    assert named([1.0, 2.0, 3.0, 4.0], [1.0, 1.0, 1.0, float("inf")]) == [(1, 3, 0, 0)]
+    assert named([1.0, 2.0, 3.0, 4.0], [1.0, 1.0, 1.0, 1.0]) == []
+    assert not lr._naming
+    assert step([1.0, 2.0, 3.0, 4.0], [1.0, 1.0, 1.0, 1.0], 4.0) == [-1.0, -1.0]  # flags reset
+
+    def verdict(grads: list[float], sq_norm: float) -> str | None:
+        run([1.0, 2.0, 3.0, 4.0], grads)
+        sq = torch.tensor(sq_norm, dtype=torch.float64)
+        got, _, _ = lr.agree_finite(7, grad_sq_norm=sq, replay=lambda: run([1.0] * 4, grads))
+        return got
+
+    assert verdict([1.0] * 4, 4.0) is None
+    assert str(verdict([1.0, 1.0, nan, 1.0], nan)).startswith(
+        "step 7: non-finite gradient in micro-batch 2 at stage 0 (rank 0); stopped before"
+    )
+    # finite gradients whose norm is not: no micro-batch to name, and the message says why
+    assert str(verdict([1e30] * 4, float("inf"))).startswith(
+        "step 7: non-finite gradient at stage 0 (rank 0) (a replay of the step left every "
+        "micro-batch's gradients finite"
+    )
+
+
+def test_the_naming_replay_starts_from_the_steps_random_state_and_leaves_no_trace() -> None:
+    """The replay draws what the step drew (CPU random state of the step's start), and after
+    it the random state and the module's buffers are as the step left them."""
+    from torch import nn
+
+    import runtime_workloads as rw
+    from dapple.runtime import TrainConfig
+    from dapple.runtime.longrun import LongRun
+
+    plan = Plan(planner="test", global_batch_size=2, micro_batch_size=1, num_micro_batches=2,
+                schedule="dapple", policy="A",
+                stages=(StagePlan(layers=(0, 2), devices=(0,)),))  # fmt: skip
+    module = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
+    lr = LongRun(plan, rw.mlp(), TrainConfig(), rank=0, world=1, stage=0, replica=0,
+                 module=module, optimizer=None, device=torch.device("cpu"))  # fmt: skip
+    lr.begin_step()
+    drawn = torch.rand(4)
+    module.train()(torch.randn(3, 2))  # the step moves the running statistics
+    stats = module[1].running_mean.clone()
+    after = torch.get_rng_state()
+    replayed: list[torch.Tensor] = []
+
+    def replay() -> None:
+        lr.begin_step()
+        replayed.append(torch.rand(4))
+        module(torch.randn(3, 2) * 100)
+
+    assert lr._name_micro_batch(replay) == []
+    assert torch.equal(replayed[0], drawn)
+    assert torch.equal(torch.get_rng_state(), after)
+    assert torch.equal(module[1].running_mean, stats)

@@ -7,8 +7,8 @@ simulator runs - and dispatches every action on its kind:
   :data:`RECV_AHEAD` positions before them that is not itself an early receive. Gloo moves a
   message only once its irecv is posted, so a just-in-time irecv exposes the whole transfer;
   posted early it overlaps compute;
-- ``F``/``B`` wait for their receives and compute; the non-finite guard notes every loss and
-  gradient (:meth:`LongRun.watch`); the rank's last ``B`` first arms the overlapped gradient
+- ``F``/``B`` wait for their receives and compute; the non-finite guard notes every loss
+  (:meth:`LongRun.watch`); the rank's last ``B`` first arms the overlapped gradient
   AllReduce (:meth:`GradientSync.arm`), whose buckets start while backward still runs;
 - ZB-H1 splits ``B`` into ``I`` (the input gradients, sent at once) and ``W`` (the weight
   gradients, later; :mod:`dapple.models.split_backward`): ``W`` takes ``B``'s place for the
@@ -37,10 +37,11 @@ The step point: after the program's ``AR`` and the first part of its ``OPT`` (at
 an empty program, on ranks beyond the plan) every rank joins the step's one world collective,
 :meth:`LongRun.agree_finite`, with its non-finite verdict, loss part, peak memory, the batch's
 target tokens and its part of the gradient norm - all on the device until that collective's
-one host read, the only one of a step (no micro-batch reads anything: the losses and the
-guard's flags stay on the device). The optimizer step runs only when every rank's verdict is
-finite, so a NaN stops or skips the step on every rank before ``OPT`` touches the weights (its
-gradients are dropped). :func:`dapple.schedule.lower.lower` puts ``AR`` and ``OPT`` last; a
+one host read, the only one of a step (no micro-batch reads anything: the losses stay on the
+device, and the gradients' verdict is their norm). The optimizer step runs only when every
+rank's verdict is finite, so a NaN stops or skips the step on every rank before ``OPT`` touches
+the weights (its gradients are dropped). A non-finite gradient is named by a replay of the
+step's compute part (:meth:`ProgramInterpreter._replay`) with a check after each backward. :func:`dapple.schedule.lower.lower` puts ``AR`` and ``OPT`` last; a
 program with another action after them is rejected (:func:`step_point`).
 
 A failure inside an action raises :class:`RankFailure` naming the step, the rank, the action or
@@ -231,7 +232,7 @@ class ProgramInterpreter:
             if self.ex is not None:
                 self._compute_part(step, inputs, targets)  # F, B, SEND_*, RECV_*
             self._execute(self._reduce)  # AR, OPT's first part
-            verdict, rows = self._meet(step, targets)
+            verdict, rows = self._meet(step, inputs, targets)
             if verdict is None:
                 self._execute(self._apply)  # OPT's second part
                 if self._joins:
@@ -268,7 +269,9 @@ class ProgramInterpreter:
             self._at = op
             op.run(op.action)
 
-    def _meet(self, step: int, targets: torch.Tensor) -> tuple[str | None, list[list[float]]]:
+    def _meet(
+        self, step: int, inputs: Any, targets: torch.Tensor
+    ) -> tuple[str | None, list[list[float]]]:
         """The step point: every rank's verdict, measurements and part of the gradient norm in
         one world collective, read once; the norm's sum stays on the device for clipping."""
         self._at = "the step's collective (non-finite check and metrics, all ranks)"
@@ -280,11 +283,27 @@ class ProgramInterpreter:
         tokens = target_token_count(targets)
         extra = (loss_part, peak, resident, float(self.probe.baseline_bytes),
                  -1.0 if tokens is None else tokens, self._sq_norm)  # fmt: skip
-        verdict, rows, table = self.longrun.agree_finite(step, extra)
+        verdict, rows, table = self.longrun.agree_finite(
+            step, extra, grad_sq_norm=self._sq_norm, replay=lambda: self._replay(inputs, targets)
+        )
         self.probe.lap()
         if verdict is None:
             self.update.set_norm(table[:, ROW_SQ_NORM].sum(), global_norm(rows))
         return verdict, rows
+
+    def _replay(self, inputs: Any, targets: torch.Tensor) -> None:
+        """The step's compute part again, from its start (what is in flight dropped before and
+        after): :meth:`LongRun.agree_finite` checks every backward of it to name the
+        micro-batch that left a non-finite gradient."""
+        self.sync.drain()
+        if self.shards is not None:
+            self.shards.drain()
+        if self.ex is not None:
+            self._compute_part(self._step, inputs, targets)
+        self._at = "the step's collective (naming the non-finite micro-batch, all ranks)"
+        self.sync.drain()
+        if self.shards is not None:
+            self.shards.drain()
 
     # -- handlers of F, B, AR and OPT (the sends and receives are the executor's) -----------
     def _forward(self, a: Action) -> None:

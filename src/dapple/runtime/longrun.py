@@ -10,15 +10,20 @@
   and returns the index of the next step (the data position:
   step ``t`` trains on ``make_batch(G, seed + t)``, or on a dataset's batch ``t`` of
   :mod:`dapple.runtime.data`, whose record the checkpoint must match);
-- :meth:`LongRun.watch` (after every F/B action) keeps, on the device, the step's loss so far
-  (last stage, per micro-batch) and a flag of whether its gradients are non-finite (after each
-  backward: one fused pass over them);
+- :meth:`LongRun.watch` (after every F action) keeps, on the device, the step's loss so far
+  (last stage, per micro-batch);
 - :meth:`LongRun.agree_finite` (at the step point, after the gradient reductions and before
-  the optimizer step) finds the first non-finite one on the device and gathers every rank's
+  the optimizer step) finds the first non-finite loss on the device, else reads the gradients'
+  verdict off this rank's part of the squared gradient norm (which the step computes for
+  clipping and its metrics anyway: non-finite when a gradient is), and gathers every rank's
   verdict over all ranks (ranks beyond the plan send none) with the step's ONE host read, so
   all ranks take the same decision *before the optimizer touches the weights*: stop with one
   line naming step, stage, micro-batch and rank (default), or skip the step and count it
-  (``on_nonfinite="skip"``). Under fp16 loss scaling a non-finite gradient without a
+  (``on_nonfinite="skip"``). The norm does not say which micro-batch made a gradient
+  non-finite: to name it, every rank replays the step's compute from the same batch and random
+  state with a check after each backward (one fused pass over the gradients), and the ranks
+  gather again. A good step pays nothing for the naming; a step that stops or is skipped runs
+  twice. Under fp16 loss scaling a non-finite gradient without a
   non-finite loss is an overflow: every rank skips the step and halves the loss scale, and the
   run goes on (:mod:`dapple.runtime.precision`). The same gather carries the caller's per-rank
   values (the step's metrics);
@@ -38,18 +43,16 @@ run's first save, so a run that fails before saving leaves them whole.
 
 Cost: one small all_gather per step and one host read of it - it also carries the step's
 metrics (see :mod:`dapple.runtime.metrics`) and each rank's part of the global gradient norm
-(:mod:`dapple.runtime.optim`); besides it the runtime's per-step collectives are the gradient
-AllReduce - and one read of the stage's gradients per backward (:meth:`LongRun.watch`: a
-few kernels on CUDA whatever the number of parameters; on CPU, where ``torch._foreach_norm``
-has no fused kernel, one sum per gradient); per save, one pass over the stage's weights and
-one small all_gather.
+(:mod:`dapple.runtime.optim`, whose norm is the gradients' check); besides it the runtime's
+per-step collectives are the gradient AllReduce; per save, one pass over the stage's weights
+and one small all_gather.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -104,6 +107,7 @@ OPTIMIZER_CLASSES = {"sgd": "SGD", "adam": "Adam", "adamw": "AdamW"}
 """``TrainConfig.optimizer`` -> the torch class name a checkpoint records."""
 _KINDS = ("loss", "gradient")
 _HALF = (torch.float16, torch.bfloat16)
+_GRAD_KINDS = (ActionKind.BACKWARD, ActionKind.BACKWARD_WEIGHT)
 SCHEDULE_KEYS = ("steps", "lr", "lr_schedule", "warmup_steps", "min_lr")
 """The :class:`TrainConfig` fields the learning rate of a step depends on
 (:func:`dapple.runtime.optim.lr_at`): a checkpoint records them in its ``extra``, so a resume
@@ -132,6 +136,18 @@ def elastic_store(timeout: timedelta) -> dict[str, Any]:
     )
     prefixed = dist.PrefixStore(f"dapple/attempt-{attempt}/", store)  # type: ignore[attr-defined]
     return {"store": prefixed, "rank": rank, "world_size": world}
+
+
+def _found(rows: list[list[float]]) -> list[tuple[int, int, int, int]]:
+    """The sorted ``(kind, micro-batch, stage, rank)`` of the rows that flag a non-finite
+    loss or gradient."""
+    return sorted((int(r[0]), int(r[2]), int(r[1]), int(r[3])) for r in rows if r[0] >= 0)
+
+
+def _rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The CPU random state and, on CUDA, the device's (copies; no device synchronisation)."""
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return torch.get_rng_state(), cuda
 
 
 def _local(g: torch.Tensor) -> torch.Tensor:
@@ -195,6 +211,11 @@ class LongRun:
         """The micro-batch of each backward the guard checked this step (its flag's slot)."""
         self._flags = torch.zeros(0, dtype=torch.float32, device=device)
         """Per checked backward: 1 when it left a non-finite gradient (on the device)."""
+        self._naming = False
+        """The step is being replayed to name its micro-batch: :meth:`watch` checks every
+        backward."""
+        self._rng = _rng_state(device)
+        """The random state the step's compute started from (CPU, and the device's)."""
         self._one = torch.ones(1, dtype=torch.float32, device=device)
         """The check's "inverse scale": 1, so the norms it runs over keep their values."""
         self.data_state: dict[str, Any] | None = None
@@ -283,15 +304,20 @@ class LongRun:
 
     # -- non-finite guard -----------------------------------------------------------------------
     def begin_step(self) -> None:
+        """Before the step's compute: forget the last step's losses and flags, and keep the
+        random state the compute starts from (a replay of the step starts from it again)."""
         if self._grad_mbs:  # last step's flags back to 0 (only those it used were written)
             self._flags.zero_()
         self._loss_sums = []
         self._grad_mbs = []
+        if not self._naming:
+            self._rng = _rng_state(self.device)
 
     def watch(self, action: Action, loss_sum: torch.Tensor | float) -> None:
-        """After a compute action: keep the step's loss so far (last stage, after an F) or
-        flag whether the gradients are non-finite (after a backward), on the device (no host
-        read); the first non-finite one is found in :meth:`agree_finite`.
+        """After a compute action: keep the step's loss so far (last stage, after an F), on
+        the device (no host read). While a step is replayed to name its micro-batch
+        (:meth:`agree_finite`), also flag after each backward whether the gradients are
+        non-finite.
 
         A backward's check is one fused pass over the stage's gradients: per (device, dtype)
         group one ``torch._foreach_norm`` (L1: a NaN or an infinity makes it non-finite, as a
@@ -311,23 +337,27 @@ class LongRun:
                     else torch.as_tensor(loss_sum, dtype=torch.float64, device=self.device)
                 )
                 self._loss_sums.append((int(action.micro_batch or 0), loss))
-        elif action.kind in (ActionKind.BACKWARD, ActionKind.BACKWARD_WEIGHT) and self.params:
-            checks: list[torch.Tensor] = []
-            for dtype, grads in self._groups.grads():
-                if dtype in _HALF:
-                    checks += [g.sum(dtype=torch.float32) for g in grads]
-                elif grads[0].device.type == "cpu":  # no fused CPU kernel: a sum is cheapest
-                    checks += [g.sum() for g in grads]
-                else:
-                    checks += torch._foreach_norm(grads, 1.0)
-            if self.shards is not None:  # the sharded parameters' local gradients' sums
-                sums = self.shards.grad_sums()
-                if sums:
-                    checks.append(torch.stack(sums).sum(dtype=torch.float64))
-            if checks:
-                flag = self._flag(len(self._grad_mbs))
-                torch._amp_foreach_non_finite_check_and_unscale_(checks, flag, self._one)
-                self._grad_mbs.append(int(action.micro_batch or 0))
+        elif self._naming and action.kind in _GRAD_KINDS and self.params:
+            self._check_backward(int(action.micro_batch or 0))
+
+    def _check_backward(self, micro_batch: int) -> None:
+        """Flag whether the gradients are non-finite after this backward (see :meth:`watch`)."""
+        checks: list[torch.Tensor] = []
+        for dtype, grads in self._groups.grads():
+            if dtype in _HALF:
+                checks += [g.sum(dtype=torch.float32) for g in grads]
+            elif grads[0].device.type == "cpu":  # no fused CPU kernel: a sum is cheapest
+                checks += [g.sum() for g in grads]
+            else:
+                checks += torch._foreach_norm(grads, 1.0)
+        if self.shards is not None:  # the sharded parameters' local gradients' sums
+            sums = self.shards.grad_sums()
+            if sums:
+                checks.append(torch.stack(sums).sum(dtype=torch.float64))
+        if checks:
+            flag = self._flag(len(self._grad_mbs))
+            torch._amp_foreach_non_finite_check_and_unscale_(checks, flag, self._one)
+            self._grad_mbs.append(micro_batch)
 
     def _flag(self, k: int) -> torch.Tensor:
         """The step's ``k``-th backward's slot of the flag vector (grown when the program has
@@ -339,35 +369,57 @@ class LongRun:
             self._flags = grown
         return self._flags[k : k + 1]
 
-    def _first_bad(self) -> torch.Tensor:
-        """``[kind, micro-batch]`` of the step's first non-finite loss, else of its first
-        backward that left non-finite gradients (gradients accumulate: the first such backward
-        names the micro-batch), else ``[-1, -1]``: float64 on the device, nothing read on the
-        host."""
-        k = len(self._grad_mbs)
-        parts = []
+    def _first_bad(self, grad_sq_norm: torch.Tensor | float = 0.0) -> torch.Tensor:
+        """``[kind, micro-batch]`` of the step's first non-finite loss, else of its gradients,
+        else ``[-1, -1]``: float64 on the device, nothing read on the host.
+
+        The gradients' verdict is ``grad_sq_norm`` (this rank's part of the squared gradient
+        norm, which the step computes anyway): non-finite when a gradient is, with micro-batch
+        -1 (not known). While the step is replayed (:meth:`_name_micro_batch`) it is the first
+        backward whose check flagged its gradients (gradients accumulate: the first such
+        backward names the micro-batch).
+        """
+        parts: list[torch.Tensor] = []
+        meta = [[0.0, m] for m, _ in self._loss_sums]
         if self._loss_sums:
             parts.append(torch.stack([t for _, t in self._loss_sums]).isfinite().logical_not())
-        if k:
-            parts.append(self._flags[:k] != 0)
+        if self._grad_mbs:
+            parts.append(self._flags[: len(self._grad_mbs)] != 0)
+            meta += [[1.0, m] for m in self._grad_mbs]
+        elif isinstance(grad_sq_norm, torch.Tensor):
+            parts.append(grad_sq_norm.reshape(1).isfinite().logical_not())
+            meta.append([1.0, -1.0])
         if not parts:
             return torch.full((2,), -1.0, dtype=torch.float64, device=self.device)
         bad = torch.cat(parts) if len(parts) > 1 else parts[0]
-        meta = [[0.0, m] for m, _ in self._loss_sums] + [[1.0, m] for m in self._grad_mbs]
         which = torch.tensor(meta, dtype=torch.float64, device=self.device)
         # the losses come first, and argmax gives the first of the maxima
         return torch.where(bad.any(), which[bad.to(torch.uint8).argmax()], -1.0)
 
     def agree_finite(
-        self, step: int, extra: Sequence[float | torch.Tensor] = ()
+        self,
+        step: int,
+        extra: Sequence[float | torch.Tensor] = (),
+        grad_sq_norm: torch.Tensor | float = 0.0,
+        replay: Callable[[], None] | None = None,
     ) -> tuple[str | None, list[list[float]], torch.Tensor]:
         """Every rank's verdict on the step (a world all_gather, none in a world of one; every
         rank calls it once per step, ranks beyond the plan included), read on the host once.
+
+        A non-finite gradient with every loss finite is found through the gradient norm,
+        which does not say which micro-batch made it. To name it (unless it is an fp16
+        overflow, which only lowers the loss scale), every rank runs ``replay`` - the step's
+        compute part again, on the same batch and random state - with a check after each
+        backward, and the ranks gather again: a second collective and host read, only in a
+        step that stops or is skipped.
 
         Args:
             step: the step index (for the messages and the skipped-step list).
             extra: this rank's values to gather along (the same length on every rank; numbers
                 or 0-d tensors on the device, read with the rest).
+            grad_sq_norm: this rank's part of the squared gradient norm (0: it holds none).
+            replay: runs this rank's compute part of the step again (None: no replay; the
+                message then names no micro-batch for a gradient).
 
         Returns:
             The verdict - None to go on; ``""`` when the step must be skipped (its gradients are
@@ -377,30 +429,80 @@ class LongRun:
         """
         s = -1 if self.stage is None else self.stage
         mine = device_row([-1, s, -1, self.rank, *extra], self.device)
-        mine[0:3:2] = self._first_bad()  # kind and micro-batch
+        mine[0:3:2] = self._first_bad(grad_sq_norm)  # kind and micro-batch
+        rows, table = self._gather(mine)  # the step's one host read
+        return self._verdict(step, _found(rows), replay), rows, table
+
+    def _gather(self, mine: torch.Tensor) -> tuple[list[list[float]], torch.Tensor]:
+        """Every rank's row (as lists on the host, and stacked on the device)."""
         if self.world == 1:  # one process: nothing to agree on
             table = mine.unsqueeze(0)
         else:
             gathered = [torch.empty_like(mine) for _ in range(self.world)]
             comm.all_gather(gathered, mine)
             table = torch.stack(gathered)
-        rows: list[list[float]] = table.tolist()  # the step's one host read
-        found = sorted((int(r[0]), int(r[2]), int(r[1]), int(r[3])) for r in rows if r[0] >= 0)
-        return self._verdict(step, found), rows, table
+        return table.tolist(), table
 
-    def _verdict(self, step: int, found: list[tuple[int, int, int, int]]) -> str | None:
+    def _name_micro_batch(self, replay: Callable[[], None]) -> list[tuple[int, int, int, int]]:
+        """Replay the step with a check after each backward and gather every rank's first
+        flagged one: the sorted ``(kind, micro-batch, stage, rank)`` found (empty when the
+        replay's gradients stayed finite)."""
+        buffers = list(self.module.buffers()) if self.module is not None else []
+        kept = [b.detach().clone() for b in buffers]  # e.g. running statistics
+        cuda = [self.device] if self.device.type == "cuda" else []
+        self._naming = True
+        if self.shards is not None:
+            self.shards.checked = True
+        try:
+            with torch.random.fork_rng(devices=cuda):
+                cpu_state, device_state = self._rng
+                torch.set_rng_state(cpu_state)
+                if device_state is not None:
+                    torch.cuda.set_rng_state(device_state, self.device)
+                replay()
+        finally:
+            self._naming = False
+            if self.shards is not None:
+                self.shards.checked = False
+            with torch.no_grad():
+                for b, k in zip(buffers, kept, strict=True):
+                    b.copy_(k)
+        s = -1 if self.stage is None else self.stage
+        mine = device_row([-1, s, -1, self.rank], self.device)
+        mine[0:3:2] = self._first_bad()
+        rows, _ = self._gather(mine)
+        return _found(rows)
+
+    def _verdict(
+        self,
+        step: int,
+        found: list[tuple[int, int, int, int]],
+        replay: Callable[[], None] | None = None,
+    ) -> str | None:
         """The decision on the sorted ``(kind, micro-batch, stage, rank)`` of the bad ranks."""
         if not found:
             return None
         k, m, st, rk = found[0]
-        what = f"non-finite {_KINDS[k]} in micro-batch {m} at stage {st} (rank {rk})"
-        if len(found) > 1:
-            others = sorted({f"stage {b[2]}" for b in found[1:]})
-            what += f"; also non-finite at {', '.join(others)}"
         if k == 1 and self.precision.overflow(step):  # fp16 overflow: skip, scale / 2, go on
             for p in self.params:
                 p.grad = None
             return ""
+        unnamed = ""
+        if k == 1 and m < 0 and replay is not None:
+            named = self._name_micro_batch(replay)
+            if named:
+                found = named
+                k, m, st, rk = found[0]
+            else:
+                unnamed = (
+                    " (a replay of the step left every micro-batch's gradients finite: their "
+                    "norm exceeded float32's range, or the step does not repeat exactly)"
+                )
+        where = f"in micro-batch {m} " if m >= 0 else ""
+        what = f"non-finite {_KINDS[k]} {where}at stage {st} (rank {rk}){unnamed}"
+        if len(found) > 1:
+            others = sorted({f"stage {b[2]}" for b in found[1:]})
+            what += f"; also non-finite at {', '.join(others)}"
         if self.config.on_nonfinite == "skip":
             for p in self.params:
                 p.grad = None

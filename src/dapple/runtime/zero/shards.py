@@ -87,6 +87,9 @@ class FlatShards:
         """Tied parameters: whole gradients (summed across stages), optimizer state in slices."""
         self._tied_pieces = tied_slices(self.tied, replica, self.r)
         self.pieces += self._tied_pieces
+        self.checked = False
+        """Sum each bucket's local gradients as its reduction starts, for :meth:`grad_sums`
+        (the non-finite guard turns it on while it replays a step to name its micro-batch)."""
         self._sums: list[torch.Tensor] = []
         self._inflight: list[Bucket] = []
         """ZeRO-2: the buckets whose reduction runs, oldest first."""
@@ -235,7 +238,8 @@ class FlatShards:
             for p in bk.params:
                 self._own(p)
             src = bk.grads
-            bk.launched_sum = src.sum()
+            if self.checked:
+                bk.launched_sum = src.sum()
         else:  # ZeRO-2: this micro-batch's gradients, then free them
             src = torch.empty_like(bk.flat)
             off = 0
@@ -248,7 +252,8 @@ class FlatShards:
                     p.grad = None
                 off += p.numel()
             src[off:].zero_()  # the padding
-            self._sums.append(src.sum())  # for the non-finite guard
+            if self.checked:
+                self._sums.append(src.sum())
             bk.staged = src
         chunk = bk.padded // self.r
         if self._gloo:  # one reduce per chunk, to its owner: the reduce-scatter's bytes
