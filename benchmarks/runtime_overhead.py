@@ -66,7 +66,7 @@ READS = ("item", "__float__", "__int__", "__bool__", "tolist", "cpu", "numpy")
 PHASES: list[tuple[str, str, str]] = [
     ("dapple.runtime.stage", "StageExecutor.forward", "forward (F: slicing, layers, loss)"),
     ("dapple.runtime.stage", "StageExecutor.backward", "backward (B)"),
-    ("dapple.runtime.longrun", "LongRun.watch", "non-finite guard: per-backward check"),
+    ("dapple.runtime.longrun", "LongRun.watch", "guard: after F/B (before: checks per B)"),
     ("dapple.runtime.longrun", "LongRun.agree_finite", "step collective: verdict, metric rows"),
     ("dapple.runtime.optim", "ModelUpdate.global_norm", "gradient norm"),
     ("dapple.runtime.optim", "ModelUpdate.local_sq_norm", "gradient norm"),

@@ -21,6 +21,7 @@ import dataclasses
 import json
 import logging
 import math
+import os
 import struct
 import sys
 import time
@@ -29,6 +30,7 @@ from typing import IO, Any
 
 import torch
 
+from dapple.core.output_path import make_parent_dirs
 from dapple.core.plan import Plan
 from dapple.runtime.chunks import Executor
 from dapple.runtime.config import StepMetrics, TrainConfig
@@ -119,15 +121,29 @@ def resident_bytes(device: torch.device, peak: bool) -> int:
         return int(
             torch.cuda.max_memory_reserved(device) if peak else torch.cuda.memory_reserved(device)
         )
-    key = "VmHWM:" if peak else "VmRSS:"
+    key = b"VmHWM:" if peak else b"VmRSS:"
     try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(key):
-                    return int(line.split()[1]) * 1024
+        status = os.pread(_status_fd(), 8192, 0)
     except OSError:  # pragma: no cover - not Linux
-        pass
-    return 0
+        return 0
+    at = status.find(key)
+    if at < 0:  # pragma: no cover - a kernel without the field
+        return 0
+    return int(status[at + len(key) : status.index(b"kB", at)]) * 1024
+
+
+_STATUS: list[int] = []
+"""``[pid, fd]`` of this process's open ``/proc/self/status`` (read again from offset 0 each
+time: a third of the cost of opening it per step)."""
+
+
+def _status_fd() -> int:
+    """This process's ``/proc/<pid>/status``, opened once per process (a forked child opens
+    its own)."""
+    pid = os.getpid()
+    if not _STATUS or _STATUS[0] != pid:
+        _STATUS[:] = [pid, os.open(f"/proc/{pid}/status", os.O_RDONLY)]
+    return _STATUS[1]
 
 
 class StepProbe:
@@ -303,7 +319,8 @@ class MetricsSink:
         self._file: IO[str] | None = None
         if self.active and config.metrics_path:
             mode = "a" if config.resume else "w"  # a resumed run continues its record
-            self._file = open(config.metrics_path, mode)  # noqa: SIM115 - closed by close()
+            path = make_parent_dirs(config.metrics_path)
+            self._file = open(path, mode)  # noqa: SIM115 - closed by close()
 
     def record(
         self,
