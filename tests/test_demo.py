@@ -8,6 +8,7 @@ import dataclasses
 import io
 import json
 import re
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -20,6 +21,7 @@ from dapple.cli import main
 from dapple.cli._demo_corpus import stdlib_sources, unigram_entropy
 from dapple.cli._demo_plan import cost, why
 from dapple.cli._demo_run import median_step_ms, one_thread, run_progress
+from dapple.cli.demo_cmd import _close
 from dapple.core.cluster import Cluster
 from dapple.core.plan import Plan, straight_plan
 from dapple.cost.pipeline import pipeline_latency
@@ -174,6 +176,26 @@ def test_demo_exits_nonzero_when_a_check_fails(
     out = tmp_path / "demo"
     args = ["demo", "--steps", "4", "--corpus-mib", "0.1", "--out-dir", str(out)]
     assert main(args) == 1
-    text = capsys.readouterr().out
+    captured = capsys.readouterr()
+    text = captured.out
     assert re.search(r"check failed: verify of [0-9:]+: stage \d: step 0 gradient of", text), text
     assert "check(s) failed" in text
+    (line,) = captured.err.splitlines()[-1:]
+    assert re.match(r"dapple: error: demo: \d+ check\(s\) failed: .*verify of [0-9:]+: ", line)
+
+
+def test_a_failed_check_ends_with_one_error_line_on_stderr(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    con = Console(file=sys.stdout, soft_wrap=True)
+    failed = ["validation loss 5.1 not below the unigram entropy 4.2", "verify of 2:1: MISMATCH"]
+    assert _close(con, failed, 12.0) == 1
+    out, err = capsys.readouterr()
+    assert "check failed: validation loss 5.1" in out and "demo: 2 check(s) failed" in out
+    assert err.splitlines() == [
+        "dapple: error: demo: 2 check(s) failed: validation loss 5.1 not below the unigram "
+        "entropy 4.2; verify of 2:1: MISMATCH"
+    ]
+    assert _close(con, [], 12.0) == 0
+    out, err = capsys.readouterr()
+    assert "demo: every check passed" in out and err == ""

@@ -27,6 +27,7 @@ import argparse
 import dataclasses
 import json
 import shutil
+import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -155,10 +156,19 @@ def run(args: argparse.Namespace) -> int:
         )
         + "\n"
     )
+    return _close(con, failed, wall_s)
+
+
+def _close(con: Console, failed: list[str], wall_s: float) -> int:
+    """The demo's last lines and its exit code: each failed check on stdout and, when any
+    failed, one ``dapple: error:`` line on stderr naming them, exit code 1; else 0."""
     for f in failed:
         con.print(f"[red]check failed:[/red] {f}")
     if failed:
         con.print(f"[red]demo: {len(failed)} check(s) failed[/red] ({format_seconds(wall_s)})")
+        con.file.flush()
+        print(f"dapple: error: demo: {len(failed)} check(s) failed: {'; '.join(failed)}",
+              file=sys.stderr)  # fmt: skip
         return 1
     con.print(f"[green]demo: every check passed[/green] in {format_seconds(wall_s)}")
     return 0
