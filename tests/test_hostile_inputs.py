@@ -103,7 +103,10 @@ def files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, Path]:
         tmp_path / "mlp-plan.json"
     )
     (tmp_path / "text.txt").write_text("some text\n" * 20)
-    (tmp_path / "graph.txt").write_text("node1 -- Input -- forward=1, backward=1, activation=1\n")
+    (tmp_path / "graph.txt").write_text(
+        "".join(f"node{i} -- L{i} -- forward_compute_time=1, backward_compute_time=1, "
+                "activation_size=1, parameter_size=1\n" for i in (1, 2)) + "\tnode1 -- node2\n"
+    )  # fmt: skip
     return {p.stem: p for p in tmp_path.iterdir()}
 
 
@@ -266,8 +269,16 @@ OUTPUTS: list[tuple[str, Callable[[dict[str, Path], str], list[str]]]] = [
                                          "--loss-curve", o + ".png"]),
     ("train --tensorboard", lambda f, o: ["train", "--plan", str(f["mlp-plan"]), *M,
                                           "--tensorboard", o]),
+    ("train --checkpoint-dir", lambda f, o: ["train", "--plan", str(f["mlp-plan"]), *M,
+                                             "--checkpoint-dir", o]),
     ("demo --out-dir", lambda f, o: ["demo", "--out-dir", o]),
+    ("plan-local --out-dir", lambda f, o: ["plan-local", *M, "--global-batch-size", "2",
+                                           "--out-dir", o]),
 ]  # fmt: skip
+"""Every command's output arguments (files and directories), from the valid inputs."""
+WRITTEN_FOR_REAL = {"plan -o", "simulate --gantt", "simulate --memory", "simulate --trace",
+                    "simulate --layout", "import-pipedream -o"}  # fmt: skip
+"""The outputs of commands that do no heavy work (nothing stubbed): they run and write."""
 
 SYS = Path("/sys")
 """A folder no process (not even root) can create files in, on Linux."""
@@ -284,7 +295,7 @@ def _where(tmp_path: Path, how: str) -> str:
     return str(tmp_path / "a-file" / "x")
 
 
-@pytest.mark.parametrize("how", ["read-only", "missing-folder", "under-a-file"])
+@pytest.mark.parametrize("how", ["read-only", "under-a-file"])
 @pytest.mark.parametrize(("build"), [pytest.param(b, id=n) for n, b in OUTPUTS])
 def test_unwritable_output(
     build: Callable[[dict[str, Path], str], list[str]],
@@ -293,11 +304,48 @@ def test_unwritable_output(
     tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    out = _where(tmp_path, how)
-    argv = build(files, out)
-    if how == "missing-folder" and argv[0] in ("data", "demo", "train") and "--metrics" not in argv:
-        pytest.skip("this output's folders are made as needed")
-    _refused(argv, tmp_path, capsys)
+    _refused(build(files, _where(tmp_path, how)), tmp_path, capsys)
+
+
+@pytest.mark.parametrize(("name", "build"), [pytest.param(n, b, id=n) for n, b in OUTPUTS])
+def test_missing_output_folders_are_made(
+    name: str,
+    build: Callable[[dict[str, Path], str], list[str]],
+    files: dict[str, Path],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """One rule for every output: folders missing above it are created when it is written;
+    the check before the work accepts them and creates nothing."""
+    argv = build(files, _where(tmp_path, "missing-folder"))
+    out = Path(argv[-1])
+    if name in WRITTEN_FOR_REAL:
+        assert main(argv) == 0, capsys.readouterr().err
+        assert out.is_file()
+        return
+    with pytest.raises(AssertionError, match="work started"):  # past every check, to the work
+        main(argv)
+    assert "dapple: error" not in capsys.readouterr().err
+    if name != "demo --out-dir":  # the demo makes its folder as the first step of its work
+        assert not (tmp_path / "no").exists()  # the check made no folder
+
+
+def test_writers_make_missing_folders(tmp_path: Path) -> None:
+    """The writers behind the stubbed commands' outputs create the folders above them."""
+    from dapple.runtime.config import StepMetrics, TrainConfig
+    from dapple.runtime.metrics import MetricsSink
+    from dapple.runtime.reporting import write_loss_curve
+
+    step = StepMetrics(step=0, loss=1.0, step_ms=1.0, samples_per_s=1.0, peak_memory_bytes=(0,),
+                       memory_kind="held_activations")  # fmt: skip
+    assert write_loss_curve([step], tmp_path / "a" / "b" / "loss.png").is_file()
+    plan = straight_plan(4, [0], global_batch_size=2, num_micro_batches=1)
+    jsonl = tmp_path / "c" / "d" / "m.jsonl"
+    sink = MetricsSink(plan, TrainConfig(metrics_path=str(jsonl)), rank=0, memory_kind="x")
+    sink.close()
+    assert jsonl.is_file()
+    make_profile(4).save(tmp_path / "e" / "f" / "profile.json")
+    assert (tmp_path / "e" / "f" / "profile.json").is_file()
 
 
 # -- bad values refused before any work -------------------------------------------------------

@@ -161,7 +161,7 @@ def test_train_cli_rejects_bad_eval_flags_before_launch(tmp_path: Path) -> None:
     for flags, msg in (
         (["--eval-every", "-1"], "eval_every must be >= 0, got -1"),
         (["--eval-batches", "0"], "eval_batches must be >= 1, got 0"),
-        (["--loss-curve", str(tmp_path / "nope" / "c.png")], "directory"),
+        (["--loss-curve", str(tmp_path / "p.json" / "c.png")], "is a file, not a directory"),
     ):
         proc = _dapple(base + flags, timeout=60)
         assert proc.returncode != 0

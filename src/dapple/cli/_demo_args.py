@@ -8,7 +8,7 @@ import argparse
 import math
 from pathlib import Path
 
-from dapple.core.output_path import check_output_file
+from dapple.core.output_path import check_output_dir
 from dapple.errors import ValidationError
 
 __all__ = ["check_demo_args"]
@@ -34,8 +34,4 @@ def check_demo_args(args: argparse.Namespace) -> Path:
             raise ValidationError(f"{flag} must be >= 1, got {value}")
     if not (math.isfinite(args.corpus_mib) and args.corpus_mib > 0):
         raise ValidationError(f"--corpus-mib must be a number > 0, got {args.corpus_mib}")
-    out = Path(args.out_dir)
-    if out.exists() and not out.is_dir():
-        raise ValidationError(f"--out-dir {str(out)!r} is a file, not a directory")
-    check_output_file(out / "summary.json", "--out-dir", make_parents=True)
-    return out
+    return check_output_dir(args.out_dir, "--out-dir")

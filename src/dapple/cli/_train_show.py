@@ -17,8 +17,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dapple.errors import ValidationError
-
 if TYPE_CHECKING:  # torch-free import of the CLI
     from dapple.runtime.config import StepMetrics
 
@@ -89,20 +87,13 @@ def add_show_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def loss_curve_path(args: argparse.Namespace) -> Path | None:
-    """Where the loss curve goes (None: nowhere).
-
-    Raises:
-        ValidationError: its directory does not exist (checked before the run starts).
-    """
+    """Where the loss curve goes (None: nowhere); ``dapple train`` checks it can be written
+    (:func:`dapple.core.output_path.check_picture_file`) before the run starts."""
     if args.loss_curve is not None:
-        path = Path(args.loss_curve)
-    elif args.metrics is not None:
-        path = Path(args.metrics).with_suffix(".loss.png")
-    else:
-        return None
-    if not path.parent.is_dir():
-        raise ValidationError(f"loss curve {str(path)!r}: directory {str(path.parent)!r} not found")
-    return path
+        return Path(args.loss_curve)
+    if args.metrics is not None:
+        return Path(args.metrics).with_suffix(".loss.png")
+    return None
 
 
 def show_options(args: argparse.Namespace) -> dict[str, Any]:

@@ -17,7 +17,7 @@ from rich.table import Table
 from dapple.cli._console import StepProgress, console, print_table
 from dapple.cli._model_args import add_model_arguments, model_overrides
 from dapple.cli._run_args import add_precision_argument
-from dapple.core.output_path import check_output_file
+from dapple.core.output_path import check_output_dir, check_output_file
 from dapple.errors import ValidationError
 
 __all__ = ["parse_counts", "register"]
@@ -82,11 +82,9 @@ def run(args: argparse.Namespace) -> int:
     counts = parse_counts(args.nproc)
     if args.global_batch_size < 1:
         raise ValidationError(f"--global-batch-size must be >= 1, got {args.global_batch_size}")
-    out = Path(args.out_dir)
-    if out.exists() and not out.is_dir():
-        raise ValidationError(f"--out-dir {str(out)!r} is a file, not a directory")
-    for name in ("plan.json", "profile.json", "cluster.json"):  # before any measuring
-        check_output_file(out / name, "--out-dir file", make_parents=True)
+    out = check_output_dir(args.out_dir, "--out-dir")  # before any measuring
+    for name in ("plan.json", "profile.json", "cluster.json"):
+        check_output_file(out / name, "--out-dir file")
     workload = load_workload(args.model, **model_overrides(args))
     from dapple.profiler.host_fit import check_host_memory
 

@@ -18,7 +18,6 @@ import dataclasses
 import os
 import statistics
 import sys
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dapple.cli._config_args import add_config_arguments
@@ -30,7 +29,7 @@ from dapple.cli._run_args import add_run_arguments, load_run_plan
 from dapple.cli._train_config import FILE_GIVES, TRAIN_SECTIONS_HELP, flags_of, run_config_of
 from dapple.cli._train_show import add_show_arguments, loss_curve_path, print_summary
 from dapple.core.cluster import describe_presets
-from dapple.core.output_path import check_output_file, check_picture_file
+from dapple.core.output_path import check_output_dir, check_output_file, check_picture_file
 from dapple.core.plan import Plan
 from dapple.errors import ValidationError
 
@@ -404,11 +403,11 @@ def run_config(cfg: RunConfig) -> int:
     flags = flags_of(cfg)  # what the helpers dapple verify shares read
     plan = load_run_plan(flags)
     _check_output(cfg.train.metrics_path, "--metrics file")
-    if cfg.train.tensorboard_dir is not None and int(os.environ.get("RANK", "0")) == 0:
-        tb = Path(cfg.train.tensorboard_dir)  # the writer makes the folder and writes in it
-        if tb.exists() and not tb.is_dir():
-            raise ValidationError(f"--tensorboard {str(tb)!r} is a file, not a directory")
-        check_output_file(tb / "events", "--tensorboard directory", make_parents=True)
+    if int(os.environ.get("RANK", "0")) == 0:  # the writers make the folders and write in them
+        for where, flag in ((cfg.train.tensorboard_dir, "--tensorboard"),
+                            (cfg.train.checkpoint_dir, "--checkpoint-dir")):  # fmt: skip
+            if where is not None:
+                check_output_dir(where, flag)
     curve = loss_curve_path(flags)
     _check_output(curve, "loss curve file", picture=True)
     with _early_workers(flags, len(plan.devices)) as early:

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from dapple.core.output_path import make_parent_dirs
 from dapple.errors import ValidationError
 
 __all__ = [
@@ -77,14 +78,16 @@ def load_json_file(path: str | Path, what: str) -> dict[str, Any]:
 
 
 def save_json_file(path: str | Path, data: dict[str, Any], what: str) -> None:
-    """Write ``data`` as indented JSON to ``path``; ``what`` names the document in errors.
+    """Write ``data`` as indented JSON to ``path`` (missing folders made); ``what`` names the
+    document in errors.
 
     Raises:
-        ValidationError: the file cannot be written (missing folder, no permission, ...).
+        ValidationError: the file cannot be written (a folder on the way is a file, no
+            permission, ...).
     """
     p = Path(path)
     try:
-        p.write_text(json.dumps(data, indent=2) + "\n")
+        make_parent_dirs(p).write_text(json.dumps(data, indent=2) + "\n")
     except OSError as e:
         raise ValidationError(f"cannot write {what} file {str(p)!r}: {e.strerror or e}") from e
 

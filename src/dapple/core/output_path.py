@@ -1,11 +1,13 @@
 """Output paths checked before any work: a command that writes a file only at its end (token
 files, metrics, a plan) refuses at its start a path it could not write then.
 
-A path is refused when it is a directory, when a component of its folder is a regular file,
-when its folder cannot be written (``os.access`` and a real attempt: a probe file created and
-removed at once, since root passes every permission check and a read-only mount or a full
-disk shows only when writing), or, for writers that open the file in place, when the file
-exists read-only. Pure ``os``/``pathlib``, no torch.
+One rule for every output file of every command: folders missing above it are created when it
+is written (:func:`make_parent_dirs`, ``mkdir -p``). A path is refused when it is a
+directory, when a component of its folder is a regular file, when the nearest existing folder
+cannot be written (``os.access`` and a real attempt: a probe file created and removed at once,
+since root passes every permission check and a read-only mount or a full disk shows only when
+writing), or, for writers that open the file in place, when the file exists read-only. The
+check creates nothing. Pure ``os``/``pathlib``, no torch.
 """
 
 from __future__ import annotations
@@ -16,7 +18,13 @@ from pathlib import Path
 
 from dapple.errors import ValidationError
 
-__all__ = ["PICTURE_SUFFIXES", "check_output_file", "check_picture_file"]
+__all__ = [
+    "PICTURE_SUFFIXES",
+    "check_output_dir",
+    "check_output_file",
+    "check_picture_file",
+    "make_parent_dirs",
+]
 
 PICTURE_SUFFIXES = (".png", ".svg", ".svgz", ".pdf", ".eps", ".ps", ".jpg", ".jpeg", ".tif",
                     ".tiff", ".webp")  # fmt: skip
@@ -49,16 +57,14 @@ def _probe(folder: Path, what: str) -> None:
         ) from e
 
 
-def check_output_file(
-    path: str | os.PathLike[str], what: str, *, make_parents: bool = False, in_place: bool = True
-) -> Path:
-    """Check that a file can be written at ``path``, before the work that produces it.
+def check_output_file(path: str | os.PathLike[str], what: str, *, in_place: bool = True) -> Path:
+    """Check that a file can be written at ``path``, before the work that produces it: missing
+    folders above it are fine (the writer makes them, :func:`make_parent_dirs`), the nearest
+    existing one must be a writable directory.
 
     Args:
         path: the file to write.
         what: names the file in errors, e.g. ``"--metrics file"``.
-        make_parents: the writer creates missing folders (then the nearest existing one must be
-            a writable directory); False: the folder must already exist.
         in_place: the writer opens an existing file for writing, so it must be writable;
             False: the writer renames a new file over it (only the folder matters).
 
@@ -75,8 +81,6 @@ def check_output_file(
     anc = _nearest_existing(folder, what)
     if not anc.is_dir():
         raise ValidationError(f"{what} {str(p)!r}: {str(anc)!r} is a file, not a directory")
-    if anc != folder and not make_parents:
-        raise ValidationError(f"{what} {str(p)!r}: directory {str(folder)!r} does not exist")
     if not os.access(anc, os.W_OK | os.X_OK):
         raise ValidationError(f"{what} {str(p)!r}: directory {str(anc)!r} is not writable")
     _probe(anc, f"{what} {str(p)!r}")
@@ -86,6 +90,32 @@ def check_output_file(
                 pass
         except OSError as e:
             raise ValidationError(f"{what} {str(p)!r} is not writable: {e.strerror or e}") from e
+    return p
+
+
+def check_output_dir(path: str | os.PathLike[str], what: str) -> Path:
+    """Check that files can be written in the directory ``path`` (made with its missing parents
+    when written), before the work that fills it.
+
+    Args:
+        path: the directory to write in.
+        what: names it in errors, e.g. ``"--checkpoint-dir"``.
+
+    Returns:
+        ``path`` as a :class:`~pathlib.Path`.
+
+    Raises:
+        ValidationError: one line naming the path and why nothing can be written in it.
+    """
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise ValidationError(f"{what} {str(p)!r} is a file, not a directory")
+    anc = _nearest_existing(p, what)
+    if not anc.is_dir():
+        raise ValidationError(f"{what} {str(p)!r}: {str(anc)!r} is a file, not a directory")
+    if not os.access(anc, os.W_OK | os.X_OK):
+        raise ValidationError(f"{what} {str(p)!r}: directory {str(anc)!r} is not writable")
+    _probe(anc, f"{what} {str(p)!r}")
     return p
 
 
@@ -103,3 +133,17 @@ def check_picture_file(path: str | os.PathLike[str], what: str) -> Path:
             f"{', '.join(PICTURE_SUFFIXES)}"
         )
     return checked
+
+
+def make_parent_dirs(path: str | os.PathLike[str]) -> Path:
+    """Create the folders missing above the file ``path`` (``mkdir -p`` of its parent), as
+    every writer of an output file does before writing it; returns ``path`` as a
+    :class:`~pathlib.Path`.
+
+    Raises:
+        OSError: a folder cannot be created (:func:`check_output_file` refuses such a path
+            before any work).
+    """
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    return p

@@ -262,7 +262,7 @@ def _check_outputs(train: Path, val: Path, documents: bool, sources: Sequence[Pa
             (docs_path(val), "validation document offsets file"),
         ]
     for path, what in written:
-        check_output_file(path, what, make_parents=True, in_place=False)
+        check_output_file(path, what, in_place=False)
     _check_no_input_overwritten(written, sources)
     _check_only_own_files_replaced(train, val, written)
 

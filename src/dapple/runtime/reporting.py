@@ -22,6 +22,7 @@ from typing import Any, Protocol
 
 import torch
 
+from dapple.core.output_path import make_parent_dirs
 from dapple.datasets import IGNORE_INDEX
 from dapple.runtime.config import StepMetrics, TrainConfig
 
@@ -172,7 +173,7 @@ def write_loss_curve(metrics: Sequence[StepMetrics], path: str | Path) -> Path:
         ax.grid(alpha=0.3)
         ax.legend()
         fig.tight_layout()
-        fig.savefig(path, dpi=100)
+        fig.savefig(make_parent_dirs(path), dpi=100)
     finally:
         plt.close(fig)
     return path

@@ -20,6 +20,7 @@ import matplotlib.pyplot as plt
 from matplotlib.patches import FancyBboxPatch, Patch, Rectangle
 
 from dapple.core.cluster import Cluster
+from dapple.core.output_path import make_parent_dirs
 from dapple.core.plan import Plan, StagePlan
 
 __all__ = ["layout_cells", "plot_layout", "stage_label"]
@@ -98,5 +99,5 @@ def plot_layout(plan: Plan, cluster: Cluster, path: str | Path, title: str | Non
     ]
     fig.legend(handles=handles, loc="lower center", ncol=1, fontsize=8, frameon=False)
     fig.tight_layout(rect=(0, 0.06 + 0.045 * len(stages), 1, 1))
-    fig.savefig(path, dpi=120)
+    fig.savefig(make_parent_dirs(path), dpi=120)
     plt.close(fig)

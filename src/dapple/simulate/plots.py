@@ -18,6 +18,7 @@ import matplotlib.pyplot as plt
 from matplotlib.axes import Axes
 from matplotlib.patches import Patch
 
+from dapple.core.output_path import make_parent_dirs
 from dapple.schedule.ir import ActionKind
 from dapple.simulate.engine import DeviceStats, SimResult
 
@@ -133,7 +134,7 @@ def plot_gantt(runs: Sequence[tuple[str, SimResult]], path: str | Path) -> None:
         frameon=False,
     )
     fig.tight_layout(rect=(0, 0, 1, 1 - 0.3 / sum(heights)))  # room for the legend
-    fig.savefig(path, dpi=120)
+    fig.savefig(make_parent_dirs(path), dpi=120)
     plt.close(fig)
 
 
@@ -159,5 +160,5 @@ def plot_memory(runs: Sequence[tuple[str, SimResult]], path: str | Path) -> None
         ax.legend(fontsize=7, loc="upper right")
     axes[-1, 0].set_xlabel("time (ms)")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(make_parent_dirs(path), dpi=120)
     plt.close(fig)

@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from dapple.core.output_path import make_parent_dirs
 from dapple.schedule.ir import ActionKind
 from dapple.simulate.engine import SimResult
 
@@ -106,5 +107,5 @@ def to_chrome_trace(result: SimResult) -> dict[str, Any]:
 
 
 def write_trace(result: SimResult, path: str | Path) -> None:
-    """Write :func:`to_chrome_trace` of ``result`` to ``path``."""
-    Path(path).write_text(json.dumps(to_chrome_trace(result)) + "\n")
+    """Write :func:`to_chrome_trace` of ``result`` to ``path`` (missing folders made)."""
+    make_parent_dirs(path).write_text(json.dumps(to_chrome_trace(result)) + "\n")
