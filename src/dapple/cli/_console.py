@@ -52,10 +52,11 @@ _UNBOUNDED = 1 << 20
 """A width no table reaches: the bound its natural width is measured under."""
 
 
-def console() -> Console:
-    """The console a command prints through: ``rich``'s own in a terminal; off one, lines are
-    not wrapped (``soft_wrap``) so a log holds one line per message."""
-    con = Console()
+def console(*, stderr: bool = False) -> Console:
+    """The console a command prints through (``stderr``: to stderr, e.g. progress beside a
+    command whose stdout is its result): ``rich``'s own in a terminal; off one, lines are not
+    wrapped (``soft_wrap``) so a log holds one line per message."""
+    con = Console(stderr=stderr)
     if not con.is_terminal:
         con.soft_wrap = True
     return con

@@ -15,9 +15,7 @@ import sys
 import unicodedata
 from typing import TYPE_CHECKING
 
-from rich.console import Console
-
-from dapple.cli._console import StepProgress
+from dapple.cli._console import StepProgress, console
 from dapple.cli._model_args import add_model_arguments, model_overrides
 from dapple.errors import ValidationError
 
@@ -114,8 +112,9 @@ def _progress(new_tokens: int) -> contextlib.AbstractContextManager[StepProgress
     :data:`PROGRESS_MIN_TOKENS` tokens, shown once it has run :data:`PROGRESS_DELAY_S`."""
     if new_tokens < PROGRESS_MIN_TOKENS:
         return contextlib.nullcontext()
-    con = Console(stderr=True, soft_wrap=True)
-    return StepProgress("generate", new_tokens, console=con, delay_s=PROGRESS_DELAY_S)
+    return StepProgress(
+        "generate", new_tokens, console=console(stderr=True), delay_s=PROGRESS_DELAY_S
+    )
 
 
 def terminal_safe(text: str) -> str:
