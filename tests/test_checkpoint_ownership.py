@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from dapple.datasets import prepare
+from dapple.errors import ValidationError
 from dapple.runtime.checkpoint_files import (
     CheckpointError,
     delete_checkpoints,
@@ -114,14 +116,19 @@ def test_prepare_refuses_to_overwrite_its_input(
 
     t = tmp_path / "t.txt"
     t.write_text("hello world\n")
-    for out in (t, tmp_path / "sub" / ".." / "t.txt"):
+    for out in (t, tmp_path / "sub" / ".." / "t.txt"):  # the check every command shares
         assert _prepare(str(t), "-o", str(out)) == 2
-        one_error_line(capsys, "is the input text file", "choose another output")
+        line = one_error_line(capsys, f"-o/--output {str(out)!r} is the TEXT_FILE file")
+        assert line.rstrip().endswith("this command reads: writing it would replace that input; write "
+                             "elsewhere")  # fmt: skip
+    assert not (tmp_path / "sub").exists()
     val = tmp_path / "x.val.bin"  # the validation file written beside x.bin
     val.write_text("precious")
     assert _prepare(str(val), "-o", str(tmp_path / "x.bin")) == 2
-    one_error_line(capsys, "validation file", "is the input text file")
+    one_error_line(capsys, f"validation file {str(val)!r} is the input text file this command")
     assert t.read_text() == "hello world\n" and val.read_text() == "precious"
+    with pytest.raises(ValidationError, match="is the input text file"):  # the API refuses too
+        prepare([t], tmp_path / "sub" / ".." / "t.txt")
 
 
 def test_prepare_replaces_only_its_own_output(

@@ -7,20 +7,24 @@ import argparse
 import os
 from collections.abc import Iterator
 
-from dapple.errors import ValidationError
+from dapple.core.output_path import refuse_overwrite
 
 __all__ = ["INPUT_OPTIONS", "OUTPUT_OPTIONS", "refuse_input_overwrite"]
 
-INPUT_OPTIONS = ("plan", "profile", "cluster", "config", "data", "eval_data", "graph", "weights")
+INPUT_OPTIONS = (
+    "plan", "profile", "cluster", "config", "data", "eval_data", "graph", "weights", "text_files",
+)  # fmt: skip
 """Options (argparse ``dest``) naming a file a command reads."""
 
 OUTPUT_OPTIONS = ("output", "trace", "gantt", "memory", "layout", "metrics", "loss_curve")
 """Options naming a file a command writes (replacing what is there)."""
 
+_NAMED = {"output": "-o/--output", "graph": "GRAPH", "text_files": "TEXT_FILE"}
+"""Flags that are not ``--`` and the dest: import-pipedream's GRAPH, data prepare's TEXT_FILE."""
+
 
 def _flag(dest: str) -> str:
-    named = {"output": "-o/--output", "graph": "GRAPH"}  # GRAPH: import-pipedream's argument
-    return named.get(dest, "--" + dest.replace("_", "-"))
+    return _NAMED.get(dest, "--" + dest.replace("_", "-"))
 
 
 def _paths(value: object) -> Iterator[str]:
@@ -31,20 +35,16 @@ def _paths(value: object) -> Iterator[str]:
             yield from _paths(v)
 
 
+def _role(args: argparse.Namespace, options: tuple[str, ...]) -> list[tuple[str, str]]:
+    """``(path, flag)`` of every path the ``options`` of ``args`` name."""
+    return [(p, _flag(o)) for o in options for p in _paths(getattr(args, o, None))]
+
+
 def refuse_input_overwrite(args: argparse.Namespace) -> None:
-    """Refuse an output option that names the same existing file as an input option.
+    """Refuse an output option that would replace a file an input option names
+    (:func:`dapple.core.output_path.refuse_overwrite`).
 
     Raises:
         ValidationError: naming both options and the path.
     """
-    for out in OUTPUT_OPTIONS:
-        for target in _paths(getattr(args, out, None)):
-            if not os.path.isfile(target):
-                continue
-            for src in INPUT_OPTIONS:
-                for path in _paths(getattr(args, src, None)):
-                    if os.path.isfile(path) and os.path.samefile(path, target):
-                        raise ValidationError(
-                            f"{_flag(out)} {target!r} is the {_flag(src)} file this command "
-                            "reads: writing it would replace that input; write elsewhere"
-                        )
+    refuse_overwrite(_role(args, OUTPUT_OPTIONS), _role(args, INPUT_OPTIONS))

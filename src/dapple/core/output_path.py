@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
 
 from dapple.errors import ValidationError
@@ -24,6 +25,8 @@ __all__ = [
     "check_output_file",
     "check_picture_file",
     "make_parent_dirs",
+    "refuse_overwrite",
+    "same_file",
 ]
 
 PICTURE_SUFFIXES = (".png", ".svg", ".svgz", ".pdf", ".eps", ".ps", ".jpg", ".jpeg", ".tif",
@@ -147,3 +150,43 @@ def make_parent_dirs(path: str | os.PathLike[str]) -> Path:
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     return p
+
+
+PathLike = str | os.PathLike[str]
+
+
+def same_file(written: PathLike, read: PathLike) -> bool:
+    """Writing ``written`` would replace the existing file ``read``: both name one file (links
+    included) or, while ``written`` does not exist, its path resolves to ``read``'s (``..``
+    and links resolved: ``sub/../t.txt`` is ``t.txt`` once the writer made ``sub``)."""
+    try:
+        if not os.path.isfile(read):
+            return False
+        if os.path.exists(written):
+            return os.path.samefile(written, read)
+        return os.path.realpath(written) == os.path.realpath(read)
+    except OSError:  # a path that cannot be searched: the writer or reader reports it
+        return False
+
+
+def refuse_overwrite(
+    outputs: Iterable[tuple[PathLike, str]], inputs: Iterable[tuple[PathLike, str]]
+) -> None:
+    """Refuse an output that would replace an input file (:func:`same_file`).
+
+    Args:
+        outputs: ``(path, what)`` of each file a command writes (``what`` names it in the
+            error, e.g. ``"-o/--output"``).
+        inputs: ``(path, what)`` of each file it reads.
+
+    Raises:
+        ValidationError: one line naming the output, its path and the input.
+    """
+    read = list(inputs)
+    for target, out_what in outputs:
+        for path, in_what in read:
+            if same_file(target, path):
+                raise ValidationError(
+                    f"{out_what} {os.fspath(target)!r} is the {in_what} file this command "
+                    "reads: writing it would replace that input; write elsewhere"
+                )

@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from dapple.core.output_path import check_output_file
+from dapple.core.output_path import check_output_file, refuse_overwrite
 from dapple.datasets.documents import json_rows
 from dapple.datasets.packing import docs_path
 from dapple.datasets.token_file import META_NAME
@@ -263,33 +263,8 @@ def _check_outputs(train: Path, val: Path, documents: bool, sources: Sequence[Pa
         ]
     for path, what in written:
         check_output_file(path, what, in_place=False)
-    _check_no_input_overwritten(written, sources)
+    refuse_overwrite(written, [(src, "input text") for src in sources])
     _check_only_own_files_replaced(train, val, written)
-
-
-def _same_file(a: Path, b: Path) -> bool:
-    """``a`` and ``b`` name one existing file (links and ``..`` included)."""
-    try:
-        return a.exists() and b.exists() and os.path.samefile(a, b)
-    except OSError:
-        return False
-
-
-def _check_no_input_overwritten(
-    written: Sequence[tuple[Path, str]], sources: Sequence[Path]
-) -> None:
-    """Refuse an output path that is one of the input files.
-
-    Raises:
-        ValidationError: naming both.
-    """
-    for path, what in written:
-        for src in sources:
-            if _same_file(path, src) or path.resolve() == src.resolve():
-                raise ValidationError(
-                    f"{what} {str(path)!r} is the input text file {str(src)!r}: writing it "
-                    "would destroy the input; choose another output path"
-                )
 
 
 def _check_only_own_files_replaced(
