@@ -10,6 +10,7 @@ import errno
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -119,6 +120,30 @@ def test_train_refuses_a_plan_of_other_tensors(monkeypatch) -> None:
     wider = {**TINY, "hidden": 64}
     with pytest.raises(ValidationError, match="plan was made for another 'transformer'"):
         api.train(plan, "transformer", steps=1, overrides=wider, device="cpu")
+
+
+def test_train_builds_the_model_fingerprint_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The plan's and the profile's fingerprints are held against one build of the model's."""
+    import dapple.models.fingerprint as fingerprint
+
+    wl = load_workload("transformer", **TINY)
+    fp = model_fingerprint(wl)
+    plan = dataclasses.replace(
+        straight_plan(4, [0], global_batch_size=2, num_micro_batches=1),
+        model_name="transformer",
+        model_fingerprint=fp,
+    )
+    profile = dataclasses.replace(make_profile(4, name="transformer"), model_fingerprint=fp)
+    builds: list[str | None] = []
+
+    def counted(workload: Any) -> str | None:
+        builds.append(model_fingerprint(workload))
+        return builds[-1]
+
+    monkeypatch.setattr(fingerprint, "model_fingerprint", counted)
+    monkeypatch.setattr("dapple.runtime.train", lambda *_, **__: [])
+    assert api.train(plan, wl, steps=1, profile=profile, cluster=make_cluster(), device="cpu") == []
+    assert builds == [fp]
 
 
 def test_verify_refuses_a_nan_tolerance() -> None:

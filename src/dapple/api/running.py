@@ -21,6 +21,7 @@ from dapple.errors import ValidationError
 from dapple.models.workload import Workload
 
 if TYPE_CHECKING:
+    from dapple.models.fingerprint import Fingerprint
     from dapple.models.generate import Generated
     from dapple.runtime import StepMetrics
     from dapple.runtime.early import EarlyWorkers
@@ -95,7 +96,7 @@ def train(
         CheckpointError: ``require_resume`` and no checkpoint to resume.
         RankFailure: A worker failed.
     """
-    from dapple.models.fingerprint import check_plan_model
+    from dapple.models.fingerprint import check_plan_model, fingerprint_once
     from dapple.runtime import train as _train
     from dapple.runtime.config import TrainConfig
     from dapple.runtime.run_config import RunOptions, check_resumable, resolve_train_config
@@ -107,9 +108,10 @@ def train(
     run_plan = plan_with(plan, schedule, policy, virtual_stages)
     wl = as_workload(workload, _seq_overrides(workload, overrides, seq_len))
     _check_run(run_plan, wl, None if cluster is None else as_cluster(cluster, None))
-    check_plan_model(run_plan.model_fingerprint, wl)  # before any compute
+    fingerprint = fingerprint_once(wl)  # built once, when a check needs it
+    check_plan_model(run_plan.model_fingerprint, wl, fingerprint)  # before any compute
     if profile is not None:  # measured on this model (its layers' tensors), before any compute
-        _check_profile(profile, wl)
+        _check_profile(profile, wl, fingerprint)
     train_data = _dataset(data, seq_len, documents)
     evals = _dataset(eval_data, seq_len, documents)
     G, n_eval = run_plan.global_batch_size, None if evals is None else len(evals)
@@ -141,12 +143,14 @@ def _check_run(plan: Plan, wl: Workload, cluster: Cluster | None = None) -> None
     check_tensor_run(plan, wl, cluster)
 
 
-def _check_profile(profile: ModelProfile | str | Path, wl: Workload) -> None:
+def _check_profile(
+    profile: ModelProfile | str | Path, wl: Workload, fingerprint: Fingerprint
+) -> None:
     """``profile`` was measured on ``wl`` (:func:`dapple.models.fingerprint.check_profile_model`)."""
     from dapple.models.fingerprint import check_profile_model
 
     named = f"of {_name(profile)!r}" if isinstance(profile, ModelProfile) else repr(_name(profile))
-    check_profile_model(as_profile(profile), wl, f"the profile {named}")
+    check_profile_model(as_profile(profile), wl, f"the profile {named}", fingerprint)
 
 
 def _check_host_memory(

@@ -11,9 +11,11 @@ profile beside a model refuse a profile of another model (:func:`check_profile_m
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
+from collections.abc import Callable
 
 import torch
 
@@ -23,7 +25,13 @@ from dapple.models.workload import Workload
 
 log = logging.getLogger(__name__)
 
-__all__ = ["check_plan_model", "check_profile_model", "layer_tensors", "model_fingerprint"]
+__all__ = [
+    "check_plan_model",
+    "check_profile_model",
+    "fingerprint_once",
+    "layer_tensors",
+    "model_fingerprint",
+]
 
 FINGERPRINT_KIND = "meta-state-v1"
 """What the fingerprint hashes (the prefix of its string): the layer count and each layer's
@@ -61,7 +69,19 @@ def model_fingerprint(workload: Workload) -> str | None:
     return f"{FINGERPRINT_KIND}:{hashlib.sha256(text.encode()).hexdigest()[:16]}"
 
 
-def check_profile_model(profile: ModelProfile, workload: Workload, what: str) -> None:
+Fingerprint = Callable[[], str | None]
+"""A workload's :func:`model_fingerprint`, built when first called (:func:`fingerprint_once`)."""
+
+
+def fingerprint_once(workload: Workload) -> Fingerprint:
+    """:func:`model_fingerprint` of ``workload``, built at the first call and kept: the checks
+    of one run share it (each build reads every layer on ``meta``)."""
+    return functools.cache(lambda: model_fingerprint(workload))
+
+
+def check_profile_model(
+    profile: ModelProfile, workload: Workload, what: str, fingerprint: Fingerprint | None = None
+) -> None:
     """``profile`` was measured on ``workload``: the same layer count and, when the profile
     records a fingerprint (older, analytic and the paper's profiles do not), the same one.
 
@@ -69,6 +89,7 @@ def check_profile_model(profile: ModelProfile, workload: Workload, what: str) ->
         profile: the profile given beside the model.
         workload: the model.
         what: the profile's option and file, for the message (``--profile p.json``).
+        fingerprint: ``workload``'s, shared with the run's other checks (None: built here).
 
     Raises:
         ValidationError: one line naming the profile's model and this one.
@@ -88,7 +109,7 @@ def check_profile_model(profile: ModelProfile, workload: Workload, what: str) ->
                 what, profile.model_name, ours,
             )  # fmt: skip
         return
-    mine = _other_fingerprint(profile.model_fingerprint, workload)
+    mine = _other_fingerprint(profile.model_fingerprint, workload, fingerprint)
     if mine is not None:
         raise ValidationError(
             f"{what} was measured on another model than {ours}: same layer count, other "
@@ -98,15 +119,18 @@ def check_profile_model(profile: ModelProfile, workload: Workload, what: str) ->
         )
 
 
-def check_plan_model(fingerprint: str | None, workload: Workload) -> None:
+def check_plan_model(
+    fingerprint: str | None, workload: Workload, built: Fingerprint | None = None
+) -> None:
     """A plan made from a profile whose fingerprint was ``fingerprint``
     (:attr:`~dapple.core.plan.Plan.model_fingerprint`; None: not checked) runs this model's
-    tensors: its memory and step time were planned for them.
+    tensors: its memory and step time were planned for them. ``built``: ``workload``'s
+    fingerprint, shared with the run's other checks (None: built here).
 
     Raises:
         ValidationError: one line naming both fingerprints.
     """
-    mine = _other_fingerprint(fingerprint, workload)
+    mine = _other_fingerprint(fingerprint, workload, built)
     if mine is not None:
         raise ValidationError(
             f"the plan was made for another {workload.name!r} ({workload.num_layers} layers): "
@@ -116,10 +140,12 @@ def check_plan_model(fingerprint: str | None, workload: Workload) -> None:
         )
 
 
-def _other_fingerprint(recorded: str | None, workload: Workload) -> str | None:
-    """``workload``'s fingerprint when ``recorded`` is another one; None when they agree or
-    either is unknown."""
+def _other_fingerprint(
+    recorded: str | None, workload: Workload, built: Fingerprint | None
+) -> str | None:
+    """``workload``'s fingerprint (``built()``, else built here) when ``recorded`` is another
+    one; None when they agree or either is unknown."""
     if recorded is None:
         return None
-    mine = model_fingerprint(workload)
+    mine = built() if built is not None else model_fingerprint(workload)
     return mine if mine is not None and mine != recorded else None
