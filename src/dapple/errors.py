@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["DappleError", "InfeasibleError", "ValidationError"]
+__all__ = ["DappleError", "InfeasibleError", "ValidationError", "one_line"]
 
 
 class DappleError(Exception):
@@ -15,3 +15,9 @@ class ValidationError(DappleError, ValueError):
 
 class InfeasibleError(DappleError):
     """No plan satisfies the constraints (memory, batch divisibility, device count)."""
+
+
+def one_line(e: BaseException) -> str:
+    """Another library's error message on one line (its lines and runs of spaces joined by
+    single spaces), to quote inside a ``dapple: error:`` line."""
+    return " ".join(str(e).split())

@@ -37,6 +37,7 @@ from dapple.core.output_path import check_output_file, refuse_overwrite
 from dapple.datasets.documents import json_rows
 from dapple.datasets.packing import docs_path
 from dapple.datasets.token_file import META_NAME
+from dapple.datasets.tokenizer_dir import check_tokenizer_dir, load_hf_tokenizer
 from dapple.errors import ValidationError
 
 __all__ = ["Prepared", "prepare", "val_path"]
@@ -72,16 +73,7 @@ def _byte_tokens(texts: Sequence[bytes]) -> tuple[np.ndarray, int, str]:
 
 def _hf_tokens(texts: Sequence[bytes], tokenizer: str | Path) -> tuple[np.ndarray, int, str]:
     where = Path(tokenizer)
-    if not where.is_dir():
-        raise ValidationError(f"tokenizer directory {where} does not exist")
-    try:
-        from transformers import AutoTokenizer
-
-        tok: Any = AutoTokenizer.from_pretrained(str(where), local_files_only=True)
-    except ImportError as e:  # pragma: no cover - transformers is an optional dependency
-        raise ValidationError("--tokenizer needs the transformers package") from e
-    except (OSError, ValueError) as e:
-        raise ValidationError(f"cannot load a tokenizer from {where}: {e}") from e
+    tok = load_hf_tokenizer(where)
     eos = tok.eos_token_id
     ids: list[int] = []
     for i, raw in enumerate(texts):
@@ -237,8 +229,8 @@ def _check_arguments(
         raise ValidationError("prepare needs at least one text file")
     if not 0 <= val_fraction < 1:
         raise ValidationError(f"val_fraction must be in [0, 1), got {val_fraction}")
-    if tokenizer is not None and not Path(tokenizer).is_dir():
-        raise ValidationError(f"tokenizer directory {tokenizer} does not exist")
+    if tokenizer is not None:
+        check_tokenizer_dir(tokenizer)
 
 
 def _check_outputs(train: Path, val: Path, documents: bool, sources: Sequence[Path]) -> None:

@@ -18,11 +18,11 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
 
+from dapple.datasets.tokenizer_dir import TOKENIZER_FILES, load_hf_tokenizer
 from dapple.errors import ValidationError
 from dapple.models.workload import Workload
 
@@ -40,28 +40,6 @@ __all__ = [
     "sample_tokens",
     "tokenizer_for",
 ]
-
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "chat_template.jinja",
-    "chat_template.json",
-    "vocab.json",
-    "merges.txt",
-    "vocab.txt",
-    "tokenizer.model",
-    "spiece.model",
-    "sentencepiece.bpe.model",
-    "sentencepiece.model",
-    "spm.model",
-    "bpe.codes",
-)
-"""Files ``transformers`` tokenizers save with ``save_pretrained``: the shared ones
-(``tokenizer.json``, ``tokenizer_config.json``, special and added tokens, chat templates) and
-the vocabulary files of the tokenizer classes (BPE ``vocab.json`` + ``merges.txt``, WordPiece
-``vocab.txt``, SentencePiece ``*.model``)."""
 
 LogitsFn = Callable[[torch.Tensor], torch.Tensor]
 """1-D window of token ids -> the model's 1-D logits for the token after it."""
@@ -95,24 +73,16 @@ BYTES = Tokenizer("bytes", 256, lambda text: list(text.encode()), _byte_decode)
 
 
 def load_tokenizer(where: str | Path) -> Tokenizer:
-    """The Hugging Face tokenizer saved in directory ``where`` (offline).
+    """The Hugging Face tokenizer saved in directory ``where`` (offline,
+    :func:`dapple.datasets.tokenizer_dir.load_hf_tokenizer`).
 
     Raises:
-        ValidationError: no such directory, no ``transformers``, or no tokenizer there.
+        ValidationError: no such directory, none of :data:`TOKENIZER_FILES` in it, no
+            ``transformers``, or no tokenizer they can load there.
     """
-    d = Path(where)
-    if not d.is_dir():
-        raise ValidationError(f"tokenizer directory {d} does not exist")
-    try:
-        from transformers import AutoTokenizer
-    except ImportError as e:  # pragma: no cover - transformers is an optional dependency
-        raise ValidationError("a Hugging Face tokenizer needs: pip install 'dapple[hf]'") from e
-    try:
-        tok: Any = AutoTokenizer.from_pretrained(str(d), local_files_only=True)
-    except (OSError, ValueError, TypeError) as e:
-        raise ValidationError(f"cannot load a tokenizer from {d}: {e}") from e
+    tok = load_hf_tokenizer(where)
     return Tokenizer(
-        name=str(d),
+        name=str(Path(where)),
         vocab_size=len(tok),
         encode=lambda text: [int(t) for t in tok.encode(text, add_special_tokens=False)],
         decode=lambda ids: str(tok.decode([int(i) for i in ids])),

@@ -31,7 +31,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from dapple.datasets.documents import IGNORE_INDEX, masked_token_loss
-from dapple.errors import ValidationError
+from dapple.errors import ValidationError, one_line
 from dapple.models.shapes import DynamicDim
 from dapple.models.split import workload_from_module
 from dapple.models.workload import Workload
@@ -120,11 +120,28 @@ def _causal_lm_class(base: type[nn.Module]) -> type[nn.Module]:
 
 
 def _config_from_dir(path: str) -> Any:
+    """The ``config.json`` of the model directory ``path`` (offline).
+
+    Raises:
+        ValidationError: one line: no such directory, no ``config.json`` in it, or one
+            ``transformers`` cannot read (not JSON, an unknown ``model_type``...).
+    """
+    d = Path(path)
+    if not d.is_dir():
+        what = "is a file, not a directory" if d.exists() else "does not exist"
+        raise ValidationError(f"hf:DIR {path!r} {what}: give a Hugging Face model directory")
+    if not (d / "config.json").is_file():
+        raise ValidationError(
+            f"hf:DIR {path!r} holds no config.json: give a Hugging Face model directory (as "
+            "save_pretrained writes it)"
+        )
     tf = _transformers()
     try:
         return tf.AutoConfig.from_pretrained(path, local_files_only=True)
     except Exception as e:  # OSError, ValueError (unknown model_type), JSON errors
-        raise ValidationError(f"cannot read a Hugging Face config from {path}: {e}") from e
+        raise ValidationError(
+            f"cannot read the Hugging Face config {str(d / 'config.json')!r}: {one_line(e)}"
+        ) from e
 
 
 class _DirModel:

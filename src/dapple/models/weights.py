@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import json
 import logging
+import zipfile
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from dapple.errors import ValidationError
+from dapple.errors import ValidationError, one_line
 
 __all__ = ["WeightFiles"]
 
@@ -35,7 +36,7 @@ def _safe_open(path: Path) -> Any:
     try:
         return safe_open(str(path), framework="pt", device="cpu")
     except Exception as e:  # a truncated or foreign file
-        raise ValidationError(f"cannot read weights file {path}: {e}") from e
+        raise ValidationError(f"cannot read weights file {path}: {one_line(e)}") from e
 
 
 class WeightFiles:
@@ -102,10 +103,15 @@ class WeightFiles:
 
     @staticmethod
     def _load_state_dict(file: Path) -> dict[str, torch.Tensor]:
+        if not zipfile.is_zipfile(file):  # what torch.save writes (and torch.load mmaps)
+            raise ValidationError(
+                f"weights file {file} is neither safetensors (name it .safetensors) nor a "
+                "torch.save state_dict"
+            )
         try:
             state = torch.load(file, map_location="cpu", mmap=True, weights_only=True)
         except Exception as e:
-            raise ValidationError(f"cannot read weights file {file}: {e}") from e
+            raise ValidationError(f"cannot read weights file {file}: {one_line(e)}") from e
         if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
             state = state["state_dict"]
         if not isinstance(state, dict) or not all(
