@@ -361,7 +361,7 @@ def _longrun(precision: Precision) -> tuple[LongRun, nn.Module]:
     for q in module.parameters():
         q.grad = torch.ones_like(q)
     lr = LongRun(
-        plan_of("1:1"), rw.mlp(), TrainConfig(), rank=0, world=2, stage=0, replica=0,
+        plan_of("1:1"), rw.mlp(), TrainConfig(), rank=0, world=1, stage=0, replica=0,
         module=module, optimizer=None, device=torch.device("cpu"), precision=precision,
     )  # fmt: skip
     return lr, module
@@ -369,15 +369,15 @@ def _longrun(precision: Precision) -> tuple[LongRun, nn.Module]:
 
 def test_fp16_gradient_overflow_verdict_skips_and_lowers_the_scale() -> None:
     lr, module = _longrun(_fp16())
-    assert lr._verdict(3, [(1, 1, 1, 2)]) == ""  # a non-finite gradient at stage 1, rank 2
+    assert lr._verdict(3, [(1, 1, 2)]) == ""  # a non-finite gradient at stage 1, rank 2
     assert all(q.grad is None for q in module.parameters())
     assert lr.precision.loss_scale == 2.0**15 and lr.skipped == []
     # a non-finite loss keeps the configured behaviour (stop), scale untouched
-    msg = lr._verdict(4, [(0, 0, 1, 2), (1, 1, 0, 0)])
+    msg = lr._verdict(4, [(0, 1, 2), (1, 0, 0)])
     assert msg and "non-finite loss" in msg and lr.precision.loss_scale == 2.0**15
     # without loss scaling a non-finite gradient stops as before
     plain, _ = _longrun(Precision("bf16", torch.device("cpu")))
-    assert "non-finite gradient" in (plain._verdict(3, [(1, 1, 1, 2)]) or "")
+    assert "non-finite gradient" in (plain._verdict(3, [(1, 1, 2)]) or "")
 
 
 # -- bad inputs: one error line before any compute -----------------------------------------------

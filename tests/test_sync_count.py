@@ -166,7 +166,7 @@ def test_global_norm_is_the_float32_root_of_the_summed_parts() -> None:
     assert row_tokens([[0.0] * 8 + [-1.0, 0.0]]) is None  # not a token workload
 
 
-def test_guard_verdict_on_the_device_names_the_first_bad_micro_batch() -> None:
+def test_guard_verdict_names_the_first_bad_micro_batch() -> None:
     from torch import nn
 
     import runtime_workloads as rw
@@ -183,6 +183,8 @@ def test_guard_verdict_on_the_device_names_the_first_bad_micro_batch() -> None:
     nan = float("nan")
 
     def run(losses: list[float], grads: list[float]) -> None:
+        """One step: ``losses`` are the loss so far after each micro-batch (as the last stage
+        keeps them: non-finite from the first non-finite one on)."""
         lr.begin_step()
         for m, (loss, g) in enumerate(zip(losses, grads, strict=True)):
             lr.watch(
@@ -193,24 +195,31 @@ def test_guard_verdict_on_the_device_names_the_first_bad_micro_batch() -> None:
                 q.grad = torch.full_like(q, g)
             lr.watch(Action(stage=0, kind=ActionKind.BACKWARD, micro_batch=m), 0.0)
 
-    def step(losses: list[float], grads: list[float], sq_norm: float) -> list[float]:
+    def step(losses: list[float], grads: list[float], sq_norm: float) -> str | None:
         run(losses, grads)
         assert lr._grad_mbs == []  # a step checks no backward: the norm is the check
-        return lr._first_bad(torch.tensor(sq_norm, dtype=torch.float64)).tolist()
+        sq = torch.tensor(sq_norm, dtype=torch.float64)
+        return lr.agree_finite(7, grad_sq_norm=sq)[0]  # no replay: a gradient is not named
 
     def named(losses: list[float], grads: list[float]) -> list[tuple[int, int, int, int]]:
         return lr._name_micro_batch(lambda: run(losses, grads))
 
-    assert step([1.0, 2.0, 3.0, 4.0], [1.0, 1.0, 1.0, 1.0], 4.0) == [-1.0, -1.0]
-    assert step([1.0, 2.0, 3.0, 4.0], [1.0, nan, float("inf"), 1.0], nan) == [1.0, -1.0]
-    assert step([1.0, 2.0, 3.0, 4.0], [1.0, 1.0, 1.0, 1.0], float("inf")) == [1.0, -1.0]
-    assert step([1.0, 2.0, nan, nan], [1.0, nan, 1.0, 1.0], nan) == [0.0, 2.0]  # the loss first
+    grad = "step 7: non-finite gradient at stage 0 (rank 0); stopped"
+    assert step([1.0, 2.0, 3.0, 4.0], [1.0, 1.0, 1.0, 1.0], 4.0) is None
+    assert str(step([1.0, 2.0, 3.0, 4.0], [1.0, nan, float("inf"), 1.0], nan)).startswith(grad)
+    assert str(step([1.0, 2.0, 3.0, 4.0], [1.0, 1.0, 1.0, 1.0], float("inf"))).startswith(grad)
+    assert str(step([1.0, 2.0, nan, nan], [1.0, nan, 1.0, 1.0], nan)).startswith(
+        "step 7: non-finite loss in micro-batch 2 at stage 0 (rank 0); stopped"  # the loss first
+    )
+    assert str(step([1.0, float("inf"), nan, nan], [1.0] * 4, 4.0)).startswith(
+        "step 7: non-finite loss in micro-batch 1 at stage 0 (rank 0); stopped"
+    )
     # the replay checks each backward: the first that left a non-finite gradient is named
     assert named([1.0, 2.0, 3.0, 4.0], [1.0, nan, float("inf"), 1.0]) == [(1, 1, 0, 0)]
     assert named([1.0, 2.0, 3.0, 4.0], [1.0, 1.0, 1.0, float("inf")]) == [(1, 3, 0, 0)]
     assert named([1.0, 2.0, 3.0, 4.0], [1.0, 1.0, 1.0, 1.0]) == []
     assert not lr._naming
-    assert step([1.0, 2.0, 3.0, 4.0], [1.0, 1.0, 1.0, 1.0], 4.0) == [-1.0, -1.0]  # flags reset
+    assert step([1.0, 2.0, 3.0, 4.0], [1.0, 1.0, 1.0, 1.0], 4.0) is None  # flags reset
 
     def verdict(grads: list[float], sq_norm: float) -> str | None:
         run([1.0, 2.0, 3.0, 4.0], grads)

@@ -215,9 +215,9 @@ class ProgramInterpreter:
         """Run step ``step`` of the program on this global batch.
 
         Returns:
-            The rows of the step's collective, one per rank: ``[kind, stage, micro-batch,
-            rank, loss part, peak bytes, peak resident bytes, baseline bytes, target tokens,
-            squared gradient norm part]`` (see :meth:`LongRun.agree_finite` and
+            The rows of the step's collective, one per rank: ``[loss, stage, squared
+            gradient norm part, rank, loss part, peak bytes, peak resident bytes, baseline
+            bytes, target tokens, squared gradient norm part]`` (see :meth:`LongRun.agree_finite` and
             :data:`dapple.runtime.metrics.ROW_TOKENS`).
 
         Raises:

@@ -51,6 +51,7 @@ and one small all_gather.
 from __future__ import annotations
 
 import logging
+import math
 import os
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -138,10 +139,12 @@ def elastic_store(timeout: timedelta) -> dict[str, Any]:
     return {"store": prefixed, "rank": rank, "world_size": world}
 
 
-def _found(rows: list[list[float]]) -> list[tuple[int, int, int, int]]:
-    """The sorted ``(kind, micro-batch, stage, rank)`` of the rows that flag a non-finite
-    loss or gradient."""
-    return sorted((int(r[0]), int(r[2]), int(r[1]), int(r[3])) for r in rows if r[0] >= 0)
+def _bad_ranks(rows: list[list[float]]) -> list[tuple[int, int, int]]:
+    """The sorted ``(kind, stage, rank)`` of the rows (:meth:`LongRun.agree_finite`'s) whose
+    loss (kind 0) or, with a finite loss, squared gradient norm part (kind 1) is non-finite."""
+    bad = [(0 if not math.isfinite(r[0]) else 1, int(r[1]), int(r[3])) for r in rows
+           if not (math.isfinite(r[0]) and math.isfinite(r[2]))]  # fmt: skip
+    return sorted(bad)
 
 
 def _rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -369,26 +372,17 @@ class LongRun:
             self._flags = grown
         return self._flags[k : k + 1]
 
-    def _first_bad(self, grad_sq_norm: torch.Tensor | float = 0.0) -> torch.Tensor:
-        """``[kind, micro-batch]`` of the step's first non-finite loss, else of its gradients,
-        else ``[-1, -1]``: float64 on the device, nothing read on the host.
-
-        The gradients' verdict is ``grad_sq_norm`` (this rank's part of the squared gradient
-        norm, which the step computes anyway): non-finite when a gradient is, with micro-batch
-        -1 (not known). While the step is replayed (:meth:`_name_micro_batch`) it is the first
-        backward whose check flagged its gradients (gradients accumulate: the first such
-        backward names the micro-batch).
-        """
+    def _first_bad(self) -> torch.Tensor:
+        """``[kind, micro-batch]`` of the step's first non-finite loss, else of its first
+        backward whose check flagged its gradients (checked only while the step is replayed;
+        gradients accumulate: the first such backward names the micro-batch), else
+        ``[-1, -1]``: float64 on the device."""
         parts: list[torch.Tensor] = []
-        meta = [[0.0, m] for m, _ in self._loss_sums]
+        meta = [[0.0, m] for m, _ in self._loss_sums] + [[1.0, m] for m in self._grad_mbs]
         if self._loss_sums:
             parts.append(torch.stack([t for _, t in self._loss_sums]).isfinite().logical_not())
         if self._grad_mbs:
             parts.append(self._flags[: len(self._grad_mbs)] != 0)
-            meta += [[1.0, m] for m in self._grad_mbs]
-        elif isinstance(grad_sq_norm, torch.Tensor):
-            parts.append(grad_sq_norm.reshape(1).isfinite().logical_not())
-            meta.append([1.0, -1.0])
         if not parts:
             return torch.full((2,), -1.0, dtype=torch.float64, device=self.device)
         bad = torch.cat(parts) if len(parts) > 1 else parts[0]
@@ -406,12 +400,14 @@ class LongRun:
         """Every rank's verdict on the step (a world all_gather, none in a world of one; every
         rank calls it once per step, ranks beyond the plan included), read on the host once.
 
-        A non-finite gradient with every loss finite is found through the gradient norm,
-        which does not say which micro-batch made it. To name it (unless it is an fp16
-        overflow, which only lowers the loss scale), every rank runs ``replay`` - the step's
-        compute part again, on the same batch and random state - with a check after each
-        backward, and the ranks gather again: a second collective and host read, only in a
-        step that stops or is skipped.
+        Each rank sends its step's loss (the last stage's sum over the micro-batches so far:
+        non-finite from the first non-finite one on) and its part of the squared gradient norm
+        (which the step computes anyway: non-finite when a gradient is); the verdict is read off
+        them on the host, so a good step adds no work on the device. Neither says which
+        micro-batch was first: a step that stops or is skipped is named in a second gather of
+        every rank's first bad micro-batch - its losses' as kept, its gradients' by ``replay``
+        (the step's compute part again, on the same batch and random state, with a check after
+        each backward). An fp16 overflow only lowers the loss scale and is not named.
 
         Args:
             step: the step index (for the messages and the skipped-step list).
@@ -424,14 +420,14 @@ class LongRun:
         Returns:
             The verdict - None to go on; ``""`` when the step must be skipped (its gradients are
             dropped); otherwise the one-line message the caller raises to stop the run - the
-            gathered rows by rank: ``[kind, stage, micro-batch, rank, *extra]``, and the same
-            rows as a float64 tensor on the device.
+            gathered rows by rank: ``[loss, stage, squared gradient norm part, rank, *extra]``,
+            and the same rows as a float64 tensor on the device.
         """
         s = -1 if self.stage is None else self.stage
-        mine = device_row([-1, s, -1, self.rank, *extra], self.device)
-        mine[0:3:2] = self._first_bad(grad_sq_norm)  # kind and micro-batch
+        loss = self._loss_sums[-1][1] if self._loss_sums else 0.0
+        mine = device_row([loss, s, grad_sq_norm, self.rank, *extra], self.device)
         rows, table = self._gather(mine)  # the step's one host read
-        return self._verdict(step, _found(rows), replay), rows, table
+        return self._verdict(step, _bad_ranks(rows), replay), rows, table
 
     def _gather(self, mine: torch.Tensor) -> tuple[list[list[float]], torch.Tensor]:
         """Every rank's row (as lists on the host, and stacked on the device)."""
@@ -443,10 +439,24 @@ class LongRun:
             table = torch.stack(gathered)
         return table.tolist(), table
 
-    def _name_micro_batch(self, replay: Callable[[], None]) -> list[tuple[int, int, int, int]]:
-        """Replay the step with a check after each backward and gather every rank's first
-        flagged one: the sorted ``(kind, micro-batch, stage, rank)`` found (empty when the
-        replay's gradients stayed finite)."""
+    def _name_micro_batch(
+        self, replay: Callable[[], None] | None
+    ) -> list[tuple[int, int, int, int]]:
+        """Every rank's first non-finite loss, else (after ``replay``, run with a check after
+        each backward) its first backward that left non-finite gradients, gathered: the sorted
+        ``(kind, micro-batch, stage, rank)`` found (empty when there was none)."""
+        if replay is not None:
+            self._replay(replay)
+        s = -1 if self.stage is None else self.stage
+        mine = device_row([-1, s, -1, self.rank], self.device)
+        mine[0:3:2] = self._first_bad()
+        rows, _ = self._gather(mine)
+        return sorted((int(r[0]), int(r[2]), int(r[1]), int(r[3])) for r in rows if r[0] >= 0)
+
+    def _replay(self, replay: Callable[[], None]) -> None:
+        """Run ``replay`` with a check after each backward, from the random state the step
+        started from; afterwards the random state and the module's buffers are as the step
+        left them."""
         buffers = list(self.module.buffers()) if self.module is not None else []
         kept = [b.detach().clone() for b in buffers]  # e.g. running statistics
         cuda = [self.device] if self.device.type == "cuda" else []
@@ -467,42 +477,36 @@ class LongRun:
             with torch.no_grad():
                 for b, k in zip(buffers, kept, strict=True):
                     b.copy_(k)
-        s = -1 if self.stage is None else self.stage
-        mine = device_row([-1, s, -1, self.rank], self.device)
-        mine[0:3:2] = self._first_bad()
-        rows, _ = self._gather(mine)
-        return _found(rows)
 
     def _verdict(
         self,
         step: int,
-        found: list[tuple[int, int, int, int]],
+        bad: list[tuple[int, int, int]],
         replay: Callable[[], None] | None = None,
     ) -> str | None:
-        """The decision on the sorted ``(kind, micro-batch, stage, rank)`` of the bad ranks."""
-        if not found:
+        """The decision on the sorted ``(kind, stage, rank)`` of the ranks whose loss (kind 0)
+        or gradients (kind 1) are non-finite."""
+        if not bad:
             return None
-        k, m, st, rk = found[0]
+        k, st, rk = bad[0]
         if k == 1 and self.precision.overflow(step):  # fp16 overflow: skip, scale / 2, go on
             for p in self.params:
                 p.grad = None
             return ""
-        unnamed = ""
-        if k == 1 and m < 0 and replay is not None:
-            named = self._name_micro_batch(replay)
-            if named:
-                found = named
-                k, m, st, rk = found[0]
-            else:
-                unnamed = (
-                    " (a replay of the step left every micro-batch's gradients finite: their "
-                    "norm exceeded float32's range, or the step does not repeat exactly)"
-                )
+        named = self._name_micro_batch(replay if k == 1 else None)
+        m, note = -1, ""
+        if named:
+            k, m, st, rk = named[0]
+        elif k == 1 and replay is not None:
+            note = (
+                " (a replay of the step left every micro-batch's gradients finite: their norm "
+                "exceeded float32's range, or the step does not repeat exactly)"
+            )
         where = f"in micro-batch {m} " if m >= 0 else ""
-        what = f"non-finite {_KINDS[k]} {where}at stage {st} (rank {rk}){unnamed}"
-        if len(found) > 1:
-            others = sorted({f"stage {b[2]}" for b in found[1:]})
-            what += f"; also non-finite at {', '.join(others)}"
+        what = f"non-finite {_KINDS[k]} {where}at stage {st} (rank {rk}){note}"
+        others = sorted({b[1] for b in bad} - {st})
+        if others:
+            what += f"; also non-finite at {', '.join(f'stage {o}' for o in others)}"
         if self.config.on_nonfinite == "skip":
             for p in self.params:
                 p.grad = None

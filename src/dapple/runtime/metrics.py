@@ -53,8 +53,8 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 ROW_TOKENS = 8
-"""Column of a step's collective row (:meth:`LongRun.agree_finite`'s ``[kind, stage,
-micro-batch, rank]`` then the interpreter's ``[loss part, peak bytes, peak resident bytes,
+"""Column of a step's collective row (:meth:`LongRun.agree_finite`'s ``[loss, stage,
+squared gradient norm part, rank]`` then the interpreter's ``[loss part, peak bytes, peak resident bytes,
 baseline bytes, target tokens, squared gradient norm part]``): the target tokens of the rank's
 batch (-1: not a token workload)."""
 ROW_SQ_NORM = 9
@@ -236,8 +236,8 @@ def step_metrics(
     Args:
         plan: the plan (its stage count and global batch).
         step: the step index.
-        rows: one row per rank, ``[kind, stage, micro-batch, rank, loss part, peak bytes,
-            peak resident bytes, resident bytes before the stage was built]`` (stage -1: a rank
+        rows: one row per rank, ``[loss, stage, squared gradient norm part, rank, loss part,
+            peak bytes, peak resident bytes, resident bytes before the stage was built]`` (stage -1: a rank
             beyond the plan; the last two may be absent), as :meth:`LongRun.agree_finite`
             gathers them.
         step_ms: rank 0's wall time of the step.
