@@ -352,7 +352,8 @@ def test_the_cli_asks_for_what_a_replan_needs(
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["dapple: error: elastic re-plans with the planner: give profile and cluster "
                    "(--profile, --cluster)"]  # fmt: skip
-    given = ["--profile", "prof.json", "--cluster", "local-cpu", "--min-devices", "2"]
+    given = ["--profile", "prof.json", "--cluster", "local-cpu", "--min-devices", "2",
+             "--checkpoint-dir", str(tmp_path / "ck"), "--save-every", "1"]  # fmt: skip
     assert main([*base, *given, "--print-config"]) == 0
     out = capsys.readouterr().out
     assert "[elastic]\nelastic = true\nmin_devices = 2\nmax_restarts = 3" in out

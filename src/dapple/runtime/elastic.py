@@ -282,6 +282,12 @@ def train_elastic(
         RankFailure: a failure that lost no device (an error of the run itself).
     """
     ckpt_dir = _check_options(options)
+    if len(plan.devices) < policy.min_devices:
+        raise ValidationError(
+            f"elastic min_devices {policy.min_devices} is more than the plan's "
+            f"{len(plan.devices)} devices, so the run would stop before its first step: give a "
+            f"plan for at least {policy.min_devices} devices or a lower --min-devices"
+        )
     devices = _visible_devices(len(plan.devices))
     replans: list[Replan] = []
     with tempfile.TemporaryDirectory(prefix="dapple-elastic-") as tmp:

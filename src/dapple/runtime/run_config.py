@@ -166,6 +166,11 @@ class RunOptions:
                 f"min_devices must be >= 1 and max_restarts >= 0, got {self.min_devices} and "
                 f"{self.max_restarts}"
             )
+        if not self.elastic and (self.min_devices, self.max_restarts) != (1, 3):
+            raise ValidationError(
+                f"min_devices ({self.min_devices}) and max_restarts ({self.max_restarts}) apply "
+                "to elastic runs only: add elastic (--elastic) or drop them"
+            )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -185,6 +190,12 @@ class RunConfig:
     def __post_init__(self) -> None:
         if self.run.require_resume and self.train.checkpoint_dir is None:
             raise ValidationError("require_resume needs a checkpoint_dir")
+        t = self.train
+        if self.run.elastic and (t.checkpoint_dir is None or t.save_every <= 0):
+            raise ValidationError(
+                "an elastic run resumes from its checkpoints: give it checkpoint_dir and "
+                f"save_every (got checkpoint_dir={t.checkpoint_dir!r}, save_every={t.save_every!r})"
+            )
 
 
 def _own(part: str, cls: type[Any], skip: tuple[str, ...] = ()) -> tuple[tuple[str, str], ...]:
