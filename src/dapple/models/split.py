@@ -471,6 +471,14 @@ def with_weights(workload: Workload, path: str | Path) -> Workload:
     Raises:
         ValidationError: Not a split workload; a missing tensor, shape or dtype mismatch.
     """
+    factory = workload.layer_factories[0] if workload.num_layers else None
+    if not isinstance(factory, _PieceFactory):
+        raise ValidationError(
+            "pretrained weights load into a model split from one nn.Module (hf:DIR, or a "
+            "package.module:factory or file.py:factory that returns an nn.Module); "
+            f"{workload.name!r} is built layer by layer and has no module tensor names to "
+            f"match {path!r} to"
+        )
     owner = _splitter_of(workload).with_weights(WeightFiles(path))
     return dataclasses.replace(
         workload,
