@@ -171,8 +171,13 @@ def test_split_sizes_and_transfers():
 
 
 def test_save_to_unwritable_path_is_one_clear_error(tmp_path):
+    """A folder missing above the file is made; a path under a file is one clear error."""
     p = straight_plan(6, [0, 3], global_batch_size=4, num_micro_batches=2)
-    with pytest.raises(ValidationError, match=r"cannot write plan file .*missing"):
-        p.save(tmp_path / "missing" / "plan.json")
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(ValidationError, match=r"cannot write plan file .*file/plan\.json"):
+        p.save(blocker / "plan.json")
     with pytest.raises(ValidationError, match="cannot write profile file"):
-        make_profile().save(tmp_path / "missing" / "p.json")
+        make_profile().save(blocker / "p.json")
+    p.save(tmp_path / "missing" / "plan.json")
+    assert (tmp_path / "missing" / "plan.json").is_file()

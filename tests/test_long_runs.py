@@ -474,7 +474,7 @@ def test_cli_rejects_unwritable_checkpoint_dir_and_foreign_checkpoint(
     args[at] = str(blocker / "ck")
     assert main(args) == 2  # before any worker starts
     err = capsys.readouterr().err
-    assert err.startswith("dapple: error: checkpoint directory") and "not writable" in err
+    assert err.startswith("dapple: error: --checkpoint-dir") and "is a file, not a directory" in err
     other = tmp_path / "other"
     m = nn.Sequential(*[nn.Linear(2, 2) for _ in range(4)])
     meta = CheckpointMeta(model_name="not-mlp", num_layers=4, step=1)
