@@ -88,9 +88,9 @@ def apply_policy(
 
     Args:
         policy: one of :data:`TORCHTITAN_POLICIES`.
-        profile: the analytic profile with ``checkpoint="none"`` (layers ``embedding``,
+        profile: the analytic profile with ``recompute="none"`` (layers ``embedding``,
             ``block<i>``, ``lm_head``; not folded).
-        full: the same profile with ``checkpoint="full"`` (the ``layer`` policy's blocks).
+        full: the same profile with ``recompute="full"`` (the ``layer`` policy's blocks).
         spec, precision, device, efficiency: what ``profile`` was built from.
 
     Raises:

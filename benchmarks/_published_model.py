@@ -248,9 +248,9 @@ def profile_for(run: dict[str, Any], efficiency: Efficiency | None = None) -> Mo
         batch_sizes=sorted({1, mb, 2 * mb}), efficiency=eff,
         fold_ends=run["source"] != "dapple-paper" and p["pp"] > 1,
     )  # fmt: skip
-    prof = analytic_profile(run["model"], dev, checkpoint=_CHECKPOINT[p["checkpoint"]], **kw)
+    prof = analytic_profile(run["model"], dev, recompute=_CHECKPOINT[p["checkpoint"]], **kw)
     if p["checkpoint"] in TORCHTITAN_POLICIES:
-        full = analytic_profile(run["model"], dev, checkpoint="full", **kw)
+        full = analytic_profile(run["model"], dev, recompute="full", **kw)
         spec = resolve_spec(run["model"], p["seq_len"])
         prof = apply_policy(p["checkpoint"], prof, full, spec, p["precision"], dev, eff)
     if p["tp"] == 1:

@@ -9,7 +9,7 @@ both simulated
 time, and per device group what each plan does (layers, replicas x width, F + B per
 micro-batch, AR + U), which is where the speed-up comes from.
 
-Profiles are analytic (``analytic_profile(model, "h100", precision="bf16", checkpoint=...)``),
+Profiles are analytic (``analytic_profile(model, "h100", precision="bf16", recompute=...)``),
 sequence 8192; the cluster is the ``h100-8x`` preset with 8, 32 or 64 servers. The global
 batch is torchtitan's samples per GPU (published rows in ``published_runs.toml``) x GPUs.
 
@@ -356,7 +356,7 @@ def report(cases: Sequence[Case], command: str, notes: Sequence[str] = ()) -> li
 def profiles_for(model: str) -> Profiles:
     """The analytic H100 bf16 profiles at :data:`SEQ`, one per :data:`CHECKPOINTS` mode."""
     return {
-        ac: analytic_profile(model, "h100", precision="bf16", seq_len=SEQ, checkpoint=ac)
+        ac: analytic_profile(model, "h100", precision="bf16", seq_len=SEQ, recompute=ac)
         for ac in CHECKPOINTS[model]
     }
 

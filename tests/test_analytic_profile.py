@@ -92,7 +92,7 @@ def test_gpt_block_keeps_korthikantis_34sh_plus_5as2_bytes() -> None:
     spec = _gpt_block(dropout=True)
     stats = 2 * 8 * s  # two LayerNorms' fp32 mean and rstd, not in the paper's count
     (none, sel, full) = (
-        layer_costs(spec, "fp16", attention="eager", checkpoint=c)[1].kept_bytes_per_sample
+        layer_costs(spec, "fp16", attention="eager", recompute=c)[1].kept_bytes_per_sample
         for c in ("none", "selective", "full")
     )
     assert none == 34 * s * h + 5 * a * s * s + stats  # Korthikanti et al. 2022, eq. 1
@@ -104,7 +104,7 @@ def test_gpt_block_keeps_korthikantis_34sh_plus_5as2_bytes() -> None:
 
 def test_full_checkpointing_reruns_the_forward_in_the_backward() -> None:
     spec = _gpt_block()
-    plain, full = (layer_costs(spec, "bf16", checkpoint=c)[1] for c in ("none", "full"))
+    plain, full = (layer_costs(spec, "bf16", recompute=c)[1] for c in ("none", "full"))
     assert full.backward_flops == plain.backward_flops + plain.forward_flops
     dev, eff = get_device("h100"), get_device("h100").efficiency_for("bf16")
     f, b = layer_time_ms(plain, 4, dev, "bf16", eff)
@@ -220,8 +220,8 @@ def test_bad_inputs_raise_validation_errors() -> None:
         resolve_spec("llama9")
     with pytest.raises(ValidationError, match="no fp8 peak"):
         analytic_profile("llama2-7b", "v100", precision="fp8")
-    with pytest.raises(ValidationError, match="checkpoint"):
-        analytic_profile("llama2-7b", "h100", checkpoint="some")
+    with pytest.raises(ValidationError, match="recompute"):
+        analytic_profile("llama2-7b", "h100", recompute="some")
     with pytest.raises(ValidationError, match="unknown analytic device"):
         get_device("tpu")
     with pytest.raises(ValidationError, match="apply to zoo"):
@@ -237,7 +237,7 @@ def test_paper_bert48_is_the_papers_encoder_and_bert48_the_zoos() -> None:
 
 
 def test_405b_builds_without_memory_and_folds_ends() -> None:
-    prof = analytic_profile("llama3.1-405b", "h100", precision="bf16", checkpoint="full",
+    prof = analytic_profile("llama3.1-405b", "h100", precision="bf16", recompute="full",
                             batch_sizes=(1, 2), fold_ends=True)  # fmt: skip
     assert prof.num_layers == 126
     assert prof.layers[0].name == "embedding+block0" and prof.layers[-1].name == "block125+lm_head"
@@ -262,7 +262,7 @@ def test_tied_embeddings_are_tied_layers() -> None:
 def test_cli_profile_analytic_writes_a_profile(tmp_path: Path) -> None:
     out = tmp_path / "p.json"
     rc = main(["profile", "--analytic", "--device", "a100", "--precision", "bf16", "-m",
-               "llama3-8b", "--batch-sizes", "1,2", "--act-checkpoint", "full", "-o", str(out)])  # fmt: skip
+               "llama3-8b", "--batch-sizes", "1,2", "--recompute", "full", "-o", str(out)])  # fmt: skip
     assert rc == 0
     prof = ModelProfile.load(out)
     assert prof.num_layers == 34 and prof.precision == "bf16" and "A100" in prof.device
@@ -355,3 +355,17 @@ def test_cli_profile_analytic_of_a_hf_config_takes_set_seq(tmp_path: Path) -> No
         profiles[seq] = ModelProfile.load(out)
     block = [p.layers[1].kept_activation_bytes_per_sample for p in profiles.values()]
     assert block[1] == 2 * block[0]  # a block's kept activations grow with the length
+
+
+def test_the_old_spelling_of_recompute_is_refused_with_the_new_one(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "p.json"
+    argv = ["profile", "--analytic", "--device", "h100", "-m", "llama3-8b", "-o", str(out)]
+    with pytest.raises(SystemExit) as exit_:
+        main([*argv, "--act-checkpoint", "full"])
+    assert exit_.value.code == 2 and not out.exists()
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.endswith(
+        "error: argument --act-checkpoint: is spelled --recompute now (same values)"
+    )

@@ -76,7 +76,7 @@ def test_plan_space_compares_grid_and_dapple_on_a_tiny_llama():
     from dapple.profiler.analytic_models import PRESETS
 
     spec = dataclasses.replace(PRESETS["llama3-8b"], name="tiny", layers=4, seq=512)
-    profiles = {"full": analytic_profile(spec, "h100", precision="bf16", checkpoint="full")}
+    profiles = {"full": analytic_profile(spec, "h100", precision="bf16", recompute="full")}
     cluster = load_cluster("h100-8x", servers=1)
     case = plan_space.compare("tiny", profiles, cluster, 16, seq=512, top=3)
     assert case.grid.plan.planner == "grid" and case.dapple.plan.planner == "dapple"

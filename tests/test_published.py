@@ -169,8 +169,8 @@ def test_selective_op_keeps_the_saved_outputs_hand_computed() -> None:
 def test_policies_sit_between_none_and_full() -> None:
     dev, eff = DEVICES["h100"], DEVICES["h100"].efficiency["bf16"]
     kw: dict[str, Any] = dict(precision="bf16", seq_len=4096, batch_sizes=[1, 2])
-    none = analytic_profile("llama3-8b", dev, checkpoint="none", **kw)
-    full = analytic_profile("llama3-8b", dev, checkpoint="full", **kw)
+    none = analytic_profile("llama3-8b", dev, recompute="none", **kw)
+    full = analytic_profile("llama3-8b", dev, recompute="full", **kw)
     spec = resolve_spec("llama3-8b", 4096)
     op = ac.apply_policy("selective-op", none, full, spec, "bf16", dev, eff)
     layer = ac.apply_policy("selective-layer", none, full, spec, "bf16", dev, eff)

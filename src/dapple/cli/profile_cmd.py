@@ -11,9 +11,11 @@ from rich.table import Table
 from dapple.cli._console import StepProgress, console, print_table
 from dapple.cli._model_args import add_model_arguments, model_overrides
 from dapple.cli._profile_config import add_profile_config_arguments, apply_profile_config
+from dapple.cli._renamed import renamed
 from dapple.cli._run_args import add_device_argument
 from dapple.core.profile import ModelProfile
 from dapple.errors import ValidationError
+from dapple.profiler.analytic_ops import RECOMPUTE_MODES
 
 __all__ = ["parse_batch_sizes", "print_profile", "register"]
 
@@ -90,14 +92,17 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         help="do not run the model: count each layer's FLOPs and bytes from its shapes and time "
         "them with a GPU's datasheet roofline (--device h100, a100 or v100; -m a preset such as "
         "llama3-8b, llama3.1-405b, gpt3-175b, hf:DIR or a zoo transformer; --precision also "
-        "accepts fp8; --act-checkpoint)",
+        "accepts fp8; --recompute)",
     )
     p.add_argument(
-        "--act-checkpoint",
+        "--recompute",
         default="none",
-        choices=("none", "selective", "full"),
-        help="with --analytic: activation checkpointing of every block (none, selective: the attention core, full: whole blocks) (default %(default)s)",
+        choices=RECOMPUTE_MODES,
+        help="with --analytic: what every block re-computes in its backward (activation "
+        "checkpointing): none, selective (the attention core) or full (the whole block) "
+        "(default %(default)s)",
     )
+    p.add_argument("--act-checkpoint", action=renamed("--recompute"), help=argparse.SUPPRESS)
     add_profile_config_arguments(p)  # the model from a run file's [model] section
     p.set_defaults(func=run)
 
@@ -199,7 +204,7 @@ def _run_analytic(args: argparse.Namespace, sizes: list[int], lens: list[int] | 
     def at(seq: int | None) -> ModelProfile:
         return analytic_profile(
             args.model, args.device, precision=precision, seq_len=seq,
-            checkpoint=args.act_checkpoint, batch_sizes=sizes, overrides=overrides,
+            recompute=args.recompute, batch_sizes=sizes, overrides=overrides,
         )  # fmt: skip
 
     if lens and len(set(lens)) > 1:

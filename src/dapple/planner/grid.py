@@ -18,7 +18,7 @@ dividing the server size, and for each:
   schedule is v = 2).
 
 No re-computation or in-flight bound D is added: activation checkpointing is the profile's
-(``analytic_profile(checkpoint=...)``), and a stage must hold the K_i micro-batches its schedule
+(``analytic_profile(recompute=...)``), and a stage must hold the K_i micro-batches its schedule
 keeps in flight. A stage of width > 1 holding no shardable layer (``LayerProfile.tensor_parallel``)
 is refused, as the DAPPLE search refuses it (its t ranks would repeat its work). M runs over
 :func:`~dapple.planner.search.micro_batch_candidates` of the local batch (every divisor up to 64

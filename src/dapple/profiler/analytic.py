@@ -121,7 +121,7 @@ def analytic_profile(
     *,
     precision: str = "bf16",
     seq_len: int | None = None,
-    checkpoint: str = "none",
+    recompute: str = "none",
     attention: str | None = None,
     batch_sizes: Sequence[int] = (1, 2, 4, 8),
     efficiency: Efficiency | None = None,
@@ -137,7 +137,8 @@ def analytic_profile(
         device: ``h200``, ``h100``, ``a100``, ``v100`` or a :class:`DeviceSpec`.
         precision: ``fp32``, ``bf16``, ``fp16`` or ``fp8`` (weight GEMMs in fp8).
         seq_len: tokens per sample instead of the model's own.
-        checkpoint: ``none``, ``selective`` or ``full`` activation checkpointing of the blocks.
+        recompute: ``none``, ``selective`` or ``full``: what the blocks re-compute in the
+            backward (activation checkpointing).
         attention: ``flash``, ``eager`` or ``masked`` (SDPA given a mask); None: eager in
             fp32, masked under ``kernels="eager"``, flash otherwise.
         batch_sizes: batch sizes the affine times are fitted over.
@@ -175,7 +176,7 @@ def analytic_profile(
     if eager and attention is None:
         attention = "masked"  # dapple's traced HF models: SDPA given the causal mask
     costs = layer_costs(
-        spec, precision, attention=attention, checkpoint=checkpoint, fold_ends=fold_ends,
+        spec, precision, attention=attention, recompute=recompute, fold_ends=fold_ends,
         autocast=eager,
     )  # fmt: skip
     holders = [i for i, c in enumerate(costs) if c.tied_parameters]

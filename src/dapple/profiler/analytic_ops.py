@@ -30,7 +30,7 @@ its input, a norm its input and statistics, GELU its input, SwiGLU the gate, its
 up projection, flash attention Q, K, V and the log-sum-exp (O is the output projection's
 input), eager attention Q, K, V, the probabilities and the dropout mask; for a GPT block with
 eager attention and dropout in 16 bits that is Korthikanti et al. (2022)'s ``34 s h + 5 a s^2``
-bytes, plus the norms' fp32 statistics. ``checkpoint``: ``none``; ``selective`` (Korthikanti:
+bytes, plus the norms' fp32 statistics. ``recompute``: ``none``; ``selective`` (Korthikanti:
 eager attention's core is recomputed, keeping Q, K, V only; nothing changes with flash
 attention, which already does); ``full`` (every block keeps only its input and re-runs its
 forward during the backward).
@@ -48,7 +48,7 @@ from dapple.profiler.analytic_models import TransformerSpec
 
 __all__ = [
     "ATTENTION_IMPLS",
-    "CHECKPOINTS",
+    "RECOMPUTE_MODES",
     "LayerCost",
     "Op",
     "autocast_casts",
@@ -57,8 +57,8 @@ __all__ = [
     "linear_op",
 ]
 
-CHECKPOINTS = ("none", "selective", "full")
-"""Activation checkpointing modes (module docstring)."""
+RECOMPUTE_MODES = ("none", "selective", "full")
+"""Activation checkpointing (re-computation) modes of the blocks (module docstring)."""
 ATTENTION_IMPLS = ("flash", "eager", "masked")
 """Attention implementations: fused (flash), materialised scores, or a fused kernel given an
 explicit mask (``masked``: SDPA in a traced Hugging Face model)."""
@@ -338,14 +338,14 @@ def _head_ops(spec: TransformerSpec, s: float, e: int) -> list[Op]:
 
 
 def _layer(
-    name: str, ops: list[Op], parameters: int, out_bytes: float, checkpoint: str,
+    name: str, ops: list[Op], parameters: int, out_bytes: float, recompute: str,
     block_input: float, tied: int = 0,
 ) -> LayerCost:  # fmt: skip
     kept = sum(op.kept_bytes for op in ops)
     recomputed: tuple[Op, ...] = ()
-    if checkpoint == "full":
+    if recompute == "full":
         kept, recomputed = block_input, tuple(ops)
-    elif checkpoint == "selective" and any(op.core for op in ops):
+    elif recompute == "selective" and any(op.core for op in ops):
         core = [op for op in ops if op.core]
         # Q, K (the scores' inputs) and V (the context's) stay; probabilities and masks go
         kept -= sum(op.kept_bytes for op in core if op.name not in ("scores", "context"))
@@ -361,7 +361,7 @@ def layer_costs(
     precision: str = "bf16",
     *,
     attention: str | None = None,
-    checkpoint: str = "none",
+    recompute: str = "none",
     fold_ends: bool = False,
     autocast: bool = False,
 ) -> list[LayerCost]:
@@ -371,20 +371,21 @@ def layer_costs(
         spec: the model.
         precision: one of :data:`~dapple.core.precision.ANALYTIC_PRECISIONS`.
         attention: ``flash`` or ``eager``; None: eager in fp32, flash otherwise.
-        checkpoint: one of :data:`CHECKPOINTS` (applies to the blocks).
+        recompute: one of :data:`RECOMPUTE_MODES`: what the blocks re-compute in the backward
+            (activation checkpointing).
         fold_ends: merge the embedding into the first block and the head into the last.
         autocast: fp32 weights cast to 16 bits at every call (``torch.autocast`` in eager
             PyTorch, as dapple runs): each layer with weight GEMMs gets an
             ``autocast_weight_casts`` op (:func:`autocast_casts`).
 
     Raises:
-        ValidationError: an unknown precision, attention or checkpoint mode.
+        ValidationError: an unknown precision, attention or recompute mode.
     """
     _check(precision, ANALYTIC_PRECISIONS, "precision")
     prec = precision_of(precision)
     impl = attention or ("flash" if prec.autocast else "eager")
     _check(impl, ATTENTION_IMPLS, "attention")
-    _check(checkpoint, CHECKPOINTS, "checkpoint")
+    _check(recompute, RECOMPUTE_MODES, "recompute")
     e, s, h = prec.element_bytes, float(spec.seq), spec.hidden
     hidden_bytes = s * h * e
     tied = spec.hidden * spec.outputs if spec.tied_embeddings else 0
@@ -398,7 +399,7 @@ def layer_costs(
     )  # fmt: skip
     blocks = [
         _layer(f"block{i}", block_ops(spec, s, e, impl), spec.block_parameters(), hidden_bytes,
-               checkpoint, hidden_bytes)
+               recompute, hidden_bytes)
         for i in range(spec.layers)
     ]  # fmt: skip
     if autocast and prec.autocast:
