@@ -261,7 +261,7 @@ def test_tied_embeddings_are_tied_layers() -> None:
 
 def test_cli_profile_analytic_writes_a_profile(tmp_path: Path) -> None:
     out = tmp_path / "p.json"
-    rc = main(["profile", "--analytic", "--device", "a100", "--precision", "bf16", "-m",
+    rc = main(["profile", "--analytic", "a100", "--precision", "bf16", "-m",
                "llama3-8b", "--batch-sizes", "1,2", "--recompute", "full", "-o", str(out)])  # fmt: skip
     assert rc == 0
     prof = ModelProfile.load(out)
@@ -269,13 +269,26 @@ def test_cli_profile_analytic_writes_a_profile(tmp_path: Path) -> None:
     assert prof.layers[1].kept_activation_bytes_per_sample == 8192 * 4096 * 2
 
 
-def test_cli_profile_analytic_needs_a_datasheet_device(tmp_path: Path) -> None:
-    with pytest.raises(ValidationError, match="--analytic needs --device"):
-        from dapple.cli import build_parser
-        from dapple.cli.profile_cmd import run
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        ([], r"--analytic takes a datasheet: v100, a100, h100, h200$"),
+        (["gpu9"], r"--analytic takes a datasheet: v100, a100, h100, h200, got 'gpu9'"),
+        (["--device", "h100"], r"--device h100 is a datasheet: write --analytic h100 \(--device"),
+        (["h100", "--device", "cpu"], r"--device cpu applies to measured profiles"),
+    ],
+)
+def test_cli_profile_analytic_takes_the_datasheet(
+    flags: list[str], message: str, tmp_path: Path
+) -> None:
+    from dapple.cli import build_parser
+    from dapple.cli.profile_cmd import run
 
-        run(build_parser().parse_args(["profile", "--analytic", "-m", "llama3-8b", "-o",
-                                       str(tmp_path / "x.json")]))  # fmt: skip
+    out = tmp_path / "x.json"
+    argv = ["profile", "-m", "llama3-8b", "-o", str(out), "--analytic", *flags]
+    with pytest.raises(ValidationError, match=message):
+        run(build_parser().parse_args(argv))
+    assert not out.exists()
 
 
 def test_every_device_has_an_efficiency_per_precision() -> None:
@@ -334,7 +347,7 @@ def test_cli_profile_analytic_defaults_to_the_datasheets_16_bit_format(
     device: str, precision: str, tmp_path: Path
 ) -> None:
     out = tmp_path / "p.json"
-    rc = main(["profile", "--analytic", "--device", device, "-m", "llama3-8b",
+    rc = main(["profile", "--analytic", device, "-m", "llama3-8b",
                "--batch-sizes", "1", "-o", str(out)])  # fmt: skip
     assert rc == 0 and ModelProfile.load(out).precision == precision
 
@@ -349,7 +362,7 @@ def test_cli_profile_analytic_of_a_hf_config_takes_set_seq(tmp_path: Path) -> No
     profiles = {}
     for seq in (1024, 2048):
         out = tmp_path / f"p{seq}.json"
-        rc = main(["profile", "--analytic", "--device", "h100", "-m", f"hf:{tmp_path / 'cfg'}",
+        rc = main(["profile", "--analytic", "h100", "-m", f"hf:{tmp_path / 'cfg'}",
                    "--set", f"seq={seq}", "--batch-sizes", "1", "-o", str(out)])  # fmt: skip
         assert rc == 0
         profiles[seq] = ModelProfile.load(out)
@@ -361,7 +374,7 @@ def test_the_old_spelling_of_recompute_is_refused_with_the_new_one(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = tmp_path / "p.json"
-    argv = ["profile", "--analytic", "--device", "h100", "-m", "llama3-8b", "-o", str(out)]
+    argv = ["profile", "--analytic", "h100", "-m", "llama3-8b", "-o", str(out)]
     with pytest.raises(SystemExit) as exit_:
         main([*argv, "--act-checkpoint", "full"])
     assert exit_.value.code == 2 and not out.exists()

@@ -15,6 +15,7 @@ from dapple.cli._renamed import renamed
 from dapple.cli._run_args import add_device_argument
 from dapple.core.profile import ModelProfile
 from dapple.errors import ValidationError
+from dapple.profiler.analytic_devices import DEVICES
 from dapple.profiler.analytic_ops import RECOMPUTE_MODES
 
 __all__ = ["parse_batch_sizes", "print_profile", "register"]
@@ -88,9 +89,12 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     )
     p.add_argument(
         "--analytic",
-        action="store_true",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="DATASHEET",
         help="do not run the model: count each layer's FLOPs and bytes from its shapes and time "
-        "them with a GPU's datasheet roofline (--device h100, a100 or v100; -m a preset such as "
+        f"them with this GPU datasheet's roofline ({', '.join(DEVICES)}; -m a preset such as "
         "llama3-8b, llama3.1-405b, gpt3-175b, hf:DIR or a zoo transformer; --precision also "
         "accepts fp8; --recompute)",
     )
@@ -192,18 +196,28 @@ def _run_analytic(args: argparse.Namespace, sizes: list[int], lens: list[int] | 
     """``dapple profile --analytic``: the profile from shapes and a datasheet
     (:func:`dapple.profiler.analytic.analytic_profile`), at one or several lengths."""
     from dapple.profiler.analytic import analytic_profile
-    from dapple.profiler.analytic_devices import DEVICES
 
-    if args.device not in DEVICES:
+    names = ", ".join(DEVICES)
+    if args.device in DEVICES:  # the spelling before --analytic took the datasheet
         raise ValidationError(
-            f"--analytic needs --device {' or '.join(DEVICES)} (a datasheet), got {args.device!r}"
+            f"--device {args.device} is a datasheet: write --analytic {args.device} (--device is "
+            "the torch device a measured profile runs on)"
         )
+    if args.device != "auto":
+        raise ValidationError(
+            f"--device {args.device} applies to measured profiles; --analytic takes a datasheet "
+            f"({names})"
+        )
+    if args.analytic not in DEVICES:
+        got = f", got {args.analytic!r}" if args.analytic else ""
+        raise ValidationError(f"--analytic takes a datasheet: {names}{got}")
+    device = args.analytic
     overrides = model_overrides(args)
-    precision = args.precision or DEVICES[args.device].default_precision
+    precision = args.precision or DEVICES[device].default_precision
 
     def at(seq: int | None) -> ModelProfile:
         return analytic_profile(
-            args.model, args.device, precision=precision, seq_len=seq,
+            args.model, device, precision=precision, seq_len=seq,
             recompute=args.recompute, batch_sizes=sizes, overrides=overrides,
         )  # fmt: skip
 
@@ -232,7 +246,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     check_output_file(args.output, "--output profile file")  # before any measuring
     sizes = parse_batch_sizes(args.batch_sizes)
-    if args.analytic:
+    if args.analytic is not None:
         return _run_analytic(args, sizes, _lengths(args.seq_lens))
     lens = _lengths(args.seq_lens)
     overrides = model_overrides(args)
