@@ -369,15 +369,15 @@ def _longrun(precision: Precision) -> tuple[LongRun, nn.Module]:
 
 def test_fp16_gradient_overflow_verdict_skips_and_lowers_the_scale() -> None:
     lr, module = _longrun(_fp16())
-    assert lr._verdict(3, [(1, 1, 2)]) == ""  # a non-finite gradient at stage 1, rank 2
+    assert lr.guard._verdict(3, [(1, 1, 2)]) == ""  # a non-finite gradient at stage 1, rank 2
     assert all(q.grad is None for q in module.parameters())
-    assert lr.precision.loss_scale == 2.0**15 and lr.skipped == []
+    assert lr.precision.loss_scale == 2.0**15 and lr.guard.skipped == []
     # a non-finite loss keeps the configured behaviour (stop), scale untouched
-    msg = lr._verdict(4, [(0, 1, 2), (1, 0, 0)])
+    msg = lr.guard._verdict(4, [(0, 1, 2), (1, 0, 0)])
     assert msg and "non-finite loss" in msg and lr.precision.loss_scale == 2.0**15
     # without loss scaling a non-finite gradient stops as before
     plain, _ = _longrun(Precision("bf16", torch.device("cpu")))
-    assert "non-finite gradient" in (plain._verdict(3, [(1, 1, 2)]) or "")
+    assert "non-finite gradient" in (plain.guard._verdict(3, [(1, 1, 2)]) or "")
 
 
 # -- bad inputs: one error line before any compute -----------------------------------------------

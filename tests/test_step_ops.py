@@ -171,16 +171,16 @@ def test_the_guards_fused_check_flags_each_backward_in_any_gradient_dtype(
     big = 6e4 if dtype is torch.float16 else 1e30  # finite, but their sum is not in fp16
 
     def run(values: list[float]) -> None:
-        lr.begin_step()
+        lr.guard.begin_step()
         for m, v in enumerate(values):
             for p in module.parameters():
                 p.grad = torch.full_like(p, 1.0)
             module[1].weight.grad = torch.full_like(module[1].weight, v)
-            lr.watch(Action(stage=0, kind=ActionKind.BACKWARD, micro_batch=m), 0.0)
+            lr.guard.watch(Action(stage=0, kind=ActionKind.BACKWARD, micro_batch=m), 0.0)
 
     def first_bad(values: list[float]) -> list[float]:
         """``[kind, micro-batch]`` the replay that names a bad step finds."""
-        found = lr._name_micro_batch(lambda: run(values))
+        found = lr.guard._name_micro_batch(lambda: run(values))
         return [float(found[0][0]), float(found[0][1])] if found else [-1.0, -1.0]
 
     assert first_bad([1.0, big, -big, 2.0]) == [-1.0, -1.0]

@@ -185,24 +185,24 @@ def test_guard_verdict_names_the_first_bad_micro_batch() -> None:
     def run(losses: list[float], grads: list[float]) -> None:
         """One step: ``losses`` are the loss so far after each micro-batch (as the last stage
         keeps them: non-finite from the first non-finite one on)."""
-        lr.begin_step()
+        lr.guard.begin_step()
         for m, (loss, g) in enumerate(zip(losses, grads, strict=True)):
-            lr.watch(
+            lr.guard.watch(
                 Action(stage=0, kind=ActionKind.FORWARD, micro_batch=m),
                 torch.tensor(loss, dtype=torch.float64),
             )
             for q in module.parameters():
                 q.grad = torch.full_like(q, g)
-            lr.watch(Action(stage=0, kind=ActionKind.BACKWARD, micro_batch=m), 0.0)
+            lr.guard.watch(Action(stage=0, kind=ActionKind.BACKWARD, micro_batch=m), 0.0)
 
     def step(losses: list[float], grads: list[float], sq_norm: float) -> str | None:
         run(losses, grads)
-        assert lr._grad_mbs == []  # a step checks no backward: the norm is the check
+        assert lr.guard._grad_mbs == []  # a step checks no backward: the norm is the check
         sq = torch.tensor(sq_norm, dtype=torch.float64)
-        return lr.agree_finite(7, grad_sq_norm=sq)[0]  # no replay: a gradient is not named
+        return lr.guard.agree_finite(7, grad_sq_norm=sq)[0]  # no replay: a gradient is not named
 
     def named(losses: list[float], grads: list[float]) -> list[tuple[int, int, int, int]]:
-        return lr._name_micro_batch(lambda: run(losses, grads))
+        return lr.guard._name_micro_batch(lambda: run(losses, grads))
 
     grad = "step 7: non-finite gradient at stage 0 (rank 0); stopped"
     assert step([1.0, 2.0, 3.0, 4.0], [1.0, 1.0, 1.0, 1.0], 4.0) is None
@@ -218,13 +218,13 @@ def test_guard_verdict_names_the_first_bad_micro_batch() -> None:
     assert named([1.0, 2.0, 3.0, 4.0], [1.0, nan, float("inf"), 1.0]) == [(1, 1, 0, 0)]
     assert named([1.0, 2.0, 3.0, 4.0], [1.0, 1.0, 1.0, float("inf")]) == [(1, 3, 0, 0)]
     assert named([1.0, 2.0, 3.0, 4.0], [1.0, 1.0, 1.0, 1.0]) == []
-    assert not lr._naming
+    assert not lr.guard._naming
     assert step([1.0, 2.0, 3.0, 4.0], [1.0, 1.0, 1.0, 1.0], 4.0) is None  # flags reset
 
     def verdict(grads: list[float], sq_norm: float) -> str | None:
         run([1.0, 2.0, 3.0, 4.0], grads)
         sq = torch.tensor(sq_norm, dtype=torch.float64)
-        got, _, _ = lr.agree_finite(7, grad_sq_norm=sq, replay=lambda: run([1.0] * 4, grads))
+        got, _, _ = lr.guard.agree_finite(7, grad_sq_norm=sq, replay=lambda: run([1.0] * 4, grads))
         return got
 
     assert verdict([1.0] * 4, 4.0) is None
@@ -253,7 +253,7 @@ def test_the_naming_replay_starts_from_the_steps_random_state_and_leaves_no_trac
     module = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
     lr = LongRun(plan, rw.mlp(), TrainConfig(), rank=0, world=1, stage=0, replica=0,
                  module=module, optimizer=None, device=torch.device("cpu"))  # fmt: skip
-    lr.begin_step()
+    lr.guard.begin_step()
     drawn = torch.rand(4)
     module.train()(torch.randn(3, 2))  # the step moves the running statistics
     stats = module[1].running_mean.clone()
@@ -261,11 +261,11 @@ def test_the_naming_replay_starts_from_the_steps_random_state_and_leaves_no_trac
     replayed: list[torch.Tensor] = []
 
     def replay() -> None:
-        lr.begin_step()
+        lr.guard.begin_step()
         replayed.append(torch.rand(4))
         module(torch.randn(3, 2) * 100)
 
-    assert lr._name_micro_batch(replay) == []
+    assert lr.guard._name_micro_batch(replay) == []
     assert torch.equal(replayed[0], drawn)
     assert torch.equal(torch.get_rng_state(), after)
     assert torch.equal(module[1].running_mean, stats)

@@ -376,7 +376,7 @@ def _setup(
     counted = norm_parameters(plan, workload, layers, zero.sharded, shards, mesh)
     update = ModelUpdate(config, opt, updated, counted, device)
     interpreter = ProgramInterpreter(plan, tensor_programs(plan, lower(plan)), rank, executor=ex, sync=sync,
-                                     longrun=longrun, optimizer=opt, params=params, probe=probe,
+                                     guard=longrun.guard, optimizer=opt, params=params, probe=probe,
                                      update=update, precision=precision, shards=shards)  # fmt: skip
     _inject_failure(interpreter, rank)
     ev_plan = ev_plan or plan

@@ -8,7 +8,7 @@ simulator runs - and dispatches every action on its kind:
   message only once its irecv is posted, so a just-in-time irecv exposes the whole transfer;
   posted early it overlaps compute;
 - ``F``/``B`` wait for their receives and compute; the non-finite guard notes every loss
-  (:meth:`LongRun.watch`); the rank's last ``B`` first arms the overlapped gradient
+  (:meth:`NonFiniteGuard.watch`); the rank's last ``B`` first arms the overlapped gradient
   AllReduce (:meth:`GradientSync.arm`), whose buckets start while backward still runs;
 - ZB-H1 splits ``B`` into ``I`` (the input gradients, sent at once) and ``W`` (the weight
   gradients, later; :mod:`dapple.models.split_backward`): ``W`` takes ``B``'s place for the
@@ -35,7 +35,7 @@ early receives moved up, the arming wrapped around the last ``B`` - so a step is
 
 The step point: after the program's ``AR`` and the first part of its ``OPT`` (at the end of
 an empty program, on ranks beyond the plan) every rank joins the step's one world collective,
-:meth:`LongRun.agree_finite`, with its non-finite verdict, loss part, peak memory, the batch's
+:meth:`NonFiniteGuard.agree_finite`, with its non-finite verdict, loss part, peak memory, the batch's
 target tokens and its part of the gradient norm - all on the device until that collective's
 one host read, the only one of a step (no micro-batch reads anything: the losses stay on the
 device, and the gradients' verdict is their norm). The optimizer step runs only when every
@@ -61,7 +61,7 @@ from dapple.core.plan import Plan
 from dapple.errors import ValidationError
 from dapple.runtime.chunks import Executor, RankChunks
 from dapple.runtime.failure import RankFailure, describe_rank, failure_grid, short_error
-from dapple.runtime.longrun import LongRun
+from dapple.runtime.guard import NonFiniteGuard
 from dapple.runtime.metrics import ROW_SQ_NORM, StepProbe, global_norm
 from dapple.runtime.optim import ModelUpdate
 from dapple.runtime.precision import Precision
@@ -148,7 +148,7 @@ class ProgramInterpreter:
         *,
         executor: Executor | None,
         sync: GradientSync,
-        longrun: LongRun,
+        guard: NonFiniteGuard,
         optimizer: torch.optim.Optimizer | None,
         params: list[nn.Parameter],
         probe: StepProbe,
@@ -158,7 +158,7 @@ class ProgramInterpreter:
     ) -> None:
         self.plan, self.schedule, self.rank = plan, schedule, rank
         self.shards = shards
-        self.ex, self.sync, self.longrun, self.probe = executor, sync, longrun, probe
+        self.ex, self.sync, self.guard, self.probe = executor, sync, guard, probe
         self.optimizer, self.params, self.update = optimizer, params, update
         self.precision = precision or Precision("fp32", torch.device("cpu"))
         program = schedule.get(rank, [])
@@ -217,7 +217,7 @@ class ProgramInterpreter:
         Returns:
             The rows of the step's collective, one per rank: ``[loss, stage, squared
             gradient norm part, rank, loss part, peak bytes, peak resident bytes, baseline
-            bytes, target tokens, squared gradient norm part]`` (see :meth:`LongRun.agree_finite` and
+            bytes, target tokens, squared gradient norm part]`` (see :meth:`NonFiniteGuard.agree_finite` and
             :data:`dapple.runtime.metrics.ROW_TOKENS`).
 
         Raises:
@@ -258,7 +258,7 @@ class ProgramInterpreter:
         if self.shards is not None:
             self.shards.begin_step()
         self.ex.begin_step(inputs, targets, step)
-        self.longrun.begin_step()
+        self.guard.begin_step()
         with self.precision.weight_cache():  # autocast: one cast of the weights per step
             self._execute(self._compute)
         self._at = "the step's sends"
@@ -283,7 +283,7 @@ class ProgramInterpreter:
         tokens = target_token_count(targets)
         extra = (loss_part, peak, resident, float(self.probe.baseline_bytes),
                  -1.0 if tokens is None else tokens, self._sq_norm)  # fmt: skip
-        verdict, rows, table = self.longrun.agree_finite(
+        verdict, rows, table = self.guard.agree_finite(
             step, extra, grad_sq_norm=self._sq_norm, replay=lambda: self._replay(inputs, targets)
         )
         self.probe.lap()
@@ -293,7 +293,7 @@ class ProgramInterpreter:
 
     def _replay(self, inputs: Any, targets: torch.Tensor) -> None:
         """The step's compute part again, from its start (what is in flight dropped before and
-        after): :meth:`LongRun.agree_finite` checks every backward of it to name the
+        after): :meth:`NonFiniteGuard.agree_finite` checks every backward of it to name the
         micro-batch that left a non-finite gradient."""
         self.sync.drain()
         if self.shards is not None:
@@ -309,7 +309,7 @@ class ProgramInterpreter:
     def _forward(self, a: Action) -> None:
         assert self.ex is not None
         self.ex.forward(a)
-        self.longrun.watch(a, self.ex.loss_sum)
+        self.guard.watch(a, self.ex.loss_sum)
 
     def _backward(self, a: Action) -> None:
         """``B`` or ``W``: the parameters' gradients of a micro-batch."""
@@ -323,7 +323,7 @@ class ProgramInterpreter:
             self.ex.backward_weight(a)
         if zero2 is not None:
             zero2.after_backward()
-        self.longrun.watch(a, self.ex.loss_sum)
+        self.guard.watch(a, self.ex.loss_sum)
 
     def _backward_input(self, a: Action) -> None:
         """``I``: the input gradients only (the parameters' follow in the ``W``)."""

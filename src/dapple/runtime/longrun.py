@@ -1,4 +1,4 @@
-"""Long runs: periodic checkpoints, resume under any plan, and the non-finite guard.
+"""Long runs: periodic checkpoints, resume under any plan, and the non-finite guard's home.
 
 :class:`LongRun` is what :func:`dapple.runtime.run_plan` and its program interpreter
 (:mod:`dapple.runtime.interpreter`) consult around every step:
@@ -10,23 +10,9 @@
   and returns the index of the next step (the data position:
   step ``t`` trains on ``make_batch(G, seed + t)``, or on a dataset's batch ``t`` of
   :mod:`dapple.runtime.data`, whose record the checkpoint must match);
-- :meth:`LongRun.watch` (after every F action) keeps, on the device, the step's loss so far
-  (last stage, per micro-batch);
-- :meth:`LongRun.agree_finite` (at the step point, after the gradient reductions and before
-  the optimizer step) finds the first non-finite loss on the device, else reads the gradients'
-  verdict off this rank's part of the squared gradient norm (which the step computes for
-  clipping and its metrics anyway: non-finite when a gradient is), and gathers every rank's
-  verdict over all ranks (ranks beyond the plan send none) with the step's ONE host read, so
-  all ranks take the same decision *before the optimizer touches the weights*: stop with one
-  line naming step, stage, micro-batch and rank (default), or skip the step and count it
-  (``on_nonfinite="skip"``). The norm does not say which micro-batch made a gradient
-  non-finite: to name it, every rank replays the step's compute from the same batch and random
-  state with a check after each backward (one fused pass over the gradients), and the ranks
-  gather again. A good step pays nothing for the naming; a step that stops or is skipped runs
-  twice. Under fp16 loss scaling a non-finite gradient without a
-  non-finite loss is an overflow: every rank skips the step and halves the loss scale, and the
-  run goes on (:mod:`dapple.runtime.precision`). The same gather carries the caller's per-rank
-  values (the step's metrics);
+- :attr:`LongRun.guard` (:mod:`dapple.runtime.guard`) stops or skips a step with a non-finite
+  loss or gradient before the optimizer touches the weights; the steps it skipped are saved
+  in the checkpoints;
 - :meth:`LongRun.after_step` saves every ``save_every`` steps and at the run's last step
   (replica 0 of each stage writes its layers - under ZeRO with the optimizer shards of the
   other replicas gathered to it, :mod:`dapple.runtime.zero`; a stage cut over a tensor group
@@ -41,19 +27,14 @@ A run that does not resume refuses a ``checkpoint_dir`` holding checkpoints (its
 overwrite or prune them), unless ``overwrite_checkpoints``: then rank 0 deletes them at the
 run's first save, so a run that fails before saving leaves them whole.
 
-Cost: one small all_gather per step and one host read of it - it also carries the step's
-metrics (see :mod:`dapple.runtime.metrics`) and each rank's part of the global gradient norm
-(:mod:`dapple.runtime.optim`, whose norm is the gradients' check); besides it the runtime's
-per-step collectives are the gradient AllReduce; per save, one pass over the stage's weights
-and one small all_gather.
+Cost: per save, one pass over the stage's weights and one small all_gather (the guard's:
+one small all_gather per step, which also carries the step's metrics).
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import os
-from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -85,12 +66,12 @@ from dapple.runtime.checkpoint import (
 from dapple.runtime.checkpoint_files import refuse_foreign
 from dapple.runtime.config import TrainConfig
 from dapple.runtime.data import check_data_resume
-from dapple.runtime.metrics import announce, device_row
-from dapple.runtime.optim import GradGroups, config_lr, lr_at
+from dapple.runtime.guard import NonFiniteGuard
+from dapple.runtime.metrics import announce
+from dapple.runtime.optim import config_lr, lr_at
 from dapple.runtime.precision import Precision
 from dapple.runtime.sharded_state import CutStage
 from dapple.runtime.zero import FlatShards
-from dapple.schedule.ir import Action, ActionKind
 
 __all__ = [
     "OPTIMIZER_CLASSES",
@@ -106,9 +87,6 @@ logger = logging.getLogger(__name__)
 
 OPTIMIZER_CLASSES = {"sgd": "SGD", "adam": "Adam", "adamw": "AdamW"}
 """``TrainConfig.optimizer`` -> the torch class name a checkpoint records."""
-_KINDS = ("loss", "gradient")
-_HALF = (torch.float16, torch.bfloat16)
-_GRAD_KINDS = (ActionKind.BACKWARD, ActionKind.BACKWARD_WEIGHT)
 SCHEDULE_KEYS = ("steps", "lr", "lr_schedule", "warmup_steps", "min_lr")
 """The :class:`TrainConfig` fields the learning rate of a step depends on
 (:func:`dapple.runtime.optim.lr_at`): a checkpoint records them in its ``extra``, so a resume
@@ -137,20 +115,6 @@ def elastic_store(timeout: timedelta) -> dict[str, Any]:
     )
     prefixed = dist.PrefixStore(f"dapple/attempt-{attempt}/", store)  # type: ignore[attr-defined]
     return {"store": prefixed, "rank": rank, "world_size": world}
-
-
-def _bad_ranks(rows: list[list[float]]) -> list[tuple[int, int, int]]:
-    """The sorted ``(kind, stage, rank)`` of the rows (:meth:`LongRun.agree_finite`'s) whose
-    loss (kind 0) or, with a finite loss, squared gradient norm part (kind 1) is non-finite."""
-    bad = [(0 if not math.isfinite(r[0]) else 1, int(r[1]), int(r[3])) for r in rows
-           if not (math.isfinite(r[0]) and math.isfinite(r[2]))]  # fmt: skip
-    return sorted(bad)
-
-
-def _rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The CPU random state and, on CUDA, the device's (copies; no device synchronisation)."""
-    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-    return torch.get_rng_state(), cuda
 
 
 def _local(g: torch.Tensor) -> torch.Tensor:
@@ -197,30 +161,16 @@ class LongRun:
         self.module, self.optimizer, self.device = module, optimizer, device
         self.layer_ids = plan.layers_of_device(rank) if stage is not None else ()
         """The chain index of each of ``module``'s children (several chunks: not contiguous)."""
-        self.params = list(module.parameters()) if module is not None else []
-        sharded = {id(p) for p in shards.params} if shards is not None else set()
-        self._groups = GradGroups(p for p in self.params if id(p) not in sharded)
-        """The parameters whose ``p.grad`` the guard checks (the sharded ones: by the shards)."""
-        self.last_stage = stage is not None and plan.num_stages - 1 in plan.stages_of_device(rank)
-        self.skipped: list[int] = []
-        """Steps skipped for a non-finite loss or gradient (``on_nonfinite="skip"``)."""
         self.saved: list[int] = []
         """Steps (completed-step counts) this run saved a checkpoint at."""
         self.last_good: int | None = None
         """The step of the newest checkpoint known whole and finite: the last save, or the
         checkpoint this run resumed from."""
-        self._loss_sums: list[tuple[int, torch.Tensor]] = []  # (micro-batch, loss so far)
-        self._grad_mbs: list[int] = []
-        """The micro-batch of each backward the guard checked this step (its flag's slot)."""
-        self._flags = torch.zeros(0, dtype=torch.float32, device=device)
-        """Per checked backward: 1 when it left a non-finite gradient (on the device)."""
-        self._naming = False
-        """The step is being replayed to name its micro-batch: :meth:`watch` checks every
-        backward."""
-        self._rng = _rng_state(device)
-        """The random state the step's compute started from (CPU, and the device's)."""
-        self._one = torch.ones(1, dtype=torch.float32, device=device)
-        """The check's "inverse scale": 1, so the norms it runs over keep their values."""
+        self.guard = NonFiniteGuard(
+            plan, config, rank=rank, world=world, stage=stage, module=module, device=device,
+            precision=self.precision, shards=shards, last_good=lambda: self.last_good,
+        )  # fmt: skip
+        """The non-finite guard (:mod:`dapple.runtime.guard`); its skipped steps are saved."""
         self.data_state: dict[str, Any] | None = None
         """The training data's record (:func:`dapple.runtime.data.data_state`; None: synthetic):
         checkpoints save it, and resume requires the same."""
@@ -271,7 +221,7 @@ class LongRun:
             restore_rng_state(rng)
         else:  # another plan: the saved per-rank streams do not map onto these ranks
             torch.manual_seed(cfg.seed * 7919 + self.rank + 1_000_003 * ck.step)
-        self.skipped = [int(x) for x in ck.meta.extra.get("skipped_steps", [])]
+        self.guard.skipped = [int(x) for x in ck.meta.extra.get("skipped_steps", [])]
         self.last_good = ck.step
         self.precision.load_state_dict(ck.meta.extra)
         if self.rank == 0:
@@ -304,228 +254,6 @@ class LongRun:
         if isinstance(picked[0], str):
             raise CheckpointError(picked[0])
         return None if picked[0] is None else read_checkpoint(step_dir(root, picked[0]))
-
-    # -- non-finite guard -----------------------------------------------------------------------
-    def begin_step(self) -> None:
-        """Before the step's compute: forget the last step's losses and flags, and keep the
-        random state the compute starts from (a replay of the step starts from it again)."""
-        if self._grad_mbs:  # last step's flags back to 0 (only those it used were written)
-            self._flags.zero_()
-        self._loss_sums = []
-        self._grad_mbs = []
-        if not self._naming:
-            self._rng = _rng_state(self.device)
-
-    def watch(self, action: Action, loss_sum: torch.Tensor | float) -> None:
-        """After a compute action: keep the step's loss so far (last stage, after an F), on
-        the device (no host read). While a step is replayed to name its micro-batch
-        (:meth:`agree_finite`), also flag after each backward whether the gradients are
-        non-finite.
-
-        A backward's check is one fused pass over the stage's gradients: per (device, dtype)
-        group one ``torch._foreach_norm`` (L1: a NaN or an infinity makes it non-finite, as a
-        sum whose float32 range overflows does; on the CPU, where it has no fused kernel and an
-        L1 norm reads about 4x slower than a sum, each gradient's sum, which a NaN or an
-        infinity makes non-finite as well: ``inf + -inf`` is NaN), then one
-        ``torch._amp_foreach_non_finite_check_and_unscale_`` over those norms into this
-        backward's slot of a flag vector (it writes only the norms, by 1: the gradients are
-        only read). fp16 and bf16 gradients are summed in float32 instead (their L1 norm would
-        overflow fp16's range).
-        """
-        if action.kind is ActionKind.FORWARD:
-            if self.last_stage:
-                loss = (
-                    loss_sum
-                    if isinstance(loss_sum, torch.Tensor)
-                    else torch.as_tensor(loss_sum, dtype=torch.float64, device=self.device)
-                )
-                self._loss_sums.append((int(action.micro_batch or 0), loss))
-        elif self._naming and action.kind in _GRAD_KINDS and self.params:
-            self._check_backward(int(action.micro_batch or 0))
-
-    def _check_backward(self, micro_batch: int) -> None:
-        """Flag whether the gradients are non-finite after this backward (see :meth:`watch`)."""
-        checks: list[torch.Tensor] = []
-        for dtype, grads in self._groups.grads():
-            if dtype in _HALF:
-                checks += [g.sum(dtype=torch.float32) for g in grads]
-            elif grads[0].device.type == "cpu":  # no fused CPU kernel: a sum is cheapest
-                checks += [g.sum() for g in grads]
-            else:
-                checks += torch._foreach_norm(grads, 1.0)
-        if self.shards is not None:  # the sharded parameters' local gradients' sums
-            sums = self.shards.grad_sums()
-            if sums:
-                checks.append(torch.stack(sums).sum(dtype=torch.float64))
-        if checks:
-            flag = self._flag(len(self._grad_mbs))
-            torch._amp_foreach_non_finite_check_and_unscale_(checks, flag, self._one)
-            self._grad_mbs.append(micro_batch)
-
-    def _flag(self, k: int) -> torch.Tensor:
-        """The step's ``k``-th backward's slot of the flag vector (grown when the program has
-        more backwards than it holds)."""
-        n = self._flags.numel()
-        if k >= n:
-            grown = torch.zeros(max(8, 2 * n), dtype=torch.float32, device=self.device)
-            grown[:n] = self._flags
-            self._flags = grown
-        return self._flags[k : k + 1]
-
-    def _first_bad(self) -> torch.Tensor:
-        """``[kind, micro-batch]`` of the step's first non-finite loss, else of its first
-        backward whose check flagged its gradients (checked only while the step is replayed;
-        gradients accumulate: the first such backward names the micro-batch), else
-        ``[-1, -1]``: float64 on the device."""
-        parts: list[torch.Tensor] = []
-        meta = [[0.0, m] for m, _ in self._loss_sums] + [[1.0, m] for m in self._grad_mbs]
-        if self._loss_sums:
-            parts.append(torch.stack([t for _, t in self._loss_sums]).isfinite().logical_not())
-        if self._grad_mbs:
-            parts.append(self._flags[: len(self._grad_mbs)] != 0)
-        if not parts:
-            return torch.full((2,), -1.0, dtype=torch.float64, device=self.device)
-        bad = torch.cat(parts) if len(parts) > 1 else parts[0]
-        which = torch.tensor(meta, dtype=torch.float64, device=self.device)
-        # the losses come first, and argmax gives the first of the maxima
-        return torch.where(bad.any(), which[bad.to(torch.uint8).argmax()], -1.0)
-
-    def agree_finite(
-        self,
-        step: int,
-        extra: Sequence[float | torch.Tensor] = (),
-        grad_sq_norm: torch.Tensor | float = 0.0,
-        replay: Callable[[], None] | None = None,
-    ) -> tuple[str | None, list[list[float]], torch.Tensor]:
-        """Every rank's verdict on the step (a world all_gather, none in a world of one; every
-        rank calls it once per step, ranks beyond the plan included), read on the host once.
-
-        Each rank sends its step's loss (the last stage's sum over the micro-batches so far:
-        non-finite from the first non-finite one on) and its part of the squared gradient norm
-        (which the step computes anyway: non-finite when a gradient is); the verdict is read off
-        them on the host, so a good step adds no work on the device. Neither says which
-        micro-batch was first: a step that stops or is skipped is named in a second gather of
-        every rank's first bad micro-batch - its losses' as kept, its gradients' by ``replay``
-        (the step's compute part again, on the same batch and random state, with a check after
-        each backward). An fp16 overflow only lowers the loss scale and is not named.
-
-        Args:
-            step: the step index (for the messages and the skipped-step list).
-            extra: this rank's values to gather along (the same length on every rank; numbers
-                or 0-d tensors on the device, read with the rest).
-            grad_sq_norm: this rank's part of the squared gradient norm (0: it holds none).
-            replay: runs this rank's compute part of the step again (None: no replay; the
-                message then names no micro-batch for a gradient).
-
-        Returns:
-            The verdict - None to go on; ``""`` when the step must be skipped (its gradients are
-            dropped); otherwise the one-line message the caller raises to stop the run - the
-            gathered rows by rank: ``[loss, stage, squared gradient norm part, rank, *extra]``,
-            and the same rows as a float64 tensor on the device.
-        """
-        s = -1 if self.stage is None else self.stage
-        loss = self._loss_sums[-1][1] if self._loss_sums else 0.0
-        mine = device_row([loss, s, grad_sq_norm, self.rank, *extra], self.device)
-        rows, table = self._gather(mine)  # the step's one host read
-        return self._verdict(step, _bad_ranks(rows), replay), rows, table
-
-    def _gather(self, mine: torch.Tensor) -> tuple[list[list[float]], torch.Tensor]:
-        """Every rank's row (as lists on the host, and stacked on the device)."""
-        if self.world == 1:  # one process: nothing to agree on
-            table = mine.unsqueeze(0)
-        else:
-            gathered = [torch.empty_like(mine) for _ in range(self.world)]
-            comm.all_gather(gathered, mine)
-            table = torch.stack(gathered)
-        return table.tolist(), table
-
-    def _name_micro_batch(
-        self, replay: Callable[[], None] | None
-    ) -> list[tuple[int, int, int, int]]:
-        """Every rank's first non-finite loss, else (after ``replay``, run with a check after
-        each backward) its first backward that left non-finite gradients, gathered: the sorted
-        ``(kind, micro-batch, stage, rank)`` found (empty when there was none)."""
-        if replay is not None:
-            self._replay(replay)
-        s = -1 if self.stage is None else self.stage
-        mine = device_row([-1, s, -1, self.rank], self.device)
-        mine[0:3:2] = self._first_bad()
-        rows, _ = self._gather(mine)
-        return sorted((int(r[0]), int(r[2]), int(r[1]), int(r[3])) for r in rows if r[0] >= 0)
-
-    def _replay(self, replay: Callable[[], None]) -> None:
-        """Run ``replay`` with a check after each backward, from the random state the step
-        started from; afterwards the random state and the module's buffers are as the step
-        left them."""
-        buffers = list(self.module.buffers()) if self.module is not None else []
-        kept = [b.detach().clone() for b in buffers]  # e.g. running statistics
-        cuda = [self.device] if self.device.type == "cuda" else []
-        self._naming = True
-        if self.shards is not None:
-            self.shards.checked = True
-        try:
-            with torch.random.fork_rng(devices=cuda):
-                cpu_state, device_state = self._rng
-                torch.set_rng_state(cpu_state)
-                if device_state is not None:
-                    torch.cuda.set_rng_state(device_state, self.device)
-                replay()
-        finally:
-            self._naming = False
-            if self.shards is not None:
-                self.shards.checked = False
-            with torch.no_grad():
-                for b, k in zip(buffers, kept, strict=True):
-                    b.copy_(k)
-
-    def _verdict(
-        self,
-        step: int,
-        bad: list[tuple[int, int, int]],
-        replay: Callable[[], None] | None = None,
-    ) -> str | None:
-        """The decision on the sorted ``(kind, stage, rank)`` of the ranks whose loss (kind 0)
-        or gradients (kind 1) are non-finite."""
-        if not bad:
-            return None
-        k, st, rk = bad[0]
-        if k == 1 and self.precision.overflow(step):  # fp16 overflow: skip, scale / 2, go on
-            for p in self.params:
-                p.grad = None
-            return ""
-        named = self._name_micro_batch(replay if k == 1 else None)
-        m, note = -1, ""
-        if named:
-            k, m, st, rk = named[0]
-        elif k == 1 and replay is not None:
-            note = (
-                " (a replay of the step left every micro-batch's gradients finite: their norm "
-                "exceeded float32's range, or the step does not repeat exactly)"
-            )
-        where = f"in micro-batch {m} " if m >= 0 else ""
-        what = f"non-finite {_KINDS[k]} {where}at stage {st} (rank {rk}){note}"
-        others = sorted({b[1] for b in bad} - {st})
-        if others:
-            what += f"; also non-finite at {', '.join(f'stage {o}' for o in others)}"
-        if self.config.on_nonfinite == "skip":
-            for p in self.params:
-                p.grad = None
-            self.skipped.append(step)
-            if self.rank == 0:
-                logger.warning("step %d skipped: %s", step, what)
-                if self.config.echo:
-                    print(f"step {step} skipped: {what}", flush=True)
-            return ""
-        last = self.last_good
-        ck = (
-            f"; last good checkpoint: step {last} in {self.config.checkpoint_dir}"
-            if last is not None
-            else ""
-        )
-        return (
-            f"step {step}: {what}; stopped before the optimizer step{ck} "
-            "(--on-nonfinite skip skips such steps)"
-        )
 
     # -- save ----------------------------------------------------------------------------------
     def after_step(self, step: int) -> None:
@@ -568,7 +296,7 @@ class LongRun:
             extra={
                 "seed": cfg.seed,
                 **{k: getattr(cfg, k) for k in SCHEDULE_KEYS},  # the lr schedule
-                "skipped_steps": list(self.skipped),
+                "skipped_steps": list(self.guard.skipped),
                 **self.precision.state_dict(),  # fp16: the loss scale
             }
             | ({"data": self.data_state} if self.data_state is not None else {}),

@@ -53,7 +53,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 ROW_TOKENS = 8
-"""Column of a step's collective row (:meth:`LongRun.agree_finite`'s ``[loss, stage,
+"""Column of a step's collective row (:meth:`NonFiniteGuard.agree_finite`'s ``[loss, stage,
 squared gradient norm part, rank]`` then the interpreter's ``[loss part, peak bytes, peak resident bytes,
 baseline bytes, target tokens, squared gradient norm part]``): the target tokens of the rank's
 batch (-1: not a token workload)."""
@@ -238,7 +238,7 @@ def step_metrics(
         step: the step index.
         rows: one row per rank, ``[loss, stage, squared gradient norm part, rank, loss part,
             peak bytes, peak resident bytes, resident bytes before the stage was built]`` (stage -1: a rank
-            beyond the plan; the last two may be absent), as :meth:`LongRun.agree_finite`
+            beyond the plan; the last two may be absent), as :meth:`NonFiniteGuard.agree_finite`
             gathers them.
         step_ms: rank 0's wall time of the step.
         memory_kind: what the peaks measure (``cuda_max_allocated`` or ``held_activations``).

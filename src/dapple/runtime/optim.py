@@ -12,7 +12,7 @@ Design choices:
     - The global gradient norm ``||g||_2`` of the *whole original model* is computed on every
       step, clipping or not, and reported as ``StepMetrics.grad_norm``; it costs one pass over
       the gradients and one float64 per rank in the step's one all_gather, which every rank
-      joins anyway (:meth:`dapple.runtime.longrun.LongRun.agree_finite`): each rank's squared
+      joins anyway (:meth:`dapple.runtime.guard.NonFiniteGuard.agree_finite`): each rank's squared
       norm (:meth:`ModelUpdate.local_sq_norm`, after the tied sums; 0 beyond the plan) travels
       in its row, the sum of the rows is the square of the norm on the device (clipping reads
       nothing on the host) and rank 0 reads the norm with the rest of the row - no collective

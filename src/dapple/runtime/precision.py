@@ -19,7 +19,7 @@
   Micikevicius et al., "Mixed Precision Training", ICLR 2018, with the defaults of
   ``torch.amp.GradScaler``: initial scale 2**16, halve on overflow, double after 2000 clean
   steps). The overflow decision is the step's world collective
-  (:meth:`dapple.runtime.longrun.LongRun.agree_finite`): a non-finite gradient on any rank skips
+  (:meth:`dapple.runtime.guard.NonFiniteGuard.agree_finite`): a non-finite gradient on any rank skips
   the step on every rank and halves the scale there (:meth:`Precision.overflow`); otherwise the
   ``OPT`` action divides the gradients by the scale before the step's collective
   (:meth:`Precision.unscale_grads`) and counts the clean step after it
