@@ -68,6 +68,12 @@ PHASES: list[tuple[str, str, str]] = [
     ("dapple.runtime.stage", "StageExecutor.backward", "backward (B)"),
     ("dapple.runtime.longrun", "LongRun.watch", "guard: after F/B (before: checks per B)"),
     ("dapple.runtime.longrun", "LongRun.agree_finite", "step collective: verdict, metric rows"),
+    ("dapple.runtime.guard", "NonFiniteGuard.watch", "guard: after F/B (before: checks per B)"),
+    (
+        "dapple.runtime.guard",
+        "NonFiniteGuard.agree_finite",
+        "step collective: verdict, metric rows",
+    ),
     ("dapple.runtime.optim", "ModelUpdate.global_norm", "gradient norm"),
     ("dapple.runtime.optim", "ModelUpdate.local_sq_norm", "gradient norm"),
     ("dapple.runtime.optim", "ModelUpdate.set_norm", "gradient norm"),
@@ -82,7 +88,8 @@ PHASES: list[tuple[str, str, str]] = [
     ("dapple.runtime.engine", "target_tokens", "loss and metric reads"),
     ("dapple.runtime.rank", "Batches.batch", "batch (make_batch, shape check)"),
 ]
-"""(module, attribute, phase): what the instrumented run times (absent ones are skipped)."""
+"""(module, attribute, phase): what the instrumented run times (absent ones are skipped: the
+guard's methods moved from ``LongRun`` to ``NonFiniteGuard``, and both versions are timed)."""
 READ_PHASE = "host reads (item, float, int, bool, tolist)"
 REST = "program interpreter's own loop and the rest"
 
@@ -237,7 +244,10 @@ class _Phases:
         import torch
 
         for module, path, phase in PHASES:
-            owner: Any = importlib.import_module(module)
+            try:
+                owner: Any = importlib.import_module(module)
+            except ModuleNotFoundError:  # a module the other version does not have
+                continue
             *outer, attr = path.split(".")
             for name in outer:
                 owner = getattr(owner, name, None)
