@@ -11,7 +11,7 @@ import pytest
 
 from dapple.datasets import prepare
 from dapple.errors import ValidationError
-from dapple.runtime.checkpoint_files import (
+from dapple.runtime.checkpoint.files import (
     CheckpointError,
     delete_checkpoints,
     foreign_entries,

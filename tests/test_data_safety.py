@@ -457,7 +457,7 @@ def test_overwrite_checkpoints_end_to_end(tmp_path: Path) -> None:
 def test_check_writable_tolerates_ranks_checking_at_once(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from dapple.runtime import checkpoint_files
+    from dapple.runtime.checkpoint import files as checkpoint_files
 
     root = tmp_path / "a" / "ck"
     real_mkdir, real_mkstemp = Path.mkdir, checkpoint_files.tempfile.mkstemp

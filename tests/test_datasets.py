@@ -331,7 +331,7 @@ def test_rank_data_eval_batches_and_training_batches(tmp_path: Path) -> None:
 
 
 def test_check_data_resume_wants_the_same_stream(tmp_path: Path) -> None:
-    from dapple.runtime.checkpoint_files import CheckpointError
+    from dapple.runtime.checkpoint.files import CheckpointError
     from dapple.runtime.data import check_data_resume, data_state
 
     ds = TokenFile(write_tokens(tmp_path / "t.bin", range(100)), 4)  # 24 samples

@@ -163,7 +163,7 @@ class StepProgress:
         self,
         exc_type: type[BaseException] | None,
         exc: BaseException | None,
-        tb: TracebackType | None,
+        _tb: TracebackType | None,
     ) -> None:
         self._stop.set()
         if self._thread is not None:

@@ -407,7 +407,7 @@ def _generate(con: Console, args: argparse.Namespace, out: Path, overrides: dict
     from dapple.models.generate import greedy_generate, sample_tokens
     from dapple.models.zoo import load_workload
     from dapple.runtime.checkpoint import restore_stage
-    from dapple.runtime.checkpoint_files import latest_checkpoint
+    from dapple.runtime.checkpoint.files import latest_checkpoint
 
     con.rule(f"4. generate from the trained weights (sampled at temperature {DEMO_TEMPERATURE})")
     ckpt = latest_checkpoint(out / "checkpoints")

@@ -172,7 +172,7 @@ def check_long_run(
         list_checkpoints,
         refuse_occupied,
     )
-    from dapple.runtime.checkpoint_files import refuse_foreign
+    from dapple.runtime.checkpoint.files import refuse_foreign
 
     if checkpoint_dir is None:
         return

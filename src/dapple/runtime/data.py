@@ -39,7 +39,7 @@ from dapple.datasets import Batch, BatchSource, EvalBatches, TokenFile, read_row
 from dapple.errors import ValidationError
 from dapple.models.materialize import build_meta
 from dapple.models.workload import Workload
-from dapple.runtime.checkpoint_files import CheckpointError
+from dapple.runtime.checkpoint.files import CheckpointError
 
 __all__ = [
     "CausalLMSamples",

@@ -113,7 +113,7 @@ class EarlyWorkers:
         self,
         kind: type[BaseException] | None,
         exc: BaseException | None,
-        tb: TracebackType | None,
+        _tb: TracebackType | None,
     ) -> None:
         self.close()
 

@@ -63,7 +63,7 @@ from dapple.runtime.checkpoint import (
     stage_layer_states,
     step_dir,
 )
-from dapple.runtime.checkpoint_files import refuse_foreign
+from dapple.runtime.checkpoint.files import refuse_foreign
 from dapple.runtime.config import TrainConfig
 from dapple.runtime.data import check_data_resume
 from dapple.runtime.guard import NonFiniteGuard

@@ -34,7 +34,7 @@ def stop_line(signal_name: str, metrics_path: str | None, checkpoint_dir: str | 
         text += f" after step {step}"
     if checkpoint_dir is None:
         return text + "; nothing saved (no --checkpoint-dir)"
-    from dapple.runtime.checkpoint_files import latest_checkpoint
+    from dapple.runtime.checkpoint.files import latest_checkpoint
 
     try:
         ck = latest_checkpoint(checkpoint_dir)

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dapple.runtime.checkpoint_files import (
+from dapple.runtime.checkpoint.files import (
     CHECKPOINT_SCHEMA_VERSION,
     CRASH_IN_SAVE_ENV,
     MANIFEST_NAME,
@@ -67,7 +67,7 @@ from dapple.runtime.checkpoint_files import (
     step_dir,
     to_bytes,
 )
-from dapple.runtime.checkpoint_probe import check_writable
+from dapple.runtime.checkpoint.probe import check_writable
 
 __all__ = [
     "CHECKPOINT_SCHEMA_VERSION",

@@ -352,7 +352,7 @@ def list_checkpoints(root: str | Path) -> list[Path]:
     try:
         entries = list(Path(root).iterdir())
     except (FileNotFoundError, NotADirectoryError):  # absent, or removed meanwhile by another
-        return []  # rank's write probe (:func:`dapple.runtime.checkpoint_probe.check_writable`)
+        return []  # rank's write probe (:func:`dapple.runtime.checkpoint.probe.check_writable`)
     found = [(int(m.group(1)), p) for p in entries if (m := _STEP_DIR.match(p.name)) and p.is_dir()]
     return [p for _, p in sorted(found)]
 

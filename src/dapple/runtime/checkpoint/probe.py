@@ -8,7 +8,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from dapple.runtime.checkpoint_files import CheckpointError
+from dapple.runtime.checkpoint.files import CheckpointError
 
 __all__ = ["check_writable"]
 
