@@ -4,7 +4,7 @@ One 100M-float fp32 state (400 MB, a 100M-parameter stage's gradients or paramet
 buckets of ``--bucket-mib``; each line times one way to move it across 4 local gloo
 processes, asynchronously launched then waited for, best of 3 between barriers, with the
 fused Adam update of the whole state and of one replica's quarter beside them. The ways are
-those :mod:`dapple.runtime.zero` can choose from: an AllReduce (zero stage 0), a ``reduce``
+those :mod:`dapple.runtime.parallel.zero` can choose from: an AllReduce (zero stage 0), a ``reduce``
 per replica's chunk and ``reduce_scatter``/``reduce_scatter_tensor`` (the reduction half), a
 ``broadcast`` per chunk and ``all_gather``/``all_gather_into_tensor`` (the gather half).
 

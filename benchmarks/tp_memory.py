@@ -2,7 +2,7 @@
 unsharded, measured as tracked tensor bytes, beside the cost model's estimate.
 
 The model is the zoo ``transformer`` (fp32, AdamW) traced into one piece per chain layer
-(embedding, blocks, head) with its TP plan (:data:`dapple.runtime.tp.TRANSFORMER_TP_PLAN`), so
+(embedding, blocks, head) with its TP plan (:data:`dapple.runtime.parallel.tp.TRANSFORMER_TP_PLAN`), so
 the runtime can cut it. Every configuration is one stage holding all layers, trained a few
 steps in ONE 4-process gloo group (``run_plan`` with ``exact_world=False``: ranks beyond a
 plan idle through its collectives), one after the other.
@@ -106,7 +106,7 @@ def traced_zoo(sizes: dict[str, Any]) -> Workload:
     """The zoo transformer at ``sizes`` traced into one piece per chain layer, with its TP plan."""
     from dapple.models.split import workload_from_module
     from dapple.models.zoo.transformer import transformer
-    from dapple.runtime.tp import TRANSFORMER_TP_PLAN
+    from dapple.runtime.parallel.tp import TRANSFORMER_TP_PLAN
 
     wl = transformer(**sizes)
     cuts = [str(i) for i in range(1, sizes["layers"] + 2)]
@@ -329,7 +329,7 @@ def _worker(rank: int, world: int, port: int, sizes: dict[str, Any], steps: int,
 # -- the estimate ----------------------------------------------------------------------------------
 def mark_tensor_parallel(prof: ModelProfile, wl: Workload) -> ModelProfile:
     """``prof`` with ``tensor_parallel`` set on the layers ``wl``'s TP plan cuts."""
-    from dapple.runtime.tp import match_style
+    from dapple.runtime.parallel.tp import match_style
 
     layers = []
     for i, layer in enumerate(prof.layers):

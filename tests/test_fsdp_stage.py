@@ -1,10 +1,10 @@
-"""Sharded parameters (FSDP2) on a dapple stage (:mod:`dapple.runtime.fsdp`), alone and with TP.
+"""Sharded parameters (FSDP2) on a dapple stage (:mod:`dapple.runtime.parallel.fsdp`), alone and with TP.
 
 Slow tier, gloo: a stage of the zoo transformer (two blocks and the head) ZeRO-3-sharded over
 2 replicas trains 2 micro-batches per step with gradient accumulation - one all-gather and one
 reduce-scatter per step, or one per micro-batch with ``regather`` - and AdamW steps on the
 shards; then the LLaMA stage on a (replica 2 x tensor 2) mesh of 4 ranks: TP inside
-(:mod:`dapple.runtime.tp`), FSDP over the replicas. Each step is checked against the whole stage
+(:mod:`dapple.runtime.parallel.tp`), FSDP over the replicas. Each step is checked against the whole stage
 in one process as ``dapple verify`` does: the reference takes the run's weights, its full-batch
 loss and gradients must match the run's, it applies the run's gradients, and the weights must
 then match.
@@ -50,7 +50,7 @@ def _train(
     parameters from ``whole(grads)``), each checked against ``ref`` step by step."""
     from torch.distributed.tensor.debug import CommDebugMode
 
-    from dapple.runtime.fsdp import begin_micro_batch
+    from dapple.runtime.parallel.fsdp import begin_micro_batch
 
     opt = torch.optim.AdamW(stage.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
@@ -103,7 +103,7 @@ def fsdp_worker(rank: int, world: int, out_dir: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     from dapple.runtime import TrainConfig, init_distributed, shutdown_distributed
-    from dapple.runtime.fsdp import full_parameters, shard_stage
+    from dapple.runtime.parallel.fsdp import full_parameters, shard_stage
 
     init_distributed(TrainConfig(timeout_s=120), world)
     mesh = init_device_mesh("cpu", (world,))
@@ -146,8 +146,8 @@ def tp_fsdp_worker(rank: int, world: int, out_dir: str, llama_path: str) -> None
     from torch.distributed.device_mesh import init_device_mesh
 
     from dapple.runtime import TrainConfig, init_distributed, shutdown_distributed
-    from dapple.runtime.fsdp import full_parameters, shard_stage
-    from dapple.runtime.tp import parallelize_stage
+    from dapple.runtime.parallel.fsdp import full_parameters, shard_stage
+    from dapple.runtime.parallel.tp import parallelize_stage
 
     init_distributed(TrainConfig(timeout_s=300), world)
     mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))

@@ -61,7 +61,7 @@ def _tp2_plan(path: Path) -> Path:
 def test_transformer_tp_has_the_zoo_transformers_plan_and_weights() -> None:
     import dapple.api as dp
     from dapple.models.tp_plan import TRANSFORMER_TP_PLAN
-    from dapple.runtime.tensor_check import check_tensor_run
+    from dapple.runtime.parallel.tensor_check import check_tensor_run
 
     sizes = {"layers": 2, "hidden": 32, "heads": 4, "seq": 16, "vocab": 64}
     tp, plain = dp.load("transformer-tp", **sizes), dp.load("transformer", **sizes)

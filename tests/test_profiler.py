@@ -214,7 +214,7 @@ def _runtime_cuts(wl: Workload, tp_plan: dict[str, str]) -> list[bool]:
     parameters the plan matches: :func:`plan_layouts` finds some)."""
     from torch import fx
 
-    from dapple.runtime.tp import plan_layouts
+    from dapple.runtime.parallel.tp import plan_layouts
 
     out = []
     for i in range(wl.num_layers):

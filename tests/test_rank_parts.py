@@ -1,5 +1,5 @@
 """One rank's parts, each from its own builder (runtime/rank.py), the ZeRO layout
-(runtime/zero/layout.py) and the tied groups of the gradient sync, on one process."""
+(runtime/parallel/zero/layout.py) and the tied groups of the gradient sync, on one process."""
 
 from __future__ import annotations
 
@@ -16,6 +16,8 @@ from dapple.models.shapes import input_shapes
 from dapple.models.workload import Workload
 from dapple.runtime.config import TrainConfig
 from dapple.runtime.memory import ActivationMeter
+from dapple.runtime.parallel.zero import FlatShards, flat_parameters
+from dapple.runtime.parallel.zero.layout import flat_layout, replica_slices, tied_slices
 from dapple.runtime.precision import Precision
 from dapple.runtime.rank import (
     Batches,
@@ -32,8 +34,6 @@ from dapple.runtime.rank import (
 from dapple.runtime.stage import StageExecutor
 from dapple.runtime.sync import tied_stages
 from dapple.runtime.transport import BoundarySpec
-from dapple.runtime.zero import FlatShards, flat_parameters
-from dapple.runtime.zero.layout import flat_layout, replica_slices, tied_slices
 
 CPU = torch.device("cpu")
 

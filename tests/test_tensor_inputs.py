@@ -6,7 +6,7 @@ outside 1, 2, 4, 8 or not dividing the server size, widths > 1 for a profile whe
 shards, on shared cores or with a baseline planner; a tensor group across servers (simulate,
 train with a cluster); ZeRO-3 on one replica (plan load); and, for ``dapple train`` /
 ``verify``, a model without a TP plan, a width that does not divide its heads, or a stage the
-plan cuts nothing of (:mod:`dapple.runtime.tensor_check`). The expensive step (the search, the
+plan cuts nothing of (:mod:`dapple.runtime.parallel.tensor_check`). The expensive step (the search, the
 event simulation, the runtime) is replaced by a function that fails the test, so each refusal
 is proved to come first.
 """
@@ -317,7 +317,7 @@ def test_train_refuses_what_tensor_stages_cannot_run_yet_before_the_launch(
     capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """:func:`dapple.runtime.stage_mesh.check_mesh_run` runs in ``dapple train`` before the
+    """:func:`dapple.runtime.parallel.stage_mesh.check_mesh_run` runs in ``dapple train`` before the
     workers get the run, not only in each worker."""
     monkeypatch.setenv(CPU_FP16_ENV, "1")  # fp16 on the CPU: what is left is the stage's refusal
     stage = StagePlan(layers=(0, 4), devices=(0, 1, 2, 3), tensor_width=2)

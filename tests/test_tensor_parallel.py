@@ -1,10 +1,10 @@
-"""Tensor parallelism on dapple's stage pieces (:mod:`dapple.runtime.tp`).
+"""Tensor parallelism on dapple's stage pieces (:mod:`dapple.runtime.parallel.tp`).
 
 Pure tests of plans, layouts and refusals on the traced pieces, one single-rank run of the
 rewritten graph, and (slow tier) TP2 on two gloo ranks against one process: outputs, input and
 parameter gradients, two AdamW steps, and the collectives per transformer block (Megatron's two
 all-reduces forward and two backward), on a tiny Hugging Face LLaMA (its ``base_model_tp_plan``)
-and on the zoo transformer (:data:`~dapple.runtime.tp.TRANSFORMER_TP_PLAN`).
+and on the zoo transformer (:data:`~dapple.runtime.parallel.tp.TRANSFORMER_TP_PLAN`).
 
 ``python tests/test_tensor_parallel.py`` measures, on two ranks, the same LLaMA block as plain
 DTensors (PyTorch's own propagation) beside the local shards: collectives and step times
@@ -29,7 +29,7 @@ from torch import nn
 
 from dapple.errors import ValidationError
 from dapple.models.workload import Workload
-from dapple.runtime.tp import (
+from dapple.runtime.parallel.tp import (
     TRANSFORMER_TP_PLAN,
     ShardLayout,
     check_width,

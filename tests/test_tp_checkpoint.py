@@ -101,7 +101,7 @@ def zoo() -> Workload:
     plan."""
     from dapple.models.split import workload_from_module
     from dapple.models.zoo.transformer import transformer
-    from dapple.runtime.tp import TRANSFORMER_TP_PLAN
+    from dapple.runtime.parallel.tp import TRANSFORMER_TP_PLAN
 
     wl = transformer(**ZOO)
     traced = workload_from_module(_zoo_model, wl.make_batch, wl.loss_fn, split_at=["1", "2", "3"])

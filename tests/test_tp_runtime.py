@@ -1,10 +1,10 @@
-"""Tensor parallelism (t_s > 1) and ZeRO-3 in the runtime (:mod:`dapple.runtime.stage_mesh`).
+"""Tensor parallelism (t_s > 1) and ZeRO-3 in the runtime (:mod:`dapple.runtime.parallel.stage_mesh`).
 
 Pure tests of the peer pairing and the refusals; (slow tier) ``dapple verify`` on gloo - every
 parameter, gradient, loss and gradient norm against one process, step by step - for one stage
 DP2 x TP2, stage 0 TP2 + stage 1 DP2, 1:2 with ZeRO-3 on the replicated stage and TP2 x FSDP2
 on one 4-rank stage, on the zoo transformer (traced into pieces, its
-:data:`~dapple.runtime.tp.TRANSFORMER_TP_PLAN`) and a tiny Hugging Face LLaMA from a config;
+:data:`~dapple.runtime.parallel.tp.TRANSFORMER_TP_PLAN`) and a tiny Hugging Face LLaMA from a config;
 both under ZB-H1 (split backward) and under interleaved 1F1B (two chunks per rank); with
 ZeRO-1/2 under TP; tied embeddings under TP; re-computation under TP and ZeRO-3; bf16
 autocast.
@@ -24,8 +24,8 @@ from dapple.core.plan import Plan, StagePlan, interleave
 from dapple.errors import ValidationError
 from dapple.models.workload import Workload
 from dapple.runtime.config import TrainConfig
-from dapple.runtime.stage_mesh import check_mesh_run, peer_ranks
-from dapple.runtime.tp import TRANSFORMER_TP_PLAN
+from dapple.runtime.parallel.stage_mesh import check_mesh_run, peer_ranks
+from dapple.runtime.parallel.tp import TRANSFORMER_TP_PLAN
 
 ZOO = {"layers": 2, "hidden": 32, "heads": 4, "seq": 16, "vocab": 64}
 LLAMA = {

@@ -1,4 +1,4 @@
-"""ZeRO-1 and ZeRO-2 inside replicated stages (:mod:`dapple.runtime.zero`).
+"""ZeRO-1 and ZeRO-2 inside replicated stages (:mod:`dapple.runtime.parallel.zero`).
 
 Pure tiers first (the flat layout: equal chunks of every bucket, each element in exactly one
 replica's pieces, tied parameters sharded in slices; option checks; the planner's memory and cost),
@@ -29,7 +29,12 @@ from dapple.core.plan import Plan, interleave, straight_plan
 from dapple.errors import ValidationError
 from dapple.runtime.config import TrainConfig
 from dapple.runtime.optim_config import OPTIM_FIELDS, ZERO_STAGES
-from dapple.runtime.zero import FlatShards, flat_parameters, tied_parameters, unsharded_stages
+from dapple.runtime.parallel.zero import (
+    FlatShards,
+    flat_parameters,
+    tied_parameters,
+    unsharded_stages,
+)
 
 G = 6
 """Global batch of the verify runs (divisible by 3 replicas x 2 micro-batches)."""
@@ -352,7 +357,7 @@ def resume_worker(rank: int, world: int, out_dir: str) -> None:
     z2 = run(p22, zero_stage=2)
     z2_again = run(p22, zero_stage=2, checkpoint_dir=ck, resume=True)
     # the reduce_scatter_single / all_gather_single path (NCCL's), here on gloo
-    from dapple.runtime.zero import TENSOR_COLLECTIVES_ENV
+    from dapple.runtime.parallel.zero import TENSOR_COLLECTIVES_ENV
 
     os.environ[TENSOR_COLLECTIVES_ENV] = "1"
     tensor_path = [run(p13, zero_stage=z) for z in (1, 2)]

@@ -1,7 +1,7 @@
 """``--zero-stage`` of ``train`` and ``verify`` as a floor under the plan's zero stages, 0-3.
 
 The run's zero stage (``TrainConfig.zero_stage``) applies to every stage with more than one
-replica per tensor index (:func:`dapple.runtime.stage_mesh.zero_floored`); 3 is written into
+replica per tensor index (:func:`dapple.runtime.parallel.stage_mesh.zero_floored`); 3 is written into
 those stages, each then an FSDP2 root whose parameters are sharded over its replicas. The slow
 test trains a 2:1 plan with a run-wide 3 on two gloo ranks and checks that the replicated
 stage's parameters are sharded and end equal to one process's.
@@ -21,7 +21,7 @@ from dapple.cli._optim_args import zero_stage_flag
 from dapple.core.plan import straight_plan
 from dapple.errors import ValidationError
 from dapple.runtime import TrainConfig, spawn
-from dapple.runtime.stage_mesh import check_mesh_run, zero_floored
+from dapple.runtime.parallel.stage_mesh import check_mesh_run, zero_floored
 
 G, M, STEPS, LR, SEED = 8, 2, 2, 0.05, 3
 

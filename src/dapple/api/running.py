@@ -92,15 +92,15 @@ def train(
         ValidationError: Bad plan, workload or options; a plan made for another model
             (:meth:`~dapple.core.plan.Plan.check_model`); a ``profile`` measured on another
             model (:func:`~dapple.models.fingerprint.check_profile_model`); a stage of tensor
-            width t_s > 1 the model cannot be cut over (:mod:`dapple.runtime.tensor_check`).
+            width t_s > 1 the model cannot be cut over (:mod:`dapple.runtime.parallel.tensor_check`).
         CheckpointError: ``require_resume`` and no checkpoint to resume.
         RankFailure: A worker failed.
     """
     from dapple.models.fingerprint import check_plan_model, fingerprint_once
     from dapple.runtime import train as _train
     from dapple.runtime.config import TrainConfig
+    from dapple.runtime.parallel.stage_mesh import check_mesh_run, zero_floored
     from dapple.runtime.run_config import RunOptions, check_resumable, resolve_train_config
-    from dapple.runtime.stage_mesh import check_mesh_run, zero_floored
 
     run = RunOptions(keep=keep or 0, eval_batches=eval_batches, require_resume=require_resume,
                      elastic=elastic, min_devices=min_devices, max_restarts=max_restarts,
@@ -136,8 +136,8 @@ def train(
 
 def _check_run(plan: Plan, wl: Workload, cluster: Cluster | None = None) -> None:
     """The plan was made for this model (:meth:`~dapple.core.plan.Plan.check_model`) and its
-    tensor groups can cut it (:func:`dapple.runtime.tensor_check.check_tensor_run`)."""
-    from dapple.runtime.tensor_check import check_tensor_run
+    tensor groups can cut it (:func:`dapple.runtime.parallel.tensor_check.check_tensor_run`)."""
+    from dapple.runtime.parallel.tensor_check import check_tensor_run
 
     plan.check_model(wl.name, wl.num_layers)
     check_tensor_run(plan, wl, cluster)
@@ -245,7 +245,7 @@ def verify(
     Raises:
         ValidationError: Bad plan, workload or options; a plan made for another model
             (:meth:`~dapple.core.plan.Plan.check_model`); a stage of tensor width t_s > 1
-            the model cannot be cut over (:mod:`dapple.runtime.tensor_check`).
+            the model cannot be cut over (:mod:`dapple.runtime.parallel.tensor_check`).
         RankFailure: A worker failed.
     """
     run_plan = plan_with(plan, schedule, policy, virtual_stages)
@@ -287,7 +287,7 @@ def verify_many(
     Raises:
         ValidationError: Bad plan, workload or options; a plan made for another model
             (:meth:`~dapple.core.plan.Plan.check_model`); a stage of tensor width t_s > 1
-            the model cannot be cut over (:mod:`dapple.runtime.tensor_check`).
+            the model cannot be cut over (:mod:`dapple.runtime.parallel.tensor_check`).
         RankFailure: A worker failed.
     """
     from dapple.runtime.verify import verify_many as _verify_many

@@ -34,9 +34,9 @@ class StagePlan:
     max_in_flight: int | None = None
     """D: how many micro-batches' activations fit on the device (None: unbounded)."""
     zero_stage: int = 0
-    """1: the replicas shard the stage's optimizer state (ZeRO-1, ``dapple.runtime.zero``);
+    """1: the replicas shard the stage's optimizer state (ZeRO-1, ``dapple.runtime.parallel.zero``);
     2: its gradients too (ZeRO-2); 3: its parameters too (ZeRO-3 / FSDP,
-    ``dapple.runtime.fsdp``); 0: every replica keeps all of it. Meaningful only with
+    ``dapple.runtime.parallel.fsdp``); 0: every replica keeps all of it. Meaningful only with
     ``r_s > 1`` (3 is refused on one replica)."""
     tensor_width: int = 1
     """t_s: devices of one replica's tensor-parallel group (a power of two), all in one server

@@ -60,7 +60,7 @@ def stage_sync_ms(
     """The gradient and parameter synchronisation of a stage in one step.
 
     ``zero_stage`` 0: AR(P_s, g_s) (:func:`allreduce_ms`). 1: a reduce-scatter of the gradients
-    and an all-gather of the updated parameters (:mod:`dapple.runtime.zero`), each the
+    and an all-gather of the updated parameters (:mod:`dapple.runtime.parallel.zero`), each the
     ``(n-1)/n`` of the bytes that is one half of the ring AllReduce: AR in all. 2: the
     reduce-scatter after each of the ``micro_batches`` (M) backward passes, then the
     all-gather: ``(M + 1) / 2`` x AR. The smaller optimizer update is not modelled (the cost

@@ -39,7 +39,7 @@ __all__ = [
 
 ZERO2_STAGED_LAYERS = 2
 """ZeRO-2's staged gradients while a backward runs, in units of the stage's largest layer in
-flat buckets: the runtime's staged buckets being reduced (``dapple.runtime.zero.MAX_STAGED``),
+flat buckets: the runtime's staged buckets being reduced (``dapple.runtime.parallel.zero.MAX_STAGED``),
 each at most one layer's parameters."""
 
 UNBOUNDED_IN_FLIGHT = 10**9
@@ -107,7 +107,7 @@ def state_bytes_per_parameter_byte(
     replicated stage (``replicas > 1``) one more copy of the gradient - the flat buffers its
     AllReduce AR(P_s, g_s) reduces in (the runtime's gradient buckets, :mod:`dapple.runtime.sync`).
 
-    On a replicated stage with ``zero_stage`` 1 (:mod:`dapple.runtime.zero`) the gradients
+    On a replicated stage with ``zero_stage`` 1 (:mod:`dapple.runtime.parallel.zero`) the gradients
     accumulate in the flat buckets themselves (no extra copy), each replica holds the reduced
     gradient of its ``1/r_s`` chunk, and the optimizer state (the factor less the gradient's 1)
     is held ``1/r_s`` on each replica: ``1 + 1 + (factor - 1 + 1) / r_s``. With 2 the
@@ -115,7 +115,7 @@ def state_bytes_per_parameter_byte(
     flight during a backward (ZeRO-2's staged ones included) are a per-stage term
     (:func:`gradients_in_flight_bytes`, added by :func:`parameter_state_bytes`).
 
-    With 3 (FSDP, :mod:`dapple.runtime.fsdp`) each replica keeps the ``1/r_s`` shard of the
+    With 3 (FSDP, :mod:`dapple.runtime.parallel.fsdp`) each replica keeps the ``1/r_s`` shard of the
     parameters, gradients and optimizer state, ``(1 + factor) / r_s``. Without ``regather``
     the runtime gathers the parameters at the first forward and keeps them, and the
     unsharded gradients, until the last backward of the step (no re-shard between

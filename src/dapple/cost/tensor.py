@@ -7,7 +7,7 @@ Beyond the paper (DAPPLE plans whole-layer replicas). Pure functions, no torch; 
   of the t ranks of its tensor group, and costs two all-reduces of its output activation per
   forward (``g`` after the attention's and the MLP's row-parallel products) and two per
   backward (``f`` before their column-parallel ones) - what dapple's runtime runs
-  (``dapple.runtime.tp``: 2 + 2 ``allreduce`` per block, measured). Each is a ring all-reduce
+  (``dapple.runtime.parallel.tp``: 2 + 2 ``allreduce`` per block, measured). Each is a ring all-reduce
   inside one server (:func:`ring_allreduce_ms`): ``2(t-1)/t x bytes / B_intra + 2(t-1) x
   latency``; the latency term dominates small activations. Layers that do not shard run whole
   on every rank (redundantly). A split backward's ``I`` carries the backward all-reduces
@@ -23,7 +23,7 @@ Beyond the paper (DAPPLE plans whole-layer replicas). Pure functions, no torch; 
   two dropout masks, all at the block's boundary width h - stay whole on every rank; the rest
   divides by t. With the block output being ``2 sbh`` bytes, the whole part is
   :data:`TP_REPLICATED_OUTPUTS` x the layer's output bytes (:func:`tensor_kept_bytes_per_sample`).
-* ZeRO-3 (FSDP, ``dapple.runtime.fsdp``) over the replicas: once per step an all-gather of the
+* ZeRO-3 (FSDP, ``dapple.runtime.parallel.fsdp``) over the replicas: once per step an all-gather of the
   stage's (tensor-sharded) parameters before the first forward and a reduce-scatter of its
   gradients after the last backward - each half a ring AllReduce, AR in all, in AR_s; with
   ``regather`` per micro-batch an all-gather before the forward (in F) and an all-gather and a

@@ -7,7 +7,7 @@ it (a piece's parameters keep the whole model's names, ``model.layers.0.self_att
 A model's plan is its own (``Workload.tp_plan``), else its Hugging Face config's
 (:func:`tp_plan_of`).
 
-The runtime (:func:`dapple.runtime.tp.parallelize_stage`) cuts exactly the pieces of a stage
+The runtime (:func:`dapple.runtime.parallel.tp.parallelize_stage`) cuts exactly the pieces of a stage
 that are traced graphs (``fx.GraphModule``, :mod:`dapple.models.split`) with a parameter whose
 owning module the plan matches (:func:`cut_by`); every other layer (an embedding, a head, a
 layer of a model without a plan) runs whole on every rank of the group. The profiler marks the

@@ -55,7 +55,7 @@ class Workload:
     declared ``None`` (static)."""
     tp_plan: Mapping[str, str] = field(default_factory=dict)
     """How a stage of this model is cut over a tensor group (t_s > 1): module-name pattern ->
-    ``colwise`` / ``packed_colwise`` / ``rowwise`` (:mod:`dapple.runtime.tp.plan`); empty: a
+    ``colwise`` / ``packed_colwise`` / ``rowwise`` (:mod:`dapple.runtime.parallel.tp.plan`); empty: a
     Hugging Face model's config plan, else none (tensor parallelism is refused)."""
 
     @property

@@ -107,7 +107,7 @@ class TrainConfig:
     """0: every replica of a stage keeps the whole optimizer state; 1: each replica of a stage
     with ``r_s > 1`` keeps and updates ``1/r_s`` of it (gradients reduce-scattered, updated
     parameters all-gathered in the stage); 2: the accumulated gradients are sharded too
-    (:mod:`dapple.runtime.zero`); a no-op on stages with one replica."""
+    (:mod:`dapple.runtime.parallel.zero`); a no-op on stages with one replica."""
 
     def __post_init__(self) -> None:
         _check_long_run(self)

@@ -54,6 +54,17 @@ from dapple.runtime.longrun import LongRun, first_attempt
 from dapple.runtime.memory import ActivationMeter
 from dapple.runtime.metrics import MetricsSink, StepProbe, announce, resident_bytes, row_tokens
 from dapple.runtime.optim import ModelUpdate, make_optimizer
+from dapple.runtime.parallel.sharded_state import CutStage
+from dapple.runtime.parallel.stage_mesh import (
+    StageMesh,
+    check_mesh_run,
+    make_groups,
+    tensor_programs,
+    whole_layers,
+    whole_observer,
+    zero_floored,
+)
+from dapple.runtime.parallel.zero import FlatShards, unsharded_stages
 from dapple.runtime.precision import Precision
 from dapple.runtime.rank import (
     Batches,
@@ -70,18 +81,7 @@ from dapple.runtime.rank import (
     select_zero,
 )
 from dapple.runtime.reporting import open_reporters
-from dapple.runtime.sharded_state import CutStage
-from dapple.runtime.stage_mesh import (
-    StageMesh,
-    check_mesh_run,
-    make_groups,
-    tensor_programs,
-    whole_layers,
-    whole_observer,
-    zero_floored,
-)
 from dapple.runtime.sync import GradientSync
-from dapple.runtime.zero import FlatShards, unsharded_stages
 from dapple.schedule.lower import lower, plan_compute_order
 from dapple.schedule.registry import get_schedule
 
@@ -268,7 +268,7 @@ def _close_run(r: _Rank, outputs: Sequence[Any], clean: bool) -> None:
 
 def _observer(r: _Rank, on_update: UpdateObserver, plan: Plan, rank: int) -> Callable[[int], None]:
     """``on_update`` bound to this rank's layers and updated parameters (a cut stage's whole,
-    :func:`~dapple.runtime.stage_mesh.whole_observer`)."""
+    :func:`~dapple.runtime.parallel.stage_mesh.whole_observer`)."""
     if r.mesh.cut and r.layers.module is not None:
         return whole_observer(r.mesh, r.layers.module, plan.layers_of_device(rank), on_update,
                               r.interpreter.shards)  # fmt: skip
@@ -403,7 +403,7 @@ def _long_run(
 ) -> LongRun:
     """The rank's checkpoints and non-finite guard (:class:`LongRun`), recording the training
     data's sampler state in its checkpoints; a cut stage's checkpoints go through
-    :class:`~dapple.runtime.sharded_state.CutStage` (whole layers, written by its first device)."""
+    :class:`~dapple.runtime.parallel.sharded_state.CutStage` (whole layers, written by its first device)."""
     cut = None
     if mesh.cut and layers.module is not None:
         cut = CutStage(mesh, layers.module, plan.layers_of_device(rank),

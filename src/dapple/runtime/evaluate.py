@@ -6,7 +6,7 @@ forward-only program, :func:`dapple.schedule.forward.lower_forward` - the same s
 and split-concat transfers as training, ``RECV_F``/``F``/``SEND_F`` only - once per eval batch
 k in [0, K), through its :class:`~dapple.runtime.stage.StageExecutor` under ``torch.no_grad()``
 with the stage in ``eval()`` mode (every rank of a tensor group runs its group's program,
-:func:`~dapple.runtime.stage_mesh.tensor_programs`, and only tensor rank 0 counts the loss).
+:func:`~dapple.runtime.parallel.stage_mesh.tensor_programs`, and only tensor rank 0 counts the loss).
 Nothing is kept for a backward pass: a micro-batch's tensors are dropped after its last send
 (on the last stage, after its loss). The last stage's slices
 contribute ``loss_fn * slice_samples / G`` each, as in training, so the parts summed over ranks
@@ -42,7 +42,7 @@ from dapple.runtime import comm
 from dapple.runtime.chunks import Executor
 from dapple.runtime.failure import RankFailure, describe_rank, failure_grid, short_error
 from dapple.runtime.interpreter import _compile, _Op
-from dapple.runtime.stage_mesh import tensor_programs
+from dapple.runtime.parallel.stage_mesh import tensor_programs
 from dapple.schedule.forward import lower_forward
 from dapple.schedule.ir import Action, ActionKind
 

@@ -39,8 +39,8 @@ from dapple.runtime import comm
 from dapple.runtime.config import TrainConfig
 from dapple.runtime.metrics import device_row
 from dapple.runtime.optim import GradGroups
+from dapple.runtime.parallel.zero import FlatShards
 from dapple.runtime.precision import Precision
-from dapple.runtime.zero import FlatShards
 from dapple.schedule.ir import Action, ActionKind
 
 __all__ = ["NonFiniteGuard"]

@@ -24,7 +24,7 @@ simulator runs - and dispatches every action on its kind:
   this rank's part of the global gradient norm (:meth:`ModelUpdate.local_sq_norm`). After it:
   :meth:`ModelUpdate.step` clips by the global norm, sets the step's lr and steps the
   optimizer (ranks beyond the plan call :meth:`ModelUpdate.join` after their empty program);
-  under ZeRO (:mod:`dapple.runtime.zero`) the optimizer holds this replica's shard only and
+  under ZeRO (:mod:`dapple.runtime.parallel.zero`) the optimizer holds this replica's shard only and
   :meth:`FlatShards.gather` then starts bringing every replica the others' updated chunks
   (each layer waits for its own before its next forward).
   ZeRO-1 reduce-scatters the gradients (overlapped with the last backward, waited for at
@@ -64,10 +64,10 @@ from dapple.runtime.failure import RankFailure, describe_rank, failure_grid, sho
 from dapple.runtime.guard import NonFiniteGuard
 from dapple.runtime.metrics import ROW_SQ_NORM, StepProbe, global_norm
 from dapple.runtime.optim import ModelUpdate
+from dapple.runtime.parallel.zero import FlatShards
 from dapple.runtime.precision import Precision
 from dapple.runtime.reporting import target_token_count
 from dapple.runtime.sync import GradientSync
-from dapple.runtime.zero import FlatShards
 from dapple.schedule.ir import Action, ActionKind, Schedule
 from dapple.schedule.validate import format_grid
 

@@ -15,9 +15,9 @@
   in the checkpoints;
 - :meth:`LongRun.after_step` saves every ``save_every`` steps and at the run's last step
   (replica 0 of each stage writes its layers - under ZeRO with the optimizer shards of the
-  other replicas gathered to it, :mod:`dapple.runtime.zero`; a stage cut over a tensor group
+  other replicas gathered to it, :mod:`dapple.runtime.parallel.zero`; a stage cut over a tensor group
   or sharded by ZeRO-3 gathers its layers whole to its first device,
-  :mod:`dapple.runtime.sharded_state` - every rank its RNG state, rank 0 the manifest after a
+  :mod:`dapple.runtime.parallel.sharded_state` - every rank its RNG state, rank 0 the manifest after a
   barrier, with the fp16 loss scale in its ``extra``).
   Before writing, every rank checks its stage's weights and buffers are finite and all ranks
   agree in one all_gather: non-finite weights (a step the guard let through, e.g. an infinite
@@ -69,9 +69,9 @@ from dapple.runtime.data import check_data_resume
 from dapple.runtime.guard import NonFiniteGuard
 from dapple.runtime.metrics import announce
 from dapple.runtime.optim import config_lr, lr_at
+from dapple.runtime.parallel.sharded_state import CutStage
+from dapple.runtime.parallel.zero import FlatShards
 from dapple.runtime.precision import Precision
-from dapple.runtime.sharded_state import CutStage
-from dapple.runtime.zero import FlatShards
 
 __all__ = [
     "OPTIMIZER_CLASSES",
@@ -150,7 +150,7 @@ class LongRun:
         self.cut = cut
         """A stage cut over a tensor group or sharded by ZeRO-3: saves gather its layers whole
         to its first device, resumes load this rank's parts
-        (:mod:`dapple.runtime.sharded_state`)."""
+        (:mod:`dapple.runtime.parallel.sharded_state`)."""
         self.shards = shards
         """ZeRO: this replica's optimizer holds its shard only; a save gathers the stage's
         whole optimizer state to replica 0 (:meth:`FlatShards.layer_states`)."""

@@ -40,8 +40,8 @@ ZERO_STAGES = (0, 1, 2, 3)
 """``TrainConfig.zero_stage`` values, a floor under each replicated stage's own
 ``StagePlan.zero_stage``: 0, every replica of a stage keeps the whole optimizer state; 1, each
 of the ``r_s`` replicas keeps and updates its ``1/r_s`` shard of it; 2, the gradients are
-sharded too (:mod:`dapple.runtime.zero`); 3, the parameters too (FSDP2,
-:func:`dapple.runtime.stage_mesh.zero_floored`)."""
+sharded too (:mod:`dapple.runtime.parallel.zero`); 3, the parameters too (FSDP2,
+:func:`dapple.runtime.parallel.stage_mesh.zero_floored`)."""
 
 OPTIM_FIELDS = (
     "weight_decay",

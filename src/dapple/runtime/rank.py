@@ -28,11 +28,11 @@ from dapple.runtime.config import TrainConfig
 from dapple.runtime.data import RankData, data_dims, sample_row
 from dapple.runtime.memory import ActivationMeter
 from dapple.runtime.optim import counted_parameters, make_optimizer
+from dapple.runtime.parallel.stage_mesh import RankGroups, StageMesh, mesh_stage
+from dapple.runtime.parallel.zero import FlatShards, flat_parameters, tied_parameters
 from dapple.runtime.precision import Precision
 from dapple.runtime.stage import StageExecutor
-from dapple.runtime.stage_mesh import RankGroups, StageMesh, mesh_stage
 from dapple.runtime.transport import BoundarySpec, flatten, infer_boundary_specs
-from dapple.runtime.zero import FlatShards, flat_parameters, tied_parameters
 
 __all__ = [
     "Batches",
@@ -94,7 +94,7 @@ def cut_layers(
     device: torch.device, autocast: bool = False,
 ) -> tuple[StageLayers, StageMesh]:  # fmt: skip
     """The rank's layers cut over its tensor group and/or sharded over its replicas (t_s > 1,
-    zero_stage 3: :func:`~dapple.runtime.stage_mesh.mesh_stage`); as they are otherwise."""
+    zero_stage 3: :func:`~dapple.runtime.parallel.stage_mesh.mesh_stage`); as they are otherwise."""
     s, j = layers.stage, layers.replica
     if s is None or j is None:
         return layers, StageMesh()
@@ -211,10 +211,10 @@ class ZeroSelection:
     zero_stage: int
     """The zero stage of the rank's stage (0: nothing sharded)."""
     flat: list[nn.Parameter]
-    """Parameters laid out in flat buckets (:func:`~dapple.runtime.zero.flat_parameters`)."""
+    """Parameters laid out in flat buckets (:func:`~dapple.runtime.parallel.zero.flat_parameters`)."""
     tied: list[nn.Parameter]
     """Tied parameters whose optimizer state is sharded in slices
-    (:func:`~dapple.runtime.zero.tied_parameters`)."""
+    (:func:`~dapple.runtime.parallel.zero.tied_parameters`)."""
 
     @property
     def flat_ids(self) -> frozenset[int]:
@@ -241,7 +241,7 @@ def select_zero(
 def build_shards(
     plan: Plan, layers: StageLayers, zero: ZeroSelection, pg: Any, tensor_index: int = 0
 ) -> FlatShards | None:
-    """This replica's :class:`~dapple.runtime.zero.FlatShards` over the selected parameters
+    """This replica's :class:`~dapple.runtime.parallel.zero.FlatShards` over the selected parameters
     (no bucket spans two chunks) among the replicas of its tensor index, or None when nothing
     is sharded."""
     s, j, module, chunks = layers.stage, layers.replica, layers.module, layers.chunks

@@ -31,8 +31,8 @@ from dapple.models.rng import KeyedAttention, KeyedDropout, keyed
 from dapple.models.split_backward import ParamGroups, input_gradients, weight_gradients
 from dapple.runtime import comm
 from dapple.runtime.memory import ActivationMeter, Held
+from dapple.runtime.parallel.stage_mesh import peer_ranks
 from dapple.runtime.precision import Precision, to_fp32
-from dapple.runtime.stage_mesh import peer_ranks
 from dapple.runtime.transport import (
     HEADER_INDEX,
     BoundarySpec,
@@ -96,7 +96,7 @@ def draws_keyed(module: nn.Module) -> bool:
 
 def _peers(plan: Plan, s: int, other: int, tensor_rank: int) -> dict[int, tuple[list[int], int]]:
     """Each replica of stage ``other`` -> (the ranks of its tensor group this rank sends to,
-    the rank it receives from) (:func:`~dapple.runtime.stage_mesh.peer_ranks`)."""
+    the rank it receives from) (:func:`~dapple.runtime.parallel.stage_mesh.peer_ranks`)."""
     st, ot = plan.stages[s], plan.stages[other]
     t = st.tensor_width
     return {

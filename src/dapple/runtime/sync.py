@@ -166,7 +166,7 @@ class GradientSync:
         ]
         """Parameters the stage AllReduce sums (cross-stage tied copies are already totals;
         frozen parameters have no gradient; ``exclude``: the ids of parameters a
-        :class:`~dapple.runtime.zero.FlatShards` reduce-scatters instead)."""
+        :class:`~dapple.runtime.parallel.zero.FlatShards` reduce-scatters instead)."""
         self.pg = self.stage_pg.get((stage, tensor_index)) if stage is not None else None
         """The stage AllReduce's group: the replicas of this rank's tensor index."""
         self.buckets: list[_Bucket] = []

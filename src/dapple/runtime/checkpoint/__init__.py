@@ -363,7 +363,7 @@ def restore_stage(
     Args:
         views: ``id(optimizer parameter) -> (stage parameter, offset)`` for optimizer
             parameters that are 1-D pieces of a stage parameter (a ZeRO shard,
-            :meth:`dapple.runtime.zero.FlatShards.views`): they take that slice of its state.
+            :meth:`dapple.runtime.parallel.zero.FlatShards.views`): they take that slice of its state.
 
     Raises:
         CheckpointError: a layer's tensor names or shapes differ from the checkpoint's (another

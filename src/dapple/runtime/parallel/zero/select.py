@@ -1,4 +1,4 @@
-"""Which parameters of a stage its replicas shard (:mod:`dapple.runtime.zero`)."""
+"""Which parameters of a stage its replicas shard (:mod:`dapple.runtime.parallel.zero`)."""
 
 from __future__ import annotations
 

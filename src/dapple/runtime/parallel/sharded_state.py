@@ -1,12 +1,12 @@
 """Checkpoints of a cut stage (t_s > 1 or ZeRO-3): whole layers out, this rank's shards in.
 
 A checkpoint stays layer-keyed and whole (:mod:`dapple.runtime.checkpoint`) whatever plan wrote
-it, so a stage cut over a tensor group (:mod:`dapple.runtime.tp`) or sharded over its replicas
-(FSDP2, :mod:`dapple.runtime.fsdp`) converts at the file boundary:
+it, so a stage cut over a tensor group (:mod:`dapple.runtime.parallel.tp`) or sharded over its replicas
+(FSDP2, :mod:`dapple.runtime.parallel.fsdp`) converts at the file boundary:
 
 - **Save** (:meth:`CutStage.layer_states`): every parameter, buffer and tensor of the optimizer
   state (AdamW's ``exp_avg``, ``exp_avg_sq``; the scalar ``step`` is copied) is made whole the
-  way :func:`dapple.runtime.stage_mesh.whole_parameters` makes a weight whole: a ZeRO-3 DTensor
+  way :func:`dapple.runtime.parallel.stage_mesh.whole_parameters` makes a weight whole: a ZeRO-3 DTensor
   all-gathered over the replica group (``full_tensor``), then a cut tensor's ``t`` slices
   all-gathered over the tensor group and joined (:meth:`ShardLayout.unshard`). Collective on
   both groups, one layer at a time; only the stage's first device (replica 0, tensor rank 0)
@@ -40,9 +40,9 @@ from dapple.runtime.checkpoint import (
     load_layer_states,
     slice_state,
 )
-from dapple.runtime.stage_mesh import StageMesh
-from dapple.runtime.tp.collectives import all_gather_list
-from dapple.runtime.zero import FlatShards
+from dapple.runtime.parallel.stage_mesh import StageMesh
+from dapple.runtime.parallel.tp.collectives import all_gather_list
+from dapple.runtime.parallel.zero import FlatShards
 
 __all__ = ["CutStage"]
 
@@ -61,7 +61,7 @@ class CutStage:
     """This rank writes the stage's layers (replica 0, tensor rank 0)."""
     shards: FlatShards | None = None
     """ZeRO-1/2 over the replicas of the rank's tensor index: the optimizer updates this
-    replica's pieces (:class:`~dapple.runtime.zero.FlatShards`) of the stage's slices."""
+    replica's pieces (:class:`~dapple.runtime.parallel.zero.FlatShards`) of the stage's slices."""
 
     def _resharded(self) -> None:
         """ZeRO-3: the sharded DTensor parameters registered (those the optimizer keys)."""

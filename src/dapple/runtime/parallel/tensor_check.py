@@ -1,6 +1,6 @@
 """Refuse, before any process starts, a plan whose tensor groups cannot cut the model.
 
-A stage of tensor width t_s > 1 is cut by :func:`dapple.runtime.tp.parallelize_stage` in each
+A stage of tensor width t_s > 1 is cut by :func:`dapple.runtime.parallel.tp.parallelize_stage` in each
 worker, once the processes run; what it would refuse there is checked here first, in the
 process that launches them (:func:`check_tensor_run`):
 
@@ -9,7 +9,7 @@ process that launches them (:func:`check_tensor_run`):
   attention heads, key/value heads and MLP hidden units (``intermediate_size``), checked on the
   config alone; for a model with its own plan (``Workload.tp_plan``) each layer of the stage is
   built, one at a time, and checked as the runtime checks it
-  (:func:`dapple.runtime.tp.check_width`), which also refuses a stage the plan cuts nothing of;
+  (:func:`dapple.runtime.parallel.tp.check_width`), which also refuses a stage the plan cuts nothing of;
 - with a cluster, every tensor group sits inside one server
   (:func:`dapple.core.tensor_layout.check_tensor_groups`).
 """
@@ -91,7 +91,7 @@ def _check_layers(s: int, st: StagePlan, workload: Workload, tp_plan: dict[str, 
     does; at least one must be cut."""
     from torch import fx
 
-    from dapple.runtime.tp import check_width
+    from dapple.runtime.parallel.tp import check_width
 
     cut = 0
     for i in range(*st.layers):

@@ -9,9 +9,9 @@ A stage of ``r_s x t_s`` devices (replica-major: replica ``j``'s tensor group is
   AllReduce of :class:`~dapple.runtime.sync.GradientSync` runs on the group of the rank's own
   tensor index, so a cut parameter's shard is only summed with the same shard of the others.
 - **Layers.** Each chunk the rank holds (several under interleaved 1F1B, all on the device
-  group's one mesh) is cut with :func:`dapple.runtime.tp.parallelize_stage` over the tensor
+  group's one mesh) is cut with :func:`dapple.runtime.parallel.tp.parallelize_stage` over the tensor
   group, on the model's TP plan (:func:`tp_plan_of`); with ``zero_stage`` 3 the (cut) chunk is
-  then wrapped with FSDP2 on its replica group (:func:`dapple.runtime.fsdp.shard_stage`), a
+  then wrapped with FSDP2 on its replica group (:func:`dapple.runtime.parallel.fsdp.shard_stage`), a
   root of its own (:class:`ChunkShard`), which reduce-scatters the gradients after the chunk's
   last backward of the step - by hand after its last ``W`` or backward under a split backward
   or autocast (:attr:`ChunkShard.held`) - so the stage AllReduce leaves its parameters alone.
@@ -46,9 +46,14 @@ from dapple.models.tp_plan import tp_plan_of
 from dapple.models.workload import Workload
 from dapple.runtime import comm
 from dapple.runtime.config import TrainConfig
-from dapple.runtime.fsdp import begin_micro_batch, hold_gradients, reduce_gradients, shard_stage
-from dapple.runtime.tp import TensorParallelModule, parallelize_stage
-from dapple.runtime.zero import FlatShards
+from dapple.runtime.parallel.fsdp import (
+    begin_micro_batch,
+    hold_gradients,
+    reduce_gradients,
+    shard_stage,
+)
+from dapple.runtime.parallel.tp import TensorParallelModule, parallelize_stage
+from dapple.runtime.parallel.zero import FlatShards
 from dapple.schedule.registry import get_schedule
 
 __all__ = [

@@ -26,7 +26,7 @@ from torch import fx
 
 from dapple.errors import ValidationError
 from dapple.models.rng import KeyedAttention, KeyedDropout
-from dapple.runtime.tp.plan import Style
+from dapple.runtime.parallel.tp.plan import Style
 
 __all__ = [
     "ModuleKind",

@@ -1,4 +1,4 @@
-"""One replica's shard of its stage's training state (:mod:`dapple.runtime.zero` says how)."""
+"""One replica's shard of its stage's training state (:mod:`dapple.runtime.parallel.zero` says how)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,14 @@ from torch import nn
 from dapple.core.plan import Plan
 from dapple.runtime import comm
 from dapple.runtime.checkpoint import LayerState, stage_layer_states
+from dapple.runtime.parallel.zero.layout import (
+    Bucket,
+    Piece,
+    flat_layout,
+    replica_slices,
+    tied_slices,
+)
 from dapple.runtime.sync import BUCKET_BYTES, bucket_runs
-from dapple.runtime.zero.layout import Bucket, Piece, flat_layout, replica_slices, tied_slices
 
 __all__ = ["MAX_STAGED", "TENSOR_COLLECTIVES_ENV", "FlatShards", "Piece"]
 

@@ -63,8 +63,13 @@ Design choices:
 """
 
 from dapple.runtime.optim_config import ZERO_STAGES
-from dapple.runtime.zero.select import flat_parameters, tied_parameters, unsharded_stages
-from dapple.runtime.zero.shards import MAX_STAGED, TENSOR_COLLECTIVES_ENV, FlatShards, Piece
+from dapple.runtime.parallel.zero.select import flat_parameters, tied_parameters, unsharded_stages
+from dapple.runtime.parallel.zero.shards import (
+    MAX_STAGED,
+    TENSOR_COLLECTIVES_ENV,
+    FlatShards,
+    Piece,
+)
 
 __all__ = [
     "MAX_STAGED",

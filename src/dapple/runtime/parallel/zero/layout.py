@@ -1,6 +1,6 @@
 """The flat layout of a replicated stage's sharded parameters: buckets, and each replica's part.
 
-Used by :class:`dapple.runtime.zero.FlatShards` (:mod:`dapple.runtime.zero` describes the
+Used by :class:`dapple.runtime.parallel.zero.FlatShards` (:mod:`dapple.runtime.parallel.zero` describes the
 design): the parameters, in runs, become views of one flat buffer per bucket padded to a
 multiple of r; replica ``j`` updates its chunk ``[j P / r, (j + 1) P / r)`` of each bucket,
 in pieces (:class:`Piece`) cut at parameter boundaries, and slice ``[j c, (j + 1) c)``,

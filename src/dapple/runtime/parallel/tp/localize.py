@@ -3,7 +3,7 @@
 The approach of Megatron-LM (Shoeybi et al. 2019), applied to dapple's aten graphs instead of
 hand-written layers: every rank runs the *same graph on plain local tensors*. The rewrite
 
-1. replaces each planned parameter by this rank's slice (:class:`~dapple.runtime.tp.plan.ShardLayout`);
+1. replaces each planned parameter by this rank's slice (:class:`~dapple.runtime.parallel.tp.plan.ShardLayout`);
 2. divides by ``t`` the shape constants of the views, reshapes, expands and splits that act on
    a cut dimension (``view(x, [b, s, 4, 16])`` becomes ``[b, s, 2, 16]`` at ``t = 2``; ``-1``
    and symbolic sizes stay as they are);
@@ -35,9 +35,9 @@ from torch import fx, nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from dapple.errors import ValidationError
-from dapple.runtime.tp.collectives import CopyToGroup, ReduceFromGroup, all_gather_list
-from dapple.runtime.tp.plan import ShardLayout, Style, match_style
-from dapple.runtime.tp.propagate import Sharded, State, propagate, shape_of
+from dapple.runtime.parallel.tp.collectives import CopyToGroup, ReduceFromGroup, all_gather_list
+from dapple.runtime.parallel.tp.plan import ShardLayout, Style, match_style
+from dapple.runtime.parallel.tp.propagate import Sharded, State, propagate, shape_of
 
 __all__ = [
     "TensorParallelModule",
@@ -85,7 +85,7 @@ class TensorParallelModule:
         Args:
             grads: Gather the gradients instead of the weights.
             local: This rank's slices to join instead of the module's own (e.g. gathered over
-                an FSDP replica mesh first: :func:`dapple.runtime.fsdp.full_parameters`).
+                an FSDP replica mesh first: :func:`dapple.runtime.parallel.fsdp.full_parameters`).
         """
         if local is None:
             own = {n: p.grad if grads else p.detach() for n, p in self.module.named_parameters()}
@@ -149,7 +149,7 @@ def plan_layouts(
 
     Raises:
         ValidationError: the plan cuts nothing, a planned parameter outside a linear, an op
-            whose local computation would not be exact (see :mod:`~dapple.runtime.tp.propagate`).
+            whose local computation would not be exact (see :mod:`~dapple.runtime.parallel.tp.propagate`).
     """
     styles = _weight_styles(gm, plan)
     if not styles:
