@@ -80,13 +80,7 @@ def check_output_file(path: str | os.PathLike[str], what: str, *, in_place: bool
     p = Path(path)
     if p.is_dir():
         raise ValidationError(f"{what} {str(p)!r} is a directory; give a file path")
-    folder = p.parent
-    anc = _nearest_existing(folder, what)
-    if not anc.is_dir():
-        raise ValidationError(f"{what} {str(p)!r}: {str(anc)!r} is a file, not a directory")
-    if not os.access(anc, os.W_OK | os.X_OK):
-        raise ValidationError(f"{what} {str(p)!r}: directory {str(anc)!r} is not writable")
-    _probe(anc, f"{what} {str(p)!r}")
+    _check_writable_above(p.parent, f"{what} {str(p)!r}")
     if in_place and p.exists():
         try:
             with open(p, "ab"):
@@ -113,13 +107,23 @@ def check_output_dir(path: str | os.PathLike[str], what: str) -> Path:
     p = Path(path)
     if p.exists() and not p.is_dir():
         raise ValidationError(f"{what} {str(p)!r} is a file, not a directory")
-    anc = _nearest_existing(p, what)
-    if not anc.is_dir():
-        raise ValidationError(f"{what} {str(p)!r}: {str(anc)!r} is a file, not a directory")
-    if not os.access(anc, os.W_OK | os.X_OK):
-        raise ValidationError(f"{what} {str(p)!r}: directory {str(anc)!r} is not writable")
-    _probe(anc, f"{what} {str(p)!r}")
+    _check_writable_above(p, f"{what} {str(p)!r}")
     return p
+
+
+def _check_writable_above(folder: Path, label: str) -> None:
+    """The nearest existing folder at or above ``folder`` is a directory this process can
+    create files in (the missing ones below it are made when the output is written).
+
+    Raises:
+        ValidationError: ``label``, then why nothing can be written there.
+    """
+    anc = _nearest_existing(folder, label)
+    if not anc.is_dir():
+        raise ValidationError(f"{label}: {str(anc)!r} is a file, not a directory")
+    if not os.access(anc, os.W_OK | os.X_OK):
+        raise ValidationError(f"{label}: directory {str(anc)!r} is not writable")
+    _probe(anc, label)
 
 
 def check_picture_file(path: str | os.PathLike[str], what: str) -> Path:
