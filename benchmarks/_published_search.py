@@ -4,7 +4,7 @@ For each row dapple expresses, :func:`dapple.planner.search.dapple_search` plans
 profile (:func:`_published_model.profile_for`) on its cluster for its global batch, over the
 planner's own candidates: partition, replication and placement, M, tensor widths (the
 planner's :func:`~dapple.planner.widths.width_candidates`: 1, 2, 4, 8 within a server) and
-per stage ZeRO 0-3 where memory asks for it (``ZERO_AUTO``). The plan is simulated beside the
+per stage ZeRO 0-3 where memory asks for it (``zero_stage="auto"``). The plan is simulated beside the
 row's own configuration expressed as a dapple plan (:func:`_published_model.plan_for`), on
 the same profile and cluster: the speed-up is the cost model's, and :func:`differences` names
 what the two plans do differently.
@@ -19,7 +19,6 @@ from typing import Any
 from _published_model import Prediction, cluster_for, plan_for, profile_for, simulate_plan
 from dapple.core.plan import Plan
 from dapple.errors import InfeasibleError
-from dapple.planner.evaluate import ZERO_AUTO
 from dapple.planner.search import dapple_search
 
 __all__ = ["Searched", "differences", "search_row"]
@@ -48,7 +47,7 @@ def search_row(run: dict[str, Any]) -> Searched:
     published = simulate_plan(run, mine, prof, cluster)
     t0 = time.perf_counter()
     try:
-        plan = dapple_search(prof, cluster, run["parallel"]["global_batch"], zero_stage=ZERO_AUTO)
+        plan = dapple_search(prof, cluster, run["parallel"]["global_batch"], zero_stage="auto")
     except InfeasibleError as e:
         return Searched(time.perf_counter() - t0, published, None, "", str(e))
     planning_s = time.perf_counter() - t0

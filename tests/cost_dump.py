@@ -36,7 +36,7 @@ from dapple.cost.pipeline import pipeline_latency
 from dapple.cost.schedules import activation_peak_bytes, device_memory_by_group, schedule_latency
 from dapple.errors import DappleError
 from dapple.planner import PLANNERS, make_plan
-from dapple.planner.evaluate import ZERO_AUTO, Scorer
+from dapple.planner.evaluate import Scorer
 from dapple.profiler.paper_models import PAPER_GLOBAL_BATCH, PAPER_MODELS, load_profile
 from dapple.simulate.engine import SimResult, simulate
 from dapple.simulate.schedules import best_per_schedule, best_schedule
@@ -180,7 +180,7 @@ def dump_extra() -> dict[str, Any]:
     bert = load_profile("paper:bert48")
     gnmt = load_profile("paper:gnmt16")
     small_mem = dataclasses.replace(PRESETS["paper-a"], device_memory_bytes=8 * 2**30)
-    for zero in (1, 2, ZERO_AUTO):
+    for zero in (1, 2, "auto"):
         for name, profile, gbs in (("bert48", bert, 64), ("gnmt16", gnmt, 1024)):
             key = f"zero{zero}/{name}"
             try:

@@ -25,8 +25,9 @@ from dapple.cli._train_config import TRAIN_FLAGS
 from dapple.cli.plan_cmd import parse_seq_len
 from dapple.cli.train_cmd import DEFAULT_KEEP
 from dapple.core.plan import Plan, straight_plan
+from dapple.core.planning_options import ZERO_CHOICES
 from dapple.errors import ValidationError
-from dapple.planner.config import PLAN_SECTIONS, RUN_SECTION_NAMES, ZERO_CHOICES, PlanConfig
+from dapple.planner.config import PLAN_SECTIONS, RUN_SECTION_NAMES, PlanConfig
 from dapple.profiler.paper_models import load_profile
 from dapple.runtime.config import TrainConfig
 from dapple.runtime.optim_config import ZERO_STAGES

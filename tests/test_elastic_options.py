@@ -8,15 +8,19 @@ under other options after a lost device.
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 
 import pytest
 
 from builders import link_cluster, llm_layer
+from dapple.core.cluster import PRESETS
 from dapple.core.plan import Plan
 from dapple.core.planning_options import PlanningOptions
 from dapple.core.profile import LengthProfile, ModelProfile
 from dapple.errors import ValidationError
 from dapple.planner import make_plan
+from dapple.profiler.paper_models import load_profile
 from dapple.runtime.elastic import ElasticPolicy, cluster_of, replan
 
 
@@ -83,9 +87,38 @@ def test_a_plan_without_recorded_options_replans_with_the_policy_floor() -> None
     assert new == make_plan(prof, cluster_of(cluster, 3), 8, zero_stage=2)
 
 
+def test_an_earlier_plan_file_with_zero_stage_minus_one_reads_and_replans_as_auto(
+    tmp_path: Path,
+) -> None:
+    """Plan files of earlier versions store ``auto`` as -1 in ``planned_with.zero_stage``."""
+    prof = load_profile("paper:bert48")
+    small = dataclasses.replace(PRESETS["paper-a"], device_memory_bytes=8 * 2**30)
+    plan = make_plan(prof, small, 64, zero_stage="auto")
+    assert plan.to_dict()["planned_with"]["zero_stage"] == "auto"
+    old = plan.to_dict()
+    old["planned_with"]["zero_stage"] = -1
+    path = tmp_path / "old-plan.json"
+    path.write_text(json.dumps(old))
+
+    loaded = Plan.load(path)
+    assert loaded == plan and loaded.planned_with == PlanningOptions(zero_stage="auto")
+    assert loaded.to_dict()["planned_with"]["zero_stage"] == "auto"
+    # one server of two lost: re-planned with auto, which shards where the run's floor of 0
+    # would not
+    new = replan(ElasticPolicy(prof, small, zero_stage=0), 8, loaded)
+    left = cluster_of(small, 8)
+    want = make_plan(prof, left, 64, zero_stage="auto")
+    assert new == want and new.predicted_step_ms == want.predicted_step_ms
+    assert new.planned_with == PlanningOptions(zero_stage="auto")
+    assert new != make_plan(prof, left, 64, zero_stage=0)
+
+
 def test_recorded_options_are_checked() -> None:
-    with pytest.raises(ValidationError, match="zero_stage must be -1"):
+    with pytest.raises(ValidationError, match="zero_stage must be 0-3 or auto, got 7"):
         PlanningOptions.from_dict({"zero_stage": 7})
+    for bad in (-2, "two", True, 1.0):
+        with pytest.raises(ValidationError, match=f"zero_stage must be 0-3 or auto, got {bad!r}"):
+            PlanningOptions.from_dict({"zero_stage": bad})
     with pytest.raises(ValidationError, match="tensor_widths must be"):
         PlanningOptions.from_dict({"tensor_widths": "4"})
     with pytest.raises(ValidationError, match="planned_with must be an object"):

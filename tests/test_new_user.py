@@ -14,7 +14,6 @@ from builders import make_cluster, make_profile
 from dapple.cli import main
 from dapple.core.plan import Plan, StagePlan
 from dapple.errors import ValidationError
-from dapple.planner.evaluate import ZERO_AUTO
 from dapple.planner.search import dapple_search
 
 
@@ -29,7 +28,7 @@ def test_auto_leaves_a_stage_unsharded_where_it_fits() -> None:
     profile, cluster = _with_update(1e-6), make_cluster()
     sharded = dapple_search(profile, cluster, 8, zero_stage=1)
     assert any(st.zero_stage == 1 for st in sharded.stages)  # ZeRO-1's 1/r update is cheaper
-    auto = dapple_search(profile, cluster, 8, zero_stage=ZERO_AUTO)
+    auto = dapple_search(profile, cluster, 8, zero_stage="auto")
     assert any(st.replicas > 1 for st in auto.stages)
     assert all(st.zero_stage == 0 for st in auto.stages)
     assert sharded.predicted_step_ms < auto.predicted_step_ms  # so L alone would have sharded
@@ -42,7 +41,7 @@ def test_auto_still_shards_where_memory_asks() -> None:
         layers=tuple(dataclasses.replace(x, parameter_bytes=10**8) for x in profile.layers),
     )
     tight = dataclasses.replace(make_cluster(), device_memory_bytes=int(2.15e9))
-    plan = dapple_search(profile, tight, 8, max_stages=1, zero_stage=ZERO_AUTO)
+    plan = dapple_search(profile, tight, 8, max_stages=1, zero_stage="auto")
     assert plan.stages[0].replicas > 1 and plan.stages[0].zero_stage in (1, 2)
 
 

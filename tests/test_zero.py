@@ -679,15 +679,14 @@ def test_cli_plan_records_the_zero_stage(
 
 def test_auto_shards_only_where_memory_asks() -> None:
     from builders import make_cluster, make_profile
-    from dapple.planner.evaluate import ZERO_AUTO
     from dapple.planner.search import dapple_search
 
     profile = make_profile(params=10**8, act=10.0)
     tight = dataclasses.replace(make_cluster(), device_memory_bytes=int(2.15e9))
-    plan = dapple_search(profile, tight, 8, max_stages=1, zero_stage=ZERO_AUTO)
+    plan = dapple_search(profile, tight, 8, max_stages=1, zero_stage="auto")
     assert plan.replication == "4" and plan.stages[0].zero_stage == 1  # as zero_stage=1
     roomy = make_cluster()  # 16 GiB: nothing asks for sharding
-    auto = dapple_search(profile, roomy, 8, zero_stage=ZERO_AUTO)
+    auto = dapple_search(profile, roomy, 8, zero_stage="auto")
     assert auto == dapple_search(profile, roomy, 8)
     assert all(st.zero_stage == 0 for st in auto.stages)
 
@@ -719,14 +718,13 @@ def test_search_finds_plans_only_zero2_fits() -> None:
     finds it."""
     from builders import make_cluster, make_profile
     from dapple.errors import InfeasibleError
-    from dapple.planner.evaluate import ZERO_AUTO
     from dapple.planner.search import dapple_search
 
     profile = make_profile(params=10**8, act=10.0)
     cluster = dataclasses.replace(make_cluster(), device_memory_bytes=int(1.5e9))
     with pytest.raises(InfeasibleError):
         dapple_search(profile, cluster, 8, max_stages=1, zero_stage=1)
-    for z in (2, ZERO_AUTO):
+    for z in (2, "auto"):
         plan = dapple_search(profile, cluster, 8, max_stages=1, zero_stage=z)
         assert plan.stages[0].replicas > 1 and plan.stages[0].zero_stage == 2, z
 

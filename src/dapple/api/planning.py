@@ -21,6 +21,7 @@ from dapple.api._inputs import (
 )
 from dapple.core.cluster import Cluster
 from dapple.core.plan import Plan
+from dapple.core.planning_options import ZeroChoice
 from dapple.core.profile import ModelProfile
 from dapple.schedule.registry import check_virtual_stages
 
@@ -103,7 +104,7 @@ def plan(
     virtual_stages: int = 1,
     seq_len: float | None = None,
     max_seq_len: float | None = None,
-    zero_stage: int | str = 0,
+    zero_stage: ZeroChoice = 0,
     tensor_widths: str | Sequence[int] = "auto",
     interleave: bool = False,
 ) -> Plan:
@@ -149,12 +150,7 @@ def plan(
         InfeasibleError: No plan fits the devices' memory.
     """
     from dapple.planner import make_plan
-    from dapple.planner.config import (
-        PlanConfig,
-        check_interleave,
-        tensor_width_list,
-        zero_stage_number,
-    )
+    from dapple.planner.config import PlanConfig, check_interleave, tensor_width_list
 
     widths = tensor_widths if isinstance(tensor_widths, str) else tuple(tensor_widths)
     cfg = PlanConfig(  # the checks of `dapple plan` and its config file
@@ -170,7 +166,7 @@ def plan(
         planner,
         seq_len=seq_len,
         max_seq_len=max_seq_len,
-        zero_stage=zero_stage_number(zero_stage),
+        zero_stage=cfg.zero_stage,
         tensor_widths=tensor_width_list(cfg.tensor_widths),
         interleaved=interleave,
     )

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dapple.cli._config_args import (
     Flag,
@@ -23,11 +23,15 @@ from dapple.cli._config_args import (
 )
 from dapple.errors import ValidationError
 
+if TYPE_CHECKING:
+    from dapple.core.planning_options import ZeroChoice
+
 __all__ = [
     "SeqLenParser",
     "add_plan_config_arguments",
     "apply_plan_config",
     "parse_tensor_widths",
+    "parse_zero_stage",
     "plan_flags",
 ]
 
@@ -39,13 +43,23 @@ def _seq_len_flag(v: tuple[Any, ...]) -> str | None:
     return repr(mean) if top is None else f"{mean!r},{top!r}"
 
 
-def _zero_stage(text: str) -> tuple[int | str]:
-    from dapple.planner.config import ZERO_CHOICES, choices
+def parse_zero_stage(text: str) -> ZeroChoice:
+    """``--zero-stage``: ``"auto"`` -> ``"auto"``, ``"2"`` -> ``2``.
 
-    value: int | str = int(text) if text.strip().lstrip("-").isdigit() else text
-    if value not in ZERO_CHOICES:
+    Raises:
+        ValidationError: not one of :data:`~dapple.core.planning_options.ZERO_CHOICES`.
+    """
+    from dapple.core.planning_options import ZERO_CHOICES, zero_choice
+    from dapple.planner.config import choices
+
+    zero = zero_choice(int(text) if text.strip().lstrip("-").isdigit() else text)
+    if zero is None:
         raise ValidationError(f"--zero-stage must be one of {choices(ZERO_CHOICES)}, got {text!r}")
-    return (value,)
+    return zero
+
+
+def _zero_stage(text: str) -> tuple[ZeroChoice]:
+    return (parse_zero_stage(text),)
 
 
 def parse_tensor_widths(text: str) -> str | tuple[int, ...]:

@@ -15,6 +15,7 @@ from dapple.cli._plan_config import (
     add_plan_config_arguments,
     apply_plan_config,
     parse_tensor_widths,
+    parse_zero_stage,
 )
 from dapple.cli._plan_show import (
     format_devices,
@@ -36,6 +37,7 @@ from dapple.errors import DappleError, InfeasibleError, ValidationError
 from dapple.schedule.registry import check_virtual_stages, get_schedule, schedule_names
 
 if TYPE_CHECKING:
+    from dapple.core.planning_options import ZeroChoice
     from dapple.simulate.engine import SimResult
     from dapple.simulate.schedules import ScheduleChoice
 
@@ -160,7 +162,7 @@ def _plan_with_progress(
     cluster: Cluster,
     gbs: int,
     planner: str,
-    zero_stage: int = 0,
+    zero_stage: ZeroChoice = 0,
     tensor_widths: list[int] | None = None,
     interleaved: bool = False,
 ) -> Plan:
@@ -171,22 +173,6 @@ def _plan_with_progress(
     with StepProgress(what, detail="micro-batch counts", console=con, delay_s=1.0) as bar:
         return make_plan(profile, cluster, gbs, planner, progress=bar, zero_stage=zero_stage,
                          tensor_widths=tensor_widths, interleaved=interleaved)  # fmt: skip
-
-
-def _zero_stage(value: str) -> int:
-    """``--zero-stage`` (:data:`dapple.planner.config.ZERO_CHOICES`) as
-    :func:`dapple.planner.make_plan` takes it (``auto``:
-    :data:`dapple.planner.evaluate.ZERO_AUTO`).
-
-    Raises:
-        ValidationError: any other value.
-    """
-    from dapple.planner.config import ZERO_CHOICES, choices, zero_stage_number
-
-    number: int | str = int(value) if value.strip().lstrip("-").isdigit() else value
-    if number not in ZERO_CHOICES:
-        raise ValidationError(f"--zero-stage must be one of {choices(ZERO_CHOICES)}, got {value!r}")
-    return zero_stage_number(number)
 
 
 def _dp_ms(profile: ModelProfile, cluster: Cluster, gbs: int) -> float:
@@ -220,7 +206,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValidationError("--global-batch-size is required for a profile file")
     if gbs < 1:
         raise ValidationError(f"--global-batch-size must be >= 1, got {gbs}")
-    zero = _zero_stage(args.zero_stage)
+    zero = parse_zero_stage(args.zero_stage)
     widths = tensor_width_list(parse_tensor_widths(args.tensor_widths), "--tensor-widths")
     if args.output is not None:
         check_output_file(args.output, "--output plan file")

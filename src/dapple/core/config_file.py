@@ -16,15 +16,17 @@ Pure and torch-free (``tomllib``, Python >= 3.11; ``tomli`` before).
 from __future__ import annotations
 
 import difflib
+import functools
 import json
 import math
+import operator
 import re
 import sys
 import types
 import typing
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar, Union
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, Union
 
 from dapple.core._json import read_text_file
 from dapple.errors import ValidationError
@@ -179,6 +181,8 @@ def _fit(value: Any, tp: Any) -> tuple[bool, Any]:
     if tp is Any:
         return True, value
     origin = typing.get_origin(tp)
+    if origin is Literal:  # the type of one of the values; the dataclass checks the value
+        return _fit(value, _literal_types(tp))
     if origin in (Union, types.UnionType):
         for member in typing.get_args(tp):
             if member is type(None):
@@ -219,9 +223,16 @@ def _fit_tuple(value: Any, args: tuple[Any, ...]) -> tuple[bool, Any]:
     return True, tuple(out)
 
 
+def _literal_types(tp: Any) -> Any:
+    """The union of the types of a ``Literal``'s values: ``int | str`` for ``Literal[0, "a"]``."""
+    return functools.reduce(operator.or_, dict.fromkeys(type(v) for v in typing.get_args(tp)))
+
+
 def _type_name(tp: Any) -> str:
     """``float``, ``int or str``, ``an array of 2 floats``, ``an array of str``, ``a table``."""
     origin = typing.get_origin(tp)
+    if origin is Literal:
+        return _type_name(_literal_types(tp))
     if origin in (Union, types.UnionType):
         return " or ".join(_type_name(t) for t in typing.get_args(tp) if t is not type(None))
     if origin is tuple:

@@ -11,11 +11,29 @@ different question than the user asked. :func:`dapple.planner.make_plan` records
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from dapple.core._json import require
 
-__all__ = ["PlanningOptions"]
+__all__ = ["ZERO_CHOICES", "PlanningOptions", "ZeroChoice", "zero_choice"]
+
+ZeroChoice = Literal[0, 1, 2, 3, "auto"]
+"""The ZeRO stage a plan is searched with: 0, 1 (ZeRO-1), 2 (ZeRO-2), 3 (ZeRO-3, gathering the
+parameters once per step or per micro-batch, whichever L prefers) on every replicated stage,
+or ``auto``: per stage, where memory asks for it. A stage with one replica stays at 0."""
+
+ZERO_CHOICES: tuple[ZeroChoice, ...] = (0, 1, 2, 3, "auto")
+"""Every :data:`ZeroChoice`, in the order messages list them."""
+
+_OLD_AUTO = -1
+"""``auto`` as plan files of earlier versions store it in ``planned_with.zero_stage``."""
+
+
+def zero_choice(value: object) -> ZeroChoice | None:
+    """The :data:`ZeroChoice` equal to ``value``; None for any other value (a bool too)."""
+    if isinstance(value, bool):
+        return None
+    return next((z for z in ZERO_CHOICES if z == value), None)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -24,8 +42,8 @@ class PlanningOptions:
 
     planner: str = "dapple"
     """The planner (``dapple`` or a baseline)."""
-    zero_stage: int = 0
-    """0-3, or -1 (``ZERO_AUTO``): per stage, where memory asks for it."""
+    zero_stage: ZeroChoice = 0
+    """0-3 on every replicated stage, or ``auto``: per stage, where memory asks for it."""
     tensor_widths: tuple[int, ...] | None = None
     """The tensor widths searched; None: the planner's default candidates."""
     interleaved: bool = False
@@ -35,8 +53,8 @@ class PlanningOptions:
         require(isinstance(self.planner, str) and bool(self.planner),
                 f"planned_with: planner must be a name, got {self.planner!r}")  # fmt: skip
         z = self.zero_stage
-        require(isinstance(z, int) and not isinstance(z, bool) and -1 <= z <= 3,
-                f"planned_with: zero_stage must be -1 (auto) or 0-3, got {z!r}")  # fmt: skip
+        require(isinstance(z, int | str) and zero_choice(z) is not None,
+                f"planned_with: zero_stage must be 0-3 or auto, got {z!r}")  # fmt: skip
         w = self.tensor_widths
         require(
             w is None or (isinstance(w, tuple) and all(
@@ -56,13 +74,26 @@ class PlanningOptions:
 
     @staticmethod
     def from_dict(d: Any) -> PlanningOptions:
+        """The options of a plan file's ``planned_with`` (``zero_stage`` -1, as earlier
+        versions wrote ``auto``, reads as ``auto``).
+
+        Raises:
+            ValidationError: not an object, or a field of the wrong type or value.
+        """
         require(isinstance(d, dict), f"planned_with must be an object, got {type(d).__name__}")
         w = d.get("tensor_widths")
         require(w is None or isinstance(w, list),
                 f"planned_with: tensor_widths must be a list or null, got {w!r}")  # fmt: skip
         return PlanningOptions(
             planner=d.get("planner", "dapple"),
-            zero_stage=d.get("zero_stage", 0),
+            zero_stage=_zero_read(d.get("zero_stage", 0)),
             tensor_widths=None if w is None else tuple(w),
             interleaved=d.get("interleaved", False),
         )
+
+
+def _zero_read(value: Any) -> Any:
+    """``planned_with.zero_stage`` of a plan file: ``auto`` for the -1 of earlier versions,
+    else ``value`` as it is (checked by :class:`PlanningOptions`)."""
+    is_old_auto = isinstance(value, int) and not isinstance(value, bool) and value == _OLD_AUTO
+    return "auto" if is_old_auto else value

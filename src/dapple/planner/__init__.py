@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 
 from dapple.core.cluster import Cluster
 from dapple.core.plan import Plan
-from dapple.core.planning_options import PlanningOptions
+from dapple.core.planning_options import PlanningOptions, ZeroChoice
 from dapple.core.profile import ModelProfile
 from dapple.core.tensor_layout import check_tensor_widths
 from dapple.cost.host import has_host_terms
@@ -56,7 +56,7 @@ def make_plan(
     planner: str = "dapple",
     *,
     progress: Progress | None = None,
-    zero_stage: int = 0,
+    zero_stage: ZeroChoice = 0,
     seq_len: float | None = None,
     max_seq_len: float | None = None,
     tensor_widths: Sequence[int] | None = None,
@@ -72,8 +72,8 @@ def make_plan(
         progress: ``progress(done, total)`` callback (DAPPLE search only).
         zero_stage: 1: replicated stages shard their optimizer state (ZeRO-1); 2: their
             gradients too (ZeRO-2); 3: their parameters too (ZeRO-3), gathered once per step or
-            per micro-batch, whichever gives the lower L; -1 (``ZERO_AUTO``): per stage, where
-            memory asks for it. DAPPLE search only, the baselines plan unsharded.
+            per micro-batch, whichever gives the lower L; ``auto``: per stage, where memory
+            asks for it. DAPPLE search only, the baselines plan unsharded.
         seq_len: plan for samples of this mean length (time), from a profile measured at
             several lengths (:func:`~dapple.cost.lengths.profile_for_lengths`); None: the
             profile as it is (a profile already for a length keeps its lengths).

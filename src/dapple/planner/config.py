@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from dapple.core.config_file import Schema, dump, load
+from dapple.core.planning_options import ZERO_CHOICES, ZeroChoice, zero_choice
 from dapple.core.tensor_layout import TENSOR_WIDTHS
 from dapple.errors import ValidationError
 from dapple.planner import PLANNERS
@@ -33,20 +34,13 @@ from dapple.planner import PLANNERS
 __all__ = [
     "PLAN_SECTIONS",
     "RUN_SECTION_NAMES",
-    "ZERO_CHOICES",
     "PlanConfig",
     "check_interleave",
     "choices",
     "dump_plan_config",
     "load_plan_config",
     "tensor_width_list",
-    "zero_stage_number",
 ]
-
-ZERO_CHOICES: tuple[int | str, ...] = (0, 1, 2, 3, "auto")
-"""``zero_stage`` values: 0, 1 (ZeRO-1), 2 (ZeRO-2), 3 (ZeRO-3, gathering the parameters once
-per step or per micro-batch, whichever L prefers), or ``auto`` per stage
-(:data:`dapple.planner.evaluate.ZERO_AUTO`); a stage with one replica stays at 0."""
 
 AUTO = "auto"
 """``tensor_widths = "auto"``: the widths :func:`dapple.planner.widths.width_candidates` picks."""
@@ -74,8 +68,9 @@ class PlanConfig:
     """Run the planned stages under this schedule, or ``best`` (None: the planner's choice)."""
     virtual_stages: int = 1
     """v, model chunks per device group with ``schedule = "interleaved"``."""
-    zero_stage: int | str = 0
-    """0, 1 (ZeRO-1), 2 (ZeRO-2), 3 (ZeRO-3) or ``auto`` (per stage, where memory asks for it)."""
+    zero_stage: ZeroChoice = 0
+    """0, 1 (ZeRO-1), 2 (ZeRO-2), 3 (ZeRO-3) or ``auto`` (per stage, where memory asks for it;
+    :data:`~dapple.core.planning_options.ZeroChoice`)."""
     tensor_widths: str | tuple[int, ...] = AUTO
     """Tensor widths t to search (each of 1, 2, 4, 8), or ``auto``: 1, and every width
     dividing the server size when some layer of the profile shards."""
@@ -90,10 +85,12 @@ class PlanConfig:
             raise ValidationError(
                 f"unknown planner {self.planner!r}; choose one of {', '.join(PLANNERS)}"
             )
-        if self.zero_stage not in ZERO_CHOICES or isinstance(self.zero_stage, bool):
+        zero = zero_choice(self.zero_stage)
+        if zero is None:
             raise ValidationError(
                 f"zero_stage must be one of {choices(ZERO_CHOICES)}, got {self.zero_stage!r}"
             )
+        object.__setattr__(self, "zero_stage", zero)
         if not isinstance(self.interleave, bool):
             raise ValidationError(f"interleave must be true or false, got {self.interleave!r}")
         widths = tensor_width_list(self.tensor_widths)
@@ -160,14 +157,6 @@ def tensor_width_list(value: str | Sequence[int], what: str = "tensor_widths") -
 
 PLAN_SECTIONS: Schema = {"planning": tuple(("", f.name) for f in dataclasses.fields(PlanConfig))}
 """The section of a plan file and the fields its keys set (each key is its field's name)."""
-
-
-def zero_stage_number(zero_stage: int | str) -> int:
-    """``zero_stage`` as :func:`dapple.planner.make_plan` takes it (``auto``:
-    :data:`~dapple.planner.evaluate.ZERO_AUTO`)."""
-    from dapple.planner.evaluate import ZERO_AUTO
-
-    return ZERO_AUTO if zero_stage == "auto" else int(zero_stage)
 
 
 RUN_SECTION_NAMES = (

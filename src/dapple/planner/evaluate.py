@@ -17,7 +17,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import accumulate
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 from dapple.core.cluster import Cluster
 from dapple.core.plan import DEFAULT_SCHEDULE, Plan, Policy, StagePlan
@@ -37,7 +37,6 @@ from dapple.schedule.spec import ScheduleSpec
 
 __all__ = [
     "ZERO3_REGATHER",
-    "ZERO_AUTO",
     "Scored",
     "Scorer",
     "StageSpec",
@@ -45,12 +44,6 @@ __all__ = [
     "scored_plan",
     "zero3_modes",
 ]
-
-ZERO_AUTO = -1
-"""``Scorer(zero_stage=ZERO_AUTO)``: shard a replicated stage only where the unsharded state
-leaves too little memory for the micro-batches the schedule keeps in flight there without
-re-computation; then the cheapest of ZeRO-1, ZeRO-2 (its M-fold gradient traffic in AR_s) and
-re-computation (M more forward passes) that holds them (:func:`_pick`)."""
 
 StageSpec = tuple[int, int, tuple[int, ...]]
 """``(start, end, devices)`` of one computation stage; under a tensor width t > 1 the devices
@@ -66,7 +59,7 @@ def zero3_modes(profile: ModelProfile, s: int = 0, e: int = 0) -> tuple[int, ...
     re-gathered per micro-batch (:data:`ZERO3_REGATHER`) in fp32 only - under autocast the
     runtime's ZeRO-3 reduce-scatters once, after the step's last backward - and none for a
     stage holding a copy of a tied parameter, whose sum over the copies needs it whole
-    (``dapple.runtime.stage_mesh``)."""
+    (``dapple.runtime.parallel.stage_mesh``)."""
     if any(x.tied_parameter_bytes for x in profile.layers[s:e]):
         return ()
     return (3,) if precision_of(profile.precision).autocast else (3, ZERO3_REGATHER)
@@ -112,7 +105,7 @@ class Scorer:
         profile: ModelProfile,
         cluster: Cluster,
         global_batch_size: int,
-        zero_stage: int = 0,
+        zero_stage: int | Literal["auto"] = 0,
         tensor_width: int = 1,
     ) -> None:
         self.profile = profile
@@ -124,9 +117,12 @@ class Scorer:
         self._tp = TensorSums(profile, cluster, tensor_width)
         self.zero_stage = zero_stage
         """1: replicated stages shard their optimizer state (memory and sync cost, ZeRO-1); 2:
-        their gradients too (ZeRO-2); :data:`ZERO_AUTO`: per stage, only where the unsharded
-        state leaves too little memory for its in-flight micro-batches without re-computation
-        (:meth:`score`)."""
+        their gradients too (ZeRO-2); 3: their parameters too (ZeRO-3, gathered once per step
+        or re-gathered per micro-batch); :data:`ZERO3_REGATHER`: ZeRO-3 re-gathering only;
+        ``auto``: per stage, only where the unsharded state leaves too little memory for the
+        micro-batches the schedule keeps in flight there without re-computation, then the
+        cheapest of ZeRO-1, ZeRO-2 (its M-fold gradient traffic in AR_s), ZeRO-3 and
+        re-computation (M more forward passes) that holds them (:func:`_pick`)."""
         self.cluster = cluster
         self.global_batch_size = global_batch_size
         self.N = profile.num_layers
@@ -306,7 +302,7 @@ class Scorer:
         ZeRO-3 is offered gathering once per step and re-gathering (:data:`ZERO3_REGATHER`)."""
         if self.tensor_width > 1 and self._tp.blocks(s, e) == 0:
             return []
-        if self.zero_stage != ZERO_AUTO:
+        if isinstance(self.zero_stage, int):
             z = self.zero_stage if len(d) > 1 else 0
             zs = (zero3_modes(self.profile, s, e) or (0,)) if z == 3 else (z,)
             return [(z, self._stage(s, e, d, b, z)) for z in zs]

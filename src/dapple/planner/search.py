@@ -53,6 +53,7 @@ from functools import partial
 
 from dapple.core.cluster import Cluster
 from dapple.core.plan import Plan
+from dapple.core.planning_options import ZeroChoice
 from dapple.core.profile import ModelProfile
 from dapple.core.usable import usable_cluster, usable_devices
 from dapple.cost.host import has_host_terms
@@ -73,7 +74,7 @@ from dapple.planner.cut_search import (
     candidate_replicas,
     search_limits,
 )
-from dapple.planner.evaluate import ZERO_AUTO, Scored, Scorer, StageSpec
+from dapple.planner.evaluate import Scored, Scorer, StageSpec
 from dapple.planner.grid import GridPoint, grid_candidates
 from dapple.planner.interleaving import best_interleaved, grid_offers, own_offers
 from dapple.planner.partition import block_partition
@@ -180,7 +181,7 @@ def dapple_search(
     m_candidates: int | None = -1,
     cut_limit: int = 64,
     progress: Progress | None = None,
-    zero_stage: int = 0,
+    zero_stage: ZeroChoice = 0,
     tensor_widths: Sequence[int] | None = None,
     stage_widths: bool = True,
     grid: bool = True,
@@ -209,8 +210,8 @@ def dapple_search(
             final cuts are refined layer by layer.
         progress: called as ``progress(done, total)`` after each candidate M.
         zero_stage: 1: replicated stages shard their optimizer state (ZeRO-1), 2: their
-            gradients too (ZeRO-2), in memory and in AR_s;
-            :data:`~dapple.planner.evaluate.ZERO_AUTO` (-1): per stage, where memory asks for it (:class:`~dapple.planner.evaluate.Scorer`). The plan records each
+            gradients too (ZeRO-2), in memory and in AR_s; ``auto``: per stage, where memory
+            asks for it (:class:`~dapple.planner.evaluate.Scorer`). The plan records each
             stage's choice (``StagePlan.zero_stage``); 3 (ZeRO-3) re-gathers per
             micro-batch where memory asks for it (``StagePlan.regather``).
         tensor_widths: the tensor widths t to search, one search each with every stage of
@@ -306,7 +307,7 @@ def _grid_offers(
     global_batch_size: int,
     Ms: Sequence[int],
     accept: Callable[[GridPoint], bool],
-    zero_stage: int = 0,
+    zero_stage: ZeroChoice = 0,
 ) -> list[tuple[float, int, Plan]]:
     """The feasible 1F1B points of the uniform grid (:mod:`dapple.planner.grid`) at this
     search's M (``Ms``) that ``accept`` takes (:func:`_grid_filter`); the interleaved ones are
@@ -319,7 +320,7 @@ def _grid_offers(
 
     def offered(p: GridPoint) -> bool:
         twin = dataclasses.replace(p, zero_stage=0)
-        return accept(p) and not (zero_stage == ZERO_AUTO and p.zero_stage and twin in ddp_fits)
+        return accept(p) and not (zero_stage == "auto" and p.zero_stage and twin in ddp_fits)
 
     return [
         (c.L_ms, c.point.tp, dataclasses.replace(c.plan, planner="dapple"))
@@ -329,7 +330,7 @@ def _grid_offers(
 
 
 def _grid_filter(
-    zero_stage: int, widths: Sequence[int], max_stages: int | None
+    zero_stage: ZeroChoice, widths: Sequence[int], max_stages: int | None
 ) -> Callable[[GridPoint], bool]:
     """Whether a grid point is inside this search's space: its width among ``widths``, at most
     ``max_stages`` device groups (pp; an interleaved point's pp x v virtual stages run on pp
@@ -341,7 +342,7 @@ def _grid_filter(
             return False
         if max_stages is not None and p.pp > max_stages:
             return False
-        return p.zero_stage == 0 or zero_stage in (3, ZERO_AUTO)
+        return p.zero_stage == 0 or zero_stage in (3, "auto")
 
     return accept
 

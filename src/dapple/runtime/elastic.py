@@ -37,7 +37,7 @@ from typing import Any
 
 from dapple.core.cluster import Cluster
 from dapple.core.plan import Plan
-from dapple.core.planning_options import PlanningOptions
+from dapple.core.planning_options import PlanningOptions, zero_choice
 from dapple.core.profile import ModelProfile
 from dapple.errors import DappleError, InfeasibleError, ValidationError
 from dapple.runtime.checkpoint import latest_checkpoint
@@ -169,7 +169,7 @@ def replan(policy: ElasticPolicy, devices: int, plan: Plan) -> Plan:
     from dapple.planner import make_plan
 
     cluster = cluster_of(policy.cluster, devices)
-    opts = plan.planned_with or PlanningOptions(zero_stage=policy.zero_stage)
+    opts = plan.planned_with or _floor_options(policy.zero_stage)
     widths = opts.tensor_widths
     if widths is not None:
         widths = tuple(t for t in widths if cluster.devices_per_server % t == 0) or (1,)
@@ -182,6 +182,18 @@ def replan(policy: ElasticPolicy, devices: int, plan: Plan) -> Plan:
                          max_seq_len=plan.max_seq_len if by_length else None)  # fmt: skip
     except InfeasibleError as e:
         raise ElasticStop(f"no plan fits {cluster.num_devices} devices: {e}") from e
+
+
+def _floor_options(zero_stage: int) -> PlanningOptions:
+    """The search options of a re-plan for a plan that records none: the run's ZeRO floor.
+
+    Raises:
+        ValidationError: ``zero_stage`` is not 0-3.
+    """
+    zero = zero_choice(zero_stage)
+    if zero is None:
+        raise ValidationError(f"elastic zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}")
+    return PlanningOptions(zero_stage=zero)
 
 
 def plan_for_world(plan: Plan, world: int, policy: ElasticPolicy) -> Plan:
