@@ -6,10 +6,10 @@ Simulated only: the runtime runs GPipe and DAPPLE, not interleaved 1F1B or ZB-H1
 model (the shipped analytic V100 profiles ``paper:<name>`` at the paper's global batch size)
 and cluster (``paper-a``, ``paper-b``, ``h100-8x`` with 2 servers = 16 devices), the DAPPLE
 planner's plan, the straight pipeline and balanced pipelines of every depth
-(:func:`dapple.simulate.schedules.balanced_pipelines`) give the partitions, replication and
-placement;
-:func:`dapple.simulate.schedules.best_per_schedule` then tries every schedule and number of
-micro-batches on them and keeps the fastest simulated plan under the memory limit.
+(:func:`dapple.planner.schedule_choice.balanced_pipelines`) give the partitions, replication
+and placement; :func:`dapple.planner.schedule_choice.best_per_schedule` then tries every
+schedule and number of micro-batches on them and keeps the fastest simulated plan under the
+memory limit.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from _bench_common import header
 from dapple.core.cluster import load_cluster
 from dapple.errors import DappleError
 from dapple.planner import make_plan
+from dapple.planner.schedule_choice import SCHEDULE_VARIANTS, balanced_pipelines, best_per_schedule
 from dapple.profiler.paper_models import PAPER_GLOBAL_BATCH, PAPER_MODELS, load_paper_profile
-from dapple.simulate.schedules import SCHEDULE_VARIANTS, balanced_pipelines, best_per_schedule
 
 CLUSTERS = (("paper-a", None), ("paper-b", None), ("h100-8x", 2))
 

@@ -37,9 +37,9 @@ from dapple.cost.schedules import activation_peak_bytes, device_memory_by_group,
 from dapple.errors import DappleError
 from dapple.planner import PLANNERS, make_plan
 from dapple.planner.evaluate import Scorer
+from dapple.planner.schedule_choice import best_per_schedule, best_schedule
 from dapple.profiler.paper_models import PAPER_GLOBAL_BATCH, PAPER_MODELS, load_profile
 from dapple.simulate.engine import SimResult, simulate
-from dapple.simulate.schedules import best_per_schedule, best_schedule
 
 CLUSTERS = ("paper-a", "paper-b", "paper-c", "h100-8x")
 

@@ -26,10 +26,11 @@ from dapple.cost.schedules import schedule_latency, schedule_step_ms
 from dapple.cost.terms import PipelineTerms, stage_terms
 from dapple.planner import evaluate, make_plan
 from dapple.planner.evaluate import Scorer
+from dapple.planner.schedule_choice import balanced_pipelines
 from dapple.profiler.paper_models import PAPER_GLOBAL_BATCH, load_profile
 from dapple.schedule import ActionKind
 from dapple.simulate import simulate
-from dapple.simulate.schedules import balanced_pipelines, with_schedule
+from dapple.simulate.schedules import with_schedule
 
 K = ActionKind
 

@@ -12,8 +12,9 @@ from dapple.cli import main
 from dapple.core.plan import Plan, straight_plan
 from dapple.core.profile import AffineTime
 from dapple.errors import ValidationError
+from dapple.planner.schedule_choice import SCHEDULE_VARIANTS, best_per_schedule
 from dapple.simulate import simulate
-from dapple.simulate.schedules import SCHEDULE_VARIANTS, best_per_schedule, with_schedule
+from dapple.simulate.schedules import with_schedule
 
 
 def _base(reps=(2, 1, 1), cuts=(0, 4, 6), n=8, M=4, gbs=16) -> Plan:
@@ -93,7 +94,7 @@ def test_cli_schedule_names(tmp_path, capsys, monkeypatch):
 
 
 def test_balanced_pipelines_cut_equal_work():
-    from dapple.simulate.schedules import balanced_pipelines
+    from dapple.planner.schedule_choice import balanced_pipelines
 
     cluster = make_cluster(per_server=4)
     plans = balanced_pipelines(make_profile(8), cluster, 16)
@@ -130,7 +131,7 @@ def test_best_schedule_is_the_fastest_variant_that_fits(tmp_path, capsys, monkey
     """``--schedule best`` / ``schedule="best"``: every variant's best plan by simulation, the
     fastest feasible one chosen (the plan the CLI writes and the API returns)."""
     from dapple import api
-    from dapple.simulate.schedules import best_schedule
+    from dapple.planner.schedule_choice import best_schedule
 
     prof, cluster = make_profile(8), make_cluster()
     base = _base(M=4, gbs=16)
@@ -161,7 +162,7 @@ def test_best_schedule_is_the_fastest_variant_that_fits(tmp_path, capsys, monkey
 def test_refine_cuts_searches_the_partition_under_each_schedule():
     """From a lopsided straight 2-stage cut (1 | 7 layers) hill climbing on the simulated step
     reaches a faster partition under each schedule; interleaved groups keep multiples of v."""
-    from dapple.simulate.schedules import ScheduleChoice, refine_cuts
+    from dapple.planner.schedule_choice import ScheduleChoice, refine_cuts
 
     prof, cluster = make_profile(8), make_cluster()
     lopsided = straight_plan(8, [0, 2], global_batch_size=16, num_micro_batches=4)

@@ -23,6 +23,12 @@ from dapple.cli import main
 from dapple.core.plan import Plan, straight_plan
 from dapple.errors import ValidationError
 from dapple.planner.evaluate import Scorer
+from dapple.planner.schedule_choice import (
+    SCHEDULE_VARIANTS,
+    best_per_schedule,
+    best_schedule,
+    schedule_variants,
+)
 from dapple.schedule import (
     Action,
     ActionKind,
@@ -46,15 +52,7 @@ from dapple.schedule import (
     validate_compute_order,
 )
 from dapple.simulate import simulate
-from dapple.simulate.schedules import (
-    SCHEDULE_VARIANTS,
-    baseline_first,
-    best_per_schedule,
-    best_schedule,
-    compared_plan,
-    schedule_variants,
-    with_schedule,
-)
+from dapple.simulate.schedules import baseline_first, compared_plan, with_schedule
 
 F, B = ActionKind.FORWARD, ActionKind.BACKWARD
 NAME = "gpipe-lifo"

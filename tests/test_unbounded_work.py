@@ -26,8 +26,8 @@ from dapple.core.usable import usable_cluster, usable_devices
 from dapple.errors import ValidationError
 from dapple.planner import dapple_search, make_plan
 from dapple.planner.evaluate import Scorer
+from dapple.planner.schedule_choice import balanced_pipelines
 from dapple.planner.widths import width_candidates
-from dapple.simulate.schedules import balanced_pipelines
 
 B = 2
 """The global batch: 2 samples keep at most 2 replicas of a stage busy."""

@@ -124,7 +124,7 @@ def plan(
             predicted step is that schedule's
             (:func:`dapple.cost.schedules.schedule_latency`). ``best``: the fastest
             simulated plan over every schedule and M that fits the memory
-            (:func:`dapple.simulate.schedules.best_schedule`).
+            (:func:`dapple.planner.schedule_choice.best_schedule`).
         virtual_stages: v, model chunks per device group with ``schedule="interleaved"``.
         seq_len: Mean tokens per sample to plan the step time for, from a profile measured at
             several lengths (``profile(seq_lens=...)``; ``dapple plan --seq-len MEAN,MAX``).
@@ -181,7 +181,7 @@ def _under_schedule(
 ) -> Plan:
     """The planned stages under ``schedule`` (:func:`plan`'s argument), its step predicted."""
     if schedule == "best":
-        from dapple.simulate.schedules import best_schedule
+        from dapple.planner.schedule_choice import best_schedule
 
         chosen = best_schedule(result, prof, cl)[0].plan
         assert chosen is not None

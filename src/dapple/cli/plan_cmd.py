@@ -38,8 +38,8 @@ from dapple.schedule.registry import check_virtual_stages, get_schedule, schedul
 
 if TYPE_CHECKING:
     from dapple.core.planning_options import ZeroChoice
+    from dapple.planner.schedule_choice import ScheduleChoice
     from dapple.simulate.engine import SimResult
-    from dapple.simulate.schedules import ScheduleChoice
 
 __all__ = ["MAX_SIMULATED_WORK", "format_devices", "parse_seq_len", "register", "run"]
 
@@ -376,7 +376,7 @@ def _best_schedule(
 ) -> int:
     """``--schedule best``: every schedule on the planner's partition and balanced pipelines,
     each M, by simulation; the fastest that fits the memory is the plan."""
-    from dapple.simulate.schedules import best_schedule
+    from dapple.planner.schedule_choice import best_schedule
 
     best, choices = best_schedule(plan, profile, cluster)
     _choices_table(con, choices, dp_ms, f"the {plan.planner} planner")
@@ -406,7 +406,7 @@ def _schedule_table(
 ) -> None:
     """The best plan per schedule over the given bases' partitions and balanced pipelines
     (simulated)."""
-    from dapple.simulate.schedules import balanced_pipelines, best_per_schedule
+    from dapple.planner.schedule_choice import balanced_pipelines, best_per_schedule
 
     bases = bases + balanced_pipelines(profile, cluster, bases[0].global_batch_size)
     _choices_table(

@@ -122,7 +122,7 @@ class ScheduleSpec:
     """Warm-up policies the planner's scorer tries."""
     variants: tuple[tuple[Policy, int], ...] = (("A", 1),)
     """``(policy, v)`` of each column of the schedule comparison
-    (:func:`dapple.simulate.schedules.best_per_schedule`)."""
+    (:func:`dapple.planner.schedule_choice.best_per_schedule`)."""
     split_backward: bool = False
     """The runtime runs the backward as ``I`` then ``W`` (:mod:`dapple.models.split_backward`)."""
     chunks: bool = False
