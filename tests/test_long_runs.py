@@ -271,11 +271,11 @@ def worker(rank: int, world: int, out_dir: str) -> None:
     def grad_skip():
         warned: list[str] = []
         catch = _Collect(warned)
-        logging.getLogger("dapple.runtime.longrun").addHandler(catch)
+        logging.getLogger("dapple.runtime.guard").addHandler(catch)
         try:  # the step is replayed to name its micro-batch, then dropped
             r = run(p22, w=grad_nan_mlp(), steps=STEPS, on_nonfinite="skip")
         finally:
-            logging.getLogger("dapple.runtime.longrun").removeHandler(catch)
+            logging.getLogger("dapple.runtime.guard").removeHandler(catch)
         ref = reference(grad_nan_mlp(), STEPS, skip=(NAN_STEP,))
         n = _close_to(r.module, ref[0], p22.layers_of_device(rank))
         if rank == 0:

@@ -45,7 +45,7 @@ from dapple.schedule.ir import Action, ActionKind
 
 __all__ = ["NonFiniteGuard"]
 
-logger = logging.getLogger("dapple.runtime.longrun")
+logger = logging.getLogger(__name__)
 
 _KINDS = ("loss", "gradient")
 _HALF = (torch.float16, torch.bfloat16)
