@@ -100,12 +100,12 @@ def run(args: argparse.Namespace) -> int:
         gap = "" if math.isnan(r.L_ms) else f" (simulated / L = {r.step_ms / r.L_ms:.3f})"
         con.print(f"step time {r.step_ms:.3f} ms, planner L {L}{gap}")
         over_mem = [
-            d.device for d in r.devices if d.peak_memory_bytes > cluster.device_memory_bytes
+            d.devices_text for d in r.devices if d.peak_memory_bytes > cluster.device_memory_bytes
         ]
         if over_mem:
             con.print(
                 f"[yellow]warning: peak memory exceeds the {cluster.device_memory_bytes / 2**30:.1f} GiB "
-                f"device memory on device(s) {over_mem}[/yellow]"
+                f"device memory on device(s) {'; '.join(over_mem)}[/yellow]"
             )
     if args.gantt or args.memory:
         from dapple.simulate.plots import plot_gantt, plot_memory

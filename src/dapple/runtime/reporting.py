@@ -1,8 +1,9 @@
 """What rank 0 shows of a run beside its per-step line: a progress bar, TensorBoard scalars and
 the loss curve.
 
-- :class:`ProgressBar`: a ``rich`` progress bar with ETA and the last loss, only when stdout is
-  a terminal (never in pipes, logs or tests); the per-step lines print above it;
+- :class:`ProgressBar`: a ``rich`` progress bar with ETA (the mean step so far, moving with the
+  clock) and the last loss, only when stdout is a terminal (never in pipes, logs or tests);
+  the per-step lines print above it;
 - :class:`TensorBoardWriter`: the step's scalars (loss, lr, grad norm, eval loss, tokens/s,
   samples/s, step ms) through ``torch.utils.tensorboard.SummaryWriter`` (needs the
   ``tensorboard`` package, checked by :class:`~dapple.runtime.config.TrainConfig`);
@@ -16,9 +17,9 @@ Both reporters are :class:`~dapple.runtime.metrics.MetricsSink` callbacks with a
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -26,10 +27,14 @@ from dapple.core.output_path import make_parent_dirs
 from dapple.datasets import IGNORE_INDEX
 from dapple.runtime.config import StepMetrics, TrainConfig
 
+if TYPE_CHECKING:
+    from rich.console import Console
+
 __all__ = [
     "ProgressBar",
     "Reporter",
     "TensorBoardWriter",
+    "eta_text",
     "open_reporters",
     "scalars",
     "target_token_count",
@@ -62,22 +67,55 @@ def target_token_count(targets: torch.Tensor) -> torch.Tensor | None:
     return (targets != IGNORE_INDEX).sum(dtype=torch.float64)
 
 
-class ProgressBar:
-    """A ``rich`` progress bar over the run's steps: done/total, elapsed, ETA and the last loss."""
+def eta_text(elapsed_s: float | None, done: int, left: int) -> str:
+    """The time left at the mean time per step so far, the time since the last step included
+    (so it moves with the clock: up while a step runs long, down as steps end): ``0:01:05``;
+    ``-:--:--`` before the first step.
 
-    def __init__(self, total: int, start: int = 0) -> None:
+    Args:
+        elapsed_s: seconds since the bar started (None: not started).
+        done: steps ended since then.
+        left: steps still to run.
+    """
+    if elapsed_s is None or done <= 0:
+        return "-:--:--"
+    minutes, seconds = divmod(int(elapsed_s / done * max(left, 0)), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours:d}:{minutes:02d}:{seconds:02d}"
+
+
+class ProgressBar:
+    """A ``rich`` progress bar over the run's steps: done/total, elapsed, ETA (:func:`eta_text`,
+    redrawn with the clock) and the last loss."""
+
+    def __init__(
+        self,
+        total: int,
+        start: int = 0,
+        *,
+        console: Console | None = None,
+        clock: Callable[[], float] | None = None,
+    ) -> None:
         """Args:
         total: the run's steps.
-        start: steps already done (a resumed run).
+        start: steps already done (a resumed run; the ETA counts only the steps run since).
+        console: where to draw (default: stdout).
+        clock: seconds, monotonic (default: rich's; tests pass a fake one).
         """
         from rich.progress import (
             BarColumn,
             MofNCompleteColumn,
             Progress,
+            ProgressColumn,
             TextColumn,
             TimeElapsedColumn,
-            TimeRemainingColumn,
         )
+        from rich.text import Text
+
+        class _Eta(ProgressColumn):
+            def render(self, task: Any) -> Text:
+                left = int(task.total or 0) - int(task.completed)
+                return Text(eta_text(task.elapsed, int(task.completed) - start, left))
 
         self._progress = Progress(
             TextColumn("[bold]train"),
@@ -85,9 +123,11 @@ class ProgressBar:
             MofNCompleteColumn(),
             TimeElapsedColumn(),
             TextColumn("ETA"),
-            TimeRemainingColumn(),
+            _Eta(),
             TextColumn("{task.fields[status]}"),
+            console=console,
             redirect_stdout=True,  # the per-step lines print above the bar
+            get_time=clock,
         )
         self._task = self._progress.add_task("train", total=total, completed=start, status="")
         self._progress.start()

@@ -67,6 +67,13 @@ _MsgKey = tuple[ActionKind, int, int, int, int]
 """(SEND_F or SEND_B, sending stage, micro-batch, sending replica, receiving replica)."""
 
 
+def _devices_text(devices: tuple[int, ...]) -> str:
+    """Device ids in words: ``3``, ``2-3`` when they run consecutively, else ``0,2``."""
+    if len(devices) > 1 and devices == tuple(range(devices[0], devices[0] + len(devices))):
+        return f"{devices[0]}-{devices[-1]}"
+    return ",".join(map(str, devices))
+
+
 @dataclass(frozen=True, slots=True)
 class SimEvent:
     """One timed action. For sends the interval is the link occupancy, for receives the wait."""
@@ -103,15 +110,25 @@ class DeviceStats:
     """Static memory plus the largest activation footprint over time."""
     peak_in_flight: int
     """Most micro-batches whose F has started and whose B has not finished."""
-    tensor_width: int = 1
-    """Devices of its tensor group, ``device`` the first: a stage of width t > 1 is simulated
-    once per tensor group (its t devices run the same actions at the same times)."""
+    tensor_group: tuple[int, ...] = ()
+    """The devices of its tensor group, ``device`` the first (empty: ``device`` alone): a stage
+    of width t > 1 is simulated once per tensor group (its t devices run the same actions at
+    the same times)."""
+
+    @property
+    def devices(self) -> tuple[int, ...]:
+        """The devices this row stands for: its tensor group, or ``(device,)``."""
+        return self.tensor_group or (self.device,)
+
+    @property
+    def tensor_width(self) -> int:
+        """t: the devices of its tensor group (1 without tensor parallelism)."""
+        return len(self.devices)
 
     @property
     def devices_text(self) -> str:
-        """``3``, or ``2-3`` for a tensor group of two."""
-        last = self.device + self.tensor_width - 1
-        return str(self.device) if last == self.device else f"{self.device}-{last}"
+        """``3``; for a tensor group ``2-3`` (consecutive ids) or ``0,2`` (any others)."""
+        return _devices_text(self.devices)
 
 
 @dataclass(frozen=True, slots=True)
@@ -435,7 +452,7 @@ def simulate(
                 static_memory_bytes=static,
                 peak_memory_bytes=peak,
                 peak_in_flight=peak_in_flight[dev],
-                tensor_width=stages[s].tensor_width,
+                tensor_group=stages[s].tensor_group(j) if stages[s].tensor_width > 1 else (),
             )
         )
     try:

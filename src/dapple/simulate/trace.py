@@ -1,6 +1,7 @@
 """Chrome / Perfetto trace JSON of a simulated step (open in ui.perfetto.dev or chrome://tracing).
 
-One process per device (``pid`` = device id) with threads for compute, sends, receive waits
+One process per device (``pid`` = device id; a tensor group, whose devices run the same
+actions, is one process named by all of them) with threads for compute, sends, receive waits
 and AllReduce; complete events (``ph: "X"``) in microseconds; memory as a counter track.
 """
 
@@ -12,7 +13,7 @@ from typing import Any
 
 from dapple.core.output_path import make_parent_dirs
 from dapple.schedule.ir import ActionKind
-from dapple.simulate.engine import SimResult
+from dapple.simulate.engine import DeviceStats, SimResult
 
 __all__ = ["THREADS", "to_chrome_trace", "write_trace"]
 
@@ -31,6 +32,14 @@ def _category(kind: ActionKind) -> str:
     return "allreduce"
 
 
+def _process_name(d: DeviceStats) -> str:
+    """``device 3 (stage 1, replica 0)``; a tensor group's one process names all its devices:
+    ``devices 0,2 (TP2, stage 0, replica 0)``."""
+    if d.tensor_width == 1:
+        return f"device {d.device} (stage {d.stage}, replica {d.replica})"
+    return f"devices {d.devices_text} (TP{d.tensor_width}, stage {d.stage}, replica {d.replica})"
+
+
 def to_chrome_trace(result: SimResult) -> dict[str, Any]:
     """The ``{"traceEvents": [...]}`` document of ``result``."""
     events: list[dict[str, Any]] = []
@@ -41,7 +50,7 @@ def to_chrome_trace(result: SimResult) -> dict[str, Any]:
                 "name": "process_name",
                 "pid": d.device,
                 "tid": 0,
-                "args": {"name": f"device {d.device} (stage {d.stage}, replica {d.replica})"},
+                "args": {"name": _process_name(d)},
             }
         )
         events.append(

@@ -1,0 +1,103 @@
+"""Issue 47 (third re-run): what a new user was still misled by - a tensor group of devices
+that are not consecutive drawn and named as if they were, and the training bar's ETA that stood
+still between steps - and what the hostile battery still found."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from dapple.cli import main
+from dapple.core.plan import Plan
+from dapple.core.stage_plan import StagePlan
+from dapple.runtime.config import StepMetrics
+from dapple.runtime.reporting import ProgressBar, eta_text
+from dapple.simulate import simulate
+from dapple.simulate.trace import to_chrome_trace
+from test_tensor_plan import _blocks, _cluster
+
+
+# -- a tensor group is named by its own devices -------------------------------------------------
+def _strided_tp_plan() -> Plan:
+    """Stage 0 on 4 devices, TP2 x 2 replicas whose tensor groups are (0, 2) and (1, 3)."""
+    return Plan(planner="manual", global_batch_size=4, micro_batch_size=2, num_micro_batches=2,
+                stages=(StagePlan(layers=(0, 1), devices=(0, 2, 1, 3), tensor_width=2),
+                        StagePlan(layers=(1, 2), devices=(4, 5))))  # fmt: skip
+
+
+def test_a_tensor_group_of_strided_devices_is_named_by_them() -> None:
+    r = simulate(_strided_tp_plan(), _blocks(2), _cluster())
+    assert [(d.devices_text, d.stage, d.replica) for d in r.devices] == [
+        ("0,2", 0, 0), ("1,3", 0, 1), ("4", 1, 0), ("5", 1, 1)]  # fmt: skip
+    assert [d.devices for d in r.devices] == [(0, 2), (1, 3), (4,), (5,)]
+    assert [d.tensor_width for d in r.devices] == [2, 2, 1, 1]
+
+
+def test_the_trace_names_every_device_of_a_tensor_group() -> None:
+    r = simulate(_strided_tp_plan(), _blocks(2), _cluster())
+    events = to_chrome_trace(r)["traceEvents"]
+    names = [e["args"]["name"] for e in events if e.get("name") == "process_name"]
+    assert names == ["devices 0,2 (TP2, stage 0, replica 0)",
+                     "devices 1,3 (TP2, stage 0, replica 1)",
+                     "device 4 (stage 1, replica 0)", "device 5 (stage 1, replica 1)"]  # fmt: skip
+    json.dumps(events)  # still plain JSON
+
+
+def test_simulate_names_an_over_memory_tensor_group_by_its_devices(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    prof, cluster, plan = tmp_path / "p.json", tmp_path / "c.json", tmp_path / "plan.json"
+    _blocks(2).save(prof)
+    dataclasses.replace(_cluster(), device_memory_bytes=1, reserved_memory_bytes=0).save(cluster)
+    _strided_tp_plan().save(plan)
+    assert main(["simulate", "--plan", str(plan), "--profile", str(prof),
+                 "--cluster", str(cluster)]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    (warning,) = [line for line in out.splitlines() if "peak memory exceeds" in line]
+    assert warning.endswith("on device(s) 0,2; 1,3; 4; 5")
+
+
+# -- the training bar's ETA ---------------------------------------------------------------------
+def test_eta_is_the_mean_step_so_far_times_the_steps_left() -> None:
+    assert eta_text(None, 0, 10) == "-:--:--"
+    assert eta_text(5.0, 0, 10) == "-:--:--"  # no step ended yet: unknown, not zero
+    assert eta_text(10.0, 2, 3) == "0:00:15"
+    assert eta_text(10.0, 2, 0) == "0:00:00"
+    assert eta_text(3600.0, 1, 2) == "2:00:00"
+
+
+def _metrics(step: int) -> StepMetrics:
+    return StepMetrics(step=step, loss=1.0, step_ms=1.0, samples_per_s=1.0,
+                       peak_memory_bytes=(0,), memory_kind="held_activations")  # fmt: skip
+
+
+def _eta_on_screen(bar: ProgressBar) -> str:
+    """The ETA column as the bar draws it now."""
+    con = Console(file=io.StringIO(), width=200, color_system=None)
+    progress = bar._progress
+    con.print(progress.make_tasks_table(progress.tasks))
+    text = con.file.getvalue()  # type: ignore[attr-defined]
+    return text.split("ETA")[1].split()[0]
+
+
+def test_the_training_bars_eta_moves_with_the_clock_between_steps() -> None:
+    now = [0.0]
+    con = Console(file=io.StringIO(), force_terminal=True, width=200)
+    bar = ProgressBar(5, start=1, console=con, clock=lambda: now[0])  # resumed after step 0
+    try:
+        assert _eta_on_screen(bar) == "-:--:--"
+        now[0] = 4.0
+        bar(_metrics(1))  # 1 step run in 4 s (the resumed one not counted), 3 left
+        assert _eta_on_screen(bar) == "0:00:12"
+        now[0] = 10.0  # no step ended: the mean per step grew with the clock
+        assert _eta_on_screen(bar) == "0:00:30"
+        now[0] = 12.0
+        bar(_metrics(3))  # 3 steps in 12 s, 1 left
+        assert _eta_on_screen(bar) == "0:00:04"
+    finally:
+        bar.close()
