@@ -166,7 +166,7 @@ def join_worker_group(rank: int, world: int, port: int) -> None:
     from dapple.core.cpu_cores import threads_per_worker
     from dapple.core.host_memory import keep_freed_memory
     from dapple.core.own_session import SHARED_SESSION_ENV
-    from dapple.runtime.local import pin_cores
+    from dapple.runtime.launch.local import pin_cores
 
     if os.environ.get(SHARED_SESSION_ENV) != "1":  # the footing of dapple's and torchrun's
         os.setsid()  # workers: a session (CPU share under sched_autogroup) of its own

@@ -28,7 +28,7 @@ from typing import Any
 
 from dapple.core.plan import Plan, straight_plan
 from dapple.runtime.checkpoint import check_files, list_checkpoints, read_checkpoint
-from dapple.runtime.elastic import metrics_lines
+from dapple.runtime.launch.elastic import metrics_lines
 
 STEPS = 40
 REPS = ((4, 2), (9, 3), (15, 1))
@@ -39,8 +39,8 @@ import sys
 from dapple.core.cluster import PRESETS
 from dapple.core.plan import Plan
 from dapple.core.profile import ModelProfile
-from dapple.runtime.elastic import ElasticPolicy
-from dapple.runtime.launch import train
+from dapple.runtime.launch.elastic import ElasticPolicy
+from dapple.runtime.launch.launcher import train
 
 if __name__ == "__main__":
     out, steps = sys.argv[1], int(sys.argv[2])

@@ -2,7 +2,7 @@
 the realistic size (Llama-3-8B shapes, 2 blocks, seq 4096, global batch 2, AdamW, bf16).
 
 dapple's step runs in this process as a one-rank ``torchrun``-style job (RANK, WORLD_SIZE,
-MASTER_ADDR/PORT set here; :func:`dapple.runtime.launch.init_distributed` then
+MASTER_ADDR/PORT set here; :func:`dapple.runtime.launch.launcher.init_distributed` then
 :func:`dapple.runtime.engine.run_plan`), so the profiler sees the runtime's own host work
 (interpreter, hooks, metrics) as well as the kernels. Both sides run :data:`STEPS` steps under
 ``torch.profiler.schedule(wait=STEPS - 2, warmup=1, active=1)``: the profiler keeps exactly the
@@ -41,7 +41,7 @@ def _dapple_step(ctx: Ctx, spec: str) -> Any:
     from dapple.core.plan import straight_plan
     from dapple.runtime.config import TrainConfig
     from dapple.runtime.engine import run_plan
-    from dapple.runtime.launch import free_port, init_distributed
+    from dapple.runtime.launch.launcher import free_port, init_distributed
 
     wl = api.load(spec, seq=ctx.shapes["seq"])
     plan = straight_plan(wl.num_layers, [0], global_batch_size=GLOBAL_BATCH, num_micro_batches=1)

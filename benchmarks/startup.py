@@ -13,7 +13,7 @@ arrives here; the ``start-up: ...`` lines (printed as each phase starts, see
   agent's start, the 4 processes' start and the CLI imports in each);
 - standalone only, side by side: the launcher loads (imports, builds, traces) the model and
   checks the plan against it (to ``start-up: checks done``), while the workers start (a new
-  session, the runtime's imports; :mod:`dapple.runtime.early`);
+  session, the runtime's imports; :mod:`dapple.runtime.launch.early`);
 - ``ranks: load the model``: every rank loads (and traces) the model itself (standalone: then
   waits for the launcher's checks);
 - ``rendezvous`` (``init_process_group``), ``building the stages`` (the stage's layers,
@@ -285,10 +285,10 @@ def _mechanism() -> list[str]:
         "- **Work.** Standalone, the launcher loads and traces the model once to check the plan, "
         "the data and the checkpoints against it before any compute; every rank then loads it "
         "itself to build its stage, as each torchrun rank does (torchrun has no launcher-side "
-        "load). The workers are started first (`dapple.runtime.early`), so the launcher's load "
-        "runs beside their start and their own load, not before them: the two standalone-only "
-        "rows overlap in time. What is left is the launcher's load as CPU the torchrun run does "
-        "not spend.",
+        "load). The workers are started first (`dapple.runtime.launch.early`), so the "
+        "launcher's load runs beside their start and their own load, not before them: the two "
+        "standalone-only rows overlap in time. What is left is the launcher's load as CPU the "
+        "torchrun run does not spend.",
         f"- **Sessions.** `kernel.sched_autogroup_enabled` is {autogroup} here: Linux then shares "
         "the CPU equally between sessions, not between processes. torch's elastic agent starts "
         "every torchrun worker with `start_new_session=True`; standalone workers that stay in the "

@@ -1,7 +1,7 @@
-"""Elastic runs (:mod:`dapple.runtime.elastic`): the re-plan logic on its own, then real runs -
-a worker killed with SIGKILL mid-run and the run finishing on the survivors with the losses of
-an uninterrupted run; the minimum-device stop leaving a checkpoint that resumes; a ``torchrun``
-job growing from one node to two and re-planning for the larger set."""
+"""Elastic runs (:mod:`dapple.runtime.launch.elastic`): the re-plan logic on its own, then real
+runs - a worker killed with SIGKILL mid-run and the run finishing on the survivors with the
+losses of an uninterrupted run; the minimum-device stop leaving a checkpoint that resumes; a
+``torchrun`` job growing from one node to two and re-planning for the larger set."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from dapple.core.plan import Plan, straight_plan
 from dapple.core.profile import ModelProfile
 from dapple.errors import ValidationError
 from dapple.runtime.checkpoint import latest_checkpoint
-from dapple.runtime.elastic import (
+from dapple.runtime.launch.elastic import (
     ElasticPolicy,
     ElasticStop,
     cluster_of,
@@ -32,7 +32,7 @@ from dapple.runtime.elastic import (
     train_elastic,
     worker_plan,
 )
-from dapple.runtime.failure import RankFailure
+from dapple.runtime.launch.failure import RankFailure
 
 CPU = PRESETS["local-cpu"]
 
@@ -142,8 +142,8 @@ import json, sys
 from dapple.core.cluster import PRESETS
 from dapple.core.plan import Plan
 from dapple.core.profile import ModelProfile
-from dapple.runtime.elastic import ElasticPolicy
-from dapple.runtime.launch import train
+from dapple.runtime.launch.elastic import ElasticPolicy
+from dapple.runtime.launch.launcher import train
 
 if __name__ == "__main__":
     out, plan_file, steps, min_devices = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
@@ -282,8 +282,8 @@ import sys
 from dapple.core.cluster import PRESETS
 from dapple.core.plan import Plan
 from dapple.core.profile import ModelProfile
-from dapple.runtime.elastic import ElasticPolicy
-from dapple.runtime.launch import train
+from dapple.runtime.launch.elastic import ElasticPolicy
+from dapple.runtime.launch.launcher import train
 
 if __name__ == "__main__":
     out, steps = sys.argv[1], int(sys.argv[2])
@@ -314,7 +314,7 @@ GROW_STEPS = 400  # the second node joins while the first trains alone: a step t
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_a_torchrun_job_grows_back_and_replans_for_the_larger_set(tmp_path: Path) -> None:
-    from dapple.runtime.launch import free_port
+    from dapple.runtime.launch.launcher import free_port
 
     _profile().save(tmp_path / "profile.json")
     straight_plan(5, [0, 2], global_batch_size=16, num_micro_batches=2).save(tmp_path / "plan.json")
@@ -365,7 +365,7 @@ def test_a_torchrun_survivor_of_a_lost_peer_says_so_while_torchrun_restarts(
 ) -> None:
     """Under torchrun with restarts left, a rank whose peer is gone prints what happens next,
     not an error; with none left it is the run's error."""
-    from dapple.runtime import launch
+    from dapple.runtime.launch import launcher
 
     env = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
            "TORCHELASTIC_RESTART_COUNT": str(restarts_done), "TORCHELASTIC_MAX_RESTARTS": "3"}  # fmt: skip
@@ -378,12 +378,12 @@ def test_a_torchrun_survivor_of_a_lost_peer_says_so_while_torchrun_restarts(
     def die(msg: str, kind: str = "error: ") -> None:
         raise SystemExit(f"dapple: {kind}{msg}")
 
-    monkeypatch.setattr(launch, "_elastic_worker", lambda plan, policy, options: (plan, options))
-    monkeypatch.setattr(launch, "init_distributed", lost)
-    monkeypatch.setattr(launch, "_die", die)
+    monkeypatch.setattr(launcher, "_elastic_worker", lambda plan, policy, options: (plan, options))
+    monkeypatch.setattr(launcher, "init_distributed", lost)
+    monkeypatch.setattr(launcher, "_die", die)
     plan = straight_plan(5, [0, 2], global_batch_size=4, num_micro_batches=2)
     with pytest.raises(SystemExit) as stop:
-        launch.train(plan, "mlp", 2, elastic=_policy(), **_options(tmp_path))
+        launcher.train(plan, "mlp", 2, elastic=_policy(), **_options(tmp_path))
     line = str(stop.value)
     assert line.startswith(f"dapple: {closing}"), line
     assert "Connection closed by peer" in line

@@ -12,7 +12,7 @@ from dapple.core.cluster import PRESETS
 from dapple.core.plan import straight_plan
 from dapple.errors import ValidationError
 from dapple.runtime.config import TrainConfig
-from dapple.runtime.elastic import ElasticPolicy, train_elastic
+from dapple.runtime.launch.elastic import ElasticPolicy, train_elastic
 from dapple.runtime.run_config import RunConfig, RunOptions
 
 

@@ -1,8 +1,8 @@
 """An elastic re-plan searches the space the first plan came from (its recorded options).
 
-Before, :func:`dapple.runtime.elastic.replan` called the planner with the run's 0-2 ZeRO floor
-only: a plan made with ZeRO-3 (or auto), tensor widths, interleaving or lengths was re-planned
-under other options after a lost device.
+Before, :func:`dapple.runtime.launch.elastic.replan` called the planner with the run's 0-2 ZeRO
+floor only: a plan made with ZeRO-3 (or auto), tensor widths, interleaving or lengths was
+re-planned under other options after a lost device.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from dapple.core.profile import LengthProfile, ModelProfile
 from dapple.errors import ValidationError
 from dapple.planner import make_plan
 from dapple.profiler.paper_models import load_profile
-from dapple.runtime.elastic import ElasticPolicy, cluster_of, replan
+from dapple.runtime.launch.elastic import ElasticPolicy, cluster_of, replan
 
 
 def _llm_at_lengths(lens: tuple[int, ...] = (256, 1024), blocks: int = 6) -> ModelProfile:

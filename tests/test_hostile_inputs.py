@@ -86,7 +86,7 @@ def files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, Path]:
     the work that must not start replaced by :func:`boom`."""
     for target in (
         "dapple.runtime.train",
-        "dapple.runtime.early.EarlyWorkers",
+        "dapple.runtime.launch.early.EarlyWorkers",
         "dapple.profiler.measure.profile_workload",
         "dapple.calibrate.machine.calibrate",
         "dapple.cli._demo_corpus.stdlib_sources",

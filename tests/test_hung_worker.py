@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 
-from dapple.runtime.failure import RankFailure
-from dapple.runtime.launch import spawn
-from dapple.runtime.local import heartbeats, silent_ranks
+from dapple.runtime.launch.failure import RankFailure
+from dapple.runtime.launch.launcher import spawn
+from dapple.runtime.launch.local import heartbeats, silent_ranks
 
 TIMEOUT_S = 8.0
 

@@ -26,9 +26,9 @@ import torch.distributed as dist
 
 from dapple.core.plan import straight_plan
 from dapple.errors import ValidationError
-from dapple.runtime import local
-from dapple.runtime.failure import RankFailure, lost_peer, rank_report
-from dapple.runtime.local import Interrupted, StopSignals, exit_text
+from dapple.runtime.launch import local
+from dapple.runtime.launch.failure import RankFailure, lost_peer, rank_report
+from dapple.runtime.launch.local import Interrupted, StopSignals, exit_text
 
 TESTS = Path(__file__).parent
 DEADLINE_S = 30.0  # workers must be gone this long after the launcher ends
@@ -391,7 +391,7 @@ def test_stop_signals_note_then_deliver_again_under_the_previous_handler() -> No
 @linux_only
 def test_a_worker_whose_launcher_is_gone_exits_at_once() -> None:
     code = (
-        "import os; from dapple.runtime.local import end_with_launcher; "
+        "import os; from dapple.runtime.launch.local import end_with_launcher; "
         "end_with_launcher(os.getppid() + 100000); print('still here')"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

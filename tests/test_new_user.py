@@ -149,7 +149,7 @@ def test_the_demo_shows_a_repeated_byte_as_a_run() -> None:
 def test_the_stop_line_names_the_last_step_and_checkpoint(tmp_path: Path) -> None:
     import json
 
-    from dapple.runtime.stop_line import last_logged_step, stop_line
+    from dapple.runtime.launch.stop_line import last_logged_step, stop_line
 
     m = tmp_path / "m.jsonl"
     m.write_text("\n".join([json.dumps({"step": 0}), json.dumps({"step": 1}),

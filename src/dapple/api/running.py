@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from dapple.models.fingerprint import Fingerprint
     from dapple.models.generate import Generated
     from dapple.runtime import StepMetrics
-    from dapple.runtime.early import EarlyWorkers
+    from dapple.runtime.launch.early import EarlyWorkers
     from dapple.runtime.verify import VerifyReport
 
 __all__ = ["generate", "train", "verify", "verify_many"]
@@ -78,7 +78,7 @@ def train(
             ``profile`` and ``cluster`` may be objects.
         elastic, min_devices, max_restarts: As :class:`~dapple.runtime.run_config.RunOptions`:
             re-plan on ``profile`` and ``cluster`` for the devices left when one is lost
-            (:mod:`dapple.runtime.elastic`); the metrics then hold every attempt's steps.
+            (:mod:`dapple.runtime.launch.elastic`); the metrics then hold every attempt's steps.
         early: Workers already started for this run (``dapple train`` starts them first).
         **options: The other :class:`dapple.runtime.TrainConfig` fields (``seed``,
             ``optimizer``, ``lr``, ``weight_decay``, ``zero_stage``, ``device``,
@@ -124,7 +124,7 @@ def train(
     if require_resume:
         check_resumable(cfg.checkpoint_dir)
     fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
-    from dapple.runtime.elastic import ElasticPolicy
+    from dapple.runtime.launch.elastic import ElasticPolicy
 
     replan: ElasticPolicy | None = None
     if elastic and profile is not None and cluster is not None:

@@ -28,7 +28,7 @@ puts the all-busy ratio ``t_shared / t_alone`` into ``compute_slowdown`` and lea
 Launch: the local processes are started by :func:`dapple.runtime.spawn`, as training's are, so
 they end with the calling process however it ends (SIGKILL included), SIGTERM or SIGINT to it
 stops them first, and they meet on loopback only (rank 0's TCPStore on the launcher's
-``127.0.0.1`` socket, gloo on the loopback interface; :mod:`dapple.runtime.local`).
+``127.0.0.1`` socket, gloo on the loopback interface; :mod:`dapple.runtime.launch.local`).
 """
 
 from __future__ import annotations
@@ -85,7 +85,8 @@ class CalibrationResult:
 def runtime_threads(nproc: int) -> int:
     """Intra-op threads the runtime gives each of ``nproc`` local CPU workers (the usable cores
     over ``nproc``, :func:`dapple.core.cpu_cores.threads_per_worker`, as
-    :func:`dapple.runtime.launch.init_distributed`); profile CPU workloads with this count."""
+    :func:`dapple.runtime.launch.launcher.init_distributed`); profile CPU workloads with this
+    count."""
     return threads_per_worker(nproc)
 
 
@@ -238,7 +239,7 @@ def _worker(rank: int, world: int, sizes: tuple[int, ...], repeats: int, out: An
     """One rank started by :func:`dapple.runtime.spawn`: join the gloo group at rank 0's store on
     loopback (torch's default timeout), measure, and rank 0 sends the result on ``out`` (the
     write end of a pipe)."""
-    from dapple.runtime.local import local_store
+    from dapple.runtime.launch.local import local_store
 
     torch.set_num_threads(runtime_threads(world))  # as the runtime's workers
     store = local_store(default_pg_timeout)
@@ -368,8 +369,8 @@ def calibrate(
         return _calibrate_under_torchrun(sizes, repeats)
     if nproc < 2:
         raise ValidationError(f"calibrate needs --nproc >= 2 to measure links, got {nproc}")
-    from dapple.runtime.failure import RankFailure
-    from dapple.runtime.launch import spawn
+    from dapple.runtime.launch.failure import RankFailure
+    from dapple.runtime.launch.launcher import spawn
 
     alone = _matmul_alone_ms(nproc)
     # A pipe, not a queue: a queue's locks are named semaphores that Python's resource tracker

@@ -68,7 +68,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dapple: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as e:
-        local = sys.modules.get("dapple.runtime.local")  # a launcher's closing line says it all
+        # a launcher's closing line says it all
+        local = sys.modules.get("dapple.runtime.launch.local")
         if local is None or not isinstance(e, local.Interrupted):
             print("dapple: interrupted", file=sys.stderr)
         return 130

@@ -37,7 +37,7 @@ if TYPE_CHECKING:  # torch-free import of the CLI
     from dapple.models.workload import Workload
     from dapple.runtime.checkpoint import Checkpoint
     from dapple.runtime.config import StepMetrics
-    from dapple.runtime.early import EarlyWorkers
+    from dapple.runtime.launch.early import EarlyWorkers
     from dapple.runtime.run_config import RunConfig
 
 __all__ = ["DEFAULT_KEEP", "check_long_run", "register", "run", "run_config"]
@@ -377,12 +377,12 @@ def _early_workers(
     args: argparse.Namespace, world: int
 ) -> contextlib.AbstractContextManager[EarlyWorkers | None]:
     """Standalone: the ``world`` workers, started now so that they start and load the model
-    while this process loads it and checks the plan (:mod:`dapple.runtime.early`); they get
+    while this process loads it and checks the plan (:mod:`dapple.runtime.launch.early`); they get
     the run once every check passed, and end without a word otherwise. Under ``torchrun``:
     none (this process is one rank)."""
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return contextlib.nullcontext()
-    from dapple.runtime.early import EarlyWorkers
+    from dapple.runtime.launch.early import EarlyWorkers
 
     overrides = with_seq_len(args, model_overrides(args))
     return EarlyWorkers(world, args.model, overrides, echo=True)

@@ -6,7 +6,7 @@ Workers left in their launcher's session share one slot between them; ``torchrun
 of its workers in a new session (``start_new_session=True``), so on a machine busy with other
 sessions its ranks get one share each. :func:`run_in_own_session` gives a standalone launch's
 workers the same footing, as their first act - their imports (torch) and tracing already run in
-the new session. The launcher stays in charge of their lives (:mod:`dapple.runtime.local`):
+the new session. The launcher stays in charge of their lives (:mod:`dapple.runtime.launch.local`):
 they end when it ends, it stops them on SIGTERM and SIGINT; terminal signals (Ctrl-C, Ctrl-Z)
 reach only the launcher.
 

@@ -1,7 +1,7 @@
 """The search options a plan was made with, recorded in the plan so a re-plan uses them again.
 
 An elastic run that loses a device plans anew for the devices left
-(:mod:`dapple.runtime.elastic`); it must search the same space the first plan came from -
+(:mod:`dapple.runtime.launch.elastic`); it must search the same space the first plan came from -
 ZeRO stage (or ``auto``), tensor widths, interleaving, planner - or the re-plan answers a
 different question than the user asked. :func:`dapple.planner.make_plan` records them as
 :attr:`dapple.core.plan.Plan.planned_with`; the lengths a plan was made for are the plan's own

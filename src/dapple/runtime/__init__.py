@@ -7,7 +7,7 @@ Entry points: :func:`train` (Python API; spawns local workers or joins a ``torch
 
 from dapple.runtime.config import StepMetrics, TrainConfig
 from dapple.runtime.engine import RankFailure, StageRun, run_plan, validate_run
-from dapple.runtime.launch import (
+from dapple.runtime.launch.launcher import (
     free_port,
     init_distributed,
     resolve_workload,

@@ -48,8 +48,8 @@ from dapple.runtime.chunks import Executor
 from dapple.runtime.config import StepMetrics, TrainConfig
 from dapple.runtime.data import RankData, check_data, data_state, fit_data, fit_workload
 from dapple.runtime.evaluate import Evaluation, eval_batch_fn, eval_plan
-from dapple.runtime.failure import RankFailure, describe_rank, short_error
 from dapple.runtime.interpreter import ProgramInterpreter
+from dapple.runtime.launch.failure import RankFailure, describe_rank, short_error
 from dapple.runtime.longrun import LongRun, first_attempt
 from dapple.runtime.memory import ActivationMeter
 from dapple.runtime.metrics import MetricsSink, StepProbe, announce, resident_bytes, row_tokens
@@ -488,7 +488,7 @@ def _teardown(sync: GradientSync, plan: Plan, rank: int) -> None:
         sync.close(clean=True)
         # destroyed groups held in reference cycles (hooks <-> modules) would otherwise live,
         # worker threads and all, until a collection at interpreter exit: see
-        # dapple.runtime.launch.shutdown_distributed
+        # dapple.runtime.launch.local.shutdown_distributed
         gc.collect()
     except Exception as e:
         sync.close(clean=False)

@@ -40,8 +40,8 @@ from dapple.errors import ValidationError
 from dapple.models.workload import Workload
 from dapple.runtime import comm
 from dapple.runtime.chunks import Executor
-from dapple.runtime.failure import RankFailure, describe_rank, failure_grid, short_error
 from dapple.runtime.interpreter import _compile, _Op
+from dapple.runtime.launch.failure import RankFailure, describe_rank, failure_grid, short_error
 from dapple.runtime.parallel.stage_mesh import tensor_programs
 from dapple.schedule.forward import lower_forward
 from dapple.schedule.ir import Action, ActionKind

@@ -60,8 +60,8 @@ from torch import nn
 from dapple.core.plan import Plan
 from dapple.errors import ValidationError
 from dapple.runtime.chunks import Executor, RankChunks
-from dapple.runtime.failure import RankFailure, describe_rank, failure_grid, short_error
 from dapple.runtime.guard import NonFiniteGuard
+from dapple.runtime.launch.failure import RankFailure, describe_rank, failure_grid, short_error
 from dapple.runtime.metrics import ROW_SQ_NORM, StepProbe, global_norm
 from dapple.runtime.optim import ModelUpdate
 from dapple.runtime.parallel.zero import FlatShards

@@ -143,7 +143,7 @@ class RunOptions:
     """Where ``dapple train`` writes the loss-curve PNG (default: beside ``metrics_path``)."""
     elastic: bool = False
     """Re-plan for the devices left when one is lost and go on from the newest checkpoint
-    (:mod:`dapple.runtime.elastic`; needs ``profile``, ``cluster``, ``checkpoint_dir`` and
+    (:mod:`dapple.runtime.launch.elastic`; needs ``profile``, ``cluster``, ``checkpoint_dir`` and
     ``save_every``); under ``torchrun``, plan for each attempt's ``WORLD_SIZE``."""
     min_devices: int = 1
     """An elastic run stops, resumable, rather than go on with fewer devices."""

@@ -8,9 +8,9 @@ starts the workers first thing: each takes its own session (:mod:`dapple.core.ow
 binds its life to the launcher's, loads the model from its spec and then waits for its run on
 a pipe, while the launcher loads the model and checks the plan, the data and the checkpoints.
 
-- :func:`dapple.runtime.launch.spawn` (``early=``) hands each worker ``fn`` and its arguments;
-  a worker whose run names the model it loaded uses it (:func:`preloaded`), any other loads
-  the run's model itself.
+- :func:`dapple.runtime.launch.launcher.spawn` (``early=``) hands each worker ``fn`` and its
+  arguments; a worker whose run names the model it loaded uses it (:func:`preloaded`), any
+  other loads the run's model itself.
 - :meth:`EarlyWorkers.close` ends workers that never got a run (a bad input: the launcher
   prints its one line, the workers go without a word).
 - Nothing a worker does before its run has effects: no process group, no file; a load that
@@ -34,7 +34,7 @@ import torch.multiprocessing as mp
 
 from dapple.core.own_session import Deferred, run_in_own_session
 from dapple.models.workload import Workload
-from dapple.runtime.local import (
+from dapple.runtime.launch.local import (
     end_with_launcher,
     heartbeats,
     listener,
@@ -100,7 +100,7 @@ class EarlyWorkers:
 
     def close(self) -> None:
         """End the workers still waiting for a run (or running: stopped as
-        :func:`dapple.runtime.local.stop_workers` does); reap them all."""
+        :func:`dapple.runtime.launch.local.stop_workers` does); reap them all."""
         for conn in self._runs:
             conn.close()
         self._runs = []
@@ -139,8 +139,9 @@ def _early_worker(
     echo: bool,
     beats: Any = None,
 ) -> None:
-    """An early worker: end with the launcher, beat (:func:`~dapple.runtime.local.heartbeats`),
-    load the model, wait for the run and run it."""
+    """An early worker: end with the launcher, beat
+    (:func:`~dapple.runtime.launch.local.heartbeats`), load the model, wait for the run and run
+    it."""
     end_with_launcher(launcher)
     start_heartbeat(beats, rank)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: the launcher stops the workers

@@ -1,5 +1,5 @@
 """A single-host launch beyond starting processes: workers that end with their launcher, and a
-rendezvous that listens on loopback only (used by :func:`dapple.runtime.launch.spawn`).
+rendezvous that listens on loopback only (used by :func:`dapple.runtime.launch.launcher.spawn`).
 
 Lifetimes. A worker starts in a session of its own (:mod:`dapple.core.own_session`: its share
 of a busy machine's CPU, as a ``torchrun`` worker's; terminal signals reach only the launcher),
@@ -37,7 +37,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from dapple.runtime.failure import RankFailure
+from dapple.runtime.launch.failure import RankFailure
 
 __all__ = [
     "HEARTBEAT_S",

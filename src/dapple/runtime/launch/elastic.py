@@ -3,7 +3,7 @@
 Standalone (:func:`train_elastic`, ``dapple train --elastic``): the launcher runs the plan.
 When its workers end because a device was lost - a worker killed by a signal (``kill -9``, the
 kernel's OOM killer, a dead GPU taking its process down), see
-:meth:`~dapple.runtime.failure.RankFailure.lost_ranks` - it re-plans with the planner's own
+:meth:`~dapple.runtime.launch.failure.RankFailure.lost_ranks` - it re-plans with the planner's own
 search for the devices left (the same profile, the cluster less the lost devices, the same
 global batch G and memory limit; :func:`replan`) and starts the survivors again from the newest
 complete checkpoint, which a resume reads under any plan. G and the data order stay those of
@@ -42,7 +42,7 @@ from dapple.core.profile import ModelProfile
 from dapple.errors import DappleError, InfeasibleError, ValidationError
 from dapple.runtime.checkpoint import latest_checkpoint
 from dapple.runtime.config import StepMetrics
-from dapple.runtime.failure import RankFailure
+from dapple.runtime.launch.failure import RankFailure
 from dapple.runtime.metrics import announce, metrics_from_dict
 
 __all__ = [

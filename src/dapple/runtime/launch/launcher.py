@@ -6,15 +6,15 @@ tensors staged through host memory when ranks share a GPU (:mod:`dapple.runtime.
 every wait on a peer; a failing worker prints ``dapple: error: step S: rank R (stage s
 replica j) failed during ...; lost peer rank P ...`` and exits 1 instead of hanging. A rank that
 failed on its own adds the schedule grid with its action marked; a rank that only lost a peer
-prints that one line (:func:`dapple.runtime.failure.rank_report`).
+prints that one line (:func:`dapple.runtime.launch.failure.rank_report`).
 
-The standalone launcher (:mod:`dapple.runtime.local`): its workers end when it ends, however it
-ends (SIGKILL included); SIGTERM or SIGINT to it stops every worker first; each worker runs in
-a session of its own (:mod:`dapple.core.own_session`: Ctrl-C reaches only the launcher, which
-stops them) and ignores SIGINT; the rendezvous and gloo listen on ``127.0.0.1`` only. It waits
-for all workers (at most ``timeout_s`` plus a grace period after the first failure, then kills
-stragglers) and reports every rank's exit code or signal. Rank 0 (and the first replica of each
-stage) prints each start-up phase as it starts (:func:`dapple.runtime.metrics.announce`).
+The standalone launcher (:mod:`dapple.runtime.launch.local`): its workers end when it ends, however
+it ends (SIGKILL included); SIGTERM or SIGINT to it stops every worker first; each worker runs in a
+session of its own (:mod:`dapple.core.own_session`: Ctrl-C reaches only the launcher, which stops
+them) and ignores SIGINT; the rendezvous and gloo listen on ``127.0.0.1`` only. It waits for all
+workers (at most ``timeout_s`` plus a grace period after the first failure, then kills stragglers)
+and reports every rank's exit code or signal. Rank 0 (and the first replica of each stage) prints
+each start-up phase as it starts (:func:`dapple.runtime.metrics.announce`).
 """
 
 from __future__ import annotations
@@ -47,11 +47,11 @@ from dapple.models.workload import Workload
 from dapple.runtime.comm import set_host_staged, transport_for
 from dapple.runtime.config import StepMetrics, TrainConfig
 from dapple.runtime.data import check_data, check_data_resume, data_state
-from dapple.runtime.early import EarlyWorkers, preloaded
 from dapple.runtime.engine import RankFailure, run_plan, validate_run
 from dapple.runtime.evaluate import eval_batch_fn, eval_plan
-from dapple.runtime.failure import lost_peer, rank_report
-from dapple.runtime.local import (
+from dapple.runtime.launch.early import EarlyWorkers, preloaded
+from dapple.runtime.launch.failure import lost_peer, rank_report
+from dapple.runtime.launch.local import (
     StopSignals,
     exit_text,
     heartbeats,
@@ -63,13 +63,13 @@ from dapple.runtime.local import (
     silent_ranks,
     stop_workers,
 )
+from dapple.runtime.launch.stop_line import stop_line
 from dapple.runtime.longrun import elastic_store
 from dapple.runtime.metrics import announce, metrics_from_dict
 from dapple.runtime.precision import check_precision
-from dapple.runtime.stop_line import stop_line
 
 if TYPE_CHECKING:
-    from dapple.runtime.elastic import ElasticPolicy
+    from dapple.runtime.launch.elastic import ElasticPolicy
 
 __all__ = [
     "free_port",
@@ -121,7 +121,7 @@ def init_distributed(config: TrainConfig, local_world: int) -> torch.device:
     """Join the process group; returns the device.
 
     In a worker started by :func:`spawn` the ranks meet at rank 0's TCPStore on loopback
-    (:func:`dapple.runtime.local.local_store`); anywhere else as the env says (RANK,
+    (:func:`dapple.runtime.launch.local.local_store`); anywhere else as the env says (RANK,
     WORLD_SIZE, MASTER_ADDR/PORT, e.g. from ``torchrun``, on any host). A CPU rank also sets its
     intra-op threads (the cores over the local processes) and keeps freed memory for the next
     step (:func:`dapple.core.host_memory.keep_freed_memory`)."""
@@ -187,7 +187,7 @@ def spawn(
     before it imports anything heavy, as ``torchrun``'s workers do
     (:mod:`dapple.core.own_session`: on a busy machine they get torchrun's share of the CPU).
     With ``early`` (``nprocs`` of them, started before the run was known,
-    :class:`~dapple.runtime.early.EarlyWorkers`) they get the run instead of new processes.
+    :class:`~dapple.runtime.launch.early.EarlyWorkers`) they get the run instead of new processes.
     ``closing`` makes the line written to stderr when a signal stopped them (its name given).
 
     Raises:
@@ -248,7 +248,7 @@ def _wait(
 ) -> tuple[list[int], list[int]]:
     """Wait until every worker has ended, or a stop signal came. Returns ``(hung, silent)``:
     the ranks still alive ``timeout_s + GRACE_S`` after the first failure, and those whose
-    heartbeat (:func:`~dapple.runtime.local.heartbeats`) stopped for more than ``timeout_s``;
+    heartbeat (:func:`~dapple.runtime.launch.local.heartbeats`) stopped for more than ``timeout_s``;
     both are killed here (SIGKILL). A silent worker is frozen (stopped, or starved of every
     core), so it counts as a lost device: its exit code is SIGKILL's, and its peers, waiting
     for it in a collective, fail as soon as its sockets close - the run ends about
@@ -323,7 +323,7 @@ def train(
 
     Under ``torchrun`` (RANK/WORLD_SIZE in the env) this process is one rank; otherwise one
     process per plan device is started locally (or, with ``early``, those started before the
-    checks run it: ``dapple train`` starts them first thing, :mod:`dapple.runtime.early`).
+    checks run it: ``dapple train`` starts them first thing, :mod:`dapple.runtime.launch.early`).
 
     Args:
         plan: a :class:`Plan` or the path of a plan JSON file.
@@ -335,7 +335,7 @@ def train(
         eval_data: evaluation samples handed to the runtime (see ``run_plan``).
         early: workers already started for this run (one per plan device; ended when the
             run is refused).
-        elastic: re-plan for the devices there are (:mod:`dapple.runtime.elastic`): under
+        elastic: re-plan for the devices there are (:mod:`dapple.runtime.launch.elastic`): under
             ``torchrun`` for ``WORLD_SIZE`` devices, always resuming from the newest
             checkpoint; standalone whenever a device is lost (:func:`train_elastic`, which
             returns only the metrics here).
@@ -354,7 +354,7 @@ def train(
     if not isinstance(plan, Plan):
         plan = Plan.load(plan)
     if elastic is not None and not _under_torchrun():
-        from dapple.runtime.elastic import train_elastic
+        from dapple.runtime.launch.elastic import train_elastic
 
         first = [early]  # workers started early serve the first attempt only
 
@@ -444,7 +444,7 @@ def _elastic_worker(
 ) -> tuple[Plan, dict[str, Any]]:
     """A ``torchrun`` worker of an elastic run: the plan for ``WORLD_SIZE`` devices, resuming
     from the newest checkpoint (none: step 0)."""
-    from dapple.runtime.elastic import worker_plan
+    from dapple.runtime.launch.elastic import worker_plan
 
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     return worker_plan(plan, world, policy, options, announce_it=rank == 0)
