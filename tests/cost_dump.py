@@ -10,11 +10,11 @@ dump before a change, dump after, and compare - every number must be equal, bit 
 
 For each paper profile (``paper:NAME``) and cluster (``paper-a``, ``paper-b``, ``paper-c``,
 ``h100-8x``) and every planner of :data:`dapple.planner.PLANNERS`: the plan (``to_dict``), the
-scorer's L for its stages, :func:`pipeline_latency` (every field), :func:`schedule_latency`, the
-simulated step, and :func:`best_per_schedule` on the plan (each variant's plan, predicted and
-simulated step, per-group memory); :func:`best_schedule` on the DAPPLE plan. Then cases the
-paper clusters do not reach: ZeRO stages, CPU hosts with host terms and shared compute, and a
-profile measured at several sequence lengths.
+scorer's answer for its stages (the plan it builds), :func:`pipeline_latency` (every field),
+:func:`schedule_latency`, the simulated step, and :func:`best_per_schedule` on the plan (each
+variant's plan, predicted and simulated step, per-group memory); :func:`best_schedule` on the
+DAPPLE plan. Then cases the paper clusters do not reach: ZeRO stages, CPU hosts with host terms
+and shared compute, and a profile measured at several sequence lengths.
 """
 
 from __future__ import annotations
@@ -91,7 +91,12 @@ def _costs(plan: Plan, profile: ModelProfile, cluster: Cluster, events: bool) ->
         sc = Scorer(profile, cluster, plan.global_batch_size)
         stages = [(*st.layers, st.devices) for st in plan.stages]
         got = sc.score(stages, plan.num_micro_batches, schedule=plan.schedule)
-        out["scorer"] = None if got is None else dataclasses.asdict(got)
+        # as the plan it builds: L, and per stage re-computation, D, zero stage and regather
+        out["scorer"] = (
+            None
+            if got is None
+            else sc.build_plan("scorer", stages, plan.num_micro_batches, got).to_dict()
+        )
     return out
 
 
