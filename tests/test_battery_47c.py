@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -101,3 +102,52 @@ def test_the_training_bars_eta_moves_with_the_clock_between_steps() -> None:
         assert _eta_on_screen(bar) == "0:00:04"
     finally:
         bar.close()
+
+
+# -- process counts: bounded by what each process holds at the least --------------------------
+def test_local_processes_are_bounded_by_their_least_memory() -> None:
+    from dapple.errors import ValidationError
+    from dapple.profiler.host_fit import (
+        FORKED_PROCESS_BYTES,
+        SPAWNED_PROCESS_BYTES,
+        check_local_processes,
+    )
+
+    gib = 2**30
+    check_local_processes(8, "--nproc 8", available=8 * SPAWNED_PROCESS_BYTES)  # just fits
+    with pytest.raises(ValidationError, match=r"--nproc 9: 9 local processes .* at most 8 fit"):
+        check_local_processes(9, "--nproc 9", available=8 * SPAWNED_PROCESS_BYTES)
+    check_local_processes(4 * gib // FORKED_PROCESS_BYTES, "x", forked=True, available=4 * gib)
+    with pytest.raises(ValidationError, match="32 MiB each"):
+        check_local_processes(10**6, "--co-workers", forked=True, available=4 * gib)
+
+
+@pytest.mark.parametrize(
+    ("argv", "work"),
+    [
+        (["calibrate", "--nproc", "1000000", "-o", "{tmp}/c.json"],
+         "dapple.calibrate.machine.calibrate"),
+        (["profile", "-m", "mlp", "--device", "cpu", "--co-workers", "1000000", "-o",
+          "{tmp}/p.json"], "dapple.profiler.measure.profile_workload"),
+        (["plan-local", "-m", "mlp", "--global-batch-size", "4", "--nproc", "2,1000000",
+          "--out-dir", "{tmp}/pl"], "dapple.calibrate.local.plan_local"),
+        (["demo", "--nproc", "1000000", "--out-dir", "{tmp}/demo"],
+         "dapple.cli.demo_cmd._profile_and_calibrate"),
+    ],
+)  # fmt: skip
+def test_a_million_local_processes_are_refused_before_any_starts(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    argv: list[str],
+    work: str,
+) -> None:
+    from builders import boom
+
+    monkeypatch.setattr(work, boom)
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("dapple: error: --") and err.count("\n") == 1, err
+    assert re.search(r" (1,000,000|999,999) local processes need at least ", err), err
+    assert list(tmp_path.iterdir()) == []  # nothing written

@@ -25,6 +25,9 @@ def check_demo_args(args: argparse.Namespace) -> Path:
             f"--nproc {args.nproc}: the demo runs a pipeline with uneven replication, which "
             "needs at least 3 processes (2:1)"
         )
+    from dapple.profiler.host_fit import check_local_processes  # imports torch: not at --help
+
+    check_local_processes(args.nproc, f"--nproc {args.nproc}")
     for flag, value in (
         ("--steps", args.steps),
         ("--global-batch-size", args.global_batch_size),

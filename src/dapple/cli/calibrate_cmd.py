@@ -27,6 +27,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
 def run(args: argparse.Namespace) -> int:
     from dapple.calibrate.machine import DEFAULT_SIZES, calibrate
+    from dapple.profiler.host_fit import check_local_processes
 
     check_output_file(args.output, "--output cluster file")
     least = DEFAULT_SIZES[1] / (1 << 20)
@@ -39,6 +40,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValidationError(f"--repeats must be >= 1, got {args.repeats}")
     if args.nproc < 2:
         raise ValidationError(f"calibrate needs --nproc >= 2 to measure links, got {args.nproc}")
+    check_local_processes(args.nproc, f"--nproc {args.nproc}")
     sizes = tuple(s for s in DEFAULT_SIZES if s <= args.max_mb * (1 << 20))
     con = console()
     with StepProgress("calibrate", detail=f"measuring {args.nproc} gloo processes", console=con):

@@ -85,8 +85,10 @@ def run(args: argparse.Namespace) -> int:
     out = check_output_dir(args.out_dir, "--out-dir")  # before any measuring
     for name in ("plan.json", "profile.json", "cluster.json"):
         check_output_file(out / name, "--out-dir file")
+    from dapple.profiler.host_fit import check_host_memory, check_local_processes
+
+    check_local_processes(max(counts), f"--nproc {args.nproc}")
     workload = load_workload(args.model, **model_overrides(args))
-    from dapple.profiler.host_fit import check_host_memory
 
     check_host_memory(workload, max(counts), what="planning")  # profiled with co-workers
     con = console()

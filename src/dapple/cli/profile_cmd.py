@@ -252,12 +252,13 @@ def run(args: argparse.Namespace) -> int:
     overrides = model_overrides(args)
     shape = _parse_shape(args.input_shape)
     from dapple.models.zoo import load_workload
-    from dapple.profiler.host_fit import check_host_memory
+    from dapple.profiler.host_fit import check_host_memory, check_local_processes
     from dapple.profiler.measure import profile_workload, resolve_device
 
     dev = resolve_device(args.device)  # fail fast, before building the model
     workload = load_workload(args.model, input_shape=shape, **overrides)
     held = max(1, args.co_workers) if dev.type == "cpu" else 1  # co-workers run on CPU only
+    check_local_processes(held - 1, f"--co-workers {args.co_workers}", forked=True)
     check_host_memory(workload, held)  # before building any layer
     con = console()
     passes = len(set(lens)) if lens else 1
