@@ -151,3 +151,51 @@ def test_a_million_local_processes_are_refused_before_any_starts(
     assert err.startswith("dapple: error: --") and err.count("\n") == 1, err
     assert re.search(r" (1,000,000|999,999) local processes need at least ", err), err
     assert list(tmp_path.iterdir()) == []  # nothing written
+
+
+# -- the demo starts over in its --out-dir/checkpoints: only what dapple wrote goes -------------
+def test_demo_refuses_an_out_dir_whose_checkpoints_hold_a_users_files(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from builders import boom
+
+    monkeypatch.setattr("dapple.cli._demo_corpus.stdlib_sources", boom)
+    mine = tmp_path / "demo" / "checkpoints" / "step-00000004"
+    mine.mkdir(parents=True)
+    (mine / "notes.txt").write_text("precious")
+    assert main(["demo", "--out-dir", str(tmp_path / "demo")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("dapple: error: checkpoint directory ") and err.count("\n") == 1, err
+    assert "'notes.txt'" in err and "give the demo another --out-dir" in err
+    assert (mine / "notes.txt").read_text() == "precious"
+
+
+def test_demo_train_deletes_only_the_checkpoints_a_save_wrote(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import argparse
+
+    from dapple.cli import demo_cmd
+
+    ckpt = tmp_path / "checkpoints"
+    own, users = ckpt / "step-00000002", ckpt / "mine"
+    own.mkdir(parents=True)
+    (own / "manifest.json").write_text("{}")
+    users.mkdir()
+    (users / "notes.txt").write_text("precious")
+    (ckpt / "README").write_text("precious")
+
+    class _Started(Exception):
+        pass
+
+    def train(*_: object, **__: object) -> None:
+        raise _Started
+
+    monkeypatch.setattr("dapple.api.train", train)
+    args = argparse.Namespace(steps=2, model="transformer")
+    with pytest.raises(_Started):
+        demo_cmd._train(Console(file=io.StringIO()), args, tmp_path, _strided_tp_plan(), 1.0,
+                        {}, None, [0] * 8, 1.0)  # fmt: skip
+    assert not own.exists()  # the earlier run's own checkpoint
+    assert (users / "notes.txt").read_text() == "precious"
+    assert (ckpt / "README").read_text() == "precious"

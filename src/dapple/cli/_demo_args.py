@@ -15,7 +15,9 @@ __all__ = ["check_demo_args"]
 
 
 def check_demo_args(args: argparse.Namespace) -> Path:
-    """Check the demo's counts, corpus size and output directory; returns ``--out-dir``.
+    """Check the demo's counts, corpus size and output directory (whose ``checkpoints`` the
+    demo starts over in: a checkpoint directory there holding files dapple did not write is
+    refused); returns ``--out-dir``.
 
     Raises:
         ValidationError: naming the first offending flag and its value.
@@ -37,4 +39,8 @@ def check_demo_args(args: argparse.Namespace) -> Path:
             raise ValidationError(f"{flag} must be >= 1, got {value}")
     if not (math.isfinite(args.corpus_mib) and args.corpus_mib > 0):
         raise ValidationError(f"--corpus-mib must be a number > 0, got {args.corpus_mib}")
-    return check_output_dir(args.out_dir, "--out-dir")
+    out = check_output_dir(args.out_dir, "--out-dir")
+    from dapple.runtime.checkpoint.files import refuse_foreign
+
+    refuse_foreign(out / "checkpoints", "give the demo another --out-dir")  # it starts over there
+    return out

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -357,12 +356,13 @@ def _train(
 ) -> list[Any]:
     """Train ``plan`` on the corpus; report time, losses and validation loss."""
     from dapple import api
+    from dapple.runtime.checkpoint.files import delete_checkpoints
     from dapple.runtime.reporting import write_loss_curve
 
     steps = args.steps
     con.rule(f"3. train {plan.replication} for {steps} steps on {len(plan.devices)} processes")
     ckpt = out / "checkpoints"
-    shutil.rmtree(ckpt, ignore_errors=True)  # the demo's own checkpoints of an earlier run
+    delete_checkpoints(ckpt)  # an earlier run's (only what a save writes: check_demo_args)
     eval_batches = max(1, min(4, len(val_data) // plan.global_batch_size))
     with run_progress(con, f"train {plan.replication}", steps, out / "metrics.jsonl"):
         metrics = api.train(
