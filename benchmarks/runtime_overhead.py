@@ -170,28 +170,32 @@ def _plain_ms(model: Any, wl: Any, size: dict[str, int], steps: int) -> list[flo
     return out
 
 
-def _interleaved_ms(wl: Any, size: dict[str, int], steps: int) -> tuple[list[float], list[float]]:
+def _interleaved_ms(wl: Any, size: dict[str, int], steps: int) -> dict[str, list[float]]:
     """dapple's steps and a plain loop's (over the same pieces) one after the other in one
     process: each dapple step's ``on_step`` runs one plain step. A dapple step is the time from
     the end of the previous plain step to its own ``on_step`` (all of it: batch, interpreter,
     collective, optimizer, metrics line), so a slow spell of the machine falls on both loops
-    alike. Returns ``(plain ms, dapple ms)`` per step."""
+    alike. Returns per step, by key: ``plain``/``dapple`` wall ms and ``plain cpu``/``dapple
+    cpu`` ms of the process's CPU time (``time.process_time``, all its threads: what the step
+    cost this process, whatever else ran on the machine meanwhile)."""
     plain = _plain_step(wl.build_model(SEED + 1), wl, size, steps)
-    plain_ms: list[float] = []
-    dapple_ms: list[float] = []
-    mark = [0.0]
+    out: dict[str, list[float]] = {"plain": [], "dapple": [], "plain cpu": [], "dapple cpu": []}
+    mark = [0.0, 0.0]
 
     def on_step(metrics: Any) -> None:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         if mark[0]:
-            dapple_ms.append((t0 - mark[0]) * 1e3)
+            out["dapple"].append((t0 - mark[0]) * 1e3)
+            out["dapple cpu"].append((c0 - mark[1]) * 1e3)
         plain(metrics.step)
-        t1 = time.perf_counter()
-        plain_ms.append((t1 - t0) * 1e3)
-        mark[0] = t1
+        t1, c1 = time.perf_counter(), time.process_time()
+        out["plain"].append((t1 - t0) * 1e3)
+        out["plain cpu"].append((c1 - c0) * 1e3)
+        mark[:] = [t1, c1]
 
     _dapple(wl, size, steps + 1, on_step)  # the first step has no start mark
-    return plain_ms[1:], dapple_ms
+    out["plain"], out["plain cpu"] = out["plain"][1:], out["plain cpu"][1:]
+    return out
 
 
 def _dapple(wl: Any, size: dict[str, int], steps: int, on_step: Any = None) -> list[float]:
@@ -323,11 +327,8 @@ def child(model: str, warmup: int, steps: int) -> dict[str, Any]:
             "plain module": _plain_ms(original(), wl, size, n)[warmup:],
             "dapple": _dapple(wl, size, n)[warmup:],
         }
-        alt_plain, alt_dapple = _interleaved_ms(wl, size, n)
-        res["interleaved plain"], res["interleaved dapple"] = (
-            alt_plain[warmup:],
-            alt_dapple[warmup:],
-        )
+        for key, values in _interleaved_ms(wl, size, n).items():
+            res[f"interleaved {key}"] = values[warmup:]
         res["instrumented"] = _instrumented(wl, size, warmup, steps)
         res["slicing_ms"] = _slicing_ms(wl, size)
     finally:
@@ -390,20 +391,25 @@ def _report(results: dict[str, dict[str, list[dict[str, Any]]]], args: Any,
         "Step by step, in one process (``_interleaved_ms``: each dapple step's ``on_step`` runs "
         "one plain step over the same pieces, so a slow spell of the machine falls on both): "
         "the paired ratio is the median over steps of plain ms / dapple ms of adjacent steps, "
-        "with its 25th-75th percentiles.",
+        "with its 25th-75th percentiles. Two clocks: wall time, and the process's CPU time "
+        "(``time.process_time``, all its threads), which leaves out the time other programs "
+        "held the cores.",
         "",
-        "| model | version | plain ms | dapple ms | paired ratio | IQR |",
-        "|---|---|---|---|---|---|",
+        "| model | version | clock | plain ms | dapple ms | paired ratio | IQR |",
+        "|---|---|---|---|---|---|---|",
     ]
     for model, by_version in results.items():
         for version, runs in by_version.items():
-            pairs = [(a, b) for r in runs
-                     for a, b in zip(r["interleaved plain"], r["interleaved dapple"], strict=True)]  # fmt: skip
-            ratios = sorted(a / b for a, b in pairs)
-            q1, _, q3 = statistics.quantiles(ratios, n=4)
-            lines.append(f"| {model} | {version} | {med([a for a, _ in pairs]):.2f} | "
-                         f"{med([b for _, b in pairs]):.2f} | {med(ratios):.3f} | "
-                         f"{q1:.3f}-{q3:.3f} |")  # fmt: skip
+            for clock, suffix in (("wall", ""), ("CPU", " cpu")):
+                if f"interleaved dapple{suffix}" not in runs[0]:
+                    continue
+                pairs = [(a, b) for r in runs for a, b in zip(
+                    r[f"interleaved plain{suffix}"], r[f"interleaved dapple{suffix}"], strict=True)]  # fmt: skip
+                ratios = sorted(a / b for a, b in pairs if b > 0)
+                q1, _, q3 = statistics.quantiles(ratios, n=4)
+                lines.append(f"| {model} | {version} | {clock} | {med([a for a, _ in pairs]):.2f} "
+                             f"| {med([b for _, b in pairs]):.2f} | {med(ratios):.3f} | "
+                             f"{q1:.3f}-{q3:.3f} |")  # fmt: skip
     for model, by_version in results.items():
         size = MODELS[model]
         lines += ["", f"## {model}: {size}", "", "Phases of dapple's step (instrumented run, mean "
