@@ -12,9 +12,9 @@ import pytest
 
 from dapple import api
 from dapple.cli import main
-from dapple.cli._model_args import parse_dynamic_dims
 from dapple.core.plan import straight_plan
 from dapple.errors import ValidationError
+from dapple.models.dim_syntax import parse_dynamic_dims
 from dapple.models.shapes import DynamicDim
 from dapple.models.split import with_dynamic_dims
 

@@ -88,16 +88,27 @@ def global_batch_of(profile: ModelProfile | str | Path, given: int | None) -> in
 
 
 def plan_with(
-    plan: Plan | str | Path, schedule: str | None, policy: str | None, virtual_stages: int = 1
+    plan: Plan | str | Path,
+    schedule: str | None,
+    policy: str | None,
+    virtual_stages: int = 1,
+    *,
+    cli: bool = False,
 ) -> Plan:
     """``plan`` under ``schedule`` (with v chunks for ``interleaved``,
-    :func:`dapple.simulate.schedules.with_schedule`) and ``policy``, each when given."""
+    :func:`dapple.simulate.schedules.with_schedule`) and ``policy``, each when given.
+
+    Raises:
+        ValidationError: an unreadable or invalid plan file, or a schedule that does not fit
+            it (``cli``: ``virtual_stages`` named as ``--virtual-stages``,
+            :func:`~dapple.schedule.registry.check_virtual_stages`).
+    """
     from dapple.simulate.schedules import with_schedule
 
     p = as_plan(plan)
+    check_virtual_stages(virtual_stages, schedule, cli=cli)
     if schedule is not None:
         return with_schedule(p, schedule, virtual_stages, policy)
-    check_virtual_stages(virtual_stages, None)
     if policy is not None:
         p = dataclasses.replace(p, policy=cast(Any, policy))
     return p

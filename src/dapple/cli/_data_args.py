@@ -17,8 +17,6 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING, Any
 
-from dapple.errors import ValidationError
-
 if TYPE_CHECKING:
     from torch.utils.data import Dataset
 
@@ -71,63 +69,39 @@ def add_eval_data_argument(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _paths(args: argparse.Namespace) -> list[str]:
-    return [x for x in (args.data, getattr(args, "eval_data", None)) if x is not None]
-
-
-def _documents_mode(args: argparse.Namespace) -> str | None:
-    """``"pack"``, ``"pad"`` or None.
-
-    Raises:
-        ValidationError: ``--pack`` / ``--pad`` without ``--data``.
-    """
-    mode = getattr(args, "documents", None)
-    if mode is not None and args.data is None:
-        raise ValidationError(f"--{mode} applies to --data; give a documents file")
-    return mode
-
-
 def with_seq_len(args: argparse.Namespace, overrides: dict[str, Any]) -> dict[str, Any]:
-    """``overrides`` plus ``seq=--seq-len`` when a data file is given.
+    """``overrides`` plus ``seq=--seq-len`` when a data file is given
+    (:func:`~dapple.runtime.run_config.seq_len_overrides`).
 
     Raises:
         ValidationError: ``--seq-len`` without a data file, a data file without ``--seq-len``,
             or ``--set seq=`` disagreeing with ``--seq-len``; ``--pack`` / ``--pad``
             without ``--data``.
     """
-    _documents_mode(args)
-    if not _paths(args):
-        if args.seq_len is not None:
-            raise ValidationError("--seq-len applies to --data / --eval-data; give a data file")
-        return overrides
-    if args.seq_len is None:
-        raise ValidationError("--data / --eval-data need --seq-len N (tokens per sample)")
-    if args.seq_len < 1:
-        raise ValidationError(f"--seq-len must be >= 1, got {args.seq_len}")
-    if "seq" in overrides and overrides["seq"] != args.seq_len:
-        raise ValidationError(
-            f"--set seq={overrides['seq']} disagrees with --seq-len {args.seq_len}"
-        )
-    return {**overrides, "seq": args.seq_len}
+    from dapple.runtime.run_config import seq_len_overrides
+
+    return seq_len_overrides(
+        overrides,
+        data=args.data,
+        eval_data=getattr(args, "eval_data", None),
+        seq_len=args.seq_len,
+        documents=getattr(args, "documents", None),
+    )
 
 
 def open_datasets(args: argparse.Namespace) -> tuple[Dataset[Any] | None, Dataset[Any] | None]:
     """The datasets of ``--data`` and ``--eval-data`` (None where not given): token files, or
-    documents packed or padded (``--pack`` / ``--pad``).
+    documents packed or padded (``--pack`` / ``--pad``,
+    :func:`~dapple.runtime.run_config.open_run_data`).
 
     Raises:
         ValidationError: a missing, empty or too short file; ``--pack`` / ``--pad`` without
             ``--data``, or on a file without document offsets.
     """
-    from dapple.datasets import TokenFile, open_documents
+    from dapple.runtime.run_config import check_documents, open_run_data
 
-    mode = _documents_mode(args)
-
-    def one(path: str | None) -> Dataset[Any] | None:
-        if path is None:
-            return None
-        if mode is not None:
-            return open_documents(path, args.seq_len, mode)
-        return TokenFile(path, args.seq_len)
-
-    return one(args.data), one(getattr(args, "eval_data", None))
+    mode = getattr(args, "documents", None)
+    check_documents(args.data, mode)
+    paths = (args.data, getattr(args, "eval_data", None))
+    train, evals = (None if x is None else open_run_data(x, args.seq_len, mode) for x in paths)
+    return train, evals

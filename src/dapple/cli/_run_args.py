@@ -8,7 +8,6 @@ come from :data:`dapple.runtime.config.OPTIMIZERS` only when argparse reads the 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 from collections.abc import Sequence
 from typing import overload
 
@@ -16,7 +15,7 @@ from dapple.cli._data_args import add_data_arguments
 from dapple.cli._model_args import add_model_arguments
 from dapple.cli._optim_args import add_optim_arguments
 from dapple.core.plan import Plan
-from dapple.schedule.registry import check_virtual_stages, schedule_names
+from dapple.schedule.registry import schedule_names
 
 __all__ = [
     "RUN_DEVICES",
@@ -151,16 +150,12 @@ def add_precision_argument(p: argparse.ArgumentParser) -> None:
 
 
 def load_run_plan(args: argparse.Namespace) -> Plan:
-    """The plan of ``--plan`` with ``--schedule`` (and ``--virtual-stages``,
-    :func:`dapple.simulate.schedules.with_schedule`) and ``--policy`` applied.
+    """The plan of ``--plan`` with ``--schedule`` (and ``--virtual-stages``) and ``--policy``
+    applied (:func:`dapple.api._inputs.plan_with`).
 
     Raises:
         ValidationError: unreadable or invalid plan file, or a schedule that does not fit it.
     """
-    from dapple.simulate.schedules import with_schedule
+    from dapple.api._inputs import plan_with
 
-    plan = Plan.load(args.plan)
-    check_virtual_stages(args.virtual_stages, args.schedule, cli=True)
-    if args.schedule:
-        return with_schedule(plan, args.schedule, args.virtual_stages, args.policy)
-    return dataclasses.replace(plan, policy=args.policy) if args.policy else plan
+    return plan_with(args.plan, args.schedule, args.policy, args.virtual_stages, cli=True)

@@ -23,7 +23,9 @@ name, which is also the API's keyword::
 :class:`RunOptions` are resolved into the :class:`TrainConfig` a run gets by
 :func:`resolve_train_config`: ``keep = 0`` keeps every checkpoint (TrainConfig: None), an unset
 ``eval_batches`` is 4 or as many as the evaluation data holds, and evaluation data without
-``eval_every`` evaluates after the last step.
+``eval_every`` evaluates after the last step. The model is loaded with
+:meth:`RunConfig.model_overrides` (its factory keywords, and ``seq`` from the data's
+``seq_len``), whose messages name the command line's flags.
 """
 
 from __future__ import annotations
@@ -48,12 +50,14 @@ __all__ = [
     "PlanChoice",
     "RunConfig",
     "RunOptions",
+    "check_documents",
     "check_resumable",
     "dump_run_config",
     "load_run_config",
     "open_run_data",
     "resolve_eval",
     "resolve_train_config",
+    "seq_len_overrides",
 ]
 
 DEFAULT_KEEP = 3
@@ -80,6 +84,26 @@ class ModelConfig:
     dynamic_dims: tuple[str, ...] = ()
     """Input dimensions whose size changes from step to step, ``INPUT:DIM=NAME[:MIN..MAX]`` or
     ``INPUT:DIM=static`` (``--dynamic-dims``)."""
+
+    def overrides(self) -> dict[str, Any]:
+        """The keyword arguments of :func:`dapple.models.spec.load`: ``set``, with ``split_at``,
+        ``weights`` and ``dynamic_dims`` (parsed, :mod:`dapple.models.dim_syntax`) when given.
+
+        Raises:
+            ValidationError: a bad ``dynamic_dims`` item; ``weights`` missing or empty.
+        """
+        from dapple.models.dim_syntax import parse_dynamic_dims
+
+        out = dict(self.set)
+        names = [n.strip() for n in self.split_at if n.strip()]
+        if names:
+            out["split_at"] = names
+        if self.weights:
+            out["weights"] = _checked_weights(self.weights)
+        dims = parse_dynamic_dims(list(self.dynamic_dims))
+        if dims:
+            out["dynamic_dims"] = dims
+        return out
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -196,6 +220,74 @@ class RunConfig:
                 "an elastic run resumes from its checkpoints: give it checkpoint_dir and "
                 f"save_every (got checkpoint_dir={t.checkpoint_dir!r}, save_every={t.save_every!r})"
             )
+
+    def model_overrides(self) -> dict[str, Any]:
+        """The keyword arguments the model is loaded with: :meth:`ModelConfig.overrides`, and
+        ``seq = data.seq_len`` with a data file (:func:`seq_len_overrides`).
+
+        Raises:
+            ValidationError: a bad model option, or data options that do not fit together.
+        """
+        d = self.data
+        return seq_len_overrides(self.model.overrides(), data=d.path, eval_data=d.eval_path,
+                                 seq_len=d.seq_len, documents=d.documents)  # fmt: skip
+
+
+def _checked_weights(path: str) -> str:
+    """``weights`` when it names a directory or a non-empty file: checked before any worker
+    starts (the weights themselves are read as the model loads).
+
+    Raises:
+        ValidationError: a missing path, an empty file or an empty directory.
+    """
+    p = Path(path)
+    if not p.exists():
+        raise ValidationError(f"--weights {path!r}: no such file or directory")
+    if p.is_file() and p.stat().st_size == 0:
+        raise ValidationError(f"--weights {path!r} is an empty file")
+    if p.is_dir() and not any(p.iterdir()):
+        raise ValidationError(f"--weights {path!r} is an empty directory")
+    return path
+
+
+def check_documents(data: Any, documents: str | None) -> None:
+    """``documents`` (``pack`` or ``pad``) reads the training data: it needs ``data``.
+
+    Raises:
+        ValidationError: ``documents`` without ``data``.
+    """
+    if documents is not None and data is None:
+        raise ValidationError(f"--{documents} applies to --data; give a documents file")
+
+
+def seq_len_overrides(
+    overrides: dict[str, Any],
+    *,
+    data: Any,
+    eval_data: Any,
+    seq_len: int | None,
+    documents: str | None,
+) -> dict[str, Any]:
+    """``overrides`` plus ``seq = seq_len`` when a data file is given (the model is built for
+    the data's sequence length).
+
+    Raises:
+        ValidationError: ``seq_len`` without a data file, a data file without ``seq_len``,
+            ``seq`` in ``overrides`` disagreeing with ``seq_len``; ``documents`` without
+            ``data``.
+    """
+    check_documents(data, documents)
+    if data is None and eval_data is None:
+        if seq_len is not None:
+            raise ValidationError("--seq-len applies to --data / --eval-data; give a data file")
+        return overrides
+    if seq_len is None:
+        raise ValidationError("--data / --eval-data need --seq-len N (tokens per sample)")
+    if seq_len < 1:
+        raise ValidationError(f"--seq-len must be >= 1, got {seq_len}")
+    if "seq" in overrides and overrides["seq"] != seq_len:
+        raise ValidationError(f"--set seq={overrides['seq']} disagrees with --seq-len {seq_len}")
+    return {**overrides, "seq": seq_len}
 
 
 def _own(part: str, cls: type[Any], skip: tuple[str, ...] = ()) -> tuple[tuple[str, str], ...]:
