@@ -31,7 +31,14 @@ from dapple.planner.config import PLAN_SECTIONS, RUN_SECTION_NAMES, PlanConfig
 from dapple.profiler.paper_models import load_profile
 from dapple.runtime.config import TrainConfig
 from dapple.runtime.optim_config import ZERO_STAGES
-from dapple.runtime.run_config import NOT_IN_FILE, RUN_SECTIONS, RunConfig
+from dapple.runtime.run_config import (
+    NOT_IN_FILE,
+    RUN_SECTIONS,
+    ModelConfig,
+    PlanChoice,
+    RunConfig,
+    load_run_config,
+)
 
 FILE_FLAGS = {"config", "print_config"}
 """The flags about the config file itself (no field of it)."""
@@ -75,6 +82,7 @@ OVERRIDES = {
 API_ONLY_TRAIN = {
     "overrides": "the model factory's keywords: --set, --split-at, --weights, --dynamic-dims",
     "early": "workers dapple train starts before its checks",
+    "inputs": "with a RunConfig: what it names, already loaded (dapple train loads them first)",
     "options": "TrainConfig fields (each checked above)",
 }
 """:func:`dapple.api.train` parameters that are no single flag."""
@@ -282,8 +290,11 @@ def test_cli_file_and_api_ask_the_runtime_for_the_same_run(
     capsys.readouterr()
     api.train(plan, "runtime_workloads:mlp", overrides={"num_layers": 4}, echo=True,
               progress=True, **EVERY_RUN_OPTION, **paths)  # fmt: skip
-    cli, from_file, from_api = runs
-    assert cli == from_file == from_api
+    cfg = load_run_config(run_toml)
+    api.train(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, echo=True,
+                                                                 progress=True)))  # fmt: skip
+    cli, from_file, from_api, from_config = runs
+    assert cli == from_file == from_api == from_config
     for k, v in EVERY_RUN_OPTION.items():  # each reached the runtime
         assert cli[k] == v, k
     assert cli["resume"] is False and cli["echo"] and cli["progress"]
@@ -319,3 +330,20 @@ def test_api_train_opens_documents_and_refuses_before_the_runtime(
     with pytest.raises(ValidationError, match="keep must be >= 0"):
         api.train(plan, wl, keep=-1)
     assert len(runs) == 1
+
+
+def test_api_train_of_a_config_takes_nothing_beside_it(
+    tmp_path: Path, runs: list[dict[str, Any]]
+) -> None:
+    plan = tmp_path / "plan.json"
+    straight_plan(4, [0, 2], global_batch_size=4, num_micro_batches=2).save(plan)
+    model = ModelConfig(spec="runtime_workloads:mlp", set={"num_layers": 4})
+    cfg = RunConfig(model=model, plan=PlanChoice(path=str(plan), schedule="gpipe"))
+    with pytest.raises(
+        ValidationError, match="takes the run's options from cfg, got also steps, lr"
+    ):
+        api.train(cfg, steps=3, lr=0.1)  # type: ignore[call-overload]
+    with pytest.raises(ValidationError, match="needs a plan path and a model spec"):
+        api.train(RunConfig(plan=PlanChoice(path=str(plan))))
+    api.train(cfg)
+    assert len(runs) == 1 and runs[0]["plan"].schedule == "gpipe" and runs[0]["steps"] == 1

@@ -14,6 +14,9 @@ factory (``--set KEY=VALUE`` and ``--split-at`` on the command line)::
     report = dp.verify(plan, "dapple.models.hf:gpt2", steps=2, overrides={"layers": 2})
     assert report.ok
 
+A training run is also one typed configuration, :class:`~dapple.runtime.run_config.RunConfig`
+(``dapple train``'s flags and a run file read into it): ``dp.train(cfg)`` runs it.
+
 Workloads loaded from a spec (:func:`load`) pickle as their spec: spawned worker processes load
 them again, so models defined in a ``file.py`` train and verify like installed ones.
 
@@ -23,11 +26,13 @@ The functions live in :mod:`dapple.api.planning` (profile, plan, plan_local, sim
 
 from __future__ import annotations
 
+from dapple.api._inputs import RunInputs
 from dapple.api.planning import plan, plan_local, profile, simulate
 from dapple.api.running import generate, train, verify, verify_many
 from dapple.models.spec import load
 
 __all__ = [
+    "RunInputs",
     "generate",
     "load",
     "plan",

@@ -3,15 +3,17 @@
 A model is a :class:`~dapple.models.workload.Workload` or a spec string for
 :func:`dapple.models.spec.load`; a plan, a profile and a cluster are objects or the paths
 (names, for a cluster preset or a ``paper:NAME`` profile) of their JSON files. A plan given to
-run or simulate may be put under another schedule and policy (:func:`plan_with`).
+run or simulate may be put under another schedule and policy (:func:`plan_with`). What a run's
+configuration names is loaded once into :class:`RunInputs` (:func:`run_inputs`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from dapple.core.cluster import Cluster, load_cluster
 from dapple.core.plan import Plan
@@ -21,7 +23,11 @@ from dapple.models.spec import load
 from dapple.models.workload import Workload
 from dapple.schedule.registry import check_virtual_stages
 
+if TYPE_CHECKING:
+    from dapple.runtime.run_config import RunConfig
+
 __all__ = [
+    "RunInputs",
     "WorkloadLike",
     "as_cluster",
     "as_plan",
@@ -29,10 +35,49 @@ __all__ = [
     "as_workload",
     "global_batch_of",
     "plan_with",
+    "run_inputs",
 ]
 
 WorkloadLike = Workload | str
 """A :class:`Workload` or a spec string for :func:`dapple.models.spec.load`."""
+
+
+@dataclass(frozen=True, slots=True)
+class RunInputs:
+    """What a run's configuration (:class:`~dapple.runtime.run_config.RunConfig`) names,
+    loaded: its plan under the schedule asked for, its model, its datasets, and the profile
+    and cluster as objects (None: :class:`~dapple.runtime.run_config.RunOptions`' names)."""
+
+    plan: Plan
+    workload: Workload
+    data: Any = None
+    """Training samples (None: the workload's synthetic batches)."""
+    eval_data: Any = None
+    """Evaluation samples (None: no evaluation data)."""
+    profile: ModelProfile | str | Path | None = None
+    cluster: Cluster | str | None = None
+
+
+def run_inputs(cfg: RunConfig) -> RunInputs:
+    """The plan, model and data ``cfg`` names, loaded (:class:`RunInputs`).
+
+    Raises:
+        ValidationError: no plan or model in ``cfg``, a bad plan or model, or data options
+            that do not fit together (:meth:`~dapple.runtime.run_config.RunConfig.model_overrides`).
+    """
+    from dapple.runtime.run_config import open_run_data
+
+    c, d = cfg.plan, cfg.data
+    if c.path is None or cfg.model.spec is None:
+        raise ValidationError(
+            f"a run needs a plan path and a model spec, got plan.path={c.path!r} and "
+            f"model.spec={cfg.model.spec!r}"
+        )
+    plan = plan_with(c.path, c.schedule, c.policy, c.virtual_stages)
+    overrides = cfg.model_overrides()  # checked before the model loads
+    data, evals = (None if x is None else open_run_data(x, d.seq_len, d.documents)
+                   for x in (d.path, d.eval_path))  # fmt: skip
+    return RunInputs(plan, load(cfg.model.spec, **overrides), data, evals)
 
 
 def as_workload(workload: WorkloadLike, overrides: Mapping[str, Any] | None) -> Workload:

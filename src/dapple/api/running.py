@@ -10,9 +10,18 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, overload
 
-from dapple.api._inputs import WorkloadLike, as_cluster, as_plan, as_profile, as_workload, plan_with
+from dapple.api._inputs import (
+    RunInputs,
+    WorkloadLike,
+    as_cluster,
+    as_plan,
+    as_profile,
+    as_workload,
+    plan_with,
+    run_inputs,
+)
 from dapple.api.planning import simulate
 from dapple.core.cluster import Cluster
 from dapple.core.plan import Plan
@@ -25,11 +34,17 @@ if TYPE_CHECKING:
     from dapple.models.generate import Generated
     from dapple.runtime import StepMetrics
     from dapple.runtime.launch.early import EarlyWorkers
+    from dapple.runtime.run_config import RunConfig, RunOptions
     from dapple.runtime.verify import VerifyReport
 
 __all__ = ["generate", "train", "verify", "verify_many"]
 
 
+@overload
+def train(
+    plan: RunConfig, *, inputs: RunInputs | None = None, early: EarlyWorkers | None = None
+) -> list[StepMetrics]: ...
+@overload
 def train(
     plan: Plan | str | Path,
     workload: WorkloadLike,
@@ -53,12 +68,40 @@ def train(
     max_restarts: int = 3,
     early: EarlyWorkers | None = None,
     **options: Any,
+) -> list[StepMetrics]: ...
+def train(
+    plan: RunConfig | Plan | str | Path,
+    workload: WorkloadLike | None = None,
+    steps: int = 1,
+    *,
+    overrides: Mapping[str, Any] | None = None,
+    data: Any = None,
+    eval_data: Any = None,
+    seq_len: int | None = None,
+    documents: str | None = None,
+    schedule: str | None = None,
+    policy: str | None = None,
+    virtual_stages: int = 1,
+    keep: int | None = 3,
+    eval_batches: int | None = None,
+    require_resume: bool = False,
+    profile: ModelProfile | str | Path | None = None,
+    cluster: Cluster | str | None = None,
+    elastic: bool = False,
+    min_devices: int = 1,
+    max_restarts: int = 3,
+    inputs: RunInputs | None = None,
+    early: EarlyWorkers | None = None,
+    **options: Any,
 ) -> list[StepMetrics]:
-    """Train a plan for ``steps`` synchronous steps (``dapple train``; the options of a run file,
-    :class:`~dapple.runtime.run_config.RunConfig`, with the same names and defaults).
+    """Train a plan for ``steps`` synchronous steps (``dapple train``): ``train(cfg)`` runs a
+    :class:`~dapple.runtime.run_config.RunConfig` (a run file's,
+    :func:`~dapple.runtime.run_config.load_run_config`), ``train(plan, workload, ...)`` the
+    run its keyword arguments ask for - the same options, with the same names and defaults.
 
     Args:
-        plan: A :class:`Plan` or its JSON path.
+        plan: A :class:`~dapple.runtime.run_config.RunConfig` (then only ``inputs`` and
+            ``early`` go beside it), or a :class:`Plan` or its JSON path.
         workload: A :class:`Workload` or a spec string.
         steps: Optimizer steps.
         overrides: Factory keyword arguments when ``workload`` is a spec (with ``split_at``,
@@ -79,6 +122,8 @@ def train(
         elastic, min_devices, max_restarts: As :class:`~dapple.runtime.run_config.RunOptions`:
             re-plan on ``profile`` and ``cluster`` for the devices left when one is lost
             (:mod:`dapple.runtime.launch.elastic`); the metrics then hold every attempt's steps.
+        inputs: With a ``RunConfig``: what it names, already loaded (``dapple train`` loads
+            them for its checks); None: loaded here (:func:`~dapple.api._inputs.run_inputs`).
         early: Workers already started for this run (``dapple train`` starts them first).
         **options: The other :class:`dapple.runtime.TrainConfig` fields (``seed``,
             ``optimizer``, ``lr``, ``weight_decay``, ``zero_stage``, ``device``,
@@ -96,42 +141,103 @@ def train(
         CheckpointError: ``require_resume`` and no checkpoint to resume.
         RankFailure: A worker failed.
     """
-    from dapple.models.fingerprint import check_plan_model, fingerprint_once
-    from dapple.runtime import train as _train
     from dapple.runtime.config import TrainConfig
-    from dapple.runtime.parallel.stage_mesh import check_mesh_run, zero_floored
-    from dapple.runtime.run_config import RunOptions, check_resumable, resolve_train_config
+    from dapple.runtime.run_config import RunConfig, RunOptions
 
+    if isinstance(plan, RunConfig):
+        _only_config(locals(), options)
+        given = _named(inputs or run_inputs(plan), plan.run)
+        _check_inputs(given)
+        return _launch(plan, given, early)
+    if workload is None or inputs is not None:
+        raise ValidationError(
+            "train(plan, workload, ...) needs a workload and takes no inputs (those go with a "
+            "RunConfig: train(cfg, inputs=...))"
+        )
     run = RunOptions(keep=keep or 0, eval_batches=eval_batches, require_resume=require_resume,
                      elastic=elastic, min_devices=min_devices, max_restarts=max_restarts,
                      profile=_name(profile), cluster=_name(cluster))  # fmt: skip
-    run_plan = plan_with(plan, schedule, policy, virtual_stages)
-    wl = as_workload(workload, _seq_overrides(workload, overrides, seq_len))
-    _check_run(run_plan, wl, None if cluster is None else as_cluster(cluster, None))
-    fingerprint = fingerprint_once(wl)  # built once, when a check needs it
-    check_plan_model(run_plan.model_fingerprint, wl, fingerprint)  # before any compute
-    if profile is not None:  # measured on this model (its layers' tensors), before any compute
-        _check_profile(profile, wl, fingerprint)
-    train_data = _dataset(data, seq_len, documents)
-    evals = _dataset(eval_data, seq_len, documents)
-    G, n_eval = run_plan.global_batch_size, None if evals is None else len(evals)
-    cfg = resolve_train_config(TrainConfig(steps=steps, **options), run, n_eval, G)
-    check_mesh_run(run_plan, wl, cfg)  # what stages of t_s > 1 or ZeRO-3 cannot run yet
-    _check_host_memory(wl, cfg.device, cfg.optimizer, cfg.momentum, "training")
-    if profile is not None and cluster is not None:
-        predicted = simulate(zero_floored(run_plan, cfg.zero_stage), profile, cluster).step_ms
-        cfg = dataclasses.replace(cfg, predicted_step_ms=predicted)
-    if require_resume:
-        check_resumable(cfg.checkpoint_dir)
-    fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
-    from dapple.runtime.launch.elastic import ElasticPolicy
+    given = RunInputs(
+        plan_with(plan, schedule, policy, virtual_stages),
+        as_workload(workload, _seq_overrides(workload, overrides, seq_len)),
+        profile=profile,
+        cluster=cluster,
+    )
+    _check_inputs(given)
+    given = dataclasses.replace(given, data=_dataset(data, seq_len, documents),
+                                eval_data=_dataset(eval_data, seq_len, documents))  # fmt: skip
+    cfg = RunConfig(train=TrainConfig(steps=steps, **options), run=run)
+    return _launch(cfg, given, early)
 
+
+def _only_config(given: dict[str, Any], options: dict[str, Any]) -> None:
+    """``train(cfg)`` takes the run's options from ``cfg``: none of the keyword form's beside it.
+
+    Raises:
+        ValidationError: naming those given.
+    """
+    import inspect
+
+    params = inspect.signature(train).parameters
+    own = ("plan", "inputs", "early", "options")
+    extra = [n for n, p in params.items() if n not in own and given[n] != p.default]
+    extra += sorted(options)
+    if extra:
+        raise ValidationError(
+            f"train(cfg) takes the run's options from cfg, got also {', '.join(extra)}"
+        )
+
+
+def _named(inputs: RunInputs, run: RunOptions) -> RunInputs:
+    """``inputs`` with ``run``'s profile and cluster names where it holds no object."""
+    return dataclasses.replace(
+        inputs,
+        profile=run.profile if inputs.profile is None else inputs.profile,
+        cluster=run.cluster if inputs.cluster is None else inputs.cluster,
+    )
+
+
+def _check_inputs(inputs: RunInputs) -> None:
+    """The plan was made for this model and can cut it, the profile was measured on it
+    (each before any compute)."""
+    from dapple.models.fingerprint import check_plan_model, fingerprint_once
+
+    plan, wl, profile, cluster = inputs.plan, inputs.workload, inputs.profile, inputs.cluster
+    _check_run(plan, wl, None if cluster is None else as_cluster(cluster, None))
+    fingerprint = fingerprint_once(wl)  # built once, when a check needs it
+    check_plan_model(plan.model_fingerprint, wl, fingerprint)
+    if profile is not None:  # measured on this model (its layers' tensors)
+        _check_profile(profile, wl, fingerprint)
+
+
+def _launch(cfg: RunConfig, inputs: RunInputs, early: EarlyWorkers | None) -> list[StepMetrics]:
+    """Train ``cfg`` on its checked ``inputs``: the options resolved
+    (:func:`~dapple.runtime.run_config.resolve_train_config`), checked, and handed to
+    :func:`dapple.runtime.train`."""
+    from dapple.runtime import train as _train
+    from dapple.runtime.launch.elastic import ElasticPolicy
+    from dapple.runtime.parallel.stage_mesh import check_mesh_run, zero_floored
+    from dapple.runtime.run_config import check_resumable, resolve_train_config
+
+    run, run_plan, wl = cfg.run, inputs.plan, inputs.workload
+    profile, cluster = inputs.profile, inputs.cluster
+    n_eval = None if inputs.eval_data is None else len(inputs.eval_data)
+    tc = resolve_train_config(cfg.train, run, n_eval, run_plan.global_batch_size)
+    check_mesh_run(run_plan, wl, tc)  # what stages of t_s > 1 or ZeRO-3 cannot run yet
+    _check_host_memory(wl, tc.device, tc.optimizer, tc.momentum, "training")
+    if profile is not None and cluster is not None:
+        predicted = simulate(zero_floored(run_plan, tc.zero_stage), profile, cluster).step_ms
+        tc = dataclasses.replace(tc, predicted_step_ms=predicted)
+    if run.require_resume:
+        check_resumable(tc.checkpoint_dir)
     replan: ElasticPolicy | None = None
-    if elastic and profile is not None and cluster is not None:
-        replan = ElasticPolicy(as_profile(profile), as_cluster(cluster), min_devices=min_devices,
-                               max_restarts=max_restarts, zero_stage=cfg.zero_stage)  # fmt: skip
-    return _train(run_plan, wl, data=train_data, eval_data=evals, early=early, elastic=replan,
-                  **fields)  # fmt: skip
+    if run.elastic and profile is not None and cluster is not None:
+        replan = ElasticPolicy(as_profile(profile), as_cluster(cluster),
+                               min_devices=run.min_devices, max_restarts=run.max_restarts,
+                               zero_stage=tc.zero_stage)  # fmt: skip
+    fields = {f.name: getattr(tc, f.name) for f in dataclasses.fields(tc)}
+    return _train(run_plan, wl, data=inputs.data, eval_data=inputs.eval_data, early=early,
+                  elastic=replan, **fields)  # fmt: skip
 
 
 def _check_run(plan: Plan, wl: Workload, cluster: Cluster | None = None) -> None:

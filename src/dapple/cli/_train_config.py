@@ -1,9 +1,9 @@
 """``dapple train``'s flags as :class:`~dapple.runtime.run_config.RunConfig` fields.
 
-:data:`TRAIN_FLAGS` is the one table from the parsed flags to the config (and back): ``dapple
-train`` builds its :class:`RunConfig` from ``--config FILE`` with the flags the command line
-gave on top (:func:`run_config_of`), and hands the helpers it shares with ``dapple verify`` the
-flags that config says (:func:`flags_of`). Torch-free at import time.
+:data:`TRAIN_FLAGS` is the one table from the parsed flags to the config: ``dapple train``
+builds its :class:`RunConfig` from ``--config FILE`` with the flags the command line gave on top
+(:func:`run_config_of`), once; from there on the command reads the config, not the flags.
+Torch-free at import time.
 """
 
 from __future__ import annotations
@@ -12,14 +12,20 @@ import argparse
 import json
 from typing import TYPE_CHECKING, Any
 
-from dapple.cli._config_args import Flag, flag_namespace, given_values, missing_required, one
+from dapple.cli._config_args import Flag, given_values, missing_required, one
 from dapple.cli._optim_args import zero_stage_flag
 from dapple.errors import ValidationError
 
 if TYPE_CHECKING:
     from dapple.runtime.run_config import RunConfig
 
-__all__ = ["FILE_GIVES", "TRAIN_FLAGS", "TRAIN_SECTIONS_HELP", "flags_of", "run_config_of"]
+__all__ = [
+    "FILE_GIVES",
+    "TRAIN_FLAGS",
+    "TRAIN_SECTIONS_HELP",
+    "required_inputs",
+    "run_config_of",
+]
 
 
 def _set_items(items: list[str]) -> tuple[dict[str, Any]]:
@@ -110,32 +116,32 @@ def _file_key(f: tuple[str, str]) -> str:
     return f"[{section}] {f[1]}"
 
 
-def run_config_of(args: argparse.Namespace, *, check_required: bool = True) -> RunConfig:
+def run_config_of(args: argparse.Namespace) -> RunConfig:
     """The run ``--config FILE`` and the flags the command line gave (those win) ask for.
 
     Raises:
-        ValidationError: a bad file (:func:`~dapple.runtime.run_config.load_run_config`), a bad
-            value, or (``check_required``) no plan or model.
+        ValidationError: a bad file (:func:`~dapple.runtime.run_config.load_run_config`) or a
+            bad value.
     """
-    from dapple.core.config_file import build, values_of
-    from dapple.runtime.run_config import RUN_SECTIONS, RunConfig, load_run_config
+    from dapple.core.config_file import build
+    from dapple.runtime.run_config import RunConfig, load_run_config
 
     over = given_values(args, TRAIN_FLAGS)
     if args.config is not None:
-        cfg = load_run_config(args.config, over=over)
-    else:
-        cfg = build(RunConfig, over)
-    if check_required:
-        missing = missing_required(values_of(cfg, RUN_SECTIONS), _REQUIRED, _file_key)
-        if missing:
-            raise ValidationError(missing)
-    return cfg
+        return load_run_config(args.config, over=over)
+    return build(RunConfig, over)
 
 
-def flags_of(cfg: RunConfig) -> argparse.Namespace:
-    """The parsed flags that ask for ``cfg`` (what the helpers ``dapple verify`` shares read:
-    :func:`~dapple.cli._run_args.load_run_plan`, ``model_overrides``, ``open_datasets``...)."""
+def required_inputs(cfg: RunConfig) -> tuple[str, str]:
+    """The plan file and the model spec of ``cfg``, which a run needs.
+
+    Raises:
+        ValidationError: no plan or no model, named as the flag (or the file's key).
+    """
     from dapple.core.config_file import values_of
     from dapple.runtime.run_config import RUN_SECTIONS
 
-    return flag_namespace(values_of(cfg, RUN_SECTIONS), TRAIN_FLAGS)
+    missing = missing_required(values_of(cfg, RUN_SECTIONS), _REQUIRED, _file_key)
+    if missing or cfg.plan.path is None or cfg.model.spec is None:
+        raise ValidationError(missing or "a run needs a plan and a model")
+    return cfg.plan.path, cfg.model.spec

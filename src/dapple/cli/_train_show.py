@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # torch-free import of the CLI
     from dapple.runtime.config import StepMetrics
@@ -23,26 +23,12 @@ if TYPE_CHECKING:  # torch-free import of the CLI
 __all__ = [
     "DEFAULT_EVAL_BATCHES",
     "add_show_arguments",
-    "eval_defaults",
     "loss_curve_path",
     "print_summary",
-    "show_options",
 ]
 
 DEFAULT_EVAL_BATCHES = 4
 """K when ``--eval-batches`` is not given (fewer when ``--eval-data`` holds fewer batches)."""
-
-
-def eval_defaults(args: argparse.Namespace, eval_samples: int | None, G: int) -> None:
-    """Fill ``--eval-every``/``--eval-batches`` left unset: with ``--eval-data`` (of
-    ``eval_samples`` samples) the run evaluates after its last step at least, over at most
-    :data:`DEFAULT_EVAL_BATCHES` batches the file holds."""
-    if eval_samples is not None:
-        args.eval_every = args.eval_every or args.steps
-    if args.eval_batches is None:
-        k = DEFAULT_EVAL_BATCHES
-        G_e = args.eval_batch_size or G
-        args.eval_batches = k if eval_samples is None else max(1, min(k, eval_samples // G_e))
 
 
 def add_show_arguments(p: argparse.ArgumentParser) -> None:
@@ -86,25 +72,15 @@ def add_show_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-def loss_curve_path(args: argparse.Namespace) -> Path | None:
-    """Where the loss curve goes (None: nowhere); ``dapple train`` checks it can be written
+def loss_curve_path(loss_curve: str | None, metrics_path: str | None) -> Path | None:
+    """Where the loss curve goes: ``loss_curve``, else beside ``metrics_path`` (None:
+    nowhere); ``dapple train`` checks it can be written
     (:func:`dapple.core.output_path.check_picture_file`) before the run starts."""
-    if args.loss_curve is not None:
-        return Path(args.loss_curve)
-    if args.metrics is not None:
-        return Path(args.metrics).with_suffix(".loss.png")
+    if loss_curve is not None:
+        return Path(loss_curve)
+    if metrics_path is not None:
+        return Path(metrics_path).with_suffix(".loss.png")
     return None
-
-
-def show_options(args: argparse.Namespace) -> dict[str, Any]:
-    """The :class:`~dapple.runtime.TrainConfig` fields of these flags."""
-    return {
-        "eval_every": args.eval_every,
-        "eval_batches": args.eval_batches,
-        "eval_batch_size": args.eval_batch_size,
-        "tensorboard_dir": args.tensorboard,
-        "progress": True,
-    }
 
 
 def print_summary(metrics: Sequence[StepMetrics], curve: Path | None) -> None:

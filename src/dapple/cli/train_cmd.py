@@ -18,15 +18,14 @@ import dataclasses
 import os
 import statistics
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from dapple.cli._config_args import add_config_arguments
 from dapple.cli._console import plain_doc
-from dapple.cli._data_args import add_eval_data_argument, open_datasets, with_seq_len
-from dapple.cli._model_args import model_overrides
+from dapple.cli._data_args import add_eval_data_argument
 from dapple.cli._precision import note_profile_precision
-from dapple.cli._run_args import add_run_arguments, load_run_plan
-from dapple.cli._train_config import FILE_GIVES, TRAIN_SECTIONS_HELP, flags_of, run_config_of
+from dapple.cli._run_args import add_run_arguments
+from dapple.cli._train_config import FILE_GIVES, TRAIN_SECTIONS_HELP, required_inputs, run_config_of
 from dapple.cli._train_show import add_show_arguments, loss_curve_path, print_summary
 from dapple.core.cluster import describe_presets
 from dapple.core.output_path import check_output_dir, check_output_file, check_picture_file
@@ -364,32 +363,22 @@ def _check_output(path: str | os.PathLike[str] | None, what: str, *, picture: bo
         (check_picture_file if picture else check_output_file)(path, what)
 
 
-def _model_arg(args: argparse.Namespace) -> Workload:
-    """The workload ``--model`` (with ``--set``, ``--split-at``, ``--weights``...) names, loaded
-    once here - every check before the launch uses it - and pickled as its spec, so each
-    spawned worker loads it once more, itself."""
-    from dapple.api import load
-
-    return load(args.model, **with_seq_len(args, model_overrides(args)))
-
-
 def _early_workers(
-    args: argparse.Namespace, world: int
+    spec: str, overrides: dict[str, Any], world: int
 ) -> contextlib.AbstractContextManager[EarlyWorkers | None]:
     """Standalone: the ``world`` workers, started now so that they start and load the model
-    while this process loads it and checks the plan (:mod:`dapple.runtime.launch.early`); they get
-    the run once every check passed, and end without a word otherwise. Under ``torchrun``:
-    none (this process is one rank)."""
+    ``spec`` (with ``overrides``) while this process loads it and checks the plan
+    (:mod:`dapple.runtime.launch.early`); they get the run once every check passed, and end
+    without a word otherwise. Under ``torchrun``: none (this process is one rank)."""
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return contextlib.nullcontext()
     from dapple.runtime.launch.early import EarlyWorkers
 
-    overrides = with_seq_len(args, model_overrides(args))
-    return EarlyWorkers(world, args.model, overrides, echo=True)
+    return EarlyWorkers(world, spec, overrides, echo=True)
 
 
 def run(args: argparse.Namespace) -> int:
-    cfg = run_config_of(args, check_required=not args.print_config)
+    cfg = run_config_of(args)  # the flags and the --config file, read once
     if args.print_config:
         from dapple.runtime.run_config import dump_run_config
 
@@ -400,18 +389,22 @@ def run(args: argparse.Namespace) -> int:
 
 def run_config(cfg: RunConfig) -> int:
     """Train the run ``cfg`` asks for (``dapple train`` once its flags and file are read)."""
-    flags = flags_of(cfg)  # what the helpers dapple verify shares read
-    plan = load_run_plan(flags)
+    from dapple.api._inputs import plan_with
+
+    plan_path, spec = required_inputs(cfg)
+    c = cfg.plan
+    plan = plan_with(plan_path, c.schedule, c.policy, c.virtual_stages, cli=True)
     _check_output(cfg.train.metrics_path, "--metrics file")
     if int(os.environ.get("RANK", "0")) == 0:  # the writers make the folders and write in them
         for where, flag in ((cfg.train.tensorboard_dir, "--tensorboard"),
                             (cfg.train.checkpoint_dir, "--checkpoint-dir")):  # fmt: skip
             if where is not None:
                 check_output_dir(where, flag)
-    curve = loss_curve_path(flags)
+    curve = loss_curve_path(cfg.run.loss_curve, cfg.train.metrics_path)
     _check_output(curve, "loss curve file", picture=True)
-    with _early_workers(flags, len(plan.devices)) as early:
-        metrics = _checked_train(cfg, flags, plan, early)
+    overrides = cfg.model_overrides()
+    with _early_workers(spec, overrides, len(plan.devices)) as early:
+        metrics = _checked_train(cfg, plan, (spec, overrides), early)
     if metrics and int(os.environ.get("RANK", "0")) == 0:
         if "replan" in metrics[-1].extra:  # the plan changed: no prediction or table fits
             final = metrics[-1].extra["replication"]
@@ -435,19 +428,22 @@ def run_config(cfg: RunConfig) -> int:
 
 
 def _checked_train(
-    cfg: RunConfig, flags: argparse.Namespace, plan: Plan, early: EarlyWorkers | None
+    cfg: RunConfig, plan: Plan, model: tuple[str, dict[str, Any]], early: EarlyWorkers | None
 ) -> list[StepMetrics]:
-    """Load the model, check the plan, data and checkpoints against it, then train through
-    :func:`dapple.api.train` (on the ``early`` workers when given); rank 0's metrics."""
-    from dapple.api import train
-    from dapple.runtime.config import TrainConfig
-    from dapple.runtime.run_config import NOT_IN_FILE
+    """Load the ``model`` (its spec and overrides; once here: every check before the launch
+    uses it, and each worker loads it again from its spec), check the plan, data and
+    checkpoints against it, then train through :func:`dapple.api.train` (on the ``early``
+    workers when given); rank 0's metrics."""
+    from dapple.api import RunInputs, load, train
+    from dapple.runtime.run_config import open_run_data
 
-    _phase(f"start-up: loading the model {cfg.model.spec}")
-    wl = _model_arg(flags)
+    spec, overrides = model
+    _phase(f"start-up: loading the model {spec}")
+    wl = load(spec, **overrides)
     plan.check_model(wl.name, wl.num_layers)  # the plan was made for this model
-    data, eval_data = open_datasets(flags)
-    t = cfg.train
+    d, t = cfg.data, cfg.train
+    data, eval_data = (None if x is None else open_run_data(x, d.seq_len, d.documents)
+                       for x in (d.path, d.eval_path))  # fmt: skip
     if data is not None or eval_data is not None:  # before the checkpoint directory is made
         from dapple.runtime.data import check_data
 
@@ -472,22 +468,6 @@ def _checked_train(
         )
     if cfg.run.profile is not None:
         note_profile_precision(cfg.run.profile, t.precision)
-    fields = (f.name for f in dataclasses.fields(TrainConfig) if f.name not in NOT_IN_FILE)
-    options = {name: getattr(t, name) for name in fields}
-    return train(
-        plan,
-        wl,
-        data=data,
-        eval_data=eval_data,
-        keep=cfg.run.keep,
-        eval_batches=cfg.run.eval_batches,
-        profile=cfg.run.profile,
-        cluster=cfg.run.cluster,
-        elastic=cfg.run.elastic,
-        min_devices=cfg.run.min_devices,
-        max_restarts=cfg.run.max_restarts,
-        early=early,
-        echo=True,
-        progress=True,
-        **{**options, "resume": t.resume or cfg.run.require_resume},
-    )
+    shown = dataclasses.replace(t, echo=True, progress=True)  # step lines, a progress bar
+    inputs = RunInputs(plan, wl, data=data, eval_data=eval_data)
+    return train(dataclasses.replace(cfg, train=shown), inputs=inputs, early=early)

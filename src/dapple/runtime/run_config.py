@@ -4,10 +4,11 @@
 :class:`RunConfig` holds the model (:class:`ModelConfig`), the plan to run
 (:class:`PlanChoice`), the data (:class:`DataConfig`), the runtime's :class:`TrainConfig` and
 the options the front doors resolve around it (:class:`RunOptions`). ``dapple train`` builds it
-from ``--config FILE`` and the flags given on top, :func:`load_run_config` from a file alone; the
-API takes the same options as keyword arguments with the same defaults (a test walks every
-flag). A file groups the keys in the sections of :data:`RUN_SECTIONS`; each key is its field's
-name, which is also the API's keyword::
+from ``--config FILE`` and the flags given on top, :func:`load_run_config` from a file alone, and
+either hands it to :func:`dapple.api.train`; the API's keyword form takes the same options with
+the same defaults and builds it too (a test walks every flag). A file groups the keys in the
+sections of :data:`RUN_SECTIONS`; each key is its field's name, which is also the API's
+keyword::
 
     [model]
     spec = "transformer"
