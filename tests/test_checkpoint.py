@@ -446,7 +446,8 @@ def test_unwritable_directory(tmp_path: Path, monkeypatch) -> None:
     def denied(*a, **k):
         raise PermissionError(13, "Permission denied")
 
-    monkeypatch.setattr("dapple.runtime.checkpoint.files.tempfile.mkstemp", denied)
+    # tempfile.mkstemp: the write probe's and every atomic write's temporary file
+    monkeypatch.setattr("dapple.core.atomic_file.tempfile.mkstemp", denied)
     with pytest.raises(CheckpointError) as e:
         check_writable(tmp_path)
     _one_line(e, str(tmp_path), "Permission denied")

@@ -457,10 +457,10 @@ def test_overwrite_checkpoints_end_to_end(tmp_path: Path) -> None:
 def test_check_writable_tolerates_ranks_checking_at_once(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from dapple.runtime.checkpoint import files as checkpoint_files
+    from dapple.runtime.checkpoint import probe
 
     root = tmp_path / "a" / "ck"
-    real_mkdir, real_mkstemp = Path.mkdir, checkpoint_files.tempfile.mkstemp
+    real_mkdir, real_mkstemp = Path.mkdir, probe.tempfile.mkstemp
     events: list[str] = []
 
     def mkdir_raced(self: Path, *a: Any, **k: Any) -> None:
@@ -478,7 +478,7 @@ def test_check_writable_tolerates_ranks_checking_at_once(
         return real_mkstemp(*a, **k)
 
     monkeypatch.setattr(Path, "mkdir", mkdir_raced)
-    monkeypatch.setattr(checkpoint_files.tempfile, "mkstemp", mkstemp_removed)
+    monkeypatch.setattr(probe.tempfile, "mkstemp", mkstemp_removed)
     from dapple.runtime.checkpoint import check_writable
 
     assert check_writable(root) == root

@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from dapple.core.atomic_file import write_atomically
 from dapple.core.output_path import check_output_file, refuse_overwrite
 from dapple.datasets.documents import json_rows
 from dapple.datasets.packing import docs_path
@@ -150,19 +149,6 @@ def _npy(a: np.ndarray) -> bytes:
     buf = io.BytesIO()
     np.save(buf, a)
     return buf.getvalue()
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def prepare(
@@ -416,6 +402,6 @@ def _write_all(files: Sequence[tuple[Path, bytes]]) -> None:
     for path, data in files:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            _write_atomic(path, data)
+            write_atomically(path, data)
         except OSError as e:
             raise ValidationError(f"cannot write {str(path)!r}: {e.strerror or e}") from e

@@ -14,7 +14,6 @@ import os
 import random
 import re
 import shutil
-import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +21,7 @@ from typing import Any
 
 import torch
 
+from dapple.core.atomic_file import write_atomically
 from dapple.errors import DappleError
 
 logger = logging.getLogger("dapple.runtime.checkpoint")
@@ -159,17 +159,9 @@ def fsync_dir(path: Path) -> None:
 
 
 def atomic_write(path: Path, data: bytes) -> _FileRecord:
-    """Write ``data`` to a temporary file beside ``path``, fsync it, rename it over ``path``."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    """Write ``data`` whole at ``path`` (:func:`~dapple.core.atomic_file.write_atomically`);
+    its record for the manifest (name, size, sha256)."""
+    write_atomically(path, data)
     return _FileRecord(path.name, len(data), hashlib.sha256(data).hexdigest())
 
 
