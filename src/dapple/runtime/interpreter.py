@@ -217,8 +217,8 @@ class ProgramInterpreter:
         Returns:
             The rows of the step's collective, one per rank: ``[loss, stage, squared
             gradient norm part, rank, loss part, peak bytes, peak resident bytes, baseline
-            bytes, target tokens, squared gradient norm part]`` (see :meth:`NonFiniteGuard.agree_finite` and
-            :data:`dapple.runtime.metrics.ROW_TOKENS`).
+            bytes, target tokens]`` (see :meth:`NonFiniteGuard.agree_finite`,
+            :data:`dapple.runtime.metrics.ROW_SQ_NORM` and :data:`~dapple.runtime.metrics.ROW_TOKENS`).
 
         Raises:
             RankFailure: a non-finite loss or gradient stops the run (``on_nonfinite="stop"``;
@@ -282,7 +282,7 @@ class ProgramInterpreter:
         resident = float(self.probe.resident_peak_bytes())
         tokens = target_token_count(targets)
         extra = (loss_part, peak, resident, float(self.probe.baseline_bytes),
-                 -1.0 if tokens is None else tokens, self._sq_norm)  # fmt: skip
+                 -1.0 if tokens is None else tokens)  # fmt: skip
         verdict, rows, table = self.guard.agree_finite(
             step, extra, grad_sq_norm=self._sq_norm, replay=lambda: self._replay(inputs, targets)
         )

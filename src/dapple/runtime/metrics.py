@@ -52,13 +52,14 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-ROW_TOKENS = 8
+ROW_SQ_NORM = 2
 """Column of a step's collective row (:meth:`NonFiniteGuard.agree_finite`'s ``[loss, stage,
-squared gradient norm part, rank]`` then the interpreter's ``[loss part, peak bytes, peak resident bytes,
-baseline bytes, target tokens, squared gradient norm part]``): the target tokens of the rank's
-batch (-1: not a token workload)."""
-ROW_SQ_NORM = 9
-"""Column of a step's collective row: the rank's part of the squared global gradient norm."""
+squared gradient norm part, rank]`` then the interpreter's ``[loss part, peak bytes, peak
+resident bytes, baseline bytes, target tokens]``): the rank's part of the squared global
+gradient norm (also the guard's gradient verdict)."""
+ROW_TOKENS = 8
+"""Column of a step's collective row: the target tokens of the rank's batch (-1: not a token
+workload)."""
 
 
 def announce(line: str, echo: bool) -> None:
