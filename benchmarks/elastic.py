@@ -40,15 +40,17 @@ from dapple.core.cluster import PRESETS
 from dapple.core.plan import Plan
 from dapple.core.profile import ModelProfile
 from dapple.runtime.launch.elastic import ElasticPolicy
+from dapple.runtime.config import TrainConfig
 from dapple.runtime.launch.launcher import train
 
 if __name__ == "__main__":
     out, steps = sys.argv[1], int(sys.argv[2])
     policy = ElasticPolicy(ModelProfile.load(f"{out}/profile.json"), PRESETS["local-cpu"],
                            max_restarts=2)
-    train(Plan.load(f"{out}/plan.json"), "mlp", steps, elastic=policy, checkpoint_dir=f"{out}/ck",
-          save_every=1, metrics_path=f"{out}/m.jsonl", echo=False, optimizer="adamw", lr=1e-2,
-          seed=5, device="cpu", timeout_s=60)
+    cfg = TrainConfig(steps=steps, checkpoint_dir=f"{out}/ck", save_every=1,
+                      metrics_path=f"{out}/m.jsonl", echo=False, optimizer="adamw", lr=1e-2,
+                      seed=5, device="cpu", timeout_s=60)
+    train(Plan.load(f"{out}/plan.json"), "mlp", cfg, elastic=policy)
 """
 
 

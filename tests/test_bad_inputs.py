@@ -34,6 +34,7 @@ from dapple.planner.search import (
     MAX_MICRO_BATCH_COUNTS,
     micro_batch_candidates,
 )
+from dapple.runtime.config import TrainConfig
 
 ROOT = os.geteuid() == 0 if hasattr(os, "geteuid") else False
 """Root passes every permission check: chmod-based cases are skipped then."""
@@ -376,8 +377,8 @@ def test_metrics_check_reaches_training(
     """A good path passes the check and reaches the (stubbed) run."""
     called: list[str | None] = []
 
-    def fake_train(*_: Any, **kw: Any) -> list[Any]:
-        called.append(kw["metrics_path"])
+    def fake_train(plan: Any, workload: Any, config: TrainConfig, **_: Any) -> list[Any]:
+        called.append(config.metrics_path)
         return []
 
     monkeypatch.setattr("dapple.runtime.train", fake_train)

@@ -255,9 +255,9 @@ def runs(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
     """Every ``dapple.runtime.train`` call (none starts a process): plan and options."""
     calls: list[dict[str, Any]] = []
 
-    def fake_train(plan: Any, workload: Any, **kw: Any) -> list[Any]:
+    def fake_train(plan: Any, workload: Any, config: TrainConfig, **kw: Any) -> list[Any]:
         kw.pop("early", None)
-        calls.append({"plan": plan, "workload": workload.name, **kw})
+        calls.append({"plan": plan, "workload": workload.name, **dataclasses.asdict(config), **kw})
         return []
 
     monkeypatch.setattr("dapple.runtime.train", fake_train)

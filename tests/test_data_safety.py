@@ -8,6 +8,7 @@ the ``slow`` ones run real training processes.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -76,8 +77,8 @@ def launches(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
     """Every ``dapple.runtime.train`` call the CLI makes (none starts a process)."""
     calls: list[dict[str, Any]] = []
 
-    def fake_train(plan: Any, workload: Any, **kw: Any) -> list[Any]:
-        calls.append(kw)
+    def fake_train(plan: Any, workload: Any, config: TrainConfig, **kw: Any) -> list[Any]:
+        calls.append({**dataclasses.asdict(config), **kw})
         return []
 
     monkeypatch.setattr("dapple.runtime.train", fake_train)

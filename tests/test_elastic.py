@@ -23,6 +23,7 @@ from dapple.core.plan import Plan, straight_plan
 from dapple.core.profile import ModelProfile
 from dapple.errors import ValidationError
 from dapple.runtime.checkpoint import latest_checkpoint
+from dapple.runtime.config import TrainConfig
 from dapple.runtime.launch.elastic import (
     ElasticPolicy,
     ElasticStop,
@@ -68,7 +69,7 @@ def test_policy_and_options_are_checked_before_any_run() -> None:
     with pytest.raises(ValidationError, match="min_devices must be an integer >= 1, got 0"):
         _policy(min_devices=0)
     with pytest.raises(ValidationError, match="give it checkpoint_dir and save_every"):
-        train_elastic(_plan31(), 3, lambda p, **o: None, policy=_policy())
+        train_elastic(_plan31(), TrainConfig(steps=3), lambda p, c: None, policy=_policy())
 
 
 def test_plan_for_world_keeps_a_plan_that_fits_and_replans_otherwise() -> None:
@@ -86,25 +87,25 @@ class _Attempts:
     def __init__(self, ck: Path, fails: list[dict[int, int | None]]) -> None:
         self.ck, self.fails, self.plans = ck, fails, []  # type: ignore[var-annotated]
 
-    def __call__(self, plan: Plan, **options: Any) -> None:
-        self.plans.append((plan, options))
+    def __call__(self, plan: Plan, config: TrainConfig) -> None:
+        self.plans.append((plan, config))
         if self.fails:
             raise RankFailure("workers failed", self.fails.pop(0))
 
 
-def _options(tmp_path: Path) -> dict[str, Any]:
-    return {"checkpoint_dir": str(tmp_path / "ck"), "save_every": 1,
-            "metrics_path": str(tmp_path / "m.jsonl")}  # fmt: skip
+def _config(tmp_path: Path, steps: int = 3) -> TrainConfig:
+    return TrainConfig(steps=steps, checkpoint_dir=str(tmp_path / "ck"), save_every=1,
+                       metrics_path=str(tmp_path / "m.jsonl"))  # fmt: skip
 
 
 def test_a_lost_device_replans_for_the_survivors_and_resumes(tmp_path: Path) -> None:
     attempts = _Attempts(tmp_path, [{0: 1, 1: 1, 2: -9, 3: 1}])
     (tmp_path / "m.jsonl").write_text("")
-    result = train_elastic(_plan31(), 3, attempts, policy=_policy(), **_options(tmp_path))
+    result = train_elastic(_plan31(), _config(tmp_path), attempts, policy=_policy())
     assert len(attempts.plans) == 2
     (first, o1), (second, o2) = attempts.plans
-    assert first == _plan31() and not o1.get("resume")
-    assert len(second.devices) <= 3 and o2["resume"] and not o2["overwrite_checkpoints"]
+    assert first == _plan31() and not o1.resume
+    assert len(second.devices) <= 3 and o2.resume and not o2.overwrite_checkpoints
     assert [r.lost for r in result.replans] == [(2,)] and result.plan == second
     _, events = metrics_lines(tmp_path / "m.jsonl")
     assert [e["lost_ranks"] for e in events] == [[2]]
@@ -114,25 +115,24 @@ def test_a_lost_device_replans_for_the_survivors_and_resumes(tmp_path: Path) -> 
 def test_an_error_of_the_run_is_not_a_lost_device(tmp_path: Path) -> None:
     attempts = _Attempts(tmp_path, [{0: 1, 1: 1, 2: 1, 3: 1}])
     with pytest.raises(RankFailure, match="workers failed"):
-        train_elastic(_plan31(), 3, attempts, policy=_policy(), **_options(tmp_path))
+        train_elastic(_plan31(), _config(tmp_path), attempts, policy=_policy())
     assert len(attempts.plans) == 1
 
 
 def test_limits_stop_the_run(tmp_path: Path) -> None:
     lost = {0: 1, 1: -9, 2: 1, 3: 1}
     with pytest.raises(ElasticStop, match="3 devices left, fewer than the minimum 4"):
-        train_elastic(_plan31(), 3, _Attempts(tmp_path, [lost]), policy=_policy(min_devices=4),
-                      **_options(tmp_path))  # fmt: skip
+        train_elastic(_plan31(), _config(tmp_path), _Attempts(tmp_path, [lost]),
+                      policy=_policy(min_devices=4))  # fmt: skip
     again = [lost, {0: -9, 1: 1}, {0: -9}]
     with pytest.raises(ElasticStop, match=r"1 re-plans made, the most allowed \(max_restarts=1\)"):
-        train_elastic(_plan31(), 3, _Attempts(tmp_path, again), policy=_policy(max_restarts=1),
-                      **_options(tmp_path))  # fmt: skip
+        train_elastic(_plan31(), _config(tmp_path), _Attempts(tmp_path, again),
+                      policy=_policy(max_restarts=1))  # fmt: skip
 
 
 def test_a_torchrun_worker_resumes_and_records_a_changed_plan(tmp_path: Path) -> None:
-    opts = _options(tmp_path)
-    plan, options = worker_plan(_plan31(), 4, _policy(), opts, announce_it=True)
-    assert plan == _plan31() and options["resume"]  # no checkpoint yet: nothing recorded
+    plan, config = worker_plan(_plan31(), 4, _policy(), _config(tmp_path), announce_it=True)
+    assert plan == _plan31() and config.resume  # no checkpoint yet: nothing recorded
     assert not (tmp_path / "m.jsonl").exists()
 
 
@@ -143,15 +143,17 @@ from dapple.core.cluster import PRESETS
 from dapple.core.plan import Plan
 from dapple.core.profile import ModelProfile
 from dapple.runtime.launch.elastic import ElasticPolicy
+from dapple.runtime.config import TrainConfig
 from dapple.runtime.launch.launcher import train
 
 if __name__ == "__main__":
     out, plan_file, steps, min_devices = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
     policy = ElasticPolicy(ModelProfile.load(f"{out}/profile.json"), PRESETS["local-cpu"],
                            min_devices=min_devices, max_restarts=2)
-    train(Plan.load(plan_file), "mlp", steps, elastic=policy, checkpoint_dir=f"{out}/ck",
-          save_every=1, metrics_path=f"{out}/m.jsonl", echo=True, optimizer="adamw", lr=1e-2,
-          seed=5, device="cpu", timeout_s=60)
+    cfg = TrainConfig(steps=steps, checkpoint_dir=f"{out}/ck", save_every=1,
+                      metrics_path=f"{out}/m.jsonl", echo=True, optimizer="adamw", lr=1e-2,
+                      seed=5, device="cpu", timeout_s=60)
+    train(Plan.load(plan_file), "mlp", cfg, elastic=policy)
 """
 
 
@@ -283,14 +285,16 @@ from dapple.core.cluster import PRESETS
 from dapple.core.plan import Plan
 from dapple.core.profile import ModelProfile
 from dapple.runtime.launch.elastic import ElasticPolicy
+from dapple.runtime.config import TrainConfig
 from dapple.runtime.launch.launcher import train
 
 if __name__ == "__main__":
     out, steps = sys.argv[1], int(sys.argv[2])
     policy = ElasticPolicy(ModelProfile.load(f"{out}/profile.json"), PRESETS["local-cpu"])
-    train(Plan.load(f"{out}/plan.json"), "mlp", steps, elastic=policy, checkpoint_dir=f"{out}/ck",
-          save_every=1, metrics_path=f"{out}/m.jsonl", echo=True, optimizer="sgd", lr=1e-2,
-          seed=5, device="cpu", timeout_s=60)
+    cfg = TrainConfig(steps=steps, checkpoint_dir=f"{out}/ck", save_every=1,
+                      metrics_path=f"{out}/m.jsonl", echo=True, optimizer="sgd", lr=1e-2,
+                      seed=5, device="cpu", timeout_s=60)
+    train(Plan.load(f"{out}/plan.json"), "mlp", cfg, elastic=policy)
 """
 # SGD: over hundreds of steps AdamW's normalised updates amplify rounding differences between
 # plans (they sum gradients in another order) into visible loss differences.
@@ -378,12 +382,12 @@ def test_a_torchrun_survivor_of_a_lost_peer_says_so_while_torchrun_restarts(
     def die(msg: str, kind: str = "error: ") -> None:
         raise SystemExit(f"dapple: {kind}{msg}")
 
-    monkeypatch.setattr(launcher, "_elastic_worker", lambda plan, policy, options: (plan, options))
+    monkeypatch.setattr(launcher, "_elastic_worker", lambda plan, policy, config: (plan, config))
     monkeypatch.setattr(launcher, "init_distributed", lost)
     monkeypatch.setattr(launcher, "_die", die)
     plan = straight_plan(5, [0, 2], global_batch_size=4, num_micro_batches=2)
     with pytest.raises(SystemExit) as stop:
-        launcher.train(plan, "mlp", 2, elastic=_policy(), **_options(tmp_path))
+        launcher.train(plan, "mlp", _config(tmp_path, steps=2), elastic=_policy())
     line = str(stop.value)
     assert line.startswith(f"dapple: {closing}"), line
     assert "Connection closed by peer" in line

@@ -26,7 +26,8 @@ def test_a_minimum_above_the_plans_devices_is_refused_before_the_first_attempt(
     plan = straight_plan(5, [0, 2], global_batch_size=16, num_micro_batches=2, replicas=[3, 1])
     policy = ElasticPolicy(make_profile(5, name="mlp"), PRESETS["local-cpu"], min_devices=5)
     with pytest.raises(ValidationError, match=r"min_devices 5 is more than the plan's 4 devices"):
-        train_elastic(plan, 2, _never, policy=policy, checkpoint_dir=str(tmp_path), save_every=1)
+        config = TrainConfig(steps=2, checkpoint_dir=str(tmp_path), save_every=1)
+        train_elastic(plan, config, _never, policy=policy)
 
 
 @pytest.mark.parametrize(("minimum", "restarts"), [(2, 3), (1, 0), (4, 7)])

@@ -203,7 +203,8 @@ def test_gpt2_two_stage_runtime_equals_hf_training() -> None:
 
     w = hf_gpt2(**TINY)
     plan = straight_plan(w.num_layers, [0, 2], global_batch_size=4, num_micro_batches=2)
-    metrics = runtime.train(plan, w, steps=3, lr=0.1, optimizer="sgd", seed=0, timeout_s=240)
+    cfg = runtime.TrainConfig(steps=3, lr=0.1, optimizer="sgd", seed=0, timeout_s=240)
+    metrics = runtime.train(plan, w, cfg)
     model = original_model(w, 0)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     ref = []

@@ -53,7 +53,7 @@ def _lines(out: str, prefix: str) -> list[str]:
 
 # -- start-up phases, checkpoint saved, resumed, lr re-derived ----------------------------------
 def test_start_up_phases_in_order(one_rank: None, capsys: pytest.CaptureFixture[str]) -> None:
-    train(_plan(), rw.mlp(), 1, echo=True)
+    train(_plan(), rw.mlp(), TrainConfig(steps=1, echo=True))
     out = capsys.readouterr().out.splitlines()
     assert out[:4] == [
         "start-up: rendezvous",
@@ -65,7 +65,7 @@ def test_start_up_phases_in_order(one_rank: None, capsys: pytest.CaptureFixture[
 
 
 def test_nothing_printed_without_echo(one_rank: None, capsys: pytest.CaptureFixture[str]) -> None:
-    train(_plan(), rw.mlp(), 1)
+    train(_plan(), rw.mlp(), TrainConfig(steps=1))
     assert capsys.readouterr().out == ""
 
 
@@ -75,13 +75,14 @@ def test_checkpoint_saved_resumed_and_lr_rederived(
     ck = tmp_path / "ck"
     opts: dict[str, Any] = dict(seed=SEED, echo=True, checkpoint_dir=str(ck), lr=0.1,
                                 lr_schedule="cosine", warmup_steps=1)  # fmt: skip
-    train(_plan(), rw.mlp(), 3, save_every=2, **opts)
+    train(_plan(), rw.mlp(), TrainConfig(steps=3, save_every=2, **opts))
     out = capsys.readouterr().out
     assert _lines(out, "checkpoint saved:") == [  # every 2 steps, and the run's last step
         f"checkpoint saved: step 2 (steps 0-1 done) in {step_dir(ck, 2)}",
         f"checkpoint saved: step 3 (steps 0-2 done) in {step_dir(ck, 3)}",
     ]
-    train(_plan(), rw.mlp(), 6, resume=True, **opts)  # --steps 3 -> 6: another schedule
+    # --steps 3 -> 6: another schedule
+    train(_plan(), rw.mlp(), TrainConfig(steps=6, resume=True, **opts))
     out = capsys.readouterr().out
     assert _lines(out, "resumed:") == [
         f"resumed: step 3 from {step_dir(ck, 3)} (same plan); data position: synthetic "
@@ -104,8 +105,9 @@ def test_same_schedule_on_resume_says_nothing_about_it(
     one_rank: None, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     ck = str(tmp_path / "ck")
-    train(_plan(), rw.mlp(), 2, echo=True, checkpoint_dir=ck, save_every=1)
-    train(_plan(), rw.mlp(), 2, echo=True, checkpoint_dir=ck, resume=True)  # nothing left to run
+    train(_plan(), rw.mlp(), TrainConfig(steps=2, echo=True, checkpoint_dir=ck, save_every=1))
+    # nothing left to run:
+    train(_plan(), rw.mlp(), TrainConfig(steps=2, echo=True, checkpoint_dir=ck, resume=True))
     out = capsys.readouterr().out
     assert len(_lines(out, "checkpoint saved:")) == 2
     assert len(_lines(out, "resumed: step 2 ")) == 1 and not _lines(out, "lr schedule")
@@ -128,8 +130,10 @@ def test_resume_on_a_dataset_names_epoch_batch_and_next_sample(
     one_rank: None, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     ck, data = str(tmp_path / "ck"), _Rows(10)  # G = 4: 2 batches per epoch, 2 samples dropped
-    train(_plan(), rw.mlp(), 3, echo=True, checkpoint_dir=ck, save_every=3, data=data)
-    train(_plan(), rw.mlp(), 4, echo=True, checkpoint_dir=ck, resume=True, data=data)
+    first = TrainConfig(steps=3, echo=True, checkpoint_dir=ck, save_every=3)
+    train(_plan(), rw.mlp(), first, data=data)
+    resumed = TrainConfig(steps=4, echo=True, checkpoint_dir=ck, resume=True)
+    train(_plan(), rw.mlp(), resumed, data=data)
     (line,) = _lines(capsys.readouterr().out, "resumed:")
     assert line.endswith(
         "data position: epoch 1, batch 1 of 2, next sample 4 of the epoch's order of 10 "
@@ -199,7 +203,7 @@ def test_weights_loaded_line(
     one_rank: None, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     wl, path = _traced(tmp_path)
-    train(_plan(wl.num_layers), wl, 1, echo=True)
+    train(_plan(wl.num_layers), wl, TrainConfig(steps=1, echo=True))
     lines = _lines(capsys.readouterr().out, "weights loaded:")
     total = len(_Net().state_dict())
     assert lines == [f"weights loaded: {path.resolve()}: tensors per stage: stage 0 {total}"]

@@ -30,7 +30,7 @@ from dapple.core.profile import ModelProfile
 from dapple.errors import ValidationError
 from dapple.models.fingerprint import check_profile_model, layer_tensors, model_fingerprint
 from dapple.profiler.paper_models import load_profile
-from dapple.runtime import free_port
+from dapple.runtime import TrainConfig, free_port
 from dapple.runtime.checkpoint import list_checkpoints, step_dir
 from dapple.runtime.verify.report import StageDiff, VerifyReport
 
@@ -65,8 +65,8 @@ def launches(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
     """Every ``dapple.runtime.train`` call (none starts a process or computes)."""
     calls: list[dict[str, Any]] = []
 
-    def fake_train(plan: Any, workload: Any, **kw: Any) -> list[Any]:
-        calls.append(kw)
+    def fake_train(plan: Any, workload: Any, config: TrainConfig, **kw: Any) -> list[Any]:
+        calls.append({**dataclasses.asdict(config), **kw})
         return []
 
     monkeypatch.setattr("dapple.runtime.train", fake_train)

@@ -235,9 +235,8 @@ def _launch(cfg: RunConfig, inputs: RunInputs, early: EarlyWorkers | None) -> li
         replan = ElasticPolicy(as_profile(profile), as_cluster(cluster),
                                min_devices=run.min_devices, max_restarts=run.max_restarts,
                                zero_stage=tc.zero_stage)  # fmt: skip
-    fields = {f.name: getattr(tc, f.name) for f in dataclasses.fields(tc)}
-    return _train(run_plan, wl, data=inputs.data, eval_data=inputs.eval_data, early=early,
-                  elastic=replan, **fields)  # fmt: skip
+    return _train(run_plan, wl, tc, data=inputs.data, eval_data=inputs.eval_data, early=early,
+                  elastic=replan)  # fmt: skip
 
 
 def _check_run(plan: Plan, wl: Workload, cluster: Cluster | None = None) -> None:

@@ -41,7 +41,7 @@ from dapple.core.planning_options import PlanningOptions, zero_choice
 from dapple.core.profile import ModelProfile
 from dapple.errors import DappleError, InfeasibleError, ValidationError
 from dapple.runtime.checkpoint import latest_checkpoint
-from dapple.runtime.config import StepMetrics
+from dapple.runtime.config import StepMetrics, TrainConfig
 from dapple.runtime.launch.failure import RankFailure
 from dapple.runtime.metrics import announce, metrics_from_dict
 
@@ -211,16 +211,16 @@ def plan_for_world(plan: Plan, world: int, policy: ElasticPolicy) -> Plan:
 
 
 def worker_plan(
-    plan: Plan, world: int, policy: ElasticPolicy, options: dict[str, Any], *, announce_it: bool
-) -> tuple[Plan, dict[str, Any]]:
-    """What a ``torchrun`` worker of an elastic run runs: :func:`plan_for_world`, with options
-    that resume from the newest checkpoint (none: step 0). Where that checkpoint was saved
+    plan: Plan, world: int, policy: ElasticPolicy, config: TrainConfig, *, announce_it: bool
+) -> tuple[Plan, TrainConfig]:
+    """What a ``torchrun`` worker of an elastic run runs: :func:`plan_for_world`, with
+    ``config`` made to resume from the newest checkpoint (none: step 0). Where that checkpoint was saved
     under another plan, ``announce_it`` prints and records the re-plan (rank 0's part).
 
     Raises:
         ElasticStop: see :func:`plan_for_world`.
     """
-    ckpt_dir = _check_options(options)
+    ckpt_dir = _check_options(config)
     t0 = time.perf_counter()
     new = plan_for_world(plan, world, policy)
     seconds = time.perf_counter() - t0
@@ -231,9 +231,14 @@ def worker_plan(
             f"this attempt has {world} devices, the checkpoint's plan "
             f"{len(old.devices)}; predicted {new.predicted_step_ms:.1f} ms per step"
         )
-        _record(Replan(ck.meta.step, (), old, new, why, seconds), options.get("metrics_path"),
-                bool(options.get("echo", False)))  # fmt: skip
-    return new, {**options, "resume": True, "overwrite_checkpoints": False}
+        _record(Replan(ck.meta.step, (), old, new, why, seconds), config.metrics_path,
+                config.echo)  # fmt: skip
+    return new, _resuming(config)
+
+
+def _resuming(config: TrainConfig) -> TrainConfig:
+    """``config`` resuming from its newest checkpoint, which it must not overwrite."""
+    return dataclasses.replace(config, resume=True, overwrite_checkpoints=False)
 
 
 def _resume_step(checkpoint_dir: str) -> int:
@@ -241,8 +246,8 @@ def _resume_step(checkpoint_dir: str) -> int:
     return 0 if ck is None else ck.meta.step
 
 
-def _check_options(options: dict[str, Any]) -> str:
-    ck, every = options.get("checkpoint_dir"), options.get("save_every", 0)
+def _check_options(config: TrainConfig) -> str:
+    ck, every = config.checkpoint_dir, config.save_every
     if ck is None or not every:
         raise ValidationError(
             "an elastic run resumes from its checkpoints: give it checkpoint_dir and save_every "
@@ -274,26 +279,24 @@ def _record(replan_: Replan, metrics_path: str | None, echo: bool) -> None:
 
 def train_elastic(
     plan: Plan,
-    steps: int,
-    attempt: Callable[..., Any],
+    config: TrainConfig,
+    attempt: Callable[[Plan, TrainConfig], Any],
     *,
     policy: ElasticPolicy,
-    **options: Any,
 ) -> ElasticResult:
-    """Run ``attempt(plan, **options)`` (one standalone launch of ``steps`` steps, see
+    """Run ``attempt(plan, config)`` (one standalone launch of ``config.steps`` steps, see
     :func:`dapple.runtime.train` with ``elastic``), re-planning for the devices left whenever
     a device is lost (see the module docstring).
 
     Args:
-        options: :class:`~dapple.runtime.config.TrainConfig` fields; ``checkpoint_dir`` and
-            ``save_every`` are required.
+        config: The run's options; ``checkpoint_dir`` and ``save_every`` are required.
 
     Raises:
         ElasticStop: below ``policy.min_devices``, ``policy.max_restarts`` used up, or no
             plan fits the devices left.
         RankFailure: a failure that lost no device (an error of the run itself).
     """
-    ckpt_dir = _check_options(options)
+    ckpt_dir = _check_options(config)
     if len(plan.devices) < policy.min_devices:
         raise ValidationError(
             f"elastic min_devices {policy.min_devices} is more than the plan's "
@@ -303,16 +306,16 @@ def train_elastic(
     devices = _visible_devices(len(plan.devices))
     replans: list[Replan] = []
     with tempfile.TemporaryDirectory(prefix="dapple-elastic-") as tmp:
-        metrics_path = options.get("metrics_path") or str(Path(tmp) / "metrics.jsonl")
-        options = {**options, "metrics_path": metrics_path}
+        metrics_path = config.metrics_path or str(Path(tmp) / "metrics.jsonl")
+        config = dataclasses.replace(config, metrics_path=metrics_path)
         while True:
             try:
-                attempt(plan, **options)
+                attempt(plan, config)
                 break
             except RankFailure as failure:
                 left = _survivors(failure, devices, policy)
                 resume_step = _resume_step(ckpt_dir)
-                if resume_step >= steps:  # lost after the last step's checkpoint: done
+                if resume_step >= config.steps:  # lost after the last step's checkpoint: done
                     break
                 if len(replans) >= policy.max_restarts:
                     raise ElasticStop(
@@ -321,13 +324,13 @@ def train_elastic(
                     ) from failure
                 lost = ", ".join(map(str, failure.lost_ranks()))
                 announce(f"lost rank {lost}, re-planning for the {len(left)} devices left",
-                         bool(options.get("echo", False)))  # fmt: skip
+                         config.echo)  # fmt: skip
                 rep = _replan(policy, failure, plan, len(left), resume_step)
-                _record(rep, metrics_path, bool(options.get("echo", False)))
+                _record(rep, metrics_path, config.echo)
                 replans.append(rep)
                 plan, devices = rep.new, left[: len(rep.new.devices)]
                 _show_devices(devices)
-                options = {**options, "resume": True, "overwrite_checkpoints": False}
+                config = _resuming(config)
         records = _tagged_steps(metrics_path)
     return ElasticResult([metrics_from_dict(d) for d in records], tuple(replans), plan)
 

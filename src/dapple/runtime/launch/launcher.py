@@ -310,16 +310,16 @@ def _worker(
 def train(
     plan: Plan | str | Path,
     workload: Workload | str,
-    steps: int = 1,
+    config: TrainConfig,
     *,
     data: Any = None,
     eval_data: Any = None,
     early: EarlyWorkers | None = None,
     elastic: ElasticPolicy | None = None,
     elastic_attempt: bool = False,
-    **options: Any,
 ) -> list[StepMetrics]:
-    """Train ``steps`` synchronous steps of ``plan`` (Python API behind ``dapple train``).
+    """Train ``config.steps`` synchronous steps of ``plan`` (the runtime behind
+    :func:`dapple.api.train` and ``dapple train``).
 
     Under ``torchrun`` (RANK/WORLD_SIZE in the env) this process is one rank; otherwise one
     process per plan device is started locally (or, with ``early``, those started before the
@@ -329,7 +329,8 @@ def train(
         plan: a :class:`Plan` or the path of a plan JSON file.
         workload: a :class:`Workload` (must be picklable when processes are spawned), a
             ``module:factory`` spec or a zoo model name.
-        steps: optimizer steps.
+        config: how to run it (steps, seed, optimizer, limits, reporting), as the API
+            resolved it (:func:`dapple.runtime.run_config.resolve_train_config`).
         data: training samples (a map-style dataset of ``(inputs, targets)``, e.g. a
             :class:`~dapple.datasets.TokenFile`); None: ``workload.make_batch``.
         eval_data: evaluation samples handed to the runtime (see ``run_plan``).
@@ -341,8 +342,6 @@ def train(
             returns only the metrics here).
         elastic_attempt: one launch of such a run (:func:`train_elastic`'s): a rank that
             loses a peer reports it as the loss's consequence, not as an error.
-        **options: the other :class:`TrainConfig` fields (seed, optimizer, lr, timeout_s,
-            recompute, metrics_path, echo, device, predicted_step_ms, precision).
 
     Returns:
         Rank 0's per-step metrics (empty on other torchrun ranks).
@@ -358,15 +357,15 @@ def train(
 
         first = [early]  # workers started early serve the first attempt only
 
-        def attempt(p: Plan, **opts: Any) -> None:
+        def attempt(p: Plan, c: TrainConfig) -> None:
             ready, first[0] = first[0], None
-            train(p, workload, steps, data=data, eval_data=eval_data, early=ready,
-                  elastic_attempt=True, **opts)  # fmt: skip
+            train(p, workload, c, data=data, eval_data=eval_data, early=ready,
+                  elastic_attempt=True)  # fmt: skip
 
-        return train_elastic(plan, steps, attempt, policy=elastic, **options).metrics
+        return train_elastic(plan, config, attempt, policy=elastic).metrics
+    cfg = config
     if elastic is not None:
-        plan, options = _elastic_worker(plan, elastic, options)
-    cfg = TrainConfig(steps=steps, **options)
+        plan, cfg = _elastic_worker(plan, elastic, cfg)
     check_precision(cfg.precision, cfg.device)  # fp16 on the CPU etc.: before any compute
     if _under_torchrun():
         return _torchrun_rank(plan, workload, cfg, data, eval_data, elastic=elastic is not None)
@@ -440,14 +439,14 @@ def _restarts_left() -> bool:
 
 
 def _elastic_worker(
-    plan: Plan, policy: ElasticPolicy, options: dict[str, Any]
-) -> tuple[Plan, dict[str, Any]]:
+    plan: Plan, policy: ElasticPolicy, config: TrainConfig
+) -> tuple[Plan, TrainConfig]:
     """A ``torchrun`` worker of an elastic run: the plan for ``WORLD_SIZE`` devices, resuming
     from the newest checkpoint (none: step 0)."""
     from dapple.runtime.launch.elastic import worker_plan
 
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
-    return worker_plan(plan, world, policy, options, announce_it=rank == 0)
+    return worker_plan(plan, world, policy, config, announce_it=rank == 0)
 
 
 def _check_shapes(plan: Plan, wl: Workload, cfg: TrainConfig, data: Any) -> None:
