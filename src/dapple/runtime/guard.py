@@ -293,6 +293,11 @@ class NonFiniteGuard:
                 for b, k in zip(buffers, kept, strict=True):
                     b.copy_(k)
 
+    def _drop_grads(self) -> None:
+        """A skipped step's gradients are dropped: the optimizer step does not run on them."""
+        for p in self.params:
+            p.grad = None
+
     def _verdict(
         self,
         step: int,
@@ -305,8 +310,7 @@ class NonFiniteGuard:
             return None
         k, st, rk = bad[0]
         if k == 1 and self.precision.overflow(step):  # fp16 overflow: skip, scale / 2, go on
-            for p in self.params:
-                p.grad = None
+            self._drop_grads()
             return ""
         named = self._name_micro_batch(replay if k == 1 else None)
         m, note = -1, ""
@@ -323,8 +327,7 @@ class NonFiniteGuard:
         if others:
             what += f"; also non-finite at {', '.join(f'stage {o}' for o in others)}"
         if self.config.on_nonfinite == "skip":
-            for p in self.params:
-                p.grad = None
+            self._drop_grads()
             self.skipped.append(step)
             if self.rank == 0:
                 logger.warning("step %d skipped: %s", step, what)
