@@ -202,3 +202,72 @@ def test_demo_train_deletes_only_the_checkpoints_a_save_wrote(
     assert not own.exists()  # the earlier run's own checkpoint
     assert (users / "notes.txt").read_text() == "precious"
     assert (ckpt / "README").read_text() == "precious"
+
+
+# -- a launcher killed while its spawned workers still import leaves none behind --------------
+_LAUNCHER = """
+import os, sys
+sys.path.insert(0, {tests!r})
+if __name__ == "__main__":  # (a spawned process imports this file too, as __mp_main__)
+    import slow_import_helper
+    from dapple.runtime.launch.launcher import spawn
+    os.environ["DAPPLE_TEST_IMPORT_S"] = "60"  # the worker's import of the helper: 60 s
+    spawn(slow_import_helper.idle, 1)
+"""
+
+
+@pytest.mark.slow
+def test_a_launcher_killed_during_its_workers_imports_leaves_none_behind(tmp_path: Path) -> None:
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    script = tmp_path / "launcher.py"
+    script.write_text(_LAUNCHER.format(tests=str(Path(__file__).parent)))
+    env = {k: v for k, v in os.environ.items() if k != "DAPPLE_TEST_IMPORT_S"}
+    launcher = subprocess.Popen([sys.executable, str(script)], env=env)
+    try:
+        workers: list[int] = []
+        deadline = time.monotonic() + 120.0
+        while not workers and time.monotonic() < deadline:
+            time.sleep(0.5)
+            workers = _spawned_children(launcher.pid)
+        assert workers, "no worker started"
+        time.sleep(2.0)  # the worker is in its imports (60 s)
+        launcher.send_signal(signal.SIGKILL)
+        launcher.wait()
+        deadline = time.monotonic() + 10.0
+        while time.monotonic() < deadline and any(map(_alive, workers)):
+            time.sleep(0.2)
+        assert not any(map(_alive, workers)), "a worker outlived its killed launcher"
+    finally:
+        launcher.kill()
+        for pid in _spawned_children(launcher.pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _spawned_children(parent: int) -> list[int]:
+    """The multiprocessing-spawned children of ``parent`` (not its resource tracker)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if not entry.name.isdigit():
+                continue
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmd = (entry / "cmdline").read_bytes()
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == parent and b"spawn_main" in cmd:
+            found.append(int(entry.name))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, reaped by init soon, counts as gone)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"

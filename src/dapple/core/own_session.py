@@ -7,8 +7,8 @@ of its workers in a new session (``start_new_session=True``), so on a machine bu
 sessions its ranks get one share each. :func:`run_in_own_session` gives a standalone launch's
 workers the same footing, as their first act - their imports (torch) and tracing already run in
 the new session. The launcher stays in charge of their lives (:mod:`dapple.runtime.launch.local`):
-they end when it ends, it stops them on SIGTERM and SIGINT; terminal signals (Ctrl-C, Ctrl-Z)
-reach only the launcher.
+they end when it ends (bound here, before their imports), it stops them on SIGTERM and SIGINT;
+terminal signals (Ctrl-C, Ctrl-Z) reach only the launcher.
 
 Torch-free on purpose: a spawned worker unpickles its target before it can call it, so the
 target must live in a module that imports nothing heavy, and the real call travels as bytes
@@ -22,6 +22,8 @@ import os
 from collections.abc import Callable
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
+
+from dapple.core.parent_death import end_with_parent
 
 __all__ = ["SHARED_SESSION_ENV", "Deferred", "run_in_own_session"]
 
@@ -42,10 +44,14 @@ class Deferred:
         return (bytes, (bytes(ForkingPickler.dumps(self.call)),))
 
 
-def run_in_own_session(call: bytes) -> None:
-    """In a spawned worker: start a new session (see the module docstring; not with
-    ``DAPPLE_SHARED_SESSION=1``, nor where sessions cannot be made), then unpickle and run the
-    :class:`Deferred` call."""
+def run_in_own_session(call: bytes, launcher: int | None = None) -> None:
+    """In a spawned worker: end with ``launcher`` (its pid, taken before the worker started;
+    :func:`dapple.core.parent_death.end_with_parent`) from now on, so that a launcher killed
+    while the worker still imports leaves nothing behind; start a new session (see the module
+    docstring; not with ``DAPPLE_SHARED_SESSION=1``, nor where sessions cannot be made); then
+    unpickle and run the :class:`Deferred` call."""
+    if launcher is not None:
+        end_with_parent(launcher)
     if os.environ.get(SHARED_SESSION_ENV) != "1" and hasattr(os, "setsid"):
         with contextlib.suppress(PermissionError):  # a process group leader keeps its session
             os.setsid()

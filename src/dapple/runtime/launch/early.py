@@ -79,7 +79,7 @@ class EarlyWorkers:
                 p = ctx.Process(target=run_in_own_session,
                                 args=(Deferred(_early_worker, r, nprocs, port, me,
                                                sock if r == 0 else None, wait_end, spec,
-                                               dict(overrides), echo, self.beats),))  # fmt: skip
+                                               dict(overrides), echo, self.beats), me))  # fmt: skip
                 self._runs.append(run_end)
                 self.procs.append(p)
                 p.start()

@@ -203,9 +203,9 @@ def spawn(
         port = int(sock.getsockname()[1])
         me = os.getpid()
         procs = [
-            ctx.Process(target=run_in_own_session,  # a session of its own, then its imports
+            ctx.Process(target=run_in_own_session,  # ends with me, own session, then imports
                         args=(Deferred(run_worker, fn, r, nprocs, port, me,
-                                       sock if r == 0 else None, args, beats),))
+                                       sock if r == 0 else None, args, beats), me))
             for r in range(nprocs)
         ]  # fmt: skip
     else:

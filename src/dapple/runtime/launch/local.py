@@ -3,7 +3,8 @@ rendezvous that listens on loopback only (used by :func:`dapple.runtime.launch.l
 
 Lifetimes. A worker starts in a session of its own (:mod:`dapple.core.own_session`: its share
 of a busy machine's CPU, as a ``torchrun`` worker's; terminal signals reach only the launcher),
-then, once its code is imported, arms :func:`end_with_launcher`: on Linux
+bound to end with the launcher before it imports anything heavy, and once its code is imported
+arms :func:`end_with_launcher` as well: on Linux
 ``prctl(PR_SET_PDEATHSIG, SIGKILL)`` makes the kernel kill it when the launcher dies - SIGKILL
 included - and a ``getppid`` check closes the race where the launcher died before that. While
 the launcher waits, :class:`StopSignals` notes SIGTERM and SIGINT; the launcher then stops every
