@@ -271,3 +271,61 @@ def _alive(pid: int) -> bool:
     except (OSError, IndexError):
         return False
     return state != "Z"
+
+
+# -- generate and profile: bad prompt bytes, seeds, threads and batches in one line -------------
+@pytest.mark.parametrize(
+    ("extra", "needle"),
+    [
+        (["--prompt", "a\udce9b"], "--prompt is not UTF-8 text: byte 0xe9 at character 1"),
+        (["--prompt", "hi", "--seed", str(10**23)], f"--seed must be an integer from 0 to {2**63 - 1}"),
+        (["--prompt", "hi", "--seed", "-1"], "got -1"),
+    ],
+)  # fmt: skip
+def test_generate_refuses_a_prompt_of_bad_bytes_and_a_seed_torch_cannot_take(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    extra: list[str],
+    needle: str,
+) -> None:
+    from builders import boom, one_error_line
+
+    monkeypatch.setattr("dapple.api.generate", boom)
+    monkeypatch.setattr("dapple.runtime.export.newest_checkpoint", boom)
+    argv = ["generate", "--checkpoint-dir", str(tmp_path), "-m", "transformer", *extra]
+    assert main(argv) == 2
+    one_error_line(capsys, needle)
+
+
+def test_profile_refuses_more_threads_than_cores(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from builders import boom, one_error_line
+    from dapple.core.cpu_cores import usable_cores
+
+    monkeypatch.setattr("dapple.profiler.measure.profile_workload", boom)
+    argv = ["profile", "-m", "mlp", "--device", "cpu", "-o", str(tmp_path / "p.json")]
+    assert main([*argv, "--threads", str(usable_cores() + 1)]) == 2
+    one_error_line(capsys, f"--threads must be from 1 to the {usable_cores()} usable cores")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_profile_out_of_host_memory_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from builders import one_error_line
+
+    def alloc(*_: object, **__: object) -> None:
+        raise RuntimeError(
+            "[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate "
+            "memory: you tried to allocate 26400000000 bytes.\nError code 12"
+        )
+
+    monkeypatch.setattr("dapple.profiler.measure.profile_workload", alloc)
+    argv = ["profile", "-m", "mlp", "--device", "cpu", "--batch-sizes", "100000000", "-o",
+            str(tmp_path / "p.json")]  # fmt: skip
+    assert main(argv) == 2
+    err = one_error_line(capsys, "profiling at --batch-sizes 100000000 ran out of host memory")
+    assert "26400000000 bytes. Error code 12)" in err and "give smaller batch sizes" in err
+    assert list(tmp_path.iterdir()) == []

@@ -22,7 +22,7 @@ from dapple.errors import ValidationError
 if TYPE_CHECKING:
     from dapple.models.generate import Generated
 
-__all__ = ["PROGRESS_DELAY_S", "PROGRESS_MIN_TOKENS", "register"]
+__all__ = ["PROGRESS_DELAY_S", "PROGRESS_MIN_TOKENS", "SEED_MAX", "register"]
 
 PROGRESS_MIN_TOKENS = 256
 """A request for at least this many tokens shows progress on stderr (fewer: none)."""
@@ -79,6 +79,7 @@ def run(args: argparse.Namespace) -> int:
             "give the weights to generate with: --checkpoint-dir DIR (a training run's "
             "checkpoints) or --weights PATH (pretrained), one of them"
         )
+    _check_prompt_and_seed(args.prompt, args.seed)
     loaded = None
     if args.checkpoint_dir is not None:
         from dapple.runtime.export import newest_checkpoint
@@ -105,6 +106,28 @@ def run(args: argparse.Namespace) -> int:
         print(cut, file=sys.stderr)
     print(terminal_safe(result.text) if sys.stdout.isatty() else result.text)
     return 0
+
+
+SEED_MAX = 2**63 - 1
+"""The largest ``--seed`` (torch's generators take a signed 64-bit seed)."""
+
+
+def _check_prompt_and_seed(prompt: str, seed: int) -> None:
+    """The prompt is text (bytes that are not UTF-8 reach Python as lone surrogates, which no
+    tokenizer takes) and the seed fits torch's generator, before the model is loaded.
+
+    Raises:
+        ValidationError: naming the first bad byte, or the seed.
+    """
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as e:
+        byte = prompt[e.start].encode("utf-8", "surrogateescape")
+        raise ValidationError(
+            f"--prompt is not UTF-8 text: byte 0x{byte.hex()} at character {e.start}"
+        ) from e
+    if not 0 <= seed <= SEED_MAX:
+        raise ValidationError(f"--seed must be an integer from 0 to {SEED_MAX}, got {seed}")
 
 
 def _progress(new_tokens: int) -> contextlib.AbstractContextManager[StepProgress | None]:

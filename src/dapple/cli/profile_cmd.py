@@ -4,6 +4,8 @@ write a profile JSON."""
 from __future__ import annotations
 
 import argparse
+import contextlib
+from collections.abc import Iterator
 
 from rich.console import Console
 from rich.table import Table
@@ -14,7 +16,7 @@ from dapple.cli._profile_config import add_profile_config_arguments, apply_profi
 from dapple.cli._renamed import renamed
 from dapple.cli._run_args import add_device_argument
 from dapple.core.profile import ModelProfile
-from dapple.errors import ValidationError
+from dapple.errors import ValidationError, one_line
 from dapple.profiler.analytic_devices import DEVICES
 from dapple.profiler.analytic_ops import RECOMPUTE_MODES
 
@@ -251,11 +253,17 @@ def run(args: argparse.Namespace) -> int:
     lens = _lengths(args.seq_lens)
     overrides = model_overrides(args)
     shape = _parse_shape(args.input_shape)
+    from dapple.core.cpu_cores import usable_cores
     from dapple.models.zoo import load_workload
     from dapple.profiler.host_fit import check_host_memory, check_local_processes
     from dapple.profiler.measure import profile_workload, resolve_device
 
     dev = resolve_device(args.device)  # fail fast, before building the model
+    cores = usable_cores()
+    if dev.type == "cpu" and not 1 <= args.threads <= cores:  # 10^5 threads crash torch
+        raise ValidationError(
+            f"--threads must be from 1 to the {cores} usable cores, got {args.threads}"
+        )
     workload = load_workload(args.model, input_shape=shape, **overrides)
     held = max(1, args.co_workers) if dev.type == "cpu" else 1  # co-workers run on CPU only
     check_local_processes(held - 1, f"--co-workers {args.co_workers}", forked=True)
@@ -263,7 +271,10 @@ def run(args: argparse.Namespace) -> int:
     con = console()
     passes = len(set(lens)) if lens else 1
     total = workload.num_layers * len(set(sizes)) * passes
-    with StepProgress(f"profile {workload.name}", total, console=con) as progress:
+    with (
+        _out_of_memory_said(sizes),
+        StepProgress(f"profile {workload.name}", total, console=con) as progress,
+    ):
         prof = profile_workload(
             workload,
             sizes,
@@ -285,3 +296,18 @@ def run(args: argparse.Namespace) -> int:
         f"wrote {args.output}: {prof.num_layers} layers, {prof.parameter_bytes:,} parameter bytes"
     )
     return 0
+
+
+@contextlib.contextmanager
+def _out_of_memory_said(sizes: list[int]) -> Iterator[None]:
+    """A host allocation that fails while profiling (a batch too large for this host's memory)
+    ends as one error line naming the batch sizes, not torch's traceback."""
+    try:
+        yield
+    except RuntimeError as e:
+        if "can't allocate memory" not in str(e):
+            raise
+        raise ValidationError(
+            f"profiling at --batch-sizes {','.join(map(str, sizes))} ran out of host memory "
+            f"({one_line(e)}): give smaller batch sizes"
+        ) from e
