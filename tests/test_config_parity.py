@@ -21,7 +21,7 @@ from dapple import api
 from dapple.cli import build_parser, main
 from dapple.cli._config_args import Flag
 from dapple.cli._plan_config import plan_flags
-from dapple.cli._train_config import TRAIN_FLAGS
+from dapple.cli._train_config import RUN_FLAGS, TRAIN_FLAGS
 from dapple.cli.plan_cmd import parse_seq_len
 from dapple.cli.train_cmd import DEFAULT_KEEP
 from dapple.core.plan import Plan, straight_plan
@@ -347,3 +347,82 @@ def test_api_train_of_a_config_takes_nothing_beside_it(
         api.train(RunConfig(plan=PlanChoice(path=str(plan))))
     api.train(cfg)
     assert len(runs) == 1 and runs[0]["plan"].schedule == "gpipe" and runs[0]["steps"] == 1
+
+
+# -- dapple verify ---------------------------------------------------------------------------------
+TOLERANCES = {"rtol", "atol", "grad_rtol"}
+"""``dapple verify``'s own flags, no field of the run (:data:`dapple.api.running.VERIFY_CHECKS`)."""
+
+EVERY_VERIFY_OPTION = {
+    k: v for k, v in EVERY_RUN_OPTION.items() if k in {f.dest for f in RUN_FLAGS}
+}
+"""A value other than the default for every option of the run that verify forwards."""
+
+
+def test_every_verify_flag_is_a_run_flag_of_train_or_a_tolerance() -> None:
+    verify_dests, train_dests = set(_flag_actions("verify")), set(_flag_actions("train"))
+    run = {f.dest for f in RUN_FLAGS}
+    assert verify_dests == run | TOLERANCES
+    assert run <= train_dests and not TOLERANCES & train_dests
+    assert set(TRAIN_FLAGS[: len(RUN_FLAGS)]) == set(RUN_FLAGS)
+    assert set(api.running.VERIFY_CHECKS) > TOLERANCES
+
+
+def test_cli_and_api_ask_verify_for_the_same_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from dapple.cli import verify_cmd
+
+    calls: list[dict[str, Any]] = []
+
+    def fake_verify(plan: Plan, workload: Any, steps: int, **kw: Any) -> Any:
+        calls.append({"plan": plan, "workload": workload.name, "steps": steps, **kw})
+        return argparse.Namespace(ok=True)
+
+    monkeypatch.setattr("dapple.runtime.verify.verify", fake_verify)
+    monkeypatch.setattr(verify_cmd, "print_report", lambda *_: None)
+    plan = tmp_path / "plan.json"
+    straight_plan(4, [0, 2], global_batch_size=4, num_micro_batches=2).save(plan)
+    options = {k: v for k, v in EVERY_VERIFY_OPTION.items() if k != "steps"}
+    options["momentum"] = 0.0  # the CLI forwards every optimisation option; adamw takes none
+    model = ["-m", "runtime_workloads:mlp", "--set", "num_layers=4"]
+    argv = ["verify", "--plan", str(plan), *model, "--schedule", "gpipe", "--policy", "B"]
+    assert main([*argv, *_flags(EVERY_VERIFY_OPTION), "--rtol", "0.001"]) == 0
+    api.verify(plan, "runtime_workloads:mlp", EVERY_VERIFY_OPTION["steps"], schedule="gpipe",
+               policy="B", overrides={"num_layers": 4}, rtol=0.001, **options)  # fmt: skip
+    cfg = RunConfig(
+        model=ModelConfig(spec="runtime_workloads:mlp", set={"num_layers": 4}),
+        plan=PlanChoice(path=str(plan), schedule="gpipe", policy="B"),
+        train=TrainConfig(**EVERY_VERIFY_OPTION),
+    )
+    api.verify(cfg, rtol=0.001)
+    cli, from_api, from_config = calls
+    assert cli == from_api == from_config
+    assert cli["plan"].schedule == "gpipe" and cli["plan"].policy == "B"
+    for k, v in EVERY_VERIFY_OPTION.items():  # each reached the runtime
+        assert cli[k] == v, k
+    with pytest.raises(
+        ValidationError, match="verify\\(cfg\\) takes the run's options from cfg, got also lr"
+    ):
+        api.verify(cfg, lr=0.5)
+
+
+@pytest.mark.parametrize(
+    ("extra", "line"),
+    [
+        (["--seq-len", "0"], "seq_len must be >= 1, got 0"),
+        (
+            ["--schedule", "interleaved", "--virtual-stages", "0"],
+            "virtual_stages must be >= 1, got 0",
+        ),
+        (["--virtual-stages", "2"], "--virtual-stages 2 needs --schedule interleaved"),
+    ],
+)
+def test_train_and_verify_refuse_a_run_value_in_the_same_words(
+    extra: list[str], line: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    plan = tmp_path / "plan.json"
+    straight_plan(4, [0, 2], global_batch_size=4, num_micro_batches=2).save(plan)
+    for command in ("train", "verify"):
+        assert main([command, "--plan", str(plan), "-m", "runtime_workloads:mlp", *extra]) == 2
+        assert capsys.readouterr().err.strip().splitlines() == [f"dapple: error: {line}"], command

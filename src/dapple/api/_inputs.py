@@ -58,8 +58,13 @@ class RunInputs:
     cluster: Cluster | str | None = None
 
 
-def run_inputs(cfg: RunConfig) -> RunInputs:
-    """The plan, model and data ``cfg`` names, loaded (:class:`RunInputs`).
+def run_inputs(cfg: RunConfig, *, cli: bool = False) -> RunInputs:
+    """The plan, model and data ``cfg`` names, loaded (:class:`RunInputs`): the model's options
+    and the data checked first, then the plan read, then the model built.
+
+    Args:
+        cfg: the run.
+        cli: name the command-line flags in a schedule's message (:func:`plan_with`).
 
     Raises:
         ValidationError: no plan or model in ``cfg``, a bad plan or model, or data options
@@ -73,10 +78,10 @@ def run_inputs(cfg: RunConfig) -> RunInputs:
             f"a run needs a plan path and a model spec, got plan.path={c.path!r} and "
             f"model.spec={cfg.model.spec!r}"
         )
-    plan = plan_with(c.path, c.schedule, c.policy, c.virtual_stages)
     overrides = cfg.model_overrides()  # checked before the model loads
     data, evals = (None if x is None else open_run_data(x, d.seq_len, d.documents)
                    for x in (d.path, d.eval_path))  # fmt: skip
+    plan = plan_with(c.path, c.schedule, c.policy, c.virtual_stages, cli=cli)
     return RunInputs(plan, load(cfg.model.spec, **overrides), data, evals)
 
 

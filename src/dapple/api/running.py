@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from dapple.runtime.run_config import RunConfig, RunOptions
     from dapple.runtime.verify import VerifyReport
 
-__all__ = ["generate", "train", "verify", "verify_many"]
+__all__ = ["VERIFY_CHECKS", "generate", "train", "verify", "verify_many"]
 
 
 @overload
@@ -306,6 +306,14 @@ def _dataset(data: Any, seq_len: int | None, documents: str | None = None) -> An
     return None if data is None else open_run_data(data, seq_len, documents)
 
 
+VERIFY_CHECKS = ("rtol", "atol", "grad_rtol", "progress")
+"""What :func:`verify` takes beside a :class:`~dapple.runtime.run_config.RunConfig`: the
+tolerances and whether it says which run is going."""
+
+
+@overload
+def verify(plan: RunConfig, *, inputs: RunInputs | None = None, **checks: Any) -> VerifyReport: ...
+@overload
 def verify(
     plan: Plan | str | Path,
     workload: WorkloadLike,
@@ -320,11 +328,32 @@ def verify(
     seq_len: int | None = None,
     precision: str = "fp32",
     **options: Any,
+) -> VerifyReport: ...
+def verify(
+    plan: RunConfig | Plan | str | Path,
+    workload: WorkloadLike | None = None,
+    steps: int = 2,
+    *,
+    overrides: Mapping[str, Any] | None = None,
+    schedule: str | None = None,
+    policy: str | None = None,
+    virtual_stages: int = 1,
+    device: str = "auto",
+    data: Any = None,
+    seq_len: int | None = None,
+    precision: str = "fp32",
+    inputs: RunInputs | None = None,
+    **options: Any,
 ) -> VerifyReport:
-    """Run a plan distributed and check it step by step against one process (``dapple verify``).
+    """Run a plan distributed and check it step by step against one process (``dapple verify``):
+    ``verify(cfg)`` the run a :class:`~dapple.runtime.run_config.RunConfig` asks for (its model,
+    plan, data and :class:`~dapple.runtime.TrainConfig`'s steps, seed, device, precision,
+    timeout and optimisation options), ``verify(plan, workload, ...)`` the one its keyword
+    arguments ask for.
 
     Args:
-        plan: A :class:`Plan` or its JSON path.
+        plan: A :class:`~dapple.runtime.run_config.RunConfig` (then only ``inputs`` and
+            :data:`VERIFY_CHECKS` go beside it), or a :class:`Plan` or its JSON path.
         workload: A :class:`Workload` or a spec string.
         steps: Optimizer steps of both runs.
         overrides: Factory keyword arguments when ``workload`` is a spec.
@@ -338,6 +367,8 @@ def verify(
         seq_len: As in :func:`train`.
         precision: ``fp32`` or ``bf16`` autocast in both runs (bf16 tolerances:
             :func:`dapple.runtime.precision.tolerances_for`).
+        inputs: With a ``RunConfig``: what it names, already loaded (``dapple verify`` loads
+            them naming its flags); None: loaded here (:func:`~dapple.api.run_inputs`).
         **options: ``seed``, ``optimizer``, ``lr``, ``rtol``, ``atol``, ``grad_rtol``,
             ``timeout_s``, ``progress`` (default True: which run is going, on stderr, as it
             goes) and the optimisation options ``weight_decay``, ``momentum``,
@@ -353,6 +384,15 @@ def verify(
             the model cannot be cut over (:mod:`dapple.runtime.parallel.tensor_check`).
         RankFailure: A worker failed.
     """
+    from dapple.runtime.run_config import RunConfig
+
+    if isinstance(plan, RunConfig):
+        return _verify_config(plan, inputs, options)
+    if workload is None or inputs is not None:
+        raise ValidationError(
+            "verify(plan, workload, ...) needs a workload and takes no inputs (those go with a "
+            "RunConfig: verify(cfg, inputs=...))"
+        )
     run_plan = plan_with(plan, schedule, policy, virtual_stages)
     wl = as_workload(workload, _seq_overrides(workload, overrides, seq_len))
     _check_run(run_plan, wl)
@@ -369,6 +409,32 @@ def verify(
         precision=precision,
         **options,
     )
+
+
+def _verify_config(
+    cfg: RunConfig, inputs: RunInputs | None, checks: dict[str, Any]
+) -> VerifyReport:
+    """:func:`verify` of a ``RunConfig``: its inputs (loaded here when not given) checked, then
+    both runs with ``cfg.train``'s options and the ``checks`` (:data:`VERIFY_CHECKS`).
+
+    Raises:
+        ValidationError: an option beside ``cfg`` that it holds itself, or as :func:`verify`.
+    """
+    from dapple.runtime.optim_config import OPTIM_FIELDS
+    from dapple.runtime.verify import verify as _verify
+
+    extra = sorted(set(checks) - set(VERIFY_CHECKS))
+    if extra:
+        raise ValidationError(
+            f"verify(cfg) takes the run's options from cfg, got also {', '.join(extra)}"
+        )
+    given = inputs or run_inputs(cfg)
+    t = cfg.train
+    _check_run(given.plan, given.workload)
+    _check_host_memory(given.workload, t.device, t.optimizer, t.momentum, "verifying")
+    options = {n: getattr(t, n) for n in ("seed", "optimizer", "lr", "timeout_s", *OPTIM_FIELDS)}
+    return _verify(given.plan, given.workload, t.steps, device=t.device, data=given.data,
+                   precision=t.precision, **options, **checks)  # fmt: skip
 
 
 def verify_many(

@@ -24,6 +24,7 @@ __all__ = [
     "given",
     "given_values",
     "missing_required",
+    "parsed_values",
 ]
 
 _GIVEN = "_dapple_given_flags"
@@ -157,6 +158,19 @@ def given_values(args: argparse.Namespace, flags: Iterable[Flag]) -> dict[tuple[
     for flag in flags:
         if flag.dest in names:
             out.update(zip(flag.fields, flag.to_fields(getattr(args, flag.dest)), strict=True))
+    return out
+
+
+def parsed_values(args: argparse.Namespace, flags: Iterable[Flag]) -> dict[tuple[str, str], Any]:
+    """The config values of every flag of ``flags``, given or defaulted (a command without
+    ``--config``, whose flags' defaults are its own).
+
+    Raises:
+        ValidationError: a flag value its converter refuses (named as the flag).
+    """
+    out: dict[tuple[str, str], Any] = {}
+    for flag in flags:
+        out.update(zip(flag.fields, flag.to_fields(getattr(args, flag.dest)), strict=True))
     return out
 
 

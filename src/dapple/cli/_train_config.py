@@ -1,9 +1,11 @@
-"""``dapple train``'s flags as :class:`~dapple.runtime.run_config.RunConfig` fields.
+"""``dapple train``'s and ``dapple verify``'s flags as :class:`~dapple.runtime.run_config.RunConfig`
+fields.
 
 :data:`TRAIN_FLAGS` is the one table from the parsed flags to the config: ``dapple train``
 builds its :class:`RunConfig` from ``--config FILE`` with the flags the command line gave on top
-(:func:`run_config_of`), once; from there on the command reads the config, not the flags.
-Torch-free at import time.
+(:func:`run_config_of`), once; ``dapple verify`` builds it from its flags alone, the rows of
+:data:`RUN_FLAGS` (:func:`verify_config_of`). From there on each command reads the config, not
+the flags. Torch-free at import time.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import argparse
 import json
 from typing import TYPE_CHECKING, Any
 
-from dapple.cli._config_args import Flag, given_values, missing_required, one
+from dapple.cli._config_args import Flag, given_values, missing_required, one, parsed_values
 from dapple.cli._optim_args import zero_stage_flag
 from dapple.errors import ValidationError
 
@@ -21,10 +23,12 @@ if TYPE_CHECKING:
 
 __all__ = [
     "FILE_GIVES",
+    "RUN_FLAGS",
     "TRAIN_FLAGS",
     "TRAIN_SECTIONS_HELP",
     "required_inputs",
     "run_config_of",
+    "verify_config_of",
 ]
 
 
@@ -44,7 +48,7 @@ def _keep(k: int) -> tuple[int]:
     return (k,)
 
 
-TRAIN_FLAGS: tuple[Flag, ...] = (
+RUN_FLAGS: tuple[Flag, ...] = (
     # model: -m/--model and its flags (dapple.cli._model_args)
     one("model", "spec", "model"),
     Flag(
@@ -63,12 +67,10 @@ TRAIN_FLAGS: tuple[Flag, ...] = (
     one("plan", "policy"),
     # data (dapple.cli._data_args)
     one("data", "path", "data"),
-    one("data", "eval_path", "eval_data"),
     one("data", "seq_len"),
     one("data", "documents"),
     # the run
-    *(one("train", n) for n in ("steps", "seed", "device", "timeout_s", "precision", "recompute")),
-    one("train", "on_nonfinite"),
+    *(one("train", n) for n in ("steps", "seed", "device", "timeout_s", "precision")),
     # optimisation (dapple.cli._optim_args)
     *(one("train", n) for n in ("optimizer", "lr", "weight_decay", "momentum")),
     Flag("betas", (("train", "betas"),), lambda v: (tuple(v),), lambda v: list(v[0])),
@@ -79,6 +81,15 @@ TRAIN_FLAGS: tuple[Flag, ...] = (
         lambda v: (zero_stage_flag(v),),
         lambda v: str(v[0]),
     ),
+)
+"""The flags ``dapple train`` and ``dapple verify`` share
+(:func:`dapple.cli._run_args.add_run_arguments`), as config fields."""
+
+TRAIN_FLAGS: tuple[Flag, ...] = (
+    *RUN_FLAGS,
+    one("data", "eval_path", "eval_data"),
+    one("train", "recompute"),
+    one("train", "on_nonfinite"),
     # long runs
     *(one("train", n) for n in ("checkpoint_dir", "save_every")),
     Flag("keep", (("run", "keep"),), _keep),
@@ -130,6 +141,19 @@ def run_config_of(args: argparse.Namespace) -> RunConfig:
     if args.config is not None:
         return load_run_config(args.config, over=over)
     return build(RunConfig, over)
+
+
+def verify_config_of(args: argparse.Namespace) -> RunConfig:
+    """The run ``dapple verify``'s flags ask for (every flag of :data:`RUN_FLAGS`, given or
+    defaulted: ``--steps`` defaults to 2 there).
+
+    Raises:
+        ValidationError: a bad value.
+    """
+    from dapple.core.config_file import build
+    from dapple.runtime.run_config import RunConfig
+
+    return build(RunConfig, parsed_values(args, RUN_FLAGS))
 
 
 def required_inputs(cfg: RunConfig) -> tuple[str, str]:

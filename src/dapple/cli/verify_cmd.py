@@ -7,26 +7,28 @@ optimizer's update with the same gradients (``--rtol``/``--atol``); losses and g
 norms must match to a relative 1e-4. Prints, per stage, the largest gradient and weight
 differences over all replicas and steps, the losses and norms of every step side by side, and
 the first check out of tolerance. Exit code 0 when everything is within tolerance, 1 otherwise.
+
+The flags are read once into the run's :class:`~dapple.runtime.run_config.RunConfig` (as
+``dapple train``'s) and the tolerances given; :func:`dapple.api.verify` runs that.
 """
 
 from __future__ import annotations
 
 import argparse
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.table import Table
 
 from dapple.cli._console import console, plain_doc, print_table
-from dapple.cli._data_args import open_datasets, with_seq_len
-from dapple.cli._model_args import model_overrides
-from dapple.cli._optim_args import optim_options
-from dapple.cli._run_args import add_run_arguments, load_run_plan
+from dapple.cli._run_args import add_run_arguments
+from dapple.cli._train_config import verify_config_of
 
 if TYPE_CHECKING:
+    from dapple.runtime.run_config import RunConfig
     from dapple.runtime.verify import VerifyReport
 
-__all__ = ["print_report", "register", "run"]
+__all__ = ["print_report", "register", "run", "run_config"]
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -107,26 +109,15 @@ def print_report(con: Console, report: VerifyReport) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dapple.api import verify
-
-    overrides = with_seq_len(args, model_overrides(args))
-    data, _ = open_datasets(args)
     given = (("rtol", args.rtol), ("atol", args.atol), ("grad_rtol", args.grad_rtol))
-    tol = {k: v for k, v in given if v is not None}
-    report = verify(
-        load_run_plan(args),
-        args.model,
-        args.steps,
-        overrides=overrides,
-        seed=args.seed,
-        optimizer=args.optimizer,
-        lr=args.lr,
-        device=args.device,
-        timeout_s=args.timeout_s,
-        data=data,
-        precision=args.precision,
-        **tol,
-        **optim_options(args),
-    )
+    return run_config(verify_config_of(args), {k: v for k, v in given if v is not None})
+
+
+def run_config(cfg: RunConfig, tolerances: dict[str, Any]) -> int:
+    """Verify the run ``cfg`` asks for with the ``tolerances`` given (``dapple verify`` once its
+    flags are read); its inputs are loaded here, their messages naming the flags."""
+    from dapple.api import run_inputs, verify
+
+    report = verify(cfg, inputs=run_inputs(cfg, cli=True), **tolerances)
     print_report(console(), report)
     return 0 if report.ok else 1
