@@ -271,11 +271,12 @@ def test_grid_point_labels() -> None:
 def test_zero3_re_gathers_per_micro_batch_only_in_fp32() -> None:
     """Under autocast the runtime's ZeRO-3 reduce-scatters once per step, so no plan of a bf16
     profile re-gathers; the same fp32 profile re-gathers where memory needs it."""
-    from dapple.planner.evaluate import ZERO3_REGATHER, zero3_modes
+    from dapple.planner.zero_modes import ZERO3_REGATHER, ZeroMode, zero3_modes
 
     fp32, cluster = _llm(6, 2.0), _cluster(memory_gib=12.0)
     bf16 = dataclasses.replace(fp32, precision="bf16")
-    assert zero3_modes(fp32) == (3, ZERO3_REGATHER) and zero3_modes(bf16) == (3,)
+    once = ZeroMode(3)
+    assert zero3_modes(fp32) == (once, ZERO3_REGATHER) and zero3_modes(bf16) == (once,)
 
     def regathers(prof: ModelProfile) -> bool:
         cands = [c for c in grid_candidates(prof, cluster, 8) if c.fits]

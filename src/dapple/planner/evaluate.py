@@ -17,11 +17,11 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import accumulate
-from typing import Literal, NamedTuple
+from typing import NamedTuple
 
 from dapple.core.cluster import Cluster
 from dapple.core.plan import DEFAULT_SCHEDULE, Plan, Policy, StagePlan
-from dapple.core.precision import precision_of
+from dapple.core.planning_options import ZeroChoice
 from dapple.core.profile import ModelProfile
 from dapple.cost.comm import busiest_link_ms, link_loads, stage_sync_ms, stage_update_ms
 from dapple.cost.host import HostExtra, has_host_terms, stage_host_extras
@@ -32,41 +32,25 @@ from dapple.cost.tensor import fsdp_pass_ms, replica_sync_ms
 from dapple.cost.terms import StageTerms, pipeline_terms
 from dapple.errors import ValidationError
 from dapple.planner.widths import TensorSums, group_cluster, real_devices
+from dapple.planner.zero_modes import UNSHARDED, ZeroMode, zero3_modes
 from dapple.schedule.registry import get_schedule, in_flight_counts, schedules
 from dapple.schedule.spec import ScheduleSpec
 
 __all__ = [
-    "ZERO3_REGATHER",
     "Scored",
     "Scorer",
     "StageSpec",
     "score_options",
     "scored_plan",
-    "zero3_modes",
 ]
 
 StageSpec = tuple[int, int, tuple[int, ...]]
 """``(start, end, devices)`` of one computation stage; under a tensor width t > 1 the devices
 are tensor groups of :func:`~dapple.planner.widths.group_cluster`."""
 
-ZERO3_REGATHER = 4
-"""A scored stage's zero stage for ZeRO-3 re-gathering per micro-batch (``StagePlan.zero_stage``
-3 with ``regather``)."""
-
-
-def zero3_modes(profile: ModelProfile, s: int = 0, e: int = 0) -> tuple[int, ...]:
-    """ZeRO-3's choices for layers [s, e) of ``profile``: gathered once per step, and
-    re-gathered per micro-batch (:data:`ZERO3_REGATHER`) in fp32 only - under autocast the
-    runtime's ZeRO-3 reduce-scatters once, after the step's last backward - and none for a
-    stage holding a copy of a tied parameter, whose sum over the copies needs it whole
-    (``dapple.runtime.parallel.stage_mesh``)."""
-    if any(x.tied_parameter_bytes for x in profile.layers[s:e]):
-        return ()
-    return (3,) if precision_of(profile.precision).autocast else (3, ZERO3_REGATHER)
-
 
 class _Option(NamedTuple):
-    """A cached stage under one zero stage: F, B (without re-computation), AR_s + U_s, D
+    """A cached stage under one :class:`ZeroMode`: F, B (without re-computation), AR_s + U_s, D
     without and with re-computation, and the stage's :class:`StageTerms` either way."""
 
     f: float
@@ -92,9 +76,8 @@ class Scored:
     schedule: str
     recompute: tuple[bool, ...]
     max_in_flight: tuple[int | None, ...]
-    zero_stage: tuple[int, ...] = ()
-    """Per stage: its zero stage (empty: the scorer's); :data:`ZERO3_REGATHER` for ZeRO-3
-    re-gathering per micro-batch."""
+    zero_modes: tuple[ZeroMode, ...] = ()
+    """Per stage: its :class:`ZeroMode` (empty: unsharded)."""
 
 
 class Scorer:
@@ -105,7 +88,7 @@ class Scorer:
         profile: ModelProfile,
         cluster: Cluster,
         global_batch_size: int,
-        zero_stage: int | Literal["auto"] = 0,
+        zero_stage: ZeroChoice | ZeroMode = 0,
         tensor_width: int = 1,
     ) -> None:
         self.profile = profile
@@ -118,11 +101,12 @@ class Scorer:
         self.zero_stage = zero_stage
         """1: replicated stages shard their optimizer state (memory and sync cost, ZeRO-1); 2:
         their gradients too (ZeRO-2); 3: their parameters too (ZeRO-3, gathered once per step
-        or re-gathered per micro-batch); :data:`ZERO3_REGATHER`: ZeRO-3 re-gathering only;
-        ``auto``: per stage, only where the unsharded state leaves too little memory for the
-        micro-batches the schedule keeps in flight there without re-computation, then the
-        cheapest of ZeRO-1, ZeRO-2 (its M-fold gradient traffic in AR_s), ZeRO-3 and
-        re-computation (M more forward passes) that holds them (:func:`_pick`)."""
+        or re-gathered per micro-batch); a :class:`ZeroMode`: that mode only (e.g.
+        :data:`~dapple.planner.zero_modes.ZERO3_REGATHER`); ``auto``: per stage, only where
+        the unsharded state leaves too little memory for the micro-batches the schedule keeps
+        in flight there without re-computation, then the cheapest of ZeRO-1, ZeRO-2 (its
+        M-fold gradient traffic in AR_s), ZeRO-3 and re-computation (M more forward passes)
+        that holds them (:func:`_pick`)."""
         self.cluster = cluster
         self.global_batch_size = global_batch_size
         self.N = profile.num_layers
@@ -143,13 +127,15 @@ class Scorer:
         self._memory = profile.for_memory
         """The layers at the longest planned length: kept activations and stage inputs."""
         self._act = pre([tensor_kept_bytes_per_sample(x, t) for x in self._memory.layers])
-        self._ar: dict[tuple[int, int, tuple[int, ...], int, int], float] = {}
+        self._ar: dict[tuple[int, int, tuple[int, ...], ZeroMode, int], float] = {}
         self._links: dict[
             tuple[tuple[int, ...], tuple[int, ...], int], list[tuple[float, float]]
         ] = {}
-        self._stages: dict[tuple[int, int, tuple[int, ...], int, int], _Option] = {}
-        self._sync_plans: dict[tuple[tuple[int, ...], int], StagePlan] = {}
-        self._memory_options: dict[tuple[int, int, int, int, int, int], tuple[int, int, float]] = {}
+        self._stages: dict[tuple[int, int, tuple[int, ...], int, ZeroMode], _Option] = {}
+        self._sync_plans: dict[tuple[tuple[int, ...], ZeroMode], StagePlan] = {}
+        self._memory_options: dict[
+            tuple[int, int, int, int, ZeroMode, int], tuple[int, int, float]
+        ] = {}
         self.evaluations = 0
 
     # -- per-stage terms ---------------------------------------------------------------------
@@ -168,43 +154,44 @@ class Scorer:
         return self._par[e] - self._par[s]
 
     def ar_ms(
-        self, s: int, e: int, devices: tuple[int, ...], zero_stage: int = 0, M: int = 1
+        self, s: int, e: int, devices: tuple[int, ...], mode: ZeroMode = UNSHARDED, M: int = 1
     ) -> float:
-        """AR_s of layers [s, e) on ``devices`` under ``zero_stage`` with M micro-batches
+        """AR_s of layers [s, e) on ``devices`` under ``mode`` with M micro-batches
         (:func:`~dapple.cost.comm.stage_sync_ms`)."""
-        key = (s, e, devices, zero_stage, M if zero_stage >= 2 else 1)
+        z = mode.stage
+        key = (s, e, devices, mode, M if z >= 2 else 1)
         v = self._ar.get(key)
         if v is None:
-            if self.tensor_width == 1 and zero_stage <= 2:
-                v = stage_sync_ms(self.cluster, self.param_bytes(s, e), devices, zero_stage, M)
+            if self.tensor_width == 1 and z <= 2:
+                v = stage_sync_ms(self.cluster, self.param_bytes(s, e), devices, z, M)
             else:
                 v = replica_sync_ms(
                     self.real_cluster,
                     self.param_bytes(s, e),
-                    self._sync_plan(devices, zero_stage),
-                    min(zero_stage, 3),
+                    self._sync_plan(devices, mode),
+                    z,
                     M,
                 )
             self._ar[key] = v
         return v
 
-    def _sync_plan(self, devices: tuple[int, ...], zero_stage: int) -> StagePlan:
+    def _sync_plan(self, devices: tuple[int, ...], mode: ZeroMode) -> StagePlan:
         """A :class:`StagePlan` on ``devices`` for the terms its layers do not enter (AR_s,
         ZeRO-3's gathers), cached: a plan's validation is linear in its devices."""
-        key = (devices, zero_stage)
+        key = (devices, mode)
         if key not in self._sync_plans:
-            self._sync_plans[key] = self.stage_plan(0, 1, devices, zero_stage)
+            self._sync_plans[key] = self.stage_plan(0, 1, devices, mode)
         return self._sync_plans[key]
 
-    def stage_plan(self, s: int, e: int, devices: tuple[int, ...], zero_stage: int) -> StagePlan:
+    def stage_plan(self, s: int, e: int, devices: tuple[int, ...], mode: ZeroMode) -> StagePlan:
         """The :class:`StagePlan` of layers [s, e) on ``devices`` (tensor groups when t > 1)
-        under a scored zero stage (:data:`ZERO3_REGATHER` included)."""
+        under a scored :class:`ZeroMode`."""
         return StagePlan(
             layers=(s, e),
             devices=real_devices(devices, self.tensor_width),
-            zero_stage=min(zero_stage, 3),
+            zero_stage=mode.stage,
             tensor_width=self.tensor_width,
-            regather=zero_stage == ZERO3_REGATHER,
+            regather=mode.regather,
         )
 
     def comm_ms(self, cut: int, src: tuple[int, ...], dst: tuple[int, ...], b: int) -> float:
@@ -221,13 +208,13 @@ class Scorer:
         return busiest_link_ms(links, boundary_bytes(self.profile, cut, 1))
 
     def _options(
-        self, s: int, e: int, samples: int, replicas: int, zero_stage: int, M: int
+        self, s: int, e: int, samples: int, replicas: int, mode: ZeroMode, M: int
     ) -> tuple[int, int, float]:
         """D without and with re-computation of layers [s, e) on slices of ``samples``
         (:func:`~dapple.cost.peak_memory.in_flight_limit` of the step peak), and a floor of
         the bytes one micro-batch needs under either that no longer stage on the same devices
         is below: the always-held state and one micro-batch's kept activations."""
-        key = (s, e, samples, replicas, zero_stage, M)
+        key = (s, e, samples, replicas, mode, M)
         got = self._memory_options.get(key)
         if got is not None:  # placements of the same replica count share it
             return got
@@ -237,31 +224,33 @@ class Scorer:
             (s, e),
             samples,
             replicas=replicas,
-            zero_stage=min(zero_stage, 3),
+            zero_stage=mode.stage,
             tensor_width=self.tensor_width,
-            regather=zero_stage == ZERO3_REGATHER,
+            regather=mode.regather,
         )
         floor = plain.static + plain.shared + (self._act[e] - self._act[s]) * samples
         got = in_flight_limit(plain, usable, M), in_flight_limit(redone, usable, M), floor
         self._memory_options[key] = got
         return got
 
-    def _stage(self, s: int, e: int, d: tuple[int, ...], b: int, zero_stage: int = 0) -> _Option:
+    def _stage(
+        self, s: int, e: int, d: tuple[int, ...], b: int, mode: ZeroMode = UNSHARDED
+    ) -> _Option:
         """Cached terms of one stage (:class:`_Option`)."""
-        key = (s, e, d, b, zero_stage)
+        key = (s, e, d, b, mode)
         rec = self._stages.get(key)
         if rec is None:
             n = -(-b // len(d))  # split_sizes(b, r)[0], the largest slice
             f, bw = self.fb_ms(s, e, n)
             M = self.global_batch_size // b
-            d_nr, d_r, floor = self._options(s, e, n, len(d), zero_stage, M)
-            sync = self.ar_ms(s, e, d, zero_stage, M)
+            d_nr, d_r, floor = self._options(s, e, n, len(d), mode, M)
+            sync = self.ar_ms(s, e, d, mode, M)
             update = stage_update_ms(
-                self.cluster, self.profile, self.param_bytes(s, e), len(d), min(zero_stage, 3)
+                self.cluster, self.profile, self.param_bytes(s, e), len(d), mode.stage
             )
             ag, ag_rs = (0.0, 0.0)
-            if zero_stage == ZERO3_REGATHER:
-                st = self._sync_plan(d, zero_stage)
+            if mode.regather:
+                st = self._sync_plan(d, mode)
                 ag, ag_rs = fsdp_pass_ms(self.real_cluster, self.param_bytes(s, e), st)
                 f, bw = f + ag, bw + ag_rs
             plain = StageTerms(
@@ -296,21 +285,25 @@ class Scorer:
 
     def stage_options(
         self, s: int, e: int, d: tuple[int, ...], b: int
-    ) -> list[tuple[int, _Option]]:
-        """``(zero stage, _stage record)`` the scorer may pick from, unsharded first; none for
+    ) -> list[tuple[ZeroMode, _Option]]:
+        """``(zero mode, _stage record)`` the scorer may pick from, unsharded first; none for
         a stage of width t > 1 with no layer that shards (t ranks would repeat its work).
-        ZeRO-3 is offered gathering once per step and re-gathering (:data:`ZERO3_REGATHER`)."""
+        ZeRO-3 is offered gathering once per step and re-gathering (:func:`zero3_modes`)."""
         if self.tensor_width > 1 and self._tp.blocks(s, e) == 0:
             return []
-        if isinstance(self.zero_stage, int):
-            z = self.zero_stage if len(d) > 1 else 0
-            zs = (zero3_modes(self.profile, s, e) or (0,)) if z == 3 else (z,)
-            return [(z, self._stage(s, e, d, b, z)) for z in zs]
-        out = [(0, self._stage(s, e, d, b, 0))]
-        if len(d) > 1:
-            z3 = zero3_modes(self.profile, s, e)
-            out += [(z, self._stage(s, e, d, b, z)) for z in (1, 2, *z3)]
-        return out
+        return [(m, self._stage(s, e, d, b, m)) for m in self._modes(s, e, len(d))]
+
+    def _modes(self, s: int, e: int, replicas: int) -> tuple[ZeroMode, ...]:
+        """The zero modes :meth:`stage_options` offers layers [s, e) on ``replicas`` devices:
+        unsharded on one device, else those of the scorer's :attr:`zero_stage`."""
+        z = self.zero_stage
+        if replicas == 1:
+            return (UNSHARDED,)
+        if isinstance(z, ZeroMode):
+            return (z,)
+        if isinstance(z, str):  # auto
+            return (UNSHARDED, ZeroMode(1), ZeroMode(2), *zero3_modes(self.profile, s, e))
+        return (zero3_modes(self.profile, s, e) or (UNSHARDED,)) if z == 3 else (ZeroMode(z),)
 
     # -- whole candidates --------------------------------------------------------------------
     def score(
@@ -359,14 +352,16 @@ class Scorer:
         """The :class:`Plan` of a scored candidate, with ``predicted_step_ms`` = L
         (:func:`scored_plan`, whose errors it raises)."""
         bare = [
-            self.stage_plan(s, e, d, z if len(d) > 1 else 0)
-            for (s, e, d), z in zip(stages, scored.zero_stage or [0] * len(stages), strict=True)
+            self.stage_plan(s, e, d, z if len(d) > 1 else UNSHARDED)
+            for (s, e, d), z in zip(
+                stages, scored.zero_modes or [UNSHARDED] * len(stages), strict=True
+            )
         ]
         return scored_plan(planner, self.profile, self.global_batch_size, bare, M, scored)
 
 
 def score_options(
-    options: Sequence[list[tuple[int, _Option]]],
+    options: Sequence[list[tuple[ZeroMode, _Option]]],
     comm: Sequence[float],
     extras: Sequence[HostExtra] | None,
     M: int,
@@ -377,7 +372,7 @@ def score_options(
     recompute: bool | None = None,
 ) -> Scored | None:
     """L of a candidate from its stages' options (:meth:`Scorer.stage_options`), its comm
-    stages and host extras: per warm-up policy, each stage's zero stage (:func:`_pick`) and
+    stages and host extras: per warm-up policy, each stage's zero mode (:func:`_pick`) and
     re-computation for its K_i, then equations 1-3 (:func:`pipeline_terms`); the best policy,
     or None when no policy fits memory (arguments as :meth:`Scorer.score`)."""
     S = len(options)
@@ -386,7 +381,7 @@ def score_options(
         nominal = in_flight_counts(schedule, S, M, policy)
         rec: list[bool] = []
         ds: list[int | None] = []
-        zs: list[int] = []
+        zs: list[ZeroMode] = []
         terms: list[StageTerms] = []
         for i in range(S):
             k = nominal[i]
@@ -437,12 +432,12 @@ def scored_plan(
         policy=scored.policy,
         predicted_step_ms=scored.L_ms,
         stages=tuple(
-            dataclasses.replace(st, recompute=r, max_in_flight=k, zero_stage=min(z, 3))
+            dataclasses.replace(st, recompute=r, max_in_flight=k, zero_stage=z.stage)
             for st, r, k, z in zip(
                 bare,
                 scored.recompute,
                 scored.max_in_flight,
-                scored.zero_stage or [0] * len(bare),
+                scored.zero_modes or [UNSHARDED] * len(bare),
                 strict=True,
             )
         ),
@@ -478,20 +473,20 @@ def divisors(n: int, scan: int | None = None) -> list[int]:
     return low + [n // d for d in reversed(low) if n // d > top]
 
 
-def _pick(options: list[tuple[int, _Option]], k: int, M: int) -> tuple[int, _Option]:
-    """The zero stage of a stage holding k micro-batches in flight: unsharded when it holds k
+def _pick(options: list[tuple[ZeroMode, _Option]], k: int, M: int) -> tuple[ZeroMode, _Option]:
+    """The zero mode of a stage holding k micro-batches in flight: unsharded when it holds k
     without re-computation (ZeRO's 1/r_s update in AR_s + U_s does not buy a shard where memory
     does not ask for one); else, of the options that hold k (without re-computation, or with it
     at M more forward passes F), the one with the least AR_s + U_s (+ M F), the lower zero stage
     on ties; none holds k: the one with the most room.
 
     Args:
-        options: ``(zero stage, (F, B, AR, D without re-computation, D with, ...))``, zero
+        options: ``(zero mode, (F, B, AR, D without re-computation, D with, ...))``, zero
             stage ascending (:class:`_Option`).
     """
-    if options[0][0] == 0 and options[0][1].d_nr >= k:
+    if options[0][0] == UNSHARDED and options[0][1].d_nr >= k:
         return options[0]
-    best: tuple[float, int, _Option] | None = None
+    best: tuple[float, ZeroMode, _Option] | None = None
     for z, r in options:
         base = r.ar + r.traffic  # ZeRO-3's per-micro-batch gathers count as traffic
         cost = base if r.d_nr >= k else base + M * r.f if r.d_r >= k else None

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 
 from dapple.core.cluster import Cluster
 from dapple.core.plan import DEFAULT_SCHEDULE, Plan, StagePlan
+from dapple.core.planning_options import ZeroChoice
 from dapple.core.profile import ModelProfile
 from dapple.core.tensor_layout import TENSOR_WIDTHS
 from dapple.cost.schedules import device_memory_by_group, schedule_latency
@@ -47,7 +48,8 @@ from dapple.planner.batches import (
     infeasible_message,
     micro_batch_candidates,
 )
-from dapple.planner.evaluate import ZERO3_REGATHER, Scored, Scorer, divisors, zero3_modes
+from dapple.planner.evaluate import Scored, Scorer, divisors
+from dapple.planner.zero_modes import ZERO3_REGATHER, ZeroMode, zero3_modes
 
 __all__ = [
     "INTERLEAVED",
@@ -236,13 +238,14 @@ def point_plan(
 
 
 class _Scorers:
-    """One :class:`Scorer` per (tensor width, zero stage), shared by the points (its caches)."""
+    """One :class:`Scorer` per (tensor width, zero stage or mode), shared by the points (its
+    caches)."""
 
     def __init__(self, profile: ModelProfile, cluster: Cluster, B: int) -> None:
         self.profile, self.cluster, self.B = profile, cluster, B
-        self._by: dict[tuple[int, int], Scorer] = {}
+        self._by: dict[tuple[int, ZeroChoice | ZeroMode], Scorer] = {}
 
-    def get(self, tp: int, zero_stage: int) -> Scorer:
+    def get(self, tp: int, zero_stage: ZeroChoice | ZeroMode) -> Scorer:
         key = (tp, zero_stage)
         if key not in self._by:
             self._by[key] = Scorer(self.profile, self.cluster, self.B, zero_stage, tp)
@@ -255,15 +258,24 @@ def _score_1f1b(sc: _Scorers, p: GridPoint) -> tuple[float, tuple[bool, ...]]:
     and re-gathering on every stage."""
     cuts = torchtitan_cuts(sc.profile.num_layers, p.pp)
     stages = [(cuts[i], cuts[i + 1], tuple(range(i * p.dp, (i + 1) * p.dp))) for i in range(p.pp)]
-    zs = zero3_modes(sc.profile) if p.zero_stage == 3 else (0,)
     best: tuple[float, tuple[bool, ...]] = (math.inf, (False,) * p.pp)
+    zs: tuple[ZeroChoice | ZeroMode, ...] = _fsdp_scorers(sc.profile) if p.zero_stage == 3 else (0,)
     for z in zs:
         got = sc.get(p.tp, z).score(stages, p.M, policies=("A",), recompute=False)
         if got is None or not _holds_schedule(got) or got.L_ms >= best[0]:
             continue
-        picked = got.zero_stage or (z,) * p.pp
-        best = (got.L_ms, tuple(x == ZERO3_REGATHER for x in picked))
+        best = (got.L_ms, tuple(m.regather for m in got.zero_modes))
     return best
+
+
+def _fsdp_scorers(profile: ModelProfile) -> tuple[ZeroChoice | ZeroMode, ...]:
+    """The scorers' zero stage for FSDP: 3 (each stage gathers once or re-gathers, whichever
+    the scorer picks) and, where re-gathering is allowed, :data:`ZERO3_REGATHER` on every
+    stage; none where a tied parameter's copy cannot be sharded (:func:`zero3_modes`)."""
+    modes = zero3_modes(profile)
+    if not modes:
+        return ()
+    return (3, ZERO3_REGATHER) if ZERO3_REGATHER in modes else (3,)
 
 
 def _holds_schedule(got: Scored) -> bool:

@@ -53,7 +53,7 @@ from dapple.core.profile import ModelProfile
 from dapple.cost.lengths import profile_for_plan
 from dapple.cost.peak_memory import device_static, plan_stage_bytes
 from dapple.cost.schedules import device_memory_by_group, schedule_latency
-from dapple.planner.evaluate import ZERO3_REGATHER, Scorer, zero3_modes
+from dapple.planner.evaluate import Scorer
 from dapple.planner.grid import (
     INTERLEAVED,
     INTERLEAVED_CHUNKS,
@@ -63,6 +63,7 @@ from dapple.planner.grid import (
     point_plan,
     torchtitan_cuts,
 )
+from dapple.planner.zero_modes import ZERO3_REGATHER, zero3_modes
 from dapple.schedule.interleaved import interleaved_warmup
 
 __all__ = [

@@ -29,6 +29,7 @@ from dapple.cost.host import has_host_terms, stage_host_extras
 from dapple.cost.memory import boundary_bytes
 from dapple.planner.evaluate import Scored, Scorer, score_options, scored_plan
 from dapple.planner.widths import TensorSums
+from dapple.planner.zero_modes import UNSHARDED
 from dapple.schedule.registry import get_schedule
 
 __all__ = ["MixedScorer", "WidthStage", "refine_stage_widths", "regroup"]
@@ -116,9 +117,9 @@ class MixedScorer:
         self, planner: str, stages: Sequence[WidthStage], M: int, scored: Scored
     ) -> Plan:
         """The :class:`Plan` of a scored candidate, with ``predicted_step_ms`` = L."""
-        zs = scored.zero_stage or [0] * len(stages)
+        zs = scored.zero_modes or [UNSHARDED] * len(stages)
         bare = [
-            self.scorers[t].stage_plan(s, e, _groups(d, t), z if len(d) > t else 0)
+            self.scorers[t].stage_plan(s, e, _groups(d, t), z if len(d) > t else UNSHARDED)
             for (s, e, d, t), z in zip(stages, zs, strict=True)
         ]
         return scored_plan(planner, self.profile, self.global_batch_size, bare, M, scored)
