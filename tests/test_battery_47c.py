@@ -329,3 +329,41 @@ def test_profile_out_of_host_memory_is_one_line(
     err = one_error_line(capsys, "profiling at --batch-sizes 100000000 ran out of host memory")
     assert "26400000000 bytes. Error code 12)" in err and "give smaller batch sizes" in err
     assert list(tmp_path.iterdir()) == []
+
+
+# -- a SIGKILLed torchrun leaves no rank training ------------------------------------------------
+_AGENT = """
+import os, subprocess, sys
+env = {**os.environ, "TORCHELASTIC_RUN_ID": "t"}
+code = ("import sys, time; from dapple.cli import end_with_torchrun_agent as e; e(); "
+        "open(sys.argv[1], 'w').close(); time.sleep(60)")
+rank = subprocess.Popen([sys.executable, "-c", code, sys.argv[1]], env=env)
+print(rank.pid, flush=True)
+rank.wait()
+"""
+
+
+def test_a_rank_ends_with_its_killed_torchrun_agent(tmp_path: Path) -> None:
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    armed = tmp_path / "armed"
+    agent = subprocess.Popen([sys.executable, "-c", _AGENT, str(armed)], stdout=subprocess.PIPE,
+                             text=True)  # fmt: skip
+    try:
+        assert agent.stdout is not None
+        rank = int(agent.stdout.readline())
+        deadline = time.monotonic() + 120.0
+        while not armed.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert armed.exists() and _alive(rank)
+        agent.send_signal(signal.SIGKILL)
+        agent.wait()
+        deadline = time.monotonic() + 10.0
+        while time.monotonic() < deadline and _alive(rank):
+            time.sleep(0.2)
+        assert not _alive(rank), "the rank outlived its killed agent"
+    finally:
+        agent.kill()

@@ -9,10 +9,12 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 
 from dapple.cli._file_roles import refuse_input_overwrite
 from dapple.core.host_memory import keep_freed_memory
+from dapple.core.parent_death import end_with_parent
 from dapple.errors import DappleError
 
 __all__ = ["build_parser", "main"]
@@ -50,7 +52,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def end_with_torchrun_agent() -> None:
+    """Under ``torchrun`` (its ``TORCHELASTIC_RUN_ID`` set): end when the elastic agent that
+    started this process ends, however it ends - a SIGKILLed ``torchrun`` leaves no rank
+    training on its own."""
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        end_with_parent(os.getppid())
+
+
 def main(argv: list[str] | None = None) -> int:
+    end_with_torchrun_agent()
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(
