@@ -188,7 +188,7 @@ def test_train_and_verify_take_every_schedule_name(tmp_path):
     ``interleaved`` cuts each device group into ``--virtual-stages`` chunks."""
     import argparse
 
-    from dapple.api._inputs import plan_with
+    from dapple.api import plan_with
     from dapple.cli._run_args import load_run_plan
 
     path = tmp_path / "plan.json"

@@ -17,7 +17,8 @@ factory (``--set KEY=VALUE`` and ``--split-at`` on the command line)::
 A training run is also one typed configuration, :class:`~dapple.runtime.run_config.RunConfig`
 (``dapple train``'s flags and a run file read into it, or ``dapple verify``'s flags):
 ``dp.train(cfg)`` runs it and ``dp.verify(cfg)`` checks it against one process; what it names
-is loaded once by :func:`run_inputs` (:class:`RunInputs`).
+is loaded once by :func:`run_inputs` (:class:`RunInputs`), its plan under the schedule and
+policy asked for by :func:`plan_with`.
 
 Workloads loaded from a spec (:func:`load`) pickle as their spec: spawned worker processes load
 them again, so models defined in a ``file.py`` train and verify like installed ones.
@@ -28,7 +29,7 @@ The functions live in :mod:`dapple.api.planning` (profile, plan, plan_local, sim
 
 from __future__ import annotations
 
-from dapple.api._inputs import RunInputs, run_inputs
+from dapple.api._inputs import RunInputs, plan_with, run_inputs
 from dapple.api.planning import plan, plan_local, profile, simulate
 from dapple.api.running import generate, train, verify, verify_many
 from dapple.models.spec import load
@@ -39,6 +40,7 @@ __all__ = [
     "load",
     "plan",
     "plan_local",
+    "plan_with",
     "profile",
     "run_inputs",
     "simulate",

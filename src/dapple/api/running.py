@@ -123,7 +123,7 @@ def train(
             re-plan on ``profile`` and ``cluster`` for the devices left when one is lost
             (:mod:`dapple.runtime.launch.elastic`); the metrics then hold every attempt's steps.
         inputs: With a ``RunConfig``: what it names, already loaded (``dapple train`` loads
-            them for its checks); None: loaded here (:func:`~dapple.api._inputs.run_inputs`).
+            them for its checks); None: loaded here (:func:`~dapple.api.run_inputs`).
         early: Workers already started for this run (``dapple train`` starts them first).
         **options: The other :class:`dapple.runtime.TrainConfig` fields (``seed``,
             ``optimizer``, ``lr``, ``weight_decay``, ``zero_stage``, ``device``,

@@ -151,11 +151,11 @@ def add_precision_argument(p: argparse.ArgumentParser) -> None:
 
 def load_run_plan(args: argparse.Namespace) -> Plan:
     """The plan of ``--plan`` with ``--schedule`` (and ``--virtual-stages``) and ``--policy``
-    applied (:func:`dapple.api._inputs.plan_with`).
+    applied (:func:`dapple.api.plan_with`).
 
     Raises:
         ValidationError: unreadable or invalid plan file, or a schedule that does not fit it.
     """
-    from dapple.api._inputs import plan_with
+    from dapple.api import plan_with
 
     return plan_with(args.plan, args.schedule, args.policy, args.virtual_stages, cli=True)

@@ -389,7 +389,7 @@ def run(args: argparse.Namespace) -> int:
 
 def run_config(cfg: RunConfig) -> int:
     """Train the run ``cfg`` asks for (``dapple train`` once its flags and file are read)."""
-    from dapple.api._inputs import plan_with
+    from dapple.api import plan_with
 
     plan_path, spec = required_inputs(cfg)
     c = cfg.plan
