@@ -278,9 +278,10 @@ def _alive(pid: int) -> bool:
     ("extra", "needle"),
     [
         (["--prompt", "a\udce9b"], "--prompt is not UTF-8 text: byte 0xe9 at character 1"),
-        (["--prompt", "hi", "--seed", str(10**23)], f"--seed must be an integer from 0 to {2**63 - 1}"),
-        (["--prompt", "hi", "--seed", "-1"], "got -1"),
-    ],
+        (["--prompt", "hi", "--seed", str(10**23)],
+         f"--seed must be an integer from {-(2**63)} to {2**63 - 1}, got {10**23}"),
+        (["--prompt", "hi", "--seed", str(-(2**63) - 1)], f"got {-(2**63) - 1}"),
+    ]
 )  # fmt: skip
 def test_generate_refuses_a_prompt_of_bad_bytes_and_a_seed_torch_cannot_take(
     tmp_path: Path,
@@ -367,3 +368,15 @@ def test_a_rank_ends_with_its_killed_torchrun_agent(tmp_path: Path) -> None:
         assert not _alive(rank), "the rank outlived its killed agent"
     finally:
         agent.kill()
+
+
+def test_train_refuses_a_seed_torch_cannot_take() -> None:
+    from dapple.errors import ValidationError
+    from dapple.runtime.config import TrainConfig
+
+    TrainConfig(steps=3, seed=2**63 - 4)  # the last step's batch seed is 2^63 - 1
+    TrainConfig(steps=3, seed=-(2**63))
+    with pytest.raises(ValidationError, match=r"seed must be an integer from .* got 10{23}"):
+        TrainConfig(steps=3, seed=10**23)  # was torch's "Overflow when unpacking long long"
+    with pytest.raises(ValidationError, match="to 9223372036854775804"):
+        TrainConfig(steps=3, seed=2**63 - 3)

@@ -22,7 +22,7 @@ from dapple.errors import ValidationError
 if TYPE_CHECKING:
     from dapple.models.generate import Generated
 
-__all__ = ["PROGRESS_DELAY_S", "PROGRESS_MIN_TOKENS", "SEED_MAX", "register"]
+__all__ = ["PROGRESS_DELAY_S", "PROGRESS_MIN_TOKENS", "SEED_RANGE", "register"]
 
 PROGRESS_MIN_TOKENS = 256
 """A request for at least this many tokens shows progress on stderr (fewer: none)."""
@@ -108,8 +108,8 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-SEED_MAX = 2**63 - 1
-"""The largest ``--seed`` (torch's generators take a signed 64-bit seed)."""
+SEED_RANGE = (-(2**63), 2**63 - 1)
+"""The ``--seed`` values torch's generators take (a signed 64-bit seed)."""
 
 
 def _check_prompt_and_seed(prompt: str, seed: int) -> None:
@@ -126,8 +126,9 @@ def _check_prompt_and_seed(prompt: str, seed: int) -> None:
         raise ValidationError(
             f"--prompt is not UTF-8 text: byte 0x{byte.hex()} at character {e.start}"
         ) from e
-    if not 0 <= seed <= SEED_MAX:
-        raise ValidationError(f"--seed must be an integer from 0 to {SEED_MAX}, got {seed}")
+    low, high = SEED_RANGE
+    if not low <= seed <= high:
+        raise ValidationError(f"--seed must be an integer from {low} to {high}, got {seed}")
 
 
 def _progress(new_tokens: int) -> contextlib.AbstractContextManager[StepProgress | None]:

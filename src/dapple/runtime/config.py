@@ -114,6 +114,11 @@ class TrainConfig:
         _check_reporting(self)
         if self.steps < 1:
             raise ValidationError(f"steps must be >= 1, got {self.steps}")
+        if not -(2**63) <= self.seed <= 2**63 - 1 - self.steps:  # torch seeds are 64-bit
+            raise ValidationError(
+                f"seed must be an integer from {-(2**63)} to {2**63 - 1 - self.steps} (step t's "
+                f"batch seed seed + t is a 64-bit torch seed), got {self.seed}"
+            )
         if self.optimizer not in OPTIMIZERS:
             raise ValidationError(
                 f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}"
