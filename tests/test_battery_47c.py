@@ -380,3 +380,16 @@ def test_train_refuses_a_seed_torch_cannot_take() -> None:
         TrainConfig(steps=3, seed=10**23)  # was torch's "Overflow when unpacking long long"
     with pytest.raises(ValidationError, match="to 9223372036854775804"):
         TrainConfig(steps=3, seed=2**63 - 3)
+
+
+def test_demo_refuses_a_global_batch_larger_than_its_corpus(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from builders import boom, one_error_line
+
+    monkeypatch.setattr("dapple.cli._demo_corpus.stdlib_sources", boom)
+    argv = ["demo", "--out-dir", str(tmp_path / "d"), "--corpus-mib", "1", "--seq-len", "64"]
+    assert main([*argv, "--global-batch-size", "1000000000"]) == 2  # planned 31 days a step
+    one_error_line(capsys, "--global-batch-size 1000000000 x --seq-len 64 needs 64,000,000,001 "
+                   "tokens, more than the 1,048,576 bytes of --corpus-mib 1")  # fmt: skip
+    assert list(tmp_path.iterdir()) == []

@@ -39,6 +39,13 @@ def check_demo_args(args: argparse.Namespace) -> Path:
             raise ValidationError(f"{flag} must be >= 1, got {value}")
     if not (math.isfinite(args.corpus_mib) and args.corpus_mib > 0):
         raise ValidationError(f"--corpus-mib must be a number > 0, got {args.corpus_mib}")
+    corpus = int(args.corpus_mib * 2**20)  # bytes at most, one token each
+    need = args.global_batch_size * args.seq_len + 1
+    if need > corpus:  # not one global batch of training samples: refused, never wrongly
+        raise ValidationError(
+            f"--global-batch-size {args.global_batch_size} x --seq-len {args.seq_len} needs "
+            f"{need:,} tokens, more than the {corpus:,} bytes of --corpus-mib {args.corpus_mib:g}"
+        )
     out = check_output_dir(args.out_dir, "--out-dir")
     from dapple.runtime.checkpoint.files import refuse_foreign
 
