@@ -27,7 +27,8 @@ from dapple.core.cluster import load_cluster
 from dapple.core.plan import Plan, straight_plan
 from dapple.errors import ValidationError
 from dapple.planner import make_plan
-from dapple.planner.evaluate import Scorer, divisors
+from dapple.planner.batches import divisors
+from dapple.planner.evaluate import Scorer
 from dapple.planner.search import (
     DIVISOR_SCAN,
     MAX_GLOBAL_BATCH_SIZE,

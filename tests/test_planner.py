@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import random
+from typing import Any
 
 import pytest
 
@@ -273,18 +274,25 @@ def test_cli_plan_paper_profile(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["plan", "--profile", "paper:nope", "--cluster", "paper-a"]) == 2
 
 
-def test_bert48_on_two_servers_plans_quickly() -> None:
-    import time
-
+def test_bert48_on_two_servers_plans_quickly(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Planning BERT-48 on config A scores few candidates (1,450 at the time of writing; 0.06-0.4
+    s, benchmarks/planning_time.md): the work is bounded, not the wall time of a shared CI
+    machine."""
     from dapple.core.cluster import PRESETS
+    from dapple.planner.evaluate import Scorer
     from dapple.profiler.paper_models import load_paper_profile
 
-    p = load_paper_profile("bert48")
-    t = time.perf_counter()
-    plan = make_plan(p, PRESETS["paper-a"], 64)
-    elapsed = time.perf_counter() - t
+    scored = [0]
+    score = Scorer.score
+
+    def counted(self: Scorer, *args: Any, **kwargs: Any) -> Any:
+        scored[0] += 1
+        return score(self, *args, **kwargs)
+
+    monkeypatch.setattr(Scorer, "score", counted)
+    plan = make_plan(load_paper_profile("bert48"), PRESETS["paper-a"], 64)
     assert plan.replication == "8:8"  # the paper's plan for BERT-48 on config A
-    assert elapsed < 5.0  # 0.06-0.3 s measured (benchmarks/planning_time.md); loose for shared CI
+    assert 0 < scored[0] <= 3000
 
 
 def test_oracle_is_a_lower_bound_of_every_planner_on_a_fixed_case() -> None:

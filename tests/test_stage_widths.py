@@ -276,3 +276,36 @@ def test_planner_is_never_worse_than_a_uniform_width(
     for s in plan.stages:
         assert s.tensor_width == 1 or any(x.tensor_parallel for x in prof.layers[slice(*s.layers)])
     assert schedule_latency(plan, prof, cluster) == pytest.approx(plan.predicted_step_ms)
+
+
+def test_a_scorer_that_has_searched_scores_every_candidate_as_a_fresh_one() -> None:
+    """The scorers remember each stage's options and each comm stage (a local search's
+    candidates share most stages): after a search, every candidate of its moves, at every M,
+    scores exactly as it does on scorers that remember nothing yet."""
+    from dapple.planner.stage_widths import _cut_moves, _merge_moves, _width_moves
+
+    prof = ModelProfile(
+        model_name="mixed",
+        layers=tuple(
+            _layer(f"l{i}", 0.5 + 0.25 * (i % 3), 50_000_000 * (i > 0), tp=i > 0, out=4e5, kept=2e6)
+            for i in range(6)
+        ),
+    )
+    cluster = _cluster(servers=2, per_server=4, lat=LAT, memory=2 * 1024**3)
+
+    def fresh() -> MixedScorer:
+        return MixedScorer({t: Scorer(prof, cluster, 16, "auto", t) for t in (1, 2, 4)})
+
+    warm = fresh()
+    start = [(0, 2, (0, 1), 1), (2, 4, (2, 3), 2), (4, 6, (4, 5, 6, 7), 4)]
+    Ms = [1, 2, 4, 8, 16]
+    got = refine_stage_widths(warm, start, 4, Ms)
+    assert got is not None
+    plans = [start, got[0]]
+    for stages in (start, got[0]):
+        for moves in (_width_moves, _cut_moves, _merge_moves):
+            plans += list(moves(warm, list(stages)))
+    assert len(plans) > 10
+    for stages in plans:
+        for M in Ms:
+            assert warm.score(stages, M) == fresh().score(stages, M), (stages, M)

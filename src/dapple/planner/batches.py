@@ -10,7 +10,6 @@ from dapple.core.cluster import Cluster
 from dapple.core.profile import ModelProfile
 from dapple.cost.memory import state_bytes_per_parameter_byte
 from dapple.errors import InfeasibleError, ValidationError
-from dapple.planner.evaluate import divisors
 
 __all__ = [
     "DENSE_MICRO_BATCH_COUNTS",
@@ -19,6 +18,7 @@ __all__ = [
     "MAX_MICRO_BATCH_COUNTS",
     "check_batch_argument",
     "check_global_batch_size",
+    "divisors",
     "infeasible_message",
     "micro_batch_candidates",
 ]
@@ -37,6 +37,20 @@ DIVISOR_SCAN = 1 << 16
 """Trial divisions spent finding the divisors of the global batch size G: every M with
 ``M <= DIVISOR_SCAN`` or ``G / M <= DIVISOR_SCAN`` (few micro-batches, or small ones) is found;
 that is every divisor when ``G <= DIVISOR_SCAN**2``."""
+
+
+def divisors(n: int, scan: int | None = None) -> list[int]:
+    """Positive divisors of ``n`` in increasing order, by trial division up to sqrt(n).
+
+    Args:
+        n: a positive integer.
+        scan: try only the divisors ``d <= scan``: the result is every divisor d with
+            ``d <= scan`` or ``n / d <= scan`` (all of them when ``n <= scan**2``), found in
+            at most ``scan`` divisions whatever ``n``; None: sqrt(n) divisions, every divisor.
+    """
+    top = math.isqrt(n) if scan is None else min(math.isqrt(n), scan)
+    low = [d for d in range(1, top + 1) if n % d == 0]
+    return low + [n // d for d in reversed(low) if n // d > top]
 
 
 def check_global_batch_size(global_batch_size: int) -> None:

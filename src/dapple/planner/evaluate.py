@@ -13,7 +13,7 @@ cached sums - the assembly :func:`dapple.cost.pipeline.pipeline_latency` runs fo
 from __future__ import annotations
 
 import dataclasses
-import math
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import accumulate
@@ -39,6 +39,7 @@ from dapple.schedule.spec import ScheduleSpec
 __all__ = [
     "Scored",
     "Scorer",
+    "StageOptions",
     "StageSpec",
     "score_options",
     "scored_plan",
@@ -65,6 +66,10 @@ class _Option(NamedTuple):
     with or without re-computation (:meth:`Scorer._options`)."""
     traffic: float = 0.0
     """Per-step traffic inside F and B: ZeRO-3's gathers per micro-batch (M x their time)."""
+
+
+StageOptions = list[tuple[ZeroMode, _Option]]
+"""What :meth:`Scorer.stage_options` offers one stage: ``(zero mode, terms)``, unsharded first."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,6 +137,9 @@ class Scorer:
             tuple[tuple[int, ...], tuple[int, ...], int], list[tuple[float, float]]
         ] = {}
         self._stages: dict[tuple[int, int, tuple[int, ...], int, ZeroMode], _Option] = {}
+        self._option_lists: dict[
+            tuple[int, int, tuple[int, ...], int], list[tuple[ZeroMode, _Option]]
+        ] = {}
         self._sync_plans: dict[tuple[tuple[int, ...], ZeroMode], StagePlan] = {}
         self._memory_options: dict[
             tuple[int, int, int, int, ZeroMode, int], tuple[int, int, float]
@@ -288,7 +296,17 @@ class Scorer:
     ) -> list[tuple[ZeroMode, _Option]]:
         """``(zero mode, _stage record)`` the scorer may pick from, unsharded first; none for
         a stage of width t > 1 with no layer that shards (t ranks would repeat its work).
-        ZeRO-3 is offered gathering once per step and re-gathering (:func:`zero3_modes`)."""
+        ZeRO-3 is offered gathering once per step and re-gathering (:func:`zero3_modes`).
+        Remembered per ``(s, e, d, b)``: the list is shared, callers only read it."""
+        key = (s, e, d, b)
+        got = self._option_lists.get(key)
+        if got is None:
+            got = self._option_lists[key] = self._new_options(s, e, d, b)
+        return got
+
+    def _new_options(
+        self, s: int, e: int, d: tuple[int, ...], b: int
+    ) -> list[tuple[ZeroMode, _Option]]:
         if self.tensor_width > 1 and self._tp.blocks(s, e) == 0:
             return []
         return [(m, self._stage(s, e, d, b, m)) for m in self._modes(s, e, len(d))]
@@ -378,14 +396,16 @@ def score_options(
     S = len(options)
     best: Scored | None = None
     for policy in policies if len(spec.policies) > 1 else spec.policies:
-        nominal = in_flight_counts(schedule, S, M, policy)
+        nominal = _in_flight(schedule, S, M, policy, None)
         rec: list[bool] = []
         ds: list[int | None] = []
         zs: list[ZeroMode] = []
         terms: list[StageTerms] = []
         for i in range(S):
             k = nominal[i]
-            z, r_i = _pick(options[i], k, M)
+            z, r_i = options[i][0]
+            if z != UNSHARDED or r_i.d_nr < k:  # not _pick's first case (unsharded holds k)
+                z, r_i = _pick(options[i], k, M)
             d_nr, d_r = r_i.d_nr, r_i.d_r
             # re-compute only when memory demands it, unless forced either way
             use_r = d_nr < k and (d_r >= k or d_r > d_nr) if recompute is None else recompute
@@ -398,12 +418,21 @@ def score_options(
             ds.append(d if d < k else None)
         if len(terms) < S:
             continue
-        ks = in_flight_counts(schedule, S, M, policy, ds)
+        ks = _in_flight(schedule, S, M, policy, tuple(ds))
         bounds: Sequence[int | None] = ks if spec.bounded else [None] * S
         L = pipeline_terms(terms, comm, bounds, M, cluster, extras).latency().L_ms
         if best is None or best.L_ms > L:
             best = Scored(L, policy, schedule, tuple(rec), tuple(ds), tuple(zs))
     return best
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _in_flight(
+    schedule: str, S: int, M: int, policy: str, D: tuple[int | None, ...] | None
+) -> tuple[int, ...]:
+    """:func:`~dapple.schedule.registry.in_flight_counts`, remembered: a search asks for the
+    same few (S, M, policy, D) again and again (D is mostly all None)."""
+    return tuple(in_flight_counts(schedule, S, M, policy, D))
 
 
 def scored_plan(
@@ -457,20 +486,6 @@ def _scored_schedule(name: str) -> ScheduleSpec:
             f"schedule {name!r} has a step rule of its own; the scorer costs L: choose {ok}"
         )
     return spec
-
-
-def divisors(n: int, scan: int | None = None) -> list[int]:
-    """Positive divisors of ``n`` in increasing order, by trial division up to sqrt(n).
-
-    Args:
-        n: a positive integer.
-        scan: try only the divisors ``d <= scan``: the result is every divisor d with
-            ``d <= scan`` or ``n / d <= scan`` (all of them when ``n <= scan**2``), found in
-            at most ``scan`` divisions whatever ``n``; None: sqrt(n) divisions, every divisor.
-    """
-    top = math.isqrt(n) if scan is None else min(math.isqrt(n), scan)
-    low = [d for d in range(1, top + 1) if n % d == 0]
-    return low + [n // d for d in reversed(low) if n // d > top]
 
 
 def _pick(options: list[tuple[ZeroMode, _Option]], k: int, M: int) -> tuple[ZeroMode, _Option]:

@@ -45,10 +45,11 @@ from dapple.cost.schedules import device_memory_by_group, schedule_latency
 from dapple.errors import InfeasibleError, ValidationError
 from dapple.planner.batches import (
     check_batch_argument,
+    divisors,
     infeasible_message,
     micro_batch_candidates,
 )
-from dapple.planner.evaluate import Scored, Scorer, divisors
+from dapple.planner.evaluate import Scored, Scorer
 from dapple.planner.zero_modes import ZERO3_REGATHER, ZeroMode, zero3_modes
 
 __all__ = [

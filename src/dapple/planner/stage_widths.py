@@ -27,7 +27,7 @@ from dapple.core.plan import DEFAULT_SCHEDULE, Plan
 from dapple.cost.comm import busiest_link_ms, link_loads
 from dapple.cost.host import has_host_terms, stage_host_extras
 from dapple.cost.memory import boundary_bytes
-from dapple.planner.evaluate import Scored, Scorer, score_options, scored_plan
+from dapple.planner.evaluate import Scored, Scorer, StageOptions, score_options, scored_plan
 from dapple.planner.widths import TensorSums
 from dapple.planner.zero_modes import UNSHARDED
 from dapple.schedule.registry import get_schedule
@@ -76,6 +76,11 @@ class MixedScorer:
         self._links: dict[
             tuple[tuple[int, ...], tuple[int, ...], int], list[tuple[float, float]]
         ] = {}
+        self._options: dict[tuple[WidthStage, int], StageOptions] = {}
+        """Each stage's options at b samples (:meth:`Scorer.stage_options`): a local search's
+        candidates differ from the current plan in one or two stages, the rest are looked up."""
+        self._comms: dict[tuple[int, tuple[int, ...], int, tuple[int, ...], int, int], float] = {}
+        """Each comm stage's time by ``(cut, devices, t, devices, t, b)`` (:meth:`_comm_ms`)."""
         self._spec = get_schedule(DEFAULT_SCHEDULE)
 
     def shards(self, s: int, e: int) -> bool:
@@ -87,8 +92,11 @@ class MixedScorer:
         (or a stage of width t > 1 has no shardable layer)."""
         b = self.global_batch_size // M
         options = []
-        for s, e, d, t in stages:
-            opts = self.scorers[t].stage_options(s, e, _groups(d, t), b)
+        for st in stages:
+            opts = self._options.get((st, b))
+            if opts is None:
+                s, e, d, t = st
+                opts = self._options[st, b] = self.scorers[t].stage_options(s, e, _groups(d, t), b)
             if not opts:
                 return None
             options.append(opts)
@@ -105,6 +113,15 @@ class MixedScorer:
     def _comm_ms(self, src: WidthStage, dst: WidthStage, b: int) -> float:
         """The comm stage across the cut ``src | dst``."""
         (_, cut, d0, t0), (_, _, d1, t1) = src, dst
+        key = (cut, d0, t0, d1, t1, b)
+        got = self._comms.get(key)
+        if got is None:
+            got = self._comms[key] = self._comm_stage_ms(cut, d0, t0, d1, t1, b)
+        return got
+
+    def _comm_stage_ms(
+        self, cut: int, d0: tuple[int, ...], t0: int, d1: tuple[int, ...], t1: int, b: int
+    ) -> float:
         if t0 == t1:
             return self.scorers[t0].comm_ms(cut, _groups(d0, t0), _groups(d1, t1), b)
         key = (d0[::t0], d1[::t1], b)
