@@ -9,18 +9,19 @@ token file is read as fixed windows.
 
 With ``--data`` the model is built for the data's sequence length: ``--seq-len N`` becomes
 the factory argument ``seq=N`` (the zoo transformer's and the Hugging Face models'), unless
-``--set seq=`` already says so. Torch-free at import time.
+``--set seq=`` already says so (:func:`~dapple.runtime.run_config.seq_len_overrides`, which
+the run's configuration applies). Torch-free at import time.
 """
 
 from __future__ import annotations
 
 import argparse
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from torch.utils.data import Dataset
+    pass
 
-__all__ = ["add_data_arguments", "add_eval_data_argument", "open_datasets", "with_seq_len"]
+__all__ = ["add_data_arguments", "add_eval_data_argument"]
 
 
 def add_data_arguments(p: argparse.ArgumentParser) -> None:
@@ -67,41 +68,3 @@ def add_eval_data_argument(p: argparse.ArgumentParser) -> None:
         metavar="PATH",
         help="evaluation token file, read with --seq-len (its first global batches, in order)",
     )
-
-
-def with_seq_len(args: argparse.Namespace, overrides: dict[str, Any]) -> dict[str, Any]:
-    """``overrides`` plus ``seq=--seq-len`` when a data file is given
-    (:func:`~dapple.runtime.run_config.seq_len_overrides`).
-
-    Raises:
-        ValidationError: ``--seq-len`` without a data file, a data file without ``--seq-len``,
-            or ``--set seq=`` disagreeing with ``--seq-len``; ``--pack`` / ``--pad``
-            without ``--data``.
-    """
-    from dapple.runtime.run_config import seq_len_overrides
-
-    return seq_len_overrides(
-        overrides,
-        data=args.data,
-        eval_data=getattr(args, "eval_data", None),
-        seq_len=args.seq_len,
-        documents=getattr(args, "documents", None),
-    )
-
-
-def open_datasets(args: argparse.Namespace) -> tuple[Dataset[Any] | None, Dataset[Any] | None]:
-    """The datasets of ``--data`` and ``--eval-data`` (None where not given): token files, or
-    documents packed or padded (``--pack`` / ``--pad``,
-    :func:`~dapple.runtime.run_config.open_run_data`).
-
-    Raises:
-        ValidationError: a missing, empty or too short file; ``--pack`` / ``--pad`` without
-            ``--data``, or on a file without document offsets.
-    """
-    from dapple.runtime.run_config import check_documents, open_run_data
-
-    mode = getattr(args, "documents", None)
-    check_documents(args.data, mode)
-    paths = (args.data, getattr(args, "eval_data", None))
-    train, evals = (None if x is None else open_run_data(x, args.seq_len, mode) for x in paths)
-    return train, evals
