@@ -393,3 +393,35 @@ def test_demo_refuses_a_global_batch_larger_than_its_corpus(
     one_error_line(capsys, "--global-batch-size 1000000000 x --seq-len 64 needs 64,000,000,001 "
                    "tokens, more than the 1,048,576 bytes of --corpus-mib 1")  # fmt: skip
     assert list(tmp_path.iterdir()) == []
+
+
+def test_train_refuses_a_plan_of_more_local_processes_than_fit(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A standalone ``train`` starts one process per plan device: a plan of 5 devices with room
+    for 4 processes (each holds 128 MiB at the least) is refused before any starts."""
+    from builders import boom
+    from dapple.core.plan import straight_plan
+    from dapple.profiler.host_fit import SPAWNED_PROCESS_BYTES
+
+    plan = tmp_path / "plan.json"
+    straight_plan(5, [0, 1, 2, 3, 4], global_batch_size=8, num_micro_batches=2).save(plan)
+    for var in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(
+        "dapple.profiler.host_fit.available_host_bytes", lambda: 4 * SPAWNED_PROCESS_BYTES
+    )
+    monkeypatch.setattr("dapple.runtime.launch.early.EarlyWorkers", boom)
+    assert main(["train", "--plan", str(plan), "-m", "mlp", "--steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("dapple: error: --plan of 5 devices") and err.count("\n") == 1, err
+    assert ": 5 local processes need at least " in err and "at most 4 fit" in err, err
+
+
+def test_start_up_lines_count_one_process_as_one() -> None:
+    from dapple.runtime.launch.local import processes_text
+
+    assert processes_text(1) == "the process"
+    assert processes_text(1, "the") == "the process"
+    assert processes_text(4) == "each of 4 processes"
+    assert processes_text(4, "the") == "the 4 processes"

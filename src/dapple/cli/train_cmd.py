@@ -372,8 +372,10 @@ def _early_workers(
     without a word otherwise. Under ``torchrun``: none (this process is one rank)."""
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return contextlib.nullcontext()
+    from dapple.profiler.host_fit import check_local_processes
     from dapple.runtime.launch.early import EarlyWorkers
 
+    check_local_processes(world, f"--plan of {world} devices (one local process each)")
     return EarlyWorkers(world, spec, overrides, echo=True)
 
 

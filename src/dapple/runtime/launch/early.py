@@ -38,6 +38,7 @@ from dapple.runtime.launch.local import (
     end_with_launcher,
     heartbeats,
     listener,
+    processes_text,
     run_worker,
     start_heartbeat,
     stop_workers,
@@ -146,7 +147,7 @@ def _early_worker(
     start_heartbeat(beats, rank)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: the launcher stops the workers
     if rank == 0:
-        announce(f"start-up: loading the model in each of {world} processes", echo)
+        announce(f"start-up: loading the model in {processes_text(world)}", echo)
     _preload(spec, overrides)
     try:
         fn, args = ForkingPickler.loads(wait_end.recv_bytes())

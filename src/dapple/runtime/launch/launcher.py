@@ -58,6 +58,7 @@ from dapple.runtime.launch.local import (
     listener,
     local_store,
     pin_cores,
+    processes_text,
     run_worker,
     shutdown_distributed,
     silent_ranks,
@@ -290,7 +291,7 @@ def _worker(
         workload = preloaded(wl)  # an early worker loaded it already
         if workload is None:
             if rank == 0:
-                announce(f"start-up: loading the model in each of {world} processes", cfg.echo)
+                announce(f"start-up: loading the model in {processes_text(world)}", cfg.echo)
             workload = resolve_workload(pickle.loads(wl))
         if rank == 0:
             announce("start-up: rendezvous", cfg.echo)
@@ -387,7 +388,7 @@ def train(
     if early is None:
         announce(f"start-up: starting {world} process{'es' if world != 1 else ''}", cfg.echo)
     else:
-        announce(f"start-up: checks done, the run goes to the {world} processes", cfg.echo)
+        announce(f"start-up: checks done, the run goes to {processes_text(world, 'the')}", cfg.echo)
     with tempfile.TemporaryDirectory(prefix="dapple-train-") as tmp:
         out = str(Path(tmp) / "metrics.json")
         closing = partial(stop_line, metrics_path=cfg.metrics_path,

@@ -55,6 +55,7 @@ __all__ = [
     "local_store",
     "loopback_interface",
     "pin_cores",
+    "processes_text",
     "run_worker",
     "shutdown_distributed",
     "silent_ranks",
@@ -342,3 +343,8 @@ def pin_cores(local_rank: int, local_world: int) -> list[int] | None:
     mine = cores[(local_rank * share) % len(cores) :][:share]
     os.sched_setaffinity(0, mine)
     return mine
+
+
+def processes_text(world: int, article: str = "each of") -> str:
+    """``the process`` / ``each of 4 processes`` (``article`` before a count above one)."""
+    return "the process" if world == 1 else f"{article} {world} processes"
