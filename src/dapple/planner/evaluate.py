@@ -136,10 +136,8 @@ class Scorer:
         self._links: dict[
             tuple[tuple[int, ...], tuple[int, ...], int], list[tuple[float, float]]
         ] = {}
-        self._stages: dict[tuple[int, int, tuple[int, ...], int, ZeroMode], _Option] = {}
-        self._option_lists: dict[
-            tuple[int, int, tuple[int, ...], int], list[tuple[ZeroMode, _Option]]
-        ] = {}
+        self._option_lists: dict[tuple[int, int, tuple[int, ...], int], StageOptions] = {}
+        """Each stage's options (:meth:`stage_options`) by ``(s, e, devices, b)``."""
         self._sync_plans: dict[tuple[tuple[int, ...], ZeroMode], StagePlan] = {}
         self._memory_options: dict[
             tuple[int, int, int, int, ZeroMode, int], tuple[int, int, float]
@@ -244,42 +242,36 @@ class Scorer:
     def _stage(
         self, s: int, e: int, d: tuple[int, ...], b: int, mode: ZeroMode = UNSHARDED
     ) -> _Option:
-        """Cached terms of one stage (:class:`_Option`)."""
-        key = (s, e, d, b, mode)
-        rec = self._stages.get(key)
-        if rec is None:
-            n = -(-b // len(d))  # split_sizes(b, r)[0], the largest slice
-            f, bw = self.fb_ms(s, e, n)
-            M = self.global_batch_size // b
-            d_nr, d_r, floor = self._options(s, e, n, len(d), mode, M)
-            sync = self.ar_ms(s, e, d, mode, M)
-            update = stage_update_ms(
-                self.cluster, self.profile, self.param_bytes(s, e), len(d), mode.stage
-            )
-            ag, ag_rs = (0.0, 0.0)
-            if mode.regather:
-                st = self._sync_plan(d, mode)
-                ag, ag_rs = fsdp_pass_ms(self.real_cluster, self.param_bytes(s, e), st)
-                f, bw = f + ag, bw + ag_rs
-            plain = StageTerms(
-                forward_ms=f,
-                backward_ms=bw,
-                sync_ms=sync,
-                update_ms=update,
-                work=self._work(s, e, d, b, False),
-            )
-            recomputed = StageTerms(
-                forward_ms=f,
-                backward_ms=bw + f,
-                sync_ms=sync,
-                update_ms=update,
-                work=self._work(s, e, d, b, True),
-            )
-            rec = _Option(
-                f, bw, sync + update, d_nr, d_r, plain, recomputed, floor, M * (ag + ag_rs)
-            )
-            self._stages[key] = rec
-        return rec
+        """The terms of one stage under ``mode`` (:class:`_Option`; kept with the stage's
+        other options by :meth:`stage_options`)."""
+        n = -(-b // len(d))  # split_sizes(b, r)[0], the largest slice
+        f, bw = self.fb_ms(s, e, n)
+        M = self.global_batch_size // b
+        d_nr, d_r, floor = self._options(s, e, n, len(d), mode, M)
+        sync = self.ar_ms(s, e, d, mode, M)
+        update = stage_update_ms(
+            self.cluster, self.profile, self.param_bytes(s, e), len(d), mode.stage
+        )
+        ag, ag_rs = (0.0, 0.0)
+        if mode.regather:
+            st = self._sync_plan(d, mode)
+            ag, ag_rs = fsdp_pass_ms(self.real_cluster, self.param_bytes(s, e), st)
+            f, bw = f + ag, bw + ag_rs
+        plain = StageTerms(
+            forward_ms=f,
+            backward_ms=bw,
+            sync_ms=sync,
+            update_ms=update,
+            work=self._work(s, e, d, b, False),
+        )
+        recomputed = StageTerms(
+            forward_ms=f,
+            backward_ms=bw + f,
+            sync_ms=sync,
+            update_ms=update,
+            work=self._work(s, e, d, b, True),
+        )
+        return _Option(f, bw, sync + update, d_nr, d_r, plain, recomputed, floor, M * (ag + ag_rs))
 
     def _work(
         self, s: int, e: int, d: tuple[int, ...], b: int, recompute: bool
@@ -291,9 +283,7 @@ class Scorer:
             return ()
         return tuple(slice_work(d, b, lambda n: self.fb_ms(s, e, n), recompute))
 
-    def stage_options(
-        self, s: int, e: int, d: tuple[int, ...], b: int
-    ) -> list[tuple[ZeroMode, _Option]]:
+    def stage_options(self, s: int, e: int, d: tuple[int, ...], b: int) -> StageOptions:
         """``(zero mode, _stage record)`` the scorer may pick from, unsharded first; none for
         a stage of width t > 1 with no layer that shards (t ranks would repeat its work).
         ZeRO-3 is offered gathering once per step and re-gathering (:func:`zero3_modes`).
@@ -304,9 +294,7 @@ class Scorer:
             got = self._option_lists[key] = self._new_options(s, e, d, b)
         return got
 
-    def _new_options(
-        self, s: int, e: int, d: tuple[int, ...], b: int
-    ) -> list[tuple[ZeroMode, _Option]]:
+    def _new_options(self, s: int, e: int, d: tuple[int, ...], b: int) -> StageOptions:
         if self.tensor_width > 1 and self._tp.blocks(s, e) == 0:
             return []
         return [(m, self._stage(s, e, d, b, m)) for m in self._modes(s, e, len(d))]
@@ -379,7 +367,7 @@ class Scorer:
 
 
 def score_options(
-    options: Sequence[list[tuple[ZeroMode, _Option]]],
+    options: Sequence[StageOptions],
     comm: Sequence[float],
     extras: Sequence[HostExtra] | None,
     M: int,
@@ -488,7 +476,7 @@ def _scored_schedule(name: str) -> ScheduleSpec:
     return spec
 
 
-def _pick(options: list[tuple[ZeroMode, _Option]], k: int, M: int) -> tuple[ZeroMode, _Option]:
+def _pick(options: StageOptions, k: int, M: int) -> tuple[ZeroMode, _Option]:
     """The zero mode of a stage holding k micro-batches in flight: unsharded when it holds k
     without re-computation (ZeRO's 1/r_s update in AR_s + U_s does not buy a shard where memory
     does not ask for one); else, of the options that hold k (without re-computation, or with it

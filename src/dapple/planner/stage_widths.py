@@ -122,6 +122,9 @@ class MixedScorer:
     def _comm_stage_ms(
         self, cut: int, d0: tuple[int, ...], t0: int, d1: tuple[int, ...], t1: int, b: int
     ) -> float:
+        """The comm stage across ``cut`` from ``d0`` at width t0 to ``d1`` at t1: as the width's
+        scorer costs it for one width, else the split-concat between the tensor groups' first
+        devices."""
         if t0 == t1:
             return self.scorers[t0].comm_ms(cut, _groups(d0, t0), _groups(d1, t1), b)
         key = (d0[::t0], d1[::t1], b)
