@@ -7,9 +7,12 @@ worker of a gloo group patches them to count every call (and where it came from)
 a plan for a few steps and for more steps with metrics written to a file, the non-finite guard
 on (its default, ``stop``), gradient clipping and AdamW. The runs differ only in their step
 count, so set-up and teardown cancel out: the extra calls of the longer run are what its
-extra steps make, and each step may make at most one. Plans: one stage on one rank (the
-other rank beyond the plan, joining the step's collective), one stage on two replicas and a
-two-stage pipeline, on a token workload (its metrics count target tokens) with M = 3.
+extra steps make, and each step may make at most one. Plans (:data:`PLANS`), on a token
+workload (its metrics count target tokens) over two ranks: one stage on one rank (the other
+rank beyond the plan, joining the step's collective); one stage on two replicas, plain and
+under ZeRO-1, -2 and -3; one stage split over a tensor-parallel group of two; two-stage
+pipelines under DAPPLE's early backward (M = 3), GPipe and ZB-H1; four chunks interleaved
+over the two ranks (M = 4).
 """
 
 from __future__ import annotations
@@ -31,22 +34,33 @@ SEED, B, M = 3, 2, 3
 SYNC_METHODS = ("item", "__float__", "__int__", "__bool__", "tolist", "cpu", "numpy")
 """The ``torch.Tensor`` methods that read a tensor on the host (a device sync on CUDA)."""
 
-PLANS: dict[str, tuple[tuple[tuple[int, int], tuple[int, ...]], ...]] = {
-    "1-stage": (((0, 4), (0,)),),  # rank 1 beyond the plan
-    "1-stage-dp2": (((0, 4), (0, 1)),),
-    "2-stage": (((0, 2), (0,)), ((2, 4), (1,))),
+Stages = tuple[tuple[tuple[int, int], tuple[int, ...], dict[str, Any]], ...]
+PLANS: dict[str, tuple[Stages, str, int]] = {
+    # name: ((layers, devices, StagePlan options) per stage, schedule, M)
+    "1-stage": ((((0, 4), (0,), {}),), "dapple", M),  # rank 1 beyond the plan
+    "1-stage-dp2": ((((0, 4), (0, 1), {}),), "dapple", M),
+    "zero1-dp2": ((((0, 4), (0, 1), {"zero_stage": 1}),), "dapple", M),
+    "zero2-dp2": ((((0, 4), (0, 1), {"zero_stage": 2}),), "dapple", M),
+    "zero3-dp2": ((((0, 4), (0, 1), {"zero_stage": 3}),), "dapple", M),
+    "tp2": ((((0, 4), (0, 1), {"tensor_width": 2}),), "dapple", M),
+    "2-stage": ((((0, 2), (0,), {}), ((2, 4), (1,), {})), "dapple", M),
+    "2-stage-gpipe": ((((0, 2), (0,), {}), ((2, 4), (1,), {})), "gpipe", M),
+    "2-stage-zbh1": ((((0, 2), (0,), {}), ((2, 4), (1,), {})), "zbh1", M),
+    "interleaved": (tuple(((k, k + 1), (k % 2,), {}) for k in range(4)), "interleaved", 4),
 }
 
 
 def _plan(name: str) -> Plan:
+    stages, schedule, m = PLANS[name]
     return Plan(
         planner="test",
-        global_batch_size=B * M,
+        global_batch_size=B * m,
         micro_batch_size=B,
-        num_micro_batches=M,
-        schedule="dapple",
+        num_micro_batches=m,
+        schedule=schedule,
+        virtual_stages=2 if schedule == "interleaved" else 1,
         policy="A",
-        stages=tuple(StagePlan(layers=lay, devices=dev) for lay, dev in PLANS[name]),
+        stages=tuple(StagePlan(layers=lay, devices=dev, **opt) for lay, dev, opt in stages),
     )
 
 
@@ -80,13 +94,13 @@ def patch_syncs(calls: list[str]) -> None:
 
 
 def sync_worker(rank: int, world: int, out_dir: str) -> None:
-    from dapple.models.zoo.transformer import transformer
+    from dapple.models.zoo.transformer import transformer_tp
     from dapple.runtime import TrainConfig, init_distributed, run_plan, shutdown_distributed
 
     device = init_distributed(TrainConfig(timeout_s=60), world)
     calls: list[str] = []
     patch_syncs(calls)
-    wl = transformer(layers=2, hidden=16, heads=2, seq=8, vocab=32)
+    wl = transformer_tp(layers=2, hidden=16, heads=2, seq=8, vocab=32)  # with its TP plan
     results: dict[str, dict[int, list[str]]] = {}
     for name in PLANS:
         results[name] = {}
@@ -101,7 +115,8 @@ def sync_worker(rank: int, world: int, out_dir: str) -> None:
             if rank == 0:  # the metrics are all there
                 assert [m.step for m in run.metrics] == list(range(steps))
                 assert all(m.grad_norm is not None and m.grad_norm > 0 for m in run.metrics)
-                assert all(m.tokens == B * M * 8 for m in run.metrics)
+                m = PLANS[name][2]
+                assert all(x.tokens == B * m * 8 for x in run.metrics)
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
     shutdown_distributed()
 
@@ -111,7 +126,7 @@ def counted(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     from dapple.runtime import spawn
 
     out = tmp_path_factory.mktemp("syncs")
-    spawn(sync_worker, 2, str(out), timeout_s=120)
+    spawn(sync_worker, 2, str(out), timeout_s=600)
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 
