@@ -119,6 +119,10 @@ TRAIN_SECTIONS_HELP = (
 
 _REQUIRED = {("plan", "path"): "--plan", ("model", "spec"): "-m/--model"}
 
+_ELASTIC_ONLY = {("run", "min_devices"): "--min-devices", ("run", "max_restarts"): "--max-restarts"}
+"""The flags that do nothing but in an elastic run. At their defaults (``--min-devices 1``) the
+config cannot tell them from no flag, so the command line's own are checked."""
+
 
 def _file_key(f: tuple[str, str]) -> str:
     from dapple.runtime.run_config import RUN_SECTIONS
@@ -139,8 +143,28 @@ def run_config_of(args: argparse.Namespace) -> RunConfig:
 
     over = given_values(args, TRAIN_FLAGS)
     if args.config is not None:
-        return load_run_config(args.config, over=over)
-    return build(RunConfig, over)
+        cfg = load_run_config(args.config, over=over)
+    else:
+        cfg = build(RunConfig, over)
+    _check_elastic_only(cfg, over)
+    return cfg
+
+
+def _check_elastic_only(cfg: RunConfig, over: dict[tuple[str, str], Any]) -> None:
+    """A flag of :data:`_ELASTIC_ONLY` the command line gave is for an elastic run (``--elastic``
+    or ``[elastic] elastic = true``).
+
+    Raises:
+        ValidationError: the first one given to a run that is not, with its value.
+    """
+    if cfg.run.elastic:
+        return
+    for field, flag in _ELASTIC_ONLY.items():
+        if field in over:
+            raise ValidationError(
+                f"{flag} {over[field]} applies to elastic runs only (re-planning when a device "
+                "is lost): add --elastic, or drop it"
+            )
 
 
 def verify_config_of(args: argparse.Namespace) -> RunConfig:

@@ -392,8 +392,10 @@ def run(args: argparse.Namespace) -> int:
 def run_config(cfg: RunConfig) -> int:
     """Train the run ``cfg`` asks for (``dapple train`` once its flags and file are read)."""
     from dapple.api import plan_with
+    from dapple.profiler.host_fit import check_device_available
 
     plan_path, spec = required_inputs(cfg)
+    check_device_available(cfg.train.device)  # once here, not in each worker once started
     c = cfg.plan
     plan = plan_with(plan_path, c.schedule, c.policy, c.virtual_stages, cli=True)
     _check_output(cfg.train.metrics_path, "--metrics file")

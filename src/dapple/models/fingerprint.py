@@ -83,7 +83,8 @@ def check_profile_model(
     profile: ModelProfile, workload: Workload, what: str, fingerprint: Fingerprint | None = None
 ) -> None:
     """``profile`` was measured on ``workload``: the same layer count and, when the profile
-    records a fingerprint (older, analytic and the paper's profiles do not), the same one.
+    records a fingerprint, the same one; one logged warning naming both models when it records
+    none (imported, older, analytic and the paper's profiles), whatever its model's name.
 
     Args:
         profile: the profile given beside the model.
@@ -101,13 +102,13 @@ def check_profile_model(
             f"{what} was measured on {theirs}, not on the model {ours}; profile this model "
             "(dapple profile -m MODEL ...)"
         )
-    if profile.model_fingerprint is None:
-        if profile.model_name and profile.model_name != workload.name:
-            log.warning(
-                "%s records no model fingerprint and was profiled as %r: dapple cannot check "
-                "it was measured on %s",
-                what, profile.model_name, ours,
-            )  # fmt: skip
+    if profile.model_fingerprint is None:  # imported, analytic or older: names are all
+        named = f" and was profiled as {profile.model_name!r}" if profile.model_name else ""
+        log.warning(
+            "%s records no model fingerprint (imported, analytic or older)%s: dapple cannot "
+            "check it was measured on the model %s, so what it predicts may be another model's",
+            what, named, ours,
+        )  # fmt: skip
         return
     mine = _other_fingerprint(profile.model_fingerprint, workload, fingerprint)
     if mine is not None:

@@ -25,6 +25,7 @@ from dapple.models.workload import Workload
 __all__ = [
     "LayerBytes",
     "available_host_bytes",
+    "check_device_available",
     "check_host_memory",
     "check_local_processes",
     "check_training_memory",
@@ -179,6 +180,31 @@ def check_local_processes(
         f"{what}: {n:,} local processes need at least {_gib(need)} of host memory "
         f"({each // 2**20} MiB each before any model), more than the {_gib(avail)} available: "
         f"at most {avail // each:,} fit"
+    )
+
+
+def check_device_available(device: str, what: str = "--device") -> None:
+    """Refuse a run on ``device`` (``cuda`` or ``cuda:N``) where torch sees no CUDA device,
+    before any process starts (each worker would otherwise find it out on its own, after its
+    imports). ``auto`` and ``cpu`` always pass.
+
+    Args:
+        device: the device the run asks for.
+        what: the option that asks for it, named in the message.
+
+    Raises:
+        ValidationError: CUDA asked for and not available, naming why.
+    """
+    if not device.startswith("cuda") or torch.cuda.is_available():
+        return
+    why = (
+        f"this torch {torch.__version__} is built without CUDA"
+        if torch.version.cuda is None
+        else "torch sees no CUDA device"
+    )
+    raise ValidationError(
+        f"{what} {device}: CUDA is not available on this host ({why}): use --device cpu, or "
+        "auto (CUDA when available)"
     )
 
 
