@@ -4,7 +4,7 @@ Pure data model, no torch. Notation (paper sections 4-5): S stages; stage ``s`` 
 ``[start, end)`` replicated r_s times (:class:`~dapple.core.stage_plan.StagePlan`, with its
 tensor groups of t_s devices); the global batch is cut into M micro-batches of
 ``micro_batch_size`` samples, and each micro-batch entering stage ``s`` is split into ``r_s``
-slices (uneven when ``r_s`` does not divide it; replica ``j`` takes slice j,
+slices (replica ``j`` takes slice j: even, or the stage's per-replica ``shares``,
 :mod:`dapple.core.slicing`). This module also holds the plan's JSON round-trip and two ways of
 making a plan from another: :func:`straight_plan` and :func:`interleave`.
 
@@ -28,7 +28,7 @@ from dapple.core._json import (
     save_json_file,
 )
 from dapple.core.planning_options import PlanningOptions
-from dapple.core.slicing import slice_bounds, split_sizes, transfers
+from dapple.core.slicing import check_shares, slice_bounds, split_sizes, transfers
 from dapple.core.stage_plan import StagePlan
 from dapple.errors import ValidationError
 
@@ -190,6 +190,22 @@ class Plan:
                     d not in seen, f"plan: device {d} is used by stage {seen.get(d)} and stage {i}"
                 )
                 seen[d] = i
+        self._check_shares()
+
+    def _check_shares(self) -> None:
+        """Each stage's shares sum to b; the virtual stages of one device group share them."""
+        first: dict[tuple[int, ...], int] = {}
+        for k, st in enumerate(self.stages):
+            if st.shares is not None:
+                check_shares(
+                    st.shares, self.micro_batch_size, st.replicas, f"plan: stage {k} shares"
+                )
+            g = first.setdefault(st.devices, k)
+            require(
+                st.shares == self.stages[g].shares,
+                f"plan: stage {k} shares {st.shares} differ from those of stage {g} "
+                f"{self.stages[g].shares} on the same devices {list(st.devices)}",
+            )
 
     @property
     def num_stages(self) -> int:
@@ -516,6 +532,7 @@ def interleave(plan: Plan, v: int) -> Plan:
                     zero_stage=st.zero_stage,
                     tensor_width=st.tensor_width,
                     regather=st.regather,
+                    shares=st.shares,
                 )
             )
             start = end

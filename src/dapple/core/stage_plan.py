@@ -7,6 +7,10 @@ replica-major, replica j's tensor group being ``devices[j*t_s:(j+1)*t_s]``, and
 ``r_s = len(devices) / t_s``. The group's first device stands for the replica in the schedule
 (:attr:`StagePlan.replica_devices`); the other ranks of the group run the same actions. With
 t_s = 1 (the default) every device is a replica, as in the paper.
+
+Replica ``j`` computes on slice j of every micro-batch (:mod:`dapple.core.slicing`): an even
+split by default, or ``shares[j]`` whole samples when the replicas run at different speeds
+(the shares sum to the plan's micro-batch size, which :class:`~dapple.core.plan.Plan` checks).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dapple.core._json import get_field, require
+from dapple.core.slicing import split_sizes
 from dapple.errors import ValidationError
 
 __all__ = ["StagePlan"]
@@ -44,6 +49,10 @@ class StagePlan:
     regather: bool = False
     """ZeRO-3 only: re-shard the parameters after every forward and backward and all-gather
     them again per micro-batch (less memory, more traffic); False: gather once per step."""
+    shares: tuple[int, ...] | None = None
+    """Samples of each micro-batch per replica, in replica order (whole samples >= 1 each,
+    summing to the micro-batch size b); None: the even split ``split_sizes(b, r_s)``. The plan
+    file records them only when they differ from the even split."""
 
     def __post_init__(self) -> None:
         s, e = self.layers
@@ -65,6 +74,35 @@ class StagePlan:
             f"stage {list(self.layers)}: zero_stage must be 0, 1, 2 or 3, got {self.zero_stage!r}",
         )
         self._check_tensor_layout()
+        self._check_shares()
+
+    def _check_shares(self) -> None:
+        """One whole share >= 1 per replica (their sum is the plan's to check)."""
+        if self.shares is None:
+            return
+        got, what = self.shares, f"stage {list(self.layers)}"
+        require(
+            isinstance(got, (tuple, list)),
+            f"{what}: shares must be a list of whole samples per replica, got {got!r}"[:200],
+        )
+        require(
+            len(got) == self.replicas,
+            f"{what}: shares {list(got)} name {len(got)} replicas, the stage has {self.replicas} "
+            f"(devices {list(self.devices)}, tensor_width={self.tensor_width})",
+        )
+        require(
+            all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in got),
+            f"{what}: shares {list(got)} must be whole samples >= 1 each",
+        )
+        object.__setattr__(self, "shares", tuple(got))  # a list from a caller, kept hashable
+
+    def slice_sizes(self, b: int) -> tuple[int, ...]:
+        """The replicas' slices of a micro-batch of ``b`` samples: ``shares``, or the even split.
+
+        Raises:
+            ValidationError: the shares do not sum to ``b``.
+        """
+        return split_sizes(b, self.replicas, self.shares)
 
     def _check_tensor_layout(self) -> None:
         """t_s a power of two dividing the device count; ZeRO-3 on r_s > 1; regather with 3."""
@@ -128,6 +166,8 @@ class StagePlan:
             d["tensor_width"] = self.tensor_width
         if self.regather:
             d["regather"] = True
+        if self.shares is not None and self.shares != split_sizes(sum(self.shares), self.replicas):
+            d["shares"] = list(self.shares)
         return d
 
     @staticmethod
@@ -151,6 +191,11 @@ class StagePlan:
             mif is None or isinstance(mif, int),
             f"{what}: max_in_flight must be an integer, got {mif!r}",
         )
+        shares = d.get("shares")
+        require(
+            shares is None or isinstance(shares, list),
+            f"{what}: shares must be a list of whole samples per replica, got {shares!r}"[:200],
+        )
         try:
             return StagePlan(
                 layers=(layers[0], layers[1]),
@@ -160,6 +205,7 @@ class StagePlan:
                 zero_stage=d.get("zero_stage", 0),
                 tensor_width=d.get("tensor_width", 1),
                 regather=d.get("regather", False),
+                shares=None if shares is None else tuple(shares),
             )
         except ValidationError as e:
             raise ValidationError(f"{what}: {e}") from e

@@ -181,13 +181,13 @@ def rank_rows(plan: Plan, rank: int) -> tuple[list[int], list[int]]:
     """Rows of the global batch whose ``(inputs, targets)`` rank ``rank`` reads.
 
     Row ``m * b + r`` is sample ``r`` of micro-batch ``m``; replica ``j`` of stage ``s`` holds
-    samples ``slice_bounds(b, replicas_s)[j]`` of every micro-batch.
+    samples ``slice_bounds(b, replicas_s, shares_s)[j]`` of every micro-batch.
     """
     if rank not in plan.devices:
         return [], []
     s, j = plan.stage_of_device(rank)
     b, M = plan.micro_batch_size, plan.num_micro_batches
-    lo, hi = slice_bounds(b, plan.stages[s].replicas)[j]
+    lo, hi = slice_bounds(b, plan.stages[s].replicas, plan.stages[s].shares)[j]
     rows = [m * b + r for m in range(M) for r in range(lo, hi)]
     held = plan.stages_of_device(rank)  # with v > 1 chunks: the first and the last stage
     return (rows if 0 in held else []), (rows if plan.num_stages - 1 in held else [])

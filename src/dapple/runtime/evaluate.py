@@ -36,6 +36,7 @@ from torch import nn
 from torch.utils.data import default_collate
 
 from dapple.core.plan import Plan
+from dapple.core.slicing import proportional_shares
 from dapple.errors import ValidationError
 from dapple.models.workload import Workload
 from dapple.runtime import comm
@@ -62,7 +63,8 @@ EvalBatch = Callable[[int], tuple[Any, torch.Tensor]]
 def eval_plan(plan: Plan, eval_batch_size: int | None) -> Plan:
     """The plan evaluation runs: ``plan`` itself for G_e = G (or None), else the same stages,
     replicas and placement with G_e samples in the most micro-batches M_e <= M that divide G_e
-    into micro-batches of at least max_s r_s samples (every replica gets a slice).
+    into micro-batches of at least max_s r_s samples (every replica gets a slice); a stage's
+    uneven shares are scaled to the new micro-batch size (:func:`proportional_shares`).
 
     Raises:
         ValidationError: G_e is smaller than the largest stage's replica count.
@@ -78,8 +80,15 @@ def eval_plan(plan: Plan, eval_batch_size: int | None) -> Plan:
             f"stage ({plan.replication}): every replica needs at least one sample"
         )
     M_e = fits[0]
+    b_e = G_e // M_e
+    stages = tuple(
+        st
+        if st.shares is None
+        else dataclasses.replace(st, shares=proportional_shares(st.shares, b_e))
+        for st in plan.stages
+    )
     return dataclasses.replace(
-        plan, global_batch_size=G_e, micro_batch_size=G_e // M_e, num_micro_batches=M_e
+        plan, global_batch_size=G_e, micro_batch_size=b_e, num_micro_batches=M_e, stages=stages
     )
 
 

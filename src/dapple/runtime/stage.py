@@ -1,10 +1,11 @@
 """One replica of one stage executing lowered actions (F, B and split-concat send/recv).
 
 Index conventions: ``s`` stage, ``j`` this replica, ``m`` micro-batch, ``b`` micro-batch size;
-replica ``j`` of stage ``s`` owns samples ``slice_bounds(b, r_s)[j] = [lo, hi)`` of every
-micro-batch. Data: every rank builds the same global batch locally
-(``workload.make_batch(G, seed + step)``) and slices its own rows, so stage 0 replicas take
-their inputs and last-stage replicas their targets without any label traffic. Between stages
+replica ``j`` of stage ``s`` owns samples ``slice_bounds(b, r_s, shares_s)[j] = [lo, hi)`` of
+every micro-batch (an even split, or the stage's per-replica shares). Data: every rank builds
+the same global batch locally (``workload.make_batch(G, seed + step)``) and slices its own rows,
+so stage 0 replicas take their inputs and last-stage replicas their targets without any label
+traffic. Between stages
 only activations (forward) and their gradients (backward) travel, as the overlapping row
 ranges of :func:`dapple.core.plan.transfers`, with non-blocking ``isend``/``irecv``.
 
@@ -164,14 +165,17 @@ class StageExecutor:
         self.last = stage == S - 1
         """The last stage: its forwards compute the loss."""
         reps = [st.replicas for st in plan.stages]
-        self.lo, self.hi = slice_bounds(b, reps[stage])[replica]
+        shares = [st.shares for st in plan.stages]
+        self.lo, self.hi = slice_bounds(b, reps[stage], shares[stage])[replica]
         self.in_spec = specs[stage - 1] if stage > 0 else None
         self.out_spec = specs[stage] if stage < S - 1 else None
         # peer replica -> micro-batch rows [lo, hi) exchanged with it
         self.in_rows: dict[int, tuple[int, int]] = (
             {
                 p: (lo, hi)
-                for p, k, lo, hi in transfers(b, reps[stage - 1], reps[stage])
+                for p, k, lo, hi in transfers(
+                    b, reps[stage - 1], reps[stage], shares[stage - 1], shares[stage]
+                )
                 if k == replica
             }
             if stage > 0
@@ -180,7 +184,9 @@ class StageExecutor:
         self.out_rows: dict[int, tuple[int, int]] = (
             {
                 k: (lo, hi)
-                for p, k, lo, hi in transfers(b, reps[stage], reps[stage + 1])
+                for p, k, lo, hi in transfers(
+                    b, reps[stage], reps[stage + 1], shares[stage], shares[stage + 1]
+                )
                 if p == replica
             }
             if stage < S - 1

@@ -10,7 +10,7 @@ Replicas whose slice of a micro-batch is empty (r_s > micro-batch size) skip it.
 
 from __future__ import annotations
 
-from dapple.core.plan import Plan, split_sizes, transfers
+from dapple.core.plan import Plan, transfers
 from dapple.schedule.ir import Action, ActionKind, ComputeOrder, Schedule
 from dapple.schedule.registry import compute_order, get_schedule
 
@@ -55,7 +55,9 @@ def lower(plan: Plan, order: ComputeOrder | None = None) -> Schedule:
     for s in range(S - 1):
         out: dict[int, list[int]] = {}
         inn: dict[int, list[int]] = {}
-        for j, k, _lo, _hi in transfers(b, reps[s], reps[s + 1]):
+        for j, k, _lo, _hi in transfers(
+            b, reps[s], reps[s + 1], plan.stages[s].shares, plan.stages[s + 1].shares
+        ):
             out.setdefault(j, []).append(k)
             inn.setdefault(k, []).append(j)
         fwd_peers.append(out)
@@ -65,7 +67,7 @@ def lower(plan: Plan, order: ComputeOrder | None = None) -> Schedule:
     for g in range(plan.num_groups):
         st = plan.stages[g]
         stages = plan.stages_of_device(st.devices[0])
-        sizes = split_sizes(b, st.replicas)
+        sizes = st.slice_sizes(b)
         for j, dev in enumerate(st.replica_devices):  # a tensor group's first device
             prog: list[Action] = []
             if sizes[j] > 0:

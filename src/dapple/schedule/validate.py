@@ -28,7 +28,7 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from dapple.core.plan import Plan, split_sizes, transfers
+from dapple.core.plan import Plan, transfers
 from dapple.errors import ValidationError
 from dapple.schedule.grid import Cell, Problem, fail, format_grid
 from dapple.schedule.ir import Action, ActionKind, Schedule
@@ -91,8 +91,9 @@ def _peer_maps(plan: Plan) -> _Peers:
     S = plan.num_stages
     peers: _Peers = [[{} for _ in range(S)], [{} for _ in range(S)]]
     for s in range(S - 1):
+        src, dst = plan.stages[s], plan.stages[s + 1]
         for j, k, _lo, _hi in transfers(
-            plan.micro_batch_size, plan.stages[s].replicas, plan.stages[s + 1].replicas
+            plan.micro_batch_size, src.replicas, dst.replicas, src.shares, dst.shares
         ):
             peers[1][s].setdefault(j, []).append(k)
             peers[0][s + 1].setdefault(k, []).append(j)
@@ -112,7 +113,7 @@ def _device_view(plan: Plan, dev: int, peers: _Peers) -> _Device:
         owned=owned,
         replicas=st.replicas,
         M=plan.num_micro_batches,
-        active=split_sizes(plan.micro_batch_size, st.replicas)[j] > 0,
+        active=st.slice_sizes(plan.micro_batch_size)[j] > 0,
         prev_peers={s: set(peers[0][s].get(j, [])) if s > 0 else set() for s in owned},
         next_peers={s: set(peers[1][s].get(j, [])) if s < S - 1 else set() for s in owned},
     )
