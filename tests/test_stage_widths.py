@@ -282,7 +282,7 @@ def test_a_scorer_that_has_searched_scores_every_candidate_as_a_fresh_one() -> N
     """The scorers remember each stage's options and each comm stage (a local search's
     candidates share most stages): after a search, every candidate of its moves, at every M,
     scores exactly as it does on scorers that remember nothing yet."""
-    from dapple.planner.stage_widths import _cut_moves, _merge_moves, _width_moves
+    from dapple.planner.stage_widths import applied, moves_of
 
     prof = ModelProfile(
         model_name="mixed",
@@ -303,8 +303,7 @@ def test_a_scorer_that_has_searched_scores_every_candidate_as_a_fresh_one() -> N
     assert got is not None
     plans = [start, got[0]]
     for stages in (start, got[0]):
-        for moves in (_width_moves, _cut_moves, _merge_moves):
-            plans += list(moves(warm, list(stages)))
+        plans += [applied(stages, m) for m in moves_of(warm, list(stages))]
     assert len(plans) > 10
     for stages in plans:
         for M in Ms:

@@ -41,8 +41,10 @@ __all__ = [
     "Scorer",
     "StageOptions",
     "StageSpec",
+    "in_flight",
     "score_options",
     "scored_plan",
+    "stage_choice",
 ]
 
 StageSpec = tuple[int, int, tuple[int, ...]]
@@ -384,29 +386,24 @@ def score_options(
     S = len(options)
     best: Scored | None = None
     for policy in policies if len(spec.policies) > 1 else spec.policies:
-        nominal = _in_flight(schedule, S, M, policy, None)
+        nominal = in_flight(schedule, S, M, policy, None)
         rec: list[bool] = []
         ds: list[int | None] = []
         zs: list[ZeroMode] = []
         terms: list[StageTerms] = []
         for i in range(S):
             k = nominal[i]
-            z, r_i = options[i][0]
-            if z != UNSHARDED or r_i.d_nr < k:  # not _pick's first case (unsharded holds k)
-                z, r_i = _pick(options[i], k, M)
-            d_nr, d_r = r_i.d_nr, r_i.d_r
-            # re-compute only when memory demands it, unless forced either way
-            use_r = d_nr < k and (d_r >= k or d_r > d_nr) if recompute is None else recompute
-            d = d_r if use_r else d_nr
-            if d < 1 or (not spec.bounded and d < k):  # it must hold its K_i
+            got = stage_choice(options[i], k, M, spec.bounded, recompute)
+            if got is None:
                 break
+            z, r_i, use_r, d = got
             zs.append(z)
             rec.append(use_r)
             terms.append(r_i.recomputed if use_r else r_i.plain)
             ds.append(d if d < k else None)
         if len(terms) < S:
             continue
-        ks = _in_flight(schedule, S, M, policy, tuple(ds))
+        ks = in_flight(schedule, S, M, policy, tuple(ds))
         bounds: Sequence[int | None] = ks if spec.bounded else [None] * S
         L = pipeline_terms(terms, comm, bounds, M, cluster, extras).latency().L_ms
         if best is None or best.L_ms > L:
@@ -414,8 +411,26 @@ def score_options(
     return best
 
 
+def stage_choice(
+    options: StageOptions, k: int, M: int, bounded: bool, recompute: bool | None = None
+) -> tuple[ZeroMode, _Option, bool, int] | None:
+    """A stage's zero mode (:func:`_pick`), re-computation and D when it keeps k micro-batches
+    in flight: ``(mode, its terms, re-computes, D)``, or None when it cannot hold them (D < 1,
+    or D < k under a schedule that does not bound stages by K_i). Re-computes only when memory
+    demands it, unless ``recompute`` forces it either way."""
+    z, r = options[0]
+    if z != UNSHARDED or r.d_nr < k:  # not _pick's first case (unsharded holds k)
+        z, r = _pick(options, k, M)
+    d_nr, d_r = r.d_nr, r.d_r
+    use_r = d_nr < k and (d_r >= k or d_r > d_nr) if recompute is None else recompute
+    d = d_r if use_r else d_nr
+    if d < 1 or (not bounded and d < k):
+        return None
+    return z, r, use_r, d
+
+
 @functools.lru_cache(maxsize=1 << 14)
-def _in_flight(
+def in_flight(
     schedule: str, S: int, M: int, policy: str, D: tuple[int | None, ...] | None
 ) -> tuple[int, ...]:
     """:func:`~dapple.schedule.registry.in_flight_counts`, remembered: a search asks for the

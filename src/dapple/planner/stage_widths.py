@@ -11,8 +11,10 @@ a time, keeping a move only when the whole plan's L (equations 1-3, scored as th
   (``LayerProfile.tensor_parallel``) drops to t = 1 on the same devices;
 * merge: two neighbouring stages become one on the union of their devices, at each width.
 
-Each round takes the best improving move; the rounds stop when none improves, then M is
-re-picked among the candidates and the rounds repeat until M stays. A stage of width t keeps
+Each round takes the best improving move (the first of least L); the rounds stop when none
+improves, then M is re-picked among the candidates and the rounds repeat until M stays. A
+round estimates all its moves at once (:mod:`dapple.planner.move_scores`) and scores whole,
+lowest estimate first, only those whose estimate may still beat the best scored. A stage of width t keeps
 its tensor groups aligned, each ``t`` consecutive devices starting at a multiple of t, so
 inside one server (t divides the server size) and on the tensor groups the width-t
 :class:`~dapple.planner.evaluate.Scorer` represents: its cached terms cost the stage, and the
@@ -28,15 +30,12 @@ from dapple.cost.comm import busiest_link_ms, link_loads
 from dapple.cost.host import has_host_terms, stage_host_extras
 from dapple.cost.memory import boundary_bytes
 from dapple.planner.evaluate import Scored, Scorer, StageOptions, score_options, scored_plan
+from dapple.planner.move_scores import ROUNDING, Move, WidthStage, estimate_moves
 from dapple.planner.widths import TensorSums
 from dapple.planner.zero_modes import UNSHARDED
 from dapple.schedule.registry import get_schedule
 
-__all__ = ["MixedScorer", "WidthStage", "refine_stage_widths", "regroup"]
-
-WidthStage = tuple[int, int, tuple[int, ...], int]
-"""``(start, end, devices, t)``: layers ``[start, end)`` on the cluster's devices (replica-major,
-r x t of them, each tensor group t consecutive devices starting at a multiple of t) at width t."""
+__all__ = ["MixedScorer", "applied", "moves_of", "refine_stage_widths", "regroup"]
 
 MAX_ROUNDS_PER_LAYER = 4
 """The moves of one M stop after this many rounds per layer (each round lowers L)."""
@@ -93,10 +92,7 @@ class MixedScorer:
         b = self.global_batch_size // M
         options = []
         for st in stages:
-            opts = self._options.get((st, b))
-            if opts is None:
-                s, e, d, t = st
-                opts = self._options[st, b] = self.scorers[t].stage_options(s, e, _groups(d, t), b)
+            opts = self._stage_options(st, b)
             if not opts:
                 return None
             options.append(opts)
@@ -109,6 +105,37 @@ class MixedScorer:
             else None
         )
         return score_options(options, comm, extras, M, self.cluster, DEFAULT_SCHEDULE, self._spec)
+
+    def estimates(
+        self, stages: Sequence[WidthStage], moves: Sequence[Move], M: int
+    ) -> list[float] | None:
+        """Each move's L from ``stages`` at M within
+        :data:`~dapple.planner.move_scores.ROUNDING` of :meth:`score`'s (``inf``: it does
+        not fit), all at once (:func:`~dapple.planner.move_scores.estimate_moves`); None on a
+        cluster with host terms, whose CPU-host pass the estimate does not run, or under a
+        default schedule other than DAPPLE's, whose in-flight counts it assumes."""
+        if has_host_terms(self.cluster) or self._spec.name != "dapple":
+            return None
+        b = self.global_batch_size // M
+        spec = self._spec
+        return estimate_moves(
+            stages,
+            moves,
+            M,
+            lambda st: self._stage_options(st, b),
+            lambda src, dst: self._comm_ms(src, dst, b),
+            spec.name,
+            ("A", "B") if len(spec.policies) > 1 else spec.policies,
+            spec.bounded,
+        )
+
+    def _stage_options(self, st: WidthStage, b: int) -> StageOptions:
+        """The options of stage ``st`` at b samples (:meth:`Scorer.stage_options`)."""
+        got = self._options.get((st, b))
+        if got is None:
+            s, e, d, t = st
+            got = self._options[st, b] = self.scorers[t].stage_options(s, e, _groups(d, t), b)
+        return got
 
     def _comm_ms(self, src: WidthStage, dst: WidthStage, b: int) -> float:
         """The comm stage across the cut ``src | dst``."""
@@ -150,13 +177,13 @@ def _groups(devices: tuple[int, ...], t: int) -> tuple[int, ...]:
     return devices if t == 1 else tuple(d // t for d in devices[::t])
 
 
-def _width_moves(ms: MixedScorer, stages: list[WidthStage]) -> Iterator[list[WidthStage]]:
+def _width_moves(ms: MixedScorer, stages: list[WidthStage]) -> Iterator[Move]:
     """Each stage's devices re-split at each other width."""
     for i, (s, e, d, t) in enumerate(stages):
         for t2 in ms.widths:
             d2 = regroup(d, t2) if t2 != t else None
             if d2 is not None:
-                yield [*stages[:i], (s, e, d2, t2), *stages[i + 1 :]]
+                yield i, i + 1, ((s, e, d2, t2),)
 
 
 def _narrowed(ms: MixedScorer, st: WidthStage) -> WidthStage:
@@ -167,7 +194,7 @@ def _narrowed(ms: MixedScorer, st: WidthStage) -> WidthStage:
     return (s, e, tuple(sorted(d)), 1)
 
 
-def _cut_moves(ms: MixedScorer, stages: list[WidthStage]) -> Iterator[list[WidthStage]]:
+def _cut_moves(ms: MixedScorer, stages: list[WidthStage]) -> Iterator[Move]:
     """Each boundary moved by one layer (:func:`_narrowed`)."""
     for i in range(len(stages) - 1):
         (s0, c, d0, t0), (_, e1, d1, t1) = stages[i], stages[i + 1]
@@ -175,33 +202,52 @@ def _cut_moves(ms: MixedScorer, stages: list[WidthStage]) -> Iterator[list[Width
             if s0 < cut < e1:
                 a = _narrowed(ms, (s0, cut, d0, t0))
                 z = _narrowed(ms, (cut, e1, d1, t1))
-                yield [*stages[:i], a, z, *stages[i + 2 :]]
+                yield i, i + 2, (a, z)
 
 
-def _merge_moves(ms: MixedScorer, stages: list[WidthStage]) -> Iterator[list[WidthStage]]:
+def _merge_moves(ms: MixedScorer, stages: list[WidthStage]) -> Iterator[Move]:
     """Each two neighbouring stages as one on their devices, at each width."""
     for i in range(len(stages) - 1):
         (s0, _, d0, _), (_, e1, d1, _) = stages[i], stages[i + 1]
         for t in ms.widths:
             d = regroup((*d0, *d1), t)
             if d is not None:
-                yield [*stages[:i], (s0, e1, d, t), *stages[i + 2 :]]
+                yield i, i + 2, ((s0, e1, d, t),)
+
+
+def moves_of(ms: MixedScorer, stages: list[WidthStage]) -> list[Move]:
+    """A round's moves from ``stages`` (module docstring), in the order the round weighs
+    them: width, cut, merge."""
+    return [*_width_moves(ms, stages), *_cut_moves(ms, stages), *_merge_moves(ms, stages)]
+
+
+def applied(stages: Sequence[WidthStage], move: Move) -> list[WidthStage]:
+    """The plan ``move`` makes of ``stages``."""
+    i, j, new = move
+    return [*stages[:i], *new, *stages[j:]]
 
 
 def _climb(
     ms: MixedScorer, stages: list[WidthStage], M: int, best: Scored
 ) -> tuple[list[WidthStage], Scored]:
-    """Rounds of the best improving move (module docstring) at M until none improves."""
+    """Rounds of the best improving move (module docstring) at M until none improves: the
+    first move of least L below the current plan's. Where :meth:`MixedScorer.estimates`
+    applies, only the moves whose estimate may beat the best scored so far are scored."""
     for _ in range(MAX_ROUNDS_PER_LAYER * ms.N):
-        found: tuple[list[WidthStage], Scored] | None = None
-        for moves in (_width_moves, _cut_moves, _merge_moves):
-            for cand in moves(ms, stages):
-                got = ms.score(cand, M)
-                if got is not None and got.L_ms < (found[1] if found else best).L_ms:
-                    found = (cand, got)
+        moves = moves_of(ms, stages)
+        est = ms.estimates(stages, moves, M)
+        order = range(len(moves)) if est is None else sorted(range(len(moves)), key=est.__getitem__)
+        found: tuple[int, Scored] | None = None
+        for m in order:
+            bar = (found[1] if found else best).L_ms
+            if est is not None and est[m] >= bar * (1 + ROUNDING):
+                break  # this move and the rest are above the best by more than rounding
+            got = ms.score(applied(stages, moves[m]), M)
+            if got is not None and (got.L_ms < bar or (found and got.L_ms == bar and m < found[0])):
+                found = (m, got)
         if found is None:
             break
-        stages, best = found
+        stages, best = applied(stages, moves[found[0]]), found[1]
     return stages, best
 
 

@@ -1,0 +1,227 @@
+"""L of a local-search round's moves at once, to score exactly only those that may win.
+
+A round of :mod:`dapple.planner.stage_widths` weighs a few hundred moves, each differing
+from the current plan in one or two stages: a :data:`Move` ``(i, j, new)`` is the plan
+``stages[:i] + new + stages[j:]``. Its stages keep their terms from the current plan (each
+stage's choice at its K_i, :func:`~dapple.planner.evaluate.stage_choice`, made once per round
+for the current stage count S and, for merges, S - 1), so only the new stages and the comm
+stages beside them are looked up. Equations 1-3 then run over all moves as numpy arrays, the
+operations of :func:`~dapple.cost.latency.steady_periods` and
+:func:`~dapple.cost.latency.latency` in the same order: the periods, the pivot Q and the
+warm-up and steady phases equal :meth:`MixedScorer.score
+<dapple.planner.stage_widths.MixedScorer.score>`'s bit for bit, the tail's forwards are a
+difference of prefix sums (:data:`ROUNDING`). Pure, no torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+import numpy as np
+from numpy.typing import NDArray
+
+from dapple.core.plan import Policy
+from dapple.planner.evaluate import StageOptions, in_flight, stage_choice
+
+__all__ = ["ROUNDING", "Move", "WidthStage", "estimate_moves"]
+
+WidthStage = tuple[int, int, tuple[int, ...], int]
+"""``(start, end, devices, t)``: layers ``[start, end)`` on the cluster's devices (replica-major,
+r x t of them, each tensor group t consecutive devices starting at a multiple of t) at width t."""
+
+Move = tuple[int, int, tuple[WidthStage, ...]]
+"""``(i, j, new)``: the current plan's stages ``[i, j)`` replaced by ``new``."""
+
+ROUNDING = 1e-9
+"""Relative bound on how far an estimate may lie from the exact L (the tail's forwards
+summed in another order: a few ulps)."""
+
+Options = Callable[[WidthStage], StageOptions]
+Comm = Callable[[WidthStage, WidthStage], float]
+
+
+class _Columns(NamedTuple):
+    """:class:`_Rows` as arrays."""
+
+    F: NDArray[np.float64]
+    B: NDArray[np.float64]
+    AR: NDArray[np.float64]
+    d: NDArray[np.intp]
+    bad: NDArray[np.bool_]
+
+
+class _Rows:
+    """Per-stage terms of the stages a round's moves are built of, for one policy: the current
+    stages at the current count S (rows ``[0, S)``), those that begin a plan of another count
+    at that count, then the moves' new stages. Columns F, B, AR_s + U_s and D where it binds
+    (0: none); a row that cannot hold its K_i is marked."""
+
+    def __init__(self) -> None:
+        self.F: list[float] = []
+        self.B: list[float] = []
+        self.AR: list[float] = []
+        self.d: list[int] = []
+        self.bad: list[bool] = []
+
+    def add(self, options: StageOptions, k: int, M: int, bounded: bool) -> int:
+        """Row of a stage holding ``k`` micro-batches (a marked row when none fits)."""
+        got = stage_choice(options, k, M, bounded) if options else None
+        if got is None:
+            self._append(0.0, 0.0, 0.0, 0, True)
+        else:
+            _, r, use_r, d = got
+            t = r.recomputed if use_r else r.plain
+            self._append(t.forward_ms, t.backward_ms, t.sync_ms + t.update_ms, d * (d < k), False)
+        return len(self.F) - 1
+
+    def arrays(self) -> _Columns:
+        """The columns as arrays."""
+        return _Columns(
+            np.array(self.F), np.array(self.B), np.array(self.AR),
+            np.array(self.d, dtype=np.intp), np.array(self.bad, dtype=bool),
+        )  # fmt: skip
+
+    def _append(self, f: float, b: float, ar: float, d: int, bad: bool) -> None:
+        self.F.append(f)
+        self.B.append(b)
+        self.AR.append(ar)
+        self.d.append(d)
+        self.bad.append(bad)
+
+
+def estimate_moves(
+    stages: Sequence[WidthStage],
+    moves: Sequence[Move],
+    M: int,
+    options: Options,
+    comm: Comm,
+    schedule: str,
+    policies: Sequence[Policy],
+    bounded: bool,
+) -> list[float]:
+    """L of each move's plan within :data:`ROUNDING` (``inf`` where it does not fit), as
+    :func:`~dapple.planner.evaluate.score_options` scores it on a cluster without host terms,
+    under a schedule whose in-flight counts with D are DAPPLE's
+    (:func:`~dapple.schedule.early_backward.warmup_counts`: ``min(K_i, D_i, K_{i-1})``).
+
+    Args:
+        stages: the current plan (S stages).
+        moves: each ``(i, j, new)`` (:data:`Move`), ``new`` non-empty.
+        M: micro-batches.
+        options: a stage's options at this M's b (:meth:`Scorer.stage_options
+            <dapple.planner.evaluate.Scorer.stage_options>`).
+        comm: the comm stage between two neighbouring stages at this M's b.
+        schedule: the schedule whose in-flight counts K_i apply.
+        policies: the warm-up policies to try.
+        bounded: whether the schedule bounds a stage by its K_i (:class:`ScheduleSpec`).
+    """
+    S = len(stages)
+    sizes = [S - (j - i) + len(new) for i, j, new in moves]
+    heads = {S: S}  # per stage count: how many current stages begin some move's plan
+    for (i, _, _), n in zip(moves, sizes, strict=True):
+        heads[n] = max(heads.get(n, 0), i)
+    base: dict[int, int] = {}  # per stage count: the row of its first current stage
+    for n in heads:
+        base[n] = sum(heads[x] for x in base)
+    comp_idx, comm_idx, comm_src = _layout(stages, moves, sizes, base, comm)
+    first_new = sum(heads.values())
+    comp_idx = [[first_new - 1 - x if x < 0 else x for x in row] for row in comp_idx]
+    opts = [options(st) for st in stages]
+    new_opts = [options(st) for _, _, new in moves for st in new]
+    new_at = [
+        (n, i + a) for (i, _, new), n in zip(moves, sizes, strict=True) for a in range(len(new))
+    ]
+    groups = {}
+    for n in set(sizes):
+        pick = [m for m, x in enumerate(sizes) if x == n]
+        comm_at = np.array([comm_idx[m] for m in pick], dtype=np.intp).reshape(len(pick), n - 1)
+        comp_at = np.array([comp_idx[m] for m in pick], dtype=np.intp).reshape(len(pick), n)
+        groups[n] = (pick, comp_at, np.array(comm_src)[comm_at])
+    best = np.full(len(moves), np.inf)
+    for policy in policies:
+        rows = _Rows()
+        nominal = {n: in_flight(schedule, n, M, policy, None) for n in heads}
+        for n, h in heads.items():
+            for a in range(h):
+                rows.add(opts[a], nominal[n][a], M, bounded)
+        for o, (n, a) in zip(new_opts, new_at, strict=True):
+            rows.add(o, nominal[n][a], M, bounded)
+        cols = rows.arrays()
+        for n, (pick, idx, cm) in groups.items():
+            got = _latency(cols, idx, cm, nominal[n], M)
+            best[pick] = np.minimum(best[pick], got)
+    return [float(x) for x in best]
+
+
+def _layout(
+    stages: Sequence[WidthStage],
+    moves: Sequence[Move],
+    sizes: Sequence[int],
+    base: dict[int, int],
+    comm: Comm,
+) -> tuple[list[list[int]], list[list[int]], list[float]]:
+    """Per move its computation stages' rows (-1 - k for its k-th new stage overall) and its
+    comm stages' indices into the comm times returned (the current plan's first)."""
+    S = len(stages)
+    comm_src = [comm(stages[a], stages[a + 1]) for a in range(S - 1)]
+    comp_idx: list[list[int]] = []
+    comm_idx: list[list[int]] = []
+    k = 0
+    for (i, j, new), n in zip(moves, sizes, strict=True):
+        comp_idx.append(
+            [*range(base[n], base[n] + i), *range(-1 - k, -1 - k - len(new), -1), *range(j, S)]
+        )
+        k += len(new)
+        row = list(range(i - 1)) if i else []
+        for a in range(len(new) + 1):
+            right = new[a] if a < len(new) else (stages[j] if j < S else None)
+            if (a > 0 or i > 0) and right is not None:
+                row.append(len(comm_src))
+                comm_src.append(comm(new[a - 1] if a else stages[i - 1], right))
+        comm_idx.append(row + list(range(j, S - 1)))
+    return comp_idx, comm_idx, comm_src
+
+
+def _latency(
+    rows: _Columns,
+    idx: NDArray[np.intp],
+    comm: NDArray[np.float64],
+    nominal: Sequence[int],
+    M: int,
+) -> NDArray[np.float64]:
+    """L of each plan whose computation stages are ``rows[idx[m]]`` and comm stages
+    ``comm[m]`` (equations 1-3, module docstring); ``inf`` where a stage does not fit."""
+    n, S = idx.shape
+    P = 2 * S - 1
+    F = np.empty((n, P))
+    B = np.empty((n, P))
+    AR = np.zeros((n, P))
+    F[:, 0::2] = rows.F[idx]
+    B[:, 0::2] = rows.B[idx]
+    AR[:, 0::2] = rows.AR[idx]
+    F[:, 1::2] = comm
+    B[:, 1::2] = comm
+    d = rows.d[idx]
+    k = np.asarray(nominal, dtype=np.intp)[None, :]
+    K = np.minimum.accumulate(np.where(d > 0, np.minimum(k, d), k), axis=1)
+    fb = F + B
+    rt = np.cumsum(fb[:, ::-1], axis=1)[:, ::-1]
+    period = fb.copy()
+    period[:, 0::2] = np.maximum(fb[:, 0::2], rt[:, 0::2] / K)
+    m1 = M - 1
+    Q = np.full(n, P - 1)
+    mpQ = m1 * period[:, P - 1]
+    between = np.zeros(n)
+    for s in range(P - 2, -1, -1):
+        ms = m1 * period[:, s]
+        take = ms > mpQ + between
+        Q = np.where(take, s, Q)
+        mpQ = np.where(take, ms, mpQ)
+        between = np.where(take, 0.0, between + fb[:, s])
+    cumF = np.cumsum(F, axis=1)
+    T_w = cumF[np.arange(n), Q]
+    end = np.max(np.cumsum(B[:, ::-1], axis=1) + AR[:, ::-1], axis=1)
+    L: NDArray[np.float64] = T_w + mpQ + ((cumF[:, -1] - T_w) + np.maximum(end, 0.0))
+    L[rows.bad[idx].any(axis=1)] = np.inf
+    return L
