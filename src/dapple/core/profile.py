@@ -29,6 +29,7 @@ from dapple.core._json import (
     require,
     save_json_file,
 )
+from dapple.core.moe_profile import MoEProfile
 from dapple.core.precision import TRAINING_PRECISIONS
 
 __all__ = [
@@ -168,6 +169,9 @@ class LayerProfile:
     Megatron-LM): its compute, parameters (less tied copies) and most kept activations divide
     by the width t, at two all-reduces of its output per forward and two per backward
     (:mod:`dapple.cost.tensor`). False (the safe default): it runs whole on every rank."""
+    moe: MoEProfile | None = None
+    """The layer's mixture of experts (experts, top-k, routed tokens, all-to-all bytes); None:
+    a dense layer."""
 
     def backward_split(self, b: float) -> tuple[float, float]:
         """``(I, W)``: the input- and weight-gradient halves of the backward on ``b`` samples, ms.
@@ -234,6 +238,15 @@ class LayerProfile:
             isinstance(self.tensor_parallel, bool),
             f"layer {self.name!r}: tensor_parallel must be a bool, got {self.tensor_parallel!r}",
         )
+        require(
+            self.moe is None
+            or (
+                isinstance(self.moe, MoEProfile)
+                and self.moe.expert_parameter_bytes <= self.parameter_bytes
+            ),
+            f"layer {self.name!r}: moe must be None or a MoEProfile whose expert parameters fit "
+            f"in parameter_bytes = {self.parameter_bytes}, got {self.moe!r}"[:300],
+        )
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {
@@ -255,6 +268,8 @@ class LayerProfile:
             d["tensor_parallel"] = True
         if self.cast_parameter_bytes is not None:
             d["cast_parameter_bytes"] = self.cast_parameter_bytes
+        if self.moe is not None:
+            d["moe"] = self.moe.to_dict()
         return d
 
     @staticmethod
@@ -288,6 +303,7 @@ class LayerProfile:
             tied_layers=tuple(_list(d.get("tied_layers", []), f"{what}: tied_layers")),
             tensor_parallel=d.get("tensor_parallel", False),
             cast_parameter_bytes=d.get("cast_parameter_bytes"),
+            moe=None if d.get("moe") is None else MoEProfile.from_dict(d["moe"], f"{what}.moe"),
         )
 
 
