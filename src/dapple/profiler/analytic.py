@@ -16,7 +16,10 @@ fitted affine in the batch size (:func:`~dapple.core.profile.fit_affine`), as me
 profiles are.
 
 Transformer blocks are marked shardable (``LayerProfile.tensor_parallel``: Megatron's column- and
-row-parallel attention and MLP); the embedding and the head are not.
+row-parallel attention and MLP); the embedding and the head are not. A block with a mixture of
+experts also carries its :class:`~dapple.core.moe_profile.MoEProfile`
+(:func:`~dapple.profiler.analytic_moe_ops.moe_record`): the FLOPs of its k active experts per
+token, the parameters of all E.
 
 Parameters are counted in fp32 bytes (4 per parameter: master weights), as dapple's memory
 model expects; the optimizer update time ``U`` is AdamW's 28 bytes moved per parameter (30 with
@@ -40,6 +43,7 @@ from dapple.profiler.analytic_devices import (
     get_device,
 )
 from dapple.profiler.analytic_models import TransformerSpec, resolve_spec
+from dapple.profiler.analytic_moe_ops import moe_record
 from dapple.profiler.analytic_ops import (
     LayerCost,
     Op,
@@ -188,6 +192,10 @@ def analytic_profile(
     layers = []
     for i, c in enumerate(costs):
         times = [layer_time_ms(c, b, dev, precision, eff) for b in sizes]
+        moe = moe_record(  # its router's and experts' shares at the largest batch size
+            c, spec, prec.element_bytes,
+            lambda op, fwd: _op_ms(op, sizes[-1], dev, precision, eff, fwd),
+        )  # fmt: skip
         layers.append(
             LayerProfile(
                 name=c.name,
@@ -199,6 +207,7 @@ def analytic_profile(
                 tied_parameter_bytes=4 * c.tied_parameters,
                 tied_layers=tuple(j for j in holders if j != i) if c.tied_parameters else (),
                 tensor_parallel=c.name.startswith("block"),
+                moe=moe,
             )
         )
     cast = prec.element_bytes if prec.autocast else 0.0

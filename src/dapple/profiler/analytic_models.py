@@ -7,6 +7,10 @@ embeddings, causal or bidirectional attention). It describes Llama-family and GP
 decoders, BERT encoders and dapple's zoo ``transformer``, at any size: a 405B model needs no
 memory to describe.
 
+A mixture of experts (Mixtral, Qwen-MoE, DeepSeek-V3) adds an
+:class:`~dapple.profiler.analytic_moe_models.MoESpec`, DeepSeek's latent attention an
+:class:`~dapple.profiler.analytic_moe_models.MLASpec`.
+
 Specs come from a named preset (:data:`PRESETS`, each from its published configuration), a
 Hugging Face ``config.json`` (``hf:DIR``, :func:`from_hf_config`) or the zoo transformer's
 arguments (:func:`zoo_transformer`); :func:`resolve_spec` reads any of them.
@@ -22,9 +26,11 @@ from pathlib import Path
 from typing import Any, Literal
 
 from dapple.errors import ValidationError
+from dapple.profiler.analytic_moe_models import MLASpec, MoESpec, mla_from_hf, moe_from_hf
 
 __all__ = [
     "PRESETS",
+    "PUBLISHED_ACTIVE_PARAMETERS",
     "PUBLISHED_PARAMETERS",
     "TransformerSpec",
     "from_hf_config",
@@ -87,6 +93,11 @@ class TransformerSpec:
     dropout: bool = False
     """Training with dropout after attention probabilities and after each residual branch
     (keeps one-byte masks)."""
+    moe: MoESpec | None = None
+    """The blocks' feed-forward is a mixture of experts (after ``moe.dense_layers`` dense
+    blocks); None: a dense MLP of width ``ffn`` in every block."""
+    mla: MLASpec | None = None
+    """Multi-head latent attention instead of grouped-query attention; None: the latter."""
 
     def __post_init__(self) -> None:
         for f in ("hidden", "layers", "heads", "ffn", "vocab", "seq"):
@@ -103,6 +114,11 @@ class TransformerSpec:
         if self.heads % self.n_kv_heads:
             raise ValidationError(
                 f"model {self.name!r}: kv_heads={self.n_kv_heads} must divide heads={self.heads}"
+            )
+        if self.moe is not None and self.moe.dense_layers > self.layers:
+            raise ValidationError(
+                f"model {self.name!r}: {self.moe.dense_layers} dense blocks exceed its "
+                f"{self.layers} blocks"
             )
         if self.learned_positions and self.positions < self.seq:
             raise ValidationError(
@@ -134,6 +150,12 @@ class TransformerSpec:
         """Whether the head projects onto the vocabulary (with cross entropy over it)."""
         return self.head_outputs is None
 
+    def block(self, i: int) -> TransformerSpec:
+        """The spec of block ``i``: this one, or without its experts for a leading dense block."""
+        if self.moe is None or i >= self.moe.dense_layers:
+            return self
+        return dataclasses.replace(self, moe=None)
+
     def with_seq(self, seq: int) -> TransformerSpec:
         """This model at another sequence length (the learned table keeps its rows)."""
         positions = self.positions if self.learned_positions else None
@@ -150,16 +172,20 @@ class TransformerSpec:
         return n
 
     def block_parameters(self) -> int:
-        """One transformer block: attention, MLP, two norms."""
+        """One transformer block: attention, MLP (all experts of a mixture), two norms."""
         h, q, kv = self.hidden, self.heads * self.d_head, self.n_kv_heads * self.d_head
         attn = h * q + 2 * h * kv + q * h
-        if self.linear_bias:
+        if self.mla is not None:
+            attn = self.mla.parameters(h, self.heads)
+        elif self.linear_bias:
             attn += q + 2 * kv + h
         elif self.qkv_bias:
             attn += q + 2 * kv
         mlp = 3 * h * self.ffn if self.mlp == "swiglu" else 2 * h * self.ffn
         if self.linear_bias:
             mlp += (2 * self.ffn if self.mlp == "swiglu" else self.ffn) + h
+        if self.moe is not None:
+            mlp = self.moe.routed_parameters(h) + self.moe.dense_parameters(h)
         return attn + mlp + 2 * self._norm_parameters()
 
     def head_parameters(self) -> int:
@@ -171,11 +197,20 @@ class TransformerSpec:
     def parameters(self, *, count_tied_once: bool = True) -> int:
         """All parameters; a tied head's table counted once unless ``count_tied_once`` is
         False."""
-        n = self.embedding_parameters() + self.layers * self.block_parameters()
-        n += self.head_parameters()
+        dense = self.moe.dense_layers if self.moe is not None else 0
+        n = self.embedding_parameters() + (self.layers - dense) * self.block_parameters()
+        n += dense * self.block(0).block_parameters() + self.head_parameters()
         if self.tied_embeddings and count_tied_once:
             n -= self.hidden * self.outputs
         return n
+
+    def active_parameters(self) -> int:
+        """Parameters one token uses: :meth:`parameters` less the routed experts it is not
+        sent to (``E - k`` per mixture-of-experts block)."""
+        if self.moe is None:
+            return self.parameters()
+        blocks = self.layers - self.moe.dense_layers
+        return self.parameters() - blocks * self.moe.inactive_parameters(self.hidden)
 
     def _norm_parameters(self) -> int:
         return self.hidden * (2 if self.norm == "layernorm" else 1)
@@ -274,6 +309,36 @@ PRESETS: dict[str, TransformerSpec] = {
         causal=False,
         dropout=True,
     ),
+    # Mixtral-8x7B: mistralai/Mixtral-8x7B-v0.1's config.json on the Hugging Face hub (Mistral-7B
+    # shapes, num_local_experts 8, num_experts_per_tok 2, intermediate_size 14336 per expert),
+    # trained here at 4,096 tokens.
+    "mixtral-8x7b": dataclasses.replace(
+        _llama("mixtral-8x7b", 4096, 32, 32, 8, 14336, 32000, 4096),
+        moe=MoESpec(experts=8, top_k=2, expert_ffn=14336),
+    ),
+    # Qwen1.5-MoE-A2.7B: Qwen/Qwen1.5-MoE-A2.7B's config.json (qwen2_moe: 60 experts of
+    # moe_intermediate_size 1408, top 4, a gated shared expert of 5632, q/k/v biases).
+    "qwen1.5-moe-a2.7b": dataclasses.replace(
+        _llama("qwen1.5-moe-a2.7b", 2048, 24, 16, 16, 5632, 151936, 4096),
+        qkv_bias=True,
+        moe=MoESpec(experts=60, top_k=4, expert_ffn=1408, shared_ffn=5632, shared_gate=True),
+    ),
+    # Qwen2-57B-A14B: Qwen/Qwen2-57B-A14B's config.json (qwen2_moe: 64 experts of 2560, top 8,
+    # a gated shared expert of 20480, 4 key/value heads).
+    "qwen2-57b-a14b": dataclasses.replace(
+        _llama("qwen2-57b-a14b", 3584, 28, 28, 4, 18944, 151936, 4096),
+        qkv_bias=True,
+        moe=MoESpec(experts=64, top_k=8, expert_ffn=2560, shared_ffn=20480, shared_gate=True),
+    ),
+    # DeepSeek-V3: deepseek-ai/DeepSeek-V3's config.json (latent attention: q_lora_rank 1536,
+    # kv_lora_rank 512, heads of 128 + 64 rotary, values of 128; 256 routed experts of 2048,
+    # top 8, one shared expert, the first 3 blocks dense of 18432), pre-trained at 4,096 tokens
+    # (technical report, section 4.2); the multi-token-prediction module is not counted.
+    "deepseek-v3": dataclasses.replace(
+        _llama("deepseek-v3", 7168, 61, 128, 128, 18432, 129280, 4096),
+        mla=MLASpec(q_rank=1536, kv_rank=512, nope_dim=128, rope_dim=64, v_dim=128),
+        moe=MoESpec(experts=256, top_k=8, expert_ffn=2048, shared_ffn=2048, dense_layers=3),
+    ),
 }
 """Named model presets, each from its published configuration (comments give the source)."""
 
@@ -291,10 +356,24 @@ PUBLISHED_PARAMETERS: dict[str, str] = {
     "gpt3-20b": "20B",
     "megatron-gpt2-1.2b": "1.2B",
     "paper-bert-48": "640M",
+    "mixtral-8x7b": "46.7B",
+    "qwen1.5-moe-a2.7b": "14.3B",
+    "qwen2-57b-a14b": "57B",
+    "deepseek-v3": "671B",
 }
 """Parameter counts as their publishers print them, to the printed precision (Meta's model
 cards and the Hugging Face hub for Llama; Brown et al. table 2.1; NeMo's config name;
-nv-adlr's table 1; the DAPPLE paper's table 1)."""
+nv-adlr's table 1; the DAPPLE paper's table 1; Mistral AI's Mixtral announcement, the Qwen
+model cards and the DeepSeek-V3 technical report for the mixtures of experts)."""
+
+PUBLISHED_ACTIVE_PARAMETERS: dict[str, str] = {
+    "mixtral-8x7b": "12.9B",
+    "qwen1.5-moe-a2.7b": "2.7B",
+    "qwen2-57b-a14b": "14B",
+    "deepseek-v3": "37B",
+}
+"""Parameters active per token of the mixtures of experts, as their publishers print them
+(:meth:`TransformerSpec.active_parameters`)."""
 
 
 def zoo_transformer(
@@ -338,7 +417,8 @@ _ZOO = {
 }
 """Zoo names whose model is :func:`zoo_transformer` (with the zoo loader's defaults)."""
 
-_LLAMA_TYPES = ("llama", "mistral", "qwen2", "qwen3", "granite", "olmo2")
+_LLAMA_TYPES = ("llama", "mistral", "qwen2", "qwen3", "granite", "olmo2", "mixtral", "qwen2_moe",
+                "deepseek_v3")  # fmt: skip
 
 
 def from_hf_config(
@@ -346,7 +426,8 @@ def from_hf_config(
 ) -> TransformerSpec:
     """A spec from the fields of a Hugging Face ``config.json``.
 
-    Llama-family types (``llama``, ``mistral``, ``qwen2``, ...), ``gpt2`` and ``bert`` are read.
+    Llama-family types (``llama``, ``mistral``, ``qwen2``, ...), their mixtures of experts
+    (``mixtral``, ``qwen2_moe``, ``deepseek_v3``), ``gpt2`` and ``bert`` are read.
 
     Args:
         config: the parsed ``config.json``.
@@ -379,8 +460,10 @@ def from_hf_config(
             ffn=int(get("intermediate_size")),
             vocab=int(get("vocab_size")),
             seq=seq or min(positions, 8192),
-            qkv_bias=bool(config.get("attention_bias", kind == "qwen2")),
+            qkv_bias=bool(config.get("attention_bias", kind in ("qwen2", "qwen2_moe"))),
             tied_embeddings=bool(config.get("tie_word_embeddings", False)),
+            moe=moe_from_hf(config, kind, name),
+            mla=mla_from_hf(config, kind, name),
         )
     if kind == "gpt2":
         h = int(get("n_embd"))

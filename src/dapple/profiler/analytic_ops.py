@@ -266,6 +266,10 @@ def _masked_sdpa_ops(spec: TransformerSpec, s: float, e: int) -> list[Op]:
 
 def block_ops(spec: TransformerSpec, s: float, e: int, attention: str = "flash") -> list[Op]:
     """The ops of one transformer block on ``s`` tokens per sample, in execution order."""
+    if spec.moe is not None or spec.mla is not None:  # built on this module's dense block
+        from dapple.profiler.analytic_moe_ops import sparse_block_ops
+
+        return sparse_block_ops(spec, s, e, attention)
     h, f = spec.hidden, spec.ffn
     q_w, kv_w = spec.heads * spec.d_head, spec.n_kv_heads * spec.d_head
     bias = spec.linear_bias
@@ -398,8 +402,8 @@ def layer_costs(
         0.0, tied,
     )  # fmt: skip
     blocks = [
-        _layer(f"block{i}", block_ops(spec, s, e, impl), spec.block_parameters(), hidden_bytes,
-               recompute, hidden_bytes)
+        _layer(f"block{i}", block_ops(spec.block(i), s, e, impl),
+               spec.block(i).block_parameters(), hidden_bytes, recompute, hidden_bytes)
         for i in range(spec.layers)
     ]  # fmt: skip
     if autocast and prec.autocast:
