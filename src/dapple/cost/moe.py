@@ -1,0 +1,257 @@
+"""Expert parallelism of one stage: memory per rank, the dispatch and combine all-to-alls, the
+experts' and dense gradients' AllReduces. Pure, no torch.
+
+A stage of r_s replicas may shard the routed experts of its mixture-of-experts layers over an
+expert-parallel (EP) width e_s dividing r_s: replicas ``[j e_s, (j+1) e_s)`` form EP group j and
+each member holds E / e_s of every layer's experts; everything else (attention, router, shared
+experts, norms: the dense part) stays replicated on all r_s. Tokens travel to the members
+holding their experts and back by two all-to-alls per layer forward (dispatch, combine) and two
+backward (their gradients). Replica ``i`` of every EP group holds the same experts: those r_s /
+e_s replicas all-reduce the experts' gradients, while the dense gradients are all-reduced over
+all r_s, as ``AR(P_s, g_s)`` (:func:`~dapple.cost.comm.allreduce_ms`).
+
+Links are the comm model's (:mod:`dapple.cost.comm`): a device's own link inside a server, and
+one network interface per server shared by all traffic leaving it. Routing is uniform unless
+the profile measured the busiest expert: a member holding E / e_s experts then receives at most
+``imbalance`` times its mean tokens (:attr:`~dapple.core.moe_profile.MoEProfile.imbalance`), the
+bound used for its all-to-all bytes and its experts' compute.
+
+Not modelled: the experts' per-call weight traffic that sharding also divides by e_s (the weight
+gradients written per backward), token dropping (routing is dropless), and kept activations
+(on average unchanged per rank).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from dapple.core.cluster import Cluster
+from dapple.core.moe_profile import MoEProfile
+from dapple.core.profile import LayerProfile, ModelProfile
+from dapple.cost.comm import allreduce_ms
+from dapple.errors import ValidationError
+
+__all__ = [
+    "alltoall_ms",
+    "check_expert_width",
+    "expert_allreduce_ms",
+    "expert_compute_ms",
+    "layer_alltoall_ms",
+    "moe_sync_ms",
+    "rank_parameter_bytes",
+    "stage_alltoall_ms",
+    "stage_rank_parameter_bytes",
+]
+
+
+def _gbps_to_bytes_per_ms(gbps: float) -> float:
+    return gbps * 1e9 / 8 / 1e3
+
+
+def check_expert_width(replicas: int, width: int, profile: ModelProfile | None = None) -> None:
+    """Refuse an EP width e_s that does not divide the stage's r_s replicas, or (given the
+    profile) the experts E of one of its mixture-of-experts layers.
+
+    Raises:
+        ValidationError: one line naming the width, the replicas or the layer and its E.
+    """
+    if not (isinstance(width, int) and not isinstance(width, bool) and width >= 1):
+        raise ValidationError(f"expert-parallel width must be an integer >= 1, got {width!r}")
+    if replicas % width:
+        raise ValidationError(
+            f"expert-parallel width {width} must divide the stage's {replicas} replicas"
+        )
+    for i, layer in enumerate(profile.layers if profile is not None else ()):
+        if layer.moe is not None and layer.moe.experts % width:
+            raise ValidationError(
+                f"expert-parallel width {width} must divide the {layer.moe.experts} experts of "
+                f"layer {i} ({layer.name!r})"
+            )
+
+
+# -- memory ---------------------------------------------------------------------------------
+
+
+def rank_parameter_bytes(dense_bytes: float, expert_bytes: float, width: int) -> float:
+    """Parameter bytes one rank holds of a layer: ``P_dense + P_experts / e_s`` (the
+    optimizer state and gradients scale with them, :mod:`dapple.cost.memory`).
+
+    Args:
+        dense_bytes: the layer's replicated parameters.
+        expert_bytes: its routed experts' parameters (all E).
+        width: e_s.
+    """
+    return dense_bytes + expert_bytes / width
+
+
+def _expert_bytes(layer: LayerProfile) -> int:
+    return layer.moe.expert_parameter_bytes if layer.moe is not None else 0
+
+
+def stage_rank_parameter_bytes(profile: ModelProfile, layers: tuple[int, int], width: int) -> float:
+    """:func:`rank_parameter_bytes` summed over a stage's layers ``[start, end)`` (a dense
+    layer's parameters all replicated)."""
+    total = 0.0
+    for layer in profile.layers[layers[0] : layers[1]]:
+        expert = _expert_bytes(layer)
+        total += rank_parameter_bytes(layer.parameter_bytes - expert, expert, width)
+    return total
+
+
+# -- all-to-all -----------------------------------------------------------------------------
+
+
+def alltoall_ms(cluster: Cluster, nbytes: float, devices: Sequence[int]) -> float:
+    """One all-to-all over ``devices`` (an EP group of e members) in which each member sends
+    ``nbytes``, ``nbytes / e`` to every member (its own share stays).
+
+    The exchanges run at once; on a server holding c members each member's link carries its
+    ``(c - 1) nbytes / e`` to the others there, and the server's network interface the
+    ``c (e - c) nbytes / e`` they send off the server; the busiest server paces the step:
+
+        max over servers of max(lat_intra + (c-1)/e * nbytes / bw_intra,
+                                lat_inter + c (e-c)/e * nbytes / bw_inter)
+
+    (each term only where such traffic exists). 0 for one member or no bytes.
+
+    Args:
+        cluster: bandwidths and latencies.
+        nbytes: bytes each member sends in all, its own share included.
+        devices: the members' device ids.
+    """
+    e = len(devices)
+    if e <= 1 or nbytes <= 0:
+        return 0.0
+    counts: dict[int, int] = {}
+    for d in devices:
+        counts[cluster.server_of(d)] = counts.get(cluster.server_of(d), 0) + 1
+    intra = _gbps_to_bytes_per_ms(cluster.intra_server_bandwidth_gbps)
+    inter = _gbps_to_bytes_per_ms(cluster.inter_server_bandwidth_gbps)
+    t = 0.0
+    for c in counts.values():
+        if c > 1:
+            t = max(t, cluster.intra_server_latency_ms + (c - 1) / e * nbytes / intra)
+        if c < e:
+            t = max(t, cluster.inter_server_latency_ms + c * (e - c) / e * nbytes / inter)
+    return t
+
+
+def layer_alltoall_ms(
+    cluster: Cluster, moe: MoEProfile, samples: float, devices: Sequence[int]
+) -> float:
+    """The forward's dispatch and combine of one mixture-of-experts layer on ``samples`` per
+    member: ``A2A(imbalance x b x dispatch) + A2A(imbalance x b x combine)``; the backward
+    sends their gradients the same ways, in the same time.
+
+    Args:
+        cluster: bandwidths and latencies.
+        moe: the layer's record (bytes per sample, imbalance).
+        samples: samples of one micro-batch on each member (its slice).
+        devices: the EP group's device ids.
+    """
+    scale = moe.imbalance * samples
+    return alltoall_ms(cluster, scale * moe.dispatch_bytes_per_sample, devices) + alltoall_ms(
+        cluster, scale * moe.combine_bytes_per_sample, devices
+    )
+
+
+def stage_alltoall_ms(
+    profile: ModelProfile,
+    cluster: Cluster,
+    layers: tuple[int, int],
+    devices: Sequence[int],
+    samples: float,
+) -> float:
+    """:func:`layer_alltoall_ms` summed over the mixture-of-experts layers of a stage's
+    ``[start, end)``: what the all-to-alls add to its F_s per micro-batch (and to B_s)."""
+    return sum(
+        layer_alltoall_ms(cluster, layer.moe, samples, devices)
+        for layer in profile.layers[layers[0] : layers[1]]
+        if layer.moe is not None
+    )
+
+
+def expert_compute_ms(ms: float, expert_share: float, imbalance: float, width: int) -> float:
+    """A layer's time on the busiest member of its EP group: the routed experts' share
+    ``x`` of the time ``t`` scaled by the imbalance bound, ``t (1 - x) + t x imbalance``
+    when e_s > 1; ``t`` at e_s = 1 (every replica runs its own tokens through all experts).
+
+    Args:
+        ms: the layer's forward or backward time.
+        expert_share: the experts' fraction of it (``MoEProfile.expert_time_share``).
+        imbalance: the busiest expert's tokens over the mean (>= 1).
+        width: e_s.
+    """
+    if width <= 1:
+        return ms
+    return ms * (1 - expert_share) + ms * expert_share * imbalance
+
+
+# -- gradients ------------------------------------------------------------------------------
+
+
+def expert_allreduce_ms(
+    cluster: Cluster, expert_bytes: float, devices: Sequence[int], width: int
+) -> float:
+    """The experts' gradient AllReduce of a stage: member i of every EP group (``devices[i::
+    e_s]``, r_s / e_s replicas) all-reduces the ``expert_bytes / e_s`` it holds; the e_s
+    groups run at once.
+
+    Each group is the hierarchical ring of :func:`~dapple.cost.comm.allreduce_ms`; the groups
+    use different devices inside a server, but share each server's network interface, which
+    carries ``2 (k_g - 1) / k_g x bytes`` of every group g spanning k_g > 1 servers:
+
+        max_g intra_g + max over servers of (sum over its groups g of that, / bw_inter)
+                      + 2 (k - 1) lat_inter
+
+    At e_s = 1 this is ``AR(P_experts, all r_s)``; at e_s = r_s, 0 (no copies).
+
+    Args:
+        cluster: bandwidths and latencies.
+        expert_bytes: the stage's routed experts' gradient bytes (all E of every layer).
+        devices: the stage's replicas' device ids, in replica order.
+        width: e_s, dividing ``len(devices)``.
+
+    Raises:
+        ValidationError: e_s does not divide the replicas.
+    """
+    check_expert_width(len(devices), width)
+    nbytes = expert_bytes / width
+    if len(devices) // width <= 1 or nbytes <= 0:
+        return 0.0
+    intra = _gbps_to_bytes_per_ms(cluster.intra_server_bandwidth_gbps)
+    inter = _gbps_to_bytes_per_ms(cluster.inter_server_bandwidth_gbps)
+    intra_ms, k_max = 0.0, 1
+    nic_bytes: dict[int, float] = {}
+    for g in (devices[i::width] for i in range(width)):
+        servers = [cluster.server_of(d) for d in g]  # one group's ring, as allreduce_ms
+        k = len(set(servers))
+        c = max(servers.count(s) for s in set(servers))
+        if c > 1:
+            phase = (c - 1) / c * nbytes / intra + (c - 1) * cluster.intra_server_latency_ms
+            intra_ms = max(intra_ms, 2 * phase)
+        if k > 1:
+            k_max = max(k_max, k)
+            for s in set(servers):
+                nic_bytes[s] = nic_bytes.get(s, 0.0) + 2 * (k - 1) / k * nbytes
+    inter_ms = max(nic_bytes.values(), default=0.0) / inter
+    return intra_ms + inter_ms + 2 * (k_max - 1) * cluster.inter_server_latency_ms
+
+
+def moe_sync_ms(
+    cluster: Cluster,
+    dense_bytes: float,
+    expert_bytes: float,
+    devices: Sequence[int],
+    width: int,
+) -> float:
+    """A stage's gradient synchronisation with EP width e_s: ``AR(P_dense, r_s)`` over all
+    replicas, then :func:`expert_allreduce_ms` of the experts over r_s / e_s replicas each
+    (in turn, as a runtime reducing its buckets one after the other would).
+
+    Raises:
+        ValidationError: e_s does not divide the replicas.
+    """
+    return allreduce_ms(cluster, dense_bytes, devices) + expert_allreduce_ms(
+        cluster, expert_bytes, devices, width
+    )
