@@ -70,6 +70,7 @@ def step_versions(ctx: Ctx) -> list[str]:
 
 def step_verify(ctx: Ctx) -> list[str]:
     from dapple.core.plan import straight_plan
+    from dapple.runtime.config import TrainConfig
     from dapple.runtime.verify import verify_many
 
     wls = _workloads(ctx.dry)
@@ -96,8 +97,9 @@ def step_verify(ctx: Ctx) -> list[str]:
     ]
     for _, opts, cases in groups:
         t0 = time.perf_counter()
-        reports = verify_many([(p, w) for _, p, w in cases], 2, device=device,
-                              optimizer="adamw", lr=1e-3, **opts)  # fmt: skip
+        cfg = TrainConfig(steps=2, device=device, optimizer="adamw", lr=1e-3, timeout_s=120.0,
+                          **opts)  # fmt: skip
+        reports = verify_many([(p, w) for _, p, w in cases], cfg)
         dt = (time.perf_counter() - t0) / len(cases)
         for (label, _, _), r in zip(cases, reports, strict=True):
             verdict = "OK" if r.ok else "MISMATCH: " + "; ".join(r.failures)

@@ -73,7 +73,10 @@ def test_plans_train_like_one_process_with_every_tensor_host_staged(
 ) -> None:
     """Every p2p message and collective of the runtime through the staged path (gloo, CPU):
     split-concat, AllReduce, ZeRO-1/2 reductions and gathers, ZB-H1's split backward."""
+    from dataclasses import replace
+
     from dapple import api
+    from dapple.runtime.config import TrainConfig
     from dapple.runtime.verify import verify_many
     from runtime_workloads import make_plan
 
@@ -81,9 +84,10 @@ def test_plans_train_like_one_process_with_every_tensor_host_staged(
     wl = api.load("runtime_workloads:mlp")  # by spec: the workers rebuild it
     base = make_plan("1:3", "dapple", "A", False, 6, 2)
     zb = make_plan("2:1:1", "zbh1", "A", False, 6, 2)
+    cfg = TrainConfig(steps=2, optimizer="adamw", lr=0.01, device="cpu", timeout_s=120.0)
     reports = [
-        *verify_many([(base, wl), (zb, wl)], 2, optimizer="adamw", lr=0.01),
-        *verify_many([(base, wl)], 2, optimizer="adamw", lr=0.01, zero_stage=1),
-        *verify_many([(base, wl)], 2, optimizer="adamw", lr=0.01, zero_stage=2),
+        *verify_many([(base, wl), (zb, wl)], cfg),
+        *verify_many([(base, wl)], replace(cfg, zero_stage=1)),
+        *verify_many([(base, wl)], replace(cfg, zero_stage=2)),
     ]
     assert [r.ok for r in reports] == [True] * 4, [r.failures for r in reports]

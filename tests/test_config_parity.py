@@ -375,8 +375,8 @@ def test_cli_and_api_ask_verify_for_the_same_run(
 
     calls: list[dict[str, Any]] = []
 
-    def fake_verify(plan: Plan, workload: Any, steps: int, **kw: Any) -> Any:
-        calls.append({"plan": plan, "workload": workload.name, "steps": steps, **kw})
+    def fake_verify(plan: Plan, workload: Any, config: TrainConfig, **kw: Any) -> Any:
+        calls.append({"plan": plan, "workload": workload.name, "config": config, **kw})
         return argparse.Namespace(ok=True)
 
     monkeypatch.setattr("dapple.runtime.verify.verify", fake_verify)
@@ -400,11 +400,22 @@ def test_cli_and_api_ask_verify_for_the_same_run(
     assert cli == from_api == from_config
     assert cli["plan"].schedule == "gpipe" and cli["plan"].policy == "B"
     for k, v in EVERY_VERIFY_OPTION.items():  # each reached the runtime
-        assert cli[k] == v, k
+        assert getattr(cli["config"], k) == v, k
     with pytest.raises(
         ValidationError, match="verify\\(cfg\\) takes the run's options from cfg, got also lr"
     ):
         api.verify(cfg, lr=0.5)
+
+
+def test_verify_runs_with_the_verify_fields_only() -> None:
+    """A run's checkpoint, metrics, evaluation and re-computation options stay out of both runs
+    of verify; every field verify forwards reaches them."""
+    from dapple.runtime.run_config import resolve_verify_config
+
+    others = {"checkpoint_dir": "ck", "save_every": 2, "metrics_path": "m.jsonl",
+              "eval_every": 1, "recompute": True, "echo": True}  # fmt: skip
+    got = resolve_verify_config(TrainConfig(**EVERY_VERIFY_OPTION, **others))
+    assert got == TrainConfig(**EVERY_VERIFY_OPTION)
 
 
 @pytest.mark.parametrize(

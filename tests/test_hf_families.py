@@ -18,6 +18,7 @@ pytest.importorskip("transformers")
 from dapple import api
 from dapple.core.plan import Plan, straight_plan
 from dapple.models.hf import hf_causal_lm
+from dapple.runtime.config import TrainConfig
 from dapple.runtime.verify import verify_many
 from hf_families import FAMILIES, save_family
 
@@ -53,7 +54,8 @@ def test_every_family_trains_like_one_process_with_dropout_on(tmp_path: Path) ->
             stages = tuple(dataclasses.replace(s, recompute=True) for s in plan.stages)
             cases.append(("gpt2 1:2:1 recompute", dataclasses.replace(plan, stages=stages), wl))
     pairs = [(plan, wl) for _, plan, wl in cases]
-    reports = verify_many(pairs, 2, optimizer="adamw", lr=1e-3)  # type: ignore[arg-type]
+    cfg = TrainConfig(steps=2, optimizer="adamw", lr=1e-3, device="cpu", timeout_s=120.0)
+    reports = verify_many(pairs, cfg)  # type: ignore[arg-type]
     failed = {
         name: [d.first_failure for d in r.stages if d.first_failure] or "losses"
         for (name, _, _), r in zip(cases, reports, strict=True)

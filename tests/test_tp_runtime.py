@@ -190,11 +190,16 @@ def test_unsupported_mesh_runs_are_refused_in_one_line() -> None:
 
 
 # -- slow: dapple verify against one process --------------------------------------------------
+def _verify_cfg(**kw: Any) -> TrainConfig:
+    """Both runs' options of every verify case here (``kw`` on top)."""
+    return TrainConfig(steps=2, optimizer="adamw", lr=1e-2, clip_grad_norm=0.5, timeout_s=300,
+                       device="cpu", **kw)  # fmt: skip
+
+
 def _verify(plan: Plan, wl: Workload, **kw: Any) -> Any:
     from dapple.runtime.verify import verify
 
-    rep = verify(plan, wl, steps=2, optimizer="adamw", lr=1e-2, clip_grad_norm=0.5,
-                 timeout_s=300, **kw)  # fmt: skip
+    rep = verify(plan, wl, _verify_cfg(**kw))
     assert rep.ok, rep
     assert rep.losses == pytest.approx(rep.reference_losses, rel=1e-5)
     assert rep.grad_norms == pytest.approx(rep.reference_grad_norms, rel=1e-4)
@@ -232,8 +237,7 @@ def _verify_all(
     from dapple.runtime.precision import tolerances_for
     from dapple.runtime.verify import verify_many
 
-    reps = verify_many(cases, steps=2, optimizer="adamw", lr=1e-2, clip_grad_norm=0.5,
-                       timeout_s=300, precision=precision, zero_stage=zero_stage)  # fmt: skip
+    reps = verify_many(cases, _verify_cfg(precision=precision, zero_stage=zero_stage))
     assert len(reps) == len(cases)
     low = tolerances_for(precision)[0] if precision != "fp32" else None
     for rep in reps:

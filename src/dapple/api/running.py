@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from dapple.models.fingerprint import Fingerprint
     from dapple.models.generate import Generated
     from dapple.runtime import StepMetrics
+    from dapple.runtime.config import TrainConfig
     from dapple.runtime.launch.early import EarlyWorkers
     from dapple.runtime.run_config import RunConfig, RunOptions
     from dapple.runtime.verify import VerifyReport
@@ -396,19 +397,33 @@ def verify(
     run_plan = plan_with(plan, schedule, policy, virtual_stages)
     wl = as_workload(workload, _seq_overrides(workload, overrides, seq_len))
     _check_run(run_plan, wl)
-    optimizer = options.get("optimizer", "sgd")
-    _check_host_memory(wl, device, optimizer, options.get("momentum", 0.0), "verifying")
+    tc, checks = _verify_options(steps, device, precision, options)
+    _check_host_memory(wl, tc.device, tc.optimizer, tc.momentum, "verifying")
     from dapple.runtime.verify import verify as _verify
 
-    return _verify(
-        run_plan,
-        wl,
-        steps,
-        device=device,
-        data=_dataset(data, seq_len),
-        precision=precision,
-        **options,
-    )
+    return _verify(run_plan, wl, tc, data=_dataset(data, seq_len), **checks)
+
+
+def _verify_options(
+    steps: int, device: str, precision: str, options: dict[str, Any]
+) -> tuple[TrainConfig, dict[str, Any]]:
+    """The keyword form's ``options`` of :func:`verify` as both runs' :class:`TrainConfig`
+    (``seed`` 0, ``optimizer`` sgd, ``lr`` 0.01 and ``timeout_s`` 120 unless given) and the
+    :data:`VERIFY_CHECKS` given.
+
+    Raises:
+        ValidationError: an option that is neither (naming the optimisation options), or a bad
+            value.
+    """
+    from dapple.runtime.verify.reference import config
+
+    checks = {k: v for k, v in options.items() if k in VERIFY_CHECKS}
+    rest = {k: v for k, v in options.items() if k not in VERIFY_CHECKS}
+    seed, optimizer = rest.pop("seed", 0), rest.pop("optimizer", "sgd")
+    lr, timeout_s = rest.pop("lr", 0.01), rest.pop("timeout_s", 120.0)
+    tc = dataclasses.replace(config(steps, seed, optimizer, lr, rest), timeout_s=timeout_s,
+                             device=device, precision=precision)  # fmt: skip
+    return tc, checks
 
 
 def _verify_config(
@@ -420,7 +435,7 @@ def _verify_config(
     Raises:
         ValidationError: an option beside ``cfg`` that it holds itself, or as :func:`verify`.
     """
-    from dapple.runtime.optim_config import OPTIM_FIELDS
+    from dapple.runtime.run_config import resolve_verify_config
     from dapple.runtime.verify import verify as _verify
 
     extra = sorted(set(checks) - set(VERIFY_CHECKS))
@@ -429,12 +444,10 @@ def _verify_config(
             f"verify(cfg) takes the run's options from cfg, got also {', '.join(extra)}"
         )
     given = inputs or run_inputs(cfg)
-    t = cfg.train
+    tc = resolve_verify_config(cfg.train)
     _check_run(given.plan, given.workload)
-    _check_host_memory(given.workload, t.device, t.optimizer, t.momentum, "verifying")
-    options = {n: getattr(t, n) for n in ("seed", "optimizer", "lr", "timeout_s", *OPTIM_FIELDS)}
-    return _verify(given.plan, given.workload, t.steps, device=t.device, data=given.data,
-                   precision=t.precision, **options, **checks)  # fmt: skip
+    _check_host_memory(given.workload, tc.device, tc.optimizer, tc.momentum, "verifying")
+    return _verify(given.plan, given.workload, tc, data=given.data, **checks)
 
 
 def verify_many(
@@ -442,6 +455,8 @@ def verify_many(
     steps: int = 2,
     *,
     device: str = "auto",
+    precision: str = "fp32",
+    data: Any = None,
     **options: Any,
 ) -> list[VerifyReport]:
     """:func:`verify` several ``(plan, workload)`` pairs in ONE launch of worker processes.
@@ -452,7 +467,9 @@ def verify_many(
     Args:
         cases: Plans (objects or paths) and workloads (objects or spec strings).
         steps: Optimizer steps of every run.
-        device: As in :func:`verify` (default ``auto``).
+        device, precision: As in :func:`verify`.
+        data: Training samples of every run, a dataset (see
+            :func:`dapple.runtime.verify.verify_many`); None: the workloads' ``make_batch``.
         **options: As in :func:`verify` (no ``schedule``/``policy``: set them on the plans).
 
     Raises:
@@ -473,7 +490,8 @@ def verify_many(
         run_plan, wl = as_plan(p), as_workload(w, None)
         _check_run(run_plan, wl)
         resolved.append((run_plan, wl))
-    return _verify_many(resolved, steps, device=device, **options)
+    tc, checks = _verify_options(steps, device, precision, options)
+    return _verify_many(resolved, tc, data=data, **checks)
 
 
 def generate(

@@ -46,6 +46,7 @@ __all__ = [
     "DEFAULT_KEEP",
     "NOT_IN_FILE",
     "RUN_SECTIONS",
+    "VERIFY_FIELDS",
     "DataConfig",
     "ModelConfig",
     "PlanChoice",
@@ -58,6 +59,7 @@ __all__ = [
     "open_run_data",
     "resolve_eval",
     "resolve_train_config",
+    "resolve_verify_config",
     "seq_len_overrides",
 ]
 
@@ -395,6 +397,18 @@ def resolve_train_config(
         resume=train.resume or run.require_resume,
         **fields,
     )
+
+
+VERIFY_FIELDS = ("steps", "seed", "optimizer", "lr", "timeout_s", "device", "precision",
+                 *OPTIM_FIELDS)  # fmt: skip
+"""The :class:`TrainConfig` fields ``dapple verify`` runs with (:func:`resolve_verify_config`)."""
+
+
+def resolve_verify_config(train: TrainConfig) -> TrainConfig:
+    """The :class:`TrainConfig` both runs of ``dapple verify`` get: ``train``'s
+    :data:`VERIFY_FIELDS`, every other field at its default (a verified run writes no
+    checkpoint, metrics or evaluation)."""
+    return TrainConfig(**{n: getattr(train, n) for n in VERIFY_FIELDS})
 
 
 def check_resumable(checkpoint_dir: str | None) -> None:

@@ -27,8 +27,9 @@ from dapple.models.workload import Workload
 from dapple.runtime import init_distributed, run_plan, shutdown_distributed, spawn, validate_run
 from dapple.runtime.config import TrainConfig
 from dapple.runtime.data import check_data
+from dapple.runtime.optim_config import OPTIM_FIELDS
 from dapple.runtime.precision import check_verify_precision, tolerances_for
-from dapple.runtime.verify.reference import ForcedReference, config
+from dapple.runtime.verify.reference import ForcedReference
 from dapple.runtime.verify.report import (
     ATOL,
     GRAD_NORM_RTOL,
@@ -257,20 +258,13 @@ def _compare(
 
 def verify_many(
     cases: Sequence[tuple[Plan, Workload]],
-    steps: int = 2,
+    config: TrainConfig,
     *,
-    seed: int = 0,
-    optimizer: str = "sgd",
-    lr: float = 0.01,
+    data: Dataset[Any] | None = None,
     rtol: float | None = None,
     atol: float | None = None,
     grad_rtol: float | None = None,
-    timeout_s: float = 120.0,
-    device: str = "cpu",
-    data: Dataset[Any] | None = None,
-    precision: str = "fp32",
     progress: bool = True,
-    **optim: Any,
 ) -> list[VerifyReport]:
     """:func:`verify` several ``(plan, workload)`` pairs with ONE launch of worker processes.
 
@@ -280,56 +274,46 @@ def verify_many(
     Args:
         cases: Plans and the workloads they train (workloads must pickle: spec-loaded ones from
             :func:`dapple.api.load` or ``dapple.models.hf`` do).
-        steps: Optimizer steps of every run.
-        seed: Weights seed; step ``t`` uses batch seed ``seed + t``.
-        optimizer: ``sgd``, ``adam`` or ``adamw``.
-        lr: Learning rate (the schedule's peak).
+        config: Both runs' options, resolved: ``steps``, ``seed`` (weights; step ``t`` uses
+            batch seed ``seed + t``), ``optimizer``, ``lr``, the other optimisation fields
+            (:data:`~dapple.runtime.optim_config.OPTIM_FIELDS`), ``precision`` (``fp32`` or
+            ``bf16``, :mod:`dapple.runtime.precision`), ``device`` of the distributed run (the
+            reference runs on the CPU) and ``timeout_s`` (its process-group timeout).
+        data: Training samples both runs take their batches from (see
+            :func:`~dapple.runtime.verify.reference_run`); None: ``make_batch``.
         rtol: Relative tolerance of each weight after an update from the same gradients
             (default :data:`RTOL`).
         atol: Absolute tolerance of each weight after such an update (default :data:`ATOL`).
         grad_rtol: Tolerance of each gradient element as a fraction of its layer's largest
             (default :data:`GRAD_RTOL`; bf16: ``tolerances_for("bf16")``'s rtol).
-        timeout_s: Process-group timeout of the distributed run.
-        device: Device of the distributed run (``cpu``, ``cuda`` or ``auto``); the reference
-            runs on the CPU.
-        data: Training samples both runs take their batches from (see
-            :func:`~dapple.runtime.verify.reference_run`); None: ``make_batch``.
-        precision: ``fp32`` or ``bf16`` (:mod:`dapple.runtime.precision`), both runs.
         progress: Say on stderr, as it goes, which run is going: the plan's (each step, from
             rank 0), then the single-device reference and the comparison (each step).
-        **optim: The other optimisation fields of :class:`TrainConfig` for both runs
-            (``weight_decay``, ``momentum``, ``betas``, ``eps``, ``lr_schedule``,
-            ``warmup_steps``, ``min_lr``, ``clip_grad_norm``, ``zero_stage``).
 
     Raises:
         ValidationError: A plan does not fit its workload, or bad options.
         RankFailure: A worker failed.
     """
-    check_verify_precision(precision, device)
-    tol = _tolerances(precision, rtol, atol, grad_rtol)
+    check_verify_precision(config.precision, config.device)
+    tol = _tolerances(config.precision, rtol, atol, grad_rtol)
     if not cases:
         raise ValidationError("verify needs at least one (plan, workload) case")
     bad = {k: v for k, v in tol.items() if not (math.isfinite(v) and v >= 0)}
     if bad:
         raise ValidationError(f"tolerances must be finite numbers >= 0, got {bad}")
-    cfg = replace(config(steps, seed, optimizer, lr, optim), timeout_s=timeout_s, device=device,
-                  precision=precision)  # fmt: skip
     for plan, wl in cases:
-        validate_run(plan, wl, len(plan.devices), zero_stage=cfg.zero_stage)
-        check_data(wl, data, plan.global_batch_size, seed)
+        validate_run(plan, wl, len(plan.devices), zero_stage=config.zero_stage)
+        check_data(wl, data, plan.global_batch_size, config.seed)
         if data is None:  # every step's batch fits the model (shapes that change per step)
-            check_steps(wl, plan.global_batch_size, seed, steps)
+            check_steps(wl, plan.global_batch_size, config.seed, config.steps)
     world = max(len(plan.devices) for plan, _ in cases)
-    options = {"steps": steps, "seed": seed, "optimizer": optimizer, "lr": lr}
-    options |= {"precision": precision} | optim
     with tempfile.TemporaryDirectory(prefix="dapple-verify-") as tmp:
         payload = [(plan.to_dict(), wl) for plan, wl in cases]
         if progress:
             say(f"starting {world} process{'es' * (world != 1)} for the plan's run"
                 + (f" ({len(cases)} plans in turn)" if len(cases) > 1 else ""))  # fmt: skip
-        spawn(_worker, world, payload, cfg, tmp, data, progress, timeout_s=timeout_s)
+        spawn(_worker, world, payload, config, tmp, data, progress, timeout_s=config.timeout_s)
         reports = [
-            _report(Path(tmp), c, plan, wl, cfg, data, tol, options, progress)
+            _report(Path(tmp), c, plan, wl, config, data, tol, progress)
             for c, (plan, wl) in enumerate(cases)
         ]
     if progress:
@@ -339,6 +323,13 @@ def verify_many(
                  rep.plan.replication, rep.max_grad_diff, rep.max_abs_diff,
                  "ok" if rep.ok else "MISMATCH")  # fmt: skip
     return reports
+
+
+def _options(cfg: TrainConfig) -> dict[str, Any]:
+    """What a report says both runs trained with: steps, seed, optimizer, learning rate,
+    precision and the other optimisation options."""
+    named = ("steps", "seed", "optimizer", "lr", "precision", *OPTIM_FIELDS)
+    return {n: getattr(cfg, n) for n in named}
 
 
 def _tolerances(
@@ -364,7 +355,6 @@ def _report(
     cfg: TrainConfig,
     data: Dataset[Any] | None,
     tol: dict[str, float],
-    options: dict[str, Any],
     progress: bool = False,
 ) -> VerifyReport:
     """Case ``c``'s report: its workers' records in ``tmp`` against its single-process
@@ -384,7 +374,7 @@ def _report(
         reference_losses=tuple(ref_losses),
         rtol=tol["rtol"],
         atol=tol["atol"],
-        options=options,
+        options=_options(cfg),
         grad_norms=tuple(float("nan") if x is None else float(x) for x in norms),
         reference_grad_norms=tuple(ref_norms),
         grad_norm_rtol=norm_rtol,
@@ -392,16 +382,15 @@ def _report(
     )
 
 
-def verify(plan: Plan, workload: Workload, steps: int = 2, **options: Any) -> VerifyReport:
+def verify(plan: Plan, workload: Workload, config: TrainConfig, **checks: Any) -> VerifyReport:
     """Train ``plan`` distributed and check it step by step against one process.
 
     Args:
         plan: The plan (one local process per plan device is started).
         workload: The model, data and loss (must pickle, see :func:`verify_many`).
-        steps: Optimizer steps.
-        **options: ``seed``, ``optimizer``, ``lr``, ``rtol``, ``atol``, ``grad_rtol``,
-            ``timeout_s``, ``device``, ``data``, ``precision``, ``progress`` and the
-            optimisation options as in :func:`verify_many`.
+        config: Both runs' options, resolved (as in :func:`verify_many`).
+        **checks: ``data``, ``rtol``, ``atol``, ``grad_rtol`` and ``progress`` as in
+            :func:`verify_many`.
 
     Returns:
         Per-stage differences of gradients and weights, and both runs' losses and norms.
@@ -410,4 +399,4 @@ def verify(plan: Plan, workload: Workload, steps: int = 2, **options: Any) -> Ve
         ValidationError: The plan does not fit the workload, or bad options.
         RankFailure: A worker failed.
     """
-    return verify_many([(plan, workload)], steps, **options)[0]
+    return verify_many([(plan, workload)], config, **checks)[0]
