@@ -37,8 +37,8 @@ def test_with_schedule_round_trips_through_interleaving():
         with_schedule(_base(M=3, gbs=12), "interleaved", 4)
     with pytest.raises(ValidationError, match="virtual_stages=2 needs schedule='interleaved'"):
         with_schedule(base, "zbh1", 2)
-    with pytest.raises(ValidationError, match="unknown schedule 'zbv'"):
-        with_schedule(base, "zbv")
+    with pytest.raises(ValidationError, match="unknown schedule 'zigzag'"):
+        with_schedule(base, "zigzag")
 
 
 def test_best_per_schedule_simulates_every_variant():
@@ -51,6 +51,7 @@ def test_best_per_schedule_simulates_every_variant():
         "interleaved v=2",
         "interleaved v=4",
         "zbh1",
+        "zbv",
     ]
     assert len(choices) == len(SCHEDULE_VARIANTS)
     by = {c.label: c for c in choices}
@@ -137,14 +138,14 @@ def test_best_schedule_is_the_fastest_variant_that_fits(tmp_path, capsys, monkey
     base = _base(M=4, gbs=16)
     best, choices = best_schedule(base, prof, cluster)
     assert [c.label for c in choices] == [
-        "gpipe", "dapple/A", "dapple/B", "interleaved v=2", "interleaved v=4", "zbh1"
+        "gpipe", "dapple/A", "dapple/B", "interleaved v=2", "interleaved v=4", "zbh1", "zbv"
     ]  # fmt: skip
     fits = [c for c in choices if c.result is not None]
     assert best.result is not None and best.plan is not None
     assert best.result.step_ms == min(c.result.step_ms for c in fits)  # type: ignore[union-attr]
     assert simulate(best.plan, prof, cluster).step_ms == best.result.step_ms
     planned = api.plan(prof, cluster, 16, schedule="best")
-    assert planned.schedule in {"gpipe", "dapple", "interleaved", "zbh1"}
+    assert planned.schedule in {"gpipe", "dapple", "interleaved", "zbh1", "zbv"}
     monkeypatch.setenv("COLUMNS", "200")
     prof_path, cl_path, out = tmp_path / "p.json", tmp_path / "c.json", tmp_path / "plan.json"
     prof.save(prof_path)

@@ -297,7 +297,8 @@ def test_bad_input_names_values():
         compute_order("zbh1", 2, 2, v=2)
     base = _plan([1, 1], 2, 2, 1)
     with pytest.raises(
-        ValidationError, match="plan: virtual_stages=2 needs schedule='interleaved', got 'dapple'"
+        ValidationError,
+        match="plan: virtual_stages=2 needs schedule='interleaved' or 'zbv', got 'dapple'",
     ):
         dataclasses.replace(base, virtual_stages=2)
     with pytest.raises(
@@ -315,9 +316,9 @@ def test_bad_input_names_values():
             ),
         )
     with pytest.raises(
-        ValidationError, match="schedule must be one of gpipe, dapple, interleaved, zbh1"
+        ValidationError, match="schedule must be one of gpipe, dapple, interleaved, zbh1, zbv, got"
     ):
-        dataclasses.replace(base, schedule="zbv")
+        dataclasses.replace(base, schedule="zigzag")
 
 
 def test_runtime_refuses_interleaved_it_cannot_run(tmp_path, capsys):

@@ -65,6 +65,9 @@ class ScheduleRules(Protocol):
     def module_of(self, schedule: str) -> str:
         """The module a plan file records for ``schedule``; empty for a built-in one."""
 
+    def group_of(self, schedule: str, k: int, P: int, v: int) -> int:
+        """The device group that runs virtual stage ``k`` of ``P·v`` under ``schedule``."""
+
     def load(self, module: str) -> None:
         """Import a schedule module a plan file names and register its schedule."""
 
@@ -98,8 +101,10 @@ class Plan:
     ``virtual_stages`` chunks per device group), ``zbh1`` (ZB-H1) or a plug-in."""
     virtual_stages: int = 1
     """v: model chunks per device group. With v > 1 (a schedule with chunks) ``stages`` lists the
-    S = P·v virtual stages in pipeline order and stage k runs on the devices of stage k mod P,
-    so each device group of the first P stages holds stages g, g+P, ..., g+(v-1)P."""
+    S = P·v virtual stages in pipeline order; stage k runs on the devices of stage
+    :meth:`group_of_stage` (k), which the schedule places: k mod P for interleaved 1F1B (group
+    g holds stages g, g+P, ..., g+(v-1)P), a V for ZB-V (group g holds stages g and 2P-1-g).
+    The first P stages are the device groups in order."""
     policy: Policy = "A"
     """Warm-up policy: A ``K_i = min(S-i, D)``, B ``K_i = min(2(S-i)-1, D)`` (section 6.3)."""
     predicted_step_ms: float = math.nan
@@ -165,12 +170,18 @@ class Plan:
             f"plan: {len(self.stages)} stages are not virtual_stages={nv} chunks per device group",
         )
         P = len(self.stages) // nv
-        for k in range(P, len(self.stages)):
+        for k in range(P, len(self.stages)):  # stage g < P is device group g
+            g = self.group_of_stage(k)
             require(
-                self.stages[k].devices == self.stages[k % P].devices
-                and self.stages[k].tensor_width == self.stages[k % P].tensor_width,
-                f"plan: virtual stage {k} must run on the devices of stage {k % P} "
-                f"{list(self.stages[k % P].devices)} (v={nv}, {P} device groups), got "
+                0 <= g < P,
+                f"plan: schedule {self.schedule!r} places virtual stage {k} on device group {g}, "
+                f"not one of the {P} groups (stages 0..{P - 1})",
+            )
+            require(
+                self.stages[k].devices == self.stages[g].devices
+                and self.stages[k].tensor_width == self.stages[g].tensor_width,
+                f"plan: virtual stage {k} must run on the devices of stage {g} "
+                f"{list(self.stages[g].devices)} (v={nv}, {P} device groups), got "
                 f"{list(self.stages[k].devices)} (tensor_width {self.stages[k].tensor_width})",
             )
         for f in ("seq_len", "max_seq_len"):
@@ -243,6 +254,22 @@ class Plan:
         """Layer indices where a new stage starts."""
         return tuple(st.layers[0] for st in self.stages[1:])
 
+    def group_of_stage(self, k: int) -> int:
+        """The device group (pipeline rank) that runs virtual stage ``k``: k itself for k < P,
+        else the schedule's placement (``ScheduleSpec.placement``; k mod P without the schedule
+        registry)."""
+        P = self.num_groups
+        if k < P:
+            return k
+        if _schedule_rules:
+            return _schedule_rules[0].group_of(self.schedule, k, P, self.virtual_stages)
+        return k % P
+
+    def stages_of_group(self, g: int) -> tuple[int, ...]:
+        """The stages device group ``g`` runs: stage g, or its v virtual stages in pipeline
+        order."""
+        return tuple(k for k in range(len(self.stages)) if self.group_of_stage(k) == g)
+
     def stages_of_device(self, device: int) -> tuple[int, ...]:
         """The stages ``device`` runs: one, or its group's v virtual stages in pipeline order.
 
@@ -250,7 +277,7 @@ class Plan:
             ValidationError: the device is not part of the plan.
         """
         g, _j = self.stage_of_device(device)
-        return tuple(range(g, len(self.stages), self.num_groups))
+        return self.stages_of_group(g)
 
     def layers_of_device(self, device: int) -> tuple[int, ...]:
         """The chain indices of the layers ``device`` holds, stage by stage in pipeline order

@@ -63,7 +63,7 @@ def _allreduce_ms(terms: PlanTerms) -> float:
     worst = 0.0
     for g in range(plan.num_groups):
         group = 0.0
-        for k in range(g, plan.num_stages, plan.num_groups):
+        for k in plan.stages_of_group(g):
             group += terms.stages[k].allreduce_ms
         worst = max(worst, group)
     return worst
@@ -151,7 +151,7 @@ def device_memory_by_group(plan: Plan, profile: ModelProfile) -> list[float]:
     for g in range(plan.num_groups):
         parts = {
             k: plan_stage_bytes(profile, plan.stages[k], plan.micro_batch_size)
-            for k in range(g, plan.num_stages, plan.num_groups)
+            for k in plan.stages_of_group(g)
         }
         out.append(device_peak(parts, order[g]).peak)
     return out

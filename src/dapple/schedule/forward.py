@@ -9,6 +9,8 @@ activations are kept for a backward pass, so the micro-batch order needs no warm
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from dapple.core.plan import Plan
 from dapple.schedule.ir import Action, ActionKind, ComputeOrder, Schedule
 from dapple.schedule.lower import lower
@@ -19,16 +21,18 @@ K = ActionKind
 _FORWARD_KINDS = (K.RECV_F, K.FORWARD, K.SEND_F)
 
 
-def forward_order(S: int, M: int, groups: int | None = None) -> ComputeOrder:
+def forward_order(
+    S: int, M: int, groups: int | None = None, placement: Sequence[Sequence[int]] | None = None
+) -> ComputeOrder:
     """Every stage forwards micro-batches 0..M-1 in order (S stages, M micro-batches).
 
-    With ``groups`` = P < S (interleaved: group g holds the virtual stages g, g+P, ...) each
-    group runs its stages one after the other, all micro-batches of a chunk before the next
-    chunk: a chunk's inputs come from earlier chunks only, so nothing waits in a cycle."""
+    With ``groups`` = P < S each group runs its stages one after the other, all micro-batches
+    of a chunk before the next chunk: a chunk's inputs come from earlier chunks only, so nothing
+    waits in a cycle. ``placement[g]`` lists group g's stages in pipeline order (default: round
+    robin, g, g+P, ...; ZB-V: g and 2P-1-g)."""
     P = S if groups is None else groups
-    return {
-        g: [Action(s, K.FORWARD, m) for s in range(g, S, P) for m in range(M)] for g in range(P)
-    }
+    held = placement if placement is not None else [range(g, S, P) for g in range(P)]
+    return {g: [Action(s, K.FORWARD, m) for s in held[g] for m in range(M)] for g in range(P)}
 
 
 def lower_forward(plan: Plan) -> Schedule:
@@ -37,6 +41,8 @@ def lower_forward(plan: Plan) -> Schedule:
     Returns:
         device id -> ordered actions (empty for a replica whose micro-batch slice is empty).
     """
-    order = forward_order(plan.num_stages, plan.num_micro_batches, plan.num_groups)
+    P = plan.num_groups
+    placement = [plan.stages_of_group(g) for g in range(P)]
+    order = forward_order(plan.num_stages, plan.num_micro_batches, P, placement)
     full = lower(plan, order)
     return {dev: [a for a in prog if a.kind in _FORWARD_KINDS] for dev, prog in full.items()}

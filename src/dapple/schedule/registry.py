@@ -5,8 +5,8 @@
 The CLI's ``--schedule`` choices, the planner's scorer, the schedule comparison, the cost
 model, the lowering and the runtime all ask :func:`get_schedule` instead of comparing names.
 Built in, in this order: ``gpipe`` (:mod:`~dapple.schedule.fill_drain`), ``dapple``
-(:mod:`~dapple.schedule.early_backward`), ``interleaved`` (:mod:`~dapple.schedule.interleaved`)
-and ``zbh1`` (:mod:`~dapple.schedule.zerobubble`).
+(:mod:`~dapple.schedule.early_backward`), ``interleaved`` (:mod:`~dapple.schedule.interleaved`),
+``zbh1`` (:mod:`~dapple.schedule.zerobubble`) and ``zbv`` (:mod:`~dapple.schedule.zbv`).
 
 A schedule outside dapple is a module that defines ``SCHEDULE = ScheduleSpec(...)``; it joins
 the registry by :func:`register` (or :func:`registered` for a while), by :func:`load_schedule`
@@ -35,6 +35,7 @@ from dapple.schedule.fill_drain import SCHEDULE as GPIPE
 from dapple.schedule.interleaved import SCHEDULE as INTERLEAVED
 from dapple.schedule.ir import ComputeOrder
 from dapple.schedule.spec import ScheduleSpec, Shape
+from dapple.schedule.zbv import SCHEDULE as ZBV
 from dapple.schedule.zerobubble import SCHEDULE as ZBH1
 
 __all__ = [
@@ -58,7 +59,7 @@ ENV_SCHEDULES = "DAPPLE_SCHEDULES"
 """Environment variable: comma-separated modules whose ``SCHEDULE`` joins the registry on the
 first lookup (a module that does not load is logged and left out)."""
 
-_BUILTIN: tuple[ScheduleSpec, ...] = (GPIPE, DAPPLE, INTERLEAVED, ZBH1)
+_BUILTIN: tuple[ScheduleSpec, ...] = (GPIPE, DAPPLE, INTERLEAVED, ZBH1, ZBV)
 """The schedules dapple ships, in the order the CLI and the schedule comparison list them."""
 _registry: dict[str, ScheduleSpec] = {s.name: s for s in _BUILTIN}
 _env_loaded = False
@@ -139,7 +140,7 @@ def _load_env() -> None:
 
 
 def builtin_schedules() -> tuple[ScheduleSpec, ...]:
-    """The schedules dapple ships, in order: gpipe, dapple, interleaved, zbh1."""
+    """The schedules dapple ships, in order: gpipe, dapple, interleaved, zbh1, zbv."""
     return _BUILTIN
 
 
@@ -194,12 +195,19 @@ def check_virtual_stages(v: int, schedule: str | None, *, cli: bool = False) -> 
             schedule='interleaved'``).
 
     Raises:
-        ValidationError: v > 1 under a schedule without chunks (or none), or an unknown
-            schedule.
+        ValidationError: v > 1 under a schedule without chunks (or none), v other than 1 or
+            its count under a schedule of a fixed chunk count (ZB-V), or an unknown schedule.
     """
-    if v == 1 or (schedule is not None and get_schedule(schedule).chunks):
+    spec = None if schedule is None else get_schedule(schedule)
+    if spec is not None and spec.chunk_count is not None and v not in (1, spec.chunk_count):
+        flag = "--virtual-stages" if cli else "virtual_stages"
+        raise ValidationError(
+            f"schedule {schedule!r} holds {spec.chunk_count} chunks per device group "
+            f"(chunk count = {spec.chunk_count} x ranks), got {flag} {v}"
+        )
+    if v == 1 or (spec is not None and spec.chunks):
         return
-    chunked = [s.name for s in schedules() if s.chunks]
+    chunked = [s.name for s in schedules() if s.chunks and s.chunk_count in (None, v)]
     if cli:
         need = f"--virtual-stages {v} needs --schedule {_either(chunked)}"
     else:
@@ -281,6 +289,10 @@ class _PlanRules:
     def module_of(self, schedule: str) -> str:
         spec = _find(schedule)
         return "" if spec is None or _builtin(spec) else spec.module
+
+    def group_of(self, schedule: str, k: int, P: int, v: int) -> int:
+        spec = _find(schedule)
+        return k % P if spec is None else spec.placement(k, P, v)
 
     def load(self, module: str) -> None:
         load_schedule(module)

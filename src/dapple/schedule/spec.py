@@ -11,7 +11,8 @@ plug-in outside dapple) holds its generator and its rules and ends with
   :func:`~dapple.schedule.validate.validate_compute_order` and lowered by
   :func:`~dapple.schedule.lower.lower`);
 * what it needs from the runtime: the backward split into ``I`` and ``W``
-  (``split_backward``), v model chunks per device group (``chunks``);
+  (``split_backward``), v model chunks per device group (``chunks``), placed on the groups by
+  ``placement`` (round robin, or a V) and cut from a plan of one stage per group by ``cut``;
 * its memory rule: K_i, the micro-batches whose activations stage i holds at most
   (``in_flight``), which the cost model's L (equations 1-3) and the planner's scorer read;
 * its step time: None for the paper's L over those K_i, or its own rule over
@@ -33,7 +34,7 @@ from dapple.core.plan import Plan, Policy
 from dapple.errors import ValidationError
 from dapple.schedule.ir import ComputeOrder
 
-__all__ = ["POLICIES", "ScheduleSpec", "Shape", "StageTimes", "StepTerms"]
+__all__ = ["POLICIES", "ScheduleSpec", "Shape", "StageTimes", "StepTerms", "round_robin"]
 
 POLICIES: tuple[Policy, ...] = ("A", "B")
 """Warm-up policies a plan can carry (section 6.3): A ``K_i = min(S-i, D)``, B
@@ -90,7 +91,16 @@ class StepTerms:
     (the slowest slice transfer of each) plus the largest sum of a device group's AllReduces."""
 
 
+def round_robin(k: int, P: int, v: int) -> int:
+    """Virtual stage k runs on device group k mod P (interleaved 1F1B; every unchunked plan)."""
+    return k % P
+
+
 OrderRule = Callable[[Shape], ComputeOrder]
+Placement = Callable[[int, int, int], int]
+"""(virtual stage k, device groups P, chunks v) -> the device group that runs stage k."""
+CutRule = Callable[[Plan, int], Plan]
+"""(a plan of one stage per device group, v) -> the plan with v chunks per group."""
 InFlightRule = Callable[[Shape], list[int]]
 StepRule = Callable[[StepTerms], float]
 PlanRule = Callable[[Plan], None]
@@ -127,6 +137,14 @@ class ScheduleSpec:
     """The runtime runs the backward as ``I`` then ``W`` (:mod:`dapple.models.split_backward`)."""
     chunks: bool = False
     """Takes v > 1 model chunks per device group (``Plan.virtual_stages``)."""
+    chunk_count: int | None = None
+    """The v it always takes (ZB-V: 2, two chunks per device group); None: the v asked for."""
+    placement: Placement = round_robin
+    """Which device group runs each virtual stage (:data:`Placement`); the first P stages
+    must be groups 0..P-1 in order."""
+    cut: CutRule | None = None
+    """How a plan of one stage per device group becomes v chunks per group, placed by
+    ``placement``; None: :func:`dapple.core.plan.interleave` (round robin)."""
     check: PlanRule | None = None
     """Rules a plan must meet beyond :class:`~dapple.core.plan.Plan`'s, run when a plan is put
     under the schedule (:func:`dapple.simulate.schedules.with_schedule`); raises
@@ -154,6 +172,11 @@ class ScheduleSpec:
         if bad or not self.policies:
             raise ValidationError(
                 f"schedule {self.name!r}: policies must be some of {POLICIES}, got {self.policies}"
+            )
+        if self.chunk_count is not None and (not self.chunks or self.chunk_count < 2):
+            raise ValidationError(
+                f"schedule {self.name!r}: chunk_count={self.chunk_count} needs chunks=True and "
+                "a count >= 2"
             )
         for policy, v in self.variants:
             if policy not in self.policies or v < 1 or (v > 1 and not self.chunks):

@@ -16,16 +16,20 @@ from collections.abc import Mapping, Sequence
 from dapple.errors import ValidationError
 from dapple.schedule.grid import Problem, fail
 from dapple.schedule.ir import Action, ActionKind, ComputeOrder
+from dapple.schedule.spec import Placement, round_robin
 
 __all__ = ["validate_compute_order"]
 
 K = ActionKind
 
 
-def validate_compute_order(order: ComputeOrder, S: int, M: int, v: int = 1) -> None:
+def validate_compute_order(
+    order: ComputeOrder, S: int, M: int, v: int = 1, placement: Placement = round_robin
+) -> None:
     """Check a rank -> compute order for S ranks with v stages each and M micro-batches.
 
-    Rank g runs stages g, g+S, ..., g+(v-1)S (v = 1: rank g is stage g). Each of its stages
+    Rank g runs the stages ``placement`` puts on it: by default g, g+S, ..., g+(v-1)S (v = 1:
+    rank g is stage g); ZB-V's :func:`~dapple.schedule.zbv.v_group`: g and 2S-1-g. Each of its stages
     runs F_m once and then either the whole backward B_m or its two halves I_m and W_m (I
     first) for every m in [0, M). The dry run follows the pipeline's data dependencies: F_m
     on stage s needs F_m on s-1, B_m/I_m on s needs B_m/I_m on s+1.
@@ -35,6 +39,7 @@ def validate_compute_order(order: ComputeOrder, S: int, M: int, v: int = 1) -> N
         S: number of ranks (device groups).
         M: number of micro-batches.
         v: stages per rank.
+        placement: (virtual stage, ranks, v) -> the rank that runs it.
 
     Raises:
         ValidationError: a rank is missing or extra, an action is not a compute action of one
@@ -49,7 +54,7 @@ def validate_compute_order(order: ComputeOrder, S: int, M: int, v: int = 1) -> N
     if sorted(order) != list(range(S)):
         problems.append((f"ranks must be 0..{S - 1}, got {sorted(order)}", []))
     for g in sorted(order):
-        owned = set(range(g, S * v, S))
+        owned = {k for k in range(S * v) if placement(k, S, v) == g}
         found, seen = _rank_actions(g, order[g], owned, M)
         problems += found + _rank_coverage(g, owned, seen, M)
     fail("compute order", problems, order, "rank")

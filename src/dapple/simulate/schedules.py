@@ -32,8 +32,7 @@ def unchunked(plan: Plan) -> Plan:
     start, rebuilt = 0, []
     for g, st in enumerate(plan.stages[:P]):
         n = sum(
-            plan.stages[k].layers[1] - plan.stages[k].layers[0]
-            for k in range(g, plan.num_stages, P)
+            plan.stages[k].layers[1] - plan.stages[k].layers[0] for k in plan.stages_of_group(g)
         )
         rebuilt.append(dataclasses.replace(st, layers=(start, start + n)))
         start += n
@@ -45,21 +44,24 @@ def with_schedule(
 ) -> Plan:
     """``plan``'s stages, replication and placement under ``schedule``.
 
-    A schedule with chunks (interleaved) cuts each device group's layers into
-    ``virtual_stages`` chunks (:func:`dapple.core.plan.interleave`); then the schedule's own
-    rules (``ScheduleSpec.check``) must hold. The predicted step is the plan's as given.
+    A schedule with chunks cuts each device group's layers into ``virtual_stages`` chunks
+    (its ``ScheduleSpec.chunk_count`` when it has one, ZB-V's 2) by its ``ScheduleSpec.cut``
+    (default :func:`dapple.core.plan.interleave`, round robin; ZB-V's
+    :func:`dapple.schedule.zbv.v_shape`, a V); then the schedule's own rules
+    (``ScheduleSpec.check``) must hold. The predicted step is the plan's as given.
 
     Raises:
         ValidationError: unknown schedule, v > 1 for a schedule without chunks, v not
             dividing a device group's layers, or a rule of the schedule (interleaved: M a
-            multiple of the device groups).
+            multiple of the device groups; ZB-V: two device groups at least).
     """
     spec = get_schedule(schedule)
     check_virtual_stages(virtual_stages, schedule)
     base = unchunked(plan)
     kw: dict[str, Any] = {"policy": policy} if policy else {}
     if spec.chunks:
-        chunked = interleave(dataclasses.replace(base, **kw), virtual_stages)
+        cut = spec.cut or interleave
+        chunked = cut(dataclasses.replace(base, **kw), spec.chunk_count or virtual_stages)
         out = dataclasses.replace(chunked, schedule=spec.name)
     else:
         out = dataclasses.replace(base, schedule=spec.name, **kw)
