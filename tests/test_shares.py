@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import runtime_workloads as rw
 from dapple import api
-from dapple.core.plan import Plan, interleave, straight_plan
+from dapple.core.plan import Plan, StagePlan, interleave, straight_plan
 from dapple.core.slicing import proportional_shares, slice_bounds, split_sizes, transfers
 from dapple.errors import ValidationError
 from dapple.runtime.data import rank_rows
@@ -59,6 +59,7 @@ def test_slices_and_transfers_follow_the_shares() -> None:
     assert transfers(4, 2, 2, (3, 1)) == ((0, 0, 0, 2), (0, 1, 2, 3), (1, 1, 3, 4))
 
 
+@settings(deadline=None)  # no timing: the machine is shared
 @given(
     st.lists(st.integers(1, 4), min_size=1, max_size=4),
     st.lists(st.integers(1, 4), min_size=1, max_size=4),
@@ -87,6 +88,7 @@ def test_proportional_shares(weights: list[float], b: int, want: tuple[int, ...]
     assert proportional_shares(weights, b) == want
 
 
+@settings(deadline=None)  # no timing: the machine is shared
 @given(st.lists(st.floats(0.01, 100), min_size=1, max_size=6), st.integers(0, 40))
 def test_proportional_shares_are_whole_positive_and_sum_to_b(w: list[float], extra: int) -> None:
     b = len(w) + extra
@@ -254,3 +256,105 @@ def test_checkpoint_saved_under_3_1_resumes_under_1_3_with_zero1(tmp_path: Path)
     rows = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(3)]
     assert [r["checked"] for r in rows] == [4, 4, 4]  # two Linear layers of 2 tensors each
     assert rows[0]["losses"] == pytest.approx(rows[0]["ref"], rel=1e-5)
+
+
+def test_simulate_draws_and_times_a_plan_with_shares(tmp_path: Path) -> None:
+    from dapple.cli import main
+    from dapple.profiler.analytic import analytic_profile
+    from dapple.simulate.layout import stage_label
+
+    prof = tmp_path / "p.json"
+    analytic_profile("llama3-8b", "h100").save(prof)
+    n = 34  # embedding, 32 blocks, head
+    plan = tmp_path / "plan.json"
+    Plan(
+        planner="test", global_batch_size=8, micro_batch_size=4, num_micro_batches=2,
+        stages=(StagePlan(layers=(0, 17), devices=(0, 1), shares=(3, 1)),
+                StagePlan(layers=(17, n), devices=(2,))),
+    ).save(plan)  # fmt: skip
+    assert json.loads(plan.read_text())["stages"][0]["shares"] == [3, 1]
+    out = tmp_path / "layout.svg"
+    args = ["--profile", str(prof), "--cluster", "h100-8x", "--servers", "1"]
+    assert main(["simulate", "--plan", str(plan), *args, "--layout", str(out)]) == 0
+    svg = out.read_text()
+    assert "stage 0: layers 0-16, 2 x 1 devices, shares 3:1" in svg
+    st = Plan.load(plan).stages[0]
+    assert stage_label(0, dataclasses.replace(st, zero_stage=1)).endswith("shares 3:1, ZeRO-1")
+
+
+# -- replicas of different speeds (pure cost functions) -----------------------------------------
+def _compositions(b: int, r: int) -> list[tuple[int, ...]]:
+    """Every way of giving ``r`` replicas >= 1 sample each out of ``b``."""
+    if r == 1:
+        return [(b,)]
+    return [(n, *rest) for n in range(1, b - r + 2) for rest in _compositions(b - n, r - 1)]
+
+
+@settings(deadline=None)  # no timing: the machine is shared
+@given(
+    st.lists(st.sampled_from([0.5, 1.0, 1.5, 2.0, 3.0]), min_size=1, max_size=3),
+    st.integers(0, 6),
+    st.floats(0.0, 5.0),
+    st.floats(0.1, 3.0),
+)
+def test_balanced_shares_minimise_the_slowest_replica_like_brute_force(
+    speeds: list[float], extra: int, fixed_ms: float, per_sample_ms: float
+) -> None:
+    from dapple.cost.replica_shares import balanced_shares, slowest_replica_ms
+
+    b = len(speeds) + extra
+
+    def ms(n: int) -> float:
+        return fixed_ms + per_sample_ms * n
+
+    got = balanced_shares(b, speeds, ms)
+    assert sum(got) == b and min(got) >= 1
+    best = min(slowest_replica_ms(c, speeds, ms) for c in _compositions(b, len(speeds)))
+    assert slowest_replica_ms(got, speeds, ms) == pytest.approx(best)
+
+
+def test_slowest_replica_sets_the_stage_time_and_bad_speeds_are_named() -> None:
+    from dapple.cost.replica_shares import balanced_shares, slowest_replica_ms
+
+    def ms(n: int) -> float:
+        return 10.0 * n
+
+    assert slowest_replica_ms((3, 1), (3.0, 1.0), ms) == 10.0
+    assert slowest_replica_ms((2, 2), (3.0, 1.0), ms) == 20.0  # the even split waits on the slow
+    assert balanced_shares(4, (3.0, 1.0), ms) == (3, 1)
+    assert balanced_shares(8, (1.0, 1.0), ms) == (4, 4)
+    with pytest.raises(
+        ValidationError, match=r"replica speeds must be finite and > 0, got \[1.0, 0.0\]"
+    ):
+        slowest_replica_ms((2, 2), (1.0, 0.0), ms)
+    with pytest.raises(ValidationError, match=r"3 shares \[1, 1, 2\] for 2 replica speeds"):
+        slowest_replica_ms((1, 1, 2), (1.0, 1.0), ms)
+    with pytest.raises(ValidationError, match="2 samples cannot give each of 3 replicas one"):
+        balanced_shares(2, (1.0, 1.0, 1.0), ms)
+
+
+def test_simulated_replicas_compute_their_shares() -> None:
+    """On equal devices a 3:1 split waits on the 3-sample replica: slower than the even split,
+    as slow whichever replica takes the 3 (and unequal split-concat across the cut works)."""
+    from dapple.core.cluster import load_cluster
+    from dapple.cost.terms import stage_terms
+    from dapple.profiler.analytic import analytic_profile
+    from dapple.simulate import simulate
+
+    prof, cluster = analytic_profile("llama3-8b", "h100"), load_cluster("h100-8x", 1)
+
+    def two_by_two(a: tuple[int, ...] | None, c: tuple[int, ...] | None) -> Plan:
+        return Plan(
+            planner="test", global_batch_size=8, micro_batch_size=4, num_micro_batches=2,
+            stages=(StagePlan(layers=(0, 17), devices=(0, 1), shares=a),
+                    StagePlan(layers=(17, 34), devices=(2, 3), shares=c)),
+        )  # fmt: skip
+
+    even = simulate(two_by_two(None, None), prof, cluster).step_ms
+    assert simulate(two_by_two((2, 2), (2, 2)), prof, cluster).step_ms == even
+    cross = simulate(two_by_two((1, 3), (3, 1)), prof, cluster).step_ms
+    same = simulate(two_by_two((3, 1), (3, 1)), prof, cluster).step_ms
+    assert cross > 1.3 * even and same == pytest.approx(cross, rel=0.01)
+    terms = stage_terms(two_by_two((1, 3), None), prof, cluster).stages[0]
+    assert [r.samples for r in terms.replicas] == [1, 3]
+    assert terms.terms.forward_ms == terms.replicas[1].forward_ms > terms.replicas[0].forward_ms

@@ -11,6 +11,8 @@ One module per term, each a set of pure functions over frozen dataclasses
   memory / t_s) and ZeRO-3's gathers (beyond the paper);
 * :mod:`~dapple.cost.host` and :mod:`~dapple.cost.sharing` - host CPU overheads and shared
   compute cores (beyond the paper);
+* :mod:`~dapple.cost.replica_shares` - replicas of different speeds: a stage's time as its
+  slowest replica's on its share of a micro-batch, and the shares that balance them;
 * :mod:`~dapple.cost.overlap` - the data-parallel and ZeRO traffic another training framework
   hides under compute (beyond the paper; dapple's runtime hides none, the default);
 * :mod:`~dapple.cost.lengths` - a profile measured at several sequence lengths, at the

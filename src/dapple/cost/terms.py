@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from dapple.core.cluster import Cluster
-from dapple.core.plan import Plan, StagePlan, split_sizes, transfers
+from dapple.core.plan import Plan, StagePlan, transfers
 from dapple.core.profile import ModelProfile
 from dapple.core.tensor_layout import check_tensor_groups
 from dapple.cost.comm import (
@@ -69,7 +69,8 @@ class StageTerms:
     """What equations 1-3 read of one computation stage."""
 
     forward_ms: float
-    """F_s: the slowest replica's slice (``split_sizes(b, r_s)[0]``), without host CPU."""
+    """F_s: the slowest replica's slice (the largest: ``split_sizes(b, r_s)[0]``, or the largest
+    of the stage's shares), without host CPU."""
     backward_ms: float
     """B_s of that slice, re-computation included."""
     sync_ms: float
@@ -168,7 +169,7 @@ class ReplicaTerms:
 
     device: int
     samples: int
-    """Its slice of the micro-batch (:func:`~dapple.core.plan.split_sizes`)."""
+    """Its slice of the micro-batch (:meth:`~dapple.core.plan.StagePlan.slice_sizes`)."""
     forward_ms: float
     backward_ms: float
     """Re-computation included."""
@@ -309,7 +310,7 @@ def _stage_terms(
     """The terms of computation stage ``st`` of ``plan`` under ``zero_stage``, with the traffic
     ``overlap`` leaves exposed."""
     b, M = plan.micro_batch_size, plan.num_micro_batches
-    sizes = split_sizes(b, st.replicas)
+    sizes = st.slice_sizes(b)
     t = st.tensor_width
     s0, e0 = st.layers
     pbytes = sum(layer.parameter_bytes for layer in profile.layers[s0:e0])
@@ -347,11 +348,12 @@ def _stage_terms(
     )
     sync = replica_sync_ms(cluster, grad_bytes, st, zero_stage, M)
     if overlap.any and sync > 0:
-        fwd, bwd, nbytes = _layer_times(profile, cluster, st, sizes[0])
+        fwd, bwd, nbytes = _layer_times(profile, cluster, st, max(sizes))
         sync = exposed_sync_ms(overlap, sync, zero_stage, M, fwd, bwd, nbytes)
+    slowest = max(replicas, key=lambda x: x.samples)  # the first of the largest slices
     terms = StageTerms(
-        forward_ms=replicas[0].forward_ms,
-        backward_ms=replicas[0].backward_ms,
+        forward_ms=slowest.forward_ms,
+        backward_ms=slowest.backward_ms,
         sync_ms=sync,
         update_ms=stage_update_ms(cluster, profile, grad_bytes, st.replicas, zero_stage),
         work=work,
@@ -430,7 +432,7 @@ def _boundary_terms(
     """The comm stage and the slice transfers across the cut between ``src`` and ``dst``."""
     rows = []
     a, c = src.replica_devices, dst.replica_devices
-    for j, k, lo, hi in transfers(b, src.replicas, dst.replicas):
+    for j, k, lo, hi in transfers(b, src.replicas, dst.replicas, src.shares, dst.shares):
         nbytes = float(boundary_bytes(profile, dst.layers[0], hi - lo))
         rows.append(
             TransferTerms(

@@ -4,8 +4,9 @@ Each box is coloured by its stage and labelled with its replica ``j`` and tensor
 (:class:`~dapple.core.plan.StagePlan`: replica-major, device ``j x t_s + i`` of the stage);
 each tensor group (t_s consecutive devices of one replica) is framed, so a 3-D plan shows its
 pipeline (colours), data parallelism (frames per colour) and tensor parallelism (boxes per
-frame) at once. The legend gives each stage's layers, r_s x t_s, zero stage and
-re-computation. Uses matplotlib's Agg backend.
+frame) at once. The legend gives each stage's layers, r_s x t_s, its replicas' uneven shares
+of a micro-batch, zero stage and re-computation; a replica's box also names its share (``n3``:
+3 samples). Uses matplotlib's Agg backend.
 """
 
 from __future__ import annotations
@@ -30,9 +31,11 @@ _LABELS_UP_TO = 16
 
 
 def stage_label(s: int, st: StagePlan) -> str:
-    """``stage s: layers a-b, r x t = n, ZeRO z[, regather][, recompute]``."""
+    """``stage s: layers a-b, r x t devices[, shares j:k][, ZeRO z][, recompute]``."""
     a, b = st.layers
     parts = [f"stage {s}: layers {a}-{b - 1}", f"{st.replicas} x {st.tensor_width} devices"]
+    if st.shares is not None:
+        parts.append("shares " + ":".join(map(str, st.shares)))
     if st.zero_stage:
         parts.append(f"ZeRO-{st.zero_stage}" + (" re-gathered" if st.regather else ""))
     if st.recompute:
@@ -68,6 +71,7 @@ def plot_layout(plan: Plan, cluster: Cluster, path: str | Path, title: str | Non
                 ax.add_patch(Rectangle((x + 0.06, y + 0.1), 0.88, 0.8, facecolor=color, lw=0))
                 if labelled:
                     text = f"s{s}\nr{j}" + (f" t{i}" if st.tensor_width > 1 else "")
+                    text += f"\nn{st.shares[j]}" if st.shares is not None else ""
                     ax.text(x + 0.5, y + 0.5, text, ha="center", va="center", fontsize=7)
             x0, y0 = group[0] % per, group[0] // per
             ax.add_patch(

@@ -1,0 +1,66 @@
+"""A stage whose replicas run at different speeds: each replica's time on its share of a
+micro-batch, the stage's time as its slowest replica's, and the shares that balance them.
+
+Pure, no torch. Replica ``j`` of a stage computes its share ``n_j`` of every micro-batch
+(:attr:`~dapple.core.plan.StagePlan.shares`) in ``t(n_j) / speed_j`` ms, where ``t(n)`` is
+the stage's F + B on ``n`` samples on a device of speed 1 (nondecreasing in ``n``); the stage
+keeps the pipeline waiting for the slowest, so its F_s + B_s is ``max_j t(n_j) / speed_j``
+(issue #43: mixed devices). The planner calls these once device kinds have speeds.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Sequence
+
+from dapple.core._json import require
+
+__all__ = ["balanced_shares", "slowest_replica_ms"]
+
+TimeOfSamples = Callable[[int], float]
+"""``n -> ms`` of the stage's F + B on ``n`` samples at speed 1, nondecreasing in ``n``."""
+
+
+def _check_speeds(speeds: Sequence[float]) -> None:
+    require(
+        len(speeds) >= 1 and all(0 < s < float("inf") for s in speeds),
+        f"replica speeds must be finite and > 0, got {list(speeds)}",
+    )
+
+
+def slowest_replica_ms(shares: Sequence[int], speeds: Sequence[float], ms: TimeOfSamples) -> float:
+    """``max_j ms(shares[j]) / speeds[j]``: the stage's time per micro-batch.
+
+    Raises:
+        ValidationError: a speed that is not finite and > 0, or a count unlike the shares'.
+    """
+    _check_speeds(speeds)
+    require(
+        len(shares) == len(speeds),
+        f"{len(shares)} shares {list(shares)} for {len(speeds)} replica speeds {list(speeds)}",
+    )
+    return max(ms(n) / s for n, s in zip(shares, speeds, strict=True))
+
+
+def balanced_shares(b: int, speeds: Sequence[float], ms: TimeOfSamples) -> tuple[int, ...]:
+    """Whole-sample shares of ``b`` (each >= 1) minimising :func:`slowest_replica_ms`.
+
+    One sample each, then every further sample to the replica that would finish it soonest
+    (ties to the lower index). For nondecreasing ``ms`` this is optimal: were the greedy's
+    slowest time above the optimum T, every replica would hold the most samples it can finish
+    within T, so they would already hold ``b``.
+
+    Raises:
+        ValidationError: a speed that is not finite and > 0, or ``b`` below the replica count.
+    """
+    _check_speeds(speeds)
+    r = len(speeds)
+    require(b >= r, f"balanced_shares: {b} samples cannot give each of {r} replicas one")
+    out = [1] * r
+    heap = [(ms(2) / speeds[j], j) for j in range(r)]
+    heapq.heapify(heap)
+    for _ in range(b - r):
+        _, j = heapq.heappop(heap)
+        out[j] += 1
+        heapq.heappush(heap, (ms(out[j] + 1) / speeds[j], j))
+    return tuple(out)
