@@ -167,11 +167,14 @@ def infer_boundary_specs(
     elif module is not None:
         chunks = dict(module)
     specs: dict[int, BoundarySpec] = {}
+    own: Any = None  # the probe output a chunk hands to this rank's next chunk (ZB-V's turn)
     for s, mod in sorted(chunks.items()):
         if plan.stages[s].devices.index(rank) != 0 or s == S - 1:
             continue
         if s == 0:
             x = _to(probe_input, device)
+        elif plan.stages[s - 1].devices[0] == rank:
+            x = own
         else:
             box: list[Any] = [None]
             dist.recv_object_list(box, src=plan.stages[s - 1].devices[0])
@@ -183,7 +186,12 @@ def infer_boundary_specs(
         mod.train(was_training)
         specs[s] = BoundarySpec.of(y)
         if s + 1 < S - 1:  # the last stage computes no boundary, so it needs no probe input
-            dist.send_object_list([_to(y, torch.device("cpu"))], dst=plan.stages[s + 1].devices[0])
+            if plan.stages[s + 1].devices[0] == rank:
+                own = y
+            else:
+                dist.send_object_list(
+                    [_to(y, torch.device("cpu"))], dst=plan.stages[s + 1].devices[0]
+                )
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, specs)
     return [gathered[plan.stages[s].devices[0]][s] for s in range(S - 1)]
