@@ -17,7 +17,8 @@ import torch
 
 from dapple import api
 from dapple.cli import build_parser, main
-from dapple.cli._run_args import add_run_arguments, load_run_plan
+from dapple.cli._run_args import add_run_arguments
+from dapple.cli._train_config import run_config_of, verify_config_of
 from dapple.core.cluster import load_cluster
 from dapple.core.plan import Plan, straight_plan
 from dapple.errors import ValidationError
@@ -281,6 +282,14 @@ def test_train_predicts_with_a_paper_profile(tmp_path: Path) -> None:
     assert [r["predicted_step_ms"] for r in rows] == [pytest.approx(expected)]
 
 
+def _run_plan(argv: list[str]) -> Plan:
+    """The plan ``dapple train`` or ``dapple verify`` runs for ``argv``: flags -> its
+    ``RunConfig`` -> the inputs the API loads."""
+    args = build_parser().parse_args(argv)
+    cfg = run_config_of(args) if argv[0] == "train" else verify_config_of(args)
+    return api.run_inputs(cfg, cli=True).plan
+
+
 @pytest.mark.parametrize("command", ["train", "verify"])
 def test_schedule_and_policy_override_the_plan(
     command: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
@@ -289,10 +298,10 @@ def test_schedule_and_policy_override_the_plan(
     assert (plan.schedule, plan.policy) == ("dapple", "A")
     plan.save(tmp_path / "p.json")
     argv = [command, "--plan", str(tmp_path / "p.json"), "-m", "mlp"]
-    assert load_run_plan(build_parser().parse_args(argv)) == plan
-    got = load_run_plan(build_parser().parse_args([*argv, "--schedule", "gpipe"]))
+    assert _run_plan(argv) == plan
+    got = _run_plan([*argv, "--schedule", "gpipe"])
     assert got == dataclasses.replace(plan, schedule="gpipe")
-    got = load_run_plan(build_parser().parse_args([*argv, "--policy", "B"]))
+    got = _run_plan([*argv, "--policy", "B"])
     assert got == dataclasses.replace(plan, policy="B")
     with pytest.raises(SystemExit) as e:
         main([*argv, "--schedule", "1f1b"])

@@ -187,18 +187,19 @@ def test_refine_cuts_searches_the_partition_under_each_schedule():
 def test_train_and_verify_take_every_schedule_name(tmp_path):
     """``--schedule`` of ``train``/``verify`` (and the API's ``schedule=``) names every schedule;
     ``interleaved`` cuts each device group into ``--virtual-stages`` chunks."""
-    import argparse
-
-    from dapple.api import plan_with
-    from dapple.cli._run_args import load_run_plan
+    from dapple.api import plan_with, run_inputs
+    from dapple.cli import build_parser
+    from dapple.cli._train_config import verify_config_of
 
     path = tmp_path / "plan.json"
     base = _base(M=3, gbs=12)
     base.save(path)
 
     def run_plan(schedule, v=1, policy=None):
-        ns = argparse.Namespace(plan=str(path), schedule=schedule, virtual_stages=v, policy=policy)
-        return load_run_plan(ns)
+        argv = ["verify", "--plan", str(path), "-m", "mlp", "--virtual-stages", str(v)]
+        argv += [*(["--schedule", schedule] if schedule else []),
+                 *(["--policy", policy] if policy else [])]  # fmt: skip
+        return run_inputs(verify_config_of(build_parser().parse_args(argv)), cli=True).plan
 
     inter = run_plan("interleaved", 2)
     assert inter == with_schedule(base, "interleaved", 2) == plan_with(path, "interleaved", None, 2)
@@ -209,7 +210,6 @@ def test_train_and_verify_take_every_schedule_name(tmp_path):
         run_plan(None, 2)
     with pytest.raises(ValidationError, match="virtual_stages=2 needs schedule='interleaved'"):
         plan_with(path, None, None, 2)
-    from dapple.cli import build_parser
 
     parser = build_parser()
     for cmd in ("train", "verify"):

@@ -216,17 +216,15 @@ def test_zero_stage_is_an_optimisation_option_verify_forwards() -> None:
 @pytest.mark.parametrize("cmd", ["train", "verify"])
 def test_cli_zero_stage_flag_reaches_the_train_config(cmd: str) -> None:
     from dapple.cli import build_parser
-    from dapple.cli._optim_args import optim_options
+    from dapple.cli._train_config import run_config_of, verify_config_of
+
+    def train_config(*flags: str) -> TrainConfig:
+        args = build_parser().parse_args([cmd, "--plan", "p.json", "--model", "mlp", *flags])
+        return (run_config_of if cmd == "train" else verify_config_of)(args).train
 
     for z in (1, 2):
-        args = build_parser().parse_args(
-            [cmd, "--plan", "p.json", "--model", "mlp", "--zero-stage", str(z)]
-        )
-        options = optim_options(args)
-        assert options["zero_stage"] == z
-        assert TrainConfig(**options).zero_stage == z
-    default = build_parser().parse_args([cmd, "--plan", "p.json", "--model", "mlp"])
-    assert optim_options(default)["zero_stage"] == 0
+        assert train_config("--zero-stage", str(z)).zero_stage == z
+    assert train_config().zero_stage == 0
 
 
 def test_cli_bad_zero_stage_is_one_line_before_any_compute(

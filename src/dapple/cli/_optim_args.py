@@ -6,11 +6,10 @@ schedule and global gradient-norm clipping (the :class:`~dapple.runtime.TrainCon
 from __future__ import annotations
 
 import argparse
-from typing import Any
 
 from dapple.errors import ValidationError
 
-__all__ = ["LR_SCHEDULE_NAMES", "add_optim_arguments", "optim_options", "zero_stage_flag"]
+__all__ = ["LR_SCHEDULE_NAMES", "add_optim_arguments", "zero_stage_flag"]
 
 LR_SCHEDULE_NAMES = ("constant", "cosine")
 """``--lr-schedule`` choices (:data:`dapple.runtime.optim_config.LR_SCHEDULES`; a test keeps
@@ -79,21 +78,6 @@ def add_optim_arguments(p: argparse.ArgumentParser) -> None:
         "with one replica "
         "(default %(default)s)",
     )
-
-
-def optim_options(args: argparse.Namespace) -> dict[str, Any]:
-    """The :class:`TrainConfig` optimisation fields from parsed flags."""
-    return {
-        "weight_decay": args.weight_decay,
-        "momentum": args.momentum,
-        "betas": tuple(args.betas),
-        "eps": args.eps,
-        "lr_schedule": args.lr_schedule,
-        "warmup_steps": args.warmup_steps,
-        "min_lr": args.min_lr,
-        "clip_grad_norm": args.clip_grad_norm,
-        "zero_stage": zero_stage_flag(args.zero_stage),
-    }
 
 
 def zero_stage_flag(value: str) -> int:

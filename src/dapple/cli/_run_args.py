@@ -14,7 +14,6 @@ from typing import overload
 from dapple.cli._data_args import add_data_arguments
 from dapple.cli._model_args import add_model_arguments
 from dapple.cli._optim_args import add_optim_arguments
-from dapple.core.plan import Plan
 from dapple.schedule.registry import schedule_names
 
 __all__ = [
@@ -22,7 +21,6 @@ __all__ = [
     "add_device_argument",
     "add_precision_argument",
     "add_run_arguments",
-    "load_run_plan",
 ]
 
 RUN_DEVICES = ("auto", "cpu", "cuda")
@@ -147,15 +145,3 @@ def add_precision_argument(p: argparse.ArgumentParser) -> None:
         help="fp32, bf16 or fp16: autocast dtype of the forward (weights and optimizer state "
         "stay fp32; fp16 scales the loss dynamically; CPU: fp32 or bf16) (default %(default)s)",
     )
-
-
-def load_run_plan(args: argparse.Namespace) -> Plan:
-    """The plan of ``--plan`` with ``--schedule`` (and ``--virtual-stages``) and ``--policy``
-    applied (:func:`dapple.api.plan_with`).
-
-    Raises:
-        ValidationError: unreadable or invalid plan file, or a schedule that does not fit it.
-    """
-    from dapple.api import plan_with
-
-    return plan_with(args.plan, args.schedule, args.policy, args.virtual_stages, cli=True)
