@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
@@ -97,7 +98,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         metavar="DATASHEET",
         help="do not run the model: count each layer's FLOPs and bytes from its shapes and time "
         f"them with this GPU datasheet's roofline ({', '.join(DEVICES)}; -m a preset such as "
-        "llama3-8b, llama3.1-405b, gpt3-175b, hf:DIR or a zoo transformer; --precision also "
+        "llama3-8b, llama3.1-405b, gpt3-175b, mixtral-8x7b, deepseek-v3, hf:DIR or a zoo "
+        "transformer; --precision also "
         "accepts fp8; --recompute)",
     )
     p.add_argument(
@@ -288,6 +290,7 @@ def run(args: argparse.Namespace) -> int:
             split_backward=args.split_backward,
             seq_lens=lens,
         )
+        prof = _with_measured_experts(args, workload, sizes, prof)
     print_profile(con, prof)
     if prof.by_length:
         print_lengths(con, prof)
@@ -296,6 +299,20 @@ def run(args: argparse.Namespace) -> int:
         f"wrote {args.output}: {prof.num_layers} layers, {prof.parameter_bytes:,} parameter bytes"
     )
     return 0
+
+
+def _with_measured_experts(
+    args: argparse.Namespace, workload: Any, sizes: list[int], prof: ModelProfile
+) -> ModelProfile:
+    """``prof`` with the router, experts and expert load of a Hugging Face mixture of experts
+    measured apart (:mod:`dapple.profiler.moe_measure`); ``prof`` itself for a dense model."""
+    from dapple.profiler.moe_measure import configured_experts, measure_moe, with_moe
+
+    if not configured_experts(workload):
+        return prof
+    measured = measure_moe(workload, sizes, warmup=args.warmup, repeats=args.repeats,
+                           device=args.device, num_threads=args.threads)  # fmt: skip
+    return with_moe(prof, measured)
 
 
 @contextlib.contextmanager
