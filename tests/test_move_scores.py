@@ -58,7 +58,7 @@ def _cases(draw: st.DrawFn) -> tuple[MixedScorer, list[WidthStage], int]:
     """A mixed scorer on a random profile and memory, and a plan of aligned stages on it."""
     n = draw(st.integers(3, 8))
     times = draw(st.lists(st.sampled_from([0.25, 0.5, 1.0, 1.5]), min_size=n, max_size=n))
-    memory = draw(st.sampled_from([2.0, 4.0, 8.0, 64.0]))
+    memory = draw(st.sampled_from([1.5, 2.0, 4.0, 8.0, 64.0]))
     B = draw(st.sampled_from([8, 16, 32]))
     prof, cluster = _profile(times), _cluster(memory)
     ms = MixedScorer({t: Scorer(prof, cluster, B, "auto", t) for t in (1, 2, 4)})
@@ -88,15 +88,33 @@ def test_each_move_is_estimated_as_the_whole_plan_scores(
     """Every move of a random plan (width, cut, merge) at its M: the estimate is ``inf``
     exactly where the whole plan does not fit, else within :data:`ROUNDING` of its L."""
     ms, stages, M = case
+    _assert_estimated(ms, stages, M)
+
+
+def _assert_estimated(ms: MixedScorer, stages: list[WidthStage], M: int) -> int:
+    """Every move's estimate against its whole plan's score; how many of those plans bound a
+    stage by D."""
     moves = moves_of(ms, stages)
     est = ms.estimates(stages, moves, M)
     assert est is not None and len(est) == len(moves)
+    bound = 0
     for move, got in zip(moves, est, strict=True):
         whole = ms.score(applied(stages, move), M)
         if whole is None:
             assert got == float("inf"), move
         else:
             assert abs(got - whole.L_ms) <= ROUNDING * whole.L_ms, (move, got, whole.L_ms)
+            bound += any(d is not None for d in whole.max_in_flight)
+    return bound
+
+
+def test_a_move_whose_plan_bounds_a_stage_by_d_is_estimated_with_it() -> None:
+    """1.5 GiB devices: one move's plan keeps a stage below its K_i (D, the DAPPLE schedule's
+    counts under it); its estimate is its L all the same."""
+    prof, cluster = _profile([0.5, 1.0, 1.0, 1.0, 1.0, 0.5]), _cluster(1.5)
+    ms = MixedScorer({t: Scorer(prof, cluster, 16, "auto", t) for t in (1, 2, 4)})
+    stages = [(0, 2, (0, 1), 1), (2, 4, (2, 3), 2), (4, 6, (4, 5, 6, 7), 4)]
+    assert _assert_estimated(ms, stages, 4) >= 1
 
 
 class _EveryMove(MixedScorer):

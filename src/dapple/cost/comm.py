@@ -8,6 +8,7 @@ entering a server add up. Pure, no torch.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 from dapple.core.cluster import Cluster
@@ -21,6 +22,7 @@ __all__ = [
     "comm_stage_ms",
     "link_loads",
     "overlaps",
+    "server_counts",
     "stage_sync_ms",
     "transfer_ms",
 ]
@@ -42,12 +44,22 @@ def transfer_ms(cluster: Cluster, nbytes: float, src_device: int, dst_device: in
     )
 
 
-def _server_counts(cluster: Cluster, devices: Sequence[int]) -> list[int]:
+def server_counts(cluster: Cluster, devices: Sequence[int]) -> tuple[int, ...]:
+    """How many of ``devices`` each server they span holds (one count per server, in order of
+    first appearance)."""
+    return _server_counts(cluster.devices_per_server, tuple(devices))
+
+
+@functools.lru_cache(maxsize=1 << 12)
+def _server_counts(per_server: int, devices: tuple[int, ...]) -> tuple[int, ...]:
+    """:func:`server_counts`, remembered: a planner asks it for the same device sets with each
+    stage's bytes (:meth:`Cluster.server_of <dapple.core.cluster.Cluster.server_of>`: device
+    ``d`` is on server ``d // per_server``)."""
     counts: dict[int, int] = {}
     for d in devices:
-        s = cluster.server_of(d)
+        s = d // per_server
         counts[s] = counts.get(s, 0) + 1
-    return list(counts.values())
+    return tuple(counts.values())
 
 
 def stage_sync_ms(
@@ -102,7 +114,7 @@ def allreduce_ms(cluster: Cluster, nbytes: float, devices: Sequence[int]) -> flo
     n = len(devices)
     if n <= 1 or nbytes <= 0:
         return 0.0
-    counts = _server_counts(cluster, devices)
+    counts = server_counts(cluster, devices)
     k = len(counts)
     intra_bpms = cluster.intra_server_bandwidth_gbps * 1e9 / 8 / 1e3
     inter_bpms = cluster.inter_server_bandwidth_gbps * 1e9 / 8 / 1e3

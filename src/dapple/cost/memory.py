@@ -11,6 +11,7 @@ Activation memory reads the layers at the longest planned length,
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 
 from dapple.core.plan import StagePlan
@@ -33,6 +34,7 @@ __all__ = [
     "tied_state_bytes_per_parameter_byte",
     "uncast_bytes",
     "weight_cast_bytes",
+    "weight_cast_factor",
     "zero2_staging_bytes",
     "zero_saved_bytes",
 ]
@@ -93,7 +95,19 @@ def tensor_kept_bytes_per_sample(layer: LayerProfile, t: int) -> float:
 def _cast_factor(profile: ModelProfile) -> float:
     """Bytes of autocast's weight cast cache per (fp32) parameter byte: a 2-byte copy of every
     4-byte parameter under bf16/fp16 autocast, none in fp32."""
-    return precision_of(profile.precision).weight_cast_factor
+    return weight_cast_factor(profile.precision)
+
+
+@functools.cache
+def weight_cast_factor(precision: str) -> float:
+    """:attr:`ComputePrecision.weight_cast_factor <dapple.core.precision.ComputePrecision>` of
+    the precision named ``precision``, remembered (a planner asks it per layer of each stage
+    it costs).
+
+    Raises:
+        ValidationError: no precision has that name.
+    """
+    return precision_of(precision).weight_cast_factor
 
 
 def state_bytes_per_parameter_byte(

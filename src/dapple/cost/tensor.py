@@ -35,7 +35,7 @@ from __future__ import annotations
 from dapple.core.cluster import Cluster
 from dapple.core.plan import StagePlan
 from dapple.core.profile import ModelProfile
-from dapple.cost.comm import allreduce_ms, stage_sync_ms
+from dapple.cost.comm import allreduce_ms, server_counts, stage_sync_ms
 from dapple.cost.compute import compute_ms, split_backward_ms
 from dapple.cost.memory import (
     TP_REPLICATED_OUTPUTS,
@@ -146,10 +146,9 @@ def _parallel_allreduce_ms(cluster: Cluster, nbytes: float, stage: StagePlan) ->
     t = stage.tensor_width
     group = stage.replica_group(0)
     one = allreduce_ms(cluster, nbytes, group)
-    servers = {cluster.server_of(d) for d in group}
-    if t == 1 or len(servers) == 1:
+    k = len(server_counts(cluster, group))
+    if t == 1 or k == 1:
         return one
-    k = len(servers)
     inter_bpms = cluster.inter_server_bandwidth_gbps * 1e9 / 8 / 1e3
     return one + (t - 1) * 2 * (k - 1) / k * nbytes / inter_bpms
 

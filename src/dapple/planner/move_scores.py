@@ -75,6 +75,10 @@ class _Rows:
             self._append(t.forward_ms, t.backward_ms, t.sync_ms + t.update_ms, d * (d < k), False)
         return len(self.F) - 1
 
+    def add_empty(self) -> None:
+        """A row of no time and no bound (what leads a shorter plan)."""
+        self._append(0.0, 0.0, 0.0, 0, False)
+
     def arrays(self) -> _Columns:
         """The columns as arrays."""
         return _Columns(
@@ -116,6 +120,8 @@ def estimate_moves(
         policies: the warm-up policies to try.
         bounded: whether the schedule bounds a stage by its K_i (:class:`ScheduleSpec`).
     """
+    if not moves:
+        return []
     S = len(stages)
     sizes = [S - (j - i) + len(new) for i, j, new in moves]
     heads = {S: S}  # per stage count: how many current stages begin some move's plan
@@ -132,26 +138,43 @@ def estimate_moves(
     new_at = [
         (n, i + a) for (i, _, new), n in zip(moves, sizes, strict=True) for a in range(len(new))
     ]
-    groups = {}
-    for n in set(sizes):
-        pick = [m for m, x in enumerate(sizes) if x == n]
-        comm_at = np.array([comm_idx[m] for m in pick], dtype=np.intp).reshape(len(pick), n - 1)
-        comp_at = np.array([comp_idx[m] for m in pick], dtype=np.intp).reshape(len(pick), n)
-        groups[n] = (pick, comp_at, np.array(comm_src)[comm_at])
-    best = np.full(len(moves), np.inf)
+    # every plan right-aligned to the longest, led by empty stages (no time, period 0)
+    width = max(sizes)
+    pad = [width - n for n in sizes]
+    comm_src.append(0.0)
+    comp_at = np.array(
+        [[-1] * p + row for row, p in zip(comp_idx, pad, strict=True)], dtype=np.intp
+    ).reshape(len(moves), width)
+    comm_at = np.array(
+        [[-1] * p + row for row, p in zip(comm_idx, pad, strict=True)], dtype=np.intp
+    ).reshape(len(moves), width - 1)
+    comm_ms = np.array(comm_src)[comm_at]
+    tables = []
     for policy in policies:
         rows = _Rows()
-        nominal = {n: in_flight(schedule, n, M, policy, None) for n in heads}
+        nominal = {n: in_flight(schedule, n, M, policy, None) for n in {*heads, width}}
         for n, h in heads.items():
             for a in range(h):
                 rows.add(opts[a], nominal[n][a], M, bounded)
         for o, (n, a) in zip(new_opts, new_at, strict=True):
             rows.add(o, nominal[n][a], M, bounded)
-        cols = rows.arrays()
-        for n, (pick, idx, cm) in groups.items():
-            got = _latency(cols, idx, cm, nominal[n], M)
-            best[pick] = np.minimum(best[pick], got)
-    return [float(x) for x in best]
+        rows.add_empty()
+        tables.append((rows.arrays(), nominal[width]))
+    cols = _Columns(*(np.concatenate([t[0][f] for t in tables]) for f in range(5)))
+    offsets = np.cumsum([0, *(len(t[0].F) for t in tables[:-1])])
+    # the last row of each policy's table is its empty stage (index -1)
+    idx = np.concatenate([np.where(comp_at < 0, o + len(t[0].F) - 1, comp_at + o)
+                          for t, o in zip(tables, offsets, strict=True)])  # fmt: skip
+    K = np.repeat(np.array([t[1] for t in tables], dtype=np.intp), len(moves), axis=0)
+    L = _latency(
+        cols,
+        idx,
+        np.tile(comm_ms, (len(tables), 1)),
+        K,
+        np.tile(np.array(pad, dtype=np.intp), len(tables)),
+        M,
+    )
+    return [float(x) for x in L.reshape(len(tables), len(moves)).min(axis=0)]
 
 
 def _layout(
@@ -187,41 +210,45 @@ def _latency(
     rows: _Columns,
     idx: NDArray[np.intp],
     comm: NDArray[np.float64],
-    nominal: Sequence[int],
+    nominal: NDArray[np.intp],
+    pad: NDArray[np.intp],
     M: int,
 ) -> NDArray[np.float64]:
     """L of each plan whose computation stages are ``rows[idx[m]]`` and comm stages
-    ``comm[m]`` (equations 1-3, module docstring); ``inf`` where a stage does not fit."""
+    ``comm[m]``, K_i ``nominal[m]`` without D, led by ``pad[m]`` empty stages (equations
+    1-3, module docstring); ``inf`` where a stage does not fit."""
     n, S = idx.shape
     P = 2 * S - 1
-    F = np.empty((n, P))
-    B = np.empty((n, P))
-    AR = np.zeros((n, P))
-    F[:, 0::2] = rows.F[idx]
-    B[:, 0::2] = rows.B[idx]
-    AR[:, 0::2] = rows.AR[idx]
-    F[:, 1::2] = comm
-    B[:, 1::2] = comm
-    d = rows.d[idx]
-    k = np.asarray(nominal, dtype=np.intp)[None, :]
-    K = np.minimum.accumulate(np.where(d > 0, np.minimum(k, d), k), axis=1)
+    at = idx.T  # position-major: each position's values over the plans are contiguous
+    F = np.empty((P, n))
+    B = np.empty((P, n))
+    AR = np.zeros((P, n))
+    F[0::2] = rows.F[at]
+    B[0::2] = rows.B[at]
+    AR[0::2] = rows.AR[at]
+    F[1::2] = comm.T
+    B[1::2] = comm.T
+    d = rows.d[at]
+    k = nominal.T
+    K = np.minimum.accumulate(np.where(d > 0, np.minimum(k, d), k), axis=0)
     fb = F + B
-    rt = np.cumsum(fb[:, ::-1], axis=1)[:, ::-1]
+    rt = np.cumsum(fb[::-1], axis=0)[::-1]
     period = fb.copy()
-    period[:, 0::2] = np.maximum(fb[:, 0::2], rt[:, 0::2] / K)
-    m1 = M - 1
+    period[0::2] = np.maximum(fb[0::2], rt[0::2] / K)
+    period[np.arange(P)[:, None] < 2 * pad[None, :]] = 0.0
+    mp = (M - 1) * period
     Q = np.full(n, P - 1)
-    mpQ = m1 * period[:, P - 1]
+    mpQ = mp[P - 1].copy()
     between = np.zeros(n)
     for s in range(P - 2, -1, -1):
-        ms = m1 * period[:, s]
-        take = ms > mpQ + between
-        Q = np.where(take, s, Q)
-        mpQ = np.where(take, ms, mpQ)
-        between = np.where(take, 0.0, between + fb[:, s])
-    cumF = np.cumsum(F, axis=1)
-    T_w = cumF[np.arange(n), Q]
-    end = np.max(np.cumsum(B[:, ::-1], axis=1) + AR[:, ::-1], axis=1)
-    L: NDArray[np.float64] = T_w + mpQ + ((cumF[:, -1] - T_w) + np.maximum(end, 0.0))
+        take = mp[s] > mpQ + between
+        Q[take] = s
+        np.copyto(mpQ, mp[s], where=take)
+        between += fb[s]
+        between[take] = 0.0
+    cumF = np.cumsum(F, axis=0)
+    T_w = cumF[Q, np.arange(n)]
+    end = np.max(np.cumsum(B[::-1], axis=0) + AR[::-1], axis=0)
+    L: NDArray[np.float64] = T_w + mpQ + ((cumF[-1] - T_w) + np.maximum(end, 0.0))
     L[rows.bad[idx].any(axis=1)] = np.inf
     return L

@@ -73,6 +73,7 @@ from dapple.planner.cut_search import (
     SearchLimits,
     candidate_replicas,
     search_limits,
+    stage_bound,
 )
 from dapple.planner.evaluate import Scored, Scorer, StageSpec
 from dapple.planner.grid import GridPoint, grid_candidates
@@ -93,6 +94,9 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+BOUND_ROUNDING = 1e-9
+"""Relative margin of :func:`_lower_bound` for the rounding of L's sums."""
 
 Progress = Callable[[int, int], None]
 
@@ -392,11 +396,15 @@ def _rank_micro_batches(
     offering each that fits to ``best`` (taken when below its L); the M, most promising (lowest
     such L) first, so that the incumbent prunes the later ones harder."""
     ranked: list[tuple[float, int]] = []
+    bounded = not has_host_terms(sc.cluster)  # the CPU-host pass reshapes F and B
     for M in Ms:
         m_best = math.inf
-        for stages in _seeds(sc, global_batch_size // M):
+        b = global_batch_size // M
+        for stages in _seeds(sc, b):
             if len(stages) > max_stages:
                 continue
+            if bounded and _lower_bound(sc, stages, b, M) >= max(m_best, best.L_ms):
+                continue  # it would change neither this M's rank nor the incumbent
             got = sc.score(stages, M)
             if got is not None:
                 m_best = min(m_best, got.L_ms)
@@ -405,3 +413,9 @@ def _rank_micro_batches(
         ranked.append((m_best, M))
     ranked.sort()
     return [M for _, M in ranked]
+
+
+def _lower_bound(sc: Scorer, stages: Sequence[StageSpec], b: int, M: int) -> float:
+    """A lower bound of the candidate's L, less a rounding margin: the largest of its stages'
+    :func:`~dapple.planner.cut_search.stage_bound` (``L >= M (F_s + B_s)``, equations 1-3)."""
+    return max(stage_bound(sc, s, e, len(d), b, M) for s, e, d in stages) * (1.0 - BOUND_ROUNDING)
