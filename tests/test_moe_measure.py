@@ -36,6 +36,13 @@ def _save(kind: str, path: Path) -> Path:
     elif kind == "qwen2_moe":
         config = tf.Qwen2MoeConfig(**SIZES, num_experts=6, moe_intermediate_size=24,
                                    shared_expert_intermediate_size=48)  # fmt: skip
+    elif kind == "deepseek_v3":
+        config = tf.DeepseekV3Config(**{**SIZES, "num_hidden_layers": 3, "num_key_value_heads": 4},
+                                     first_k_dense_replace=1,
+                                     n_routed_experts=8, n_shared_experts=1,
+                                     moe_intermediate_size=16, q_lora_rank=16, kv_lora_rank=8,
+                                     qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
+                                     n_group=2, topk_group=1)  # fmt: skip
     else:
         config = tf.LlamaConfig(**{k: v for k, v in SIZES.items() if k != "num_experts_per_tok"})
     torch.manual_seed(0)
@@ -92,6 +99,15 @@ def test_hf_moe_blocks_are_measured_apart_and_their_load_counted(
     path = tmp_path / "p.json"
     prof.save(path)
     assert ModelProfile.load(path) == prof
+
+
+def test_deepseek_v3_measures_its_sparse_blocks_not_its_dense_first(tmp_path: Path) -> None:
+    wl = _workload("deepseek_v3", tmp_path)
+    measured = measure_moe(wl, [2], warmup=0, repeats=1)
+    assert [m.path for m in measured] == ["model.layers.1.mlp", "model.layers.2.mlp"]
+    assert all(sum(m.load) == 2 * SEQ * 2 and m.experts == 8 for m in measured)
+    prof = with_moe(_profile_like(wl), measured)
+    assert [ly.moe is not None for ly in prof.layers] == [False, False, True, True, False]
 
 
 def test_a_dense_model_has_nothing_to_measure(tmp_path: Path) -> None:
