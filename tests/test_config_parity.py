@@ -62,6 +62,12 @@ CLI_ONLY_PLAN = {
 }
 """``dapple plan`` flags (by dest) that :func:`dapple.api.plan` does not take, and why."""
 
+API_ONLY_PLAN = {
+    "inputs": "what a PlanConfig names, already loaded (dapple plan loads them naming its flags)",
+    "progress": "the search's progress callback (dapple plan shows a progress bar)",
+}
+"""Keywords of :func:`dapple.api.plan` beside a ``PlanConfig``, no field of it."""
+
 API_NAMES = {
     ("plan", "path"): "plan",
     ("model", "spec"): "workload",
@@ -192,7 +198,7 @@ def test_plan_flag_defaults_and_api_plan_defaults_are_the_config_defaults() -> N
                 assert default is None and actions[flag.dest].required, name
             else:
                 assert p.default == default, (name, p.default, default)
-    assert set(params) == {n for _, n in _in_schema(PLAN_SECTIONS)}
+    assert set(params) == {n for _, n in _in_schema(PLAN_SECTIONS)} | set(API_ONLY_PLAN)
     # a run's zero stages (a floor, 0-3) are the plan's, and auto, which only the planner takes
     assert (*ZERO_STAGES, "auto") == ZERO_CHOICES
 
@@ -214,6 +220,39 @@ def test_api_plan_takes_zero_stage_and_servers_like_the_cli(
     load_profile("paper:vgg19").save(tmp_path / "vgg.json")
     with pytest.raises(ValidationError, match="global_batch_size is required"):
         api.plan(tmp_path / "vgg.json", "paper-a")
+    cfg = PlanConfig(profile="paper:vgg19", cluster="paper-a", servers=1, zero_stage="auto",
+                     output=str(tmp_path / "cfg.json"))  # fmt: skip
+    assert api.plan(cfg) == ours == Plan.load(tmp_path / "cfg.json")
+    with pytest.raises(
+        ValidationError, match="plan\\(cfg\\) takes the planning options from cfg, got also servers"
+    ):
+        api.plan(cfg, servers=2)  # type: ignore[call-overload]
+    with pytest.raises(ValidationError, match="a plan needs a profile and a cluster"):
+        api.plan(PlanConfig(profile="paper:vgg19"))
+
+
+# -- dapple simulate --------------------------------------------------------------------------------
+def test_every_simulate_flag_is_a_simulate_config_field_with_its_default() -> None:
+    from dapple.cli.simulate_cmd import SimulateConfig, simulate_config_of
+
+    actions = _flag_actions("simulate")
+    fields = {f.name: f for f in dataclasses.fields(SimulateConfig)}
+    assert set(actions) == set(fields)
+    for name, f in fields.items():
+        if f.default is dataclasses.MISSING:
+            assert actions[name].required, name
+        else:
+            assert actions[name].default == f.default, name
+    argv = ["simulate", "--plan", "p.json", "--profile", "paper:bert48", "--cluster", "paper-a",
+            "--servers", "1", "--schedule", "interleaved", "--virtual-stages", "2", "--policy",
+            "B", "--compare", "--gantt", "g.png", "--trace", "t.json", "--memory", "m.png",
+            "--layout", "l.png"]  # fmt: skip
+    cfg = simulate_config_of(build_parser().parse_args(argv))
+    assert cfg == SimulateConfig(
+        plan="p.json", profile="paper:bert48", cluster="paper-a", servers=1,
+        schedule="interleaved", virtual_stages=2, policy="B", compare=True, gantt="g.png",
+        trace="t.json", memory="m.png", layout="l.png",
+    )  # fmt: skip
 
 
 # -- the same run through the three doors --------------------------------------------------------

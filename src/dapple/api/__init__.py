@@ -18,7 +18,10 @@ A training run is also one typed configuration, :class:`~dapple.runtime.run_conf
 (``dapple train``'s flags and a run file read into it, or ``dapple verify``'s flags):
 ``dp.train(cfg)`` runs it and ``dp.verify(cfg)`` checks it against one process; what it names
 is loaded once by :func:`run_inputs` (:class:`RunInputs`), its plan under the schedule and
-policy asked for by :func:`plan_with`.
+policy asked for by :func:`plan_with`. A plan is asked for by a
+:class:`~dapple.planner.config.PlanConfig` (``dapple plan``'s flags and a config file's
+``[planning]`` section read into it): ``dp.plan(cfg)`` makes it, on what :func:`plan_inputs`
+loads (:class:`PlanInputs`).
 
 Workloads loaded from a spec (:func:`load`) pickle as their spec: spawned worker processes load
 them again, so models defined in a ``file.py`` train and verify like installed ones.
@@ -29,16 +32,18 @@ The functions live in :mod:`dapple.api.planning` (profile, plan, plan_local, sim
 
 from __future__ import annotations
 
-from dapple.api._inputs import RunInputs, plan_with, run_inputs
+from dapple.api._inputs import PlanInputs, RunInputs, plan_inputs, plan_with, run_inputs
 from dapple.api.planning import plan, plan_local, profile, simulate
 from dapple.api.running import generate, train, verify, verify_many
 from dapple.models.spec import load
 
 __all__ = [
+    "PlanInputs",
     "RunInputs",
     "generate",
     "load",
     "plan",
+    "plan_inputs",
     "plan_local",
     "plan_with",
     "profile",

@@ -4,7 +4,8 @@ A model is a :class:`~dapple.models.workload.Workload` or a spec string for
 :func:`dapple.models.spec.load`; a plan, a profile and a cluster are objects or the paths
 (names, for a cluster preset or a ``paper:NAME`` profile) of their JSON files. A plan given to
 run or simulate may be put under another schedule and policy (:func:`plan_with`). What a run's
-configuration names is loaded once into :class:`RunInputs` (:func:`run_inputs`).
+configuration names is loaded once into :class:`RunInputs` (:func:`run_inputs`), and what a
+plan's into :class:`PlanInputs` (:func:`plan_inputs`).
 """
 
 from __future__ import annotations
@@ -24,9 +25,11 @@ from dapple.models.workload import Workload
 from dapple.schedule.registry import check_virtual_stages
 
 if TYPE_CHECKING:
+    from dapple.planner.config import PlanConfig
     from dapple.runtime.run_config import RunConfig
 
 __all__ = [
+    "PlanInputs",
     "RunInputs",
     "WorkloadLike",
     "as_cluster",
@@ -34,6 +37,7 @@ __all__ = [
     "as_profile",
     "as_workload",
     "global_batch_of",
+    "plan_inputs",
     "plan_with",
     "run_inputs",
 ]
@@ -85,6 +89,51 @@ def run_inputs(cfg: RunConfig, *, cli: bool = False) -> RunInputs:
     return RunInputs(plan, load(cfg.model.spec, **overrides), data, evals)
 
 
+@dataclass(frozen=True, slots=True)
+class PlanInputs:
+    """What a plan's configuration (:class:`~dapple.planner.config.PlanConfig`) names, loaded."""
+
+    profile: ModelProfile
+    """The model profile, for the configuration's sample lengths when it gives them
+    (:func:`~dapple.cost.lengths.profile_for_lengths`)."""
+    cluster: Cluster
+    """The cluster, with the configuration's number of servers."""
+    global_batch_size: int
+    """G: the configuration's, or the paper's for a ``paper:NAME`` profile."""
+
+
+def plan_inputs(
+    cfg: PlanConfig,
+    profile: ModelProfile | str | Path | None = None,
+    cluster: Cluster | str | None = None,
+    *,
+    cli: bool = False,
+) -> PlanInputs:
+    """The profile, cluster and G ``cfg`` names (``profile`` and ``cluster``: given as objects
+    or names instead), loaded in that order.
+
+    Raises:
+        ValidationError: no profile or cluster, a bad file, lengths the profile cannot give, or
+            no G for a profile that is not ``paper:NAME`` (``cli``: named as ``dapple plan``'s
+            flag).
+    """
+    from dapple.cost.lengths import profile_for_lengths
+
+    profile = cfg.profile if profile is None else profile
+    cluster = cfg.cluster if cluster is None else cluster
+    if profile is None or cluster is None:
+        raise ValidationError(
+            f"a plan needs a profile and a cluster, got profile={profile!r} and cluster={cluster!r}"
+        )
+    prof = as_profile(profile)
+    if cfg.seq_len is not None:
+        prof = profile_for_lengths(prof, cfg.seq_len, cfg.max_seq_len)
+    cl = as_cluster(cluster, cfg.servers)
+    if cli and cfg.global_batch_size is None and _paper_batch(profile) is None:
+        raise ValidationError("--global-batch-size is required for a profile file")
+    return PlanInputs(prof, cl, global_batch_of(profile, cfg.global_batch_size))
+
+
 def as_workload(workload: WorkloadLike, overrides: Mapping[str, Any] | None) -> Workload:
     """``workload`` as given, or built from its spec with ``overrides``.
 
@@ -127,14 +176,20 @@ def as_cluster(cluster: Cluster | str, servers: int | None = None) -> Cluster:
 
 def global_batch_of(profile: ModelProfile | str | Path, given: int | None) -> int:
     """G as given, or the paper's for a ``paper:NAME`` profile (else a ValidationError)."""
-    from dapple.profiler.paper_models import PAPER_GLOBAL_BATCH, paper_name
-
     if given is not None:
         return given
-    name = paper_name(profile) if isinstance(profile, str) else None
-    if name is None:
+    G = _paper_batch(profile)
+    if G is None:
         raise ValidationError("global_batch_size is required for a profile that is not paper:NAME")
-    return PAPER_GLOBAL_BATCH[name]
+    return G
+
+
+def _paper_batch(profile: ModelProfile | str | Path) -> int | None:
+    """The paper's G for a ``paper:NAME`` profile (None: another profile)."""
+    from dapple.profiler.paper_models import PAPER_GLOBAL_BATCH, paper_name
+
+    name = paper_name(profile) if isinstance(profile, str) else None
+    return None if name is None else PAPER_GLOBAL_BATCH[name]
 
 
 def plan_with(

@@ -9,23 +9,27 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, overload
 
 from dapple.api._inputs import (
+    PlanInputs,
     WorkloadLike,
     as_cluster,
     as_profile,
     as_workload,
-    global_batch_of,
+    plan_inputs,
     plan_with,
 )
 from dapple.core.cluster import Cluster
 from dapple.core.plan import Plan
 from dapple.core.planning_options import ZeroChoice
 from dapple.core.profile import ModelProfile
+from dapple.errors import ValidationError
 from dapple.schedule.registry import check_virtual_stages
 
 if TYPE_CHECKING:
+    from dapple.planner.config import PlanConfig
+    from dapple.planner.search import Progress
     from dapple.simulate import SimResult
 
 __all__ = ["plan", "plan_local", "profile", "simulate"]
@@ -92,6 +96,11 @@ def profile(
     return prof
 
 
+@overload
+def plan(
+    profile: PlanConfig, *, inputs: PlanInputs | None = None, progress: Progress | None = None
+) -> Plan: ...
+@overload
 def plan(
     profile: ModelProfile | str | Path,
     cluster: Cluster | str,
@@ -107,12 +116,35 @@ def plan(
     zero_stage: ZeroChoice = 0,
     tensor_widths: str | Sequence[int] = "auto",
     interleave: bool = False,
+) -> Plan: ...
+def plan(
+    profile: PlanConfig | ModelProfile | str | Path,
+    cluster: Cluster | str | None = None,
+    global_batch_size: int | None = None,
+    planner: str = "dapple",
+    *,
+    servers: int | None = None,
+    output: str | Path | None = None,
+    schedule: str | None = None,
+    virtual_stages: int = 1,
+    seq_len: float | None = None,
+    max_seq_len: float | None = None,
+    zero_stage: ZeroChoice = 0,
+    tensor_widths: str | Sequence[int] = "auto",
+    interleave: bool = False,
+    inputs: PlanInputs | None = None,
+    progress: Progress | None = None,
 ) -> Plan:
-    """Plan a profiled model on a cluster (``dapple plan``).
+    """Plan a profiled model on a cluster (``dapple plan``): ``plan(cfg)`` the plan a
+    :class:`~dapple.planner.config.PlanConfig` asks for (``dapple plan``'s flags and a config
+    file's ``[planning]`` section read into it), ``plan(profile, cluster, ...)`` the one its
+    keyword arguments ask for - the same options, with the same names and defaults.
 
     Args:
-        profile: A :class:`ModelProfile`, its JSON path, or ``paper:NAME`` for a shipped paper
-            profile (:data:`dapple.profiler.paper_models.PAPER_MODELS`).
+        profile: A :class:`~dapple.planner.config.PlanConfig` (then only ``inputs`` and
+            ``progress`` go beside it), or a :class:`ModelProfile`, its JSON path, or
+            ``paper:NAME`` for a shipped paper profile
+            (:data:`dapple.profiler.paper_models.PAPER_MODELS`).
         cluster: A :class:`Cluster`, a preset name (``local-cpu``, ``paper-a``...) or a file.
         global_batch_size: Samples per optimizer step (None: the paper's, for a ``paper:NAME``
             profile).
@@ -141,38 +173,84 @@ def plan(
             (:mod:`dapple.planner.interleaving`); the plan may then have
             ``schedule == "interleaved"``, its ``predicted_step_ms`` that schedule's step rule
             (``dapple plan --interleave``; dapple planner only, not with ``schedule``).
+        inputs: With a ``PlanConfig``: what it names, already loaded (``dapple plan`` loads
+            them naming its flags); None: loaded here (:func:`~dapple.api.plan_inputs`).
+        progress: With a ``PlanConfig``: ``progress(done, total)`` of the DAPPLE search.
 
     Raises:
         ValidationError: Unknown planner or schedule, bad batch size, bad files, lengths
             without a profile measured at several, v not dividing a device group's layers,
             tensor widths that cannot be searched (t > 1 for a profile where no layer shards),
-            ``interleave`` with a ``schedule``, a baseline planner or a cluster with host terms.
+            ``interleave`` with a ``schedule``, a baseline planner or a cluster with host terms;
+            with a ``PlanConfig``, any keyword option beside it.
         InfeasibleError: No plan fits the devices' memory.
     """
-    from dapple.planner import make_plan
-    from dapple.planner.config import PlanConfig, check_interleave, tensor_width_list
+    from dapple.planner.config import PlanConfig, check_interleave
 
+    if isinstance(profile, PlanConfig):
+        _only_config(locals())
+        check_interleave(profile.interleave, profile.schedule)
+        return _plan(profile, inputs or plan_inputs(profile), progress)
+    if inputs is not None or progress is not None or cluster is None:
+        raise ValidationError(
+            "plan(profile, cluster, ...) needs a cluster and takes no inputs or progress (those "
+            "go with a PlanConfig: plan(cfg, inputs=..., progress=...))"
+        )
     widths = tensor_widths if isinstance(tensor_widths, str) else tuple(tensor_widths)
-    cfg = PlanConfig(  # the checks of `dapple plan` and its config file
-        servers=servers, global_batch_size=global_batch_size, planner=planner,
+    cfg = PlanConfig(
+        profile=_name(profile), cluster=_name(cluster), servers=servers,
+        global_batch_size=global_batch_size, planner=planner, seq_len=seq_len,
+        max_seq_len=max_seq_len, schedule=schedule, virtual_stages=virtual_stages,
         zero_stage=zero_stage, tensor_widths=widths, interleave=interleave,
+        output=None if output is None else str(output),
     )  # fmt: skip
     check_interleave(interleave, schedule)
-    prof, cl = as_profile(profile), as_cluster(cluster, servers)
+    return _plan(cfg, plan_inputs(cfg, profile, cluster), None)
+
+
+def _only_config(given: dict[str, Any]) -> None:
+    """``plan(cfg)`` takes the planning options from ``cfg``: none of the keyword form's beside
+    it.
+
+    Raises:
+        ValidationError: naming those given.
+    """
+    import inspect
+
+    params = inspect.signature(plan).parameters
+    own = ("profile", "inputs", "progress")
+    extra = [n for n, p in params.items() if n not in own and given[n] != p.default]
+    if extra:
+        raise ValidationError(
+            f"plan(cfg) takes the planning options from cfg, got also {', '.join(extra)}"
+        )
+
+
+def _name(x: ModelProfile | Cluster | str | Path) -> str | None:
+    """A profile or cluster given by name or path, as the config holds it (None: an object)."""
+    return None if isinstance(x, (ModelProfile, Cluster)) else str(x)
+
+
+def _plan(cfg: PlanConfig, inputs: PlanInputs, progress: Progress | None) -> Plan:
+    """The plan ``cfg`` asks for on its loaded ``inputs``: the planner's search, then the
+    schedule asked for; saved to ``cfg.output`` when given."""
+    from dapple.planner import make_plan
+    from dapple.planner.config import tensor_width_list
+
+    prof, cl = inputs.profile, inputs.cluster
     result = make_plan(
         prof,
         cl,
-        global_batch_of(profile, global_batch_size),
-        planner,
-        seq_len=seq_len,
-        max_seq_len=max_seq_len,
+        inputs.global_batch_size,
+        cfg.planner,
+        progress=progress,
         zero_stage=cfg.zero_stage,
         tensor_widths=tensor_width_list(cfg.tensor_widths),
-        interleaved=interleave,
+        interleaved=cfg.interleave,
     )
-    result = _under_schedule(result, prof, cl, schedule, virtual_stages)
-    if output is not None:
-        result.save(output)
+    result = _under_schedule(result, prof, cl, cfg.schedule, cfg.virtual_stages)
+    if cfg.output is not None:
+        result.save(cfg.output)
     return result
 
 

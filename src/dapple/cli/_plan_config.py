@@ -1,22 +1,20 @@
 """``dapple plan``'s flags as :class:`~dapple.planner.config.PlanConfig` fields, and its
 ``--config FILE`` / ``--print-config``.
 
-:func:`plan_flags` is the one table from the parsed flags to the config (and back):
-:func:`apply_plan_config` builds the :class:`PlanConfig` of ``--config FILE`` with the flags
-the command line gave on top and writes it back onto the parsed flags, which ``dapple plan``
-then runs as before. Torch-free.
+:func:`plan_flags` is the one table from the parsed flags to the config: :func:`plan_config_of`
+builds the :class:`PlanConfig` of ``--config FILE`` with the flags the command line gave on
+top, which ``dapple plan`` then runs. Torch-free.
 """
 
 from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from dapple.cli._config_args import (
     Flag,
     add_config_arguments,
-    flag_namespace,
     given_values,
     missing_required,
     one,
@@ -25,22 +23,16 @@ from dapple.errors import ValidationError
 
 if TYPE_CHECKING:
     from dapple.core.planning_options import ZeroChoice
+    from dapple.planner.config import PlanConfig
 
 __all__ = [
     "SeqLenParser",
     "add_plan_config_arguments",
-    "apply_plan_config",
     "parse_tensor_widths",
     "parse_zero_stage",
+    "plan_config_of",
     "plan_flags",
 ]
-
-
-def _seq_len_flag(v: tuple[Any, ...]) -> str | None:
-    mean, top = v
-    if mean is None:
-        return None
-    return repr(mean) if top is None else f"{mean!r},{top!r}"
 
 
 def parse_zero_stage(text: str) -> ZeroChoice:
@@ -86,10 +78,6 @@ def _widths_fields(text: str) -> tuple[str | tuple[int, ...]]:
     return (parse_tensor_widths(text),)
 
 
-def _widths_flag(v: tuple[Any, ...]) -> str:
-    return v[0] if isinstance(v[0], str) else ",".join(map(str, v[0]))
-
-
 SeqLenParser = Callable[[str], tuple[float, float]]
 """``dapple plan``'s ``--seq-len MEAN[,MAX]`` parser (:func:`dapple.cli.plan_cmd.parse_seq_len`)."""
 
@@ -104,10 +92,10 @@ def plan_flags(parse_seq_len: SeqLenParser) -> tuple[Flag, ...]:
 
     return (
         *(one("", n) for n in ("profile", "cluster", "servers", "global_batch_size", "planner")),
-        Flag("seq_len", (("", "seq_len"), ("", "max_seq_len")), seq_len, _seq_len_flag),
+        Flag("seq_len", (("", "seq_len"), ("", "max_seq_len")), seq_len),
         *(one("", n) for n in ("output", "schedule", "virtual_stages")),
-        Flag("zero_stage", (("", "zero_stage"),), _zero_stage, lambda v: str(v[0])),
-        Flag("tensor_widths", (("", "tensor_widths"),), _widths_fields, _widths_flag),
+        Flag("zero_stage", (("", "zero_stage"),), _zero_stage),
+        Flag("tensor_widths", (("", "tensor_widths"),), _widths_fields),
         one("", "interleave"),
     )
 
@@ -120,9 +108,9 @@ def add_plan_config_arguments(p: argparse.ArgumentParser) -> None:
     add_config_arguments(p, ("profile", "cluster"), "its [planning] section")
 
 
-def apply_plan_config(args: argparse.Namespace, parse_seq_len: SeqLenParser) -> bool:
-    """Set ``args`` to what ``--config FILE`` and the flags given on top say; with
-    ``--print-config`` print that as TOML instead and return True.
+def plan_config_of(args: argparse.Namespace, parse_seq_len: SeqLenParser) -> PlanConfig | None:
+    """The plan ``--config FILE`` and the flags the command line gave on top (those win) ask
+    for; with ``--print-config`` that printed as TOML instead (None).
 
     Raises:
         ValidationError: a bad file or value, or no profile or cluster.
@@ -130,18 +118,17 @@ def apply_plan_config(args: argparse.Namespace, parse_seq_len: SeqLenParser) -> 
     from dapple.core.config_file import build, values_of
     from dapple.planner.config import PLAN_SECTIONS, PlanConfig, dump_plan_config, load_plan_config
 
-    flags = plan_flags(parse_seq_len)
-    over = given_values(args, flags)
+    over = given_values(args, plan_flags(parse_seq_len))
     if args.config is not None:
         cfg = load_plan_config(args.config, over=over)
     else:
         cfg = build(PlanConfig, over)
     if args.print_config:
         print(dump_plan_config(cfg), end="")
-        return True
-    values = values_of(cfg, PLAN_SECTIONS)
-    missing = missing_required(values, _REQUIRED, lambda f: f"[planning] {f[1]}")
+        return None
+    missing = missing_required(
+        values_of(cfg, PLAN_SECTIONS), _REQUIRED, lambda f: f"[planning] {f[1]}"
+    )
     if missing:
         raise ValidationError(missing)
-    vars(args).update(vars(flag_namespace(values, flags)))
-    return False
+    return cfg

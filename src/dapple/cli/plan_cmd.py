@@ -11,12 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from dapple.cli._console import StepProgress, console, print_table
-from dapple.cli._plan_config import (
-    add_plan_config_arguments,
-    apply_plan_config,
-    parse_tensor_widths,
-    parse_zero_stage,
-)
+from dapple.cli._plan_config import add_plan_config_arguments, plan_config_of
 from dapple.cli._plan_show import (
     format_devices,
     gib_text,
@@ -37,11 +32,12 @@ from dapple.errors import DappleError, InfeasibleError, ValidationError
 from dapple.schedule.registry import check_virtual_stages, get_schedule, schedule_names
 
 if TYPE_CHECKING:
-    from dapple.core.planning_options import ZeroChoice
+    from dapple.api import PlanInputs
+    from dapple.planner.config import PlanConfig
     from dapple.planner.schedule_choice import ScheduleChoice
     from dapple.simulate.engine import SimResult
 
-__all__ = ["MAX_SIMULATED_WORK", "format_devices", "parse_seq_len", "register", "run"]
+__all__ = ["MAX_SIMULATED_WORK", "format_devices", "parse_seq_len", "register", "run", "run_config"]
 
 _PLANNERS = ("dapple", "dp", "straight", "gpipe", "pipedream", "exhaustive", "grid")
 MAX_SIMULATED_WORK = 1 << 18
@@ -156,83 +152,72 @@ def parse_seq_len(text: str) -> tuple[float, float]:
     return mean, top
 
 
-def _plan_with_progress(
-    con: Console,
-    profile: ModelProfile,
-    cluster: Cluster,
-    gbs: int,
-    planner: str,
-    zero_stage: ZeroChoice = 0,
-    tensor_widths: list[int] | None = None,
-    interleaved: bool = False,
-) -> Plan:
-    """Run one planner; show its progress once it has taken more than a second."""
-    from dapple.planner import make_plan
+def _plan_with_progress(con: Console, cfg: PlanConfig, inputs: PlanInputs) -> Plan:
+    """Run ``cfg``'s planner (:func:`dapple.api.plan`, no schedule); show its progress once it
+    has taken more than a second."""
+    from dapple.api import plan
 
-    what = f"plan {planner}"
+    searched = dataclasses.replace(cfg, schedule=None, virtual_stages=1, output=None)
+    what = f"plan {cfg.planner}"
     with StepProgress(what, detail="micro-batch counts", console=con, delay_s=1.0) as bar:
-        return make_plan(profile, cluster, gbs, planner, progress=bar, zero_stage=zero_stage,
-                         tensor_widths=tensor_widths, interleaved=interleaved)  # fmt: skip
+        return plan(searched, inputs=inputs, progress=bar)
 
 
-def _dp_ms(profile: ModelProfile, cluster: Cluster, gbs: int) -> float:
-    from dapple.planner import make_plan
+def _planner_only(cfg: PlanConfig, planner: str, interleave: bool = False) -> PlanConfig:
+    """``cfg``'s subject with ``planner`` and every search option at its default (but
+    ``interleave``)."""
+    from dapple.planner.config import PlanConfig
+
+    return PlanConfig(profile=cfg.profile, cluster=cfg.cluster, planner=planner,
+                      interleave=interleave)  # fmt: skip
+
+
+def _dp_ms(cfg: PlanConfig, inputs: PlanInputs) -> float:
+    from dapple.api import plan
 
     try:
-        return make_plan(profile, cluster, gbs, "dp").predicted_step_ms
+        return plan(_planner_only(cfg, "dp"), inputs=inputs).predicted_step_ms
     except InfeasibleError:
         return math.nan
 
 
 def run(args: argparse.Namespace) -> int:
-    from dapple.core.cluster import load_cluster
-    from dapple.cost.lengths import profile_for_lengths
-    from dapple.planner.config import check_interleave, tensor_width_list
-    from dapple.profiler.paper_models import PAPER_GLOBAL_BATCH, load_profile, paper_name
+    cfg = plan_config_of(args, parse_seq_len)  # --config FILE, --print-config
+    return 0 if cfg is None else run_config(cfg, compare=args.compare)
 
-    if apply_plan_config(args, parse_seq_len):  # --config FILE, --print-config
-        return 0
-    check_interleave(args.interleave, args.schedule, cli=True)
-    lengths = parse_seq_len(args.seq_len) if args.seq_len is not None else None
-    profile = load_profile(args.profile)
-    if lengths is not None:
-        profile = profile_for_lengths(profile, *lengths)
-    cluster = load_cluster(args.cluster, args.servers)
-    gbs = args.global_batch_size
-    if gbs is None:
-        name = paper_name(args.profile)
-        gbs = None if name is None else PAPER_GLOBAL_BATCH[name]
-    if gbs is None:
-        raise ValidationError("--global-batch-size is required for a profile file")
-    if gbs < 1:
-        raise ValidationError(f"--global-batch-size must be >= 1, got {gbs}")
-    zero = parse_zero_stage(args.zero_stage)
-    widths = tensor_width_list(parse_tensor_widths(args.tensor_widths), "--tensor-widths")
-    if args.output is not None:
-        check_output_file(args.output, "--output plan file")
+
+def run_config(cfg: PlanConfig, *, compare: bool = False) -> int:
+    """Plan what ``cfg`` asks for and print it (``dapple plan`` once its flags are read);
+    ``compare``: every planner side by side instead."""
+    from dapple.api import plan_inputs
+    from dapple.planner.config import check_interleave
+
+    check_interleave(cfg.interleave, cfg.schedule, cli=True)
+    inputs = plan_inputs(cfg, cli=True)
+    if cfg.output is not None:
+        check_output_file(cfg.output, "--output plan file")
     con = console()
-    best = args.schedule == BEST
-    check_virtual_stages(args.virtual_stages, None if best else args.schedule, cli=True)
-    if args.compare:
-        dp_ms = _dp_ms(profile, cluster, gbs)
-        return _compare(con, profile, cluster, gbs, dp_ms, args.output, args.interleave)
-    plan = _plan_with_progress(
-        con, profile, cluster, gbs, args.planner, zero, widths, args.interleave
-    )
-    dp_ms = _dp_ms(profile, cluster, gbs)  # after the planner's checks of the options
+    best = cfg.schedule == BEST
+    check_virtual_stages(cfg.virtual_stages, None if best else cfg.schedule, cli=True)
+    if compare:
+        return _compare(con, cfg, inputs, _dp_ms(cfg, inputs))
+    plan = _plan_with_progress(con, cfg, inputs)
+    dp_ms = _dp_ms(cfg, inputs)  # after the planner's checks of the options
     if best:
-        return _best_schedule(con, plan, profile, cluster, args, dp_ms)
-    if args.schedule and not get_schedule(args.schedule).uses_pipeline_latency:
-        return _new_schedule(con, plan, profile, cluster, args, dp_ms)
-    if args.schedule:
-        plan = _under_schedule(plan, args.schedule, profile, cluster)
+        return _best_schedule(con, plan, inputs, cfg.output, dp_ms)
+    if cfg.schedule and not get_schedule(cfg.schedule).uses_pipeline_latency:
+        return _new_schedule(con, plan, inputs, cfg, dp_ms)
+    profile, cluster = inputs.profile, inputs.cluster
+    if cfg.schedule:
+        plan = _under_schedule(plan, cfg.schedule, profile, cluster)
     _print_plan(con, plan, profile, cluster, dp_ms)
     single = [str(i) for i, st in enumerate(plan.stages) if st.replicas == 1]
+    zero = cfg.zero_stage
     if zero in (1, 2, 3) and single:
         con.print(f"--zero-stage {zero} is a no-op on stage(s) {', '.join(single)} (one replica)")
-    if args.output:
-        plan.save(args.output)
-        con.print(f"plan written to {args.output}")
+    if cfg.output:
+        plan.save(cfg.output)
+        con.print(f"plan written to {cfg.output}")
     return 0
 
 
@@ -272,18 +257,14 @@ def _print_idle(con: Console, plan: Plan, profile: ModelProfile, cluster: Cluste
         con.print(idle)
 
 
-def _compare(
-    con: Console,
-    profile: ModelProfile,
-    cluster: Cluster,
-    gbs: int,
-    dp_ms: float,
-    output: str | None,
-    interleaved: bool = False,
-) -> int:
-    """Every planner side by side (the dapple planner with ``interleaved``), then the best
-    plan per schedule; the dapple planner's plan saved to ``output`` if given."""
-    t = Table(title=f"planners on {profile.model_name}, {cluster.name}, global batch {gbs}")
+def _compare(con: Console, cfg: PlanConfig, inputs: PlanInputs, dp_ms: float) -> int:
+    """Every planner side by side (the dapple planner with ``cfg.interleave``), then the best
+    plan per schedule; the dapple planner's plan saved to ``cfg.output`` if given."""
+    profile, cluster, output = inputs.profile, inputs.cluster, cfg.output
+    t = Table(
+        title=f"planners on {profile.model_name}, {cluster.name}, "
+        f"global batch {inputs.global_batch_size}"
+    )
     for col in ("planner", "replication", "split positions", "M", "schedule", "L ms", "vs dp"):
         t.add_column(col, justify="left" if col in ("planner", "replication") else "right")
     best: Plan | None = None
@@ -291,8 +272,8 @@ def _compare(
     skipped: list[str] = []
     for name in _PLANNERS:
         try:
-            mine = interleaved and name == "dapple"
-            plan = _plan_with_progress(con, profile, cluster, gbs, name, interleaved=mine)
+            mine = cfg.interleave and name == "dapple"
+            plan = _plan_with_progress(con, _planner_only(cfg, name, mine), inputs)
         except DappleError as e:
             t.add_row(name, "-", "-", "-", "-", "n/a", "n/a")
             skipped.append(f"{name}: {e}")
@@ -322,12 +303,7 @@ def _compare(
 
 
 def _new_schedule(
-    con: Console,
-    plan: Plan,
-    profile: ModelProfile,
-    cluster: Cluster,
-    args: argparse.Namespace,
-    dp_ms: float,
+    con: Console, plan: Plan, inputs: PlanInputs, cfg: PlanConfig, dp_ms: float
 ) -> int:
     """The planner's stages under a ``--schedule`` with a step rule of its own (interleaved,
     zbh1): predicted and simulated."""
@@ -335,20 +311,19 @@ def _new_schedule(
     from dapple.simulate import simulate
     from dapple.simulate.schedules import with_schedule
 
-    new = with_schedule(plan, args.schedule, args.virtual_stages)
+    profile, cluster, schedule = inputs.profile, inputs.cluster, str(cfg.schedule)
+    new = with_schedule(plan, schedule, cfg.virtual_stages)
     new = dataclasses.replace(new, predicted_step_ms=schedule_latency(new, profile, cluster))
     work = new.num_micro_batches * len(new.devices)
     if work > MAX_SIMULATED_WORK:
         raise ValidationError(
-            f"--schedule {args.schedule} simulates every micro-batch on every device: "
+            f"--schedule {schedule} simulates every micro-batch on every device: "
             f"M = {new.num_micro_batches:,} micro-batches x {len(new.devices)} devices = "
             f"{work:,} is more than {MAX_SIMULATED_WORK:,}; give a smaller "
             "--global-batch-size, or plan without --schedule (no simulation)"
         )
     res = simulate(new, profile, cluster)
-    t = Table(
-        title=f"{plan.planner} plan of {profile.model_name} on {cluster.name}, {args.schedule}"
-    )
+    t = Table(title=f"{plan.planner} plan of {profile.model_name} on {cluster.name}, {schedule}")
     mesh, mesh_cells = mesh_columns(new)
     for col in ("stage", "layers", "replicas", *mesh, "devices"):
         t.add_column(col, justify="left" if col == "devices" else "right")
@@ -363,26 +338,22 @@ def _new_schedule(
     print_table(con, t)
     chunks = f", v = {new.virtual_stages}" if new.virtual_stages > 1 else ""
     _print_idle(con, new, profile, cluster)
-    return _report(con, f"schedule {new.schedule}{chunks}", new, res, dp_ms, args.output)
+    return _report(con, f"schedule {new.schedule}{chunks}", new, res, dp_ms, cfg.output)
 
 
 def _best_schedule(
-    con: Console,
-    plan: Plan,
-    profile: ModelProfile,
-    cluster: Cluster,
-    args: argparse.Namespace,
-    dp_ms: float,
+    con: Console, plan: Plan, inputs: PlanInputs, output: str | None, dp_ms: float
 ) -> int:
     """``--schedule best``: every schedule on the planner's partition and balanced pipelines,
     each M, by simulation; the fastest that fits the memory is the plan."""
     from dapple.planner.schedule_choice import best_schedule
 
+    profile, cluster = inputs.profile, inputs.cluster
     best, choices = best_schedule(plan, profile, cluster)
     _choices_table(con, choices, dp_ms, f"the {plan.planner} planner")
     assert best.plan is not None and best.result is not None
     _print_idle(con, best.plan, profile, cluster)
-    return _report(con, f"chosen: {best.label}", best.plan, best.result, dp_ms, args.output)
+    return _report(con, f"chosen: {best.label}", best.plan, best.result, dp_ms, output)
 
 
 def _report(

@@ -1,4 +1,8 @@
-"""``dapple simulate``: run a plan's schedule through the discrete-event simulator."""
+"""``dapple simulate``: run a plan's schedule through the discrete-event simulator.
+
+The flags are read once into a :class:`SimulateConfig`; :func:`run_config` simulates it
+(:func:`dapple.api.simulate`), prints each run and writes the files asked for.
+"""
 
 from __future__ import annotations
 
@@ -6,16 +10,22 @@ import argparse
 import dataclasses
 import math
 import sys
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any, cast
 
+from rich.console import Console
 from rich.table import Table
 
 from dapple.cli._console import console, print_table
 from dapple.cli._run_args import add_virtual_stages_argument
-from dapple.core.cluster import describe_presets
+from dapple.core.cluster import Cluster, describe_presets
 from dapple.core.plan import Plan
 from dapple.schedule.registry import check_virtual_stages, get_schedule, schedule_names
 
-__all__ = ["register"]
+if TYPE_CHECKING:
+    from dapple.simulate import SimResult
+
+__all__ = ["SimulateConfig", "register", "run", "run_config", "simulate_config_of"]
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -57,79 +67,136 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.set_defaults(func=run)
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SimulateConfig:
+    """What ``dapple simulate`` is asked for: the plan, what it runs on, and what to write."""
+
+    plan: str
+    """The plan JSON (from ``dapple plan``)."""
+    profile: str
+    """The model profile JSON, or ``paper:NAME``."""
+    cluster: str
+    """A cluster JSON/TOML file or preset."""
+    servers: int | None = None
+    """Another number of servers than the cluster's."""
+    schedule: str | None = None
+    """Simulate this schedule instead of the plan's."""
+    virtual_stages: int = 1
+    """v, model chunks per device group with ``schedule = "interleaved"``."""
+    policy: str | None = None
+    """The warm-up policy (``A`` or ``B``) instead of the plan's."""
+    compare: bool = False
+    """Also simulate the other schedule and stack both in the pictures."""
+    gantt: str | None = None
+    """A Gantt chart image to write (PNG/SVG/PDF)."""
+    trace: str | None = None
+    """A Chrome/Perfetto trace JSON to write."""
+    memory: str | None = None
+    """A memory-over-time plot image to write."""
+    layout: str | None = None
+    """A picture of the plan's stages on the cluster to write."""
+
+
+def simulate_config_of(args: argparse.Namespace) -> SimulateConfig:
+    """The :class:`SimulateConfig` of ``dapple simulate``'s parsed flags (one per field)."""
+    return SimulateConfig(**{f.name: getattr(args, f.name) for f in fields(SimulateConfig)})
+
+
 def run(args: argparse.Namespace) -> int:
-    from dapple.core.cluster import load_cluster
-    from dapple.profiler.paper_models import load_profile
-    from dapple.simulate import simulate
-    from dapple.simulate.schedules import baseline_first, compared_plan, with_schedule
+    return run_config(simulate_config_of(args))
 
-    _check_outputs(args)
-    plan = Plan.load(args.plan)
-    profile = load_profile(args.profile)
-    plan.check_fingerprint(profile.model_fingerprint, f"--profile {args.profile!r}")
-    doubt = plan.profile_doubt(profile.model_name, profile.model_fingerprint)
-    if doubt is not None:
-        print(f"dapple: warning: --profile {args.profile!r}: {doubt}", file=sys.stderr)
-    cluster = load_cluster(args.cluster, args.servers)
-    if args.policy:
-        plan = dataclasses.replace(plan, policy=args.policy)
-    check_virtual_stages(args.virtual_stages, args.schedule, cli=True)
-    if args.schedule:
-        plan = with_schedule(plan, args.schedule, args.virtual_stages)
-    runs = [(_title(plan), simulate(plan, profile, cluster))]
-    if args.compare:
-        other = compared_plan(plan)
-        runs = baseline_first([*runs, (_title(other), simulate(other, profile, cluster))])
 
+Run = tuple[str, "SimResult"]
+"""A simulated plan's title and result."""
+
+
+def run_config(cfg: SimulateConfig) -> int:
+    """Simulate what ``cfg`` asks for, print each run and write the files asked for
+    (``dapple simulate`` once its flags are read)."""
+    _check_outputs(cfg)
+    plan, cluster, runs = _simulated(cfg)
     con = console()
     for title, r in runs:
-        t = Table(title=f"{title} on {cluster.name} ({cluster.num_devices} devices)")
-        for col in ("device", "stage.replica", "busy ms", "bubble %", "peak in flight", "peak MiB"):
-            t.add_column(col, justify="right")
-        for d in r.devices:
-            t.add_row(
-                d.devices_text,  # a tensor group: one row, its devices
-                f"{d.stage}.{d.replica}",
-                f"{d.busy_ms:.2f}",
-                f"{100 * d.bubble_fraction:.1f}",
-                str(d.peak_in_flight),
-                f"{d.peak_memory_bytes / 2**20:.1f}",
-            )
-        print_table(con, t)
-        L = "n/a" if math.isnan(r.L_ms) else f"{r.L_ms:.3f} ms"
-        gap = "" if math.isnan(r.L_ms) else f" (simulated / L = {r.step_ms / r.L_ms:.3f})"
-        con.print(f"step time {r.step_ms:.3f} ms, planner L {L}{gap}")
-        over_mem = [
-            d.devices_text for d in r.devices if d.peak_memory_bytes > cluster.device_memory_bytes
-        ]
-        if over_mem:
-            con.print(
-                f"[yellow]warning: peak memory exceeds the {cluster.device_memory_bytes / 2**30:.1f} GiB "
-                f"device memory on device(s) {'; '.join(over_mem)}[/yellow]"
-            )
-    if args.gantt or args.memory:
+        _print_run(con, title, r, cluster)
+    if cfg.gantt or cfg.memory:
         from dapple.simulate.plots import plot_gantt, plot_memory
 
-        if args.gantt:
-            plot_gantt(runs, args.gantt)
-            con.print(f"wrote {args.gantt}")
-        if args.memory:
-            plot_memory(runs, args.memory)
-            con.print(f"wrote {args.memory}")
-    if args.layout:
+        if cfg.gantt:
+            plot_gantt(runs, cfg.gantt)
+            con.print(f"wrote {cfg.gantt}")
+        if cfg.memory:
+            plot_memory(runs, cfg.memory)
+            con.print(f"wrote {cfg.memory}")
+    if cfg.layout:
         from dapple.simulate.layout import plot_layout
 
-        plot_layout(plan, cluster, args.layout)
-        con.print(f"wrote {args.layout}")
-    if args.trace:
+        plot_layout(plan, cluster, cfg.layout)
+        con.print(f"wrote {cfg.layout}")
+    if cfg.trace:
         from dapple.simulate.trace import write_trace
 
-        write_trace(runs[0][1], args.trace)
-        con.print(f"wrote {args.trace}")
+        write_trace(runs[0][1], cfg.trace)
+        con.print(f"wrote {cfg.trace}")
     return 0
 
 
-def _check_outputs(args: argparse.Namespace) -> None:
+def _simulated(cfg: SimulateConfig) -> tuple[Plan, Cluster, list[Run]]:
+    """``cfg``'s plan (under its schedule and policy), its cluster, and the simulated runs: the
+    plan's, and with ``compare`` the other schedule's (baseline first)."""
+    from dapple.api import simulate
+    from dapple.core.cluster import load_cluster
+    from dapple.profiler.paper_models import load_profile
+    from dapple.simulate.schedules import baseline_first, compared_plan, with_schedule
+
+    plan = Plan.load(cfg.plan)
+    profile = load_profile(cfg.profile)
+    plan.check_fingerprint(profile.model_fingerprint, f"--profile {cfg.profile!r}")
+    doubt = plan.profile_doubt(profile.model_name, profile.model_fingerprint)
+    if doubt is not None:
+        print(f"dapple: warning: --profile {cfg.profile!r}: {doubt}", file=sys.stderr)
+    cluster = load_cluster(cfg.cluster, cfg.servers)
+    if cfg.policy:
+        plan = dataclasses.replace(plan, policy=cast(Any, cfg.policy))
+    check_virtual_stages(cfg.virtual_stages, cfg.schedule, cli=True)
+    if cfg.schedule:
+        plan = with_schedule(plan, cfg.schedule, cfg.virtual_stages)
+    runs = [(_title(plan), simulate(plan, profile, cluster))]
+    if cfg.compare:
+        other = compared_plan(plan)
+        runs = baseline_first([*runs, (_title(other), simulate(other, profile, cluster))])
+    return plan, cluster, runs
+
+
+def _print_run(con: Console, title: str, r: SimResult, cluster: Cluster) -> None:
+    """One simulated run: its per-device table, the step time against L, and a warning for the
+    devices over their memory."""
+    t = Table(title=f"{title} on {cluster.name} ({cluster.num_devices} devices)")
+    for col in ("device", "stage.replica", "busy ms", "bubble %", "peak in flight", "peak MiB"):
+        t.add_column(col, justify="right")
+    for d in r.devices:
+        t.add_row(
+            d.devices_text,  # a tensor group: one row, its devices
+            f"{d.stage}.{d.replica}",
+            f"{d.busy_ms:.2f}",
+            f"{100 * d.bubble_fraction:.1f}",
+            str(d.peak_in_flight),
+            f"{d.peak_memory_bytes / 2**20:.1f}",
+        )
+    print_table(con, t)
+    L = "n/a" if math.isnan(r.L_ms) else f"{r.L_ms:.3f} ms"
+    gap = "" if math.isnan(r.L_ms) else f" (simulated / L = {r.step_ms / r.L_ms:.3f})"
+    con.print(f"step time {r.step_ms:.3f} ms, planner L {L}{gap}")
+    over_mem = [
+        d.devices_text for d in r.devices if d.peak_memory_bytes > cluster.device_memory_bytes
+    ]
+    if over_mem:
+        con.print(
+            f"[yellow]warning: peak memory exceeds the {cluster.device_memory_bytes / 2**30:.1f} GiB "
+            f"device memory on device(s) {'; '.join(over_mem)}[/yellow]"
+        )
+
+
+def _check_outputs(cfg: SimulateConfig) -> None:
     """Every file asked for can be written, and each picture has a known format, before any
     simulation.
 
@@ -139,7 +206,7 @@ def _check_outputs(args: argparse.Namespace) -> None:
     from dapple.core.output_path import check_output_file, check_picture_file
 
     for opt in ("gantt", "memory", "layout", "trace"):
-        path = getattr(args, opt)
+        path = getattr(cfg, opt)
         if path is not None:
             check = check_output_file if opt == "trace" else check_picture_file
             check(path, f"--{opt} file")
