@@ -76,6 +76,7 @@ __all__ = [
     "plan_stage_bytes",
     "stage_bytes",
     "stage_peak",
+    "stage_state_bytes",
     "workspace_bytes",
 ]
 
@@ -190,31 +191,30 @@ def stage_bytes(
     zero_stage: int = 0,
     tensor_width: int = 1,
     regather: bool = False,
+    state: tuple[float, float] | None = None,
 ) -> tuple[StageBytes, StageBytes]:
     """:class:`StageBytes` of layers ``[start, end)`` on one of ``replicas`` replicas (each
     back-propagating a slice of ``samples`` samples) of a tensor group of ``tensor_width``:
-    ``(without, with re-computation)``, from one pass over the layers."""
+    ``(without, with re-computation)``, from one pass over the layers; ``state``: their
+    :func:`stage_state_bytes` when the caller has it."""
     profile = profile.for_memory
     s, e = layers
     t = tensor_width
     last = e == len(profile.layers)
     mine = profile.layers[s:e]
-    state = parameter_state_bytes(
-        profile, layers, replicas, zero_stage, tensor_width=t, regather=regather
-    )
+    if state is None:
+        state = stage_state_bytes(profile, layers, replicas, zero_stage, t, regather)
+    state_bytes, in_flight = state
     casts = [cast_bytes(profile, layer) for layer in mine]
     cache = sum(casts) / (t if t > 1 else 1)
-    in_flight = gradients_in_flight_bytes(
-        profile, layers, replicas, zero_stage, tensor_width=t, regather=regather
-    )
     if t == 1 and (replicas == 1 or zero_stage == 0):  # .grad set to None each step
         grads = [float(layer.parameter_bytes) for layer in mine]
         in_flight_grad = [g + c for g, c in zip(grads, casts, strict=True)]
-        static, shared = state - in_flight - sum(grads), 0.0
+        static, shared = state_bytes - in_flight - sum(grads), 0.0
     else:  # ZeRO buckets, shards, tensor ranks: the gradients stay as the older model counts
         grads = [0.0] * len(mine)
         in_flight_grad = grads
-        static, shared = state - in_flight, in_flight
+        static, shared = state_bytes - in_flight, in_flight
     kept = [tensor_kept_bytes_per_sample(layer, t) * samples for layer in mine]
     held_out = 0.0 if last else boundary_bytes(profile, e, samples)
     loss_kept, loss_backward = loss_bytes(profile, samples) if last else (0.0, 0.0)
@@ -229,6 +229,28 @@ def stage_bytes(
                           first=max(other, first), later=max(other, later), cache=cache)  # fmt: skip
 
     return held(full), held(boundary_bytes(profile, s, samples) + held_out + loss_kept)
+
+
+def stage_state_bytes(
+    profile: ModelProfile,
+    layers: tuple[int, int],
+    replicas: int = 1,
+    zero_stage: int = 0,
+    tensor_width: int = 1,
+    regather: bool = False,
+) -> tuple[float, float]:
+    """What :func:`stage_bytes` holds whatever the slice: :func:`parameter_state_bytes` and
+    :func:`gradients_in_flight_bytes` of layers ``[start, end)`` on one of ``replicas``
+    replicas (a planner costs the same stage at several b)."""
+    profile = profile.for_memory
+    return (
+        parameter_state_bytes(
+            profile, layers, replicas, zero_stage, tensor_width=tensor_width, regather=regather
+        ),
+        gradients_in_flight_bytes(
+            profile, layers, replicas, zero_stage, tensor_width=tensor_width, regather=regather
+        ),
+    )
 
 
 def stage_peak(

@@ -26,7 +26,7 @@ from dapple.core.profile import ModelProfile
 from dapple.cost.comm import busiest_link_ms, link_loads, stage_sync_ms, stage_update_ms
 from dapple.cost.host import HostExtra, has_host_terms, stage_host_extras
 from dapple.cost.memory import boundary_bytes, sharded_layer_bytes, tensor_kept_bytes_per_sample
-from dapple.cost.peak_memory import in_flight_limit, stage_bytes
+from dapple.cost.peak_memory import in_flight_limit, stage_bytes, stage_state_bytes
 from dapple.cost.sharing import slice_work
 from dapple.cost.tensor import fsdp_pass_ms, replica_sync_ms
 from dapple.cost.terms import StageTerms, pipeline_terms
@@ -141,6 +141,7 @@ class Scorer:
         self._option_lists: dict[tuple[int, int, tuple[int, ...], int], StageOptions] = {}
         """Each stage's options (:meth:`stage_options`) by ``(s, e, devices, b)``."""
         self._sync_plans: dict[tuple[tuple[int, ...], ZeroMode], StagePlan] = {}
+        self._states: dict[tuple[int, int, int, ZeroMode], tuple[float, float]] = {}
         self._memory_options: dict[
             tuple[int, int, int, int, ZeroMode, int], tuple[int, int, float]
         ] = {}
@@ -227,15 +228,15 @@ class Scorer:
         if got is not None:  # placements of the same replica count share it
             return got
         usable = float(self.cluster.usable_memory_bytes)
+        z, t, again = mode.stage, self.tensor_width, mode.regather
+        state = self._states.get((s, e, replicas, mode))
+        if state is None:  # the same whatever the slice
+            state = stage_state_bytes(self._memory, (s, e), replicas, z, t, again)
+            self._states[s, e, replicas, mode] = state
         plain, redone = stage_bytes(
-            self._memory,
-            (s, e),
-            samples,
-            replicas=replicas,
-            zero_stage=mode.stage,
-            tensor_width=self.tensor_width,
-            regather=mode.regather,
-        )
+            self._memory, (s, e), samples, replicas=replicas, zero_stage=z, tensor_width=t,
+            regather=again, state=state,
+        )  # fmt: skip
         floor = plain.static + plain.shared + (self._act[e] - self._act[s]) * samples
         got = in_flight_limit(plain, usable, M), in_flight_limit(redone, usable, M), floor
         self._memory_options[key] = got
