@@ -182,9 +182,14 @@ def test_recomputed_experts_count_in_the_backward_share() -> None:
 
 
 @pytest.mark.parametrize("name", MOE_PRESETS)
-def test_dapple_profile_analytic_writes_moe_profiles(name: str, tmp_path: Path) -> None:
+def test_dapple_profile_analytic_writes_moe_profiles(
+    name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     out = tmp_path / "p.json"
     assert main(["profile", "--analytic", "h100", "-m", name, "-o", str(out)]) == 0
+    spec = PRESETS[name]
+    sparse = spec.layers - (spec.moe.dense_layers if spec.moe else 0)
+    assert f"{name}: mixture-of-experts layers ({sparse})" in capsys.readouterr().out
     prof = ModelProfile.load(out)
     assert prof.model_name == name
     assert sum(ly.parameter_bytes for ly in prof.layers) == 4 * PRESETS[name].parameters()

@@ -162,7 +162,9 @@ def test_records_and_profiles_refuse_mismatches() -> None:
 
 
 @pytest.mark.slow
-def test_dapple_profile_of_an_hf_mixtral_dir_records_its_experts(tmp_path: Path) -> None:
+def test_dapple_profile_of_an_hf_mixtral_dir_records_its_experts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     from dapple.cli import main
 
     d = _save("mixtral", tmp_path / "mixtral")
@@ -170,6 +172,8 @@ def test_dapple_profile_of_an_hf_mixtral_dir_records_its_experts(tmp_path: Path)
     args = ["profile", "-m", f"hf:{d}", "--batch-sizes", "1,2", "--repeats", "1", "--warmup",
             "0", "-o", str(out)]  # fmt: skip
     assert main(args) == 0
+    said = capsys.readouterr().out
+    assert "hf-mixtral: mixture-of-experts layers (2)" in said
     prof = ModelProfile.load(out)
     moe = [ly.moe for ly in prof.layers]
     assert [m is not None for m in moe] == [False, True, True, False]

@@ -21,7 +21,7 @@ from dapple.errors import ValidationError, one_line
 from dapple.profiler.analytic_devices import DEVICES
 from dapple.profiler.analytic_ops import RECOMPUTE_MODES
 
-__all__ = ["parse_batch_sizes", "print_profile", "register"]
+__all__ = ["parse_batch_sizes", "print_experts", "print_profile", "register"]
 
 
 def _lengths(text: str | None) -> list[int] | None:
@@ -178,6 +178,30 @@ def print_profile(con: Console, prof: ModelProfile) -> None:
     print_table(con, t)
 
 
+def print_experts(con: Console, prof: ModelProfile) -> None:
+    """Print the mixture-of-experts layers of ``prof`` (nothing for a dense model): experts E
+    and top-k, routed experts' MiB, tokens per expert per sample (mean, and the busiest
+    expert's where measured), the router's and experts' shares of the forward."""
+    rows = [(i, ly, ly.moe) for i, ly in enumerate(prof.layers) if ly.moe is not None]
+    if not rows:
+        return
+    t = Table(title=f"{prof.model_name}: mixture-of-experts layers ({len(rows)})")
+    for col in ("#", "layer", "E", "k", "experts MiB", "tokens/expert", "busiest", "router %",
+                "experts %"):  # fmt: skip
+        t.add_column(col, justify="left" if col == "layer" else "right")
+    for i, ly, moe in rows:
+        peak = moe.max_tokens_per_expert_per_sample
+        router, experts = moe.router_time_share, moe.expert_time_share
+        t.add_row(
+            str(i), ly.name, str(moe.experts), str(moe.top_k),
+            f"{moe.expert_parameter_bytes / 2**20:.1f}", f"{moe.tokens_per_expert_per_sample:g}",
+            "-" if peak is None else f"{peak:g} ({moe.imbalance:.2f}x)",
+            "-" if router is None else f"{100 * router[0]:.1f}",
+            "-" if experts is None else f"{100 * experts[0]:.1f}",
+        )  # fmt: skip
+    print_table(con, t)
+
+
 def print_lengths(con: Console, prof: ModelProfile) -> None:
     """Print the whole model's forward + backward time and kept bytes at each measured length
     and batch size, with the time per token."""
@@ -233,6 +257,7 @@ def _run_analytic(args: argparse.Namespace, sizes: list[int], lens: list[int] | 
         prof = at(lens[0] if lens else None)
     con = console()
     print_profile(con, prof)
+    print_experts(con, prof)
     if prof.by_length:
         print_lengths(con, prof)
     prof.save(args.output)
@@ -292,6 +317,7 @@ def run(args: argparse.Namespace) -> int:
         )
         prof = _with_measured_experts(args, workload, sizes, prof)
     print_profile(con, prof)
+    print_experts(con, prof)
     if prof.by_length:
         print_lengths(con, prof)
     prof.save(args.output)
