@@ -135,7 +135,7 @@ def test_scorer_rejects_unknown_schedules_and_policies() -> None:
     bad = dataclasses.replace(got, schedule="zigzag")  # type: ignore[arg-type]
     with pytest.raises(
         ValidationError,
-        match="schedule must be one of gpipe, dapple, interleaved, zbh1, zbv, got 'zigzag'",
+        match="schedule must be one of gpipe, dapple, interleaved, zbh1, zbv, dualpipev, got 'zigzag'",
     ):
         sc.build_plan("manual", stages, 2, bad)
     with pytest.raises(ValidationError, match="policy must be 'A' or 'B', got 'C'"):

@@ -52,6 +52,7 @@ def test_best_per_schedule_simulates_every_variant():
         "interleaved v=4",
         "zbh1",
         "zbv",
+        "dualpipev",
     ]
     assert len(choices) == len(SCHEDULE_VARIANTS)
     by = {c.label: c for c in choices}
@@ -138,14 +139,15 @@ def test_best_schedule_is_the_fastest_variant_that_fits(tmp_path, capsys, monkey
     base = _base(M=4, gbs=16)
     best, choices = best_schedule(base, prof, cluster)
     assert [c.label for c in choices] == [
-        "gpipe", "dapple/A", "dapple/B", "interleaved v=2", "interleaved v=4", "zbh1", "zbv"
+        "gpipe", "dapple/A", "dapple/B", "interleaved v=2", "interleaved v=4", "zbh1", "zbv",
+        "dualpipev",
     ]  # fmt: skip
     fits = [c for c in choices if c.result is not None]
     assert best.result is not None and best.plan is not None
     assert best.result.step_ms == min(c.result.step_ms for c in fits)  # type: ignore[union-attr]
     assert simulate(best.plan, prof, cluster).step_ms == best.result.step_ms
     planned = api.plan(prof, cluster, 16, schedule="best")
-    assert planned.schedule in {"gpipe", "dapple", "interleaved", "zbh1", "zbv"}
+    assert planned.schedule in {"gpipe", "dapple", "interleaved", "zbh1", "zbv", "dualpipev"}
     monkeypatch.setenv("COLUMNS", "200")
     prof_path, cl_path, out = tmp_path / "p.json", tmp_path / "c.json", tmp_path / "plan.json"
     prof.save(prof_path)

@@ -298,7 +298,7 @@ def test_bad_input_names_values():
     base = _plan([1, 1], 2, 2, 1)
     with pytest.raises(
         ValidationError,
-        match="plan: virtual_stages=2 needs schedule='interleaved' or 'zbv', got 'dapple'",
+        match="plan: virtual_stages=2 needs schedule='interleaved', 'zbv' or 'dualpipev', got 'dapple'",
     ):
         dataclasses.replace(base, virtual_stages=2)
     with pytest.raises(
@@ -316,7 +316,8 @@ def test_bad_input_names_values():
             ),
         )
     with pytest.raises(
-        ValidationError, match="schedule must be one of gpipe, dapple, interleaved, zbh1, zbv, got"
+        ValidationError,
+        match="schedule must be one of gpipe, dapple, interleaved, zbh1, zbv, dualpipev, got",
     ):
         dataclasses.replace(base, schedule="zigzag")
 

@@ -173,14 +173,15 @@ def test_one_virtual_stages_rule_two_spellings() -> None:
     check_virtual_stages(1, None)
     check_virtual_stages(4, "interleaved", cli=True)
     with pytest.raises(
-        ValidationError, match=r"^virtual_stages=2 needs schedule='interleaved' or 'zbv'$"
+        ValidationError,
+        match=r"^virtual_stages=2 needs schedule='interleaved', 'zbv' or 'dualpipev'$",
     ):
         check_virtual_stages(2, None)
     with pytest.raises(ValidationError, match=r"^virtual_stages=3 needs schedule='interleaved'$"):
-        check_virtual_stages(3, None)  # ZB-V takes exactly 2
+        check_virtual_stages(3, None)  # ZB-V and DualPipeV take exactly 2
     with pytest.raises(
         ValidationError,
-        match=r"^--virtual-stages 2 needs --schedule interleaved or zbv, got 'zbh1'$",
+        match=r"^--virtual-stages 2 needs --schedule interleaved, zbv or dualpipev, got 'zbh1'$",
     ):
         check_virtual_stages(2, "zbh1", cli=True)
     with pytest.raises(ValidationError, match="unknown schedule 'zz'"):

@@ -1,5 +1,6 @@
-"""ZB-V in the runtime: the message a rank sends itself at the turn of the V, and ``verify``
-against one device (GPT-2 with dropout, AdamW) on a straight and an uneven (2:1) plan."""
+"""ZB-V and DualPipeV in the runtime: the message a rank sends itself at the turn of the V, and
+``verify`` against one device (GPT-2 with dropout, AdamW) on a straight and an uneven (2:1)
+plan."""
 
 from __future__ import annotations
 
@@ -43,19 +44,21 @@ def test_a_message_to_oneself_is_matched_by_tag_in_either_order(tmp_path: Path) 
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_verify_zbv_equals_one_device_under_adamw_with_dropout() -> None:
+@pytest.mark.parametrize(("schedule", "M"), [("zbv", 3), ("dualpipev", 4)])
+def test_verify_v_schedules_equal_one_device_under_adamw_with_dropout(schedule: str, M: int):
     """GPT-2 (dropout 0.1, its tied wte and LM head on the first and the last stage: rank 0's
     two chunks) after 2 AdamW steps: straight (one device per group) and 2:1 (rank 0's chunks
     replicated twice, split-concat into rank 1's), every parameter and loss equal to one
-    device's. The turn of the V (rank 1's chunk 0 into its chunk 1) is a message to itself."""
+    device's. The turn of the V (rank 1's chunk 0 into its chunk 1) is a message to itself;
+    DualPipeV runs some backwards whole and some split on the same chunk."""
     wl = api.load("dapple.models.hf:gpt2", layers=2, hidden=32, heads=2, vocab=64, seq=16,
                   dropout=0.1)  # fmt: skip
     n = wl.num_layers
     bases = [
-        straight_plan(n, [0, n // 2], global_batch_size=12, num_micro_batches=3, replicas=reps)
+        straight_plan(n, [0, n // 2], global_batch_size=4 * M, num_micro_batches=M, replicas=reps)
         for reps in ([1, 1], [2, 1])
     ]
-    plans = [with_schedule(b, "zbv") for b in bases]
+    plans = [with_schedule(b, schedule) for b in bases]
     assert [p.stages_of_group(0) for p in plans] == [(0, 3), (0, 3)]
     reports = api.verify_many([(p, wl) for p in plans], 2, device="cpu", optimizer="adamw",
                               lr=1e-3)  # fmt: skip

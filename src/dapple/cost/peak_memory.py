@@ -342,13 +342,13 @@ def device_peak(parts: Mapping[int, StageBytes], order: Sequence[Action]) -> Sta
     F adds the micro-batch's held bytes; a backward (``B``, or either half ``I``/``W`` of a
     split one, each charged as a whole backward) holds the other micro-batches in flight,
     the gradients already created and its moment (the stage's first or later one); ``B`` or
-    ``W`` frees the micro-batch and leaves the stage's gradients. ``OPT``: every gradient, the
-    cast caches freed. Under 1F1B and GPipe the replay is :func:`stage_peak`'s closed form.
+    ``W`` frees the micro-batch and leaves the stage's gradients (a stage may run some
+    micro-batches' backward whole and others' split, as DualPipeV does). ``OPT``: every
+    gradient, the cast caches freed. Under 1F1B and GPipe the replay is :func:`stage_peak`'s closed form.
     """
     level = grads = 0.0
     first_b = later_b = 0.0
     seen: set[int] = set()
-    splits = {a.stage for a in order if a.kind is ActionKind.BACKWARD_WEIGHT}
     for a in order:
         sb = parts[a.stage]
         if a.kind is ActionKind.FORWARD:
@@ -359,8 +359,7 @@ def device_peak(parts: Mapping[int, StageBytes], order: Sequence[Action]) -> Sta
                 later_b = max(later_b, level - sb.other + grads + sb.later)
             else:
                 first_b = max(first_b, level - sb.other + grads + sb.first)
-            frees = a.kind is ActionKind.BACKWARD_WEIGHT or a.stage not in splits
-            if frees:
+            if a.kind is not ActionKind.BACKWARD_INPUT:  # B, or W after its I
                 level -= sb.other
                 if a.stage not in seen:
                     seen.add(a.stage)

@@ -48,7 +48,7 @@ def schedule_variants(
 
 SCHEDULE_VARIANTS: tuple[tuple[str, str, int], ...] = schedule_variants(builtin_schedules())
 """The built-in schedules' variants: gpipe, dapple/A, dapple/B, interleaved v=2 and v=4,
-zbh1, zbv."""
+zbh1, zbv, dualpipev."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,7 +57,7 @@ class ScheduleChoice:
 
     label: str
     """The variant's ``ScheduleSpec.label``: ``gpipe``, ``dapple/A``, ``dapple/B``,
-    ``interleaved v=2``, ``interleaved v=4``, ``zbh1``, ``zbv``."""
+    ``interleaved v=2``, ``interleaved v=4``, ``zbh1``, ``zbv``, ``dualpipev``."""
     plan: Plan | None
     result: SimResult | None
     note: str = ""

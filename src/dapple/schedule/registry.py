@@ -6,7 +6,8 @@ The CLI's ``--schedule`` choices, the planner's scorer, the schedule comparison,
 model, the lowering and the runtime all ask :func:`get_schedule` instead of comparing names.
 Built in, in this order: ``gpipe`` (:mod:`~dapple.schedule.fill_drain`), ``dapple``
 (:mod:`~dapple.schedule.early_backward`), ``interleaved`` (:mod:`~dapple.schedule.interleaved`),
-``zbh1`` (:mod:`~dapple.schedule.zerobubble`) and ``zbv`` (:mod:`~dapple.schedule.zbv`).
+``zbh1`` (:mod:`~dapple.schedule.zerobubble`), ``zbv`` (:mod:`~dapple.schedule.zbv`) and
+``dualpipev`` (:mod:`~dapple.schedule.dualpipev`).
 
 A schedule outside dapple is a module that defines ``SCHEDULE = ScheduleSpec(...)``; it joins
 the registry by :func:`register` (or :func:`registered` for a while), by :func:`load_schedule`
@@ -30,6 +31,7 @@ from contextlib import contextmanager
 
 from dapple.core.plan import Plan, use_schedule_rules
 from dapple.errors import ValidationError
+from dapple.schedule.dualpipev import SCHEDULE as DUALPIPEV
 from dapple.schedule.early_backward import SCHEDULE as DAPPLE
 from dapple.schedule.fill_drain import SCHEDULE as GPIPE
 from dapple.schedule.interleaved import SCHEDULE as INTERLEAVED
@@ -59,7 +61,7 @@ ENV_SCHEDULES = "DAPPLE_SCHEDULES"
 """Environment variable: comma-separated modules whose ``SCHEDULE`` joins the registry on the
 first lookup (a module that does not load is logged and left out)."""
 
-_BUILTIN: tuple[ScheduleSpec, ...] = (GPIPE, DAPPLE, INTERLEAVED, ZBH1, ZBV)
+_BUILTIN: tuple[ScheduleSpec, ...] = (GPIPE, DAPPLE, INTERLEAVED, ZBH1, ZBV, DUALPIPEV)
 """The schedules dapple ships, in the order the CLI and the schedule comparison list them."""
 _registry: dict[str, ScheduleSpec] = {s.name: s for s in _BUILTIN}
 _env_loaded = False
@@ -140,7 +142,8 @@ def _load_env() -> None:
 
 
 def builtin_schedules() -> tuple[ScheduleSpec, ...]:
-    """The schedules dapple ships, in order: gpipe, dapple, interleaved, zbh1, zbv."""
+    """The schedules dapple ships, in order: gpipe, dapple, interleaved, zbh1, zbv,
+    dualpipev."""
     return _BUILTIN
 
 

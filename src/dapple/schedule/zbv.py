@@ -21,10 +21,11 @@ nothing another one waits for):
    and the oldest deferred ``W`` of chunk 0; then the deferred ``W`` of chunk 1, then of chunk 0.
 
 Memory (section 6): a rank holds at most 2P chunk-micro-batches from F to W, half a stage each:
-the activations of 1F1B's stage 0, on every rank alike. Cost: with T_g the F + I + W of rank
-g's two chunks, every rank works ``M max_g T_g``; the V fills in P-1 chunk passes
-(``max_c max(F_c, I_c)`` each) and, where W cannot cover F + I (section 6's bubble
-``(p-1)(T_F + T_B - 2 T_W)``, per chunk), adds ``max(0, max_c (F_c + I_c - 2 W_c))`` per rank:
+the activations of 1F1B's stage 0, on every rank alike. Cost (our rule for this order, checked
+against the simulator; section 6 gives ZB-V's near-zero bubble for F = B = W only): with T_g
+the F + I + W of rank g's two chunks, every rank works ``M max_g T_g``; the V fills in P-1
+chunk passes (``max_c max(F_c, I_c)`` each) and, where two ``W``s cannot cover a chunk's F + I,
+waits ``max(0, max_c (F_c + I_c - 2 W_c))`` more per rank:
 ``L = M max_g T_g + (P-1) (max_c max(F_c, I_c) + max(0, max_c (F_c + I_c - 2 W_c)))`` plus what
 fill and drain pay once (:attr:`~dapple.schedule.spec.StepTerms.fixed_ms`). Exact for uniform
 chunks with F = I = W and free communication (``6M + P - 1`` units); with uneven chunks an
