@@ -26,7 +26,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 from dapple.errors import ValidationError
-from dapple.profiler.analytic_moe_models import MLASpec, MoESpec, mla_from_hf, moe_from_hf
+from dapple.profiler.analytic_moe_models import (
+    MOE_PUBLISHED,
+    MOE_SHAPES,
+    MLASpec,
+    MoESpec,
+    mla_from_hf,
+    moe_from_hf,
+)
 
 __all__ = [
     "PRESETS",
@@ -309,38 +316,10 @@ PRESETS: dict[str, TransformerSpec] = {
         causal=False,
         dropout=True,
     ),
-    # Mixtral-8x7B: mistralai/Mixtral-8x7B-v0.1's config.json on the Hugging Face hub (Mistral-7B
-    # shapes, num_local_experts 8, num_experts_per_tok 2, intermediate_size 14336 per expert),
-    # trained here at 4,096 tokens.
-    "mixtral-8x7b": dataclasses.replace(
-        _llama("mixtral-8x7b", 4096, 32, 32, 8, 14336, 32000, 4096),
-        moe=MoESpec(experts=8, top_k=2, expert_ffn=14336),
-    ),
-    # Qwen1.5-MoE-A2.7B: Qwen/Qwen1.5-MoE-A2.7B's config.json (qwen2_moe: 60 experts of
-    # moe_intermediate_size 1408, top 4, a gated shared expert of 5632, q/k/v biases).
-    "qwen1.5-moe-a2.7b": dataclasses.replace(
-        _llama("qwen1.5-moe-a2.7b", 2048, 24, 16, 16, 5632, 151936, 4096),
-        qkv_bias=True,
-        moe=MoESpec(experts=60, top_k=4, expert_ffn=1408, shared_ffn=5632, shared_gate=True),
-    ),
-    # Qwen2-57B-A14B: Qwen/Qwen2-57B-A14B's config.json (qwen2_moe: 64 experts of 2560, top 8,
-    # a gated shared expert of 20480, 4 key/value heads).
-    "qwen2-57b-a14b": dataclasses.replace(
-        _llama("qwen2-57b-a14b", 3584, 28, 28, 4, 18944, 151936, 4096),
-        qkv_bias=True,
-        moe=MoESpec(experts=64, top_k=8, expert_ffn=2560, shared_ffn=20480, shared_gate=True),
-    ),
-    # DeepSeek-V3: deepseek-ai/DeepSeek-V3's config.json (latent attention: q_lora_rank 1536,
-    # kv_lora_rank 512, heads of 128 + 64 rotary, values of 128; 256 routed experts of 2048,
-    # top 8, one shared expert, the first 3 blocks dense of 18432), pre-trained at 4,096 tokens
-    # (technical report, section 4.2); the multi-token-prediction module is not counted.
-    "deepseek-v3": dataclasses.replace(
-        _llama("deepseek-v3", 7168, 61, 128, 128, 18432, 129280, 4096),
-        mla=MLASpec(q_rank=1536, kv_rank=512, nope_dim=128, rope_dim=64, v_dim=128),
-        moe=MoESpec(experts=256, top_k=8, expert_ffn=2048, shared_ffn=2048, dense_layers=3),
-    ),
+    **{name: TransformerSpec(name=name, **shape) for name, shape in MOE_SHAPES.items()},
 }
-"""Named model presets, each from its published configuration (comments give the source)."""
+"""Named model presets, each from its published configuration (comments give the source; the
+mixtures of experts' are in :data:`~dapple.profiler.analytic_moe_models.MOE_SHAPES`)."""
 
 PUBLISHED_PARAMETERS: dict[str, str] = {
     "llama3-8b": "8.03B",
@@ -356,10 +335,7 @@ PUBLISHED_PARAMETERS: dict[str, str] = {
     "gpt3-20b": "20B",
     "megatron-gpt2-1.2b": "1.2B",
     "paper-bert-48": "640M",
-    "mixtral-8x7b": "46.7B",
-    "qwen1.5-moe-a2.7b": "14.3B",
-    "qwen2-57b-a14b": "57B",
-    "deepseek-v3": "671B",
+    **{name: total for name, (total, _) in MOE_PUBLISHED.items()},
 }
 """Parameter counts as their publishers print them, to the printed precision (Meta's model
 cards and the Hugging Face hub for Llama; Brown et al. table 2.1; NeMo's config name;
@@ -367,10 +343,7 @@ nv-adlr's table 1; the DAPPLE paper's table 1; Mistral AI's Mixtral announcement
 model cards and the DeepSeek-V3 technical report for the mixtures of experts)."""
 
 PUBLISHED_ACTIVE_PARAMETERS: dict[str, str] = {
-    "mixtral-8x7b": "12.9B",
-    "qwen1.5-moe-a2.7b": "2.7B",
-    "qwen2-57b-a14b": "14B",
-    "deepseek-v3": "37B",
+    name: active for name, (_, active) in MOE_PUBLISHED.items()
 }
 """Parameters active per token of the mixtures of experts, as their publishers print them
 (:meth:`TransformerSpec.active_parameters`)."""

@@ -16,7 +16,7 @@ from typing import Any
 
 from dapple.errors import ValidationError
 
-__all__ = ["MLASpec", "MoESpec", "mla_from_hf", "moe_from_hf"]
+__all__ = ["MOE_PUBLISHED", "MOE_SHAPES", "MLASpec", "MoESpec", "mla_from_hf", "moe_from_hf"]
 
 
 def _check_counts(owner: str, **values: int) -> None:
@@ -165,3 +165,49 @@ def mla_from_hf(config: dict[str, Any], kind: str, name: str) -> MLASpec | None:
     return MLASpec(q_rank=int(config.get("q_lora_rank") or 0), kv_rank=int(config[keys[0]]),
                    nope_dim=int(config[keys[1]]), rope_dim=int(config[keys[2]]),
                    v_dim=int(config[keys[3]]))  # fmt: skip
+
+
+MOE_SHAPES: dict[str, dict[str, Any]] = {
+    # Mixtral-8x7B: mistralai/Mixtral-8x7B-v0.1's config.json on the Hugging Face hub (Mistral-7B
+    # shapes, num_local_experts 8, num_experts_per_tok 2, intermediate_size 14336 per expert),
+    # trained here at 4,096 tokens.
+    "mixtral-8x7b": dict(
+        hidden=4096, layers=32, heads=32, kv_heads=8, ffn=14336, vocab=32000, seq=4096,
+        moe=MoESpec(experts=8, top_k=2, expert_ffn=14336),
+    ),
+    # Qwen1.5-MoE-A2.7B: Qwen/Qwen1.5-MoE-A2.7B's config.json (qwen2_moe: 60 experts of
+    # moe_intermediate_size 1408, top 4, a gated shared expert of 5632, q/k/v biases).
+    "qwen1.5-moe-a2.7b": dict(
+        hidden=2048, layers=24, heads=16, kv_heads=16, ffn=5632, vocab=151936, seq=4096,
+        qkv_bias=True,
+        moe=MoESpec(experts=60, top_k=4, expert_ffn=1408, shared_ffn=5632, shared_gate=True),
+    ),
+    # Qwen2-57B-A14B: Qwen/Qwen2-57B-A14B's config.json (qwen2_moe: 64 experts of 2560, top 8,
+    # a gated shared expert of 20480, 4 key/value heads).
+    "qwen2-57b-a14b": dict(
+        hidden=3584, layers=28, heads=28, kv_heads=4, ffn=18944, vocab=151936, seq=4096,
+        qkv_bias=True,
+        moe=MoESpec(experts=64, top_k=8, expert_ffn=2560, shared_ffn=20480, shared_gate=True),
+    ),
+    # DeepSeek-V3: deepseek-ai/DeepSeek-V3's config.json (latent attention: q_lora_rank 1536,
+    # kv_lora_rank 512, heads of 128 + 64 rotary, values of 128; 256 routed experts of 2048,
+    # top 8, one shared expert, the first 3 blocks dense of 18432), pre-trained at 4,096 tokens
+    # (technical report, section 4.2); the multi-token-prediction module is not counted.
+    "deepseek-v3": dict(
+        hidden=7168, layers=61, heads=128, kv_heads=128, ffn=18432, vocab=129280, seq=4096,
+        mla=MLASpec(q_rank=1536, kv_rank=512, nope_dim=128, rope_dim=64, v_dim=128),
+        moe=MoESpec(experts=256, top_k=8, expert_ffn=2048, shared_ffn=2048, dense_layers=3),
+    ),
+}  # fmt: skip
+"""The ``TransformerSpec`` fields of the mixture-of-experts presets of
+:data:`~dapple.profiler.analytic_models.PRESETS` (SwiGLU, RMSNorm, rotary, untied; comments give
+each configuration's source)."""
+
+MOE_PUBLISHED: dict[str, tuple[str, str]] = {
+    "mixtral-8x7b": ("46.7B", "12.9B"),
+    "qwen1.5-moe-a2.7b": ("14.3B", "2.7B"),
+    "qwen2-57b-a14b": ("57B", "14B"),
+    "deepseek-v3": ("671B", "37B"),
+}
+"""Total and active parameters of the mixture-of-experts presets as their publishers print them
+(Mistral AI's Mixtral announcement, the Qwen model cards, the DeepSeek-V3 technical report)."""
