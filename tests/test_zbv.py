@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from builders import NO_COMM, make_profile, per_call_profile
 from dapple.cli import main
+from dapple.cli._plan_show import schedule_stage_table
 from dapple.core.plan import Plan, straight_plan
 from dapple.cost.compute import stage_compute_ms
 from dapple.cost.schedules import device_memory_by_group, schedule_latency
@@ -244,3 +245,15 @@ def test_the_planner_picks_a_v_schedule_when_the_simulation_says_it_wins() -> No
     others = [ms for label, ms in by.items() if label not in ("zbv", "dualpipev")]
     assert by["zbv"] < min(others)
     assert simulate(best.plan, prof, cluster).step_ms == pytest.approx(by["zbv"])
+
+
+def test_plan_table_shows_each_chunk_on_its_group_of_the_v() -> None:
+    """``dapple plan``'s step-rule table: stage k's device group is the V's, and so is the
+    group memory shown beside it."""
+    prof = per_call_profile([1.0] * 6, [2.0] * 6, 8, 1.0)
+    z = with_schedule(_straight(3, 2, 5, [2, 1, 1]), "zbv")
+    table = schedule_stage_table(z, prof, NO_COMM)
+    cols = {c.header: list(c.cells) for c in table.columns}
+    assert cols["group"] == ["0", "1", "2", "2", "1", "0"]
+    memory = device_memory_by_group(z, prof)
+    assert cols["group memory GiB"] == [f"{memory[g] / 2**30:.2f}" for g in (0, 1, 2, 2, 1, 0)]

@@ -127,7 +127,6 @@ def schedule_stage_table(plan: Plan, profile: ModelProfile, cluster: Cluster) ->
 
     terms = stage_terms(plan, profile, cluster)
     memory = device_memory_by_group(plan, profile)
-    P = plan.num_groups
     t = Table(title=f"{plan.planner} plan of {profile.model_name} on {cluster.name}")
     mesh, mesh_cells = mesh_columns(plan)
     for col in ("stage", "group", "layers", "replicas", *mesh, "devices", "recompute", "F ms",
@@ -138,7 +137,7 @@ def schedule_stage_table(plan: Plan, profile: ModelProfile, cluster: Cluster) ->
         comm = terms.boundaries[k].comm_ms if k < len(terms.boundaries) else None
         t.add_row(
             str(k),
-            str(k % P),
+            str(plan.group_of_stage(k)),
             f"[{st.layers[0]}, {st.layers[1]})",
             str(st.replicas),
             *mesh_cells(st),
@@ -148,7 +147,7 @@ def schedule_stage_table(plan: Plan, profile: ModelProfile, cluster: Cluster) ->
             ms_text(slowest.backward_ms),
             "-" if comm is None else ms_text(comm),
             ms_text(term.terms.sync_ms),
-            gib_text(memory[k % P]),
+            gib_text(memory[plan.group_of_stage(k)]),
         )
     return t
 
