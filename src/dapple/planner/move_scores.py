@@ -24,7 +24,7 @@ from numpy.typing import NDArray
 from dapple.core.plan import Policy
 from dapple.planner.evaluate import StageOptions, in_flight, stage_choice
 
-__all__ = ["ROUNDING", "Move", "WidthStage", "estimate_moves"]
+__all__ = ["ROUNDING", "Move", "Row", "WidthStage", "estimate_moves", "stage_row"]
 
 WidthStage = tuple[int, int, tuple[int, ...], int]
 """``(start, end, devices, t)``: layers ``[start, end)`` on the cluster's devices (replica-major,
@@ -37,7 +37,11 @@ ROUNDING = 1e-9
 """Relative bound on how far an estimate may lie from the exact L (the tail's forwards
 summed in another order: a few ulps)."""
 
-Options = Callable[[WidthStage], StageOptions]
+Row = tuple[float, float, float, int, bool]
+"""A stage's terms at its K_i: F, B, AR_s + U_s, D where it binds (0: none), and whether it
+cannot hold its K_i (:func:`stage_row`)."""
+
+RowOf = Callable[[WidthStage, int], Row]
 Comm = Callable[[WidthStage, WidthStage], float]
 
 
@@ -64,15 +68,9 @@ class _Rows:
         self.d: list[int] = []
         self.bad: list[bool] = []
 
-    def add(self, options: StageOptions, k: int, M: int, bounded: bool) -> int:
-        """Row of a stage holding ``k`` micro-batches (a marked row when none fits)."""
-        got = stage_choice(options, k, M, bounded) if options else None
-        if got is None:
-            self._append(0.0, 0.0, 0.0, 0, True)
-        else:
-            _, r, use_r, d = got
-            t = r.recomputed if use_r else r.plain
-            self._append(t.forward_ms, t.backward_ms, t.sync_ms + t.update_ms, d * (d < k), False)
+    def add(self, row: Row) -> int:
+        """The index of a new row."""
+        self._append(*row)
         return len(self.F) - 1
 
     def add_empty(self) -> None:
@@ -94,15 +92,25 @@ class _Rows:
         self.bad.append(bad)
 
 
+def stage_row(options: StageOptions, k: int, M: int, bounded: bool) -> Row:
+    """The :data:`Row` of a stage with these options holding ``k`` micro-batches
+    (:func:`~dapple.planner.evaluate.stage_choice`)."""
+    got = stage_choice(options, k, M, bounded) if options else None
+    if got is None:
+        return 0.0, 0.0, 0.0, 0, True
+    _, r, use_r, d = got
+    t = r.recomputed if use_r else r.plain
+    return t.forward_ms, t.backward_ms, t.sync_ms + t.update_ms, d * (d < k), False
+
+
 def estimate_moves(
     stages: Sequence[WidthStage],
     moves: Sequence[Move],
     M: int,
-    options: Options,
+    row: RowOf,
     comm: Comm,
     schedule: str,
     policies: Sequence[Policy],
-    bounded: bool,
 ) -> list[float]:
     """L of each move's plan within :data:`ROUNDING` (``inf`` where it does not fit), as
     :func:`~dapple.planner.evaluate.score_options` scores it on a cluster without host terms,
@@ -113,12 +121,10 @@ def estimate_moves(
         stages: the current plan (S stages).
         moves: each ``(i, j, new)`` (:data:`Move`), ``new`` non-empty.
         M: micro-batches.
-        options: a stage's options at this M's b (:meth:`Scorer.stage_options
-            <dapple.planner.evaluate.Scorer.stage_options>`).
+        row: a stage's :data:`Row` at this M's b holding k micro-batches (:func:`stage_row`).
         comm: the comm stage between two neighbouring stages at this M's b.
         schedule: the schedule whose in-flight counts K_i apply.
         policies: the warm-up policies to try.
-        bounded: whether the schedule bounds a stage by its K_i (:class:`ScheduleSpec`).
     """
     if not moves:
         return []
@@ -133,8 +139,7 @@ def estimate_moves(
     comp_idx, comm_idx, comm_src = _layout(stages, moves, sizes, base, comm)
     first_new = sum(heads.values())
     comp_idx = [[first_new - 1 - x if x < 0 else x for x in row] for row in comp_idx]
-    opts = [options(st) for st in stages]
-    new_opts = [options(st) for _, _, new in moves for st in new]
+    new_stages = [st for _, _, new in moves for st in new]
     new_at = [
         (n, i + a) for (i, _, new), n in zip(moves, sizes, strict=True) for a in range(len(new))
     ]
@@ -155,9 +160,9 @@ def estimate_moves(
         nominal = {n: in_flight(schedule, n, M, policy, None) for n in {*heads, width}}
         for n, h in heads.items():
             for a in range(h):
-                rows.add(opts[a], nominal[n][a], M, bounded)
-        for o, (n, a) in zip(new_opts, new_at, strict=True):
-            rows.add(o, nominal[n][a], M, bounded)
+                rows.add(row(stages[a], nominal[n][a]))
+        for st, (n, a) in zip(new_stages, new_at, strict=True):
+            rows.add(row(st, nominal[n][a]))
         rows.add_empty()
         tables.append((rows.arrays(), nominal[width]))
     cols = _Columns(*(np.concatenate([t[0][f] for t in tables]) for f in range(5)))

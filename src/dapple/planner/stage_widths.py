@@ -30,7 +30,7 @@ from dapple.cost.comm import busiest_link_ms, link_loads
 from dapple.cost.host import has_host_terms, stage_host_extras
 from dapple.cost.memory import boundary_bytes
 from dapple.planner.evaluate import Scored, Scorer, StageOptions, score_options, scored_plan
-from dapple.planner.move_scores import ROUNDING, Move, WidthStage, estimate_moves
+from dapple.planner.move_scores import ROUNDING, Move, Row, WidthStage, estimate_moves, stage_row
 from dapple.planner.widths import TensorSums
 from dapple.planner.zero_modes import UNSHARDED
 from dapple.schedule.registry import get_schedule
@@ -80,6 +80,8 @@ class MixedScorer:
         candidates differ from the current plan in one or two stages, the rest are looked up."""
         self._comms: dict[tuple[int, tuple[int, ...], int, tuple[int, ...], int, int], float] = {}
         """Each comm stage's time by ``(cut, devices, t, devices, t, b)`` (:meth:`_comm_ms`)."""
+        self._rows: dict[tuple[WidthStage, int, int], Row] = {}
+        """Each stage's :data:`~dapple.planner.move_scores.Row` by ``(stage, b, K_i)``."""
         self._spec = get_schedule(DEFAULT_SCHEDULE)
 
     def shards(self, s: int, e: int) -> bool:
@@ -122,12 +124,22 @@ class MixedScorer:
             stages,
             moves,
             M,
-            lambda st: self._stage_options(st, b),
+            lambda st, k: self._row(st, b, k),
             lambda src, dst: self._comm_ms(src, dst, b),
             spec.name,
             ("A", "B") if len(spec.policies) > 1 else spec.policies,
-            spec.bounded,
         )
+
+    def _row(self, st: WidthStage, b: int, k: int) -> Row:
+        """Stage ``st``'s terms at b samples holding k micro-batches
+        (:func:`~dapple.planner.move_scores.stage_row`), remembered."""
+        key = (st, b, k)
+        got = self._rows.get(key)
+        if got is None:
+            opts = self._stage_options(st, b)
+            M = self.global_batch_size // b
+            got = self._rows[key] = stage_row(opts, k, M, self._spec.bounded)
+        return got
 
     def _stage_options(self, st: WidthStage, b: int) -> StageOptions:
         """The options of stage ``st`` at b samples (:meth:`Scorer.stage_options`)."""
