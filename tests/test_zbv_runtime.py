@@ -1,6 +1,6 @@
 """ZB-V and DualPipeV in the runtime: the message a rank sends itself at the turn of the V, and
-``verify`` against one device (GPT-2 with dropout, AdamW) on a straight and an uneven (2:1)
-plan."""
+``verify`` against one device under AdamW: GPT-2 with dropout on a straight and an uneven (2:1)
+plan, and ZB-V with a ZeRO-3 and a tensor-parallel device group."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from dapple import api
-from dapple.core.plan import straight_plan
+from dapple.core.plan import StagePlan, straight_plan
 from dapple.runtime import comm
 from dapple.simulate.schedules import with_schedule
 
@@ -67,3 +67,27 @@ def test_verify_v_schedules_equal_one_device_under_adamw_with_dropout(schedule: 
         assert rep.grad_norms_ok, (plan.replication, rep.grad_norms, rep.reference_grad_norms)
         assert rep.losses == pytest.approx(rep.reference_losses, rel=1e-5)
         assert rep.losses[0] != pytest.approx(rep.losses[1], rel=1e-4)  # the steps differ
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_verify_zbv_with_zero3_and_tensor_parallel_groups() -> None:
+    """ZB-V on the zoo transformer traced into embedding, block, block, head: 2:1 with ZeRO-3
+    (no per-micro-batch re-gather) on the replicated group 0, and a TP2 group 1 holding both
+    blocks (the turn of the V: each tensor rank's message to itself), equal to one device's
+    under AdamW."""
+    from test_tp_runtime import plan_of, zoo_spec
+
+    wl = zoo_spec()
+    n = wl.num_layers
+    zero3 = plan_of([StagePlan(layers=(0, 2), devices=(0, 1), zero_stage=3),
+                     StagePlan(layers=(2, n), devices=(2,))])  # fmt: skip
+    tp = plan_of([StagePlan(layers=(0, 2), devices=(0,)),
+                  StagePlan(layers=(2, n), devices=(1, 2), tensor_width=2)])  # fmt: skip
+    plans = [with_schedule(p, "zbv") for p in (zero3, tp)]
+    assert plans[1].stages[1].tensor_width == plans[1].stages[2].tensor_width == 2
+    reports = api.verify_many([(p, wl) for p in plans], 2, device="cpu", optimizer="adamw",
+                              lr=1e-3)  # fmt: skip
+    for plan, rep in zip(plans, reports, strict=True):
+        assert rep.ok, (plan.replication, rep.max_abs_diff)
+        assert rep.losses == pytest.approx(rep.reference_losses, rel=1e-5)
