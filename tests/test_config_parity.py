@@ -390,7 +390,7 @@ def test_api_train_of_a_config_takes_nothing_beside_it(
 
 # -- dapple verify ---------------------------------------------------------------------------------
 TOLERANCES = {"rtol", "atol", "grad_rtol"}
-"""``dapple verify``'s own flags, no field of the run (:data:`dapple.api.running.VERIFY_CHECKS`)."""
+"""``dapple verify``'s own flags, no field of the run (:data:`dapple.api.verifying.VERIFY_CHECKS`)."""
 
 EVERY_VERIFY_OPTION = {
     k: v for k, v in EVERY_RUN_OPTION.items() if k in {f.dest for f in RUN_FLAGS}
@@ -404,7 +404,7 @@ def test_every_verify_flag_is_a_run_flag_of_train_or_a_tolerance() -> None:
     assert verify_dests == run | TOLERANCES
     assert run <= train_dests and not TOLERANCES & train_dests
     assert set(TRAIN_FLAGS[: len(RUN_FLAGS)]) == set(RUN_FLAGS)
-    assert set(api.running.VERIFY_CHECKS) > TOLERANCES
+    assert set(api.verifying.VERIFY_CHECKS) > TOLERANCES
 
 
 def test_cli_and_api_ask_verify_for_the_same_run(

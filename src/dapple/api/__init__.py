@@ -26,15 +26,17 @@ loads (:class:`PlanInputs`).
 Workloads loaded from a spec (:func:`load`) pickle as their spec: spawned worker processes load
 them again, so models defined in a ``file.py`` train and verify like installed ones.
 
-The functions live in :mod:`dapple.api.planning` (profile, plan, plan_local, simulate) and
-:mod:`dapple.api.running` (train, verify, verify_many, generate).
+The functions live in :mod:`dapple.api.planning` (profile, plan, plan_local, simulate),
+:mod:`dapple.api.running` (train, generate) and :mod:`dapple.api.verifying` (verify,
+verify_many).
 """
 
 from __future__ import annotations
 
 from dapple.api._inputs import PlanInputs, RunInputs, plan_inputs, plan_with, run_inputs
 from dapple.api.planning import plan, plan_local, profile, simulate
-from dapple.api.running import generate, train, verify, verify_many
+from dapple.api.running import generate, train
+from dapple.api.verifying import verify, verify_many
 from dapple.models.spec import load
 
 __all__ = [

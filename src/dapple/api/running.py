@@ -1,22 +1,21 @@
-"""The Python API's running side: train a plan, verify it against one process, generate text.
+"""The Python API's running side: train a plan, generate text.
 
-:func:`train`, :func:`verify`, :func:`verify_many` and :func:`generate` (``dapple train``,
-``dapple verify``, ``dapple generate``), re-exported by :mod:`dapple.api`. Training and verifying
-check the plan against the model before any worker starts.
+:func:`train` and :func:`generate` (``dapple train``, ``dapple generate``), re-exported by
+:mod:`dapple.api`. Training checks the plan against the model before any worker starts.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, overload
 
+from dapple.api._checks import check_host_memory, check_run, dataset, seq_overrides
 from dapple.api._inputs import (
     RunInputs,
     WorkloadLike,
     as_cluster,
-    as_plan,
     as_profile,
     as_workload,
     plan_with,
@@ -33,12 +32,10 @@ if TYPE_CHECKING:
     from dapple.models.fingerprint import Fingerprint
     from dapple.models.generate import Generated
     from dapple.runtime import StepMetrics
-    from dapple.runtime.config import TrainConfig
     from dapple.runtime.launch.early import EarlyWorkers
     from dapple.runtime.run_config import RunConfig, RunOptions
-    from dapple.runtime.verify import VerifyReport
 
-__all__ = ["VERIFY_CHECKS", "generate", "train", "verify", "verify_many"]
+__all__ = ["generate", "train"]
 
 
 @overload
@@ -116,7 +113,7 @@ def train(
             with ``seq=seq_len``.
         documents: ``pack`` or ``pad``: the paths hold documents, packed into samples or one
             per sample padded per batch (:func:`dapple.datasets.open_documents`).
-        schedule, policy, virtual_stages: As in :func:`verify`.
+        schedule, policy, virtual_stages: As in :func:`~dapple.api.verify`.
         keep, eval_batches, require_resume, profile, cluster: As
             :class:`~dapple.runtime.run_config.RunOptions` (``keep=None``: every checkpoint);
             ``profile`` and ``cluster`` may be objects.
@@ -160,13 +157,13 @@ def train(
                      profile=_name(profile), cluster=_name(cluster))  # fmt: skip
     given = RunInputs(
         plan_with(plan, schedule, policy, virtual_stages),
-        as_workload(workload, _seq_overrides(workload, overrides, seq_len)),
+        as_workload(workload, seq_overrides(workload, overrides, seq_len)),
         profile=profile,
         cluster=cluster,
     )
     _check_inputs(given)
-    given = dataclasses.replace(given, data=_dataset(data, seq_len, documents),
-                                eval_data=_dataset(eval_data, seq_len, documents))  # fmt: skip
+    given = dataclasses.replace(given, data=dataset(data, seq_len, documents),
+                                eval_data=dataset(eval_data, seq_len, documents))  # fmt: skip
     cfg = RunConfig(train=TrainConfig(steps=steps, **options), run=run)
     return _launch(cfg, given, early)
 
@@ -204,7 +201,7 @@ def _check_inputs(inputs: RunInputs) -> None:
     from dapple.models.fingerprint import check_plan_model, fingerprint_once
 
     plan, wl, profile, cluster = inputs.plan, inputs.workload, inputs.profile, inputs.cluster
-    _check_run(plan, wl, None if cluster is None else as_cluster(cluster, None))
+    check_run(plan, wl, None if cluster is None else as_cluster(cluster, None))
     fingerprint = fingerprint_once(wl)  # built once, when a check needs it
     check_plan_model(plan.model_fingerprint, wl, fingerprint)
     if profile is not None:  # measured on this model (its layers' tensors)
@@ -225,7 +222,7 @@ def _launch(cfg: RunConfig, inputs: RunInputs, early: EarlyWorkers | None) -> li
     n_eval = None if inputs.eval_data is None else len(inputs.eval_data)
     tc = resolve_train_config(cfg.train, run, n_eval, run_plan.global_batch_size)
     check_mesh_run(run_plan, wl, tc)  # what stages of t_s > 1 or ZeRO-3 cannot run yet
-    _check_host_memory(wl, tc.device, tc.optimizer, tc.momentum, "training")
+    check_host_memory(wl, tc.device, tc.optimizer, tc.momentum, "training")
     if profile is not None and cluster is not None:
         predicted = simulate(zero_floored(run_plan, tc.zero_stage), profile, cluster).step_ms
         tc = dataclasses.replace(tc, predicted_step_ms=predicted)
@@ -240,15 +237,6 @@ def _launch(cfg: RunConfig, inputs: RunInputs, early: EarlyWorkers | None) -> li
                   elastic=replan)  # fmt: skip
 
 
-def _check_run(plan: Plan, wl: Workload, cluster: Cluster | None = None) -> None:
-    """The plan was made for this model (:meth:`~dapple.core.plan.Plan.check_model`) and its
-    tensor groups can cut it (:func:`dapple.runtime.parallel.tensor_check.check_tensor_run`)."""
-    from dapple.runtime.parallel.tensor_check import check_tensor_run
-
-    plan.check_model(wl.name, wl.num_layers)
-    check_tensor_run(plan, wl, cluster)
-
-
 def _check_profile(
     profile: ModelProfile | str | Path, wl: Workload, fingerprint: Fingerprint
 ) -> None:
@@ -259,239 +247,11 @@ def _check_profile(
     check_profile_model(as_profile(profile), wl, f"the profile {named}", fingerprint)
 
 
-def _check_host_memory(
-    wl: Workload, device: str, optimizer: str, momentum: float, what: str
-) -> None:
-    """A run whose processes all start on this host and compute on its CPU: the model held
-    once with gradients and optimizer state fits the host memory available
-    (:func:`dapple.profiler.host_fit.check_training_memory`); before any layer is built.
-    Under torchrun each host holds only its own ranks' stages: not checked."""
-    import os
-
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        return
-    import torch
-
-    if device == "cuda" or (device == "auto" and torch.cuda.is_available()):
-        return
-    from dapple.profiler.host_fit import check_training_memory
-    from dapple.runtime.optim_config import OPTIMIZERS, state_factor
-
-    if optimizer in OPTIMIZERS:  # another name is refused by the run's own checks
-        check_training_memory(wl, state_factor(optimizer, momentum), what=what)
-
-
 def _name(x: ModelProfile | Cluster | str | Path | None) -> str | None:
     """How an option given as an object or a path reads in messages."""
     if isinstance(x, ModelProfile):
         return x.model_name
     return x.name if isinstance(x, Cluster) else None if x is None else str(x)
-
-
-def _seq_overrides(
-    workload: WorkloadLike, overrides: Mapping[str, Any] | None, seq_len: int | None
-) -> Mapping[str, Any] | None:
-    """``overrides`` with ``seq=seq_len`` for a spec string (a built workload stays as is)."""
-    if seq_len is None or not isinstance(workload, str):
-        return overrides
-    given = dict(overrides or {})
-    if given.setdefault("seq", seq_len) != seq_len:
-        raise ValidationError(f"overrides seq={given['seq']} disagrees with seq_len={seq_len}")
-    return given
-
-
-def _dataset(data: Any, seq_len: int | None, documents: str | None = None) -> Any:
-    """A dataset as given, or the token file (``documents``: the documents) at a path."""
-    from dapple.runtime.run_config import open_run_data
-
-    return None if data is None else open_run_data(data, seq_len, documents)
-
-
-VERIFY_CHECKS = ("rtol", "atol", "grad_rtol", "progress")
-"""What :func:`verify` takes beside a :class:`~dapple.runtime.run_config.RunConfig`: the
-tolerances and whether it says which run is going."""
-
-
-@overload
-def verify(plan: RunConfig, *, inputs: RunInputs | None = None, **checks: Any) -> VerifyReport: ...
-@overload
-def verify(
-    plan: Plan | str | Path,
-    workload: WorkloadLike,
-    steps: int = 2,
-    *,
-    overrides: Mapping[str, Any] | None = None,
-    schedule: str | None = None,
-    policy: str | None = None,
-    virtual_stages: int = 1,
-    device: str = "auto",
-    data: Any = None,
-    seq_len: int | None = None,
-    precision: str = "fp32",
-    **options: Any,
-) -> VerifyReport: ...
-def verify(
-    plan: RunConfig | Plan | str | Path,
-    workload: WorkloadLike | None = None,
-    steps: int = 2,
-    *,
-    overrides: Mapping[str, Any] | None = None,
-    schedule: str | None = None,
-    policy: str | None = None,
-    virtual_stages: int = 1,
-    device: str = "auto",
-    data: Any = None,
-    seq_len: int | None = None,
-    precision: str = "fp32",
-    inputs: RunInputs | None = None,
-    **options: Any,
-) -> VerifyReport:
-    """Run a plan distributed and check it step by step against one process (``dapple verify``):
-    ``verify(cfg)`` the run a :class:`~dapple.runtime.run_config.RunConfig` asks for (its model,
-    plan, data and :class:`~dapple.runtime.TrainConfig`'s steps, seed, device, precision,
-    timeout and optimisation options), ``verify(plan, workload, ...)`` the one its keyword
-    arguments ask for.
-
-    Args:
-        plan: A :class:`~dapple.runtime.run_config.RunConfig` (then only ``inputs`` and
-            :data:`VERIFY_CHECKS` go beside it), or a :class:`Plan` or its JSON path.
-        workload: A :class:`Workload` or a spec string.
-        steps: Optimizer steps of both runs.
-        overrides: Factory keyword arguments when ``workload`` is a spec.
-        schedule: ``gpipe``, ``dapple``, ``interleaved`` or ``zbh1`` instead of the plan's.
-        policy: ``A`` or ``B`` instead of the plan's.
-        virtual_stages: v, model chunks per device group with ``schedule="interleaved"``.
-        device: Device of the distributed run: ``auto`` (``cuda`` when available, else
-            ``cpu``), ``cpu`` or ``cuda``; the reference runs on the CPU.
-        data: Training samples of both runs, a dataset or a token file path (as in
-            :func:`train`).
-        seq_len: As in :func:`train`.
-        precision: ``fp32`` or ``bf16`` autocast in both runs (bf16 tolerances:
-            :func:`dapple.runtime.precision.tolerances_for`).
-        inputs: With a ``RunConfig``: what it names, already loaded (``dapple verify`` loads
-            them naming its flags); None: loaded here (:func:`~dapple.api.run_inputs`).
-        **options: ``seed``, ``optimizer``, ``lr``, ``rtol``, ``atol``, ``grad_rtol``,
-            ``timeout_s``, ``progress`` (default True: which run is going, on stderr, as it
-            goes) and the optimisation options ``weight_decay``, ``momentum``,
-            ``betas``, ``eps``, ``lr_schedule``, ``warmup_steps``, ``min_lr``,
-            ``clip_grad_norm``, ``zero_stage`` (see :func:`dapple.runtime.verify.verify_many`).
-
-    Returns:
-        A :class:`~dapple.runtime.verify.VerifyReport`; ``report.ok`` is the verdict.
-
-    Raises:
-        ValidationError: Bad plan, workload or options; a plan made for another model
-            (:meth:`~dapple.core.plan.Plan.check_model`); a stage of tensor width t_s > 1
-            the model cannot be cut over (:mod:`dapple.runtime.parallel.tensor_check`).
-        RankFailure: A worker failed.
-    """
-    from dapple.runtime.run_config import RunConfig
-
-    if isinstance(plan, RunConfig):
-        return _verify_config(plan, inputs, options)
-    if workload is None or inputs is not None:
-        raise ValidationError(
-            "verify(plan, workload, ...) needs a workload and takes no inputs (those go with a "
-            "RunConfig: verify(cfg, inputs=...))"
-        )
-    run_plan = plan_with(plan, schedule, policy, virtual_stages)
-    wl = as_workload(workload, _seq_overrides(workload, overrides, seq_len))
-    _check_run(run_plan, wl)
-    tc, checks = _verify_options(steps, device, precision, options)
-    _check_host_memory(wl, tc.device, tc.optimizer, tc.momentum, "verifying")
-    from dapple.runtime.verify import verify as _verify
-
-    return _verify(run_plan, wl, tc, data=_dataset(data, seq_len), **checks)
-
-
-def _verify_options(
-    steps: int, device: str, precision: str, options: dict[str, Any]
-) -> tuple[TrainConfig, dict[str, Any]]:
-    """The keyword form's ``options`` of :func:`verify` as both runs' :class:`TrainConfig`
-    (``seed`` 0, ``optimizer`` sgd, ``lr`` 0.01 and ``timeout_s`` 120 unless given) and the
-    :data:`VERIFY_CHECKS` given.
-
-    Raises:
-        ValidationError: an option that is neither (naming the optimisation options), or a bad
-            value.
-    """
-    from dapple.runtime.verify.reference import config
-
-    checks = {k: v for k, v in options.items() if k in VERIFY_CHECKS}
-    rest = {k: v for k, v in options.items() if k not in VERIFY_CHECKS}
-    seed, optimizer = rest.pop("seed", 0), rest.pop("optimizer", "sgd")
-    lr, timeout_s = rest.pop("lr", 0.01), rest.pop("timeout_s", 120.0)
-    tc = dataclasses.replace(config(steps, seed, optimizer, lr, rest), timeout_s=timeout_s,
-                             device=device, precision=precision)  # fmt: skip
-    return tc, checks
-
-
-def _verify_config(
-    cfg: RunConfig, inputs: RunInputs | None, checks: dict[str, Any]
-) -> VerifyReport:
-    """:func:`verify` of a ``RunConfig``: its inputs (loaded here when not given) checked, then
-    both runs with ``cfg.train``'s options and the ``checks`` (:data:`VERIFY_CHECKS`).
-
-    Raises:
-        ValidationError: an option beside ``cfg`` that it holds itself, or as :func:`verify`.
-    """
-    from dapple.runtime.run_config import resolve_verify_config
-    from dapple.runtime.verify import verify as _verify
-
-    extra = sorted(set(checks) - set(VERIFY_CHECKS))
-    if extra:
-        raise ValidationError(
-            f"verify(cfg) takes the run's options from cfg, got also {', '.join(extra)}"
-        )
-    given = inputs or run_inputs(cfg)
-    tc = resolve_verify_config(cfg.train)
-    _check_run(given.plan, given.workload)
-    _check_host_memory(given.workload, tc.device, tc.optimizer, tc.momentum, "verifying")
-    return _verify(given.plan, given.workload, tc, data=given.data, **checks)
-
-
-def verify_many(
-    cases: Sequence[tuple[Plan | str | Path, WorkloadLike]],
-    steps: int = 2,
-    *,
-    device: str = "auto",
-    precision: str = "fp32",
-    data: Any = None,
-    **options: Any,
-) -> list[VerifyReport]:
-    """:func:`verify` several ``(plan, workload)`` pairs in ONE launch of worker processes.
-
-    Spec strings are loaded once each (without overrides; pass a
-    :func:`~dapple.models.spec.load` result for those).
-
-    Args:
-        cases: Plans (objects or paths) and workloads (objects or spec strings).
-        steps: Optimizer steps of every run.
-        device, precision: As in :func:`verify`.
-        data: Training samples of every run, a dataset (see
-            :func:`dapple.runtime.verify.verify_many`); None: the workloads' ``make_batch``.
-        **options: As in :func:`verify` (no ``schedule``/``policy``: set them on the plans).
-
-    Raises:
-        ValidationError: Bad plan, workload or options; a plan made for another model
-            (:meth:`~dapple.core.plan.Plan.check_model`); a stage of tensor width t_s > 1
-            the model cannot be cut over (:mod:`dapple.runtime.parallel.tensor_check`).
-        RankFailure: A worker failed.
-    """
-    from dapple.runtime.verify import verify_many as _verify_many
-
-    loaded: dict[str, Workload] = {}
-    resolved: list[tuple[Plan, Workload]] = []
-    for p, w in cases:
-        if isinstance(w, str):
-            if w not in loaded:
-                loaded[w] = as_workload(w, None)
-            w = loaded[w]
-        run_plan, wl = as_plan(p), as_workload(w, None)
-        _check_run(run_plan, wl)
-        resolved.append((run_plan, wl))
-    tc, checks = _verify_options(steps, device, precision, options)
-    return _verify_many(resolved, tc, data=data, **checks)
 
 
 def generate(
