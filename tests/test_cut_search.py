@@ -16,7 +16,13 @@ from dapple.planner.cut_search import (
     stage_bound,
 )
 from dapple.planner.evaluate import Scorer
-from dapple.planner.search import _rank_micro_batches, _seeds, cut_points, dapple_search
+from dapple.planner.search import (
+    _lower_bound,
+    _rank_micro_batches,
+    _seeds,
+    cut_points,
+    dapple_search,
+)
 
 
 def _scorer(n: int = 6, servers: int = 1, per_server: int = 4, G: int = 16) -> Scorer:
@@ -119,3 +125,46 @@ def test_the_dp_finds_at_least_the_seeds_best_plan() -> None:
 def test_search_is_deterministic(servers: int) -> None:
     p, c = make_profile(8), make_cluster(servers, 4)
     assert dapple_search(p, c, 32) == dapple_search(p, c, 32)
+
+
+def test_micro_batch_ranking_skips_seeds_by_their_bound_and_ranks_as_scoring_all() -> None:
+    """16 devices, 12 layers: the ranking scores only the seeds whose ``M (F_s + B_s)`` bound
+    is below both their M's best and the incumbent, and still ranks the M and takes the
+    incumbent as scoring every seed does."""
+    sc = Scorer(make_profile(12), make_cluster(2, 8), 64, 0)
+    Ms = [1, 2, 4, 8, 16, 32, 64]
+    best = Incumbent()
+    ranked = _rank_micro_batches(sc, Ms, 64, 16, best)
+    seeds = {M: _seeds(sc, 64 // M) for M in Ms}
+    assert sc.evaluations < sum(len(s) for s in seeds.values())  # the bound skipped some
+    brute = Scorer(make_profile(12), make_cluster(2, 8), 64, 0)
+    seed_best = {}
+    first: tuple[float, int, int] | None = None  # (L, M's index, seed's index) of the best
+    for mi, M in enumerate(Ms):
+        scores = [brute.score(s, M) for s in seeds[M]]
+        seed_best[M] = min((g.L_ms for g in scores if g is not None), default=math.inf)
+        for si, g in enumerate(scores):
+            if g is not None and (first is None or g.L_ms < first[0]):
+                first = (g.L_ms, mi, si)
+    assert first is not None
+    assert ranked == sorted(Ms, key=lambda M: (seed_best[M], M))
+    assert (best.L_ms, best.M, best.stages) == (
+        first[0],
+        Ms[first[1]],
+        seeds[Ms[first[1]]][first[2]],
+    )
+
+
+def test_a_seeds_bound_is_below_its_latency_and_reaches_it() -> None:
+    """``_lower_bound`` (the largest ``M (F_s + B_s)``, less a rounding margin) never exceeds
+    a seed's L at any M, and equals it up to the margin where one stage alone paces the step
+    (M = 1, one stage on one device)."""
+    sc = Scorer(make_profile(12), make_cluster(2, 8), 64, 0)
+    ratios = []
+    for M in [1, 2, 4, 8, 16, 32, 64]:
+        for stages in _seeds(sc, 64 // M):
+            got = sc.score(stages, M)
+            if got is not None:
+                ratios.append(_lower_bound(sc, stages, 64 // M, M) / got.L_ms)
+    assert max(ratios) <= 1.0
+    assert max(ratios) == pytest.approx(1.0, abs=1e-6)

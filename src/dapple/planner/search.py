@@ -26,7 +26,8 @@ It is kept fast by:
 * on a cluster of more devices than any plan of the batch keeps busy (S_max x B x t_max), the
   search enumerates only the first servers holding that many (:mod:`dapple.core.usable`);
 * a lower bound ``L >= M (F_s + B_s)`` of a computation stage s: a new stage reaching the best
-  L found stops the scan over longer stages, and prefixes holding such a stage are dropped;
+  L found stops the scan over longer stages, and prefixes holding such a stage are dropped; a
+  regular candidate whose bound reaches both its M's best and the best L is not scored;
 * regular seed candidates (:func:`_seeds`: k time-balanced stages on r consecutive devices,
   also with idle devices) scored first, giving a good incumbent and ranking the M;
 * states keyed by occupancy up to a permutation of servers (servers are interchangeable);
