@@ -147,8 +147,8 @@ def _check_eval_run(work: Path, out: str) -> None:
 
 
 def _check_best_plan(work: Path, out: str) -> None:
-    plan = json.loads((work / "best.json").read_text())  # the README says: zbh1 8:8 M=8
-    assert (plan["schedule"], plan["replication"], plan["num_micro_batches"]) == ("zbh1", "8:8", 8)
+    plan = json.loads((work / "best.json").read_text())  # the README says: zbv 8:8 M=8
+    assert (plan["schedule"], plan["replication"], plan["num_micro_batches"]) == ("zbv", "8:8", 8)
 
 
 def _check_run_file(root: Path, text: str) -> None:
@@ -302,7 +302,7 @@ BLOCKS: dict[str, Way] = {
             "its --compare and --schedule best searches take 10-20 s: slow tier, its first two "
             "commands fast",
         timeout_s=300, quick_lines=2,
-        expect=("chosen: zbh1",),
+        expect=("chosen: zbv",),
         files=("zb.json",),
         check=_check_best_plan,
     ),
