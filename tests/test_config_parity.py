@@ -465,7 +465,10 @@ def test_verify_runs_with_the_verify_fields_only() -> None:
             ["--schedule", "interleaved", "--virtual-stages", "0"],
             "virtual_stages must be >= 1, got 0",
         ),
-        (["--virtual-stages", "2"], "--virtual-stages 2 needs --schedule interleaved or zbv"),
+        (
+            ["--virtual-stages", "2"],
+            "--virtual-stages 2 needs --schedule interleaved, zbv or dualpipev",
+        ),
     ],
 )
 def test_train_and_verify_refuse_a_run_value_in_the_same_words(
