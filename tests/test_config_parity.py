@@ -255,6 +255,28 @@ def test_every_simulate_flag_is_a_simulate_config_field_with_its_default() -> No
     )  # fmt: skip
 
 
+# -- dapple profile ---------------------------------------------------------------------------------
+def test_every_profile_flag_is_a_profile_config_field_or_the_model() -> None:
+    from dapple.cli._profile_config import MODEL_FLAGS
+    from dapple.cli.profile_cmd import ProfileConfig, profile_config_of
+
+    actions = _flag_actions("profile")
+    fields = {f.name: f for f in dataclasses.fields(ProfileConfig)}
+    model = {f.dest for f in MODEL_FLAGS}
+    renamed = {"act_checkpoint"}  # refused with its new name, --recompute
+    assert set(actions) == (set(fields) - {"model"}) | model | renamed | {"config", "print_config"}
+    argv = ["profile", "-m", "mlp", "-o", "p.json", "--set", "layers=3"]
+    cfg = profile_config_of(build_parser().parse_args(argv))
+    assert cfg == ProfileConfig(model=ModelConfig(spec="mlp", set={"layers": 3}), output="p.json")
+    argv += ["--batch-sizes", "2,8", "--seq-lens", "8,16", "--input-shape", "3,4", "--threads",
+             "2", "--co-workers", "2", "--precision", "bf16", "--split-backward"]  # fmt: skip
+    cfg = profile_config_of(build_parser().parse_args(argv))
+    assert cfg is not None and (cfg.batch_sizes, cfg.seq_lens, cfg.input_shape) == (
+        (2, 8), (8, 16), (3, 4),
+    )  # fmt: skip
+    assert (cfg.threads, cfg.co_workers, cfg.precision, cfg.split_backward) == (2, 2, "bf16", True)
+
+
 # -- the same run through the three doors --------------------------------------------------------
 EVERY_RUN_OPTION = {
     "steps": 3, "seed": 5, "optimizer": "adamw", "lr": 0.002, "weight_decay": 0.1,

@@ -20,7 +20,6 @@ from typing import Any
 __all__ = [
     "Flag",
     "add_config_arguments",
-    "flag_namespace",
     "given",
     "given_values",
     "missing_required",
@@ -172,13 +171,6 @@ def parsed_values(args: argparse.Namespace, flags: Iterable[Flag]) -> dict[tuple
     for flag in flags:
         out.update(zip(flag.fields, flag.to_fields(getattr(args, flag.dest)), strict=True))
     return out
-
-
-def flag_namespace(values: dict[tuple[str, str], Any], flags: Iterable[Flag]) -> argparse.Namespace:
-    """The parsed flags that say what ``values`` (every field of the flags) say."""
-    return argparse.Namespace(
-        **{f.dest: f.to_flag(tuple(values[x] for x in f.fields)) for f in flags}
-    )
 
 
 def missing_required(

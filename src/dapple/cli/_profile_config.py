@@ -4,24 +4,23 @@ section (:class:`~dapple.runtime.run_config.ModelConfig`), as ``dapple train --c
 The model flags (``-m``, ``--set``, ``--split-at``, ``--weights``, ``--dynamic-dims``) are
 :data:`dapple.cli._train_config.TRAIN_FLAGS`' own rows; flags given beside ``--config`` win
 (``--set`` is merged into ``[model] set``), and the file's other sections (``dapple train``'s,
-``dapple plan``'s ``[planning]``) are skipped unread. Torch-free at import time.
+``dapple plan``'s ``[planning]``) are skipped unread. :func:`model_config_of` reads the model
+that way, with or without a file. Torch-free at import time.
 """
 
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
-from dapple.cli._config_args import (
-    Flag,
-    add_config_arguments,
-    flag_namespace,
-    given_values,
-    missing_required,
-)
+from dapple.cli._config_args import Flag, add_config_arguments, given_values, missing_required
 from dapple.cli._train_config import TRAIN_FLAGS
 from dapple.errors import ValidationError
 
-__all__ = ["MODEL_FLAGS", "add_profile_config_arguments", "apply_profile_config"]
+if TYPE_CHECKING:
+    from dapple.runtime.run_config import ModelConfig
+
+__all__ = ["MODEL_FLAGS", "add_profile_config_arguments", "model_config_of"]
 
 MODEL_FLAGS: tuple[Flag, ...] = tuple(
     Flag(f.dest, tuple(("", name) for _, name in f.fields), f.to_fields, f.to_flag)
@@ -42,16 +41,13 @@ def add_profile_config_arguments(p: argparse.ArgumentParser) -> None:
     add_config_arguments(p, ("model",), "its [model] section, as dapple train reads it")
 
 
-def apply_profile_config(args: argparse.Namespace) -> bool:
-    """Set the model flags of ``args`` to what ``--config FILE``'s ``[model]`` section and the
-    flags given on top say; with ``--print-config`` print that section as TOML instead and
-    return True.
+def model_config_of(args: argparse.Namespace) -> ModelConfig | None:
+    """The model ``--config FILE``'s ``[model]`` section and the model flags given on top (those
+    win) ask for; with ``--print-config`` that section printed as TOML instead (None).
 
     Raises:
         ValidationError: a bad file or value, or no model at all.
     """
-    if args.config is None and not args.print_config:
-        return False
     from dapple.core.config_file import build, dump, load, values_of
     from dapple.runtime.run_config import ModelConfig
 
@@ -63,10 +59,9 @@ def apply_profile_config(args: argparse.Namespace) -> bool:
         cfg = build(ModelConfig, over)
     if args.print_config:
         print(dump(cfg, schema, "dapple profile --config FILE (flags given beside it win)"), end="")
-        return True
+        return None
     values = values_of(cfg, schema)
     missing = missing_required(values, {("", "spec"): "-m/--model"}, lambda f: f"[model] {f[1]}")
     if missing:
         raise ValidationError(missing)
-    vars(args).update(vars(flag_namespace(values, MODEL_FLAGS)))
-    return False
+    return cfg

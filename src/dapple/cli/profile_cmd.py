@@ -1,19 +1,24 @@
 """``dapple profile``: measure a model's layers with torch (or count them, ``--analytic``) and
-write a profile JSON."""
+write a profile JSON.
+
+The flags (the model also from ``--config FILE``'s ``[model]`` section) are read once into a
+:class:`ProfileConfig`; :func:`run_config` profiles it.
+"""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
 from collections.abc import Iterator
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.table import Table
 
 from dapple.cli._console import StepProgress, console, print_table
-from dapple.cli._model_args import add_model_arguments, model_overrides
-from dapple.cli._profile_config import add_profile_config_arguments, apply_profile_config
+from dapple.cli._model_args import add_model_arguments
+from dapple.cli._profile_config import add_profile_config_arguments, model_config_of
 from dapple.cli._renamed import renamed
 from dapple.cli._run_args import add_device_argument
 from dapple.core.profile import ModelProfile
@@ -21,7 +26,18 @@ from dapple.errors import ValidationError, one_line
 from dapple.profiler.analytic_devices import DEVICES
 from dapple.profiler.analytic_ops import RECOMPUTE_MODES
 
-__all__ = ["parse_batch_sizes", "print_experts", "print_profile", "register"]
+if TYPE_CHECKING:
+    from dapple.runtime.run_config import ModelConfig
+
+__all__ = [
+    "ProfileConfig",
+    "parse_batch_sizes",
+    "print_experts",
+    "print_profile",
+    "profile_config_of",
+    "register",
+    "run_config",
+]
 
 
 def _lengths(text: str | None) -> list[int] | None:
@@ -220,33 +236,33 @@ def print_lengths(con: Console, prof: ModelProfile) -> None:
     print_table(con, t)
 
 
-def _run_analytic(args: argparse.Namespace, sizes: list[int], lens: list[int] | None) -> int:
+def _run_analytic(cfg: ProfileConfig) -> int:
     """``dapple profile --analytic``: the profile from shapes and a datasheet
     (:func:`dapple.profiler.analytic.analytic_profile`), at one or several lengths."""
     from dapple.profiler.analytic import analytic_profile
 
-    names = ", ".join(DEVICES)
-    if args.device in DEVICES:  # the spelling before --analytic took the datasheet
+    names, sizes, lens = ", ".join(DEVICES), list(cfg.batch_sizes), cfg.seq_lens
+    if cfg.device in DEVICES:  # the spelling before --analytic took the datasheet
         raise ValidationError(
-            f"--device {args.device} is a datasheet: write --analytic {args.device} (--device is "
+            f"--device {cfg.device} is a datasheet: write --analytic {cfg.device} (--device is "
             "the torch device a measured profile runs on)"
         )
-    if args.device != "auto":
+    if cfg.device != "auto":
         raise ValidationError(
-            f"--device {args.device} applies to measured profiles; --analytic takes a datasheet "
+            f"--device {cfg.device} applies to measured profiles; --analytic takes a datasheet "
             f"({names})"
         )
-    if args.analytic not in DEVICES:
-        got = f", got {args.analytic!r}" if args.analytic else ""
+    if cfg.analytic not in DEVICES:
+        got = f", got {cfg.analytic!r}" if cfg.analytic else ""
         raise ValidationError(f"--analytic takes a datasheet: {names}{got}")
-    device = args.analytic
-    overrides = model_overrides(args)
-    precision = args.precision or DEVICES[device].default_precision
+    device = cfg.analytic
+    overrides = cfg.model.overrides()
+    precision = cfg.precision or DEVICES[device].default_precision
 
     def at(seq: int | None) -> ModelProfile:
         return analytic_profile(
-            args.model, device, precision=precision, seq_len=seq,
-            recompute=args.recompute, batch_sizes=sizes, overrides=overrides,
+            str(cfg.model.spec), device, precision=precision, seq_len=seq,
+            recompute=cfg.recompute, batch_sizes=sizes, overrides=overrides,
         )  # fmt: skip
 
     if lens and len(set(lens)) > 1:
@@ -260,40 +276,101 @@ def _run_analytic(args: argparse.Namespace, sizes: list[int], lens: list[int] | 
     print_experts(con, prof)
     if prof.by_length:
         print_lengths(con, prof)
-    prof.save(args.output)
+    prof.save(cfg.output)
     con.print(
-        f"wrote {args.output}: {prof.num_layers} layers, {prof.parameter_bytes // 4:,} parameters "
+        f"wrote {cfg.output}: {prof.num_layers} layers, {prof.parameter_bytes // 4:,} parameters "
         f"(analytic, {prof.device})"
     )
     return 0
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ProfileConfig:
+    """What ``dapple profile`` is asked for: the model, how to measure it (or count it), and
+    the profile file to write."""
+
+    model: ModelConfig
+    """The model (``-m`` and its flags, or a run file's ``[model]`` section)."""
+    output: str
+    """The profile JSON to write."""
+    batch_sizes: tuple[int, ...] = (1, 2, 4)
+    """Batch sizes to time (the fit is affine in the batch size)."""
+    seq_lens: tuple[int, ...] | None = None
+    """Also measure at these lengths of the model's dynamic (sequence) dimension."""
+    device: str = "auto"
+    """The torch device a measured profile runs on."""
+    repeats: int = 5
+    """Timed runs per layer (median kept)."""
+    warmup: int = 2
+    """Untimed runs per layer first."""
+    threads: int = 1
+    """Torch threads when profiling on CPU."""
+    co_workers: int = 1
+    """CPU: profile as one of this many local workers sharing the cores."""
+    precision: str | None = None
+    """Autocast while measuring (None: fp32; analytic: the datasheet's 16-bit format)."""
+    split_backward: bool = False
+    """Also time each backward's input- and weight-gradient halves."""
+    input_shape: tuple[int, ...] | None = None
+    """Per-sample input shape for ``nn.Sequential`` factories (measured profiles)."""
+    analytic: str | None = None
+    """Count the layers and time them with this datasheet's roofline instead of measuring
+    (``""``: asked for without a datasheet, refused)."""
+    recompute: str = "none"
+    """With ``analytic``: what every block re-computes in its backward."""
+
+
+def profile_config_of(args: argparse.Namespace) -> ProfileConfig | None:
+    """The :class:`ProfileConfig` of ``dapple profile``'s flags (the model also from
+    ``--config FILE``); with ``--print-config`` the model printed as TOML instead (None).
+
+    Raises:
+        ValidationError: a bad file or value, or no model at all.
+    """
+    model = model_config_of(args)
+    if model is None:
+        return None
+    analytic = args.analytic is not None  # measured profiles only read --input-shape
+    lens = _lengths(args.seq_lens)
+    return ProfileConfig(
+        model=model, output=args.output, batch_sizes=tuple(parse_batch_sizes(args.batch_sizes)),
+        seq_lens=None if lens is None else tuple(lens), device=args.device, repeats=args.repeats,
+        warmup=args.warmup, threads=args.threads, co_workers=args.co_workers,
+        precision=args.precision, split_backward=args.split_backward,
+        input_shape=None if analytic else _parse_shape(args.input_shape), analytic=args.analytic,
+        recompute=args.recompute,
+    )  # fmt: skip
+
+
 def run(args: argparse.Namespace) -> int:
+    cfg = profile_config_of(args)  # --config FILE's [model], --print-config
+    return 0 if cfg is None else run_config(cfg)
+
+
+def run_config(cfg: ProfileConfig) -> int:
+    """Profile what ``cfg`` asks for, print the layers and write the profile (``dapple
+    profile`` once its flags are read)."""
     from dapple.core.output_path import check_output_file
 
-    if apply_profile_config(args):  # --config FILE's [model], --print-config
-        return 0
-    check_output_file(args.output, "--output profile file")  # before any measuring
-    sizes = parse_batch_sizes(args.batch_sizes)
-    if args.analytic is not None:
-        return _run_analytic(args, sizes, _lengths(args.seq_lens))
-    lens = _lengths(args.seq_lens)
-    overrides = model_overrides(args)
-    shape = _parse_shape(args.input_shape)
+    check_output_file(cfg.output, "--output profile file")  # before any measuring
+    if cfg.analytic is not None:
+        return _run_analytic(cfg)
+    sizes, lens = list(cfg.batch_sizes), cfg.seq_lens
+    overrides = cfg.model.overrides()
     from dapple.core.cpu_cores import usable_cores
     from dapple.models.zoo import load_workload
     from dapple.profiler.host_fit import check_host_memory, check_local_processes
     from dapple.profiler.measure import profile_workload, resolve_device
 
-    dev = resolve_device(args.device)  # fail fast, before building the model
+    dev = resolve_device(cfg.device)  # fail fast, before building the model
     cores = usable_cores()
-    if dev.type == "cpu" and not 1 <= args.threads <= cores:  # 10^5 threads crash torch
+    if dev.type == "cpu" and not 1 <= cfg.threads <= cores:  # 10^5 threads crash torch
         raise ValidationError(
-            f"--threads must be from 1 to the {cores} usable cores, got {args.threads}"
+            f"--threads must be from 1 to the {cores} usable cores, got {cfg.threads}"
         )
-    workload = load_workload(args.model, input_shape=shape, **overrides)
-    held = max(1, args.co_workers) if dev.type == "cpu" else 1  # co-workers run on CPU only
-    check_local_processes(held - 1, f"--co-workers {args.co_workers}", forked=True)
+    workload = load_workload(str(cfg.model.spec), input_shape=cfg.input_shape, **overrides)
+    held = max(1, cfg.co_workers) if dev.type == "cpu" else 1  # co-workers run on CPU only
+    check_local_processes(held - 1, f"--co-workers {cfg.co_workers}", forked=True)
     check_host_memory(workload, held)  # before building any layer
     con = console()
     passes = len(set(lens)) if lens else 1
@@ -305,30 +382,30 @@ def run(args: argparse.Namespace) -> int:
         prof = profile_workload(
             workload,
             sizes,
-            device=args.device,
-            warmup=args.warmup,
-            repeats=args.repeats,
+            device=cfg.device,
+            warmup=cfg.warmup,
+            repeats=cfg.repeats,
             progress=progress,
-            num_threads=args.threads,
-            co_workers=args.co_workers,
-            precision=args.precision or "fp32",
-            split_backward=args.split_backward,
+            num_threads=cfg.threads,
+            co_workers=cfg.co_workers,
+            precision=cfg.precision or "fp32",
+            split_backward=cfg.split_backward,
             seq_lens=lens,
         )
-        prof = _with_measured_experts(args, workload, sizes, prof)
+        prof = _with_measured_experts(cfg, workload, sizes, prof)
     print_profile(con, prof)
     print_experts(con, prof)
     if prof.by_length:
         print_lengths(con, prof)
-    prof.save(args.output)
+    prof.save(cfg.output)
     con.print(
-        f"wrote {args.output}: {prof.num_layers} layers, {prof.parameter_bytes:,} parameter bytes"
+        f"wrote {cfg.output}: {prof.num_layers} layers, {prof.parameter_bytes:,} parameter bytes"
     )
     return 0
 
 
 def _with_measured_experts(
-    args: argparse.Namespace, workload: Any, sizes: list[int], prof: ModelProfile
+    cfg: ProfileConfig, workload: Any, sizes: list[int], prof: ModelProfile
 ) -> ModelProfile:
     """``prof`` with the router, experts and expert load of a Hugging Face mixture of experts
     measured apart (:mod:`dapple.profiler.moe_measure`); ``prof`` itself for a dense model."""
@@ -336,8 +413,8 @@ def _with_measured_experts(
 
     if not configured_experts(workload):
         return prof
-    measured = measure_moe(workload, sizes, warmup=args.warmup, repeats=args.repeats,
-                           device=args.device, num_threads=args.threads)  # fmt: skip
+    measured = measure_moe(workload, sizes, warmup=cfg.warmup, repeats=cfg.repeats,
+                           device=cfg.device, num_threads=cfg.threads)  # fmt: skip
     return with_moe(prof, measured)
 
 
