@@ -358,3 +358,35 @@ def test_simulated_replicas_compute_their_shares() -> None:
     terms = stage_terms(two_by_two((1, 3), None), prof, cluster).stages[0]
     assert [r.samples for r in terms.replicas] == [1, 3]
     assert terms.terms.forward_ms == terms.replicas[1].forward_ms > terms.replicas[0].forward_ms
+
+
+# -- an emulated slower device (DAPPLE_SLOWDOWN) ------------------------------------------------
+def test_slowdown_factor_reads_rank_k_pairs_and_names_a_bad_item() -> None:
+    from dapple.runtime.slowdown import slowdown_factor
+
+    assert slowdown_factor(1, "1:3, 2:1.5") == 3.0
+    assert slowdown_factor(2, "1:3, 2:1.5") == 1.5
+    assert slowdown_factor(0, "1:3") == 1.0 and slowdown_factor(0, "") == 1.0
+    for bad in ("1", "1:0.5", "-1:2", "x:2", "1:inf", "1:3,2"):
+        with pytest.raises(ValidationError, match=r"DAPPLE_SLOWDOWN=.* is not RANK:K") as e:
+            slowdown_factor(0, bad)
+        assert "\n" not in str(e.value)
+
+
+def test_slowdown_sleeps_k_minus_1_times_the_block() -> None:
+    from dapple.runtime.slowdown import Slowdown
+
+    now, slept, synced = [10.0], [], []
+
+    def work() -> None:
+        now[0] += 0.25
+
+    slow = Slowdown(3.0, sync=lambda: synced.append(now[0]), clock=lambda: now[0],
+                    sleep=slept.append)  # fmt: skip
+    with slow():
+        work()
+    assert slept == [0.5] and synced == [10.0, 10.25]
+    slept.clear()
+    with Slowdown(1.0, clock=lambda: now[0], sleep=slept.append)():
+        work()
+    assert slept == []

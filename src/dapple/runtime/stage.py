@@ -14,6 +14,9 @@ message is preceded by its shape header (:func:`dapple.runtime.transport.shape_h
 forward receive posts the header's ``irecv`` early and the data's once the header arrived; a
 gradient receive sizes its buffers from the activations this stage sent (posted at once when
 they exist, else when ``B`` waits for them).
+
+A rank listed in ``DAPPLE_SLOWDOWN`` computes its F, B, I and W K times slower
+(:mod:`dapple.runtime.slowdown`: an emulated slower device).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from dapple.runtime import comm
 from dapple.runtime.memory import ActivationMeter, Held
 from dapple.runtime.parallel.stage_mesh import peer_ranks
 from dapple.runtime.precision import Precision, to_fp32
+from dapple.runtime.slowdown import Slowdown, slowdown_factor
 from dapple.runtime.transport import (
     HEADER_INDEX,
     BoundarySpec,
@@ -197,6 +201,10 @@ class StageExecutor:
         activations from): tensor groups pair by index (:func:`peer_ranks`)."""
         self.next_ranks = _peers(plan, stage, stage + 1, tensor_rank) if stage < S - 1 else {}
         self.waiting_on: tuple[str, int] | None = None
+        rank = plan.stages[stage].tensor_group(replica)[tensor_rank]
+        sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None
+        self.slow = Slowdown(slowdown_factor(rank), sync)
+        """This rank's emulated slow-down of its compute (``DAPPLE_SLOWDOWN``; 1: none)."""
         self._mb: dict[int, _MicroBatch] = {}
         self._recv_f: dict[int, list[_Recv]] = {}
         self._recv_b: dict[int, list[_Recv]] = {}
@@ -315,7 +323,7 @@ class StageExecutor:
         if self.live_weights:
             st.weights = [p for p in self.module.parameters() if p.requires_grad]
         if inputs and outs:
-            with self._keys(m):
+            with self._keys(m), self.slow():
                 st.groups = input_gradients(outs, gs, inputs, st.weights or self.weights)
         else:
             st.whole = (outs, gs)
@@ -327,7 +335,7 @@ class StageExecutor:
         assert a.micro_batch is not None
         m = a.micro_batch
         st = self._mb[m]
-        with self._keys(m):
+        with self._keys(m), self.slow():
             if st.groups is not None:
                 weight_gradients(st.groups, st.weights or self.weights, self.on_grad_ready)
             elif st.whole is not None and st.whole[0]:
@@ -453,10 +461,11 @@ class StageExecutor:
         st.inputs = tuple(xs)
         if metering:
             st.held = self.meter.hold(xs)
-            with self.meter.saved_tensors_hooks():
+            with self.meter.saved_tensors_hooks(), self.slow():
                 out = self._compute(m, st, xs)
         else:
-            out = self._compute(m, st, xs)
+            with self.slow():
+                out = self._compute(m, st, xs)
         if not self.last:
             st.output = flatten(out)
             if self.split:  # the split backward detaches its outputs in place: copies that
@@ -531,7 +540,8 @@ class StageExecutor:
             self.before_backward(m)
         outs, gs = self._output_grads(m)
         if outs:
-            torch.autograd.backward(outs, gs)
+            with self.slow():
+                torch.autograd.backward(outs, gs)
         self._after_input_grads(m)
         self._drop(m)
         if self.after_weights is not None:
