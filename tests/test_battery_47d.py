@@ -174,3 +174,16 @@ def test_an_elastic_flag_passes_in_an_elastic_run_from_the_flag_or_the_file(
     # a file's keys at their defaults (as --print-config writes them) are no flags given
     cfg.write_text("[elastic]\nmin_devices = 1\nmax_restarts = 3\n")
     assert main(["train", "--config", str(cfg), "--plan", plan, *MODEL, "--print-config"]) == 0
+
+
+# -- more steps than 64-bit batch seeds: the steps are named, not the seed ----------------------
+def test_train_refuses_more_steps_than_batch_seeds_naming_the_steps(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], standalone: None
+) -> None:
+    """``--steps 100000000000000000000`` (10^20) was refused as "seed must be an integer from ... to -9.07e19, got 0"."""
+    from builders import one_error_line
+    from dapple.runtime.config import TrainConfig
+
+    TrainConfig(steps=2**63 - 1)  # seed 0: the last batch seed is 2^63 - 1
+    assert main(["train", "--plan", _plan(tmp_path), *MODEL, "--steps", str(10**20)]) == 2
+    one_error_line(capsys, f"steps must be at most {2**63 - 1}", "got 100000000000000000000")

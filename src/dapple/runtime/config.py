@@ -114,6 +114,11 @@ class TrainConfig:
         _check_reporting(self)
         if self.steps < 1:
             raise ValidationError(f"steps must be >= 1, got {self.steps}")
+        if self.steps > 2**63 - 1:  # else the seed's range below is empty: name the steps
+            raise ValidationError(
+                f"steps must be at most {2**63 - 1} (step t's batch seed seed + t is a 64-bit "
+                f"torch seed), got {self.steps}"
+            )
         if not -(2**63) <= self.seed <= 2**63 - 1 - self.steps:  # torch seeds are 64-bit
             raise ValidationError(
                 f"seed must be an integer from {-(2**63)} to {2**63 - 1 - self.steps} (step t's "
