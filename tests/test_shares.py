@@ -1,11 +1,12 @@
 """Unequal per-replica shares of a micro-batch (issue #43, the runtime's part).
 
 Pure tiers first: the split-concat arithmetic under shares (golden cases and a property against
-brute force), the plan's checks and JSON, interleaving, the eval plan, a rank's rows and the
-lowered schedule's peers. Then multi-process runs (marked slow): ``verify`` of plans whose
-replicas take 3:1 and 1:3 of a micro-batch against one process under AdamW, for every schedule
-and with ZeRO-1/2, and a checkpoint saved under one set of shares resumed under another.
-"""
+brute force), the plan's checks and JSON, interleaving, the eval plan, a rank's rows, the
+lowered schedule's peers, the simulator and the layout picture, the balanced shares of replicas
+of different speeds (against brute force) and the emulated slow-down. Then multi-process runs
+(marked slow): ``verify`` of plans whose replicas take 3:1 and 1:3 of a micro-batch against one
+process under AdamW, for every schedule and with ZeRO-1/2, once reading a token file; and a
+checkpoint saved under one set of shares resumed under another."""
 
 from __future__ import annotations
 
@@ -390,3 +391,22 @@ def test_slowdown_sleeps_k_minus_1_times_the_block() -> None:
     with Slowdown(1.0, clock=lambda: now[0], sleep=slept.append)():
         work()
     assert slept == []
+
+
+@pytest.mark.slow
+def test_verify_with_a_token_file_reads_each_replicas_share_of_rows(tmp_path: Path) -> None:
+    """Data from a token file: each rank reads only its rows (:func:`rank_rows`, by the
+    shares), and the run still equals one process reading whole batches."""
+    import numpy as np
+
+    from dapple.datasets import TokenFile
+
+    seq, vocab = 8, 64
+    path = tmp_path / "train.bin"
+    np.random.default_rng(0).integers(0, vocab, 24 * seq + 1).astype(np.uint16).tofile(path)
+    wl = api.load("transformer", layers=2, hidden=16, heads=2, seq=seq, vocab=vocab)
+    plan = plan_31()
+    assert wl.num_layers == plan.num_layers
+    rep = api.verify(plan, wl, 3, device="cpu", data=TokenFile(path, seq), **ADAMW)
+    assert rep.ok, rep.max_abs_diff
+    assert rep.losses == pytest.approx(rep.reference_losses, rel=1e-5)
