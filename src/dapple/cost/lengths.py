@@ -40,6 +40,7 @@ import math
 from bisect import bisect_left
 from collections.abc import Sequence
 
+from dapple.core.moe_profile import MoEProfile
 from dapple.core.plan import Plan
 from dapple.core.profile import AffineTime, LayerProfile, LengthProfile, ModelProfile
 from dapple.errors import ValidationError
@@ -49,6 +50,7 @@ __all__ = [
     "fixed_at_length",
     "layer_at_length",
     "length_profile",
+    "moe_at_length",
     "per_sample_at_length",
     "per_sample_between",
     "per_sample_beyond",
@@ -148,6 +150,36 @@ def layer_at_length(
         tied_layers=first.tied_layers,
         cast_parameter_bytes=first.cast_parameter_bytes,
         tensor_parallel=first.tensor_parallel,
+        moe=moe_at_length(lengths, layers, L),
+    )
+
+
+def moe_at_length(
+    lengths: Sequence[float], layers: Sequence[LayerProfile], L: float
+) -> MoEProfile | None:
+    """One layer's mixture-of-experts record at length ``L`` (None: a dense layer): its
+    per-sample tokens and bytes (the busiest expert's too, where every length measured it) at
+    ``L`` like :func:`per_sample_at_length`; experts, top-k, parameter bytes and the time
+    shares of its profile at the first length."""
+    moes = [x.moe for x in layers]
+    first = moes[0]
+    if first is None or any(m is None for m in moes):
+        return first
+    got = [m for m in moes if m is not None]
+
+    def at(values: Sequence[float]) -> float:
+        return per_sample_at_length(lengths, values, L)
+
+    tokens = at([m.tokens_per_expert_per_sample for m in got])
+    peaks = [m.max_tokens_per_expert_per_sample for m in got]
+    return dataclasses.replace(
+        first,
+        tokens_per_expert_per_sample=tokens,
+        max_tokens_per_expert_per_sample=(
+            None if any(p is None for p in peaks) else max(at([p or 0.0 for p in peaks]), tokens)
+        ),
+        dispatch_bytes_per_sample=at([m.dispatch_bytes_per_sample for m in got]),
+        combine_bytes_per_sample=at([m.combine_bytes_per_sample for m in got]),
     )
 
 
