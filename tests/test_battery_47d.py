@@ -68,6 +68,31 @@ def test_train_refuses_cuda_without_it_once_before_any_worker(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.json"]
 
 
+def test_verify_and_the_api_refuse_cuda_without_it_before_any_worker(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    standalone: None,
+) -> None:
+    """``dapple verify`` and ``api.train``/``api.verify`` check the device where they check the
+    host's memory (``api._checks.check_host``), before any worker starts."""
+    from builders import boom, one_error_line
+    from dapple import api
+    from dapple.errors import ValidationError
+
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    monkeypatch.setattr("dapple.runtime.verify.verify", boom)
+    monkeypatch.setattr("dapple.runtime.train", boom)
+    plan = _plan(tmp_path)
+    assert main(["verify", "--plan", plan, *MODEL, "--device", "cuda"]) == 2
+    one_error_line(capsys, "--device cuda: CUDA is not available on this host (")
+    spec = {"layers": 2, "hidden": 32}
+    with pytest.raises(ValidationError, match=r"^--device cuda: CUDA is not available"):
+        api.verify(plan, "transformer", overrides=spec, device="cuda")
+    with pytest.raises(ValidationError, match=r"^--device cuda: CUDA is not available"):
+        api.train(plan, "transformer", overrides=spec, device="cuda", steps=1)
+
+
 def test_the_device_check_passes_cpu_auto_and_cuda_where_torch_sees_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -12,7 +12,7 @@ from dapple.core.plan import Plan
 from dapple.errors import ValidationError
 from dapple.models.workload import Workload
 
-__all__ = ["check_host_memory", "check_run", "dataset", "seq_overrides"]
+__all__ = ["check_host", "check_run", "dataset", "seq_overrides"]
 
 
 def check_run(plan: Plan, wl: Workload, cluster: Cluster | None = None) -> None:
@@ -24,15 +24,18 @@ def check_run(plan: Plan, wl: Workload, cluster: Cluster | None = None) -> None:
     check_tensor_run(plan, wl, cluster)
 
 
-def check_host_memory(
-    wl: Workload, device: str, optimizer: str, momentum: float, what: str
-) -> None:
-    """A run whose processes all start on this host and compute on its CPU: the model held
-    once with gradients and optimizer state fits the host memory available
-    (:func:`dapple.profiler.host_fit.check_training_memory`); before any layer is built.
-    Under torchrun each host holds only its own ranks' stages: not checked."""
+def check_host(wl: Workload, device: str, optimizer: str, momentum: float, what: str) -> None:
+    """What this host must have before any worker starts or layer is built: the device the
+    run asks for (``cuda`` where torch sees none is refused once here, not by every worker:
+    :func:`dapple.profiler.host_fit.check_device_available`); and, for a run whose processes
+    all start on this host and compute on its CPU, the memory to hold the model once with
+    gradients and optimizer state (:func:`dapple.profiler.host_fit.check_training_memory`).
+    Under torchrun each host holds only its own ranks' stages: memory not checked."""
     import os
 
+    from dapple.profiler.host_fit import check_device_available
+
+    check_device_available(device)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return
     import torch

@@ -11,7 +11,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, overload
 
-from dapple.api._checks import check_host_memory, check_run, dataset, seq_overrides
+from dapple.api._checks import check_host, check_run, dataset, seq_overrides
 from dapple.api._inputs import (
     RunInputs,
     WorkloadLike,
@@ -222,7 +222,7 @@ def _launch(cfg: RunConfig, inputs: RunInputs, early: EarlyWorkers | None) -> li
     n_eval = None if inputs.eval_data is None else len(inputs.eval_data)
     tc = resolve_train_config(cfg.train, run, n_eval, run_plan.global_batch_size)
     check_mesh_run(run_plan, wl, tc)  # what stages of t_s > 1 or ZeRO-3 cannot run yet
-    check_host_memory(wl, tc.device, tc.optimizer, tc.momentum, "training")
+    check_host(wl, tc.device, tc.optimizer, tc.momentum, "training")
     if profile is not None and cluster is not None:
         predicted = simulate(zero_floored(run_plan, tc.zero_stage), profile, cluster).step_ms
         tc = dataclasses.replace(tc, predicted_step_ms=predicted)

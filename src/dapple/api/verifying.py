@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, overload
 
-from dapple.api._checks import check_host_memory, check_run, dataset, seq_overrides
+from dapple.api._checks import check_host, check_run, dataset, seq_overrides
 from dapple.api._inputs import RunInputs, WorkloadLike, as_plan, as_workload, plan_with, run_inputs
 from dapple.core.plan import Plan
 from dapple.errors import ValidationError
@@ -118,7 +118,7 @@ def verify(
     wl = as_workload(workload, seq_overrides(workload, overrides, seq_len))
     check_run(run_plan, wl)
     tc, checks = _verify_options(steps, device, precision, options)
-    check_host_memory(wl, tc.device, tc.optimizer, tc.momentum, "verifying")
+    check_host(wl, tc.device, tc.optimizer, tc.momentum, "verifying")
     from dapple.runtime.verify import verify as _verify
 
     return _verify(run_plan, wl, tc, data=dataset(data, seq_len), **checks)
@@ -166,7 +166,7 @@ def _verify_config(
     given = inputs or run_inputs(cfg)
     tc = resolve_verify_config(cfg.train)
     check_run(given.plan, given.workload)
-    check_host_memory(given.workload, tc.device, tc.optimizer, tc.momentum, "verifying")
+    check_host(given.workload, tc.device, tc.optimizer, tc.momentum, "verifying")
     return _verify(given.plan, given.workload, tc, data=given.data, **checks)
 
 
