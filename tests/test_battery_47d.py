@@ -201,6 +201,32 @@ def test_an_elastic_flag_passes_in_an_elastic_run_from_the_flag_or_the_file(
     assert main(["train", "--config", str(cfg), "--plan", plan, *MODEL, "--print-config"]) == 0
 
 
+# -- a checkpoint flag given to a run that saves no checkpoints ---------------------------------
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [(["--keep", "2"], "--keep 2"), (["--overwrite-checkpoints"], "--overwrite-checkpoints")],
+)
+def test_train_refuses_a_checkpoint_flag_without_a_checkpoint_dir(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    standalone: None,
+    flags: list[str],
+    named: str,
+) -> None:
+    """Both were taken without a word and did nothing."""
+    from builders import one_error_line
+
+    assert main(["train", "--plan", _plan(tmp_path), *MODEL, *flags]) == 2
+    one_error_line(capsys, f"{named} applies to checkpoints only", "add --checkpoint-dir DIR")
+    ck = ["--checkpoint-dir", str(tmp_path / "ck")]
+    assert main(["train", "--plan", _plan(tmp_path), *MODEL, *flags, *ck, "--print-config"]) == 0
+    capsys.readouterr()
+    cfg = tmp_path / "run.toml"  # the folder from the file
+    cfg.write_text(f'[checkpoint]\ncheckpoint_dir = "{tmp_path / "ck"}"\n')
+    argv = ["train", "--config", str(cfg), "--plan", _plan(tmp_path), *MODEL, *flags]
+    assert main([*argv, "--print-config"]) == 0
+
+
 # -- more steps than 64-bit batch seeds: the steps are named, not the seed ----------------------
 def test_train_refuses_more_steps_than_batch_seeds_naming_the_steps(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], standalone: None

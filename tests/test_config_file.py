@@ -176,7 +176,8 @@ def test_flags_given_beside_the_file_win(
     path = tmp_path / "run.toml"
     path.write_text(
         '[model]\nspec = "mlp"\nset = { layers = 2, hidden = 8 }\n[plan]\npath = "p.json"\n'
-        "[train]\nsteps = 5\nseed = 9\n[optimizer]\nlr = 0.1\n[checkpoint]\nkeep = 5\n"
+        "[train]\nsteps = 5\nseed = 9\n[optimizer]\nlr = 0.1\n"
+        '[checkpoint]\ncheckpoint_dir = "ck"\nkeep = 5\n'
     )
     argv = ["train", "--config", str(path), "--lr", "0.01", "--set", "hidden=16", "--keep", "0"]
     assert main([*argv, "--print-config"]) == 0

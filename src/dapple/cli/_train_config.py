@@ -123,6 +123,13 @@ _ELASTIC_ONLY = {("run", "min_devices"): "--min-devices", ("run", "max_restarts"
 """The flags that do nothing but in an elastic run. At their defaults (``--min-devices 1``) the
 config cannot tell them from no flag, so the command line's own are checked."""
 
+_CHECKPOINT_ONLY = {
+    ("run", "keep"): "--keep",
+    ("train", "overwrite_checkpoints"): "--overwrite-checkpoints",
+}
+"""The flags that do nothing without checkpoints (``--checkpoint-dir``): checked like
+:data:`_ELASTIC_ONLY` (``--save-every`` and ``--resume`` are refused by the run's own check)."""
+
 
 def _file_key(f: tuple[str, str]) -> str:
     from dapple.runtime.run_config import RUN_SECTIONS
@@ -147,6 +154,7 @@ def run_config_of(args: argparse.Namespace) -> RunConfig:
     else:
         cfg = build(RunConfig, over)
     _check_elastic_only(cfg, over)
+    _check_checkpoint_only(cfg, over)
     return cfg
 
 
@@ -164,6 +172,24 @@ def _check_elastic_only(cfg: RunConfig, over: dict[tuple[str, str], Any]) -> Non
             raise ValidationError(
                 f"{flag} {over[field]} applies to elastic runs only (re-planning when a device "
                 "is lost): add --elastic, or drop it"
+            )
+
+
+def _check_checkpoint_only(cfg: RunConfig, over: dict[tuple[str, str], Any]) -> None:
+    """A flag of :data:`_CHECKPOINT_ONLY` the command line gave needs a checkpoint folder
+    (``--checkpoint-dir`` or ``[checkpoint] checkpoint_dir``).
+
+    Raises:
+        ValidationError: the first one given to a run without, with its value.
+    """
+    if cfg.train.checkpoint_dir is not None:
+        return
+    for field, flag in _CHECKPOINT_ONLY.items():
+        if field in over:
+            value = "" if isinstance(over[field], bool) else f" {over[field]}"
+            raise ValidationError(
+                f"{flag}{value} applies to checkpoints only, and this run saves none: add "
+                "--checkpoint-dir DIR, or drop it"
             )
 
 
