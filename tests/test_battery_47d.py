@@ -238,3 +238,28 @@ def test_train_refuses_more_steps_than_batch_seeds_naming_the_steps(
     TrainConfig(steps=2**63 - 1)  # seed 0: the last batch seed is 2^63 - 1
     assert main(["train", "--plan", _plan(tmp_path), *MODEL, "--steps", str(10**20)]) == 2
     one_error_line(capsys, f"steps must be at most {2**63 - 1}", "got 100000000000000000000")
+
+
+# -- a profile batch larger than the host's memory: refused before it is made -------------------
+def test_profile_refuses_a_batch_whose_inputs_exceed_the_host_memory(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """It used to fail only after trying to allocate the batch (26 GB for 10^8 samples)."""
+    from builders import boom, one_error_line
+    from dapple.errors import ValidationError
+    from dapple.models.zoo import load_workload
+    from dapple.profiler.host_fit import check_batch_memory
+
+    monkeypatch.setattr("dapple.profiler.host_fit.available_host_bytes", lambda: 10**9)
+    monkeypatch.setattr("dapple.profiler.measure.profile_workload", boom)
+    out = tmp_path / "p.json"
+    assert main(["profile", *MODEL, "--batch-sizes", "1,100000000", "-o", str(out)]) == 2
+    one_error_line(capsys, "--batch-sizes 1,100000000: a batch of 100,000,000 samples",
+                   "inputs and targets alone", "give smaller batch sizes")  # fmt: skip
+    assert not out.exists()
+    wl = load_workload("transformer", layers=2, hidden=32)
+    x, y = wl.make_batch(1, 0)
+    one = x.numel() * x.element_size() + y.numel() * y.element_size()
+    assert check_batch_memory(wl, 1000, "b", available=1000 * one) == 1000 * one  # just fits
+    with pytest.raises(ValidationError, match="a batch of 1,001 samples"):
+        check_batch_memory(wl, 1001, "b", available=1000 * one)

@@ -359,7 +359,11 @@ def run_config(cfg: ProfileConfig) -> int:
     overrides = cfg.model.overrides()
     from dapple.core.cpu_cores import usable_cores
     from dapple.models.zoo import load_workload
-    from dapple.profiler.host_fit import check_host_memory, check_local_processes
+    from dapple.profiler.host_fit import (
+        check_batch_memory,
+        check_host_memory,
+        check_local_processes,
+    )
     from dapple.profiler.measure import profile_workload, resolve_device
 
     dev = resolve_device(cfg.device)  # fail fast, before building the model
@@ -372,6 +376,7 @@ def run_config(cfg: ProfileConfig) -> int:
     held = max(1, cfg.co_workers) if dev.type == "cpu" else 1  # co-workers run on CPU only
     check_local_processes(held - 1, f"--co-workers {cfg.co_workers}", forked=True)
     check_host_memory(workload, held)  # before building any layer
+    check_batch_memory(workload, max(sizes), f"--batch-sizes {','.join(map(str, sizes))}")
     con = console()
     passes = len(set(lens)) if lens else 1
     total = workload.num_layers * len(set(sizes)) * passes

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -25,6 +26,7 @@ from dapple.models.workload import Workload
 __all__ = [
     "LayerBytes",
     "available_host_bytes",
+    "check_batch_memory",
     "check_device_available",
     "check_host_memory",
     "check_local_processes",
@@ -153,6 +155,49 @@ def check_host_memory(
         f"{largest.name!r}: {largest.parameter_bytes:,} bytes of parameters, their gradients "
         f"and buffers{workers}), more than the {_gib(avail)} available: give a smaller model"
     )
+
+
+def _tensor_bytes(value: Any) -> int:
+    """Bytes of the tensors in ``value`` (a tensor, or tuples, lists and dicts of them)."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, dict):
+        return sum(_tensor_bytes(v) for v in value.values())
+    if isinstance(value, (tuple, list)):
+        return sum(_tensor_bytes(v) for v in value)
+    return 0
+
+
+def check_batch_memory(
+    workload: Workload, batch_size: int, what: str, available: int | None = None
+) -> int:
+    """Refuse a batch of ``batch_size`` samples whose inputs and targets alone exceed the host
+    memory available, before it is made: one sample's tensors (``make_batch(1)``) times
+    ``batch_size``. A lower bound of what measuring at that size holds (the layers' activations
+    come on top), so a batch refused here could never be measured; one that passes may still
+    fail later.
+
+    Args:
+        workload: the model whose batches are made.
+        batch_size: samples of the largest batch asked for.
+        what: the option that asks for it, named in the message.
+        available: bytes available (None: :func:`available_host_bytes`).
+
+    Returns:
+        The batch's estimated bytes.
+
+    Raises:
+        ValidationError: they exceed the memory available, naming both.
+    """
+    need = batch_size * _tensor_bytes(workload.make_batch(1, 0))
+    avail = _short_of(need, available)
+    if avail is not None:
+        raise ValidationError(
+            f"{what}: a batch of {batch_size:,} samples of {workload.name!r} needs at least "
+            f"{_gib(need)} of host memory for its inputs and targets alone, more than the "
+            f"{_gib(avail)} available: give smaller batch sizes"
+        )
+    return need
 
 
 def check_local_processes(
