@@ -153,44 +153,30 @@ def run_config_of(args: argparse.Namespace) -> RunConfig:
         cfg = load_run_config(args.config, over=over)
     else:
         cfg = build(RunConfig, over)
-    _check_elastic_only(cfg, over)
-    _check_checkpoint_only(cfg, over)
+    _check_flags_apply(cfg, over)
     return cfg
 
 
-def _check_elastic_only(cfg: RunConfig, over: dict[tuple[str, str], Any]) -> None:
-    """A flag of :data:`_ELASTIC_ONLY` the command line gave is for an elastic run (``--elastic``
-    or ``[elastic] elastic = true``).
+def _check_flags_apply(cfg: RunConfig, over: dict[tuple[str, str], Any]) -> None:
+    """The flags of :data:`_ELASTIC_ONLY` and :data:`_CHECKPOINT_ONLY` the command line gave
+    apply to this run: an elastic one (``--elastic`` or ``[elastic] elastic = true``), one that
+    saves checkpoints (``--checkpoint-dir`` or ``[checkpoint] checkpoint_dir``).
 
     Raises:
-        ValidationError: the first one given to a run that is not, with its value.
+        ValidationError: the first one given to a run it does not apply to, with its value.
     """
-    if cfg.run.elastic:
-        return
-    for field, flag in _ELASTIC_ONLY.items():
-        if field in over:
-            raise ValidationError(
-                f"{flag} {over[field]} applies to elastic runs only (re-planning when a device "
-                "is lost): add --elastic, or drop it"
-            )
-
-
-def _check_checkpoint_only(cfg: RunConfig, over: dict[tuple[str, str], Any]) -> None:
-    """A flag of :data:`_CHECKPOINT_ONLY` the command line gave needs a checkpoint folder
-    (``--checkpoint-dir`` or ``[checkpoint] checkpoint_dir``).
-
-    Raises:
-        ValidationError: the first one given to a run without, with its value.
-    """
-    if cfg.train.checkpoint_dir is not None:
-        return
-    for field, flag in _CHECKPOINT_ONLY.items():
-        if field in over:
-            value = "" if isinstance(over[field], bool) else f" {over[field]}"
-            raise ValidationError(
-                f"{flag}{value} applies to checkpoints only, and this run saves none: add "
-                "--checkpoint-dir DIR, or drop it"
-            )
+    rules = (
+        (_ELASTIC_ONLY, cfg.run.elastic,
+         "applies to elastic runs only (re-planning when a device is lost): add --elastic"),
+        (_CHECKPOINT_ONLY, cfg.train.checkpoint_dir is not None,
+         "applies to checkpoints only, and this run saves none: add --checkpoint-dir DIR"),
+    )  # fmt: skip
+    for flags, applies, why in rules:
+        given = [(flag, over[field]) for field, flag in flags.items() if field in over]
+        if given and not applies:
+            flag, value = given[0]
+            shown = "" if isinstance(value, bool) else f" {value}"
+            raise ValidationError(f"{flag}{shown} {why}, or drop it")
 
 
 def verify_config_of(args: argparse.Namespace) -> RunConfig:
