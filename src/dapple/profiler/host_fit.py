@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -157,17 +156,6 @@ def check_host_memory(
     )
 
 
-def _tensor_bytes(value: Any) -> int:
-    """Bytes of the tensors in ``value`` (a tensor, or tuples, lists and dicts of them)."""
-    if isinstance(value, torch.Tensor):
-        return value.numel() * value.element_size()
-    if isinstance(value, dict):
-        return sum(_tensor_bytes(v) for v in value.values())
-    if isinstance(value, (tuple, list)):
-        return sum(_tensor_bytes(v) for v in value)
-    return 0
-
-
 def check_batch_memory(
     workload: Workload, batch_size: int, what: str, available: int | None = None
 ) -> int:
@@ -189,7 +177,9 @@ def check_batch_memory(
     Raises:
         ValidationError: they exceed the memory available, naming both.
     """
-    need = batch_size * _tensor_bytes(workload.make_batch(1, 0))
+    from dapple.profiler.layer_measure import tensor_bytes
+
+    need = batch_size * tensor_bytes(workload.make_batch(1, 0))
     avail = _short_of(need, available)
     if avail is not None:
         raise ValidationError(
