@@ -118,7 +118,7 @@ def verify(
     wl = as_workload(workload, seq_overrides(workload, overrides, seq_len))
     check_run(run_plan, wl)
     tc, checks = _verify_options(steps, device, precision, options)
-    check_host(wl, tc.device, tc.optimizer, tc.momentum, "verifying")
+    _check_verify_host(wl, tc)
     from dapple.runtime.verify import verify as _verify
 
     return _verify(run_plan, wl, tc, data=dataset(data, seq_len), **checks)
@@ -166,7 +166,7 @@ def _verify_config(
     given = inputs or run_inputs(cfg)
     tc = resolve_verify_config(cfg.train)
     check_run(given.plan, given.workload)
-    check_host(given.workload, tc.device, tc.optimizer, tc.momentum, "verifying")
+    _check_verify_host(given.workload, tc)
     return _verify(given.plan, given.workload, tc, data=given.data, **checks)
 
 
@@ -212,3 +212,12 @@ def verify_many(
         resolved.append((run_plan, wl))
     tc, checks = _verify_options(steps, device, precision, options)
     return _verify_many(resolved, tc, data=data, **checks)
+
+
+def _check_verify_host(wl: Workload, tc: TrainConfig) -> None:
+    """Verify's options that need no host first (a precision verify cannot judge, such as fp16,
+    is refused whatever the device), then :func:`check_host`."""
+    from dapple.runtime.precision import check_verify_precision
+
+    check_verify_precision(tc.precision, tc.device)
+    check_host(wl, tc.device, tc.optimizer, tc.momentum, "verifying")
