@@ -11,6 +11,12 @@ t_s = 1 (the default) every device is a replica, as in the paper.
 Replica ``j`` computes on slice j of every micro-batch (:mod:`dapple.core.slicing`): an even
 split by default, or ``shares[j]`` whole samples when the replicas run at different speeds
 (the shares sum to the plan's micro-batch size, which :class:`~dapple.core.plan.Plan` checks).
+
+A stage with mixture-of-experts layers may shard each such layer's experts over e_s of its
+replicas (expert parallelism, ``expert_width``): consecutive replicas ``[k*e_s, (k+1)*e_s)``
+form one expert group that holds every expert once, replica ``j`` holding expert shard
+``j % e_s``; the replicas holding the same shard average its gradients. e_s = 1 (the default):
+every replica holds every expert.
 """
 
 from __future__ import annotations
@@ -53,6 +59,9 @@ class StagePlan:
     """Samples of each micro-batch per replica, in replica order (whole samples >= 1 each,
     summing to the micro-batch size b); None: the even split ``split_sizes(b, r_s)``. The plan
     file records them only when they differ from the even split."""
+    expert_width: int = 1
+    """e_s: replicas over which each mixture-of-experts layer's experts are sharded (a divisor
+    of r_s); 1: every replica holds every expert."""
 
     def __post_init__(self) -> None:
         s, e = self.layers
@@ -75,6 +84,12 @@ class StagePlan:
         )
         self._check_tensor_layout()
         self._check_shares()
+        e = self.expert_width
+        require(
+            isinstance(e, int) and not isinstance(e, bool) and e >= 1 and self.replicas % e == 0,
+            f"stage {list(self.layers)}: expert_width must be a divisor >= 1 of its "
+            f"{self.replicas} replicas, got {e!r}",
+        )
 
     def _check_shares(self) -> None:
         """One whole share >= 1 per replica (their sum is the plan's to check)."""
@@ -152,6 +167,18 @@ class StagePlan:
         (or reduce-scatters and gathers) that shard's gradients over the replicas."""
         return self.devices[tensor_rank :: self.tensor_width]
 
+    def expert_group(self, replica: int) -> tuple[int, ...]:
+        """The replica indices of ``replica``'s expert group: the e_s consecutive replicas that
+        together hold every expert once (``(replica,)`` when e_s = 1)."""
+        e = self.expert_width
+        first = replica - replica % e
+        return tuple(range(first, first + e))
+
+    def expert_shard_replicas(self, replica: int) -> tuple[int, ...]:
+        """The replica indices holding the same expert shard as ``replica`` (``j % e_s``): the
+        replicas that average that shard's gradients."""
+        return tuple(range(replica % self.expert_width, self.replicas, self.expert_width))
+
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {
             "layers": list(self.layers),
@@ -168,6 +195,8 @@ class StagePlan:
             d["regather"] = True
         if self.shares is not None and self.shares != split_sizes(sum(self.shares), self.replicas):
             d["shares"] = list(self.shares)
+        if self.expert_width != 1:
+            d["expert_width"] = self.expert_width
         return d
 
     @staticmethod
@@ -206,6 +235,7 @@ class StagePlan:
                 tensor_width=d.get("tensor_width", 1),
                 regather=d.get("regather", False),
                 shares=None if shares is None else tuple(shares),
+                expert_width=d.get("expert_width", 1),
             )
         except ValidationError as e:
             raise ValidationError(f"{what}: {e}") from e
