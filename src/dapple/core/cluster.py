@@ -1,7 +1,8 @@
 """Cluster topology: servers x devices, intra/inter-server links, device memory.
 
-Pure data model, no torch. Device ``d`` lives on server ``d // devices_per_server``.
-Bandwidths are in gigabits per second (Gbps) as network gear is rated; latencies in ms; device
+Pure data model, no torch. Device ``d`` lives on server ``d // devices_per_server``. A mixed
+cluster lists device ``kinds`` (:mod:`dapple.core.device_kinds`), each a run of servers with its
+own compute speed and memory. Bandwidths are in gigabits per second (Gbps) as network gear is rated; latencies in ms; device
 memory in bytes, written to cluster files in GiB (``device_memory_gib``).
 """
 
@@ -21,6 +22,12 @@ from dapple.core._json import (
     read_text_file,
     require,
     save_json_file,
+)
+from dapple.core.device_kinds import (
+    DATASHEET_TFLOPS,
+    DeviceKind,
+    check_cluster_kinds,
+    kinds_from_dicts,
 )
 from dapple.errors import ValidationError
 
@@ -95,6 +102,9 @@ class Cluster:
     Same sharing and measurement as ``action_overhead_ms``."""
     device_name: str = "device"
     """Kind of device, for reports."""
+    kinds: tuple[DeviceKind, ...] = ()
+    """Device kinds of a mixed cluster, in server order, their servers summing to ``servers``;
+    ``device_memory_bytes`` is then the smallest kind's. Empty: every device alike, speed 1."""
     schema_version: int = CLUSTER_SCHEMA_VERSION
 
     def __post_init__(self) -> None:
@@ -151,6 +161,10 @@ class Cluster:
             ),
             f"cluster {self.name!r}: compute_cores_per_server must be None or a number > 0, got {c!r}",
         )
+        if self.kinds:  # a list from a caller, kept hashable
+            object.__setattr__(self, "kinds", tuple(self.kinds))
+            check_cluster_kinds(self.kinds, self.servers, self.device_memory_bytes,
+                                self.reserved_memory_bytes, self.name)  # fmt: skip
 
     @property
     def host_overheads(self) -> bool:
@@ -171,6 +185,45 @@ class Cluster:
             return 1.0
         e = self.background_load_per_server
         return min(1.0, c / (max(1.0, busy) + e)) / min(1.0, c / (1.0 + e))
+
+    def kind_of(self, device: int) -> DeviceKind | None:
+        """The kind of device id ``device`` (None on a cluster without kinds)."""
+        server = self.server_of(device)
+        for k in self.kinds:
+            if server < k.servers:
+                return k
+            server -= k.servers
+        return None
+
+    def speed_of(self, device: int) -> float:
+        """Compute speed of device id ``device`` relative to the profile's device (1.0 on a
+        cluster without kinds); its compute takes ``1 / speed`` of the profiled time."""
+        k = self.kind_of(device)
+        return 1.0 if k is None else k.speed
+
+    def usable_memory_of(self, device: int) -> int:
+        """Memory a stage may fill on device id ``device``: its kind's less the reserved."""
+        k = self.kind_of(device)
+        memory = self.device_memory_bytes if k is None else k.device_memory_bytes
+        return memory - self.reserved_memory_bytes
+
+    @property
+    def mixed(self) -> bool:
+        """Whether the devices differ in speed or memory."""
+        return len({(k.speed, k.device_memory_bytes) for k in self.kinds}) > 1
+
+    def slowest_kind(self) -> Cluster:
+        """The cluster as users without device kinds plan it: every device as slow as the
+        slowest kind and with the smallest kind's memory (no kinds; itself when it has none)."""
+        if not self.kinds:
+            return self
+        low = min(k.speed for k in self.kinds)
+        return dataclasses.replace(
+            self,
+            name=f"{self.name} (as its slowest kind)",
+            kinds=(),
+            compute_slowdown=self.compute_slowdown / low,
+        )
 
     @property
     def num_devices(self) -> int:
@@ -204,7 +257,17 @@ class Cluster:
         return self.device_memory_bytes - self.reserved_memory_bytes
 
     def with_servers(self, servers: int) -> Cluster:
-        """The same cluster with another number of servers (the ``--servers`` override)."""
+        """The same cluster with another number of servers (the ``--servers`` override).
+
+        Raises:
+            ValidationError: a cluster with device kinds (their servers are counted per kind).
+        """
+        require(
+            not self.kinds,
+            f"cluster {self.name!r} has device kinds "
+            f"({', '.join(f'{k.name}: {k.servers} servers' for k in self.kinds)}): change their "
+            f"servers in the file, not with --servers {servers}",
+        )
         return dataclasses.replace(self, servers=servers, name=f"{self.name} ({servers} servers)")
 
     def to_dict(self) -> dict[str, Any]:
@@ -226,6 +289,7 @@ class Cluster:
             "step_overhead_ms": self.step_overhead_ms,
             "comm_cpu_ms_per_mb": self.comm_cpu_ms_per_mb,
             "device_name": self.device_name,
+            **({"kinds": [k.to_dict() for k in self.kinds]} if self.kinds else {}),
         }
 
     @staticmethod
@@ -234,7 +298,7 @@ class Cluster:
         require(isinstance(d, dict), f"{what} must be an object, got {type(d).__name__}")
         check_schema_version(d, CLUSTER_SCHEMA_VERSION, what)
         known = {f.name for f in dataclasses.fields(Cluster)} | set(_MEMORY_KEYS)
-        known = (known - {"reserved_memory_bytes"}) | {"reserved_memory_gib"}
+        known = (known - {"reserved_memory_bytes"}) | {"reserved_memory_gib", "profile_device"}
         unknown = sorted(set(d) - known)
         require(not unknown, f"{what}: unknown field(s) {unknown}")
 
@@ -257,6 +321,19 @@ class Cluster:
             )
             return int(v)
 
+        kinds = (
+            kinds_from_dicts(d["kinds"], d.get("profile_device"), str(d.get("name", name)))
+            if "kinds" in d
+            else ()
+        )
+        require(
+            "profile_device" not in d or bool(kinds),
+            f"{what}: profile_device is read by device kinds' datasheets; the file has no kinds",
+        )
+        if kinds:  # servers and memory follow from the kinds unless the file repeats them
+            d = {"servers": sum(k.servers for k in kinds), **d}
+            if not any(k in d for k in _MEMORY_KEYS):
+                d["device_memory_bytes"] = min(k.device_memory_bytes for k in kinds)
         given = [k for k in _MEMORY_KEYS if k in d]
         require(
             len(given) <= 1,
@@ -288,7 +365,10 @@ class Cluster:
             action_overhead_ms=num("action_overhead_ms", 0.0),
             step_overhead_ms=num("step_overhead_ms", 0.0),
             comm_cpu_ms_per_mb=num("comm_cpu_ms_per_mb", 0.0),
-            device_name=str(d.get("device_name", "device")),
+            device_name=str(
+                d.get("device_name", "+".join(k.name for k in kinds) if kinds else "device")
+            ),
+            kinds=kinds,
         )
 
     def save(self, path: str | Path) -> None:
@@ -353,6 +433,29 @@ PRESETS: dict[str, Cluster] = {
         intra_server_latency_ms=0.003,
         inter_server_latency_ms=0.01,
         device_name="H200",
+    ),
+    # A mixed cluster (issue #43): a server of 8 H100 (80 GiB) and one of 8 A100 40GB, the A100
+    # at its datasheet speed (312 / 989.4 dense 16-bit TFLOP/s) of the H100 a profile is made on;
+    # NVLink 3 (~300 GB/s per direction, the slower server's), 400 Gbps between servers.
+    "mixed-h100-a100": Cluster(
+        name="mixed-h100-a100",
+        servers=2,
+        devices_per_server=8,
+        device_memory_bytes=40 * GIB,
+        intra_server_bandwidth_gbps=300 * 8,
+        inter_server_bandwidth_gbps=400,
+        intra_server_latency_ms=0.003,
+        inter_server_latency_ms=0.01,
+        device_name="H100+A100",
+        kinds=(
+            DeviceKind(name="H100", servers=1, speed=1.0, device_memory_bytes=80 * GIB),
+            DeviceKind(
+                name="A100-40GB",
+                servers=1,
+                speed=DATASHEET_TFLOPS["a100"] / DATASHEET_TFLOPS["h100"],
+                device_memory_bytes=40 * GIB,
+            ),
+        ),
     ),
     # One CPU machine running several local processes over gloo (loopback), 4 GiB each; a rough default,
     # replace with `dapple calibrate` output for real numbers.

@@ -1,0 +1,218 @@
+"""Device kinds of a mixed cluster: groups of servers whose devices differ in speed and memory.
+
+Pure data, no torch. A cluster file may list ``kinds``, each a run of consecutive servers
+(servers ``0 .. n_0 - 1`` are the first kind's, the next ``n_1`` the second's, ...), so a
+device's kind follows from its server (:meth:`dapple.core.cluster.Cluster.kind_of`). Each kind
+has:
+
+* ``speed``: how fast its devices compute relative to the device the model profile was
+  measured or modelled on (1.0: that device; 0.5: every F and B takes twice as long). Give it
+  measured, or as ``datasheet`` (one of :data:`DATASHEET_TFLOPS`): the kind's peak dense
+  16-bit Tensor Core FLOP/s over that of the cluster's ``profile_device``.
+* its memory per device, in GiB (``device_memory_gib``), defaulting to the datasheet's.
+
+One profile scaled by a speed is the model of a kind: layers whose time does not scale with
+peak FLOP/s (memory-bound ones) are priced at the same ratio.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from dapple.core._json import require
+
+__all__ = [
+    "DATASHEET_MEMORY_BYTES",
+    "DATASHEET_TFLOPS",
+    "DeviceKind",
+    "check_cluster_kinds",
+    "kinds_from_dicts",
+]
+
+_GIB = 1024**3
+
+DATASHEET_TFLOPS: dict[str, float] = {"v100": 125.0, "a100": 312.0, "h100": 989.4, "h200": 989.4}
+"""Peak dense 16-bit Tensor Core TFLOP/s per datasheet device (the SXM parts; the same numbers
+as :data:`dapple.profiler.analytic_devices.DEVICES`, whose module docstring cites the
+datasheets)."""
+
+DATASHEET_MEMORY_BYTES: dict[str, int] = {
+    "v100": 16 * _GIB,
+    "a100": 80 * _GIB,
+    "h100": 80 * _GIB,
+    "h200": 141 * 10**9,
+}
+"""Device memory of each datasheet device (the largest part: the A100 80GB, the V100 16GB)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DeviceKind:
+    """One kind of device and the run of servers that hold it."""
+
+    name: str
+    """For reports, e.g. ``H100`` or ``A100-40GB``."""
+    servers: int
+    """Consecutive servers of this kind."""
+    speed: float = 1.0
+    """Compute speed relative to the profile's device (module docstring)."""
+    device_memory_bytes: int
+    """Memory of one device of this kind."""
+
+    def __post_init__(self) -> None:
+        what = f"device kind {self.name!r}"
+        s = self.servers
+        require(
+            isinstance(s, int) and not isinstance(s, bool) and s >= 1,
+            f"{what}: servers must be an integer >= 1, got {s!r}",
+        )
+        v = self.speed
+        require(
+            isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0,
+            f"{what}: speed must be a finite number > 0, got {v!r}",
+        )
+        m = self.device_memory_bytes
+        require(
+            isinstance(m, int) and not isinstance(m, bool) and m > 0,
+            f"{what}: device memory must be an integer > 0 bytes, got {m!r}",
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "servers": self.servers,
+            "speed": self.speed,
+            "device_memory_gib": self.device_memory_bytes / _GIB,
+        }
+
+
+_KIND_KEYS = {"name", "servers", "speed", "datasheet", "device_memory_gib"}
+
+
+def _number(d: dict[str, Any], key: str, what: str) -> float:
+    v = d[key]
+    require(
+        isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v),
+        f"{what}: {key} must be a finite number, got {v!r}",
+    )
+    return float(v)
+
+
+def _datasheet(name: Any, what: str, field: str) -> str:
+    key = str(name).lower()
+    require(
+        key in DATASHEET_TFLOPS,
+        f"{what}: unknown {field} {name!r}; known: {', '.join(DATASHEET_TFLOPS)}",
+    )
+    return key
+
+
+def _kind_from_dict(d: Any, i: int, profile_device: str | None, cluster: str) -> DeviceKind:
+    """Kind ``i`` of cluster ``cluster``'s file (module docstring)."""
+    require(isinstance(d, dict), f"cluster {cluster!r}: kinds[{i}] must be an object, got {d!r}")
+    name = str(d.get("name", f"kind{i}"))
+    what = f"cluster {cluster!r}, device kind {name!r}"
+    unknown = sorted(set(d) - _KIND_KEYS)
+    require(not unknown, f"{what}: unknown field(s) {unknown}; known: {sorted(_KIND_KEYS)}")
+    require("servers" in d, f"{what}: missing field 'servers'")
+    sheet = _datasheet(d["datasheet"], what, "datasheet") if "datasheet" in d else None
+    require(
+        sheet is None or "speed" not in d,
+        f"{what}: give speed or datasheet, not both (speed {d.get('speed')!r}, "
+        f"datasheet {d.get('datasheet')!r})",
+    )
+    if sheet is not None:
+        require(
+            profile_device is not None,
+            f"{what}: datasheet {sheet!r} gives a speed relative to the profile's device: name "
+            f"it as the cluster's profile_device (one of {', '.join(DATASHEET_TFLOPS)})",
+        )
+        assert profile_device is not None
+        speed = DATASHEET_TFLOPS[sheet] / DATASHEET_TFLOPS[profile_device]
+    else:
+        speed = _number(d, "speed", what) if "speed" in d else 1.0
+    if "device_memory_gib" in d:
+        memory = int(_number(d, "device_memory_gib", what) * _GIB)
+    else:
+        require(
+            sheet is not None,
+            f"{what}: missing device_memory_gib (or a datasheet to take it from)",
+        )
+        assert sheet is not None
+        memory = DATASHEET_MEMORY_BYTES[sheet]
+    servers = d["servers"]
+    require(
+        isinstance(servers, int) and not isinstance(servers, bool),
+        f"{what}: servers must be an integer, got {servers!r}",
+    )
+    return DeviceKind(name=name, servers=servers, speed=speed, device_memory_bytes=memory)
+
+
+def kinds_from_dicts(items: Any, profile_device: Any, cluster: str) -> tuple[DeviceKind, ...]:
+    """The ``kinds`` list of a cluster file, in server order.
+
+    Args:
+        items: the file's ``kinds``: a non-empty list of objects with ``name``, ``servers``,
+            ``speed`` or ``datasheet``, and ``device_memory_gib`` (optional with a datasheet).
+        profile_device: the file's ``profile_device`` (a :data:`DATASHEET_TFLOPS` name), or
+            None; needed when a kind gives a datasheet.
+        cluster: the cluster's name, for messages.
+
+    Raises:
+        ValidationError: a malformed kind, an unknown datasheet or profile device, a datasheet
+            without a profile device, speed and datasheet both, two kinds of one name.
+    """
+    require(
+        isinstance(items, list) and len(items) >= 1,
+        f"cluster {cluster!r}: kinds must be a non-empty list of device kinds, got {items!r}"[:200],
+    )
+    ref = (
+        None
+        if profile_device is None
+        else _datasheet(profile_device, f"cluster {cluster!r}", "profile_device")
+    )
+    kinds = tuple(_kind_from_dict(d, i, ref, cluster) for i, d in enumerate(items))
+    names = [k.name for k in kinds]
+    require(
+        len(set(names)) == len(names), f"cluster {cluster!r}: device kinds named twice: {names}"
+    )
+    return kinds
+
+
+def check_cluster_kinds(
+    kinds: tuple[DeviceKind, ...], servers: int, memory: int, reserved: int, cluster: str
+) -> None:
+    """Check a cluster's kinds against its other fields.
+
+    Args:
+        kinds: :attr:`~dapple.core.cluster.Cluster.kinds`.
+        servers: the cluster's servers, which the kinds' must sum to.
+        memory: the cluster's device memory in bytes, which must be the smallest kind's.
+        reserved: the memory the runtime reserves per device, which each kind must exceed.
+        cluster: its name, for messages.
+
+    Raises:
+        ValidationError: a kind that is not a :class:`DeviceKind`, or a mismatch above.
+    """
+    what = f"cluster {cluster!r}"
+    require(
+        all(isinstance(k, DeviceKind) for k in kinds),
+        f"{what}: kinds must be DeviceKind records, got {kinds!r}"[:200],
+    )
+    n = sum(k.servers for k in kinds)
+    require(
+        n == servers,
+        f"{what}: its device kinds hold {n} servers "
+        f"({', '.join(f'{k.name}: {k.servers}' for k in kinds)}), the cluster {servers}",
+    )
+    low = min(k.device_memory_bytes for k in kinds)
+    require(
+        memory == low,
+        f"{what}: device memory {memory / _GIB:g} GiB must be the smallest kind's, "
+        f"{low / _GIB:g} GiB",
+    )
+    require(
+        reserved < low,
+        f"{what}: reserved memory {reserved} bytes leaves nothing of the smallest kind's {low}",
+    )
