@@ -6,7 +6,9 @@ tensor groups of t_s devices); the global batch is cut into M micro-batches of
 ``micro_batch_size`` samples, and each micro-batch entering stage ``s`` is split into ``r_s``
 slices (replica ``j`` takes slice j: even, or the stage's per-replica ``shares``,
 :mod:`dapple.core.slicing`). This module also holds the plan's JSON round-trip and two ways of
-making a plan from another: :func:`straight_plan` and :func:`interleave`.
+making a plan from another: :func:`straight_plan` and :func:`interleave`. A plan's invariants are
+checked as it is made (:mod:`dapple.core.plan_checks`); its schedule by the rules the schedule
+registry installs (:mod:`dapple.core.schedule_rules`).
 
 :class:`StagePlan` and the split-concat functions (:func:`split_sizes`, :func:`slice_bounds`,
 :func:`transfers`) are importable from here too.
@@ -17,7 +19,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 from dapple.core._json import (
     as_float,
@@ -27,8 +29,10 @@ from dapple.core._json import (
     require,
     save_json_file,
 )
+from dapple.core.plan_checks import check_plan
 from dapple.core.planning_options import PlanningOptions
-from dapple.core.slicing import check_shares, slice_bounds, split_sizes, transfers
+from dapple.core.schedule_rules import group_of, load_schedule_module, module_of
+from dapple.core.slicing import slice_bounds, split_sizes, transfers
 from dapple.core.stage_plan import StagePlan
 from dapple.errors import ValidationError
 
@@ -36,14 +40,12 @@ __all__ = [
     "DEFAULT_SCHEDULE",
     "PLAN_SCHEMA_VERSION",
     "Plan",
-    "ScheduleRules",
     "StagePlan",
     "interleave",
     "slice_bounds",
     "split_sizes",
     "straight_plan",
     "transfers",
-    "use_schedule_rules",
 ]
 
 PLAN_SCHEMA_VERSION = 1
@@ -52,33 +54,6 @@ DEFAULT_SCHEDULE = "dapple"
 ScheduleName = str
 """A registered schedule's name (:mod:`dapple.schedule.registry`)."""
 Policy = Literal["A", "B"]
-
-
-class ScheduleRules(Protocol):
-    """What a :class:`Plan` asks the schedule registry, which sits above this package
-    (:mod:`dapple.schedule.registry` installs itself with :func:`use_schedule_rules`)."""
-
-    def check(self, plan: Plan) -> None:
-        """Raise :class:`ValidationError` unless the plan's schedule is registered and takes
-        its ``virtual_stages``."""
-
-    def module_of(self, schedule: str) -> str:
-        """The module a plan file records for ``schedule``; empty for a built-in one."""
-
-    def group_of(self, schedule: str, k: int, P: int, v: int) -> int:
-        """The device group that runs virtual stage ``k`` of ``P·v`` under ``schedule``."""
-
-    def load(self, module: str) -> None:
-        """Import a schedule module a plan file names and register its schedule."""
-
-
-_schedule_rules: list[ScheduleRules] = []
-
-
-def use_schedule_rules(rules: ScheduleRules) -> None:
-    """Install the schedule registry's rules (``import dapple`` does, through
-    :mod:`dapple.schedule.registry`); every :class:`Plan` made afterwards is checked by them."""
-    _schedule_rules[:] = [rules]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -130,93 +105,7 @@ class Plan:
     schema_version: int = PLAN_SCHEMA_VERSION
 
     def __post_init__(self) -> None:
-        require(
-            isinstance(self.schedule, str) and self.schedule != "",
-            f"plan: schedule must be a schedule name, got {self.schedule!r}",
-        )
-        nv = self.virtual_stages
-        require(
-            isinstance(nv, int) and not isinstance(nv, bool) and nv >= 1,
-            f"plan: virtual_stages must be an integer >= 1, got {nv!r}",
-        )
-        for rules in _schedule_rules:
-            rules.check(self)  # a registered schedule, v > 1 only with chunks
-        require(self.policy in ("A", "B"), f"plan: policy must be 'A' or 'B', got {self.policy!r}")
-        for f in ("global_batch_size", "micro_batch_size", "num_micro_batches"):
-            v = getattr(self, f)
-            require(
-                isinstance(v, int) and not isinstance(v, bool) and v >= 1,
-                f"plan: {f} must be an integer >= 1, got {v!r}",
-            )
-        require(
-            self.micro_batch_size * self.num_micro_batches == self.global_batch_size,
-            f"plan: micro_batch_size ({self.micro_batch_size}) x num_micro_batches ({self.num_micro_batches}) "
-            f"must equal global_batch_size ({self.global_batch_size})",
-        )
-        require(len(self.stages) >= 1, "plan has no stages")
-        require(
-            self.stages[0].layers[0] == 0,
-            f"plan: stage 0 must start at layer 0, got {list(self.stages[0].layers)}",
-        )
-        for i in range(1, len(self.stages)):
-            prev, cur = self.stages[i - 1].layers, self.stages[i].layers
-            require(
-                prev[1] == cur[0],
-                f"plan: stage {i} layers {list(cur)} must start where stage {i - 1} {list(prev)} ends "
-                f"({'overlap' if cur[0] < prev[1] else 'gap'})",
-            )
-        require(
-            len(self.stages) % nv == 0,
-            f"plan: {len(self.stages)} stages are not virtual_stages={nv} chunks per device group",
-        )
-        P = len(self.stages) // nv
-        for k in range(P, len(self.stages)):  # stage g < P is device group g
-            g = self.group_of_stage(k)
-            require(
-                0 <= g < P,
-                f"plan: schedule {self.schedule!r} places virtual stage {k} on device group {g}, "
-                f"not one of the {P} groups (stages 0..{P - 1})",
-            )
-            require(
-                self.stages[k].devices == self.stages[g].devices
-                and self.stages[k].tensor_width == self.stages[g].tensor_width,
-                f"plan: virtual stage {k} must run on the devices of stage {g} "
-                f"{list(self.stages[g].devices)} (v={nv}, {P} device groups), got "
-                f"{list(self.stages[k].devices)} (tensor_width {self.stages[k].tensor_width})",
-            )
-        for f in ("seq_len", "max_seq_len"):
-            v = getattr(self, f)
-            require(
-                v is None or (isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0),
-                f"plan: {f} must be a number > 0 or null, got {v!r}",
-            )
-        require(
-            self.seq_len is None or self.max_seq_len is None or self.seq_len <= self.max_seq_len,
-            f"plan: seq_len {self.seq_len} exceeds max_seq_len {self.max_seq_len}",
-        )
-        seen: dict[int, int] = {}
-        for i, st in enumerate(self.stages[:P]):
-            for d in st.devices:
-                require(
-                    d not in seen, f"plan: device {d} is used by stage {seen.get(d)} and stage {i}"
-                )
-                seen[d] = i
-        self._check_shares()
-
-    def _check_shares(self) -> None:
-        """Each stage's shares sum to b; the virtual stages of one device group share them."""
-        first: dict[tuple[int, ...], int] = {}
-        for k, st in enumerate(self.stages):
-            if st.shares is not None:
-                check_shares(
-                    st.shares, self.micro_batch_size, st.replicas, f"plan: stage {k} shares"
-                )
-            g = first.setdefault(st.devices, k)
-            require(
-                st.shares == self.stages[g].shares,
-                f"plan: stage {k} shares {st.shares} differ from those of stage {g} "
-                f"{self.stages[g].shares} on the same devices {list(st.devices)}",
-            )
+        check_plan(self)
 
     @property
     def num_stages(self) -> int:
@@ -261,9 +150,7 @@ class Plan:
         P = self.num_groups
         if k < P:
             return k
-        if _schedule_rules:
-            return _schedule_rules[0].group_of(self.schedule, k, P, self.virtual_stages)
-        return k % P
+        return group_of(self.schedule, k, P, self.virtual_stages)
 
     def stages_of_group(self, g: int) -> tuple[int, ...]:
         """The stages device group ``g`` runs: stage g, or its v virtual stages in pipeline
@@ -412,7 +299,7 @@ class Plan:
 
     def _schedule_module(self) -> dict[str, str]:
         """``{"schedule_module": module}`` for a schedule outside dapple, else empty."""
-        module = _schedule_rules[0].module_of(self.schedule) if _schedule_rules else ""
+        module = module_of(self.schedule)
         return {"schedule_module": module} if module else {}
 
     @staticmethod
@@ -425,8 +312,7 @@ class Plan:
             f"{what}: schedule_module must be a module name, got {module!r}",
         )
         if module:  # the plug-in that registers the plan's schedule
-            for rules in _schedule_rules:
-                rules.load(module)
+            load_schedule_module(module)
         stages = get_field(d, "stages", what)
         require(
             isinstance(stages, list), f"{what}: stages must be a list, got {type(stages).__name__}"

@@ -16,7 +16,8 @@ the first lookup, e.g. for the CLI). A plan under such a schedule records the mo
 file (``schedule_module``, :meth:`Plan.to_dict <dapple.core.plan.Plan.to_dict>`), and loading
 the plan loads the module: spawned workers and ``torchrun`` ranks find the schedule the plan
 was made with. Importing this module also gives :class:`~dapple.core.plan.Plan` its schedule
-rules (:func:`dapple.core.plan.use_schedule_rules`: core sits below, it cannot import them).
+rules (:func:`dapple.core.schedule_rules.use_schedule_rules`: core sits below, it cannot
+import them).
 
 Pure, no torch.
 """
@@ -29,7 +30,8 @@ import os
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
-from dapple.core.plan import Plan, use_schedule_rules
+from dapple.core.plan import Plan
+from dapple.core.schedule_rules import use_schedule_rules
 from dapple.errors import ValidationError
 from dapple.schedule.dualpipev import SCHEDULE as DUALPIPEV
 from dapple.schedule.early_backward import SCHEDULE as DAPPLE
