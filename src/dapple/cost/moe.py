@@ -16,26 +16,50 @@ the profile measured the busiest expert: a member holding E / e_s experts then r
 ``imbalance`` times its mean tokens (:attr:`~dapple.core.moe_profile.MoEProfile.imbalance`), the
 bound used for its all-to-all bytes and its experts' compute.
 
+A plan's stage of width e_s > 1 is costed from these (:func:`check_expert_stage`,
+:func:`expert_slice_times`, :func:`expert_stage_sync_ms`, :func:`expert_sharded_profile`, read by
+:func:`dapple.cost.terms.stage_terms` and :func:`dapple.cost.peak_memory.plan_stage_bytes`): it
+extends the paper's terms (section 5.1) as
+
+    F_s' = F_s + A2A_s (+ the busiest expert's extra compute)
+    B_s' = B_s + A2A_s (+ again under re-computation)
+    AR_s' = AR(P_dense, g_s) + AR(P_experts / e_s, r_s / e_s replicas per shard)
+    memory: P_dense + P_experts / e_s per rank, gradients and optimizer state alike
+
+with A2A_s the dispatch and combine of all its MoE layers at the stage's largest slice (an
+all-to-all paces every member of its group by the largest sender), the slowest of its EP groups.
+
 Not modelled: the experts' per-call weight traffic that sharding also divides by e_s (the weight
-gradients written per backward), token dropping (routing is dropless), and kept activations
-(on average unchanged per rank).
+gradients written per backward), token dropping (routing is dropless), kept activations
+(on average unchanged per rank), the all-to-all's buffers, and expert parallelism combined with
+tensor parallelism or ZeRO (refused by :func:`check_expert_stage`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
 
 from dapple.core.cluster import Cluster
 from dapple.core.moe_profile import MoEProfile
+from dapple.core.plan import StagePlan
 from dapple.core.profile import LayerProfile, ModelProfile
 from dapple.cost.comm import allreduce_ms
+from dapple.cost.compute import compute_ms
 from dapple.errors import ValidationError
 
 __all__ = [
+    "SliceTimes",
     "alltoall_ms",
+    "check_expert_stage",
     "check_expert_width",
     "expert_allreduce_ms",
     "expert_compute_ms",
+    "expert_sharded_profile",
+    "expert_slice_times",
+    "expert_stage_sync_ms",
+    "expert_widths",
     "layer_alltoall_ms",
     "moe_sync_ms",
     "rank_parameter_bytes",
@@ -255,3 +279,148 @@ def moe_sync_ms(
     return allreduce_ms(cluster, dense_bytes, devices) + expert_allreduce_ms(
         cluster, expert_bytes, devices, width
     )
+
+
+# -- a plan's stage -------------------------------------------------------------------------
+
+SliceTimes = tuple[tuple[float, float], tuple[float, float]]
+"""``((F, B), (I, W))`` of one replica's slice, as :mod:`dapple.cost.terms` keeps them."""
+
+
+def expert_widths(profile: ModelProfile, layers: tuple[int, int], replicas: int) -> list[int]:
+    """The EP widths e_s a stage of layers ``[start, end)`` on r_s replicas may take: the
+    divisors of r_s that divide every MoE layer's E, ascending; ``[1]`` for a stage without
+    MoE layers."""
+    experts = [x.moe.experts for x in profile.layers[layers[0] : layers[1]] if x.moe is not None]
+    if not experts:
+        return [1]
+    g = math.gcd(*experts)
+    return [e for e in range(1, replicas + 1) if replicas % e == 0 and g % e == 0]
+
+
+def check_expert_stage(profile: ModelProfile, stage: StagePlan, zero_stage: int) -> None:
+    """Refuse a stage whose EP width the cost model does not price: e_s > 1 with a tensor
+    width t_s > 1 or a zero stage > 0, or an e_s that does not divide one of its MoE layers'
+    E (:func:`check_expert_width`). Nothing to check at e_s = 1.
+
+    Raises:
+        ValidationError: one line naming the stage's layers and the offending value.
+    """
+    e = stage.expert_width
+    if e == 1:
+        return
+    what = f"stage {list(stage.layers)} (expert_width {e})"
+    if stage.tensor_width > 1:
+        raise ValidationError(
+            f"{what}: expert parallelism with tensor_width {stage.tensor_width} is not costed; "
+            "use tensor_width 1"
+        )
+    if zero_stage > 0:
+        raise ValidationError(
+            f"{what}: expert parallelism with zero_stage {zero_stage} is not costed; use 0"
+        )
+    sub = dataclasses.replace(profile, layers=profile.layers[stage.layers[0] : stage.layers[1]])
+    try:
+        check_expert_width(stage.replicas, e, sub)
+    except ValidationError as err:
+        raise ValidationError(f"{what}: {err}") from err
+
+
+def _shard_layer(layer: LayerProfile, width: int) -> LayerProfile:
+    """``layer`` as one rank of EP width e_s holds it: its experts' bytes ``/ e_s`` (rounded
+    up), taken off its parameters, its MoE record's and (when recorded) its cast parameters."""
+    if layer.moe is None or width == 1:
+        return layer
+    expert = layer.moe.expert_parameter_bytes
+    cut = expert - -(-expert // width)
+    cast = layer.cast_parameter_bytes
+    return dataclasses.replace(
+        layer,
+        parameter_bytes=layer.parameter_bytes - cut,
+        cast_parameter_bytes=None if cast is None else max(0, cast - cut),
+        moe=dataclasses.replace(layer.moe, expert_parameter_bytes=expert - cut),
+    )
+
+
+def expert_sharded_profile(profile: ModelProfile, width: int) -> ModelProfile:
+    """``profile`` with every MoE layer's parameters as one rank of EP width e_s holds them,
+    ``P_dense + P_experts / e_s``: the memory model (:mod:`dapple.cost.memory`,
+    :mod:`dapple.cost.peak_memory`) then counts the experts' parameters, gradients and optimizer
+    state ``1/e_s`` on each rank. ``profile`` itself at e_s = 1."""
+    if width == 1 or all(x.moe is None for x in profile.layers):
+        return profile
+    memory = profile.memory_at
+    return dataclasses.replace(
+        profile,
+        layers=tuple(_shard_layer(x, width) for x in profile.layers),
+        memory_at=None
+        if memory is None
+        else dataclasses.replace(
+            memory, layers=tuple(_shard_layer(x, width) for x in memory.layers)
+        ),
+    )
+
+
+def _groups(stage: StagePlan) -> list[tuple[int, ...]]:
+    """The device ids of each EP group of ``stage`` (t_s = 1)."""
+    e, d = stage.expert_width, stage.replica_devices
+    return [d[k : k + e] for k in range(0, len(d), e)]
+
+
+def _busiest_expert_ms(
+    profile: ModelProfile, cluster: Cluster, layers: tuple[int, int], n: int
+) -> tuple[float, float, float]:
+    """``(forward, I, W)`` the busiest expert adds on a slice of n samples: per MoE layer with
+    measured routing and expert time shares, :func:`expert_compute_ms` less its time; the
+    backward's part split between I and W as the layer's backward splits."""
+    f_x = i_x = w_x = 0.0
+    for i in range(*layers):
+        moe = profile.layers[i].moe
+        if moe is None or moe.expert_time_share is None or moe.imbalance <= 1.0:
+            continue
+        f, b = compute_ms(profile, cluster, (i, i + 1), n)
+        xf, xb = moe.expert_time_share
+        f_x += expert_compute_ms(f, xf, moe.imbalance, 2) - f
+        extra_b = expert_compute_ms(b, xb, moe.imbalance, 2) - b
+        bi, bw = profile.layers[i].backward_split(n)
+        share = bi / (bi + bw) if bi + bw > 0 else 1.0
+        i_x += extra_b * share
+        w_x += extra_b * (1.0 - share)
+    return f_x, i_x, w_x
+
+
+def expert_slice_times(
+    profile: ModelProfile,
+    cluster: Cluster,
+    stage: StagePlan,
+    times: Mapping[int, SliceTimes],
+    largest: int,
+) -> dict[int, SliceTimes]:
+    """The slice times of a stage of EP width e_s > 1 (``times`` as the stage costs them
+    without expert parallelism, per slice size): A2A_s, its MoE layers' dispatch and combine
+    (:func:`stage_alltoall_ms`) at the ``largest`` slice on its slowest EP group, added to F,
+    to B and to I (the backward's all-to-alls carry input gradients), once more to B and I
+    under re-computation; plus the busiest expert's compute (:func:`_busiest_expert_ms`).
+    ``times`` unchanged at e_s = 1."""
+    if stage.expert_width == 1:
+        return dict(times)
+    a2a = max(stage_alltoall_ms(profile, cluster, stage.layers, g, largest) for g in _groups(stage))
+    out: dict[int, SliceTimes] = {}
+    for n, ((f, b), (i, w)) in times.items():
+        fx, ix, wx = _busiest_expert_ms(profile, cluster, stage.layers, n)
+        to_i = a2a + ix + (fx + a2a if stage.recompute else 0.0)
+        if stage.layers[0] == 0:  # the first stage runs its whole backward as W
+            i, w = i, w + to_i + wx
+        else:
+            i, w = i + to_i, w + wx
+        out[n] = ((f + a2a + fx, b + to_i + wx), (i, w))
+    return out
+
+
+def expert_stage_sync_ms(profile: ModelProfile, cluster: Cluster, stage: StagePlan) -> float:
+    """AR_s of a stage of EP width e_s (t_s = 1, no ZeRO): :func:`moe_sync_ms` of its dense and
+    expert gradient bytes over its replicas; AR(P_s, g_s) at e_s = 1."""
+    s, e = stage.layers
+    expert = float(sum(_expert_bytes(x) for x in profile.layers[s:e]))
+    dense = sum(x.parameter_bytes for x in profile.layers[s:e]) - expert
+    return moe_sync_ms(cluster, dense, expert, stage.devices, stage.expert_width)

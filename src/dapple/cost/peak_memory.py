@@ -60,6 +60,7 @@ from dapple.cost.memory import (
     tensor_kept_bytes_per_sample,
     weight_cast_factor,
 )
+from dapple.cost.moe import expert_sharded_profile
 from dapple.schedule.ir import Action, ActionKind
 
 __all__ = [
@@ -298,7 +299,10 @@ def plan_stage_bytes(
 ) -> StageBytes:
     """:func:`stage_bytes` of one replica of ``stage`` as it runs (re-computing or not): its
     slice of ``samples`` (None: the largest slice of b), its zero stage or ``zero_stage``
-    where higher."""
+    where higher; each MoE layer's experts ``1/e_s`` under an EP width e_s
+    (:func:`~dapple.cost.moe.expert_sharded_profile`)."""
+    if stage.expert_width > 1:
+        profile = expert_sharded_profile(profile.for_memory, stage.expert_width)
     plain, redone = stage_bytes(
         profile,
         stage.layers,

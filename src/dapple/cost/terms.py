@@ -42,6 +42,12 @@ from dapple.cost.host import HostExtra, apply_host, has_host_terms, host_extras,
 from dapple.cost.latency import Latency, latency, steady_periods
 from dapple.cost.lengths import profile_for_plan
 from dapple.cost.memory import boundary_bytes, sharded_layer_bytes, sharded_parameter_bytes
+from dapple.cost.moe import (
+    check_expert_stage,
+    expert_slice_times,
+    expert_stage_sync_ms,
+    stage_rank_parameter_bytes,
+)
 from dapple.cost.overlap import NO_OVERLAP, CommOverlap, exposed_fsdp_pass_ms, exposed_sync_ms
 from dapple.cost.sharing import slice_work
 from dapple.cost.tensor import (
@@ -315,9 +321,13 @@ def _stage_terms(
     s0, e0 = st.layers
     pbytes = sum(layer.parameter_bytes for layer in profile.layers[s0:e0])
     grad_bytes = float(pbytes) if t == 1 else sharded_parameter_bytes(profile, st.layers, t)
+    check_expert_stage(profile, st, zero_stage)
     times = {
         n: _slice_times(profile, cluster, st, n, grad_bytes, overlap) for n in sorted(set(sizes))
     }
+    if st.expert_width > 1:  # the all-to-alls and the experts' sharded state, dapple.cost.moe
+        times = expert_slice_times(profile, cluster, st, times, max(sizes))
+        grad_bytes = stage_rank_parameter_bytes(profile, st.layers, st.expert_width)
     replicas = tuple(
         ReplicaTerms(
             device=d,
@@ -346,7 +356,11 @@ def _stage_terms(
         if cluster.compute_cores_per_server is not None
         else ()
     )
-    sync = replica_sync_ms(cluster, grad_bytes, st, zero_stage, M)
+    sync = (
+        expert_stage_sync_ms(profile, cluster, st)
+        if st.expert_width > 1
+        else replica_sync_ms(cluster, grad_bytes, st, zero_stage, M)
+    )
     if overlap.any and sync > 0:
         fwd, bwd, nbytes = _layer_times(profile, cluster, st, max(sizes))
         sync = exposed_sync_ms(overlap, sync, zero_stage, M, fwd, bwd, nbytes)

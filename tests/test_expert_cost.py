@@ -1,0 +1,130 @@
+"""An expert-parallel width e_s in a plan's cost terms (issue 45, :mod:`dapple.cost.moe` wired
+into :func:`dapple.cost.terms.stage_terms` and :func:`dapple.cost.peak_memory.plan_stage_bytes`):
+F_s, B_s, AR_s and the memory per rank of a tiny plan counted by hand; e_s = 1 unchanged; the
+combinations not costed refused."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from dapple.core.cluster import Cluster
+from dapple.core.moe_profile import MoEProfile
+from dapple.core.plan import Plan, StagePlan
+from dapple.core.profile import AffineTime, LayerProfile, ModelProfile
+from dapple.cost.moe import expert_sharded_profile, expert_widths
+from dapple.cost.peak_memory import plan_stage_bytes
+from dapple.cost.pipeline import pipeline_latency
+from dapple.cost.terms import stage_terms
+from dapple.errors import ValidationError
+
+# 2 servers of 2 devices; 8000 Gbps = 1e9 bytes/ms inside, 800 Gbps = 1e8 bytes/ms across.
+CLUSTER = Cluster(name="t", servers=2, devices_per_server=2, device_memory_bytes=2**36,
+                  intra_server_bandwidth_gbps=8000, inter_server_bandwidth_gbps=800,
+                  intra_server_latency_ms=0.01, inter_server_latency_ms=0.1)  # fmt: skip
+
+
+def _moe(**kw: object) -> MoEProfile:
+    base = dict(experts=8, top_k=2, expert_parameter_bytes=8000, tokens_per_expert_per_sample=4.0,
+                dispatch_bytes_per_sample=1e9, combine_bytes_per_sample=1e9)  # fmt: skip
+    return MoEProfile(**{**base, **kw})  # type: ignore[arg-type]
+
+
+def _profile(moe: MoEProfile | None = None) -> ModelProfile:
+    """embedding (dense, 3000 bytes), two MoE blocks of 10,000 bytes (8,000 of experts), head
+    (dense, 3000); every layer 1 ms per sample forward and backward."""
+    t = AffineTime(fixed_ms=0.0, per_sample_ms=1.0)
+    m = moe or _moe()
+
+    def layer(name: str, pb: int, moe: MoEProfile | None) -> LayerProfile:
+        return LayerProfile(name=name, forward=t, backward=t, output_bytes_per_sample=100.0,
+                            parameter_bytes=pb, kept_activation_bytes_per_sample=100.0, moe=moe)  # fmt: skip
+
+    return ModelProfile(model_name="m", layers=(
+        layer("embedding", 3000, None), layer("block0", 10000, m),
+        layer("block1", 10000, m), layer("lm_head", 3000, None)))  # fmt: skip
+
+
+def _plan(width: int, **kw: object) -> Plan:
+    """One stage of all 4 layers on 4 replicas (devices 0-3, two per server), b = 8, M = 1."""
+    st = StagePlan(layers=(0, 4), devices=(0, 1, 2, 3), expert_width=width, **kw)  # type: ignore[arg-type]
+    return Plan(planner="t", model_name="m", global_batch_size=8, micro_batch_size=8,
+                num_micro_batches=1, stages=(st,))  # fmt: skip
+
+
+def test_width_two_adds_the_all_to_alls_and_splits_the_allreduce_by_hand() -> None:
+    terms = stage_terms(_plan(2), _profile(), CLUSTER).stages[0]
+    # slices of 2 samples; 4 layers x 2 ms each way
+    # A2A per layer: each EP group {0,1}, {2,3} inside a server sends 2 x 1e9 bytes, half to
+    # its partner: 0.01 + 1/2 x 2e9 / 1e9 = 1.01 ms, dispatch + combine, 2 MoE layers: 4.04
+    assert terms.terms.forward_ms == pytest.approx(8.0 + 4.04)
+    assert terms.terms.backward_ms == pytest.approx(8.0 + 4.04)
+    r0 = terms.replicas[0]  # the first stage runs its whole backward as W
+    assert (r0.input_grad_ms, r0.weight_grad_ms) == pytest.approx((0.0, 8.0 + 4.04))
+    # AR(dense 10,000 bytes, 4 devices on 2 servers): intra 2 (1/2 x 1e4 / 1e9 + 0.01),
+    # inter 2 x 1/2 x 1e4 / 1e8 + 2 x 0.1
+    dense = 2 * (0.5e4 / 1e9 + 0.01) + (1e4 / 1e8 + 0.2)
+    # experts 16,000 / 2 bytes over {0, 2} and {1, 3} at once, one per server: each server's
+    # interface carries 2 x 1/2 x 8000 per group, 16,000 bytes in all, then 2 x 0.1 latency
+    expert = 16000 / 1e8 + 0.2
+    assert terms.terms.sync_ms == pytest.approx(dense + expert)
+    assert terms.parameter_bytes == 26000  # P_s stays the whole stage's
+
+
+def test_width_two_halves_the_experts_state_per_rank_by_hand() -> None:
+    prof = _profile()
+    plan1, plan2 = _plan(1), _plan(2)
+    one = plan_stage_bytes(prof, plan1.stages[0], 8)
+    two = plan_stage_bytes(prof, plan2.stages[0], 8)
+    # fp32, Adam (factor 3), 4 replicas: parameters, optimizer state and the AllReduce buffer
+    # 4 bytes per parameter byte always held; the gradients G = P
+    assert (one.static, one.grads) == (26000 * 4, 26000)
+    assert (two.static, two.grads) == (18000 * 4, 18000)  # 10,000 dense + 16,000 / 2
+    assert two.other == one.other  # activations unchanged
+
+
+def test_the_busiest_expert_slows_the_sharded_stage() -> None:
+    skewed = _moe(max_tokens_per_expert_per_sample=6.0, expert_time_share=(0.5, 0.5))
+    prof = _profile(skewed)  # imbalance 1.5, half of a block's time in its experts
+    terms = stage_terms(_plan(2), prof, CLUSTER).stages[0].terms
+    # A2A scaled by 1.5: 0.01 + 1/2 x 3e9 / 1e9 = 1.51 per call, 4 calls; each block's 2 ms
+    # forward gains 2 x 0.5 x 0.5 = 0.5 ms, backward likewise
+    assert terms.forward_ms == pytest.approx(8.0 + 4 * 1.51 + 2 * 0.5)
+    assert terms.backward_ms == pytest.approx(8.0 + 4 * 1.51 + 2 * 0.5)
+    # unsharded, no imbalance is paid: every replica runs its own tokens
+    assert stage_terms(_plan(1), prof, CLUSTER).stages[0].terms.forward_ms == 8.0
+
+
+def test_recomputation_repeats_the_forward_all_to_alls() -> None:
+    terms = stage_terms(_plan(2, recompute=True), _profile(), CLUSTER).stages[0].terms
+    assert terms.backward_ms == pytest.approx(2 * (8.0 + 4.04))
+
+
+def test_width_one_is_the_plan_without_experts_sharded() -> None:
+    prof = _profile()
+    dense = dataclasses.replace(
+        prof, layers=tuple(dataclasses.replace(x, moe=None) for x in prof.layers)
+    )
+    assert (
+        stage_terms(_plan(1), prof, CLUSTER).stages == stage_terms(_plan(1), dense, CLUSTER).stages
+    )
+    assert expert_sharded_profile(prof, 1) is prof
+    got = pipeline_latency(_plan(2), prof, CLUSTER).L_ms
+    assert got > pipeline_latency(_plan(1), prof, CLUSTER).L_ms  # inside 2 servers, A2A costs
+
+
+def test_widths_a_stage_may_take() -> None:
+    prof = _profile()
+    assert expert_widths(prof, (0, 4), 12) == [1, 2, 4]
+    assert expert_widths(prof, (0, 4), 16) == [1, 2, 4, 8]
+    assert expert_widths(prof, (0, 1), 16) == [1]  # no MoE layer
+
+
+def test_widths_not_costed_are_refused_naming_the_stage() -> None:
+    with pytest.raises(ValidationError, match=r"stage \[0, 4\] \(expert_width 2\): .*zero_stage 1"):
+        stage_terms(_plan(2, zero_stage=1), _profile(), CLUSTER)
+    with pytest.raises(ValidationError, match=r"stage \[0, 4\] \(expert_width 2\): .*zero_stage 2"):
+        stage_terms(_plan(2), _profile(), CLUSTER, zero_stage=2)
+    with pytest.raises(ValidationError, match="width 4 must divide the 2 experts of layer 1"):
+        stage_terms(_plan(4), _profile(_moe(experts=2, top_k=1)), CLUSTER)
