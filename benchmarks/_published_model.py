@@ -45,7 +45,7 @@ from dapple.profiler.analytic_devices import (
     Efficiency,
     fitted_efficiency,
 )
-from dapple.profiler.analytic_models import PRESETS, resolve_spec
+from dapple.profiler.analytic_presets import PRESETS, resolve_spec
 from dapple.simulate import simulate
 
 if sys.version_info >= (3, 11):

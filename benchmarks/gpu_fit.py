@@ -36,8 +36,8 @@ from typing import Any
 from _bench_common import HERE, header, write_report
 from dapple.profiler.analytic import layer_time_ms
 from dapple.profiler.analytic_devices import DEVICES, DeviceSpec, Efficiency
-from dapple.profiler.analytic_models import from_hf_config, resolve_spec
 from dapple.profiler.analytic_ops import LayerCost, layer_costs
+from dapple.profiler.analytic_presets import from_hf_config, resolve_spec
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -38,7 +38,8 @@ from dapple.cost.peak_memory import CUDA_WORKSPACE_BYTES, StagePeak, stage_peak
 from dapple.cost.pipeline import in_flight_bounds
 from dapple.profiler.analytic import analytic_profile
 from dapple.profiler.analytic_autocast import autocast_profile
-from dapple.profiler.analytic_models import PRESETS, TransformerSpec, from_hf_config
+from dapple.profiler.analytic_models import TransformerSpec
+from dapple.profiler.analytic_presets import PRESETS, from_hf_config
 
 MIB = 2**20
 EVIDENCE = "shared/evidence/h200-2026-11-28/run2-realistic.md"

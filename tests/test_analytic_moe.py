@@ -14,13 +14,13 @@ from dapple.cli import main
 from dapple.core.profile import ModelProfile
 from dapple.errors import ValidationError
 from dapple.profiler.analytic import analytic_profile, block_ops, layer_costs
-from dapple.profiler.analytic_models import (
+from dapple.profiler.analytic_moe_models import MLASpec, MoESpec, moe_from_hf
+from dapple.profiler.analytic_moe_ops import EXPERT_OPS, ROUTER_OPS
+from dapple.profiler.analytic_presets import (
     PRESETS,
     PUBLISHED_ACTIVE_PARAMETERS,
     from_hf_config,
 )
-from dapple.profiler.analytic_moe_models import MLASpec, MoESpec, moe_from_hf
-from dapple.profiler.analytic_moe_ops import EXPERT_OPS, ROUTER_OPS
 
 MOE_PRESETS = ("mixtral-8x7b", "qwen1.5-moe-a2.7b", "qwen2-57b-a14b", "deepseek-v3")
 

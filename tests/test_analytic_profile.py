@@ -20,10 +20,10 @@ from dapple.profiler.analytic import (
     linear_op,
 )
 from dapple.profiler.analytic_devices import DEVICES, Efficiency, get_device
-from dapple.profiler.analytic_models import (
+from dapple.profiler.analytic_models import TransformerSpec
+from dapple.profiler.analytic_presets import (
     PRESETS,
     PUBLISHED_PARAMETERS,
-    TransformerSpec,
     from_hf_config,
     llama_ffn,
     resolve_spec,

@@ -73,7 +73,7 @@ def test_plan_space_compares_grid_and_dapple_on_a_tiny_llama():
     import plan_space
     from dapple.core.cluster import load_cluster
     from dapple.profiler.analytic import analytic_profile
-    from dapple.profiler.analytic_models import PRESETS
+    from dapple.profiler.analytic_presets import PRESETS
 
     spec = dataclasses.replace(PRESETS["llama3-8b"], name="tiny", layers=4, seq=512)
     profiles = {"full": analytic_profile(spec, "h100", precision="bf16", recompute="full")}

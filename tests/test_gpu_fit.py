@@ -127,8 +127,8 @@ def test_fit_one_finds_the_minimum() -> None:
 
 
 def test_masked_sdpa_runs_every_tile_after_repeat_kv() -> None:
-    from dapple.profiler.analytic_models import resolve_spec
     from dapple.profiler.analytic_ops import block_ops
+    from dapple.profiler.analytic_presets import resolve_spec
 
     spec = resolve_spec("llama3-8b", 64)  # 32 heads of 128, 8 KV heads
     masked = {op.name: op for op in block_ops(spec, 64, 2, "masked")}

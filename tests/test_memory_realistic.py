@@ -33,7 +33,7 @@ from dapple.profiler.analytic_autocast import (
     autocast_profile,
     cast_parameters,
 )
-from dapple.profiler.analytic_models import PRESETS
+from dapple.profiler.analytic_presets import PRESETS
 
 MIB = 2**20
 MEASURED_MIB = {("1 stage", 0): 35365, ("1:1", 0): 14523, ("1:1", 1): 20043}

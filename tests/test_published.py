@@ -23,8 +23,8 @@ from dapple.core.tensor_layout import check_tensor_groups  # noqa: E402
 from dapple.cost.overlap import NO_OVERLAP  # noqa: E402
 from dapple.profiler.analytic import analytic_profile  # noqa: E402
 from dapple.profiler.analytic_devices import DEVICES  # noqa: E402
-from dapple.profiler.analytic_models import resolve_spec  # noqa: E402
 from dapple.profiler.analytic_ops import layer_costs  # noqa: E402
+from dapple.profiler.analytic_presets import resolve_spec  # noqa: E402
 
 
 @pytest.fixture(scope="module")

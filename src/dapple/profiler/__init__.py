@@ -13,6 +13,7 @@ __all__ = [
     "analytic_devices",
     "analytic_models",
     "analytic_ops",
+    "analytic_presets",
     "layer_measure",
     "measure",
     "paper_models",

@@ -42,7 +42,7 @@ from dapple.profiler.analytic_devices import (
     fitted_efficiency,
     get_device,
 )
-from dapple.profiler.analytic_models import TransformerSpec, resolve_spec
+from dapple.profiler.analytic_models import TransformerSpec
 from dapple.profiler.analytic_moe_ops import moe_record
 from dapple.profiler.analytic_ops import (
     LayerCost,
@@ -51,6 +51,7 @@ from dapple.profiler.analytic_ops import (
     layer_costs,
     linear_op,
 )
+from dapple.profiler.analytic_presets import resolve_spec
 
 __all__ = [
     "LayerCost",

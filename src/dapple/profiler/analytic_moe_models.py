@@ -200,7 +200,7 @@ MOE_SHAPES: dict[str, dict[str, Any]] = {
     ),
 }  # fmt: skip
 """The ``TransformerSpec`` fields of the mixture-of-experts presets of
-:data:`~dapple.profiler.analytic_models.PRESETS` (SwiGLU, RMSNorm, rotary, untied; comments give
+:data:`~dapple.profiler.analytic_presets.PRESETS` (SwiGLU, RMSNorm, rotary, untied; comments give
 each configuration's source)."""
 
 MOE_PUBLISHED: dict[str, tuple[str, str]] = {
