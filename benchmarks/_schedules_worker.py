@@ -31,6 +31,7 @@ TORCH_SCHEDULES = {
     "interleaved1f1b": "ScheduleInterleaved1F1B",
     "interleavedzb": "ScheduleInterleavedZeroBubble",
     "zbv": "ScheduleZBVZeroBubble",
+    "dualpipev": "ScheduleDualPipeV",
 }
 """The ``torch.distributed.pipelining`` schedule class of each torch runner kind."""
 

@@ -1,9 +1,10 @@
 """ZB-V and DualPipeV in the runtime: the message a rank sends itself at the turn of the V, and
 ``verify`` against one device under AdamW: GPT-2 with dropout on a straight and an uneven (2:1)
-plan, and ZB-V with a ZeRO-3 and a tensor-parallel device group."""
+plan, and both with a ZeRO-3 and a tensor-parallel device group."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -71,11 +72,13 @@ def test_verify_v_schedules_equal_one_device_under_adamw_with_dropout(schedule: 
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_verify_zbv_with_zero3_and_tensor_parallel_groups() -> None:
-    """ZB-V on the zoo transformer traced into embedding, block, block, head: 2:1 with ZeRO-3
-    (no per-micro-batch re-gather) on the replicated group 0, and a TP2 group 1 holding both
-    blocks (the turn of the V: each tensor rank's message to itself), equal to one device's
-    under AdamW."""
+@pytest.mark.parametrize(("schedule", "M"), [("zbv", 2), ("dualpipev", 4)])
+def test_verify_v_schedules_with_zero3_and_tensor_parallel_groups(schedule: str, M: int) -> None:
+    """ZB-V and DualPipeV (M >= 2P) on the zoo transformer traced into embedding, block, block,
+    head: 2:1 with ZeRO-3 (no per-micro-batch re-gather) on the replicated group 0, and a TP2
+    group 1 holding both blocks (the turn of the V: each tensor rank's message to itself),
+    equal to one device's under AdamW. DualPipeV runs whole and split backwards on the same
+    ZeRO-3 and TP chunks."""
     from test_tp_runtime import plan_of, zoo_spec
 
     wl = zoo_spec()
@@ -84,7 +87,13 @@ def test_verify_zbv_with_zero3_and_tensor_parallel_groups() -> None:
                      StagePlan(layers=(2, n), devices=(2,))])  # fmt: skip
     tp = plan_of([StagePlan(layers=(0, 2), devices=(0,)),
                   StagePlan(layers=(2, n), devices=(1, 2), tensor_width=2)])  # fmt: skip
-    plans = [with_schedule(p, "zbv") for p in (zero3, tp)]
+    G = zero3.global_batch_size
+    plans = [
+        with_schedule(dataclasses.replace(p, num_micro_batches=M, micro_batch_size=G // M),
+                      schedule)
+        for p in (zero3, tp)
+    ]  # fmt: skip
+    assert plans[0].stages[0].zero_stage == plans[0].stages[3].zero_stage == 3
     assert plans[1].stages[1].tensor_width == plans[1].stages[2].tensor_width == 2
     reports = api.verify_many([(p, wl) for p in plans], 2, device="cpu", optimizer="adamw",
                               lr=1e-3)  # fmt: skip

@@ -1,0 +1,236 @@
+"""V schedules measured: dapple's ZB-V and DualPipeV vs ``torch.distributed.pipelining``'s
+``ScheduleZBVZeroBubble`` and ``ScheduleDualPipeV`` on the same straight partition (CPU, gloo),
+with dapple's interleaved 1F1B vs ``ScheduleInterleaved1F1B`` as the noise reference.
+
+Model: the zoo ``transformer`` of :data:`_bench_common.BENCH_MODEL` with ``--blocks`` blocks
+(default 14: 16 chain layers). Partition: the straight 2-rank pipeline cut into S = 4 chunks of
+equal layer counts. V schedules (Qi et al. section 6; DeepSeek-V3 section 3.2.1): rank g holds
+chunks g and 3-g (``dapple.schedule.zbv.v_shape``, torch's V placement), so rank 0 holds the
+embedding and the LM head. Interleaved: rank g holds chunks g and g+2 (dapple's
+``interleave(straight, 2)``, torch's loop placement). Same global batch, M, plain SGD, intra-op
+threads (``cores // 2``) for every runner, all cases in ONE gloo group of 2 processes, in rounds
+whose order alternates (:func:`_schedules_worker.worker`, shared with
+``schedules_measured.py``).
+
+Each pair's speed ratio is torch's step time over dapple's in the same round (>= 1.00: dapple at
+least as fast), its median and range over rounds. The interleaved pair runs the same runtimes on
+the same chunks with schedules both sides have matched before (``schedules_measured.md``), so
+its spread over rounds is the noise a V ratio is judged against.
+
+The report goes into ``schedules_measured.md`` between the markers of :data:`BEGIN` and
+:data:`END` (replacing that section; ``schedules_measured.py`` keeps it when it rewrites the
+file).
+
+Usage: ``python benchmarks/schedules_measured_v.py [--rounds 8 --steps 4 --skip 1]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _bench_common import (
+    BENCH_MODEL,
+    HERE,
+    bench_transformer,
+    header,
+    load_note,
+    run_worker_group,
+)
+from _schedules_worker import TORCH_SCHEDULES, worker
+from dapple.core.plan import Plan, interleave, straight_plan
+from dapple.simulate.schedules import with_schedule
+from vs_torch_pipelining import LR, describe, even_bounds
+
+WORLD = 2
+BEGIN = "<!-- schedules_measured_v.py: begin -->"
+END = "<!-- schedules_measured_v.py: end -->"
+PAIRS = (
+    ("interleaved", "interleaved1f1b", "noise reference"),
+    ("zbv", "zbv", "goal"),
+    ("dualpipev", "dualpipev", "goal"),
+)
+"""(dapple schedule, torch runner kind, role) of each pair."""
+
+
+def build_cases(blocks: int, G: int, M: int) -> list[dict[str, Any]]:
+    """The dapple and torch case of each pair in :data:`PAIRS`, on the same chunks."""
+    wl = bench_transformer(layers=blocks)
+    b = even_bounds(wl.num_layers, WORLD)
+    straight = straight_plan(wl.num_layers, b[:-1], global_batch_size=G, num_micro_batches=M)
+    grp = f"straight {WORLD} ranks {b[1:-1]}"
+    cases: list[dict[str, Any]] = []
+    for schedule, kind, _ in PAIRS:
+        plan = (
+            interleave(straight, 2)
+            if schedule == "interleaved"
+            else with_schedule(straight, schedule)
+        )
+        chunks = [list(st.layers) for st in plan.stages]
+        place = [plan.group_of_stage(k) for k in range(len(chunks))]
+        cases.append(
+            {
+                "group": grp,
+                "label": f"dapple {schedule}",
+                "runner": "dapple",
+                "plan": plan.to_dict(),
+                "kind": kind,
+            }
+        )
+        cases.append(
+            {
+                "group": grp,
+                "label": f"torch {TORCH_SCHEDULES[kind]}",
+                "runner": "torch",
+                "kind": kind,
+                "chunks": chunks,
+                "placement": place,
+            }
+        )
+    return cases
+
+
+def _per_round(r: dict[str, Any], skip: int) -> list[float]:
+    """Each round's median step ms after the warm-up steps."""
+    return [statistics.median(x[skip:]) for x in r["ms"]]
+
+
+def _placement(c: dict[str, Any]) -> str:
+    per = [[k for k, g in enumerate(c["placement"]) if g == r] for r in range(WORLD)]
+    return "; ".join(
+        f"r{r}: " + " + ".join(f"{c['chunks'][k][0]}-{c['chunks'][k][1]}" for k in ks)
+        for r, ks in enumerate(per)
+    )
+
+
+def report(
+    cases: list[dict[str, Any]], got: dict[str, Any], args: argparse.Namespace, run_s: float
+) -> list[str]:
+    """The markdown section: one row per pair, then the verdicts against the noise reference."""
+    G, M, skip = args.global_batch, args.micro_batches, args.skip
+    rows = [
+        "| pair (role) | chunks per rank (layers) | dapple plan | dapple ms/step | torch ms/step "
+        "| speed dapple / torch: median [range over rounds] | per-round ratios |",
+        "|---|---|---|---:|---:|---:|---|",
+    ]
+    ratios: dict[str, list[float]] = {}
+    for (schedule, _, role), d, t in zip(PAIRS, cases[0::2], cases[1::2], strict=True):
+        rd, rt = got[str(cases.index(d))], got[str(cases.index(t))]
+        name = f"{d['label']} vs {t['label']} ({role})"
+        err = rd["error"] or rt["error"]
+        if err:
+            rows.append(f"| {name} | {_placement(t)} | - | not run: {err} | - | - | - |")
+            continue
+        md, mt = _per_round(rd, skip), _per_round(rt, skip)
+        paired = [b / a for a, b in zip(md, mt, strict=True)]
+        ratios[schedule] = paired
+        rows.append(
+            f"| {name} | {_placement(t)} | {describe(Plan.from_dict(d['plan']))} | "
+            f"{statistics.median(md):.1f} | {statistics.median(mt):.1f} | "
+            f"**{statistics.median(paired):.2f}x** [{min(paired):.2f}-{max(paired):.2f}] | "
+            f"{', '.join(f'{x:.2f}' for x in paired)} |"
+        )
+    lines = [
+        f"## V schedules vs torch.distributed.pipelining ({WORLD} ranks)",
+        "",
+        f"Model: zoo `transformer` {{**{BENCH_MODEL}, 'layers': {args.blocks}}}, global batch "
+        f"{G}, M = {M} (micro-batch {G // M}), plain SGD lr {LR}, {WORLD} gloo processes. All "
+        f"six cases in ONE process group, {args.rounds} rounds x {args.steps} steps per case, "
+        f"the round order alternating, the first {skip} step(s) of each round dropped. Step "
+        "time: the period between consecutive step ends, steps back to back (dapple: rank 0's "
+        "period between its per-step collectives; torch: the slowest rank's). Speed dapple / "
+        "torch = torch ms / dapple ms in the same round (>= 1.00: dapple at least as fast). "
+        f"Measurements took {run_s:.0f} s.",
+        "",
+        *rows,
+        "",
+        "### Verdicts",
+        "",
+    ]
+    ref = ratios.get("interleaved")
+    for schedule, _, role in PAIRS[1:]:
+        if schedule not in ratios:
+            lines.append(f"- {schedule}: **not measured** (a side did not run, row above).")
+            continue
+        r = ratios[schedule]
+        med = statistics.median(r)
+        if ref is None:
+            noise = "no noise reference (the interleaved pair did not run)"
+        else:
+            lo, hi = min(ref), max(ref)
+            noise = (
+                f"the interleaved reference's rounds span {lo:.2f}-{hi:.2f}x (median "
+                f"{statistics.median(ref):.2f}x): "
+                f"{'within or above' if med >= lo else 'below'} that noise"
+            )
+        lines.append(
+            f"- dapple {schedule} vs torch (goal >= 1.00x, {role}): "
+            f"**{'met' if med >= 1.0 else 'missed'}** ({med:.2f}x, rounds "
+            f"{min(r):.2f}-{max(r):.2f}x); {noise}."
+        )
+    lines += ["", f"End: {load_note()}.", ""]
+    return lines
+
+
+def _commit() -> str:
+    """The checkout's HEAD (short hash), with ``+dirty`` when tracked files differ from it."""
+    import subprocess
+
+    def git(*a: str) -> str:
+        return subprocess.run(["git", *a], capture_output=True, text=True, cwd=HERE).stdout
+
+    dirty = git("status", "--porcelain", "--untracked-files=no").strip()
+    return git("rev-parse", "--short", "HEAD").strip() + ("+dirty" if dirty else "")
+
+
+def splice(md: Path, section: list[str]) -> None:
+    """Write ``section`` into ``md`` between :data:`BEGIN` and :data:`END`, replacing what was
+    there (appended at the end when the markers are absent)."""
+    text = md.read_text() if md.exists() else ""
+    block = "\n".join([BEGIN, *section, END])
+    if BEGIN in text and END in text:
+        head, rest = text.split(BEGIN, 1)
+        text = head + block + rest.split(END, 1)[1]
+    else:
+        text = text.rstrip("\n") + "\n\n" + block + "\n"
+    md.write_text(text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=8, help="alternating rounds")
+    ap.add_argument("--steps", type=int, default=4, help="steps per case per round")
+    ap.add_argument("--skip", type=int, default=1, help="warm-up steps dropped per round")
+    ap.add_argument("--blocks", type=int, default=14, help="transformer blocks (+2 layers)")
+    ap.add_argument("--global-batch", type=int, default=32)
+    ap.add_argument("--micro-batches", type=int, default=8)
+    ap.add_argument("--out", default=str(HERE / "schedules_measured.md"))
+    args = ap.parse_args(argv)
+    G, M = args.global_batch, args.micro_batches
+    if M < 2 * WORLD or M % WORLD or G % M:
+        raise SystemExit(
+            f"need M >= {2 * WORLD} (DualPipeV), a multiple of {WORLD} (interleaved), dividing "
+            f"G; got G={G} M={M}"
+        )
+    args_text = " ".join(sys.argv[1:] if argv is None else argv)
+    command = f"python benchmarks/schedules_measured_v.py {args_text}".strip()
+    head = header("V schedules vs torch (CPU, gloo)", command)
+    cases = build_cases(args.blocks, G, M)
+    opts = {k: getattr(args, k) for k in ("rounds", "steps", "skip", "blocks")} | {"G": G, "M": M}
+    t0 = time.perf_counter()
+    got = run_worker_group(worker, WORLD, cases, opts)
+    section = report(cases, got, args, time.perf_counter() - t0)
+    # the header's first line is the title; keep its facts as the section's list
+    section[1:1] = ["", *head[2:-1], f"- commit: `{_commit()}` (working tree as run)"]
+    splice(Path(args.out), section)
+    print("\n".join(section))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
