@@ -23,6 +23,9 @@ definition: ``1 - busy / step``, busy = the wall time a rank spends computing F,
 (measured: inside the executor's handlers, minus their waits for incoming messages; simulated:
 the durations of those events), for the busiest rank and averaged over ranks.
 
+The V schedules (ZB-V, DualPipeV) are measured on 2 ranks by ``schedules_measured_v.py``, whose
+section of the report this script keeps when it rewrites it.
+
 Usage: ``python benchmarks/schedules_measured.py [--rounds 4 --steps 4 --skip 1] [--no-uneven]``.
 """
 
@@ -248,6 +251,17 @@ def _split_cost_note(
     return out
 
 
+def _v_section(md: Path) -> str:
+    """The V-schedule section ``schedules_measured_v.py`` wrote into ``md`` (between its
+    markers), kept when this script rewrites the file; "" when there is none."""
+    from schedules_measured_v import BEGIN, END
+
+    text = md.read_text() if md.exists() else ""
+    if BEGIN not in text or END not in text:
+        return ""
+    return "\n" + BEGIN + text.split(BEGIN, 1)[1].split(END, 1)[0] + END + "\n"
+
+
 def _pct(x: float) -> str:
     return f"{x:.0%}"
 
@@ -466,8 +480,10 @@ def main(argv: list[str] | None = None) -> int:
         f"End: {load_note()}.",
         "",
     ]
-    Path(args.out).write_text("\n".join(lines))
-    print("\n".join(lines))
+    out = Path(args.out)
+    text = "\n".join(lines)
+    out.write_text(text + _v_section(out))
+    print(text)
     return 0
 
 
