@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import dataclasses
 
+from dapple.core.layer_profile import AffineTime, LayerProfile, fit_affine
 from dapple.core.precision import precision_of
-from dapple.core.profile import AffineTime, LayerProfile, ModelProfile, fit_affine
+from dapple.core.profile import ModelProfile
 from dapple.profiler.analytic import layer_time_ms
 from dapple.profiler.analytic_devices import DeviceSpec, Efficiency
 from dapple.profiler.analytic_models import TransformerSpec

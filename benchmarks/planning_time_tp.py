@@ -22,7 +22,8 @@ import time
 from collections.abc import Sequence
 
 from dapple.core.cluster import Cluster, load_cluster
-from dapple.core.profile import AffineTime, LayerProfile, ModelProfile
+from dapple.core.layer_profile import AffineTime, LayerProfile
+from dapple.core.profile import ModelProfile
 from dapple.planner.search import dapple_search
 from dapple.profiler.analytic import analytic_profile
 

@@ -29,8 +29,9 @@ from typing import Any
 
 from _bench_common import HERE, header, load_note
 from dapple import api
+from dapple.core.layer_profile import AffineTime, LayerProfile
 from dapple.core.plan import Plan, interleave, straight_plan
-from dapple.core.profile import AffineTime, LayerProfile, ModelProfile
+from dapple.core.profile import ModelProfile
 from dapple.cost.memory import device_state_bytes
 from dapple.profiler.measure import tied_layer_bytes
 

@@ -7,7 +7,8 @@ from typing import Any, NoReturn
 import pytest
 
 from dapple.core.cluster import Cluster
-from dapple.core.profile import AffineTime, LayerProfile, ModelProfile
+from dapple.core.layer_profile import AffineTime, LayerProfile
+from dapple.core.profile import ModelProfile
 
 
 def make_profile(

@@ -30,8 +30,9 @@ from pathlib import Path
 from typing import Any
 
 from dapple.core.cluster import PRESETS, Cluster
+from dapple.core.layer_profile import AffineTime, LayerProfile
 from dapple.core.plan import Plan
-from dapple.core.profile import AffineTime, LayerProfile, LengthProfile, ModelProfile
+from dapple.core.profile import LengthProfile, ModelProfile
 from dapple.cost.pipeline import pipeline_latency
 from dapple.cost.schedules import activation_peak_bytes, device_memory_by_group, schedule_latency
 from dapple.errors import DappleError

@@ -17,8 +17,9 @@ import pytest
 from builders import boom, make_cluster, make_profile, one_error_line
 from dapple import api
 from dapple.cli import main
+from dapple.core.layer_profile import AffineTime, LayerProfile
 from dapple.core.plan import straight_plan
-from dapple.core.profile import AffineTime, LayerProfile, ModelProfile
+from dapple.core.profile import ModelProfile
 from dapple.datasets.token_file import TokenFile
 from dapple.errors import ValidationError
 from dapple.models.fingerprint import layer_tensors, model_fingerprint

@@ -11,8 +11,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from dapple.core.cluster import PRESETS, Cluster
+from dapple.core.layer_profile import AffineTime, LayerProfile
 from dapple.core.moe_profile import MoEProfile
-from dapple.core.profile import AffineTime, LayerProfile, ModelProfile
+from dapple.core.profile import ModelProfile
 from dapple.cost.comm import allreduce_ms
 from dapple.cost.moe import (
     alltoall_ms,

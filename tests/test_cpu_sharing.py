@@ -13,8 +13,9 @@ from hypothesis import strategies as st
 from builders import make_cluster, make_profile
 from dapple.calibrate.machine import _fit, fit_sharing
 from dapple.core.cluster import Cluster
+from dapple.core.layer_profile import AffineTime, LayerProfile
 from dapple.core.plan import straight_plan
-from dapple.core.profile import AffineTime, LayerProfile, ModelProfile
+from dapple.core.profile import ModelProfile
 from dapple.cost.comm import allreduce_ms
 from dapple.cost.pipeline import pipeline_latency
 from dapple.errors import ValidationError

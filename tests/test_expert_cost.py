@@ -10,9 +10,10 @@ import dataclasses
 import pytest
 
 from dapple.core.cluster import Cluster
+from dapple.core.layer_profile import AffineTime, LayerProfile
 from dapple.core.moe_profile import MoEProfile
 from dapple.core.plan import Plan, StagePlan
-from dapple.core.profile import AffineTime, LayerProfile, ModelProfile
+from dapple.core.profile import ModelProfile
 from dapple.cost.moe import expert_sharded_profile, expert_widths
 from dapple.cost.peak_memory import plan_stage_bytes
 from dapple.cost.pipeline import pipeline_latency

@@ -8,8 +8,9 @@ import dataclasses
 import pytest
 
 from dapple.core.cluster import Cluster, load_cluster
+from dapple.core.layer_profile import AffineTime, LayerProfile
 from dapple.core.plan import straight_plan
-from dapple.core.profile import AffineTime, LayerProfile, ModelProfile
+from dapple.core.profile import ModelProfile
 from dapple.cost.host import HostExtra, host_extras
 from dapple.cost.pipeline import pipeline_latency
 from dapple.errors import ValidationError

@@ -10,8 +10,9 @@ from hypothesis import strategies as st
 
 from builders import make_cluster, make_profile
 from dapple.core.cluster import Cluster
+from dapple.core.layer_profile import AffineTime, LayerProfile
 from dapple.core.plan import straight_plan
-from dapple.core.profile import AffineTime, LayerProfile, ModelProfile
+from dapple.core.profile import ModelProfile
 from dapple.cost.host import HostExtra, apply_host, has_host_terms
 from dapple.cost.latency import latency, steady_periods
 from dapple.cost.pipeline import pipeline_latency

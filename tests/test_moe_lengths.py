@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
+from dapple.core.layer_profile import AffineTime, LayerProfile
 from dapple.core.moe_profile import MoEProfile
-from dapple.core.profile import AffineTime, LayerProfile
 from dapple.cost.lengths import layer_at_length, per_sample_at_length
 
 

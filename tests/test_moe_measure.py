@@ -10,7 +10,8 @@ from typing import Any
 
 import pytest
 
-from dapple.core.profile import AffineTime, LayerProfile, ModelProfile
+from dapple.core.layer_profile import AffineTime, LayerProfile
+from dapple.core.profile import ModelProfile
 from dapple.errors import ValidationError
 from dapple.profiler.moe_measure import (
     BlockMeasurement,

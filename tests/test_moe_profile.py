@@ -12,8 +12,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from dapple.core.layer_profile import AffineTime, LayerProfile
 from dapple.core.moe_profile import MoEProfile
-from dapple.core.profile import AffineTime, LayerProfile, ModelProfile
+from dapple.core.profile import ModelProfile
 from dapple.errors import ValidationError
 from dapple.profiler.paper_models import load_profile
 

@@ -10,7 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dapple.core.cluster import Cluster
-from dapple.core.profile import AffineTime, LayerProfile, ModelProfile
+from dapple.core.layer_profile import AffineTime, LayerProfile
+from dapple.core.profile import ModelProfile
 from dapple.planner.evaluate import Scorer
 from dapple.planner.move_scores import ROUNDING, Move, WidthStage
 from dapple.planner.stage_widths import MixedScorer, applied, moves_of, refine_stage_widths

@@ -16,8 +16,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from builders import make_cluster
+from dapple.core.layer_profile import AffineTime, LayerProfile
 from dapple.core.plan import straight_plan
-from dapple.core.profile import AffineTime, LayerProfile, ModelProfile
+from dapple.core.profile import ModelProfile
 from dapple.cost.peak_memory import in_flight_limit, plan_stage_bytes, stage_peak
 from dapple.cost.pipeline import in_flight_bounds, pipeline_latency
 from dapple.cost.schedules import device_memory_by_group

@@ -11,8 +11,9 @@ import pytest
 
 from builders import make_cluster, make_profile
 from dapple.core.cluster import Cluster
+from dapple.core.layer_profile import AffineTime, LayerProfile
 from dapple.core.plan import Plan
-from dapple.core.profile import AffineTime, LayerProfile, ModelProfile
+from dapple.core.profile import ModelProfile
 from dapple.cost.pipeline import pipeline_latency
 from dapple.errors import InfeasibleError, ValidationError
 from dapple.planner import PLANNERS, make_plan

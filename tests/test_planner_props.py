@@ -7,7 +7,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dapple.core.cluster import Cluster
-from dapple.core.profile import AffineTime, LayerProfile, ModelProfile
+from dapple.core.layer_profile import AffineTime, LayerProfile
+from dapple.core.profile import ModelProfile
 from dapple.cost.pipeline import pipeline_latency
 from dapple.cost.schedules import device_memory_by_group, schedule_latency
 from dapple.errors import InfeasibleError

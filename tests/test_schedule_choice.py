@@ -9,8 +9,8 @@ import pytest
 
 from builders import make_cluster, make_profile
 from dapple.cli import main
+from dapple.core.layer_profile import AffineTime
 from dapple.core.plan import Plan, straight_plan
-from dapple.core.profile import AffineTime
 from dapple.errors import ValidationError
 from dapple.planner.schedule_choice import SCHEDULE_VARIANTS, best_per_schedule
 from dapple.simulate import simulate

@@ -13,8 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from builders import make_cluster
+from dapple.core.layer_profile import AffineTime, LayerProfile
 from dapple.core.plan import Plan, straight_plan
-from dapple.core.profile import AffineTime, LayerProfile, LengthProfile, ModelProfile
+from dapple.core.profile import LengthProfile, ModelProfile
 from dapple.cost.lengths import (
     affine_at_length,
     fixed_at_length,

@@ -17,8 +17,9 @@ from hypothesis import strategies as st
 
 from builders import NO_COMM, per_call_profile
 from dapple.core.cluster import Cluster
+from dapple.core.layer_profile import AffineTime, LayerProfile
 from dapple.core.plan import interleave, straight_plan
-from dapple.core.profile import AffineTime, LayerProfile, ModelProfile
+from dapple.core.profile import ModelProfile
 from dapple.cost.compute import split_backward_ms, stage_compute_ms
 from dapple.cost.schedules import (
     activation_peak_bytes,

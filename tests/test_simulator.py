@@ -9,8 +9,9 @@ import pytest
 from builders import make_cluster, make_profile
 from dapple.cli import main
 from dapple.core.cluster import Cluster
+from dapple.core.layer_profile import AffineTime, LayerProfile
 from dapple.core.plan import Plan, StagePlan, straight_plan
-from dapple.core.profile import AffineTime, LayerProfile, ModelProfile
+from dapple.core.profile import ModelProfile
 from dapple.cost.comm import allreduce_ms
 from dapple.errors import ValidationError
 from dapple.schedule import lower, parse_action

@@ -14,8 +14,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dapple.core.cluster import Cluster
+from dapple.core.layer_profile import AffineTime, LayerProfile
 from dapple.core.plan import Plan, StagePlan
-from dapple.core.profile import AffineTime, LayerProfile, ModelProfile
+from dapple.core.profile import ModelProfile
 from dapple.core.tensor_layout import check_tensor_groups
 from dapple.cost.comm import comm_stage_ms
 from dapple.cost.pipeline import pipeline_latency

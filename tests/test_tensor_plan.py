@@ -14,8 +14,9 @@ from hypothesis import strategies as st
 
 from builders import make_cluster, make_profile
 from dapple.core.cluster import Cluster
+from dapple.core.layer_profile import AffineTime, LayerProfile
 from dapple.core.plan import Plan, StagePlan
-from dapple.core.profile import AffineTime, LayerProfile, ModelProfile
+from dapple.core.profile import ModelProfile
 from dapple.core.tensor_layout import check_tensor_groups
 from dapple.cost.memory import (
     gradients_in_flight_bytes,

@@ -14,8 +14,9 @@ import pytest
 import runtime_workloads as rw
 from builders import make_cluster, make_profile
 from dapple import api
+from dapple.core.layer_profile import LayerProfile
 from dapple.core.plan import straight_plan
-from dapple.core.profile import LayerProfile, ModelProfile
+from dapple.core.profile import ModelProfile
 from dapple.cost.memory import (
     device_state_bytes,
     gradients_in_flight_bytes,

@@ -20,8 +20,9 @@ import importlib
 from typing import Any
 
 from dapple.core.cluster import PRESETS, Cluster, load_cluster
+from dapple.core.layer_profile import AffineTime, LayerProfile
 from dapple.core.plan import Plan, StagePlan
-from dapple.core.profile import AffineTime, LayerProfile, ModelProfile
+from dapple.core.profile import ModelProfile
 from dapple.errors import DappleError, InfeasibleError, ValidationError
 from dapple.schedule import registry as _schedule_registry  # noqa: F401  (Plan's schedule rules)
 

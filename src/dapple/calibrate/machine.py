@@ -49,7 +49,7 @@ from torch.distributed.constants import default_pg_timeout
 from dapple.calibrate.overheads import comm_cpu_fit, runtime_overheads
 from dapple.core.cluster import GIB, Cluster
 from dapple.core.cpu_cores import threads_per_worker, usable_cores
-from dapple.core.profile import fit_affine
+from dapple.core.layer_profile import fit_affine
 
 __all__ = [
     "DEFAULT_SIZES",

@@ -27,8 +27,8 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from dapple.core.layer_profile import fit_affine
 from dapple.core.plan import Plan, straight_plan
-from dapple.core.profile import fit_affine
 from dapple.cost.host import MIB
 
 __all__ = ["comm_cpu_fit", "runtime_overheads"]

@@ -1,6 +1,7 @@
 """The pure data model (no torch): model profiles, cluster topology and execution plans."""
 
 from dapple.core.cluster import GIB, PRESETS, Cluster, load_cluster
+from dapple.core.layer_profile import AffineTime, LayerProfile, fit_affine
 from dapple.core.plan import (
     Plan,
     StagePlan,
@@ -10,7 +11,7 @@ from dapple.core.plan import (
     straight_plan,
     transfers,
 )
-from dapple.core.profile import AffineTime, LayerProfile, ModelProfile, fit_affine
+from dapple.core.profile import ModelProfile
 
 __all__ = [
     "GIB",

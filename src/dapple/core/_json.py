@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,8 @@ from dapple.errors import ValidationError
 
 __all__ = [
     "as_float",
+    "as_list",
+    "as_nonneg",
     "check_schema_version",
     "get_field",
     "load_json_file",
@@ -127,3 +130,26 @@ def get_field(data: dict[str, Any], key: str, what: str) -> Any:
     if key not in data:
         raise ValidationError(f"{what}: missing field {key!r}")
     return data[key]
+
+
+def as_list(v: Any, what: str) -> list[Any]:
+    """``v`` when it is a JSON list; ``what`` names the field.
+
+    Raises:
+        ValidationError: ``v`` is no list.
+    """
+    require(isinstance(v, list), f"{what} must be a list, got {v!r}"[:200])
+    return list(v)
+
+
+def as_nonneg(v: Any, what: str) -> float:
+    """``float(v)`` for a finite number >= 0; ``what`` names the field.
+
+    Raises:
+        ValidationError: ``v`` is no number, a boolean, infinite, NaN or negative.
+    """
+    require(
+        isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0,
+        f"{what} must be a finite number >= 0, got {v!r}",
+    )
+    return float(v)

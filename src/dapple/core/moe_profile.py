@@ -56,7 +56,7 @@ def _shares(v: Any, what: str) -> tuple[float, float] | None:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class MoEProfile:
-    """What a mixture-of-experts layer adds to its :class:`~dapple.core.profile.LayerProfile`."""
+    """What a mixture-of-experts layer adds to its :class:`~dapple.core.layer_profile.LayerProfile`."""
 
     experts: int
     """E: routed experts of the layer (shared experts are dense and not counted)."""

@@ -9,8 +9,9 @@ stage with :func:`dapple.core.plan.split_sizes`; F_s, B_s of the stage are those
 from __future__ import annotations
 
 from dapple.core.cluster import Cluster
+from dapple.core.layer_profile import LayerProfile
 from dapple.core.plan import StagePlan, split_sizes
-from dapple.core.profile import LayerProfile, ModelProfile
+from dapple.core.profile import ModelProfile
 
 __all__ = ["compute_ms", "split_backward_ms", "stage_compute_ms", "tensor_share"]
 

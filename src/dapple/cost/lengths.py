@@ -40,9 +40,10 @@ import math
 from bisect import bisect_left
 from collections.abc import Sequence
 
+from dapple.core.layer_profile import AffineTime, LayerProfile
 from dapple.core.moe_profile import MoEProfile
 from dapple.core.plan import Plan
-from dapple.core.profile import AffineTime, LayerProfile, LengthProfile, ModelProfile
+from dapple.core.profile import LengthProfile, ModelProfile
 from dapple.errors import ValidationError
 
 __all__ = [

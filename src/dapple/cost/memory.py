@@ -14,9 +14,10 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Sequence
 
+from dapple.core.layer_profile import LayerProfile
 from dapple.core.plan import StagePlan
 from dapple.core.precision import precision_of
-from dapple.core.profile import LayerProfile, ModelProfile
+from dapple.core.profile import ModelProfile
 
 __all__ = [
     "TP_REPLICATED_OUTPUTS",

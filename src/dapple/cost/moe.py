@@ -42,9 +42,10 @@ import math
 from collections.abc import Mapping, Sequence
 
 from dapple.core.cluster import Cluster
+from dapple.core.layer_profile import LayerProfile
 from dapple.core.moe_profile import MoEProfile
 from dapple.core.plan import StagePlan
-from dapple.core.profile import LayerProfile, ModelProfile
+from dapple.core.profile import ModelProfile
 from dapple.cost.comm import allreduce_ms
 from dapple.cost.compute import compute_ms
 from dapple.errors import ValidationError

@@ -49,9 +49,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from dapple.core.layer_profile import LayerProfile
 from dapple.core.plan import StagePlan, split_sizes
 from dapple.core.precision import precision_of
-from dapple.core.profile import LayerProfile, ModelProfile
+from dapple.core.profile import ModelProfile
 from dapple.cost.memory import (
     UNBOUNDED_IN_FLIGHT,
     boundary_bytes,

@@ -12,7 +12,7 @@ An op takes ``max(FLOPs / (efficiency x peak), bytes / (efficiency x bandwidth))
 :data:`~dapple.profiler.analytic_devices.KERNEL_GAP_US` per kernel: a roofline with one
 efficiency per operation class and device (:class:`~dapple.profiler.analytic_devices.Efficiency`).
 Forward and backward times are summed over a layer's ops at each batch size of the profile and
-fitted affine in the batch size (:func:`~dapple.core.profile.fit_affine`), as measured
+fitted affine in the batch size (:func:`~dapple.core.layer_profile.fit_affine`), as measured
 profiles are.
 
 Transformer blocks are marked shardable (``LayerProfile.tensor_parallel``: Megatron's column- and
@@ -32,8 +32,9 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from dapple.core.layer_profile import LayerProfile, fit_affine
 from dapple.core.precision import ANALYTIC_PRECISIONS, precision_of
-from dapple.core.profile import LayerProfile, ModelProfile, fit_affine
+from dapple.core.profile import ModelProfile
 from dapple.errors import ValidationError
 from dapple.profiler.analytic_devices import (
     FITTED,

@@ -23,7 +23,8 @@ from typing import Any
 
 import torch
 
-from dapple.core.profile import AffineTime, LayerProfile, LengthProfile, ModelProfile
+from dapple.core.layer_profile import AffineTime, LayerProfile
+from dapple.core.profile import LengthProfile, ModelProfile
 from dapple.errors import ValidationError
 from dapple.models.shapes import DimsMap, run_dims
 from dapple.models.workload import Workload

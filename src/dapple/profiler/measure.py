@@ -3,7 +3,7 @@
 Each layer of a :class:`Workload` is built alone and run on the *real* output of the previous
 layer, at each requested batch size ``b``, by :func:`dapple.profiler.layer_measure.measure_layer`
 (timed forward and backward, output bytes, the bytes autograd keeps for backward). Times and
-sizes are then fitted affine in ``b`` with :func:`dapple.core.profile.fit_affine`.
+sizes are then fitted affine in ``b`` with :func:`dapple.core.layer_profile.fit_affine`.
 With ``seq_lens`` this is done at each length of the model's dynamic dimension, on its own
 batches cut or tiled to that length (:mod:`dapple.profiler.lengths`), and the profile holds
 every length (``ModelProfile.by_length``). A layer the runtime can cut over a tensor group -
@@ -27,13 +27,9 @@ from functools import partial
 import torch
 from torch import nn
 
+from dapple.core.layer_profile import AffineTime, LayerProfile, fit_affine
 from dapple.core.precision import TRAINING_PRECISIONS, precision_of
-from dapple.core.profile import (
-    AffineTime,
-    LayerProfile,
-    ModelProfile,
-    fit_affine,
-)
+from dapple.core.profile import ModelProfile
 from dapple.core.tensor_layout import TENSOR_WIDTHS
 from dapple.errors import ValidationError
 from dapple.models.fingerprint import model_fingerprint

@@ -39,7 +39,8 @@ from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
 
-from dapple.core.profile import AffineTime, LayerProfile, ModelProfile
+from dapple.core.layer_profile import AffineTime, LayerProfile
+from dapple.core.profile import ModelProfile
 from dapple.errors import ValidationError
 from dapple.profiler import _paper_arch as arch
 

@@ -26,7 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dapple.core._json import read_text_file
-from dapple.core.profile import AffineTime, LayerProfile, ModelProfile
+from dapple.core.layer_profile import AffineTime, LayerProfile
+from dapple.core.profile import ModelProfile
 from dapple.errors import ValidationError
 
 __all__ = [
