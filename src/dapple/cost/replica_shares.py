@@ -10,12 +10,16 @@ keeps the pipeline waiting for the slowest, so its F_s + B_s is ``max_j t(n_j) /
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 from dapple.core._json import require
 
-__all__ = ["balanced_shares", "slowest_replica_ms"]
+__all__ = ["at_speeds", "balanced_shares", "slowest_replica_ms"]
+
+_R = TypeVar("_R", bound=Any)
 
 TimeOfSamples = Callable[[int], float]
 """``n -> ms`` of the stage's F + B on ``n`` samples at speed 1, nondecreasing in ``n``."""
@@ -64,3 +68,22 @@ def balanced_shares(b: int, speeds: Sequence[float], ms: TimeOfSamples) -> tuple
         out[j] += 1
         heapq.heappush(heap, (ms(out[j] + 1) / speeds[j], j))
     return tuple(out)
+
+
+_TIMES = ("forward_ms", "backward_ms", "input_grad_ms", "weight_grad_ms")
+"""The compute times of a :class:`~dapple.cost.terms.ReplicaTerms` a device's speed divides."""
+
+
+def at_speeds(replicas: Sequence[_R], speeds: Sequence[float]) -> tuple[_R, ...]:
+    """Each replica's terms (:class:`~dapple.cost.terms.ReplicaTerms`) with its F, B, I and W
+    divided by its device's speed (host CPU extras and transfers are not compute: unchanged).
+
+    Raises:
+        ValidationError: a speed that is not finite and > 0, or a count unlike the replicas'.
+    """
+    _check_speeds(speeds)
+    require(len(replicas) == len(speeds), f"{len(speeds)} speeds for {len(replicas)} replicas")
+    return tuple(
+        x if v == 1.0 else dataclasses.replace(x, **{k: getattr(x, k) / v for k in _TIMES})
+        for x, v in zip(replicas, speeds, strict=True)
+    )

@@ -49,6 +49,7 @@ from dapple.cost.moe import (
     stage_rank_parameter_bytes,
 )
 from dapple.cost.overlap import NO_OVERLAP, CommOverlap, exposed_fsdp_pass_ms, exposed_sync_ms
+from dapple.cost.replica_shares import at_speeds
 from dapple.cost.sharing import slice_work
 from dapple.cost.tensor import (
     fsdp_pass_ms,
@@ -75,8 +76,8 @@ class StageTerms:
     """What equations 1-3 read of one computation stage."""
 
     forward_ms: float
-    """F_s: the slowest replica's slice (the largest: ``split_sizes(b, r_s)[0]``, or the largest
-    of the stage's shares), without host CPU."""
+    """F_s: the slowest replica's (the largest slice: ``split_sizes(b, r_s)[0]``; on a cluster
+    with device kinds the largest F + B of a share over its device's speed), without host CPU."""
     backward_ms: float
     """B_s of that slice, re-computation included."""
     sync_ms: float
@@ -340,6 +341,8 @@ def _stage_terms(
         )
         for d, n, x in zip(st.replica_devices, sizes, extras, strict=True)
     )
+    if cluster.kinds:  # devices of other speeds than the profile's
+        replicas = at_speeds(replicas, [cluster.speed_of(x.device) for x in replicas])
     work = (
         tuple(
             (d, w)
@@ -364,7 +367,7 @@ def _stage_terms(
     if overlap.any and sync > 0:
         fwd, bwd, nbytes = _layer_times(profile, cluster, st, max(sizes))
         sync = exposed_sync_ms(overlap, sync, zero_stage, M, fwd, bwd, nbytes)
-    slowest = max(replicas, key=lambda x: x.samples)  # the first of the largest slices
+    slowest = max(replicas, key=lambda x: x.forward_ms + x.backward_ms)  # the first slowest
     terms = StageTerms(
         forward_ms=slowest.forward_ms,
         backward_ms=slowest.backward_ms,

@@ -24,6 +24,7 @@ from dapple.planner.batches import check_batch_argument
 from dapple.planner.grid import grid_plan
 from dapple.planner.oracle import exhaustive_plan
 from dapple.planner.search import Progress, dapple_search
+from dapple.planner.shares import search_cluster, with_kind_shares
 
 __all__ = [
     "PLANNERS",
@@ -88,7 +89,8 @@ def make_plan(
     Returns:
         The plan, with ``seq_len``/``max_seq_len`` the lengths its profile is for (None for a
         profile without lengths), ``planned_with`` these search options and the profile's
-        ``model_fingerprint``.
+        ``model_fingerprint``. On a cluster with device kinds a stage whose replicas differ in
+        speed takes balanced shares of each micro-batch (:mod:`dapple.planner.shares`).
 
     Raises:
         ValidationError: unknown planner, bad batch size (below 1, above
@@ -113,12 +115,14 @@ def make_plan(
         if seq_len is None:
             raise ValidationError(f"max_seq_len {max_seq_len} needs seq_len (the mean length)")
         profile = profile_for_lengths(profile, seq_len, max_seq_len)
+    searched = search_cluster(cluster)  # device kinds: speeds <= 1 (dapple.planner.shares)
     if planner == "dapple":
-        plan = dapple_search(profile, cluster, global_batch_size, progress=progress,
+        plan = dapple_search(profile, searched, global_batch_size, progress=progress,
                              zero_stage=zero_stage, tensor_widths=tensor_widths,
                              interleaved=interleaved)  # fmt: skip
     else:
-        plan = PLANNERS[planner](profile, cluster, global_batch_size)
+        plan = PLANNERS[planner](profile, searched, global_batch_size)
+    plan = with_kind_shares(plan, profile, cluster)
     widths = None if tensor_widths is None else tuple(tensor_widths)
     plan = dataclasses.replace(
         plan,

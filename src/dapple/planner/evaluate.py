@@ -31,6 +31,7 @@ from dapple.cost.sharing import slice_work
 from dapple.cost.tensor import fsdp_pass_ms, replica_sync_ms
 from dapple.cost.terms import StageTerms, pipeline_terms
 from dapple.errors import ValidationError
+from dapple.planner.shares import kind_stage
 from dapple.planner.widths import TensorSums, group_cluster, real_devices
 from dapple.planner.zero_modes import UNSHARDED, ZeroMode, zero3_modes
 from dapple.schedule.registry import get_schedule, in_flight_counts, schedules
@@ -143,7 +144,7 @@ class Scorer:
         self._sync_plans: dict[tuple[tuple[int, ...], ZeroMode], StagePlan] = {}
         self._states: dict[tuple[int, int, int, ZeroMode], tuple[float, float]] = {}
         self._memory_options: dict[
-            tuple[int, int, int, int, ZeroMode, int], tuple[int, int, float]
+            tuple[int, int, int, int, ZeroMode, int, float], tuple[int, int, float]
         ] = {}
         self.evaluations = 0
 
@@ -217,17 +218,25 @@ class Scorer:
         return busiest_link_ms(links, boundary_bytes(self.profile, cut, 1))
 
     def _options(
-        self, s: int, e: int, samples: int, replicas: int, mode: ZeroMode, M: int
+        self,
+        s: int,
+        e: int,
+        samples: int,
+        replicas: int,
+        mode: ZeroMode,
+        M: int,
+        usable: float | None = None,
     ) -> tuple[int, int, float]:
         """D without and with re-computation of layers [s, e) on slices of ``samples``
         (:func:`~dapple.cost.peak_memory.in_flight_limit` of the step peak), and a floor of
         the bytes one micro-batch needs under either that no longer stage on the same devices
-        is below: the always-held state and one micro-batch's kept activations."""
-        key = (s, e, samples, replicas, mode, M)
+        is below: the always-held state and one micro-batch's kept activations. ``usable``:
+        the device memory a stage may fill (default the cluster's, the smallest kind's)."""
+        usable = float(self.cluster.usable_memory_bytes) if usable is None else usable
+        key = (s, e, samples, replicas, mode, M, usable)
         got = self._memory_options.get(key)
         if got is not None:  # placements of the same replica count share it
             return got
-        usable = float(self.cluster.usable_memory_bytes)
         z, t, again = mode.stage, self.tensor_width, mode.regather
         state = self._states.get((s, e, replicas, mode))
         if state is None:  # the same whatever the slice
@@ -247,10 +256,13 @@ class Scorer:
     ) -> _Option:
         """The terms of one stage under ``mode`` (:class:`_Option`; kept with the stage's
         other options by :meth:`stage_options`)."""
-        n = -(-b // len(d))  # split_sizes(b, r)[0], the largest slice
-        f, bw = self.fb_ms(s, e, n)
         M = self.global_batch_size // b
-        d_nr, d_r, floor = self._options(s, e, n, len(d), mode, M)
+        if self.cluster.kinds:  # replicas of unequal speed or memory: dapple.planner.shares
+            f, bw, d_nr, d_r, floor = kind_stage(self, s, e, d, b, mode, M)
+        else:
+            n = -(-b // len(d))  # split_sizes(b, r)[0], the largest slice
+            f, bw = self.fb_ms(s, e, n)
+            d_nr, d_r, floor = self._options(s, e, n, len(d), mode, M)
         sync = self.ar_ms(s, e, d, mode, M)
         update = stage_update_ms(
             self.cluster, self.profile, self.param_bytes(s, e), len(d), mode.stage

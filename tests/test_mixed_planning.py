@@ -1,0 +1,126 @@
+"""Planning on a mixed cluster (issue #43): shares by speed, the cost model's slowest replica,
+memory per device kind, and the plan against the slowest-kind and even-split plans."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from dapple.core.cluster import GIB, Cluster, load_cluster
+from dapple.core.device_kinds import DeviceKind
+from dapple.core.plan import Plan, split_sizes
+from dapple.cost.compute import compute_ms
+from dapple.cost.replica_shares import at_speeds
+from dapple.cost.schedules import schedule_latency
+from dapple.cost.terms import stage_terms
+from dapple.planner import dapple_search, make_plan
+from dapple.planner.evaluate import Scorer
+from dapple.planner.shares import search_cluster, stage_shares
+from dapple.planner.zero_modes import UNSHARDED
+from dapple.profiler.paper_models import load_paper_profile
+from dapple.simulate.engine import simulate
+
+MIXED = load_cluster(str(Path(__file__).resolve().parents[1] / "examples" / "mixed.json"))
+BERT = load_paper_profile("bert48")
+
+
+def _even(plan: Plan) -> Plan:
+    return dataclasses.replace(
+        plan, stages=tuple(dataclasses.replace(s, shares=None) for s in plan.stages)
+    )
+
+
+@pytest.fixture(scope="module")
+def mixed_plan() -> Plan:
+    return make_plan(BERT, MIXED, 64)
+
+
+def test_plan_gives_faster_replicas_larger_shares(mixed_plan: Plan) -> None:
+    b = mixed_plan.micro_batch_size
+    shared = [s for s in mixed_plan.stages if s.shares is not None]
+    assert shared, "no stage took unequal shares"
+    for st in mixed_plan.stages:
+        sizes = st.slice_sizes(b)
+        assert sum(sizes) == b and min(sizes) >= 1
+        by_speed = sorted(zip((MIXED.speed_of(d) for d in st.replica_devices), sizes, strict=True))
+        assert [n for _, n in by_speed] == sorted(n for _, n in by_speed)  # faster, more
+
+
+def test_predicted_is_the_cost_model_and_the_simulator(mixed_plan: Plan) -> None:
+    L = mixed_plan.predicted_step_ms
+    assert pytest.approx(schedule_latency(mixed_plan, BERT, MIXED), rel=1e-12) == L
+    assert simulate(mixed_plan, BERT, MIXED).step_ms == pytest.approx(L, rel=1e-9)
+    searched = dapple_search(BERT, search_cluster(MIXED), 64)  # the scorer's own L
+    assert searched.predicted_step_ms == pytest.approx(L, rel=1e-9)
+
+
+def test_beats_the_slowest_kind_and_the_even_split(mixed_plan: Plan) -> None:
+    slow = make_plan(BERT, MIXED.slowest_kind(), 64)
+    assert schedule_latency(slow, BERT, MIXED) == pytest.approx(slow.predicted_step_ms)
+    assert mixed_plan.predicted_step_ms < 0.9 * slow.predicted_step_ms
+    assert mixed_plan.predicted_step_ms < 0.9 * schedule_latency(_even(mixed_plan), BERT, MIXED)
+
+
+def test_stage_time_is_its_slowest_replica() -> None:
+    st0 = make_plan(BERT, MIXED, 64).stages[0]
+    plan = make_plan(BERT, MIXED, 64)
+    b = plan.micro_batch_size
+    terms = stage_terms(plan, BERT, MIXED).stages[0]
+    want = max(
+        sum(compute_ms(BERT, MIXED, st0.layers, n)) / MIXED.speed_of(d)
+        for d, n in zip(st0.replica_devices, st0.slice_sizes(b), strict=True)
+    )
+    assert terms.terms.forward_ms + terms.terms.backward_ms == pytest.approx(want)
+    assert [r.samples for r in terms.replicas] == list(st0.slice_sizes(b))
+
+
+def test_at_speeds_divides_compute_only() -> None:
+    plan = make_plan(BERT, MIXED.slowest_kind(), 64)
+    reps = stage_terms(plan, BERT, MIXED.slowest_kind()).stages[0].replicas[:2]
+    got = at_speeds(reps, [1.0, 0.5])
+    assert got[0] is reps[0]
+    assert got[1].forward_ms == 2 * reps[1].forward_ms
+    assert got[1].weight_grad_ms == 2 * reps[1].weight_grad_ms
+    assert got[1].host == reps[1].host and got[1].samples == reps[1].samples
+
+
+def test_speeds_above_one_are_searched_as_below() -> None:
+    fast = dataclasses.replace(
+        MIXED, kinds=tuple(dataclasses.replace(k, speed=k.speed * 4) for k in MIXED.kinds)
+    )
+    view = search_cluster(fast)
+    assert max(k.speed for k in view.kinds) == 1.0
+    for d in (0, 15):
+        assert view.speed_of(d) / view.compute_slowdown == pytest.approx(
+            fast.speed_of(d) / fast.compute_slowdown
+        )
+    plan = make_plan(BERT, fast, 64)
+    assert plan.predicted_step_ms == pytest.approx(schedule_latency(plan, BERT, fast))
+    assert plan.predicted_step_ms < make_plan(BERT, MIXED, 64).predicted_step_ms
+
+
+def test_even_split_when_speeds_are_equal() -> None:
+    assert stage_shares(10, [1.0, 1.0, 1.0], lambda n: n) == split_sizes(10, 3)
+    assert stage_shares(2, [1.0, 0.5, 0.5], lambda n: n) == split_sizes(2, 3)
+    assert stage_shares(8, [1.0, 1 / 3], lambda n: n) == (6, 2)
+
+
+def _two_kinds(second_gib: int) -> Cluster:
+    kinds = (
+        DeviceKind(name="big", servers=1, speed=1.0, device_memory_bytes=16 * GIB),
+        DeviceKind(name="small", servers=1, speed=1.0, device_memory_bytes=second_gib * GIB),
+    )
+    low = min(k.device_memory_bytes for k in kinds)
+    return dataclasses.replace(MIXED, device_memory_bytes=low, kinds=kinds)
+
+
+def test_memory_is_held_per_kind() -> None:
+    """A stage over both kinds holds the micro-batches its smaller kind holds; with both kinds
+    as large, more."""
+    d, M = (6, 7, 8, 9), 16
+    small = Scorer(BERT, _two_kinds(4), 64).stage_options(0, 24, d, 4)
+    same = Scorer(BERT, _two_kinds(16), 64).stage_options(0, 24, d, 4)
+    alone = Scorer(BERT, _two_kinds(4), 64)._options(0, 24, 1, 4, UNSHARDED, M, 4.0 * GIB)
+    assert small[0][1].d_nr == alone[0] < same[0][1].d_nr
