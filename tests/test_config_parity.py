@@ -237,7 +237,8 @@ def test_every_simulate_flag_is_a_simulate_config_field_with_its_default() -> No
 
     actions = _flag_actions("simulate")
     fields = {f.name: f for f in dataclasses.fields(SimulateConfig)}
-    assert set(actions) == set(fields)
+    renamed = {"compare"}  # refused with its new name, --other-schedule
+    assert set(actions) == set(fields) | renamed
     for name, f in fields.items():
         if f.default is dataclasses.MISSING:
             assert actions[name].required, name
@@ -245,14 +246,31 @@ def test_every_simulate_flag_is_a_simulate_config_field_with_its_default() -> No
             assert actions[name].default == f.default, name
     argv = ["simulate", "--plan", "p.json", "--profile", "paper:bert48", "--cluster", "paper-a",
             "--servers", "1", "--schedule", "interleaved", "--virtual-stages", "2", "--policy",
-            "B", "--compare", "--gantt", "g.png", "--trace", "t.json", "--memory", "m.png",
+            "B", "--other-schedule", "--gantt", "g.png", "--trace", "t.json", "--memory", "m.png",
             "--layout", "l.png"]  # fmt: skip
     cfg = simulate_config_of(build_parser().parse_args(argv))
     assert cfg == SimulateConfig(
         plan="p.json", profile="paper:bert48", cluster="paper-a", servers=1,
-        schedule="interleaved", virtual_stages=2, policy="B", compare=True, gantt="g.png",
+        schedule="interleaved", virtual_stages=2, policy="B", other_schedule=True, gantt="g.png",
         trace="t.json", memory="m.png", layout="l.png",
     )  # fmt: skip
+
+
+def test_simulate_refuses_the_old_compare_with_its_new_name(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``--compare`` is ``dapple plan``'s (every planner side by side); ``dapple simulate``'s
+    other schedule is ``--other-schedule``, and its old spelling is refused before anything
+    is read."""
+    argv = ["simulate", "--plan", "missing.json", "--profile", "paper:bert48", "--cluster",
+            "paper-a", "--compare"]  # fmt: skip
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.endswith("error: argument --compare: is spelled --other-schedule now (same values)")
+    plan = _flag_actions("plan")["compare"]
+    assert plan.option_strings == ["--compare"] and "every planner" in (plan.help or "")
 
 
 # -- dapple profile ---------------------------------------------------------------------------------

@@ -124,7 +124,7 @@ def test_simulate_table_whole(
     args = ["--profile", prof, "--cluster", cluster]
     assert main(["plan", *args, "--global-batch-size", "16", "-o", str(plan)]) == 0
     capsys.readouterr()
-    assert main(["simulate", "--plan", str(plan), *args, "--compare"]) == 0
+    assert main(["simulate", "--plan", str(plan), *args, "--other-schedule"]) == 0
     _whole(capsys.readouterr().out, LONG_CLUSTER, "stage.replica", "peak in flight", "GPipe")
 
 

@@ -312,7 +312,7 @@ def test_cli_offers_and_runs_the_toy(lifo: ScheduleSpec, tmp_path, capsys, monke
     )
     assert json.loads(out.read_text())["schedule_module"] == lifo_order.__module__
     capsys.readouterr()
-    assert main(["simulate", "--plan", str(out), *common, "--compare"]) == 0
+    assert main(["simulate", "--plan", str(out), *common, "--other-schedule"]) == 0
     text = capsys.readouterr().out
     assert "GPipe, backwards last in first out" in text and "DAPPLE (policy A)" in text
 

@@ -271,7 +271,7 @@ def test_cli_simulate(tmp_path, capsys):
     ]
     args += ["--cluster", str(tmp_path / "c.json"), "--trace", str(tmp_path / "t.json")]
     args += ["--gantt", str(tmp_path / "g.png"), "--memory", str(tmp_path / "m.png")]
-    assert main([*args, "--schedule", "gpipe", "--compare"]) == 0
+    assert main([*args, "--schedule", "gpipe", "--other-schedule"]) == 0
     out = capsys.readouterr().out
     assert "GPipe, 1:1:1:1, M=4" in out and "DAPPLE (policy A), 1:1:1:1, M=4" in out
     assert "step time" in out and "planner L" in out

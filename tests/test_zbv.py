@@ -223,7 +223,7 @@ def test_cli_simulate_draws_the_zbv_gantt(tmp_path: Path, capsys: pytest.Capture
     _straight(3, 2, 5, [2, 1, 1]).save(plan)
     gantt = tmp_path / "zbv.png"
     argv = ["simulate", "--plan", str(plan), "--profile", str(prof), "--cluster", str(cluster)]
-    assert main([*argv, "--schedule", "zbv", "--gantt", str(gantt), "--compare"]) == 0
+    assert main([*argv, "--schedule", "zbv", "--gantt", str(gantt), "--other-schedule"]) == 0
     out = capsys.readouterr().out
     assert "ZB-V, 2:1:1, M=5 on no-comm" in out and f"wrote {gantt}" in out
     assert gantt.stat().st_size > 0

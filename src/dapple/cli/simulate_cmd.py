@@ -17,6 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 from dapple.cli._console import console, print_table
+from dapple.cli._renamed import renamed
 from dapple.cli._run_args import add_virtual_stages_argument
 from dapple.core.cluster import Cluster, describe_presets
 from dapple.core.plan import Plan
@@ -59,11 +60,12 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         "(replicas and tensor groups framed)",
     )
     p.add_argument(
-        "--compare",
+        "--other-schedule",
         action="store_true",
-        help="also simulate the other schedule (GPipe vs DAPPLE; DAPPLE beside interleaved or "
-        "zbh1) and stack both in the pictures",
+        help="also simulate the plan under the schedule its own is measured against (GPipe "
+        "beside DAPPLE; DAPPLE beside interleaved or zbh1) and stack both in the pictures",
     )
+    p.add_argument("--compare", action=renamed("--other-schedule"), help=argparse.SUPPRESS)
     p.set_defaults(func=run)
 
 
@@ -85,8 +87,9 @@ class SimulateConfig:
     """v, model chunks per device group with ``schedule = "interleaved"``."""
     policy: str | None = None
     """The warm-up policy (``A`` or ``B``) instead of the plan's."""
-    compare: bool = False
-    """Also simulate the other schedule and stack both in the pictures."""
+    other_schedule: bool = False
+    """Also simulate the plan under the schedule its own is measured against
+    (:attr:`~dapple.schedule.spec.ScheduleSpec.compare_with`) and stack both in the pictures."""
     gantt: str | None = None
     """A Gantt chart image to write (PNG/SVG/PDF)."""
     trace: str | None = None
@@ -142,7 +145,7 @@ def run_config(cfg: SimulateConfig) -> int:
 
 def _simulated(cfg: SimulateConfig) -> tuple[Plan, Cluster, list[Run]]:
     """``cfg``'s plan (under its schedule and policy), its cluster, and the simulated runs: the
-    plan's, and with ``compare`` the other schedule's (baseline first)."""
+    plan's, and with ``other_schedule`` the other schedule's (baseline first)."""
     from dapple.api import simulate
     from dapple.core.cluster import load_cluster
     from dapple.profiler.paper_models import load_profile
@@ -161,7 +164,7 @@ def _simulated(cfg: SimulateConfig) -> tuple[Plan, Cluster, list[Run]]:
     if cfg.schedule:
         plan = with_schedule(plan, cfg.schedule, cfg.virtual_stages)
     runs = [(_title(plan), simulate(plan, profile, cluster))]
-    if cfg.compare:
+    if cfg.other_schedule:
         other = compared_plan(plan)
         runs = baseline_first([*runs, (_title(other), simulate(other, profile, cluster))])
     return plan, cluster, runs

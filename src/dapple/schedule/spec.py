@@ -150,7 +150,7 @@ class ScheduleSpec:
     under the schedule (:func:`dapple.simulate.schedules.with_schedule`); raises
     :class:`~dapple.errors.ValidationError`."""
     compare_with: str = ""
-    """The schedule ``dapple simulate --compare`` runs beside this one; empty: the default
+    """The schedule ``dapple simulate --other-schedule`` runs beside this one; empty: the default
     schedule (``Plan.schedule``'s default)."""
     baseline: bool = False
     """Shown first when compared (GPipe, the paper's baseline)."""
