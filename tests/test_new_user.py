@@ -138,11 +138,11 @@ def test_a_prompt_longer_than_the_context_is_said_to_be_cut() -> None:
 
 
 def test_the_demo_shows_a_repeated_byte_as_a_run() -> None:
-    from dapple.cli.demo_cmd import _is_run, _runs
+    from dapple.cli._demo_generate import is_run, runs
 
-    assert _is_run(" " * 140) and _runs(" " * 140) == "' ' x 140"
-    assert not _is_run("ab ") and _runs("a\\nb") == repr("a\\nb")
-    assert not _is_run("")
+    assert is_run(" " * 140) and runs(" " * 140) == "' ' x 140"
+    assert not is_run("ab ") and runs("a\\nb") == repr("a\\nb")
+    assert not is_run("")
 
 
 # -- item 3: elastic and stop wording -------------------------------------------------------------

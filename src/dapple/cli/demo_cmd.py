@@ -35,6 +35,7 @@ from rich.console import Console
 from rich.table import Table
 
 from dapple.cli._console import StepProgress, console, format_seconds, print_table
+from dapple.cli._demo_generate import generate_step
 from dapple.cli._demo_run import median_step_ms, one_thread, run_progress
 from dapple.cli._model_args import add_model_argument
 
@@ -45,8 +46,6 @@ __all__ = ["DEMO_MODEL", "register"]
 
 DEMO_MODEL = {"layers": 4, "hidden": 128, "heads": 4, "vocab": 256}
 """The default model's sizes (``-m transformer``): a byte-level GPT of about 0.8M parameters."""
-PROMPT = "def __init__(self"
-"""What the trained model continues."""
 LOSS_GAP_RTOL = 1e-3
 """Two plans over the same batches at the same lr: their losses may drift apart by rounding
 (Adam turns rounding of tiny gradients into lr-sized steps), never by a sizeable fraction."""
@@ -131,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
     plan = planned.trained.plan
     sim_ms = planned.sim.step_ms
     metrics = _train(con, args, out, plan, sim_ms, overrides, train_data, val_data, entropy)
-    _generate(con, args, out, overrides)
+    generate_step(con, args.model, out, overrides, args.seq_len)
     failed = _compare_and_verify(con, args, out, planned, overrides, train_data, metrics)
     final = [m.eval_loss for m in metrics if m.eval_loss is not None][-1]
     if final >= entropy:
@@ -396,56 +395,6 @@ def _train(
         f"({entropy - final:+.3f}); loss curve {write_loss_curve(metrics, out / 'loss.png')}"
     )
     return metrics
-
-
-def _generate(con: Console, args: argparse.Namespace, out: Path, overrides: dict[str, Any]) -> None:
-    """A continuation of :data:`PROMPT` from the run's last checkpoint, sampled at
-    :data:`DEMO_TEMPERATURE` (seed 0), and the greedy one beside it as a ``repr``: greedy
-    decoding of a byte model this briefly trained tends to repeat one likely byte (a space)."""
-    import torch
-
-    from dapple.models.generate import greedy_generate, sample_tokens
-    from dapple.models.zoo import load_workload
-    from dapple.runtime.checkpoint import restore_stage
-    from dapple.runtime.checkpoint.files import latest_checkpoint
-
-    con.rule(f"4. generate from the trained weights (sampled at temperature {DEMO_TEMPERATURE})")
-    ckpt = latest_checkpoint(out / "checkpoints")
-    if ckpt is None:  # pragma: no cover - the run saves at its last step
-        con.print("[yellow]no checkpoint to generate from[/yellow]")
-        return
-    model = load_workload(args.model, **overrides).build_model(0)
-    restore_stage(ckpt, model, 0)
-    model.eval()
-    prompt = torch.tensor(list(PROMPT.encode()), dtype=torch.long)
-    with one_thread(), torch.no_grad():
-        sampled = sample_tokens(lambda w: model(w.unsqueeze(0))[0, -1], prompt, 160,
-                                args.seq_len, temperature=DEMO_TEMPERATURE, seed=0)  # fmt: skip
-        greedy = greedy_generate(model, prompt, new_tokens=160, context=args.seq_len)
-    con.print(f"checkpoint step {ckpt.step}, prompt {PROMPT!r}, 160 bytes sampled (seed 0):")
-    con.print(_decoded(sampled), markup=False, highlight=False)
-    tail = _decoded(greedy[prompt.numel() :])
-    why = " (one byte repeated: greedy decoding of an under-trained model)" * _is_run(tail)
-    con.print(f"greedy (argmax) continuation: {_runs(tail)}{why}", markup=False, highlight=False)
-
-
-DEMO_TEMPERATURE = 0.8
-"""The demo's sampling temperature (``dapple generate --temperature``)."""
-
-
-def _decoded(ids: Any) -> str:
-    return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
-
-
-def _is_run(text: str) -> bool:
-    return bool(text) and text == text[0] * len(text)
-
-
-def _runs(text: str) -> str:
-    """``text`` as a ``repr``, a run of one character as ``' ' x 140``."""
-    if _is_run(text):
-        return f"{text[0]!r} x {len(text)}"
-    return repr(text[:80]) + ("..." if len(text) > 80 else "")
 
 
 def _compare_and_verify(
