@@ -124,3 +124,55 @@ def test_memory_is_held_per_kind() -> None:
     same = Scorer(BERT, _two_kinds(16), 64).stage_options(0, 24, d, 4)
     alone = Scorer(BERT, _two_kinds(4), 64)._options(0, 24, 1, 4, UNSHARDED, M, 4.0 * GIB)
     assert small[0][1].d_nr == alone[0] < same[0][1].d_nr
+
+
+def test_cost_terms_follow_shares() -> None:
+    """Split-concat links, host CPU, slice work, memory and F_s read the stage's shares."""
+    from dapple.core.plan import transfers
+    from dapple.cost.comm import link_loads, overlaps
+    from dapple.cost.compute import stage_compute_ms
+    from dapple.cost.host import host_extras
+    from dapple.cost.peak_memory import plan_stage_bytes
+    from dapple.cost.sharing import slice_work
+
+    assert overlaps(8, 2, 3, (6, 2), (1, 3, 4)) == list(transfers(8, 2, 3, (6, 2), (1, 3, 4)))
+    even = link_loads(MIXED, (0, 8), (1,), 8)
+    uneven = link_loads(MIXED, (0, 8), (1,), 8, (6, 2))
+    assert max(x for _, x in uneven) < max(x for _, x in even)  # 2 samples cross servers, not 4
+    work = slice_work((0, 8), 8, lambda n: (float(n), 0.0), False, (6, 2))
+    assert work == [(0, 6.0), (8, 2.0)]
+    host = dataclasses.replace(MIXED, comm_cpu_ms_per_mb=1.0)
+    rows = host_extras(BERT, host, [(0, 10, 2), (10, 50, 1)], 8, [(6, 2), None])[0]
+    assert rows[0].forward_ms > rows[1].forward_ms
+    st = dataclasses.replace(make_plan(BERT, MIXED, 64).stages[0], shares=None)
+    st = dataclasses.replace(st, devices=(7, 8), shares=(1, 1))
+    assert plan_stage_bytes(BERT, dataclasses.replace(st, shares=(3, 1)), 4) == plan_stage_bytes(
+        BERT, st, 4, samples=3
+    )
+    f, b = compute_ms(BERT, MIXED, st.layers, 1)
+    v = MIXED.speed_of(8)
+    assert stage_compute_ms(BERT, MIXED, st, 2) == pytest.approx((f / v, b / v))
+
+
+def test_fits_memory_per_kind() -> None:
+    """A plan fits when each replica's share fits its own kind, though its largest share would
+    not fit the smallest kind."""
+    from dapple.cost.peak_memory import stage_peak
+    from dapple.cost.pipeline import pipeline_latency
+
+    plan = make_plan(BERT, MIXED, 64)
+    st, b = plan.stages[0], plan.micro_batch_size
+    big, small = max(st.slice_sizes(b)), min(st.slice_sizes(b))
+    k, M = st.max_in_flight or 1, plan.num_micro_batches
+    need = [stage_peak(BERT, st, b, k, M, samples=n).peak for n in (small, big)]
+    assert need[0] < need[1]
+
+    def kinds(small_bytes: float) -> Cluster:
+        ks = (
+            dataclasses.replace(MIXED.kinds[0], device_memory_bytes=80 * GIB),
+            dataclasses.replace(MIXED.kinds[1], device_memory_bytes=int(small_bytes)),
+        )
+        return dataclasses.replace(MIXED, kinds=ks, device_memory_bytes=int(small_bytes))
+
+    assert pipeline_latency(plan, BERT, kinds((need[0] + need[1]) / 2)).fits_memory
+    assert not pipeline_latency(plan, BERT, kinds(need[0] * 0.99)).fits_memory

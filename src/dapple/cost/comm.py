@@ -128,11 +128,17 @@ def allreduce_ms(cluster: Cluster, nbytes: float, devices: Sequence[int]) -> flo
     return intra + inter
 
 
-def overlaps(b: int, r_src: int, r_dst: int) -> list[tuple[int, int, int, int]]:
+def overlaps(
+    b: int,
+    r_src: int,
+    r_dst: int,
+    src_shares: Sequence[int] | None = None,
+    dst_shares: Sequence[int] | None = None,
+) -> list[tuple[int, int, int, int]]:
     """:func:`dapple.core.plan.transfers` in O(r_src + r_dst) by a two-pointer sweep over the
-    slice bounds (``transfers`` compares every pair)."""
-    src = slice_bounds(b, r_src)
-    dst = slice_bounds(b, r_dst)
+    slice bounds (``transfers`` compares every pair), even slices unless shares are given."""
+    src = slice_bounds(b, r_src, src_shares)
+    dst = slice_bounds(b, r_dst, dst_shares)
     out: list[tuple[int, int, int, int]] = []
     j = k = 0
     while j < r_src and k < r_dst:
@@ -149,7 +155,12 @@ def overlaps(b: int, r_src: int, r_dst: int) -> list[tuple[int, int, int, int]]:
 
 
 def link_loads(
-    cluster: Cluster, src_devices: Sequence[int], dst_devices: Sequence[int], b: int
+    cluster: Cluster,
+    src_devices: Sequence[int],
+    dst_devices: Sequence[int],
+    b: int,
+    src_shares: Sequence[int] | None = None,
+    dst_shares: Sequence[int] | None = None,
 ) -> list[tuple[float, float]]:
     """Every busy link of the split-concat between two stages, as ``(latency_ms, samples /
     bytes_per_ms)``: its latency and the ms it is busy per byte of one sample.
@@ -165,11 +176,13 @@ def link_loads(
         src_devices: replicas before the cut, in slice order.
         dst_devices: replicas after the cut, in slice order.
         b: samples of one micro-batch.
+        src_shares: the slices of the replicas before the cut; None: even.
+        dst_shares: the slices of those after it; None: even.
     """
     intra = cluster.intra_server_bandwidth_gbps * 1e9 / 8 / 1e3
     inter = cluster.inter_server_bandwidth_gbps * 1e9 / 8 / 1e3
     loads: dict[tuple[str, int], float] = {}  # (link kind, device or server) -> samples
-    for j, k, lo, hi in overlaps(b, len(src_devices), len(dst_devices)):
+    for j, k, lo, hi in overlaps(b, len(src_devices), len(dst_devices), src_shares, dst_shares):
         a, c = src_devices[j], dst_devices[k]
         if a == c:
             continue
@@ -226,6 +239,8 @@ def comm_stage_ms(
     Returns:
         ``(forward_ms, backward_ms)``.
     """
-    links = link_loads(cluster, src.replica_devices, dst.replica_devices, micro_batch_size)
+    links = link_loads(
+        cluster, src.replica_devices, dst.replica_devices, micro_batch_size, src.shares, dst.shares
+    )
     t = busiest_link_ms(links, boundary_bytes(profile, src.layers[1], 1))
     return t, t

@@ -2,15 +2,16 @@
 
 Pure functions (no torch) over a profile's per-layer affine times (paper section 5.1), scaled
 by ``Cluster.compute_slowdown``. A micro-batch of b samples is split over the r_s replicas of a
-stage with :func:`dapple.core.plan.split_sizes`; F_s, B_s of the stage are those of its largest
-(first) slice, the slowest replica.
+stage with :func:`dapple.core.plan.split_sizes` (evenly, or by the stage's shares); F_s, B_s of
+the stage are those of its slowest replica: the largest slice, or on a cluster with device kinds
+the largest time of a slice at its device's speed.
 """
 
 from __future__ import annotations
 
 from dapple.core.cluster import Cluster
 from dapple.core.layer_profile import LayerProfile
-from dapple.core.plan import StagePlan, split_sizes
+from dapple.core.plan import StagePlan
 from dapple.core.profile import ModelProfile
 
 __all__ = ["compute_ms", "split_backward_ms", "stage_compute_ms", "tensor_share"]
@@ -56,16 +57,23 @@ def compute_ms(
 def stage_compute_ms(
     profile: ModelProfile, cluster: Cluster, stage: StagePlan, micro_batch_size: int
 ) -> tuple[float, float]:
-    """F_s, B_s of a computation stage: its slowest replica's slice ``split_sizes(b, r_s)[0]``.
+    """F_s, B_s of a computation stage: its slowest replica's, on its slice of b
+    (:meth:`~dapple.core.plan.StagePlan.slice_sizes`: even, ``split_sizes(b, r_s)[0]`` the
+    largest, or the stage's shares) at its device's speed (:meth:`Cluster.speed_of`).
 
     Args:
         profile: per-layer times.
-        cluster: supplies ``compute_slowdown``.
+        cluster: supplies ``compute_slowdown`` and the devices' speeds.
         stage: layer range, replicas and re-computation flag.
         micro_batch_size: b, samples of one micro-batch before the split.
     """
-    samples = split_sizes(micro_batch_size, stage.replicas)[0]
-    return compute_ms(profile, cluster, stage.layers, samples, recompute=stage.recompute)
+    out = (0.0, 0.0)
+    for d, n in zip(stage.replica_devices, stage.slice_sizes(micro_batch_size), strict=True):
+        f, b = compute_ms(profile, cluster, stage.layers, n, recompute=stage.recompute)
+        v = cluster.speed_of(d)
+        if (f + b) / v > sum(out):
+            out = (f / v, b / v)
+    return out
 
 
 def split_backward_ms(

@@ -70,6 +70,7 @@ def host_extras(
     cluster: Cluster,
     stages: Sequence[tuple[int, int, int]],
     b: int,
+    shares: Sequence[Sequence[int] | None] | None = None,
 ) -> list[list[HostExtra]]:
     """Host CPU extras of every replica of every computation stage.
 
@@ -78,6 +79,8 @@ def host_extras(
         cluster: the three overhead terms (module docstring).
         stages: ``(first layer, end layer, replicas)`` per computation stage, in order.
         b: samples of one micro-batch (before the split over replicas).
+        shares: per computation stage its replicas' slices
+            (:attr:`~dapple.core.plan.StagePlan.shares`); None: every stage's even.
 
     Returns:
         ``extras[s][j]`` for replica j of stage s.
@@ -88,15 +91,16 @@ def host_extras(
     a = cluster.action_overhead_ms
     c = cluster.comm_cpu_ms_per_mb / MIB
     out: list[list[HostExtra]] = []
+    sh = list(shares) if shares is not None else [None] * S
     for s, (lo, hi, r) in enumerate(stages):
         # samples of each piece replica j receives from s-1 and sends to s+1 (split-concat)
         ins: list[list[int]] = [[] for _ in range(r)]
         outs: list[list[int]] = [[] for _ in range(r)]
         if s > 0:
-            for _, k, p_lo, p_hi in transfers(b, stages[s - 1][2], r):
+            for _, k, p_lo, p_hi in transfers(b, stages[s - 1][2], r, sh[s - 1], sh[s]):
                 ins[k].append(p_hi - p_lo)
         if s < S - 1:
-            for j, _, p_lo, p_hi in transfers(b, r, stages[s + 1][2]):
+            for j, _, p_lo, p_hi in transfers(b, r, stages[s + 1][2], sh[s], sh[s + 1]):
                 outs[j].append(p_hi - p_lo)
         in_bytes = profile.layers[lo - 1].output_bytes_per_sample if lo > 0 else 0.0
         out_bytes = profile.layers[hi - 1].output_bytes_per_sample

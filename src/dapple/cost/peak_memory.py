@@ -50,7 +50,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from dapple.core.layer_profile import LayerProfile
-from dapple.core.plan import StagePlan, split_sizes
+from dapple.core.plan import StagePlan
 from dapple.core.precision import precision_of
 from dapple.core.profile import ModelProfile
 from dapple.cost.memory import (
@@ -263,19 +263,21 @@ def stage_peak(
     num_micro_batches: int | None = None,
     zero_stage: int = 0,
     workspace: float = 0.0,
+    samples: int | None = None,
 ) -> StagePeak:
     """Peak bytes of one replica of ``stage`` over a step, by phase (module docstring).
 
     Args:
         profile: sizes (activations at :attr:`ModelProfile.for_memory`).
         stage: layers, replicas, tensor width, re-computation.
-        micro_batch_size: b (a replica's slice: ``split_sizes(b, r)[0]``).
+        micro_batch_size: b (a replica's slice: the largest of ``stage.slice_sizes(b)``).
         in_flight: K, micro-batches whose activations the stage holds at once.
         num_micro_batches: M; None: more than K (a forward between backwards).
         zero_stage: as :func:`~dapple.cost.memory.parameter_state_bytes`.
         workspace: fixed per-process bytes (:func:`workspace_bytes`).
+        samples: the replica's slice; None: the stage's largest (:func:`plan_stage_bytes`).
     """
-    sb = plan_stage_bytes(profile, stage, micro_batch_size, zero_stage)
+    sb = plan_stage_bytes(profile, stage, micro_batch_size, zero_stage, samples=samples)
     k = max(in_flight, 1)
     m = num_micro_batches if num_micro_batches is not None else k + 1
     later = 0.0
@@ -299,15 +301,15 @@ def plan_stage_bytes(
     samples: int | None = None,
 ) -> StageBytes:
     """:func:`stage_bytes` of one replica of ``stage`` as it runs (re-computing or not): its
-    slice of ``samples`` (None: the largest slice of b), its zero stage or ``zero_stage``
-    where higher; each MoE layer's experts ``1/e_s`` under an EP width e_s
-    (:func:`~dapple.cost.moe.expert_sharded_profile`)."""
+    slice of ``samples`` (None: the largest slice of b, under its ``shares`` if any), its zero
+    stage or ``zero_stage`` where higher; each MoE layer's experts ``1/e_s`` under an EP width
+    e_s (:func:`~dapple.cost.moe.expert_sharded_profile`)."""
     if stage.expert_width > 1:
         profile = expert_sharded_profile(profile.for_memory, stage.expert_width)
     plain, redone = stage_bytes(
         profile,
         stage.layers,
-        split_sizes(micro_batch_size, stage.replicas)[0] if samples is None else samples,
+        max(stage.slice_sizes(micro_batch_size)) if samples is None else samples,
         replicas=stage.replicas,
         zero_stage=max(zero_stage, stage.zero_stage),
         tensor_width=stage.tensor_width,

@@ -6,8 +6,9 @@ every stage (comm stages included) with its memory. Design choices beyond the pa
 documented where used:
 
 * A micro-batch is split over the r_s replicas of a stage with
-  :func:`dapple.core.plan.split_sizes`; F_s/B_s are those of the largest (first) slice, the
-  slowest replica.
+  :func:`dapple.core.plan.split_sizes` (evenly, or by the stage's shares); F_s/B_s are those of
+  the slowest replica (:attr:`dapple.cost.terms.StageTerms.forward_ms`). On a cluster with
+  device kinds each replica's slice is held in its own kind's memory (:func:`_fits_kinds`).
 * Comm stages and AllReduce share a server's network interface (:mod:`dapple.cost.comm`).
 * Steady phase with bounded in-flight micro-batches: the per-micro-batch period of stage s is
   ``max(F_s + B_s, RT_s / K_s)`` (:func:`dapple.cost.latency.steady_periods`), which
@@ -153,8 +154,29 @@ def latency_breakdown(terms: PlanTerms) -> LatencyBreakdown:
         Q=lat.Q,
         S=len(rows),
         stages=tuple(rows),
-        fits_memory=all(r.memory_bytes <= terms.cluster.usable_memory_bytes for r in rows),
+        fits_memory=(
+            _fits_kinds(terms, ks)
+            if terms.cluster.kinds
+            else all(r.memory_bytes <= terms.cluster.usable_memory_bytes for r in rows)
+        ),
     )
+
+
+def _fits_kinds(terms: PlanTerms, ks: list[int]) -> bool:
+    """Whether every replica's peak (:func:`~dapple.cost.peak_memory.stage_peak` of its slice,
+    K_i in flight) fits its device kind's usable memory."""
+    plan, cl, b = terms.plan, terms.cluster, terms.plan.micro_batch_size
+    for st, k in zip(plan.stages, ks, strict=True):
+        z = max(terms.zero_stage, st.zero_stage)
+        held = {
+            (n, cl.usable_memory_of(d))
+            for d, n in zip(st.replica_devices, st.slice_sizes(b), strict=True)
+        }
+        for n, usable in held:
+            peak = stage_peak(terms.profile, st, b, k, plan.num_micro_batches, z, samples=n)
+            if peak.peak > usable:
+                return False
+    return True
 
 
 def pipeline_latency(

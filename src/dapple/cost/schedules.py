@@ -21,7 +21,7 @@ group's step peak (:mod:`dapple.cost.peak_memory`), whatever the schedule;
 from __future__ import annotations
 
 from dapple.core.cluster import Cluster
-from dapple.core.plan import Plan, split_sizes
+from dapple.core.plan import Plan
 from dapple.core.profile import ModelProfile
 from dapple.cost.lengths import profile_for_plan
 from dapple.cost.memory import held_activation_bytes
@@ -124,7 +124,7 @@ def activation_peak_bytes(plan: Plan, profile: ModelProfile) -> list[float]:
     order = plan_compute_order(plan)
     peaks = []
     for g in range(plan.num_groups):
-        n = split_sizes(plan.micro_batch_size, plan.stages[g].replicas)[0]
+        n = max(plan.stages[g].slice_sizes(plan.micro_batch_size))
         level = peak = 0.0
         for a in order[g]:
             held = float(held_activation_bytes(profile, plan.stages[a.stage], n))

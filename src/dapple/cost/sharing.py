@@ -19,6 +19,7 @@ def slice_work(
     b: int,
     fb_ms: Callable[[int], tuple[float, float]],
     recompute: bool,
+    shares: Sequence[int] | None = None,
 ) -> list[tuple[int, float]]:
     """``(device, w_d)`` of every replica of a stage: w_d = F + B of its own slice.
 
@@ -28,9 +29,10 @@ def slice_work(
         fb_ms: forward and backward ms of the stage's layers on n samples, without
             re-computation.
         recompute: the backward repeats the forward.
+        shares: the replicas' slices (:attr:`~dapple.core.plan.StagePlan.shares`); None: even.
     """
     out = []
-    for d, n in zip(devices, split_sizes(b, len(devices)), strict=True):
+    for d, n in zip(devices, split_sizes(b, len(devices), shares), strict=True):
         f, bw = fb_ms(n)
         out.append((d, f + bw + (f if recompute else 0.0)))
     return out

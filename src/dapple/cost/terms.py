@@ -286,7 +286,13 @@ def stage_terms(
     check_tensor_groups(plan, cluster)
     profile = profile_for_plan(profile, plan)
     b = plan.micro_batch_size
-    extras = host_extras(profile, cluster, [(*st.layers, st.replicas) for st in plan.stages], b)
+    extras = host_extras(
+        profile,
+        cluster,
+        [(*st.layers, st.replicas) for st in plan.stages],
+        b,
+        [st.shares for st in plan.stages],
+    )
     stages = tuple(
         _stage_terms(plan, profile, cluster, st, max(zero_stage, st.zero_stage), extras[i], overlap)
         for i, st in enumerate(plan.stages)
@@ -352,6 +358,7 @@ def _stage_terms(
                     b,
                     lambda n: _compute(profile, cluster, st.layers, n, t),
                     st.recompute,
+                    st.shares,
                 )
             )
             for d in st.tensor_group(j)
