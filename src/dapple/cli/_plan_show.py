@@ -19,6 +19,7 @@ from dapple.core.plan import Plan, StagePlan
 from dapple.core.profile import ModelProfile
 
 __all__ = [
+    "expert_line",
     "format_devices",
     "gib_text",
     "idle_line",
@@ -63,12 +64,13 @@ def speedup_text(dp_ms: float, ms: float) -> str:
 
 
 def mesh_columns(plan: Plan) -> tuple[list[str], Callable[[StagePlan], list[str]]]:
-    """The ``tensor width`` and ``zero stage`` columns of a stage table, each only where some
-    stage is not at 1 / 0, and a stage's cells in them."""
+    """The ``tensor width``, ``expert width`` (e_s) and ``zero stage`` columns of a stage table,
+    each only where some stage is not at 1 / 1 / 0, and a stage's cells in them."""
     cols = [
         name
         for name, shown in (
             ("tensor width", any(st.tensor_width > 1 for st in plan.stages)),
+            ("expert width", any(st.expert_width > 1 for st in plan.stages)),
             ("zero stage", any(st.zero_stage for st in plan.stages)),
         )
         if shown
@@ -76,9 +78,31 @@ def mesh_columns(plan: Plan) -> tuple[list[str], Callable[[StagePlan], list[str]
 
     def cells(st: StagePlan) -> list[str]:
         zero = f"{st.zero_stage}{' regather' if st.regather else ''}"
-        return [str(st.tensor_width) if c == "tensor width" else zero for c in cols]
+        return [
+            str(st.tensor_width)
+            if c == "tensor width"
+            else str(st.expert_width)
+            if c == "expert width"
+            else zero
+            for c in cols
+        ]
 
     return cols, cells
+
+
+def expert_line(plan: Plan) -> str | None:
+    """Each stage's expert-parallel width where some stage shards its experts (``StagePlan.
+    expert_width``): ``expert widths: stage 0 e_s=8 (1 group of 8 replicas), stage 1 e_s=1``;
+    None where none does."""
+    if all(st.expert_width == 1 for st in plan.stages):
+        return None
+    parts = []
+    for i, st in enumerate(plan.stages):
+        e = st.expert_width
+        groups = st.replicas // e
+        what = f" ({groups} group{'s' if groups > 1 else ''} of {e} replicas)" if e > 1 else ""
+        parts.append(f"stage {i} e_s={e}{what}")
+    return "expert widths: " + ", ".join(parts)
 
 
 def stage_table(plan: Plan, profile: ModelProfile, cluster: Cluster) -> Table:
@@ -154,10 +178,16 @@ def schedule_stage_table(plan: Plan, profile: ModelProfile, cluster: Cluster) ->
 
 def zero_line(plan: Plan, profile: ModelProfile) -> str:
     """Each replicated stage's zero stage (``StagePlan.zero_stage``) and the memory it saves per
-    replica - or, unsharded, what ZeRO-1 would save."""
+    replica - or, unsharded, what ZeRO-1 would save; a stage sharding its experts (e_s > 1)
+    says so instead (ZeRO is not costed beside it)."""
     parts = []
     for i, st in enumerate(plan.stages):
         if st.replicas == 1:
+            continue
+        if st.expert_width > 1:  # ZeRO is not costed beside expert parallelism
+            parts.append(
+                f"stage {i} (r={st.replicas}) zero stage 0, experts sharded e_s={st.expert_width}"
+            )
             continue
         gib = gib_text(_zero_saved_bytes(profile, st))
         what = f"saves {gib} GiB" if st.zero_stage else f"sharding would save {gib} GiB"

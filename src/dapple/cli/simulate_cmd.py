@@ -121,6 +121,11 @@ def run_config(cfg: SimulateConfig) -> int:
     con = console()
     for title, r in runs:
         _print_run(con, title, r, cluster)
+    from dapple.cli._plan_show import expert_line
+
+    experts = expert_line(plan)
+    if experts is not None:
+        con.print(experts)
     if cfg.gantt or cfg.memory:
         from dapple.simulate.plots import plot_gantt, plot_memory
 

@@ -77,6 +77,7 @@ from dapple.planner.cut_search import (
     stage_bound,
 )
 from dapple.planner.evaluate import Scored, Scorer, StageSpec
+from dapple.planner.expert_width import make_scorer
 from dapple.planner.grid import GridPoint, grid_candidates
 from dapple.planner.interleaving import best_interleaved, grid_offers, own_offers
 from dapple.planner.partition import block_partition
@@ -248,7 +249,7 @@ def dapple_search(
     usable = usable_devices(profile.num_layers, global_batch_size, widths, max_stages)
     cluster = usable_cluster(cluster, usable)  # idle devices do not enlarge the search
     Ms = micro_batch_candidates(global_batch_size)
-    scorers = {t: Scorer(profile, cluster, global_batch_size, zero_stage, t) for t in widths}
+    scorers = {t: make_scorer(profile, cluster, global_batch_size, zero_stage, t) for t in widths}
     shards = any(x.tensor_parallel for x in profile.layers)
     mixed = MixedScorer(scorers) if stage_widths and len(scorers) > 1 and shards else None
     found: list[tuple[float, int, Plan]] = []

@@ -1,8 +1,9 @@
 """The ways a scored stage's replicas may shard their state (ZeRO), as the scorer picks them.
 
 A :class:`ZeroMode` is a ZeRO stage and, under ZeRO-3, whether the parameters are gathered once
-per step or re-gathered per micro-batch - the ``zero_stage`` and ``regather`` a
-:class:`~dapple.core.plan.StagePlan` records. Pure, no torch.
+per step or re-gathered per micro-batch, and the expert-parallel width that shards a
+mixture-of-experts stage's experts over its replicas - the ``zero_stage``, ``regather`` and
+``expert_width`` a :class:`~dapple.core.plan.StagePlan` records. Pure, no torch.
 """
 
 from __future__ import annotations
@@ -17,13 +18,17 @@ __all__ = ["UNSHARDED", "ZERO3_REGATHER", "ZeroMode", "zero3_modes"]
 
 class ZeroMode(NamedTuple):
     """How a scored stage's replicas shard their state: a ZeRO stage and, under ZeRO-3, when
-    the parameters are gathered (the ``zero_stage`` and ``regather`` of a ``StagePlan``)."""
+    the parameters are gathered, and its experts' width (the ``zero_stage``, ``regather`` and
+    ``expert_width`` of a ``StagePlan``)."""
 
     stage: Literal[0, 1, 2, 3] = 0
     """0: unsharded; 1: the optimizer state sharded; 2: the gradients too; 3: the parameters
     too."""
     regather: bool = False
     """ZeRO-3 only: the parameters re-gathered per micro-batch, not once per step."""
+    expert_width: int = 1
+    """e_s: replicas over which each mixture-of-experts layer's experts are sharded (ZeRO 0
+    only, :mod:`dapple.planner.expert_width`); 1: every replica holds every expert."""
 
 
 UNSHARDED = ZeroMode(0)

@@ -1,0 +1,166 @@
+"""Per-stage expert-parallel widths e_s: the scorer offers each MoE stage its widths as options.
+
+Beyond the paper, as the ZeRO choice is (:class:`~dapple.planner.evaluate.Scorer`): a stage on
+r_s replicas holding mixture-of-experts layers may shard their experts over e_s of its replicas
+(:class:`~dapple.core.stage_plan.StagePlan` ``expert_width``), each width a divisor of r_s and of
+every such layer's E (:func:`~dapple.cost.moe.expert_widths`). :class:`ExpertScorer` offers a
+stage, beside its zero modes, one more option per width e_s > 1 (ZeRO 0, tensor width 1: the
+combinations the cost model prices, :func:`~dapple.cost.moe.check_expert_stage`) with the
+terms :mod:`dapple.cost.moe` gives it:
+
+* F_s and B_s gain its all-to-alls A2A_s (and the busiest expert's compute);
+* AR_s is AR(P_dense, r_s) + the experts' AllReduce over the r_s / e_s replicas of each shard;
+* its memory holds ``P_dense + P_experts / e_s`` per rank, so D can only grow with e_s.
+
+The search then picks a stage's option as it picks its zero mode (:func:`~dapple.planner.evaluate.
+stage_choice`): the unsharded option where it holds the stage's K_i, unless a width costs less per
+step (AR_s + U_s + its M x A2A in F and B, the order :meth:`ExpertScorer._new_options` gives the
+options); else the cheapest that holds K_i. Each candidate's L is then the cost model's for the
+chosen widths, and the plan records them (:meth:`ExpertScorer.stage_plan`). A profile without MoE
+layers gets the plain :class:`Scorer` (:func:`make_scorer`): its search is unchanged. Pure, no
+torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from dapple.core.cluster import Cluster
+from dapple.core.plan import StagePlan
+from dapple.core.planning_options import ZeroChoice
+from dapple.core.profile import ModelProfile
+from dapple.cost.comm import stage_update_ms
+from dapple.cost.moe import (
+    expert_sharded_profile,
+    expert_slice_times,
+    expert_stage_sync_ms,
+    expert_widths,
+    stage_rank_parameter_bytes,
+)
+from dapple.cost.peak_memory import in_flight_limit, stage_bytes
+from dapple.cost.terms import StageTerms
+from dapple.planner.evaluate import Scorer, StageOptions, _Option
+from dapple.planner.zero_modes import UNSHARDED, ZeroMode
+
+__all__ = ["ExpertScorer", "has_experts", "make_scorer"]
+
+
+def has_experts(profile: ModelProfile) -> bool:
+    """Whether some layer of ``profile`` is a mixture of experts."""
+    return any(x.moe is not None for x in profile.layers)
+
+
+def make_scorer(
+    profile: ModelProfile,
+    cluster: Cluster,
+    global_batch_size: int,
+    zero_stage: ZeroChoice | ZeroMode = 0,
+    tensor_width: int = 1,
+) -> Scorer:
+    """The scorer of one tensor width: :class:`ExpertScorer` for a profile with MoE layers at
+    width 1 (expert parallelism is costed without tensor parallelism), else :class:`Scorer`."""
+    if tensor_width == 1 and has_experts(profile):
+        return ExpertScorer(profile, cluster, global_batch_size, zero_stage)
+    return Scorer(profile, cluster, global_batch_size, zero_stage, tensor_width)
+
+
+class ExpertScorer(Scorer):
+    """A width-1 :class:`Scorer` whose MoE stages are also offered each EP width e_s > 1."""
+
+    def __init__(
+        self,
+        profile: ModelProfile,
+        cluster: Cluster,
+        global_batch_size: int,
+        zero_stage: ZeroChoice | ZeroMode = 0,
+        widths: Sequence[int] | None = None,
+    ) -> None:
+        super().__init__(profile, cluster, global_batch_size, zero_stage, 1)
+        self.widths = None if widths is None else frozenset(widths)
+        """The e_s offered (those a stage may take among them); None: every width. A uniform
+        grid offers one (:mod:`dapple.planner.expert_grid`)."""
+        self._syncs: dict[tuple[int, int, tuple[int, ...], int], float] = {}
+        self._sharded: dict[int, ModelProfile] = {}
+
+    def expert_modes(self, s: int, e: int, replicas: int) -> list[ZeroMode]:
+        """The EP options of layers [s, e) on ``replicas`` devices: ZeRO 0 at each width e_s
+        > 1 the stage may take (:func:`~dapple.cost.moe.expert_widths`, among :attr:`widths`);
+        none unless the scorer's zero stage allows ZeRO 0 (0 or ``auto``)."""
+        z = self.zero_stage
+        if replicas == 1 or isinstance(z, ZeroMode) or z not in (0, "auto"):
+            return []
+        return [
+            ZeroMode(0, False, w)
+            for w in expert_widths(self.profile, (s, e), replicas)
+            if w > 1 and (self.widths is None or w in self.widths)
+        ]
+
+    def _new_options(self, s: int, e: int, d: tuple[int, ...], b: int) -> StageOptions:
+        """The zero modes' options, and each EP width's: the cheapest width first when it
+        costs less per step (AR_s + U_s + its traffic) than the unsharded option, else after
+        the zero modes; ``widths`` not containing 1 drops the unsharded option of a stage
+        that has widths."""
+        plain = super()._new_options(s, e, d, b)
+        ep = [(m, self._stage(s, e, d, b, m)) for m in self.expert_modes(s, e, len(d))]
+        if not ep:
+            return plain
+        ep.sort(key=lambda x: x[1].ar + x[1].traffic)
+        if self.widths is not None and 1 not in self.widths:
+            return ep
+        if plain and plain[0][0] == UNSHARDED and ep[0][1].ar + ep[0][1].traffic < plain[0][1].ar:
+            return [ep[0], *plain, *ep[1:]]
+        return [*plain, *ep]
+
+    def _stage(
+        self, s: int, e: int, d: tuple[int, ...], b: int, mode: ZeroMode = UNSHARDED
+    ) -> _Option:
+        """The terms of one stage under ``mode``; at an EP width, the cost model's
+        (:mod:`dapple.cost.moe`) over the scorer's F and B."""
+        w = mode.expert_width
+        if w == 1:
+            return super()._stage(s, e, d, b, mode)
+        n = -(-b // len(d))  # split_sizes(b, r)[0], the largest slice
+        M = self.global_batch_size // b
+        f0, b0 = self.fb_ms(s, e, n)
+        st = StagePlan(layers=(s, e), devices=d, expert_width=w)
+        (f, bw), _ = expert_slice_times(
+            self.profile, self.real_cluster, st, {n: ((f0, b0), (0, 0))}, n
+        )[n]
+        key = (s, e, d, w)
+        sync = self._syncs.get(key)
+        if sync is None:
+            sync = self._syncs[key] = expert_stage_sync_ms(self.profile, self.real_cluster, st)
+        rank_bytes = stage_rank_parameter_bytes(self.profile, (s, e), w)
+        update = stage_update_ms(self.cluster, self.profile, rank_bytes, len(d), 0)
+        d_nr, d_r, floor = self._expert_memory(s, e, n, len(d), w, M)
+        plain = StageTerms(
+            forward_ms=f, backward_ms=bw, sync_ms=sync, update_ms=update,
+            work=self._work(s, e, d, b, False),
+        )  # fmt: skip
+        recomputed = dataclasses.replace(
+            plain, backward_ms=bw + f, work=self._work(s, e, d, b, True)
+        )
+        traffic = M * (f - f0 + bw - b0)  # the all-to-alls (and busiest expert) per step
+        return _Option(f, bw, sync + update, d_nr, d_r, plain, recomputed, floor, traffic)
+
+    def _expert_memory(
+        self, s: int, e: int, n: int, replicas: int, w: int, M: int
+    ) -> tuple[int, int, float]:
+        """D without and with re-computation on slices of n, and the memory floor, of layers
+        [s, e) at EP width w (:meth:`Scorer._options` on the profile as one rank holds it,
+        :func:`~dapple.cost.moe.expert_sharded_profile`)."""
+        memory = self._sharded.get(w)
+        if memory is None:
+            memory = self._sharded[w] = expert_sharded_profile(self._memory, w)
+        plain, redone = stage_bytes(memory, (s, e), n, replicas=replicas)
+        usable = float(self.cluster.usable_memory_bytes)
+        floor = plain.static + plain.shared + (self._act[e] - self._act[s]) * n
+        return in_flight_limit(plain, usable, M), in_flight_limit(redone, usable, M), floor
+
+    def stage_plan(self, s: int, e: int, devices: tuple[int, ...], mode: ZeroMode) -> StagePlan:
+        """The :class:`StagePlan` of layers [s, e) on ``devices`` under a scored mode, with its
+        EP width."""
+        st = super().stage_plan(s, e, devices, mode)
+        w = mode.expert_width
+        return st if w == 1 else dataclasses.replace(st, expert_width=w)
