@@ -391,7 +391,7 @@ def test_demo_refuses_a_global_batch_larger_than_its_corpus(
     argv = ["demo", "--out-dir", str(tmp_path / "d"), "--corpus-mib", "1", "--seq-len", "64"]
     assert main([*argv, "--global-batch-size", "1000000000"]) == 2  # planned 31 days a step
     one_error_line(capsys, "--global-batch-size 1000000000 x --seq-len 64 needs 64,000,000,001 "
-                   "tokens, more than the 1,048,576 bytes of --corpus-mib 1")  # fmt: skip
+                   "tokens, more than the 1,048,576 tokens (bytes) of --corpus-mib 1")  # fmt: skip
     assert list(tmp_path.iterdir()) == []
 
 

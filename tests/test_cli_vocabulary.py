@@ -307,3 +307,21 @@ def test_schedule_and_policy_override_the_plan(
         main([*argv, "--schedule", "1f1b"])
     assert e.value.code == 2
     assert "invalid choice: '1f1b'" in capsys.readouterr().err
+
+
+def test_seq_len_and_compare_have_one_meaning_in_every_command() -> None:
+    """``--seq-len`` is tokens per sample wherever it is taken (``demo``'s tokens are bytes;
+    ``plan`` also takes MEAN,MAX); ``--compare`` is ``plan``'s alone (every planner side by
+    side): ``simulate``'s old ``--compare`` is hidden and refused (``--other-schedule``)."""
+    commands = {name: _options(p) for name, p in _commands().items()}
+    seq = {name: opts["--seq-len"] for name, opts in commands.items() if "--seq-len" in opts}
+    assert set(seq) == {"plan", "train", "verify", "demo"}
+    for name, action in seq.items():
+        assert (action.help or "").startswith("tokens per sample"), (name, action.help)
+    compare = {
+        name
+        for name, opts in commands.items()
+        if "--compare" in opts and opts["--compare"].help != argparse.SUPPRESS
+    }
+    assert compare == {"plan"}
+    assert "--other-schedule" in commands["simulate"]

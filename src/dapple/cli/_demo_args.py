@@ -44,7 +44,8 @@ def check_demo_args(args: argparse.Namespace) -> Path:
     if need > corpus:  # not one global batch of training samples: refused, never wrongly
         raise ValidationError(
             f"--global-batch-size {args.global_batch_size} x --seq-len {args.seq_len} needs "
-            f"{need:,} tokens, more than the {corpus:,} bytes of --corpus-mib {args.corpus_mib:g}"
+            f"{need:,} tokens, more than the {corpus:,} tokens (bytes) of --corpus-mib "
+            f"{args.corpus_mib:g}"
         )
     out = check_output_dir(args.out_dir, "--out-dir")
     from dapple.runtime.checkpoint.files import refuse_foreign

@@ -86,7 +86,14 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument(
         "--global-batch-size", type=int, default=16, help="samples per step (default 16)"
     )
-    p.add_argument("--seq-len", type=int, default=64, help="bytes per sample (default 64)")
+    p.add_argument(
+        "--seq-len",
+        type=int,
+        default=64,
+        metavar="N",
+        help="tokens per sample, as for dapple train (the model is built with seq=N; the demo's "
+        "tokens are bytes; default 64)",
+    )
     p.add_argument(
         "--corpus-mib",
         type=float,

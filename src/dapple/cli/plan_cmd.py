@@ -73,9 +73,10 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         "--seq-len",
         default=None,
         metavar="MEAN[,MAX]",
-        help="plan for samples of MEAN tokens on average (the step time) and at most MAX (the "
-        "memory; default MEAN), from a profile measured at several lengths (`dapple profile "
-        "--seq-lens`), interpolated in tokens; the plan records both",
+        help="tokens per sample, as for dapple train: N plans for samples of N tokens; MEAN,MAX "
+        "for samples of varying length, MEAN on average (the step time) and at most MAX (the "
+        "memory; train --pad --seq-len MAX). From a profile measured at several lengths (`dapple "
+        "profile --seq-lens`), interpolated in tokens; the plan records both",
     )
     p.add_argument("-o", "--output", default=None, help="plan JSON to write")
     p.add_argument(
