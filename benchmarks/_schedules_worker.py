@@ -88,6 +88,82 @@ class BusyMeter:
         return self
 
 
+# -- the CPU of each action kind, dapple's and torch's alike ----------------------------------
+ACTION_KINDS = ("F", "B", "I", "W", "main")
+"""The compute kinds :class:`ActionMeter` counts, and ``main``: the whole step on the main
+thread (what is not F, B, I or W there is the runtime's own work: sends, receives, the
+optimizer, the schedule's bookkeeping)."""
+
+
+class ActionMeter:
+    """Main-thread CPU ms (``time.thread_time``) inside each compute action, per kind and step:
+    dapple's ``StageExecutor.forward/backward/backward_input/backward_weight`` and torch's
+    ``_PipelineStageBase.forward_one_chunk/backward_one_chunk/backward_weight_one_chunk``
+    (``B`` where ``full_backward``, ``I`` otherwise), wrapped in this process. A wait for a
+    message sleeps, so it adds no CPU: the counts are compute and the runtime's code around it.
+    """
+
+    def __init__(self) -> None:
+        self.now = dict.fromkeys(ACTION_KINDS, 0.0)
+        self.steps: list[dict[str, float]] = []
+
+    def take(self) -> list[list[float]]:
+        """Per kind of :data:`ACTION_KINDS`, the ms of each step since the last call."""
+        out = [[st[k] for st in self.steps] for k in ACTION_KINDS]
+        self.steps = []
+        return out
+
+    def end_step(self, main_ms: float) -> None:
+        self.steps.append({**self.now, "main": main_ms})
+        self.now = dict.fromkeys(ACTION_KINDS, 0.0)
+
+    def _timed(self, fn: Callable[..., Any], kind: Callable[..., str]) -> Callable[..., Any]:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            t = time.thread_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.now[kind(*args, **kwargs)] += (time.thread_time() - t) * 1e3
+
+        return wrapper
+
+    def install(self) -> ActionMeter:
+        from torch.distributed.pipelining.stage import _PipelineStageBase
+
+        from dapple.runtime.interpreter import ProgramInterpreter
+        from dapple.runtime.stage import StageExecutor
+
+        for cls, names in (
+            (StageExecutor, ("forward", "backward", "backward_input", "backward_weight")),
+            (
+                _PipelineStageBase,
+                ("forward_one_chunk", "", "", "backward_weight_one_chunk"),
+            ),
+        ):
+            for name, k in zip(names, "FBIW", strict=True):
+                if name:
+                    setattr(cls, name, self._timed(getattr(cls, name), lambda *a, k=k, **kw: k))
+
+        def torch_backward(*args: Any, **kwargs: Any) -> str:
+            full = kwargs.get("full_backward", args[3] if len(args) > 3 else True)
+            return "B" if full else "I"
+
+        _PipelineStageBase.backward_one_chunk = self._timed(  # type: ignore[method-assign]
+            _PipelineStageBase.backward_one_chunk, torch_backward
+        )
+        run_step = ProgramInterpreter.run_step
+
+        def counted_step(interp: ProgramInterpreter, *args: Any, **kwargs: Any) -> Any:
+            t = time.thread_time()
+            try:
+                return run_step(interp, *args, **kwargs)
+            finally:
+                self.end_step((time.thread_time() - t) * 1e3)
+
+        ProgramInterpreter.run_step = counted_step
+        return self
+
+
 # -- torch peers ------------------------------------------------------------------------------
 class TorchPipe:
     """A ``torch.distributed.pipelining`` schedule with this rank's stages of ``chunks``
@@ -157,9 +233,11 @@ def worker(
     join_worker_group(rank, world, port)  # as dapple's CPU ranks, for both runners
     wl = bench_transformer(layers=opts["blocks"])
     meter = BusyMeter().install()
+    actions = ActionMeter().install()
     peers: dict[int, TorchPipe] = {}
     res: dict[int, dict[str, Any]] = {
-        i: {"ms": [], "busy": [], "cpu": [], "error": None} for i in range(len(cases))
+        i: {"ms": [], "busy": [], "cpu": [], "actions": [], "error": None}
+        for i in range(len(cases))
     }
     steps, skip = opts["steps"], opts["skip"]
     for rnd in range(opts["rounds"]):
@@ -197,15 +275,18 @@ def worker(
                 peer, peer_cpu = peers[i], list[float]()
 
                 def step(k: int, peer: TorchPipe = peer, out: list[float] = peer_cpu) -> None:
-                    t = time.process_time()
+                    t, main = time.process_time(), time.thread_time()
                     peer.step(k)
+                    actions.end_step((time.thread_time() - main) * 1e3)
                     out.append((time.process_time() - t) * 1e3)
 
                 ms = max_over_ranks(back_to_back_ms(step, [rnd * steps + k for k in range(steps)]))
                 cpu = _sum_over_ranks(peer_cpu)
+            acts = [_sum_over_ranks(per_step) for per_step in actions.take()]
             if rank == 0:
                 r["ms"].append(ms)
                 r["cpu"].append(cpu)
+                r["actions"].append(acts)  # [kind][step], summed over ranks
                 print(
                     f"  round {rnd} {c['group'][:8]} {c['label']:36s} "
                     f"{statistics.median(ms[skip:]):8.1f} ms"

@@ -42,7 +42,7 @@ from _bench_common import (
     load_note,
     run_worker_group,
 )
-from _schedules_worker import TORCH_SCHEDULES, worker
+from _schedules_worker import ACTION_KINDS, TORCH_SCHEDULES, worker
 from dapple.core.plan import Plan, interleave, straight_plan
 from dapple.simulate.schedules import with_schedule
 from vs_torch_pipelining import LR, describe, even_bounds
@@ -100,6 +100,38 @@ def _per_round(r: dict[str, Any], skip: int) -> list[float]:
     return [statistics.median(x[skip:]) for x in r["ms"]]
 
 
+def action_cpu(r: dict[str, Any], skip: int) -> dict[str, float]:
+    """Main-thread CPU ms per step of each kind of :data:`ACTION_KINDS`, summed over the ranks:
+    each round's median after the warm-up steps, then the median over rounds."""
+    return {
+        k: statistics.median(statistics.median(rnd[i][skip:]) for rnd in r["actions"])
+        for i, k in enumerate(ACTION_KINDS)
+    }
+
+
+def _action_rows(cases: list[dict[str, Any]], got: dict[str, Any], skip: int) -> list[str]:
+    """A table of each pair's CPU per action kind, dapple beside torch."""
+    head = " | ".join(f"{k} dapple / torch" for k in ACTION_KINDS)
+    rows = [
+        f"| pair | {head} | main thread outside F, B, I, W: dapple / torch | all threads "
+        "(process CPU): dapple / torch |",
+        "|---|" + "---:|" * (len(ACTION_KINDS) + 2),
+    ]
+    for d, t in zip(cases[0::2], cases[1::2], strict=True):
+        rd, rt = got[str(cases.index(d))], got[str(cases.index(t))]
+        if rd["error"] or rt["error"] or not rd["actions"] or not rt["actions"]:
+            continue
+        a, b = action_cpu(rd, skip), action_cpu(rt, skip)
+        cells = " | ".join(f"{a[k]:.0f} / {b[k]:.0f}" for k in ACTION_KINDS)
+        rest = [x["main"] - sum(x[k] for k in "FBIW") for x in (a, b)]
+        cpu = [statistics.median(statistics.median(x[skip:]) for x in r["cpu"]) for r in (rd, rt)]
+        rows.append(
+            f"| {d['label']} vs {t['label']} | {cells} | {rest[0]:.0f} / {rest[1]:.0f} | "
+            f"{cpu[0]:.0f} / {cpu[1]:.0f} |"
+        )
+    return rows
+
+
 def _placement(c: dict[str, Any]) -> str:
     per = [[k for k, g in enumerate(c["placement"]) if g == r] for r in range(WORLD)]
     return "; ".join(
@@ -149,6 +181,15 @@ def report(
         "",
         *rows,
         "",
+        "CPU per step by action kind (ms, main thread, both ranks summed; median over steps "
+        "after the warm-up, then over rounds): F forward, B whole backward, I input gradient, "
+        "W weight gradient, main the whole step on the main thread (`time.thread_time` inside "
+        "dapple's `run_step`, around torch's `schedule.step` + optimizer step). Waits for "
+        "messages sleep, so they add no CPU; the communication threads are counted only in the "
+        "last column (`time.process_time` of each process, all its threads).",
+        "",
+        *_action_rows(cases, got, skip),
+        "",
         "### Verdicts",
         "",
     ]
@@ -170,7 +211,7 @@ def report(
             )
         lines.append(
             f"- dapple {schedule} vs torch (goal >= 1.00x, {role}): "
-            f"**{'met' if med >= 1.0 else 'missed'}** ({med:.2f}x, rounds "
+            f"**{'met' if med >= 1.0 else 'missed'}** ({med:.3f}x, rounds "
             f"{min(r):.2f}-{max(r):.2f}x); {noise}."
         )
     lines += ["", f"End: {load_note()}.", ""]

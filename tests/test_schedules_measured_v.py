@@ -45,7 +45,12 @@ def test_the_ratio_is_torch_ms_over_dapple_ms_per_round() -> None:
         "torch ScheduleDualPipeV": (120, 110),
     }
     got = {
-        str(i): {"ms": [[999.0, ms, ms] for ms in per_case[c["label"]]], "error": None}
+        str(i): {
+            "ms": [[999.0, ms, ms] for ms in per_case[c["label"]]],
+            "cpu": [[9.0, 2.0, 2.0]] * 2,
+            "actions": [[[9.0, 1.0, 1.0]] * 5] * 2,  # [round][kind][step]
+            "error": None,
+        }
         for i, c in enumerate(cases)
     }
     args = argparse.Namespace(global_batch=8, micro_batches=4, skip=1, blocks=6, rounds=2, steps=3)
@@ -53,9 +58,11 @@ def test_the_ratio_is_torch_ms_over_dapple_ms_per_round() -> None:
     assert "**1.00x** [0.98-1.02] | 0.98, 1.02 |" in text
     assert "**0.93x** [0.90-0.95] | 0.95, 0.90 |" in text
     assert "**1.15x** [1.10-1.20] | 1.20, 1.10 |" in text
-    assert "dapple zbv vs torch (goal >= 1.00x, goal): **missed** (0.93x" in text
-    assert "dapple dualpipev vs torch (goal >= 1.00x, goal): **met** (1.15x" in text
+    assert "dapple zbv vs torch (goal >= 1.00x, goal): **missed** (0.925x" in text
+    assert "dapple dualpipev vs torch (goal >= 1.00x, goal): **met** (1.150x" in text
     assert text.count("within or above that noise") == 1 and text.count("below that noise") == 1
+    # per kind 1 ms (warm-up 9 dropped), main 1 - (F + B + I + W) = -3, process CPU 2
+    assert "| 1 / 1 | 1 / 1 | 1 / 1 | 1 / 1 | 1 / 1 | -3 / -3 | 2 / 2 |" in text
 
 
 def test_the_v_section_is_replaced_in_place_and_kept_by_the_main_script(tmp_path: Path) -> None:
