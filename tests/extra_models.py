@@ -5,6 +5,8 @@
   scatter back; ``torch.histc`` on float ids on the CPU, int ids elsewhere), with ``bincount``
   and ``one_hot`` in a load-balancing term.
 - :func:`mixtral`: ``transformers``' ``MixtralForCausalLM`` from a tiny config (top-2 of 4).
+- :func:`qwen2_moe`: ``transformers``' ``Qwen2MoeForCausalLM`` from a tiny config (top-2 of 4
+  routed experts and a gated shared expert).
 - :func:`varlen_lm` / :func:`varlen_llama`: causal LMs whose batches have 8, 12 or 16 tokens
   by seed, with no dimension declared dynamic (the length is found from the batches).
 """
@@ -203,6 +205,19 @@ def mixtral_model() -> nn.Module:
     return HFLogits(tf.MixtralForCausalLM(mixtral_config()))
 
 
+def qwen2_moe_config() -> Any:
+    import transformers as tf
+
+    return tf.Qwen2MoeConfig(**_hf_sizes(), num_experts=EXPERTS, num_experts_per_tok=TOP_K,
+                             moe_intermediate_size=HIDDEN, shared_expert_intermediate_size=HIDDEN)  # fmt: skip
+
+
+def qwen2_moe_model() -> nn.Module:
+    import transformers as tf
+
+    return HFLogits(tf.Qwen2MoeForCausalLM(qwen2_moe_config()))
+
+
 def llama_model() -> nn.Module:
     import transformers as tf
 
@@ -225,6 +240,12 @@ def varlen_hf_batch(n: int, seed: int) -> tuple[Any, torch.Tensor]:
 def mixtral() -> Workload:
     """``MixtralForCausalLM`` (top-2 of 4 experts) wrapped in a module, 16 tokens per sample."""
     return workload_from_module(mixtral_model, fixed_hf_batch, causal_lm_loss, name="mixtral")
+
+
+def qwen2_moe() -> Workload:
+    """``Qwen2MoeForCausalLM`` (top-2 of 4 experts, a shared expert) wrapped in a module, 16
+    tokens per sample."""
+    return workload_from_module(qwen2_moe_model, fixed_hf_batch, causal_lm_loss, name="qwen2-moe")
 
 
 def varlen_llama() -> Workload:

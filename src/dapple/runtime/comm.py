@@ -30,6 +30,7 @@ __all__ = [
     "all_gather",
     "all_gather_single",
     "all_reduce",
+    "all_to_all_single",
     "broadcast",
     "host_staged",
     "irecv",
@@ -230,3 +231,17 @@ def reduce_scatter_single(
     if not _stages(t):
         return dist.reduce_scatter_single(out, t, op=op, group=group, async_op=async_op)
     return _staged(dist.reduce_scatter_single, [out, t], [0], async_op, op=op, group=group)
+
+
+def all_to_all_single(
+    out: torch.Tensor, t: torch.Tensor, out_splits: list[int], in_splits: list[int],
+    group: Any = None,
+) -> None:  # fmt: skip
+    """Rows ``t`` in runs of ``in_splits[q]`` to each rank ``q`` of ``group``, runs of
+    ``out_splits[p]`` rows from each ``p`` into ``out`` (synchronous; gloo and NCCL)."""
+    if not _stages(t):
+        dist.all_to_all_single(out, t, out_splits, in_splits, group=group)
+        return
+    host = torch.empty_like(out, device="cpu")
+    dist.all_to_all_single(host, _host(t), out_splits, in_splits, group=group)
+    out.copy_(host)

@@ -54,6 +54,7 @@ from dapple.runtime.longrun import LongRun, first_attempt
 from dapple.runtime.memory import ActivationMeter
 from dapple.runtime.metrics import MetricsSink, StepProbe, announce, resident_bytes, row_tokens
 from dapple.runtime.optim import ModelUpdate, make_optimizer
+from dapple.runtime.parallel.expert import gradient_sync
 from dapple.runtime.parallel.sharded_state import CutStage
 from dapple.runtime.parallel.stage_mesh import (
     StageMesh,
@@ -357,9 +358,10 @@ def _setup(
         gc.collect()  # the uncut layers sit in reference cycles (traced graphs): free them now
     zero = select_zero(plan, workload, layers, _zero_stage(plan, config, rank, layers.stage))
     fsdp = frozenset(id(p) for unit in mesh.fsdp_units() for p in unit.parameters())
-    sync = GradientSync(plan, workload, rank, layers.module, layers.stage,
-                        exclude=zero.flat_ids | fsdp, stage_pg=groups.replica,
-                        tensor_index=mesh.tensor_rank, extra_pg=list(groups.tensor.values()))  # fmt: skip
+    sync = gradient_sync(mesh.experts, plan, workload, rank, layers.module, layers.stage,
+                         exclude=zero.flat_ids | fsdp, stage_pg=groups.replica,
+                         tensor_index=mesh.tensor_rank,
+                         extra_pg=[*groups.tensor.values(), *groups.expert.all()])  # fmt: skip
     torch.manual_seed(config.seed * 7919 + rank)  # random ops other than the keyed sites
     params = list(layers.module.parameters()) if layers.module is not None else []
     shards = build_shards(plan, layers, zero, sync.pg, mesh.tensor_rank)

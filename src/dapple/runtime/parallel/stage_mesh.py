@@ -46,6 +46,12 @@ from dapple.models.tp_plan import tp_plan_of
 from dapple.models.workload import Workload
 from dapple.runtime import comm
 from dapple.runtime.config import TrainConfig
+from dapple.runtime.parallel.expert import (
+    ExpertGroups,
+    ExpertShards,
+    check_expert_run,
+    make_expert_groups,
+)
 from dapple.runtime.parallel.fsdp import (
     begin_micro_batch,
     hold_gradients,
@@ -98,6 +104,7 @@ def check_mesh_run(plan: Plan, workload: Workload, config: TrainConfig) -> None:
     Raises:
         ValidationError: one line naming the stage and what is unsupported.
     """
+    check_expert_run(zero_floored(plan, config.zero_stage), config)
     meshed = _meshed(zero_floored(plan, config.zero_stage))
     for s, st in meshed:
         what = f"stage {s} {list(st.layers)} (tensor_width {st.tensor_width}, zero {st.zero_stage})"
@@ -129,14 +136,17 @@ class RankGroups:
     """``(stage, tensor index i)`` -> the group of ``devices[i::t]`` (stages with r_s > 1)."""
     tensor: dict[tuple[int, int], Any] = field(default_factory=dict)
     """``(stage, replica j)`` -> the group of ``tensor_group(j)`` (stages with t_s > 1)."""
+    expert: ExpertGroups = field(default_factory=ExpertGroups)
+    """The expert and expert-shard groups (stages with e_s > 1)."""
 
     def all(self) -> list[Any]:
         """Every group, in creation order (destroy them in it)."""
-        return [*self.replica.values(), *self.tensor.values()]
+        return [*self.replica.values(), *self.tensor.values(), *self.expert.all()]
 
 
 def make_groups(plan: Plan) -> RankGroups:
-    """Create the plan's replica groups (per tensor index), then its tensor groups. Collective."""
+    """Create the plan's replica groups (per tensor index), then its tensor groups, then its
+    expert groups. Collective."""
     out = RankGroups()
     stages = plan.stages[: plan.num_groups]
     for s, st in enumerate(stages):
@@ -147,6 +157,7 @@ def make_groups(plan: Plan) -> RankGroups:
         if st.tensor_width > 1:
             for j in range(st.replicas):
                 out.tensor[(s, j)] = dist.new_group(list(st.tensor_group(j)))
+    out.expert = make_expert_groups(plan)
     return out
 
 
@@ -219,10 +230,12 @@ class StageMesh:
     :meth:`Plan.layers_of_device` order; the layouts named in it)."""
     shards: dict[int, ChunkShard] = field(default_factory=dict)
     """Stage index -> its chunk's FSDP wrapping (the ZeRO-3 chunks of the rank)."""
+    experts: ExpertShards | None = None
+    """The rank's expert shards (e_s > 1, :mod:`dapple.runtime.parallel.expert`)."""
 
     @property
     def cut(self) -> bool:
-        return self.tp is not None or bool(self.shards)
+        return self.tp is not None or bool(self.shards) or self.experts is not None
 
     def fsdp_units(self) -> list[nn.Module]:
         """The FSDP-wrapped chunks (one root each)."""
@@ -230,7 +243,10 @@ class StageMesh:
 
     def norm_counted(self, module: nn.Module, replica: int) -> list[nn.Parameter]:
         """This rank's parameters in the global gradient norm: cut shards on every tensor rank,
-        whole parameters on tensor rank 0; replica 0 only unless ZeRO-3 (each its shard)."""
+        whole parameters on tensor rank 0; replica 0 only unless ZeRO-3 (each its shard); with
+        expert shards, as :meth:`ExpertShards.norm_counted` says."""
+        if self.experts is not None:
+            return self.experts.norm_counted(module, replica)
         if replica != 0 and not self.shards:
             return []
         cut = set(self.tp.layouts) if self.tp is not None else set()
@@ -330,13 +346,15 @@ def whole_parameters(
 ) -> dict[str, torch.Tensor]:
     """Every parameter (or gradient: zeros where none) of the stage whole, by name: gathered
     over the replica group (ZeRO-3, or a ZeRO-1/2 gradient from this replica's ``shards``),
-    then the tensor group. Collective on both."""
+    the expert group (expert shards), then the tensor group. Collective on all three."""
     local: dict[str, torch.Tensor] = {}
     for n, p in module.named_parameters():
         t = p.grad if grads else p.detach()
         local[n] = _local(t if t is not None else torch.zeros_like(p)).detach()
     if grads and shards is not None:
         local |= _summed_pieces(module, shards)
+    if mesh.experts is not None:
+        local = mesh.experts.whole(local)
     if mesh.tp is None:
         return local
     return mesh.tp.full_parameters(grads, local=local)

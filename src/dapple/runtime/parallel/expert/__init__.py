@@ -1,0 +1,217 @@
+"""Expert parallelism (EP) inside a replicated stage: each MoE layer's experts sharded over the
+stage's expert groups (``StagePlan.expert_width`` e_s), everything else replicated.
+
+Stage ``s`` has r_s replicas; consecutive replicas ``[k*e, (k+1)*e)`` form expert group ``k``,
+which holds every expert once: replica ``j`` holds expert shard ``j % e`` (experts
+``[(j%e)*E/e, (j%e+1)*E/e)`` of every MoE layer, under the whole model's parameter names).
+
+- **Forward.** Each replica computes its own slice of every micro-batch as without EP: router,
+  top-k, sorting by expert. At each MoE site (:mod:`.sites`: a traced grouped-matmul experts
+  block) its token rows go to the replicas of its expert group that hold their experts and the
+  results come back (:mod:`.exchange`: an all-to-all each way, dropless, on gloo and NCCL).
+- **Backward.** The exchanges' backwards move the gradients the same way; an expert shard's
+  gradient holds the contributions of every token of its expert group routed to it.
+- **Gradients.** Non-expert parameters: the stage AllReduce over all r_s replicas, as today
+  (:class:`~dapple.runtime.sync.GradientSync`). Expert shards: left out of it, and summed over
+  the r_s/e_s replicas holding the same shard (``StagePlan.expert_shard_replicas``) at the
+  ``AR`` action (:class:`ExpertGradientSync`; nothing to sum when e_s = r_s). Every loss is
+  already scaled by its rows over the global batch, so these sums equal one device's gradient.
+- **Norm, verify.** Replica 0 counts the non-expert parameters in the global gradient norm and
+  the replicas of expert group 0 their expert shards; whole weights (for ``dapple verify``) are
+  all-gathered over the expert group (:meth:`ExpertShards.whole`).
+
+Refused before any compute (:func:`check_expert_run`): e_s > 1 with tensor parallelism, ZeRO,
+an interleaved plan, a split-backward schedule, fp16 loss scaling or checkpoints; and, once the
+stage is built, a stage without MoE experts of this shape, or E not a multiple of e_s.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import fx, nn
+
+from dapple.core.plan import Plan
+from dapple.core.precision import precision_of
+from dapple.errors import ValidationError
+from dapple.runtime import comm
+from dapple.runtime.config import TrainConfig
+from dapple.runtime.parallel.expert.exchange import GroupCollectives
+from dapple.runtime.parallel.expert.sites import find_sites, shard_site
+from dapple.runtime.sync import GradientSync
+from dapple.schedule.registry import get_schedule
+
+__all__ = [
+    "ExpertGradientSync",
+    "ExpertGroups",
+    "ExpertShards",
+    "check_expert_run",
+    "gradient_sync",
+    "make_expert_groups",
+    "shard_experts",
+]
+
+
+def _expert_stages(plan: Plan) -> list[int]:
+    return [s for s, st in enumerate(plan.stages) if st.expert_width > 1]
+
+
+def check_expert_run(plan: Plan, config: TrainConfig) -> None:
+    """Refuse, before any compute, what expert parallelism does not run (``plan`` with the
+    run's zero stage floored in, :func:`~dapple.runtime.parallel.stage_mesh.zero_floored`).
+
+    Raises:
+        ValidationError: one line naming the stage and what is unsupported.
+    """
+    for s in _expert_stages(plan):
+        st = plan.stages[s]
+        what = f"stage {s} {list(st.layers)} (expert_width {st.expert_width})"
+        refusals = [
+            (st.tensor_width > 1, f"tensor_width {st.tensor_width}: EP with TP"),
+            (st.zero_stage > 0, f"zero_stage {st.zero_stage}: EP with ZeRO"),
+            (plan.num_groups < plan.num_stages, "an interleaved plan"),
+            (get_schedule(plan.schedule).split_backward,
+             f"schedule {plan.schedule!r} (split backward)"),
+            (precision_of(config.precision).loss_scaling, f"precision {config.precision}"),
+            (config.checkpoint_dir is not None, "checkpoints (checkpoint_dir)"),
+        ]  # fmt: skip
+        for bad, reason in refusals:
+            if bad:
+                raise ValidationError(f"{what}: expert parallelism with {reason} is not supported")
+
+
+# -- process groups -------------------------------------------------------------------------
+@dataclass
+class ExpertGroups:
+    """The expert and expert-shard groups of a plan (created on every rank, in one order)."""
+
+    group: dict[tuple[int, int], Any] = field(default_factory=dict)
+    """``(stage, k)`` -> the group of expert group k's replicas (stages with e_s > 1)."""
+    shard: dict[tuple[int, int], Any] = field(default_factory=dict)
+    """``(stage, i)`` -> the group of the replicas holding shard i (r_s / e_s > 1)."""
+
+    def all(self) -> list[Any]:
+        """Every group, in creation order."""
+        return [*self.group.values(), *self.shard.values()]
+
+
+def make_expert_groups(plan: Plan) -> ExpertGroups:
+    """Create every stage's expert groups, then its shard groups. Collective (every rank)."""
+    out = ExpertGroups()
+    for s in _expert_stages(plan):
+        st = plan.stages[s]
+        e, dev = st.expert_width, st.replica_devices
+        for k in range(st.replicas // e):
+            out.group[(s, k)] = dist.new_group([dev[j] for j in st.expert_group(k * e)])
+        if st.replicas > e:
+            for i in range(e):
+                out.shard[(s, i)] = dist.new_group([dev[j] for j in st.expert_shard_replicas(i)])
+    return out
+
+
+# -- the rank's shards ----------------------------------------------------------------------
+@dataclass
+class ExpertShards:
+    """One rank's expert shards and how its groups reduce, gather and count them."""
+
+    coll: GroupCollectives
+    """Its expert group (``index``: the shard it holds)."""
+    shard_pg: Any
+    """The group of the replicas holding the same shard (None: e_s = r_s, nobody else)."""
+    names: tuple[str, ...]
+    """The shards' names in the rank's module (``piece.dotted.name``)."""
+    params: list[nn.Parameter]
+    """The shards, in :attr:`names` order."""
+    counted: bool
+    """The rank belongs to expert group 0: its shards count in the global gradient norm."""
+
+    @property
+    def param_ids(self) -> frozenset[int]:
+        return frozenset(id(p) for p in self.params)
+
+    def reduce_grads(self) -> None:
+        """Sum each shard's gradient over the replicas holding it (one flat AllReduce)."""
+        if self.shard_pg is None or not self.params:
+            return
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        comm.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.shard_pg)
+        off = 0
+        for p, g in zip(self.params, grads, strict=True):
+            p.grad = flat[off : off + g.numel()].view_as(p).clone()
+            off += g.numel()
+
+    def whole(self, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``local`` (tensors by name) with each shard replaced by the whole ``[E, ...]``
+        tensor, gathered over the expert group. Collective."""
+        out = dict(local)
+        for name in self.names:
+            parts = self.coll.all_gather(local[name].detach())
+            out[name] = parts.reshape(-1, *parts.shape[2:])
+        return out
+
+    def norm_counted(self, module: nn.Module, replica: int) -> list[nn.Parameter]:
+        """This rank's parameters in the global gradient norm: the non-expert ones on replica
+        0, its shards on the replicas of expert group 0."""
+        ids = self.param_ids
+        dense = [p for p in module.parameters() if id(p) not in ids] if replica == 0 else []
+        return dense + (self.params if self.counted else [])
+
+
+def shard_experts(
+    plan: Plan, rank: int, module: nn.Module | None, groups: ExpertGroups
+) -> ExpertShards | None:
+    """Cut the MoE sites of ``rank``'s stage for its expert shard, in place (None: e_s = 1).
+
+    Raises:
+        ValidationError: the stage holds no MoE site, a site is not of the shape EP cuts, or
+            its experts are not a multiple of e_s (before any compute).
+    """
+    if module is None or rank not in plan.devices:
+        return None
+    s, j = plan.stage_of_device(rank)
+    st = plan.stages[s]
+    e = st.expert_width
+    if e == 1:
+        return None
+    coll = GroupCollectives(groups.group[(s, j // e)], e, j % e)
+    names: list[str] = []
+    for i, piece in enumerate(module.children()):
+        if not isinstance(piece, fx.GraphModule):
+            continue
+        sites = find_sites(piece)
+        for n, site in enumerate(sites):
+            names += [f"{i}.{w}" for w in shard_site(piece, site, coll, f"dapple_expert_{n}")]
+        if sites:
+            piece.recompile()
+    if not names:
+        raise ValidationError(
+            f"stage {s} {list(st.layers)}: expert_width {e}, but its layers hold no mixture-of-"
+            "experts block expert parallelism can shard (traced grouped-matmul experts)"
+        )
+    params = [module.get_parameter(n) for n in names]
+    return ExpertShards(coll, groups.shard.get((s, j % e)), tuple(names), params, j < e)
+
+
+class ExpertGradientSync(GradientSync):
+    """:class:`GradientSync` leaving the expert shards out of the stage AllReduce and summing
+    them over their shard's replicas at ``AR`` (:meth:`finish`)."""
+
+    def __init__(self, *args: Any, experts: ExpertShards, **kwargs: Any) -> None:
+        kwargs["exclude"] = frozenset(kwargs.get("exclude", frozenset())) | experts.param_ids
+        super().__init__(*args, **kwargs)
+        self.experts = experts
+
+    def finish(self) -> None:
+        super().finish()
+        self.experts.reduce_grads()
+
+
+def gradient_sync(experts: ExpertShards | None, *args: Any, **kwargs: Any) -> GradientSync:
+    """The rank's :class:`GradientSync` (an :class:`ExpertGradientSync` with expert shards)."""
+    if experts is None:
+        return GradientSync(*args, **kwargs)
+    return ExpertGradientSync(*args, experts=experts, **kwargs)

@@ -1,0 +1,263 @@
+"""Expert parallelism (``StagePlan.expert_width``) in the runtime: the route of the token
+exchange, the cut MoE block against the whole one (members simulated by threads in one
+process), what is refused before any compute, and ``dapple verify`` of Hugging Face's Mixtral and
+Qwen2-MoE with EP 2 on a 1:2:1 plan under AdamW."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import threading
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import extra_models as em
+from dapple import api
+from dapple.core.plan import Plan, interleave, straight_plan
+from dapple.errors import ValidationError
+from dapple.runtime.config import TrainConfig
+from dapple.runtime.parallel.expert import (
+    ExpertGroups,
+    ExpertShards,
+    check_expert_run,
+    shard_experts,
+)
+from dapple.runtime.parallel.expert.exchange import Route
+from dapple.runtime.verify.run import WORKER_SETUP_ENV
+
+EP_DIR_ENV = "DAPPLE_TEST_EP_DIR"
+"""Where :func:`record_shards` writes each verify worker's expert shards."""
+
+
+class ThreadCollectives:
+    """An expert group's collectives among threads of one process (one thread per member)."""
+
+    def __init__(self, shared: dict[str, Any], size: int, index: int) -> None:
+        self.shared, self.size, self.index = shared, size, index
+
+    def _swap(self, item: Any) -> list[Any]:
+        self.shared["slots"][self.index] = item
+        self.shared["barrier"].wait()
+        got = list(self.shared["slots"])
+        self.shared["barrier"].wait()
+        return got
+
+    def all_gather(self, t: torch.Tensor) -> torch.Tensor:
+        return torch.stack([x.clone() for x in self._swap(t)])
+
+    def all_to_all(self, x: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
+        got = self._swap(list(torch.split(x, send)))
+        out = torch.cat([got[p][self.index] for p in range(self.size)])
+        assert out.shape[0] == sum(recv)
+        return out
+
+
+def _plan_1_2_1(expert_width: int = 2, **stage: Any) -> Plan:
+    """Layers prologue | 2 MoE blocks | epilogue on 1:2:1, b = 3 (middle slices 2 and 1)."""
+    plan = straight_plan(4, [0, 1, 3], global_batch_size=6, num_micro_batches=2,
+                         replicas=[1, 2, 1])  # fmt: skip
+    mid = replace(plan.stages[1], expert_width=expert_width, **stage)
+    return replace(plan, stages=(plan.stages[0], mid, plan.stages[2]))
+
+
+# -- the route ------------------------------------------------------------------------------
+
+
+def test_route_sends_runs_by_owner_and_orders_received_rows_by_local_expert() -> None:
+    table = torch.tensor([[1, 2, 0, 3], [2, 0, 1, 1]])  # rows per expert of members 0 and 1
+    r0, r1 = Route(table, 0), Route(table, 1)
+    assert (r0.send, r0.recv, r1.send, r1.recv) == ([3, 3], [3, 2], [2, 2], [3, 2])
+    # member 0 receives [e0 from 0 | e1 from 0, 0 | e0 from 1, 1]: expert 0's rows, then 1's
+    assert r0.order.tolist() == [0, 3, 4, 1, 2] and r0.local_offs.tolist() == [3, 5]
+    # member 1 receives [e3 from 0 x3 | e2 from 1 | e3 from 1]
+    assert r1.order.tolist() == [3, 0, 1, 2, 4] and r1.local_offs.tolist() == [1, 5]
+
+
+# -- the cut block against the whole one ----------------------------------------------------
+
+
+def _cut_stage(factory: str, sizes: list[int]) -> None:
+    """Stage [1, 2) (one MoE block) of ``factory`` cut over len(sizes) thread members, each
+    running ``sizes[q]`` samples: outputs, input gradients and parameter gradients (expert
+    shards concatenated, the rest summed) equal the whole stage's on all the samples."""
+    wl = getattr(em, factory)()
+    inputs, _ = wl.make_batch(sum(sizes), 0)
+    hidden = tuple(t.detach() for t in wl.build_stage(0, 1, 0)(inputs))
+    whole = wl.build_stage(1, 2, 0)
+    x = hidden[0].clone().requires_grad_(True)
+    out = whole((x, *hidden[1:]))[-1]
+    gy = torch.randn_like(out)
+    out.backward(gy)
+    e = len(sizes)
+    plan = straight_plan(4, [0, 1, 2], global_batch_size=sum(sizes), num_micro_batches=1,
+                         replicas=[1, e, 1])  # fmt: skip
+    plan = replace(plan, stages=(plan.stages[0], replace(plan.stages[1], expert_width=e,
+                                 shares=tuple(sizes)), plan.stages[2]))  # fmt: skip
+    shared: dict[str, Any] = {"slots": [None] * e, "barrier": threading.Barrier(e)}
+    members, cuts = [], []
+    for q in range(e):
+        module = copy.deepcopy(whole)
+        module.zero_grad()
+        groups = ExpertGroups(group={(1, 0): None})
+        ep = shard_experts(plan, plan.stages[1].devices[q], module, groups)
+        assert ep is not None and len(ep.names) == 2
+        ep.coll = ThreadCollectives(shared, e, q)  # type: ignore[assignment]
+        for child in module.children():  # the exchange modules hold the group's collectives
+            for sub in child.modules():
+                if hasattr(sub, "coll"):
+                    sub.coll = ep.coll
+        members.append(module)
+        cuts.append(ep)
+    results: list[Any] = [None] * e
+
+    def run(q: int) -> None:
+        lo, hi = sum(sizes[:q]), sum(sizes[: q + 1])
+        xq = hidden[0][lo:hi].clone().requires_grad_(True)
+        y = members[q]((xq, *(t[lo:hi] for t in hidden[1:])))[-1]
+        y.backward(gy[lo:hi])
+        results[q] = (y.detach(), xq.grad)
+
+    threads = [threading.Thread(target=run, args=(q,)) for q in range(e)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    torch.testing.assert_close(torch.cat([r[0] for r in results]), out.detach())
+    torch.testing.assert_close(torch.cat([r[1] for r in results]), x.grad)
+    for name, p in whole.named_parameters():
+        parts = [dict(m.named_parameters())[name].grad for m in members]
+        got = torch.cat(parts) if name in cuts[0].names else sum(parts)
+        assert parts[0] is not None and (name not in cuts[0].names or parts[0].shape[0] == 4 // e)
+        torch.testing.assert_close(got, p.grad, msg=name)
+
+
+@pytest.mark.parametrize("factory", ["mixtral", "qwen2_moe"])
+def test_the_cut_moe_block_computes_what_the_whole_block_does(factory: str) -> None:
+    pytest.importorskip("transformers")
+    _cut_stage(factory, [1, 3])
+
+
+def test_whole_gathers_the_shards_and_norm_counts_each_once() -> None:
+    e = 2
+    shared: dict[str, Any] = {"slots": [None] * e, "barrier": threading.Barrier(e)}
+    full = torch.arange(24.0).view(4, 3, 2)
+    dense = nn.Parameter(torch.ones(3))
+    got: list[Any] = [None] * e
+
+    def run(q: int) -> None:
+        shard = nn.Parameter(full[2 * q : 2 * q + 2].clone())
+        module = nn.Module()
+        module.register_parameter("w", shard)
+        module.register_parameter("d", dense)
+        ep = ExpertShards(ThreadCollectives(shared, e, q), None, ("w",), [shard], q < e)  # type: ignore[arg-type]
+        got[q] = (ep.whole({"w": shard.detach(), "d": dense.detach()}),
+                  ep.norm_counted(module, q))  # fmt: skip
+
+    threads = [threading.Thread(target=run, args=(q,)) for q in range(e)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for whole, _ in got:
+        assert torch.equal(whole["w"], full) and torch.equal(whole["d"], dense.detach())
+    counted0, counted1 = got[0][1], got[1][1]
+    assert [tuple(p.shape) for p in counted0] == [(3,), (2, 3, 2)]  # replica 0: dense + shard
+    assert [tuple(p.shape) for p in counted1] == [(2, 3, 2)]  # replica 1: its shard only
+
+
+# -- refused before any compute -------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("plan", "config", "words"),
+    [
+        (lambda: _plan_1_2_1(zero_stage=1), {}, "zero_stage 1: EP with ZeRO"),
+        (lambda: _plan_1_2_1(), {"zero_stage": 2}, "zero_stage 2: EP with ZeRO"),
+        (lambda: replace(_plan_1_2_1(), schedule="zbh1"), {}, "split backward"),
+        (lambda: _plan_1_2_1(), {"precision": "fp16"}, "precision fp16"),
+        (lambda: _plan_1_2_1(), {"checkpoint_dir": "ckpt"}, "checkpoints"),
+    ],
+)
+def test_what_expert_parallelism_does_not_run_is_refused(
+    plan: Any, config: dict[str, Any], words: str
+) -> None:
+    from dapple.runtime.parallel.stage_mesh import zero_floored
+
+    cfg = TrainConfig(**config)
+    with pytest.raises(ValidationError, match=f"stage 1 \\[1, 3\\] \\(expert_width 2\\).*{words}"):
+        check_expert_run(zero_floored(plan(), cfg.zero_stage), cfg)
+
+
+def test_tensor_parallel_and_interleaved_expert_stages_are_refused() -> None:
+    tp = straight_plan(4, [0, 1, 3], global_batch_size=4, num_micro_batches=2,
+                       replicas=[1, 4, 1])  # fmt: skip
+    mid = replace(tp.stages[1], tensor_width=2, expert_width=2)
+    with pytest.raises(ValidationError, match="tensor_width 2: EP with TP"):
+        check_expert_run(replace(tp, stages=(tp.stages[0], mid, tp.stages[2])), TrainConfig())
+    two = interleave(straight_plan(4, [0, 2], global_batch_size=4, num_micro_batches=2,
+                                   replicas=[2, 1]), 2)  # fmt: skip
+    ep = tuple(replace(st, expert_width=st.replicas) for st in two.stages)
+    with pytest.raises(ValidationError, match=r"stage 0 \[0, 1\].*an interleaved plan"):
+        check_expert_run(replace(two, stages=ep), TrainConfig())
+    check_expert_run(_plan_1_2_1(), TrainConfig())  # what runs is not refused
+
+
+def test_a_stage_without_experts_or_with_experts_not_dividing_is_refused() -> None:
+    pytest.importorskip("transformers")
+    dense = em.varlen_llama().build_stage(1, 3, 0)
+    with pytest.raises(ValidationError, match=r"stage 1 \[1, 3\]: expert_width 2, but its layers"):
+        shard_experts(_plan_1_2_1(), 1, dense, ExpertGroups(group={(1, 0): None}))
+    three = straight_plan(4, [0, 1, 3], global_batch_size=6, num_micro_batches=2,
+                          replicas=[1, 3, 1])  # fmt: skip
+    three = replace(three, stages=(three.stages[0], replace(three.stages[1], expert_width=3),
+                                   three.stages[2]))  # fmt: skip
+    moe = em.mixtral().build_stage(1, 3, 0)
+    with pytest.raises(ValidationError, match="holds 4 experts, not a multiple of expert_width 3"):
+        shard_experts(three, 1, moe, ExpertGroups(group={(1, 0): None}))
+
+
+# -- dapple verify ----------------------------------------------------------------------------
+
+
+def record_shards(rank: int) -> None:
+    """Verify worker setup hook: write the expert shards the rank's stage holds (names and
+    shapes) to ``$DAPPLE_TEST_EP_DIR/rank<r>.json``."""
+    import dapple.runtime.rank as rank_mod
+
+    cut = rank_mod.shard_experts
+
+    def recorded(plan: Plan, r: int, module: Any, groups: ExpertGroups) -> ExpertShards | None:
+        ep = cut(plan, r, module, groups)
+        if ep is not None:
+            shapes = {n: list(p.shape) for n, p in zip(ep.names, ep.params, strict=True)}
+            Path(os.environ[EP_DIR_ENV], f"rank{r}.json").write_text(json.dumps(shapes))
+        return ep
+
+    rank_mod.shard_experts = recorded
+
+
+@pytest.mark.slow
+def test_verify_mixtral_and_qwen2_moe_with_ep_2_on_1_2_1_under_adamw(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One launch, both families: the middle stage's 2 replicas (slices of 2 and 1 samples)
+    each hold 2 of the 4 experts of both MoE blocks; 3 AdamW steps equal one device's."""
+    pytest.importorskip("transformers")
+    monkeypatch.setenv(WORKER_SETUP_ENV, "test_expert_parallel:record_shards")
+    monkeypatch.setenv(EP_DIR_ENV, str(tmp_path))
+    factories = ["mixtral", "qwen2_moe"]
+    reports = api.verify_many([(_plan_1_2_1(), f"extra_models:{f}") for f in factories], 3,
+                              device="cpu", optimizer="adamw", lr=0.01, timeout_s=400)  # fmt: skip
+    for factory, rep in zip(factories, reports, strict=True):
+        assert rep.ok, (factory, rep.max_abs_diff)
+        assert rep.losses == pytest.approx(rep.reference_losses, rel=1e-5), factory
+    held = {int(p.stem[4:]): json.loads(p.read_text()) for p in tmp_path.glob("rank*.json")}
+    assert sorted(held) == [1, 2]  # the middle stage's replicas, and only them
+    for shapes in held.values():  # the last case's (Qwen2-MoE) shards: 2 of 4 experts each
+        assert len(shapes) == 4 and all(s[0] == 2 for s in shapes.values()), shapes
