@@ -261,13 +261,18 @@ def main(argv: list[str] | None = None) -> int:
     args_text = " ".join(sys.argv[1:] if argv is None else argv)
     command = f"python benchmarks/schedules_measured_v.py {args_text}".strip()
     head = header("V schedules vs torch (CPU, gloo)", command)
+    commit = _commit()  # the checkout the workers import
     cases = build_cases(args.blocks, G, M)
     opts = {k: getattr(args, k) for k in ("rounds", "steps", "skip", "blocks")} | {"G": G, "M": M}
     t0 = time.perf_counter()
     got = run_worker_group(worker, WORLD, cases, opts)
     section = report(cases, got, args, time.perf_counter() - t0)
     # the header's first line is the title; keep its facts as the section's list
-    section[1:1] = ["", *head[2:-1], f"- commit: `{_commit()}` (working tree as run)"]
+    section[1:1] = [
+        "",
+        *head[2:-1],
+        f"- commit: `{commit}` at start (`+dirty`: the working tree as run differs from it)",
+    ]
     splice(Path(args.out), section)
     print("\n".join(section))
     return 0
