@@ -22,7 +22,8 @@ from dapple.errors import InfeasibleError
 from dapple.planner import make_plan
 from dapple.planner.evaluate import Scorer
 from dapple.planner.expert_grid import expert_grid_candidates, uniform_expert_grid_plan
-from dapple.planner.expert_width import ExpertScorer, make_scorer
+from dapple.planner.expert_width import ExpertScorer, make_scorer, with_and_without_widths
+from dapple.planner.search import dapple_search
 from dapple.planner.zero_modes import UNSHARDED, ZeroMode
 
 # 2 servers of 4 devices, a slow network between them.
@@ -134,3 +135,19 @@ def test_plan_prints_and_simulate_shows_the_widths(
     assert main(["simulate", "--plan", str(out), *args]) == 0
     shown = capsys.readouterr().out
     assert "expert widths: stage 0 e_s=" + str(widths[0]) in shown
+
+
+def test_the_search_keeps_the_better_of_with_and_without_widths() -> None:
+    prof = _profile()
+    both = dapple_search(prof, CLUSTER, 16, tensor_widths=[1, 2])
+    ep = dapple_search(prof, CLUSTER, 16, tensor_widths=[1, 2], experts=True)
+    plain = dapple_search(prof, CLUSTER, 16, tensor_widths=[1, 2], experts=False)
+    assert all(st.expert_width == 1 for st in plain.stages)
+    assert both.predicted_step_ms == min(ep.predicted_step_ms, plain.predicted_step_ms)
+
+    def infeasible(ep: bool) -> Plan:
+        if ep:
+            raise InfeasibleError("no plan")
+        return plain
+
+    assert with_and_without_widths(infeasible) is plain

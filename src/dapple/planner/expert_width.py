@@ -17,17 +17,18 @@ stage_choice`): the unsharded option where it holds the stage's K_i, unless a wi
 step (AR_s + U_s + its M x A2A in F and B, the order :meth:`ExpertScorer._new_options` gives the
 options); else the cheapest that holds K_i. Each candidate's L is then the cost model's for the
 chosen widths, and the plan records them (:meth:`ExpertScorer.stage_plan`). A profile without MoE
-layers gets the plain :class:`Scorer` (:func:`make_scorer`): its search is unchanged. Pure, no
-torch.
+layers gets the plain :class:`Scorer` (:func:`make_scorer`): its search is unchanged. The DAPPLE
+search runs once with the widths and once without, keeping the better plan
+(:func:`with_and_without_widths`). Pure, no torch.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from dapple.core.cluster import Cluster
-from dapple.core.plan import StagePlan
+from dapple.core.plan import Plan, StagePlan
 from dapple.core.planning_options import ZeroChoice
 from dapple.core.profile import ModelProfile
 from dapple.cost.comm import stage_update_ms
@@ -40,10 +41,11 @@ from dapple.cost.moe import (
 )
 from dapple.cost.peak_memory import in_flight_limit, stage_bytes
 from dapple.cost.terms import StageTerms
+from dapple.errors import InfeasibleError
 from dapple.planner.evaluate import Scorer, StageOptions, _Option
 from dapple.planner.zero_modes import UNSHARDED, ZeroMode
 
-__all__ = ["ExpertScorer", "has_experts", "make_scorer"]
+__all__ = ["ExpertScorer", "has_experts", "make_scorer", "with_and_without_widths"]
 
 
 def has_experts(profile: ModelProfile) -> bool:
@@ -57,12 +59,33 @@ def make_scorer(
     global_batch_size: int,
     zero_stage: ZeroChoice | ZeroMode = 0,
     tensor_width: int = 1,
+    *,
+    experts: bool = True,
 ) -> Scorer:
     """The scorer of one tensor width: :class:`ExpertScorer` for a profile with MoE layers at
-    width 1 (expert parallelism is costed without tensor parallelism), else :class:`Scorer`."""
-    if tensor_width == 1 and has_experts(profile):
+    width 1 (expert parallelism is costed without tensor parallelism) unless ``experts`` is
+    False, else :class:`Scorer`."""
+    if experts and tensor_width == 1 and has_experts(profile):
         return ExpertScorer(profile, cluster, global_batch_size, zero_stage)
     return Scorer(profile, cluster, global_batch_size, zero_stage, tensor_width)
+
+
+def with_and_without_widths(search: Callable[[bool], Plan]) -> Plan:
+    """The plan of lower L of ``search(True)`` (EP widths offered) and ``search(False)`` (none),
+    the first on ties: a search that prunes and keeps a beam may end higher with more options.
+
+    Raises:
+        InfeasibleError: neither finds a plan (the first's error).
+    """
+    try:
+        plan = search(True)
+    except InfeasibleError:
+        return search(False)
+    try:
+        plain = search(False)
+    except InfeasibleError:
+        return plan
+    return plan if plan.predicted_step_ms <= plain.predicted_step_ms else plain
 
 
 class ExpertScorer(Scorer):

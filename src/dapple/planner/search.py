@@ -77,7 +77,7 @@ from dapple.planner.cut_search import (
     stage_bound,
 )
 from dapple.planner.evaluate import Scored, Scorer, StageSpec
-from dapple.planner.expert_width import make_scorer
+from dapple.planner.expert_width import has_experts, make_scorer, with_and_without_widths
 from dapple.planner.grid import GridPoint, grid_candidates
 from dapple.planner.interleaving import best_interleaved, grid_offers, own_offers
 from dapple.planner.partition import block_partition
@@ -192,6 +192,7 @@ def dapple_search(
     stage_widths: bool = True,
     grid: bool = True,
     interleaved: bool = False,
+    experts: bool | None = None,
 ) -> Plan:
     """The DAPPLE plan minimising L (equations 4-5) over partition, replication, placement, M.
 
@@ -242,14 +243,47 @@ def dapple_search(
             cost them, so its L would not compare with the DP's. False (default): 1F1B plans
             only, each with the paper's K_i per stage (``dapple plan --interleave`` sets it).
 
+        experts: True: offer each stage of MoE layers an expert-parallel width e_s
+            (:mod:`dapple.planner.expert_width`); False: every replica holds all its experts;
+            None (default): on a profile with MoE layers the search runs both ways
+            (``progress`` reports the first only) and keeps the plan of lower L
+            (:func:`~dapple.planner.expert_width.with_and_without_widths`: a search that
+            prunes is not monotone in its options).
+
     Raises:
         InfeasibleError: no plan fits device memory for any M.
     """
+    if experts is None and has_experts(profile):
+        return with_and_without_widths(
+            lambda ep: dapple_search(
+                profile,
+                cluster,
+                global_batch_size,
+                max_stages=max_stages,
+                states_per_layer=states_per_layer,
+                window=window,
+                keep=keep,
+                m_candidates=m_candidates,
+                cut_limit=cut_limit,
+                progress=progress if ep else None,
+                zero_stage=zero_stage,
+                tensor_widths=tensor_widths,
+                stage_widths=stage_widths,
+                grid=grid,
+                interleaved=interleaved,
+                experts=ep,
+            )
+        )
     widths = width_candidates(profile, cluster) if tensor_widths is None else list(tensor_widths)
     usable = usable_devices(profile.num_layers, global_batch_size, widths, max_stages)
     cluster = usable_cluster(cluster, usable)  # idle devices do not enlarge the search
     Ms = micro_batch_candidates(global_batch_size)
-    scorers = {t: make_scorer(profile, cluster, global_batch_size, zero_stage, t) for t in widths}
+    scorers = {
+        t: make_scorer(
+            profile, cluster, global_batch_size, zero_stage, t, experts=experts is not False
+        )
+        for t in widths
+    }
     shards = any(x.tensor_parallel for x in profile.layers)
     mixed = MixedScorer(scorers) if stage_widths and len(scorers) > 1 and shards else None
     found: list[tuple[float, int, Plan]] = []
