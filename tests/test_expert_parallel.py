@@ -179,7 +179,6 @@ def test_whole_gathers_the_shards_and_norm_counts_each_once() -> None:
     [
         (lambda: _plan_1_2_1(zero_stage=1), {}, "zero_stage 1: EP with ZeRO"),
         (lambda: _plan_1_2_1(), {"zero_stage": 2}, "zero_stage 2: EP with ZeRO"),
-        (lambda: replace(_plan_1_2_1(), schedule="zbh1"), {}, "split backward"),
         (lambda: _plan_1_2_1(), {"precision": "fp16"}, "precision fp16"),
         (lambda: _plan_1_2_1(), {"checkpoint_dir": "ckpt"}, "checkpoints"),
     ],
@@ -226,8 +225,8 @@ def test_a_stage_without_experts_or_with_experts_not_dividing_is_refused() -> No
 
 
 def record_shards(rank: int) -> None:
-    """Verify worker setup hook: write the expert shards the rank's stage holds (names and
-    shapes) to ``$DAPPLE_TEST_EP_DIR/rank<r>.json``."""
+    """Verify worker setup hook: append the expert shards the rank's stage holds in each run
+    (names and shapes) as a line to ``$DAPPLE_TEST_EP_DIR/rank<r>.jsonl``."""
     import dapple.runtime.rank as rank_mod
 
     cut = rank_mod.shard_experts
@@ -236,28 +235,37 @@ def record_shards(rank: int) -> None:
         ep = cut(plan, r, module, groups)
         if ep is not None:
             shapes = {n: list(p.shape) for n, p in zip(ep.names, ep.params, strict=True)}
-            Path(os.environ[EP_DIR_ENV], f"rank{r}.json").write_text(json.dumps(shapes))
+            with Path(os.environ[EP_DIR_ENV], f"rank{r}.jsonl").open("a") as f:
+                f.write(json.dumps(shapes) + "\n")
         return ep
 
     rank_mod.shard_experts = recorded
 
 
 @pytest.mark.slow
-def test_verify_mixtral_and_qwen2_moe_with_ep_2_on_1_2_1_under_adamw(
+def test_verify_mixtral_and_qwen2_moe_with_ep_2_under_adamw(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """One launch, both families: the middle stage's 2 replicas (slices of 2 and 1 samples)
-    each hold 2 of the 4 experts of both MoE blocks; 3 AdamW steps equal one device's."""
+    """One launch, three runs of 3 AdamW steps, each equal to one device's: Mixtral and
+    Qwen2-MoE (the latter under ZB-H1's split backward) on 1:2:1, the middle stage's 2 replicas
+    (slices of 2 and 1 samples) holding 2 of the 4 experts of both MoE blocks each; and Mixtral
+    on 4:1 with EP 2 and re-computation (two expert groups: each shard summed over 2 replicas;
+    slices of 2, 1, 1, 1)."""
     pytest.importorskip("transformers")
     monkeypatch.setenv(WORKER_SETUP_ENV, "test_expert_parallel:record_shards")
     monkeypatch.setenv(EP_DIR_ENV, str(tmp_path))
-    factories = ["mixtral", "qwen2_moe"]
-    reports = api.verify_many([(_plan_1_2_1(), f"extra_models:{f}") for f in factories], 3,
-                              device="cpu", optimizer="adamw", lr=0.01, timeout_s=400)  # fmt: skip
-    for factory, rep in zip(factories, reports, strict=True):
-        assert rep.ok, (factory, rep.max_abs_diff)
+    four = straight_plan(4, [0, 3], global_batch_size=10, num_micro_batches=2, replicas=[4, 1])
+    four = replace(four, stages=(replace(four.stages[0], expert_width=2, recompute=True),
+                                 four.stages[1]))  # fmt: skip
+    cases = [(_plan_1_2_1(), "mixtral"), (replace(_plan_1_2_1(), schedule="zbh1"), "qwen2_moe"),
+             (four, "mixtral")]  # fmt: skip
+    reports = api.verify_many([(p, f"extra_models:{f}") for p, f in cases], 3, device="cpu",
+                              optimizer="adamw", lr=0.01, timeout_s=600)  # fmt: skip
+    for (plan, factory), rep in zip(cases, reports, strict=True):
+        assert rep.ok, (factory, plan.replication, rep.max_abs_diff)
         assert rep.losses == pytest.approx(rep.reference_losses, rel=1e-5), factory
-    held = {int(p.stem[4:]): json.loads(p.read_text()) for p in tmp_path.glob("rank*.json")}
-    assert sorted(held) == [1, 2]  # the middle stage's replicas, and only them
-    for shapes in held.values():  # the last case's (Qwen2-MoE) shards: 2 of 4 experts each
-        assert len(shapes) == 4 and all(s[0] == 2 for s in shapes.values()), shapes
+    runs = {int(p.stem[4:]): p.read_text().splitlines() for p in tmp_path.glob("rank*.jsonl")}
+    assert {r: len(lines) for r, lines in runs.items()} == {0: 1, 1: 3, 2: 3, 3: 1}
+    for lines in runs.values():  # every run: 2 of the 4 experts of both blocks' 2 weights
+        for shapes in map(json.loads, lines):
+            assert len(shapes) == 4 and all(s[0] == 2 for s in shapes.values()), shapes
