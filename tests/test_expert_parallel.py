@@ -180,7 +180,6 @@ def test_whole_gathers_the_shards_and_norm_counts_each_once() -> None:
         (lambda: _plan_1_2_1(zero_stage=1), {}, "zero_stage 1: EP with ZeRO"),
         (lambda: _plan_1_2_1(), {"zero_stage": 2}, "zero_stage 2: EP with ZeRO"),
         (lambda: _plan_1_2_1(), {"precision": "fp16"}, "precision fp16"),
-        (lambda: _plan_1_2_1(), {"checkpoint_dir": "ckpt"}, "checkpoints"),
     ],
 )
 def test_what_expert_parallelism_does_not_run_is_refused(
@@ -269,3 +268,86 @@ def test_verify_mixtral_and_qwen2_moe_with_ep_2_under_adamw(
     for lines in runs.values():  # every run: 2 of the 4 experts of both blocks' 2 weights
         for shapes in map(json.loads, lines):
             assert len(shapes) == 4 and all(s[0] == 2 for s in shapes.values()), shapes
+
+
+# -- checkpoints --------------------------------------------------------------------------------
+
+CK_STEPS, CK_CUT = 4, 2
+CK_RUNS = {"ep": 2, "plain": 1}
+"""Run name -> the expert width of the 1:2:1 plan's middle stage."""
+CK_RESUMES = [("ep", "plain"), ("plain", "ep")]
+"""(run whose step CK_CUT checkpoint is copied, plan that resumes it)."""
+
+
+def checkpoint_worker(rank: int, world: int, out_dir: str) -> None:
+    """Mixtral on 1:2:1 with and without EP 2 (AdamW, saving at CK_CUT and CK_STEPS), then
+    each one's CK_CUT checkpoint resumed under the other."""
+    import shutil
+
+    import torch.distributed as dist
+
+    from dapple.runtime import TrainConfig, init_distributed, run_plan
+    from dapple.runtime.checkpoint import step_dir
+
+    device = init_distributed(TrainConfig(timeout_s=120), world)
+    out, wl, losses = Path(out_dir), em.mixtral(), {}
+
+    def run(name: str, ck: Path, **kw: Any) -> None:
+        cfg = TrainConfig(seed=1, optimizer="adamw", lr=1e-2, timeout_s=120, steps=CK_STEPS,
+                          save_every=CK_CUT, checkpoint_dir=str(ck), **kw)  # fmt: skip
+        r = run_plan(_plan_1_2_1(CK_RUNS[name]), wl, cfg, device=device, exact_world=False)
+        losses[ck.name] = [m.loss for m in r.metrics]
+
+    for name in CK_RUNS:
+        run(name, out / f"u-{name}")
+    for src, dst in CK_RESUMES:
+        d = out / f"r-{src}-as-{dst}"
+        if rank == 0:
+            d.mkdir()
+            shutil.copytree(step_dir(out / f"u-{src}", CK_CUT), step_dir(d, CK_CUT))
+        dist.barrier()
+        run(dst, d, resume=True)
+    if rank == 0:
+        (out / "losses.json").write_text(json.dumps(losses))
+
+
+def _tensors(root: Path, step: int) -> dict[str, torch.Tensor]:
+    """Every tensor and optimizer state of a checkpoint, by ``layer/name[/state]``."""
+    from dapple.runtime.checkpoint import load_layer_states, read_checkpoint, step_dir
+
+    ck = read_checkpoint(step_dir(root, step))
+    out: dict[str, torch.Tensor] = {}
+    for i, ls in load_layer_states(ck, range(ck.meta.num_layers)).items():
+        out |= {f"{i}/{n}": t for n, t in ls.tensors.items()}
+        for n, st in ls.optimizer.items():
+            out |= {f"{i}/{n}/{k}": torch.as_tensor(v) for k, v in st.items()}
+    return out
+
+
+@pytest.mark.slow
+def test_checkpoints_of_an_expert_sharded_stage_are_whole_and_resume_across_widths(
+    tmp_path: Path,
+) -> None:
+    """The EP run's checkpoints hold what the unsharded run's do (whole ``[4, ...]`` experts and
+    their AdamW moments, within rounding); each run's step-2 checkpoint resumed under the other
+    width ends where the uninterrupted runs do."""
+    pytest.importorskip("transformers")
+    from dapple.runtime import spawn
+
+    spawn(checkpoint_worker, 4, str(tmp_path), timeout_s=600)
+    losses = json.loads((tmp_path / "losses.json").read_text())
+    want = _tensors(tmp_path / "u-plain", CK_STEPS)
+    experts = [k for k in want if k.endswith(("experts.gate_up_proj", "gate_up_proj/exp_avg"))]
+    assert experts and all(want[k].shape[0] == 4 for k in experts), experts
+    runs = ["u-ep", "r-ep-as-plain", "r-plain-as-ep"]
+    for run in runs:
+        got = _tensors(tmp_path / run, CK_STEPS)
+        assert got.keys() == want.keys(), run
+        for k, w in want.items():
+            scale = float(w.abs().max()) if w.numel() else 1.0
+            torch.testing.assert_close(got[k], w, rtol=1e-4, atol=3e-4 * scale,
+                                       msg=lambda m, k=k, run=run: f"{run} {k}: {m}")  # fmt: skip
+    full = losses["u-plain"]
+    assert losses["u-ep"] == pytest.approx(full, rel=1e-5)
+    for run in runs[1:]:  # the resumed runs report steps CK_CUT.. only
+        assert losses[run] == pytest.approx(full[CK_CUT:], rel=1e-5), run

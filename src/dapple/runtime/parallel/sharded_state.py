@@ -1,4 +1,5 @@
-"""Checkpoints of a cut stage (t_s > 1 or ZeRO-3): whole layers out, this rank's shards in.
+"""Checkpoints of a cut stage (t_s > 1, ZeRO-3 or e_s > 1): whole layers out, this rank's
+shards in.
 
 A checkpoint stays layer-keyed and whole (:mod:`dapple.runtime.checkpoint`) whatever plan wrote
 it, so a stage cut over a tensor group (:mod:`dapple.runtime.parallel.tp`) or sharded over its replicas
@@ -7,18 +8,21 @@ it, so a stage cut over a tensor group (:mod:`dapple.runtime.parallel.tp`) or sh
 - **Save** (:meth:`CutStage.layer_states`): every parameter, buffer and tensor of the optimizer
   state (AdamW's ``exp_avg``, ``exp_avg_sq``; the scalar ``step`` is copied) is made whole the
   way :func:`dapple.runtime.parallel.stage_mesh.whole_parameters` makes a weight whole: a ZeRO-3 DTensor
-  all-gathered over the replica group (``full_tensor``), then a cut tensor's ``t`` slices
+  all-gathered over the replica group (``full_tensor``), an expert shard's ``E/e_s`` experts
+  over its expert group (:mod:`dapple.runtime.parallel.expert`), then a cut tensor's ``t`` slices
   all-gathered over the tensor group and joined (:meth:`ShardLayout.unshard`). Collective on
   both groups, one layer at a time; only the stage's first device (replica 0, tensor rank 0)
   keeps the result and writes it, in the files an unsharded stage writes.
 - **Resume** (:meth:`CutStage.restore`): every rank of the stage reads its layers whole, takes
-  its tensor slice (:meth:`ShardLayout.shard`, the rule the cut used) and then its FSDP2 shard
+  its tensor slice (:meth:`ShardLayout.shard`, the rule the cut used), its experts (an expert
+  shard) and then its FSDP2 shard
   (``distribute_tensor`` with the parameter's own mesh and placements, sliced locally: no
   communication), and loads them into its parameters and optimizer state, re-keyed to the
   optimizer's parameter order as :func:`dapple.runtime.checkpoint.restore_stage` does.
 
 So a checkpoint written under DP2 x TP2 resumes under 2:2 or 1:2 with ZeRO-3, and the other way
-round, and ``dapple export`` reads it as any other.
+round, one written under EP 2 resumes without EP and the other way round, and ``dapple export``
+reads it as any other.
 """
 
 from __future__ import annotations
@@ -71,6 +75,9 @@ class CutStage:
     def _whole(self, name: str, t: torch.Tensor) -> torch.Tensor:
         """``t`` (parameter ``name``'s value or state) whole, on CPU. Collective."""
         local = t.full_tensor() if isinstance(t, DTensor) else t
+        ep = self.mesh.experts
+        if ep is not None and name in ep.names:
+            local = ep.gather(local.detach())
         tp = self.mesh.tp
         if tp is not None and name in tp.layouts:
             local = tp.layouts[name].unshard(all_gather_list(local.detach(), tp.group))
@@ -82,6 +89,9 @@ class CutStage:
         tp = self.mesh.tp
         if tp is not None and name in tp.layouts:
             full = tp.layouts[name].shard(full, tp.rank, tp.t)
+        ep = self.mesh.experts
+        if ep is not None and name in ep.names:
+            full = ep.mine(full)
         full = full.to(like.device, like.dtype)
         if isinstance(like, DTensor):
             return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None)
@@ -94,6 +104,9 @@ class CutStage:
         if tp is not None and name in tp.layouts:
             lay = tp.layouts[name]
             shape[lay.dim] = sum(lay.parts)
+        ep = self.mesh.experts
+        if ep is not None and name in ep.names:
+            shape[0] *= ep.coll.size
         return shape
 
     def _layers(self) -> list[tuple[int, str, nn.Module]]:

@@ -16,12 +16,15 @@ which holds every expert once: replica ``j`` holds expert shard ``j % e`` (exper
   the r_s/e_s replicas holding the same shard (``StagePlan.expert_shard_replicas``) at the
   ``AR`` action (:class:`ExpertGradientSync`; nothing to sum when e_s = r_s). Every loss is
   already scaled by its rows over the global batch, so these sums equal one device's gradient.
-- **Norm, verify.** Replica 0 counts the non-expert parameters in the global gradient norm and
-  the replicas of expert group 0 their expert shards; whole weights (for ``dapple verify``) are
-  all-gathered over the expert group (:meth:`ExpertShards.whole`).
+- **Norm, verify, checkpoints.** Replica 0 counts the non-expert parameters in the global
+  gradient norm and the replicas of expert group 0 their expert shards; whole weights (for
+  ``dapple verify``) and whole checkpoints (weights and optimizer state,
+  :class:`~dapple.runtime.parallel.sharded_state.CutStage`) are all-gathered over the expert
+  group (:meth:`ExpertShards.gather`); a resume takes each member's shard of the whole tensors
+  (:meth:`ExpertShards.mine`), so a checkpoint resumes under any expert width.
 
 Refused before any compute (:func:`check_expert_run`): e_s > 1 with tensor parallelism, ZeRO,
-an interleaved plan (several chunks per device), fp16 loss scaling or checkpoints; and, once the
+an interleaved plan (several chunks per device) or fp16 loss scaling; and, once the
 stage is built, a stage without MoE experts of this shape, or E not a multiple of e_s.
 Re-computation and split-backward schedules (``I`` then ``W``) run: the exchanges are re-run
 or back-propagated in the same order on every replica of the stage.
@@ -75,7 +78,6 @@ def check_expert_run(plan: Plan, config: TrainConfig) -> None:
             (st.zero_stage > 0, f"zero_stage {st.zero_stage}: EP with ZeRO"),
             (plan.num_groups < plan.num_stages, "an interleaved plan"),
             (precision_of(config.precision).loss_scaling, f"precision {config.precision}"),
-            (config.checkpoint_dir is not None, "checkpoints (checkpoint_dir)"),
         ]  # fmt: skip
         for bad, reason in refusals:
             if bad:
@@ -148,9 +150,20 @@ class ExpertShards:
         tensor, gathered over the expert group. Collective."""
         out = dict(local)
         for name in self.names:
-            parts = self.coll.all_gather(local[name].detach())
-            out[name] = parts.reshape(-1, *parts.shape[2:])
+            out[name] = self.gather(local[name].detach())
         return out
+
+    def gather(self, t: torch.Tensor) -> torch.Tensor:
+        """The whole ``[E, ...]`` tensor of which ``t`` is this member's ``[E/e, ...]`` shard (a
+        weight, its gradient or its optimizer state), gathered over the expert group.
+        Collective."""
+        parts = self.coll.all_gather(t)
+        return parts.reshape(-1, *parts.shape[2:])
+
+    def mine(self, full: torch.Tensor) -> torch.Tensor:
+        """This member's ``[E/e, ...]`` shard of the whole ``[E, ...]`` tensor ``full``."""
+        n = full.shape[0] // self.coll.size
+        return full[self.coll.index * n : (self.coll.index + 1) * n]
 
     def norm_counted(self, module: nn.Module, replica: int) -> list[nn.Parameter]:
         """This rank's parameters in the global gradient norm: the non-expert ones on replica
