@@ -19,7 +19,8 @@ bound used for its all-to-all bytes and its experts' compute.
 A plan's stage of width e_s > 1 is costed from these (:func:`check_expert_stage`,
 :func:`expert_slice_times`, :func:`expert_stage_sync_ms`, :func:`expert_sharded_profile`, read by
 :func:`dapple.cost.terms.stage_terms` and :func:`dapple.cost.peak_memory.plan_stage_bytes`): it
-extends the paper's terms (section 5.1) as
+extends the terms of the paper's latency (section 5.1, equation 1: F_s and B_s in T_w and T_s,
+AR(P_s, g_s) in T_e) as
 
     F_s' = F_s + A2A_s (+ the busiest expert's extra compute)
     B_s' = B_s + A2A_s (+ again under re-computation)

@@ -12,14 +12,16 @@ terms :mod:`dapple.cost.moe` gives it:
 * AR_s is AR(P_dense, r_s) + the experts' AllReduce over the r_s / e_s replicas of each shard;
 * its memory holds ``P_dense + P_experts / e_s`` per rank, so D can only grow with e_s.
 
-The search then picks a stage's option as it picks its zero mode (:func:`~dapple.planner.evaluate.
-stage_choice`): the unsharded option where it holds the stage's K_i, unless a width costs less per
-step (AR_s + U_s + its M x A2A in F and B, the order :meth:`ExpertScorer._new_options` gives the
-options); else the cheapest that holds K_i. Each candidate's L is then the cost model's for the
-chosen widths, and the plan records them (:meth:`ExpertScorer.stage_plan`). A profile without MoE
-layers gets the plain :class:`Scorer` (:func:`make_scorer`): its search is unchanged. The DAPPLE
-search runs once with the widths and once without, keeping the better plan
-(:func:`with_and_without_widths`). Pure, no torch.
+The search then picks a stage's option as it picks its zero mode
+(:func:`~dapple.planner.evaluate.stage_choice`): the first option when it is unsharded and holds
+the stage's K_i, else the cheapest per step (AR_s + U_s + the M x A2A inside F and B) of those
+that hold K_i. :meth:`ExpertScorer._new_options` puts the cheapest width first when it costs less
+per step than the unsharded option, so a width is taken where it is cheaper or where memory asks
+for it. Each candidate's L is then the cost model's for the chosen widths, and the plan records
+them (:meth:`ExpertScorer.stage_plan`). A profile without MoE layers gets the plain
+:class:`Scorer` (:func:`make_scorer`): its search is unchanged. The DAPPLE search runs once with
+the widths and once without, keeping the better plan (:func:`with_and_without_widths`). Pure,
+no torch.
 """
 
 from __future__ import annotations
