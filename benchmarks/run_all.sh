@@ -12,6 +12,7 @@ if [[ "$quick" == "--quick" ]]; then
   run benchmarks/fidelity.py --rounds 1 --chunk 2 --out /tmp/dapple-fidelity.md
   run benchmarks/vs_torch_pipelining.py --rounds 1 --chunk 2 --no-planned --out /tmp/dapple-vs.md
   run benchmarks/schedules_measured.py --rounds 1 --steps 2 --repeats 2 --out /tmp/dapple-schedules-measured.md
+  run benchmarks/schedules_measured_v.py --rounds 1 --steps 2 --out /tmp/dapple-schedules-measured.md
   run benchmarks/train_real.py --rounds 1 --steps 8 --skip 2 --global-batch 16 --out /tmp/dapple-train-real.md
   run benchmarks/tp_memory.py --tiny --out /tmp/dapple-tp-memory.md
   exit 0
@@ -33,6 +34,8 @@ run benchmarks/paper.py
 run benchmarks/fidelity.py
 run benchmarks/vs_torch_pipelining.py
 run benchmarks/schedules_measured.py
+# ZB-V / DualPipeV vs torch's on 2 ranks x 2 chunks, its section of schedules_measured.md (~10 min)
+run benchmarks/schedules_measured_v.py --rounds 16 --steps 3
 run benchmarks/variable_shapes.py
 run benchmarks/seq_lengths.py --repeats 5
 run benchmarks/metering_cost.py
