@@ -206,6 +206,19 @@ def test_tensor_parallel_and_interleaved_expert_stages_are_refused() -> None:
     check_expert_run(_plan_1_2_1(), TrainConfig())  # what runs is not refused
 
 
+def test_verify_refuses_an_expert_plan_it_cannot_run_before_starting_workers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import dapple.runtime.verify as verify_mod
+
+    def no_workers(*_: Any, **__: Any) -> None:
+        raise AssertionError("workers started")
+
+    monkeypatch.setattr(verify_mod, "verify_many", no_workers)
+    with pytest.raises(ValidationError, match=r"\(expert_width 2\).*zero_stage 1: EP with ZeRO"):
+        api.verify_many([(_plan_1_2_1(), em.moe_lm())], 1, device="cpu", zero_stage=1)
+
+
 def test_a_stage_without_experts_or_with_experts_not_dividing_is_refused() -> None:
     pytest.importorskip("transformers")
     dense = em.varlen_llama().build_stage(1, 3, 0)

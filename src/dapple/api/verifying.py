@@ -118,7 +118,7 @@ def verify(
     wl = as_workload(workload, seq_overrides(workload, overrides, seq_len))
     check_run(run_plan, wl)
     tc, checks = _verify_options(steps, device, precision, options)
-    _check_verify_host(wl, tc)
+    _check_verify_host(wl, tc, run_plan)
     from dapple.runtime.verify import verify as _verify
 
     return _verify(run_plan, wl, tc, data=dataset(data, seq_len), **checks)
@@ -166,7 +166,7 @@ def _verify_config(
     given = inputs or run_inputs(cfg)
     tc = resolve_verify_config(cfg.train)
     check_run(given.plan, given.workload)
-    _check_verify_host(given.workload, tc)
+    _check_verify_host(given.workload, tc, given.plan)
     return _verify(given.plan, given.workload, tc, data=given.data, **checks)
 
 
@@ -211,13 +211,25 @@ def verify_many(
         check_run(run_plan, wl)
         resolved.append((run_plan, wl))
     tc, checks = _verify_options(steps, device, precision, options)
+    for run_plan, wl in resolved:
+        _check_mesh(run_plan, wl, tc)
     return _verify_many(resolved, tc, data=data, **checks)
 
 
-def _check_verify_host(wl: Workload, tc: TrainConfig) -> None:
+def _check_verify_host(wl: Workload, tc: TrainConfig, plan: Plan) -> None:
     """Verify's options that need no host first (a precision verify cannot judge, such as fp16,
-    is refused whatever the device), then :func:`check_host`."""
+    is refused whatever the device; what the plan's cut stages cannot run with them), then
+    :func:`check_host`."""
     from dapple.runtime.precision import check_verify_precision
 
     check_verify_precision(tc.precision, tc.device)
+    _check_mesh(plan, wl, tc)
     check_host(wl, tc.device, tc.optimizer, tc.momentum, "verifying")
+
+
+def _check_mesh(plan: Plan, wl: Workload, tc: TrainConfig) -> None:
+    """What stages of t_s > 1, ZeRO-3 or e_s > 1 cannot run with ``tc``, refused once here
+    rather than by every worker (:func:`~dapple.runtime.parallel.stage_mesh.check_mesh_run`)."""
+    from dapple.runtime.parallel.stage_mesh import check_mesh_run
+
+    check_mesh_run(plan, wl, tc)
