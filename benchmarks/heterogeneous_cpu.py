@@ -1,109 +1,170 @@
-"""Unequal per-replica shares on an emulated two-speed CPU cluster (issue #43, item 4).
+"""Mixed devices emulated on CPU (issue #43, item 4): the plan made with device kinds against the
+plan made for the slowest kind, predicted against measured, in one run.
 
-Three workers: stage 0 (the first ``--layers-0`` layers of an MLP) on ranks 0 and 1, stage 1
-(the rest) on rank 2. ``--slowdown`` (``DAPPLE_SLOWDOWN``, :mod:`dapple.runtime.slowdown`)
-slows every rank, rank 1 three times more than the others (default ``0:20,1:60,2:20``): each
-forward and backward sleeps (K - 1) times its compute, meant to make the emulated compute
-dominate the step while the three ranks share the 2 cores little. On this shared 2-core machine
-the result was noise (heterogeneous_cpu.md: the compute measured per forward and backward did
-not follow the samples under a load of 20+). The same model and batches train under two plans
-that differ only in stage 0's shares of each micro-batch:
+Three local workers emulate a two-speed cluster: ranks 0 and 1 ``K`` times slower than this
+machine's core, rank 2 ``3K`` times (``DAPPLE_SLOWDOWN=0:K,1:K,2:3K``,
+:mod:`dapple.runtime.slowdown`: each forward and backward sleeps ``K - 1`` times its thread CPU
+time, so the emulated compute does not compete for the 2 cores). The cost model sees the same
+cluster as device kinds: three one-device servers, speeds ``1/K, 1/K, 1/(3K)``.
 
-- even: ``b/2 : b/2``, what a plan that knows nothing of speeds does;
-- balanced: :func:`dapple.cost.replica_shares.balanced_shares` for the speeds ``1/K`` of
-  ranks 0 and 1 with a time linear in the samples (12:4 of b = 16 for K = 20 and 60).
+The profile is the zoo MLP's measured in *thread CPU time* (the quantity the slow-down scales),
+one intra-op thread, at 1, 4, 16 and G samples, on this machine, in this run; the links are
+gloo's measured loopback bandwidth (:data:`GLOO_GBPS`). Three plans:
 
-Rounds alternate even and balanced; each run's step time is the median ``step_ms`` of its steps
-after the first two. The ratio is even / balanced (> 1: the balanced shares are faster).
-No prediction is made here: the cost model has no per-device speeds yet.
+- **device kinds**: ``make_plan(profile, cluster, G)``: the planner with the speeds;
+- **slowest kind**: ``make_plan(profile, cluster.slowest_kind(), G)``: every device as slow as
+  rank 2, what planning without kinds gives;
+- **slowest kind's stages, balanced shares**: that plan's stages and devices with the shares the
+  planner gives them on the cluster with kinds (:func:`~dapple.planner.shares.with_kind_shares`):
+  the unequal shares alone.
 
-Usage: ``python benchmarks/heterogeneous_cpu.py [--rounds 2 --steps 6 --out
+Each plan's predicted step is the cost model's on the cluster with kinds
+(:func:`~dapple.cost.schedules.schedule_latency`); its measured step the median ``step_ms`` of
+its steps after the first two (SGD). Rounds alternate the plans; each measured ratio is the
+median of the per-round ratios of a plan's step over the device-kinds plan's.
+
+Usage: ``python benchmarks/heterogeneous_cpu.py [--k 20 --rounds 3 --steps 6 --out
 benchmarks/heterogeneous_cpu.md]``.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import statistics
 import sys
+import time
 from pathlib import Path
 
+import torch
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _bench_common import header
+from _bench_common import header, load_note
 from dapple import api
-from dapple.core.plan import Plan, straight_plan
-from dapple.cost.replica_shares import balanced_shares
-from dapple.runtime.slowdown import SLOWDOWN_ENV, slowdown_factor
+from dapple.core.cluster import GIB, Cluster
+from dapple.core.device_kinds import DeviceKind
+from dapple.core.plan import Plan
+from dapple.core.profile import ModelProfile
+from dapple.cost.schedules import schedule_latency
+from dapple.planner import make_plan
+from dapple.planner.shares import with_kind_shares
+from dapple.profiler.measure import _profile
+from dapple.runtime.slowdown import SLOWDOWN_ENV
+
+GLOO_GBPS = 7.4
+"""Loopback bandwidth of a gloo ring AllReduce on this machine: 4 processes reduced 400 MB in
+648 ms at load 3 (``benchmarks/gloo_collectives.md``), 2 x 3/4 x 400 MB per process."""
 
 
-def _plans(args: argparse.Namespace) -> dict[str, Plan]:
-    G, M = args.global_batch, args.micro_batches
-    base = straight_plan(args.layers, [0, args.layers_0], global_batch_size=G,
-                         num_micro_batches=M, replicas=[2, 1])  # fmt: skip
-    b = base.micro_batch_size
-    speeds = (1.0 / slowdown_factor(0, args.slowdown), 1.0 / slowdown_factor(1, args.slowdown))
-    shares = balanced_shares(b, speeds, lambda n: float(n))
-    out = {}
-    for name, sh in (("even", None), ("balanced", shares)):
-        st0 = dataclasses.replace(base.stages[0], shares=sh)
-        out[name] = dataclasses.replace(base, stages=(st0, base.stages[1]))
-    return out
+def emulated(k: float) -> Cluster:
+    """Three one-device servers: two at speed 1/K, one at 1/(3K); gloo over loopback."""
+    kinds = (
+        DeviceKind(name="fast", servers=2, speed=1 / k, device_memory_bytes=4 * GIB),
+        DeviceKind(name="slow", servers=1, speed=1 / (3 * k), device_memory_bytes=4 * GIB),
+    )
+    return Cluster(
+        name=f"emulated 2 x K={k:g} + 1 x K={3 * k:g}",
+        servers=3,
+        devices_per_server=1,
+        device_memory_bytes=4 * GIB,
+        intra_server_bandwidth_gbps=GLOO_GBPS,
+        inter_server_bandwidth_gbps=GLOO_GBPS,
+        intra_server_latency_ms=0.05,
+        inter_server_latency_ms=0.05,
+        device_name="cpu-process",
+        kinds=kinds,
+    )
 
 
-def _step_ms(plan: Plan, args: argparse.Namespace) -> float:
-    # the zoo MLP's chain: its hidden blocks and the classifier head
-    wl = api.load("mlp", layers=args.layers - 1, in_features=args.hidden, hidden=args.hidden)
+def cpu_time_profile(args: argparse.Namespace) -> ModelProfile:
+    """The MLP's layers in thread CPU time, one thread (module docstring)."""
+    torch.set_num_threads(1)
+    wl = api.load("mlp", layers=args.layers, in_features=args.hidden, hidden=args.hidden)
+    sizes = sorted({1, 4, 16, args.global_batch})  # a share may be any of 1 .. G samples
+    return _profile(wl, sizes, torch.device("cpu"), 2, 7, None, 0, cpu_time=True)
+
+
+def step_ms(plan: Plan, args: argparse.Namespace) -> float:
+    wl = api.load("mlp", layers=args.layers, in_features=args.hidden, hidden=args.hidden)
     metrics = api.train(plan, wl, args.steps, device="cpu", optimizer="sgd", lr=1e-3, seed=1,
                         echo=False)  # fmt: skip
     return statistics.median(m.step_ms for m in metrics[2:])
 
 
+def describe(plan: Plan) -> str:
+    b = plan.micro_batch_size
+    return (
+        "; ".join(
+            f"[{s.layers[0]},{s.layers[1]}) on {','.join(map(str, s.devices))} "
+            f"slices {':'.join(map(str, s.slice_sizes(b)))}"
+            for s in plan.stages
+        )
+        + f"; M={plan.num_micro_batches}"
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--slowdown", default="0:20,1:60,2:20", help="RANK:K,...: rank slow-downs")
-    ap.add_argument("--layers", type=int, default=7, help="chain layers (blocks + head)")
-    ap.add_argument("--layers-0", type=int, default=4, help="layers of stage 0")
-    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--k", type=float, default=20.0, help="slow-down K of ranks 0, 1 (2: 3K)")
+    ap.add_argument("--layers", type=int, default=4, help="MLP hidden blocks (head besides)")
+    ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--global-batch", type=int, default=64)
-    ap.add_argument("--micro-batches", type=int, default=4)
     ap.add_argument("--steps", type=int, default=6)
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
-    os.environ[SLOWDOWN_ENV] = args.slowdown
-    plans = _plans(args)
-    runs: dict[str, list[float]] = {name: [] for name in plans}
+    k = args.k
+    spec = f"0:{k:g},1:{k:g},2:{3 * k:g}"
+    os.environ[SLOWDOWN_ENV] = spec
+    start_load = load_note()
+    t0 = time.time()
+    profile = cpu_time_profile(args)
+    cluster = emulated(k)
+    G = args.global_batch
+    slow = make_plan(profile, cluster.slowest_kind(), G)
+    plans = {
+        "device kinds": make_plan(profile, cluster, G),
+        "slowest kind": slow,
+        "slowest kind's stages, balanced shares": with_kind_shares(slow, profile, cluster),
+    }
+    predicted = {n: schedule_latency(p, profile, cluster) for n, p in plans.items()}
+    runs: dict[str, list[float]] = {n: [] for n in plans}
     for r in range(args.rounds):
         for name, plan in plans.items():
-            runs[name].append(_step_ms(plan, args))
+            runs[name].append(step_ms(plan, args))
             print(f"round {r}: {name} {runs[name][-1]:.1f} ms", flush=True)
     cmd = "python benchmarks/heterogeneous_cpu.py " + " ".join(sys.argv[1:])
-    lines = header("Unequal shares on an emulated two-speed CPU cluster (#43)", cmd.strip())
-    b = plans["even"].micro_batch_size
+    lines = header("Mixed devices emulated on CPU: device kinds vs slowest kind (#43)", cmd)
     lines += [
-        f"Zoo MLP of {args.layers} chain layers (hidden {args.hidden}); stage 0 = layers "
-        f"[0, {args.layers_0}) on ranks 0 and 1, stage 1 on rank 2; G = {args.global_batch}, "
-        f"M = {args.micro_batches}, b = {b}; ranks slowed by "
-        f"`{SLOWDOWN_ENV}={args.slowdown}`; SGD, {args.steps} steps per run, median step_ms "
-        "of steps 2 onward.",
+        f"- load at the end: {load_note()} (start: {start_load}); {time.time() - t0:.0f} s",
         "",
-        "| plan | stage-0 shares | "
+        f"Zoo MLP of {args.layers} blocks of {args.hidden} and a head; G = {G}; "
+        f"`{SLOWDOWN_ENV}={spec}`; cluster `{cluster.name}` (speeds 1/{k:g}, 1/{k:g}, "
+        f"1/{3 * k:g}); profile in thread CPU time on this machine in this run.",
+        "",
+        "| plan | stages | predicted ms | "
         + " | ".join(f"round {r} ms" for r in range(args.rounds))
-        + " | median ms |",
-        "|---|---|" + "---|" * (args.rounds + 1),
+        + " | median ms | measured / predicted |",
+        "|---|---|---|" + "---|" * (args.rounds + 2),
     ]
     for name, plan in plans.items():
-        sh = plan.stages[0].slice_sizes(b)
-        cells = " | ".join(f"{x:.1f}" for x in runs[name])
+        med = statistics.median(runs[name])
+        cells = " | ".join(f"{x:.0f}" for x in runs[name])
         lines.append(
-            f"| {name} | {sh[0]}:{sh[1]} | {cells} | {statistics.median(runs[name]):.1f} |"
+            f"| {name} | {describe(plan)} | {predicted[name]:.0f} | {cells} | {med:.0f} | "
+            f"{med / predicted[name]:.2f} |"
         )
-    ratio = statistics.median(runs["even"]) / statistics.median(runs["balanced"])
-    pairs = [e / u for e, u in zip(runs["even"], runs["balanced"], strict=True)]
-    lines += ["", f"even / balanced: {ratio:.2f} (per round: "
-              + ", ".join(f"{p:.2f}" for p in pairs) + ")", ""]  # fmt: skip
+    lines.append("")
+    for name in list(plans)[1:]:
+        pred = predicted[name] / predicted["device kinds"]
+        pairs = [s / a for s, a in zip(runs[name], runs["device kinds"], strict=True)]
+        meas = statistics.median(pairs)
+        lines.append(
+            f"- {name} / device kinds: predicted {pred:.2f}, measured {meas:.2f} (per round: "
+            + ", ".join(f"{p:.2f}" for p in pairs)
+            + f"); measured / predicted {meas / pred:.2f}"
+        )
+    lines.append("")
     text = "\n".join(lines)
     print(text)
     if args.out:
