@@ -293,8 +293,8 @@ CK_RESUMES = [("ep", "plain"), ("plain", "ep")]
 
 
 def checkpoint_worker(rank: int, world: int, out_dir: str) -> None:
-    """Mixtral on 1:2:1 with and without EP 2 (AdamW, saving at CK_CUT and CK_STEPS), then
-    each one's CK_CUT checkpoint resumed under the other."""
+    """Mixtral on 1:2:1 with and without EP 2 (AdamW, saving at CK_CUT and CK_STEPS, evaluating
+    after both), then each one's CK_CUT checkpoint resumed under the other."""
     import shutil
 
     import torch.distributed as dist
@@ -303,16 +303,18 @@ def checkpoint_worker(rank: int, world: int, out_dir: str) -> None:
     from dapple.runtime.checkpoint import step_dir
 
     device = init_distributed(TrainConfig(timeout_s=120), world)
-    out, wl, losses = Path(out_dir), em.mixtral(), {}
+    out, wl = Path(out_dir), em.mixtral()
+    losses: dict[str, Any] = {}
 
     def run(name: str, ck: Path, **kw: Any) -> None:
         cfg = TrainConfig(seed=1, optimizer="adamw", lr=1e-2, timeout_s=120, steps=CK_STEPS,
                           save_every=CK_CUT, checkpoint_dir=str(ck), **kw)  # fmt: skip
         r = run_plan(_plan_1_2_1(CK_RUNS[name]), wl, cfg, device=device, exact_world=False)
         losses[ck.name] = [m.loss for m in r.metrics]
+        losses[f"eval-{ck.name}"] = [m.eval_loss for m in r.metrics]
 
     for name in CK_RUNS:
-        run(name, out / f"u-{name}")
+        run(name, out / f"u-{name}", eval_every=CK_CUT, eval_batches=1)
     for src, dst in CK_RESUMES:
         d = out / f"r-{src}-as-{dst}"
         if rank == 0:
@@ -342,8 +344,8 @@ def test_checkpoints_of_an_expert_sharded_stage_are_whole_and_resume_across_widt
     tmp_path: Path,
 ) -> None:
     """The EP run's checkpoints hold what the unsharded run's do (whole ``[4, ...]`` experts and
-    their AdamW moments, within rounding); each run's step-2 checkpoint resumed under the other
-    width ends where the uninterrupted runs do."""
+    their AdamW moments, within rounding), and so do its evaluation losses; each run's step-2
+    checkpoint resumed under the other width ends where the uninterrupted runs do."""
     pytest.importorskip("transformers")
     from dapple.runtime import spawn
 
@@ -362,5 +364,10 @@ def test_checkpoints_of_an_expert_sharded_stage_are_whole_and_resume_across_widt
                                        msg=lambda m, k=k, run=run: f"{run} {k}: {m}")  # fmt: skip
     full = losses["u-plain"]
     assert losses["u-ep"] == pytest.approx(full, rel=1e-5)
+    evals = losses["eval-u-plain"]
+    assert [x is not None for x in evals] == [False, True, False, True]
+    got = losses["eval-u-ep"]
+    assert [x is not None for x in got] == [False, True, False, True]
+    assert [got[1], got[3]] == pytest.approx([evals[1], evals[3]], rel=1e-5)
     for run in runs[1:]:  # the resumed runs report steps CK_CUT.. only
         assert losses[run] == pytest.approx(full[CK_CUT:], rel=1e-5), run
