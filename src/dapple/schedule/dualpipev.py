@@ -19,6 +19,9 @@ chunk 1 beside a backward of chunk 0, DualPipe's overlapped pair):
 7. P-g-1 times the oldest queued ``W`` and a backward of chunk 0 (as phase 6 ended);
 8. the queued ``W``s.
 
+This is ``ScheduleDualPipeV``'s order action for action, its overlapped pairs taken in their
+sub-actions' order (``tests/test_v_orders_match_torch.py``).
+
 dapple's runtime runs one action at a time: an overlapped pair runs its forward, then its
 backward, and what DualPipe hides of one behind the other (above all the communication of
 expert parallelism) is not hidden here. The step rule is therefore ZB-V's shape, not section

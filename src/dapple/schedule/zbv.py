@@ -20,6 +20,9 @@ nothing another one waits for):
 3. cool-down: g times ``I`` chunk 0, ``I`` chunk 1 (their ``W`` deferred); P-g times ``I`` chunk 0
    and the oldest deferred ``W`` of chunk 0; then the deferred ``W`` of chunk 1, then of chunk 0.
 
+This is ``ScheduleZBVZeroBubble``'s order action for action
+(``tests/test_v_orders_match_torch.py``).
+
 Memory (section 6): a rank holds at most 2P chunk-micro-batches from F to W, half a stage each:
 the activations of 1F1B's stage 0, on every rank alike. Cost (our rule for this order, checked
 against the simulator; section 6 gives ZB-V's near-zero bubble for F = B = W only): with T_g
