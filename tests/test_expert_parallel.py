@@ -79,6 +79,23 @@ def test_route_sends_runs_by_owner_and_orders_received_rows_by_local_expert() ->
     assert r1.order.tolist() == [3, 0, 1, 2, 4] and r1.local_offs.tolist() == [1, 5]
 
 
+@pytest.mark.parametrize("e", [1, 2, 4])
+def test_route_order_equals_a_loop_over_local_experts_and_sources(e: int) -> None:
+    g = torch.Generator().manual_seed(e)
+    for _ in range(20):
+        E = e * int(torch.randint(1, 4, (1,), generator=g))
+        table = torch.randint(0, 4, (e, E), generator=g)
+        for me in range(e):
+            r, n = Route(table, me), E // e
+            got = table[:, me * n : (me + 1) * n]  # [source p, local expert k]
+            start = torch.cumsum(got.reshape(-1), 0) - got.reshape(-1)
+            want = [int(start[p * n + k]) + i for k in range(n) for p in range(e)
+                    for i in range(int(got[p, k]))]  # fmt: skip
+            assert r.order.tolist() == want
+            assert r.local_offs.tolist() == torch.cumsum(got.sum(0), 0).tolist()
+            assert sum(r.send) == int(table[me].sum()) and r.recv == got.sum(1).tolist()
+
+
 # -- the cut block against the whole one ----------------------------------------------------
 
 

@@ -92,14 +92,13 @@ class Route:
         self.send: list[int] = per[me].sum(-1).tolist()
         mine = per[:, me, :]  # [source p, local expert k]: rows p sends me for expert k
         self.recv: list[int] = mine.sum(-1).tolist()
-        starts = torch.cumsum(mine.reshape(-1), 0) - mine.reshape(-1)  # source-major offsets
-        starts = starts.reshape(mine.shape)
-        pieces = [
-            torch.arange(int(starts[p, k]), int(starts[p, k] + mine[p, k]))
-            for k in range(mine.shape[1])
-            for p in range(e)
-        ]
-        self.order = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long)
+        sizes = mine.reshape(-1)  # the received runs, source-major: (p, k)
+        starts = (torch.cumsum(sizes, 0) - sizes).reshape(mine.shape)
+        run_start = starts.t().reshape(-1)  # the runs taken expert-major: (k, p)
+        run_len = mine.t().reshape(-1)
+        placed = torch.cumsum(run_len, 0) - run_len  # where each run lands in that order
+        shift = torch.repeat_interleave(run_start - placed, run_len)
+        self.order = torch.arange(int(run_len.sum())) + shift
         self.local_offs = torch.cumsum(mine.sum(0), 0)
 
 
