@@ -176,3 +176,22 @@ def test_fits_memory_per_kind() -> None:
 
     assert pipeline_latency(plan, BERT, kinds((need[0] + need[1]) / 2)).fits_memory
     assert not pipeline_latency(plan, BERT, kinds(need[0] * 0.99)).fits_memory
+
+
+@pytest.mark.parametrize("gbs", [8, 12])
+def test_search_is_no_worse_than_the_exhaustive_oracle(gbs: int) -> None:
+    """On 2 servers of 2 devices, speeds 1 and 0.4: the DP's L at most the oracle's (which
+    scores every partition, replication and placement over all devices with the same scorer)."""
+    from builders import make_profile
+
+    prof = make_profile(6, fwd=1.0, bwd=2.0, params=4_000_000)
+    kinds = (
+        DeviceKind(name="fast", servers=1, speed=1.0, device_memory_bytes=GIB),
+        DeviceKind(name="slow", servers=1, speed=0.4, device_memory_bytes=GIB),
+    )
+    c = Cluster(servers=2, devices_per_server=2, device_memory_bytes=GIB,
+                intra_server_bandwidth_gbps=100, inter_server_bandwidth_gbps=10,
+                kinds=kinds)  # fmt: skip
+    dp, oracle = make_plan(prof, c, gbs), make_plan(prof, c, gbs, "exhaustive")
+    assert dp.predicted_step_ms <= oracle.predicted_step_ms * (1 + 1e-9)
+    assert oracle.predicted_step_ms == pytest.approx(schedule_latency(oracle, prof, c))

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -60,6 +61,12 @@ def search_cluster(cluster: Cluster) -> Cluster:
     )
 
 
+_SHARES: weakref.WeakKeyDictionary[
+    Scorer, dict[tuple[int, int, tuple[float, ...], int], tuple[int, ...]]
+] = weakref.WeakKeyDictionary()
+"""Each scorer's balanced shares by ``(s, e, replica speeds, b)``, kept while the scorer lives."""
+
+
 def kind_stage(
     sc: Scorer, s: int, e: int, d: tuple[int, ...], b: int, mode: ZeroMode, M: int
 ) -> tuple[float, float, int, int, float]:
@@ -72,13 +79,17 @@ def kind_stage(
     :func:`~dapple.planner.cut_search.stage_unfit` compares it with).
     """
     cl = sc.cluster
-    speeds = [cl.speed_of(x) for x in d]
+    speeds = tuple(cl.speed_of(x) for x in d)
 
     def ms(n: int) -> float:
         f, bw = sc.fb_ms(s, e, n)
         return f + bw
 
-    shares = stage_shares(b, speeds, ms)
+    known = _SHARES.setdefault(sc, {})
+    key = (s, e, speeds, b)  # placements with the same speeds share their shares
+    shares = known.get(key)
+    if shares is None:
+        shares = known[key] = stage_shares(b, speeds, ms)
     j = max(range(len(d)), key=lambda i: ms(shares[i]) / speeds[i])
     f, bw = sc.fb_ms(s, e, shares[j])
     low = float(cl.usable_memory_bytes)
