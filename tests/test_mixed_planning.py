@@ -195,3 +195,12 @@ def test_search_is_no_worse_than_the_exhaustive_oracle(gbs: int) -> None:
     dp, oracle = make_plan(prof, c, gbs), make_plan(prof, c, gbs, "exhaustive")
     assert dp.predicted_step_ms <= oracle.predicted_step_ms * (1 + 1e-9)
     assert oracle.predicted_step_ms == pytest.approx(schedule_latency(oracle, prof, c))
+
+
+def test_cli_plan_prints_the_shares_by_kind(capsys: pytest.CaptureFixture[str]) -> None:
+    from dapple.cli import main
+
+    example = str(Path(__file__).resolve().parents[1] / "examples" / "mixed.json")
+    assert main(["plan", "--profile", "paper:bert48", "--cluster", example]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "shares by device speed: stage 0: 6 on 8 H100 (speed 1), 2 on 8 A100-40GB" in out

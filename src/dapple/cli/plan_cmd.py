@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from dapple.cli._console import StepProgress, console, print_table
+from dapple.cli._kinds_show import shares_line
 from dapple.cli._plan_config import add_plan_config_arguments, plan_config_of
 from dapple.cli._plan_show import (
     format_devices,
@@ -243,6 +244,9 @@ def _print_plan(
     for line in plan_summary(plan, profile, cluster, dp_ms):
         con.print(line)
     _print_idle(con, plan, profile, cluster)
+    shares = shares_line(plan, cluster)
+    if shares is not None:
+        con.print(shares)
     con.print(zero_line(plan, profile))
     if plan.seq_len is not None:
         con.print(
