@@ -160,6 +160,40 @@ def test_the_cut_moe_block_computes_what_the_whole_block_does(factory: str) -> N
     _cut_stage(factory, [1, 3])
 
 
+class _Experts(nn.Module):
+    """Two grouped matmuls around a gated activation, as a site; ``between`` and ``leak`` make
+    it one expert parallelism must refuse."""
+
+    def __init__(self, between: bool = False, leak: bool = False) -> None:
+        super().__init__()
+        self.up = nn.Parameter(torch.randn(4, 6, 8))
+        self.down = nn.Parameter(torch.randn(4, 3, 6))
+        self.between, self.leak = between, leak
+
+    def forward(self, x: torch.Tensor, offs: torch.Tensor) -> Any:
+        mm = torch.ops.transformers.grouped_mm_fallback
+        gate, up = torch.chunk(mm(x, self.up.transpose(-2, -1), offs), 2, -1)
+        h = torch.nn.functional.silu(gate) * up
+        if self.between:
+            h = torch.cumsum(h, 0)  # mixes rows: not row-wise
+        y = mm(h, self.down.transpose(-2, -1), offs)
+        return (y, offs + 1) if self.leak else y
+
+
+def test_a_site_is_two_matmuls_on_one_offsets_node_with_row_wise_ops_between() -> None:
+    pytest.importorskip("transformers.integrations.moe")
+    from torch import fx
+
+    from dapple.runtime.parallel.expert.sites import find_sites
+
+    (site,) = find_sites(fx.symbolic_trace(_Experts()))
+    assert site.weights == ("up", "down") and len(site.matmuls) == 2
+    with pytest.raises(ValidationError, match=r"cumsum.* between its grouped matmuls is not row"):
+        find_sites(fx.symbolic_trace(_Experts(between=True)))
+    with pytest.raises(ValidationError, match="its expert offsets are also used by"):
+        find_sites(fx.symbolic_trace(_Experts(leak=True)))
+
+
 def test_whole_gathers_the_shards_and_norm_counts_each_once() -> None:
     e = 2
     shared: dict[str, Any] = {"slots": [None] * e, "barrier": threading.Barrier(e)}

@@ -44,18 +44,27 @@ class ExpertSite:
     weights: tuple[str, ...]
     """Each matmul's expert weight: its ``get_attr`` target (``[E, ...]``)."""
 
-    @property
-    def experts(self) -> int:
-        """E, from the offsets' length as traced."""
-        val = self.offs.meta.get("val")
-        return int(val.shape[0]) if val is not None else -1
-
 
 def _is_grouped_mm(node: fx.Node) -> bool:
     return node.op == "call_function" and "grouped_mm" in str(node.target)
 
 
+def _offs(mm: fx.Node) -> object:
+    """``mm``'s offsets argument (third positional, or the ``offs`` keyword)."""
+    return mm.args[2] if len(mm.args) > 2 else mm.kwargs.get("offs")
+
+
+def _set_offs(mm: fx.Node, offs: fx.Node) -> None:
+    if len(mm.args) > 2:
+        mm.update_arg(2, offs)
+    else:
+        mm.update_kwarg("offs", offs)
+
+
 def _op_name(node: fx.Node) -> str:
+    """The op's base name: ``aten.silu.default`` -> ``silu``; a method's or function's name."""
+    if isinstance(node.target, str):
+        return node.target
     packet = getattr(node.target, "_opname", None) or getattr(node.target, "__name__", "")
     return str(packet).split(".")[0]
 
@@ -63,7 +72,7 @@ def _op_name(node: fx.Node) -> str:
 def _weight(mm: fx.Node) -> str:
     """The ``get_attr`` target of ``mm``'s weight, through a transpose."""
     w = mm.args[1]
-    while isinstance(w, fx.Node) and w.op == "call_function" and _op_name(w) in ("transpose", "t"):
+    while isinstance(w, fx.Node) and w.op != "get_attr" and _op_name(w) in ("transpose", "t"):
         w = w.args[0]
     if not (isinstance(w, fx.Node) and w.op == "get_attr"):
         raise ValidationError(
@@ -82,7 +91,7 @@ def find_sites(gm: fx.GraphModule) -> list[ExpertSite]:
     by_offs: dict[fx.Node, list[fx.Node]] = {}
     for node in gm.graph.nodes:
         if _is_grouped_mm(node):
-            offs = node.args[2]
+            offs = _offs(node)
             if not isinstance(offs, fx.Node):
                 raise ValidationError(f"expert parallel: {node.name} has no offsets node")
             by_offs.setdefault(offs, []).append(node)
@@ -128,7 +137,7 @@ def _check_site(gm: fx.GraphModule, site: ExpertSite) -> None:
         if n in site.matmuls or n.op == "get_attr":
             continue
         row_wise = n.target is operator.getitem or _op_name(n) in _ROW_WISE
-        if n.op != "call_function" or not row_wise:
+        if n.op not in ("call_function", "call_method") or not row_wise:
             raise ValidationError(
                 f"{what}: {n.name} ({n.target}) between its grouped matmuls is not row-wise"
             )
@@ -173,7 +182,7 @@ def shard_site(gm: fx.GraphModule, site: ExpertSite, coll: Collectives, tag: str
         table = g.call_function(operator.getitem, (d, 2))
     first.update_arg(0, rows)
     for mm in site.matmuls:
-        mm.update_arg(2, offs)
+        _set_offs(mm, offs)
     with g.inserting_after(last):
         back = g.call_module(f"{tag}_combine", (last, table))
     last.replace_all_uses_with(back, delete_user_cb=lambda u: u is not back)
