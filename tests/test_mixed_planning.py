@@ -204,3 +204,12 @@ def test_cli_plan_prints_the_shares_by_kind(capsys: pytest.CaptureFixture[str]) 
     assert main(["plan", "--profile", "paper:bert48", "--cluster", example]) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "shares by device speed: stage 0: 6 on 8 H100 (speed 1), 2 on 8 A100-40GB" in out
+
+
+def test_layout_names_each_servers_kind() -> None:
+    from dapple.core.cluster import PRESETS
+    from dapple.simulate.layout import server_label
+
+    assert server_label(MIXED, 0) == "server 0\nH100 x1"
+    assert server_label(MIXED, 1) == "server 1\nA100-40GB x0.32"
+    assert server_label(PRESETS["paper-a"], 1) == "server 1"

@@ -24,7 +24,7 @@ from dapple.core.cluster import Cluster
 from dapple.core.output_path import make_parent_dirs
 from dapple.core.plan import Plan, StagePlan
 
-__all__ = ["layout_cells", "plot_layout", "stage_label"]
+__all__ = ["layout_cells", "plot_layout", "server_label", "stage_label"]
 
 _LABELS_UP_TO = 16
 """Servers up to which every box carries its replica and tensor rank."""
@@ -41,6 +41,13 @@ def stage_label(s: int, st: StagePlan) -> str:
     if st.recompute:
         parts.append("recompute")
     return ", ".join(parts)
+
+
+def server_label(cluster: Cluster, server: int) -> str:
+    """``server 1``, with its device kind's name and speed on a cluster with kinds
+    (``server 1\nA100-40GB x0.32``)."""
+    k = cluster.kind_of(server * cluster.devices_per_server)
+    return f"server {server}" + ("" if k is None else f"\n{k.name} x{k.speed:.2g}")
 
 
 def layout_cells(plan: Plan) -> dict[int, tuple[int, int, int]]:
@@ -87,7 +94,7 @@ def plot_layout(plan: Plan, cluster: Cluster, path: str | Path, title: str | Non
     ax.set_xlim(0, per)
     ax.set_ylim(n, 0)
     ax.set_xticks([x + 0.5 for x in range(per)], [str(x) for x in range(per)])
-    ax.set_yticks([y + 0.5 for y in range(n)], [f"server {y}" for y in range(n)])
+    ax.set_yticks([y + 0.5 for y in range(n)], [server_label(cluster, y) for y in range(n)])
     ax.set_xlabel("device in server")
     ax.tick_params(length=0)
     for side in ("top", "right", "bottom", "left"):
