@@ -1,5 +1,5 @@
-"""Measured schedules: 1F1B vs interleaved 1F1B vs ZB-H1 on 4 CPU processes, beside the simulator,
-and dapple vs ``torch.distributed.pipelining``'s multi-stage schedules on the same partition.
+"""Measured schedules: 1F1B, interleaved 1F1B, ZB-H1, ZB-V and DualPipeV on 4 CPU processes,
+beside the simulator, and dapple vs ``torch.distributed.pipelining``'s multi-stage schedules on the same partition.
 
 Model: the zoo ``transformer`` of :data:`_bench_common.BENCH_MODEL` with ``--blocks`` blocks
 (default 14: 16 chain layers, so 4 ranks x 2 chunks of 2 layers each). Partition: the straight
@@ -8,13 +8,14 @@ Model: the zoo ``transformer`` of :data:`_bench_common.BENCH_MODEL` with ``--blo
 intra-op threads (``cores // 4``) for every runner, all cases in ONE gloo group of 4
 processes, in alternating rounds.
 
-dapple's schedules: ``dapple`` (1F1B, policy A), ``zbh1`` (ZB-H1, v = 1) and ``interleaved``
-v = 2 (``interleave(straight, 2)``: chunk c of rank g is virtual stage c*4+g) when the runtime
-accepts it (:func:`dapple.runtime.validate_run`; otherwise the row says why). torch's peers:
+dapple's schedules: ``dapple`` (1F1B, policy A), ``zbh1`` (ZB-H1, v = 1), ``interleaved``
+v = 2 (``interleave(straight, 2)``: chunk c of rank g is virtual stage c*4+g), and ``zbv`` and
+``dualpipev`` (the straight plan under ``with_schedule``: the same 8 chunks in a V, rank g
+holding chunks g and 7-g), each when the runtime accepts it
+(:func:`dapple.runtime.validate_run`; otherwise the row says why). torch's peers:
 ``Schedule1F1B`` (one stage per rank), ``ScheduleInterleaved1F1B`` and
 ``ScheduleInterleavedZeroBubble`` (the same 8 chunks, placed as dapple's interleaved plan), and
-``ScheduleZBVZeroBubble`` (the same 8 chunks in torch's V placement: rank g holds chunks g and
-7-g).
+``ScheduleZBVZeroBubble`` and ``ScheduleDualPipeV`` (the same 8 chunks in the same V).
 
 Beside each dapple measurement: the simulator's step time (:func:`dapple.simulate.simulate`
 with a profile taken as one of 4 co-located workers, with the split backward, and this
@@ -23,8 +24,8 @@ definition: ``1 - busy / step``, busy = the wall time a rank spends computing F,
 (measured: inside the executor's handlers, minus their waits for incoming messages; simulated:
 the durations of those events), for the busiest rank and averaged over ranks.
 
-The V schedules (ZB-V, DualPipeV) are measured on 2 ranks by ``schedules_measured_v.py``, whose
-section of the report this script keeps when it rewrites it.
+The V schedules are also measured on 2 ranks, with CPU per action kind, by
+``schedules_measured_v.py``, whose section of the report this script keeps when it rewrites it.
 
 Usage: ``python benchmarks/schedules_measured.py [--rounds 4 --steps 4 --skip 1] [--no-uneven]``.
 """
@@ -56,6 +57,7 @@ from dapple.core.cluster import Cluster
 from dapple.core.plan import Plan, interleave, straight_plan
 from dapple.core.profile import ModelProfile
 from dapple.schedule.ir import ActionKind
+from dapple.simulate.schedules import with_schedule
 from vs_torch_pipelining import LR, describe, even_bounds
 
 WORLD = 4
@@ -130,6 +132,8 @@ def build_cases(
         (grp, "dapple 1F1B", straight, "1f1b"),
         (grp, "dapple ZB-H1", dataclasses.replace(straight, schedule="zbh1"), "interleavedzb"),
         (grp, f"dapple interleaved v={V}", inter, "interleaved1f1b"),
+        (grp, "dapple ZB-V", with_schedule(straight, "zbv"), "zbv"),
+        (grp, "dapple DualPipeV", with_schedule(straight, "dualpipev"), "dualpipev"),
     ]
     if uneven:
         reps = [2, 1, 1]
@@ -161,6 +165,7 @@ def build_cases(
         ("interleaved1f1b", chunks, loop),
         ("interleavedzb", chunks, loop),
         ("zbv", chunks, vee),
+        ("dualpipev", chunks, vee),
     ):
         cases.append(
             {
@@ -284,12 +289,15 @@ def main(argv: list[str] | None = None) -> int:
     args_text = " ".join(sys.argv[1:] if argv is None else argv)
     command = f"python benchmarks/schedules_measured.py {args_text}".strip()
     lines = header(
-        "Schedules measured: 1F1B / interleaved / ZB-H1 vs the simulator and torch (CPU, gloo)",
+        "Schedules measured: 1F1B / interleaved / ZB-H1 / ZB-V / DualPipeV vs the simulator and "
+        "torch (CPU, gloo)",
         command,
     )
     G, M, skip = args.global_batch, args.micro_batches, args.skip
-    if M % WORLD or G % M:
-        raise SystemExit(f"need M a multiple of {WORLD} dividing G, got G={G} M={M}")
+    if M % WORLD or G % M or M < 2 * WORLD:
+        raise SystemExit(
+            f"need M a multiple of {WORLD} dividing G and >= {2 * WORLD} (DualPipeV), got G={G} M={M}"
+        )
     wl = bench_transformer(layers=args.blocks)
     n_layers = wl.num_layers
     t0 = time.perf_counter()
@@ -418,13 +426,11 @@ def main(argv: list[str] | None = None) -> int:
         "|---|---|---:|---:|---:|---|---:|",
     ]
     by_peer = {c["peer"]: c for c in dapple_rows if c.get("peer")}
-    zbh1 = by_peer.get("interleavedzb")
     verdicts: list[str] = []
     for c in (c for c in cases if c["runner"] == "torch"):
         err = results[key(c)]["error"]
-        counterpart = by_peer.get(c["kind"]) or (zbh1 if c["kind"] == "zbv" else None)
-        extra = " (extra: different placement and v)" if c["kind"] == "zbv" else ""
-        cp = f"{counterpart['label']}{extra}" if counterpart else "-"
+        counterpart = by_peer.get(c["kind"])
+        cp = counterpart["label"] if counterpart else "-"
         if err:
             lines.append(f"| {c['label']} | {_placement(c)} | not run: {err} | - | - | {cp} | - |")
             verdicts.append(f"- {c['label']}: not run ({err}).")
@@ -433,40 +439,33 @@ def main(argv: list[str] | None = None) -> int:
         ratio_cell = "-"
         if counterpart is not None and "why" in counterpart:
             ratio_cell = "dapple not run"
-            if c["kind"] != "zbv":
-                verdicts.append(
-                    f"- {counterpart['label']} vs {c['label']} (goal >= 1.0x): **not measured** "
-                    f"(dapple's runtime refused the plan: {counterpart['why']})."
-                )
+            verdicts.append(
+                f"- {counterpart['label']} vs {c['label']} (goal >= 1.0x): **not measured** "
+                f"(dapple's runtime refused the plan: {counterpart['why']})."
+            )
         elif counterpart is not None and not results[key(counterpart)]["error"]:
             d = meas[key(counterpart)]
             paired = [t / x for t, x in zip(m["rounds"], d["rounds"], strict=True)]
             r = statistics.median(paired)
             ratio_cell = f"**{r:.2f}x** [{min(paired):.2f}-{max(paired):.2f}]"
-            if c["kind"] != "zbv":
-                verdicts.append(
-                    f"- {counterpart['label']} vs {c['label']} (goal >= 1.0x): "
-                    f"**{'met' if r >= 1.0 else 'missed'}** ({r:.2f}x, rounds "
-                    f"{min(paired):.2f}-{max(paired):.2f}x; {d['ms']:.1f} vs {m['ms']:.1f} ms)."
-                )
-            else:
-                verdicts.append(
-                    f"- (extra, no goal) {counterpart['label']} vs {c['label']}: {r:.2f}x."
-                )
+            verdicts.append(
+                f"- {counterpart['label']} vs {c['label']} (goal >= 1.0x): "
+                f"**{'met' if r >= 1.0 else 'missed'}** ({r:.3f}x, rounds "
+                f"{min(paired):.2f}-{max(paired):.2f}x; {d['ms']:.1f} vs {m['ms']:.1f} ms)."
+            )
         lines.append(
             f"| {c['label']} | {_placement(c)} | {m['ms']:.1f} | {G / m['ms'] * 1e3:.1f} | "
             f"{m['cpu']:.0f} | {cp} | {ratio_cell} |"
         )
     lines += [
         "",
-        "Pairs: dapple 1F1B vs `Schedule1F1B`; dapple ZB-H1 vs `ScheduleInterleavedZeroBubble`; "
-        f"dapple interleaved v={V} vs `ScheduleInterleaved1F1B`. **ZB-H1 is not the same "
-        "schedule as torch's zero-bubble schedules**: dapple's ZB-H1 keeps one stage per rank "
-        f"(v = 1, the 1F1B memory bound), torch's `ScheduleInterleavedZeroBubble` runs v = {V} "
-        "chunks per rank (its ZB1P, interleaved) and `ScheduleZBVZeroBubble` v = 2 chunks in a V "
-        "(rank g: chunks g and 7-g, so rank 0 holds both the embedding and the LM head). Both "
-        "torch zero-bubble schedules are shown against dapple's ZB-H1, the nearest schedule "
-        "dapple runs; the ZBV ratio is extra (different placement), not a goal.",
+        f"Pairs: dapple 1F1B vs `Schedule1F1B`; dapple interleaved v={V} vs "
+        "`ScheduleInterleaved1F1B`; dapple ZB-V vs `ScheduleZBVZeroBubble` and dapple DualPipeV "
+        "vs `ScheduleDualPipeV` (the same chunks in the same V: rank g holds chunks g and 7-g, "
+        "so rank 0 holds both the embedding and the LM head); dapple ZB-H1 vs "
+        "`ScheduleInterleavedZeroBubble`, **not the same schedule**: dapple's ZB-H1 keeps one "
+        f"stage per rank (v = 1, the 1F1B memory bound), torch's runs v = {V} chunks per rank "
+        "(its ZB1P, interleaved); torch has no ZB-H1 with one stage per rank.",
         "",
         "## Verdicts",
         "",
