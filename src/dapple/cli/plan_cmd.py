@@ -317,7 +317,15 @@ def _new_schedule(
     from dapple.simulate.schedules import with_schedule
 
     profile, cluster, schedule = inputs.profile, inputs.cluster, str(cfg.schedule)
-    new = with_schedule(plan, schedule, cfg.virtual_stages)
+    try:
+        new = with_schedule(plan, schedule, cfg.virtual_stages)
+    except ValidationError as e:
+        layers = ", ".join(f"[{a}, {b})" for a, b in (st.layers for st in plan.stages))
+        raise ValidationError(
+            f"--schedule {schedule} cannot run the {plan.planner} planner's plan (stages "
+            f"{layers}, replication {plan.replication}; the planner does not plan for the "
+            f"schedule): {e}; --schedule best tries each schedule on balanced pipelines too"
+        ) from e
     new = dataclasses.replace(new, predicted_step_ms=schedule_latency(new, profile, cluster))
     work = new.num_micro_batches * len(new.devices)
     if work > MAX_SIMULATED_WORK:

@@ -87,6 +87,12 @@ class DeviceKind:
         }
 
 
+_MIN_SPEED, _MAX_SPEED = 1e-4, 1e4
+"""The speeds a cluster file may give: a device 10,000 times slower or faster than the
+profile's is no device of this cluster's kind (a typo, or a profile of another device)."""
+_MIN_GIB, _MAX_GIB = 2**-10, 2**30
+"""The memory per device a cluster file may give, in GiB: 1 MiB to 1 EiB."""
+
 _KIND_KEYS = {"name", "servers", "speed", "datasheet", "device_memory_gib"}
 
 
@@ -111,7 +117,11 @@ def _datasheet(name: Any, what: str, field: str) -> str:
 def _kind_from_dict(d: Any, i: int, profile_device: str | None, cluster: str) -> DeviceKind:
     """Kind ``i`` of cluster ``cluster``'s file (module docstring)."""
     require(isinstance(d, dict), f"cluster {cluster!r}: kinds[{i}] must be an object, got {d!r}")
-    name = str(d.get("name", f"kind{i}"))
+    name = d.get("name", f"kind{i}")
+    require(
+        isinstance(name, str) and name != "",
+        f"cluster {cluster!r}: kinds[{i}]: name must be a non-empty string, got {name!r}"[:200],
+    )
     what = f"cluster {cluster!r}, device kind {name!r}"
     unknown = sorted(set(d) - _KIND_KEYS)
     require(not unknown, f"{what}: unknown field(s) {unknown}; known: {sorted(_KIND_KEYS)}")
@@ -132,8 +142,18 @@ def _kind_from_dict(d: Any, i: int, profile_device: str | None, cluster: str) ->
         speed = DATASHEET_TFLOPS[sheet] / DATASHEET_TFLOPS[profile_device]
     else:
         speed = _number(d, "speed", what) if "speed" in d else 1.0
+        require(
+            _MIN_SPEED <= speed <= _MAX_SPEED,
+            f"{what}: speed must be from {_MIN_SPEED:g} to {_MAX_SPEED:g} (relative to the "
+            f"profile's device), got {speed:g}",
+        )
     if "device_memory_gib" in d:
-        memory = int(_number(d, "device_memory_gib", what) * _GIB)
+        gib = _number(d, "device_memory_gib", what)
+        require(
+            _MIN_GIB <= gib <= _MAX_GIB,
+            f"{what}: device_memory_gib must be from {_MIN_GIB:g} to {_MAX_GIB:g} GiB, got {gib:g}",
+        )
+        memory = int(gib * _GIB)
     else:
         require(
             sheet is not None,

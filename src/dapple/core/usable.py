@@ -14,15 +14,19 @@ with devices that could only idle. The cut cluster's device ids are the first on
 cluster (one server larger than U keeps its id layout: the cut cluster is that one server), its
 links, memory and host terms are unchanged, and its server size keeps the same divisibility by
 each tensor width (:data:`~dapple.core.tensor_layout.TENSOR_WIDTHS`), so the widths searched are
-unchanged: every plan of it is a plan of the whole cluster at the same cost.
+unchanged: every plan of it is a plan of the whole cluster at the same cost. On a cluster with
+device kinds the cut keeps the kinds of its first servers (the last one cut to what is left) and
+the smallest memory among them.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
 from dapple.core.cluster import Cluster
+from dapple.core.device_kinds import DeviceKind
 from dapple.core.tensor_layout import TENSOR_WIDTHS
 
 __all__ = ["usable_cluster", "usable_devices"]
@@ -62,4 +66,21 @@ def usable_cluster(cluster: Cluster, usable: int) -> Cluster:
             size += 1
         dps = size
     servers = min(cluster.servers, -(-usable // dps))
-    return dataclasses.replace(cluster, servers=servers, devices_per_server=dps)
+    return dataclasses.replace(
+        cluster, servers=servers, devices_per_server=dps, **_kinds_of_first(cluster, servers)
+    )
+
+
+def _kinds_of_first(cluster: Cluster, servers: int) -> dict[str, Any]:
+    """The device kinds of ``cluster``'s first ``servers`` servers and their smallest memory,
+    as :class:`Cluster` fields (none on a cluster without kinds)."""
+    if not cluster.kinds:
+        return {}
+    kinds: list[DeviceKind] = []
+    left = servers
+    for k in cluster.kinds:
+        if left == 0:
+            break
+        kinds.append(dataclasses.replace(k, servers=min(k.servers, left)))
+        left -= kinds[-1].servers
+    return {"kinds": tuple(kinds), "device_memory_bytes": min(k.device_memory_bytes for k in kinds)}

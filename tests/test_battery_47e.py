@@ -1,0 +1,90 @@
+"""Issue 47 (re-run G, 2026-11-29): what a hostile battery of the features new that day still
+found: a mixed cluster cut to the devices a small batch can use lost its device kinds (every
+planner but the dapple search's large-batch path refused with a contradiction the user never
+wrote), device kinds of absurd memory or speed (a traceback; L = 0.00 ms), a kind named by an
+object, and ``plan --schedule zbv`` on a planner's plan the V cannot cut, refused without
+saying it was the planner's plan."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from builders import make_profile, one_error_line
+from dapple.cli import main
+from dapple.core.cluster import GIB, load_cluster
+from dapple.core.usable import usable_cluster
+
+MIXED = Path(__file__).resolve().parents[1] / "examples" / "mixed.json"
+"""One server of 8 H100 (80 GiB), then one of 8 A100-40GB, profiled on an H100."""
+
+
+def _cluster(tmp_path: Path, kinds: list[dict[str, Any]]) -> str:
+    d = json.loads(MIXED.read_text())
+    d["kinds"] = kinds
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(d))
+    return str(path)
+
+
+def test_usable_cut_keeps_the_kinds_of_the_servers_it_keeps() -> None:
+    cluster = load_cluster(str(MIXED))
+    cut = usable_cluster(cluster, 4)
+    assert (cut.servers, [(k.name, k.servers) for k in cut.kinds]) == (1, [("H100", 1)])
+    assert cut.device_memory_bytes == 80 * GIB  # the A100-40GB server is not kept
+    assert usable_cluster(cluster, 9).kinds == cluster.kinds
+
+
+@pytest.mark.parametrize("argv", [["--planner", "dp"], ["--planner", "straight"], []])
+def test_a_small_batch_plans_on_a_mixed_cluster(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str]
+) -> None:
+    """A batch of 2 on 4 layers can use at most 8 devices of the 16: the cut cluster's kinds
+    used to be the whole cluster's ("its device kinds hold 2 servers ..., the cluster 1")."""
+    prof = tmp_path / "p.json"
+    make_profile(4).save(prof)
+    rc = main(["plan", "--profile", str(prof), "--cluster", str(MIXED),
+               "--global-batch-size", "2", *argv])  # fmt: skip
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    assert "predicted step L" in out.out
+
+
+_KIND = {"name": "X", "servers": 2, "speed": 1.0, "device_memory_gib": 40}
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "needle"),
+    [
+        ("device_memory_gib", 1e300, "device_memory_gib must be from"),  # was OverflowError
+        ("device_memory_gib", -4, "device_memory_gib must be from"),  # was in bytes
+        ("device_memory_gib", 1e-12, "got 1e-12"),  # was "got 0" bytes
+        ("speed", 1e300, "speed must be from 0.0001 to 10000"),  # was L = 0.00 ms
+        ("speed", 1e-300, "speed must be from 0.0001 to 10000"),  # was L = 1e26 ms
+        ("name", {"a": 1}, "name must be a non-empty string"),  # was the dict's str()
+        ("name", "", "name must be a non-empty string"),
+    ],
+)
+def test_device_kind_fields_out_of_range_are_refused_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], field: str, value: Any, needle: str
+) -> None:
+    path = _cluster(tmp_path, [{**_KIND, field: value}])
+    assert main(["plan", "--profile", "paper:bert48", "--cluster", path]) == 2
+    one_error_line(capsys, "cluster 'mixed'", needle)
+
+
+@pytest.mark.parametrize("schedule", ["zbv", "dualpipev"])
+def test_plan_schedule_the_v_cannot_cut_names_the_planners_plan(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], schedule: str
+) -> None:
+    """The dp planner's one stage is no V; the refusal said only "got 1 (4)"."""
+    prof = tmp_path / "p.json"
+    make_profile(4).save(prof)
+    rc = main(["plan", "--profile", str(prof), "--cluster", "local-cpu", "--global-batch-size",
+               "4", "--planner", "dp", "--schedule", schedule])  # fmt: skip
+    assert rc == 2
+    one_error_line(capsys, f"--schedule {schedule} cannot run the dp planner's plan",
+                   "stages [0, 4), replication 4", "--schedule best")  # fmt: skip
