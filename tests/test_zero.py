@@ -690,23 +690,23 @@ def test_auto_shards_only_where_memory_asks() -> None:
 
 
 def test_auto_weighs_zero2_traffic_against_recomputation() -> None:
-    from dapple.planner.evaluate import _Option, _pick
+    from dapple.planner.stage_options import StageOption, pick_zero_mode
     from dapple.planner.zero_modes import ZeroMode
 
-    def opt(z: Any, f: float, ar: float, d_nr: int, d_r: int) -> tuple[ZeroMode, _Option]:
+    def opt(z: Any, f: float, ar: float, d_nr: int, d_r: int) -> tuple[ZeroMode, StageOption]:
         none: Any = None  # the stage terms: not read by the choice
-        return (ZeroMode(z), _Option(f, 2 * f, ar, d_nr, d_r, none, none))
+        return (ZeroMode(z), StageOption(f, 2 * f, ar, d_nr, d_r, none, none))
 
     # k = 4 in flight, M = 4: 0 and 1 hold 4 only re-computing (AR + M F), 2 without (its AR is
     # (M + 1) / 2 = 2.5 x the AllReduce)
     for f, want in ((1.0, 2), (0.1, 0)):
         options = [opt(0, f, 1.0, 1, 5), opt(1, f, 1.0, 2, 6), opt(2, f, 2.5, 4, 8)]
-        assert _pick(options, 4, 4)[0] == ZeroMode(want), f
+        assert pick_zero_mode(options, 4, 4)[0] == ZeroMode(want), f
     # ZeRO-1 holds k without re-computation at the AllReduce's cost: preferred to ZeRO-2
     options = [opt(0, 1.0, 1.0, 1, 5), opt(1, 1.0, 1.0, 4, 6), opt(2, 1.0, 2.5, 4, 8)]
-    assert _pick(options, 4, 4)[0] == ZeroMode(1)
+    assert pick_zero_mode(options, 4, 4)[0] == ZeroMode(1)
     # nothing holds k: the most room
-    assert _pick([opt(0, 1.0, 1.0, 0, 1), opt(2, 1.0, 2.5, 1, 2)], 4, 4)[0] == ZeroMode(2)
+    assert pick_zero_mode([opt(0, 1.0, 1.0, 0, 1), opt(2, 1.0, 2.5, 1, 2)], 4, 4)[0] == ZeroMode(2)
 
 
 def test_search_finds_plans_only_zero2_fits() -> None:

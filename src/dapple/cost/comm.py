@@ -137,6 +137,26 @@ def overlaps(
 ) -> list[tuple[int, int, int, int]]:
     """:func:`dapple.core.plan.transfers` in O(r_src + r_dst) by a two-pointer sweep over the
     slice bounds (``transfers`` compares every pair), even slices unless shares are given."""
+    if src_shares is None and dst_shares is None:
+        return list(_even_overlaps(b, r_src, r_dst))
+    return _overlaps(b, r_src, r_dst, src_shares, dst_shares)
+
+
+@functools.lru_cache(maxsize=1 << 12)
+def _even_overlaps(b: int, r_src: int, r_dst: int) -> tuple[tuple[int, int, int, int], ...]:
+    """:func:`overlaps` of even slices, remembered: a planner asks for the same few (b, r_src,
+    r_dst) with many device sets."""
+    return tuple(_overlaps(b, r_src, r_dst, None, None))
+
+
+def _overlaps(
+    b: int,
+    r_src: int,
+    r_dst: int,
+    src_shares: Sequence[int] | None,
+    dst_shares: Sequence[int] | None,
+) -> list[tuple[int, int, int, int]]:
+    """The sweep of :func:`overlaps`."""
     src = slice_bounds(b, r_src, src_shares)
     dst = slice_bounds(b, r_dst, dst_shares)
     out: list[tuple[int, int, int, int]] = []
@@ -182,16 +202,16 @@ def link_loads(
     intra = cluster.intra_server_bandwidth_gbps * 1e9 / 8 / 1e3
     inter = cluster.inter_server_bandwidth_gbps * 1e9 / 8 / 1e3
     loads: dict[tuple[str, int], float] = {}  # (link kind, device or server) -> samples
+    dps = cluster.devices_per_server  # device d is on server d // dps (Cluster.server_of)
     for j, k, lo, hi in overlaps(b, len(src_devices), len(dst_devices), src_shares, dst_shares):
         a, c = src_devices[j], dst_devices[k]
         if a == c:
             continue
-        if cluster.same_server(a, c):
-            keys = [("device out", a), ("device in", c)]
-        else:
-            keys = [("nic out", cluster.server_of(a)), ("nic in", cluster.server_of(c))]
-        for key in keys:
-            loads[key] = loads.get(key, 0.0) + (hi - lo)
+        sa, sc = a // dps, c // dps
+        out_key, in_key = (("device out", a), ("device in", c)) if sa == sc else (
+            ("nic out", sa), ("nic in", sc))  # fmt: skip
+        loads[out_key] = loads.get(out_key, 0.0) + (hi - lo)
+        loads[in_key] = loads.get(in_key, 0.0) + (hi - lo)
     out = []
     for (kind, _), n in loads.items():
         if kind.startswith("device"):

@@ -17,9 +17,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from dapple.core.cluster import Cluster
-from dapple.core.plan import split_sizes
 from dapple.planner.evaluate import Scored, Scorer, StageSpec
-from dapple.planner.placement import POLICIES, place, remaining_devices
+from dapple.planner.placement import POLICIES, first_free_devices, place
 
 __all__ = [
     "CutSearch",
@@ -68,7 +67,7 @@ def candidate_replicas(cluster: Cluster, available: int, devices: int | None = N
 
 def stage_bound(sc: Scorer, s: int, e: int, r: int, b: int, M: int) -> float:
     """M (F_s + B_s) of a stage without re-computation: a lower bound on L."""
-    f, bw = sc.fb_ms(s, e, split_sizes(b, r)[0])
+    f, bw = sc.fb_ms(s, e, -(-b // r))  # split_sizes(b, r)[0], the largest slice
     return M * (f + bw)
 
 
@@ -272,7 +271,7 @@ class CutSearch:
         sc, cuts, M, b, best = self.sc, self.cuts, self.M, self.b, self.best
         g1, occ1 = placed
         j, N = cuts[ji], sc.N
-        rest = remaining_devices(self.cluster, occ1)[:b]  # a replica beyond b would idle
+        rest = first_free_devices(self.cluster, occ1, b)  # a replica beyond b would idle
         canon = tuple(sorted(occ1))
         for j1i in range(lo, hi + 1):
             j1 = cuts[j1i]

@@ -17,7 +17,6 @@ import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import accumulate
-from typing import NamedTuple
 
 from dapple.core.cluster import Cluster
 from dapple.core.plan import DEFAULT_SCHEDULE, Plan, Policy, StagePlan
@@ -32,6 +31,7 @@ from dapple.cost.tensor import fsdp_pass_ms, replica_sync_ms
 from dapple.cost.terms import StageTerms, pipeline_terms
 from dapple.errors import ValidationError
 from dapple.planner.shares import kind_stage
+from dapple.planner.stage_options import LazyOptions, StageOption, StageOptions, stage_choice
 from dapple.planner.widths import TensorSums, group_cluster, real_devices
 from dapple.planner.zero_modes import UNSHARDED, ZeroMode, zero3_modes
 from dapple.schedule.registry import get_schedule, in_flight_counts, schedules
@@ -40,39 +40,15 @@ from dapple.schedule.spec import ScheduleSpec
 __all__ = [
     "Scored",
     "Scorer",
-    "StageOptions",
     "StageSpec",
     "in_flight",
     "score_options",
     "scored_plan",
-    "stage_choice",
 ]
 
 StageSpec = tuple[int, int, tuple[int, ...]]
 """``(start, end, devices)`` of one computation stage; under a tensor width t > 1 the devices
 are tensor groups of :func:`~dapple.planner.widths.group_cluster`."""
-
-
-class _Option(NamedTuple):
-    """A cached stage under one :class:`ZeroMode`: F, B (without re-computation), AR_s + U_s, D
-    without and with re-computation, and the stage's :class:`StageTerms` either way."""
-
-    f: float
-    bw: float
-    ar: float
-    d_nr: int
-    d_r: int
-    plain: StageTerms
-    recomputed: StageTerms
-    floor: float = 0.0
-    """Bytes below the step peak of this stage and of any longer one on the same devices,
-    with or without re-computation (:meth:`Scorer._options`)."""
-    traffic: float = 0.0
-    """Per-step traffic inside F and B: ZeRO-3's gathers per micro-batch (M x their time)."""
-
-
-StageOptions = list[tuple[ZeroMode, _Option]]
-"""What :meth:`Scorer.stage_options` offers one stage: ``(zero mode, terms)``, unsharded first."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,7 +90,7 @@ class Scorer:
         the unsharded state leaves too little memory for the micro-batches the schedule keeps
         in flight there without re-computation, then the cheapest of ZeRO-1, ZeRO-2 (its
         M-fold gradient traffic in AR_s), ZeRO-3 and re-computation (M more forward passes)
-        that holds them (:func:`_pick`)."""
+        that holds them (:func:`~dapple.planner.stage_options.pick_zero_mode`)."""
         self.cluster = cluster
         self.global_batch_size = global_batch_size
         self.N = profile.num_layers
@@ -187,11 +163,15 @@ class Scorer:
 
     def _sync_plan(self, devices: tuple[int, ...], mode: ZeroMode) -> StagePlan:
         """A :class:`StagePlan` on ``devices`` for the terms its layers do not enter (AR_s,
-        ZeRO-3's gathers), cached: a plan's validation is linear in its devices."""
-        key = (devices, mode)
-        if key not in self._sync_plans:
-            self._sync_plans[key] = self.stage_plan(0, 1, devices, mode)
-        return self._sync_plans[key]
+        ZeRO-3's gathers), cached: a plan's validation is linear in its devices. Modes that
+        gather once per step share the plan of zero stage 0: AR_s takes the zero stage as an
+        argument (:func:`~dapple.cost.tensor.replica_sync_ms`), only the re-gathering mode's
+        terms read it from the plan (:func:`~dapple.cost.tensor.fsdp_pass_ms`)."""
+        key = (devices, mode if mode.regather else mode._replace(stage=0))
+        got = self._sync_plans.get(key)
+        if got is None:
+            got = self._sync_plans[key] = self.stage_plan(0, 1, devices, key[1])
+        return got
 
     def stage_plan(self, s: int, e: int, devices: tuple[int, ...], mode: ZeroMode) -> StagePlan:
         """The :class:`StagePlan` of layers [s, e) on ``devices`` (tensor groups when t > 1)
@@ -253,9 +233,9 @@ class Scorer:
 
     def _stage(
         self, s: int, e: int, d: tuple[int, ...], b: int, mode: ZeroMode = UNSHARDED
-    ) -> _Option:
-        """The terms of one stage under ``mode`` (:class:`_Option`; kept with the stage's
-        other options by :meth:`stage_options`)."""
+    ) -> StageOption:
+        """The terms of one stage under ``mode`` (kept with the stage's other options by
+        :meth:`stage_options`)."""
         M = self.global_batch_size // b
         if self.cluster.kinds:  # replicas of unequal speed or memory: dapple.planner.shares
             f, bw, d_nr, d_r, floor = kind_stage(self, s, e, d, b, mode, M)
@@ -286,7 +266,9 @@ class Scorer:
             update_ms=update,
             work=self._work(s, e, d, b, True),
         )
-        return _Option(f, bw, sync + update, d_nr, d_r, plain, recomputed, floor, M * (ag + ag_rs))
+        return StageOption(
+            f, bw, sync + update, d_nr, d_r, plain, recomputed, floor, M * (ag + ag_rs)
+        )
 
     def _work(
         self, s: int, e: int, d: tuple[int, ...], b: int, recompute: bool
@@ -302,7 +284,8 @@ class Scorer:
         """``(zero mode, _stage record)`` the scorer may pick from, unsharded first; none for
         a stage of width t > 1 with no layer that shards (t ranks would repeat its work).
         ZeRO-3 is offered gathering once per step and re-gathering (:func:`zero3_modes`).
-        Remembered per ``(s, e, d, b)``: the list is shared, callers only read it."""
+        Remembered per ``(s, e, d, b)``: the options are shared, callers only read them; each
+        mode is costed when first read (:class:`~dapple.planner.stage_options.LazyOptions`)."""
         key = (s, e, d, b)
         got = self._option_lists.get(key)
         if got is None:
@@ -312,7 +295,7 @@ class Scorer:
     def _new_options(self, s: int, e: int, d: tuple[int, ...], b: int) -> StageOptions:
         if self.tensor_width > 1 and self._tp.blocks(s, e) == 0:
             return []
-        return [(m, self._stage(s, e, d, b, m)) for m in self._modes(s, e, len(d))]
+        return LazyOptions(self._modes(s, e, len(d)), functools.partial(self._stage, s, e, d, b))
 
     def _modes(self, s: int, e: int, replicas: int) -> tuple[ZeroMode, ...]:
         """The zero modes :meth:`stage_options` offers layers [s, e) on ``replicas`` devices:
@@ -393,7 +376,7 @@ def score_options(
     recompute: bool | None = None,
 ) -> Scored | None:
     """L of a candidate from its stages' options (:meth:`Scorer.stage_options`), its comm
-    stages and host extras: per warm-up policy, each stage's zero mode (:func:`_pick`) and
+    stages and host extras: per warm-up policy, each stage's zero mode (:func:`stage_choice`) and
     re-computation for its K_i, then equations 1-3 (:func:`pipeline_terms`); the best policy,
     or None when no policy fits memory (arguments as :meth:`Scorer.score`)."""
     S = len(options)
@@ -422,24 +405,6 @@ def score_options(
         if best is None or best.L_ms > L:
             best = Scored(L, policy, schedule, tuple(rec), tuple(ds), tuple(zs))
     return best
-
-
-def stage_choice(
-    options: StageOptions, k: int, M: int, bounded: bool, recompute: bool | None = None
-) -> tuple[ZeroMode, _Option, bool, int] | None:
-    """A stage's zero mode (:func:`_pick`), re-computation and D when it keeps k micro-batches
-    in flight: ``(mode, its terms, re-computes, D)``, or None when it cannot hold them (D < 1,
-    or D < k under a schedule that does not bound stages by K_i). Re-computes only when memory
-    demands it, unless ``recompute`` forces it either way."""
-    z, r = options[0]
-    if z != UNSHARDED or r.d_nr < k:  # not _pick's first case (unsharded holds k)
-        z, r = _pick(options, k, M)
-    d_nr, d_r = r.d_nr, r.d_r
-    use_r = d_nr < k and (d_r >= k or d_r > d_nr) if recompute is None else recompute
-    d = d_r if use_r else d_nr
-    if d < 1 or (not bounded and d < k):
-        return None
-    return z, r, use_r, d
 
 
 @functools.lru_cache(maxsize=1 << 14)
@@ -502,27 +467,3 @@ def _scored_schedule(name: str) -> ScheduleSpec:
             f"schedule {name!r} has a step rule of its own; the scorer costs L: choose {ok}"
         )
     return spec
-
-
-def _pick(options: StageOptions, k: int, M: int) -> tuple[ZeroMode, _Option]:
-    """The zero mode of a stage holding k micro-batches in flight: unsharded when it holds k
-    without re-computation (ZeRO's 1/r_s update in AR_s + U_s does not buy a shard where memory
-    does not ask for one); else, of the options that hold k (without re-computation, or with it
-    at M more forward passes F), the one with the least AR_s + U_s (+ M F), the lower zero stage
-    on ties; none holds k: the one with the most room.
-
-    Args:
-        options: ``(zero mode, (F, B, AR, D without re-computation, D with, ...))``, zero
-            stage ascending (:class:`_Option`).
-    """
-    if options[0][0] == UNSHARDED and options[0][1].d_nr >= k:
-        return options[0]
-    best: tuple[float, ZeroMode, _Option] | None = None
-    for z, r in options:
-        base = r.ar + r.traffic  # ZeRO-3's per-micro-batch gathers count as traffic
-        cost = base if r.d_nr >= k else base + M * r.f if r.d_r >= k else None
-        if cost is not None and (best is None or cost < best[0]):
-            best = (cost, z, r)
-    if best is None:
-        return options[-1]
-    return best[1], best[2]

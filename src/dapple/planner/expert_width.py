@@ -13,12 +13,12 @@ terms :mod:`dapple.cost.moe` gives it:
 * its memory holds ``P_dense + P_experts / e_s`` per rank, so D can only grow with e_s.
 
 The search then picks a stage's option as it picks its zero mode
-(:func:`~dapple.planner.evaluate.stage_choice`): the first option when it is unsharded and holds
-the stage's K_i, else the cheapest per step (AR_s + U_s + the M x A2A inside F and B) of those
-that hold K_i. :meth:`ExpertScorer._new_options` puts the cheapest width first when it costs less
-per step than the unsharded option, so a width is taken where it is cheaper or where memory asks
-for it. Each candidate's L is then the cost model's for the chosen widths, and the plan records
-them (:meth:`ExpertScorer.stage_plan`). A profile without MoE layers gets the plain
+(:func:`~dapple.planner.stage_options.stage_choice`): the first option when it is unsharded and
+holds the stage's K_i, else the cheapest per step (AR_s + U_s + the M x A2A inside F and B) of
+those that hold K_i. :meth:`ExpertScorer._new_options` puts the cheapest width first when it
+costs less per step than the unsharded option, so a width is taken where it is cheaper or where
+memory asks for it. Each candidate's L is then the cost model's for the chosen widths, and the
+plan records them (:meth:`ExpertScorer.stage_plan`). A profile without MoE layers gets the plain
 :class:`Scorer` (:func:`make_scorer`): its search is unchanged. The DAPPLE search runs once with
 the widths and once without, keeping the better plan (:func:`with_and_without_widths`). Pure,
 no torch.
@@ -44,7 +44,8 @@ from dapple.cost.moe import (
 from dapple.cost.peak_memory import in_flight_limit, stage_bytes
 from dapple.cost.terms import StageTerms
 from dapple.errors import InfeasibleError
-from dapple.planner.evaluate import Scorer, StageOptions, _Option
+from dapple.planner.evaluate import Scorer
+from dapple.planner.stage_options import StageOption, StageOptions
 from dapple.planner.zero_modes import UNSHARDED, ZeroMode
 
 __all__ = ["ExpertScorer", "has_experts", "make_scorer", "with_and_without_widths"]
@@ -139,7 +140,7 @@ class ExpertScorer(Scorer):
 
     def _stage(
         self, s: int, e: int, d: tuple[int, ...], b: int, mode: ZeroMode = UNSHARDED
-    ) -> _Option:
+    ) -> StageOption:
         """The terms of one stage under ``mode``; at an EP width, the cost model's
         (:mod:`dapple.cost.moe`) over the scorer's F and B."""
         w = mode.expert_width
@@ -167,7 +168,7 @@ class ExpertScorer(Scorer):
             plain, backward_ms=bw + f, work=self._work(s, e, d, b, True)
         )
         traffic = M * (f - f0 + bw - b0)  # the all-to-alls (and busiest expert) per step
-        return _Option(f, bw, sync + update, d_nr, d_r, plain, recomputed, floor, traffic)
+        return StageOption(f, bw, sync + update, d_nr, d_r, plain, recomputed, floor, traffic)
 
     def _expert_memory(
         self, s: int, e: int, n: int, replicas: int, w: int, M: int

@@ -3,7 +3,7 @@
 A round of :mod:`dapple.planner.stage_widths` weighs a few hundred moves, each differing
 from the current plan in one or two stages: a :data:`Move` ``(i, j, new)`` is the plan
 ``stages[:i] + new + stages[j:]``. Its stages keep their terms from the current plan (each
-stage's choice at its K_i, :func:`~dapple.planner.evaluate.stage_choice`, made once per round
+stage's choice at its K_i, :func:`~dapple.planner.stage_options.stage_choice`, made once per round
 for the current stage count S and, for merges, S - 1), so only the new stages and the comm
 stages beside them are looked up. Equations 1-3 then run over all moves as numpy arrays, the
 operations of :func:`~dapple.cost.latency.steady_periods` and
@@ -22,7 +22,8 @@ import numpy as np
 from numpy.typing import NDArray
 
 from dapple.core.plan import Policy
-from dapple.planner.evaluate import StageOptions, in_flight, stage_choice
+from dapple.planner.evaluate import in_flight
+from dapple.planner.stage_options import StageOptions, stage_choice
 
 __all__ = ["ROUNDING", "Move", "Row", "WidthStage", "estimate_moves", "stage_row"]
 
@@ -94,7 +95,7 @@ class _Rows:
 
 def stage_row(options: StageOptions, k: int, M: int, bounded: bool) -> Row:
     """The :data:`Row` of a stage with these options holding ``k`` micro-batches
-    (:func:`~dapple.planner.evaluate.stage_choice`)."""
+    (:func:`~dapple.planner.stage_options.stage_choice`)."""
     got = stage_choice(options, k, M, bounded) if options else None
     if got is None:
         return 0.0, 0.0, 0.0, 0, True

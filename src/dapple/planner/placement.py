@@ -7,9 +7,11 @@ and a policy only decides how many devices to take from each server.
 
 from __future__ import annotations
 
+import functools
+
 from dapple.core.cluster import Cluster
 
-__all__ = ["POLICIES", "place", "remaining_devices"]
+__all__ = ["POLICIES", "first_free_devices", "place", "remaining_devices"]
 
 POLICIES = ("fresh", "append", "scatter")
 """Placement policies of section 5.2 in the order the search tries them."""
@@ -63,8 +65,7 @@ def place(
                 counts[srv] = counts.get(srv, 0) + n
                 need -= n
 
-    fresh = [s for s in range(len(occ)) if occ[s] == 0]
-    partly = [s for s in range(len(occ)) if 0 < occ[s] < dps]
+    fresh, partly = _server_classes(dps, occ)
     if policy == "fresh":
         fill(fresh)
         fill(sorted(partly, key=lambda s: -free[s]))
@@ -93,7 +94,30 @@ def place(
     return _take(cluster, occ, counts)
 
 
+@functools.lru_cache(maxsize=1 << 10)
+def _server_classes(dps: int, occ: Occupancy) -> tuple[list[int], list[int]]:
+    """The fresh servers and the partly used ones of an occupancy (servers of ``dps``
+    devices), in server order; remembered: the search places many replica counts by each
+    policy from one occupancy. Callers only read the lists."""
+    fresh = [s for s, u in enumerate(occ) if u == 0]
+    partly = [s for s, u in enumerate(occ) if 0 < u < dps]
+    return fresh, partly
+
+
 def remaining_devices(cluster: Cluster, occ: Occupancy) -> tuple[int, ...]:
     """The free device ids of an occupancy, in id order."""
     dps = cluster.devices_per_server
     return tuple(s * dps + i for s in range(len(occ)) for i in range(occ[s], dps))
+
+
+def first_free_devices(cluster: Cluster, occ: Occupancy, n: int) -> tuple[int, ...]:
+    """The first ``n`` of :func:`remaining_devices` (all of them when fewer are free), without
+    listing the rest: the servers after the n-th free device are not visited."""
+    dps = cluster.devices_per_server
+    out: list[int] = []
+    for s, u in enumerate(occ):
+        if len(out) >= n:
+            break
+        if u < dps:
+            out.extend(range(s * dps + u, s * dps + min(dps, u + n - len(out))))
+    return tuple(out)

@@ -29,8 +29,9 @@ from dapple.core.plan import DEFAULT_SCHEDULE, Plan
 from dapple.cost.comm import busiest_link_ms, link_loads
 from dapple.cost.host import has_host_terms, stage_host_extras
 from dapple.cost.memory import boundary_bytes
-from dapple.planner.evaluate import Scored, Scorer, StageOptions, score_options, scored_plan
+from dapple.planner.evaluate import Scored, Scorer, score_options, scored_plan
 from dapple.planner.move_scores import ROUNDING, Move, Row, WidthStage, estimate_moves, stage_row
+from dapple.planner.stage_options import StageOptions
 from dapple.planner.widths import TensorSums
 from dapple.planner.zero_modes import UNSHARDED
 from dapple.schedule.registry import get_schedule
