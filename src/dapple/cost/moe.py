@@ -145,16 +145,31 @@ def alltoall_ms(cluster: Cluster, nbytes: float, devices: Sequence[int]) -> floa
         nbytes: bytes each member sends in all, its own share included.
         devices: the members' device ids.
     """
-    e = len(devices)
-    if e <= 1 or nbytes <= 0:
-        return 0.0
+    return _shape_alltoall_ms(cluster, nbytes, _shape(cluster, devices))
+
+
+_Shape = tuple[int, tuple[int, ...]]
+"""An EP group as the all-to-all sees it: its e members and the distinct counts of members per
+server (what :func:`alltoall_ms` reads of the device ids)."""
+
+
+def _shape(cluster: Cluster, devices: Sequence[int]) -> _Shape:
     counts: dict[int, int] = {}
     for d in devices:
-        counts[cluster.server_of(d)] = counts.get(cluster.server_of(d), 0) + 1
+        s = cluster.server_of(d)
+        counts[s] = counts.get(s, 0) + 1
+    return len(devices), tuple(sorted(set(counts.values())))
+
+
+def _shape_alltoall_ms(cluster: Cluster, nbytes: float, shape: _Shape) -> float:
+    """:func:`alltoall_ms` of a group of that shape."""
+    e, counts = shape
+    if e <= 1 or nbytes <= 0:
+        return 0.0
     intra = _gbps_to_bytes_per_ms(cluster.intra_server_bandwidth_gbps)
     inter = _gbps_to_bytes_per_ms(cluster.inter_server_bandwidth_gbps)
     t = 0.0
-    for c in counts.values():
+    for c in counts:
         if c > 1:
             t = max(t, cluster.intra_server_latency_ms + (c - 1) / e * nbytes / intra)
         if c < e:
@@ -175,10 +190,15 @@ def layer_alltoall_ms(
         samples: samples of one micro-batch on each member (its slice).
         devices: the EP group's device ids.
     """
+    return _shape_layer_ms(cluster, moe, samples, _shape(cluster, devices))
+
+
+def _shape_layer_ms(cluster: Cluster, moe: MoEProfile, samples: float, shape: _Shape) -> float:
+    """:func:`layer_alltoall_ms` over a group of that shape."""
     scale = moe.imbalance * samples
-    return alltoall_ms(cluster, scale * moe.dispatch_bytes_per_sample, devices) + alltoall_ms(
-        cluster, scale * moe.combine_bytes_per_sample, devices
-    )
+    return _shape_alltoall_ms(
+        cluster, scale * moe.dispatch_bytes_per_sample, shape
+    ) + _shape_alltoall_ms(cluster, scale * moe.combine_bytes_per_sample, shape)
 
 
 def stage_alltoall_ms(
@@ -190,8 +210,15 @@ def stage_alltoall_ms(
 ) -> float:
     """:func:`layer_alltoall_ms` summed over the mixture-of-experts layers of a stage's
     ``[start, end)``: what the all-to-alls add to its F_s per micro-batch (and to B_s)."""
+    return _shape_stage_ms(profile, cluster, layers, _shape(cluster, devices), samples)
+
+
+def _shape_stage_ms(
+    profile: ModelProfile, cluster: Cluster, layers: tuple[int, int], shape: _Shape, samples: float
+) -> float:
+    """:func:`stage_alltoall_ms` over a group of that shape."""
     return sum(
-        layer_alltoall_ms(cluster, layer.moe, samples, devices)
+        _shape_layer_ms(cluster, layer.moe, samples, shape)
         for layer in profile.layers[layers[0] : layers[1]]
         if layer.moe is not None
     )
@@ -406,7 +433,8 @@ def expert_slice_times(
     ``times`` unchanged at e_s = 1."""
     if stage.expert_width == 1:
         return dict(times)
-    a2a = max(stage_alltoall_ms(profile, cluster, stage.layers, g, largest) for g in _groups(stage))
+    shapes = {_shape(cluster, g) for g in _groups(stage)}  # groups alike cost alike
+    a2a = max(_shape_stage_ms(profile, cluster, stage.layers, sh, largest) for sh in shapes)
     out: dict[int, SliceTimes] = {}
     for n, ((f, b), (i, w)) in times.items():
         fx, ix, wx = _busiest_expert_ms(profile, cluster, stage.layers, n)

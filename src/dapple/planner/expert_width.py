@@ -108,6 +108,7 @@ class ExpertScorer(Scorer):
         grid offers one (:mod:`dapple.planner.expert_grid`)."""
         self._syncs: dict[tuple[int, int, tuple[int, ...], int], float] = {}
         self._sharded: dict[int, ModelProfile] = {}
+        self._fits: dict[tuple[int, int, int, int, int, int], tuple[int, int, float]] = {}
 
     def expert_modes(self, s: int, e: int, replicas: int) -> list[ZeroMode]:
         """The EP options of layers [s, e) on ``replicas`` devices: ZeRO 0 at each width e_s
@@ -176,13 +177,19 @@ class ExpertScorer(Scorer):
         """D without and with re-computation on slices of n, and the memory floor, of layers
         [s, e) at EP width w (:meth:`Scorer._options` on the profile as one rank holds it,
         :func:`~dapple.cost.moe.expert_sharded_profile`)."""
+        key = (s, e, n, replicas, w, M)
+        got = self._fits.get(key)
+        if got is not None:  # placements of the same replica count share it
+            return got
         memory = self._sharded.get(w)
         if memory is None:
             memory = self._sharded[w] = expert_sharded_profile(self._memory, w)
         plain, redone = stage_bytes(memory, (s, e), n, replicas=replicas)
         usable = float(self.cluster.usable_memory_bytes)
         floor = plain.static + plain.shared + (self._act[e] - self._act[s]) * n
-        return in_flight_limit(plain, usable, M), in_flight_limit(redone, usable, M), floor
+        got = in_flight_limit(plain, usable, M), in_flight_limit(redone, usable, M), floor
+        self._fits[key] = got
+        return got
 
     def stage_plan(self, s: int, e: int, devices: tuple[int, ...], mode: ZeroMode) -> StagePlan:
         """The :class:`StagePlan` of layers [s, e) on ``devices`` under a scored mode, with its
