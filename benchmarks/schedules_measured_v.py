@@ -3,14 +3,14 @@
 with dapple's interleaved 1F1B vs ``ScheduleInterleaved1F1B`` as the noise reference.
 
 Model: the zoo ``transformer`` of :data:`_bench_common.BENCH_MODEL` with ``--blocks`` blocks
-(default 14: 16 chain layers). Partition: the straight 2-rank pipeline cut into S = 4 chunks of
-equal layer counts. V schedules (Qi et al. section 6; DeepSeek-V3 section 3.2.1): rank g holds
-chunks g and 3-g (``dapple.schedule.zbv.v_shape``, torch's V placement), so rank 0 holds the
-embedding and the LM head. Interleaved: rank g holds chunks g and g+2 (dapple's
-``interleave(straight, 2)``, torch's loop placement). Same global batch, M, plain SGD, intra-op
-threads (``cores // 2``) for every runner, all cases in ONE gloo group of 2 processes, in rounds
-whose order alternates (:func:`_schedules_worker.worker`, shared with
-``schedules_measured.py``).
+(default 14: 16 chain layers). Partition: the straight pipeline over P ranks (``--ranks``,
+default 2) cut into S = 2P chunks of equal layer counts. V schedules (Qi et al. section 6;
+DeepSeek-V3 section 3.2.1): rank g holds chunks g and 2P-1-g (``dapple.schedule.zbv.v_shape``,
+torch's V placement), so rank 0 holds the embedding and the LM head. Interleaved: rank g holds
+chunks g and g+P (dapple's ``interleave(straight, 2)``, torch's loop placement). Same global
+batch, M, plain SGD, intra-op threads (``cores // P``) for every runner, all cases in ONE gloo
+group of P processes, in rounds whose order alternates (:func:`_schedules_worker.worker`,
+shared with ``schedules_measured.py``).
 
 Each pair's speed ratio is torch's step time over dapple's in the same round (>= 1.00: dapple at
 least as fast), its median and range over rounds. The interleaved pair runs the same runtimes on
@@ -48,6 +48,7 @@ from dapple.simulate.schedules import with_schedule
 from vs_torch_pipelining import LR, describe, even_bounds
 
 WORLD = 2
+"""Ranks (processes) by default; ``--ranks`` sets another count."""
 BEGIN = "<!-- schedules_measured_v.py: begin -->"
 END = "<!-- schedules_measured_v.py: end -->"
 PAIRS = (
@@ -58,12 +59,12 @@ PAIRS = (
 """(dapple schedule, torch runner kind, role) of each pair."""
 
 
-def build_cases(blocks: int, G: int, M: int) -> list[dict[str, Any]]:
+def build_cases(blocks: int, G: int, M: int, ranks: int = WORLD) -> list[dict[str, Any]]:
     """The dapple and torch case of each pair in :data:`PAIRS`, on the same chunks."""
     wl = bench_transformer(layers=blocks)
-    b = even_bounds(wl.num_layers, WORLD)
+    b = even_bounds(wl.num_layers, ranks)
     straight = straight_plan(wl.num_layers, b[:-1], global_batch_size=G, num_micro_batches=M)
-    grp = f"straight {WORLD} ranks {b[1:-1]}"
+    grp = f"straight {ranks} ranks {b[1:-1]}"
     cases: list[dict[str, Any]] = []
     for schedule, kind, _ in PAIRS:
         plan = (
@@ -133,7 +134,9 @@ def _action_rows(cases: list[dict[str, Any]], got: dict[str, Any], skip: int) ->
 
 
 def _placement(c: dict[str, Any]) -> str:
-    per = [[k for k, g in enumerate(c["placement"]) if g == r] for r in range(WORLD)]
+    per = [
+        [k for k, g in enumerate(c["placement"]) if g == r] for r in range(max(c["placement"]) + 1)
+    ]
     return "; ".join(
         f"r{r}: " + " + ".join(f"{c['chunks'][k][0]}-{c['chunks'][k][1]}" for k in ks)
         for r, ks in enumerate(per)
@@ -168,10 +171,10 @@ def report(
             f"{', '.join(f'{x:.2f}' for x in paired)} |"
         )
     lines = [
-        f"## V schedules vs torch.distributed.pipelining ({WORLD} ranks)",
+        f"## V schedules vs torch.distributed.pipelining ({args.ranks} ranks)",
         "",
         f"Model: zoo `transformer` {{**{BENCH_MODEL}, 'layers': {args.blocks}}}, global batch "
-        f"{G}, M = {M} (micro-batch {G // M}), plain SGD lr {LR}, {WORLD} gloo processes. All "
+        f"{G}, M = {M} (micro-batch {G // M}), plain SGD lr {LR}, {args.ranks} gloo processes. All "
         f"six cases in ONE process group, {args.rounds} rounds x {args.steps} steps per case, "
         f"the round order alternating, the first {skip} step(s) of each round dropped. Step "
         "time: the period between consecutive step ends, steps back to back (dapple: rank 0's "
@@ -248,24 +251,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=4, help="steps per case per round")
     ap.add_argument("--skip", type=int, default=1, help="warm-up steps dropped per round")
     ap.add_argument("--blocks", type=int, default=14, help="transformer blocks (+2 layers)")
+    ap.add_argument("--ranks", type=int, default=WORLD, help="processes: the V over P ranks")
     ap.add_argument("--global-batch", type=int, default=32)
     ap.add_argument("--micro-batches", type=int, default=8)
     ap.add_argument("--out", default=str(HERE / "schedules_measured.md"))
     args = ap.parse_args(argv)
     G, M = args.global_batch, args.micro_batches
-    if M < 2 * WORLD or M % WORLD or G % M:
+    P = args.ranks
+    if P < 2 or M < 2 * P or M % P or G % M:
         raise SystemExit(
-            f"need M >= {2 * WORLD} (DualPipeV), a multiple of {WORLD} (interleaved), dividing "
+            f"need ranks >= 2, M >= {2 * P} (DualPipeV), a multiple of {P} (interleaved), dividing "
             f"G; got G={G} M={M}"
         )
     args_text = " ".join(sys.argv[1:] if argv is None else argv)
     command = f"python benchmarks/schedules_measured_v.py {args_text}".strip()
     head = header("V schedules vs torch (CPU, gloo)", command)
     commit = _commit()  # the checkout the workers import
-    cases = build_cases(args.blocks, G, M)
+    cases = build_cases(args.blocks, G, M, P)
     opts = {k: getattr(args, k) for k in ("rounds", "steps", "skip", "blocks")} | {"G": G, "M": M}
     t0 = time.perf_counter()
-    got = run_worker_group(worker, WORLD, cases, opts)
+    got = run_worker_group(worker, P, cases, opts)
     section = report(cases, got, args, time.perf_counter() - t0)
     # the header's first line is the title; keep its facts as the section's list
     section[1:1] = [

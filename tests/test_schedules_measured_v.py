@@ -30,6 +30,12 @@ def test_each_pair_runs_the_same_chunks_in_the_same_placement() -> None:
         ("dualpipev", "torch ScheduleDualPipeV", [0, 1, 1, 0]),
     ]
     assert cases[1]["chunks"] == [[0, 2], [2, 4], [4, 6], [6, 8]]
+    four = smv.build_cases(blocks=6, G=8, M=8, ranks=4)  # 8 chunks of 1 layer
+    assert [c["placement"] for c in four[1::2]] == [
+        [0, 1, 2, 3, 0, 1, 2, 3],
+        [0, 1, 2, 3, 3, 2, 1, 0],
+        [0, 1, 2, 3, 3, 2, 1, 0],
+    ]
 
 
 def test_the_ratio_is_torch_ms_over_dapple_ms_per_round() -> None:
@@ -53,7 +59,9 @@ def test_the_ratio_is_torch_ms_over_dapple_ms_per_round() -> None:
         }
         for i, c in enumerate(cases)
     }
-    args = argparse.Namespace(global_batch=8, micro_batches=4, skip=1, blocks=6, rounds=2, steps=3)
+    args = argparse.Namespace(
+        global_batch=8, micro_batches=4, skip=1, blocks=6, rounds=2, steps=3, ranks=2
+    )
     text = "\n".join(smv.report(cases, got, args, run_s=1.0))
     assert "**1.00x** [0.98-1.02] | 0.98, 1.02 |" in text
     assert "**0.93x** [0.90-0.95] | 0.95, 0.90 |" in text
