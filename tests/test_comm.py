@@ -61,6 +61,9 @@ def test_staged_collectives_copy_their_results_back(one_rank: None) -> None:
     gathered = [torch.zeros(6)]
     comm.all_gather(gathered, t)
     assert torch.equal(gathered[0], t)
+    moved = torch.zeros(6, 1)
+    comm.all_to_all_single(moved, t.view(6, 1), [6], [6])  # world 1: every row to itself
+    assert torch.equal(moved.view(-1), t)
     b = torch.full((3,), 7.0)
     comm.broadcast(b, src=0, async_op=True).wait()
     comm.reduce(b, dst=0)
