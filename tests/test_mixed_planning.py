@@ -213,3 +213,18 @@ def test_layout_names_each_servers_kind() -> None:
     assert server_label(MIXED, 0) == "server 0\nH100 x1"
     assert server_label(MIXED, 1) == "server 1\nA100-40GB x0.32"
     assert server_label(PRESETS["paper-a"], 1) == "server 1"
+
+
+def test_a_kind_too_small_for_any_stage_is_left_idle() -> None:
+    """With 0.5 GiB A100s no BERT-48 stage fits them: the plan runs on the H100s alone."""
+    tiny = dataclasses.replace(MIXED.kinds[1], device_memory_bytes=GIB // 2)
+    c = dataclasses.replace(MIXED, kinds=(MIXED.kinds[0], tiny), device_memory_bytes=GIB // 2)
+    plan = make_plan(BERT, c, 64)
+    assert set(plan.devices) <= set(range(8))
+    assert pipeline_latency_fits(plan, c)
+
+
+def pipeline_latency_fits(plan: Plan, c: Cluster) -> bool:
+    from dapple.cost.pipeline import pipeline_latency
+
+    return pipeline_latency(plan, BERT, c).fits_memory
