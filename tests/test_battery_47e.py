@@ -88,3 +88,21 @@ def test_plan_schedule_the_v_cannot_cut_names_the_planners_plan(
     assert rc == 2
     one_error_line(capsys, f"--schedule {schedule} cannot run the dp planner's plan",
                    "stages [0, 4), replication 4", "--schedule best")  # fmt: skip
+
+
+def test_simulate_refuses_expert_widths_on_stages_without_experts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A dense profile's stage of e_s = 2 was simulated and reported "expert widths: stage 0
+    e_s=2 (1 group of 2 replicas)"."""
+    from dapple.core.plan import straight_plan
+
+    prof, plan = tmp_path / "p.json", tmp_path / "plan.json"
+    make_profile(4).save(prof)
+    p = straight_plan(4, [0], global_batch_size=4, num_micro_batches=2, replicas=[2])
+    d = p.to_dict()
+    d["stages"][0]["expert_width"] = 2
+    plan.write_text(json.dumps(d))
+    rc = main(["simulate", "--plan", str(plan), "--profile", str(prof), "--cluster", "h100-8x"])
+    assert rc == 2
+    one_error_line(capsys, "plan stage 0 [0, 4): expert_width 2", "no mixture-of-experts layer")

@@ -22,6 +22,7 @@ from dapple.api._inputs import (
 )
 from dapple.core.cluster import Cluster
 from dapple.core.plan import Plan
+from dapple.core.plan_checks import check_expert_widths
 from dapple.core.planning_options import ZeroChoice
 from dapple.core.profile import ModelProfile
 from dapple.errors import ValidationError
@@ -328,4 +329,6 @@ def simulate(
     prof = as_profile(profile)
     named = f"of {prof.model_name!r}" if isinstance(profile, ModelProfile) else repr(str(profile))
     p.check_fingerprint(prof.model_fingerprint, f"the profile {named}")
+    if p.num_layers == prof.num_layers:  # another count is the simulator's refusal
+        check_expert_widths(p, prof, f"the profile {named}")
     return _simulate(p, prof, as_cluster(cluster))

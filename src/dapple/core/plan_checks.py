@@ -16,8 +16,9 @@ from dapple.core.slicing import check_shares
 
 if TYPE_CHECKING:
     from dapple.core.plan import Plan
+    from dapple.core.profile import ModelProfile
 
-__all__ = ["check_plan"]
+__all__ = ["check_expert_widths", "check_plan"]
 
 
 def check_plan(plan: Plan) -> None:
@@ -143,4 +144,35 @@ def _check_shares(plan: Plan) -> None:
             st.shares == plan.stages[g].shares,
             f"plan: stage {k} shares {st.shares} differ from those of stage {g} "
             f"{plan.stages[g].shares} on the same devices {list(st.devices)}",
+        )
+
+
+def check_expert_widths(plan: Plan, profile: ModelProfile, what: str) -> None:
+    """Each stage of expert width e_s > 1 holds a mixture-of-experts layer of ``profile``, and
+    e_s divides the experts of each of its MoE layers (the expert shards the runtime cuts).
+
+    Args:
+        plan: the plan, already checked against the profile's layer count.
+        profile: the model profile it is simulated or costed with.
+        what: the profile, named for the message (``--profile 'p.json'``).
+
+    Raises:
+        ValidationError: naming the stage, its e_s and the layers' experts.
+    """
+    for s, st in enumerate(plan.stages):
+        e = st.expert_width
+        if e == 1:
+            continue
+        a, b = st.layers
+        moe = [layer.moe for layer in profile.layers[a:b] if layer.moe is not None]
+        require(
+            bool(moe),
+            f"plan stage {s} [{a}, {b}): expert_width {e}, but {what} has no mixture-of-experts "
+            "layer there: expert parallelism would have nothing to shard",
+        )
+        bad = sorted({m.experts for m in moe if m.experts % e})
+        require(
+            not bad,
+            f"plan stage {s} [{a}, {b}): expert_width {e} does not divide its layers' "
+            f"{', '.join(map(str, bad))} experts ({what})",
         )
