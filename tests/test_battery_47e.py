@@ -106,3 +106,21 @@ def test_simulate_refuses_expert_widths_on_stages_without_experts(
     rc = main(["simulate", "--plan", str(plan), "--profile", str(prof), "--cluster", "h100-8x"])
     assert rc == 2
     one_error_line(capsys, "plan stage 0 [0, 4): expert_width 2", "no mixture-of-experts layer")
+
+
+@pytest.mark.parametrize("module", ["unittest.__main__", "a b", "os/path", 7])
+def test_a_plan_file_names_no_program_as_its_schedule_module(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], module: Any
+) -> None:
+    """``unittest.__main__`` was imported: unittest's own command line parsed dapple's
+    arguments ("unrecognized arguments: --plan ...")."""
+    from dapple.core.plan import straight_plan
+
+    prof, plan = tmp_path / "p.json", tmp_path / "plan.json"
+    make_profile(4).save(prof)
+    d = straight_plan(4, [0, 2], global_batch_size=4, num_micro_batches=2).to_dict()
+    d["schedule_module"] = module
+    plan.write_text(json.dumps(d))
+    rc = main(["simulate", "--plan", str(plan), "--profile", str(prof), "--cluster", "h100-8x"])
+    assert rc == 2
+    one_error_line(capsys, "schedule_module must be the dotted name of a module")

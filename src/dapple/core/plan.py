@@ -17,6 +17,7 @@ registry installs (:mod:`dapple.core.schedule_rules`).
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -35,6 +36,17 @@ from dapple.core.schedule_rules import group_of, load_schedule_module, module_of
 from dapple.core.slicing import slice_bounds, split_sizes, transfers
 from dapple.core.stage_plan import StagePlan
 from dapple.errors import ValidationError
+
+_MODULE_PART = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def _is_schedule_module(name: Any) -> bool:
+    """Whether ``name`` can name a schedule module: dotted identifiers, none a dunder name (a
+    ``__main__`` module runs a program when imported)."""
+    return isinstance(name, str) and all(
+        _MODULE_PART.fullmatch(part) and not part.startswith("__") for part in name.split(".")
+    )
+
 
 __all__ = [
     "DEFAULT_SCHEDULE",
@@ -308,8 +320,9 @@ class Plan:
         check_schema_version(d, PLAN_SCHEMA_VERSION, what)
         module = d.get("schedule_module")
         require(
-            module is None or isinstance(module, str),
-            f"{what}: schedule_module must be a module name, got {module!r}",
+            module is None or module == "" or _is_schedule_module(module),
+            f"{what}: schedule_module must be the dotted name of a module defining a SCHEDULE "
+            f"(no __main__, no dunder part), got {module!r}"[:300],
         )
         if module:  # the plug-in that registers the plan's schedule
             load_schedule_module(module)
