@@ -164,19 +164,21 @@ class _Experts(nn.Module):
     """Two grouped matmuls around a gated activation, as a site; ``between`` and ``leak`` make
     it one expert parallelism must refuse."""
 
-    def __init__(self, between: bool = False, leak: bool = False) -> None:
+    def __init__(self, between: bool = False, leak: bool = False, reuse: bool = False) -> None:
         super().__init__()
         self.up = nn.Parameter(torch.randn(4, 6, 8))
         self.down = nn.Parameter(torch.randn(4, 3, 6))
-        self.between, self.leak = between, leak
+        self.between, self.leak, self.reuse = between, leak, reuse
 
-    def forward(self, x: torch.Tensor, offs: torch.Tensor) -> Any:
+    def forward(self, x: torch.Tensor, offs: torch.Tensor, other: torch.Tensor) -> Any:
         mm = torch.ops.transformers.grouped_mm_fallback
         gate, up = torch.chunk(mm(x, self.up.transpose(-2, -1), offs), 2, -1)
         h = torch.nn.functional.silu(gate) * up
         if self.between:
             h = torch.cumsum(h, 0)  # mixes rows: not row-wise
         y = mm(h, self.down.transpose(-2, -1), offs)
+        if self.reuse:  # the weight in another site too
+            y = y + mm(y, self.down.transpose(-2, -1).transpose(-2, -1), other)
         return (y, offs + 1) if self.leak else y
 
 
@@ -192,6 +194,8 @@ def test_a_site_is_two_matmuls_on_one_offsets_node_with_row_wise_ops_between() -
         find_sites(fx.symbolic_trace(_Experts(between=True)))
     with pytest.raises(ValidationError, match="its expert offsets are also used by"):
         find_sites(fx.symbolic_trace(_Experts(leak=True)))
+    with pytest.raises(ValidationError, match="weight down has other uses than its matmuls"):
+        find_sites(fx.symbolic_trace(_Experts(reuse=True)))
 
 
 def test_whole_gathers_the_shards_and_norm_counts_each_once() -> None:

@@ -122,16 +122,28 @@ def _between(first: fx.Node, last: fx.Node) -> set[fx.Node]:
     return after & before
 
 
+def _consumer(node: fx.Node) -> fx.Node | None:
+    """The one node ``node`` feeds through transposes (None: several or none)."""
+    while len(node.users) == 1:
+        (node,) = node.users
+        if _op_name(node) not in ("transpose", "t"):
+            return node
+    return None
+
+
 def _check_site(gm: fx.GraphModule, site: ExpertSite) -> None:
     what = f"expert parallel: MoE site at {site.matmuls[0].name}"
     extra = [u.name for u in site.offs.users if u not in site.matmuls]
     if extra:
         raise ValidationError(f"{what}: its expert offsets are also used by {extra}")
     for name in site.weights:
-        users = [n for n in gm.graph.nodes if n.op == "get_attr" and n.target == name]
-        for u in users:
-            if len(u.users) != 1:
-                raise ValidationError(f"{what}: weight {name} has other uses than its matmul")
+        for node in gm.graph.nodes:
+            if (
+                node.op == "get_attr"
+                and node.target == name
+                and _consumer(node) not in site.matmuls
+            ):
+                raise ValidationError(f"{what}: weight {name} has other uses than its matmuls")
     first, last = site.matmuls[0], site.matmuls[-1]
     for n in _between(first, last):
         if n in site.matmuls or n.op == "get_attr":
