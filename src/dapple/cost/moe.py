@@ -57,7 +57,9 @@ __all__ = [
     "check_expert_stage",
     "check_expert_width",
     "expert_allreduce_ms",
+    "expert_alltoall_ms",
     "expert_compute_ms",
+    "expert_group_shapes",
     "expert_sharded_profile",
     "expert_slice_times",
     "expert_stage_sync_ms",
@@ -424,17 +426,20 @@ def expert_slice_times(
     stage: StagePlan,
     times: Mapping[int, SliceTimes],
     largest: int,
+    a2a: float | None = None,
 ) -> dict[int, SliceTimes]:
     """The slice times of a stage of EP width e_s > 1 (``times`` as the stage costs them
-    without expert parallelism, per slice size): A2A_s, its MoE layers' dispatch and combine
-    (:func:`stage_alltoall_ms`) at the ``largest`` slice on its slowest EP group, added to F,
-    to B and to I (the backward's all-to-alls carry input gradients), once more to B and I
-    under re-computation; plus the busiest expert's compute (:func:`_busiest_expert_ms`).
-    ``times`` unchanged at e_s = 1."""
+    without expert parallelism, per slice size): A2A_s (``a2a``, or
+    :func:`expert_alltoall_ms` at the ``largest`` slice), added to F, to B and to I (the
+    backward's all-to-alls carry input gradients), once more to B and I under re-computation;
+    plus the busiest expert's compute (:func:`_busiest_expert_ms`). ``times`` unchanged at
+    e_s = 1."""
     if stage.expert_width == 1:
         return dict(times)
-    shapes = {_shape(cluster, g) for g in _groups(stage)}  # groups alike cost alike
-    a2a = max(_shape_stage_ms(profile, cluster, stage.layers, sh, largest) for sh in shapes)
+    if a2a is None:
+        a2a = expert_alltoall_ms(
+            profile, cluster, stage.layers, expert_group_shapes(cluster, stage), largest
+        )
     out: dict[int, SliceTimes] = {}
     for n, ((f, b), (i, w)) in times.items():
         fx, ix, wx = _busiest_expert_ms(profile, cluster, stage.layers, n)
@@ -445,6 +450,24 @@ def expert_slice_times(
             i, w = i + to_i, w + wx
         out[n] = ((f + a2a + fx, b + to_i + wx), (i, w))
     return out
+
+
+def expert_group_shapes(cluster: Cluster, stage: StagePlan) -> frozenset[_Shape]:
+    """The distinct shapes of ``stage``'s EP groups (members, distinct members per server):
+    all an all-to-all's price reads of them (groups alike cost alike)."""
+    return frozenset(_shape(cluster, g) for g in _groups(stage))
+
+
+def expert_alltoall_ms(
+    profile: ModelProfile,
+    cluster: Cluster,
+    layers: tuple[int, int],
+    shapes: frozenset[_Shape],
+    samples: int,
+) -> float:
+    """A2A_s: :func:`stage_alltoall_ms` of layers ``[start, end)`` on ``samples`` per member,
+    on the slowest of the EP group ``shapes`` (:func:`expert_group_shapes`)."""
+    return max(_shape_stage_ms(profile, cluster, layers, sh, samples) for sh in shapes)
 
 
 def expert_stage_sync_ms(profile: ModelProfile, cluster: Cluster, stage: StagePlan) -> float:

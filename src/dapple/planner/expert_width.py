@@ -35,6 +35,8 @@ from dapple.core.planning_options import ZeroChoice
 from dapple.core.profile import ModelProfile
 from dapple.cost.comm import stage_update_ms
 from dapple.cost.moe import (
+    expert_alltoall_ms,
+    expert_group_shapes,
     expert_sharded_profile,
     expert_slice_times,
     expert_stage_sync_ms,
@@ -108,6 +110,7 @@ class ExpertScorer(Scorer):
         grid offers one (:mod:`dapple.planner.expert_grid`)."""
         self._syncs: dict[tuple[int, int, tuple[int, ...], int], float] = {}
         self._sharded: dict[int, ModelProfile] = {}
+        self._a2a: dict[tuple[int, int, frozenset[tuple[int, tuple[int, ...]]], int], float] = {}
         self._fits: dict[tuple[int, int, int, int, int, int], tuple[int, int, float]] = {}
 
     def expert_modes(self, s: int, e: int, replicas: int) -> list[ZeroMode]:
@@ -151,8 +154,13 @@ class ExpertScorer(Scorer):
         M = self.global_batch_size // b
         f0, b0 = self.fb_ms(s, e, n)
         st = StagePlan(layers=(s, e), devices=d, expert_width=w)
+        shapes = expert_group_shapes(self.real_cluster, st)
+        a2a = self._a2a.get((s, e, shapes, n))
+        if a2a is None:  # placements whose groups sit alike share it
+            a2a = expert_alltoall_ms(self.profile, self.real_cluster, (s, e), shapes, n)
+            self._a2a[s, e, shapes, n] = a2a
         (f, bw), _ = expert_slice_times(
-            self.profile, self.real_cluster, st, {n: ((f0, b0), (0, 0))}, n
+            self.profile, self.real_cluster, st, {n: ((f0, b0), (0, 0))}, n, a2a
         )[n]
         key = (s, e, d, w)
         sync = self._syncs.get(key)
