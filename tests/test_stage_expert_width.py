@@ -27,3 +27,17 @@ def test_expert_width_round_trips_and_is_written_only_when_set() -> None:
 def test_expert_width_must_divide_the_replicas(bad: object) -> None:
     with pytest.raises(ValidationError, match=r"stage \[0, 2\]: expert_width must be a divisor"):
         StagePlan(layers=(0, 2), devices=(0, 1, 2), expert_width=bad)  # type: ignore[arg-type]
+
+
+def test_interleave_keeps_each_stage_setting_but_its_in_flight_bound() -> None:
+    from dapple.core.plan import Plan, interleave
+
+    plan = Plan(planner="test", global_batch_size=8, micro_batch_size=4, num_micro_batches=2,
+                stages=(StagePlan(layers=(0, 4), devices=(0,), max_in_flight=2),
+                        StagePlan(layers=(4, 8), devices=(1, 2), expert_width=2, zero_stage=1,
+                                  recompute=True)))  # fmt: skip
+    chunks = interleave(plan, 2).stages
+    assert [c.layers for c in chunks] == [(0, 2), (2, 4), (4, 6), (6, 8)]
+    assert [c.expert_width for c in chunks] == [1, 2, 1, 2]
+    assert [c.zero_stage for c in chunks] == [0, 1, 0, 1] and chunks[3].recompute
+    assert all(c.max_in_flight is None for c in chunks)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -450,17 +450,9 @@ def interleave(plan: Plan, v: int) -> Plan:
         for g in range(P):
             st = plan.stages[g]
             end = start + counts[g] // v
-            stages.append(
-                StagePlan(
-                    layers=(start, end),
-                    devices=st.devices,
-                    recompute=st.recompute,
-                    zero_stage=st.zero_stage,
-                    tensor_width=st.tensor_width,
-                    regather=st.regather,
-                    shares=st.shares,
-                )
-            )
+            # every setting of the group's stage carries to its chunks but D, which counts the
+            # whole stage's micro-batches in flight
+            stages.append(replace(st, layers=(start, end), max_in_flight=None))
             start = end
     return Plan(
         planner=plan.planner,
