@@ -122,6 +122,7 @@ class Scorer:
         self._memory_options: dict[
             tuple[int, int, int, int, ZeroMode, int, float], tuple[int, int, float]
         ] = {}
+        self._zero3: dict[tuple[int, int], tuple[ZeroMode, ...]] = {}
         self.evaluations = 0
 
     # -- per-stage terms ---------------------------------------------------------------------
@@ -306,8 +307,15 @@ class Scorer:
         if isinstance(z, ZeroMode):
             return (z,)
         if isinstance(z, str):  # auto
-            return (UNSHARDED, ZeroMode(1), ZeroMode(2), *zero3_modes(self.profile, s, e))
-        return (zero3_modes(self.profile, s, e) or (UNSHARDED,)) if z == 3 else (ZeroMode(z),)
+            return (UNSHARDED, ZeroMode(1), ZeroMode(2), *self._zero3_modes(s, e))
+        return (self._zero3_modes(s, e) or (UNSHARDED,)) if z == 3 else (ZeroMode(z),)
+
+    def _zero3_modes(self, s: int, e: int) -> tuple[ZeroMode, ...]:
+        """:func:`zero3_modes` of layers [s, e), remembered (it reads each layer)."""
+        got = self._zero3.get((s, e))
+        if got is None:
+            got = self._zero3[s, e] = zero3_modes(self.profile, s, e)
+        return got
 
     # -- whole candidates --------------------------------------------------------------------
     def score(

@@ -115,9 +115,14 @@ def first_free_devices(cluster: Cluster, occ: Occupancy, n: int) -> tuple[int, .
     listing the rest: the servers after the n-th free device are not visited."""
     dps = cluster.devices_per_server
     out: list[int] = []
-    for s, u in enumerate(occ):
+    first = 0  # the leading full servers, skipped at once (as bytes) where counts fit a byte
+    if dps < 256:
+        packed = bytes(occ)
+        first = len(packed) - len(packed.lstrip(bytes([dps])))
+    for s in range(first, len(occ)):
         if len(out) >= n:
             break
+        u = occ[s]
         if u < dps:
             out.extend(range(s * dps + u, s * dps + min(dps, u + n - len(out))))
     return tuple(out)
