@@ -22,7 +22,12 @@ from dapple.errors import InfeasibleError
 from dapple.planner import make_plan
 from dapple.planner.evaluate import Scorer
 from dapple.planner.expert_grid import expert_grid_candidates, uniform_expert_grid_plan
-from dapple.planner.expert_width import ExpertScorer, make_scorer, with_and_without_widths
+from dapple.planner.expert_width import (
+    ExpertScorer,
+    make_scorer,
+    with_and_without_widths,
+    without_expert_widths,
+)
 from dapple.planner.search import dapple_search
 from dapple.planner.zero_modes import UNSHARDED, ZeroMode
 
@@ -151,3 +156,13 @@ def test_the_search_keeps_the_better_of_with_and_without_widths() -> None:
         return plain
 
     assert with_and_without_widths(infeasible) is plain
+
+
+def test_what_the_search_interleaves_holds_every_expert() -> None:
+    # the runtime runs expert parallelism under one chunk per device group only
+    ep = make_plan(_profile(), CLUSTER, 16, tensor_widths=[1])
+    assert max(st.expert_width for st in ep.stages) > 1
+    whole = without_expert_widths(ep)
+    assert [st.expert_width for st in whole.stages] == [1] * len(ep.stages)
+    assert [st.layers for st in whole.stages] == [st.layers for st in ep.stages]
+    assert without_expert_widths(whole) is whole

@@ -50,7 +50,13 @@ from dapple.planner.evaluate import Scorer
 from dapple.planner.stage_options import StageOption, StageOptions
 from dapple.planner.zero_modes import UNSHARDED, ZeroMode
 
-__all__ = ["ExpertScorer", "has_experts", "make_scorer", "with_and_without_widths"]
+__all__ = [
+    "ExpertScorer",
+    "has_experts",
+    "make_scorer",
+    "with_and_without_widths",
+    "without_expert_widths",
+]
 
 
 def has_experts(profile: ModelProfile) -> bool:
@@ -91,6 +97,18 @@ def with_and_without_widths(search: Callable[[bool], Plan]) -> Plan:
     except InfeasibleError:
         return plan
     return plan if plan.predicted_step_ms <= plain.predicted_step_ms else plain
+
+
+def without_expert_widths(plan: Plan) -> Plan:
+    """``plan`` with every stage's experts whole (e_s = 1; ``plan`` itself when none is
+    sharded): what the DAPPLE search interleaves, the runtime running expert parallelism under
+    one chunk per device group only (``dapple.runtime.parallel.expert`` refuses an interleaved
+    plan)."""
+    if all(st.expert_width == 1 for st in plan.stages):
+        return plan
+    return dataclasses.replace(
+        plan, stages=tuple(dataclasses.replace(st, expert_width=1) for st in plan.stages)
+    )
 
 
 class ExpertScorer(Scorer):

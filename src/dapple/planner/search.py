@@ -77,7 +77,12 @@ from dapple.planner.cut_search import (
     stage_bound,
 )
 from dapple.planner.evaluate import Scored, Scorer, StageSpec
-from dapple.planner.expert_width import has_experts, make_scorer, with_and_without_widths
+from dapple.planner.expert_width import (
+    has_experts,
+    make_scorer,
+    with_and_without_widths,
+    without_expert_widths,
+)
 from dapple.planner.grid import GridPoint, grid_candidates
 from dapple.planner.interleaving import best_interleaved, grid_offers, own_offers
 from dapple.planner.partition import block_partition
@@ -301,7 +306,7 @@ def dapple_search(
             found.append((scored.L_ms, t, sc.build_plan("dapple", stages, M, scored)))
             if mixed is not None:
                 found += _stage_widths(mixed, t, stages, M, scored, Ms)
-    own = [(t, plan) for _, t, plan in found]
+    own = [(t, without_expert_widths(plan)) for _, t, plan in found]  # EP runs under 1F1B only
     accept = _grid_filter(zero_stage, widths, max_stages) if grid else None
     if accept is not None and zero_stage not in (1, 2):  # the grid has no ZeRO-1/2 points
         found += _grid_offers(profile, cluster, global_batch_size, Ms, accept, zero_stage)
