@@ -37,6 +37,7 @@ from _bench_common import header, write_report
 from dapple.core.cluster import GIB, PRESETS, Cluster
 from dapple.core.plan import Plan
 from dapple.core.profile import ModelProfile
+from dapple.errors import InfeasibleError
 from dapple.planner.expert_grid import expert_grid_candidates, uniform_expert_grid_plan
 from dapple.planner.search import dapple_search
 from dapple.profiler.analytic import analytic_profile
@@ -114,14 +115,26 @@ def _side(
 
 
 def _dapple(experts: bool | None) -> Planner:
-    def plan(prof: ModelProfile, cl: Cluster, B: int) -> tuple[Plan, str]:
-        plans = [
-            dapple_search(prof, cl, B, zero_stage=z, interleaved=True, experts=experts)
-            for z in ZERO_STAGES
-        ]
-        return min(plans, key=lambda p: p.predicted_step_ms), ""
+    def plan(prof: ModelProfile, cl: Cluster, B: int) -> tuple[Plan, str] | None:
+        plans = []
+        for z in ZERO_STAGES:
+            try:
+                plans.append(
+                    dapple_search(prof, cl, B, zero_stage=z, interleaved=True, experts=experts)
+                )
+            except InfeasibleError:
+                continue
+        return (min(plans, key=lambda p: p.predicted_step_ms), "") if plans else None
 
     return plan
+
+
+def _grid(prof: ModelProfile, cl: Cluster, B: int) -> tuple[Plan, str] | None:
+    try:
+        plan, label = uniform_expert_grid_plan(prof, cl, B)
+    except InfeasibleError:
+        return None
+    return plan, label
 
 
 def _ep_grid(prof: ModelProfile, cl: Cluster, B: int) -> tuple[Plan, str] | None:
@@ -142,7 +155,7 @@ def compare(model: str, servers: int) -> Case:
     sides = (
         _side("dapple (EP per stage)", _dapple(None), profiles, cl, B),
         _side("dapple, no EP", _dapple(False), profiles, cl, B),
-        _side("uniform grid", uniform_expert_grid_plan, profiles, cl, B),
+        _side("uniform grid", _grid, profiles, cl, B),
         _side("uniform EP grid", _ep_grid, profiles, cl, B),
     )
     return Case(model, cl.num_devices, B, sides)
