@@ -79,7 +79,8 @@ class LatencyBreakdown:
     """Number of stages, comm stages included."""
     stages: tuple[StageCost, ...]
     fits_memory: bool
-    """Every replica fits ``cluster.usable_memory_bytes``."""
+    """Every replica fits ``cluster.usable_memory_bytes``; on a cluster with device kinds, its
+    share fits its own kind's (:meth:`~dapple.core.cluster.Cluster.usable_memory_of`)."""
 
     @property
     def pivot(self) -> StageCost:
