@@ -124,3 +124,22 @@ def test_a_plan_file_names_no_program_as_its_schedule_module(
     rc = main(["simulate", "--plan", str(plan), "--profile", str(prof), "--cluster", "h100-8x"])
     assert rc == 2
     one_error_line(capsys, "schedule_module must be the dotted name of a module")
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["-m", "transformer", "--recompute", "full"], "--recompute full applies to --analytic"),
+        (["-m", "mixtral-8x7b", "--analytic", "h100", "--co-workers", "3"],
+         "--co-workers 3 applies to measured CPU profiles only"),
+    ],
+)  # fmt: skip
+def test_profile_refuses_an_option_of_the_other_kind_of_profile(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], needle: str
+) -> None:
+    """Both were accepted and ignored: a measured profile without re-computation, an analytic
+    one written as if no co-workers were asked for."""
+    out = tmp_path / "p.json"
+    assert main(["profile", *argv, "-o", str(out)]) == 2
+    one_error_line(capsys, needle)
+    assert not out.exists()

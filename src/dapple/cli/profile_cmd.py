@@ -353,6 +353,7 @@ def run_config(cfg: ProfileConfig) -> int:
     from dapple.core.output_path import check_output_file
 
     check_output_file(cfg.output, "--output profile file")  # before any measuring
+    _check_mode_options(cfg)
     if cfg.analytic is not None:
         return _run_analytic(cfg)
     sizes, lens = list(cfg.batch_sizes), cfg.seq_lens
@@ -407,6 +408,25 @@ def run_config(cfg: ProfileConfig) -> int:
         f"wrote {cfg.output}: {prof.num_layers} layers, {prof.parameter_bytes:,} parameter bytes"
     )
     return 0
+
+
+def _check_mode_options(cfg: ProfileConfig) -> None:
+    """Refuse, rather than ignore, an option of the other kind of profile: ``--recompute`` is
+    counted by ``--analytic`` only; ``--co-workers`` share the CPU of a measured profile only.
+
+    Raises:
+        ValidationError: naming the option and the kind of profile it applies to.
+    """
+    if cfg.analytic is None and cfg.recompute != "none":
+        raise ValidationError(
+            f"--recompute {cfg.recompute} applies to --analytic profiles only; a measured "
+            "profile times each layer once (dapple train --recompute re-computes the stages)"
+        )
+    if cfg.analytic is not None and cfg.co_workers != 1:
+        raise ValidationError(
+            f"--co-workers {cfg.co_workers} applies to measured CPU profiles only; --analytic "
+            "runs nothing"
+        )
 
 
 def _with_measured_experts(
