@@ -143,3 +143,15 @@ def test_profile_refuses_an_option_of_the_other_kind_of_profile(
     assert main(["profile", *argv, "-o", str(out)]) == 2
     one_error_line(capsys, needle)
     assert not out.exists()
+
+
+@pytest.mark.parametrize("model", ["transformer", "transformer-tp"])
+def test_a_dynamic_dimension_the_input_lacks_is_refused(
+    capsys: pytest.CaptureFixture[str], model: str
+) -> None:
+    """Input 0 is (batch, seq): dimension 9 was taken without a word by a layer chain, and
+    ended in "cannot trace Sequential with torch.export: IndexError" for a traced model."""
+    rc = main(["split", "-m", model, "--set", "layers=2", "--set", "hidden=32",
+               "--dynamic-dims", "0:9=seq"])  # fmt: skip
+    assert rc == 2
+    one_error_line(capsys, "dynamic_dims: input 0 has 2 dimensions", "no dimension 9")

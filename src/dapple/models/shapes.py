@@ -30,6 +30,7 @@ __all__ = [
     "DynamicDim",
     "InputShape",
     "check_batch",
+    "check_dims_exist",
     "check_steps",
     "find_dynamic_dims",
     "input_shapes",
@@ -255,3 +256,19 @@ def check_steps(workload: BatchSource, batch_size: int, seed: int, steps: int) -
     for step in range(1, steps):
         inputs = workload.make_batch(batch_size, seed + step)[0]
         check_batch(reference, dims, inputs, where=f"step {step}")
+
+
+def check_dims_exist(dims: Mapping[int, Mapping[int, Any]], inputs: Sequence[Any]) -> None:
+    """Each declared dimension exists in its input (one sample batch's ``inputs``, by position).
+
+    Raises:
+        ValidationError: naming the input, its shape and the dimension it lacks.
+    """
+    for i, ds in dims.items():
+        shape = list(getattr(inputs[i], "shape", ()))
+        bad = sorted(d for d in ds if d >= len(shape))
+        if bad:
+            raise ValidationError(
+                f"dynamic_dims: input {i} has {len(shape)} dimensions (shape {shape}), no "
+                f"dimension {bad[0]}"
+            )

@@ -64,6 +64,7 @@ from dapple.models.materialize import build_meta, init_parameters, materialize
 from dapple.models.shapes import (
     DimsArg,
     DynamicDim,
+    check_dims_exist,
     find_dynamic_dims,
     merge_dims,
     resolve_dims,
@@ -170,6 +171,7 @@ class _Splitter:
         declared = resolve_dims(dynamic_dims, names)
         for i, ds in resolve_dims(_DECLARED.get(), names).items():
             declared.setdefault(i, {}).update(ds)
+        check_dims_exist(declared, _flat_inputs(inputs))
         self.declared_dims = declared
         """The declaration by input position (the caller's and :func:`declaring_dims`')."""
         dims = merge_dims(declared, find_dynamic_dims(make_batch, EXAMPLE_BATCH, 0))
@@ -407,8 +409,8 @@ def with_dynamic_dims(workload: Workload, dynamic_dims: DimsArg) -> Workload:
             factories = [_PieceFactory(owner, i) for i in range(traced.num_layers)]
             traced = dataclasses.replace(traced, layer_factories=factories)
         return dataclasses.replace(workload, **_traced_fields(traced))
-    count = len(_flat_inputs(workload.make_batch(1, 0)[0]))
-    names = [str(i) for i in range(count)]
+    inputs = _flat_inputs(workload.make_batch(1, 0)[0])
+    count, names = len(inputs), [str(i) for i in range(len(inputs))]
     for key in dynamic_dims:
         if isinstance(key, str) and not key.isdigit():
             raise ValidationError(
@@ -416,7 +418,9 @@ def with_dynamic_dims(workload: Workload, dynamic_dims: DimsArg) -> Workload:
                 f"(not traced from a module), name its inputs by position 0..{count - 1}"
             )
     own = {i: dict(ds) for i, ds in workload.dynamic_dims.items()}
-    for i, ds in resolve_dims(dynamic_dims, names).items():
+    resolved = resolve_dims(dynamic_dims, names)
+    check_dims_exist(resolved, inputs)
+    for i, ds in resolved.items():
         own.setdefault(i, {}).update(ds)
     return dataclasses.replace(workload, dynamic_dims={i: ds for i, ds in own.items() if ds})
 
