@@ -155,3 +155,13 @@ def test_a_dynamic_dimension_the_input_lacks_is_refused(
                "--dynamic-dims", "0:9=seq"])  # fmt: skip
     assert rc == 2
     one_error_line(capsys, "dynamic_dims: input 0 has 2 dimensions", "no dimension 9")
+
+
+def test_split_at_on_a_model_that_cannot_take_it_names_the_flag(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """It said "bad arguments ['split_at'] (got an unexpected keyword argument 'split_at')", an
+    argument the user never --set."""
+    rc = main(["split", "-m", "transformer", "--set", "layers=2", "--split-at", "block0"])
+    assert rc == 2
+    one_error_line(capsys, "model 'transformer' takes no split_at: --split-at cuts a model")

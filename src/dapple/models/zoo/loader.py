@@ -58,6 +58,11 @@ def _call(factory: Callable[..., Any], what: str, kwargs: dict[str, Any]) -> Any
             names = []
         unknown = sorted(k for k in kwargs if k not in names) or sorted(kwargs)
         accepted = ", ".join(names) or "?"
+        if unknown == ["split_at"]:  # a CLI flag, not one of the user's --set arguments
+            raise ValidationError(
+                f"{what} takes no split_at: --split-at cuts a model whose factory takes it "
+                f"(hf:DIR, or one split by workload_from_module); its arguments: {accepted}"
+            ) from e
         raise ValidationError(f"{what}: bad arguments {unknown} ({e}); accepted: {accepted}") from e
     except ValueError:  # pragma: no cover - no signature available
         pass
