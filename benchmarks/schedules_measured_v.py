@@ -184,7 +184,7 @@ def report(
         "",
         *rows,
         "",
-        "CPU per step by action kind (ms, main thread, both ranks summed; median over steps "
+        "CPU per step by action kind (ms, main thread, all ranks summed; median over steps "
         "after the warm-up, then over rounds): F forward, B whole backward, I input gradient, "
         "W weight gradient, main the whole step on the main thread (`time.thread_time` inside "
         "dapple's `run_step`, around torch's `schedule.step` + optimizer step). Waits for "
