@@ -165,3 +165,28 @@ def test_split_at_on_a_model_that_cannot_take_it_names_the_flag(
     rc = main(["split", "-m", "transformer", "--set", "layers=2", "--split-at", "block0"])
     assert rc == 2
     one_error_line(capsys, "model 'transformer' takes no split_at: --split-at cuts a model")
+
+
+@pytest.mark.parametrize("mine", [None, ".dapple-demo", "summary.json"])
+def test_demo_refuses_an_out_dir_of_a_users_files(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    mine: str | None,
+) -> None:
+    """``demo --out-dir`` a directory of the user's wrote plan.json, profile.json, data/ ...
+    over theirs; a directory an earlier demo made (its marker, or a finished demo's summary)
+    is the demo's to replace."""
+    from builders import boom
+
+    monkeypatch.setattr("dapple.cli._demo_corpus.stdlib_sources", boom)  # no demo step runs
+    (tmp_path / "plan.json").write_text("mine")
+    if mine is None:
+        assert main(["demo", "--out-dir", str(tmp_path)]) == 2
+        one_error_line(capsys, "holds files the demo did not write (plan.json)")
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.json"]
+    else:
+        (tmp_path / mine).write_text("{}")
+        with pytest.raises(AssertionError, match="work started"):  # past the checks
+            main(["demo", "--out-dir", str(tmp_path)])
+    assert (tmp_path / "plan.json").read_text() == "mine"

@@ -11,13 +11,18 @@ from pathlib import Path
 from dapple.core.output_path import check_output_dir
 from dapple.errors import ValidationError
 
-__all__ = ["check_demo_args"]
+__all__ = ["DEMO_MARKER", "check_demo_args"]
+
+DEMO_MARKER = ".dapple-demo"
+"""The file the demo writes first into its ``--out-dir``: a directory holding it (or the
+``summary.json`` of a finished demo) is the demo's own, whose outputs a new run replaces."""
 
 
 def check_demo_args(args: argparse.Namespace) -> Path:
     """Check the demo's counts, corpus size and output directory (whose ``checkpoints`` the
     demo starts over in: a checkpoint directory there holding files dapple did not write is
-    refused); returns ``--out-dir``.
+    refused, and so is any other non-empty directory the demo did not make); returns
+    ``--out-dir``.
 
     Raises:
         ValidationError: naming the first offending flag and its value.
@@ -51,4 +56,23 @@ def check_demo_args(args: argparse.Namespace) -> Path:
     from dapple.runtime.checkpoint.files import refuse_foreign
 
     refuse_foreign(out / "checkpoints", "give the demo another --out-dir")  # it starts over there
+    _refuse_a_users_dir(out)
     return out
+
+
+def _refuse_a_users_dir(out: Path) -> None:
+    """A non-empty ``--out-dir`` the demo did not make is refused: the demo writes
+    ``plan.json``, ``profile.json``, ``data/train.bin`` ... there, over whatever has the name.
+
+    Raises:
+        ValidationError: naming the directory and a few of its entries.
+    """
+    if not out.is_dir() or (out / DEMO_MARKER).exists() or (out / "summary.json").is_file():
+        return
+    held = sorted(p.name for p in out.iterdir())
+    if held:
+        shown = ", ".join(held[:5]) + (f" and {len(held) - 5} more" if len(held) > 5 else "")
+        raise ValidationError(
+            f"--out-dir '{out}' holds files the demo did not write ({shown}); the demo writes "
+            "plan.json, profile.json, data/ ... there: give a new or empty directory"
+        )

@@ -107,7 +107,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 def run(args: argparse.Namespace) -> int:
     import numpy as np
 
-    from dapple.cli._demo_args import check_demo_args
+    from dapple.cli._demo_args import DEMO_MARKER, check_demo_args
     from dapple.cli._demo_corpus import nats_to_bits, stdlib_sources, unigram_entropy
     from dapple.datasets import TokenFile, prepare
 
@@ -115,6 +115,7 @@ def run(args: argparse.Namespace) -> int:
     started = time.monotonic()
     con = console()
     out.mkdir(parents=True, exist_ok=True)
+    (out / DEMO_MARKER).touch()  # the directory is the demo's: a later run may replace it
     overrides: dict[str, Any] = {"seq": args.seq_len}
     if args.model == "transformer":
         overrides |= DEMO_MODEL
