@@ -83,7 +83,8 @@ def _cells(r: dict[str, Any] | None, with_wall: bool) -> list[str]:
     if r is None:
         return ["not run"] + ["-"] * (n - 1)
     if "L" not in r:
-        return [r.get("error", "failed")[:60]] + ["-"] * (n - 1)
+        err = r.get("error", "failed")
+        return ["no plan fits" if "InfeasibleError" in err else err[:60]] + ["-"] * (n - 1)
     L = f"{r['L']:,.1f} (M={r['M']}{', interleaved' if r['schedule'] != 'dapple' else ''})"
     return [f"{r['cpu_s']:.2f}", f"{r['wall_s']:.1f}", L] if with_wall else [f"{r['cpu_s']:.2f}", L]
 
