@@ -190,3 +190,13 @@ def test_demo_refuses_an_out_dir_of_a_users_files(
         with pytest.raises(AssertionError, match="work started"):  # past the checks
             main(["demo", "--out-dir", str(tmp_path)])
     assert (tmp_path / "plan.json").read_text() == "mine"
+
+
+def test_no_plan_on_device_kinds_names_each_kinds_memory(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """It said "fits 16 devices of 1.00 GiB" for 8 devices of 1 GiB beside 8 of 80 GiB."""
+    path = _cluster(tmp_path, [{**_KIND, "servers": 1, "device_memory_gib": 1},
+                               {**_KIND, "name": "Y", "servers": 1, "device_memory_gib": 80}])  # fmt: skip
+    assert main(["plan", "--profile", "paper:bert48", "--cluster", path]) == 2
+    one_error_line(capsys, "fits 16 devices (X: 8 of 1.00 GiB, Y: 8 of 80.00 GiB)")

@@ -132,10 +132,18 @@ def infeasible_message(profile: ModelProfile, cluster: Cluster, global_batch_siz
         layer.parameter_bytes * f + layer.kept_activation_bytes_per_sample
         for layer in profile.for_memory.layers
     )
+    dps = cluster.devices_per_server
+    devices = (
+        f"{cluster.num_devices} devices ("
+        + ", ".join(f"{k.name}: {k.servers * dps} of {_bytes(k.device_memory_bytes)}"
+                    for k in cluster.kinds)
+        + ")"
+        if cluster.kinds
+        else f"{cluster.num_devices} devices of {_bytes(cluster.device_memory_bytes)}"
+    )  # fmt: skip
     return (
         f"no plan of {profile.model_name!r} ({profile.num_layers} layers, "
         f"{_bytes(state)} of parameters+gradients+optimizer state; one layer alone needs up to "
-        f"{_bytes(need)} with one sample) fits {cluster.num_devices} devices of "
-        f"{_bytes(cluster.device_memory_bytes)}{reserved} with global batch size "
+        f"{_bytes(need)} with one sample) fits {devices}{reserved} with global batch size "
         f"{global_batch_size}"
     )
