@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from dapple.core.cluster import Cluster
 from dapple.planner.evaluate import Scored, Scorer, StageSpec
-from dapple.planner.placement import POLICIES, first_free_devices, place
+from dapple.planner.placement import POLICIES, first_free_devices, first_placed, place
 
 __all__ = [
     "CutSearch",
@@ -63,6 +63,15 @@ def candidate_replicas(cluster: Cluster, available: int, devices: int | None = N
             c.add(3 * p)
         p *= 2
     return sorted(c)
+
+
+def last_stage_counts(b: int, n: int) -> list[int]:
+    """The replica counts the last stage is scored on, given ``n`` free devices (n <= b): n,
+    and before it each smaller count that is the fewest giving its largest slice
+    ``ceil(b / r)`` (a count between two of them has the same slice as the smaller one and
+    more to AllReduce). Ascending, n last."""
+    smallest = {-(-b // -(-b // r)) for r in range(1, n)}
+    return [*sorted(smallest - {n}), n]
 
 
 def stage_bound(sc: Scorer, s: int, e: int, r: int, b: int, M: int) -> float:
@@ -230,19 +239,34 @@ class CutSearch:
 
     def extend(self, ji: int, prefix: tuple[StageSpec, ...], occ: tuple[int, ...]) -> None:
         """Cut a new stage off the last one at cut point ``ji``: on each replica count m',
-        placed by each policy (section 5.2; placements giving the same devices once)."""
-        G, used = self.sc.G, sum(occ)
+        placed by each policy (section 5.2; placements giving the same devices once). A
+        placement of m' > b devices keeps its first b (by id): the replicas the micro-batch's
+        b samples reach, in the servers that policy chose; the counts above b stop after two in
+        a row whose placements keep no new device set. Then the best plan scored has its last
+        stage tried on fewer devices (:meth:`fewer_last`)."""
+        G, used, b = self.sc.G, sum(occ), self.b
+        seen: set[tuple[int, ...]] = set()
+        top: tuple[float, StageSpec, tuple[int, ...]] | None = None
+        idle = 0
         for m1 in candidate_replicas(self.cluster, G - used - 1, self.limits.devices):
-            if m1 > self.b:  # its replicas beyond b would idle
-                break
-            lo, hi = self.cut_range(ji, m1, G - used - m1)
-            seen: set[tuple[int, ...]] = set()
+            lo, hi = self.cut_range(ji, min(m1, b), G - used - min(m1, b))
+            fresh = False
             for pol in POLICIES:
                 placed = place(self.cluster, occ, m1, pol)
+                if placed is not None and m1 > b:  # replicas beyond b would idle: keep the
+                    placed = first_placed(self.cluster, occ, placed[0], b)  # b with slices
                 if placed is None or placed[0] in seen:
                     continue
                 seen.add(placed[0])
-                self.scan_cuts(ji, lo, hi, prefix, m1, placed)
+                fresh = True
+                got = self.scan_cuts(ji, lo, hi, prefix, min(m1, b), placed)
+                if got is not None and (top is None or got[0] < top[0]):
+                    top = got
+            idle = idle + 1 if m1 > b and not fresh else 0
+            if idle == 2:  # two counts in a row kept no new device set: stop there
+                break
+        if top is not None:  # the best cut of this prefix, its last stage on fewer devices
+            self.fewer_last(prefix, top[1], top[2])
 
     def cut_range(self, ji: int, m1: int, m2: int) -> tuple[int, int]:
         """The indices of the cut points ``j'`` the new stage may end at: every one after
@@ -263,16 +287,18 @@ class CutSearch:
         prefix: tuple[StageSpec, ...],
         m1: int,
         placed: tuple[tuple[int, ...], tuple[int, ...]],
-    ) -> None:
+    ) -> tuple[float, StageSpec, tuple[int, ...]] | None:
         """Score the plans ``prefix + [j, j')`` on the m1 devices ``g1`` ``+ [j', N)`` on the
         rest for the cut points ``lo..hi``, shortest new stage first, until its bound reaches
         the incumbent, or until it fits no memory with ``drop_unfit`` (``placed``: ``g1`` and
-        the occupancy with it)."""
+        the occupancy with it). Returns the best of them, ``(L, [j, j'), the rest's devices)``
+        (None: none scored)."""
         sc, cuts, M, b, best = self.sc, self.cuts, self.M, self.b, self.best
         g1, occ1 = placed
         j, N = cuts[ji], sc.N
         rest = first_free_devices(self.cluster, occ1, b)  # a replica beyond b would idle
         canon = tuple(sorted(occ1))
+        top = (math.inf, -1)  # the cut whose completion on ``rest`` scored best
         for j1i in range(lo, hi + 1):
             j1 = cuts[j1i]
             if stage_bound(sc, j, j1, m1, b, M) >= best.L_ms:
@@ -283,7 +309,26 @@ class CutSearch:
             got = sc.score(stages, M)
             lat = got.L_ms if got is not None else math.inf
             self.remember((j1i, canon), lat, (*prefix, (j, j1, g1)), occ1)
+            top = min(top, (lat, j1))
             if got is not None and lat < best.L_ms:
+                best.take(stages, M, got)
+        return None if top[1] < 0 else (top[0], (j, top[1], g1), rest)
+
+    def fewer_last(
+        self, prefix: tuple[StageSpec, ...], stage: StageSpec, rest: tuple[int, ...]
+    ) -> None:
+        """Score ``prefix + stage`` completed on fewer of the ``rest`` devices: each count of
+        :func:`last_stage_counts` below ``len(rest)``, largest first, until the last stage's
+        own bound reaches the incumbent (larger slices, less to AllReduce: it wins when the
+        last stage's AllReduce outweighs its compute)."""
+        sc, b, M, best, N = self.sc, self.b, self.M, self.best, self.sc.N
+        j1 = stage[1]
+        for r in reversed(last_stage_counts(b, len(rest))[:-1]):
+            if stage_bound(sc, j1, N, r, b, M) >= best.L_ms:
+                break  # and so for every smaller count
+            stages = [*prefix, stage, (j1, N, rest[:r])]
+            got = sc.score(stages, M)
+            if got is not None and got.L_ms < best.L_ms:
                 best.take(stages, M, got)
 
     def remember(

@@ -11,7 +11,7 @@ import functools
 
 from dapple.core.cluster import Cluster
 
-__all__ = ["POLICIES", "first_free_devices", "place", "remaining_devices"]
+__all__ = ["POLICIES", "first_free_devices", "first_placed", "place", "remaining_devices"]
 
 POLICIES = ("fresh", "append", "scatter")
 """Placement policies of section 5.2 in the order the search tries them."""
@@ -108,6 +108,19 @@ def remaining_devices(cluster: Cluster, occ: Occupancy) -> tuple[int, ...]:
     """The free device ids of an occupancy, in id order."""
     dps = cluster.devices_per_server
     return tuple(s * dps + i for s in range(len(occ)) for i in range(occ[s], dps))
+
+
+def first_placed(
+    cluster: Cluster, occ: Occupancy, devices: tuple[int, ...], n: int
+) -> tuple[tuple[int, ...], Occupancy]:
+    """The first ``n`` of ``devices`` (a placement from ``occ``, in id order) and the
+    occupancy of ``occ`` with them taken: a prefix of each server's run, so still lowest id
+    first."""
+    kept, new = devices[:n], list(occ)
+    dps = cluster.devices_per_server
+    for d in kept:
+        new[d // dps] += 1
+    return kept, tuple(new)
 
 
 def first_free_devices(cluster: Cluster, occ: Occupancy, n: int) -> tuple[int, ...]:
