@@ -200,3 +200,26 @@ def test_no_plan_on_device_kinds_names_each_kinds_memory(
                                {**_KIND, "name": "Y", "servers": 1, "device_memory_gib": 80}])  # fmt: skip
     assert main(["plan", "--profile", "paper:bert48", "--cluster", path]) == 2
     one_error_line(capsys, "fits 16 devices (X: 8 of 1.00 GiB, Y: 8 of 80.00 GiB)")
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "needle"),
+    [
+        ("device_memory_gib", 1e300, "=1e+300 is more than 1 EiB per device"),
+        ("device_memory_bytes", float("inf"), " must be a finite number, got inf"),
+        ("reserved_memory_gib", 1e300, "=1e+300 is more than 1 EiB per device"),
+    ],
+)
+def test_cluster_memory_past_an_exbibyte_is_refused_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], field: str, value: float, needle: str
+) -> None:
+    """A cluster's own memory field of 1e300 GiB was an OverflowError traceback."""
+    d = {"servers": 1, "devices_per_server": 2, "intra_server_bandwidth_gbps": 100,
+         "inter_server_bandwidth_gbps": 10, "device_memory_gib": 16}  # fmt: skip
+    if field == "device_memory_bytes":
+        del d["device_memory_gib"]
+    d[field] = value
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(d))
+    assert main(["plan", "--profile", "paper:bert48", "--cluster", str(path)]) == 2
+    one_error_line(capsys, "cluster 'c'", f"{field}{needle}")

@@ -340,17 +340,19 @@ class Cluster:
             f"{what}: give device memory once, got {', '.join(f'{k}={d[k]!r}' for k in given)}",
         )
         if given == ["device_memory_bytes"]:
-            mem = int(num("device_memory_bytes"))
+            mem = _bytes(num("device_memory_bytes"), 1, "device_memory_bytes", what)
         elif given:
-            mem = int(num(given[0]) * GIB)
+            mem = _bytes(num(given[0]), GIB, given[0], what)
         else:
-            mem = int(num("device_memory_gib") * GIB)  # reports the missing field
+            mem = _bytes(num("device_memory_gib"), GIB, "device_memory_gib", what)
         return Cluster(
             name=str(d.get("name", name)),
             servers=integer("servers"),
             devices_per_server=integer("devices_per_server"),
             device_memory_bytes=mem,
-            reserved_memory_bytes=int(num("reserved_memory_gib", 0.0) * GIB),
+            reserved_memory_bytes=_bytes(
+                num("reserved_memory_gib", 0.0), GIB, "reserved_memory_gib", what
+            ),
             intra_server_bandwidth_gbps=num("intra_server_bandwidth_gbps"),
             inter_server_bandwidth_gbps=num("inter_server_bandwidth_gbps"),
             intra_server_latency_ms=num("intra_server_latency_ms", 0.005),
@@ -511,3 +513,13 @@ def describe_presets() -> str:
         f"{c.device_memory_bytes / 2**30:g} GiB)"
         for name, c in PRESETS.items()
     )
+
+
+def _bytes(value: float, unit: int, key: str, what: str) -> int:
+    """A memory size of a cluster file, ``value`` in units of ``unit`` bytes, in whole bytes;
+    refused past 1 EiB per device (or not finite)."""
+    require(
+        math.isfinite(value) and value * unit <= 2**60,
+        f"{what}: {key}={value!r} is more than 1 EiB per device",
+    )
+    return int(value * unit)
