@@ -268,7 +268,7 @@ def test_simulate_refuses_the_old_compare_with_its_new_name(
         main(argv)
     assert exit_.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert err.endswith("error: argument --compare: is spelled --other-schedule now (same values)")
+    assert err.endswith("error: argument --compare: is spelled --other-schedule now (same meaning)")
     plan = _flag_actions("plan")["compare"]
     assert plan.option_strings == ["--compare"] and "every planner" in (plan.help or "")
 

@@ -12,7 +12,7 @@ __all__ = ["renamed"]
 
 def renamed(new: str) -> type[argparse.Action]:
     """An argparse action for an option's old spelling: using it is an error that names
-    ``new`` (the values are the same)."""
+    ``new`` (which means the same)."""
 
     class Renamed(argparse.Action):
         def __init__(self, option_strings: Sequence[str], dest: str, **kw: Any) -> None:
@@ -26,6 +26,6 @@ def renamed(new: str) -> type[argparse.Action]:
             values: Any,
             option_string: str | None = None,
         ) -> None:
-            raise argparse.ArgumentError(self, f"is spelled {new} now (same values)")
+            raise argparse.ArgumentError(self, f"is spelled {new} now (same meaning)")
 
     return Renamed
