@@ -14,6 +14,7 @@ sorting and the weighting by the router's scores stay as they are, on this repli
 from __future__ import annotations
 
 import operator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from torch import fx, nn
@@ -105,21 +106,23 @@ def find_sites(gm: fx.GraphModule) -> list[ExpertSite]:
 
 def _between(first: fx.Node, last: fx.Node) -> set[fx.Node]:
     """The nodes on a path from ``first`` to ``last`` (both left out)."""
-    after: set[fx.Node] = set()
-    todo = list(first.users)
-    while todo:
-        n = todo.pop()
-        if n not in after and n is not last:
-            after.add(n)
-            todo.extend(n.users)
-    before: set[fx.Node] = set()
-    todo = list(last.all_input_nodes)
-    while todo:
-        n = todo.pop()
-        if n not in before and n is not first:
-            before.add(n)
-            todo.extend(n.all_input_nodes)
+    after = _reach(first.users, lambda n: n.users, stop=last)
+    before = _reach(last.all_input_nodes, lambda n: n.all_input_nodes, stop=first)
     return after & before
+
+
+def _reach(
+    start: Iterable[fx.Node], step: Callable[[fx.Node], Iterable[fx.Node]], stop: fx.Node
+) -> set[fx.Node]:
+    """The nodes reached from ``start`` by ``step``, not going through ``stop``."""
+    seen: set[fx.Node] = set()
+    todo = list(start)
+    while todo:
+        n = todo.pop()
+        if n not in seen and n is not stop:
+            seen.add(n)
+            todo.extend(step(n))
+    return seen
 
 
 def _consumer(node: fx.Node) -> fx.Node | None:
