@@ -274,6 +274,48 @@ def test_verify_refuses_an_expert_plan_it_cannot_run_before_starting_workers(
         api.verify_many([(_plan_1_2_1(), em.moe_lm())], 1, device="cpu", zero_stage=1)
 
 
+@pytest.mark.parametrize("command", ["train", "verify"])
+def test_an_expert_width_on_a_dense_model_is_refused_once_before_any_worker_starts(
+    monkeypatch: pytest.MonkeyPatch, command: str
+) -> None:
+    pytest.importorskip("transformers")
+    import dapple.runtime as runtime_mod
+    import dapple.runtime.verify as verify_mod
+
+    def no_workers(*_: Any, **__: Any) -> None:
+        raise AssertionError("workers started")
+
+    monkeypatch.setattr(verify_mod, "verify_many", no_workers)
+    monkeypatch.setattr(runtime_mod, "train", no_workers)
+    plan = _plan_1_2_1()
+    words = (r"^plan stage 1 \[1, 3\] \(expert_width 2\): model 'varlen-llama' has no "
+             r"mixture-of-experts layers there")  # fmt: skip
+    with pytest.raises(ValidationError, match=words):
+        if command == "train":
+            api.train(plan, em.varlen_llama(), 1, device="cpu")
+        else:
+            api.verify_many([(plan, em.varlen_llama())], 1, device="cpu")
+
+
+def test_experts_not_a_multiple_of_the_width_are_refused_before_any_worker_starts() -> None:
+    pytest.importorskip("transformers")
+    from dapple.runtime.parallel.expert import check_expert_layers
+
+    three = straight_plan(4, [0, 1, 3], global_batch_size=6, num_micro_batches=2,
+                          replicas=[1, 3, 1])  # fmt: skip
+    three = replace(three, stages=(three.stages[0], replace(three.stages[1], expert_width=3),
+                                   three.stages[2]))  # fmt: skip
+    with pytest.raises(
+        ValidationError,
+        match=r"stage 1 \[1, 3\] \(expert_width 3\): model "
+        r"'mixtral''s MoE layers there hold 4 experts, not a multiple of 3",
+    ):
+        check_expert_layers(three, em.mixtral())
+    check_expert_layers(_plan_1_2_1(), em.mixtral())  # 4 experts over 2: not refused
+    with pytest.raises(ValidationError, match="model 'moe-lm' has no mixture-of-experts layers"):
+        check_expert_layers(_plan_1_2_1(), em.moe_lm())  # its experts: no grouped matmuls
+
+
 def test_a_stage_without_experts_or_with_experts_not_dividing_is_refused() -> None:
     pytest.importorskip("transformers")
     dense = em.varlen_llama().build_stage(1, 3, 0)

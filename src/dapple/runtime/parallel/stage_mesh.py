@@ -49,6 +49,7 @@ from dapple.runtime.config import TrainConfig
 from dapple.runtime.parallel.expert import (
     ExpertGroups,
     ExpertShards,
+    check_expert_layers,
     check_expert_run,
     make_expert_groups,
 )
@@ -99,12 +100,14 @@ def _meshed(plan: Plan) -> list[tuple[int, StagePlan]]:
 
 
 def check_mesh_run(plan: Plan, workload: Workload, config: TrainConfig) -> None:
-    """Refuse, before any compute, what the runtime does not run yet with t_s > 1 or ZeRO-3.
+    """Refuse, before any compute, what the runtime does not run yet with t_s > 1, ZeRO-3 or
+    e_s > 1.
 
     Raises:
         ValidationError: one line naming the stage and what is unsupported.
     """
     check_expert_run(zero_floored(plan, config.zero_stage), config)
+    check_expert_layers(plan, workload)
     meshed = _meshed(zero_floored(plan, config.zero_stage))
     for s, st in meshed:
         what = f"stage {s} {list(st.layers)} (tensor_width {st.tensor_width}, zero {st.zero_stage})"

@@ -24,8 +24,10 @@ which holds every expert once: replica ``j`` holds expert shard ``j % e`` (exper
   (:meth:`ExpertShards.mine`), so a checkpoint resumes under any expert width.
 
 Refused before any compute (:func:`check_expert_run`): e_s > 1 with tensor parallelism, ZeRO,
-an interleaved plan (several chunks per device) or fp16 loss scaling; and, once the
-stage is built, a stage without MoE experts of this shape, or E not a multiple of e_s.
+an interleaved plan (several chunks per device) or fp16 loss scaling; and, before any worker
+starts (:func:`check_expert_layers`, on the traced pieces' templates), a stage without MoE
+experts of this shape, or E not a multiple of e_s (a workload not traced: once the stage is
+built, by :func:`shard_experts`).
 Re-computation and split-backward schedules (``I`` then ``W``) run: the exchanges are re-run
 or back-propagated in the same order on every replica of the stage.
 """
@@ -42,16 +44,19 @@ from torch import fx, nn
 from dapple.core.plan import Plan
 from dapple.core.precision import precision_of
 from dapple.errors import ValidationError
+from dapple.models.split import piece_template
+from dapple.models.workload import Workload
 from dapple.runtime import comm
 from dapple.runtime.config import TrainConfig
 from dapple.runtime.parallel.expert.exchange import GroupCollectives
-from dapple.runtime.parallel.expert.sites import find_sites, shard_site
+from dapple.runtime.parallel.expert.sites import find_sites, shard_site, site_experts
 from dapple.runtime.sync import GradientSync
 
 __all__ = [
     "ExpertGradientSync",
     "ExpertGroups",
     "ExpertShards",
+    "check_expert_layers",
     "check_expert_run",
     "gradient_sync",
     "make_expert_groups",
@@ -82,6 +87,37 @@ def check_expert_run(plan: Plan, config: TrainConfig) -> None:
         for bad, reason in refusals:
             if bad:
                 raise ValidationError(f"{what}: expert parallelism with {reason} is not supported")
+
+
+def check_expert_layers(plan: Plan, workload: Workload) -> None:
+    """Refuse, before any worker starts, a stage of e_s > 1 whose layers hold no MoE block
+    expert parallelism can cut, or whose experts e_s does not divide: read off the traced
+    pieces' templates (:func:`~dapple.models.split.piece_template`, parameters on ``meta``), as
+    :func:`shard_experts` finds them. A stage with a layer not traced is left to that check.
+
+    Raises:
+        ValidationError: one line naming the plan stage, its width and the model.
+    """
+    for s in _expert_stages(plan):
+        st = plan.stages[s]
+        e, (a, b) = st.expert_width, st.layers
+        pieces = [piece_template(workload, i) for i in range(a, b)]
+        if not all(isinstance(p, fx.GraphModule) for p in pieces):
+            continue
+        what = f"plan stage {s} {list(st.layers)} (expert_width {e})"
+        experts = [site_experts(p, site) for p in pieces for site in find_sites(p)]  # type: ignore[arg-type]
+        if not experts:
+            raise ValidationError(
+                f"{what}: model {workload.name!r} has no mixture-of-experts layers there that "
+                "expert parallelism can shard (traced grouped-matmul experts, as Mixtral's and "
+                "Qwen2-MoE's); plan the stage with expert_width 1"
+            )
+        bad = sorted({E for E in experts if E % e})
+        if bad:
+            raise ValidationError(
+                f"{what}: model {workload.name!r}'s MoE layers there hold "
+                f"{', '.join(map(str, bad))} experts, not a multiple of {e}"
+            )
 
 
 # -- process groups -------------------------------------------------------------------------

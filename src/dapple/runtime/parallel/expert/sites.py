@@ -22,7 +22,7 @@ from torch import fx, nn
 from dapple.errors import ValidationError
 from dapple.runtime.parallel.expert.exchange import Collectives, ExpertCombine, ExpertDispatch
 
-__all__ = ["ExpertSite", "find_sites", "shard_site"]
+__all__ = ["ExpertSite", "find_sites", "shard_site", "site_experts"]
 
 _ROW_WISE = frozenset(
     {
@@ -161,6 +161,12 @@ def _check_site(gm: fx.GraphModule, site: ExpertSite) -> None:
 def _owner(gm: nn.Module, target: str) -> tuple[nn.Module, str]:
     path, _, leaf = target.rpartition(".")
     return (gm.get_submodule(path) if path else gm), leaf
+
+
+def site_experts(gm: nn.Module, site: ExpertSite) -> int:
+    """E: the experts of ``site`` (its first weight's leading dimension)."""
+    owner, leaf = _owner(gm, site.weights[0])
+    return int(getattr(owner, leaf).shape[0])
 
 
 def shard_site(gm: fx.GraphModule, site: ExpertSite, coll: Collectives, tag: str) -> list[str]:
