@@ -41,7 +41,8 @@ class BusyMeter:
     """Wall time this process spends inside the stage executors' F, B, I and W handlers, minus
     the time those handlers wait for incoming activations or gradients, per training step.
 
-    Installed by wrapping the methods of :class:`dapple.runtime.stage.StageExecutor` and
+    Installed by wrapping the methods of :class:`dapple.runtime.stage.StageExecutor`,
+    :meth:`dapple.runtime.stage_links.StageLinks.wait_concat` and
     :meth:`dapple.runtime.interpreter.ProgramInterpreter.run_step` in this process (the
     benchmark's worker); ``src/`` is unchanged.
     """
@@ -59,6 +60,7 @@ class BusyMeter:
     def install(self) -> BusyMeter:
         from dapple.runtime.interpreter import ProgramInterpreter
         from dapple.runtime.stage import StageExecutor
+        from dapple.runtime.stage_links import StageLinks
 
         def timed(fn: Callable[..., Any], sign: float) -> Callable[..., Any]:
             def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -73,7 +75,7 @@ class BusyMeter:
         for name in ("forward", "backward", "backward_input", "backward_weight"):
             setattr(StageExecutor, name, timed(getattr(StageExecutor, name), 1.0))
         # the receive waits happen inside F, B and I: not compute
-        StageExecutor._wait_concat = timed(StageExecutor._wait_concat, -1.0)
+        StageLinks.wait_concat = timed(StageLinks.wait_concat, -1.0)
         run_step = ProgramInterpreter.run_step
 
         def counted_step(interp: ProgramInterpreter, *args: Any, **kwargs: Any) -> Any:

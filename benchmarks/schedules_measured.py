@@ -356,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
         "**Bubble fraction**, the same definition on both sides: `1 - busy / step`, where busy is "
         "the wall time a rank spends computing F, B, I and W in one step. Measured: time inside "
         "the runtime's `StageExecutor.forward/backward/backward_input/backward_weight` handlers "
-        "minus their waits for incoming activations or gradients (`_wait_concat`), per rank and "
+        "minus their waits for incoming activations or gradients (`StageLinks.wait_concat`), per rank and "
         "step (wrapped in the benchmark's workers, `src/` unchanged), over rank 0's step period; "
         "median over steps, then over rounds. Simulated: the durations of the F, B, I and W "
         "events of each device over the simulated step. Not counted as busy on either side: "

@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from dapple.runtime.optim import ModelUpdate
 from dapple.runtime.stage import StageExecutor
+from dapple.runtime.stage_links import StageLinks
 from dapple.runtime.sync import GradientSync
 
 DEFECT_RANK_ENV = "DAPPLE_TEST_DEFECT_RANK"
@@ -59,11 +60,13 @@ def swap_rows(rank: int) -> None:
     joins from its peers in each other's place."""
     if not _mine(rank):
         return
-    original = StageExecutor._wait_concat
+    original = StageLinks.wait_concat
 
-    def wait_concat(self: StageExecutor, table: Any, m: int, what: str) -> list[torch.Tensor]:
-        out = original(self, table, m, what)
-        if what != "activations":
+    def wait_concat(
+        self: StageLinks, m: int, backward: bool, outputs: Any = ()
+    ) -> list[torch.Tensor]:
+        out = original(self, m, backward, outputs)
+        if backward:
             return out
         swapped = []
         for t in out:
@@ -72,7 +75,7 @@ def swap_rows(rank: int) -> None:
             swapped.append(t)
         return swapped
 
-    StageExecutor._wait_concat = wait_concat  # type: ignore[method-assign]
+    StageLinks.wait_concat = wait_concat  # type: ignore[method-assign]
 
 
 def tied_unsummed(rank: int) -> None:

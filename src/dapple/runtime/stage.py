@@ -5,15 +5,9 @@ replica ``j`` of stage ``s`` owns samples ``slice_bounds(b, r_s, shares_s)[j] = 
 every micro-batch (an even split, or the stage's per-replica shares). Data: every rank builds
 the same global batch locally (``workload.make_batch(G, seed + step)``) and slices its own rows,
 so stage 0 replicas take their inputs and last-stage replicas their targets without any label
-traffic. Between stages
-only activations (forward) and their gradients (backward) travel, as the overlapping row
-ranges of :func:`dapple.core.plan.transfers`, with non-blocking ``isend``/``irecv``.
-
-With ``dynamic=True`` (the model's input shapes change from step to step) every activation
-message is preceded by its shape header (:func:`dapple.runtime.transport.shape_header`): a
-forward receive posts the header's ``irecv`` early and the data's once the header arrived; a
-gradient receive sizes its buffers from the activations this stage sent (posted at once when
-they exist, else when ``B`` waits for them).
+traffic. Between stages only activations (forward) and their gradients (backward) travel: the
+split-concat messages of :class:`dapple.runtime.stage_links.StageLinks` (with shape headers
+when ``dynamic=True``).
 
 A rank listed in ``DAPPLE_SLOWDOWN`` computes its F, B, I and W K times slower
 (:mod:`dapple.runtime.slowdown`: an emulated slower device).
@@ -30,24 +24,14 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from dapple.core.plan import Plan, slice_bounds, transfers
+from dapple.core.plan import Plan
 from dapple.models.rng import KeyedAttention, KeyedDropout, keyed
 from dapple.models.split_backward import ParamGroups, input_gradients, weight_gradients
-from dapple.runtime import comm
 from dapple.runtime.memory import ActivationMeter, Held
-from dapple.runtime.parallel.stage_mesh import peer_ranks
 from dapple.runtime.precision import Precision, to_fp32
 from dapple.runtime.slowdown import Slowdown, slowdown_factor
-from dapple.runtime.transport import (
-    HEADER_INDEX,
-    BoundarySpec,
-    flatten,
-    header_buffer,
-    message_tag,
-    sample_shapes,
-    shape_header,
-    unflatten,
-)
+from dapple.runtime.stage_links import StageLinks
+from dapple.runtime.transport import BoundarySpec, flatten, unflatten
 from dapple.schedule.ir import Action, ActionKind
 from dapple.schedule.registry import get_schedule
 
@@ -56,19 +40,6 @@ __all__ = ["StageExecutor", "draws_keyed"]
 K = ActionKind
 _UNKEYED = contextlib.nullcontext()
 """What a stage without keyed randomness runs its backwards under (reusable)."""
-
-
-@dataclass
-class _Recv:
-    lo: int
-    hi: int
-    rank: int
-    buffers: list[torch.Tensor]
-    works: list[Any]
-    header: torch.Tensor | None = None
-    """Dynamic shapes, forward: the shape header being received (data not posted yet)."""
-    deferred: bool = False
-    """Dynamic shapes, backward: posted when ``B`` waits (the activations did not exist yet)."""
 
 
 @dataclass
@@ -97,17 +68,6 @@ def draws_keyed(module: nn.Module) -> bool:
         if not type(sub).__module__.startswith(("torch.", "dapple.")):
             return True
     return False
-
-
-def _peers(plan: Plan, s: int, other: int, tensor_rank: int) -> dict[int, tuple[list[int], int]]:
-    """Each replica of stage ``other`` -> (the ranks of its tensor group this rank sends to,
-    the rank it receives from) (:func:`~dapple.runtime.parallel.stage_mesh.peer_ranks`)."""
-    st, ot = plan.stages[s], plan.stages[other]
-    t = st.tensor_width
-    return {
-        k: (peer_ranks(ot, k, tensor_rank, t, True), peer_ranks(ot, k, tensor_rank, t, False)[0])
-        for k in range(ot.replicas)
-    }
 
 
 class StageExecutor:
@@ -164,53 +124,16 @@ class StageExecutor:
         self.metering = True
         """Count held activations in ``meter`` this step (the engine turns it off on steps whose
         peak is already known: saved-tensor hooks cost ~5% of a CPU step)."""
-        b = plan.micro_batch_size
-        S = plan.num_stages
-        self.last = stage == S - 1
+        self.last = stage == plan.num_stages - 1
         """The last stage: its forwards compute the loss."""
-        reps = [st.replicas for st in plan.stages]
-        shares = [st.shares for st in plan.stages]
-        self.lo, self.hi = slice_bounds(b, reps[stage], shares[stage])[replica]
-        self.in_spec = specs[stage - 1] if stage > 0 else None
-        self.out_spec = specs[stage] if stage < S - 1 else None
-        # peer replica -> micro-batch rows [lo, hi) exchanged with it
-        self.in_rows: dict[int, tuple[int, int]] = (
-            {
-                p: (lo, hi)
-                for p, k, lo, hi in transfers(
-                    b, reps[stage - 1], reps[stage], shares[stage - 1], shares[stage]
-                )
-                if k == replica
-            }
-            if stage > 0
-            else {}
-        )
-        self.out_rows: dict[int, tuple[int, int]] = (
-            {
-                k: (lo, hi)
-                for p, k, lo, hi in transfers(
-                    b, reps[stage], reps[stage + 1], shares[stage], shares[stage + 1]
-                )
-                if p == replica
-            }
-            if stage < S - 1
-            else {}
-        )
-        self.prev_ranks = _peers(plan, stage, stage - 1, tensor_rank) if stage > 0 else {}
-        """Replica of stage s-1 -> (the ranks this rank sends gradients to, the one it receives
-        activations from): tensor groups pair by index (:func:`peer_ranks`)."""
-        self.next_ranks = _peers(plan, stage, stage + 1, tensor_rank) if stage < S - 1 else {}
-        self.waiting_on: tuple[str, int] | None = None
+        self.links = StageLinks(plan, stage, replica, specs, device, dynamic, tensor_rank)
+        """The stage's split-concat messages (its rows ``[lo, hi)`` of every micro-batch)."""
+        self.lo, self.hi = self.links.lo, self.links.hi
         rank = plan.stages[stage].tensor_group(replica)[tensor_rank]
         sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None
         self.slow = Slowdown(slowdown_factor(rank), sync)
         """This rank's emulated slow-down of its compute (``DAPPLE_SLOWDOWN``; 1: none)."""
         self._mb: dict[int, _MicroBatch] = {}
-        self._recv_f: dict[int, list[_Recv]] = {}
-        self._recv_b: dict[int, list[_Recv]] = {}
-        self._grad_in: dict[int, tuple[torch.Tensor, ...]] = {}
-        self._grad_in_left: dict[int, int] = {}
-        self._pending_sends: list[Any] = []
         self._batch_inputs: tuple[Any, ...] = ()
         self._batch_is_tuple = False
         self._targets: torch.Tensor | None = None
@@ -231,17 +154,8 @@ class StageExecutor:
 
     def finish_sends(self) -> None:
         """Wait for every outstanding send of this step (before buffers may be reused)."""
-        for mb in self._mb.values():
-            self._pending_sends += mb.sends
-            mb.sends = []
-        for w in self._pending_sends:
-            self.waiting_on = ("send completion", -1)
-            w.wait()
-        self._pending_sends = []
-        self.waiting_on = None
+        self.links.finish([w for mb in self._mb.values() for w in mb.sends])
         self._mb.clear()
-        self._grad_in.clear()
-        self._grad_in_left.clear()
 
     def release(self, a: Action) -> None:
         """Forget the inputs and outputs of ``a``'s micro-batch (a forward-only pass keeps
@@ -252,7 +166,7 @@ class StageExecutor:
     def _drop(self, m: int) -> None:
         """Forget micro-batch ``m`` (its held activations too); its sends stay pending."""
         st = self._mb.pop(m)
-        self._pending_sends += st.sends
+        self.links.pending += st.sends
         for h in st.held:
             h.release()
 
@@ -272,9 +186,9 @@ class StageExecutor:
 
     def recv_forward(self, a: Action) -> None:
         """``RECV_F``: post the receives of a slice of micro-batch activations."""
-        assert a.micro_batch is not None
-        self._post_recv(self._recv_f, a.micro_batch, a.peer, backward=False)
-        self._poll_sends()
+        assert a.micro_batch is not None and a.peer is not None
+        self.links.post_recv(a.micro_batch, a.peer, False, None)
+        self.links.poll()
 
     def forward(self, a: Action) -> None:
         """``F``: wait for the inputs, compute, and (last stage) the scaled loss."""
@@ -284,20 +198,23 @@ class StageExecutor:
                 self._forward(a.micro_batch)
         else:
             self._forward(a.micro_batch)
-        if self._pending_sends:
-            self._poll_sends()
+        if self.links.pending:
+            self.links.poll()
 
     def send_forward(self, a: Action) -> None:
         """``SEND_F``: post the sends of the activations' slice for replica ``a.peer``."""
-        assert a.micro_batch is not None
-        self._send_forward(a.micro_batch, a.peer)
-        self._poll_sends()
+        assert a.micro_batch is not None and a.peer is not None
+        self._mb[a.micro_batch].sends += self.links.send_forward(
+            a.micro_batch, a.peer, self._mb[a.micro_batch].output
+        )
+        self.links.poll()
 
     def recv_backward(self, a: Action) -> None:
         """``RECV_B``: post the receives of a slice of output gradients."""
-        assert a.micro_batch is not None
-        self._post_recv(self._recv_b, a.micro_batch, a.peer, backward=True)
-        self._poll_sends()
+        assert a.micro_batch is not None and a.peer is not None
+        st = self._mb.get(a.micro_batch)
+        self.links.post_recv(a.micro_batch, a.peer, True, None if st is None else st.output)
+        self.links.poll()
 
     def backward(self, a: Action) -> None:
         """``B``: wait for the output gradients (not on the last stage) and back-propagate."""
@@ -307,8 +224,8 @@ class StageExecutor:
                 self._backward(a.micro_batch)
         else:
             self._backward(a.micro_batch)
-        if self._pending_sends:
-            self._poll_sends()
+        if self.links.pending:
+            self.links.poll()
 
     def backward_input(self, a: Action) -> None:
         """``I``: wait for the output gradients and compute the input gradients only (a stage
@@ -328,7 +245,7 @@ class StageExecutor:
         else:
             st.whole = (outs, gs)
         self._after_input_grads(m)
-        self._poll_sends()
+        self.links.poll()
 
     def backward_weight(self, a: Action) -> None:
         """``W``: the parameters' gradients of micro-batch ``m`` from what its ``I`` left."""
@@ -343,13 +260,13 @@ class StageExecutor:
         self._drop(m)
         if self.after_weights is not None:
             self.after_weights(m)
-        self._poll_sends()
+        self.links.poll()
 
     def send_backward(self, a: Action) -> None:
         """``SEND_B``: post the sends of the input gradients' slice for replica ``a.peer``."""
-        assert a.micro_batch is not None
-        self._send_backward(a.micro_batch, a.peer)
-        self._poll_sends()
+        assert a.micro_batch is not None and a.peer is not None
+        self.links.send_backward(a.micro_batch, a.peer)
+        self.links.poll()
 
     # -- helpers -------------------------------------------------------------------------------
     def _keys(self, m: int) -> contextlib.AbstractContextManager[None]:
@@ -360,87 +277,9 @@ class StageExecutor:
         b = self.plan.micro_batch_size
         return keyed(self.seed, self.step, m * b + self.lo, self.hi - self.lo)
 
-    def _poll_sends(self) -> None:
-        self._pending_sends = [w for w in self._pending_sends if not w.is_completed()]
-
-    def _post_recv(self, table: dict[int, list[_Recv]], m: int, peer: Any, backward: bool) -> None:
-        if backward:
-            assert self.out_spec is not None
-            lo, hi = self.out_rows[peer]
-            rank = self.next_ranks[peer][1]
-            specs = [t for t in self.out_spec.tensors if t.carries_grad]
-        else:
-            assert self.in_spec is not None
-            lo, hi = self.in_rows[peer]
-            rank = self.prev_ranks[peer][1]
-            specs = list(self.in_spec.tensors)
-        if not self.dynamic:
-            bufs = [t.buffer(hi - lo, self.device) for t in specs]
-            table.setdefault(m, []).append(
-                _Recv(lo, hi, rank, bufs, self._irecv(bufs, rank, m, backward))
-            )
-        elif not backward:
-            assert self.in_spec is not None
-            hdr = header_buffer(self.in_spec, self.device)
-            tag = message_tag(m, False, HEADER_INDEX, self.s - 1)
-            work = comm.irecv(hdr, src=rank, tag=tag)
-            table.setdefault(m, []).append(_Recv(lo, hi, rank, [], [work], header=hdr))
-        else:
-            r = _Recv(lo, hi, rank, [], [], deferred=True)
-            if m in self._mb:
-                self._post_grad_recv(r, m)
-            table.setdefault(m, []).append(r)
-
-    def _irecv(self, bufs: list[torch.Tensor], rank: int, m: int, backward: bool) -> list[Any]:
-        return [
-            comm.irecv(buf, src=rank, tag=message_tag(m, backward, i, self.s - 1 + backward))
-            for i, buf in enumerate(bufs)
-        ]
-
-    def _post_grad_recv(self, r: _Recv, m: int) -> None:
-        """Dynamic shapes: the gradient buffers of rows ``[r.lo, r.hi)`` of micro-batch ``m``'s
-        activations, shaped like them."""
-        outs = [t for t in self._mb[m].output if t.dtype.is_floating_point or t.dtype.is_complex]
-        r.buffers = [
-            torch.empty((r.hi - r.lo, *t.shape[1:]), dtype=t.dtype, device=self.device)
-            for t in outs
-        ]
-        r.works = self._irecv(r.buffers, r.rank, m, True)
-        r.deferred = False
-
-    def _post_data_recv(self, r: _Recv, m: int, what: str) -> None:
-        """Dynamic shapes, forward: wait for ``r``'s header, then post its data receives."""
-        assert self.in_spec is not None and r.header is not None
-        self.waiting_on = (f"shape header of micro-batch {m}'s {what}", r.rank)
-        for w in r.works:
-            w.wait()
-        shapes = sample_shapes(self.in_spec, r.header)
-        r.buffers = [
-            torch.empty((r.hi - r.lo, *shape), dtype=t.dtype, device=self.device)
-            for t, shape in zip(self.in_spec.tensors, shapes, strict=True)
-        ]
-        r.works = self._irecv(r.buffers, r.rank, m, False)
-        r.header = None
-
-    def _wait_concat(self, table: dict[int, list[_Recv]], m: int, what: str) -> list[torch.Tensor]:
-        pieces = sorted(table.pop(m), key=lambda r: r.lo)
-        for r in pieces:  # dynamic shapes: size and post every piece's data before waiting
-            if r.header is not None:
-                self._post_data_recv(r, m, what)
-            elif r.deferred:
-                self._post_grad_recv(r, m)
-        for r in pieces:
-            self.waiting_on = (f"{what} of micro-batch {m}", r.rank)
-            for w in r.works:
-                w.wait()
-        self.waiting_on = None
-        n = len(pieces[0].buffers)
-        if len(pieces) == 1:
-            return pieces[0].buffers
-        return [torch.cat([r.buffers[i] for r in pieces]) for i in range(n)]
-
     def _stage_fn(self, *tensors: Any) -> Any:
-        is_tuple = self.in_spec.is_tuple if self.in_spec is not None else self._batch_is_tuple
+        spec = self.links.in_spec
+        is_tuple = spec.is_tuple if spec is not None else self._batch_is_tuple
         return self.module(unflatten(is_tuple, tensors))
 
     def _forward(self, m: int) -> None:
@@ -454,7 +293,7 @@ class StageExecutor:
             # metered (after a resume: its first) would not compute what an unmetered one does
             xs = [t[r0:r1].to(self.device, copy=True) for t in self._batch_inputs]
         else:
-            xs = self._wait_concat(self._recv_f, m, "activations")
+            xs = self.links.wait_concat(m, False)
             for t in xs:
                 if t.dtype.is_floating_point or t.dtype.is_complex:
                     t.requires_grad_(True)
@@ -505,18 +344,6 @@ class StageExecutor:
             return checkpoint(self._stage_fn, *xs, use_reentrant=False)
         return self._stage_fn(*xs)
 
-    def _send_forward(self, m: int, peer: Any) -> None:
-        st = self._mb[m]
-        lo, hi = self.out_rows[peer]
-        for rank in self.next_ranks[peer][0]:
-            if self.dynamic:
-                hdr = shape_header(st.output, self.device)
-                tag = message_tag(m, False, HEADER_INDEX, self.s)
-                st.sends.append(comm.isend(hdr, dst=rank, tag=tag))
-            for i, t in enumerate(st.output):
-                piece = t.detach()[lo - self.lo : hi - self.lo].contiguous()
-                st.sends.append(comm.isend(piece, dst=rank, tag=message_tag(m, False, i, self.s)))
-
     def _output_grads(self, m: int) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
         """The tensors micro-batch ``m``'s backward starts from and their gradients: the scaled
         loss (gradients None: ones) on the last stage, else the outputs that carry a gradient
@@ -524,7 +351,7 @@ class StageExecutor:
         st = self._mb[m]
         if st.loss is not None:
             return [self.precision.scale(st.loss)], None  # x S under fp16
-        grads = self._wait_concat(self._recv_b, m, "gradients")
+        grads = self.links.wait_concat(m, True, st.output)
         outs, gs = [], []
         gi = iter(grads)
         for t in st.output:
@@ -551,23 +378,12 @@ class StageExecutor:
         """Micro-batch ``m``'s input gradients are computed: keep them for ``SEND_B``."""
         st = self._mb[m]
         # The activations' sends finished logically (their gradient came back); reap them.
-        self._pending_sends += st.sends
+        self.links.pending += st.sends
         st.sends = []
         if self.s > 0:
-            self._grad_in[m] = tuple(
-                (x.grad if x.grad is not None else torch.zeros_like(x))
-                for x in st.inputs
-                if x.dtype.is_floating_point or x.dtype.is_complex
-            )
-            self._grad_in_left[m] = len(self.in_rows)
+            self.links.keep_grads(m, st.inputs)
 
-    def _send_backward(self, m: int, peer: Any) -> None:
-        lo, hi = self.in_rows[peer]
-        for rank in self.prev_ranks[peer][0]:
-            for i, g in enumerate(self._grad_in[m]):
-                piece = g[lo - self.lo : hi - self.lo].contiguous()
-                tag = message_tag(m, True, i, self.s - 1)
-                self._pending_sends.append(comm.isend(piece, dst=rank, tag=tag))
-        self._grad_in_left[m] -= 1
-        if self._grad_in_left[m] == 0:  # the pending sends keep their pieces alive
-            del self._grad_in[m], self._grad_in_left[m]
+    @property
+    def waiting_on(self) -> tuple[str, int] | None:
+        """``(what, peer rank)`` while blocked on a peer (for error messages)."""
+        return self.links.waiting_on
