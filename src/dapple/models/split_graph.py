@@ -119,6 +119,31 @@ def _follow_device_in_submodules(traced: fx.GraphModule) -> None:
             sub.recompile()
 
 
+def _drop_float_dtype_asserts(traced: fx.GraphModule) -> None:
+    """Remove the trace's checks that a tensor has the floating dtype it had when traced
+    (``aten._assert_tensor_metadata``, which ``torch.export`` puts before each ``.to(dtype)``;
+    in the graphs of higher-order ops too). Under autocast a matmul's output is bf16 or fp16
+    where the trace saw fp32: Mixtral's router casts its logits with ``.float()``, and the
+    check before that cast would stop every bf16 run. The casts themselves stay."""
+    assert_op = torch.ops.aten._assert_tensor_metadata.default
+    for gm in traced.modules():
+        if not isinstance(gm, fx.GraphModule):
+            continue
+        checks = [
+            n
+            for n in gm.graph.nodes
+            if n.op == "call_function"
+            and n.target is assert_op
+            and not n.users
+            and isinstance(n.kwargs.get("dtype"), torch.dtype)
+            and n.kwargs["dtype"].is_floating_point
+        ]
+        for n in checks:
+            gm.graph.erase_node(n)
+        if checks:
+            gm.recompile()
+
+
 def _module_fqns(node: fx.Node) -> list[str]:
     stack = node.meta.get("nn_module_stack") or {}
     return [str(v[0]) for v in stack.values() if isinstance(v, tuple) and v and v[0]]
@@ -198,6 +223,7 @@ class SplitModel:
         self.traced = program.module(check_guards=False)
         fake_to_meta(self.traced)
         _follow_device_in_submodules(self.traced)
+        _drop_float_dtype_asserts(self.traced)
         self.aliases = _aliases(model)
         nodes = list(self.traced.graph.nodes)
         self.random_sites = number_random_sites(
