@@ -93,12 +93,20 @@ def test_order_runs_each_backward_once_whole_or_split_in_the_v(P: int, extra: in
         (lambda: dualpipev(1, 4), "P >= 2 device groups"),
         (lambda: with_schedule(_straight(3, 2, 5), "dualpipev"), "M >= 2P = 6"),
         (lambda: with_schedule(_straight(2, 2, 4), "dualpipev", 4), "got virtual_stages 4"),
+        (lambda: with_schedule(_straight(1, 4, 4), "dualpipev"), "DualPipeV needs at least 2"),
+        (
+            lambda: with_schedule(_straight(2, 1, 4), "dualpipev"),
+            "DualPipeV cuts each device group into 2 chunks (a V over 2 groups: 4 chunks of at "
+            "least one layer), but stage 0 (devices [0]) has 1 layer(s) [0, 1]",
+        ),
     ],
 )
 def test_plans_it_cannot_express_are_refused_in_one_line(make, words: str) -> None:
+    """Each refusal names DualPipeV, not ZB-V whose V it shares."""
     with pytest.raises(ValidationError) as e:
         make()
     assert words in str(e.value) and "\n" not in str(e.value)
+    assert "ZB-V" not in str(e.value)
 
 
 @FAST

@@ -12,9 +12,14 @@ from dapple.cli import main
 from dapple.core.layer_profile import AffineTime
 from dapple.core.plan import Plan, straight_plan
 from dapple.errors import ValidationError
-from dapple.planner.schedule_choice import SCHEDULE_VARIANTS, best_per_schedule
+from dapple.planner.schedule_choice import (
+    SCHEDULE_VARIANTS,
+    ScheduleChoice,
+    best_per_schedule,
+    refine_cuts,
+)
 from dapple.simulate import simulate
-from dapple.simulate.schedules import with_schedule
+from dapple.simulate.schedules import unchunked, with_schedule
 
 
 def _base(reps=(2, 1, 1), cuts=(0, 4, 6), n=8, M=4, gbs=16) -> Plan:
@@ -218,3 +223,40 @@ def test_train_and_verify_take_every_schedule_name(tmp_path):
         ns = parser.parse_args([cmd, "--plan", str(path), "-m", "mlp", "--schedule",
                                 "interleaved", "--virtual-stages", "2"])  # fmt: skip
         assert (ns.schedule, ns.virtual_stages) == ("interleaved", 2)
+
+
+def test_v_schedules_take_an_odd_layer_count_and_refuse_in_their_own_name():
+    """A V over P groups needs 2P chunks, not v | N: 9 layers on 3 groups (3 each, cut 2 + 1) run
+    as ZB-V and DualPipeV while interleaving refuses the odd count; a group of one layer is
+    refused by each V schedule under its own name, naming the stage and its layers."""
+    prof, cluster = make_profile(9), make_cluster()
+    choices = {c.label: c for c in best_per_schedule([_base((1, 1, 1), (0, 3, 6), 9, 6, 12)],
+                                                     prof, cluster)}  # fmt: skip
+    assert "the 9 layers are not a multiple of v=2" in choices["interleaved v=2"].note
+    for label in ("zbv", "dualpipev"):
+        plan = choices[label].plan
+        assert plan is not None and plan.schedule == label and plan.num_layers == 9
+        assert [st.layers[1] - st.layers[0] for st in plan.stages] == [2, 2, 2, 1, 1, 1]
+    short = best_per_schedule([_base((1, 1, 1), (0, 1, 3), 5, 6, 12)], prof, cluster)
+    notes = {c.label: c.note for c in short}
+    for label, title in (("zbv", "ZB-V"), ("dualpipev", "DualPipeV")):
+        assert notes[label] == (
+            f"{title} cuts each device group into 2 chunks (a V over 3 groups: 6 chunks of at "
+            "least one layer), but stage 0 (devices [0]) has 1 layer(s) [0, 1]"
+        )
+
+
+def test_refining_a_v_plan_moves_its_cuts_one_layer_at_a_time():
+    """The cut search of a V schedule moves a boundary by one layer (each group keeping two):
+    from 6 + 2 + 2 layers on a uniform chain it reaches an odd group (3 + 4 + 3 or the like),
+    which moves of v = 2 could not."""
+    prof, cluster = make_profile(10), make_cluster()
+    base = _base((1, 1, 1), (0, 6, 8), 10, 6, 12)
+    for schedule in ("zbv", "dualpipev"):
+        plan = with_schedule(base, schedule)
+        start = ScheduleChoice(schedule, plan, simulate(plan, prof, cluster))
+        got = refine_cuts(start, prof, cluster)
+        assert got.plan is not None and got.result is not None
+        assert got.result.step_ms < start.result.step_ms
+        counts = [st.layers[1] - st.layers[0] for st in unchunked(got.plan).stages]
+        assert sum(counts) == 10 and min(counts) >= 2 and any(n % 2 for n in counts), counts

@@ -1,6 +1,6 @@
 """ZB-V and DualPipeV in the runtime: the message a rank sends itself at the turn of the V, and
 ``verify`` against one device under AdamW: GPT-2 with dropout on a straight and an uneven (2:1)
-plan, and both with a ZeRO-3 and a tensor-parallel device group."""
+plan, on an odd layer count, and both with a ZeRO-3 and a tensor-parallel device group."""
 
 from __future__ import annotations
 
@@ -68,6 +68,26 @@ def test_verify_v_schedules_equal_one_device_under_adamw_with_dropout(schedule: 
         assert rep.grad_norms_ok, (plan.replication, rep.grad_norms, rep.reference_grad_norms)
         assert rep.losses == pytest.approx(rep.reference_losses, rel=1e-5)
         assert rep.losses[0] != pytest.approx(rep.losses[1], rel=1e-4)  # the steps differ
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_verify_v_schedules_on_an_odd_layer_count() -> None:
+    """GPT-2 of 5 chain layers (an odd count, which the planner offers the V schedules): groups
+    of 2 and 3 layers cut into chunks of 1, 2, 1 and 1 layers; ZB-V and DualPipeV after 2 AdamW
+    steps with dropout equal one device."""
+    wl = api.load("dapple.models.hf:gpt2", layers=3, hidden=32, heads=2, vocab=64, seq=16,
+                  dropout=0.1)  # fmt: skip
+    assert wl.num_layers == 5
+    base = straight_plan(5, [0, 2], global_batch_size=16, num_micro_batches=4)
+    plans = [with_schedule(base, s) for s in ("zbv", "dualpipev")]
+    for p in plans:
+        assert [st.layers for st in p.stages] == [(0, 1), (1, 3), (3, 4), (4, 5)]
+    reports = api.verify_many([(p, wl) for p in plans], 2, device="cpu", optimizer="adamw",
+                              lr=1e-3)  # fmt: skip
+    for plan, rep in zip(plans, reports, strict=True):
+        assert rep.ok, (plan.schedule, rep.max_abs_diff)
+        assert rep.losses == pytest.approx(rep.reference_losses, rel=1e-5)
 
 
 @pytest.mark.slow

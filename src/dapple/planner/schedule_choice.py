@@ -150,9 +150,10 @@ def _best_variant(
 ) -> ScheduleChoice:
     """One column of :func:`best_per_schedule`: the fastest fitting plan of the variant, or
     the last reason a try failed."""
-    label = get_schedule(schedule).label_of(policy, v)
+    spec = get_schedule(schedule)
+    label = spec.label_of(policy, v)
     N = bases[0].num_layers if bases else 0
-    if v > 1 and N % v:
+    if _round_robin(spec, v) and N % v:
         note = (
             f"the {N} layers are not a multiple of v={v} (every device group holds a multiple "
             "of v layers)"
@@ -160,7 +161,7 @@ def _best_variant(
         return ScheduleChoice(label, None, None, note)
     best: tuple[Plan, SimResult] | None = None
     notes: list[str] = []
-    for base in _variant_bases(bases, v):
+    for base in _variant_bases(bases, v) if _round_robin(spec, v) else bases:
         if v > 1 and base.num_groups == 1:
             notes.append("one device group (data parallelism): nothing to interleave")
             continue
@@ -180,6 +181,14 @@ def _best_variant(
         best[0], predicted_step_ms=schedule_latency(best[0], profile, cluster)
     )
     return ScheduleChoice(label, plan, best[1])
+
+
+def _round_robin(spec: ScheduleSpec, v: int) -> bool:
+    """Whether the variant cuts each device group into v > 1 chunks by
+    :func:`~dapple.core.plan.interleave`, which needs a multiple of v layers per group. A
+    schedule with its own cut (the V schedules' :func:`~dapple.schedule.zbv.v_shape`: two
+    chunks of any group of at least two layers) refuses what it cannot cut itself."""
+    return v > 1 and spec.chunks and spec.cut is None
 
 
 def _variant_bases(bases: list[Plan], v: int) -> list[Plan]:
@@ -246,7 +255,7 @@ def refine_cuts(
 
     Each boundary between two device groups moves by one step (v layers for interleaved v, so
     every group keeps a multiple of v; one layer otherwise) either way while both groups keep
-    at least one step of layers; a move is kept when the plan under the same schedule, M,
+    at least v layers (a V schedule's two chunks: two); a move is kept when the plan under the same schedule, M,
     replication and placement simulates faster and fits the memory. Stops when no move
     helps, or after ``max_moves`` kept moves.
     """
@@ -254,12 +263,13 @@ def refine_cuts(
         return choice
     plan, res = choice.plan, choice.result
     v = plan.virtual_stages
+    step = v if _round_robin(get_schedule(plan.schedule), v) else 1
     policy = plan.policy
     base = unchunked(plan)
     for _ in range(max_moves):
         better: tuple[Plan, Plan, SimResult] | None = None
         for g in range(base.num_stages - 1):
-            for d in (-v, v):
+            for d in (-step, step):
                 moved = _moved(base, g, d, v)
                 if moved is None:
                     continue

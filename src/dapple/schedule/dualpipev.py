@@ -33,8 +33,9 @@ uniform chunks with F = I = W and free communication (``6M + P - 1`` units, as Z
 uneven chunks an estimate (the simulator is the reference). Memory: one chunk micro-batch more
 than ZB-V at the peak (section 3.2.1: PP + 1 for DualPipe), replayed by the cost model.
 
-Limits: exactly two chunks per device group, P >= 2, M >= 2P (every rank's phase 4 runs once),
-no per-micro-batch ZeRO-3 re-gather.
+Limits: exactly two chunks per device group, P >= 2 groups of at least two layers each (any
+count, odd ones cut ceil/floor as ZB-V's), M >= 2P (every rank's phase 4 runs once), no
+per-micro-batch ZeRO-3 re-gather.
 """
 
 from __future__ import annotations
@@ -154,6 +155,12 @@ def _step_ms(t: StepTerms) -> float:
     return t.M * work + (t.P - 1) * (chunk_pass + drain) + t.fixed_ms
 
 
+def _v_shape(plan: Plan, v: int) -> Plan:
+    """ZB-V's V (:func:`~dapple.schedule.zbv.v_shape`) under this schedule, refusing in its
+    name."""
+    return v_shape(plan, v, title="DualPipeV", name="dualpipev")
+
+
 def _check_plan(plan: Plan) -> None:
     """Two chunks per device group, at least two groups, M >= 2P.
 
@@ -173,7 +180,7 @@ SCHEDULE = ScheduleSpec(
     chunks=True,
     chunk_count=CHUNKS,
     placement=v_group,
-    cut=v_shape,
+    cut=_v_shape,
     check=_check_plan,
     module=__name__,
 )

@@ -34,8 +34,9 @@ fill and drain pay once (:attr:`~dapple.schedule.spec.StepTerms.fixed_ms`). Exac
 chunks with F = I = W and free communication (``6M + P - 1`` units); with uneven chunks an
 estimate (the simulator is the reference).
 
-Limits: exactly two chunks per device group (S = 2P), at least two device groups, and no
-per-micro-batch ZeRO-3 re-gather (the split backward's W needs what its I gathered).
+Limits: exactly two chunks per device group (S = 2P), at least two device groups of at least
+two layers each (no divisibility: a group of an odd count is cut ceil/floor, :func:`v_shape`),
+and no per-micro-batch ZeRO-3 re-gather (the split backward's W needs what its I gathered).
 """
 
 from __future__ import annotations
@@ -130,17 +131,22 @@ def zbv(P: int, M: int, v: int = CHUNKS) -> ComputeOrder:
     }
 
 
-def v_shape(plan: Plan, v: int = CHUNKS) -> Plan:
-    """``plan`` run as ZB-V: device group g of ``plan`` (its stage g, ``n_g`` layers) keeps its
-    ``n_g`` layers as two chunks, stages g and 2P-1-g of the V.
+def v_shape(plan: Plan, v: int = CHUNKS, *, title: str = "ZB-V", name: str = "zbv") -> Plan:
+    """``plan`` run as a V schedule (ZB-V by default): device group g of ``plan`` (its stage g,
+    ``n_g`` layers) keeps its ``n_g`` layers as two chunks, stages g and 2P-1-g of the V.
 
     The chain is cut in pipeline order: stages 0..P-1 take the first ``ceil(n_g / 2)`` layers
     of groups 0..P-1, stages P..2P-1 the remaining ``floor(n_g / 2)`` of groups P-1..0, so every
-    group keeps its share of the model and its replication.
+    group keeps its share of the model and its replication. What the V needs of the layer
+    counts is that: every group at least two layers (N >= 2P in all); odd counts, per group or
+    in all, are cut unevenly.
 
     Args:
         plan: a plan with one stage per device group (``virtual_stages == 1``).
         v: chunks per group; 2 (1 is taken to mean the default, 2).
+        title: the schedule's name in the refusals (``DualPipeV`` for
+            :mod:`dapple.schedule.dualpipev`, which cuts the same V).
+        name: the schedule the plan is put under.
 
     Raises:
         ValidationError: ``plan`` is already chunked, fewer than two device groups, v other
@@ -148,21 +154,22 @@ def v_shape(plan: Plan, v: int = CHUNKS) -> Plan:
     """
     if v not in (1, CHUNKS):
         raise ValidationError(
-            f"ZB-V holds exactly {CHUNKS} chunks per device group (chunk count = {CHUNKS} x "
+            f"{title} holds exactly {CHUNKS} chunks per device group (chunk count = {CHUNKS} x "
             f"ranks), got v={v}"
         )
     if plan.virtual_stages != 1:
-        raise ValidationError(f"ZB-V: the plan already has virtual_stages={plan.virtual_stages}")
+        raise ValidationError(f"{title}: the plan already has virtual_stages={plan.virtual_stages}")
     P = plan.num_stages
     if P < 2:
         raise ValidationError(
-            f"ZB-V needs at least 2 device groups (a V over ranks), got {P} ({plan.replication})"
+            f"{title} needs at least 2 device groups (a V over ranks), got {P} ({plan.replication})"
         )
     counts = [st.layers[1] - st.layers[0] for st in plan.stages]
     for g, (st, n) in enumerate(zip(plan.stages, counts, strict=True)):
         if n < CHUNKS:
             raise ValidationError(
-                f"ZB-V cuts each device group into {CHUNKS} chunks, but stage {g} (devices "
+                f"{title} cuts each device group into {CHUNKS} chunks (a V over {P} groups: "
+                f"{CHUNKS * P} chunks of at least one layer), but stage {g} (devices "
                 f"{list(st.devices)}) has {n} layer(s) {list(st.layers)}"
             )
     arms = [[(g, (n + 1) // 2) for g, n in enumerate(counts)]]
@@ -172,9 +179,7 @@ def v_shape(plan: Plan, v: int = CHUNKS) -> Plan:
     for g, n in arms[0] + arms[1]:
         stages.append(dataclasses.replace(plan.stages[g], layers=(start, start + n)))
         start += n
-    return dataclasses.replace(
-        plan, stages=tuple(stages), schedule=SCHEDULE.name, virtual_stages=CHUNKS
-    )
+    return dataclasses.replace(plan, stages=tuple(stages), schedule=name, virtual_stages=CHUNKS)
 
 
 def _step_ms(t: StepTerms) -> float:
