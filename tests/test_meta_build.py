@@ -116,7 +116,7 @@ def test_a_model_that_makes_cpu_tensors_traces_without_weights(
     def batch(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
         return torch.randn(n, 4, generator=torch.Generator().manual_seed(seed)), torch.zeros(n, 4)
 
-    with caplog.at_level(logging.WARNING, logger="dapple.models.split"):
+    with caplog.at_level(logging.WARNING, logger="dapple.models.split_pieces"):
         w = workload_from_module(FixedDevice, batch, lambda o, t: (o - t).square().mean())
     assert "traced with real weights" not in caplog.text
     x, _ = batch(3, 0)

@@ -20,6 +20,7 @@ from dapple import api
 from dapple.cli import main
 from dapple.core.plan import straight_plan
 from dapple.models import split as split_mod
+from dapple.models import split_pieces
 from dapple.models.shapes import DynamicDim
 from dapple.models.split import original_model
 from dapple.models.split_graph import SplitModel
@@ -98,8 +99,8 @@ def test_a_model_whose_tensors_cannot_be_faked_is_traced_with_real_weights(
     def refuse(*args: object, **kwargs: object) -> None:
         raise RuntimeError("no fake for this tensor subclass")
 
-    monkeypatch.setattr(split_mod, "fake_copy", refuse)
-    with caplog.at_level(logging.WARNING, logger="dapple.models.split"):
+    monkeypatch.setattr(split_pieces, "fake_copy", refuse)
+    with caplog.at_level(logging.WARNING, logger="dapple.models.split_pieces"):
         wl = em.varlen_lm()
     assert "could not be traced without its weights (cannot make fake tensors" in caplog.text
     assert "traced with real weights" in caplog.text

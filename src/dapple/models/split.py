@@ -17,8 +17,9 @@ Design choices:
       its own input tensors (``aten.sym_size``). Tensors that do not depend on the inputs
       (tables built from buffers) are recomputed by every piece that uses them. Every tensor
       crossing a cut has the batch in dimension 0, or the cut is rejected.
-    - Tracing and cutting live in :mod:`dapple.models.split_graph`; this module turns the pieces
-      into a :class:`~dapple.models.workload.Workload` with per-seed weights.
+    - Tracing and cutting live in :mod:`dapple.models.split_graph`, building the pieces with
+      per-seed or pretrained weights in :mod:`dapple.models.split_pieces`; this module turns
+      them into a :class:`~dapple.models.workload.Workload`.
     - A parameter reached from two pieces (tied weights such as GPT-2's ``wte``/``lm_head``) is
       copied into each; :func:`find_tied_parameters` records the groups so the runtime can sum
       their gradients with :mod:`dapple.models.tied` (re-exported here).
@@ -34,25 +35,14 @@ Limitations (all from tracing once, ahead of time):
     - Ops of a parent module that run between two cut modules belong to the piece before
       the cut; data-dependent Python control flow cannot be exported (a ValidationError).
     - Every process traces the model once and keeps the initial weights of the whole model
-      for its two most recent seeds.
-
-Piece ``i``'s factory builds the whole model under the run's base seed (recovered from the
-per-layer seed :meth:`dapple.models.workload.Workload.build_layer` sets) and returns a copy of piece
-``i`` holding that model's weights, so ``build_stage(i, j, seed)`` equals the layers ``[i, j)``
-of ``build_model(seed)`` and tied copies start equal.
+      for its two most recent seeds (:mod:`dapple.models.split_pieces`).
 """
 
 from __future__ import annotations
 
-import contextlib
-import copy
 import dataclasses
-import functools
-import inspect
 import logging
-from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextvars import ContextVar
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -60,30 +50,20 @@ import torch
 from torch import fx, nn
 
 from dapple.errors import ValidationError
-from dapple.models.materialize import build_meta, init_parameters, materialize
-from dapple.models.shapes import (
-    DimsArg,
-    DynamicDim,
-    check_dims_exist,
-    find_dynamic_dims,
-    merge_dims,
-    resolve_dims,
-)
+from dapple.models.shapes import DimsArg, DynamicDim, check_dims_exist, resolve_dims
 from dapple.models.split_graph import (
-    EXAMPLE_BATCH,
     SplitModel,
     default_cut_names,
     executed_module_names,
     parse_split_at,
 )
+from dapple.models.split_pieces import PieceFactory, Splitter, declaring_dims, flat_inputs
 from dapple.models.tied import find_tied_parameters, sum_tied_grads_local, sync_tied_grads
-from dapple.models.trace import fake_copy
 from dapple.models.weights import WeightFiles
 from dapple.models.workload import Workload, layer_seed
 
 __all__ = [
     "SplitModel",
-    "declaring_dims",
     "default_cut_names",
     "executed_module_names",
     "find_tied_parameters",
@@ -103,188 +83,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-_SEED_MOD = 2**63 - 1
-
-_DECLARED: ContextVar[DimsArg | None] = ContextVar("dapple_declared_dims", default=None)
-"""Dimensions declared by the caller of a model factory (:func:`declaring_dims`)."""
-
-
-@contextlib.contextmanager
-def declaring_dims(dynamic_dims: DimsArg | None) -> Iterator[None]:
-    """Within the block, :func:`workload_from_module` traces with ``dynamic_dims`` on top of
-    the ones its caller passes: a model factory that traces its model takes a user's
-    declaration (``--dynamic-dims``) without a parameter of its own for it."""
-    token = _DECLARED.set(dynamic_dims)
-    try:
-        yield
-    finally:
-        _DECLARED.reset(token)
-
-
-def _base_seed_of_current_rng(index: int) -> int:
-    """The run seed's layer-0 seed, recovered inside ``Workload.build_layer(index, seed)``.
-
-    ``layer_seed(seed, i) = layer_seed(seed, 0) + layer_seed(0, i) (mod 2**63 - 1)``, so every
-    piece of one run maps to the same base seed and builds the same whole model.
-    """
-    return (torch.initial_seed() - layer_seed(0, index)) % _SEED_MOD
-
-
-class _PieceFactory:
-    """Zero-argument factory of piece ``index`` (see the module docstring)."""
-
-    def __init__(self, owner: _Splitter, index: int) -> None:
-        self.owner = owner
-        self.index = index
-
-    def __call__(self) -> nn.Module:
-        return self.owner.piece(self.index, _base_seed_of_current_rng(self.index))
-
-
-class _Splitter:
-    """Per-process cache: the traced templates and the weightless models of recent base seeds."""
-
-    def __init__(
-        self,
-        model_factory: Callable[[], nn.Module],
-        make_batch: Callable[[int, int], tuple[Any, torch.Tensor]],
-        split_at: Sequence[str] | None,
-        dynamic_dims: DimsArg | None = None,
-    ) -> None:
-        self.model_factory = model_factory
-        self.make_batch = make_batch
-        self.split_at = split_at
-        self.weights: WeightFiles | None = None
-        self.weight_keys: dict[str, str] = {}
-        self.models: OrderedDict[int, nn.Module] = OrderedDict()
-        base = layer_seed(0, 0)
-        model = self.model(base)
-        self.model_name = type(model).__name__
-        inputs, _ = make_batch(EXAMPLE_BATCH, 0)
-        names = [
-            p.name
-            for p in inspect.signature(model.forward).parameters.values()
-            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-        ]
-        self.input_names = names
-        declared = resolve_dims(dynamic_dims, names)
-        for i, ds in resolve_dims(_DECLARED.get(), names).items():
-            declared.setdefault(i, {}).update(ds)
-        check_dims_exist(declared, _flat_inputs(inputs))
-        self.declared_dims = declared
-        """The declaration by input position (the caller's and :func:`declaring_dims`')."""
-        dims = merge_dims(declared, find_dynamic_dims(make_batch, EXAMPLE_BATCH, 0))
-        self.static_dims: dict[int, dict[int, DynamicDim | None]] = {
-            i: {d: None for d, v in ds.items() if v is None} for i, ds in declared.items()
-        }
-        """Dimensions declared static (the runtime does not take them for dynamic ones)."""
-        try:  # trace a copy whose tensors are fake CPU tensors: no weights anywhere
-            self.split = SplitModel(*_fake_trace_args(model, inputs), split_at, dims)
-        except ValidationError as fake_error:
-            try:  # tensors fake_copy cannot fake (a tensor subclass): the real model
-                self.split = SplitModel(self.whole(base), inputs, split_at, dims)
-            except ValidationError:
-                raise fake_error from None
-            log.warning(
-                "%s could not be traced without its weights (%s); traced with real weights",
-                self.model_name,
-                fake_error,
-            )
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        """Pickle the recipe, not the graphs: a spawned worker traces the model again."""
-        if self.weights is None:
-            return (
-                _Splitter,
-                (self.model_factory, self.make_batch, self.split_at, self.declared_dims),
-            )
-        recipe = (self.model_factory, self.make_batch, self.split_at, self.declared_dims)
-        return (_splitter_with_weights, (recipe, self.weights))
-
-    def with_weights(self, weights: WeightFiles) -> _Splitter:
-        """A splitter sharing these templates whose pieces take their parameters from
-        ``weights`` (checked against the model here, before any compute)."""
-        keys = weights.check(self.model(layer_seed(0, 0)))
-        out = copy.copy(self)
-        out.weights, out.weight_keys, out.models = weights, keys, OrderedDict()
-        return out
-
-    def piece_keys(self, index: int) -> set[str]:
-        """The names in the weight files of the tensors piece ``index`` reads (:meth:`values`
-        of its parameters' names; empty without weights)."""
-        names = self.split.pieces[index].named_parameters(remove_duplicate=False)
-        return {self.weight_keys[n] for n, _ in names} if self.weights is not None else set()
-
-    def values(self, model: nn.Module, names: list[str], base: int) -> dict[str, torch.Tensor]:
-        """Initial values of the named parameters: from the weights, or initialised."""
-        if self.weights is None:
-            return init_parameters(model, names, base)
-        out = {}
-        for name in names:
-            like = model.get_parameter(name)
-            t = self.weights.get(self.weight_keys[name])
-            out[name] = t.to(dtype=like.dtype, copy=True)
-        return out
-
-    def model(self, base: int) -> nn.Module:
-        """The model built under ``base`` with its re-initialisable parameters on ``meta``."""
-        if base in self.models:
-            self.models.move_to_end(base)
-            return self.models[base]
-        self.models[base] = model = build_meta(self.model_factory, base)
-        while len(self.models) > 2:
-            self.models.popitem(last=False)
-        return model
-
-    def piece(self, index: int, base: int) -> nn.Module:
-        """Piece ``index`` with the initial weights of the model of ``base``; only its own
-        parameters are made real."""
-        model = self.model(base)
-        piece = copy.deepcopy(self.split.pieces[index])
-        names = [n for n, _ in piece.named_parameters(remove_duplicate=False)]
-        values = self.values(model, names, base)
-        buffers = dict(model.named_buffers(remove_duplicate=False))
-        with torch.no_grad():
-            for name in names:
-                owner, _, leaf = name.rpartition(".")
-                mod = piece.get_submodule(owner)
-                old = mod._parameters[leaf]
-                assert old is not None
-                mod._parameters[leaf] = nn.Parameter(values[name], old.requires_grad)
-            for name, t in piece.named_buffers(remove_duplicate=False):
-                owner, _, leaf = name.rpartition(".")
-                if name in buffers:
-                    piece.get_submodule(owner)._buffers[leaf] = buffers[name].clone()
-                elif t.is_meta:
-                    raise ValidationError(f"piece {index} needs tensor {name!r} the model lacks")
-        return piece
-
-    def whole(self, base: int) -> nn.Module:
-        """The unsplit model of ``base`` with every parameter real (a reference)."""
-        model = build_meta(self.model_factory, base)
-        return materialize(model, base, values=functools.partial(self.values, model, base=base))
-
-
-def _splitter_with_weights(recipe: tuple[Any, ...], weights: WeightFiles) -> _Splitter:
-    """Unpickling hook of a :class:`_Splitter` with pretrained weights."""
-    return _Splitter(*recipe).with_weights(weights)
-
-
-def _fake_trace_args(model: nn.Module, inputs: Any) -> tuple[nn.Module, Any]:
-    """A copy of ``model`` and ``inputs`` (a tensor or a tuple) as fake CPU tensors
-    (:func:`dapple.models.trace.fake_copy`).
-
-    Raises:
-        ValidationError: A tensor cannot be made fake (a tensor subclass torch cannot fake).
-    """
-    try:
-        fake_model, fake_inputs = fake_copy(
-            copy.deepcopy(model), inputs if isinstance(inputs, tuple) else (inputs,)
-        )
-    except Exception as e:  # torch raises many types; the caller falls back to real weights
-        raise ValidationError(f"cannot make fake tensors of it: {type(e).__name__}: {e}") from e
-    return fake_model, fake_inputs if isinstance(inputs, tuple) else fake_inputs[0]
 
 
 def split_module(
@@ -338,14 +136,14 @@ def workload_from_module(
     """
     if isinstance(split_at, str):
         split_at = parse_split_at(split_at)
-    splitter = _Splitter(
+    splitter = Splitter(
         model_factory, make_batch, list(split_at) if split_at else None, dynamic_dims
     )
     split = splitter.split
     log.debug("split %s into %d pieces: %s", splitter.model_name, len(split.names), split.names)
     return Workload(
         name=name or splitter.model_name,
-        layer_factories=[_PieceFactory(splitter, i) for i in range(len(split.pieces))],
+        layer_factories=[PieceFactory(splitter, i) for i in range(len(split.pieces))],
         make_batch=make_batch,
         loss_fn=loss_fn,
         layer_names=tuple(split.names),
@@ -366,9 +164,9 @@ def _with_static(
     return out
 
 
-def _splitter_of(workload: Workload) -> _Splitter:
+def _splitter_of(workload: Workload) -> Splitter:
     factory = workload.layer_factories[0] if workload.num_layers else None
-    if not isinstance(factory, _PieceFactory):
+    if not isinstance(factory, PieceFactory):
         raise ValidationError(f"workload {workload.name!r} was not made by workload_from_module")
     return factory.owner
 
@@ -387,7 +185,7 @@ def with_dynamic_dims(workload: Workload, dynamic_dims: DimsArg) -> Workload:
             dimension dynamic (see :func:`workload_from_module`).
     """
     factory = workload.layer_factories[0] if workload.num_layers else None
-    if isinstance(factory, _PieceFactory):
+    if isinstance(factory, PieceFactory):
         old = factory.owner
         names = old.input_names
         merged: dict[int | str, dict[int, DynamicDim | None]] = {
@@ -406,10 +204,10 @@ def with_dynamic_dims(workload: Workload, dynamic_dims: DimsArg) -> Workload:
             )
         if old.weights is not None:
             owner = _splitter_of(traced).with_weights(old.weights)
-            factories = [_PieceFactory(owner, i) for i in range(traced.num_layers)]
+            factories = [PieceFactory(owner, i) for i in range(traced.num_layers)]
             traced = dataclasses.replace(traced, layer_factories=factories)
         return dataclasses.replace(workload, **_traced_fields(traced))
-    inputs = _flat_inputs(workload.make_batch(1, 0)[0])
+    inputs = flat_inputs(workload.make_batch(1, 0)[0])
     count, names = len(inputs), [str(i) for i in range(len(inputs))]
     for key in dynamic_dims:
         if isinstance(key, str) and not key.isdigit():
@@ -427,14 +225,14 @@ def with_dynamic_dims(workload: Workload, dynamic_dims: DimsArg) -> Workload:
 
 def is_traced(workload: Workload) -> bool:
     """Whether ``workload`` was made by :func:`workload_from_module`."""
-    return bool(workload.num_layers) and isinstance(workload.layer_factories[0], _PieceFactory)
+    return bool(workload.num_layers) and isinstance(workload.layer_factories[0], PieceFactory)
 
 
 def piece_template(workload: Workload, index: int) -> nn.Module | None:
     """Layer ``index`` of a traced ``workload`` as traced: its parameters on ``meta`` (names,
     shapes and dtypes of the built layer, no memory); None for a workload not traced."""
     factory = workload.layer_factories[index]
-    if not isinstance(factory, _PieceFactory):
+    if not isinstance(factory, PieceFactory):
         return None
     return factory.owner.split.pieces[factory.index]
 
@@ -446,10 +244,6 @@ def _traced_fields(traced: Workload) -> dict[str, Any]:
         "tied_parameters": traced.tied_parameters,
         "dynamic_dims": traced.dynamic_dims,
     }
-
-
-def _flat_inputs(inputs: Any) -> tuple[Any, ...]:
-    return tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
 
 
 def model_factory_of(workload: Workload) -> Callable[[], nn.Module]:
@@ -476,7 +270,7 @@ def with_weights(workload: Workload, path: str | Path) -> Workload:
         ValidationError: Not a split workload; a missing tensor, shape or dtype mismatch.
     """
     factory = workload.layer_factories[0] if workload.num_layers else None
-    if not isinstance(factory, _PieceFactory):
+    if not isinstance(factory, PieceFactory):
         raise ValidationError(
             "pretrained weights load into a model split from one nn.Module (hf:DIR, or a "
             "package.module:factory or file.py:factory that returns an nn.Module); "
@@ -486,7 +280,7 @@ def with_weights(workload: Workload, path: str | Path) -> Workload:
     owner = _splitter_of(workload).with_weights(WeightFiles(path))
     return dataclasses.replace(
         workload,
-        layer_factories=[_PieceFactory(owner, i) for i in range(workload.num_layers)],
+        layer_factories=[PieceFactory(owner, i) for i in range(workload.num_layers)],
     )
 
 
@@ -497,7 +291,7 @@ def loaded_tensors(workload: Workload, first: int, end: int) -> tuple[Path, int]
     keys: set[str] = set()
     source: Path | None = None
     for f in workload.layer_factories[first:end]:
-        if not isinstance(f, _PieceFactory) or f.owner.weights is None:
+        if not isinstance(f, PieceFactory) or f.owner.weights is None:
             return None
         keys |= f.owner.piece_keys(f.index)
         source = f.owner.weights.path

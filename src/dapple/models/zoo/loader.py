@@ -180,7 +180,7 @@ def load_workload(
     weights into a model traced from an ``nn.Module`` (:func:`dapple.models.split.with_weights`);
     ``dynamic_dims=`` declares input dimensions dynamic or static on top of the model's own:
     a model traced from an ``nn.Module`` is traced with them
-    (:func:`dapple.models.split.declaring_dims`), a layer chain records them.
+    (:func:`dapple.models.split_pieces.declaring_dims`), a layer chain records them.
 
     Args:
         spec: what to load.
@@ -193,7 +193,8 @@ def load_workload(
     """
     weights = overrides.pop("weights", None)
     dims = overrides.pop("dynamic_dims", None)
-    from dapple.models.split import declaring_dims, is_traced, with_dynamic_dims
+    from dapple.models.split import is_traced, with_dynamic_dims
+    from dapple.models.split_pieces import declaring_dims
 
     with declaring_dims(dims):  # a factory that traces its model traces with them
         wl = _load(spec, input_shape, overrides)
