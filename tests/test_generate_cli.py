@@ -139,13 +139,13 @@ def test_errors_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     _checkpoint(wl, tmp_path / "ckpt")
     ok = ["generate", "--checkpoint-dir", str(tmp_path / "ckpt"), *ZOO_ARGS]
     cases = {
-        "no complete checkpoint under": ["generate", "--checkpoint-dir", str(tmp_path / "no"),
+        "no such directory": ["generate", "--checkpoint-dir", str(tmp_path / "no"),
                                          *ZOO_ARGS, "--prompt", "x"],
         "give the weights to generate with": ["generate", *ZOO_ARGS, "--prompt", "x"],
         "the prompt is empty": [*ok, "--prompt", ""],
         "--max-new-tokens must be an integer from 1 to 65536, got -1": [
             *ok, "--prompt", "x", "--max-new-tokens", "-1"],
-        "temperature must be >= 0": [*ok, "--prompt", "x", "--temperature", "-1"],
+        "temperature must be finite and >= 0": [*ok, "--prompt", "x", "--temperature", "-1"],
         "tokenizer directory": [*ok, "--prompt", "x", "--tokenizer", str(tmp_path / "none")],
     }  # fmt: skip
     for message, argv in cases.items():

@@ -40,6 +40,7 @@ __all__ = [
     "plan_inputs",
     "plan_with",
     "run_inputs",
+    "with_profile_set",
 ]
 
 WorkloadLike = Workload | str
@@ -125,10 +126,9 @@ def plan_inputs(
         raise ValidationError(
             f"a plan needs a profile and a cluster, got profile={profile!r} and cluster={cluster!r}"
         )
-    prof = as_profile(profile)
+    prof, cl = with_profile_set(profile, as_cluster(cluster, cfg.servers))
     if cfg.seq_len is not None:
         prof = profile_for_lengths(prof, cfg.seq_len, cfg.max_seq_len)
-    cl = as_cluster(cluster, cfg.servers)
     if cli and cfg.global_batch_size is None and _paper_batch(profile) is None:
         raise ValidationError("--global-batch-size is required for a profile file")
     return PlanInputs(prof, cl, global_batch_of(profile, cfg.global_batch_size))
@@ -165,6 +165,26 @@ def as_profile(profile: ModelProfile | str | Path) -> ModelProfile:
     from dapple.profiler.paper_models import load_profile
 
     return profile if isinstance(profile, ModelProfile) else load_profile(profile)
+
+
+def with_profile_set(
+    profile: ModelProfile | str | Path, cluster: Cluster
+) -> tuple[ModelProfile, Cluster]:
+    """``profile`` loaded (:func:`as_profile`), and ``cluster``; for a profile set
+    ``KIND=FILE,...`` (:func:`~dapple.core.kind_profiles.parse_profile_set`) its first
+    profile, and ``cluster`` with each kind's own
+    (:func:`~dapple.core.kind_profiles.with_kind_profiles`).
+
+    Raises:
+        ValidationError: a bad spec or file, or profiles that do not fit the cluster's kinds.
+    """
+    from dapple.core.kind_profiles import parse_profile_set, with_kind_profiles
+
+    kinds = parse_profile_set(profile) if isinstance(profile, str) else None
+    if kinds is None:
+        return as_profile(profile), cluster
+    loaded = {k: as_profile(v) for k, v in kinds.items()}
+    return next(iter(loaded.values())), with_kind_profiles(cluster, loaded)
 
 
 def as_cluster(cluster: Cluster | str, servers: int | None = None) -> Cluster:

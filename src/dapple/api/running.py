@@ -295,14 +295,14 @@ def generate(
     """
     from dapple.models.generate import check_request, generate_text, tokenizer_for
     from dapple.runtime.checkpoint import check_compatible, restore_stage
-    from dapple.runtime.export import newest_checkpoint
+    from dapple.runtime.export import newest_checkpoint, no_checkpoint_reason
 
     wl = as_workload(workload, overrides)
     tok = tokenizer_for(wl, tokenizer)
     check_request(tok, prompt, max_new_tokens, temperature)  # before the model is built
     ckpt = None if checkpoint is None else newest_checkpoint(checkpoint)
     if checkpoint is not None and ckpt is None:
-        raise ValidationError(f"no complete checkpoint under {str(checkpoint)!r}")
+        raise ValidationError(no_checkpoint_reason(checkpoint))
     from dapple.profiler.host_fit import check_training_memory
 
     check_training_memory(wl, 0.0, what="generating with")  # the whole model, once

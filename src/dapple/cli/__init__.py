@@ -17,7 +17,7 @@ from dapple.core.host_memory import keep_freed_memory
 from dapple.core.parent_death import end_with_parent
 from dapple.errors import DappleError
 
-__all__ = ["build_parser", "main"]
+__all__ = ["LogLines", "build_parser", "main"]
 
 # Each module defines ``register(sub: argparse._SubParsersAction) -> None`` and sets
 # ``func=callable(args) -> int`` on its parser.
@@ -52,6 +52,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class LogLines(logging.Formatter):
+    """The command line's log lines: a warning reads as the commands' own (``dapple: warning:
+    ...``, one line); other records name their level and logger (``--verbose``)."""
+
+    def __init__(self) -> None:
+        super().__init__("%(levelname)s %(name)s: %(message)s")
+
+    def format(self, record: logging.LogRecord) -> str:
+        if record.levelno == logging.WARNING:
+            return f"dapple: warning: {record.getMessage()}"
+        return super().format(record)
+
+
 def end_with_torchrun_agent() -> None:
     """Under ``torchrun`` (its ``TORCHELASTIC_RUN_ID`` set): end when the elastic agent that
     started this process ends, however it ends - a SIGKILLed ``torchrun`` leaves no rank
@@ -64,10 +77,9 @@ def main(argv: list[str] | None = None) -> int:
     end_with_torchrun_agent()
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.WARNING,
-        format="%(levelname)s %(name)s: %(message)s",
-    )
+    lines = logging.StreamHandler()
+    lines.setFormatter(LogLines())
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, handlers=[lines])
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

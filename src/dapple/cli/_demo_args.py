@@ -44,7 +44,7 @@ def check_demo_args(args: argparse.Namespace) -> Path:
             raise ValidationError(f"{flag} must be >= 1, got {value}")
     if not (math.isfinite(args.corpus_mib) and args.corpus_mib > 0):
         raise ValidationError(f"--corpus-mib must be a number > 0, got {args.corpus_mib}")
-    corpus = int(args.corpus_mib * 2**20)  # bytes at most, one token each
+    corpus = _corpus_bytes(args.corpus_mib)  # bytes at most, one token each
     need = args.global_batch_size * args.seq_len + 1
     if need > corpus:  # not one global batch of training samples: refused, never wrongly
         raise ValidationError(
@@ -58,6 +58,25 @@ def check_demo_args(args: argparse.Namespace) -> Path:
     refuse_foreign(out / "checkpoints", "give the demo another --out-dir")  # it starts over there
     _refuse_a_users_dir(out)
     return out
+
+
+def _corpus_bytes(mib: float) -> int:
+    """The bytes of ``--corpus-mib`` ``mib``, at most what the standard library's sources hold.
+
+    Raises:
+        ValidationError: ``mib`` above what they hold (the demo would take less, unsaid).
+    """
+    from dapple.cli._demo_corpus import stdlib_files
+
+    root, files = stdlib_files()
+    held = sum(p.stat().st_size for p in files)
+    if mib * 2**20 > held:
+        raise ValidationError(
+            f"--corpus-mib {mib:g} is more than this machine's Python standard library sources "
+            f"hold: {held / 2**20:.2f} MiB in {len(files)} files under {root}; give at most "
+            f"{math.floor(held / 2**20 * 100) / 100:g}"
+        )
+    return int(mib * 2**20)
 
 
 def _refuse_a_users_dir(out: Path) -> None:

@@ -16,7 +16,13 @@ import numpy as np
 
 from dapple.errors import ValidationError
 
-__all__ = ["nats_to_bits", "stdlib_sources", "unigram_entropy"]
+__all__ = ["nats_to_bits", "stdlib_files", "stdlib_sources", "unigram_entropy"]
+
+
+def stdlib_files() -> tuple[Path, list[Path]]:
+    """The standard library's directory and its top-level ``.py`` files in name order."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    return root, sorted(p for p in root.glob("*.py") if p.is_file())
 
 
 def stdlib_sources(limit_bytes: int) -> list[Path]:
@@ -25,8 +31,7 @@ def stdlib_sources(limit_bytes: int) -> list[Path]:
     Raises:
         ValidationError: the standard library's sources are not on this machine.
     """
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(p for p in root.glob("*.py") if p.is_file())
+    root, files = stdlib_files()
     picked: list[Path] = []
     total = 0
     for p in files:

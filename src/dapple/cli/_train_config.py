@@ -11,10 +11,18 @@ the flags. Torch-free at import time.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from typing import TYPE_CHECKING, Any
 
-from dapple.cli._config_args import Flag, given_values, missing_required, one, parsed_values
+from dapple.cli._config_args import (
+    Flag,
+    given,
+    given_values,
+    missing_required,
+    one,
+    parsed_values,
+)
 from dapple.cli._optim_args import zero_stage_flag
 from dapple.errors import ValidationError
 
@@ -28,6 +36,7 @@ __all__ = [
     "TRAIN_SECTIONS_HELP",
     "required_inputs",
     "run_config_of",
+    "saves_at_the_end_only",
     "verify_config_of",
 ]
 
@@ -145,30 +154,60 @@ def run_config_of(args: argparse.Namespace) -> RunConfig:
         ValidationError: a bad file (:func:`~dapple.runtime.run_config.load_run_config`) or a
             bad value.
     """
-    from dapple.core.config_file import build
+    from dapple.core.config_file import build, read_toml
     from dapple.runtime.run_config import RunConfig, load_run_config
 
     over = given_values(args, TRAIN_FLAGS)
+    file = {} if args.config is None else read_toml(args.config)
+    _check_flags_apply(file, over)  # before the config's own checks, which name no flag
     if args.config is not None:
         cfg = load_run_config(args.config, over=over)
     else:
         cfg = build(RunConfig, over)
-    _check_flags_apply(cfg, over)
+    if saves_at_the_end_only(args, cfg):
+        cfg = dataclasses.replace(
+            cfg, train=dataclasses.replace(cfg.train, save_every=cfg.train.steps)
+        )
     return cfg
 
 
-def _check_flags_apply(cfg: RunConfig, over: dict[tuple[str, str], Any]) -> None:
+def saves_at_the_end_only(args: argparse.Namespace, cfg: RunConfig) -> bool:
+    """``cfg`` saves checkpoints (``--checkpoint-dir`` or ``[checkpoint] checkpoint_dir``) and
+    neither the command line nor the ``--config`` file says how often (``--save-every``,
+    ``[checkpoint] save_every``): such a run saves once, after its last step."""
+    from dapple.core.config_file import read_toml
+
+    if cfg.train.checkpoint_dir is None or "save_every" in given(args):
+        return False
+    if args.config is None:
+        return True
+    section = read_toml(args.config).get("checkpoint", {})
+    return not (isinstance(section, dict) and "save_every" in section)
+
+
+def _from(file: dict[str, Any], over: dict[tuple[str, str], Any], section: str, f: Any) -> Any:
+    """Field ``f`` as the command line (``over``) or else the file's ``section`` sets it."""
+    if f in over:
+        return over[f]
+    table = file.get(section)
+    return table.get(f[1]) if isinstance(table, dict) else None
+
+
+def _check_flags_apply(file: dict[str, Any], over: dict[tuple[str, str], Any]) -> None:
     """The flags of :data:`_ELASTIC_ONLY` and :data:`_CHECKPOINT_ONLY` the command line gave
     apply to this run: an elastic one (``--elastic`` or ``[elastic] elastic = true``), one that
-    saves checkpoints (``--checkpoint-dir`` or ``[checkpoint] checkpoint_dir``).
+    saves checkpoints (``--checkpoint-dir`` or ``[checkpoint] checkpoint_dir``); ``file``: the
+    ``--config`` file's tables (empty without one).
 
     Raises:
         ValidationError: the first one given to a run it does not apply to, with its value.
     """
+    elastic = _from(file, over, "elastic", ("run", "elastic")) is True
+    saves = _from(file, over, "checkpoint", ("train", "checkpoint_dir")) is not None
     rules = (
-        (_ELASTIC_ONLY, cfg.run.elastic,
+        (_ELASTIC_ONLY, elastic,
          "applies to elastic runs only (re-planning when a device is lost): add --elastic"),
-        (_CHECKPOINT_ONLY, cfg.train.checkpoint_dir is not None,
+        (_CHECKPOINT_ONLY, saves,
          "applies to checkpoints only, and this run saves none: add --checkpoint-dir DIR"),
     )  # fmt: skip
     for flags, applies, why in rules:

@@ -24,6 +24,7 @@ from dapple.cli._plan_show import (
     speedup_text,
     zero_line,
 )
+from dapple.cli._profile_arg import add_profile_argument
 from dapple.cli._run_args import add_virtual_stages_argument
 from dapple.core.cluster import Cluster, describe_presets
 from dapple.core.output_path import check_output_file
@@ -56,9 +57,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         description="Plan a profiled model on a cluster and print the stages, pivot stage Q, "
         "predicted step time L and speed-up over data parallelism.",
     )
-    p.add_argument(
-        "--profile", required=True, help="model profile JSON, or a paper profile: paper:bert48"
-    )
+    add_profile_argument(p)
     p.add_argument(
         "--cluster", required=True, help=f"a JSON/TOML file or a preset: {describe_presets()}"
     )

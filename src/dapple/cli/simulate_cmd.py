@@ -17,6 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 from dapple.cli._console import console, print_table
+from dapple.cli._profile_arg import add_profile_argument
 from dapple.cli._renamed import renamed
 from dapple.cli._run_args import add_virtual_stages_argument
 from dapple.core.cluster import Cluster, describe_presets
@@ -35,9 +36,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         help="simulate one training step of a plan; Gantt chart, Chrome trace, memory plot",
     )
     p.add_argument("--plan", required=True, help="plan JSON (from `dapple plan`)")
-    p.add_argument(
-        "--profile", required=True, help="model profile JSON, or a paper profile: paper:bert48"
-    )
+    add_profile_argument(p)
     p.add_argument(
         "--cluster", required=True, help=f"a JSON/TOML file or a preset: {describe_presets()}"
     )
@@ -152,17 +151,17 @@ def _simulated(cfg: SimulateConfig) -> tuple[Plan, Cluster, list[Run]]:
     """``cfg``'s plan (under its schedule and policy), its cluster, and the simulated runs: the
     plan's, and with ``other_schedule`` the other schedule's (baseline first)."""
     from dapple.api import simulate
+    from dapple.api._inputs import with_profile_set
     from dapple.core.cluster import load_cluster
-    from dapple.profiler.paper_models import load_profile
     from dapple.simulate.schedules import baseline_first, compared_plan, with_schedule
 
     plan = Plan.load(cfg.plan)
-    profile = load_profile(cfg.profile)
+    profile, kinds = with_profile_set(cfg.profile, load_cluster(cfg.cluster, cfg.servers))
     plan.check_fingerprint(profile.model_fingerprint, f"--profile {cfg.profile!r}")
     doubt = plan.profile_doubt(profile.model_name, profile.model_fingerprint)
     if doubt is not None:
         print(f"dapple: warning: --profile {cfg.profile!r}: {doubt}", file=sys.stderr)
-    cluster = load_cluster(cfg.cluster, cfg.servers)
+    cluster = kinds  # with each kind's own profile, for a profile set
     if cfg.policy:
         plan = dataclasses.replace(plan, policy=cast(Any, cfg.policy))
     check_virtual_stages(cfg.virtual_stages, cfg.schedule, cli=True)

@@ -25,7 +25,13 @@ from dapple.cli._console import plain_doc
 from dapple.cli._data_args import add_eval_data_argument
 from dapple.cli._precision import note_profile_precision
 from dapple.cli._run_args import add_run_arguments
-from dapple.cli._train_config import FILE_GIVES, TRAIN_SECTIONS_HELP, required_inputs, run_config_of
+from dapple.cli._train_config import (
+    FILE_GIVES,
+    TRAIN_SECTIONS_HELP,
+    required_inputs,
+    run_config_of,
+    saves_at_the_end_only,
+)
 from dapple.cli._train_show import add_show_arguments, loss_curve_path, print_summary
 from dapple.core.cluster import describe_presets
 from dapple.core.output_path import check_output_dir, check_output_file, check_picture_file
@@ -75,12 +81,19 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 def _register_long_run(p: argparse.ArgumentParser) -> None:
     """Checkpoint / resume / non-finite flags."""
     g = p.add_argument_group("long runs")
-    g.add_argument("--checkpoint-dir", default=None, help="save checkpoints here (per layer)")
+    g.add_argument(
+        "--checkpoint-dir",
+        default=None,
+        help="save checkpoints here (per layer): after the run's last step, and every "
+        "--save-every N steps when given",
+    )
     g.add_argument(
         "--save-every",
         type=int,
         default=0,
-        help="save every N steps and at the run's last step (0: never)",
+        metavar="N",
+        help="save every N steps and at the run's last step (not given: at the last step "
+        "only; 0: never)",
     )
     g.add_argument(
         "--keep",
@@ -386,6 +399,11 @@ def run(args: argparse.Namespace) -> int:
 
         print(dump_run_config(cfg), end="")
         return 0
+    if saves_at_the_end_only(args, cfg):
+        _phase(
+            f"checkpoints: one, after the last step (step {cfg.train.steps}), in "
+            f"{cfg.train.checkpoint_dir} (--save-every N also saves every N steps)"
+        )
     return run_config(cfg)
 
 

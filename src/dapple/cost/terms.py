@@ -3,7 +3,8 @@
 Two assemblies, each the only one of its kind:
 
 * :func:`stage_terms` - every term of a :class:`~dapple.core.plan.Plan`. Per computation stage:
-  F, B and the split backward's I, W of each replica's slice (:mod:`dapple.cost.compute`), the
+  F, B and the split backward's I, W of each replica's slice (:mod:`dapple.cost.compute`; from
+  its device kind's own profile where it has one, :mod:`dapple.core.kind_profiles`), the
   host CPU extras of each replica (:mod:`dapple.cost.host`), AR(P_s, g_s), the synchronisation
   under the stage's zero stage and the optimizer update U_s (:mod:`dapple.cost.comm`). Per stage
   boundary: the comm stage (split-concat over the busiest link) and every slice transfer.
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from dapple.core.cluster import Cluster
+from dapple.core.kind_profiles import profile_of
 from dapple.core.plan import Plan, StagePlan, transfers
 from dapple.core.profile import ModelProfile
 from dapple.core.tensor_layout import check_tensor_groups
@@ -329,23 +331,29 @@ def _stage_terms(
     pbytes = sum(layer.parameter_bytes for layer in profile.layers[s0:e0])
     grad_bytes = float(pbytes) if t == 1 else sharded_parameter_bytes(profile, st.layers, t)
     check_expert_stage(profile, st, zero_stage)
-    times = {
-        n: _slice_times(profile, cluster, st, n, grad_bytes, overlap) for n in sorted(set(sizes))
-    }
-    if st.expert_width > 1:  # the all-to-alls and the experts' sharded state, dapple.cost.moe
-        times = expert_slice_times(profile, cluster, st, times, max(sizes))
+    owns = [profile_of(cluster, d, profile) for d in st.replica_devices]  # a kind's own, if any
+    times = {}
+    for p in {id(x): x for x in owns}.values():
+        ts = {
+            n: _slice_times(p, cluster, st, n, grad_bytes, overlap)
+            for n in sorted({n for x, n in zip(owns, sizes, strict=True) if x is p})
+        }
+        if st.expert_width > 1:  # the all-to-alls and the experts' sharded compute
+            ts = expert_slice_times(p, cluster, st, ts, max(sizes))
+        times.update({(id(p), n): v for n, v in ts.items()})
+    if st.expert_width > 1:  # the experts' sharded state, dapple.cost.moe
         grad_bytes = stage_rank_parameter_bytes(profile, st.layers, st.expert_width)
     replicas = tuple(
         ReplicaTerms(
             device=d,
             samples=n,
-            forward_ms=times[n][0][0],
-            backward_ms=times[n][0][1],
-            input_grad_ms=times[n][1][0],
-            weight_grad_ms=times[n][1][1],
+            forward_ms=times[id(p), n][0][0],
+            backward_ms=times[id(p), n][0][1],
+            input_grad_ms=times[id(p), n][1][0],
+            weight_grad_ms=times[id(p), n][1][1],
             host=x,
         )
-        for d, n, x in zip(st.replica_devices, sizes, extras, strict=True)
+        for d, p, n, x in zip(st.replica_devices, owns, sizes, extras, strict=True)
     )
     if cluster.kinds:  # devices of other speeds than the profile's
         replicas = at_speeds(replicas, [cluster.speed_of(x.device) for x in replicas])

@@ -192,7 +192,7 @@ def sample_tokens(
     if new_tokens < 0 or context < 1:
         raise ValidationError(f"need new_tokens >= 0 and context >= 1, got {new_tokens}, {context}")
     if not (math.isfinite(temperature) and temperature >= 0):
-        raise ValidationError(f"temperature must be >= 0, got {temperature}")
+        raise ValidationError(f"temperature must be finite and >= 0 (0: greedy), got {temperature}")
     gen = torch.Generator().manual_seed(seed)
     ids = prompt.clone()
     for done in range(1, new_tokens + 1):
@@ -284,7 +284,7 @@ def check_request(tok: Tokenizer, prompt: str, new_tokens: int, temperature: flo
             "window slides, so the model's positions do not limit the count)"
         )
     if not (math.isfinite(temperature) and temperature >= 0):
-        raise ValidationError(f"temperature must be >= 0, got {temperature}")
+        raise ValidationError(f"temperature must be finite and >= 0 (0: greedy), got {temperature}")
     ids = tok.encode(prompt)
     if not ids:
         raise ValidationError(f"the prompt {prompt!r} encodes to no tokens with {tok.name}")

@@ -52,6 +52,7 @@ __all__ = [
     "check_export_target",
     "export_checkpoint",
     "newest_checkpoint",
+    "no_checkpoint_reason",
 ]
 
 log = logging.getLogger(__name__)
@@ -295,7 +296,7 @@ def _write(
     """
     ckpt = newest_checkpoint(src)
     if ckpt is None:
-        raise CheckpointError(f"no complete checkpoint under {str(src)!r}")
+        raise CheckpointError(no_checkpoint_reason(src))
     if workload is not None:
         check_compatible(ckpt, model_name=workload.name, num_layers=workload.num_layers)
         _check_chain_shapes(ckpt, workload)
@@ -358,6 +359,17 @@ def newest_checkpoint(src: str | Path) -> Checkpoint | None:
     if ckpt is not None and newest and newest[-1] != ckpt.path:
         log.warning("%s is damaged: using the older %s", newest[-1], ckpt.path)
     return ckpt
+
+
+def no_checkpoint_reason(src: str | Path) -> str:
+    """Why ``src``, where :func:`newest_checkpoint` found none, holds no checkpoint: a path
+    that does not exist, a file, or a directory without a complete one (one line)."""
+    p, shown = Path(src), repr(str(src))
+    if not p.exists():
+        return f"no checkpoint under {shown}: no such directory"
+    if not p.is_dir():
+        return f"no checkpoint under {shown}: it is a file, not a checkpoint directory"
+    return f"no complete checkpoint under {shown}"
 
 
 def _source_dir(config: Any) -> Path | None:

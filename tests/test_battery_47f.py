@@ -1,0 +1,243 @@
+"""Issue 47 (re-run F, 2026-11-29): what was still open after the battery of 591 cases - a
+``--checkpoint-dir`` without ``--save-every`` that saved nothing, wording that named the wrong
+rule (``--temperature inf``: ">= 0"; a checkpoint path that does not exist: "no complete
+checkpoint"), ``demo --corpus-mib 1e12`` taken as the 4 MiB the machine holds, a profile without
+a fingerprint warned of in train in another form than simulate's, and ``--min-devices 2``
+refused naming fields instead of flags - and the fixes of the mini-battery over the day's new
+features (``benchmarks/battery_47f.md``)."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from builders import one_error_line
+from dapple.cli import LogLines, build_parser, main
+from dapple.core.plan import Plan, straight_plan
+
+MODEL = ["-m", "transformer", "--set", "layers=2", "--set", "hidden=32"]
+"""A zoo transformer of 4 layers (embedding, 2 blocks, head), small enough to build at once."""
+
+
+def _plan(tmp_path: Path) -> str:
+    path = tmp_path / "plan.json"
+    straight_plan(4, [0, 2], global_batch_size=4, num_micro_batches=2).save(path)
+    return str(path)
+
+
+@pytest.fixture
+def standalone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``dapple train`` as a user starts it: no torchrun rank in the environment, and no worker
+    may start (a refusal comes first)."""
+    from builders import boom
+
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr("dapple.runtime.launch.early.EarlyWorkers", boom)
+
+
+# -- 1. --checkpoint-dir without --save-every: one checkpoint, after the last step --------------
+def _save_every(argv: list[str]) -> int:
+    from dapple.cli._train_config import run_config_of
+
+    return run_config_of(build_parser().parse_args(argv)).train.save_every
+
+
+@pytest.mark.parametrize(
+    ("extra", "file", "want"),
+    [
+        ([], None, 7),  # saved nothing: now the last step (7)
+        (["--save-every", "3"], None, 3),
+        (["--save-every", "0"], None, 0),  # 0 still says never
+        ([], "[checkpoint]\nsave_every = 0\n", 0),  # so does the file's
+        ([], "[checkpoint]\nsave_every = 2\n", 2),
+        ([], "[train]\nsteps = 7\n", 7),
+    ],
+)
+def test_a_checkpoint_dir_without_save_every_saves_after_the_last_step(
+    tmp_path: Path, extra: list[str], file: str | None, want: int
+) -> None:
+    argv = ["train", "--plan", _plan(tmp_path), *MODEL, "--steps", "7",
+            "--checkpoint-dir", str(tmp_path / "ck"), *extra]  # fmt: skip
+    if file is not None:
+        cfg = tmp_path / "run.toml"
+        cfg.write_text(file)
+        argv += ["--config", str(cfg)]
+    assert _save_every(argv) == want
+
+
+def test_a_checkpoint_dir_from_the_file_saves_after_the_last_step(tmp_path: Path) -> None:
+    cfg = tmp_path / "run.toml"
+    cfg.write_text(f'[checkpoint]\ncheckpoint_dir = "{tmp_path / "ck"}"\n')
+    argv = ["train", "--plan", _plan(tmp_path), *MODEL, "--steps", "5", "--config", str(cfg)]
+    assert _save_every(argv) == 5
+    assert _save_every(["train", "--plan", _plan(tmp_path), *MODEL, "--steps", "5"]) == 0
+
+
+def test_train_says_where_and_when_its_one_checkpoint_is_saved(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("dapple.cli.train_cmd.run_config", lambda cfg: 0)
+    ck = tmp_path / "ck"
+    argv = ["train", "--plan", _plan(tmp_path), *MODEL, "--steps", "4", "--checkpoint-dir", str(ck)]
+    assert main(argv) == 0
+    assert capsys.readouterr().out == (
+        f"checkpoints: one, after the last step (step 4), in {ck} (--save-every N also saves "
+        "every N steps)\n"
+    )
+    assert main([*argv, "--save-every", "2"]) == 0
+    assert capsys.readouterr().out == ""
+
+
+def test_train_help_says_a_checkpoint_dir_saves_after_the_last_step(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "save checkpoints here (per layer): after the run's last step" in text
+    assert "(not given: at the last step only; 0: never)" in text
+
+
+@pytest.mark.slow
+def test_train_with_a_checkpoint_dir_alone_leaves_its_last_step(tmp_path: Path) -> None:
+    """The run a user starts: 2 steps with ``--checkpoint-dir`` and nothing else used to leave
+    no checkpoint at all."""
+    from dapple.runtime.checkpoint import list_checkpoints
+
+    ck = tmp_path / "ck"
+    argv = [sys.executable, "-m", "dapple", "train", "--plan", _plan(tmp_path), *MODEL,
+            "--steps", "2", "--device", "cpu", "--checkpoint-dir", str(ck)]  # fmt: skip
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert [p.name for p in list_checkpoints(ck)] == ["step-00000002"]
+    assert f"checkpoint saved: step 2 (steps 0-1 done) in {ck / 'step-00000002'}" in proc.stdout
+
+
+# -- 2. wording: the rule a value breaks, a path that is not there ------------------------------
+@pytest.mark.parametrize("value", ["inf", "-inf", "nan", "-1"])
+def test_generate_temperature_names_the_rule(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], value: str
+) -> None:
+    """``inf`` was refused as "must be >= 0"."""
+    argv = ["generate", "--checkpoint-dir", str(tmp_path), *MODEL, "--prompt", "x",
+            f"--temperature={value}"]  # fmt: skip
+    assert main(argv) == 2
+    one_error_line(capsys, f"temperature must be finite and >= 0 (0: greedy), got {value}")
+
+
+@pytest.mark.parametrize("command", ["generate", "export"])
+def test_a_checkpoint_path_that_is_not_there_is_said_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], command: str
+) -> None:
+    """It said "no complete checkpoint under" a path that does not exist."""
+    rest = ["--prompt", "x"] if command == "generate" else ["--out-dir", str(tmp_path / "o")]
+    missing, afile, empty = tmp_path / "none", tmp_path / "f.txt", tmp_path / "empty"
+    afile.write_text("x")
+    empty.mkdir()
+    for where, needle in ((missing, "no such directory"),
+                          (afile, "it is a file, not a checkpoint directory"),
+                          (empty, "no complete checkpoint under")):  # fmt: skip
+        assert main([command, "--checkpoint-dir", str(where), *MODEL, *rest]) == 2
+        one_error_line(capsys, repr(str(where)), needle)
+
+
+def test_an_old_spelling_says_the_new_one_means_the_same(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit):
+        main(["simulate", "--plan", "p", "--profile", "q", "--cluster", "c", "--compare"])
+    err = capsys.readouterr().err.splitlines()[-1]
+    assert err.endswith("argument --compare: is spelled --other-schedule now (same meaning)")
+
+
+# -- 3. demo --corpus-mib above what the machine holds ------------------------------------------
+@pytest.mark.parametrize("mib", ["1e12", "1000"])
+def test_demo_refuses_a_corpus_larger_than_the_standard_library(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], mib: str
+) -> None:
+    """It was cut to the ~4.5 MiB of sources there, unsaid."""
+    from dapple.cli._demo_corpus import stdlib_files
+
+    root, files = stdlib_files()
+    out = tmp_path / "d"
+    assert main(["demo", "--corpus-mib", mib, "--out-dir", str(out)]) == 2
+    held = sum(p.stat().st_size for p in files) / 2**20
+    one_error_line(capsys, f"--corpus-mib {float(mib):g} is more than", f"{held:.2f} MiB in "
+                   f"{len(files)} files under {root}; give at most")  # fmt: skip
+    assert not out.exists()
+
+
+# -- 5. a profile without a fingerprint: train warns as simulate does ---------------------------
+def test_a_logged_warning_reads_as_the_commands_own() -> None:
+    record = logging.LogRecord("dapple.x", logging.WARNING, __file__, 1, "a %s", ("b",), None)
+    assert LogLines().format(record) == "dapple: warning: a b"
+    debug = logging.LogRecord("dapple.x", logging.DEBUG, __file__, 1, "c", (), None)
+    assert LogLines().format(debug) == "DEBUG dapple.x: c"
+
+
+def test_train_and_simulate_both_warn_of_a_profile_without_fingerprint(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    capsys: pytest.CaptureFixture[str],
+    standalone: None,
+) -> None:
+    """Train's warning was ``WARNING dapple.models.fingerprint: ...``, simulate's a
+    ``dapple: warning:`` line; both are now that line, naming the profile's model."""
+    from builders import make_profile
+
+    prof = tmp_path / "p.json"
+    make_profile(4, name="other").save(prof)  # imported-like: no fingerprint
+    monkeypatch.setattr("dapple.cli.train_cmd._early_workers",
+                        lambda *_: contextlib.nullcontext())  # fmt: skip
+    launched: list[Any] = []
+    monkeypatch.setattr("dapple.api.running._launch", lambda *a: launched.append(a) or [])
+    plan = _plan(tmp_path)
+    with caplog.at_level(logging.WARNING):
+        assert main(["train", "--plan", plan, *MODEL, "--device", "cpu", "--profile", str(prof),
+                     "--cluster", "local-cpu"]) == 0  # fmt: skip
+    assert len(launched) == 1
+    train = [LogLines().format(r) for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(train) == 1 and train[0].startswith("dapple: warning: "), train
+    assert "profiled as 'other'" in train[0] and "may be another model's" in train[0]
+    capsys.readouterr()
+    named = tmp_path / "named.json"  # a plan of 'transformer', as dapple plan writes one
+    dataclasses.replace(Plan.load(plan), model_name="transformer").save(named)
+    argv = ["simulate", "--plan", str(named), "--profile", str(prof), "--cluster", "local-cpu"]
+    assert main(argv) == 0
+    sim = [x for x in capsys.readouterr().err.splitlines() if x.startswith("dapple: warning: ")]
+    assert len(sim) == 1 and "profiled as 'other'" in sim[0], sim
+
+
+# -- 6. an elastic flag without --elastic: named as the flag, whatever its value ----------------
+@pytest.mark.parametrize(
+    "flags", [["--min-devices", "1"], ["--min-devices", "2"], ["--max-restarts", "0"]]
+)
+def test_an_elastic_flag_without_elastic_names_the_flag_and_elastic(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], standalone: None, flags: list[str]
+) -> None:
+    """``--min-devices 2`` said "min_devices (2) and max_restarts (3) apply to elastic runs
+    only: add elastic (--elastic)": the fields, and a flag never given."""
+    assert main(["train", "--plan", _plan(tmp_path), *MODEL, *flags]) == 2
+    one_error_line(capsys, f"{' '.join(flags)} applies to elastic runs only", "add --elastic")
+
+
+def test_an_elastic_flag_passes_when_the_file_makes_the_run_elastic(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cfg = tmp_path / "run.toml"
+    cfg.write_text(
+        f'[elastic]\nelastic = true\n[report]\nprofile = "p.json"\ncluster = "local-cpu"\n'
+        f'[checkpoint]\ncheckpoint_dir = "{tmp_path / "ck"}"\nsave_every = 1\n'
+    )
+    argv = ["train", "--config", str(cfg), "--plan", _plan(tmp_path), *MODEL, "--min-devices", "2"]
+    assert main([*argv, "--print-config"]) == 0
+    assert "min_devices = 2" in capsys.readouterr().out
