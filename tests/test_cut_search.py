@@ -12,10 +12,12 @@ from dapple.planner.cut_search import (
     Incumbent,
     SearchLimits,
     balanced_cut,
+    kept_placements,
     search_limits,
     stage_bound,
 )
 from dapple.planner.evaluate import Scorer
+from dapple.planner.placement import place
 from dapple.planner.search import (
     _lower_bound,
     _rank_micro_batches,
@@ -168,3 +170,13 @@ def test_a_seeds_bound_is_below_its_latency_and_reaches_it() -> None:
                 ratios.append(_lower_bound(sc, stages, 64 // M, M) / got.L_ms)
     assert max(ratios) <= 1.0
     assert max(ratios) == pytest.approx(1.0, abs=1e-6)
+
+
+def test_a_placement_of_more_than_b_devices_keeps_its_first_b_with_the_rest_freed_or_idle() -> None:
+    c = make_cluster(2, 3)
+    whole = place(c, (1, 0), 4, "fresh")  # server 1 whole, then device 1 of server 0
+    assert whole == ((1, 3, 4, 5), (2, 3))
+    assert kept_placements(c, (1, 0), whole, 4) == (whole,)  # m' <= b: as placed
+    freed, idle = kept_placements(c, (1, 0), whole, 2)
+    assert freed == ((1, 3), (2, 1))  # devices 2, 4 and 5 free for the later stages
+    assert idle == ((1, 3), (2, 3))  # devices 4 and 5 left idle: the later stages start at 2

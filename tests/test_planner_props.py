@@ -70,8 +70,8 @@ def _plan_or_none(p: ModelProfile, c: Cluster, gbs: int, name: str) -> float | N
     return plan.predicted_step_ms
 
 
-# derandomized: the search is a heuristic, and a random draw may meet one of its known gaps
-# (seed 6 of pytest --hypothesis-seed: 6 layers on 2 x 3 devices, 11% above the oracle)
+# derandomized: the search is a heuristic, and a random draw may meet a gap of it (the draws
+# of --hypothesis-seed=6 met one: test_a_stage_may_leave_devices_idle_that_a_placement_...)
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow],
           derandomize=True)  # fmt: skip
 @given(instances())
@@ -117,6 +117,54 @@ def test_the_last_stage_may_take_fewer_devices_than_are_free() -> None:
         layer("l1", 2.0, 0), layer("l2", 1.0, 10**7)))  # fmt: skip
     c = dataclasses.replace(c, devices_per_server=3, inter_server_bandwidth_gbps=10.0)
     assert _plan_or_none(p, c, 4, "dapple") == _plan_or_none(p, c, 4, "exhaustive") == 16.64
+
+
+def _chain(*layers: tuple[float, float, float, float, float, int]) -> ModelProfile:
+    """A profile of layers ``(F fixed, F per sample, B fixed, B per sample, output bytes per
+    sample, parameter bytes)``, 1 kB kept per sample each."""
+    return ModelProfile(model_name="rand", layers=tuple(
+        LayerProfile(name=f"l{i}", forward=AffineTime(fixed_ms=ff, per_sample_ms=fp),
+                     backward=AffineTime(fixed_ms=bf, per_sample_ms=bp),
+                     output_bytes_per_sample=out, parameter_bytes=params,
+                     kept_activation_bytes_per_sample=1e3)
+        for i, (ff, fp, bf, bp, out, params) in enumerate(layers)))  # fmt: skip
+
+
+def test_a_stage_may_leave_devices_idle_that_a_placement_of_more_than_b_took() -> None:
+    """Seed 6's draws (6 layers on 2 servers x 3 devices): the oracle's best plans give a stage
+    more replicas than the b samples of a micro-batch, those beyond b idle, so that the later
+    stages start on other devices. The search kept the first b of such a placement and freed
+    the others for the later stages only: 39.46 vs the oracle's 38.175, 36.66 vs 36.39 (also
+    PipeDream's), 35.64 vs 35.08. Now it also leaves them idle."""
+    c = Cluster(servers=2, devices_per_server=3, device_memory_bytes=2**30,
+                intra_server_bandwidth_gbps=10.0, inter_server_bandwidth_gbps=1.0)  # fmt: skip
+    # M = 3, b = 2: the oracle's layers [0, 2) on the whole server 0, device 2 idle, then [2, 3)
+    # on device 3 and [3, 6) on 4 and 5 (its 20 MB AllReduce inside server 1)
+    layers = [(0, 1, 1, 1, 1e7, 0), (0, 1, 0, 1, 0, 10**7), (0, 1, 0, 1, 1e5, 10**8),
+              (0, 1, 0, 1, 1e7, 10**7), (0, 1, 0, 1, 1e6, 0), (0, 0.5, 0, 1.5, 0, 10**7)]  # fmt: skip
+    p = _chain(*layers)
+    assert _plan_or_none(p, c, 6, "exhaustive") == pytest.approx(38.175, rel=1e-9)
+    plan = make_plan(p, c, 6, "dapple")
+    assert plan.predicted_step_ms == pytest.approx(38.175, rel=1e-9)
+    assert [st.devices for st in plan.stages] == [(0, 1), (3,), (4, 5)]
+    # M = 6, b = 1: layer 0 on (0, 1), device 1 idle, so that the servers' border falls after
+    # layer 1, whose output is 0 bytes
+    p = _chain((0, 1, 1, 1, 1e6, 0), *layers[1:])
+    assert _plan_or_none(p, c, 6, "dapple") == _plan_or_none(p, c, 6, "exhaustive") == 36.39
+    assert _plan_or_none(p, c, 6, "pipedream") == 36.39
+    # M = 2, b = 2: the oracle's [3, 5) on (3, 4, 5) keeps device 5 in its AllReduce; the
+    # search's on (3, 4) leaves it out (lower than the oracle, whose stages keep every device)
+    p = _chain((0, 1.3331899545652852, 1.7825659671492806, 0.48265181744951474, 1e7, 0),
+               (0, 0.4870134003726402, 0, 1.6170200791768403, 0, 10**7),
+               (0, 1.5, 0, 0.8683917933373294, 1e5, 10**8),
+               (0, 1.7424823422694977, 0, 1.2611237625666991, 1e7, 10**7),
+               (0, 1.9234145548573829, 0.6563742786776984, 0.3301073117967634, 1e6, 0),
+               (0, 0.4870134003726402, 0, 1.6170200791768403, 0, 10**7))  # fmt: skip
+    c = dataclasses.replace(c, device_memory_bytes=2**33, inter_server_bandwidth_gbps=10.0)
+    assert _plan_or_none(p, c, 4, "exhaustive") == pytest.approx(35.0767095449, rel=1e-9)
+    plan = make_plan(p, c, 4, "dapple")
+    assert plan.predicted_step_ms == pytest.approx(32.4000428782, rel=1e-9)
+    assert [st.devices for st in plan.stages] == [(0,), (1,), (3, 4), (2,)]
 
 
 @given(st.integers(1, 200), st.data())

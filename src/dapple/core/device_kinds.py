@@ -12,16 +12,20 @@ has:
 * its memory per device, in GiB (``device_memory_gib``), defaulting to the datasheet's.
 
 One profile scaled by a speed is the model of a kind: layers whose time does not scale with
-peak FLOP/s (memory-bound ones) are priced at the same ratio.
+peak FLOP/s (memory-bound ones) are priced at the same ratio. A kind may instead carry its own
+``profile`` (measured or computed on it, :mod:`dapple.core.kind_profiles`): its replicas then
+take their per-layer times from it, at speed 1.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
 
 from dapple.core._json import require
+from dapple.core.profile import ModelProfile
 
 __all__ = [
     "DATASHEET_MEMORY_BYTES",
@@ -59,6 +63,10 @@ class DeviceKind:
     """Compute speed relative to the profile's device (module docstring)."""
     device_memory_bytes: int
     """Memory of one device of this kind."""
+    profile: ModelProfile | None = dataclasses.field(default=None, compare=False, repr=False)
+    """The model's profile on this kind (its own per-layer times, speed 1); None: the one
+    profile the cluster is planned with, scaled by ``speed``. Given beside the cluster file,
+    never in it (:func:`~dapple.core.kind_profiles.with_kind_profiles`)."""
 
     def __post_init__(self) -> None:
         what = f"device kind {self.name!r}"
@@ -76,6 +84,10 @@ class DeviceKind:
         require(
             isinstance(m, int) and not isinstance(m, bool) and m > 0,
             f"{what}: device memory must be an integer > 0 bytes, got {m!r}",
+        )
+        require(
+            self.profile is None or v == 1.0,
+            f"{what}: a kind with its own profile has speed 1 (its own times), got speed {v!r}",
         )
 
     def to_dict(self) -> dict[str, Any]:

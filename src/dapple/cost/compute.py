@@ -4,12 +4,14 @@ Pure functions (no torch) over a profile's per-layer affine times (paper section
 by ``Cluster.compute_slowdown``. A micro-batch of b samples is split over the r_s replicas of a
 stage with :func:`dapple.core.plan.split_sizes` (evenly, or by the stage's shares); F_s, B_s of
 the stage are those of its slowest replica: the largest slice, or on a cluster with device kinds
-the largest time of a slice at its device's speed.
+the largest time of a slice at its device's speed (or from its kind's own profile,
+:mod:`dapple.core.kind_profiles`).
 """
 
 from __future__ import annotations
 
 from dapple.core.cluster import Cluster
+from dapple.core.kind_profiles import profile_of
 from dapple.core.layer_profile import LayerProfile
 from dapple.core.plan import StagePlan
 from dapple.core.profile import ModelProfile
@@ -59,7 +61,8 @@ def stage_compute_ms(
 ) -> tuple[float, float]:
     """F_s, B_s of a computation stage: its slowest replica's, on its slice of b
     (:meth:`~dapple.core.plan.StagePlan.slice_sizes`: even, ``split_sizes(b, r_s)[0]`` the
-    largest, or the stage's shares) at its device's speed (:meth:`Cluster.speed_of`).
+    largest, or the stage's shares) at its device's speed (:meth:`Cluster.speed_of`), from its
+    kind's own profile where the kind has one (:func:`~dapple.core.kind_profiles.profile_of`).
 
     Args:
         profile: per-layer times.
@@ -69,7 +72,8 @@ def stage_compute_ms(
     """
     out = (0.0, 0.0)
     for d, n in zip(stage.replica_devices, stage.slice_sizes(micro_batch_size), strict=True):
-        f, b = compute_ms(profile, cluster, stage.layers, n, recompute=stage.recompute)
+        own = profile_of(cluster, d, profile)  # its kind's own profile, if it has one
+        f, b = compute_ms(own, cluster, stage.layers, n, recompute=stage.recompute)
         v = cluster.speed_of(d)
         if (f + b) / v > sum(out):
             out = (f / v, b / v)

@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 from dapple.core._json import require
 
-__all__ = ["at_speeds", "balanced_shares", "slowest_replica_ms"]
+__all__ = ["at_speeds", "balanced_shares", "balanced_shares_of", "slowest_replica_ms"]
 
 _R = TypeVar("_R", bound=Any)
 
@@ -58,15 +58,31 @@ def balanced_shares(b: int, speeds: Sequence[float], ms: TimeOfSamples) -> tuple
         ValidationError: a speed that is not finite and > 0, or ``b`` below the replica count.
     """
     _check_speeds(speeds)
-    r = len(speeds)
-    require(b >= r, f"balanced_shares: {b} samples cannot give each of {r} replicas one")
+    return balanced_shares_of(b, [_at_speed(ms, v) for v in speeds])
+
+
+def _at_speed(ms: TimeOfSamples, v: float) -> TimeOfSamples:
+    return lambda n: ms(n) / v
+
+
+def balanced_shares_of(b: int, times: Sequence[TimeOfSamples]) -> tuple[int, ...]:
+    """Whole-sample shares of ``b`` (each >= 1) minimising ``max_j times[j](n_j)``: replica j
+    computes n samples in ``times[j](n)`` ms, nondecreasing in n (e.g. its own kind's
+    profile, :mod:`dapple.core.kind_profiles`). The greedy of :func:`balanced_shares`, optimal
+    for the same reason.
+
+    Raises:
+        ValidationError: no replicas, or ``b`` below their count.
+    """
+    r = len(times)
+    require(r >= 1 and b >= r, f"balanced_shares: {b} samples cannot give each of {r} replicas one")
     out = [1] * r
-    heap = [(ms(2) / speeds[j], j) for j in range(r)]
+    heap = [(times[j](2), j) for j in range(r)]
     heapq.heapify(heap)
     for _ in range(b - r):
         _, j = heapq.heappop(heap)
         out[j] += 1
-        heapq.heappush(heap, (ms(out[j] + 1) / speeds[j], j))
+        heapq.heappush(heap, (times[j](out[j] + 1), j))
     return tuple(out)
 
 

@@ -12,6 +12,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 
 from dapple.core.cluster import Cluster
+from dapple.core.kind_profiles import fastest_layers
 from dapple.core.plan import Plan
 from dapple.core.planning_options import PlanningOptions, ZeroChoice
 from dapple.core.profile import ModelProfile
@@ -90,7 +91,8 @@ def make_plan(
         The plan, with ``seq_len``/``max_seq_len`` the lengths its profile is for (None for a
         profile without lengths), ``planned_with`` these search options and the profile's
         ``model_fingerprint``. On a cluster with device kinds a stage whose replicas differ in
-        speed takes balanced shares of each micro-batch (:mod:`dapple.planner.shares`).
+        speed takes balanced shares of each micro-batch (:mod:`dapple.planner.shares`); a
+        kind with its own profile (:mod:`dapple.core.kind_profiles`) computes at its times.
 
     Raises:
         ValidationError: unknown planner, bad batch size (below 1, above
@@ -116,12 +118,13 @@ def make_plan(
             raise ValidationError(f"max_seq_len {max_seq_len} needs seq_len (the mean length)")
         profile = profile_for_lengths(profile, seq_len, max_seq_len)
     searched = search_cluster(cluster)  # device kinds: speeds <= 1 (dapple.planner.shares)
+    fastest = fastest_layers(profile, cluster)  # per-kind profiles: each layer's least time
     if planner == "dapple":
-        plan = dapple_search(profile, searched, global_batch_size, progress=progress,
+        plan = dapple_search(fastest, searched, global_batch_size, progress=progress,
                              zero_stage=zero_stage, tensor_widths=tensor_widths,
                              interleaved=interleaved)  # fmt: skip
     else:
-        plan = PLANNERS[planner](profile, searched, global_batch_size)
+        plan = PLANNERS[planner](fastest, searched, global_batch_size)
     plan = with_kind_shares(plan, profile, cluster)
     widths = None if tensor_widths is None else tuple(tensor_widths)
     plan = dataclasses.replace(

@@ -26,6 +26,7 @@ __all__ = [
     "SearchLimits",
     "balanced_cut",
     "candidate_replicas",
+    "kept_placements",
     "search_limits",
     "stage_bound",
     "stage_unfit",
@@ -33,6 +34,9 @@ __all__ = [
 
 _Entry = tuple[float, tuple[StageSpec, ...], tuple[int, ...]]
 """A state's kept prefix: ``(L of prefix + [j, N) on the rest, prefix stages, occupancy)``."""
+
+_Placed = tuple[tuple[int, ...], tuple[int, ...]]
+"""A new stage's devices and the occupancy after it."""
 
 
 _EVERY_COUNT = 32
@@ -72,6 +76,21 @@ def last_stage_counts(b: int, n: int) -> list[int]:
     more to AllReduce). Ascending, n last."""
     smallest = {-(-b // -(-b // r)) for r in range(1, n)}
     return [*sorted(smallest - {n}), n]
+
+
+def kept_placements(
+    cluster: Cluster, occ: tuple[int, ...], whole: _Placed, b: int
+) -> tuple[_Placed, ...]:
+    """The placements a new stage is scored on, given ``whole``, a policy's placement of its
+    m' devices from ``occ``: ``whole`` itself when m' <= b; else its first b devices (by id:
+    the replicas a micro-batch's b samples reach), once with the other m' - b freed
+    (:func:`~dapple.planner.placement.first_placed`) and once with them left idle (``whole``'s
+    occupancy: the later stages start where the whole placement ends, as in the oracle's
+    space, where a stage of m' > b replicas keeps all m')."""
+    if len(whole[0]) <= b:
+        return (whole,)
+    kept = first_placed(cluster, occ, whole[0], b)
+    return kept, (kept[0], whole[1])
 
 
 def stage_bound(sc: Scorer, s: int, e: int, r: int, b: int, M: int) -> float:
@@ -239,29 +258,31 @@ class CutSearch:
 
     def extend(self, ji: int, prefix: tuple[StageSpec, ...], occ: tuple[int, ...]) -> None:
         """Cut a new stage off the last one at cut point ``ji``: on each replica count m',
-        placed by each policy (section 5.2; placements giving the same devices once). A
-        placement of m' > b devices keeps its first b (by id): the replicas the micro-batch's
-        b samples reach, in the servers that policy chose; the counts above b stop after two in
-        a row whose placements keep no new device set. Then the best plan scored has its last
-        stage tried on fewer devices (:meth:`fewer_last`)."""
+        placed by each policy (section 5.2; placements giving the same devices and occupancy
+        once). A placement of m' > b devices keeps its first b (by id): the replicas the
+        micro-batch's b samples reach, in the servers that policy chose, the others freed or
+        left idle (:func:`kept_placements`); the counts above b stop after two in a row whose
+        placements keep no new device set with the others freed. Then the best plan scored has
+        its last stage tried on fewer devices (:meth:`fewer_last`)."""
         G, used, b = self.sc.G, sum(occ), self.b
-        seen: set[tuple[int, ...]] = set()
+        seen: set[tuple[tuple[int, ...], tuple[int, ...]]] = set()
         top: tuple[float, StageSpec, tuple[int, ...]] | None = None
         idle = 0
         for m1 in candidate_replicas(self.cluster, G - used - 1, self.limits.devices):
             lo, hi = self.cut_range(ji, min(m1, b), G - used - min(m1, b))
             fresh = False
             for pol in POLICIES:
-                placed = place(self.cluster, occ, m1, pol)
-                if placed is not None and m1 > b:  # replicas beyond b would idle: keep the
-                    placed = first_placed(self.cluster, occ, placed[0], b)  # b with slices
-                if placed is None or placed[0] in seen:
+                whole = place(self.cluster, occ, m1, pol)
+                if whole is None:
                     continue
-                seen.add(placed[0])
-                fresh = True
-                got = self.scan_cuts(ji, lo, hi, prefix, min(m1, b), placed)
-                if got is not None and (top is None or got[0] < top[0]):
-                    top = got
+                for placed in kept_placements(self.cluster, occ, whole, b):
+                    if placed in seen:
+                        continue
+                    seen.add(placed)
+                    fresh = fresh or placed[1] != whole[1]  # a new device set, the rest freed
+                    got = self.scan_cuts(ji, lo, hi, prefix, min(m1, b), placed)
+                    if got is not None and (top is None or got[0] < top[0]):
+                        top = got
             idle = idle + 1 if m1 > b and not fresh else 0
             if idle == 2:  # two counts in a row kept no new device set: stop there
                 break

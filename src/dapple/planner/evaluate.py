@@ -30,7 +30,7 @@ from dapple.cost.sharing import slice_work
 from dapple.cost.tensor import fsdp_pass_ms, replica_sync_ms
 from dapple.cost.terms import StageTerms, pipeline_terms
 from dapple.errors import ValidationError
-from dapple.planner.shares import kind_stage
+from dapple.planner.shares import kind_shares, kind_stage
 from dapple.planner.stage_options import LazyOptions, StageOption, StageOptions, stage_choice
 from dapple.planner.widths import TensorSums, group_cluster, real_devices
 from dapple.planner.zero_modes import UNSHARDED, ZeroMode, zero3_modes
@@ -112,9 +112,7 @@ class Scorer:
         """The layers at the longest planned length: kept activations and stage inputs."""
         self._act = pre([tensor_kept_bytes_per_sample(x, t) for x in self._memory.layers])
         self._ar: dict[tuple[int, int, tuple[int, ...], ZeroMode, int], float] = {}
-        self._links: dict[
-            tuple[tuple[int, ...], tuple[int, ...], int], list[tuple[float, float]]
-        ] = {}
+        self._links: dict[tuple[object, ...], list[tuple[float, float]]] = {}
         self._option_lists: dict[tuple[int, int, tuple[int, ...], int], StageOptions] = {}
         """Each stage's options (:meth:`stage_options`) by ``(s, e, devices, b)``."""
         self._sync_plans: dict[tuple[tuple[int, ...], ZeroMode], StagePlan] = {}
@@ -185,16 +183,26 @@ class Scorer:
             regather=mode.regather,
         )
 
-    def comm_ms(self, cut: int, src: tuple[int, ...], dst: tuple[int, ...], b: int) -> float:
-        """Comm stage time across ``cut`` (as :func:`dapple.cost.comm.comm_stage_ms`).
+    def comm_ms(
+        self,
+        cut: int,
+        src: tuple[int, ...],
+        dst: tuple[int, ...],
+        b: int,
+        src_shares: tuple[int, ...] | None = None,
+        dst_shares: tuple[int, ...] | None = None,
+    ) -> float:
+        """Comm stage time across ``cut`` (as :func:`dapple.cost.comm.comm_stage_ms`), the
+        slices on either side even or the stages' shares (:func:`~dapple.planner.shares.
+        kind_shares` on a cluster with device kinds).
 
-        The split-concat link loads depend on the device sets and b only; they are cached
-        (:func:`dapple.cost.comm.link_loads`) and scaled by the boundary bytes.
+        The split-concat link loads depend on the device sets, b and the shares only; they are
+        cached (:func:`dapple.cost.comm.link_loads`) and scaled by the boundary bytes.
         """
-        key = (src, dst, b)
+        key = (src, dst, b, src_shares, dst_shares)
         links = self._links.get(key)
         if links is None:
-            links = link_loads(self.cluster, src, dst, b)
+            links = link_loads(self.cluster, src, dst, b, src_shares, dst_shares)
             self._links[key] = links
         return busiest_link_ms(links, boundary_bytes(self.profile, cut, 1))
 
@@ -347,8 +355,9 @@ class Scorer:
         options = [self.stage_options(s, e, d, b) for (s, e, d) in stages]
         if not all(options):
             return None
+        shares = [kind_shares(self, s, e, d, b) for s, e, d in stages]  # None: even
         comm = [
-            self.comm_ms(stages[i][1], stages[i][2], stages[i + 1][2], b)
+            self.comm_ms(stages[i][1], stages[i][2], stages[i + 1][2], b, *shares[i : i + 2])
             for i in range(len(stages) - 1)
         ]
         extras = (  # the CPU-host pass: only where the cluster has host terms

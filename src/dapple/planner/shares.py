@@ -7,9 +7,12 @@ Pure, no torch. On a cluster with device kinds (:attr:`~dapple.core.cluster.Clus
   whole-sample shares that balance them (:func:`~dapple.cost.replica_shares.balanced_shares`):
   F_s, B_s = ``max_j (F, B)(n_j) / v_j``, and holds each replica's share in its own kind's
   memory (:func:`kind_stage`, the :class:`~dapple.planner.evaluate.Scorer`'s hook);
+* a kind with its own profile (:mod:`dapple.core.kind_profiles`) prices its replicas by its
+  own per-layer times (speed 1), from a scorer of that profile's prefix sums;
 * the search runs on the cluster with its speeds divided by the fastest
-  (:func:`search_cluster`, the same times), so that the bounds it prunes by, priced at speed 1,
-  stay lower bounds;
+  (:func:`search_cluster`, the same times) and, with per-kind profiles, on each layer's
+  fastest kind's times (:func:`~dapple.core.kind_profiles.fastest_layers`), so that the bounds
+  it prunes by, priced at speed 1 from the scorer's own profile, stay lower bounds;
 * the plan found is given those shares and re-priced by the cost model on the cluster as
   given (:func:`with_kind_shares`).
 """
@@ -19,14 +22,15 @@ from __future__ import annotations
 import dataclasses
 import math
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import TYPE_CHECKING
 
 from dapple.core.cluster import Cluster
+from dapple.core.kind_profiles import profile_of
 from dapple.core.plan import Plan, StagePlan, split_sizes
 from dapple.core.profile import ModelProfile
 from dapple.cost.compute import compute_ms
-from dapple.cost.replica_shares import TimeOfSamples, balanced_shares
+from dapple.cost.replica_shares import TimeOfSamples, balanced_shares_of
 from dapple.cost.schedules import schedule_latency
 from dapple.cost.tensor import tensor_compute_ms
 
@@ -34,16 +38,38 @@ if TYPE_CHECKING:
     from dapple.planner.evaluate import Scorer
     from dapple.planner.zero_modes import ZeroMode
 
-__all__ = ["kind_stage", "search_cluster", "stage_shares", "with_kind_shares"]
+__all__ = [
+    "kind_shares",
+    "kind_stage",
+    "replica_shares",
+    "search_cluster",
+    "stage_shares",
+    "with_kind_shares",
+]
 
 
 def stage_shares(b: int, speeds: Sequence[float], ms: TimeOfSamples) -> tuple[int, ...]:
     """The replicas' slices of a micro-batch of b samples: the even split
     (:func:`~dapple.core.plan.split_sizes`) when the speeds are equal or b is below the replica
-    count, else the balanced whole-sample shares (each >= 1, summing to b)."""
-    if len(set(speeds)) == 1 or b < len(speeds):
-        return split_sizes(b, len(speeds))
-    return balanced_shares(b, speeds, ms)
+    count, else the balanced whole-sample shares (each >= 1, summing to b) of ``ms`` at each
+    speed."""
+    return replica_shares(b, speeds, [_at_speed(ms, v) for v in speeds])
+
+
+def _at_speed(ms: TimeOfSamples, v: float) -> TimeOfSamples:
+    return lambda n: ms(n) / v
+
+
+def replica_shares(
+    b: int, replicas: Sequence[Hashable], times: Sequence[TimeOfSamples]
+) -> tuple[int, ...]:
+    """:func:`stage_shares` of replicas each with its own ``times`` (``n -> ms`` at its speed,
+    from its kind's own profile where it has one): the even split when the ``replicas`` keys
+    are equal (:data:`Replica`) or b is below their count, else the balanced shares
+    (:func:`~dapple.cost.replica_shares.balanced_shares_of`)."""
+    if len(set(replicas)) == 1 or b < len(replicas):
+        return split_sizes(b, len(replicas))
+    return balanced_shares_of(b, times)
 
 
 def search_cluster(cluster: Cluster) -> Cluster:
@@ -61,10 +87,71 @@ def search_cluster(cluster: Cluster) -> Cluster:
     )
 
 
+Replica = tuple[str, float]
+"""What a replica's time depends on besides the layers: the name of its kind when the kind has
+its own profile (else ``""``) and its speed."""
+
 _SHARES: weakref.WeakKeyDictionary[
-    Scorer, dict[tuple[int, int, tuple[float, ...], int], tuple[int, ...]]
+    Scorer, dict[tuple[int, int, tuple[Replica, ...], int], tuple[int, ...]]
 ] = weakref.WeakKeyDictionary()
-"""Each scorer's balanced shares by ``(s, e, replica speeds, b)``, kept while the scorer lives."""
+"""Each scorer's balanced shares by ``(s, e, replicas' kinds and speeds, b)``, kept while the
+scorer lives."""
+
+_KIND_SCORERS: weakref.WeakKeyDictionary[Scorer, dict[str, Scorer]] = weakref.WeakKeyDictionary()
+"""Each scorer's scorers of the kinds with their own profile (their prefix sums), by name."""
+
+FB = Callable[[int, int, int], tuple[float, float]]
+"""``(s, e, n) -> (F, B)`` of layers [s, e) on n samples at speed 1 (:meth:`Scorer.fb_ms`)."""
+
+
+def _replica(cl: Cluster, x: int) -> Replica:
+    k = cl.kind_of(x)
+    if k is None:
+        return ("", 1.0)
+    return ("" if k.profile is None else k.name, k.speed)
+
+
+def _fb(sc: Scorer, x: int) -> FB:
+    """F, B of device ``x``: the scorer's, or from its kind's own profile."""
+    k = sc.cluster.kind_of(x)
+    if k is None or k.profile is None:
+        return sc.fb_ms
+    own = _KIND_SCORERS.setdefault(sc, {})
+    got = own.get(k.name)
+    if got is None:
+        got = own[k.name] = type(sc)(
+            k.profile, sc.real_cluster, sc.global_batch_size, sc.zero_stage, sc.tensor_width
+        )
+    return got.fb_ms
+
+
+def _time(fb: FB, s: int, e: int, v: float) -> TimeOfSamples:
+    """``n -> (F + B) / v`` of layers [s, e)."""
+
+    def ms(n: int) -> float:
+        f, bw = fb(s, e, n)
+        return (f + bw) / v
+
+    return ms
+
+
+def _replicas(
+    sc: Scorer, s: int, e: int, d: tuple[int, ...], b: int
+) -> tuple[list[FB], list[float], list[TimeOfSamples], tuple[int, ...]]:
+    """Per replica of layers [s, e) on ``d``: its F, B, its speed, its time at that speed,
+    and the stage's shares (:func:`stage_shares`), remembered per scorer: placements on
+    the same kinds share their shares."""
+    cl = sc.cluster
+    who = tuple(_replica(cl, x) for x in d)
+    fbs = [_fb(sc, x) for x in d]
+    speeds = [v for _, v in who]
+    times = [_time(fb, s, e, v) for fb, v in zip(fbs, speeds, strict=True)]
+    known = _SHARES.setdefault(sc, {})
+    key = (s, e, who, b)
+    shares = known.get(key)
+    if shares is None:
+        shares = known[key] = replica_shares(b, who, times)
+    return fbs, speeds, times, shares
 
 
 def kind_stage(
@@ -73,25 +160,16 @@ def kind_stage(
     """F, B, D without and with re-computation, and the memory floor of layers [s, e) on
     devices ``d`` of a cluster with kinds, as :meth:`Scorer._stage` reads them.
 
-    F, B are those of the slowest replica on the :func:`stage_shares`; D the fewest micro-batches
-    any replica holds with its share in its kind's usable memory; the floor the largest of the
-    replicas' floors, each scaled to the smallest kind's memory (what
-    :func:`~dapple.planner.cut_search.stage_unfit` compares it with).
+    F, B are those of the slowest replica on the :func:`stage_shares`, each at its speed from
+    its kind's own profile where it has one; D the fewest micro-batches any replica holds with
+    its share in its kind's usable memory; the floor the largest of the replicas' floors, each
+    scaled to the smallest kind's memory (what :func:`~dapple.planner.cut_search.stage_unfit`
+    compares it with).
     """
     cl = sc.cluster
-    speeds = tuple(cl.speed_of(x) for x in d)
-
-    def ms(n: int) -> float:
-        f, bw = sc.fb_ms(s, e, n)
-        return f + bw
-
-    known = _SHARES.setdefault(sc, {})
-    key = (s, e, speeds, b)  # placements with the same speeds share their shares
-    shares = known.get(key)
-    if shares is None:
-        shares = known[key] = stage_shares(b, speeds, ms)
-    j = max(range(len(d)), key=lambda i: ms(shares[i]) / speeds[i])
-    f, bw = sc.fb_ms(s, e, shares[j])
+    fbs, speeds, times, shares = _replicas(sc, s, e, d, b)
+    j = max(range(len(d)), key=lambda i: times[i](shares[i]))
+    f, bw = fbs[j](s, e, shares[j])
     low = float(cl.usable_memory_bytes)
     d_nr = d_r = math.inf
     floor = 0.0
@@ -103,8 +181,18 @@ def kind_stage(
     return f / speeds[j], bw / speeds[j], int(d_nr), int(d_r), floor
 
 
-def _stage_ms(profile: ModelProfile, cluster: Cluster, st: StagePlan) -> TimeOfSamples:
-    """``n -> F + B`` of stage ``st``'s layers on n samples at speed 1, one tensor rank's."""
+def kind_shares(sc: Scorer, s: int, e: int, d: tuple[int, ...], b: int) -> tuple[int, ...] | None:
+    """The shares :func:`kind_stage` prices layers [s, e) on devices ``d`` with, as a
+    :attr:`~dapple.core.plan.StagePlan.shares` (None: the even split), for the split-concat
+    on either side of the stage (:meth:`~dapple.planner.evaluate.Scorer.comm_ms`)."""
+    if not sc.cluster.kinds or len(d) == 1:
+        return None
+    shares = _replicas(sc, s, e, d, b)[3]
+    return None if shares == split_sizes(b, len(d)) else shares
+
+
+def _stage_ms(profile: ModelProfile, cluster: Cluster, st: StagePlan, v: float) -> TimeOfSamples:
+    """``n -> (F + B) / v`` of stage ``st``'s layers on n samples, one tensor rank's."""
     t = st.tensor_width
 
     def ms(n: int) -> float:
@@ -112,16 +200,17 @@ def _stage_ms(profile: ModelProfile, cluster: Cluster, st: StagePlan) -> TimeOfS
             f, bw = compute_ms(profile, cluster, st.layers, n)
         else:
             f, bw = tensor_compute_ms(profile, cluster, st.layers, n, t)
-        return f + bw
+        return (f + bw) / v
 
     return ms
 
 
 def with_kind_shares(plan: Plan, profile: ModelProfile, cluster: Cluster) -> Plan:
-    """``plan`` with each stage on replicas of different speeds given its balanced shares
-    (:func:`stage_shares`) and ``predicted_step_ms`` re-priced by the cost model on
-    ``cluster`` (:func:`~dapple.cost.schedules.schedule_latency`); ``plan`` itself on a
-    cluster without kinds.
+    """``plan`` with each stage on replicas of different kinds given its balanced shares
+    (:func:`stage_shares`, each replica at its speed from its kind's own profile where it has
+    one) and ``predicted_step_ms`` re-priced by the cost model on ``cluster``
+    (:func:`~dapple.cost.schedules.schedule_latency`); ``plan`` itself on a cluster without
+    kinds.
 
     Raises:
         ValidationError: the plan does not fit the profile or the cluster (from the cost model).
@@ -131,8 +220,10 @@ def with_kind_shares(plan: Plan, profile: ModelProfile, cluster: Cluster) -> Pla
     b = plan.micro_batch_size
     stages = []
     for st in plan.stages:
-        speeds = [cluster.speed_of(x) for x in st.replica_devices]
-        shares = stage_shares(b, speeds, _stage_ms(profile, cluster, st))
+        d = st.replica_devices
+        times = [_stage_ms(profile_of(cluster, x, profile), cluster, st, cluster.speed_of(x))
+                 for x in d]  # fmt: skip
+        shares = replica_shares(b, [_replica(cluster, x) for x in d], times)
         even = shares == split_sizes(b, st.replicas)
         stages.append(dataclasses.replace(st, shares=None if even else shares))
     plan = dataclasses.replace(plan, stages=tuple(stages))

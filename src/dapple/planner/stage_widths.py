@@ -31,6 +31,7 @@ from dapple.cost.host import has_host_terms, stage_host_extras
 from dapple.cost.memory import boundary_bytes
 from dapple.planner.evaluate import Scored, Scorer, score_options, scored_plan
 from dapple.planner.move_scores import ROUNDING, Move, Row, WidthStage, estimate_moves, stage_row
+from dapple.planner.shares import kind_shares
 from dapple.planner.stage_options import StageOptions
 from dapple.planner.widths import TensorSums
 from dapple.planner.zero_modes import UNSHARDED
@@ -73,14 +74,13 @@ class MixedScorer:
         self.N = one.N
         self.widths = sorted(self.scorers)
         self._shardable = TensorSums(self.profile, self.cluster, 1)
-        self._links: dict[
-            tuple[tuple[int, ...], tuple[int, ...], int], list[tuple[float, float]]
-        ] = {}
+        self._links: dict[tuple[object, ...], list[tuple[float, float]]] = {}
         self._options: dict[tuple[WidthStage, int], StageOptions] = {}
         """Each stage's options at b samples (:meth:`Scorer.stage_options`): a local search's
         candidates differ from the current plan in one or two stages, the rest are looked up."""
-        self._comms: dict[tuple[int, tuple[int, ...], int, tuple[int, ...], int, int], float] = {}
-        """Each comm stage's time by ``(cut, devices, t, devices, t, b)`` (:meth:`_comm_ms`)."""
+        self._comms: dict[tuple[object, ...], float] = {}
+        """Each comm stage's time by ``(cut, devices, t, devices, t, b, shares, shares)``
+        (:meth:`_comm_ms`)."""
         self._rows: dict[tuple[WidthStage, int, int], Row] = {}
         """Each stage's :data:`~dapple.planner.move_scores.Row` by ``(stage, b, K_i)``."""
         self._spec = get_schedule(DEFAULT_SCHEDULE)
@@ -152,25 +152,37 @@ class MixedScorer:
 
     def _comm_ms(self, src: WidthStage, dst: WidthStage, b: int) -> float:
         """The comm stage across the cut ``src | dst``."""
-        (_, cut, d0, t0), (_, _, d1, t1) = src, dst
-        key = (cut, d0, t0, d1, t1, b)
+        (s0, cut, d0, t0), (_, e1, d1, t1) = src, dst
+        g0, g1 = _groups(d0, t0), _groups(d1, t1)
+        x0 = kind_shares(self.scorers[t0], s0, cut, g0, b)  # None: even (no device kinds)
+        x1 = kind_shares(self.scorers[t1], cut, e1, g1, b)
+        key = (cut, d0, t0, d1, t1, b, x0, x1)
         got = self._comms.get(key)
         if got is None:
-            got = self._comms[key] = self._comm_stage_ms(cut, d0, t0, d1, t1, b)
+            got = self._comms[key] = self._comm_stage_ms(cut, d0, t0, d1, t1, b, x0, x1)
         return got
 
     def _comm_stage_ms(
-        self, cut: int, d0: tuple[int, ...], t0: int, d1: tuple[int, ...], t1: int, b: int
+        self,
+        cut: int,
+        d0: tuple[int, ...],
+        t0: int,
+        d1: tuple[int, ...],
+        t1: int,
+        b: int,
+        x0: tuple[int, ...] | None,
+        x1: tuple[int, ...] | None,
     ) -> float:
-        """The comm stage across ``cut`` from ``d0`` at width t0 to ``d1`` at t1: as the width's
-        scorer costs it for one width, else the split-concat between the tensor groups' first
-        devices."""
+        """The comm stage across ``cut`` from ``d0`` at width t0 to ``d1`` at t1, the slices
+        ``x0`` and ``x1`` (None: even): as the width's scorer costs it for one width, else the
+        split-concat between the tensor groups' first devices."""
+        g0, g1 = _groups(d0, t0), _groups(d1, t1)
         if t0 == t1:
-            return self.scorers[t0].comm_ms(cut, _groups(d0, t0), _groups(d1, t1), b)
-        key = (d0[::t0], d1[::t1], b)
+            return self.scorers[t0].comm_ms(cut, g0, g1, b, x0, x1)
+        key = (d0[::t0], d1[::t1], b, x0, x1)
         links = self._links.get(key)
         if links is None:
-            links = self._links[key] = link_loads(self.cluster, key[0], key[1], b)
+            links = self._links[key] = link_loads(self.cluster, *key)
         return busiest_link_ms(links, boundary_bytes(self.profile, cut, 1))
 
     def build_plan(

@@ -1,0 +1,196 @@
+"""Per-kind profiles on a mixed cluster (issue #43): each kind's replicas compute at their own
+per-layer times in the cost model, the simulator and the planner's shares, and the planner
+uses them where one scaled profile would mislead it."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from dapple.core.cluster import GIB, Cluster
+from dapple.core.device_kinds import DeviceKind
+from dapple.core.kind_profiles import (
+    fastest_layers,
+    parse_profile_set,
+    profile_of,
+    with_kind_profiles,
+)
+from dapple.core.layer_profile import AffineTime, LayerProfile
+from dapple.core.plan import Plan, StagePlan
+from dapple.core.profile import ModelProfile
+from dapple.cost.compute import stage_compute_ms
+from dapple.cost.pipeline import pipeline_latency
+from dapple.cost.terms import stage_terms
+from dapple.errors import ValidationError
+from dapple.planner import make_plan
+from dapple.planner.shares import with_kind_shares
+from dapple.simulate.engine import simulate
+
+
+def _profile(fwd: list[float], name: str = "toy", fp: str | None = None) -> ModelProfile:
+    """Layers of forward ``fwd[i]`` ms per sample and twice that backward, no fixed part."""
+    return ModelProfile(
+        model_name=name,
+        layers=tuple(
+            LayerProfile(
+                name=f"l{i}",
+                forward=AffineTime(fixed_ms=0.0, per_sample_ms=f),
+                backward=AffineTime(fixed_ms=0.0, per_sample_ms=2 * f),
+                output_bytes_per_sample=1000.0,
+                parameter_bytes=4_000_000,
+                kept_activation_bytes_per_sample=1000.0,
+            )
+            for i, f in enumerate(fwd)
+        ),
+        batch_sizes=(1, 2, 4),
+        model_fingerprint=fp,
+    )
+
+
+H = _profile([1.0, 1.0, 1.0, 1.0])
+A = _profile([4.0, 4.0, 1.0, 1.0])
+"""The A kind: 4x slower on the compute-bound layers 0 and 1, as fast on the memory-bound 2, 3."""
+
+
+def _cluster(slow_speed: float = 0.4) -> Cluster:
+    kinds = (
+        DeviceKind(name="H", servers=1, speed=1.0, device_memory_bytes=GIB),
+        DeviceKind(name="A", servers=1, speed=slow_speed, device_memory_bytes=GIB),
+    )
+    return Cluster(servers=2, devices_per_server=2, device_memory_bytes=GIB,
+                   intra_server_bandwidth_gbps=100, inter_server_bandwidth_gbps=100,
+                   kinds=kinds)  # fmt: skip
+
+
+SCALED = _cluster()
+KINDS = with_kind_profiles(SCALED, {"H": H, "A": A})
+
+
+def _plan(stage: StagePlan, b: int = 8) -> Plan:
+    return Plan(planner="test", model_name="toy", global_batch_size=b, micro_batch_size=b,
+                num_micro_batches=1, predicted_step_ms=0.0, stages=(stage,))  # fmt: skip
+
+
+def test_each_kind_computes_at_its_own_times() -> None:
+    """Layers [0, 2) on one H (device 0) and one A (device 2), b = 8. Per sample, F + B is
+    2 x (1 + 2) = 6 ms on H and 2 x (4 + 8) = 24 ms on A. Shares (6, 2): H 6 x 2 = 12 F,
+    24 B (36); A 2 x 8 = 16 F, 32 B (48): the A replica paces the stage. Shares (7, 1): H 14,
+    28 (42); A 8, 16 (24): H paces it. Under the scaled profile (A at speed 0.4) A's slice of
+    2 is 2 x 6 / 0.4 = 30 ms and H's 36 paces it."""
+    h, a = _profile([1.0, 1.0]), _profile([4.0, 4.0])
+    kinds = with_kind_profiles(SCALED, {"H": h, "A": a})
+    st = StagePlan(layers=(0, 2), devices=(0, 2), shares=(6, 2))
+    assert stage_compute_ms(h, kinds, st, 8) == pytest.approx((16.0, 32.0))
+    assert stage_compute_ms(h, SCALED, st, 8) == pytest.approx((12.0, 24.0))
+    seven = dataclasses.replace(st, shares=(7, 1))
+    assert stage_compute_ms(h, kinds, seven, 8) == pytest.approx((14.0, 28.0))
+    terms = stage_terms(_plan(st), h, kinds).stages[0]
+    assert (terms.terms.forward_ms, terms.terms.backward_ms) == pytest.approx((16.0, 32.0))
+    got = [x for r in terms.replicas for x in (r.forward_ms, r.backward_ms)]
+    assert got == pytest.approx([12.0, 24.0, 16.0, 32.0])
+    # the balanced shares: (7, 1) at 42 ms beats (6, 2) at 48 ms; the simulator agrees
+    priced = with_kind_shares(_plan(st), h, kinds)
+    assert priced.stages[0].shares == (7, 1)
+    assert simulate(priced, h, kinds).step_ms == pytest.approx(
+        pipeline_latency(priced, h, kinds).L_ms
+    )
+    assert with_kind_shares(_plan(st), h, SCALED).stages[0].shares == (6, 2)
+
+
+def test_per_kind_profiles_change_the_plan() -> None:
+    """One profile scaled by A's speed 0.4 prices A at 2.5x on every layer: the planner runs
+    all four layers on all four devices (A taking smaller shares). With A's own times (4x on
+    layers 0, 1, 1x on 2, 3) it pipelines layers 0, 1 on the H devices and 2, 3 on the A
+    devices, and that plan is faster on the cluster as it is."""
+    scaled = make_plan(H, SCALED, 16)
+    own = make_plan(H, KINDS, 16)
+    assert [(s.layers, s.devices) for s in scaled.stages] == [((0, 4), (0, 1, 2, 3))]
+    assert [(s.layers, s.devices) for s in own.stages] == [((0, 2), (0, 1)), ((2, 4), (2, 3))]
+    truth = pipeline_latency(scaled, H, KINDS).L_ms
+    assert own.predicted_step_ms == pytest.approx(pipeline_latency(own, H, KINDS).L_ms)
+    assert own.predicted_step_ms < 0.8 * truth
+
+
+def test_fastest_layers_bound_every_kind() -> None:
+    fast = fastest_layers(H, KINDS)
+    slow_first = _profile([1.0, 0.5, 2.0, 1.0])
+    mixed = with_kind_profiles(SCALED, {"H": H, "A": slow_first})
+    got = fastest_layers(H, mixed)
+    assert [x.forward.per_sample_ms for x in got.layers] == [1.0, 0.5, 1.0, 1.0]
+    assert [x.forward.per_sample_ms for x in fast.layers] == [1.0] * 4
+    assert fastest_layers(H, SCALED) is H
+    assert profile_of(KINDS, 0, H) is H and profile_of(KINDS, 3, H) is A
+    assert profile_of(SCALED, 3, H) is H
+    assert [k.speed for k in KINDS.kinds] == [1.0, 1.0]
+
+
+def test_profile_set_spec() -> None:
+    assert parse_profile_set("paper:bert48") is None
+    assert parse_profile_set("H=h.json,A=a.json") == {"H": "h.json", "A": "a.json"}
+    with pytest.raises(ValidationError, match=r"each part must be KIND=FILE, got 'a\.json'"):
+        parse_profile_set("H=h.json,a.json")
+    with pytest.raises(ValidationError, match="kind 'H' given twice"):
+        parse_profile_set("H=h.json,H=a.json")
+
+
+@pytest.mark.parametrize(
+    ("profiles", "message"),
+    [
+        ({"H": H}, "device kind 'A' has no profile; give one per kind \\(H=FILE, A=FILE\\)"),
+        ({"H": H, "A": A, "B": A}, "no device kind 'B' \\(its kinds: H, A\\)"),
+        ({"H": H, "A": _profile([1.0] * 3)}, "different models: 4 vs 3 layers"),
+        (
+            {"H": _profile([1.0] * 4, fp="abc"), "A": _profile([1.0] * 4, fp="def")},
+            "different models: fingerprints abc vs def",
+        ),
+    ],
+)
+def test_mismatches_are_refused_in_one_line(profiles: dict, message: str) -> None:
+    with pytest.raises(ValidationError, match=message) as e:
+        with_kind_profiles(SCALED, profiles)
+    assert "\n" not in str(e.value)
+
+
+def test_a_cluster_without_kinds_refuses_them() -> None:
+    plain = dataclasses.replace(SCALED, kinds=())
+    with pytest.raises(ValidationError, match="has no device kinds"):
+        with_kind_profiles(plain, {"H": H})
+
+
+def test_a_kind_with_a_profile_has_speed_one() -> None:
+    with pytest.raises(ValidationError, match="has speed 1"):
+        dataclasses.replace(KINDS.kinds[1], speed=0.5)
+
+
+def _write(tmp_path: Path) -> tuple[str, str, str]:
+    cluster = SCALED.to_dict()
+    cluster["kinds"] = [k.to_dict() for k in SCALED.kinds]
+    paths = []
+    for name, obj in (("c.json", cluster), ("h.json", H.to_dict()), ("a.json", A.to_dict())):
+        (tmp_path / name).write_text(json.dumps(obj))
+        paths.append(str(tmp_path / name))
+    return paths[0], paths[1], paths[2]
+
+
+def test_cli_plan_and_simulate_take_a_profile_per_kind(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from dapple.cli import main
+
+    c, h, a = _write(tmp_path)
+    out = str(tmp_path / "plan.json")
+    args = ["--profile", f"H={h}", "--profile", f"A={a}", "--cluster", c]
+    assert main(["plan", *args, "--global-batch-size", "16", "--output", out]) == 0
+    plan = Plan.load(out)
+    assert [(s.layers, s.devices) for s in plan.stages] == [((0, 2), (0, 1)), ((2, 4), (2, 3))]
+    assert plan.predicted_step_ms == pytest.approx(make_plan(H, KINDS, 16).predicted_step_ms)
+    capsys.readouterr()
+    assert main(["simulate", "--plan", out, *args]) == 0
+    shown = capsys.readouterr().out
+    assert f"step time {plan.predicted_step_ms:.3f} ms" in shown
+    assert "(simulated / L = 1.000)" in shown
+    assert main(["plan", "--profile", f"H={h}", "--cluster", c, "--global-batch-size", "16"]) == 2
+    assert "device kind 'A' has no profile" in capsys.readouterr().err
