@@ -213,6 +213,14 @@ class StepMetrics:
     tokens: int | None = None
     """Target tokens of the step's global batch; changes from step to step with the sequence
     length (None: not a token workload)."""
+    expert_layers: tuple[int, ...] = ()
+    """The layer of each MoE layer counted (model order; empty: the model has none the runtime
+    counts, :mod:`dapple.runtime.parallel.expert.load`)."""
+    expert_load: tuple[tuple[int, ...], ...] = ()
+    """Per MoE layer, the token rows its router sent to each expert in this step, summed over
+    the replicas (a token counts once per chosen expert: a layer's loads sum to tokens x top-k)."""
+    expert_imbalance: tuple[float, ...] = ()
+    """Per MoE layer, max/mean of its expert load (1: balanced; E: one expert got every row)."""
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -232,6 +240,10 @@ class StepMetrics:
         ev = f" eval_loss {self.eval_loss:.6f}" if self.eval_loss is not None else ""
         tok = f" {self.tokens} tokens" if self.tokens is not None else ""
         tok += f" {self.tokens_per_s:.0f} tokens/s" if self.tokens_per_s is not None else ""
+        if self.expert_imbalance:  # the worst MoE layer
+            worst = max(range(len(self.expert_imbalance)), key=self.expert_imbalance.__getitem__)
+            tok += (f" expert max/mean {self.expert_imbalance[worst]:.2f} (layer "
+                    f"{self.expert_layers[worst]}, worst of {len(self.expert_imbalance)})")  # fmt: skip
         return (
             f"step {self.step} loss {self.loss:.6f}{opt}{ev} time {self.step_ms:.1f} ms{pred} "
             f"{self.samples_per_s:.1f} samples/s{tok} peak[{self.memory_kind}] {mem}{resident}"

@@ -54,7 +54,7 @@ from dapple.runtime.longrun import LongRun, first_attempt
 from dapple.runtime.memory import ActivationMeter
 from dapple.runtime.metrics import MetricsSink, StepProbe, announce, resident_bytes, row_tokens
 from dapple.runtime.optim import ModelUpdate, make_optimizer
-from dapple.runtime.parallel.expert import gradient_sync
+from dapple.runtime.parallel.expert import expert_report, gradient_sync
 from dapple.runtime.parallel.sharded_state import CutStage
 from dapple.runtime.parallel.stage_mesh import (
     StageMesh,
@@ -237,7 +237,8 @@ def run_plan(
             eval_loss = _evaluate(evaluation, step, r.probe)
             report = r.update.take_report() if rank == 0 else {}  # lr, grad_norm
             sink.record(step, rows, r.probe.step_ms, target_tokens=row_tokens(rows),
-                        eval_loss=eval_loss, **report)  # fmt: skip
+                        eval_loss=eval_loss, **report,
+                        **expert_report(r.mesh.loads, r.interpreter.expert_load))  # fmt: skip
             r.longrun.after_step(step)
         clean = True
     finally:
@@ -379,7 +380,8 @@ def _setup(
     update = ModelUpdate(config, opt, updated, counted, device)
     interpreter = ProgramInterpreter(plan, tensor_programs(plan, lower(plan)), rank, executor=ex, sync=sync,
                                      guard=longrun.guard, optimizer=opt, params=params, probe=probe,
-                                     update=update, precision=precision, shards=shards)  # fmt: skip
+                                     update=update, precision=precision, shards=shards,
+                                     loads=mesh.loads)  # fmt: skip
     _inject_failure(interpreter, rank)
     ev_plan = ev_plan or plan
     ev_ex = ex if ev_plan is plan else executor(ev_plan, False)

@@ -108,6 +108,8 @@ class NonFiniteGuard:
         self.last_stage = stage is not None and plan.num_stages - 1 in plan.stages_of_device(rank)
         self.skipped: list[int] = []
         """Steps skipped for a non-finite loss or gradient (``on_nonfinite="skip"``)."""
+        self.sums: list[float] = []
+        """The last :meth:`agree_finite`'s ``summed`` vector summed over the ranks."""
         self._loss_sums: list[tuple[int, torch.Tensor]] = []  # (micro-batch, loss so far)
         self._grad_mbs: list[int] = []
         """The micro-batch of each backward the replay checked (its flag's slot)."""
@@ -211,6 +213,7 @@ class NonFiniteGuard:
         extra: Sequence[float | torch.Tensor] = (),
         grad_sq_norm: torch.Tensor | float = 0.0,
         replay: Callable[[], None] | None = None,
+        summed: torch.Tensor | None = None,
     ) -> tuple[str | None, list[list[float]], torch.Tensor]:
         """Every rank's verdict on the step (a world all_gather, none in a world of one; every
         rank calls it once per step, ranks beyond the plan included), read on the host once.
@@ -231,6 +234,9 @@ class NonFiniteGuard:
             grad_sq_norm: this rank's part of the squared gradient norm (0: it holds none).
             replay: runs this rank's compute part of the step again (None: no replay; the
                 message then names no micro-batch for a gradient).
+            summed: a float64 vector on the device (the same length on every rank) gathered
+                along and summed over the ranks on the device before the one host read
+                (the step's expert loads); the sums are left in :attr:`sums`.
 
         Returns:
             The verdict - None to go on; ``""`` when the step must be skipped (its gradients are
@@ -241,18 +247,29 @@ class NonFiniteGuard:
         s = -1 if self.stage is None else self.stage
         loss = self._loss_sums[-1][1] if self._loss_sums else 0.0
         mine = device_row([loss, s, grad_sq_norm, self.rank, *extra], self.device)
-        rows, table = self._gather(mine)  # the step's one host read
+        rows, table = self._gather(mine, summed)  # the step's one host read
         return self._verdict(step, _bad_ranks(rows), replay), rows, table
 
-    def _gather(self, mine: torch.Tensor) -> tuple[list[list[float]], torch.Tensor]:
-        """Every rank's row (as lists on the host, and stacked on the device)."""
+    def _gather(
+        self, mine: torch.Tensor, summed: torch.Tensor | None = None
+    ) -> tuple[list[list[float]], torch.Tensor]:
+        """Every rank's row (as lists on the host, and stacked on the device); with
+        ``summed``, its sum over the ranks read along into :attr:`sums`."""
+        n = mine.numel()
+        if summed is not None:
+            mine = torch.cat([mine, summed.to(mine.device, torch.float64)])
         if self.world == 1:  # one process: nothing to agree on
             table = mine.unsqueeze(0)
         else:
             gathered = [torch.empty_like(mine) for _ in range(self.world)]
             comm.all_gather(gathered, mine)
             table = torch.stack(gathered)
-        return table.tolist(), table
+        if summed is None:
+            return table.tolist(), table
+        head = table[:, :n]
+        flat = torch.cat([head.reshape(-1), table[:, n:].sum(0)]).tolist()
+        self.sums = flat[n * len(table) :]
+        return [flat[i * n : (i + 1) * n] for i in range(len(table))], head
 
     def _name_micro_batch(
         self, replay: Callable[[], None] | None

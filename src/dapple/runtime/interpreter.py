@@ -64,6 +64,7 @@ from dapple.runtime.guard import NonFiniteGuard
 from dapple.runtime.launch.failure import RankFailure, describe_rank, failure_grid, short_error
 from dapple.runtime.metrics import ROW_SQ_NORM, StepProbe, global_norm
 from dapple.runtime.optim import ModelUpdate
+from dapple.runtime.parallel.expert import ExpertLoads
 from dapple.runtime.parallel.zero import FlatShards
 from dapple.runtime.precision import Precision
 from dapple.runtime.reporting import target_token_count
@@ -155,9 +156,15 @@ class ProgramInterpreter:
         update: ModelUpdate,
         precision: Precision | None = None,
         shards: FlatShards | None = None,
+        loads: ExpertLoads | None = None,
     ) -> None:
         self.plan, self.schedule, self.rank = plan, schedule, rank
         self.shards = shards
+        self.loads = loads
+        """The expert-load counters (None: no MoE layer counted); summed over the ranks in
+        the step's collective, the sums in :attr:`expert_load`."""
+        self.expert_load: tuple[tuple[int, ...], ...] = ()
+        """The last step's tokens per expert per MoE layer (:mod:`~dapple.runtime.parallel.expert.load`)."""
         self.ex, self.sync, self.guard, self.probe = executor, sync, guard, probe
         self.optimizer, self.params, self.update = optimizer, params, update
         self.precision = precision or Precision("fp32", torch.device("cpu"))
@@ -259,6 +266,8 @@ class ProgramInterpreter:
             self.shards.begin_step()
         self.ex.begin_step(inputs, targets, step)
         self.guard.begin_step()
+        if self.loads is not None:
+            self.loads.begin_step()
         with self.precision.weight_cache():  # autocast: one cast of the weights per step
             self._execute(self._compute)
         self._at = "the step's sends"
@@ -283,9 +292,13 @@ class ProgramInterpreter:
         tokens = target_token_count(targets)
         extra = (loss_part, peak, resident, float(self.probe.baseline_bytes),
                  -1.0 if tokens is None else tokens)  # fmt: skip
+        summed = self.loads.vector() if self.loads is not None else None
         verdict, rows, table = self.guard.agree_finite(
-            step, extra, grad_sq_norm=self._sq_norm, replay=lambda: self._replay(inputs, targets)
-        )
+            step, extra, grad_sq_norm=self._sq_norm, replay=lambda: self._replay(inputs, targets),
+            summed=summed,
+        )  # fmt: skip
+        if self.loads is not None:
+            self.expert_load = self.loads.layout.split(self.guard.sums)
         self.probe.lap()
         if verdict is None:
             self.update.set_norm(table[:, ROW_SQ_NORM].sum(), global_norm(rows))

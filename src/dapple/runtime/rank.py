@@ -28,7 +28,7 @@ from dapple.runtime.config import TrainConfig
 from dapple.runtime.data import RankData, data_dims, sample_row
 from dapple.runtime.memory import ActivationMeter
 from dapple.runtime.optim import counted_parameters, make_optimizer
-from dapple.runtime.parallel.expert import shard_experts
+from dapple.runtime.parallel.expert import count_expert_load, shard_experts
 from dapple.runtime.parallel.stage_mesh import RankGroups, StageMesh, mesh_stage
 from dapple.runtime.parallel.zero import FlatShards, flat_parameters, tied_parameters
 from dapple.runtime.precision import Precision
@@ -96,16 +96,19 @@ def cut_layers(
 ) -> tuple[StageLayers, StageMesh]:  # fmt: skip
     """The rank's layers cut over its tensor group and/or sharded over its replicas (t_s > 1,
     zero_stage 3: :func:`~dapple.runtime.parallel.stage_mesh.mesh_stage`; e_s > 1: their experts,
-    :func:`~dapple.runtime.parallel.expert.shard_experts`); as they are otherwise."""
+    :func:`~dapple.runtime.parallel.expert.shard_experts`, their MoE sites counting the expert
+    load first, :func:`~dapple.runtime.parallel.expert.load.count_expert_load`); as they are
+    otherwise."""
     s, j = layers.stage, layers.replica
     if s is None or j is None:
-        return layers, StageMesh()
+        return layers, StageMesh(loads=count_expert_load(plan, workload, rank, None, device))
     mine = [plan.stages[k] for k in layers.chunks]
     mesh = StageMesh()
     if any(st.tensor_width > 1 or st.zero_stage == 3 for st in mine):
         chunks, module, mesh = mesh_stage(plan, workload, rank, layers.chunks, groups, device,
                                           autocast)  # fmt: skip
         layers = StageLayers(s, j, chunks, module)
+    mesh.loads = count_expert_load(plan, workload, rank, layers.module, device, mesh.tensor_rank)
     mesh.experts = shard_experts(plan, rank, layers.module, groups.expert)
     return layers, mesh
 

@@ -144,7 +144,8 @@ class ProgressBar:
 
 
 def scalars(m: StepMetrics) -> dict[str, float]:
-    """The step's scalars under their TensorBoard tags (fields that are None are left out)."""
+    """The step's scalars under their TensorBoard tags (fields that are None are left out; an
+    MoE model's expert max/mean load per layer under ``moe/max_over_mean/layer_<i>``)."""
     values: dict[str, float | None] = {
         "train/loss": m.loss,
         "train/lr": m.lr,
@@ -154,6 +155,8 @@ def scalars(m: StepMetrics) -> dict[str, float]:
         "perf/samples_per_s": m.samples_per_s,
         "perf/step_ms": m.step_ms,
     }
+    for layer, ratio in zip(m.expert_layers, m.expert_imbalance, strict=True):
+        values[f"moe/max_over_mean/layer_{layer}"] = ratio
     return {k: float(v) for k, v in values.items() if v is not None}
 
 

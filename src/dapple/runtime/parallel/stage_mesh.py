@@ -48,6 +48,7 @@ from dapple.runtime import comm
 from dapple.runtime.config import TrainConfig
 from dapple.runtime.parallel.expert import (
     ExpertGroups,
+    ExpertLoads,
     ExpertShards,
     check_expert_layers,
     check_expert_run,
@@ -235,6 +236,9 @@ class StageMesh:
     """Stage index -> its chunk's FSDP wrapping (the ZeRO-3 chunks of the rank)."""
     experts: ExpertShards | None = None
     """The rank's expert shards (e_s > 1, :mod:`dapple.runtime.parallel.expert`)."""
+    loads: ExpertLoads | None = None
+    """The rank's expert-load counters (:mod:`dapple.runtime.parallel.expert.load`; None: the
+    model has no MoE layer to count)."""
 
     @property
     def cut(self) -> bool:

@@ -16,6 +16,8 @@ which holds every expert once: replica ``j`` holds expert shard ``j % e`` (exper
   the r_s/e_s replicas holding the same shard (``StagePlan.expert_shard_replicas``) at the
   ``AR`` action (:class:`ExpertGradientSync`; nothing to sum when e_s = r_s). Every loss is
   already scaled by its rows over the global batch, so these sums equal one device's gradient.
+- **Load.** Each MoE layer's tokens per expert per step, counted on the device before the
+  dispatch and summed over the ranks in the step's collective (:mod:`.load`).
 - **Norm, verify, checkpoints.** Replica 0 counts the non-expert parameters in the global
   gradient norm and the replicas of expert group 0 their expert shards; whole weights (for
   ``dapple verify``) and whole checkpoints (weights and optimizer state,
@@ -49,15 +51,19 @@ from dapple.models.workload import Workload
 from dapple.runtime import comm
 from dapple.runtime.config import TrainConfig
 from dapple.runtime.parallel.expert.exchange import GroupCollectives
+from dapple.runtime.parallel.expert.load import ExpertLoads, count_expert_load, expert_report
 from dapple.runtime.parallel.expert.sites import find_sites, shard_site, site_experts
 from dapple.runtime.sync import GradientSync
 
 __all__ = [
     "ExpertGradientSync",
     "ExpertGroups",
+    "ExpertLoads",
     "ExpertShards",
     "check_expert_layers",
     "check_expert_run",
+    "count_expert_load",
+    "expert_report",
     "gradient_sync",
     "make_expert_groups",
     "shard_experts",
