@@ -36,7 +36,7 @@ REPS = ((4, 2), (9, 3), (15, 1))
 
 _SCRIPT = """
 import sys
-from dapple.core.cluster import PRESETS
+from dapple.core.cluster_presets import PRESETS
 from dapple.core.plan import Plan
 from dapple.core.profile import ModelProfile
 from dapple.runtime.launch.elastic import ElasticPolicy

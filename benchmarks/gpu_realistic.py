@@ -143,7 +143,7 @@ def _planned(plan: Any, profile: Any, cluster: Any) -> list[float]:
 
 def step_realistic(ctx: Ctx) -> list[str]:
     from dapple import api
-    from dapple.core.cluster import PRESETS
+    from dapple.core.cluster_presets import PRESETS
     from dapple.core.plan import straight_plan
     from dapple.profiler.analytic import analytic_profile
 

@@ -115,7 +115,7 @@ def _fb_ms(profile: Any, b: float) -> float:
 
 def step_profile(ctx: Ctx) -> list[str]:
     from dapple import api
-    from dapple.core.cluster import PRESETS
+    from dapple.core.cluster_presets import PRESETS
     from dapple.core.plan import straight_plan
     from dapple.cost.pipeline import pipeline_latency
 

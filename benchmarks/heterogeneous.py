@@ -22,7 +22,8 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from dapple.core.cluster import GIB, PRESETS, Cluster, load_cluster
+from dapple.core.cluster import GIB, Cluster
+from dapple.core.cluster_presets import PRESETS, load_cluster
 from dapple.core.device_kinds import DATASHEET_TFLOPS, DeviceKind
 from dapple.core.plan import Plan
 from dapple.core.profile import ModelProfile

@@ -34,7 +34,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from _bench_common import header, write_report
-from dapple.core.cluster import GIB, PRESETS, Cluster
+from dapple.core.cluster import GIB, Cluster
+from dapple.core.cluster_presets import PRESETS
 from dapple.core.plan import Plan
 from dapple.core.profile import ModelProfile
 from dapple.errors import InfeasibleError

@@ -29,7 +29,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _bench_common import HERE, header, load_note
-from dapple.core.cluster import GIB, load_cluster
+from dapple.core.cluster import GIB
+from dapple.core.cluster_presets import load_cluster
 from dapple.core.plan import Plan, straight_plan
 from dapple.core.profile import ModelProfile
 from dapple.cost.pipeline import pipeline_latency

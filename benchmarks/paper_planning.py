@@ -12,7 +12,8 @@ import argparse
 import time
 from datetime import datetime, timezone
 
-from dapple.core.cluster import PRESETS, Cluster
+from dapple.core.cluster import Cluster
+from dapple.core.cluster_presets import PRESETS
 from dapple.core.plan import Plan
 from dapple.core.profile import ModelProfile
 from dapple.cost.pipeline import LatencyBreakdown, pipeline_latency

@@ -25,7 +25,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from _bench_common import header, write_report
-from dapple.core.cluster import GIB, Cluster, load_cluster
+from dapple.core.cluster import GIB, Cluster
+from dapple.core.cluster_presets import load_cluster
 from dapple.core.plan import Plan
 from dapple.core.profile import ModelProfile
 from dapple.cost.terms import stage_terms

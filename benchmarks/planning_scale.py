@@ -18,7 +18,7 @@ import argparse
 import json
 import time
 
-from dapple.core.cluster import load_cluster
+from dapple.core.cluster_presets import load_cluster
 from dapple.planner.grid import grid_plan
 from dapple.planner.search import dapple_search
 from dapple.profiler.paper_models import load_profile

@@ -16,7 +16,8 @@ import platform
 import time
 from datetime import datetime, timezone
 
-from dapple.core.cluster import PRESETS, Cluster
+from dapple.core.cluster import Cluster
+from dapple.core.cluster_presets import PRESETS
 from dapple.core.profile import ModelProfile
 from dapple.errors import InfeasibleError
 from dapple.planner.search import dapple_search

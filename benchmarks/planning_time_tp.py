@@ -21,7 +21,8 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from dapple.core.cluster import Cluster, load_cluster
+from dapple.core.cluster import Cluster
+from dapple.core.cluster_presets import load_cluster
 from dapple.core.layer_profile import AffineTime, LayerProfile
 from dapple.core.profile import ModelProfile
 from dapple.planner.search import dapple_search

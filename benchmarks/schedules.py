@@ -18,7 +18,7 @@ import argparse
 import time
 
 from _bench_common import header
-from dapple.core.cluster import load_cluster
+from dapple.core.cluster_presets import load_cluster
 from dapple.errors import DappleError
 from dapple.planner import make_plan
 from dapple.planner.schedule_choice import SCHEDULE_VARIANTS, balanced_pipelines, best_per_schedule

@@ -123,7 +123,7 @@ def _held_out(prof: ModelProfile, sizes: list[int]) -> list[str]:
 
 
 def _plans(prof: ModelProfile, lens: list[int]) -> list[str]:
-    from dapple.core.cluster import load_cluster
+    from dapple.core.cluster_presets import load_cluster
 
     cluster, gbs = load_cluster("local-cpu"), 8
     mid = lens[len(lens) // 2]

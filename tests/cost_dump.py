@@ -29,7 +29,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from dapple.core.cluster import PRESETS, Cluster
+from dapple.core.cluster import Cluster
+from dapple.core.cluster_presets import PRESETS
 from dapple.core.layer_profile import AffineTime, LayerProfile
 from dapple.core.plan import Plan
 from dapple.core.profile import LengthProfile, ModelProfile

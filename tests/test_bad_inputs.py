@@ -22,7 +22,7 @@ import pytest
 from builders import boom, make_cluster, make_profile, one_error_line
 from dapple import api
 from dapple.cli import main
-from dapple.core.cluster import load_cluster
+from dapple.core.cluster_presets import load_cluster
 from dapple.core.plan import Plan, straight_plan
 from dapple.errors import ValidationError
 from dapple.planner import make_plan

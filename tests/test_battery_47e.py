@@ -15,7 +15,8 @@ import pytest
 
 from builders import make_profile, one_error_line
 from dapple.cli import main
-from dapple.core.cluster import GIB, load_cluster
+from dapple.core.cluster import GIB
+from dapple.core.cluster_presets import load_cluster
 from dapple.core.usable import usable_cluster
 
 MIXED = Path(__file__).resolve().parents[1] / "examples" / "mixed.json"

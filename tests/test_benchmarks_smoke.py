@@ -71,7 +71,7 @@ def test_plan_space_compares_grid_and_dapple_on_a_tiny_llama():
     import dataclasses
 
     import plan_space
-    from dapple.core.cluster import load_cluster
+    from dapple.core.cluster_presets import load_cluster
     from dapple.profiler.analytic import analytic_profile
     from dapple.profiler.analytic_presets import PRESETS
 

@@ -34,7 +34,7 @@ def test_calibrate_two_processes(tmp_path):
     res = calibrate(2, sizes=(1 << 12, 1 << 18, 1 << 20), repeats=2)
     assert all(t > 0 for t in res.p2p_ms) and all(t > 0 for t in res.allreduce_ms)
     res.cluster.save(tmp_path / "c.json")
-    from dapple.core.cluster import load_cluster
+    from dapple.core.cluster_presets import load_cluster
 
     c = load_cluster(str(tmp_path / "c.json"))
     assert isinstance(c, Cluster) and c.num_devices == 2 and c.intra_server_bandwidth_gbps > 0

@@ -19,7 +19,7 @@ from dapple import api
 from dapple.cli import build_parser, main
 from dapple.cli._run_args import add_run_arguments
 from dapple.cli._train_config import run_config_of, verify_config_of
-from dapple.core.cluster import load_cluster
+from dapple.core.cluster_presets import load_cluster
 from dapple.core.plan import Plan, straight_plan
 from dapple.errors import ValidationError
 from dapple.profiler.paper_models import PAPER_MODELS, load_paper_profile, load_profile

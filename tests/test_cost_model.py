@@ -15,7 +15,8 @@ from typing import Any
 
 import pytest
 
-from dapple.core.cluster import PRESETS, Cluster
+from dapple.core.cluster import Cluster
+from dapple.core.cluster_presets import PRESETS
 from dapple.core.cuts import rounded_to_chunks
 from dapple.core.plan import Plan
 from dapple.core.profile import ModelProfile

@@ -10,7 +10,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dapple.core.cluster import PRESETS, Cluster
+from dapple.core.cluster import Cluster
+from dapple.core.cluster_presets import PRESETS
 from dapple.core.layer_profile import AffineTime, LayerProfile
 from dapple.core.moe_profile import MoEProfile
 from dapple.core.profile import ModelProfile

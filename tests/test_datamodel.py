@@ -7,7 +7,8 @@ import json
 import pytest
 
 from builders import make_cluster, make_profile
-from dapple.core.cluster import GIB, PRESETS, Cluster, load_cluster
+from dapple.core.cluster import GIB, Cluster
+from dapple.core.cluster_presets import PRESETS, load_cluster
 from dapple.core.layer_profile import AffineTime, fit_affine
 from dapple.core.plan import Plan, StagePlan, slice_bounds, split_sizes, straight_plan, transfers
 from dapple.core.profile import ModelProfile

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from dapple.core.cluster import GIB, PRESETS, Cluster, load_cluster
+from dapple.core.cluster import GIB, Cluster
+from dapple.core.cluster_presets import PRESETS, load_cluster
 from dapple.core.device_kinds import DATASHEET_MEMORY_BYTES, DATASHEET_TFLOPS, DeviceKind
 from dapple.errors import ValidationError
 from dapple.profiler.analytic_devices import DEVICES

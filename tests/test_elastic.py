@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from builders import make_profile
-from dapple.core.cluster import PRESETS
+from dapple.core.cluster_presets import PRESETS
 from dapple.core.plan import Plan, straight_plan
 from dapple.core.profile import ModelProfile
 from dapple.errors import ValidationError
@@ -139,7 +139,7 @@ def test_a_torchrun_worker_resumes_and_records_a_changed_plan(tmp_path: Path) ->
 # -- real runs ---------------------------------------------------------------------------------
 _SCRIPT = """
 import json, sys
-from dapple.core.cluster import PRESETS
+from dapple.core.cluster_presets import PRESETS
 from dapple.core.plan import Plan
 from dapple.core.profile import ModelProfile
 from dapple.runtime.launch.elastic import ElasticPolicy
@@ -281,7 +281,7 @@ def test_below_the_minimum_the_run_stops_with_a_checkpoint_that_resumes(tmp_path
 
 _TORCHRUN_SCRIPT = """
 import sys
-from dapple.core.cluster import PRESETS
+from dapple.core.cluster_presets import PRESETS
 from dapple.core.plan import Plan
 from dapple.core.profile import ModelProfile
 from dapple.runtime.launch.elastic import ElasticPolicy

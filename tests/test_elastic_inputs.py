@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from builders import make_profile
-from dapple.core.cluster import PRESETS
+from dapple.core.cluster_presets import PRESETS
 from dapple.core.plan import straight_plan
 from dapple.errors import ValidationError
 from dapple.runtime.config import TrainConfig

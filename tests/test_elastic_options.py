@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from builders import link_cluster, llm_layer
-from dapple.core.cluster import PRESETS
+from dapple.core.cluster_presets import PRESETS
 from dapple.core.plan import Plan
 from dapple.core.planning_options import PlanningOptions
 from dapple.core.profile import LengthProfile, ModelProfile

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from dapple.core.cluster import Cluster, load_cluster
+from dapple.core.cluster import Cluster
+from dapple.core.cluster_presets import load_cluster
 from dapple.core.plan import Plan
 from dapple.core.profile import ModelProfile
 

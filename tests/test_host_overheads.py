@@ -7,7 +7,8 @@ import dataclasses
 
 import pytest
 
-from dapple.core.cluster import Cluster, load_cluster
+from dapple.core.cluster import Cluster
+from dapple.core.cluster_presets import load_cluster
 from dapple.core.layer_profile import AffineTime, LayerProfile
 from dapple.core.plan import straight_plan
 from dapple.core.profile import ModelProfile

@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 
 from builders import boom, make_cluster, make_profile
 from dapple.cli import main
-from dapple.core.cluster import load_cluster
+from dapple.core.cluster_presets import load_cluster
 from dapple.core.config_file import read_toml
 from dapple.core.plan import Plan, straight_plan
 from dapple.core.profile import ModelProfile

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dapple.core.cluster import load_cluster
+from dapple.core.cluster_presets import load_cluster
 from dapple.core.plan import Plan, StagePlan
 from dapple.simulate.layout import layout_cells, plot_layout, stage_label
 

@@ -74,7 +74,7 @@ def test_realistic_prediction_within_10_percent_of_the_h200(key):
 def test_the_planner_reads_the_same_peaks(key):
     """The cost model's rows (what the planner fits into a device) and the schedule replay are
     the step peak: with the CUDA workspaces (a cluster's reserved bytes) within 10% of the H200."""
-    from dapple.core.cluster import PRESETS
+    from dapple.core.cluster_presets import PRESETS
     from dapple.cost.pipeline import pipeline_latency
     from dapple.cost.schedules import device_memory_by_group
 

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from dapple.core.cluster import GIB, Cluster, load_cluster
+from dapple.core.cluster import GIB, Cluster
+from dapple.core.cluster_presets import load_cluster
 from dapple.core.device_kinds import DeviceKind
 from dapple.core.plan import Plan, split_sizes
 from dapple.cost.compute import compute_ms
@@ -207,7 +208,7 @@ def test_cli_plan_prints_the_shares_by_kind(capsys: pytest.CaptureFixture[str]) 
 
 
 def test_layout_names_each_servers_kind() -> None:
-    from dapple.core.cluster import PRESETS
+    from dapple.core.cluster_presets import PRESETS
     from dapple.simulate.layout import server_label
 
     assert server_label(MIXED, 0) == "server 0\nH100 x1"

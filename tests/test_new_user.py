@@ -102,7 +102,7 @@ def test_verify_a_tp2_plan_of_transformer_tp_equals_one_device(
 # -- item 6: what a prediction rests on ---------------------------------------------------------
 def test_the_prediction_names_its_basis_and_points_to_calibrate(tmp_path: Path) -> None:
     from dapple.cli._prediction_note import OFF_RATIO, prediction_basis
-    from dapple.core.cluster import PRESETS
+    from dapple.core.cluster_presets import PRESETS
 
     prof = tmp_path / "p.json"
     dataclasses.replace(make_profile(), device="cpu").save(prof)

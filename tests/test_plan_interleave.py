@@ -13,7 +13,7 @@ import pytest
 from dapple import api
 from dapple.cli import main
 from dapple.cli._plan_show import schedule_stage_table, stage_table
-from dapple.core.cluster import load_cluster
+from dapple.core.cluster_presets import load_cluster
 from dapple.core.plan import Plan
 from dapple.cost.pipeline import pipeline_latency
 from dapple.cost.schedules import device_memory_by_group, schedule_latency

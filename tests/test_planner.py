@@ -279,7 +279,7 @@ def test_bert48_on_two_servers_plans_quickly(monkeypatch: pytest.MonkeyPatch) ->
     """Planning BERT-48 on config A scores few candidates (1,450 at the time of writing; 0.06-0.4
     s, benchmarks/planning_time.md): the work is bounded, not the wall time of a shared CI
     machine."""
-    from dapple.core.cluster import PRESETS
+    from dapple.core.cluster_presets import PRESETS
     from dapple.planner.evaluate import Scorer
     from dapple.profiler.paper_models import load_paper_profile
 

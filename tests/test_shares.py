@@ -337,7 +337,7 @@ def test_slowest_replica_sets_the_stage_time_and_bad_speeds_are_named() -> None:
 def test_simulated_replicas_compute_their_shares() -> None:
     """On equal devices a 3:1 split waits on the 3-sample replica: slower than the even split,
     as slow whichever replica takes the 3 (and unequal split-concat across the cut works)."""
-    from dapple.core.cluster import load_cluster
+    from dapple.core.cluster_presets import load_cluster
     from dapple.cost.terms import stage_terms
     from dapple.profiler.analytic import analytic_profile
     from dapple.simulate import simulate

@@ -19,7 +19,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from dapple.core.cluster import PRESETS, Cluster, load_cluster
+from dapple.core.cluster import Cluster
+from dapple.core.cluster_presets import PRESETS, load_cluster
 from dapple.core.layer_profile import AffineTime, LayerProfile
 from dapple.core.plan import Plan, StagePlan
 from dapple.core.profile import ModelProfile

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
-from dapple.core.cluster import Cluster, load_cluster
+from dapple.core.cluster import Cluster
+from dapple.core.cluster_presets import load_cluster
 from dapple.core.plan import Plan
 from dapple.core.profile import ModelProfile
 from dapple.errors import ValidationError

@@ -12,7 +12,7 @@ OFF_RATIO = 1.5
 
 def _cluster_words(spec: str) -> tuple[str, bool]:
     """Words for the cluster ``spec`` and whether it holds calibrated host CPU terms."""
-    from dapple.core.cluster import PRESETS, load_cluster
+    from dapple.core.cluster_presets import PRESETS, load_cluster
 
     if spec in PRESETS:
         words = f"the preset cluster {spec!r} (datasheet or default numbers, not calibrated here)"

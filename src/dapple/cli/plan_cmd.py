@@ -26,7 +26,8 @@ from dapple.cli._plan_show import (
 )
 from dapple.cli._profile_arg import add_profile_argument
 from dapple.cli._run_args import add_virtual_stages_argument
-from dapple.core.cluster import Cluster, describe_presets
+from dapple.core.cluster import Cluster
+from dapple.core.cluster_presets import describe_presets
 from dapple.core.output_path import check_output_file
 from dapple.core.plan import Plan
 from dapple.core.profile import ModelProfile

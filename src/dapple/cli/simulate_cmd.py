@@ -20,7 +20,8 @@ from dapple.cli._console import console, print_table
 from dapple.cli._profile_arg import add_profile_argument
 from dapple.cli._renamed import renamed
 from dapple.cli._run_args import add_virtual_stages_argument
-from dapple.core.cluster import Cluster, describe_presets
+from dapple.core.cluster import Cluster
+from dapple.core.cluster_presets import describe_presets
 from dapple.core.plan import Plan
 from dapple.schedule.registry import check_virtual_stages, get_schedule, schedule_names
 
@@ -152,7 +153,7 @@ def _simulated(cfg: SimulateConfig) -> tuple[Plan, Cluster, list[Run]]:
     plan's, and with ``other_schedule`` the other schedule's (baseline first)."""
     from dapple.api import simulate
     from dapple.api._inputs import with_profile_set
-    from dapple.core.cluster import load_cluster
+    from dapple.core.cluster_presets import load_cluster
     from dapple.simulate.schedules import baseline_first, compared_plan, with_schedule
 
     plan = Plan.load(cfg.plan)

@@ -33,7 +33,7 @@ from dapple.cli._train_config import (
     saves_at_the_end_only,
 )
 from dapple.cli._train_show import add_show_arguments, loss_curve_path, print_summary
-from dapple.core.cluster import describe_presets
+from dapple.core.cluster_presets import describe_presets
 from dapple.core.output_path import check_output_dir, check_output_file, check_picture_file
 from dapple.core.plan import Plan
 from dapple.errors import ValidationError
@@ -332,7 +332,7 @@ def _memory_table(
     from rich.table import Table
 
     from dapple.cli._console import console, print_table
-    from dapple.core.cluster import load_cluster
+    from dapple.core.cluster_presets import load_cluster
     from dapple.cost.pipeline import pipeline_latency
     from dapple.profiler.paper_models import load_profile
     from dapple.runtime.optim_config import state_factor

@@ -1,6 +1,7 @@
 """The pure data model (no torch): model profiles, cluster topology and execution plans."""
 
-from dapple.core.cluster import GIB, PRESETS, Cluster, load_cluster
+from dapple.core.cluster import GIB, Cluster
+from dapple.core.cluster_presets import PRESETS, load_cluster
 from dapple.core.layer_profile import AffineTime, LayerProfile, fit_affine
 from dapple.core.plan import (
     Plan,
