@@ -241,3 +241,16 @@ def test_an_elastic_flag_passes_when_the_file_makes_the_run_elastic(
     argv = ["train", "--config", str(cfg), "--plan", _plan(tmp_path), *MODEL, "--min-devices", "2"]
     assert main([*argv, "--print-config"]) == 0
     assert "min_devices = 2" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "flags", [["--save-every", "5"], ["--save-every", "0"], ["--resume"], ["--require-resume"]]
+)
+def test_a_checkpoint_flag_without_a_checkpoint_dir_names_the_flag(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], standalone: None, flags: list[str]
+) -> None:
+    """``--save-every 5`` said "save_every and resume need a checkpoint_dir" (``--resume``,
+    never given, named beside it); ``--save-every 0`` was taken without a word."""
+    assert main(["train", "--plan", _plan(tmp_path), *MODEL, *flags]) == 2
+    one_error_line(capsys, f"{' '.join(flags)} applies to checkpoints only",
+                   "add --checkpoint-dir DIR, or drop it")  # fmt: skip

@@ -133,11 +133,14 @@ _ELASTIC_ONLY = {("run", "min_devices"): "--min-devices", ("run", "max_restarts"
 config cannot tell them from no flag, so the command line's own are checked."""
 
 _CHECKPOINT_ONLY = {
+    ("train", "save_every"): "--save-every",
     ("run", "keep"): "--keep",
+    ("train", "resume"): "--resume",
+    ("run", "require_resume"): "--require-resume",
     ("train", "overwrite_checkpoints"): "--overwrite-checkpoints",
 }
 """The flags that do nothing without checkpoints (``--checkpoint-dir``): checked like
-:data:`_ELASTIC_ONLY` (``--save-every`` and ``--resume`` are refused by the run's own check)."""
+:data:`_ELASTIC_ONLY`, before the run's own checks (which name the fields, not the flags)."""
 
 
 def _file_key(f: tuple[str, str]) -> str:
@@ -208,7 +211,8 @@ def _check_flags_apply(file: dict[str, Any], over: dict[tuple[str, str], Any]) -
         (_ELASTIC_ONLY, elastic,
          "applies to elastic runs only (re-planning when a device is lost): add --elastic"),
         (_CHECKPOINT_ONLY, saves,
-         "applies to checkpoints only, and this run saves none: add --checkpoint-dir DIR"),
+         "applies to checkpoints only, and this run has no checkpoint folder: add "
+         "--checkpoint-dir DIR"),
     )  # fmt: skip
     for flags, applies, why in rules:
         given = [(flag, over[field]) for field, flag in flags.items() if field in over]
