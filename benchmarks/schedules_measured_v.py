@@ -187,8 +187,10 @@ def report(
         "CPU per step by action kind (ms, main thread, all ranks summed; median over steps "
         "after the warm-up, then over rounds): F forward, B whole backward, I input gradient, "
         "W weight gradient, main the whole step on the main thread (`time.thread_time` inside "
-        "dapple's `run_step`, around torch's `schedule.step` + optimizer step). Waits for "
-        "messages sleep, so they add no CPU; the communication threads are counted only in the "
+        "dapple's `run_step`, around torch's `schedule.step` + optimizer step). The CPU of a wait "
+        "for a message (gloo's wait path; a sleep adds none) counts in the main thread outside "
+        "the actions on both sides (dapple waits inside F, B and I, torch before them: taken "
+        "out of dapple's); the communication threads are counted only in the "
         "last column (`time.process_time` of each process, all its threads).",
         "",
         *_action_rows(cases, got, skip),
