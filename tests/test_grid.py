@@ -261,6 +261,28 @@ def test_dapple_is_never_slower_than_the_whole_grid(
     assert _dapple_best_ms(prof, cluster, B, interleaved=True) <= grid * (1 + 1e-9)
 
 
+def test_auto_takes_the_grids_fsdp_point_where_its_update_shard_lowers_L() -> None:
+    """4 replicas of a 4 MB stage with an optimizer update of 1e-7 ms per byte (0.4 ms): the
+    FSDP point updates a quarter of it per replica, 0.3 ms less than its DDP twin, which fits
+    as well. ``auto`` shards its own stages only where memory asks for it, and offered the FSDP
+    point only where its DDP twin did not fit: its plan was the DDP twin's L."""
+    prof = dataclasses.replace(
+        make_profile(4, fwd=5.0, bwd=10.0, params=10**6), update_ms_per_parameter_byte=1e-7
+    )
+    cluster = _cluster(1, 4, 16.0)
+    fits = {c.point: c.L_ms for c in grid_candidates(prof, cluster, 8, interleaved=False) if c.fits}
+    fsdp = GridPoint(dp=4, tp=1, pp=1, M=1, zero_stage=3)
+    assert fits[dataclasses.replace(fsdp, zero_stage=0)] == pytest.approx(fits[fsdp] + 0.3)
+    plan = dapple_search(prof, cluster, 8, zero_stage="auto")
+    assert plan.predicted_step_ms == pytest.approx(min(fits.values()), rel=1e-9)
+    assert plan.predicted_step_ms == pytest.approx(fits[fsdp], rel=1e-9)
+    assert [st.zero_stage for st in plan.stages] == [3]
+    # without a shard's gain (no update term) the DDP point stays: FSDP is offered only below it
+    plain = dapple_search(make_profile(4, fwd=5.0, bwd=10.0, params=10**6), cluster, 8,
+                          zero_stage="auto")  # fmt: skip
+    assert [st.zero_stage for st in plain.stages] == [0] * len(plain.stages)
+
+
 def test_grid_point_labels() -> None:
     p = GridPoint(dp=2, tp=4, pp=1, M=2, zero_stage=3)
     assert p.label == "dp2 x tp4 x pp1 FSDP M=2 1F1B"

@@ -356,21 +356,23 @@ def _grid_offers(
 ) -> list[tuple[float, int, Plan]]:
     """The feasible 1F1B points of the uniform grid (:mod:`dapple.planner.grid`) at this
     search's M (``Ms``) that ``accept`` takes (:func:`_grid_filter`); the interleaved ones are
-    :func:`_interleaved_offers`. Under ``zero_stage`` auto an FSDP point is offered only where
-    its DDP twin does not fit (auto shards only where memory asks for it)."""
+    :func:`_interleaved_offers`. Under ``zero_stage`` auto an FSDP point is offered where its
+    DDP twin does not fit or is slower by L: the search's own stages shard only where memory
+    asks for it (:func:`~dapple.planner.stage_options.pick_zero_mode`), so the grid point whose
+    shards' 1/r_s update lowers L comes in as a whole plan."""
     cands = grid_candidates(
         profile, cluster, global_batch_size, interleaved=False, micro_batches=Ms
     )
-    ddp_fits = {c.point for c in cands if c.fits and c.point.zero_stage == 0}
+    ddp_L = {c.point: c.L_ms for c in cands if c.fits and c.point.zero_stage == 0}
 
-    def offered(p: GridPoint) -> bool:
-        twin = dataclasses.replace(p, zero_stage=0)
-        return accept(p) and not (zero_stage == "auto" and p.zero_stage and twin in ddp_fits)
+    def offered(p: GridPoint, L_ms: float) -> bool:
+        twin = ddp_L.get(dataclasses.replace(p, zero_stage=0), math.inf)
+        return accept(p) and not (zero_stage == "auto" and p.zero_stage and twin <= L_ms)
 
     return [
         (c.L_ms, c.point.tp, dataclasses.replace(c.plan, planner="dapple"))
         for c in cands
-        if c.fits and offered(c.point)
+        if c.fits and offered(c.point, c.L_ms)
     ]
 
 
