@@ -274,8 +274,11 @@ def _step_rule_summary(
 def idle_line(plan: Plan, profile: ModelProfile, cluster: Cluster) -> str | None:
     """How many of the cluster's devices ``plan`` leaves idle (None: it uses them all); for a
     dapple plan on more devices than a plan of its batch can keep busy, that bound
-    (:func:`~dapple.core.usable.usable_devices`), the most its search looked at."""
+    (:func:`~dapple.core.usable.usable_devices`), the most its search looked at; on a mixed
+    cluster each kind left idle, its devices and why (:func:`~dapple.planner.idle_kinds.
+    idle_kinds`)."""
     from dapple.core.usable import usable_devices
+    from dapple.planner.idle_kinds import idle_kinds
     from dapple.planner.widths import width_candidates
 
     used, G = len(plan.devices), cluster.num_devices
@@ -283,15 +286,16 @@ def idle_line(plan: Plan, profile: ModelProfile, cluster: Cluster) -> str | None
         return None
     line = f"{G - used:,} of {G:,} devices left idle (the plan uses {used:,})"
     done = plan.planned_with
-    if plan.planner != "dapple" or (done is not None and done.planner != "dapple"):
-        return line
     widths = done.tensor_widths if done is not None and done.tensor_widths else None
     ts = list(widths) if widths is not None else width_candidates(profile, cluster)
+    kinds = "".join(f"; {x}" for x in idle_kinds(plan, profile, cluster, ts))  # mixed clusters
+    if plan.planner != "dapple" or (done is not None and done.planner != "dapple"):
+        return line + kinds
     B, N = plan.global_batch_size, profile.num_layers
     usable = usable_devices(N, B, ts)
     if usable >= G:
-        return line
+        return line + kinds
     return (
         f"{line}: a global batch of {B} keeps at most {usable:,} busy ({N} stages x {B} "
-        f"replicas x tensor width {max(ts)}), the most the search looked at"
+        f"replicas x tensor width {max(ts)}), the most the search looked at{kinds}"
     )

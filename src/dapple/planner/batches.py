@@ -10,6 +10,7 @@ from dapple.core.cluster import Cluster
 from dapple.core.profile import ModelProfile
 from dapple.cost.memory import state_bytes_per_parameter_byte
 from dapple.errors import InfeasibleError, ValidationError
+from dapple.planner.idle_kinds import unfit_kinds_clause
 
 __all__ = [
     "DENSE_MICRO_BATCH_COUNTS",
@@ -123,7 +124,8 @@ def _bytes(n: float) -> str:
 
 def infeasible_message(profile: ModelProfile, cluster: Cluster, global_batch_size: int) -> str:
     """One line saying that no plan of ``profile`` fits ``cluster`` at this batch size, with
-    the model's state and the largest layer's need beside the device memory."""
+    the model's state and the largest layer's need beside the device memory, and the device
+    kinds no layer fits (:func:`~dapple.planner.idle_kinds.unfit_kinds_clause`)."""
     f = state_bytes_per_parameter_byte(profile)
     state = profile.parameter_bytes * f
     r = cluster.reserved_memory_bytes
@@ -145,5 +147,5 @@ def infeasible_message(profile: ModelProfile, cluster: Cluster, global_batch_siz
         f"no plan of {profile.model_name!r} ({profile.num_layers} layers, "
         f"{_bytes(state)} of parameters+gradients+optimizer state; one layer alone needs up to "
         f"{_bytes(need)} with one sample) fits {devices}{reserved} with global batch size "
-        f"{global_batch_size}"
+        f"{global_batch_size}{unfit_kinds_clause(profile, cluster)}"
     )
