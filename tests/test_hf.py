@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from dapple.errors import ValidationError
-from dapple.models.split import original_model, sum_tied_grads_local
+from dapple.models.split import original_model
+from dapple.models.tied import sum_tied_grads_local
 from dapple.models.workload import Workload
 
 transformers = pytest.importorskip("transformers")

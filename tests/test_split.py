@@ -10,13 +10,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from dapple.errors import ValidationError
-from dapple.models.split import (
-    default_cut_names,
-    original_model,
-    parse_split_at,
-    split_module,
-    workload_from_module,
-)
+from dapple.models.split import original_model, split_module, workload_from_module
+from dapple.models.split_graph import default_cut_names, parse_split_at
 from dapple.models.tied import find_tied_parameters, sum_tied_grads_local, sync_tied_grads
 from dapple.models.workload import Workload
 

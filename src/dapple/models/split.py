@@ -21,8 +21,8 @@ Design choices:
       per-seed or pretrained weights in :mod:`dapple.models.split_pieces`; this module turns
       them into a :class:`~dapple.models.workload.Workload`.
     - A parameter reached from two pieces (tied weights such as GPT-2's ``wte``/``lm_head``) is
-      copied into each; :func:`find_tied_parameters` records the groups so the runtime can sum
-      their gradients with :mod:`dapple.models.tied` (re-exported here).
+      copied into each; :func:`~dapple.models.tied.find_tied_parameters` records the groups so
+      the runtime can sum their gradients with :mod:`dapple.models.tied`.
     - Parameter names inside a piece are the original model's fully qualified names, so the
       weights of seed ``s`` are loaded into the traced pieces by name.
 
@@ -51,32 +51,20 @@ from torch import fx, nn
 
 from dapple.errors import ValidationError
 from dapple.models.shapes import DimsArg, DynamicDim, check_dims_exist, resolve_dims
-from dapple.models.split_graph import (
-    SplitModel,
-    default_cut_names,
-    executed_module_names,
-    parse_split_at,
-)
+from dapple.models.split_graph import SplitModel, parse_split_at
 from dapple.models.split_pieces import PieceFactory, Splitter, declaring_dims, flat_inputs
-from dapple.models.tied import find_tied_parameters, sum_tied_grads_local, sync_tied_grads
+from dapple.models.tied import find_tied_parameters
 from dapple.models.weights import WeightFiles
 from dapple.models.workload import Workload, layer_seed
 
 __all__ = [
-    "SplitModel",
-    "default_cut_names",
-    "executed_module_names",
-    "find_tied_parameters",
     "is_traced",
     "loaded_tensors",
     "model_factory_of",
     "original_model",
-    "parse_split_at",
     "piece_template",
     "random_sites",
     "split_module",
-    "sum_tied_grads_local",
-    "sync_tied_grads",
     "with_dynamic_dims",
     "with_weights",
     "workload_from_module",

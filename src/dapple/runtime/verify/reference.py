@@ -16,7 +16,8 @@ from torch.utils.data import Dataset
 from dapple.datasets import BatchSource
 from dapple.errors import ValidationError
 from dapple.models.rng import KeyedRandomness, keyed
-from dapple.models.split import original_model, random_sites, sum_tied_grads_local
+from dapple.models.split import original_model, random_sites
+from dapple.models.tied import sum_tied_grads_local
 from dapple.models.workload import Workload
 from dapple.runtime.config import TrainConfig
 from dapple.runtime.data import fit_data, fit_workload
