@@ -1,11 +1,13 @@
 """Expert load per step (:mod:`dapple.runtime.parallel.expert.load`): the tokens each MoE layer
 sends to each expert, counted on the device and summed over the ranks in the step's one
 collective, against a hand count from Hugging Face's eager model (its router's logits, top-k,
-counted per expert); shown in the step line, the metrics file and TensorBoard's scalars."""
+counted per expert); and its load-balancing loss against ``transformers``' own; shown in the step line, the metrics
+file and TensorBoard's scalars."""
 
 from __future__ import annotations
 
 import json
+import math
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -26,9 +28,14 @@ from dapple.runtime.parallel.expert.load import (
 )
 
 
-def hand_count(wl: Any, model: torch.nn.Module, inputs: Any) -> list[list[int]]:
+def hand_count(
+    wl: Any, model: torch.nn.Module, inputs: Any
+) -> tuple[tuple[tuple[int, ...], ...], list[float]]:
     """Per MoE layer, the rows per expert of the eager HF model (``model``'s weights) on
-    ``inputs``: its router's top-k indices counted."""
+    ``inputs`` - its router's top-k indices counted - and its load-balancing loss
+    (``transformers``' ``load_balancing_loss_func`` on the layer's router logits)."""
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
     eager = model_factory_of(wl)()
     weights = {n: t for piece in model for n, t in piece.state_dict().items()}
     eager.load_state_dict(weights, strict=False)
@@ -37,8 +44,9 @@ def hand_count(wl: Any, model: torch.nn.Module, inputs: Any) -> list[list[int]]:
         out = eager.lm(input_ids=ids, attention_mask=mask, output_router_logits=True,
                        use_cache=False)  # fmt: skip
     k, E = em.TOP_K, em.EXPERTS
-    return [torch.bincount(r.topk(k, -1).indices.flatten(), minlength=E).tolist()
-            for r in out.router_logits]  # fmt: skip
+    loads = tuple(tuple(torch.bincount(r.topk(k, -1).indices.flatten(), minlength=E).tolist())
+                  for r in out.router_logits)  # fmt: skip
+    return loads, [float(load_balancing_loss_func((r,), E, k)) for r in out.router_logits]
 
 
 def _one_stage(wl: Any) -> Plan:
@@ -51,25 +59,32 @@ def test_the_counters_count_what_the_router_chose_once_per_training_forward(fact
     pytest.importorskip("transformers")
     wl = getattr(em, factory)()
     layout = load_layout(wl)
-    assert layout.layers == (1, 2) and layout.experts == (4, 4) and layout.columns == 8
+    assert layout.layers == (1, 2) and layout.experts == (4, 4) and layout.columns == 16
     model = wl.build_model(0)
     loads = count_expert_load(_one_stage(wl), wl, 0, model, torch.device("cpu"))
-    assert loads is not None and sorted(loads.counters) == [0, 4]
+    assert loads is not None and sorted(loads.counters) == [0, 8]
     inputs, targets = wl.make_batch(3, 0)
-    want = hand_count(wl, model, inputs)
+    want, want_aux = hand_count(wl, model, inputs)
     assert [sum(x) for x in want] == [3 * 16 * em.TOP_K] * 2
+
+    def check() -> None:
+        got, aux = layout.split(loads.vector().tolist())
+        assert got == want
+        assert aux == pytest.approx(want_aux, rel=1e-5)
+        assert min(aux) > em.TOP_K  # not balanced (k at balance)
+
     wl.loss_fn(model(inputs), targets).backward()
-    assert layout.split(loads.vector().tolist()) == tuple(map(tuple, want))
+    check()
     with torch.no_grad():  # the boundary probe, evaluation: not counted
         model(inputs)
-    assert layout.split(loads.vector().tolist()) == tuple(map(tuple, want))
+    check()
     loads.begin_step()
     assert loads.vector().sum() == 0
     # re-computation inside the backward is not counted again
     ids, mask = inputs
     out = checkpoint(lambda a, b: model((a, b)), ids, mask, use_reentrant=False)
     wl.loss_fn(out, targets).backward()
-    assert layout.split(loads.vector().tolist()) == tuple(map(tuple, want))
+    check()
 
 
 def test_a_dense_model_and_a_tensor_rank_other_than_0_count_nothing() -> None:
@@ -83,9 +98,29 @@ def test_a_dense_model_and_a_tensor_rank_other_than_0_count_nothing() -> None:
     assert loads is not None
     inputs, targets = wl.make_batch(2, 0)
     wl.loss_fn(model(inputs), targets).backward()
-    assert loads.vector().tolist() == [0.0] * 8
+    assert loads.vector().tolist() == [0.0] * 16
     beyond = count_expert_load(_one_stage(wl), wl, 5, None, torch.device("cpu"))
-    assert beyond is not None and beyond.vector().tolist() == [0.0] * 8  # sends zeros
+    assert beyond is not None and beyond.vector().tolist() == [0.0] * 16  # sends zeros
+
+
+def test_a_site_without_a_softmax_router_has_no_probabilities_to_sum() -> None:
+    pytest.importorskip("transformers.integrations.moe")
+    from torch import fx
+
+    from dapple.runtime.parallel.expert.load import router_probs
+    from dapple.runtime.parallel.expert.sites import find_sites
+    from test_expert_parallel import _Experts
+
+    (site,) = find_sites(fx.symbolic_trace(_Experts()))
+    assert router_probs(site) is None
+
+
+def test_the_aux_loss_is_k_when_balanced_and_nan_without_probabilities() -> None:
+    from dapple.runtime.parallel.expert.load import aux_loss
+
+    assert aux_loss([2, 2, 2, 2], [1.0, 1.0, 1.0, 1.0]) == pytest.approx(2.0)  # T=4 tokens, k=2
+    assert aux_loss([4, 0, 0, 0], [4.0, 0.0, 0.0, 0.0]) == pytest.approx(4.0)
+    assert math.isnan(aux_loss([1, 1], [0.0, 0.0]))
 
 
 def test_imbalance_is_max_over_mean() -> None:
@@ -111,7 +146,7 @@ def test_the_step_line_json_and_tensorboard_scalars_show_the_loads() -> None:
 
     load = ((6, 2, 4, 4), (10, 2, 2, 2))
     fields: dict[str, Any] = {"expert_layers": (1, 2), "expert_load": load,
-                              "expert_imbalance": (1.5, 2.5)}  # fmt: skip
+                              "expert_imbalance": (1.5, 2.5), "expert_aux_loss": (2.25, None)}  # fmt: skip
     m = StepMetrics(step=3, loss=1.0, step_ms=10.0, samples_per_s=1.0, peak_memory_bytes=(0,),
                     memory_kind="held_activations", **fields)  # fmt: skip
     assert "expert max/mean 2.50 (layer 2, worst of 2)" in m.line()
@@ -119,13 +154,14 @@ def test_the_step_line_json_and_tensorboard_scalars_show_the_loads() -> None:
     assert {k: getattr(back, k) for k in fields} == fields
     tags = scalars(m)
     assert tags["moe/max_over_mean/layer_1"] == 1.5 and tags["moe/max_over_mean/layer_2"] == 2.5
+    assert tags["moe/aux_loss/layer_1"] == 2.25 and "moe/aux_loss/layer_2" not in tags
     plain = StepMetrics(step=3, loss=1.0, step_ms=10.0, samples_per_s=1.0,
                         peak_memory_bytes=(0,), memory_kind="held_activations")  # fmt: skip
     assert "expert" not in plain.line() and not any(t.startswith("moe/") for t in scalars(plain))
     wl = em.mixtral()
     loads = count_expert_load(_one_stage(wl), wl, 5, None, torch.device("cpu"))
-    assert expert_report(loads, load) == fields
-    assert expert_report(None, ()) == {}
+    assert expert_report(loads, (load, (2.25, math.nan))) == fields
+    assert expert_report(None, ((), ())) == {}
 
 
 # -- distributed: against the hand count, at most one host read per step ---------------------
@@ -181,11 +217,12 @@ def test_the_step_metrics_hold_the_expert_load_of_a_hand_count_and_add_no_host_r
     plan = _plan_1_2_1(1)
     G = plan.global_batch_size
     inputs, _ = wl.make_batch(G, 2)  # step 0's batch of seed 2
-    want = tuple(map(tuple, hand_count(wl, wl.build_model(2), inputs)))
+    want, want_aux = hand_count(wl, wl.build_model(2), inputs)
     for name in ("ep", "plain", "plain-many"):
         lines = [json.loads(x) for x in (tmp_path / f"{name}.jsonl").read_text().splitlines()]
         assert [m["expert_layers"] for m in lines] == [[1, 2]] * len(lines), name
         assert tuple(map(tuple, lines[0]["expert_load"])) == want, name
+        assert lines[0]["expert_aux_loss"] == pytest.approx(want_aux, rel=1e-5), name
         for m in lines:
             assert [sum(x) for x in m["expert_load"]] == [G * 16 * em.TOP_K] * 2, name
             assert m["expert_imbalance"] == pytest.approx([imbalance(x) for x in m["expert_load"]])

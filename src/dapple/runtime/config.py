@@ -221,6 +221,9 @@ class StepMetrics:
     the replicas (a token counts once per chosen expert: a layer's loads sum to tokens x top-k)."""
     expert_imbalance: tuple[float, ...] = ()
     """Per MoE layer, max/mean of its expert load (1: balanced; E: one expert got every row)."""
+    expert_aux_loss: tuple[float | None, ...] = ()
+    """Per MoE layer, its load-balancing loss ``E * sum_i f_i * P_i`` over the step's tokens (k:
+    balanced; None: its router's probabilities not found)."""
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:

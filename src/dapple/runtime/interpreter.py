@@ -163,8 +163,9 @@ class ProgramInterpreter:
         self.loads = loads
         """The expert-load counters (None: no MoE layer counted); summed over the ranks in
         the step's collective, the sums in :attr:`expert_load`."""
-        self.expert_load: tuple[tuple[int, ...], ...] = ()
-        """The last step's tokens per expert per MoE layer (:mod:`~dapple.runtime.parallel.expert.load`)."""
+        self.expert_load: tuple[tuple[tuple[int, ...], ...], tuple[float, ...]] = ((), ())
+        """The last step's tokens per expert and load-balancing loss per MoE layer
+        (:meth:`~dapple.runtime.parallel.expert.load.LoadLayout.split`)."""
         self.ex, self.sync, self.guard, self.probe = executor, sync, guard, probe
         self.optimizer, self.params, self.update = optimizer, params, update
         self.precision = precision or Precision("fp32", torch.device("cpu"))

@@ -287,7 +287,7 @@ def metrics_from_dict(d: dict[str, Any]) -> StepMetrics:
     """A :class:`StepMetrics` from its :meth:`~StepMetrics.to_dict` (a metrics-file line)."""
     d = dict(d)
     d["peak_memory_bytes"] = tuple(d["peak_memory_bytes"])
-    for key in ("expert_layers", "expert_imbalance"):
+    for key in ("expert_layers", "expert_imbalance", "expert_aux_loss"):
         d[key] = tuple(d.get(key, ()))
     d["expert_load"] = tuple(tuple(x) for x in d.get("expert_load", ()))
     return StepMetrics(**d)

@@ -145,7 +145,8 @@ class ProgressBar:
 
 def scalars(m: StepMetrics) -> dict[str, float]:
     """The step's scalars under their TensorBoard tags (fields that are None are left out; an
-    MoE model's expert max/mean load per layer under ``moe/max_over_mean/layer_<i>``)."""
+    MoE model's expert max/mean load and load-balancing loss per layer under
+    ``moe/max_over_mean/layer_<i>`` and ``moe/aux_loss/layer_<i>``)."""
     values: dict[str, float | None] = {
         "train/loss": m.loss,
         "train/lr": m.lr,
@@ -157,6 +158,8 @@ def scalars(m: StepMetrics) -> dict[str, float]:
     }
     for layer, ratio in zip(m.expert_layers, m.expert_imbalance, strict=True):
         values[f"moe/max_over_mean/layer_{layer}"] = ratio
+    for layer, aux in zip(m.expert_layers, m.expert_aux_loss, strict=True):
+        values[f"moe/aux_loss/layer_{layer}"] = aux
     return {k: float(v) for k, v in values.items() if v is not None}
 
 

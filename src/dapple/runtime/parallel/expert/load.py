@@ -12,18 +12,25 @@ counted on the device and summed over the ranks in the step's one collective.
   (their group routes the same rows). Under expert parallelism each replica counts its own rows
   by global expert before they are dispatched (it is placed before :func:`.shard_experts` cuts
   the site).
-- **Step** (:meth:`ExpertLoads.vector`): the rank's C counts (zeros outside its layers), summed
-  over the ranks on the device and read with the step's row
+- **Router probabilities.** Where the site's routing comes from a ``topk`` of a ``softmax`` (the
+  router's probabilities, ``[tokens, E]``: Mixtral's, Qwen2-MoE's), a second pass-through node
+  sums them per expert over the tokens, under the same rule, for the load-balancing loss.
+- **Step** (:meth:`ExpertLoads.vector`): the rank's counts and sums (2 x C columns, zeros outside
+  its layers), summed over the ranks on the device and read with the step's row
   (:meth:`~dapple.runtime.guard.NonFiniteGuard.agree_finite`'s ``summed``);
   :meth:`ExpertLoads.begin_step` zeroes the counters.
 
 Balance is reported as max/mean load per layer (:func:`imbalance`): 1 when every expert got the
-same rows, E when one expert got them all.
+same rows, E when one expert got them all; and as each layer's load-balancing loss
+(:func:`aux_loss`, ``transformers``' ``load_balancing_loss_func`` on one layer):
+``E * sum_i (load_i / T) * (P_i / T)``, with P_i the router's probabilities of expert i summed
+over the step's T tokens (T = sum_i P_i: each token's probabilities sum to 1); k when balanced.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,10 +48,12 @@ __all__ = [
     "ExpertLoadCounter",
     "ExpertLoads",
     "LoadLayout",
+    "aux_loss",
     "count_expert_load",
     "expert_report",
     "imbalance",
     "load_layout",
+    "router_probs",
 ]
 
 logger = logging.getLogger(__name__)
@@ -63,21 +72,24 @@ class LoadLayout:
 
     @property
     def columns(self) -> int:
-        """C: the vector's length."""
-        return sum(self.experts)
+        """The vector's length, 2 x C: each site's E loads, then its E summed probabilities."""
+        return 2 * sum(self.experts)
 
     def offset(self, layer: int, site: int) -> int:
-        """The first column of site ``site`` of layer ``layer``."""
+        """The first column of site ``site`` of layer ``layer`` (its loads; its sums follow)."""
         k = list(zip(self.layers, self.sites, strict=True)).index((layer, site))
-        return sum(self.experts[:k])
+        return 2 * sum(self.experts[:k])
 
-    def split(self, sums: Sequence[float]) -> tuple[tuple[int, ...], ...]:
-        """The summed vector as per-site loads (rounded: they are counts)."""
-        out, at = [], 0
+    def split(self, sums: Sequence[float]) -> tuple[tuple[tuple[int, ...], ...], tuple[float, ...]]:
+        """The summed vector as per-site loads (rounded: they are counts) and load-balancing
+        losses (:func:`aux_loss`; NaN where the site's router probabilities are not summed)."""
+        loads, losses, at = [], [], 0
         for e in self.experts:
-            out.append(tuple(round(x) for x in sums[at : at + e]))
-            at += e
-        return tuple(out)
+            load = tuple(round(x) for x in sums[at : at + e])
+            loads.append(load)
+            losses.append(aux_loss(load, sums[at + e : at + 2 * e]))
+            at += 2 * e
+        return tuple(loads), tuple(losses)
 
 
 def load_layout(workload: Workload) -> LoadLayout:
@@ -105,6 +117,14 @@ def imbalance(load: Sequence[int]) -> float:
     return max(load) * len(load) / total if total else 1.0
 
 
+def aux_loss(load: Sequence[int], prob_sums: Sequence[float]) -> float:
+    """``E * sum_i (load_i / T) * (P_i / T)``, T = sum of ``prob_sums`` (NaN when 0: no sums)."""
+    T = sum(prob_sums)
+    if T <= 0:
+        return math.nan
+    return len(load) * sum(n * q for n, q in zip(load, prob_sums, strict=True)) / (T * T)
+
+
 def _rows_per_expert(offs: torch.Tensor) -> torch.Tensor:
     ends = offs.long()
     return torch.diff(ends, prepend=ends.new_zeros(1))
@@ -115,26 +135,81 @@ class ExpertLoadCounter(nn.Module):
 
     def __init__(self, experts: int, device: torch.device, active: bool = True) -> None:
         super().__init__()
-        self.counts = torch.zeros(experts, dtype=torch.float64, device=device)
-        """Rows per expert since the last :meth:`ExpertLoads.begin_step` (not a buffer: no
-        checkpoint holds it)."""
+        self.counts = torch.zeros(2 * experts, dtype=torch.float64, device=device)
+        """Rows per expert, then the router's probabilities summed per expert, since the last
+        :meth:`ExpertLoads.begin_step` (not a buffer: no checkpoint holds it)."""
+        self.experts = experts
         self.active = active
 
+    def counting(self) -> bool:
+        """Count this call: active, with gradients (not the probe or evaluation) and not inside
+        a backward (re-computation)."""
+        return self.active and torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1
+
     def forward(self, offs: torch.Tensor) -> torch.Tensor:
-        # not without gradients (probe, evaluation) nor inside a backward (re-computation)
-        if self.active and torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
-            self.counts += _rows_per_expert(offs).to(self.counts.device, torch.float64)
+        if self.counting():
+            self.counts[: self.experts] += _rows_per_expert(offs).to(torch.float64)
         return offs
+
+
+class RouterProbSum(nn.Module):
+    """``probs -> probs`` (``[..., E]``), adding them summed over the tokens to the second half
+    of its :class:`ExpertLoadCounter`'s counts."""
+
+    def __init__(self, counter: ExpertLoadCounter) -> None:
+        super().__init__()
+        self.counter = [counter]  # in a list: not registered twice as a module
+
+    def forward(self, probs: torch.Tensor) -> torch.Tensor:
+        c = self.counter[0]
+        if c.counting():
+            c.counts[c.experts :] += probs.detach().reshape(-1, c.experts).sum(0).double()
+        return probs
+
+
+def _op(node: fx.Node) -> str:
+    """The op's base name (``aten.topk.default`` -> ``topk``)."""
+    target = node.target
+    packet = getattr(target, "_opname", None) or getattr(target, "__name__", str(target))
+    return str(packet).split(".")[0]
+
+
+def router_probs(site: ExpertSite) -> fx.Node | None:
+    """The router's probabilities feeding ``site``'s routing: the ``softmax`` whose ``topk``
+    the offsets come from (None: no such pair)."""
+    seen: set[fx.Node] = set()
+    todo = [site.offs]
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "call_function" and _op(n) == "topk":
+            probs = n.args[0]
+            if isinstance(probs, fx.Node) and _op(probs) in ("softmax", "_softmax"):
+                return probs
+            return None
+        todo.extend(n.all_input_nodes)
+    return None
+
+
+def _through(gm: fx.GraphModule, value: fx.Node, module: nn.Module, name: str) -> None:
+    """Put ``module`` between ``value`` and its users (they read its output)."""
+    gm.add_module(name, module)
+    with gm.graph.inserting_after(value):
+        node = gm.graph.call_module(name, (value,))
+    value.replace_all_uses_with(node, delete_user_cb=lambda u: u is not node)
 
 
 def _count_site(
     gm: fx.GraphModule, site: ExpertSite, counter: ExpertLoadCounter, name: str
 ) -> None:
-    """Put ``counter`` between ``site``'s offsets and its matmuls (they read its output)."""
-    gm.add_module(name, counter)
-    with gm.graph.inserting_after(site.offs):
-        node = gm.graph.call_module(name, (site.offs,))
-    site.offs.replace_all_uses_with(node, delete_user_cb=lambda u: u is not node)
+    """Put ``counter`` between ``site``'s offsets and its matmuls, and its
+    :class:`RouterProbSum` after the router's probabilities where found."""
+    probs = router_probs(site)
+    _through(gm, site.offs, counter, name)
+    if probs is not None:
+        _through(gm, probs, RouterProbSum(counter), f"{name}_probs")
 
 
 @dataclass
@@ -203,14 +278,19 @@ def count_expert_load(
     return loads
 
 
-def expert_report(loads: ExpertLoads | None, load: tuple[tuple[int, ...], ...]) -> dict[str, Any]:
-    """The :class:`~dapple.runtime.config.StepMetrics` fields of a step's expert ``load`` (its
-    summed counts, :meth:`LoadLayout.split`): ``expert_layers``, ``expert_load`` and
-    ``expert_imbalance``; none without counters."""
+def expert_report(
+    loads: ExpertLoads | None,
+    split: tuple[tuple[tuple[int, ...], ...], tuple[float, ...]],
+) -> dict[str, Any]:
+    """The :class:`~dapple.runtime.config.StepMetrics` fields of a step's summed counts
+    (:meth:`LoadLayout.split`): ``expert_layers``, ``expert_load``, ``expert_imbalance`` and
+    ``expert_aux_loss`` (None where not summed); none without counters."""
     if loads is None:
         return {}
+    load, losses = split
     return {
         "expert_layers": loads.layout.layers,
         "expert_load": load,
         "expert_imbalance": tuple(imbalance(x) for x in load),
+        "expert_aux_loss": tuple(None if math.isnan(x) else x for x in losses),
     }
