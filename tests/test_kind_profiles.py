@@ -194,3 +194,27 @@ def test_cli_plan_and_simulate_take_a_profile_per_kind(
     assert "(simulated / L = 1.000)" in shown
     assert main(["plan", "--profile", f"H={h}", "--cluster", c, "--global-batch-size", "16"]) == 2
     assert "device kind 'A' has no profile" in capsys.readouterr().err
+
+
+def test_api_simulate_and_train_flags_take_a_profile_set(tmp_path: Path) -> None:
+    """The API's simulate (what train's predicted step time runs) prices a profile set with
+    each kind's own; train's --profile joins KIND=FILE flags as plan's does."""
+    import argparse
+
+    from dapple.api import simulate as api_simulate
+    from dapple.api._inputs import as_profile
+    from dapple.cli import train_cmd
+
+    c, h, a = _write(tmp_path)
+    plan = make_plan(H, KINDS, 16)
+    spec = f"H={h},A={a}"
+    assert as_profile(spec).layers == H.layers
+    own = api_simulate(plan, spec, c).step_ms
+    assert own == pytest.approx(simulate(plan, H, KINDS).step_ms, rel=1e-9)
+    assert own == pytest.approx(plan.predicted_step_ms, rel=1e-4)  # the simulator is near L
+    assert api_simulate(plan, h, c).step_ms > 1.1 * own  # one profile, scaled: A slower throughout
+    parser = argparse.ArgumentParser()
+    train_cmd.register(parser.add_subparsers())
+    run = ["train", "--plan", "p.json", "-m", "mlp"]
+    assert parser.parse_args([*run, "--profile", f"H={h}", "--profile", f"A={a}"]).profile == spec
+    assert parser.parse_args([*run, "--profile", h, "--profile", a]).profile == a

@@ -162,10 +162,16 @@ def as_plan(plan: Plan | str | Path) -> Plan:
 
 
 def as_profile(profile: ModelProfile | str | Path) -> ModelProfile:
-    """``profile`` as given, or loaded from its JSON file or ``paper:NAME``."""
+    """``profile`` as given, or loaded from its JSON file or ``paper:NAME``; for a profile set
+    ``KIND=FILE,...`` its first kind's (the model's; :func:`with_profile_set` gives the cluster
+    the kinds' own)."""
+    from dapple.core.kind_profiles import parse_profile_set
     from dapple.profiler.paper_models import load_profile
 
-    return profile if isinstance(profile, ModelProfile) else load_profile(profile)
+    if isinstance(profile, ModelProfile):
+        return profile
+    kinds = parse_profile_set(profile) if isinstance(profile, str) else None
+    return load_profile(profile if kinds is None else next(iter(kinds.values())))
 
 
 def with_profile_set(

@@ -15,10 +15,10 @@ from dapple.api._inputs import (
     PlanInputs,
     WorkloadLike,
     as_cluster,
-    as_profile,
     as_workload,
     plan_inputs,
     plan_with,
+    with_profile_set,
 )
 from dapple.core.cluster import Cluster
 from dapple.core.plan import Plan
@@ -326,9 +326,9 @@ def simulate(
     from dapple.simulate import simulate as _simulate
 
     p = plan_with(plan, schedule, policy, virtual_stages)
-    prof = as_profile(profile)
+    prof, cl = with_profile_set(profile, as_cluster(cluster))  # a profile per kind, if given
     named = f"of {prof.model_name!r}" if isinstance(profile, ModelProfile) else repr(str(profile))
     p.check_fingerprint(prof.model_fingerprint, f"the profile {named}")
     if p.num_layers == prof.num_layers:  # another count is the simulator's refusal
         check_expert_widths(p, prof, f"the profile {named}")
-    return _simulate(p, prof, as_cluster(cluster))
+    return _simulate(p, prof, cl)

@@ -20,6 +20,7 @@ from dapple.api._inputs import (
     as_workload,
     plan_with,
     run_inputs,
+    with_profile_set,
 )
 from dapple.api.planning import simulate
 from dapple.core.cluster import Cluster
@@ -230,9 +231,9 @@ def _launch(cfg: RunConfig, inputs: RunInputs, early: EarlyWorkers | None) -> li
         check_resumable(tc.checkpoint_dir)
     replan: ElasticPolicy | None = None
     if run.elastic and profile is not None and cluster is not None:
-        replan = ElasticPolicy(as_profile(profile), as_cluster(cluster),
-                               min_devices=run.min_devices, max_restarts=run.max_restarts,
-                               zero_stage=tc.zero_stage)  # fmt: skip
+        prof, cl = with_profile_set(profile, as_cluster(cluster))  # a profile per kind, if given
+        replan = ElasticPolicy(prof, cl, min_devices=run.min_devices,
+                               max_restarts=run.max_restarts, zero_stage=tc.zero_stage)  # fmt: skip
     return _train(run_plan, wl, tc, data=inputs.data, eval_data=inputs.eval_data, early=early,
                   elastic=replan)  # fmt: skip
 

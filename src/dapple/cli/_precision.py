@@ -10,9 +10,9 @@ __all__ = ["note_profile_precision"]
 def note_profile_precision(profile_spec: str, precision: str) -> None:
     """Print a note to stderr when ``profile_spec`` was measured in another precision than the
     run computes in (its times, activation bytes and weight cast cache then do not match)."""
-    from dapple.profiler.paper_models import load_profile
+    from dapple.api._inputs import as_profile
 
-    measured = load_profile(profile_spec).precision
+    measured = as_profile(profile_spec).precision
     if measured != precision:
         print(
             f"note: profile {profile_spec} was measured in {measured} and this run computes in "

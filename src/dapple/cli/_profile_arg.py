@@ -38,6 +38,9 @@ class _JoinKinds(argparse.Action):
         setattr(namespace, self.dest, new)
 
 
-def add_profile_argument(p: argparse.ArgumentParser, *, required: bool = True) -> None:
-    """Add ``--profile`` (module docstring) to ``p``."""
-    p.add_argument("--profile", required=required, action=_JoinKinds, help=HELP)
+def add_profile_argument(
+    p: argparse.ArgumentParser, *, required: bool = True, help: str = HELP
+) -> None:
+    """Add ``--profile`` (module docstring) to ``p``: required, with :data:`HELP`, unless
+    told otherwise."""
+    p.add_argument("--profile", required=required, default=None, action=_JoinKinds, help=help)

@@ -24,6 +24,7 @@ from dapple.cli._config_args import add_config_arguments
 from dapple.cli._console import plain_doc
 from dapple.cli._data_args import add_eval_data_argument
 from dapple.cli._precision import note_profile_precision
+from dapple.cli._profile_arg import add_profile_argument
 from dapple.cli._run_args import add_run_arguments
 from dapple.cli._train_config import (
     FILE_GIVES,
@@ -60,10 +61,11 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     )
     add_run_arguments(p, steps=1)
     p.add_argument("--metrics", default=None, help="write per-step metrics as JSON lines here")
-    p.add_argument(
-        "--profile",
-        default=None,
-        help="profile JSON or paper:NAME: print the simulated step time beside the measured one",
+    add_profile_argument(
+        p,
+        required=False,
+        help="profile JSON or paper:NAME: print the simulated step time beside the measured one "
+        "(KIND=FILE once per device kind of a mixed cluster: each kind's own)",
     )
     p.add_argument(
         "--cluster",
@@ -331,22 +333,21 @@ def _memory_table(
 
     from rich.table import Table
 
+    from dapple.api._inputs import with_profile_set
     from dapple.cli._console import console, print_table
     from dapple.core.cluster_presets import load_cluster
     from dapple.cost.pipeline import pipeline_latency
-    from dapple.profiler.paper_models import load_profile
     from dapple.runtime.optim_config import state_factor
     from dapple.schedule.registry import get_schedule
 
-    profile = dataclasses.replace(
-        load_profile(profile_spec), optimizer_state_factor=state_factor(optimizer, momentum)
-    )
+    profile, cluster = with_profile_set(profile_spec, load_cluster(cluster_spec))
+    profile = dataclasses.replace(profile, optimizer_state_factor=state_factor(optimizer, momentum))
     if not get_schedule(plan.schedule).uses_pipeline_latency:  # not L's rows: replay its order
         from dapple.cost.schedules import device_memory_by_group
 
         estimate = device_memory_by_group(plan, profile)
     else:
-        rows = pipeline_latency(plan, profile, load_cluster(cluster_spec)).stages
+        rows = pipeline_latency(plan, profile, cluster).stages
         estimate = [float(r.memory_bytes) for r in rows if r.kind == "compute"]
     mib = 2**20
     table = Table(title=f"memory per replica (planner: {optimizer} state, K_i in flight)")
