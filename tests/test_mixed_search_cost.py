@@ -1,6 +1,7 @@
 """The search prices a mixed cluster's plans as the cost model does (issue #43): a stage's
-replicas take their balanced shares of the micro-batch (:mod:`dapple.planner.shares`), and the
-split-concat on either side of it moves those shares, not an even split."""
+replicas take their balanced shares of the micro-batch (:mod:`dapple.planner.shares`), at their
+kind's speed or from their kind's own profile, and the split-concat on either side of it moves
+those shares, not an even split."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from hypothesis import strategies as st
 from builders import make_profile
 from dapple.core.cluster import GIB, Cluster
 from dapple.core.device_kinds import DeviceKind
+from dapple.core.kind_profiles import fastest_layers, with_kind_profiles
 from dapple.core.profile import ModelProfile
 from dapple.cost.pipeline import pipeline_latency
 from dapple.planner import dapple_search
@@ -60,6 +62,32 @@ def test_split_concat_moves_the_shares() -> None:
 
 
 _speeds = st.sampled_from([0.23, 0.37, 0.61, 0.83])
+_factors = st.sampled_from([0.0, 1.0, 1.7, 3.1])
+"""Per layer, how much slower the slow kind's own profile is (0.0 anywhere: no per-kind
+profiles, the speed scales every layer)."""
+
+
+def _own_profiles(c: Cluster, prof: ModelProfile, factors: list[float]) -> Cluster:
+    """``c`` with the slow kind given its own profile, ``factors`` x ``prof``'s times per layer
+    (``c`` itself when a factor is 0)."""
+    if 0.0 in factors:
+        return c
+    slow = dataclasses.replace(
+        prof,
+        layers=tuple(
+            dataclasses.replace(
+                x,
+                forward=dataclasses.replace(x.forward, per_sample_ms=x.forward.per_sample_ms * f),
+                backward=dataclasses.replace(
+                    x.backward, per_sample_ms=x.backward.per_sample_ms * f
+                ),
+            )
+            for x, f in zip(prof.layers, factors, strict=True)
+        ),
+    )
+    return with_kind_profiles(c, {"fast": prof, "slow": slow})
+
+
 _bandwidths = st.sampled_from([(100.0, 1.0), (10.0, 10.0), (400.0, 0.5)])
 
 
@@ -70,6 +98,7 @@ def _candidates(draw: st.DrawFn) -> tuple[Scorer, list[StageSpec], int]:
     intra, inter = draw(_bandwidths)
     c = _cluster(per_server, draw(_speeds), intra, inter)
     prof = make_profile(n, fwd=1.3, bwd=2.7, act=draw(st.sampled_from([1e5, 1e6, 1e7])))
+    c = _own_profiles(c, prof, draw(st.lists(_factors, min_size=n, max_size=n)))
     gbs = draw(st.sampled_from([8, 12, 16]))
     M = draw(st.sampled_from([m for m in (1, 2, 4) if gbs % m == 0]))
     S = draw(st.integers(1, min(3, n)))
@@ -112,14 +141,23 @@ def _search_case(n: int, per_server: int, slow: float, bw: tuple[float, float], 
     _bandwidths,
     st.sampled_from([1e5, 1e6, 1e7]),
     st.sampled_from([8, 12, 16]),
+    st.lists(_factors, min_size=6, max_size=6),
 )
 def test_search_score_is_pipeline_latency_of_its_plan(
-    n: int, per_server: int, slow: float, bw: tuple[float, float], act: float, gbs: int
+    n: int,
+    per_server: int,
+    slow: float,
+    bw: tuple[float, float],
+    act: float,
+    gbs: int,
+    factors: list[float],
 ) -> None:
-    """The DAPPLE search's own L (on :func:`search_cluster`) equals pipeline_latency of the
-    plan it returns, given its shares, on the cluster as given."""
+    """The DAPPLE search's own L (on :func:`search_cluster`, each layer at its fastest kind's
+    time when the kinds have their own profiles) equals pipeline_latency of the plan it
+    returns, given its shares, on the cluster as given."""
     prof, c = _search_case(n, per_server, slow, bw, act, gbs)
-    plan = dapple_search(prof, search_cluster(c), gbs)
+    c = _own_profiles(c, prof, factors[:n])
+    plan = dapple_search(fastest_layers(prof, c), search_cluster(c), gbs)
     priced = with_kind_shares(plan, prof, c)
     L = pipeline_latency(priced, prof, c).L_ms
     assert plan.predicted_step_ms == pytest.approx(L, rel=1e-9)
