@@ -254,3 +254,71 @@ def test_a_checkpoint_flag_without_a_checkpoint_dir_names_the_flag(
     assert main(["train", "--plan", _plan(tmp_path), *MODEL, *flags]) == 2
     one_error_line(capsys, f"{' '.join(flags)} applies to checkpoints only",
                    "add --checkpoint-dir DIR, or drop it")  # fmt: skip
+
+
+# -- 7. the mini-battery: an expert width under a chunked schedule ------------------------------
+def _moe_profile(dense: tuple[int, ...] = ()) -> Any:
+    """embedding, four blocks (MoE of 8 experts but the blocks ``dense``), head; 1 ms per
+    sample each."""
+    from dapple.core.layer_profile import AffineTime, LayerProfile
+    from dapple.core.moe_profile import MoEProfile
+    from dapple.core.profile import ModelProfile
+
+    t = AffineTime(fixed_ms=0.0, per_sample_ms=1.0)
+    moe = MoEProfile(experts=8, top_k=2, expert_parameter_bytes=8000,
+                     tokens_per_expert_per_sample=4.0, dispatch_bytes_per_sample=1e6,
+                     combine_bytes_per_sample=1e6)  # fmt: skip
+
+    def layer(name: str, m: MoEProfile | None) -> LayerProfile:
+        return LayerProfile(name=name, forward=t, backward=t, output_bytes_per_sample=100.0,
+                            parameter_bytes=10000, kept_activation_bytes_per_sample=100.0,
+                            moe=m)  # fmt: skip
+
+    blocks = [layer(f"block{i}", None if i in dense else moe) for i in range(4)]
+    return ModelProfile(model_name="m", layers=(layer("embedding", None), *blocks,
+                                                layer("head", None)))  # fmt: skip
+
+
+def _expert_plan() -> Plan:
+    """Two device groups of 2 replicas, [0, 3) of expert width 2 and [3, 6)."""
+    p = straight_plan(6, [0, 3], global_batch_size=8, num_micro_batches=4, replicas=[2, 2])
+    first = dataclasses.replace(p.stages[0], expert_width=2)
+    return dataclasses.replace(p, model_name="m", stages=(first, p.stages[1]))
+
+
+@pytest.mark.parametrize(("schedule", "v"), [("zbv", 1), ("dualpipev", 1), ("interleaved", 3)])
+def test_an_expert_width_runs_under_a_chunked_schedule(schedule: str, v: int) -> None:
+    """Each chunk carries its group's e_s: the V put group 0's expert width on its second chunk,
+    the head [5, 6), and simulate refused the plan ("no mixture-of-experts layer there")."""
+    from dapple import api
+    from dapple.core.plan_checks import check_expert_widths
+    from dapple.simulate.schedules import with_schedule
+
+    prof = _moe_profile()
+    chunked = with_schedule(_expert_plan(), schedule, v)
+    dense = [st.layers for st in chunked.stages if st.expert_width == 2
+             and all(x.moe is None for x in prof.layers[st.layers[0] : st.layers[1]])]  # fmt: skip
+    assert dense == ([(5, 6)] if v == 1 else [(0, 1)])  # a dense chunk of the expert group
+    check_expert_widths(chunked, prof, "p")
+    plain = api.simulate(_expert_plan(), prof, "local-cpu")
+    under = api.simulate(_expert_plan(), prof, "local-cpu", schedule=schedule, virtual_stages=v)
+    assert 0 < under.step_ms < 2 * plain.step_ms
+
+
+@pytest.mark.parametrize(
+    ("schedule", "v", "dense"),
+    [(None, 1, (0, 1)), ("zbv", 1, (0, 1)), ("interleaved", 3, (1, 3))],
+)
+def test_an_expert_group_without_moe_layers_stays_refused(
+    schedule: str | None, v: int, dense: tuple[int, ...]
+) -> None:
+    """Group 0 (unchunked [0, 3); under the V [0, 2) and [5, 6); interleaved [0, 1), [2, 3),
+    [4, 5)) holds no MoE layer in any chunk when these blocks are dense."""
+    from dapple.core.plan_checks import check_expert_widths
+    from dapple.errors import ValidationError
+    from dapple.simulate.schedules import with_schedule
+
+    plan = _expert_plan() if schedule is None else with_schedule(_expert_plan(), schedule, v)
+    with pytest.raises(ValidationError, match=r"plan stage 0 \[0, \d\): expert_width 2, but p "
+                       "has no mixture-of-experts layer there"):  # fmt: skip
+        check_expert_widths(plan, _moe_profile(dense), "p")

@@ -15,7 +15,8 @@ from dapple.core.schedule_rules import check_schedule
 from dapple.core.slicing import check_shares
 
 if TYPE_CHECKING:
-    from dapple.core.plan import Plan
+    from dapple.core.moe_profile import MoEProfile
+    from dapple.core.plan import Plan, StagePlan
     from dapple.core.profile import ModelProfile
 
 __all__ = ["check_expert_widths", "check_plan"]
@@ -150,6 +151,9 @@ def _check_shares(plan: Plan) -> None:
 def check_expert_widths(plan: Plan, profile: ModelProfile, what: str) -> None:
     """Each stage of expert width e_s > 1 holds a mixture-of-experts layer of ``profile``, and
     e_s divides the experts of each of its MoE layers (the expert shards the runtime cuts).
+    In a chunked plan (v > 1: interleaved, the V schedules) e_s is its device group's, which
+    each chunk carries: a chunk without MoE layers is dense there (its all-to-alls and expert
+    state are none) when another chunk of its group holds some.
 
     Args:
         plan: the plan, already checked against the profile's layer count.
@@ -159,14 +163,19 @@ def check_expert_widths(plan: Plan, profile: ModelProfile, what: str) -> None:
     Raises:
         ValidationError: naming the stage, its e_s and the layers' experts.
     """
+
+    def moe_of(st: StagePlan) -> list[MoEProfile]:
+        return [x.moe for x in profile.layers[st.layers[0] : st.layers[1]] if x.moe is not None]
+
+    expert_groups = {st.devices for st in plan.stages if moe_of(st)}
     for s, st in enumerate(plan.stages):
         e = st.expert_width
         if e == 1:
             continue
         a, b = st.layers
-        moe = [layer.moe for layer in profile.layers[a:b] if layer.moe is not None]
+        moe = moe_of(st)
         require(
-            bool(moe),
+            bool(moe) or (plan.virtual_stages > 1 and st.devices in expert_groups),
             f"plan stage {s} [{a}, {b}): expert_width {e}, but {what} has no mixture-of-experts "
             "layer there: expert parallelism would have nothing to shard",
         )
