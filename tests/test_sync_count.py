@@ -168,6 +168,90 @@ def test_device_row_places_numbers_and_tensors_in_order() -> None:
     assert device_row([7, 8], torch.device("cpu")).tolist() == [7.0, 8.0]
 
 
+def test_host_row_reads_numbers_and_tensors_in_order() -> None:
+    from dapple.runtime.metrics import host_row
+
+    calls: list[str] = []
+    saved = {n: getattr(torch.Tensor, n) for n in SYNC_METHODS}
+    cuda_sync = torch.cuda.synchronize
+    try:
+        patch_syncs(calls)
+        row = host_row([1, torch.tensor(2.5), 3.0, torch.tensor([4], dtype=torch.int64)])
+    finally:
+        for n, f in saved.items():
+            setattr(torch.Tensor, n, f)
+        torch.cuda.synchronize = cuda_sync
+    assert row == [1.0, 2.5, 3.0, 4.0] and all(type(x) is float for x in row)
+    assert len(calls) == 1, calls  # both tensors in one read
+    assert host_row([7, 8]) == [7.0, 8.0]
+
+
+def _one_process_run(steps: int, clip: float, calls: list[str]) -> tuple[Any, list[Any]]:
+    """A 1-stage plan (M = 3) in a gloo group of one with metrics, the guard and clipping, its
+    host reads counted; and its stage's parameters after the run."""
+    import socket
+
+    import torch.distributed as dist
+
+    import runtime_workloads as rw
+    from dapple.runtime import TrainConfig, run_plan
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    saved = {n: getattr(torch.Tensor, n) for n in SYNC_METHODS}
+    cuda_sync = torch.cuda.synchronize
+    try:
+        patch_syncs(calls)
+        plan = Plan(planner="test", global_batch_size=B * M, micro_batch_size=B,
+                    num_micro_batches=M, schedule="dapple", policy="A",
+                    stages=(StagePlan(layers=(0, 4), devices=(0,)),))  # fmt: skip
+        cfg = TrainConfig(steps=steps, seed=SEED, optimizer="sgd", lr=0.1, clip_grad_norm=clip,
+                          timeout_s=60)  # fmt: skip
+        run = run_plan(plan, rw.mlp(4), cfg, device=torch.device("cpu"))
+    finally:
+        for n, f in saved.items():
+            setattr(torch.Tensor, n, f)
+        torch.cuda.synchronize = cuda_sync
+        dist.destroy_process_group()
+    assert run.module is not None
+    return run, [p.detach().clone() for p in run.module.parameters()]
+
+
+def test_a_world_of_one_reads_once_per_step_and_clips_as_torch_does() -> None:
+    """One process (no gather: the step's row is read on the host in one copy): at most one
+    host read per step, and the clipped SGD steps of a plain loop with ``clip_grad_norm_``."""
+    import runtime_workloads as rw
+    from dapple.runtime import TrainConfig
+    from dapple.runtime.optim import make_optimizer
+
+    few: list[str] = []
+    many: list[str] = []
+    _one_process_run(FEW, 0.05, few)
+    run, weights = _one_process_run(MANY, 0.05, many)
+    per_step = (len(many) - len(few)) / (MANY - FEW)
+    assert per_step <= 1, f"{per_step:g} host reads per step: {Counter(many) - Counter(few)}"
+
+    wl = rw.mlp(4)
+    model = wl.build_model(SEED)
+    params = list(model.parameters())
+    opt = make_optimizer(TrainConfig(optimizer="sgd", lr=0.1), params)
+    norms = []
+    for step in range(MANY):
+        x, y = wl.make_batch(B * M, SEED + step)
+        opt.zero_grad(set_to_none=True)
+        for m in range(M):
+            rows = slice(m * B, (m + 1) * B)
+            (wl.loss_fn(model(x[rows]), y[rows]) * (1 / M)).backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(params, 0.05)))
+        opt.step()
+    assert min(norms) > 0.05  # the clipping binds on every step
+    assert [m.grad_norm for m in run.metrics] == pytest.approx(norms, rel=1e-5)
+    for got, want in zip(weights, params, strict=True):
+        torch.testing.assert_close(got, want.detach())
+
+
 def test_global_norm_is_the_float32_root_of_the_summed_parts() -> None:
     from dapple.runtime.metrics import ROW_SQ_NORM, global_norm, row_tokens
 

@@ -5,8 +5,9 @@ The program interpreter (:mod:`dapple.runtime.interpreter`) consults it around e
 
 - :meth:`NonFiniteGuard.begin_step` (before the step's compute) keeps the random state the
   compute starts from;
-- :meth:`NonFiniteGuard.watch` (after every F) keeps, on the device, the step's loss so far
-  (last stage, per micro-batch);
+- :meth:`NonFiniteGuard.watch` (after every F on the last stage's rank; while a step is
+  replayed, after every backward too) keeps, on the device, the step's loss so far (per
+  micro-batch);
 - :meth:`NonFiniteGuard.agree_finite` (at the step point, after the gradient reductions and
   before the optimizer step) gathers every rank's loss and part of the squared gradient norm
   (which the step computes anyway for clipping and its metrics: non-finite when a gradient is)
@@ -37,7 +38,7 @@ from torch import nn
 from dapple.core.plan import Plan
 from dapple.runtime import comm
 from dapple.runtime.config import TrainConfig
-from dapple.runtime.metrics import device_row
+from dapple.runtime.metrics import device_row, host_row
 from dapple.runtime.optim import GradGroups
 from dapple.runtime.parallel.zero import FlatShards
 from dapple.runtime.precision import Precision
@@ -122,6 +123,12 @@ class NonFiniteGuard:
         """The random state the step's compute started from (CPU, and the device's)."""
         self._one = torch.ones(1, dtype=torch.float32, device=device)
         """The check's "inverse scale": 1, so the norms it runs over keep their values."""
+
+    @property
+    def naming(self) -> bool:
+        """A step is being replayed to name its micro-batch: :meth:`watch` wants every backward
+        (otherwise only the last stage's forwards)."""
+        return self._naming
 
     def begin_step(self) -> None:
         """Before the step's compute: forget the last step's losses and flags, and keep the
@@ -214,7 +221,7 @@ class NonFiniteGuard:
         grad_sq_norm: torch.Tensor | float = 0.0,
         replay: Callable[[], None] | None = None,
         summed: torch.Tensor | None = None,
-    ) -> tuple[str | None, list[list[float]], torch.Tensor]:
+    ) -> tuple[str | None, list[list[float]], torch.Tensor | None]:
         """Every rank's verdict on the step (a world all_gather, none in a world of one; every
         rank calls it once per step, ranks beyond the plan included), read on the host once.
 
@@ -242,12 +249,18 @@ class NonFiniteGuard:
             The verdict - None to go on; ``""`` when the step must be skipped (its gradients are
             dropped); otherwise the one-line message the caller raises to stop the run - the
             gathered rows by rank: ``[loss, stage, squared gradient norm part, rank, *extra]``,
-            and the same rows as a float64 tensor on the device.
+            and the same rows as a float64 tensor on the device (None in a world of one without
+            ``summed``: its one row is this rank's own values, read without a row on the
+            device).
         """
         s = -1 if self.stage is None else self.stage
         loss = self._loss_sums[-1][1] if self._loss_sums else 0.0
-        mine = device_row([loss, s, grad_sq_norm, self.rank, *extra], self.device)
-        rows, table = self._gather(mine, summed)  # the step's one host read
+        values = [loss, s, grad_sq_norm, self.rank, *extra]
+        table: torch.Tensor | None = None
+        if self.world == 1 and summed is None:  # the step's one host read: its tensors at once
+            rows = [host_row(values)]
+        else:  # the step's one host read
+            rows, table = self._gather(device_row(values, self.device), summed)
         return self._verdict(step, _bad_ranks(rows), replay), rows, table
 
     def _gather(

@@ -175,13 +175,14 @@ class ProgramInterpreter:
         n = step_point(schedule, rank)
         table: dict[ActionKind, Handler] = {
             **(executor.handlers() if executor is not None else {}),
-            K.FORWARD: self._forward,
             K.BACKWARD: self._backward,
             K.BACKWARD_INPUT: self._backward_input,
             K.BACKWARD_WEIGHT: self._backward,
             K.ALLREDUCE: self._allreduce,
             K.STEP: self._prepare_update,
         }
+        if guard.last_stage:  # its F keep the loss so far (the others: the executor's F alone)
+            table[K.FORWARD] = self._forward
         last_b = {a.stage: i for i, a in enumerate(program) if a.kind in _GRADS}
         """Each chunk's last ``B``/``W`` of the step: its gradients are final after it."""
         if executor is not None:  # a W's parameter gradients bypass autograd's hooks
@@ -302,8 +303,17 @@ class ProgramInterpreter:
             self.expert_load = self.loads.layout.split(self.guard.sums)
         self.probe.lap()
         if verdict is None:
-            self.update.set_norm(table[:, ROW_SQ_NORM].sum(), global_norm(rows))
+            self.update.set_norm(self._sq_total(table), global_norm(rows))
         return verdict, rows
+
+    def _sq_total(self, table: torch.Tensor | None) -> torch.Tensor | None:
+        """``||g||_2^2`` on the device, every rank's part summed (the gathered rows' ``table``;
+        None: a world of one, whose part is the total), for clipping only (None without)."""
+        if not self.update.clips:
+            return None
+        if table is not None:
+            return table[:, ROW_SQ_NORM].sum()
+        return torch.as_tensor(self._sq_norm, dtype=torch.float64, device=self.update.device)
 
     def _replay(self, inputs: Any, targets: torch.Tensor) -> None:
         """The step's compute part again, from its start (what is in flight dropped before and
@@ -321,6 +331,7 @@ class ProgramInterpreter:
 
     # -- handlers of F, B, AR and OPT (the sends and receives are the executor's) -----------
     def _forward(self, a: Action) -> None:
+        """``F``; the last stage's rank keeps the loss so far for the guard."""
         assert self.ex is not None
         self.ex.forward(a)
         self.guard.watch(a, self.ex.loss_sum)
@@ -337,7 +348,8 @@ class ProgramInterpreter:
             self.ex.backward_weight(a)
         if zero2 is not None:
             zero2.after_backward()
-        self.guard.watch(a, self.ex.loss_sum)
+        if self.guard.naming:  # a replay: the guard checks the gradients after each backward
+            self.guard.watch(a, self.ex.loss_sum)
 
     def _backward_input(self, a: Action) -> None:
         """``I``: the input gradients only (the parameters' follow in the ``W``)."""

@@ -17,7 +17,6 @@ checkpoint saved, a resume - take the same path, one line each from the rank tha
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import math
@@ -45,6 +44,7 @@ __all__ = [
     "announce",
     "device_row",
     "global_norm",
+    "host_row",
     "resident_bytes",
     "row_tokens",
     "step_metrics",
@@ -74,24 +74,36 @@ def announce(line: str, echo: bool) -> None:
 
 def device_row(values: Sequence[float | torch.Tensor], device: torch.device) -> torch.Tensor:
     """``values`` as one float64 vector on ``device`` without reading any on the host: the
-    numbers go in one host-to-device copy, the (0-d) tensors are placed on the device."""
+    numbers go in one host-to-device copy, each (one-element) tensor is copied into its slot
+    on the device (``copy_`` converts its dtype)."""
     row = torch.tensor(
         [0.0 if isinstance(v, torch.Tensor) else float(v) for v in values],
         dtype=torch.float64,
         device=device,
     )
-    at = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor)]
-    if at:
-        placed = [_f64(v, device) for v in values if isinstance(v, torch.Tensor)]
-        row[at] = torch.stack(placed)
+    for i, v in enumerate(values):
+        if isinstance(v, torch.Tensor):
+            row[i] = v if v.dim() == 0 else v.reshape(())
     return row
 
 
-def _f64(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``t`` as a 0-d float64 tensor on ``device`` (itself when it already is one)."""
-    if t.dim() == 0 and t.dtype == torch.float64 and t.device == device:
+def host_row(values: Sequence[float | torch.Tensor]) -> list[float]:
+    """``values`` as floats on the host, their (one-element) tensors read in one copy (a world
+    of one: a step's row needs no gather, :meth:`NonFiniteGuard.agree_finite`)."""
+    row = [0.0 if isinstance(v, torch.Tensor) else float(v) for v in values]
+    at = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor)]
+    if at:
+        read = torch.stack([_f64(values[i]) for i in at]).tolist()  # type: ignore[arg-type]
+        for i, x in zip(at, read, strict=True):
+            row[i] = x
+    return row
+
+
+def _f64(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a 0-d float64 tensor (itself when it already is one)."""
+    if t.dim() == 0 and t.dtype == torch.float64:
         return t
-    return t.reshape(()).to(device, torch.float64)
+    return t.reshape(()).to(torch.float64)
 
 
 def global_norm(rows: Sequence[Sequence[float]]) -> float:
@@ -231,6 +243,7 @@ def step_metrics(
     *,
     target_tokens: int | None = None,
     eval_loss: float | None = None,
+    **fields: Any,
 ) -> StepMetrics:
     """One step's metrics from the rows of its collective.
 
@@ -251,6 +264,8 @@ def step_metrics(
             ``seq_len + 1`` tokens counts its ``seq_len`` targets; gives ``tokens`` and
             ``tokens_per_s``.
         eval_loss: the mean validation loss measured after the step (None: none).
+        fields: the other :class:`StepMetrics` fields rank 0 knows itself (``lr``,
+            ``grad_norm``, the expert loads).
     """
     S = plan.num_groups  # a device group's chunks (interleaved) share its processes
     peaks, resident, grown = [0] * S, [0] * S, [0] * S
@@ -280,6 +295,7 @@ def step_metrics(
             target_tokens / (step_ms / 1e3) if target_tokens is not None and step_ms > 0 else None
         ),
         tokens=target_tokens,
+        **fields,
     )
 
 
@@ -350,8 +366,8 @@ class MetricsSink:
             self.resident_kind,
             target_tokens=target_tokens,
             eval_loss=eval_loss,
+            **fields,
         )
-        sm = dataclasses.replace(sm, **fields) if fields else sm
         self.metrics.append(sm)
         if self.echo or logger.isEnabledFor(logging.INFO):  # the line only for a reader
             line = sm.line()

@@ -254,7 +254,8 @@ class ModelUpdate:
     Attributes:
         lr: the lr of the last update (None: no update ran since :meth:`take_report`).
         grad_norm: the global norm before clipping of the last update, as read on the host.
-        total: the same norm on the device (a 0-d float32 tensor: what clipping uses).
+        total: the same norm on the device (a 0-d float32 tensor: what clipping uses; None
+            when nothing clips).
         observer: called with the step index at the start of :meth:`step`, when the
             gradients of ``params`` are final and unclipped and the weights not yet updated
             (``dapple verify`` records both there).
@@ -282,10 +283,17 @@ class ModelUpdate:
         norms, summed in float64 on the device (0 with nothing counted)."""
         return _local_sq_norm(self._counted, self.device)
 
-    def set_norm(self, sq_total: torch.Tensor, reported: float) -> None:
-        """The step's ``||g||_2^2`` summed over every rank's part (on the device) and the norm
-        rank 0 read with the step's collective (``StepMetrics.grad_norm``)."""
-        self.total = sq_total.sqrt().float()
+    @property
+    def clips(self) -> bool:
+        """Whether :meth:`step` clips (``clip_grad_norm``): only then does it read the norm on
+        the device."""
+        return self.config.clip_grad_norm is not None
+
+    def set_norm(self, sq_total: torch.Tensor | None, reported: float) -> None:
+        """The step's ``||g||_2^2`` summed over every rank's part (on the device; None when
+        nothing clips: :attr:`clips`) and the norm rank 0 read with the step's collective
+        (``StepMetrics.grad_norm``)."""
+        self.total = None if sq_total is None else sq_total.sqrt().float()
         self.grad_norm = reported
 
     def step(self, step: int) -> None:
@@ -293,11 +301,11 @@ class ModelUpdate:
         optimizer step."""
         if self.observer is not None:
             self.observer(step)
-        total = self.total
-        assert total is not None, "set_norm comes first"
         max_norm = self.config.clip_grad_norm
         grads = self._clipped.flat() if max_norm is not None else []
         if max_norm is not None and grads:
+            total = self.total
+            assert total is not None, "set_norm comes first"
             coef = torch.clamp(max_norm / (total + CLIP_EPS), max=1.0)
             torch._foreach_mul_(grads, coef.to(grads[0].device))
         self.lr = config_lr(self.config, step)

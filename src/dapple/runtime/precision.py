@@ -63,6 +63,8 @@ AUTOCAST_DTYPES = {
 CPU_FP16_ENV = "DAPPLE_TEST_CPU_FP16"
 """Test hook: with ``1`` here fp16 is accepted on the CPU (torch's CPU autocast computes fp16,
 slowly), so the loss scaling can be tested without a GPU."""
+_NOTHING = contextlib.nullcontext()
+"""What fp32 computes under instead of autocast's contexts (reusable)."""
 
 
 def resolve_precision_device(device: str | torch.device) -> torch.device:
@@ -191,20 +193,17 @@ class Precision:
         with torch.autocast(self.device.type, dtype=self.dtype):
             yield
 
-    @contextlib.contextmanager
-    def weight_cache(self) -> Iterator[None]:
+    def weight_cache(self) -> contextlib.AbstractContextManager[Any]:
         """One step's compute (every F and B): autocast's cast copies of the weights live until
         its end, shared by every micro-batch, instead of one copy per micro-batch forward.
 
         An outer, disabled autocast keeps autocast's nesting level above zero, which is what
         keeps its cache (``torch.autocast.__exit__`` clears it at level 0); leaving it clears
-        the cache, so ``OPT`` must come after. Nothing for fp32.
+        the cache, so ``OPT`` must come after. Nothing for fp32 (a shared no-op context).
         """
         if self.dtype is None:
-            yield
-            return
-        with torch.autocast(self.device.type, enabled=False):
-            yield
+            return _NOTHING
+        return torch.autocast(self.device.type, enabled=False)
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         """The loss times S, for backward (the loss itself without loss scaling)."""
