@@ -37,9 +37,9 @@ def test_limits_resolve_the_defaults_by_instance_size() -> None:
     mid = search_limits(50, 16, None, -1, -1, -1, -1)
     assert mid == SearchLimits(16, 4, 2, 1, 3)
     huge = search_limits(50, 256, 4, -1, -1, -1, -1)  # beyond 128 devices; S_max capped
-    assert huge == SearchLimits(4, 2, 1, 1, 3)
+    assert huge == SearchLimits(4, 2, 1, 1, 3, idle_beyond_b=False)
     given = search_limits(50, 256, None, 7, None, 5, None)  # given values are kept
-    assert given == SearchLimits(50, 7, None, 5, None)
+    assert given == SearchLimits(50, 7, None, 5, None, idle_beyond_b=False)
 
 
 def test_incumbent_takes_a_plan_with_its_latency() -> None:
@@ -180,3 +180,4 @@ def test_a_placement_of_more_than_b_devices_keeps_its_first_b_with_the_rest_free
     freed, idle = kept_placements(c, (1, 0), whole, 2)
     assert freed == ((1, 3), (2, 1))  # devices 2, 4 and 5 free for the later stages
     assert idle == ((1, 3), (2, 3))  # devices 4 and 5 left idle: the later stages start at 2
+    assert kept_placements(c, (1, 0), whole, 2, idle=False) == (freed,)

@@ -79,18 +79,18 @@ def last_stage_counts(b: int, n: int) -> list[int]:
 
 
 def kept_placements(
-    cluster: Cluster, occ: tuple[int, ...], whole: _Placed, b: int
+    cluster: Cluster, occ: tuple[int, ...], whole: _Placed, b: int, idle: bool = True
 ) -> tuple[_Placed, ...]:
     """The placements a new stage is scored on, given ``whole``, a policy's placement of its
     m' devices from ``occ``: ``whole`` itself when m' <= b; else its first b devices (by id:
     the replicas a micro-batch's b samples reach), once with the other m' - b freed
     (:func:`~dapple.planner.placement.first_placed`) and once with them left idle (``whole``'s
     occupancy: the later stages start where the whole placement ends, as in the oracle's
-    space, where a stage of m' > b replicas keeps all m')."""
+    space, where a stage of m' > b replicas keeps all m'; not with ``idle`` False)."""
     if len(whole[0]) <= b:
         return (whole,)
     kept = first_placed(cluster, occ, whole[0], b)
-    return kept, (kept[0], whole[1])
+    return (kept, (kept[0], whole[1])) if idle else (kept,)
 
 
 def stage_bound(sc: Scorer, s: int, e: int, r: int, b: int, M: int) -> float:
@@ -149,6 +149,9 @@ class SearchLimits:
     """Stop scanning a new stage's cut points at the first where the stage alone fits no
     memory (:func:`stage_unfit`; longer stages on its devices fit no better): its prefixes
     never complete to a plan. False keeps them as states (the width-1 search does)."""
+    idle_beyond_b: bool = True
+    """A placement of m' > b devices is scored also with its devices beyond the first b left
+    idle, not only freed (:func:`kept_placements`)."""
 
 
 def search_limits(
@@ -164,8 +167,11 @@ def search_limits(
     """:func:`~dapple.planner.search.dapple_search`'s knobs for N layers on G devices, each
     ``-1`` replaced by its default: no beam, no window, 64 prefixes and every M on small
     instances (N x G <= 128); otherwise a beam of 4 (2 beyond 128 devices), a window of 2 (1),
-    one prefix and the 3 best M. ``devices``: G's tensor groups group this many devices, which
-    decide the size class (:attr:`SearchLimits.devices`)."""
+    one prefix and the 3 best M; the devices beyond b of a placement left idle as well as freed
+    up to 128 devices (:attr:`SearchLimits.idle_beyond_b`; beyond, its added states cost time
+    and found no better plan in ``benchmarks/planning_time.md``'s cases).
+    ``devices``: G's tensor groups group this many devices, which decide the size class
+    (:attr:`SearchLimits.devices`)."""
     size = G if devices is None else devices
     small = N * size <= 128
     huge = size > 128
@@ -178,7 +184,13 @@ def search_limits(
     if m_candidates == -1:
         m_candidates = None if small else 3
     return SearchLimits(
-        min(G, N, max_stages or G), states_per_layer, window, keep, m_candidates, devices
+        min(G, N, max_stages or G),
+        states_per_layer,
+        window,
+        keep,
+        m_candidates,
+        devices,
+        idle_beyond_b=not huge,
     )
 
 
@@ -261,9 +273,10 @@ class CutSearch:
         placed by each policy (section 5.2; placements giving the same devices and occupancy
         once). A placement of m' > b devices keeps its first b (by id): the replicas the
         micro-batch's b samples reach, in the servers that policy chose, the others freed or
-        left idle (:func:`kept_placements`); the counts above b stop after two in a row whose
-        placements keep no new device set with the others freed. Then the best plan scored has
-        its last stage tried on fewer devices (:meth:`fewer_last`)."""
+        (:attr:`SearchLimits.idle_beyond_b`) left idle (:func:`kept_placements`); the counts
+        above b stop after two in a row whose placements keep no new device set with the others
+        freed. Then the best plan scored has its last stage tried on fewer devices
+        (:meth:`fewer_last`)."""
         G, used, b = self.sc.G, sum(occ), self.b
         seen: set[tuple[tuple[int, ...], tuple[int, ...]]] = set()
         top: tuple[float, StageSpec, tuple[int, ...]] | None = None
@@ -275,7 +288,8 @@ class CutSearch:
                 whole = place(self.cluster, occ, m1, pol)
                 if whole is None:
                     continue
-                for placed in kept_placements(self.cluster, occ, whole, b):
+                idle_too = self.limits.idle_beyond_b
+                for placed in kept_placements(self.cluster, occ, whole, b, idle_too):
                     if placed in seen:
                         continue
                     seen.add(placed)
