@@ -322,3 +322,37 @@ def test_an_expert_group_without_moe_layers_stays_refused(
     with pytest.raises(ValidationError, match=r"plan stage 0 \[0, \d\): expert_width 2, but p "
                        "has no mixture-of-experts layer there"):  # fmt: skip
         check_expert_widths(plan, _moe_profile(dense), "p")
+
+
+# -- 7. the mini-battery: the timing counts of a profile ----------------------------------------
+@pytest.mark.parametrize("flag", ["--repeats=0", "--repeats=-1", "--warmup=-1", "--threads=0",
+                                  "--threads=-1", "--repeats=9"])  # fmt: skip
+def test_analytic_profile_refuses_the_timing_counts_of_a_measured_one(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], flag: str
+) -> None:
+    """Each was taken without a word (exit 0) and did nothing: --analytic times no layer."""
+    out = tmp_path / "p.json"
+    argv = ["profile", "--analytic", "h100", "-m", "llama3-8b", flag, "-o", str(out)]
+    assert main(argv) == 2
+    name, value = flag.split("=")
+    one_error_line(capsys, f"{name} {value} applies to measured profiles only", "--analytic")
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(("flags", "got"), [(["--repeats=0"], "0 and 2"),
+                                            (["--warmup=-1"], "5 and -1")])  # fmt: skip
+def test_a_measured_profile_refuses_bad_counts_before_building_the_model(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    flags: list[str],
+    got: str,
+) -> None:
+    """It said "need repeats >= 1 and warmup >= 0" once the model was built."""
+    from builders import boom
+
+    monkeypatch.setattr("dapple.models.zoo.load_workload", boom)
+    assert main(["profile", "-m", "mlp", "--device", "cpu", *flags, "-o",
+                 str(tmp_path / "p.json")]) == 2  # fmt: skip
+    one_error_line(capsys, f"--repeats must be >= 1 (timed runs per layer) and --warmup >= 0, "
+                   f"got {got}")  # fmt: skip

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -412,11 +413,28 @@ def run_config(cfg: ProfileConfig) -> int:
 
 def _check_mode_options(cfg: ProfileConfig) -> None:
     """Refuse, rather than ignore, an option of the other kind of profile: ``--recompute`` is
-    counted by ``--analytic`` only; ``--co-workers`` share the CPU of a measured profile only.
+    counted by ``--analytic`` only; ``--co-workers`` share the CPU of a measured profile only,
+    and ``--repeats``, ``--warmup`` and ``--threads`` (other than their defaults) time its
+    layers. A measured profile's counts are checked here, before the model is built.
 
     Raises:
-        ValidationError: naming the option and the kind of profile it applies to.
+        ValidationError: naming the option and the kind of profile it applies to, or a count
+            out of range.
     """
+    timing = (("--repeats", cfg.repeats, "repeats"), ("--warmup", cfg.warmup, "warmup"),
+              ("--threads", cfg.threads, "threads"))  # fmt: skip
+    if cfg.analytic is not None:
+        for flag, value, name in timing:
+            if value != _PROFILE_DEFAULTS[name]:
+                raise ValidationError(
+                    f"{flag} {value} applies to measured profiles only (it times the layers); "
+                    "--analytic runs nothing"
+                )
+    elif cfg.repeats < 1 or cfg.warmup < 0:
+        raise ValidationError(
+            f"--repeats must be >= 1 (timed runs per layer) and --warmup >= 0, got "
+            f"{cfg.repeats} and {cfg.warmup}"
+        )
     if cfg.analytic is None and cfg.recompute != "none":
         raise ValidationError(
             f"--recompute {cfg.recompute} applies to --analytic profiles only; a measured "
@@ -427,6 +445,10 @@ def _check_mode_options(cfg: ProfileConfig) -> None:
             f"--co-workers {cfg.co_workers} applies to measured CPU profiles only; --analytic "
             "runs nothing"
         )
+
+
+_PROFILE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ProfileConfig)}
+"""Each :class:`ProfileConfig` field's default."""
 
 
 def _with_measured_experts(
