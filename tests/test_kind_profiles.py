@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from dapple.cli._kinds_show import shares_line
 from dapple.core.cluster import GIB, Cluster
 from dapple.core.device_kinds import DeviceKind
 from dapple.core.kind_profiles import (
@@ -94,6 +95,9 @@ def test_each_kind_computes_at_its_own_times() -> None:
     # the balanced shares: (7, 1) at 42 ms beats (6, 2) at 48 ms; the simulator agrees
     priced = with_kind_shares(_plan(st), h, kinds)
     assert priced.stages[0].shares == (7, 1)
+    assert shares_line(priced, kinds) == (
+        "shares by device speed: stage 0: 7 on 1 H (own profile), 1 on 1 A (own profile)"
+    )
     assert simulate(priced, h, kinds).step_ms == pytest.approx(
         pipeline_latency(priced, h, kinds).L_ms
     )
