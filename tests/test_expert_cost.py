@@ -129,3 +129,29 @@ def test_widths_not_costed_are_refused_naming_the_stage() -> None:
         stage_terms(_plan(2), _profile(), CLUSTER, zero_stage=2)
     with pytest.raises(ValidationError, match="width 4 must divide the 2 experts of layer 1"):
         stage_terms(_plan(4), _profile(_moe(experts=2, top_k=1)), CLUSTER)
+
+
+def test_zero_at_the_full_width_shards_the_dense_state_only_by_hand() -> None:
+    """e_s = r_s = 4 under ZeRO-1/2: the 10,000 dense bytes at ZeRO's bytes per parameter byte
+    (Adam, factor 3: ZeRO-1 2 + 3/4, ZeRO-2 1 + 3/4), each rank's 4,000 expert bytes whole at
+    1 + 3 (no other holder); the update covers (10,000 + 16,000) / 4 bytes per replica; the
+    dense AllReduce unchanged."""
+    prof = dataclasses.replace(_profile(), update_ms_per_parameter_byte=1e-3)
+    zero1 = plan_stage_bytes(prof, _plan(4, zero_stage=1).stages[0], 8)
+    zero2 = plan_stage_bytes(prof, _plan(4, zero_stage=2).stages[0], 8)
+    assert (zero1.static, zero1.grads) == (10000 * 2.75 + 4000 * 4, 0)
+    assert (zero2.static, zero2.grads) == (10000 * 1.75 + 4000 * 4, 0)
+    plain = plan_stage_bytes(prof, _plan(4).stages[0], 8)
+    assert (plain.static, plain.grads) == (14000 * 4, 14000)  # 10,000 + 16,000 / 4, unsharded
+    for z in (1, 2):
+        terms = stage_terms(_plan(4, zero_stage=z), prof, CLUSTER).stages[0].terms
+        assert terms.update_ms == pytest.approx(1e-3 * 26000 / 4)
+        assert terms.sync_ms == stage_terms(_plan(4), prof, CLUSTER).stages[0].terms.sync_ms
+    assert stage_terms(_plan(4), prof, CLUSTER).stages[0].terms.update_ms == pytest.approx(14.0)
+
+
+def test_zero_below_the_full_width_and_zero_3_are_refused() -> None:
+    with pytest.raises(ValidationError, match=r"\(expert_width 2\): .*zero_stage 1 on 4 replicas"):
+        stage_terms(_plan(2, zero_stage=1), _profile(), CLUSTER)
+    with pytest.raises(ValidationError, match=r"\(expert_width 4\): .*zero_stage 3 on 4 replicas"):
+        stage_terms(_plan(4), _profile(), CLUSTER, zero_stage=3)

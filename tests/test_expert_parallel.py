@@ -232,8 +232,8 @@ def test_whole_gathers_the_shards_and_norm_counts_each_once() -> None:
 @pytest.mark.parametrize(
     ("plan", "config", "words"),
     [
-        (lambda: _plan_1_2_1(zero_stage=1), {}, "zero_stage 1: EP with ZeRO"),
-        (lambda: _plan_1_2_1(), {"zero_stage": 2}, "zero_stage 2: EP with ZeRO"),
+        (lambda: _plan_1_2_1(zero_stage=3), {}, "zero_stage 3: EP with ZeRO-3"),
+        (lambda: _plan_1_2_1(), {"zero_stage": 3}, "zero_stage 3: EP with ZeRO-3"),
         (lambda: _plan_1_2_1(), {"precision": "fp16"}, "precision fp16"),
     ],
 )
@@ -259,6 +259,13 @@ def test_tensor_parallel_and_interleaved_expert_stages_are_refused() -> None:
     with pytest.raises(ValidationError, match=r"stage 0 \[0, 1\].*an interleaved plan"):
         check_expert_run(replace(two, stages=ep), TrainConfig())
     check_expert_run(_plan_1_2_1(), TrainConfig())  # what runs is not refused
+    for z in (1, 2):  # ZeRO-1/2 at e_s = r_s runs; below it the experts' state is not sharded
+        check_expert_run(_plan_1_2_1(zero_stage=z), TrainConfig())
+        below = replace(tp, stages=(tp.stages[0], replace(tp.stages[1], expert_width=2,
+                                                           zero_stage=z), tp.stages[2]))  # fmt: skip
+        with pytest.raises(ValidationError, match=rf"zero_stage {z} on 4 replicas: EP with ZeRO-1/2 "
+                           "below e_s = r_s"):  # fmt: skip
+            check_expert_run(below, TrainConfig())
 
 
 def test_verify_refuses_an_expert_plan_it_cannot_run_before_starting_workers(
@@ -270,8 +277,8 @@ def test_verify_refuses_an_expert_plan_it_cannot_run_before_starting_workers(
         raise AssertionError("workers started")
 
     monkeypatch.setattr(verify_mod, "verify_many", no_workers)
-    with pytest.raises(ValidationError, match=r"\(expert_width 2\).*zero_stage 1: EP with ZeRO"):
-        api.verify_many([(_plan_1_2_1(), em.moe_lm())], 1, device="cpu", zero_stage=1)
+    with pytest.raises(ValidationError, match=r"\(expert_width 2\).*zero_stage 3: EP with ZeRO"):
+        api.verify_many([(_plan_1_2_1(), em.moe_lm())], 1, device="cpu", zero_stage=3)
 
 
 @pytest.mark.parametrize("command", ["train", "verify"])

@@ -27,13 +27,20 @@ AR(P_s, g_s) in T_e) as
     AR_s' = AR(P_dense, g_s) + AR(P_experts / e_s, r_s / e_s replicas per shard)
     memory: P_dense + P_experts / e_s per rank, gradients and optimizer state alike
 
+and, under ZeRO-1/2 at e_s = r_s (what the runtime runs), the dense part's optimizer state (and
+ZeRO-2's gradients) 1/r_s as without EP, the experts' state whole on their one holder
+(:func:`expert_parts`, read by :func:`dapple.cost.peak_memory.plan_stage_bytes`); the update
+then covers (P_dense + P_experts) / r_s per replica, and AR_s stays the dense AllReduce's.
+
 with A2A_s the dispatch and combine of all its MoE layers at the stage's largest slice (an
 all-to-all paces every member of its group by the largest sender), the slowest of its EP groups.
 
 Not modelled: the experts' per-call weight traffic that sharding also divides by e_s (the weight
 gradients written per backward), token dropping (routing is dropless), kept activations
-(on average unchanged per rank), the all-to-all's buffers, and expert parallelism combined with
-tensor parallelism or ZeRO (refused by :func:`check_expert_stage`).
+(on average unchanged per rank), the all-to-all's buffers, ZeRO-2's per-micro-batch
+reduce-scatters of the dense gradients (priced as one AllReduce), and expert parallelism combined
+with tensor parallelism, ZeRO-3, or ZeRO-1/2 below e_s = r_s (refused by
+:func:`check_expert_stage`).
 """
 
 from __future__ import annotations
@@ -49,6 +56,7 @@ from dapple.core.plan import StagePlan
 from dapple.core.profile import ModelProfile
 from dapple.cost.comm import allreduce_ms
 from dapple.cost.compute import compute_ms
+from dapple.cost.moe_memory import expert_parts, expert_sharded_profile
 from dapple.errors import ValidationError
 
 __all__ = [
@@ -60,6 +68,7 @@ __all__ = [
     "expert_alltoall_ms",
     "expert_compute_ms",
     "expert_group_shapes",
+    "expert_parts",
     "expert_sharded_profile",
     "expert_slice_times",
     "expert_stage_sync_ms",
@@ -331,8 +340,8 @@ def expert_widths(profile: ModelProfile, layers: tuple[int, int], replicas: int)
 
 def check_expert_stage(profile: ModelProfile, stage: StagePlan, zero_stage: int) -> None:
     """Refuse a stage whose EP width the cost model does not price: e_s > 1 with a tensor
-    width t_s > 1 or a zero stage > 0, or an e_s that does not divide one of its MoE layers'
-    E (:func:`check_expert_width`). Nothing to check at e_s = 1.
+    width t_s > 1, zero stage 3, zero stage 1 or 2 below e_s = r_s, or an e_s that does not
+    divide one of its MoE layers' E (:func:`check_expert_width`). Nothing to check at e_s = 1.
 
     Raises:
         ValidationError: one line naming the stage's layers and the offending value.
@@ -346,50 +355,16 @@ def check_expert_stage(profile: ModelProfile, stage: StagePlan, zero_stage: int)
             f"{what}: expert parallelism with tensor_width {stage.tensor_width} is not costed; "
             "use tensor_width 1"
         )
-    if zero_stage > 0:
+    if zero_stage >= 3 or (zero_stage > 0 and e < stage.replicas):
         raise ValidationError(
-            f"{what}: expert parallelism with zero_stage {zero_stage} is not costed; use 0"
+            f"{what}: expert parallelism with zero_stage {zero_stage} on {stage.replicas} "
+            "replicas is not costed; use 0, or 1 or 2 with expert_width = replicas"
         )
     sub = dataclasses.replace(profile, layers=profile.layers[stage.layers[0] : stage.layers[1]])
     try:
         check_expert_width(stage.replicas, e, sub)
     except ValidationError as err:
         raise ValidationError(f"{what}: {err}") from err
-
-
-def _shard_layer(layer: LayerProfile, width: int) -> LayerProfile:
-    """``layer`` as one rank of EP width e_s holds it: its experts' bytes ``/ e_s`` (rounded
-    up), taken off its parameters, its MoE record's and (when recorded) its cast parameters."""
-    if layer.moe is None or width == 1:
-        return layer
-    expert = layer.moe.expert_parameter_bytes
-    cut = expert - -(-expert // width)
-    cast = layer.cast_parameter_bytes
-    return dataclasses.replace(
-        layer,
-        parameter_bytes=layer.parameter_bytes - cut,
-        cast_parameter_bytes=None if cast is None else max(0, cast - cut),
-        moe=dataclasses.replace(layer.moe, expert_parameter_bytes=expert - cut),
-    )
-
-
-def expert_sharded_profile(profile: ModelProfile, width: int) -> ModelProfile:
-    """``profile`` with every MoE layer's parameters as one rank of EP width e_s holds them,
-    ``P_dense + P_experts / e_s``: the memory model (:mod:`dapple.cost.memory`,
-    :mod:`dapple.cost.peak_memory`) then counts the experts' parameters, gradients and optimizer
-    state ``1/e_s`` on each rank. ``profile`` itself at e_s = 1."""
-    if width == 1 or all(x.moe is None for x in profile.layers):
-        return profile
-    memory = profile.memory_at
-    return dataclasses.replace(
-        profile,
-        layers=tuple(_shard_layer(x, width) for x in profile.layers),
-        memory_at=None
-        if memory is None
-        else dataclasses.replace(
-            memory, layers=tuple(_shard_layer(x, width) for x in memory.layers)
-        ),
-    )
 
 
 def _groups(stage: StagePlan) -> list[tuple[int, ...]]:

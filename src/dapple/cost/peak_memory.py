@@ -61,7 +61,7 @@ from dapple.cost.memory import (
     tensor_kept_bytes_per_sample,
     weight_cast_factor,
 )
-from dapple.cost.moe import expert_sharded_profile
+from dapple.cost.moe import expert_parts, expert_sharded_profile
 from dapple.schedule.ir import Action, ActionKind
 
 __all__ = [
@@ -303,17 +303,26 @@ def plan_stage_bytes(
     """:func:`stage_bytes` of one replica of ``stage`` as it runs (re-computing or not): its
     slice of ``samples`` (None: the largest slice of b, under its ``shares`` if any), its zero
     stage or ``zero_stage`` where higher; each MoE layer's experts ``1/e_s`` under an EP width
-    e_s (:func:`~dapple.cost.moe.expert_sharded_profile`)."""
+    e_s (:func:`~dapple.cost.moe.expert_sharded_profile`), whose state ZeRO-1/2 leaves whole
+    (:func:`~dapple.cost.moe.expert_parts`)."""
+    zero = max(zero_stage, stage.zero_stage)
+    state = None
     if stage.expert_width > 1:
+        if zero in (1, 2):  # ZeRO shards the dense part only (dapple.runtime.parallel.expert)
+            dense, experts = expert_parts(profile.for_memory, stage.expert_width)
+            parts = (stage_state_bytes(dense, stage.layers, stage.replicas, zero),
+                     stage_state_bytes(experts, stage.layers))  # fmt: skip
+            state = (parts[0][0] + parts[1][0], parts[0][1] + parts[1][1])
         profile = expert_sharded_profile(profile.for_memory, stage.expert_width)
     plain, redone = stage_bytes(
         profile,
         stage.layers,
         max(stage.slice_sizes(micro_batch_size)) if samples is None else samples,
         replicas=stage.replicas,
-        zero_stage=max(zero_stage, stage.zero_stage),
+        zero_stage=zero,
         tensor_width=stage.tensor_width,
         regather=stage.regather,
+        state=state,
     )
     return redone if stage.recompute else plain
 

@@ -341,8 +341,9 @@ def _stage_terms(
         if st.expert_width > 1:  # the all-to-alls and the experts' sharded compute
             ts = expert_slice_times(p, cluster, st, ts, max(sizes))
         times.update({(id(p), n): v for n, v in ts.items()})
-    if st.expert_width > 1:  # the experts' sharded state, dapple.cost.moe
+    if st.expert_width > 1 and zero_stage == 0:  # the experts' sharded state, dapple.cost.moe
         grad_bytes = stage_rank_parameter_bytes(profile, st.layers, st.expert_width)
+    # under ZeRO-1/2 (e_s = r_s) each replica updates (P_dense + P_experts) / r_s: grad_bytes / r_s
     replicas = tuple(
         ReplicaTerms(
             device=d,

@@ -357,7 +357,7 @@ def _setup(
                               autocast=precision.dtype is not None)  # fmt: skip
     if mesh.cut:
         gc.collect()  # the uncut layers sit in reference cycles (traced graphs): free them now
-    zero = select_zero(plan, workload, layers, _zero_stage(plan, config, rank, layers.stage))
+    zero = select_zero(plan, workload, layers, _zero_stage(plan, config, rank, layers.stage), mesh)
     fsdp = frozenset(id(p) for unit in mesh.fsdp_units() for p in unit.parameters())
     sync = gradient_sync(mesh.experts, plan, workload, rank, layers.module, layers.stage,
                          exclude=zero.flat_ids | fsdp, stage_pg=groups.replica,

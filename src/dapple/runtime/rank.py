@@ -236,13 +236,16 @@ class ZeroSelection:
 
 
 def select_zero(
-    plan: Plan, workload: Workload, layers: StageLayers, zero_stage: int
-) -> ZeroSelection:
-    """What ZeRO at ``zero_stage`` shards of the rank's layers."""
+    plan: Plan, workload: Workload, layers: StageLayers, zero_stage: int,
+    mesh: StageMesh | None = None,
+) -> ZeroSelection:  # fmt: skip
+    """What ZeRO at ``zero_stage`` shards of the rank's layers (not ``mesh``'s expert shards:
+    each replica updates its own whole)."""
     s, module = layers.stage, layers.module
     if zero_stage == 3 or not (zero_stage and module and s is not None):  # 3: FSDP's own
         return ZeroSelection(zero_stage, [], [])
-    flat = flat_parameters(plan, workload, s, module)
+    experts = mesh.experts.param_ids if mesh is not None and mesh.experts is not None else ()
+    flat = [p for p in flat_parameters(plan, workload, s, module) if id(p) not in experts]
     return ZeroSelection(zero_stage, flat, tied_parameters(plan, workload, s, module))
 
 

@@ -121,24 +121,28 @@ class CutStage:
         """Every layer whole (tensors and optimizer state); empty on every rank but the writer.
 
         Under ZeRO-1/2 (:attr:`shards`) the optimizer pieces are first gathered to replica 0
-        over the replica group; its tensor ranks then join the slices. Collective over the
-        stage's tensor and replica groups (every rank of the stage calls it, in the same order).
+        over the replica group; its tensor ranks then join the slices, and with expert shards
+        every replica joins the gathers of its experts' state (in name order). Collective over
+        the stage's tensor, replica and expert groups (every rank of the stage calls it, in the
+        same order).
         """
         self._resharded()
         gathered = None
         if self.shards is not None:
             gathered = self.shards.layer_states(self.layer_ids, optimizer)
-            if not gathered:  # a replica other than 0
+            if not gathered and self.mesh.experts is None:  # a replica other than 0
                 return {}
+            gathered = gathered or None  # the others join the expert group's gathers
         dev = next(self.module.parameters()).device
         out: dict[int, LayerState] = {}
         for i, prefix, layer in self._layers():
             tensors = {n: self._whole(prefix + n, v) for n, v in layer.state_dict().items()}
             if gathered is not None:  # on the CPU, the same names in the same order everywhere
                 states = sorted(gathered[i].optimizer.items())
-            else:
-                states = [(n, optimizer.state[p]) for n, p in layer.named_parameters()
-                          if optimizer is not None and optimizer.state.get(p)]  # fmt: skip
+            else:  # by name too: the gathers of the expert group pair by order
+                states = sorted(((n, optimizer.state[p]) for n, p in layer.named_parameters()
+                                 if optimizer is not None and optimizer.state.get(p)),
+                                key=lambda x: x[0])  # fmt: skip
             opt = {
                 n: {k: self._state_whole(prefix + n, _on(v, dev)) for k, v in sorted(st.items())}
                 for n, st in states

@@ -25,8 +25,14 @@ which holds every expert once: replica ``j`` holds expert shard ``j % e`` (exper
   group (:meth:`ExpertShards.gather`); a resume takes each member's shard of the whole tensors
   (:meth:`ExpertShards.mine`), so a checkpoint resumes under any expert width.
 
-Refused before any compute (:func:`check_expert_run`): e_s > 1 with tensor parallelism, ZeRO,
-an interleaved plan (several chunks per device) or fp16 loss scaling; and, before any worker
+- **ZeRO-1/2** at e_s = r_s: the non-expert parameters are sharded over the r_s replicas as
+  without EP (:mod:`dapple.runtime.parallel.zero`); the expert shards stay out of the flat
+  buckets (:func:`~dapple.runtime.rank.select_zero`), each replica updating its own E/e_s
+  experts whole - their optimizer state is already 1/e_s, and no other replica holds it.
+
+Refused before any compute (:func:`check_expert_run`): e_s > 1 with tensor parallelism, ZeRO-3,
+ZeRO-1/2 with e_s < r_s (the expert state over the r_s/e_s replicas holding each shard is not
+sharded), an interleaved plan (several chunks per device) or fp16 loss scaling; and, before any worker
 starts (:func:`check_expert_layers`, on the traced pieces' templates), a stage without MoE
 experts of this shape, or E not a multiple of e_s (a workload not traced: once the stage is
 built, by :func:`shard_experts`).
@@ -86,7 +92,10 @@ def check_expert_run(plan: Plan, config: TrainConfig) -> None:
         what = f"stage {s} {list(st.layers)} (expert_width {st.expert_width})"
         refusals = [
             (st.tensor_width > 1, f"tensor_width {st.tensor_width}: EP with TP"),
-            (st.zero_stage > 0, f"zero_stage {st.zero_stage}: EP with ZeRO"),
+            (st.zero_stage == 3, "zero_stage 3: EP with ZeRO-3"),
+            (0 < st.zero_stage < 3 and st.replicas > st.expert_width,
+             f"zero_stage {st.zero_stage} on {st.replicas} replicas: EP with ZeRO-1/2 below "
+             "e_s = r_s"),
             (plan.num_groups < plan.num_stages, "an interleaved plan"),
             (precision_of(config.precision).loss_scaling, f"precision {config.precision}"),
         ]  # fmt: skip
