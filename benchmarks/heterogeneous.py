@@ -25,6 +25,7 @@ from pathlib import Path
 from dapple.core.cluster import GIB, Cluster
 from dapple.core.cluster_presets import PRESETS, load_cluster
 from dapple.core.device_kinds import DATASHEET_TFLOPS, DeviceKind
+from dapple.core.kind_profiles import with_kind_profiles
 from dapple.core.plan import Plan
 from dapple.core.profile import ModelProfile
 from dapple.cost.pipeline import pipeline_latency
@@ -128,7 +129,58 @@ def case_rows(model: str, hs: int, as_: int, gib: int, gbs: int) -> list[str]:
         f"A100 speed {speed:.3f} of the H100 (analytic profiles; datasheet peak ratio "
         f"{DATASHEET_TFLOPS['a100'] / DATASHEET_TFLOPS['h100']:.3f})."
     )
-    return compare(profile, c, gbs, title, note)
+    rows, plans = compare(profile, c, gbs, title, note)
+    return rows + per_kind_rows(model, profile, c, gbs, plans)
+
+
+PER_KIND_NOTE = """Per-kind profiles: each kind computes at its own analytic profile
+(`--profile H100=h.json --profile A100=a.json`, `dapple.core.kind_profiles`), layer by layer,
+instead of the H100 profile scaled by one speed. Every plan above is priced again that way
+(*step ms, per-kind*); **dapple, per-kind profiles** is the plan searched with them."""
+
+
+def per_kind_rows(
+    model: str, profile: ModelProfile, c: Cluster, gbs: int, plans: dict[str, Plan]
+) -> list[str]:
+    """The plans of one case priced with each kind's own analytic profile, beside the plan
+    searched with them (:data:`PER_KIND_NOTE`)."""
+    a = analytic_profile(model, "a100")
+    own = with_kind_profiles(c, {c.kinds[0].name: profile, c.kinds[1].name: a})
+
+    def per_layer(p: ModelProfile) -> list[float]:
+        return [x.forward.at(1) + x.backward.at(1) for x in p.layers]
+
+    ratios = [y / x for x, y in zip(per_layer(profile), per_layer(a), strict=True) if x > 0]
+    rows = [
+        PER_KIND_NOTE,
+        "",
+        f"A100 over H100 time per layer at 1 sample: {min(ratios):.2f}x to {max(ratios):.2f}x "
+        f"(one speed: {1 / c.kinds[1].speed:.2f}x).",
+        "",
+        "| plan | step ms (speed-scaled) | step ms, per-kind | vs per-kind plan | stages | "
+        "planning s |",
+        "|---|---|---|---|---|---|",
+    ]
+    t = time.process_time()
+    try:
+        best: Plan | None = make_plan(profile, own, gbs, zero_stage="auto")
+    except InfeasibleError:
+        best = None
+    secs = time.process_time() - t
+    base = schedule_latency(best, profile, own) if best is not None else float("nan")
+    entries = [("dapple, per-kind profiles", best, secs)]
+    entries += [(n, plans[n], 0.0) for n in ("dapple, device kinds", "slowest kind") if n in plans]
+    for name, plan, s in entries:
+        if plan is None:
+            rows.append(f"| {name} | - | infeasible | - | - | {s:.1f} |")
+            continue
+        scaled, truth = schedule_latency(plan, profile, c), schedule_latency(plan, profile, own)
+        rows.append(
+            f"| {name} | {scaled:,.0f} | {truth:,.0f} | {truth / base:.2f}x | {describe(plan)} "
+            f"| {s:.1f} |"
+        )
+    rows.append("")
+    return rows
 
 
 def example_rows(gbs: int = 64) -> list[str]:
@@ -139,11 +191,14 @@ def example_rows(gbs: int = 64) -> list[str]:
         f"Speeds from the file's datasheets: A100 {c.kinds[1].speed:.3f} of the H100. The "
         "profile is the paper's (V100) taken as the H100's: only the ratios between rows count."
     )
-    return compare(load_paper_profile("bert48"), c, gbs, title, note)
+    return compare(load_paper_profile("bert48"), c, gbs, title, note)[0]
 
 
-def compare(profile: ModelProfile, c: Cluster, gbs: int, title: str, note: str) -> list[str]:
-    """The rows of one cluster and model (module docstring)."""
+def compare(
+    profile: ModelProfile, c: Cluster, gbs: int, title: str, note: str
+) -> tuple[list[str], dict[str, Plan]]:
+    """The rows of one cluster and model (module docstring), and the plans on all devices by
+    row name."""
     rows = [
         f"### {title}",
         "",
@@ -153,6 +208,7 @@ def compare(profile: ModelProfile, c: Cluster, gbs: int, title: str, note: str) 
         "|---|---|---|---|---|---|---|",
     ]
     got: dict[str, float] = {}
+    plans: dict[str, Plan] = {}
 
     def add(name: str, on: str, plan: Plan | None, priced_on: Cluster, secs: float) -> None:
         if plan is None:
@@ -162,6 +218,8 @@ def compare(profile: ModelProfile, c: Cluster, gbs: int, title: str, note: str) 
         fits = pipeline_latency(plan, profile, priced_on).fits_memory if plan.schedule in (
             "dapple", "gpipe") else "-"  # fmt: skip
         got[name] = ms
+        if on == "all":
+            plans[name] = plan
         ratio = ms / got["dapple, device kinds"] if "dapple, device kinds" in got else 1.0
         rows.append(
             f"| {name} | {on} | {ms:,.0f} | {ratio:.2f}x | {fits} | {describe(plan)} | {secs:.1f} |"
@@ -186,7 +244,7 @@ def compare(profile: ModelProfile, c: Cluster, gbs: int, title: str, note: str) 
         p, secs = plan_on(sub)
         add(f"{k.name} only", f"{k.servers * 8} {k.name}", p, sub, secs)
     rows.append("")
-    return rows
+    return rows, plans
 
 
 def main() -> None:
