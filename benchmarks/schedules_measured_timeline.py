@@ -18,7 +18,10 @@ Per case and round (medians over the steps after the warm-up):
 - ``r0 starts next``: rank 0's first compute of step s+1 minus the last compute of step s on any
   rank (negative: consecutive steps overlap);
 - ``cores idle``: ms per step in which fewer ranks than cores are outside a wait (a core has
-  nothing of this job to run).
+  nothing of this job to run);
+- wall ms per step, all ranks summed, in compute (F, I, W, B), in waits (messages, the step's
+  sends and collective) and in posting sends and receives (dapple's ``comm.isend/irecv``,
+  torch's ``_batch_p2p``).
 
 Usage: ``python benchmarks/schedules_measured_timeline.py --ranks 4 --schedule zbv
 [--rounds 6 --steps 4] [--out FILE.md] [--json FILE.json]``.
@@ -50,7 +53,7 @@ WAITS = ("wait", "sends", "meet")
 
 Event = tuple[int, str, int, int, float, float]
 """``(step, kind, stage, micro-batch, t0, t1)``: kind F/I/W/B (compute, waits excluded), one of
-:data:`WAITS`, or ``step`` (the whole step)."""
+:data:`WAITS`, ``post`` (posting sends and receives) or ``step`` (the whole step)."""
 
 
 class Recorder:
@@ -75,6 +78,18 @@ class Recorder:
             finally:
                 m = a if isinstance(a, int) else getattr(a, "micro_batch", -1)
                 self.add(kind, stage_of(obj, a), m, t0 + self.waited - before, time.perf_counter())
+
+        return wrapper
+
+    def timed(self, fn: Callable[..., Any], kind: str) -> Any:
+        """``fn`` wrapped: its span recorded as ``kind`` (not a wait)."""
+
+        def wrapper(*args: Any, **kw: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kw)
+            finally:
+                self.add(kind, -1, -1, t0, time.perf_counter())
 
         return wrapper
 
@@ -138,6 +153,12 @@ def install(rec: Recorder) -> None:
         _PipelineStageBase.backward_weight_one_chunk, "W", t_stage
     )
     tsched._wait_batch_p2p = rec.wait(tsched._wait_batch_p2p)
+    # posting messages: not a wait, timed to tell it from the rest of the runtime's own work
+    tsched._batch_p2p = rec.timed(tsched._batch_p2p, "post")
+    from dapple.runtime import comm
+
+    comm.isend = rec.timed(comm.isend, "post")
+    comm.irecv = rec.timed(comm.irecv, "post")
 
 
 def _torch_steps(peer: TorchPipe, rec: Recorder, first: int, steps: int, point: bool) -> None:
@@ -233,11 +254,20 @@ def measures(run: dict[str, Any], skip: int, cores: int) -> dict[str, float]:
         idle.append(r0_next - r0_end)
         lead.append(r0_next - last)
     t0, t1 = min(e[skip - 1] for e in ends), min(e[-1] for e in ends)
+
+    def wall_ms(kinds: tuple[str, ...]) -> float:
+        """ms per step in ``kinds``, all ranks summed (steps after the warm-up)."""
+        total = sum(e[5] - e[4] for ev in ranks for e in ev if e[1] in kinds and e[0] >= skip)
+        return total * 1e3 / (n - skip)
+
     return {
         "ms": period * 1e3,
         "r0_idle": statistics.median(idle) * 1e3,
         "r0_lead": statistics.median(lead) * 1e3,
         "cores_idle": cores_idle_ms(ranks, t0, t1, cores) / (n - skip),
+        "compute": wall_ms(("F", "I", "W", "B")),
+        "waits": wall_ms(WAITS),
+        "post": wall_ms(("post",)),
     }
 
 
@@ -250,14 +280,16 @@ def report(runs: list[dict[str, Any]], args: argparse.Namespace, head: list[str]
     labels = list(got)
     rows = [
         "| case | ms/step | r0 idle between steps (ms) | r0 starts next step (ms after the "
-        "last rank's last compute) | cores idle (ms/step) |",
-        "|---|---:|---:|---:|---:|",
+        "last rank's last compute) | cores idle (ms/step) | all ranks, wall ms/step: compute "
+        "F+I+W+B / waits / posting messages |",
+        "|---|---:|---:|---:|---:|---:|",
     ]
     for label in labels:
         med = {k: statistics.median(m[k] for m in got[label]) for k in got[label][0]}
         rows.append(
             f"| {label} | {med['ms']:.0f} | {med['r0_idle']:.0f} | {med['r0_lead']:+.0f} | "
-            f"{med['cores_idle']:.0f} |"
+            f"{med['cores_idle']:.0f} | {med['compute']:.0f} / {med['waits']:.0f} / "
+            f"{med['post']:.0f} |"
         )
     ref = labels[0]
     ratios = []

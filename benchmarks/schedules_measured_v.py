@@ -228,7 +228,10 @@ def _commit() -> str:
     import subprocess
 
     def git(*a: str) -> str:
-        return subprocess.run(["git", *a], capture_output=True, text=True, cwd=HERE).stdout
+        try:
+            return subprocess.run(["git", *a], capture_output=True, text=True, cwd=HERE).stdout
+        except OSError:  # no git (a copy of the tree elsewhere)
+            return ""
 
     dirty = git("status", "--porcelain", "--untracked-files=no").strip()
     return git("rev-parse", "--short", "HEAD").strip() + ("+dirty" if dirty else "")
