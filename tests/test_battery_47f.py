@@ -340,7 +340,9 @@ def test_analytic_profile_refuses_the_timing_counts_of_a_measured_one(
 
 
 @pytest.mark.parametrize(("flags", "got"), [(["--repeats=0"], "0 and 2"),
-                                            (["--warmup=-1"], "5 and -1")])  # fmt: skip
+                                            (["--warmup=-1"], "5 and -1"),
+                                            (["--repeats=1000000000000"], "1000000000000 and 2"),
+                                            (["--warmup=1001"], "5 and 1001")])  # fmt: skip
 def test_a_measured_profile_refuses_bad_counts_before_building_the_model(
     tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
@@ -348,11 +350,12 @@ def test_a_measured_profile_refuses_bad_counts_before_building_the_model(
     flags: list[str],
     got: str,
 ) -> None:
-    """It said "need repeats >= 1 and warmup >= 0" once the model was built."""
+    """It said "need repeats >= 1 and warmup >= 0" once the model was built; 10^12 repeats
+    ran without end."""
     from builders import boom
 
     monkeypatch.setattr("dapple.models.zoo.load_workload", boom)
     assert main(["profile", "-m", "mlp", "--device", "cpu", *flags, "-o",
                  str(tmp_path / "p.json")]) == 2  # fmt: skip
-    one_error_line(capsys, f"--repeats must be >= 1 (timed runs per layer) and --warmup >= 0, "
-                   f"got {got}")  # fmt: skip
+    one_error_line(capsys, "--repeats must be from 1 to 1000 (timed runs per layer) and "
+                   f"--warmup from 0 to 1000, got {got}")  # fmt: skip

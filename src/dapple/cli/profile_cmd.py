@@ -430,10 +430,10 @@ def _check_mode_options(cfg: ProfileConfig) -> None:
                     f"{flag} {value} applies to measured profiles only (it times the layers); "
                     "--analytic runs nothing"
                 )
-    elif cfg.repeats < 1 or cfg.warmup < 0:
+    elif not (1 <= cfg.repeats <= MAX_RUNS and 0 <= cfg.warmup <= MAX_RUNS):
         raise ValidationError(
-            f"--repeats must be >= 1 (timed runs per layer) and --warmup >= 0, got "
-            f"{cfg.repeats} and {cfg.warmup}"
+            f"--repeats must be from 1 to {MAX_RUNS} (timed runs per layer) and --warmup from 0 "
+            f"to {MAX_RUNS}, got {cfg.repeats} and {cfg.warmup}"
         )
     if cfg.analytic is None and cfg.recompute != "none":
         raise ValidationError(
@@ -446,6 +446,10 @@ def _check_mode_options(cfg: ProfileConfig) -> None:
             "runs nothing"
         )
 
+
+MAX_RUNS = 1000
+"""The most timed (``--repeats``) or untimed (``--warmup``) runs per layer, batch size and
+length a measured profile makes: 10^12 ran without end."""
 
 _PROFILE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ProfileConfig)}
 """Each :class:`ProfileConfig` field's default."""
