@@ -118,6 +118,13 @@ def test_per_kind_profiles_change_the_plan() -> None:
     assert own.predicted_step_ms < 0.8 * truth
 
 
+def test_layout_labels_a_kind_with_its_own_profile() -> None:
+    from dapple.simulate.layout import server_label
+
+    assert server_label(KINDS, 1) == "server 1\nA own profile"
+    assert server_label(SCALED, 1) == "server 1\nA x0.4"
+
+
 def test_fastest_layers_bound_every_kind() -> None:
     fast = fastest_layers(H, KINDS)
     slow_first = _profile([1.0, 0.5, 2.0, 1.0])

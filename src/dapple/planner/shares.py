@@ -112,14 +112,18 @@ def _replica(cl: Cluster, x: int) -> Replica:
 
 
 def _fb(sc: Scorer, x: int) -> FB:
-    """F, B of device ``x``: the scorer's, or from its kind's own profile."""
+    """F, B of device ``x``: the scorer's, or from its kind's own profile (a plain
+    :class:`~dapple.planner.evaluate.Scorer` of it, whatever ``sc``'s class: only its prefix
+    sums are read)."""
+    from dapple.planner.evaluate import Scorer
+
     k = sc.cluster.kind_of(x)
     if k is None or k.profile is None:
         return sc.fb_ms
     own = _KIND_SCORERS.setdefault(sc, {})
     got = own.get(k.name)
     if got is None:
-        got = own[k.name] = type(sc)(
+        got = own[k.name] = Scorer(
             k.profile, sc.real_cluster, sc.global_batch_size, sc.zero_stage, sc.tensor_width
         )
     return got.fb_ms

@@ -45,9 +45,13 @@ def stage_label(s: int, st: StagePlan) -> str:
 
 def server_label(cluster: Cluster, server: int) -> str:
     """``server 1``, with its device kind's name and speed on a cluster with kinds
-    (``server 1\nA100-40GB x0.32``)."""
+    (``server 1\nA100-40GB x0.32``; ``own profile`` for a kind with its own,
+    :mod:`dapple.core.kind_profiles`)."""
     k = cluster.kind_of(server * cluster.devices_per_server)
-    return f"server {server}" + ("" if k is None else f"\n{k.name} x{k.speed:.2g}")
+    if k is None:
+        return f"server {server}"
+    pace = "own profile" if k.profile is not None else f"x{k.speed:.2g}"
+    return f"server {server}\n{k.name} {pace}"
 
 
 def layout_cells(plan: Plan) -> dict[int, tuple[int, int, int]]:
