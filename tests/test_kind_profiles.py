@@ -229,3 +229,16 @@ def test_api_simulate_and_train_flags_take_a_profile_set(tmp_path: Path) -> None
     run = ["train", "--plan", "p.json", "-m", "mlp"]
     assert parser.parse_args([*run, "--profile", f"H={h}", "--profile", f"A={a}"]).profile == spec
     assert parser.parse_args([*run, "--profile", h, "--profile", a]).profile == a
+
+
+@pytest.mark.parametrize("gbs", [8, 12])
+def test_search_is_no_worse_than_the_oracle_with_per_kind_profiles(gbs: int) -> None:
+    """2 servers of 2 devices, the second kind 4x slower on layers 0, 1 and as fast on 2, 3:
+    the DP's L at most the exhaustive oracle's (every partition, replication and placement,
+    scored alike), both the cost model's L of their plans."""
+    from dapple.cost.schedules import schedule_latency
+
+    dp, oracle = make_plan(H, KINDS, gbs), make_plan(H, KINDS, gbs, "exhaustive")
+    assert dp.predicted_step_ms <= oracle.predicted_step_ms * (1 + 1e-9)
+    for p in (dp, oracle):
+        assert p.predicted_step_ms == pytest.approx(schedule_latency(p, H, KINDS))
