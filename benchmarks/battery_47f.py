@@ -1,0 +1,198 @@
+"""Issue 47's mini-battery over the day's newest features: ``plan``/``simulate`` with the V
+schedules (``--schedule zbv|dualpipev``), expert widths in plan files, mixed clusters
+(``examples/mixed.json``, preset ``mixed-h100-a100``), ``profile --analytic``, and odd values
+(0, negative, nan, huge, fractional) for every numeric flag of ``plan``, ``simulate`` and
+``profile``.
+
+Each case runs ``python -m dapple ...`` under ``timeout`` and is recorded with its exit code,
+the first line of stderr and its seconds; a case is flagged when it prints a traceback, exits
+with neither 0 nor 2, runs past its limit, refuses in more than one ``dapple: error:`` line,
+or ends otherwise than its expectation (``ok``: exit 0; ``refuse``: exit 2). Run as
+``python benchmarks/battery_47f.py --out benchmarks/battery_47f.md`` from the repository root.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from _bench_common import HERE, header
+
+LIMIT_S = 240
+EXAMPLES = HERE.parent / "examples"
+
+_MIX = {
+    "model_type": "mixtral", "architectures": ["MixtralForCausalLM"], "hidden_size": 512,
+    "intermediate_size": 1024, "num_hidden_layers": 4, "num_attention_heads": 8,
+    "num_key_value_heads": 4, "vocab_size": 32000, "max_position_embeddings": 1024,
+    "num_local_experts": 8, "num_experts_per_tok": 2, "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": False,
+}  # fmt: skip
+"""A Mixtral of 4 blocks of 8 experts (hf:DIR): an MoE profile that plans in seconds."""
+
+ODD = ("0", "-1", "nan", "1e12", "1000000000000", "2.5")
+"""The odd values every numeric flag is given (``1e12`` in a float's spelling and as digits)."""
+
+VALID = {("--zero-stage", "0")}
+"""The odd values that are a flag's valid choice."""
+
+
+def _cases(w: Path) -> list[tuple[str, str, list[str]]]:
+    """``(group, expectation, argv)`` of every case; ``w`` holds the setup's files."""
+    b48 = ["--profile", "paper:bert48", "--cluster", "paper-a"]
+    sim = ["simulate", "--plan", str(w / "b48.json"), *b48]
+    moe = ["--profile", str(w / "moe.json")]
+    mixed = str(EXAMPLES / "mixed.json")
+    out: list[tuple[str, str, list[str]]] = []
+    for s in ("zbv", "dualpipev"):  # the V schedules
+        out += [
+            ("V schedules", "ok", ["plan", *b48, "--schedule", s]),
+            ("V schedules", "ok", ["plan", *b48, "--schedule", s, "--zero-stage", "1"]),
+            ("V schedules", "refuse", ["plan", *b48, "--schedule", s, "--virtual-stages", "3"]),
+            ("V schedules", "refuse", ["plan", *b48, "--schedule", s, "--interleave"]),
+            ("V schedules", "refuse", ["plan", *b48, "--schedule", s, "--planner", "dp"]),
+            ("V schedules", "ok", ["plan", *b48, "--schedule", s, "--planner", "straight"]),
+            ("V schedules", "ok", [*sim, "--schedule", s]),
+            ("V schedules", "ok", [*sim, "--schedule", s, "--other-schedule"]),
+            ("V schedules", "refuse", [*sim, "--schedule", s, "--virtual-stages", "4"]),
+            ("V schedules", "ok", ["plan", *moe, "--cluster", "h100-8x", "--servers", "2",
+                                   "--global-batch-size", "64", "--schedule", s]),
+        ]  # fmt: skip
+    for name, width in (("ew2", 2), ("ew8", 8), ("ew3", 3), ("ew0", 0), ("ew-1", -1),
+                        ("ew1.5", 1.5), ("ewstr", "2"), ("ewnull", None), ("ewhuge", 1e300),
+                        ("ew16", 16)):  # fmt: skip
+        expect = "ok" if width in (2, 8) else "refuse"
+        out.append(("expert widths", expect, ["simulate", "--plan", str(w / f"{name}.json"),
+                                              *moe, "--cluster", "h100-8x", "--servers", "2"]))  # fmt: skip
+    out += [
+        ("expert widths", "refuse", ["simulate", "--plan", str(w / "ew2.json"), "--profile",
+                                     "paper:bert48", "--cluster", "h100-8x", "--servers", "2"]),
+        ("expert widths", "ok", ["simulate", "--plan", str(w / "ew8.json"), *moe, "--cluster",
+                                 "h100-8x", "--servers", "2", "--schedule", "zbv"]),
+        ("mixed clusters", "ok", ["plan", *moe, "--cluster", mixed, "--global-batch-size", "64"]),
+        ("mixed clusters", "ok", ["plan", *moe, "--cluster", "mixed-h100-a100",
+                                  "--global-batch-size", "64", "--schedule", "zbv"]),
+        ("mixed clusters", "ok", ["plan", "--profile", "paper:bert48", "--cluster", mixed,
+                                  "--planner", "grid"]),
+        ("mixed clusters", "refuse", ["plan", "--profile", "paper:bert48", "--cluster", mixed,
+                                      "--servers", "3"]),
+        ("mixed clusters", "ok", ["plan", "--profile", "paper:bert48", "--cluster", mixed,
+                                  "--servers", "1"]),
+        ("mixed clusters", "ok", ["simulate", "--plan", str(w / "b48.json"), "--profile",
+                                  "paper:bert48", "--cluster", "mixed-h100-a100"]),
+        ("mixed clusters", "ok", ["plan", *moe, "--cluster", "mixed-h100-a100",
+                                  "--global-batch-size", "64", "--tensor-widths", "8"]),
+    ]  # fmt: skip
+    numeric = [
+        ("plan", "--servers", ["plan", *b48]),
+        ("plan", "--global-batch-size", ["plan", *b48]),
+        ("plan", "--virtual-stages", ["plan", *b48, "--schedule", "interleaved"]),
+        ("plan", "--zero-stage", ["plan", *b48]),
+        ("plan", "--seq-len", ["plan", *moe, "--cluster", "h100-8x", "--global-batch-size", "8"]),
+        ("plan", "--tensor-widths", ["plan", *moe, "--cluster", "h100-8x",
+                                     "--global-batch-size", "8"]),
+        ("simulate", "--servers", sim),
+        ("simulate", "--virtual-stages", [*sim, "--schedule", "interleaved"]),
+        ("profile", "--batch-sizes", ["profile", "--analytic", "h100", "-m", "llama3-8b"]),
+        ("profile", "--seq-lens", ["profile", "--analytic", "h100", "-m", "llama3-8b"]),
+        ("profile", "--repeats", ["profile", "--analytic", "h100", "-m", "llama3-8b"]),
+        ("profile", "--warmup", ["profile", "--analytic", "h100", "-m", "llama3-8b"]),
+        ("profile", "--threads", ["profile", "--analytic", "h100", "-m", "llama3-8b"]),
+        ("profile", "--set hidden", ["profile", "--analytic", "h100", "-m", "transformer"]),
+    ]  # fmt: skip
+    for command, flag, argv in numeric:
+        for v in ODD:
+            given = [f"{flag}={v}"] if " " not in flag else ["--set", f"hidden={v}"]
+            if command == "profile":
+                given += ["-o", str(w / "p_out.json")]
+            expect = "ok" if (flag, v) in VALID else "refuse"
+            out.append((f"{command} numeric", expect, [*argv, *given]))
+    return out
+
+
+def _setup(w: Path) -> None:
+    """The inputs: a bert48 plan on paper-a, an analytic MoE profile, plan files of expert
+    widths."""
+    from dapple.core.plan import straight_plan
+
+    (w / "mix").mkdir()
+    (w / "mix" / "config.json").write_text(json.dumps(_MIX))
+    for argv in (["plan", "--profile", "paper:bert48", "--cluster", "paper-a", "-o",
+                  str(w / "b48.json")],
+                 ["profile", "--analytic", "h100", "-m", f"hf:{w / 'mix'}", "-o",
+                  str(w / "moe.json")]):  # fmt: skip
+        subprocess.run([sys.executable, "-m", "dapple", *argv], check=True, capture_output=True)
+    layers = json.loads((w / "moe.json").read_text())["layers"]
+    plan = straight_plan(len(layers), [0, len(layers) // 2], global_batch_size=64,
+                         num_micro_batches=8, replicas=[8, 8])  # fmt: skip
+    for name, width in (("ew2", 2), ("ew8", 8), ("ew3", 3), ("ew0", 0), ("ew-1", -1),
+                        ("ew1.5", 1.5), ("ewstr", "2"), ("ewnull", None), ("ewhuge", 1e300),
+                        ("ew16", 16)):  # fmt: skip
+        d = plan.to_dict()
+        d["model_name"] = json.loads((w / "moe.json").read_text())["model_name"]
+        d["stages"][0]["expert_width"] = width
+        (w / f"{name}.json").write_text(json.dumps(d))
+
+
+def _run(argv: list[str], cwd: Path) -> tuple[int, str, float, bool, int]:
+    """``(rc, first stderr line, seconds, traceback?, error lines)`` of one case."""
+    start = time.monotonic()
+    proc = subprocess.run(["timeout", "-k", "5", str(LIMIT_S), sys.executable, "-m", "dapple",
+                           *argv], capture_output=True, text=True, cwd=cwd, check=False)  # fmt: skip
+    took = time.monotonic() - start
+    err = proc.stderr.strip().splitlines()
+    shown = next((x for x in err if x.startswith("dapple")), err[0] if err else "")
+    errors = sum(x.startswith(("dapple: error:", "dapple ")) and "error" in x for x in err)
+    return proc.returncode, shown, took, "Traceback" in proc.stderr, errors
+
+
+def _verdict(expect: str, rc: int, tb: bool, errors: int) -> str:
+    if tb or rc not in (0, 2):
+        return "**BAD**" + (" (traceback)" if tb else f" (rc {rc})")
+    if rc == 2 and errors != 1:
+        return f"**BAD** ({errors} error lines)"
+    if (expect == "ok") != (rc == 0):
+        return f"differs (expected {expect})"
+    return "as expected"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=str(HERE / "battery_47f.md"))
+    ap.add_argument("--only", default=None, help="comma-separated groups to run (default: all)")
+    args = ap.parse_args()
+    only = None if args.only is None else set(args.only.split(","))
+    command = " ".join(["python", "benchmarks/battery_47f.py", *sys.argv[1:]])
+    lines = header("Issue 47 mini-battery F: V schedules, expert widths, mixed clusters, odd "
+                   "numbers", command)  # fmt: skip
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="battery47f-") as tmp:
+        w = Path(tmp)
+        _setup(w)
+        for group, expect, argv in _cases(w):
+            if only is not None and group not in only:
+                continue
+            rc, line, took, tb, errors = _run(argv, w)
+            shown = " ".join(a.replace(tmp, "W").replace(str(EXAMPLES), "examples") for a in argv)
+            rows.append((group, shown, rc, line.replace(tmp, "W"), took,
+                         _verdict(expect, rc, tb, errors)))  # fmt: skip
+            print(f"{rc:>3} {took:6.1f}s {shown[:90]} | {line[:120]}", flush=True)
+    bad = sum(r[5].startswith("**BAD") for r in rows)
+    lines += ["", f"{len(rows)} cases; {bad} flagged BAD (traceback, exit code other than 0/2, "
+              f"timeout after {LIMIT_S} s, or more than one error line). W is the setup's "
+              "temporary directory.", "",
+              "| # | group | command (`dapple ...`) | rc | first line of stderr | s | verdict |",
+              "|---:|---|---|---:|---|---:|---|"]  # fmt: skip
+    for i, (group, shown, rc, line, took, verdict) in enumerate(rows, 1):
+        cell = line.replace("|", "\\|")
+        lines.append(f"| {i} | {group} | `{shown}` | {rc} | {cell} | {took:.1f} | {verdict} |")
+    Path(args.out).write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
