@@ -359,3 +359,22 @@ def test_a_measured_profile_refuses_bad_counts_before_building_the_model(
                  str(tmp_path / "p.json")]) == 2  # fmt: skip
     one_error_line(capsys, "--repeats must be from 1 to 1000 (timed runs per layer) and "
                    f"--warmup from 0 to 1000, got {got}")  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("flags", "got"),
+    [
+        ([], "--checkpoint-dir (none), --save-every (none)"),
+        (["--checkpoint-dir", "ck"], "--checkpoint-dir ck, --save-every (none)"),
+        (["--checkpoint-dir", "ck", "--save-every", "0"], "--checkpoint-dir ck, --save-every 0"),
+    ],
+)
+def test_an_elastic_run_without_periodic_checkpoints_names_the_flags(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], flags: list[str], got: str
+) -> None:
+    """It said "give it checkpoint_dir and save_every (got checkpoint_dir='ck', save_every=0)":
+    the fields, and a save_every of 0 the user never gave."""
+    elastic = ["--elastic", "--profile", "p.json", "--cluster", "local-cpu"]
+    assert main(["train", "--plan", _plan(tmp_path), *MODEL, *elastic, *flags]) == 2
+    one_error_line(capsys, "--elastic goes on from the newest checkpoint when a device is lost: "
+                   f"give --checkpoint-dir DIR and --save-every N (N >= 1; got {got})")  # fmt: skip

@@ -163,6 +163,7 @@ def run_config_of(args: argparse.Namespace) -> RunConfig:
     over = given_values(args, TRAIN_FLAGS)
     file = {} if args.config is None else read_toml(args.config)
     _check_flags_apply(file, over)  # before the config's own checks, which name no flag
+    _check_elastic_checkpoints(file, over)
     if args.config is not None:
         cfg = load_run_config(args.config, over=over)
     else:
@@ -220,6 +221,27 @@ def _check_flags_apply(file: dict[str, Any], over: dict[tuple[str, str], Any]) -
             flag, value = given[0]
             shown = "" if isinstance(value, bool) else f" {value}"
             raise ValidationError(f"{flag}{shown} {why}, or drop it")
+
+
+def _check_elastic_checkpoints(file: dict[str, Any], over: dict[tuple[str, str], Any]) -> None:
+    """An elastic run (``--elastic`` or ``[elastic] elastic = true``) saves checkpoints every N
+    steps (``--checkpoint-dir``, ``--save-every`` or the file's ``[checkpoint]`` keys): it goes
+    on from the newest one when a device is lost.
+
+    Raises:
+        ValidationError: either missing (or N < 1), naming the flags and what was given.
+    """
+    if _from(file, over, "elastic", ("run", "elastic")) is not True:
+        return
+    ck = _from(file, over, "checkpoint", ("train", "checkpoint_dir"))
+    every = _from(file, over, "checkpoint", ("train", "save_every"))
+    if ck is None or not (isinstance(every, int) and every >= 1):
+        shown = ["(none)" if x is None else x for x in (ck, every)]
+        got = f"--checkpoint-dir {shown[0]}, --save-every {shown[1]}"
+        raise ValidationError(
+            "--elastic goes on from the newest checkpoint when a device is lost: give "
+            f"--checkpoint-dir DIR and --save-every N (N >= 1; got {got})"
+        )
 
 
 def verify_config_of(args: argparse.Namespace) -> RunConfig:
