@@ -39,6 +39,15 @@ _Placed = tuple[tuple[int, ...], tuple[int, ...]]
 """A new stage's devices and the occupancy after it."""
 
 
+_Top = tuple[float, StageSpec, tuple[int, ...]] | None
+"""A prefix's best cut scanned: ``(L, new stage, the last stage's devices)``, or None."""
+
+
+def _lower(a: _Top, b: _Top) -> _Top:
+    """The one of lower L (``a`` on ties; None only when both are)."""
+    return b if a is None or (b is not None and b[0] < a[0]) else a
+
+
 _EVERY_COUNT = 32
 """Every replica count up to this is tried (:func:`candidate_replicas`)."""
 
@@ -278,8 +287,9 @@ class CutSearch:
         freed. Then the best plan scored has its last stage tried on fewer devices
         (:meth:`fewer_last`)."""
         G, used, b = self.sc.G, sum(occ), self.b
-        seen: set[tuple[tuple[int, ...], tuple[int, ...]]] = set()
-        top: tuple[float, StageSpec, tuple[int, ...]] | None = None
+        seen: set[tuple[int, ...]] = set()  # the devices of each placement scored, rest freed
+        idled: set[tuple[int, ...]] = set()  # each whole placement scored with its rest idle
+        top: _Top = None
         idle = 0
         for m1 in candidate_replicas(self.cluster, G - used - 1, self.limits.devices):
             lo, hi = self.cut_range(ji, min(m1, b), G - used - min(m1, b))
@@ -288,15 +298,16 @@ class CutSearch:
                 whole = place(self.cluster, occ, m1, pol)
                 if whole is None:
                     continue
-                idle_too = self.limits.idle_beyond_b
-                for placed in kept_placements(self.cluster, occ, whole, b, idle_too):
-                    if placed in seen:
-                        continue
-                    seen.add(placed)
-                    fresh = fresh or placed[1] != whole[1]  # a new device set, the rest freed
-                    got = self.scan_cuts(ji, lo, hi, prefix, min(m1, b), placed)
-                    if got is not None and (top is None or got[0] < top[0]):
-                        top = got
+                kept, *rest = kept_placements(
+                    self.cluster, occ, whole, b, self.limits.idle_beyond_b
+                )
+                if kept[0] not in seen:
+                    seen.add(kept[0])
+                    fresh = True
+                    top = _lower(top, self.scan_cuts(ji, lo, hi, prefix, min(m1, b), kept))
+                if rest and whole[0] not in idled:  # the whole placement fixes the occupancy
+                    idled.add(whole[0])
+                    top = _lower(top, self.scan_cuts(ji, lo, hi, prefix, b, rest[0]))
             idle = idle + 1 if m1 > b and not fresh else 0
             if idle == 2:  # two counts in a row kept no new device set: stop there
                 break
@@ -322,7 +333,7 @@ class CutSearch:
         prefix: tuple[StageSpec, ...],
         m1: int,
         placed: tuple[tuple[int, ...], tuple[int, ...]],
-    ) -> tuple[float, StageSpec, tuple[int, ...]] | None:
+    ) -> _Top:
         """Score the plans ``prefix + [j, j')`` on the m1 devices ``g1`` ``+ [j', N)`` on the
         rest for the cut points ``lo..hi``, shortest new stage first, until its bound reaches
         the incumbent, or until it fits no memory with ``drop_unfit`` (``placed``: ``g1`` and
