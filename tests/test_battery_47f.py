@@ -378,3 +378,11 @@ def test_an_elastic_run_without_periodic_checkpoints_names_the_flags(
     assert main(["train", "--plan", _plan(tmp_path), *MODEL, *elastic, *flags]) == 2
     one_error_line(capsys, "--elastic goes on from the newest checkpoint when a device is lost: "
                    f"give --checkpoint-dir DIR and --save-every N (N >= 1; got {got})")  # fmt: skip
+
+
+def test_profile_help_says_the_timing_counts_bounds(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["profile", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "timed runs per layer, median kept (1 to 1000; default 5; not with --analytic)" in text
+    assert "untimed runs per layer (0 to 1000; default 2; not with --analytic)" in text

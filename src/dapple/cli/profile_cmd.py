@@ -41,6 +41,11 @@ __all__ = [
 ]
 
 
+MAX_RUNS = 1000
+"""The most timed (``--repeats``) or untimed (``--warmup``) runs per layer, batch size and
+length a measured profile makes: 10^12 ran without end."""
+
+
 def _lengths(text: str | None) -> list[int] | None:
     if text is None:
         return None
@@ -72,13 +77,25 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     )
     add_device_argument(p)
     p.add_argument("-o", "--output", required=True, help="profile JSON to write")
-    p.add_argument("--repeats", type=int, default=5, help="timed runs per layer, median kept")
-    p.add_argument("--warmup", type=int, default=2, help="untimed runs per layer")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=5,
+        help=f"timed runs per layer, median kept (1 to {MAX_RUNS}; default %(default)s; not "
+        "with --analytic)",
+    )
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=2,
+        help=f"untimed runs per layer (0 to {MAX_RUNS}; default %(default)s; not with --analytic)",
+    )
     p.add_argument(
         "--threads",
         type=int,
         default=1,
-        help="torch threads when profiling on CPU (default 1: stable timings, one per process)",
+        help="torch threads when profiling on CPU (default 1: stable timings, one per process; "
+        "not with --analytic)",
     )
     p.add_argument(
         "--co-workers",
@@ -446,10 +463,6 @@ def _check_mode_options(cfg: ProfileConfig) -> None:
             "runs nothing"
         )
 
-
-MAX_RUNS = 1000
-"""The most timed (``--repeats``) or untimed (``--warmup``) runs per layer, batch size and
-length a measured profile makes: 10^12 ran without end."""
 
 _PROFILE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ProfileConfig)}
 """Each :class:`ProfileConfig` field's default."""
