@@ -386,3 +386,20 @@ def test_profile_help_says_the_timing_counts_bounds(capsys: pytest.CaptureFixtur
     text = " ".join(capsys.readouterr().out.split())
     assert "timed runs per layer, median kept (1 to 1000; default 5; not with --analytic)" in text
     assert "untimed runs per layer (0 to 1000; default 2; not with --analytic)" in text
+
+
+@pytest.mark.parametrize("servers", ["0", "-1"])
+def test_simulate_refuses_servers_below_one_before_reading_the_plan(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    servers: str,
+) -> None:
+    """It was refused once the plan and profile were read (as much CPU as a whole simulate)."""
+    from builders import boom
+
+    monkeypatch.setattr("dapple.core.plan.Plan.load", boom)
+    argv = ["simulate", "--plan", _plan(tmp_path), "--profile", "paper:bert48", "--cluster",
+            "paper-a", f"--servers={servers}"]  # fmt: skip
+    assert main(argv) == 2
+    one_error_line(capsys, f"--servers must be >= 1, got {servers}")

@@ -23,6 +23,7 @@ from dapple.cli._run_args import add_virtual_stages_argument
 from dapple.core.cluster import Cluster
 from dapple.core.cluster_presets import describe_presets
 from dapple.core.plan import Plan
+from dapple.errors import ValidationError
 from dapple.schedule.registry import check_virtual_stages, get_schedule, schedule_names
 
 if TYPE_CHECKING:
@@ -116,6 +117,8 @@ Run = tuple[str, "SimResult"]
 def run_config(cfg: SimulateConfig) -> int:
     """Simulate what ``cfg`` asks for, print each run and write the files asked for
     (``dapple simulate`` once its flags are read)."""
+    if cfg.servers is not None and cfg.servers < 1:  # before the plan and profile are read
+        raise ValidationError(f"--servers must be >= 1, got {cfg.servers}")
     _check_outputs(cfg)
     plan, cluster, runs = _simulated(cfg)
     con = console()
