@@ -355,7 +355,11 @@ class Scorer:
         options = [self.stage_options(s, e, d, b) for (s, e, d) in stages]
         if not all(options):
             return None
-        shares = [kind_shares(self, s, e, d, b) for s, e, d in stages]  # None: even
+        shares = (  # the stages' shares on a cluster with kinds (None: even)
+            [kind_shares(self, s, e, d, b) for s, e, d in stages]
+            if self.cluster.kinds and len(stages) > 1
+            else [None] * len(stages)
+        )
         comm = [
             self.comm_ms(stages[i][1], stages[i][2], stages[i + 1][2], b, *shares[i : i + 2])
             for i in range(len(stages) - 1)

@@ -103,6 +103,18 @@ _KIND_SCORERS: weakref.WeakKeyDictionary[Scorer, dict[str, Scorer]] = weakref.We
 FB = Callable[[int, int, int], tuple[float, float]]
 """``(s, e, n) -> (F, B)`` of layers [s, e) on n samples at speed 1 (:meth:`Scorer.fb_ms`)."""
 
+_DEVICES: weakref.WeakKeyDictionary[Scorer, dict[int, tuple[Replica, FB]]] = (
+    weakref.WeakKeyDictionary()
+)
+"""Each scorer's :data:`Replica` key and F, B of each device it has priced (:func:`_device`)."""
+
+
+_STAGE_SHARES: weakref.WeakKeyDictionary[
+    Scorer, dict[tuple[int, int, tuple[int, ...], int], tuple[int, ...] | None]
+] = weakref.WeakKeyDictionary()
+"""Each scorer's :func:`kind_shares` by ``(s, e, devices, b)``: a search scores each stage
+in many candidates."""
+
 
 def _replica(cl: Cluster, x: int) -> Replica:
     k = cl.kind_of(x)
@@ -111,22 +123,27 @@ def _replica(cl: Cluster, x: int) -> Replica:
     return ("" if k.profile is None else k.name, k.speed)
 
 
-def _fb(sc: Scorer, x: int) -> FB:
-    """F, B of device ``x``: the scorer's, or from its kind's own profile (a plain
-    :class:`~dapple.planner.evaluate.Scorer` of it, whatever ``sc``'s class: only its prefix
-    sums are read)."""
+def _device(sc: Scorer, x: int) -> tuple[Replica, FB]:
+    """Device ``x``'s :data:`Replica` key and its F, B: the scorer's, or from its kind's own
+    profile (a plain :class:`~dapple.planner.evaluate.Scorer` of it, whatever ``sc``'s class:
+    only its prefix sums are read); remembered per scorer."""
     from dapple.planner.evaluate import Scorer
 
+    known = _DEVICES.setdefault(sc, {})
+    got = known.get(x)
+    if got is not None:
+        return got
     k = sc.cluster.kind_of(x)
-    if k is None or k.profile is None:
-        return sc.fb_ms
-    own = _KIND_SCORERS.setdefault(sc, {})
-    got = own.get(k.name)
-    if got is None:
-        got = own[k.name] = Scorer(
-            k.profile, sc.real_cluster, sc.global_batch_size, sc.zero_stage, sc.tensor_width
-        )
-    return got.fb_ms
+    fb = sc.fb_ms
+    if k is not None and k.profile is not None:
+        own = _KIND_SCORERS.setdefault(sc, {})
+        if k.name not in own:
+            own[k.name] = Scorer(
+                k.profile, sc.real_cluster, sc.global_batch_size, sc.zero_stage, sc.tensor_width
+            )
+        fb = own[k.name].fb_ms
+    got = known[x] = (_replica(sc.cluster, x), fb)
+    return got
 
 
 def _time(fb: FB, s: int, e: int, v: float) -> TimeOfSamples:
@@ -141,21 +158,19 @@ def _time(fb: FB, s: int, e: int, v: float) -> TimeOfSamples:
 
 def _replicas(
     sc: Scorer, s: int, e: int, d: tuple[int, ...], b: int
-) -> tuple[list[FB], list[float], list[TimeOfSamples], tuple[int, ...]]:
-    """Per replica of layers [s, e) on ``d``: its F, B, its speed, its time at that speed,
-    and the stage's shares (:func:`stage_shares`), remembered per scorer: placements on
-    the same kinds share their shares."""
-    cl = sc.cluster
-    who = tuple(_replica(cl, x) for x in d)
-    fbs = [_fb(sc, x) for x in d]
-    speeds = [v for _, v in who]
-    times = [_time(fb, s, e, v) for fb, v in zip(fbs, speeds, strict=True)]
+) -> tuple[list[tuple[Replica, FB]], tuple[int, ...]]:
+    """Per replica of layers [s, e) on ``d``: its :data:`Replica` key and F, B
+    (:func:`_device`), and the stage's shares (:func:`replica_shares` of their times at their
+    speeds), remembered per scorer: placements on the same kinds share their shares."""
+    rows = [_device(sc, x) for x in d]
+    who = tuple(r for r, _ in rows)
     known = _SHARES.setdefault(sc, {})
     key = (s, e, who, b)
     shares = known.get(key)
     if shares is None:
+        times = [_time(fb, s, e, v) for (_, v), fb in rows]
         shares = known[key] = replica_shares(b, who, times)
-    return fbs, speeds, times, shares
+    return rows, shares
 
 
 def kind_stage(
@@ -165,15 +180,24 @@ def kind_stage(
     devices ``d`` of a cluster with kinds, as :meth:`Scorer._stage` reads them.
 
     F, B are those of the slowest replica on the :func:`stage_shares`, each at its speed from
-    its kind's own profile where it has one; D the fewest micro-batches any replica holds with
-    its share in its kind's usable memory; the floor the largest of the replicas' floors, each
-    scaled to the smallest kind's memory (what :func:`~dapple.planner.cut_search.stage_unfit`
-    compares it with).
+    its kind's own profile where it has one (the first such replica); D the fewest
+    micro-batches any replica holds with its share in its kind's usable memory; the floor the
+    largest of the replicas' floors, each scaled to the smallest kind's memory (what
+    :func:`~dapple.planner.cut_search.stage_unfit` compares it with).
     """
     cl = sc.cluster
-    fbs, speeds, times, shares = _replicas(sc, s, e, d, b)
-    j = max(range(len(d)), key=lambda i: times[i](shares[i]))
-    f, bw = fbs[j](s, e, shares[j])
+    rows, shares = _replicas(sc, s, e, d, b)
+    best: tuple[float, float, float] | None = None  # F, B, (F + B) / v of the slowest
+    seen = set()
+    for ((_, v), fb), n in zip(rows, shares, strict=True):
+        if (v, fb, n) in seen:  # a replica like an earlier one: the same time
+            continue
+        seen.add((v, fb, n))
+        f, bw = fb(s, e, n)
+        t = (f + bw) / v
+        if best is None or t > best[2]:
+            best = (f / v, bw / v, t)
+    assert best is not None
     low = float(cl.usable_memory_bytes)
     d_nr = d_r = math.inf
     floor = 0.0
@@ -182,7 +206,7 @@ def kind_stage(
     ):
         a, r, fl = sc._options(s, e, n, len(d), mode, M, usable)
         d_nr, d_r, floor = min(d_nr, a), min(d_r, r), max(floor, fl * low / usable)
-    return f / speeds[j], bw / speeds[j], int(d_nr), int(d_r), floor
+    return best[0], best[1], int(d_nr), int(d_r), floor
 
 
 def kind_shares(sc: Scorer, s: int, e: int, d: tuple[int, ...], b: int) -> tuple[int, ...] | None:
@@ -191,8 +215,12 @@ def kind_shares(sc: Scorer, s: int, e: int, d: tuple[int, ...], b: int) -> tuple
     on either side of the stage (:meth:`~dapple.planner.evaluate.Scorer.comm_ms`)."""
     if not sc.cluster.kinds or len(d) == 1:
         return None
-    shares = _replicas(sc, s, e, d, b)[3]
-    return None if shares == split_sizes(b, len(d)) else shares
+    known = _STAGE_SHARES.setdefault(sc, {})
+    key = (s, e, d, b)
+    if key not in known:
+        shares = _replicas(sc, s, e, d, b)[1]
+        known[key] = None if shares == split_sizes(b, len(d)) else shares
+    return known[key]
 
 
 def _stage_ms(profile: ModelProfile, cluster: Cluster, st: StagePlan, v: float) -> TimeOfSamples:
