@@ -242,3 +242,24 @@ def test_search_is_no_worse_than_the_oracle_with_per_kind_profiles(gbs: int) -> 
     assert dp.predicted_step_ms <= oracle.predicted_step_ms * (1 + 1e-9)
     for p in (dp, oracle):
         assert p.predicted_step_ms == pytest.approx(schedule_latency(p, H, KINDS))
+
+
+def test_simulate_warns_by_each_kinds_memory(capsys: pytest.CaptureFixture[str]) -> None:
+    """Layers [0, 4) (about 70 MB: 4 x 16 MB of state) on an H device of 1 GiB fits; on an A
+    device of 48 MiB it does not: only that device is warned of, against its own memory (the
+    warning compared every device with the smallest kind's)."""
+    from rich.console import Console
+
+    from dapple.cli.simulate_cmd import _print_run
+
+    small = dataclasses.replace(KINDS.kinds[1], device_memory_bytes=48 * 2**20)
+    c = dataclasses.replace(KINDS, kinds=(KINDS.kinds[0], small), device_memory_bytes=48 * 2**20)
+    con = Console(width=200)
+    for d, warned in ((0, False), (2, True)):
+        plan = _plan(StagePlan(layers=(0, 4), devices=(d,)), b=1)
+        _print_run(con, "t", simulate(plan, H, c), c)
+        out = " ".join(capsys.readouterr().out.split())
+        assert (
+            "warning: peak memory exceeds the 0.0469 GiB device memory on device(s) 2" in out
+        ) == warned
+        assert "exceeds" in out if warned else "exceeds" not in out

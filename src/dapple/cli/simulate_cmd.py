@@ -197,13 +197,17 @@ def _print_run(con: Console, title: str, r: SimResult, cluster: Cluster) -> None
     L = "n/a" if math.isnan(r.L_ms) else f"{r.L_ms:.3f} ms"
     gap = "" if math.isnan(r.L_ms) else f" (simulated / L = {r.step_ms / r.L_ms:.3f})"
     con.print(f"step time {r.step_ms:.3f} ms, planner L {L}{gap}")
-    over_mem = [
-        d.devices_text for d in r.devices if d.peak_memory_bytes > cluster.device_memory_bytes
+    over = [  # each device against its own kind's memory on a mixed cluster
+        (d.devices_text, m)
+        for d in r.devices
+        if d.peak_memory_bytes
+        > (m := cluster.usable_memory_of(d.device) + cluster.reserved_memory_bytes)
     ]
-    if over_mem:
+    if over:
+        gib = " / ".join(f"{m / 2**30:.3g}" for m in sorted({m for _, m in over}))
         con.print(
-            f"[yellow]warning: peak memory exceeds the {cluster.device_memory_bytes / 2**30:.1f} GiB "
-            f"device memory on device(s) {'; '.join(over_mem)}[/yellow]"
+            f"[yellow]warning: peak memory exceeds the {gib} GiB device memory on device(s) "
+            f"{'; '.join(t for t, _ in over)}[/yellow]"
         )
 
 
