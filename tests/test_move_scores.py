@@ -4,8 +4,10 @@ climb that scores only the moves its estimates keep against one that scores ever
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
+import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -13,7 +15,7 @@ from dapple.core.cluster import Cluster
 from dapple.core.layer_profile import AffineTime, LayerProfile
 from dapple.core.profile import ModelProfile
 from dapple.planner.evaluate import Scorer
-from dapple.planner.move_scores import ROUNDING, Move, WidthStage
+from dapple.planner.move_scores import ROUNDING, Move, WidthStage, _in_flight
 from dapple.planner.stage_widths import MixedScorer, applied, moves_of, refine_stage_widths
 from dapple.schedule.registry import in_flight_counts
 
@@ -148,14 +150,23 @@ def test_the_climb_finds_what_scoring_every_move_finds(
     st.sampled_from(["A", "B"]),
     st.data(),
 )
-def test_dapple_in_flight_counts_are_a_running_minimum(
+def test_dapple_in_flight_counts_share_a_binding_d(
     S: int, M: int, policy: str, data: st.DataObject
 ) -> None:
-    """The estimates' rule for K_i under a bound D (:func:`estimate_moves`): the DAPPLE
-    schedule's counts with D are the running minimum of its counts without D and D."""
+    """The estimates' rule for K_i under a bound D (:func:`estimate_moves`) is the DAPPLE
+    schedule's: the running minimum of its counts without D and D, and after a stage s whose
+    own D_s binds, at most ``ceil(D_s (S-t) / (S-s))`` at stage t."""
     D = data.draw(st.lists(st.none() | st.integers(1, 20), min_size=S, max_size=S))
     nominal = in_flight_counts("dapple", S, M, policy)
     want: list[int] = []
-    for k, d in zip(nominal, D, strict=True):
-        want.append(min([k, *([d] if d else []), *want[-1:]]))
+    for t, (k, d) in enumerate(zip(nominal, D, strict=True)):
+        shares = [
+            math.ceil(ds * (S - t) / (S - s))
+            for s, ds in enumerate(D[:t])
+            if ds is not None and want[s] == ds < nominal[s]
+        ]
+        want.append(min([k, *([d] if d else []), *want[-1:], *shares]))
     assert in_flight_counts("dapple", S, M, policy, D) == want
+    binds = [d if d is not None and d < k else 0 for k, d in zip(nominal, D, strict=True)]
+    got = _in_flight(np.array(nominal)[:, None], np.array(binds)[:, None])
+    assert got[:, 0].tolist() == want

@@ -196,7 +196,7 @@ def apply_host(
             F2[s] += e.forward_ms
             B2[s] += e.backward_ms
             step[s] = e.step_ms
-    period = steady_periods(F2, B2, K)
+    period = steady_periods(F2, B2, K, M)
     if cluster.compute_cores_per_server is not None:
         devices = [
             None if e is None else [(d, w + e.per_mb(M)) for d, w in work(s)]

@@ -16,6 +16,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple
 
+import numpy as np
+
 __all__ = ["Latency", "latency", "steady_periods"]
 
 
@@ -33,29 +35,87 @@ class Latency(NamedTuple):
     """Pivot stage index among all S stages (comm stages counted)."""
 
 
-def steady_periods(F: Sequence[float], B: Sequence[float], K: Sequence[int | None]) -> list[float]:
-    """Per-micro-batch steady period of each stage: ``max(F_s + B_s, RT_s / K_s)``.
+def steady_periods(
+    F: Sequence[float], B: Sequence[float], K: Sequence[int | None], M: int
+) -> list[float]:
+    """Per-micro-batch steady period of each stage: ``(M - 1) period_s`` is the longest its
+    M - 1 micro-batches after the first take, paced by its own F + B or by a cycle of its
+    early-backward order through the stages after it.
 
-    The paper's equation 1 uses ``F_s + B_s``, which assumes K_s is large enough. A stage
-    that may keep only K_s micro-batches in flight cannot start a new forward more often
-    than every ``RT_s / K_s`` (Little's law), where ``RT_s = sum_{a=s}^{S-1} (F_a + B_a)`` is
-    the round trip of one micro-batch from stage s's forward to its backward.
+    The paper's equation 1 uses ``F_s + B_s``, which assumes K_s is large enough. In steady
+    state stage s runs ``B_m`` then ``F_{m+K_s}`` (section 4.2), and a stage t after it runs
+    ``F_j`` then ``B_{j-K_t+1}``. So ``B_m`` at s, the forwards of ``m + K_s`` down to t, its
+    next backward there and the backwards back up to s close a cycle of
+    ``RT(s..t) = sum_{a=s}^{t} (F_a + B_a)`` (comm stages between included) that advances
+    ``k = K_s - K_t + 1`` micro-batches. Only the M - K_s forwards after the warm-up wait on
+    it: the cycle runs ``n = floor((M - 1 - K_s) / k) + 1`` laps (none when M <= K_s), which
+    cover ``n k`` micro-batches, and the rest are paced by the stage's own F + B::
+
+        period_s = max(F_s + B_s, RT_s / K_s,
+                       max_t (n RT(s..t) + (M - 1 - n k)(F_s + B_s)) / (M - 1)).
+
+    ``RT_s / K_s`` is the cycle through the last stage, one micro-batch's whole round trip
+    from stage s's forward to its backward over K_s micro-batches (Little's law, charged to
+    all M - 1). A stage t whose K_t equals K_s (a memory bound D that caps several stages
+    alike) makes its cycle advance one micro-batch per ``RT(s..t)``.
 
     Args:
         F: F_s per stage.
         B: B_s per stage.
         K: K_s per stage; None (or 0) leaves the stage unbounded (comm stages, and every
-            stage of the GPipe schedule, whose forwards all run before its backwards).
+            stage of the GPipe schedule, whose forwards all run before its backwards) and
+            makes it no turning point of a cycle.
+        M: micro-batches.
     """
     S = len(F)
-    period = [F[s] + B[s] for s in range(S)]
-    rt = 0.0
+    fb = [F[s] + B[s] for s in range(S)]
+    period = list(fb)
+    # rt[s] = RT_s, summed from the last stage up; RT(s..t) = rt[s] - rt[t + 1]
+    rt = [0.0] * (S + 1)
+    acc = 0.0
     for s in range(S - 1, -1, -1):
-        rt += F[s] + B[s]
+        acc += F[s] + B[s]
+        rt[s] = acc
+    turns = [s for s in range(S) if K[s]]
+    for s in turns:
         k = K[s]
-        if k:
-            period[s] = max(period[s], rt / k)
+        assert k is not None
+        period[s] = max(period[s], rt[s] / k)  # t past the last stage: Little's law
+    if M > 1 and len(turns) > 1:
+        for s, total in zip(turns, _longest_laps(turns, K, rt, fb, M), strict=True):
+            if total > (M - 1) * period[s]:
+                period[s] = total / (M - 1)
     return period
+
+
+CYCLE_REACH = 16
+"""How many computation stages after s a cycle of :func:`steady_periods` may turn at. Under
+DAPPLE's counts (:func:`dapple.schedule.early_backward.warmup_counts`) a run of equal K_t that
+long comes from a share D_s / (S - s) below 1/16, and a cycle through such a run is close to
+Little's law's RT_s / D_s, which every stage keeps; the reach keeps the planner's work linear
+in S (``benchmarks/bounded_latency.md``)."""
+
+
+def _longest_laps(
+    turns: list[int], K: Sequence[int | None], rt: list[float], fb: list[float], M: int
+) -> list[float]:
+    """Per turning stage s (``turns``, ascending), the longest ``n RT(s..t) + (M - 1 - n k)
+    (F_s + B_s)`` over the next :data:`CYCLE_REACH` turning stages t with K_t <= K_s
+    (:func:`steady_periods`); ``-inf`` where there is none or M <= K_s. ``fb`` holds F_s + B_s."""
+    k = np.array([K[s] for s in turns], dtype=np.int64)
+    here = np.array([rt[s] for s in turns])
+    after = np.array([rt[s + 1] for s in turns])
+    own = np.array([fb[s] for s in turns])
+    n = len(turns)
+    gated = k <= M - 1
+    longest = np.full(n, -np.inf)
+    for d in range(1, min(CYCLE_REACH, n - 1) + 1):
+        step = k[:-d] - k[d:] + 1  # s = the first n - d turns, t = s + d turns
+        laps = (M - 1 - k[:-d]) // np.maximum(step, 1) + 1
+        total = laps * (here[:-d] - after[d:]) + (M - 1 - laps * step) * own[:-d]
+        take = gated[:-d] & (step >= 1)
+        longest[:-d] = np.where(take, np.maximum(longest[:-d], total), longest[:-d])
+    return [float(x) for x in longest]
 
 
 def latency(
@@ -74,7 +134,8 @@ def latency(
             once after its last backward.
         M: micro-batches.
         period: steady period of each stage, ``F_s + B_s`` in the paper
-            (:func:`steady_periods` bounds it by the in-flight limit K_s).
+            (:func:`steady_periods` bounds it by the cycles that the in-flight limits K_s
+            close).
 
     Equation 3 picks the pivot scanning s = S-1 .. 0: s replaces Q when its bubble-free steady
     phase ``T_st^s = (M-1) period_s`` exceeds ``T_st^Q`` plus the F + B of the stages strictly

@@ -11,7 +11,8 @@ documented where used:
   device kinds each replica's slice is held in its own kind's memory (:func:`_fits_kinds`).
 * Comm stages and AllReduce share a server's network interface (:mod:`dapple.cost.comm`).
 * Steady phase with bounded in-flight micro-batches: the per-micro-batch period of stage s is
-  ``max(F_s + B_s, RT_s / K_s)`` (:func:`dapple.cost.latency.steady_periods`), which
+  the slowest cycle of its early-backward order, ``max(F_s + B_s, RT(s..t) / (K_s - K_t +
+  1))`` over the stages t after it (:func:`dapple.cost.latency.steady_periods`), which
   reduces to the paper's ``F_s + B_s`` when memory is ample.
 * CPU hosts (runtime overheads per action, step and MiB; compute cores shared by a server's
   devices): a separate pass, :func:`dapple.cost.host.apply_host`, only when the cluster

@@ -158,7 +158,7 @@ def pipeline_terms(
         AR.append(st.sync_ms + st.update_ms)
         K.append(in_flight[i])
     if host is None:
-        return PipelineTerms(M, F, B, AR, [0.0] * len(F), AR, steady_periods(F, B, K))
+        return PipelineTerms(M, F, B, AR, [0.0] * len(F), AR, steady_periods(F, B, K, M))
     h = apply_host(
         F,
         B,

@@ -22,6 +22,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from dapple.core.plan import Policy
+from dapple.cost.latency import CYCLE_REACH
 from dapple.planner.evaluate import in_flight
 from dapple.planner.stage_options import StageOptions, stage_choice
 
@@ -116,7 +117,7 @@ def estimate_moves(
     """L of each move's plan within :data:`ROUNDING` (``inf`` where it does not fit), as
     :func:`~dapple.planner.evaluate.score_options` scores it on a cluster without host terms,
     under a schedule whose in-flight counts with D are DAPPLE's
-    (:func:`~dapple.schedule.early_backward.warmup_counts`: ``min(K_i, D_i, K_{i-1})``).
+    (:func:`~dapple.schedule.early_backward.warmup_counts`, :func:`_in_flight`).
 
     Args:
         stages: the current plan (S stages).
@@ -212,6 +213,29 @@ def _layout(
     return comp_idx, comm_idx, comm_src
 
 
+def _in_flight(own: NDArray[np.intp], d: NDArray[np.intp]) -> NDArray[np.intp]:
+    """K_i per position (rows) of each plan (columns), as
+    :func:`~dapple.schedule.early_backward.warmup_counts` makes them: ``own`` (the schedule's
+    count at this M) capped by D where it binds (``d > 0``), by the stage before and by the
+    share ``ceil(D_s (S-t) / (S-s))`` of the stage s whose own D holds it lowest. Plans are
+    right-aligned, so S - t is the row's distance from the end."""
+    P, n = own.shape
+    K = np.empty_like(own)
+    num = np.full(n, np.iinfo(np.intp).max // (2 * P + 2))  # no share yet: no cap
+    den = np.ones(n, dtype=np.intp)
+    for p in range(P):
+        left = P - p
+        k = np.where(d[p] > 0, np.minimum(own[p], d[p]), own[p])
+        if p:
+            k = np.minimum(k, K[p - 1])
+        k = np.minimum(k, -(-num * left // den))
+        K[p] = k
+        binds = (d[p] > 0) & (k == d[p]) & (k < own[p]) & (k * den < num * left)
+        num = np.where(binds, k, num)
+        den = np.where(binds, left, den)
+    return K
+
+
 def _latency(
     rows: _Columns,
     idx: NDArray[np.intp],
@@ -235,12 +259,26 @@ def _latency(
     F[1::2] = comm.T
     B[1::2] = comm.T
     d = rows.d[at]
-    k = nominal.T
-    K = np.minimum.accumulate(np.where(d > 0, np.minimum(k, d), k), axis=0)
+    K = _in_flight(nominal.T, d)
     fb = F + B
     rt = np.cumsum(fb[::-1], axis=0)[::-1]
     period = fb.copy()
-    period[0::2] = np.maximum(fb[0::2], rt[0::2] / K)
+    comp = np.maximum(fb[0::2], rt[0::2] / K)
+    if M > 1:
+        # steady_periods' cycles turning at a later computation stage a + d: their longest
+        # n RT + (M - 1 - n k)(F + B) over d <= CYCLE_REACH, then one division (_longest_laps)
+        after = rt[1::2]  # what follows computation stage b (b < S - 1)
+        gated = K <= M - 1
+        longest = np.full((S, n), -np.inf)
+        for dd in range(1, min(CYCLE_REACH, S - 1) + 1):
+            step = K[:-dd] - K[dd:] + 1
+            laps = (M - 1 - K[:-dd]) // np.maximum(step, 1) + 1
+            tail = np.vstack([after[dd:], np.zeros((1, n))])  # RT after stage a + dd
+            total = laps * (rt[0::2][:-dd] - tail) + (M - 1 - laps * step) * fb[0::2][:-dd]
+            take = gated[:-dd] & (step >= 1)
+            longest[:-dd] = np.where(take, np.maximum(longest[:-dd], total), longest[:-dd])
+        comp = np.where(longest > (M - 1) * comp, longest / (M - 1), comp)
+    period[0::2] = comp
     period[np.arange(P)[:, None] < 2 * pad[None, :]] = 0.0
     mp = (M - 1) * period
     Q = np.full(n, P - 1)

@@ -292,17 +292,23 @@ def dapple_search(
     shards = any(x.tensor_parallel for x in profile.layers)
     mixed = MixedScorer(scorers) if stage_widths and len(scorers) > 1 and shards else None
     found: list[tuple[float, int, Plan]] = []
+    uniform = math.inf  # the least L of the narrower widths' searches, every stage at width t
     for i, t in enumerate(widths):
         sc = scorers[t]
         limits = search_limits(
             sc.N, sc.G, max_stages, states_per_layer, window, keep, m_candidates, sc.G * t
         )
         limits = dataclasses.replace(limits, drop_unfit=t > 1)
-        best = Incumbent(min((x[0] for x in found), default=math.inf))  # narrower widths' L
+        # pruned by the narrower widths' uniform plans, not by their per-stage refinements:
+        # a width-t plan above those may still refine to the best (stage_widths is local)
+        best = Incumbent(
+            uniform if mixed is not None else min((x[0] for x in found), default=math.inf)
+        )
         step = None if progress is None else partial(_width_progress, progress, i, len(widths))
         _search_width(sc, Ms, global_batch_size, limits, best, cut_limit, step)
         if best.scored is not None:
             stages, M, scored = _refine(sc, best.stages, best.M, best.scored, Ms)
+            uniform = min(uniform, scored.L_ms)
             found.append((scored.L_ms, t, sc.build_plan("dapple", stages, M, scored)))
             if mixed is not None:
                 found += _stage_widths(mixed, t, stages, M, scored, Ms)

@@ -30,6 +30,17 @@ def warmup_counts(
     None for unbounded). K is additionally made non-increasing along the pipeline: a stage
     that warms up with more forwards than its predecessor would wait for a micro-batch the
     predecessor only sends after a backward it cannot get, i.e. deadlock.
+
+    A stage s whose own D_s holds it below its count (``K_s = D_s < min(S-s, M)``, or policy
+    B's) shares its D_s slots with the S - s stages from it to the end in proportion: a later
+    stage t keeps at most ``ceil(D_s (S-t) / (S-s))``. Without the share every later stage
+    kept D_s until its own count fell below it, and two stages u < t of equal counts close a
+    cycle of the early-backward order (u's ``B_m`` then ``F_{m+K_u}``, t's ``F_j`` then
+    ``B_{j-K_t+1}``) that advances one micro-batch per round trip between them
+    (:func:`dapple.cost.latency.steady_periods`): 8 equal stages (F 1, B 2) with D_0 = 4 and
+    M = 32 took 453 instead of 303. Rounding up keeps each stage's own round trip over its
+    K_t near the bound's; neighbours may still share a count. Unbounded plans keep S - i
+    (2(S-i)-1).
     """
     check_counts(S, M)
     if policy not in POLICIES:
@@ -38,17 +49,23 @@ def warmup_counts(
     if len(d_list) != S:
         raise ValidationError(f"D must give one value per stage ({S}), got {len(d_list)}")
     ks: list[int] = []
+    share: tuple[int, int] | None = None  # (D_s, S - s) of the least D_s / (S - s) that binds
     for i in range(S):
-        k = S - i if policy == "A" else 2 * (S - i) - 1
+        left = S - i
+        own = min(left if policy == "A" else 2 * left - 1, M)
+        k = own
         d = d_list[i]
         if d is not None:
             if d < 1:
                 raise ValidationError(f"D for stage {i} must be >= 1, got {d}")
             k = min(k, d)
-        k = min(k, M)
         if ks:
             k = min(k, ks[-1])
+        if share is not None:
+            k = min(k, -(-share[0] * left // share[1]))  # ceil
         ks.append(k)
+        if k == d and k < own and (share is None or k * share[1] < share[0] * left):
+            share = (k, left)  # held below by its own D
     return ks
 
 
