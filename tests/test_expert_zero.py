@@ -27,9 +27,9 @@ def record_zero(rank: int) -> None:
     """Verify worker setup hook: append, per run, the rank's zero stage, its flat (sharded)
     parameters' count and how many of them are expert shards, to
     ``$DAPPLE_TEST_EP_ZERO_DIR/rank<r>.jsonl``."""
-    import dapple.runtime.engine as engine
+    import dapple.runtime.startup as startup
 
-    select = engine.select_zero
+    select = startup.select_zero
 
     def recorded(plan: Any, workload: Any, layers: Any, zero_stage: int, mesh: Any = None) -> Any:
         sel = select(plan, workload, layers, zero_stage, mesh)
@@ -41,7 +41,7 @@ def record_zero(rank: int) -> None:
             f.write(json.dumps(row) + "\n")
         return sel
 
-    engine.select_zero = recorded
+    startup.select_zero = recorded
 
 
 @pytest.mark.slow

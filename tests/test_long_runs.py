@@ -427,7 +427,7 @@ def test_torchrun_restarts_a_killed_worker_from_the_last_checkpoint(tmp_path: Pa
     if not torchrun.exists():
         pytest.skip("torchrun not installed next to the interpreter")
     from dapple.runtime import free_port
-    from dapple.runtime.engine import FAIL_RANK_ENV, FAIL_STEP_ENV
+    from dapple.runtime.startup import FAIL_RANK_ENV, FAIL_STEP_ENV
 
     t0 = time.monotonic()
     proc = subprocess.run(

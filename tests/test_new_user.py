@@ -231,12 +231,12 @@ def test_the_bars_eta_moves_with_the_clock_between_steps() -> None:
 
 
 def test_a_tensor_parallel_stage_announces_its_build_once() -> None:
-    from dapple.runtime.engine import _announces_build
+    from dapple.runtime.startup import announces_build
 
     plan = Plan(planner="manual", global_batch_size=4, micro_batch_size=2, num_micro_batches=2,
                 stages=(StagePlan(layers=(0, 2), devices=(0, 1, 2, 3), tensor_width=2),
                         StagePlan(layers=(2, 4), devices=(4, 5))))  # fmt: skip
-    assert [r for r in range(6) if _announces_build(plan, r)] == [0, 4]
+    assert [r for r in range(6) if announces_build(plan, r)] == [0, 4]
 
 
 def test_a_tensor_group_is_one_row_named_by_all_its_devices(tmp_path: Path) -> None:

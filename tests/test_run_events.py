@@ -24,9 +24,9 @@ from dapple.core.plan import Plan, straight_plan
 from dapple.models.split import loaded_tensors, with_weights, workload_from_module
 from dapple.runtime import TrainConfig, free_port, train
 from dapple.runtime.checkpoint import step_dir
-from dapple.runtime.engine import stages_text
 from dapple.runtime.longrun import data_position, lr_rederived
 from dapple.runtime.optim import lr_at
+from dapple.runtime.startup import stages_text
 
 TESTS = Path(__file__).parent
 SEED = 1

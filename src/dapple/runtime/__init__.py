@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from dapple.runtime.config import StepMetrics, TrainConfig
-    from dapple.runtime.engine import RankFailure, StageRun, run_plan, validate_run
+    from dapple.runtime.engine import StageRun, run_plan, validate_run
+    from dapple.runtime.launch.failure import RankFailure
     from dapple.runtime.launch.launcher import (
         free_port,
         init_distributed,
@@ -31,7 +32,7 @@ if TYPE_CHECKING:
 _HOMES = {
     "StepMetrics": "config",
     "TrainConfig": "config",
-    "RankFailure": "engine",
+    "RankFailure": "launch.failure",
     "StageRun": "engine",
     "run_plan": "engine",
     "validate_run": "engine",

@@ -1,6 +1,6 @@
 """One rank's parts of a run, each from a small typed builder.
 
-:func:`dapple.runtime.engine.run_plan` assembles them in a fixed order (some are collectives:
+:func:`dapple.runtime.startup.start_rank` assembles them in a fixed order (some are collectives:
 the boundary probe, the process groups of :class:`~dapple.runtime.sync.GradientSync`, ZeRO's
 shards): what the rank holds of the plan (:class:`StageLayers`), where each step's batch comes
 from (:class:`Batches`), which parameters ZeRO shards (:class:`ZeroSelection`,

@@ -47,10 +47,10 @@ from dapple.models.workload import Workload
 from dapple.runtime.comm import set_host_staged, transport_for
 from dapple.runtime.config import StepMetrics, TrainConfig
 from dapple.runtime.data import check_data, check_data_resume, data_state
-from dapple.runtime.engine import RankFailure, run_plan, validate_run
+from dapple.runtime.engine import run_plan, validate_run
 from dapple.runtime.evaluate import eval_batch_fn, eval_plan
 from dapple.runtime.launch.early import EarlyWorkers, preloaded
-from dapple.runtime.launch.failure import lost_peer, rank_report
+from dapple.runtime.launch.failure import RankFailure, lost_peer, rank_report
 from dapple.runtime.launch.local import (
     StopSignals,
     exit_text,
