@@ -162,3 +162,21 @@ def test_search_score_is_pipeline_latency_of_its_plan(
     L = pipeline_latency(priced, prof, c).L_ms
     assert plan.predicted_step_ms == pytest.approx(L, rel=1e-9)
     assert dataclasses.replace(priced, predicted_step_ms=0.0).stages == priced.stages
+
+
+def test_a_tie_between_kinds_breaks_alike_in_the_search_and_the_cost_model() -> None:
+    """Layer 1 takes the same time on both kinds, but the scorer's prefix sums give the slow
+    kind's (its layer 0 is 1.7x) 1.2999999999999998 ms where the cost model sums 1.3: the
+    shares of layer 1 over one fast and two slow devices must still tie alike (even: 3, 3, 2),
+    else the split-concat is priced on other shares (53.64 against 52.04 ms)."""
+    from dapple.cost.replica_shares import balanced_shares_of
+
+    slower, faster = (lambda n: 1.3 * n), (lambda n: 1.2999999999999998 * n)
+    assert balanced_shares_of(8, [slower, faster, faster]) == (3, 3, 2)
+    prof = make_profile(2, fwd=1.3, bwd=2.7, act=1e5)
+    c = _own_profiles(_cluster(2, 0.23, 100.0, 1.0), prof, [1.7, 1.0])
+    sc = Scorer(prof, c, 8)
+    assert kind_shares(sc, 1, 2, (1, 2, 3), 8) is None
+    both = _cost_model_ms(sc, [(0, 1, (0,)), (1, 2, (1, 2, 3))], 1)
+    assert both is not None
+    assert both[0] == pytest.approx(both[1], rel=1e-12)

@@ -69,7 +69,7 @@ def balanced_shares_of(b: int, times: Sequence[TimeOfSamples]) -> tuple[int, ...
     """Whole-sample shares of ``b`` (each >= 1) minimising ``max_j times[j](n_j)``: replica j
     computes n samples in ``times[j](n)`` ms, nondecreasing in n (e.g. its own kind's
     profile, :mod:`dapple.core.kind_profiles`). The greedy of :func:`balanced_shares`, optimal
-    for the same reason.
+    for the same reason; times equal to 12 significant digits tie (to the lower index).
 
     Raises:
         ValidationError: no replicas, or ``b`` below their count.
@@ -77,13 +77,20 @@ def balanced_shares_of(b: int, times: Sequence[TimeOfSamples]) -> tuple[int, ...
     r = len(times)
     require(r >= 1 and b >= r, f"balanced_shares: {b} samples cannot give each of {r} replicas one")
     out = [1] * r
-    heap = [(times[j](2), j) for j in range(r)]
+    heap = [(_tie(times[j](2)), j) for j in range(r)]
     heapq.heapify(heap)
     for _ in range(b - r):
         _, j = heapq.heappop(heap)
         out[j] += 1
-        heapq.heappush(heap, (times[j](out[j] + 1), j))
+        heapq.heappush(heap, (_tie(times[j](out[j] + 1)), j))
     return tuple(out)
+
+
+def _tie(ms: float) -> float:
+    """``ms`` to 12 significant digits: one time summed in two orders (the planner's prefix
+    sums, the cost model's per-layer sums) differs in its last bits, and would break a tie
+    between replicas one way in the search and the other in the cost model."""
+    return float(f"{ms:.12g}")
 
 
 _TIMES = ("forward_ms", "backward_ms", "input_grad_ms", "weight_grad_ms")
