@@ -239,6 +239,10 @@ def _plan(cfg: PlanConfig, inputs: PlanInputs, progress: Progress | None) -> Pla
     from dapple.planner.config import tensor_width_list
 
     prof, cl = inputs.profile, inputs.cluster
+    if cfg.schedule not in (None, "best"):
+        from dapple.planner.schedule_choice import check_v_layers
+
+        check_v_layers(cfg.schedule, prof, cl)  # a V's layers, before the search
     result = make_plan(
         prof,
         cl,
@@ -258,7 +262,10 @@ def _plan(cfg: PlanConfig, inputs: PlanInputs, progress: Progress | None) -> Pla
 def _under_schedule(
     result: Plan, prof: ModelProfile, cl: Cluster, schedule: str | None, virtual_stages: int
 ) -> Plan:
-    """The planned stages under ``schedule`` (:func:`plan`'s argument), its step predicted."""
+    """The planned stages under ``schedule`` (:func:`plan`'s argument), its step predicted; a
+    schedule with its own cut (a V) that the DAPPLE planner's plan cannot hold (a group of one
+    layer): its best plan on balanced pipelines
+    (:func:`~dapple.planner.schedule_choice.best_under_schedule`)."""
     if schedule == "best":
         from dapple.planner.schedule_choice import best_schedule
 
@@ -267,9 +274,19 @@ def _under_schedule(
         return chosen
     if schedule is not None:
         from dapple.cost.schedules import schedule_latency
+        from dapple.planner.schedule_choice import best_under_schedule
+        from dapple.schedule.registry import get_schedule
         from dapple.simulate.schedules import with_schedule
 
-        result = with_schedule(result, schedule, virtual_stages)
+        try:
+            result = with_schedule(result, schedule, virtual_stages)
+        except ValidationError:  # a V the DAPPLE planner's plan cannot hold: balanced pipelines
+            if get_schedule(schedule).cut is None or result.planner != "dapple":
+                raise
+            chosen = best_under_schedule(result, schedule, prof, cl).plan
+            if chosen is None:
+                raise
+            return chosen
         return dataclasses.replace(result, predicted_step_ms=schedule_latency(result, prof, cl))
     check_virtual_stages(virtual_stages, None)
     return result

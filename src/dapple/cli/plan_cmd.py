@@ -154,14 +154,21 @@ def parse_seq_len(text: str) -> tuple[float, float]:
     return mean, top
 
 
+_AFTER_SEARCH = "the refinement and other offers (MoE: the search without expert widths)"
+"""What the DAPPLE search runs after its last reported step (:func:`_plan_with_progress`)."""
+
+
 def _plan_with_progress(con: Console, cfg: PlanConfig, inputs: PlanInputs) -> Plan:
     """Run ``cfg``'s planner (:func:`dapple.api.plan`, no schedule); show its progress once it
-    has taken more than a second."""
+    has taken more than a second. The search reports its micro-batch counts of each tensor
+    width; what runs after the last (each width's refinement, the other offers and, on an MoE
+    profile, the whole search again without expert widths) is said, without an ETA."""
     from dapple.api import plan
 
     searched = dataclasses.replace(cfg, schedule=None, virtual_stages=1, output=None)
     what = f"plan {cfg.planner}"
-    with StepProgress(what, detail="micro-batch counts", console=con, delay_s=1.0) as bar:
+    with StepProgress(what, detail="micro-batch counts", console=con, delay_s=1.0,
+                      after=_AFTER_SEARCH) as bar:  # fmt: skip
         return plan(searched, inputs=inputs, progress=bar)
 
 
@@ -193,6 +200,7 @@ def run_config(cfg: PlanConfig, *, compare: bool = False) -> int:
     ``compare``: every planner side by side instead."""
     from dapple.api import plan_inputs
     from dapple.planner.config import check_interleave
+    from dapple.planner.schedule_choice import check_v_layers
 
     check_interleave(cfg.interleave, cfg.schedule, cli=True)
     inputs = plan_inputs(cfg, cli=True)
@@ -201,6 +209,8 @@ def run_config(cfg: PlanConfig, *, compare: bool = False) -> int:
     con = console()
     best = cfg.schedule == BEST
     check_virtual_stages(cfg.virtual_stages, None if best else cfg.schedule, cli=True)
+    if cfg.schedule and not best:
+        check_v_layers(cfg.schedule, inputs.profile, inputs.cluster)  # before the search
     if compare:
         return _compare(con, cfg, inputs, _dp_ms(cfg, inputs))
     plan = _plan_with_progress(con, cfg, inputs)
@@ -321,11 +331,16 @@ def _new_schedule(
         new = with_schedule(plan, schedule, cfg.virtual_stages)
     except ValidationError as e:
         layers = ", ".join(f"[{a}, {b})" for a, b in (st.layers for st in plan.stages))
-        raise ValidationError(
+        why = (
             f"--schedule {schedule} cannot run the {plan.planner} planner's plan (stages "
             f"{layers}, replication {plan.replication}; the planner does not plan for the "
-            f"schedule): {e}; --schedule best tries each schedule on balanced pipelines too"
-        ) from e
+            f"schedule): {e}"
+        )
+        if get_schedule(schedule).cut is None or plan.planner != "dapple":  # a baseline's cut
+            raise ValidationError(
+                f"{why}; --schedule best tries each schedule on balanced pipelines too"
+            ) from e
+        return _own_cut(con, plan, inputs, cfg, dp_ms, why)
     new = dataclasses.replace(new, predicted_step_ms=schedule_latency(new, profile, cluster))
     work = new.num_micro_batches * len(new.devices)
     if work > MAX_SIMULATED_WORK:
@@ -336,7 +351,16 @@ def _new_schedule(
             "--global-batch-size, or plan without --schedule (no simulation)"
         )
     res = simulate(new, profile, cluster)
-    t = Table(title=f"{plan.planner} plan of {profile.model_name} on {cluster.name}, {schedule}")
+    return _print_scheduled(con, new, res, inputs, dp_ms, cfg.output)
+
+
+def _print_scheduled(
+    con: Console, new: Plan, res: SimResult, inputs: PlanInputs, dp_ms: float, output: str | None
+) -> int:
+    """A plan under its schedule: its (virtual) stages, idle devices and simulated step; saved
+    to ``output`` if given."""
+    profile, cluster = inputs.profile, inputs.cluster
+    t = Table(title=f"{new.planner} plan of {profile.model_name} on {cluster.name}, {new.schedule}")
     mesh, mesh_cells = mesh_columns(new)
     for col in ("stage", "layers", "replicas", *mesh, "devices"):
         t.add_column(col, justify="left" if col == "devices" else "right")
@@ -351,7 +375,25 @@ def _new_schedule(
     print_table(con, t)
     chunks = f", v = {new.virtual_stages}" if new.virtual_stages > 1 else ""
     _print_idle(con, new, profile, cluster)
-    return _report(con, f"schedule {new.schedule}{chunks}", new, res, dp_ms, cfg.output)
+    return _report(con, f"schedule {new.schedule}{chunks}", new, res, dp_ms, output)
+
+
+def _own_cut(
+    con: Console, plan: Plan, inputs: PlanInputs, cfg: PlanConfig, dp_ms: float, why: str
+) -> int:
+    """A schedule with its own cut (a V) on the DAPPLE planner's plan that it cannot cut
+    (``why``): the schedule's best plan on that plan and balanced pipelines of every depth,
+    each M, cuts refined (:func:`~dapple.planner.schedule_choice.best_under_schedule`). A
+    baseline planner's plan is the partition asked for, refused instead."""
+    from dapple.planner.schedule_choice import best_under_schedule
+
+    schedule = str(cfg.schedule)
+    choice = best_under_schedule(plan, schedule, inputs.profile, inputs.cluster)
+    if choice.plan is None or choice.result is None:
+        raise ValidationError(f"{why}; nor does any balanced pipeline fit: {choice.note}")
+    con.print(f"{why}: planned for it on balanced pipelines of every depth instead (simulated, "
+              "each M, cuts refined)")  # fmt: skip
+    return _print_scheduled(con, choice.plan, choice.result, inputs, dp_ms, cfg.output)
 
 
 def _best_schedule(

@@ -32,6 +32,8 @@ __all__ = [
     "balanced_pipelines",
     "best_per_schedule",
     "best_schedule",
+    "best_under_schedule",
+    "check_v_layers",
     "refine_cuts",
     "schedule_variants",
 ]
@@ -246,6 +248,53 @@ def best_schedule(
             "no schedule fits the memory: " + "; ".join(f"{c.label}: {c.note}" for c in choices)
         )
     return min(fits, key=lambda c: cast(SimResult, c.result).step_ms), choices
+
+
+def check_v_layers(schedule: str, profile: ModelProfile, cluster: Cluster) -> None:
+    """Before any search: a schedule with its own cut (a V: ZB-V, DualPipeV) holds
+    ``chunk_count`` chunks of at least one layer on each of at least two device groups, so it
+    needs N >= 2 x ``chunk_count`` layers and two devices.
+
+    Raises:
+        ValidationError: fewer layers or devices than that (naming both counts).
+    """
+    spec = get_schedule(schedule)
+    if spec.cut is None:
+        return
+    chunks = spec.chunk_count or 2
+    need, layers, devices = 2 * chunks, profile.num_layers, cluster.num_devices
+    if layers < need or devices < 2:
+        raise ValidationError(
+            f"--schedule {schedule} cuts each of at least 2 device groups into {chunks} chunks "
+            f"of at least one layer (N >= {need} layers, 2 devices), but {profile.model_name!r} "
+            f"has N = {layers} layers and {cluster.name!r} {devices} device(s)"
+        )
+
+
+def best_under_schedule(
+    plan: Plan, schedule: str, profile: ModelProfile, cluster: Cluster
+) -> ScheduleChoice:
+    """The fastest simulated plan under ``schedule`` (each of its variants) that fits the
+    memory, on ``plan``'s partition, replication and placement and on the balanced pipelines
+    of every depth (:func:`balanced_pipelines`), each M, its cuts then refined
+    (:func:`refine_cuts`). For a schedule with its own cut (a V) the planner does not plan
+    for: a plan of the DAPPLE planner may hold a device group of one layer, which the V cannot
+    cut into two chunks.
+
+    Returns:
+        The best choice, or (no plan) the last variant's reason.
+    """
+    bases = [plan, *balanced_pipelines(profile, cluster, plan.global_batch_size)]
+    choices = [
+        refine_cuts(
+            _best_variant(schedule, policy, v, bases, profile, cluster, None), profile, cluster
+        )
+        for policy, v in get_schedule(schedule).variants
+    ]
+    fits = [c for c in choices if c.plan is not None and c.result is not None]
+    if not fits:
+        return choices[-1]
+    return min(fits, key=lambda c: cast(SimResult, c.result).step_ms)
 
 
 def refine_cuts(
