@@ -116,6 +116,7 @@ class StepProgress:
         interval_s: float = PLAIN_INTERVAL_S,
         delay_s: float = 0.0,
         heartbeat: bool = True,
+        after: str = "",
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """Args:
@@ -129,6 +130,10 @@ class StepProgress:
         heartbeat: off a terminal, repeat the last state every ``interval_s`` while no step
             ends; on one, bring the bar's ETA up to date every second (a thread); without it
             lines and the bar change on the calls only.
+        after: what still runs once the last of ``total`` steps is done (e.g. a search's
+            refinement); from then on lines and the bar say it, with the steps done, the time
+            elapsed and no percentage or ETA (the work left is unknown). Empty: nothing runs
+            after the last step.
         clock: seconds, monotonic (tests pass a fake one).
         """
         self.what = what
@@ -139,6 +144,7 @@ class StepProgress:
         self._interval_s = interval_s
         self._delay_s = delay_s
         self._heartbeat = heartbeat
+        self._after = after
         self._clock = clock
         self._plain = not self._con.is_terminal
         self._lock = threading.Lock()
@@ -194,11 +200,20 @@ class StepProgress:
             parts += [self.detail] if self.detail else []
             return f"{self.what}: {', '.join([*parts, f'elapsed {format_seconds(elapsed)}'])}"
         detail = f" ({self.detail})" if self.detail else ""
+        if self._finishing():
+            return (
+                f"{self.what}: {self.done}/{self.total}{detail} done, then {self._after}: "
+                f"elapsed {format_seconds(elapsed)}"
+            )
         frac = self.done / self.total if self.total > 0 else 0.0
         return (
             f"{self.what}: {self.done}/{self.total}{detail} {100 * frac:.0f}% "
             f"elapsed {format_seconds(elapsed)} eta {format_seconds(self._eta(elapsed))}"
         )
+
+    def _finishing(self) -> bool:
+        """Whether every step is done and ``after``'s work runs (its length unknown)."""
+        return bool(self._after) and self.total is not None and self.done >= self.total
 
     def _eta(self, elapsed: float) -> float:
         """Seconds left at the mean time per step so far, elapsed time included: it moves
@@ -232,10 +247,27 @@ class StepProgress:
                 self._bar.start()
                 self._task = self._bar.add_task("", total=self.total, eta="-")
             assert self._task is not None
+            if self._finishing():
+                self._show_after()
+                return
             eta = format_seconds(self._eta(now - self._start))
             self._bar.update(self._task, completed=self.done, total=self.total,
                              description=escape(self.detail), eta=eta)  # fmt: skip
             self._shown = True
+
+    def _show_after(self) -> None:
+        """The bar once every step is done and ``after``'s work runs: ``done/?``, a pulsing
+        bar, ``after`` and no ETA (the lock held)."""
+        assert self._bar is not None and self._task is not None
+        task = self._bar.tasks[-1]
+        if task.total is not None:  # a task of unknown total in its place, elapsed time kept
+            started = task.start_time
+            self._bar.remove_task(self._task)
+            self._task = self._bar.add_task("", total=None, eta="?")
+            self._bar.tasks[-1].start_time = started
+        self._bar.update(self._task, completed=self.done,
+                         description=escape(f"{self.detail} done, then {self._after}"))  # fmt: skip
+        self._shown = True
 
     def _print(self, line: str) -> None:
         self._con.print(line, markup=False, highlight=False, soft_wrap=True)
