@@ -44,11 +44,12 @@ backward), and 106 before that."""
 PER_MB_CALLS = 30
 """Python calls dapple may add per micro-batch: a fixed number for the executor, the
 interpreter and the guard (22 here; 61 with a check after each backward, 118 before that)."""
-PER_STEP_OPS = 4 * N_GRADS + 120
+PER_STEP_OPS = 4 * N_GRADS + 40
 """aten ops dapple may add once per step: the gradient norm (a norm and a stack's view per
-gradient), the guard's verdict, the collective's row, the metrics (151 here)."""
-PER_STEP_CALLS = 270
-"""Python calls dapple may add once per step (227 here; 316 before)."""
+gradient), the guard's verdict, the step's row, the metrics (81 here; 105 while a world of one
+still built its row on the device and the norm's square root without clipping)."""
+PER_STEP_CALLS = 190
+"""Python calls dapple may add once per step (159 here; 201 before the same change)."""
 
 
 @pytest.fixture(scope="module")
