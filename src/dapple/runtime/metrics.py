@@ -88,11 +88,15 @@ def device_row(values: Sequence[float | torch.Tensor], device: torch.device) -> 
 
 
 def host_row(values: Sequence[float | torch.Tensor]) -> list[float]:
-    """``values`` as floats on the host, their (one-element) tensors read in one copy (a world
-    of one: a step's row needs no gather, :meth:`NonFiniteGuard.agree_finite`)."""
+    """``values`` as floats on the host, their (one-element) tensors read in one copy per
+    device (a world of one: a step's row needs no gather, :meth:`NonFiniteGuard.agree_finite`;
+    only the accelerator's copy waits for it)."""
     row = [0.0 if isinstance(v, torch.Tensor) else float(v) for v in values]
-    at = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor)]
-    if at:
+    on: dict[torch.device, list[int]] = {}  # one copy per device: a CUDA step's row also
+    for i, v in enumerate(values):  # holds host tensors (counts, the resident peak)
+        if isinstance(v, torch.Tensor):
+            on.setdefault(v.device, []).append(i)
+    for at in on.values():
         read = torch.stack([_f64(values[i]) for i in at]).tolist()  # type: ignore[arg-type]
         for i, x in zip(at, read, strict=True):
             row[i] = x
