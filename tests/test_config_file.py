@@ -188,8 +188,11 @@ def test_flags_given_beside_the_file_win(
     assert cfg.run.keep == 0
     assert cfg.model.set == {"layers": 2, "hidden": 16}  # --set merges into [model] set
     assert (cfg.train.steps, cfg.train.seed, cfg.model.spec) == (5, 9, "mlp")  # the file's
+    # a checkpoint_dir without save_every saves once, after the last step: train resolves it
+    assert cfg.train.save_every == cfg.train.steps
     assert cfg == load_run_config(path, over={("train", "lr"): 0.01, ("run", "keep"): 0,
-                                              ("model", "set"): {"hidden": 16}})  # fmt: skip
+                                              ("model", "set"): {"hidden": 16},
+                                              ("train", "save_every"): 5})  # fmt: skip
 
 
 def test_merge_values_merges_tables_and_replaces_the_rest() -> None:
