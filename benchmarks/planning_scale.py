@@ -5,8 +5,8 @@ options of ``dapple plan --zero-stage auto --tensor-widths auto --interleave`` (
 ``--interleave`` given ``--no-interleave``; the grid planner's search given ``--planner grid``)
 and prints one JSON line: CPU seconds of the search in this process (``time.process_time``,
 user + sys), wall seconds, L, M, the schedule and the stages ``[start, end, devices, tensor
-width, zero stage]``. Run it under two checkouts (``PYTHONPATH=.../src``) to compare search
-speed and check the plans are the same; :mod:`planning_sweep` runs it over models and sizes.
+width, zero stage]`` (with ``--simulate`` also the plan's simulated step). Run it under two
+checkouts (``PYTHONPATH=.../src``) to compare search speed and check the plans are the same; :mod:`planning_sweep` runs it over models and sizes.
 
     dapple profile --analytic h100 -m llama3.1-405b --precision fp8 --recompute full -o p405.json
     python benchmarks/planning_scale.py p405.json --servers 64 --global-batch-size 256
@@ -31,6 +31,7 @@ def main() -> None:
     ap.add_argument("--global-batch-size", type=int, default=256)
     ap.add_argument("--no-interleave", action="store_true", help="1F1B plans only")
     ap.add_argument("--planner", choices=("dapple", "grid"), default="dapple")
+    ap.add_argument("--simulate", action="store_true", help="also the plan's simulated step")
     args = ap.parse_args()
     profile = load_profile(args.profile)
     cluster = load_cluster("h100-8x", args.servers)
@@ -50,6 +51,10 @@ def main() -> None:
             [*st.layers, len(st.devices), st.tensor_width, st.zero_stage] for st in plan.stages
         ],
     }
+    if args.simulate:
+        from dapple.simulate import simulate
+
+        out["simulated_ms"] = simulate(plan, profile, cluster).step_ms
     print(json.dumps(out))
 
 
