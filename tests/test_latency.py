@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import sys
 
 import pytest
 from hypothesis import given, settings
@@ -20,6 +21,8 @@ from dapple.schedule import lower
 from dapple.schedule.early_backward import warmup_counts
 from dapple.schedule.ir import Action, ActionKind, ComputeOrder
 from dapple.simulate import simulate
+
+latency_module = sys.modules["dapple.cost.latency"]  # dapple.cost's `latency` is the function
 
 
 def _brute_force(
@@ -301,3 +304,29 @@ def test_bounded_stages_l_stays_near_the_simulator(
     f, b, D = fbd
     L, sim = _bounded(len(f), M, D, _chain(f, b))
     assert 0.75 * sim <= L <= 1.40 * sim
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.integers(1, 20).flatmap(
+        lambda S: st.tuples(
+            st.lists(st.floats(0, 5), min_size=2 * S - 1, max_size=2 * S - 1),
+            st.lists(st.integers(1, 2 * S), min_size=S, max_size=S),
+        )
+    ),
+    st.integers(1, 40),
+)
+def test_the_python_and_numpy_cycles_give_the_same_bits(
+    fk: tuple[list[float], list[int]], M: int
+) -> None:
+    """:func:`_longest_laps` in plain Python (small pipelines) and in numpy agree bit for bit."""
+    fb, ks = fk
+    K: list[int | None] = [x for k in sorted(ks, reverse=True) for x in (k, None)][:-1]
+    rt = [0.0] * (len(fb) + 1)
+    for s in range(len(fb) - 1, -1, -1):
+        rt[s] = rt[s + 1] + fb[s]
+    turns = [s for s in range(len(fb)) if K[s]]
+    small = latency_module._longest_laps_small(turns, K, rt, fb, M)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(latency_module, "SMALL_PIPELINE", 0)
+        assert latency_module._longest_laps(turns, K, rt, fb, M) == small

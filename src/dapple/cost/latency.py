@@ -13,6 +13,7 @@ micro-batches stage s may keep in flight, Q the pivot stage (equation 3).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -96,12 +97,41 @@ Little's law's RT_s / D_s, which every stage keeps; the reach keeps the planner'
 in S (``benchmarks/bounded_latency.md``)."""
 
 
+SMALL_PIPELINE = 12
+"""Up to this many turning stages :func:`_longest_laps` loops in Python (numpy's per-call cost
+is larger there); the same operations in the same order, so the same bits."""
+
+
+def _longest_laps_small(
+    turns: list[int], K: Sequence[int | None], rt: list[float], fb: list[float], M: int
+) -> list[float]:
+    """:func:`_longest_laps` in plain Python."""
+    n = len(turns)
+    longest = [-math.inf] * n
+    for i, s in enumerate(turns):
+        k = K[s]
+        assert k is not None
+        if k > M - 1:
+            continue
+        for t in turns[i + 1 : i + 1 + CYCLE_REACH]:
+            kt = K[t]
+            assert kt is not None
+            step = k - kt + 1
+            if step >= 1:
+                laps = (M - 1 - k) // step + 1
+                total = laps * (rt[s] - rt[t + 1]) + (M - 1 - laps * step) * fb[s]
+                longest[i] = max(longest[i], total)
+    return longest
+
+
 def _longest_laps(
     turns: list[int], K: Sequence[int | None], rt: list[float], fb: list[float], M: int
 ) -> list[float]:
     """Per turning stage s (``turns``, ascending), the longest ``n RT(s..t) + (M - 1 - n k)
     (F_s + B_s)`` over the next :data:`CYCLE_REACH` turning stages t with K_t <= K_s
     (:func:`steady_periods`); ``-inf`` where there is none or M <= K_s. ``fb`` holds F_s + B_s."""
+    if len(turns) <= SMALL_PIPELINE:
+        return _longest_laps_small(turns, K, rt, fb, M)
     k = np.array([K[s] for s in turns], dtype=np.int64)
     here = np.array([rt[s] for s in turns])
     after = np.array([rt[s + 1] for s in turns])
