@@ -31,7 +31,7 @@ from dapple.core.profile import ModelProfile
 from dapple.cost.latency import latency, steady_periods
 from dapple.cost.pipeline import pipeline_latency
 from dapple.schedule import lower
-from dapple.schedule.ir import Action, ActionKind, ComputeOrder
+from dapple.schedule.early_backward import early_backward_order
 from dapple.simulate import simulate
 
 MB = 10**6
@@ -106,19 +106,6 @@ def running_minimum(plan: Plan) -> list[int]:
     return ks
 
 
-def _order(ks: list[int], M: int) -> ComputeOrder:
-    """DAPPLE's early-backward order (section 4.2) at counts ``ks``."""
-    order: ComputeOrder = {}
-    for i, k in enumerate(ks):
-        acts = [Action(i, ActionKind.FORWARD, m) for m in range(k)]
-        for m in range(M):
-            acts.append(Action(i, ActionKind.BACKWARD, m))
-            if m + k < M:
-                acts.append(Action(i, ActionKind.FORWARD, m + k))
-        order[i] = acts
-    return order
-
-
 def _little_l(F: list[float], B: list[float], AR: list[float], ks: list[int], M: int) -> float:
     """L with the steady period ``max(F_s + B_s, RT_s / K_s)`` (Little's law alone)."""
     K: list[int | None] = [x for k in ks for x in (k, None)][:-1]
@@ -147,7 +134,7 @@ def measure(plan: Plan, profile: ModelProfile, cluster: Cluster) -> Case:
     M = plan.num_micro_batches
     F, B, AR = _arrays(plan, profile, cluster)
     old = running_minimum(plan)
-    sim_before = simulate(plan, profile, cluster, lower(plan, _order(old, M))).step_ms
+    sim_before = simulate(plan, profile, cluster, lower(plan, early_backward_order(old, M))).step_ms
     r = pipeline_latency(plan, profile, cluster)
     ks = [x.in_flight for x in r.stages if x.kind == "compute"]
     K: list[int | None] = [x for k in ks for x in (k, None)][:-1]

@@ -18,8 +18,7 @@ from dapple.cost.host import HostExtra, apply_host, has_host_terms
 from dapple.cost.latency import CYCLE_REACH, latency, steady_periods
 from dapple.cost.pipeline import pipeline_latency
 from dapple.schedule import lower
-from dapple.schedule.early_backward import warmup_counts
-from dapple.schedule.ir import Action, ActionKind, ComputeOrder
+from dapple.schedule.early_backward import early_backward_order, warmup_counts
 from dapple.simulate import simulate
 
 latency_module = sys.modules["dapple.cost.latency"]  # dapple.cost's `latency` is the function
@@ -240,19 +239,6 @@ def _bounded(S: int, M: int, D: list[int | None], prof: ModelProfile) -> tuple[f
     return pipeline_latency(plan, prof, cluster).L_ms, simulate(plan, prof, cluster).step_ms
 
 
-def _early_backward(ks: list[int], M: int) -> ComputeOrder:
-    """DAPPLE's order (section 4.2) at the given counts K_i: K_i forwards, then B_m, F_{m+K_i}."""
-    order: ComputeOrder = {}
-    for i, k in enumerate(ks):
-        acts = [Action(i, ActionKind.FORWARD, m) for m in range(k)]
-        for m in range(M):
-            acts.append(Action(i, ActionKind.BACKWARD, m))
-            if m + k < M:
-                acts.append(Action(i, ActionKind.FORWARD, m + k))
-        order[i] = acts
-    return order
-
-
 def test_equal_counts_pace_by_the_round_trip_between_them() -> None:
     """8 equal stages (F 1, B 2), M = 32, counts K = [4, 4, 4, 4, 4, 3, 2, 1] (stage 0's D = 4
     kept by every stage until its own count falls below it). Stages 0-4 keep 4 in flight alike:
@@ -266,7 +252,7 @@ def test_equal_counts_pace_by_the_round_trip_between_them() -> None:
         _bounded_plan(8, 32, [None] * 8),
         prof,
         cluster,
-        lower(_bounded_plan(8, 32, [None] * 8), _early_backward(ks, 32)),
+        lower(_bounded_plan(8, 32, [None] * 8), early_backward_order(ks, 32)),
     ).step_ms
     F, B = [1.0, 0.0] * 7 + [1.0], [2.0, 0.0] * 7 + [2.0]
     K: list[int | None] = [x for k in ks for x in (k, None)][:-1]

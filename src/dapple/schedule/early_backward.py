@@ -16,7 +16,7 @@ from dapple.schedule.fill_drain import check_counts
 from dapple.schedule.ir import Action, ActionKind, ComputeOrder
 from dapple.schedule.spec import POLICIES, ScheduleSpec
 
-__all__ = ["SCHEDULE", "dapple", "warmup_counts"]
+__all__ = ["SCHEDULE", "dapple", "early_backward_order", "warmup_counts"]
 
 F, B = ActionKind.FORWARD, ActionKind.BACKWARD
 
@@ -74,7 +74,11 @@ def dapple(
 ) -> ComputeOrder:
     """DAPPLE early backward: K_i forwards, then strictly one backward and one forward, then the
     remaining backwards (section 4.2). After B_m comes F_{m+K_i}."""
-    ks = warmup_counts(S, M, policy, D)
+    return early_backward_order(warmup_counts(S, M, policy, D), M)
+
+
+def early_backward_order(ks: Sequence[int], M: int) -> ComputeOrder:
+    """Stage i's K_i = ``ks[i]`` forwards, then B_m followed by F_{m+K_i} (section 4.2)."""
     order: ComputeOrder = {}
     for i, k in enumerate(ks):
         acts = [Action(i, F, m) for m in range(k)]
