@@ -148,9 +148,17 @@ class StageExecutor:
         targets)."""
         self.step = step
         self._batch_is_tuple = isinstance(inputs, (tuple, list))
-        self._batch_inputs = flatten(inputs)
-        self._targets = targets
+        self._batch_inputs = tuple(self._staged(t) for t in flatten(inputs)) if self.s == 0 else ()
+        self._targets = self._staged(targets) if self.last else targets
         self.loss_sum = 0.0
+
+    def _staged(self, t: Any) -> Any:
+        """A host tensor in pinned memory when this rank computes on CUDA, so that each
+        micro-batch's slice goes to the device without waiting (a copy from pageable memory
+        synchronises the stream first: the host would wait for the kernels already queued)."""
+        if self.device.type == "cuda" and isinstance(t, torch.Tensor) and t.device.type == "cpu":
+            return t.pin_memory()
+        return t
 
     def finish_sends(self) -> None:
         """Wait for every outstanding send of this step (before buffers may be reused)."""
@@ -291,7 +299,9 @@ class StageExecutor:
             # a copy, metered or not: a view would keep (and be metered as) the whole global
             # batch, and its offset in memory can change a kernel's rounding, so a step that is
             # metered (after a resume: its first) would not compute what an unmetered one does
-            xs = [t[r0:r1].to(self.device, copy=True) for t in self._batch_inputs]
+            xs = [
+                t[r0:r1].to(self.device, copy=True, non_blocking=True) for t in self._batch_inputs
+            ]
         else:
             xs = self.links.wait_concat(m, False)
             for t in xs:
@@ -329,7 +339,9 @@ class StageExecutor:
         if self.last:
             b = self.plan.micro_batch_size
             assert self._targets is not None
-            tgt = self._targets[m * b + self.lo : m * b + self.hi].to(self.device, copy=True)
+            tgt = self._targets[m * b + self.lo : m * b + self.hi].to(
+                self.device, copy=True, non_blocking=True
+            )
             out = to_fp32(out) if self.precision.dtype is not None else out  # fp32 loss
             st.loss = self.loss_fn(out, tgt) * ((self.hi - self.lo) / self._global_batch)
             part = st.loss.detach()  # summed in float64, without a host read
