@@ -354,10 +354,15 @@ def test_the_cli_asks_for_what_a_replan_needs(
     base = ["train", "--plan", str(tmp_path / "plan.json"), "-m", "mlp", "--elastic"]
     assert main(base) == 2
     err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["dapple: error: --elastic goes on from the newest checkpoint when a device is "
+                   "lost: give --checkpoint-dir DIR and --save-every N (N >= 1; got "
+                   "--checkpoint-dir (none), --save-every (none))"]  # fmt: skip
+    saves = ["--checkpoint-dir", str(tmp_path / "ck"), "--save-every", "1"]
+    assert main([*base, *saves]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
     assert err == ["dapple: error: elastic re-plans with the planner: give profile and cluster "
                    "(--profile, --cluster)"]  # fmt: skip
-    given = ["--profile", "prof.json", "--cluster", "local-cpu", "--min-devices", "2",
-             "--checkpoint-dir", str(tmp_path / "ck"), "--save-every", "1"]  # fmt: skip
+    given = ["--profile", "prof.json", "--cluster", "local-cpu", "--min-devices", "2", *saves]
     assert main([*base, *given, "--print-config"]) == 0
     out = capsys.readouterr().out
     assert "[elastic]\nelastic = true\nmin_devices = 2\nmax_restarts = 3" in out
