@@ -18,8 +18,9 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 import numpy as np
+from numpy.typing import NDArray
 
-__all__ = ["Latency", "latency", "steady_periods"]
+__all__ = ["CYCLE_REACH", "Latency", "latency", "longest_laps", "steady_periods"]
 
 
 class Latency(NamedTuple):
@@ -75,7 +76,7 @@ def steady_periods(
     rt = [0.0] * (S + 1)
     acc = 0.0
     for s in range(S - 1, -1, -1):
-        acc += F[s] + B[s]
+        acc += fb[s]
         rt[s] = acc
     turns = [s for s in range(S) if K[s]]
     for s in turns:
@@ -132,20 +133,33 @@ def _longest_laps(
     (:func:`steady_periods`); ``-inf`` where there is none or M <= K_s. ``fb`` holds F_s + B_s."""
     if len(turns) <= SMALL_PIPELINE:
         return _longest_laps_small(turns, K, rt, fb, M)
-    k = np.array([K[s] for s in turns], dtype=np.int64)
-    here = np.array([rt[s] for s in turns])
-    after = np.array([rt[s + 1] for s in turns])
-    own = np.array([fb[s] for s in turns])
-    n = len(turns)
+    longest = longest_laps(
+        np.array([K[s] for s in turns], dtype=np.int64),
+        np.array([rt[s] for s in turns]),
+        np.array([rt[s + 1] for s in turns]),
+        np.array([fb[s] for s in turns]),
+        M,
+    )
+    return [float(x) for x in longest]
+
+
+def longest_laps(
+    k: NDArray[np.int64], here: NDArray[np.float64], after: NDArray[np.float64],
+    own: NDArray[np.float64], M: int,
+) -> NDArray[np.float64]:  # fmt: skip
+    """:func:`_longest_laps` over arrays whose first axis runs over the turning stages (further
+    axes: plans side by side, as :mod:`dapple.planner.move_scores` scores them): ``k`` K_s,
+    ``here`` RT_s, ``after`` the RT of what follows the stage, ``own`` F_s + B_s."""
+    n = k.shape[0]
     gated = k <= M - 1
-    longest = np.full(n, -np.inf)
+    longest = np.full(k.shape, -np.inf)
     for d in range(1, min(CYCLE_REACH, n - 1) + 1):
         step = k[:-d] - k[d:] + 1  # s = the first n - d turns, t = s + d turns
         laps = (M - 1 - k[:-d]) // np.maximum(step, 1) + 1
         total = laps * (here[:-d] - after[d:]) + (M - 1 - laps * step) * own[:-d]
         take = gated[:-d] & (step >= 1)
         longest[:-d] = np.where(take, np.maximum(longest[:-d], total), longest[:-d])
-    return [float(x) for x in longest]
+    return longest
 
 
 def latency(

@@ -22,7 +22,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from dapple.core.plan import Policy
-from dapple.cost.latency import CYCLE_REACH
+from dapple.cost.latency import longest_laps
 from dapple.planner.evaluate import in_flight
 from dapple.planner.stage_options import StageOptions, stage_choice
 
@@ -265,18 +265,9 @@ def _latency(
     period = fb.copy()
     comp = np.maximum(fb[0::2], rt[0::2] / K)
     if M > 1:
-        # steady_periods' cycles turning at a later computation stage a + d: their longest
-        # n RT + (M - 1 - n k)(F + B) over d <= CYCLE_REACH, then one division (_longest_laps)
-        after = rt[1::2]  # what follows computation stage b (b < S - 1)
-        gated = K <= M - 1
-        longest = np.full((S, n), -np.inf)
-        for dd in range(1, min(CYCLE_REACH, S - 1) + 1):
-            step = K[:-dd] - K[dd:] + 1
-            laps = (M - 1 - K[:-dd]) // np.maximum(step, 1) + 1
-            tail = np.vstack([after[dd:], np.zeros((1, n))])  # RT after stage a + dd
-            total = laps * (rt[0::2][:-dd] - tail) + (M - 1 - laps * step) * fb[0::2][:-dd]
-            take = gated[:-dd] & (step >= 1)
-            longest[:-dd] = np.where(take, np.maximum(longest[:-dd], total), longest[:-dd])
+        # steady_periods' cycles turning at a later computation stage, then one division
+        after = np.vstack([rt[1::2], np.zeros((1, n))])  # the RT after each computation stage
+        longest = longest_laps(K, rt[0::2], after, fb[0::2], M)
         comp = np.where(longest > (M - 1) * comp, longest / (M - 1), comp)
     period[0::2] = comp
     period[np.arange(P)[:, None] < 2 * pad[None, :]] = 0.0
