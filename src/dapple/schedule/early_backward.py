@@ -33,12 +33,12 @@ def warmup_counts(
 
     A stage s whose own D_s holds it below its count (``K_s = D_s < min(S-s, M)``, or policy
     B's) shares its D_s slots with the S - s stages from it to the end in proportion: a later
-    stage t keeps at most ``ceil(D_s (S-t) / (S-s))``. Without the share every later stage
-    kept D_s until its own count fell below it, and two stages u < t of equal counts close a
-    cycle of the early-backward order (u's ``B_m`` then ``F_{m+K_u}``, t's ``F_j`` then
+    stage t keeps at most ``ceil(D_s (S-t) / (S-s))``. Were every later stage to keep D_s
+    until its own count fell below it, two stages u < t of equal counts would close a cycle
+    of the early-backward order (u's ``B_m`` then ``F_{m+K_u}``, t's ``F_j`` then
     ``B_{j-K_t+1}``) that advances one micro-batch per round trip between them
     (:func:`dapple.cost.latency.steady_periods`): 8 equal stages (F 1, B 2) with D_0 = 4 and
-    M = 32 took 453 instead of 303. Rounding up keeps each stage's own round trip over its
+    M = 32 take 453 that way and 210 with the share. Rounding up keeps each stage's own round trip over its
     K_t near the bound's; neighbours may still share a count. Unbounded plans keep S - i
     (2(S-i)-1).
     """
