@@ -301,9 +301,7 @@ def dapple_search(
         limits = dataclasses.replace(limits, drop_unfit=t > 1)
         # pruned by the narrower widths' uniform plans, not by their per-stage refinements:
         # a width-t plan above those may still refine to the best (stage_widths is local)
-        best = Incumbent(
-            uniform if mixed is not None else min((x[0] for x in found), default=math.inf)
-        )
+        best = Incumbent(uniform)
         step = None if progress is None else partial(_width_progress, progress, i, len(widths))
         _search_width(sc, Ms, global_batch_size, limits, best, cut_limit, step)
         if best.scored is not None:
