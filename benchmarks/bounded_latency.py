@@ -84,17 +84,6 @@ def _case(rng: random.Random) -> tuple[Plan, ModelProfile, Cluster]:
     return dataclasses.replace(plan, stages=stages), profile, cluster
 
 
-def _arrays(
-    plan: Plan, profile: ModelProfile, cluster: Cluster
-) -> tuple[list[float], list[float], list[float]]:
-    """F_s, B_s and AR_s (host step included) of every stage, comm stages included."""
-    r = pipeline_latency(plan, profile, cluster)
-    F = [x.forward_ms for x in r.stages]
-    B = [x.backward_ms for x in r.stages]
-    AR = [x.allreduce_ms + x.host_step_ms for x in r.stages]
-    return F, B, AR
-
-
 def running_minimum(plan: Plan) -> list[int]:
     """K_i as the schedule made them before the share: ``min(own_i, D_i, K_{i-1})``."""
     S, M = plan.num_stages, plan.num_micro_batches
@@ -132,10 +121,12 @@ class Case(NamedTuple):
 def measure(plan: Plan, profile: ModelProfile, cluster: Cluster) -> Case:
     """Simulated step and L of ``plan`` under both count rules (:class:`Case`)."""
     M = plan.num_micro_batches
-    F, B, AR = _arrays(plan, profile, cluster)
+    r = pipeline_latency(plan, profile, cluster)
+    F = [x.forward_ms for x in r.stages]
+    B = [x.backward_ms for x in r.stages]
+    AR = [x.allreduce_ms + x.host_step_ms for x in r.stages]  # host step included
     old = running_minimum(plan)
     sim_before = simulate(plan, profile, cluster, lower(plan, early_backward_order(old, M))).step_ms
-    r = pipeline_latency(plan, profile, cluster)
     ks = [x.in_flight for x in r.stages if x.kind == "compute"]
     K: list[int | None] = [x for k in ks for x in (k, None)][:-1]
     assert latency(F, B, AR, M, steady_periods(F, B, K, M)).L_ms == r.L_ms
