@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
 from typing import Any, NoReturn
 
 import pytest
 
 from dapple.core.cluster import Cluster
 from dapple.core.layer_profile import AffineTime, LayerProfile
+from dapple.core.plan import Plan
 from dapple.core.profile import ModelProfile
 
 
@@ -111,6 +114,14 @@ def per_call_profile(
             for i, (f, b) in enumerate(zip(fwd, bwd, strict=True))
         ),
     )
+
+
+def with_in_flight(plan: Plan, D: Sequence[int | None]) -> Plan:
+    """``plan`` with stage i's in-flight bound ``max_in_flight`` set to ``D[i]``."""
+    stages = tuple(
+        dataclasses.replace(st, max_in_flight=d) for st, d in zip(plan.stages, D, strict=True)
+    )
+    return dataclasses.replace(plan, stages=stages)
 
 
 def boom(*_: Any, **__: Any) -> NoReturn:

@@ -8,18 +8,10 @@ import dataclasses
 
 import pytest
 
+from builders import with_in_flight
 from dapple import api
-from dapple.core.plan import Plan, straight_plan
+from dapple.core.plan import straight_plan
 from dapple.schedule.registry import in_flight_counts
-
-
-def _bounded(plan: Plan, D: list[int | None]) -> Plan:
-    return dataclasses.replace(
-        plan,
-        stages=tuple(
-            dataclasses.replace(st, max_in_flight=d) for st, d in zip(plan.stages, D, strict=True)
-        ),
-    )
 
 
 @pytest.mark.slow
@@ -28,11 +20,11 @@ def test_verify_plans_bounded_below_their_counts() -> None:
     with D_0 = 1 under policy B (counts [1, 1, 1]), both equal to one device under AdamW."""
     zoo = api.load("transformer", layers=4, hidden=16, heads=2, seq=8)
     n = zoo.num_layers
-    four = _bounded(
+    four = with_in_flight(
         straight_plan(n, [0, 2, 3, 4], global_batch_size=16, num_micro_batches=8),
         [2, None, None, None],
     )
-    three = _bounded(
+    three = with_in_flight(
         dataclasses.replace(
             straight_plan(
                 n, [0, 2, 4], global_batch_size=16, num_micro_batches=8, replicas=[1, 2, 1]

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from builders import make_cluster, make_profile
+from builders import make_cluster, make_profile, with_in_flight
 from dapple.core.cluster import Cluster
 from dapple.core.layer_profile import AffineTime, LayerProfile
 from dapple.core.plan import Plan, straight_plan
@@ -225,12 +225,7 @@ def _bounded_plan(S: int, M: int, D: list[int | None]) -> Plan:
         schedule="dapple",
         policy="A",
     )
-    return dataclasses.replace(
-        plan,
-        stages=tuple(
-            dataclasses.replace(st, max_in_flight=d) for st, d in zip(plan.stages, D, strict=True)
-        ),
-    )
+    return with_in_flight(plan, D)
 
 
 def _bounded(S: int, M: int, D: list[int | None], prof: ModelProfile) -> tuple[float, float]:
