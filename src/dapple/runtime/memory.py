@@ -5,14 +5,16 @@ counter, so :class:`ActivationMeter` counts what a pipeline stage *holds* betwee
 its backward: every tensor autograd saves for backward (via
 ``torch.autograd.graph.saved_tensors_hooks``) plus the boundary activations the runtime keeps
 (received stage inputs, stage outputs awaiting their gradient). Tensors are counted once per
-underlying storage (shared views are not double counted) and parameter storages are excluded.
+underlying storage (shared views are not double counted) and parameter storages are excluded:
+the stage's own, and under ZeRO-3 the whole parameters FSDP gathers for a forward and keeps
+for its backward (they are parameters, not activations).
 With re-computation the checkpoint's own hooks hide the inner saved tensors, so only the stage
 inputs count - exactly what re-computation keeps.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -54,13 +56,32 @@ def _storage_ptr(t: torch.Tensor) -> int:
 
 
 class ActivationMeter:
-    """Counts held activation bytes (deduplicated by storage) and records the peak."""
+    """Counts held activation bytes (deduplicated by storage) and records the peak.
 
-    def __init__(self, exclude: Iterable[torch.Tensor] = ()) -> None:
+    Args:
+        exclude: Parameters never counted (their storages).
+        gathered: Under ZeRO-3, the stage's parameters as they are now (FSDP swaps in the whole
+            parameters it gathers before a forward); their storages are not counted either,
+            looked up at each tensor saved. None: no parameter changes storage.
+    """
+
+    def __init__(
+        self,
+        exclude: Iterable[torch.Tensor] = (),
+        gathered: Callable[[], Iterable[torch.Tensor]] | None = None,
+    ) -> None:
         self._refs: dict[tuple[int, int], int] = {}
         self._exclude = {_storage_ptr(t) for t in exclude} | {-1}  # -1: no real storage
+        self._gathered = gathered
         self.current_bytes = 0
         self.peak_bytes = 0
+
+    def _excluded(self, t: torch.Tensor) -> bool:
+        """``t`` is a parameter's storage (the stage's own, or a whole one FSDP gathered)."""
+        ptr = _storage_ptr(t)
+        if ptr in self._exclude:
+            return True
+        return self._gathered is not None and any(_storage_ptr(p) == ptr for p in self._gathered())
 
     def _inc(self, key: tuple[int, int]) -> None:
         n = self._refs.get(key, 0)
@@ -83,16 +104,14 @@ class ActivationMeter:
     def hold(self, tensors: Iterable[Any]) -> list[Held]:
         """Count the tensors among ``tensors`` until the returned handles are released."""
         return [
-            Held(self, t)
-            for t in tensors
-            if isinstance(t, torch.Tensor) and _storage_ptr(t) not in self._exclude
+            Held(self, t) for t in tensors if isinstance(t, torch.Tensor) and not self._excluded(t)
         ]
 
     def saved_tensors_hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
         """Context manager counting every tensor autograd saves for backward inside it."""
 
         def pack(t: torch.Tensor) -> Any:
-            if t.device.type == "meta" or _storage_ptr(t) in self._exclude:
+            if t.device.type == "meta" or self._excluded(t):
                 return t
             return Held(self, t)
 

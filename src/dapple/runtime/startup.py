@@ -147,7 +147,9 @@ def start_rank(
     params = list(layers.module.parameters()) if layers.module is not None else []
     shards = build_shards(plan, layers, zero, sync.pg, mesh.tensor_rank)
     updated, opt = build_optimizer(config, params, zero.sharded, shards)
-    meter = ActivationMeter(exclude=params)
+    units = mesh.fsdp_units()
+    meter = ActivationMeter(exclude=params, gathered=(
+        (lambda: [p for u in units for p in u.parameters()]) if units else None))  # fmt: skip
     executor = ExecutorFactory(layers, specs, workload.loss_fn, device, config.recompute, meter,
                                precision, dynamic=bool(dims), seed=config.seed,
                                mesh=mesh)  # fmt: skip
