@@ -61,7 +61,9 @@ def profiles(tmp_path: Path) -> tuple[Path, Path]:
 @pytest.fixture
 def no_search(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("dapple.planner.dapple_search", boom)
-    monkeypatch.setattr("dapple.planner.PLANNERS", {k: boom for k in ("dapple", "dp")})
+    from dapple.planner.registry import PLANNERS
+
+    monkeypatch.setitem(PLANNERS, "dp", dataclasses.replace(PLANNERS["dp"], rule=boom))
 
 
 def _columns(shown: str) -> str:

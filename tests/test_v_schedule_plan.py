@@ -134,9 +134,12 @@ def test_the_api_plans_a_v_the_dapple_planners_plan_cannot_hold(
     from dapple import api
     from dapple.errors import ValidationError
     from dapple.planner.config import PlanConfig
+    from dapple.planner.registry import PLANNERS
 
-    monkeypatch.setattr("dapple.planner.PLANNERS", {planner: lambda *_: dataclasses.replace(
-        _one_layer_group(), planner=planner)})  # fmt: skip
+    spec = PLANNERS[planner]
+    if not spec.is_search:  # a baseline's rule
+        monkeypatch.setitem(PLANNERS, planner, dataclasses.replace(spec, rule=lambda *_: (
+            dataclasses.replace(_one_layer_group(), planner=planner))))  # fmt: skip
     monkeypatch.setattr("dapple.planner.dapple_search", lambda *_, **__: _one_layer_group())
     cfg = PlanConfig(profile=make_profile(6), cluster=make_cluster(), schedule="dualpipev",
                      global_batch_size=8, planner=planner)  # fmt: skip

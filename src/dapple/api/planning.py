@@ -149,7 +149,7 @@ def plan(
         cluster: A :class:`Cluster`, a preset name (``local-cpu``, ``paper-a``...) or a file.
         global_batch_size: Samples per optimizer step (None: the paper's, for a ``paper:NAME``
             profile).
-        planner: ``dapple`` or a baseline (see :data:`dapple.planner.PLANNERS`).
+        planner: ``dapple`` or a baseline (see :data:`dapple.planner.registry.PLANNERS`).
         servers: Another number of servers than the cluster's.
         output: Also save the plan JSON here.
         schedule: Run the planned stages under ``gpipe``, ``dapple``, ``interleaved`` or
@@ -274,6 +274,7 @@ def _under_schedule(
         return chosen
     if schedule is not None:
         from dapple.cost.schedules import schedule_latency
+        from dapple.planner.registry import searched
         from dapple.planner.schedule_choice import best_under_schedule
         from dapple.schedule.registry import get_schedule
         from dapple.simulate.schedules import with_schedule
@@ -281,7 +282,7 @@ def _under_schedule(
         try:
             result = with_schedule(result, schedule, virtual_stages)
         except ValidationError:  # a V the DAPPLE planner's plan cannot hold: balanced pipelines
-            if get_schedule(schedule).cut is None or result.planner != "dapple":
+            if get_schedule(schedule).cut is None or not searched(result):
                 raise
             chosen = best_under_schedule(result, schedule, prof, cl).plan
             if chosen is None:

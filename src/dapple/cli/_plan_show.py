@@ -279,6 +279,7 @@ def idle_line(plan: Plan, profile: ModelProfile, cluster: Cluster) -> str | None
     idle_kinds`)."""
     from dapple.core.usable import usable_devices
     from dapple.planner.idle_kinds import idle_kinds
+    from dapple.planner.registry import searched
     from dapple.planner.widths import width_candidates
 
     used, G = len(plan.devices), cluster.num_devices
@@ -289,7 +290,7 @@ def idle_line(plan: Plan, profile: ModelProfile, cluster: Cluster) -> str | None
     widths = done.tensor_widths if done is not None and done.tensor_widths else None
     ts = list(widths) if widths is not None else width_candidates(profile, cluster)
     kinds = "".join(f"; {x}" for x in idle_kinds(plan, profile, cluster, ts))  # mixed clusters
-    if plan.planner != "dapple" or (done is not None and done.planner != "dapple"):
+    if not searched(plan):
         return line + kinds
     B, N = plan.global_batch_size, profile.num_layers
     usable = usable_devices(N, B, ts)

@@ -32,6 +32,7 @@ from dapple.core.output_path import check_output_file
 from dapple.core.plan import Plan
 from dapple.core.profile import ModelProfile
 from dapple.errors import DappleError, InfeasibleError, ValidationError
+from dapple.planner.registry import DEFAULT_PLANNER, PLANNERS, planner_names, searched
 from dapple.schedule.registry import check_virtual_stages, get_schedule, schedule_names
 
 if TYPE_CHECKING:
@@ -42,7 +43,6 @@ if TYPE_CHECKING:
 
 __all__ = ["MAX_SIMULATED_WORK", "format_devices", "parse_seq_len", "register", "run", "run_config"]
 
-_PLANNERS = ("dapple", "dp", "straight", "gpipe", "pipedream", "exhaustive", "grid")
 MAX_SIMULATED_WORK = 1 << 18
 """Most micro-batches x devices ``--schedule`` simulates for a schedule with a step rule of its
 own (interleaved, zbh1): the event simulation takes time in proportion (about 0.1 ms each on
@@ -69,7 +69,13 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         default=None,
         help="samples per step (default for paper: profiles: the paper's)",
     )
-    p.add_argument("--planner", choices=_PLANNERS, default="dapple", help="default: dapple")
+    p.add_argument(
+        "--planner",
+        choices=planner_names(),
+        default=DEFAULT_PLANNER,
+        help="; ".join(f"{s.name}: {s.summary}" for s in PLANNERS.values())
+        + " (default: %(default)s)",
+    )
     p.add_argument(
         "--seq-len",
         default=None,
@@ -285,17 +291,17 @@ def _compare(con: Console, cfg: PlanConfig, inputs: PlanInputs, dp_ms: float) ->
     best: Plan | None = None
     bases: list[Plan] = []
     skipped: list[str] = []
-    for name in _PLANNERS:
+    for name, spec in PLANNERS.items():
         try:
-            mine = cfg.interleave and name == "dapple"
+            mine = cfg.interleave and spec.is_search
             plan = _plan_with_progress(con, _planner_only(cfg, name, mine), inputs)
         except DappleError as e:
             t.add_row(name, "-", "-", "-", "-", "n/a", "n/a")
             skipped.append(f"{name}: {e}")
             continue
-        if name == "dapple":
+        if spec.is_search:
             best = plan
-        if name in ("dapple", "straight"):
+        if spec.schedule_base:
             bases.append(plan)
         t.add_row(
             name,
@@ -336,7 +342,7 @@ def _new_schedule(
             f"{layers}, replication {plan.replication}; the planner does not plan for the "
             f"schedule): {e}"
         )
-        if get_schedule(schedule).cut is None or plan.planner != "dapple":  # a baseline's cut
+        if get_schedule(schedule).cut is None or not searched(plan):  # a baseline's cut
             raise ValidationError(
                 f"{why}; --schedule best tries each schedule on balanced pipelines too"
             ) from e

@@ -9,7 +9,7 @@ a maximum length (:func:`dapple.cost.lengths.profile_for_lengths`; the plan reco
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from dapple.core.cluster import Cluster
 from dapple.core.kind_profiles import fastest_layers
@@ -24,6 +24,7 @@ from dapple.planner.baselines import dp_plan, gpipe_plan, pipedream_plan, straig
 from dapple.planner.batches import check_batch_argument
 from dapple.planner.grid import grid_plan
 from dapple.planner.oracle import exhaustive_plan
+from dapple.planner.registry import DEFAULT_PLANNER, PLANNERS, get_planner
 from dapple.planner.search import Progress, dapple_search
 from dapple.planner.shares import search_cluster, with_kind_shares
 
@@ -39,23 +40,12 @@ __all__ = [
     "straight_plan_baseline",
 ]
 
-PLANNERS: dict[str, Callable[[ModelProfile, Cluster, int], Plan]] = {
-    "dapple": dapple_search,
-    "dp": dp_plan,
-    "straight": straight_plan_baseline,
-    "gpipe": gpipe_plan,
-    "pipedream": pipedream_plan,
-    "exhaustive": exhaustive_plan,
-    "grid": grid_plan,
-}
-"""Planner names accepted by :func:`make_plan` and ``dapple plan --planner``."""
-
 
 def make_plan(
     profile: ModelProfile,
     cluster: Cluster,
     global_batch_size: int,
-    planner: str = "dapple",
+    planner: str = DEFAULT_PLANNER,
     *,
     progress: Progress | None = None,
     zero_stage: ZeroChoice = 0,
@@ -70,7 +60,7 @@ def make_plan(
         profile: model profile.
         cluster: devices and links.
         global_batch_size: samples per optimizer step.
-        planner: one of :data:`PLANNERS`.
+        planner: one of :data:`~dapple.planner.registry.PLANNERS`.
         progress: ``progress(done, total)`` callback (DAPPLE search only).
         zero_stage: 1: replicated stages shard their optimizer state (ZeRO-1); 2: their
             gradients too (ZeRO-2); 3: their parameters too (ZeRO-3), gathered once per step or
@@ -103,28 +93,27 @@ def make_plan(
             step rule does not cost them).
         InfeasibleError: no plan fits.
     """
-    if planner not in PLANNERS:
-        raise ValidationError(f"unknown planner {planner!r}; choose one of {', '.join(PLANNERS)}")
+    spec = get_planner(planner)
     check_batch_argument(global_batch_size)
     if tensor_widths is not None:
         check_tensor_widths(tensor_widths, profile, cluster)
-        if planner != "dapple" and list(tensor_widths) != [1]:
+        if not spec.is_search and list(tensor_widths) != [1]:
             raise ValidationError(f"tensor widths {list(tensor_widths)} are searched by the "
                                   f"dapple planner only, not {planner!r}")  # fmt: skip
     if interleaved:
-        _check_interleaved(planner, cluster)
+        _check_interleaved(planner, spec.is_search, cluster)
     if seq_len is not None or max_seq_len is not None:
         if seq_len is None:
             raise ValidationError(f"max_seq_len {max_seq_len} needs seq_len (the mean length)")
         profile = profile_for_lengths(profile, seq_len, max_seq_len)
     searched = search_cluster(cluster)  # device kinds: speeds <= 1 (dapple.planner.shares)
     fastest = fastest_layers(profile, cluster)  # per-kind profiles: each layer's least time
-    if planner == "dapple":
+    if spec.rule is None:
         plan = dapple_search(fastest, searched, global_batch_size, progress=progress,
                              zero_stage=zero_stage, tensor_widths=tensor_widths,
                              interleaved=interleaved)  # fmt: skip
     else:
-        plan = PLANNERS[planner](fastest, searched, global_batch_size)
+        plan = spec.rule(fastest, searched, global_batch_size)
     plan = with_kind_shares(plan, profile, cluster)
     widths = None if tensor_widths is None else tuple(tensor_widths)
     plan = dataclasses.replace(
@@ -140,9 +129,9 @@ def make_plan(
     )
 
 
-def _check_interleaved(planner: str, cluster: Cluster) -> None:
+def _check_interleaved(planner: str, is_search: bool, cluster: Cluster) -> None:
     """Refuse ``interleaved`` where it would not be searched (a baseline, host terms)."""
-    if planner != "dapple":
+    if not is_search:
         raise ValidationError(
             f"interleaved plans are searched by the dapple planner only, not {planner!r}"
         )

@@ -29,7 +29,7 @@ from dapple.core.config_file import Schema, dump, load
 from dapple.core.planning_options import ZERO_CHOICES, ZeroChoice, zero_choice
 from dapple.core.tensor_layout import TENSOR_WIDTHS
 from dapple.errors import ValidationError
-from dapple.planner import PLANNERS
+from dapple.planner.registry import DEFAULT_PLANNER, get_planner
 
 __all__ = [
     "PLAN_SECTIONS",
@@ -58,8 +58,8 @@ class PlanConfig:
     """Another number of servers than the cluster's."""
     global_batch_size: int | None = None
     """G, samples per optimizer step (None: the paper's, for ``paper:`` profiles)."""
-    planner: str = "dapple"
-    """``dapple`` or a baseline (:data:`dapple.planner.PLANNERS`)."""
+    planner: str = DEFAULT_PLANNER
+    """``dapple`` or a baseline (:data:`dapple.planner.registry.PLANNERS`)."""
     seq_len: float | None = None
     """Mean tokens per sample the step time is planned for (a profile measured at several)."""
     max_seq_len: float | None = None
@@ -81,10 +81,7 @@ class PlanConfig:
     """Also write the plan JSON here."""
 
     def __post_init__(self) -> None:
-        if self.planner not in PLANNERS:
-            raise ValidationError(
-                f"unknown planner {self.planner!r}; choose one of {', '.join(PLANNERS)}"
-            )
+        get_planner(self.planner)
         zero = zero_choice(self.zero_stage)
         if zero is None:
             raise ValidationError(
