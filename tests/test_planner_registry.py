@@ -17,7 +17,6 @@ from dapple.planner import make_plan
 from dapple.planner.config import PlanConfig
 from dapple.planner.registry import (
     PLANNERS,
-    baseline_names,
     get_planner,
     planner_names,
     searched,
@@ -29,7 +28,6 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "dapple"
 def test_the_registry_lists_every_planner_in_order() -> None:
     assert planner_names() == ("dapple", "dp", "straight", "gpipe", "pipedream", "exhaustive",
                                "grid")  # fmt: skip
-    assert baseline_names() == planner_names()[1:]
     assert [n for n, s in PLANNERS.items() if s.is_search] == ["dapple"]
     assert [n for n, s in PLANNERS.items() if s.schedule_base] == ["dapple", "straight"]
     assert all(s.summary and s.name == n for n, s in PLANNERS.items())

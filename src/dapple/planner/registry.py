@@ -30,7 +30,6 @@ __all__ = [
     "PLANNERS",
     "BaselineRule",
     "PlannerSpec",
-    "baseline_names",
     "get_planner",
     "planner_names",
     "searched",
@@ -102,11 +101,6 @@ def get_planner(name: str) -> PlannerSpec:
 def planner_names() -> tuple[str, ...]:
     """Every planner's name, in the registry's order."""
     return tuple(PLANNERS)
-
-
-def baseline_names() -> tuple[str, ...]:
-    """The planners with a fixed rule (every one but the DAPPLE search), in order."""
-    return tuple(n for n, s in PLANNERS.items() if not s.is_search)
 
 
 def searched(plan: Plan) -> bool:
