@@ -2,7 +2,8 @@
 
 Before, :func:`dapple.runtime.launch.elastic.replan` called the planner with the run's 0-2 ZeRO
 floor only: a plan made with ZeRO-3 (or auto), tensor widths, interleaving or lengths was
-re-planned under other options after a lost device.
+re-planned under other options after a lost device. On a cluster with device kinds, each with
+its own profile, a re-plan keeps the kinds of the servers left and their profiles.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from builders import link_cluster, llm_layer
+from builders import link_cluster, llm_layer, make_profile
+from dapple.core.cluster import Cluster
 from dapple.core.cluster_presets import PRESETS
 from dapple.core.plan import Plan
 from dapple.core.planning_options import PlanningOptions
@@ -21,7 +23,13 @@ from dapple.core.profile import LengthProfile, ModelProfile
 from dapple.errors import ValidationError
 from dapple.planner import make_plan
 from dapple.profiler.paper_models import load_profile
-from dapple.runtime.launch.elastic import ElasticPolicy, cluster_of, replan
+from dapple.runtime.launch.elastic import (
+    ElasticPolicy,
+    ElasticStop,
+    cluster_of,
+    replan,
+    servers_left,
+)
 
 
 def _llm_at_lengths(lens: tuple[int, ...] = (256, 1024), blocks: int = 6) -> ModelProfile:
@@ -123,3 +131,81 @@ def test_recorded_options_are_checked() -> None:
         PlanningOptions.from_dict({"tensor_widths": "4"})
     with pytest.raises(ValidationError, match="planned_with must be an object"):
         PlanningOptions.from_dict([1])
+
+
+# -- a cluster with device kinds, each with its own profile (issue #43) ------------------------
+def _kinds_cluster() -> tuple[ModelProfile, Cluster]:
+    """Two servers of 2: an H kind, and an A kind 4x slower on layers 0-1 of 4 (own profiles)."""
+    from dapple.core.device_kinds import DeviceKind
+    from dapple.core.kind_profiles import with_kind_profiles
+
+    h, a = make_profile(4), make_profile(4)
+    a = dataclasses.replace(a, layers=tuple(
+        dataclasses.replace(x, forward=dataclasses.replace(x.forward, per_sample_ms=4 * x.forward.per_sample_ms),
+                            backward=dataclasses.replace(x.backward, per_sample_ms=4 * x.backward.per_sample_ms))
+        if i < 2 else x for i, x in enumerate(a.layers)))  # fmt: skip
+    kinds = (
+        DeviceKind(name="H", servers=1, device_memory_bytes=2**30),
+        DeviceKind(name="A", servers=1, speed=0.4, device_memory_bytes=2**29),
+    )
+    c = dataclasses.replace(link_cluster("kinds", 2, 2, 12.0), device_memory_bytes=2**29,
+                            kinds=kinds)  # fmt: skip
+    return h, with_kind_profiles(c, {"H": h, "A": a})
+
+
+def test_servers_left_keep_each_kind_and_its_profile() -> None:
+    _, c = _kinds_cluster()
+    h_only, keep = servers_left(c, 4, [3])
+    assert [(k.name, k.servers) for k in h_only.kinds] == [("H", 1)] and keep == [0, 1]
+    assert h_only.kinds[0].profile is c.kinds[0].profile and h_only.device_memory_bytes == 2**30
+    a_only, keep = servers_left(c, 4, [0])
+    assert [(k.name, k.servers) for k in a_only.kinds] == [("A", 1)] and keep == [2, 3]
+    assert a_only.kinds[0].profile is c.kinds[1].profile and a_only.device_memory_bytes == 2**29
+    assert servers_left(c, 2, [])[1] == [0, 1]  # a run on the H server alone keeps it
+    with pytest.raises(ElasticStop, match="no whole server of cluster 'kinds' left"):
+        servers_left(c, 4, [1, 2])
+    assert [k.name for k in cluster_of(c, 3).kinds] == ["H"]  # by count: the first servers
+
+
+def test_a_lost_device_replans_on_the_kinds_left_with_their_own_profiles(tmp_path: Path) -> None:
+    """Rank 0 (an H device) lost: the re-plan runs on the A server alone, at A's own times, on
+    the devices named 2 and 3; the lost H server's other device is left idle."""
+    import os
+
+    from dapple.runtime.config import TrainConfig
+    from dapple.runtime.launch.elastic import train_elastic
+    from dapple.runtime.launch.failure import RankFailure
+
+    h, c = _kinds_cluster()
+    first = make_plan(h, c, 8)
+    assert len(first.devices) == 4
+    seen: list[tuple[Plan, str]] = []
+
+    def attempt(plan: Plan, config: TrainConfig) -> None:
+        seen.append((plan, os.environ.get("CUDA_VISIBLE_DEVICES", "")))
+        if len(seen) == 1:
+            raise RankFailure("workers failed", {0: -9, 1: 1, 2: 1, 3: 1})
+
+    os.environ["CUDA_VISIBLE_DEVICES"] = "g0,g1,g2,g3"
+    try:
+        config = TrainConfig(steps=2, checkpoint_dir=str(tmp_path / "ck"), save_every=1)
+        result = train_elastic(first, config, attempt, policy=ElasticPolicy(h, c))
+    finally:
+        del os.environ["CUDA_VISIBLE_DEVICES"]
+    (_, _), (second, visible) = seen
+    a_only = c.without_servers([0])
+    assert second == make_plan(h, a_only, 8) and result.plan == second
+    assert visible == ",".join(["g2", "g3"][: len(second.devices)])
+    # priced at A's own times: slower than the same plan on H's profile alone
+    plain = dataclasses.replace(a_only, kinds=())
+    assert second.predicted_step_ms > 1.2 * make_plan(h, plain, 8).predicted_step_ms
+
+
+def test_torchrun_does_not_replan_a_cluster_of_kinds() -> None:
+    from dapple.runtime.launch.elastic import plan_for_world
+
+    h, c = _kinds_cluster()
+    plan = make_plan(h, c, 8)
+    assert plan_for_world(plan, len(plan.devices), ElasticPolicy(h, c)) is plan
+    with pytest.raises(ElasticStop, match="torchrun's ranks do not say which servers are left"):
+        plan_for_world(plan, 2, ElasticPolicy(h, c))

@@ -263,3 +263,95 @@ def test_simulate_warns_by_each_kinds_memory(capsys: pytest.CaptureFixture[str])
             "warning: peak memory exceeds the 0.0469 GiB device memory on device(s) 2" in out
         ) == warned
         assert "exceeds" in out if warned else "exceeds" not in out
+
+
+# -- the slowest-kind view and a cluster saved with its kinds' profiles ------------------------
+PLAIN = dataclasses.replace(SCALED, kinds=())
+"""The cluster without kinds: every device alike, at the profile's times."""
+
+
+def test_slowest_kind_computes_each_layer_at_its_slowest_kinds_times() -> None:
+    """A at [1, 0.5, 2, 1] ms per sample forward against H's [1, 1, 1, 1]: the view's one kind
+    takes [1, 1, 2, 1] (backward twice that) on every device, with the smallest kind's memory."""
+    mixed = with_kind_profiles(SCALED, {"H": H, "A": _profile([1.0, 0.5, 2.0, 1.0])})
+    view = mixed.slowest_kind()
+    assert [(k.name, k.servers, k.speed) for k in view.kinds] == [("slowest of H+A", 2, 1.0)]
+    assert not view.mixed and view.num_devices == 4
+    assert view.usable_memory_of(3) == mixed.usable_memory_bytes
+    for d in range(4):
+        got = profile_of(view, d, H)
+        assert [x.forward.per_sample_ms for x in got.layers] == [1.0, 1.0, 2.0, 1.0]
+        assert [x.backward.per_sample_ms for x in got.layers] == [2.0, 2.0, 4.0, 2.0]
+
+
+def test_slowest_kind_plan_with_per_kind_profiles_is_the_plan_on_the_slowest_profile() -> None:
+    """A is at least as slow as H on every layer, so the slowest-kind plan of the cluster with
+    per-kind profiles is the plan of A's profile on the cluster without kinds, whatever profile
+    it is planned with (a view at H's times would plan 4x faster layers 0, 1)."""
+    slow = make_plan(H, KINDS.slowest_kind(), 16)
+    want = make_plan(A, PLAIN, 16)
+    assert [(s.layers, s.devices, s.shares) for s in slow.stages] == [
+        (s.layers, s.devices, s.shares) for s in want.stages
+    ]
+    assert slow.predicted_step_ms == pytest.approx(want.predicted_step_ms, rel=1e-9)
+    assert slow.predicted_step_ms > 1.5 * make_plan(H, PLAIN, 16).predicted_step_ms
+    # priced on the cluster as it is, the plan made with the kinds' own profiles is faster
+    own = make_plan(H, KINDS, 16)
+    assert own.predicted_step_ms < 0.9 * pipeline_latency(slow, H, KINDS).L_ms
+
+
+def test_a_cluster_saved_with_its_kinds_profiles_plans_alike_when_loaded(tmp_path: Path) -> None:
+    from dapple.core.cluster_presets import load_cluster
+
+    path = tmp_path / "kinds.json"
+    KINDS.save(path)
+    back = load_cluster(str(path))
+    assert back == KINDS and [k.profile for k in back.kinds] == [H, A]
+    assert make_plan(H, back, 16) == make_plan(H, KINDS, 16)
+    assert Cluster.from_dict(SCALED.to_dict()).kinds[1].profile is None  # none given, none saved
+
+
+def test_cli_plans_with_the_profiles_of_a_saved_cluster(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """One ``--profile`` on a cluster file whose kinds carry their own: each kind computes at
+    its own; a profile of another model is refused in one line."""
+    from dapple.cli import main
+
+    c, h, _ = _write(tmp_path)
+    KINDS.save(c)
+    out = str(tmp_path / "plan.json")
+    args = ["--cluster", c, "--global-batch-size", "16"]
+    assert main(["plan", "--profile", h, *args, "--output", out]) == 0
+    assert Plan.load(out) == make_plan(H, KINDS, 16)
+    other = tmp_path / "other.json"
+    _profile([1.0] * 3).save(other)
+    capsys.readouterr()
+    assert main(["plan", "--profile", str(other), *args]) == 2
+    err = capsys.readouterr().err
+    assert "different models: 4 vs 3 layers" in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({1: {"profile": None}}, "kinds \\['H'\\] give their own profile and \\['A'\\] do not"),
+        ({1: {"speed": 0.4}}, "give no datasheet and no speed but 1 .*speed 0.4"),
+        (
+            {1: {"datasheet": "a100", "speed": None}},
+            "give no datasheet and no speed but 1 .*datasheet 'a100'",
+        ),
+        ({1: {"profile": {"layers": 3}}}, "device kind 'A': profile: "),
+        ({1: {"profile": _profile([1.0] * 3).to_dict()}}, "different models: 4 vs 3 layers"),
+    ],
+)
+def test_bad_profiles_in_a_cluster_file_are_refused_in_one_line(
+    change: dict[int, dict], message: str
+) -> None:
+    d = KINDS.to_dict()
+    for i, fields in change.items():
+        d["kinds"][i].update(fields)
+        d["kinds"][i] = {k: v for k, v in d["kinds"][i].items() if v is not None}
+    with pytest.raises(ValidationError, match=message) as e:
+        Cluster.from_dict(d, name="bad")
+    assert "\n" not in str(e.value)

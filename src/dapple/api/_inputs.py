@@ -180,16 +180,23 @@ def with_profile_set(
     """``profile`` loaded (:func:`as_profile`), and ``cluster``; for a profile set
     ``KIND=FILE,...`` (:func:`~dapple.core.kind_profiles.parse_profile_set`) its first
     profile, and ``cluster`` with each kind's own
-    (:func:`~dapple.core.kind_profiles.with_kind_profiles`).
+    (:func:`~dapple.core.kind_profiles.with_kind_profiles`). One profile on a cluster whose
+    kinds carry their own (a cluster file with them) must be of their model.
 
     Raises:
         ValidationError: a bad spec or file, or profiles that do not fit the cluster's kinds.
     """
+    from dapple.core.device_kinds import check_same_model
     from dapple.core.kind_profiles import parse_profile_set, with_kind_profiles
 
     kinds = parse_profile_set(profile) if isinstance(profile, str) else None
     if kinds is None:
-        return as_profile(profile), cluster
+        one = as_profile(profile)
+        own = next((k for k in cluster.kinds if k.profile is not None), None)
+        if own is not None:
+            assert own.profile is not None
+            check_same_model(own.profile, own.name, one, "the one given")
+        return one, cluster
     loaded = {k: as_profile(v) for k, v in kinds.items()}
     return next(iter(loaded.values())), with_kind_profiles(cluster, loaded)
 

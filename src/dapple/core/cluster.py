@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from dapple.core._json import check_schema_version, get_field, require, save_json_file
-from dapple.core.device_kinds import DeviceKind, check_cluster_kinds, kinds_from_dicts
+from dapple.core.device_kinds import DeviceKind, check_cluster_kinds, kinds_from_dicts, layerwise
 
 __all__ = ["CLUSTER_SCHEMA_VERSION", "GIB", "Cluster"]
 
@@ -195,15 +196,29 @@ class Cluster:
 
     def slowest_kind(self) -> Cluster:
         """The cluster as users without device kinds plan it: every device as slow as the
-        slowest kind and with the smallest kind's memory (no kinds; itself when it has none)."""
+        slowest kind and with the smallest kind's memory (itself when it has no kinds).
+
+        Kinds scaled by a speed: no kinds, ``compute_slowdown`` divided by the lowest speed.
+        Kinds with their own profiles (:mod:`dapple.core.kind_profiles`): one kind over every
+        server whose profile takes each layer at its slowest kind's fixed and per-sample times
+        (:func:`~dapple.core.device_kinds.layerwise`), so every device computes at it whatever
+        profile the cluster is planned with.
+        """
         if not self.kinds:
             return self
+        name = f"{self.name} (as its slowest kind)"
+        own = [k.profile for k in self.kinds if k.profile is not None]
+        if own:
+            slowest = DeviceKind(
+                name=f"slowest of {'+'.join(k.name for k in self.kinds)}",
+                servers=self.servers,
+                device_memory_bytes=self.device_memory_bytes,
+                profile=layerwise(own[0], own, max),
+            )
+            return dataclasses.replace(self, name=name, kinds=(slowest,))
         low = min(k.speed for k in self.kinds)
         return dataclasses.replace(
-            self,
-            name=f"{self.name} (as its slowest kind)",
-            kinds=(),
-            compute_slowdown=self.compute_slowdown / low,
+            self, name=name, kinds=(), compute_slowdown=self.compute_slowdown / low
         )
 
     @property
@@ -250,6 +265,33 @@ class Cluster:
             f"servers in the file, not with --servers {servers}",
         )
         return dataclasses.replace(self, servers=servers, name=f"{self.name} ({servers} servers)")
+
+    def without_servers(self, lost: Iterable[int]) -> Cluster:
+        """The cluster less the servers ``lost`` (their indices), its devices numbered again
+        from 0; on a cluster with device kinds each kind keeps its other servers, in order
+        (a kind left with none is dropped), and the device memory is the smallest kept kind's.
+
+        Raises:
+            ValidationError: an index that is no server of the cluster, or no server left.
+        """
+        gone = set(lost)
+        bad = sorted(s for s in gone if not (isinstance(s, int) and 0 <= s < self.servers))
+        require(not bad, f"cluster {self.name!r}: no server(s) {bad} of its {self.servers}")
+        require(
+            len(gone) < self.servers,
+            f"cluster {self.name!r}: no server left without servers {sorted(gone)}",
+        )
+        kinds: list[DeviceKind] = []
+        first = 0
+        for k in self.kinds:
+            kept = sum(s not in gone for s in range(first, first + k.servers))
+            if kept:
+                kinds.append(dataclasses.replace(k, servers=kept))
+            first += k.servers
+        memory = min((k.device_memory_bytes for k in kinds), default=self.device_memory_bytes)
+        return dataclasses.replace(
+            self, servers=self.servers - len(gone), kinds=tuple(kinds), device_memory_bytes=memory
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -21,18 +21,23 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from dapple.core._json import require
+from dapple.core.layer_profile import AffineTime, LayerProfile
 from dapple.core.profile import ModelProfile
+from dapple.errors import ValidationError
 
 __all__ = [
     "DATASHEET_MEMORY_BYTES",
     "DATASHEET_TFLOPS",
     "DeviceKind",
     "check_cluster_kinds",
+    "check_same_model",
     "kinds_from_dicts",
+    "layerwise",
 ]
 
 _GIB = 1024**3
@@ -65,8 +70,9 @@ class DeviceKind:
     """Memory of one device of this kind."""
     profile: ModelProfile | None = dataclasses.field(default=None, compare=False, repr=False)
     """The model's profile on this kind (its own per-layer times, speed 1); None: the one
-    profile the cluster is planned with, scaled by ``speed``. Given beside the cluster file,
-    never in it (:func:`~dapple.core.kind_profiles.with_kind_profiles`)."""
+    profile the cluster is planned with, scaled by ``speed``. Given beside the cluster file
+    (:func:`~dapple.core.kind_profiles.with_kind_profiles`) or in it (the kind's ``profile``
+    object, which :meth:`to_dict` writes)."""
 
     def __post_init__(self) -> None:
         what = f"device kind {self.name!r}"
@@ -96,6 +102,7 @@ class DeviceKind:
             "servers": self.servers,
             "speed": self.speed,
             "device_memory_gib": self.device_memory_bytes / _GIB,
+            **({} if self.profile is None else {"profile": self.profile.to_dict()}),
         }
 
 
@@ -105,7 +112,7 @@ profile's is no device of this cluster's kind (a typo, or a profile of another d
 _MIN_GIB, _MAX_GIB = 2**-10, 2**30
 """The memory per device a cluster file may give, in GiB: 1 MiB to 1 EiB."""
 
-_KIND_KEYS = {"name", "servers", "speed", "datasheet", "device_memory_gib"}
+_KIND_KEYS = {"name", "servers", "speed", "datasheet", "device_memory_gib", "profile"}
 
 
 def _number(d: dict[str, Any], key: str, what: str) -> float:
@@ -138,6 +145,7 @@ def _kind_from_dict(d: Any, i: int, profile_device: str | None, cluster: str) ->
     unknown = sorted(set(d) - _KIND_KEYS)
     require(not unknown, f"{what}: unknown field(s) {unknown}; known: {sorted(_KIND_KEYS)}")
     require("servers" in d, f"{what}: missing field 'servers'")
+    own = _kind_profile(d, what)
     sheet = _datasheet(d["datasheet"], what, "datasheet") if "datasheet" in d else None
     require(
         sheet is None or "speed" not in d,
@@ -178,7 +186,28 @@ def _kind_from_dict(d: Any, i: int, profile_device: str | None, cluster: str) ->
         isinstance(servers, int) and not isinstance(servers, bool),
         f"{what}: servers must be an integer, got {servers!r}",
     )
-    return DeviceKind(name=name, servers=servers, speed=speed, device_memory_bytes=memory)
+    return DeviceKind(name=name, servers=servers, speed=speed, device_memory_bytes=memory,
+                      profile=own)  # fmt: skip
+
+
+def _kind_profile(d: dict[str, Any], what: str) -> ModelProfile | None:
+    """The kind's own ``profile`` object of a cluster file (None: not given); such a kind
+    computes at its own times, so it gives no datasheet and no speed but 1.
+
+    Raises:
+        ValidationError: a datasheet or a speed other than 1 beside it, or a bad profile.
+    """
+    if "profile" not in d:
+        return None
+    require(
+        "datasheet" not in d and d.get("speed", 1) == 1,
+        f"{what}: a kind with its own profile computes at its own times: give no datasheet "
+        f"and no speed but 1 (datasheet {d.get('datasheet')!r}, speed {d.get('speed')!r})",
+    )
+    try:
+        return ModelProfile.from_dict(d["profile"])
+    except (ValidationError, TypeError, AttributeError) as e:
+        raise ValidationError(f"{what}: profile: {e}") from None
 
 
 def kinds_from_dicts(items: Any, profile_device: Any, cluster: str) -> tuple[DeviceKind, ...]:
@@ -209,7 +238,83 @@ def kinds_from_dicts(items: Any, profile_device: Any, cluster: str) -> tuple[Dev
     require(
         len(set(names)) == len(names), f"cluster {cluster!r}: device kinds named twice: {names}"
     )
+    own = [k for k in kinds if k.profile is not None]
+    require(
+        not own or len(own) == len(kinds),
+        f"cluster {cluster!r}: kinds {[k.name for k in own]} give their own profile and "
+        f"{[k.name for k in kinds if k.profile is None]} do not: give one to every kind or none",
+    )
+    for k in own[1:]:
+        assert own[0].profile is not None and k.profile is not None
+        check_same_model(own[0].profile, own[0].name, k.profile, k.name)
     return kinds
+
+
+def check_same_model(ref: ModelProfile, ref_kind: str, p: ModelProfile, kind: str) -> None:
+    """Refuse, in one line, profiles of two kinds that are of two models (layer count, layer
+    names, fingerprint) or measured at several lengths.
+
+    Raises:
+        ValidationError: naming both kinds and the first difference.
+    """
+    what = f"profiles of kinds {ref_kind!r} ({ref.model_name}) and {kind!r} ({p.model_name})"
+    require(
+        ref.num_layers == p.num_layers,
+        f"{what} are of different models: {ref.num_layers} vs {p.num_layers} layers",
+    )
+    names = [x.name for x in ref.layers], [x.name for x in p.layers]
+    bad = next((i for i, (a, b) in enumerate(zip(*names, strict=True)) if a != b), None)
+    require(
+        bad is None,
+        f"{what} are of different models: layer {bad} is {names[0][bad or 0]!r} vs "
+        f"{names[1][bad or 0]!r}",
+    )
+    a, b = ref.model_fingerprint, p.model_fingerprint
+    require(
+        a is None or b is None or a == b,
+        f"{what} are of different models: fingerprints {a} vs {b}",
+    )
+    require(
+        not ref.by_length and not p.by_length,
+        f"{what}: per-kind profiles measured at several lengths are not supported; give "
+        "each kind a profile at one length",
+    )
+
+
+def _pick(times: list[AffineTime], pick: Callable[[list[float]], float]) -> AffineTime:
+    return AffineTime(
+        fixed_ms=pick([t.fixed_ms for t in times]),
+        per_sample_ms=pick([t.per_sample_ms for t in times]),
+    )
+
+
+def layerwise(
+    base: ModelProfile,
+    profiles: Sequence[ModelProfile],
+    pick: Callable[[list[float]], float],
+) -> ModelProfile:
+    """``base`` with each layer's forward and backward (and their split, where every profile
+    has it) at ``pick`` (``min``, ``max``) of ``profiles``' fixed times and, separately, of
+    their per-sample times: with ``max`` no profile computes a layer slower on any number of
+    samples, with ``min`` none faster. Sizes and everything else are ``base``'s.
+
+    Args:
+        base: the profile whose sizes are kept.
+        profiles: profiles of one model (:func:`check_same_model`), at least one.
+        pick: how the layer's times of the profiles make one.
+    """
+    layers: list[LayerProfile] = []
+    for i, layer in enumerate(base.layers):
+        them = [p.layers[i] for p in profiles]
+        changes: dict[str, AffineTime | None] = {
+            "forward": _pick([x.forward for x in them], pick),
+            "backward": _pick([x.backward for x in them], pick),
+        }
+        for f in ("backward_input", "backward_weight"):
+            split = [getattr(x, f) for x in them]
+            changes[f] = None if any(t is None for t in split) else _pick(split, pick)
+        layers.append(dataclasses.replace(layer, **changes))  # type: ignore[arg-type]
+    return dataclasses.replace(base, layers=tuple(layers))
 
 
 def check_cluster_kinds(

@@ -22,7 +22,7 @@ from collections.abc import Mapping
 
 from dapple.core._json import require
 from dapple.core.cluster import Cluster
-from dapple.core.layer_profile import AffineTime, LayerProfile
+from dapple.core.device_kinds import check_same_model, layerwise
 from dapple.core.profile import ModelProfile
 
 __all__ = [
@@ -56,32 +56,6 @@ def parse_profile_set(spec: str) -> dict[str, str] | None:
     return out
 
 
-def _same_model(ref: ModelProfile, ref_kind: str, p: ModelProfile, kind: str) -> None:
-    """Refuse profiles of two models in one line (layer count, names, fingerprint)."""
-    what = f"profiles of kinds {ref_kind!r} ({ref.model_name}) and {kind!r} ({p.model_name})"
-    require(
-        ref.num_layers == p.num_layers,
-        f"{what} are of different models: {ref.num_layers} vs {p.num_layers} layers",
-    )
-    names = [x.name for x in ref.layers], [x.name for x in p.layers]
-    bad = next((i for i, (a, b) in enumerate(zip(*names, strict=True)) if a != b), None)
-    require(
-        bad is None,
-        f"{what} are of different models: layer {bad} is {names[0][bad or 0]!r} vs "
-        f"{names[1][bad or 0]!r}",
-    )
-    a, b = ref.model_fingerprint, p.model_fingerprint
-    require(
-        a is None or b is None or a == b,
-        f"{what} are of different models: fingerprints {a} vs {b}",
-    )
-    require(
-        not ref.by_length and not p.by_length,
-        f"{what}: per-kind profiles measured at several lengths are not supported; give "
-        "each kind a profile at one length",
-    )
-
-
 def with_kind_profiles(cluster: Cluster, profiles: Mapping[str, ModelProfile]) -> Cluster:
     """``cluster`` with each kind given its profile (speed 1: its own times).
 
@@ -110,7 +84,7 @@ def with_kind_profiles(cluster: Cluster, profiles: Mapping[str, ModelProfile]) -
         )
     first = names[0]
     for x in names[1:]:
-        _same_model(profiles[first], first, profiles[x], x)
+        check_same_model(profiles[first], first, profiles[x], x)
     kinds = tuple(
         dataclasses.replace(k, speed=1.0, profile=profiles[k.name]) for k in cluster.kinds
     )
@@ -130,30 +104,10 @@ def profile_of(cluster: Cluster, device: int, profile: ModelProfile) -> ModelPro
     return profile if k is None or k.profile is None else k.profile
 
 
-def _fastest(times: list[AffineTime]) -> AffineTime:
-    return AffineTime(
-        fixed_ms=min(t.fixed_ms for t in times),
-        per_sample_ms=min(t.per_sample_ms for t in times),
-    )
-
-
 def fastest_layers(profile: ModelProfile, cluster: Cluster) -> ModelProfile:
     """``profile`` with each layer's forward and backward (and their split) at the least
     fixed and per-sample time of any kind's profile: on any number of samples no kind
     computes a layer faster. Sizes and everything else are ``profile``'s. ``profile`` itself
     on a cluster without per-kind profiles."""
     own = [k.profile for k in cluster.kinds if k.profile is not None]
-    if not own:
-        return profile
-    layers: list[LayerProfile] = []
-    for i, layer in enumerate(profile.layers):
-        others = [p.layers[i] for p in own]
-        changes: dict[str, AffineTime | None] = {
-            "forward": _fastest([x.forward for x in others]),
-            "backward": _fastest([x.backward for x in others]),
-        }
-        for f in ("backward_input", "backward_weight"):
-            split = [getattr(x, f) for x in others]
-            changes[f] = None if any(t is None for t in split) else _fastest(split)
-        layers.append(dataclasses.replace(layer, **changes))  # type: ignore[arg-type]
-    return dataclasses.replace(profile, layers=tuple(layers))
+    return layerwise(profile, own, min) if own else profile

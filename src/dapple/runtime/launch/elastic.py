@@ -30,7 +30,7 @@ import json
 import os
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -53,6 +53,7 @@ __all__ = [
     "cluster_of",
     "plan_for_world",
     "replan",
+    "servers_left",
     "train_elastic",
     "worker_plan",
 ]
@@ -70,7 +71,9 @@ class ElasticPolicy:
     profile: ModelProfile
     """The model's profile (``dapple profile``), planned again for the devices left."""
     cluster: Cluster
-    """The cluster the first plan was made for; re-plans take it less the lost devices."""
+    """The cluster the first plan was made for; re-plans take it less the lost devices. On a
+    cluster with device kinds over several servers a standalone run carries it less the servers
+    that lost a device (:func:`servers_left`)."""
     min_devices: int = 1
     """Stop (with a resumable checkpoint) rather than go on with fewer devices."""
     max_restarts: int = 3
@@ -136,8 +139,8 @@ def _describe(plan: Plan) -> str:
 
 def cluster_of(cluster: Cluster, devices: int) -> Cluster:
     """``cluster`` with ``devices`` devices: a single server keeps that many; several servers
-    keep the whole servers those devices fill (a plan's tensor of links assumes servers alike,
-    so a partly lost server's other devices are left idle).
+    keep the first whole servers those devices fill (a plan's tensor of links assumes servers
+    alike, so a partly lost server's other devices are left idle), with their device kinds.
 
     Raises:
         ElasticStop: fewer devices than one server of a multi-server cluster.
@@ -152,7 +155,30 @@ def cluster_of(cluster: Cluster, devices: int) -> Cluster:
             f"{devices} devices left of cluster {cluster.name!r}, fewer than one server of "
             f"{cluster.devices_per_server}"
         )
-    return dataclasses.replace(cluster, servers=servers)
+    return cluster.without_servers(range(servers, cluster.servers))
+
+
+def servers_left(cluster: Cluster, ranks: int, lost: Sequence[int]) -> tuple[Cluster, list[int]]:
+    """``cluster`` less every server that lost a device or that the run's ``ranks`` ranks
+    (its devices ``0 .. ranks - 1``) did not fill (:meth:`Cluster.without_servers`: each
+    device kind keeps its other servers), and the ranks on the servers kept, in order: the
+    new cluster's devices 0, 1, ... . On a cluster with kinds a device's kind follows from its
+    server, so a survivor on a server that lost a device is left idle.
+
+    Raises:
+        ElasticStop: no whole server left.
+    """
+    dps = cluster.devices_per_server
+    gone = {cluster.server_of(r) for r in lost}
+    gone |= {s for s in range(cluster.servers) if (s + 1) * dps > ranks}
+    if len(gone) >= cluster.servers:
+        raise ElasticStop(
+            f"no whole server of cluster {cluster.name!r} left after losing rank(s) "
+            f"{', '.join(map(str, lost))} of {ranks} ({dps} devices per server)"
+        )
+    return cluster.without_servers(gone), [
+        r for r in range(ranks) if cluster.server_of(r) not in gone
+    ]
 
 
 def replan(policy: ElasticPolicy, devices: int, plan: Plan) -> Plan:
@@ -207,6 +233,14 @@ def plan_for_world(plan: Plan, world: int, policy: ElasticPolicy) -> Plan:
         return plan
     if world < policy.min_devices:
         raise ElasticStop(f"{world} devices, fewer than the minimum {policy.min_devices}")
+    if policy.cluster.mixed:
+        raise ElasticStop(
+            f"{world} devices where the plan has {len(plan.devices)}, on cluster "
+            f"{policy.cluster.name!r} of device kinds "
+            f"{', '.join(k.name for k in policy.cluster.kinds)}: torchrun's ranks do not say "
+            "which servers are left, so it cannot be re-planned here; resume from the newest "
+            "checkpoint with a plan for the servers left (dapple plan --cluster FILE)"
+        )
     return replan(policy, world, plan)
 
 
@@ -270,6 +304,27 @@ def _survivors(failure: RankFailure, devices: list[str], policy: ElasticPolicy) 
     return left
 
 
+def _kinds_left(
+    policy: ElasticPolicy, failure: RankFailure, devices: list[str], left: list[str]
+) -> tuple[ElasticPolicy, list[str]]:
+    """On a cluster with device kinds over several servers: the policy on the servers left
+    (:func:`servers_left`) and the names of their devices; else as given.
+
+    Raises:
+        ElasticStop: no whole server left, or fewer devices on them than the minimum.
+    """
+    c = policy.cluster
+    if not c.kinds or c.servers == 1:
+        return policy, left
+    cut, keep = servers_left(c, len(devices), failure.lost_ranks())
+    if len(keep) < policy.min_devices:
+        raise ElasticStop(
+            f"{failure}; {len(keep)} devices left on whole servers of the kinds "
+            f"{', '.join(k.name for k in cut.kinds)}, fewer than the minimum {policy.min_devices}"
+        )
+    return dataclasses.replace(policy, cluster=cut), [devices[r] for r in keep]
+
+
 def _record(replan_: Replan, metrics_path: str | None, echo: bool) -> None:
     announce(replan_.line(), echo)
     if metrics_path:
@@ -314,6 +369,7 @@ def train_elastic(
                 break
             except RankFailure as failure:
                 left = _survivors(failure, devices, policy)
+                policy, left = _kinds_left(policy, failure, devices, left)
                 resume_step = _resume_step(ckpt_dir)
                 if resume_step >= config.steps:  # lost after the last step's checkpoint: done
                     break
