@@ -2,8 +2,9 @@
 speeds, run on an emulated two-speed CPU cluster (``DAPPLE_SLOWDOWN``).
 
 ``tests/test_shares.py`` verifies hand-written 3:1 and 1:3 shares under gpipe, dapple, ZB-H1 and
-interleaved 1F1B with ZeRO-1/2; this file adds the V schedules (ZB-V, DualPipeV) on shares the
-planner derives from a cluster with device kinds, with the slow rank really slowed."""
+interleaved 1F1B with ZeRO-1/2, every rank at full speed; this file verifies every schedule
+(gpipe, dapple, ZB-H1, interleaved 1F1B, ZB-V, DualPipeV) on the shares the planner derives from
+a cluster with device kinds, with the slow rank really slowed."""
 
 from __future__ import annotations
 
@@ -36,13 +37,22 @@ def two_speed_cluster() -> Cluster:
                    kinds=kinds)  # fmt: skip
 
 
-def planned_shares(schedule: str, M: int) -> Plan:
-    """A 2-stage plan (stage 0 on ranks 0 and 1, stage 1 on rank 2) under ``schedule``, stage
-    0's shares from the planner's balance of the two speeds."""
+def planned_shares(
+    schedule: str, M: int, virtual_stages: int = 1, policy: str | None = None
+) -> Plan:
+    """A 2-stage plan (stage 0 on ranks 0 and 1, stage 1 on rank 2) under ``schedule`` (with
+    ``virtual_stages`` chunks, and ``policy``), stage 0's shares from the planner's balance of
+    the two speeds."""
     base = straight_plan(4, [0, 2], global_batch_size=4 * M, num_micro_batches=M,
                          replicas=[2, 1])  # fmt: skip
     shared = with_kind_shares(base, make_profile(4), two_speed_cluster())
-    return with_schedule(shared, schedule)
+    return with_schedule(shared, schedule, virtual_stages, policy)
+
+
+EVERY_SCHEDULE = [("gpipe", 2, 1, "A"), ("dapple", 2, 1, "A"), ("dapple", 4, 1, "B"),
+                  ("zbh1", 2, 1, "A"), ("interleaved", 2, 2, "A"), ("zbv", 2, 1, "A"),
+                  ("dualpipev", 4, 1, "A")]  # fmt: skip
+"""(schedule, M, chunks per device group, policy) of every built-in schedule and policy."""
 
 
 def test_planner_gives_the_slow_rank_the_smaller_share() -> None:
@@ -52,14 +62,18 @@ def test_planner_gives_the_slow_rank_the_smaller_share() -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_verify_v_schedules_with_planned_shares_on_two_speeds(
+def test_verify_every_schedule_with_planned_shares_on_two_speeds(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """ZB-V and DualPipeV with stage 0 split 3:1 between a fast and a 3x slower rank: after 2
+    """Every schedule with stage 0 split 3:1 between a fast and a 3x slower rank: after 2
     AdamW steps every parameter and loss equal one device's."""
+    from dapple.schedule.registry import builtin_schedules
+
+    every = sorted((x.name, p) for x in builtin_schedules() for p in x.policies)
+    assert sorted((s, p) for s, _, _, p in EVERY_SCHEDULE) == every
     monkeypatch.setenv(SLOWDOWN_ENV, f"1:{SLOW:g}")
     wl = api.load("runtime_workloads:mlp")
-    plans = [planned_shares("zbv", 2), planned_shares("dualpipev", 4)]
+    plans = [planned_shares(*x) for x in EVERY_SCHEDULE]
     for p in plans:
         assert any(s.shares == (3, 1) for s in p.stages), p.stages
     reports = api.verify_many([(p, wl) for p in plans], 2, device="cpu", optimizer="adamw",
