@@ -136,7 +136,9 @@ def case_rows(model: str, hs: int, as_: int, gib: int, gbs: int) -> list[str]:
 PER_KIND_NOTE = """Per-kind profiles: each kind computes at its own analytic profile
 (`--profile H100=h.json --profile A100=a.json`, `dapple.core.kind_profiles`), layer by layer,
 instead of the H100 profile scaled by one speed. Every plan above is priced again that way
-(*step ms, per-kind*); **dapple, per-kind profiles** is the plan searched with them."""
+(*step ms, per-kind*); **dapple, per-kind profiles** is the plan searched with them, **slowest
+kind, per-kind profiles** the plan searched on the same cluster's slowest-kind view (every device
+at each layer's slower kind's own times and the smaller memory, `Cluster.slowest_kind`)."""
 
 
 def per_kind_rows(
@@ -161,15 +163,20 @@ def per_kind_rows(
         "planning s |",
         "|---|---|---|---|---|---|",
     ]
-    t = time.process_time()
-    try:
-        best: Plan | None = make_plan(profile, own, gbs, zero_stage="auto")
-    except InfeasibleError:
-        best = None
-    secs = time.process_time() - t
+
+    def search(cl: Cluster) -> tuple[Plan | None, float]:
+        t = time.process_time()
+        try:
+            p: Plan | None = make_plan(profile, cl, gbs, zero_stage="auto")
+        except InfeasibleError:
+            p = None
+        return p, time.process_time() - t
+
+    best, secs = search(own)
     base = schedule_latency(best, profile, own) if best is not None else float("nan")
     entries = [("dapple, per-kind profiles", best, secs)]
     entries += [(n, plans[n], 0.0) for n in ("dapple, device kinds", "slowest kind") if n in plans]
+    entries.append(("slowest kind, per-kind profiles", *search(own.slowest_kind())))
     for name, plan, s in entries:
         if plan is None:
             rows.append(f"| {name} | - | infeasible | - | - | {s:.1f} |")
