@@ -276,7 +276,7 @@ def test_slowest_kind_computes_each_layer_at_its_slowest_kinds_times() -> None:
     mixed = with_kind_profiles(SCALED, {"H": H, "A": _profile([1.0, 0.5, 2.0, 1.0])})
     view = mixed.slowest_kind()
     assert [(k.name, k.servers, k.speed) for k in view.kinds] == [("slowest of H+A", 2, 1.0)]
-    assert not view.mixed and view.num_devices == 4
+    assert mixed.mixed and KINDS.mixed and not view.mixed and view.num_devices == 4
     assert view.usable_memory_of(3) == mixed.usable_memory_bytes
     for d in range(4):
         got = profile_of(view, d, H)

@@ -191,8 +191,10 @@ class Cluster:
 
     @property
     def mixed(self) -> bool:
-        """Whether the devices differ in speed or memory."""
-        return len({(k.speed, k.device_memory_bytes) for k in self.kinds}) > 1
+        """Whether the devices differ in speed or memory, or compute at two or more kinds' own
+        profiles."""
+        own = sum(k.profile is not None for k in self.kinds)
+        return own > 1 or len({(k.speed, k.device_memory_bytes) for k in self.kinds}) > 1
 
     def slowest_kind(self) -> Cluster:
         """The cluster as users without device kinds plan it: every device as slow as the
