@@ -1,10 +1,13 @@
-"""Expert parallelism with ZeRO-1/2 at e_s = r_s (``dapple.runtime.parallel.expert``): the dense
-parameters sharded over the stage's replicas as without EP, the expert shards left out of the
-flat buckets (each replica updates its own experts whole); ``dapple verify`` equal to one device
-under AdamW, and checkpoints whole that resume under another width and zero stage."""
+"""Expert parallelism with ZeRO-1/2 (``dapple.runtime.parallel.expert``): the dense parameters
+sharded over the stage's replicas as without EP; at e_s = r_s the expert shards left out of the
+flat buckets (each replica updates its own experts whole), below it sharded over the r_s/e_s
+replicas holding each (their own buckets, :class:`~dapple.runtime.parallel.zero.ShardGroup`);
+``dapple verify`` equal to one device under AdamW, and checkpoints whole that resume under
+another width and zero stage."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -15,7 +18,10 @@ import pytest
 import torch
 
 import extra_models as em
+import runtime_workloads as rw
 from dapple import api
+from dapple.core.plan import Plan, straight_plan
+from dapple.runtime.parallel.zero import FlatShards, ShardGroup, flat_parameters
 from dapple.runtime.verify.run import WORKER_SETUP_ENV
 from test_expert_parallel import _plan_1_2_1, _tensors
 
@@ -35,13 +41,51 @@ def record_zero(rank: int) -> None:
         sel = select(plan, workload, layers, zero_stage, mesh)
         ep = mesh.experts if mesh is not None else None
         ids = ep.param_ids if ep is not None else frozenset()
-        row = {"zero": sel.zero_stage, "flat": len(sel.flat),
-               "flat_experts": sum(id(p) in ids for p in sel.flat), "experts": len(ids)}  # fmt: skip
+        row = {"zero": sel.zero_stage, "flat": len(sel.flat), "held": len(sel.held),
+               "flat_experts": sum(id(p) in ids for p in sel.flat), "experts": len(ids),
+               "copies": sorted({g.devices for g in sel.held.values()})}  # fmt: skip
         with Path(os.environ[ZERO_DIR_ENV], f"rank{rank}.jsonl").open("a") as f:
             f.write(json.dumps(row) + "\n")
         return sel
 
     startup.select_zero = recorded
+
+
+@pytest.mark.parametrize("zero_stage", [1, 2])
+def test_held_parameters_are_bucketed_and_sharded_over_their_copies_only(zero_stage: int) -> None:
+    """On a stage of r = 4, the parameters of one layer held by 2 copies (as expert shards at
+    e_s = 2): their buckets hold nothing else, are padded to a multiple of 2 and cut in 2
+    chunks, so the 2 copies' pieces cover each of their elements once; the other buckets are
+    cut in 4, the 4 replicas' pieces covering each element once."""
+    wl = rw.mlp()
+    plan = straight_plan(4, [0, 1], global_batch_size=8, num_micro_batches=2, replicas=[1, 4])
+    devices = plan.stages[1].replica_devices
+    built = []
+    for j in range(4):
+        module = wl.build_stage(1, 4, 0)
+        copies = ShardGroup((devices[j % 2], devices[j % 2 + 2]), None, j // 2)
+        held = {id(p): copies for p in module[1].parameters()}
+        sh = FlatShards(plan, 1, j, module, flat_parameters(plan, wl, 1, module), None,
+                        zero_stage, bucket_bytes=100, held=held)  # fmt: skip
+        built.append((module, sh))
+        for bk in sh.buckets:
+            mine = {id(p) in held for p in bk.params}
+            assert len(mine) == 1, "a bucket mixes held and stage parameters"
+            group = copies if mine == {True} else sh.stage_group
+            assert bk.group == group and bk.padded % group.size == 0
+        assert sum(bk.group == copies for bk in sh.buckets) >= 2  # the layer's two tensors
+        sh.close()
+    for members in ((0, 2), (1, 3), (0, 1, 2, 3)):  # each copy group; the stage's replicas
+        for k, p0 in enumerate(built[0][1].params):
+            if any(p0 is q for q in built[0][0][1].parameters()) != (len(members) == 2):
+                continue
+            hits = torch.zeros(p0.numel())
+            for j in members:
+                module, sh = built[j]
+                for pc in sh.pieces:
+                    if pc.origin is sh.params[k]:
+                        hits[pc.offset : pc.offset + pc.param.numel()] += 1
+            assert torch.equal(hits, torch.ones(p0.numel())), (members, k)
 
 
 @pytest.mark.slow
@@ -132,4 +176,102 @@ def test_checkpoints_of_ep_with_zero_are_whole_and_resume_under_another_width_an
     full = losses["u-plain"]
     assert losses["u-ep-zero1"] == pytest.approx(full, rel=1e-5)
     for run in ("r-as-plain", "r-as-ep-zero2"):
+        assert losses[run] == pytest.approx(full[CK_CUT:], rel=1e-5), run
+
+
+def _plan_4_1(expert_width: int = 2, zero_stage: int = 1) -> Plan:
+    """Layers prologue + 2 MoE blocks | epilogue on 4:1, b = 5 (stage 0's slices 2, 1, 1, 1),
+    stage 0 at EP ``expert_width`` and ZeRO ``zero_stage``."""
+    plan = straight_plan(4, [0, 3], global_batch_size=10, num_micro_batches=2, replicas=[4, 1])
+    first = dataclasses.replace(plan.stages[0], expert_width=expert_width, zero_stage=zero_stage)
+    return dataclasses.replace(plan, stages=(first, plan.stages[1]))
+
+
+@pytest.mark.slow
+def test_verify_moe_with_ep_2_of_4_replicas_under_zero_1_and_2_equals_one_device(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One launch, two runs of 3 AdamW steps on 4:1 with EP 2 on the first stage (two expert
+    groups: each expert shard held by 2 replicas, e_s < r_s): Mixtral at ZeRO-1, Qwen2-MoE at
+    ZeRO-2; both equal one device, and each of the stage's replicas shards its expert shards
+    over their 2 copies (replicas 0 and 2, 1 and 3), the rest over all 4."""
+    pytest.importorskip("transformers")
+    monkeypatch.setenv(WORKER_SETUP_ENV, "test_expert_zero:record_zero")
+    monkeypatch.setenv(ZERO_DIR_ENV, str(tmp_path))
+    cases = [(_plan_4_1(2, 1), "mixtral"), (_plan_4_1(2, 2), "qwen2_moe")]
+    reports = api.verify_many([(p, f"extra_models:{f}") for p, f in cases], 3, device="cpu",
+                              optimizer="adamw", lr=0.01, timeout_s=900)  # fmt: skip
+    for (plan, factory), rep in zip(cases, reports, strict=True):
+        assert rep.ok, (factory, plan.replication, rep.max_abs_diff)
+        assert rep.losses == pytest.approx(rep.reference_losses, rel=1e-5), factory
+    for r in range(4):  # stage 0's replicas: devices 0-3
+        rows = [json.loads(x) for x in (tmp_path / f"rank{r}.jsonl").read_text().splitlines()]
+        assert [x["zero"] for x in rows] == [1, 2], rows
+        for x in rows:
+            assert x["experts"] > 0 and x["flat_experts"] == x["held"] == x["experts"], x
+            assert x["flat"] > x["held"] and x["copies"] == [[r % 2, r % 2 + 2]], x
+
+
+RUNS_4_1 = {"plain": (1, 0), "ep2-zero1": (2, 1), "ep4-zero2": (4, 2)}
+"""Run name -> (expert width, zero stage) of the 4:1 plan's first stage."""
+
+
+def checkpoint_worker_4_1(rank: int, world: int, out_dir: str) -> None:
+    """Mixtral on 4:1 without EP and with EP 2 under ZeRO-1 (each expert shard's state sharded
+    over its 2 copies; AdamW, saving at CK_CUT and CK_STEPS); the latter's CK_CUT checkpoint
+    resumed without EP and under EP 4 with ZeRO-2."""
+    import torch.distributed as dist
+
+    from dapple.runtime import TrainConfig, init_distributed, run_plan
+    from dapple.runtime.checkpoint import step_dir
+
+    device = init_distributed(TrainConfig(timeout_s=120), world)
+    out, wl = Path(out_dir), em.mixtral()
+    losses: dict[str, Any] = {}
+
+    def run(name: str, ck: Path, **kw: Any) -> None:
+        cfg = TrainConfig(seed=1, optimizer="adamw", lr=1e-2, timeout_s=120, steps=CK_STEPS,
+                          save_every=CK_CUT, checkpoint_dir=str(ck), **kw)  # fmt: skip
+        r = run_plan(_plan_4_1(*RUNS_4_1[name]), wl, cfg, device=device, exact_world=False)
+        losses[ck.name] = [m.loss for m in r.metrics]
+
+    run("plain", out / "u-plain")
+    run("ep2-zero1", out / "u-ep2-zero1")
+    for dst in ("plain", "ep4-zero2"):
+        d = out / f"r-as-{dst}"
+        if rank == 0:
+            d.mkdir()
+            shutil.copytree(step_dir(out / "u-ep2-zero1", CK_CUT), step_dir(d, CK_CUT))
+        dist.barrier()
+        run(dst, d, resume=True)
+    if rank == 0:
+        (out / "losses.json").write_text(json.dumps(losses))
+
+
+@pytest.mark.slow
+def test_checkpoints_of_ep_below_r_with_zero_are_whole_and_resume_under_another_width(
+    tmp_path: Path,
+) -> None:
+    """The EP 2 + ZeRO-1 run on 4 replicas (experts' state sharded over each shard's 2 copies)
+    writes checkpoints holding what the plain run's do (whole ``[4, ...]`` experts and every
+    AdamW moment, within rounding), and its step-2 checkpoint resumed without EP and under
+    EP 4 + ZeRO-2 ends where the uninterrupted runs do."""
+    pytest.importorskip("transformers")
+    from dapple.runtime import spawn
+
+    spawn(checkpoint_worker_4_1, 5, str(tmp_path), timeout_s=900)
+    losses = json.loads((tmp_path / "losses.json").read_text())
+    want = _tensors(tmp_path / "u-plain", CK_STEPS)
+    moments = [k for k in want if k.endswith(("gate_up_proj/exp_avg", "down_proj/exp_avg_sq"))]
+    assert len(moments) == 4 and all(want[k].shape[0] == 4 for k in moments), moments
+    for run in ("u-ep2-zero1", "r-as-plain", "r-as-ep4-zero2"):
+        got = _tensors(tmp_path / run, CK_STEPS)
+        assert got.keys() == want.keys(), run
+        for k, w in want.items():
+            scale = float(w.abs().max()) if w.numel() else 1.0
+            torch.testing.assert_close(got[k], w, rtol=1e-4, atol=3e-4 * scale,
+                                       msg=lambda m, k=k, run=run: f"{run} {k}: {m}")  # fmt: skip
+    full = losses["u-plain"]
+    assert losses["u-ep2-zero1"] == pytest.approx(full, rel=1e-5)
+    for run in ("r-as-plain", "r-as-ep4-zero2"):
         assert losses[run] == pytest.approx(full[CK_CUT:], rel=1e-5), run

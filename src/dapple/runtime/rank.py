@@ -12,7 +12,7 @@ from (:class:`Batches`), which parameters ZeRO shards (:class:`ZeroSelection`,
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -30,7 +30,12 @@ from dapple.runtime.memory import ActivationMeter
 from dapple.runtime.optim import counted_parameters, make_optimizer
 from dapple.runtime.parallel.expert import count_expert_load, shard_experts
 from dapple.runtime.parallel.stage_mesh import RankGroups, StageMesh, mesh_stage
-from dapple.runtime.parallel.zero import FlatShards, flat_parameters, tied_parameters
+from dapple.runtime.parallel.zero import (
+    FlatShards,
+    ShardGroup,
+    flat_parameters,
+    tied_parameters,
+)
 from dapple.runtime.precision import Precision
 from dapple.runtime.stage import StageExecutor
 from dapple.runtime.transport import BoundarySpec, flatten, infer_boundary_specs
@@ -223,6 +228,9 @@ class ZeroSelection:
     tied: list[nn.Parameter]
     """Tied parameters whose optimizer state is sharded in slices
     (:func:`~dapple.runtime.parallel.zero.tied_parameters`)."""
+    held: dict[int, ShardGroup] = field(default_factory=dict)
+    """``id`` of each of :attr:`flat` that fewer replicas hold -> those replicas (expert
+    shards at e_s < r_s: their r_s / e_s copies)."""
 
     @property
     def flat_ids(self) -> frozenset[int]:
@@ -239,14 +247,24 @@ def select_zero(
     plan: Plan, workload: Workload, layers: StageLayers, zero_stage: int,
     mesh: StageMesh | None = None,
 ) -> ZeroSelection:  # fmt: skip
-    """What ZeRO at ``zero_stage`` shards of the rank's layers (not ``mesh``'s expert shards:
-    each replica updates its own whole)."""
-    s, module = layers.stage, layers.module
+    """What ZeRO at ``zero_stage`` shards of the rank's layers: ``mesh``'s expert shards over
+    the r_s / e_s replicas holding each (:attr:`ZeroSelection.held`), or not at all at e_s = r_s
+    (each replica updates its own whole: no other holds them)."""
+    s, module, j = layers.stage, layers.module, layers.replica
     if zero_stage == 3 or not (zero_stage and module and s is not None):  # 3: FSDP's own
         return ZeroSelection(zero_stage, [], [])
-    experts = mesh.experts.param_ids if mesh is not None and mesh.experts is not None else ()
-    flat = [p for p in flat_parameters(plan, workload, s, module) if id(p) not in experts]
-    return ZeroSelection(zero_stage, flat, tied_parameters(plan, workload, s, module))
+    flat = flat_parameters(plan, workload, s, module)
+    tied = tied_parameters(plan, workload, s, module)
+    ep = mesh.experts if mesh is not None else None
+    if ep is None:
+        return ZeroSelection(zero_stage, flat, tied)
+    if ep.shard_pg is None or j is None:  # e_s = r_s
+        return ZeroSelection(zero_stage, [p for p in flat if id(p) not in ep.param_ids], tied)
+    st = plan.stages[s]
+    copies = tuple(st.replica_devices[x] for x in st.expert_shard_replicas(j))
+    group = ShardGroup(copies, ep.shard_pg, j // st.expert_width)
+    held = {id(p): group for p in flat if id(p) in ep.param_ids}
+    return ZeroSelection(zero_stage, flat, tied, held)
 
 
 def build_shards(
@@ -260,7 +278,7 @@ def build_shards(
         return None
     held = [list(chunks[k].parameters()) for k in sorted(chunks)] if len(chunks) > 1 else []
     return FlatShards(plan, s, j, module, zero.flat, pg, zero.zero_stage, tied=zero.tied,
-                      chunks=held, tensor_index=tensor_index)  # fmt: skip
+                      chunks=held, tensor_index=tensor_index, held=zero.held)  # fmt: skip
 
 
 def build_optimizer(
@@ -301,8 +319,9 @@ def norm_parameters(
         return counted_parameters(plan, workload, s, replica, module)
 
     counted = [p for p in stage_counts(j) if id(p) not in sharded]
-    if shards is not None:
-        counted = shards.counted(stage_counts(0)) + counted
+    if shards is not None:  # expert shards sharded over their copies: every rank its pieces
+        ep = mesh.experts if mesh is not None else None
+        counted = shards.counted([*stage_counts(0), *(ep.params if ep else [])]) + counted
     return counted
 
 

@@ -121,10 +121,11 @@ class CutStage:
         """Every layer whole (tensors and optimizer state); empty on every rank but the writer.
 
         Under ZeRO-1/2 (:attr:`shards`) the optimizer pieces are first gathered to replica 0
-        over the replica group; its tensor ranks then join the slices, and with expert shards
-        every replica joins the gathers of its experts' state (in name order). Collective over
-        the stage's tensor, replica and expert groups (every rank of the stage calls it, in the
-        same order).
+        over the replica group (an expert shard's, at e_s < r_s, over its copies to the one in
+        expert group 0); its tensor ranks then join the slices, and with expert shards every
+        replica holding its experts' state joins their gathers (in name order): at e_s < r_s
+        under ZeRO, expert group 0 only. Collective over the stage's tensor, replica, expert
+        and copy groups (every rank of the stage calls it, in the same order).
         """
         self._resharded()
         gathered = None

@@ -369,19 +369,20 @@ def whole_parameters(
 
 def _summed_pieces(module: nn.Module, shards: FlatShards) -> dict[str, torch.Tensor]:
     """Each ZeRO-1/2 parameter's reduced gradient, whole over the replicas: this replica's
-    pieces at their offsets, summed over the replica group (each element is one replica's).
-    Collective on the replica group."""
+    pieces at their offsets, summed over the group it is sharded over (each element is one
+    member's): the replica group, or an expert shard's copies. Collective on those groups."""
     names = {id(p): n for n, p in module.named_parameters()}
     out = {
         names[id(p)]: torch.zeros(p.shape, dtype=p.dtype, device=p.device) for p in shards.params
     }
+    pgs = {names[id(p)]: shards.group_of(p).pg for p in shards.params}
     for pc in shards.pieces:  # a tied parameter's pieces: its gradient is whole already
         name = names.get(id(pc.origin))
         if name in out and pc.param.grad is not None:
             flat = out[name].view(-1)
             flat[pc.offset : pc.offset + pc.param.numel()] = pc.param.grad.reshape(-1)
     for name in sorted(out):  # every replica: the same parameters, in the same order
-        comm.all_reduce(out[name], op=dist.ReduceOp.SUM, group=shards.pg)
+        comm.all_reduce(out[name], op=dist.ReduceOp.SUM, group=pgs[name])
     return out
 
 

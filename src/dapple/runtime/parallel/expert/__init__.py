@@ -25,14 +25,18 @@ which holds every expert once: replica ``j`` holds expert shard ``j % e`` (exper
   group (:meth:`ExpertShards.gather`); a resume takes each member's shard of the whole tensors
   (:meth:`ExpertShards.mine`), so a checkpoint resumes under any expert width.
 
-- **ZeRO-1/2** at e_s = r_s: the non-expert parameters are sharded over the r_s replicas as
-  without EP (:mod:`dapple.runtime.parallel.zero`); the expert shards stay out of the flat
+- **ZeRO-1/2**: the non-expert parameters are sharded over the r_s replicas as without EP
+  (:mod:`dapple.runtime.parallel.zero`). At e_s = r_s the expert shards stay out of the flat
   buckets (:func:`~dapple.runtime.rank.select_zero`), each replica updating its own E/e_s
-  experts whole - their optimizer state is already 1/e_s, and no other replica holds it.
+  experts whole - no other replica holds them. Below (e_s < r_s) they go into buckets of their
+  own, sharded over the r_s/e_s replicas holding the same shard
+  (:class:`~dapple.runtime.parallel.zero.ShardGroup`): reduce-scattered and gathered over those
+  instead of this module's AllReduce, each copy keeping ``e_s/r_s`` of their optimizer state
+  (ZeRO-2: and gradients); a checkpoint gathers their state to the shard's replica in expert
+  group 0 first.
 
 Refused before any compute (:func:`check_expert_run`): e_s > 1 with tensor parallelism, ZeRO-3,
-ZeRO-1/2 with e_s < r_s (the expert state over the r_s/e_s replicas holding each shard is not
-sharded), an interleaved plan (several chunks per device) or fp16 loss scaling; and, before any worker
+an interleaved plan (several chunks per device) or fp16 loss scaling; and, before any worker
 starts (:func:`check_expert_layers`, on the traced pieces' templates), a stage without MoE
 experts of this shape, or E not a multiple of e_s (a workload not traced: once the stage is
 built, by :func:`shard_experts`).
@@ -93,9 +97,6 @@ def check_expert_run(plan: Plan, config: TrainConfig) -> None:
         refusals = [
             (st.tensor_width > 1, f"tensor_width {st.tensor_width}: EP with TP"),
             (st.zero_stage == 3, "zero_stage 3: EP with ZeRO-3"),
-            (0 < st.zero_stage < 3 and st.replicas > st.expert_width,
-             f"zero_stage {st.zero_stage} on {st.replicas} replicas: EP with ZeRO-1/2 below "
-             "e_s = r_s"),
             (plan.num_groups < plan.num_stages, "an interleaved plan"),
             (precision_of(config.precision).loss_scaling, f"precision {config.precision}"),
         ]  # fmt: skip
@@ -184,15 +185,17 @@ class ExpertShards:
     def param_ids(self) -> frozenset[int]:
         return frozenset(id(p) for p in self.params)
 
-    def reduce_grads(self) -> None:
-        """Sum each shard's gradient over the replicas holding it (one flat AllReduce)."""
-        if self.shard_pg is None or not self.params:
+    def reduce_grads(self, skip: frozenset[int] = frozenset()) -> None:
+        """Sum each shard's gradient over the replicas holding it (one flat AllReduce), but
+        those in ``skip`` (ZeRO-1/2 reduce-scatters them over the same replicas)."""
+        params = [p for p in self.params if id(p) not in skip]
+        if self.shard_pg is None or not params:
             return
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         flat = torch.cat([g.reshape(-1) for g in grads])
         comm.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.shard_pg)
         off = 0
-        for p, g in zip(self.params, grads, strict=True):
+        for p, g in zip(params, grads, strict=True):
             p.grad = flat[off : off + g.numel()].view_as(p).clone()
             off += g.numel()
 
@@ -264,13 +267,16 @@ class ExpertGradientSync(GradientSync):
     them over their shard's replicas at ``AR`` (:meth:`finish`)."""
 
     def __init__(self, *args: Any, experts: ExpertShards, **kwargs: Any) -> None:
-        kwargs["exclude"] = frozenset(kwargs.get("exclude", frozenset())) | experts.param_ids
+        exclude = frozenset(kwargs.get("exclude", frozenset()))
+        kwargs["exclude"] = exclude | experts.param_ids
         super().__init__(*args, **kwargs)
         self.experts = experts
+        self.zero_sharded = exclude & experts.param_ids
+        """The shards ZeRO-1/2 reduce-scatters over their copies (e_s < r_s): not summed here."""
 
     def finish(self) -> None:
         super().finish()
-        self.experts.reduce_grads()
+        self.experts.reduce_grads(self.zero_sharded)
 
 
 def gradient_sync(experts: ExpertShards | None, *args: Any, **kwargs: Any) -> GradientSync:

@@ -51,6 +51,10 @@ Design choices:
       state is sharded all the same: replica ``j`` updates elements ``[j c, (j + 1) c)``,
       ``c = ceil(n / r)``, of each copy from the summed gradient and broadcasts them to the
       stage's other replicas with the gather.
+    - Parameters fewer replicas hold (an expert-parallel stage's expert shards, each held by
+      the r_s / e_s replicas of its shard, :mod:`dapple.runtime.parallel.expert`) go into
+      buckets of their own, laid out, reduce-scattered and gathered over those replicas only
+      (:class:`ShardGroup`): each keeps ``e_s / r_s`` of their state.
     - Interleaved plans: a rank's chunks (virtual stages of one device group) share one
       :class:`FlatShards` over all their layers; no bucket spans two chunks, and each chunk's
       buckets are armed at its own backward (ZeRO-1: its last of the step; ZeRO-2: each), as
@@ -69,6 +73,7 @@ from dapple.runtime.parallel.zero.shards import (
     TENSOR_COLLECTIVES_ENV,
     FlatShards,
     Piece,
+    ShardGroup,
 )
 
 __all__ = [
@@ -77,6 +82,7 @@ __all__ = [
     "ZERO_STAGES",
     "FlatShards",
     "Piece",
+    "ShardGroup",
     "flat_parameters",
     "tied_parameters",
     "unsharded_stages",

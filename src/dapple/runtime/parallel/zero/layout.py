@@ -4,7 +4,8 @@ Used by :class:`dapple.runtime.parallel.zero.FlatShards` (:mod:`dapple.runtime.p
 design): the parameters, in runs, become views of one flat buffer per bucket padded to a
 multiple of r; replica ``j`` updates its chunk ``[j P / r, (j + 1) P / r)`` of each bucket,
 in pieces (:class:`Piece`) cut at parameter boundaries, and slice ``[j c, (j + 1) c)``,
-``c = ceil(n / r)``, of each tied parameter.
+``c = ceil(n / r)``, of each tied parameter. A bucket of parameters held by fewer replicas
+(an expert shard's r_s / e_s copies) is cut the same way over those (:class:`ShardGroup`).
 """
 
 from __future__ import annotations
@@ -20,11 +21,29 @@ __all__ = [
     "Bucket",
     "FlatLayout",
     "Piece",
+    "ShardGroup",
     "flat_bucket",
     "flat_layout",
     "replica_slices",
     "tied_slices",
 ]
+
+
+@dataclass(frozen=True, slots=True)
+class ShardGroup:
+    """The replicas a bucket is sharded over: the stage's r_s (its replica group), or the
+    copies of a parameter fewer replicas hold (an expert shard's r_s / e_s)."""
+
+    devices: tuple[int, ...]
+    """Their ranks, in replica order (member ``i`` owns chunk ``i`` of each bucket)."""
+    pg: Any
+    """Their process group."""
+    index: int
+    """This rank's member index."""
+
+    @property
+    def size(self) -> int:
+        return len(self.devices)
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +83,8 @@ class Bucket:
     launched_sum: torch.Tensor | None = None
     """ZeRO-1: the sum of the bucket's local gradients when its reduction started (for the
     non-finite guard: on gloo the reduction overwrites them)."""
+    group: ShardGroup | None = None
+    """The replicas it is sharded over (set by :class:`~dapple.runtime.parallel.zero.FlatShards`)."""
 
 
 PieceSpot = tuple[int, int, int]
@@ -124,18 +145,29 @@ class FlatLayout:
 
 
 def flat_layout(
-    runs: Sequence[list[nn.Parameter]], replica: int, r: int, zero_stage: int, kw: dict[str, Any]
+    runs: Sequence[list[nn.Parameter]],
+    replica: int,
+    r: int,
+    zero_stage: int,
+    kw: dict[str, Any],
+    held: Sequence[tuple[int, int]] | None = None,
 ) -> FlatLayout:
     """Lay ``runs`` out one bucket each (:func:`flat_bucket`, one at a time, so the copies add
     one bucket to the peak) and point the pieces' gradients into the gradient shard. Call
-    under ``torch.no_grad()``."""
+    under ``torch.no_grad()``.
+
+    Args:
+        held: each run's ``(member index, members)`` when it is sharded over other replicas
+            than the stage's (None: ``(replica, r)`` for every run).
+    """
     buckets: list[Bucket] = []
     pieces: list[Piece] = []
     spots: list[PieceSpot] = []
     where: dict[int, tuple[int, int, int]] = {}
     shard = 0
     for k, run in enumerate(runs):
-        bk, mine, at = flat_bucket(k, run, replica, r, shard, zero_stage, kw)
+        j, n_k = (replica, r) if held is None else held[k]
+        bk, mine, at = flat_bucket(k, run, j, n_k, shard, zero_stage, kw)
         buckets.append(bk)
         pieces += mine
         spots += at
@@ -143,7 +175,7 @@ def flat_layout(
         for i, p in enumerate(run):
             where[id(p)] = (k, i, off)
             off += p.numel()
-        shard += bk.padded // r  # this replica's chunk of it
+        shard += bk.padded // n_k  # this replica's chunk of it
     grad_shard = torch.zeros(shard, **kw)
     for pc, (k, at0, n) in zip(pieces, spots, strict=True):
         g0 = buckets[k].shard_start + at0

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -16,13 +16,14 @@ from dapple.runtime.checkpoint import LayerState, stage_layer_states
 from dapple.runtime.parallel.zero.layout import (
     Bucket,
     Piece,
+    ShardGroup,
     flat_layout,
     replica_slices,
     tied_slices,
 )
 from dapple.runtime.sync import BUCKET_BYTES, bucket_runs
 
-__all__ = ["MAX_STAGED", "TENSOR_COLLECTIVES_ENV", "FlatShards", "Piece"]
+__all__ = ["MAX_STAGED", "TENSOR_COLLECTIVES_ENV", "FlatShards", "Piece", "ShardGroup"]
 
 TENSOR_COLLECTIVES_ENV = "DAPPLE_TEST_ZERO_TENSOR_COLLECTIVES"
 """Test hook: with ``1`` here gloo groups use ``reduce_scatter_single``/``all_gather_single``
@@ -54,6 +55,9 @@ class FlatShards:
         tensor_index: the rank's index in its tensor group (t_s > 1): the replicas are the
             stage's devices of that index (:meth:`StagePlan.replica_group`), each holding the
             same slice of every cut parameter.
+        held: ``id(parameter)`` -> the replicas holding it, for parameters fewer replicas
+            than the stage's hold (an expert shard's r_s / e_s copies): their buckets are
+            sharded, reduced and gathered over those only (no bucket mixes groups).
     """
 
     def __init__(
@@ -70,18 +74,27 @@ class FlatShards:
         chunks: Sequence[Collection[nn.Parameter]] = (),
         bucket_bytes: int | None = None,
         tensor_index: int = 0,
+        held: Mapping[int, ShardGroup] | None = None,
     ) -> None:
         self.devices = list(plan.stages[stage].replica_group(tensor_index))
         self.r = len(self.devices)
         self.replica, self.module, self.pg, self.zero_stage = replica, module, pg, zero_stage
         self.params = params
+        self.stage_group = ShardGroup(tuple(self.devices), pg, replica)
+        """The stage's replicas (of the rank's tensor index): every bucket not in :attr:`held`."""
+        self.held = dict(held or {})
         cap = BUCKET_BYTES if bucket_bytes is None else bucket_bytes
         chunk_of = {id(p): c for c, ps in enumerate(chunks) for p in ps}
-        runs = bucket_runs(params[::-1], cap, lambda p: chunk_of.get(id(p)))
+        runs = bucket_runs(params[::-1], cap,
+                           lambda p: (chunk_of.get(id(p)), self.group_of(p).devices))  # fmt: skip
         like = params[0] if params else torch.empty(0)
         kw: dict[str, Any] = {"dtype": like.dtype, "device": like.device}
+        groups = [self.group_of(run[0]) for run in runs]
         with torch.no_grad():
-            layout = flat_layout(runs, replica, self.r, zero_stage, kw)
+            layout = flat_layout(runs, replica, self.r, zero_stage, kw,
+                                 held=[(g.index, g.size) for g in groups])  # fmt: skip
+        for bk, g in zip(layout.buckets, groups, strict=True):
+            bk.group = g
         self.buckets = layout.buckets
         self.pieces = layout.pieces
         """The optimizer's parameters, in bucket order (then the tied slices)."""
@@ -135,6 +148,15 @@ class FlatShards:
         self._order += [
             k for k in range(len(self.buckets) + len(self.tied)) if k not in self._order
         ]
+
+    def group_of(self, p: torch.Tensor) -> ShardGroup:
+        """The replicas ``p``'s bucket is sharded over."""
+        return self.held.get(id(p), self.stage_group)
+
+    @staticmethod
+    def _group(bk: Bucket) -> ShardGroup:
+        assert bk.group is not None
+        return bk.group
 
     # -- the step ----------------------------------------------------------------------------
     def _slices(self, t: torch.Tensor) -> list[tuple[int, int]]:
@@ -261,17 +283,18 @@ class FlatShards:
             if self.checked:
                 self._sums.append(src.sum())
             bk.staged = src
-        chunk = bk.padded // self.r
+        g = self._group(bk)
+        chunk = bk.padded // g.size
         if self._gloo:  # one reduce per chunk, to its owner: the reduce-scatter's bytes
             bk.works = [
-                comm.reduce(src[j * chunk : (j + 1) * chunk], dst=d, group=self.pg, async_op=True)
-                for j, d in enumerate(self.devices)
+                comm.reduce(src[j * chunk : (j + 1) * chunk], dst=d, group=g.pg, async_op=True)
+                for j, d in enumerate(g.devices)
             ]
-            bk.result = src[self.replica * chunk : (self.replica + 1) * chunk]
+            bk.result = src[g.index * chunk : (g.index + 1) * chunk]
         else:
             bk.result = torch.empty(chunk, dtype=src.dtype, device=src.device)
             bk.works = [comm.reduce_scatter_single(bk.result, src, op=dist.ReduceOp.SUM,
-                                                   group=self.pg, async_op=True)]  # fmt: skip
+                                                   group=g.pg, async_op=True)]  # fmt: skip
         if bk.staged is not None:  # ZeRO-2: at most MAX_STAGED staging buffers alive
             self._inflight.append(bk)
             while len(self._inflight) > MAX_STAGED:
@@ -345,25 +368,29 @@ class FlatShards:
         for k in self._order:
             if k >= len(self.buckets):
                 t = self.tied[k - len(self.buckets)].detach().view(-1)
-                self._gathers[k] = self._from_owners([t[lo:hi] for lo, hi in self._slices(t)])
+                self._gathers[k] = self._from_owners(
+                    [t[lo:hi] for lo, hi in self._slices(t)], self.stage_group
+                )
                 continue
             bk = self.buckets[k]
-            chunk = bk.padded // self.r
+            g = self._group(bk)
+            chunk = bk.padded // g.size
             if self._gloo:
-                parts = [bk.flat[j * chunk : (j + 1) * chunk] for j in range(self.r)]
-                self._gathers[k] = self._from_owners(parts)
+                parts = [bk.flat[j * chunk : (j + 1) * chunk] for j in range(g.size)]
+                self._gathers[k] = self._from_owners(parts, g)
             else:
-                mine = bk.flat[self.replica * chunk : (self.replica + 1) * chunk]
+                mine = bk.flat[g.index * chunk : (g.index + 1) * chunk]
                 self._gathers[k] = [
-                    comm.all_gather_single(bk.flat, mine, group=self.pg, async_op=True)
+                    comm.all_gather_single(bk.flat, mine, group=g.pg, async_op=True)
                 ]
 
-    def _from_owners(self, parts: Sequence[torch.Tensor]) -> list[Any]:
-        """Broadcast ``parts[j]`` from replica ``j`` to the others, in place (empty parts are
-        skipped): the works in flight."""
+    @staticmethod
+    def _from_owners(parts: Sequence[torch.Tensor], g: ShardGroup) -> list[Any]:
+        """Broadcast ``parts[i]`` from member ``i`` of ``g`` to the others, in place (empty
+        parts are skipped): the works in flight."""
         return [
-            comm.broadcast(part, src=d, group=self.pg, async_op=True)
-            for part, d in zip(parts, self.devices, strict=True)
+            comm.broadcast(part, src=d, group=g.pg, async_op=True)
+            for part, d in zip(parts, g.devices, strict=True)
             if part.numel()
         ]
 
@@ -398,8 +425,11 @@ class FlatShards:
     def layer_states(
         self, layer_ids: Sequence[int], optimizer: torch.optim.Optimizer | None
     ) -> dict[int, LayerState]:
-        """The stage's layer states with the WHOLE optimizer state on replica 0 (``{}`` on the
-        others). A collective over the stage's replica group: every replica calls it.
+        """The stage's layer states with the WHOLE optimizer state of the parameters sharded
+        over each group on that group's first member: replica 0 for the stage's replicas, and
+        for :attr:`held` parameters their group's first (``{}`` on a rank first of none). A
+        collective over the stage's replica group, then over each of the rank's :attr:`held`
+        groups in device order: every replica calls it.
 
         Args:
             layer_ids: the chain index of each of the stage's layers.
@@ -411,17 +441,22 @@ class FlatShards:
             for i, layer in zip(layer_ids, self.module.children(), strict=True)
             for name, p in layer.named_parameters(remove_duplicate=False)
         }
-        mine = []
+        groups = {self.stage_group.devices: self.stage_group}
+        groups |= {g.devices: g for g in sorted(self.held.values(), key=lambda g: g.devices)}
+        mine: dict[tuple[int, ...], list[Any]] = {d: [] for d in groups}
         for pc in self.pieces:
             st = optimizer.state.get(pc.param) if optimizer is not None else None
             if st:
                 state = {k: v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else v
                          for k, v in st.items()}  # fmt: skip
-                mine.append((*names[id(pc.origin)], pc.offset, pc.origin.shape, state))
-        got: list[Any] = [None] * self.r if self.replica == 0 else []
-        dist.gather_object(mine, got if self.replica == 0 else None, dst=self.devices[0],
-                           group=self.pg)  # fmt: skip
-        if self.replica != 0:
+                row = (*names[id(pc.origin)], pc.offset, pc.origin.shape, state)
+                mine[self.group_of(pc.origin).devices].append(row)
+        got: list[Any] = []
+        for d, g in groups.items():
+            into: list[Any] | None = [None] * g.size if g.index == 0 else None
+            dist.gather_object(mine[d], into, dst=g.devices[0], group=g.pg)
+            got += into or []
+        if not any(g.index == 0 for g in groups.values()):
             return {}
         out = stage_layer_states(self.module, layer_ids, optimizer)
         for pieces in got:
