@@ -123,10 +123,10 @@ def test_widths_a_stage_may_take() -> None:
 
 
 def test_widths_not_costed_are_refused_naming_the_stage() -> None:
-    with pytest.raises(ValidationError, match=r"stage \[0, 4\] \(expert_width 2\): .*zero_stage 1"):
-        stage_terms(_plan(2, zero_stage=1), _profile(), CLUSTER)
-    with pytest.raises(ValidationError, match=r"stage \[0, 4\] \(expert_width 2\): .*zero_stage 2"):
-        stage_terms(_plan(2), _profile(), CLUSTER, zero_stage=2)
+    with pytest.raises(ValidationError, match=r"stage \[0, 4\] \(expert_width 2\): .*zero_stage 3"):
+        stage_terms(_plan(2, zero_stage=3), _profile(), CLUSTER)
+    with pytest.raises(ValidationError, match=r"stage \[0, 4\] \(expert_width 2\): .*zero_stage 3"):
+        stage_terms(_plan(2), _profile(), CLUSTER, zero_stage=3)
     with pytest.raises(ValidationError, match="width 4 must divide the 2 experts of layer 1"):
         stage_terms(_plan(4), _profile(_moe(experts=2, top_k=1)), CLUSTER)
 
@@ -150,8 +150,31 @@ def test_zero_at_the_full_width_shards_the_dense_state_only_by_hand() -> None:
     assert stage_terms(_plan(4), prof, CLUSTER).stages[0].terms.update_ms == pytest.approx(14.0)
 
 
-def test_zero_below_the_full_width_and_zero_3_are_refused() -> None:
-    with pytest.raises(ValidationError, match=r"\(expert_width 2\): .*zero_stage 1 on 4 replicas"):
-        stage_terms(_plan(2, zero_stage=1), _profile(), CLUSTER)
-    with pytest.raises(ValidationError, match=r"\(expert_width 4\): .*zero_stage 3 on 4 replicas"):
+def test_zero_below_the_full_width_shards_the_experts_state_over_their_copies_by_hand() -> None:
+    """e_s = 2 on r_s = 4 under ZeRO-1/2: the 10,000 dense bytes at ZeRO's bytes per parameter
+    byte over 4 (ZeRO-1 2 + 3/4, ZeRO-2 1 + 3/4), each rank's 8,000 expert bytes over their 2
+    copies (ZeRO-1 2 + 3/2, ZeRO-2 1 + 3/2); the update (10,000 + 16,000) / 4 bytes per
+    replica; AR_s the ZeRO-0 bytes (dense over 4, experts over each shard's 2 copies), ZeRO-2
+    (M + 1) / 2 = 3/2 times it at M = 2."""
+    prof = dataclasses.replace(_profile(), update_ms_per_parameter_byte=1e-3)
+    zero1 = plan_stage_bytes(prof, _plan(2, zero_stage=1).stages[0], 8)
+    zero2 = plan_stage_bytes(prof, _plan(2, zero_stage=2).stages[0], 8)
+    assert (zero1.static, zero1.grads) == (10000 * 2.75 + 8000 * 3.5, 0)
+    assert (zero2.static, zero2.grads) == (10000 * 1.75 + 8000 * 2.5, 0)
+    plain = plan_stage_bytes(prof, _plan(2).stages[0], 8)
+    assert (plain.static, plain.grads) == (18000 * 4, 18000)  # 10,000 + 16,000 / 2, unsharded
+    dense = 2 * (0.5e4 / 1e9 + 0.01) + (1e4 / 1e8 + 0.2)  # as in the width-two test above
+    expert = 16000 / 1e8 + 0.2
+    for z in (1, 2):
+        terms = stage_terms(_plan(2, zero_stage=z), prof, CLUSTER).stages[0].terms
+        assert terms.update_ms == pytest.approx(1e-3 * 26000 / 4)
+        assert terms.sync_ms == pytest.approx(dense + expert)  # M = 1
+        two = dataclasses.replace(_plan(2, zero_stage=z), micro_batch_size=4, num_micro_batches=2)
+        got = stage_terms(two, prof, CLUSTER).stages[0].terms.sync_ms
+        assert got == pytest.approx((dense + expert) * (1.5 if z == 2 else 1.0))
+    assert stage_terms(_plan(2), prof, CLUSTER).stages[0].terms.update_ms == pytest.approx(18.0)
+
+
+def test_zero_3_with_experts_is_refused() -> None:
+    with pytest.raises(ValidationError, match=r"\(expert_width 4\): .*zero_stage 3 is not costed"):
         stage_terms(_plan(4), _profile(), CLUSTER, zero_stage=3)

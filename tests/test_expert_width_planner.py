@@ -15,9 +15,11 @@ from dapple.cli import main
 from dapple.core import AffineTime, LayerProfile, ModelProfile
 from dapple.core.cluster import GIB, Cluster
 from dapple.core.moe_profile import MoEProfile
-from dapple.core.plan import Plan
+from dapple.core.plan import Plan, StagePlan
+from dapple.cost.peak_memory import plan_stage_bytes
 from dapple.cost.pipeline import pipeline_latency
 from dapple.cost.schedules import device_memory_by_group
+from dapple.cost.terms import stage_terms
 from dapple.errors import InfeasibleError
 from dapple.planner import make_plan
 from dapple.planner.evaluate import Scorer
@@ -29,6 +31,7 @@ from dapple.planner.expert_width import (
     without_expert_widths,
 )
 from dapple.planner.search import dapple_search
+from dapple.planner.stage_options import stage_choice
 from dapple.planner.zero_modes import UNSHARDED, ZeroMode
 
 # 2 servers of 4 devices, a slow network between them.
@@ -166,3 +169,67 @@ def test_what_the_search_interleaves_holds_every_expert() -> None:
     assert [st.expert_width for st in whole.stages] == [1] * len(ep.stages)
     assert [st.layers for st in whole.stages] == [st.layers for st in ep.stages]
     assert without_expert_widths(whole) is whole
+
+
+def test_expert_modes_follow_the_zero_stage() -> None:
+    prof = _profile(blocks=2)
+
+    def modes(z: object) -> list[tuple[int, int]]:
+        scorer = ExpertScorer(prof, CLUSTER, 16, zero_stage=z)  # type: ignore[arg-type]
+        return [(m.stage, m.expert_width) for m in scorer.expert_modes(0, 4, 8)]
+
+    assert modes(0) == [(0, 2), (0, 4), (0, 8)]
+    assert modes(1) == [(1, 2), (1, 4), (1, 8)]
+    assert modes(2) == [(2, 2), (2, 4), (2, 8)]
+    assert modes("auto") == [(z, w) for w in (2, 4, 8) for z in (0, 1, 2)]
+    assert modes(3) == [] and modes(ZeroMode(3, True)) == []
+    assert ExpertScorer(prof, CLUSTER, 16, zero_stage=1).expert_modes(0, 4, 1) == []
+
+
+def _need(prof: ModelProfile, st: StagePlan, b: int) -> float:
+    """The bytes one replica of ``st`` needs for one micro-batch (in_flight_limit's first)."""
+    sb = plan_stage_bytes(prof, st, b)
+    return sb.static + sb.shared + max(sb.first, sb.grads + sb.later, sb.grads - sb.cache)
+
+
+def test_memory_asks_for_zero_below_the_full_width_and_the_scorer_prices_it_as_the_cost_model(
+) -> None:  # fmt: skip
+    """One stage of 2 MoE blocks on 8 devices (2 servers), widths 1 and 4 offered: with device
+    memory between what EP 4 needs under ZeRO-1 (the experts' state over each shard's 2 copies)
+    and without ZeRO, ``auto`` picks EP 4 with ZeRO-1 (or ZeRO-2), ZeRO 0 finds nothing that
+    holds one micro-batch; the option's terms are :func:`stage_terms`' of the plan it records."""
+    prof = _profile(expert_bytes=8 * 10**9, blocks=2)
+    d, b, G = tuple(range(8)), 8, 16
+    st = {z: StagePlan(layers=(0, 4), devices=d, expert_width=4, zero_stage=z) for z in (0, 1)}
+    lo, hi = _need(prof, st[1], b), _need(prof, st[0], b)
+    assert lo < hi
+    mem = int((lo + hi) / 2) + CLUSTER.reserved_memory_bytes
+    cluster = dataclasses.replace(CLUSTER, device_memory_bytes=mem)
+    auto = ExpertScorer(prof, cluster, G, zero_stage="auto", widths=(1, 4))
+    opts = auto.stage_options(0, 4, d, b)
+    by_mode = dict(opts)
+    assert by_mode[ZeroMode(0, False, 4)].d_nr == 0 and by_mode[ZeroMode(1, False, 4)].d_nr >= 1
+    got = stage_choice(opts, 1, G // b, True)
+    assert got is not None and got[0] in (ZeroMode(1, False, 4), ZeroMode(2, False, 4)), got
+    plain = ExpertScorer(prof, cluster, G, zero_stage=0, widths=(1, 4))
+    assert all(o.d_nr == 0 and o.d_r == 0 for _, o in plain.stage_options(0, 4, d, b))
+    for z in (1, 2):  # the scorer's EP + ZeRO option = the cost model of the plan it records
+        mode = ZeroMode(z, False, 4)  # type: ignore[arg-type]
+        rec = auto.stage_plan(0, 4, d, mode)
+        assert (rec.zero_stage, rec.expert_width) == (z, 4)
+        plan = Plan(planner="t", model_name="moe", global_batch_size=G, micro_batch_size=b,
+                    num_micro_batches=G // b, stages=(rec,))  # fmt: skip
+        want = stage_terms(plan, prof, cluster).stages[0].terms
+        have = by_mode[mode].plain
+        assert (have.sync_ms, have.update_ms) == pytest.approx((want.sync_ms, want.update_ms))
+        assert (have.forward_ms, have.backward_ms) == pytest.approx(
+            (want.forward_ms, want.backward_ms)
+        )
+
+
+def test_the_search_under_zero_1_shards_experts_and_predicts_the_cost_model() -> None:
+    prof = _profile()
+    plan = make_plan(prof, CLUSTER, 16, tensor_widths=[1], zero_stage=1)
+    assert any(st.expert_width > 1 for st in plan.stages), plan.stages
+    assert all(st.zero_stage == 1 for st in plan.stages if st.replicas > 1)
+    assert plan.predicted_step_ms == pytest.approx(pipeline_latency(plan, prof, CLUSTER).L_ms)

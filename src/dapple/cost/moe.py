@@ -27,20 +27,22 @@ AR(P_s, g_s) in T_e) as
     AR_s' = AR(P_dense, g_s) + AR(P_experts / e_s, r_s / e_s replicas per shard)
     memory: P_dense + P_experts / e_s per rank, gradients and optimizer state alike
 
-and, under ZeRO-1/2 at e_s = r_s (what the runtime runs), the dense part's optimizer state (and
-ZeRO-2's gradients) 1/r_s as without EP, the experts' state whole on their one holder
-(:func:`expert_parts`, read by :func:`dapple.cost.peak_memory.plan_stage_bytes`); the update
-then covers (P_dense + P_experts) / r_s per replica, and AR_s stays the dense AllReduce's.
+and, under ZeRO-1/2 (what ``dapple.runtime.parallel.expert`` runs), the dense part's optimizer
+state (and ZeRO-2's gradients) 1/r_s as without EP, the experts' 1/(r_s/e_s) over the copies of
+each shard - whole on their one holder at e_s = r_s (:func:`expert_parts`, read by
+:func:`dapple.cost.peak_memory.expert_stage_state_bytes`); the update then covers
+P_dense / r_s + (P_experts / e_s) / (r_s / e_s) = (P_dense + P_experts) / r_s per replica, and
+AR_s moves the same bytes as at ZeRO 0 (a reduce-scatter and an all-gather for each
+AllReduce), ZeRO-2 reduce-scattering both parts after each of the M backwards:
+``(M + 1) / 2`` x AR_s, as :func:`~dapple.cost.comm.stage_sync_ms` prices ZeRO-2 without EP.
 
 with A2A_s the dispatch and combine of all its MoE layers at the stage's largest slice (an
 all-to-all paces every member of its group by the largest sender), the slowest of its EP groups.
 
 Not modelled: the experts' per-call weight traffic that sharding also divides by e_s (the weight
 gradients written per backward), token dropping (routing is dropless), kept activations
-(on average unchanged per rank), the all-to-all's buffers, ZeRO-2's per-micro-batch
-reduce-scatters of the dense gradients (priced as one AllReduce), and expert parallelism combined
-with tensor parallelism, ZeRO-3, or ZeRO-1/2 below e_s = r_s (refused by
-:func:`check_expert_stage`).
+(on average unchanged per rank), the all-to-all's buffers, and expert parallelism combined
+with tensor parallelism or ZeRO-3 (refused by :func:`check_expert_stage`).
 """
 
 from __future__ import annotations
@@ -308,17 +310,23 @@ def moe_sync_ms(
     expert_bytes: float,
     devices: Sequence[int],
     width: int,
+    zero_stage: int = 0,
+    micro_batches: int = 1,
 ) -> float:
     """A stage's gradient synchronisation with EP width e_s: ``AR(P_dense, r_s)`` over all
     replicas, then :func:`expert_allreduce_ms` of the experts over r_s / e_s replicas each
-    (in turn, as a runtime reducing its buckets one after the other would).
+    (in turn, as a runtime reducing its buckets one after the other would); under ZeRO-1 the
+    same bytes (reduce-scatters, then all-gathers), under ZeRO-2 ``(M + 1) / 2`` times them
+    (a reduce-scatter of both parts after each of the M backwards, then the all-gathers), as
+    :func:`~dapple.cost.comm.stage_sync_ms` prices ZeRO-2.
 
     Raises:
         ValidationError: e_s does not divide the replicas.
     """
-    return allreduce_ms(cluster, dense_bytes, devices) + expert_allreduce_ms(
+    ar = allreduce_ms(cluster, dense_bytes, devices) + expert_allreduce_ms(
         cluster, expert_bytes, devices, width
     )
+    return ar * (micro_batches + 1) / 2 if zero_stage >= 2 else ar
 
 
 # -- a plan's stage -------------------------------------------------------------------------
@@ -340,8 +348,8 @@ def expert_widths(profile: ModelProfile, layers: tuple[int, int], replicas: int)
 
 def check_expert_stage(profile: ModelProfile, stage: StagePlan, zero_stage: int) -> None:
     """Refuse a stage whose EP width the cost model does not price: e_s > 1 with a tensor
-    width t_s > 1, zero stage 3, zero stage 1 or 2 below e_s = r_s, or an e_s that does not
-    divide one of its MoE layers' E (:func:`check_expert_width`). Nothing to check at e_s = 1.
+    width t_s > 1 or zero stage 3, or an e_s that does not divide one of its MoE layers' E
+    (:func:`check_expert_width`). Nothing to check at e_s = 1.
 
     Raises:
         ValidationError: one line naming the stage's layers and the offending value.
@@ -355,10 +363,9 @@ def check_expert_stage(profile: ModelProfile, stage: StagePlan, zero_stage: int)
             f"{what}: expert parallelism with tensor_width {stage.tensor_width} is not costed; "
             "use tensor_width 1"
         )
-    if zero_stage >= 3 or (zero_stage > 0 and e < stage.replicas):
+    if zero_stage >= 3:
         raise ValidationError(
-            f"{what}: expert parallelism with zero_stage {zero_stage} on {stage.replicas} "
-            "replicas is not costed; use 0, or 1 or 2 with expert_width = replicas"
+            f"{what}: expert parallelism with zero_stage {zero_stage} is not costed; use 0, 1 or 2"
         )
     sub = dataclasses.replace(profile, layers=profile.layers[stage.layers[0] : stage.layers[1]])
     try:
@@ -445,10 +452,18 @@ def expert_alltoall_ms(
     return max(_shape_stage_ms(profile, cluster, layers, sh, samples) for sh in shapes)
 
 
-def expert_stage_sync_ms(profile: ModelProfile, cluster: Cluster, stage: StagePlan) -> float:
-    """AR_s of a stage of EP width e_s (t_s = 1, no ZeRO): :func:`moe_sync_ms` of its dense and
-    expert gradient bytes over its replicas; AR(P_s, g_s) at e_s = 1."""
+def expert_stage_sync_ms(
+    profile: ModelProfile,
+    cluster: Cluster,
+    stage: StagePlan,
+    zero_stage: int = 0,
+    micro_batches: int = 1,
+) -> float:
+    """AR_s of a stage of EP width e_s (t_s = 1) under ``zero_stage`` (0-2) with M
+    ``micro_batches``: :func:`moe_sync_ms` of its dense and expert gradient bytes over its
+    replicas; :func:`~dapple.cost.comm.stage_sync_ms` at e_s = 1."""
     s, e = stage.layers
     expert = float(sum(_expert_bytes(x) for x in profile.layers[s:e]))
     dense = sum(x.parameter_bytes for x in profile.layers[s:e]) - expert
-    return moe_sync_ms(cluster, dense, expert, stage.devices, stage.expert_width)
+    return moe_sync_ms(cluster, dense, expert, stage.devices, stage.expert_width, zero_stage,
+                       micro_batches)  # fmt: skip

@@ -73,6 +73,7 @@ __all__ = [
     "cast_bytes",
     "device_peak",
     "device_static",
+    "expert_stage_state_bytes",
     "in_flight_limit",
     "loss_bytes",
     "plan_stage_bytes",
@@ -292,6 +293,22 @@ def stage_peak(
     )
 
 
+def expert_stage_state_bytes(
+    profile: ModelProfile, layers: tuple[int, int], replicas: int, width: int, zero_stage: int
+) -> tuple[float, float]:
+    """:func:`stage_state_bytes` of one replica of a stage of EP width e_s under ZeRO-1/2, as
+    ``dapple.runtime.parallel.expert`` shards it: the dense part (:func:`~dapple.cost.moe.
+    expert_parts`) over the r_s replicas, the rank's E/e_s experts over the r_s / e_s copies
+    of its shard (whole at e_s = r_s: no other holder). Raises ValueError for a zero stage
+    other than 1 or 2."""
+    if zero_stage not in (1, 2):
+        raise ValueError(f"expert_stage_state_bytes prices ZeRO-1/2, got zero_stage {zero_stage}")
+    dense, experts = expert_parts(profile.for_memory, width)
+    d = stage_state_bytes(dense, layers, replicas, zero_stage)
+    x = stage_state_bytes(experts, layers, replicas // width, zero_stage)
+    return d[0] + x[0], d[1] + x[1]
+
+
 def plan_stage_bytes(
     profile: ModelProfile,
     stage: StagePlan,
@@ -303,16 +320,15 @@ def plan_stage_bytes(
     """:func:`stage_bytes` of one replica of ``stage`` as it runs (re-computing or not): its
     slice of ``samples`` (None: the largest slice of b, under its ``shares`` if any), its zero
     stage or ``zero_stage`` where higher; each MoE layer's experts ``1/e_s`` under an EP width
-    e_s (:func:`~dapple.cost.moe.expert_sharded_profile`), whose state ZeRO-1/2 leaves whole
-    (:func:`~dapple.cost.moe.expert_parts`)."""
+    e_s (:func:`~dapple.cost.moe.expert_sharded_profile`), their state under ZeRO-1/2 sharded
+    over each shard's copies (:func:`expert_stage_state_bytes`)."""
     zero = max(zero_stage, stage.zero_stage)
     state = None
     if stage.expert_width > 1:
-        if zero in (1, 2):  # ZeRO shards the dense part only (dapple.runtime.parallel.expert)
-            dense, experts = expert_parts(profile.for_memory, stage.expert_width)
-            parts = (stage_state_bytes(dense, stage.layers, stage.replicas, zero),
-                     stage_state_bytes(experts, stage.layers))  # fmt: skip
-            state = (parts[0][0] + parts[1][0], parts[0][1] + parts[1][1])
+        if zero in (1, 2):
+            state = expert_stage_state_bytes(
+                profile, stage.layers, stage.replicas, stage.expert_width, zero
+            )
         profile = expert_sharded_profile(profile.for_memory, stage.expert_width)
     plain, redone = stage_bytes(
         profile,

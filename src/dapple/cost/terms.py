@@ -343,7 +343,7 @@ def _stage_terms(
         times.update({(id(p), n): v for n, v in ts.items()})
     if st.expert_width > 1 and zero_stage == 0:  # the experts' sharded state, dapple.cost.moe
         grad_bytes = stage_rank_parameter_bytes(profile, st.layers, st.expert_width)
-    # under ZeRO-1/2 (e_s = r_s) each replica updates (P_dense + P_experts) / r_s: grad_bytes / r_s
+    # under ZeRO-1/2 each replica updates (P_dense + P_experts) / r_s at any e_s: grad_bytes / r_s
     replicas = tuple(
         ReplicaTerms(
             device=d,
@@ -376,7 +376,7 @@ def _stage_terms(
         else ()
     )
     sync = (
-        expert_stage_sync_ms(profile, cluster, st)
+        expert_stage_sync_ms(profile, cluster, st, zero_stage, M)
         if st.expert_width > 1
         else replica_sync_ms(cluster, grad_bytes, st, zero_stage, M)
     )

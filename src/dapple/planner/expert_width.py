@@ -4,13 +4,17 @@ Beyond the paper, as the ZeRO choice is (:class:`~dapple.planner.evaluate.Scorer
 r_s replicas holding mixture-of-experts layers may shard their experts over e_s of its replicas
 (:class:`~dapple.core.stage_plan.StagePlan` ``expert_width``), each width a divisor of r_s and of
 every such layer's E (:func:`~dapple.cost.moe.expert_widths`). :class:`ExpertScorer` offers a
-stage, beside its zero modes, one more option per width e_s > 1 (ZeRO 0, tensor width 1: the
-combinations the cost model prices, :func:`~dapple.cost.moe.check_expert_stage`) with the
-terms :mod:`dapple.cost.moe` gives it:
+stage, beside its zero modes, more options per width e_s > 1 - one per zero stage the scorer
+allows among 0, 1 and 2 (tensor width 1, no ZeRO-3: the combinations the cost model prices,
+:func:`~dapple.cost.moe.check_expert_stage`) - with the terms :mod:`dapple.cost.moe` gives it:
 
 * F_s and B_s gain its all-to-alls A2A_s (and the busiest expert's compute);
-* AR_s is AR(P_dense, r_s) + the experts' AllReduce over the r_s / e_s replicas of each shard;
-* its memory holds ``P_dense + P_experts / e_s`` per rank, so D can only grow with e_s.
+* AR_s is AR(P_dense, r_s) + the experts' AllReduce over the r_s / e_s replicas of each shard
+  (ZeRO-2: ``(M + 1) / 2`` times it);
+* its memory holds ``P_dense + P_experts / e_s`` per rank, so D can only grow with e_s; under
+  ZeRO-1/2 the dense state sharded over r_s and the experts' over r_s / e_s
+  (:func:`~dapple.cost.peak_memory.expert_stage_state_bytes`), U_s then (P_dense +
+  P_experts) / r_s.
 
 The search then picks a stage's option as it picks its zero mode
 (:func:`~dapple.planner.stage_options.stage_choice`): the first option when it is unsharded and
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
+from typing import Literal
 
 from dapple.core.cluster import Cluster
 from dapple.core.plan import Plan, StagePlan
@@ -43,7 +48,7 @@ from dapple.cost.moe import (
     expert_widths,
     stage_rank_parameter_bytes,
 )
-from dapple.cost.peak_memory import in_flight_limit, stage_bytes
+from dapple.cost.peak_memory import expert_stage_state_bytes, in_flight_limit, stage_bytes
 from dapple.cost.terms import StageTerms
 from dapple.errors import InfeasibleError
 from dapple.planner.evaluate import Scorer
@@ -126,28 +131,33 @@ class ExpertScorer(Scorer):
         self.widths = None if widths is None else frozenset(widths)
         """The e_s offered (those a stage may take among them); None: every width. A uniform
         grid offers one (:mod:`dapple.planner.expert_grid`)."""
-        self._syncs: dict[tuple[int, int, tuple[int, ...], int], float] = {}
+        self._syncs: dict[tuple[int, int, tuple[int, ...], int, int, int], float] = {}
         self._sharded: dict[int, ModelProfile] = {}
         self._a2a: dict[tuple[int, int, frozenset[tuple[int, tuple[int, ...]]], int], float] = {}
-        self._fits: dict[tuple[int, int, int, int, int, int], tuple[int, int, float]] = {}
+        self._fits: dict[tuple[int, int, int, int, int, int, int], tuple[int, int, float]] = {}
 
     def expert_modes(self, s: int, e: int, replicas: int) -> list[ZeroMode]:
-        """The EP options of layers [s, e) on ``replicas`` devices: ZeRO 0 at each width e_s
-        > 1 the stage may take (:func:`~dapple.cost.moe.expert_widths`, among :attr:`widths`);
-        none unless the scorer's zero stage allows ZeRO 0 (0 or ``auto``)."""
+        """The EP options of layers [s, e) on ``replicas`` devices: at each width e_s > 1 the
+        stage may take (:func:`~dapple.cost.moe.expert_widths`, among :attr:`widths`), one per
+        zero stage the scorer's allows - 0, 1 or 2 as given, all three under ``auto``; none
+        under ZeRO-3 (not costed with EP) or a fixed :class:`ZeroMode`."""
         z = self.zero_stage
-        if replicas == 1 or isinstance(z, ZeroMode) or z not in (0, "auto"):
+        if replicas == 1 or isinstance(z, ZeroMode) or z not in (0, 1, 2, "auto"):
             return []
+        stages: tuple[Literal[0, 1, 2], ...] = (0, 1, 2) if z == "auto" else (z,)
         return [
-            ZeroMode(0, False, w)
+            ZeroMode(zs, False, w)
             for w in expert_widths(self.profile, (s, e), replicas)
             if w > 1 and (self.widths is None or w in self.widths)
+            for zs in stages
         ]
 
     def _new_options(self, s: int, e: int, d: tuple[int, ...], b: int) -> StageOptions:
-        """The zero modes' options, and each EP width's: the cheapest width first when it
-        costs less per step (AR_s + U_s + its traffic) than the unsharded option, else after
-        the zero modes; ``widths`` not containing 1 drops the unsharded option of a stage
+        """The zero modes' options, and each EP width's (cheapest per step first: AR_s + U_s +
+        its traffic): the cheapest width at ZeRO 0 first when it costs less per step than the
+        unsharded option (taken then where it holds K_i, ZeRO only where memory asks, as
+        :func:`~dapple.planner.stage_options.pick_zero_mode` takes the unsharded option), else
+        after the zero modes; ``widths`` not containing 1 drops the unsharded option of a stage
         that has widths."""
         plain = super()._new_options(s, e, d, b)
         ep = [(m, self._stage(s, e, d, b, m)) for m in self.expert_modes(s, e, len(d))]
@@ -156,8 +166,14 @@ class ExpertScorer(Scorer):
         ep.sort(key=lambda x: x[1].ar + x[1].traffic)
         if self.widths is not None and 1 not in self.widths:
             return ep
-        if plain and plain[0][0] == UNSHARDED and ep[0][1].ar + ep[0][1].traffic < plain[0][1].ar:
-            return [ep[0], *plain, *ep[1:]]
+        first = next((x for x in ep if x[0].stage == 0), None)
+        if (
+            first is not None
+            and plain
+            and plain[0][0] == UNSHARDED
+            and first[1].ar + first[1].traffic < plain[0][1].ar
+        ):
+            return [first, *plain, *(x for x in ep if x is not first)]
         return [*plain, *ep]
 
     def _stage(
@@ -180,13 +196,19 @@ class ExpertScorer(Scorer):
         (f, bw), _ = expert_slice_times(
             self.profile, self.real_cluster, st, {n: ((f0, b0), (0, 0))}, n, a2a
         )[n]
-        key = (s, e, d, w)
+        z = mode.stage
+        key = (s, e, d, w, z, M if z >= 2 else 1)
         sync = self._syncs.get(key)
         if sync is None:
-            sync = self._syncs[key] = expert_stage_sync_ms(self.profile, self.real_cluster, st)
-        rank_bytes = stage_rank_parameter_bytes(self.profile, (s, e), w)
-        update = stage_update_ms(self.cluster, self.profile, rank_bytes, len(d), 0)
-        d_nr, d_r, floor = self._expert_memory(s, e, n, len(d), w, M)
+            sync = self._syncs[key] = expert_stage_sync_ms(
+                self.profile, self.real_cluster, st, z, M
+            )
+        if z == 0:  # each replica updates P_dense + P_experts / e_s
+            rank_bytes = stage_rank_parameter_bytes(self.profile, (s, e), w)
+            update = stage_update_ms(self.cluster, self.profile, rank_bytes, len(d), 0)
+        else:  # (P_dense + P_experts) / r_s (dapple.cost.moe)
+            update = stage_update_ms(self.cluster, self.profile, self.param_bytes(s, e), len(d), z)
+        d_nr, d_r, floor = self._expert_memory(s, e, n, len(d), w, M, z)
         plain = StageTerms(
             forward_ms=f, backward_ms=bw, sync_ms=sync, update_ms=update,
             work=self._work(s, e, d, b, False),
@@ -198,19 +220,22 @@ class ExpertScorer(Scorer):
         return StageOption(f, bw, sync + update, d_nr, d_r, plain, recomputed, floor, traffic)
 
     def _expert_memory(
-        self, s: int, e: int, n: int, replicas: int, w: int, M: int
+        self, s: int, e: int, n: int, replicas: int, w: int, M: int, z: int = 0
     ) -> tuple[int, int, float]:
         """D without and with re-computation on slices of n, and the memory floor, of layers
-        [s, e) at EP width w (:meth:`Scorer._options` on the profile as one rank holds it,
-        :func:`~dapple.cost.moe.expert_sharded_profile`)."""
-        key = (s, e, n, replicas, w, M)
+        [s, e) at EP width w and zero stage z (:meth:`Scorer._options` on the profile as one
+        rank holds it, :func:`~dapple.cost.moe.expert_sharded_profile`; under ZeRO-1/2 the
+        state of :func:`~dapple.cost.peak_memory.expert_stage_state_bytes`)."""
+        key = (s, e, n, replicas, w, M, z)
         got = self._fits.get(key)
         if got is not None:  # placements of the same replica count share it
             return got
         memory = self._sharded.get(w)
         if memory is None:
             memory = self._sharded[w] = expert_sharded_profile(self._memory, w)
-        plain, redone = stage_bytes(memory, (s, e), n, replicas=replicas)
+        state = expert_stage_state_bytes(self._memory, (s, e), replicas, w, z) if z else None
+        plain, redone = stage_bytes(memory, (s, e), n, replicas=replicas, zero_stage=z,
+                                    state=state)  # fmt: skip
         usable = float(self.cluster.usable_memory_bytes)
         floor = plain.static + plain.shared + (self._act[e] - self._act[s]) * n
         got = in_flight_limit(plain, usable, M), in_flight_limit(redone, usable, M), floor

@@ -27,8 +27,8 @@ class ZeroMode(NamedTuple):
     regather: bool = False
     """ZeRO-3 only: the parameters re-gathered per micro-batch, not once per step."""
     expert_width: int = 1
-    """e_s: replicas over which each mixture-of-experts layer's experts are sharded (ZeRO 0
-    only, :mod:`dapple.planner.expert_width`); 1: every replica holds every expert."""
+    """e_s: replicas over which each mixture-of-experts layer's experts are sharded (ZeRO 0,
+    1 or 2, :mod:`dapple.planner.expert_width`); 1: every replica holds every expert."""
 
 
 UNSHARDED = ZeroMode(0)
