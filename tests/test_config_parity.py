@@ -275,8 +275,9 @@ def test_simulate_refuses_the_old_compare_with_its_new_name(
 
 # -- dapple profile ---------------------------------------------------------------------------------
 def test_every_profile_flag_is_a_profile_config_field_or_the_model() -> None:
+    from dapple.api.profiling import ProfileConfig
     from dapple.cli._profile_config import MODEL_FLAGS
-    from dapple.cli.profile_cmd import ProfileConfig, profile_config_of
+    from dapple.cli.profile_cmd import profile_config_of
 
     actions = _flag_actions("profile")
     fields = {f.name: f for f in dataclasses.fields(ProfileConfig)}

@@ -26,21 +26,65 @@ loads (:class:`PlanInputs`).
 Workloads loaded from a spec (:func:`load`) pickle as their spec: spawned worker processes load
 them again, so models defined in a ``file.py`` train and verify like installed ones.
 
-The functions live in :mod:`dapple.api.planning` (profile, plan, plan_local, simulate),
-:mod:`dapple.api.running` (train, generate) and :mod:`dapple.api.verifying` (verify,
-verify_many).
+A profile is asked for by a :class:`~dapple.api.profiling.ProfileConfig` (``dapple profile``'s
+flags read into it): ``dp.profile(cfg)`` measures it, or counts it with ``analytic``.
+
+The functions live in :mod:`dapple.api.profiling` (profile), :mod:`dapple.api.planning`
+(plan, plan_local, simulate), :mod:`dapple.api.running` (train, generate) and
+:mod:`dapple.api.verifying` (verify, verify_many). They load on first use (:pep:`562`), so a
+command that reads its configuration (:class:`~dapple.api.profiling.ProfileConfig`) refuses a
+bad value without importing torch.
 """
 
 from __future__ import annotations
 
-from dapple.api._inputs import PlanInputs, RunInputs, plan_inputs, plan_with, run_inputs
-from dapple.api.planning import plan, plan_local, profile, simulate
-from dapple.api.running import generate, train
-from dapple.api.verifying import verify, verify_many
-from dapple.models.spec import load
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from dapple.api._inputs import PlanInputs, RunInputs, plan_inputs, plan_with, run_inputs
+    from dapple.api.planning import plan, plan_local, simulate
+    from dapple.api.profiling import ProfileConfig, profile
+    from dapple.api.running import generate, train
+    from dapple.api.verifying import verify, verify_many
+    from dapple.models.spec import load
+
+_HOMES = {
+    "PlanInputs": "dapple.api._inputs",
+    "RunInputs": "dapple.api._inputs",
+    "plan_inputs": "dapple.api._inputs",
+    "plan_with": "dapple.api._inputs",
+    "run_inputs": "dapple.api._inputs",
+    "plan": "dapple.api.planning",
+    "plan_local": "dapple.api.planning",
+    "simulate": "dapple.api.planning",
+    "ProfileConfig": "dapple.api.profiling",
+    "profile": "dapple.api.profiling",
+    "generate": "dapple.api.running",
+    "train": "dapple.api.running",
+    "verify": "dapple.api.verifying",
+    "verify_many": "dapple.api.verifying",
+    "load": "dapple.models.spec",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """A public name from its home module, or a submodule (``dapple.api.verifying``) as an
+    attribute path names it before it was imported."""
+    home = _HOMES.get(name)
+    if home is not None:
+        return getattr(importlib.import_module(home), name)
+    try:
+        return importlib.import_module(f"dapple.api.{name}")
+    except ModuleNotFoundError as e:
+        if e.name != f"dapple.api.{name}":
+            raise
+        raise AttributeError(f"module 'dapple.api' has no attribute {name!r}") from None
+
 
 __all__ = [
     "PlanInputs",
+    "ProfileConfig",
     "RunInputs",
     "generate",
     "load",

@@ -1,7 +1,7 @@
-"""The Python API's planning side: profile a model, plan it on a cluster, simulate a step.
+"""The Python API's planning side: plan a profiled model on a cluster, simulate a step.
 
-:func:`profile`, :func:`plan`, :func:`plan_local` and :func:`simulate` (``dapple profile``,
-``dapple plan``, ``dapple simulate``), re-exported by :mod:`dapple.api`.
+:func:`plan`, :func:`plan_local` and :func:`simulate` (``dapple plan``, ``dapple simulate``),
+re-exported by :mod:`dapple.api`.
 """
 
 from __future__ import annotations
@@ -33,68 +33,7 @@ if TYPE_CHECKING:
     from dapple.planner.search import Progress
     from dapple.simulate import SimResult
 
-__all__ = ["plan", "plan_local", "profile", "simulate"]
-
-
-def profile(
-    workload: WorkloadLike,
-    batch_sizes: Sequence[int] = (1, 2, 4),
-    device: str = "auto",
-    *,
-    overrides: Mapping[str, Any] | None = None,
-    repeats: int = 5,
-    warmup: int = 2,
-    num_threads: int | None = 1,
-    co_workers: int = 1,
-    output: str | Path | None = None,
-    precision: str = "fp32",
-    split_backward: bool = False,
-    seq_lens: Sequence[int] | None = None,
-) -> ModelProfile:
-    """Measure every layer of a model (``dapple profile``).
-
-    Args:
-        workload: A :class:`Workload` or a spec string.
-        batch_sizes: Batch sizes to time (the fit is affine in the batch size).
-        device: ``auto`` (``cuda`` when available, else ``cpu``), ``cpu`` or ``cuda[:N]``.
-        overrides: Factory keyword arguments when ``workload`` is a spec.
-        repeats: Timed runs per layer and batch size (median kept).
-        warmup: Untimed runs first.
-        num_threads: Torch threads on CPU while profiling (``None``: unchanged).
-        co_workers: CPU: profile as one of this many local workers sharing the cores (CPU
-            time while the others train the model; see ``profile_workload``).
-        output: Also save the profile JSON here.
-        precision: ``fp32``, ``bf16`` or ``fp16`` autocast while measuring (recorded in the
-            profile; the planner's memory model follows it).
-        split_backward: Also time each backward's input- and weight-gradient halves
-            (zero-bubble ``I`` and ``W``) as the runtime runs them, recorded as
-            ``LayerProfile.backward_input`` and ``backward_weight``.
-        seq_lens: Also measure at these lengths of the model's dynamic (sequence) dimension:
-            its own batches cut or tiled to each length, same layers
-            (:mod:`dapple.profiler.lengths`); :func:`plan` with ``seq_len`` interpolates
-            between them in tokens.
-
-    Raises:
-        ValidationError: Bad model spec, batch sizes, device, precision, or lengths (a model
-            without a dynamic dimension, a length outside its range).
-    """
-    from dapple.profiler.measure import profile_workload
-
-    prof = profile_workload(
-        as_workload(workload, overrides),
-        list(batch_sizes),
-        device=device,
-        warmup=warmup,
-        repeats=repeats,
-        num_threads=num_threads,
-        co_workers=co_workers,
-        precision=precision,
-        split_backward=split_backward,
-        seq_lens=seq_lens,
-    )
-    if output is not None:
-        prof.save(output)
-    return prof
+__all__ = ["plan", "plan_local", "simulate"]
 
 
 @overload

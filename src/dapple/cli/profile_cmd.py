@@ -2,36 +2,34 @@
 write a profile JSON.
 
 The flags (the model also from ``--config FILE``'s ``[model]`` section) are read once into a
-:class:`ProfileConfig`; :func:`run_config` profiles it.
+:class:`~dapple.api.profiling.ProfileConfig`; :func:`run_config` profiles it with
+:func:`dapple.api.profile` and prints it.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
-from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.table import Table
 
+from dapple.api.profiling import MAX_RUNS, ProfileConfig
 from dapple.cli._console import StepProgress, console, print_table
 from dapple.cli._model_args import add_model_arguments
 from dapple.cli._profile_config import add_profile_config_arguments, model_config_of
 from dapple.cli._renamed import renamed
 from dapple.cli._run_args import add_device_argument
 from dapple.core.profile import ModelProfile
-from dapple.errors import ValidationError, one_line
+from dapple.errors import ValidationError
 from dapple.profiler.analytic_devices import DEVICES
 from dapple.profiler.analytic_ops import RECOMPUTE_MODES
 
 if TYPE_CHECKING:
-    from dapple.runtime.run_config import ModelConfig
+    pass
 
 __all__ = [
-    "ProfileConfig",
     "parse_batch_sizes",
     "print_experts",
     "print_profile",
@@ -39,11 +37,6 @@ __all__ = [
     "register",
     "run_config",
 ]
-
-
-MAX_RUNS = 1000
-"""The most timed (``--repeats``) or untimed (``--warmup``) runs per layer, batch size and
-length a measured profile makes: 10^12 ran without end."""
 
 
 def _lengths(text: str | None) -> list[int] | None:
@@ -254,90 +247,6 @@ def print_lengths(con: Console, prof: ModelProfile) -> None:
     print_table(con, t)
 
 
-def _run_analytic(cfg: ProfileConfig) -> int:
-    """``dapple profile --analytic``: the profile from shapes and a datasheet
-    (:func:`dapple.profiler.analytic.analytic_profile`), at one or several lengths."""
-    from dapple.profiler.analytic import analytic_profile
-
-    names, sizes, lens = ", ".join(DEVICES), list(cfg.batch_sizes), cfg.seq_lens
-    if cfg.device in DEVICES:  # the spelling before --analytic took the datasheet
-        raise ValidationError(
-            f"--device {cfg.device} is a datasheet: write --analytic {cfg.device} (--device is "
-            "the torch device a measured profile runs on)"
-        )
-    if cfg.device != "auto":
-        raise ValidationError(
-            f"--device {cfg.device} applies to measured profiles; --analytic takes a datasheet "
-            f"({names})"
-        )
-    if cfg.analytic not in DEVICES:
-        got = f", got {cfg.analytic!r}" if cfg.analytic else ""
-        raise ValidationError(f"--analytic takes a datasheet: {names}{got}")
-    device = cfg.analytic
-    overrides = cfg.model.overrides()
-    precision = cfg.precision or DEVICES[device].default_precision
-
-    def at(seq: int | None) -> ModelProfile:
-        return analytic_profile(
-            str(cfg.model.spec), device, precision=precision, seq_len=seq,
-            recompute=cfg.recompute, batch_sizes=sizes, overrides=overrides,
-        )  # fmt: skip
-
-    if lens and len(set(lens)) > 1:
-        from dapple.profiler.lengths import combine_lengths
-
-        prof = combine_lengths([(n, at(n)) for n in sorted(set(lens))])
-    else:
-        prof = at(lens[0] if lens else None)
-    con = console()
-    print_profile(con, prof)
-    print_experts(con, prof)
-    if prof.by_length:
-        print_lengths(con, prof)
-    prof.save(cfg.output)
-    con.print(
-        f"wrote {cfg.output}: {prof.num_layers} layers, {prof.parameter_bytes // 4:,} parameters "
-        f"(analytic, {prof.device})"
-    )
-    return 0
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ProfileConfig:
-    """What ``dapple profile`` is asked for: the model, how to measure it (or count it), and
-    the profile file to write."""
-
-    model: ModelConfig
-    """The model (``-m`` and its flags, or a run file's ``[model]`` section)."""
-    output: str
-    """The profile JSON to write."""
-    batch_sizes: tuple[int, ...] = (1, 2, 4)
-    """Batch sizes to time (the fit is affine in the batch size)."""
-    seq_lens: tuple[int, ...] | None = None
-    """Also measure at these lengths of the model's dynamic (sequence) dimension."""
-    device: str = "auto"
-    """The torch device a measured profile runs on."""
-    repeats: int = 5
-    """Timed runs per layer (median kept)."""
-    warmup: int = 2
-    """Untimed runs per layer first."""
-    threads: int = 1
-    """Torch threads when profiling on CPU."""
-    co_workers: int = 1
-    """CPU: profile as one of this many local workers sharing the cores."""
-    precision: str | None = None
-    """Autocast while measuring (None: fp32; analytic: the datasheet's 16-bit format)."""
-    split_backward: bool = False
-    """Also time each backward's input- and weight-gradient halves."""
-    input_shape: tuple[int, ...] | None = None
-    """Per-sample input shape for ``nn.Sequential`` factories (measured profiles)."""
-    analytic: str | None = None
-    """Count the layers and time them with this datasheet's roofline instead of measuring
-    (``""``: asked for without a datasheet, refused)."""
-    recompute: str = "none"
-    """With ``analytic``: what every block re-computes in its backward."""
-
-
 def profile_config_of(args: argparse.Namespace) -> ProfileConfig | None:
     """The :class:`ProfileConfig` of ``dapple profile``'s flags (the model also from
     ``--config FILE``); with ``--print-config`` the model printed as TOML instead (None).
@@ -366,132 +275,37 @@ def run(args: argparse.Namespace) -> int:
 
 
 def run_config(cfg: ProfileConfig) -> int:
-    """Profile what ``cfg`` asks for, print the layers and write the profile (``dapple
-    profile`` once its flags are read)."""
+    """Profile what ``cfg`` asks for (:func:`dapple.api.profile`), print the layers and write
+    the profile (``dapple profile`` once its flags are read)."""
+    from dapple.api import profile
     from dapple.core.output_path import check_output_file
 
+    assert cfg.output is not None  # -o is a required flag
     check_output_file(cfg.output, "--output profile file")  # before any measuring
-    _check_mode_options(cfg)
-    if cfg.analytic is not None:
-        return _run_analytic(cfg)
-    sizes, lens = list(cfg.batch_sizes), cfg.seq_lens
-    overrides = cfg.model.overrides()
-    from dapple.core.cpu_cores import usable_cores
-    from dapple.models.zoo import load_workload
-    from dapple.profiler.host_fit import (
-        check_batch_memory,
-        check_host_memory,
-        check_local_processes,
-    )
-    from dapple.profiler.measure import profile_workload, resolve_device
-
-    dev = resolve_device(cfg.device)  # fail fast, before building the model
-    cores = usable_cores()
-    if dev.type == "cpu" and not 1 <= cfg.threads <= cores:  # 10^5 threads crash torch
-        raise ValidationError(
-            f"--threads must be from 1 to the {cores} usable cores, got {cfg.threads}"
-        )
-    workload = load_workload(str(cfg.model.spec), input_shape=cfg.input_shape, **overrides)
-    held = max(1, cfg.co_workers) if dev.type == "cpu" else 1  # co-workers run on CPU only
-    check_local_processes(held - 1, f"--co-workers {cfg.co_workers}", forked=True)
-    check_host_memory(workload, held)  # before building any layer
-    check_batch_memory(workload, max(sizes), f"--batch-sizes {','.join(map(str, sizes))}")
     con = console()
-    passes = len(set(lens)) if lens else 1
-    total = workload.num_layers * len(set(sizes)) * passes
-    with (
-        _out_of_memory_said(sizes),
-        StepProgress(f"profile {workload.name}", total, console=con) as progress,
-    ):
-        prof = profile_workload(
-            workload,
-            sizes,
-            device=cfg.device,
-            warmup=cfg.warmup,
-            repeats=cfg.repeats,
-            progress=progress,
-            num_threads=cfg.threads,
-            co_workers=cfg.co_workers,
-            precision=cfg.precision or "fp32",
-            split_backward=cfg.split_backward,
-            seq_lens=lens,
-        )
-        prof = _with_measured_experts(cfg, workload, sizes, prof)
+    with contextlib.ExitStack() as shown:
+        bar: list[StepProgress] = []
+
+        def progress(done: int, total: int | None = None, detail: str | None = None) -> None:
+            if not bar:  # the first call names the model built: the bar starts then
+                bar.append(shown.enter_context(
+                    StepProgress(f"profile {detail}", total, console=con)))  # fmt: skip
+            else:
+                bar[0](done, total, detail)
+
+        prof = profile(cfg, progress=progress)
     print_profile(con, prof)
     print_experts(con, prof)
     if prof.by_length:
         print_lengths(con, prof)
-    prof.save(cfg.output)
-    con.print(
-        f"wrote {cfg.output}: {prof.num_layers} layers, {prof.parameter_bytes:,} parameter bytes"
-    )
-    return 0
-
-
-def _check_mode_options(cfg: ProfileConfig) -> None:
-    """Refuse, rather than ignore, an option of the other kind of profile: ``--recompute`` is
-    counted by ``--analytic`` only; ``--co-workers`` share the CPU of a measured profile only,
-    and ``--repeats``, ``--warmup`` and ``--threads`` (other than their defaults) time its
-    layers. A measured profile's counts are checked here, before the model is built.
-
-    Raises:
-        ValidationError: naming the option and the kind of profile it applies to, or a count
-            out of range.
-    """
-    timing = (("--repeats", cfg.repeats, "repeats"), ("--warmup", cfg.warmup, "warmup"),
-              ("--threads", cfg.threads, "threads"))  # fmt: skip
     if cfg.analytic is not None:
-        for flag, value, name in timing:
-            if value != _PROFILE_DEFAULTS[name]:
-                raise ValidationError(
-                    f"{flag} {value} applies to measured profiles only (it times the layers); "
-                    "--analytic runs nothing"
-                )
-    elif not (1 <= cfg.repeats <= MAX_RUNS and 0 <= cfg.warmup <= MAX_RUNS):
-        raise ValidationError(
-            f"--repeats must be from 1 to {MAX_RUNS} (timed runs per layer) and --warmup from 0 "
-            f"to {MAX_RUNS}, got {cfg.repeats} and {cfg.warmup}"
+        con.print(
+            f"wrote {cfg.output}: {prof.num_layers} layers, {prof.parameter_bytes // 4:,} "
+            f"parameters (analytic, {prof.device})"
         )
-    if cfg.analytic is None and cfg.recompute != "none":
-        raise ValidationError(
-            f"--recompute {cfg.recompute} applies to --analytic profiles only; a measured "
-            "profile times each layer once (dapple train --recompute re-computes the stages)"
+    else:
+        con.print(
+            f"wrote {cfg.output}: {prof.num_layers} layers, {prof.parameter_bytes:,} parameter "
+            "bytes"
         )
-    if cfg.analytic is not None and cfg.co_workers != 1:
-        raise ValidationError(
-            f"--co-workers {cfg.co_workers} applies to measured CPU profiles only; --analytic "
-            "runs nothing"
-        )
-
-
-_PROFILE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ProfileConfig)}
-"""Each :class:`ProfileConfig` field's default."""
-
-
-def _with_measured_experts(
-    cfg: ProfileConfig, workload: Any, sizes: list[int], prof: ModelProfile
-) -> ModelProfile:
-    """``prof`` with the router, experts and expert load of a Hugging Face mixture of experts
-    measured apart (:mod:`dapple.profiler.moe_measure`); ``prof`` itself for a dense model."""
-    from dapple.profiler.moe_measure import configured_experts, measure_moe, with_moe
-
-    if not configured_experts(workload):
-        return prof
-    measured = measure_moe(workload, sizes, warmup=cfg.warmup, repeats=cfg.repeats,
-                           device=cfg.device, num_threads=cfg.threads)  # fmt: skip
-    return with_moe(prof, measured)
-
-
-@contextlib.contextmanager
-def _out_of_memory_said(sizes: list[int]) -> Iterator[None]:
-    """A host allocation that fails while profiling (a batch too large for this host's memory)
-    ends as one error line naming the batch sizes, not torch's traceback."""
-    try:
-        yield
-    except RuntimeError as e:
-        if "can't allocate memory" not in str(e):
-            raise
-        raise ValidationError(
-            f"profiling at --batch-sizes {','.join(map(str, sizes))} ran out of host memory "
-            f"({one_line(e)}): give smaller batch sizes"
-        ) from e
+    return 0
