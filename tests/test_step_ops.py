@@ -14,7 +14,9 @@ step's collective row and the metrics.
 
 Besides the counts: which stages run under the keyed-RNG context, and the fused check after
 each backward of the replay that names the first backward that left a non-finite gradient,
-in every gradient dtype.
+in every gradient dtype. Beyond one stage: the Python calls of a pipeline's message
+(:class:`~dapple.runtime.comm.PointToPoint`, posted on a recording group), and a CUDA step's
+memory reads giving ``torch.cuda``'s numbers without its flattening of every statistic.
 """
 
 from __future__ import annotations
@@ -36,20 +38,22 @@ from dapple.runtime.optim import make_optimizer
 LAYERS, B, WARMUP, SEED = 8, 2, 3, 0
 N_GRADS = 2 * LAYERS  # weight and bias per layer
 
-PER_MB_OPS = 20
-"""aten ops dapple may add per micro-batch, whatever the number of gradients: the copies of
-the micro-batch's rows and the loss kept for the guard (14 here). Before the guard read its
-verdict off the gradient norm: 65 (a sum, a fill and a stride per gradient after each
-backward), and 106 before that."""
-PER_MB_CALLS = 30
+PER_MB_OPS = 10
+"""aten ops dapple may add per micro-batch, whatever the number of gradients: the clone of the
+micro-batch's input rows, the clone of its (floating) target rows and the float64 sum of the
+loss kept for the guard (10 here; 12 while each was converted with ``to(copy=True)``, 65
+while the guard checked the gradients after each backward, 106 before that)."""
+PER_MB_CALLS = 28
 """Python calls dapple may add per micro-batch: a fixed number for the executor, the
-interpreter and the guard (22 here; 61 with a check after each backward, 118 before that)."""
-PER_STEP_OPS = 4 * N_GRADS + 40
+interpreter and the guard (28 here; 61 with a check after each backward, 118 before that)."""
+PER_STEP_OPS = 4 * N_GRADS + 13
 """aten ops dapple may add once per step: the gradient norm (a norm and a stack's view per
-gradient), the guard's verdict, the step's row, the metrics (81 here; 105 while a world of one
-still built its row on the device and the norm's square root without clipping)."""
-PER_STEP_CALLS = 190
-"""Python calls dapple may add once per step (159 here; 201 before the same change)."""
+gradient, the squares' sum in one ``dot``), the guard's verdict, the step's row, the metrics
+(77 here; 81 with ``square().sum()``, 105 while a world of one still built its row on the
+device and the norm's square root without clipping)."""
+PER_STEP_CALLS = 175
+"""Python calls dapple may add once per step (172 here; 201 before a world of one read its
+row in one copy)."""
 
 
 @pytest.fixture(scope="module")
@@ -189,3 +193,75 @@ def test_the_guards_fused_check_flags_each_backward_in_any_gradient_dtype(
     assert first_bad([float("-inf"), 1.0, float("nan"), 1.0]) == [1.0, 0.0]
     assert first_bad([1.0] * 9 + [float("inf")]) == [1.0, 9.0]  # more backwards than 8 slots
     assert first_bad([1.0, 1.0]) == [-1.0, -1.0]  # the flags of the step before were reset
+
+
+# -- what a pipeline's message and a CUDA step's memory reads cost ----------------------------
+class _Group:
+    """A process group that records what is posted on it."""
+
+    def __init__(self) -> None:
+        self.posted: list[tuple[str, torch.Tensor, int, int]] = []
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> str:
+        self.posted.append(("send", tensors[0], dst, tag))
+        return "work"
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> str:
+        self.posted.append(("recv", tensors[0], src, tag))
+        return "work"
+
+
+PER_MESSAGE_CALLS = 6
+"""Python calls of a stage's send or receive to another rank, the group's own included (5
+here; ``torch.distributed.isend`` with its checks took 38)."""
+
+
+def test_a_stage_message_is_posted_on_the_group_in_a_few_calls(one_rank: None) -> None:
+    import cProfile
+    import pstats
+
+    from dapple.runtime.comm import PointToPoint
+
+    p2p = PointToPoint()
+    assert p2p.rank == 0
+    group = p2p.group = _Group()
+    t = torch.ones(2, 3)
+    prof = cProfile.Profile()
+    prof.enable()
+    for tag in range(10):
+        p2p.isend(t, 1, tag)
+        p2p.irecv(t, 1, tag)
+    prof.disable()
+    calls = pstats.Stats(prof).total_calls / 20  # type: ignore[attr-defined]
+    assert calls <= PER_MESSAGE_CALLS, f"{calls} Python calls per message"
+    assert [(k, x is t, peer, tag) for k, x, peer, tag in group.posted[:2]] == [
+        ("send", True, 1, 0),
+        ("recv", True, 1, 0),
+    ]
+    z = torch.zeros(2, dtype=torch.complex64)  # as torch.distributed sends it: its real view
+    p2p.isend(z, 1, 5)
+    assert group.posted[-1][1].shape == (2, 2) and group.posted[-1][1].dtype == torch.float32
+    own = torch.empty(2)  # a message to itself never reaches the group
+    p2p.isend(torch.tensor([1.0, 2.0]), 0, 9)
+    assert p2p.irecv(own, 0, 9).is_completed() and own.tolist() == [1.0, 2.0]
+    assert len(group.posted) == 21
+
+
+def test_cuda_memory_reads_give_torchs_numbers(monkeypatch: pytest.MonkeyPatch) -> None:
+    from dapple.runtime.metrics import cuda_bytes
+
+    stats: dict[str, Any] = {"num_ooms": 0, "max_split_size": -1}
+    for n, kind in enumerate(("allocated_bytes", "reserved_bytes", "active_bytes")):
+        stats[kind] = {
+            pool: {"current": 10 * n + k, "peak": 100 * n + k, "allocated": 7, "freed": 3}
+            for k, pool in enumerate(("all", "small_pool", "large_pool"))
+        }
+    fake = lambda device=None: stats  # noqa: E731
+    monkeypatch.setattr(torch.cuda.memory, "memory_stats_as_nested_dict", fake)
+    monkeypatch.setattr(torch.cuda, "memory_stats_as_nested_dict", fake)
+    dev = torch.device("cuda", 0)
+    assert cuda_bytes(dev, "allocated_bytes", "peak") == torch.cuda.max_memory_allocated(dev) == 0
+    assert cuda_bytes(dev, "reserved_bytes", "peak") == torch.cuda.max_memory_reserved(dev) == 100
+    assert cuda_bytes(dev, "reserved_bytes", "current") == torch.cuda.memory_reserved(dev) == 10
+    stats.clear()  # before CUDA is initialised
+    assert cuda_bytes(dev, "allocated_bytes", "peak") == torch.cuda.max_memory_allocated(dev) == 0

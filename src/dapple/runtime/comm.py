@@ -6,7 +6,9 @@ staged*: copied to a CPU tensor, moved by gloo, and copied back into the device 
 work is waited for (:func:`transport_for` chooses; :func:`set_host_staged` switches it on). The
 functions here take the arguments of their ``torch.distributed`` namesakes and return works
 with ``wait()`` and ``is_completed()``; with staging off, or for CPU tensors, they are the
-``torch.distributed`` calls themselves.
+``torch.distributed`` calls themselves. A stage's messages go through :class:`PointToPoint`,
+which reads the group, the rank and the staging switch once for the run and posts each message
+on the group itself.
 
 ``DAPPLE_HOST_STAGED=1`` stages every tensor, CPU ones included (tests run the staged path on
 gloo/CPU that way).
@@ -24,9 +26,11 @@ from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
+from torch.overrides import has_torch_function
 
 __all__ = [
     "HOST_STAGED_ENV",
+    "PointToPoint",
     "all_gather",
     "all_gather_single",
     "all_reduce",
@@ -163,6 +167,50 @@ class _Loopback:
 
     def is_completed(self) -> bool:
         return self.done
+
+
+class PointToPoint:
+    """``isend``/``irecv`` on the default process group of one run, as :func:`isend` and
+    :func:`irecv` post them, with what they look up per message read once: the group, this
+    rank, whether tensors are host staged (:func:`host_staged`, ``DAPPLE_HOST_STAGED``).
+
+    A plain tensor's message goes to ``ProcessGroup.send``/``recv`` directly, which is what
+    ``torch.distributed.isend``/``irecv`` call after their per-call checks (a complex tensor as
+    its real view, as they send it); a tensor subclass with ``__torch_function__`` takes the
+    ``torch.distributed`` call.
+    """
+
+    def __init__(self) -> None:
+        on = dist.is_initialized()  # off: a stage built outside a run, which sends nothing
+        self.group: Any = dist.group.WORLD if on else None
+        self.rank = dist.get_rank() if on else -1
+        self._every = os.environ.get(HOST_STAGED_ENV) == "1"
+        """Every tensor is host staged, CPU ones too (``DAPPLE_HOST_STAGED=1``)."""
+        self._device = _host_staged
+        """Device tensors are host staged (:func:`set_host_staged`)."""
+
+    def isend(self, t: torch.Tensor, dst: int, tag: int) -> Any:
+        """Post the send of ``t`` to global rank ``dst``; returns its work."""
+        if dst == self.rank:
+            return _Loopback.send(t, tag)
+        if self._every or (self._device and t.device.type != "cpu"):
+            host = _host(t)
+            return _Staged(dist.isend(host, dst=dst, tag=tag), None, [host])
+        if has_torch_function((t,)):
+            return dist.isend(t, dst=dst, tag=tag)
+        return self.group.send([torch.view_as_real(t) if t.is_complex() else t], dst, tag)
+
+    def irecv(self, t: torch.Tensor, src: int, tag: int) -> Any:
+        """Post the receive of ``t`` from global rank ``src``; returns its work."""
+        if src == self.rank:
+            return _Loopback.recv(t, tag)
+        if self._every or (self._device and t.device.type != "cpu"):
+            host = torch.empty_like(t, device="cpu")
+            work = dist.irecv(host, src=src, tag=tag)
+            return _Staged(work, lambda: t.copy_(host), [host])
+        if has_torch_function((t,)):
+            return dist.irecv(t, src=src, tag=tag)
+        return self.group.recv([torch.view_as_real(t) if t.is_complex() else t], src, tag)
 
 
 def isend(t: torch.Tensor, dst: int, tag: int = 0, group: Any = None) -> Any:

@@ -42,6 +42,7 @@ __all__ = [
     "MetricsSink",
     "StepProbe",
     "announce",
+    "cuda_bytes",
     "device_row",
     "global_norm",
     "host_row",
@@ -135,9 +136,7 @@ def resident_bytes(device: torch.device, peak: bool) -> int:
     it survives ``execve``, so a spawned worker's starts at its launcher's resident size at the
     fork, where ``VmHWM`` is the worker's own."""
     if device.type == "cuda":
-        return int(
-            torch.cuda.max_memory_reserved(device) if peak else torch.cuda.memory_reserved(device)
-        )
+        return cuda_bytes(device, "reserved_bytes", "peak" if peak else "current")
     key = b"VmHWM:" if peak else b"VmRSS:"
     try:
         status = os.pread(_status_fd(), 8192, 0)
@@ -147,6 +146,16 @@ def resident_bytes(device: torch.device, peak: bool) -> int:
     if at < 0:  # pragma: no cover - a kernel without the field
         return 0
     return int(status[at + len(key) : status.index(b"kB", at)]) * 1024
+
+
+def cuda_bytes(device: torch.device, kind: str, which: str) -> int:
+    """CUDA's caching allocator's ``kind`` (``allocated_bytes``, ``reserved_bytes``) over all
+    pools, ``which`` (``peak``, ``current``): ``torch.cuda.max_memory_allocated``'s,
+    ``max_memory_reserved``'s and ``memory_reserved``'s numbers, read from
+    ``torch.cuda.memory_stats_as_nested_dict`` (they flatten and sort every statistic first,
+    hundreds of Python calls per read; 0 before CUDA is initialised, as they give)."""
+    stats = torch.cuda.memory_stats_as_nested_dict(device)
+    return int(stats.get(kind, {}).get("all", {}).get(which, 0))
 
 
 _STATUS: list[int] = []
@@ -214,7 +223,7 @@ class StepProbe:
     def peak_bytes(self) -> int:
         """This step's peak so far (called just before the step's collective)."""
         if self.cuda:
-            return torch.cuda.max_memory_allocated(self.device)
+            return cuda_bytes(self.device, "allocated_bytes", "peak")
         if self._metering:
             self._peaks[self._shapes] = self.meter.peak_bytes
         return self._peaks.get(self._shapes, 0)

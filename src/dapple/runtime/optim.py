@@ -240,7 +240,8 @@ def _local_sq_norm(groups: GradGroups, device: torch.device) -> torch.Tensor:
     ]
     if not norms:
         return torch.zeros((), dtype=torch.float64, device=device)
-    return (torch.cat(norms) if len(norms) > 1 else norms[0]).square().sum()
+    v = torch.cat(norms) if len(norms) > 1 else norms[0]
+    return v.dot(v)  # the squares' sum in one op
 
 
 class ModelUpdate:

@@ -137,6 +137,13 @@ class StageExecutor:
         self._batch_inputs: tuple[Any, ...] = ()
         self._batch_is_tuple = False
         self._targets: torch.Tensor | None = None
+        self._inputs_here = False
+        """The step's inputs are on the device already: a micro-batch's rows are cloned (no
+        conversion to look up)."""
+        self._targets_here: bool | None = None
+        """The step's targets are on the device already (None: not; a micro-batch's rows are
+        copied there), and are integers (True: read through a view, where no rounding depends
+        on their place in memory; False: cloned)."""
         self._global_batch = plan.global_batch_size
         self.loss_sum: torch.Tensor | float = 0.0
         """The step's loss part so far (last stage): a float64 tensor on the device, summed
@@ -150,6 +157,10 @@ class StageExecutor:
         self._batch_is_tuple = isinstance(inputs, (tuple, list))
         self._batch_inputs = tuple(self._staged(t) for t in flatten(inputs)) if self.s == 0 else ()
         self._targets = self._staged(targets) if self.last else targets
+        self._inputs_here = all(t.device == self.device for t in self._batch_inputs)
+        t = self._targets
+        here = isinstance(t, torch.Tensor) and t.device == self.device
+        self._targets_here = (not t.dtype.is_floating_point) if here else None
         self.loss_sum = 0.0
 
     def _staged(self, t: Any) -> Any:
@@ -299,9 +310,11 @@ class StageExecutor:
             # a copy, metered or not: a view would keep (and be metered as) the whole global
             # batch, and its offset in memory can change a kernel's rounding, so a step that is
             # metered (after a resume: its first) would not compute what an unmetered one does
-            xs = [
-                t[r0:r1].to(self.device, copy=True, non_blocking=True) for t in self._batch_inputs
-            ]
+            if self._inputs_here:
+                xs = [t[r0:r1].clone() for t in self._batch_inputs]
+            else:
+                xs = [t[r0:r1].to(self.device, copy=True, non_blocking=True)
+                      for t in self._batch_inputs]  # fmt: skip
         else:
             xs = self.links.wait_concat(m, False)
             for t in xs:
@@ -339,9 +352,11 @@ class StageExecutor:
         if self.last:
             b = self.plan.micro_batch_size
             assert self._targets is not None
-            tgt = self._targets[m * b + self.lo : m * b + self.hi].to(
-                self.device, copy=True, non_blocking=True
-            )
+            tgt = self._targets[m * b + self.lo : m * b + self.hi]
+            if self._targets_here is None:
+                tgt = tgt.to(self.device, copy=True, non_blocking=True)
+            elif not self._targets_here:  # integer targets already here: read as they are
+                tgt = tgt.clone()
             out = to_fp32(out) if self.precision.dtype is not None else out  # fp32 loss
             st.loss = self.loss_fn(out, tgt) * ((self.hi - self.lo) / self._global_batch)
             part = st.loss.detach()  # summed in float64, without a host read

@@ -118,6 +118,8 @@ class StageLinks:
         """Replica of stage s-1 -> (the ranks this rank sends gradients to, the one it receives
         activations from): tensor groups pair by index (:func:`peer_ranks`)."""
         self.next_ranks = _peers(plan, stage, stage + 1, tensor_rank) if stage < S - 1 else {}
+        self.p2p = comm.PointToPoint()
+        """The messages' sends and receives on the run's process group."""
         self.waiting_on: tuple[str, int] | None = None
         self.pending: list[Any] = []
         """Sends posted and not yet known complete (kept alive with their buffers)."""
@@ -166,7 +168,7 @@ class StageLinks:
             assert self.in_spec is not None
             hdr = header_buffer(self.in_spec, self.device)
             tag = message_tag(m, False, HEADER_INDEX, self.s - 1)
-            work = comm.irecv(hdr, src=rank, tag=tag)
+            work = self.p2p.irecv(hdr, rank, tag)
             table.setdefault(m, []).append(_Recv(lo, hi, rank, [], [work], header=hdr))
         else:
             r = _Recv(lo, hi, rank, [], [], deferred=True)
@@ -205,10 +207,10 @@ class StageLinks:
             if self.dynamic:
                 hdr = shape_header(output, self.device)
                 tag = message_tag(m, False, HEADER_INDEX, self.s)
-                works.append(comm.isend(hdr, dst=rank, tag=tag))
+                works.append(self.p2p.isend(hdr, rank, tag))
             for i, t in enumerate(output):
-                piece = t.detach()[lo - self.lo : hi - self.lo].contiguous()
-                works.append(comm.isend(piece, dst=rank, tag=message_tag(m, False, i, self.s)))
+                piece = self._rows(t.detach(), lo, hi)
+                works.append(self.p2p.isend(piece, rank, message_tag(m, False, i, self.s)))
         return works
 
     def keep_grads(self, m: int, inputs: Sequence[torch.Tensor]) -> None:
@@ -225,16 +227,23 @@ class StageLinks:
         lo, hi = self.in_rows[peer]
         for rank in self.prev_ranks[peer][0]:
             for i, g in enumerate(self._grad_in[m]):
-                piece = g[lo - self.lo : hi - self.lo].contiguous()
+                piece = self._rows(g, lo, hi)
                 tag = message_tag(m, True, i, self.s - 1)
-                self.pending.append(comm.isend(piece, dst=rank, tag=tag))
+                self.pending.append(self.p2p.isend(piece, rank, tag))
         self._grad_in_left[m] -= 1
         if self._grad_in_left[m] == 0:  # the pending sends keep their pieces alive
             del self._grad_in[m], self._grad_in_left[m]
 
+    def _rows(self, t: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+        """Rows ``[lo, hi)`` of a micro-batch's tensor ``t`` of this replica's rows, contiguous
+        (``t`` itself when they are all of its rows and it is)."""
+        if lo == self.lo and hi == self.hi:
+            return t.contiguous()
+        return t[lo - self.lo : hi - self.lo].contiguous()
+
     def _irecv(self, bufs: list[torch.Tensor], rank: int, m: int, backward: bool) -> list[Any]:
         return [
-            comm.irecv(buf, src=rank, tag=message_tag(m, backward, i, self.s - 1 + backward))
+            self.p2p.irecv(buf, rank, message_tag(m, backward, i, self.s - 1 + backward))
             for i, buf in enumerate(bufs)
         ]
 
