@@ -52,7 +52,7 @@ from dapple.cost.peak_memory import expert_stage_state_bytes, in_flight_limit, s
 from dapple.cost.terms import StageTerms
 from dapple.errors import InfeasibleError
 from dapple.planner.evaluate import Scorer
-from dapple.planner.stage_options import StageOption, StageOptions
+from dapple.planner.stage_options import LazyOptions, StageOption, StageOptions
 from dapple.planner.zero_modes import UNSHARDED, ZeroMode
 
 __all__ = [
@@ -153,28 +153,33 @@ class ExpertScorer(Scorer):
         ]
 
     def _new_options(self, s: int, e: int, d: tuple[int, ...], b: int) -> StageOptions:
-        """The zero modes' options, and each EP width's (cheapest per step first: AR_s + U_s +
-        its traffic): the cheapest width at ZeRO 0 first when it costs less per step than the
-        unsharded option (taken then where it holds K_i, ZeRO only where memory asks, as
+        """The zero modes' options, and each EP width's: the cheapest width at ZeRO 0 (AR_s +
+        U_s + its traffic) first when it costs less per step than the unsharded option (taken
+        then where it holds K_i, ZeRO only where memory asks, as
         :func:`~dapple.planner.stage_options.pick_zero_mode` takes the unsharded option), else
-        after the zero modes; ``widths`` not containing 1 drops the unsharded option of a stage
-        that has widths."""
-        plain = super()._new_options(s, e, d, b)
-        ep = [(m, self._stage(s, e, d, b, m)) for m in self.expert_modes(s, e, len(d))]
-        if not ep:
-            return plain
-        ep.sort(key=lambda x: x[1].ar + x[1].traffic)
-        if self.widths is not None and 1 not in self.widths:
-            return ep
-        first = next((x for x in ep if x[0].stage == 0), None)
-        if (
-            first is not None
-            and plain
-            and plain[0][0] == UNSHARDED
-            and first[1].ar + first[1].traffic < plain[0][1].ar
-        ):
-            return [first, *plain, *(x for x in ep if x is not first)]
-        return [*plain, *ep]
+        after the zero modes; the widths at ZeRO 1 and 2 last, each costed when first read
+        (:class:`~dapple.planner.stage_options.LazyOptions`: where the first option holds K_i
+        they are not); ``widths`` not containing 1 drops the unsharded option of a stage that
+        has widths."""
+        modes = self.expert_modes(s, e, len(d))
+        if not modes:
+            return super()._new_options(s, e, d, b)
+        known = {m: self._stage(s, e, d, b, m) for m in modes if m.stage == 0}
+        zero = sorted(known, key=lambda m: known[m].ar + known[m].traffic)
+        rest = [m for m in modes if m.stage != 0]
+        plain: list[ZeroMode] = []
+        if self.widths is None or 1 in self.widths:
+            plain = list(self._modes(s, e, len(d)))
+        if plain and zero and plain[0] == UNSHARDED:
+            known[UNSHARDED] = self._stage(s, e, d, b, UNSHARDED)
+            if known[zero[0]].ar + known[zero[0]].traffic < known[UNSHARDED].ar:
+                plain.insert(0, zero.pop(0))
+
+        def make(mode: ZeroMode) -> StageOption:
+            got = known.get(mode)
+            return got if got is not None else self._stage(s, e, d, b, mode)
+
+        return LazyOptions([*plain, *zero, *rest], make)
 
     def _stage(
         self, s: int, e: int, d: tuple[int, ...], b: int, mode: ZeroMode = UNSHARDED
