@@ -12,7 +12,9 @@ lower bounds.
 
 On the command line the kinds' profiles are one spec, ``KIND=FILE`` per kind
 (:func:`parse_profile_set`): ``--profile H100=h100.json --profile A100=a100.json``, or
-``profile = "H100=h100.json,A100=a100.json"`` in a config file.
+``profile = "H100=h100.json,A100=a100.json"`` in a config file. A cluster with them saves them
+in its file (each kind's ``profile``, :meth:`~dapple.core.cluster.Cluster.save`), and such a
+file gives them back when loaded.
 """
 
 from __future__ import annotations
