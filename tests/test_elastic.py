@@ -19,6 +19,7 @@ import pytest
 
 from builders import make_profile
 from dapple.core.cluster_presets import PRESETS
+from dapple.core.device_kinds import DeviceKind
 from dapple.core.plan import Plan, straight_plan
 from dapple.core.profile import ModelProfile
 from dapple.errors import ValidationError
@@ -397,3 +398,44 @@ def test_a_torchrun_survivor_of_a_lost_peer_says_so_while_torchrun_restarts(
     assert line.startswith(f"dapple: {closing}"), line
     assert "Connection closed by peer" in line
     assert ("torchrun restarts the workers and dapple re-plans" in line) == (restarts_done == 0)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_run_on_two_kinds_with_their_profiles_replans_on_the_kind_left(tmp_path: Path) -> None:
+    """``train --elastic`` on a cluster of two kinds (2 servers of 2), each with its own
+    profile (``--profile H=... --profile A=...``): rank 0, an H device, is killed; the run
+    re-plans on the A server alone (devices 2, 3 of the first plan) and its losses are those
+    of one uninterrupted device."""
+    h = _profile()
+    a = dataclasses.replace(h, layers=tuple(
+        dataclasses.replace(x, forward=dataclasses.replace(x.forward, per_sample_ms=4 * x.forward.per_sample_ms))
+        for x in h.layers))  # fmt: skip
+    h.save(tmp_path / "h.json")
+    a.save(tmp_path / "a.json")
+    cluster = dataclasses.replace(CPU, servers=2, devices_per_server=2, kinds=(
+        DeviceKind(name="H", servers=1, device_memory_bytes=CPU.device_memory_bytes),
+        DeviceKind(name="A", servers=1, device_memory_bytes=CPU.device_memory_bytes)))  # fmt: skip
+    cluster.save(tmp_path / "kinds.json")
+    _plan31().save(tmp_path / "plan.json")
+    cmd = [sys.executable, "-m", "dapple", "train", "--plan", "plan.json", "-m", "mlp",
+           "--steps", str(STEPS), "--checkpoint-dir", "ck", "--save-every", "1",
+           "--metrics", "m.jsonl", "--optimizer", "adamw", "--lr", "1e-2", "--seed", "5",
+           "--device", "cpu", "--timeout-s", "60", "--keep", "0", "--elastic",
+           "--profile", "H=h.json", "--profile", "A=a.json", "--cluster", "kinds.json",
+           "--max-restarts", "2"]  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, "PYTHONPATH": _pythonpath()})  # fmt: skip
+    try:
+        _kill_worker(tmp_path, proc, at_step=3, index=0)
+        out, err = proc.communicate(timeout=600)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    _, events = metrics_lines(tmp_path / "m.jsonl")
+    assert len(events) == 1 and events[0]["lost_ranks"] == [0], events
+    assert "lost rank 0, re-planning for the 2 devices left" in out, out[-3000:]  # 1 idle
+    assert len(Plan.from_dict(events[0]["new_plan"]).devices) <= 2  # the A server's two
+    losses = _last_loss_per_step(tmp_path / "m.jsonl")
+    assert sorted(losses) == list(range(STEPS))
+    assert [losses[i] for i in range(STEPS)] == pytest.approx(_reference_losses(STEPS), rel=1e-5)
