@@ -233,7 +233,8 @@ def test_api_plan_takes_zero_stage_and_servers_like_the_cli(
 
 # -- dapple simulate --------------------------------------------------------------------------------
 def test_every_simulate_flag_is_a_simulate_config_field_with_its_default() -> None:
-    from dapple.cli.simulate_cmd import SimulateConfig, simulate_config_of
+    from dapple.api.simulating import SimulateConfig
+    from dapple.cli.simulate_cmd import simulate_config_of
 
     actions = _flag_actions("simulate")
     fields = {f.name: f for f in dataclasses.fields(SimulateConfig)}

@@ -29,11 +29,14 @@ them again, so models defined in a ``file.py`` train and verify like installed o
 A profile is asked for by a :class:`~dapple.api.profiling.ProfileConfig` (``dapple profile``'s
 flags read into it): ``dp.profile(cfg)`` measures it, or counts it with ``analytic``.
 
+A simulation is asked for by a :class:`~dapple.api.simulating.SimulateConfig` (``dapple
+simulate``'s flags read into it): ``dp.simulate(cfg)``.
+
 The functions live in :mod:`dapple.api.profiling` (profile), :mod:`dapple.api.planning`
-(plan, plan_local, simulate), :mod:`dapple.api.running` (train, generate) and
-:mod:`dapple.api.verifying` (verify, verify_many). They load on first use (:pep:`562`), so a
-command that reads its configuration (:class:`~dapple.api.profiling.ProfileConfig`) refuses a
-bad value without importing torch.
+(plan, plan_local), :mod:`dapple.api.simulating` (simulate), :mod:`dapple.api.running` (train,
+generate) and :mod:`dapple.api.verifying` (verify, verify_many). They load on first use
+(:pep:`562`), so a command that reads its configuration (:class:`~dapple.api.profiling.ProfileConfig`)
+refuses a bad value without importing torch.
 """
 
 from __future__ import annotations
@@ -43,9 +46,10 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from dapple.api._inputs import PlanInputs, RunInputs, plan_inputs, plan_with, run_inputs
-    from dapple.api.planning import plan, plan_local, simulate
+    from dapple.api.planning import plan, plan_local
     from dapple.api.profiling import ProfileConfig, profile
     from dapple.api.running import generate, train
+    from dapple.api.simulating import SimulateConfig, simulate
     from dapple.api.verifying import verify, verify_many
     from dapple.models.spec import load
 
@@ -57,7 +61,8 @@ _HOMES = {
     "run_inputs": "dapple.api._inputs",
     "plan": "dapple.api.planning",
     "plan_local": "dapple.api.planning",
-    "simulate": "dapple.api.planning",
+    "SimulateConfig": "dapple.api.simulating",
+    "simulate": "dapple.api.simulating",
     "ProfileConfig": "dapple.api.profiling",
     "profile": "dapple.api.profiling",
     "generate": "dapple.api.running",
@@ -86,6 +91,7 @@ __all__ = [
     "PlanInputs",
     "ProfileConfig",
     "RunInputs",
+    "SimulateConfig",
     "generate",
     "load",
     "plan",

@@ -1,7 +1,7 @@
-"""The Python API's planning side: plan a profiled model on a cluster, simulate a step.
+"""The Python API's planning side: plan a profiled model on a cluster.
 
-:func:`plan`, :func:`plan_local` and :func:`simulate` (``dapple plan``, ``dapple simulate``),
-re-exported by :mod:`dapple.api`.
+:func:`plan` and :func:`plan_local` (``dapple plan``, ``dapple plan-local``), re-exported by
+:mod:`dapple.api`.
 """
 
 from __future__ import annotations
@@ -14,15 +14,11 @@ from typing import TYPE_CHECKING, Any, overload
 from dapple.api._inputs import (
     PlanInputs,
     WorkloadLike,
-    as_cluster,
     as_workload,
     plan_inputs,
-    plan_with,
-    with_profile_set,
 )
 from dapple.core.cluster import Cluster
 from dapple.core.plan import Plan
-from dapple.core.plan_checks import check_expert_widths
 from dapple.core.planning_options import ZeroChoice
 from dapple.core.profile import ModelProfile
 from dapple.errors import ValidationError
@@ -31,9 +27,8 @@ from dapple.schedule.registry import check_virtual_stages
 if TYPE_CHECKING:
     from dapple.planner.config import PlanConfig
     from dapple.planner.search import Progress
-    from dapple.simulate import SimResult
 
-__all__ = ["plan", "plan_local", "simulate"]
+__all__ = ["plan", "plan_local"]
 
 
 @overload
@@ -253,39 +248,3 @@ def plan_local(
         as_workload(workload, overrides), global_batch_size, nprocs, repeats=repeats
     )
     return best.plan
-
-
-def simulate(
-    plan: Plan | str | Path,
-    profile: ModelProfile | str | Path,
-    cluster: Cluster | str,
-    *,
-    schedule: str | None = None,
-    policy: str | None = None,
-    virtual_stages: int = 1,
-) -> SimResult:
-    """Simulate one step of a plan (``dapple simulate``).
-
-    Args:
-        plan: A :class:`Plan` or its JSON path.
-        profile: A :class:`ModelProfile`, its JSON path, or ``paper:NAME``.
-        cluster: A :class:`Cluster`, a preset name or a file.
-        schedule: ``gpipe``, ``dapple``, ``interleaved`` or ``zbh1`` instead of the plan's.
-        policy: ``A`` or ``B`` instead of the plan's.
-        virtual_stages: v, model chunks per device group with ``schedule="interleaved"``.
-
-    Raises:
-        ValidationError: The plan does not fit the profile or cluster, the profile is of
-            another model than the plan's (:meth:`~dapple.core.plan.Plan.check_fingerprint`),
-            or the schedule does not fit the plan (v not dividing a device group's layers, M
-            not a multiple of the groups).
-    """
-    from dapple.simulate import simulate as _simulate
-
-    p = plan_with(plan, schedule, policy, virtual_stages)
-    prof, cl = with_profile_set(profile, as_cluster(cluster))  # a profile per kind, if given
-    named = f"of {prof.model_name!r}" if isinstance(profile, ModelProfile) else repr(str(profile))
-    p.check_fingerprint(prof.model_fingerprint, f"the profile {named}")
-    if p.num_layers == prof.num_layers:  # another count is the simulator's refusal
-        check_expert_widths(p, prof, f"the profile {named}")
-    return _simulate(p, prof, cl)

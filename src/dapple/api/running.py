@@ -22,7 +22,7 @@ from dapple.api._inputs import (
     run_inputs,
     with_profile_set,
 )
-from dapple.api.planning import simulate
+from dapple.api.simulating import simulate
 from dapple.core.cluster import Cluster
 from dapple.core.plan import Plan
 from dapple.core.profile import ModelProfile

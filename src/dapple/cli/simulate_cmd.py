@@ -1,35 +1,35 @@
 """``dapple simulate``: run a plan's schedule through the discrete-event simulator.
 
-The flags are read once into a :class:`SimulateConfig`; :func:`run_config` simulates it
-(:func:`dapple.api.simulate`), prints each run and writes the files asked for.
+The flags are read once into a :class:`~dapple.api.simulating.SimulateConfig`; :func:`run_config`
+simulates it (:func:`dapple.api.simulating.simulate_runs`), prints each run and writes the files
+asked for.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import math
 import sys
-from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Any, cast
+from dataclasses import fields
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.table import Table
 
+from dapple.api.simulating import SimulateConfig
 from dapple.cli._console import console, print_table
 from dapple.cli._profile_arg import add_profile_argument
 from dapple.cli._renamed import renamed
 from dapple.cli._run_args import add_virtual_stages_argument
 from dapple.core.cluster import Cluster
 from dapple.core.cluster_presets import describe_presets
-from dapple.core.plan import Plan
 from dapple.errors import ValidationError
-from dapple.schedule.registry import check_virtual_stages, get_schedule, schedule_names
+from dapple.schedule.registry import schedule_names
 
 if TYPE_CHECKING:
     from dapple.simulate import SimResult
 
-__all__ = ["SimulateConfig", "register", "run", "run_config", "simulate_config_of"]
+__all__ = ["register", "run", "run_config", "simulate_config_of"]
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -70,37 +70,6 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.set_defaults(func=run)
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class SimulateConfig:
-    """What ``dapple simulate`` is asked for: the plan, what it runs on, and what to write."""
-
-    plan: str
-    """The plan JSON (from ``dapple plan``)."""
-    profile: str
-    """The model profile JSON, or ``paper:NAME``."""
-    cluster: str
-    """A cluster JSON/TOML file or preset."""
-    servers: int | None = None
-    """Another number of servers than the cluster's."""
-    schedule: str | None = None
-    """Simulate this schedule instead of the plan's."""
-    virtual_stages: int = 1
-    """v, model chunks per device group with ``schedule = "interleaved"``."""
-    policy: str | None = None
-    """The warm-up policy (``A`` or ``B``) instead of the plan's."""
-    other_schedule: bool = False
-    """Also simulate the plan under the schedule its own is measured against
-    (:attr:`~dapple.schedule.spec.ScheduleSpec.compare_with`) and stack both in the pictures."""
-    gantt: str | None = None
-    """A Gantt chart image to write (PNG/SVG/PDF)."""
-    trace: str | None = None
-    """A Chrome/Perfetto trace JSON to write."""
-    memory: str | None = None
-    """A memory-over-time plot image to write."""
-    layout: str | None = None
-    """A picture of the plan's stages on the cluster to write."""
-
-
 def simulate_config_of(args: argparse.Namespace) -> SimulateConfig:
     """The :class:`SimulateConfig` of ``dapple simulate``'s parsed flags (one per field)."""
     return SimulateConfig(**{f.name: getattr(args, f.name) for f in fields(SimulateConfig)})
@@ -110,17 +79,18 @@ def run(args: argparse.Namespace) -> int:
     return run_config(simulate_config_of(args))
 
 
-Run = tuple[str, "SimResult"]
-"""A simulated plan's title and result."""
-
-
 def run_config(cfg: SimulateConfig) -> int:
     """Simulate what ``cfg`` asks for, print each run and write the files asked for
     (``dapple simulate`` once its flags are read)."""
+    from dapple.api.simulating import simulate_runs
+
     if cfg.servers is not None and cfg.servers < 1:  # before the plan and profile are read
         raise ValidationError(f"--servers must be >= 1, got {cfg.servers}")
     _check_outputs(cfg)
-    plan, cluster, runs = _simulated(cfg)
+    done = simulate_runs(cfg, flags=True)
+    if done.doubt is not None:
+        print(f"dapple: warning: --profile {cfg.profile!r}: {done.doubt}", file=sys.stderr)
+    plan, cluster, runs = done.plan, done.cluster, done.runs
     con = console()
     for title, r in runs:
         _print_run(con, title, r, cluster)
@@ -149,33 +119,6 @@ def run_config(cfg: SimulateConfig) -> int:
         write_trace(runs[0][1], cfg.trace)
         con.print(f"wrote {cfg.trace}")
     return 0
-
-
-def _simulated(cfg: SimulateConfig) -> tuple[Plan, Cluster, list[Run]]:
-    """``cfg``'s plan (under its schedule and policy), its cluster, and the simulated runs: the
-    plan's, and with ``other_schedule`` the other schedule's (baseline first)."""
-    from dapple.api import simulate
-    from dapple.api._inputs import with_profile_set
-    from dapple.core.cluster_presets import load_cluster
-    from dapple.simulate.schedules import baseline_first, compared_plan, with_schedule
-
-    plan = Plan.load(cfg.plan)
-    profile, kinds = with_profile_set(cfg.profile, load_cluster(cfg.cluster, cfg.servers))
-    plan.check_fingerprint(profile.model_fingerprint, f"--profile {cfg.profile!r}")
-    doubt = plan.profile_doubt(profile.model_name, profile.model_fingerprint)
-    if doubt is not None:
-        print(f"dapple: warning: --profile {cfg.profile!r}: {doubt}", file=sys.stderr)
-    cluster = kinds  # with each kind's own profile, for a profile set
-    if cfg.policy:
-        plan = dataclasses.replace(plan, policy=cast(Any, cfg.policy))
-    check_virtual_stages(cfg.virtual_stages, cfg.schedule, cli=True)
-    if cfg.schedule:
-        plan = with_schedule(plan, cfg.schedule, cfg.virtual_stages)
-    runs = [(_title(plan), simulate(plan, profile, cluster))]
-    if cfg.other_schedule:
-        other = compared_plan(plan)
-        runs = baseline_first([*runs, (_title(other), simulate(other, profile, cluster))])
-    return plan, cluster, runs
 
 
 def _print_run(con: Console, title: str, r: SimResult, cluster: Cluster) -> None:
@@ -225,8 +168,3 @@ def _check_outputs(cfg: SimulateConfig) -> None:
         if path is not None:
             check = check_output_file if opt == "trace" else check_picture_file
             check(path, f"--{opt} file")
-
-
-def _title(plan: Plan) -> str:
-    name = get_schedule(plan.schedule).title_of(plan)
-    return f"{name}, {plan.replication}, M={plan.num_micro_batches}"

@@ -1,0 +1,192 @@
+"""The Python API's simulation side: one typed :class:`SimulateConfig` behind ``dapple simulate``
+and :func:`simulate`.
+
+``dapple simulate``'s flags are read once into a :class:`SimulateConfig`; :func:`simulate_runs`
+simulates what it asks for (the plan under its schedule and policy, and with
+``other_schedule`` the schedule its own is measured against) and :func:`simulate` the plan's own
+run. The keyword form ``simulate(plan, profile, cluster, ...)`` takes objects or their files and
+goes down the same path. Torch-free.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, overload
+
+from dapple.core.cluster import Cluster
+from dapple.core.plan import Plan
+from dapple.core.profile import ModelProfile
+
+if TYPE_CHECKING:
+    from dapple.simulate import SimResult
+
+__all__ = ["SimulateConfig", "Simulated", "simulate", "simulate_runs"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SimulateConfig:
+    """What ``dapple simulate`` is asked for: the plan, what it runs on, and what to write."""
+
+    plan: str
+    """The plan JSON (from ``dapple plan``)."""
+    profile: str
+    """The model profile JSON, ``paper:NAME``, or a profile per device kind ``KIND=FILE,...``."""
+    cluster: str
+    """A cluster JSON/TOML file or preset."""
+    servers: int | None = None
+    """Another number of servers than the cluster's."""
+    schedule: str | None = None
+    """Simulate this schedule instead of the plan's."""
+    virtual_stages: int = 1
+    """v, model chunks per device group with ``schedule = "interleaved"``."""
+    policy: str | None = None
+    """The warm-up policy (``A`` or ``B``) instead of the plan's."""
+    other_schedule: bool = False
+    """Also simulate the plan under the schedule its own is measured against
+    (:attr:`~dapple.schedule.spec.ScheduleSpec.compare_with`) and stack both in the pictures."""
+    gantt: str | None = None
+    """A Gantt chart image to write (PNG/SVG/PDF)."""
+    trace: str | None = None
+    """A Chrome/Perfetto trace JSON to write."""
+    memory: str | None = None
+    """A memory-over-time plot image to write."""
+    layout: str | None = None
+    """A picture of the plan's stages on the cluster to write."""
+
+
+Run = tuple[str, "SimResult"]
+"""A simulated plan's title and result."""
+
+
+@dataclass(frozen=True, slots=True)
+class Simulated:
+    """What :func:`simulate_runs` simulated."""
+
+    plan: Plan
+    """The plan under the schedule and policy asked for."""
+    cluster: Cluster
+    """The cluster, with each kind's own profile for a profile set."""
+    runs: list[Run]
+    """The plan's run, and with ``other_schedule`` the other schedule's (the baseline first)."""
+    doubt: str | None = None
+    """Why the profile cannot be checked to be of the plan's model (None: it can, or the plan
+    records nothing to check it with; :meth:`~dapple.core.plan.Plan.profile_doubt`)."""
+
+
+def simulate_runs(
+    cfg: SimulateConfig,
+    *,
+    plan: Plan | None = None,
+    profile: ModelProfile | None = None,
+    cluster: Cluster | None = None,
+    flags: bool = False,
+) -> Simulated:
+    """Simulate what ``cfg`` asks for (``dapple simulate``), on the objects given beside it in
+    place of the files it names; ``flags``: messages name ``dapple simulate``'s flags.
+
+    Raises:
+        ValidationError: bad servers, files or schedule; the plan does not fit the profile or
+            cluster, or the profile is of another model than the plan's
+            (:meth:`~dapple.core.plan.Plan.check_fingerprint`); the schedule does not fit the
+            plan (v not dividing a device group's layers, M not a multiple of the groups).
+    """
+    from dapple.api._inputs import as_cluster, plan_with, with_profile_set
+    from dapple.core.plan_checks import check_expert_widths
+    from dapple.errors import ValidationError
+    from dapple.simulate import simulate as _simulate
+    from dapple.simulate.schedules import baseline_first, compared_plan
+
+    if cfg.servers is not None and cfg.servers < 1:  # before the plan and profile are read
+        raise ValidationError(f"--servers must be >= 1, got {cfg.servers}")
+    base = plan if plan is not None else Plan.load(cfg.plan)
+    prof, cl = with_profile_set(
+        profile if profile is not None else cfg.profile,
+        as_cluster(cluster if cluster is not None else cfg.cluster, cfg.servers),
+    )  # a profile per kind, if given
+    named = f"of {prof.model_name!r}" if profile is not None else repr(cfg.profile)
+    label = f"--profile {cfg.profile!r}" if flags else f"the profile {named}"
+    base.check_fingerprint(prof.model_fingerprint, label)
+    doubt = base.profile_doubt(prof.model_name, prof.model_fingerprint)
+    p = plan_with(base, cfg.schedule, cfg.policy, cfg.virtual_stages, cli=flags)
+    if p.num_layers == prof.num_layers:  # another count is the simulator's refusal
+        check_expert_widths(p, prof, label)
+    runs: list[Run] = [(_title(p), _simulate(p, prof, cl))]
+    if cfg.other_schedule:
+        other = compared_plan(p)
+        runs = baseline_first([*runs, (_title(other), _simulate(other, prof, cl))])
+    return Simulated(p, cl, runs, doubt)
+
+
+def _title(plan: Plan) -> str:
+    from dapple.schedule.registry import get_schedule
+
+    name = get_schedule(plan.schedule).title_of(plan)
+    return f"{name}, {plan.replication}, M={plan.num_micro_batches}"
+
+
+@overload
+def simulate(plan: SimulateConfig) -> SimResult: ...
+@overload
+def simulate(
+    plan: Plan | str | Path,
+    profile: ModelProfile | str | Path,
+    cluster: Cluster | str,
+    *,
+    schedule: str | None = None,
+    policy: str | None = None,
+    virtual_stages: int = 1,
+) -> SimResult: ...
+def simulate(
+    plan: SimulateConfig | Plan | str | Path,
+    profile: ModelProfile | str | Path | None = None,
+    cluster: Cluster | str | None = None,
+    *,
+    schedule: str | None = None,
+    policy: str | None = None,
+    virtual_stages: int = 1,
+) -> SimResult:
+    """Simulate one step of a plan (``dapple simulate``): ``simulate(cfg)`` the plan a
+    :class:`SimulateConfig` names, under its schedule and policy, or ``simulate(plan, profile,
+    cluster, ...)`` the one its arguments give, down the same path (:func:`simulate_runs`).
+
+    Args:
+        plan: A :class:`SimulateConfig` (then nothing else beside it), a :class:`Plan` or its
+            JSON path.
+        profile: A :class:`ModelProfile`, its JSON path, ``paper:NAME``, or ``KIND=FILE,...``.
+        cluster: A :class:`Cluster`, a preset name or a file.
+        schedule: A registered schedule (``gpipe``, ``dapple``, ``interleaved``, ``zbh1``...)
+            instead of the plan's.
+        policy: ``A`` or ``B`` instead of the plan's.
+        virtual_stages: v, model chunks per device group with ``schedule="interleaved"``.
+
+    Raises:
+        ValidationError: see :func:`simulate_runs`; with a ``SimulateConfig``, any other
+            argument beside it.
+    """
+    from dapple.errors import ValidationError
+
+    if isinstance(plan, SimulateConfig):
+        given = [n for n, v in (("profile", profile), ("cluster", cluster), ("schedule", schedule),
+                                ("policy", policy)) if v is not None]  # fmt: skip
+        if given or virtual_stages != 1:
+            extra = ", ".join(given + (["virtual_stages"] if virtual_stages != 1 else []))
+            raise ValidationError(f"simulate(cfg) takes its options from cfg, got also {extra}")
+        return simulate_runs(plan).runs[0][1]
+    if profile is None or cluster is None:
+        raise ValidationError("simulate(plan, profile, cluster) needs a profile and a cluster")
+    cfg = SimulateConfig(
+        plan=_name(plan), profile=_name(profile), cluster=_name(cluster), schedule=schedule,
+        policy=policy, virtual_stages=virtual_stages,
+    )  # fmt: skip
+    return simulate_runs(
+        cfg,
+        plan=plan if isinstance(plan, Plan) else Plan.load(plan),
+        profile=profile if isinstance(profile, ModelProfile) else None,
+        cluster=cluster if isinstance(cluster, Cluster) else None,
+    ).runs[0][1]
+
+
+def _name(x: Plan | ModelProfile | Cluster | str | Path) -> str:
+    """A file, preset or spec as the config holds it; an object by its name."""
+    return str(x) if isinstance(x, (str, Path)) else str(getattr(x, "name", "") or "")

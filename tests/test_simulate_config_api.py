@@ -1,0 +1,61 @@
+"""``dapple simulate`` is flags -> :class:`~dapple.api.simulating.SimulateConfig` -> the API:
+the CLI, ``simulate(cfg)`` and the keyword form go down one path (issue 42, item 1)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from dapple import api
+from dapple.api.simulating import SimulateConfig, simulate_runs
+from dapple.cli import main
+from dapple.core.cluster_presets import load_cluster
+from dapple.errors import ValidationError
+from dapple.profiler.paper_models import load_profile
+
+
+@pytest.fixture
+def saved(tmp_path: Path) -> str:
+    out = tmp_path / "plan.json"
+    api.plan("paper:bert48", "paper-a", 64).save(out)
+    return str(out)
+
+
+def test_cli_cfg_and_keywords_simulate_the_same_step(
+    saved: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cfg = SimulateConfig(plan=saved, profile="paper:bert48", cluster="paper-a", schedule="gpipe",
+                         policy="B")  # fmt: skip
+    by_cfg = api.simulate(cfg)
+    by_keywords = api.simulate(saved, load_profile("paper:bert48"), load_cluster("paper-a"),
+                               schedule="gpipe", policy="B")  # fmt: skip
+    assert by_cfg.step_ms == by_keywords.step_ms
+    assert by_cfg.step_ms != api.simulate(saved, "paper:bert48", "paper-a").step_ms  # gpipe, B
+    capsys.readouterr()
+    argv = ["simulate", "--plan", saved, "--profile", "paper:bert48", "--cluster", "paper-a",
+            "--schedule", "gpipe", "--policy", "B"]  # fmt: skip
+    assert main(argv) == 0
+    assert f"step time {by_cfg.step_ms:.3f} ms" in capsys.readouterr().out
+
+
+def test_other_schedule_runs_the_baseline_first(saved: str) -> None:
+    cfg = SimulateConfig(plan=saved, profile="paper:bert48", cluster="paper-a",
+                         other_schedule=True)  # fmt: skip
+    done = simulate_runs(cfg)
+    assert done.runs[0][0].lower().startswith("gpipe")
+    assert done.runs[1][1].step_ms == api.simulate(saved, "paper:bert48", "paper-a").step_ms
+    assert done.plan.num_micro_batches > 0 and done.cluster.name == "paper-a"
+
+
+def test_simulate_cfg_takes_nothing_beside_it(saved: str) -> None:
+    cfg = SimulateConfig(plan=saved, profile="paper:bert48", cluster="paper-a")
+    with pytest.raises(ValidationError, match="takes its options from cfg, got also schedule, "
+                       "virtual_stages"):  # fmt: skip
+        api.simulate(cfg, schedule="interleaved", virtual_stages=2)  # type: ignore[call-overload]
+
+
+def test_servers_below_one_are_refused_before_the_files_are_read() -> None:
+    cfg = SimulateConfig(plan="missing.json", profile="paper:bert48", cluster="paper-a", servers=0)
+    with pytest.raises(ValidationError, match="--servers must be >= 1, got 0"):
+        simulate_runs(cfg)
