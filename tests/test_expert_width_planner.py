@@ -153,7 +153,7 @@ def test_the_search_keeps_the_better_of_with_and_without_widths() -> None:
     assert all(st.expert_width == 1 for st in plain.stages)
     assert both.predicted_step_ms == min(ep.predicted_step_ms, plain.predicted_step_ms)
 
-    def infeasible(ep: bool) -> Plan:
+    def infeasible(ep: bool, below_ms: float) -> Plan:
         if ep:
             raise InfeasibleError("no plan")
         return plain

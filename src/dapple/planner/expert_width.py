@@ -31,6 +31,7 @@ no torch.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Sequence
 from typing import Literal
 
@@ -86,22 +87,23 @@ def make_scorer(
     return Scorer(profile, cluster, global_batch_size, zero_stage, tensor_width)
 
 
-def with_and_without_widths(search: Callable[[bool], Plan]) -> Plan:
-    """The plan of lower L of ``search(True)`` (EP widths offered) and ``search(False)`` (none),
-    the first on ties: a search that prunes and keeps a beam may end higher with more options.
+def with_and_without_widths(search: Callable[[bool, float], Plan]) -> Plan:
+    """The plan of lower L of ``search(True, inf)`` (EP widths offered) and
+    ``search(False, L)`` (none), the first on ties: a search that prunes and keeps a beam may
+    end higher with more options. The second is given the first's L as its bound ``L``: it
+    returns only a plan below it (InfeasibleError otherwise), so its pruning starts there.
 
     Raises:
         InfeasibleError: neither finds a plan (the first's error).
     """
     try:
-        plan = search(True)
+        plan = search(True, math.inf)
     except InfeasibleError:
-        return search(False)
+        return search(False, math.inf)
     try:
-        plain = search(False)
+        return search(False, plan.predicted_step_ms)
     except InfeasibleError:
         return plan
-    return plan if plan.predicted_step_ms <= plain.predicted_step_ms else plain
 
 
 def without_expert_widths(plan: Plan) -> Plan:

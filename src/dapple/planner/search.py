@@ -102,6 +102,10 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+SECOND_PASS_M = 3
+"""On a profile with MoE layers, the search without expert widths runs its DP for this many M
+(the most promising by their seeds, as a large instance does) unless ``m_candidates`` is given."""
+
 BOUND_ROUNDING = 1e-9
 """Relative margin of :func:`_lower_bound` for the rounding of L's sums."""
 
@@ -198,6 +202,7 @@ def dapple_search(
     grid: bool = True,
     interleaved: bool = False,
     experts: bool | None = None,
+    below_ms: float = math.inf,
 ) -> Plan:
     """The DAPPLE plan minimising L (equations 4-5) over partition, replication, placement, M.
 
@@ -253,14 +258,19 @@ def dapple_search(
             None (default): on a profile with MoE layers the search runs both ways
             (``progress`` reports the first only) and keeps the plan of lower L
             (:func:`~dapple.planner.expert_width.with_and_without_widths`: a search that
-            prunes is not monotone in its options).
+            prunes is not monotone in its options). The second search, without widths, is
+            bounded: only plans below the first's L count (``below_ms``, pruning as a narrower
+            width's L does), and its DP runs for :data:`SECOND_PASS_M` M unless
+            ``m_candidates`` is given.
+        below_ms: return only a plan of L below this (InfeasibleError when none is): it starts
+            the search's incumbent, as a narrower width's L does.
 
     Raises:
         InfeasibleError: no plan fits device memory for any M.
     """
     if experts is None and has_experts(profile):
         return with_and_without_widths(
-            lambda ep: dapple_search(
+            lambda ep, below: dapple_search(
                 profile,
                 cluster,
                 global_batch_size,
@@ -268,7 +278,7 @@ def dapple_search(
                 states_per_layer=states_per_layer,
                 window=window,
                 keep=keep,
-                m_candidates=m_candidates,
+                m_candidates=m_candidates if ep or m_candidates != -1 else SECOND_PASS_M,
                 cut_limit=cut_limit,
                 progress=progress if ep else None,
                 zero_stage=zero_stage,
@@ -277,6 +287,7 @@ def dapple_search(
                 grid=grid,
                 interleaved=interleaved,
                 experts=ep,
+                below_ms=below,
             )
         )
     widths = width_candidates(profile, cluster) if tensor_widths is None else list(tensor_widths)
@@ -292,7 +303,7 @@ def dapple_search(
     shards = any(x.tensor_parallel for x in profile.layers)
     mixed = MixedScorer(scorers) if stage_widths and len(scorers) > 1 and shards else None
     found: list[tuple[float, int, Plan]] = []
-    uniform = math.inf  # the least L of the narrower widths' searches, every stage at width t
+    uniform = below_ms  # the least L of the narrower widths' searches, every stage at width t
     for i, t in enumerate(widths):
         sc = scorers[t]
         limits = search_limits(
@@ -318,6 +329,7 @@ def dapple_search(
         found += _interleaved_offers(
             scorers, own, accept, Ms, min((x[0] for x in found), default=math.inf)
         )
+    found = [x for x in found if x[0] < below_ms]
     if not found:
         raise InfeasibleError(infeasible_message(profile, cluster, global_batch_size))
     return min(found, key=lambda x: (x[0], x[1]))[2]
