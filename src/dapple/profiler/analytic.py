@@ -55,6 +55,7 @@ from dapple.profiler.analytic_ops import (
 from dapple.profiler.analytic_presets import resolve_spec
 
 __all__ = [
+    "MAX_BATCH_SIZE",
     "LayerCost",
     "Op",
     "analytic_profile",
@@ -64,6 +65,10 @@ __all__ = [
     "linear_op",
     "op_efficiencies",
 ]
+
+MAX_BATCH_SIZE = 2**20
+"""The largest batch size the analytic profiler fits its times over (1,048,576 samples on one
+device)."""
 
 _ADAM_BYTES_PER_PARAMETER = 28.0
 """AdamW over fp32 master weights: reads parameter, gradient and both moments, writes the
@@ -158,7 +163,10 @@ def analytic_profile(
         overrides: zoo transformer arguments (``layers``, ``hidden``, ...), zoo names only.
 
     Raises:
-        ValidationError: unknown model, device, precision (or one the device lacks), mode.
+        ValidationError: unknown model, device, precision (or one the device lacks), mode;
+            a length, size or batch size past the limits (:data:`MAX_BATCH_SIZE`,
+            :data:`~dapple.profiler.analytic_models.MAX_SEQ`,
+            :data:`~dapple.profiler.analytic_models.MAX_PARAMETERS`).
     """
     spec = resolve_spec(model, seq_len, **dict(overrides or {}))
     dev = device if isinstance(device, DeviceSpec) else get_device(device)
@@ -177,6 +185,11 @@ def analytic_profile(
     sizes = sorted(set(batch_sizes))
     if not sizes or sizes[0] < 1:
         raise ValidationError(f"batch_sizes must be positive integers, got {list(batch_sizes)}")
+    if sizes[-1] > MAX_BATCH_SIZE:
+        raise ValidationError(
+            f"batch size {sizes[-1]:,} exceeds the analytic profiler's limit of "
+            f"{MAX_BATCH_SIZE:,} samples per device"
+        )
     prec = precision_of(precision)
     eager = kernels == "eager" and prec.autocast
     if eager and attention is None:

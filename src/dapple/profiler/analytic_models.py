@@ -24,7 +24,14 @@ from typing import Literal
 from dapple.errors import ValidationError
 from dapple.profiler.analytic_moe_models import MLASpec, MoESpec
 
-__all__ = ["TransformerSpec"]
+__all__ = ["MAX_PARAMETERS", "MAX_SEQ", "TransformerSpec"]
+
+MAX_SEQ = 2**24
+"""The longest sample the analytic profiler counts (16,777,216 tokens), past any model's
+context."""
+
+MAX_PARAMETERS = 10**15
+"""The most parameters the analytic profiler counts (a thousand times a 1T-parameter model)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -93,6 +100,11 @@ class TransformerSpec:
                 raise ValidationError(
                     f"model {self.name!r}: {f} must be an integer >= 1, got {v!r}"
                 )
+        if self.seq > MAX_SEQ:
+            raise ValidationError(
+                f"model {self.name!r}: seq={self.seq:,} tokens per sample exceeds the analytic "
+                f"profiler's limit of {MAX_SEQ:,}"
+            )
         if self.head_dim is None and self.hidden % self.heads:
             raise ValidationError(
                 f"model {self.name!r}: heads={self.heads} must divide hidden={self.hidden} "
@@ -110,6 +122,12 @@ class TransformerSpec:
         if self.learned_positions and self.positions < self.seq:
             raise ValidationError(
                 f"model {self.name!r}: seq={self.seq} exceeds the {self.positions} learned positions"
+            )
+        if (n := self.parameters()) > MAX_PARAMETERS:
+            raise ValidationError(
+                f"model {self.name!r}: {n:.3g} parameters exceed the analytic profiler's limit "
+                f"of {MAX_PARAMETERS:.0e} (hidden={self.hidden}, layers={self.layers}, "
+                f"ffn={self.ffn}, vocab={self.vocab})"
             )
 
     @property

@@ -1,0 +1,114 @@
+"""Issue 47 (re-run G, 2026-11-30): ``profile --analytic`` took absurd lengths, sizes and batch
+sizes (a sample of 10^12 tokens, 7.2e25 parameters) and wrote a profile of them; the MoE
+search's second pass (without expert widths) ran unbounded after the first; and the fixes of
+the mini-battery over the features since (``benchmarks/battery_47g.md``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from builders import one_error_line
+from dapple.cli import main
+from dapple.core.cluster import Cluster
+from dapple.core.plan import Plan
+from dapple.core.profile import ModelProfile
+from dapple.errors import InfeasibleError
+from dapple.planner.evaluate import Scorer
+from dapple.planner.expert_width import make_scorer
+from dapple.planner.search import dapple_search
+
+
+# -- 1. profile --analytic: lengths, sizes and batch sizes past the profiler's limits ---------
+@pytest.mark.parametrize(
+    ("model", "given", "needles"),
+    [
+        (["-m", "llama3-8b"], ["--seq-lens", "1000000000000"],
+         ["seq=1,000,000,000,000 tokens", "limit of 16,777,216"]),
+        (["-m", "llama3-8b"], ["--seq-lens", "1024,16777217"], ["seq=16,777,217", "16,777,216"]),
+        (["-m", "llama3-8b"], ["--batch-sizes", "1000000000000"],
+         ["batch size 1,000,000,000,000", "limit of 1,048,576"]),
+        (["-m", "transformer"], ["--set", "hidden=1000000000000"],
+         ["7.2e+25 parameters", "limit of 1e+15", "hidden=1000000000000"]),
+        (["-m", "transformer"], ["--set", "layers=1000000000000"],
+         ["parameters exceed", "layers=1000000000000"]),
+    ],
+)  # fmt: skip
+def test_analytic_profile_refuses_absurd_lengths_and_sizes_naming_the_limit(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    model: list[str],
+    given: list[str],
+    needles: list[str],
+) -> None:
+    out = tmp_path / "p.json"
+    assert main(["profile", "--analytic", "h100", *model, *given, "-o", str(out)]) == 2
+    one_error_line(capsys, *needles)
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    "given", [["--seq-lens", "16777216"], ["--batch-sizes", "1048576"], ["--set", "hidden=4096"]]
+)
+def test_analytic_profile_takes_lengths_and_sizes_up_to_the_limits(
+    tmp_path: Path, given: list[str]
+) -> None:
+    out = tmp_path / "p.json"
+    model = ["-m", "llama3-8b"] if given[0] != "--set" else ["-m", "transformer"]
+    assert main(["profile", "--analytic", "h100", *model, *given, "-o", str(out)]) == 0
+    assert out.exists()
+
+
+# -- 2. the MoE search's second pass (without expert widths) is bounded by the first -----------
+def _passes(
+    monkeypatch: pytest.MonkeyPatch, prof: ModelProfile, cluster: Cluster, B: int
+) -> tuple[Plan, int, int]:
+    """The plan of the search over both passes, and the candidates each pass scored."""
+    made: list[tuple[bool, Scorer]] = []
+
+    def counted(*args: Any, **kwargs: Any) -> Scorer:
+        sc = make_scorer(*args, **kwargs)
+        made.append((kwargs["experts"], sc))
+        return sc
+
+    monkeypatch.setattr("dapple.planner.search.make_scorer", counted)
+    plan = dapple_search(prof, cluster, B, tensor_widths=[1, 2])
+    first = sum(sc.evaluations for ep, sc in made if ep)
+    return plan, first, sum(sc.evaluations for ep, sc in made if not ep)
+
+
+@pytest.mark.parametrize(
+    ("expert_bytes", "blocks", "B"),
+    [(4 * 10**9, 4, 16), (10**8, 4, 16), (4 * 10**9, 4, 32), (2 * 10**10, 4, 16), (10**8, 3, 8)],
+)
+def test_the_second_moe_pass_is_bounded_by_the_first_and_keeps_the_plan(
+    monkeypatch: pytest.MonkeyPatch, expert_bytes: int, blocks: int, B: int
+) -> None:
+    from test_expert_width_planner import CLUSTER, _profile
+
+    prof = _profile(expert_bytes, blocks)
+    # the plan of the two passes run whole, as the search ran them before the bound
+    ep = dapple_search(prof, CLUSTER, B, tensor_widths=[1, 2], experts=True)
+    try:
+        plain = dapple_search(prof, CLUSTER, B, tensor_widths=[1, 2], experts=False)
+    except InfeasibleError:
+        plain = ep
+    unbounded = ep if ep.predicted_step_ms <= plain.predicted_step_ms else plain
+    plan, first, second = _passes(monkeypatch, prof, CLUSTER, B)
+    assert plan == unbounded
+    assert 0 < second <= first  # unbounded it scored 6-23x the first's candidates
+
+
+def test_the_second_moe_pass_returns_only_a_plan_below_its_bound() -> None:
+    from test_expert_width_planner import CLUSTER, _profile
+
+    prof = _profile(10**8)
+    plain = dapple_search(prof, CLUSTER, 16, tensor_widths=[1], experts=False)
+    with pytest.raises(InfeasibleError):
+        dapple_search(prof, CLUSTER, 16, tensor_widths=[1], experts=False,
+                      below_ms=plain.predicted_step_ms)  # fmt: skip
+    got = dapple_search(prof, CLUSTER, 16, tensor_widths=[1], experts=False,
+                        below_ms=plain.predicted_step_ms * 1.01)  # fmt: skip
+    assert got == plain
