@@ -112,3 +112,33 @@ def test_the_second_moe_pass_returns_only_a_plan_below_its_bound() -> None:
     got = dapple_search(prof, CLUSTER, 16, tensor_widths=[1], experts=False,
                         below_ms=plain.predicted_step_ms * 1.01)  # fmt: skip
     assert got == plain
+
+
+# -- 3. a plain --profile beside KIND=FILE ones: one was dropped unsaid ----------------------
+@pytest.mark.parametrize("command", ["plan", "simulate", "train"])
+@pytest.mark.parametrize(
+    "given", [["p.json", "A100=a.json"], ["H100=h.json", "p.json"], ["H100=h.json", "p.json",
+                                                                      "A100=a.json"]]
+)  # fmt: skip
+def test_a_plain_profile_beside_kind_profiles_is_refused_naming_both(
+    capsys: pytest.CaptureFixture[str], command: str, given: list[str]
+) -> None:
+    profiles = [x for p in given for x in ("--profile", p)]
+    rest = {"plan": ["--cluster", "mixed.json"],
+            "simulate": ["--plan", "plan.json", "--cluster", "mixed.json"],
+            "train": ["--plan", "plan.json", "-m", "mlp", "--cluster", "mixed.json"]}[command]  # fmt: skip
+    with pytest.raises(SystemExit) as e:
+        main([command, *rest, *profiles])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    line = f"dapple {command}: error: --profile p.json gives every device kind one profile"
+    assert line in err and "KIND=FILE once per kind" in err and err.count("error:") == 1
+
+
+def test_kind_profiles_and_plain_profiles_alone_still_parse() -> None:
+    from dapple.cli import build_parser
+
+    parse = build_parser().parse_args
+    args = parse(["plan", "--cluster", "c", "--profile", "H=h.json", "--profile", "A=a.json"])
+    assert args.profile == "H=h.json,A=a.json"
+    assert parse(["plan", "--cluster", "c", "--profile", "a", "--profile", "b"]).profile == "b"

@@ -22,7 +22,8 @@ HELP = (
 
 
 class _JoinKinds(argparse.Action):
-    """Keep the last value of a plain ``--profile``; join ``KIND=FILE`` values with ``,``."""
+    """Keep the last value of a plain ``--profile``; join ``KIND=FILE`` values with ``,``;
+    refuse a plain one beside ``KIND=FILE`` ones (either would drop the other unsaid)."""
 
     def __call__(
         self,
@@ -33,6 +34,12 @@ class _JoinKinds(argparse.Action):
     ) -> None:
         new = str(values)
         old = getattr(namespace, self.dest, None)
+        if isinstance(old, str) and ("=" in old) != ("=" in new):
+            plain, kinds = (new, old) if "=" in old else (old, new)
+            parser.error(
+                f"--profile {plain} gives every device kind one profile, --profile {kinds} one "
+                "kind its own: give either one plain --profile or KIND=FILE once per kind"
+            )
         if isinstance(old, str) and "=" in old and "=" in new:
             new = f"{old},{new}"
         setattr(namespace, self.dest, new)
