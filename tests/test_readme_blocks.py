@@ -152,16 +152,19 @@ def _check_best_plan(work: Path, out: str) -> None:
 
 
 def _check_run_file(root: Path, text: str) -> None:
-    """The config-file example reads as both a run file and a plan file, every key as given."""
+    """The config-file example reads as a run file, a plan file and a simulation's file, every
+    key as given."""
+    from dapple.api.simulating import load_simulate_config
     from dapple.planner.config import load_plan_config
     from dapple.runtime.run_config import load_run_config
 
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / "run.toml"
         path.write_text(text)
-        run, plan = load_run_config(path), load_plan_config(path)
+        run, plan, sim = load_run_config(path), load_plan_config(path), load_simulate_config(path)
     assert (run.model.spec, run.train.lr, run.run.keep) == ("transformer", 3e-4, 3)
     assert (plan.global_batch_size, plan.zero_stage) == (32, "auto")
+    assert (sim.plan, sim.cluster, sim.gantt) == ("plan.json", "local-cpu", "gantt.png")
 
 
 def _check_tree(root: Path, text: str) -> None:

@@ -59,3 +59,42 @@ def test_servers_below_one_are_refused_before_the_files_are_read() -> None:
     cfg = SimulateConfig(plan="missing.json", profile="paper:bert48", cluster="paper-a", servers=0)
     with pytest.raises(ValidationError, match="--servers must be >= 1, got 0"):
         simulate_runs(cfg)
+
+
+def test_a_config_files_simulate_section_with_flags_on_top(
+    saved: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from dapple.api.simulating import load_simulate_config
+
+    shared = tmp_path / "job.toml"
+    shared.write_text(
+        '[planning]\nprofile = "paper:bert48"\ncluster = "paper-a"\nglobal_batch_size = 64\n'
+        f'[simulate]\nplan = "{saved}"\nprofile = "paper:bert48"\ncluster = "paper-a"\n'
+        'schedule = "gpipe"\n'
+    )
+    cfg = load_simulate_config(shared)
+    assert cfg == SimulateConfig(plan=saved, profile="paper:bert48", cluster="paper-a",
+                                 schedule="gpipe")  # fmt: skip
+    capsys.readouterr()
+    assert main(["simulate", "--config", str(shared), "--policy", "B", "--print-config"]) == 0
+    printed = tmp_path / "printed.toml"
+    printed.write_text(capsys.readouterr().out)
+    assert load_simulate_config(printed) == SimulateConfig(
+        plan=saved, profile="paper:bert48", cluster="paper-a", schedule="gpipe", policy="B"
+    )
+    assert main(["simulate", "--config", str(shared), "--policy", "B"]) == 0
+    want = api.simulate(SimulateConfig(plan=saved, profile="paper:bert48", cluster="paper-a",
+                                       schedule="gpipe", policy="B"))  # fmt: skip
+    assert f"step time {want.step_ms:.3f} ms" in capsys.readouterr().out
+    assert main(["plan", "--config", str(shared)]) == 0  # the plan reads its own section
+
+
+def test_a_simulation_without_a_plan_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    only = tmp_path / "sim.toml"
+    only.write_text('[simulate]\nprofile = "paper:bert48"\ncluster = "paper-a"\n')
+    assert main(["simulate", "--config", str(only)]) == 2
+    assert "--plan is required (or [simulate] plan in the --config file)" in capsys.readouterr().err
+    with pytest.raises(ValidationError, match="needs a plan, a profile and a cluster"):
+        simulate_runs(SimulateConfig(profile="paper:bert48", cluster="paper-a"))

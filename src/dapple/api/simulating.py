@@ -1,7 +1,8 @@
 """The Python API's simulation side: one typed :class:`SimulateConfig` behind ``dapple simulate``
 and :func:`simulate`.
 
-``dapple simulate``'s flags are read once into a :class:`SimulateConfig`; :func:`simulate_runs`
+``dapple simulate``'s flags and a config file's ``[simulate]`` section (each key its field's
+name; :func:`load_simulate_config`) are read once into a :class:`SimulateConfig`; :func:`simulate_runs`
 simulates what it asks for (the plan under its schedule and policy, and with
 ``other_schedule`` the schedule its own is measured against) and :func:`simulate` the plan's own
 run. The keyword form ``simulate(plan, profile, cluster, ...)`` takes objects or their files and
@@ -10,30 +11,41 @@ goes down the same path. Torch-free.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, overload
+from typing import TYPE_CHECKING, Any, overload
 
 from dapple.core.cluster import Cluster
+from dapple.core.config_file import Schema, dump, load
 from dapple.core.plan import Plan
 from dapple.core.profile import ModelProfile
 
 if TYPE_CHECKING:
     from dapple.simulate import SimResult
 
-__all__ = ["SimulateConfig", "Simulated", "simulate", "simulate_runs"]
+__all__ = [
+    "SIMULATE_SECTIONS",
+    "SimulateConfig",
+    "Simulated",
+    "dump_simulate_config",
+    "load_simulate_config",
+    "simulate",
+    "simulate_runs",
+]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SimulateConfig:
     """What ``dapple simulate`` is asked for: the plan, what it runs on, and what to write."""
 
-    plan: str
-    """The plan JSON (from ``dapple plan``)."""
-    profile: str
-    """The model profile JSON, ``paper:NAME``, or a profile per device kind ``KIND=FILE,...``."""
-    cluster: str
-    """A cluster JSON/TOML file or preset."""
+    plan: str | None = None
+    """The plan JSON (from ``dapple plan``; required)."""
+    profile: str | None = None
+    """The model profile JSON, ``paper:NAME``, or a profile per device kind ``KIND=FILE,...``
+    (required)."""
+    cluster: str | None = None
+    """A cluster JSON/TOML file or preset (required)."""
     servers: int | None = None
     """Another number of servers than the cluster's."""
     schedule: str | None = None
@@ -53,6 +65,37 @@ class SimulateConfig:
     """A memory-over-time plot image to write."""
     layout: str | None = None
     """A picture of the plan's stages on the cluster to write."""
+
+
+SIMULATE_SECTIONS: Schema = {
+    "simulate": tuple(("", f.name) for f in dataclasses.fields(SimulateConfig))
+}
+"""The section of a simulation's config file and the fields its keys set."""
+
+_OTHER_SECTIONS = (
+    "model", "plan", "data", "train", "optimizer", "checkpoint", "eval", "report", "elastic",
+    "planning",
+)  # fmt: skip
+"""The sections ``dapple train``, ``dapple profile`` and ``dapple plan`` read (a test keeps
+them equal to theirs)."""
+
+
+def load_simulate_config(
+    path: str | Path, *, over: dict[tuple[str, str], Any] | None = None
+) -> SimulateConfig:
+    """The :class:`SimulateConfig` of a file's ``[simulate]`` section, with ``over`` on top
+    (the other commands' sections skipped unread).
+
+    Raises:
+        ValidationError: an unreadable file, an unknown section or key, or a value of the wrong
+            type (each naming the file).
+    """
+    return load(path, SIMULATE_SECTIONS, SimulateConfig, ignore=_OTHER_SECTIONS, over=over)
+
+
+def dump_simulate_config(cfg: SimulateConfig) -> str:
+    """``cfg`` as a ``[simulate]`` section that :func:`load_simulate_config` reads back."""
+    return dump(cfg, SIMULATE_SECTIONS, "dapple simulate --config FILE (flags given beside it win)")
 
 
 Run = tuple[str, "SimResult"]
@@ -99,10 +142,14 @@ def simulate_runs(
 
     if cfg.servers is not None and cfg.servers < 1:  # before the plan and profile are read
         raise ValidationError(f"--servers must be >= 1, got {cfg.servers}")
-    base = plan if plan is not None else Plan.load(cfg.plan)
+    plan_in = plan if plan is not None else cfg.plan
+    profile_in = profile if profile is not None else cfg.profile
+    cluster_in = cluster if cluster is not None else cfg.cluster
+    if plan_in is None or profile_in is None or cluster_in is None:
+        raise ValidationError("a simulation needs a plan, a profile and a cluster")
+    base = plan_in if isinstance(plan_in, Plan) else Plan.load(plan_in)
     prof, cl = with_profile_set(
-        profile if profile is not None else cfg.profile,
-        as_cluster(cluster if cluster is not None else cfg.cluster, cfg.servers),
+        profile_in, as_cluster(cluster_in, cfg.servers)
     )  # a profile per kind, if given
     named = f"of {prof.model_name!r}" if profile is not None else repr(cfg.profile)
     label = f"--profile {cfg.profile!r}" if flags else f"the profile {named}"

@@ -31,8 +31,10 @@ MODEL_FLAGS: tuple[Flag, ...] = tuple(
 
 _OTHER_SECTIONS = (
     "plan", "data", "train", "optimizer", "checkpoint", "eval", "report", "elastic", "planning",
+    "simulate",
 )  # fmt: skip
-"""The sections ``dapple train`` and ``dapple plan`` read besides ``[model]``."""
+"""The sections ``dapple train``, ``dapple plan`` and ``dapple simulate`` read besides
+``[model]``."""
 
 
 def add_profile_config_arguments(p: argparse.ArgumentParser) -> None:

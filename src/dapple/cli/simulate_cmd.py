@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING
 from rich.console import Console
 from rich.table import Table
 
-from dapple.api.simulating import SimulateConfig
+from dapple.api.simulating import SIMULATE_SECTIONS, SimulateConfig
+from dapple.cli._config_args import add_config_arguments, given_values, missing_required, one
 from dapple.cli._console import console, print_table
 from dapple.cli._profile_arg import add_profile_argument
 from dapple.cli._renamed import renamed
@@ -67,16 +68,47 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         "beside DAPPLE; DAPPLE beside interleaved or zbh1) and stack both in the pictures",
     )
     p.add_argument("--compare", action=renamed("--other-schedule"), help=argparse.SUPPRESS)
+    add_config_arguments(p, _REQUIRED_DESTS, "its [simulate] section")
     p.set_defaults(func=run)
 
 
-def simulate_config_of(args: argparse.Namespace) -> SimulateConfig:
-    """The :class:`SimulateConfig` of ``dapple simulate``'s parsed flags (one per field)."""
-    return SimulateConfig(**{f.name: getattr(args, f.name) for f in fields(SimulateConfig)})
+_FLAGS = tuple(one("", f.name) for f in fields(SimulateConfig))
+"""Every flag of ``dapple simulate`` but ``--config`` and ``--print-config``, one per field."""
+_REQUIRED_DESTS = ("plan", "profile", "cluster")
+"""The flags ``dapple simulate`` needs unless the ``--config`` file gives them."""
+
+
+def simulate_config_of(args: argparse.Namespace) -> SimulateConfig | None:
+    """The simulation ``--config FILE``'s ``[simulate]`` section and the flags the command line
+    gave on top (those win) ask for; with ``--print-config`` that printed as TOML instead
+    (None).
+
+    Raises:
+        ValidationError: a bad file or value, or no plan, profile or cluster.
+    """
+    from dapple.api.simulating import dump_simulate_config, load_simulate_config
+    from dapple.core.config_file import build, values_of
+
+    over = given_values(args, _FLAGS)
+    if args.config is not None:
+        cfg = load_simulate_config(args.config, over=over)
+    else:
+        cfg = build(SimulateConfig, over)
+    if args.print_config:
+        print(dump_simulate_config(cfg), end="")
+        return None
+    required = {("", d): f"--{d}" for d in _REQUIRED_DESTS}
+    missing = missing_required(
+        values_of(cfg, SIMULATE_SECTIONS), required, lambda f: f"[simulate] {f[1]}"
+    )
+    if missing:
+        raise ValidationError(missing)
+    return cfg
 
 
 def run(args: argparse.Namespace) -> int:
-    return run_config(simulate_config_of(args))
+    cfg = simulate_config_of(args)  # --config FILE, --print-config
+    return 0 if cfg is None else run_config(cfg)
 
 
 def run_config(cfg: SimulateConfig) -> int:

@@ -166,13 +166,15 @@ a test keeps the two equal)."""
 def load_plan_config(
     path: str | Path, *, over: dict[tuple[str, str], Any] | None = None
 ) -> PlanConfig:
-    """The :class:`PlanConfig` of a file's ``[planning]`` section, with ``over`` on top.
+    """The :class:`PlanConfig` of a file's ``[planning]`` section, with ``over`` on top
+    (``dapple train``'s and ``dapple simulate``'s sections skipped unread).
 
     Raises:
         ValidationError: an unreadable file, an unknown section or key, a value of the wrong
             type, or a bad option (each naming the file).
     """
-    return load(path, PLAN_SECTIONS, PlanConfig, ignore=RUN_SECTION_NAMES, over=over)
+    ignore = (*RUN_SECTION_NAMES, "simulate")
+    return load(path, PLAN_SECTIONS, PlanConfig, ignore=ignore, over=over)
 
 
 def dump_plan_config(cfg: PlanConfig) -> str:

@@ -332,7 +332,7 @@ NOT_IN_FILE = {
 }
 """The :class:`TrainConfig` fields no key sets, and why."""
 
-PLAN_SECTIONS_OF_OTHER_COMMANDS = ("planning",)
+PLAN_SECTIONS_OF_OTHER_COMMANDS = ("planning", "simulate")
 """Sections ``dapple plan --config`` reads (one file may serve both commands)."""
 
 
