@@ -19,9 +19,9 @@ allows among 0, 1 and 2 (tensor width 1, no ZeRO-3: the combinations the cost mo
 The search then picks a stage's option as it picks its zero mode
 (:func:`~dapple.planner.stage_options.stage_choice`): the first option when it is unsharded and
 holds the stage's K_i, else the cheapest per step (AR_s + U_s + the M x A2A inside F and B) of
-those that hold K_i. :meth:`ExpertScorer._new_options` puts the cheapest width first when it
-costs less per step than the unsharded option, so a width is taken where it is cheaper or where
-memory asks for it. Each candidate's L is then the cost model's for the chosen widths, and the
+those that hold K_i. :meth:`ExpertScorer._new_options` puts the cheapest width at ZeRO 0 first
+when it costs less per step than the unsharded option, so a width is taken where it is cheaper
+or where memory asks for it (at ZeRO 1 or 2 too under ``auto``, where that is cheaper still). Each candidate's L is then the cost model's for the chosen widths, and the
 plan records them (:meth:`ExpertScorer.stage_plan`). A profile without MoE layers gets the plain
 :class:`Scorer` (:func:`make_scorer`): its search is unchanged. The DAPPLE search runs once with
 the widths and once without, keeping the better plan (:func:`with_and_without_widths`). Pure,
@@ -156,13 +156,13 @@ class ExpertScorer(Scorer):
 
     def _new_options(self, s: int, e: int, d: tuple[int, ...], b: int) -> StageOptions:
         """The zero modes' options, and each EP width's: the cheapest width at ZeRO 0 (AR_s +
-        U_s + its traffic) first when it costs less per step than the unsharded option (taken
-        then where it holds K_i, ZeRO only where memory asks, as
-        :func:`~dapple.planner.stage_options.pick_zero_mode` takes the unsharded option), else
-        after the zero modes; the widths at ZeRO 1 and 2 last, each costed when first read
-        (:class:`~dapple.planner.stage_options.LazyOptions`: where the first option holds K_i
-        they are not); ``widths`` not containing 1 drops the unsharded option of a stage that
-        has widths."""
+        U_s + its traffic) first when it costs less per step than the unsharded option (then
+        :func:`~dapple.planner.stage_options.pick_zero_mode` takes the cheapest option that
+        holds K_i, ZeRO-1/2 widths included), else after the zero modes; the widths at ZeRO 1
+        and 2 last, each costed when first read
+        (:class:`~dapple.planner.stage_options.LazyOptions`: not where the unsharded option
+        comes first and holds K_i); ``widths`` not containing 1 drops the unsharded option of a
+        stage that has widths."""
         modes = self.expert_modes(s, e, len(d))
         if not modes:
             return super()._new_options(s, e, d, b)

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import NamedTuple, overload
 
 from dapple.cost.terms import StageTerms
-from dapple.planner.zero_modes import ZeroMode
+from dapple.planner.zero_modes import UNSHARDED, ZeroMode
 
 __all__ = ["LazyOptions", "StageOption", "StageOptions", "pick_zero_mode", "stage_choice"]
 
@@ -87,7 +87,7 @@ def stage_choice(
     them (D < 1, or D < k under a schedule that does not bound stages by K_i). Re-computes only
     when memory demands it, unless ``recompute`` forces it either way."""
     z, r = options[0]
-    if z.stage != 0 or r.d_nr < k:  # not pick_zero_mode's first case (unsharded holds k)
+    if z != UNSHARDED or r.d_nr < k:  # not pick_zero_mode's first case (unsharded holds k)
         z, r = pick_zero_mode(options, k, M)
     d_nr, d_r = r.d_nr, r.d_r
     use_r = d_nr < k and (d_r >= k or d_r > d_nr) if recompute is None else recompute
@@ -98,18 +98,17 @@ def stage_choice(
 
 
 def pick_zero_mode(options: StageOptions, k: int, M: int) -> tuple[ZeroMode, StageOption]:
-    """The zero mode of a stage holding k micro-batches in flight: the first option when it is
-    unsharded (zero stage 0: whole, or an expert width :mod:`dapple.planner.expert_width` put
-    first) and holds k without re-computation (ZeRO's 1/r_s update in AR_s + U_s does not buy a
-    shard where memory does not ask for one); else, of the options that hold k (without
-    re-computation, or with it at M more forward passes F), the one with the least AR_s + U_s
-    (+ M F), the lower zero stage on ties; none holds k: the one with the most room.
+    """The zero mode of a stage holding k micro-batches in flight: unsharded when it holds k
+    without re-computation (ZeRO's 1/r_s update in AR_s + U_s does not buy a shard where memory
+    does not ask for one); else, of the options that hold k (without re-computation, or with it
+    at M more forward passes F), the one with the least AR_s + U_s (+ M F), the lower zero stage
+    on ties; none holds k: the one with the most room.
 
     Args:
         options: ``(zero mode, (F, B, AR, D without re-computation, D with, ...))``, zero
             stage ascending (:class:`StageOption`).
     """
-    if options[0][0].stage == 0 and options[0][1].d_nr >= k:
+    if options[0][0] == UNSHARDED and options[0][1].d_nr >= k:
         return options[0]
     best: tuple[float, ZeroMode, StageOption] | None = None
     for z, r in options:
