@@ -8,11 +8,12 @@ It complements ``tests/cost_dump.py`` (every number of the cost model and the si
     python tests/train_dump.py --out /tmp/train_after.json
     python tests/train_dump.py --compare /tmp/train_before.json /tmp/train_after.json
 
-Each case trains 2 steps of AdamW on 2 or 3 gloo processes (the zoo transformer under the
+Each case trains 2 steps of AdamW on 2 to 4 gloo processes (the zoo transformer under the
 schedules GPipe, DAPPLE, interleaved 1F1B and ZB-H1 and with re-computation; the MLP under
-ZeRO-1 and an uneven 1:2 plan with ZeRO-2; with ``transformers`` installed, a Hugging Face
-GPT-2 with dropout on, 1:2), saves a checkpoint and hashes every layer's tensors and optimizer
-state from it.
+ZeRO-1 and an uneven 1:2 plan with ZeRO-2; the zoo transformer under tensor parallelism,
+ZeRO-3 (also re-gathering per micro-batch) and TP with ZeRO-2; with ``transformers`` installed,
+a Hugging Face GPT-2 with dropout on, 1:2, and Mixtral with expert parallelism), saves a
+checkpoint and hashes every layer's tensors and optimizer state from it.
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ def _cases(root: Path) -> dict[str, Case]:
             straight_plan(5, [0], global_batch_size=8, num_micro_batches=2, replicas=[2]), 1)),
         "mlp-uneven-zero2": ("mlp", {}, lambda: _zero(_two(5, 2, replicas=[1, 2]), 2)),
     }  # fmt: skip
+    cases.update(_parallel_cases())
     try:
         from hf_families import save_family  # type: ignore[import-not-found]
 
@@ -71,6 +73,31 @@ def _cases(root: Path) -> dict[str, Case]:
     except ImportError:  # transformers is an optional extra
         return cases
     cases["hf-gpt2-dropout-uneven"] = (f"hf:{gpt2}", {}, lambda: _two(6, 2, replicas=[1, 2]))
+    return cases
+
+
+def _parallel_cases() -> dict[str, Case]:
+    """The zoo transformer (with its TP plan, ``test_tp_runtime:zoo``) under tensor parallelism,
+    ZeRO-3 and ZeRO-3 re-gathering per micro-batch, and TP with ZeRO-2; with ``transformers``,
+    Mixtral on 1:2:1 with its middle stage's experts over 2 replicas (``expert_width`` 2)."""
+    import test_tp_runtime as tp
+
+    here = Path(__file__).resolve().parent
+    zoo = f"{here / 'test_tp_runtime.py'}:zoo"
+    cases: dict[str, Case] = {
+        "zoo-tp2-then-zero3": (zoo, {}, lambda: tp.tp2_then_zero3(4)),
+        "zoo-tp2-fsdp2": (zoo, {}, lambda: tp.tp2_fsdp2(4)),
+        "zoo-zero3-regather": (zoo, {}, lambda: tp.one_then_zero3_regather(4)),
+        "zoo-dp2-tp2-zero2": (zoo, {}, lambda: _zero(tp.dp2_tp2(4), 2)),
+    }
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        return cases
+    ep = straight_plan(4, [0, 1, 3], global_batch_size=6, num_micro_batches=2, replicas=[1, 2, 1])
+    mid = dataclasses.replace(ep.stages[1], expert_width=2)
+    ep = dataclasses.replace(ep, stages=(ep.stages[0], mid, ep.stages[2]))
+    cases["mixtral-ep2"] = (f"{here / 'extra_models.py'}:mixtral", {}, lambda: ep)
     return cases
 
 
@@ -105,7 +132,7 @@ def dump(out: Path, only: list[str] | None) -> None:
                 continue
             with tempfile.TemporaryDirectory() as d:
                 result[name] = _train(spec, overrides, make(), Path(d))
-        print(f"{name}: losses {result[name]['losses']}", flush=True)
+            print(f"{name}: losses {result[name]['losses']}", flush=True)
     out.write_text(json.dumps(result, indent=1, sort_keys=True))
 
 
