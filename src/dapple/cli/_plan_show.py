@@ -69,8 +69,8 @@ def mesh_columns(plan: Plan) -> tuple[list[str], Callable[[StagePlan], list[str]
     cols = [
         name
         for name, shown in (
-            ("tensor width", any(st.tensor_width > 1 for st in plan.stages)),
-            ("expert width", any(st.expert_width > 1 for st in plan.stages)),
+            ("tensor width", any(st.parallel.tensor_parallel for st in plan.stages)),
+            ("expert width", any(st.parallel.expert_parallel for st in plan.stages)),
             ("zero stage", any(st.zero_stage for st in plan.stages)),
         )
         if shown
@@ -94,7 +94,7 @@ def expert_line(plan: Plan) -> str | None:
     """Each stage's expert-parallel width where some stage shards its experts (``StagePlan.
     expert_width``): ``expert widths: stage 0 e_s=8 (1 group of 8 replicas), stage 1 e_s=1``;
     None where none does."""
-    if all(st.expert_width == 1 for st in plan.stages):
+    if not any(st.parallel.expert_parallel for st in plan.stages):
         return None
     parts = []
     for i, st in enumerate(plan.stages):
@@ -182,15 +182,17 @@ def zero_line(plan: Plan, profile: ModelProfile) -> str:
     says so instead (ZeRO is not costed beside it)."""
     parts = []
     for i, st in enumerate(plan.stages):
-        if st.replicas == 1:
+        if not st.parallel.data_parallel:
             continue
-        if st.expert_width > 1:  # ZeRO is not costed beside expert parallelism
+        if st.parallel.expert_parallel:  # ZeRO is not costed beside expert parallelism
             parts.append(
                 f"stage {i} (r={st.replicas}) zero stage 0, experts sharded e_s={st.expert_width}"
             )
             continue
         gib = gib_text(_zero_saved_bytes(profile, st))
-        what = f"saves {gib} GiB" if st.zero_stage else f"sharding would save {gib} GiB"
+        what = (
+            f"saves {gib} GiB" if st.parallel.shards_optimizer else f"sharding would save {gib} GiB"
+        )
         again = " (regather)" if st.regather else ""
         parts.append(
             f"stage {i} (r={st.replicas}) zero stage {st.zero_stage}{again}, {what} per replica"

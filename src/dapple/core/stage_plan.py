@@ -21,10 +21,11 @@ every replica holds every expert.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from dapple.core._json import get_field, require
+from dapple.core.parallelism import Parallelism
 from dapple.core.slicing import split_sizes
 from dapple.errors import ValidationError
 
@@ -62,6 +63,9 @@ class StagePlan:
     expert_width: int = 1
     """e_s: replicas over which each mixture-of-experts layer's experts are sharded (a divisor
     of r_s); 1: every replica holds every expert."""
+    parallel: Parallelism = field(init=False, repr=False, compare=False)
+    """r_s, t_s, the zero stage, regather and e_s as one value, checked, with what they mean
+    (:class:`~dapple.core.parallelism.Parallelism`); built from the fields above."""
 
     def __post_init__(self) -> None:
         s, e = self.layers
@@ -78,18 +82,8 @@ class StagePlan:
             self.max_in_flight is None or self.max_in_flight >= 1,
             f"stage {list(self.layers)}: max_in_flight must be >= 1, got {self.max_in_flight}",
         )
-        require(
-            self.zero_stage in (0, 1, 2, 3),
-            f"stage {list(self.layers)}: zero_stage must be 0, 1, 2 or 3, got {self.zero_stage!r}",
-        )
-        self._check_tensor_layout()
+        self._check_parallel()
         self._check_shares()
-        e = self.expert_width
-        require(
-            isinstance(e, int) and not isinstance(e, bool) and e >= 1 and self.replicas % e == 0,
-            f"stage {list(self.layers)}: expert_width must be a divisor >= 1 of its "
-            f"{self.replicas} replicas, got {e!r}",
-        )
 
     def _check_shares(self) -> None:
         """One whole share >= 1 per replica (their sum is the plan's to check)."""
@@ -119,43 +113,37 @@ class StagePlan:
         """
         return split_sizes(b, self.replicas, self.shares)
 
-    def _check_tensor_layout(self) -> None:
-        """t_s a power of two dividing the device count; ZeRO-3 on r_s > 1; regather with 3."""
+    def _check_parallel(self) -> None:
+        """The devices are whole tensor groups of t_s; :attr:`parallel` built and checked."""
         t, n, what = self.tensor_width, len(self.devices), f"stage {list(self.layers)}"
+        width = isinstance(t, int) and not isinstance(t, bool) and t >= 1  # else Parallelism's
         require(
-            isinstance(t, int) and not isinstance(t, bool) and t >= 1 and t & (t - 1) == 0,
-            f"{what}: tensor_width must be a power of two >= 1, got {t!r}",
-        )
-        require(
-            n % t == 0,
+            not width or n % t == 0,
             f"{what}: its {n} devices {list(self.devices)} are not whole tensor groups of "
             f"tensor_width={t}",
         )
-        require(
-            self.zero_stage != 3 or n // t > 1,
-            f"{what}: zero_stage 3 shards parameters over the replicas, but the stage has one "
-            f"replica (devices {list(self.devices)}, tensor_width={t})",
-        )
-        require(
-            isinstance(self.regather, bool),
-            f"{what}: regather must be a bool, got {self.regather!r}",
-        )
-        require(
-            not self.regather or self.zero_stage == 3,
-            f"{what}: regather applies to zero_stage 3 only, got zero_stage {self.zero_stage}",
-        )
+        try:
+            parallel = Parallelism(
+                replicas=n // t if width else n,
+                tensor_width=t,
+                zero_stage=self.zero_stage,
+                regather=self.regather,
+                expert_width=self.expert_width,
+            )
+        except ValidationError as e:
+            raise ValidationError(f"{what}: {e}") from e
+        object.__setattr__(self, "parallel", parallel)
 
     @property
     def replicas(self) -> int:
         """r_s, the number of replicas (tensor groups)."""
-        return len(self.devices) // self.tensor_width
+        return self.parallel.replicas
 
     @property
     def replica_devices(self) -> tuple[int, ...]:
         """The first device of each replica's tensor group, in replica order: the device that
         stands for the replica in schedules and split-concat (``devices`` when t_s = 1)."""
-        t = self.tensor_width
-        return self.devices if t == 1 else self.devices[::t]
+        return self.devices[:: self.tensor_width] if self.parallel.tensor_parallel else self.devices
 
     def tensor_group(self, replica: int) -> tuple[int, ...]:
         """The t_s devices of replica ``replica``'s tensor group."""

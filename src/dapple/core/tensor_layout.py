@@ -28,7 +28,7 @@ def check_tensor_groups(plan: Plan, cluster: Cluster) -> None:
     """Refuse a plan whose tensor groups do not fit the cluster's servers.
 
     Args:
-        plan: the plan; stages with ``tensor_width == 1`` pass unchecked.
+        plan: the plan; stages without tensor parallelism pass unchecked.
         cluster: servers of ``devices_per_server`` devices.
 
     Raises:
@@ -36,9 +36,9 @@ def check_tensor_groups(plan: Plan, cluster: Cluster) -> None:
             lie in more than one server (naming the stage, the group and the servers).
     """
     for s, st in enumerate(plan.stages[: plan.num_groups]):
-        t = st.tensor_width
-        if t == 1:
+        if not st.parallel.tensor_parallel:
             continue
+        t = st.tensor_width
         require(
             t <= cluster.devices_per_server,
             f"plan stage {s} {list(st.layers)}: tensor_width={t} is wider than a server of "

@@ -355,10 +355,10 @@ def check_expert_stage(profile: ModelProfile, stage: StagePlan, zero_stage: int)
         ValidationError: one line naming the stage's layers and the offending value.
     """
     e = stage.expert_width
-    if e == 1:
+    if not stage.parallel.expert_parallel:
         return
     what = f"stage {list(stage.layers)} (expert_width {e})"
-    if stage.tensor_width > 1:
+    if stage.parallel.tensor_parallel:
         raise ValidationError(
             f"{what}: expert parallelism with tensor_width {stage.tensor_width} is not costed; "
             "use tensor_width 1"
@@ -416,7 +416,7 @@ def expert_slice_times(
     backward's all-to-alls carry input gradients), once more to B and I under re-computation;
     plus the busiest expert's compute (:func:`_busiest_expert_ms`). ``times`` unchanged at
     e_s = 1."""
-    if stage.expert_width == 1:
+    if not stage.parallel.expert_parallel:
         return dict(times)
     if a2a is None:
         a2a = expert_alltoall_ms(

@@ -324,7 +324,7 @@ def plan_stage_bytes(
     over each shard's copies (:func:`expert_stage_state_bytes`)."""
     zero = max(zero_stage, stage.zero_stage)
     state = None
-    if stage.expert_width > 1:
+    if stage.parallel.expert_parallel:
         if zero in (1, 2):
             state = expert_stage_state_bytes(
                 profile, stage.layers, stage.replicas, stage.expert_width, zero

@@ -164,7 +164,7 @@ def replica_sync_ms(
     and 1 AR, 2 ``(M + 1) / 2`` AR, 3 AR (one all-gather, one reduce-scatter per step), 3 with
     ``regather`` 0 here (its traffic is per micro-batch, :func:`fsdp_pass_ms`).
     """
-    if stage.tensor_width == 1 and zero_stage <= 2:
+    if not stage.parallel.tensor_parallel and zero_stage <= 2:
         return stage_sync_ms(cluster, nbytes, stage.devices, zero_stage, micro_batches)
     if zero_stage == 3 and stage.regather:
         return 0.0
@@ -178,7 +178,7 @@ def fsdp_pass_ms(cluster: Cluster, nbytes: float, stage: StagePlan) -> tuple[flo
     the tensor-sharded parameter bytes ``nbytes`` (no overlap with compute: dapple's runtime;
     :func:`dapple.cost.overlap.exposed_fsdp_pass_ms` gives what a framework that prefetches
     leaves exposed); ``(0, 0)`` otherwise."""
-    if stage.zero_stage != 3 or not stage.regather:
+    if not stage.parallel.regather:  # regather: ZeRO-3 only
         return 0.0, 0.0
     half = _parallel_allreduce_ms(cluster, nbytes, stage) / 2
     return half, 2 * half

@@ -329,7 +329,8 @@ def _stage_terms(
     t = st.tensor_width
     s0, e0 = st.layers
     pbytes = sum(layer.parameter_bytes for layer in profile.layers[s0:e0])
-    grad_bytes = float(pbytes) if t == 1 else sharded_parameter_bytes(profile, st.layers, t)
+    tp = st.parallel.tensor_parallel
+    grad_bytes = sharded_parameter_bytes(profile, st.layers, t) if tp else float(pbytes)
     check_expert_stage(profile, st, zero_stage)
     owns = [profile_of(cluster, d, profile) for d in st.replica_devices]  # a kind's own, if any
     times = {}
@@ -338,10 +339,10 @@ def _stage_terms(
             n: _slice_times(p, cluster, st, n, grad_bytes, overlap)
             for n in sorted({n for x, n in zip(owns, sizes, strict=True) if x is p})
         }
-        if st.expert_width > 1:  # the all-to-alls and the experts' sharded compute
+        if st.parallel.expert_parallel:  # the all-to-alls and the experts' sharded compute
             ts = expert_slice_times(p, cluster, st, ts, max(sizes))
         times.update({(id(p), n): v for n, v in ts.items()})
-    if st.expert_width > 1 and zero_stage == 0:  # the experts' sharded state, dapple.cost.moe
+    if st.parallel.expert_parallel and zero_stage == 0:  # the experts' sharded state (cost.moe)
         grad_bytes = stage_rank_parameter_bytes(profile, st.layers, st.expert_width)
     # under ZeRO-1/2 each replica updates (P_dense + P_experts) / r_s at any e_s: grad_bytes / r_s
     replicas = tuple(
@@ -377,7 +378,7 @@ def _stage_terms(
     )
     sync = (
         expert_stage_sync_ms(profile, cluster, st, zero_stage, M)
-        if st.expert_width > 1
+        if st.parallel.expert_parallel
         else replica_sync_ms(cluster, grad_bytes, st, zero_stage, M)
     )
     if overlap.any and sync > 0:
@@ -396,7 +397,7 @@ def _stage_terms(
         replicas=replicas,
         parameter_bytes=pbytes,
         allreduce_ms=allreduce_ms(cluster, pbytes, st.devices)
-        if t == 1
+        if not tp
         else replica_sync_ms(cluster, grad_bytes, st, 0, M),
         host=slowest_extra(extras) if has_host_terms(cluster) else None,
     )
@@ -444,7 +445,7 @@ def _slice_times(
     W); the part ``overlap`` leaves exposed, :func:`~dapple.cost.overlap.exposed_fsdp_pass_ms`,
     when it hides any)."""
     t, rc = st.tensor_width, st.recompute
-    if t == 1 and not st.regather:
+    if not st.parallel.tensor_parallel and not st.regather:
         return (
             compute_ms(profile, cluster, st.layers, n, recompute=rc),
             split_backward_ms(profile, cluster, st.layers, n, recompute=rc),

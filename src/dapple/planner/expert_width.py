@@ -111,7 +111,7 @@ def without_expert_widths(plan: Plan) -> Plan:
     sharded): what the DAPPLE search interleaves, the runtime running expert parallelism under
     one chunk per device group only (``dapple.runtime.parallel.expert`` refuses an interleaved
     plan)."""
-    if all(st.expert_width == 1 for st in plan.stages):
+    if not any(st.parallel.expert_parallel for st in plan.stages):
         return plan
     return dataclasses.replace(
         plan, stages=tuple(dataclasses.replace(st, expert_width=1) for st in plan.stages)

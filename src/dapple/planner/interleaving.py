@@ -296,7 +296,7 @@ def regather_variants(plan: Plan, regather: bool = True) -> Iterator[Plan]:
     for mode in (False, None, True) if regather else (False, None):  # None: as proposed
         stages = tuple(
             dataclasses.replace(s, regather=s.regather if mode is None else mode)
-            if s.zero_stage == 3
+            if s.parallel.shards_params
             else s
             for s in plan.stages
         )

@@ -452,7 +452,9 @@ def simulate(
                 static_memory_bytes=static,
                 peak_memory_bytes=peak,
                 peak_in_flight=peak_in_flight[dev],
-                tensor_group=stages[s].tensor_group(j) if stages[s].tensor_width > 1 else (),
+                tensor_group=stages[s].tensor_group(j)
+                if stages[s].parallel.tensor_parallel
+                else (),
             )
         )
     try:

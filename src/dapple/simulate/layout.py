@@ -81,7 +81,7 @@ def plot_layout(plan: Plan, cluster: Cluster, path: str | Path, title: str | Non
                 x, y = d % per, d // per
                 ax.add_patch(Rectangle((x + 0.06, y + 0.1), 0.88, 0.8, facecolor=color, lw=0))
                 if labelled:
-                    text = f"s{s}\nr{j}" + (f" t{i}" if st.tensor_width > 1 else "")
+                    text = f"s{s}\nr{j}" + (f" t{i}" if st.parallel.tensor_parallel else "")
                     text += f"\nn{st.shares[j]}" if st.shares is not None else ""
                     ax.text(x + 0.5, y + 0.5, text, ha="center", va="center", fontsize=7)
             x0, y0 = group[0] % per, group[0] // per
