@@ -109,7 +109,7 @@ def cut_layers(
         return layers, StageMesh(loads=count_expert_load(plan, workload, rank, None, device))
     mine = [plan.stages[k] for k in layers.chunks]
     mesh = StageMesh()
-    if any(st.tensor_width > 1 or st.zero_stage == 3 for st in mine):
+    if any(st.parallel.meshed for st in mine):
         chunks, module, mesh = mesh_stage(plan, workload, rank, layers.chunks, groups, device,
                                           autocast)  # fmt: skip
         layers = StageLayers(s, j, chunks, module)

@@ -87,7 +87,9 @@ def zero_floored(plan: Plan, zero_stage: int) -> Plan:
     into them here; 1 and 2 are also applied per rank by the engine. ``plan`` itself when
     nothing changes."""
     stages = tuple(
-        replace(st, zero_stage=zero_stage) if st.replicas > 1 and st.zero_stage < zero_stage else st
+        replace(st, zero_stage=zero_stage)
+        if st.parallel.data_parallel and st.zero_stage < zero_stage
+        else st
         for st in plan.stages
     )
     return plan if stages == plan.stages else replace(plan, stages=stages)
@@ -95,9 +97,7 @@ def zero_floored(plan: Plan, zero_stage: int) -> Plan:
 
 def _meshed(plan: Plan) -> list[tuple[int, StagePlan]]:
     """The (virtual) stages cut over a tensor group or sharded over their replicas."""
-    return [
-        (s, st) for s, st in enumerate(plan.stages) if st.tensor_width > 1 or st.zero_stage == 3
-    ]
+    return [(s, st) for s, st in enumerate(plan.stages) if st.parallel.meshed]
 
 
 def check_mesh_run(plan: Plan, workload: Workload, config: TrainConfig) -> None:
@@ -112,11 +112,11 @@ def check_mesh_run(plan: Plan, workload: Workload, config: TrainConfig) -> None:
     meshed = _meshed(zero_floored(plan, config.zero_stage))
     for s, st in meshed:
         what = f"stage {s} {list(st.layers)} (tensor_width {st.tensor_width}, zero {st.zero_stage})"
-        if st.tensor_width > 1 and not tp_plan_of(workload):
+        if st.parallel.tensor_parallel and not tp_plan_of(workload):
             raise ValidationError(f"{what}: model {workload.name!r} has no TP plan")
         tied = [(i, n) for g in workload.tied_parameters for i, n in g
                 if st.layers[0] <= i < st.layers[1]]  # fmt: skip
-        if tied and st.zero_stage == 3:
+        if tied and st.parallel.shards_params:
             raise ValidationError(
                 f"{what}: ZeRO-3 on a stage holding tied parameters {tied} is not supported"
             )
@@ -154,11 +154,11 @@ def make_groups(plan: Plan) -> RankGroups:
     out = RankGroups()
     stages = plan.stages[: plan.num_groups]
     for s, st in enumerate(stages):
-        if st.replicas > 1:
+        if st.parallel.data_parallel:
             for i in range(st.tensor_width):
                 out.replica[(s, i)] = dist.new_group(list(st.replica_group(i)))
     for s, st in enumerate(stages):
-        if st.tensor_width > 1:
+        if st.parallel.tensor_parallel:
             for j in range(st.replicas):
                 out.tensor[(s, j)] = dist.new_group(list(st.tensor_group(j)))
     out.expert = make_expert_groups(plan)
@@ -282,7 +282,7 @@ def mesh_stage(
     for k in sorted(chunks):
         module: nn.Module = tp[k].module if k in tp else chunks[k]
         st = plan.stages[k]
-        if st.zero_stage == 3:
+        if st.parallel.shards_params:
             pg = groups.replica[(s, mesh.tensor_rank)]
             shard_stage(module, DeviceMesh.from_group(pg, device.type), regather=st.regather)
             mesh.shards[k] = ChunkShard(module, st.regather, plan.num_micro_batches, held)
@@ -447,7 +447,7 @@ def tensor_programs(plan: Plan, schedule: dict[int, Any]) -> dict[int, Any]:
     :func:`peer_ranks` pairs it with."""
     out = dict(schedule)
     for st in plan.stages[: plan.num_groups]:
-        for j in range(st.replicas if st.tensor_width > 1 else 0):
+        for j in range(st.replicas if st.parallel.tensor_parallel else 0):
             first, *rest = st.tensor_group(j)
             for d in rest:
                 out[d] = schedule.get(first, [])

@@ -44,7 +44,7 @@ def check_tensor_run(plan: Plan, workload: Workload, cluster: Cluster | None = N
     """
     if cluster is not None:
         check_tensor_groups(plan, cluster)
-    wide = [(s, st) for s, st in enumerate(plan.stages) if st.tensor_width > 1]
+    wide = [(s, st) for s, st in enumerate(plan.stages) if st.parallel.tensor_parallel]
     if not wide:
         return
     tp_plan = tp_plan_of(workload)

@@ -81,7 +81,7 @@ __all__ = [
 
 
 def _expert_stages(plan: Plan) -> list[int]:
-    return [s for s, st in enumerate(plan.stages) if st.expert_width > 1]
+    return [s for s, st in enumerate(plan.stages) if st.parallel.expert_parallel]
 
 
 def check_expert_run(plan: Plan, config: TrainConfig) -> None:
@@ -95,8 +95,8 @@ def check_expert_run(plan: Plan, config: TrainConfig) -> None:
         st = plan.stages[s]
         what = f"stage {s} {list(st.layers)} (expert_width {st.expert_width})"
         refusals = [
-            (st.tensor_width > 1, f"tensor_width {st.tensor_width}: EP with TP"),
-            (st.zero_stage == 3, "zero_stage 3: EP with ZeRO-3"),
+            (st.parallel.tensor_parallel, f"tensor_width {st.tensor_width}: EP with TP"),
+            (st.parallel.shards_params, "zero_stage 3: EP with ZeRO-3"),
             (plan.num_groups < plan.num_stages, "an interleaved plan"),
             (precision_of(config.precision).loss_scaling, f"precision {config.precision}"),
         ]  # fmt: skip
