@@ -142,3 +142,21 @@ def test_kind_profiles_and_plain_profiles_alone_still_parse() -> None:
     args = parse(["plan", "--cluster", "c", "--profile", "H=h.json", "--profile", "A=a.json"])
     assert args.profile == "H=h.json,A=a.json"
     assert parse(["plan", "--cluster", "c", "--profile", "a", "--profile", "b"]).profile == "b"
+
+
+# -- 4. a V schedule on a one-group plan: "got 1 (1)" said which number? -----------------------
+@pytest.mark.parametrize("schedule", ["zbv", "dualpipev"])
+@pytest.mark.parametrize("command", ["simulate", "train"])
+def test_a_v_on_one_device_group_names_the_replication(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], command: str, schedule: str
+) -> None:
+    from builders import make_profile
+    from dapple.core.plan import straight_plan
+
+    plan, prof = tmp_path / "plan.json", tmp_path / "p.json"
+    straight_plan(4, [0], global_batch_size=4, num_micro_batches=2, replicas=[2]).save(plan)
+    make_profile(4).save(prof)
+    rest = (["--profile", str(prof), "--cluster", "local-cpu"] if command == "simulate"
+            else ["-m", "transformer", "--set", "layers=2", "--set", "hidden=32"])  # fmt: skip
+    assert main([command, "--plan", str(plan), *rest, "--schedule", schedule]) == 2
+    one_error_line(capsys, "needs at least 2 device groups (a V over ranks), got 1 (replication 2)")

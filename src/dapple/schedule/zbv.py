@@ -162,7 +162,8 @@ def v_shape(plan: Plan, v: int = CHUNKS, *, title: str = "ZB-V", name: str = "zb
     P = plan.num_stages
     if P < 2:
         raise ValidationError(
-            f"{title} needs at least 2 device groups (a V over ranks), got {P} ({plan.replication})"
+            f"{title} needs at least 2 device groups (a V over ranks), got {P} (replication "
+            f"{plan.replication})"
         )
     counts = [st.layers[1] - st.layers[0] for st in plan.stages]
     for g, (st, n) in enumerate(zip(plan.stages, counts, strict=True)):
