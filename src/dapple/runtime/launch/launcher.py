@@ -67,6 +67,7 @@ from dapple.runtime.launch.local import (
 from dapple.runtime.launch.stop_line import stop_line
 from dapple.runtime.longrun import elastic_store
 from dapple.runtime.metrics import announce, metrics_from_dict
+from dapple.runtime.parallel.stage_mesh import check_mesh_run
 from dapple.runtime.precision import check_precision
 
 if TYPE_CHECKING:
@@ -373,6 +374,7 @@ def train(
     world = len(plan.devices)
     resolved = resolve_workload(workload)
     validate_run(plan, resolved, world, zero_stage=cfg.zero_stage)
+    check_mesh_run(plan, resolved, cfg)  # once here, not by every worker after its start-up
     _check_datasets(plan, resolved, cfg, data, eval_data)
     _check_shapes(plan, resolved, cfg, data)
     try:

@@ -109,7 +109,7 @@ def check_expert_layers(plan: Plan, workload: Workload) -> None:
     """Refuse, before any worker starts, a stage of e_s > 1 whose layers hold no MoE block
     expert parallelism can cut, or whose experts e_s does not divide: read off the traced
     pieces' templates (:func:`~dapple.models.split.piece_template`, parameters on ``meta``), as
-    :func:`shard_experts` finds them. A stage with a layer not traced is left to that check.
+    :func:`shard_experts` finds them (a layer not traced holds none).
 
     Raises:
         ValidationError: one line naming the plan stage, its width and the model.
@@ -117,11 +117,12 @@ def check_expert_layers(plan: Plan, workload: Workload) -> None:
     for s in _expert_stages(plan):
         st = plan.stages[s]
         e, (a, b) = st.expert_width, st.layers
-        pieces = [piece_template(workload, i) for i in range(a, b)]
-        if not all(isinstance(p, fx.GraphModule) for p in pieces):
-            continue
+        # as shard_experts: the sites of the traced pieces (a layer built whole has none)
+        pieces = [
+            p for i in range(a, b) if isinstance(p := piece_template(workload, i), fx.GraphModule)
+        ]
         what = f"plan stage {s} {list(st.layers)} (expert_width {e})"
-        experts = [site_experts(p, site) for p in pieces for site in find_sites(p)]  # type: ignore[arg-type]
+        experts = [site_experts(p, site) for p in pieces for site in find_sites(p)]
         if not experts:
             raise ValidationError(
                 f"{what}: model {workload.name!r} has no mixture-of-experts layers there that "
