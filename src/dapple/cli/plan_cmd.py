@@ -111,7 +111,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         "parameters too (ZeRO-3 / FSDP), all-gathered once per step or again per micro-batch "
         "(less memory, more traffic), whichever gives the lower step time; auto: per stage, "
         "unsharded unless its state leaves too little memory for its in-flight micro-batches, "
-        "then the cheapest of ZeRO-1, ZeRO-2, ZeRO-3 and re-computation. A stage with one "
+        "then the cheapest of ZeRO-1, ZeRO-2, ZeRO-3 and re-computation; each plan found is "
+        "also scored with every replicated stage at ZeRO 0-3, the fastest kept. A stage with one "
         "replica stays unsharded. The search counts the memory and the traffic of each; the "
         "plan records zero_stage (and ZeRO-3's regather) per stage, which train and verify "
         "follow (dapple planner only; default %(default)s)",

@@ -88,6 +88,7 @@ from dapple.planner.interleaving import best_interleaved, grid_offers, own_offer
 from dapple.planner.partition import block_partition
 from dapple.planner.stage_widths import MixedScorer, refine_stage_widths
 from dapple.planner.widths import real_devices, width_candidates
+from dapple.planner.zero_twins import zero_twins
 
 __all__ = [
     "DENSE_MICRO_BATCH_COUNTS",
@@ -228,7 +229,9 @@ def dapple_search(
         progress: called as ``progress(done, total)`` after each candidate M.
         zero_stage: 1: replicated stages shard their optimizer state (ZeRO-1), 2: their
             gradients too (ZeRO-2), in memory and in AR_s; ``auto``: per stage, where memory
-            asks for it (:class:`~dapple.planner.evaluate.Scorer`). The plan records each
+            asks for it (:class:`~dapple.planner.evaluate.Scorer`), and each plan found is
+            also offered with every replicated stage at ZeRO 0-3
+            (:func:`~dapple.planner.zero_twins.zero_twins`). The plan records each
             stage's choice (``StagePlan.zero_stage``); 3 (ZeRO-3) re-gathers per
             micro-batch where memory asks for it (``StagePlan.regather``).
         tensor_widths: the tensor widths t to search, one search each with every stage of
@@ -321,6 +324,8 @@ def dapple_search(
             found.append((scored.L_ms, t, sc.build_plan("dapple", stages, M, scored)))
             if mixed is not None:
                 found += _stage_widths(mixed, t, stages, M, scored, Ms)
+    if zero_stage == "auto" and not has_experts(profile):  # ZeRO is not offered with EP
+        found += zero_twins(found, profile, cluster, global_batch_size)
     own = [(t, without_expert_widths(plan)) for _, t, plan in found]  # EP runs under 1F1B only
     accept = _grid_filter(zero_stage, widths, max_stages) if grid else None
     if accept is not None and zero_stage not in (1, 2):  # the grid has no ZeRO-1/2 points
