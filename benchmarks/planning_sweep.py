@@ -6,7 +6,8 @@ For each profile and cluster size (``h100-8x``: servers of 8 H100) runs
 grid planner (``dapple plan --planner grid``). Each run's CPU seconds (user + sys of the search,
 ``time.process_time`` in that process) and wall seconds are printed as one JSON line per run
 (also appended to ``--jsonl``), then a markdown table: per case the CPU and wall seconds of each
-search and the predicted step L of each plan.
+search and the predicted step L of each plan (with ``--simulate`` also its simulated step, and
+the ratio of the search's plan of least L to the grid's, simulated).
 
     dapple profile --analytic h100 -m llama3-8b --precision bf16 -o p8b.json
     dapple profile --analytic h100 -m llama3-70b --precision bf16 --recompute full -o p70b.json
@@ -35,13 +36,15 @@ RUNS = (("dapple", ["--interleave"]), ("dapple", []), ("grid", []))
 
 
 def run_one(
-    profile: str, servers: int, planner: str, interleave: bool, batch: int
+    profile: str, servers: int, planner: str, interleave: bool, batch: int, sim: bool = False
 ) -> dict[str, Any]:
     """One :mod:`planning_scale` run in a fresh process: its JSON line, or its error."""
     cmd = [sys.executable, str(HERE / "planning_scale.py"), profile, "--servers", str(servers),
            "--global-batch-size", str(batch), "--planner", planner]  # fmt: skip
     if planner == "dapple" and not interleave:
         cmd.append("--no-interleave")
+    if sim:
+        cmd.append("--simulate")
     got = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if got.returncode != 0:
         lines = (got.stderr or got.stdout).strip().splitlines()
@@ -57,8 +60,8 @@ def table(rows: list[dict[str, Any]]) -> list[str]:
         by.setdefault((r["model"], r["servers"]), {})[r["run"]] = r
     out = [
         "| model | H100 | search CPU s (interleave) | wall s | L (ms) | search CPU s (1F1B) "
-        "| wall s | L (ms) | grid CPU s | grid L (ms) | L / grid L |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| wall s | L (ms) | grid CPU s | grid L (ms) | L / grid L | simulated / grid's |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for (model, servers), runs in sorted(by.items(), key=lambda x: (x[0][1], x[0][0])):
         cells = []
@@ -67,9 +70,13 @@ def table(rows: list[dict[str, Any]]) -> list[str]:
             cells += _cells(r, with_wall=True)
         g = runs.get("grid")
         cells += _cells(g, with_wall=False)
-        best = min((runs[n]["L"] for n in ("interleave", "1f1b") if _ok(runs.get(n))), default=None)
-        ratio = f"{best / g['L']:.3f}" if best is not None and _ok(g) else "-"
-        out.append(f"| {model} | {servers * 8:,} | " + " | ".join(cells) + f" | {ratio} |")
+        ours = [runs[n] for n in ("interleave", "1f1b") if _ok(runs.get(n))]
+        best = min(ours, key=lambda r: float(r["L"]), default=None)
+        ratio = f"{best['L'] / g['L']:.3f}" if best is not None and _ok(g) else "-"
+        sim = "-"
+        if best is not None and g is not None and "simulated_ms" in best and "simulated_ms" in g:
+            sim = f"{best['simulated_ms'] / g['simulated_ms']:.3f}"
+        out.append(f"| {model} | {servers * 8:,} | " + " | ".join(cells) + f" | {ratio} | {sim} |")
     return out
 
 
@@ -86,6 +93,8 @@ def _cells(r: dict[str, Any] | None, with_wall: bool) -> list[str]:
         err = r.get("error", "failed")
         return ["no plan fits" if "InfeasibleError" in err else err[:60]] + ["-"] * (n - 1)
     L = f"{r['L']:,.1f} (M={r['M']}{', interleaved' if r['schedule'] != 'dapple' else ''})"
+    if "simulated_ms" in r:
+        L += f", simulated {r['simulated_ms']:,.1f}"
     return [f"{r['cpu_s']:.2f}", f"{r['wall_s']:.1f}", L] if with_wall else [f"{r['cpu_s']:.2f}", L]
 
 
@@ -97,6 +106,7 @@ def main() -> None:
     ap.add_argument("--jsonl", type=Path, help="append each run's JSON line here")
     ap.add_argument("--budget-s", type=float, default=None, help="start no run after this")
     ap.add_argument("--from-jsonl", type=Path, help="print the table of these runs only")
+    ap.add_argument("--simulate", action="store_true", help="also each plan's simulated step")
     args = ap.parse_args()
     rows: list[dict[str, Any]] = []
     if args.from_jsonl:
@@ -113,7 +123,9 @@ def main() -> None:
                 if args.budget_s is not None and time.perf_counter() - t0 > args.budget_s:
                     row["error"] = "not run (budget)"
                 else:
-                    row |= run_one(path, servers, planner, bool(flags), args.global_batch_size)
+                    row |= run_one(
+                        path, servers, planner, bool(flags), args.global_batch_size, args.simulate
+                    )
                     row.pop("stages", None)
                 print(json.dumps(row), flush=True)
                 rows.append(row)
