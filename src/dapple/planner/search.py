@@ -324,7 +324,7 @@ def dapple_search(
             found.append((scored.L_ms, t, sc.build_plan("dapple", stages, M, scored)))
             if mixed is not None:
                 found += _stage_widths(mixed, t, stages, M, scored, Ms)
-    if zero_stage == "auto" and not has_experts(profile):  # ZeRO is not offered with EP
+    if zero_stage == "auto" and not has_experts(profile):  # twins are scored without EP widths
         found += zero_twins(found, profile, cluster, global_batch_size)
     own = [(t, without_expert_widths(plan)) for _, t, plan in found]  # EP runs under 1F1B only
     accept = _grid_filter(zero_stage, widths, max_stages) if grid else None
