@@ -13,6 +13,7 @@ from dapple.core.layer_profile import AffineTime, LayerProfile
 from dapple.core.plan import Plan, StagePlan, straight_plan
 from dapple.core.profile import ModelProfile
 from dapple.cost.comm import allreduce_ms
+from dapple.cost.pipeline import pipeline_latency
 from dapple.errors import ValidationError
 from dapple.schedule import lower, parse_action
 from dapple.simulate import simulate
@@ -190,6 +191,23 @@ def test_links_are_fifo_and_do_not_block_compute():
     f2 = next(e for e in r.events if str(e.action) == "0F2")
     assert f2.start_ms == pytest.approx(2.0)  # not held back by the busy link
     assert all(e.nbytes == MB for e in sends)
+
+
+def test_slices_of_a_cut_share_the_receivers_port():
+    # 2:1 split-concat, b = 2: replicas 0 and 1 (devices 0, 1) each send 1 sample (0.5 MB) to
+    # device 2, whose way in carries both: each transfer lasts until that port has taken the
+    # two slices, 0.5 + 1.0 = 1.5 ms, the comm stage's F; the gradients come back through its
+    # way out, 1.5 ms too. Alone on their links they would take 1.0 ms.
+    plan = straight_plan(
+        2, [0, 1], global_batch_size=2, num_micro_batches=1, replicas=[2, 1], schedule="gpipe"
+    )
+    r = simulate(plan, _profile(), _cluster(3))
+    for kind in ("SEND_F", "SEND_B"):
+        sends = [e for e in r.events if e.action.kind.value == kind]
+        assert len(sends) == 2
+        assert [e.duration_ms for e in sends] == pytest.approx([1.5, 1.5])
+    comm = pipeline_latency(plan, _profile(), _cluster(3)).stages[1]
+    assert (comm.kind, comm.forward_ms, comm.backward_ms) == ("comm", 1.5, 1.5)
 
 
 def test_simulated_step_close_to_planner_latency_for_uniform_pipeline():

@@ -22,9 +22,11 @@ __all__ = [
     "comm_stage_ms",
     "link_loads",
     "overlaps",
+    "port_loads",
     "server_counts",
     "stage_sync_ms",
     "transfer_ms",
+    "transfer_ports",
 ]
 
 
@@ -174,22 +176,37 @@ def _overlaps(
     return out
 
 
-def link_loads(
+Port = tuple[str, int]
+"""A direction of a link that concurrent transfers share: ``("device out", d)``, ``("device
+in", d)`` inside a server, ``("nic out", server)``, ``("nic in", server)`` across servers."""
+
+
+def transfer_ports(cluster: Cluster, src_device: int, dst_device: int) -> tuple[Port, Port]:
+    """The two ports a transfer from ``src_device`` to ``dst_device`` occupies: the sender's
+    way out and the receiver's way in (device links inside a server, the servers' network
+    interfaces across servers)."""
+    dps = cluster.devices_per_server  # device d is on server d // dps (Cluster.server_of)
+    sa, sc = src_device // dps, dst_device // dps
+    if sa == sc:
+        return ("device out", src_device), ("device in", dst_device)
+    return ("nic out", sa), ("nic in", sc)
+
+
+def port_loads(
     cluster: Cluster,
     src_devices: Sequence[int],
     dst_devices: Sequence[int],
     b: int,
     src_shares: Sequence[int] | None = None,
     dst_shares: Sequence[int] | None = None,
-) -> list[tuple[float, float]]:
-    """Every busy link of the split-concat between two stages, as ``(latency_ms, samples /
-    bytes_per_ms)``: its latency and the ms it is busy per byte of one sample.
+) -> dict[Port, int]:
+    """Samples every port carries in the split-concat of one micro-batch between two stages.
 
     Split-concat (section 6.2, :func:`dapple.core.plan.transfers`): replica j before the cut
     sends its overlap with replica k's slice to ``dst_devices[k]``. Transfers proceed
     concurrently; a device's link inside a server carries its own messages out (and in), and
     a server's network interface carries the sum of all cross-server samples leaving (or
-    entering) it. A device sending to itself uses no link.
+    entering) it (:func:`transfer_ports`). A device sending to itself uses no port.
 
     Args:
         cluster: link classes.
@@ -199,20 +216,31 @@ def link_loads(
         src_shares: the slices of the replicas before the cut; None: even.
         dst_shares: the slices of those after it; None: even.
     """
-    intra = cluster.intra_server_bandwidth_gbps * 1e9 / 8 / 1e3
-    inter = cluster.inter_server_bandwidth_gbps * 1e9 / 8 / 1e3
-    loads: dict[tuple[str, int], float] = {}  # (link kind, device or server) -> samples
-    dps = cluster.devices_per_server  # device d is on server d // dps (Cluster.server_of)
+    loads: dict[Port, int] = {}
     for j, k, lo, hi in overlaps(b, len(src_devices), len(dst_devices), src_shares, dst_shares):
         a, c = src_devices[j], dst_devices[k]
         if a == c:
             continue
-        sa, sc = a // dps, c // dps
-        out_key, in_key = (("device out", a), ("device in", c)) if sa == sc else (
-            ("nic out", sa), ("nic in", sc))  # fmt: skip
-        loads[out_key] = loads.get(out_key, 0.0) + (hi - lo)
-        loads[in_key] = loads.get(in_key, 0.0) + (hi - lo)
+        for port in transfer_ports(cluster, a, c):
+            loads[port] = loads.get(port, 0) + (hi - lo)
+    return loads
+
+
+def link_loads(
+    cluster: Cluster,
+    src_devices: Sequence[int],
+    dst_devices: Sequence[int],
+    b: int,
+    src_shares: Sequence[int] | None = None,
+    dst_shares: Sequence[int] | None = None,
+) -> list[tuple[float, float]]:
+    """Every busy port of the split-concat between two stages (:func:`port_loads`, same
+    arguments), as ``(latency_ms, samples / bytes_per_ms)``: its latency and the ms it is busy
+    per byte of one sample."""
+    intra = cluster.intra_server_bandwidth_gbps * 1e9 / 8 / 1e3
+    inter = cluster.inter_server_bandwidth_gbps * 1e9 / 8 / 1e3
     out = []
+    loads = port_loads(cluster, src_devices, dst_devices, b, src_shares, dst_shares)
     for (kind, _), n in loads.items():
         if kind.startswith("device"):
             out.append((cluster.intra_server_latency_ms, n / intra))

@@ -36,8 +36,10 @@ from dapple.core.tensor_layout import check_tensor_groups
 from dapple.cost.comm import (
     allreduce_ms,
     comm_stage_ms,
+    port_loads,
     stage_update_ms,
     transfer_ms,
+    transfer_ports,
 )
 from dapple.cost.compute import compute_ms, split_backward_ms
 from dapple.cost.host import HostExtra, apply_host, has_host_terms, host_extras, slowest_extra
@@ -217,7 +219,9 @@ class TransferTerms:
     nbytes: float
     """Activations (and, backwards, their gradients) of ``samples`` samples at the cut."""
     forward_ms: float
-    """Activations from the source replica's device to the destination's."""
+    """Activations from the source replica's device to the destination's, sharing its ports
+    with the cut's other slices (:func:`~dapple.cost.comm.port_loads`): the comm stage's F is
+    the longest of these."""
     backward_ms: float
     """Gradients back from the destination replica's device to the source's."""
 
@@ -466,16 +470,22 @@ def _boundary_terms(
     """The comm stage and the slice transfers across the cut between ``src`` and ``dst``."""
     rows = []
     a, c = src.replica_devices, dst.replica_devices
+    loads = port_loads(cluster, a, c, b, src.shares, dst.shares)
     for j, k, lo, hi in transfers(b, src.replicas, dst.replicas, src.shares, dst.shares):
         nbytes = float(boundary_bytes(profile, dst.layers[0], hi - lo))
+        # the slices of one micro-batch cross the cut at once and share their ports: each
+        # lasts until its busier port has carried all of its samples (the gradients take the
+        # reverse ports, which carry the same samples)
+        shared = max((loads.get(p, 0) for p in transfer_ports(cluster, a[j], c[k])), default=0)
+        moved = nbytes * max(shared, hi - lo) / (hi - lo) if hi > lo else nbytes
         rows.append(
             TransferTerms(
                 src_replica=j,
                 dst_replica=k,
                 samples=hi - lo,
                 nbytes=nbytes,
-                forward_ms=transfer_ms(cluster, nbytes, a[j], c[k]),
-                backward_ms=transfer_ms(cluster, nbytes, c[k], a[j]),
+                forward_ms=transfer_ms(cluster, moved, a[j], c[k]),
+                backward_ms=transfer_ms(cluster, moved, c[k], a[j]),
             )
         )
     comm, _ = comm_stage_ms(profile, cluster, src, dst, b)
