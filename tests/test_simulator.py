@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import json
 
 import pytest
@@ -166,8 +168,8 @@ def test_allreduce_waits_for_the_slowest_replica():
 
 
 def test_links_are_fifo_and_do_not_block_compute():
-    # Slow link (transfer 1.5 ms) vs fast forward (0.5 MB / sample, b = 1: F = 1 ms): sends of
-    # micro-batches 0..2 queue on the link: [1, 2.5], [2.5, 4], [4, 5.5].
+    # Slow link (2 MB: 2 ms of bytes, arriving 0.5 ms later) vs fast forward (b = 1: F = 1 ms):
+    # sends of micro-batches 0..2 queue on the way out: [1, 3.5], [3, 5.5], [5, 7.5].
     plan = straight_plan(2, [0, 1], global_batch_size=3, num_micro_batches=3, schedule="gpipe")
     prof = _profile()
     prof = ModelProfile(
@@ -177,7 +179,7 @@ def test_links_are_fifo_and_do_not_block_compute():
                 name=x.name,
                 forward=x.forward,
                 backward=x.backward,
-                output_bytes_per_sample=MB,
+                output_bytes_per_sample=2 * MB,
                 parameter_bytes=0,
                 kept_activation_bytes_per_sample=0.0,
             )
@@ -186,11 +188,11 @@ def test_links_are_fifo_and_do_not_block_compute():
     )
     r = simulate(plan, prof, _cluster())
     sends = [e for e in r.events if e.action.kind.value == "SEND_F"]
-    assert [e.start_ms for e in sends] == pytest.approx([1.0, 2.5, 4.0])
-    assert [e.end_ms for e in sends] == pytest.approx([2.5, 4.0, 5.5])
+    assert [e.start_ms for e in sends] == pytest.approx([1.0, 3.0, 5.0])
+    assert [e.end_ms for e in sends] == pytest.approx([3.5, 5.5, 7.5])
     f2 = next(e for e in r.events if str(e.action) == "0F2")
     assert f2.start_ms == pytest.approx(2.0)  # not held back by the busy link
-    assert all(e.nbytes == MB for e in sends)
+    assert all(e.nbytes == 2 * MB for e in sends)
 
 
 def test_slices_of_a_cut_share_the_receivers_port():
@@ -202,12 +204,39 @@ def test_slices_of_a_cut_share_the_receivers_port():
         2, [0, 1], global_batch_size=2, num_micro_batches=1, replicas=[2, 1], schedule="gpipe"
     )
     r = simulate(plan, _profile(), _cluster(3))
-    for kind in ("SEND_F", "SEND_B"):
-        sends = [e for e in r.events if e.action.kind.value == kind]
-        assert len(sends) == 2
-        assert [e.duration_ms for e in sends] == pytest.approx([1.5, 1.5])
+    sends = [e for e in r.events if e.action.kind.value == "SEND_F"]
+    assert [e.duration_ms for e in sends] == pytest.approx([1.5, 1.5])
+    # the gradients back: one sender, whose two slices take turns on its way out (0.5 ms of
+    # bytes each); the last arrives when the comm stage's B says
+    back = sorted((e for e in r.events if e.action.kind.value == "SEND_B"), key=lambda e: e.end_ms)
+    assert len(back) == 2
+    assert back[1].end_ms - back[0].start_ms == pytest.approx(1.5)
     comm = pipeline_latency(plan, _profile(), _cluster(3)).stages[1]
     assert (comm.kind, comm.forward_ms, comm.backward_ms) == ("comm", 1.5, 1.5)
+
+
+def test_a_devices_sends_take_turns_on_its_way_out():
+    # 3 stages, b = 1, 1 MB per sample to send (1.5 ms a message) against F = 1 ms: the middle
+    # device sends activations forward and gradients back; they queue on its one way out.
+    prof = ModelProfile(
+        model_name="x",
+        layers=tuple(
+            dataclasses.replace(x, output_bytes_per_sample=MB) for x in _profile(3).layers
+        ),
+    )
+    plan = straight_plan(3, [0, 1, 2], global_batch_size=6, num_micro_batches=6)
+    r = simulate(plan, prof, _cluster(3))
+    sends = sorted(
+        (e for e in r.events if e.device == 1 and e.action.kind.value.startswith("SEND")),
+        key=lambda e: e.start_ms,
+    )
+    assert {e.action.kind.value for e in sends} == {"SEND_F", "SEND_B"}
+    assert all(e.duration_ms == pytest.approx(1.5) for e in sends)
+    # the bytes (1 ms) hold the way out, the latency (0.5 ms) does not: never two at once,
+    # and some waited for the one before
+    held = [(e.start_ms, e.end_ms - 0.5) for e in sends]
+    assert all(x[1] <= y[0] + 1e-9 for x, y in itertools.pairwise(held))
+    assert any(x[1] == pytest.approx(y[0]) for x, y in itertools.pairwise(held))
 
 
 def test_simulated_step_close_to_planner_latency_for_uniform_pipeline():

@@ -17,6 +17,7 @@ from dapple.core.profile import ModelProfile
 from dapple.cost.memory import boundary_bytes
 
 __all__ = [
+    "Port",
     "allreduce_ms",
     "busiest_link_ms",
     "comm_stage_ms",
@@ -24,6 +25,7 @@ __all__ = [
     "overlaps",
     "port_loads",
     "server_counts",
+    "shared_samples",
     "stage_sync_ms",
     "transfer_ms",
     "transfer_ports",
@@ -224,6 +226,25 @@ def port_loads(
         for port in transfer_ports(cluster, a, c):
             loads[port] = loads.get(port, 0) + (hi - lo)
     return loads
+
+
+def shared_samples(cluster: Cluster, pairs: Sequence[tuple[int, int, int]]) -> list[int]:
+    """Per transfer ``(sender, receiver, samples)`` of one cut's slices, the samples its
+    busier port carries while it moves: its own, plus those of *other* senders' slices through
+    the same port (:func:`transfer_ports`; they cross at once and share it), the largest over
+    its two ports. A sender's own slices are not counted: they take turns on its way out. A
+    device sending to itself moves nothing and shares nothing."""
+    loads: dict[Port, int] = {}
+    mine: dict[tuple[Port, int], int] = {}  # (port, sender) -> that sender's samples through it
+    for a, c, n in pairs:
+        if a != c:
+            for p in transfer_ports(cluster, a, c):
+                loads[p] = loads.get(p, 0) + n
+                mine[(p, a)] = mine.get((p, a), 0) + n
+    return [
+        n if a == c else max(loads[p] - mine[(p, a)] + n for p in transfer_ports(cluster, a, c))
+        for a, c, n in pairs
+    ]
 
 
 def link_loads(

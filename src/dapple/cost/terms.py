@@ -36,10 +36,9 @@ from dapple.core.tensor_layout import check_tensor_groups
 from dapple.cost.comm import (
     allreduce_ms,
     comm_stage_ms,
-    port_loads,
+    shared_samples,
     stage_update_ms,
     transfer_ms,
-    transfer_ports,
 )
 from dapple.cost.compute import compute_ms, split_backward_ms
 from dapple.cost.host import HostExtra, apply_host, has_host_terms, host_extras, slowest_extra
@@ -467,25 +466,27 @@ def _slice_times(
 def _boundary_terms(
     profile: ModelProfile, cluster: Cluster, src: StagePlan, dst: StagePlan, b: int
 ) -> BoundaryTerms:
-    """The comm stage and the slice transfers across the cut between ``src`` and ``dst``."""
+    """The comm stage and the slice transfers across the cut between ``src`` and ``dst``.
+
+    The slices of one micro-batch cross the cut at once: a slice shares its ports with the
+    other senders' slices (:func:`~dapple.cost.comm.shared_samples`), forwards from the
+    replicas before the cut and gradients back from those after it."""
     rows = []
     a, c = src.replica_devices, dst.replica_devices
-    loads = port_loads(cluster, a, c, b, src.shares, dst.shares)
-    for j, k, lo, hi in transfers(b, src.replicas, dst.replicas, src.shares, dst.shares):
+    cut = transfers(b, src.replicas, dst.replicas, src.shares, dst.shares)
+    fwd = shared_samples(cluster, [(a[j], c[k], hi - lo) for j, k, lo, hi in cut])
+    bwd = shared_samples(cluster, [(c[k], a[j], hi - lo) for j, k, lo, hi in cut])
+    for (j, k, lo, hi), f, g in zip(cut, fwd, bwd, strict=True):
         nbytes = float(boundary_bytes(profile, dst.layers[0], hi - lo))
-        # the slices of one micro-batch cross the cut at once and share their ports: each
-        # lasts until its busier port has carried all of its samples (the gradients take the
-        # reverse ports, which carry the same samples)
-        shared = max((loads.get(p, 0) for p in transfer_ports(cluster, a[j], c[k])), default=0)
-        moved = nbytes * max(shared, hi - lo) / (hi - lo) if hi > lo else nbytes
+        per_sample = nbytes / (hi - lo) if hi > lo else 0.0
         rows.append(
             TransferTerms(
                 src_replica=j,
                 dst_replica=k,
                 samples=hi - lo,
                 nbytes=nbytes,
-                forward_ms=transfer_ms(cluster, moved, a[j], c[k]),
-                backward_ms=transfer_ms(cluster, moved, c[k], a[j]),
+                forward_ms=transfer_ms(cluster, per_sample * f, a[j], c[k]),
+                backward_ms=transfer_ms(cluster, per_sample * g, c[k], a[j]),
             )
         )
     comm, _ = comm_stage_ms(profile, cluster, src, dst, b)

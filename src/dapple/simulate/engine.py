@@ -12,9 +12,13 @@ runs its program (:func:`dapple.schedule.lower`) in order:
   (chunks): every action costs and communicates as the stage it names, so a chunk boundary's
   transfer uses the link between the two chunks' devices.
 * ``SEND_F``/``SEND_B`` are non-blocking for the sender's compute; the transfer of the slice
-  overlap ``[lo, hi)`` (:func:`dapple.core.plan.transfers`) occupies the directed link
-  ``(src, dst)`` for the transfer time of its bytes (:func:`dapple.cost.comm.transfer_ms`), first
-  come first served per link.
+  overlap ``[lo, hi)`` (:func:`dapple.core.plan.transfers`) occupies the sender's way out (one
+  queue per device, first come first served: its activations to the next stage and its
+  gradients to the previous one take turns) for the time of its bytes, and arrives a link
+  latency later (:func:`dapple.cost.comm.transfer_ms`); the bytes' time is stretched where
+  slices of other senders in the same cut share its receiver's way in or a server's network
+  interface (:class:`~dapple.cost.terms.TransferTerms`). A device sending to itself moves
+  nothing.
 * ``RECV_F``/``RECV_B`` block the device until the matching transfer has arrived.
 * ``AR`` starts when every replica of the stage has reached it and lasts
   AR(P_s, g_s) of the stage's parameter bytes over its devices; a stage with
@@ -27,7 +31,7 @@ runs its program (:func:`dapple.schedule.lower`) in order:
   and ``OPT`` is a compute task of the per-step host CPU (optimizer, step collective,
   AllReduce copies, so U_s is 0 there), both shared like any compute.
 
-Since sends never block and each link has a single sender, every action's time depends only
+Since sends never block and each way out has a single sender, every action's time depends only
 on its device's previous action and on already-posted transfers, so a round-robin dataflow
 sweep over the devices yields exact event times without a priority queue.
 
@@ -181,7 +185,8 @@ class _Run:
         self.t = dict.fromkeys(sched, 0.0)
         self.pc = dict.fromkeys(sched, 0)
         self.busy = dict.fromkeys(sched, 0.0)
-        self.link_free: dict[tuple[int, int], float] = {}
+        self.out_free: dict[int, float] = {}
+        """Per device, when its way out is free (:meth:`other`)."""
         self.arrivals: dict[_MsgKey, deque[float]] = {}
         self.at_ar: dict[int, dict[int, float]] = {}
         self.events: list[SimEvent] = []
@@ -277,9 +282,11 @@ class _Run:
             dst = stages[s_dst].replica_devices[a.peer]
             x = self.transfer[(s, j, a.peer)] if fwd else self.transfer[(s - 1, a.peer, j)]
             nbytes = x.nbytes
-            start = max(now, self.link_free.get((dev, dst), 0.0))
-            end = start + (x.forward_ms if fwd else x.backward_ms)
-            self.link_free[(dev, dst)] = end
+            ms = x.forward_ms if fwd else x.backward_ms
+            start = max(now, self.out_free.get(dev, 0.0)) if ms > 0 else now
+            end = start + ms
+            if ms > 0:  # the bytes hold the way out; the latency only delays the arrival
+                self.out_free[dev] = end - self.cluster.latency_ms(dev, dst)
             key = (a.kind, s, a.micro_batch, j, a.peer)
             self.arrivals.setdefault(key, deque()).append(end)
             self.events.append(SimEvent(dev, a, start, end, dst, nbytes))
