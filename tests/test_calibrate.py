@@ -65,3 +65,36 @@ def test_fit_survives_noisy_small_messages():
     )
     bw = res.cluster.intra_server_bandwidth_gbps
     assert bw == pytest.approx((1 << 20) / 1.0 * 8e3 / 1e9)
+
+
+def test_host_cpu_terms_are_measured_on_one_intra_op_thread(monkeypatch):
+    # Idle intra-op workers spin between the runtime's small ops and count as process CPU time
+    # (2 threads per rank: 22.9 ms per step against 1.1 ms on one; benchmarks/
+    # overhead_threads.md). The ping-pong's CPU and the runtime overheads run on one thread;
+    # the compute sweep keeps the runtime's thread count.
+    import torch
+    import torch.distributed as dist
+
+    from dapple.calibrate import machine
+
+    seen: dict[str, int] = {}
+
+    def record(name, value):
+        def f(*args, **kwargs):
+            seen[name] = torch.get_num_threads()
+            return value
+
+        return f
+
+    monkeypatch.setattr(machine, "_point_to_point", record("p2p", ([], 0.0)))
+    monkeypatch.setattr(machine, "runtime_overheads", record("overheads", (0.0, 0.0)))
+    monkeypatch.setattr(machine, "busy_sweep", record("sweep", [1.0]))
+    monkeypatch.setattr(dist, "barrier", lambda: None)
+    old = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        machine._measure(0, 2, (), 1)
+        assert seen == {"p2p": 1, "overheads": 1, "sweep": 2}
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(old)

@@ -33,11 +33,12 @@ stops them first, and they meet on loopback only (rank 0's TCPStore on the launc
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -119,8 +120,55 @@ def _matmul_alone_ms(nproc: int) -> float:
         torch.set_num_threads(old)
 
 
+@contextlib.contextmanager
+def _one_thread() -> Iterator[None]:
+    """One intra-op thread while the host CPU terms are measured (process CPU time,
+    :mod:`dapple.calibrate.overheads`). With more, the pool's idle workers spin between the
+    runtime's small ops and their spinning counts as CPU time: 2 threads per rank read 22.9 ms
+    per step against 1.1 ms with one (``benchmarks/overhead_threads.md``); 3 per rank read the
+    31 ms per step that made L 15-30x the measured step on 12 dedicated cores. The runtime gives each worker at
+    most its share of the cores (:func:`runtime_threads`), so that spinning takes no core another
+    rank computes on: it is no host cost."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
+
+
 def _measure(rank: int, world: int, sizes: tuple[int, ...], repeats: int) -> dict[str, Any]:
     """Runs on every rank inside an initialised process group; rank 0's result is used."""
+    with _one_thread():
+        p2p, comm_cpu = _point_to_point(rank, world, sizes, repeats)
+    ar: list[float] = []
+    for n in sizes:
+        t = torch.zeros(max(1, n // 4), dtype=torch.float32)
+        times = []
+        for it in range(repeats + 1):
+            dist.barrier()
+            t0 = time.perf_counter()
+            dist.all_reduce(t)
+            if it > 0:
+                times.append((time.perf_counter() - t0) * 1e3)
+        ar.append(statistics.median(times))
+    sweep = busy_sweep(rank, world)
+    with _one_thread():
+        action, step = runtime_overheads(rank, world)
+    return {
+        "p2p": p2p,
+        "ar": ar,
+        "shared": sweep[-1],
+        "sweep": sweep,
+        "host": (action, step, comm_cpu),
+    }
+
+
+def _point_to_point(
+    rank: int, world: int, sizes: tuple[int, ...], repeats: int
+) -> tuple[list[float], float]:
+    """Ping-pong between ranks 0 and 1 at each size: the one-way times (ms, 0 on other ranks)
+    and ``comm_cpu_ms_per_mb`` from both ends' CPU time (:func:`comm_cpu_fit`)."""
     p2p: list[float] = []
     cpu: list[float] = []  # CPU ms of this end per message (ranks 0 and 1)
     for n in sizes:
@@ -144,27 +192,7 @@ def _measure(rank: int, world: int, sizes: tuple[int, ...], repeats: int) -> dic
         cpu.append(used / repeats)
     both = [torch.tensor(cpu, dtype=torch.float64) for _ in range(world)]
     dist.all_gather(both, torch.tensor(cpu, dtype=torch.float64))
-    comm_cpu = comm_cpu_fit(sizes, [float(x) for x in both[0] + both[1]])
-    ar: list[float] = []
-    for n in sizes:
-        t = torch.zeros(max(1, n // 4), dtype=torch.float32)
-        times = []
-        for it in range(repeats + 1):
-            dist.barrier()
-            t0 = time.perf_counter()
-            dist.all_reduce(t)
-            if it > 0:
-                times.append((time.perf_counter() - t0) * 1e3)
-        ar.append(statistics.median(times))
-    sweep = busy_sweep(rank, world)
-    action, step = runtime_overheads(rank, world)
-    return {
-        "p2p": p2p,
-        "ar": ar,
-        "shared": sweep[-1],
-        "sweep": sweep,
-        "host": (action, step, comm_cpu),
-    }
+    return p2p, comm_cpu_fit(sizes, [float(x) for x in both[0] + both[1]])
 
 
 def busy_sweep(rank: int, world: int, repeats: int = 60, sweeps: int = 3) -> list[float]:
