@@ -218,14 +218,25 @@ def port_loads(
         src_shares: the slices of the replicas before the cut; None: even.
         dst_shares: the slices of those after it; None: even.
     """
+    cut = overlaps(b, len(src_devices), len(dst_devices), src_shares, dst_shares)
+    return _port_totals(
+        cluster, [(src_devices[j], dst_devices[k], hi - lo) for j, k, lo, hi in cut]
+    )[0]
+
+
+def _port_totals(
+    cluster: Cluster, pairs: Sequence[tuple[int, int, int]]
+) -> tuple[dict[Port, int], dict[tuple[Port, int], int]]:
+    """Samples through each port over transfers ``(sender, receiver, samples)``, in all and
+    per ``(port, sender)``; a device sending to itself uses no port."""
     loads: dict[Port, int] = {}
-    for j, k, lo, hi in overlaps(b, len(src_devices), len(dst_devices), src_shares, dst_shares):
-        a, c = src_devices[j], dst_devices[k]
-        if a == c:
-            continue
-        for port in transfer_ports(cluster, a, c):
-            loads[port] = loads.get(port, 0) + (hi - lo)
-    return loads
+    mine: dict[tuple[Port, int], int] = {}
+    for a, c, n in pairs:
+        if a != c:
+            for p in transfer_ports(cluster, a, c):
+                loads[p] = loads.get(p, 0) + n
+                mine[(p, a)] = mine.get((p, a), 0) + n
+    return loads, mine
 
 
 def shared_samples(cluster: Cluster, pairs: Sequence[tuple[int, int, int]]) -> list[int]:
@@ -234,13 +245,7 @@ def shared_samples(cluster: Cluster, pairs: Sequence[tuple[int, int, int]]) -> l
     the same port (:func:`transfer_ports`; they cross at once and share it), the largest over
     its two ports. A sender's own slices are not counted: they take turns on its way out. A
     device sending to itself moves nothing and shares nothing."""
-    loads: dict[Port, int] = {}
-    mine: dict[tuple[Port, int], int] = {}  # (port, sender) -> that sender's samples through it
-    for a, c, n in pairs:
-        if a != c:
-            for p in transfer_ports(cluster, a, c):
-                loads[p] = loads.get(p, 0) + n
-                mine[(p, a)] = mine.get((p, a), 0) + n
+    loads, mine = _port_totals(cluster, pairs)
     return [
         n if a == c else max(loads[p] - mine[(p, a)] + n for p in transfer_ports(cluster, a, c))
         for a, c, n in pairs
