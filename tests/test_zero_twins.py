@@ -49,3 +49,10 @@ def test_a_twin_is_its_plan_scored_at_that_zero_stage(llama8b_on_16: tuple) -> N
         got = Scorer(prof, cluster, B, zs.pop()).score(stages, plan.num_micro_batches)
         assert got is not None and got.L_ms == pytest.approx(L, rel=1e-12)
         assert twin.predicted_step_ms == L
+
+
+def test_no_plan_found_has_no_twins() -> None:
+    from dapple.core.cluster_presets import PRESETS
+    from dapple.profiler.paper_models import load_profile
+
+    assert zero_twins([], load_profile("paper:bert48"), PRESETS["paper-a"], 64) == []

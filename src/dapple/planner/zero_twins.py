@@ -50,6 +50,8 @@ def zero_twins(
     plans = [(t, p) for _, t, p in found if p.virtual_stages == 1 and p.schedule == "dapple"]
     widths = sorted({st.tensor_width for _, p in plans for st in p.stages})
     out: list[Found] = []
+    if not plans:  # nothing fits: nothing to twin
+        return out
     seen = {p.stages for _, p in plans}
     for z in TWIN_STAGES:
         mixed = MixedScorer({w: Scorer(profile, cluster, global_batch_size, z, w) for w in widths})
