@@ -219,8 +219,8 @@ class TransferTerms:
     """Activations (and, backwards, their gradients) of ``samples`` samples at the cut."""
     forward_ms: float
     """Activations from the source replica's device to the destination's, sharing its ports
-    with the cut's other slices (:func:`~dapple.cost.comm.port_loads`): the comm stage's F is
-    the longest of these."""
+    with the slices other senders push through them (:func:`~dapple.cost.comm.shared_samples`);
+    a sender's own slices take turns on its way out in the simulator."""
     backward_ms: float
     """Gradients back from the destination replica's device to the source's."""
 
@@ -478,7 +478,7 @@ def _boundary_terms(
     bwd = shared_samples(cluster, [(c[k], a[j], hi - lo) for j, k, lo, hi in cut])
     for (j, k, lo, hi), f, g in zip(cut, fwd, bwd, strict=True):
         nbytes = float(boundary_bytes(profile, dst.layers[0], hi - lo))
-        per_sample = nbytes / (hi - lo) if hi > lo else 0.0
+        per_sample = nbytes / (hi - lo)  # transfers() yields only non-empty overlaps
         rows.append(
             TransferTerms(
                 src_replica=j,
