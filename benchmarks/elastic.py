@@ -40,7 +40,7 @@ from dapple.core.cluster_presets import PRESETS
 from dapple.core.plan import Plan
 from dapple.core.profile import ModelProfile
 from dapple.runtime.launch.elastic import ElasticPolicy
-from dapple.runtime.config import TrainConfig
+from dapple.runtime.train_config import TrainConfig
 from dapple.runtime.launch.launcher import train
 
 if __name__ == "__main__":

@@ -70,7 +70,7 @@ def step_versions(ctx: Ctx) -> list[str]:
 
 def step_verify(ctx: Ctx) -> list[str]:
     from dapple.core.plan import straight_plan
-    from dapple.runtime.config import TrainConfig
+    from dapple.runtime.train_config import TrainConfig
     from dapple.runtime.verify import verify_many
 
     wls = _workloads(ctx.dry)

@@ -39,9 +39,9 @@ def _dapple_step(ctx: Ctx, spec: str) -> Any:
 
     from dapple import api
     from dapple.core.plan import straight_plan
-    from dapple.runtime.config import TrainConfig
     from dapple.runtime.engine import run_plan
     from dapple.runtime.launch.launcher import free_port, init_distributed
+    from dapple.runtime.train_config import TrainConfig
 
     wl = api.load(spec, seq=ctx.shapes["seq"])
     plan = straight_plan(wl.num_layers, [0], global_batch_size=GLOBAL_BATCH, num_micro_batches=1)

@@ -6,7 +6,7 @@ Run: ``.venv/bin/python benchmarks/heterogeneous.py [--quick] [--output benchmar
 Profiles are analytic (``dapple profile --analytic``) on the H100; the A100's speed is the
 ratio of the two analytic profiles' F + B over all layers at 1 sample (the datasheets' peaks
 and each device's fitted or prior efficiencies), and its memory its own. Every plan is priced by
-the cost model on the mixed cluster as given (:func:`dapple.cost.schedules.schedule_latency`);
+the cost model on the mixed cluster as given (:func:`dapple.cost.schedule_step.schedule_latency`);
 no GPU runs here.
 """
 
@@ -29,7 +29,7 @@ from dapple.core.kind_profiles import with_kind_profiles
 from dapple.core.plan import Plan
 from dapple.core.profile import ModelProfile
 from dapple.cost.pipeline import pipeline_latency
-from dapple.cost.schedules import schedule_latency
+from dapple.cost.schedule_step import schedule_latency
 from dapple.errors import InfeasibleError
 from dapple.planner import make_plan
 from dapple.profiler.analytic import analytic_profile

@@ -19,7 +19,7 @@ gloo's measured loopback bandwidth (:data:`GLOO_GBPS`). Three plans:
   the unequal shares alone.
 
 Each plan's predicted step is the cost model's on the cluster with kinds
-(:func:`~dapple.cost.schedules.schedule_latency`); its measured step the median ``step_ms`` of
+(:func:`~dapple.cost.schedule_step.schedule_latency`); its measured step the median ``step_ms`` of
 its steps after the first two (SGD). Rounds alternate the plans; each measured ratio is the
 median of the per-round ratios of a plan's step over the device-kinds plan's.
 
@@ -45,7 +45,7 @@ from dapple.core.cluster import GIB, Cluster
 from dapple.core.device_kinds import DeviceKind
 from dapple.core.plan import Plan
 from dapple.core.profile import ModelProfile
-from dapple.cost.schedules import schedule_latency
+from dapple.cost.schedule_step import schedule_latency
 from dapple.planner import make_plan
 from dapple.planner.shares import with_kind_shares
 from dapple.profiler.measure import _profile

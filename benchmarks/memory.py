@@ -27,7 +27,7 @@ from dapple import api
 from dapple.core.cluster import Cluster
 from dapple.core.plan import Plan, straight_plan
 from dapple.cost.pipeline import pipeline_latency
-from dapple.runtime.config import OPTIMIZER_STATE_FACTOR
+from dapple.runtime.train_config import OPTIMIZER_STATE_FACTOR
 
 CONFIG: dict[str, Any] = {
     "hidden_size": 1024,

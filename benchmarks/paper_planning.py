@@ -20,7 +20,7 @@ from dapple.cost.pipeline import LatencyBreakdown, pipeline_latency
 from dapple.errors import InfeasibleError
 from dapple.planner import make_plan
 from dapple.planner.batches import divisors
-from dapple.planner.evaluate import Scorer
+from dapple.planner.scorer import Scorer
 from dapple.profiler.paper_models import PAPER_GLOBAL_BATCH, PAPER_MODELS, load_paper_profile
 
 # The paper's table: (output plan, split position, ACR) per model and config.

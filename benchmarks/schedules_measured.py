@@ -57,7 +57,7 @@ from dapple.core.cluster import Cluster
 from dapple.core.plan import Plan, interleave, straight_plan
 from dapple.core.profile import ModelProfile
 from dapple.schedule.ir import ActionKind
-from dapple.simulate.schedules import with_schedule
+from dapple.simulate.plan_variants import with_schedule
 from vs_torch_pipelining import LR, describe, even_bounds
 
 WORLD = 4

@@ -44,7 +44,7 @@ from _bench_common import (
 )
 from _schedules_worker import ACTION_KINDS, TORCH_SCHEDULES, worker
 from dapple.core.plan import Plan, interleave, straight_plan
-from dapple.simulate.schedules import with_schedule
+from dapple.simulate.plan_variants import with_schedule
 from vs_torch_pipelining import LR, describe, even_bounds
 
 WORLD = 2

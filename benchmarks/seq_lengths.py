@@ -7,7 +7,7 @@ batch sizes on one CPU thread (``profile_workload(seq_lens=...)``), then reports
 * the whole model's forward + backward time at each (length, batch size) and per token, with a
   least-squares line ``t = c0 + c1 * tokens`` over all points and each point's deviation;
 * held-out lengths: the profile without a length (only the shortest and longest, or all the
-  others) predicts it (:func:`dapple.cost.lengths.length_profile`), beside the plain
+  others) predicts it (:func:`dapple.cost.at_length.length_profile`), beside the plain
   per-sample chord between its neighbours;
 * the planner for a length distribution: predicted step time and peak stage memory of plans
   for a mean of the shortest, the middle and the longest length, and for the middle length
@@ -25,7 +25,7 @@ from pathlib import Path
 
 from _bench_common import HERE, header
 from dapple.core.profile import ModelProfile
-from dapple.cost.lengths import length_profile
+from dapple.cost.at_length import length_profile
 from dapple.cost.pipeline import pipeline_latency
 from dapple.models.zoo import transformer
 from dapple.planner import make_plan

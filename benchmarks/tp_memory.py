@@ -305,8 +305,8 @@ def steady_extremes(live: LiveBytes) -> dict[str, Any] | None:
 def _worker(rank: int, world: int, port: int, sizes: dict[str, Any], steps: int, out: str) -> None:
     """Every configuration in turn on this rank; rank 0 writes each rank's steady extremes."""
     from dapple.runtime import shutdown_distributed
-    from dapple.runtime.config import TrainConfig
     from dapple.runtime.engine import run_plan
+    from dapple.runtime.train_config import TrainConfig
 
     join_worker_group(rank, world, port)
     wl = traced_zoo(sizes)

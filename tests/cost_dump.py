@@ -35,11 +35,15 @@ from dapple.core.layer_profile import AffineTime, LayerProfile
 from dapple.core.plan import Plan
 from dapple.core.profile import LengthProfile, ModelProfile
 from dapple.cost.pipeline import pipeline_latency
-from dapple.cost.schedules import activation_peak_bytes, device_memory_by_group, schedule_latency
+from dapple.cost.schedule_step import (
+    activation_peak_bytes,
+    device_memory_by_group,
+    schedule_latency,
+)
 from dapple.errors import DappleError
 from dapple.planner import PLANNERS, make_plan
-from dapple.planner.evaluate import Scorer
 from dapple.planner.schedule_choice import best_per_schedule, best_schedule
+from dapple.planner.scorer import Scorer
 from dapple.profiler.paper_models import PAPER_GLOBAL_BATCH, PAPER_MODELS, load_profile
 from dapple.simulate.engine import SimResult, simulate
 

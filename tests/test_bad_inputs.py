@@ -27,14 +27,14 @@ from dapple.core.plan import Plan, straight_plan
 from dapple.errors import ValidationError
 from dapple.planner import make_plan
 from dapple.planner.batches import divisors
-from dapple.planner.evaluate import Scorer
+from dapple.planner.scorer import Scorer
 from dapple.planner.search import (
     DIVISOR_SCAN,
     MAX_GLOBAL_BATCH_SIZE,
     MAX_MICRO_BATCH_COUNTS,
     micro_batch_candidates,
 )
-from dapple.runtime.config import TrainConfig
+from dapple.runtime.train_config import TrainConfig
 
 ROOT = os.geteuid() == 0 if hasattr(os, "geteuid") else False
 """Root passes every permission check: chmod-based cases are skipped then."""
@@ -176,7 +176,7 @@ def test_cli_plans_a_huge_batch_in_bounded_time(
 ) -> None:
     """A batch of 10^10 plans with a bounded number of candidates scored (3,742 at the time of
     writing, against 1,366 for a batch of 64): the work, not a shared machine's wall time."""
-    from dapple.planner.evaluate import Scorer
+    from dapple.planner.scorer import Scorer
 
     scored = [0]
     score = Scorer.score

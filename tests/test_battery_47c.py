@@ -15,8 +15,8 @@ from rich.console import Console
 from dapple.cli import main
 from dapple.core.plan import Plan
 from dapple.core.stage_plan import StagePlan
-from dapple.runtime.config import StepMetrics
 from dapple.runtime.reporting import ProgressBar, eta_text
+from dapple.runtime.step_metrics import StepMetrics
 from dapple.simulate import simulate
 from dapple.simulate.trace import to_chrome_trace
 from test_tensor_plan import _blocks, _cluster
@@ -372,7 +372,7 @@ def test_a_rank_ends_with_its_killed_torchrun_agent(tmp_path: Path) -> None:
 
 def test_train_refuses_a_seed_torch_cannot_take() -> None:
     from dapple.errors import ValidationError
-    from dapple.runtime.config import TrainConfig
+    from dapple.runtime.train_config import TrainConfig
 
     TrainConfig(steps=3, seed=2**63 - 4)  # the last step's batch seed is 2^63 - 1
     TrainConfig(steps=3, seed=-(2**63))

@@ -233,7 +233,7 @@ def test_train_refuses_more_steps_than_batch_seeds_naming_the_steps(
 ) -> None:
     """``--steps 100000000000000000000`` (10^20) was refused as "seed must be an integer from ... to -9.07e19, got 0"."""
     from builders import one_error_line
-    from dapple.runtime.config import TrainConfig
+    from dapple.runtime.train_config import TrainConfig
 
     TrainConfig(steps=2**63 - 1)  # seed 0: the last batch seed is 2^63 - 1
     assert main(["train", "--plan", _plan(tmp_path), *MODEL, "--steps", str(10**20)]) == 2

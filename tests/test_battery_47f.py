@@ -45,7 +45,7 @@ def standalone(monkeypatch: pytest.MonkeyPatch) -> None:
 
 # -- 1. --checkpoint-dir without --save-every: one checkpoint, after the last step --------------
 def _save_every(argv: list[str]) -> int:
-    from dapple.cli._train_config import run_config_of
+    from dapple.cli._train_flags import run_config_of
 
     return run_config_of(build_parser().parse_args(argv)).train.save_every
 
@@ -292,7 +292,7 @@ def test_an_expert_width_runs_under_a_chunked_schedule(schedule: str, v: int) ->
     the head [5, 6), and simulate refused the plan ("no mixture-of-experts layer there")."""
     from dapple import api
     from dapple.core.plan_checks import check_expert_widths
-    from dapple.simulate.schedules import with_schedule
+    from dapple.simulate.plan_variants import with_schedule
 
     prof = _moe_profile()
     chunked = with_schedule(_expert_plan(), schedule, v)
@@ -316,7 +316,7 @@ def test_an_expert_group_without_moe_layers_stays_refused(
     [4, 5)) holds no MoE layer in any chunk when these blocks are dense."""
     from dapple.core.plan_checks import check_expert_widths
     from dapple.errors import ValidationError
-    from dapple.simulate.schedules import with_schedule
+    from dapple.simulate.plan_variants import with_schedule
 
     plan = _expert_plan() if schedule is None else with_schedule(_expert_plan(), schedule, v)
     with pytest.raises(ValidationError, match=r"plan stage 0 \[0, \d\): expert_width 2, but p "

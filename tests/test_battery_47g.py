@@ -16,8 +16,8 @@ from dapple.core.cluster import Cluster
 from dapple.core.plan import Plan
 from dapple.core.profile import ModelProfile
 from dapple.errors import InfeasibleError
-from dapple.planner.evaluate import Scorer
 from dapple.planner.expert_width import make_scorer
+from dapple.planner.scorer import Scorer
 from dapple.planner.search import dapple_search
 
 

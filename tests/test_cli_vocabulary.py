@@ -18,12 +18,12 @@ import torch
 from dapple import api
 from dapple.cli import build_parser, main
 from dapple.cli._run_args import add_run_arguments
-from dapple.cli._train_config import run_config_of, verify_config_of
+from dapple.cli._train_flags import run_config_of, verify_config_of
 from dapple.core.cluster_presets import load_cluster
 from dapple.core.plan import Plan, straight_plan
 from dapple.errors import ValidationError
 from dapple.profiler.paper_models import PAPER_MODELS, load_paper_profile, load_profile
-from dapple.runtime.config import OPTIMIZERS
+from dapple.runtime.train_config import OPTIMIZERS
 from dapple.simulate import simulate
 
 COMMANDS = {

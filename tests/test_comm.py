@@ -79,7 +79,7 @@ def test_plans_train_like_one_process_with_every_tensor_host_staged(
     from dataclasses import replace
 
     from dapple import api
-    from dapple.runtime.config import TrainConfig
+    from dapple.runtime.train_config import TrainConfig
     from dapple.runtime.verify import verify_many
     from runtime_workloads import make_plan
 

@@ -1,5 +1,5 @@
 """``--config FILE``: a run file reaches every field of :class:`~dapple.runtime.run_config.
-RunConfig` (and a ``[planning]`` section every field of :class:`~dapple.planner.config.
+RunConfig` (and a ``[planning]`` section every field of :class:`~dapple.planner.plan_config.
 PlanConfig`); flags given beside it win, even at their default; ``--print-config`` prints what
 reads back to the same configuration; a bad file fails before any compute, naming the file, the
 key, the value and the type wanted."""
@@ -18,8 +18,7 @@ from dapple.cli import main
 from dapple.core.config_file import merge_values
 from dapple.core.plan import Plan, straight_plan
 from dapple.errors import ValidationError
-from dapple.planner.config import PLAN_SECTIONS, PlanConfig, dump_plan_config, load_plan_config
-from dapple.runtime.config import TrainConfig
+from dapple.planner.plan_config import PLAN_SECTIONS, PlanConfig, dump_plan_config, load_plan_config
 from dapple.runtime.run_config import (
     RUN_SECTIONS,
     DataConfig,
@@ -32,6 +31,7 @@ from dapple.runtime.run_config import (
     resolve_eval,
     resolve_train_config,
 )
+from dapple.runtime.train_config import TrainConfig
 
 Field = tuple[str, str]
 

@@ -1,5 +1,5 @@
 """One typed configuration behind three doors: every flag of ``dapple train`` and ``dapple plan``
-is a field of :class:`~dapple.runtime.run_config.RunConfig` / :class:`~dapple.planner.config.
+is a field of :class:`~dapple.runtime.run_config.RunConfig` / :class:`~dapple.planner.plan_config.
 PlanConfig` with the flag's default, and :func:`dapple.api.train` / :func:`dapple.api.plan` take
 the same option with the same default - but for the few flags that only a command line can have,
 each listed below with its reason. The runs the CLI, a config file and the API ask for reach the
@@ -8,7 +8,6 @@ runtime alike."""
 from __future__ import annotations
 
 import argparse
-import ast
 import dataclasses
 import importlib.util
 import inspect
@@ -20,17 +19,16 @@ import pytest
 from dapple import api
 from dapple.cli import build_parser, main
 from dapple.cli._config_args import Flag
-from dapple.cli._plan_config import plan_flags
-from dapple.cli._train_config import RUN_FLAGS, TRAIN_FLAGS
+from dapple.cli._plan_flags import plan_flags
+from dapple.cli._train_flags import RUN_FLAGS, TRAIN_FLAGS
 from dapple.cli.plan_cmd import parse_seq_len
 from dapple.cli.train_cmd import DEFAULT_KEEP
+from dapple.core.parallelism import ZERO_STAGES
 from dapple.core.plan import Plan, straight_plan
 from dapple.core.planning_options import ZERO_CHOICES
 from dapple.errors import ValidationError
-from dapple.planner.config import PLAN_SECTIONS, RUN_SECTION_NAMES, PlanConfig
+from dapple.planner.plan_config import PLAN_SECTIONS, RUN_SECTION_NAMES, PlanConfig
 from dapple.profiler.paper_models import load_profile
-from dapple.runtime.config import TrainConfig
-from dapple.runtime.optim_config import ZERO_STAGES
 from dapple.runtime.run_config import (
     NOT_IN_FILE,
     RUN_SECTIONS,
@@ -39,6 +37,7 @@ from dapple.runtime.run_config import (
     RunConfig,
     load_run_config,
 )
+from dapple.runtime.train_config import TrainConfig
 
 FILE_FLAGS = {"config", "print_config"}
 """The flags about the config file itself (no field of it)."""
@@ -55,7 +54,7 @@ CLI_ONLY_TRAIN = {
 
 CLI_ONLY_PLAN = {
     "config": "names the file the options come from; the API takes them as arguments "
-    "(a file: dapple.planner.config.load_plan_config)",
+    "(a file: dapple.planner.plan_config.load_plan_config)",
     "print_config": "prints the merged options and exits; the API has the object "
     "(dump_plan_config writes it)",
     "compare": "prints every planner side by side; the API plans with one planner per call",
@@ -275,7 +274,7 @@ def test_simulate_refuses_the_old_compare_with_its_new_name(
 # -- dapple profile ---------------------------------------------------------------------------------
 def test_every_profile_flag_is_a_profile_config_field_or_the_model() -> None:
     from dapple.api.profiling import ProfileConfig
-    from dapple.cli._profile_config import MODEL_FLAGS
+    from dapple.cli._profile_flags import MODEL_FLAGS
     from dapple.cli.profile_cmd import profile_config_of
 
     actions = _flag_actions("profile")
@@ -377,17 +376,6 @@ def test_cli_file_and_api_ask_the_runtime_for_the_same_run(
     for k, v in EVERY_RUN_OPTION.items():  # each reached the runtime
         assert cli[k] == v, k
     assert cli["resume"] is False and cli["echo"] and cli["progress"]
-
-
-def test_optim_config_does_not_import_config() -> None:
-    """The import circle runtime.config <-> runtime.optim_config is gone."""
-    import dapple.runtime.optim_config as m
-
-    tree = ast.parse(Path(m.__file__).read_text())
-    imported = {
-        node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module
-    }
-    assert not {x for x in imported if x.startswith("dapple.runtime")}
 
 
 def test_api_train_opens_documents_and_refuses_before_the_runtime(

@@ -23,15 +23,15 @@ from dapple.core.profile import ModelProfile
 from dapple.cost import terms as cost_terms
 from dapple.cost.host import has_host_terms
 from dapple.cost.pipeline import in_flight_bounds, latency_breakdown, pipeline_latency
-from dapple.cost.schedules import schedule_latency, schedule_step_ms
+from dapple.cost.schedule_step import schedule_latency, schedule_step_ms
 from dapple.cost.terms import PipelineTerms, stage_terms
-from dapple.planner import evaluate, make_plan
-from dapple.planner.evaluate import Scorer
+from dapple.planner import make_plan, scorer
 from dapple.planner.schedule_choice import balanced_pipelines
+from dapple.planner.scorer import Scorer
 from dapple.profiler.paper_models import PAPER_GLOBAL_BATCH, load_profile
 from dapple.schedule import ActionKind
 from dapple.simulate import simulate
-from dapple.simulate.schedules import with_schedule
+from dapple.simulate.plan_variants import with_schedule
 
 K = ActionKind
 
@@ -155,7 +155,7 @@ def test_scorer_assembles_through_pipeline_terms(
         calls.append(args)
         return cost_terms.pipeline_terms(*args)
 
-    monkeypatch.setattr(evaluate, "pipeline_terms", spy)
+    monkeypatch.setattr(scorer, "pipeline_terms", spy)
     scored = _scored_ms(plan, profile, cluster)
     terms = stage_terms(plan, profile, cluster)
     bounds = in_flight_bounds(plan)[1]

@@ -19,7 +19,7 @@ from dapple.core.profile import ModelProfile
 from dapple.cost.comm import allreduce_ms
 from dapple.cost.pipeline import pipeline_latency
 from dapple.errors import ValidationError
-from dapple.planner.evaluate import Scorer
+from dapple.planner.scorer import Scorer
 from dapple.simulate import simulate
 
 

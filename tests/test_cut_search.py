@@ -16,8 +16,8 @@ from dapple.planner.cut_search import (
     search_limits,
     stage_bound,
 )
-from dapple.planner.evaluate import Scorer
 from dapple.planner.placement import place
+from dapple.planner.scorer import Scorer
 from dapple.planner.search import (
     _lower_bound,
     _rank_micro_batches,

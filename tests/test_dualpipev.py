@@ -16,14 +16,14 @@ from builders import NO_COMM, per_call_profile
 from dapple.cli import main
 from dapple.core.plan import straight_plan
 from dapple.cost.compute import stage_compute_ms
-from dapple.cost.schedules import device_memory_by_group, schedule_latency
+from dapple.cost.schedule_step import device_memory_by_group, schedule_latency
 from dapple.errors import ValidationError
 from dapple.schedule import ActionKind, compute_order, lower, validate, validate_compute_order
 from dapple.schedule.dualpipev import dualpipev
-from dapple.schedule.grid import format_grid
+from dapple.schedule.text_grid import format_grid
 from dapple.schedule.zbv import v_group
 from dapple.simulate import simulate
-from dapple.simulate.schedules import with_schedule
+from dapple.simulate.plan_variants import with_schedule
 
 K = ActionKind
 FAST = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])

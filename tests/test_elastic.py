@@ -24,7 +24,6 @@ from dapple.core.plan import Plan, straight_plan
 from dapple.core.profile import ModelProfile
 from dapple.errors import ValidationError
 from dapple.runtime.checkpoint import latest_checkpoint
-from dapple.runtime.config import TrainConfig
 from dapple.runtime.launch.elastic import (
     ElasticPolicy,
     ElasticStop,
@@ -35,6 +34,7 @@ from dapple.runtime.launch.elastic import (
     worker_plan,
 )
 from dapple.runtime.launch.failure import RankFailure
+from dapple.runtime.train_config import TrainConfig
 
 CPU = PRESETS["local-cpu"]
 
@@ -144,7 +144,7 @@ from dapple.core.cluster_presets import PRESETS
 from dapple.core.plan import Plan
 from dapple.core.profile import ModelProfile
 from dapple.runtime.launch.elastic import ElasticPolicy
-from dapple.runtime.config import TrainConfig
+from dapple.runtime.train_config import TrainConfig
 from dapple.runtime.launch.launcher import train
 
 if __name__ == "__main__":
@@ -286,7 +286,7 @@ from dapple.core.cluster_presets import PRESETS
 from dapple.core.plan import Plan
 from dapple.core.profile import ModelProfile
 from dapple.runtime.launch.elastic import ElasticPolicy
-from dapple.runtime.config import TrainConfig
+from dapple.runtime.train_config import TrainConfig
 from dapple.runtime.launch.launcher import train
 
 if __name__ == "__main__":

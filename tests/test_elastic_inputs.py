@@ -11,9 +11,9 @@ from builders import make_profile
 from dapple.core.cluster_presets import PRESETS
 from dapple.core.plan import straight_plan
 from dapple.errors import ValidationError
-from dapple.runtime.config import TrainConfig
 from dapple.runtime.launch.elastic import ElasticPolicy, train_elastic
 from dapple.runtime.run_config import RunConfig, RunOptions
+from dapple.runtime.train_config import TrainConfig
 
 
 def _never(*_: object, **__: object) -> None:

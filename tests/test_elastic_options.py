@@ -172,9 +172,9 @@ def test_a_lost_device_replans_on_the_kinds_left_with_their_own_profiles(tmp_pat
     the devices named 2 and 3; the lost H server's other device is left idle."""
     import os
 
-    from dapple.runtime.config import TrainConfig
     from dapple.runtime.launch.elastic import train_elastic
     from dapple.runtime.launch.failure import RankFailure
+    from dapple.runtime.train_config import TrainConfig
 
     h, c = _kinds_cluster()
     first = make_plan(h, c, 8)

@@ -19,13 +19,13 @@ from torch.utils.checkpoint import checkpoint
 import extra_models as em
 from dapple.core.plan import Plan, straight_plan
 from dapple.models.split import model_factory_of
-from dapple.runtime.config import StepMetrics
 from dapple.runtime.parallel.expert.load import (
     count_expert_load,
     expert_report,
     imbalance,
     load_layout,
 )
+from dapple.runtime.step_metrics import StepMetrics
 
 
 def hand_count(

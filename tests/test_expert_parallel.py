@@ -21,7 +21,6 @@ import extra_models as em
 from dapple import api
 from dapple.core.plan import Plan, interleave, straight_plan
 from dapple.errors import ValidationError
-from dapple.runtime.config import TrainConfig
 from dapple.runtime.parallel.expert import (
     ExpertGroups,
     ExpertShards,
@@ -29,6 +28,7 @@ from dapple.runtime.parallel.expert import (
     shard_experts,
 )
 from dapple.runtime.parallel.expert.exchange import Route
+from dapple.runtime.train_config import TrainConfig
 from dapple.runtime.verify.run import WORKER_SETUP_ENV
 
 EP_DIR_ENV = "DAPPLE_TEST_EP_DIR"

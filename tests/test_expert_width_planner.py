@@ -18,11 +18,10 @@ from dapple.core.moe_profile import MoEProfile
 from dapple.core.plan import Plan, StagePlan
 from dapple.cost.peak_memory import plan_stage_bytes
 from dapple.cost.pipeline import pipeline_latency
-from dapple.cost.schedules import device_memory_by_group
+from dapple.cost.schedule_step import device_memory_by_group
 from dapple.cost.terms import stage_terms
 from dapple.errors import InfeasibleError
 from dapple.planner import make_plan
-from dapple.planner.evaluate import Scorer
 from dapple.planner.expert_grid import expert_grid_candidates, uniform_expert_grid_plan
 from dapple.planner.expert_width import (
     ExpertScorer,
@@ -30,6 +29,7 @@ from dapple.planner.expert_width import (
     with_and_without_widths,
     without_expert_widths,
 )
+from dapple.planner.scorer import Scorer
 from dapple.planner.search import dapple_search
 from dapple.planner.stage_options import stage_choice
 from dapple.planner.zero_modes import UNSHARDED, ZeroMode

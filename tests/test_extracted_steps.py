@@ -13,7 +13,7 @@ import torch
 from dapple.datasets.prepare import _check_outputs, _meta_info, _split, _split_files, _tokenize
 from dapple.errors import ValidationError
 from dapple.profiler.co_workers import _as_float
-from dapple.profiler.lengths import length_passes
+from dapple.profiler.length_passes import length_passes
 from dapple.profiler.measure import _check_options
 from dapple.runtime.precision import tolerances_for
 from dapple.runtime.verify.report import ATOL, GRAD_RTOL, RTOL

@@ -17,7 +17,7 @@ from dapple.core.cluster import Cluster
 from dapple.core.plan import Plan
 from dapple.core.profile import ModelProfile
 from dapple.core.tensor_layout import check_tensor_groups
-from dapple.cost.schedules import device_memory_by_group, schedule_latency
+from dapple.cost.schedule_step import device_memory_by_group, schedule_latency
 from dapple.errors import InfeasibleError, ValidationError
 from dapple.planner.grid import (
     GridPoint,

@@ -16,10 +16,9 @@ from builders import link_cluster, llm_layer
 from dapple.core.cluster import Cluster
 from dapple.core.plan import Plan
 from dapple.core.profile import ModelProfile
-from dapple.cost.schedules import device_memory_by_group, schedule_latency
+from dapple.cost.schedule_step import device_memory_by_group, schedule_latency
 from dapple.planner import interleaving
 from dapple.planner.batches import MAX_MICRO_BATCH_COUNTS, micro_batch_candidates
-from dapple.planner.evaluate import Scorer
 from dapple.planner.grid import MAX_INTERLEAVED_ACTIONS, grid_candidates
 from dapple.planner.interleaving import (
     SLACK,
@@ -34,6 +33,7 @@ from dapple.planner.interleaving import (
     own_offers,
     regather_variants,
 )
+from dapple.planner.scorer import Scorer
 from dapple.planner.search import dapple_search
 
 GIB = 2**30

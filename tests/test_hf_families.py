@@ -18,7 +18,7 @@ pytest.importorskip("transformers")
 from dapple import api
 from dapple.core.plan import Plan, straight_plan
 from dapple.models.hf import hf_causal_lm
-from dapple.runtime.config import TrainConfig
+from dapple.runtime.train_config import TrainConfig
 from dapple.runtime.verify import verify_many
 from hf_families import FAMILIES, save_family
 

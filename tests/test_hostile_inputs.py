@@ -332,9 +332,10 @@ def test_missing_output_folders_are_made(
 
 def test_writers_make_missing_folders(tmp_path: Path) -> None:
     """The writers behind the stubbed commands' outputs create the folders above them."""
-    from dapple.runtime.config import StepMetrics, TrainConfig
     from dapple.runtime.metrics import MetricsSink
     from dapple.runtime.reporting import write_loss_curve
+    from dapple.runtime.step_metrics import StepMetrics
+    from dapple.runtime.train_config import TrainConfig
 
     step = StepMetrics(step=0, loss=1.0, step_ms=1.0, samples_per_s=1.0, peak_memory_bytes=(0,),
                        memory_kind="held_activations")  # fmt: skip

@@ -236,7 +236,7 @@ def test_search_is_no_worse_than_the_oracle_with_per_kind_profiles(gbs: int) -> 
     """2 servers of 2 devices, the second kind 4x slower on layers 0, 1 and as fast on 2, 3:
     the DP's L at most the exhaustive oracle's (every partition, replication and placement,
     scored alike), both the cost model's L of their plans."""
-    from dapple.cost.schedules import schedule_latency
+    from dapple.cost.schedule_step import schedule_latency
 
     dp, oracle = make_plan(H, KINDS, gbs), make_plan(H, KINDS, gbs, "exhaustive")
     assert dp.predicted_step_ms <= oracle.predicted_step_ms * (1 + 1e-9)

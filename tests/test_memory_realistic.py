@@ -76,7 +76,7 @@ def test_the_planner_reads_the_same_peaks(key):
     the step peak: with the CUDA workspaces (a cluster's reserved bytes) within 10% of the H200."""
     from dapple.core.cluster_presets import PRESETS
     from dapple.cost.pipeline import pipeline_latency
-    from dapple.cost.schedules import device_memory_by_group
+    from dapple.cost.schedule_step import device_memory_by_group
 
     name, i = key
     plan, prof = _plans()[name], _profile()

@@ -14,10 +14,10 @@ from dapple.core.device_kinds import DeviceKind
 from dapple.core.plan import Plan, split_sizes
 from dapple.cost.compute import compute_ms
 from dapple.cost.replica_shares import at_speeds
-from dapple.cost.schedules import schedule_latency
+from dapple.cost.schedule_step import schedule_latency
 from dapple.cost.terms import stage_terms
 from dapple.planner import dapple_search, make_plan
-from dapple.planner.evaluate import Scorer
+from dapple.planner.scorer import Scorer
 from dapple.planner.shares import search_cluster, stage_shares
 from dapple.planner.zero_modes import UNSHARDED
 from dapple.profiler.paper_models import load_paper_profile

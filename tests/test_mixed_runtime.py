@@ -19,7 +19,7 @@ from dapple.core.device_kinds import DeviceKind
 from dapple.core.plan import Plan, straight_plan
 from dapple.planner.shares import with_kind_shares
 from dapple.runtime.slowdown import SLOWDOWN_ENV
-from dapple.simulate.schedules import with_schedule
+from dapple.simulate.plan_variants import with_schedule
 
 SLOW = 3.0
 """Rank 1 is 3 times slower than the others, in the cluster and in DAPPLE_SLOWDOWN."""

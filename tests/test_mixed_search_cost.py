@@ -18,7 +18,7 @@ from dapple.core.kind_profiles import fastest_layers, with_kind_profiles
 from dapple.core.profile import ModelProfile
 from dapple.cost.pipeline import pipeline_latency
 from dapple.planner import dapple_search
-from dapple.planner.evaluate import Scorer, StageSpec
+from dapple.planner.scorer import Scorer, StageSpec
 from dapple.planner.shares import kind_shares, search_cluster, with_kind_shares
 
 

@@ -1,4 +1,4 @@
-"""A mixture-of-experts record through the length-aware profile (``cost.lengths``): a layer at a
+"""A mixture-of-experts record through the length-aware profile (``cost.at_length``): a layer at a
 planned length keeps its record, with its per-sample tokens and bytes at that length."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 
 from dapple.core.layer_profile import AffineTime, LayerProfile
 from dapple.core.moe_profile import MoEProfile
-from dapple.cost.lengths import layer_at_length, per_sample_at_length
+from dapple.cost.at_length import layer_at_length, per_sample_at_length
 
 
 def _moe(tokens: float, peak: float | None) -> MoEProfile:

@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 from dapple.core.cluster import Cluster
 from dapple.core.layer_profile import AffineTime, LayerProfile
 from dapple.core.profile import ModelProfile
-from dapple.planner.evaluate import Scorer
 from dapple.planner.move_scores import ROUNDING, Move, WidthStage, _in_flight
+from dapple.planner.scorer import Scorer
 from dapple.planner.stage_widths import MixedScorer, applied, moves_of, refine_stage_widths
 from dapple.schedule.registry import in_flight_counts
 

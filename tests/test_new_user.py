@@ -14,7 +14,7 @@ from builders import make_cluster, make_profile
 from dapple.cli import main
 from dapple.core.plan import Plan, StagePlan
 from dapple.errors import ValidationError
-from dapple.planner.evaluate import Scorer
+from dapple.planner.scorer import Scorer
 from dapple.planner.search import dapple_search
 
 

@@ -27,7 +27,6 @@ from dapple.cli import main
 from dapple.cli._optim_args import LR_SCHEDULE_NAMES
 from dapple.core.plan import Plan, straight_plan
 from dapple.errors import ValidationError
-from dapple.runtime.config import OPTIMIZER_STATE_FACTOR, OPTIMIZERS, TrainConfig
 from dapple.runtime.longrun import OPTIMIZER_CLASSES
 from dapple.runtime.optim import (
     COUNT_EVERY_REPLICA_ENV,
@@ -37,7 +36,13 @@ from dapple.runtime.optim import (
     make_optimizer,
     param_groups,
 )
-from dapple.runtime.optim_config import LR_SCHEDULES, state_factor
+from dapple.runtime.train_config import (
+    LR_SCHEDULES,
+    OPTIMIZER_STATE_FACTOR,
+    OPTIMIZERS,
+    TrainConfig,
+    state_factor,
+)
 from dapple.runtime.verify import reference_run
 
 G = 6

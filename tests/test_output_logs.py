@@ -165,7 +165,7 @@ def test_verify_report_whole() -> None:
 
 def test_train_memory_table_whole(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from dapple.cli.train_cmd import _memory_table
-    from dapple.runtime.config import StepMetrics
+    from dapple.runtime.step_metrics import StepMetrics
 
     prof, cluster = _files(tmp_path, layers=4)
     plan = straight_plan(4, [0, 2], global_batch_size=4, num_micro_batches=2)

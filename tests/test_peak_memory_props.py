@@ -2,7 +2,7 @@
 
 :func:`dapple.cost.peak_memory.stage_peak` is a closed form over phases; the planner's
 :func:`~dapple.cost.peak_memory.in_flight_limit` inverts it for D; the schedule-wide replay
-(:func:`~dapple.cost.peak_memory.device_peak`, :func:`dapple.cost.schedules.device_memory_by_group`)
+(:func:`~dapple.cost.peak_memory.device_peak`, :func:`dapple.cost.schedule_step.device_memory_by_group`)
 and the simulator walk a device's compute order action by action. Properties against brute force
 over random chains, plans and schedules.
 """
@@ -21,7 +21,7 @@ from dapple.core.plan import straight_plan
 from dapple.core.profile import ModelProfile
 from dapple.cost.peak_memory import in_flight_limit, plan_stage_bytes, stage_peak
 from dapple.cost.pipeline import in_flight_bounds, pipeline_latency
-from dapple.cost.schedules import device_memory_by_group
+from dapple.cost.schedule_step import device_memory_by_group
 from dapple.simulate import simulate
 
 FAST = settings(max_examples=60, deadline=None)

@@ -16,10 +16,10 @@ from dapple.cli._plan_show import schedule_stage_table, stage_table
 from dapple.core.cluster_presets import load_cluster
 from dapple.core.plan import Plan
 from dapple.cost.pipeline import pipeline_latency
-from dapple.cost.schedules import device_memory_by_group, schedule_latency
+from dapple.cost.schedule_step import device_memory_by_group, schedule_latency
 from dapple.errors import ValidationError
 from dapple.planner import make_plan
-from dapple.planner.config import PlanConfig, dump_plan_config, load_plan_config
+from dapple.planner.plan_config import PlanConfig, dump_plan_config, load_plan_config
 from dapple.profiler.paper_models import load_profile
 from test_grid_interleaved import _cluster, _llm
 

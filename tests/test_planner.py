@@ -17,10 +17,10 @@ from dapple.core.profile import ModelProfile
 from dapple.cost.pipeline import pipeline_latency
 from dapple.errors import InfeasibleError, ValidationError
 from dapple.planner import PLANNERS, make_plan
-from dapple.planner.evaluate import Scorer
 from dapple.planner.oracle import exhaustive_plan, placements
 from dapple.planner.partition import block_partition
 from dapple.planner.placement import place, remaining_devices
+from dapple.planner.scorer import Scorer
 from dapple.planner.search import candidate_replicas
 
 
@@ -280,7 +280,7 @@ def test_bert48_on_two_servers_plans_quickly(monkeypatch: pytest.MonkeyPatch) ->
     s, benchmarks/planning_time.md): the work is bounded, not the wall time of a shared CI
     machine."""
     from dapple.core.cluster_presets import PRESETS
-    from dapple.planner.evaluate import Scorer
+    from dapple.planner.scorer import Scorer
     from dapple.profiler.paper_models import load_paper_profile
 
     scored = [0]

@@ -12,7 +12,7 @@ from dapple.core.cluster import Cluster
 from dapple.core.layer_profile import AffineTime, LayerProfile
 from dapple.core.profile import ModelProfile
 from dapple.cost.pipeline import pipeline_latency
-from dapple.cost.schedules import device_memory_by_group, schedule_latency
+from dapple.cost.schedule_step import device_memory_by_group, schedule_latency
 from dapple.errors import InfeasibleError
 from dapple.planner import PLANNERS, make_plan
 from dapple.planner.cut_search import last_stage_counts

@@ -14,7 +14,7 @@ from dapple.core.plan import straight_plan
 from dapple.core.planning_options import PlanningOptions
 from dapple.errors import ValidationError
 from dapple.planner import make_plan
-from dapple.planner.config import PlanConfig
+from dapple.planner.plan_config import PlanConfig
 from dapple.planner.registry import (
     PLANNERS,
     get_planner,

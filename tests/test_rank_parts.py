@@ -14,7 +14,6 @@ from dapple.core.plan import interleave, straight_plan
 from dapple.errors import ValidationError
 from dapple.models.shapes import input_shapes
 from dapple.models.workload import Workload
-from dapple.runtime.config import TrainConfig
 from dapple.runtime.memory import ActivationMeter
 from dapple.runtime.parallel.zero import FlatShards, flat_parameters
 from dapple.runtime.parallel.zero.layout import flat_layout, replica_slices, tied_slices
@@ -33,6 +32,7 @@ from dapple.runtime.rank import (
 )
 from dapple.runtime.stage import StageExecutor
 from dapple.runtime.sync import tied_stages
+from dapple.runtime.train_config import TrainConfig
 from dapple.runtime.transport import BoundarySpec
 
 CPU = torch.device("cpu")

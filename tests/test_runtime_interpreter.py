@@ -16,11 +16,12 @@ import runtime_workloads as rw
 from dapple.core.plan import straight_plan
 from dapple.errors import ValidationError
 from dapple.models.workload import Workload
-from dapple.runtime.config import StepMetrics, TrainConfig
 from dapple.runtime.interpreter import RECV_AHEAD, _compile, step_point
 from dapple.runtime.launch.failure import GRID_MAX_DEVICES, failure_grid
 from dapple.runtime.memory import ActivationMeter
 from dapple.runtime.metrics import MetricsSink, StepProbe
+from dapple.runtime.step_metrics import StepMetrics
+from dapple.runtime.train_config import TrainConfig
 from dapple.schedule.ir import Action, ActionKind, parse_action
 from dapple.schedule.lower import lower
 

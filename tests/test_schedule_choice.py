@@ -19,7 +19,7 @@ from dapple.planner.schedule_choice import (
     refine_cuts,
 )
 from dapple.simulate import simulate
-from dapple.simulate.schedules import unchunked, with_schedule
+from dapple.simulate.plan_variants import unchunked, with_schedule
 
 
 def _base(reps=(2, 1, 1), cuts=(0, 4, 6), n=8, M=4, gbs=16) -> Plan:
@@ -196,7 +196,7 @@ def test_train_and_verify_take_every_schedule_name(tmp_path):
     ``interleaved`` cuts each device group into ``--virtual-stages`` chunks."""
     from dapple.api import plan_with, run_inputs
     from dapple.cli import build_parser
-    from dapple.cli._train_config import verify_config_of
+    from dapple.cli._train_flags import verify_config_of
 
     path = tmp_path / "plan.json"
     base = _base(M=3, gbs=12)

@@ -22,13 +22,13 @@ from dapple import api
 from dapple.cli import main
 from dapple.core.plan import Plan, straight_plan
 from dapple.errors import ValidationError
-from dapple.planner.evaluate import Scorer
 from dapple.planner.schedule_choice import (
     SCHEDULE_VARIANTS,
     best_per_schedule,
     best_schedule,
     schedule_variants,
 )
+from dapple.planner.scorer import Scorer
 from dapple.schedule import (
     Action,
     ActionKind,
@@ -52,7 +52,7 @@ from dapple.schedule import (
     validate_compute_order,
 )
 from dapple.simulate import simulate
-from dapple.simulate.schedules import baseline_first, compared_plan, with_schedule
+from dapple.simulate.plan_variants import baseline_first, compared_plan, with_schedule
 
 F, B = ActionKind.FORWARD, ActionKind.BACKWARD
 NAME = "gpipe-lifo"

@@ -16,7 +16,7 @@ from builders import make_cluster
 from dapple.core.layer_profile import AffineTime, LayerProfile
 from dapple.core.plan import Plan, straight_plan
 from dapple.core.profile import LengthProfile, ModelProfile
-from dapple.cost.lengths import (
+from dapple.cost.at_length import (
     affine_at_length,
     fixed_at_length,
     length_profile,

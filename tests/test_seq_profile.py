@@ -20,7 +20,7 @@ from dapple.cost.pipeline import pipeline_latency
 from dapple.errors import ValidationError
 from dapple.models.shapes import DynamicDim
 from dapple.models.zoo.transformer import transformer
-from dapple.profiler.lengths import resize_inputs
+from dapple.profiler.length_passes import resize_inputs
 from dapple.profiler.measure import profile_workload
 
 HIDDEN = 16

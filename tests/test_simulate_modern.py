@@ -22,7 +22,7 @@ from dapple.core.layer_profile import AffineTime, LayerProfile
 from dapple.core.plan import interleave, straight_plan
 from dapple.core.profile import ModelProfile
 from dapple.cost.compute import split_backward_ms, stage_compute_ms
-from dapple.cost.schedules import (
+from dapple.cost.schedule_step import (
     activation_peak_bytes,
     device_memory_by_group,
     schedule_latency,

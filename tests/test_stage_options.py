@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 from builders import llm_layer, make_cluster
 from dapple.core.profile import ModelProfile
 from dapple.cost.tensor import fsdp_pass_ms, replica_sync_ms
-from dapple.planner.evaluate import Scorer
 from dapple.planner.placement import first_free_devices, remaining_devices
+from dapple.planner.scorer import Scorer
 from dapple.planner.stage_options import LazyOptions, StageOption
 from dapple.planner.zero_modes import UNSHARDED, ZeroMode
 

@@ -20,10 +20,10 @@ from dapple.core.profile import ModelProfile
 from dapple.core.tensor_layout import check_tensor_groups
 from dapple.cost.comm import comm_stage_ms
 from dapple.cost.pipeline import pipeline_latency
-from dapple.cost.schedules import schedule_latency
+from dapple.cost.schedule_step import schedule_latency
 from dapple.cost.terms import stage_terms
 from dapple.errors import InfeasibleError
-from dapple.planner.evaluate import Scorer
+from dapple.planner.scorer import Scorer
 from dapple.planner.search import dapple_search
 from dapple.planner.stage_widths import MixedScorer, refine_stage_widths, regroup
 from dapple.simulate.engine import simulate

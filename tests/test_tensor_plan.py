@@ -23,10 +23,10 @@ from dapple.cost.memory import (
     parameter_state_bytes,
     state_bytes_per_parameter_byte,
 )
-from dapple.cost.schedules import schedule_latency
+from dapple.cost.schedule_step import schedule_latency
 from dapple.cost.terms import stage_terms
 from dapple.errors import ValidationError
-from dapple.planner.evaluate import Scorer
+from dapple.planner.scorer import Scorer
 from dapple.planner.search import dapple_search
 from dapple.simulate.engine import simulate
 

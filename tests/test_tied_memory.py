@@ -158,7 +158,7 @@ def test_plan_and_simulator_memory_count_tied_gradients_whole() -> None:
 
 
 def test_layer_at_length_keeps_the_tied_fields() -> None:
-    from dapple.cost.lengths import layer_at_length
+    from dapple.cost.at_length import layer_at_length
 
     layer = _tied_profile().layers[0]
     mid = layer_at_length([8.0, 16.0], [layer, layer], 12.0)

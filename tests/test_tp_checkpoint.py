@@ -262,9 +262,9 @@ def test_export_of_a_tp_checkpoint_equals_the_export_of_its_weights_written_unsh
         save_checkpoint,
         stage_layer_states,
     )
-    from dapple.runtime.config import TrainConfig
     from dapple.runtime.export import export_checkpoint
     from dapple.runtime.optim import make_optimizer
+    from dapple.runtime.train_config import TrainConfig
 
     out, _ = spawned
     tp = _ckpt(out / "u-dp2xtp2", STEPS)

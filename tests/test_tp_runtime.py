@@ -23,9 +23,9 @@ import torch
 from dapple.core.plan import Plan, StagePlan, interleave
 from dapple.errors import ValidationError
 from dapple.models.workload import Workload
-from dapple.runtime.config import TrainConfig
 from dapple.runtime.parallel.stage_mesh import check_mesh_run, peer_ranks
 from dapple.runtime.parallel.tp import TRANSFORMER_TP_PLAN
+from dapple.runtime.train_config import TrainConfig
 
 ZOO = {"layers": 2, "hidden": 32, "heads": 4, "seq": 16, "vocab": 64}
 LLAMA = {

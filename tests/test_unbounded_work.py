@@ -25,8 +25,8 @@ from dapple.core.tensor_layout import TENSOR_WIDTHS
 from dapple.core.usable import usable_cluster, usable_devices
 from dapple.errors import ValidationError
 from dapple.planner import dapple_search, make_plan
-from dapple.planner.evaluate import Scorer
 from dapple.planner.schedule_choice import balanced_pipelines
+from dapple.planner.scorer import Scorer
 from dapple.planner.widths import width_candidates
 
 B = 2

@@ -98,7 +98,7 @@ def test_a_plan_the_v_cannot_cut_is_planned_on_balanced_pipelines(
 def test_best_under_schedule_cuts_a_v_the_planners_plan_could_not_hold() -> None:
     from dapple.errors import ValidationError
     from dapple.planner.schedule_choice import best_under_schedule
-    from dapple.simulate.schedules import with_schedule
+    from dapple.simulate.plan_variants import with_schedule
 
     prof, cl = make_profile(6), make_cluster(per_server=4)
     with pytest.raises(ValidationError, match="has 1 layer"):
@@ -115,7 +115,7 @@ def test_the_api_refuses_a_v_of_too_few_layers_before_the_search(
 ) -> None:
     from dapple import api
     from dapple.errors import ValidationError
-    from dapple.planner.config import PlanConfig
+    from dapple.planner.plan_config import PlanConfig
 
     monkeypatch.setattr("dapple.planner.make_plan", boom)
     cfg = PlanConfig(profile=make_profile(3), cluster=make_cluster(), schedule="zbv",
@@ -133,7 +133,7 @@ def test_the_api_plans_a_v_the_dapple_planners_plan_cannot_hold(
 
     from dapple import api
     from dapple.errors import ValidationError
-    from dapple.planner.config import PlanConfig
+    from dapple.planner.plan_config import PlanConfig
     from dapple.planner.registry import PLANNERS
 
     spec = PLANNERS[planner]

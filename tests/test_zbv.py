@@ -21,16 +21,16 @@ from dapple.cli import main
 from dapple.cli._plan_show import schedule_stage_table
 from dapple.core.plan import Plan, straight_plan
 from dapple.cost.compute import stage_compute_ms
-from dapple.cost.schedules import device_memory_by_group, schedule_latency
+from dapple.cost.schedule_step import device_memory_by_group, schedule_latency
 from dapple.errors import ValidationError
 from dapple.planner.schedule_choice import best_schedule
 from dapple.schedule import ActionKind, compute_order, lower, validate, validate_compute_order
 from dapple.schedule.forward import lower_forward
-from dapple.schedule.grid import format_grid
 from dapple.schedule.registry import check_virtual_stages, schedule_names
+from dapple.schedule.text_grid import format_grid
 from dapple.schedule.zbv import v_group, v_shape, zbv
 from dapple.simulate import simulate
-from dapple.simulate.schedules import unchunked, with_schedule
+from dapple.simulate.plan_variants import unchunked, with_schedule
 
 K = ActionKind
 FAST = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from dapple import api
 from dapple.core.plan import StagePlan, straight_plan
 from dapple.runtime import comm
-from dapple.simulate.schedules import with_schedule
+from dapple.simulate.plan_variants import with_schedule
 
 
 def test_a_message_to_oneself_is_matched_by_tag_in_either_order(tmp_path: Path) -> None:

@@ -25,16 +25,16 @@ import torch
 import runtime_workloads as rw
 from dapple import api
 from dapple.cli import main
+from dapple.core.parallelism import ZERO_STAGES
 from dapple.core.plan import Plan, interleave, straight_plan
 from dapple.errors import ValidationError
-from dapple.runtime.config import TrainConfig
-from dapple.runtime.optim_config import OPTIM_FIELDS, ZERO_STAGES
 from dapple.runtime.parallel.zero import (
     FlatShards,
     flat_parameters,
     tied_parameters,
     unsharded_stages,
 )
+from dapple.runtime.train_config import OPTIM_FIELDS, TrainConfig
 
 G = 6
 """Global batch of the verify runs (divisible by 3 replicas x 2 micro-batches)."""
@@ -216,7 +216,7 @@ def test_zero_stage_is_an_optimisation_option_verify_forwards() -> None:
 @pytest.mark.parametrize("cmd", ["train", "verify"])
 def test_cli_zero_stage_flag_reaches_the_train_config(cmd: str) -> None:
     from dapple.cli import build_parser
-    from dapple.cli._train_config import run_config_of, verify_config_of
+    from dapple.cli._train_flags import run_config_of, verify_config_of
 
     def train_config(*flags: str) -> TrainConfig:
         args = build_parser().parse_args([cmd, "--plan", "p.json", "--model", "mlp", *flags])

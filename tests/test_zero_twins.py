@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from dapple.core.cluster_presets import load_cluster
-from dapple.planner.evaluate import Scorer
+from dapple.planner.scorer import Scorer
 from dapple.planner.search import dapple_search
 from dapple.planner.zero_twins import TWIN_STAGES, zero_twins
 from dapple.profiler.analytic import analytic_profile

@@ -43,7 +43,7 @@ def check_host(wl: Workload, device: str, optimizer: str, momentum: float, what:
     if device == "cuda" or (device == "auto" and torch.cuda.is_available()):
         return
     from dapple.profiler.host_fit import check_training_memory
-    from dapple.runtime.optim_config import OPTIMIZERS, state_factor
+    from dapple.runtime.train_config import OPTIMIZERS, state_factor
 
     if optimizer in OPTIMIZERS:  # another name is refused by the run's own checks
         check_training_memory(wl, state_factor(optimizer, momentum), what=what)

@@ -26,7 +26,7 @@ from dapple.models.workload import Workload
 from dapple.schedule.registry import check_virtual_stages
 
 if TYPE_CHECKING:
-    from dapple.planner.config import PlanConfig
+    from dapple.planner.plan_config import PlanConfig
     from dapple.runtime.run_config import RunConfig
 
 __all__ = [
@@ -93,11 +93,11 @@ def run_inputs(cfg: RunConfig, *, cli: bool = False) -> RunInputs:
 
 @dataclass(frozen=True, slots=True)
 class PlanInputs:
-    """What a plan's configuration (:class:`~dapple.planner.config.PlanConfig`) names, loaded."""
+    """What a plan's configuration (:class:`~dapple.planner.plan_config.PlanConfig`) names, loaded."""
 
     profile: ModelProfile
     """The model profile, for the configuration's sample lengths when it gives them
-    (:func:`~dapple.cost.lengths.profile_for_lengths`)."""
+    (:func:`~dapple.cost.at_length.profile_for_lengths`)."""
     cluster: Cluster
     """The cluster, with the configuration's number of servers."""
     global_batch_size: int
@@ -119,7 +119,7 @@ def plan_inputs(
             no G for a profile that is not ``paper:NAME`` (``cli``: named as ``dapple plan``'s
             flag).
     """
-    from dapple.cost.lengths import profile_for_lengths
+    from dapple.cost.at_length import profile_for_lengths
 
     profile = cfg.profile if profile is None else profile
     cluster = cfg.cluster if cluster is None else cluster
@@ -235,14 +235,14 @@ def plan_with(
     cli: bool = False,
 ) -> Plan:
     """``plan`` under ``schedule`` (with v chunks for ``interleaved``,
-    :func:`dapple.simulate.schedules.with_schedule`) and ``policy``, each when given.
+    :func:`dapple.simulate.plan_variants.with_schedule`) and ``policy``, each when given.
 
     Raises:
         ValidationError: an unreadable or invalid plan file, or a schedule that does not fit
             it (``cli``: ``virtual_stages`` named as ``--virtual-stages``,
             :func:`~dapple.schedule.registry.check_virtual_stages`).
     """
-    from dapple.simulate.schedules import with_schedule
+    from dapple.simulate.plan_variants import with_schedule
 
     p = as_plan(plan)
     check_virtual_stages(virtual_stages, schedule, cli=cli)

@@ -25,7 +25,7 @@ from dapple.errors import ValidationError
 from dapple.schedule.registry import check_virtual_stages
 
 if TYPE_CHECKING:
-    from dapple.planner.config import PlanConfig
+    from dapple.planner.plan_config import PlanConfig
     from dapple.planner.search import Progress
 
 __all__ = ["plan", "plan_local"]
@@ -71,12 +71,12 @@ def plan(
     progress: Progress | None = None,
 ) -> Plan:
     """Plan a profiled model on a cluster (``dapple plan``): ``plan(cfg)`` the plan a
-    :class:`~dapple.planner.config.PlanConfig` asks for (``dapple plan``'s flags and a config
+    :class:`~dapple.planner.plan_config.PlanConfig` asks for (``dapple plan``'s flags and a config
     file's ``[planning]`` section read into it), ``plan(profile, cluster, ...)`` the one its
     keyword arguments ask for - the same options, with the same names and defaults.
 
     Args:
-        profile: A :class:`~dapple.planner.config.PlanConfig` (then only ``inputs`` and
+        profile: A :class:`~dapple.planner.plan_config.PlanConfig` (then only ``inputs`` and
             ``progress`` go beside it), or a :class:`ModelProfile`, its JSON path, or
             ``paper:NAME`` for a shipped paper profile
             (:data:`dapple.profiler.paper_models.PAPER_MODELS`).
@@ -89,7 +89,7 @@ def plan(
         schedule: Run the planned stages under ``gpipe``, ``dapple``, ``interleaved`` or
             ``zbh1`` instead of the planner's choice (``dapple plan --schedule``); the
             predicted step is that schedule's
-            (:func:`dapple.cost.schedules.schedule_latency`). ``best``: the fastest
+            (:func:`dapple.cost.schedule_step.schedule_latency`). ``best``: the fastest
             simulated plan over every schedule and M that fits the memory
             (:func:`dapple.planner.schedule_choice.best_schedule`).
         virtual_stages: v, model chunks per device group with ``schedule="interleaved"``.
@@ -120,7 +120,7 @@ def plan(
             with a ``PlanConfig``, any keyword option beside it.
         InfeasibleError: No plan fits the devices' memory.
     """
-    from dapple.planner.config import PlanConfig, check_interleave
+    from dapple.planner.plan_config import PlanConfig, check_interleave
 
     if isinstance(profile, PlanConfig):
         _only_config(locals())
@@ -170,7 +170,7 @@ def _plan(cfg: PlanConfig, inputs: PlanInputs, progress: Progress | None) -> Pla
     """The plan ``cfg`` asks for on its loaded ``inputs``: the planner's search, then the
     schedule asked for; saved to ``cfg.output`` when given."""
     from dapple.planner import make_plan
-    from dapple.planner.config import tensor_width_list
+    from dapple.planner.plan_config import tensor_width_list
 
     prof, cl = inputs.profile, inputs.cluster
     if cfg.schedule not in (None, "best"):
@@ -207,11 +207,11 @@ def _under_schedule(
         assert chosen is not None
         return chosen
     if schedule is not None:
-        from dapple.cost.schedules import schedule_latency
+        from dapple.cost.schedule_step import schedule_latency
         from dapple.planner.registry import searched
         from dapple.planner.schedule_choice import best_under_schedule
         from dapple.schedule.registry import get_schedule
-        from dapple.simulate.schedules import with_schedule
+        from dapple.simulate.plan_variants import with_schedule
 
         try:
             result = with_schedule(result, schedule, virtual_stages)

@@ -131,7 +131,7 @@ def profile(
             ``LayerProfile.backward_input`` and ``backward_weight``.
         seq_lens: Also measure at these lengths of the model's dynamic (sequence) dimension:
             its own batches cut or tiled to each length, same layers
-            (:mod:`dapple.profiler.lengths`); :func:`plan` with ``seq_len`` interpolates
+            (:mod:`dapple.profiler.length_passes`); :func:`plan` with ``seq_len`` interpolates
             between them in tokens.
         progress: ``progress(done, total, detail)`` of a measured profile: first ``(0, total,
             the model's name)`` once the model is built and the checks passed, then after
@@ -224,7 +224,7 @@ def _analytic(cfg: ProfileConfig) -> ModelProfile:
         )  # fmt: skip
 
     if lens and len(set(lens)) > 1:
-        from dapple.profiler.lengths import combine_lengths
+        from dapple.profiler.length_passes import combine_lengths
 
         return combine_lengths([(n, at(n)) for n in sorted(set(lens))])
     return at(lens[0] if lens else None)

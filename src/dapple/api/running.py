@@ -140,8 +140,8 @@ def train(
         CheckpointError: ``require_resume`` and no checkpoint to resume.
         RankFailure: A worker failed.
     """
-    from dapple.runtime.config import TrainConfig
     from dapple.runtime.run_config import RunConfig, RunOptions
+    from dapple.runtime.train_config import TrainConfig
 
     if isinstance(plan, RunConfig):
         _only_config(locals(), options)

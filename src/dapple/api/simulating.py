@@ -138,7 +138,7 @@ def simulate_runs(
     from dapple.core.plan_checks import check_expert_widths
     from dapple.errors import ValidationError
     from dapple.simulate import simulate as _simulate
-    from dapple.simulate.schedules import baseline_first, compared_plan
+    from dapple.simulate.plan_variants import baseline_first, compared_plan
 
     if cfg.servers is not None and cfg.servers < 1:  # before the plan and profile are read
         raise ValidationError(f"--servers must be >= 1, got {cfg.servers}")

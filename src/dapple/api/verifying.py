@@ -20,8 +20,8 @@ from dapple.errors import ValidationError
 from dapple.models.workload import Workload
 
 if TYPE_CHECKING:
-    from dapple.runtime.config import TrainConfig
     from dapple.runtime.run_config import RunConfig
+    from dapple.runtime.train_config import TrainConfig
     from dapple.runtime.verify import VerifyReport
 
 __all__ = ["VERIFY_CHECKS", "verify", "verify_many"]

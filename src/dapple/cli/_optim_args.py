@@ -1,6 +1,6 @@
 """Optimisation flags of ``dapple train`` and ``dapple verify``: optimizer options, the lr
 schedule and global gradient-norm clipping (the :class:`~dapple.runtime.TrainConfig` fields of
-:data:`dapple.runtime.optim_config.OPTIM_FIELDS`; ``--optimizer`` and ``--lr`` are in
+:data:`dapple.runtime.train_config.OPTIM_FIELDS`; ``--optimizer`` and ``--lr`` are in
 :mod:`dapple.cli._run_args`). Torch-free at import time."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from dapple.errors import ValidationError
 __all__ = ["LR_SCHEDULE_NAMES", "add_optim_arguments", "zero_stage_flag"]
 
 LR_SCHEDULE_NAMES = ("constant", "cosine")
-"""``--lr-schedule`` choices (:data:`dapple.runtime.optim_config.LR_SCHEDULES`; a test keeps
+"""``--lr-schedule`` choices (:data:`dapple.runtime.train_config.LR_SCHEDULES`; a test keeps
 the two equal without importing the runtime here)."""
 
 
@@ -86,7 +86,7 @@ def zero_stage_flag(value: str) -> int:
     Raises:
         ValidationError: any other value (named).
     """
-    from dapple.runtime.optim_config import ZERO_STAGES
+    from dapple.core.parallelism import ZERO_STAGES
 
     if value.strip().isdigit() and int(value) in ZERO_STAGES:
         return int(value)

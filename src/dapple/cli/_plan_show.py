@@ -145,8 +145,8 @@ def schedule_stage_table(plan: Plan, profile: ModelProfile, cluster: Cluster) ->
     """The stages of a plan under a schedule with a step rule of its own: per (virtual) stage
     its device group, F_s and B_s of its slowest replica's slice, the transfer to the next
     stage, AR_s under its zero stage, and its group's peak memory replayed from the schedule's
-    compute order (:func:`~dapple.cost.schedules.device_memory_by_group`)."""
-    from dapple.cost.schedules import device_memory_by_group
+    compute order (:func:`~dapple.cost.schedule_step.device_memory_by_group`)."""
+    from dapple.cost.schedule_step import device_memory_by_group
     from dapple.cost.terms import stage_terms
 
     terms = stage_terms(plan, profile, cluster)
@@ -228,7 +228,7 @@ def print_stage_table(con: Console, plan: Plan, profile: ModelProfile, cluster: 
 def plan_summary(plan: Plan, profile: ModelProfile, cluster: Cluster, dp_ms: float) -> list[str]:
     """Two lines on the plan: under a schedule costed by L, S, Q, M and L's terms T_w, T_s, T_e
     (equations 1-3); else its device groups, M, and the step time by the schedule's own rule
-    (:func:`~dapple.cost.schedules.schedule_latency`) with the replayed peak memory."""
+    (:func:`~dapple.cost.schedule_step.schedule_latency`) with the replayed peak memory."""
     from dapple.schedule.registry import get_schedule
 
     if get_schedule(plan.schedule).uses_pipeline_latency:
@@ -256,7 +256,7 @@ def _latency_summary(
 def _step_rule_summary(
     plan: Plan, profile: ModelProfile, cluster: Cluster, dp_ms: float
 ) -> list[str]:
-    from dapple.cost.schedules import device_memory_by_group, schedule_latency
+    from dapple.cost.schedule_step import device_memory_by_group, schedule_latency
     from dapple.schedule.registry import get_schedule
 
     title = get_schedule(plan.schedule).title_of(plan)

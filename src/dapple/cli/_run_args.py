@@ -2,7 +2,7 @@
 
 ``dapple train`` and ``dapple verify`` both call :func:`add_run_arguments`, so they spell,
 default and document their common flags alike. Torch-free at import time: the optimizer names
-come from :data:`dapple.runtime.config.OPTIMIZERS` only when argparse reads the choices.
+come from :data:`dapple.runtime.train_config.OPTIMIZERS` only when argparse reads the choices.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ class _OptimizerNames(Sequence[str]):
 
     @staticmethod
     def _names() -> tuple[str, ...]:
-        from dapple.runtime.config import OPTIMIZERS
+        from dapple.runtime.train_config import OPTIMIZERS
 
         return tuple(OPTIMIZERS)
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # torch-free import of the CLI
-    from dapple.runtime.config import StepMetrics
+    from dapple.runtime.step_metrics import StepMetrics
 
 __all__ = [
     "DEFAULT_EVAL_BATCHES",

@@ -305,8 +305,8 @@ def _print_candidates(
 def _simulate(con: Console, out: Path, plan: Any, profile: Any, cluster: Any) -> Any:
     """Simulate ``plan`` beside its other schedule: Gantt, memory, Perfetto trace."""
     from dapple.simulate import simulate
+    from dapple.simulate.plan_variants import baseline_first, compared_plan
     from dapple.simulate.plots import plot_gantt, plot_memory
-    from dapple.simulate.schedules import baseline_first, compared_plan
     from dapple.simulate.trace import write_trace
 
     sim = simulate(plan, profile, cluster)

@@ -12,7 +12,7 @@ from rich.table import Table
 
 from dapple.cli._console import StepProgress, console, print_table
 from dapple.cli._kinds_show import shares_line
-from dapple.cli._plan_config import add_plan_config_arguments, plan_config_of
+from dapple.cli._plan_flags import add_plan_config_arguments, plan_config_of
 from dapple.cli._plan_show import (
     format_devices,
     gib_text,
@@ -37,7 +37,7 @@ from dapple.schedule.registry import check_virtual_stages, get_schedule, schedul
 
 if TYPE_CHECKING:
     from dapple.api import PlanInputs
-    from dapple.planner.config import PlanConfig
+    from dapple.planner.plan_config import PlanConfig
     from dapple.planner.schedule_choice import ScheduleChoice
     from dapple.simulate.engine import SimResult
 
@@ -182,7 +182,7 @@ def _plan_with_progress(con: Console, cfg: PlanConfig, inputs: PlanInputs) -> Pl
 def _planner_only(cfg: PlanConfig, planner: str, interleave: bool = False) -> PlanConfig:
     """``cfg``'s subject with ``planner`` and every search option at its default (but
     ``interleave``)."""
-    from dapple.planner.config import PlanConfig
+    from dapple.planner.plan_config import PlanConfig
 
     return PlanConfig(profile=cfg.profile, cluster=cfg.cluster, planner=planner,
                       interleave=interleave)  # fmt: skip
@@ -206,7 +206,7 @@ def run_config(cfg: PlanConfig, *, compare: bool = False) -> int:
     """Plan what ``cfg`` asks for and print it (``dapple plan`` once its flags are read);
     ``compare``: every planner side by side instead."""
     from dapple.api import plan_inputs
-    from dapple.planner.config import check_interleave
+    from dapple.planner.plan_config import check_interleave
     from dapple.planner.schedule_choice import check_v_layers
 
     check_interleave(cfg.interleave, cfg.schedule, cli=True)
@@ -243,9 +243,9 @@ def run_config(cfg: PlanConfig, *, compare: bool = False) -> int:
 def _under_schedule(plan: Plan, schedule: str, profile: ModelProfile, cluster: Cluster) -> Plan:
     """The planner's plan under ``--schedule`` costed by L (gpipe, dapple): an interleaved
     plan's chunks joined into one stage per device group
-    (:func:`~dapple.simulate.schedules.with_schedule`), predicted by L (equations 1-3)."""
+    (:func:`~dapple.simulate.plan_variants.with_schedule`), predicted by L (equations 1-3)."""
     from dapple.cost.pipeline import pipeline_latency
-    from dapple.simulate.schedules import with_schedule
+    from dapple.simulate.plan_variants import with_schedule
 
     plan = with_schedule(plan, schedule)
     return dataclasses.replace(
@@ -329,9 +329,9 @@ def _new_schedule(
 ) -> int:
     """The planner's stages under a ``--schedule`` with a step rule of its own (interleaved,
     zbh1): predicted and simulated."""
-    from dapple.cost.schedules import schedule_latency
+    from dapple.cost.schedule_step import schedule_latency
     from dapple.simulate import simulate
-    from dapple.simulate.schedules import with_schedule
+    from dapple.simulate.plan_variants import with_schedule
 
     profile, cluster, schedule = inputs.profile, inputs.cluster, str(cfg.schedule)
     try:

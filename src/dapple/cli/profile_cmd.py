@@ -18,7 +18,7 @@ from rich.table import Table
 from dapple.api.profiling import MAX_RUNS, ProfileConfig
 from dapple.cli._console import StepProgress, console, print_table
 from dapple.cli._model_args import add_model_arguments
-from dapple.cli._profile_config import add_profile_config_arguments, model_config_of
+from dapple.cli._profile_flags import add_profile_config_arguments, model_config_of
 from dapple.cli._renamed import renamed
 from dapple.cli._run_args import add_device_argument
 from dapple.core.profile import ModelProfile

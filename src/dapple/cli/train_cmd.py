@@ -26,7 +26,7 @@ from dapple.cli._data_args import add_eval_data_argument
 from dapple.cli._precision import note_profile_precision
 from dapple.cli._profile_arg import add_profile_argument
 from dapple.cli._run_args import add_run_arguments
-from dapple.cli._train_config import (
+from dapple.cli._train_flags import (
     FILE_GIVES,
     TRAIN_SECTIONS_HELP,
     required_inputs,
@@ -42,9 +42,9 @@ from dapple.errors import ValidationError
 if TYPE_CHECKING:  # torch-free import of the CLI
     from dapple.models.workload import Workload
     from dapple.runtime.checkpoint import Checkpoint
-    from dapple.runtime.config import StepMetrics
     from dapple.runtime.launch.early import EarlyWorkers
     from dapple.runtime.run_config import RunConfig
+    from dapple.runtime.step_metrics import StepMetrics
 
 __all__ = ["DEFAULT_KEEP", "check_long_run", "register", "run", "run_config"]
 
@@ -337,13 +337,13 @@ def _memory_table(
     from dapple.cli._console import console, print_table
     from dapple.core.cluster_presets import load_cluster
     from dapple.cost.pipeline import pipeline_latency
-    from dapple.runtime.optim_config import state_factor
+    from dapple.runtime.train_config import state_factor
     from dapple.schedule.registry import get_schedule
 
     profile, cluster = with_profile_set(profile_spec, load_cluster(cluster_spec))
     profile = dataclasses.replace(profile, optimizer_state_factor=state_factor(optimizer, momentum))
     if not get_schedule(plan.schedule).uses_pipeline_latency:  # not L's rows: replay its order
-        from dapple.cost.schedules import device_memory_by_group
+        from dapple.cost.schedule_step import device_memory_by_group
 
         estimate = device_memory_by_group(plan, profile)
     else:

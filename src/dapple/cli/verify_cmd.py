@@ -22,7 +22,7 @@ from rich.table import Table
 
 from dapple.cli._console import console, plain_doc, print_table
 from dapple.cli._run_args import add_run_arguments
-from dapple.cli._train_config import verify_config_of
+from dapple.cli._train_flags import verify_config_of
 
 if TYPE_CHECKING:
     from dapple.runtime.run_config import RunConfig

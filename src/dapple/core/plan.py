@@ -102,7 +102,7 @@ class Plan:
     (:meth:`check_model`); empty (a plan written by hand, an older file): any name."""
     seq_len: float | None = None
     """Mean tokens per sample the step time was predicted for (a profile at several lengths,
-    :mod:`dapple.cost.lengths`); None: the profile's one size. The plan runs on any length
+    :mod:`dapple.cost.at_length`); None: the profile's one size. The plan runs on any length
     its model accepts."""
     max_seq_len: float | None = None
     """Longest sample the memory was planned for; None with ``seq_len``."""

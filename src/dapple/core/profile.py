@@ -8,7 +8,7 @@ and update time.
 A model whose inputs have a dynamic dimension (a sequence length, :mod:`dapple.models.shapes`)
 may be measured at several lengths: :attr:`ModelProfile.by_length` then holds one
 :class:`LengthProfile` per length, and the planner interpolates between them in tokens
-(:mod:`dapple.cost.lengths`). A profile for a planned length distribution carries its layers
+(:mod:`dapple.cost.at_length`). A profile for a planned length distribution carries its layers
 at the mean length (times, and the bytes that cross a cut) and, in
 :attr:`ModelProfile.memory_at`, the layers at the longest length, which the memory model uses.
 """
@@ -134,7 +134,7 @@ class ModelProfile:
     --seq-lens``); empty: measured at one size."""
     memory_at: LengthProfile | None = None
     """The layers at the length the memory model plans for (the longest of a length
-    distribution, :mod:`dapple.cost.lengths`); None: ``layers``."""
+    distribution, :mod:`dapple.cost.at_length`); None: ``layers``."""
     model_fingerprint: str | None = None
     """A hash of the profiled model's layer count and its layers' tensor names, shapes and dtypes
     (:func:`dapple.models.fingerprint.model_fingerprint`): a command given this profile beside a

@@ -15,14 +15,14 @@ One module per term, each a set of pure functions over frozen dataclasses
   slowest replica's on its share of a micro-batch, and the shares that balance them;
 * :mod:`~dapple.cost.overlap` - the data-parallel and ZeRO traffic another training framework
   hides under compute (beyond the paper; dapple's runtime hides none, the default);
-* :mod:`~dapple.cost.lengths` - a profile measured at several sequence lengths, at the
+* :mod:`~dapple.cost.at_length` - a profile measured at several sequence lengths, at the
   lengths a plan is for;
 * :mod:`~dapple.cost.latency` - L = T_w + T_s + T_e over per-stage arrays (equations 1-3);
 * :mod:`~dapple.cost.terms` - the one assembly of a plan's terms (:func:`stage_terms`) and of
   the arrays of equations 1-3 (:func:`pipeline_terms`);
 * :mod:`~dapple.cost.pipeline` - L of a GPipe or DAPPLE plan with per-stage rows
   (:func:`pipeline_latency`);
-* :mod:`~dapple.cost.schedules` - the step time of every schedule (:func:`schedule_latency`) and
+* :mod:`~dapple.cost.schedule_step` - the step time of every schedule (:func:`schedule_latency`) and
   memory per device group.
 
 The planner (:mod:`dapple.planner`) searches with it; the simulator (:mod:`dapple.simulate`)
@@ -31,7 +31,7 @@ runs a plan's schedule with the same terms.
 
 from dapple.cost.latency import Latency, latency, steady_periods
 from dapple.cost.pipeline import LatencyBreakdown, StageCost, pipeline_latency
-from dapple.cost.schedules import schedule_latency, schedule_step_ms
+from dapple.cost.schedule_step import schedule_latency, schedule_step_ms
 from dapple.cost.terms import (
     PipelineTerms,
     PlanTerms,

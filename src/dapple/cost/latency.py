@@ -2,7 +2,7 @@
 
 The one kernel of the cost model: :func:`dapple.cost.terms.pipeline_terms` assembles the
 arrays (for a :class:`~dapple.core.plan.Plan` and for the planner's
-:class:`~dapple.planner.evaluate.Scorer` alike) and :meth:`PipelineTerms.latency
+:class:`~dapple.planner.scorer.Scorer` alike) and :meth:`PipelineTerms.latency
 <dapple.cost.terms.PipelineTerms.latency>` calls :func:`latency`. Pure, no torch.
 
 Notation: S stages *including* the communication stages between computation stages (index

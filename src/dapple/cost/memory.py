@@ -6,7 +6,7 @@ Pure functions (no torch). Activations are as profiled, in the profile's precisi
 precision, plus autocast's weight cast cache in bf16/fp16.
 Activation memory reads the layers at the longest planned length,
 :attr:`ModelProfile.for_memory <dapple.core.profile.ModelProfile.for_memory>`
-(:mod:`dapple.cost.lengths`).
+(:mod:`dapple.cost.at_length`).
 """
 
 from __future__ import annotations

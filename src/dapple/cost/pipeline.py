@@ -201,7 +201,7 @@ def pipeline_latency(
             applies when larger.
 
     A plan made for sequence lengths (``plan.seq_len``) is costed at them when the profile was
-    measured at several (:func:`dapple.cost.lengths.profile_for_plan`).
+    measured at several (:func:`dapple.cost.at_length.profile_for_plan`).
 
     Raises:
         ValidationError: the plan's schedule has no per-stage in-flight counts (interleaved).

@@ -8,13 +8,13 @@ Two assemblies, each the only one of its kind:
   host CPU extras of each replica (:mod:`dapple.cost.host`), AR(P_s, g_s), the synchronisation
   under the stage's zero stage and the optimizer update U_s (:mod:`dapple.cost.comm`). Per stage
   boundary: the comm stage (split-concat over the busiest link) and every slice transfer.
-  :func:`dapple.cost.pipeline.pipeline_latency`, :func:`dapple.cost.schedules.schedule_latency`
+  :func:`dapple.cost.pipeline.pipeline_latency`, :func:`dapple.cost.schedule_step.schedule_latency`
   and the simulator (:func:`dapple.simulate.engine.simulate`) take their numbers from it.
 * :func:`pipeline_terms` - the per-stage arrays of equations 1-3 over all S stages (a comm
   stage between each two computation stages), after the CPU-host pass
   (:func:`dapple.cost.host.apply_host`) where the cluster has host terms. It reads one
   :class:`StageTerms` per computation stage: a plan's (:meth:`PlanTerms.pipeline`), or those
-  the planner's :class:`~dapple.planner.evaluate.Scorer` builds from its cached prefix sums.
+  the planner's :class:`~dapple.planner.scorer.Scorer` builds from its cached prefix sums.
 
 Notation: S stages including the comm stages (index s), M micro-batches of b samples, F_s/B_s
 the forward/backward time of stage s for one micro-batch, AR(P_s, g_s) the gradient AllReduce
@@ -33,6 +33,7 @@ from dapple.core.kind_profiles import profile_of
 from dapple.core.plan import Plan, StagePlan, transfers
 from dapple.core.profile import ModelProfile
 from dapple.core.tensor_layout import check_tensor_groups
+from dapple.cost.at_length import profile_for_plan
 from dapple.cost.comm import (
     allreduce_ms,
     comm_stage_ms,
@@ -43,7 +44,6 @@ from dapple.cost.comm import (
 from dapple.cost.compute import compute_ms, split_backward_ms
 from dapple.cost.host import HostExtra, apply_host, has_host_terms, host_extras, slowest_extra
 from dapple.cost.latency import Latency, latency, steady_periods
-from dapple.cost.lengths import profile_for_plan
 from dapple.cost.memory import boundary_bytes, sharded_layer_bytes, sharded_parameter_bytes
 from dapple.cost.moe import (
     check_expert_stage,
@@ -241,7 +241,7 @@ class PlanTerms:
 
     plan: Plan
     profile: ModelProfile
-    """The profile at the plan's lengths (:func:`~dapple.cost.lengths.profile_for_plan`)."""
+    """The profile at the plan's lengths (:func:`~dapple.cost.at_length.profile_for_plan`)."""
     cluster: Cluster
     zero_stage: int
     """The zero stage given to :func:`stage_terms`; a stage's own applies when larger."""
@@ -275,7 +275,7 @@ def stage_terms(
     Args:
         plan: stages, replicas, devices, b and M.
         profile: the model profile; a plan made for sequence lengths (``plan.seq_len``) is
-            costed at them (:func:`~dapple.cost.lengths.profile_for_plan`).
+            costed at them (:func:`~dapple.cost.at_length.profile_for_plan`).
         cluster: devices, links and host terms.
         zero_stage: 1: replicated stages shard their optimizer state (ZeRO-1); 2: their
             gradients too (ZeRO-2), with AR_s as :func:`~dapple.cost.comm.stage_sync_ms`. A

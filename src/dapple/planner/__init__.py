@@ -3,7 +3,7 @@
 ``make_plan(profile, cluster, global_batch_size, planner)`` is the entry point; every planner
 returns a :class:`dapple.core.plan.Plan` whose ``predicted_step_ms`` is the cost model's L
 (:mod:`dapple.cost`). A profile measured at several sequence lengths is planned for a mean and
-a maximum length (:func:`dapple.cost.lengths.profile_for_lengths`; the plan records both).
+a maximum length (:func:`dapple.cost.at_length.profile_for_lengths`; the plan records both).
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from dapple.core.plan import Plan
 from dapple.core.planning_options import PlanningOptions, ZeroChoice
 from dapple.core.profile import ModelProfile
 from dapple.core.tensor_layout import check_tensor_widths
+from dapple.cost.at_length import profile_for_lengths
 from dapple.cost.host import has_host_terms
-from dapple.cost.lengths import profile_for_lengths
 from dapple.errors import ValidationError
 from dapple.planner.baselines import dp_plan, gpipe_plan, pipedream_plan, straight_plan_baseline
 from dapple.planner.batches import check_batch_argument
@@ -67,7 +67,7 @@ def make_plan(
             per micro-batch, whichever gives the lower L; ``auto``: per stage, where memory
             asks for it. DAPPLE search only, the baselines plan unsharded.
         seq_len: plan for samples of this mean length (time), from a profile measured at
-            several lengths (:func:`~dapple.cost.lengths.profile_for_lengths`); None: the
+            several lengths (:func:`~dapple.cost.at_length.profile_for_lengths`); None: the
             profile as it is (a profile already for a length keeps its lengths).
         max_seq_len: the longest sample (memory); default ``seq_len``.
         tensor_widths: the tensor widths t to search (DAPPLE search only,

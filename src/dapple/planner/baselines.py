@@ -18,8 +18,8 @@ from dapple.core.usable import usable_cluster, usable_devices
 from dapple.cost.comm import allreduce_ms
 from dapple.errors import InfeasibleError, ValidationError
 from dapple.planner.batches import infeasible_message, micro_batch_candidates
-from dapple.planner.evaluate import Scored, Scorer, StageSpec
 from dapple.planner.partition import block_partition
+from dapple.planner.scorer import Scored, Scorer, StageSpec
 from dapple.schedule.fill_drain import SCHEDULE as GPIPE
 
 __all__ = ["dp_plan", "gpipe_plan", "pipedream_plan", "straight_plan_baseline"]

@@ -17,8 +17,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from dapple.core.cluster import Cluster
-from dapple.planner.evaluate import Scored, Scorer, StageSpec
 from dapple.planner.placement import POLICIES, first_free_devices, first_placed, place
+from dapple.planner.scorer import Scored, Scorer, StageSpec
 
 __all__ = [
     "CutSearch",

@@ -1,6 +1,6 @@
 """Per-stage expert-parallel widths e_s: the scorer offers each MoE stage its widths as options.
 
-Beyond the paper, as the ZeRO choice is (:class:`~dapple.planner.evaluate.Scorer`): a stage on
+Beyond the paper, as the ZeRO choice is (:class:`~dapple.planner.scorer.Scorer`): a stage on
 r_s replicas holding mixture-of-experts layers may shard their experts over e_s of its replicas
 (:class:`~dapple.core.stage_plan.StagePlan` ``expert_width``), each width a divisor of r_s and of
 every such layer's E (:func:`~dapple.cost.moe.expert_widths`). :class:`ExpertScorer` offers a
@@ -52,7 +52,7 @@ from dapple.cost.moe import (
 from dapple.cost.peak_memory import expert_stage_state_bytes, in_flight_limit, stage_bytes
 from dapple.cost.terms import StageTerms
 from dapple.errors import InfeasibleError
-from dapple.planner.evaluate import Scorer
+from dapple.planner.scorer import Scorer
 from dapple.planner.stage_options import LazyOptions, StageOption, StageOptions
 from dapple.planner.zero_modes import UNSHARDED, ZeroMode
 

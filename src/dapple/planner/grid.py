@@ -23,9 +23,9 @@ keeps in flight. A stage of width > 1 holding no shardable layer (``LayerProfile
 is refused, as the DAPPLE search refuses it (its t ranks would repeat its work). M runs over
 :func:`~dapple.planner.search.micro_batch_candidates` of the local batch (every divisor up to 64
 of them). Each candidate gets L and the memory fit from the same cost model as the
-DAPPLE search: 1F1B through :class:`~dapple.planner.evaluate.Scorer` (equations 1-3), interleaved
+DAPPLE search: 1F1B through :class:`~dapple.planner.scorer.Scorer` (equations 1-3), interleaved
 1F1B through :func:`~dapple.cost.schedule_latency` and
-:func:`~dapple.cost.schedules.device_memory_by_group`. :func:`grid_plan` returns the feasible
+:func:`~dapple.cost.schedule_step.device_memory_by_group`. :func:`grid_plan` returns the feasible
 candidate of least L. Pure, no torch.
 """
 
@@ -41,7 +41,7 @@ from dapple.core.plan import DEFAULT_SCHEDULE, Plan, StagePlan
 from dapple.core.planning_options import ZeroChoice
 from dapple.core.profile import ModelProfile
 from dapple.core.tensor_layout import TENSOR_WIDTHS
-from dapple.cost.schedules import device_memory_by_group, schedule_latency
+from dapple.cost.schedule_step import device_memory_by_group, schedule_latency
 from dapple.errors import InfeasibleError, ValidationError
 from dapple.planner.batches import (
     check_batch_argument,
@@ -49,7 +49,7 @@ from dapple.planner.batches import (
     infeasible_message,
     micro_batch_candidates,
 )
-from dapple.planner.evaluate import Scored, Scorer
+from dapple.planner.scorer import Scored, Scorer
 from dapple.planner.zero_modes import ZERO3_REGATHER, ZeroMode, zero3_modes
 
 __all__ = [

@@ -4,7 +4,7 @@ The DAPPLE DP costs the paper's L (equations 1-3); interleaved 1F1B (Narayanan e
 has a step rule of its own, ``(M + (P-1)/v) max_g T_g`` plus what fill and drain pay once
 (:mod:`dapple.schedule.interleaved`; P device groups, v chunks each, T_g the F + B of group g's
 chunks), and its memory comes from replaying its compute order
-(:func:`~dapple.cost.schedules.device_memory_by_group`). Both are a pass over the whole plan,
+(:func:`~dapple.cost.schedule_step.device_memory_by_group`). Both are a pass over the whole plan,
 so :func:`best_interleaved` ranks the candidates by lower bounds, cheapest first:
 
 * of L, ``(M + (P-1)/v) max_g T_g`` with T_g summed layer by layer from the search's scorers
@@ -13,7 +13,7 @@ so :func:`best_interleaved` ranks the candidates by lower bounds, cheapest first
 * of the peak memory, each group's parameter state and the activations of the forwards it runs
   before its first backward: :func:`memory_floor_bytes`.
 
-A candidate is costed (:func:`~dapple.cost.schedules.schedule_latency`) only while its bound is
+A candidate is costed (:func:`~dapple.cost.schedule_step.schedule_latency`) only while its bound is
 below the best L found so far, and its memory replayed only while its floor fits and its L is
 below; so the first that fits, in bound order, has the least L of all candidates that fit.
 
@@ -50,10 +50,9 @@ from dapple.core.cluster import Cluster
 from dapple.core.cuts import rounded_to_chunks, with_cuts
 from dapple.core.plan import Plan, interleave
 from dapple.core.profile import ModelProfile
-from dapple.cost.lengths import profile_for_plan
+from dapple.cost.at_length import profile_for_plan
 from dapple.cost.peak_memory import device_static, plan_stage_bytes
-from dapple.cost.schedules import device_memory_by_group, schedule_latency
-from dapple.planner.evaluate import Scorer
+from dapple.cost.schedule_step import device_memory_by_group, schedule_latency
 from dapple.planner.grid import (
     INTERLEAVED,
     INTERLEAVED_CHUNKS,
@@ -63,6 +62,7 @@ from dapple.planner.grid import (
     point_plan,
     torchtitan_cuts,
 )
+from dapple.planner.scorer import Scorer
 from dapple.planner.zero_modes import ZERO3_REGATHER, zero3_modes
 from dapple.schedule.interleaved import interleaved_warmup
 
@@ -213,8 +213,8 @@ def best_interleaved(
 
     Best first by lower bound (module docstring), each offer at its own cuts and re-cut by
     :func:`balanced_cuts` (bounded by :func:`any_cuts_bound_ms` until re-cut); a plan is costed
-    by :func:`~dapple.cost.schedules.schedule_latency` while its bound is below the best L found,
-    and its memory replayed (:func:`~dapple.cost.schedules.device_memory_by_group`) while its L
+    by :func:`~dapple.cost.schedule_step.schedule_latency` while its bound is below the best L found,
+    and its memory replayed (:func:`~dapple.cost.schedule_step.device_memory_by_group`) while its L
     is, its regather variants in turn (:func:`regather_variants`).
     """
     costs = _LayerCosts(scorers)
@@ -266,7 +266,7 @@ def _fitting_ms(
 
 
 def memory_floor_bytes(plan: Plan, profile: ModelProfile) -> float:
-    """A lower bound of the largest :func:`~dapple.cost.schedules.device_memory_by_group` of an
+    """A lower bound of the largest :func:`~dapple.cost.schedule_step.device_memory_by_group` of an
     interleaved plan without its replay: per device group, its always-held state and the
     bytes held by the forwards it runs before its first backward (its warm-up,
     :func:`~dapple.schedule.interleaved.interleaved_warmup`, and one more), forward n of

@@ -23,7 +23,7 @@ from numpy.typing import NDArray
 
 from dapple.core.plan import Policy
 from dapple.cost.latency import longest_laps
-from dapple.planner.evaluate import in_flight
+from dapple.planner.scorer import in_flight
 from dapple.planner.stage_options import StageOptions, stage_choice
 
 __all__ = ["ROUNDING", "Move", "Row", "WidthStage", "estimate_moves", "stage_row"]
@@ -115,7 +115,7 @@ def estimate_moves(
     policies: Sequence[Policy],
 ) -> list[float]:
     """L of each move's plan within :data:`ROUNDING` (``inf`` where it does not fit), as
-    :func:`~dapple.planner.evaluate.score_options` scores it on a cluster without host terms,
+    :func:`~dapple.planner.scorer.score_options` scores it on a cluster without host terms,
     under a schedule whose in-flight counts with D are DAPPLE's
     (:func:`~dapple.schedule.early_backward.warmup_counts`, :func:`_in_flight`).
 

@@ -14,8 +14,8 @@ from dapple.core.plan import Plan
 from dapple.core.profile import ModelProfile
 from dapple.errors import InfeasibleError, ValidationError
 from dapple.planner.batches import infeasible_message, micro_batch_candidates
-from dapple.planner.evaluate import Scored, Scorer, StageSpec
 from dapple.planner.placement import POLICIES, place, remaining_devices
+from dapple.planner.scorer import Scored, Scorer, StageSpec
 
 __all__ = ["MAX_ORACLE_DEVICES", "MAX_ORACLE_LAYERS", "exhaustive_plan", "placements"]
 

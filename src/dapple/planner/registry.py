@@ -1,7 +1,7 @@
 """The planner registry: every planner by name, with what it is (like the schedules'
 :mod:`dapple.schedule.registry`).
 
-:func:`dapple.planner.make_plan`, :class:`~dapple.planner.config.PlanConfig`, ``dapple plan
+:func:`dapple.planner.make_plan`, :class:`~dapple.planner.plan_config.PlanConfig`, ``dapple plan
 --planner`` and ``--compare``, and the code that treats the DAPPLE search's plans apart from
 a baseline's ask :func:`get_planner` (or :func:`searched`) instead of comparing names. Built
 in, in this order: ``dapple`` (the DAPPLE search, :func:`~dapple.planner.search.dapple_search`),

@@ -4,7 +4,7 @@
 Pure: no torch. Every registered schedule (:mod:`dapple.schedule.registry`) is compared here,
 each variant it declares (``ScheduleSpec.variants``), by simulated step time
 (:func:`dapple.simulate.engine.simulate`), under the memory limit; the runtime runs each of
-them. A plan is put under a schedule by :func:`dapple.simulate.schedules.with_schedule`.
+them. A plan is put under a schedule by :func:`dapple.simulate.plan_variants.with_schedule`.
 """
 
 from __future__ import annotations
@@ -19,12 +19,12 @@ from dapple.core.cuts import rounded_to_chunks
 from dapple.core.plan import Plan, StagePlan
 from dapple.core.profile import ModelProfile
 from dapple.core.usable import usable_cluster, usable_devices
-from dapple.cost.schedules import schedule_latency
+from dapple.cost.schedule_step import schedule_latency
 from dapple.errors import DappleError, ValidationError
 from dapple.schedule.registry import builtin_schedules, get_schedule, schedules
 from dapple.schedule.spec import ScheduleSpec
 from dapple.simulate.engine import SimResult, simulate
-from dapple.simulate.schedules import unchunked, with_schedule
+from dapple.simulate.plan_variants import unchunked, with_schedule
 
 __all__ = [
     "SCHEDULE_VARIANTS",

@@ -14,7 +14,7 @@ promising and refines the best plan.
 Beyond the paper: the search also chooses M among divisors of the global batch size (at most
 :data:`MAX_MICRO_BATCH_COUNTS` of them, :func:`micro_batch_candidates`, so the work does not
 grow with the batch), the warm-up policy A/B, and per stage re-computation and the in-flight
-bound D when memory demands them (:class:`dapple.planner.evaluate.Scorer`), and the tensor width
+bound D when memory demands them (:class:`dapple.planner.scorer.Scorer`), and the tensor width
 t_i of each stage: one search per width t with every stage of width t, each plan then refined to
 per-stage widths by a local search (:mod:`dapple.planner.stage_widths`). It offers the
 uniform torchtitan-style grid's 1F1B plans inside its space (:mod:`dapple.planner.grid`) and,
@@ -76,7 +76,6 @@ from dapple.planner.cut_search import (
     search_limits,
     stage_bound,
 )
-from dapple.planner.evaluate import Scored, Scorer, StageSpec
 from dapple.planner.expert_width import (
     has_experts,
     make_scorer,
@@ -86,6 +85,7 @@ from dapple.planner.expert_width import (
 from dapple.planner.grid import GridPoint, grid_candidates
 from dapple.planner.interleaving import best_interleaved, grid_offers, own_offers
 from dapple.planner.partition import block_partition
+from dapple.planner.scorer import Scored, Scorer, StageSpec
 from dapple.planner.stage_widths import MixedScorer, refine_stage_widths
 from dapple.planner.widths import real_devices, width_candidates
 from dapple.planner.zero_twins import zero_twins
@@ -229,7 +229,7 @@ def dapple_search(
         progress: called as ``progress(done, total)`` after each candidate M.
         zero_stage: 1: replicated stages shard their optimizer state (ZeRO-1), 2: their
             gradients too (ZeRO-2), in memory and in AR_s; ``auto``: per stage, where memory
-            asks for it (:class:`~dapple.planner.evaluate.Scorer`), and each plan found is
+            asks for it (:class:`~dapple.planner.scorer.Scorer`), and each plan found is
             also offered with every replicated stage at ZeRO 0-3
             (:func:`~dapple.planner.zero_twins.zero_twins`). The plan records each
             stage's choice (``StagePlan.zero_stage``); 3 (ZeRO-3) re-gathers per

@@ -6,7 +6,7 @@ Pure, no torch. On a cluster with device kinds (:attr:`~dapple.core.cluster.Clus
 * the search prices a stage on devices ``d`` with speeds ``v_j`` as its slowest replica on the
   whole-sample shares that balance them (:func:`~dapple.cost.replica_shares.balanced_shares`):
   F_s, B_s = ``max_j (F, B)(n_j) / v_j``, and holds each replica's share in its own kind's
-  memory (:func:`kind_stage`, the :class:`~dapple.planner.evaluate.Scorer`'s hook);
+  memory (:func:`kind_stage`, the :class:`~dapple.planner.scorer.Scorer`'s hook);
 * a kind with its own profile (:mod:`dapple.core.kind_profiles`) prices its replicas by its
   own per-layer times (speed 1), from a scorer of that profile's prefix sums;
 * the search runs on the cluster with its speeds divided by the fastest
@@ -31,11 +31,11 @@ from dapple.core.plan import Plan, StagePlan, split_sizes
 from dapple.core.profile import ModelProfile
 from dapple.cost.compute import compute_ms
 from dapple.cost.replica_shares import TimeOfSamples, balanced_shares_of
-from dapple.cost.schedules import schedule_latency
+from dapple.cost.schedule_step import schedule_latency
 from dapple.cost.tensor import tensor_compute_ms
 
 if TYPE_CHECKING:
-    from dapple.planner.evaluate import Scorer
+    from dapple.planner.scorer import Scorer
     from dapple.planner.zero_modes import ZeroMode
 
 __all__ = [
@@ -125,9 +125,9 @@ def _replica(cl: Cluster, x: int) -> Replica:
 
 def _device(sc: Scorer, x: int) -> tuple[Replica, FB]:
     """Device ``x``'s :data:`Replica` key and its F, B: the scorer's, or from its kind's own
-    profile (a plain :class:`~dapple.planner.evaluate.Scorer` of it, whatever ``sc``'s class:
+    profile (a plain :class:`~dapple.planner.scorer.Scorer` of it, whatever ``sc``'s class:
     only its prefix sums are read); remembered per scorer."""
-    from dapple.planner.evaluate import Scorer
+    from dapple.planner.scorer import Scorer
 
     known = _DEVICES.setdefault(sc, {})
     got = known.get(x)
@@ -212,7 +212,7 @@ def kind_stage(
 def kind_shares(sc: Scorer, s: int, e: int, d: tuple[int, ...], b: int) -> tuple[int, ...] | None:
     """The shares :func:`kind_stage` prices layers [s, e) on devices ``d`` with, as a
     :attr:`~dapple.core.plan.StagePlan.shares` (None: the even split), for the split-concat
-    on either side of the stage (:meth:`~dapple.planner.evaluate.Scorer.comm_ms`)."""
+    on either side of the stage (:meth:`~dapple.planner.scorer.Scorer.comm_ms`)."""
     if not sc.cluster.kinds or len(d) == 1:
         return None
     known = _STAGE_SHARES.setdefault(sc, {})
@@ -241,7 +241,7 @@ def with_kind_shares(plan: Plan, profile: ModelProfile, cluster: Cluster) -> Pla
     """``plan`` with each stage on replicas of different kinds given its balanced shares
     (:func:`stage_shares`, each replica at its speed from its kind's own profile where it has
     one) and ``predicted_step_ms`` re-priced by the cost model on ``cluster``
-    (:func:`~dapple.cost.schedules.schedule_latency`); ``plan`` itself on a cluster without
+    (:func:`~dapple.cost.schedule_step.schedule_latency`); ``plan`` itself on a cluster without
     kinds.
 
     Raises:

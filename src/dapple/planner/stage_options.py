@@ -1,6 +1,6 @@
 """A stage's options under each zero mode, and the scorer's choice among them for its K_i.
 
-The :class:`~dapple.planner.evaluate.Scorer` costs a stage ``(layers, devices, b)`` under each
+The :class:`~dapple.planner.scorer.Scorer` costs a stage ``(layers, devices, b)`` under each
 :class:`ZeroMode` it may pick (unsharded first): F, B, AR_s + U_s, D without and with
 re-computation (:class:`StageOption`). A stage holding its K_i micro-batches in flight
 unsharded, without re-computation, takes that mode and never looks at the others, so
@@ -33,13 +33,13 @@ class StageOption(NamedTuple):
     floor: float = 0.0
     """Bytes below the step peak of this stage and of any longer one on the same devices,
     with or without re-computation (:meth:`Scorer._options
-    <dapple.planner.evaluate.Scorer._options>`)."""
+    <dapple.planner.scorer.Scorer._options>`)."""
     traffic: float = 0.0
     """Per-step traffic inside F and B: ZeRO-3's gathers per micro-batch (M x their time)."""
 
 
 StageOptions = Sequence[tuple[ZeroMode, StageOption]]
-"""What :meth:`Scorer.stage_options <dapple.planner.evaluate.Scorer.stage_options>` offers
+"""What :meth:`Scorer.stage_options <dapple.planner.scorer.Scorer.stage_options>` offers
 one stage: ``(zero mode, terms)``, unsharded first."""
 
 

@@ -17,7 +17,7 @@ round estimates all its moves at once (:mod:`dapple.planner.move_scores`) and sc
 lowest estimate first, only those whose estimate may still beat the best scored. A stage of width t keeps
 its tensor groups aligned, each ``t`` consecutive devices starting at a multiple of t, so
 inside one server (t divides the server size) and on the tensor groups the width-t
-:class:`~dapple.planner.evaluate.Scorer` represents: its cached terms cost the stage, and the
+:class:`~dapple.planner.scorer.Scorer` represents: its cached terms cost the stage, and the
 plan records exactly what was scored. Pure, no torch.
 """
 
@@ -29,8 +29,8 @@ from dapple.core.plan import DEFAULT_SCHEDULE, Plan
 from dapple.cost.comm import busiest_link_ms, link_loads
 from dapple.cost.host import has_host_terms, stage_host_extras
 from dapple.cost.memory import boundary_bytes
-from dapple.planner.evaluate import Scored, Scorer, score_options, scored_plan
 from dapple.planner.move_scores import ROUNDING, Move, Row, WidthStage, estimate_moves, stage_row
+from dapple.planner.scorer import Scored, Scorer, score_options, scored_plan
 from dapple.planner.shares import kind_shares
 from dapple.planner.stage_options import StageOptions
 from dapple.planner.widths import TensorSums

@@ -17,8 +17,8 @@ from dapple.core.cluster import Cluster
 from dapple.core.plan import Plan
 from dapple.core.profile import ModelProfile
 from dapple.errors import InfeasibleError, ValidationError
-from dapple.planner.evaluate import Scored, Scorer, StageSpec
 from dapple.planner.oracle import placements
+from dapple.planner.scorer import Scored, Scorer, StageSpec
 from dapple.planner.search import micro_batch_candidates
 
 __all__ = ["MAX_UNEVEN_STAGES", "is_uneven_pipeline", "uneven_pipeline"]

@@ -20,8 +20,8 @@ from dapple.core.cluster import Cluster
 from dapple.core.plan import Plan
 from dapple.core.planning_options import ZeroChoice
 from dapple.core.profile import ModelProfile
-from dapple.planner.evaluate import Scorer
 from dapple.planner.move_scores import WidthStage
+from dapple.planner.scorer import Scorer
 from dapple.planner.stage_widths import MixedScorer
 
 __all__ = ["TWIN_STAGES", "zero_twins"]

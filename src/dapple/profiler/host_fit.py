@@ -259,7 +259,7 @@ def check_training_memory(
     Args:
         workload: the layer chain (nothing of it is built for real here).
         state_factor: bytes of gradient and optimizer state per trainable parameter byte
-            (:func:`dapple.runtime.optim_config.state_factor`).
+            (:func:`dapple.runtime.train_config.state_factor`).
         available: bytes available (None: :func:`available_host_bytes`).
         what: the work named in the message.
 

@@ -5,7 +5,7 @@ layer, at each requested batch size ``b``, by :func:`dapple.profiler.layer_measu
 (timed forward and backward, output bytes, the bytes autograd keeps for backward). Times and
 sizes are then fitted affine in ``b`` with :func:`dapple.core.layer_profile.fit_affine`.
 With ``seq_lens`` this is done at each length of the model's dynamic dimension, on its own
-batches cut or tiled to that length (:mod:`dapple.profiler.lengths`), and the profile holds
+batches cut or tiled to that length (:mod:`dapple.profiler.length_passes`), and the profile holds
 every length (``ModelProfile.by_length``). A layer the runtime can cut over a tensor group -
 a traced piece that the model's TP plan matches (:func:`dapple.models.tp_plan.cut_by`) - is
 marked ``LayerProfile.tensor_parallel``; a model without a TP plan marks none.
@@ -47,7 +47,7 @@ from dapple.profiler.layer_measure import (
     tensor_bytes,
     trainable_params,
 )
-from dapple.profiler.lengths import (
+from dapple.profiler.length_passes import (
     check_seq_lens,
     combine_lengths,
     length_passes,
@@ -151,7 +151,7 @@ def profile_workload(
             split (:meth:`LayerProfile.backward_split`).
         seq_lens: lengths of the model's dynamic dimension (tokens per sample) to measure at,
             each at every batch size: the workload's own batches cut or tiled to the length
-            along every dynamic dimension, same layers (:mod:`dapple.profiler.lengths`). The
+            along every dynamic dimension, same layers (:mod:`dapple.profiler.length_passes`). The
             profile's ``by_length`` holds them and its ``layers`` are the longest's. None: the
             workload's batches as they come. Co-workers train at the workload's own length.
         passes: with co-workers, profile the whole chain this many times, each pass with its

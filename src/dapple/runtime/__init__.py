@@ -5,7 +5,7 @@ Entry points: :func:`train` (Python API; spawns local workers or joins a ``torch
 :func:`run_plan` (one rank, on an already initialised process group) and ``dapple train``.
 
 The names below load on first use (:pep:`562`), so a command that only reads or checks its
-configuration (:mod:`dapple.runtime.config`, :mod:`dapple.runtime.run_config`) refuses a bad
+configuration (:mod:`dapple.runtime.train_config`, :mod:`dapple.runtime.run_config`) refuses a bad
 value without importing torch.
 """
 
@@ -15,7 +15,6 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from dapple.runtime.config import StepMetrics, TrainConfig
     from dapple.runtime.engine import StageRun, run_plan, validate_run
     from dapple.runtime.launch.failure import RankFailure
     from dapple.runtime.launch.launcher import (
@@ -27,11 +26,13 @@ if TYPE_CHECKING:
         train,
     )
     from dapple.runtime.memory import ActivationMeter
+    from dapple.runtime.step_metrics import StepMetrics
+    from dapple.runtime.train_config import TrainConfig
     from dapple.runtime.transport import BoundarySpec, infer_boundary_specs
 
 _HOMES = {
-    "StepMetrics": "config",
-    "TrainConfig": "config",
+    "StepMetrics": "step_metrics",
+    "TrainConfig": "train_config",
     "RankFailure": "launch.failure",
     "StageRun": "engine",
     "run_plan": "engine",

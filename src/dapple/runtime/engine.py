@@ -40,7 +40,6 @@ from dapple.core.plan import Plan
 from dapple.errors import ValidationError
 from dapple.models.split_backward import require_split_backward
 from dapple.models.workload import Workload
-from dapple.runtime.config import StepMetrics, TrainConfig
 from dapple.runtime.data import check_data, fit_data, fit_workload
 from dapple.runtime.evaluate import Evaluation, eval_batch_fn, eval_plan
 from dapple.runtime.launch.failure import RankFailure, describe_rank, short_error
@@ -54,7 +53,9 @@ from dapple.runtime.parallel.stage_mesh import (
 )
 from dapple.runtime.reporting import open_reporters
 from dapple.runtime.startup import RankParts, start_rank
+from dapple.runtime.step_metrics import StepMetrics
 from dapple.runtime.sync import GradientSync
+from dapple.runtime.train_config import TrainConfig
 from dapple.schedule.lower import plan_compute_order
 from dapple.schedule.registry import get_schedule
 

@@ -37,11 +37,11 @@ from torch import nn
 
 from dapple.core.plan import Plan
 from dapple.runtime import comm
-from dapple.runtime.config import TrainConfig
 from dapple.runtime.metrics import device_row, host_row
 from dapple.runtime.optim import GradGroups
 from dapple.runtime.parallel.zero import FlatShards
 from dapple.runtime.precision import Precision
+from dapple.runtime.train_config import TrainConfig
 from dapple.schedule.ir import Action, ActionKind
 
 __all__ = ["NonFiniteGuard"]

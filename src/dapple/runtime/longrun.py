@@ -64,7 +64,6 @@ from dapple.runtime.checkpoint import (
     step_dir,
 )
 from dapple.runtime.checkpoint.files import refuse_foreign
-from dapple.runtime.config import TrainConfig
 from dapple.runtime.data import check_data_resume
 from dapple.runtime.guard import NonFiniteGuard
 from dapple.runtime.metrics import announce
@@ -72,6 +71,7 @@ from dapple.runtime.optim import config_lr, lr_at
 from dapple.runtime.parallel.sharded_state import CutStage
 from dapple.runtime.parallel.zero import FlatShards
 from dapple.runtime.precision import Precision
+from dapple.runtime.train_config import TrainConfig
 
 __all__ = [
     "OPTIMIZER_CLASSES",

@@ -6,7 +6,7 @@ peak resident memory (CPU: ``VmHWM``; CUDA: peak reserved) beside what it was be
 built its stage, and the wall time between consecutive step collectives. The step's one world collective carries every rank's loss
 part and peak (see :mod:`dapple.runtime.interpreter`), so rank 0 sees the whole step without
 another message, and :class:`MetricsSink` turns the gathered rows into one
-:class:`~dapple.runtime.config.StepMetrics` per step: kept in a list, logged, echoed to stdout
+:class:`~dapple.runtime.train_config.StepMetrics` per step: kept in a list, logged, echoed to stdout
 (``TrainConfig.echo``), appended to a JSON-lines file (``TrainConfig.metrics_path``) and handed
 to callbacks - in the spirit of torchtitan's metrics processor.
 
@@ -32,8 +32,9 @@ import torch
 from dapple.core.output_path import make_parent_dirs
 from dapple.core.plan import Plan
 from dapple.runtime.chunks import Executor
-from dapple.runtime.config import StepMetrics, TrainConfig
 from dapple.runtime.memory import ActivationMeter
+from dapple.runtime.step_metrics import StepMetrics
+from dapple.runtime.train_config import TrainConfig
 from dapple.runtime.transport import flatten
 
 __all__ = [

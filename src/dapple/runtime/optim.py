@@ -39,7 +39,7 @@ from torch.distributed.tensor import DTensor
 
 from dapple.core.plan import Plan
 from dapple.models.workload import Workload
-from dapple.runtime.config import TrainConfig
+from dapple.runtime.train_config import TrainConfig
 
 __all__ = [
     "CLIP_EPS",

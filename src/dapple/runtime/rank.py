@@ -24,7 +24,6 @@ from dapple.errors import ValidationError
 from dapple.models.shapes import DimsMap, InputShape, check_batch, run_dims
 from dapple.models.workload import Workload
 from dapple.runtime.chunks import Executor, RankChunks
-from dapple.runtime.config import TrainConfig
 from dapple.runtime.data import RankData, data_dims, sample_row
 from dapple.runtime.memory import ActivationMeter
 from dapple.runtime.optim import counted_parameters, make_optimizer
@@ -38,6 +37,7 @@ from dapple.runtime.parallel.zero import (
 )
 from dapple.runtime.precision import Precision
 from dapple.runtime.stage import StageExecutor
+from dapple.runtime.train_config import TrainConfig
 from dapple.runtime.transport import BoundarySpec, flatten, infer_boundary_specs
 
 __all__ = [

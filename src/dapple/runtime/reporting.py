@@ -6,12 +6,12 @@ the loss curve.
   the per-step lines print above it;
 - :class:`TensorBoardWriter`: the step's scalars (loss, lr, grad norm, eval loss, tokens/s,
   samples/s, step ms) through ``torch.utils.tensorboard.SummaryWriter`` (needs the
-  ``tensorboard`` package, checked by :class:`~dapple.runtime.config.TrainConfig`);
+  ``tensorboard`` package, checked by :class:`~dapple.runtime.train_config.TrainConfig`);
 - :func:`write_loss_curve`: a PNG of the train loss per step and the eval loss points
   (matplotlib, Agg backend).
 
 Both reporters are :class:`~dapple.runtime.metrics.MetricsSink` callbacks with a ``close``;
-:func:`open_reporters` builds the ones a :class:`~dapple.runtime.config.TrainConfig` asks for.
+:func:`open_reporters` builds the ones a :class:`~dapple.runtime.train_config.TrainConfig` asks for.
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ import torch
 
 from dapple.core.output_path import make_parent_dirs
 from dapple.datasets import IGNORE_INDEX
-from dapple.runtime.config import StepMetrics, TrainConfig
+from dapple.runtime.step_metrics import StepMetrics
+from dapple.runtime.train_config import TrainConfig
 
 if TYPE_CHECKING:
     from rich.console import Console

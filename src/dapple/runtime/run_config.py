@@ -38,8 +38,7 @@ from typing import Any
 
 from dapple.core.config_file import Schema, dump, load
 from dapple.errors import ValidationError
-from dapple.runtime.config import TrainConfig
-from dapple.runtime.optim_config import OPTIM_FIELDS
+from dapple.runtime.train_config import OPTIM_FIELDS, TrainConfig
 
 __all__ = [
     "DEFAULT_EVAL_BATCHES",

@@ -27,7 +27,6 @@ from dapple.core.plan import Plan
 from dapple.models.shapes import input_shapes
 from dapple.models.workload import Workload
 from dapple.runtime.chunks import Executor
-from dapple.runtime.config import TrainConfig
 from dapple.runtime.data import RankData, data_state
 from dapple.runtime.interpreter import ProgramInterpreter
 from dapple.runtime.longrun import LongRun, first_attempt
@@ -54,6 +53,7 @@ from dapple.runtime.rank import (
     select_zero,
 )
 from dapple.runtime.sync import GradientSync
+from dapple.runtime.train_config import TrainConfig
 from dapple.schedule.lower import lower
 
 __all__ = [

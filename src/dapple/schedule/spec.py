@@ -76,7 +76,7 @@ class StageTimes:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StepTerms:
     """What a schedule's own step-time rule reads (filled by
-    :func:`dapple.cost.schedules.schedule_step_ms` from the plan's cost terms)."""
+    :func:`dapple.cost.schedule_step.schedule_step_ms` from the plan's cost terms)."""
 
     M: int
     """Micro-batches."""
@@ -147,7 +147,7 @@ class ScheduleSpec:
     ``placement``; None: :func:`dapple.core.plan.interleave` (round robin)."""
     check: PlanRule | None = None
     """Rules a plan must meet beyond :class:`~dapple.core.plan.Plan`'s, run when a plan is put
-    under the schedule (:func:`dapple.simulate.schedules.with_schedule`); raises
+    under the schedule (:func:`dapple.simulate.plan_variants.with_schedule`); raises
     :class:`~dapple.errors.ValidationError`."""
     compare_with: str = ""
     """The schedule ``dapple simulate --other-schedule`` runs beside this one; empty: the default

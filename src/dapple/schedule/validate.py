@@ -16,7 +16,7 @@ Two entry points:
 
 Failures raise :class:`~dapple.errors.ValidationError` whose message ends with a step x device
 grid (rows: program step, columns: devices, cells: action strings) with the offending actions
-marked ``>>like this<<`` (:func:`dapple.schedule.grid.format_grid`). The per-device checks are
+marked ``>>like this<<`` (:func:`dapple.schedule.text_grid.format_grid`). The per-device checks are
 named steps: :func:`_device_view`, :func:`_scan_actions` (:func:`_placement_problem`,
 :func:`_order_problem`), :func:`_check_coverage`, :func:`_allreduce_problems`,
 :func:`_step_problems`.
@@ -30,8 +30,8 @@ from dataclasses import dataclass
 
 from dapple.core.plan import Plan, transfers
 from dapple.errors import ValidationError
-from dapple.schedule.grid import Cell, Problem, fail, format_grid
 from dapple.schedule.ir import Action, ActionKind, Schedule
+from dapple.schedule.text_grid import Cell, Problem, fail, format_grid
 from dapple.schedule.validate_order import validate_compute_order
 
 __all__ = ["format_grid", "validate", "validate_compute_order"]

@@ -4,7 +4,7 @@ a dry run of the pipeline's data dependencies.
 Every stage runs F_m once and B_m (or its halves I_m then W_m) once for m in [0, M), B_m after
 F_m, and a dry run in which F_m on stage s needs F_m on s-1 and B_m/I_m on s needs B_m/I_m on
 s+1 finishes. Failures raise :class:`~dapple.errors.ValidationError` whose message ends with a
-step x rank grid marking the offending actions (:func:`dapple.schedule.grid.format_grid`).
+step x rank grid marking the offending actions (:func:`dapple.schedule.text_grid.format_grid`).
 
 Pure, no torch.
 """
@@ -14,9 +14,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from dapple.errors import ValidationError
-from dapple.schedule.grid import Problem, fail
 from dapple.schedule.ir import Action, ActionKind, ComputeOrder
 from dapple.schedule.spec import Placement, round_robin
+from dapple.schedule.text_grid import Problem, fail
 
 __all__ = ["validate_compute_order"]
 

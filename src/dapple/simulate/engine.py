@@ -41,7 +41,7 @@ held bytes (activations, or the stage input under re-computation; the stage outp
 log-softmax) from the start of its F to the end of its B (or of its W: the weight gradient needs
 the layers' inputs), plus each backward's moment while it runs (B, I and W each charged as a
 whole backward), plus a stage's gradients from the end of its first B or W, less the cast cache
-at the step's end (OPT). The peak equals :func:`dapple.cost.schedules.device_memory_by_group`.
+at the step's end (OPT). The peak equals :func:`dapple.cost.schedule_step.device_memory_by_group`.
 """
 
 from __future__ import annotations
@@ -54,10 +54,10 @@ from typing import Any
 from dapple.core.cluster import Cluster
 from dapple.core.plan import Plan
 from dapple.core.profile import ModelProfile
-from dapple.cost.lengths import profile_for_plan
+from dapple.cost.at_length import profile_for_plan
 from dapple.cost.overlap import NO_OVERLAP, CommOverlap
 from dapple.cost.peak_memory import StageBytes, device_static, plan_stage_bytes
-from dapple.cost.schedules import schedule_step_ms
+from dapple.cost.schedule_step import schedule_step_ms
 from dapple.cost.terms import PlanTerms, TransferTerms, stage_terms
 from dapple.errors import DappleError, ValidationError
 from dapple.schedule.ir import Action, ActionKind, Schedule
@@ -410,7 +410,7 @@ def simulate(
             (:mod:`dapple.cost.overlap`); default: dapple's runtime, none.
 
     A plan made for sequence lengths (``plan.seq_len``) runs at them when the profile was
-    measured at several (:func:`dapple.cost.lengths.profile_for_plan`).
+    measured at several (:func:`dapple.cost.at_length.profile_for_plan`).
 
     Raises:
         ValidationError: the plan does not fit the profile/cluster or the schedule is invalid.

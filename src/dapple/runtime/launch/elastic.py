@@ -41,9 +41,10 @@ from dapple.core.planning_options import PlanningOptions, zero_choice
 from dapple.core.profile import ModelProfile
 from dapple.errors import DappleError, InfeasibleError, ValidationError
 from dapple.runtime.checkpoint import latest_checkpoint
-from dapple.runtime.config import StepMetrics, TrainConfig
 from dapple.runtime.launch.failure import RankFailure
 from dapple.runtime.metrics import announce, metrics_from_dict
+from dapple.runtime.step_metrics import StepMetrics
+from dapple.runtime.train_config import TrainConfig
 
 __all__ = [
     "ElasticPolicy",

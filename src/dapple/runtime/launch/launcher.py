@@ -45,7 +45,6 @@ from dapple.errors import ValidationError
 from dapple.models.shapes import check_steps, run_dims
 from dapple.models.workload import Workload
 from dapple.runtime.comm import set_host_staged, transport_for
-from dapple.runtime.config import StepMetrics, TrainConfig
 from dapple.runtime.data import check_data, check_data_resume, data_state
 from dapple.runtime.engine import run_plan, validate_run
 from dapple.runtime.evaluate import eval_batch_fn, eval_plan
@@ -69,6 +68,8 @@ from dapple.runtime.longrun import elastic_store
 from dapple.runtime.metrics import announce, metrics_from_dict
 from dapple.runtime.parallel.stage_mesh import check_mesh_run
 from dapple.runtime.precision import check_precision
+from dapple.runtime.step_metrics import StepMetrics
+from dapple.runtime.train_config import TrainConfig
 
 if TYPE_CHECKING:
     from dapple.runtime.launch.elastic import ElasticPolicy

@@ -45,7 +45,6 @@ from dapple.errors import ValidationError
 from dapple.models.tp_plan import tp_plan_of
 from dapple.models.workload import Workload
 from dapple.runtime import comm
-from dapple.runtime.config import TrainConfig
 from dapple.runtime.parallel.expert import (
     ExpertGroups,
     ExpertLoads,
@@ -62,6 +61,7 @@ from dapple.runtime.parallel.fsdp import (
 )
 from dapple.runtime.parallel.tp import TensorParallelModule, parallelize_stage
 from dapple.runtime.parallel.zero import FlatShards
+from dapple.runtime.train_config import TrainConfig
 from dapple.schedule.registry import get_schedule
 
 __all__ = [

@@ -19,11 +19,10 @@ from dapple.models.rng import KeyedRandomness, keyed
 from dapple.models.split import original_model, random_sites
 from dapple.models.tied import sum_tied_grads_local
 from dapple.models.workload import Workload
-from dapple.runtime.config import TrainConfig
 from dapple.runtime.data import fit_data, fit_workload
 from dapple.runtime.optim import config_lr, make_optimizer, set_lr
-from dapple.runtime.optim_config import OPTIM_FIELDS
 from dapple.runtime.precision import autocast_reference
+from dapple.runtime.train_config import OPTIM_FIELDS, TrainConfig
 from dapple.runtime.verify.report import Params
 
 __all__ = ["ForcedReference", "StepResult", "config", "reference_run"]
@@ -182,7 +181,7 @@ def reference_run(
         precision: ``fp32`` or ``bf16``: the forward runs under the runtime's CPU autocast,
             the loss in fp32.
         **optim: The other optimisation fields of :class:`TrainConfig`
-            (:data:`~dapple.runtime.optim_config.OPTIM_FIELDS`).
+            (:data:`~dapple.runtime.train_config.OPTIM_FIELDS`).
 
     Returns:
         The loss of each step, the final parameters per layer (named as in the layers) and

@@ -25,10 +25,9 @@ from dapple.errors import DappleError, ValidationError
 from dapple.models.shapes import check_steps
 from dapple.models.workload import Workload
 from dapple.runtime import init_distributed, run_plan, shutdown_distributed, spawn, validate_run
-from dapple.runtime.config import TrainConfig
 from dapple.runtime.data import check_data
-from dapple.runtime.optim_config import OPTIM_FIELDS
 from dapple.runtime.precision import check_verify_precision, tolerances_for
+from dapple.runtime.train_config import OPTIM_FIELDS, TrainConfig
 from dapple.runtime.verify.reference import ForcedReference
 from dapple.runtime.verify.report import (
     ATOL,
@@ -276,7 +275,7 @@ def verify_many(
             :func:`dapple.api.load` or ``dapple.models.hf`` do).
         config: Both runs' options, resolved: ``steps``, ``seed`` (weights; step ``t`` uses
             batch seed ``seed + t``), ``optimizer``, ``lr``, the other optimisation fields
-            (:data:`~dapple.runtime.optim_config.OPTIM_FIELDS`), ``precision`` (``fp32`` or
+            (:data:`~dapple.runtime.train_config.OPTIM_FIELDS`), ``precision`` (``fp32`` or
             ``bf16``, :mod:`dapple.runtime.precision`), ``device`` of the distributed run (the
             reference runs on the CPU) and ``timeout_s`` (its process-group timeout).
         data: Training samples both runs take their batches from (see

@@ -59,11 +59,11 @@ from dapple.errors import ValidationError
 from dapple.models.split import piece_template
 from dapple.models.workload import Workload
 from dapple.runtime import comm
-from dapple.runtime.config import TrainConfig
 from dapple.runtime.parallel.expert.exchange import GroupCollectives
 from dapple.runtime.parallel.expert.load import ExpertLoads, count_expert_load, expert_report
 from dapple.runtime.parallel.expert.sites import find_sites, shard_site, site_experts
 from dapple.runtime.sync import GradientSync
+from dapple.runtime.train_config import TrainConfig
 
 __all__ = [
     "ExpertGradientSync",

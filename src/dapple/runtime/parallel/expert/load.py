@@ -282,7 +282,7 @@ def expert_report(
     loads: ExpertLoads | None,
     split: tuple[tuple[tuple[int, ...], ...], tuple[float, ...]],
 ) -> dict[str, Any]:
-    """The :class:`~dapple.runtime.config.StepMetrics` fields of a step's summed counts
+    """The :class:`~dapple.runtime.train_config.StepMetrics` fields of a step's summed counts
     (:meth:`LoadLayout.split`): ``expert_layers``, ``expert_load``, ``expert_imbalance`` and
     ``expert_aux_loss`` (None where not summed); none without counters."""
     if loads is None:

@@ -66,7 +66,6 @@ Design choices:
       under any plan or zero stage resumes under any other.
 """
 
-from dapple.runtime.optim_config import ZERO_STAGES
 from dapple.runtime.parallel.zero.select import flat_parameters, tied_parameters, unsharded_stages
 from dapple.runtime.parallel.zero.shards import (
     MAX_STAGED,
@@ -79,7 +78,6 @@ from dapple.runtime.parallel.zero.shards import (
 __all__ = [
     "MAX_STAGED",
     "TENSOR_COLLECTIVES_ENV",
-    "ZERO_STAGES",
     "FlatShards",
     "Piece",
     "ShardGroup",

@@ -23,7 +23,7 @@ from __future__ import annotations
 from dapple.core.cluster import Cluster
 from dapple.core.plan import Plan
 from dapple.core.profile import ModelProfile
-from dapple.cost.lengths import profile_for_plan
+from dapple.cost.at_length import profile_for_plan
 from dapple.cost.memory import held_activation_bytes
 from dapple.cost.overlap import NO_OVERLAP, CommOverlap
 from dapple.cost.peak_memory import device_peak, plan_stage_bytes

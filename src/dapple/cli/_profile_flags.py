@@ -2,7 +2,7 @@
 section (:class:`~dapple.runtime.run_config.ModelConfig`), as ``dapple train --config`` reads it.
 
 The model flags (``-m``, ``--set``, ``--split-at``, ``--weights``, ``--dynamic-dims``) are
-:data:`dapple.cli._train_config.TRAIN_FLAGS`' own rows; flags given beside ``--config`` win
+:data:`dapple.cli._train_flags.TRAIN_FLAGS`' own rows; flags given beside ``--config`` win
 (``--set`` is merged into ``[model] set``), and the file's other sections (``dapple train``'s,
 ``dapple plan``'s ``[planning]``) are skipped unread. :func:`model_config_of` reads the model
 that way, with or without a file. Torch-free at import time.
@@ -14,7 +14,7 @@ import argparse
 from typing import TYPE_CHECKING
 
 from dapple.cli._config_args import Flag, add_config_arguments, given_values, missing_required
-from dapple.cli._train_config import TRAIN_FLAGS
+from dapple.cli._train_flags import TRAIN_FLAGS
 from dapple.errors import ValidationError
 
 if TYPE_CHECKING:

@@ -1,25 +1,135 @@
-"""Runtime configuration and per-step metrics records."""
+"""What the runtime is asked to do with a plan: :class:`TrainConfig` - steps, seed, the
+optimizer and its options, limits, checkpoints and reporting.
+
+Torch-free (the CLI reads :data:`LR_SCHEDULES` and :data:`OPTIMIZERS` for its choices); the
+optimizers, the learning-rate schedule and the clipping themselves are in
+:mod:`dapple.runtime.optim`. ``TrainConfig.zero_stage`` takes
+:data:`dapple.core.parallelism.ZERO_STAGES`.
+"""
 
 from __future__ import annotations
 
 import importlib.util
 import math
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import Protocol
 
+from dapple.core.parallelism import ZERO_STAGES
 from dapple.core.precision import TRAINING_PRECISIONS
 from dapple.errors import ValidationError
-from dapple.runtime.optim_config import OPTIMIZER_STATE_FACTOR, OPTIMIZERS, check_optim
 
-__all__ = ["OPTIMIZERS", "OPTIMIZER_STATE_FACTOR", "StepMetrics", "TrainConfig"]
+__all__ = [
+    "LR_SCHEDULES",
+    "OPTIMIZERS",
+    "OPTIMIZER_STATE_FACTOR",
+    "OPTIM_FIELDS",
+    "OptimOptions",
+    "TrainConfig",
+    "check_optim",
+    "state_factor",
+]
+
+OPTIMIZERS = ("sgd", "adam", "adamw")
+"""``TrainConfig.optimizer`` values (:func:`dapple.runtime.optim.make_optimizer`)."""
+
+OPTIMIZER_STATE_FACTOR = {"sgd": 1.0, "adam": 3.0, "adamw": 3.0}
+"""Bytes of gradients and optimizer state per parameter byte: SGD keeps the gradient (plus a
+momentum buffer when ``momentum > 0``, not counted here), Adam and AdamW the gradient and two
+moments (the profile's ``optimizer_state_factor`` for the planner)."""
+
+LR_SCHEDULES = ("constant", "cosine")
+"""``constant``: linear warm-up, then ``lr``; ``cosine``: linear warm-up, then cosine decay to
+``min_lr`` at the last step (:func:`dapple.runtime.optim.lr_at`)."""
+
+OPTIM_FIELDS = (
+    "weight_decay",
+    "momentum",
+    "betas",
+    "eps",
+    "lr_schedule",
+    "warmup_steps",
+    "min_lr",
+    "clip_grad_norm",
+    "zero_stage",
+)
+"""The :class:`TrainConfig` fields of the optimisation options besides ``optimizer`` and
+``lr`` (what ``verify`` forwards to both of its runs)."""
 
 
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f}{unit}" if unit == "B" else f"{n:.1f}{unit}"
-        n /= 1024
-    return f"{n:.1f}GiB"  # pragma: no cover
+class OptimOptions(Protocol):
+    """The optimisation fields of :class:`~dapple.runtime.train_config.TrainConfig`."""
+
+    @property
+    def optimizer(self) -> str: ...
+    @property
+    def lr(self) -> float: ...
+    @property
+    def weight_decay(self) -> float: ...
+    @property
+    def momentum(self) -> float: ...
+    @property
+    def betas(self) -> tuple[float, float]: ...
+    @property
+    def eps(self) -> float: ...
+    @property
+    def lr_schedule(self) -> str: ...
+    @property
+    def warmup_steps(self) -> int: ...
+    @property
+    def min_lr(self) -> float: ...
+    @property
+    def clip_grad_norm(self) -> float | None: ...
+    @property
+    def zero_stage(self) -> int: ...
+
+
+def check_optim(c: OptimOptions) -> None:
+    """Validate the optimisation options of ``c``.
+
+    Raises:
+        ValidationError: the first bad value, named with the option.
+    """
+    if not (c.weight_decay >= 0 and math.isfinite(c.weight_decay)):
+        raise ValidationError(f"weight_decay must be a finite number >= 0, got {c.weight_decay}")
+    if not (0 <= c.momentum < 1):
+        raise ValidationError(f"momentum must be in [0, 1), got {c.momentum}")
+    if c.momentum and c.optimizer != "sgd":
+        raise ValidationError(
+            f"momentum applies to the sgd optimizer only, got momentum={c.momentum} with "
+            f"optimizer {c.optimizer!r} (adam/adamw: use betas)"
+        )
+    if len(c.betas) != 2 or not all(0 <= b < 1 for b in c.betas):
+        raise ValidationError(f"betas must be two numbers in [0, 1), got {c.betas}")
+    if not (c.eps > 0 and math.isfinite(c.eps)):
+        raise ValidationError(f"eps must be a finite number > 0, got {c.eps}")
+    if c.lr_schedule not in LR_SCHEDULES:
+        raise ValidationError(
+            f"lr_schedule must be one of {', '.join(LR_SCHEDULES)}, got {c.lr_schedule!r}"
+        )
+    if c.warmup_steps < 0:
+        raise ValidationError(f"warmup_steps must be >= 0, got {c.warmup_steps}")
+    if not (0 <= c.min_lr <= c.lr):
+        raise ValidationError(f"min_lr must be in [0, lr={c.lr}], got {c.min_lr}")
+    if c.min_lr and c.lr_schedule != "cosine":
+        raise ValidationError(
+            f"min_lr={c.min_lr} applies to the cosine schedule only, got lr_schedule "
+            f"{c.lr_schedule!r}"
+        )
+    if c.zero_stage not in ZERO_STAGES:
+        raise ValidationError(
+            f"zero_stage must be one of {', '.join(map(str, ZERO_STAGES))}, got {c.zero_stage!r}"
+        )
+    clip = c.clip_grad_norm
+    if clip is not None and not (clip > 0 and math.isfinite(clip)):
+        raise ValidationError(f"clip_grad_norm must be a finite number > 0, got {clip}")
+
+
+def state_factor(optimizer: str, momentum: float = 0.0) -> float:
+    """Bytes of gradients and optimizer state per parameter byte (the planner's
+    ``optimizer_state_factor``): :data:`OPTIMIZER_STATE_FACTOR`, plus the momentum buffer of
+    SGD with ``momentum > 0``."""
+    extra = 1.0 if optimizer == "sgd" and momentum > 0 else 0.0
+    return OPTIMIZER_STATE_FACTOR[optimizer] + extra
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -171,83 +281,4 @@ def _check_reporting(c: TrainConfig) -> None:
         raise ValidationError(
             f"tensorboard_dir {c.tensorboard_dir!r} needs the 'tensorboard' package "
             "(pip install tensorboard, or dapple[tensorboard])"
-        )
-
-
-@dataclass(frozen=True, slots=True)
-class StepMetrics:
-    """One training step as seen from rank 0."""
-
-    step: int
-    loss: float
-    """Mean loss over the global batch (summed from the last stage's slices)."""
-    step_ms: float
-    """Wall time per step: rank 0's time from the previous step's collective to this step's
-    (the first step of a run: from its start), where every rank meets (see
-    :mod:`dapple.runtime.engine`)."""
-    samples_per_s: float
-    """Global batch over ``step_ms``."""
-    peak_memory_bytes: tuple[int, ...]
-    """Per stage, max over its replicas (CUDA: over the same period as ``step_ms``); with
-    interleaving per device group (all its chunks)."""
-    memory_kind: str
-    """``cuda_max_allocated`` or ``held_activations`` (CPU, see :mod:`dapple.runtime.memory`)."""
-    predicted_step_ms: float | None = None
-    peak_resident_bytes: tuple[int, ...] = ()
-    """Per stage, max over its replicas: the process's peak resident memory so far (CPU:
-    ``VmHWM``; CUDA: ``max_memory_reserved`` over the same period as ``step_ms``)."""
-    stage_resident_bytes: tuple[int, ...] = ()
-    """Per stage, max over its replicas: ``peak_resident_bytes`` less the resident memory before
-    the rank built its stage - what the stage's weights, gradients, optimizer state and
-    activations added (the planner's per-replica estimate models this)."""
-    resident_kind: str = ""
-    """``VmHWM`` or ``cuda_max_reserved`` (empty: not measured)."""
-    lr: float | None = None
-    """The learning rate the step's optimizer update used (None: no update ran)."""
-    grad_norm: float | None = None
-    """The global gradient norm of the whole model before clipping (None: not computed)."""
-    eval_loss: float | None = None
-    """Mean validation loss measured after this step (None: no evaluation this step)."""
-    tokens_per_s: float | None = None
-    """Target tokens of the global batch over ``step_ms`` (None: not a token workload)."""
-    tokens: int | None = None
-    """Target tokens of the step's global batch; changes from step to step with the sequence
-    length (None: not a token workload)."""
-    expert_layers: tuple[int, ...] = ()
-    """The layer of each MoE layer counted (model order; empty: the model has none the runtime
-    counts, :mod:`dapple.runtime.parallel.expert.load`)."""
-    expert_load: tuple[tuple[int, ...], ...] = ()
-    """Per MoE layer, the token rows its router sent to each expert in this step, summed over
-    the replicas (a token counts once per chosen expert: a layer's loads sum to tokens x top-k)."""
-    expert_imbalance: tuple[float, ...] = ()
-    """Per MoE layer, max/mean of its expert load (1: balanced; E: one expert got every row)."""
-    expert_aux_loss: tuple[float | None, ...] = ()
-    """Per MoE layer, its load-balancing loss ``E * sum_i f_i * P_i`` over the step's tokens (k:
-    balanced; None: its router's probabilities not found)."""
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    def line(self) -> str:
-        mem = " ".join(f"s{i}={_human(b)}" for i, b in enumerate(self.peak_memory_bytes))
-        pred = (
-            f" (predicted {self.predicted_step_ms:.1f} ms)"
-            if self.predicted_step_ms is not None
-            else ""
-        )
-        resident = " ".join(f"s{i}={_human(b)}" for i, b in enumerate(self.peak_resident_bytes))
-        resident = f" peak[{self.resident_kind}] {resident}" if resident else ""
-        opt = f" lr {self.lr:.3g}" if self.lr is not None else ""
-        opt += f" grad_norm {self.grad_norm:.4g}" if self.grad_norm is not None else ""
-        ev = f" eval_loss {self.eval_loss:.6f}" if self.eval_loss is not None else ""
-        tok = f" {self.tokens} tokens" if self.tokens is not None else ""
-        tok += f" {self.tokens_per_s:.0f} tokens/s" if self.tokens_per_s is not None else ""
-        if self.expert_imbalance:  # the worst MoE layer
-            worst = max(range(len(self.expert_imbalance)), key=self.expert_imbalance.__getitem__)
-            tok += (f" expert max/mean {self.expert_imbalance[worst]:.2f} (layer "
-                    f"{self.expert_layers[worst]}, worst of {len(self.expert_imbalance)})")  # fmt: skip
-        return (
-            f"step {self.step} loss {self.loss:.6f}{opt}{ev} time {self.step_ms:.1f} ms{pred} "
-            f"{self.samples_per_s:.1f} samples/s{tok} peak[{self.memory_kind}] {mem}{resident}"
         )

@@ -12,7 +12,7 @@ only the inputs matter to the profiler (the targets are not used).
 The measured profiles are combined by :func:`combine_lengths`: each layer's terms are made
 non-decreasing in the length (a running maximum over the lengths, shortest first, against
 timing noise; a no-op on measurements that already are), so that the planner's interpolation
-in tokens (:mod:`dapple.cost.lengths`) is monotone.
+in tokens (:mod:`dapple.cost.at_length`) is monotone.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ at ``L_k``. At another length ``L`` the time of a call on ``b`` samples is again
 
 Sizes per sample (activation bytes) follow T2 and T3 like ``s``. At a measured length every
 term is the measured one (exact). When the measured ``f_k`` and ``s_k`` do not decrease with the
-length (the profiler makes them so, :mod:`dapple.profiler.lengths`), the time and the sizes are
+length (the profiler makes them so, :mod:`dapple.profiler.length_passes`), the time and the sizes are
 non-decreasing in ``b`` and in ``L``, hence in the tokens ``b L``.
 
 A plan for a distribution of lengths uses the mean length for time (a step's time is the sum of

@@ -1,4 +1,4 @@
-"""``dapple plan``'s flags as :class:`~dapple.planner.config.PlanConfig` fields, and its
+"""``dapple plan``'s flags as :class:`~dapple.planner.plan_config.PlanConfig` fields, and its
 ``--config FILE`` / ``--print-config``.
 
 :func:`plan_flags` is the one table from the parsed flags to the config: :func:`plan_config_of`
@@ -23,7 +23,7 @@ from dapple.errors import ValidationError
 
 if TYPE_CHECKING:
     from dapple.core.planning_options import ZeroChoice
-    from dapple.planner.config import PlanConfig
+    from dapple.planner.plan_config import PlanConfig
 
 __all__ = [
     "SeqLenParser",
@@ -42,7 +42,7 @@ def parse_zero_stage(text: str) -> ZeroChoice:
         ValidationError: not one of :data:`~dapple.core.planning_options.ZERO_CHOICES`.
     """
     from dapple.core.planning_options import ZERO_CHOICES, zero_choice
-    from dapple.planner.config import choices
+    from dapple.planner.plan_config import choices
 
     zero = zero_choice(int(text) if text.strip().lstrip("-").isdigit() else text)
     if zero is None:
@@ -61,7 +61,7 @@ def parse_tensor_widths(text: str) -> str | tuple[int, ...]:
         ValidationError: neither ``auto`` nor comma-separated widths of 1, 2, 4, 8.
     """
     from dapple.core.tensor_layout import TENSOR_WIDTHS
-    from dapple.planner.config import AUTO
+    from dapple.planner.plan_config import AUTO
 
     if text.strip() == AUTO:
         return AUTO
@@ -84,7 +84,7 @@ SeqLenParser = Callable[[str], tuple[float, float]]
 
 def plan_flags(parse_seq_len: SeqLenParser) -> tuple[Flag, ...]:
     """Every flag of ``dapple plan`` but ``--config``, ``--print-config`` and ``--compare``, as
-    :class:`~dapple.planner.config.PlanConfig` fields (``--seq-len`` read by ``parse_seq_len``).
+    :class:`~dapple.planner.plan_config.PlanConfig` fields (``--seq-len`` read by ``parse_seq_len``).
     """
 
     def seq_len(text: str | None) -> tuple[float | None, float | None]:
@@ -116,7 +116,12 @@ def plan_config_of(args: argparse.Namespace, parse_seq_len: SeqLenParser) -> Pla
         ValidationError: a bad file or value, or no profile or cluster.
     """
     from dapple.core.config_file import build, values_of
-    from dapple.planner.config import PLAN_SECTIONS, PlanConfig, dump_plan_config, load_plan_config
+    from dapple.planner.plan_config import (
+        PLAN_SECTIONS,
+        PlanConfig,
+        dump_plan_config,
+        load_plan_config,
+    )
 
     over = given_values(args, plan_flags(parse_seq_len))
     if args.config is not None:
