@@ -60,7 +60,7 @@ def speed_ratio(model: str) -> float:
     h, a = (analytic_profile(model, d) for d in ("h100", "a100"))
 
     def total(p: ModelProfile) -> float:
-        return sum(x.forward.at(1) + x.backward.at(1) for x in p.layers)
+        return float(sum(x.forward.at(1) + x.backward.at(1) for x in p.layers))
 
     return total(h) / total(a)
 
@@ -103,6 +103,16 @@ def even(plan: Plan) -> Plan:
     return dataclasses.replace(
         plan, stages=tuple(dataclasses.replace(s, shares=None) for s in plan.stages)
     )
+
+
+def timed_plan(profile: ModelProfile, c: Cluster, gbs: int) -> tuple[Plan | None, float]:
+    """dapple's plan under ``--zero-stage auto`` (None where none fits) and its CPU seconds."""
+    t = time.process_time()
+    try:
+        p: Plan | None = make_plan(profile, c, gbs, zero_stage="auto")
+    except InfeasibleError:
+        p = None
+    return p, time.process_time() - t
 
 
 def describe(plan: Plan) -> str:
@@ -164,19 +174,13 @@ def per_kind_rows(
         "|---|---|---|---|---|---|",
     ]
 
-    def search(cl: Cluster) -> tuple[Plan | None, float]:
-        t = time.process_time()
-        try:
-            p: Plan | None = make_plan(profile, cl, gbs, zero_stage="auto")
-        except InfeasibleError:
-            p = None
-        return p, time.process_time() - t
-
-    best, secs = search(own)
+    best, secs = timed_plan(profile, own, gbs)
     base = schedule_latency(best, profile, own) if best is not None else float("nan")
     entries = [("dapple, per-kind profiles", best, secs)]
     entries += [(n, plans[n], 0.0) for n in ("dapple, device kinds", "slowest kind") if n in plans]
-    entries.append(("slowest kind, per-kind profiles", *search(own.slowest_kind())))
+    entries.append(
+        ("slowest kind, per-kind profiles", *timed_plan(profile, own.slowest_kind(), gbs))
+    )
     for name, plan, s in entries:
         if plan is None:
             rows.append(f"| {name} | - | infeasible | - | - | {s:.1f} |")
@@ -232,23 +236,15 @@ def compare(
             f"| {name} | {on} | {ms:,.0f} | {ratio:.2f}x | {fits} | {describe(plan)} | {secs:.1f} |"
         )
 
-    def plan_on(cl: Cluster) -> tuple[Plan | None, float]:
-        t = time.process_time()
-        try:
-            p: Plan | None = make_plan(profile, cl, gbs, zero_stage="auto")
-        except InfeasibleError:
-            p = None
-        return p, time.process_time() - t
-
-    aware, secs = plan_on(c)
+    aware, secs = timed_plan(profile, c, gbs)
     add("dapple, device kinds", "all", aware, c, secs)
-    slow, secs = plan_on(c.slowest_kind())
+    slow, secs = timed_plan(profile, c.slowest_kind(), gbs)
     add("slowest kind", "all", slow, c, secs)
     if aware is not None and any(s.shares for s in aware.stages):
         add("dapple's plan, even split", "all", even(aware), c, 0.0)
     for i, k in enumerate(c.kinds):
         sub = subset(c, i)
-        p, secs = plan_on(sub)
+        p, secs = timed_plan(profile, sub, gbs)
         add(f"{k.name} only", f"{k.servers * 8} {k.name}", p, sub, secs)
     rows.append("")
     return rows, plans

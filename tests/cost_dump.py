@@ -8,6 +8,14 @@ dump before a change, dump after, and compare - every number must be equal, bit 
     python tests/cost_dump.py --out /tmp/cost_after.json
     python tests/cost_dump.py --compare /tmp/cost_before.json /tmp/cost_after.json
 
+A full dump takes an hour on a loaded machine; ``--out-dir`` writes each model x cluster pair
+(``MODEL@CLUSTER.json``) and the extra cases (``extra.json``) as each one ends, skipping files
+already there, so it can run one pair at a time (``--pairs bert48/paper-a --no-extra``) and
+resume. ``--compare`` takes two such folders as well and compares the files both hold:
+
+    python tests/cost_dump.py --out-dir /tmp/before --pairs vgg19/paper-b
+    python tests/cost_dump.py --compare /tmp/before /tmp/after
+
 For each paper profile (``paper:NAME``) and cluster (``paper-a``, ``paper-b``, ``paper-c``,
 ``h100-8x``) and every planner of :data:`dapple.planner.PLANNERS`: the plan (``to_dict``), the
 scorer's answer for its stages (the plan it builds), :func:`pipeline_latency` (every field),
@@ -24,6 +32,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import re
 import sys
 import time
 from pathlib import Path
@@ -118,38 +127,41 @@ def _choices(choices: list[Any], profile: ModelProfile, cluster: Cluster) -> lis
     return out
 
 
-def dump_paper(models: list[str], clusters: list[str], best: bool) -> dict[str, Any]:
+def dump_pair(model: str, cname: str, best: bool) -> dict[str, Any]:
+    """Every planner's plan and numbers for one paper profile on one cluster preset."""
+    profile = load_profile(f"paper:{model}")
+    gbs = PAPER_GLOBAL_BATCH[model]
+    cluster = PRESETS[cname]
+    entry: dict[str, Any] = {}
+    for planner in PLANNERS:
+        try:
+            plan = make_plan(profile, cluster, gbs, planner)
+        except DappleError as e:
+            entry[planner] = _err(e)
+            continue
+        row = _costs(plan, profile, cluster, events=True)
+        row["best_per_schedule"] = _choices(
+            best_per_schedule([plan], profile, cluster), profile, cluster
+        )
+        if best and planner == "dapple":
+            try:
+                chosen, every = best_schedule(plan, profile, cluster)
+                row["best_schedule"] = {
+                    "chosen": chosen.label,
+                    "choices": _choices(every, profile, cluster),
+                }
+            except DappleError as e:
+                row["best_schedule"] = _err(e)
+        entry[planner] = row
+    return entry
+
+
+def dump_paper(pairs: list[tuple[str, str]], best: bool) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for model in models:
-        profile = load_profile(f"paper:{model}")
-        gbs = PAPER_GLOBAL_BATCH[model]
-        for cname in clusters:
-            cluster = PRESETS[cname]
-            key = f"{model}/{cname}"
-            t0 = time.perf_counter()
-            entry: dict[str, Any] = {}
-            for planner in PLANNERS:
-                try:
-                    plan = make_plan(profile, cluster, gbs, planner)
-                except DappleError as e:
-                    entry[planner] = _err(e)
-                    continue
-                row = _costs(plan, profile, cluster, events=True)
-                row["best_per_schedule"] = _choices(
-                    best_per_schedule([plan], profile, cluster), profile, cluster
-                )
-                if best and planner == "dapple":
-                    try:
-                        chosen, every = best_schedule(plan, profile, cluster)
-                        row["best_schedule"] = {
-                            "chosen": chosen.label,
-                            "choices": _choices(every, profile, cluster),
-                        }
-                    except DappleError as e:
-                        row["best_schedule"] = _err(e)
-                entry[planner] = row
-            out[key] = entry
-            print(f"{key}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+    for model, cname in pairs:
+        t0 = time.perf_counter()
+        out[f"{model}/{cname}"] = dump_pair(model, cname, best)
+        print(f"{model}/{cname}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     return out
 
 
@@ -271,41 +283,116 @@ def _walk(a: Any, b: Any, path: str, stats: dict[str, int], diffs: list[str]) ->
             diffs.append(f"{path}: {a!r} != {b!r}")
 
 
-def compare(before: Path, after: Path) -> int:
-    a = json.loads(before.read_text())
-    b = json.loads(after.read_text())
+def _kind(path: str) -> str:
+    """A difference's path without list indices: the field it is, for counting by kind."""
+    return re.sub(r"\[\d+\]", "[]", path)
+
+
+def _compare_trees(a: Any, b: Any, name: str) -> tuple[dict[str, int], list[str]]:
     stats = {"numbers": 0, "equal": 0, "other": 0}
     diffs: list[str] = []
-    _walk(a, b, "", stats, diffs)
+    _walk(a, b, name, stats, diffs)
+    return stats, diffs
+
+
+def _load_pairs(folder: Path) -> dict[str, Any]:
+    return {f.stem: json.loads(f.read_text()) for f in sorted(folder.glob("*.json"))}
+
+
+def compare(before: Path, after: Path, limit: int = 50) -> int:
+    """Compare two dumps (files, or ``--out-dir`` folders file by file); 1 if any differ."""
+    if before.is_dir() and after.is_dir():
+        a, b = _load_pairs(before), _load_pairs(after)
+        for name in sorted(set(a) ^ set(b)):
+            print(f"{name}: only in {'after' if name in b else 'before'} (not compared)")
+        common = sorted(set(a) & set(b))
+        a = {k: a[k] for k in common}
+        b = {k: b[k] for k in common}
+    else:
+        a, b = json.loads(before.read_text()), json.loads(after.read_text())
+    stats, diffs = _compare_trees(a, b, "")
     print(
         f"{stats['numbers']} numbers compared, {stats['equal']} equal; "
         f"{stats['other']} other values; {len(diffs)} differences"
     )
-    for d in diffs[:50]:
+    kinds: dict[str, int] = {}
+    for d in diffs:
+        k = _kind(d.split(": ", 1)[0])
+        kinds[k] = kinds.get(k, 0) + 1
+    for k, n in sorted(kinds.items()):
+        print(f"  {n:6d}  {k}")
+    for d in diffs[:limit]:
         print("  " + d)
     return 0 if not diffs else 1
+
+
+def _pairs(args: argparse.Namespace) -> list[tuple[str, str]]:
+    if args.pairs is None:
+        return [(m, c) for m in args.models for c in args.clusters]
+    out = []
+    for p in args.pairs:
+        model, _, cname = p.partition("/")
+        if model not in PAPER_MODELS or cname not in CLUSTERS:
+            raise SystemExit(
+                f"--pairs {p!r}: want MODEL/CLUSTER with MODEL in {', '.join(PAPER_MODELS)} "
+                f"and CLUSTER in {', '.join(CLUSTERS)}"
+            )
+        out.append((model, cname))
+    return out
+
+
+def _write(path: Path, data: Any) -> None:
+    tmp = path.with_suffix(".part")
+    tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+    tmp.replace(path)
+
+
+def dump_to_dir(folder: Path, pairs: list[tuple[str, str]], best: bool, extra: bool) -> None:
+    """Write each pair, then the extra cases, to its own file as it ends; skip files present."""
+    folder.mkdir(parents=True, exist_ok=True)
+    jobs: list[tuple[str, Any]] = [
+        (f"{m}@{c}", lambda m=m, c=c: dump_pair(m, c, best)) for m, c in pairs
+    ]
+    if extra:
+        jobs.append(("extra", dump_extra))
+    for name, job in jobs:
+        path = folder / f"{name}.json"
+        if path.exists():
+            print(f"{name}: {path} exists, skipped", file=sys.stderr, flush=True)
+            continue
+        t0 = time.perf_counter()
+        _write(path, job())
+        print(f"{name}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--out-dir", type=Path, help="one JSON file per pair, written as each ends")
     ap.add_argument("--compare", nargs=2, type=Path, metavar=("BEFORE", "AFTER"))
+    ap.add_argument("--limit", type=int, default=50, help="differences printed by --compare")
     ap.add_argument("--models", nargs="*", default=list(PAPER_MODELS))
     ap.add_argument("--clusters", nargs="*", default=list(CLUSTERS))
+    ap.add_argument("--pairs", nargs="*", metavar="MODEL/CLUSTER", help="instead of the grid")
+    ap.add_argument("--no-extra", action="store_true", help="skip the extra cases")
     ap.add_argument("--no-best", action="store_true", help="skip best_schedule (slow)")
     args = ap.parse_args(argv)
     if args.compare:
-        return compare(*args.compare)
+        before, after = args.compare
+        return compare(before, after, limit=args.limit)
+    pairs = _pairs(args)
     t0 = time.perf_counter()
-    data = {
-        "paper": dump_paper(args.models, args.clusters, not args.no_best),
-        "extra": dump_extra(),
-    }
-    text = json.dumps(data, indent=1, sort_keys=True)
-    if args.out:
-        args.out.write_text(text)
+    if args.out_dir:
+        dump_to_dir(args.out_dir, pairs, not args.no_best, not args.no_extra)
     else:
-        print(text)
+        data: dict[str, Any] = {"paper": dump_paper(pairs, not args.no_best)}
+        if not args.no_extra:
+            data["extra"] = dump_extra()
+        text = json.dumps(data, indent=1, sort_keys=True)
+        if args.out:
+            args.out.write_text(text)
+        else:
+            print(text)
     print(f"done in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     return 0
 
