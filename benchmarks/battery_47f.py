@@ -93,7 +93,7 @@ def _cases(w: Path) -> list[tuple[str, str, list[str]]]:
         ("plan", "--global-batch-size", ["plan", *b48]),
         ("plan", "--virtual-stages", ["plan", *b48, "--schedule", "interleaved"]),
         ("plan", "--zero-stage", ["plan", *b48]),
-        ("plan", "--seq-len", ["plan", *moe, "--cluster", "h100-8x", "--global-batch-size", "8"]),
+        ("plan", "--mean-seq-len", ["plan", *moe, "--cluster", "h100-8x", "--global-batch-size", "8"]),
         ("plan", "--tensor-widths", ["plan", *moe, "--cluster", "h100-8x",
                                      "--global-batch-size", "8"]),
         ("simulate", "--servers", sim),

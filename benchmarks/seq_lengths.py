@@ -130,11 +130,11 @@ def _plans(prof: ModelProfile, lens: list[int]) -> list[str]:
     out = [
         f"## Plans on `local-cpu` ({cluster.num_devices} devices), global batch {gbs}",
         "",
-        "| --seq-len | plan | predicted L ms | peak stage memory MiB |",
+        "| --mean-seq-len | plan | predicted L ms | peak stage memory MiB |",
         "|---|---|---:|---:|",
     ]
     for mean, top in [(lens[0], lens[0]), (mid, mid), (lens[-1], lens[-1]), (mid, lens[-1])]:
-        plan = make_plan(prof, cluster, gbs, seq_len=mean, max_seq_len=top)
+        plan = make_plan(prof, cluster, gbs, mean_seq_len=mean, max_seq_len=top)
         r = pipeline_latency(plan, prof, cluster)
         peak = max(s.memory_bytes for s in r.stages) / 2**20
         out.append(f"| {mean},{top} | {plan.replication} M={plan.num_micro_batches} | "

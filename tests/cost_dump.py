@@ -246,7 +246,9 @@ def dump_extra() -> dict[str, Any]:
         for seq in ((None, None), (320.0, 1024.0), (700.0, 900.0)):
             key = f"lengths/{planner}/{seq[0]}"
             try:
-                plan = make_plan(lm, lm_cluster, 16, planner, seq_len=seq[0], max_seq_len=seq[1])
+                plan = make_plan(
+                    lm, lm_cluster, 16, planner, mean_seq_len=seq[0], max_seq_len=seq[1]
+                )
             except DappleError as e:
                 out[key] = _err(e)
                 continue

@@ -310,14 +310,22 @@ def test_schedule_and_policy_override_the_plan(
 
 
 def test_seq_len_and_compare_have_one_meaning_in_every_command() -> None:
-    """``--seq-len`` is tokens per sample wherever it is taken (``demo``'s tokens are bytes;
-    ``plan`` also takes MEAN,MAX); ``--compare`` is ``plan``'s alone (every planner side by
-    side): ``simulate``'s old ``--compare`` is hidden and refused (``--other-schedule``)."""
+    """``--seq-len`` is tokens per sample wherever it is taken (``demo``'s tokens are bytes);
+    ``plan``'s mean length is ``--mean-seq-len`` (its old ``--seq-len`` is hidden and refused);
+    ``--compare`` is ``plan``'s alone (every planner side by side): ``simulate``'s old
+    ``--compare`` is hidden and refused (``--other-schedule``)."""
     commands = {name: _options(p) for name, p in _commands().items()}
-    seq = {name: opts["--seq-len"] for name, opts in commands.items() if "--seq-len" in opts}
-    assert set(seq) == {"plan", "train", "verify", "demo"}
+    seq = {
+        name: opts["--seq-len"]
+        for name, opts in commands.items()
+        if "--seq-len" in opts and opts["--seq-len"].help != argparse.SUPPRESS
+    }
+    assert set(seq) == {"train", "verify", "demo"}
     for name, action in seq.items():
         assert (action.help or "").startswith("tokens per sample"), (name, action.help)
+    assert commands["plan"]["--seq-len"].help == argparse.SUPPRESS
+    assert (commands["plan"]["--mean-seq-len"].help or "").startswith("mean tokens per sample")
+    assert {n for n, opts in commands.items() if "--mean-seq-len" in opts} == {"plan"}
     compare = {
         name
         for name, opts in commands.items()
@@ -325,3 +333,15 @@ def test_seq_len_and_compare_have_one_meaning_in_every_command() -> None:
     }
     assert compare == {"plan"}
     assert "--other-schedule" in commands["simulate"]
+
+
+@pytest.mark.parametrize("value", ["128", "300,1024"])
+def test_plan_refuses_the_old_seq_len_naming_mean_seq_len(
+    value: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["plan", "--profile", "missing.json", "--cluster", "paper-a", "--seq-len", value]
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err == "dapple: error: --seq-len is spelled --mean-seq-len now (same meaning)\n"

@@ -287,7 +287,7 @@ def test_resolve_eval_and_keep_as_the_cli_always_did() -> None:
 # -- dapple plan --config -------------------------------------------------------------------------
 PLAN_VALUES = {
     "profile": "paper:bert48", "cluster": "paper-a", "servers": 2, "global_batch_size": 64,
-    "planner": "straight", "seq_len": 300.5, "max_seq_len": 512.0, "schedule": "interleaved",
+    "planner": "straight", "mean_seq_len": 300.5, "max_seq_len": 512.0, "schedule": "interleaved",
     "virtual_stages": 2, "zero_stage": "auto", "tensor_widths": (1, 2), "interleave": True,
     "output": "plan.json",
 }  # fmt: skip
@@ -307,11 +307,11 @@ def test_a_planning_section_reaches_every_field(
     assert printed == dump_plan_config(cfg)
     (tmp_path / "again.toml").write_text(printed)
     assert load_plan_config(tmp_path / "again.toml") == cfg
-    assert main(["plan", "--config", str(path), "--seq-len", "128", "--zero-stage", "3",
+    assert main(["plan", "--config", str(path), "--mean-seq-len", "128", "--zero-stage", "3",
                  "--tensor-widths", "4,1", "--print-config"]) == 0  # fmt: skip
     (tmp_path / "over.toml").write_text(capsys.readouterr().out)
     over = load_plan_config(tmp_path / "over.toml")
-    assert (over.seq_len, over.max_seq_len, over.zero_stage) == (128.0, 128.0, 3)
+    assert (over.mean_seq_len, over.max_seq_len, over.zero_stage) == (128.0, 128.0, 3)
     assert over.tensor_widths == (1, 4)
     assert main(["plan", "--config", str(path), "--tensor-widths", "auto", "--print-config"]) == 0
     assert 'tensor_widths = "auto"' in capsys.readouterr().out  # the flag won over the file
@@ -338,7 +338,8 @@ def test_a_planning_section_reaches_every_field(
             "[planning] tensor_widths = 2: expected str or an array of int",
         ),
         ('[planning]\nplaner = "dp"\n', "did you mean planner?"),
-        ("[planning]\nmax_seq_len = 64.0\n", "max_seq_len=64 needs seq_len"),
+        ("[planning]\nmax_seq_len = 64.0\n", "max_seq_len=64 needs mean_seq_len"),
+        ("[planning]\nseq_len = 64.0\n", "[planning] seq_len is spelled mean_seq_len now"),
     ],
 )
 def test_a_bad_planning_section_is_named(

@@ -17,7 +17,7 @@ import pytest
 from builders import link_cluster, llm_layer, make_profile
 from dapple.core.cluster import Cluster
 from dapple.core.cluster_presets import PRESETS
-from dapple.core.plan import Plan
+from dapple.core.plan import Plan, straight_plan
 from dapple.core.planning_options import PlanningOptions
 from dapple.core.profile import LengthProfile, ModelProfile
 from dapple.errors import ValidationError
@@ -58,13 +58,13 @@ def _llm_at_lengths(lens: tuple[int, ...] = (256, 1024), blocks: int = 6) -> Mod
 def test_a_zero3_interleaved_length_aware_plan_is_replanned_with_its_own_options() -> None:
     prof = _llm_at_lengths()
     cluster = link_cluster("elastic-options", 1, 8, 12.0)
-    opts = {"zero_stage": 3, "interleaved": True, "tensor_widths": [1, 2, 4], "seq_len": 512,
+    opts = {"zero_stage": 3, "interleave": True, "tensor_widths": [1, 2, 4], "mean_seq_len": 512,
             "max_seq_len": 1024}  # fmt: skip
     first = make_plan(prof, cluster, 8, **opts)  # type: ignore[arg-type]
     assert first.planned_with == PlanningOptions(
-        zero_stage=3, tensor_widths=(1, 2, 4), interleaved=True
+        zero_stage=3, tensor_widths=(1, 2, 4), interleave=True
     )
-    assert (first.seq_len, first.max_seq_len) == (512, 1024)
+    assert (first.mean_seq_len, first.max_seq_len) == (512, 1024)
     # the options survive the plan file
     again = Plan.from_dict(first.to_dict())
     assert again.planned_with == first.planned_with
@@ -73,11 +73,11 @@ def test_a_zero3_interleaved_length_aware_plan_is_replanned_with_its_own_options
     policy = ElasticPolicy(prof, cluster, zero_stage=0)
     new = replan(policy, 7, again)
     left = cluster_of(cluster, 7)  # 7 devices on the server: widths 2 and 4 no longer divide it
-    want = make_plan(prof, left, 8, zero_stage=3, interleaved=True, tensor_widths=[1],
-                     seq_len=512, max_seq_len=1024)  # fmt: skip
+    want = make_plan(prof, left, 8, zero_stage=3, interleave=True, tensor_widths=[1],
+                     mean_seq_len=512, max_seq_len=1024)  # fmt: skip
     assert new == want and new.predicted_step_ms == want.predicted_step_ms
-    assert (new.seq_len, new.max_seq_len) == (512, 1024)
-    assert new.planned_with == PlanningOptions(zero_stage=3, tensor_widths=(1,), interleaved=True)
+    assert (new.mean_seq_len, new.max_seq_len) == (512, 1024)
+    assert new.planned_with == PlanningOptions(zero_stage=3, tensor_widths=(1,), interleave=True)
 
     # on 4 devices (widths 2 and 4 divide them) the recorded widths are searched as they were
     four = replan(policy, 4, again)
@@ -119,6 +119,32 @@ def test_an_earlier_plan_file_with_zero_stage_minus_one_reads_and_replans_as_aut
     assert new == want and new.predicted_step_ms == want.predicted_step_ms
     assert new.planned_with == PlanningOptions(zero_stage="auto")
     assert new != make_plan(prof, left, 64, zero_stage=0)
+
+
+def test_an_earlier_plan_file_with_interleaved_and_seq_len_reads_as_interleave_and_mean_seq_len(
+    tmp_path: Path,
+) -> None:
+    """Plan files of earlier versions record ``planned_with.interleave`` as ``interleaved``
+    and the mean length ``mean_seq_len`` as ``seq_len``; this version writes the new keys."""
+    plan = dataclasses.replace(
+        straight_plan(4, [0, 2], global_batch_size=8, num_micro_batches=2),
+        mean_seq_len=300.0,
+        max_seq_len=1024.0,
+        planned_with=PlanningOptions(zero_stage=3, interleave=True),
+    )
+    new = plan.to_dict()
+    assert new["planned_with"]["interleave"] is True and new["mean_seq_len"] == 300.0
+    assert "interleaved" not in new["planned_with"] and "seq_len" not in new
+    old = json.loads(json.dumps(new))
+    old["planned_with"]["interleaved"] = old["planned_with"].pop("interleave")
+    old["seq_len"] = old.pop("mean_seq_len")
+    path = tmp_path / "old-plan.json"
+    path.write_text(json.dumps(old))
+    loaded = Plan.load(path)
+    assert loaded == plan and loaded.planned_with == plan.planned_with
+    assert (loaded.mean_seq_len, loaded.max_seq_len) == (300.0, 1024.0)
+    with pytest.raises(TypeError, match=r"make_plan\(\) takes interleave= now, not interleaved="):
+        make_plan(_llm_at_lengths(), link_cluster("x", 1, 2, 12.0), 8, interleaved=True)
 
 
 def test_recorded_options_are_checked() -> None:

@@ -56,7 +56,7 @@ def _argv(files: tuple[str, str], *more: str) -> list[str]:
 def test_the_switch_makes_the_plan_interleaved_and_the_default_does_not() -> None:
     prof, cluster = _llm(), _cluster()
     flat = make_plan(prof, cluster, B)
-    plan = make_plan(prof, cluster, B, interleaved=True)
+    plan = make_plan(prof, cluster, B, interleave=True)
     assert flat.schedule == "dapple" and flat.virtual_stages == 1
     assert plan.schedule == "interleaved" and plan.virtual_stages == 2
     assert plan.predicted_step_ms < flat.predicted_step_ms
@@ -72,7 +72,7 @@ def test_cli_prints_and_saves_the_interleaved_plan(
     printed = capsys.readouterr().out
     plan = Plan.load(out)
     assert plan.schedule == "interleaved" and plan.virtual_stages == 2 and plan.planner == "dapple"
-    assert plan == make_plan(_llm(), _cluster(), B, interleaved=True)
+    assert plan == make_plan(_llm(), _cluster(), B, interleave=True)
     step_ms = schedule_latency(plan, _llm(), _cluster())
     assert f"predicted step L = {step_ms:.2f} ms (the interleaved 1F1B (v=2) step rule)" in printed
     assert f"on P = {plan.num_groups} device groups (v = 2)" in printed
@@ -135,7 +135,7 @@ def test_api_refuses_what_the_cli_refuses(tmp_path: Path) -> None:
         api.plan(prof, cluster, B, planner="gpipe", interleave=True)
     shared = dataclasses.replace(cluster, compute_cores_per_server=8)
     with pytest.raises(ValidationError, match="has host terms"):
-        make_plan(prof, shared, B, interleaved=True)
+        make_plan(prof, shared, B, interleave=True)
     with pytest.raises(ValidationError, match="interleave must be true or false, got 'yes'"):
         PlanConfig(interleave="yes")  # type: ignore[arg-type]
     (tmp_path / "bad.toml").write_text('[planning]\ninterleave = "yes"\n')
@@ -188,14 +188,14 @@ def test_compare_plans_the_dapple_row_interleaved(
     printed = capsys.readouterr().out
     dapple_row = next(line for line in printed.splitlines() if "│ dapple " in line)
     assert "interleaved/A" in dapple_row
-    assert Plan.load(out) == make_plan(_llm(), _cluster(), B, interleaved=True)
+    assert Plan.load(out) == make_plan(_llm(), _cluster(), B, interleave=True)
 
 
 def test_schedule_stage_table_rows_are_the_schedule_terms() -> None:
     """One row per virtual stage, its device group k mod P, the group's replayed memory; L's
     table refuses the interleaved plan, which is why the step-rule table exists."""
     prof, cluster = _llm(), _cluster()
-    plan = make_plan(prof, cluster, B, interleaved=True)
+    plan = make_plan(prof, cluster, B, interleave=True)
     table = schedule_stage_table(plan, prof, cluster)
     cols = {c.header: list(c.cells) for c in table.columns}
     P = plan.num_groups

@@ -201,8 +201,9 @@ def test_interleave_places_chunks_round_robin():
     assert plan.stages_of_device(1) == (0, 2) and plan.stages_of_device(2) == (1, 3)
     assert plan.devices == (0, 1, 2) and plan.replication == "2:1"
     assert Plan.from_dict(plan.to_dict()) == plan
-    sized = interleave(dataclasses.replace(_plan([2, 1], 4, 4, 4), seq_len=96, max_seq_len=128), 2)
-    assert (sized.seq_len, sized.max_seq_len) == (96, 128)
+    plan = dataclasses.replace(_plan([2, 1], 4, 4, 4), mean_seq_len=96, max_seq_len=128)
+    sized = interleave(plan, 2)
+    assert (sized.mean_seq_len, sized.max_seq_len) == (96, 128)
 
 
 def test_lowered_interleaved_2_to_1_golden():

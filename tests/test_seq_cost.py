@@ -167,38 +167,60 @@ def test_profile_and_plan_lengths_round_trip_and_old_files_load(tmp_path: Path) 
     with pytest.raises(ValidationError, match=r"by_length must have distinct lengths"):
         dataclasses.replace(p, by_length=p.by_length[::-1])
     plan = straight_plan(4, [0, 2], global_batch_size=8, num_micro_batches=2)
-    assert "seq_len" not in plan.to_dict() and Plan.from_dict(plan.to_dict()) == plan
-    sized = dataclasses.replace(plan, seq_len=300.0, max_seq_len=1024.0)
+    assert "mean_seq_len" not in plan.to_dict() and Plan.from_dict(plan.to_dict()) == plan
+    sized = dataclasses.replace(plan, mean_seq_len=300.0, max_seq_len=1024.0)
     path = tmp_path / "plan.json"
     sized.save(path)
     assert Plan.load(path) == sized
-    with pytest.raises(ValidationError, match=r"seq_len 2000.0 exceeds max_seq_len 1024"):
-        dataclasses.replace(sized, seq_len=2000.0)
+    saved = json.loads(path.read_text())
+    assert (saved["mean_seq_len"], saved["max_seq_len"]) == (300.0, 1024.0)
+    assert "seq_len" not in saved
+    # a file of an earlier version records the mean as seq_len
+    saved["seq_len"] = saved.pop("mean_seq_len")
+    assert Plan.from_dict(saved) == sized
+    with pytest.raises(ValidationError, match=r"mean_seq_len 2000.0 exceeds max_seq_len 1024"):
+        dataclasses.replace(sized, mean_seq_len=2000.0)
 
 
 def test_a_plan_for_512_predicts_more_time_and_memory_than_one_for_128() -> None:
     prof, cluster = lengths_profile(), make_cluster(per_server=2)
-    p128 = make_plan(prof, cluster, 8, seq_len=128)
-    p512 = make_plan(prof, cluster, 8, seq_len=512)
-    assert (p128.seq_len, p128.max_seq_len, p512.seq_len, p512.max_seq_len) == (128, 128, 512, 512)
+    p128 = make_plan(prof, cluster, 8, mean_seq_len=128)
+    p512 = make_plan(prof, cluster, 8, mean_seq_len=512)
+    lengths = (p128.mean_seq_len, p128.max_seq_len, p512.mean_seq_len, p512.max_seq_len)
+    assert lengths == (128, 128, 512, 512)
     assert p512.predicted_step_ms > p128.predicted_step_ms
     # the same stages at each length: costed at the plan's lengths
     fixed = straight_plan(4, [0, 2], global_batch_size=8, num_micro_batches=4)
 
     def cost(mean: float, top: float) -> tuple[float, list[float]]:
-        r = pipeline_latency(dataclasses.replace(fixed, seq_len=mean, max_seq_len=top), prof,
+        r = pipeline_latency(dataclasses.replace(fixed, mean_seq_len=mean, max_seq_len=top), prof,
                              cluster)  # fmt: skip
         return r.L_ms, [s.memory_bytes for s in r.stages if s.kind == "compute"]
 
     (t128, m128), (t512, m512), (tmix, mmix) = cost(128, 128), cost(512, 512), cost(128, 512)
     assert t512 > 3 * t128 and all(b > a for a, b in zip(m128, m512, strict=True))
     assert tmix == pytest.approx(t128) and mmix == pytest.approx(m512)  # mean: time; max: memory
-    sim = simulate(dataclasses.replace(fixed, seq_len=128, max_seq_len=512), prof, cluster)
-    assert sim.step_ms == pytest.approx(simulate(dataclasses.replace(fixed, seq_len=128,
+    sim = simulate(dataclasses.replace(fixed, mean_seq_len=128, max_seq_len=512), prof, cluster)
+    assert sim.step_ms == pytest.approx(simulate(dataclasses.replace(fixed, mean_seq_len=128,
                                         max_seq_len=128), prof, cluster).step_ms)  # fmt: skip
     assert sim.peak_memory_bytes == pytest.approx(
-        simulate(dataclasses.replace(fixed, seq_len=512, max_seq_len=512), prof,
+        simulate(dataclasses.replace(fixed, mean_seq_len=512, max_seq_len=512), prof,
                  cluster).peak_memory_bytes)  # fmt: skip
+
+
+def test_the_old_seq_len_keyword_of_the_planner_is_refused_naming_mean_seq_len() -> None:
+    """``seq_len`` is tokens per sample (``dapple train``'s); the planner's mean length is
+    ``mean_seq_len`` in ``make_plan`` and ``api.plan`` alike."""
+    from dapple import api
+
+    prof, cluster = lengths_profile(), make_cluster(per_server=2)
+    with pytest.raises(TypeError, match=r"^make_plan\(\) takes mean_seq_len= now, not seq_len="):
+        make_plan(prof, cluster, 8, seq_len=128)
+    with pytest.raises(TypeError, match=r"^plan\(\) takes mean_seq_len= now, not seq_len="):
+        api.plan(prof, cluster, 8, seq_len=128)
+    assert api.plan(prof, cluster, 8, mean_seq_len=128) == make_plan(
+        prof, cluster, 8, mean_seq_len=128
+    )
 
 
 def test_memory_at_the_maximum_decides_what_fits() -> None:
@@ -209,8 +231,8 @@ def test_memory_at_the_maximum_decides_what_fits() -> None:
     kept_1024 = 4 * 2048.0 * 1024 * 8  # all layers, 8 samples
     cluster = dataclasses.replace(make_cluster(per_server=1),
                                   device_memory_bytes=int(state + kept_1024 / 2))  # fmt: skip
-    short = make_plan(prof, cluster, 8, seq_len=128)
-    mixed = make_plan(prof, cluster, 8, seq_len=128, max_seq_len=1024)
+    short = make_plan(prof, cluster, 8, mean_seq_len=128)
+    mixed = make_plan(prof, cluster, 8, mean_seq_len=128, max_seq_len=1024)
     assert short.predicted_step_ms < mixed.predicted_step_ms
     assert short.num_micro_batches == 1 and not any(s.recompute for s in short.stages)
     assert any(s.recompute for s in mixed.stages) or mixed.num_micro_batches > 1

@@ -65,7 +65,7 @@ def test_profile_at_three_lengths_stores_each_and_plans_at_the_longest_by_defaul
     plan, cluster = straight_plan(4, [0, 2], global_batch_size=4, num_micro_batches=2), _two()
 
     def cost(mean: int, top: int) -> tuple[float, float]:
-        sized = dataclasses.replace(plan, seq_len=mean, max_seq_len=top)
+        sized = dataclasses.replace(plan, mean_seq_len=mean, max_seq_len=top)
         r = pipeline_latency(sized, prof, cluster)
         return r.L_ms, max(s.memory_bytes for s in r.stages)
 
@@ -95,15 +95,15 @@ def test_cli_profile_and_plan_flags(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert "whole model by length" in capsys.readouterr().out
     plan = tmp_path / "plan.json"
     base = ["plan", "--profile", str(prof), "--cluster", "local-cpu", "--global-batch-size", "4"]
-    assert main([*base, "--seq-len", "12,16", "-o", str(plan)]) == 0
+    assert main([*base, "--mean-seq-len", "12,16", "-o", str(plan)]) == 0
     assert "12 tokens on average (step time) and at most 16 (memory)" in capsys.readouterr().out
     saved = json.loads(plan.read_text())
-    assert (saved["seq_len"], saved["max_seq_len"]) == (12, 16)
+    assert (saved["mean_seq_len"], saved["max_seq_len"]) == (12, 16)
     for bad, msg in [("16,8", "the mean 16 exceeds the maximum 8"),
-                     ("a", "--seq-len must be MEAN or MEAN,MAX with lengths > 0, got 'a'")]:  # fmt: skip
-        assert main([*base, "--seq-len", bad]) == 2
+                     ("a", "--mean-seq-len must be MEAN or MEAN,MAX with lengths > 0, got 'a'")]:  # fmt: skip
+        assert main([*base, "--mean-seq-len", bad]) == 2
         err = capsys.readouterr().err
-        assert err.count("\n") == 1 and err.startswith(f"dapple: error: --seq-len {bad}"[:22])
+        assert err.count("\n") == 1 and err.startswith("dapple: error: --mean-seq-len ")
         assert msg in err
     assert main([*argv[:-2], "--seq-lens", "8,x", "-o", str(prof)]) == 2
     assert "--seq-lens must be comma-separated integers" in capsys.readouterr().err
@@ -115,8 +115,8 @@ def test_a_plan_made_for_one_length_runs_unchanged_on_other_lengths() -> None:
     it on batches of 8, 16 and 32 tokens in turn (two processes) and matches one process."""
     wl = _lm()
     prof = api.profile(wl, [2], "cpu", seq_lens=[8, 32], repeats=1, warmup=0)
-    plan = api.plan(prof, _two(), 4, "straight", seq_len=16, max_seq_len=32)
-    assert (plan.replication, plan.seq_len, plan.max_seq_len) == ("1:1", 16, 32)
+    plan = api.plan(prof, _two(), 4, "straight", mean_seq_len=16, max_seq_len=32)
+    assert (plan.replication, plan.mean_seq_len, plan.max_seq_len) == ("1:1", 16, 32)
     rep = api.verify(plan, wl, steps=3, device="cpu")
     assert rep.ok, rep.max_abs_diff
     assert rep.losses == pytest.approx(rep.reference_losses, rel=1e-5)

@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
-__all__ = ["DappleError", "InfeasibleError", "ValidationError", "one_line"]
+import functools
+from collections.abc import Callable
+from typing import ParamSpec, TypeVar
+
+__all__ = ["DappleError", "InfeasibleError", "ValidationError", "one_line", "renamed_keywords"]
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
 
 
 class DappleError(Exception):
@@ -21,3 +28,22 @@ def one_line(e: BaseException) -> str:
     """Another library's error message on one line (its lines and runs of spaces joined by
     single spaces), to quote inside a ``dapple: error:`` line."""
     return " ".join(str(e).split())
+
+
+def renamed_keywords(**new_of: str) -> Callable[[Callable[_P, _R]], Callable[_P, _R]]:
+    """A decorator refusing a function's old keyword spellings (``old=new`` pairs) with a
+    :class:`TypeError` that names the keyword it is now, before the function runs."""
+
+    def wrap(fn: Callable[_P, _R]) -> Callable[_P, _R]:
+        @functools.wraps(fn)
+        def call(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+            old = [k for k in kwargs if k in new_of]
+            if old:
+                raise TypeError(
+                    f"{fn.__name__}() takes {new_of[old[0]]}= now, not {old[0]}= (same meaning)"
+                )
+            return fn(*args, **kwargs)
+
+        return call
+
+    return wrap

@@ -128,8 +128,8 @@ def plan_inputs(
             f"a plan needs a profile and a cluster, got profile={profile!r} and cluster={cluster!r}"
         )
     prof, cl = with_profile_set(profile, as_cluster(cluster, cfg.servers))
-    if cfg.seq_len is not None:
-        prof = profile_for_lengths(prof, cfg.seq_len, cfg.max_seq_len)
+    if cfg.mean_seq_len is not None:
+        prof = profile_for_lengths(prof, cfg.mean_seq_len, cfg.max_seq_len)
     if cli and cfg.global_batch_size is None and _paper_batch(profile) is None:
         raise ValidationError("--global-batch-size is required for a profile file")
     return PlanInputs(prof, cl, global_batch_of(profile, cfg.global_batch_size))

@@ -21,7 +21,7 @@ from dapple.core.cluster import Cluster
 from dapple.core.plan import Plan
 from dapple.core.planning_options import ZeroChoice
 from dapple.core.profile import ModelProfile
-from dapple.errors import ValidationError
+from dapple.errors import ValidationError, renamed_keywords
 from dapple.schedule.registry import check_virtual_stages
 
 if TYPE_CHECKING:
@@ -46,12 +46,13 @@ def plan(
     output: str | Path | None = None,
     schedule: str | None = None,
     virtual_stages: int = 1,
-    seq_len: float | None = None,
+    mean_seq_len: float | None = None,
     max_seq_len: float | None = None,
     zero_stage: ZeroChoice = 0,
     tensor_widths: str | Sequence[int] = "auto",
     interleave: bool = False,
 ) -> Plan: ...
+@renamed_keywords(seq_len="mean_seq_len")
 def plan(
     profile: PlanConfig | ModelProfile | str | Path,
     cluster: Cluster | str | None = None,
@@ -62,7 +63,7 @@ def plan(
     output: str | Path | None = None,
     schedule: str | None = None,
     virtual_stages: int = 1,
-    seq_len: float | None = None,
+    mean_seq_len: float | None = None,
     max_seq_len: float | None = None,
     zero_stage: ZeroChoice = 0,
     tensor_widths: str | Sequence[int] = "auto",
@@ -93,9 +94,11 @@ def plan(
             simulated plan over every schedule and M that fits the memory
             (:func:`dapple.planner.schedule_choice.best_schedule`).
         virtual_stages: v, model chunks per device group with ``schedule="interleaved"``.
-        seq_len: Mean tokens per sample to plan the step time for, from a profile measured at
-            several lengths (``profile(seq_lens=...)``; ``dapple plan --seq-len MEAN,MAX``).
-        max_seq_len: Longest sample, which the memory is planned for (default ``seq_len``).
+        mean_seq_len: Mean tokens per sample to plan the step time for, from a profile
+            measured at several lengths (``profile(seq_lens=...)``; ``dapple plan
+            --mean-seq-len MEAN,MAX``).
+        max_seq_len: Longest sample in tokens, which the memory is planned for (default
+            ``mean_seq_len``).
         zero_stage: 1: replicated stages shard their optimizer state (ZeRO-1); 2: their
             gradients too (ZeRO-2); 3: their parameters too (ZeRO-3, gathered once per step or
             per micro-batch); ``"auto"``: per stage, where memory asks for it (dapple planner
@@ -134,7 +137,7 @@ def plan(
     widths = tensor_widths if isinstance(tensor_widths, str) else tuple(tensor_widths)
     cfg = PlanConfig(
         profile=_name(profile), cluster=_name(cluster), servers=servers,
-        global_batch_size=global_batch_size, planner=planner, seq_len=seq_len,
+        global_batch_size=global_batch_size, planner=planner, mean_seq_len=mean_seq_len,
         max_seq_len=max_seq_len, schedule=schedule, virtual_stages=virtual_stages,
         zero_stage=zero_stage, tensor_widths=widths, interleave=interleave,
         output=None if output is None else str(output),
@@ -185,7 +188,7 @@ def _plan(cfg: PlanConfig, inputs: PlanInputs, progress: Progress | None) -> Pla
         progress=progress,
         zero_stage=cfg.zero_stage,
         tensor_widths=tensor_width_list(cfg.tensor_widths),
-        interleaved=cfg.interleave,
+        interleave=cfg.interleave,
     )
     result = _under_schedule(result, prof, cl, cfg.schedule, cfg.virtual_stages)
     if cfg.output is not None:

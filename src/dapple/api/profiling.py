@@ -131,7 +131,7 @@ def profile(
             ``LayerProfile.backward_input`` and ``backward_weight``.
         seq_lens: Also measure at these lengths of the model's dynamic (sequence) dimension:
             its own batches cut or tiled to each length, same layers
-            (:mod:`dapple.profiler.length_passes`); :func:`plan` with ``seq_len`` interpolates
+            (:mod:`dapple.profiler.length_passes`); :func:`plan` with ``mean_seq_len`` interpolates
             between them in tokens.
         progress: ``progress(done, total, detail)`` of a measured profile: first ``(0, total,
             the model's name)`` once the model is built and the checks passed, then after

@@ -39,8 +39,8 @@ def add_data_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="N",
         help="tokens per sample of --data (the model is built with seq=N); with --pad the "
-        "longest a document is cut to (dapple plan --seq-len plans the same lengths: N, or "
-        "MEAN,N for padded documents)",
+        "longest a document is cut to (dapple plan --mean-seq-len plans the same lengths: N, "
+        "or MEAN,N for padded documents)",
     )
     mode = p.add_mutually_exclusive_group()
     mode.add_argument(

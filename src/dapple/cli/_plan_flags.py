@@ -79,20 +79,22 @@ def _widths_fields(text: str) -> tuple[str | tuple[int, ...]]:
 
 
 SeqLenParser = Callable[[str], tuple[float, float]]
-"""``dapple plan``'s ``--seq-len MEAN[,MAX]`` parser (:func:`dapple.cli.plan_cmd.parse_seq_len`)."""
+"""``dapple plan``'s ``--mean-seq-len MEAN[,MAX]`` parser
+(:func:`dapple.cli.plan_cmd.parse_mean_seq_len`)."""
 
 
-def plan_flags(parse_seq_len: SeqLenParser) -> tuple[Flag, ...]:
+def plan_flags(parse_mean_seq_len: SeqLenParser) -> tuple[Flag, ...]:
     """Every flag of ``dapple plan`` but ``--config``, ``--print-config`` and ``--compare``, as
-    :class:`~dapple.planner.plan_config.PlanConfig` fields (``--seq-len`` read by ``parse_seq_len``).
+    :class:`~dapple.planner.plan_config.PlanConfig` fields (``--mean-seq-len`` read by
+    ``parse_mean_seq_len``).
     """
 
-    def seq_len(text: str | None) -> tuple[float | None, float | None]:
-        return (None, None) if text is None else parse_seq_len(text)
+    def lengths(text: str | None) -> tuple[float | None, float | None]:
+        return (None, None) if text is None else parse_mean_seq_len(text)
 
     return (
         *(one("", n) for n in ("profile", "cluster", "servers", "global_batch_size", "planner")),
-        Flag("seq_len", (("", "seq_len"), ("", "max_seq_len")), seq_len),
+        Flag("mean_seq_len", (("", "mean_seq_len"), ("", "max_seq_len")), lengths),
         *(one("", n) for n in ("output", "schedule", "virtual_stages")),
         Flag("zero_stage", (("", "zero_stage"),), _zero_stage),
         Flag("tensor_widths", (("", "tensor_widths"),), _widths_fields),
@@ -108,7 +110,7 @@ def add_plan_config_arguments(p: argparse.ArgumentParser) -> None:
     add_config_arguments(p, ("profile", "cluster"), "its [planning] section")
 
 
-def plan_config_of(args: argparse.Namespace, parse_seq_len: SeqLenParser) -> PlanConfig | None:
+def plan_config_of(args: argparse.Namespace, parse_mean_seq_len: SeqLenParser) -> PlanConfig | None:
     """The plan ``--config FILE`` and the flags the command line gave on top (those win) ask
     for; with ``--print-config`` that printed as TOML instead (None).
 
@@ -123,7 +125,7 @@ def plan_config_of(args: argparse.Namespace, parse_seq_len: SeqLenParser) -> Pla
         load_plan_config,
     )
 
-    over = given_values(args, plan_flags(parse_seq_len))
+    over = given_values(args, plan_flags(parse_mean_seq_len))
     if args.config is not None:
         cfg = load_plan_config(args.config, over=over)
     else:

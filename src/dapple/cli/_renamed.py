@@ -11,8 +11,9 @@ __all__ = ["renamed"]
 
 
 def renamed(new: str) -> type[argparse.Action]:
-    """An argparse action for an option's old spelling: using it is an error that names
-    ``new`` (which means the same)."""
+    """An argparse action for an option's old spelling: using it is one ``dapple: error:`` line
+    that names ``new`` (which means the same), exit status 2, before any other flag is checked
+    for being missing."""
 
     class Renamed(argparse.Action):
         def __init__(self, option_strings: Sequence[str], dest: str, **kw: Any) -> None:
@@ -26,6 +27,7 @@ def renamed(new: str) -> type[argparse.Action]:
             values: Any,
             option_string: str | None = None,
         ) -> None:
-            raise argparse.ArgumentError(self, f"is spelled {new} now (same meaning)")
+            used = option_string or "/".join(self.option_strings)
+            parser.exit(2, f"dapple: error: {used} is spelled {new} now (same meaning)\n")
 
     return Renamed

@@ -25,6 +25,7 @@ from dapple.cli._plan_show import (
     zero_line,
 )
 from dapple.cli._profile_arg import add_profile_argument
+from dapple.cli._renamed import renamed
 from dapple.cli._run_args import add_virtual_stages_argument
 from dapple.core.cluster import Cluster
 from dapple.core.cluster_presets import describe_presets
@@ -41,7 +42,14 @@ if TYPE_CHECKING:
     from dapple.planner.schedule_choice import ScheduleChoice
     from dapple.simulate.engine import SimResult
 
-__all__ = ["MAX_SIMULATED_WORK", "format_devices", "parse_seq_len", "register", "run", "run_config"]
+__all__ = [
+    "MAX_SIMULATED_WORK",
+    "format_devices",
+    "parse_mean_seq_len",
+    "register",
+    "run",
+    "run_config",
+]
 
 MAX_SIMULATED_WORK = 1 << 18
 """Most micro-batches x devices ``--schedule`` simulates for a schedule with a step rule of its
@@ -77,14 +85,15 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         + " (default: %(default)s)",
     )
     p.add_argument(
-        "--seq-len",
+        "--mean-seq-len",
         default=None,
         metavar="MEAN[,MAX]",
-        help="tokens per sample, as for dapple train: N plans for samples of N tokens; MEAN,MAX "
-        "for samples of varying length, MEAN on average (the step time) and at most MAX (the "
-        "memory; train --pad --seq-len MAX). From a profile measured at several lengths (`dapple "
-        "profile --seq-lens`), interpolated in tokens; the plan records both",
+        help="mean tokens per sample: N plans for samples of N tokens; MEAN,MAX for samples of "
+        "varying length, MEAN on average (the step time) and at most MAX (the memory; train "
+        "--pad --seq-len MAX). From a profile measured at several lengths (`dapple profile "
+        "--seq-lens`), interpolated in tokens; the plan records both",
     )
+    p.add_argument("--seq-len", action=renamed("--mean-seq-len"), help=argparse.SUPPRESS)
     p.add_argument("-o", "--output", default=None, help="plan JSON to write")
     p.add_argument(
         "--compare",
@@ -142,8 +151,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.set_defaults(func=run)
 
 
-def parse_seq_len(text: str) -> tuple[float, float]:
-    """``--seq-len``: ``"512"`` -> ``(512, 512)``, ``"300.5,1024"`` -> ``(300.5, 1024)``.
+def parse_mean_seq_len(text: str) -> tuple[float, float]:
+    """``--mean-seq-len``: ``"512"`` -> ``(512, 512)``, ``"300.5,1024"`` -> ``(300.5, 1024)``.
 
     Raises:
         ValidationError: not one or two numbers, a length <= 0, or MEAN > MAX.
@@ -154,10 +163,14 @@ def parse_seq_len(text: str) -> tuple[float, float]:
     except ValueError:
         nums = []
     if len(nums) not in (1, 2) or not all(math.isfinite(n) and n > 0 for n in nums):
-        raise ValidationError(f"--seq-len must be MEAN or MEAN,MAX with lengths > 0, got {text!r}")
+        raise ValidationError(
+            f"--mean-seq-len must be MEAN or MEAN,MAX with lengths > 0, got {text!r}"
+        )
     mean, top = nums[0], nums[-1]
     if mean > top:
-        raise ValidationError(f"--seq-len {text}: the mean {mean:g} exceeds the maximum {top:g}")
+        raise ValidationError(
+            f"--mean-seq-len {text}: the mean {mean:g} exceeds the maximum {top:g}"
+        )
     return mean, top
 
 
@@ -198,7 +211,7 @@ def _dp_ms(cfg: PlanConfig, inputs: PlanInputs) -> float:
 
 
 def run(args: argparse.Namespace) -> int:
-    cfg = plan_config_of(args, parse_seq_len)  # --config FILE, --print-config
+    cfg = plan_config_of(args, parse_mean_seq_len)  # --config FILE, --print-config
     return 0 if cfg is None else run_config(cfg, compare=args.compare)
 
 
@@ -265,9 +278,9 @@ def _print_plan(
     if shares is not None:
         con.print(shares)
     con.print(zero_line(plan, profile))
-    if plan.seq_len is not None:
+    if plan.mean_seq_len is not None:
         con.print(
-            f"planned for samples of {plan.seq_len:g} tokens on average (step time) and at most "
+            f"planned for samples of {plan.mean_seq_len:g} tokens on average (step time) and at most "
             f"{plan.max_seq_len:g} (memory)"
         )
 

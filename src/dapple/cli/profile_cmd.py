@@ -65,7 +65,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         metavar="L,L,...",
         help="also measure at these lengths of the model's dynamic (sequence) dimension, each at "
         "every batch size: its batches cut or tiled to the length (the model must declare the "
-        "dimension, e.g. --set seq_choices=[...]); `dapple plan --seq-len` then interpolates "
+        "dimension, e.g. --set seq_choices=[...]); `dapple plan --mean-seq-len` then interpolates "
         "in tokens",
     )
     add_device_argument(p)

@@ -102,6 +102,7 @@ def parse_values(
     where: str,
     *,
     ignore: Sequence[str] = (),
+    renamed: Mapping[str, str] | None = None,
 ) -> Values:
     """Check the tables of a file against ``schema`` and the field types; the values it sets.
 
@@ -111,10 +112,12 @@ def parse_values(
         root: the dataclass the schema's parts are fields of.
         where: the file, named in errors.
         ignore: sections of other commands, skipped unread.
+        renamed: old spellings of keys, each refused naming its key now.
 
     Raises:
-        ValidationError: an unknown section or key (with the closest valid one), a key outside
-            a section, or a value of the wrong type (naming key, value and expected type).
+        ValidationError: an unknown section or key (with the closest valid one, or the key an
+            old spelling is now), a key outside a section, or a value of the wrong type
+            (naming key, value and expected type).
     """
     types_ = field_types(root, schema)
     out: Values = {}
@@ -136,6 +139,10 @@ def parse_values(
             )
         by_key = {name: (part, name) for part, name in schema[section]}
         for key, value in table.items():
+            if key not in by_key and renamed and key in renamed:
+                raise ValidationError(
+                    f"{where}: [{section}] {key} is spelled {renamed[key]} now (same meaning)"
+                )
             if key not in by_key:
                 raise ValidationError(
                     f"{where}: unknown key {key!r} in [{section}]{_misplaced(key, section, schema)}"
@@ -310,16 +317,18 @@ def load(
     *,
     ignore: Sequence[str] = (),
     over: Values | None = None,
+    renamed: Mapping[str, str] | None = None,
 ) -> T:
     """``root`` from the file at ``path`` (its ``schema`` sections; ``ignore``: other
-    commands' sections) with ``over`` on top (:func:`parse_values`, :func:`build_over`).
+    commands' sections; ``renamed``: old spellings of keys) with ``over`` on top
+    (:func:`parse_values`, :func:`build_over`).
 
     Raises:
         ValidationError: an unreadable file, an unknown section or key, a value of the wrong
             type, or a bad option (each naming the file).
     """
     where = str(path)
-    values = parse_values(read_toml(path), schema, root, where, ignore=ignore)
+    values = parse_values(read_toml(path), schema, root, where, ignore=ignore, renamed=renamed)
     return build_over(root, values, over or {}, where)
 
 

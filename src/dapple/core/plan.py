@@ -62,6 +62,8 @@ __all__ = [
 
 PLAN_SCHEMA_VERSION = 1
 DEFAULT_SCHEDULE = "dapple"
+_OLD_MEAN_SEQ_LEN = "seq_len"
+"""The key plan files of earlier versions record :attr:`Plan.mean_seq_len` under (read as it)."""
 """The schedule of a plan that names none: DAPPLE early backward (1F1B)."""
 ScheduleName = str
 """A registered schedule's name (:mod:`dapple.schedule.registry`)."""
@@ -100,12 +102,12 @@ class Plan:
     """Model the plan was made for: its profile's ``model_name``, which is the workload's
     ``name``. ``dapple train``/``verify`` refuse a model of another name
     (:meth:`check_model`); empty (a plan written by hand, an older file): any name."""
-    seq_len: float | None = None
+    mean_seq_len: float | None = None
     """Mean tokens per sample the step time was predicted for (a profile at several lengths,
     :mod:`dapple.cost.at_length`); None: the profile's one size. The plan runs on any length
     its model accepts."""
     max_seq_len: float | None = None
-    """Longest sample the memory was planned for; None with ``seq_len``."""
+    """Longest sample (tokens) the memory was planned for; None with ``mean_seq_len``."""
     planned_with: PlanningOptions | None = field(default=None, compare=False)
     """The search options :func:`dapple.planner.make_plan` made it with (an elastic re-plan
     searches them again); None: a plan made by hand or by an older version. Not compared:
@@ -283,8 +285,8 @@ class Plan:
     def to_dict(self) -> dict[str, Any]:
         lengths = (
             {}
-            if self.seq_len is None and self.max_seq_len is None
-            else {"seq_len": self.seq_len, "max_seq_len": self.max_seq_len}
+            if self.mean_seq_len is None and self.max_seq_len is None
+            else {"mean_seq_len": self.mean_seq_len, "max_seq_len": self.max_seq_len}
         )
         fp = self.model_fingerprint
         return {
@@ -353,7 +355,7 @@ class Plan:
             policy=d.get("policy", "A"),
             virtual_stages=d.get("virtual_stages", 1),
             predicted_step_ms=math.nan if pred is None else as_float(pred, "predicted_step_ms"),
-            seq_len=d.get("seq_len"),
+            mean_seq_len=d.get("mean_seq_len", d.get(_OLD_MEAN_SEQ_LEN)),
             max_seq_len=d.get("max_seq_len"),
             planned_with=None
             if d.get("planned_with") is None
@@ -464,6 +466,6 @@ def interleave(plan: Plan, v: int) -> Plan:
         policy=plan.policy,
         virtual_stages=v,
         model_name=plan.model_name,
-        seq_len=plan.seq_len,
+        mean_seq_len=plan.mean_seq_len,
         max_seq_len=plan.max_seq_len,
     )

@@ -112,16 +112,18 @@ def _check_groups(plan: Plan) -> None:
 
 
 def _check_lengths(plan: Plan) -> None:
-    """``seq_len`` and ``max_seq_len`` positive or None, the mean at most the longest."""
-    for f in ("seq_len", "max_seq_len"):
+    """``mean_seq_len`` and ``max_seq_len`` positive or None, the mean at most the longest."""
+    for f in ("mean_seq_len", "max_seq_len"):
         v = getattr(plan, f)
         require(
             v is None or (isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0),
             f"plan: {f} must be a number > 0 or null, got {v!r}",
         )
     require(
-        plan.seq_len is None or plan.max_seq_len is None or plan.seq_len <= plan.max_seq_len,
-        f"plan: seq_len {plan.seq_len} exceeds max_seq_len {plan.max_seq_len}",
+        plan.mean_seq_len is None
+        or plan.max_seq_len is None
+        or plan.mean_seq_len <= plan.max_seq_len,
+        f"plan: mean_seq_len {plan.mean_seq_len} exceeds max_seq_len {plan.max_seq_len}",
     )
 
 

@@ -5,7 +5,7 @@ An elastic run that loses a device plans anew for the devices left
 ZeRO stage (or ``auto``), tensor widths, interleaving, planner - or the re-plan answers a
 different question than the user asked. :func:`dapple.planner.make_plan` records them as
 :attr:`dapple.core.plan.Plan.planned_with`; the lengths a plan was made for are the plan's own
-``seq_len`` and ``max_seq_len``. Pure, no torch.
+``mean_seq_len`` and ``max_seq_len``. Pure, no torch.
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ ZERO_CHOICES: tuple[ZeroChoice, ...] = (0, 1, 2, 3, "auto")
 
 _OLD_AUTO = -1
 """``auto`` as plan files of earlier versions store it in ``planned_with.zero_stage``."""
+_OLD_INTERLEAVE = "interleaved"
+"""The key plan files of earlier versions record ``planned_with.interleave`` under."""
 
 
 def zero_choice(value: object) -> ZeroChoice | None:
@@ -46,8 +48,8 @@ class PlanningOptions:
     """0-3 on every replicated stage, or ``auto``: per stage, where memory asks for it."""
     tensor_widths: tuple[int, ...] | None = None
     """The tensor widths searched; None: the planner's default candidates."""
-    interleaved: bool = False
-    """Interleaved 1F1B plans were offered."""
+    interleave: bool = False
+    """Interleaved 1F1B plans were offered (``dapple plan --interleave``)."""
 
     def __post_init__(self) -> None:
         require(isinstance(self.planner, str) and bool(self.planner),
@@ -61,21 +63,21 @@ class PlanningOptions:
                 isinstance(t, int) and not isinstance(t, bool) and t >= 1 for t in w)),
             f"planned_with: tensor_widths must be integers >= 1 or null, got {w!r}",
         )  # fmt: skip
-        require(isinstance(self.interleaved, bool),
-                f"planned_with: interleaved must be true or false, got {self.interleaved!r}")  # fmt: skip
+        require(isinstance(self.interleave, bool),
+                f"planned_with: interleave must be true or false, got {self.interleave!r}")  # fmt: skip
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "planner": self.planner,
             "zero_stage": self.zero_stage,
             "tensor_widths": None if self.tensor_widths is None else list(self.tensor_widths),
-            "interleaved": self.interleaved,
+            "interleave": self.interleave,
         }
 
     @staticmethod
     def from_dict(d: Any) -> PlanningOptions:
         """The options of a plan file's ``planned_with`` (``zero_stage`` -1, as earlier
-        versions wrote ``auto``, reads as ``auto``).
+        versions wrote ``auto``, reads as ``auto``; their ``interleaved`` as ``interleave``).
 
         Raises:
             ValidationError: not an object, or a field of the wrong type or value.
@@ -88,7 +90,7 @@ class PlanningOptions:
             planner=d.get("planner", "dapple"),
             zero_stage=_zero_read(d.get("zero_stage", 0)),
             tensor_widths=None if w is None else tuple(w),
-            interleaved=d.get("interleaved", False),
+            interleave=d.get("interleave", d.get(_OLD_INTERLEAVE, False)),
         )
 
 

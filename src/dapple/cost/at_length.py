@@ -204,9 +204,9 @@ def length_profile(profile: ModelProfile, L: float) -> LengthProfile:
 
 
 def profile_for_lengths(
-    profile: ModelProfile, seq_len: float, max_seq_len: float | None = None
+    profile: ModelProfile, mean_seq_len: float, max_seq_len: float | None = None
 ) -> ModelProfile:
-    """``profile`` planned for lengths of mean ``seq_len`` and maximum ``max_seq_len``.
+    """``profile`` planned for lengths of mean ``mean_seq_len`` and maximum ``max_seq_len``.
 
     The layers are those at the mean (times, and the bytes that cross a cut, which set the
     comm stages' time) and :attr:`ModelProfile.memory_at` those at the maximum (kept
@@ -214,22 +214,22 @@ def profile_for_lengths(
 
     Args:
         profile: measured at several lengths (``by_length``).
-        seq_len: mean tokens per sample of the steps the plan is for.
-        max_seq_len: the longest sample (default ``seq_len``: every batch of one length).
+        mean_seq_len: mean tokens per sample of the steps the plan is for.
+        max_seq_len: the longest sample (default ``mean_seq_len``: every batch of one length).
 
     Raises:
         ValidationError: the profile has no lengths, a length is not > 0, or the mean exceeds
             the maximum.
     """
-    top = seq_len if max_seq_len is None else max_seq_len
-    _check_length(profile, seq_len)
+    top = mean_seq_len if max_seq_len is None else max_seq_len
+    _check_length(profile, mean_seq_len)
     _check_length(profile, top)
-    if seq_len > top:
+    if mean_seq_len > top:
         raise ValidationError(
-            f"mean sequence length {_text(seq_len)} is longer than the maximum {_text(top)}: "
+            f"mean sequence length {_text(mean_seq_len)} is longer than the maximum {_text(top)}: "
             "give MEAN,MAX with MEAN <= MAX"
         )
-    mean_at = length_profile(profile, seq_len)
+    mean_at = length_profile(profile, mean_seq_len)
     peak = length_profile(profile, top)
     if top > profile.seq_lens[-1]:
         log.warning(
@@ -243,7 +243,7 @@ def profile_for_lengths(
         profile,
         layers=mean_at.layers,
         input_bytes_per_sample=mean_at.input_bytes_per_sample,
-        seq_len=seq_len,
+        seq_len=mean_seq_len,
         memory_at=peak,
     )
 
@@ -251,9 +251,9 @@ def profile_for_lengths(
 def profile_for_plan(profile: ModelProfile, plan: Plan) -> ModelProfile:
     """``profile`` at the lengths ``plan`` was made for (:func:`profile_for_lengths`), when the
     plan states them and the profile was measured at several lengths; else ``profile``."""
-    if plan.seq_len is None or not profile.by_length:
+    if plan.mean_seq_len is None or not profile.by_length:
         return profile
-    return profile_for_lengths(profile, plan.seq_len, plan.max_seq_len)
+    return profile_for_lengths(profile, plan.mean_seq_len, plan.max_seq_len)
 
 
 def _check_length(profile: ModelProfile, L: float) -> None:

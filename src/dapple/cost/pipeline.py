@@ -200,7 +200,7 @@ def pipeline_latency(
             :func:`dapple.cost.comm.stage_sync_ms`. A stage's own ``StagePlan.zero_stage``
             applies when larger.
 
-    A plan made for sequence lengths (``plan.seq_len``) is costed at them when the profile was
+    A plan made for sequence lengths (``plan.mean_seq_len``) is costed at them when the profile was
     measured at several (:func:`dapple.cost.at_length.profile_for_plan`).
 
     Raises:

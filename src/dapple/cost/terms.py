@@ -274,7 +274,7 @@ def stage_terms(
 
     Args:
         plan: stages, replicas, devices, b and M.
-        profile: the model profile; a plan made for sequence lengths (``plan.seq_len``) is
+        profile: the model profile; a plan made for sequence lengths (``plan.mean_seq_len``) is
             costed at them (:func:`~dapple.cost.at_length.profile_for_plan`).
         cluster: devices, links and host terms.
         zero_stage: 1: replicated stages shard their optimizer state (ZeRO-1); 2: their

@@ -60,10 +60,10 @@ class PlanConfig:
     """G, samples per optimizer step (None: the paper's, for ``paper:`` profiles)."""
     planner: str = DEFAULT_PLANNER
     """``dapple`` or a baseline (:data:`dapple.planner.registry.PLANNERS`)."""
-    seq_len: float | None = None
+    mean_seq_len: float | None = None
     """Mean tokens per sample the step time is planned for (a profile measured at several)."""
     max_seq_len: float | None = None
-    """The longest sample, which the memory is planned for (None: ``seq_len``)."""
+    """The longest sample in tokens, which the memory is planned for (None: ``mean_seq_len``)."""
     schedule: str | None = None
     """Run the planned stages under this schedule, or ``best`` (None: the planner's choice)."""
     virtual_stages: int = 1
@@ -98,19 +98,19 @@ class PlanConfig:
                 raise ValidationError(f"{name} must be >= 1, got {value}")
         if self.virtual_stages < 1:
             raise ValidationError(f"virtual_stages must be >= 1, got {self.virtual_stages}")
-        _check_lengths(self.seq_len, self.max_seq_len)
+        _check_lengths(self.mean_seq_len, self.max_seq_len)
 
 
 def _check_lengths(mean: float | None, top: float | None) -> None:
     if mean is None:
         if top is not None:
-            raise ValidationError(f"max_seq_len={top:g} needs seq_len")
+            raise ValidationError(f"max_seq_len={top:g} needs mean_seq_len")
         return
-    for name, v in (("seq_len", mean), ("max_seq_len", top)):
+    for name, v in (("mean_seq_len", mean), ("max_seq_len", top)):
         if v is not None and not (math.isfinite(v) and v > 0):
             raise ValidationError(f"{name} must be a length > 0, got {v}")
     if top is not None and mean > top:
-        raise ValidationError(f"seq_len {mean:g} exceeds max_seq_len {top:g}")
+        raise ValidationError(f"mean_seq_len {mean:g} exceeds max_seq_len {top:g}")
 
 
 def check_interleave(interleave: bool, schedule: str | None, *, cli: bool = False) -> None:
@@ -156,6 +156,11 @@ PLAN_SECTIONS: Schema = {"planning": tuple(("", f.name) for f in dataclasses.fie
 """The section of a plan file and the fields its keys set (each key is its field's name)."""
 
 
+RENAMED_KEYS = {"seq_len": "mean_seq_len"}
+"""Old spellings of ``[planning]`` keys, refused naming the key now (``seq_len`` is tokens per
+sample in ``dapple train``'s ``[data]``; the planner's mean length is ``mean_seq_len``)."""
+
+
 RUN_SECTION_NAMES = (
     "model", "plan", "data", "train", "optimizer", "checkpoint", "eval", "report", "elastic",
 )  # fmt: skip
@@ -174,7 +179,7 @@ def load_plan_config(
             type, or a bad option (each naming the file).
     """
     ignore = (*RUN_SECTION_NAMES, "simulate")
-    return load(path, PLAN_SECTIONS, PlanConfig, ignore=ignore, over=over)
+    return load(path, PLAN_SECTIONS, PlanConfig, ignore=ignore, over=over, renamed=RENAMED_KEYS)
 
 
 def dump_plan_config(cfg: PlanConfig) -> str:

@@ -409,7 +409,7 @@ def simulate(
         overlap: the traffic the training framework hides under compute
             (:mod:`dapple.cost.overlap`); default: dapple's runtime, none.
 
-    A plan made for sequence lengths (``plan.seq_len``) runs at them when the profile was
+    A plan made for sequence lengths (``plan.mean_seq_len``) runs at them when the profile was
     measured at several (:func:`dapple.cost.at_length.profile_for_plan`).
 
     Raises:

@@ -185,7 +185,7 @@ def servers_left(cluster: Cluster, ranks: int, lost: Sequence[int]) -> tuple[Clu
 def replan(policy: ElasticPolicy, devices: int, plan: Plan) -> Plan:
     """The planner's plan for ``devices`` devices of the policy's cluster, with ``plan``'s G
     and the search options ``plan`` was made with (:attr:`Plan.planned_with`: planner, ZeRO
-    stage or auto, tensor widths, interleaving; and its lengths ``seq_len``/``max_seq_len``).
+    stage or auto, tensor widths, interleaving; and its lengths ``mean_seq_len``/``max_seq_len``).
     A plan that records none (made by hand) is re-planned with the policy's ``zero_stage``.
     Tensor widths that no longer divide a server of the devices left are dropped (width 1
     stays).
@@ -200,12 +200,12 @@ def replan(policy: ElasticPolicy, devices: int, plan: Plan) -> Plan:
     widths = opts.tensor_widths
     if widths is not None:
         widths = tuple(t for t in widths if cluster.devices_per_server % t == 0) or (1,)
-    by_length = plan.seq_len is not None and bool(policy.profile.by_length)
+    by_length = plan.mean_seq_len is not None and bool(policy.profile.by_length)
     try:
         return make_plan(policy.profile, cluster, plan.global_batch_size, opts.planner,
                          zero_stage=opts.zero_stage, tensor_widths=widths,
-                         interleaved=opts.interleaved,
-                         seq_len=plan.seq_len if by_length else None,
+                         interleave=opts.interleave,
+                         mean_seq_len=plan.mean_seq_len if by_length else None,
                          max_seq_len=plan.max_seq_len if by_length else None)  # fmt: skip
     except InfeasibleError as e:
         raise ElasticStop(f"no plan fits {cluster.num_devices} devices: {e}") from e
