@@ -128,7 +128,7 @@ def test_local_processes_are_bounded_by_their_least_memory() -> None:
          "dapple.calibrate.machine.calibrate", "1,000"),
         (["profile", "-m", "mlp", "--device", "cpu", "--co-workers", "5000", "-o",
           "{tmp}/p.json"], "dapple.profiler.measure.profile_workload", "4,999"),
-        (["plan-local", "-m", "mlp", "--global-batch-size", "4", "--nproc", "2,1000",
+        (["plan-local", "-m", "mlp", "--global-batch-size", "4", "--nprocs", "2,1000",
           "--out-dir", "{tmp}/pl"], "dapple.calibrate.local.plan_local", "1,000"),
         (["demo", "--nproc", "1000", "--out-dir", "{tmp}/demo"],
          "dapple.cli.demo_cmd._profile_and_calibrate", "1,000"),

@@ -345,3 +345,28 @@ def test_plan_refuses_the_old_seq_len_naming_mean_seq_len(
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert err == "dapple: error: --seq-len is spelled --mean-seq-len now (same meaning)\n"
+
+
+def test_nproc_is_one_count_and_plan_locals_candidates_are_nprocs(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``--nproc N`` is one number of local processes (``calibrate``, ``demo``);
+    ``plan-local``'s candidate counts are ``--nprocs``, as ``api.plan_local(nprocs=)`` names
+    them, and its old ``--nproc`` is refused naming it."""
+    commands = {name: _options(p) for name, p in _commands().items()}
+    shown = {
+        name
+        for name, opts in commands.items()
+        if "--nproc" in opts and opts["--nproc"].help != argparse.SUPPRESS
+    }
+    assert shown == {"calibrate", "demo"}
+    assert all(commands[n]["--nproc"].type is int for n in shown)
+    assert {n for n, opts in commands.items() if "--nprocs" in opts} == {"plan-local"}
+    assert "nprocs" in inspect.signature(api.plan_local).parameters
+    argv = ["plan-local", "-m", "mlp", "--global-batch-size", "8", "--out-dir", "d"]
+    with pytest.raises(SystemExit) as e:
+        main([*argv, "--nproc", "2,4"])
+    assert e.value.code == 2
+    assert capsys.readouterr().err == (
+        "dapple: error: --nproc is spelled --nprocs now (same meaning)\n"
+    )

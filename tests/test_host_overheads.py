@@ -161,7 +161,7 @@ def test_plan_local_cli_writes_a_trainable_plan(tmp_path, capsys) -> None:  # ty
     from dapple.core.plan import Plan
 
     rc = main(
-        ["plan-local", "--model", "mlp", "--global-batch-size", "8", "--nproc", "2",
+        ["plan-local", "--model", "mlp", "--global-batch-size", "8", "--nprocs", "2",
          "--repeats", "2", "--out-dir", str(tmp_path)]
     )  # fmt: skip
     assert rc == 0
@@ -175,6 +175,6 @@ def test_plan_local_cli_writes_a_trainable_plan(tmp_path, capsys) -> None:  # ty
 def test_plan_local_cli_rejects_bad_counts(capsys) -> None:  # type: ignore[no-untyped-def]
     from dapple.cli import main
 
-    assert main(["plan-local", "--model", "mlp", "--global-batch-size", "8", "--nproc", "1,x",
+    assert main(["plan-local", "--model", "mlp", "--global-batch-size", "8", "--nprocs", "1,x",
                  "--out-dir", "/tmp/unused"]) == 2  # fmt: skip
-    assert "--nproc expects integers >= 2 like 2,4, got '1,x'" in capsys.readouterr().err
+    assert "--nprocs expects integers >= 2 like 2,4, got '1,x'" in capsys.readouterr().err

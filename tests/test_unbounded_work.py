@@ -249,7 +249,7 @@ def test_plan_local_of_a_huge_model_is_refused_before_profiling(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = tmp_path / "out"
-    args = ["plan-local", "-m", "transformer", "--set", "hidden=1000000", "--nproc", "2"]
+    args = ["plan-local", "-m", "transformer", "--set", "hidden=1000000", "--nprocs", "2"]
     assert main([*args, "--global-batch-size", "8", "--out-dir", str(out)]) == 2
     one_error_line(capsys, "planning 'transformer'", "1 co-worker(s)")
     assert not out.exists()

@@ -16,6 +16,7 @@ from rich.table import Table
 
 from dapple.cli._console import StepProgress, console, print_table
 from dapple.cli._model_args import add_model_arguments, model_overrides
+from dapple.cli._renamed import renamed
 from dapple.cli._run_args import add_precision_argument
 from dapple.core.output_path import check_output_dir, check_output_file
 from dapple.errors import ValidationError
@@ -32,8 +33,13 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     add_model_arguments(p)
     p.add_argument("--global-batch-size", type=int, required=True, help="samples per step")
     p.add_argument(
-        "--nproc", default="2,4", help="candidate numbers of local processes (default 2,4)"
+        "--nprocs",
+        default="2,4",
+        metavar="N,N,...",
+        help="candidate numbers of local processes, each planned (default 2,4; calibrate's and "
+        "demo's --nproc is one number)",
     )
+    p.add_argument("--nproc", action=renamed("--nprocs"), help=argparse.SUPPRESS)
     p.add_argument("--repeats", type=int, default=5, help="timed runs per layer, median kept")
     add_precision_argument(p)
     p.add_argument(
@@ -55,7 +61,7 @@ def parse_counts(text: str) -> list[int]:
     except ValueError:
         counts = []
     if not counts or any(k < 2 for k in counts):
-        raise ValidationError(f"--nproc expects integers >= 2 like 2,4, got {text!r}")
+        raise ValidationError(f"--nprocs expects integers >= 2 like 2,4, got {text!r}")
     return counts
 
 
@@ -79,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
     from dapple.calibrate.local import plan_local
     from dapple.models.zoo import load_workload
 
-    counts = parse_counts(args.nproc)
+    counts = parse_counts(args.nprocs)
     if args.global_batch_size < 1:
         raise ValidationError(f"--global-batch-size must be >= 1, got {args.global_batch_size}")
     out = check_output_dir(args.out_dir, "--out-dir")  # before any measuring
@@ -87,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
         check_output_file(out / name, "--out-dir file")
     from dapple.profiler.host_fit import check_host_memory, check_local_processes
 
-    check_local_processes(max(counts), f"--nproc {args.nproc}")
+    check_local_processes(max(counts), f"--nprocs {args.nprocs}")
     workload = load_workload(args.model, **model_overrides(args))
 
     check_host_memory(workload, max(counts), what="planning")  # profiled with co-workers
