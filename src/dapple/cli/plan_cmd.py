@@ -280,8 +280,8 @@ def _print_plan(
     con.print(zero_line(plan, profile))
     if plan.mean_seq_len is not None:
         con.print(
-            f"planned for samples of {plan.mean_seq_len:g} tokens on average (step time) and at most "
-            f"{plan.max_seq_len:g} (memory)"
+            f"planned for samples of {plan.mean_seq_len:g} tokens on average (step time) and at "
+            f"most {plan.max_seq_len:g} (memory)"
         )
 
 
