@@ -242,7 +242,7 @@ def test_a_bad_flag_beside_a_good_file_is_the_flags_error(
     path.write_text('[optimizer]\nlr = 0.1\n[model]\nspec = "mlp"\n[plan]\npath = "p.json"\n')
     assert main(["train", "--config", str(path), "--lr", "-2"]) == 2
     err = capsys.readouterr().err
-    assert err == "dapple: error: lr must be > 0, got -2.0\n"  # not the file's fault
+    assert err == "dapple: error: --lr must be > 0, got -2.0\n"  # not the file's fault
 
 
 def test_the_file_may_give_the_required_flags_and_names_them_when_not(

@@ -488,10 +488,10 @@ def test_verify_runs_with_the_verify_fields_only() -> None:
 @pytest.mark.parametrize(
     ("extra", "line"),
     [
-        (["--seq-len", "0"], "seq_len must be >= 1, got 0"),
+        (["--seq-len", "0"], "--seq-len must be >= 1, got 0"),
         (
             ["--schedule", "interleaved", "--virtual-stages", "0"],
-            "virtual_stages must be >= 1, got 0",
+            "--virtual-stages must be >= 1, got 0",
         ),
         (
             ["--virtual-stages", "2"],

@@ -61,7 +61,7 @@ def test_data_prepare_writes_train_val_and_meta(tmp_path: Path, capsys) -> None:
     "extra, needle",
     [
         (["missing.txt"], "does not exist"),
-        (["a.txt", "--val-fraction", "1.5"], "val_fraction must be in [0, 1)"),
+        (["a.txt", "--val-fraction", "1.5"], "--val-fraction must be in [0, 1)"),
         (["a.txt", "--tokenizer", "nope"], "tokenizer directory"),
     ],
 )

@@ -297,6 +297,8 @@ def check_mode_options(cfg: ProfileConfig) -> None:
             f"--repeats must be from 1 to {MAX_RUNS} (timed runs per layer) and --warmup from 0 "
             f"to {MAX_RUNS}, got {cfg.repeats} and {cfg.warmup}"
         )
+    if cfg.co_workers < 1:
+        raise ValidationError(f"--co-workers must be >= 1, got {cfg.co_workers}")
     if cfg.analytic is None and cfg.recompute != "none":
         raise ValidationError(
             f"--recompute {cfg.recompute} applies to --analytic profiles only; a measured "

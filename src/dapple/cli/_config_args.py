@@ -13,21 +13,30 @@ Torch-free at import time.
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable, Iterable, Sequence
+import contextlib
+import re
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from dapple.errors import ValidationError
 
 __all__ = [
     "Flag",
     "add_config_arguments",
+    "flags_named",
     "given",
     "given_values",
     "missing_required",
     "parsed_values",
+    "record_given_flags",
 ]
 
 _GIVEN = "_dapple_given_flags"
 """Namespace attribute: the dests of the flags the command line gave."""
+_TYPED = "_dapple_typed_flags"
+"""Namespace attribute: dest -> the option string the command line gave it as (``-m``,
+``--save-every``)."""
 
 CLI_ONLY_DESTS = ("config", "print_config")
 
@@ -108,6 +117,12 @@ def add_config_arguments(p: argparse.ArgumentParser, file_gives: Sequence[str], 
         help="print the options as a TOML file (--config and the flags merged; feed it back with "
         "--config) and exit",
     )
+    record_given_flags(p)
+
+
+def record_given_flags(p: argparse.ArgumentParser) -> None:
+    """Make ``p``'s flags record, on the parsed namespace, which ones the command line gives
+    and how it spells each (:func:`given`, :func:`flags_named`); every flag already added."""
     for action in p._actions:
         if action.option_strings and action.dest not in ("help", *CLI_ONLY_DESTS):
             action.__class__ = _recording(type(action))
@@ -133,7 +148,9 @@ def _recording(cls: type[argparse.Action]) -> type[argparse.Action]:
         if seen is None:
             seen = set()
             setattr(namespace, _GIVEN, seen)
+            setattr(namespace, _TYPED, {})
         seen.add(self.dest)
+        getattr(namespace, _TYPED)[self.dest] = option_string or self.option_strings[-1]
         cls.__call__(self, parser, namespace, values, option_string)
 
     sub: type[argparse.Action] = type(cls.__name__, (cls,), {"__call__": __call__})
@@ -144,6 +161,60 @@ def _recording(cls: type[argparse.Action]) -> type[argparse.Action]:
 def given(args: argparse.Namespace) -> frozenset[str]:
     """The dests of the flags the command line gave."""
     return frozenset(getattr(args, _GIVEN, ()))
+
+
+def typed(args: argparse.Namespace) -> dict[str, str]:
+    """The flags the command line gave: dest -> the option string as typed."""
+    return dict(getattr(args, _TYPED, {}))
+
+
+_WORD = re.compile(r"(?<![\w./-])[A-Za-z_]\w*(?![\w./-])")
+"""A word of a message: an identifier not inside a path or a longer name."""
+
+
+@contextlib.contextmanager
+def flags_named(args: argparse.Namespace, flags: Iterable[Flag]) -> Iterator[None]:
+    """Inside, a config's own check refusing a value a flag gave names that flag as the command
+    line typed it (``--save-every must be >= 0``), not the field (``save_every``).
+
+    A check's message opens with the field it refuses (:class:`~dapple.core.config_file.
+    FieldError`): that word, and any other ``snake_case`` field the message names, is replaced
+    by the flag the command line gave for it. A field no flag gave (a ``--config`` file's, a
+    default) keeps its name.
+
+    Raises:
+        ValidationError: the check's error, renamed.
+    """
+    from dapple.core.config_file import FieldError
+
+    try:
+        yield
+    except FieldError as e:
+        raise ValidationError(_renamed(str(e), e.part, _flag_names(args, flags))) from None
+
+
+def _flag_names(args: argparse.Namespace, flags: Iterable[Flag]) -> dict[tuple[str, str], str]:
+    """``(part, field) -> the flag as typed``, for the fields of the flags the command line
+    gave."""
+    spelled = typed(args)
+    return {f: spelled[flag.dest] for flag in flags if flag.dest in spelled for f in flag.fields}
+
+
+def _renamed(message: str, part: str | None, names: Mapping[tuple[str, str], str]) -> str:
+    """``message`` with its opening word and its ``snake_case`` words that are fields of
+    ``part`` (None: of any part, when one only) named as ``names`` says."""
+
+    def flag_of(word: str) -> str | None:
+        hits = {n for (p, f), n in names.items() if f == word and part in (None, p)}
+        return hits.pop() if len(hits) == 1 else None
+
+    def swap(m: re.Match[str]) -> str:
+        word = m.group(0)
+        if m.start() > 0 and "_" not in word:
+            return word
+        return flag_of(word) or word
+
+    return _WORD.sub(swap, message)
 
 
 def given_values(args: argparse.Namespace, flags: Iterable[Flag]) -> dict[tuple[str, str], Any]:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 from dapple.cli._config_args import (
     Flag,
     add_config_arguments,
+    flags_named,
     given_values,
     missing_required,
     one,
@@ -125,11 +126,14 @@ def plan_config_of(args: argparse.Namespace, parse_mean_seq_len: SeqLenParser) -
         load_plan_config,
     )
 
-    over = given_values(args, plan_flags(parse_mean_seq_len))
-    if args.config is not None:
-        cfg = load_plan_config(args.config, over=over)
-    else:
-        cfg = build(PlanConfig, over)
+    flags = plan_flags(parse_mean_seq_len)
+    over = given_values(args, flags)
+    with flags_named(args, flags):
+        cfg = (
+            build(PlanConfig, over)
+            if args.config is None
+            else load_plan_config(args.config, over=over)
+        )
     if args.print_config:
         print(dump_plan_config(cfg), end="")
         return None

@@ -13,7 +13,13 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
-from dapple.cli._config_args import Flag, add_config_arguments, given_values, missing_required
+from dapple.cli._config_args import (
+    Flag,
+    add_config_arguments,
+    flags_named,
+    given_values,
+    missing_required,
+)
 from dapple.cli._train_flags import TRAIN_FLAGS
 from dapple.errors import ValidationError
 
@@ -55,10 +61,11 @@ def model_config_of(args: argparse.Namespace) -> ModelConfig | None:
 
     schema = {"model": tuple(f for flag in MODEL_FLAGS for f in flag.fields)}
     over = given_values(args, MODEL_FLAGS)
-    if args.config is not None:
-        cfg = load(args.config, schema, ModelConfig, ignore=_OTHER_SECTIONS, over=over)
-    else:
-        cfg = build(ModelConfig, over)
+    with flags_named(args, MODEL_FLAGS):
+        if args.config is not None:
+            cfg = load(args.config, schema, ModelConfig, ignore=_OTHER_SECTIONS, over=over)
+        else:
+            cfg = build(ModelConfig, over)
     if args.print_config:
         print(dump(cfg, schema, "dapple profile --config FILE (flags given beside it win)"), end="")
         return None

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from dapple.cli._config_args import (
     Flag,
+    flags_named,
     given,
     given_values,
     missing_required,
@@ -164,10 +165,12 @@ def run_config_of(args: argparse.Namespace) -> RunConfig:
     file = {} if args.config is None else read_toml(args.config)
     _check_flags_apply(file, over)  # before the config's own checks, which name no flag
     _check_elastic_checkpoints(file, over)
-    if args.config is not None:
-        cfg = load_run_config(args.config, over=over)
-    else:
-        cfg = build(RunConfig, over)
+    with flags_named(args, TRAIN_FLAGS):
+        cfg = (
+            build(RunConfig, over)
+            if args.config is None
+            else load_run_config(args.config, over=over)
+        )
     if saves_at_the_end_only(args, cfg):
         cfg = dataclasses.replace(
             cfg, train=dataclasses.replace(cfg.train, save_every=cfg.train.steps)
@@ -254,7 +257,8 @@ def verify_config_of(args: argparse.Namespace) -> RunConfig:
     from dapple.core.config_file import build
     from dapple.runtime.run_config import RunConfig
 
-    return build(RunConfig, parsed_values(args, RUN_FLAGS))
+    with flags_named(args, RUN_FLAGS):
+        return build(RunConfig, parsed_values(args, RUN_FLAGS))
 
 
 def required_inputs(cfg: RunConfig) -> tuple[str, str]:

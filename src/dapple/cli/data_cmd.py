@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 
 from dapple.cli._console import plain_doc
+from dapple.errors import ValidationError
 
 __all__ = ["register", "run_prepare"]
 
@@ -63,6 +64,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 def run_prepare(args: argparse.Namespace) -> int:
     from dapple.datasets import prepare
 
+    if not 0 <= args.val_fraction < 1:  # the library's check names its argument
+        raise ValidationError(f"--val-fraction must be in [0, 1), got {args.val_fraction}")
     out = prepare(
         args.text_files,
         args.output,

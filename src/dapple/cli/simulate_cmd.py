@@ -17,7 +17,13 @@ from rich.console import Console
 from rich.table import Table
 
 from dapple.api.simulating import SIMULATE_SECTIONS, SimulateConfig
-from dapple.cli._config_args import add_config_arguments, given_values, missing_required, one
+from dapple.cli._config_args import (
+    add_config_arguments,
+    flags_named,
+    given_values,
+    missing_required,
+    one,
+)
 from dapple.cli._console import console, print_table
 from dapple.cli._profile_arg import add_profile_argument
 from dapple.cli._renamed import renamed
@@ -90,10 +96,11 @@ def simulate_config_of(args: argparse.Namespace) -> SimulateConfig | None:
     from dapple.core.config_file import build, values_of
 
     over = given_values(args, _FLAGS)
-    if args.config is not None:
-        cfg = load_simulate_config(args.config, over=over)
-    else:
-        cfg = build(SimulateConfig, over)
+    with flags_named(args, _FLAGS):
+        if args.config is not None:
+            cfg = load_simulate_config(args.config, over=over)
+        else:
+            cfg = build(SimulateConfig, over)
     if args.print_config:
         print(dump_simulate_config(cfg), end="")
         return None

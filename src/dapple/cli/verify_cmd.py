@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from rich.console import Console
 from rich.table import Table
 
+from dapple.cli._config_args import record_given_flags
 from dapple.cli._console import console, plain_doc, print_table
 from dapple.cli._run_args import add_run_arguments
 from dapple.cli._train_flags import verify_config_of
@@ -53,6 +54,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         help="tolerance of a gradient element as a fraction of its layer's largest "
         "(default 1e-4; bf16: 1.6e-2)",
     )  # fmt: skip
+    record_given_flags(p)
     p.set_defaults(func=run)
 
 

@@ -41,6 +41,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Field",
+    "FieldError",
     "Schema",
     "Values",
     "build",
@@ -63,6 +64,17 @@ Values = dict[Field, Any]
 """Field -> value: what a file or a command line sets."""
 
 T = TypeVar("T", bound="DataclassInstance")
+
+
+class FieldError(ValidationError):
+    """A dataclass's own check refused a value while :func:`build` set the fields of ``part``
+    (None: the root's check). The message opens with the field it refuses, as the Python API
+    spells it: a front door renames it to its own spelling (a command line's flag)."""
+
+    def __init__(self, message: str, part: str | None) -> None:
+        super().__init__(message)
+        self.part = part
+
 
 _BARE_KEY = re.compile(r"^[A-Za-z0-9_-]+$")
 
@@ -275,7 +287,8 @@ def build(root: type[T], values: Values) -> T:
     """``root`` with ``values`` set and every other field at its default.
 
     Raises:
-        ValidationError: the dataclasses' own checks (``__post_init__``).
+        FieldError: the dataclasses' own checks (``__post_init__``), with the part whose check
+            it was (None: the root's).
     """
     hints = typing.get_type_hints(root)
     own: dict[str, Any] = {}
@@ -286,8 +299,16 @@ def build(root: type[T], values: Values) -> T:
         else:
             parts.setdefault(part, {})[name] = v
     for part, kwargs in parts.items():
-        own[part] = hints[part](**kwargs)
-    return root(**own)
+        try:
+            own[part] = hints[part](**kwargs)
+        except ValidationError as e:
+            raise FieldError(str(e), part) from None
+    try:
+        return root(**own)
+    except FieldError:
+        raise
+    except ValidationError as e:
+        raise FieldError(str(e), None) from None
 
 
 def build_over(root: type[T], values: Values, over: Values, where: str) -> T:
@@ -295,7 +316,8 @@ def build_over(root: type[T], values: Values, over: Values, where: str) -> T:
     file alone makes names the file (``where``).
 
     Raises:
-        ValidationError: the dataclasses' own checks.
+        FieldError: a check that ``over`` fails (the file alone passes).
+        ValidationError: a check that the file alone fails, naming ``where``.
     """
     try:
         return build(root, merge_values(values, over))
