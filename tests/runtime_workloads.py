@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 from torch.nn import functional as F
 
+from dapple.errors import ValidationError
 from dapple.models.tied import sum_tied_grads_local
 from dapple.models.workload import Workload
 
@@ -329,3 +332,17 @@ def paramfree_mlp() -> Workload:
     base = mlp(4)
     factories = [*base.layer_factories[:2], nn.Tanh, *base.layer_factories[2:]]
     return Workload("test-paramfree", factories, _mlp_batch, F.mse_loss)
+
+
+def refusing_mlp() -> Workload:
+    """:func:`mlp` whose last layer refuses to be built on rank 1 (a refusal in one worker
+    after the rendezvous, while rank 0 waits for it in a collective)."""
+    base = mlp(4)
+
+    def last() -> nn.Module:
+        if os.environ.get("RANK") == "1":
+            raise ValidationError("layer 3 cannot be built on rank 1")
+        return base.layer_factories[3]()
+
+    return Workload("test-refusing-mlp", [*base.layer_factories[:3], last], _mlp_batch,
+                    F.mse_loss)  # fmt: skip

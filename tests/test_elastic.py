@@ -361,8 +361,8 @@ def test_the_cli_asks_for_what_a_replan_needs(
     saves = ["--checkpoint-dir", str(tmp_path / "ck"), "--save-every", "1"]
     assert main([*base, *saves]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["dapple: error: elastic re-plans with the planner: give profile and cluster "
-                   "(--profile, --cluster)"]  # fmt: skip
+    assert err == ["dapple: error: --elastic re-plans with the planner: give profile and "
+                   "cluster (--profile, --cluster)"]  # fmt: skip
     given = ["--profile", "prof.json", "--cluster", "local-cpu", "--min-devices", "2", *saves]
     assert main([*base, *given, "--print-config"]) == 0
     out = capsys.readouterr().out

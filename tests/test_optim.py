@@ -251,7 +251,7 @@ def test_cli_option_errors_are_one_line(tmp_path: Path, capsys: pytest.CaptureFi
     for cmd in ("train", "verify"):
         assert main([cmd, *base, "--clip-grad-norm", "0"]) == 2
         err = capsys.readouterr().err
-        assert err.startswith("dapple: error: clip_grad_norm must be") and err.count("\n") == 1
+        assert err.startswith("dapple: error: --clip-grad-norm must be") and err.count("\n") == 1
         assert main([cmd, *base, "--optimizer", "adam", "--momentum", "0.9"]) == 2
         assert "momentum applies to the sgd optimizer only" in capsys.readouterr().err
     with pytest.raises(ValidationError, match="unknown options"):

@@ -52,6 +52,7 @@ from dapple.runtime.parallel.stage_mesh import (
     zero_floored,
 )
 from dapple.runtime.reporting import open_reporters
+from dapple.runtime.slowdown import slowdown_factor
 from dapple.runtime.startup import RankParts, start_rank
 from dapple.runtime.step_metrics import StepMetrics
 from dapple.runtime.sync import GradientSync
@@ -93,11 +94,13 @@ def validate_run(
 ) -> None:
     """Checks before any compute: world size, layer count, batch split, what the schedule
     needs (ZB-H1: torch's split backward; interleaved: M a multiple of the device groups, at
-    least two groups).
+    least two groups), and the ``DAPPLE_SLOWDOWN`` variable every rank reads.
 
     Raises:
-        ValidationError: the plan does not fit the workload or the process group.
+        ValidationError: the plan does not fit the workload or the process group; a bad
+            ``DAPPLE_SLOWDOWN``.
     """
+    slowdown_factor(0)  # the whole variable, read before any worker starts
     if get_schedule(plan.schedule).split_backward:
         require_split_backward(plan.schedule)
     plan_compute_order(plan)  # e.g. interleaved: M a multiple of the device groups

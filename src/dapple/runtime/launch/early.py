@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import shutil
 import signal
 import threading
 from collections.abc import Callable, Mapping
@@ -43,6 +44,7 @@ from dapple.runtime.launch.local import (
     start_heartbeat,
     stop_workers,
 )
+from dapple.runtime.launch.refusal import refusal_folder
 from dapple.runtime.metrics import announce
 
 __all__ = ["EarlyWorkers", "preloaded"]
@@ -72,6 +74,7 @@ class EarlyWorkers:
         port, me = int(sock.getsockname()[1]), os.getpid()
         self.nprocs = nprocs
         self.beats = heartbeats(nprocs)  # each worker's heartbeat, read by the launcher
+        self.refusals = refusal_folder()  # a worker's refusal, read by the launcher
         self.procs: list[Any] = []
         self._runs: list[Connection] = []  # the launcher's end of each worker's pipe
         try:
@@ -80,7 +83,8 @@ class EarlyWorkers:
                 p = ctx.Process(target=run_in_own_session,
                                 args=(Deferred(_early_worker, r, nprocs, port, me,
                                                sock if r == 0 else None, wait_end, spec,
-                                               dict(overrides), echo, self.beats), me))  # fmt: skip
+                                               dict(overrides), echo, self.beats,
+                                               self.refusals), me))  # fmt: skip
                 self._runs.append(run_end)
                 self.procs.append(p)
                 p.start()
@@ -106,6 +110,7 @@ class EarlyWorkers:
             conn.close()
         self._runs = []
         stop_workers(self.procs)
+        shutil.rmtree(self.refusals, ignore_errors=True)
 
     def __enter__(self) -> EarlyWorkers:
         return self
@@ -139,6 +144,7 @@ def _early_worker(
     overrides: dict[str, Any],
     echo: bool,
     beats: Any = None,
+    refusals: str | None = None,
 ) -> None:
     """An early worker: end with the launcher, beat
     (:func:`~dapple.runtime.launch.local.heartbeats`), load the model, wait for the run and run
@@ -154,7 +160,7 @@ def _early_worker(
     except EOFError:  # closed without a run: the launcher stopped (a bad input)
         os._exit(0)
     wait_end.close()
-    run_worker(fn, rank, world, port, launcher, sock, args)
+    run_worker(fn, rank, world, port, launcher, sock, args, beats=None, refusals=refusals)
 
 
 def _preload(spec: str, overrides: dict[str, Any]) -> None:

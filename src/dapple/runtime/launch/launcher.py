@@ -23,6 +23,7 @@ import json
 import logging
 import os
 import pickle
+import shutil
 import socket
 import sys
 import tempfile
@@ -41,7 +42,7 @@ from dapple.core.cpu_cores import threads_per_worker
 from dapple.core.host_memory import keep_freed_memory
 from dapple.core.own_session import Deferred, run_in_own_session
 from dapple.core.plan import Plan
-from dapple.errors import ValidationError
+from dapple.errors import DappleError, ValidationError
 from dapple.models.shapes import check_steps, run_dims
 from dapple.models.workload import Workload
 from dapple.runtime.comm import set_host_staged, transport_for
@@ -63,6 +64,7 @@ from dapple.runtime.launch.local import (
     silent_ranks,
     stop_workers,
 )
+from dapple.runtime.launch.refusal import hand_over, is_refusal, refusal_folder, refused
 from dapple.runtime.launch.stop_line import stop_line
 from dapple.runtime.longrun import elastic_store
 from dapple.runtime.metrics import announce, metrics_from_dict
@@ -192,14 +194,17 @@ def spawn(
     With ``early`` (``nprocs`` of them, started before the run was known,
     :class:`~dapple.runtime.launch.early.EarlyWorkers`) they get the run instead of new processes.
     ``closing`` makes the line written to stderr when a signal stopped them (its name given).
+    A worker's refusal (:mod:`dapple.runtime.launch.refusal`) ends them all at once.
 
     Raises:
+        DappleError: a worker's refusal, as the worker raised it (every worker killed).
         RankFailure: a worker exited non-zero or was killed (or hung ``timeout_s + GRACE_S``
             after a failure); the message lists every failing rank's exit code or signal.
     """
     _not_while_importing_main()
     sock: socket.socket | None = None
     beats = heartbeats(nprocs) if early is None else early.beats
+    folder = refusal_folder() if early is None else early.refusals
     if early is None:
         ctx = mp.get_context("spawn")  # the launcher itself is each worker's parent
         sock = listener()  # the store's address, bound before any worker looks for it
@@ -208,13 +213,14 @@ def spawn(
         procs = [
             ctx.Process(target=run_in_own_session,  # ends with me, own session, then imports
                         args=(Deferred(run_worker, fn, r, nprocs, port, me,
-                                       sock if r == 0 else None, args, beats), me))
+                                       sock if r == 0 else None, args, beats, folder), me))
             for r in range(nprocs)
         ]  # fmt: skip
     else:
         procs = early.procs
     hung: list[int] = []
     silent: list[int] = []
+    refusal: DappleError | None = None
     with StopSignals(closing) as signals:
         try:
             if early is not None:
@@ -224,11 +230,15 @@ def spawn(
                     p.start()
             if sock is not None:
                 sock.close()  # rank 0 holds its copy
-            hung, silent = _wait(procs, timeout_s, signals, beats)
+            hung, silent, refusal = _wait(procs, timeout_s, signals, beats, folder)
         finally:
             if sock is not None:
                 sock.close()
             stop_workers(procs)
+            if early is None:
+                shutil.rmtree(folder, ignore_errors=True)
+    if refusal is not None:
+        raise refusal
     bad = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode != 0]
     if bad:
         parts = [f"rank {r} " + _end_text(r, c, hung, silent, timeout_s) for r, c in bad]
@@ -247,18 +257,25 @@ def _end_text(
 
 
 def _wait(
-    procs: list[Any], timeout_s: float, signals: StopSignals, beats: Any
-) -> tuple[list[int], list[int]]:
-    """Wait until every worker has ended, or a stop signal came. Returns ``(hung, silent)``:
-    the ranks still alive ``timeout_s + GRACE_S`` after the first failure, and those whose
-    heartbeat (:func:`~dapple.runtime.launch.local.heartbeats`) stopped for more than ``timeout_s``;
-    both are killed here (SIGKILL). A silent worker is frozen (stopped, or starved of every
+    procs: list[Any], timeout_s: float, signals: StopSignals, beats: Any, folder: str
+) -> tuple[list[int], list[int], DappleError | None]:
+    """Wait until every worker has ended, a stop signal came or a worker handed a refusal
+    over into ``folder`` (then every worker is killed at once, SIGKILL). Returns ``(hung,
+    silent, refusal)``: the ranks still alive ``timeout_s + GRACE_S`` after the first failure,
+    those whose heartbeat (:func:`~dapple.runtime.launch.local.heartbeats`) stopped for more
+    than ``timeout_s`` (both killed here, SIGKILL), and the refusal. A silent worker is frozen (stopped, or starved of every
     core), so it counts as a lost device: its exit code is SIGKILL's, and its peers, waiting
     for it in a collective, fail as soon as its sockets close - the run ends about
     ``timeout_s`` after the worker froze, not after the peers' own timeouts and this grace."""
     first_fail: float | None = None
     silent: list[int] = []
     while signals.received is None and any(p.is_alive() for p in procs):
+        refusal = refused(folder)
+        if refusal is not None:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+            return [], silent, refusal
         for r in silent_ranks(procs, beats, timeout_s):
             logger.warning("rank %d: no heartbeat for %.0f s, killing it", r, timeout_s)
             procs[r].kill()
@@ -270,9 +287,9 @@ def _wait(
             hung = [r for r, p in enumerate(procs) if p.is_alive()]
             for r in hung:
                 procs[r].kill()
-            return hung, silent
+            return hung, silent, None
         time.sleep(0.05)
-    return [], silent
+    return [], silent, refused(folder)
 
 
 def _worker(
@@ -307,6 +324,8 @@ def _worker(
     except Exception as e:
         if elastic and lost_peer(e):
             _die(f"rank {rank} stops with its lost peer ({rank_report(e)})", kind="")
+        if is_refusal(e):
+            hand_over(e, rank)  # the launcher ends every worker and raises it
         _die(rank_report(e, rank))
 
 

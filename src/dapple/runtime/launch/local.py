@@ -39,6 +39,7 @@ from typing import Any
 import torch.distributed as dist
 
 from dapple.runtime.launch.failure import RankFailure
+from dapple.runtime.launch.refusal import set_refusal_folder
 
 __all__ = [
     "HEARTBEAT_S",
@@ -221,13 +222,16 @@ def run_worker(
     sock: socket.socket | None,
     args: tuple[Any, ...],
     beats: Any = None,
+    refusals: str | None = None,
 ) -> None:
     """A spawned worker: bind its life to the launcher's, beat into ``beats`` (:func:`heartbeats`),
+    hand a refusal over into the folder ``refusals`` (:mod:`dapple.runtime.launch.refusal`),
     meet the others on loopback (rank 0 serves on ``sock``), set the env and run
     ``fn(rank, world, *args)``; when ``fn`` returns with the default process group still open,
     leave it (:func:`shutdown_distributed`) before the interpreter finalizes."""
     end_with_launcher(launcher)
     start_heartbeat(beats, rank)
+    set_refusal_folder(refusals)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: the launcher stops the workers
     os.environ.update(
         MASTER_ADDR=LOOPBACK,

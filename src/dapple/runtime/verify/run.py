@@ -26,6 +26,7 @@ from dapple.models.shapes import check_steps
 from dapple.models.workload import Workload
 from dapple.runtime import init_distributed, run_plan, shutdown_distributed, spawn, validate_run
 from dapple.runtime.data import check_data
+from dapple.runtime.launch.refusal import hand_over, is_refusal
 from dapple.runtime.precision import check_verify_precision, tolerances_for
 from dapple.runtime.train_config import OPTIM_FIELDS, TrainConfig
 from dapple.runtime.verify.reference import ForcedReference
@@ -172,6 +173,8 @@ def _worker(
                 Path(out, f"case{c}-losses.json").write_text(json.dumps([losses, norms]))
         shutdown_distributed()
     except Exception as e:
+        if is_refusal(e):
+            hand_over(e, rank)  # the launcher ends every worker and raises it
         _die(str(e) if isinstance(e, DappleError) else f"rank {rank}: {type(e).__name__}: {e}")
 
 
