@@ -11,8 +11,8 @@ import pytest
 from dapple.cli import main
 from dapple.cli._config_args import _renamed
 from dapple.errors import ValidationError
-from dapple.planner.config import PlanConfig
-from dapple.runtime.config import TrainConfig
+from dapple.planner.plan_config import PlanConfig
+from dapple.runtime.train_config import TrainConfig
 
 PLAN = ["plan", "--profile", "paper:bert48", "--cluster", "paper-a"]
 TRAIN = ["train", "-m", "transformer", "--plan", "absent-plan.json"]
