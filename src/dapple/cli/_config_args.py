@@ -17,13 +17,22 @@ import contextlib
 import re
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from dapple.errors import ValidationError
 
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+    from dapple.core.config_file import Schema
+
+C = TypeVar("C", bound="DataclassInstance")
+
 __all__ = [
+    "ConfigFile",
     "Flag",
     "add_config_arguments",
+    "config_of",
     "flags_named",
     "given",
     "given_values",
@@ -255,3 +264,51 @@ def missing_required(
         if values.get(f) is None:
             return f"{flag} is required (or {file_key(f)} in the --config file)"
     return None
+
+
+@dataclass(frozen=True)
+class ConfigFile(Generic[C]):
+    """How a command's configuration is read from and written to its ``--config`` file."""
+
+    root: type[C]
+    """The dataclass the command's flags and file build."""
+    schema: Schema
+    """The file's sections and the fields their keys set."""
+    load: Callable[[str, dict[tuple[str, str], Any]], C]
+    """``load(path, over)``: ``root`` from the file, with the flags' values ``over`` on top."""
+    dump: Callable[[C], str]
+    """A ``root`` as the TOML file that ``load`` reads back."""
+    required: Mapping[tuple[str, str], str]
+    """The fields a flag or the file must give, each with its flag's name."""
+
+
+def config_of(args: argparse.Namespace, flags: Iterable[Flag], file: ConfigFile[C]) -> C | None:
+    """The configuration ``--config FILE`` and the flags the command line gave on top (those
+    win) ask for (a ``file.root``); with ``--print-config`` that printed as TOML instead (None).
+
+    Raises:
+        ValidationError: a bad file or value, or a required field neither a flag nor the file
+            gives (named as the flag, and as the file's key).
+    """
+    from dapple.core.config_file import build, values_of
+
+    flags = tuple(flags)
+    over = given_values(args, flags)
+    with flags_named(args, flags):
+        cfg = build(file.root, over) if args.config is None else file.load(args.config, over)
+    if args.print_config:
+        print(file.dump(cfg), end="")
+        return None
+    missing = missing_required(
+        values_of(cfg, file.schema),
+        dict(file.required),
+        lambda f: f"[{_section_of(f, file.schema)}] {f[1]}",
+    )
+    if missing:
+        raise ValidationError(missing)
+    return cfg
+
+
+def _section_of(field: tuple[str, str], schema: Schema) -> str:
+    """The section of ``schema`` whose keys include ``field``."""
+    return next(section for section, fields in schema.items() if field in fields)

@@ -12,14 +12,7 @@ import argparse
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from dapple.cli._config_args import (
-    Flag,
-    add_config_arguments,
-    flags_named,
-    given_values,
-    missing_required,
-    one,
-)
+from dapple.cli._config_args import ConfigFile, Flag, add_config_arguments, config_of, one
 from dapple.errors import ValidationError
 
 if TYPE_CHECKING:
@@ -118,7 +111,6 @@ def plan_config_of(args: argparse.Namespace, parse_mean_seq_len: SeqLenParser) -
     Raises:
         ValidationError: a bad file or value, or no profile or cluster.
     """
-    from dapple.core.config_file import build, values_of
     from dapple.planner.plan_config import (
         PLAN_SECTIONS,
         PlanConfig,
@@ -126,20 +118,11 @@ def plan_config_of(args: argparse.Namespace, parse_mean_seq_len: SeqLenParser) -
         load_plan_config,
     )
 
-    flags = plan_flags(parse_mean_seq_len)
-    over = given_values(args, flags)
-    with flags_named(args, flags):
-        cfg = (
-            build(PlanConfig, over)
-            if args.config is None
-            else load_plan_config(args.config, over=over)
-        )
-    if args.print_config:
-        print(dump_plan_config(cfg), end="")
-        return None
-    missing = missing_required(
-        values_of(cfg, PLAN_SECTIONS), _REQUIRED, lambda f: f"[planning] {f[1]}"
+    file = ConfigFile(
+        PlanConfig,
+        PLAN_SECTIONS,
+        lambda path, over: load_plan_config(path, over=over),
+        dump_plan_config,
+        _REQUIRED,
     )
-    if missing:
-        raise ValidationError(missing)
-    return cfg
+    return config_of(args, plan_flags(parse_mean_seq_len), file)

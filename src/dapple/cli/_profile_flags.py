@@ -13,15 +13,8 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
-from dapple.cli._config_args import (
-    Flag,
-    add_config_arguments,
-    flags_named,
-    given_values,
-    missing_required,
-)
+from dapple.cli._config_args import ConfigFile, Flag, add_config_arguments, config_of
 from dapple.cli._train_flags import TRAIN_FLAGS
-from dapple.errors import ValidationError
 
 if TYPE_CHECKING:
     from dapple.runtime.run_config import ModelConfig
@@ -56,21 +49,15 @@ def model_config_of(args: argparse.Namespace) -> ModelConfig | None:
     Raises:
         ValidationError: a bad file or value, or no model at all.
     """
-    from dapple.core.config_file import build, dump, load, values_of
+    from dapple.core.config_file import dump, load
     from dapple.runtime.run_config import ModelConfig
 
     schema = {"model": tuple(f for flag in MODEL_FLAGS for f in flag.fields)}
-    over = given_values(args, MODEL_FLAGS)
-    with flags_named(args, MODEL_FLAGS):
-        if args.config is not None:
-            cfg = load(args.config, schema, ModelConfig, ignore=_OTHER_SECTIONS, over=over)
-        else:
-            cfg = build(ModelConfig, over)
-    if args.print_config:
-        print(dump(cfg, schema, "dapple profile --config FILE (flags given beside it win)"), end="")
-        return None
-    values = values_of(cfg, schema)
-    missing = missing_required(values, {("", "spec"): "-m/--model"}, lambda f: f"[model] {f[1]}")
-    if missing:
-        raise ValidationError(missing)
-    return cfg
+    file = ConfigFile(
+        ModelConfig,
+        schema,
+        lambda path, over: load(path, schema, ModelConfig, ignore=_OTHER_SECTIONS, over=over),
+        lambda cfg: dump(cfg, schema, "dapple profile --config FILE (flags given beside it win)"),
+        {("", "spec"): "-m/--model"},
+    )
+    return config_of(args, MODEL_FLAGS, file)

@@ -17,13 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 from dapple.api.simulating import SIMULATE_SECTIONS, SimulateConfig
-from dapple.cli._config_args import (
-    add_config_arguments,
-    flags_named,
-    given_values,
-    missing_required,
-    one,
-)
+from dapple.cli._config_args import ConfigFile, add_config_arguments, config_of, one
 from dapple.cli._console import console, print_table
 from dapple.cli._profile_arg import add_profile_argument
 from dapple.cli._renamed import renamed
@@ -93,24 +87,15 @@ def simulate_config_of(args: argparse.Namespace) -> SimulateConfig | None:
         ValidationError: a bad file or value, or no plan, profile or cluster.
     """
     from dapple.api.simulating import dump_simulate_config, load_simulate_config
-    from dapple.core.config_file import build, values_of
 
-    over = given_values(args, _FLAGS)
-    with flags_named(args, _FLAGS):
-        if args.config is not None:
-            cfg = load_simulate_config(args.config, over=over)
-        else:
-            cfg = build(SimulateConfig, over)
-    if args.print_config:
-        print(dump_simulate_config(cfg), end="")
-        return None
-    required = {("", d): f"--{d}" for d in _REQUIRED_DESTS}
-    missing = missing_required(
-        values_of(cfg, SIMULATE_SECTIONS), required, lambda f: f"[simulate] {f[1]}"
+    file = ConfigFile(
+        SimulateConfig,
+        SIMULATE_SECTIONS,
+        lambda path, over: load_simulate_config(path, over=over),
+        dump_simulate_config,
+        {("", d): f"--{d}" for d in _REQUIRED_DESTS},
     )
-    if missing:
-        raise ValidationError(missing)
-    return cfg
+    return config_of(args, _FLAGS, file)
 
 
 def run(args: argparse.Namespace) -> int:
