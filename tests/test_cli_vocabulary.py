@@ -370,3 +370,23 @@ def test_nproc_is_one_count_and_plan_locals_candidates_are_nprocs(
     assert capsys.readouterr().err == (
         "dapple: error: --nproc is spelled --nprocs now (same meaning)\n"
     )
+
+
+def test_plan_local_flags_are_api_plan_local_keywords(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every option of ``dapple plan-local`` but the model's and its output directory is a
+    keyword of ``api.plan_local`` of the same name, and reaches the search."""
+    opts = _options(_commands()["plan-local"])
+    model = {"--model", "--set", "--split-at", "--weights", "--dynamic-dims"}
+    shown = {f for f, a in opts.items() if a.help != argparse.SUPPRESS} - model - {"--out-dir"}
+    params = inspect.signature(api.plan_local).parameters
+    assert {f[2:].replace("-", "_") for f in shown} <= set(params), shown
+    seen: dict[str, object] = {}
+
+    def fake(wl: object, gbs: int, nprocs: object, **kw: object) -> object:
+        seen.update(kw, nprocs=nprocs)
+        raise ValidationError("stop")
+
+    monkeypatch.setattr("dapple.calibrate.local.plan_local", fake)
+    with pytest.raises(ValidationError, match="stop"):
+        api.plan_local("mlp", 8, (2, 3), repeats=2, precision="bf16")
+    assert seen == {"nprocs": (2, 3), "repeats": 2, "precision": "bf16"}

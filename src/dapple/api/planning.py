@@ -237,10 +237,12 @@ def plan_local(
     *,
     overrides: Mapping[str, Any] | None = None,
     repeats: int = 5,
+    precision: str = "fp32",
 ) -> Plan:
     """The best plan for this machine's CPU cores over local process counts ``nprocs``: each
-    count is profiled as co-located workers, calibrated and planned; the lowest predicted L
-    wins (:func:`dapple.calibrate.local.plan_local`, which also returns every candidate).
+    count is profiled as co-located workers (under ``precision``'s autocast, as ``dapple
+    plan-local --precision``), calibrated and planned; the lowest predicted L wins
+    (:func:`dapple.calibrate.local.plan_local`, which also returns every candidate).
 
     Raises:
         ValidationError: a bad model spec or a count below 2.
@@ -248,6 +250,10 @@ def plan_local(
     from dapple.calibrate.local import plan_local as _plan_local
 
     best, _ = _plan_local(
-        as_workload(workload, overrides), global_batch_size, nprocs, repeats=repeats
+        as_workload(workload, overrides),
+        global_batch_size,
+        nprocs,
+        repeats=repeats,
+        precision=precision,
     )
     return best.plan
