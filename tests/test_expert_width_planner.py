@@ -14,6 +14,7 @@ import pytest
 from dapple.cli import main
 from dapple.core import AffineTime, LayerProfile, ModelProfile
 from dapple.core.cluster import GIB, Cluster
+from dapple.core.cluster_presets import PRESETS
 from dapple.core.moe_profile import MoEProfile
 from dapple.core.plan import Plan, StagePlan
 from dapple.cost.peak_memory import plan_stage_bytes
@@ -28,11 +29,15 @@ from dapple.planner.expert_width import (
     make_scorer,
     with_and_without_widths,
     without_expert_widths,
+    zero_zero_twin,
 )
 from dapple.planner.scorer import Scorer
 from dapple.planner.search import dapple_search
 from dapple.planner.stage_options import stage_choice
 from dapple.planner.zero_modes import UNSHARDED, ZeroMode
+from dapple.profiler.analytic import analytic_profile
+from dapple.profiler.analytic_models import TransformerSpec
+from dapple.profiler.analytic_moe_models import MOE_SHAPES
 
 # 2 servers of 4 devices, a slow network between them.
 CLUSTER = Cluster(name="t", servers=2, devices_per_server=4, device_memory_bytes=64 * GIB,
@@ -233,3 +238,36 @@ def test_the_search_under_zero_1_shards_experts_and_predicts_the_cost_model() ->
     assert any(st.expert_width > 1 for st in plan.stages), plan.stages
     assert all(st.zero_stage == 1 for st in plan.stages if st.replicas > 1)
     assert plan.predicted_step_ms == pytest.approx(pipeline_latency(plan, prof, CLUSTER).L_ms)
+
+
+def test_the_zero_zero_twin_offers_the_widths_at_zero_0_only() -> None:
+    prof = _profile(blocks=2)
+    twin = zero_zero_twin(ExpertScorer(prof, CLUSTER, 16, zero_stage="auto", widths=(1, 4)))
+    assert twin is not None and twin.zero_stage == "auto" and twin.widths == frozenset({1, 4})
+    assert [(m.stage, m.expert_width) for m in twin.expert_modes(0, 4, 8)] == [(0, 4)]
+    assert zero_zero_twin(twin) is None  # it has no ZeRO-1/2 widths to leave out
+    assert zero_zero_twin(ExpertScorer(prof, CLUSTER, 16, zero_stage=0)) is None
+    assert zero_zero_twin(ExpertScorer(prof, CLUSTER, 16, zero_stage=1)) is None
+    assert zero_zero_twin(Scorer(prof, CLUSTER, 16, "auto")) is None
+
+
+def test_the_widths_offered_at_zero_1_and_2_too_do_not_end_at_a_higher_l(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """DeepSeek-V3's shapes with 8 blocks on 32 H100, full re-computation, B 128, ``auto``: the
+    search offering the EP widths at ZeRO 0, 1 and 2 ends no higher than the one offering them
+    at ZeRO 0 only. Without the width-1 search's ZeRO-0 twin it ended at 2,396.1 against
+    2,277.4 ms: its better uniform width-1 plan refined to per-stage tensor widths less well."""
+    spec = TransformerSpec(name="deepseek-v3-8", **{**MOE_SHAPES["deepseek-v3"], "layers": 8})
+    prof = analytic_profile(spec, "h100", precision="bf16", recompute="full")
+    cluster = PRESETS["h100-8x"].with_servers(4)
+    wide = dapple_search(prof, cluster, 128, zero_stage="auto", experts=True)
+    every = ExpertScorer.expert_modes
+
+    def zero_only(sc: ExpertScorer, s: int, e: int, replicas: int) -> list[ZeroMode]:
+        return [m for m in every(sc, s, e, replicas) if m.stage == 0]
+
+    monkeypatch.setattr(ExpertScorer, "expert_modes", zero_only)
+    narrow = dapple_search(prof, cluster, 128, zero_stage="auto", experts=True)
+    assert any(st.expert_width > 1 for st in narrow.stages), narrow.stages
+    assert wide.predicted_step_ms <= narrow.predicted_step_ms

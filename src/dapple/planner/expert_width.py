@@ -24,7 +24,9 @@ when it costs less per step than the unsharded option, so a width is taken where
 or where memory asks for it (at ZeRO 1 or 2 too under ``auto``, where that is cheaper still). Each candidate's L is then the cost model's for the chosen widths, and the
 plan records them (:meth:`ExpertScorer.stage_plan`). A profile without MoE layers gets the plain
 :class:`Scorer` (:func:`make_scorer`): its search is unchanged. The DAPPLE search runs once with
-the widths and once without, keeping the better plan (:func:`with_and_without_widths`). Pure,
+the widths and once without, keeping the better plan (:func:`with_and_without_widths`); under
+``auto`` its width-1 search runs once more with the widths at ZeRO 0 only
+(:func:`zero_zero_twin`), a second start for the per-stage tensor widths. Pure,
 no torch.
 """
 
@@ -62,6 +64,7 @@ __all__ = [
     "make_scorer",
     "with_and_without_widths",
     "without_expert_widths",
+    "zero_zero_twin",
 ]
 
 
@@ -118,6 +121,21 @@ def without_expert_widths(plan: Plan) -> Plan:
     )
 
 
+def zero_zero_twin(scorer: Scorer) -> ExpertScorer | None:
+    """``scorer`` offering its EP widths at ZeRO 0 alone, when it offers them at ZeRO 1 or 2
+    too (an :class:`ExpertScorer` under ``auto``); else None. The DAPPLE search runs it beside
+    ``scorer`` (:func:`~dapple.planner.search.dapple_search`): its per-stage widths are a local
+    search from the uniform plan, and the better uniform plan the ZeRO-1/2 widths give may
+    refine to a higher L than the one without them (DeepSeek-V3 on 512 H100: 24,259 -> 20,324
+    ms against 24,545 -> 19,873, ``benchmarks/moe.md``)."""
+    if not isinstance(scorer, ExpertScorer) or scorer.zero_stage != "auto":
+        return None
+    if scorer.expert_zero is not None and scorer.expert_zero <= {0}:
+        return None
+    return ExpertScorer(scorer.profile, scorer.real_cluster, scorer.global_batch_size, "auto",
+                        None if scorer.widths is None else sorted(scorer.widths), (0,))  # fmt: skip
+
+
 class ExpertScorer(Scorer):
     """A width-1 :class:`Scorer` whose MoE stages are also offered each EP width e_s > 1."""
 
@@ -128,11 +146,15 @@ class ExpertScorer(Scorer):
         global_batch_size: int,
         zero_stage: ZeroChoice | ZeroMode = 0,
         widths: Sequence[int] | None = None,
+        expert_zero: Sequence[int] | None = None,
     ) -> None:
         super().__init__(profile, cluster, global_batch_size, zero_stage, 1)
         self.widths = None if widths is None else frozenset(widths)
         """The e_s offered (those a stage may take among them); None: every width. A uniform
         grid offers one (:mod:`dapple.planner.expert_grid`)."""
+        self.expert_zero = None if expert_zero is None else frozenset(expert_zero)
+        """The zero stages the widths are offered at, among those ``zero_stage`` allows; None:
+        all of them (:func:`zero_zero_twin` offers ZeRO 0 alone)."""
         self._syncs: dict[tuple[int, int, tuple[int, ...], int, int, int], float] = {}
         self._sharded: dict[int, ModelProfile] = {}
         self._a2a: dict[tuple[int, int, frozenset[tuple[int, tuple[int, ...]]], int], float] = {}
@@ -141,12 +163,15 @@ class ExpertScorer(Scorer):
     def expert_modes(self, s: int, e: int, replicas: int) -> list[ZeroMode]:
         """The EP options of layers [s, e) on ``replicas`` devices: at each width e_s > 1 the
         stage may take (:func:`~dapple.cost.moe.expert_widths`, among :attr:`widths`), one per
-        zero stage the scorer's allows - 0, 1 or 2 as given, all three under ``auto``; none
-        under ZeRO-3 (not costed with EP) or a fixed :class:`ZeroMode`."""
+        zero stage the scorer's allows - 0, 1 or 2 as given, all three under ``auto``, those of
+        :attr:`expert_zero` among them; none under ZeRO-3 (not costed with EP) or a fixed
+        :class:`ZeroMode`."""
         z = self.zero_stage
         if replicas == 1 or isinstance(z, ZeroMode) or z not in (0, 1, 2, "auto"):
             return []
         stages: tuple[Literal[0, 1, 2], ...] = (0, 1, 2) if z == "auto" else (z,)
+        if self.expert_zero is not None:
+            stages = tuple(x for x in stages if x in self.expert_zero)
         return [
             ZeroMode(zs, False, w)
             for w in expert_widths(self.profile, (s, e), replicas)

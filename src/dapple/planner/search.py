@@ -81,6 +81,7 @@ from dapple.planner.expert_width import (
     make_scorer,
     with_and_without_widths,
     without_expert_widths,
+    zero_zero_twin,
 )
 from dapple.planner.grid import GridPoint, grid_candidates
 from dapple.planner.interleaving import best_interleaved, grid_offers, own_offers
@@ -231,7 +232,10 @@ def dapple_search(
             gradients too (ZeRO-2), in memory and in AR_s; ``auto``: per stage, where memory
             asks for it (:class:`~dapple.planner.scorer.Scorer`), and each plan found is
             also offered with every replicated stage at ZeRO 0-3
-            (:func:`~dapple.planner.zero_twins.zero_twins`). The plan records each
+            (:func:`~dapple.planner.zero_twins.zero_twins`); on a profile with MoE layers the
+            width-1 search runs once more with the expert widths at ZeRO 0 only
+            (:func:`~dapple.planner.expert_width.zero_zero_twin`), a second start for the
+            per-stage widths. The plan records each
             stage's choice (``StagePlan.zero_stage``); 3 (ZeRO-3) re-gathers per
             micro-batch where memory asks for it (``StagePlan.regather``).
         tensor_widths: the tensor widths t to search, one search each with every stage of
@@ -313,17 +317,23 @@ def dapple_search(
             sc.N, sc.G, max_stages, states_per_layer, window, keep, m_candidates, sc.G * t
         )
         limits = dataclasses.replace(limits, drop_unfit=t > 1)
-        # pruned by the narrower widths' uniform plans, not by their per-stage refinements:
-        # a width-t plan above those may still refine to the best (stage_widths is local)
-        best = Incumbent(uniform)
         step = None if progress is None else partial(_width_progress, progress, i, len(widths))
-        _search_width(sc, Ms, global_batch_size, limits, best, cut_limit, step)
-        if best.scored is not None:
-            stages, M, scored = _refine(sc, best.stages, best.M, best.scored, Ms)
-            uniform = min(uniform, scored.L_ms)
-            found.append((scored.L_ms, t, sc.build_plan("dapple", stages, M, scored)))
-            if mixed is not None:
-                found += _stage_widths(mixed, t, stages, M, scored, Ms)
+        twin = zero_zero_twin(sc)  # EP widths at ZeRO 0 only: another start for stage_widths
+        passes = [(sc, mixed, step)]
+        if twin is not None:
+            passes.append((twin, mixed and MixedScorer({**scorers, t: twin}), None))
+        start = uniform
+        for one, mix, report in passes:
+            # pruned by the narrower widths' uniform plans, not by their per-stage refinements:
+            # a width-t plan above those may still refine to the best (stage_widths is local)
+            best = Incumbent(start)
+            _search_width(one, Ms, global_batch_size, limits, best, cut_limit, report)
+            if best.scored is not None:
+                stages, M, scored = _refine(one, best.stages, best.M, best.scored, Ms)
+                uniform = min(uniform, scored.L_ms)
+                found.append((scored.L_ms, t, one.build_plan("dapple", stages, M, scored)))
+                if mix is not None:
+                    found += _stage_widths(mix, t, stages, M, scored, Ms)
     if zero_stage == "auto" and not has_experts(profile):  # twins are scored without EP widths
         found += zero_twins(found, profile, cluster, global_batch_size)
     own = [(t, without_expert_widths(plan)) for _, t, plan in found]  # EP runs under 1F1B only
