@@ -9,8 +9,8 @@ adds once per step. Counts, never time: they do not move with the machine's load
 
 The bounds: per micro-batch, a fixed number of ops and calls whatever the number of gradients
 (the guard reads no gradient there: their norm is its check, once per step); per step, the
-gradient norm (two events per gradient and one stack of them), the guard's verdict, the
-step's collective row and the metrics.
+gradient norm (three events per gradient: its norm, the norm's strides and its copy into
+the step's vector of norms), the guard's verdict, the step's collective row and the metrics.
 
 Besides the counts: which stages run under the keyed-RNG context, and the fused check after
 each backward of the replay that names the first backward that left a non-finite gradient,
@@ -46,11 +46,12 @@ while the guard checked the gradients after each backward, 106 before that)."""
 PER_MB_CALLS = 28
 """Python calls dapple may add per micro-batch: a fixed number for the executor, the
 interpreter and the guard (28 here; 61 with a check after each backward, 118 before that)."""
-PER_STEP_OPS = 4 * N_GRADS + 13
-"""aten ops dapple may add once per step: the gradient norm (a norm and a stack's view per
-gradient, the squares' sum in one ``dot``), the guard's verdict, the step's row, the metrics
-(77 here; 81 with ``square().sum()``, 105 while a world of one still built its row on the
-device and the norm's square root without clipping)."""
+PER_STEP_OPS = 3 * N_GRADS + 12
+"""aten ops dapple may add once per step: the gradient norm (on the CPU a norm, its strides
+and its copy into the group's vector per gradient; the squares' sum in one ``dot``), the
+guard's verdict, the step's row, the metrics (60 here; 77 while the norms were stacked, 81
+with ``square().sum()``, 105 while a world of one still built its row on the device and the
+norm's square root without clipping)."""
 PER_STEP_CALLS = 175
 """Python calls dapple may add once per step (172 here; 201 before a world of one read its
 row in one copy)."""
@@ -193,6 +194,28 @@ def test_the_guards_fused_check_flags_each_backward_in_any_gradient_dtype(
     assert first_bad([float("-inf"), 1.0, float("nan"), 1.0]) == [1.0, 0.0]
     assert first_bad([1.0] * 9 + [float("inf")]) == [1.0, 9.0]  # more backwards than 8 slots
     assert first_bad([1.0, 1.0]) == [-1.0, -1.0]  # the flags of the step before were reset
+
+
+def test_the_norms_written_into_a_groups_vector_are_foreach_norms() -> None:
+    """The CPU norms written into each group's own vector equal ``_foreach_norm``'s stacked,
+    in each dtype, step after step; a group with a missing gradient is stacked instead."""
+    from torch import nn
+
+    from dapple.runtime.optim import GradGroups, _local_sq_norm
+
+    ps = [nn.Parameter(torch.zeros(3, dtype=d)) for d in (torch.float32, torch.bfloat16) * 2]
+    groups = GradGroups(ps)
+    for scale in (1.0, -2.0, 3.0):
+        for k, p in enumerate(ps):
+            p.grad = torch.arange(3.0, dtype=p.dtype) * scale + k
+        got = groups.norms()
+        want = [torch.stack(torch._foreach_norm(gs, 2.0)) for _, gs in groups.grads()]
+        assert [(g.dtype, g.tolist()) for g in got] == [(w.dtype, w.tolist()) for w in want]
+        sq = sum(float(n) ** 2 for w in want for n in w.double())
+        assert _local_sq_norm(groups, torch.device("cpu")).item() == pytest.approx(sq, rel=1e-12)
+    ps[2].grad = None  # the float32 group now has one gradient of two
+    got = groups.norms()
+    assert got[0].tolist() == [torch.linalg.vector_norm(ps[0].grad).item()]
 
 
 # -- what a pipeline's message and a CUDA step's memory reads cost ----------------------------

@@ -194,6 +194,10 @@ def counted_parameters(
     return [p for p in module.parameters() if id(p) not in drop - keep]
 
 
+_NORM_OUT = torch.ops.aten._foreach_norm.Scalar_out
+"""``torch._foreach_norm`` writing into given tensors (no Python binding takes ``out``)."""
+
+
 def _local_grad(g: torch.Tensor) -> torch.Tensor:
     """A gradient as this rank holds it (a ZeRO-3 DTensor's own shard)."""
     return g.to_local() if isinstance(g, DTensor) else g
@@ -216,15 +220,47 @@ class GradGroups:
         """The parameters of each (device, dtype), in their first appearance's order."""
         self.dtypes = [ps[0].dtype for ps in self.groups]
         self._dtensor = any(isinstance(p, DTensor) for ps in self.groups for p in ps)
+        self._norm_out: list[tuple[torch.Tensor, list[torch.Tensor]] | None] = [None] * len(
+            self.groups
+        )
+        """Per group on the CPU: a vector of one norm per parameter and its elements as views
+        (:meth:`norms` writes into them), made at the first call."""
+
+    def _found(self) -> list[list[torch.Tensor]]:
+        """Each group's gradients as this rank holds them (missing ones left out)."""
+        if self._dtensor:
+            return [[_local_grad(p.grad) for p in ps if p.grad is not None] for ps in self.groups]
+        return [[p.grad for p in ps if p.grad is not None] for ps in self.groups]
 
     def grads(self) -> list[tuple[torch.dtype, list[torch.Tensor]]]:
         """Each group's dtype and its parameters' gradients as this rank holds them (missing
         gradients left out, groups without any too)."""
-        if self._dtensor:
-            found = [[_local_grad(p.grad) for p in ps if p.grad is not None] for ps in self.groups]
-        else:
-            found = [[p.grad for p in ps if p.grad is not None] for ps in self.groups]
-        return [(d, gs) for d, gs in zip(self.dtypes, found, strict=True) if gs]
+        return [(d, gs) for d, gs in zip(self.dtypes, self._found(), strict=True) if gs]
+
+    def norms(self) -> list[torch.Tensor]:
+        """Per group with gradients: its gradients' L2 norms (``torch._foreach_norm``, in the
+        gradients' dtype) as one vector.
+
+        On the CPU, where ``_foreach_norm`` runs one norm per gradient, the norms of a group
+        whose every parameter has a gradient are written into the group's own vector (the
+        ``out`` overload: one copy per gradient instead of ``stack``'s view, copy and strides);
+        the vector is overwritten by the next call. Elsewhere (one fused kernel) they are
+        stacked.
+        """
+        out: list[torch.Tensor] = []
+        for k, gs in enumerate(self._found()):
+            if not gs:
+                continue
+            if gs[0].device.type != "cpu" or len(gs) != len(self.groups[k]):
+                out.append(torch.stack(torch._foreach_norm(gs, 2.0)))
+                continue
+            held = self._norm_out[k]
+            if held is None:
+                vec = torch.zeros(len(gs), dtype=gs[0].dtype)
+                held = self._norm_out[k] = (vec, list(vec.unbind()))
+            _NORM_OUT(gs, 2.0, out=held[1])
+            out.append(held[0])
+        return out
 
     def flat(self) -> list[torch.Tensor]:
         """Every gradient of :meth:`grads`, in one list."""
@@ -234,10 +270,7 @@ class GradGroups:
 def _local_sq_norm(groups: GradGroups, device: torch.device) -> torch.Tensor:
     """Sum over ``groups``' parameters of the square of each gradient's float32 norm, in
     float64."""
-    norms = [  # one stack and one conversion per kind, not one per gradient
-        torch.stack(torch._foreach_norm(gs, 2.0)).to(device, torch.float64)
-        for _, gs in groups.grads()
-    ]
+    norms = [v.to(device, torch.float64) for v in groups.norms()]  # one conversion per kind
     if not norms:
         return torch.zeros((), dtype=torch.float64, device=device)
     v = torch.cat(norms) if len(norms) > 1 else norms[0]
