@@ -153,6 +153,16 @@ def test_the_demo_shows_a_repeated_byte_as_a_run() -> None:
     assert is_run(" " * 140) and runs(" " * 140) == "' ' x 140"
     assert not is_run("ab ") and runs("a\\nb") == repr("a\\nb")
     assert not is_run("")
+    # a run after some text, as the demo's greedy continuation ends (was 63 spaces in a repr)
+    assert runs(", in):\n" + " " * 142) == "', in):\\n' + ' ' x 142"
+    assert runs("x" + "z" * 9 + "tail") == "'x' + 'z' x 9 + 'tail'"
+    assert runs("ab" * 60) == repr("ab" * 40) + "..."
+
+
+def test_the_demo_prints_sampled_bytes_terminal_safe() -> None:
+    from dapple.cli._demo_generate import _decoded
+
+    assert _decoded([ord("a"), 0x1B, ord("["), ord("2"), ord("J"), 10]) == "a\\x1b[2J\n"
 
 
 # -- item 3: elastic and stop wording -------------------------------------------------------------
