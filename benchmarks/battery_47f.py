@@ -5,9 +5,7 @@ schedules (``--schedule zbv|dualpipev``), expert widths in plan files, mixed clu
 ``profile``.
 
 Each case runs ``python -m dapple ...`` under ``timeout`` and is recorded with its exit code,
-the first line of stderr and its seconds; a case is flagged when it prints a traceback, exits
-with neither 0 nor 2, runs past its limit, refuses in more than one ``dapple: error:`` line,
-or ends otherwise than its expectation (``ok``: exit 0; ``refuse``: exit 2). Run as
+the first line of stderr and its seconds, and judged as :mod:`_battery` says. Run as
 ``python benchmarks/battery_47f.py --out benchmarks/battery_47f.md`` from the repository root.
 """
 
@@ -17,14 +15,10 @@ import argparse
 import json
 import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 
-from _bench_common import HERE, header
-
-LIMIT_S = 240
-EXAMPLES = HERE.parent / "examples"
+from _battery import EXAMPLES, Case, run_battery
+from _bench_common import HERE
 
 _MIX = {
     "model_type": "mixtral", "architectures": ["MixtralForCausalLM"], "hidden_size": 512,
@@ -42,13 +36,13 @@ VALID = {("--zero-stage", "0")}
 """The odd values that are a flag's valid choice."""
 
 
-def _cases(w: Path) -> list[tuple[str, str, list[str]]]:
+def _cases(w: Path) -> list[Case]:
     """``(group, expectation, argv)`` of every case; ``w`` holds the setup's files."""
     b48 = ["--profile", "paper:bert48", "--cluster", "paper-a"]
     sim = ["simulate", "--plan", str(w / "b48.json"), *b48]
     moe = ["--profile", str(w / "moe.json")]
     mixed = str(EXAMPLES / "mixed.json")
-    out: list[tuple[str, str, list[str]]] = []
+    out: list[Case] = []
     for s in ("zbv", "dualpipev"):  # the V schedules
         out += [
             ("V schedules", "ok", ["plan", *b48, "--schedule", s]),
@@ -139,59 +133,14 @@ def _setup(w: Path) -> None:
         (w / f"{name}.json").write_text(json.dumps(d))
 
 
-def _run(argv: list[str], cwd: Path) -> tuple[int, str, float, bool, int]:
-    """``(rc, first stderr line, seconds, traceback?, error lines)`` of one case."""
-    start = time.monotonic()
-    proc = subprocess.run(["timeout", "-k", "5", str(LIMIT_S), sys.executable, "-m", "dapple",
-                           *argv], capture_output=True, text=True, cwd=cwd, check=False)  # fmt: skip
-    took = time.monotonic() - start
-    err = proc.stderr.strip().splitlines()
-    shown = next((x for x in err if x.startswith("dapple")), err[0] if err else "")
-    errors = sum(x.startswith(("dapple: error:", "dapple ")) and "error" in x for x in err)
-    return proc.returncode, shown, took, "Traceback" in proc.stderr, errors
-
-
-def _verdict(expect: str, rc: int, tb: bool, errors: int) -> str:
-    if tb or rc not in (0, 2):
-        return "**BAD**" + (" (traceback)" if tb else f" (rc {rc})")
-    if rc == 2 and errors != 1:
-        return f"**BAD** ({errors} error lines)"
-    if (expect == "ok") != (rc == 0):
-        return f"differs (expected {expect})"
-    return "as expected"
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(HERE / "battery_47f.md"))
     ap.add_argument("--only", default=None, help="comma-separated groups to run (default: all)")
     args = ap.parse_args()
-    only = None if args.only is None else set(args.only.split(","))
-    command = " ".join(["python", "benchmarks/battery_47f.py", *sys.argv[1:]])
-    lines = header("Issue 47 mini-battery F: V schedules, expert widths, mixed clusters, odd "
-                   "numbers", command)  # fmt: skip
-    rows = []
-    with tempfile.TemporaryDirectory(prefix="battery47f-") as tmp:
-        w = Path(tmp)
-        _setup(w)
-        for group, expect, argv in _cases(w):
-            if only is not None and group not in only:
-                continue
-            rc, line, took, tb, errors = _run(argv, w)
-            shown = " ".join(a.replace(tmp, "W").replace(str(EXAMPLES), "examples") for a in argv)
-            rows.append((group, shown, rc, line.replace(tmp, "W"), took,
-                         _verdict(expect, rc, tb, errors)))  # fmt: skip
-            print(f"{rc:>3} {took:6.1f}s {shown[:90]} | {line[:120]}", flush=True)
-    bad = sum(r[5].startswith("**BAD") for r in rows)
-    lines += ["", f"{len(rows)} cases; {bad} flagged BAD (traceback, exit code other than 0/2, "
-              f"timeout after {LIMIT_S} s, or more than one error line). W is the setup's "
-              "temporary directory.", "",
-              "| # | group | command (`dapple ...`) | rc | first line of stderr | s | verdict |",
-              "|---:|---|---|---:|---|---:|---|"]  # fmt: skip
-    for i, (group, shown, rc, line, took, verdict) in enumerate(rows, 1):
-        cell = line.replace("|", "\\|")
-        lines.append(f"| {i} | {group} | `{shown}` | {rc} | {cell} | {took:.1f} | {verdict} |")
-    Path(args.out).write_text("\n".join(lines) + "\n")
+    run_battery("battery_47f", "Issue 47 mini-battery F: V schedules, expert widths, mixed "
+                "clusters, odd numbers", _cases, _setup, out=args.out,
+                only=None if args.only is None else set(args.only.split(",")))  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -4,13 +4,9 @@ under ``train`` and ``simulate`` with the ZeRO flags, ``--checkpoint-dir`` savin
 end (with ``--save-every``, ``--keep``, ``--resume``, ``generate``), and ``profile --analytic``'s
 length and size limits.
 
-Each case runs ``python -m dapple ...`` under ``timeout`` (battery F's runner,
-``benchmarks/battery_47f.py``) and is recorded with its exit code, the first line of stderr and
-its seconds; a case is flagged when it prints a traceback, exits with neither 0 nor 2, runs past
-its limit, refuses in more than one ``dapple: error:`` line, or ends otherwise than its
-expectation (``ok``: exit 0; ``refuse``: exit 2). A case may also name the checkpoints its
-folder must hold afterwards (a lost or extra save is flagged), and every case ends with no
-``dapple`` process of the battery's folder left running. Run as
+Each case runs ``python -m dapple ...`` under ``timeout`` and is recorded with its exit code,
+the first line of stderr and its seconds, and judged as :mod:`_battery` says. A case may also
+name the checkpoints its folder must hold afterwards (a lost or extra save is flagged). Run as
 ``python benchmarks/battery_47g.py --out benchmarks/battery_47g.md`` from the repository root.
 """
 
@@ -18,26 +14,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
-from _bench_common import HERE, header
-from battery_47f import LIMIT_S, _run, _verdict
-
-EXAMPLES = HERE.parent / "examples"
-
-_TINY_MOE = {
-    "model_type": "mixtral", "architectures": ["MixtralForCausalLM"], "hidden_size": 32,
-    "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
-    "num_key_value_heads": 2, "vocab_size": 128, "max_position_embeddings": 64,
-    "num_local_experts": 4, "num_experts_per_tok": 2, "rms_norm_eps": 1e-5,
-    "tie_word_embeddings": False,
-}  # fmt: skip
-"""A Mixtral of 2 blocks of 4 experts (hf:DIR, built from its config): 4 layers, trains in
-seconds on 2 CPU processes."""
+from _battery import EXAMPLES, TINY_MOE, run_battery
+from _bench_common import HERE
 
 ZOO = ["-m", "transformer", "--set", "layers=2", "--set", "hidden=32"]
 """A zoo transformer of 4 layers (embedding, 2 blocks, head)."""
@@ -162,8 +144,8 @@ def _setup(w: Path) -> None:
     from dapple.core.plan import straight_plan
 
     for d, cfg in (
-        ("tiny_moe", _TINY_MOE),
-        ("huge_moe", {**_TINY_MOE, "hidden_size": 2**22, "intermediate_size": 2**24}),
+        ("tiny_moe", TINY_MOE),
+        ("huge_moe", {**TINY_MOE, "hidden_size": 2**22, "intermediate_size": 2**24}),
     ):
         (w / d).mkdir()
         (w / d / "config.json").write_text(json.dumps(cfg))
@@ -200,10 +182,13 @@ def _checkpoints(w: Path) -> list[str]:
     return sorted(p.name for p in ck.iterdir() if p.name.startswith("step-")) if ck.is_dir() else []
 
 
-def _left(w: Path) -> int:
-    """``dapple`` processes still running whose command line names the battery's folder."""
-    out = subprocess.run(["pgrep", "-f", f"dapple.*{w}"], capture_output=True, text=True)
-    return len([p for p in out.stdout.split() if int(p) != os.getpid()])
+def _saves_as_wanted(w: Path, i: int) -> str | None:
+    """Why case ``i`` is BAD by the checkpoints it left (None: those it names, or it names
+    none)."""
+    want = _cases(w)[i][3]
+    if want is None or _checkpoints(w) == want:
+        return None
+    return f"checkpoints {_checkpoints(w)}, expected {want}"
 
 
 def main() -> None:
@@ -211,39 +196,10 @@ def main() -> None:
     ap.add_argument("--out", default=str(HERE / "battery_47g.md"))
     ap.add_argument("--only", default=None, help="comma-separated groups to run (default: all)")
     args = ap.parse_args()
-    only = None if args.only is None else set(args.only.split(","))
-    command = " ".join(["python", "benchmarks/battery_47g.py", *sys.argv[1:]])
-    lines = header("Issue 47 mini-battery G: kind profiles, V and EP under train, end saves, "
-                   "analytic limits", command)  # fmt: skip
-    rows = []
-    with tempfile.TemporaryDirectory(prefix="battery47g-") as tmp:
-        w = Path(tmp)
-        _setup(w)
-        for group, expect, argv, want in _cases(w):
-            if only is not None and group not in only:
-                continue
-            rc, line, took, tb, errors = _run(argv, w)
-            verdict = _verdict(expect, rc, tb, errors)
-            if want is not None and _checkpoints(w) != want:
-                verdict = f"**BAD** (checkpoints {_checkpoints(w)}, expected {want})"
-            if (n := _left(w)) and not verdict.startswith("**BAD"):
-                verdict = f"**BAD** ({n} processes left)"
-            shown = " ".join(a.replace(tmp, "W").replace(str(EXAMPLES), "examples") for a in argv)
-            rows.append((group, shown, rc, line.replace(tmp, "W"), took, verdict))
-            print(f"{rc:>3} {took:6.1f}s {shown[:90]} | {line[:120]} | {verdict}", flush=True)
-        (w / "ro").chmod(0o755)
-    bad = sum(r[5].startswith("**BAD") for r in rows)
-    differs = sum(r[5].startswith("differs") for r in rows)
-    lines += ["", f"{len(rows)} cases; {bad} flagged BAD (traceback, exit code other than 0/2, "
-              f"timeout after {LIMIT_S} s, more than one error line, checkpoints other than "
-              f"expected, or a process left), {differs} outcomes other than expected. W is the "
-              "setup's temporary directory.", "",
-              "| # | group | command (`dapple ...`) | rc | first line of stderr | s | verdict |",
-              "|---:|---|---|---:|---|---:|---|"]  # fmt: skip
-    for i, (group, shown, rc, line, took, verdict) in enumerate(rows, 1):
-        cell = line.replace("|", "\\|")
-        lines.append(f"| {i} | {group} | `{shown}` | {rc} | {cell} | {took:.1f} | {verdict} |")
-    Path(args.out).write_text("\n".join(lines) + "\n")
+    run_battery("battery_47g", "Issue 47 mini-battery G: kind profiles, V and EP under train, "
+                "end saves, analytic limits", lambda w: [c[:3] for c in _cases(w)], _setup,
+                out=args.out, only=None if args.only is None else set(args.only.split(",")),
+                after=_saves_as_wanted, flagged=", checkpoints other than expected")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, NoReturn
 
 import pytest
 
 from dapple.core.cluster import Cluster
 from dapple.core.layer_profile import AffineTime, LayerProfile
-from dapple.core.plan import Plan
+from dapple.core.plan import Plan, straight_plan
 from dapple.core.profile import ModelProfile
 
 
@@ -122,6 +123,15 @@ def with_in_flight(plan: Plan, D: Sequence[int | None]) -> Plan:
         dataclasses.replace(st, max_in_flight=d) for st, d in zip(plan.stages, D, strict=True)
     )
     return dataclasses.replace(plan, stages=stages)
+
+
+def plan_file(tmp_path: Path, devices: int = 2) -> str:
+    """``tmp_path/plan.json``: 4 layers in ``devices`` (1, 2 or 4) single stages, B = 4 in
+    M = 2 micro-batches (a zoo transformer of ``layers=2``)."""
+    path = tmp_path / "plan.json"
+    straight_plan(4, list(range(0, 4, 4 // devices)), global_batch_size=4,
+                  num_micro_batches=2).save(path)  # fmt: skip
+    return str(path)
 
 
 def boom(*_: Any, **__: Any) -> NoReturn:

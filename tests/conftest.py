@@ -1,10 +1,22 @@
-"""Shared fixtures: a fixed seed for every test (data builders live in ``builders.py``)."""
+"""Shared fixtures: a fixed seed for every test, ``dapple train`` as a user starts it (data
+builders live in ``builders.py``)."""
 
 from __future__ import annotations
 
 import random
 
 import pytest
+
+
+@pytest.fixture
+def standalone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``dapple train`` as a user starts it: no torchrun rank in the environment, and no worker
+    may start (a refusal comes first)."""
+    from builders import boom
+
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr("dapple.runtime.launch.early.EarlyWorkers", boom)
 
 
 @pytest.fixture(autouse=True)

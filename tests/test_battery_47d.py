@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
+from builders import plan_file
 from dapple.cli import main
-from dapple.core.plan import straight_plan
 
 MODEL = ["-m", "transformer", "--set", "layers=2", "--set", "hidden=32"]
 """A zoo transformer of 4 layers (embedding, 2 blocks, head), small enough to build at once."""
@@ -32,24 +32,6 @@ parameter_size=400.0
 """A PipeDream graph of 4 layers: imported, it records no model fingerprint."""
 
 
-def _plan(tmp_path: Path, devices: int = 2) -> str:
-    path = tmp_path / "plan.json"
-    straight_plan(4, list(range(0, 4, 4 // devices)), global_batch_size=4,
-                  num_micro_batches=2).save(path)  # fmt: skip
-    return str(path)
-
-
-@pytest.fixture
-def standalone(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``dapple train`` as a user starts it: no torchrun rank in the environment, and no worker
-    may start (a refusal comes first)."""
-    from builders import boom
-
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setattr("dapple.runtime.launch.early.EarlyWorkers", boom)
-
-
 # -- CUDA asked for on a host without it: one line, before any worker starts -------------------
 def test_train_refuses_cuda_without_it_once_before_any_worker(
     tmp_path: Path,
@@ -62,7 +44,7 @@ def test_train_refuses_cuda_without_it_once_before_any_worker(
 
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     monkeypatch.setattr("dapple.api.load", boom)  # refused before the model is loaded
-    assert main(["train", "--plan", _plan(tmp_path), *MODEL, "--device", "cuda"]) == 2
+    assert main(["train", "--plan", plan_file(tmp_path), *MODEL, "--device", "cuda"]) == 2
     one_error_line(capsys, "--device cuda: CUDA is not available on this host (",
                    "use --device cpu, or auto")  # fmt: skip
     assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.json"]
@@ -83,7 +65,7 @@ def test_verify_and_the_api_refuse_cuda_without_it_before_any_worker(
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     monkeypatch.setattr("dapple.runtime.verify.verify", boom)
     monkeypatch.setattr("dapple.runtime.train", boom)
-    plan = _plan(tmp_path)
+    plan = plan_file(tmp_path)
     assert main(["verify", "--plan", plan, *MODEL, "--device", "cuda"]) == 2
     one_error_line(capsys, "--device cuda: CUDA is not available on this host (")
     spec = {"layers": 2, "hidden": 32}
@@ -136,7 +118,7 @@ def test_train_warns_once_of_a_profile_it_cannot_check_against_the_model(
     launched = _stop_at_launch(monkeypatch)
     caplog.clear()
     with caplog.at_level(logging.WARNING):
-        argv = ["train", "--plan", _plan(tmp_path), *MODEL, "--device", "cpu", "--profile",
+        argv = ["train", "--plan", plan_file(tmp_path), *MODEL, "--device", "cpu", "--profile",
                 str(prof), "--cluster", "local-cpu"]  # fmt: skip
         assert main(argv) == 0
     assert len(launched) == 1  # the checks passed: a warning, not a refusal
@@ -177,16 +159,16 @@ def test_train_refuses_an_elastic_flag_without_elastic(
 ) -> None:
     """At their defaults these were taken without a word (the config cannot tell them from no
     flag), and did nothing."""
-    from builders import one_error_line
+    from builders import one_error_line, plan_file
 
-    assert main(["train", "--plan", _plan(tmp_path), *MODEL, *flags]) == 2
+    assert main(["train", "--plan", plan_file(tmp_path), *MODEL, *flags]) == 2
     one_error_line(capsys, f"{' '.join(flags)} applies to elastic runs only", "add --elastic")
 
 
 def test_an_elastic_flag_passes_in_an_elastic_run_from_the_flag_or_the_file(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    plan, ck = _plan(tmp_path), str(tmp_path / "ck")
+    plan, ck = plan_file(tmp_path), str(tmp_path / "ck")
     elastic = ["--profile", "p.json", "--cluster", "local-cpu", "--checkpoint-dir", ck,
                "--save-every", "1", "--min-devices", "1", "--max-restarts", "2"]  # fmt: skip
     assert main(["train", "--plan", plan, *MODEL, *elastic, "--elastic", "--print-config"]) == 0
@@ -216,14 +198,16 @@ def test_train_refuses_a_checkpoint_flag_without_a_checkpoint_dir(
     """Both were taken without a word and did nothing."""
     from builders import one_error_line
 
-    assert main(["train", "--plan", _plan(tmp_path), *MODEL, *flags]) == 2
+    assert main(["train", "--plan", plan_file(tmp_path), *MODEL, *flags]) == 2
     one_error_line(capsys, f"{named} applies to checkpoints only", "add --checkpoint-dir DIR")
     ck = ["--checkpoint-dir", str(tmp_path / "ck")]
-    assert main(["train", "--plan", _plan(tmp_path), *MODEL, *flags, *ck, "--print-config"]) == 0
+    assert (
+        main(["train", "--plan", plan_file(tmp_path), *MODEL, *flags, *ck, "--print-config"]) == 0
+    )
     capsys.readouterr()
     cfg = tmp_path / "run.toml"  # the folder from the file
     cfg.write_text(f'[checkpoint]\ncheckpoint_dir = "{tmp_path / "ck"}"\n')
-    argv = ["train", "--config", str(cfg), "--plan", _plan(tmp_path), *MODEL, *flags]
+    argv = ["train", "--config", str(cfg), "--plan", plan_file(tmp_path), *MODEL, *flags]
     assert main([*argv, "--print-config"]) == 0
 
 
@@ -236,7 +220,7 @@ def test_train_refuses_more_steps_than_batch_seeds_naming_the_steps(
     from dapple.runtime.train_config import TrainConfig
 
     TrainConfig(steps=2**63 - 1)  # seed 0: the last batch seed is 2^63 - 1
-    assert main(["train", "--plan", _plan(tmp_path), *MODEL, "--steps", str(10**20)]) == 2
+    assert main(["train", "--plan", plan_file(tmp_path), *MODEL, "--steps", str(10**20)]) == 2
     one_error_line(capsys, f"steps must be at most {2**63 - 1}", "got 100000000000000000000")
 
 

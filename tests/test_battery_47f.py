@@ -18,29 +18,12 @@ from typing import Any
 
 import pytest
 
-from builders import one_error_line
+from builders import one_error_line, plan_file
 from dapple.cli import LogLines, build_parser, main
 from dapple.core.plan import Plan, straight_plan
 
 MODEL = ["-m", "transformer", "--set", "layers=2", "--set", "hidden=32"]
 """A zoo transformer of 4 layers (embedding, 2 blocks, head), small enough to build at once."""
-
-
-def _plan(tmp_path: Path) -> str:
-    path = tmp_path / "plan.json"
-    straight_plan(4, [0, 2], global_batch_size=4, num_micro_batches=2).save(path)
-    return str(path)
-
-
-@pytest.fixture
-def standalone(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``dapple train`` as a user starts it: no torchrun rank in the environment, and no worker
-    may start (a refusal comes first)."""
-    from builders import boom
-
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setattr("dapple.runtime.launch.early.EarlyWorkers", boom)
 
 
 # -- 1. --checkpoint-dir without --save-every: one checkpoint, after the last step --------------
@@ -64,7 +47,7 @@ def _save_every(argv: list[str]) -> int:
 def test_a_checkpoint_dir_without_save_every_saves_after_the_last_step(
     tmp_path: Path, extra: list[str], file: str | None, want: int
 ) -> None:
-    argv = ["train", "--plan", _plan(tmp_path), *MODEL, "--steps", "7",
+    argv = ["train", "--plan", plan_file(tmp_path), *MODEL, "--steps", "7",
             "--checkpoint-dir", str(tmp_path / "ck"), *extra]  # fmt: skip
     if file is not None:
         cfg = tmp_path / "run.toml"
@@ -76,9 +59,9 @@ def test_a_checkpoint_dir_without_save_every_saves_after_the_last_step(
 def test_a_checkpoint_dir_from_the_file_saves_after_the_last_step(tmp_path: Path) -> None:
     cfg = tmp_path / "run.toml"
     cfg.write_text(f'[checkpoint]\ncheckpoint_dir = "{tmp_path / "ck"}"\n')
-    argv = ["train", "--plan", _plan(tmp_path), *MODEL, "--steps", "5", "--config", str(cfg)]
+    argv = ["train", "--plan", plan_file(tmp_path), *MODEL, "--steps", "5", "--config", str(cfg)]
     assert _save_every(argv) == 5
-    assert _save_every(["train", "--plan", _plan(tmp_path), *MODEL, "--steps", "5"]) == 0
+    assert _save_every(["train", "--plan", plan_file(tmp_path), *MODEL, "--steps", "5"]) == 0
 
 
 def test_train_says_where_and_when_its_one_checkpoint_is_saved(
@@ -86,7 +69,16 @@ def test_train_says_where_and_when_its_one_checkpoint_is_saved(
 ) -> None:
     monkeypatch.setattr("dapple.cli.train_cmd.run_config", lambda cfg: 0)
     ck = tmp_path / "ck"
-    argv = ["train", "--plan", _plan(tmp_path), *MODEL, "--steps", "4", "--checkpoint-dir", str(ck)]
+    argv = [
+        "train",
+        "--plan",
+        plan_file(tmp_path),
+        *MODEL,
+        "--steps",
+        "4",
+        "--checkpoint-dir",
+        str(ck),
+    ]
     assert main(argv) == 0
     assert capsys.readouterr().out == (
         f"checkpoints: one, after the last step (step 4), in {ck} (--save-every N also saves "
@@ -113,7 +105,7 @@ def test_train_with_a_checkpoint_dir_alone_leaves_its_last_step(tmp_path: Path) 
     from dapple.runtime.checkpoint import list_checkpoints
 
     ck = tmp_path / "ck"
-    argv = [sys.executable, "-m", "dapple", "train", "--plan", _plan(tmp_path), *MODEL,
+    argv = [sys.executable, "-m", "dapple", "train", "--plan", plan_file(tmp_path), *MODEL,
             "--steps", "2", "--device", "cpu", "--checkpoint-dir", str(ck)]  # fmt: skip
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr
@@ -200,7 +192,7 @@ def test_train_and_simulate_both_warn_of_a_profile_without_fingerprint(
                         lambda *_: contextlib.nullcontext())  # fmt: skip
     launched: list[Any] = []
     monkeypatch.setattr("dapple.api.running._launch", lambda *a: launched.append(a) or [])
-    plan = _plan(tmp_path)
+    plan = plan_file(tmp_path)
     with caplog.at_level(logging.WARNING):
         assert main(["train", "--plan", plan, *MODEL, "--device", "cpu", "--profile", str(prof),
                      "--cluster", "local-cpu"]) == 0  # fmt: skip
@@ -226,7 +218,7 @@ def test_an_elastic_flag_without_elastic_names_the_flag_and_elastic(
 ) -> None:
     """``--min-devices 2`` said "min_devices (2) and max_restarts (3) apply to elastic runs
     only: add elastic (--elastic)": the fields, and a flag never given."""
-    assert main(["train", "--plan", _plan(tmp_path), *MODEL, *flags]) == 2
+    assert main(["train", "--plan", plan_file(tmp_path), *MODEL, *flags]) == 2
     one_error_line(capsys, f"{' '.join(flags)} applies to elastic runs only", "add --elastic")
 
 
@@ -238,7 +230,16 @@ def test_an_elastic_flag_passes_when_the_file_makes_the_run_elastic(
         f'[elastic]\nelastic = true\n[report]\nprofile = "p.json"\ncluster = "local-cpu"\n'
         f'[checkpoint]\ncheckpoint_dir = "{tmp_path / "ck"}"\nsave_every = 1\n'
     )
-    argv = ["train", "--config", str(cfg), "--plan", _plan(tmp_path), *MODEL, "--min-devices", "2"]
+    argv = [
+        "train",
+        "--config",
+        str(cfg),
+        "--plan",
+        plan_file(tmp_path),
+        *MODEL,
+        "--min-devices",
+        "2",
+    ]
     assert main([*argv, "--print-config"]) == 0
     assert "min_devices = 2" in capsys.readouterr().out
 
@@ -251,7 +252,7 @@ def test_a_checkpoint_flag_without_a_checkpoint_dir_names_the_flag(
 ) -> None:
     """``--save-every 5`` said "save_every and resume need a checkpoint_dir" (``--resume``,
     never given, named beside it); ``--save-every 0`` was taken without a word."""
-    assert main(["train", "--plan", _plan(tmp_path), *MODEL, *flags]) == 2
+    assert main(["train", "--plan", plan_file(tmp_path), *MODEL, *flags]) == 2
     one_error_line(capsys, f"{' '.join(flags)} applies to checkpoints only",
                    "add --checkpoint-dir DIR, or drop it")  # fmt: skip
 
@@ -375,7 +376,7 @@ def test_an_elastic_run_without_periodic_checkpoints_names_the_flags(
     """It said "give it checkpoint_dir and save_every (got checkpoint_dir='ck', save_every=0)":
     the fields, and a save_every of 0 the user never gave."""
     elastic = ["--elastic", "--profile", "p.json", "--cluster", "local-cpu"]
-    assert main(["train", "--plan", _plan(tmp_path), *MODEL, *elastic, *flags]) == 2
+    assert main(["train", "--plan", plan_file(tmp_path), *MODEL, *elastic, *flags]) == 2
     one_error_line(capsys, "--elastic goes on from the newest checkpoint when a device is lost: "
                    f"give --checkpoint-dir DIR and --save-every N (N >= 1; got {got})")  # fmt: skip
 
@@ -399,7 +400,7 @@ def test_simulate_refuses_servers_below_one_before_reading_the_plan(
     from builders import boom
 
     monkeypatch.setattr("dapple.core.plan.Plan.load", boom)
-    argv = ["simulate", "--plan", _plan(tmp_path), "--profile", "paper:bert48", "--cluster",
+    argv = ["simulate", "--plan", plan_file(tmp_path), "--profile", "paper:bert48", "--cluster",
             "paper-a", f"--servers={servers}"]  # fmt: skip
     assert main(argv) == 2
     one_error_line(capsys, f"--servers must be >= 1, got {servers}")

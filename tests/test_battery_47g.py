@@ -5,11 +5,15 @@ the mini-battery over the features since (``benchmarks/battery_47g.md``)."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+from _battery import TINY_MOE  # the battery's own model
 from builders import one_error_line
 from dapple.cli import main
 from dapple.core.cluster import Cluster
@@ -163,15 +167,6 @@ def test_a_v_on_one_device_group_names_the_replication(
 
 
 # -- 5. an EP plan the runtime does not run: refused by every worker after its start-up -------
-_TINY_MOE = {
-    "model_type": "mixtral", "architectures": ["MixtralForCausalLM"], "hidden_size": 32,
-    "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
-    "num_key_value_heads": 2, "vocab_size": 128, "max_position_embeddings": 64,
-    "num_local_experts": 4, "num_experts_per_tok": 2, "rms_norm_eps": 1e-5,
-    "tie_word_embeddings": False,
-}  # fmt: skip
-
-
 @pytest.mark.parametrize(
     ("model", "extra", "needle"),
     [("moe", ["--zero-stage", "3"], "stage 0 [0, 4] (expert_width 2): expert parallelism with "
@@ -203,7 +198,7 @@ def test_train_refuses_what_expert_parallelism_does_not_run_before_any_worker_ru
                         lambda *a: contextlib.nullcontext(None))  # fmt: skip
     monkeypatch.setattr("dapple.runtime.launch.launcher.spawn", boom)
     (tmp_path / "moe").mkdir()
-    (tmp_path / "moe" / "config.json").write_text(json.dumps(_TINY_MOE))
+    (tmp_path / "moe" / "config.json").write_text(json.dumps(TINY_MOE))
     d = straight_plan(4, [0], global_batch_size=4, num_micro_batches=2, replicas=[2]).to_dict()
     d["stages"][0]["expert_width"] = 2
     (tmp_path / "ep.json").write_text(json.dumps(d))
