@@ -241,12 +241,13 @@ def test_a_killed_worker_costs_a_replan_and_the_run_finishes_on_the_survivors(
     finally:
         proc.kill()
     assert proc.returncode == 0, err[-3000:]
-    assert "re-plan: 3:1 on 4 devices (M=2) -> " in out, out[-3000:]
+    assert "re-plan: replication 3:1 on 4 devices (M=2) -> " in out, out[-3000:]
     _, events = metrics_lines(tmp_path / "m.jsonl")
     assert len(events) == 1 and len(events[0]["lost_ranks"]) == 1, events
     # the loss is said once, as such; the survivors' ends are its consequence, not errors
     assert f"lost rank {events[0]['lost_ranks'][0]}, re-planning for the 3 devices left" in out
     assert "dapple: error:" not in err, err[-3000:]
+    assert "the run re-planned once; its last plan: replication " in out, out[-3000:]
     # the kill lands once step 3's metrics line is out, before or after step 3's save
     assert events[0]["resume_step"] >= 2
     losses = _last_loss_per_step(tmp_path / "m.jsonl")

@@ -431,7 +431,9 @@ def run_config(cfg: RunConfig) -> int:
     if metrics and int(os.environ.get("RANK", "0")) == 0:
         if "replan" in metrics[-1].extra:  # the plan changed: no prediction or table fits
             final = metrics[-1].extra["replication"]
-            print(f"the run re-planned {metrics[-1].extra['replan']} time(s); it ended as {final}")
+            k = metrics[-1].extra["replan"]
+            print(f"the run re-planned {'once' if k == 1 else f'{k} times'}; its last plan: "
+                  f"replication {final}")  # fmt: skip
             print_summary(metrics, curve)
             return 0
         # the first step includes connection set-up and warm-up; report the rest when possible

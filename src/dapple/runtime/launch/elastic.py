@@ -135,7 +135,8 @@ class ElasticResult:
 
 
 def _describe(plan: Plan) -> str:
-    return f"{plan.replication} on {len(plan.devices)} devices (M={plan.num_micro_batches})"
+    """``replication 3:1 on 4 devices (M=2)``."""
+    return f"replication {plan.replication} on {len(plan.devices)} devices (M={plan.num_micro_batches})"
 
 
 def cluster_of(cluster: Cluster, devices: int) -> Cluster:
