@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from dapple.core.cluster import Cluster
 from dapple.core.layer_profile import AffineTime, LayerProfile
+from dapple.core.parallelism import Parallelism
 from dapple.core.plan import Plan, StagePlan
 from dapple.core.profile import ModelProfile
 from dapple.cost.overlap import (
@@ -75,19 +76,24 @@ def test_split_by_bytes() -> None:
     assert split_by_bytes(6.0, [0, 0]) == [6.0, 0.0]
 
 
+def _zero(stage: int) -> Parallelism:
+    """Two replicas at ZeRO ``stage``."""
+    return Parallelism(replicas=2, zero_stage=stage)
+
+
 # -- a stage's synchronisation, by hand ------------------------------------------------------
 
 
 def test_allreduce_under_the_last_backward_by_hand() -> None:
     # reversed backward [3, 3], AR 4 in chunks [2, 2]: R [3,5], R [6,8]: 2 exposed
-    assert exposed_sync_ms(MEGATRON, 4.0, 0, 8, [1, 1], [3, 3], [1, 1]) == pytest.approx(2.0)
-    assert exposed_sync_ms(NO_OVERLAP, 4.0, 0, 8, [1, 1], [3, 3], [1, 1]) == 4.0
+    assert exposed_sync_ms(MEGATRON, 4.0, _zero(0), 8, [1, 1], [3, 3], [1, 1]) == pytest.approx(2.0)
+    assert exposed_sync_ms(NO_OVERLAP, 4.0, _zero(0), 8, [1, 1], [3, 3], [1, 1]) == 4.0
 
 
 def test_distributed_optimizer_hides_both_halves_by_hand() -> None:
     # RS 2 under backward [3, 3]: 1 exposed; AG 2 under forward [1, 1]: G [0,1] L [1,2]
     # G [1,2] L [2,3]: 1 exposed
-    assert exposed_sync_ms(MEGATRON, 4.0, 1, 8, [1, 1], [3, 3], [1, 1]) == pytest.approx(2.0)
+    assert exposed_sync_ms(MEGATRON, 4.0, _zero(1), 8, [1, 1], [3, 3], [1, 1]) == pytest.approx(2.0)
 
 
 def test_fsdp_pass_by_hand() -> None:
@@ -137,7 +143,7 @@ def test_closed_form_matches_the_pass_and_is_bounded(comm, compute, k, more) -> 
 def test_a_stage_sync_stays_between_zero_and_all_of_it(case, sync, zero, M) -> None:  # type: ignore[no-untyped-def]
     compute, _, nbytes, _, _ = case
     for overlap in FRAMEWORKS.values():
-        got = exposed_sync_ms(overlap, sync, zero, M, compute, compute, nbytes)
+        got = exposed_sync_ms(overlap, sync, _zero(zero), M, compute, compute, nbytes)
         assert -1e-9 <= got <= sync + 1e-9
 
 

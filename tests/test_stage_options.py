@@ -84,7 +84,7 @@ def test_sync_terms_of_every_mode_are_those_of_its_own_stage_plan(t: int) -> Non
     for mode in sc._modes(0, 4, len(d)):
         own = sc.stage_plan(0, 1, d, mode)  # the plan of this very mode
         nbytes = sc.param_bytes(0, 4)
-        want = replica_sync_ms(sc.real_cluster, nbytes, own, mode.stage, 4)
+        want = replica_sync_ms(sc.real_cluster, nbytes, own, own.parallel, 4)
         assert sc.ar_ms(0, 4, d, mode, 4) == want, mode
         shared = sc._sync_plan(d, mode)
         assert fsdp_pass_ms(sc.real_cluster, nbytes, shared) == fsdp_pass_ms(

@@ -9,6 +9,7 @@ import dataclasses
 import pytest
 
 from builders import make_cluster, make_profile
+from dapple.core.parallelism import Parallelism
 from dapple.core.plan import straight_plan
 from dapple.core.profile import ModelProfile
 from dapple.cost.comm import stage_sync_ms, stage_update_ms
@@ -39,12 +40,14 @@ def test_profile_json_round_trips_u_and_old_profiles_have_none() -> None:
 
 def test_stage_update_is_u_times_bytes_over_the_shards() -> None:
     cl, prof = make_cluster(), _profile()
-    assert stage_update_ms(cl, prof, 8e6, 3, 0) == pytest.approx(8.0)
-    assert stage_update_ms(cl, prof, 8e6, 4, 1) == pytest.approx(2.0)  # ZeRO: 1/r_s each
-    assert stage_update_ms(cl, prof, 8e6, 1, 2) == pytest.approx(8.0)  # one replica: no shards
-    assert stage_update_ms(cl, _profile(0.0), 8e6, 3, 0) == 0.0
+    three, four = Parallelism(replicas=3), Parallelism(replicas=4, zero_stage=1)
+    assert stage_update_ms(cl, prof, 8e6, three) == pytest.approx(8.0)
+    assert stage_update_ms(cl, prof, 8e6, four) == pytest.approx(2.0)  # ZeRO: 1/r_s each
+    one = Parallelism(replicas=1, zero_stage=2)  # one replica: no shards
+    assert stage_update_ms(cl, prof, 8e6, one) == pytest.approx(8.0)
+    assert stage_update_ms(cl, _profile(0.0), 8e6, three) == 0.0
     host = dataclasses.replace(cl, step_overhead_ms=3.0)  # calibrated host CPU holds it
-    assert stage_update_ms(host, prof, 8e6, 3, 0) == 0.0
+    assert stage_update_ms(host, prof, 8e6, three) == 0.0
 
 
 def test_planner_adds_u_to_ar_and_the_simulator_runs_it_as_opt() -> None:

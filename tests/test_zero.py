@@ -25,7 +25,7 @@ import torch
 import runtime_workloads as rw
 from dapple import api
 from dapple.cli import main
-from dapple.core.parallelism import ZERO_STAGES
+from dapple.core.parallelism import ZERO_STAGES, Parallelism
 from dapple.core.plan import Plan, interleave, straight_plan
 from dapple.errors import ValidationError
 from dapple.runtime.parallel.zero import (
@@ -534,8 +534,12 @@ def test_plan_memory_and_sync_cost_under_zero1_and_zero2() -> None:
     # ZeRO-1: reduce-scatter + all-gather = the AllReduce's bytes; ZeRO-2: M reduce-scatters
     assert z1[1].allreduce_ms == pytest.approx(z0[1].allreduce_ms) and z0[1].allreduce_ms > 0
     assert z2[1].allreduce_ms == pytest.approx((M + 1) / 2 * z0[1].allreduce_ms)
-    assert stage_sync_ms(cluster, 1e6, [0], 1) == 0.0
-    assert stage_sync_ms(cluster, 1e6, [0, 1], 0) == allreduce_ms(cluster, 1e6, [0, 1])
+    assert stage_sync_ms(cluster, 1e6, [0], M) == 0.0
+    assert stage_sync_ms(cluster, 1e6, [0, 1]) == allreduce_ms(cluster, 1e6, [0, 1])
+    zero2 = Parallelism(replicas=2, zero_stage=2).gradient_reductions(M)
+    assert stage_sync_ms(cluster, 1e6, [0, 1], zero2) == (M + 1) / 2 * allreduce_ms(
+        cluster, 1e6, [0, 1]
+    )
     # the simulator's AR of a stage planned with ZeRO-2 lasts what the planner counts
     from dapple.simulate import simulate
 

@@ -19,7 +19,7 @@ given; 3 is refused on one replica).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from dapple.core._json import require
 
@@ -101,6 +101,41 @@ class Parallelism:
     def shards_optimizer(self) -> bool:
         """ZeRO-1 or above on r_s > 1: each replica updates the ``1/r_s`` slice of the state."""
         return self.zero_stage >= 1 and self.replicas > 1
+
+    @property
+    def shards_grads(self) -> bool:
+        """ZeRO-2 or above on r_s > 1: the replicas reduce-scatter the gradients into ``1/r_s``
+        shards too."""
+        return self.zero_stage >= 2 and self.replicas > 1
+
+    @property
+    def reduces_each_backward(self) -> bool:
+        """ZeRO-2 on r_s > 1: a reduce-scatter after each of the M backward passes (ZeRO-3
+        reduce-scatters once per step, after the last)."""
+        return self.zero_stage == 2 and self.replicas > 1
+
+    def gradient_reductions(self, micro_batches: int) -> int:
+        """Reduce-scatters (or AllReduces) of the stage's gradients in one step of M
+        ``micro_batches``: M under ZeRO-2 (:attr:`reduces_each_backward`), else 1."""
+        return micro_batches if self.reduces_each_backward else 1
+
+    def floored(self, zero_floor: int) -> Parallelism:
+        """This layout under a run-wide ZeRO floor (``TrainConfig.zero_stage``, the cost
+        model's ``zero_stage``): the higher of ``zero_floor`` and :attr:`zero_stage` on a
+        replicated stage; a stage of one replica as it is (ZeRO shards nothing there).
+
+        Raises:
+            ValidationError: ``zero_floor`` not one of :data:`ZERO_STAGES`.
+        """
+        require(zero_floor in ZERO_STAGES, f"zero floor must be 0, 1, 2 or 3, got {zero_floor!r}")
+        if self.replicas == 1 or zero_floor <= self.zero_stage:
+            return self
+        return replace(self, zero_stage=zero_floor)
+
+    def unsharded(self) -> Parallelism:
+        """This layout without ZeRO: the replicas and widths, every replica holding its whole
+        state."""
+        return replace(self, zero_stage=0, regather=False)
 
     @property
     def shards_params(self) -> bool:

@@ -12,6 +12,7 @@ import functools
 from collections.abc import Sequence
 
 from dapple.core.cluster import Cluster
+from dapple.core.parallelism import Parallelism
 from dapple.core.plan import StagePlan, slice_bounds
 from dapple.core.profile import ModelProfile
 from dapple.cost.memory import boundary_bytes
@@ -70,35 +71,37 @@ def stage_sync_ms(
     cluster: Cluster,
     nbytes: float,
     devices: Sequence[int],
-    zero_stage: int = 0,
-    micro_batches: int = 1,
+    reductions: int = 1,
 ) -> float:
-    """The gradient and parameter synchronisation of a stage in one step.
+    """The gradient and parameter synchronisation of a stage in one step, with ``reductions``
+    of its gradients (:meth:`Parallelism.gradient_reductions
+    <dapple.core.parallelism.Parallelism.gradient_reductions>`).
 
-    ``zero_stage`` 0: AR(P_s, g_s) (:func:`allreduce_ms`). 1: a reduce-scatter of the gradients
-    and an all-gather of the updated parameters (:mod:`dapple.runtime.parallel.zero`), each the
-    ``(n-1)/n`` of the bytes that is one half of the ring AllReduce: AR in all. 2: the
-    reduce-scatter after each of the ``micro_batches`` (M) backward passes, then the
-    all-gather: ``(M + 1) / 2`` x AR. The smaller optimizer update is not modelled (the cost
-    model has no update term)."""
+    No ZeRO: AR(P_s, g_s) (:func:`allreduce_ms`), a reduction of 1. ZeRO-1: a reduce-scatter
+    of the gradients and an all-gather of the updated parameters
+    (:mod:`dapple.runtime.parallel.zero`), each the ``(n-1)/n`` of the bytes that is one half of
+    the ring AllReduce: AR in all. ZeRO-2: the reduce-scatter after each of the M backward
+    passes (``reductions`` = M), then the all-gather: ``(M + 1) / 2`` x AR. The smaller
+    optimizer update is not modelled (the cost model has no update term)."""
     ar = allreduce_ms(cluster, nbytes, devices)
-    return ar * (micro_batches + 1) / 2 if zero_stage >= 2 else ar
+    return ar * (reductions + 1) / 2
 
 
 def stage_update_ms(
-    cluster: Cluster, profile: ModelProfile, nbytes: float, replicas: int, zero_stage: int = 0
+    cluster: Cluster, profile: ModelProfile, nbytes: float, parallel: Parallelism
 ) -> float:
     """U_s: the optimizer update of a stage's ``nbytes`` of parameters on each replica,
     ``U * nbytes`` with U the profile's measured ``update_ms_per_parameter_byte``, divided by
-    r_s under ZeRO (each replica updates its 1/r_s shard). The cost model adds it to AR_s: a
-    replica updates after its stage's synchronisation, before the step ends.
+    r_s when ``parallel`` shards the optimizer state (each replica updates its 1/r_s shard).
+    The cost model adds it to AR_s: a replica updates after its stage's synchronisation,
+    before the step ends.
 
     0 for a profile without U, and on clusters with host CPU terms, whose calibrated per-step
     host CPU (``Cluster.step_overhead_ms``, :mod:`dapple.cost.host`) already holds the
     update."""
     if cluster.host_overheads or not profile.update_ms_per_parameter_byte:
         return 0.0
-    shards = replicas if zero_stage >= 1 and replicas > 1 else 1
+    shards = parallel.replicas if parallel.shards_optimizer else 1
     return profile.update_ms_per_parameter_byte * nbytes / shards
 
 

@@ -54,6 +54,7 @@ from collections.abc import Mapping, Sequence
 from dapple.core.cluster import Cluster
 from dapple.core.layer_profile import LayerProfile
 from dapple.core.moe_profile import MoEProfile
+from dapple.core.parallelism import Parallelism
 from dapple.core.plan import StagePlan
 from dapple.core.profile import ModelProfile
 from dapple.cost.comm import allreduce_ms
@@ -310,15 +311,14 @@ def moe_sync_ms(
     expert_bytes: float,
     devices: Sequence[int],
     width: int,
-    zero_stage: int = 0,
-    micro_batches: int = 1,
+    reductions: int = 1,
 ) -> float:
     """A stage's gradient synchronisation with EP width e_s: ``AR(P_dense, r_s)`` over all
     replicas, then :func:`expert_allreduce_ms` of the experts over r_s / e_s replicas each
     (in turn, as a runtime reducing its buckets one after the other would); under ZeRO-1 the
     same bytes (reduce-scatters, then all-gathers), under ZeRO-2 ``(M + 1) / 2`` times them
-    (a reduce-scatter of both parts after each of the M backwards, then the all-gathers), as
-    :func:`~dapple.cost.comm.stage_sync_ms` prices ZeRO-2.
+    (a reduce-scatter of both parts after each of the M backwards, ``reductions`` = M, then
+    the all-gathers), as :func:`~dapple.cost.comm.stage_sync_ms` prices them.
 
     Raises:
         ValidationError: e_s does not divide the replicas.
@@ -326,7 +326,7 @@ def moe_sync_ms(
     ar = allreduce_ms(cluster, dense_bytes, devices) + expert_allreduce_ms(
         cluster, expert_bytes, devices, width
     )
-    return ar * (micro_batches + 1) / 2 if zero_stage >= 2 else ar
+    return ar * (reductions + 1) / 2
 
 
 # -- a plan's stage -------------------------------------------------------------------------
@@ -346,10 +346,11 @@ def expert_widths(profile: ModelProfile, layers: tuple[int, int], replicas: int)
     return [e for e in range(1, replicas + 1) if replicas % e == 0 and g % e == 0]
 
 
-def check_expert_stage(profile: ModelProfile, stage: StagePlan, zero_stage: int) -> None:
+def check_expert_stage(profile: ModelProfile, stage: StagePlan, parallel: Parallelism) -> None:
     """Refuse a stage whose EP width the cost model does not price: e_s > 1 with a tensor
-    width t_s > 1 or zero stage 3, or an e_s that does not divide one of its MoE layers' E
-    (:func:`check_expert_width`). Nothing to check at e_s = 1.
+    width t_s > 1 or ZeRO-3 (``parallel``: the stage's layout under the run's ZeRO floor), or
+    an e_s that does not divide one of its MoE layers' E (:func:`check_expert_width`).
+    Nothing to check at e_s = 1.
 
     Raises:
         ValidationError: one line naming the stage's layers and the offending value.
@@ -363,9 +364,10 @@ def check_expert_stage(profile: ModelProfile, stage: StagePlan, zero_stage: int)
             f"{what}: expert parallelism with tensor_width {stage.tensor_width} is not costed; "
             "use tensor_width 1"
         )
-    if zero_stage >= 3:
+    if parallel.shards_params:
         raise ValidationError(
-            f"{what}: expert parallelism with zero_stage {zero_stage} is not costed; use 0, 1 or 2"
+            f"{what}: expert parallelism with zero_stage {parallel.zero_stage} is not costed; "
+            "use 0, 1 or 2"
         )
     sub = dataclasses.replace(profile, layers=profile.layers[stage.layers[0] : stage.layers[1]])
     try:
@@ -456,14 +458,13 @@ def expert_stage_sync_ms(
     profile: ModelProfile,
     cluster: Cluster,
     stage: StagePlan,
-    zero_stage: int = 0,
-    micro_batches: int = 1,
+    reductions: int = 1,
 ) -> float:
-    """AR_s of a stage of EP width e_s (t_s = 1) under ``zero_stage`` (0-2) with M
-    ``micro_batches``: :func:`moe_sync_ms` of its dense and expert gradient bytes over its
-    replicas; :func:`~dapple.cost.comm.stage_sync_ms` at e_s = 1."""
+    """AR_s of a stage of EP width e_s (t_s = 1) with ``reductions`` of its gradients in a
+    step (M under ZeRO-2, :meth:`~dapple.core.parallelism.Parallelism.gradient_reductions`):
+    :func:`moe_sync_ms` of its dense and expert gradient bytes over its replicas;
+    :func:`~dapple.cost.comm.stage_sync_ms` at e_s = 1."""
     s, e = stage.layers
     expert = float(sum(_expert_bytes(x) for x in profile.layers[s:e]))
     dense = sum(x.parameter_bytes for x in profile.layers[s:e]) - expert
-    return moe_sync_ms(cluster, dense, expert, stage.devices, stage.expert_width, zero_stage,
-                       micro_batches)  # fmt: skip
+    return moe_sync_ms(cluster, dense, expert, stage.devices, stage.expert_width, reductions)

@@ -39,6 +39,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from dapple.core.parallelism import Parallelism
 from dapple.errors import ValidationError
 
 __all__ = [
@@ -172,7 +173,7 @@ def equal_chunks_exposed_ms(comm_ms: float, compute_ms: float, chunks: int) -> f
 def exposed_sync_ms(
     overlap: CommOverlap,
     sync_ms: float,
-    zero_stage: int,
+    parallel: Parallelism,
     micro_batches: int,
     forward: Sequence[float],
     backward: Sequence[float],
@@ -183,22 +184,23 @@ def exposed_sync_ms(
 
     ``forward`` and ``backward``: per layer of the stage, in layer order, one micro-batch's
     compute on the slowest replica; ``layer_bytes``: the layers' gradient bytes (the traffic
-    splits by them, :func:`split_by_bytes`). Zero stage 0: the AllReduce under the last
-    backward when ``grad_reduce``. Zero stages 1 and 3 (once per step): AR_s is a
-    reduce-scatter and an all-gather, half each; the reduce-scatter under the last backward
-    (``grad_reduce``), the all-gather under the first forward (``param_gather``). Zero stage 2:
-    ``(M + 1) / 2`` AR, a reduce-scatter under each of the M backwards and the all-gather.
+    splits by them, :func:`split_by_bytes`); ``parallel``: how the stage's replicas shard
+    their state. No ZeRO: the AllReduce under the last backward when ``grad_reduce``. ZeRO-1
+    and 3 (once per step): AR_s is a reduce-scatter and an all-gather, half each; the
+    reduce-scatter under the last backward (``grad_reduce``), the all-gather under the first
+    forward (``param_gather``). ZeRO-2: ``(M + 1) / 2`` AR, a reduce-scatter under each of the
+    M backwards and the all-gather.
     Without overlap (or no traffic): ``sync_ms`` unchanged.
     """
     if not overlap.any or sync_ms <= 0:
         return sync_ms
     fwd, bwd = list(forward), list(reversed(backward))
     fbytes, bbytes = list(layer_bytes), list(reversed(layer_bytes))
-    if zero_stage == 0:
+    if not parallel.shards_optimizer:
         if not overlap.grad_reduce:
             return sync_ms
         return layered_pass_exposed_ms(bwd, reduce=split_by_bytes(sync_ms, bbytes))
-    reductions = micro_batches if zero_stage == 2 else 1
+    reductions = parallel.gradient_reductions(micro_batches)
     half = sync_ms / (reductions + 1)
     rs = (
         layered_pass_exposed_ms(bwd, reduce=split_by_bytes(half, bbytes))

@@ -50,6 +50,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from dapple.core.layer_profile import LayerProfile
+from dapple.core.parallelism import Parallelism
 from dapple.core.plan import StagePlan
 from dapple.core.precision import precision_of
 from dapple.core.profile import ModelProfile
@@ -294,15 +295,19 @@ def stage_peak(
 
 
 def expert_stage_state_bytes(
-    profile: ModelProfile, layers: tuple[int, int], replicas: int, width: int, zero_stage: int
+    profile: ModelProfile, layers: tuple[int, int], parallel: Parallelism
 ) -> tuple[float, float]:
-    """:func:`stage_state_bytes` of one replica of a stage of EP width e_s under ZeRO-1/2, as
-    ``dapple.runtime.parallel.expert`` shards it: the dense part (:func:`~dapple.cost.moe.
-    expert_parts`) over the r_s replicas, the rank's E/e_s experts over the r_s / e_s copies
-    of its shard (whole at e_s = r_s: no other holder). Raises ValueError for a zero stage
-    other than 1 or 2."""
-    if zero_stage not in (1, 2):
-        raise ValueError(f"expert_stage_state_bytes prices ZeRO-1/2, got zero_stage {zero_stage}")
+    """:func:`stage_state_bytes` of one replica of a stage of EP width e_s under ZeRO-1/2
+    (``parallel``), as ``dapple.runtime.parallel.expert`` shards it: the dense part
+    (:func:`~dapple.cost.moe.expert_parts`) over the r_s replicas, the rank's E/e_s experts
+    over the r_s / e_s copies of its shard (whole at e_s = r_s: no other holder). Raises
+    ValueError unless ``parallel`` shards the optimizer state and not the parameters."""
+    if not parallel.shards_optimizer or parallel.shards_params:
+        raise ValueError(
+            f"expert_stage_state_bytes prices ZeRO-1/2 on r_s > 1, got zero_stage "
+            f"{parallel.zero_stage} on {parallel.replicas} replicas"
+        )
+    replicas, width, zero_stage = parallel.replicas, parallel.expert_width, parallel.zero_stage
     dense, experts = expert_parts(profile.for_memory, width)
     d = stage_state_bytes(dense, layers, replicas, zero_stage)
     x = stage_state_bytes(experts, layers, replicas // width, zero_stage)
@@ -322,22 +327,20 @@ def plan_stage_bytes(
     stage or ``zero_stage`` where higher; each MoE layer's experts ``1/e_s`` under an EP width
     e_s (:func:`~dapple.cost.moe.expert_sharded_profile`), their state under ZeRO-1/2 sharded
     over each shard's copies (:func:`expert_stage_state_bytes`)."""
-    zero = max(zero_stage, stage.zero_stage)
+    par = stage.parallel.floored(zero_stage)
     state = None
-    if stage.parallel.expert_parallel:
-        if zero in (1, 2):
-            state = expert_stage_state_bytes(
-                profile, stage.layers, stage.replicas, stage.expert_width, zero
-            )
+    if par.expert_parallel:
+        if par.shards_optimizer and not par.shards_params:
+            state = expert_stage_state_bytes(profile, stage.layers, par)
         profile = expert_sharded_profile(profile.for_memory, stage.expert_width)
     plain, redone = stage_bytes(
         profile,
         stage.layers,
         max(stage.slice_sizes(micro_batch_size)) if samples is None else samples,
-        replicas=stage.replicas,
-        zero_stage=zero,
-        tensor_width=stage.tensor_width,
-        regather=stage.regather,
+        replicas=par.replicas,
+        zero_stage=par.zero_stage,
+        tensor_width=par.tensor_width,
+        regather=par.regather,
         state=state,
     )
     return redone if stage.recompute else plain

@@ -140,7 +140,7 @@ def latency_breakdown(terms: PlanTerms) -> LatencyBreakdown:
                         plan.micro_batch_size,
                         ks[i],
                         plan.num_micro_batches,
-                        max(terms.zero_stage, st.zero_stage),
+                        terms.zero_stage,
                     ).peak
                     if compute
                     else 0.0
@@ -169,13 +169,14 @@ def _fits_kinds(terms: PlanTerms, ks: list[int]) -> bool:
     K_i in flight) fits its device kind's usable memory."""
     plan, cl, b = terms.plan, terms.cluster, terms.plan.micro_batch_size
     for st, k in zip(plan.stages, ks, strict=True):
-        z = max(terms.zero_stage, st.zero_stage)
         held = {
             (n, cl.usable_memory_of(d))
             for d, n in zip(st.replica_devices, st.slice_sizes(b), strict=True)
         }
         for n, usable in held:
-            peak = stage_peak(terms.profile, st, b, k, plan.num_micro_batches, z, samples=n)
+            peak = stage_peak(
+                terms.profile, st, b, k, plan.num_micro_batches, terms.zero_stage, samples=n
+            )
             if peak.peak > usable:
                 return False
     return True

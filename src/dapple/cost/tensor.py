@@ -33,6 +33,7 @@ Beyond the paper (DAPPLE plans whole-layer replicas). Pure functions, no torch; 
 from __future__ import annotations
 
 from dapple.core.cluster import Cluster
+from dapple.core.parallelism import Parallelism
 from dapple.core.plan import StagePlan
 from dapple.core.profile import ModelProfile
 from dapple.cost.comm import allreduce_ms, server_counts, stage_sync_ms
@@ -154,22 +155,25 @@ def _parallel_allreduce_ms(cluster: Cluster, nbytes: float, stage: StagePlan) ->
 
 
 def replica_sync_ms(
-    cluster: Cluster, nbytes: float, stage: StagePlan, zero_stage: int, micro_batches: int
+    cluster: Cluster, nbytes: float, stage: StagePlan, parallel: Parallelism, micro_batches: int
 ) -> float:
-    """AR_s of a stage of width t_s over its r_s replicas, ``nbytes`` being its tensor-sharded
+    """AR_s of a stage of width t_s over its r_s replicas sharded as ``parallel`` says (the
+    stage's own layout, or it under a run-wide ZeRO floor), ``nbytes`` being its tensor-sharded
     gradient bytes (:func:`sharded_parameter_bytes`).
 
-    t_s = 1 and zero stage <= 2: :func:`~dapple.cost.comm.stage_sync_ms` exactly. Otherwise
-    per tensor rank, the t_s groups in parallel (:func:`_parallel_allreduce_ms`): zero stage 0
-    and 1 AR, 2 ``(M + 1) / 2`` AR, 3 AR (one all-gather, one reduce-scatter per step), 3 with
-    ``regather`` 0 here (its traffic is per micro-batch, :func:`fsdp_pass_ms`).
+    t_s = 1 without ZeRO-3: :func:`~dapple.cost.comm.stage_sync_ms` exactly. Otherwise per
+    tensor rank, the t_s groups in parallel (:func:`_parallel_allreduce_ms`): no ZeRO and
+    ZeRO-1 AR, ZeRO-2 ``(M + 1) / 2`` AR, ZeRO-3 AR (one all-gather, one reduce-scatter per
+    step), ZeRO-3 with ``regather`` 0 here (its traffic is per micro-batch,
+    :func:`fsdp_pass_ms`).
     """
-    if not stage.parallel.tensor_parallel and zero_stage <= 2:
-        return stage_sync_ms(cluster, nbytes, stage.devices, zero_stage, micro_batches)
-    if zero_stage == 3 and stage.regather:
+    reductions = parallel.gradient_reductions(micro_batches)
+    if not parallel.tensor_parallel and not parallel.shards_params:
+        return stage_sync_ms(cluster, nbytes, stage.devices, reductions)
+    if parallel.regather:
         return 0.0
     ar = _parallel_allreduce_ms(cluster, nbytes, stage)
-    return ar * (micro_batches + 1) / 2 if zero_stage == 2 else ar
+    return ar * (reductions + 1) / 2 if parallel.reduces_each_backward else ar
 
 
 def fsdp_pass_ms(cluster: Cluster, nbytes: float, stage: StagePlan) -> tuple[float, float]:

@@ -30,6 +30,7 @@ from typing import NamedTuple
 
 from dapple.core.cluster import Cluster
 from dapple.core.kind_profiles import profile_of
+from dapple.core.parallelism import Parallelism
 from dapple.core.plan import Plan, StagePlan, transfers
 from dapple.core.profile import ModelProfile
 from dapple.core.tensor_layout import check_tensor_groups
@@ -299,7 +300,9 @@ def stage_terms(
         [st.shares for st in plan.stages],
     )
     stages = tuple(
-        _stage_terms(plan, profile, cluster, st, max(zero_stage, st.zero_stage), extras[i], overlap)
+        _stage_terms(
+            plan, profile, cluster, st, st.parallel.floored(zero_stage), extras[i], overlap
+        )
         for i, st in enumerate(plan.stages)
     )
     boundaries = tuple(
@@ -321,12 +324,12 @@ def _stage_terms(
     profile: ModelProfile,
     cluster: Cluster,
     st: StagePlan,
-    zero_stage: int,
+    par: Parallelism,
     extras: Sequence[HostExtra],
     overlap: CommOverlap = NO_OVERLAP,
 ) -> PlanStageTerms:
-    """The terms of computation stage ``st`` of ``plan`` under ``zero_stage``, with the traffic
-    ``overlap`` leaves exposed."""
+    """The terms of computation stage ``st`` of ``plan`` laid out as ``par`` (its own layout
+    under the run's ZeRO floor), with the traffic ``overlap`` leaves exposed."""
     b, M = plan.micro_batch_size, plan.num_micro_batches
     sizes = st.slice_sizes(b)
     t = st.tensor_width
@@ -334,7 +337,7 @@ def _stage_terms(
     pbytes = sum(layer.parameter_bytes for layer in profile.layers[s0:e0])
     tp = st.parallel.tensor_parallel
     grad_bytes = sharded_parameter_bytes(profile, st.layers, t) if tp else float(pbytes)
-    check_expert_stage(profile, st, zero_stage)
+    check_expert_stage(profile, st, par)
     owns = [profile_of(cluster, d, profile) for d in st.replica_devices]  # a kind's own, if any
     times = {}
     for p in {id(x): x for x in owns}.values():
@@ -345,7 +348,7 @@ def _stage_terms(
         if st.parallel.expert_parallel:  # the all-to-alls and the experts' sharded compute
             ts = expert_slice_times(p, cluster, st, ts, max(sizes))
         times.update({(id(p), n): v for n, v in ts.items()})
-    if st.parallel.expert_parallel and zero_stage == 0:  # the experts' sharded state (cost.moe)
+    if par.expert_parallel and not par.shards_optimizer:  # the experts' sharded state (cost.moe)
         grad_bytes = stage_rank_parameter_bytes(profile, st.layers, st.expert_width)
     # under ZeRO-1/2 each replica updates (P_dense + P_experts) / r_s at any e_s: grad_bytes / r_s
     replicas = tuple(
@@ -380,19 +383,19 @@ def _stage_terms(
         else ()
     )
     sync = (
-        expert_stage_sync_ms(profile, cluster, st, zero_stage, M)
-        if st.parallel.expert_parallel
-        else replica_sync_ms(cluster, grad_bytes, st, zero_stage, M)
+        expert_stage_sync_ms(profile, cluster, st, par.gradient_reductions(M))
+        if par.expert_parallel
+        else replica_sync_ms(cluster, grad_bytes, st, par, M)
     )
     if overlap.any and sync > 0:
         fwd, bwd, nbytes = _layer_times(profile, cluster, st, max(sizes))
-        sync = exposed_sync_ms(overlap, sync, zero_stage, M, fwd, bwd, nbytes)
+        sync = exposed_sync_ms(overlap, sync, par, M, fwd, bwd, nbytes)
     slowest = max(replicas, key=lambda x: x.forward_ms + x.backward_ms)  # the first slowest
     terms = StageTerms(
         forward_ms=slowest.forward_ms,
         backward_ms=slowest.backward_ms,
         sync_ms=sync,
-        update_ms=stage_update_ms(cluster, profile, grad_bytes, st.replicas, zero_stage),
+        update_ms=stage_update_ms(cluster, profile, grad_bytes, par),
         work=work,
     )
     return PlanStageTerms(
@@ -401,7 +404,7 @@ def _stage_terms(
         parameter_bytes=pbytes,
         allreduce_ms=allreduce_ms(cluster, pbytes, st.devices)
         if not tp
-        else replica_sync_ms(cluster, grad_bytes, st, 0, M),
+        else replica_sync_ms(cluster, grad_bytes, st, par.unsharded(), M),
         host=slowest_extra(extras) if has_host_terms(cluster) else None,
     )
 

@@ -38,6 +38,7 @@ from collections.abc import Callable, Sequence
 from typing import Literal
 
 from dapple.core.cluster import Cluster
+from dapple.core.parallelism import Parallelism
 from dapple.core.plan import Plan, StagePlan
 from dapple.core.planning_options import ZeroChoice
 from dapple.core.profile import ModelProfile
@@ -229,17 +230,19 @@ class ExpertScorer(Scorer):
             self.profile, self.real_cluster, st, {n: ((f0, b0), (0, 0))}, n, a2a
         )[n]
         z = mode.stage
-        key = (s, e, d, w, z, M if z >= 2 else 1)
+        par = Parallelism(replicas=len(d), zero_stage=z, expert_width=w)
+        reductions = par.gradient_reductions(M)
+        key = (s, e, d, w, z, reductions)
         sync = self._syncs.get(key)
         if sync is None:
             sync = self._syncs[key] = expert_stage_sync_ms(
-                self.profile, self.real_cluster, st, z, M
+                self.profile, self.real_cluster, st, reductions
             )
-        if z == 0:  # each replica updates P_dense + P_experts / e_s
+        if not par.shards_optimizer:  # each replica updates P_dense + P_experts / e_s
             rank_bytes = stage_rank_parameter_bytes(self.profile, (s, e), w)
-            update = stage_update_ms(self.cluster, self.profile, rank_bytes, len(d), 0)
+            update = stage_update_ms(self.cluster, self.profile, rank_bytes, par)
         else:  # (P_dense + P_experts) / r_s (dapple.cost.moe)
-            update = stage_update_ms(self.cluster, self.profile, self.param_bytes(s, e), len(d), z)
+            update = stage_update_ms(self.cluster, self.profile, self.param_bytes(s, e), par)
         d_nr, d_r, floor = self._expert_memory(s, e, n, len(d), w, M, z)
         plain = StageTerms(
             forward_ms=f, backward_ms=bw, sync_ms=sync, update_ms=update,
@@ -265,7 +268,10 @@ class ExpertScorer(Scorer):
         memory = self._sharded.get(w)
         if memory is None:
             memory = self._sharded[w] = expert_sharded_profile(self._memory, w)
-        state = expert_stage_state_bytes(self._memory, (s, e), replicas, w, z) if z else None
+        par = Parallelism(replicas=replicas, zero_stage=z, expert_width=w)
+        state = (
+            expert_stage_state_bytes(self._memory, (s, e), par) if par.shards_optimizer else None
+        )
         plain, redone = stage_bytes(memory, (s, e), n, replicas=replicas, zero_stage=z,
                                     state=state)  # fmt: skip
         usable = float(self.cluster.usable_memory_bytes)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from itertools import accumulate
 
 from dapple.core.cluster import Cluster
+from dapple.core.parallelism import Parallelism
 from dapple.core.plan import DEFAULT_SCHEDULE, Plan, Policy, StagePlan
 from dapple.core.planning_options import ZeroChoice
 from dapple.core.profile import ModelProfile
@@ -121,6 +122,7 @@ class Scorer:
             tuple[int, int, int, int, ZeroMode, int, float], tuple[int, int, float]
         ] = {}
         self._zero3: dict[tuple[int, int], tuple[ZeroMode, ...]] = {}
+        self._parallels: dict[tuple[int, ZeroMode], Parallelism] = {}
         self.evaluations = 0
 
     # -- per-stage terms ---------------------------------------------------------------------
@@ -143,27 +145,42 @@ class Scorer:
     ) -> float:
         """AR_s of layers [s, e) on ``devices`` under ``mode`` with M micro-batches
         (:func:`~dapple.cost.comm.stage_sync_ms`)."""
-        z = mode.stage
-        key = (s, e, devices, mode, M if z >= 2 else 1)
+        par = self.parallel(len(devices), mode)
+        reductions = par.gradient_reductions(M)
+        key = (s, e, devices, mode, reductions)
         v = self._ar.get(key)
         if v is None:
-            if self.tensor_width == 1 and z <= 2:
-                v = stage_sync_ms(self.cluster, self.param_bytes(s, e), devices, z, M)
+            if not par.tensor_parallel and not par.shards_params:
+                v = stage_sync_ms(self.cluster, self.param_bytes(s, e), devices, reductions)
             else:
                 v = replica_sync_ms(
                     self.real_cluster,
                     self.param_bytes(s, e),
                     self._sync_plan(devices, mode),
-                    z,
+                    par,
                     M,
                 )
             self._ar[key] = v
         return v
 
+    def parallel(self, replicas: int, mode: ZeroMode) -> Parallelism:
+        """The layout of a stage of ``replicas`` tensor groups of the scorer's width under
+        ``mode``, remembered."""
+        key = (replicas, mode)
+        got = self._parallels.get(key)
+        if got is None:
+            got = self._parallels[key] = Parallelism(
+                replicas=replicas,
+                tensor_width=self.tensor_width,
+                zero_stage=mode.stage,
+                regather=mode.regather,
+            )
+        return got
+
     def _sync_plan(self, devices: tuple[int, ...], mode: ZeroMode) -> StagePlan:
         """A :class:`StagePlan` on ``devices`` for the terms its layers do not enter (AR_s,
         ZeRO-3's gathers), cached: a plan's validation is linear in its devices. Modes that
-        gather once per step share the plan of zero stage 0: AR_s takes the zero stage as an
+        gather once per step share the plan of zero stage 0: AR_s takes the layout as an
         argument (:func:`~dapple.cost.tensor.replica_sync_ms`), only the re-gathering mode's
         terms read it from the plan (:func:`~dapple.cost.tensor.fsdp_pass_ms`)."""
         key = (devices, mode if mode.regather else mode._replace(stage=0))
@@ -254,7 +271,7 @@ class Scorer:
             d_nr, d_r, floor = self._options(s, e, n, len(d), mode, M)
         sync = self.ar_ms(s, e, d, mode, M)
         update = stage_update_ms(
-            self.cluster, self.profile, self.param_bytes(s, e), len(d), mode.stage
+            self.cluster, self.profile, self.param_bytes(s, e), self.parallel(len(d), mode)
         )
         ag, ag_rs = (0.0, 0.0)
         if mode.regather:
