@@ -345,10 +345,8 @@ def estimate(plan: Plan, prof: ModelProfile) -> dict[str, float]:
     cluster = Cluster(name="local-4", servers=1, devices_per_server=WORLD,
                       device_memory_bytes=64 * 1024**3, intra_server_bandwidth_gbps=10.0,
                       inter_server_bandwidth_gbps=10.0)  # fmt: skip
-    in_flight = gradients_in_flight_bytes(prof, st.layers, st.replicas, st.zero_stage,
-                                          tensor_width=st.tensor_width, regather=st.regather)  # fmt: skip
-    state = parameter_state_bytes(prof, st.layers, st.replicas, st.zero_stage,
-                                  tensor_width=st.tensor_width, regather=st.regather)  # fmt: skip
+    in_flight = gradients_in_flight_bytes(prof, st.layers, st.parallel)
+    state = parameter_state_bytes(prof, st.layers, st.parallel)
     step = pipeline_latency(plan, prof, cluster).stages[0].memory_bytes
     return {"state": state - in_flight, "step": step}
 

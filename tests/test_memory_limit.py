@@ -10,6 +10,7 @@ import pytest
 from builders import make_cluster, make_profile
 from dapple import api
 from dapple.core.cluster import Cluster
+from dapple.core.parallelism import Parallelism
 from dapple.cost.memory import parameter_state_bytes
 from dapple.cost.pipeline import pipeline_latency
 from dapple.errors import InfeasibleError, ValidationError
@@ -27,7 +28,7 @@ G = 8
 def test_a_limit_pure_dp_exceeds_gets_a_plan_whose_run_stays_under_it() -> None:
     prof = api.profile("mlp", batch_sizes=(1, 2), overrides=MODEL, repeats=1, warmup=1)
     prof = dataclasses.replace(prof, optimizer_state_factor=3.0)  # Adam
-    dp_bytes = parameter_state_bytes(prof, (0, prof.num_layers), replicas=4)
+    dp_bytes = parameter_state_bytes(prof, (0, prof.num_layers), Parallelism(replicas=4))
     limit = int(0.45 * dp_bytes)
     cluster = dataclasses.replace(
         make_cluster(1, 4), device_memory_bytes=limit, reserved_memory_bytes=RESERVED
@@ -47,7 +48,10 @@ def test_a_limit_pure_dp_exceeds_gets_a_plan_whose_run_stays_under_it() -> None:
         # what building and training stage s added to its worst replica's process
         assert measured <= limit, (s, measured / MIB, limit / MIB, plan.replication)
     # the measurement sees the stages' training state (it is not vacuous)
-    state = [parameter_state_bytes(prof, st.layers, st.replicas) for st in plan.stages]
+    state = [
+        parameter_state_bytes(prof, st.layers, Parallelism(replicas=st.replicas))
+        for st in plan.stages
+    ]
     assert max(grown) >= 0.7 * max(state), ([g / MIB for g in grown], [b / MIB for b in state])
 
 

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from builders import make_cluster, make_profile
 from dapple.core.cluster import Cluster
 from dapple.core.layer_profile import AffineTime, LayerProfile
+from dapple.core.parallelism import Parallelism
 from dapple.core.plan import Plan, StagePlan
 from dapple.core.profile import ModelProfile
 from dapple.core.tensor_layout import check_tensor_groups
@@ -178,7 +179,7 @@ def test_golden_memory(t: int) -> None:
     output's gradient 2e6 and both blocks' kept bytes (4e7; the log-softmax is freed by then).
     On tensor ranks they stay (in the state), and the loss's moment is the largest."""
     prof = _blocks()
-    state = parameter_state_bytes(prof, (0, 2), 1, 0, tensor_width=t)
+    state = parameter_state_bytes(prof, (0, 2), Parallelism(tensor_width=t))
     assert state == pytest.approx(16e6 / t * 4 + 8e6 / t)
     sim = simulate(_plan(t), prof, _cluster())
     held = 2 * (5e6 + 5e6 / t) * 2  # 2 blocks x kept x 2 samples
@@ -210,12 +211,12 @@ def test_zero3_gathers_once_per_step_or_per_micro_batch() -> None:
     # parameter shard and the moments' shards (3 - 1) / r: the gradient shard exists only from
     # the step's reduce-scatter on, whose flat input takes the re-sharded parameters' place and
     # whose output (P / r) is in flight then
-    assert state_bytes_per_parameter_byte(prof, 2, 3, regather=True) == pytest.approx(2.0)
-    assert state_bytes_per_parameter_byte(prof, 2, 3) == pytest.approx(2 + 3 / 2)
+    assert state_bytes_per_parameter_byte(prof, _zero3(regather=True)) == pytest.approx(2.0)
+    assert state_bytes_per_parameter_byte(prof, _zero3()) == pytest.approx(2 + 3 / 2)
     P = prof.parameter_bytes  # 2 blocks x 8e6
-    assert gradients_in_flight_bytes(prof, (0, 2), 2, 3) == pytest.approx(P / 2)
+    assert gradients_in_flight_bytes(prof, (0, 2), _zero3()) == pytest.approx(P / 2)
     # regather: one block computing, 2 gathered (prefetch), one block's reduce-scatter buffers
-    assert gradients_in_flight_bytes(prof, (0, 2), 2, 3, regather=True) == pytest.approx(
+    assert gradients_in_flight_bytes(prof, (0, 2), _zero3(regather=True)) == pytest.approx(
         (1 + 2 + 1.5) * 8e6
     )
 
@@ -267,6 +268,11 @@ def test_the_scorer_costs_a_tp_plan_as_the_cost_model() -> None:
 
 
 # -- planner ---------------------------------------------------------------------------------
+
+
+def _zero3(regather: bool = False) -> Parallelism:
+    """Two replicas under ZeRO-3."""
+    return Parallelism(replicas=2, zero_stage=3, regather=regather)
 
 
 def _big_blocks(n: int = 8, layer_gib: float = 6.0) -> ModelProfile:

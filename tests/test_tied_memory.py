@@ -15,6 +15,7 @@ import runtime_workloads as rw
 from builders import make_cluster, make_profile
 from dapple import api
 from dapple.core.layer_profile import LayerProfile
+from dapple.core.parallelism import Parallelism
 from dapple.core.plan import straight_plan
 from dapple.core.profile import ModelProfile
 from dapple.cost.memory import (
@@ -30,6 +31,10 @@ from dapple.profiler.measure import profile_workload
 
 P = 10**6
 """Parameter bytes of each layer of the test profile."""
+
+
+def _par(replicas: int, zero_stage: int = 0) -> Parallelism:
+    return Parallelism(replicas=replicas, zero_stage=zero_stage)
 
 
 def _tied_profile(
@@ -105,21 +110,25 @@ def test_tied_copies_keep_whole_gradients_in_the_memory_model(precision: str) ->
     assert parameter_state_bytes(prof, (0, 4)) == pytest.approx(4 * P * (4 + c) + P)
     # DP x4, every copy in the stage: AllReduce buffers for all; ZeRO shards only the moments
     # of the tied copies and keeps their gradient whole
-    assert parameter_state_bytes(prof, (0, 4), 4) == pytest.approx(4 * P * (5 + c) + P)
+    assert parameter_state_bytes(prof, (0, 4), _par(4)) == pytest.approx(4 * P * (5 + c) + P)
     tied_z = 1 + 1 + 2 / 4 + c + 1
-    assert parameter_state_bytes(prof, (0, 4), 4, 1) == pytest.approx(
+    assert parameter_state_bytes(prof, (0, 4), _par(4, 1)) == pytest.approx(
         2 * P * (1 + 1 + 3 / 4 + c) + 2 * P * tied_z + P
     )
-    assert parameter_state_bytes(prof, (0, 4), 4, 2) == pytest.approx(
+    assert parameter_state_bytes(prof, (0, 4), _par(4, 2)) == pytest.approx(
         2 * P * (1 + 3 / 4 + c) + 2 * P * tied_z + P + 2 * P  # + 2 untied layers staged
     )
     # 2:2, the other copy in the other stage: summed across the stages outside any bucket
-    assert parameter_state_bytes(prof, (0, 2), 2) == pytest.approx(P * (5 + c) + P * (4 + c) + P)
-    assert parameter_state_bytes(prof, (0, 2), 2, 2) == pytest.approx(
+    assert parameter_state_bytes(prof, (0, 2), _par(2)) == pytest.approx(
+        P * (5 + c) + P * (4 + c) + P
+    )
+    assert parameter_state_bytes(prof, (0, 2), _par(2, 2)) == pytest.approx(
         P * (1 + 3 / 2 + c) + P * (1 + 1 + 2 / 2 + c) + P + 2 * P
     )
     # against the same chain untied, ZeRO-2 holds the tied gradient's (1 - 1/r) more
-    gap = parameter_state_bytes(prof, (0, 2), 2, 2) - parameter_state_bytes(untied, (0, 2), 2, 2)
+    gap = parameter_state_bytes(prof, (0, 2), _par(2, 2)) - parameter_state_bytes(
+        untied, (0, 2), _par(2, 2)
+    )
     assert gap == pytest.approx(P * (1 - 1 / 2))
 
 
@@ -127,12 +136,12 @@ def test_gradients_in_flight_count_every_layer_and_staging_only_bucketed_ones() 
     prof = _tied_profile(n=3, tied=(0, 2))
     big = dataclasses.replace(prof.layers[0], parameter_bytes=5 * P, tied_parameter_bytes=P)
     prof = dataclasses.replace(prof, layers=(big, *prof.layers[1:]))
-    assert zero2_staging_bytes(prof, (0, 3), 2, 2) == 2 * 4 * P  # layer 0's 4 P in buckets
-    assert zero2_staging_bytes(prof, (2, 3), 2, 2) == 0.0  # all of layer 2 is tied
+    assert zero2_staging_bytes(prof, (0, 3), _par(2, 2)) == 2 * 4 * P  # layer 0's 4 P in buckets
+    assert zero2_staging_bytes(prof, (2, 3), _par(2, 2)) == 0.0  # all of layer 2 is tied
     # autograd produces the tied gradient too, before it is added to the accumulated one
-    assert gradients_in_flight_bytes(prof, (0, 3), 2, 0) == 5 * P
-    assert gradients_in_flight_bytes(prof, (0, 3), 2, 2) == 5 * P + 8 * P
-    assert gradients_in_flight_bytes(prof, (2, 3), 2, 2) == P
+    assert gradients_in_flight_bytes(prof, (0, 3), _par(2)) == 5 * P
+    assert gradients_in_flight_bytes(prof, (0, 3), _par(2, 2)) == 5 * P + 8 * P
+    assert gradients_in_flight_bytes(prof, (2, 3), _par(2, 2)) == P
 
 
 def test_plan_and_simulator_memory_count_tied_gradients_whole() -> None:

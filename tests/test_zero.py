@@ -493,18 +493,22 @@ def test_state_bytes_per_parameter_byte_under_each_zero_stage() -> None:
     from dapple.cost.memory import state_bytes_per_parameter_byte
 
     adam = make_profile()  # factor 3: gradient + two moments
-    assert state_bytes_per_parameter_byte(adam, 1) == 4.0
+    assert state_bytes_per_parameter_byte(adam) == 4.0
     for z in (1, 2):
-        assert state_bytes_per_parameter_byte(adam, 1, zero_stage=z) == 4.0  # one replica: no-op
-    assert state_bytes_per_parameter_byte(adam, 4) == 5.0  # + the AllReduce buckets
+        assert (
+            state_bytes_per_parameter_byte(adam, Parallelism(zero_stage=z)) == 4.0
+        )  # one replica: no-op
+    assert (
+        state_bytes_per_parameter_byte(adam, Parallelism(replicas=4)) == 5.0
+    )  # + the AllReduce buckets
     # ZeRO-1: parameters 1 + gradients (in the buckets) 1 + (gradient shard + moments) 3/4
-    assert state_bytes_per_parameter_byte(adam, 4, zero_stage=1) == 2.75
-    assert state_bytes_per_parameter_byte(adam, 2, zero_stage=1) == 3.5
+    assert state_bytes_per_parameter_byte(adam, Parallelism(replicas=4, zero_stage=1)) == 2.75
+    assert state_bytes_per_parameter_byte(adam, Parallelism(replicas=2, zero_stage=1)) == 3.5
     # ZeRO-2: parameters 1 + (gradient shard + moments) 3/4
-    assert state_bytes_per_parameter_byte(adam, 4, zero_stage=2) == 1.75
+    assert state_bytes_per_parameter_byte(adam, Parallelism(replicas=4, zero_stage=2)) == 1.75
     sgd = dataclasses.replace(adam, optimizer_state_factor=1.0)  # no moments
-    assert state_bytes_per_parameter_byte(sgd, 4, zero_stage=1) == 2.25
-    assert state_bytes_per_parameter_byte(sgd, 4, zero_stage=2) == 1.25
+    assert state_bytes_per_parameter_byte(sgd, Parallelism(replicas=4, zero_stage=1)) == 2.25
+    assert state_bytes_per_parameter_byte(sgd, Parallelism(replicas=4, zero_stage=2)) == 1.25
 
 
 def test_plan_memory_and_sync_cost_under_zero1_and_zero2() -> None:
@@ -521,12 +525,14 @@ def test_plan_memory_and_sync_cost_under_zero1_and_zero2() -> None:
         for z in (0, 1, 2)
     )  # fmt: skip
     assert z1[0].memory_bytes == z0[0].memory_bytes == z2[0].memory_bytes  # one replica
-    assert zero_saved_bytes(profile, (0, 3), 1, 1) == 0.0
-    saved1 = zero_saved_bytes(profile, (3, 6), 3, 1)
+    assert zero_saved_bytes(profile, (0, 3), Parallelism(zero_stage=1)) == 0.0
+    saved1 = zero_saved_bytes(profile, (3, 6), Parallelism(replicas=3, zero_stage=1))
     assert saved1 == pytest.approx(3 * 10**6 * (5 - 3))  # 5 -> 1 + 1 + 3/3 bytes per byte
     # ZeRO-2: 5 -> 1 + 3/3, less two layers' staged gradients (zero2_staging_bytes); the
     # gradient autograd produces is held at every zero stage
-    assert zero_saved_bytes(profile, (3, 6), 3, 2) == pytest.approx(3 * 10**6 * (5 - 2) - 2 * 10**6)
+    assert zero_saved_bytes(
+        profile, (3, 6), Parallelism(replicas=3, zero_stage=2)
+    ) == pytest.approx(3 * 10**6 * (5 - 2) - 2 * 10**6)
     # the phases shift by 2 kB: unsharded, the peak is the first layer's backward with its
     # 1 MB weight gradient in flight; under ZeRO-1 that gradient is in the state, and the peak
     # moment is the loss's (log-softmax and its two gradients, 3 kB) over the layers' 1 kB
@@ -586,15 +592,17 @@ def test_simulated_device_memory_counts_each_stages_zero_stage() -> None:
         want = planned(p)
         assert [got[d] for d in (0, 1, 2, 3)] == pytest.approx([want[0], *[want[1]] * 3])
     for dev in (1, 2, 3):  # less the 2 kB phase shift of test_plan_memory_and_sync_cost_...
-        saved = zero_saved_bytes(profile, (3, 6), 3, 1) - 2 * 10**3
+        saved = zero_saved_bytes(profile, (3, 6), Parallelism(replicas=3, zero_stage=1)) - 2 * 10**3
         assert base[dev] - z1[dev] == pytest.approx(saved)
     inter = interleave(
         straight_plan(6, [0, 3], global_batch_size=12, num_micro_batches=4, replicas=[2, 2]), 3
     )
     mine = [inter.stages[k] for k in inter.stages_of_device(0)]
     z2 = [dataclasses.replace(st, zero_stage=2) for st in mine]
-    once = gradients_in_flight_bytes(profile, z2[0].layers, 2, 2)
-    assert len(z2) == 3 and once == 10**6 + zero2_staging_bytes(profile, z2[0].layers, 2, 2)
+    once = gradients_in_flight_bytes(profile, z2[0].layers, z2[0].parallel)
+    assert len(z2) == 3 and once == 10**6 + zero2_staging_bytes(
+        profile, z2[0].layers, z2[0].parallel
+    )
     per_chunk = sum(device_state_bytes(profile, [st]) for st in z2)
     assert device_state_bytes(profile, z2) == pytest.approx(per_chunk - 2 * once)
     assert static(_with_zero(inter, 2))[0] == pytest.approx(device_state_bytes(profile, z2))

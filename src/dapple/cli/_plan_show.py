@@ -7,6 +7,7 @@ memory (:func:`schedule_stage_table`). Torch-free."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 
@@ -205,13 +206,10 @@ def zero_line(plan: Plan, profile: ModelProfile) -> str:
 def _zero_saved_bytes(profile: ModelProfile, st: StagePlan) -> float:
     """Bytes the stage's zero stage (ZeRO-1 when 0) saves on one rank against none, at its
     tensor width."""
-    from dapple.cost.memory import parameter_state_bytes
+    from dapple.cost.memory import zero_saved_bytes
 
-    z, t = st.zero_stage or 1, st.tensor_width
-    whole = parameter_state_bytes(profile, st.layers, st.replicas, tensor_width=t)
-    return whole - parameter_state_bytes(
-        profile, st.layers, st.replicas, z, tensor_width=t, regather=st.regather
-    )
+    par = st.parallel if st.zero_stage else dataclasses.replace(st.parallel, zero_stage=1)
+    return zero_saved_bytes(profile, st.layers, par)
 
 
 def print_stage_table(con: Console, plan: Plan, profile: ModelProfile, cluster: Cluster) -> None:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 
 from dapple.core._json import require
 
-__all__ = ["ZERO_STAGES", "Parallelism"]
+__all__ = ["ONE_DEVICE", "ZERO_STAGES", "Parallelism"]
 
 ZERO_STAGES = (0, 1, 2, 3)
 """ZeRO stages a plan's stage may name: 0 none, 1 optimizer state, 2 + gradients, 3 +
@@ -147,3 +147,7 @@ class Parallelism:
         """The stage's layers run on a device mesh: cut over a tensor group (TP) or sharded
         over the replicas (FSDP), ``dapple.runtime.parallel.stage_mesh``."""
         return self.tensor_parallel or self.shards_params
+
+
+ONE_DEVICE = Parallelism()
+"""A stage on one device: one replica, no tensor group, nothing sharded."""

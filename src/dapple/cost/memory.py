@@ -15,6 +15,7 @@ import functools
 from collections.abc import Callable, Sequence
 
 from dapple.core.layer_profile import LayerProfile
+from dapple.core.parallelism import ONE_DEVICE, Parallelism
 from dapple.core.plan import StagePlan
 from dapple.core.precision import precision_of
 from dapple.core.profile import ModelProfile
@@ -112,17 +113,17 @@ def weight_cast_factor(precision: str) -> float:
 
 
 def state_bytes_per_parameter_byte(
-    profile: ModelProfile, replicas: int = 1, zero_stage: int = 0, regather: bool = False
+    profile: ModelProfile, parallel: Parallelism = ONE_DEVICE
 ) -> float:
     """Bytes one replica holds per parameter byte for the whole step, activations aside.
 
     ``1 + optimizer_state_factor`` (fp32 parameters, gradients and optimizer state, whatever
     the compute precision: master weights stay fp32); the weight cast cache of a
     ``bf16``/``fp16`` profile (parameter count x 2 bytes); and on a
-    replicated stage (``replicas > 1``) one more copy of the gradient - the flat buffers its
+    replicated stage (``parallel.data_parallel``) one more copy of the gradient - the flat buffers its
     AllReduce AR(P_s, g_s) reduces in (the runtime's gradient buckets, :mod:`dapple.runtime.sync`).
 
-    On a replicated stage with ``zero_stage`` 1 (:mod:`dapple.runtime.parallel.zero`) the gradients
+    On a replicated stage with ZeRO-1 (:mod:`dapple.runtime.parallel.zero`) the gradients
     accumulate in the flat buckets themselves (no extra copy), each replica holds the reduced
     gradient of its ``1/r_s`` chunk, and the optimizer state (the factor less the gradient's 1)
     is held ``1/r_s`` on each replica: ``1 + 1 + (factor - 1 + 1) / r_s``. With 2 the
@@ -141,15 +142,16 @@ def state_bytes_per_parameter_byte(
     """
     cast = _cast_factor(profile)
     factor = profile.optimizer_state_factor
-    if replicas > 1 and zero_stage >= 3:
-        if regather:
+    replicas = parallel.replicas
+    if parallel.shards_params:
+        if parallel.regather:
             return (1.0 + factor + cast) / replicas
         return 2.0 + factor / replicas + cast
-    if replicas > 1 and zero_stage >= 2:
+    if parallel.shards_grads:
         return 1.0 + factor / replicas + cast
-    if replicas > 1 and zero_stage == 1:
+    if parallel.shards_optimizer:
         return 1.0 + 1.0 + factor / replicas + cast
-    ar_buffers = 1.0 if replicas > 1 else 0.0
+    ar_buffers = 1.0 if parallel.data_parallel else 0.0
     return 1.0 + factor + cast + ar_buffers
 
 
@@ -184,7 +186,7 @@ def uncast_bytes(
 
 
 def tied_state_bytes_per_parameter_byte(
-    profile: ModelProfile, replicas: int = 1, zero_stage: int = 0, *, cross_stage: bool = False
+    profile: ModelProfile, parallel: Parallelism = ONE_DEVICE, *, cross_stage: bool = False
 ) -> float:
     """:func:`state_bytes_per_parameter_byte` for a copy of a tied parameter
     (``LayerProfile.tied_parameter_bytes``), whose gradient the runtime keeps whole and sums
@@ -196,13 +198,13 @@ def tied_state_bytes_per_parameter_byte(
     gradient stays whole (1) and only the optimizer state beyond it (``factor - 1``) is held
     ``1/r_s``, each replica updating its slice in place of the whole gradient.
     """
-    if replicas < 2:
+    if not parallel.data_parallel:
         return state_bytes_per_parameter_byte(profile)
     cast = _cast_factor(profile)
     factor = profile.optimizer_state_factor
     ar_buffers = 0.0 if cross_stage else 1.0
-    if zero_stage >= 1:
-        return 1.0 + 1.0 + (factor - 1.0) / replicas + cast + ar_buffers
+    if parallel.shards_optimizer:
+        return 1.0 + 1.0 + (factor - 1.0) / parallel.replicas + cast + ar_buffers
     return 1.0 + factor + cast + ar_buffers
 
 
@@ -221,65 +223,50 @@ def tied_bytes(profile: ModelProfile, layers: tuple[int, int]) -> tuple[int, int
 
 
 def parameter_state_bytes(
-    profile: ModelProfile,
-    layers: tuple[int, int],
-    replicas: int = 1,
-    zero_stage: int = 0,
-    *,
-    tensor_width: int = 1,
-    regather: bool = False,
+    profile: ModelProfile, layers: tuple[int, int], parallel: Parallelism = ONE_DEVICE
 ) -> float:
     """Parameters + gradients + optimizer state (+ weight cast cache, + AllReduce buffers) of
-    layers ``[start, end)`` on one of ``replicas`` replicas
+    layers ``[start, end)`` on one replica of a stage laid out as ``parallel``
     (:func:`state_bytes_per_parameter_byte`; 16 bytes per fp32 Adam parameter with the default
     factor 3 and no replicas, 18 under bf16/fp16 autocast; copies of tied parameters by
     :func:`tied_state_bytes_per_parameter_byte`), plus the gradients in flight during a
     backward (:func:`gradients_in_flight_bytes`), less the cast cache of the parameters
-    autocast never casts (:func:`uncast_bytes`). On one rank of a tensor group of
-    ``tensor_width`` t, a shardable layer's untied parameters count ``1/t``
-    (:func:`sharded_parameter_bytes`); ``regather``: ZeRO-3 re-gathers per
-    micro-batch."""
+    autocast never casts (:func:`uncast_bytes`). On one rank of a tensor group of t_s, a
+    shardable layer's untied parameters count ``1/t`` (:func:`sharded_parameter_bytes`); under
+    ZeRO-3 with ``regather`` the parameters are re-gathered per micro-batch."""
     s, e = layers
+    t = parallel.tensor_width
     within, cross = tied_bytes(profile, layers)
-    if tensor_width == 1:
+    if not parallel.tensor_parallel:
         params: float = sum(layer.parameter_bytes for layer in profile.layers[s:e])
     else:
-        params = sharded_parameter_bytes(profile, layers, tensor_width)
+        params = sharded_parameter_bytes(profile, layers, t)
     untied = params - within - cross
-    shards = replicas if zero_stage >= 3 and regather and replicas > 1 else 1
-    uncast = uncast_bytes(profile, layers, tensor_width, shards)
-    if zero_stage >= 3 or tensor_width > 1:
+    shards = parallel.replicas if parallel.regather else 1  # regather: ZeRO-3 on r_s > 1
+    uncast = uncast_bytes(profile, layers, t, shards)
+    if parallel.shards_params or parallel.tensor_parallel:
         return (
-            untied * state_bytes_per_parameter_byte(profile, replicas, zero_stage, regather)
-            + _tied_and_in_flight(profile, layers, replicas, zero_stage, tensor_width, regather)
+            untied * state_bytes_per_parameter_byte(profile, parallel)
+            + _tied_and_in_flight(profile, layers, parallel)
             - uncast
         )
     return -uncast + (
-        untied * state_bytes_per_parameter_byte(profile, replicas, zero_stage)
-        + within * tied_state_bytes_per_parameter_byte(profile, replicas, zero_stage)
-        + cross
-        * tied_state_bytes_per_parameter_byte(profile, replicas, zero_stage, cross_stage=True)
-        + gradients_in_flight_bytes(profile, layers, replicas, zero_stage)
+        untied * state_bytes_per_parameter_byte(profile, parallel)
+        + within * tied_state_bytes_per_parameter_byte(profile, parallel)
+        + cross * tied_state_bytes_per_parameter_byte(profile, parallel, cross_stage=True)
+        + gradients_in_flight_bytes(profile, layers, parallel)
     )
 
 
 def _tied_and_in_flight(
-    profile: ModelProfile,
-    layers: tuple[int, int],
-    replicas: int,
-    zero_stage: int,
-    tensor_width: int,
-    regather: bool,
+    profile: ModelProfile, layers: tuple[int, int], parallel: Parallelism
 ) -> float:
     """The tied copies' state and the gradients in flight of :func:`parameter_state_bytes`."""
     within, cross = tied_bytes(profile, layers)
     return (
-        within * tied_state_bytes_per_parameter_byte(profile, replicas, zero_stage)
-        + cross
-        * tied_state_bytes_per_parameter_byte(profile, replicas, zero_stage, cross_stage=True)
-        + gradients_in_flight_bytes(
-            profile, layers, replicas, zero_stage, tensor_width=tensor_width, regather=regather
-        )
+        within * tied_state_bytes_per_parameter_byte(profile, parallel)
+        + cross * tied_state_bytes_per_parameter_byte(profile, parallel, cross_stage=True)
+        + gradients_in_flight_bytes(profile, layers, parallel)
     )
 
 
@@ -289,14 +276,14 @@ layer: the layer being computed and the next one, whose all-gather FSDP prefetch
 
 
 def zero2_staging_bytes(
-    profile: ModelProfile, layers: tuple[int, int], replicas: int, zero_stage: int
+    profile: ModelProfile, layers: tuple[int, int], parallel: Parallelism
 ) -> float:
     """ZeRO-2's staged gradients of layers ``[start, end)`` while they are reduced:
     :data:`ZERO2_STAGED_LAYERS` x the largest layer's parameter bytes in flat buckets (an
     upper bound: a bucket holds at most one layer's parameters when they are larger than the
-    bucket size; tied copies are not in buckets); 0 unless ``zero_stage`` is 2 on a
+    bucket size; tied copies are not in buckets); 0 unless ``parallel`` is ZeRO-2 on a
     replicated stage (FSDP's reduce-scatter buffers are :func:`gradients_in_flight_bytes`')."""
-    if zero_stage != 2 or replicas < 2:
+    if not parallel.reduces_each_backward:
         return 0.0
     s, e = layers
     return ZERO2_STAGED_LAYERS * max(
@@ -305,13 +292,7 @@ def zero2_staging_bytes(
 
 
 def gradients_in_flight_bytes(
-    profile: ModelProfile,
-    layers: tuple[int, int],
-    replicas: int,
-    zero_stage: int,
-    *,
-    tensor_width: int = 1,
-    regather: bool = False,
+    profile: ModelProfile, layers: tuple[int, int], parallel: Parallelism = ONE_DEVICE
 ) -> float:
     """Gradients held during a backward of layers ``[start, end)`` beyond the accumulated ones:
     the gradient autograd produces before adding it to the accumulated one (or copying it into
@@ -323,15 +304,16 @@ def gradients_in_flight_bytes(
     grows by its ``1/r_s`` output), with ``regather`` one piece's after each backward, beside
     the whole parameters of :data:`ZERO3_GATHERED_LAYERS` pieces."""
     s, e = layers
-    if tensor_width == 1 and zero_stage < 3:
+    if not parallel.tensor_parallel and not parallel.shards_params:
         largest = max(layer.parameter_bytes for layer in profile.layers[s:e])
-        return largest + zero2_staging_bytes(profile, layers, replicas, zero_stage)
-    sizes = [sharded_layer_bytes(layer, tensor_width) for layer in profile.layers[s:e]]
+        return largest + zero2_staging_bytes(profile, layers, parallel)
+    sizes = [sharded_layer_bytes(layer, parallel.tensor_width) for layer in profile.layers[s:e]]
     big = max(sizes)
-    if zero_stage < 3 or replicas < 2:
-        return big + zero2_staging_bytes(profile, layers, replicas, zero_stage)
+    if not parallel.shards_params:
+        return big + zero2_staging_bytes(profile, layers, parallel)
+    replicas = parallel.replicas
     scatter = 1.0 + 1.0 / replicas
-    if regather:
+    if parallel.regather:
         return big + ZERO3_GATHERED_LAYERS * big + scatter * big
     return max(big, sum(sizes) / replicas)
 
@@ -347,20 +329,17 @@ def device_state_bytes(profile: ModelProfile, stages: Sequence[StagePlan]) -> fl
 
 
 def _of_stage(fn: Callable[..., float], profile: ModelProfile, st: StagePlan) -> float:
-    """``fn`` (a per-stage memory term) of ``st``'s layers, replicas, zero stage and width."""
-    return fn(
-        profile, st.layers, st.replicas, st.zero_stage,
-        tensor_width=st.tensor_width, regather=st.regather,
-    )  # fmt: skip
+    """``fn`` (a per-stage memory term) of ``st``'s layers and layout."""
+    return fn(profile, st.layers, st.parallel)
 
 
 def zero_saved_bytes(
-    profile: ModelProfile, layers: tuple[int, int], replicas: int, zero_stage: int
+    profile: ModelProfile, layers: tuple[int, int], parallel: Parallelism
 ) -> float:
-    """Bytes ``zero_stage`` saves on one replica of layers ``[start, end)`` against stage 0
-    (0 on a stage with one replica)."""
-    return parameter_state_bytes(profile, layers, replicas) - parameter_state_bytes(
-        profile, layers, replicas, zero_stage
+    """Bytes ``parallel``'s ZeRO sharding saves on one replica of layers ``[start, end)``
+    against none (0 on a stage with one replica)."""
+    return parameter_state_bytes(profile, layers, parallel.unsharded()) - parameter_state_bytes(
+        profile, layers, parallel
     )
 
 

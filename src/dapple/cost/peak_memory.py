@@ -50,7 +50,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from dapple.core.layer_profile import LayerProfile
-from dapple.core.parallelism import Parallelism
+from dapple.core.parallelism import ONE_DEVICE, Parallelism
 from dapple.core.plan import StagePlan
 from dapple.core.precision import precision_of
 from dapple.core.profile import ModelProfile
@@ -190,28 +190,25 @@ def stage_bytes(
     profile: ModelProfile,
     layers: tuple[int, int],
     samples: int,
+    parallel: Parallelism = ONE_DEVICE,
     *,
-    replicas: int = 1,
-    zero_stage: int = 0,
-    tensor_width: int = 1,
-    regather: bool = False,
     state: tuple[float, float] | None = None,
 ) -> tuple[StageBytes, StageBytes]:
-    """:class:`StageBytes` of layers ``[start, end)`` on one of ``replicas`` replicas (each
-    back-propagating a slice of ``samples`` samples) of a tensor group of ``tensor_width``:
-    ``(without, with re-computation)``, from one pass over the layers; ``state``: their
+    """:class:`StageBytes` of layers ``[start, end)`` on one replica (back-propagating a slice
+    of ``samples`` samples) of a stage laid out as ``parallel``: ``(without, with
+    re-computation)``, from one pass over the layers; ``state``: their
     :func:`stage_state_bytes` when the caller has it."""
     profile = profile.for_memory
     s, e = layers
-    t = tensor_width
+    t = parallel.tensor_width
     last = e == len(profile.layers)
     mine = profile.layers[s:e]
     if state is None:
-        state = stage_state_bytes(profile, layers, replicas, zero_stage, t, regather)
+        state = stage_state_bytes(profile, layers, parallel)
     state_bytes, in_flight = state
     casts = [cast_bytes(profile, layer) for layer in mine]
-    cache = sum(casts) / (t if t > 1 else 1)
-    if t == 1 and (replicas == 1 or zero_stage == 0):  # .grad set to None each step
+    cache = sum(casts) / t  # t_s = 1: whole
+    if not parallel.tensor_parallel and not parallel.shards_optimizer:  # .grad None each step
         grads = [float(layer.parameter_bytes) for layer in mine]
         in_flight_grad = [g + c for g, c in zip(grads, casts, strict=True)]
         static, shared = state_bytes - in_flight - sum(grads), 0.0
@@ -236,24 +233,15 @@ def stage_bytes(
 
 
 def stage_state_bytes(
-    profile: ModelProfile,
-    layers: tuple[int, int],
-    replicas: int = 1,
-    zero_stage: int = 0,
-    tensor_width: int = 1,
-    regather: bool = False,
+    profile: ModelProfile, layers: tuple[int, int], parallel: Parallelism = ONE_DEVICE
 ) -> tuple[float, float]:
     """What :func:`stage_bytes` holds whatever the slice: :func:`parameter_state_bytes` and
-    :func:`gradients_in_flight_bytes` of layers ``[start, end)`` on one of ``replicas``
-    replicas (a planner costs the same stage at several b)."""
+    :func:`gradients_in_flight_bytes` of layers ``[start, end)`` on one replica of a stage laid
+    out as ``parallel`` (a planner costs the same stage at several b)."""
     profile = profile.for_memory
     return (
-        parameter_state_bytes(
-            profile, layers, replicas, zero_stage, tensor_width=tensor_width, regather=regather
-        ),
-        gradients_in_flight_bytes(
-            profile, layers, replicas, zero_stage, tensor_width=tensor_width, regather=regather
-        ),
+        parameter_state_bytes(profile, layers, parallel),
+        gradients_in_flight_bytes(profile, layers, parallel),
     )
 
 
@@ -307,10 +295,13 @@ def expert_stage_state_bytes(
             f"expert_stage_state_bytes prices ZeRO-1/2 on r_s > 1, got zero_stage "
             f"{parallel.zero_stage} on {parallel.replicas} replicas"
         )
-    replicas, width, zero_stage = parallel.replicas, parallel.expert_width, parallel.zero_stage
+    width = parallel.expert_width
     dense, experts = expert_parts(profile.for_memory, width)
-    d = stage_state_bytes(dense, layers, replicas, zero_stage)
-    x = stage_state_bytes(experts, layers, replicas // width, zero_stage)
+    d = stage_state_bytes(
+        dense, layers, Parallelism(replicas=parallel.replicas, zero_stage=parallel.zero_stage)
+    )
+    copies = Parallelism(replicas=parallel.replicas // width, zero_stage=parallel.zero_stage)
+    x = stage_state_bytes(experts, layers, copies)
     return d[0] + x[0], d[1] + x[1]
 
 
@@ -337,10 +328,7 @@ def plan_stage_bytes(
         profile,
         stage.layers,
         max(stage.slice_sizes(micro_batch_size)) if samples is None else samples,
-        replicas=par.replicas,
-        zero_stage=par.zero_stage,
-        tensor_width=par.tensor_width,
-        regather=par.regather,
+        par,
         state=state,
     )
     return redone if stage.recompute else plain

@@ -272,8 +272,7 @@ class ExpertScorer(Scorer):
         state = (
             expert_stage_state_bytes(self._memory, (s, e), par) if par.shards_optimizer else None
         )
-        plain, redone = stage_bytes(memory, (s, e), n, replicas=replicas, zero_stage=z,
-                                    state=state)  # fmt: skip
+        plain, redone = stage_bytes(memory, (s, e), n, par, state=state)
         usable = float(self.cluster.usable_memory_bytes)
         floor = plain.static + plain.shared + (self._act[e] - self._act[s]) * n
         got = in_flight_limit(plain, usable, M), in_flight_limit(redone, usable, M), floor

@@ -243,15 +243,12 @@ class Scorer:
         got = self._memory_options.get(key)
         if got is not None:  # placements of the same replica count share it
             return got
-        z, t, again = mode.stage, self.tensor_width, mode.regather
+        par = self.parallel(replicas, mode)
         state = self._states.get((s, e, replicas, mode))
         if state is None:  # the same whatever the slice
-            state = stage_state_bytes(self._memory, (s, e), replicas, z, t, again)
+            state = stage_state_bytes(self._memory, (s, e), par)
             self._states[s, e, replicas, mode] = state
-        plain, redone = stage_bytes(
-            self._memory, (s, e), samples, replicas=replicas, zero_stage=z, tensor_width=t,
-            regather=again, state=state,
-        )  # fmt: skip
+        plain, redone = stage_bytes(self._memory, (s, e), samples, par, state=state)
         floor = plain.static + plain.shared + (self._act[e] - self._act[s]) * samples
         got = in_flight_limit(plain, usable, M), in_flight_limit(redone, usable, M), floor
         self._memory_options[key] = got
