@@ -35,6 +35,18 @@ def test_properties_say_what_the_numbers_mean(p: Parallelism) -> None:
     # ZeRO shards over the replicas: on one replica nothing is sharded
     assert (p.shards_optimizer, p.shards_params) == (r > 1 and z >= 1, r > 1 and z == 3)
     assert p.meshed == (t > 1 or z == 3)
+    assert (p.shards_grads, p.reduces_each_backward) == (r > 1 and z >= 2, r > 1 and z == 2)
+    assert p.gradient_reductions(5) == (5 if r > 1 and z == 2 else 1)
+    assert p.unsharded() == Parallelism(replicas=r, tensor_width=t, expert_width=p.expert_width)
+    for floor in (0, 1, 2, 3):  # the higher ZeRO stage, on replicated stages only
+        got = p.floored(floor)
+        assert got.zero_stage == (max(z, floor) if r > 1 else z)
+        assert (got.replicas, got.tensor_width, got.regather) == (r, t, p.regather)
+
+
+def test_a_zero_floor_is_one_of_the_zero_stages() -> None:
+    with pytest.raises(ValidationError, match=r"^zero floor must be 0, 1, 2 or 3, got 4$"):
+        Parallelism(replicas=2).floored(4)
 
 
 def test_the_named_layouts() -> None:
