@@ -165,7 +165,9 @@ def test_flat_layout_makes_parameters_views_and_splits_each_bucket_in_r_chunks(
         copy.load_state_dict(layer.state_dict())
         runs_j = [list(copy[1].parameters()), list(copy[0].parameters())]
         with torch.no_grad():
-            held.append((runs_j, flat_layout(runs_j, j, r, zero_stage, {"dtype": torch.float32})))
+            held.append(
+                (runs_j, flat_layout(runs_j, j, r, zero_stage == 1, {"dtype": torch.float32}))
+            )
     for runs_j, lay in held:
         for k, run in enumerate(runs_j):
             bk = lay.buckets[k]

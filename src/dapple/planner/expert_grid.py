@@ -76,7 +76,7 @@ def expert_grid_candidates(
         profile, cluster, global_batch_size, interleaved=False, micro_batches=micro_batches
     )
     for p in points:
-        if p.tp != 1 or p.zero_stage != 0 or p.schedule == INTERLEAVED:
+        if p.parallel.tensor_parallel or p.parallel.shards_params or p.schedule == INTERLEAVED:
             continue
         cuts = torchtitan_cuts(profile.num_layers, p.pp)
         stages = [

@@ -37,6 +37,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from dapple.core.cluster import Cluster
+from dapple.core.parallelism import Parallelism
 from dapple.core.plan import DEFAULT_SCHEDULE, Plan, StagePlan
 from dapple.core.planning_options import ZeroChoice
 from dapple.core.profile import ModelProfile
@@ -99,9 +100,14 @@ class GridPoint:
     """Model chunks per pipeline rank (interleaved only)."""
 
     @property
+    def parallel(self) -> Parallelism:
+        """Every stage's layout: dp replicas of tensor width tp, plain DDP or FSDP (ZeRO-3)."""
+        return Parallelism(replicas=self.dp, tensor_width=self.tp, zero_stage=self.zero_stage)
+
+    @property
     def label(self) -> str:
         """``dp8 x tp8 x pp1 FSDP M=2 1F1B``-style text."""
-        shard = "FSDP" if self.zero_stage == 3 else "DDP"
+        shard = "FSDP" if self.parallel.shards_params else "DDP"
         sched = f"interleaved v={self.v}" if self.schedule == INTERLEAVED else "1F1B"
         return f"dp{self.dp} x tp{self.tp} x pp{self.pp} {shard} M={self.M} {sched}"
 
@@ -209,18 +215,18 @@ def point_plan(
     leaves whole a stage holding a tied parameter's copy (:func:`zero3_modes`)."""
     cuts = torchtitan_cuts(profile.num_layers, p.pp * p.v)
     width = p.dp * p.tp
+    fsdp = p.parallel.shards_params
 
-    def zero(k: int) -> int:
-        sharded = p.zero_stage != 3 or zero3_modes(profile, cuts[k], cuts[k + 1])
-        return p.zero_stage if sharded else 0
+    def fsdp_on(k: int) -> bool:
+        return fsdp and bool(zero3_modes(profile, cuts[k], cuts[k + 1]))
 
     stages = tuple(
         StagePlan(
             layers=(cuts[k], cuts[k + 1]),
             devices=tuple(range((k % p.pp) * width, (k % p.pp + 1) * width)),
-            zero_stage=zero(k),
+            zero_stage=p.zero_stage if fsdp_on(k) or not fsdp else 0,
             tensor_width=p.tp,
-            regather=regather[k] and zero(k) == 3,
+            regather=regather[k] and fsdp_on(k),
         )
         for k in range(p.pp * p.v)
     )
@@ -260,7 +266,9 @@ def _score_1f1b(sc: _Scorers, p: GridPoint) -> tuple[float, tuple[bool, ...]]:
     cuts = torchtitan_cuts(sc.profile.num_layers, p.pp)
     stages = [(cuts[i], cuts[i + 1], tuple(range(i * p.dp, (i + 1) * p.dp))) for i in range(p.pp)]
     best: tuple[float, tuple[bool, ...]] = (math.inf, (False,) * p.pp)
-    zs: tuple[ZeroChoice | ZeroMode, ...] = _fsdp_scorers(sc.profile) if p.zero_stage == 3 else (0,)
+    zs: tuple[ZeroChoice | ZeroMode, ...] = (
+        _fsdp_scorers(sc.profile) if p.parallel.shards_params else (0,)
+    )
     for z in zs:
         got = sc.get(p.tp, z).score(stages, p.M, policies=("A",), recompute=False)
         if got is None or not _holds_schedule(got) or got.L_ms >= best[0]:
@@ -288,11 +296,11 @@ def _score_interleaved(sc: _Scorers, p: GridPoint) -> tuple[float, tuple[bool, .
     """L and per-stage regather of an interleaved point through the schedule's own step rule;
     FSDP gathers once per step where that fits, else re-gathers on every stage."""
     S = p.pp * p.v
-    if p.tp > 1 and not _every_stage_shards(sc.profile, p):
+    if p.parallel.tensor_parallel and not _every_stage_shards(sc.profile, p):
         return math.inf, (False,) * S
-    if p.zero_stage == 3 and any(x.tied_parameter_bytes for x in sc.profile.layers):
+    if p.parallel.shards_params and any(x.tied_parameter_bytes for x in sc.profile.layers):
         return math.inf, (False,) * S  # FSDP on every chunk: the tied copies' too (none)
-    regathers = ZERO3_REGATHER in zero3_modes(sc.profile) and p.zero_stage == 3
+    regathers = ZERO3_REGATHER in zero3_modes(sc.profile) and p.parallel.shards_params
     for regather in (False, True) if regathers else (False,):
         flags = (regather,) * S
         plan = point_plan(sc.profile, sc.B, p, flags, math.nan)

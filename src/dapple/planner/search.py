@@ -394,11 +394,13 @@ def _grid_offers(
     cands = grid_candidates(
         profile, cluster, global_batch_size, interleaved=False, micro_batches=Ms
     )
-    ddp_L = {c.point: c.L_ms for c in cands if c.fits and c.point.zero_stage == 0}
+    ddp_L = {c.point: c.L_ms for c in cands if c.fits and not c.point.parallel.shards_params}
 
     def offered(p: GridPoint, L_ms: float) -> bool:
         twin = ddp_L.get(dataclasses.replace(p, zero_stage=0), math.inf)
-        return accept(p) and not (zero_stage == "auto" and p.zero_stage and twin <= L_ms)
+        return accept(p) and not (
+            zero_stage == "auto" and p.parallel.shards_params and twin <= L_ms
+        )
 
     return [
         (c.L_ms, c.point.tp, dataclasses.replace(c.plan, planner="dapple"))
@@ -420,7 +422,7 @@ def _grid_filter(
             return False
         if max_stages is not None and p.pp > max_stages:
             return False
-        return p.zero_stage == 0 or zero_stage in (3, "auto")
+        return not p.parallel.shards_params or zero_stage in (3, "auto")
 
     return accept
 

@@ -339,7 +339,9 @@ class ProgramInterpreter:
     def _backward(self, a: Action) -> None:
         """``B`` or ``W``: the parameters' gradients of a micro-batch."""
         assert self.ex is not None
-        zero2 = self.shards if self.shards is not None and self.shards.zero_stage == 2 else None
+        zero2 = (
+            self.shards if self.shards is not None and self.shards.parallel.shards_grads else None
+        )
         if zero2 is not None:  # every micro-batch's gradients are reduce-scattered into the shard
             zero2.arm(self._chunk_parameters(a))
         if a.kind is K.BACKWARD:
@@ -367,7 +369,7 @@ class ProgramInterpreter:
         become final (a rank holding several chunks arms each at its own last backward)."""
         params = self._chunk_parameters(a)
         self.sync.arm(params)
-        if self.shards is not None and self.shards.zero_stage == 1:
+        if self.shards is not None and not self.shards.parallel.shards_grads:
             self.shards.arm(params)
         self._backward(a)
 

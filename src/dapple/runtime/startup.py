@@ -255,7 +255,7 @@ def zero_stage_of(plan: Plan, config: TrainConfig, rank: int, s: int | None) -> 
             "zero stage %d is a no-op on stage(s) %s: one replica each (plan %s)",
             config.zero_stage, ", ".join(map(str, single)), plan.replication,
         )  # fmt: skip
-    if s is None or plan.stages[s].replicas == 1:
+    if s is None or not plan.stages[s].parallel.data_parallel:
         return 0
     mine = plan.stages_of_device(rank)  # the chunks of an interleaved plan: one device group
-    return max(config.zero_stage, *(plan.stages[k].zero_stage for k in mine))
+    return max(plan.stages[k].parallel.floored(config.zero_stage).zero_stage for k in mine)

@@ -87,10 +87,7 @@ def zero_floored(plan: Plan, zero_stage: int) -> Plan:
     into them here; 1 and 2 are also applied per rank by the engine. ``plan`` itself when
     nothing changes."""
     stages = tuple(
-        replace(st, zero_stage=zero_stage)
-        if st.parallel.data_parallel and st.zero_stage < zero_stage
-        else st
-        for st in plan.stages
+        replace(st, zero_stage=st.parallel.floored(zero_stage).zero_stage) for st in plan.stages
     )
     return plan if stages == plan.stages else replace(plan, stages=stages)
 

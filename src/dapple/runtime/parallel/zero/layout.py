@@ -97,12 +97,12 @@ def flat_bucket(
     replica: int,
     r: int,
     shard_start: int,
-    zero_stage: int,
+    bucket_grads: bool,
     kw: dict[str, Any],
 ) -> tuple[Bucket, list[Piece], list[PieceSpot]]:
     """Bucket ``k``: the parameters of ``run`` copied into one flat buffer padded to a multiple
-    of r and made views of it (ZeRO-1: with a gradient buffer of its size). Call under
-    ``torch.no_grad()``.
+    of r and made views of it (``bucket_grads``, ZeRO-1: with a gradient buffer of its size).
+    Call under ``torch.no_grad()``.
 
     Returns:
         The bucket, replica ``replica``'s pieces of it (the parts of its parameters inside
@@ -125,7 +125,7 @@ def flat_bucket(
             spots.append((k, a - lo, b - a))
             pieces.append(Piece(nn.Parameter(bk.flat[a:b]), p, a - off))
         off += p.numel()
-    if zero_stage == 1:
+    if bucket_grads:
         bk.grads = torch.zeros(padded, **kw)
     return bk, pieces, spots
 
@@ -148,7 +148,7 @@ def flat_layout(
     runs: Sequence[list[nn.Parameter]],
     replica: int,
     r: int,
-    zero_stage: int,
+    bucket_grads: bool,
     kw: dict[str, Any],
     held: Sequence[tuple[int, int]] | None = None,
 ) -> FlatLayout:
@@ -157,6 +157,9 @@ def flat_layout(
     under ``torch.no_grad()``.
 
     Args:
+        bucket_grads: each bucket keeps a whole gradient buffer (ZeRO-1, whose gradients
+            accumulate unsharded until the step's reduce-scatter; ZeRO-2 reduces each
+            backward's straight into the shard).
         held: each run's ``(member index, members)`` when it is sharded over other replicas
             than the stage's (None: ``(replica, r)`` for every run).
     """
@@ -167,7 +170,7 @@ def flat_layout(
     shard = 0
     for k, run in enumerate(runs):
         j, n_k = (replica, r) if held is None else held[k]
-        bk, mine, at = flat_bucket(k, run, j, n_k, shard, zero_stage, kw)
+        bk, mine, at = flat_bucket(k, run, j, n_k, shard, bucket_grads, kw)
         buckets.append(bk)
         pieces += mine
         spots += at

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dapple.core.parallelism import Parallelism
 from dapple.core.plan import Plan
 from dapple.runtime import comm
 from dapple.runtime.checkpoint import LayerState, stage_layer_states
@@ -78,7 +79,9 @@ class FlatShards:
     ) -> None:
         self.devices = list(plan.stages[stage].replica_group(tensor_index))
         self.r = len(self.devices)
-        self.replica, self.module, self.pg, self.zero_stage = replica, module, pg, zero_stage
+        self.replica, self.module, self.pg = replica, module, pg
+        self.parallel = Parallelism(replicas=self.r, zero_stage=zero_stage)
+        """ZeRO-1 or 2 over the :attr:`r` replicas (``shards_grads``: 2)."""
         self.params = params
         self.stage_group = ShardGroup(tuple(self.devices), pg, replica)
         """The stage's replicas (of the rank's tensor index): every bucket not in :attr:`held`."""
@@ -91,7 +94,7 @@ class FlatShards:
         kw: dict[str, Any] = {"dtype": like.dtype, "device": like.device}
         groups = [self.group_of(run[0]) for run in runs]
         with torch.no_grad():
-            layout = flat_layout(runs, replica, self.r, zero_stage, kw,
+            layout = flat_layout(runs, replica, self.r, not self.parallel.shards_grads, kw,
                                  held=[(g.index, g.size) for g in groups])  # fmt: skip
         for bk, g in zip(layout.buckets, groups, strict=True):
             bk.group = g
@@ -190,7 +193,7 @@ class FlatShards:
         bucket (:meth:`_own`), so only the gradients of parameters that get none are zeroed,
         when their bucket is read. The tied pieces drop their gradients: views of the last
         step's whole gradients, they would keep those alive beside the new ones."""
-        if self.zero_stage == 2:
+        if self.parallel.shards_grads:
             self.grad_shard.zero_()
         for pc in self._tied_pieces:
             pc.param.grad = None
@@ -224,7 +227,7 @@ class FlatShards:
         ignored."""
         if id(p) not in self._where:
             return
-        if self.zero_stage == 1:
+        if not self.parallel.shards_grads:
             self._own(p)
         if not self._armed or (self._final is not None and id(p) not in self._final):
             return
@@ -325,7 +328,7 @@ class FlatShards:
         gradients of the sharded parameters - ZeRO-1: each bucket's as its reduction started
         (or now, when not started); ZeRO-2: those reduced since the last call (their ``p.grad``
         are freed)."""
-        if self.zero_stage == 2:
+        if self.parallel.shards_grads:
             out, self._sums = self._sums, []
             return out
         sums = []
@@ -340,7 +343,7 @@ class FlatShards:
     def finish(self) -> None:
         """The ``AR`` action (ZeRO-1): start the buckets not started yet (in order), wait and
         copy each reduced chunk into the gradient shard."""
-        if self.zero_stage != 1:
+        if self.parallel.shards_grads:
             return
         self._launch_rest(every=True)
         for bk in self.buckets:
