@@ -177,13 +177,13 @@ class StagePlan:
             d["max_in_flight"] = self.max_in_flight
         if self.zero_stage:
             d["zero_stage"] = self.zero_stage
-        if self.tensor_width != 1:
+        if self.parallel.tensor_parallel:
             d["tensor_width"] = self.tensor_width
         if self.regather:
             d["regather"] = True
         if self.shares is not None and self.shares != split_sizes(sum(self.shares), self.replicas):
             d["shares"] = list(self.shares)
-        if self.expert_width != 1:
+        if self.parallel.expert_parallel:
             d["expert_width"] = self.expert_width
         return d
 

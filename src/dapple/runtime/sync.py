@@ -108,7 +108,7 @@ def _stage_groups(plan: Plan) -> dict[tuple[int, int], Any]:
     return {
         (s, i): dist.new_group(list(st.replica_group(i)))
         for s, st in enumerate(plan.stages[: plan.num_groups])
-        if st.replicas > 1
+        if st.parallel.data_parallel
         for i in range(st.tensor_width)
     }
 

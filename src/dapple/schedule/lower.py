@@ -85,7 +85,7 @@ def lower(plan: Plan, order: ComputeOrder | None = None) -> Schedule:
                         prog += [Action(s, K.SEND_B, m, j, p) for p in prev]
                     else:
                         prog.append(Action(s, a.kind, m, j))
-            if st.replicas > 1:
+            if st.parallel.data_parallel:
                 prog += [Action(s, K.ALLREDUCE, None, j) for s in reversed(stages)]
             prog.append(Action(g, K.STEP, None, j))
             sched[dev] = prog

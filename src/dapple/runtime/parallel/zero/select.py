@@ -12,7 +12,7 @@ __all__ = ["flat_parameters", "tied_parameters", "unsharded_stages"]
 
 def unsharded_stages(plan: Plan) -> list[int]:
     """The stages a zero stage does not change: those with one replica."""
-    return [i for i, st in enumerate(plan.stages) if st.replicas == 1]
+    return [i for i, st in enumerate(plan.stages) if not st.parallel.data_parallel]
 
 
 def _tied_ids(plan: Plan, workload: Workload, stage: int, module: nn.Module) -> set[int]:
