@@ -15,20 +15,23 @@ from dapple.errors import ValidationError
 from dapple.models.shapes import input_shapes
 from dapple.models.workload import Workload
 from dapple.runtime.memory import ActivationMeter
-from dapple.runtime.parallel.zero import FlatShards, flat_parameters
+from dapple.runtime.parallel.zero import (
+    FlatShards,
+    ZeroSelection,
+    build_shards,
+    flat_parameters,
+    select_zero,
+)
 from dapple.runtime.parallel.zero.layout import flat_layout, replica_slices, tied_slices
 from dapple.runtime.precision import Precision
 from dapple.runtime.rank import (
     Batches,
     ExecutorFactory,
-    ZeroSelection,
     batch_dims,
     build_layers,
     build_optimizer,
-    build_shards,
     first_batch,
     norm_parameters,
-    select_zero,
 )
 from dapple.runtime.stage import StageExecutor
 from dapple.runtime.sync import tied_stages

@@ -801,12 +801,12 @@ def test_restore_names_a_parameter_without_optimizer_state(tmp_path: Path) -> No
 def test_zero_stage_on_single_replica_stages_is_a_no_op_said_once(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    from dapple.runtime.startup import zero_stage_of
+    from dapple.runtime.parallel.zero import zero_stage_of
 
     plan = straight_plan(4, [0, 1, 3], global_batch_size=4, num_micro_batches=2, replicas=[1, 2, 1])
     for z in (1, 2):
         caplog.clear()
-        with caplog.at_level("WARNING", logger="dapple.runtime.startup"):
+        with caplog.at_level("WARNING", logger="dapple.runtime.parallel.zero.select"):
             got = [zero_stage_of(plan, TrainConfig(zero_stage=z), rank, plan.stage_of_device(rank)[0])
                    for rank in plan.devices]  # fmt: skip
         assert got == [0, z, z, 0]
@@ -815,6 +815,6 @@ def test_zero_stage_on_single_replica_stages_is_a_no_op_said_once(
             f"zero stage {z} is a no-op on stage(s) 0, 2: one replica each (plan 1:2:1)"
         ]
     caplog.clear()
-    with caplog.at_level("WARNING", logger="dapple.runtime.startup"):
+    with caplog.at_level("WARNING", logger="dapple.runtime.parallel.zero.select"):
         assert zero_stage_of(plan, TrainConfig(), 0, 0) == 0
     assert not caplog.records

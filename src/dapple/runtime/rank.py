@@ -3,8 +3,7 @@
 :func:`dapple.runtime.startup.start_rank` assembles them in a fixed order (some are collectives:
 the boundary probe, the process groups of :class:`~dapple.runtime.sync.GradientSync`, ZeRO's
 shards): what the rank holds of the plan (:class:`StageLayers`), where each step's batch comes
-from (:class:`Batches`), which parameters ZeRO shards (:class:`ZeroSelection`,
-:func:`build_shards`), what the optimizer updates and the gradient norm counts
+from (:class:`Batches`), what the optimizer updates and the gradient norm counts
 (:func:`build_optimizer`, :func:`norm_parameters`) and the executors of a plan
 (:class:`ExecutorFactory`).
 """
@@ -12,7 +11,7 @@ from (:class:`Batches`), which parameters ZeRO shards (:class:`ZeroSelection`,
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -29,12 +28,7 @@ from dapple.runtime.memory import ActivationMeter
 from dapple.runtime.optim import counted_parameters, make_optimizer
 from dapple.runtime.parallel.expert import count_expert_load, shard_experts
 from dapple.runtime.parallel.stage_mesh import RankGroups, StageMesh, mesh_stage
-from dapple.runtime.parallel.zero import (
-    FlatShards,
-    ShardGroup,
-    flat_parameters,
-    tied_parameters,
-)
+from dapple.runtime.parallel.zero import FlatShards
 from dapple.runtime.precision import Precision
 from dapple.runtime.stage import StageExecutor
 from dapple.runtime.train_config import TrainConfig
@@ -44,16 +38,13 @@ __all__ = [
     "Batches",
     "ExecutorFactory",
     "StageLayers",
-    "ZeroSelection",
     "batch_dims",
     "build_layers",
     "build_optimizer",
-    "build_shards",
     "cut_layers",
     "first_batch",
     "norm_parameters",
     "probe_boundaries",
-    "select_zero",
 ]
 
 Batch = tuple[Any, torch.Tensor]
@@ -214,71 +205,7 @@ def probe_boundaries(
         return infer_boundary_specs(plan, rank, layers.chunks, probe, device)
 
 
-# -- ZeRO and the optimizer -------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class ZeroSelection:
-    """The stage parameters this replica's ZeRO shards (none at zero stage 0)."""
-
-    zero_stage: int
-    """The zero stage of the rank's stage (0: nothing sharded)."""
-    flat: list[nn.Parameter]
-    """Parameters laid out in flat buckets (:func:`~dapple.runtime.parallel.zero.flat_parameters`)."""
-    tied: list[nn.Parameter]
-    """Tied parameters whose optimizer state is sharded in slices
-    (:func:`~dapple.runtime.parallel.zero.tied_parameters`)."""
-    held: dict[int, ShardGroup] = field(default_factory=dict)
-    """``id`` of each of :attr:`flat` that fewer replicas hold -> those replicas (expert
-    shards at e_s < r_s: their r_s / e_s copies)."""
-
-    @property
-    def flat_ids(self) -> frozenset[int]:
-        """The ids of :attr:`flat` (the stage AllReduce leaves them to the shards)."""
-        return frozenset(id(p) for p in self.flat)
-
-    @property
-    def sharded(self) -> frozenset[int]:
-        """The ids of every sharded parameter (the optimizer holds their pieces)."""
-        return self.flat_ids | {id(p) for p in self.tied}
-
-
-def select_zero(
-    plan: Plan, workload: Workload, layers: StageLayers, zero_stage: int,
-    mesh: StageMesh | None = None,
-) -> ZeroSelection:  # fmt: skip
-    """What ZeRO at ``zero_stage`` shards of the rank's layers: ``mesh``'s expert shards over
-    the r_s / e_s replicas holding each (:attr:`ZeroSelection.held`), or not at all at e_s = r_s
-    (each replica updates its own whole: no other holds them)."""
-    s, module, j = layers.stage, layers.module, layers.replica
-    if zero_stage == 3 or not (zero_stage and module and s is not None):  # 3: FSDP's own
-        return ZeroSelection(zero_stage, [], [])
-    flat = flat_parameters(plan, workload, s, module)
-    tied = tied_parameters(plan, workload, s, module)
-    ep = mesh.experts if mesh is not None else None
-    if ep is None:
-        return ZeroSelection(zero_stage, flat, tied)
-    if ep.shard_pg is None or j is None:  # e_s = r_s
-        return ZeroSelection(zero_stage, [p for p in flat if id(p) not in ep.param_ids], tied)
-    st = plan.stages[s]
-    copies = tuple(st.replica_devices[x] for x in st.expert_shard_replicas(j))
-    group = ShardGroup(copies, ep.shard_pg, j // st.expert_width)
-    held = {id(p): group for p in flat if id(p) in ep.param_ids}
-    return ZeroSelection(zero_stage, flat, tied, held)
-
-
-def build_shards(
-    plan: Plan, layers: StageLayers, zero: ZeroSelection, pg: Any, tensor_index: int = 0
-) -> FlatShards | None:
-    """This replica's :class:`~dapple.runtime.parallel.zero.FlatShards` over the selected parameters
-    (no bucket spans two chunks) among the replicas of its tensor index, or None when nothing
-    is sharded."""
-    s, j, module, chunks = layers.stage, layers.replica, layers.module, layers.chunks
-    if not (zero.flat or zero.tied) or module is None or s is None or j is None:
-        return None
-    held = [list(chunks[k].parameters()) for k in sorted(chunks)] if len(chunks) > 1 else []
-    return FlatShards(plan, s, j, module, zero.flat, pg, zero.zero_stage, tied=zero.tied,
-                      chunks=held, tensor_index=tensor_index, held=zero.held)  # fmt: skip
+# -- the optimizer ----------------------------------------------------------------------------
 
 
 def build_optimizer(

@@ -36,7 +36,8 @@ from dapple.runtime.optim import ModelUpdate
 from dapple.runtime.parallel.expert import gradient_sync
 from dapple.runtime.parallel.sharded_state import CutStage
 from dapple.runtime.parallel.stage_mesh import StageMesh, make_groups, tensor_programs
-from dapple.runtime.parallel.zero import FlatShards, unsharded_stages
+from dapple.runtime.parallel.zero import FlatShards
+from dapple.runtime.parallel.zero.select import build_shards, select_zero, zero_stage_of
 from dapple.runtime.precision import Precision
 from dapple.runtime.rank import (
     Batches,
@@ -45,12 +46,10 @@ from dapple.runtime.rank import (
     batch_dims,
     build_layers,
     build_optimizer,
-    build_shards,
     cut_layers,
     first_batch,
     norm_parameters,
     probe_boundaries,
-    select_zero,
 )
 from dapple.runtime.sync import GradientSync
 from dapple.runtime.train_config import TrainConfig
@@ -63,7 +62,6 @@ __all__ = [
     "announces_build",
     "stages_text",
     "start_rank",
-    "zero_stage_of",
 ]
 
 FAIL_RANK_ENV = "DAPPLE_TEST_FAIL_RANK"
@@ -243,19 +241,3 @@ def _announce_weights(plan: Plan, workload: Workload, echo: bool) -> None:
     source = per_stage[0][0]
     counts = ", ".join(f"stage {k} {n}" for k, (_, n) in enumerate(per_stage))
     announce(f"weights loaded: {source}: tensors per stage: {counts}", echo)
-
-
-def zero_stage_of(plan: Plan, config: TrainConfig, rank: int, s: int | None) -> int:
-    """The zero stage of this rank's stage: the run's ``zero_stage`` or the stage's own
-    ``StagePlan.zero_stage``, the larger; 0 on a stage with one replica (and off the plan).
-    Rank 0 says once which stages the run's ``zero_stage`` leaves alone (nothing to shard)."""
-    single = unsharded_stages(plan)
-    if rank == 0 and single and config.zero_stage:
-        logger.warning(
-            "zero stage %d is a no-op on stage(s) %s: one replica each (plan %s)",
-            config.zero_stage, ", ".join(map(str, single)), plan.replication,
-        )  # fmt: skip
-    if s is None or not plan.stages[s].parallel.data_parallel:
-        return 0
-    mine = plan.stages_of_device(rank)  # the chunks of an interleaved plan: one device group
-    return max(plan.stages[k].parallel.floored(config.zero_stage).zero_stage for k in mine)

@@ -27,7 +27,7 @@ which holds every expert once: replica ``j`` holds expert shard ``j % e`` (exper
 
 - **ZeRO-1/2**: the non-expert parameters are sharded over the r_s replicas as without EP
   (:mod:`dapple.runtime.parallel.zero`). At e_s = r_s the expert shards stay out of the flat
-  buckets (:func:`~dapple.runtime.rank.select_zero`), each replica updating its own E/e_s
+  buckets (:func:`~dapple.runtime.parallel.zero.select_zero`), each replica updating its own E/e_s
   experts whole - no other replica holds them. Below (e_s < r_s) they go into buckets of their
   own, sharded over the r_s/e_s replicas holding the same shard
   (:class:`~dapple.runtime.parallel.zero.ShardGroup`): reduce-scattered and gathered over those

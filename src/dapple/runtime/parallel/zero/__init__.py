@@ -66,7 +66,15 @@ Design choices:
       under any plan or zero stage resumes under any other.
 """
 
-from dapple.runtime.parallel.zero.select import flat_parameters, tied_parameters, unsharded_stages
+from dapple.runtime.parallel.zero.select import (
+    ZeroSelection,
+    build_shards,
+    flat_parameters,
+    select_zero,
+    tied_parameters,
+    unsharded_stages,
+    zero_stage_of,
+)
 from dapple.runtime.parallel.zero.shards import (
     MAX_STAGED,
     TENSOR_COLLECTIVES_ENV,
@@ -81,7 +89,11 @@ __all__ = [
     "FlatShards",
     "Piece",
     "ShardGroup",
+    "ZeroSelection",
+    "build_shards",
     "flat_parameters",
+    "select_zero",
     "tied_parameters",
     "unsharded_stages",
+    "zero_stage_of",
 ]
