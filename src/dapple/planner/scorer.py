@@ -164,17 +164,12 @@ class Scorer:
         return v
 
     def parallel(self, replicas: int, mode: ZeroMode) -> Parallelism:
-        """The layout of a stage of ``replicas`` tensor groups of the scorer's width under
-        ``mode``, remembered."""
-        key = (replicas, mode)
-        got = self._parallels.get(key)
+        """The layout of ``replicas`` tensor groups of the scorer's width under ``mode``."""
+        got = self._parallels.get((replicas, mode))
         if got is None:
-            got = self._parallels[key] = Parallelism(
-                replicas=replicas,
-                tensor_width=self.tensor_width,
-                zero_stage=mode.stage,
-                regather=mode.regather,
-            )
+            t, z, again = self.tensor_width, mode.stage, mode.regather
+            got = Parallelism(replicas=replicas, tensor_width=t, zero_stage=z, regather=again)
+            self._parallels[replicas, mode] = got
         return got
 
     def _sync_plan(self, devices: tuple[int, ...], mode: ZeroMode) -> StagePlan:
