@@ -57,6 +57,7 @@ from dapple.runtime.launch.local import (
     heartbeats,
     listener,
     local_store,
+    not_while_importing_main,
     pin_cores,
     processes_text,
     run_worker,
@@ -163,20 +164,6 @@ def _die(msg: str, kind: str = "error: ") -> None:
     os._exit(1)
 
 
-def _not_while_importing_main() -> None:
-    """In a worker that is still importing the launching script (a script that trains at import
-    time, without an ``if __name__ == "__main__":`` guard): say what to add, in one line, and
-    end this worker instead of starting workers of its own."""
-    if getattr(mp.current_process(), "_inheriting", False):
-        sys.stderr.write(
-            "dapple: error: this script starts dapple's worker processes when it is imported, "
-            "and every worker imports it: put the calls under "
-            '`if __name__ == "__main__":`\n'
-        )
-        sys.stderr.flush()
-        os._exit(1)
-
-
 def spawn(
     fn: Callable[..., None],
     nprocs: int,
@@ -201,7 +188,7 @@ def spawn(
         RankFailure: a worker exited non-zero or was killed (or hung ``timeout_s + GRACE_S``
             after a failure); the message lists every failing rank's exit code or signal.
     """
-    _not_while_importing_main()
+    not_while_importing_main()
     sock: socket.socket | None = None
     beats = heartbeats(nprocs) if early is None else early.beats
     folder = refusal_folder() if early is None else early.refusals

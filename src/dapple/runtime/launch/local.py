@@ -55,6 +55,7 @@ __all__ = [
     "listener",
     "local_store",
     "loopback_interface",
+    "not_while_importing_main",
     "pin_cores",
     "processes_text",
     "run_worker",
@@ -149,6 +150,20 @@ class StopSignals:
                     raise Interrupted(name)  # what that handler raises, closing line written
             signal.raise_signal(self.received)
             raise RankFailure(f"workers stopped by {name}")
+
+
+def not_while_importing_main() -> None:
+    """In a worker that is still importing the launching script (a script that trains at import
+    time, without an ``if __name__ == "__main__":`` guard): say what to add, in one line, and
+    end this worker instead of starting workers of its own."""
+    if getattr(mp.current_process(), "_inheriting", False):
+        sys.stderr.write(
+            "dapple: error: this script starts dapple's worker processes when it is imported, "
+            "and every worker imports it: put the calls under "
+            '`if __name__ == "__main__":`\n'
+        )
+        sys.stderr.flush()
+        os._exit(1)
 
 
 def stop_workers(procs: list[Any]) -> None:
