@@ -67,13 +67,13 @@ _PRE = [0.0, 1.0, 2.0, 3.0, 4.0, 8.0, 9.0]
 def test_group_work_and_bounds_by_hand() -> None:
     """P = 2, v = 2, torchtitan's cuts of 6 layers in 4 chunks [0, 2, 4, 5, 6]: group 0 holds
     chunks [0, 2) and [4, 5): 2 + 4 = 6; group 1 [2, 4) and [5, 6): 2 + 1 = 3. With M = 4 the
-    bound is (4 + 1/2) x 6 = 27; over any cuts (4 + 1/2) x max(9 / 2, 4) = 20.25 (each less
-    the relative SLACK)."""
+    bound is max(4 x 6, 4 x 3 + 2) = 24 (group 1 starts after group 0's chunk [0, 2)); over any
+    cuts 4 x max(9 / 2, 4) = 18 (each less the relative SLACK)."""
     pre = [_PRE, _PRE]
     assert group_work_ms(pre, [0, 2, 4, 5, 6]) == [6.0, 3.0]
     got = lower_bound_ms(pre, [0, 2, 4, 5, 6], v=2, M=4)
-    assert got == pytest.approx(27.0 * (1 - SLACK), rel=1e-15)
-    assert any_cuts_bound_ms(pre, v=2, M=4) == pytest.approx(20.25 * (1 - SLACK), rel=1e-15)
+    assert got == pytest.approx(24.0 * (1 - SLACK), rel=1e-15)
+    assert any_cuts_bound_ms(pre, v=2, M=4) == pytest.approx(18.0 * (1 - SLACK), rel=1e-15)
 
 
 def test_balanced_cuts_by_hand() -> None:

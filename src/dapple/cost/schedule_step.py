@@ -32,7 +32,7 @@ from dapple.cost.terms import PlanTerms, stage_terms
 from dapple.schedule.ir import ActionKind
 from dapple.schedule.lower import plan_compute_order
 from dapple.schedule.registry import get_schedule
-from dapple.schedule.spec import StageTimes, StepTerms
+from dapple.schedule.spec import LinkTimes, StageTimes, StepTerms
 
 __all__ = [
     "activation_peak_bytes",
@@ -45,28 +45,38 @@ __all__ = [
 K = ActionKind
 
 
-def _boundary_ms(terms: PlanTerms) -> float:
-    """One micro-batch's activations forward and gradients backward across every stage
-    boundary, the slowest slice transfer of each boundary."""
-    total = 0.0
-    for boundary in terms.boundaries:
-        worst = 0.0
+def _links(terms: PlanTerms) -> tuple[LinkTimes, ...]:
+    """Per stage boundary, what its slowest replica pushes through its way out for one
+    micro-batch: activations forward (summed over a source replica's slices) and gradients
+    back (over a destination replica's), with the latency of its link."""
+    plan, out = terms.plan, []
+    for s, boundary in enumerate(terms.boundaries):
+        fwd: dict[int, float] = {}
+        bwd: dict[int, float] = {}
+        latency = 0.0
         for x in boundary.transfers:
-            worst = max(worst, x.forward_ms + x.backward_ms)
-        total += worst
-    return total
+            fwd[x.src_replica] = fwd.get(x.src_replica, 0.0) + x.forward_ms
+            bwd[x.dst_replica] = bwd.get(x.dst_replica, 0.0) + x.backward_ms
+            if x.forward_ms > 0.0 or x.backward_ms > 0.0:
+                src = plan.stages[s].replica_devices[x.src_replica]
+                dst = plan.stages[s + 1].replica_devices[x.dst_replica]
+                latency = max(latency, terms.cluster.latency_ms(src, dst))
+        out.append(LinkTimes(max(fwd.values()), max(bwd.values()), latency))
+    return tuple(out)
 
 
-def _allreduce_ms(terms: PlanTerms) -> float:
-    """The largest sum of a device group's stage AllReduces, AR(P_s, g_s)."""
-    plan = terms.plan
-    worst = 0.0
+def _tails(terms: PlanTerms) -> tuple[float, ...]:
+    """Per device group g, what its lowered program runs after its last compute: its replicated
+    stages' gradient synchronisation (AR, or ZeRO's reductions and gathers) and its optimizer
+    step (the host CPU per step of stage g's slowest replica and U_s of each of its stages)."""
+    plan, out = terms.plan, []
     for g in range(plan.num_groups):
-        group = 0.0
+        tail = terms.stages[g].replicas[0].host.step_ms
         for k in plan.stages_of_group(g):
-            group += terms.stages[k].allreduce_ms
-        worst = max(worst, group)
-    return worst
+            st = terms.stages[k]
+            tail += st.terms.update_ms + (st.terms.sync_ms if plan.stages[k].replicas > 1 else 0.0)
+        out.append(tail)
+    return tuple(out)
 
 
 def step_terms(terms: PlanTerms) -> StepTerms:
@@ -76,11 +86,18 @@ def step_terms(terms: PlanTerms) -> StepTerms:
         M=plan.num_micro_batches,
         P=plan.num_groups,
         v=plan.virtual_stages,
+        order=plan_compute_order(plan),
         stages=tuple(
-            StageTimes(r.forward_ms, r.backward_ms, r.input_grad_ms, r.weight_grad_ms)
+            StageTimes(
+                r.forward_ms + r.host.forward_ms,
+                r.backward_ms + r.host.backward_ms,
+                r.input_grad_ms + r.host.backward_ms,
+                r.weight_grad_ms,
+            )
             for r in (st.replicas[0] for st in terms.stages)  # the slowest replica's slice
         ),
-        fixed_ms=_boundary_ms(terms) + _allreduce_ms(terms),
+        links=_links(terms),
+        tails=_tails(terms),
     )
 
 

@@ -1,15 +1,14 @@
 """Interleaved 1F1B plans for the DAPPLE search, costed best first from lower bounds.
 
 The DAPPLE DP costs the paper's L (equations 1-3); interleaved 1F1B (Narayanan et al., SC 2021)
-has a step rule of its own, ``(M + (P-1)/v) max_g T_g`` plus what fill and drain pay once
-(:mod:`dapple.schedule.interleaved`; P device groups, v chunks each, T_g the F + B of group g's
-chunks), and its memory comes from replaying its compute order
+is costed by replaying its compute order (:func:`~dapple.schedule.replay.replayed_step_ms`;
+P device groups, v chunks each, T_g the F + B of group g's chunks), and so is its memory
 (:func:`~dapple.cost.schedule_step.device_memory_by_group`). Both are a pass over the whole plan,
 so :func:`best_interleaved` ranks the candidates by lower bounds, cheapest first:
 
-* of L, ``(M + (P-1)/v) max_g T_g`` with T_g summed layer by layer from the search's scorers
-  (F + B of the largest replica slice at the group's width, :meth:`Scorer.fb_ms`; no
-  re-computation, ZeRO-3 gathers, fill or drain): :func:`lower_bound_ms`;
+* of L, ``max_g (M T_g + sum_{h<g} (F + B of stage h))`` with T_g summed layer by layer from
+  the search's scorers (F + B of the largest replica slice at the group's width,
+  :meth:`Scorer.fb_ms`; no re-computation, ZeRO-3 gathers or transfers): :func:`lower_bound_ms`;
 * of the peak memory, each group's parameter state and the activations of the forwards it runs
   before its first backward: :func:`memory_floor_bytes`.
 
@@ -147,10 +146,19 @@ def group_work_ms(pre: Sequence[Sequence[float]], cuts: Sequence[int]) -> list[f
 
 
 def lower_bound_ms(pre: Sequence[Sequence[float]], cuts: Sequence[int], v: int, M: int) -> float:
-    """``(M + (P-1)/v) max_g T_g`` (:func:`group_work_ms`): the interleaved step rule without
-    fill and drain, and without re-computation or ZeRO-3 gathers in T_g; a lower bound of L."""
+    """A lower bound of the interleaved step (:func:`~dapple.schedule.replay.replayed_step_ms`):
+    ``max_g (M T_g + sum_{h<g} (F + B of stage h))`` (:func:`group_work_ms`), T_g without
+    re-computation or ZeRO-3 gathers. Group g starts with chunk 0 of micro-batch 0, after the
+    forwards of the stages h < g, works ``M T_g`` and ends with chunk 0's backward of the last
+    micro-batch, before theirs; for equal chunks it is ``(M + (P-1)/v) T``, section 2.2.2's
+    bubble."""
     P = len(pre)
-    return (M + (P - 1) / v) * max(group_work_ms(pre, cuts)) * (1 - SLACK)
+    work = group_work_ms(pre, cuts)
+    head, best = 0.0, 0.0
+    for g in range(P):
+        best = max(best, M * work[g] + head)
+        head += pre[g][cuts[g + 1]] - pre[g][cuts[g]]
+    return best * (1 - SLACK)
 
 
 def any_cuts_bound_ms(pre: Sequence[Sequence[float]], v: int, M: int) -> float:
@@ -159,7 +167,7 @@ def any_cuts_bound_ms(pre: Sequence[Sequence[float]], v: int, M: int) -> float:
     the largest."""
     P, N = len(pre), len(pre[0]) - 1
     least = [min(p[i + 1] - p[i] for p in pre) for i in range(N)]
-    return (M + (P - 1) / v) * max(sum(least) / P, max(least)) * (1 - SLACK)
+    return M * max(sum(least) / P, max(least)) * (1 - SLACK)
 
 
 def balanced_cuts(pre: Sequence[Sequence[float]], cuts: Sequence[int]) -> list[int]:

@@ -24,14 +24,11 @@ sub-actions' order (``tests/test_v_orders_match_torch.py``).
 
 dapple's runtime runs one action at a time: an overlapped pair runs its forward, then its
 backward, and what DualPipe hides of one behind the other (above all the communication of
-expert parallelism) is not hidden here. The step rule is therefore ZB-V's shape, not section
-3.2.1's (Table 2: DualPipe's bubble ``(PP/2 - 1)(F&B + B - 3W)``, F&B an overlapped pair's
-time): every rank works ``M max_g T_g`` (T_g the F + B of its two chunks), the V fills in P-1
-chunk passes (``max_c max(F_c, I_c)``) and ``max(0, max_c (F_c + B_c - 3 W_c))`` more per rank
-where the queued ``W``s cannot cover the drain, plus what fill and drain pay once. Exact for
-uniform chunks with F = I = W and free communication (``6M + P - 1`` units, as ZB-V); with
-uneven chunks an estimate (the simulator is the reference). Memory: one chunk micro-batch more
-than ZB-V at the peak (section 3.2.1: PP + 1 for DualPipe), replayed by the cost model.
+expert parallelism) is not hidden here. The step is therefore the replay of this order as dapple
+runs it (:func:`~dapple.schedule.replay.replayed_step_ms`), not section 3.2.1's Table 2 (DualPipe's
+bubble ``(PP/2 - 1)(F&B + B - 3W)``, F&B an overlapped pair's time). Memory: one chunk
+micro-batch more than ZB-V at the peak (section 3.2.1: PP + 1 for DualPipe), replayed by the
+cost model.
 
 Limits: exactly two chunks per device group, P >= 2 groups of at least two layers each (any
 count, odd ones cut ceil/floor as ZB-V's), M >= 2P (every rank's phase 4 runs once), no
@@ -43,7 +40,8 @@ from __future__ import annotations
 from dapple.core.plan import Plan
 from dapple.errors import ValidationError
 from dapple.schedule.ir import Action, ActionKind, ComputeOrder
-from dapple.schedule.spec import ScheduleSpec, StepTerms
+from dapple.schedule.replay import replayed_step_ms
+from dapple.schedule.spec import ScheduleSpec
 from dapple.schedule.zbv import CHUNKS, v_group, v_shape
 
 __all__ = ["SCHEDULE", "dualpipev"]
@@ -143,18 +141,6 @@ def dualpipev(P: int, M: int, v: int = CHUNKS) -> ComputeOrder:
     return {g: _rank_order(g, P, M) for g in range(P)}
 
 
-def _step_ms(t: StepTerms) -> float:
-    """The DualPipeV step over each rank's two chunks (module docstring)."""
-    S = len(t.stages)
-    work = max(
-        sum(c.forward_ms + c.backward_ms for c in (t.stages[g], t.stages[S - 1 - g]))
-        for g in range(t.P)
-    )
-    chunk_pass = max(max(c.forward_ms, c.input_grad_ms) for c in t.stages)
-    drain = max(0.0, *(c.forward_ms + c.backward_ms - 3 * c.weight_grad_ms for c in t.stages))
-    return t.M * work + (t.P - 1) * (chunk_pass + drain) + t.fixed_ms
-
-
 def _v_shape(plan: Plan, v: int) -> Plan:
     """ZB-V's V (:func:`~dapple.schedule.zbv.v_shape`) under this schedule, refusing in its
     name."""
@@ -174,7 +160,7 @@ SCHEDULE = ScheduleSpec(
     name="dualpipev",
     title="DualPipeV",
     order=lambda shape: dualpipev(shape.P, shape.M, shape.v),
-    step_ms=_step_ms,
+    step_ms=replayed_step_ms,
     variants=(("A", CHUNKS),),
     split_backward=True,
     chunks=True,

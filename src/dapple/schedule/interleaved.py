@@ -12,11 +12,11 @@ reverse, ``v - 1 - (n // P) mod v``, over the same micro-batches. Rank g warms u
 drains the remaining backwards. With v = 1 the warm-up is DAPPLE's policy B minus the first
 steady forward (K_g = 2(P-g)-1).
 
-Cost (section 2.2.2): a group's per-micro-batch work is ``T_g = sum over its chunks of (F + B)``,
-the bubble ``(P-1)/v`` of it: ``L = (M + (P-1)/v) max_g T_g`` plus what fill and drain pay once
-(:attr:`~dapple.schedule.spec.StepTerms.fixed_ms`), taken over the slowest group so that uneven
-chunks are covered conservatively (uneven chunks stall each other beyond the bubble; the
-simulator is the reference).
+Cost: the replay of this order (:func:`~dapple.schedule.replay.replayed_step_ms`). For equal
+chunks and free communication it is section 2.2.2's ``(M + (P-1)/v) T`` (T a group's F + B of
+its chunks for one micro-batch); the replay also takes uneven chunks, which stall each other
+beyond that bubble, and the transfers: every chunk boundary is crossed once per micro-batch, so
+a slow link costs in the steady state, not only in fill and drain.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ from __future__ import annotations
 from dapple.core.plan import Plan
 from dapple.errors import ValidationError
 from dapple.schedule.ir import Action, ActionKind, ComputeOrder
-from dapple.schedule.spec import ScheduleSpec, StepTerms
+from dapple.schedule.replay import replayed_step_ms
+from dapple.schedule.spec import ScheduleSpec
 
 __all__ = ["SCHEDULE", "interleaved", "interleaved_warmup"]
 
@@ -86,16 +87,6 @@ def interleaved(P: int, M: int, v: int) -> ComputeOrder:
     return order
 
 
-def _step_ms(t: StepTerms) -> float:
-    """``(M + (P-1)/v) max_g T_g`` plus the fill and drain's fixed terms (module docstring)."""
-    P, v = t.P, t.v
-    work = [
-        sum(t.stages[k].forward_ms + t.stages[k].backward_ms for k in range(g, len(t.stages), P))
-        for g in range(P)
-    ]
-    return (t.M + (P - 1) / v) * max(work) + t.fixed_ms
-
-
 def _check_plan(plan: Plan) -> None:
     """M a multiple of the device groups (the chunks cycle every P micro-batches).
 
@@ -114,10 +105,11 @@ SCHEDULE = ScheduleSpec(
     title="interleaved 1F1B (v={v})",
     label="interleaved v={v}",
     order=lambda shape: interleaved(shape.P, shape.M, shape.v),
-    step_ms=_step_ms,
+    step_ms=replayed_step_ms,
     variants=(("A", 2), ("A", 4)),
     chunks=True,
     check=_check_plan,
     module=__name__,
 )
-"""Interleaved 1F1B: v chunks per device group, its own step rule (no per-stage K_i)."""
+"""Interleaved 1F1B: v chunks per device group, its order replayed for the step (no per-stage
+K_i)."""

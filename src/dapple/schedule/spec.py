@@ -16,7 +16,8 @@ plug-in outside dapple) holds its generator and its rules and ends with
 * its memory rule: K_i, the micro-batches whose activations stage i holds at most
   (``in_flight``), which the cost model's L (equations 1-3) and the planner's scorer read;
 * its step time: None for the paper's L over those K_i, or its own rule over
-  :class:`StepTerms` (the published bubble of interleaved 1F1B or ZB-H1);
+  :class:`StepTerms` (:func:`dapple.schedule.replay.replayed_step_ms` for interleaved 1F1B,
+  ZB-H1, ZB-V and DualPipeV: the longest path through the compute order);
 * its validation rules beyond :class:`~dapple.core.plan.Plan`'s (``check``, e.g. M a multiple
   of the device groups);
 * how it is shown: ``title`` and ``label`` templates over ``{policy}`` and ``{v}``.
@@ -34,7 +35,15 @@ from dapple.core.plan import Plan, Policy
 from dapple.errors import ValidationError
 from dapple.schedule.ir import ComputeOrder
 
-__all__ = ["POLICIES", "ScheduleSpec", "Shape", "StageTimes", "StepTerms", "round_robin"]
+__all__ = [
+    "POLICIES",
+    "LinkTimes",
+    "ScheduleSpec",
+    "Shape",
+    "StageTimes",
+    "StepTerms",
+    "round_robin",
+]
 
 POLICIES: tuple[Policy, ...] = ("A", "B")
 """Warm-up policies a plan can carry (section 6.3): A ``K_i = min(S-i, D)``, B
@@ -73,6 +82,18 @@ class StageTimes:
     """W_s, the weight-gradient half."""
 
 
+@dataclass(frozen=True, slots=True)
+class LinkTimes:
+    """One stage boundary k|k+1 for one micro-batch: the slowest replica's transfers, in ms."""
+
+    forward_ms: float
+    """Activations from stage k to k+1 (0 when both run on one device group)."""
+    backward_ms: float
+    """Their gradients back from k+1 to k."""
+    latency_ms: float
+    """The link latency within them: it delays the arrival but does not hold the way out."""
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StepTerms:
     """What a schedule's own step-time rule reads (filled by
@@ -84,11 +105,15 @@ class StepTerms:
     """Device groups; ``len(stages) = P·v``."""
     v: int
     """Model chunks per device group."""
+    order: ComputeOrder
+    """The plan's compute order: device group -> its ordered compute actions."""
     stages: tuple[StageTimes, ...]
-    """Per (virtual) stage in pipeline order."""
-    fixed_ms: float
-    """What fill and drain pay once: one micro-batch through every stage boundary and back
-    (the slowest slice transfer of each) plus the largest sum of a device group's AllReduces."""
+    """Per (virtual) stage in pipeline order, host CPU extras included."""
+    links: tuple[LinkTimes, ...]
+    """Per boundary k|k+1 between (virtual) stages."""
+    tails: tuple[float, ...]
+    """Per device group, what it does once after its last compute: its replicated stages'
+    gradient synchronisation and its optimizer step."""
 
 
 def round_robin(k: int, P: int, v: int) -> int:

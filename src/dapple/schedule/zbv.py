@@ -24,15 +24,10 @@ This is ``ScheduleZBVZeroBubble``'s order action for action
 (``tests/test_v_orders_match_torch.py``).
 
 Memory (section 6): a rank holds at most 2P chunk-micro-batches from F to W, half a stage each:
-the activations of 1F1B's stage 0, on every rank alike. Cost (our rule for this order, checked
-against the simulator; section 6 gives ZB-V's near-zero bubble for F = B = W only): with T_g
-the F + I + W of rank g's two chunks, every rank works ``M max_g T_g``; the V fills in P-1
-chunk passes (``max_c max(F_c, I_c)`` each) and, where two ``W``s cannot cover a chunk's F + I,
-waits ``max(0, max_c (F_c + I_c - 2 W_c))`` more per rank:
-``L = M max_g T_g + (P-1) (max_c max(F_c, I_c) + max(0, max_c (F_c + I_c - 2 W_c)))`` plus what
-fill and drain pay once (:attr:`~dapple.schedule.spec.StepTerms.fixed_ms`). Exact for uniform
-chunks with F = I = W and free communication (``6M + P - 1`` units); with uneven chunks an
-estimate (the simulator is the reference).
+the activations of 1F1B's stage 0, on every rank alike. Cost: the replay of this order
+(:func:`~dapple.schedule.replay.replayed_step_ms`); section 6 gives ZB-V's near-zero bubble for
+equal chunks with F = I = W and free communication (``6M + P - 1`` units, which the replay
+reproduces), and the replay takes uneven chunks and the transfers as they fall.
 
 Limits: exactly two chunks per device group (S = 2P), at least two device groups of at least
 two layers each (no divisibility: a group of an odd count is cut ceil/floor, :func:`v_shape`),
@@ -46,7 +41,8 @@ import dataclasses
 from dapple.core.plan import Plan, StagePlan
 from dapple.errors import ValidationError
 from dapple.schedule.ir import Action, ActionKind, ComputeOrder
-from dapple.schedule.spec import ScheduleSpec, StepTerms
+from dapple.schedule.replay import replayed_step_ms
+from dapple.schedule.spec import ScheduleSpec
 
 __all__ = ["SCHEDULE", "v_group", "v_shape", "zbv"]
 
@@ -183,21 +179,6 @@ def v_shape(plan: Plan, v: int = CHUNKS, *, title: str = "ZB-V", name: str = "zb
     return dataclasses.replace(plan, stages=tuple(stages), schedule=name, virtual_stages=CHUNKS)
 
 
-def _step_ms(t: StepTerms) -> float:
-    """The ZB-V step over each rank's two chunks (module docstring)."""
-    S = len(t.stages)
-    work = max(
-        sum(
-            c.forward_ms + c.input_grad_ms + c.weight_grad_ms
-            for c in (t.stages[g], t.stages[S - 1 - g])
-        )
-        for g in range(t.P)
-    )
-    chunk_pass = max(max(c.forward_ms, c.input_grad_ms) for c in t.stages)
-    bubble = max(0.0, *(c.forward_ms + c.input_grad_ms - 2 * c.weight_grad_ms for c in t.stages))
-    return t.M * work + (t.P - 1) * (chunk_pass + bubble) + t.fixed_ms
-
-
 def _check_plan(plan: Plan) -> None:
     """Two chunks per device group, at least two groups (section 6: a V over ranks).
 
@@ -211,7 +192,7 @@ SCHEDULE = ScheduleSpec(
     name="zbv",
     title="ZB-V",
     order=lambda shape: zbv(shape.P, shape.M, shape.v),
-    step_ms=_step_ms,
+    step_ms=replayed_step_ms,
     variants=(("A", CHUNKS),),
     split_backward=True,
     chunks=True,

@@ -11,10 +11,10 @@ memory of 1F1B), and the delayed ``W``s fill the drain bubbles: with T_F = T_I =
 communication the step takes ``3M + S - 1`` units instead of 1F1B's ``3(M + S - 1)``, a third
 of the bubble.
 
-Cost (section 2.1): ``L = M max_s (F_s + I_s + W_s) + (S-1) max(0, max_s (F_s + I_s - W_s))``
-plus what fill and drain pay once (:attr:`~dapple.schedule.spec.StepTerms.fixed_ms`); with
-uneven stages an estimate (W passes may not fit their bubbles when W > F; the simulator is the
-reference). Memory: every stage holds ``min(S, M)`` micro-batches from F to W.
+Cost: the replay of this order (:func:`~dapple.schedule.replay.replayed_step_ms`), which for
+equal stages with T_F = T_I = T_W and free communication is section 2.1's ``3M + S - 1`` units
+and otherwise takes the W passes that do not fit their bubbles, uneven stages and the transfers
+as they fall. Memory: every stage holds ``min(S, M)`` micro-batches from F to W.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ from __future__ import annotations
 from dapple.errors import ValidationError
 from dapple.schedule.fill_drain import check_counts
 from dapple.schedule.ir import Action, ActionKind, ComputeOrder
-from dapple.schedule.spec import ScheduleSpec, Shape, StepTerms
+from dapple.schedule.replay import replayed_step_ms
+from dapple.schedule.spec import ScheduleSpec, Shape
 
 __all__ = ["SCHEDULE", "zbh1"]
 
@@ -65,24 +66,14 @@ def _in_flight(shape: Shape) -> list[int]:
     return [min(shape.P, shape.M)] * shape.P
 
 
-def _step_ms(t: StepTerms) -> float:
-    """The ZB-H1 step (module docstring), over the slowest replica's F, I and W of each stage."""
-    per: list[float] = []
-    bubble = 0.0
-    for st in t.stages:
-        f, i, w = st.forward_ms, st.input_grad_ms, st.weight_grad_ms
-        per.append(f + i + w)
-        bubble = max(bubble, f + i - w)
-    return t.M * max(per) + (len(t.stages) - 1) * bubble + t.fixed_ms
-
-
 SCHEDULE = ScheduleSpec(
     name="zbh1",
     title="ZB-H1",
     order=lambda shape: zbh1(shape.P, shape.M),
     in_flight=_in_flight,
-    step_ms=_step_ms,
+    step_ms=replayed_step_ms,
     split_backward=True,
     module=__name__,
 )
-"""ZB-H1: the backward split into I and W (runtime), its own step rule, K_i = min(S, M)."""
+"""ZB-H1: the backward split into I and W (runtime), its order replayed for the step, K_i =
+min(S, M)."""

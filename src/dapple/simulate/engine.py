@@ -218,9 +218,12 @@ class _Run:
         return (sb.later if a.stage in self.seen[dev] else sb.first) - sb.other
 
     def opt_ms(self, a: Action) -> float:
-        """An OPT's time: the per-step host CPU plus the optimizer update U_s."""
-        st = self.terms.stages[a.stage]
-        return st.replicas[a.replica].host.step_ms + st.terms.update_ms
+        """An OPT's time: the per-step host CPU of its stage's replica plus the optimizer update
+        U_s of each stage of its device group (its v chunks under interleaving)."""
+        host = self.terms.stages[a.stage].replicas[a.replica].host.step_ms
+        return host + sum(
+            self.terms.stages[k].terms.update_ms for k in self.plan.stages_of_group(a.stage)
+        )
 
     def is_cpu(self, dev: int, a: Action) -> bool:
         """F/B, or an OPT that takes time (host CPU or the update; module docstring)."""
