@@ -90,7 +90,8 @@ def test_replay_equals_the_simulator_on_straight_plans(
     case: tuple[str, int, int, list[tuple[float, float]], float, float],
 ) -> None:
     """One replica per stage, uneven layers and links from free to slow: the replay is the
-    simulated step (the published bubbles of these schedules missed it by -66% to +41%)."""
+    simulated step (the published bubbles of these schedules missed it by -65% to +84%,
+    ``benchmarks/step_rules.md``)."""
     name, P, M, times, out_mb, gbps = case
     spec = get_schedule(name)
     n = len(times)
