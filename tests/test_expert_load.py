@@ -26,6 +26,7 @@ from dapple.runtime.parallel.expert.load import (
     load_layout,
 )
 from dapple.runtime.step_metrics import StepMetrics
+from ep_runs import plan_1_2_1
 
 
 def hand_count(
@@ -173,12 +174,6 @@ reads the offsets, per MoE layer and micro-batch, forward and backward; on CUDA
 ``aten._grouped_mm`` takes them on the device): the model's, not the runtime's, left out."""
 
 
-def _plan_1_2_1(expert_width: int) -> Plan:
-    from test_expert_parallel import _plan_1_2_1 as plan
-
-    return plan(expert_width)
-
-
 def load_worker(rank: int, world: int, out_dir: str) -> None:
     """Mixtral on 1:2:1 (uneven slices) with EP 2 and without; the run without EP also for
     more steps with the host reads counted (:func:`test_sync_count.patch_syncs`)."""
@@ -194,7 +189,7 @@ def load_worker(rank: int, world: int, out_dir: str) -> None:
         cfg = TrainConfig(steps=steps, seed=2, optimizer="adamw", lr=1e-2, timeout_s=120,
                           metrics_path=str(Path(out_dir, f"{name}.jsonl")))  # fmt: skip
         calls.clear()
-        run_plan(_plan_1_2_1(e), wl, cfg, device=device, exact_world=False)
+        run_plan(plan_1_2_1(e), wl, cfg, device=device, exact_world=False)
         out[name] = list(calls)
     Path(out_dir, f"calls{rank}.json").write_text(json.dumps(out))
     shutdown_distributed()
@@ -214,7 +209,7 @@ def test_the_step_metrics_hold_the_expert_load_of_a_hand_count_and_add_no_host_r
 
     spawn(load_worker, 4, str(tmp_path), timeout_s=900)
     wl = em.mixtral()
-    plan = _plan_1_2_1(1)
+    plan = plan_1_2_1(1)
     G = plan.global_batch_size
     inputs, _ = wl.make_batch(G, 2)  # step 0's batch of seed 2
     want, want_aux = hand_count(wl, wl.build_model(2), inputs)

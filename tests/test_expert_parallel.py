@@ -1,13 +1,13 @@
 """Expert parallelism (``StagePlan.expert_width``) in the runtime: the route of the token
 exchange, the cut MoE block against the whole one (members simulated by threads in one
-process), what is refused before any compute, and ``dapple verify`` of Hugging Face's Mixtral and
-Qwen2-MoE with EP 2 on a 1:2:1 plan under AdamW."""
+process), what is refused before any compute, ``dapple verify`` of Hugging Face's Mixtral and
+Qwen2-MoE under AdamW with EP 2 on 1:2:1 and EP 4 on 4:1 (uneven slices both), and checkpoints
+that resume under another width (the shared scaffolding in ``ep_runs``)."""
 
 from __future__ import annotations
 
 import copy
 import json
-import os
 import threading
 from dataclasses import replace
 from pathlib import Path
@@ -30,6 +30,15 @@ from dapple.runtime.parallel.expert import (
 from dapple.runtime.parallel.expert.exchange import Route
 from dapple.runtime.train_config import TrainConfig
 from dapple.runtime.verify.run import WORKER_SETUP_ENV
+from ep_runs import (
+    CK_CUT,
+    ResumeCase,
+    append_row,
+    plan_1_2_1,
+    plan_4_1,
+    run_and_check_resumes,
+    verify_equal_to_one_device,
+)
 
 EP_DIR_ENV = "DAPPLE_TEST_EP_DIR"
 """Where :func:`record_shards` writes each verify worker's expert shards."""
@@ -56,14 +65,6 @@ class ThreadCollectives:
         out = torch.cat([got[p][self.index] for p in range(self.size)])
         assert out.shape[0] == sum(recv)
         return out
-
-
-def _plan_1_2_1(expert_width: int = 2, **stage: Any) -> Plan:
-    """Layers prologue | 2 MoE blocks | epilogue on 1:2:1, b = 3 (middle slices 2 and 1)."""
-    plan = straight_plan(4, [0, 1, 3], global_batch_size=6, num_micro_batches=2,
-                         replicas=[1, 2, 1])  # fmt: skip
-    mid = replace(plan.stages[1], expert_width=expert_width, **stage)
-    return replace(plan, stages=(plan.stages[0], mid, plan.stages[2]))
 
 
 # -- the route ------------------------------------------------------------------------------
@@ -232,9 +233,9 @@ def test_whole_gathers_the_shards_and_norm_counts_each_once() -> None:
 @pytest.mark.parametrize(
     ("plan", "config", "words"),
     [
-        (lambda: _plan_1_2_1(zero_stage=3), {}, "zero_stage 3: EP with ZeRO-3"),
-        (lambda: _plan_1_2_1(), {"zero_stage": 3}, "zero_stage 3: EP with ZeRO-3"),
-        (lambda: _plan_1_2_1(), {"precision": "fp16"}, "precision fp16"),
+        (lambda: plan_1_2_1(zero_stage=3), {}, "zero_stage 3: EP with ZeRO-3"),
+        (lambda: plan_1_2_1(), {"zero_stage": 3}, "zero_stage 3: EP with ZeRO-3"),
+        (lambda: plan_1_2_1(), {"precision": "fp16"}, "precision fp16"),
     ],
 )
 def test_what_expert_parallelism_does_not_run_is_refused(
@@ -258,9 +259,9 @@ def test_tensor_parallel_and_interleaved_expert_stages_are_refused() -> None:
     ep = tuple(replace(st, expert_width=st.replicas) for st in two.stages)
     with pytest.raises(ValidationError, match=r"stage 0 \[0, 1\].*an interleaved plan"):
         check_expert_run(replace(two, stages=ep), TrainConfig())
-    check_expert_run(_plan_1_2_1(), TrainConfig())  # what runs is not refused
+    check_expert_run(plan_1_2_1(), TrainConfig())  # what runs is not refused
     for z in (1, 2):  # ZeRO-1/2 runs at e_s = r_s and below it (test_expert_zero)
-        check_expert_run(_plan_1_2_1(zero_stage=z), TrainConfig())
+        check_expert_run(plan_1_2_1(zero_stage=z), TrainConfig())
         below = replace(tp, stages=(tp.stages[0], replace(tp.stages[1], expert_width=2,
                                                            zero_stage=z), tp.stages[2]))  # fmt: skip
         check_expert_run(below, TrainConfig())
@@ -276,7 +277,7 @@ def test_verify_refuses_an_expert_plan_it_cannot_run_before_starting_workers(
 
     monkeypatch.setattr(verify_mod, "verify_many", no_workers)
     with pytest.raises(ValidationError, match=r"\(expert_width 2\).*zero_stage 3: EP with ZeRO"):
-        api.verify_many([(_plan_1_2_1(), em.moe_lm())], 1, device="cpu", zero_stage=3)
+        api.verify_many([(plan_1_2_1(), em.moe_lm())], 1, device="cpu", zero_stage=3)
 
 
 @pytest.mark.parametrize("command", ["train", "verify"])
@@ -292,7 +293,7 @@ def test_an_expert_width_on_a_dense_model_is_refused_once_before_any_worker_star
 
     monkeypatch.setattr(verify_mod, "verify_many", no_workers)
     monkeypatch.setattr(runtime_mod, "train", no_workers)
-    plan = _plan_1_2_1()
+    plan = plan_1_2_1()
     words = (r"^plan stage 1 \[1, 3\] \(expert_width 2\): model 'varlen-llama' has no "
              r"mixture-of-experts layers there")  # fmt: skip
     with pytest.raises(ValidationError, match=words):
@@ -302,34 +303,36 @@ def test_an_expert_width_on_a_dense_model_is_refused_once_before_any_worker_star
             api.verify_many([(plan, em.varlen_llama())], 1, device="cpu")
 
 
+def _plan_1_3_1() -> Plan:
+    """Layers prologue | 2 MoE blocks | epilogue on 1:3:1, the middle stage at EP 3."""
+    plan = straight_plan(4, [0, 1, 3], global_batch_size=6, num_micro_batches=2,
+                         replicas=[1, 3, 1])  # fmt: skip
+    mid = replace(plan.stages[1], expert_width=3)
+    return replace(plan, stages=(plan.stages[0], mid, plan.stages[2]))
+
+
 def test_experts_not_a_multiple_of_the_width_are_refused_before_any_worker_starts() -> None:
     pytest.importorskip("transformers")
     from dapple.runtime.parallel.expert import check_expert_layers
 
-    three = straight_plan(4, [0, 1, 3], global_batch_size=6, num_micro_batches=2,
-                          replicas=[1, 3, 1])  # fmt: skip
-    three = replace(three, stages=(three.stages[0], replace(three.stages[1], expert_width=3),
-                                   three.stages[2]))  # fmt: skip
+    three = _plan_1_3_1()
     with pytest.raises(
         ValidationError,
         match=r"stage 1 \[1, 3\] \(expert_width 3\): model "
         r"'mixtral''s MoE layers there hold 4 experts, not a multiple of 3",
     ):
         check_expert_layers(three, em.mixtral())
-    check_expert_layers(_plan_1_2_1(), em.mixtral())  # 4 experts over 2: not refused
+    check_expert_layers(plan_1_2_1(), em.mixtral())  # 4 experts over 2: not refused
     with pytest.raises(ValidationError, match="model 'moe-lm' has no mixture-of-experts layers"):
-        check_expert_layers(_plan_1_2_1(), em.moe_lm())  # its experts: no grouped matmuls
+        check_expert_layers(plan_1_2_1(), em.moe_lm())  # its experts: no grouped matmuls
 
 
 def test_a_stage_without_experts_or_with_experts_not_dividing_is_refused() -> None:
     pytest.importorskip("transformers")
     dense = em.varlen_llama().build_stage(1, 3, 0)
     with pytest.raises(ValidationError, match=r"stage 1 \[1, 3\]: expert_width 2, but its layers"):
-        shard_experts(_plan_1_2_1(), 1, dense, ExpertGroups(group={(1, 0): None}))
-    three = straight_plan(4, [0, 1, 3], global_batch_size=6, num_micro_batches=2,
-                          replicas=[1, 3, 1])  # fmt: skip
-    three = replace(three, stages=(three.stages[0], replace(three.stages[1], expert_width=3),
-                                   three.stages[2]))  # fmt: skip
+        shard_experts(plan_1_2_1(), 1, dense, ExpertGroups(group={(1, 0): None}))
+    three = _plan_1_3_1()
     moe = em.mixtral().build_stage(1, 3, 0)
     with pytest.raises(ValidationError, match="holds 4 experts, not a multiple of expert_width 3"):
         shard_experts(three, 1, moe, ExpertGroups(group={(1, 0): None}))
@@ -349,8 +352,7 @@ def record_shards(rank: int) -> None:
         ep = cut(plan, r, module, groups)
         if ep is not None:
             shapes = {n: list(p.shape) for n, p in zip(ep.names, ep.params, strict=True)}
-            with Path(os.environ[EP_DIR_ENV], f"rank{r}.jsonl").open("a") as f:
-                f.write(json.dumps(shapes) + "\n")
+            append_row(EP_DIR_ENV, r, shapes)
         return ep
 
     rank_mod.shard_experts = recorded
@@ -368,16 +370,10 @@ def test_verify_mixtral_and_qwen2_moe_with_ep_2_under_adamw(
     pytest.importorskip("transformers")
     monkeypatch.setenv(WORKER_SETUP_ENV, "test_expert_parallel:record_shards")
     monkeypatch.setenv(EP_DIR_ENV, str(tmp_path))
-    four = straight_plan(4, [0, 3], global_batch_size=10, num_micro_batches=2, replicas=[4, 1])
-    four = replace(four, stages=(replace(four.stages[0], expert_width=2, recompute=True),
-                                 four.stages[1]))  # fmt: skip
-    cases = [(_plan_1_2_1(), "mixtral"), (replace(_plan_1_2_1(), schedule="zbh1"), "qwen2_moe"),
-             (four, "mixtral")]  # fmt: skip
-    reports = api.verify_many([(p, f"extra_models:{f}") for p, f in cases], 3, device="cpu",
-                              optimizer="adamw", lr=0.01, timeout_s=600)  # fmt: skip
-    for (plan, factory), rep in zip(cases, reports, strict=True):
-        assert rep.ok, (factory, plan.replication, rep.max_abs_diff)
-        assert rep.losses == pytest.approx(rep.reference_losses, rel=1e-5), factory
+    verify_equal_to_one_device(
+        [(plan_1_2_1(), "mixtral"), (replace(plan_1_2_1(), schedule="zbh1"), "qwen2_moe"),
+         (plan_4_1(2, recompute=True), "mixtral")], 600,
+    )  # fmt: skip
     runs = {int(p.stem[4:]): p.read_text().splitlines() for p in tmp_path.glob("rank*.jsonl")}
     assert {r: len(lines) for r, lines in runs.items()} == {0: 1, 1: 3, 2: 3, 3: 1}
     for lines in runs.values():  # every run: 2 of the 4 experts of both blocks' 2 weights
@@ -385,60 +381,34 @@ def test_verify_mixtral_and_qwen2_moe_with_ep_2_under_adamw(
             assert len(shapes) == 4 and all(s[0] == 2 for s in shapes.values()), shapes
 
 
+@pytest.mark.slow
+def test_verify_mixtral_and_qwen2_moe_with_ep_4_on_an_uneven_plan_under_adamw(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One launch, two runs of 3 AdamW steps on 4:1 (stage 0's slices 2, 1, 1, 1) with EP 4 on
+    stage 0, each equal to one device's: Mixtral and Qwen2-MoE (its shared expert replicated),
+    each of the 4 replicas holding 1 of the 4 experts of both MoE blocks."""
+    pytest.importorskip("transformers")
+    monkeypatch.setenv(WORKER_SETUP_ENV, "test_expert_parallel:record_shards")
+    monkeypatch.setenv(EP_DIR_ENV, str(tmp_path))
+    verify_equal_to_one_device([(plan_4_1(4), "mixtral"), (plan_4_1(4), "qwen2_moe")], 900)
+    runs = {int(p.stem[4:]): p.read_text().splitlines() for p in tmp_path.glob("rank*.jsonl")}
+    assert {r: len(lines) for r, lines in runs.items()} == {0: 2, 1: 2, 2: 2, 3: 2}
+    for lines in runs.values():  # every run: 1 of the 4 experts of both blocks' 2 weights
+        for shapes in map(json.loads, lines):
+            assert len(shapes) == 4 and all(s[0] == 1 for s in shapes.values()), shapes
+
+
 # -- checkpoints --------------------------------------------------------------------------------
 
-CK_STEPS, CK_CUT = 4, 2
-CK_RUNS = {"ep": 2, "plain": 1}
-"""Run name -> the expert width of the 1:2:1 plan's middle stage."""
-CK_RESUMES = [("ep", "plain"), ("plain", "ep")]
-"""(run whose step CK_CUT checkpoint is copied, plan that resumes it)."""
-
-
-def checkpoint_worker(rank: int, world: int, out_dir: str) -> None:
-    """Mixtral on 1:2:1 with and without EP 2 (AdamW, saving at CK_CUT and CK_STEPS, evaluating
-    after both), then each one's CK_CUT checkpoint resumed under the other."""
-    import shutil
-
-    import torch.distributed as dist
-
-    from dapple.runtime import TrainConfig, init_distributed, run_plan
-    from dapple.runtime.checkpoint import step_dir
-
-    device = init_distributed(TrainConfig(timeout_s=120), world)
-    out, wl = Path(out_dir), em.mixtral()
-    losses: dict[str, Any] = {}
-
-    def run(name: str, ck: Path, **kw: Any) -> None:
-        cfg = TrainConfig(seed=1, optimizer="adamw", lr=1e-2, timeout_s=120, steps=CK_STEPS,
-                          save_every=CK_CUT, checkpoint_dir=str(ck), **kw)  # fmt: skip
-        r = run_plan(_plan_1_2_1(CK_RUNS[name]), wl, cfg, device=device, exact_world=False)
-        losses[ck.name] = [m.loss for m in r.metrics]
-        losses[f"eval-{ck.name}"] = [m.eval_loss for m in r.metrics]
-
-    for name in CK_RUNS:
-        run(name, out / f"u-{name}", eval_every=CK_CUT, eval_batches=1)
-    for src, dst in CK_RESUMES:
-        d = out / f"r-{src}-as-{dst}"
-        if rank == 0:
-            d.mkdir()
-            shutil.copytree(step_dir(out / f"u-{src}", CK_CUT), step_dir(d, CK_CUT))
-        dist.barrier()
-        run(dst, d, resume=True)
-    if rank == 0:
-        (out / "losses.json").write_text(json.dumps(losses))
-
-
-def _tensors(root: Path, step: int) -> dict[str, torch.Tensor]:
-    """Every tensor and optimizer state of a checkpoint, by ``layer/name[/state]``."""
-    from dapple.runtime.checkpoint import load_layer_states, read_checkpoint, step_dir
-
-    ck = read_checkpoint(step_dir(root, step))
-    out: dict[str, torch.Tensor] = {}
-    for i, ls in load_layer_states(ck, range(ck.meta.num_layers)).items():
-        out |= {f"{i}/{n}": t for n, t in ls.tensors.items()}
-        for n, st in ls.optimizer.items():
-            out |= {f"{i}/{n}/{k}": torch.as_tensor(v) for k, v in st.items()}
-    return out
+RESUMES = ResumeCase(
+    {"plain": plan_1_2_1(1), "ep": plan_1_2_1(2)},
+    ("plain", "ep"),
+    (("ep", "plain"), ("plain", "ep")),
+    eval_every=CK_CUT,
+)
+"""Mixtral on 1:2:1 with and without EP 2, evaluating every CK_CUT steps, then each one's
+checkpoint resumed under the other."""
 
 
 @pytest.mark.slow
@@ -449,27 +419,11 @@ def test_checkpoints_of_an_expert_sharded_stage_are_whole_and_resume_across_widt
     their AdamW moments, within rounding), and so do its evaluation losses; each run's step-2
     checkpoint resumed under the other width ends where the uninterrupted runs do."""
     pytest.importorskip("transformers")
-    from dapple.runtime import spawn
-
-    spawn(checkpoint_worker, 4, str(tmp_path), timeout_s=600)
-    losses = json.loads((tmp_path / "losses.json").read_text())
-    want = _tensors(tmp_path / "u-plain", CK_STEPS)
+    losses, want = run_and_check_resumes(tmp_path, RESUMES, 4)
     experts = [k for k in want if k.endswith(("experts.gate_up_proj", "gate_up_proj/exp_avg"))]
     assert experts and all(want[k].shape[0] == 4 for k in experts), experts
-    runs = ["u-ep", "r-ep-as-plain", "r-plain-as-ep"]
-    for run in runs:
-        got = _tensors(tmp_path / run, CK_STEPS)
-        assert got.keys() == want.keys(), run
-        for k, w in want.items():
-            scale = float(w.abs().max()) if w.numel() else 1.0
-            torch.testing.assert_close(got[k], w, rtol=1e-4, atol=3e-4 * scale,
-                                       msg=lambda m, k=k, run=run: f"{run} {k}: {m}")  # fmt: skip
-    full = losses["u-plain"]
-    assert losses["u-ep"] == pytest.approx(full, rel=1e-5)
     evals = losses["eval-u-plain"]
     assert [x is not None for x in evals] == [False, True, False, True]
     got = losses["eval-u-ep"]
     assert [x is not None for x in got] == [False, True, False, True]
     assert [got[1], got[3]] == pytest.approx([evals[1], evals[3]], rel=1e-5)
-    for run in runs[1:]:  # the resumed runs report steps CK_CUT.. only
-        assert losses[run] == pytest.approx(full[CK_CUT:], rel=1e-5), run

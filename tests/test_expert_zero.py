@@ -7,23 +7,25 @@ another width and zero stage."""
 
 from __future__ import annotations
 
-import dataclasses
-import json
-import os
-import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-import extra_models as em
 import runtime_workloads as rw
-from dapple import api
-from dapple.core.plan import Plan, straight_plan
+from dapple.core.plan import straight_plan
 from dapple.runtime.parallel.zero import FlatShards, ShardGroup, flat_parameters
 from dapple.runtime.verify.run import WORKER_SETUP_ENV
-from test_expert_parallel import _plan_1_2_1, _tensors
+from ep_runs import (
+    ResumeCase,
+    append_row,
+    plan_1_2_1,
+    plan_4_1,
+    rows,
+    run_and_check_resumes,
+    verify_equal_to_one_device,
+)
 
 ZERO_DIR_ENV = "DAPPLE_TEST_EP_ZERO_DIR"
 """Where :func:`record_zero` writes what each verify worker's ZeRO shards."""
@@ -44,8 +46,7 @@ def record_zero(rank: int) -> None:
         row = {"zero": sel.zero_stage, "flat": len(sel.flat), "held": len(sel.held),
                "flat_experts": sum(id(p) in ids for p in sel.flat), "experts": len(ids),
                "copies": sorted({g.devices for g in sel.held.values()})}  # fmt: skip
-        with Path(os.environ[ZERO_DIR_ENV], f"rank{rank}.jsonl").open("a") as f:
-            f.write(json.dumps(row) + "\n")
+        append_row(ZERO_DIR_ENV, rank, row)
         return sel
 
     startup.select_zero = recorded
@@ -99,54 +100,23 @@ def test_verify_moe_with_ep_2_under_zero_1_and_2_equals_one_device(
     pytest.importorskip("transformers")
     monkeypatch.setenv(WORKER_SETUP_ENV, "test_expert_zero:record_zero")
     monkeypatch.setenv(ZERO_DIR_ENV, str(tmp_path))
-    cases = [(_plan_1_2_1(zero_stage=1), "mixtral"), (_plan_1_2_1(zero_stage=2), "qwen2_moe")]
-    reports = api.verify_many([(p, f"extra_models:{f}") for p, f in cases], 3, device="cpu",
-                              optimizer="adamw", lr=0.01, timeout_s=600)  # fmt: skip
-    for (plan, factory), rep in zip(cases, reports, strict=True):
-        assert rep.ok, (factory, plan.replication, rep.max_abs_diff)
-        assert rep.losses == pytest.approx(rep.reference_losses, rel=1e-5), factory
+    verify_equal_to_one_device(
+        [(plan_1_2_1(zero_stage=1), "mixtral"), (plan_1_2_1(zero_stage=2), "qwen2_moe")], 600
+    )
     for r in (1, 2):  # the middle stage's replicas
-        rows = [json.loads(x) for x in (tmp_path / f"rank{r}.jsonl").read_text().splitlines()]
-        assert [x["zero"] for x in rows] == [1, 2], rows
-        assert all(x["flat"] > 0 and x["flat_experts"] == 0 and x["experts"] == 4 for x in rows)
+        got = rows(tmp_path, r)
+        assert [x["zero"] for x in got] == [1, 2], got
+        assert all(x["flat"] > 0 and x["flat_experts"] == 0 and x["experts"] == 4 for x in got)
 
 
-CK_STEPS, CK_CUT = 4, 2
-RUNS = {"plain": (1, 0), "ep-zero1": (2, 1), "ep-zero2": (2, 2)}
-"""Run name -> (expert width, zero stage) of the 1:2:1 plan's middle stage."""
-
-
-def checkpoint_worker(rank: int, world: int, out_dir: str) -> None:
-    """Mixtral on 1:2:1 without EP and with EP 2 under ZeRO-1 (AdamW, saving at CK_CUT and
-    CK_STEPS); the EP + ZeRO-1 run's CK_CUT checkpoint resumed without EP and under EP 2 with
-    ZeRO-2."""
-    import torch.distributed as dist
-
-    from dapple.runtime import TrainConfig, init_distributed, run_plan
-    from dapple.runtime.checkpoint import step_dir
-
-    device = init_distributed(TrainConfig(timeout_s=120), world)
-    out, wl = Path(out_dir), em.mixtral()
-    losses: dict[str, Any] = {}
-
-    def run(name: str, ck: Path, **kw: Any) -> None:
-        e, z = RUNS[name]
-        cfg = TrainConfig(seed=1, optimizer="adamw", lr=1e-2, timeout_s=120, steps=CK_STEPS,
-                          save_every=CK_CUT, checkpoint_dir=str(ck), **kw)  # fmt: skip
-        r = run_plan(_plan_1_2_1(e, zero_stage=z), wl, cfg, device=device, exact_world=False)
-        losses[ck.name] = [m.loss for m in r.metrics]
-
-    run("plain", out / "u-plain")
-    run("ep-zero1", out / "u-ep-zero1")
-    for dst in ("plain", "ep-zero2"):
-        d = out / f"r-as-{dst}"
-        if rank == 0:
-            d.mkdir()
-            shutil.copytree(step_dir(out / "u-ep-zero1", CK_CUT), step_dir(d, CK_CUT))
-        dist.barrier()
-        run(dst, d, resume=True)
-    if rank == 0:
-        (out / "losses.json").write_text(json.dumps(losses))
+ZERO_RESUMES = ResumeCase(
+    {"plain": plan_1_2_1(1), "ep-zero1": plan_1_2_1(2, zero_stage=1),
+     "ep-zero2": plan_1_2_1(2, zero_stage=2)},
+    ("plain", "ep-zero1"),
+    (("ep-zero1", "plain"), ("ep-zero1", "ep-zero2")),
+)  # fmt: skip
+"""Mixtral on 1:2:1 without EP and with EP 2 under ZeRO-1; the latter's checkpoint resumed
+without EP and under EP 2 with ZeRO-2."""
 
 
 @pytest.mark.slow
@@ -155,36 +125,14 @@ def test_checkpoints_of_ep_with_zero_are_whole_and_resume_under_another_width_an
 ) -> None:
     """The EP 2 + ZeRO-1 run's checkpoints hold what the plain run's do (whole ``[4, ...]``
     experts and every AdamW moment, within rounding), and its step-2 checkpoint resumed without
-    EP and under EP 2 + ZeRO-2 ends where the uninterrupted runs do."""
+    EP and under EP 2 + ZeRO-2 ends where the uninterrupted runs do
+    (:func:`ep_runs.run_and_check_resumes`)."""
     pytest.importorskip("transformers")
-    from dapple.runtime import spawn
-
-    spawn(checkpoint_worker, 4, str(tmp_path), timeout_s=600)
-    losses = json.loads((tmp_path / "losses.json").read_text())
-    want = _tensors(tmp_path / "u-plain", CK_STEPS)
+    _, want = run_and_check_resumes(tmp_path, ZERO_RESUMES, 4)
     moments = [
         k for k in want if k.endswith(("gate_up_proj/exp_avg", "self_attn.q_proj.weight/exp_avg"))
     ]
     assert len(moments) == 4 and all(want[k].abs().sum() > 0 for k in moments), moments
-    for run in ("u-ep-zero1", "r-as-plain", "r-as-ep-zero2"):
-        got = _tensors(tmp_path / run, CK_STEPS)
-        assert got.keys() == want.keys(), run
-        for k, w in want.items():
-            scale = float(w.abs().max()) if w.numel() else 1.0
-            torch.testing.assert_close(got[k], w, rtol=1e-4, atol=3e-4 * scale,
-                                       msg=lambda m, k=k, run=run: f"{run} {k}: {m}")  # fmt: skip
-    full = losses["u-plain"]
-    assert losses["u-ep-zero1"] == pytest.approx(full, rel=1e-5)
-    for run in ("r-as-plain", "r-as-ep-zero2"):
-        assert losses[run] == pytest.approx(full[CK_CUT:], rel=1e-5), run
-
-
-def _plan_4_1(expert_width: int = 2, zero_stage: int = 1) -> Plan:
-    """Layers prologue + 2 MoE blocks | epilogue on 4:1, b = 5 (stage 0's slices 2, 1, 1, 1),
-    stage 0 at EP ``expert_width`` and ZeRO ``zero_stage``."""
-    plan = straight_plan(4, [0, 3], global_batch_size=10, num_micro_batches=2, replicas=[4, 1])
-    first = dataclasses.replace(plan.stages[0], expert_width=expert_width, zero_stage=zero_stage)
-    return dataclasses.replace(plan, stages=(first, plan.stages[1]))
 
 
 @pytest.mark.slow
@@ -198,54 +146,25 @@ def test_verify_moe_with_ep_2_of_4_replicas_under_zero_1_and_2_equals_one_device
     pytest.importorskip("transformers")
     monkeypatch.setenv(WORKER_SETUP_ENV, "test_expert_zero:record_zero")
     monkeypatch.setenv(ZERO_DIR_ENV, str(tmp_path))
-    cases = [(_plan_4_1(2, 1), "mixtral"), (_plan_4_1(2, 2), "qwen2_moe")]
-    reports = api.verify_many([(p, f"extra_models:{f}") for p, f in cases], 3, device="cpu",
-                              optimizer="adamw", lr=0.01, timeout_s=900)  # fmt: skip
-    for (plan, factory), rep in zip(cases, reports, strict=True):
-        assert rep.ok, (factory, plan.replication, rep.max_abs_diff)
-        assert rep.losses == pytest.approx(rep.reference_losses, rel=1e-5), factory
+    verify_equal_to_one_device(
+        [(plan_4_1(2, zero_stage=1), "mixtral"), (plan_4_1(2, zero_stage=2), "qwen2_moe")], 900
+    )
     for r in range(4):  # stage 0's replicas: devices 0-3
-        rows = [json.loads(x) for x in (tmp_path / f"rank{r}.jsonl").read_text().splitlines()]
-        assert [x["zero"] for x in rows] == [1, 2], rows
-        for x in rows:
+        got = rows(tmp_path, r)
+        assert [x["zero"] for x in got] == [1, 2], got
+        for x in got:
             assert x["experts"] > 0 and x["flat_experts"] == x["held"] == x["experts"], x
             assert x["flat"] > x["held"] and x["copies"] == [[r % 2, r % 2 + 2]], x
 
 
-RUNS_4_1 = {"plain": (1, 0), "ep2-zero1": (2, 1), "ep4-zero2": (4, 2)}
-"""Run name -> (expert width, zero stage) of the 4:1 plan's first stage."""
-
-
-def checkpoint_worker_4_1(rank: int, world: int, out_dir: str) -> None:
-    """Mixtral on 4:1 without EP and with EP 2 under ZeRO-1 (each expert shard's state sharded
-    over its 2 copies; AdamW, saving at CK_CUT and CK_STEPS); the latter's CK_CUT checkpoint
-    resumed without EP and under EP 4 with ZeRO-2."""
-    import torch.distributed as dist
-
-    from dapple.runtime import TrainConfig, init_distributed, run_plan
-    from dapple.runtime.checkpoint import step_dir
-
-    device = init_distributed(TrainConfig(timeout_s=120), world)
-    out, wl = Path(out_dir), em.mixtral()
-    losses: dict[str, Any] = {}
-
-    def run(name: str, ck: Path, **kw: Any) -> None:
-        cfg = TrainConfig(seed=1, optimizer="adamw", lr=1e-2, timeout_s=120, steps=CK_STEPS,
-                          save_every=CK_CUT, checkpoint_dir=str(ck), **kw)  # fmt: skip
-        r = run_plan(_plan_4_1(*RUNS_4_1[name]), wl, cfg, device=device, exact_world=False)
-        losses[ck.name] = [m.loss for m in r.metrics]
-
-    run("plain", out / "u-plain")
-    run("ep2-zero1", out / "u-ep2-zero1")
-    for dst in ("plain", "ep4-zero2"):
-        d = out / f"r-as-{dst}"
-        if rank == 0:
-            d.mkdir()
-            shutil.copytree(step_dir(out / "u-ep2-zero1", CK_CUT), step_dir(d, CK_CUT))
-        dist.barrier()
-        run(dst, d, resume=True)
-    if rank == 0:
-        (out / "losses.json").write_text(json.dumps(losses))
+BELOW_R_RESUMES = ResumeCase(
+    {"plain": plan_4_1(1), "ep2-zero1": plan_4_1(2, zero_stage=1),
+     "ep4-zero2": plan_4_1(4, zero_stage=2)},
+    ("plain", "ep2-zero1"),
+    (("ep2-zero1", "plain"), ("ep2-zero1", "ep4-zero2")),
+)  # fmt: skip
+"""Mixtral on 4:1 without EP and with EP 2 under ZeRO-1 (each expert shard's state sharded
+over its 2 copies); the latter's checkpoint resumed without EP and under EP 4 with ZeRO-2."""
 
 
 @pytest.mark.slow
@@ -257,21 +176,6 @@ def test_checkpoints_of_ep_below_r_with_zero_are_whole_and_resume_under_another_
     AdamW moment, within rounding), and its step-2 checkpoint resumed without EP and under
     EP 4 + ZeRO-2 ends where the uninterrupted runs do."""
     pytest.importorskip("transformers")
-    from dapple.runtime import spawn
-
-    spawn(checkpoint_worker_4_1, 5, str(tmp_path), timeout_s=900)
-    losses = json.loads((tmp_path / "losses.json").read_text())
-    want = _tensors(tmp_path / "u-plain", CK_STEPS)
+    _, want = run_and_check_resumes(tmp_path, BELOW_R_RESUMES, 5)
     moments = [k for k in want if k.endswith(("gate_up_proj/exp_avg", "down_proj/exp_avg_sq"))]
     assert len(moments) == 4 and all(want[k].shape[0] == 4 for k in moments), moments
-    for run in ("u-ep2-zero1", "r-as-plain", "r-as-ep4-zero2"):
-        got = _tensors(tmp_path / run, CK_STEPS)
-        assert got.keys() == want.keys(), run
-        for k, w in want.items():
-            scale = float(w.abs().max()) if w.numel() else 1.0
-            torch.testing.assert_close(got[k], w, rtol=1e-4, atol=3e-4 * scale,
-                                       msg=lambda m, k=k, run=run: f"{run} {k}: {m}")  # fmt: skip
-    full = losses["u-plain"]
-    assert losses["u-ep2-zero1"] == pytest.approx(full, rel=1e-5)
-    for run in ("r-as-plain", "r-as-ep4-zero2"):
-        assert losses[run] == pytest.approx(full[CK_CUT:], rel=1e-5), run
