@@ -20,6 +20,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    import random
+
+    from dapple.core.cluster import Cluster
     from dapple.models.workload import Workload
 
 __all__ = [
@@ -32,6 +35,7 @@ __all__ = [
     "load_note",
     "max_over_ranks",
     "median_after_warmup",
+    "random_server",
     "run_worker_group",
     "spearman",
     "write_report",
@@ -52,6 +56,23 @@ def bench_transformer(**overrides: Any) -> Workload:
 
     kw = {**BENCH_MODEL, "name": "bench-transformer", **overrides}
     return transformer(**kw)
+
+
+def random_server(rng: random.Random, devices: int) -> Cluster:
+    """One server of ``devices`` devices with 64 GiB each, links of 8 or 80 GB/s (drawn from
+    ``rng``) and 0.1 ms latency: the cluster of the random-plan benchmarks (pure Python)."""
+    from dapple.core.cluster import Cluster
+
+    return Cluster(
+        name="rand",
+        servers=1,
+        devices_per_server=devices,
+        device_memory_bytes=2**36,
+        intra_server_bandwidth_gbps=rng.choice([8.0, 80.0]),
+        inter_server_bandwidth_gbps=8.0,
+        intra_server_latency_ms=0.1,
+        inter_server_latency_ms=0.1,
+    )
 
 
 def load_note() -> str:

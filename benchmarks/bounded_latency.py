@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 from typing import NamedTuple
 
-from _bench_common import load_note, spearman
+from _bench_common import load_note, random_server, spearman
 from dapple.core.cluster import Cluster
 from dapple.core.layer_profile import AffineTime, LayerProfile
 from dapple.core.plan import Plan, straight_plan
@@ -54,16 +54,7 @@ def _case(rng: random.Random) -> tuple[Plan, ModelProfile, Cluster]:
     )
     profile = ModelProfile(model_name="rand", layers=layers)
     replicas = [rng.choice([1, 1, 2]) for _ in range(S)]
-    cluster = Cluster(
-        name="rand",
-        servers=1,
-        devices_per_server=sum(replicas),
-        device_memory_bytes=2**36,
-        intra_server_bandwidth_gbps=rng.choice([8.0, 80.0]),
-        inter_server_bandwidth_gbps=8.0,
-        intra_server_latency_ms=0.1,
-        inter_server_latency_ms=0.1,
-    )
+    cluster = random_server(rng, sum(replicas))
     M = rng.choice([S, 2 * S, 4 * S])
     b = max(replicas)
     plan = straight_plan(

@@ -19,7 +19,7 @@ import subprocess
 from pathlib import Path
 
 import dapple
-from _bench_common import load_note, write_report
+from _bench_common import load_note, random_server, write_report
 from dapple.core.cluster import Cluster
 from dapple.core.layer_profile import AffineTime, LayerProfile
 from dapple.core.plan import Plan, interleave, straight_plan
@@ -53,16 +53,7 @@ def _case(
         for i in range(n)
     )
     reps = [rng.choice([1, 1, 2, 3]) if replicated else 1 for _ in range(P)]
-    cluster = Cluster(
-        name="rand",
-        servers=1,
-        devices_per_server=sum(reps),
-        device_memory_bytes=2**36,
-        intra_server_bandwidth_gbps=rng.choice([8.0, 80.0]),
-        inter_server_bandwidth_gbps=8.0,
-        intra_server_latency_ms=0.1,
-        inter_server_latency_ms=0.1,
-    )
+    cluster = random_server(rng, sum(reps))
     M = rng.choice([P, 2 * P, 4 * P]) * (2 if name == "dualpipev" else 1)
     b = 6 if replicated else 1
     plan = straight_plan(
