@@ -127,6 +127,27 @@ def _choices(choices: list[Any], profile: ModelProfile, cluster: Cluster) -> lis
     return out
 
 
+def _planned(
+    profile: ModelProfile,
+    cluster: Cluster,
+    gbs: int,
+    planner: str,
+    counts: list[int] | None = None,
+    **plan_kw: Any,
+) -> tuple[Plan | None, dict[str, Any]]:
+    """A planner's plan and its row: every cost-model number and :func:`best_per_schedule` over
+    the micro-batch counts ``counts`` (default: its own), or the error that stopped it."""
+    try:
+        plan = make_plan(profile, cluster, gbs, planner, **plan_kw)
+    except DappleError as e:
+        return None, _err(e)
+    row = _costs(plan, profile, cluster, events=True)
+    row["best_per_schedule"] = _choices(
+        best_per_schedule([plan], profile, cluster, counts), profile, cluster
+    )
+    return plan, row
+
+
 def dump_pair(model: str, cname: str, best: bool) -> dict[str, Any]:
     """Every planner's plan and numbers for one paper profile on one cluster preset."""
     profile = load_profile(f"paper:{model}")
@@ -134,16 +155,8 @@ def dump_pair(model: str, cname: str, best: bool) -> dict[str, Any]:
     cluster = PRESETS[cname]
     entry: dict[str, Any] = {}
     for planner in PLANNERS:
-        try:
-            plan = make_plan(profile, cluster, gbs, planner)
-        except DappleError as e:
-            entry[planner] = _err(e)
-            continue
-        row = _costs(plan, profile, cluster, events=True)
-        row["best_per_schedule"] = _choices(
-            best_per_schedule([plan], profile, cluster), profile, cluster
-        )
-        if best and planner == "dapple":
+        plan, row = _planned(profile, cluster, gbs, planner)
+        if best and plan is not None and planner == "dapple":
             try:
                 chosen, every = best_schedule(plan, profile, cluster)
                 row["best_schedule"] = {
@@ -229,34 +242,16 @@ def dump_extra() -> dict[str, Any]:
     for cname, cluster in (("host", cpu), ("shared", shared), ("cores", cores_only)):
         for pname, profile, gbs in (("gnmt16", gnmt, 64), ("gnmt16-update", updating, 64)):
             for planner in ("dapple", "dp", "straight", "gpipe"):
-                key = f"{cname}/{pname}/{planner}"
-                try:
-                    plan = make_plan(profile, cluster, gbs, planner)
-                except DappleError as e:
-                    out[key] = _err(e)
-                    continue
-                row = _costs(plan, profile, cluster, events=True)
-                row["best_per_schedule"] = _choices(
-                    best_per_schedule([plan], profile, cluster, [4, 8]), profile, cluster
+                _, out[f"{cname}/{pname}/{planner}"] = _planned(
+                    profile, cluster, gbs, planner, [4, 8]
                 )
-                out[key] = row
     lm = _lengths_profile()
     lm_cluster = dataclasses.replace(PRESETS["local-cpu"], device_memory_bytes=2**26)
     for planner in ("dapple", "dp", "straight"):
         for seq in ((None, None), (320.0, 1024.0), (700.0, 900.0)):
-            key = f"lengths/{planner}/{seq[0]}"
-            try:
-                plan = make_plan(
-                    lm, lm_cluster, 16, planner, mean_seq_len=seq[0], max_seq_len=seq[1]
-                )
-            except DappleError as e:
-                out[key] = _err(e)
-                continue
-            row = _costs(plan, lm, lm_cluster, events=True)
-            row["best_per_schedule"] = _choices(
-                best_per_schedule([plan], lm, lm_cluster, [2, 4]), lm, lm_cluster
+            _, out[f"lengths/{planner}/{seq[0]}"] = _planned(
+                lm, lm_cluster, 16, planner, [2, 4], mean_seq_len=seq[0], max_seq_len=seq[1]
             )
-            out[key] = row
     return out
 
 
