@@ -32,8 +32,10 @@ _MIX = {
 ODD = ("0", "-1", "nan", "1e12", "1000000000000", "2.5")
 """The odd values every numeric flag is given (``1e12`` in a float's spelling and as digits)."""
 
-VALID = {("--zero-stage", "0")}
-"""The odd values that are a flag's valid choice."""
+VALID = {("--zero-stage", "0"), ("--servers", "1000000000000"),
+         ("--global-batch-size", "1000000000000")}  # fmt: skip
+"""The odd values that are a flag's valid choice (10^12 servers: planned on the devices the
+batch can use; a global batch of 10^12: planned as that many samples)."""
 
 
 def _cases(w: Path) -> list[Case]:
@@ -75,8 +77,9 @@ def _cases(w: Path) -> list[Case]:
                                   "--planner", "grid"]),
         ("mixed clusters", "refuse", ["plan", "--profile", "paper:bert48", "--cluster", mixed,
                                       "--servers", "3"]),
-        ("mixed clusters", "ok", ["plan", "--profile", "paper:bert48", "--cluster", mixed,
-                                  "--servers", "1"]),
+        # a cluster of device kinds: its servers are changed in the file, not by --servers
+        ("mixed clusters", "refuse", ["plan", "--profile", "paper:bert48", "--cluster", mixed,
+                                      "--servers", "1"]),
         ("mixed clusters", "ok", ["simulate", "--plan", str(w / "b48.json"), "--profile",
                                   "paper:bert48", "--cluster", "mixed-h100-a100"]),
         ("mixed clusters", "ok", ["plan", *moe, "--cluster", "mixed-h100-a100",
