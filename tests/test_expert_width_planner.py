@@ -271,3 +271,16 @@ def test_the_widths_offered_at_zero_1_and_2_too_do_not_end_at_a_higher_l(
     narrow = dapple_search(prof, cluster, 128, zero_stage="auto", experts=True)
     assert any(st.expert_width > 1 for st in narrow.stages), narrow.stages
     assert wide.predicted_step_ms <= narrow.predicted_step_ms
+
+
+def test_the_search_with_widths_offered_ends_no_higher_than_without() -> None:
+    """Mixtral-8x7B's shapes with 8 blocks on 32 H100, B 128, ``auto``: the default search (with
+    and without widths, :func:`with_and_without_widths`) ends no higher than the search without
+    widths alone. When the second pass's bound (the first's L, 805.1 ms) started its uniform
+    searches' incumbent, it pruned the width-1 plan whose per-stage widths reach 793.9 ms."""
+    spec = TransformerSpec(name="mixtral-8", **{**MOE_SHAPES["mixtral-8x7b"], "layers": 8})
+    prof = analytic_profile(spec, "h100", precision="bf16", recompute="none")
+    cluster = PRESETS["h100-8x"].with_servers(4)
+    both = dapple_search(prof, cluster, 128, zero_stage="auto")
+    plain = dapple_search(prof, cluster, 128, zero_stage="auto", experts=False)
+    assert both.predicted_step_ms <= plain.predicted_step_ms

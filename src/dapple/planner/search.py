@@ -269,8 +269,9 @@ def dapple_search(
             bounded: only plans below the first's L count (``below_ms``, pruning as a narrower
             width's L does), and its DP runs for :data:`SECOND_PASS_M` M unless
             ``m_candidates`` is given.
-        below_ms: return only a plan of L below this (InfeasibleError when none is): it starts
-            the search's incumbent, as a narrower width's L does.
+        below_ms: return only a plan of L below this (InfeasibleError when none is). It starts
+            the search's incumbent, as a narrower width's L does, only where no per-stage
+            widths follow: a uniform plan above it may refine to one below it.
 
     Raises:
         InfeasibleError: no plan fits device memory for any M.
@@ -310,7 +311,9 @@ def dapple_search(
     shards = any(x.tensor_parallel for x in profile.layers)
     mixed = MixedScorer(scorers) if stage_widths and len(scorers) > 1 and shards else None
     found: list[tuple[float, int, Plan]] = []
-    uniform = below_ms  # the least L of the narrower widths' searches, every stage at width t
+    # the least L of the narrower widths' searches, every stage at width t; below_ms prunes
+    # only where no per-stage widths follow (a uniform plan above it may refine below it)
+    uniform = below_ms if mixed is None else math.inf
     for i, t in enumerate(widths):
         sc = scorers[t]
         limits = search_limits(
