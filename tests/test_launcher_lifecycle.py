@@ -198,12 +198,17 @@ def test_sigkill_of_the_launcher_ends_every_worker(run_factory, phase: str) -> N
 @pytest.mark.slow
 @linux_only
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_sigterm_and_sigint_stop_the_workers_then_the_launcher(run_factory, sig) -> None:
-    run = run_factory()
+def test_sigterm_and_sigint_stop_the_workers_then_the_launcher(
+    run_factory, sig, tmp_path: Path
+) -> None:
+    temp = tmp_path / "temp"  # the run's TMPDIR
+    temp.mkdir()
+    run = run_factory(env={"TMPDIR": str(temp)})
     run.wait_training()
     os.kill(run.proc.pid, sig)
     rc = run.proc.wait(timeout=DEADLINE_S)
     run.assert_all_end()
+    assert sorted(p.name for p in temp.glob("dapple-*")) == []  # its temporary folders removed
     if sig == signal.SIGTERM:
         assert rc == -signal.SIGTERM  # the launcher still dies of it, after its workers
     else:

@@ -30,7 +30,6 @@ import tempfile
 import time
 from collections.abc import Callable
 from datetime import timedelta
-from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -222,8 +221,7 @@ def spawn(
             if sock is not None:
                 sock.close()
             stop_workers(procs)
-            if early is None:
-                shutil.rmtree(folder, ignore_errors=True)
+            shutil.rmtree(folder, ignore_errors=True)  # before a stop signal ends this process
     if refusal is not None:
         raise refusal
     bad = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode != 0]
@@ -400,8 +398,11 @@ def train(
         announce(f"start-up: checks done, the run goes to {processes_text(world, 'the')}", cfg.echo)
     with tempfile.TemporaryDirectory(prefix="dapple-train-") as tmp:
         out = str(Path(tmp) / "metrics.json")
-        closing = partial(stop_line, metrics_path=cfg.metrics_path,
-                          checkpoint_dir=cfg.checkpoint_dir)  # fmt: skip
+
+        def closing(name: str) -> str:
+            shutil.rmtree(tmp, ignore_errors=True)  # the signal ends this process in here
+            return stop_line(name, metrics_path=cfg.metrics_path, checkpoint_dir=cfg.checkpoint_dir)
+
         spawn(_worker, world, plan.to_dict(), payload, cfg, out, (data, eval_data),
               elastic_attempt, timeout_s=cfg.timeout_s, early=early, closing=closing)  # fmt: skip
         return [metrics_from_dict(d) for d in json.loads(Path(out).read_text())]
