@@ -127,3 +127,33 @@ def test_replay_equals_the_simulator_on_straight_plans(
         plan = (spec.cut or interleave)(plan, v)
     got = schedule_latency(plan, profile, cluster)
     assert got == pytest.approx(simulate(plan, profile, cluster).step_ms, rel=1e-12, abs=1e-9)
+
+
+def test_a_replay_too_large_is_refused_before_the_order_is_built() -> None:
+    """ZB-H1 on 2 stages at M = 2^21: 12.6 million actions (F, I, W) are refused by name; the
+    paper's L of the same stages under DAPPLE costs no order and is not refused."""
+    layers = tuple(
+        LayerProfile(
+            name=f"l{i}",
+            forward=AffineTime(fixed_ms=0.0, per_sample_ms=1.0),
+            backward=AffineTime(fixed_ms=0.0, per_sample_ms=2.0),
+            output_bytes_per_sample=0.0,
+            parameter_bytes=0,
+            kept_activation_bytes_per_sample=0.0,
+        )
+        for i in range(2)
+    )
+    profile = ModelProfile(model_name="tiny", layers=layers)
+    cluster = Cluster(
+        servers=1,
+        devices_per_server=2,
+        device_memory_bytes=2**36,
+        intra_server_bandwidth_gbps=80.0,
+        inter_server_bandwidth_gbps=8.0,
+    )
+    M = 1 << 21
+    plan = straight_plan(2, [0, 1], global_batch_size=M, num_micro_batches=M, schedule="zbh1")
+    with pytest.raises(ValidationError, match=r"M = 2,097,152 micro-batches x 2 stages is "):
+        schedule_latency(plan, profile, cluster)
+    dapple = straight_plan(2, [0, 1], global_batch_size=M, num_micro_batches=M)
+    assert schedule_latency(dapple, profile, cluster) == pytest.approx((M + 1) * 3.0)

@@ -361,7 +361,6 @@ def _new_schedule(
                 f"{why}; --schedule best tries each schedule on balanced pipelines too"
             ) from e
         return _own_cut(con, plan, inputs, cfg, dp_ms, why)
-    new = dataclasses.replace(new, predicted_step_ms=schedule_latency(new, profile, cluster))
     work = new.num_micro_batches * len(new.devices)
     if work > MAX_SIMULATED_WORK:
         raise ValidationError(
@@ -370,6 +369,7 @@ def _new_schedule(
             f"{work:,} is more than {MAX_SIMULATED_WORK:,}; give a smaller "
             "--global-batch-size, or plan without --schedule (no simulation)"
         )
+    new = dataclasses.replace(new, predicted_step_ms=schedule_latency(new, profile, cluster))
     res = simulate(new, profile, cluster)
     return _print_scheduled(con, new, res, inputs, dp_ms, cfg.output)
 

@@ -4,14 +4,14 @@ Pure, no torch. :func:`schedule_step_ms` asks the schedule registry
 (:func:`dapple.schedule.registry.get_schedule`): a schedule without a step rule of its own
 (GPipe, DAPPLE) keeps the paper's latency L (equations 1-3,
 :func:`dapple.cost.pipeline.pipeline_latency`) over its in-flight counts K_i; one with a rule
-(interleaved 1F1B, ZB-H1: their published bubbles, in their modules
-:mod:`dapple.schedule.interleaved` and :mod:`dapple.schedule.zerobubble`) gets the plan's terms
-as :class:`~dapple.schedule.spec.StepTerms`: each stage's F, B, I and W (the slowest replica's
-slice, :func:`dapple.cost.terms.stage_terms`) and what fill and drain pay once - the
-point-to-point time of one micro-batch through every stage boundary and back (the steady state
-overlaps it with compute) and the largest gradient AllReduce of a device (the sum over its
-stages). With free communication and uniform stages both rules equal the simulator's step
-time exactly; with uneven stages they are estimates (the simulator is the reference).
+(interleaved 1F1B, ZB-H1, ZB-V, DualPipeV: :func:`dapple.schedule.replay.replayed_step_ms`, the
+longest path through their compute order) gets the plan's terms as
+:class:`~dapple.schedule.spec.StepTerms`: the compute order, each stage's F, B, I and W with
+their host CPU extras (the slowest replica's slice, :func:`dapple.cost.terms.stage_terms`), each
+boundary's transfers one way and back (what a source replica pushes through its way out, and the
+link latency) and each device group's tail (its replicated stages' synchronisation and its
+optimizer step). The replay touches every action, so :func:`schedule_step_ms` refuses more than
+:data:`MAX_REPLAYED_ACTIONS` of them before it builds the order.
 
 Memory: :func:`device_memory_by_group` replays a plan's compute order and returns each device
 group's step peak (:mod:`dapple.cost.peak_memory`), whatever the schedule;
@@ -29,12 +29,14 @@ from dapple.cost.overlap import NO_OVERLAP, CommOverlap
 from dapple.cost.peak_memory import device_peak, plan_stage_bytes
 from dapple.cost.pipeline import in_flight_bounds
 from dapple.cost.terms import PlanTerms, stage_terms
+from dapple.errors import ValidationError
 from dapple.schedule.ir import ActionKind
 from dapple.schedule.lower import plan_compute_order
 from dapple.schedule.registry import get_schedule
 from dapple.schedule.spec import LinkTimes, StageTimes, StepTerms
 
 __all__ = [
+    "MAX_REPLAYED_ACTIONS",
     "activation_peak_bytes",
     "device_memory_by_group",
     "schedule_latency",
@@ -43,6 +45,10 @@ __all__ = [
 ]
 
 K = ActionKind
+
+MAX_REPLAYED_ACTIONS = 1 << 22
+"""Most compute actions (M x stages x 2, or 3 with the split backward) a step rule replays:
+about 4 million, seconds of Python."""
 
 
 def _links(terms: PlanTerms) -> tuple[LinkTimes, ...]:
@@ -105,15 +111,25 @@ def schedule_step_ms(terms: PlanTerms) -> float:
     """Predicted step time in ms of the plan of ``terms`` under its schedule (module
     docstring): L (:meth:`PlanTerms.pipeline <dapple.cost.terms.PlanTerms.pipeline>`,
     equations 1-3) for a schedule without a step rule (GPipe, DAPPLE), else its rule (the
-    published bubbles of interleaved 1F1B and ZB-H1).
+    replay of interleaved 1F1B, ZB-H1, ZB-V and DualPipeV).
 
     Raises:
-        ValidationError: an unknown schedule, or one without either (from the registry).
+        ValidationError: an unknown schedule, or one without either (from the registry); a
+            rule's plan of more than :data:`MAX_REPLAYED_ACTIONS` compute actions.
     """
-    rule = get_schedule(terms.plan.schedule).step_ms
-    if rule is None:
-        return terms.pipeline(in_flight_bounds(terms.plan)[1]).latency().L_ms
-    return rule(step_terms(terms))
+    plan = terms.plan
+    spec = get_schedule(plan.schedule)
+    if spec.step_ms is None:
+        return terms.pipeline(in_flight_bounds(plan)[1]).latency().L_ms
+    actions = plan.num_micro_batches * plan.num_stages * (3 if spec.split_backward else 2)
+    if actions > MAX_REPLAYED_ACTIONS:
+        raise ValidationError(
+            f"the {spec.title_of(plan)} step is replayed action by action: M = "
+            f"{plan.num_micro_batches:,} micro-batches x {plan.num_stages} stages is "
+            f"{actions:,} compute actions, more than {MAX_REPLAYED_ACTIONS:,}; give a smaller "
+            "global batch or larger micro-batches"
+        )
+    return spec.step_ms(step_terms(terms))
 
 
 def schedule_latency(
