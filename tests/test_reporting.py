@@ -159,8 +159,8 @@ def test_train_cli_rejects_bad_eval_flags_before_launch(tmp_path: Path) -> None:
     straight_plan(4, [0, 2], global_batch_size=4, num_micro_batches=2).save(tmp_path / "p.json")
     base = ["train", "--plan", str(tmp_path / "p.json"), *TINY_LM]
     for flags, msg in (
-        (["--eval-every", "-1"], "eval_every must be >= 0, got -1"),
-        (["--eval-batches", "0"], "eval_batches must be >= 1, got 0"),
+        (["--eval-every", "-1"], "--eval-every must be >= 0, got -1"),
+        (["--eval-batches", "0"], "--eval-batches must be >= 1, got 0"),
         (["--loss-curve", str(tmp_path / "p.json" / "c.png")], "is a file, not a directory"),
     ):
         proc = _dapple(base + flags)  # a hang guard only: the message says it came first
