@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -180,22 +179,33 @@ def test_host_memory_estimate_is_the_layers_real_storage() -> None:
     assert f"{need:,} bytes" in str(e.value) and f"{need - 1:,} bytes" in str(e.value)
 
 
+_PEAK = """
+import json, os, subprocess, sys
+p = subprocess.Popen(sys.argv[1:], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+err = p.stderr.read()
+_, status, usage = os.wait4(p.pid, 0)
+print(json.dumps([os.waitstatus_to_exitcode(status), err, usage.ru_maxrss]))
+"""
+"""Runs argv, then prints its exit code, stderr and peak resident KiB as JSON."""
+
+
 def test_profile_of_a_huge_model_is_refused_before_any_layer_is_built(tmp_path: Path) -> None:
     """hidden=10^7 makes a block of 4.8e15 bytes: refused in one line, exit code 2, the
     process never grows past what importing torch takes."""
     out = tmp_path / "p.json"
     cmd = [sys.executable, "-m", "dapple", "profile", "-m", "transformer",
            "--set", "hidden=10000000", "-o", str(out), "--device", "cpu"]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    _, status, usage = os.wait4(proc.pid, 0)
-    err = proc.stderr.read() if proc.stderr is not None else ""
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    assert proc.returncode == 2, err
+    # started by a fresh interpreter: a child forked from this test process would carry its
+    # resident size into ru_maxrss (kept across execve), whatever the child itself touches
+    got = subprocess.run([sys.executable, "-c", _PEAK, *cmd], capture_output=True, text=True,
+                         check=True)  # fmt: skip
+    code, err, maxrss_kib = json.loads(got.stdout)
+    assert code == 2, err
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("dapple: error: "), err
     assert "9,600,001,040,000,000 bytes" in lines[0] and "available" in lines[0]
     assert "Traceback" not in err and not out.exists()
-    assert usage.ru_maxrss * 1024 < 2 * 2**30  # KiB on Linux; one real block would be 4.8e15
+    assert maxrss_kib * 1024 < 2 * 2**30  # KiB on Linux; one real block would be 4.8e15
 
 
 def test_training_memory_is_the_model_once_with_its_state() -> None:
