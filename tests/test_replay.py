@@ -7,6 +7,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from builders import make_cluster, make_profile
 from dapple.core.cluster import Cluster
 from dapple.core.layer_profile import AffineTime, LayerProfile
 from dapple.core.plan import interleave, straight_plan
@@ -132,25 +133,7 @@ def test_replay_equals_the_simulator_on_straight_plans(
 def test_a_replay_too_large_is_refused_before_the_order_is_built() -> None:
     """ZB-H1 on 2 stages at M = 2^21: 12.6 million actions (F, I, W) are refused by name; the
     paper's L of the same stages under DAPPLE costs no order and is not refused."""
-    layers = tuple(
-        LayerProfile(
-            name=f"l{i}",
-            forward=AffineTime(fixed_ms=0.0, per_sample_ms=1.0),
-            backward=AffineTime(fixed_ms=0.0, per_sample_ms=2.0),
-            output_bytes_per_sample=0.0,
-            parameter_bytes=0,
-            kept_activation_bytes_per_sample=0.0,
-        )
-        for i in range(2)
-    )
-    profile = ModelProfile(model_name="tiny", layers=layers)
-    cluster = Cluster(
-        servers=1,
-        devices_per_server=2,
-        device_memory_bytes=2**36,
-        intra_server_bandwidth_gbps=80.0,
-        inter_server_bandwidth_gbps=8.0,
-    )
+    profile, cluster = make_profile(2, act=0.0, params=0), make_cluster(per_server=2)
     M = 1 << 21
     plan = straight_plan(2, [0, 1], global_batch_size=M, num_micro_batches=M, schedule="zbh1")
     with pytest.raises(ValidationError, match=r"M = 2,097,152 micro-batches x 2 stages is "):
