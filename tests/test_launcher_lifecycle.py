@@ -217,6 +217,30 @@ def test_sigterm_and_sigint_stop_the_workers_then_the_launcher(
         ]
 
 
+@pytest.mark.slow
+@linux_only
+def test_a_sigterm_verify_ends_in_one_line_and_leaves_no_temporary_folder(tmp_path: Path) -> None:
+    """``dapple verify`` stopped by SIGTERM while its 2 workers run: they end, the launcher
+    dies of the signal after its closing line, and its dapple-verify-* folder is gone."""
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    straight_plan(4, [0, 2], global_batch_size=8, num_micro_batches=4).save(tmp_path / "p.json")
+    argv = ["verify", "--plan", str(tmp_path / "p.json"), "-m", "runtime_workloads:mlp",
+            "--steps", "1000000", "--timeout-s", "20"]  # fmt: skip
+    run = Launched(tmp_path, argv, 2, {"TMPDIR": str(temp)})
+    try:
+        run.wait_workers()
+        _wait_for("the verify folder", lambda: list(temp.glob("dapple-verify-*")), START_S,
+                  run.proc)  # fmt: skip
+        os.kill(run.proc.pid, signal.SIGTERM)
+        assert run.proc.wait(timeout=DEADLINE_S) == -signal.SIGTERM
+        run.assert_all_end()
+        assert sorted(p.name for p in temp.glob("dapple-*")) == []
+        assert "dapple: verify stopped by SIGTERM; nothing verified" in run.err.read_text()
+    finally:
+        run.close()
+
+
 _OWN_RANK = re.compile(r"^dapple: error: (?:[^:]*step \d+: |end of run: )?rank (\d+)\b")
 
 

@@ -8,10 +8,12 @@ import json
 import logging
 import math
 import os
+import shutil
 import sys
 import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import Any, cast
 
@@ -313,7 +315,8 @@ def verify_many(
         if progress:
             say(f"starting {world} process{'es' * (world != 1)} for the plan's run"
                 + (f" ({len(cases)} plans in turn)" if len(cases) > 1 else ""))  # fmt: skip
-        spawn(_worker, world, payload, config, tmp, data, progress, timeout_s=config.timeout_s)
+        spawn(_worker, world, payload, config, tmp, data, progress, timeout_s=config.timeout_s,
+              closing=partial(_stopped, tmp))  # fmt: skip
         reports = [
             _report(Path(tmp), c, plan, wl, config, data, tol, progress)
             for c, (plan, wl) in enumerate(cases)
@@ -325,6 +328,13 @@ def verify_many(
                  rep.plan.replication, rep.max_grad_diff, rep.max_abs_diff,
                  "ok" if rep.ok else "MISMATCH")  # fmt: skip
     return reports
+
+
+def _stopped(tmp: str, name: str) -> str:
+    """The closing line of a verify a signal stopped; removes its temporary folder first (the
+    signal ends this process inside the ``with`` block that would)."""
+    shutil.rmtree(tmp, ignore_errors=True)
+    return f"dapple: verify stopped by {name}; nothing verified"
 
 
 def _options(cfg: TrainConfig) -> dict[str, Any]:
