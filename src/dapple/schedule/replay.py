@@ -1,7 +1,7 @@
 """The step time of a schedule as the longest path through its compute order (max-plus replay).
 
-The step rule of every schedule without per-stage in-flight counts (interleaved 1F1B, ZB-H1,
-ZB-V, DualPipeV). Their published bubbles (Narayanan et al. section 2.2.2; Qi et al. sections
+The step rule of the schedules that the paper's L does not cost (interleaved 1F1B, ZB-H1,
+ZB-V, DualPipeV: ``ScheduleSpec.step_ms``). Their published bubbles (Narayanan et al. section 2.2.2; Qi et al. sections
 3-6; DeepSeek-V3's DualPipe) assume equal stages and free communication; the replay assumes
 neither. It runs each device group's compute order (:data:`~dapple.schedule.ir.ComputeOrder`)
 in order, every action as soon as its device group is free and its input has arrived:
