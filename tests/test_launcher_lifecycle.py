@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
+from builders import make_profile
 from dapple.core.plan import straight_plan
 from dapple.errors import ValidationError
 from dapple.runtime.launch import local
@@ -237,6 +238,43 @@ def test_a_sigterm_verify_ends_in_one_line_and_leaves_no_temporary_folder(tmp_pa
         run.assert_all_end()
         assert sorted(p.name for p in temp.glob("dapple-*")) == []
         assert "dapple: verify stopped by SIGTERM; nothing verified" in run.err.read_text()
+    finally:
+        run.close()
+
+
+@pytest.mark.slow
+@linux_only
+def test_a_sigterm_elastic_run_ends_in_one_line_and_leaves_no_temporary_folder(
+    tmp_path: Path,
+) -> None:
+    """The README's elastic run (DP over 2 devices) stopped by SIGTERM while it trains: its
+    workers end, the launcher dies of the signal after one closing line, and its
+    dapple-elastic-* folder (the metrics file the closing line reads) is gone with the others."""
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    make_profile(4, name="test-mlp").save(tmp_path / "prof.json")
+    straight_plan(4, [0], global_batch_size=8, num_micro_batches=1, replicas=[2]).save(
+        tmp_path / "p.json"
+    )
+    ck = tmp_path / "ck"
+    argv = ["train", "--plan", str(tmp_path / "p.json"), "-m", "runtime_workloads:mlp",
+            "--steps", "1000000", "--timeout-s", "20", "--checkpoint-dir", str(ck),
+            "--save-every", "1", "--elastic", "--profile", str(tmp_path / "prof.json"),
+            "--cluster", "local-cpu", "--min-devices", "1", "--max-restarts", "3"]  # fmt: skip
+    run = Launched(tmp_path, argv, 2, {"TMPDIR": str(temp)})
+    try:
+        _wait_for("step line", lambda: "step 1 " in run.out.read_text(), START_S, run.proc)
+        assert list(temp.glob("dapple-elastic-*"))
+        os.kill(run.proc.pid, signal.SIGTERM)
+        assert run.proc.wait(timeout=DEADLINE_S) == -signal.SIGTERM
+        run.assert_all_end()
+        assert sorted(p.name for p in temp.glob("dapple-*")) == []
+        lines = [x for x in run.err.read_text().splitlines() if "warning:" not in x]
+        assert len(lines) == 1 and re.fullmatch(
+            r"dapple: stopped by SIGTERM after step \d+; last checkpoint: step \d+ \(.*\), "
+            r"resume with --resume",
+            lines[0],
+        ), lines
     finally:
         run.close()
 

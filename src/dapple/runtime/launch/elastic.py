@@ -32,6 +32,7 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +43,7 @@ from dapple.core.profile import ModelProfile
 from dapple.errors import DappleError, InfeasibleError, ValidationError
 from dapple.runtime.checkpoint import latest_checkpoint
 from dapple.runtime.launch.failure import RankFailure
+from dapple.runtime.launch.stop_line import RunClosing, stop_line
 from dapple.runtime.metrics import announce, metrics_from_dict
 from dapple.runtime.step_metrics import StepMetrics
 from dapple.runtime.train_config import TrainConfig
@@ -361,35 +363,50 @@ def train_elastic(
             f"plan for at least {policy.min_devices} devices or a lower --min-devices"
         )
     devices = _visible_devices(len(plan.devices))
-    replans: list[Replan] = []
     with tempfile.TemporaryDirectory(prefix="dapple-elastic-") as tmp:
         metrics_path = config.metrics_path or str(Path(tmp) / "metrics.jsonl")
         config = dataclasses.replace(config, metrics_path=metrics_path)
-        while True:
-            try:
-                attempt(plan, config)
+        with RunClosing(
+            tmp, partial(stop_line, metrics_path=metrics_path, checkpoint_dir=ckpt_dir)
+        ):
+            return _attempts(plan, config, attempt, policy, devices)
+
+
+def _attempts(
+    plan: Plan,
+    config: TrainConfig,
+    attempt: Callable[[Plan, TrainConfig], Any],
+    policy: ElasticPolicy,
+    devices: list[str],
+) -> ElasticResult:
+    """:func:`train_elastic`'s attempts and re-plans, ``config`` writing its metrics file."""
+    ckpt_dir, metrics_path = _check_options(config), str(config.metrics_path)
+    replans: list[Replan] = []
+    while True:
+        try:
+            attempt(plan, config)
+            break
+        except RankFailure as failure:
+            left = _survivors(failure, devices, policy)
+            policy, left = _kinds_left(policy, failure, devices, left)
+            resume_step = _resume_step(ckpt_dir)
+            if resume_step >= config.steps:  # lost after the last step's checkpoint: done
                 break
-            except RankFailure as failure:
-                left = _survivors(failure, devices, policy)
-                policy, left = _kinds_left(policy, failure, devices, left)
-                resume_step = _resume_step(ckpt_dir)
-                if resume_step >= config.steps:  # lost after the last step's checkpoint: done
-                    break
-                if len(replans) >= policy.max_restarts:
-                    raise ElasticStop(
-                        f"{failure}; {len(replans)} re-plans made, the most allowed "
-                        f"(max_restarts={policy.max_restarts}); resume from {ckpt_dir!r}"
-                    ) from failure
-                lost = ", ".join(map(str, failure.lost_ranks()))
-                announce(f"lost rank {lost}, re-planning for the {len(left)} devices left",
-                         config.echo)  # fmt: skip
-                rep = _replan(policy, failure, plan, len(left), resume_step)
-                _record(rep, metrics_path, config.echo)
-                replans.append(rep)
-                plan, devices = rep.new, left[: len(rep.new.devices)]
-                _show_devices(devices)
-                config = _resuming(config)
-        records = _tagged_steps(metrics_path)
+            if len(replans) >= policy.max_restarts:
+                raise ElasticStop(
+                    f"{failure}; {len(replans)} re-plans made, the most allowed "
+                    f"(max_restarts={policy.max_restarts}); resume from {ckpt_dir!r}"
+                ) from failure
+            lost = ", ".join(map(str, failure.lost_ranks()))
+            announce(f"lost rank {lost}, re-planning for the {len(left)} devices left",
+                     config.echo)  # fmt: skip
+            rep = _replan(policy, failure, plan, len(left), resume_step)
+            _record(rep, metrics_path, config.echo)
+            replans.append(rep)
+            plan, devices = rep.new, left[: len(rep.new.devices)]
+            _show_devices(devices)
+            config = _resuming(config)
+    records = _tagged_steps(metrics_path)
     return ElasticResult([metrics_from_dict(d) for d in records], tuple(replans), plan)
 
 

@@ -40,6 +40,7 @@ import torch.distributed as dist
 
 from dapple.runtime.launch.failure import RankFailure
 from dapple.runtime.launch.refusal import set_refusal_folder
+from dapple.runtime.launch.stop_line import RunClosing
 
 __all__ = [
     "HEARTBEAT_S",
@@ -115,7 +116,9 @@ class StopSignals:
     they had - so the launcher still dies of SIGTERM, raises KeyboardInterrupt on SIGINT, or
     runs its caller's handler (and if that returns, :class:`RankFailure`). Python runs signal
     handlers in the main thread only: entered in another thread this changes nothing (the
-    workers still end with the launcher). A signal the process ignores stays ignored."""
+    workers still end with the launcher). A signal the process ignores stays ignored. A
+    :class:`~dapple.runtime.launch.stop_line.RunClosing` around it is told that the closing
+    line is written."""
 
     def __init__(self, closing: Callable[[str], str] | None = None) -> None:
         self.received: int | None = None
@@ -146,6 +149,9 @@ class StopSignals:
             if self._closing is not None:
                 sys.stdout.flush()
                 os.write(2, (self._closing(name) + "\n").encode())
+                outer = self._previous.get(self.received)
+                if isinstance(outer, RunClosing):
+                    outer.said = True  # the run's one closing line is this one
                 if self._previous.get(self.received) is signal.default_int_handler:
                     raise Interrupted(name)  # what that handler raises, closing line written
             signal.raise_signal(self.received)
