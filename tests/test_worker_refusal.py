@@ -1,6 +1,7 @@
 """A worker's refusal after the rendezvous ends a local launch in one ``dapple: error:`` line
 (:mod:`dapple.runtime.launch.refusal`): no lost-peer lines from the other ranks, no gloo C++
-trace, exit 2, no process left."""
+trace, exit 2, no process left. The same under ``torchrun`` (the agent's store counts the
+refusals) and in ``dapple calibrate``'s workers."""
 
 from __future__ import annotations
 
@@ -81,3 +82,101 @@ def test_the_launcher_reads_the_lowest_ranks_refusal(tmp_path: Path) -> None:
 def test_outside_a_local_launch_a_rank_reports_its_refusal_itself() -> None:
     refusal.set_refusal_folder(None)
     refusal.hand_over(ValidationError("x"), 0)  # returns: the caller prints its line
+
+
+# -- under torchrun: the agent's store counts the refusals ----------------------------------------
+_REFUSE = """
+import sys
+from dapple.errors import ValidationError
+from dapple.runtime.launch.refusal import end_refused, refused_elsewhere
+print(refused_elsewhere(), flush=True)
+end_refused(ValidationError(sys.argv[1]))
+"""
+
+
+def _refuse(env: dict[str, str], text: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", _REFUSE, text], env=env, capture_output=True,
+                          text=True, timeout=120, check=False)  # fmt: skip
+
+
+def test_under_torchrun_the_first_refusal_is_the_jobs_one_line() -> None:
+    """Two ranks refuse in turn with the agent's store up: the first writes its line, the
+    second sees that a rank refused and ends without one; both exit 2."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # type: ignore[attr-defined]
+    env = {**os.environ, "TORCHELASTIC_USE_AGENT_STORE": "True", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(store.port), "TORCHELASTIC_RESTART_COUNT": "0"}  # fmt: skip
+    runs = [_refuse(env, f"refused by rank {r}") for r in (1, 0)]
+    assert [r.returncode for r in runs] == [2, 2]
+    assert [r.stdout for r in runs] == ["False\n", "True\n"]
+    assert [r.stderr for r in runs] == ["dapple: error: refused by rank 1\n", ""]
+    # a restart's attempt counts anew
+    env["TORCHELASTIC_RESTART_COUNT"] = "1"
+    again = _refuse(env, "again")
+    assert (again.stdout, again.stderr) == ("False\n", "dapple: error: again\n")
+
+
+def _torchrun(tmp_path: Path, model: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    straight_plan(4, [0, 2], global_batch_size=4, num_micro_batches=2).save(tmp_path / "p.json")
+    env = {**os.environ, **env}
+    env["PYTHONPATH"] = os.pathsep.join([str(TESTS), env.get("PYTHONPATH", "")])
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--max-restarts", "0", "-m", "dapple", "train", "--plan", str(tmp_path / "p.json"),
+           "-m", model, "--steps", "2", "--timeout-s", "60"]  # fmt: skip
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, check=False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("model", "env", "line"),
+    [
+        ("runtime_workloads:refusing_mlp", {}, "layer 3 cannot be built on rank 1"),
+        ("runtime_workloads:mlp", {"DAPPLE_SLOWDOWN": "x"}, "DAPPLE_SLOWDOWN='x': 'x' is not"),
+    ],
+    ids=["one rank after the rendezvous", "every rank before it"],
+)
+def test_a_refusal_under_torchrun_is_the_jobs_one_line(
+    tmp_path: Path, model: str, env: dict[str, str], line: str
+) -> None:
+    done = _torchrun(tmp_path, model, env)
+    assert done.returncode != 0
+    ours = [x for x in done.stderr.splitlines() if x.startswith("dapple:")]
+    assert len(ours) == 1 and ours[0].startswith(f"dapple: error: {line}"), done.stderr[-3000:]
+    assert "exitcode  : 2" in done.stderr  # the refusing rank's exit code, as torchrun reports it
+
+
+# -- calibrate's workers ---------------------------------------------------------------------------
+def test_calibrate_refuses_a_bad_slowdown_before_any_process(monkeypatch) -> None:
+    from dapple.calibrate import machine
+    from dapple.runtime.launch import launcher
+
+    def no_spawn(*_a: object, **_k: object) -> None:
+        raise AssertionError("a worker was started")
+
+    monkeypatch.setattr(launcher, "spawn", no_spawn)
+    monkeypatch.setattr(machine, "_matmul_alone_ms", no_spawn)
+    monkeypatch.setenv("DAPPLE_SLOWDOWN", "1:0")
+    with pytest.raises(ValidationError, match=r"DAPPLE_SLOWDOWN='1:0'"):
+        machine.calibrate(nproc=2, sizes=(1024, 2048), repeats=1)
+
+
+@pytest.mark.slow
+def test_a_refusal_in_calibrates_workers_is_raised_once_without_a_traceback(
+    monkeypatch, capfd
+) -> None:
+    """The workers' tiny runtime runs refuse (the variable set only once the launcher's own
+    check is passed): the launcher raises the refusal; no worker prints a traceback or a line."""
+    import multiprocessing as mp
+
+    from dapple.calibrate import machine
+    from dapple.runtime.launch.launcher import spawn
+
+    monkeypatch.setenv("DAPPLE_SLOWDOWN", "x")
+    results, sender = mp.get_context("spawn").Pipe(duplex=False)
+    with pytest.raises(ValidationError, match=r"DAPPLE_SLOWDOWN='x'"):
+        spawn(machine._worker, 2, (16384, 32768), 1, sender, timeout_s=120)
+    sender.close()
+    results.close()
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "dapple: error" not in err, err[-3000:]

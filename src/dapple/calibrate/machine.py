@@ -268,15 +268,19 @@ def _worker(rank: int, world: int, sizes: tuple[int, ...], repeats: int, out: An
     loopback (torch's default timeout), measure, and rank 0 sends the result on ``out`` (the
     write end of a pipe)."""
     from dapple.runtime.launch.local import local_store
+    from dapple.runtime.launch.refusal import end_rank
 
-    torch.set_num_threads(runtime_threads(world))  # as the runtime's workers
-    store = local_store(default_pg_timeout)
-    if store is None:
-        raise RuntimeError("calibration worker not started by dapple.runtime.spawn")
-    dist.init_process_group("gloo", **store)
-    res = _measure_and_leave(rank, world, sizes, repeats)
-    if rank == 0:
-        out.send(res)
+    try:
+        torch.set_num_threads(runtime_threads(world))  # as the runtime's workers
+        store = local_store(default_pg_timeout)
+        if store is None:
+            raise RuntimeError("calibration worker not started by dapple.runtime.spawn")
+        dist.init_process_group("gloo", **store)
+        res = _measure_and_leave(rank, world, sizes, repeats)
+        if rank == 0:
+            out.send(res)
+    except Exception as e:
+        end_rank(e, rank)  # a refusal: the launcher's one line; else this rank's, no traceback
 
 
 def _link_fit(sizes: Sequence[float], times_ms: Sequence[float]) -> tuple[float, float]:
@@ -382,17 +386,21 @@ def calibrate(
         repeats: timed repetitions per size (median).
 
     Raises:
-        ValidationError: ``nproc < 2``, ``repeats < 1`` or fewer than 2 sizes; a worker
+        ValidationError: ``nproc < 2``, ``repeats < 1`` or fewer than 2 sizes, or a bad
+            ``DAPPLE_SLOWDOWN``, before any process starts; a worker
             failed (the message names every failed rank's exit code or signal), or the
             workers were stopped by SIGTERM or SIGINT and the
             caller's own handler of it returned.
+        DappleError: a worker's refusal (:mod:`dapple.runtime.launch.refusal`), as it raised it.
     """
     from dapple.errors import ValidationError
+    from dapple.runtime.slowdown import slowdown_factor
 
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ValidationError(f"calibrate needs --repeats >= 1, got {repeats!r}")
     if len(sizes) < 2:
         raise ValidationError(f"calibrate needs at least 2 message sizes to fit, got {len(sizes)}")
+    slowdown_factor(0)  # the variable the runtime's tiny runs read, before any process starts
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return _calibrate_under_torchrun(sizes, repeats)
     if nproc < 2:
@@ -443,12 +451,21 @@ def _calibrate_under_torchrun(sizes: tuple[int, ...], repeats: int) -> Calibrati
     The ping-pong pair is ranks 0 and 1, so with one process per node it measures the
     inter-server link; with several per node, the intra-server one (both fields get it).
     """
+    from dapple.runtime.launch.refusal import end_refused, is_refusal, refused_elsewhere
+
     world = int(os.environ["WORLD_SIZE"])
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     alone = _matmul_alone_ms(local)
     torch.set_num_threads(runtime_threads(local))  # as the runtime's workers
     dist.init_process_group("gloo")
-    res = _measure_and_leave(dist.get_rank(), world, sizes, repeats)
+    try:
+        res = _measure_and_leave(dist.get_rank(), world, sizes, repeats)
+    except Exception as e:
+        if is_refusal(e):
+            end_refused(e)  # the job's one line
+        if refused_elsewhere():
+            os._exit(2)  # a peer refused, and its line is the job's
+        raise
     out = _fit_measured(res, world, local, sizes, alone)
     servers = max(1, world // local)
     c = out.cluster

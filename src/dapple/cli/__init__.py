@@ -88,6 +88,10 @@ def main(argv: list[str] | None = None) -> int:
         refuse_input_overwrite(args)
         rc = args.func(args)
     except DappleError as e:
+        if "TORCHELASTIC_RUN_ID" in os.environ:  # one rank of a torchrun job: its one line
+            from dapple.runtime.launch.refusal import end_refused
+
+            end_refused(e)
         print(f"dapple: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as e:

@@ -64,7 +64,14 @@ from dapple.runtime.launch.local import (
     silent_ranks,
     stop_workers,
 )
-from dapple.runtime.launch.refusal import hand_over, is_refusal, refusal_folder, refused
+from dapple.runtime.launch.refusal import (
+    end_refused,
+    hand_over,
+    is_refusal,
+    refusal_folder,
+    refused,
+    refused_elsewhere,
+)
 from dapple.runtime.launch.stop_line import stop_line
 from dapple.runtime.longrun import elastic_store
 from dapple.runtime.metrics import announce, metrics_from_dict
@@ -424,9 +431,11 @@ def _torchrun_rank(
     try:
         device = init_distributed(cfg, local_world)
         run = run_plan(plan, wl, cfg, device=device, data=data, eval_data=eval_data)
-    except ValidationError:
-        raise
     except Exception as e:  # peers may be gone: report and leave without PG teardown
+        if is_refusal(e):
+            end_refused(e)  # the job's one line
+        if refused_elsewhere():
+            os._exit(2)  # a peer refused the run, and its line is the job's
         if elastic and lost_peer(e) and _restarts_left():
             _die(f"rank {os.environ['RANK']} stops with its lost peer ({rank_report(e)}); "
                  "torchrun restarts the workers and dapple re-plans", kind="")  # fmt: skip

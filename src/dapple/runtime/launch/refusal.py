@@ -12,7 +12,13 @@ polls the folder while it waits for its workers (:func:`refused`), kills every w
 SIGKILL, so that no peer sees a socket close, and raises that error: the command line prints it
 as its one ``dapple: error:`` line and exits 2.
 
-Under ``torchrun`` there is no such folder and a rank exits with its line as before.
+Under ``torchrun`` there is no such folder and no launcher of dapple's; the agent's store
+(which outlives every worker) counts the refusals of an attempt instead (:func:`end_refused`):
+the first rank to refuse writes the one line and every rank ends with exit 2 - a refusal every
+rank makes alike (a check before the rendezvous, of the same files and flags everywhere) as much
+as one rank's own - and a rank that lost its peer to a refusal ends without a line
+(:func:`refused_elsewhere`). A job of several nodes has that one line on the first refusing
+rank's node.
 """
 
 from __future__ import annotations
@@ -22,13 +28,23 @@ import pickle
 import sys
 import tempfile
 import threading
+from datetime import timedelta
 from pathlib import Path
-from typing import TypeGuard
+from typing import Any, NoReturn, TypeGuard
 
 from dapple.errors import DappleError, ValidationError
-from dapple.runtime.launch.failure import RankFailure, lost_peer
+from dapple.runtime.launch.failure import RankFailure, lost_peer, rank_report
 
-__all__ = ["hand_over", "is_refusal", "refusal_folder", "refused", "set_refusal_folder"]
+__all__ = [
+    "end_rank",
+    "end_refused",
+    "hand_over",
+    "is_refusal",
+    "refusal_folder",
+    "refused",
+    "refused_elsewhere",
+    "set_refusal_folder",
+]
 
 _folder: str | None = None
 """This worker's launch's refusal folder (None: not a local launch's worker)."""
@@ -75,3 +91,68 @@ def refused(folder: str) -> DappleError | None:
         return None
     error = pickle.loads(Path(folder, f"{ranks[0]}.pickle").read_bytes())
     return error if isinstance(error, DappleError) else ValidationError(str(error))
+
+
+def end_rank(e: BaseException, rank: int) -> NoReturn:
+    """A spawned rank's end on ``e``: a refusal handed over (:func:`hand_over`), else its one
+    line (:func:`~dapple.runtime.launch.failure.rank_report`, no traceback) and exit 1."""
+    if is_refusal(e):
+        hand_over(e, rank)
+    _write_line(f"dapple: error: {rank_report(e, rank)}")
+    os._exit(1)
+
+
+def _write_line(line: str) -> None:
+    """``line`` to stderr in one write (ranks share it), after this rank's stdout."""
+    sys.stdout.flush()
+    os.write(2, (line + "\n").encode())
+
+
+# -- under torchrun ------------------------------------------------------------------------------
+def _agent_store() -> Any | None:
+    """A client of the ``torchrun`` agent's store (``TORCHELASTIC_USE_AGENT_STORE``), which
+    lives as long as the agent; None elsewhere or when it cannot be reached."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    import torch.distributed as dist
+
+    try:
+        return dist.TCPStore(  # type: ignore[attr-defined]
+            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+            timeout=timedelta(seconds=30),
+        )  # fmt: skip
+    except (KeyError, ValueError, RuntimeError):  # DistStoreError is a RuntimeError
+        return None
+
+
+def _key() -> str:
+    """The store key counting this attempt's refusals (a restart counts anew)."""
+    return f"dapple/refused/attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+
+
+def end_refused(e: DappleError) -> NoReturn:
+    """A ``torchrun`` rank's refusal of the run: the first rank of the attempt to refuse
+    (counted on the agent's store) writes ``dapple: error: e``, the others no line; exit 2.
+    Without the agent's store every refusing rank writes its line."""
+    store = _agent_store()
+    try:
+        first = store is None or store.add(_key(), 1) == 1
+    except RuntimeError:
+        first = True
+    if first:
+        _write_line(f"dapple: error: {e}")
+    else:
+        sys.stdout.flush()
+    os._exit(2)
+
+
+def refused_elsewhere() -> bool:
+    """Under ``torchrun``: whether a rank of this attempt refused the run
+    (:func:`end_refused`), so that a rank which lost its peer to it need not say so."""
+    store = _agent_store()
+    if store is None:
+        return False
+    try:
+        return bool(store.check([_key()]))
+    except RuntimeError:
+        return False
