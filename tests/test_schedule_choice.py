@@ -191,6 +191,60 @@ def test_refine_cuts_searches_the_partition_under_each_schedule():
     assert refine_cuts(none, prof, cluster) is none
 
 
+def _climb_every_neighbour(choice, prof, cluster):
+    """The hill climb of :func:`refine_cuts` with every neighbour simulated, revisits included:
+    the reference its skipping of revisits must match."""
+    plan, res = choice.plan, choice.result
+    base = unchunked(plan)
+    while True:
+        better = None
+        for g in range(base.num_stages - 1):
+            for d in (-1, 1):
+                lo, mid = base.stages[g].layers
+                hi = base.stages[g + 1].layers[1]
+                if mid + d - lo < 1 or hi - mid - d < 1:
+                    continue
+                stages = list(base.stages)
+                stages[g] = dataclasses.replace(stages[g], layers=(lo, mid + d))
+                stages[g + 1] = dataclasses.replace(stages[g + 1], layers=(mid + d, hi))
+                moved = dataclasses.replace(base, stages=tuple(stages))
+                cand = with_schedule(moved, plan.schedule, 1, plan.policy)
+                r = simulate(cand, prof, cluster)
+                if r.step_ms < (res.step_ms if better is None else better[2].step_ms):
+                    better = (moved, cand, r)
+        if better is None:
+            return plan, res
+        base, plan, res = better
+
+
+def test_refine_cuts_simulates_no_partition_twice(monkeypatch):
+    """A climb that moves a cut five times (1 | 11 layers to 6 | 6) simulates each partition it
+    tries once - the move back to where it came from is known not to be faster - and ends where
+    the climb that simulates every neighbour ends, with the same simulated step."""
+    import dapple.planner.schedule_choice as sc
+
+    prof, cluster = make_profile(12), make_cluster()
+    plan = with_schedule(
+        straight_plan(12, [0, 1], global_batch_size=16, num_micro_batches=4), "dapple"
+    )
+    choice = ScheduleChoice("dapple/A", plan, simulate(plan, prof, cluster))
+    want_plan, want = _climb_every_neighbour(choice, prof, cluster)
+    tried: list[tuple[tuple[int, int], ...]] = []
+
+    def recording(p, *a, **kw):
+        tried.append(tuple(st.layers for st in p.stages))
+        return simulate(p, *a, **kw)
+
+    monkeypatch.setattr(sc, "simulate", recording)
+    got = refine_cuts(choice, prof, cluster)
+    assert got.plan is not None and got.result is not None
+    assert [st.layers for st in got.plan.stages] == [(0, 6), (6, 12)]
+    assert got.plan.stages == want_plan.stages and got.result.step_ms == want.step_ms
+    # 2|10 ... 7|5 and the move back to the start, 1|11, each once; the moves back to 2|10 ...
+    # 5|7 are skipped
+    assert len(tried) == len(set(tried)) == 7, tried
+
+
 def test_train_and_verify_take_every_schedule_name(tmp_path):
     """``--schedule`` of ``train``/``verify`` (and the API's ``schedule=``) names every schedule;
     ``interleaved`` cuts each device group into ``--virtual-stages`` chunks."""

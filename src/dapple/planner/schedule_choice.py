@@ -306,7 +306,9 @@ def refine_cuts(
     every group keeps a multiple of v; one layer otherwise) either way while both groups keep
     at least v layers (a V schedule's two chunks: two); a move is kept when the plan under the same schedule, M,
     replication and placement simulates faster and fits the memory. Stops when no move
-    helps, or after ``max_moves`` kept moves.
+    helps, or after ``max_moves`` kept moves. A partition the climb has simulated before (the
+    move back to a partition it moved from) is not simulated again: it was no faster than the
+    plan the climb holds now, so it cannot be kept.
     """
     if choice.plan is None or choice.result is None:
         return choice
@@ -315,13 +317,15 @@ def refine_cuts(
     step = v if _round_robin(get_schedule(plan.schedule), v) else 1
     policy = plan.policy
     base = unchunked(plan)
+    tried: set[tuple[tuple[int, int], ...]] = set()
     for _ in range(max_moves):
         better: tuple[Plan, Plan, SimResult] | None = None
         for g in range(base.num_stages - 1):
             for d in (-step, step):
                 moved = _moved(base, g, d, v)
-                if moved is None:
+                if moved is None or _cuts(moved) in tried:
                     continue
+                tried.add(_cuts(moved))
                 try:
                     cand = with_schedule(moved, plan.schedule, v, policy)
                     r = simulate(cand, profile, cluster)
@@ -337,6 +341,11 @@ def refine_cuts(
         return choice
     plan = dataclasses.replace(plan, predicted_step_ms=schedule_latency(plan, profile, cluster))
     return ScheduleChoice(choice.label, plan, res)
+
+
+def _cuts(base: Plan) -> tuple[tuple[int, int], ...]:
+    """The layers of each device group of an unchunked plan: what :func:`refine_cuts` moves."""
+    return tuple(st.layers for st in base.stages)
 
 
 def _moved(base: Plan, g: int, d: int, v: int) -> Plan | None:

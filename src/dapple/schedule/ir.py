@@ -56,35 +56,36 @@ class ActionKind(str, Enum):
     STEP = "OPT"
     """Optimizer step."""
 
+    # The kinds' classes are module-level sets (below), read once per call: the simulator and
+    # the validator ask them of every action, and an Enum member looked up on its class
+    # costs an attribute lookup each.
     @property
     def is_compute(self) -> bool:
-        return self in (
-            ActionKind.FORWARD,
-            ActionKind.BACKWARD,
-            ActionKind.BACKWARD_INPUT,
-            ActionKind.BACKWARD_WEIGHT,
-        )
+        """F, B, I or W."""
+        return self in _COMPUTE
 
     @property
     def sends_gradient(self) -> bool:
         """A backward that produces the stage input's gradient (``B`` or ``I``)."""
-        return self in (ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT)
+        return self in _SENDS_GRADIENT
 
     @property
     def is_comm(self) -> bool:
-        return self in (ActionKind.SEND_F, ActionKind.RECV_F, ActionKind.SEND_B, ActionKind.RECV_B)
+        """A send or a receive."""
+        return self in _COMM
 
 
-_NEEDS_MB = {
-    ActionKind.FORWARD,
-    ActionKind.BACKWARD,
-    ActionKind.BACKWARD_INPUT,
-    ActionKind.BACKWARD_WEIGHT,
-    ActionKind.SEND_F,
-    ActionKind.RECV_F,
-    ActionKind.SEND_B,
-    ActionKind.RECV_B,
-}
+_COMPUTE = frozenset(
+    {
+        ActionKind.FORWARD,
+        ActionKind.BACKWARD,
+        ActionKind.BACKWARD_INPUT,
+        ActionKind.BACKWARD_WEIGHT,
+    }
+)
+_SENDS_GRADIENT = frozenset({ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT})
+_COMM = frozenset({ActionKind.SEND_F, ActionKind.RECV_F, ActionKind.SEND_B, ActionKind.RECV_B})
+_NEEDS_MB = _COMPUTE | _COMM
 
 
 @dataclass(frozen=True, slots=True)

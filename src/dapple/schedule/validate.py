@@ -41,6 +41,17 @@ K = ActionKind
 _MsgKey = tuple[ActionKind, int, int, int, int]
 """(SEND_F or SEND_B, sending stage, micro-batch, sending replica, receiving replica)."""
 
+# Kinds by what the checks ask of them (sets: an Enum member looked up on its class costs an
+# attribute lookup, and every action of every device is asked).
+_SENDS = frozenset({K.SEND_F, K.SEND_B})
+_RECVS = frozenset({K.RECV_F, K.RECV_B})
+_TO_NEXT = frozenset({K.SEND_F, K.RECV_B})
+"""Messages exchanged with the next stage's replicas."""
+_TO_PREV = frozenset({K.RECV_F, K.SEND_B})
+"""Messages exchanged with the previous stage's replicas."""
+_AFTER_FORWARD = frozenset({K.BACKWARD, K.BACKWARD_INPUT, K.SEND_F})
+"""Actions that need the micro-batch's forward before them."""
+
 
 def _send_key(a: Action) -> _MsgKey:
     assert a.micro_batch is not None and a.peer is not None
@@ -180,17 +191,17 @@ def _order_problem(d: _Device, r: int, a: Action, where: _Where) -> Problem | No
             f"device {dev}: {a} but replica {d.replica}'s slice of a micro-batch is empty",
             here,
         )
-    if a.kind in (K.SEND_F, K.RECV_B) and a.peer not in d.next_peers[s]:
+    if a.kind in _TO_NEXT and a.peer not in d.next_peers[s]:
         return (
             f"device {dev}: {a} but replica {a.peer} of stage {s + 1} is no split-concat peer",
             here,
         )
-    if a.kind in (K.RECV_F, K.SEND_B) and a.peer not in d.prev_peers[s]:
+    if a.kind in _TO_PREV and a.peer not in d.prev_peers[s]:
         return (
             f"device {dev}: {a} but replica {a.peer} of stage {s - 1} is no split-concat peer",
             here,
         )
-    if a.kind in (K.BACKWARD, K.BACKWARD_INPUT, K.SEND_F) and (K.FORWARD, s, m, None) not in where:
+    if a.kind in _AFTER_FORWARD and (K.FORWARD, s, m, None) not in where:
         verb = "sends" if a.kind is K.SEND_F else "runs"
         return (f"device {dev}: {a} {verb} before its forward", here)
     if a.kind is K.BACKWARD_WEIGHT and (K.BACKWARD_INPUT, s, m, None) not in where:
@@ -301,12 +312,12 @@ def _dry_run(plan: Plan, schedule: Schedule) -> list[Problem]:
         for dev, prog in schedule.items():
             while pc[dev] < len(prog):
                 a = prog[pc[dev]]
-                if a.kind in (K.RECV_F, K.RECV_B):
+                if a.kind in _RECVS:
                     key = _recv_key(a)
                     if posted[key] == 0:
                         break
                     posted[key] -= 1
-                elif a.kind in (K.SEND_F, K.SEND_B):
+                elif a.kind in _SENDS:
                     posted[_send_key(a)] += 1
                 elif a.kind is K.ALLREDUCE:
                     waiting = at_ar.setdefault(a.stage, set())
@@ -356,9 +367,9 @@ def validate(schedule: Schedule, plan: Plan) -> None:
     recvs: dict[_MsgKey, list[Cell]] = {}
     for dev, prog in schedule.items():
         for r, a in enumerate(prog):
-            if a.kind in (K.SEND_F, K.SEND_B):
+            if a.kind in _SENDS:
                 sends.setdefault(_send_key(a), []).append((dev, r))
-            elif a.kind in (K.RECV_F, K.RECV_B):
+            elif a.kind in _RECVS:
                 recvs.setdefault(_recv_key(a), []).append((dev, r))
     for key in sorted(set(sends) | set(recvs), key=lambda k: (k[0].value, *k[1:])):
         ns, nr = len(sends.get(key, [])), len(recvs.get(key, []))

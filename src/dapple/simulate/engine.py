@@ -69,6 +69,10 @@ __all__ = ["DeviceStats", "SimEvent", "SimResult", "simulate"]
 K = ActionKind
 _MsgKey = tuple[ActionKind, int, int, int, int]
 """(SEND_F or SEND_B, sending stage, micro-batch, sending replica, receiving replica)."""
+_SENDS = frozenset({K.SEND_F, K.SEND_B})
+_RECVS = frozenset({K.RECV_F, K.RECV_B})
+_BACKWARDS = frozenset({K.BACKWARD, K.BACKWARD_INPUT, K.BACKWARD_WEIGHT})
+"""B, I and W (sets: an Enum member looked up on its class costs an attribute lookup)."""
 
 
 def _devices_text(devices: tuple[int, ...]) -> str:
@@ -259,7 +263,7 @@ class _Run:
     def compute_end(self, dev: int, a: Action, start: float, end: float, busy_ms: float) -> None:
         """Records compute ``a`` of ``dev`` over ``[start, end]`` (``busy_ms`` long) and frees
         what a B, I or W releases."""
-        if a.kind in (K.BACKWARD, K.BACKWARD_INPUT, K.BACKWARD_WEIGHT):
+        if a.kind in _BACKWARDS:
             sb = self.stage_bytes(a.stage, a.replica)
             freed = self.moment(dev, a)
             if a.kind is not K.BACKWARD_INPUT:  # B or W: the micro-batch goes, gradients stay
@@ -278,7 +282,7 @@ class _Run:
         whose message is not posted yet, an AllReduce not all replicas have reached)."""
         stages = self.plan.stages
         s, j = a.stage, a.replica
-        if a.kind in (K.SEND_F, K.SEND_B):
+        if a.kind in _SENDS:
             assert a.micro_batch is not None and a.peer is not None
             fwd = a.kind is K.SEND_F
             s_dst = s + 1 if fwd else s - 1
@@ -293,7 +297,7 @@ class _Run:
             key = (a.kind, s, a.micro_batch, j, a.peer)
             self.arrivals.setdefault(key, deque()).append(end)
             self.events.append(SimEvent(dev, a, start, end, dst, nbytes))
-        elif a.kind in (K.RECV_F, K.RECV_B):
+        elif a.kind in _RECVS:
             assert a.micro_batch is not None and a.peer is not None
             fwd = a.kind is K.RECV_F
             key = (K.SEND_F if fwd else K.SEND_B, s - 1 if fwd else s + 1, a.micro_batch, a.peer, j)
