@@ -233,6 +233,7 @@ def _check_resume_point(
 ) -> None:
     """:func:`check_long_run` with ``resume``: the checkpoint a run would resume from."""
     from dapple.runtime.checkpoint import CheckpointError, check_compatible, find_resume_checkpoint
+    from dapple.runtime.launch.run_checks import check_layer_tensors
     from dapple.runtime.longrun import OPTIMIZER_CLASSES
 
     point = find_resume_checkpoint(checkpoint_dir)
@@ -252,7 +253,7 @@ def _check_resume_point(
         plan_num_layers=plan_num_layers,
         optimizer_type=OPTIMIZER_CLASSES.get(optimizer or ""),
     )
-    _check_shapes(ck, workload)
+    check_layer_tensors(ck, workload)
     for line in point.skipped:
         _warn(f"{line}; resuming from the older step {ck.step} ({str(ck.path)!r})")
     _check_continues(ck, steps, synthetic_seed)
@@ -280,24 +281,6 @@ def _check_continues(ck: Checkpoint, steps: int | None, synthetic_seed: int | No
             f"already covers --steps {steps}: nothing to train; pass --steps above "
             f"{ck.step} to go on"
         )
-
-
-def _check_shapes(ck: Checkpoint, workload: Workload) -> None:
-    """Every layer of checkpoint ``ck`` holds the tensors of ``workload``'s layer, in its
-    shapes - another model of the same name and layer count (other sizes) is refused here,
-    before any worker starts. Layers are built on ``meta`` (no memory, no init); a layer that
-    cannot be built so is left to the workers' own check.
-
-    Raises:
-        CheckpointError: the first tensor whose shape differs (see ``check_layer_shapes``).
-    """
-    from dapple.models.fingerprint import layer_tensors
-    from dapple.runtime.checkpoint import check_layer_shapes
-
-    for i in range(min(workload.num_layers, len(ck.layers))):
-        tensors = layer_tensors(workload, i)
-        if tensors is not None:  # else the workers check it on the real layer
-            check_layer_shapes(ck, i, {k: shape for k, (shape, _) in tensors.items()})
 
 
 def _restarted(cfg: RunConfig) -> bool:

@@ -42,12 +42,9 @@ from dapple.core.host_memory import keep_freed_memory
 from dapple.core.own_session import Deferred, run_in_own_session
 from dapple.core.plan import Plan
 from dapple.errors import DappleError, ValidationError
-from dapple.models.shapes import check_steps, run_dims
 from dapple.models.workload import Workload
 from dapple.runtime.comm import set_host_staged, transport_for
-from dapple.runtime.data import check_data, check_data_resume, data_state
 from dapple.runtime.engine import run_plan, validate_run
-from dapple.runtime.evaluate import eval_batch_fn, eval_plan
 from dapple.runtime.launch.early import EarlyWorkers, preloaded
 from dapple.runtime.launch.failure import RankFailure, lost_peer, rank_report
 from dapple.runtime.launch.local import (
@@ -72,6 +69,7 @@ from dapple.runtime.launch.refusal import (
     refused,
     refused_elsewhere,
 )
+from dapple.runtime.launch.run_checks import check_batches, check_datasets
 from dapple.runtime.launch.stop_line import stop_line
 from dapple.runtime.longrun import elastic_store
 from dapple.runtime.metrics import announce, metrics_from_dict
@@ -387,8 +385,8 @@ def train(
     resolved = resolve_workload(workload)
     validate_run(plan, resolved, world, zero_stage=cfg.zero_stage)
     check_mesh_run(plan, resolved, cfg)  # once here, not by every worker after its start-up
-    _check_datasets(plan, resolved, cfg, data, eval_data)
-    _check_shapes(plan, resolved, cfg, data)
+    check_datasets(plan, resolved, cfg, data, eval_data)
+    check_batches(plan, resolved, cfg, data)
     try:
         payload = pickle.dumps(workload)
     except Exception as e:
@@ -423,8 +421,8 @@ def _torchrun_rank(
     happens next, not an error)."""
     wl = resolve_workload(workload)
     validate_run(plan, wl, int(os.environ["WORLD_SIZE"]), zero_stage=cfg.zero_stage)
-    _check_datasets(plan, wl, cfg, data, eval_data)
-    _check_shapes(plan, wl, cfg, data)
+    check_datasets(plan, wl, cfg, data, eval_data)
+    check_batches(plan, wl, cfg, data)
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
     if int(os.environ["RANK"]) == 0:
         announce("start-up: rendezvous", cfg.echo)
@@ -467,38 +465,3 @@ def _elastic_worker(
 
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     return worker_plan(plan, world, policy, config, announce_it=rank == 0)
-
-
-def _check_shapes(plan: Plan, wl: Workload, cfg: TrainConfig, data: Any) -> None:
-    """A model whose input shapes change from step to step (:mod:`dapple.models.shapes`): every
-    step's batch fits it, checked here before any worker starts (the workers check each step
-    again; a model with static shapes is left to them).
-
-    Raises:
-        ValidationError: the first step whose batch the model cannot take.
-    """
-    if data is None and run_dims(wl, plan.global_batch_size, cfg.seed):
-        check_steps(wl, plan.global_batch_size, cfg.seed, cfg.steps)
-
-
-def _check_datasets(plan: Plan, wl: Workload, cfg: TrainConfig, data: Any, eval_data: Any) -> None:
-    """The datasets fit the model and the batch, and a resume continues the same data stream.
-
-    Raises:
-        ValidationError: see :func:`dapple.runtime.data.check_data`.
-        CheckpointError: the checkpoint to resume was saved on other data.
-    """
-    G_e = eval_plan(plan, cfg.eval_batch_size).global_batch_size
-    check_data(wl, data, plan.global_batch_size, cfg.seed, eval_data=eval_data, eval_batch_size=G_e)
-    if cfg.eval_every > 0 and eval_data is not None:  # enough eval batches, before any worker
-        eval_batch_fn(wl, G_e, cfg.eval_batches, eval_data)
-    if cfg.resume and cfg.checkpoint_dir is not None:
-        from dapple.runtime.checkpoint import latest_checkpoint
-
-        ck = latest_checkpoint(cfg.checkpoint_dir)
-        if ck is not None:
-            check_data_resume(
-                ck.meta.extra.get("data"),
-                data_state(data, cfg.seed, plan.global_batch_size),
-                ck.path,
-            )
