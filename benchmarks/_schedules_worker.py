@@ -270,7 +270,8 @@ def worker(
                 continue
             if c["runner"] == "dapple":
                 meter.reset()
-                cfg = TrainConfig(steps=steps, seed=rnd, optimizer="sgd", lr=LR, device="cpu")
+                cfg = TrainConfig(steps=steps, seed=rnd, optimizer="sgd", lr=LR, device="cpu",
+                                  **c.get("train", {}))  # fmt: skip
                 run = run_plan(Plan.from_dict(c["plan"]), wl, cfg, device=torch.device("cpu"))
                 ms = [m.step_ms for m in run.metrics]  # rank 0: the period between collectives
                 got = [torch.zeros(len(meter.steps), dtype=torch.float64) for _ in range(world)]

@@ -1,10 +1,12 @@
 """Per-rank action timelines of dapple's and torch's V schedules on the same straight partition
 (CPU, gloo): where each rank computes, waits for a message, and idles between steps.
 
-A diagnostic beside ``schedules_measured_v.py`` (same model, chunks and worker group). Three
-cases in ONE process group, in rounds whose order alternates: dapple's schedule, torch's, and
+A diagnostic beside ``schedules_measured_v.py`` (same model, chunks and worker group). Four
+cases in ONE process group, in rounds whose order alternates: dapple's schedule, torch's,
 torch's with a step point added (after its optimizer step every rank joins a world all_gather of
-a 9-number row read on the host, as dapple's :meth:`NonFiniteGuard.agree_finite` is). Every
+a 9-number row read on the host, as dapple's :meth:`NonFiniteGuard.agree_finite` is), and
+dapple's without the non-finite guard (``on_nonfinite="off"``: its rows gathered
+asynchronously and read a step late, :mod:`dapple.runtime.late_rows`). Every
 compute action (F, I, W, B) and every wait is timed on each rank (``time.perf_counter``: one
 clock for all processes of the machine): dapple's ``StageExecutor.forward/backward/
 backward_input/backward_weight`` minus their receive waits (``StageLinks.wait_concat``), the
@@ -202,7 +204,8 @@ def worker(
             rec.events = []
             dist.barrier()
             if c["runner"] == "dapple":
-                cfg = TrainConfig(steps=steps, seed=rnd, optimizer="sgd", lr=LR, device="cpu")
+                cfg = TrainConfig(steps=steps, seed=rnd, optimizer="sgd", lr=LR, device="cpu",
+                                  **c.get("train", {}))  # fmt: skip
                 run_plan(Plan.from_dict(c["plan"]), wl, cfg, device=torch.device("cpu"))
             else:
                 if peer is None:
@@ -336,9 +339,11 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"need skip >= 1 and steps >= skip + 2, got {args.skip}, {args.steps}")
     G, M = args.global_batch, args.micro_batches
     pairs = build_cases(args.blocks, G, M, args.ranks)
-    dapple, torch_case = (c for c in pairs if c["kind"] == args.schedule)
+    dapple, torch_case = (c for c in pairs[:6] if c["kind"] == args.schedule)
     point = {**torch_case, "label": torch_case["label"] + " + step point", "point": True}
-    cases = [dapple, torch_case, point]
+    off = {**dapple, "label": dapple["label"] + ", on_nonfinite off",
+           "train": {"on_nonfinite": "off"}}  # fmt: skip
+    cases = [dapple, torch_case, point, off]
     opts = {"rounds": args.rounds, "steps": args.steps, "blocks": args.blocks, "G": G, "M": M}
     command = "python benchmarks/schedules_measured_timeline.py " + " ".join(
         sys.argv[1:] if argv is None else argv

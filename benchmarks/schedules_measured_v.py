@@ -51,12 +51,15 @@ WORLD = 2
 """Ranks (processes) by default; ``--ranks`` sets another count."""
 BEGIN = "<!-- schedules_measured_v.py: begin -->"
 END = "<!-- schedules_measured_v.py: end -->"
-PAIRS = (
-    ("interleaved", "interleaved1f1b", "noise reference"),
-    ("zbv", "zbv", "goal"),
-    ("dualpipev", "dualpipev", "goal"),
+PAIRS: tuple[tuple[str, str, str, dict[str, str]], ...] = (
+    ("interleaved", "interleaved1f1b", "noise reference", {}),
+    ("zbv", "zbv", "goal", {}),
+    ("dualpipev", "dualpipev", "goal", {}),
+    ("zbv", "zbv", "no guard, measured separately", {"on_nonfinite": "off"}),
 )
-"""(dapple schedule, torch runner kind, role) of each pair."""
+"""(dapple schedule, torch runner kind, role, dapple's TrainConfig options) of each pair. The
+last runs dapple's ZB-V without the non-finite guard (``on_nonfinite="off"``: no rank waits for
+the others' verdict before its optimizer step, as torch's schedules do not)."""
 
 
 def build_cases(blocks: int, G: int, M: int, ranks: int = WORLD) -> list[dict[str, Any]]:
@@ -66,7 +69,7 @@ def build_cases(blocks: int, G: int, M: int, ranks: int = WORLD) -> list[dict[st
     straight = straight_plan(wl.num_layers, b[:-1], global_batch_size=G, num_micro_batches=M)
     grp = f"straight {ranks} ranks {b[1:-1]}"
     cases: list[dict[str, Any]] = []
-    for schedule, kind, _ in PAIRS:
+    for schedule, kind, _, train in PAIRS:
         plan = (
             interleave(straight, 2)
             if schedule == "interleaved"
@@ -77,10 +80,11 @@ def build_cases(blocks: int, G: int, M: int, ranks: int = WORLD) -> list[dict[st
         cases.append(
             {
                 "group": grp,
-                "label": f"dapple {schedule}",
+                "label": _label(schedule, train),
                 "runner": "dapple",
                 "plan": plan.to_dict(),
                 "kind": kind,
+                "train": train,
             }
         )
         cases.append(
@@ -94,6 +98,11 @@ def build_cases(blocks: int, G: int, M: int, ranks: int = WORLD) -> list[dict[st
             }
         )
     return cases
+
+
+def _label(schedule: str, train: dict[str, str]) -> str:
+    """A dapple case's label: its schedule and the TrainConfig options it sets."""
+    return f"dapple {schedule}" + "".join(f", {k} {v}" for k, v in train.items())
 
 
 def _per_round(r: dict[str, Any], skip: int) -> list[float]:
@@ -154,7 +163,7 @@ def report(
         "|---|---|---|---:|---:|---:|---|",
     ]
     ratios: dict[str, list[float]] = {}
-    for (schedule, _, role), d, t in zip(PAIRS, cases[0::2], cases[1::2], strict=True):
+    for (_, _, role, _), d, t in zip(PAIRS, cases[0::2], cases[1::2], strict=True):
         rd, rt = got[str(cases.index(d))], got[str(cases.index(t))]
         name = f"{d['label']} vs {t['label']} ({role})"
         err = rd["error"] or rt["error"]
@@ -163,7 +172,7 @@ def report(
             continue
         md, mt = _per_round(rd, skip), _per_round(rt, skip)
         paired = [b / a for a, b in zip(md, mt, strict=True)]
-        ratios[schedule] = paired
+        ratios[d["label"]] = paired
         rows.append(
             f"| {name} | {_placement(t)} | {describe(Plan.from_dict(d['plan']))} | "
             f"{statistics.median(md):.1f} | {statistics.median(mt):.1f} | "
@@ -175,7 +184,7 @@ def report(
         "",
         f"Model: zoo `transformer` {{**{BENCH_MODEL}, 'layers': {args.blocks}}}, global batch "
         f"{G}, M = {M} (micro-batch {G // M}), plain SGD lr {LR}, {args.ranks} gloo processes. All "
-        f"six cases in ONE process group, {args.rounds} rounds x {args.steps} steps per case, "
+        f"{2 * len(PAIRS)} cases in ONE process group, {args.rounds} rounds x {args.steps} steps per case, "
         f"the round order alternating, the first {skip} step(s) of each round dropped. Step "
         "time: the period between consecutive step ends, steps back to back (dapple: rank 0's "
         "period between its per-step collectives; torch: the slowest rank's). Speed dapple / "
@@ -198,12 +207,13 @@ def report(
         "### Verdicts",
         "",
     ]
-    ref = ratios.get("interleaved")
-    for schedule, _, role in PAIRS[1:]:
-        if schedule not in ratios:
-            lines.append(f"- {schedule}: **not measured** (a side did not run, row above).")
+    ref = ratios.get(_label(PAIRS[0][0], PAIRS[0][3]))
+    for schedule, _, role, train in PAIRS[1:]:
+        label = _label(schedule, train)
+        if label not in ratios:
+            lines.append(f"- {label}: **not measured** (a side did not run, row above).")
             continue
-        r = ratios[schedule]
+        r = ratios[label]
         med = statistics.median(r)
         if ref is None:
             noise = "no noise reference (the interleaved pair did not run)"
@@ -215,7 +225,7 @@ def report(
                 f"{'within or above' if med >= lo else 'below'} that noise"
             )
         lines.append(
-            f"- dapple {schedule} vs torch (goal >= 1.00x, {role}): "
+            f"- {label} vs torch (goal >= 1.00x, {role}): "
             f"**{'met' if med >= 1.0 else 'missed'}** ({med:.3f}x, rounds "
             f"{min(r):.2f}-{max(r):.2f}x); {noise}."
         )

@@ -123,9 +123,11 @@ def _register_long_run(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--on-nonfinite",
-        choices=("stop", "skip"),
+        choices=("stop", "skip", "off"),
         default="stop",
-        help="non-finite loss/gradient: stop (default, exit non-zero) or skip the step",
+        help="non-finite loss/gradient: stop (default, exit non-zero) or skip the step; off: "
+        "no guard (no rank waits for the others before its update; metrics a step late; not "
+        "with fp16 or --clip-grad-norm)",
     )
     e = p.add_argument_group("elastic runs")
     e.add_argument(

@@ -43,7 +43,7 @@ from dapple.models.workload import Workload
 from dapple.runtime.data import check_data, fit_data, fit_workload
 from dapple.runtime.evaluate import Evaluation, eval_batch_fn, eval_plan
 from dapple.runtime.launch.failure import RankFailure, describe_rank, short_error
-from dapple.runtime.metrics import MetricsSink, StepProbe, announce, row_tokens
+from dapple.runtime.metrics import MetricsSink, StepProbe, announce, global_norm, row_tokens
 from dapple.runtime.parallel.expert import expert_report
 from dapple.runtime.parallel.stage_mesh import (
     check_mesh_run,
@@ -195,6 +195,7 @@ def run_plan(
     clean = False
     if rank == 0:
         announce(f"start-up: first step (step {r.start})", config.echo)
+    records = _Records(sink, r)
     try:
         for step in range(r.start, config.steps):
             inputs, targets = r.batches.batch(step)
@@ -202,10 +203,9 @@ def run_plan(
             rows = r.interpreter.run_step(step, inputs, targets)
             eval_loss = _evaluate(evaluation, step, r.probe)
             report = r.update.take_report() if rank == 0 else {}  # lr, grad_norm
-            sink.record(step, rows, r.probe.step_ms, target_tokens=row_tokens(rows),
-                        eval_loss=eval_loss, **report,
-                        **expert_report(r.mesh.loads, r.interpreter.expert_load))  # fmt: skip
+            records.add(step, rows, dict(step_ms=r.probe.step_ms, eval_loss=eval_loss, **report))
             r.longrun.after_step(step)
+        records.finish()
         clean = True
     finally:
         _close_run(r, [*reporters, sink], clean)
@@ -219,6 +219,44 @@ def run_plan(
     )
     run.whole = whole
     return run
+
+
+class _Records:
+    """Each step's metrics into the sink: at once, from the rows of its collective, or with
+    ``on_nonfinite="off"`` when those rows arrive (with the next step's,
+    :meth:`ProgramInterpreter.run_step`, and the last step's from
+    :meth:`ProgramInterpreter.finish`); its gradient norm is then read off them."""
+
+    def __init__(self, sink: MetricsSink, r: RankParts) -> None:
+        self.sink, self.r = sink, r
+        self.late = r.interpreter.late is not None
+        self._held: tuple[int, dict[str, Any]] | None = None
+        """The step whose rows have not arrived, and the fields known at its end."""
+
+    def add(self, step: int, rows: list[list[float]] | None, fields: dict[str, Any]) -> None:
+        """Step ``step`` ran: ``rows`` are its own (the guard's collective) or the held step's
+        (None: no step was held)."""
+        if not self.late:
+            assert rows is not None
+            self._record(step, rows, fields)
+            return
+        if self._held is not None and rows is not None:
+            self._record(self._held[0], rows, self._held[1])
+        self._held = (step, fields)
+
+    def finish(self) -> None:
+        """After the last step: the held step's rows read and recorded."""
+        rows = self.r.interpreter.finish()
+        if self._held is not None and rows is not None:
+            self._record(self._held[0], rows, self._held[1])
+        self._held = None
+
+    def _record(self, step: int, rows: list[list[float]], fields: dict[str, Any]) -> None:
+        if self.late and "grad_norm" in fields:  # rank 0's: no update read the norm
+            fields = {**fields, "grad_norm": global_norm(rows)}
+        r = self.r
+        self.sink.record(step, rows, target_tokens=row_tokens(rows), **fields,
+                         **expert_report(r.mesh.loads, r.interpreter.expert_load))  # fmt: skip
 
 
 def _close_run(r: RankParts, outputs: Sequence[Any], clean: bool) -> None:

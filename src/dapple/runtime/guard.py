@@ -253,15 +253,23 @@ class NonFiniteGuard:
             ``summed``: its one row is this rank's own values, read without a row on the
             device).
         """
-        s = -1 if self.stage is None else self.stage
-        loss = self._loss_sums[-1][1] if self._loss_sums else 0.0
-        values = [loss, s, grad_sq_norm, self.rank, *extra]
+        values = self.row(extra, grad_sq_norm)
         table: torch.Tensor | None = None
         if self.world == 1 and summed is None:  # the step's one host read: its tensors at once
             rows = [host_row(values)]
         else:  # the step's one host read
             rows, table = self._gather(device_row(values, self.device), summed)
         return self._verdict(step, _bad_ranks(rows), replay), rows, table
+
+    def row(
+        self, extra: Sequence[float | torch.Tensor] = (), grad_sq_norm: torch.Tensor | float = 0.0
+    ) -> list[float | torch.Tensor]:
+        """This rank's row of the step's collective: ``[loss, stage, squared gradient norm
+        part, rank, *extra]`` (the loss: the last stage's sum so far, else 0; stage -1: beyond
+        the plan), its tensors left on the device."""
+        s = -1 if self.stage is None else self.stage
+        loss = self._loss_sums[-1][1] if self._loss_sums else 0.0
+        return [loss, s, grad_sq_norm, self.rank, *extra]
 
     def _gather(
         self, mine: torch.Tensor, summed: torch.Tensor | None = None

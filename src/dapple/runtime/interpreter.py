@@ -44,6 +44,12 @@ the weights (its gradients are dropped). A non-finite gradient is named by a rep
 step's compute part (:meth:`ProgramInterpreter._replay`) with a check after each backward. :func:`dapple.schedule.lower.lower` puts ``AR`` and ``OPT`` last; a
 program with another action after them is rejected (:func:`step_point`).
 
+With ``on_nonfinite="off"`` there is no verdict: at the step point each rank posts its row
+asynchronously (:class:`~dapple.runtime.late_rows.LateRows`) and runs OPT's second part at once,
+without waiting for the other ranks; :meth:`ProgramInterpreter.run_step` returns the previous
+step's rows, read when this step posts its own, and :meth:`ProgramInterpreter.finish` the last
+step's.
+
 A failure inside an action raises :class:`RankFailure` naming the step, the rank, the action or
 what it waited for and the lost peer, followed by the schedule grid with that action marked.
 """
@@ -61,8 +67,9 @@ from dapple.core.plan import Plan
 from dapple.errors import ValidationError
 from dapple.runtime.chunks import Executor, RankChunks
 from dapple.runtime.guard import NonFiniteGuard
+from dapple.runtime.late_rows import LateRows
 from dapple.runtime.launch.failure import RankFailure, describe_rank, failure_grid, short_error
-from dapple.runtime.metrics import ROW_SQ_NORM, StepProbe, global_norm
+from dapple.runtime.metrics import ROW_SQ_NORM, StepProbe, device_row, global_norm
 from dapple.runtime.optim import ModelUpdate
 from dapple.runtime.parallel.expert import ExpertLoads
 from dapple.runtime.parallel.zero import FlatShards
@@ -167,6 +174,9 @@ class ProgramInterpreter:
         """The last step's tokens per expert and load-balancing loss per MoE layer
         (:meth:`~dapple.runtime.parallel.expert.load.LoadLayout.split`)."""
         self.ex, self.sync, self.guard, self.probe = executor, sync, guard, probe
+        self.late = LateRows(guard.world) if guard.config.on_nonfinite == "off" else None
+        """``on_nonfinite="off"``: the step's rows gathered asynchronously, read a step late
+        (None: the guard's collective, read at the step point)."""
         self.optimizer, self.params, self.update = optimizer, params, update
         self.precision = precision or Precision("fp32", torch.device("cpu"))
         program = schedule.get(rank, [])
@@ -220,7 +230,7 @@ class ProgramInterpreter:
         self._step = -1
 
     # -- one step ------------------------------------------------------------------------------
-    def run_step(self, step: int, inputs: Any, targets: torch.Tensor) -> list[list[float]]:
+    def run_step(self, step: int, inputs: Any, targets: torch.Tensor) -> list[list[float]] | None:
         """Run step ``step`` of the program on this global batch.
 
         Returns:
@@ -228,6 +238,8 @@ class ProgramInterpreter:
             gradient norm part, rank, loss part, peak bytes, peak resident bytes, baseline
             bytes, target tokens]`` (see :meth:`NonFiniteGuard.agree_finite`,
             :data:`dapple.runtime.metrics.ROW_SQ_NORM` and :data:`~dapple.runtime.metrics.ROW_TOKENS`).
+            With ``on_nonfinite="off"`` (:attr:`late`): the previous step's rows (None at the
+            run's first step; the last step's come from :meth:`finish`).
 
         Raises:
             RankFailure: a non-finite loss or gradient stops the run (``on_nonfinite="stop"``;
@@ -241,7 +253,11 @@ class ProgramInterpreter:
             if self.ex is not None:
                 self._compute_part(step, inputs, targets)  # F, B, SEND_*, RECV_*
             self._execute(self._reduce)  # AR, OPT's first part
-            verdict, rows = self._meet(step, inputs, targets)
+            verdict, rows = (
+                (None, self._post(targets))
+                if self.late is not None
+                else self._meet(step, inputs, targets)
+            )
             if verdict is None:
                 self._execute(self._apply)  # OPT's second part
                 if self._joins:
@@ -286,14 +302,7 @@ class ProgramInterpreter:
         """The step point: every rank's verdict, measurements and part of the gradient norm in
         one world collective, read once; the norm's sum stays on the device for clipping."""
         self._at = "the step's collective (non-finite check and metrics, all ranks)"
-        # the loss once per tensor group: its ranks all compute the same one
-        counts = self.ex is not None and getattr(self.ex, "tensor_rank", 0) == 0
-        loss_part = self.ex.loss_sum if counts and self.ex is not None else 0.0
-        peak = float(self.probe.peak_bytes())
-        resident = float(self.probe.resident_peak_bytes())
-        tokens = target_token_count(targets)
-        extra = (loss_part, peak, resident, float(self.probe.baseline_bytes),
-                 -1.0 if tokens is None else tokens)  # fmt: skip
+        extra = self._extra(targets)
         summed = self.loads.vector() if self.loads is not None else None
         verdict, rows, table = self.guard.agree_finite(
             step, extra, grad_sq_norm=self._sq_norm, replay=lambda: self._replay(inputs, targets),
@@ -305,6 +314,54 @@ class ProgramInterpreter:
         if verdict is None:
             self.update.set_norm(self._sq_total(table), global_norm(rows))
         return verdict, rows
+
+    def _post(self, targets: torch.Tensor) -> list[list[float]] | None:
+        """The step point without the guard: the previous step's rows read, this step's posted
+        (no rank waits for another's row)."""
+        assert self.late is not None
+        self._at = "the step's collective (metrics, all ranks, read a step late)"
+        rows = self._take()
+        row = device_row(self.guard.row(self._extra(targets), self._sq_norm), self.guard.device)
+        self.late.post(row, self.loads.vector() if self.loads is not None else None)
+        self.probe.lap()
+        return rows
+
+    def _take(self) -> list[list[float]] | None:
+        """The posted step's rows (None: none pending); its expert loads into
+        :attr:`expert_load`."""
+        assert self.late is not None
+        got = self.late.take()
+        if got is None:
+            return None
+        rows, _, sums = got
+        if self.loads is not None:
+            self.expert_load = self.loads.layout.split(sums)
+        return rows
+
+    def finish(self) -> list[list[float]] | None:
+        """After the run's last step: with ``on_nonfinite="off"`` that step's rows (read now;
+        None when no step ran), else None (every step's rows came with it).
+
+        Raises:
+            RankFailure: a peer failed before joining the last step's collective.
+        """
+        if self.late is None:
+            return None
+        self._at = "the last step's collective (metrics, all ranks)"
+        try:
+            return self._take()
+        except Exception as e:
+            raise self._failure(self._step, e) from e
+
+    def _extra(self, targets: torch.Tensor) -> tuple[float | torch.Tensor, ...]:
+        """This rank's measurements in the step's row: its loss part (once per tensor group:
+        its ranks all compute the same one), peak, resident peak and baseline bytes, and the
+        batch's target tokens (-1: not a token workload)."""
+        counts = self.ex is not None and getattr(self.ex, "tensor_rank", 0) == 0
+        loss_part = self.ex.loss_sum if counts and self.ex is not None else 0.0
+        tokens = target_token_count(targets)
+        return (loss_part, float(self.probe.peak_bytes()), float(self.probe.resident_peak_bytes()),
+                float(self.probe.baseline_bytes), -1.0 if tokens is None else tokens)  # fmt: skip
 
     def _sq_total(self, table: torch.Tensor | None) -> torch.Tensor | None:
         """``||g||_2^2`` on the device, every rank's part summed (the gathered rows' ``table``;

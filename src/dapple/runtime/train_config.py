@@ -172,7 +172,11 @@ class TrainConfig:
     """Start from step 0 in a ``checkpoint_dir`` that holds checkpoints (refused otherwise): they
     are deleted at this run's first save."""
     on_nonfinite: str = "stop"
-    """Non-finite loss or gradient: ``stop`` (exit non-zero, weights untouched) or ``skip`` the step."""
+    """Non-finite loss or gradient: ``stop`` (exit non-zero, weights untouched) or ``skip`` the
+    step; ``off`` drops the guard: no rank waits for the others' verdict before its optimizer
+    step, the step's metrics arrive a step late, and a non-finite step is applied (its loss and
+    gradient norm show it). Refused with fp16 loss scaling and with ``clip_grad_norm`` (both
+    need every rank's part before the update)."""
 
     # -- evaluation and what a run shows (dapple.runtime.evaluate, dapple.runtime.reporting) --
     eval_every: int = 0
@@ -259,8 +263,16 @@ def _check_long_run(c: TrainConfig) -> None:
         raise ValidationError(f"save_every must be >= 0, got {c.save_every}")
     if c.keep is not None and c.keep < 1:
         raise ValidationError(f"keep must be >= 1, got {c.keep}")
-    if c.on_nonfinite not in ("stop", "skip"):
-        raise ValidationError(f"on_nonfinite must be stop or skip, got {c.on_nonfinite!r}")
+    if c.on_nonfinite not in ("stop", "skip", "off"):
+        raise ValidationError(
+            f"on_nonfinite must be stop or skip (or off: no guard), got {c.on_nonfinite!r}"
+        )
+    if c.on_nonfinite == "off" and (c.precision == "fp16" or c.clip_grad_norm is not None):
+        what = "fp16 loss scaling" if c.precision == "fp16" else "clip_grad_norm"
+        raise ValidationError(
+            f"on_nonfinite off cannot go with {what}: it needs every rank's gradients before the "
+            "optimizer step (use stop or skip)"
+        )
     if (c.save_every > 0 or c.resume) and c.checkpoint_dir is None:
         raise ValidationError("save_every and resume need a checkpoint_dir")
     if c.resume and c.overwrite_checkpoints:
