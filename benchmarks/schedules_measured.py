@@ -338,8 +338,8 @@ def main(argv: list[str] | None = None) -> int:
         f"intra-op thread(s) each. All cases run in ONE process group, {args.rounds} rounds x "
         f"{args.steps} steps per case, the round order alternating; the first {skip} step(s) of "
         "each round dropped; ms/step = median over rounds of each round's median. Step time = "
-        "the period between consecutive step ends, steps back to back (dapple: rank 0's period "
-        "between its per-step collectives; torch: slowest rank). dapple / torch = median over "
+        "the slowest rank's period between consecutive step ends, steps back to back (dapple: "
+        "between its `run_step` ends). dapple / torch = median over "
         "rounds of the paired ratio (torch ms / dapple ms in the same round), with its range.",
         "",
         "Simulator: `simulate(plan, profile, cluster)` with `profile_workload(batch_sizes="

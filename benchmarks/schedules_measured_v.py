@@ -186,8 +186,8 @@ def report(
         f"{G}, M = {M} (micro-batch {G // M}), plain SGD lr {LR}, {args.ranks} gloo processes. All "
         f"{2 * len(PAIRS)} cases in ONE process group, {args.rounds} rounds x {args.steps} steps per case, "
         f"the round order alternating, the first {skip} step(s) of each round dropped. Step "
-        "time: the period between consecutive step ends, steps back to back (dapple: rank 0's "
-        "period between its per-step collectives; torch: the slowest rank's). Speed dapple / "
+        "time: the slowest rank's period between consecutive step ends, steps back to back "
+        "(dapple: between its `run_step` ends). Speed dapple / "
         "torch = torch ms / dapple ms in the same round (>= 1.00: dapple at least as fast). "
         f"Measurements took {run_s:.0f} s.",
         "",
