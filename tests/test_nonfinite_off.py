@@ -8,6 +8,7 @@ from __future__ import annotations
 import itertools
 import math
 from functools import partial
+from pathlib import Path
 
 import pytest
 import torch
@@ -151,3 +152,29 @@ def test_off_applies_a_non_finite_step_and_reports_it_at_its_step(
     with pytest.raises(RankFailure, match="workers failed"):
         _verify([plan], wl, steps, "stop")
     assert f"step {NAN_STEP}: non-finite loss" in capfd.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_off_reports_the_guarded_runs_metrics_with_evaluation_and_checkpoints(
+    tmp_path: Path,
+) -> None:
+    """ZB-V over 2 ranks, 3 steps, an evaluation and a checkpoint after every step: without the
+    guard every step's metrics (loss, gradient norm, lr, eval loss, tokens) are the guarded
+    run's - each at its own step, the last one too - and the checkpoints are the same steps."""
+    wl = api.load("dapple.models.hf:gpt2", layers=2, hidden=32, heads=2, vocab=64, seq=16)
+    plan = with_schedule(straight_plan(wl.num_layers, [0, 2], global_batch_size=8,
+                                       num_micro_batches=4), "zbv")  # fmt: skip
+    got = {}
+    for mode in ("stop", "off"):
+        ck = tmp_path / mode
+        metrics = api.train(plan, wl, 3, device="cpu", optimizer="adamw", lr=1e-3,
+                            eval_every=1, eval_batches=1, checkpoint_dir=str(ck), save_every=1,
+                            on_nonfinite=mode)  # fmt: skip
+        got[mode] = [(m.step, m.loss, m.grad_norm, m.lr, m.eval_loss, m.tokens) for m in metrics]
+        got[mode + " saved"] = sorted(p.name for p in ck.iterdir())
+    assert [g[0] for g in got["off"]] == [0, 1, 2]
+    assert all(g[4] is not None and g[2] is not None for g in got["off"])
+    flat = {k: [x for g in got[k] for x in g] for k in ("stop", "off")}
+    assert flat["off"] == pytest.approx(flat["stop"], rel=1e-6)
+    assert got["off saved"] == got["stop saved"] and got["off saved"]

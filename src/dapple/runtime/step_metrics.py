@@ -30,7 +30,8 @@ class StepMetrics:
     step_ms: float
     """Wall time per step: rank 0's time from the previous step's collective to this step's
     (the first step of a run: from its start), where every rank meets (see
-    :mod:`dapple.runtime.engine`)."""
+    :mod:`dapple.runtime.engine`); with ``on_nonfinite="off"`` where rank 0 posts its row,
+    waiting for no other rank (:mod:`dapple.runtime.late_rows`)."""
     samples_per_s: float
     """Global batch over ``step_ms``."""
     peak_memory_bytes: tuple[int, ...]
