@@ -96,3 +96,38 @@ def test_a_batch_of_other_rows_than_g_is_refused_before_any_worker(tmp_path: Pat
     plan = straight_plan(wl.num_layers, [0], global_batch_size=4, num_micro_batches=1)
     with pytest.raises(ValidationError, match=r"make_batch\(4\) returned \[3\] rows, expected 4"):
         train(plan, wl, TrainConfig(steps=2))
+
+
+@pytest.mark.usefixtures("no_workers")
+def test_a_damaged_layer_file_is_refused_before_any_worker(tmp_path: Path) -> None:
+    """The only checkpoint's layer file has one byte changed: its sha256 no longer matches."""
+    _saved(tmp_path, mlp(**BASE))
+    layer = next(tmp_path.glob("step-*/layer-00001.pt"))
+    data = bytearray(layer.read_bytes())
+    data[-1] ^= 0xFF
+    layer.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"layer-00001\.pt.*no older intact checkpoint"):
+        _resume(tmp_path, mlp(**BASE))
+
+
+def test_a_resume_point_is_verified_once_while_its_files_stay(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from dapple.runtime.launch import run_checks
+
+    calls: list[str] = []
+    real = run_checks.find_resume_checkpoint
+
+    def counted(root: str | Path) -> object:
+        calls.append(str(root))
+        return real(root)
+
+    monkeypatch.setattr(run_checks, "find_resume_checkpoint", counted)
+    _saved(tmp_path, mlp(**BASE))
+    first = run_checks.resume_point(tmp_path)
+    assert run_checks.resume_point(tmp_path) is first and len(calls) == 1
+    layer = next(tmp_path.glob("step-*/layer-00001.pt"))
+    layer.write_bytes(layer.read_bytes() + b"x")  # another size: verified again, and refused
+    with pytest.raises(CheckpointError):
+        run_checks.resume_point(tmp_path)
+    assert len(calls) == 2

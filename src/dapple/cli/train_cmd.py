@@ -234,11 +234,11 @@ def _check_resume_point(
     synthetic_seed: int | None,
 ) -> None:
     """:func:`check_long_run` with ``resume``: the checkpoint a run would resume from."""
-    from dapple.runtime.checkpoint import CheckpointError, check_compatible, find_resume_checkpoint
-    from dapple.runtime.launch.run_checks import check_layer_tensors
+    from dapple.runtime.checkpoint import CheckpointError, check_compatible
+    from dapple.runtime.launch.run_checks import check_layer_tensors, resume_point
     from dapple.runtime.longrun import OPTIMIZER_CLASSES
 
-    point = find_resume_checkpoint(checkpoint_dir)
+    point = resume_point(checkpoint_dir)  # verified once: the launcher asks again
     ck = point.checkpoint
     if ck is None:
         what = "no such directory" if not os.path.isdir(checkpoint_dir) else "none there"

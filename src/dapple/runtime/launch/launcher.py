@@ -385,7 +385,7 @@ def train(
     resolved = resolve_workload(workload)
     validate_run(plan, resolved, world, zero_stage=cfg.zero_stage)
     check_mesh_run(plan, resolved, cfg)  # once here, not by every worker after its start-up
-    check_datasets(plan, resolved, cfg, data, eval_data)
+    check_datasets(plan, resolved, cfg, data, eval_data, verify_files=not elastic_attempt)
     check_batches(plan, resolved, cfg, data)
     try:
         payload = pickle.dumps(workload)
