@@ -22,7 +22,9 @@ scorer's answer for its stages (the plan it builds), :func:`pipeline_latency` (e
 :func:`schedule_latency`, the simulated step, and :func:`best_per_schedule` on the plan (each
 variant's plan, predicted and simulated step, per-group memory); :func:`best_schedule` on the
 DAPPLE plan. Then cases the paper clusters do not reach: ZeRO stages, CPU hosts with host terms
-and shared compute, and a profile measured at several sequence lengths.
+and shared compute, and a profile measured at several sequence lengths. Last (``profiles``):
+analytic profiles across models, devices and options, the DAPPLE plan of some of them, and the
+sizes of tiny measured profiles, for refactors of the profilers.
 """
 
 from __future__ import annotations
@@ -255,6 +257,69 @@ def dump_extra() -> dict[str, Any]:
     return out
 
 
+_TIMES = ("forward", "backward", "backward_input", "backward_weight")
+
+
+def _measured_sizes(profile: ModelProfile) -> dict[str, Any]:
+    """A measured profile without its times (they differ run to run): sizes, names, flags."""
+    d: dict[str, Any] = profile.to_dict()
+    for layer in d["layers"]:
+        for k in _TIMES:
+            layer.pop(k, None)
+    for k in ("update_ms_per_parameter_byte", "by_length"):
+        d.pop(k, None)
+    return d
+
+
+def dump_profiles() -> dict[str, Any]:
+    """Analytic profiles (:func:`analytic_profile`, one option varied at a time from each
+    model's base, on every device and precision) with the DAPPLE plan of a few of them, and
+    the sizes of measured tiny zoo profiles (:func:`profile_workload`, one thread)."""
+    from dapple.models.zoo import get_workload
+    from dapple.profiler.analytic import analytic_profile
+    from dapple.profiler.analytic_devices import DEVICES
+    from dapple.profiler.measure import profile_workload
+
+    out: dict[str, Any] = {}
+    models: dict[str, dict[str, Any]] = {
+        "llama3-8b": {"seq_len": 2048},
+        "mixtral-8x7b": {"seq_len": 1024},
+        "transformer": {"overrides": {"layers": 4, "hidden": 64, "heads": 4, "seq": 32}},
+    }
+    variants: list[dict[str, Any]] = [{}, {"fold_ends": True}, {"batch_sizes": (2, 3, 5)}]
+    variants += [{"recompute": r} for r in ("selective", "full")]
+    variants += [{"attention": a} for a in ("flash", "eager", "masked")]
+    variants += [{"kernels": k} for k in ("eager", "fused")]
+    for model, base in models.items():
+        for dev in DEVICES:
+            for prec in ("fp32", "bf16", "fp16", "fp8"):
+                for v in variants:
+                    kw = {**base, **v, "precision": prec}
+                    key = f"analytic/{model}/{dev}/{prec}/{sorted(v.items())}"
+                    try:
+                        out[key] = analytic_profile(model, dev, **kw).to_dict()
+                    except DappleError as e:
+                        out[key] = _err(e)
+    h100 = PRESETS["h100-8x"]
+    clusters = {"h100-8x": h100, "h100-32": dataclasses.replace(h100, servers=4)}
+    for model, base in models.items():
+        profile = analytic_profile(model, "h100", **base)
+        for cname, cluster in clusters.items():
+            for kw in ({}, {"interleave": True}, {"zero_stage": "auto"}, {"zero_stage": 3}):
+                key = f"plan/{model}/{cname}/{sorted(kw.items())}"
+                _, out[key] = _planned(profile, cluster, 64, "dapple", **kw)
+    for name, over in (
+        ("transformer", {"layers": 2, "hidden": 32, "heads": 2, "seq": 8, "vocab": 64}),
+        ("gnmt", {"layers": 4, "hidden": 8, "vocab": 20, "seq": 4}),
+        ("mlp", {}),
+    ):
+        w = get_workload(name, **over)
+        for kw in ({}, {"split_backward": True}, {"precision": "bf16"}):
+            prof = profile_workload(w, [1, 2], warmup=0, repeats=1, num_threads=1, **kw)
+            out[f"measured/{name}/{sorted(kw.items())}"] = _measured_sizes(prof)
+    return out
+
+
 def _walk(a: Any, b: Any, path: str, stats: dict[str, int], diffs: list[str]) -> None:
     if isinstance(a, dict) and isinstance(b, dict):
         for k in sorted(set(a) | set(b)):
@@ -351,7 +416,7 @@ def dump_to_dir(folder: Path, pairs: list[tuple[str, str]], best: bool, extra: b
         (f"{m}@{c}", lambda m=m, c=c: dump_pair(m, c, best)) for m, c in pairs
     ]
     if extra:
-        jobs.append(("extra", dump_extra))
+        jobs += [("extra", dump_extra), ("profiles", dump_profiles)]
     for name, job in jobs:
         path = folder / f"{name}.json"
         if path.exists():
@@ -385,6 +450,7 @@ def main(argv: list[str] | None = None) -> int:
         data: dict[str, Any] = {"paper": dump_paper(pairs, not args.no_best)}
         if not args.no_extra:
             data["extra"] = dump_extra()
+            data["profiles"] = dump_profiles()
         text = json.dumps(data, indent=1, sort_keys=True)
         if args.out:
             args.out.write_text(text)
