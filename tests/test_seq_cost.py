@@ -223,6 +223,20 @@ def test_the_old_seq_len_keyword_of_the_planner_is_refused_naming_mean_seq_len()
     )
 
 
+def test_plan_config_refuses_the_old_field_spellings_naming_the_new_ones() -> None:
+    """``PlanConfig`` (behind ``dapple plan`` and ``api.plan``) refuses ``seq_len=`` and
+    ``interleaved=`` in the one line ``make_plan`` gives, not Python's unexpected keyword."""
+    from dapple.planner.plan_config import PlanConfig
+
+    with pytest.raises(TypeError, match=r"^PlanConfig\(\) takes mean_seq_len= now, not seq_len="):
+        PlanConfig(seq_len=128.0)  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match=r"^PlanConfig\(\) takes interleave= now, not interleaved="):
+        PlanConfig(interleaved=True)  # type: ignore[call-arg]
+    cfg = PlanConfig(mean_seq_len=128.0, interleave=True)
+    assert (cfg.mean_seq_len, cfg.interleave) == (128.0, True)
+    assert dataclasses.replace(cfg, mean_seq_len=64.0).mean_seq_len == 64.0
+
+
 def test_memory_at_the_maximum_decides_what_fits() -> None:
     """A device that holds the kept activations of 128-token samples but not of 1024-token
     ones: the plan for a mean of 128 and a maximum of 1024 must re-compute or hold fewer."""

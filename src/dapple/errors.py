@@ -6,10 +6,18 @@ import functools
 from collections.abc import Callable
 from typing import ParamSpec, TypeVar
 
-__all__ = ["DappleError", "InfeasibleError", "ValidationError", "one_line", "renamed_keywords"]
+__all__ = [
+    "DappleError",
+    "InfeasibleError",
+    "ValidationError",
+    "one_line",
+    "renamed_fields",
+    "renamed_keywords",
+]
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
+_C = TypeVar("_C", bound=type)
 
 
 class DappleError(Exception):
@@ -32,18 +40,33 @@ def one_line(e: BaseException) -> str:
 
 def renamed_keywords(**new_of: str) -> Callable[[Callable[_P, _R]], Callable[_P, _R]]:
     """A decorator refusing a function's old keyword spellings (``old=new`` pairs) with a
-    :class:`TypeError` that names the keyword it is now, before the function runs."""
+    :class:`TypeError` that names the keyword it is now, before the function runs. A class's
+    ``__init__`` is named by its class (``PlanConfig()``)."""
 
     def wrap(fn: Callable[_P, _R]) -> Callable[_P, _R]:
+        name = fn.__qualname__.removesuffix(".__init__")
+
         @functools.wraps(fn)
         def call(*args: _P.args, **kwargs: _P.kwargs) -> _R:
             old = [k for k in kwargs if k in new_of]
             if old:
                 raise TypeError(
-                    f"{fn.__name__}() takes {new_of[old[0]]}= now, not {old[0]}= (same meaning)"
+                    f"{name}() takes {new_of[old[0]]}= now, not {old[0]}= (same meaning)"
                 )
             return fn(*args, **kwargs)
 
         return call
+
+    return wrap
+
+
+def renamed_fields(**new_of: str) -> Callable[[_C], _C]:
+    """A class decorator (above ``@dataclass``): :func:`renamed_keywords` on the class's
+    ``__init__``, so its old field spellings are refused naming the field it has now."""
+
+    def wrap(cls: _C) -> _C:
+        init = cls.__dict__["__init__"]
+        setattr(cls, "__init__", renamed_keywords(**new_of)(init))  # noqa: B010
+        return cls
 
     return wrap

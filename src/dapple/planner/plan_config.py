@@ -28,7 +28,7 @@ from typing import Any
 from dapple.core.config_file import Schema, dump, load
 from dapple.core.planning_options import ZERO_CHOICES, ZeroChoice, zero_choice
 from dapple.core.tensor_layout import TENSOR_WIDTHS
-from dapple.errors import ValidationError
+from dapple.errors import ValidationError, renamed_fields
 from dapple.planner.registry import DEFAULT_PLANNER, get_planner
 
 __all__ = [
@@ -46,6 +46,7 @@ AUTO = "auto"
 """``tensor_widths = "auto"``: the widths :func:`dapple.planner.widths.width_candidates` picks."""
 
 
+@renamed_fields(seq_len="mean_seq_len", interleaved="interleave")
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PlanConfig:
     """How to plan a profiled model on a cluster."""
