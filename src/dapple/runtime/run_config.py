@@ -27,6 +27,12 @@ keyword::
 ``eval_every`` evaluates after the last step. The model is loaded with
 :meth:`RunConfig.model_overrides` (its factory keywords, and ``seq`` from the data's
 ``seq_len``), whose messages name the command line's flags.
+
+A :class:`RunConfig` is a front door's request and contains the runtime's
+:class:`~dapple.runtime.train_config.TrainConfig`; it is a separate class, not more fields of
+:class:`TrainConfig`, because only the front doors read the rest (api and cli: the model is
+built, the plan file read and the data opened before any worker starts), and the runtime gets
+the resolved :class:`TrainConfig` alone.
 """
 
 from __future__ import annotations

@@ -1,6 +1,16 @@
 """What the runtime is asked to do with a plan: :class:`TrainConfig` - steps, seed, the
 optimizer and its options, limits, checkpoints and reporting.
 
+This is the part of a run's request the runtime reads: :func:`dapple.runtime.train`, the
+launcher, the elastic loop and every worker get a :class:`TrainConfig` (beside the plan, the
+built workload and the data, and an elastic run's policy), each value already resolved. The
+request a front door takes (``dapple train``, a run file, :func:`dapple.api.train`) is
+:class:`dapple.runtime.run_config.RunConfig`, which holds one of these beside the model, the plan
+file, the data and the options only a front door resolves (``keep = 0``, an unset
+``eval_batches``, the prediction's profile). The two stay apart because that request names
+files and choices the workers never see, and a :class:`TrainConfig` must not carry values
+still to be resolved.
+
 Torch-free (the CLI reads :data:`LR_SCHEDULES` and :data:`OPTIMIZERS` for its choices); the
 optimizers, the learning-rate schedule and the clipping themselves are in
 :mod:`dapple.runtime.optim`. ``TrainConfig.zero_stage`` takes
@@ -134,7 +144,8 @@ def state_factor(optimizer: str, momentum: float = 0.0) -> float:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TrainConfig:
-    """How to run a plan: steps, seed, optimizer, limits and reporting."""
+    """How the runtime runs a plan: steps, seed, optimizer, limits and reporting, resolved
+    (a front door's request is :class:`~dapple.runtime.run_config.RunConfig`)."""
 
     steps: int = 1
     """Optimizer steps to run."""
