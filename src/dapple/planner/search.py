@@ -80,16 +80,13 @@ from dapple.planner.expert_width import (
     has_experts,
     make_scorer,
     with_and_without_widths,
-    without_expert_widths,
     zero_zero_twin,
 )
-from dapple.planner.grid import GridPoint, grid_candidates
-from dapple.planner.interleaving import best_interleaved, grid_offers, own_offers
 from dapple.planner.partition import block_partition
 from dapple.planner.scorer import Scored, Scorer, StageSpec
+from dapple.planner.search_offers import with_offers
 from dapple.planner.stage_widths import MixedScorer, refine_stage_widths
 from dapple.planner.widths import real_devices, width_candidates
-from dapple.planner.zero_twins import zero_twins
 
 __all__ = [
     "DENSE_MICRO_BATCH_COUNTS",
@@ -213,62 +210,37 @@ def dapple_search(
         cluster: G devices.
         global_batch_size: samples per step.
         max_stages: cap on computation stages (default: no cap but G).
-        states_per_layer: keep only this many best states per layer boundary j (a beam);
-            None keeps every state; -1 (default) picks None for small instances (N x G <= 128),
-            2 beyond 128 devices and 4 otherwise.
-        window: try cut points j' within this distance of the two-stage balance point
-            (:func:`~dapple.planner.cut_search.balanced_cut`); None tries every j'; -1
-            (default) picks None for small instances, 1 beyond 128 devices and 2 otherwise.
-        keep: prefixes kept per state (memoised search keeps 1 in the paper); -1 (default)
-            picks 64 for small instances and 1 otherwise.
-        m_candidates: run the DP for only this many micro-batch counts M, the most promising
-            by their best regular candidate (:func:`_seeds`); None runs every
-            :func:`micro_batch_candidates`; -1 (default) picks None for small instances, else 3.
-            The final plan's M is re-picked among all the candidates.
+        states_per_layer: a beam of this many best states per layer boundary (None: every
+            state). window: new cuts within this many cut points of the two-stage balance
+            point (:func:`~dapple.planner.cut_search.balanced_cut`; None: every cut). keep:
+            prefixes kept per state (1 in the paper's memoised search). m_candidates: the DP
+            runs for this many M, the most promising by their seeds (:func:`_seeds`; None:
+            every :func:`micro_batch_candidates`), and the plan's M is re-picked among all.
+            Each -1 (default) is picked by the instance's size
+            (:func:`~dapple.planner.cut_search.search_limits`).
         cut_limit: the DP cuts only at :func:`cut_points` (at most this many + 1); the
             final cuts are refined layer by layer.
         progress: called as ``progress(done, total)`` after each candidate M.
-        zero_stage: 1: replicated stages shard their optimizer state (ZeRO-1), 2: their
-            gradients too (ZeRO-2), in memory and in AR_s; ``auto``: per stage, where memory
-            asks for it (:class:`~dapple.planner.scorer.Scorer`), and each plan found is
-            also offered with every replicated stage at ZeRO 0-3
-            (:func:`~dapple.planner.zero_twins.zero_twins`); on a profile with MoE layers the
-            width-1 search runs once more with the expert widths at ZeRO 0 only
-            (:func:`~dapple.planner.expert_width.zero_zero_twin`), a second start for the
-            per-stage widths. The plan records each
-            stage's choice (``StagePlan.zero_stage``); 3 (ZeRO-3) re-gathers per
-            micro-batch where memory asks for it (``StagePlan.regather``).
-        tensor_widths: the tensor widths t to search, one search each with every stage of
-            width t (:mod:`dapple.planner.widths`), each plan then refined to per-stage widths
-            t_i among them (:mod:`dapple.planner.stage_widths`, when more than one width is
-            searched and some layer shards); the best plan over them wins (the one from the
-            narrower search on ties). The widths run narrowest first, each search pruned by the
-            best L found before it (only plans below it are kept).
-            None: :func:`~dapple.planner.widths.width_candidates`
-            (1 alone for a profile with no layer that shards).
-        stage_widths: refine each width's plan to per-stage widths (as above); False keeps
-            the uniform-width plans only.
-        grid: also offer the uniform dp x tp x pp grid's plans (:mod:`dapple.planner.grid`,
-            torchtitan's layout) that this search allows (widths among the searched, at most
-            ``max_stages`` device groups, ZeRO-3 under ``zero_stage`` 3 or auto), 1F1B and
-            (with ``interleaved``) interleaved 1F1B at this search's M, so the plan is never
-            slower by L than any of them (than any 1F1B one without ``interleaved``).
-        interleaved: also try interleaved 1F1B (v = 2 chunks per device group): this search's
-            own plans cut into chunks, and the grid's interleaved points (with ``grid``); the
-            fastest that fits is offered (:mod:`dapple.planner.interleaving`). Not on a cluster
-            with host terms (CPU overheads, shared cores): the interleaved step rule does not
-            cost them, so its L would not compare with the DP's. False (default): 1F1B plans
-            only, each with the paper's K_i per stage (``dapple plan --interleave`` sets it).
-
+        zero_stage: 1 (ZeRO-1) or 2 (ZeRO-2): replicated stages shard their optimizer state
+            (and gradients), in memory and in AR_s; 3 (ZeRO-3) also their parameters,
+            re-gathered per micro-batch where memory asks for it (``StagePlan.regather``);
+            ``auto``: per stage where memory asks for it
+            (:class:`~dapple.planner.scorer.Scorer`), with the offers of :func:`with_offers`. The
+            plan records each stage's choice (``StagePlan.zero_stage``).
+        tensor_widths: the tensor widths t to search (:func:`_search_widths`); None:
+            :func:`~dapple.planner.widths.width_candidates` (1 alone for a profile with no
+            layer that shards).
+        stage_widths: refine each width's plan to per-stage widths t_i (:func:`_search_widths`);
+            False keeps the uniform-width plans only.
+        grid: also offer the uniform dp x tp x pp grid's plans inside this search's space
+            (torchtitan's layout, :func:`with_offers`), so the plan is never slower by L than any
+            of them.
+        interleaved: also offer interleaved 1F1B (v = 2 chunks per device group,
+            :func:`with_offers`); False (default): 1F1B plans only, each with the paper's K_i per
+            stage (``dapple plan --interleave`` sets it).
         experts: True: offer each stage of MoE layers an expert-parallel width e_s
             (:mod:`dapple.planner.expert_width`); False: every replica holds all its experts;
-            None (default): on a profile with MoE layers the search runs both ways
-            (``progress`` reports the first only) and keeps the plan of lower L
-            (:func:`~dapple.planner.expert_width.with_and_without_widths`: a search that
-            prunes is not monotone in its options). The second search, without widths, is
-            bounded: only plans below the first's L count (``below_ms``, pruning as a narrower
-            width's L does), and its DP runs for :data:`SECOND_PASS_M` M unless
-            ``m_candidates`` is given.
+            None (default): on a profile with MoE layers both (:func:`_both_expert_ways`).
         below_ms: return only a plan of L below this (InfeasibleError when none is). It starts
             the search's incumbent, as a narrower width's L does, only where no per-stage
             widths follow: a uniform plan above it may refine to one below it.
@@ -277,27 +249,12 @@ def dapple_search(
         InfeasibleError: no plan fits device memory for any M.
     """
     if experts is None and has_experts(profile):
-        return with_and_without_widths(
-            lambda ep, below: dapple_search(
-                profile,
-                cluster,
-                global_batch_size,
-                max_stages=max_stages,
-                states_per_layer=states_per_layer,
-                window=window,
-                keep=keep,
-                m_candidates=m_candidates if ep or m_candidates != -1 else SECOND_PASS_M,
-                cut_limit=cut_limit,
-                progress=progress if ep else None,
-                zero_stage=zero_stage,
-                tensor_widths=tensor_widths,
-                stage_widths=stage_widths,
-                grid=grid,
-                interleaved=interleaved,
-                experts=ep,
-                below_ms=below,
-            )
-        )
+        search = partial(dapple_search, profile, cluster, global_batch_size,
+                         max_stages=max_stages, states_per_layer=states_per_layer,
+                         window=window, keep=keep, cut_limit=cut_limit, zero_stage=zero_stage,
+                         tensor_widths=tensor_widths, stage_widths=stage_widths, grid=grid,
+                         interleaved=interleaved)  # fmt: skip
+        return _both_expert_ways(search, m_candidates, progress)
     widths = width_candidates(profile, cluster) if tensor_widths is None else list(tensor_widths)
     usable = usable_devices(profile.num_layers, global_batch_size, widths, max_stages)
     cluster = usable_cluster(cluster, usable)  # idle devices do not enlarge the search
@@ -308,6 +265,60 @@ def dapple_search(
         )
         for t in widths
     }
+    limits = partial(search_limits, max_stages=max_stages, states_per_layer=states_per_layer,
+                     window=window, keep=keep, m_candidates=m_candidates)  # fmt: skip
+    found = _search_widths(profile, global_batch_size, widths, scorers, Ms, limits, cut_limit,
+                           stage_widths, below_ms, progress)  # fmt: skip
+    found = with_offers(found, profile, cluster, global_batch_size, widths, scorers, Ms,
+                        zero_stage=zero_stage, max_stages=max_stages, grid=grid,
+                        interleaved=interleaved)  # fmt: skip
+    found = [x for x in found if x[0] < below_ms]
+    if not found:
+        raise InfeasibleError(infeasible_message(profile, cluster, global_batch_size))
+    return min(found, key=lambda x: (x[0], x[1]))[2]
+
+
+def _both_expert_ways(
+    search: Callable[..., Plan], m_candidates: int | None, progress: Progress | None
+) -> Plan:
+    """On a profile with MoE layers: the search run with the expert widths offered and without
+    (``progress`` reports the first only), keeping the plan of lower L
+    (:func:`~dapple.planner.expert_width.with_and_without_widths`: a search that prunes is not
+    monotone in its options). The second search is bounded: only plans below the first's L
+    count (``below_ms``, pruning as a narrower width's L does), and its DP runs for
+    :data:`SECOND_PASS_M` M unless ``m_candidates`` is given."""
+    return with_and_without_widths(
+        lambda ep, below: search(
+            m_candidates=m_candidates if ep or m_candidates != -1 else SECOND_PASS_M,
+            progress=progress if ep else None,
+            experts=ep,
+            below_ms=below,
+        )
+    )
+
+
+def _search_widths(
+    profile: ModelProfile,
+    global_batch_size: int,
+    widths: Sequence[int],
+    scorers: Mapping[int, Scorer],
+    Ms: Sequence[int],
+    limits: Callable[..., SearchLimits],
+    cut_limit: int,
+    stage_widths: bool,
+    below_ms: float,
+    progress: Progress | None,
+) -> list[tuple[float, int, Plan]]:
+    """The DP's plans, ``(L, t, plan)``: one search per tensor width t of ``widths`` (its scorer
+    in ``scorers``), every stage of width t, in the order of ``widths``, each pruned by the
+    least L of the searches before it (only plans below it are kept; by ``below_ms`` too where
+    no per-stage widths follow). Each width's plan is then refined to per-stage widths t_i
+    among them (:mod:`dapple.planner.stage_widths`) with ``stage_widths``, when more than one
+    width is searched and some layer shards. On a profile with MoE layers a width is searched
+    once more with the expert widths at ZeRO 0 only
+    (:func:`~dapple.planner.expert_width.zero_zero_twin`), a second start for the per-stage
+    widths. ``limits``: :func:`~dapple.planner.cut_search.search_limits` given N, G and the
+    devices of a width's groups."""
     shards = any(x.tensor_parallel for x in profile.layers)
     mixed = MixedScorer(scorers) if stage_widths and len(scorers) > 1 and shards else None
     found: list[tuple[float, int, Plan]] = []
@@ -316,10 +327,7 @@ def dapple_search(
     uniform = below_ms if mixed is None else math.inf
     for i, t in enumerate(widths):
         sc = scorers[t]
-        limits = search_limits(
-            sc.N, sc.G, max_stages, states_per_layer, window, keep, m_candidates, sc.G * t
-        )
-        limits = dataclasses.replace(limits, drop_unfit=t > 1)
+        width_limits = dataclasses.replace(limits(sc.N, sc.G, devices=sc.G * t), drop_unfit=t > 1)
         step = None if progress is None else partial(_width_progress, progress, i, len(widths))
         twin = zero_zero_twin(sc)  # EP widths at ZeRO 0 only: another start for stage_widths
         passes = [(sc, mixed, step)]
@@ -330,27 +338,14 @@ def dapple_search(
             # pruned by the narrower widths' uniform plans, not by their per-stage refinements:
             # a width-t plan above those may still refine to the best (stage_widths is local)
             best = Incumbent(start)
-            _search_width(one, Ms, global_batch_size, limits, best, cut_limit, report)
+            _search_width(one, Ms, global_batch_size, width_limits, best, cut_limit, report)
             if best.scored is not None:
                 stages, M, scored = _refine(one, best.stages, best.M, best.scored, Ms)
                 uniform = min(uniform, scored.L_ms)
                 found.append((scored.L_ms, t, one.build_plan("dapple", stages, M, scored)))
                 if mix is not None:
                     found += _stage_widths(mix, t, stages, M, scored, Ms)
-    if zero_stage == "auto" and not has_experts(profile):  # twins are scored without EP widths
-        found += zero_twins(found, profile, cluster, global_batch_size)
-    own = [(t, without_expert_widths(plan)) for _, t, plan in found]  # EP runs under 1F1B only
-    accept = _grid_filter(zero_stage, widths, max_stages) if grid else None
-    if accept is not None and zero_stage not in (1, 2):  # the grid has no ZeRO-1/2 points
-        found += _grid_offers(profile, cluster, global_batch_size, Ms, accept, zero_stage)
-    if interleaved and not has_host_terms(cluster):  # the step rule has no CPU-host pass
-        found += _interleaved_offers(
-            scorers, own, accept, Ms, min((x[0] for x in found), default=math.inf)
-        )
-    found = [x for x in found if x[0] < below_ms]
-    if not found:
-        raise InfeasibleError(infeasible_message(profile, cluster, global_batch_size))
-    return min(found, key=lambda x: (x[0], x[1]))[2]
+    return found
 
 
 def _width_progress(progress: Progress, i: int, widths: int, done: int, total: int) -> None:
@@ -378,75 +373,6 @@ def _search_width(
         if progress is not None:
             progress(done, len(ranked))
     log.debug("dapple search, width %d: %d candidates scored", sc.tensor_width, sc.evaluations)
-
-
-def _grid_offers(
-    profile: ModelProfile,
-    cluster: Cluster,
-    global_batch_size: int,
-    Ms: Sequence[int],
-    accept: Callable[[GridPoint], bool],
-    zero_stage: ZeroChoice = 0,
-) -> list[tuple[float, int, Plan]]:
-    """The feasible 1F1B points of the uniform grid (:mod:`dapple.planner.grid`) at this
-    search's M (``Ms``) that ``accept`` takes (:func:`_grid_filter`); the interleaved ones are
-    :func:`_interleaved_offers`. Under ``zero_stage`` auto an FSDP point is offered where its
-    DDP twin does not fit or is slower by L: the search's own stages shard only where memory
-    asks for it (:func:`~dapple.planner.stage_options.pick_zero_mode`), so the grid point whose
-    shards' 1/r_s update lowers L comes in as a whole plan."""
-    cands = grid_candidates(
-        profile, cluster, global_batch_size, interleaved=False, micro_batches=Ms
-    )
-    ddp_L = {c.point: c.L_ms for c in cands if c.fits and not c.point.parallel.shards_params}
-
-    def offered(p: GridPoint, L_ms: float) -> bool:
-        twin = ddp_L.get(dataclasses.replace(p, zero_stage=0), math.inf)
-        return accept(p) and not (
-            zero_stage == "auto" and p.parallel.shards_params and twin <= L_ms
-        )
-
-    return [
-        (c.L_ms, c.point.tp, dataclasses.replace(c.plan, planner="dapple"))
-        for c in cands
-        if c.fits and offered(c.point, c.L_ms)
-    ]
-
-
-def _grid_filter(
-    zero_stage: ZeroChoice, widths: Sequence[int], max_stages: int | None
-) -> Callable[[GridPoint], bool]:
-    """Whether a grid point is inside this search's space: its width among ``widths``, at most
-    ``max_stages`` device groups (pp; an interleaved point's pp x v virtual stages run on pp
-    groups), ZeRO-3 only when ``zero_stage`` allows it (3 or auto) and nothing under ZeRO-1/2
-    (the grid has no ZeRO-1/2 points)."""
-
-    def accept(p: GridPoint) -> bool:
-        if zero_stage in (1, 2) or p.tp not in widths:
-            return False
-        if max_stages is not None and p.pp > max_stages:
-            return False
-        return not p.parallel.shards_params or zero_stage in (3, "auto")
-
-    return accept
-
-
-def _interleaved_offers(
-    scorers: Mapping[int, Scorer],
-    own: Sequence[tuple[int, Plan]],
-    accept: Callable[[GridPoint], bool] | None,
-    Ms: Sequence[int],
-    below_ms: float,
-) -> list[tuple[float, int, Plan]]:
-    """The interleaved 1F1B plan of least L below ``below_ms`` that fits, if any
-    (:mod:`dapple.planner.interleaving`): the search's ``own`` plans interleaved, and the grid's
-    interleaved points that ``accept`` takes (none when None), at this search's M (``Ms``)."""
-    sc = next(iter(scorers.values()))
-    profile, cluster, B = sc.profile, sc.real_cluster, sc.global_batch_size
-    offers = own_offers(own, profile, list(scorers), Ms)
-    if accept is not None:
-        offers += grid_offers(profile, cluster, B, list(scorers), Ms, accept)
-    got = best_interleaved(offers, scorers, profile, cluster, below_ms)
-    return [] if got is None else [got]
 
 
 def _stage_widths(

@@ -174,59 +174,20 @@ def analytic_profile(
         raise ValidationError(
             f"precision must be one of {', '.join(ANALYTIC_PRECISIONS)}, got {precision!r}"
         )
-    if kernels is None and efficiency is None and (precision, dev.default_kernels) in FITTED:
-        kernels = dev.default_kernels
-    if efficiency is not None:
-        eff = efficiency
-    elif kernels is not None:
-        eff = fitted_efficiency(dev, precision, kernels)
-    else:
-        eff = dev.efficiency_for(precision)
-    sizes = sorted(set(batch_sizes))
-    if not sizes or sizes[0] < 1:
-        raise ValidationError(f"batch_sizes must be positive integers, got {list(batch_sizes)}")
-    if sizes[-1] > MAX_BATCH_SIZE:
-        raise ValidationError(
-            f"batch size {sizes[-1]:,} exceeds the analytic profiler's limit of "
-            f"{MAX_BATCH_SIZE:,} samples per device"
-        )
+    kernels, eff = _efficiency(dev, precision, kernels, efficiency)
+    sizes = _batch_sizes(batch_sizes)
     prec = precision_of(precision)
     eager = kernels == "eager" and prec.autocast
     if eager and attention is None:
         attention = "masked"  # dapple's traced HF models: SDPA given the causal mask
-    costs = layer_costs(
+    costs = _tied_once(layer_costs(
         spec, precision, attention=attention, recompute=recompute, fold_ends=fold_ends,
         autocast=eager,
-    )  # fmt: skip
+    ))  # fmt: skip
     holders = [i for i, c in enumerate(costs) if c.tied_parameters]
-    if len(holders) == 1:  # both copies of the tied table in one layer: one parameter
-        c = costs[holders[0]]
-        costs[holders[0]] = dataclasses.replace(
-            c, parameters=c.parameters - c.tied_parameters // 2, tied_parameters=0
-        )
-    layers = []
-    for i, c in enumerate(costs):
-        times = [layer_time_ms(c, b, dev, precision, eff) for b in sizes]
-        moe = moe_record(  # its router's and experts' shares at the largest batch size
-            c, spec, prec.element_bytes,
-            lambda op, fwd: _op_ms(op, sizes[-1], dev, precision, eff, fwd),
-        )  # fmt: skip
-        layers.append(
-            LayerProfile(
-                name=c.name,
-                forward=fit_affine(sizes, [t[0] for t in times]),
-                backward=fit_affine(sizes, [t[1] for t in times]),
-                output_bytes_per_sample=c.output_bytes_per_sample,
-                parameter_bytes=4 * c.parameters,
-                kept_activation_bytes_per_sample=c.kept_bytes_per_sample,
-                tied_parameter_bytes=4 * c.tied_parameters,
-                tied_layers=tuple(j for j in holders if j != i) if c.tied_parameters else (),
-                tensor_parallel=c.name.startswith("block"),
-                moe=moe,
-            )
-        )
-    cast = prec.element_bytes if prec.autocast else 0.0
-    update = (_ADAM_BYTES_PER_PARAMETER + cast) / 4 / (eff.memory * dev.hbm_bytes_per_s) * 1e3
+    layers = [
+        _layer_profile(c, i, holders, spec, sizes, dev, precision, eff) for i, c in enumerate(costs)
+    ]
     return ModelProfile(
         model_name=spec.name,
         layers=tuple(layers),
@@ -235,7 +196,91 @@ def analytic_profile(
         device=f"{dev.label} (analytic, {precision}{f', {kernels} kernels' if kernels else ''})",
         batch_sizes=tuple(sizes),
         optimizer_state_factor=3.0,
-        update_ms_per_parameter_byte=update,
+        update_ms_per_parameter_byte=_update_ms_per_byte(dev, precision, eff),
         precision=prec.tensor_precision.value,
         seq_len=spec.seq,
     )
+
+
+def _efficiency(
+    dev: DeviceSpec, precision: str, kernels: str | None, efficiency: Efficiency | None
+) -> tuple[str | None, Efficiency]:
+    """The kernel setting and the roofline's efficiencies :func:`analytic_profile` times with:
+    ``efficiency`` when given; else those fitted for ``kernels`` (None: the device's
+    ``default_kernels`` where fitted for ``precision``); else the device's for ``precision``."""
+    if kernels is None and efficiency is None and (precision, dev.default_kernels) in FITTED:
+        kernels = dev.default_kernels
+    if efficiency is not None:
+        return kernels, efficiency
+    if kernels is not None:
+        return kernels, fitted_efficiency(dev, precision, kernels)
+    return kernels, dev.efficiency_for(precision)
+
+
+def _batch_sizes(batch_sizes: Sequence[int]) -> list[int]:
+    """The distinct batch sizes, sorted, each from 1 to :data:`MAX_BATCH_SIZE`.
+
+    Raises:
+        ValidationError: none, one below 1 or one past the limit.
+    """
+    sizes = sorted(set(batch_sizes))
+    if not sizes or sizes[0] < 1:
+        raise ValidationError(f"batch_sizes must be positive integers, got {list(batch_sizes)}")
+    if sizes[-1] > MAX_BATCH_SIZE:
+        raise ValidationError(
+            f"batch size {sizes[-1]:,} exceeds the analytic profiler's limit of "
+            f"{MAX_BATCH_SIZE:,} samples per device"
+        )
+    return sizes
+
+
+def _tied_once(costs: list[LayerCost]) -> list[LayerCost]:
+    """``costs`` with a tied table held by one layer alone (both copies in it: the embedding
+    and the head folded together) counted once in its parameters, and no longer tied."""
+    holders = [i for i, c in enumerate(costs) if c.tied_parameters]
+    if len(holders) == 1:
+        c = costs[holders[0]]
+        costs[holders[0]] = dataclasses.replace(
+            c, parameters=c.parameters - c.tied_parameters // 2, tied_parameters=0
+        )
+    return costs
+
+
+def _layer_profile(
+    c: LayerCost,
+    i: int,
+    holders: Sequence[int],
+    spec: TransformerSpec,
+    sizes: Sequence[int],
+    dev: DeviceSpec,
+    precision: str,
+    eff: Efficiency,
+) -> LayerProfile:
+    """Layer ``i``'s profile: its roofline times at each batch size fitted affine, its sizes
+    (parameters in fp32 bytes), the other layers holding its tied table (``holders``), and its
+    mixture of experts' record (:func:`moe_record`, shares at the largest batch size)."""
+    times = [layer_time_ms(c, b, dev, precision, eff) for b in sizes]
+    moe = moe_record(
+        c, spec, precision_of(precision).element_bytes,
+        lambda op, fwd: _op_ms(op, sizes[-1], dev, precision, eff, fwd),
+    )  # fmt: skip
+    return LayerProfile(
+        name=c.name,
+        forward=fit_affine(sizes, [t[0] for t in times]),
+        backward=fit_affine(sizes, [t[1] for t in times]),
+        output_bytes_per_sample=c.output_bytes_per_sample,
+        parameter_bytes=4 * c.parameters,
+        kept_activation_bytes_per_sample=c.kept_bytes_per_sample,
+        tied_parameter_bytes=4 * c.tied_parameters,
+        tied_layers=tuple(j for j in holders if j != i) if c.tied_parameters else (),
+        tensor_parallel=c.name.startswith("block"),
+        moe=moe,
+    )
+
+
+def _update_ms_per_byte(dev: DeviceSpec, precision: str, eff: Efficiency) -> float:
+    """U per fp32 parameter byte: AdamW's bytes per parameter (:data:`_ADAM_BYTES_PER_PARAMETER`,
+    plus the 16-bit copy under autocast) moved at the memory efficiency."""
+    prec = precision_of(precision)
+    cast = prec.element_bytes if prec.autocast else 0.0
+    return (_ADAM_BYTES_PER_PARAMETER + cast) / 4 / (eff.memory * dev.hbm_bytes_per_s) * 1e3

@@ -33,6 +33,7 @@ from dapple.core.profile import ModelProfile
 from dapple.core.tensor_layout import TENSOR_WIDTHS
 from dapple.errors import ValidationError
 from dapple.models.fingerprint import model_fingerprint
+from dapple.models.shapes import DimsMap
 from dapple.models.tp_plan import cut_by, hf_tensor_widths, tp_plan_of
 from dapple.models.workload import Workload
 from dapple.profiler.co_workers import CoWorkers
@@ -168,11 +169,7 @@ def profile_workload(
             lengths on a model without a dynamic dimension or outside its range.
     """
     sizes, dev = _check_options(batch_sizes, warmup, repeats, device, precision, num_threads,
-                                co_workers)  # fmt: skip
-    if not isinstance(passes, int) or isinstance(passes, bool) or passes < 1:
-        raise ValidationError(f"passes must be an integer >= 1, got {passes!r}")
-    if passes > 1 and seq_lens is not None:
-        raise ValidationError("profile passes > 1 take one length; give passes=1 with seq_lens")
+                                co_workers, passes, seq_lens)  # fmt: skip
     lens = sorted(set(seq_lens)) if seq_lens is not None else None
     dims = check_seq_lens(workload, lens, sizes[0], seed) if lens is not None else {}
     shared = co_workers > 1 and dev.type == "cpu"
@@ -188,13 +185,7 @@ def profile_workload(
         for k in range(passes if shared else 1):
             load = CoWorkers(workload, co_workers - 1, mid, seed, cast) if shared else None
             try:
-                if lens is None:
-                    taken.append(run(workload, progress=progress))
-                else:
-                    taken.append(combine_lengths([
-                        (L, run(workload_at_length(workload, dims, L), progress=step))
-                        for L, step in length_passes(progress, lens)
-                    ]))  # fmt: skip
+                taken.append(_one_pass(run, workload, lens, dims, progress))
             finally:
                 if load is not None:
                     load.stop()
@@ -207,6 +198,23 @@ def profile_workload(
     return dataclasses.replace(
         prof, model_fingerprint=model_fingerprint(workload), tensor_widths=_tensor_widths(workload)
     )
+
+
+def _one_pass(
+    run: Callable[..., ModelProfile],
+    workload: Workload,
+    lens: list[int] | None,
+    dims: DimsMap,
+    progress: ProgressFn | None,
+) -> ModelProfile:
+    """One pass over the chain with ``run`` (:func:`_profile`): on the workload's own batches,
+    or at each length of ``lens`` (its dynamic dimensions ``dims``) combined into one profile."""
+    if lens is None:
+        return run(workload, progress=progress)
+    return combine_lengths([
+        (L, run(workload_at_length(workload, dims, L), progress=step))
+        for L, step in length_passes(progress, lens)
+    ])  # fmt: skip
 
 
 def _layer_key(b: int) -> Callable[[LayerProfile], float]:
@@ -251,6 +259,8 @@ def _check_options(
     precision: str,
     num_threads: int | None,
     co_workers: int,
+    passes: int,
+    seq_lens: Sequence[int] | None,
 ) -> tuple[list[int], torch.device]:
     """:func:`profile_workload`'s options checked, in this order: the distinct batch sizes,
     sorted, and the device.
@@ -258,7 +268,8 @@ def _check_options(
     Raises:
         ValidationError: batch sizes that are not positive integers, ``repeats < 1`` or
             ``warmup < 0``, a bad device or precision (or CUDA unavailable), ``num_threads <
-            1`` or ``co_workers`` not an integer >= 1.
+            1``, ``co_workers`` or ``passes`` not an integer >= 1, or ``passes > 1`` with
+            ``seq_lens``.
     """
     sizes = sorted(set(batch_sizes))
     if not sizes or any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in sizes):
@@ -271,6 +282,10 @@ def _check_options(
         raise ValidationError(f"num_threads must be >= 1, got {num_threads}")
     if not isinstance(co_workers, int) or co_workers < 1:
         raise ValidationError(f"co_workers must be an integer >= 1, got {co_workers!r}")
+    if not isinstance(passes, int) or isinstance(passes, bool) or passes < 1:
+        raise ValidationError(f"passes must be an integer >= 1, got {passes!r}")
+    if passes > 1 and seq_lens is not None:
+        raise ValidationError("profile passes > 1 take one length; give passes=1 with seq_lens")
     return sizes, dev
 
 
