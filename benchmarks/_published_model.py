@@ -34,6 +34,7 @@ from _published_ac import TORCHTITAN_POLICIES, apply_policy
 from dapple.core.cluster import GIB, Cluster
 from dapple.core.plan import Plan, StagePlan, interleave
 from dapple.core.profile import ModelProfile
+from dapple.core.recompute import Recompute
 from dapple.cost import schedule_latency
 from dapple.cost.overlap import FRAMEWORKS, NO_OVERLAP, CommOverlap
 from dapple.profiler.analytic import analytic_profile
@@ -296,11 +297,12 @@ def plan_for(run: dict[str, Any], prof: ModelProfile, cluster: Cluster) -> Plan:
     zero = 3 if p["fsdp"] > 1 else 1 if p.get("distributed_optimizer") and r > 1 else 0
     schedule = "gpipe" if p["schedule"] == "gpipe" else "dapple"
 
+    rc = Recompute.FULL if p["checkpoint"] == "stage" else Recompute.NONE
+
     def make(cuts: list[int]) -> Plan:
         stages = tuple(
             StagePlan(layers=(cuts[g], cuts[g + 1]), devices=tuple(range(g * n, (g + 1) * n)),
-                      recompute=p["checkpoint"] == "stage", zero_stage=zero, tensor_width=t,
-                      regather=zero == 3 and S == 1)
+                      recompute=rc, zero_stage=zero, tensor_width=t, regather=zero == 3 and S == 1)
             for g in range(S)
         )  # fmt: skip
         plan = Plan(planner="published", global_batch_size=b * M, micro_batch_size=b,
@@ -335,7 +337,7 @@ def describe(plan: Plan) -> str:
     width = "" if ts == [1] else " t=" + "/".join(map(str, ts))
     zs = sorted({st.zero_stage + (0.5 if st.regather else 0) for st in groups})
     zero = "".join(f" ZeRO-{int(z)}{'+regather' if z % 1 else ''}" for z in zs if z)
-    rc = sum(st.recompute for st in groups)
+    rc = sum(bool(st.recompute) for st in groups)
     recompute = "" if not rc else " RC" if rc == len(groups) else f" RC {rc}/{len(groups)}"
     v = f" v={plan.virtual_stages}" if plan.virtual_stages > 1 else ""
     return (f"{rep}{width} ({cuts}) b={plan.micro_batch_size} M={plan.num_micro_batches} "

@@ -145,7 +145,8 @@ def two_stage(n_layers: int, cut: int, M: int, schedule: str, rc: bool, b: int =
         n_layers, [0, cut], global_batch_size=b * M, num_micro_batches=M, schedule=schedule
     )
     return dataclasses.replace(
-        p, stages=tuple(dataclasses.replace(s, recompute=rc) for s in p.stages)
+        p,
+        stages=tuple(dataclasses.replace(s, recompute="full" if rc else "none") for s in p.stages),
     )
 
 

@@ -46,7 +46,7 @@ NON_DEFAULT: dict[str, Any] = {
     "eval_path": "val.bin", "seq_len": 64, "documents": "pack",
     # [train]
     "steps": 7, "seed": 3, "device": "cpu", "precision": "bf16", "timeout_s": 42.5,
-    "recompute": True, "on_nonfinite": "skip",
+    "recompute": "full", "on_nonfinite": "skip",
     # [optimizer]
     "optimizer": "adamw", "lr": 0.003, "weight_decay": 0.1, "momentum": 0.9,
     "betas": (0.8, 0.95), "eps": 1e-6, "lr_schedule": "cosine", "warmup_steps": 2,
@@ -208,7 +208,7 @@ BAD = {
     "unknown section": ("[optimiser]\nlr = 0.1\n", "unknown section [optimiser]; did you mean [optimizer]?"),
     "outside": ("lr = 0.1\n", "key 'lr' is outside any section; put it under one of [model]"),
     "str for float": ('[optimizer]\nlr = "fast"\n', '[optimizer] lr = "fast": expected float, got str'),
-    "int for bool": ("[train]\nrecompute = 1\n", "[train] recompute = 1: expected bool, got int"),
+    "int for bool": ("[checkpoint]\nresume = 1\n", "[checkpoint] resume = 1: expected bool, got int"),
     "bool for int": ("[train]\nsteps = true\n", "[train] steps = true: expected int, got bool"),
     "float for int": ("[train]\nsteps = 2.5\n", "[train] steps = 2.5: expected int, got float"),
     "short array": ("[optimizer]\nbetas = [0.9]\n",

@@ -299,7 +299,7 @@ EVERY_RUN_OPTION = {
     "steps": 3, "seed": 5, "optimizer": "adamw", "lr": 0.002, "weight_decay": 0.1,
     "betas": (0.8, 0.99), "eps": 1e-6, "lr_schedule": "cosine", "warmup_steps": 1,
     "min_lr": 0.0001, "clip_grad_norm": 1.5, "zero_stage": 1, "device": "cpu",
-    "timeout_s": 60.0, "precision": "bf16", "recompute": True, "on_nonfinite": "skip",
+    "timeout_s": 60.0, "precision": "bf16", "recompute": "full", "on_nonfinite": "skip",
     "save_every": 2, "keep": 2, "eval_every": 1, "eval_batches": 2, "eval_batch_size": 2,
 }  # fmt: skip
 """A value other than the default for every option the runtime gets (besides the paths)."""
@@ -480,7 +480,7 @@ def test_verify_runs_with_the_verify_fields_only() -> None:
     from dapple.runtime.run_config import resolve_verify_config
 
     others = {"checkpoint_dir": "ck", "save_every": 2, "metrics_path": "m.jsonl",
-              "eval_every": 1, "recompute": True, "echo": True}  # fmt: skip
+              "eval_every": 1, "recompute": "full", "echo": True}  # fmt: skip
     got = resolve_verify_config(TrainConfig(**EVERY_VERIFY_OPTION, **others))
     assert got == TrainConfig(**EVERY_VERIFY_OPTION)
 

@@ -88,7 +88,7 @@ def test_memory_terms() -> None:
     assert parameter_state_bytes(p, (0, 2)) == 2000 * 4 + 1000
     st = StagePlan(layers=(0, 2), devices=(0, 1))
     assert held_activation_bytes(p, st, 3) == 600.0
-    rec = dataclasses.replace(st, recompute=True)
+    rec = dataclasses.replace(st, recompute="full")
     assert held_activation_bytes(p, rec, 3) == 15.0  # only the stage input (model input here)
     # b = 6 over 2 replicas: slices of 3; K = 2 in flight of M = 3 (dapple.cost.peak_memory).
     # Always held: parameters, the AllReduce buffers and two moments, 8000 B (the gradients

@@ -98,7 +98,7 @@ def test_the_busiest_expert_slows_the_sharded_stage() -> None:
 
 
 def test_recomputation_repeats_the_forward_all_to_alls() -> None:
-    terms = stage_terms(_plan(2, recompute=True), _profile(), CLUSTER).stages[0].terms
+    terms = stage_terms(_plan(2, recompute="full"), _profile(), CLUSTER).stages[0].terms
     assert terms.backward_ms == pytest.approx(2 * (8.0 + 4.04))
 
 

@@ -51,7 +51,7 @@ def test_every_family_trains_like_one_process_with_dropout_on(tmp_path: Path) ->
         if family == "gpt2":
             cases.append(("gpt2 1:2:1 zbh1", _uneven(wl.num_layers, "1:2:1", schedule="zbh1"), wl))
             plan = _uneven(wl.num_layers, "1:2:1")
-            stages = tuple(dataclasses.replace(s, recompute=True) for s in plan.stages)
+            stages = tuple(dataclasses.replace(s, recompute="full") for s in plan.stages)
             cases.append(("gpt2 1:2:1 recompute", dataclasses.replace(plan, stages=stages), wl))
     pairs = [(plan, wl) for _, plan, wl in cases]
     cfg = TrainConfig(steps=2, optimizer="adamw", lr=1e-3, device="cpu", timeout_s=120.0)

@@ -142,7 +142,7 @@ def worker(rank: int, world: int, out_dir: str) -> None:
     fp32_default = run(p31, steps=2)
     fp32 = run(p31, steps=2, precision="fp32")
     bf16 = run(p31, steps=2, precision="bf16")
-    bf16_rc = run(p31, steps=2, precision="bf16", recompute=True)
+    bf16_rc = run(p31, steps=2, precision="bf16", recompute="full")
 
     def fp32_unchanged():
         for a, b in zip(_params(fp32.module), _params(fp32_default.module), strict=True):

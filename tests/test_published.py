@@ -204,7 +204,7 @@ def test_differences_names_what_changed() -> None:
     b = plan(
         (
             StagePlan(layers=(0, 2), devices=(0, 1)),
-            StagePlan(layers=(2, 4), devices=(2, 3), recompute=True),
+            StagePlan(layers=(2, 4), devices=(2, 3), recompute="full"),
         ),
         2,
         16,

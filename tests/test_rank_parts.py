@@ -11,6 +11,7 @@ from torch import nn
 
 import runtime_workloads as rw
 from dapple.core.plan import interleave, straight_plan
+from dapple.core.recompute import Recompute
 from dapple.errors import ValidationError
 from dapple.models.shapes import input_shapes
 from dapple.models.workload import Workload
@@ -124,16 +125,16 @@ def test_executor_factory_makes_one_executor_per_chunk_and_none_off_the_plan() -
     plan = straight_plan(4, [0, 2], global_batch_size=4, num_micro_batches=2, replicas=[1, 1])
     specs = [BoundarySpec.of(torch.zeros(1, rw.HID))]  # stage 0's output
 
-    def factory(rank: int, recompute: bool) -> ExecutorFactory:
+    def factory(rank: int, recompute: Recompute | None) -> ExecutorFactory:
         layers = build_layers(plan, wl, 0, CPU, rank)
         return ExecutorFactory(layers, specs, wl.loss_fn, CPU, recompute, ActivationMeter(),
                                Precision("fp32", CPU), dynamic=False, seed=0)  # fmt: skip
 
-    ex = factory(1, True)(plan, True)
+    ex = factory(1, Recompute.FULL)(plan, True)
     assert isinstance(ex, StageExecutor) and (ex.s, ex.j) == (1, 0) and ex.recompute
-    ev = factory(1, True)(plan, False)
+    ev = factory(1, Recompute.FULL)(plan, False)
     assert isinstance(ev, StageExecutor) and not ev.recompute  # evaluation never recomputes
-    assert factory(5, False)(plan, True) is None  # a rank outside the plan
+    assert factory(5, None)(plan, True) is None  # a rank outside the plan
 
 
 def test_tied_stages_are_the_stages_holding_a_copy() -> None:

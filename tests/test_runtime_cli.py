@@ -141,7 +141,7 @@ def test_train_under_torchrun_with_recompute(tmp_path: Path) -> None:
     proc = subprocess.run(
         [str(torchrun), "--nproc-per-node", "3", "--master-port", str(free_port()),
          "-m", "dapple", "train", "--plan", str(tmp_path / "p.json"),
-         "--model", "runtime_workloads:mlp", "--steps", "2", "--recompute", "--lr", "0.1",
+         "--model", "runtime_workloads:mlp", "--steps", "2", "--recompute", "full", "--lr", "0.1",
          "--metrics", str(tmp_path / "m.jsonl"), "--timeout-s", "60"],
         capture_output=True, text=True, env=env, timeout=120,
     )  # fmt: skip

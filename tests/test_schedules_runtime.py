@@ -27,7 +27,9 @@ def _zb(plan: Plan, zero: int = 0, recompute: bool = False) -> Plan:
 def _sharded(plan: Plan, zero: int, recompute: bool = False) -> Plan:
     """``plan`` with ``zero`` on its replicated stages (and re-computation on every stage)."""
     stages = tuple(
-        dataclasses.replace(s, zero_stage=zero if s.replicas > 1 else 0, recompute=recompute)
+        dataclasses.replace(
+            s, zero_stage=zero if s.replicas > 1 else 0, recompute="full" if recompute else "none"
+        )
         for s in plan.stages
     )
     return dataclasses.replace(plan, stages=stages)

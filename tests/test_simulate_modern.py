@@ -194,7 +194,7 @@ def test_memory_model_with_recompute_bounds_the_simulator():
     prof = _profile([1.0] * 4, [2.0] * 4, act=100.0)
     plan = _straight(2, 2, 4, schedule="zbh1")
     plan = dataclasses.replace(
-        plan, stages=tuple(dataclasses.replace(st, recompute=True) for st in plan.stages)
+        plan, stages=tuple(dataclasses.replace(st, recompute="full") for st in plan.stages)
     )
     res = simulate(plan, prof, NO_COMM)
     memory = device_memory_by_group(plan, prof)

@@ -122,7 +122,7 @@ def test_recompute_holds_only_the_stage_input():
         schedule="gpipe",
         stages=(
             StagePlan(layers=(0, 1), devices=(0,)),
-            StagePlan(layers=(1, 3), devices=(1,), recompute=True),
+            StagePlan(layers=(1, 3), devices=(1,), recompute="full"),
         ),
     )
     r = simulate(plan, _profile(3), _cluster())

@@ -35,7 +35,7 @@ def test_interleave_keeps_each_stage_setting_but_its_in_flight_bound() -> None:
     plan = Plan(planner="test", global_batch_size=8, micro_batch_size=4, num_micro_batches=2,
                 stages=(StagePlan(layers=(0, 4), devices=(0,), max_in_flight=2),
                         StagePlan(layers=(4, 8), devices=(1, 2), expert_width=2, zero_stage=1,
-                                  recompute=True)))  # fmt: skip
+                                  recompute="full")))  # fmt: skip
     chunks = interleave(plan, 2).stages
     assert [c.layers for c in chunks] == [(0, 2), (2, 4), (4, 6), (6, 8)]
     assert [c.expert_width for c in chunks] == [1, 2, 1, 2]

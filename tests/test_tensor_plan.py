@@ -244,7 +244,11 @@ def test_width_one_is_todays_cost(n: int, reps: list[int], zero: int, recompute:
     plan = dataclasses.replace(
         plan,
         stages=tuple(
-            dataclasses.replace(s, zero_stage=zero if s.replicas > 1 else 0, recompute=recompute)
+            dataclasses.replace(
+                s,
+                zero_stage=zero if s.replicas > 1 else 0,
+                recompute="full" if recompute else "none",
+            )
             for s in plan.stages
         ),
     )

@@ -131,7 +131,7 @@ def one_then_zero3_regather(n: int) -> Plan:
 
 def recomputing(plan: Plan) -> Plan:
     """``plan`` with every stage re-computing its forward in the backward."""
-    return replace(plan, stages=tuple(replace(st, recompute=True) for st in plan.stages))
+    return replace(plan, stages=tuple(replace(st, recompute="full") for st in plan.stages))
 
 
 # -- pure -----------------------------------------------------------------------------------
@@ -182,8 +182,8 @@ def test_unsupported_mesh_runs_are_refused_in_one_line() -> None:
     check_mesh_run(one_then_zero3(4), first, _cfg())  # ZeRO-3 on stage 1, the copies in stage 0
     check_mesh_run(dp2_tp2(4), wl, _cfg(precision="bf16"))
     check_mesh_run(interleave(tp2_then_zero3(4), 2), wl, _cfg())
-    check_mesh_run(recomputing(dp2_tp2(4)), wl, _cfg(recompute=True))
-    check_mesh_run(recomputing(tp2_fsdp2(4)), wl, _cfg(recompute=True))
+    check_mesh_run(recomputing(dp2_tp2(4)), wl, _cfg(recompute="full"))
+    check_mesh_run(recomputing(tp2_fsdp2(4)), wl, _cfg(recompute="full"))
     # checkpoints and evaluation: tests/test_tp_checkpoint.py
     check_mesh_run(tp2_fsdp2(4), wl, _cfg(checkpoint_dir="/tmp/x", eval_every=1))
     check_mesh_run(plan_of([StagePlan(layers=(0, 4), devices=(0, 1))]), bare, _cfg())  # nothing cut

@@ -218,7 +218,7 @@ def test_llama_split_with_changing_lengths_matches_the_original_model(tmp_path: 
 
 def _recomputing(plan: Plan) -> Plan:
     """``plan`` with every stage re-computing its forward in backward."""
-    stages = tuple(dataclasses.replace(st, recompute=True) for st in plan.stages)
+    stages = tuple(dataclasses.replace(st, recompute="full") for st in plan.stages)
     return dataclasses.replace(plan, stages=stages)
 
 

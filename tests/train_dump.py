@@ -40,7 +40,9 @@ _GPT = {"layers": 2, "hidden": 32, "heads": 2, "seq": 16}  # 4 chain layers
 def _zero(plan: Plan, stage: int, recompute: bool = False) -> Plan:
     """``plan`` with ZeRO ``stage`` on its replicated stages (and re-computation if asked)."""
     stages = tuple(
-        dataclasses.replace(s, zero_stage=stage if s.replicas > 1 else 0, recompute=recompute)
+        dataclasses.replace(
+            s, zero_stage=stage if s.replicas > 1 else 0, recompute="full" if recompute else "none"
+        )
         for s in plan.stages
     )
     return dataclasses.replace(plan, stages=stages)

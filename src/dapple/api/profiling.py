@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, overload
 
 from dapple.core.profile import ModelProfile
+from dapple.core.recompute import RECOMPUTE_MODES, recompute_of
 from dapple.errors import ValidationError, one_line
 from dapple.runtime.run_config import ModelConfig
 
@@ -67,7 +68,8 @@ class ProfileConfig:
     """Count the layers and time them with this datasheet's roofline instead of measuring
     (``""``: asked for without a datasheet, refused)."""
     recompute: str = "none"
-    """With ``analytic``: what every block re-computes in its backward."""
+    """With ``analytic``: what every block re-computes in its backward
+    (:data:`~dapple.core.recompute.RECOMPUTE_MODES`)."""
 
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(ProfileConfig)}
@@ -299,10 +301,11 @@ def check_mode_options(cfg: ProfileConfig) -> None:
         )
     if cfg.co_workers < 1:
         raise ValidationError(f"--co-workers must be >= 1, got {cfg.co_workers}")
+    recompute_of(cfg.recompute, "--recompute", RECOMPUTE_MODES)
     if cfg.analytic is None and cfg.recompute != "none":
         raise ValidationError(
             f"--recompute {cfg.recompute} applies to --analytic profiles only; a measured "
-            "profile times each layer once (dapple train --recompute re-computes the stages)"
+            "profile times each layer once (dapple train --recompute full re-computes the stages)"
         )
     if cfg.analytic is not None and cfg.co_workers != 1:
         raise ValidationError(

@@ -14,12 +14,15 @@ from typing import overload
 from dapple.cli._data_args import add_data_arguments
 from dapple.cli._model_args import add_model_arguments
 from dapple.cli._optim_args import add_optim_arguments
+from dapple.cli._renamed import takes_value
+from dapple.core.recompute import STAGE_RECOMPUTE, recompute_of
 from dapple.schedule.registry import schedule_names
 
 __all__ = [
     "RUN_DEVICES",
     "add_device_argument",
     "add_precision_argument",
+    "add_recompute_argument",
     "add_run_arguments",
 ]
 
@@ -144,4 +147,16 @@ def add_precision_argument(p: argparse.ArgumentParser) -> None:
         metavar="P",
         help="fp32, bf16 or fp16: autocast dtype of the forward (weights and optimizer state "
         "stay fp32; fp16 scales the loss dynamically; CPU: fp32 or bf16) (default %(default)s)",
+    )
+
+
+def add_recompute_argument(p: argparse.ArgumentParser) -> None:
+    """``--recompute none|full``: what every stage re-computes (``TrainConfig.recompute``); the
+    bare switch it was is refused naming the values (:func:`~dapple.cli._renamed.takes_value`)."""
+    p.add_argument(
+        "--recompute",
+        action=takes_value(STAGE_RECOMPUTE, "full", recompute_of),
+        default=None,
+        help="what every stage re-computes in its backward: full (its forward, keeping only "
+        "its input) or none (default: each stage as the plan says)",
     )

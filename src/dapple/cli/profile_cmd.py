@@ -22,9 +22,9 @@ from dapple.cli._profile_flags import add_profile_config_arguments, model_config
 from dapple.cli._renamed import renamed
 from dapple.cli._run_args import add_device_argument
 from dapple.core.profile import ModelProfile
+from dapple.core.recompute import RECOMPUTE_MODES
 from dapple.errors import ValidationError
 from dapple.profiler.analytic_devices import DEVICES
-from dapple.profiler.analytic_ops import RECOMPUTE_MODES
 
 if TYPE_CHECKING:
     pass

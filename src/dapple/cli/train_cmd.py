@@ -25,7 +25,7 @@ from dapple.cli._console import plain_doc
 from dapple.cli._data_args import add_eval_data_argument
 from dapple.cli._precision import note_profile_precision
 from dapple.cli._profile_arg import add_profile_argument
-from dapple.cli._run_args import add_run_arguments
+from dapple.cli._run_args import add_recompute_argument, add_run_arguments
 from dapple.cli._train_flags import (
     FILE_GIVES,
     TRAIN_SECTIONS_HELP,
@@ -72,7 +72,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         default=None,
         help=f"with --profile: a JSON/TOML file or a preset: {describe_presets()}",
     )
-    p.add_argument("--recompute", action="store_true", help="re-compute forwards on every stage")
+    add_recompute_argument(p)
     add_eval_data_argument(p)
     _register_long_run(p)
     add_show_arguments(p)

@@ -25,6 +25,7 @@ import sys
 import types
 import typing
 from collections.abc import Mapping, Sequence
+from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, Union
 
@@ -202,6 +203,8 @@ def _fit(value: Any, tp: Any) -> tuple[bool, Any]:
     origin = typing.get_origin(tp)
     if origin is Literal:  # the type of one of the values; the dataclass checks the value
         return _fit(value, _literal_types(tp))
+    if isinstance(tp, type) and issubclass(tp, Enum):  # the dataclass checks the value
+        return True, value
     if origin in (Union, types.UnionType):
         for member in typing.get_args(tp):
             if member is type(None):

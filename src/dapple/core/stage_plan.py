@@ -26,6 +26,7 @@ from typing import Any
 
 from dapple.core._json import get_field, require
 from dapple.core.parallelism import Parallelism
+from dapple.core.recompute import Recompute, full_if, recompute_of
 from dapple.core.slicing import split_sizes
 from dapple.errors import ValidationError
 
@@ -41,8 +42,10 @@ class StagePlan:
     devices: tuple[int, ...]
     """Device ids of all ``r_s x t_s`` devices, replica-major: replica ``j`` runs on the tensor
     group ``devices[j*t_s:(j+1)*t_s]`` (``devices[j]`` when t_s = 1)."""
-    recompute: bool = False
-    """Re-compute the forward during backward, keeping only the stage input."""
+    recompute: Recompute = Recompute.NONE
+    """``full``: re-compute the stage's forward during its backward, keeping only the stage
+    input; ``none``: keep the activations (:mod:`dapple.core.recompute`; a plan file written
+    before the modes had ``true``/``false``, read as ``full``/``none``)."""
     max_in_flight: int | None = None
     """D: how many micro-batches' activations fit on the device (None: unbounded)."""
     zero_stage: int = 0
@@ -82,6 +85,8 @@ class StagePlan:
             self.max_in_flight is None or self.max_in_flight >= 1,
             f"stage {list(self.layers)}: max_in_flight must be >= 1, got {self.max_in_flight}",
         )
+        what = f"stage {list(self.layers)}: recompute"
+        object.__setattr__(self, "recompute", recompute_of(self.recompute, what))
         self._check_parallel()
         self._check_shares()
 
@@ -171,7 +176,7 @@ class StagePlan:
         d: dict[str, Any] = {
             "layers": list(self.layers),
             "devices": list(self.devices),
-            "recompute": self.recompute,
+            "recompute": self.recompute.value,
         }
         if self.max_in_flight is not None:
             d["max_in_flight"] = self.max_in_flight
@@ -217,7 +222,7 @@ class StagePlan:
             return StagePlan(
                 layers=(layers[0], layers[1]),
                 devices=tuple(devices),
-                recompute=bool(d.get("recompute", False)),
+                recompute=_recompute_field(d.get("recompute", Recompute.NONE)),
                 max_in_flight=mif,
                 zero_stage=d.get("zero_stage", 0),
                 tensor_width=d.get("tensor_width", 1),
@@ -227,3 +232,9 @@ class StagePlan:
             )
         except ValidationError as e:
             raise ValidationError(f"{what}: {e}") from e
+
+
+def _recompute_field(value: Any) -> Any:
+    """A plan file's ``recompute``: ``true``/``false`` from a file written before the modes
+    read as ``full``/``none``; other values as they are (the stage checks them)."""
+    return full_if(value) if isinstance(value, bool) else value

@@ -73,7 +73,7 @@ def stage_compute_ms(
     out = (0.0, 0.0)
     for d, n in zip(stage.replica_devices, stage.slice_sizes(micro_batch_size), strict=True):
         own = profile_of(cluster, d, profile)  # its kind's own profile, if it has one
-        f, b = compute_ms(own, cluster, stage.layers, n, recompute=stage.recompute)
+        f, b = compute_ms(own, cluster, stage.layers, n, recompute=bool(stage.recompute))
         v = cluster.speed_of(d)
         if (f + b) / v > sum(out):
             out = (f / v, b / v)

@@ -373,7 +373,7 @@ def _stage_terms(
                     st.replica_devices,
                     b,
                     lambda n: _compute(profile, cluster, st.layers, n, t),
-                    st.recompute,
+                    bool(st.recompute),
                     st.shares,
                 )
             )
@@ -450,7 +450,7 @@ def _slice_times(
     (:func:`~dapple.cost.tensor.fsdp_pass_ms`: the all-gather in F and I, the reduce-scatter in
     W); the part ``overlap`` leaves exposed, :func:`~dapple.cost.overlap.exposed_fsdp_pass_ms`,
     when it hides any)."""
-    t, rc = st.tensor_width, st.recompute
+    t, rc = st.tensor_width, bool(st.recompute)
     if not st.parallel.tensor_parallel and not st.regather:
         return (
             compute_ms(profile, cluster, st.layers, n, recompute=rc),

@@ -23,6 +23,7 @@ from dapple.core.parallelism import Parallelism
 from dapple.core.plan import DEFAULT_SCHEDULE, Plan, Policy, StagePlan
 from dapple.core.planning_options import ZeroChoice
 from dapple.core.profile import ModelProfile
+from dapple.core.recompute import full_if
 from dapple.cost.comm import busiest_link_ms, link_loads, stage_sync_ms, stage_update_ms
 from dapple.cost.host import HostExtra, has_host_terms, stage_host_extras
 from dapple.cost.memory import boundary_bytes, sharded_layer_bytes, tensor_kept_bytes_per_sample
@@ -472,7 +473,7 @@ def scored_plan(
         policy=scored.policy,
         predicted_step_ms=scored.L_ms,
         stages=tuple(
-            dataclasses.replace(st, recompute=r, max_in_flight=k, zero_stage=z.stage)
+            dataclasses.replace(st, recompute=full_if(r), max_in_flight=k, zero_stage=z.stage)
             for st, r, k, z in zip(
                 bare,
                 scored.recompute,

@@ -43,12 +43,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from dapple.core.precision import ANALYTIC_PRECISIONS, precision_of
+from dapple.core.recompute import RECOMPUTE_MODES
 from dapple.errors import ValidationError
 from dapple.profiler.analytic_models import TransformerSpec
 
 __all__ = [
     "ATTENTION_IMPLS",
-    "RECOMPUTE_MODES",
     "LayerCost",
     "Op",
     "autocast_casts",
@@ -57,8 +57,6 @@ __all__ = [
     "linear_op",
 ]
 
-RECOMPUTE_MODES = ("none", "selective", "full")
-"""Activation checkpointing (re-computation) modes of the blocks (module docstring)."""
 ATTENTION_IMPLS = ("flash", "eager", "masked")
 """Attention implementations: fused (flash), materialised scores, or a fused kernel given an
 explicit mask (``masked``: SDPA in a traced Hugging Face model)."""

@@ -19,6 +19,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from dapple.core.plan import Plan
+from dapple.core.recompute import Recompute
 from dapple.errors import ValidationError
 from dapple.models.shapes import DimsMap, InputShape, check_batch, run_dims
 from dapple.models.workload import Workload
@@ -265,8 +266,9 @@ class ExecutorFactory:
     specs: list[BoundarySpec]
     loss_fn: Callable[[Any, torch.Tensor], torch.Tensor]
     device: torch.device
-    recompute: bool
-    """The run's re-computation switch (a stage's own ``recompute`` also turns it on)."""
+    recompute: Recompute | None
+    """The run's re-computation of every stage (``TrainConfig.recompute``); None: each
+    stage's own ``StagePlan.recompute``."""
     meter: ActivationMeter
     precision: Precision
     dynamic: bool
@@ -282,7 +284,8 @@ class ExecutorFactory:
             return None
         exs = []
         for k, mod in self.layers.chunks.items():
-            recompute = training and (self.recompute or run.stages[k].recompute)
+            chosen = run.stages[k].recompute if self.recompute is None else self.recompute
+            recompute = training and bool(chosen)
             mesh = self.mesh or StageMesh()
             ex = StageExecutor(run, k, j, mod, self.specs, self.loss_fn, self.device, recompute,
                                self.meter, self.precision, dynamic=self.dynamic, seed=self.seed,

@@ -26,6 +26,7 @@ from typing import Protocol
 
 from dapple.core.parallelism import ZERO_STAGES
 from dapple.core.precision import TRAINING_PRECISIONS
+from dapple.core.recompute import Recompute, recompute_of
 from dapple.errors import ValidationError
 
 __all__ = [
@@ -158,8 +159,10 @@ class TrainConfig:
     """Learning rate."""
     timeout_s: float = 300.0
     """Process-group timeout: a rank waiting longer on a peer fails with a one-line error."""
-    recompute: bool = False
-    """Force re-computation on every stage (otherwise per stage from ``StagePlan.recompute``)."""
+    recompute: Recompute | None = None
+    """``full``: every stage re-computes its forward in the backward; ``none``: no stage does
+    (:data:`~dapple.core.recompute.STAGE_RECOMPUTE`); None: each stage as its plan says
+    (``StagePlan.recompute``)."""
     metrics_path: str | None = None
     """JSON-lines file rank 0 writes one :class:`StepMetrics` per step to."""
     echo: bool = False
@@ -235,6 +238,8 @@ class TrainConfig:
     (:mod:`dapple.runtime.parallel.zero`); a no-op on stages with one replica."""
 
     def __post_init__(self) -> None:
+        if self.recompute is not None:
+            object.__setattr__(self, "recompute", recompute_of(self.recompute, "recompute"))
         _check_long_run(self)
         _check_reporting(self)
         if self.steps < 1:
