@@ -149,7 +149,8 @@ def make_plan(name: str, schedule: str, policy: str, recompute: bool, b: int, m:
         schedule=schedule,  # type: ignore[arg-type]
         policy=policy,  # type: ignore[arg-type]
         stages=tuple(
-            StagePlan(layers=lay, devices=dev, recompute="full" if recompute else "none") for lay, dev in PLANS[name]
+            StagePlan(layers=lay, devices=dev, recompute="full" if recompute else "none")
+            for lay, dev in PLANS[name]
         ),
     )
 

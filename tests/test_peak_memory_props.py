@@ -72,7 +72,9 @@ def _plans(draw: st.DrawFn):
     recompute = draw(st.lists(st.booleans(), min_size=S, max_size=S))
     zero = draw(st.lists(st.sampled_from([0, 1, 2]), min_size=S, max_size=S))
     stages = tuple(
-        dataclasses.replace(s, recompute="full" if r else "none", zero_stage=z if s.replicas > 1 else 0)
+        dataclasses.replace(
+            s, recompute="full" if r else "none", zero_stage=z if s.replicas > 1 else 0
+        )
         for s, r, z in zip(plan.stages, recompute, zero, strict=True)
     )
     return _profile(layers, draw(st.sampled_from(["fp32", "bf16"]))), dataclasses.replace(
