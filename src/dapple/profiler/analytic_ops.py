@@ -43,7 +43,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from dapple.core.precision import ANALYTIC_PRECISIONS, precision_of
-from dapple.core.recompute import RECOMPUTE_MODES
+from dapple.core.recompute import RECOMPUTE_MODES, Recompute
 from dapple.errors import ValidationError
 from dapple.profiler.analytic_models import TransformerSpec
 
@@ -345,9 +345,9 @@ def _layer(
 ) -> LayerCost:  # fmt: skip
     kept = sum(op.kept_bytes for op in ops)
     recomputed: tuple[Op, ...] = ()
-    if recompute == "full":
+    if recompute == Recompute.FULL:
         kept, recomputed = block_input, tuple(ops)
-    elif recompute == "selective" and any(op.core for op in ops):
+    elif recompute == Recompute.SELECTIVE and any(op.core for op in ops):
         core = [op for op in ops if op.core]
         # Q, K (the scores' inputs) and V (the context's) stay; probabilities and masks go
         kept -= sum(op.kept_bytes for op in core if op.name not in ("scores", "context"))
