@@ -15,7 +15,7 @@ from dapple.core.layer_profile import AffineTime, LayerProfile
 from dapple.core.plan import Plan, straight_plan
 from dapple.core.profile import ModelProfile
 from dapple.cost.host import HostExtra, apply_host, has_host_terms
-from dapple.cost.latency import CYCLE_REACH, latency, steady_periods
+from dapple.cost.latency import CYCLE_REACH, cycle_paced, latency, steady_periods
 from dapple.cost.pipeline import pipeline_latency
 from dapple.schedule import lower
 from dapple.schedule.early_backward import early_backward_order, warmup_counts
@@ -28,7 +28,8 @@ def _brute_force(
     F: list[float], B: list[float], AR: list[float], M: int, K: list[int | None]
 ) -> tuple[float, int]:
     """L and Q written out term by term: periods from explicit cycle sums, Q by the
-    paper's pivot algorithm re-summing the stages between for every candidate, and every
+    paper's pivot algorithm re-summing the stages between for every candidate not paced by a
+    cycle (a cycle-paced one replaces Q on its steady phase alone), and every
     stage's end of the ending phase summed on its own."""
     S = len(F)
     period = []
@@ -54,7 +55,10 @@ def _brute_force(
     Q = S - 1
     for s in range(S - 2, -1, -1):
         l1 = (M - 1) * period[s]
-        l2 = (M - 1) * period[Q] + sum(F[a] + B[a] for a in range(s + 1, Q))
+        l2 = (M - 1) * period[Q]
+        k = K[s]
+        if not (k and k < M and period[s] > F[s] + B[s]):  # a cycle-paced stage: no stages between
+            l2 += sum(F[a] + B[a] for a in range(s + 1, Q))
         if l1 > l2:
             Q = s
     T_w = sum(F[: Q + 1])
@@ -85,7 +89,8 @@ def test_kernel_equals_brute_force_equations(
     arrays: tuple[list[float], list[float], list[float], int, list[int | None]],
 ) -> None:
     F, B, AR, M, K = arrays
-    got = latency(F, B, AR, M, steady_periods(F, B, K, M))
+    period = steady_periods(F, B, K, M)
+    got = latency(F, B, AR, M, period, cycle_paced(F, B, K, M, period))
     L, Q = _brute_force(F, B, AR, M, K)
     assert got.Q == Q
     assert got.L_ms == pytest.approx(L, rel=1e-12)
@@ -263,6 +268,17 @@ def test_a_binding_d_is_shared_by_the_stages_after_it() -> None:
     assert warmup_counts(8, 32, "A", [4, *[None] * 7]) == [4, 4, 3, 3, 2, 2, 1, 1]
     L, sim = _bounded(8, 32, [4, *[None] * 7], _chain([1] * 8, [2] * 8))
     assert L == sim == 210.0
+
+
+def test_a_stage_paced_by_its_cycle_paces_the_pivot() -> None:
+    """F = [1, 1, 1], B = [1, 2, 2], stage 0's D = 2 (K = [2, 2, 1]), M = 4. Stage 0's cycle
+    through stage 1 (B_m at 0, F_{m+2} at 0 and 1, B_{m+1} at 1 and 0: 5 per micro-batch for
+    2 laps, then F + B = 2) paces it at 12 / 3 = 4 per micro-batch, above the last stage's
+    F + B = 3. By equation 3 with the stages between added, the last stage stayed the pivot
+    (12 is not above 9 + 3) and L was 3 + 9 + 5 = 17; the cycle already runs through stage 1,
+    so stage 0 is the pivot: L = 1 + 12 + (2 + 5) = 20. The simulator runs it in 21."""
+    L, sim = _bounded(3, 4, [2, None, None], _chain([1, 1, 1], [1, 2, 2]))
+    assert L == 20.0 and sim == 21.0
 
 
 @settings(max_examples=150, deadline=None)

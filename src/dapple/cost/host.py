@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from dapple.core.cluster import Cluster
 from dapple.core.plan import transfers
 from dapple.core.profile import ModelProfile
-from dapple.cost.latency import latency, steady_periods
+from dapple.cost.latency import cycle_paced, latency, steady_periods
 from dapple.cost.sharing import shared_compute_scale
 
 __all__ = [
@@ -156,6 +156,9 @@ class HostStages:
     """Steady period of the host-extended F_s, B_s, stretched by beta_s on shared cores."""
     step: list[float]
     """Per-step host CPU of each stage (0 for comm stages), stretched on shared cores."""
+    paced: list[bool]
+    """Whether a cycle of its in-flight limit paces the stage, read before the stretch
+    (:func:`dapple.cost.latency.cycle_paced`)."""
 
 
 def apply_host(
@@ -197,12 +200,13 @@ def apply_host(
             B2[s] += e.backward_ms
             step[s] = e.step_ms
     period = steady_periods(F2, B2, K, M)
+    paced = cycle_paced(F2, B2, K, M, period)
     if cluster.compute_cores_per_server is not None:
         devices = [
             None if e is None else [(d, w + e.per_mb(M)) for d, w in work(s)]
             for s, e in enumerate(extras)
         ]
-        span, _, steady, _, _ = latency(F2, B2, step, M, period)
+        span, _, steady, _, _ = latency(F2, B2, step, M, period, paced)
         scale = shared_compute_scale(span, steady, M, devices, cluster)
         F2 = [f * a for f, (a, _) in zip(F2, scale, strict=True)]
         B2 = [v * a for v, (a, _) in zip(B2, scale, strict=True)]
@@ -214,4 +218,5 @@ def apply_host(
         AR=[a + h for a, h in zip(AR, step, strict=True)],
         period=period,
         step=step,
+        paced=paced,
     )

@@ -20,7 +20,7 @@ from typing import NamedTuple
 import numpy as np
 from numpy.typing import NDArray
 
-__all__ = ["CYCLE_REACH", "Latency", "latency", "longest_laps", "steady_periods"]
+__all__ = ["CYCLE_REACH", "Latency", "cycle_paced", "latency", "longest_laps", "steady_periods"]
 
 
 class Latency(NamedTuple):
@@ -88,6 +88,18 @@ def steady_periods(
             if total > (M - 1) * period[s]:
                 period[s] = total / (M - 1)
     return period
+
+
+def cycle_paced(
+    F: Sequence[float], B: Sequence[float], K: Sequence[int | None], M: int,
+    period: Sequence[float],
+) -> list[bool]:  # fmt: skip
+    """Per stage, whether a cycle of its in-flight limit paces it (:func:`steady_periods`):
+    K_s below M (some forward waits on a backward) and ``period_s`` above ``F_s + B_s``."""
+    return [
+        k is not None and 0 < k < M and p > f + b
+        for f, b, k, p in zip(F, B, K, period, strict=True)
+    ]
 
 
 CYCLE_REACH = 16
@@ -168,6 +180,7 @@ def latency(
     AR: Sequence[float],
     M: int,
     period: Sequence[float],
+    paced: Sequence[bool] = (),
 ) -> Latency:
     """Equations 1-3 over S stages (comm stages included).
 
@@ -180,10 +193,16 @@ def latency(
         period: steady period of each stage, ``F_s + B_s`` in the paper
             (:func:`steady_periods` bounds it by the cycles that the in-flight limits K_s
             close).
+        paced: per stage, whether such a cycle paces it (:func:`cycle_paced`); empty: none.
 
     Equation 3 picks the pivot scanning s = S-1 .. 0: s replaces Q when its bubble-free steady
     phase ``T_st^s = (M-1) period_s`` exceeds ``T_st^Q`` plus the F + B of the stages strictly
-    between.
+    between. A stage paced by a cycle of its in-flight limit (``paced``) replaces Q as soon
+    as ``T_st^s`` exceeds ``T_st^Q``: its cycle
+    already runs through the stages after it, and it admits micro-batches no faster than
+    ``period_s`` into every one of them, Q included (``benchmarks/moe.md``: a 15-stage plan
+    whose second stage's cycle paced the step at 51.4 ms per micro-batch against the last
+    stage's 49.3).
 
     Equation 1: ``T_w = sum_{s<=Q} F_s`` and ``T_s = (M-1) period_Q``.
 
@@ -201,7 +220,7 @@ def latency(
     Q = S - 1
     between = 0.0  # sum of F + B over stages s+1 .. Q-1
     for s in range(S - 2, -1, -1):
-        if (M - 1) * period[s] > (M - 1) * period[Q] + between:
+        if (M - 1) * period[s] > (M - 1) * period[Q] + (0.0 if paced and paced[s] else between):
             Q = s
             between = 0.0
         else:

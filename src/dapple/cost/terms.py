@@ -44,7 +44,7 @@ from dapple.cost.comm import (
 )
 from dapple.cost.compute import compute_ms, split_backward_ms
 from dapple.cost.host import HostExtra, apply_host, has_host_terms, host_extras, slowest_extra
-from dapple.cost.latency import Latency, latency, steady_periods
+from dapple.cost.latency import Latency, cycle_paced, latency, steady_periods
 from dapple.cost.memory import boundary_bytes, sharded_layer_bytes, sharded_parameter_bytes
 from dapple.cost.moe import (
     check_expert_stage,
@@ -114,11 +114,14 @@ class PipelineTerms(NamedTuple):
     """What stage s does once after its last backward: AR_s + U_s + its host step."""
     period: Sequence[float]
     """Steady period per micro-batch (:func:`~dapple.cost.latency.steady_periods`)."""
+    paced: Sequence[bool] = ()
+    """Whether a cycle of its in-flight limit paces the stage
+    (:func:`~dapple.cost.latency.cycle_paced`)."""
 
     def latency(self) -> Latency:
         """L = T_w + T_s + T_e and the pivot Q (equations 1-3,
         :func:`~dapple.cost.latency.latency`)."""
-        return latency(self.F, self.B, self.ending, self.M, self.period)
+        return latency(self.F, self.B, self.ending, self.M, self.period, self.paced)
 
 
 def pipeline_terms(
@@ -160,7 +163,9 @@ def pipeline_terms(
         AR.append(st.sync_ms + st.update_ms)
         K.append(in_flight[i])
     if host is None:
-        return PipelineTerms(M, F, B, AR, [0.0] * len(F), AR, steady_periods(F, B, K, M))
+        period = steady_periods(F, B, K, M)
+        paced = cycle_paced(F, B, K, M, period)
+        return PipelineTerms(M, F, B, AR, [0.0] * len(F), AR, period, paced)
     h = apply_host(
         F,
         B,
@@ -171,7 +176,7 @@ def pipeline_terms(
         [None if x % 2 else host[x // 2] for x in range(len(F))],
         lambda x: list(stages[x // 2].work),
     )
-    return PipelineTerms(M, h.F, h.B, AR, h.step, h.AR, h.period)
+    return PipelineTerms(M, h.F, h.B, AR, h.step, h.AR, h.period, h.paced)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

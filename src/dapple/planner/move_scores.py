@@ -275,8 +275,10 @@ def _latency(
     Q = np.full(n, P - 1)
     mpQ = mp[P - 1].copy()
     between = np.zeros(n)
+    paced = np.zeros((P, n), dtype=bool)  # cycle_paced: K_i below M, period above F + B
+    paced[0::2] = (K < M) & (period[0::2] > fb[0::2])
     for s in range(P - 2, -1, -1):
-        take = mp[s] > mpQ + between
+        take = mp[s] > mpQ + np.where(paced[s], 0.0, between)
         Q[take] = s
         np.copyto(mpQ, mp[s], where=take)
         between += fb[s]
