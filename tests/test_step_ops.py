@@ -5,7 +5,9 @@ tensors) with AdamW, metrics and the non-finite guard on, and a plain loop over 
 layers (same batches, micro-batches, optimizer; its loss read once a step). One step of each,
 after warm-up, is counted: ``torch.profiler``'s ``aten::`` events (nested ones included) and
 ``cProfile``'s calls. M = 2 and M = 4 separate what dapple adds per micro-batch from what it
-adds once per step. Counts, never time: they do not move with the machine's load.
+adds once per step. Counts, never time: they do not move with the machine's load. The same
+counts of a small transformer (integer token inputs and targets, 30 parameter tensors) bound
+what a token workload's step adds.
 
 The bounds: per micro-batch, a fixed number of ops and calls whatever the number of gradients
 (the guard reads no gradient there: their norm is its check, once per step); per step, the
@@ -31,6 +33,7 @@ import torch.distributed as dist
 
 import runtime_workloads as rw
 from dapple.core.plan import straight_plan
+from dapple.models.workload import Workload
 from dapple.profiler.op_counts import OpCounter
 from dapple.runtime import TrainConfig, run_plan
 from dapple.runtime.optim import make_optimizer
@@ -38,20 +41,32 @@ from dapple.runtime.optim import make_optimizer
 LAYERS, B, WARMUP, SEED = 8, 2, 3, 0
 N_GRADS = 2 * LAYERS  # weight and bias per layer
 
-PER_MB_OPS = 10
+PER_MB_OPS = 7
 """aten ops dapple may add per micro-batch, whatever the number of gradients: the clone of the
-micro-batch's input rows, the clone of its (floating) target rows and the float64 sum of the
-loss kept for the guard (10 here; 12 while each was converted with ``to(copy=True)``, 65
+micro-batch's (floating) input rows, the clone of its (floating) target rows and the copy of its
+loss into a held float64 scalar, summed there for the guard (7 here; 10 while the loss was
+converted by ``to`` and the sum promoted it, 12 while each row copy was ``to(copy=True)``, 65
 while the guard checked the gradients after each backward, 106 before that)."""
 PER_MB_CALLS = 28
 """Python calls dapple may add per micro-batch: a fixed number for the executor, the
 interpreter and the guard (28 here; 61 with a check after each backward, 118 before that)."""
-PER_STEP_OPS = 3 * N_GRADS + 12
+PER_STEP_OPS = 3 * N_GRADS + 4
 """aten ops dapple may add once per step: the gradient norm (on the CPU a norm, its strides
-and its copy into the group's vector per gradient; the squares' sum in one ``dot``), the
-guard's verdict, the step's row, the metrics (60 here; 77 while the norms were stacked, 81
-with ``square().sum()``, 105 while a world of one still built its row on the device and the
+and its copy into the group's vector per gradient; their copy into a held float64 vector and
+the squares' sum in one ``dot``), the guard's verdict, the step's row (each distinct tensor
+copied into a held vector, read at once), the metrics (52 here; 60 while the row was
+``stack``ed and the norms converted by ``to``; 77 while the norms were stacked, 81 with
+``square().sum()``, 105 while a world of one still built its row on the device and the
 norm's square root without clipping)."""
+TOKEN_GRADS = 30
+"""Parameter tensors of :func:`_tokens`'s model."""
+TOKEN_PER_MB_OPS = 1
+"""aten ops dapple may add per micro-batch of a token workload: the loss's copy into float64
+(1 here; 7 while integer input rows were cloned and the loss converted by ``to``)."""
+TOKEN_PER_STEP_OPS = 3 * TOKEN_GRADS + 8
+"""aten ops dapple may add once per step of a token workload: :data:`PER_STEP_OPS`'s and the
+count of target tokens, ``count_nonzero``, copied into the row (98 here; 112 while the count
+was a float64 ``sum`` and the row ``stack``ed)."""
 PER_STEP_CALLS = 175
 """Python calls dapple may add once per step (174 here: writing the norms into each group's
 vector takes 3 calls more than stacking them, 171; 201 before a world of one read its row in
@@ -74,8 +89,14 @@ def _config() -> TrainConfig:
     return TrainConfig(steps=WARMUP + 2, seed=SEED, optimizer="adamw", lr=1e-3, timeout_s=60)
 
 
-def _plain(m: int) -> tuple[int, int]:
-    wl = rw.mlp(LAYERS)
+def _tokens() -> Workload:
+    """A token workload: integer inputs and targets, the step's target tokens counted."""
+    from dapple.models.zoo.transformer import transformer_tp
+
+    return transformer_tp(layers=2, hidden=16, heads=2, seq=8, vocab=32)
+
+
+def _plain(m: int, wl: Workload) -> tuple[int, int]:
     model = wl.build_model(SEED)
     params = list(model.parameters())
     opt = make_optimizer(_config(), params)
@@ -101,9 +122,8 @@ def _plain(m: int) -> tuple[int, int]:
     return counted
 
 
-def _dapple(m: int) -> tuple[int, int]:
-    wl = rw.mlp(LAYERS)
-    plan = straight_plan(LAYERS, [0], global_batch_size=B * m, num_micro_batches=m)
+def _dapple(m: int, wl: Workload) -> tuple[int, int]:
+    plan = straight_plan(wl.num_layers, [0], global_batch_size=B * m, num_micro_batches=m)
     win = OpCounter()
     counted: list[tuple[int, int]] = []
 
@@ -118,14 +138,25 @@ def _dapple(m: int) -> tuple[int, int]:
     return counted[0]
 
 
-@pytest.fixture(scope="module")
-def extra(one_rank: None) -> dict[int, tuple[int, int]]:
+def _extra(wl: Workload) -> dict[int, tuple[int, int]]:
     """M -> (aten ops, Python calls) dapple's step makes beyond the plain loop's."""
     out = {}
     for m in (2, 4):
-        d, p = _dapple(m), _plain(m)
+        d, p = _dapple(m, wl), _plain(m, wl)
         out[m] = (d[0] - p[0], d[1] - p[1])
     return out
+
+
+@pytest.fixture(scope="module")
+def extra(one_rank: None) -> dict[int, tuple[int, int]]:
+    """:func:`_extra` of the MLP."""
+    return _extra(rw.mlp(LAYERS))
+
+
+@pytest.fixture(scope="module")
+def token_extra(one_rank: None) -> dict[int, tuple[int, int]]:
+    """:func:`_extra` of the token workload."""
+    return _extra(_tokens())
 
 
 def test_dapple_adds_per_micro_batch_a_fixed_number_of_ops(
@@ -144,6 +175,23 @@ def test_dapple_adds_per_step_a_bounded_step_end(extra: dict[int, tuple[int, int
     calls = extra[2][1] - 2 * per_mb_calls
     assert ops <= PER_STEP_OPS, f"{ops} aten ops per step beyond the plain loop's"
     assert calls <= PER_STEP_CALLS, f"{calls} Python calls per step beyond the plain loop's"
+
+
+def test_a_token_step_adds_per_micro_batch_only_its_loss_sum(
+    token_extra: dict[int, tuple[int, int]],
+) -> None:
+    """Integer input and target rows are read through views (copied only while a step is
+    metered), so a token workload's micro-batch adds one op: its loss's copy into float64."""
+    ops = (token_extra[4][0] - token_extra[2][0]) / 2
+    assert ops <= TOKEN_PER_MB_OPS, f"{ops} aten ops per micro-batch beyond the plain loop's"
+
+
+def test_a_token_step_adds_per_step_the_norm_and_one_row(
+    token_extra: dict[int, tuple[int, int]],
+) -> None:
+    per_mb = (token_extra[4][0] - token_extra[2][0]) / 2
+    ops = token_extra[2][0] - 2 * per_mb
+    assert ops <= TOKEN_PER_STEP_OPS, f"{ops} aten ops per step beyond the plain loop's"
 
 
 # -- what the per-micro-batch savings rest on ----------------------------------------------------

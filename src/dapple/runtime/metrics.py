@@ -89,27 +89,51 @@ def device_row(values: Sequence[float | torch.Tensor], device: torch.device) -> 
     return row
 
 
+_READ_VECTORS: dict[tuple[torch.device, int], tuple[torch.Tensor, list[torch.Tensor]]] = {}
+"""``(device, n)`` -> a float64 vector of ``n`` elements and its elements as views:
+:func:`host_row`'s copy on that device, written in place at every read (made once)."""
+
+
+def _read_vector(device: torch.device, n: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    held = _READ_VECTORS.get((device, n))
+    if held is None:
+        vec = torch.zeros(n, dtype=torch.float64, device=device)
+        held = _READ_VECTORS[device, n] = (vec, list(vec.unbind()))
+    return held
+
+
 def host_row(values: Sequence[float | torch.Tensor]) -> list[float]:
-    """``values`` as floats on the host, their (one-element) tensors read in one copy per
-    device (a world of one: a step's row needs no gather, :meth:`NonFiniteGuard.agree_finite`;
-    only the accelerator's copy waits for it)."""
+    """``values`` as floats on the host, their (one-element, detached) tensors read in one copy
+    per device (a world of one: a step's row needs no gather, :meth:`NonFiniteGuard.agree_finite`;
+    only the accelerator's copy waits for it).
+
+    Each distinct tensor is copied (``copy_`` converts its dtype) into its element of a float64
+    vector held for the device and the row's number of tensors, which is read at once; a tensor
+    that stands at several places of the row (the loss and the loss part of a rank that is the
+    whole last stage) is copied once."""
     row = [0.0 if isinstance(v, torch.Tensor) else float(v) for v in values]
-    on: dict[torch.device, list[int]] = {}  # one copy per device: a CUDA step's row also
-    for i, v in enumerate(values):  # holds host tensors (counts, the resident peak)
+    tensors: list[torch.Tensor] = []  # each distinct tensor once, with its places in the row
+    places: list[list[int]] = []
+    for i, v in enumerate(values):
         if isinstance(v, torch.Tensor):
-            on.setdefault(v.device, []).append(i)
-    for at in on.values():
-        read = torch.stack([_f64(values[i]) for i in at]).tolist()  # type: ignore[arg-type]
-        for i, x in zip(at, read, strict=True):
-            row[i] = x
+            for k, t in enumerate(tensors):
+                if t is v:
+                    places[k].append(i)
+                    break
+            else:
+                tensors.append(v)
+                places.append([i])
+    devices = {t.device for t in tensors}  # one copy per device: a CUDA step's row also holds
+    for device in devices:  # host tensors (counts, the resident peak)
+        at = [k for k, t in enumerate(tensors) if t.device == device]
+        vec, slots = _read_vector(device, len(at))
+        for slot, k in zip(slots, at, strict=True):
+            t = tensors[k]
+            slot.copy_(t if t.dim() == 0 else t.reshape(()))
+        for x, k in zip(vec.tolist(), at, strict=True):
+            for i in places[k]:
+                row[i] = x
     return row
-
-
-def _f64(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as a 0-d float64 tensor (itself when it already is one)."""
-    if t.dim() == 0 and t.dtype == torch.float64:
-        return t
-    return t.reshape(()).to(torch.float64)
 
 
 def global_norm(rows: Sequence[Sequence[float]]) -> float:

@@ -220,11 +220,12 @@ class GradGroups:
         """The parameters of each (device, dtype), in their first appearance's order."""
         self.dtypes = [ps[0].dtype for ps in self.groups]
         self._dtensor = any(isinstance(p, DTensor) for ps in self.groups for p in ps)
-        self._norm_out: list[tuple[torch.Tensor, list[torch.Tensor]] | None] = [None] * len(
-            self.groups
-        )
-        """Per group on the CPU: a vector of one norm per parameter and its elements as views
-        (:meth:`norms` writes into them), made at the first call."""
+        self._norm_out: list[tuple[torch.Tensor, list[torch.Tensor], torch.Tensor] | None] = [
+            None
+        ] * len(self.groups)
+        """Per group on the CPU: a vector of one norm per parameter, its elements as views
+        (:meth:`norms` writes into them) and a float64 vector as long (:meth:`float64`), made
+        at the first call."""
 
     def _found(self) -> list[list[torch.Tensor]]:
         """Each group's gradients as this rank holds them (missing ones left out)."""
@@ -257,10 +258,19 @@ class GradGroups:
             held = self._norm_out[k]
             if held is None:
                 vec = torch.zeros(len(gs), dtype=gs[0].dtype)
-                held = self._norm_out[k] = (vec, list(vec.unbind()))
+                vec64 = torch.zeros(len(gs), dtype=torch.float64)
+                held = self._norm_out[k] = (vec, list(vec.unbind()), vec64)
             _NORM_OUT(gs, 2.0, out=held[1])
             out.append(held[0])
         return out
+
+    def float64(self, norms: torch.Tensor) -> torch.Tensor:
+        """A vector of :meth:`norms` as float64: one it holds is copied into a float64 vector
+        held beside it (``copy_`` converts: no allocation per step), any other converted."""
+        for held in self._norm_out:
+            if held is not None and held[0] is norms:
+                return held[2].copy_(norms)
+        return norms.to(torch.float64)
 
     def flat(self) -> list[torch.Tensor]:
         """Every gradient of :meth:`grads`, in one list."""
@@ -269,11 +279,18 @@ class GradGroups:
 
 def _local_sq_norm(groups: GradGroups, device: torch.device) -> torch.Tensor:
     """Sum over ``groups``' parameters of the square of each gradient's float32 norm, in
-    float64."""
-    norms = [v.to(device, torch.float64) for v in groups.norms()]  # one conversion per kind
+    float64.
+
+    One group's norms (one dtype: the common case) on the CPU are copied into the float64
+    vector ``groups`` holds beside them (:meth:`GradGroups.float64`); several groups' are
+    converted and concatenated."""
+    norms = groups.norms()
     if not norms:
         return torch.zeros((), dtype=torch.float64, device=device)
-    v = torch.cat(norms) if len(norms) > 1 else norms[0]
+    if len(norms) == 1 and norms[0].device == device:
+        v = groups.float64(norms[0])
+    else:
+        v = torch.cat([n.to(device, torch.float64) for n in norms])
     return v.dot(v)  # the squares' sum in one op
 
 

@@ -61,11 +61,12 @@ def target_tokens(targets: torch.Tensor) -> int | None:
 
 
 def target_token_count(targets: torch.Tensor) -> torch.Tensor | None:
-    """:func:`target_tokens` as a 0-d float64 tensor where ``targets`` live, not read on the host;
+    """:func:`target_tokens` as a 0-d int64 tensor where ``targets`` live, not read on the host
+    (``count_nonzero``: no float conversion; the step's row converts it as it copies it in);
     None: not a token workload (known from the dtype and shape alone)."""
     if targets.dtype.is_floating_point or targets.dtype.is_complex or targets.dim() < 2:
         return None
-    return (targets != IGNORE_INDEX).sum(dtype=torch.float64)
+    return torch.count_nonzero(targets != IGNORE_INDEX)
 
 
 def eta_text(elapsed_s: float | None, done: int, left: int) -> str:

@@ -138,16 +138,23 @@ class StageExecutor:
         self._batch_is_tuple = False
         self._targets: torch.Tensor | None = None
         self._inputs_here = False
-        """The step's inputs are on the device already: a micro-batch's rows are cloned (no
-        conversion to look up)."""
+        """The step's inputs are on the device already: a micro-batch's rows are sliced there
+        (no conversion to look up)."""
+        self._exact_inputs: tuple[bool, ...] = ()
+        """Per input of the step: integers (token ids, labels), whose rows an unmetered forward
+        reads through a view (no rounding depends on their place in memory)."""
         self._targets_here: bool | None = None
         """The step's targets are on the device already (None: not; a micro-batch's rows are
         copied there), and are integers (True: read through a view, where no rounding depends
         on their place in memory; False: cloned)."""
         self._global_batch = plan.global_batch_size
+        self._part64 = torch.zeros((), dtype=torch.float64, device=device)
+        """A micro-batch's loss as float64, overwritten by the next (its sum is a new tensor)."""
+        self._zero64 = torch.zeros((), dtype=torch.float64, device=device)
+        """The last stage's loss sum before a step's first loss (never written)."""
         self.loss_sum: torch.Tensor | float = 0.0
-        """The step's loss part so far (last stage): a float64 tensor on the device, summed
-        without reading it on the host (0.0 before the first loss)."""
+        """The step's loss part so far: on the last stage a float64 tensor on the device, summed
+        without reading it on the host (:attr:`_zero64` before the first loss); 0.0 elsewhere."""
 
     # -- per step -----------------------------------------------------------------------------
     def begin_step(self, inputs: Any, targets: torch.Tensor, step: int = 0) -> None:
@@ -158,10 +165,13 @@ class StageExecutor:
         self._batch_inputs = tuple(self._staged(t) for t in flatten(inputs)) if self.s == 0 else ()
         self._targets = self._staged(targets) if self.last else targets
         self._inputs_here = all(t.device == self.device for t in self._batch_inputs)
+        self._exact_inputs = tuple(
+            not (t.dtype.is_floating_point or t.dtype.is_complex) for t in self._batch_inputs
+        )
         t = self._targets
         here = isinstance(t, torch.Tensor) and t.device == self.device
         self._targets_here = (not t.dtype.is_floating_point) if here else None
-        self.loss_sum = 0.0
+        self.loss_sum = self._zero64 if self.last else 0.0
 
     def _staged(self, t: Any) -> Any:
         """A host tensor in pinned memory when this rank computes on CUDA, so that each
@@ -307,11 +317,15 @@ class StageExecutor:
         metering = self.metering
         if self.s == 0:
             r0, r1 = m * b + self.lo, m * b + self.hi
-            # a copy, metered or not: a view would keep (and be metered as) the whole global
-            # batch, and its offset in memory can change a kernel's rounding, so a step that is
-            # metered (after a resume: its first) would not compute what an unmetered one does
+            # floating rows: a copy, metered or not: a view's offset in memory can change a
+            # kernel's rounding, so a step that is metered (after a resume: its first) would not
+            # compute what an unmetered one does. Integer rows: a view, copied only while metered
+            # (a view would keep, and be metered as, the whole global batch)
             if self._inputs_here:
-                xs = [t[r0:r1].clone() for t in self._batch_inputs]
+                xs = [
+                    t[r0:r1] if exact and not metering else t[r0:r1].clone()
+                    for t, exact in zip(self._batch_inputs, self._exact_inputs, strict=True)
+                ]
             else:
                 xs = [t[r0:r1].to(self.device, copy=True, non_blocking=True)
                       for t in self._batch_inputs]  # fmt: skip
@@ -359,11 +373,9 @@ class StageExecutor:
                 tgt = tgt.clone()
             out = to_fp32(out) if self.precision.dtype is not None else out  # fp32 loss
             st.loss = self.loss_fn(out, tgt) * ((self.hi - self.lo) / self._global_batch)
-            part = st.loss.detach()  # summed in float64, without a host read
-            total = self.loss_sum
-            self.loss_sum = (
-                total + part if isinstance(total, torch.Tensor) else part.to(torch.float64)
-            )
+            # summed in float64 without a host read: the part is converted as it is copied
+            # into a held float64 scalar, then added (each sum a new tensor: the guard keeps them)
+            self.loss_sum = self.loss_sum + self._part64.copy_(st.loss.detach())
         return out
 
     def _layers(self, xs: list[torch.Tensor]) -> Any:
