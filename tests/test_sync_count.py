@@ -12,7 +12,8 @@ workload (its metrics count target tokens) over two ranks: one stage on one rank
 rank beyond the plan, joining the step's collective); one stage on two replicas, plain and
 under ZeRO-1, -2 and -3; one stage split over a tensor-parallel group of two; two-stage
 pipelines under DAPPLE's early backward (M = 3), GPipe and ZB-H1; four chunks interleaved
-over the two ranks (M = 4).
+over the two ranks (M = 4). Over four ranks (:data:`PLANS4`, M = 4): a straight 4-stage
+pipeline, and two stages of two replicas each. One stage in a world of one: its own test.
 """
 
 from __future__ import annotations
@@ -48,10 +49,15 @@ PLANS: dict[str, tuple[Stages, str, int]] = {
     "2-stage-zbh1": ((((0, 2), (0,), {}), ((2, 4), (1,), {})), "zbh1", M),
     "interleaved": (tuple(((k, k + 1), (k % 2,), {}) for k in range(4)), "interleaved", 4),
 }
+PLANS4: dict[str, tuple[Stages, str, int]] = {
+    # over four ranks: a straight 4-stage pipeline, and two stages of two replicas each
+    "4-stage": (tuple(((k, k + 1), (k,), {}) for k in range(4)), "dapple", 4),
+    "2-stage-dp2": ((((0, 2), (0, 1), {}), ((2, 4), (2, 3), {})), "dapple", 4),
+}
 
 
 def _plan(name: str) -> Plan:
-    stages, schedule, m = PLANS[name]
+    stages, schedule, m = {**PLANS, **PLANS4}[name]
     return Plan(
         planner="test",
         global_batch_size=B * m,
@@ -93,7 +99,7 @@ def patch_syncs(calls: list[str]) -> None:
             cls.synchronize = _counting(wait, f"{cls.__name__}.synchronize", calls)  # type: ignore[method-assign]
 
 
-def sync_worker(rank: int, world: int, out_dir: str) -> None:
+def sync_worker(rank: int, world: int, out_dir: str, names: tuple[str, ...] = tuple(PLANS)) -> None:
     from dapple.models.zoo.transformer import transformer_tp
     from dapple.runtime import TrainConfig, init_distributed, run_plan, shutdown_distributed
 
@@ -102,7 +108,7 @@ def sync_worker(rank: int, world: int, out_dir: str) -> None:
     patch_syncs(calls)
     wl = transformer_tp(layers=2, hidden=16, heads=2, seq=8, vocab=32)  # with its TP plan
     results: dict[str, dict[int, list[str]]] = {}
-    for name in PLANS:
+    for name in names:
         results[name] = {}
         for steps in (FEW, MANY):
             cfg = TrainConfig(
@@ -115,7 +121,7 @@ def sync_worker(rank: int, world: int, out_dir: str) -> None:
             if rank == 0:  # the metrics are all there
                 assert [m.step for m in run.metrics] == list(range(steps))
                 assert all(m.grad_norm is not None and m.grad_norm > 0 for m in run.metrics)
-                m = PLANS[name][2]
+                m = _plan(name).num_micro_batches
                 assert all(x.tokens == B * m * 8 for x in run.metrics)
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
     shutdown_distributed()
@@ -134,6 +140,31 @@ def counted(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
 @pytest.mark.parametrize("plan", list(PLANS))
 def test_at_most_one_host_sync_per_step(counted: list[dict[str, Any]], plan: str) -> None:
     for rank, res in enumerate(counted):
+        few, many = res[plan][str(FEW)], res[plan][str(MANY)]
+        extra = Counter(many) - Counter(few)
+        per_step = (len(many) - len(few)) / (MANY - FEW)
+        where = ", ".join(f"{n // (MANY - FEW)} x {site}" for site, n in extra.most_common())
+        assert per_step <= 1, f"{plan}, rank {rank}: {per_step:g} host syncs per step: {where}"
+
+
+@pytest.fixture(scope="module")
+def counted4(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    from dapple.runtime import spawn
+
+    out = tmp_path_factory.mktemp("syncs4")
+    spawn(sync_worker, 4, str(out), tuple(PLANS4), timeout_s=900)
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("plan", list(PLANS4))
+def test_at_most_one_host_sync_per_step_on_four_ranks(
+    counted4: list[dict[str, Any]], plan: str
+) -> None:
+    """Every rank of a 4-stage pipeline and of a 2 x 2 plan (stages x replicas) reads at most
+    once per step, with metrics, the guard and clipping on."""
+    assert len(counted4) == 4
+    for rank, res in enumerate(counted4):
         few, many = res[plan][str(FEW)], res[plan][str(MANY)]
         extra = Counter(many) - Counter(few)
         per_step = (len(many) - len(few)) / (MANY - FEW)
