@@ -67,9 +67,10 @@ TOKEN_PER_STEP_OPS = 3 * TOKEN_GRADS + 8
 """aten ops dapple may add once per step of a token workload: :data:`PER_STEP_OPS`'s and the
 count of target tokens, ``count_nonzero``, copied into the row (98 here; 112 while the count
 was a float64 ``sum`` and the row ``stack``ed)."""
-PER_STEP_CALLS = 178
-"""Python calls dapple may add once per step (178 here: 179 since the step's records and row
-are built by methods of their own, which ``on_nonfinite="off"`` shares, 8910ddd; 174 before;
+PER_STEP_CALLS = 180
+"""Python calls dapple may add once per step (178-179 here, one call varies from run to run:
+the step's records and row are built by methods of their own, which ``on_nonfinite="off"``
+shares, 8910ddd; 174 before;
 writing the norms into each group's vector takes 3 calls more than stacking them, 171; 201
 before a world of one read its row in one copy)."""
 
