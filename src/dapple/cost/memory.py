@@ -44,7 +44,8 @@ __all__ = [
 ZERO2_STAGED_LAYERS = 2
 """ZeRO-2's staged gradients while a backward runs, in units of the stage's largest layer in
 flat buckets: the runtime's staged buckets being reduced (``dapple.runtime.parallel.zero.MAX_STAGED``),
-each at most one layer's parameters."""
+each at most one layer's parameters; never more than the stage's bucketed parameters
+(:func:`zero2_staging_bytes`)."""
 
 UNBOUNDED_IN_FLIGHT = 10**9
 """D of a stage whose activations take no memory."""
@@ -278,17 +279,25 @@ layer: the layer being computed and the next one, whose all-gather FSDP prefetch
 def zero2_staging_bytes(
     profile: ModelProfile, layers: tuple[int, int], parallel: Parallelism
 ) -> float:
-    """ZeRO-2's staged gradients of layers ``[start, end)`` while they are reduced:
-    :data:`ZERO2_STAGED_LAYERS` x the largest layer's parameter bytes in flat buckets (an
-    upper bound: a bucket holds at most one layer's parameters when they are larger than the
-    bucket size; tied copies are not in buckets); 0 unless ``parallel`` is ZeRO-2 on a
-    replicated stage (FSDP's reduce-scatter buffers are :func:`gradients_in_flight_bytes`')."""
+    """ZeRO-2's staged gradients of layers ``[start, end)`` while they are reduced, on one
+    replica: :data:`ZERO2_STAGED_LAYERS` x the largest layer's bucketed bytes, at most the
+    stage's bucketed bytes in all (the staging buffers are copies of distinct buckets, so a
+    stage of one or two layers stages no more than its own gradients). A layer's bucketed
+    bytes are its untied parameters (tied copies are not in buckets), ``1/t`` of them on a
+    tensor rank when it shards. An upper bound per bucket: a bucket holds at most one layer's
+    parameters when they are larger than the bucket size. 0 unless ``parallel`` is ZeRO-2 on
+    a replicated stage (FSDP's reduce-scatter buffers are :func:`gradients_in_flight_bytes`').
+    """
     if not parallel.reduces_each_backward:
         return 0.0
     s, e = layers
-    return ZERO2_STAGED_LAYERS * max(
-        layer.parameter_bytes - layer.tied_parameter_bytes for layer in profile.layers[s:e]
-    )
+    t = parallel.tensor_width
+    bucketed = [
+        (layer.parameter_bytes - layer.tied_parameter_bytes)
+        / (t if t > 1 and layer.tensor_parallel else 1)
+        for layer in profile.layers[s:e]
+    ]
+    return min(ZERO2_STAGED_LAYERS * max(bucketed), sum(bucketed))
 
 
 def gradients_in_flight_bytes(
