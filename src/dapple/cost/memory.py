@@ -285,8 +285,11 @@ def zero2_staging_bytes(
     stage of one or two layers stages no more than its own gradients). A layer's bucketed
     bytes are its untied parameters (tied copies are not in buckets), ``1/t`` of them on a
     tensor rank when it shards. An upper bound per bucket: a bucket holds at most one layer's
-    parameters when they are larger than the bucket size. 0 unless ``parallel`` is ZeRO-2 on
-    a replicated stage (FSDP's reduce-scatter buffers are :func:`gradients_in_flight_bytes`').
+    parameters when they are larger than the bucket size. Not an upper bound where several
+    layers share one bucket (layers under ``dapple.runtime.sync.BUCKET_BYTES``): the runtime
+    then holds the bucket's gradients beside its staged copy, and ZeRO-2 measured above ZeRO-1
+    (``benchmarks/zero2_small_stage.md``). 0 unless ``parallel`` is ZeRO-2 on a replicated
+    stage (FSDP's reduce-scatter buffers are :func:`gradients_in_flight_bytes`').
     """
     if not parallel.reduces_each_backward:
         return 0.0
