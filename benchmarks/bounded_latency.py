@@ -28,7 +28,7 @@ from dapple.core.cluster import Cluster
 from dapple.core.layer_profile import AffineTime, LayerProfile
 from dapple.core.plan import Plan, straight_plan
 from dapple.core.profile import ModelProfile
-from dapple.cost.latency import latency, steady_periods
+from dapple.cost.latency import cycle_paced, latency, steady_periods
 from dapple.cost.pipeline import pipeline_latency
 from dapple.schedule import lower
 from dapple.schedule.early_backward import early_backward_order
@@ -120,7 +120,8 @@ def measure(plan: Plan, profile: ModelProfile, cluster: Cluster) -> Case:
     sim_before = simulate(plan, profile, cluster, lower(plan, early_backward_order(old, M))).step_ms
     ks = [x.in_flight for x in r.stages if x.kind == "compute"]
     K: list[int | None] = [x for k in ks for x in (k, None)][:-1]
-    assert latency(F, B, AR, M, steady_periods(F, B, K, M)).L_ms == r.L_ms
+    period = steady_periods(F, B, K, M)
+    assert latency(F, B, AR, M, period, cycle_paced(F, B, K, M, period), K).L_ms == r.L_ms
     natural = [min(plan.num_stages - i, M) for i in range(plan.num_stages)]
     return Case(
         bounded=plan.policy == "A" and ks != natural,

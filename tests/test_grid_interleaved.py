@@ -211,9 +211,10 @@ def _grid_least(prof: ModelProfile, cluster: Cluster, B: int, interleaved: bool)
 
 
 def test_the_search_beats_an_interleaved_grid_best() -> None:
-    """6 blocks on one server of 8: the grid's best is interleaved (dp1 x tp4 x pp2 DDP M=8).
-    Without interleaving the search is slower than it; with it, faster than every grid point."""
-    prof, cluster, B = _llm(), _cluster(), 8
+    """6 blocks and a 0.5 ms head on one server of 8: the grid's best is interleaved (dp1 x tp4
+    x pp2 DDP M=8). Without interleaving the search is slower than it; with it, faster than
+    every grid point."""
+    prof, cluster, B = _llm(head_fwd=0.5), _cluster(), 8
     best = min((c for c in grid_candidates(prof, cluster, B) if c.fits), key=lambda c: c.L_ms)
     assert best.point.schedule == "interleaved"
     flat = dapple_search(prof, cluster, B, zero_stage=3)  # 1F1B only, the default
@@ -257,7 +258,7 @@ def test_max_stages_bounds_the_device_groups_not_the_chunks() -> None:
 
 
 def test_no_interleaving_on_a_cluster_with_host_terms() -> None:
-    prof = _llm()
+    prof = _llm(head_fwd=0.5)
     shared = dataclasses.replace(_cluster(), compute_cores_per_server=8)
     assert dapple_search(prof, _cluster(), 8, zero_stage=3, interleaved=True).virtual_stages == 2
     plan = dapple_search(prof, shared, 8, zero_stage=3, interleaved=True)

@@ -105,13 +105,14 @@ def test_each_kind_computes_at_its_own_times() -> None:
 
 
 def test_per_kind_profiles_change_the_plan() -> None:
-    """One profile scaled by A's speed 0.4 prices A at 2.5x on every layer: the planner runs
-    all four layers on all four devices (A taking smaller shares). With A's own times (4x on
-    layers 0, 1, 1x on 2, 3) it pipelines layers 0, 1 on the H devices and 2, 3 on the A
-    devices, and that plan is faster on the cluster as it is."""
+    """One profile scaled by A's speed 0.4 prices A at 2.5x on every layer: the planner gives
+    the A devices only the last layer (L = simulated 74.51; all four layers on all four devices
+    with A taking smaller shares reads 74.61). With A's own times (4x on layers 0, 1, 1x on
+    2, 3) it pipelines layers 0, 1 on the H devices and 2, 3 on the A devices, and that plan is
+    faster on the cluster as it is."""
     scaled = make_plan(H, SCALED, 16)
     own = make_plan(H, KINDS, 16)
-    assert [(s.layers, s.devices) for s in scaled.stages] == [((0, 4), (0, 1, 2, 3))]
+    assert [(s.layers, s.devices) for s in scaled.stages] == [((0, 3), (0, 1)), ((3, 4), (2, 3))]
     assert [(s.layers, s.devices) for s in own.stages] == [((0, 2), (0, 1)), ((2, 4), (2, 3))]
     truth = pipeline_latency(scaled, H, KINDS).L_ms
     assert own.predicted_step_ms == pytest.approx(pipeline_latency(own, H, KINDS).L_ms)

@@ -15,7 +15,13 @@ from dapple.core.layer_profile import AffineTime, LayerProfile
 from dapple.core.plan import Plan, straight_plan
 from dapple.core.profile import ModelProfile
 from dapple.cost.host import HostExtra, apply_host, has_host_terms
-from dapple.cost.latency import CYCLE_REACH, cycle_paced, latency, steady_periods
+from dapple.cost.latency import (
+    CYCLE_REACH,
+    backward_phases,
+    cycle_paced,
+    latency,
+    steady_periods,
+)
 from dapple.cost.pipeline import pipeline_latency
 from dapple.schedule import lower
 from dapple.schedule.early_backward import early_backward_order, warmup_counts
@@ -301,6 +307,61 @@ def test_bounded_stages_l_stays_near_the_simulator(
     f, b, D = fbd
     L, sim = _bounded(len(f), M, D, _chain(f, b))
     assert 0.75 * sim <= L <= 1.40 * sim
+
+
+def _policy_plan(f: list[int], b: list[int], M: int, policy: str) -> tuple[Plan, ModelProfile]:
+    plan = dataclasses.replace(_bounded_plan(len(f), M, [None] * len(f)), policy=policy)
+    return plan, _chain(f, b)
+
+
+def test_the_pivots_drain_queues_behind_a_slower_backward_upstream() -> None:
+    """F = [1, 4, 1], B = [5, 2, 1], M = 3, policy B: K = [3, 3, 1], pivot stage 1 (F + B = 6).
+    Stage 0 runs F 0-3, stage 1 F 1-13 (three forwards of 4), stage 2 F+B 5-7, 9-11, 13-15;
+    stage 1 then runs its three backwards 13-19, B_Q = 2 apart, and stage 0, whose backward
+    takes 5, queues them: 15-20, 20-25, 25-30. Equations 1-3 charge only the last gradient's
+    way up (26); the drain of k - 1 = 2 gradients through B_0 - B_Q = 3 more each gives 30,
+    and so does stage 0's backward phase (first gradient at 15, then 3 x 5)."""
+    plan, prof = _policy_plan([1, 4, 1], [5, 2, 1], 3, "B")
+    cluster = make_cluster(1, 3)
+    r = pipeline_latency(plan, prof, cluster)
+    assert [x.in_flight for x in r.stages if x.kind == "compute"] == [3, 3, 1]
+    assert (r.Q, r.T_w_ms, r.T_s_ms) == (2, 5.0, 12.0)
+    assert r.L_ms == simulate(plan, prof, cluster).step_ms == 30.0
+    F = [x.forward_ms for x in r.stages]
+    B = [x.backward_ms for x in r.stages]
+    K = [x.in_flight if x.kind == "compute" else None for x in r.stages]
+    assert backward_phases(F, B, [0.0] * 5, K, 3) == 30.0
+    # without the counts: the paper's ending phase, one tail after the pivot's last backward
+    assert latency(F, B, [0.0] * 5, 3, steady_periods(F, B, K, 3)).L_ms == 5 + 12 + 2 + 2 + 5
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.integers(2, 6).flatmap(
+        lambda S: st.tuples(
+            st.lists(st.integers(1, 6), min_size=S, max_size=S),
+            st.lists(st.integers(1, 6), min_size=S, max_size=S),
+        )
+    ),
+    st.integers(1, 16),
+    st.sampled_from(["A", "B"]),
+)
+def test_backward_phases_never_exceed_the_simulated_step(
+    fb: tuple[list[int], list[int]], M: int, policy: str
+) -> None:
+    """:func:`backward_phases` is a lower bound: every stage's work after its first backward,
+    started no sooner than the warm-up's flow of forwards allows, fits in the simulated step;
+    and L, which takes it where it is larger, stays at or above it."""
+    plan, prof = _policy_plan(*fb, M, policy)
+    cluster = make_cluster(1, len(fb[0]))
+    r = pipeline_latency(plan, prof, cluster)
+    F = [x.forward_ms for x in r.stages]
+    B = [x.backward_ms for x in r.stages]
+    AR = [x.allreduce_ms + x.host_step_ms for x in r.stages]
+    K = [x.in_flight if x.kind == "compute" else None for x in r.stages]
+    bound = backward_phases(F, B, AR, K, M)
+    assert bound <= simulate(plan, prof, cluster).step_ms * (1 + 1e-12)
+    assert r.L_ms >= bound * (1 - 1e-12)
 
 
 @settings(max_examples=200, deadline=None)

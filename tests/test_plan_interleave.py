@@ -15,17 +15,25 @@ from dapple.cli import main
 from dapple.cli._plan_show import schedule_stage_table, stage_table
 from dapple.core.cluster_presets import load_cluster
 from dapple.core.plan import Plan
+from dapple.core.profile import ModelProfile
 from dapple.cost.pipeline import pipeline_latency
 from dapple.cost.schedule_step import device_memory_by_group, schedule_latency
 from dapple.errors import ValidationError
 from dapple.planner import make_plan
 from dapple.planner.plan_config import PlanConfig, dump_plan_config, load_plan_config
 from dapple.profiler.paper_models import load_profile
-from test_grid_interleaved import _cluster, _llm
+from test_grid_interleaved import _cluster
+from test_grid_interleaved import _llm as _grid_llm
 
 B = 8
 """The global batch of the hand-made case: 6 blocks on one server of 8 (tests/
-test_grid_interleaved.py), where interleaved 1F1B beats every 1F1B plan by L."""
+test_grid_interleaved.py) and a head of 0.5 ms per sample, where interleaved 1F1B beats every
+1F1B plan by L (130.33 against 136.21 ms, each equal to its simulated step)."""
+
+
+def _llm() -> ModelProfile:
+    """test_grid_interleaved's hand-made LLM with a 0.5 ms head."""
+    return _grid_llm(head_fwd=0.5)
 
 
 @pytest.fixture

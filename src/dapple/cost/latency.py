@@ -20,7 +20,17 @@ from typing import NamedTuple
 import numpy as np
 from numpy.typing import NDArray
 
-__all__ = ["CYCLE_REACH", "Latency", "cycle_paced", "latency", "longest_laps", "steady_periods"]
+__all__ = [
+    "CYCLE_REACH",
+    "TIE",
+    "Latency",
+    "backward_phases",
+    "cycle_paced",
+    "latency",
+    "longest_laps",
+    "pivot_waits",
+    "steady_periods",
+]
 
 
 class Latency(NamedTuple):
@@ -110,6 +120,12 @@ Little's law's RT_s / D_s, which every stage keeps; the reach keeps the planner'
 in S (``benchmarks/bounded_latency.md``)."""
 
 
+TIE = 1e-12
+"""How far (relative) :func:`backward_phases` must exceed equations 1-3 to replace them: the
+pivot's own backward phase often equals L summed in another order, and a few ulps of it would
+move every L."""
+
+
 SMALL_PIPELINE = 12
 """Up to this many turning stages :func:`_longest_laps` loops in Python (numpy's per-call cost
 is larger there); the same operations in the same order, so the same bits."""
@@ -181,6 +197,7 @@ def latency(
     M: int,
     period: Sequence[float],
     paced: Sequence[bool] = (),
+    K: Sequence[int | None] | None = None,
 ) -> Latency:
     """Equations 1-3 over S stages (comm stages included).
 
@@ -194,6 +211,9 @@ def latency(
             (:func:`steady_periods` bounds it by the cycles that the in-flight limits K_s
             close).
         paced: per stage, whether such a cycle paces it (:func:`cycle_paced`); empty: none.
+        K: K_s per stage (None or 0 where unbounded); with it the ending phase overlaps the
+            tail with the pivot's pending backwards and L is at least :func:`backward_phases`
+            (below). None or empty: neither (the paper's).
 
     Equation 3 picks the pivot scanning s = S-1 .. 0: s replaces Q when its bubble-free steady
     phase ``T_st^s = (M-1) period_s`` exceeds ``T_st^Q`` plus the F + B of the stages strictly
@@ -213,9 +233,22 @@ def latency(
     is exactly equation 1 with stage Q in its first branch (so that L >= M (F_Q + B_Q)); for
     Q < S-1 equation 1 as printed omits the tail and would under-estimate L.
 
+    The tail overlaps the pivot's own work (:func:`pivot_waits`): with K_Q micro-batches in
+    flight the pivot runs K_Q - 1 backwards after its last forward before the last micro-batch's
+    gradient is due, and the tail of the first micro-batch overlaps its K_Q - 1 forwards after
+    the first. Where the pivot keeps its own pace (``period_Q = F_Q + B_Q``) the stages up to Q
+    are charged the waits those leave instead of the tail. The pivot then sends its last
+    k - 1 = min(K_Q, M) - 1 gradients upstream B_Q apart, and a stage s < Q behind a slower
+    backward ``b = max_{s <= a < Q} B_a > B_Q`` (computation stages) queues them: through a
+    chain of stages, n equal jobs leave after ``sum B_a + (n - 1) max B_a``, so stage s
+    ends at ``sum_{a=s}^{Q} B_a + AR_s + max(last wait, first wait + (k-1)(b - B_Q))`` past
+    the reference point.
+
     Equation 2: ``L = T_w + T_s + T_e``.
     """
     S = len(F)
+    if not K:
+        K = None
     # equation 3: the pivot Q
     Q = S - 1
     between = 0.0  # sum of F + B over stages s+1 .. Q-1
@@ -230,14 +263,107 @@ def latency(
     T_s = (M - 1) * period[Q]
     # ending phase: the tail's forwards, then every stage's last backward and AR
     tail_f = sum(F[Q + 1 :])
-    end = 0.0
+    after = 0.0  # stages after Q, from the end of the tail's forwards
     acc = 0.0
     for s in range(S - 1, Q, -1):
         acc += B[s]
-        end = max(end, acc + AR[s])
+        after = max(after, acc + AR[s])
+    tail = tail_f + acc  # RT(Q+1..S-1): the last micro-batch's round trip after the pivot
+    k = min(K[Q] or 1, M) if K is not None else 1
+    own_pace = k > 1 and period[Q] == F[Q] + B[Q]
+    first, last = pivot_waits(tail, F[Q], B[Q], k) if own_pace else (0.0, tail)
+    drain = (k - 1) if own_pace else 0
+    # stages up to Q, from the pivot's M - 1st backward (equation 1's reference point): its
+    # last gradient, or its drain queued behind a slower backward upstream
+    own = 0.0
+    queued = 0.0
+    acc = 0.0
+    widest = 0.0  # max B_a over computation stages a in [s, Q)
     for s in range(Q, -1, -1):
         acc += B[s]
-        end = max(end, acc + AR[s])
-    T_e = tail_f + end
-    # equation 2
-    return Latency(T_w + T_s + T_e, T_w, T_s, T_e, Q)
+        own = max(own, acc + AR[s])
+        if s < Q and K is not None and K[s]:
+            widest = max(widest, B[s])
+        if drain and widest > B[Q]:
+            queued = max(queued, acc + AR[s] + first + drain * (widest - B[Q]))
+    T_e = max(tail_f + after, last + own, queued)
+    # equation 2, unless a stage's backward phase ends later
+    L = T_w + T_s + T_e
+    bound = backward_phases(F, B, AR, K, M) if K is not None else 0.0
+    if bound > L * (1.0 + TIE):
+        return Latency(bound, T_w, T_s, bound - T_w - T_s, Q)
+    return Latency(L, T_w, T_s, T_e, Q)
+
+
+def pivot_waits(tail: float, F_Q: float, B_Q: float, k: int) -> tuple[float, float]:
+    """How long the pivot's first and last backwards wait for the tail ``tail`` =
+    RT(Q+1..S-1), with k = min(K_Q, M) micro-batches in flight and its own pace F_Q + B_Q, as
+    delays past equation 1's reference point (the pivot's M - 1st backward at
+    ``T_w + (M - 1)(F_Q + B_Q)``).
+
+    Before its first backward the pivot waits for the tail less its k - 1 forwards after the
+    first, ``w1 = max(0, tail - (k-1) F_Q)``, which delays everything after it; before its last
+    backward, for the tail less the k - 1 backwards it runs after its last forward,
+    ``w2 = max(0, tail - (k-1) B_Q)``. Returns ``(w1, min(tail, w1 + w2))``: the delay of the
+    pivot's drain and of its last backward, never beyond the paper's whole tail.
+
+    With natural counts and equal stages (1F1B: ``tail = (k-1)(F_Q + B_Q)``) the last wait is
+    the tail; it is below it when the pivot's own backwards or forwards cover it.
+    """
+    first = max(0.0, tail - (k - 1) * F_Q)
+    return first, min(tail, first + max(0.0, tail - (k - 1) * B_Q))
+
+
+def backward_phases(
+    F: Sequence[float], B: Sequence[float], AR: Sequence[float], K: Sequence[int | None], M: int
+) -> float:
+    """A lower bound on the step from each computation stage's own work and the relay of its
+    last gradient up the pipeline.
+
+    Stage t (K_t set; k_t = min(K_t, M)) runs k_t forwards before its first backward, and
+    before that backward every stage up to t has run only forwards (the counts do not grow
+    down the pipeline), so its k_t-th forward ends no sooner than k_t equal jobs through a
+    chain of machines with nothing ahead of them, ``sum_{a<=t} F_a + (k_t - 1) max_{a<=t} F_a``
+    (computation stages in the max; comm stages only delay). Its first backward starts after
+    that and after the first backward of the stage after it, relayed through the comm stage
+    between; from there it still runs M backwards and M - k_t forwards. Nor can its last
+    backward end before its first input arrives plus all its work, ``sum_{a<t} F_a +
+    M (F_t + B_t)``. Stage s ends no sooner than its own last backward or any later stage's
+    relayed up through the stages between, then AR_s::
+
+        first_t = max(first_{t+1} + B_{t+1}, sum_{a<=t} F_a + (k_t - 1) max_{a<=t} F_a)
+        E_t     = max(first_t + M B_t + (M - k_t) F_t, sum_{a<t} F_a + M (F_t + B_t))
+        G_t     = max(E_t, G_{t+1} + B_t),    step >= max_t G_t + AR_t.
+
+    Equations 1-3 pace the steady phase by the pivot and miss a stage whose whole backward
+    phase comes after a late first gradient (a stage with K_t = M runs its M backwards in a
+    row once the pivot's K_Q-deep warm-up lets the first gradient through), and a stage after
+    the pivot about as busy as it, which delays the pivot's backwards. Stages without K_t
+    (comm stages; every stage under GPipe) only relay.
+    """
+    ready: list[float] = []  # when stage t's k_t-th forward ends, at the soonest
+    arrive: list[float] = []  # sum_{a<t} F_a: when its first input arrives
+    total = 0.0
+    widest = 0.0
+    for t in range(len(F)):
+        arrive.append(total)
+        total += F[t]
+        k = K[t]
+        if k:
+            widest = max(widest, F[t])
+        ready.append(total + (min(k, M) - 1) * widest if k else total)
+    end = 0.0
+    first = 0.0  # when stage t + 1's first backward ended (relayed up)
+    last = 0.0  # G_{t+1}: the latest a gradient reaches stage t
+    for t in range(len(F) - 1, -1, -1):
+        first = max(first, ready[t])
+        k = K[t]
+        if k:
+            k = min(k, M)
+            own = max(first + M * B[t] + (M - k) * F[t], arrive[t] + M * (F[t] + B[t]))
+            last = max(own, last + B[t])
+            end = max(end, last + AR[t])
+        else:
+            last += B[t]
+        first += B[t]
+    return end

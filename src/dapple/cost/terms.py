@@ -117,11 +117,13 @@ class PipelineTerms(NamedTuple):
     paced: Sequence[bool] = ()
     """Whether a cycle of its in-flight limit paces the stage
     (:func:`~dapple.cost.latency.cycle_paced`)."""
+    K: Sequence[int | None] = ()
+    """K_s per stage (None for comm stages and unbounded ones; empty: not given)."""
 
     def latency(self) -> Latency:
         """L = T_w + T_s + T_e and the pivot Q (equations 1-3,
         :func:`~dapple.cost.latency.latency`)."""
-        return latency(self.F, self.B, self.ending, self.M, self.period, self.paced)
+        return latency(self.F, self.B, self.ending, self.M, self.period, self.paced, self.K)
 
 
 def pipeline_terms(
@@ -165,7 +167,7 @@ def pipeline_terms(
     if host is None:
         period = steady_periods(F, B, K, M)
         paced = cycle_paced(F, B, K, M, period)
-        return PipelineTerms(M, F, B, AR, [0.0] * len(F), AR, period, paced)
+        return PipelineTerms(M, F, B, AR, [0.0] * len(F), AR, period, paced, K)
     h = apply_host(
         F,
         B,
@@ -176,7 +178,7 @@ def pipeline_terms(
         [None if x % 2 else host[x // 2] for x in range(len(F))],
         lambda x: list(stages[x // 2].work),
     )
-    return PipelineTerms(M, h.F, h.B, AR, h.step, h.AR, h.period, h.paced)
+    return PipelineTerms(M, h.F, h.B, AR, h.step, h.AR, h.period, h.paced, K)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

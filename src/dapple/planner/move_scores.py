@@ -22,7 +22,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from dapple.core.plan import Policy
-from dapple.cost.latency import longest_laps
+from dapple.cost.latency import TIE, longest_laps
 from dapple.planner.scorer import in_flight
 from dapple.planner.stage_options import StageOptions, stage_choice
 
@@ -283,9 +283,64 @@ def _latency(
         np.copyto(mpQ, mp[s], where=take)
         between += fb[s]
         between[take] = 0.0
+    cols = np.arange(n)
     cumF = np.cumsum(F, axis=0)
-    T_w = cumF[Q, np.arange(n)]
-    end = np.max(np.cumsum(B[::-1], axis=0) + AR[::-1], axis=0)
-    L: NDArray[np.float64] = T_w + mpQ + ((cumF[-1] - T_w) + np.maximum(end, 0.0))
+    T_w = cumF[Q, cols]
+    tail_f = cumF[-1] - T_w
+    # latency()'s ending phase: stages after Q from the tail's forwards, those up to Q from
+    # the pivot's waits (pivot_waits) and its drain where Q computes at its own pace
+    rB = np.vstack([np.cumsum(B[::-1], axis=0)[::-1], np.zeros((1, n))])  # sum_{a>=s} B_a
+    chain = rB[:-1] + AR
+    rows_at = np.arange(P)[:, None]
+    later = rows_at > Q[None, :]
+    after = np.maximum(np.max(np.where(later, chain, 0.0), axis=0), 0.0)
+    b_after = rB[Q + 1, cols]
+    tail = tail_f + b_after
+    fQ, bQ = F[Q, cols], B[Q, cols]
+    kQ = np.minimum(K[Q // 2, cols], M).astype(np.float64)
+    own_pace = (Q % 2 == 0) & (period[Q, cols] == fQ + bQ) & (kQ > 1)
+    first = np.where(own_pace, np.maximum(0.0, tail - (kQ - 1) * fQ), 0.0)
+    last = np.minimum(tail, first + np.maximum(0.0, tail - (kQ - 1) * bQ))
+    last = np.where(own_pace, last, tail)
+    drain = np.where(own_pace, kQ - 1, 0.0)
+    before = np.where((rows_at < Q[None, :]) & (rows_at % 2 == 0), B, 0.0)
+    widest = np.maximum.accumulate(before[::-1], axis=0)[::-1]  # computation stages in [s, Q)
+    own = np.maximum(np.max(np.where(later, 0.0, chain - b_after), axis=0), 0.0)
+    extra = drain * (widest - bQ)
+    queued = np.where(later | (extra <= 0.0), 0.0, chain - b_after + first + extra)
+    T_e = np.maximum(np.maximum(tail_f + after, last + own), np.max(queued, axis=0))
+    L: NDArray[np.float64] = T_w + mpQ + T_e
+    bound = _backward_phases(F, B, AR, K, M)
+    L = np.where(bound > L * (1.0 + TIE), bound, L)
     L[rows.bad[idx].any(axis=1)] = np.inf
     return L
+
+
+def _backward_phases(
+    F: NDArray[np.float64],
+    B: NDArray[np.float64],
+    AR: NDArray[np.float64],
+    K: NDArray[np.intp],
+    M: int,
+) -> NDArray[np.float64]:
+    """:func:`~dapple.cost.latency.backward_phases` of each plan (columns; rows alternate
+    computation and comm stages, ``K`` per computation stage)."""
+    k = np.minimum(K, M).astype(np.float64)
+    widest = np.maximum.accumulate(F[0::2], axis=0)
+    ready = np.cumsum(F, axis=0)
+    ready[0::2] += (k - 1) * widest
+    arrive = np.cumsum(F, axis=0) - F  # sum_{a<t} F_a
+    end = np.zeros(F.shape[1])
+    first = np.zeros(F.shape[1])
+    last = np.zeros(F.shape[1])
+    for t in range(F.shape[0] - 1, -1, -1):
+        first = np.maximum(first, ready[t])
+        if t % 2 == 0:
+            kt = k[t // 2]
+            own = np.maximum(first + M * B[t] + (M - kt) * F[t], arrive[t] + M * (F[t] + B[t]))
+            last = np.maximum(own, last + B[t])
+            end = np.maximum(end, last + AR[t])
+        else:
+            last = last + B[t]
+        first = first + B[t]
+    return end
