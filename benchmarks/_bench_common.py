@@ -146,6 +146,17 @@ def spearman(a: Sequence[float], b: Sequence[float]) -> float:
     return cov / (va * vb) if va > 0 and vb > 0 else math.nan
 
 
+def error_spread(errs: Sequence[float]) -> tuple[str, int]:
+    """Relative errors as two table cells, the 90th percentile of |error| and ``min / max``,
+    and how many lie within 10%."""
+    a = sorted(abs(e) for e in errs)
+    cells = (
+        f"{100 * a[int(0.9 * (len(a) - 1))]:.1f}% | "
+        f"{100 * min(errs):+.1f}% / {100 * max(errs):+.1f}%"
+    )
+    return cells, sum(x <= 0.10 for x in a)
+
+
 def back_to_back_ms(step: Callable[[int], None], steps: Sequence[int]) -> list[float]:
     """This rank's ms per step over back-to-back ``step(k)`` calls after one barrier: the period
     between consecutive step ends, as dapple's ``step_ms`` (no barrier inside the chunk, whose

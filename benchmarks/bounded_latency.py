@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 from typing import NamedTuple
 
-from _bench_common import load_note, random_server, spearman
+from _bench_common import error_spread, load_note, random_server, spearman
 from dapple.core.cluster import Cluster
 from dapple.core.layer_profile import AffineTime, LayerProfile
 from dapple.core.plan import Plan, straight_plan
@@ -133,12 +133,11 @@ def measure(plan: Plan, profile: ModelProfile, cluster: Cluster) -> Case:
 
 
 def _row(name: str, errs: list[float], pred: list[float], sim: list[float]) -> str:
-    a = sorted(abs(e) for e in errs)
-    within = sum(x <= 0.10 for x in a)
+    spread, within = error_spread(errs)
     return (
-        f"| {name} | {100 * statistics.median(errs):+.1f}% | {100 * statistics.median(a):.1f}% "
-        f"| {100 * a[int(0.9 * (len(a) - 1))]:.1f}% | {100 * min(errs):+.1f}% / "
-        f"{100 * max(errs):+.1f}% | {within} of {len(a)} | {spearman(pred, sim):.3f} |"
+        f"| {name} | {100 * statistics.median(errs):+.1f}% "
+        f"| {100 * statistics.median(abs(e) for e in errs):.1f}% "
+        f"| {spread} | {within} of {len(errs)} | {spearman(pred, sim):.3f} |"
     )
 
 

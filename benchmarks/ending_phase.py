@@ -15,17 +15,17 @@ import argparse
 import random
 import statistics
 
+from _bench_common import error_spread
 from bounded_latency import _case
 from dapple.cost.pipeline import pipeline_latency
 from dapple.simulate import simulate
 
 
 def _row(name: str, errs: list[float]) -> str:
-    a = sorted(abs(e) for e in errs)
+    spread, within = error_spread(errs)
     return (
-        f"| {name} | {len(errs)} | {100 * statistics.median(a):.1f}% "
-        f"| {100 * a[int(0.9 * (len(a) - 1))]:.1f}% | {100 * min(errs):+.1f}% / "
-        f"{100 * max(errs):+.1f}% | {sum(x <= 0.10 for x in a)} | {sum(e < -0.05 for e in errs)} |"
+        f"| {name} | {len(errs)} | {100 * statistics.median(abs(e) for e in errs):.1f}% "
+        f"| {spread} | {within} | {sum(e < -0.05 for e in errs)} |"
     )
 
 

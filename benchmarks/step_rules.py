@@ -19,7 +19,7 @@ import subprocess
 from pathlib import Path
 
 import dapple
-from _bench_common import load_note, random_server, write_report
+from _bench_common import error_spread, load_note, random_server, write_report
 from dapple.core.cluster import Cluster
 from dapple.core.layer_profile import AffineTime, LayerProfile
 from dapple.core.plan import Plan, interleave, straight_plan
@@ -70,11 +70,9 @@ def _case(
 
 
 def _row(label: str, errs: list[float]) -> str:
-    a = sorted(abs(e) for e in errs)
+    spread, within = error_spread(errs)
     return (
-        f"| {label} | {len(errs)} | {100 * statistics.median(errs):+.1f}% "
-        f"| {100 * a[int(0.9 * (len(a) - 1))]:.1f}% | {100 * min(errs):+.1f}% / "
-        f"{100 * max(errs):+.1f}% | {sum(x <= 0.10 for x in a)} |"
+        f"| {label} | {len(errs)} | {100 * statistics.median(errs):+.1f}% | {spread} | {within} |"
     )
 
 
