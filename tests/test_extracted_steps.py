@@ -78,15 +78,20 @@ def test_outputs_are_checked_before_any_input_is_read(tmp_path: Path) -> None:
 
 
 def test_profile_options_are_checked_in_order() -> None:
-    assert _check_options([4, 2, 4], 0, 1, "cpu", "fp32", None, 1) == ([2, 4], torch.device("cpu"))
+    ok = _check_options([4, 2, 4], 0, 1, "cpu", "fp32", None, 1, 1, None)
+    assert ok == ([2, 4], torch.device("cpu"))
     with pytest.raises(ValidationError, match="batch sizes must be positive integers"):
-        _check_options([0], 0, 1, "no-such-device", "fp32", 0, 0)
+        _check_options([0], 0, 1, "no-such-device", "fp32", 0, 0, 0, [8])
     with pytest.raises(ValidationError, match="need repeats >= 1"):
-        _check_options([1], 0, 0, "no-such-device", "fp32", 0, 0)
+        _check_options([1], 0, 0, "no-such-device", "fp32", 0, 0, 0, [8])
     with pytest.raises(ValidationError, match="num_threads must be >= 1"):
-        _check_options([1], 0, 1, "cpu", "fp32", 0, 0)
+        _check_options([1], 0, 1, "cpu", "fp32", 0, 0, 0, [8])
     with pytest.raises(ValidationError, match="co_workers must be an integer >= 1"):
-        _check_options([1], 0, 1, "cpu", "fp32", None, 0)
+        _check_options([1], 0, 1, "cpu", "fp32", None, 0, 0, [8])
+    with pytest.raises(ValidationError, match="passes must be an integer >= 1"):
+        _check_options([1], 0, 1, "cpu", "fp32", None, 1, 0, [8])
+    with pytest.raises(ValidationError, match="passes > 1 take one length"):
+        _check_options([1], 0, 1, "cpu", "fp32", None, 1, 2, [8])
 
 
 def test_each_length_pass_reports_its_share_of_the_progress() -> None:
