@@ -247,6 +247,13 @@ def run_worker_group(target: Callable[..., None], world: int, *args: Any) -> dic
         return dict(json.loads(Path(out).read_text()))
 
 
+def git_in(src: Path, *args: str) -> str:
+    """``git -C src args``'s output, stripped ('' where git fails)."""
+    return subprocess.run(
+        ["git", "-C", str(src), *args], capture_output=True, text=True, check=False
+    ).stdout.strip()
+
+
 def write_report(lines: Sequence[str], out: str | None) -> None:
     """Print the markdown ``lines`` and write them to ``out`` when given."""
     text = "\n".join(lines) + "\n"

@@ -52,6 +52,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from _bench_common import git_in
+
 ROOT = Path(__file__).resolve().parent.parent
 MODELS: dict[str, dict[str, int]] = {
     "tiny": {"layers": 2, "hidden": 64, "heads": 4, "seq": 32, "vocab": 256, "G": 8, "M": 4},
@@ -347,11 +349,6 @@ def _run_child(src: Path, model: str, warmup: int, steps: int) -> dict[str, Any]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def _git(src: Path, *args: str) -> str:
-    return subprocess.run(["git", "-C", str(src), *args], capture_output=True, text=True,
-                          check=False).stdout.strip()  # fmt: skip
-
-
 def _report(results: dict[str, dict[str, list[dict[str, Any]]]], args: Any,
             loads: list[tuple[float, ...]], versions: dict[str, str]) -> str:  # fmt: skip
     med = statistics.median
@@ -464,7 +461,7 @@ def main() -> None:
         print(json.dumps(child(args.child, args.warmup, args.steps)))
         return
     srcs = {"after": ROOT / "src", "before": args.before_src}
-    versions = {v: f"{_git(s, 'rev-parse', '--short', 'HEAD')} ({s})" for v, s in srcs.items()}
+    versions = {v: f"{git_in(s, 'rev-parse', '--short', 'HEAD')} ({s})" for v, s in srcs.items()}
     loads = [os.getloadavg()]
     results: dict[str, dict[str, list[dict[str, Any]]]] = {}
     for model in args.models.split(","):

@@ -42,6 +42,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from _bench_common import git_in
+
 ROOT = Path(__file__).resolve().parent.parent
 WARMUP = 3
 MS = (2, 4)
@@ -296,11 +298,6 @@ def _torch_version() -> str:
     return str(torch.__version__)
 
 
-def _git(src: Path, *a: str) -> str:
-    return subprocess.run(["git", "-C", str(src), *a], capture_output=True, text=True,
-                          check=False).stdout.strip()  # fmt: skip
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--child", type=int, help=argparse.SUPPRESS)
@@ -316,7 +313,7 @@ def main() -> None:
         return
     srcs = {"before": args.before_src, "after": ROOT / "src"}
     versions = {"before": str(args.before_src),
-                "after": f"{_git(ROOT, 'rev-parse', '--short', 'HEAD')} + working tree"}  # fmt: skip
+                "after": f"{git_in(ROOT, 'rev-parse', '--short', 'HEAD')} + working tree"}  # fmt: skip
     if args.stages == 2:
         pipeline = {v: _run_child(s, args.m, 2) for v, s in srcs.items()}
         text = _pipeline_report(pipeline, args, versions)

@@ -35,6 +35,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from _bench_common import git_in
+
 ROOT = Path(__file__).resolve().parent.parent
 WARMUP = 3
 _HELPER = """#include <valgrind/callgrind.h>
@@ -103,13 +105,8 @@ def _count(src: Path, folder: Path, lib: Path, name: str) -> dict[str, int]:
     return counts
 
 
-def _git(src: Path, *args: str) -> str:
-    return subprocess.run(["git", "-C", str(src), *args], capture_output=True, text=True,
-                          check=False).stdout.strip()  # fmt: skip
-
-
 def _report(res: dict[str, dict[str, int]], args: argparse.Namespace) -> str:
-    versions = ", ".join(f"{v} = {_git(s, 'rev-parse', '--short', 'HEAD')} ({s})"
+    versions = ", ".join(f"{v} = {git_in(s, 'rev-parse', '--short', 'HEAD')} ({s})"
                          for v, s in (("before", args.before_src), ("after", ROOT / "src")))  # fmt: skip
     lines = [
         f"Command: `python benchmarks/step_instructions.py --before-src {args.before_src}`; "

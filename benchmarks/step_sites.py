@@ -31,6 +31,8 @@ from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
+from _bench_common import git_in
+
 ROOT = Path(__file__).resolve().parent.parent
 WARMUP = 3
 _OWN = re.compile(r".*?/(dapple/|benchmarks/)")
@@ -143,11 +145,6 @@ def _report(res: dict[str, dict[str, Any]], args: Any, versions: dict[str, str])
     return "\n".join(lines) + "\n"
 
 
-def _git(src: Path, *a: str) -> str:
-    return subprocess.run(["git", "-C", str(src), *a], capture_output=True, text=True,
-                          check=False).stdout.strip()  # fmt: skip
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--child", type=int, help=argparse.SUPPRESS)
@@ -160,7 +157,7 @@ def main() -> None:
         return
     srcs = {"before": args.before_src, "after": ROOT / "src"}
     versions = {"before": str(args.before_src),
-                "after": f"{_git(ROOT, 'rev-parse', '--short', 'HEAD')} + working tree"}  # fmt: skip
+                "after": f"{git_in(ROOT, 'rev-parse', '--short', 'HEAD')} + working tree"}  # fmt: skip
     text = _report({v: _run_child(s, args.m) for v, s in srcs.items()}, args, versions)
     if args.out is not None:
         args.out.write_text(text)
