@@ -451,7 +451,7 @@ def _calibrate_under_torchrun(sizes: tuple[int, ...], repeats: int) -> Calibrati
     The ping-pong pair is ranks 0 and 1, so with one process per node it measures the
     inter-server link; with several per node, the intra-server one (both fields get it).
     """
-    from dapple.runtime.launch.refusal import end_refused, is_refusal, refused_elsewhere
+    from dapple.runtime.launch.refusal import end_if_refused
 
     world = int(os.environ["WORLD_SIZE"])
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
@@ -461,10 +461,7 @@ def _calibrate_under_torchrun(sizes: tuple[int, ...], repeats: int) -> Calibrati
     try:
         res = _measure_and_leave(dist.get_rank(), world, sizes, repeats)
     except Exception as e:
-        if is_refusal(e):
-            end_refused(e)  # the job's one line
-        if refused_elsewhere():
-            os._exit(2)  # a peer refused, and its line is the job's
+        end_if_refused(e)  # the job's one line, or a peer's
         raise
     out = _fit_measured(res, world, local, sizes, alone)
     servers = max(1, world // local)

@@ -62,12 +62,11 @@ from dapple.runtime.launch.local import (
     stop_workers,
 )
 from dapple.runtime.launch.refusal import (
-    end_refused,
+    end_if_refused,
     hand_over,
     is_refusal,
     refusal_folder,
     refused,
-    refused_elsewhere,
 )
 from dapple.runtime.launch.run_checks import check_batches, check_datasets
 from dapple.runtime.launch.stop_line import stop_line
@@ -430,10 +429,7 @@ def _torchrun_rank(
         device = init_distributed(cfg, local_world)
         run = run_plan(plan, wl, cfg, device=device, data=data, eval_data=eval_data)
     except Exception as e:  # peers may be gone: report and leave without PG teardown
-        if is_refusal(e):
-            end_refused(e)  # the job's one line
-        if refused_elsewhere():
-            os._exit(2)  # a peer refused the run, and its line is the job's
+        end_if_refused(e)  # the job's one line, or a peer's
         if elastic and lost_peer(e) and _restarts_left():
             _die(f"rank {os.environ['RANK']} stops with its lost peer ({rank_report(e)}); "
                  "torchrun restarts the workers and dapple re-plans", kind="")  # fmt: skip

@@ -36,6 +36,7 @@ from dapple.errors import DappleError, ValidationError
 from dapple.runtime.launch.failure import RankFailure, lost_peer, rank_report
 
 __all__ = [
+    "end_if_refused",
     "end_rank",
     "end_refused",
     "hand_over",
@@ -156,3 +157,13 @@ def refused_elsewhere() -> bool:
         return bool(store.check([_key()]))
     except RuntimeError:
         return False
+
+
+def end_if_refused(e: BaseException) -> None:
+    """A ``torchrun`` rank's end on ``e`` when the run was refused: ``e`` itself a refusal
+    (:func:`end_refused`: the job's one line), or a peer's (:func:`refused_elsewhere`: exit 2
+    without a line, the peer's is the job's). Returns when neither."""
+    if is_refusal(e):
+        end_refused(e)
+    if refused_elsewhere():
+        os._exit(2)
