@@ -37,7 +37,7 @@ from torch import nn
 
 from dapple.core.plan import Plan
 from dapple.runtime import comm
-from dapple.runtime.metrics import device_row, host_row
+from dapple.runtime.metrics import device_row, host_row, read_rows
 from dapple.runtime.optim import GradGroups
 from dapple.runtime.parallel.zero import FlatShards
 from dapple.runtime.precision import Precision
@@ -285,12 +285,10 @@ class NonFiniteGuard:
             gathered = [torch.empty_like(mine) for _ in range(self.world)]
             comm.all_gather(gathered, mine)
             table = torch.stack(gathered)
-        if summed is None:
-            return table.tolist(), table
-        head = table[:, :n]
-        flat = torch.cat([head.reshape(-1), table[:, n:].sum(0)]).tolist()
-        self.sums = flat[n * len(table) :]
-        return [flat[i * n : (i + 1) * n] for i in range(len(table))], head
+        rows, head, sums = read_rows(table, n)
+        if summed is not None:
+            self.sums = sums
+        return rows, head
 
     def _name_micro_batch(
         self, replay: Callable[[], None] | None

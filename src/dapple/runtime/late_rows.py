@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from dapple.runtime import comm
+from dapple.runtime.metrics import read_rows
 
 __all__ = ["LateRows"]
 
@@ -64,13 +65,7 @@ class LateRows:
             self._work.wait()
         table = self._out.view(self.world, -1)
         self._out, self._work = None, None
-        n = self._n
-        head = table[:, :n]
-        if table.shape[1] == n:
-            return head.tolist(), head, []
-        flat = torch.cat([head.reshape(-1), table[:, n:].sum(0)]).tolist()
-        rows = [flat[i * n : (i + 1) * n] for i in range(self.world)]
-        return rows, head, flat[n * self.world :]
+        return read_rows(table, self._n)
 
     def drop(self) -> None:
         """Forget a pending step (a failed run: its peers may be gone)."""

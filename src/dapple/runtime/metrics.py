@@ -47,6 +47,7 @@ __all__ = [
     "device_row",
     "global_norm",
     "host_row",
+    "read_rows",
     "resident_bytes",
     "row_tokens",
     "step_metrics",
@@ -134,6 +135,18 @@ def host_row(values: Sequence[float | torch.Tensor]) -> list[float]:
             for i in places[k]:
                 row[i] = x
     return row
+
+
+def read_rows(table: torch.Tensor, n: int) -> tuple[list[list[float]], torch.Tensor, list[float]]:
+    """A gathered ``table`` (one row per rank: its ``n``-column row of the step's collective,
+    then a vector to be summed over the ranks, if any) read on the host at once: the rows, the
+    rows as they stand on the device, and the vector's sum over the ranks (empty without)."""
+    head = table[:, :n]
+    if table.shape[1] == n:
+        return head.tolist(), head, []
+    flat = torch.cat([head.reshape(-1), table[:, n:].sum(0)]).tolist()
+    ranks = len(table)
+    return [flat[i * n : (i + 1) * n] for i in range(ranks)], head, flat[n * ranks :]
 
 
 def global_norm(rows: Sequence[Sequence[float]]) -> float:
