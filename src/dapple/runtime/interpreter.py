@@ -76,7 +76,7 @@ from dapple.runtime.parallel.zero import FlatShards
 from dapple.runtime.precision import Precision
 from dapple.runtime.reporting import target_token_count
 from dapple.runtime.sync import GradientSync
-from dapple.schedule.ir import Action, ActionKind, Schedule
+from dapple.schedule.ir import RECVS, Action, ActionKind, Schedule
 from dapple.schedule.validate import format_grid
 
 __all__ = ["RECV_AHEAD", "ProgramInterpreter", "step_point"]
@@ -85,7 +85,6 @@ K = ActionKind
 
 RECV_AHEAD = 4
 """Program positions ahead of the current action whose RECV_F/RECV_B are posted early."""
-_RECVS = (K.RECV_F, K.RECV_B)
 _UPDATES = (K.ALLREDUCE, K.STEP)
 _GRADS = (K.BACKWARD, K.BACKWARD_WEIGHT)
 """The actions that accumulate parameter gradients."""
@@ -135,7 +134,7 @@ def _compile(program: Sequence[Action], handler_at: Callable[[int], Handler]) ->
             continue
         ops.append(_Op(i, a, handler_at(i)))
         for k in range(i + 1, min(len(program), i + 1 + RECV_AHEAD)):
-            if program[k].kind in _RECVS and k not in early:
+            if program[k].kind in RECVS and k not in early:
                 ops.append(_Op(k, program[k], handler_at(k)))
                 early.add(k)
     return ops

@@ -31,7 +31,16 @@ from enum import Enum
 
 from dapple.errors import ValidationError
 
-__all__ = ["Action", "ActionKind", "ComputeOrder", "Schedule", "format_actions", "parse_action"]
+__all__ = [
+    "RECVS",
+    "SENDS",
+    "Action",
+    "ActionKind",
+    "ComputeOrder",
+    "Schedule",
+    "format_actions",
+    "parse_action",
+]
 
 
 class ActionKind(str, Enum):
@@ -84,7 +93,11 @@ _COMPUTE = frozenset(
     }
 )
 _SENDS_GRADIENT = frozenset({ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT})
-_COMM = frozenset({ActionKind.SEND_F, ActionKind.RECV_F, ActionKind.SEND_B, ActionKind.RECV_B})
+SENDS = frozenset({ActionKind.SEND_F, ActionKind.SEND_B})
+"""The send kinds."""
+RECVS = frozenset({ActionKind.RECV_F, ActionKind.RECV_B})
+"""The receive kinds."""
+_COMM = SENDS | RECVS
 _NEEDS_MB = _COMPUTE | _COMM
 
 

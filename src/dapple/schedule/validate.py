@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from dapple.core.plan import Plan, transfers
 from dapple.errors import ValidationError
-from dapple.schedule.ir import Action, ActionKind, Schedule
+from dapple.schedule.ir import RECVS, SENDS, Action, ActionKind, Schedule
 from dapple.schedule.text_grid import Cell, Problem, fail, format_grid
 from dapple.schedule.validate_order import validate_compute_order
 
@@ -43,8 +43,6 @@ _MsgKey = tuple[ActionKind, int, int, int, int]
 
 # Kinds by what the checks ask of them (sets: an Enum member looked up on its class costs an
 # attribute lookup, and every action of every device is asked).
-_SENDS = frozenset({K.SEND_F, K.SEND_B})
-_RECVS = frozenset({K.RECV_F, K.RECV_B})
 _TO_NEXT = frozenset({K.SEND_F, K.RECV_B})
 """Messages exchanged with the next stage's replicas."""
 _TO_PREV = frozenset({K.RECV_F, K.SEND_B})
@@ -312,12 +310,12 @@ def _dry_run(plan: Plan, schedule: Schedule) -> list[Problem]:
         for dev, prog in schedule.items():
             while pc[dev] < len(prog):
                 a = prog[pc[dev]]
-                if a.kind in _RECVS:
+                if a.kind in RECVS:
                     key = _recv_key(a)
                     if posted[key] == 0:
                         break
                     posted[key] -= 1
-                elif a.kind in _SENDS:
+                elif a.kind in SENDS:
                     posted[_send_key(a)] += 1
                 elif a.kind is K.ALLREDUCE:
                     waiting = at_ar.setdefault(a.stage, set())
@@ -367,9 +365,9 @@ def validate(schedule: Schedule, plan: Plan) -> None:
     recvs: dict[_MsgKey, list[Cell]] = {}
     for dev, prog in schedule.items():
         for r, a in enumerate(prog):
-            if a.kind in _SENDS:
+            if a.kind in SENDS:
                 sends.setdefault(_send_key(a), []).append((dev, r))
-            elif a.kind in _RECVS:
+            elif a.kind in RECVS:
                 recvs.setdefault(_recv_key(a), []).append((dev, r))
     for key in sorted(set(sends) | set(recvs), key=lambda k: (k[0].value, *k[1:])):
         ns, nr = len(sends.get(key, [])), len(recvs.get(key, []))

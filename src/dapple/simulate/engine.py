@@ -60,7 +60,7 @@ from dapple.cost.peak_memory import StageBytes, device_static, plan_stage_bytes
 from dapple.cost.schedule_step import schedule_step_ms
 from dapple.cost.terms import PlanTerms, TransferTerms, stage_terms
 from dapple.errors import DappleError, ValidationError
-from dapple.schedule.ir import Action, ActionKind, Schedule
+from dapple.schedule.ir import RECVS, SENDS, Action, ActionKind, Schedule
 from dapple.schedule.lower import lower
 from dapple.schedule.validate import validate
 
@@ -69,8 +69,6 @@ __all__ = ["DeviceStats", "SimEvent", "SimResult", "simulate"]
 K = ActionKind
 _MsgKey = tuple[ActionKind, int, int, int, int]
 """(SEND_F or SEND_B, sending stage, micro-batch, sending replica, receiving replica)."""
-_SENDS = frozenset({K.SEND_F, K.SEND_B})
-_RECVS = frozenset({K.RECV_F, K.RECV_B})
 _BACKWARDS = frozenset({K.BACKWARD, K.BACKWARD_INPUT, K.BACKWARD_WEIGHT})
 """B, I and W (sets: an Enum member looked up on its class costs an attribute lookup)."""
 
@@ -282,7 +280,7 @@ class _Run:
         whose message is not posted yet, an AllReduce not all replicas have reached)."""
         stages = self.plan.stages
         s, j = a.stage, a.replica
-        if a.kind in _SENDS:
+        if a.kind in SENDS:
             assert a.micro_batch is not None and a.peer is not None
             fwd = a.kind is K.SEND_F
             s_dst = s + 1 if fwd else s - 1
@@ -297,7 +295,7 @@ class _Run:
             key = (a.kind, s, a.micro_batch, j, a.peer)
             self.arrivals.setdefault(key, deque()).append(end)
             self.events.append(SimEvent(dev, a, start, end, dst, nbytes))
-        elif a.kind in _RECVS:
+        elif a.kind in RECVS:
             assert a.micro_batch is not None and a.peer is not None
             fwd = a.kind is K.RECV_F
             key = (K.SEND_F if fwd else K.SEND_B, s - 1 if fwd else s + 1, a.micro_batch, a.peer, j)
