@@ -310,7 +310,7 @@ def _latency(
     queued = np.where(later | (extra <= 0.0), 0.0, chain - b_after + first + extra)
     T_e = np.maximum(np.maximum(tail_f + after, last + own), np.max(queued, axis=0))
     L: NDArray[np.float64] = T_w + mpQ + T_e
-    bound = _backward_phases(F, B, AR, K, M)
+    bound = _backward_phases(F, B, AR, K, M, cumF)
     L = np.where(bound > L * (1.0 + TIE), bound, L)
     L[rows.bad[idx].any(axis=1)] = np.inf
     return L
@@ -322,14 +322,15 @@ def _backward_phases(
     AR: NDArray[np.float64],
     K: NDArray[np.intp],
     M: int,
+    cumF: NDArray[np.float64],
 ) -> NDArray[np.float64]:
     """:func:`~dapple.cost.latency.backward_phases` of each plan (columns; rows alternate
-    computation and comm stages, ``K`` per computation stage)."""
+    computation and comm stages, ``K`` per computation stage, ``cumF`` F's prefix sums)."""
     k = np.minimum(K, M).astype(np.float64)
     widest = np.maximum.accumulate(F[0::2], axis=0)
-    ready = np.cumsum(F, axis=0)
+    ready = cumF.copy()
     ready[0::2] += (k - 1) * widest
-    arrive = np.cumsum(F, axis=0) - F  # sum_{a<t} F_a
+    arrive = cumF - F  # sum_{a<t} F_a
     end = np.zeros(F.shape[1])
     first = np.zeros(F.shape[1])
     last = np.zeros(F.shape[1])
