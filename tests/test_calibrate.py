@@ -98,3 +98,30 @@ def test_host_cpu_terms_are_measured_on_one_intra_op_thread(monkeypatch):
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(old)
+
+
+def _fake_clock(ms_per_matmul):
+    """A clock read once before the stretch and once after each matmul; each read after the
+    first advances it by ``ms_per_matmul(now_ms)``."""
+    state = {"t": 0.0, "reads": 0}
+
+    def clock() -> float:
+        if state["reads"]:
+            state["t"] += ms_per_matmul(state["t"] * 1e3) / 1e3
+        state["reads"] += 1
+        return state["t"]
+
+    return clock, state
+
+
+def test_matmul_timing_runs_a_window_and_times_its_middle():
+    from dapple.calibrate.machine import _matmul_ms
+
+    # a worker alone for its first 30 ms (its peers started late), then sharing a core (2 ms a
+    # matmul): timed over the middle half of its 160 ms window, it reads the shared speed
+    clock, state = _fake_clock(lambda now: 1.0 if now < 30 else 2.0)
+    assert _matmul_ms(160.0, n=8, clock=clock) == pytest.approx(2.0)
+    assert 160.0 <= state["t"] * 1e3 < 163.0  # it ran for the window, not for a count
+    # matmuls longer than a quarter of the window: the whole stretch
+    clock, _ = _fake_clock(lambda now: 50.0)
+    assert _matmul_ms(100.0, n=8, clock=clock) == pytest.approx(50.0)

@@ -33,12 +33,13 @@ stops them first, and they meet on loopback only (rank 0's TCPStore on the launc
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import logging
 import os
 import statistics
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -91,22 +92,41 @@ def runtime_threads(nproc: int) -> int:
     return threads_per_worker(nproc)
 
 
-def _matmul_ms(repeats: int = 80, n: int = 384) -> float:
-    """Wall time per ``n x n`` matmul over the middle half of ``repeats`` back-to-back runs.
+MATMUL_WINDOW_MS = 160.0
+"""How long each worker of :func:`busy_sweep` (and the lone timing) runs matmuls back to back.
+A window of wall time, not a count of matmuls: with more busy workers than cores, a fixed count
+lets the first-scheduled workers finish early and the rest run on freed cores, so the timed
+stretches overlap only partly and every ratio above the core count reads low (1.47 for 4
+workers on 2 cores where they share at 2.0; :func:`fit_sharing` then fits a background load
+E of about 5 that the machine does not have, ``benchmarks/fidelity.md``)."""
 
-    Wall time of the whole stretch, not per-matmul medians: a process descheduled by the OS
-    (cores shared) loses that time between matmuls. The edges are dropped because concurrently
-    started workers may not all be running yet (or any more).
+
+def _matmul_ms(
+    window_ms: float = MATMUL_WINDOW_MS,
+    n: int = 384,
+    clock: Callable[[], float] = time.perf_counter,
+) -> float:
+    """Wall time per ``n x n`` matmul over the middle half of a ``window_ms`` stretch of
+    back-to-back runs.
+
+    Wall time of the whole middle stretch, not per-matmul medians: a process descheduled by the
+    OS (cores shared) loses that time between matmuls. The edges are dropped because workers
+    started together may not all be running yet (or any more); every worker runs for the same
+    window, so their middle halves overlap whatever share of a core each one gets.
     """
     a = torch.randn(n, n)
     b = torch.randn(n, n)
     a @ b  # warm-up
-    stamps = [time.perf_counter()]
-    for _ in range(repeats):
+    start = clock()
+    end = start + window_ms / 1e3
+    stamps = [start]
+    while stamps[-1] < end:
         a @ b
-        stamps.append(time.perf_counter())
-    q = repeats // 4
-    lo, hi = (q, repeats - q) if repeats - 2 * q > 0 else (0, repeats)
+        stamps.append(clock())
+    lo = bisect.bisect_left(stamps, start + window_ms / 4e3)
+    hi = bisect.bisect_right(stamps, start + 3 * window_ms / 4e3) - 1
+    if hi - lo < 1:  # matmuls longer than a quarter of the window: the whole stretch
+        lo, hi = 0, len(stamps) - 1
     return (stamps[hi] - stamps[lo]) * 1e3 / (hi - lo)
 
 
@@ -195,22 +215,25 @@ def _point_to_point(
     return p2p, comm_cpu_fit(sizes, [float(x) for x in both[0] + both[1]])
 
 
-def busy_sweep(rank: int, world: int, repeats: int = 60, sweeps: int = 3) -> list[float]:
+def busy_sweep(
+    rank: int, world: int, window_ms: float = MATMUL_WINDOW_MS, sweeps: int = 3
+) -> list[float]:
     """Matmul wall time (ms, median over the busy ranks) when k = 1 .. world ranks compute at
     once (the others wait in a barrier, which takes no CPU). Call on every rank.
 
     The sweep runs ``sweeps`` times and keeps each k's median: one load spike from another
     program in a single measurement - say the k = 1 time, which would compress every ratio
     and fake a background load E in :func:`fit_sharing` - does not move a median of three.
-    (Not the minimum: with more busy ranks than cores the ranks' timed windows overlap only
-    partly, which biases the fastest of several runs low for large k.)
+    (Not the minimum: the fastest of several runs is biased low for large k, where a rank
+    that starts late after the barrier shares less of its window.) Every busy rank times the
+    same ``window_ms`` of wall time (:func:`_matmul_ms`), so their timed middles overlap.
     """
     runs: list[list[float]] = []
     for _ in range(max(1, sweeps)):
         out = []
         for k in range(1, world + 1):
             dist.barrier()
-            mine = _matmul_ms(repeats) if rank < k else 0.0
+            mine = _matmul_ms(window_ms) if rank < k else 0.0
             dist.barrier()
             gathered = [0.0] * world
             dist.all_gather_object(gathered, mine)
