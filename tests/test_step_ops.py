@@ -47,9 +47,11 @@ micro-batch's (floating) input rows, the clone of its (floating) target rows and
 loss into a held float64 scalar, summed there for the guard (7 here; 10 while the loss was
 converted by ``to`` and the sum promoted it, 12 while each row copy was ``to(copy=True)``, 65
 while the guard checked the gradients after each backward, 106 before that)."""
-PER_MB_CALLS = 28
+PER_MB_CALLS = 22
 """Python calls dapple may add per micro-batch: a fixed number for the executor, the
-interpreter and the guard (28 here; 61 with a check after each backward, 118 before that)."""
+interpreter and the guard (20 here: no slow-down context at K = 1 and the last stage's loss
+back-propagated directly; 26-28 before; 61 with a check after each backward, 118 before
+that)."""
 PER_STEP_OPS = 3 * N_GRADS + 4
 """aten ops dapple may add once per step: the gradient norm (on the CPU a norm, its strides
 and its copy into the group's vector per gradient; their copy into a held float64 vector and
@@ -67,8 +69,10 @@ TOKEN_PER_STEP_OPS = 3 * TOKEN_GRADS + 8
 """aten ops dapple may add once per step of a token workload: :data:`PER_STEP_OPS`'s and the
 count of target tokens, ``count_nonzero``, copied into the row (98 here; 112 while the count
 was a float64 ``sum`` and the row ``stack``ed)."""
-PER_STEP_CALLS = 180
-"""Python calls dapple may add once per step (178-179 here, one call varies from run to run:
+PER_STEP_CALLS = 172
+"""Python calls dapple may add once per step (170 here, one call varies from run to run: the
+peak resident memory read from ``getrusage``, the file only when it moved; the batch's
+static shapes compared without building them; 178-179 before,
 the step's records and row are built by methods of their own, which ``on_nonfinite="off"``
 shares, 8910ddd; 174 before;
 writing the norms into each group's vector takes 3 calls more than stacking them, 171; 201

@@ -64,7 +64,7 @@ def _bad_ranks(rows: list[list[float]]) -> list[tuple[int, int, int]]:
 def _rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The CPU random state and, on CUDA, the device's (copies; no device synchronisation)."""
     cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-    return torch.get_rng_state(), cuda
+    return torch.default_generator.get_state(), cuda
 
 
 class NonFiniteGuard:

@@ -21,6 +21,7 @@ import json
 import logging
 import math
 import os
+import resource
 import struct
 import sys
 import time
@@ -41,6 +42,7 @@ __all__ = [
     "ROW_SQ_NORM",
     "ROW_TOKENS",
     "MetricsSink",
+    "PeakResident",
     "StepProbe",
     "announce",
     "cuda_bytes",
@@ -170,9 +172,9 @@ def resident_bytes(device: torch.device, peak: bool) -> int:
     ``/proc/self/status``; CUDA ``max_memory_reserved`` or ``memory_reserved`` (0 when neither
     can be read).
 
-    Not ``getrusage``'s ``ru_maxrss``, though one system call is cheaper than reading the file:
-    it survives ``execve``, so a spawned worker's starts at its launcher's resident size at the
-    fork, where ``VmHWM`` is the worker's own."""
+    Not ``getrusage``'s ``ru_maxrss`` alone: it survives ``execve``, so a spawned worker's
+    starts at its launcher's resident size at the fork, where ``VmHWM`` is the worker's own
+    (:class:`PeakResident` reads the file when it moves)."""
     if device.type == "cuda":
         return cuda_bytes(device, "reserved_bytes", "peak" if peak else "current")
     key = b"VmHWM:" if peak else b"VmRSS:"
@@ -196,6 +198,42 @@ def cuda_bytes(device: torch.device, kind: str, which: str) -> int:
     return int(stats.get(kind, {}).get("all", {}).get(which, 0))
 
 
+class PeakResident:
+    """This process's peak resident bytes, ``VmHWM`` of ``/proc/self/status``
+    (:func:`resident_bytes`, whose kernel side formats the whole file: ~20 us), read again only
+    when ``getrusage``'s ``ru_maxrss`` (one system call, ~1 us) has moved since the last read.
+
+    ``ru_maxrss`` is the kernel's peak from its per-CPU counters (``VmHWM`` sums them exactly,
+    so the two differ by a few hundred KiB on a small machine), at least the peak the process
+    had before its last ``execve`` (a spawned worker's: its launcher's size at the fork). While
+    that inherited peak hides the process's own (``ru_maxrss`` at or below its value at
+    creation, when it exceeded ``VmHWM``), every reading goes to the file. A reading can lag
+    ``VmHWM`` by at most the counters' slack, until ``ru_maxrss`` next moves. Linux only
+    (elsewhere always :func:`resident_bytes`); made in the process that reads it."""
+
+    def __init__(self) -> None:
+        self._linux = sys.platform.startswith("linux")
+        self._floor_kib = -1
+        """``ru_maxrss`` (KiB) at or below this is the inherited peak: read the file."""
+        self._ru_kib = -1
+        """``ru_maxrss`` at the last read of the file (-1: none yet)."""
+        self._bytes = 0
+        """``VmHWM`` at that read."""
+        if self._linux:
+            hwm = resident_bytes(_CPU, peak=True) // 1024
+            ru = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+            self._floor_kib = ru if ru > hwm else -1
+
+    def __call__(self) -> int:
+        if not self._linux:
+            return resident_bytes(_CPU, peak=True)
+        ru = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        if ru <= self._floor_kib or ru != self._ru_kib:
+            self._ru_kib, self._bytes = ru, resident_bytes(_CPU, peak=True)
+        return self._bytes
+
+
+_CPU = torch.device("cpu")
 _STATUS: list[int] = []
 """``[pid, fd]`` of this process's open ``/proc/self/status`` (read again from offset 0 each
 time: a third of the cost of opening it per step)."""
@@ -245,6 +283,7 @@ class StepProbe:
         self._metering = False
         self._shapes: tuple[object, ...] = ()  # the shapes of this step's batch
         self._peaks: dict[tuple[object, ...], int] = {}  # metered peak by batch shapes
+        self._peak_resident = None if self.cuda else PeakResident()
         if self.cuda:
             torch.cuda.reset_peak_memory_stats(device)
         self._t = time.perf_counter()
@@ -267,8 +306,11 @@ class StepProbe:
         return self._peaks.get(self._shapes, 0)
 
     def resident_peak_bytes(self) -> int:
-        """The process's peak resident memory so far (CPU ``VmHWM``; CUDA peak reserved)."""
-        return resident_bytes(self.device, peak=True)
+        """The process's peak resident memory so far (CPU ``VmHWM``, :class:`PeakResident`;
+        CUDA peak reserved)."""
+        if self._peak_resident is None:
+            return resident_bytes(self.device, peak=True)
+        return self._peak_resident()
 
     def exclude(self, seconds: float) -> None:
         """Leave ``seconds`` spent since the last :meth:`lap` (an evaluation) out of the

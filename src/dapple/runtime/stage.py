@@ -133,6 +133,8 @@ class StageExecutor:
         sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None
         self.slow = Slowdown(slowdown_factor(rank), sync)
         """This rank's emulated slow-down of its compute (``DAPPLE_SLOWDOWN``; 1: none)."""
+        self._slowed = self.slow.factor != 1.0
+        """The compute runs under :attr:`slow` (K > 1); at K = 1 it runs without a context."""
         self._mb: dict[int, _MicroBatch] = {}
         self._batch_inputs: tuple[Any, ...] = ()
         self._batch_is_tuple = False
@@ -339,9 +341,11 @@ class StageExecutor:
             st.held = self.meter.hold(xs)
             with self.meter.saved_tensors_hooks(), self.slow():
                 out = self._compute(m, st, xs)
-        else:
+        elif self._slowed:
             with self.slow():
                 out = self._compute(m, st, xs)
+        else:
+            out = self._compute(m, st, xs)
         if not self.last:
             st.output = flatten(out)
             if self.split:  # the split backward detaches its outputs in place: copies that
@@ -361,8 +365,10 @@ class StageExecutor:
         if self.precision.dtype is not None:
             with self.precision.autocast():  # checkpoint replays the recompute under it too
                 out = self._layers(xs)
-        else:
+        elif self.recompute:
             out = self._layers(xs)
+        else:
+            out = self._stage_fn(*xs)
         if self.last:
             b = self.plan.micro_batch_size
             assert self._targets is not None
@@ -404,10 +410,16 @@ class StageExecutor:
     def _backward(self, m: int) -> None:
         if self.before_backward is not None:
             self.before_backward(m)
-        outs, gs = self._output_grads(m)
-        if outs:
+        st = self._mb[m]
+        if st.loss is not None and self.precision.scaler is None:  # _output_grads' own case
+            outs, gs = [st.loss], None
+        else:
+            outs, gs = self._output_grads(m)
+        if outs and self._slowed:
             with self.slow():
                 torch.autograd.backward(outs, gs)
+        elif outs:
+            torch.autograd.backward(outs, gs)
         self._after_input_grads(m)
         self._drop(m)
         if self.after_weights is not None:
