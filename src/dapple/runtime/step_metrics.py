@@ -42,7 +42,9 @@ class StepMetrics:
     predicted_step_ms: float | None = None
     peak_resident_bytes: tuple[int, ...] = ()
     """Per stage, max over its replicas: the process's peak resident memory so far (CPU:
-    ``VmHWM``; CUDA: ``max_memory_reserved`` over the same period as ``step_ms``)."""
+    ``VmHWM``, read again when ``getrusage``'s peak moves, so it may lag by the kernel's
+    per-CPU counter slack, :class:`~dapple.runtime.metrics.PeakResident`; CUDA:
+    ``max_memory_reserved`` over the same period as ``step_ms``)."""
     stage_resident_bytes: tuple[int, ...] = ()
     """Per stage, max over its replicas: ``peak_resident_bytes`` less the resident memory before
     the rank built its stage - what the stage's weights, gradients, optimizer state and
