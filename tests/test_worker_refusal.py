@@ -117,6 +117,47 @@ def test_under_torchrun_the_first_refusal_is_the_jobs_one_line() -> None:
     assert (again.stdout, again.stderr) == ("False\n", "dapple: error: again\n")
 
 
+_END = """
+import sys
+from dapple.errors import ValidationError
+from dapple.runtime.launch.refusal import end_if_refused
+end_if_refused(ValidationError(sys.argv[1]) if sys.argv[1] else RuntimeError("peer closed"))
+print("returned", flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_under_torchrun_each_node_writes_the_jobs_line_once(tmp_path: Path) -> None:
+    """A rank of node 1 refuses; the ranks that lose their peer to it end with exit 2, the
+    first of each node where no rank wrote the line writing the refusal's; every ending rank
+    leaves the line in torch's error file, which torch's own reader shows; an attempt without
+    a refusal returns."""
+    import torch.distributed as dist
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # type: ignore[attr-defined]
+    base = {**os.environ, "TORCHELASTIC_USE_AGENT_STORE": "True", "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(store.port), "TORCHELASTIC_RESTART_COUNT": "0"}  # fmt: skip
+    line = "dapple: error: layer 3 cannot be built on rank 1"
+    said = []
+    for i, (node, text) in enumerate(
+        [("1", "layer 3 cannot be built on rank 1"), ("0", ""), ("0", ""), ("1", "")]
+    ):
+        err = tmp_path / f"error-{i}.json"
+        env = {**base, "GROUP_RANK": node, "TORCHELASTIC_ERROR_FILE": str(err)}
+        done = subprocess.run([sys.executable, "-c", _END, text], env=env, capture_output=True,
+                              text=True, timeout=120, check=False)  # fmt: skip
+        assert (done.returncode, done.stdout) == (2, ""), done.stderr
+        said.append(done.stderr)
+        failure = ProcessFailure(local_rank=0, pid=1, exitcode=2, error_file=str(err))
+        assert failure.message == line
+    assert said == [f"{line}\n", f"{line}\n", "", ""]
+    base["TORCHELASTIC_RESTART_COUNT"] = "1"  # a new attempt, no refusal in it: a plain failure
+    done = subprocess.run([sys.executable, "-c", _END, ""], env=base, capture_output=True,
+                          text=True, timeout=120, check=False)  # fmt: skip
+    assert (done.returncode, done.stdout, done.stderr) == (0, "returned\n", "")
+
+
 def _torchrun(tmp_path: Path, model: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     straight_plan(4, [0, 2], global_batch_size=4, num_micro_batches=2).save(tmp_path / "p.json")
     env = {**os.environ, **env}
@@ -144,6 +185,47 @@ def test_a_refusal_under_torchrun_is_the_jobs_one_line(
     ours = [x for x in done.stderr.splitlines() if x.startswith("dapple:")]
     assert len(ours) == 1 and ours[0].startswith(f"dapple: error: {line}"), done.stderr[-3000:]
     assert "exitcode  : 2" in done.stderr  # the refusing rank's exit code, as torchrun reports it
+    # torchrun's own summary follows; its root cause is dapple's line (torch's error file)
+    assert f"traceback : dapple: error: {line}" in done.stderr, done.stderr[-3000:]
+    assert "To enable traceback" not in done.stderr, done.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_a_refusal_under_torchrun_is_one_line_on_each_node(tmp_path: Path) -> None:
+    """Two torchrun agents on this machine as the two nodes of one job (one worker each):
+    rank 1 (node 1) refuses after the rendezvous, rank 0 (node 0) loses its peer to it; each
+    agent's output holds the refusal's one line."""
+    from dapple.runtime import free_port
+
+    straight_plan(4, [0, 2], global_batch_size=4, num_micro_batches=2).save(tmp_path / "p.json")
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
+    }
+    port = str(free_port())
+
+    def agent(node: int) -> subprocess.Popen[str]:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank",
+               str(node), "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port",
+               port, "--max-restarts", "0", "-m", "dapple", "train", "--plan",
+               str(tmp_path / "p.json"), "-m", "runtime_workloads:refusing_mlp", "--steps", "2",
+               "--timeout-s", "60"]  # fmt: skip
+        return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True)  # fmt: skip
+
+    agents = [agent(0), agent(1)]
+    outs = []
+    try:
+        for a in agents:
+            outs.append(a.communicate(timeout=300)[1])
+    finally:
+        for a in agents:
+            if a.poll() is None:
+                a.kill()
+                a.wait()
+    for node, err in enumerate(outs):
+        ours = [x for x in err.splitlines() if x.startswith("dapple:")]
+        assert ours == ["dapple: error: layer 3 cannot be built on rank 1"], (node, err[-3000:])
 
 
 # -- calibrate's workers ---------------------------------------------------------------------------

@@ -63,6 +63,7 @@ from dapple.runtime.launch.local import (
 )
 from dapple.runtime.launch.refusal import (
     end_if_refused,
+    error_file,
     hand_over,
     is_refusal,
     refusal_folder,
@@ -161,9 +162,12 @@ def init_distributed(config: TrainConfig, local_world: int) -> torch.device:
 
 def _die(msg: str, kind: str = "error: ") -> None:
     """Print ``dapple: error: msg`` (``kind`` after ``dapple: ``) in a single write (ranks share
-    stderr) and exit 1."""
+    stderr) and exit 1; under ``torchrun`` the line is also the rank's error in torch's error
+    file (:func:`~dapple.runtime.launch.refusal.error_file`)."""
+    line = f"dapple: {kind}{msg}"
+    error_file(line)
     sys.stdout.flush()
-    os.write(2, f"dapple: {kind}{msg}\n".encode())
+    os.write(2, f"{line}\n".encode())
     os._exit(1)
 
 

@@ -16,18 +16,28 @@ Under ``torchrun`` there is no such folder and no launcher of dapple's; the agen
 (which outlives every worker) counts the refusals of an attempt instead (:func:`end_refused`):
 the first rank to refuse writes the one line and every rank ends with exit 2 - a refusal every
 rank makes alike (a check before the rendezvous, of the same files and flags everywhere) as much
-as one rank's own - and a rank that lost its peer to a refusal ends without a line
-(:func:`refused_elsewhere`). A job of several nodes has that one line on the first refusing
-rank's node.
+as one rank's own. The store also keeps that line and counts per node (``GROUP_RANK``), so that
+each node of the job writes it once: on a node where no rank refused, the first rank that lost
+its peer to the refusal (:func:`refused_elsewhere`) writes it, the others end without a line.
+
+torchrun's agent reports a job whose worker exited non-zero itself, after dapple's line: its
+``ChildFailedError`` summary (``torch.distributed.run.main`` is wrapped in torch's ``record``,
+which re-raises it). No worker can prevent it short of exiting 0, which would report a refused
+run as done. Each ending rank therefore writes dapple's line into torch's error file
+(``TORCHELASTIC_ERROR_FILE``, set by the agent for each worker; :func:`error_file`), so that the
+summary's "Root Cause" names the refusal instead of pointing to torch's errors page.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import pickle
 import sys
 import tempfile
 import threading
+import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, NoReturn, TypeGuard
@@ -39,6 +49,7 @@ __all__ = [
     "end_if_refused",
     "end_rank",
     "end_refused",
+    "error_file",
     "hand_over",
     "is_refusal",
     "refusal_folder",
@@ -131,17 +142,44 @@ def _key() -> str:
     return f"dapple/refused/attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
 
 
+def _first_on_node(store: Any) -> bool:
+    """Whether this rank is the first of its node (``GROUP_RANK``) to end on this attempt's
+    refusal (counted on the agent's store)."""
+    return bool(store.add(f"{_key()}/node-{os.environ.get('GROUP_RANK', '0')}", 1) == 1)
+
+
+def error_file(line: str) -> None:
+    """``line`` as this ``torchrun`` worker's error in torch's error file
+    (``TORCHELASTIC_ERROR_FILE``; nothing when unset), in the plain form torch's
+    ``ProcessFailure`` reads (``{"message": str, "timestamp": int}``): the agent's failure
+    summary shows it as the rank's error."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        with contextlib.suppress(OSError):
+            Path(path).write_text(json.dumps({"message": line, "timestamp": int(time.time())}))
+
+
 def end_refused(e: DappleError) -> NoReturn:
     """A ``torchrun`` rank's refusal of the run: the first rank of the attempt to refuse
-    (counted on the agent's store) writes ``dapple: error: e``, the others no line; exit 2.
-    Without the agent's store every refusing rank writes its line."""
+    (counted on the agent's store) keeps ``dapple: error: e`` there as the job's line, and the
+    first rank of each node to end writes it; exit 2. Without the agent's store every refusing
+    rank writes its line."""
+    line = f"dapple: error: {e}"
     store = _agent_store()
     try:
-        first = store is None or store.add(_key(), 1) == 1
+        if store is not None and store.add(_key(), 1) == 1:
+            store.set(f"{_key()}/line", line)
+        say = store is None or _first_on_node(store)
     except RuntimeError:
-        first = True
-    if first:
-        _write_line(f"dapple: error: {e}")
+        say = True
+    _end(line, say)
+
+
+def _end(line: str, say: bool) -> NoReturn:
+    """Exit 2 with ``line`` in torch's error file, and on stderr when ``say``."""
+    error_file(line)
+    if say:
+        _write_line(line)
     else:
         sys.stdout.flush()
     os._exit(2)
@@ -159,11 +197,22 @@ def refused_elsewhere() -> bool:
         return False
 
 
+def _end_for_peer() -> NoReturn:
+    """A ``torchrun`` rank's end on a peer's refusal: the job's line (kept on the agent's
+    store) written by the first such rank of a node where no rank wrote it yet; exit 2."""
+    line, say, store = "dapple: error: the run was refused on another rank", False, _agent_store()
+    if store is not None:
+        with contextlib.suppress(RuntimeError):  # the store gone: another node's line says it
+            line = store.get(f"{_key()}/line").decode()
+            say = _first_on_node(store)
+    _end(line, say)
+
+
 def end_if_refused(e: BaseException) -> None:
     """A ``torchrun`` rank's end on ``e`` when the run was refused: ``e`` itself a refusal
-    (:func:`end_refused`: the job's one line), or a peer's (:func:`refused_elsewhere`: exit 2
-    without a line, the peer's is the job's). Returns when neither."""
+    (:func:`end_refused`: the job's one line), or a peer's (exit 2; the job's line once on
+    each node). Returns when neither."""
     if is_refusal(e):
         end_refused(e)
     if refused_elsewhere():
-        os._exit(2)
+        _end_for_peer()
