@@ -171,7 +171,9 @@ def test_profiles_without_a_fingerprint_load_and_are_not_checked(tmp_path: Path)
     from dapple.profiler.analytic import analytic_profile
 
     analytic = analytic_profile("transformer", "h100", batch_sizes=[1], overrides=TINY)
-    assert analytic.model_fingerprint is None
+    assert analytic.model_fingerprint is not None  # of the shapes it counted, not of tensors
+    assert analytic.model_fingerprint.startswith("analytic-spec-v1:")
+    check_profile_model(analytic, wl, "the profile")  # not held against the model's tensors
     with pytest.raises(ValidationError, match="model_fingerprint must be a string"):
         ModelProfile.from_dict({**older.to_dict(), "model_fingerprint": 7})
 

@@ -205,8 +205,8 @@ def _check_inputs(inputs: RunInputs) -> None:
     check_run(plan, wl, None if cluster is None else as_cluster(cluster, None))
     fingerprint = fingerprint_once(wl)  # built once, when a check needs it
     check_plan_model(plan.model_fingerprint, wl, fingerprint)
-    if profile is not None:  # measured on this model (its layers' tensors)
-        _check_profile(profile, wl, fingerprint)
+    if profile is not None:  # measured on this model (its layers' tensors), the plan's own
+        _check_profile(profile, plan, wl, fingerprint)
 
 
 def _launch(cfg: RunConfig, inputs: RunInputs, early: EarlyWorkers | None) -> list[StepMetrics]:
@@ -239,13 +239,17 @@ def _launch(cfg: RunConfig, inputs: RunInputs, early: EarlyWorkers | None) -> li
 
 
 def _check_profile(
-    profile: ModelProfile | str | Path, wl: Workload, fingerprint: Fingerprint
+    profile: ModelProfile | str | Path, plan: Plan, wl: Workload, fingerprint: Fingerprint
 ) -> None:
-    """``profile`` was measured on ``wl`` (:func:`dapple.models.fingerprint.check_profile_model`)."""
+    """``profile`` was measured on ``wl`` (:func:`dapple.models.fingerprint.check_profile_model`)
+    and is of the model ``plan`` was made for (:meth:`~dapple.core.plan.Plan.check_fingerprint`:
+    an analytic profile's shapes against the analytic profile's the plan was made from)."""
     from dapple.models.fingerprint import check_profile_model
 
     named = f"of {_name(profile)!r}" if isinstance(profile, ModelProfile) else repr(_name(profile))
-    check_profile_model(as_profile(profile), wl, f"the profile {named}", fingerprint)
+    prof = as_profile(profile)
+    check_profile_model(prof, wl, f"the profile {named}", fingerprint)
+    plan.check_fingerprint(prof.model_fingerprint, f"the profile {named}")
 
 
 def _name(x: ModelProfile | Cluster | str | Path | None) -> str | None:

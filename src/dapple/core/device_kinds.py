@@ -27,7 +27,7 @@ from typing import Any
 
 from dapple.core._json import require
 from dapple.core.layer_profile import AffineTime, LayerProfile
-from dapple.core.profile import ModelProfile
+from dapple.core.profile import ModelProfile, comparable_fingerprints
 from dapple.errors import ValidationError
 
 __all__ = [
@@ -271,7 +271,7 @@ def check_same_model(ref: ModelProfile, ref_kind: str, p: ModelProfile, kind: st
     )
     a, b = ref.model_fingerprint, p.model_fingerprint
     require(
-        a is None or b is None or a == b,
+        not comparable_fingerprints(a, b) or a == b,
         f"{what} are of different models: fingerprints {a} vs {b}",
     )
     require(

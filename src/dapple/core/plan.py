@@ -32,6 +32,7 @@ from dapple.core._json import (
 )
 from dapple.core.plan_checks import check_plan
 from dapple.core.planning_options import PlanningOptions
+from dapple.core.profile import comparable_fingerprints
 from dapple.core.schedule_rules import group_of, load_schedule_module, module_of
 from dapple.core.slicing import slice_bounds, split_sizes, transfers
 from dapple.core.stage_plan import StagePlan
@@ -251,13 +252,14 @@ class Plan:
 
     def check_fingerprint(self, fingerprint: str | None, what: str) -> None:
         """Check that ``what`` (a profile, named for the message) is of the model the plan was
-        made for, when both record a :attr:`model_fingerprint` (no check otherwise).
+        made for, when both record a :attr:`model_fingerprint` of one kind (no check otherwise:
+        :func:`~dapple.core.profile.comparable_fingerprints`).
 
         Raises:
             ValidationError: one line naming both fingerprints and the plan's model.
         """
         mine = self.model_fingerprint
-        if mine is None or fingerprint is None or mine == fingerprint:
+        if not comparable_fingerprints(mine, fingerprint) or mine == fingerprint:
             return
         raise ValidationError(
             f"{what} was measured on another model than the plan was made for "
@@ -275,10 +277,13 @@ class Plan:
                 f"profiled as {model_name!r}, the plan was made for {self.model_name!r}: "
                 "the step times and memory may be another model's"
             )
-        if self.model_fingerprint is not None and fingerprint is None:
+        if self.model_fingerprint is not None and not comparable_fingerprints(
+            self.model_fingerprint, fingerprint
+        ):
             return (
-                "the profile records no model fingerprint (imported, analytic or older): "
-                f"dapple cannot check it was measured on the plan's {self.model_name!r}"
+                "the profile records no model fingerprint of the plan's kind (an imported or "
+                "older profile, or an analytic one beside a measured one): dapple cannot check "
+                f"it was measured on the plan's {self.model_name!r}"
             )
         return None
 

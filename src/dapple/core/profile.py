@@ -33,9 +33,21 @@ from dapple.core._json import (
 from dapple.core.layer_profile import LayerProfile
 from dapple.core.precision import TRAINING_PRECISIONS
 
-__all__ = ["PROFILE_SCHEMA_VERSION", "LengthProfile", "ModelProfile"]
+__all__ = ["PROFILE_SCHEMA_VERSION", "LengthProfile", "ModelProfile", "comparable_fingerprints"]
 
 PROFILE_SCHEMA_VERSION = 1
+
+
+def comparable_fingerprints(a: str | None, b: str | None) -> bool:
+    """Whether two model fingerprints (:attr:`ModelProfile.model_fingerprint`) can be held
+    against each other: both recorded, of one kind (the text before ``:``: ``meta-state-v1``
+    hashes a model's tensors, ``analytic-spec-v1`` an analytic profile's shapes; none without
+    a ``:``)."""
+
+    def kind(fp: str) -> str:
+        return fp.partition(":")[0] if ":" in fp else ""
+
+    return a is not None and b is not None and kind(a) == kind(b)
 
 
 def _optional_length(v: Any, what: str) -> float | None:
@@ -136,10 +148,13 @@ class ModelProfile:
     """The layers at the length the memory model plans for (the longest of a length
     distribution, :mod:`dapple.cost.at_length`); None: ``layers``."""
     model_fingerprint: str | None = None
-    """A hash of the profiled model's layer count and its layers' tensor names, shapes and dtypes
-    (:func:`dapple.models.fingerprint.model_fingerprint`): a command given this profile beside a
-    model refuses another model of the same name and layer count. None (an analytic, imported
-    or older profile): not checked."""
+    """A measured profile's hash of its model's layer count and its layers' tensor names, shapes
+    and dtypes (``meta-state-v1:``, :func:`dapple.models.fingerprint.model_fingerprint`): a
+    command given this profile beside a model refuses another model of the same name and layer
+    count. An analytic profile's hash of its layer count and the shapes it counted
+    (``analytic-spec-v1:``, :func:`dapple.profiler.analytic_models.spec_fingerprint`): held
+    only against a plan made from an analytic profile. None (an imported or older profile):
+    not checked."""
     tensor_widths: tuple[int, ...] | None = None
     """The tensor widths t the model's shardable layers can be cut over (a Hugging Face
     config's heads, key/value heads and MLP units each divisible by t); None: not recorded

@@ -83,8 +83,9 @@ def check_profile_model(
     profile: ModelProfile, workload: Workload, what: str, fingerprint: Fingerprint | None = None
 ) -> None:
     """``profile`` was measured on ``workload``: the same layer count and, when the profile
-    records a fingerprint, the same one; one logged warning naming both models when it records
-    none (imported, older, analytic and the paper's profiles), whatever its model's name.
+    records a fingerprint of the model's tensors, the same one; one logged warning naming both
+    models when it records none (imported, older, analytic and the paper's profiles: an
+    analytic profile's fingerprint hashes the shapes it counted), whatever its model's name.
 
     Args:
         profile: the profile given beside the model.
@@ -102,11 +103,12 @@ def check_profile_model(
             f"{what} was measured on {theirs}, not on the model {ours}; profile this model "
             "(dapple profile -m MODEL ...)"
         )
-    if profile.model_fingerprint is None:  # imported, analytic or older: names are all
+    if not _of_tensors(profile.model_fingerprint):  # imported, analytic or older: names are all
         named = f" and was profiled as {profile.model_name!r}" if profile.model_name else ""
         log.warning(
-            "%s records no model fingerprint (imported, analytic or older)%s: dapple cannot "
-            "check it was measured on the model %s, so what it predicts may be another model's",
+            "%s records no fingerprint of its model's tensors (analytic, imported or older)%s: "
+            "dapple cannot check it was measured on the model %s, so what it predicts may be "
+            "another model's",
             what, named, ours,
         )  # fmt: skip
         return
@@ -141,12 +143,18 @@ def check_plan_model(
         )
 
 
+def _of_tensors(fingerprint: str | None) -> bool:
+    """Whether ``fingerprint`` hashes a model's tensors (:func:`model_fingerprint`), which this
+    model's can be held against."""
+    return fingerprint is not None and fingerprint.startswith(f"{FINGERPRINT_KIND}:")
+
+
 def _other_fingerprint(
     recorded: str | None, workload: Workload, built: Fingerprint | None
 ) -> str | None:
     """``workload``'s fingerprint (``built()``, else built here) when ``recorded`` is another
-    one; None when they agree or either is unknown."""
-    if recorded is None:
+    one; None when they agree, either is unknown or ``recorded`` hashes no tensors."""
+    if not _of_tensors(recorded):
         return None
     mine = built() if built is not None else model_fingerprint(workload)
     return mine if mine is not None and mine != recorded else None

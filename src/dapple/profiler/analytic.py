@@ -43,7 +43,7 @@ from dapple.profiler.analytic_devices import (
     fitted_efficiency,
     get_device,
 )
-from dapple.profiler.analytic_models import TransformerSpec
+from dapple.profiler.analytic_models import TransformerSpec, spec_fingerprint
 from dapple.profiler.analytic_moe_ops import moe_record
 from dapple.profiler.analytic_ops import (
     LayerCost,
@@ -199,6 +199,7 @@ def analytic_profile(
         update_ms_per_parameter_byte=_update_ms_per_byte(dev, precision, eff),
         precision=prec.tensor_precision.value,
         seq_len=spec.seq,
+        model_fingerprint=spec_fingerprint(spec, len(layers)),
     )
 
 

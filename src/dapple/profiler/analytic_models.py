@@ -18,13 +18,15 @@ Specs come from :mod:`dapple.profiler.analytic_presets`: a named preset, a Huggi
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 from dataclasses import dataclass
 from typing import Literal
 
 from dapple.errors import ValidationError
 from dapple.profiler.analytic_moe_models import MLASpec, MoESpec
 
-__all__ = ["MAX_PARAMETERS", "MAX_SEQ", "TransformerSpec"]
+__all__ = ["ANALYTIC_KIND", "MAX_PARAMETERS", "MAX_SEQ", "TransformerSpec", "spec_fingerprint"]
 
 MAX_SEQ = 2**24
 """The longest sample the analytic profiler counts (16,777,216 tokens), past any model's
@@ -219,3 +221,20 @@ class TransformerSpec:
 
     def _norm_parameters(self) -> int:
         return self.hidden * (2 if self.norm == "layernorm" else 1)
+
+
+ANALYTIC_KIND = "analytic-spec-v1"
+"""What an analytic profile's fingerprint hashes (the prefix of its string): the layer count
+and the spec's shapes (:func:`spec_fingerprint`)."""
+
+
+def spec_fingerprint(spec: TransformerSpec, num_layers: int) -> str:
+    """``analytic-spec-v1:`` and the sha256 (16 hex digits) of ``num_layers`` (the profile's
+    chain) and every field of ``spec`` but its name and length (``seq``: a profile at another
+    length is of the same model, unless the length sizes its learned position table, which is
+    hashed): two analytic profiles of one name and layer count but other widths, heads or
+    vocabularies differ in it."""
+    fields = {k: v for k, v in dataclasses.asdict(spec).items() if k not in ("name", "seq")}
+    fields["max_positions"] = spec.positions if spec.learned_positions else None
+    text = json.dumps([num_layers, fields], sort_keys=True, default=str, separators=(",", ":"))
+    return f"{ANALYTIC_KIND}:{hashlib.sha256(text.encode()).hexdigest()[:16]}"
