@@ -11,6 +11,7 @@ it ends otherwise than its expectation (``ok``: exit 0; ``refuse``: exit 2).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -22,8 +23,8 @@ from pathlib import Path
 from _bench_common import HERE, header
 
 __all__ = [
-    "EXAMPLES", "LIMIT_S", "TINY_MOE", "Case", "processes_left", "run_battery", "run_case",
-    "verdict",
+    "EXAMPLES", "GRACE_S", "LIMIT_S", "MARK", "TINY_MOE", "Case", "live_case", "marked",
+    "processes_left", "run_battery", "run_case", "snapshot", "verdict",
 ]  # fmt: skip
 
 LIMIT_S = 240
@@ -129,3 +130,95 @@ def run_battery(
         cell = line.replace("|", "\\|")
         lines.append(f"| {i} | {group} | `{shown}` | {rc} | {cell} | {took:.1f} | {said} |")
     Path(out).write_text("\n".join(lines) + "\n")
+
+
+# -- cases that watch their processes and files (battery H) -----------------------------------
+
+MARK = "DAPPLE_BATTERY_CASE"
+"""The environment variable every process of a live case inherits (its tag): the processes a
+case left are found by it, spawned workers included (their command lines do not name W)."""
+
+GRACE_S = 10.0
+"""How long a case's processes may take to end after its command has exited."""
+
+
+def marked(tag: str) -> list[int]:
+    """Pids of the running (not zombie) processes whose environment holds ``MARK=tag``."""
+    want, out = f"{MARK}={tag}".encode(), []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit() or int(d.name) == os.getpid():
+            continue
+        try:
+            env = (d / "environ").read_bytes().split(b"\0")
+            state = (d / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if want in env and state not in ("Z", "X"):
+            out.append(int(d.name))
+    return out
+
+
+def snapshot(w: Path) -> dict[str, str]:
+    """Every file and folder under ``w`` (relative path) with its sha256 (``dir`` for a
+    folder, ``unreadable`` for a file that cannot be read)."""
+    import hashlib
+
+    out: dict[str, str] = {}
+    for dirpath, dirnames, filenames in os.walk(w):
+        for d in dirnames:
+            out[os.path.relpath(os.path.join(dirpath, d), w)] = "dir"
+        for f in filenames:
+            p = os.path.join(dirpath, f)
+            try:
+                with open(p, "rb") as fh:
+                    out[os.path.relpath(p, w)] = hashlib.sha256(fh.read()).hexdigest()
+            except OSError:
+                out[os.path.relpath(p, w)] = "unreadable"
+    return out
+
+
+def live_case(
+    argv: list[str],
+    w: Path,
+    tag: str,
+    *,
+    limit_s: float,
+    poke: Callable[[subprocess.Popen[bytes], str], None] | None = None,
+    prefix: Sequence[str] = (),
+) -> tuple[int, str, float, bool, int, int, str]:
+    """Run ``dapple argv`` in ``w`` as its own session, ``poke(proc, tag)`` beside it (a
+    thread: a signal once its processes are up, say); then ``(rc, first stderr line, seconds,
+    traceback?, error lines, processes of the case still running GRACE_S after it ended,
+    stderr)``.
+    Those processes are killed afterwards (SIGCONT first: a stopped one)."""
+    import signal
+    import threading
+
+    env = {**os.environ, MARK: tag}
+    with tempfile.TemporaryFile() as err_file:
+        start = time.monotonic()
+        proc = subprocess.Popen([*prefix, sys.executable, "-m", "dapple", *argv], cwd=w, env=env,
+                                stdout=subprocess.DEVNULL, stderr=err_file,
+                                start_new_session=True)  # fmt: skip
+        if poke is not None:
+            threading.Thread(target=poke, args=(proc, tag), daemon=True).start()
+        try:
+            rc = proc.wait(limit_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            rc = 124
+        took = time.monotonic() - start
+        end = time.monotonic() + GRACE_S
+        while (left := marked(tag)) and time.monotonic() < end:
+            time.sleep(0.2)
+        for pid in left:
+            for sig in (signal.SIGCONT, signal.SIGKILL):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, sig)
+        err_file.seek(0)
+        stderr = err_file.read().decode(errors="replace")
+    lines = stderr.strip().splitlines()
+    shown = next((x for x in lines if x.startswith("dapple")), lines[0] if lines else "")
+    errors = sum(x.startswith(("dapple: error:", "dapple ")) and "error" in x for x in lines)
+    return rc, shown, took, "Traceback" in stderr, errors, len(left), stderr
