@@ -1,4 +1,4 @@
-"""``--config FILE``: a run file reaches every field of :class:`~dapple.runtime.run_config.
+"""``--config FILE``: a run file reaches every field of :class:`~dapple.api.run_config.
 RunConfig` (and a ``[planning]`` section every field of :class:`~dapple.planner.plan_config.
 PlanConfig`); flags given beside it win, even at their default; ``--print-config`` prints what
 reads back to the same configuration; a bad file fails before any compute, naming the file, the
@@ -14,12 +14,7 @@ from typing import Any
 import pytest
 
 from dapple import api
-from dapple.cli import main
-from dapple.core.config_file import merge_values
-from dapple.core.plan import Plan, straight_plan
-from dapple.errors import ValidationError
-from dapple.planner.plan_config import PLAN_SECTIONS, PlanConfig, dump_plan_config, load_plan_config
-from dapple.runtime.run_config import (
+from dapple.api.run_config import (
     RUN_SECTIONS,
     DataConfig,
     ModelConfig,
@@ -31,6 +26,11 @@ from dapple.runtime.run_config import (
     resolve_eval,
     resolve_train_config,
 )
+from dapple.cli import main
+from dapple.core.config_file import merge_values
+from dapple.core.plan import Plan, straight_plan
+from dapple.errors import ValidationError
+from dapple.planner.plan_config import PLAN_SECTIONS, PlanConfig, dump_plan_config, load_plan_config
 from dapple.runtime.train_config import TrainConfig
 
 Field = tuple[str, str]

@@ -1,5 +1,5 @@
 """One typed configuration behind three doors: every flag of ``dapple train`` and ``dapple plan``
-is a field of :class:`~dapple.runtime.run_config.RunConfig` / :class:`~dapple.planner.plan_config.
+is a field of :class:`~dapple.api.run_config.RunConfig` / :class:`~dapple.planner.plan_config.
 PlanConfig` with the flag's default, and :func:`dapple.api.train` / :func:`dapple.api.plan` take
 the same option with the same default - but for the few flags that only a command line can have,
 each listed below with its reason. The runs the CLI, a config file and the API ask for reach the
@@ -17,6 +17,14 @@ from typing import Any
 import pytest
 
 from dapple import api
+from dapple.api.run_config import (
+    NOT_IN_FILE,
+    RUN_SECTIONS,
+    ModelConfig,
+    PlanChoice,
+    RunConfig,
+    load_run_config,
+)
 from dapple.cli import build_parser, main
 from dapple.cli._config_args import Flag
 from dapple.cli._plan_flags import plan_flags
@@ -29,14 +37,6 @@ from dapple.core.planning_options import ZERO_CHOICES
 from dapple.errors import ValidationError
 from dapple.planner.plan_config import PLAN_SECTIONS, RUN_SECTION_NAMES, PlanConfig
 from dapple.profiler.paper_models import load_profile
-from dapple.runtime.run_config import (
-    NOT_IN_FILE,
-    RUN_SECTIONS,
-    ModelConfig,
-    PlanChoice,
-    RunConfig,
-    load_run_config,
-)
 from dapple.runtime.train_config import TrainConfig
 
 FILE_FLAGS = {"config", "print_config"}
@@ -44,7 +44,7 @@ FILE_FLAGS = {"config", "print_config"}
 
 CLI_ONLY_TRAIN = {
     "config": "names the file the options come from; the API takes them as arguments "
-    "(a file: dapple.runtime.run_config.load_run_config)",
+    "(a file: dapple.api.run_config.load_run_config)",
     "print_config": "prints the merged options and exits; the API has the object "
     "(dump_run_config writes it)",
     "loss_curve": "dapple train draws the PNG after the run; the API returns the metrics "
@@ -477,7 +477,7 @@ def test_cli_and_api_ask_verify_for_the_same_run(
 def test_verify_runs_with_the_verify_fields_only() -> None:
     """A run's checkpoint, metrics, evaluation and re-computation options stay out of both runs
     of verify; every field verify forwards reaches them."""
-    from dapple.runtime.run_config import resolve_verify_config
+    from dapple.api.run_config import resolve_verify_config
 
     others = {"checkpoint_dir": "ck", "save_every": 2, "metrics_path": "m.jsonl",
               "eval_every": 1, "recompute": "full", "echo": True}  # fmt: skip

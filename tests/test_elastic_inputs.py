@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 
 from builders import make_profile
+from dapple.api.run_config import RunConfig, RunOptions
 from dapple.core.cluster_presets import PRESETS
 from dapple.core.plan import straight_plan
 from dapple.errors import ValidationError
 from dapple.runtime.launch.elastic import ElasticPolicy, train_elastic
-from dapple.runtime.run_config import RunConfig, RunOptions
 from dapple.runtime.train_config import TrainConfig
 
 

@@ -13,9 +13,9 @@ import pytest
 
 from dapple import api
 from dapple.api.profiling import MAX_RUNS, ProfileConfig
+from dapple.api.run_config import ModelConfig
 from dapple.cli import main
 from dapple.errors import ValidationError
-from dapple.runtime.run_config import ModelConfig
 
 _ANALYTIC = ProfileConfig(model=ModelConfig(spec="llama3-8b"), analytic="h100",
                           batch_sizes=(1, 2), seq_lens=(1024, 2048))  # fmt: skip
@@ -59,7 +59,7 @@ def test_the_keyword_form_is_checked_as_the_cli_is_before_any_measuring(
 def test_reading_a_profile_config_does_not_import_torch() -> None:
     code = (
         "import sys; from dapple.api.profiling import ProfileConfig; "
-        "from dapple.runtime.run_config import ModelConfig; "
+        "from dapple.api.run_config import ModelConfig; "
         "ProfileConfig(model=ModelConfig(spec='mlp')); assert 'torch' not in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -154,9 +154,9 @@ def _check_best_plan(work: Path, out: str) -> None:
 def _check_run_file(root: Path, text: str) -> None:
     """The config-file example reads as a run file, a plan file and a simulation's file, every
     key as given."""
+    from dapple.api.run_config import load_run_config
     from dapple.api.simulating import load_simulate_config
     from dapple.planner.plan_config import load_plan_config
-    from dapple.runtime.run_config import load_run_config
 
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / "run.toml"

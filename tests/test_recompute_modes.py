@@ -13,6 +13,7 @@ import torch
 
 import runtime_workloads as rw
 from dapple.api.profiling import ProfileConfig, check_mode_options
+from dapple.api.run_config import ModelConfig, load_run_config
 from dapple.cli import main
 from dapple.core.plan import Plan, straight_plan
 from dapple.core.recompute import Recompute
@@ -21,7 +22,6 @@ from dapple.errors import ValidationError
 from dapple.runtime.memory import ActivationMeter
 from dapple.runtime.precision import Precision
 from dapple.runtime.rank import ExecutorFactory, build_layers
-from dapple.runtime.run_config import ModelConfig, load_run_config
 from dapple.runtime.stage import StageExecutor
 from dapple.runtime.train_config import TrainConfig
 from dapple.runtime.transport import BoundarySpec

@@ -14,7 +14,7 @@ factory (``--set KEY=VALUE`` and ``--split-at`` on the command line)::
     report = dp.verify(plan, "dapple.models.hf:gpt2", steps=2, overrides={"layers": 2})
     assert report.ok
 
-A training run is also one typed configuration, :class:`~dapple.runtime.run_config.RunConfig`
+A training run is also one typed configuration, :class:`~dapple.api.run_config.RunConfig`
 (``dapple train``'s flags and a run file read into it, or ``dapple verify``'s flags):
 ``dp.train(cfg)`` runs it and ``dp.verify(cfg)`` checks it against one process; what it names
 is loaded once by :func:`run_inputs` (:class:`RunInputs`), its plan under the schedule and

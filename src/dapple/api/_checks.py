@@ -63,6 +63,6 @@ def seq_overrides(
 
 def dataset(data: Any, seq_len: int | None, documents: str | None = None) -> Any:
     """A dataset as given, or the token file (``documents``: the documents) at a path."""
-    from dapple.runtime.run_config import open_run_data
+    from dapple.api.run_config import open_run_data
 
     return None if data is None else open_run_data(data, seq_len, documents)

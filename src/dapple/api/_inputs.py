@@ -26,8 +26,8 @@ from dapple.models.workload import Workload
 from dapple.schedule.registry import check_virtual_stages
 
 if TYPE_CHECKING:
+    from dapple.api.run_config import RunConfig
     from dapple.planner.plan_config import PlanConfig
-    from dapple.runtime.run_config import RunConfig
 
 __all__ = [
     "PlanInputs",
@@ -50,9 +50,9 @@ WorkloadLike = Workload | str
 
 @dataclass(frozen=True, slots=True)
 class RunInputs:
-    """What a run's configuration (:class:`~dapple.runtime.run_config.RunConfig`) names,
+    """What a run's configuration (:class:`~dapple.api.run_config.RunConfig`) names,
     loaded: its plan under the schedule asked for, its model, its datasets, and the profile
-    and cluster as objects (None: :class:`~dapple.runtime.run_config.RunOptions`' names)."""
+    and cluster as objects (None: :class:`~dapple.api.run_config.RunOptions`' names)."""
 
     plan: Plan
     workload: Workload
@@ -74,9 +74,9 @@ def run_inputs(cfg: RunConfig, *, cli: bool = False) -> RunInputs:
 
     Raises:
         ValidationError: no plan or model in ``cfg``, a bad plan or model, or data options
-            that do not fit together (:meth:`~dapple.runtime.run_config.RunConfig.model_overrides`).
+            that do not fit together (:meth:`~dapple.api.run_config.RunConfig.model_overrides`).
     """
-    from dapple.runtime.run_config import open_run_data
+    from dapple.api.run_config import open_run_data
 
     c, d = cfg.plan, cfg.data
     if c.path is None or cfg.model.spec is None:

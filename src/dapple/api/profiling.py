@@ -18,10 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, overload
 
+from dapple.api.run_config import ModelConfig
 from dapple.core.profile import ModelProfile
 from dapple.core.recompute import RECOMPUTE_MODES, recompute_of
 from dapple.errors import ValidationError, one_line
-from dapple.runtime.run_config import ModelConfig
 
 if TYPE_CHECKING:
     from dapple.api._inputs import WorkloadLike

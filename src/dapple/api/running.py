@@ -30,11 +30,11 @@ from dapple.errors import ValidationError
 from dapple.models.workload import Workload
 
 if TYPE_CHECKING:
+    from dapple.api.run_config import RunConfig, RunOptions
     from dapple.models.fingerprint import Fingerprint
     from dapple.models.generate import Generated
     from dapple.runtime import StepMetrics
     from dapple.runtime.launch.early import EarlyWorkers
-    from dapple.runtime.run_config import RunConfig, RunOptions
 
 __all__ = ["generate", "train"]
 
@@ -94,12 +94,12 @@ def train(
     **options: Any,
 ) -> list[StepMetrics]:
     """Train a plan for ``steps`` synchronous steps (``dapple train``): ``train(cfg)`` runs a
-    :class:`~dapple.runtime.run_config.RunConfig` (a run file's,
-    :func:`~dapple.runtime.run_config.load_run_config`), ``train(plan, workload, ...)`` the
+    :class:`~dapple.api.run_config.RunConfig` (a run file's,
+    :func:`~dapple.api.run_config.load_run_config`), ``train(plan, workload, ...)`` the
     run its keyword arguments ask for - the same options, with the same names and defaults.
 
     Args:
-        plan: A :class:`~dapple.runtime.run_config.RunConfig` (then only ``inputs`` and
+        plan: A :class:`~dapple.api.run_config.RunConfig` (then only ``inputs`` and
             ``early`` go beside it), or a :class:`Plan` or its JSON path.
         workload: A :class:`Workload` or a spec string.
         steps: Optimizer steps.
@@ -116,9 +116,9 @@ def train(
             per sample padded per batch (:func:`dapple.datasets.open_documents`).
         schedule, policy, virtual_stages: As in :func:`~dapple.api.verify`.
         keep, eval_batches, require_resume, profile, cluster: As
-            :class:`~dapple.runtime.run_config.RunOptions` (``keep=None``: every checkpoint);
+            :class:`~dapple.api.run_config.RunOptions` (``keep=None``: every checkpoint);
             ``profile`` and ``cluster`` may be objects.
-        elastic, min_devices, max_restarts: As :class:`~dapple.runtime.run_config.RunOptions`:
+        elastic, min_devices, max_restarts: As :class:`~dapple.api.run_config.RunOptions`:
             re-plan on ``profile`` and ``cluster`` for the devices left when one is lost
             (:mod:`dapple.runtime.launch.elastic`); the metrics then hold every attempt's steps.
         inputs: With a ``RunConfig``: what it names, already loaded (``dapple train`` loads
@@ -140,7 +140,7 @@ def train(
         CheckpointError: ``require_resume`` and no checkpoint to resume.
         RankFailure: A worker failed.
     """
-    from dapple.runtime.run_config import RunConfig, RunOptions
+    from dapple.api.run_config import RunConfig, RunOptions
     from dapple.runtime.train_config import TrainConfig
 
     if isinstance(plan, RunConfig):
@@ -211,12 +211,12 @@ def _check_inputs(inputs: RunInputs) -> None:
 
 def _launch(cfg: RunConfig, inputs: RunInputs, early: EarlyWorkers | None) -> list[StepMetrics]:
     """Train ``cfg`` on its checked ``inputs``: the options resolved
-    (:func:`~dapple.runtime.run_config.resolve_train_config`), checked, and handed to
+    (:func:`~dapple.api.run_config.resolve_train_config`), checked, and handed to
     :func:`dapple.runtime.train`."""
+    from dapple.api.run_config import check_resumable, resolve_train_config
     from dapple.runtime import train as _train
     from dapple.runtime.launch.elastic import ElasticPolicy
     from dapple.runtime.parallel.stage_mesh import check_mesh_run, zero_floored
-    from dapple.runtime.run_config import check_resumable, resolve_train_config
 
     run, run_plan, wl = cfg.run, inputs.plan, inputs.workload
     profile, cluster = inputs.profile, inputs.cluster

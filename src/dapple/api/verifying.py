@@ -20,7 +20,7 @@ from dapple.errors import ValidationError
 from dapple.models.workload import Workload
 
 if TYPE_CHECKING:
-    from dapple.runtime.run_config import RunConfig
+    from dapple.api.run_config import RunConfig
     from dapple.runtime.train_config import TrainConfig
     from dapple.runtime.verify import VerifyReport
 
@@ -28,7 +28,7 @@ __all__ = ["VERIFY_CHECKS", "verify", "verify_many"]
 
 
 VERIFY_CHECKS = ("rtol", "atol", "grad_rtol", "progress")
-"""What :func:`verify` takes beside a :class:`~dapple.runtime.run_config.RunConfig`: the
+"""What :func:`verify` takes beside a :class:`~dapple.api.run_config.RunConfig`: the
 tolerances and whether it says which run is going."""
 
 
@@ -67,13 +67,13 @@ def verify(
     **options: Any,
 ) -> VerifyReport:
     """Run a plan distributed and check it step by step against one process (``dapple verify``):
-    ``verify(cfg)`` the run a :class:`~dapple.runtime.run_config.RunConfig` asks for (its model,
+    ``verify(cfg)`` the run a :class:`~dapple.api.run_config.RunConfig` asks for (its model,
     plan, data and :class:`~dapple.runtime.TrainConfig`'s steps, seed, device, precision,
     timeout and optimisation options), ``verify(plan, workload, ...)`` the one its keyword
     arguments ask for.
 
     Args:
-        plan: A :class:`~dapple.runtime.run_config.RunConfig` (then only ``inputs`` and
+        plan: A :class:`~dapple.api.run_config.RunConfig` (then only ``inputs`` and
             :data:`VERIFY_CHECKS` go beside it), or a :class:`Plan` or its JSON path.
         workload: A :class:`Workload` or a spec string.
         steps: Optimizer steps of both runs.
@@ -105,7 +105,7 @@ def verify(
             the model cannot be cut over (:mod:`dapple.runtime.parallel.tensor_check`).
         RankFailure: A worker failed.
     """
-    from dapple.runtime.run_config import RunConfig
+    from dapple.api.run_config import RunConfig
 
     if isinstance(plan, RunConfig):
         return _verify_config(plan, inputs, options)
@@ -155,7 +155,7 @@ def _verify_config(
     Raises:
         ValidationError: an option beside ``cfg`` that it holds itself, or as :func:`verify`.
     """
-    from dapple.runtime.run_config import resolve_verify_config
+    from dapple.api.run_config import resolve_verify_config
     from dapple.runtime.verify import verify as _verify
 
     extra = sorted(set(checks) - set(VERIFY_CHECKS))

@@ -9,7 +9,7 @@ token file is read as fixed windows.
 
 With ``--data`` the model is built for the data's sequence length: ``--seq-len N`` becomes
 the factory argument ``seq=N`` (the zoo transformer's and the Hugging Face models'), unless
-``--set seq=`` already says so (:func:`~dapple.runtime.run_config.seq_len_overrides`, which
+``--set seq=`` already says so (:func:`~dapple.api.run_config.seq_len_overrides`, which
 the run's configuration applies). Torch-free at import time.
 """
 

@@ -99,13 +99,13 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
 
 def model_overrides(args: argparse.Namespace) -> dict[str, Any]:
     """Keyword arguments for ``load_workload`` from ``--set``, ``--split-at``, ``--weights`` and
-    ``--dynamic-dims`` (:meth:`~dapple.runtime.run_config.ModelConfig.overrides`).
+    ``--dynamic-dims`` (:meth:`~dapple.api.run_config.ModelConfig.overrides`).
 
     Raises:
         ValidationError: a ``--set`` item without ``=``, a bad ``--dynamic-dims`` item, a
             missing or empty ``--weights``.
     """
-    from dapple.runtime.run_config import ModelConfig
+    from dapple.api.run_config import ModelConfig
 
     split_at = getattr(args, "split_at", None) or ""
     return ModelConfig(

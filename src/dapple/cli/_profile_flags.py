@@ -1,5 +1,5 @@
 """``dapple profile --config FILE`` / ``--print-config``: the model from a run file's ``[model]``
-section (:class:`~dapple.runtime.run_config.ModelConfig`), as ``dapple train --config`` reads it.
+section (:class:`~dapple.api.run_config.ModelConfig`), as ``dapple train --config`` reads it.
 
 The model flags (``-m``, ``--set``, ``--split-at``, ``--weights``, ``--dynamic-dims``) are
 :data:`dapple.cli._train_flags.TRAIN_FLAGS`' own rows; flags given beside ``--config`` win
@@ -17,7 +17,7 @@ from dapple.cli._config_args import ConfigFile, Flag, add_config_arguments, conf
 from dapple.cli._train_flags import TRAIN_FLAGS
 
 if TYPE_CHECKING:
-    from dapple.runtime.run_config import ModelConfig
+    from dapple.api.run_config import ModelConfig
 
 __all__ = ["MODEL_FLAGS", "add_profile_config_arguments", "model_config_of"]
 
@@ -49,8 +49,8 @@ def model_config_of(args: argparse.Namespace) -> ModelConfig | None:
     Raises:
         ValidationError: a bad file or value, or no model at all.
     """
+    from dapple.api.run_config import ModelConfig
     from dapple.core.config_file import dump, load
-    from dapple.runtime.run_config import ModelConfig
 
     schema = {"model": tuple(f for flag in MODEL_FLAGS for f in flag.fields)}
     file = ConfigFile(

@@ -1,4 +1,4 @@
-"""``dapple train``'s and ``dapple verify``'s flags as :class:`~dapple.runtime.run_config.RunConfig`
+"""``dapple train``'s and ``dapple verify``'s flags as :class:`~dapple.api.run_config.RunConfig`
 fields.
 
 :data:`TRAIN_FLAGS` is the one table from the parsed flags to the config: ``dapple train``
@@ -28,7 +28,7 @@ from dapple.cli._optim_args import zero_stage_flag
 from dapple.errors import ValidationError
 
 if TYPE_CHECKING:
-    from dapple.runtime.run_config import RunConfig
+    from dapple.api.run_config import RunConfig
 
 __all__ = [
     "FILE_GIVES",
@@ -145,7 +145,7 @@ _CHECKPOINT_ONLY = {
 
 
 def _file_key(f: tuple[str, str]) -> str:
-    from dapple.runtime.run_config import RUN_SECTIONS
+    from dapple.api.run_config import RUN_SECTIONS
 
     section = next(s for s, fields in RUN_SECTIONS.items() if f in fields)
     return f"[{section}] {f[1]}"
@@ -155,11 +155,11 @@ def run_config_of(args: argparse.Namespace) -> RunConfig:
     """The run ``--config FILE`` and the flags the command line gave (those win) ask for.
 
     Raises:
-        ValidationError: a bad file (:func:`~dapple.runtime.run_config.load_run_config`) or a
+        ValidationError: a bad file (:func:`~dapple.api.run_config.load_run_config`) or a
             bad value.
     """
+    from dapple.api.run_config import RunConfig, load_run_config
     from dapple.core.config_file import build, read_toml
-    from dapple.runtime.run_config import RunConfig, load_run_config
 
     over = given_values(args, TRAIN_FLAGS)
     file = {} if args.config is None else read_toml(args.config)
@@ -254,8 +254,8 @@ def verify_config_of(args: argparse.Namespace) -> RunConfig:
     Raises:
         ValidationError: a bad value.
     """
+    from dapple.api.run_config import RunConfig
     from dapple.core.config_file import build
-    from dapple.runtime.run_config import RunConfig
 
     with flags_named(args, RUN_FLAGS):
         return build(RunConfig, parsed_values(args, RUN_FLAGS))
@@ -267,8 +267,8 @@ def required_inputs(cfg: RunConfig) -> tuple[str, str]:
     Raises:
         ValidationError: no plan or no model, named as the flag (or the file's key).
     """
+    from dapple.api.run_config import RUN_SECTIONS
     from dapple.core.config_file import values_of
-    from dapple.runtime.run_config import RUN_SECTIONS
 
     missing = missing_required(values_of(cfg, RUN_SECTIONS), _REQUIRED, _file_key)
     if missing or cfg.plan.path is None or cfg.model.spec is None:

@@ -40,10 +40,10 @@ from dapple.core.plan import Plan
 from dapple.errors import ValidationError
 
 if TYPE_CHECKING:  # torch-free import of the CLI
+    from dapple.api.run_config import RunConfig
     from dapple.models.workload import Workload
     from dapple.runtime.checkpoint import Checkpoint
     from dapple.runtime.launch.early import EarlyWorkers
-    from dapple.runtime.run_config import RunConfig
     from dapple.runtime.step_metrics import StepMetrics
 
 __all__ = ["DEFAULT_KEEP", "check_long_run", "register", "run", "run_config"]
@@ -381,7 +381,7 @@ def _early_workers(
 def run(args: argparse.Namespace) -> int:
     cfg = run_config_of(args)  # the flags and the --config file, read once
     if args.print_config:
-        from dapple.runtime.run_config import dump_run_config
+        from dapple.api.run_config import dump_run_config
 
         print(dump_run_config(cfg), end="")
         return 0
@@ -445,7 +445,7 @@ def _checked_train(
     checkpoints against it, then train through :func:`dapple.api.train` (on the ``early``
     workers when given); rank 0's metrics."""
     from dapple.api import RunInputs, load, train
-    from dapple.runtime.run_config import open_run_data
+    from dapple.api.run_config import open_run_data
 
     spec, overrides = model
     _phase(f"start-up: loading the model {spec}")

@@ -8,7 +8,7 @@ norms must match to a relative 1e-4. Prints, per stage, the largest gradient and
 differences over all replicas and steps, the losses and norms of every step side by side, and
 the first check out of tolerance. Exit code 0 when everything is within tolerance, 1 otherwise.
 
-The flags are read once into the run's :class:`~dapple.runtime.run_config.RunConfig` (as
+The flags are read once into the run's :class:`~dapple.api.run_config.RunConfig` (as
 ``dapple train``'s) and the tolerances given; :func:`dapple.api.verify` runs that.
 """
 
@@ -26,7 +26,7 @@ from dapple.cli._run_args import add_run_arguments
 from dapple.cli._train_flags import verify_config_of
 
 if TYPE_CHECKING:
-    from dapple.runtime.run_config import RunConfig
+    from dapple.api.run_config import RunConfig
     from dapple.runtime.verify import VerifyReport
 
 __all__ = ["print_report", "register", "run", "run_config"]

@@ -12,7 +12,7 @@ section of a config file and :func:`dapple.api.plan`.
     interleave = true
     output = "plan.json"
 
-The sections of ``dapple train`` (:data:`dapple.runtime.run_config.RUN_SECTIONS`) may share
+The sections of ``dapple train`` (:data:`dapple.api.run_config.RUN_SECTIONS`) may share
 the file: each command reads its own.
 """
 
@@ -165,7 +165,7 @@ sample in ``dapple train``'s ``[data]``; the planner's mean length is ``mean_seq
 RUN_SECTION_NAMES = (
     "model", "plan", "data", "train", "optimizer", "checkpoint", "eval", "report", "elastic",
 )  # fmt: skip
-"""The sections ``dapple train --config`` reads (:data:`dapple.runtime.run_config.RUN_SECTIONS`;
+"""The sections ``dapple train --config`` reads (:data:`dapple.api.run_config.RUN_SECTIONS`;
 a test keeps the two equal)."""
 
 

@@ -5,8 +5,7 @@ Entry points: :func:`train` (Python API; spawns local workers or joins a ``torch
 :func:`run_plan` (one rank, on an already initialised process group) and ``dapple train``.
 
 The names below load on first use (:pep:`562`), so a command that only reads or checks its
-configuration (:mod:`dapple.runtime.train_config`, :mod:`dapple.runtime.run_config`) refuses a bad
-value without importing torch.
+configuration (:mod:`dapple.runtime.train_config`) refuses a bad value without importing torch.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ This is the part of a run's request the runtime reads: :func:`dapple.runtime.tra
 launcher, the elastic loop and every worker get a :class:`TrainConfig` (beside the plan, the
 built workload and the data, and an elastic run's policy), each value already resolved. The
 request a front door takes (``dapple train``, a run file, :func:`dapple.api.train`) is
-:class:`dapple.runtime.run_config.RunConfig`, which holds one of these beside the model, the plan
+:class:`dapple.api.run_config.RunConfig`, which holds one of these beside the model, the plan
 file, the data and the options only a front door resolves (``keep = 0``, an unset
 ``eval_batches``, the prediction's profile). The two stay apart because that request names
 files and choices the workers never see, and a :class:`TrainConfig` must not carry values
@@ -146,7 +146,7 @@ def state_factor(optimizer: str, momentum: float = 0.0) -> float:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TrainConfig:
     """How the runtime runs a plan: steps, seed, optimizer, limits and reporting, resolved
-    (a front door's request is :class:`~dapple.runtime.run_config.RunConfig`)."""
+    (a front door's request is :class:`~dapple.api.run_config.RunConfig`)."""
 
     steps: int = 1
     """Optimizer steps to run."""
@@ -178,7 +178,7 @@ class TrainConfig:
     """Save after every N completed steps and after the run's last step (0: never save)."""
     keep: int | None = None
     """Keep only the K newest complete checkpoints (None: keep all). ``dapple train``, a run
-    file and :func:`dapple.api.train` keep 3 unless told (:class:`~dapple.runtime.run_config.
+    file and :func:`dapple.api.train` keep 3 unless told (:class:`~dapple.api.run_config.
     RunOptions`)."""
     resume: bool = False
     """Continue from the newest complete checkpoint in ``checkpoint_dir``, saved under any plan."""
@@ -198,7 +198,7 @@ class TrainConfig:
     ``eval_batches`` fixed global batches, forward only through the pipeline."""
     eval_batches: int = 4
     """K, the global batches of each evaluation (the front doors: as many as the evaluation
-    data holds when fewer, :func:`~dapple.runtime.run_config.resolve_eval`)."""
+    data holds when fewer, :func:`~dapple.api.run_config.resolve_eval`)."""
     eval_batch_size: int | None = None
     """Samples per eval batch (None: the plan's global batch G). Another size runs the same
     stages and replicas with the micro-batching of :func:`dapple.runtime.evaluate.eval_plan`."""

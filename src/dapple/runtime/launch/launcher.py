@@ -345,7 +345,7 @@ def train(
         workload: a :class:`Workload` (must be picklable when processes are spawned), a
             ``module:factory`` spec or a zoo model name.
         config: how to run it (steps, seed, optimizer, limits, reporting), as the API
-            resolved it (:func:`dapple.runtime.run_config.resolve_train_config`).
+            resolved it (:func:`dapple.api.run_config.resolve_train_config`).
         data: training samples (a map-style dataset of ``(inputs, targets)``, e.g. a
             :class:`~dapple.datasets.TokenFile`); None: ``workload.make_batch``.
         eval_data: evaluation samples handed to the runtime (see ``run_plan``).
