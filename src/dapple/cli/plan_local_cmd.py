@@ -19,6 +19,7 @@ from dapple.cli._model_args import add_model_arguments, model_overrides
 from dapple.cli._renamed import renamed
 from dapple.cli._run_args import add_precision_argument
 from dapple.core.output_path import check_output_dir, check_output_file
+from dapple.core.precision import precision_of
 from dapple.errors import ValidationError
 
 __all__ = ["parse_counts", "register"]
@@ -76,7 +77,7 @@ def train_command(args: argparse.Namespace, plan: Path) -> str:
             argv += [flag, str(getattr(args, dest))]
     for item in getattr(args, "dynamic_dims", None) or []:
         argv += ["--dynamic-dims", item]
-    if args.precision != "fp32":
+    if precision_of(args.precision).autocast:  # fp32, the default, goes unsaid
         argv += ["--precision", args.precision]
     return shlex.join(argv)
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from dapple.core.parallelism import ZERO_STAGES
-from dapple.core.precision import TRAINING_PRECISIONS
+from dapple.core.precision import TRAINING_PRECISIONS, precision_of
 from dapple.core.recompute import Recompute, recompute_of
 from dapple.errors import ValidationError
 
@@ -283,8 +283,10 @@ def _check_long_run(c: TrainConfig) -> None:
         raise ValidationError(
             f"on_nonfinite must be stop or skip (or off: no guard), got {c.on_nonfinite!r}"
         )
-    if c.on_nonfinite == "off" and (c.precision == "fp16" or c.clip_grad_norm is not None):
-        what = "fp16 loss scaling" if c.precision == "fp16" else "clip_grad_norm"
+    # an unknown precision is refused by the later check, naming the training precisions
+    scales = c.precision in TRAINING_PRECISIONS and precision_of(c.precision).loss_scaling
+    if c.on_nonfinite == "off" and (scales or c.clip_grad_norm is not None):
+        what = f"{c.precision} loss scaling" if scales else "clip_grad_norm"
         raise ValidationError(
             f"on_nonfinite off cannot go with {what}: it needs every rank's gradients before the "
             "optimizer step (use stop or skip)"
