@@ -104,7 +104,7 @@ def test_order_deadlock_names_the_waiting_ranks() -> None:
 def test_device_view_of_a_replica_and_of_the_stage_it_sends_to() -> None:
     plan = _plan_2to1()
     d1 = _device_view(plan, 1, _peers(plan))
-    assert (d1.group, d1.replica, d1.owned, d1.replicas, d1.M, d1.active) == (
+    assert (d1.group, d1.replica, d1.owned, d1.parallel.replicas, d1.M, d1.active) == (
         0,
         1,
         (0,),

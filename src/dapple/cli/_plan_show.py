@@ -101,7 +101,8 @@ def expert_line(plan: Plan) -> str | None:
     for i, st in enumerate(plan.stages):
         e = st.expert_width
         groups = st.replicas // e
-        what = f" ({groups} group{'s' if groups > 1 else ''} of {e} replicas)" if e > 1 else ""
+        many = f"{groups} group{'s' if groups > 1 else ''}"
+        what = f" ({many} of {e} replicas)" if st.parallel.expert_parallel else ""
         parts.append(f"stage {i} e_s={e}{what}")
     return "expert widths: " + ", ".join(parts)
 

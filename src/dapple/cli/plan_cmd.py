@@ -243,7 +243,7 @@ def run_config(cfg: PlanConfig, *, compare: bool = False) -> int:
     if cfg.schedule:
         plan = _under_schedule(plan, cfg.schedule, profile, cluster)
     _print_plan(con, plan, profile, cluster, dp_ms)
-    single = [str(i) for i, st in enumerate(plan.stages) if st.replicas == 1]
+    single = [str(i) for i, st in enumerate(plan.stages) if not st.parallel.data_parallel]
     zero = cfg.zero_stage
     if zero in (1, 2, 3) and single:
         con.print(f"--zero-stage {zero} is a no-op on stage(s) {', '.join(single)} (one replica)")

@@ -171,9 +171,9 @@ def check_expert_widths(plan: Plan, profile: ModelProfile, what: str) -> None:
 
     expert_groups = {st.devices for st in plan.stages if moe_of(st)}
     for s, st in enumerate(plan.stages):
-        e = st.expert_width
-        if e == 1:
+        if not st.parallel.expert_parallel:
             continue
+        e = st.expert_width
         a, b = st.layers
         moe = moe_of(st)
         require(

@@ -297,7 +297,7 @@ def zero2_staging_bytes(
     t = parallel.tensor_width
     bucketed = [
         (layer.parameter_bytes - layer.tied_parameter_bytes)
-        / (t if t > 1 and layer.tensor_parallel else 1)
+        / (t if parallel.tensor_parallel and layer.tensor_parallel else 1)
         for layer in profile.layers[s:e]
     ]
     return min(ZERO2_STAGED_LAYERS * max(bucketed), sum(bucketed))

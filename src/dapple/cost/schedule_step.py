@@ -80,7 +80,9 @@ def _tails(terms: PlanTerms) -> tuple[float, ...]:
         tail = terms.stages[g].replicas[0].host.step_ms
         for k in plan.stages_of_group(g):
             st = terms.stages[k]
-            tail += st.terms.update_ms + (st.terms.sync_ms if plan.stages[k].replicas > 1 else 0.0)
+            tail += st.terms.update_ms + (
+                st.terms.sync_ms if plan.stages[k].parallel.data_parallel else 0.0
+            )
         out.append(tail)
     return tuple(out)
 

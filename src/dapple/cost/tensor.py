@@ -148,7 +148,7 @@ def _parallel_allreduce_ms(cluster: Cluster, nbytes: float, stage: StagePlan) ->
     group = stage.replica_group(0)
     one = allreduce_ms(cluster, nbytes, group)
     k = len(server_counts(cluster, group))
-    if t == 1 or k == 1:
+    if not stage.parallel.tensor_parallel or k == 1:
         return one
     inter_bpms = cluster.inter_server_bandwidth_gbps * 1e9 / 8 / 1e3
     return one + (t - 1) * 2 * (k - 1) / k * nbytes / inter_bpms

@@ -81,6 +81,7 @@ class Scorer:
         self.tensor_width = tensor_width
         """t: every stage's tensor width; candidates' devices are then the tensor groups of
         :func:`~dapple.planner.widths.group_cluster` (:attr:`cluster`)."""
+        self._tensor_parallel = Parallelism(tensor_width=tensor_width).tensor_parallel  # t > 1
         self.real_cluster = cluster
         cluster = group_cluster(cluster, tensor_width)
         self._tp = TensorSums(profile, cluster, tensor_width)
@@ -133,7 +134,7 @@ class Scorer:
             return 0.0, 0.0
         f = (self._ff[e] - self._ff[s]) + (self._fp[e] - self._fp[s]) * samples
         b = (self._bf[e] - self._bf[s]) + (self._bp[e] - self._bp[s]) * samples
-        if self.tensor_width > 1:
+        if self._tensor_parallel:
             c = self._tp.comm_ms(s, e, samples)
             return f + c, b + c
         return f, b
@@ -312,7 +313,7 @@ class Scorer:
         return got
 
     def _new_options(self, s: int, e: int, d: tuple[int, ...], b: int) -> StageOptions:
-        if self.tensor_width > 1 and self._tp.blocks(s, e) == 0:
+        if self._tensor_parallel and self._tp.blocks(s, e) == 0:
             return []
         return LazyOptions(self._modes(s, e, len(d)), functools.partial(self._stage, s, e, d, b))
 

@@ -225,13 +225,13 @@ def kind_shares(sc: Scorer, s: int, e: int, d: tuple[int, ...], b: int) -> tuple
 
 def _stage_ms(profile: ModelProfile, cluster: Cluster, st: StagePlan, v: float) -> TimeOfSamples:
     """``n -> (F + B) / v`` of stage ``st``'s layers on n samples, one tensor rank's."""
-    t = st.tensor_width
+    layout = st.parallel
 
     def ms(n: int) -> float:
-        if t == 1:
-            f, bw = compute_ms(profile, cluster, st.layers, n)
+        if layout.tensor_parallel:
+            f, bw = tensor_compute_ms(profile, cluster, st.layers, n, layout.tensor_width)
         else:
-            f, bw = tensor_compute_ms(profile, cluster, st.layers, n, t)
+            f, bw = compute_ms(profile, cluster, st.layers, n)
         return (f + bw) / v
 
     return ms

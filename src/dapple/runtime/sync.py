@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dapple.core.parallelism import ONE_DEVICE
 from dapple.core.plan import Plan
 from dapple.models.tied import sync_tied_grads
 from dapple.models.workload import Workload
@@ -152,9 +153,9 @@ class GradientSync:
         self.extra_pg = list(extra_pg)
         self.tied_pg = _tied_groups(plan, self.groups)
         self.module, self.stage = module, stage
-        self.tensor_width = plan.stages[stage].tensor_width if stage is not None else 1
-        """t_s: a tied copy outside the TP cut is whole on each of the t_s tensor ranks, each
-        with the same gradient (:meth:`tied` counts it once)."""
+        self.parallel = plan.stages[stage].parallel if stage is not None else ONE_DEVICE
+        """The stage's layout: a tied copy outside the TP cut is whole on each of its t_s tensor
+        ranks, each with the same gradient (:meth:`tied` counts it once)."""
         self.by_layer: dict[int, nn.Module] = {}
         if module is not None and stage is not None:
             assert isinstance(module, nn.Sequential)
@@ -290,8 +291,8 @@ class GradientSync:
 
         def group_sum(g: int, local: torch.Tensor) -> torch.Tensor:
             if g in self.tied_pg:  # every device of the stages: each tensor rank adds 1/t_s
-                if self.tensor_width > 1:
-                    local.div_(self.tensor_width)  # t_s a power of two: exact
+                if self.parallel.tensor_parallel:
+                    local.div_(self.parallel.tensor_width)  # t_s a power of two: exact
                 comm.all_reduce(local, op=dist.ReduceOp.SUM, group=self.tied_pg[g])
             return local
 

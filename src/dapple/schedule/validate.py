@@ -28,6 +28,7 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from dapple.core.parallelism import Parallelism
 from dapple.core.plan import Plan, transfers
 from dapple.errors import ValidationError
 from dapple.schedule.ir import RECVS, SENDS, Action, ActionKind, Schedule
@@ -79,8 +80,8 @@ class _Device:
     """j: its replica index in every stage it runs."""
     owned: tuple[int, ...]
     """The stages it runs (v > 1: its group's chunks)."""
-    replicas: int
-    """r_s of its stages."""
+    parallel: Parallelism
+    """The layout of its stages (r_s replicas)."""
     M: int
     active: bool
     """Its slice of a micro-batch is not empty."""
@@ -120,7 +121,7 @@ def _device_view(plan: Plan, dev: int, peers: _Peers) -> _Device:
         group=g,
         replica=j,
         owned=owned,
-        replicas=st.replicas,
+        parallel=st.parallel,
         M=plan.num_micro_batches,
         active=st.slice_sizes(plan.micro_batch_size)[j] > 0,
         prev_peers={s: set(peers[0][s].get(j, [])) if s > 0 else set() for s in owned},
@@ -208,7 +209,7 @@ def _order_problem(d: _Device, r: int, a: Action, where: _Where) -> Problem | No
         (K.BACKWARD, s, m, None) in where or (K.BACKWARD_INPUT, s, m, None) in where
     ):
         return (f"device {dev}: {a} sends before its backward", here)
-    if a.kind is K.ALLREDUCE and d.replicas == 1:
+    if a.kind is K.ALLREDUCE and not d.parallel.data_parallel:
         return (f"device {dev}: {a} on a stage with one replica", here)
     return None
 
@@ -225,8 +226,9 @@ def _allreduce_problems(d: _Device, where: _Where) -> list[Problem]:
             (r for (k, s2, _m, _p), r in where.items() if k in _BACKS and s2 == s), default=-1
         )
         ar = where.get((K.ALLREDUCE, s, None, None))
-        if d.replicas > 1 and ar is None:
-            problems.append((f"device {d.dev}: stage {s} has {d.replicas} replicas but no AR", []))
+        if d.parallel.data_parallel and ar is None:
+            r = d.parallel.replicas
+            problems.append((f"device {d.dev}: stage {s} has {r} replicas but no AR", []))
         if ar is not None and ar < last_b:
             problems.append(
                 (f"device {d.dev}: AR of stage {s} before its last backward", [(d.dev, ar)])

@@ -38,7 +38,7 @@ COLORS = {
 def _devs(d: DeviceStats) -> str:
     """A row's devices: ``dev 3``, or ``devs 2-3 (TP2)`` for a stage replica's tensor group
     (one row per stage replica: its tensor ranks run the same actions)."""
-    if d.tensor_width == 1:
+    if not d.tensor_group:
         return f"dev {d.device}"
     return f"devs {d.devices_text} (TP{d.tensor_width})"
 

@@ -35,7 +35,7 @@ def _category(kind: ActionKind) -> str:
 def _process_name(d: DeviceStats) -> str:
     """``device 3 (stage 1, replica 0)``; a tensor group's one process names all its devices:
     ``devices 0,2 (TP2, stage 0, replica 0)``."""
-    if d.tensor_width == 1:
+    if not d.tensor_group:
         return f"device {d.device} (stage {d.stage}, replica {d.replica})"
     return f"devices {d.devices_text} (TP{d.tensor_width}, stage {d.stage}, replica {d.replica})"
 

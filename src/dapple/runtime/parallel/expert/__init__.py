@@ -241,9 +241,9 @@ def shard_experts(
         return None
     s, j = plan.stage_of_device(rank)
     st = plan.stages[s]
-    e = st.expert_width
-    if e == 1:
+    if not st.parallel.expert_parallel:
         return None
+    e = st.expert_width
     coll = GroupCollectives(groups.group[(s, j // e)], e, j % e)
     names: list[str] = []
     for i, piece in enumerate(module.children()):

@@ -141,7 +141,10 @@ def select_zero(
     the r_s / e_s replicas holding each (:attr:`ZeroSelection.held`), or not at all at e_s = r_s
     (each replica updates its own whole: no other holds them)."""
     s, module, j = layers.stage, layers.module, layers.replica
-    if zero_stage == 3 or not (zero_stage and module and s is not None):  # 3: FSDP's own
+    if not (zero_stage and module and s is not None):
+        return ZeroSelection(zero_stage, [], [])
+    st = plan.stages[s]
+    if st.parallel.floored(zero_stage).shards_params:  # ZeRO-3: FSDP's own
         return ZeroSelection(zero_stage, [], [])
     flat = flat_parameters(plan, workload, s, module)
     tied = tied_parameters(plan, workload, s, module)
@@ -150,7 +153,6 @@ def select_zero(
         return ZeroSelection(zero_stage, flat, tied)
     if ep.shard_pg is None or j is None:  # e_s = r_s
         return ZeroSelection(zero_stage, [p for p in flat if id(p) not in ep.param_ids], tied)
-    st = plan.stages[s]
     copies = tuple(st.replica_devices[x] for x in st.expert_shard_replicas(j))
     group = ShardGroup(copies, ep.shard_pg, j // st.expert_width)
     held = {id(p): group for p in flat if id(p) in ep.param_ids}
