@@ -9,6 +9,39 @@ Notation: S stages *including* the communication stages between computation stag
 s in [0, S)), M micro-batches, F_s/B_s forward/backward time of stage s for one micro-batch,
 AR_s the AllReduce AR(P_s, g_s) of stage s's gradients (0 for comm stages), K_s the
 micro-batches stage s may keep in flight, Q the pivot stage (equation 3).
+
+How :func:`latency` computes L from its arguments (``period``, ``paced``, ``K``).
+
+Equation 3 picks the pivot scanning s = S-1 .. 0: s replaces Q when its bubble-free steady
+phase ``T_st^s = (M-1) period_s`` exceeds ``T_st^Q`` plus the F + B of the stages strictly
+between. A stage paced by a cycle of its in-flight limit (``paced``) replaces Q as soon
+as ``T_st^s`` exceeds ``T_st^Q``: its cycle
+already runs through the stages after it, and it admits micro-batches no faster than
+``period_s`` into every one of them, Q included (``benchmarks/moe.md``: a 15-stage plan
+whose second stage's cycle paced the step at 51.4 ms per micro-batch against the last
+stage's 49.3).
+
+Equation 1: ``T_w = sum_{s<=Q} F_s`` and ``T_s = (M-1) period_Q``.
+
+Ending phase: at the end of T_s the pivot has run its last forward; the last micro-batch
+still goes forward through stages Q+1..S-1 and back (the "tail"), then stage s finishes its
+last backward and all-reduces. Stage s <= Q ends at ``tail_F + tail_B + sum_{a=s}^{Q} B_a +
+AR_s``, stage s > Q at ``tail_F + sum_{a=s}^{S-1} B_a + AR_s``. For Q = S-1 (no tail) this
+is exactly equation 1 with stage Q in its first branch (so that L >= M (F_Q + B_Q)); for
+Q < S-1 equation 1 as printed omits the tail and would under-estimate L.
+
+The tail overlaps the pivot's own work (:func:`pivot_waits`): with K_Q micro-batches in
+flight the pivot runs K_Q - 1 backwards after its last forward before the last micro-batch's
+gradient is due, and the tail of the first micro-batch overlaps its K_Q - 1 forwards after
+the first. Where the pivot keeps its own pace (``period_Q = F_Q + B_Q``) the stages up to Q
+are charged the waits those leave instead of the tail. The pivot then sends its last
+k - 1 = min(K_Q, M) - 1 gradients upstream B_Q apart, and a stage s < Q behind a slower
+backward ``b = max_{s <= a < Q} B_a > B_Q`` (computation stages) queues them: through a
+chain of stages, n equal jobs leave after ``sum B_a + (n - 1) max B_a``, so stage s
+ends at ``sum_{a=s}^{Q} B_a + AR_s + max(last wait, first wait + (k-1)(b - B_Q))`` past
+the reference point.
+
+Equation 2: ``L = T_w + T_s + T_e``.
 """
 
 from __future__ import annotations
@@ -215,36 +248,7 @@ def latency(
             tail with the pivot's pending backwards and L is at least :func:`backward_phases`
             (below). None or empty: neither (the paper's).
 
-    Equation 3 picks the pivot scanning s = S-1 .. 0: s replaces Q when its bubble-free steady
-    phase ``T_st^s = (M-1) period_s`` exceeds ``T_st^Q`` plus the F + B of the stages strictly
-    between. A stage paced by a cycle of its in-flight limit (``paced``) replaces Q as soon
-    as ``T_st^s`` exceeds ``T_st^Q``: its cycle
-    already runs through the stages after it, and it admits micro-batches no faster than
-    ``period_s`` into every one of them, Q included (``benchmarks/moe.md``: a 15-stage plan
-    whose second stage's cycle paced the step at 51.4 ms per micro-batch against the last
-    stage's 49.3).
-
-    Equation 1: ``T_w = sum_{s<=Q} F_s`` and ``T_s = (M-1) period_Q``.
-
-    Ending phase: at the end of T_s the pivot has run its last forward; the last micro-batch
-    still goes forward through stages Q+1..S-1 and back (the "tail"), then stage s finishes its
-    last backward and all-reduces. Stage s <= Q ends at ``tail_F + tail_B + sum_{a=s}^{Q} B_a +
-    AR_s``, stage s > Q at ``tail_F + sum_{a=s}^{S-1} B_a + AR_s``. For Q = S-1 (no tail) this
-    is exactly equation 1 with stage Q in its first branch (so that L >= M (F_Q + B_Q)); for
-    Q < S-1 equation 1 as printed omits the tail and would under-estimate L.
-
-    The tail overlaps the pivot's own work (:func:`pivot_waits`): with K_Q micro-batches in
-    flight the pivot runs K_Q - 1 backwards after its last forward before the last micro-batch's
-    gradient is due, and the tail of the first micro-batch overlaps its K_Q - 1 forwards after
-    the first. Where the pivot keeps its own pace (``period_Q = F_Q + B_Q``) the stages up to Q
-    are charged the waits those leave instead of the tail. The pivot then sends its last
-    k - 1 = min(K_Q, M) - 1 gradients upstream B_Q apart, and a stage s < Q behind a slower
-    backward ``b = max_{s <= a < Q} B_a > B_Q`` (computation stages) queues them: through a
-    chain of stages, n equal jobs leave after ``sum B_a + (n - 1) max B_a``, so stage s
-    ends at ``sum_{a=s}^{Q} B_a + AR_s + max(last wait, first wait + (k-1)(b - B_Q))`` past
-    the reference point.
-
-    Equation 2: ``L = T_w + T_s + T_e``.
+    Equations 3, 1 and 2 with the ending phase as the module docstring says.
     """
     S = len(F)
     if not K:
