@@ -85,6 +85,33 @@ def test_a_zero3_interleaved_length_aware_plan_is_replanned_with_its_own_options
     assert four == want4
 
 
+def test_a_plan_put_under_a_schedule_is_replanned_under_it(tmp_path: Path) -> None:
+    """A ZeRO-3, length-aware plan put under ``gpipe`` (``dapple plan --schedule gpipe``) that
+    loses a device is re-planned as :func:`dapple.api.plan` plans it for the devices left, under
+    gpipe again; the planner's search alone (no ``plan_again``) leaves it at the planner's."""
+    from dapple.api.planning import plan, plan_again
+
+    prof = _llm_at_lengths()
+    cluster = link_cluster("elastic-options", 1, 8, 12.0)
+    opts = {"zero_stage": 3, "tensor_widths": [1, 2, 4], "mean_seq_len": 512, "max_seq_len": 1024,
+            "schedule": "gpipe"}  # fmt: skip
+    first = plan(prof, cluster, 8, output=tmp_path / "p.json", **opts)  # type: ignore[arg-type]
+    assert first.schedule == "gpipe"
+    recorded = Plan.load(tmp_path / "p.json").planned_with
+    assert recorded == PlanningOptions(zero_stage=3, tensor_widths=(1, 2, 4), schedule="gpipe")
+
+    new = replan(
+        ElasticPolicy(prof, cluster, plan_again=plan_again), 7, Plan.load(tmp_path / "p.json")
+    )
+    want = plan(prof, cluster_of(cluster, 7), 8, **{**opts, "tensor_widths": [1]})  # type: ignore[arg-type]
+    assert new == want and new.schedule == "gpipe"
+    assert new.predicted_step_ms == want.predicted_step_ms
+    assert new.planned_with == PlanningOptions(zero_stage=3, tensor_widths=(1,), schedule="gpipe")
+    searched = replan(ElasticPolicy(prof, cluster), 7, first)
+    assert searched.schedule != "gpipe" and searched.planned_with is not None
+    assert searched.planned_with.schedule is None
+
+
 def test_a_plan_without_recorded_options_replans_with_the_policy_floor() -> None:
     prof = _llm_at_lengths()
     cluster = link_cluster("elastic-options", 1, 4, 12.0)

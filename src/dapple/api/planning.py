@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from dapple.planner.plan_config import PlanConfig
     from dapple.planner.search import Progress
 
-__all__ = ["plan", "plan_local"]
+__all__ = ["plan", "plan_again", "plan_local"]
 
 
 @overload
@@ -171,9 +171,10 @@ def _name(x: ModelProfile | Cluster | str | Path) -> str | None:
 
 def _plan(cfg: PlanConfig, inputs: PlanInputs, progress: Progress | None) -> Plan:
     """The plan ``cfg`` asks for on its loaded ``inputs``: the planner's search, then the
-    schedule asked for; saved to ``cfg.output`` when given."""
+    schedule asked for, recording ``cfg``'s options (:func:`~dapple.planner.plan_config.
+    options_of`); saved to ``cfg.output`` when given."""
     from dapple.planner import make_plan
-    from dapple.planner.plan_config import tensor_width_list
+    from dapple.planner.plan_config import options_of, tensor_width_list
 
     prof, cl = inputs.profile, inputs.cluster
     if cfg.schedule not in (None, "best"):
@@ -191,9 +192,26 @@ def _plan(cfg: PlanConfig, inputs: PlanInputs, progress: Progress | None) -> Pla
         interleave=cfg.interleave,
     )
     result = _under_schedule(result, prof, cl, cfg.schedule, cfg.virtual_stages)
+    result = dataclasses.replace(result, planned_with=options_of(cfg))
     if cfg.output is not None:
         result.save(cfg.output)
     return result
+
+
+def plan_again(cfg: PlanConfig, profile: ModelProfile, cluster: Cluster) -> Plan:
+    """The plan ``cfg`` asks for on ``profile`` (already at ``cfg``'s lengths) and ``cluster``,
+    made as :func:`plan` makes it: an elastic run's re-plan for the devices left
+    (:attr:`dapple.runtime.launch.elastic.ElasticPolicy.plan_again`), ``cfg`` the options the
+    first plan recorded (:func:`~dapple.planner.plan_config.config_of`).
+
+    Raises:
+        ValidationError: ``cfg`` names no global batch size, or the plan cannot be put under
+            the schedule ``cfg`` asks for.
+        InfeasibleError: no plan fits.
+    """
+    if cfg.global_batch_size is None:
+        raise ValidationError("a re-plan needs the first plan's global_batch_size, got None")
+    return _plan(cfg, PlanInputs(profile, cluster, cfg.global_batch_size), None)
 
 
 def _under_schedule(

@@ -213,6 +213,7 @@ def _launch(cfg: RunConfig, inputs: RunInputs, early: EarlyWorkers | None) -> li
     """Train ``cfg`` on its checked ``inputs``: the options resolved
     (:func:`~dapple.api.run_config.resolve_train_config`), checked, and handed to
     :func:`dapple.runtime.train`."""
+    from dapple.api.planning import plan_again
     from dapple.api.run_config import check_resumable, resolve_train_config
     from dapple.runtime import train as _train
     from dapple.runtime.launch.elastic import ElasticPolicy
@@ -233,7 +234,8 @@ def _launch(cfg: RunConfig, inputs: RunInputs, early: EarlyWorkers | None) -> li
     if run.elastic and profile is not None and cluster is not None:
         prof, cl = with_profile_set(profile, as_cluster(cluster))  # a profile per kind, if given
         replan = ElasticPolicy(prof, cl, min_devices=run.min_devices,
-                               max_restarts=run.max_restarts, zero_stage=tc.zero_stage)  # fmt: skip
+                               max_restarts=run.max_restarts, zero_stage=tc.zero_stage,
+                               plan_again=plan_again)  # fmt: skip
     return _train(run_plan, wl, tc, data=inputs.data, eval_data=inputs.eval_data, early=early,
                   elastic=replan)  # fmt: skip
 

@@ -219,7 +219,7 @@ def run_config(cfg: PlanConfig, *, compare: bool = False) -> int:
     """Plan what ``cfg`` asks for and print it (``dapple plan`` once its flags are read);
     ``compare``: every planner side by side instead."""
     from dapple.api import plan_inputs
-    from dapple.planner.plan_config import check_interleave
+    from dapple.planner.plan_config import check_interleave, options_of
     from dapple.planner.schedule_choice import check_v_layers
 
     check_interleave(cfg.interleave, cfg.schedule, cli=True)
@@ -236,7 +236,7 @@ def run_config(cfg: PlanConfig, *, compare: bool = False) -> int:
     plan = _plan_with_progress(con, cfg, inputs)
     dp_ms = _dp_ms(cfg, inputs)  # after the planner's checks of the options
     if best:
-        return _best_schedule(con, plan, inputs, cfg.output, dp_ms)
+        return _best_schedule(con, plan, inputs, cfg, dp_ms)
     if cfg.schedule and not get_schedule(cfg.schedule).uses_pipeline_latency:
         return _new_schedule(con, plan, inputs, cfg, dp_ms)
     profile, cluster = inputs.profile, inputs.cluster
@@ -247,8 +247,8 @@ def run_config(cfg: PlanConfig, *, compare: bool = False) -> int:
     zero = cfg.zero_stage
     if zero in (1, 2, 3) and single:
         con.print(f"--zero-stage {zero} is a no-op on stage(s) {', '.join(single)} (one replica)")
-    if cfg.output:
-        plan.save(cfg.output)
+    if cfg.output:  # with cfg's options, which an elastic re-plan asks for again
+        dataclasses.replace(plan, planned_with=options_of(cfg)).save(cfg.output)
         con.print(f"plan written to {cfg.output}")
     return 0
 
@@ -371,14 +371,13 @@ def _new_schedule(
         )
     new = dataclasses.replace(new, predicted_step_ms=schedule_latency(new, profile, cluster))
     res = simulate(new, profile, cluster)
-    return _print_scheduled(con, new, res, inputs, dp_ms, cfg.output)
+    return _print_scheduled(con, new, res, inputs, dp_ms, cfg)
 
 
 def _print_scheduled(
-    con: Console, new: Plan, res: SimResult, inputs: PlanInputs, dp_ms: float, output: str | None
+    con: Console, new: Plan, res: SimResult, inputs: PlanInputs, dp_ms: float, cfg: PlanConfig
 ) -> int:
-    """A plan under its schedule: its (virtual) stages, idle devices and simulated step; saved
-    to ``output`` if given."""
+    """A plan under its schedule: its (virtual) stages, idle devices and simulated step."""
     profile, cluster = inputs.profile, inputs.cluster
     t = Table(title=f"{new.planner} plan of {profile.model_name} on {cluster.name}, {new.schedule}")
     mesh, mesh_cells = mesh_columns(new)
@@ -395,7 +394,7 @@ def _print_scheduled(
     print_table(con, t)
     chunks = f", v = {new.virtual_stages}" if new.virtual_stages > 1 else ""
     _print_idle(con, new, profile, cluster)
-    return _report(con, f"schedule {new.schedule}{chunks}", new, res, dp_ms, output)
+    return _report(con, f"schedule {new.schedule}{chunks}", new, res, dp_ms, cfg)
 
 
 def _own_cut(
@@ -413,11 +412,11 @@ def _own_cut(
         raise ValidationError(f"{why}; nor does any balanced pipeline fit: {choice.note}")
     con.print(f"{why}: planned for it on balanced pipelines of every depth instead (simulated, "
               "each M, cuts refined)")  # fmt: skip
-    return _print_scheduled(con, choice.plan, choice.result, inputs, dp_ms, cfg.output)
+    return _print_scheduled(con, choice.plan, choice.result, inputs, dp_ms, cfg)
 
 
 def _best_schedule(
-    con: Console, plan: Plan, inputs: PlanInputs, output: str | None, dp_ms: float
+    con: Console, plan: Plan, inputs: PlanInputs, cfg: PlanConfig, dp_ms: float
 ) -> int:
     """``--schedule best``: every schedule on the planner's partition and balanced pipelines,
     each M, by simulation; the fastest that fits the memory is the plan."""
@@ -428,22 +427,24 @@ def _best_schedule(
     _choices_table(con, choices, dp_ms, f"the {plan.planner} planner")
     assert best.plan is not None and best.result is not None
     _print_idle(con, best.plan, profile, cluster)
-    return _report(con, f"chosen: {best.label}", best.plan, best.result, dp_ms, output)
+    return _report(con, f"chosen: {best.label}", best.plan, best.result, dp_ms, cfg)
 
 
 def _report(
-    con: Console, head: str, plan: Plan, res: SimResult, dp_ms: float, output: str | None
+    con: Console, head: str, plan: Plan, res: SimResult, dp_ms: float, cfg: PlanConfig
 ) -> int:
-    """One line on a simulated plan after ``head``; the plan saved to ``output`` if given."""
+    """One line on a simulated plan after ``head``; saved as :func:`run_config` saves it."""
+    from dapple.planner.plan_config import options_of
+
     con.print(
         f"{head}, replication {plan.replication}, M = {plan.num_micro_batches} x "
         f"{plan.micro_batch_size} samples: predicted step {plan.predicted_step_ms:.2f} ms, "
         f"simulated {res.step_ms:.2f} ms, peak memory {gib_text(res.peak_memory_bytes)} GiB, "
         f"speed-up over dp {speedup_text(dp_ms, res.step_ms)}"
     )
-    if output:
-        plan.save(output)
-        con.print(f"plan written to {output}")
+    if cfg.output:
+        dataclasses.replace(plan, planned_with=options_of(cfg)).save(cfg.output)
+        con.print(f"plan written to {cfg.output}")
     return 0
 
 

@@ -1,11 +1,16 @@
-"""The search options a plan was made with, recorded in the plan so a re-plan uses them again.
+"""The options a plan was asked for with, recorded in the plan so a re-plan uses them again.
 
 An elastic run that loses a device plans anew for the devices left
 (:mod:`dapple.runtime.launch.elastic`); it must search the same space the first plan came from -
-ZeRO stage (or ``auto``), tensor widths, interleaving, planner - or the re-plan answers a
-different question than the user asked. :func:`dapple.planner.make_plan` records them as
-:attr:`dapple.core.plan.Plan.planned_with`; the lengths a plan was made for are the plan's own
-``mean_seq_len`` and ``max_seq_len``. Pure, no torch.
+ZeRO stage (or ``auto``), tensor widths, interleaving, planner - and put the result under the
+schedule asked for, or the re-plan answers a different question than the user asked.
+:func:`dapple.planner.make_plan` records the search options as
+:attr:`dapple.core.plan.Plan.planned_with`, :func:`dapple.api.plan` and ``dapple plan`` the
+schedule too. With the plan's own global batch size and lengths (``mean_seq_len``,
+``max_seq_len``) they are every option of the
+:class:`~dapple.planner.plan_config.PlanConfig` the plan was made with
+(:func:`~dapple.planner.plan_config.config_of`); the rest of it names the inputs (profile,
+cluster, servers) and the output file. Pure, no torch.
 """
 
 from __future__ import annotations
@@ -40,7 +45,8 @@ def zero_choice(value: object) -> ZeroChoice | None:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PlanningOptions:
-    """What :func:`dapple.planner.make_plan` searched (its keyword arguments)."""
+    """What :func:`dapple.planner.make_plan` searched (its keyword arguments), and the schedule
+    its plan was then put under."""
 
     planner: str = "dapple"
     """The planner (``dapple`` or a baseline)."""
@@ -50,6 +56,11 @@ class PlanningOptions:
     """The tensor widths searched; None: the planner's default candidates."""
     interleave: bool = False
     """Interleaved 1F1B plans were offered (``dapple plan --interleave``)."""
+    schedule: str | None = None
+    """The schedule the planned stages were put under (``dapple plan --schedule``), or ``best``;
+    None: the planner's choice."""
+    virtual_stages: int = 1
+    """v, model chunks per device group asked for with ``schedule`` ``interleaved``."""
 
     def __post_init__(self) -> None:
         require(isinstance(self.planner, str) and bool(self.planner),
@@ -65,14 +76,26 @@ class PlanningOptions:
         )  # fmt: skip
         require(isinstance(self.interleave, bool),
                 f"planned_with: interleave must be true or false, got {self.interleave!r}")  # fmt: skip
+        require(self.schedule is None or (isinstance(self.schedule, str) and bool(self.schedule)),
+                f"planned_with: schedule must be a name or null, got {self.schedule!r}")  # fmt: skip
+        v = self.virtual_stages
+        require(isinstance(v, int) and not isinstance(v, bool) and v >= 1,
+                f"planned_with: virtual_stages must be an integer >= 1, got {v!r}")  # fmt: skip
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        """The ``planned_with`` object of a plan file; ``schedule`` and ``virtual_stages`` only
+        where asked for (the planner's choice leaves them out, as earlier versions wrote it)."""
+        d: dict[str, Any] = {
             "planner": self.planner,
             "zero_stage": self.zero_stage,
             "tensor_widths": None if self.tensor_widths is None else list(self.tensor_widths),
             "interleave": self.interleave,
         }
+        if self.schedule is not None:
+            d["schedule"] = self.schedule
+        if self.virtual_stages != 1:
+            d["virtual_stages"] = self.virtual_stages
+        return d
 
     @staticmethod
     def from_dict(d: Any) -> PlanningOptions:
@@ -91,6 +114,8 @@ class PlanningOptions:
             zero_stage=_zero_read(d.get("zero_stage", 0)),
             tensor_widths=None if w is None else tuple(w),
             interleave=d.get("interleave", d.get(_OLD_INTERLEAVE, False)),
+            schedule=d.get("schedule"),
+            virtual_stages=d.get("virtual_stages", 1),
         )
 
 

@@ -26,7 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from dapple.core.config_file import Schema, dump, load
-from dapple.core.planning_options import ZERO_CHOICES, ZeroChoice, zero_choice
+from dapple.core.plan import Plan
+from dapple.core.planning_options import ZERO_CHOICES, PlanningOptions, ZeroChoice, zero_choice
 from dapple.core.tensor_layout import TENSOR_WIDTHS
 from dapple.errors import ValidationError, renamed_fields
 from dapple.planner.registry import DEFAULT_PLANNER, get_planner
@@ -37,8 +38,10 @@ __all__ = [
     "PlanConfig",
     "check_interleave",
     "choices",
+    "config_of",
     "dump_plan_config",
     "load_plan_config",
+    "options_of",
     "tensor_width_list",
 ]
 
@@ -151,6 +154,49 @@ def tensor_width_list(value: str | Sequence[int], what: str = "tensor_widths") -
             f"got {value if widths is None else widths!r}"
         )
     return sorted(set(widths))
+
+
+def options_of(cfg: PlanConfig) -> PlanningOptions:
+    """What a plan made for ``cfg`` records of it (:attr:`dapple.core.plan.Plan.planned_with`):
+    every option but the inputs (profile, cluster, servers), the output file and what the plan
+    records itself (G, the lengths)."""
+    widths = tensor_width_list(cfg.tensor_widths)
+    return PlanningOptions(
+        planner=cfg.planner, zero_stage=cfg.zero_stage,
+        tensor_widths=None if widths is None else tuple(widths), interleave=cfg.interleave,
+        schedule=cfg.schedule, virtual_stages=cfg.virtual_stages,
+    )  # fmt: skip
+
+
+def config_of(
+    plan: Plan,
+    *,
+    profile: str | None = None,
+    cluster: str | None = None,
+    servers: int | None = None,
+    output: str | None = None,
+) -> PlanConfig:
+    """The :class:`PlanConfig` ``plan`` was made with: its recorded options
+    (:attr:`~dapple.core.plan.Plan.planned_with`), its G and lengths, on the inputs and output
+    given (a plan records no file names).
+
+    Raises:
+        ValidationError: ``plan`` records no options (made by hand or by an older version).
+    """
+    opts = plan.planned_with
+    if opts is None:
+        raise ValidationError(
+            f"plan {plan.replication} of {plan.model_name or 'a model'} records no planning "
+            "options (made by hand or by an earlier version): plan it again with dapple plan"
+        )
+    return PlanConfig(
+        profile=profile, cluster=cluster, servers=servers, output=output,
+        global_batch_size=plan.global_batch_size, planner=opts.planner,
+        mean_seq_len=plan.mean_seq_len, max_seq_len=plan.max_seq_len, schedule=opts.schedule,
+        virtual_stages=opts.virtual_stages, zero_stage=opts.zero_stage,
+        tensor_widths=AUTO if opts.tensor_widths is None else opts.tensor_widths,
+        interleave=opts.interleave,
+    )  # fmt: skip
 
 
 PLAN_SECTIONS: Schema = {"planning": tuple(("", f.name) for f in dataclasses.fields(PlanConfig))}

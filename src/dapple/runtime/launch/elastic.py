@@ -34,11 +34,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dapple.core.cluster import Cluster
 from dapple.core.plan import Plan
-from dapple.core.planning_options import PlanningOptions, zero_choice
+from dapple.core.planning_options import ZeroChoice, zero_choice
 from dapple.core.profile import ModelProfile
 from dapple.errors import DappleError, InfeasibleError, ValidationError
 from dapple.runtime.checkpoint import latest_checkpoint
@@ -47,6 +47,13 @@ from dapple.runtime.launch.stop_line import RunClosing, stop_line
 from dapple.runtime.metrics import announce, metrics_from_dict
 from dapple.runtime.step_metrics import StepMetrics
 from dapple.runtime.train_config import TrainConfig
+
+if TYPE_CHECKING:
+    from dapple.planner.plan_config import PlanConfig
+
+PlanAgain = Callable[["PlanConfig", ModelProfile, Cluster], Plan]
+"""``(asked, profile, cluster) -> plan``: the plan a :class:`PlanConfig` asks for on ``profile``
+(already at its lengths) and ``cluster`` (:attr:`ElasticPolicy.plan_again`)."""
 
 __all__ = [
     "ElasticPolicy",
@@ -84,6 +91,11 @@ class ElasticPolicy:
     zero_stage: int = 0
     """The planner's ``zero_stage`` for re-plans of a plan that records no search options
     (:attr:`~dapple.core.plan.Plan.planned_with`; see :func:`replan`)."""
+    plan_again: PlanAgain | None = None
+    """How a re-plan is made from the options the plan records: :func:`dapple.api.train` gives
+    :func:`dapple.api.planning.plan_again` (the planner's search, then the schedule asked for,
+    as :func:`dapple.api.plan` makes a plan). None: the planner's search alone
+    (:func:`dapple.planner.make_plan`), which leaves a schedule asked for unapplied."""
 
     def __post_init__(self) -> None:
         for name, low in (("min_devices", 1), ("max_restarts", 0)):
@@ -186,36 +198,55 @@ def servers_left(cluster: Cluster, ranks: int, lost: Sequence[int]) -> tuple[Clu
 
 
 def replan(policy: ElasticPolicy, devices: int, plan: Plan) -> Plan:
-    """The planner's plan for ``devices`` devices of the policy's cluster, with ``plan``'s G
-    and the search options ``plan`` was made with (:attr:`Plan.planned_with`: planner, ZeRO
-    stage or auto, tensor widths, interleaving; and its lengths ``mean_seq_len``/``max_seq_len``).
-    A plan that records none (made by hand) is re-planned with the policy's ``zero_stage``.
-    Tensor widths that no longer divide a server of the devices left are dropped (width 1
-    stays).
+    """The plan for ``devices`` devices of the policy's cluster that ``plan``'s
+    :class:`~dapple.planner.plan_config.PlanConfig` asks for
+    (:func:`~dapple.planner.plan_config.config_of`: G, the lengths, and what
+    :attr:`Plan.planned_with` records - planner, ZeRO stage or auto, tensor widths,
+    interleaving, the schedule asked for), made by :attr:`ElasticPolicy.plan_again`. A plan
+    that records none (made by hand) is re-planned with the policy's ``zero_stage``. Tensor
+    widths that no longer divide a server of the devices left are dropped (width 1 stays).
 
     Raises:
         ElasticStop: no plan fits the memory of the devices left.
     """
-    from dapple.planner import make_plan
+    from dapple.cost.at_length import profile_for_lengths
+    from dapple.planner.plan_config import PlanConfig, config_of
 
     cluster = cluster_of(policy.cluster, devices)
-    opts = plan.planned_with or _floor_options(policy.zero_stage)
-    widths = opts.tensor_widths
-    if widths is not None:
+    if plan.planned_with is None:
+        asked = PlanConfig(global_batch_size=plan.global_batch_size,
+                           zero_stage=_floor(policy.zero_stage))  # fmt: skip
+    else:
+        asked = config_of(plan)
+    widths = asked.tensor_widths  # AUTO: the planner's candidates for the devices left
+    if not isinstance(widths, str):
         widths = tuple(t for t in widths if cluster.devices_per_server % t == 0) or (1,)
     by_length = plan.mean_seq_len is not None and bool(policy.profile.by_length)
+    asked = dataclasses.replace(asked, tensor_widths=widths,
+                                mean_seq_len=plan.mean_seq_len if by_length else None,
+                                max_seq_len=plan.max_seq_len if by_length else None)  # fmt: skip
+    profile = policy.profile
+    if asked.mean_seq_len is not None:
+        profile = profile_for_lengths(profile, asked.mean_seq_len, asked.max_seq_len)
     try:
-        return make_plan(policy.profile, cluster, plan.global_batch_size, opts.planner,
-                         zero_stage=opts.zero_stage, tensor_widths=widths,
-                         interleave=opts.interleave,
-                         mean_seq_len=plan.mean_seq_len if by_length else None,
-                         max_seq_len=plan.max_seq_len if by_length else None)  # fmt: skip
+        return (policy.plan_again or _search)(asked, profile, cluster)
     except InfeasibleError as e:
         raise ElasticStop(f"no plan fits {cluster.num_devices} devices: {e}") from e
 
 
-def _floor_options(zero_stage: int) -> PlanningOptions:
-    """The search options of a re-plan for a plan that records none: the run's ZeRO floor.
+def _search(asked: PlanConfig, profile: ModelProfile, cluster: Cluster) -> Plan:
+    """The planner's search for ``asked`` (:func:`dapple.planner.make_plan`), no schedule."""
+    from dapple.planner import make_plan
+    from dapple.planner.plan_config import tensor_width_list
+
+    assert asked.global_batch_size is not None
+    return make_plan(profile, cluster, asked.global_batch_size, asked.planner,
+                     zero_stage=asked.zero_stage, interleave=asked.interleave,
+                     tensor_widths=tensor_width_list(asked.tensor_widths))  # fmt: skip
+
+
+def _floor(zero_stage: int) -> ZeroChoice:
+    """The ZeRO stage of a re-plan for a plan that records none: the run's ZeRO floor.
 
     Raises:
         ValidationError: ``zero_stage`` is not 0-3.
@@ -223,7 +254,7 @@ def _floor_options(zero_stage: int) -> PlanningOptions:
     zero = zero_choice(zero_stage)
     if zero is None:
         raise ValidationError(f"elastic zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}")
-    return PlanningOptions(zero_stage=zero)
+    return zero
 
 
 def plan_for_world(plan: Plan, world: int, policy: ElasticPolicy) -> Plan:
