@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from builders import make_cluster, make_profile, with_in_flight
+from builders import link_cluster, make_cluster, make_profile, with_in_flight
 from dapple.core.cluster import Cluster
 from dapple.core.layer_profile import AffineTime, LayerProfile
 from dapple.core.plan import Plan, straight_plan
@@ -21,6 +21,7 @@ from dapple.cost.latency import (
     cycle_paced,
     latency,
     steady_periods,
+    turn_waits,
 )
 from dapple.cost.pipeline import pipeline_latency
 from dapple.schedule import lower
@@ -38,6 +39,15 @@ def _brute_force(
     cycle (a cycle-paced one replaces Q on its steady phase alone), and every
     stage's end of the ending phase summed on its own."""
     S = len(F)
+
+    def up(s: int) -> float:  # the gradient sent up before s's forward holds its way out
+        inner = s % 2 == 0 and 0 < s < S - 1 and F[s + 1] > 0
+        return max(0.0, B[s - 1] - F[s]) if inner else 0.0
+
+    def down(t: int) -> float:  # the activation sent down before t's backward holds it
+        inner = t % 2 == 0 and 0 < t < S - 1 and B[t - 1] > 0
+        return max(0.0, F[t + 1] - B[t]) if inner else 0.0
+
     period = []
     for s in range(S):
         rt = sum(F[a] + B[a] for a in range(s, S))
@@ -45,7 +55,7 @@ def _brute_force(
         if not k:
             period.append(F[s] + B[s])
             continue
-        p = max(F[s] + B[s], rt / k)
+        p = max(F[s] + B[s], (rt + up(s)) / k)
         # the cycles turning at a later stage t: K_s - K_t + 1 micro-batches a lap, for the
         # forwards after the warm-up
         later = [t for t in range(s + 1, S) if K[t]][:CYCLE_REACH]
@@ -54,7 +64,7 @@ def _brute_force(
             if k <= M - 1 and kt and kt <= k:
                 step = k - kt + 1
                 laps = (M - 1 - k) // step + 1
-                lap = sum(F[a] + B[a] for a in range(s, t + 1))
+                lap = sum(F[a] + B[a] for a in range(s, t + 1)) + up(s) + down(t)
                 total = laps * lap + (M - 1 - laps * step) * (F[s] + B[s])
                 p = max(p, total / (M - 1))
         period.append(p)
@@ -384,7 +394,33 @@ def test_the_python_and_numpy_cycles_give_the_same_bits(
     for s in range(len(fb) - 1, -1, -1):
         rt[s] = rt[s + 1] + fb[s]
     turns = [s for s in range(len(fb)) if K[s]]
-    small = latency_module._longest_laps_small(turns, K, rt, fb, M)
+    up = [w * (s % 3) for s, w in enumerate(fb)]  # some turning points wait, some not
+    down = [w * (s % 2) for s, w in enumerate(reversed(fb))]
+    small = latency_module._longest_laps_small(turns, K, rt, fb, M, up, down)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(latency_module, "SMALL_PIPELINE", 0)
-        assert latency_module._longest_laps(turns, K, rt, fb, M) == small
+        assert latency_module._longest_laps(turns, K, rt, fb, M, up, down) == small
+
+
+def test_a_cycle_turning_after_a_long_send_waits_for_its_way_out() -> None:
+    """3 stages, F = [1, 1, 1], B = [2, 4, 2], D = [None, 1, 1], M = 8, stage 0's output
+    taking 3 ms to send and stage 1's 0.5. Stage 1 (K = 1) runs B_m, then F_{m+1}, whose
+    activation leaves its device only after B_m's gradient has (3 ms on the same way out,
+    against F_1 = 1): its cycle through stage 2 is RT(1..2) = 1 + 4 + 0.5 + 0.5 + 1 + 2 = 9
+    plus up_1 = 3 - 1 = 2. The sum of F + B alone put L at 81.0 against the simulated 94.9 (-15%)."""
+    F = [1.0, 3.0, 1.0, 0.5, 1.0]
+    B = [2.0, 3.0, 4.0, 0.5, 2.0]
+    K: list[int | None] = [3, None, 1, None, 1]
+    assert turn_waits(F, B) == ([0.0, 0.0, 2.0, 0.0, 0.0], [0.0] * 5)
+    assert steady_periods(F, B, K, 8)[2] == 11.0  # 9 + 2; F + B alone: 9
+    # end to end, on links of 1e6 bytes per ms and 0.01 ms latency: 1 sample per micro-batch
+    prof = _chain([1, 1, 1], [2, 4, 2])
+    layers = list(prof.layers)
+    for i, nbytes in ((0, 2.99e6), (1, 0.49e6)):
+        layers[i] = dataclasses.replace(layers[i], output_bytes_per_sample=nbytes)
+    prof = dataclasses.replace(prof, layers=tuple(layers))
+    plan, cluster = _bounded_plan(3, 8, [None, 1, 1]), link_cluster("links", 1, 3, 16)
+    r = pipeline_latency(plan, prof, cluster)
+    assert [x.forward_ms for x in r.stages] == pytest.approx(F)
+    assert [x.in_flight for x in r.stages if x.kind == "compute"] == [3, 1, 1]
+    assert r.L_ms == pytest.approx(simulate(plan, prof, cluster).step_ms, rel=0.02)

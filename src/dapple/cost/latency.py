@@ -63,6 +63,7 @@ __all__ = [
     "longest_laps",
     "pivot_waits",
     "steady_periods",
+    "turn_waits",
 ]
 
 
@@ -104,6 +105,14 @@ def steady_periods(
     all M - 1). A stage t whose K_t equals K_s (a memory bound D that caps several stages
     alike) makes its cycle advance one micro-batch per ``RT(s..t)``.
 
+    Each device sends its activations down and its gradients up through one way out, first
+    come first served (the simulator's ports). At a cycle's turning points that costs time the
+    sum of F + B does not show (:func:`turn_waits`): stage s runs ``F_{m+K_s}`` right after
+    ``B_m``, so its activation leaves once the gradient before it has (``up_s``), and stage t
+    runs its backward right after a forward, so its gradient leaves once that activation has
+    (``down_t``). Every cycle and the round trip of Little's law carry them:
+    ``RT(s..t) + up_s + down_t``.
+
     Args:
         F: F_s per stage.
         B: B_s per stage.
@@ -121,16 +130,38 @@ def steady_periods(
     for s in range(S - 1, -1, -1):
         acc += fb[s]
         rt[s] = acc
+    up, down = turn_waits(F, B)
     turns = [s for s in range(S) if K[s]]
     for s in turns:
         k = K[s]
         assert k is not None
-        period[s] = max(period[s], rt[s] / k)  # t past the last stage: Little's law
+        period[s] = max(period[s], (rt[s] + up[s]) / k)  # t past the last stage: Little's law
     if M > 1 and len(turns) > 1:
-        for s, total in zip(turns, _longest_laps(turns, K, rt, fb, M), strict=True):
+        laps = _longest_laps(turns, K, rt, fb, M, up, down)
+        for s, total in zip(turns, laps, strict=True):
             if total > (M - 1) * period[s]:
                 period[s] = total / (M - 1)
     return period
+
+
+def turn_waits(F: Sequence[float], B: Sequence[float]) -> tuple[list[float], list[float]]:
+    """Per stage, how long a cycle turning there waits for the stage's own way out
+    (:func:`steady_periods`): ``up_s = max(0, B_{s-1} - F_s)``, the gradient just sent up
+    through the comm stage before s outlasting the forward after it, and ``down_s = max(0,
+    F_{s+1} - B_s)``, the activation just sent down through the comm stage after s outlasting
+    the backward after it. Each only where the message that queues takes time on the way out
+    (a comm stage of 0 moves nothing, or moves it within the device); 0 at the pipeline's ends
+    and at comm stages (``F``/``B`` alternate computation and comm stages from index 0).
+    """
+    S = len(F)
+    up = [0.0] * S
+    down = [0.0] * S
+    for s in range(2, S - 1, 2):  # computation stages with comm stages on both sides
+        if F[s + 1] > 0:
+            up[s] = max(0.0, B[s - 1] - F[s])
+        if B[s - 1] > 0:
+            down[s] = max(0.0, F[s + 1] - B[s])
+    return up, down
 
 
 def cycle_paced(
@@ -165,8 +196,9 @@ is larger there); the same operations in the same order, so the same bits."""
 
 
 def _longest_laps_small(
-    turns: list[int], K: Sequence[int | None], rt: list[float], fb: list[float], M: int
-) -> list[float]:
+    turns: list[int], K: Sequence[int | None], rt: list[float], fb: list[float], M: int,
+    up: Sequence[float], down: Sequence[float],
+) -> list[float]:  # fmt: skip
     """:func:`_longest_laps` in plain Python."""
     n = len(turns)
     longest = [-math.inf] * n
@@ -181,23 +213,26 @@ def _longest_laps_small(
             step = k - kt + 1
             if step >= 1:
                 laps = (M - 1 - k) // step + 1
-                total = laps * (rt[s] - rt[t + 1]) + (M - 1 - laps * step) * fb[s]
+                cycle = (rt[s] + up[s]) - (rt[t + 1] - down[t])  # numpy's order, its bits
+                total = laps * cycle + (M - 1 - laps * step) * fb[s]
                 longest[i] = max(longest[i], total)
     return longest
 
 
 def _longest_laps(
-    turns: list[int], K: Sequence[int | None], rt: list[float], fb: list[float], M: int
-) -> list[float]:
-    """Per turning stage s (``turns``, ascending), the longest ``n RT(s..t) + (M - 1 - n k)
-    (F_s + B_s)`` over the next :data:`CYCLE_REACH` turning stages t with K_t <= K_s
-    (:func:`steady_periods`); ``-inf`` where there is none or M <= K_s. ``fb`` holds F_s + B_s."""
+    turns: list[int], K: Sequence[int | None], rt: list[float], fb: list[float], M: int,
+    up: Sequence[float], down: Sequence[float],
+) -> list[float]:  # fmt: skip
+    """Per turning stage s (``turns``, ascending), the longest ``n (RT(s..t) + up_s + down_t)
+    + (M - 1 - n k) (F_s + B_s)`` over the next :data:`CYCLE_REACH` turning stages t with
+    K_t <= K_s (:func:`steady_periods`); ``-inf`` where there is none or M <= K_s. ``fb``
+    holds F_s + B_s, ``up``/``down`` :func:`turn_waits`."""
     if len(turns) <= SMALL_PIPELINE:
-        return _longest_laps_small(turns, K, rt, fb, M)
+        return _longest_laps_small(turns, K, rt, fb, M, up, down)
     longest = longest_laps(
         np.array([K[s] for s in turns], dtype=np.int64),
-        np.array([rt[s] for s in turns]),
-        np.array([rt[s + 1] for s in turns]),
+        np.array([rt[s] + up[s] for s in turns]),
+        np.array([rt[s + 1] - down[s] for s in turns]),
         np.array([fb[s] for s in turns]),
         M,
     )
@@ -210,7 +245,8 @@ def longest_laps(
 ) -> NDArray[np.float64]:  # fmt: skip
     """:func:`_longest_laps` over arrays whose first axis runs over the turning stages (further
     axes: plans side by side, as :mod:`dapple.planner.move_scores` scores them): ``k`` K_s,
-    ``here`` RT_s, ``after`` the RT of what follows the stage, ``own`` F_s + B_s."""
+    ``here`` RT_s + up_s, ``after`` the RT of what follows the stage less down_s
+    (:func:`turn_waits`), ``own`` F_s + B_s."""
     n = k.shape[0]
     gated = k <= M - 1
     longest = np.full(k.shape, -np.inf)

@@ -236,6 +236,19 @@ def _in_flight(own: NDArray[np.intp], d: NDArray[np.intp]) -> NDArray[np.intp]:
     return K
 
 
+def _turn_waits(
+    F: NDArray[np.float64], B: NDArray[np.float64]
+) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
+    """:func:`~dapple.cost.latency.turn_waits` of each column, at the computation stages."""
+    up = np.zeros_like(F[0::2])
+    down = np.zeros_like(F[0::2])
+    if F.shape[0] >= 5:  # computation stages with comm stages on both sides
+        before, here, nxt = B[1:-2:2], F[2:-1:2], F[3::2]
+        up[1:-1] = np.where(nxt > 0, np.maximum(0.0, before - here), 0.0)
+        down[1:-1] = np.where(before > 0, np.maximum(0.0, nxt - B[2:-1:2]), 0.0)
+    return up, down
+
+
 def _latency(
     rows: _Columns,
     idx: NDArray[np.intp],
@@ -263,11 +276,12 @@ def _latency(
     fb = F + B
     rt = np.cumsum(fb[::-1], axis=0)[::-1]
     period = fb.copy()
-    comp = np.maximum(fb[0::2], rt[0::2] / K)
+    up, down = _turn_waits(F, B)
+    comp = np.maximum(fb[0::2], (rt[0::2] + up) / K)
     if M > 1:
         # steady_periods' cycles turning at a later computation stage, then one division
         after = np.vstack([rt[1::2], np.zeros((1, n))])  # the RT after each computation stage
-        longest = longest_laps(K, rt[0::2], after, fb[0::2], M)
+        longest = longest_laps(K, rt[0::2] + up, after - down, fb[0::2], M)
         comp = np.where(longest > (M - 1) * comp, longest / (M - 1), comp)
     period[0::2] = comp
     period[np.arange(P)[:, None] < 2 * pad[None, :]] = 0.0
