@@ -289,7 +289,7 @@ PLAN_VALUES = {
     "profile": "paper:bert48", "cluster": "paper-a", "servers": 2, "global_batch_size": 64,
     "planner": "straight", "mean_seq_len": 300.5, "max_seq_len": 512.0, "schedule": "interleaved",
     "virtual_stages": 2, "zero_stage": "auto", "tensor_widths": (1, 2), "interleave": True,
-    "output": "plan.json",
+    "on_nonfinite": "off", "output": "plan.json",
 }  # fmt: skip
 
 

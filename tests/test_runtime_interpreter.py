@@ -16,11 +16,12 @@ import runtime_workloads as rw
 from dapple.core.plan import straight_plan
 from dapple.errors import ValidationError
 from dapple.models.workload import Workload
-from dapple.runtime.interpreter import RECV_AHEAD, _compile, step_point
+from dapple.runtime.interpreter import RECV_AHEAD, _compile
 from dapple.runtime.launch.failure import GRID_MAX_DEVICES, failure_grid
 from dapple.runtime.memory import ActivationMeter
 from dapple.runtime.metrics import MetricsSink, StepProbe
 from dapple.runtime.step_metrics import StepMetrics
+from dapple.runtime.step_point import point_of, step_point
 from dapple.runtime.train_config import TrainConfig
 from dapple.schedule.ir import Action, ActionKind, parse_action
 from dapple.schedule.lower import lower
@@ -67,13 +68,26 @@ def test_compiled_order_runs_every_action_once_receives_at_most_ahead(dev: int) 
         assert order[:6] == [0, 1, 4, 2, 5, 3]
 
 
-def test_step_point_is_the_first_ar_or_opt() -> None:
+def test_step_point_is_the_first_ar_agree_post_or_opt() -> None:
     sched = lower(_plan3())
     assert [str(sched[0][step_point(sched, 0)]), str(sched[2][step_point(sched, 2)])] == [
         "0AR",
-        "1OPT",
+        "1AGREE",
     ]
     assert step_point({0: []}, 0) == 0 and step_point({}, 5) == 0  # a rank beyond the plan
+
+
+def test_a_program_whose_step_point_is_not_the_guards_is_refused() -> None:
+    """The interpreter runs the program's step point (``POST``: rows read a step late), which
+    must be the one of the guard's ``on_nonfinite``; a rank beyond the plan runs the guard's."""
+    sched = lower(_plan3(), on_nonfinite="off")
+    tail = sched[2][step_point(sched, 2) :]
+    assert [str(a) for a in tail] == ["1POST", "1OPT"]
+    assert point_of(tail, "off", 2) is K.POST
+    assert point_of([], "skip", 5) is K.AGREE
+    with pytest.raises(ValidationError, match="rank 2: the program's step point is POST but "
+                       "on_nonfinite 'stop' runs AGREE"):  # fmt: skip
+        point_of(tail, "stop", 2)
 
 
 def test_step_point_rejects_actions_after_the_first_ar_opt_with_the_grid() -> None:

@@ -102,9 +102,9 @@ def test_lowered_2_to_1_golden():
     )
     sched = lower(plan)
     assert {d: format_actions(p) for d, p in sched.items()} == {
-        0: "0F0 0.0SEND_F0@0 0F1 0.0SEND_F1@0 0.0RECV_B0@0 0B0 0.0RECV_B1@0 0B1 0AR 0OPT",
-        1: "0.1F0 0.1SEND_F0@0 0.1F1 0.1SEND_F1@0 0.1RECV_B0@0 0.1B0 0.1RECV_B1@0 0.1B1 0.1AR 0.1OPT",
+        0: "0F0 0.0SEND_F0@0 0F1 0.0SEND_F1@0 0.0RECV_B0@0 0B0 0.0RECV_B1@0 0B1 0AR 0AGREE 0OPT",
+        1: "0.1F0 0.1SEND_F0@0 0.1F1 0.1SEND_F1@0 0.1RECV_B0@0 0.1B0 0.1RECV_B1@0 0.1B1 0.1AR 0.1AGREE 0.1OPT",
         2: "1.0RECV_F0@0 1.0RECV_F0@1 1F0 1B0 1.0SEND_B0@0 1.0SEND_B0@1 "
-        "1.0RECV_F1@0 1.0RECV_F1@1 1F1 1B1 1.0SEND_B1@0 1.0SEND_B1@1 1OPT",
+        "1.0RECV_F1@0 1.0RECV_F1@1 1F1 1B1 1.0SEND_B1@0 1.0SEND_B1@1 1AGREE 1OPT",
     }
     validate(sched, plan)

@@ -217,9 +217,9 @@ def test_lowered_interleaved_2_to_1_golden():
         "3.0RECV_F0@0 3.0RECV_F0@1 3F0 3B0 3.0SEND_B0@0 3.0SEND_B0@1 "
         "3.0RECV_F1@0 3.0RECV_F1@1 3F1 3B1 3.0SEND_B1@0 3.0SEND_B1@1 "
         "1.0RECV_B0@0 1.0RECV_B0@1 1B0 1.0SEND_B0@0 1.0SEND_B0@1 "
-        "1.0RECV_B1@0 1.0RECV_B1@1 1B1 1.0SEND_B1@0 1.0SEND_B1@1 1OPT"
+        "1.0RECV_B1@0 1.0RECV_B1@1 1B1 1.0SEND_B1@0 1.0SEND_B1@1 1AGREE 1OPT"
     )
-    assert format_actions(sched[1]).endswith("2.1AR 0.1AR 0.1OPT")
+    assert format_actions(sched[1]).endswith("2.1AR 0.1AR 0.1AGREE 0.1OPT")
     validate(sched, plan)
 
 
@@ -228,10 +228,10 @@ def test_lowered_zbh1_sends_after_input_gradient():
     sched = lower(plan)
     assert format_actions(sched[0]) == (
         "0F0 0.0SEND_F0@0 0.0SEND_F0@1 0F1 0.0SEND_F1@0 0.0SEND_F1@1 "
-        "0.0RECV_B0@0 0.0RECV_B0@1 0I0 0W0 0.0RECV_B1@0 0.0RECV_B1@1 0I1 0W1 0OPT"
+        "0.0RECV_B0@0 0.0RECV_B0@1 0I0 0W0 0.0RECV_B1@0 0.0RECV_B1@1 0I1 0W1 0AGREE 0OPT"
     )
     assert format_actions(sched[1]) == (
-        "1.0RECV_F0@0 1F0 1I0 1.0SEND_B0@0 1.0RECV_F1@0 1F1 1I1 1.0SEND_B1@0 1W0 1W1 1AR 1OPT"
+        "1.0RECV_F0@0 1F0 1I0 1.0SEND_B0@0 1.0RECV_F1@0 1F1 1I1 1.0SEND_B1@0 1W0 1W1 1AR 1AGREE 1OPT"
     )
     validate(sched, plan)
 

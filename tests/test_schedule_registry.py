@@ -255,7 +255,7 @@ def test_toy_generates_validates_and_lowers(lifo: ScheduleSpec) -> None:
     validate(sched, plan)
     assert format_actions(sched[1]) == (
         "1.0RECV_F0@0 1F0 1.0RECV_F1@0 1F1 1.0RECV_F2@0 1F2 1B2 1.0SEND_B2@0 1B1 1.0SEND_B1@0 "
-        "1B0 1.0SEND_B0@0 1OPT"
+        "1B0 1.0SEND_B0@0 1AGREE 1OPT"
     )
     with pytest.raises(ValidationError, match="virtual_stages=2 needs schedule='interleaved'"):
         compute_order(NAME, 2, 4, v=2)

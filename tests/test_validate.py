@@ -154,7 +154,7 @@ def test_empty_slice_replica_must_not_compute():
     # b = 2 over 3 replicas: replica 2 gets no samples and only joins AR and OPT.
     plan = straight_plan(4, [0, 2], global_batch_size=4, num_micro_batches=2, replicas=[1, 3])
     sched = lower(plan)
-    assert [str(a) for a in sched[3]] == ["1.2AR", "1.2OPT"]
+    assert [str(a) for a in sched[3]] == ["1.2AR", "1.2AGREE", "1.2OPT"]
     validate(sched, plan)
     sched[3].insert(0, parse_action("1.2F0"))
     with pytest.raises(ValidationError, match="slice of a micro-batch is empty"):

@@ -178,5 +178,7 @@ def test_scan_allreduce_and_step_of_a_lowered_program() -> None:
     assert _step_problems(d, where) == [("device 0: no optimizer step (OPT) on stage 0", [])]
     opt_first = [parse_action("0OPT"), *(a for a in prog if str(a) != "0OPT")]
     _, where = _scan_actions(d, opt_first)
-    assert _step_problems(d, where) == [("device 0: OPT before the last backward/AR", [(0, 0)])]
+    assert _step_problems(d, where) == [
+        ("device 0: OPT before the last backward/AR/step point", [(0, 0)])
+    ]
     validate(lower(plan), plan)

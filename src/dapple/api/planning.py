@@ -51,6 +51,7 @@ def plan(
     zero_stage: ZeroChoice = 0,
     tensor_widths: str | Sequence[int] = "auto",
     interleave: bool = False,
+    on_nonfinite: str = "stop",
 ) -> Plan: ...
 @renamed_keywords(seq_len="mean_seq_len")
 def plan(
@@ -68,6 +69,7 @@ def plan(
     zero_stage: ZeroChoice = 0,
     tensor_widths: str | Sequence[int] = "auto",
     interleave: bool = False,
+    on_nonfinite: str = "stop",
     inputs: PlanInputs | None = None,
     progress: Progress | None = None,
 ) -> Plan:
@@ -111,6 +113,9 @@ def plan(
             (:mod:`dapple.planner.interleaving`); the plan may then have
             ``schedule == "interleaved"``, its ``predicted_step_ms`` that schedule's step rule
             (``dapple plan --interleave``; dapple planner only, not with ``schedule``).
+        on_nonfinite: The run's non-finite mode (``dapple train --on-nonfinite``), whose step
+            point a ``schedule`` is simulated and predicted with (``off``: no step collective,
+            consecutive steps overlap).
         inputs: With a ``PlanConfig``: what it names, already loaded (``dapple plan`` loads
             them naming its flags); None: loaded here (:func:`~dapple.api.plan_inputs`).
         progress: With a ``PlanConfig``: ``progress(done, total)`` of the DAPPLE search.
@@ -140,7 +145,7 @@ def plan(
         global_batch_size=global_batch_size, planner=planner, mean_seq_len=mean_seq_len,
         max_seq_len=max_seq_len, schedule=schedule, virtual_stages=virtual_stages,
         zero_stage=zero_stage, tensor_widths=widths, interleave=interleave,
-        output=None if output is None else str(output),
+        on_nonfinite=on_nonfinite, output=None if output is None else str(output),
     )  # fmt: skip
     check_interleave(interleave, schedule)
     return _plan(cfg, plan_inputs(cfg, profile, cluster), None)
@@ -191,7 +196,7 @@ def _plan(cfg: PlanConfig, inputs: PlanInputs, progress: Progress | None) -> Pla
         tensor_widths=tensor_width_list(cfg.tensor_widths),
         interleave=cfg.interleave,
     )
-    result = _under_schedule(result, prof, cl, cfg.schedule, cfg.virtual_stages)
+    result = _under_schedule(result, prof, cl, cfg)
     result = dataclasses.replace(result, planned_with=options_of(cfg))
     if cfg.output is not None:
         result.save(cfg.output)
@@ -214,17 +219,16 @@ def plan_again(cfg: PlanConfig, profile: ModelProfile, cluster: Cluster) -> Plan
     return _plan(cfg, PlanInputs(profile, cluster, cfg.global_batch_size), None)
 
 
-def _under_schedule(
-    result: Plan, prof: ModelProfile, cl: Cluster, schedule: str | None, virtual_stages: int
-) -> Plan:
-    """The planned stages under ``schedule`` (:func:`plan`'s argument), its step predicted; a
-    schedule with its own cut (a V) that the DAPPLE planner's plan cannot hold (a group of one
-    layer): its best plan on balanced pipelines
+def _under_schedule(result: Plan, prof: ModelProfile, cl: Cluster, cfg: PlanConfig) -> Plan:
+    """The planned stages under ``cfg.schedule``, its step predicted with the step point of
+    ``cfg.on_nonfinite``; a schedule with its own cut (a V) that the DAPPLE planner's plan
+    cannot hold (a group of one layer): its best plan on balanced pipelines
     (:func:`~dapple.planner.schedule_choice.best_under_schedule`)."""
+    schedule, mode = cfg.schedule, cfg.on_nonfinite
     if schedule == "best":
         from dapple.planner.schedule_choice import best_schedule
 
-        chosen = best_schedule(result, prof, cl)[0].plan
+        chosen = best_schedule(result, prof, cl, on_nonfinite=mode)[0].plan
         assert chosen is not None
         return chosen
     if schedule is not None:
@@ -235,16 +239,17 @@ def _under_schedule(
         from dapple.simulate.plan_variants import with_schedule
 
         try:
-            result = with_schedule(result, schedule, virtual_stages)
+            result = with_schedule(result, schedule, cfg.virtual_stages)
         except ValidationError:  # a V the DAPPLE planner's plan cannot hold: balanced pipelines
             if get_schedule(schedule).cut is None or not searched(result):
                 raise
-            chosen = best_under_schedule(result, schedule, prof, cl).plan
+            chosen = best_under_schedule(result, schedule, prof, cl, on_nonfinite=mode).plan
             if chosen is None:
                 raise
             return chosen
-        return dataclasses.replace(result, predicted_step_ms=schedule_latency(result, prof, cl))
-    check_virtual_stages(virtual_stages, None)
+        predicted = schedule_latency(result, prof, cl, on_nonfinite=mode)
+        return dataclasses.replace(result, predicted_step_ms=predicted)
+    check_virtual_stages(cfg.virtual_stages, None)
     return result
 
 

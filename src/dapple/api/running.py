@@ -226,7 +226,8 @@ def _launch(cfg: RunConfig, inputs: RunInputs, early: EarlyWorkers | None) -> li
     check_mesh_run(run_plan, wl, tc)  # what stages of t_s > 1 or ZeRO-3 cannot run yet
     check_host(wl, tc.device, tc.optimizer, tc.momentum, "training")
     if profile is not None and cluster is not None:
-        predicted = simulate(zero_floored(run_plan, tc.zero_stage), profile, cluster).step_ms
+        floored = zero_floored(run_plan, tc.zero_stage)
+        predicted = simulate(floored, profile, cluster, on_nonfinite=tc.on_nonfinite).step_ms
         tc = dataclasses.replace(tc, predicted_step_ms=predicted)
     if run.require_resume:
         check_resumable(tc.checkpoint_dir)

@@ -57,6 +57,10 @@ class SimulateConfig:
     other_schedule: bool = False
     """Also simulate the plan under the schedule its own is measured against
     (:attr:`~dapple.schedule.spec.ScheduleSpec.compare_with`) and stack both in the pictures."""
+    on_nonfinite: str = "stop"
+    """The run's non-finite mode (``dapple train --on-nonfinite``): ``stop`` or ``skip`` end
+    every step in the guard's collective, which every rank waits for; ``off`` has none, and
+    the step time is the period of consecutive steps, which overlap."""
     gantt: str | None = None
     """A Gantt chart image to write (PNG/SVG/PDF)."""
     trace: str | None = None
@@ -142,6 +146,9 @@ def simulate_runs(
 
     if cfg.servers is not None and cfg.servers < 1:  # before the plan and profile are read
         raise ValidationError(f"--servers must be >= 1, got {cfg.servers}")
+    if cfg.on_nonfinite not in ("stop", "skip", "off"):
+        flag = "--on-nonfinite" if flags else "on_nonfinite"
+        raise ValidationError(f"{flag} must be stop, skip or off, got {cfg.on_nonfinite!r}")
     plan_in = plan if plan is not None else cfg.plan
     profile_in = profile if profile is not None else cfg.profile
     cluster_in = cluster if cluster is not None else cfg.cluster
@@ -158,10 +165,13 @@ def simulate_runs(
     p = plan_with(base, cfg.schedule, cfg.policy, cfg.virtual_stages, cli=flags)
     if p.num_layers == prof.num_layers:  # another count is the simulator's refusal
         check_expert_widths(p, prof, label)
-    runs: list[Run] = [(_title(p), _simulate(p, prof, cl))]
+    mode = cfg.on_nonfinite
+    runs: list[Run] = [(_title(p), _simulate(p, prof, cl, on_nonfinite=mode))]
     if cfg.other_schedule:
         other = compared_plan(p)
-        runs = baseline_first([*runs, (_title(other), _simulate(other, prof, cl))])
+        runs = baseline_first(
+            [*runs, (_title(other), _simulate(other, prof, cl, on_nonfinite=mode))]
+        )
     return Simulated(p, cl, runs, doubt)
 
 
@@ -183,6 +193,7 @@ def simulate(
     schedule: str | None = None,
     policy: str | None = None,
     virtual_stages: int = 1,
+    on_nonfinite: str = "stop",
 ) -> SimResult: ...
 def simulate(
     plan: SimulateConfig | Plan | str | Path,
@@ -192,6 +203,7 @@ def simulate(
     schedule: str | None = None,
     policy: str | None = None,
     virtual_stages: int = 1,
+    on_nonfinite: str = "stop",
 ) -> SimResult:
     """Simulate one step of a plan (``dapple simulate``): ``simulate(cfg)`` the plan a
     :class:`SimulateConfig` names, under its schedule and policy, or ``simulate(plan, profile,
@@ -206,6 +218,7 @@ def simulate(
             instead of the plan's.
         policy: ``A`` or ``B`` instead of the plan's.
         virtual_stages: v, model chunks per device group with ``schedule="interleaved"``.
+        on_nonfinite: the run's non-finite mode (:attr:`SimulateConfig.on_nonfinite`).
 
     Raises:
         ValidationError: see :func:`simulate_runs`; with a ``SimulateConfig``, any other
@@ -216,15 +229,17 @@ def simulate(
     if isinstance(plan, SimulateConfig):
         given = [n for n, v in (("profile", profile), ("cluster", cluster), ("schedule", schedule),
                                 ("policy", policy)) if v is not None]  # fmt: skip
-        if given or virtual_stages != 1:
-            extra = ", ".join(given + (["virtual_stages"] if virtual_stages != 1 else []))
+        given += ["virtual_stages"] if virtual_stages != 1 else []
+        given += ["on_nonfinite"] if on_nonfinite != "stop" else []
+        if given:
+            extra = ", ".join(given)
             raise ValidationError(f"simulate(cfg) takes its options from cfg, got also {extra}")
         return simulate_runs(plan).runs[0][1]
     if profile is None or cluster is None:
         raise ValidationError("simulate(plan, profile, cluster) needs a profile and a cluster")
     cfg = SimulateConfig(
         plan=_name(plan), profile=_name(profile), cluster=_name(cluster), schedule=schedule,
-        policy=policy, virtual_stages=virtual_stages,
+        policy=policy, virtual_stages=virtual_stages, on_nonfinite=on_nonfinite,
     )  # fmt: skip
     return simulate_runs(
         cfg,

@@ -93,6 +93,7 @@ def plan_flags(parse_mean_seq_len: SeqLenParser) -> tuple[Flag, ...]:
         Flag("zero_stage", (("", "zero_stage"),), _zero_stage),
         Flag("tensor_widths", (("", "tensor_widths"),), _widths_fields),
         one("", "interleave"),
+        one("", "on_nonfinite"),
     )
 
 

@@ -138,6 +138,19 @@ def add_virtual_stages_argument(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_on_nonfinite_argument(p: argparse.ArgumentParser) -> None:
+    """Add ``--on-nonfinite`` (the run's non-finite mode, as ``dapple train``'s) to a command
+    that simulates the run: its step point."""
+    p.add_argument(
+        "--on-nonfinite",
+        choices=("stop", "skip", "off"),
+        default="stop",
+        help="the run's non-finite mode (as dapple train's): stop or skip end each step in the "
+        "guard's collective, which every rank waits for; off: none, the step time is the "
+        "period of consecutive steps, which overlap (default %(default)s)",
+    )
+
+
 def add_precision_argument(p: argparse.ArgumentParser) -> None:
     """Add ``--precision`` (``fp32``, ``bf16``, ``fp16``; default fp32) to ``p``. The names are
     checked by :class:`~dapple.runtime.TrainConfig` (one error line), not by argparse."""

@@ -26,7 +26,7 @@ from dapple.cli._plan_show import (
 )
 from dapple.cli._profile_arg import add_profile_argument
 from dapple.cli._renamed import renamed
-from dapple.cli._run_args import add_virtual_stages_argument
+from dapple.cli._run_args import add_on_nonfinite_argument, add_virtual_stages_argument
 from dapple.core.cluster import Cluster
 from dapple.core.cluster_presets import describe_presets
 from dapple.core.output_path import check_output_file
@@ -147,6 +147,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         "wins, interleaved or 1F1B (dapple planner only, not with --schedule, nor on a "
         "cluster with host terms)",
     )
+    add_on_nonfinite_argument(p)
     add_plan_config_arguments(p)
     p.set_defaults(func=run)
 
@@ -369,8 +370,9 @@ def _new_schedule(
             f"{work:,} is more than {MAX_SIMULATED_WORK:,}; give a smaller "
             "--global-batch-size, or plan without --schedule (no simulation)"
         )
-    new = dataclasses.replace(new, predicted_step_ms=schedule_latency(new, profile, cluster))
-    res = simulate(new, profile, cluster)
+    res = simulate(new, profile, cluster, on_nonfinite=cfg.on_nonfinite)
+    predicted = schedule_latency(new, profile, cluster, on_nonfinite=cfg.on_nonfinite)
+    new = dataclasses.replace(new, predicted_step_ms=predicted)
     return _print_scheduled(con, new, res, inputs, dp_ms, cfg)
 
 
@@ -406,8 +408,8 @@ def _own_cut(
     baseline planner's plan is the partition asked for, refused instead."""
     from dapple.planner.schedule_choice import best_under_schedule
 
-    schedule = str(cfg.schedule)
-    choice = best_under_schedule(plan, schedule, inputs.profile, inputs.cluster)
+    profile, cluster, mode = inputs.profile, inputs.cluster, cfg.on_nonfinite
+    choice = best_under_schedule(plan, str(cfg.schedule), profile, cluster, on_nonfinite=mode)
     if choice.plan is None or choice.result is None:
         raise ValidationError(f"{why}; nor does any balanced pipeline fit: {choice.note}")
     con.print(f"{why}: planned for it on balanced pipelines of every depth instead (simulated, "
@@ -423,7 +425,7 @@ def _best_schedule(
     from dapple.planner.schedule_choice import best_schedule
 
     profile, cluster = inputs.profile, inputs.cluster
-    best, choices = best_schedule(plan, profile, cluster)
+    best, choices = best_schedule(plan, profile, cluster, on_nonfinite=cfg.on_nonfinite)
     _choices_table(con, choices, dp_ms, f"the {plan.planner} planner")
     assert best.plan is not None and best.result is not None
     _print_idle(con, best.plan, profile, cluster)

@@ -21,7 +21,7 @@ from dapple.cli._config_args import ConfigFile, add_config_arguments, config_of,
 from dapple.cli._console import console, print_table
 from dapple.cli._profile_arg import add_profile_argument
 from dapple.cli._renamed import renamed
-from dapple.cli._run_args import add_virtual_stages_argument
+from dapple.cli._run_args import add_on_nonfinite_argument, add_virtual_stages_argument
 from dapple.core.cluster import Cluster
 from dapple.core.cluster_presets import describe_presets
 from dapple.errors import ValidationError
@@ -68,6 +68,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         "beside DAPPLE; DAPPLE beside interleaved or zbh1) and stack both in the pictures",
     )
     p.add_argument("--compare", action=renamed("--other-schedule"), help=argparse.SUPPRESS)
+    add_on_nonfinite_argument(p)
     add_config_arguments(p, _REQUIRED_DESTS, "its [simulate] section")
     p.set_defaults(func=run)
 
@@ -164,6 +165,11 @@ def _print_run(con: Console, title: str, r: SimResult, cluster: Cluster) -> None
     L = "n/a" if math.isnan(r.L_ms) else f"{r.L_ms:.3f} ms"
     gap = "" if math.isnan(r.L_ms) else f" (simulated / L = {r.step_ms / r.L_ms:.3f})"
     con.print(f"step time {r.step_ms:.3f} ms, planner L {L}{gap}")
+    if r.on_nonfinite == "off":
+        con.print(
+            f"(--on-nonfinite off: consecutive steps overlap; one step from a common start "
+            f"takes {r.span_ms:.3f} ms)"
+        )
     over = [  # each device against its own kind's memory on a mixed cluster
         (d.devices_text, m)
         for d in r.devices

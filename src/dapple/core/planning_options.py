@@ -61,6 +61,9 @@ class PlanningOptions:
     None: the planner's choice."""
     virtual_stages: int = 1
     """v, model chunks per device group asked for with ``schedule`` ``interleaved``."""
+    on_nonfinite: str = "stop"
+    """The run's non-finite mode the schedules were simulated with (``off``: no step
+    collective)."""
 
     def __post_init__(self) -> None:
         require(isinstance(self.planner, str) and bool(self.planner),
@@ -81,6 +84,8 @@ class PlanningOptions:
         v = self.virtual_stages
         require(isinstance(v, int) and not isinstance(v, bool) and v >= 1,
                 f"planned_with: virtual_stages must be an integer >= 1, got {v!r}")  # fmt: skip
+        require(self.on_nonfinite in ("stop", "skip", "off"),
+                f"planned_with: on_nonfinite must be stop, skip or off, got {self.on_nonfinite!r}")  # fmt: skip
 
     def to_dict(self) -> dict[str, Any]:
         """The ``planned_with`` object of a plan file; ``schedule`` and ``virtual_stages`` only
@@ -95,6 +100,8 @@ class PlanningOptions:
             d["schedule"] = self.schedule
         if self.virtual_stages != 1:
             d["virtual_stages"] = self.virtual_stages
+        if self.on_nonfinite != "stop":
+            d["on_nonfinite"] = self.on_nonfinite
         return d
 
     @staticmethod
@@ -116,6 +123,7 @@ class PlanningOptions:
             interleave=d.get("interleave", d.get(_OLD_INTERLEAVE, False)),
             schedule=d.get("schedule"),
             virtual_stages=d.get("virtual_stages", 1),
+            on_nonfinite=d.get("on_nonfinite", "stop"),
         )
 
 

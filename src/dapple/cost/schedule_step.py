@@ -9,8 +9,10 @@ longest path through their compute order) gets the plan's terms as
 :class:`~dapple.schedule.spec.StepTerms`: the compute order, each stage's F, B, I and W with
 their host CPU extras (the slowest replica's slice, :func:`dapple.cost.terms.stage_terms`), each
 boundary's transfers one way and back (what a source replica pushes through its way out, and the
-link latency) and each device group's tail (its replicated stages' synchronisation and its
-optimizer step). The replay touches every action, so :func:`schedule_step_ms` refuses more than
+link latency), each device group's tail (its replicated stages' synchronisation and its
+optimizer step, the part after the step point) and the step point of the run's non-finite mode
+(the step's collective that every group waits for, or none: ``on_nonfinite`` off). The replay
+touches every action, so :func:`schedule_step_ms` refuses more than
 :data:`MAX_REPLAYED_ACTIONS` of them before it builds the order.
 
 Memory: :func:`device_memory_by_group` replays a plan's compute order and returns each device
@@ -30,7 +32,7 @@ from dapple.cost.peak_memory import device_peak, plan_stage_bytes
 from dapple.cost.pipeline import in_flight_bounds
 from dapple.cost.terms import PlanTerms, stage_terms
 from dapple.errors import ValidationError
-from dapple.schedule.ir import ActionKind
+from dapple.schedule.ir import ActionKind, step_point_kind
 from dapple.schedule.lower import plan_compute_order
 from dapple.schedule.registry import get_schedule
 from dapple.schedule.spec import LinkTimes, StageTimes, StepTerms
@@ -71,25 +73,33 @@ def _links(terms: PlanTerms) -> tuple[LinkTimes, ...]:
     return tuple(out)
 
 
-def _tails(terms: PlanTerms) -> tuple[float, ...]:
-    """Per device group g, what its lowered program runs after its last compute: its replicated
+def _tails(terms: PlanTerms) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Per device group g, what its lowered program runs after its last compute - its replicated
     stages' gradient synchronisation (AR, or ZeRO's reductions and gathers) and its optimizer
-    step (the host CPU per step of stage g's slowest replica and U_s of each of its stages)."""
-    plan, out = terms.plan, []
+    step (the host CPU per step of stage g's slowest replica and U_s of each of its stages) -
+    and the optimizer step alone (after the step point)."""
+    plan, tails, updates = terms.plan, [], []
     for g in range(plan.num_groups):
-        tail = terms.stages[g].replicas[0].host.step_ms
+        sync, update = 0.0, terms.stages[g].replicas[0].host.step_ms
         for k in plan.stages_of_group(g):
             st = terms.stages[k]
-            tail += st.terms.update_ms + (
-                st.terms.sync_ms if plan.stages[k].parallel.data_parallel else 0.0
-            )
-        out.append(tail)
-    return tuple(out)
+            update += st.terms.update_ms
+            sync += st.terms.sync_ms if plan.stages[k].parallel.data_parallel else 0.0
+        tails.append(sync + update)
+        updates.append(update)
+    return tuple(tails), tuple(updates)
 
 
-def step_terms(terms: PlanTerms) -> StepTerms:
-    """What a schedule's step rule reads of the plan's terms (module docstring)."""
+def step_terms(terms: PlanTerms, *, on_nonfinite: str = "stop") -> StepTerms:
+    """What a schedule's step rule reads of the plan's terms (module docstring) under the step
+    point of ``on_nonfinite`` (:func:`dapple.schedule.ir.step_point_kind`).
+
+    Raises:
+        ValidationError: ``on_nonfinite`` is none of stop, skip and off.
+    """
     plan = terms.plan
+    overlapped = step_point_kind(on_nonfinite) is K.POST
+    tails, updates = _tails(terms)
     return StepTerms(
         M=plan.num_micro_batches,
         P=plan.num_groups,
@@ -105,21 +115,27 @@ def step_terms(terms: PlanTerms) -> StepTerms:
             for r in (st.replicas[0] for st in terms.stages)  # the slowest replica's slice
         ),
         links=_links(terms),
-        tails=_tails(terms),
+        tails=tails,
+        updates=updates,
+        overlapped=overlapped,
     )
 
 
-def schedule_step_ms(terms: PlanTerms) -> float:
+def schedule_step_ms(terms: PlanTerms, *, on_nonfinite: str = "stop") -> float:
     """Predicted step time in ms of the plan of ``terms`` under its schedule (module
     docstring): L (:meth:`PlanTerms.pipeline <dapple.cost.terms.PlanTerms.pipeline>`,
     equations 1-3) for a schedule without a step rule (GPipe, DAPPLE), else its rule (the
-    replay of interleaved 1F1B, ZB-H1, ZB-V and DualPipeV).
+    replay of interleaved 1F1B, ZB-H1, ZB-V and DualPipeV) under the step point of
+    ``on_nonfinite`` (stop and skip: the non-finite guard's collective; off: none, consecutive
+    steps overlap). L does not read the step point: under GPipe's and DAPPLE's orders stage 0
+    ends a step last and every other stage's next step waits for its forwards.
 
     Raises:
         ValidationError: an unknown schedule, or one without either (from the registry); a
             rule's plan of more than :data:`MAX_REPLAYED_ACTIONS` compute actions.
     """
     plan = terms.plan
+    step_point_kind(on_nonfinite)  # refused before the replay
     spec = get_schedule(plan.schedule)
     if spec.step_ms is None:
         return terms.pipeline(in_flight_bounds(plan)[1]).latency().L_ms
@@ -131,20 +147,28 @@ def schedule_step_ms(terms: PlanTerms) -> float:
             f"{actions:,} compute actions, more than {MAX_REPLAYED_ACTIONS:,}; give a smaller "
             "global batch or larger micro-batches"
         )
-    return spec.step_ms(step_terms(terms))
+    return spec.step_ms(step_terms(terms, on_nonfinite=on_nonfinite))
 
 
 def schedule_latency(
-    plan: Plan, profile: ModelProfile, cluster: Cluster, overlap: CommOverlap = NO_OVERLAP
+    plan: Plan,
+    profile: ModelProfile,
+    cluster: Cluster,
+    overlap: CommOverlap = NO_OVERLAP,
+    *,
+    on_nonfinite: str = "stop",
 ) -> float:
     """Predicted step time of ``plan`` in ms under its schedule (:func:`schedule_step_ms` of
     :func:`~dapple.cost.terms.stage_terms`), with the traffic ``overlap`` leaves exposed
-    (:mod:`dapple.cost.overlap`; default: dapple's runtime, all of it).
+    (:mod:`dapple.cost.overlap`; default: dapple's runtime, all of it) and the step point of
+    ``on_nonfinite``.
 
     Raises:
         ValidationError: the plan does not fit the profile (from the cost model).
     """
-    return schedule_step_ms(stage_terms(plan, profile, cluster, overlap=overlap))
+    return schedule_step_ms(
+        stage_terms(plan, profile, cluster, overlap=overlap), on_nonfinite=on_nonfinite
+    )
 
 
 def activation_peak_bytes(plan: Plan, profile: ModelProfile) -> list[float]:

@@ -81,6 +81,10 @@ class PlanConfig:
     interleave: bool = False
     """Also search interleaved 1F1B plans (v = 2) and the grid's interleaved points (dapple
     planner only, :mod:`dapple.planner.interleaving`), so the plan may be interleaved."""
+    on_nonfinite: str = "stop"
+    """The run's non-finite mode (``dapple train --on-nonfinite``), whose step point the
+    schedules are simulated and predicted with (``off``: no step collective, consecutive steps
+    overlap; :func:`dapple.simulate.simulate`)."""
     output: str | None = None
     """Also write the plan JSON here."""
 
@@ -94,6 +98,10 @@ class PlanConfig:
         object.__setattr__(self, "zero_stage", zero)
         if not isinstance(self.interleave, bool):
             raise ValidationError(f"interleave must be true or false, got {self.interleave!r}")
+        if self.on_nonfinite not in ("stop", "skip", "off"):
+            raise ValidationError(
+                f"on_nonfinite must be stop, skip or off, got {self.on_nonfinite!r}"
+            )
         widths = tensor_width_list(self.tensor_widths)
         object.__setattr__(self, "tensor_widths", AUTO if widths is None else tuple(widths))
         for name in ("servers", "global_batch_size"):
@@ -164,7 +172,7 @@ def options_of(cfg: PlanConfig) -> PlanningOptions:
     return PlanningOptions(
         planner=cfg.planner, zero_stage=cfg.zero_stage,
         tensor_widths=None if widths is None else tuple(widths), interleave=cfg.interleave,
-        schedule=cfg.schedule, virtual_stages=cfg.virtual_stages,
+        schedule=cfg.schedule, virtual_stages=cfg.virtual_stages, on_nonfinite=cfg.on_nonfinite,
     )  # fmt: skip
 
 
@@ -195,7 +203,7 @@ def config_of(
         mean_seq_len=plan.mean_seq_len, max_seq_len=plan.max_seq_len, schedule=opts.schedule,
         virtual_stages=opts.virtual_stages, zero_stage=opts.zero_stage,
         tensor_widths=AUTO if opts.tensor_widths is None else opts.tensor_widths,
-        interleave=opts.interleave,
+        interleave=opts.interleave, on_nonfinite=opts.on_nonfinite,
     )  # fmt: skip
 
 

@@ -120,6 +120,8 @@ def best_per_schedule(
     profile: ModelProfile,
     cluster: Cluster,
     micro_batch_counts: list[int] | None = None,
+    *,
+    on_nonfinite: str = "stop",
 ) -> list[ScheduleChoice]:
     """For each of :func:`schedule_variants`, the fastest simulated plan that fits the memory.
 
@@ -134,9 +136,13 @@ def best_per_schedule(
         profile: per-layer costs.
         cluster: devices, links and the memory limit (``usable_memory_bytes``).
         micro_batch_counts: M values to try.
+        on_nonfinite: the run's non-finite mode, whose step point the plans are simulated
+            with (:func:`dapple.simulate.simulate`: ``off`` overlaps consecutive steps).
     """
     return [
-        _best_variant(schedule, policy, v, bases, profile, cluster, micro_batch_counts)
+        _best_variant(
+            schedule, policy, v, bases, profile, cluster, micro_batch_counts, on_nonfinite
+        )
         for schedule, policy, v in schedule_variants()
     ]
 
@@ -149,6 +155,7 @@ def _best_variant(
     profile: ModelProfile,
     cluster: Cluster,
     micro_batch_counts: list[int] | None,
+    on_nonfinite: str = "stop",
 ) -> ScheduleChoice:
     """One column of :func:`best_per_schedule`: the fastest fitting plan of the variant, or
     the last reason a try failed."""
@@ -172,17 +179,15 @@ def _best_variant(
         for M in ms:
             if gbs % M:
                 continue
-            got = _simulated(base, M, schedule, policy, v, profile, cluster)
+            got = _simulated(base, M, schedule, policy, v, profile, cluster, on_nonfinite)
             if isinstance(got, str):
                 notes.append(got)
             elif best is None or got[1].step_ms < best[1].step_ms:
                 best = got
     if best is None:
         return ScheduleChoice(label, None, None, notes[-1] if notes else "no plan")
-    plan = dataclasses.replace(
-        best[0], predicted_step_ms=schedule_latency(best[0], profile, cluster)
-    )
-    return ScheduleChoice(label, plan, best[1])
+    predicted = schedule_latency(best[0], profile, cluster, on_nonfinite=on_nonfinite)
+    return ScheduleChoice(label, dataclasses.replace(best[0], predicted_step_ms=predicted), best[1])
 
 
 def _round_robin(spec: ScheduleSpec, v: int) -> bool:
@@ -210,6 +215,7 @@ def _simulated(
     v: int,
     profile: ModelProfile,
     cluster: Cluster,
+    on_nonfinite: str = "stop",
 ) -> tuple[Plan, SimResult] | str:
     """``base`` with M micro-batches under the variant, simulated: the plan and its result, or
     why it does not run or fit the memory (one line)."""
@@ -218,7 +224,7 @@ def _simulated(
             base, micro_batch_size=base.global_batch_size // M, num_micro_batches=M
         )
         plan = with_schedule(sized, schedule, v, policy)
-        res = simulate(plan, profile, cluster)
+        res = simulate(plan, profile, cluster, on_nonfinite=on_nonfinite)
     except DappleError as e:
         return str(e).splitlines()[0]
     if res.peak_memory_bytes > cluster.usable_memory_bytes:
@@ -227,11 +233,12 @@ def _simulated(
 
 
 def best_schedule(
-    plan: Plan, profile: ModelProfile, cluster: Cluster
+    plan: Plan, profile: ModelProfile, cluster: Cluster, *, on_nonfinite: str = "stop"
 ) -> tuple[ScheduleChoice, list[ScheduleChoice]]:
     """The schedule as part of the search: every variant of :func:`schedule_variants` on
     ``plan``'s partition, replication and placement and on the balanced pipelines of every
-    depth, each M (:func:`best_per_schedule`); the fastest simulated plan that fits the memory.
+    depth, each M (:func:`best_per_schedule`); the fastest simulated plan that fits the memory,
+    simulated with the step point of ``on_nonfinite`` (``off``: consecutive steps overlap).
 
     Returns:
         The chosen variant (its plan predicted by its schedule's latency) and every variant's
@@ -241,7 +248,10 @@ def best_schedule(
         ValidationError: no variant fits the memory (each variant's reason listed).
     """
     bases = [plan, *balanced_pipelines(profile, cluster, plan.global_batch_size)]
-    choices = [refine_cuts(c, profile, cluster) for c in best_per_schedule(bases, profile, cluster)]
+    choices = [
+        refine_cuts(c, profile, cluster, on_nonfinite=on_nonfinite)
+        for c in best_per_schedule(bases, profile, cluster, on_nonfinite=on_nonfinite)
+    ]
     fits = [c for c in choices if c.plan is not None and c.result is not None]
     if not fits:
         raise ValidationError(
@@ -272,14 +282,19 @@ def check_v_layers(schedule: str, profile: ModelProfile, cluster: Cluster) -> No
 
 
 def best_under_schedule(
-    plan: Plan, schedule: str, profile: ModelProfile, cluster: Cluster
+    plan: Plan,
+    schedule: str,
+    profile: ModelProfile,
+    cluster: Cluster,
+    *,
+    on_nonfinite: str = "stop",
 ) -> ScheduleChoice:
     """The fastest simulated plan under ``schedule`` (each of its variants) that fits the
     memory, on ``plan``'s partition, replication and placement and on the balanced pipelines
     of every depth (:func:`balanced_pipelines`), each M, its cuts then refined
     (:func:`refine_cuts`). For a schedule with its own cut (a V) the planner does not plan
     for: a plan of the DAPPLE planner may hold a device group of one layer, which the V cannot
-    cut into two chunks.
+    cut into two chunks. Simulated with the step point of ``on_nonfinite``.
 
     Returns:
         The best choice, or (no plan) the last variant's reason.
@@ -287,7 +302,10 @@ def best_under_schedule(
     bases = [plan, *balanced_pipelines(profile, cluster, plan.global_batch_size)]
     choices = [
         refine_cuts(
-            _best_variant(schedule, policy, v, bases, profile, cluster, None), profile, cluster
+            _best_variant(schedule, policy, v, bases, profile, cluster, None, on_nonfinite),
+            profile,
+            cluster,
+            on_nonfinite=on_nonfinite,
         )
         for policy, v in get_schedule(schedule).variants
     ]
@@ -298,7 +316,12 @@ def best_under_schedule(
 
 
 def refine_cuts(
-    choice: ScheduleChoice, profile: ModelProfile, cluster: Cluster, max_moves: int = 64
+    choice: ScheduleChoice,
+    profile: ModelProfile,
+    cluster: Cluster,
+    max_moves: int = 64,
+    *,
+    on_nonfinite: str = "stop",
 ) -> ScheduleChoice:
     """A partition search for ``choice``'s schedule: hill climbing on the simulated step.
 
@@ -308,7 +331,8 @@ def refine_cuts(
     replication and placement simulates faster and fits the memory. Stops when no move
     helps, or after ``max_moves`` kept moves. A partition the climb has simulated before (the
     move back to a partition it moved from) is not simulated again: it was no faster than the
-    plan the climb holds now, so it cannot be kept.
+    plan the climb holds now, so it cannot be kept. Simulated with the step point of
+    ``on_nonfinite``.
     """
     if choice.plan is None or choice.result is None:
         return choice
@@ -328,7 +352,7 @@ def refine_cuts(
                 tried.add(_cuts(moved))
                 try:
                     cand = with_schedule(moved, plan.schedule, v, policy)
-                    r = simulate(cand, profile, cluster)
+                    r = simulate(cand, profile, cluster, on_nonfinite=on_nonfinite)
                 except DappleError:
                     continue
                 best_ms = res.step_ms if better is None else better[2].step_ms
@@ -339,8 +363,8 @@ def refine_cuts(
         base, plan, res = better
     if plan is choice.plan:
         return choice
-    plan = dataclasses.replace(plan, predicted_step_ms=schedule_latency(plan, profile, cluster))
-    return ScheduleChoice(choice.label, plan, res)
+    predicted = schedule_latency(plan, profile, cluster, on_nonfinite=on_nonfinite)
+    return ScheduleChoice(choice.label, dataclasses.replace(plan, predicted_step_ms=predicted), res)
 
 
 def _cuts(base: Plan) -> tuple[tuple[int, int], ...]:

@@ -33,18 +33,21 @@ simulator runs - and dispatches every action on its kind:
 The program is compiled once into *ops* - ``(position, action, handler)`` in execution order,
 early receives moved up, the arming wrapped around the last ``B`` - so a step is a plain loop.
 
-The step point: after the program's ``AR`` and the first part of its ``OPT`` (at the end of
-an empty program, on ranks beyond the plan) every rank joins the step's one world collective,
+The step point: the program's ``AGREE`` or ``POST`` (:func:`dapple.schedule.lower.lower` puts it
+after the ``AR`` and before the ``OPT``; it must match the guard's ``on_nonfinite``). After the
+program's ``AR`` and the first part of its ``OPT`` (at the end of an empty program, on ranks
+beyond the plan) every rank joins the step's one world collective at ``AGREE``,
 :meth:`NonFiniteGuard.agree_finite`, with its non-finite verdict, loss part, peak memory, the batch's
 target tokens and its part of the gradient norm - all on the device until that collective's
 one host read, the only one of a step (no micro-batch reads anything: the losses stay on the
 device, and the gradients' verdict is their norm). The optimizer step runs only when every
 rank's verdict is finite, so a NaN stops or skips the step on every rank before ``OPT`` touches
 the weights (its gradients are dropped). A non-finite gradient is named by a replay of the
-step's compute part (:meth:`ProgramInterpreter._replay`) with a check after each backward. :func:`dapple.schedule.lower.lower` puts ``AR`` and ``OPT`` last; a
-program with another action after them is rejected (:func:`step_point`).
+step's compute part (:meth:`ProgramInterpreter._replay`) with a check after each backward.
+:func:`dapple.schedule.lower.lower` puts ``AR``, the step point and ``OPT`` last; a program with
+another action after them is rejected (:func:`step_point`).
 
-With ``on_nonfinite="off"`` there is no verdict: at the step point each rank posts its row
+With ``on_nonfinite="off"`` (the ``POST`` step point) there is no verdict: each rank posts its row
 asynchronously (:class:`~dapple.runtime.late_rows.LateRows`) and runs OPT's second part at once,
 without waiting for the other ranks; :meth:`ProgramInterpreter.run_step` returns the previous
 step's rows, read when this step posts its own, and :meth:`ProgramInterpreter.finish` the last
@@ -75,9 +78,9 @@ from dapple.runtime.parallel.expert import ExpertLoads
 from dapple.runtime.parallel.zero import FlatShards
 from dapple.runtime.precision import Precision
 from dapple.runtime.reporting import target_token_count
+from dapple.runtime.step_point import point_of, step_point
 from dapple.runtime.sync import GradientSync
-from dapple.schedule.ir import RECVS, Action, ActionKind, Schedule
-from dapple.schedule.validate import format_grid
+from dapple.schedule.ir import RECVS, STEP_POINTS, Action, ActionKind, Schedule
 
 __all__ = ["RECV_AHEAD", "ProgramInterpreter", "step_point"]
 
@@ -85,7 +88,6 @@ K = ActionKind
 
 RECV_AHEAD = 4
 """Program positions ahead of the current action whose RECV_F/RECV_B are posted early."""
-_UPDATES = (K.ALLREDUCE, K.STEP)
 _GRADS = (K.BACKWARD, K.BACKWARD_WEIGHT)
 """The actions that accumulate parameter gradients."""
 
@@ -103,25 +105,6 @@ class _Op(NamedTuple):
 def _reduced(a: Action) -> None:
     """``AR`` of a rank's second and later chunk (interleaved): its gradients were reduced
     with the first chunk's, in the same buckets over the same replicas."""
-
-
-def step_point(schedule: Schedule, rank: int) -> int:
-    """The position of ``rank``'s first ``AR``/``OPT`` (its program's length without one).
-
-    Raises:
-        ValidationError: an action other than ``AR``/``OPT`` follows it; the message holds the
-            schedule grid with those actions marked.
-    """
-    program = schedule.get(rank, [])
-    n = next((i for i, a in enumerate(program) if a.kind in _UPDATES), len(program))
-    late = [(rank, i) for i in range(n, len(program)) if program[i].kind not in _UPDATES]
-    if late:
-        raise ValidationError(
-            f"rank {rank}: program has actions after its first AR/OPT (the step's collective "
-            "must come before every AR/OPT and after every other action)\n"
-            + format_grid(schedule, late)
-        )
-    return n
 
 
 def _compile(program: Sequence[Action], handler_at: Callable[[int], Handler]) -> list[_Op]:
@@ -173,15 +156,17 @@ class ProgramInterpreter:
         """The last step's tokens per expert and load-balancing loss per MoE layer
         (:meth:`~dapple.runtime.parallel.expert.load.LoadLayout.split`)."""
         self.ex, self.sync, self.guard, self.probe = executor, sync, guard, probe
-        self.late = LateRows(guard.world) if guard.config.on_nonfinite == "off" else None
-        """``on_nonfinite="off"``: the step's rows gathered asynchronously, read a step late
-        (None: the guard's collective, read at the step point)."""
         self.optimizer, self.params, self.update = optimizer, params, update
         self.precision = precision or Precision("fp32", torch.device("cpu"))
         program = schedule.get(rank, [])
         if program and executor is None:
             raise ValidationError(f"rank {rank} has a program but no stage executor")
         n = step_point(schedule, rank)
+        point = point_of(program[n:], guard.config.on_nonfinite, rank)
+        self.late = LateRows(guard.world) if point is K.POST else None
+        """The ``POST`` step point (``on_nonfinite="off"``): the step's rows gathered
+        asynchronously, read a step late (None: ``AGREE``, the guard's collective, read at the
+        step point)."""
         table: dict[ActionKind, Handler] = {
             **(executor.handlers() if executor is not None else {}),
             K.BACKWARD: self._backward,
@@ -208,7 +193,11 @@ class ProgramInterpreter:
 
         self._compute = _compile(program[:n], handler_at)
         """F, B, sends and receives: everything before the step point."""
-        self._reduce = [_Op(i, program[i], handler_at(i)) for i in range(n, len(program))]
+        self._reduce = [
+            _Op(i, program[i], handler_at(i))
+            for i in range(n, len(program))
+            if program[i].kind not in STEP_POINTS
+        ]
         """AR and OPT's first part (tied sums, unscaling, this rank's part of the norm): after
         the compute, before the step point."""
         self._apply = [

@@ -158,7 +158,8 @@ def start_rank(
     probe = StepProbe(device, meter, ex, baseline)
     counted = norm_parameters(plan, workload, layers, zero.sharded, shards, mesh)
     update = ModelUpdate(config, opt, updated, counted, device)
-    interpreter = ProgramInterpreter(plan, tensor_programs(plan, lower(plan)), rank, executor=ex, sync=sync,
+    programs = tensor_programs(plan, lower(plan, on_nonfinite=config.on_nonfinite))
+    interpreter = ProgramInterpreter(plan, programs, rank, executor=ex, sync=sync,
                                      guard=longrun.guard, optimizer=opt, params=params, probe=probe,
                                      update=update, precision=precision, shards=shards,
                                      loads=mesh.loads)  # fmt: skip

@@ -9,6 +9,8 @@ round-trips through :func:`parse_action`::
     0.0SEND_F4@1 stage 0 replica 0 sends micro-batch 4's activations to replica 1 of stage 1
     1.0RECV_B2@0 stage 1 replica 0 receives micro-batch 2's gradients from replica 0 of stage 2
     0.1AR        stage 0 replica 1 joins its stage's gradient AllReduce
+    0.1AGREE     the step's world collective: every rank waits for every rank's verdict
+    0.1POST      the step's rows posted without waiting (read at the next step's POST)
     0.1OPT       optimizer step
 
 ``B`` is a whole backward. Zero-bubble schedules split it as torch.distributed.pipelining
@@ -34,12 +36,14 @@ from dapple.errors import ValidationError
 __all__ = [
     "RECVS",
     "SENDS",
+    "STEP_POINTS",
     "Action",
     "ActionKind",
     "ComputeOrder",
     "Schedule",
     "format_actions",
     "parse_action",
+    "step_point_kind",
 ]
 
 
@@ -62,6 +66,14 @@ class ActionKind(str, Enum):
     """Receive output gradients from ``peer`` in the next stage."""
     ALLREDUCE = "AR"
     """Gradient AllReduce over the stage's replicas, AR(P_s, g_s)."""
+    AGREE = "AGREE"
+    """The step point with the non-finite guard (``on_nonfinite`` stop or skip): every rank's
+    verdict, measurements and part of the gradient norm in one world collective that every
+    rank waits for before its ``OPT``."""
+    POST = "POST"
+    """The step point without the guard (``on_nonfinite`` off): the rank posts its row of the
+    world collective and goes on; the rows are read at its next step's ``POST``, which waits
+    for every rank's row of this step."""
     STEP = "OPT"
     """Optimizer step."""
 
@@ -98,6 +110,8 @@ SENDS = frozenset({ActionKind.SEND_F, ActionKind.SEND_B})
 RECVS = frozenset({ActionKind.RECV_F, ActionKind.RECV_B})
 """The receive kinds."""
 _COMM = SENDS | RECVS
+STEP_POINTS = frozenset({ActionKind.AGREE, ActionKind.POST})
+"""The step point's kinds: one per device, after its last backward and AR, before its OPT."""
 _NEEDS_MB = _COMPUTE | _COMM
 
 
@@ -162,6 +176,20 @@ def parse_action(text: str) -> Action:
         micro_batch=None if mb is None else int(mb),
         peer=None if peer is None else int(peer),
     )
+
+
+def step_point_kind(on_nonfinite: str) -> ActionKind:
+    """The step point of a run with ``on_nonfinite``: ``AGREE`` under the guard (stop, skip),
+    ``POST`` without it (off).
+
+    Raises:
+        ValidationError: ``on_nonfinite`` is none of stop, skip and off.
+    """
+    if on_nonfinite in ("stop", "skip"):
+        return ActionKind.AGREE
+    if on_nonfinite == "off":
+        return ActionKind.POST
+    raise ValidationError(f"on_nonfinite must be stop, skip or off, got {on_nonfinite!r}")
 
 
 def format_actions(actions: list[Action]) -> str:

@@ -4,14 +4,16 @@ per-stage gradient AllReduce and the optimizer step (paper section 6.2).
 For every F of micro-batch m on (stage s, replica j): receive the overlapping slices from the
 replicas of stage s-1, run F, send the overlapping slices to the replicas of stage s+1
 (:func:`dapple.core.plan.transfers`). B mirrors it with gradients. After the last action each
-replicated stage AllReduces its gradients, then every device steps its optimizer.
+replicated stage AllReduces its gradients, every device reaches the step point (``AGREE``: the
+non-finite guard's world collective, which every rank waits for; ``POST`` without the guard: the
+rank posts its row and goes on), then steps its optimizer.
 Replicas whose slice of a micro-batch is empty (r_s > micro-batch size) skip it.
 """
 
 from __future__ import annotations
 
 from dapple.core.plan import Plan, transfers
-from dapple.schedule.ir import Action, ActionKind, ComputeOrder, Schedule
+from dapple.schedule.ir import Action, ActionKind, ComputeOrder, Schedule, step_point_kind
 from dapple.schedule.registry import compute_order, get_schedule
 
 __all__ = ["lower", "plan_compute_order"]
@@ -33,18 +35,24 @@ def plan_compute_order(plan: Plan) -> ComputeOrder:
     )
 
 
-def lower(plan: Plan, order: ComputeOrder | None = None) -> Schedule:
+def lower(plan: Plan, order: ComputeOrder | None = None, *, on_nonfinite: str = "stop") -> Schedule:
     """Per-device programs for ``plan``; ``order`` overrides the plan's compute order.
 
     ``order`` maps each device group (pipeline rank) g to its compute actions; every replica
     of the group runs them on its slice, each action on its own (virtual) stage, with the
     split-concat transfers of that stage's boundaries. ``I`` sends gradients like ``B``;
     ``W`` needs no communication. After its last compute a device AllReduces each of its
-    replicated stages (last stage first: its gradients are complete first), then steps.
+    replicated stages (last stage first: its gradients are complete first), reaches the step
+    point of ``on_nonfinite`` (:func:`~dapple.schedule.ir.step_point_kind`: ``AGREE`` under the
+    guard, ``POST`` with ``off``), then steps.
 
     Returns:
         device id -> ordered actions.
+
+    Raises:
+        ValidationError: ``on_nonfinite`` is none of stop, skip and off.
     """
+    point = step_point_kind(on_nonfinite)
     order = plan_compute_order(plan) if order is None else order
     b = plan.micro_batch_size
     S = plan.num_stages
@@ -87,6 +95,7 @@ def lower(plan: Plan, order: ComputeOrder | None = None) -> Schedule:
                         prog.append(Action(s, a.kind, m, j))
             if st.parallel.data_parallel:
                 prog += [Action(s, K.ALLREDUCE, None, j) for s in reversed(stages)]
+            prog.append(Action(g, point, None, j))
             prog.append(Action(g, K.STEP, None, j))
             sched[dev] = prog
     return sched

@@ -114,6 +114,13 @@ class StepTerms:
     tails: tuple[float, ...]
     """Per device group, what it does once after its last compute: its replicated stages'
     gradient synchronisation and its optimizer step."""
+    updates: tuple[float, ...] = ()
+    """Per device group, the part of its tail after the step point: its optimizer step (empty:
+    none, the whole tail before it)."""
+    overlapped: bool = False
+    """No group waits at the step point (``on_nonfinite`` off, the ``POST`` step point):
+    consecutive steps overlap and the step time is their steady period; False: every group
+    waits in the step's collective (``AGREE``) before its update."""
 
 
 def round_robin(k: int, P: int, v: int) -> int:

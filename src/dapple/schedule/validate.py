@@ -10,9 +10,10 @@ Two entry points:
   the device's (stage, replica), the replica's F/B cover every micro-batch once (none when its
   slice is empty), B follows its F, receives precede and sends follow their compute, sends and
   receives pair up with the split-concat peers of :func:`dapple.core.plan.transfers`, replicated
-  stages AllReduce after their last B, the optimizer steps last, and a dry run with blocking
-  receives, non-blocking sends and an AllReduce that waits for every replica of its stage
-  terminates.
+  stages AllReduce after their last B, the step point (``AGREE`` or ``POST``, one kind on
+  every device) follows them, the optimizer steps last, and a dry run with blocking receives,
+  non-blocking sends, an AllReduce that waits for every replica of its stage and an ``AGREE``
+  that waits for every device terminates.
 
 Failures raise :class:`~dapple.errors.ValidationError` whose message ends with a step x device
 grid (rows: program step, columns: devices, cells: action strings) with the offending actions
@@ -31,7 +32,7 @@ from dataclasses import dataclass
 from dapple.core.parallelism import Parallelism
 from dapple.core.plan import Plan, transfers
 from dapple.errors import ValidationError
-from dapple.schedule.ir import RECVS, SENDS, Action, ActionKind, Schedule
+from dapple.schedule.ir import RECVS, SENDS, STEP_POINTS, Action, ActionKind, Schedule
 from dapple.schedule.text_grid import Cell, Problem, fail, format_grid
 from dapple.schedule.validate_order import validate_compute_order
 
@@ -237,7 +238,8 @@ def _allreduce_problems(d: _Device, where: _Where) -> list[Problem]:
 
 
 def _step_problems(d: _Device, where: _Where) -> list[Problem]:
-    """The optimizer step (OPT) comes after every backward and AllReduce."""
+    """The step point (``AGREE``/``POST``, where there is one) comes after every backward and
+    AllReduce, and the optimizer step (OPT) after them all."""
     last = max(
         (
             r
@@ -246,12 +248,32 @@ def _step_problems(d: _Device, where: _Where) -> list[Problem]:
         ),
         default=-1,
     )
+    points = sorted(r for (k, _s, _m, _p), r in where.items() if k in STEP_POINTS)
+    if len(points) > 1:
+        return [(f"device {d.dev}: {len(points)} step points (AGREE/POST), one allowed",
+                 [(d.dev, r) for r in points])]  # fmt: skip
+    if points and points[0] < last:
+        return [(f"device {d.dev}: step point before the last backward/AR", [(d.dev, points[0])])]
     opt = where.get((K.STEP, d.group, None, None))
     if opt is None:
         return [(f"device {d.dev}: no optimizer step (OPT) on stage {d.group}", [])]
-    if opt < last:
-        return [(f"device {d.dev}: OPT before the last backward/AR", [(d.dev, opt)])]
+    if opt < max([last, *points]):
+        return [(f"device {d.dev}: OPT before the last backward/AR/step point", [(d.dev, opt)])]
     return []
+
+
+def _point_kind_problems(schedule: Schedule) -> list[Problem]:
+    """Every device reaches the same step point (all ``AGREE``, all ``POST`` or none)."""
+    kinds = {
+        dev: next((a.kind.value for a in prog if a.kind in STEP_POINTS), "none")
+        for dev, prog in schedule.items()
+    }
+    if len(set(kinds.values())) <= 1:
+        return []
+    where = [(dev, r) for dev, prog in schedule.items() for r, a in enumerate(prog)
+             if a.kind in STEP_POINTS]  # fmt: skip
+    said = ", ".join(f"device {dev} {k}" for dev, k in sorted(kinds.items()))
+    return [(f"the devices' step points differ: {said}", where)]
 
 
 def _check_coverage(
@@ -302,10 +324,12 @@ def _check_coverage(
 
 
 def _dry_run(plan: Plan, schedule: Schedule) -> list[Problem]:
-    """Blocking receives, non-blocking sends, AR waits for all replicas: find a deadlock."""
+    """Blocking receives, non-blocking sends, AR waits for all replicas, AGREE for every
+    device: find a deadlock."""
     pc = dict.fromkeys(schedule, 0)
     posted: Counter[_MsgKey] = Counter()
     at_ar: dict[int, set[int]] = {}
+    agreeing: set[int] = set()
     progress = True
     while progress:
         progress = False
@@ -328,6 +352,13 @@ def _dry_run(plan: Plan, schedule: Schedule) -> list[Problem]:
                     for d in waiting - {dev}:
                         pc[d] += 1
                     at_ar[a.stage] = set()
+                elif a.kind is K.AGREE:
+                    agreeing.add(dev)
+                    if len(agreeing) < len(schedule):
+                        break
+                    for d in agreeing - {dev}:  # every device leaves the collective together
+                        pc[d] += 1
+                    agreeing = set()
                 pc[dev] += 1
                 progress = True
     stuck = [d for d in schedule if pc[d] < len(schedule[d])]
@@ -348,7 +379,8 @@ def validate(schedule: Schedule, plan: Plan) -> None:
         ValidationError: devices differ from the plan's, an action belongs to another stage or
             replica, an F/B is missing or duplicated, B runs before its F, a receive does not
             precede (or a send does not follow) its compute, sends and receives do not pair
-            up, AR/OPT are missing or misplaced, or the dry run deadlocks. The message holds a
+            up, AR/OPT or the step point are missing or misplaced, the devices' step points
+            differ, or the dry run deadlocks. The message holds a
             step x device grid marking the offending actions ``>>so<<``.
     """
     if sorted(schedule) != sorted(plan.replica_devices):
@@ -360,6 +392,7 @@ def validate(schedule: Schedule, plan: Plan) -> None:
     problems: list[Problem] = []
     for dev in sorted(schedule):
         problems += _check_device(plan, dev, schedule[dev], peers)
+    problems += _point_kind_problems(schedule)
     fail("schedule", problems, schedule, "dev")
 
     # Pairing: every send has exactly one receive and vice versa.

@@ -24,6 +24,12 @@ runs its program (:func:`dapple.schedule.lower`) in order:
   AR(P_s, g_s) of the stage's parameter bytes over its devices; a stage with
   ``zero_stage`` 2 takes ``(M + 1) / 2`` of that (its reductions after every backward, then the
   gather: :func:`dapple.cost.comm.stage_sync_ms`, as the planner counts it).
+* ``AGREE`` (the step point with the non-finite guard) ends when every device has reached it;
+  ``POST`` (without the guard) waits for no one in its step: each device posts its row and
+  goes on, and the next step's ``POST`` waits for every device's row of this step, as
+  :class:`dapple.runtime.late_rows.LateRows` reads them. The collective's own time (a small
+  all-gather: a few link latencies on devices) is not charged; on hosts with CPU overhead
+  terms it is part of the per-step host CPU of ``OPT``.
 * ``OPT`` (the optimizer step) takes U_s, the update the profile measured for the stage's
   parameters (1/r_s of them under ZeRO; :func:`dapple.cost.comm.stage_update_ms`), which
   the planner adds to AR_s; 0 for a profile without it. On hosts with CPU overhead terms
@@ -48,7 +54,6 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Any
 
 from dapple.core.cluster import Cluster
@@ -63,110 +68,17 @@ from dapple.errors import DappleError, ValidationError
 from dapple.schedule.ir import RECVS, SENDS, Action, ActionKind, Schedule
 from dapple.schedule.lower import lower
 from dapple.schedule.validate import validate
+from dapple.simulate.result import DeviceStats, SimEvent, SimResult
 
-__all__ = ["DeviceStats", "SimEvent", "SimResult", "simulate"]
+__all__ = ["DeviceStats", "SimEvent", "SimResult", "simulate", "steady_period_ms"]
 
 K = ActionKind
+STEADY_STEPS = 3
+"""Consecutive steps :func:`steady_period_ms` runs; the last one's period is the step time."""
 _MsgKey = tuple[ActionKind, int, int, int, int]
 """(SEND_F or SEND_B, sending stage, micro-batch, sending replica, receiving replica)."""
 _BACKWARDS = frozenset({K.BACKWARD, K.BACKWARD_INPUT, K.BACKWARD_WEIGHT})
 """B, I and W (sets: an Enum member looked up on its class costs an attribute lookup)."""
-
-
-def _devices_text(devices: tuple[int, ...]) -> str:
-    """Device ids in words: ``3``, ``2-3`` when they run consecutively, else ``0,2``."""
-    if len(devices) > 1 and devices == tuple(range(devices[0], devices[0] + len(devices))):
-        return f"{devices[0]}-{devices[-1]}"
-    return ",".join(map(str, devices))
-
-
-@dataclass(frozen=True, slots=True)
-class SimEvent:
-    """One timed action. For sends the interval is the link occupancy, for receives the wait."""
-
-    device: int
-    action: Action
-    start_ms: float
-    end_ms: float
-    peer_device: int | None = None
-    """Device at the other end of a send/receive."""
-    nbytes: float = 0.0
-    """Bytes moved by a send (0 for other actions)."""
-
-    @property
-    def duration_ms(self) -> float:
-        return self.end_ms - self.start_ms
-
-
-@dataclass(frozen=True, slots=True)
-class DeviceStats:
-    """Per-device summary of one simulated step."""
-
-    device: int
-    stage: int
-    replica: int
-    busy_ms: float
-    """Time spent computing: F/B, and on hosts with CPU overhead terms the per-step host CPU
-    of ``OPT`` (:mod:`dapple.cost.host`)."""
-    bubble_fraction: float
-    """``1 - busy_ms / step_ms``: idle (or communication-bound) share of the step."""
-    static_memory_bytes: float
-    """Parameters + gradients + optimizer state."""
-    peak_memory_bytes: float
-    """Static memory plus the largest activation footprint over time."""
-    peak_in_flight: int
-    """Most micro-batches whose F has started and whose B has not finished."""
-    tensor_group: tuple[int, ...] = ()
-    """The devices of its tensor group, ``device`` the first (empty: ``device`` alone): a stage
-    of width t > 1 is simulated once per tensor group (its t devices run the same actions at
-    the same times)."""
-
-    @property
-    def devices(self) -> tuple[int, ...]:
-        """The devices this row stands for: its tensor group, or ``(device,)``."""
-        return self.tensor_group or (self.device,)
-
-    @property
-    def tensor_width(self) -> int:
-        """t: the devices of its tensor group (1 without tensor parallelism)."""
-        return len(self.devices)
-
-    @property
-    def devices_text(self) -> str:
-        """``3``; for a tensor group ``2-3`` (consecutive ids) or ``0,2`` (any others)."""
-        return _devices_text(self.devices)
-
-
-@dataclass(frozen=True, slots=True)
-class SimResult:
-    """Outcome of :func:`simulate`."""
-
-    step_ms: float
-    """Simulated time of one training step (last action of any device)."""
-    L_ms: float
-    """The planner's analytic pipeline latency L (equation 2), NaN when unavailable."""
-    schedule: str
-    policy: str
-    devices: tuple[DeviceStats, ...]
-    events: tuple[SimEvent, ...]
-    memory: dict[int, tuple[tuple[float, float], ...]] = field(default_factory=dict)
-    """device -> step function ``(time_ms, bytes)``: the usage from that time on."""
-
-    @property
-    def peak_memory_bytes(self) -> float:
-        """Largest peak over all devices."""
-        return max(d.peak_memory_bytes for d in self.devices)
-
-    def device(self, device: int) -> DeviceStats:
-        """Stats of one device.
-
-        Raises:
-            ValidationError: the device was not simulated.
-        """
-        for d in self.devices:
-            if d.device == device:
-                return d
-        raise ValidationError(f"device {device} not in the simulation")
 
 
 class _Run:
@@ -175,6 +87,12 @@ class _Run:
 
     def __init__(self, terms: PlanTerms, sched: Schedule) -> None:
         self.terms, self.sched = terms, sched
+        self.agreeing: dict[int, float] = {}
+        """Devices at the ``AGREE`` -> when they reached it."""
+        self.posts: list[list[float]] = []
+        """Per step, when each device posted its row (``POST``)."""
+        self.posted = dict.fromkeys(sched, 0)
+        """Per device, the rows it has posted."""
         self.plan, self.profile, self.cluster = terms.plan, terms.profile, terms.cluster
         # (boundary s|s+1, src replica j, dst replica k) -> the slice transfer
         self.transfer: dict[tuple[int, int, int], TransferTerms] = {
@@ -277,7 +195,8 @@ class _Run:
 
     def other(self, dev: int, a: Action, now: float) -> bool:
         """Runs a non-compute action of ``dev`` at ``now``; False when it must wait (a receive
-        whose message is not posted yet, an AllReduce not all replicas have reached)."""
+        whose message is not posted yet, an AllReduce not all replicas have reached, an
+        ``AGREE`` not every device has reached, a ``POST`` before the previous step's rows)."""
         stages = self.plan.stages
         s, j = a.stage, a.replica
         if a.kind in SENDS:
@@ -307,21 +226,54 @@ class _Run:
             self.events.append(SimEvent(dev, a, now, self.t[dev], src))
         elif a.kind is K.ALLREDUCE:
             waiting = self.at_ar.setdefault(s, {})
-            waiting[dev] = now
-            if len(waiting) < stages[s].replicas:
-                return False
-            start = max(waiting.values())
             # AR, or ZeRO's reductions and gathers (dapple.cost.comm.stage_sync_ms)
-            end = start + self.terms.stages[s].terms.sync_ms
-            for d, arrived in waiting.items():
-                self.events.append(SimEvent(d, self.sched[d][self.pc[d]], arrived, end))
-                self.t[d] = end
-                if d != dev:
-                    self.pc[d] += 1
-            self.at_ar[s] = {}
+            return self._meet(
+                waiting, dev, now, stages[s].replicas, self.terms.stages[s].terms.sync_ms
+            )
+        elif a.kind is K.AGREE:
+            return self._meet(self.agreeing, dev, now, len(self.sched), 0.0)
+        elif a.kind is K.POST:
+            return self._post(dev, a, now)
         else:  # OPT without time (no host CPU, no update): see the module docstring
             self.events.append(SimEvent(dev, a, now, now))
         return True
+
+    def _meet(self, waiting: dict[int, float], dev: int, now: float, count: int, ms: float) -> bool:
+        """``dev`` reaches a collective of ``count`` devices at ``now`` (``waiting``: those
+        there before it); when it is the last, all of them leave it ``ms`` after it came."""
+        waiting[dev] = now
+        if len(waiting) < count:
+            return False
+        end = max(waiting.values()) + ms
+        for d, arrived in waiting.items():
+            self.events.append(SimEvent(d, self.sched[d][self.pc[d]], arrived, end))
+            self.t[d] = end
+            if d != dev:
+                self.pc[d] += 1
+        waiting.clear()
+        return True
+
+    def _post(self, dev: int, a: Action, now: float) -> bool:
+        """``POST``: the device's row of its k-th step, after the rows of step k - 1 of every
+        device have been gathered (False: not yet)."""
+        k = self.posted[dev]
+        if k > 0 and len(self.posts[k - 1]) < len(self.sched):
+            return False
+        start = max(now, max(self.posts[k - 1])) if k > 0 else now
+        if k == len(self.posts):
+            self.posts.append([])
+        self.posts[k].append(start)
+        self.posted[dev] += 1
+        self.t[dev] = start
+        self.events.append(SimEvent(dev, a, now, start))
+        return True
+
+    def sweep(self) -> None:
+        """The sweep of the cluster's compute: dedicated devices or shared cores."""
+        if self.cluster.compute_cores_per_server is None:
+            self.sweep_dedicated()
+        else:
+            self.sweep_shared()
 
     def sweep_dedicated(self) -> None:
         """Dedicated devices: a round-robin dataflow sweep (module docstring) gives exact times."""
@@ -403,6 +355,7 @@ def simulate(
     schedule: Schedule | None = None,
     *,
     overlap: CommOverlap = NO_OVERLAP,
+    on_nonfinite: str = "stop",
 ) -> SimResult:
     """Simulate one training step of ``plan``.
 
@@ -413,28 +366,32 @@ def simulate(
         schedule: a lowered schedule to run instead of ``lower(plan)``; validated first.
         overlap: the traffic the training framework hides under compute
             (:mod:`dapple.cost.overlap`); default: dapple's runtime, none.
+        on_nonfinite: the run's non-finite mode, whose step point the lowered schedule holds
+            (``AGREE`` for stop and skip, ``POST`` for off; :func:`dapple.schedule.lower.lower`).
+            Without the guard (off) the step time is the steady period of consecutive steps
+            (:func:`steady_period_ms`).
 
     A plan made for sequence lengths (``plan.mean_seq_len``) runs at them when the profile was
     measured at several (:func:`dapple.cost.at_length.profile_for_plan`).
 
     Raises:
-        ValidationError: the plan does not fit the profile/cluster or the schedule is invalid.
+        ValidationError: the plan does not fit the profile/cluster, the schedule is invalid or
+            ``on_nonfinite`` is none of stop, skip and off.
     """
     profile = profile_for_plan(profile, plan)
     plan.validate_for(profile.num_layers, cluster.num_devices)
-    sched = lower(plan) if schedule is None else schedule
+    sched = lower(plan, on_nonfinite=on_nonfinite) if schedule is None else schedule
     validate(sched, plan)
     terms = stage_terms(plan, profile, cluster, overlap=overlap)
     stages = plan.stages
     where = {d: plan.stage_of_device(d) for d in sched}
     run = _Run(terms, sched)
-    if cluster.compute_cores_per_server is None:
-        run.sweep_dedicated()
-    else:
-        run.sweep_shared()
+    run.sweep()
     t, busy, events, deltas = run.t, run.busy, run.events, run.deltas
     peak_in_flight = run.peak_in_flight
-    step_ms = max(t.values(), default=0.0)
+    span_ms = max(t.values(), default=0.0)
+    steps_overlap = any(a.kind is K.POST for prog in sched.values() for a in prog)
+    step_ms = steady_period_ms(terms, sched) if steps_overlap else span_ms
     memory: dict[int, tuple[tuple[float, float], ...]] = {}
     stats = []
     for dev in sorted(sched):
@@ -470,7 +427,7 @@ def simulate(
             )
         )
     try:
-        L_ms = schedule_step_ms(terms)
+        L_ms = schedule_step_ms(terms, on_nonfinite=on_nonfinite)
     except DappleError:
         L_ms = math.nan
     return SimResult(
@@ -483,4 +440,20 @@ def simulate(
         # accumulates rates) count as equal, so the order does not hinge on the last bit
         events=tuple(sorted(events, key=lambda e: (round(e.start_ms, 9), e.device))),
         memory=memory,
+        span_ms=span_ms,
+        on_nonfinite=on_nonfinite,
     )
+
+
+def steady_period_ms(terms: PlanTerms, sched: Schedule) -> float:
+    """The step time of ``sched`` run step after step: its programs repeated
+    :data:`STEADY_STEPS` times, each device starting a step as soon as its previous one ends
+    (what runs without the step's collective, ``POST``), and the period between the last two
+    step ends of the slowest device."""
+    run = _Run(terms, {d: prog * STEADY_STEPS for d, prog in sched.items()})
+    run.sweep()
+    ends: dict[int, list[float]] = {}
+    for e in run.events:  # each device's in its program's order
+        if e.action.kind is K.STEP:
+            ends.setdefault(e.device, []).append(e.end_ms)
+    return max((e[-1] - e[-2] for e in ends.values()), default=0.0)
