@@ -23,7 +23,8 @@ from dapple.cost.memory import (
     gradients_in_flight_bytes,
     parameter_state_bytes,
     tied_bytes,
-    zero2_staging_bytes,
+    zero2_bucket_bytes,
+    zero2_in_flight_bytes,
 )
 from dapple.cost.pipeline import pipeline_latency
 from dapple.errors import ValidationError
@@ -116,35 +117,37 @@ def test_tied_copies_keep_whole_gradients_in_the_memory_model(precision: str) ->
         2 * P * (1 + 1 + 3 / 4 + c) + 2 * P * tied_z + P
     )
     assert parameter_state_bytes(prof, (0, 4), _par(4, 2)) == pytest.approx(
-        2 * P * (1 + 3 / 4 + c) + 2 * P * tied_z + P + 2 * P  # + 2 untied layers staged
-    )
+        2 * P * (1 + 3 / 4 + c) + 2 * P * tied_z + 2 * 2 * P + P
+    )  # in flight: the 2 untied layers' bucket and its staging copy, and a tied gradient
     # 2:2, the other copy in the other stage: summed across the stages outside any bucket
     assert parameter_state_bytes(prof, (0, 2), _par(2)) == pytest.approx(
         P * (5 + c) + P * (4 + c) + P
     )
     assert parameter_state_bytes(prof, (0, 2), _par(2, 2)) == pytest.approx(
-        P * (1 + 3 / 2 + c) + P * (1 + 1 + 2 / 2 + c) + P + P  # + its 1 untied layer staged
-    )
-    # against the same chain untied, ZeRO-2 holds the tied gradient's (1 - 1/r) more and
-    # stages one layer fewer (the untied chain stages both of its layers)
+        P * (1 + 3 / 2 + c) + P * (1 + 1 + 2 / 2 + c) + 2 * P + P
+    )  # in flight: its 1 untied layer's bucket and staging copy, and the tied gradient
+    # against the same chain untied, ZeRO-2 holds the tied gradient's (1 - 1/r) more, and in
+    # flight one layer's gradient and staging copy less but the tied gradient more
     gap = parameter_state_bytes(prof, (0, 2), _par(2, 2)) - parameter_state_bytes(
         untied, (0, 2), _par(2, 2)
     )
     assert gap == pytest.approx(P * (1 - 1 / 2) - P)
 
 
-def test_gradients_in_flight_count_every_layer_and_staging_only_bucketed_ones() -> None:
+def test_gradients_in_flight_count_every_layer_and_buckets_only_untied_ones() -> None:
     prof = _tied_profile(n=3, tied=(0, 2))
     big = dataclasses.replace(prof.layers[0], parameter_bytes=5 * P, tied_parameter_bytes=P)
     prof = dataclasses.replace(prof, layers=(big, *prof.layers[1:]))
-    # 2 x layer 0's 4 P in buckets, capped at the stage's bucketed 4 P + P
-    assert zero2_staging_bytes(prof, (0, 3), _par(2, 2)) == 5 * P
-    assert zero2_staging_bytes(prof, (0, 2), _par(2, 2)) == 5 * P
-    assert zero2_staging_bytes(prof, (1, 3), _par(2, 2)) == P  # layer 1 only, once
-    assert zero2_staging_bytes(prof, (2, 3), _par(2, 2)) == 0.0  # all of layer 2 is tied
-    # autograd produces the tied gradient too, before it is added to the accumulated one
+    # one bucket of layer 1's P and layer 0's untied 4 P; layer 2 is all tied
+    assert zero2_bucket_bytes(prof, (0, 3), _par(2, 2)) == [5 * P]
+    assert zero2_bucket_bytes(prof, (2, 3), _par(2, 2)) == []
+    # the bucket's gradients and staging copy, and a tied gradient as autograd produces it
+    # before adding it to the accumulated one
+    assert zero2_in_flight_bytes(prof, (0, 3), _par(2, 2)) == 2 * 5 * P + P
+    assert zero2_in_flight_bytes(prof, (0, 2), _par(2, 2)) == 2 * 5 * P + P
+    assert zero2_in_flight_bytes(prof, (1, 3), _par(2, 2)) == 2 * P + P
     assert gradients_in_flight_bytes(prof, (0, 3), _par(2)) == 5 * P
-    assert gradients_in_flight_bytes(prof, (0, 3), _par(2, 2)) == 5 * P + 5 * P
+    assert gradients_in_flight_bytes(prof, (0, 3), _par(2, 2)) == 2 * 5 * P + P
     assert gradients_in_flight_bytes(prof, (2, 3), _par(2, 2)) == P
 
 
@@ -162,12 +165,15 @@ def test_plan_and_simulator_memory_count_tied_gradients_whole() -> None:
         rows = pipeline_latency(plan, p, cluster).stages
         return [r.memory_bytes for r in rows if r.kind == "compute"]
 
+    # each stage's tied copy keeps its gradient whole (+ P - P / 2) and its fresh gradient in
+    # flight (+ P), outside the one bucket, which is P smaller: its gradients and staging copy
+    # (- 2 P)
     assert [a - b for a, b in zip(compute(prof), compute(untied), strict=True)] == pytest.approx(
-        [P / 2, P / 2]
+        [-P / 2, -P / 2]
     )
     static = {d.device: d.static_memory_bytes for d in simulate(plan, prof, cluster).devices}
     assert static[0] == pytest.approx(device_state_bytes(prof, [plan.stages[0]]))
-    assert static[0] - device_state_bytes(untied, [plan.stages[0]]) == pytest.approx(P / 2)
+    assert static[0] - device_state_bytes(untied, [plan.stages[0]]) == pytest.approx(-P / 2)
 
 
 def test_layer_at_length_keeps_the_tied_fields() -> None:

@@ -528,11 +528,11 @@ def test_plan_memory_and_sync_cost_under_zero1_and_zero2() -> None:
     assert zero_saved_bytes(profile, (0, 3), Parallelism(zero_stage=1)) == 0.0
     saved1 = zero_saved_bytes(profile, (3, 6), Parallelism(replicas=3, zero_stage=1))
     assert saved1 == pytest.approx(3 * 10**6 * (5 - 3))  # 5 -> 1 + 1 + 3/3 bytes per byte
-    # ZeRO-2: 5 -> 1 + 3/3, less two layers' staged gradients (zero2_staging_bytes); the
-    # gradient autograd produces is held at every zero stage
+    # ZeRO-2: 5 -> 1 + 3/3; in flight the stage's one bucket of gradients beside its staging
+    # copy (zero2_in_flight_bytes, 2 x 3 MB) in place of one layer's fresh gradient (1 MB)
     assert zero_saved_bytes(
         profile, (3, 6), Parallelism(replicas=3, zero_stage=2)
-    ) == pytest.approx(3 * 10**6 * (5 - 2) - 2 * 10**6)
+    ) == pytest.approx(3 * 10**6 * (5 - 2) + 10**6 - 2 * 3 * 10**6)
     # the phases shift by 2 kB: unsharded, the peak is the first layer's backward with its
     # 1 MB weight gradient in flight; under ZeRO-1 that gradient is in the state, and the peak
     # moment is the loss's (log-softmax and its two gradients, 3 kB) over the layers' 1 kB
@@ -567,7 +567,7 @@ def test_simulated_device_memory_counts_each_stages_zero_stage() -> None:
     from dapple.cost.memory import (
         device_state_bytes,
         gradients_in_flight_bytes,
-        zero2_staging_bytes,
+        zero2_in_flight_bytes,
         zero_saved_bytes,
     )
     from dapple.cost.pipeline import pipeline_latency
@@ -600,9 +600,9 @@ def test_simulated_device_memory_counts_each_stages_zero_stage() -> None:
     mine = [inter.stages[k] for k in inter.stages_of_device(0)]
     z2 = [dataclasses.replace(st, zero_stage=2) for st in mine]
     once = gradients_in_flight_bytes(profile, z2[0].layers, z2[0].parallel)
-    assert len(z2) == 3 and once == 10**6 + zero2_staging_bytes(
-        profile, z2[0].layers, z2[0].parallel
-    )
+    chunk_bytes = sum(x.parameter_bytes for x in profile.layers[slice(*z2[0].layers)])
+    assert len(z2) == 3 and once == 2 * chunk_bytes  # one bucket beside its staging copy
+    assert once == zero2_in_flight_bytes(profile, z2[0].layers, z2[0].parallel)
     per_chunk = sum(device_state_bytes(profile, [st]) for st in z2)
     assert device_state_bytes(profile, z2) == pytest.approx(per_chunk - 2 * once)
     assert static(_with_zero(inter, 2))[0] == pytest.approx(device_state_bytes(profile, z2))
@@ -722,15 +722,16 @@ def test_auto_weighs_zero2_traffic_against_recomputation() -> None:
 
 
 def test_search_finds_plans_only_zero2_fits() -> None:
-    """6 x 100 MB of Adam parameters in one stage: 1.65 GB per replica of DP x4 under ZeRO-1,
-    1.05 GB + 3 x 100 MB in flight under ZeRO-2 - on 1.5 GB devices only ZeRO-2 fits; ``auto``
-    finds it."""
+    """6 x 100 MB of Adam parameters in one stage: 1.65 GB + 100 MB in flight per replica of
+    DP x4 under ZeRO-1, 1.05 GB + 4.5 x 100 MB in flight under ZeRO-2 (a 100 MB bucket's
+    gradients and staging copy, and the two buckets before it being reduced, each a copy and
+    its 1/4 output) - on 1.6 GB devices only ZeRO-2 fits; ``auto`` finds it."""
     from builders import make_cluster, make_profile
     from dapple.errors import InfeasibleError
     from dapple.planner.search import dapple_search
 
     profile = make_profile(params=10**8, act=10.0)
-    cluster = dataclasses.replace(make_cluster(), device_memory_bytes=int(1.5e9))
+    cluster = dataclasses.replace(make_cluster(), device_memory_bytes=int(1.6e9))
     with pytest.raises(InfeasibleError):
         dapple_search(profile, cluster, 8, max_stages=1, zero_stage=1)
     for z in (2, "auto"):

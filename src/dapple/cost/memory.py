@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Sequence
 
+from dapple.core.buckets import BUCKET_BYTES, MAX_STAGED, bucket_runs
 from dapple.core.layer_profile import LayerProfile
 from dapple.core.parallelism import ONE_DEVICE, Parallelism
 from dapple.core.plan import StagePlan
@@ -37,15 +38,10 @@ __all__ = [
     "uncast_bytes",
     "weight_cast_bytes",
     "weight_cast_factor",
-    "zero2_staging_bytes",
+    "zero2_bucket_bytes",
+    "zero2_in_flight_bytes",
     "zero_saved_bytes",
 ]
-
-ZERO2_STAGED_LAYERS = 2
-"""ZeRO-2's staged gradients while a backward runs, in units of the stage's largest layer in
-flat buckets: the runtime's staged buckets being reduced (``dapple.runtime.parallel.zero.MAX_STAGED``),
-each at most one layer's parameters; never more than the stage's bucketed parameters
-(:func:`zero2_staging_bytes`)."""
 
 UNBOUNDED_IN_FLIGHT = 10**9
 """D of a stage whose activations take no memory."""
@@ -276,31 +272,58 @@ ZERO3_GATHERED_LAYERS = 2
 layer: the layer being computed and the next one, whose all-gather FSDP prefetches."""
 
 
-def zero2_staging_bytes(
-    profile: ModelProfile, layers: tuple[int, int], parallel: Parallelism
-) -> float:
-    """ZeRO-2's staged gradients of layers ``[start, end)`` while they are reduced, on one
-    replica: :data:`ZERO2_STAGED_LAYERS` x the largest layer's bucketed bytes, at most the
-    stage's bucketed bytes in all (the staging buffers are copies of distinct buckets, so a
-    stage of one or two layers stages no more than its own gradients). A layer's bucketed
-    bytes are its untied parameters (tied copies are not in buckets), ``1/t`` of them on a
-    tensor rank when it shards. An upper bound per bucket: a bucket holds at most one layer's
-    parameters when they are larger than the bucket size. Not an upper bound where several
-    layers share one bucket (layers under ``dapple.runtime.sync.BUCKET_BYTES``): the runtime
-    then holds the bucket's gradients beside its staged copy, and ZeRO-2 measured above ZeRO-1
-    (``benchmarks/zero2_small_stage.md``). 0 unless ``parallel`` is ZeRO-2 on a replicated
-    stage (FSDP's reduce-scatter buffers are :func:`gradients_in_flight_bytes`').
-    """
-    if not parallel.reduces_each_backward:
-        return 0.0
+def zero2_bucket_bytes(
+    profile: ModelProfile,
+    layers: tuple[int, int],
+    parallel: Parallelism,
+    bucket_bytes: float = BUCKET_BYTES,
+) -> list[float]:
+    """The bytes of each flat bucket of layers ``[start, end)`` on one replica, in the order a
+    backward makes them final: the layers' bucketed bytes in reverse order, cut by
+    :func:`dapple.core.buckets.bucket_runs` at ``bucket_bytes``, as the runtime cuts the
+    parameters (``dapple.runtime.parallel.zero.FlatShards``). A layer's bucketed bytes are its
+    untied parameters (tied copies are not in buckets), ``1/t`` of them on a tensor rank when
+    it shards. The profile records layers, not parameters: a layer larger than the cap is one
+    bucket here, where the runtime gives each of its parameters larger than the cap a bucket
+    of its own (so this over-counts a layer of several such parameters, a transformer block's
+    matrices, and is exact for a one-weight layer such as an embedding or an LM head)."""
     s, e = layers
     t = parallel.tensor_width
-    bucketed = [
+    sizes = [
         (layer.parameter_bytes - layer.tied_parameter_bytes)
         / (t if parallel.tensor_parallel and layer.tensor_parallel else 1)
-        for layer in profile.layers[s:e]
+        for layer in reversed(profile.layers[s:e])
     ]
-    return min(ZERO2_STAGED_LAYERS * max(bucketed), sum(bucketed))
+    sizes = [x for x in sizes if x > 0]
+    return [sum(sizes[i] for i in run) for run in bucket_runs(sizes, bucket_bytes)]
+
+
+def zero2_in_flight_bytes(
+    profile: ModelProfile,
+    layers: tuple[int, int],
+    parallel: Parallelism,
+    bucket_bytes: float = BUCKET_BYTES,
+) -> float:
+    """ZeRO-2's gradients in flight during a backward of layers ``[start, end)`` on one
+    replica, bucket by bucket (:func:`zero2_bucket_bytes`, S_k bytes each), as
+    ``FlatShards`` allocates them: bucket k is staged only when all its gradients are final,
+    so its fresh gradients (S_k) are alive beside its staging copy (S_k), and beside the
+    :data:`~dapple.core.buckets.MAX_STAGED` buckets before it still being reduced, each a
+    staging copy and its reduce-scatter output (``1/r_s`` of it): the peak is the largest over
+    k of ``2 S_k + (1 + 1/r_s) (S_{k-1} + S_{k-2})``. On gloo the runtime reduces in place,
+    without the outputs' ``1/r_s``. Plus the largest tied copy's gradient, which autograd
+    produces before adding it to the accumulated whole one (tied copies are outside the
+    buckets). 0 unless ``parallel`` is ZeRO-2 on a replicated stage."""
+    if not parallel.reduces_each_backward:
+        return 0.0
+    sizes = zero2_bucket_bytes(profile, layers, parallel, bucket_bytes)
+    staged = 1.0 + 1.0 / parallel.replicas  # a staging copy and its output chunk
+    peak = max(
+        (2 * b + staged * sum(sizes[max(0, k - MAX_STAGED) : k]) for k, b in enumerate(sizes)),
+        default=0.0,
+    )
+    s, e = layers
+    return peak + max((layer.tied_parameter_bytes for layer in profile.layers[s:e]), default=0)
 
 
 def gradients_in_flight_bytes(
@@ -309,20 +332,20 @@ def gradients_in_flight_bytes(
     """Gradients held during a backward of layers ``[start, end)`` beyond the accumulated ones:
     the gradient autograd produces before adding it to the accumulated one (or copying it into
     a bucket) - at most the largest layer's parameters (its ``1/t`` shard under tensor
-    parallelism) - plus ZeRO-2's staged buckets (:func:`zero2_staging_bytes`). Under ZeRO-3
-    FSDP2's reduce-scatter copies the gradients it reduces into a flat input and a ``1/r_s``
-    output after re-sharding their parameters: without ``regather`` the whole stage's at once
-    after the last backward (the freed whole parameters make room for the input, so the stage
-    grows by its ``1/r_s`` output), with ``regather`` one piece's after each backward, beside
-    the whole parameters of :data:`ZERO3_GATHERED_LAYERS` pieces."""
+    parallelism); under ZeRO-2, whose accumulated gradients are the ``1/r_s`` shard, the
+    buckets' fresh gradients and staging copies instead (:func:`zero2_in_flight_bytes`). Under
+    ZeRO-3 FSDP2's reduce-scatter copies the gradients it reduces into a flat input and a
+    ``1/r_s`` output after re-sharding their parameters: without ``regather`` the whole
+    stage's at once after the last backward (the freed whole parameters make room for the
+    input, so the stage grows by its ``1/r_s`` output), with ``regather`` one piece's after
+    each backward, beside the whole parameters of :data:`ZERO3_GATHERED_LAYERS` pieces."""
     s, e = layers
-    if not parallel.tensor_parallel and not parallel.shards_params:
-        largest = max(layer.parameter_bytes for layer in profile.layers[s:e])
-        return largest + zero2_staging_bytes(profile, layers, parallel)
+    if parallel.reduces_each_backward:
+        return zero2_in_flight_bytes(profile, layers, parallel)
     sizes = [sharded_layer_bytes(layer, parallel.tensor_width) for layer in profile.layers[s:e]]
     big = max(sizes)
     if not parallel.shards_params:
-        return big + zero2_staging_bytes(profile, layers, parallel)
+        return big
     replicas = parallel.replicas
     scatter = 1.0 + 1.0 / replicas
     if parallel.regather:

@@ -32,6 +32,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dapple.core.buckets import BUCKET_BYTES
+from dapple.core.buckets import bucket_runs as core_bucket_runs
 from dapple.core.parallelism import ONE_DEVICE
 from dapple.core.plan import Plan
 from dapple.models.tied import sync_tied_grads
@@ -39,14 +41,6 @@ from dapple.models.workload import Workload
 from dapple.runtime import comm
 
 __all__ = ["BUCKET_BYTES", "GradientSync", "bucket_runs", "tied_stages"]
-
-BUCKET_BYTES = 25 * 2**20
-"""Target size of one gradient bucket (the last one may be smaller, a large tensor larger).
-
-DDP's default cap. Smaller buckets start earlier but each collective has a fixed cost: on a
-2-core CPU box with 4 gloo processes (7 MB of gradients) 4 MiB buckets were 2.4% and 0.5 MiB
-buckets 16% slower per step than one bucket, which there matches DDP (paired A/B in one group).
-"""
 
 
 @dataclass
@@ -63,17 +57,11 @@ def bucket_runs(
     params: Sequence[nn.Parameter], cap_bytes: int, kind: Callable[[nn.Parameter], object]
 ) -> list[list[nn.Parameter]]:
     """Consecutive runs of ``params`` of one ``kind(p)``, each about ``cap_bytes`` (a run holds
-    at least one parameter, so one larger than the cap is a run of its own)."""
-    runs: list[list[nn.Parameter]] = []
-    size = 0
-    for p in params:
-        nbytes = p.numel() * p.element_size()
-        if not runs or size + nbytes > cap_bytes or kind(runs[-1][0]) != kind(p):
-            runs.append([])
-            size = 0
-        runs[-1].append(p)
-        size += nbytes
-    return runs
+    at least one parameter, so one larger than the cap is a run of its own):
+    :func:`dapple.core.buckets.bucket_runs` over their bytes, as the memory model cuts layers."""
+    sizes = [p.numel() * p.element_size() for p in params]
+    runs = core_bucket_runs(sizes, cap_bytes, [kind(p) for p in params])
+    return [[params[i] for i in run] for run in runs]
 
 
 def _make_buckets(params: list[nn.Parameter], cap_bytes: int) -> list[_Bucket]:

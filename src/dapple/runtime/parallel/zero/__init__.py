@@ -35,7 +35,7 @@ bytes, in place) and gathers by one ``broadcast`` per chunk from its owner (86-9
 
 Design choices:
     - Layout: the stage's trainable parameters, in reverse order (the order backward makes
-      their gradients final), are cut into buckets of about :data:`~dapple.runtime.sync.BUCKET_BYTES`;
+      their gradients final), are cut into buckets of about :data:`~dapple.core.buckets.BUCKET_BYTES`;
       a bucket of ``n`` elements is padded to ``P = r * ceil(n / r)`` and replica ``j`` owns
       its chunk ``[j P / r, (j + 1) P / r)``. The parameters become views of their bucket's
       flat buffer (built one bucket at a time, so the copy adds one bucket to the peak, not

@@ -77,7 +77,8 @@ class Bucket:
     works: list[Any] = field(default_factory=list)
     """The reduce-scatter in flight (empty: none)."""
     result: torch.Tensor | None = None
-    """Where this replica's reduced chunk lands (copied or added to the shard when done)."""
+    """Where this replica's reduced chunk lands: added to the shard when done (ZeRO-2), or
+    copied there (ZeRO-1 on gloo; elsewhere ZeRO-1 reduces into the shard itself)."""
     staged: torch.Tensor | None = None
     """ZeRO-2: the micro-batch's gradients being reduced (kept alive until done)."""
     launched_sum: torch.Tensor | None = None

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dapple.core.buckets import BUCKET_BYTES, MAX_STAGED
 from dapple.core.parallelism import Parallelism
 from dapple.core.plan import Plan
 from dapple.runtime import comm
@@ -22,17 +23,13 @@ from dapple.runtime.parallel.zero.layout import (
     replica_slices,
     tied_slices,
 )
-from dapple.runtime.sync import BUCKET_BYTES, bucket_runs
+from dapple.runtime.sync import bucket_runs
 
 __all__ = ["MAX_STAGED", "TENSOR_COLLECTIVES_ENV", "FlatShards", "Piece", "ShardGroup"]
 
 TENSOR_COLLECTIVES_ENV = "DAPPLE_TEST_ZERO_TENSOR_COLLECTIVES"
 """Test hook: with ``1`` here gloo groups use ``reduce_scatter_single``/``all_gather_single``
 too (the path of other backends), so it can be tested on the CPU."""
-
-MAX_STAGED = 2
-"""ZeRO-2: buckets being reduced at once; launching another first waits for the oldest (so the
-staged gradients take at most this many buckets, not the stage)."""
 
 
 class FlatShards:
@@ -52,7 +49,7 @@ class FlatShards:
             ``[j c, (j + 1) c)``, ``c = ceil(n / r)``, of each, from its whole gradient.
         chunks: the parameters of each of the rank's chunks (interleaved plans): no bucket
             spans two, so a chunk's buckets are reduced at its own backward.
-        bucket_bytes: the bucket size (default :data:`~dapple.runtime.sync.BUCKET_BYTES`).
+        bucket_bytes: the bucket size (default :data:`~dapple.core.buckets.BUCKET_BYTES`).
         tensor_index: the rank's index in its tensor group (t_s > 1): the replicas are the
             stage's devices of that index (:meth:`StagePlan.replica_group`), each holding the
             same slice of every cut parameter.
@@ -294,8 +291,9 @@ class FlatShards:
                 for j, d in enumerate(g.devices)
             ]
             bk.result = src[g.index * chunk : (g.index + 1) * chunk]
-        else:
-            bk.result = torch.empty(chunk, dtype=src.dtype, device=src.device)
+        else:  # ZeRO-1 reduces straight into the shard; ZeRO-2 adds its result to it
+            at = self.grad_shard[bk.shard_start : bk.shard_start + chunk]
+            bk.result = at if bk.grads is not None else torch.empty_like(at)
             bk.works = [comm.reduce_scatter_single(bk.result, src, op=dist.ReduceOp.SUM,
                                                    group=g.pg, async_op=True)]  # fmt: skip
         if bk.staged is not None:  # ZeRO-2: at most MAX_STAGED staging buffers alive
@@ -311,7 +309,7 @@ class FlatShards:
             dst = self.grad_shard[bk.shard_start : bk.shard_start + bk.result.numel()]
             if add:
                 dst.add_(bk.result)
-            else:
+            elif dst.data_ptr() != bk.result.data_ptr():
                 dst.copy_(bk.result)
         bk.works, bk.result, bk.staged = [], None, None
 
