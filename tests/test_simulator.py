@@ -14,7 +14,7 @@ from dapple.core.cluster import Cluster
 from dapple.core.layer_profile import AffineTime, LayerProfile
 from dapple.core.plan import Plan, StagePlan, straight_plan
 from dapple.core.profile import ModelProfile
-from dapple.cost.comm import allreduce_ms
+from dapple.cost.comm import allreduce_ms, shared_samples
 from dapple.cost.pipeline import pipeline_latency
 from dapple.errors import ValidationError
 from dapple.schedule import lower, parse_action
@@ -213,6 +213,32 @@ def test_slices_of_a_cut_share_the_receivers_port():
     assert back[1].end_ms - back[0].start_ms == pytest.approx(1.5)
     comm = pipeline_latency(plan, _profile(), _cluster(3)).stages[1]
     assert (comm.kind, comm.forward_ms, comm.backward_ms) == ("comm", 1.5, 1.5)
+
+
+def test_fan_out_across_servers_takes_the_network_interface_once():
+    # 4:2 split-concat across 2 servers of 4 devices, b = 4: stage 1's replicas (devices 4, 5,
+    # server 1) each send their 2 rows' gradients back as 2 slices of 1 row (0.5 MB) to two
+    # replicas of stage 0 (server 0). Server 1's network interface carries all 4 slices (2 MB:
+    # 2 ms of bytes at 1e6 bytes per ms), so each sender's last slice arrives the comm stage's
+    # B = 0.5 + 2 ms after its first starts. Each of a sender's 2 turns is charged half the
+    # interface's load, 2 samples; charging each turn the other sender's 2 samples plus its own
+    # (3 samples: 3.5 ms) counted the other sender once per turn.
+    cluster = dataclasses.replace(_cluster(4), servers=2)
+    plan = straight_plan(
+        2, [0, 1], global_batch_size=4, num_micro_batches=1, replicas=[4, 2], schedule="gpipe"
+    )
+    assert plan.stages[1].devices == (4, 5)
+    assert shared_samples(cluster, [(4, 0, 1), (4, 1, 1), (5, 2, 1), (5, 3, 1)]) == [2, 2, 2, 2]
+    assert shared_samples(cluster, [(0, 4, 1), (1, 4, 1), (2, 5, 1), (3, 5, 1)]) == [4, 4, 4, 4]
+    comm = pipeline_latency(plan, _profile(), cluster).stages[1]
+    assert (comm.kind, comm.forward_ms, comm.backward_ms) == ("comm", 2.5, 2.5)
+    r = simulate(plan, _profile(), cluster)
+    for dev in (4, 5):
+        back = [e for e in r.events if e.device == dev and e.action.kind.value == "SEND_B"]
+        assert len(back) == 2
+        assert max(e.end_ms for e in back) - min(e.start_ms for e in back) == pytest.approx(2.5)
+    fwd = [e for e in r.events if e.action.kind.value == "SEND_F"]
+    assert len(fwd) == 4 and all(e.duration_ms == pytest.approx(2.5) for e in fwd)
 
 
 def test_a_devices_sends_take_turns_on_its_way_out():

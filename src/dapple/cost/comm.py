@@ -242,15 +242,20 @@ def _port_totals(
     return loads, mine
 
 
-def shared_samples(cluster: Cluster, pairs: Sequence[tuple[int, int, int]]) -> list[int]:
-    """Per transfer ``(sender, receiver, samples)`` of one cut's slices, the samples its
-    busier port carries while it moves: its own, plus those of *other* senders' slices through
-    the same port (:func:`transfer_ports`; they cross at once and share it), the largest over
-    its two ports. A sender's own slices are not counted: they take turns on its way out. A
-    device sending to itself moves nothing and shares nothing."""
+def shared_samples(cluster: Cluster, pairs: Sequence[tuple[int, int, int]]) -> list[float]:
+    """Per transfer ``(sender, receiver, samples)`` of one cut's slices, the samples a port
+    is charged while it moves, the largest over its two ports (:func:`transfer_ports`).
+
+    Every sender's slices through a port cross at once and share it, so the port needs the
+    time of its whole load ``L`` for the cut (the comm stage's busiest port,
+    :func:`busiest_link_ms`). A sender's own slices take turns on its way out (the simulator
+    queues them), so each is charged its part of the sender's own samples there, ``n x L /
+    own``: the turns add up to ``L``. A sender's only slice through a port is charged ``L``;
+    one on its sender's own device link, ``n``. A device sending to itself moves nothing and
+    shares nothing."""
     loads, mine = _port_totals(cluster, pairs)
     return [
-        n if a == c else max(loads[p] - mine[(p, a)] + n for p in transfer_ports(cluster, a, c))
+        n if a == c else max(n * loads[p] / mine[(p, a)] for p in transfer_ports(cluster, a, c))
         for a, c, n in pairs
     ]
 

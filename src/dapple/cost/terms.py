@@ -227,8 +227,8 @@ class TransferTerms:
     """Activations (and, backwards, their gradients) of ``samples`` samples at the cut."""
     forward_ms: float
     """Activations from the source replica's device to the destination's, sharing its ports
-    with the slices other senders push through them (:func:`~dapple.cost.comm.shared_samples`);
-    a sender's own slices take turns on its way out in the simulator."""
+    with every slice through them (:func:`~dapple.cost.comm.shared_samples`): a sender's own
+    slices take turns on its way out in the simulator, each its part of the port's load."""
     backward_ms: float
     """Gradients back from the destination replica's device to the source's."""
 
