@@ -15,6 +15,7 @@ from dapple.core.moe_profile import MoEProfile
 from dapple.core.plan import Plan, StagePlan
 from dapple.core.profile import ModelProfile
 from dapple.cost.moe import expert_sharded_profile, expert_widths
+from dapple.cost.moe_exchange import expert_host_ms
 from dapple.cost.peak_memory import plan_stage_bytes
 from dapple.cost.pipeline import pipeline_latency
 from dapple.cost.terms import stage_terms
@@ -58,8 +59,9 @@ def test_width_two_adds_the_all_to_alls_and_splits_the_allreduce_by_hand() -> No
     terms = stage_terms(_plan(2), _profile(), CLUSTER).stages[0]
     # slices of 2 samples; 4 layers x 2 ms each way
     # A2A per layer: each EP group {0,1}, {2,3} inside a server sends 2 x 1e9 bytes, half to
-    # its partner: 0.01 + 1/2 x 2e9 / 1e9 = 1.01 ms, dispatch + combine, 2 MoE layers: 4.04
-    assert terms.terms.forward_ms == pytest.approx(8.0 + 4.04)
+    # its partner: 0.01 + 1/2 x 2e9 / 1e9 = 1.01 ms, dispatch + combine, 2 MoE layers: 4.04;
+    # the forward all-gathers each MoE layer's route table first: one latency each, 0.02
+    assert terms.terms.forward_ms == pytest.approx(8.0 + 4.04 + 0.02)
     assert terms.terms.backward_ms == pytest.approx(8.0 + 4.04)
     r0 = terms.replicas[0]  # the first stage runs its whole backward as W
     assert (r0.input_grad_ms, r0.weight_grad_ms) == pytest.approx((0.0, 8.0 + 4.04))
@@ -91,15 +93,52 @@ def test_the_busiest_expert_slows_the_sharded_stage() -> None:
     terms = stage_terms(_plan(2), prof, CLUSTER).stages[0].terms
     # A2A scaled by 1.5: 0.01 + 1/2 x 3e9 / 1e9 = 1.51 per call, 4 calls; each block's 2 ms
     # forward gains 2 x 0.5 x 0.5 = 0.5 ms, backward likewise
-    assert terms.forward_ms == pytest.approx(8.0 + 4 * 1.51 + 2 * 0.5)
+    assert terms.forward_ms == pytest.approx(8.0 + 4 * 1.51 + 2 * 0.5 + 0.02)  # + the tables
     assert terms.backward_ms == pytest.approx(8.0 + 4 * 1.51 + 2 * 0.5)
     # unsharded, no imbalance is paid: every replica runs its own tokens
     assert stage_terms(_plan(1), prof, CLUSTER).stages[0].terms.forward_ms == 8.0
 
 
+def test_a_member_pays_the_sum_of_its_experts_not_the_busiest_one() -> None:
+    # The busiest single expert has 1.5x the mean (0.1875 of the tokens against 1/8), but at
+    # e_s = 2 each member holds 4 experts whose shares sum to 1/2: nothing to pay, the stage
+    # costs as balanced. At e_s = 4 the busiest member (0.1875 + 0.125) holds 1.25x its mean.
+    shares = (0.1875, 0.125, 0.0625, 0.125, 0.1875, 0.125, 0.0625, 0.125)
+    skewed = _moe(max_tokens_per_expert_per_sample=6.0, expert_time_share=(0.5, 0.5),
+                  expert_load_shares=shares)  # fmt: skip
+    assert (skewed.imbalance, skewed.member_imbalance(2), skewed.member_imbalance(4)) == (
+        1.5,
+        1.0,
+        pytest.approx(1.25),
+    )
+    balanced = stage_terms(_plan(2), _profile(), CLUSTER).stages[0].terms
+    assert stage_terms(_plan(2), _profile(skewed), CLUSTER).stages[0].terms == balanced
+    bound = _moe(max_tokens_per_expert_per_sample=6.0, expert_time_share=(0.5, 0.5))
+    assert stage_terms(_plan(2), _profile(bound), CLUSTER).stages[0].terms.forward_ms > (
+        balanced.forward_ms
+    )
+    # e_s = 4 (groups of 4 across both servers): each block's 2 ms forward gains 2 x 0.5 x 0.25
+    four = stage_terms(_plan(4), _profile(skewed), CLUSTER).stages[0].terms
+    even = stage_terms(_plan(4), _profile(_moe(expert_time_share=(0.5, 0.5))), CLUSTER)
+    a2a = four.forward_ms - 8.0 - 2 * 0.25
+    assert a2a > even.stages[0].terms.forward_ms - 8.0  # the busiest receiver's bytes, 1.25x
+
+
+def test_the_exchange_costs_host_cpu_on_a_cpu_host() -> None:
+    # a = 0.1 ms per collective, c = 1 ms per MiB; 1 MiB each way per sample: at e_s = 2 a
+    # member of 2 samples sends 1 sample's rows away and receives as many, dispatch and combine:
+    # 4 MiB per MoE layer, 3 collectives forward (the route table's all-gather, dispatch,
+    # combine), 2 backward; 2 MoE layers
+    cpu = dataclasses.replace(CLUSTER, action_overhead_ms=0.1, comm_cpu_ms_per_mb=1.0)
+    prof = _profile(_moe(dispatch_bytes_per_sample=2**20, combine_bytes_per_sample=2**20))
+    assert expert_host_ms(prof, cpu, (0, 4), 2, 2) == pytest.approx((2 * 4.3, 2 * 4.2))
+    assert expert_host_ms(prof, cpu, (0, 4), 2, 1) == (0.0, 0.0)
+    assert expert_host_ms(prof, CLUSTER, (0, 4), 2, 2) == (0.0, 0.0)  # no host terms
+
+
 def test_recomputation_repeats_the_forward_all_to_alls() -> None:
     terms = stage_terms(_plan(2, recompute="full"), _profile(), CLUSTER).stages[0].terms
-    assert terms.backward_ms == pytest.approx(2 * (8.0 + 4.04))
+    assert terms.backward_ms == pytest.approx(2 * (8.0 + 4.04) + 0.02)  # the tables again
 
 
 def test_width_one_is_the_plan_without_experts_sharded() -> None:

@@ -137,6 +137,9 @@ def test_record_shares_are_of_the_largest_batch_and_the_peak_a_median() -> None:
     assert rec.tokens_per_expert_per_sample == 8 * 2 / 4
     assert rec.max_tokens_per_expert_per_sample == 6.0  # median of 9, 6, 2 -> 6
     assert rec.imbalance == 1.5
+    # each expert's median tokens per sample: (1, 2, 2), (3, 4, 2), (9, 6, 2), (3, 4, 2)
+    assert rec.expert_load_shares == pytest.approx((2 / 14, 3 / 14, 6 / 14, 3 / 14))
+    assert rec.member_imbalance(2) == pytest.approx(9 / 7)  # (2 + 3 | 6 + 3) of 14
     assert rec.dispatch_bytes_per_sample == rec.combine_bytes_per_sample == 8 * 2 * 16
 
 

@@ -57,6 +57,24 @@ def test_dense_layers_write_no_moe_key_and_read_as_before(tmp_path: Path) -> Non
     assert ModelProfile.load(path) == prof
 
 
+def test_a_member_holds_the_tokens_of_all_its_experts() -> None:
+    shares = (0.3, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1)
+    moe = _moe(max_tokens_per_expert_per_sample=9.6, expert_load_shares=shares)
+    assert moe.imbalance == pytest.approx(2.4)
+    # members hold 8, 4, 2, 1 experts: (0.6 | 0.4), (0.4 | 0.2 | 0.2 | 0.2), the busiest alone
+    assert [moe.member_imbalance(e) for e in (1, 2, 4, 8)] == pytest.approx([1.0, 1.2, 1.6, 2.4])
+    back = MoEProfile.from_dict(json.loads(json.dumps(moe.to_dict())))
+    assert back == moe and back.expert_load_shares == shares
+    # not measured: the busiest single expert bounds every member
+    assert _moe(max_tokens_per_expert_per_sample=6.0).member_imbalance(2) == 1.5
+    assert "expert_load_shares" not in _moe().to_dict()
+    with pytest.raises(ValidationError, match="dividing the 8 experts, got 3"):
+        moe.member_imbalance(3)
+    for bad in ((0.5, 0.5), (0.2,) * 8, (-0.1, 0.3, 0.1, 0.1, 0.2, 0.2, 0.1, 0.1)):
+        with pytest.raises(ValidationError, match="8 fractions >= 0 summing to 1"):
+            _moe(expert_load_shares=bad)
+
+
 def test_unmeasured_routing_is_balanced() -> None:
     assert _moe().imbalance == 1.0
     assert _moe(tokens_per_expert_per_sample=0.0).imbalance == 1.0

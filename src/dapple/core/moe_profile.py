@@ -54,6 +54,23 @@ def _shares(v: Any, what: str) -> tuple[float, float] | None:
     return float(v[0]), float(v[1])
 
 
+def _load_shares(v: Any, experts: int, what: str) -> tuple[float, ...] | None:
+    """None, or E fractions >= 0 summing to 1 (a list in a file)."""
+    if v is None:
+        return None
+    require(
+        isinstance(v, (tuple, list))
+        and len(v) == experts
+        and all(
+            isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0
+            for x in v
+        )
+        and abs(sum(v) - 1) <= 1e-6,
+        f"{what} must be None or {experts} fractions >= 0 summing to 1, got {v!r}"[:200],
+    )
+    return tuple(float(x) for x in v)
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class MoEProfile:
     """What a mixture-of-experts layer adds to its :class:`~dapple.core.layer_profile.LayerProfile`."""
@@ -83,6 +100,10 @@ class MoEProfile:
     """Fractions ``(forward, backward)`` of the layer's times spent in the routed experts;
     None: not split. The rest of the layer's time (attention, shared experts, norms) is
     ``1 - router - experts``."""
+    expert_load_shares: tuple[float, ...] | None = None
+    """Each routed expert's fraction of the routed tokens where the routing was measured (E
+    entries in expert order, summing to 1); None: not measured. Read by
+    :meth:`member_imbalance`."""
 
     def __post_init__(self) -> None:
         _count(self.experts, "MoEProfile.experts", 1)
@@ -110,6 +131,7 @@ class MoEProfile:
             f"MoEProfile.max_tokens_per_expert_per_sample must be None or a number >= the mean "
             f"{mean}, got {peak!r}",
         )
+        _load_shares(self.expert_load_shares, self.experts, "MoEProfile.expert_load_shares")
         router = _shares(self.router_time_share, "MoEProfile.router_time_share")
         expert = _shares(self.expert_time_share, "MoEProfile.expert_time_share")
         if router is not None and expert is not None:
@@ -129,6 +151,31 @@ class MoEProfile:
             return 1.0
         return max(1.0, peak / mean)
 
+    def member_imbalance(self, width: int) -> float:
+        """The busiest member's tokens over the mean at expert-parallel width e_s (>= 1):
+        member q holds experts ``[q E / e_s, (q + 1) E / e_s)`` and computes the tokens of all
+        of them, so its load is the sum of their :attr:`expert_load_shares` against ``1 /
+        e_s``. 1.0 at e_s = 1 (every replica runs its own tokens through all experts); the
+        busiest single expert's :attr:`imbalance` where the shares were not measured (a bound:
+        a member's sum is at most that uneven).
+
+        Raises:
+            ValidationError: e_s does not divide E.
+        """
+        require(
+            isinstance(width, int) and width >= 1 and self.experts % width == 0,
+            f"expert-parallel width must be an integer >= 1 dividing the {self.experts} "
+            f"experts, got {width!r}",
+        )
+        shares = self.expert_load_shares
+        if width == 1:
+            return 1.0
+        if shares is None:
+            return self.imbalance
+        per = self.experts // width
+        busiest = max(sum(shares[q * per : (q + 1) * per]) for q in range(width))
+        return max(1.0, busiest * width / sum(shares)) if sum(shares) > 0 else 1.0
+
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {
             "experts": self.experts,
@@ -144,6 +191,8 @@ class MoEProfile:
             d["router_time_share"] = list(self.router_time_share)
         if self.expert_time_share is not None:
             d["expert_time_share"] = list(self.expert_time_share)
+        if self.expert_load_shares is not None:
+            d["expert_load_shares"] = list(self.expert_load_shares)
         return d
 
     @staticmethod
@@ -177,4 +226,9 @@ class MoEProfile:
             ),
             router_time_share=_shares(d.get("router_time_share"), f"{what}: router_time_share"),
             expert_time_share=_shares(d.get("expert_time_share"), f"{what}: expert_time_share"),
+            expert_load_shares=_load_shares(
+                d.get("expert_load_shares"),
+                _count(get_field(d, "experts", what), f"{what}: experts", 1),
+                f"{what}: expert_load_shares",
+            ),
         )

@@ -12,9 +12,11 @@ all r_s, as ``AR(P_s, g_s)`` (:func:`~dapple.cost.comm.allreduce_ms`).
 
 Links are the comm model's (:mod:`dapple.cost.comm`): a device's own link inside a server, and
 one network interface per server shared by all traffic leaving it. Routing is uniform unless
-the profile measured the busiest expert: a member holding E / e_s experts then receives at most
-``imbalance`` times its mean tokens (:attr:`~dapple.core.moe_profile.MoEProfile.imbalance`), the
-bound used for its all-to-all bytes and its experts' compute.
+the profile measured it: the busiest member of an EP group, holding E / e_s experts, receives
+the tokens of all of them, ``member_imbalance(e_s)`` times its mean
+(:meth:`~dapple.core.moe_profile.MoEProfile.member_imbalance`: from each expert's measured share
+of the tokens, else bounded by the busiest single expert's), the factor on its all-to-all bytes
+and its experts' compute.
 
 A plan's stage of width e_s > 1 is costed from these (:func:`check_expert_stage`,
 :func:`expert_slice_times`, :func:`expert_stage_sync_ms`, :func:`expert_sharded_profile`, read by
@@ -22,8 +24,8 @@ A plan's stage of width e_s > 1 is costed from these (:func:`check_expert_stage`
 extends the terms of the paper's latency (section 5.1, equation 1: F_s and B_s in T_w and T_s,
 AR(P_s, g_s) in T_e) as
 
-    F_s' = F_s + A2A_s (+ the busiest expert's extra compute)
-    B_s' = B_s + A2A_s (+ again under re-computation)
+    F_s' = F_s + A2A_s + route tables (+ the busiest member's extra compute, + host CPU)
+    B_s' = B_s + A2A_s (+ host CPU, + the forward's again under re-computation)
     AR_s' = AR(P_dense, g_s) + AR(P_experts / e_s, r_s / e_s replicas per shard)
     memory: P_dense + P_experts / e_s per rank, gradients and optimizer state alike
 
@@ -59,6 +61,7 @@ from dapple.core.plan import StagePlan
 from dapple.core.profile import ModelProfile
 from dapple.cost.comm import allreduce_ms
 from dapple.cost.compute import compute_ms
+from dapple.cost.moe_exchange import expert_host_ms, expert_table_ms
 from dapple.cost.moe_memory import expert_parts, expert_sharded_profile
 from dapple.errors import ValidationError
 
@@ -195,7 +198,8 @@ def layer_alltoall_ms(
     cluster: Cluster, moe: MoEProfile, samples: float, devices: Sequence[int]
 ) -> float:
     """The forward's dispatch and combine of one mixture-of-experts layer on ``samples`` per
-    member: ``A2A(imbalance x b x dispatch) + A2A(imbalance x b x combine)``; the backward
+    member: ``A2A(m x b x dispatch) + A2A(m x b x combine)`` with m the busiest member's
+    ``member_imbalance(e)`` (its receiver's way in paces the exchange); the backward
     sends their gradients the same ways, in the same time.
 
     Args:
@@ -209,7 +213,7 @@ def layer_alltoall_ms(
 
 def _shape_layer_ms(cluster: Cluster, moe: MoEProfile, samples: float, shape: _Shape) -> float:
     """:func:`layer_alltoall_ms` over a group of that shape."""
-    scale = moe.imbalance * samples
+    scale = moe.member_imbalance(shape[0]) * samples
     return _shape_alltoall_ms(
         cluster, scale * moe.dispatch_bytes_per_sample, shape
     ) + _shape_alltoall_ms(cluster, scale * moe.combine_bytes_per_sample, shape)
@@ -246,7 +250,8 @@ def expert_compute_ms(ms: float, expert_share: float, imbalance: float, width: i
     Args:
         ms: the layer's forward or backward time.
         expert_share: the experts' fraction of it (``MoEProfile.expert_time_share``).
-        imbalance: the busiest expert's tokens over the mean (>= 1).
+        imbalance: the busiest member's tokens over the mean (>= 1,
+            ``MoEProfile.member_imbalance``).
         width: e_s.
     """
     if width <= 1:
@@ -383,20 +388,24 @@ def _groups(stage: StagePlan) -> list[tuple[int, ...]]:
 
 
 def _busiest_expert_ms(
-    profile: ModelProfile, cluster: Cluster, layers: tuple[int, int], n: int
+    profile: ModelProfile, cluster: Cluster, layers: tuple[int, int], n: int, width: int
 ) -> tuple[float, float, float]:
-    """``(forward, I, W)`` the busiest expert adds on a slice of n samples: per MoE layer with
-    measured routing and expert time shares, :func:`expert_compute_ms` less its time; the
-    backward's part split between I and W as the layer's backward splits."""
+    """``(forward, I, W)`` the busiest member of an EP group of width e_s adds on a slice of n
+    samples: per MoE layer with measured routing and expert time shares,
+    :func:`expert_compute_ms` at its ``member_imbalance(e_s)`` less its time; the backward's
+    part split between I and W as the layer's backward splits."""
     f_x = i_x = w_x = 0.0
     for i in range(*layers):
         moe = profile.layers[i].moe
-        if moe is None or moe.expert_time_share is None or moe.imbalance <= 1.0:
+        if moe is None or moe.expert_time_share is None:
+            continue
+        imbalance = moe.member_imbalance(width)
+        if imbalance <= 1.0:
             continue
         f, b = compute_ms(profile, cluster, (i, i + 1), n)
         xf, xb = moe.expert_time_share
-        f_x += expert_compute_ms(f, xf, moe.imbalance, 2) - f
-        extra_b = expert_compute_ms(b, xb, moe.imbalance, 2) - b
+        f_x += expert_compute_ms(f, xf, imbalance, width) - f
+        extra_b = expert_compute_ms(b, xb, imbalance, width) - b
         bi, bw = profile.layers[i].backward_split(n)
         share = bi / (bi + bw) if bi + bw > 0 else 1.0
         i_x += extra_b * share
@@ -415,9 +424,10 @@ def expert_slice_times(
     """The slice times of a stage of EP width e_s > 1 (``times`` as the stage costs them
     without expert parallelism, per slice size): A2A_s (``a2a``, or
     :func:`expert_alltoall_ms` at the ``largest`` slice), added to F, to B and to I (the
-    backward's all-to-alls carry input gradients), once more to B and I under re-computation;
-    plus the busiest expert's compute (:func:`_busiest_expert_ms`). ``times`` unchanged at
-    e_s = 1."""
+    backward's all-to-alls carry input gradients), the route tables' all-gathers
+    (:func:`expert_table_ms`) to F, both once more to B and I under re-computation;
+    plus the busiest member's compute (:func:`_busiest_expert_ms`) and, on hosts with CPU
+    terms, the exchange's host CPU (:func:`expert_host_ms`). ``times`` unchanged at e_s = 1."""
     if not stage.parallel.expert_parallel:
         return dict(times)
     if a2a is None:
@@ -425,14 +435,18 @@ def expert_slice_times(
             profile, cluster, stage.layers, expert_group_shapes(cluster, stage), largest
         )
     out: dict[int, SliceTimes] = {}
+    e = stage.expert_width
+    table = expert_table_ms(profile, cluster, stage.layers, expert_group_shapes(cluster, stage))
     for n, ((f, b), (i, w)) in times.items():
-        fx, ix, wx = _busiest_expert_ms(profile, cluster, stage.layers, n)
-        to_i = a2a + ix + (fx + a2a if stage.recompute else 0.0)
+        fx, ix, wx = _busiest_expert_ms(profile, cluster, stage.layers, n, e)
+        hf, hb = expert_host_ms(profile, cluster, stage.layers, n, e)
+        fwd = a2a + table + fx + hf
+        to_i = a2a + ix + hb + (fwd if stage.recompute else 0.0)
         if stage.layers[0] == 0:  # the first stage runs its whole backward as W
             i, w = i, w + to_i + wx
         else:
             i, w = i + to_i, w + wx
-        out[n] = ((f + a2a + fx, b + to_i + wx), (i, w))
+        out[n] = ((f + fwd, b + to_i + wx), (i, w))
     return out
 
 

@@ -14,7 +14,7 @@ each batch size, the layer, the router and the experts alone on those inputs
 counts the router's top-k per expert. :func:`with_moe` turns the measurements into
 :class:`~dapple.core.moe_profile.MoEProfile` records on a measured profile's layers: the router's
 and the experts' shares of their eager layer's time at the largest batch size, the mean and the
-busiest expert's tokens per sample.
+busiest expert's tokens per sample and each expert's share of the tokens.
 """
 
 from __future__ import annotations
@@ -245,7 +245,8 @@ def moe_record(measured: Sequence[BlockMeasurement]) -> MoEProfile:
     """The record of one block from its measurements at several batch sizes: the router's and
     the experts' shares of the eager layer's time at the largest batch size (scaled down
     together should their sum exceed the layer's time, timer noise), tokens per expert per
-    sample (mean ``s k / E``; the busiest expert's, the median over the batch sizes).
+    sample (mean ``s k / E``; the busiest expert's, the median over the batch sizes) and each
+    expert's share of the tokens (its median over the batch sizes, normalised).
 
     Raises:
         ValidationError: no measurements, or measurements of different blocks.
@@ -267,12 +268,16 @@ def moe_record(measured: Sequence[BlockMeasurement]) -> MoEProfile:
     (rf, xf), (rb, xb) = shares(0), shares(1)
     mean = last.tokens_per_sample * last.top_k / last.experts
     peak = statistics.median(max(m.load) / m.batch_size for m in measured)
+    per_expert = [statistics.median(m.load[k] / m.batch_size for m in measured)
+                  for k in range(last.experts)]  # fmt: skip
+    total = sum(per_expert)
     routed = last.tokens_per_sample * last.top_k * last.token_bytes
     return MoEProfile(
         experts=last.experts, top_k=last.top_k, expert_parameter_bytes=last.expert_parameter_bytes,
         tokens_per_expert_per_sample=mean, max_tokens_per_expert_per_sample=max(mean, peak),
         dispatch_bytes_per_sample=float(routed), combine_bytes_per_sample=float(routed),
         router_time_share=(rf, rb), expert_time_share=(xf, xb),
+        expert_load_shares=tuple(x / total for x in per_expert) if total > 0 else None,
     )  # fmt: skip
 
 
