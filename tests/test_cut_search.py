@@ -53,6 +53,26 @@ def test_incumbent_takes_a_plan_with_its_latency() -> None:
     assert (best.L_ms, best.stages, best.M, best.scored) == (got.L_ms, stages, 4, got)
 
 
+def test_incumbent_keeps_the_plan_of_most_stages_at_each_m_whatever_its_latency() -> None:
+    """``offer`` takes a plan below the incumbent's L, and keeps at each M the plan of most
+    stages offered (of least L among as many), also when it is above the incumbent's L."""
+    sc = _scorer()
+    best = Incumbent()
+    one = [(0, 6, (0, 1, 2, 3))]
+    two = [(0, 3, (0, 1)), (3, 6, (2, 3))]
+    two_b = [(0, 2, (0, 1)), (2, 6, (2, 3))]
+    got = {M: [sc.score(p, M) for p in (one, two, two_b)] for M in (2, 4)}
+    assert all(g is not None for gs in got.values() for g in gs)
+    order = [(one, 4, got[4][0]), (two, 4, got[4][1]), (two_b, 4, got[4][2]), (one, 2, got[2][0])]
+    for stages, M, scored in order:
+        best.offer(stages, M, scored)
+    least = min(order, key=lambda x: x[2].L_ms)  # type: ignore[union-attr]
+    assert (best.stages, best.M) == (least[0], least[1])
+    two_best = min((two, got[4][1]), (two_b, got[4][2]), key=lambda x: x[1].L_ms)  # type: ignore[union-attr]
+    assert best.finest[4] == two_best
+    assert best.finest[2] == (one, got[2][0])
+
+
 def test_micro_batch_ranking_offers_every_seed_and_puts_the_best_m_first() -> None:
     sc = _scorer()
     Ms = [1, 2, 4, 8, 16]

@@ -312,3 +312,21 @@ def test_a_scorer_that_has_searched_scores_every_candidate_as_a_fresh_one() -> N
     for stages in plans:
         for M in Ms:
             assert warm.score(stages, M) == fresh().score(stages, M), (stages, M)
+
+
+@pytest.mark.slow
+def test_405b_on_16384_h100_reaches_below_the_24_stage_plan() -> None:
+    """Llama-3.1-405B (analytic H100, fp8, full re-computation) on 2,048 servers of 8 H100,
+    global batch 256, as ``dapple plan --zero-stage auto --tensor-widths auto --interleave``
+    searches it. A plan of 24 stages at widths 2-8, M = 2, has L = simulated = 8,624.74 ms
+    (``benchmarks/planning_time.md``); the search refining only its widths' best uniform plans
+    ended at 8,727.26 (20 stages), a local optimum its merges reach from there. From each
+    width's plan of most stages (128 one-layer stages at width 1) it ends lower."""
+    from dapple.core.cluster_presets import load_cluster
+    from dapple.profiler.analytic import analytic_profile
+
+    prof = analytic_profile("llama3.1-405b", "h100", precision="fp8", recompute="full")
+    cluster = load_cluster("h100-8x", 2048)
+    plan = dapple_search(prof, cluster, 256, zero_stage="auto", interleaved=True)
+    assert plan.predicted_step_ms <= 8_624.74
+    assert simulate(plan, prof, cluster).step_ms == pytest.approx(plan.predicted_step_ms, rel=0.05)

@@ -214,8 +214,22 @@ class Incumbent:
     M: int = 0
     scored: Scored | None = None
 
+    finest: dict[int, tuple[list[StageSpec], Scored]] = field(default_factory=dict)
+    """At each M, the plan of most stages offered (:meth:`offer`; of least L among those),
+    whatever its L: another start for the local searches that follow the DP, which merge stages
+    and never split one."""
+
     def take(self, stages: list[StageSpec], M: int, scored: Scored) -> None:
         self.L_ms, self.stages, self.M, self.scored = scored.L_ms, stages, M, scored
+
+    def offer(self, stages: list[StageSpec], M: int, scored: Scored) -> None:
+        """Keep ``stages`` at M as its M's :attr:`finest` when it has more stages (or as many
+        and a lower L), and take it when its L is below the incumbent's."""
+        kept = self.finest.get(M)
+        if kept is None or (len(stages), -scored.L_ms) > (len(kept[0]), -kept[1].L_ms):
+            self.finest[M] = (stages, scored)
+        if scored.L_ms < self.L_ms:
+            self.take(stages, M, scored)
 
 
 _Key = tuple[int, tuple[int, ...]]
@@ -356,8 +370,8 @@ class CutSearch:
             lat = got.L_ms if got is not None else math.inf
             self.remember((j1i, canon), lat, (*prefix, (j, j1, g1)), occ1)
             top = min(top, (lat, j1))
-            if got is not None and lat < best.L_ms:
-                best.take(stages, M, got)
+            if got is not None:
+                best.offer(stages, M, got)
         return None if top[1] < 0 else (top[0], (j, top[1], g1), rest)
 
     def fewer_last(
@@ -374,8 +388,8 @@ class CutSearch:
                 break  # and so for every smaller count
             stages = [*prefix, stage, (j1, N, rest[:r])]
             got = sc.score(stages, M)
-            if got is not None and got.L_ms < best.L_ms:
-                best.take(stages, M, got)
+            if got is not None:
+                best.offer(stages, M, got)
 
     def remember(
         self, key: _Key, lat: float, prefix: tuple[StageSpec, ...], occ: tuple[int, ...]

@@ -16,7 +16,8 @@ Beyond the paper: the search also chooses M among divisors of the global batch s
 grow with the batch), the warm-up policy A/B, and per stage re-computation and the in-flight
 bound D when memory demands them (:class:`dapple.planner.scorer.Scorer`), and the tensor width
 t_i of each stage: one search per width t with every stage of width t, each plan then refined to
-per-stage widths by a local search (:mod:`dapple.planner.stage_widths`). It offers the
+per-stage widths by a local search (:mod:`dapple.planner.stage_widths`), which also starts from
+the width's plan of most stages at that plan's M (:func:`_finest_start`). It offers the
 uniform torchtitan-style grid's 1F1B plans inside its space (:mod:`dapple.planner.grid`) and,
 with ``interleaved=True``, interleaved 1F1B: its own plans cut into v = 2 chunks per device
 group and the grid's interleaved points, costed by the interleaved step rule and memory replay
@@ -314,7 +315,8 @@ def _search_widths(
     least L of the searches before it (only plans below it are kept; by ``below_ms`` too where
     no per-stage widths follow). Each width's plan is then refined to per-stage widths t_i
     among them (:mod:`dapple.planner.stage_widths`) with ``stage_widths``, when more than one
-    width is searched and some layer shards. On a profile with MoE layers a width is searched
+    width is searched and some layer shards, and so is the width's plan of most stages at its M
+    (:func:`_finest_start`). On a profile with MoE layers a width is searched
     once more with the expert widths at ZeRO 0 only
     (:func:`~dapple.planner.expert_width.zero_zero_twin`), a second start for the per-stage
     widths. ``limits``: :func:`~dapple.planner.cut_search.search_limits` given N, G and the
@@ -345,7 +347,23 @@ def _search_widths(
                 found.append((scored.L_ms, t, one.build_plan("dapple", stages, M, scored)))
                 if mix is not None:
                     found += _stage_widths(mix, t, stages, M, scored, Ms)
+                    found += _finest_start(one, mix, t, best, Ms)
     return found
+
+
+def _finest_start(
+    sc: Scorer, mixed: MixedScorer, t: int, best: Incumbent, Ms: Sequence[int]
+) -> list[tuple[float, int, Plan]]:
+    """The per-stage-width plan refined, as the incumbent is (:func:`_refine`, then
+    :func:`_stage_widths`), from the width-t search's plan of most stages at the incumbent's M
+    (:attr:`~dapple.planner.cut_search.Incumbent.finest`) when it has more stages than the
+    incumbent, whatever its L: the local search merges stages and never splits one, so a start
+    of more stages leaves it more plans to reach."""
+    got = best.finest.get(best.M)
+    if got is None or len(got[0]) <= len(best.stages):
+        return []
+    stages, M, scored = _refine(sc, got[0], best.M, got[1], Ms)
+    return _stage_widths(mixed, t, stages, M, scored, Ms)
 
 
 def _width_progress(progress: Progress, i: int, widths: int, done: int, total: int) -> None:
@@ -413,8 +431,7 @@ def _rank_micro_batches(
             got = sc.score(stages, M)
             if got is not None:
                 m_best = min(m_best, got.L_ms)
-                if got.L_ms < best.L_ms:
-                    best.take(stages, M, got)
+                best.offer(stages, M, got)
         ranked.append((m_best, M))
     ranked.sort()
     return [M for _, M in ranked]
