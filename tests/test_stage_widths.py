@@ -315,6 +315,7 @@ def test_a_scorer_that_has_searched_scores_every_candidate_as_a_fresh_one() -> N
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # ~35 CPU s; minutes of wall time on a loaded machine
 def test_405b_on_16384_h100_reaches_below_the_24_stage_plan() -> None:
     """Llama-3.1-405B (analytic H100, fp8, full re-computation) on 2,048 servers of 8 H100,
     global batch 256, as ``dapple plan --zero-stage auto --tensor-widths auto --interleave``
