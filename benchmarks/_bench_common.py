@@ -260,3 +260,13 @@ def write_report(lines: Sequence[str], out: str | None) -> None:
     if out:
         Path(out).write_text(text)
     print(text)
+
+
+def kept_section(out: Path, heading: str) -> list[str]:
+    """The section of an earlier report ``out`` from the line ``heading`` to its end, led by
+    a blank line (empty when there is no such report or line): a hand-written reading kept
+    when the script writes the report again."""
+    if not out.exists():
+        return []
+    text = out.read_text().splitlines()
+    return ["", *text[text.index(heading) :]] if heading in text else []

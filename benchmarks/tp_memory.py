@@ -65,7 +65,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map_only
 from torch.utils.weak import WeakIdKeyDictionary
 
-from _bench_common import HERE, header, join_worker_group, load_note, run_worker_group
+from _bench_common import (
+    HERE,
+    header,
+    join_worker_group,
+    kept_section,
+    load_note,
+    run_worker_group,
+)
 from dapple.core.cluster import Cluster
 from dapple.core.plan import Plan, StagePlan
 from dapple.core.profile import ModelProfile
@@ -431,14 +438,6 @@ def verdicts(w: dict[str, dict[str, Any]], ests: dict[str, dict[str, float]]) ->
     return lines
 
 
-def _kept_analysis(out: Path) -> list[str]:
-    """The ``## Analysis`` section of an earlier ``out`` (empty when there is none)."""
-    if not out.exists():
-        return []
-    text = out.read_text().splitlines()
-    return ["", *text[text.index(ANALYSIS) :]] if ANALYSIS in text else []
-
-
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Measure, estimate, write the markdown; returns the worst-rank rows and the estimates."""
     from dapple import api
@@ -474,7 +473,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "",
         f"End: {load_note()}.",
     ]
-    lines += _kept_analysis(Path(args.out))
+    lines += kept_section(Path(args.out), ANALYSIS)
     Path(args.out).write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return {"rows": w, "estimates": ests}

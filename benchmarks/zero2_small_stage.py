@@ -38,7 +38,14 @@ import os
 from pathlib import Path
 from typing import Any
 
-from _bench_common import HERE, header, join_worker_group, load_note, run_worker_group
+from _bench_common import (
+    HERE,
+    header,
+    join_worker_group,
+    kept_section,
+    load_note,
+    run_worker_group,
+)
 from dapple import api
 from dapple.core.buckets import BUCKET_BYTES
 from dapple.core.plan import Plan, straight_plan
@@ -187,14 +194,6 @@ def resident(rounds: int) -> list[str]:
     return lines
 
 
-def _kept_analysis(out: Path) -> list[str]:
-    """The ``## Analysis`` section of an earlier ``out`` (empty when there is none)."""
-    if not out.exists():
-        return []
-    text = out.read_text().splitlines()
-    return ["", *text[text.index(ANALYSIS) :]] if ANALYSIS in text else []
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=2)
@@ -218,7 +217,7 @@ def main() -> None:
     if args.rounds:
         lines += ["", "## Resident memory (VmHWM growth)", "", *resident(args.rounds)]
     lines += ["", f"End: {load_note()}."]
-    lines += _kept_analysis(Path(args.out))
+    lines += kept_section(Path(args.out), ANALYSIS)
     Path(args.out).write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
