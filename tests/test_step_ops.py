@@ -69,9 +69,10 @@ TOKEN_PER_STEP_OPS = 3 * TOKEN_GRADS + 8
 """aten ops dapple may add once per step of a token workload: :data:`PER_STEP_OPS`'s and the
 count of target tokens, ``count_nonzero``, copied into the row (98 here; 112 while the count
 was a float64 ``sum`` and the row ``stack``ed)."""
-PER_STEP_CALLS = 172
-"""Python calls dapple may add once per step (170 here, one call varies from run to run: the
-peak resident memory read from ``getrusage``, the file only when it moved; the batch's
+PER_STEP_CALLS = 175
+"""Python calls dapple may add once per step (170 here, 173 once in a full test run: the
+peak resident memory is read from ``getrusage``, and from the file only in a step where it
+moved, which the measured step may or may not be; the batch's
 static shapes compared without building them; 178-179 before,
 the step's records and row are built by methods of their own, which ``on_nonfinite="off"``
 shares, 8910ddd; 174 before;
