@@ -434,6 +434,9 @@ def test_exit_text_names_signals() -> None:
 def test_stop_signals_note_then_deliver_again_under_the_previous_handler() -> None:
     got: list[int] = []
     previous = signal.signal(signal.SIGTERM, lambda s, f: got.append(s))
+    # Python's own SIGINT handler, whatever an earlier test in this process left there (a full
+    # fast-tier run once reached this test without it)
+    previous_int = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         with pytest.raises(RankFailure, match="workers stopped by SIGTERM"), StopSignals() as stop:
             os.kill(os.getpid(), signal.SIGTERM)
@@ -450,9 +453,10 @@ def test_stop_signals_note_then_deliver_again_under_the_previous_handler() -> No
         with StopSignals() as quiet:  # no signal: nothing happens
             pass
         assert quiet.received is None
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     finally:
         signal.signal(signal.SIGTERM, previous)
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        signal.signal(signal.SIGINT, previous_int)
 
 
 @linux_only
