@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, overload
 from dapple.core.cluster import Cluster
 from dapple.core.config_file import Schema, dump, load
 from dapple.core.plan import Plan
+from dapple.core.planning_options import NONFINITE_MODES
 from dapple.core.profile import ModelProfile
 
 if TYPE_CHECKING:
@@ -146,7 +147,7 @@ def simulate_runs(
 
     if cfg.servers is not None and cfg.servers < 1:  # before the plan and profile are read
         raise ValidationError(f"--servers must be >= 1, got {cfg.servers}")
-    if cfg.on_nonfinite not in ("stop", "skip", "off"):
+    if cfg.on_nonfinite not in NONFINITE_MODES:
         flag = "--on-nonfinite" if flags else "on_nonfinite"
         raise ValidationError(f"{flag} must be stop, skip or off, got {cfg.on_nonfinite!r}")
     plan_in = plan if plan is not None else cfg.plan

@@ -15,6 +15,7 @@ from dapple.cli._data_args import add_data_arguments
 from dapple.cli._model_args import add_model_arguments
 from dapple.cli._optim_args import add_optim_arguments
 from dapple.cli._renamed import takes_value
+from dapple.core.planning_options import NONFINITE_MODES
 from dapple.core.recompute import STAGE_RECOMPUTE, recompute_of
 from dapple.schedule.registry import schedule_names
 
@@ -143,7 +144,7 @@ def add_on_nonfinite_argument(p: argparse.ArgumentParser) -> None:
     that simulates the run: its step point."""
     p.add_argument(
         "--on-nonfinite",
-        choices=("stop", "skip", "off"),
+        choices=NONFINITE_MODES,
         default="stop",
         help="the run's non-finite mode (as dapple train's): stop or skip end each step in the "
         "guard's collective, which every rank waits for; off: none, the step time is the "

@@ -37,6 +37,7 @@ from dapple.cli._train_show import add_show_arguments, loss_curve_path, print_su
 from dapple.core.cluster_presets import describe_presets
 from dapple.core.output_path import check_output_dir, check_output_file, check_picture_file
 from dapple.core.plan import Plan
+from dapple.core.planning_options import NONFINITE_MODES
 from dapple.errors import ValidationError
 
 if TYPE_CHECKING:  # torch-free import of the CLI
@@ -123,7 +124,7 @@ def _register_long_run(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--on-nonfinite",
-        choices=("stop", "skip", "off"),
+        choices=NONFINITE_MODES,
         default="stop",
         help="non-finite loss/gradient: stop (default, exit non-zero) or skip the step; off: "
         "no guard (no rank waits for the others before its update; metrics a step late; not "

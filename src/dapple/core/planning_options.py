@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 from dapple.core._json import require
 
-__all__ = ["ZERO_CHOICES", "PlanningOptions", "ZeroChoice", "zero_choice"]
+__all__ = ["NONFINITE_MODES", "ZERO_CHOICES", "PlanningOptions", "ZeroChoice", "zero_choice"]
 
 ZeroChoice = Literal[0, 1, 2, 3, "auto"]
 """The ZeRO stage a plan is searched with: 0, 1 (ZeRO-1), 2 (ZeRO-2), 3 (ZeRO-3, gathering the
@@ -41,6 +41,11 @@ def zero_choice(value: object) -> ZeroChoice | None:
     if isinstance(value, bool):
         return None
     return next((z for z in ZERO_CHOICES if z == value), None)
+
+
+NONFINITE_MODES = ("stop", "skip", "off")
+"""What a run does at a non-finite loss or gradient (``--on-nonfinite``): stop or skip under
+the guard, every rank waiting for its verdict; off: no guard."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -84,7 +89,7 @@ class PlanningOptions:
         v = self.virtual_stages
         require(isinstance(v, int) and not isinstance(v, bool) and v >= 1,
                 f"planned_with: virtual_stages must be an integer >= 1, got {v!r}")  # fmt: skip
-        require(self.on_nonfinite in ("stop", "skip", "off"),
+        require(self.on_nonfinite in NONFINITE_MODES,
                 f"planned_with: on_nonfinite must be stop, skip or off, got {self.on_nonfinite!r}")  # fmt: skip
 
     def to_dict(self) -> dict[str, Any]:

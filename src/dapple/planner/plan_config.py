@@ -27,7 +27,13 @@ from typing import Any
 
 from dapple.core.config_file import Schema, dump, load
 from dapple.core.plan import Plan
-from dapple.core.planning_options import ZERO_CHOICES, PlanningOptions, ZeroChoice, zero_choice
+from dapple.core.planning_options import (
+    NONFINITE_MODES,
+    ZERO_CHOICES,
+    PlanningOptions,
+    ZeroChoice,
+    zero_choice,
+)
 from dapple.core.tensor_layout import TENSOR_WIDTHS
 from dapple.errors import ValidationError, renamed_fields
 from dapple.planner.registry import DEFAULT_PLANNER, get_planner
@@ -98,7 +104,7 @@ class PlanConfig:
         object.__setattr__(self, "zero_stage", zero)
         if not isinstance(self.interleave, bool):
             raise ValidationError(f"interleave must be true or false, got {self.interleave!r}")
-        if self.on_nonfinite not in ("stop", "skip", "off"):
+        if self.on_nonfinite not in NONFINITE_MODES:
             raise ValidationError(
                 f"on_nonfinite must be stop, skip or off, got {self.on_nonfinite!r}"
             )

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from dapple.core.parallelism import ZERO_STAGES
+from dapple.core.planning_options import NONFINITE_MODES
 from dapple.core.precision import TRAINING_PRECISIONS, precision_of
 from dapple.core.recompute import Recompute, recompute_of
 from dapple.errors import ValidationError
@@ -279,7 +280,7 @@ def _check_long_run(c: TrainConfig) -> None:
         raise ValidationError(f"save_every must be >= 0, got {c.save_every}")
     if c.keep is not None and c.keep < 1:
         raise ValidationError(f"keep must be >= 1, got {c.keep}")
-    if c.on_nonfinite not in ("stop", "skip", "off"):
+    if c.on_nonfinite not in NONFINITE_MODES:
         raise ValidationError(
             f"on_nonfinite must be stop or skip (or off: no guard), got {c.on_nonfinite!r}"
         )
