@@ -36,7 +36,7 @@ from dapple.core.cluster import Cluster
 from dapple.core.plan import transfers
 from dapple.core.profile import ModelProfile
 from dapple.cost.latency import cycle_paced, latency, steady_periods
-from dapple.cost.sharing import shared_compute_scale
+from dapple.cost.sharing import shared_compute_scale, shared_periods
 
 __all__ = [
     "MIB",
@@ -176,8 +176,9 @@ def apply_host(
     1. F_s, B_s gain the stage's host extras (module docstring); the steady periods are
        those of the extended F_s, B_s (:func:`dapple.cost.latency.steady_periods`).
     2. Only with ``cluster.compute_cores_per_server``: F_s, B_s and the per-step host CPU
-       stretch by alpha_s, the periods by beta_s (:func:`shared_compute_scale`, from the
-       compute span: equations 1-3 with the per-step host CPU in place of AR).
+       stretch by alpha_s (:func:`shared_compute_scale`, from the compute span: equations 1-3
+       with the per-step host CPU in place of AR), the periods by the steady phase's bursts
+       and the servers' capacity (:func:`~dapple.cost.sharing.shared_periods`).
     3. The per-step host CPU joins AR_s.
 
     Args:
@@ -208,10 +209,10 @@ def apply_host(
         ]
         span, _, steady, _, _ = latency(F2, B2, step, M, period, paced)
         scale = shared_compute_scale(span, steady, M, devices, cluster)
+        period = shared_periods(F2, B2, K, M, period, [b for _, b in scale], devices, cluster)
         F2 = [f * a for f, (a, _) in zip(F2, scale, strict=True)]
         B2 = [v * a for v, (a, _) in zip(B2, scale, strict=True)]
         step = [v * a for v, (a, _) in zip(step, scale, strict=True)]
-        period = [p * beta for p, (_, beta) in zip(period, scale, strict=True)]
     return HostStages(
         F=F2,
         B=B2,
