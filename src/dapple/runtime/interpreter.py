@@ -80,6 +80,7 @@ from dapple.runtime.precision import Precision
 from dapple.runtime.reporting import target_token_count
 from dapple.runtime.step_point import point_of, step_point
 from dapple.runtime.sync import GradientSync
+from dapple.runtime.timeline import Timeline
 from dapple.schedule.ir import RECVS, STEP_POINTS, Action, ActionKind, Schedule
 
 __all__ = ["RECV_AHEAD", "ProgramInterpreter", "step_point"]
@@ -204,6 +205,14 @@ class ProgramInterpreter:
             op._replace(run=self._apply_update) for op in self._reduce if op.action.kind is K.STEP
         ]
         """OPT's second part (clipping, optimizer step, ZeRO's gather): after the step point."""
+        self._timeline = Timeline.from_env({"rank": rank, "plan": plan.to_dict()})
+        """This rank's measured timeline (None unless ``DAPPLE_TIMELINE`` is set)."""
+        if self._timeline is not None:
+            timed = self._timeline.wrap
+            self._compute, self._reduce, self._apply = (
+                [op._replace(run=timed(op.position, op.action, op.run)) for op in ops]
+                for ops in (self._compute, self._reduce, self._apply)
+            )
         self._joins = not self._apply
         """No OPT here (a rank beyond the plan): it only reports the step's lr."""
         self._sq_norm: torch.Tensor | float = 0.0
@@ -237,6 +246,8 @@ class ProgramInterpreter:
         self._step = step
         self._at = "start of step"
         self._sq_norm = 0.0
+        if self._timeline is not None:
+            self._timeline.begin_step(step)
         try:
             if self.ex is not None:
                 self._compute_part(step, inputs, targets)  # F, B, SEND_*, RECV_*
@@ -261,6 +272,8 @@ class ProgramInterpreter:
             raise
         except Exception as e:
             raise self._failure(step, e) from e
+        if self._timeline is not None:
+            self._timeline.end_step()
         return rows
 
     def _compute_part(self, step: int, inputs: Any, targets: torch.Tensor) -> None:
@@ -333,6 +346,8 @@ class ProgramInterpreter:
         Raises:
             RankFailure: a peer failed before joining the last step's collective.
         """
+        if self._timeline is not None:
+            self._timeline.write()
         if self.late is None:
             return None
         self._at = "the last step's collective (metrics, all ranks)"
