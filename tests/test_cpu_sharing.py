@@ -351,3 +351,27 @@ def test_l_rarely_under_estimates_shared_cores():
         errs.append(L / simulate(plan, prof, cl).step_ms - 1)
     assert sum(e < -0.05 for e in errs) <= 3, sorted(errs)[:6]
     assert sum(abs(e) <= 0.10 for e in errs) >= 53, sorted(errs, key=abs)[-6:]
+
+
+@pytest.mark.parametrize("schedule", ["zbh1", "interleaved"])
+def test_a_step_rule_on_shared_cores_is_at_least_the_servers_capacity(schedule):
+    # a step rule replays each device at full speed; four devices on two cores take at least
+    # their work over the two cores, as the simulator's processor sharing does
+    from dapple.core.plan import interleave
+    from dapple.cost.schedule_step import schedule_latency, shared_capacity_ms
+    from dapple.cost.terms import stage_terms
+
+    plan = straight_plan(
+        8, [0, 2, 4, 6], global_batch_size=16, num_micro_batches=8, schedule=schedule
+    )
+    if schedule == "interleaved":
+        plan = interleave(plan, 2)
+    prof = _free_profile(8)
+    cl = _cluster(4, cores=2.0)
+    got = schedule_latency(plan, prof, cl)
+    sim = simulate(plan, prof, cl).step_ms
+    work = sum(d.busy_ms for d in simulate(plan, prof, _cluster(4)).devices)
+    assert shared_capacity_ms(stage_terms(plan, prof, cl)) == pytest.approx(work / 2)
+    assert got >= work / 2 * (1 - 1e-9)
+    assert pytest.approx(sim, rel=0.10) == got
+    assert schedule_latency(plan, prof, _cluster(4)) < got  # dedicated: the replay alone

@@ -43,6 +43,7 @@ __all__ = [
     "device_memory_by_group",
     "schedule_latency",
     "schedule_step_ms",
+    "shared_capacity_ms",
     "step_terms",
 ]
 
@@ -125,8 +126,8 @@ def schedule_step_ms(terms: PlanTerms, *, on_nonfinite: str = "stop") -> float:
     """Predicted step time in ms of the plan of ``terms`` under its schedule (module
     docstring): L (:meth:`PlanTerms.pipeline <dapple.cost.terms.PlanTerms.pipeline>`,
     equations 1-3) for a schedule without a step rule (GPipe, DAPPLE), else its rule (the
-    replay of interleaved 1F1B, ZB-H1, ZB-V and DualPipeV) under the step point of
-    ``on_nonfinite`` (stop and skip: the non-finite guard's collective; off: none, consecutive
+    replay of interleaved 1F1B, ZB-H1, ZB-V and DualPipeV; on shared cores at least
+    :func:`shared_capacity_ms`) under the step point of ``on_nonfinite`` (stop and skip: the non-finite guard's collective; off: none, consecutive
     steps overlap). L does not read the step point: under GPipe's and DAPPLE's orders stage 0
     ends a step last and every other stage's next step waits for its forwards.
 
@@ -147,7 +148,38 @@ def schedule_step_ms(terms: PlanTerms, *, on_nonfinite: str = "stop") -> float:
             f"{actions:,} compute actions, more than {MAX_REPLAYED_ACTIONS:,}; give a smaller "
             "global batch or larger micro-batches"
         )
-    return spec.step_ms(step_terms(terms, on_nonfinite=on_nonfinite))
+    return max(
+        spec.step_ms(step_terms(terms, on_nonfinite=on_nonfinite)), shared_capacity_ms(terms)
+    )
+
+
+def shared_capacity_ms(terms: PlanTerms) -> float:
+    """On devices that share compute cores (``Cluster.compute_cores_per_server``), the least
+    time a step takes: per server, its devices' work over what they get done together. A step
+    rule replays each device's actions at full speed; this bound is what processor sharing adds
+    to it (the simulator shares event by event). 0 on dedicated devices.
+
+    A device's work is each of its replicas' M micro-batches (F + B of its slice with their host
+    CPU extras, re-computation included) and its per-step host CPU; k computing devices of a
+    server get ``k rate(k)`` of a device's work done per ms (:meth:`Cluster.compute_rate`).
+    """
+    cl, plan = terms.cluster, terms.plan
+    if cl.compute_cores_per_server is None:
+        return 0.0
+    M = plan.num_micro_batches
+    work: dict[int, float] = {}
+    step: dict[int, float] = {}
+    for st in terms.stages:
+        for r in st.replicas:
+            h = r.host
+            work[r.device] = work.get(r.device, 0.0) + M * (
+                r.forward_ms + r.backward_ms + h.forward_ms + h.backward_ms
+            )
+            step[r.device] = max(step.get(r.device, 0.0), h.step_ms)
+    per_server: dict[int, list[float]] = {}
+    for d, w in work.items():
+        per_server.setdefault(cl.server_of(d), []).append(w + step[d])
+    return max(sum(ws) / (len(ws) * cl.compute_rate(len(ws))) for ws in per_server.values())
 
 
 def schedule_latency(
