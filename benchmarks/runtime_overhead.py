@@ -64,6 +64,9 @@ THREADS = 1
 """torch threads per process: one, so that a loaded machine's other jobs do not turn the
 intra-op thread pool's waits into the measurement (every contender runs the same)."""
 READS = ("item", "__float__", "__int__", "__bool__", "tolist", "cpu", "numpy")
+GRAD_NORM_EVERY = 1
+"""``TrainConfig.grad_norm_every`` of the ``after`` version's dapple runs (``--grad-norm-every``;
+1, the default, leaves it out of the config, so a ``before`` version without the field runs)."""
 
 PHASES: list[tuple[str, str, str]] = [
     ("dapple.runtime.stage", "StageExecutor.forward", "forward (F: slicing, layers, loss)"),
@@ -79,6 +82,7 @@ PHASES: list[tuple[str, str, str]] = [
     ("dapple.runtime.optim", "ModelUpdate.global_norm", "gradient norm"),
     ("dapple.runtime.optim", "ModelUpdate.local_sq_norm", "gradient norm"),
     ("dapple.runtime.optim", "ModelUpdate.set_norm", "gradient norm"),
+    ("dapple.runtime.optim", "ModelUpdate.local_nonfinite_part", "gradient norm"),
     ("dapple.runtime.optim", "ModelUpdate.step", "clipping and lr"),
     ("torch.optim", "AdamW.step", "optimizer step"),
     ("dapple.runtime.metrics", "StepProbe.begin", "memory probes and step clock"),
@@ -134,7 +138,8 @@ def _model(size: dict[str, int]) -> tuple[Any, Callable[[], Any]]:
 def _config(steps: int) -> Any:
     from dapple.runtime import TrainConfig
 
-    return TrainConfig(steps=steps, seed=SEED, optimizer="adamw", lr=1e-4, timeout_s=120)
+    every = {"grad_norm_every": GRAD_NORM_EVERY} if GRAD_NORM_EVERY != 1 else {}
+    return TrainConfig(steps=steps, seed=SEED, optimizer="adamw", lr=1e-4, timeout_s=120, **every)
 
 
 def _plain_step(model: Any, wl: Any, size: dict[str, int], steps: int) -> Any:
@@ -339,10 +344,10 @@ def child(model: str, warmup: int, steps: int) -> dict[str, Any]:
 
 
 # -- the driver -------------------------------------------------------------------------------
-def _run_child(src: Path, model: str, warmup: int, steps: int) -> dict[str, Any]:
+def _run_child(src: Path, model: str, warmup: int, steps: int, every: int = 1) -> dict[str, Any]:
     env = dict(os.environ, PYTHONPATH=str(src), OMP_NUM_THREADS=str(THREADS))
     cmd = [sys.executable, __file__, "--child", model, "--warmup", str(warmup),
-           "--steps", str(steps)]  # fmt: skip
+           "--steps", str(steps), "--grad-norm-every", str(every)]  # fmt: skip
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     if out.returncode != 0:
         raise RuntimeError(f"child {src} {model} failed:\n{out.stderr[-3000:]}")
@@ -357,7 +362,9 @@ def _report(results: dict[str, dict[str, list[dict[str, Any]]]], args: Any,
         "",
         f"Command: `python benchmarks/runtime_overhead.py --before-src {args.before_src} "
         f"--rounds {args.rounds} --steps {args.steps} --warmup {args.warmup} "
-        f"--models {args.models}`",
+        f"--models {args.models}"
+        + (f" --grad-norm-every {args.grad_norm_every}" if args.grad_norm_every != 1 else "")
+        + "`",
         f"Date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; machine: {os.cpu_count()} "
         f"CPU cores, torch {_torch_version()}; versions: "
         + ", ".join(f"{k} = {v}" for k, v in versions.items()),
@@ -369,7 +376,14 @@ def _report(results: dict[str, dict[str, list[dict[str, Any]]]], args: Any,
         f"One rank, one stage, CPU ({THREADS} torch thread per process), fp32, fused AdamW, M "
         "micro-batches of G/M rows; median ms per "
         f"step over {args.rounds} rounds x {args.steps} steps after {args.warmup} warm-up steps. "
-        "Speed ratio = plain ms / dapple ms (1.00: as fast as the plain loop).",
+        "Speed ratio = plain ms / dapple ms (1.00: as fast as the plain loop). "
+        + (
+            f"The after version's dapple runs with grad_norm_every {args.grad_norm_every}: the "
+            "gradient norm on every "
+            f"{args.grad_norm_every}th step only, a fused finiteness check on the others."
+            if args.grad_norm_every != 1
+            else "Both versions compute the gradient norm on every step."
+        ),
         "",
         "| model | version | plain module ms | plain pieces ms | dapple ms | vs pieces | "
         "vs module | host syncs / step |",
@@ -456,8 +470,12 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--models", default="tiny,medium")
     ap.add_argument("--out", type=Path, default=Path(__file__).with_suffix(".md"))
+    ap.add_argument("--grad-norm-every", type=int, default=1,
+                    help="the after version's TrainConfig.grad_norm_every (default 1)")  # fmt: skip
     args = ap.parse_args()
     if args.child:
+        global GRAD_NORM_EVERY
+        GRAD_NORM_EVERY = args.grad_norm_every
         print(json.dumps(child(args.child, args.warmup, args.steps)))
         return
     srcs = {"after": ROOT / "src", "before": args.before_src}
@@ -469,7 +487,8 @@ def main() -> None:
         for r in range(args.rounds):
             order = ["before", "after"] if r % 2 else ["after", "before"]
             for v in order:
-                res = _run_child(srcs[v], model, args.warmup, args.steps)
+                every = args.grad_norm_every if v == "after" else 1
+                res = _run_child(srcs[v], model, args.warmup, args.steps, every)
                 results[model][v].append(res)
                 print(f"{model} round {r} {v}: dapple {statistics.median(res['dapple']):.2f} ms, "
                       f"pieces {statistics.median(res['plain pieces']):.2f} ms, syncs "

@@ -57,7 +57,7 @@ NON_DEFAULT: dict[str, Any] = {
     # [eval]
     "eval_every": 3, "eval_batches": 2, "eval_batch_size": 6,
     # [report]
-    "metrics_path": "m.jsonl", "tensorboard_dir": "tb", "profile": "paper:bert48",
+    "metrics_path": "m.jsonl", "grad_norm_every": 2, "tensorboard_dir": "tb", "profile": "paper:bert48",
     "cluster": "paper-a", "loss_curve": "curve.png",
     # [elastic]
     "elastic": True, "min_devices": 2, "max_restarts": 5,
@@ -65,11 +65,11 @@ NON_DEFAULT: dict[str, Any] = {
 """A value other than the default for every key of a run file (``path`` of ``[data]``: below)."""
 
 EXCLUSIVE = (
-    {"momentum": 0.0, "overwrite_checkpoints": False},  # adamw, resuming
-    {"optimizer": "sgd", "resume": False, "require_resume": False},  # sgd with momentum, fresh
+    {"momentum": 0.0, "overwrite_checkpoints": False, "grad_norm_every": 1},  # adamw, resuming
+    {"optimizer": "sgd", "resume": False, "require_resume": False, "clip_grad_norm": None},
 )
 """Two files between them set every key: momentum is SGD's, resume and overwrite exclude each
-other."""
+other, clipping needs the gradient norm on every step (None: the key is left out)."""
 
 
 def _value(field: Field) -> Any:
@@ -100,7 +100,8 @@ def _write(path: Path, values: dict[Field, Any], schema: Any = RUN_SECTIONS) -> 
     lines = []
     for section, fields in schema.items():
         lines.append(f"[{section}]")
-        lines += [f"{f[1]} = {_toml_value(values[f])}" for f in fields if f in values]
+        lines += [f"{f[1]} = {_toml_value(values[f])}" for f in fields
+                  if values.get(f) is not None]  # fmt: skip
     path.write_text("\n".join(lines) + "\n")
     return path
 

@@ -321,6 +321,7 @@ RUN_SECTIONS: Schema = {
     "eval": (("train", "eval_every"), ("run", "eval_batches"), ("train", "eval_batch_size")),
     "report": (
         ("train", "metrics_path"),
+        ("train", "grad_norm_every"),
         ("train", "tensorboard_dir"),
         *(("run", n) for n in ("profile", "cluster", "loss_curve")),
     ),

@@ -111,6 +111,7 @@ TRAIN_FLAGS: tuple[Flag, ...] = (
     one("run", "eval_batches"),
     one("train", "eval_batch_size"),
     one("train", "metrics_path", "metrics"),
+    one("train", "grad_norm_every"),
     one("train", "tensorboard_dir", "tensorboard"),
     one("run", "loss_curve"),
     one("run", "profile"),

@@ -1,7 +1,8 @@
 """``dapple train``'s evaluation and reporting flags and its final summary.
 
 Flags: ``--eval-every N``, ``--eval-batches K`` and ``--eval-batch-size G_E`` (forward-only evaluation through the
-pipeline, :mod:`dapple.runtime.evaluate`), ``--tensorboard DIR`` and ``--loss-curve PATH``.
+pipeline, :mod:`dapple.runtime.evaluate`), ``--grad-norm-every N`` (the gradient norm on every Nth
+step), ``--tensorboard DIR`` and ``--loss-curve PATH``.
 The run always asks for a progress bar; rank 0 shows it only when stdout is a terminal.
 
 The summary (rank 0, after the run): the final train loss, the last validation loss and the
@@ -57,6 +58,15 @@ def add_show_arguments(p: argparse.ArgumentParser) -> None:
         metavar="G_E",
         help="samples per eval batch (default: the plan's global batch); the same stages and "
         "replicas evaluate it, in the most micro-batches <= M that divide it",
+    )
+    g.add_argument(
+        "--grad-norm-every",
+        type=int,
+        default=1,
+        metavar="N",
+        help="compute and report the global gradient norm on steps 0, N, 2N, ... only; the "
+        "other steps check the gradients' finiteness for --on-nonfinite in one fused op "
+        "(default 1: every step; refused above 1 with --clip-grad-norm)",
     )
     g.add_argument(
         "--tensorboard",

@@ -252,8 +252,8 @@ class _Records:
         self._held = None
 
     def _record(self, step: int, rows: list[list[float]], fields: dict[str, Any]) -> None:
-        if self.late and "grad_norm" in fields:  # rank 0's: no update read the norm
-            fields = {**fields, "grad_norm": global_norm(rows)}
+        if self.late and "grad_norm" in fields and self.r.update.norm_due(step):
+            fields = {**fields, "grad_norm": global_norm(rows)}  # rank 0's: no update read it
         r = self.r
         self.sink.record(step, rows, target_tokens=row_tokens(rows), **fields,
                          **expert_report(r.mesh.loads, r.interpreter.expert_load))  # fmt: skip

@@ -21,7 +21,8 @@ simulator runs - and dispatches every action on its kind:
 - ``AR`` waits for AR(P_s, g_s) over the stage's replicas (:meth:`GradientSync.finish`);
 - ``OPT`` runs in two parts around the step point. Before it: the tied parameters' gradient
   sums (:meth:`GradientSync.tied`), the fp16 unscaling (:meth:`Precision.unscale_grads`) and
-  this rank's part of the global gradient norm (:meth:`ModelUpdate.local_sq_norm`). After it:
+  this rank's part of the global gradient norm (:meth:`ModelUpdate.local_sq_norm`; on a step
+  without the norm, ``grad_norm_every``, its finiteness: :meth:`ModelUpdate.local_nonfinite_part`). After it:
   :meth:`ModelUpdate.step` clips by the global norm, sets the step's lr and steps the
   optimizer (ranks beyond the plan call :meth:`ModelUpdate.join` after their empty program);
   under ZeRO (:mod:`dapple.runtime.parallel.zero`) the optimizer holds this replica's shard only and
@@ -313,7 +314,8 @@ class ProgramInterpreter:
             self.expert_load = self.loads.layout.split(self.guard.sums)
         self.probe.lap()
         if verdict is None:
-            self.update.set_norm(self._sq_total(table), global_norm(rows))
+            norm = global_norm(rows) if self.update.norm_due(step) else None
+            self.update.set_norm(self._sq_total(table), norm)
         return verdict, rows
 
     def _post(self, targets: torch.Tensor) -> list[list[float]] | None:
@@ -450,7 +452,10 @@ class ProgramInterpreter:
         if self.shards is not None:  # the tied pieces' gradients: slices of the sums
             self.shards.point_tied()
         self.precision.unscale_grads(self.update.params)  # fp16: gradients / S (loss was x S)
-        self._sq_norm = self.update.local_sq_norm()
+        if self.update.norm_due(self._step):
+            self._sq_norm = self.update.local_sq_norm()
+        elif self.late is None:  # the guard's gradient verdict without the norm
+            self._sq_norm = self.update.local_nonfinite_part()
 
     def _apply_update(self, a: Action) -> None:
         """OPT after the step point (every rank's gradients finite)."""

@@ -20,6 +20,9 @@ Design choices:
       (:func:`counted_parameters`): after AR(P_s, g_s) every replica of a stage holds the same
       gradient, so only replica 0 counts; after the tied sums every copy of a tied parameter
       holds the total, so only the copy in the lowest layer counts.
+    - With ``grad_norm_every`` N > 1 the norm is computed on steps 0, N, 2N, ... only; on the
+      others a rank's part in the row is one fused finiteness check of the same gradients
+      (:meth:`ModelUpdate.local_nonfinite_part`): the guard's verdict, without the norm.
     - Clipping is ``torch.nn.utils.clip_grad_norm_``'s: float32 per-parameter norms, the total
       in float32, ``clip_coef = max_norm / (total + 1e-6)`` clamped to 1, every gradient times
       the coefficient. The squares of the per-parameter norms are summed in float64 across
@@ -328,11 +331,41 @@ class ModelUpdate:
         self.grad_norm: float | None = None
         self.total: torch.Tensor | None = None
         self.observer: Callable[[int], None] | None = None
+        self._found = torch.zeros(1, dtype=torch.float32, device=device)
+        """:meth:`local_nonfinite_part`'s flag: 1 after a check found a non-finite gradient."""
+        self._one = torch.ones(1, dtype=torch.float32, device=device)
+        """The check's "inverse scale": 1, so the gradients keep their values."""
+
+    def norm_due(self, step: int) -> bool:
+        """Whether step ``step`` computes the global norm (``grad_norm_every``)."""
+        return step % self.config.grad_norm_every == 0
 
     def local_sq_norm(self) -> torch.Tensor:
         """This rank's part of ``||g||_2^2``: the squares of its counted gradients' float32
         norms, summed in float64 on the device (0 with nothing counted)."""
         return _local_sq_norm(self._counted, self.device)
+
+    def local_nonfinite_part(self) -> torch.Tensor | float:
+        """On a step without the norm (:meth:`norm_due`), what stands in its place in the
+        step's row for the guard: 0 when this rank's counted gradients (those the norm would
+        read) are all finite, else non-finite (0 with nothing counted).
+
+        One fused check per (device, dtype) group, ``torch._amp_foreach_non_finite_check_and_
+        unscale_`` by an inverse scale of 1 (the gradients keep their values), into a held
+        flag ``f`` (1 when one was not finite); the part is ``log1p(-f)``: 0 or ``-inf``."""
+        groups = self._counted.grads()
+        if not groups:
+            return 0.0
+        found = self._found.zero_()
+        for _, grads in groups:
+            on = grads[0].device
+            if on == found.device:
+                torch._amp_foreach_non_finite_check_and_unscale_(grads, found, self._one)
+            else:  # a group on another device: its own flag, added in
+                flag = torch.zeros(1, dtype=torch.float32, device=on)
+                torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, self._one.to(on))
+                found.add_(flag.to(found.device))
+        return found.neg().log1p().reshape(())
 
     @property
     def clips(self) -> bool:
@@ -340,10 +373,10 @@ class ModelUpdate:
         the device."""
         return self.config.clip_grad_norm is not None
 
-    def set_norm(self, sq_total: torch.Tensor | None, reported: float) -> None:
+    def set_norm(self, sq_total: torch.Tensor | None, reported: float | None) -> None:
         """The step's ``||g||_2^2`` summed over every rank's part (on the device; None when
         nothing clips: :attr:`clips`) and the norm rank 0 read with the step's collective
-        (``StepMetrics.grad_norm``)."""
+        (``StepMetrics.grad_norm``; None on a step without the norm, :meth:`norm_due`)."""
         self.total = None if sq_total is None else sq_total.sqrt().float()
         self.grad_norm = reported
 

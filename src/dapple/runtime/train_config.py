@@ -232,6 +232,12 @@ class TrainConfig:
     clip_grad_norm: float | None = None
     """Clip the global gradient norm of the whole model to this (None: no clipping; the norm is
     computed and reported either way)."""
+    grad_norm_every: int = 1
+    """Compute and report the global gradient norm (``StepMetrics.grad_norm``) on steps 0, N,
+    2N, ... only (None on the others; 1: every step). On the other steps the non-finite
+    guard's gradient verdict is one fused finiteness check of the same gradients instead of
+    their norm (on the CPU the norm is one op per gradient, the check one op in all). Refused
+    above 1 with ``clip_grad_norm``: clipping needs every step's norm."""
     zero_stage: int = 0
     """0: every replica of a stage keeps the whole optimizer state; 1: each replica of a stage
     with ``r_s > 1`` keeps and updates ``1/r_s`` of it (gradients reduce-scattered, updated
@@ -291,6 +297,13 @@ def _check_long_run(c: TrainConfig) -> None:
         raise ValidationError(
             f"on_nonfinite off cannot go with {what}: it needs every rank's gradients before the "
             "optimizer step (use stop or skip)"
+        )
+    if c.grad_norm_every < 1:
+        raise ValidationError(f"grad_norm_every must be >= 1, got {c.grad_norm_every}")
+    if c.grad_norm_every > 1 and c.clip_grad_norm is not None:
+        raise ValidationError(
+            f"grad_norm_every {c.grad_norm_every} cannot go with clip_grad_norm "
+            f"{c.clip_grad_norm}: clipping needs every step's gradient norm (use 1)"
         )
     if (c.save_every > 0 or c.resume) and c.checkpoint_dir is None:
         raise ValidationError("save_every and resume need a checkpoint_dir")
