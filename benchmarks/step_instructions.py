@@ -53,13 +53,16 @@ def _helper(folder: Path) -> Path:
     return lib
 
 
-def child(lib_path: str) -> None:
-    """Under callgrind: the counted windows (see the module docstring)."""
+def child(lib_path: str, every: int = 1) -> None:
+    """Under callgrind: the counted windows (see the module docstring); dapple's runs with
+    ``grad_norm_every`` ``every``."""
     import torch
     import torch.distributed as dist
 
     sys.path.insert(0, str(Path(__file__).parent))
     import runtime_overhead as ro
+
+    ro.GRAD_NORM_EVERY = every
 
     lib = ctypes.CDLL(lib_path)
     torch.set_num_threads(1)
@@ -86,12 +89,12 @@ def child(lib_path: str) -> None:
         dist.destroy_process_group()
 
 
-def _count(src: Path, folder: Path, lib: Path, name: str) -> dict[str, int]:
+def _count(src: Path, folder: Path, lib: Path, name: str, every: int = 1) -> dict[str, int]:
     """Window name -> instructions, from one callgrind run of ``src``'s dapple."""
     out = folder / f"{name}.out"
     env = dict(os.environ, PYTHONPATH=str(src), OMP_NUM_THREADS="1")
     cmd = ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}",
-           sys.executable, __file__, "--child", str(lib)]  # fmt: skip
+           sys.executable, __file__, "--child", str(lib), "--grad-norm-every", str(every)]  # fmt: skip
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     if res.returncode != 0:
         raise RuntimeError(f"callgrind of {src} failed:\n{res.stderr[-3000:]}")
@@ -109,7 +112,9 @@ def _report(res: dict[str, dict[str, int]], args: argparse.Namespace) -> str:
     versions = ", ".join(f"{v} = {git_in(s, 'rev-parse', '--short', 'HEAD')} ({s})"
                          for v, s in (("before", args.before_src), ("after", ROOT / "src")))  # fmt: skip
     lines = [
-        f"Command: `python benchmarks/step_instructions.py --before-src {args.before_src}`; "
+        f"Command: `python benchmarks/step_instructions.py --before-src {args.before_src}"
+        + (f" --grad-norm-every {args.grad_norm_every}" if args.grad_norm_every != 1 else "")
+        + "`; "
         f"date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; valgrind callgrind, "
         f"{os.cpu_count()} CPU cores (counts do not depend on the load); versions: {versions}",
         "",
@@ -132,16 +137,21 @@ def main() -> None:
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--before-src", type=Path, default=Path("/tmp/before/src"))
     ap.add_argument("--out", type=Path, default=None, help="write the table here too")
+    ap.add_argument("--grad-norm-every", type=int, default=1,
+                    help="the after version's TrainConfig.grad_norm_every (default 1)")  # fmt: skip
     args = ap.parse_args()
     if args.child:
-        child(args.child)
+        child(args.child, args.grad_norm_every)
         return
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         lib = _helper(folder)
         srcs = {"before": args.before_src, "after": ROOT / "src"}
         with ThreadPoolExecutor(len(srcs)) as pool:  # one valgrind process per version at once
-            runs = {v: pool.submit(_count, src, folder, lib, v) for v, src in srcs.items()}
+            every = {"before": 1, "after": args.grad_norm_every}
+            runs = {
+                v: pool.submit(_count, src, folder, lib, v, every[v]) for v, src in srcs.items()
+            }
             res = {v: run.result() for v, run in runs.items()}
     text = _report(res, args)
     if args.out is not None:
