@@ -187,9 +187,9 @@ def check_long_run(
         check_writable,
         describe_steps,
         list_checkpoints,
+        refuse_foreign,
         refuse_occupied,
     )
-    from dapple.runtime.checkpoint.files import refuse_foreign
 
     if checkpoint_dir is None:
         return
@@ -305,56 +305,6 @@ def _warn(line: str) -> None:
     print(f"dapple: warning: {line}", file=sys.stderr, flush=True)
 
 
-def _memory_table(
-    plan: Plan,
-    last: StepMetrics,
-    profile_spec: str,
-    cluster_spec: str,
-    optimizer: str,
-    momentum: float = 0.0,
-) -> None:
-    """Each stage's measured memory beside the planner's per-replica estimate (interleaved and
-    ZB-H1: per device group, all its chunks, by replaying the schedule's compute order)."""
-    import dataclasses
-
-    from rich.table import Table
-
-    from dapple.api._inputs import with_profile_set
-    from dapple.cli._console import console, print_table
-    from dapple.core.cluster_presets import load_cluster
-    from dapple.cost.pipeline import pipeline_latency
-    from dapple.runtime.train_config import state_factor
-    from dapple.schedule.registry import get_schedule
-
-    profile, cluster = with_profile_set(profile_spec, load_cluster(cluster_spec))
-    profile = dataclasses.replace(profile, optimizer_state_factor=state_factor(optimizer, momentum))
-    if not get_schedule(plan.schedule).uses_pipeline_latency:  # not L's rows: replay its order
-        from dapple.cost.schedule_step import device_memory_by_group
-
-        estimate = device_memory_by_group(plan, profile)
-    else:
-        rows = pipeline_latency(plan, profile, cluster).stages
-        estimate = [float(r.memory_bytes) for r in rows if r.kind == "compute"]
-    mib = 2**20
-    table = Table(title=f"memory per replica (planner: {optimizer} state, K_i in flight)")
-    for col in ("stage", "replicas", f"peak {last.resident_kind}", "added by the stage",
-                f"peak {last.memory_kind}", "planner estimate", "estimate / added"):  # fmt: skip
-        table.add_column(col, justify="right")
-    for s, st in enumerate(plan.stages[: plan.num_groups]):  # a group's chunks: its first stage
-        added = last.stage_resident_bytes[s] if last.stage_resident_bytes else 0
-        chunks = plan.stages_of_device(st.devices[0])
-        table.add_row(
-            str(s) if len(chunks) == 1 else ",".join(map(str, chunks)),
-            str(st.replicas),
-            f"{last.peak_resident_bytes[s] / mib:.1f} MiB" if last.peak_resident_bytes else "-",
-            f"{added / mib:.1f} MiB" if last.stage_resident_bytes else "-",
-            f"{last.peak_memory_bytes[s] / mib:.1f} MiB",
-            f"{estimate[s] / mib:.1f} MiB",
-            f"{estimate[s] / added:.2f}" if added > 0 else "-",
-        )
-    print_table(console(), table)
-
-
 def _check_output(path: str | os.PathLike[str] | None, what: str, *, picture: bool = False) -> None:
     """Rank 0 (which writes the metrics and the loss curve) refuses, before any worker starts,
     an output path it could not write at the end (:func:`check_output_file`; ``picture``: in
@@ -433,7 +383,9 @@ def run_config(cfg: RunConfig) -> int:
 
             print(prediction_basis(profile, cluster, statistics.median(steady), predicted))
         if profile is not None and cluster is not None:
-            _memory_table(plan, metrics[-1], profile, cluster, t.optimizer, t.momentum)
+            from dapple.cli._memory_table import memory_table
+
+            memory_table(plan, metrics[-1], profile, cluster, t.optimizer, t.momentum)
         print_summary(metrics, curve)
     return 0
 
