@@ -11,13 +11,13 @@ import pytest
 
 from dapple.datasets import prepare
 from dapple.errors import ValidationError
-from dapple.runtime.checkpoint.files import (
-    CheckpointError,
+from dapple.runtime.checkpoint.files import CheckpointError, step_dir
+from dapple.runtime.checkpoint.ownership import (
     delete_checkpoints,
     foreign_entries,
     prune_checkpoints,
     refuse_foreign,
-    step_dir,
+    refuse_occupied,
 )
 
 
@@ -82,6 +82,61 @@ def test_starting_over_among_foreign_files_is_refused_up_front(tmp_path: Path) -
         refuse_foreign(tmp_path, "move them")
 
 
+def test_a_folder_of_foreign_files_is_not_called_a_checkpoint(tmp_path: Path) -> None:
+    theirs = tmp_path / "step-00000001"
+    theirs.mkdir()
+    (theirs / "thesis.tex").write_text("mine")
+    with pytest.raises(CheckpointError) as e:
+        refuse_occupied(tmp_path, "pass --resume")
+    msg = str(e.value)
+    assert "already holds checkpoints" not in msg and "--resume" not in msg
+    assert f"holds no checkpoint: {str(theirs)!r} holds files dapple did not write " in msg
+    assert "('thesis.tex')" in msg and "move it away" in msg
+    _save(tmp_path, 2, extra="notes.txt")  # a checkpoint with a user's note in it
+    with pytest.raises(CheckpointError) as e:
+        refuse_occupied(tmp_path, "pass --resume")
+    msg = str(e.value)
+    assert "already holds checkpoints (step 2) of another run (and " in msg
+    assert (
+        f"{str(theirs)!r} holds files dapple did not write ('thesis.tex'), which is never " in msg
+    )
+    assert msg.endswith("; pass --resume")
+
+
+def keep_in_a_worker(rank: int, world: int, root: str) -> None:
+    """A spawned worker's ``--keep`` pruning (run by :func:`test_a_workers_keep_warning_...`)."""
+    prune_checkpoints(root, keep=1)
+
+
+_LAUNCHER = """
+import sys
+sys.path.insert(0, {tests!r})
+if __name__ == "__main__":  # (a spawned process imports this file too, as __mp_main__)
+    import test_checkpoint_ownership as t
+    from dapple.runtime.launch.launcher import spawn
+    spawn(t.keep_in_a_worker, 1, {root!r}, timeout_s=120)
+"""
+
+
+def test_a_workers_keep_warning_is_a_dapple_warning_line(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    root = tmp_path / "ck"
+    theirs = _save(root, 1, extra="thesis.tex")
+    _save(root, 2)
+    script = tmp_path / "launcher.py"
+    script.write_text(_LAUNCHER.format(tests=str(Path(__file__).parent), root=str(root)))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    kept = [line for line in done.stderr.splitlines() if "thesis.tex" in line]
+    assert kept == [
+        f"dapple: warning: kept {theirs}: it holds files dapple did not write ('thesis.tex'); "
+        "remove it yourself if unwanted"
+    ]
+
+
 def test_train_overwrite_checkpoints_refuses_foreign_files_before_compute(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -98,6 +153,26 @@ def test_train_overwrite_checkpoints_refuses_foreign_files_before_compute(
     assert main(argv) == 2
     one_error_line(capsys, "thesis.tex", "not deleted")
     assert (d / "thesis.tex").read_text() == "mine"
+
+
+def test_train_in_a_folder_of_foreign_files_says_what_is_there_before_compute(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from builders import boom, one_error_line
+    from dapple.cli import main
+    from dapple.core.plan import straight_plan
+
+    monkeypatch.setattr("dapple.runtime.train", boom)
+    plan = tmp_path / "plan.json"
+    straight_plan(5, [0], global_batch_size=2, num_micro_batches=1, model_name="mlp").save(plan)
+    theirs = tmp_path / "ck" / "step-00000001"
+    theirs.mkdir(parents=True)
+    (theirs / "thesis.tex").write_text("mine")
+    argv = ["train", "--plan", str(plan), "-m", "mlp", "--steps", "1", "--checkpoint-dir",
+            str(tmp_path / "ck")]  # fmt: skip
+    assert main(argv) == 2
+    one_error_line(capsys, "holds no checkpoint", "thesis.tex", "move it away")
+    assert (theirs / "thesis.tex").read_text() == "mine"
 
 
 # -- dapple data prepare never destroys its input or a file it did not write -----------------

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import logging
 import os
 import sys
 
@@ -16,6 +15,7 @@ from dapple.cli._file_roles import refuse_input_overwrite
 from dapple.core.host_memory import keep_freed_memory
 from dapple.core.parent_death import end_with_parent
 from dapple.errors import DappleError
+from dapple.log_lines import LogLines, use_log_lines
 
 __all__ = ["LogLines", "build_parser", "main"]
 
@@ -52,19 +52,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-class LogLines(logging.Formatter):
-    """The command line's log lines: a warning reads as the commands' own (``dapple: warning:
-    ...``, one line); other records name their level and logger (``--verbose``)."""
-
-    def __init__(self) -> None:
-        super().__init__("%(levelname)s %(name)s: %(message)s")
-
-    def format(self, record: logging.LogRecord) -> str:
-        if record.levelno == logging.WARNING:
-            return f"dapple: warning: {record.getMessage()}"
-        return super().format(record)
-
-
 def end_with_torchrun_agent() -> None:
     """Under ``torchrun`` (its ``TORCHELASTIC_RUN_ID`` set): end when the elastic agent that
     started this process ends, however it ends - a SIGKILLed ``torchrun`` leaves no rank
@@ -77,9 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     end_with_torchrun_agent()
     parser = build_parser()
     args = parser.parse_args(argv)
-    lines = logging.StreamHandler()
-    lines.setFormatter(LogLines())
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, handlers=[lines])
+    use_log_lines(verbose=args.verbose)
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

@@ -53,7 +53,7 @@ def check_demo_args(args: argparse.Namespace) -> Path:
             f"{args.corpus_mib:g}"
         )
     out = check_output_dir(args.out_dir, "--out-dir")
-    from dapple.runtime.checkpoint.files import refuse_foreign
+    from dapple.runtime.checkpoint import refuse_foreign
 
     refuse_foreign(out / "checkpoints", "give the demo another --out-dir")  # it starts over there
     _refuse_a_users_dir(out)

@@ -363,7 +363,7 @@ def _train(
 ) -> list[Any]:
     """Train ``plan`` on the corpus; report time, losses and validation loss."""
     from dapple import api
-    from dapple.runtime.checkpoint.files import delete_checkpoints
+    from dapple.runtime.checkpoint import delete_checkpoints
     from dapple.runtime.reporting import write_loss_curve
 
     steps = args.steps

@@ -56,6 +56,7 @@ from dapple.runtime.checkpoint import (
     find_resume_checkpoint,
     load_rng_state,
     read_checkpoint,
+    refuse_foreign,
     refuse_occupied,
     restore_rng_state,
     restore_stage,
@@ -63,7 +64,6 @@ from dapple.runtime.checkpoint import (
     stage_layer_states,
     step_dir,
 )
-from dapple.runtime.checkpoint.files import refuse_foreign
 from dapple.runtime.data import check_data_resume
 from dapple.runtime.guard import NonFiniteGuard
 from dapple.runtime.metrics import announce

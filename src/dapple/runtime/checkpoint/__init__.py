@@ -52,20 +52,23 @@ from dapple.runtime.checkpoint.files import (
     atomic_write,
     capture_rng_state,
     check_files,
-    delete_checkpoints,
-    describe_steps,
     fsync_dir,
     latest_checkpoint,
     list_checkpoints,
     merge_parts_into_manifest,
-    prune_checkpoints,
     read_checkpoint,
     read_verified,
     rec_dict,
-    refuse_occupied,
     restore_rng_state,
     step_dir,
     to_bytes,
+)
+from dapple.runtime.checkpoint.ownership import (
+    delete_checkpoints,
+    describe_steps,
+    prune_checkpoints,
+    refuse_foreign,
+    refuse_occupied,
 )
 from dapple.runtime.checkpoint.probe import check_writable
 
@@ -95,6 +98,7 @@ __all__ = [
     "load_rng_state",
     "prune_checkpoints",
     "read_checkpoint",
+    "refuse_foreign",
     "refuse_occupied",
     "restore_rng_state",
     "restore_stage",

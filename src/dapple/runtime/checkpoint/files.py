@@ -1,5 +1,6 @@
-"""Checkpoint files: atomic writes, the manifest (schema, per-file size and sha256), RNG states,
-finding, pruning and the checks of a checkpoint directory before a run.
+"""Checkpoint files: atomic writes, the manifest (schema, per-file size and sha256), RNG states
+and finding checkpoints (pruning and the checks of a directory before a run:
+:mod:`dapple.runtime.checkpoint.ownership`).
 
 Private to :mod:`dapple.runtime.checkpoint`, which re-exports the public names.
 """
@@ -13,7 +14,6 @@ import logging
 import os
 import random
 import re
-import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,11 +32,6 @@ CRASH_IN_SAVE_ENV = "DAPPLE_TEST_CRASH_IN_SAVE"
 """Test hook: at the save of this step, a writing rank ``os._exit(3)``s after its first layer
 file, before the barrier and the manifest (not in a worker ``torchrun`` restarted)."""
 _STEP_DIR = re.compile(r"^step-(\d{8,})$")
-_OWN_FILE = re.compile(
-    r"^\.?(manifest\.json|layer-\d{5,}\.pt|rng-rank\d{5,}\.pt|part-[\w-]+-rank\d{5,}\.json)"
-    r"(\.\w+\.tmp)?$|^\.dapple-write-probe-\w+$"
-)
-"""The names of the files a save writes in a ``step-*`` directory (and its temporary files)."""
 
 
 class CheckpointError(DappleError):
@@ -377,114 +372,3 @@ def latest_checkpoint(root: str | Path) -> Checkpoint | None:
     if first is not None:
         raise first
     return None
-
-
-def foreign_entries(d: Path) -> list[str]:
-    """The names in checkpoint directory ``d`` that no dapple save writes (a user's files,
-    sub-directories): such a directory is never deleted."""
-    try:
-        return sorted(e.name for e in d.iterdir() if e.is_dir() or not _OWN_FILE.match(e.name))
-    except OSError:  # gone meanwhile, or unreadable: nothing of it is deleted either
-        return []
-
-
-_KEPT_SAID: set[str] = set()
-"""Checkpoint directories this process has warned it keeps (:func:`_remove_own`)."""
-
-
-def _remove_own(d: Path) -> bool:
-    """Delete checkpoint directory ``d`` when it holds only files a dapple save writes; else
-    leave it whole with a warning. True if deleted."""
-    foreign = foreign_entries(d)
-    if foreign:
-        if str(d) not in _KEPT_SAID:  # said once: every later save's pruning meets it again
-            _KEPT_SAID.add(str(d))
-            shown = ", ".join(repr(n) for n in foreign[:3]) + (", ..." if len(foreign) > 3 else "")
-            logger.warning(
-                "kept %s: it holds files dapple did not write (%s); remove it yourself if unwanted",
-                d,
-                shown,
-            )
-        return False
-    shutil.rmtree(d, ignore_errors=True)
-    return True
-
-
-def prune_checkpoints(root: str | Path, keep: int, *, newest_step: int | None = None) -> list[Path]:
-    """Delete all but the ``keep`` newest complete checkpoints, and incomplete ones older than
-    the newest complete one - only directories holding nothing but the files a save writes
-    (see :func:`foreign_entries`). Returns the deleted directories.
-
-    Args:
-        newest_step: the step just saved: checkpoints of later steps (left by a run this one
-            resumed before, past a damaged one) neither count among the ``keep`` nor are
-            deleted.
-    """
-    if keep < 1:
-        raise CheckpointError(f"keep must be >= 1, got {keep}")
-    dirs = list_checkpoints(root)
-    if newest_step is not None:
-        dirs = [d for d in dirs if d.name <= step_dir(root, newest_step).name]
-    complete = [d for d in dirs if (d / MANIFEST_NAME).is_file()]
-    if not complete:
-        return []
-    kept = set(complete[-keep:])
-    newest = complete[-1]
-    doomed = [d for d in dirs if d not in kept and d.name < newest.name]
-    return [d for d in doomed if _remove_own(d)]
-
-
-def delete_checkpoints(root: str | Path) -> list[Path]:
-    """Delete every checkpoint directory (``step-*``, complete or not) under ``root`` that
-    holds only files a save writes; other files and directories stay. Returns the deleted
-    directories."""
-    return [d for d in list_checkpoints(root) if _remove_own(d)]
-
-
-def refuse_foreign(root: str | Path, how: str) -> None:
-    """Refuse to start over in ``root`` when one of its ``step-*`` directories holds files
-    dapple did not write: it could be neither deleted nor safely saved into.
-
-    Args:
-        how: the caller's ways out, appended to the message.
-
-    Raises:
-        CheckpointError: naming the directory and its first foreign entries.
-    """
-    for d in list_checkpoints(root):
-        foreign = foreign_entries(d)
-        if foreign:
-            shown = ", ".join(repr(n) for n in foreign[:3]) + (", ..." if len(foreign) > 3 else "")
-            raise CheckpointError(
-                f"checkpoint directory {str(d)!r} holds files dapple did not write ({shown}): "
-                f"it is not deleted; {how}"
-            )
-
-
-def describe_steps(dirs: list[Path]) -> str:
-    """``"steps 1, 2, 3"`` for checkpoint directories (``"step 4"`` for one; at most 5 shown)."""
-    steps = [int(m.group(1)) for d in dirs if (m := _STEP_DIR.match(d.name))]
-    shown = (
-        ", ".join(map(str, steps))
-        if len(steps) <= 5
-        else f"{steps[0]}, {steps[1]}, ..., {steps[-1]}"
-    )
-    return f"step{'s' if len(steps) > 1 else ''} {shown}"
-
-
-def refuse_occupied(root: str | Path, how: str) -> None:
-    """Refuse to start a run from step 0 in a directory that holds checkpoints (complete or
-    not) of another run: its saves would overwrite or, with pruning, delete them.
-
-    Args:
-        how: the caller's ways out, appended to the message (flag or argument names).
-
-    Raises:
-        CheckpointError: ``root`` holds a ``step-*`` directory.
-    """
-    dirs = list_checkpoints(root)
-    if dirs:
-        raise CheckpointError(
-            f"checkpoint directory {str(root)!r} already holds checkpoints ({describe_steps(dirs)})"
-            f" of another run; {how}"
-        )

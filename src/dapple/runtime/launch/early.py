@@ -34,6 +34,7 @@ from typing import Any
 import torch.multiprocessing as mp
 
 from dapple.core.own_session import Deferred, run_in_own_session
+from dapple.log_lines import use_log_lines
 from dapple.models.workload import Workload
 from dapple.runtime.launch.local import (
     end_with_launcher,
@@ -148,8 +149,9 @@ def _early_worker(
 ) -> None:
     """An early worker: end with the launcher, beat
     (:func:`~dapple.runtime.launch.local.heartbeats`), load the model, wait for the run and run
-    it."""
+    it; its warnings are ``dapple: warning:`` lines (:func:`~dapple.log_lines.use_log_lines`)."""
     end_with_launcher(launcher)
+    use_log_lines()
     start_heartbeat(beats, rank)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: the launcher stops the workers
     if rank == 0:

@@ -38,6 +38,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from dapple.log_lines import use_log_lines
 from dapple.runtime.launch.failure import RankFailure
 from dapple.runtime.launch.refusal import set_refusal_folder
 from dapple.runtime.launch.stop_line import RunClosing
@@ -249,8 +250,10 @@ def run_worker(
     hand a refusal over into the folder ``refusals`` (:mod:`dapple.runtime.launch.refusal`),
     meet the others on loopback (rank 0 serves on ``sock``), set the env and run
     ``fn(rank, world, *args)``; when ``fn`` returns with the default process group still open,
-    leave it (:func:`shutdown_distributed`) before the interpreter finalizes."""
+    leave it (:func:`shutdown_distributed`) before the interpreter finalizes. Its warnings are
+    ``dapple: warning:`` lines, as the launcher's (:func:`~dapple.log_lines.use_log_lines`)."""
     end_with_launcher(launcher)
+    use_log_lines()
     start_heartbeat(beats, rank)
     set_refusal_folder(refusals)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: the launcher stops the workers
