@@ -131,6 +131,20 @@ def test_the_prediction_names_its_basis_and_points_to_calibrate(tmp_path: Path) 
     assert "analytic profile" in prediction_basis(str(tmp_path / "a.json"), "h100-8x", 1.0, 1.0)
 
 
+def test_a_plan_on_the_local_cpu_preset_says_it_is_not_measured_here(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    prof = tmp_path / "p.json"
+    dataclasses.replace(make_profile(), device="cpu").save(prof)
+    base = ["plan", "--profile", str(prof), "--global-batch-size", "8"]
+    assert main([*base, "--cluster", "local-cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "the prediction rests on the preset cluster 'local-cpu'" in out
+    assert "dapple calibrate --nproc N -o cluster.json" in out
+    assert main([*base, "--cluster", "paper-a"]) == 0  # a datasheet cluster: no such line
+    assert "the prediction rests on" not in capsys.readouterr().out
+
+
 # -- item 4: generate's cut prompt and the demo's continuation ----------------------------------
 def test_a_prompt_longer_than_the_context_is_said_to_be_cut() -> None:
     from dapple.cli.generate_cmd import prompt_cut

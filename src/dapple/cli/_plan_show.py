@@ -227,12 +227,18 @@ def print_stage_table(con: Console, plan: Plan, profile: ModelProfile, cluster: 
 def plan_summary(plan: Plan, profile: ModelProfile, cluster: Cluster, dp_ms: float) -> list[str]:
     """Two lines on the plan: under a schedule costed by L, S, Q, M and L's terms T_w, T_s, T_e
     (equations 1-3); else its device groups, M, and the step time by the schedule's own rule
-    (:func:`~dapple.cost.schedule_step.schedule_latency`) with the replayed peak memory."""
+    (:func:`~dapple.cost.schedule_step.schedule_latency`) with the replayed peak memory. On the
+    ``local-cpu`` preset a third says what the prediction rests on
+    (:func:`~dapple.cli._prediction_note.local_preset_note`)."""
+    from dapple.cli._prediction_note import local_preset_note
     from dapple.schedule.registry import get_schedule
 
     if get_schedule(plan.schedule).uses_pipeline_latency:
-        return _latency_summary(plan, profile, cluster, dp_ms)
-    return _step_rule_summary(plan, profile, cluster, dp_ms)
+        lines = _latency_summary(plan, profile, cluster, dp_ms)
+    else:
+        lines = _step_rule_summary(plan, profile, cluster, dp_ms)
+    note = local_preset_note(cluster)
+    return lines if note is None else [*lines, note]
 
 
 def _latency_summary(

@@ -1,10 +1,15 @@
-"""What ``dapple train``'s predicted step time rests on, printed beside the measured one."""
+"""What a predicted step time rests on: ``dapple train``'s, printed beside the measured one, and
+``dapple plan``'s on the ``local-cpu`` preset."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-__all__ = ["OFF_RATIO", "prediction_basis"]
+if TYPE_CHECKING:  # torch-free, and no import at start-up
+    from dapple.core.cluster import Cluster
+
+__all__ = ["OFF_RATIO", "local_preset_note", "prediction_basis"]
 
 OFF_RATIO = 1.5
 """Measured / predicted (or its inverse) above which the note points to ``dapple calibrate``."""
@@ -66,3 +71,20 @@ def prediction_basis(profile: str, cluster: str, measured_ms: float, predicted_m
             "`--cluster cluster.json`"
         )
     return f"{text}\nmeasured is {ratio:.2f}x the prediction: {advice}"
+
+
+def local_preset_note(cluster: Cluster) -> str | None:
+    """For a plan predicted on the ``local-cpu`` preset (default numbers for CPU processes,
+    nothing measured on this machine): a line saying so and what to run instead; None for
+    any other cluster."""
+    from dapple.core.cluster_presets import PRESETS
+
+    if cluster != PRESETS["local-cpu"]:
+        return None
+    return (
+        "the prediction rests on the preset cluster 'local-cpu' (default numbers for 4 CPU "
+        "processes, not measured here): a run on this machine can take several times as "
+        "long; for a prediction of it, measure the machine with `dapple calibrate --nproc N "
+        "-o cluster.json` (on shared CPU cores also profile with `dapple profile --co-workers "
+        "N`) and plan with `--cluster cluster.json`"
+    )
