@@ -33,7 +33,7 @@ from dapple.core.layer_profile import AffineTime, LayerProfile
 from dapple.core.plan import Plan, interleave, straight_plan
 from dapple.core.profile import ModelProfile
 from dapple.cost.memory import device_state_bytes
-from dapple.profiler.measure import tied_layer_bytes
+from dapple.profiler.measure import bucketed_parameter_sizes, tied_layer_bytes
 
 MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "mlp": ("mlp", {"layers": 7, "in_features": 32, "hidden": 4096, "num_classes": 10}),
@@ -53,8 +53,9 @@ RESERVED = 128 * MIB
 
 
 def _profile(spec: str, args: dict[str, Any]) -> ModelProfile:
-    """The layers' parameter bytes and tied copies, as the profiler records them: all the state
-    estimate reads (Adam: optimizer_state_factor 3); no times or activations."""
+    """The layers' parameter bytes, tied copies and parameters one by one, as the profiler
+    records them: all the state estimate reads (Adam: optimizer_state_factor 3); no times or
+    activations."""
     wl = api.load(spec, **args)
     zero = AffineTime(fixed_ms=0.0, per_sample_ms=0.0)
     layers = []
@@ -71,6 +72,7 @@ def _profile(spec: str, args: dict[str, Any]) -> ModelProfile:
                 kept_activation_bytes_per_sample=0.0,
                 tied_parameter_bytes=tied,
                 tied_layers=partners,
+                parameter_sizes=bucketed_parameter_sizes(wl, i, module),
             )
         )
     return ModelProfile(model_name=wl.name, layers=tuple(layers), batch_sizes=(1,))

@@ -12,8 +12,10 @@ measurements:
    estimate. Shapes (:data:`COUNTED`): width 1024 x 4 (12.8 MB, one 25 MiB bucket), width 1024
    x 6 cut at 4.5 MiB (21.2 MB in 5 buckets: ``FlatShards`` reads the cap from
    ``dapple.runtime.parallel.zero.shards.BUCKET_BYTES``, set in the workers; the estimate is
-   given the same cap), and width 4096 x 2 (67.8 MB, one 67 MB weight: the shape of an MoE
-   block in a small stage). Each on gloo's reductions (in place: what a CPU run holds) and on
+   given the same cap), width 4096 x 2 (67.8 MB, one 67 MB weight: the shape of an MoE
+   block in a small stage) and width 3072 x 4 (113.8 MB, three 37.7 MB layers above the cap:
+   the runtime gives each layer's weight a bucket and its bias another, which the estimate
+   cuts alike from the profile's parameters one by one). Each on gloo's reductions (in place: what a CPU run holds) and on
    the tensor collectives every other backend runs (``DAPPLE_TEST_ZERO_TENSOR_COLLECTIVES=1``:
    ``reduce_scatter_single`` into an output of ``1/r`` of the bucket, which the estimate
    prices); gloo's own ``reduce_scatter_single`` also allocates a temporary the size of its
@@ -56,12 +58,14 @@ SHAPES: dict[str, dict[str, Any]] = {
     "w1024 x 4": {"layers": 4, "in_features": 32, "hidden": 1024, "num_classes": 10},
     "w1024 x 6": {"layers": 6, "in_features": 32, "hidden": 1024, "num_classes": 10},
     "w4096 x 2": {"layers": 2, "in_features": 32, "hidden": 4096, "num_classes": 10},
+    "w3072 x 4": {"layers": 4, "in_features": 32, "hidden": 3072, "num_classes": 10},
 }
 """``mlp`` arguments of each measured shape."""
 COUNTED: list[tuple[str, int]] = [
     ("w1024 x 4", BUCKET_BYTES),
     ("w1024 x 6", 9 * 2**19),
     ("w4096 x 2", BUCKET_BYTES),
+    ("w3072 x 4", BUCKET_BYTES),
 ]
 """The tensor-accounting cases: a shape and its bucket cap in bytes."""
 RSS_SHAPES = ("w1024 x 4", "w4096 x 2")

@@ -125,6 +125,21 @@ class LayerProfile:
     moe: MoEProfile | None = None
     """The layer's mixture of experts (experts, top-k, routed tokens, all-to-all bytes); None:
     a dense layer."""
+    parameter_sizes: tuple[int, ...] | None = None
+    """Bytes of each trainable parameter outside ``tied_parameter_bytes``, in registration
+    order (``module.parameters()``): the tensors a replicated stage's gradient buckets take one
+    by one (:func:`dapple.core.buckets.bucket_runs`). None (profiles written without it, and
+    layers whose parameters are not known one by one): the layer counts as one tensor of its
+    untied bytes (:meth:`bucketed_sizes`)."""
+
+    def bucketed_sizes(self) -> tuple[int, ...]:
+        """The bytes of the tensors this layer puts in gradient buckets, in registration
+        order: :attr:`parameter_sizes`, or when unknown one tensor of ``parameter_bytes -
+        tied_parameter_bytes`` (none when that is 0)."""
+        if self.parameter_sizes is not None:
+            return self.parameter_sizes
+        untied = self.parameter_bytes - self.tied_parameter_bytes
+        return (untied,) if untied > 0 else ()
 
     def backward_split(self, b: float) -> tuple[float, float]:
         """``(I, W)``: the input- and weight-gradient halves of the backward on ``b`` samples, ms.
@@ -200,6 +215,21 @@ class LayerProfile:
             f"layer {self.name!r}: moe must be None or a MoEProfile whose expert parameters fit "
             f"in parameter_bytes = {self.parameter_bytes}, got {self.moe!r}"[:300],
         )
+        self._check_sizes()
+
+    def _check_sizes(self) -> None:
+        sizes = self.parameter_sizes
+        untied = self.parameter_bytes - self.tied_parameter_bytes
+        require(
+            sizes is None
+            or (
+                isinstance(sizes, tuple)
+                and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in sizes)
+                and sum(sizes) <= untied
+            ),
+            f"layer {self.name!r}: parameter_sizes must be None or integers >= 0 adding up to "
+            f"at most the untied parameter bytes {untied}, got {sizes!r}"[:300],
+        )
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {
@@ -223,6 +253,8 @@ class LayerProfile:
             d["cast_parameter_bytes"] = self.cast_parameter_bytes
         if self.moe is not None:
             d["moe"] = self.moe.to_dict()
+        if self.parameter_sizes is not None:
+            d["parameter_sizes"] = list(self.parameter_sizes)
         return d
 
     @staticmethod
@@ -257,4 +289,7 @@ class LayerProfile:
             tensor_parallel=d.get("tensor_parallel", False),
             cast_parameter_bytes=d.get("cast_parameter_bytes"),
             moe=None if d.get("moe") is None else MoEProfile.from_dict(d["moe"], f"{what}.moe"),
+            parameter_sizes=None
+            if d.get("parameter_sizes") is None
+            else tuple(as_list(d["parameter_sizes"], f"{what}: parameter_sizes")),
         )

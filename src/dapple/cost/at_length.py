@@ -152,6 +152,7 @@ def layer_at_length(
         cast_parameter_bytes=first.cast_parameter_bytes,
         tensor_parallel=first.tensor_parallel,
         moe=moe_at_length(lengths, layers, L),
+        parameter_sizes=first.parameter_sizes,
     )
 
 

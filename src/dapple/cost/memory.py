@@ -279,22 +279,20 @@ def zero2_bucket_bytes(
     bucket_bytes: float = BUCKET_BYTES,
 ) -> list[float]:
     """The bytes of each flat bucket of layers ``[start, end)`` on one replica, in the order a
-    backward makes them final: the layers' bucketed bytes in reverse order, cut by
-    :func:`dapple.core.buckets.bucket_runs` at ``bucket_bytes``, as the runtime cuts the
-    parameters (``dapple.runtime.parallel.zero.FlatShards``). A layer's bucketed bytes are its
-    untied parameters (tied copies are not in buckets), ``1/t`` of them on a tensor rank when
-    it shards. The profile records layers, not parameters: a layer larger than the cap is one
-    bucket here, where the runtime gives each of its parameters larger than the cap a bucket
-    of its own (so this over-counts a layer of several such parameters, a transformer block's
-    matrices, and is exact for a one-weight layer such as an embedding or an LM head)."""
+    backward makes them final, as the runtime cuts the stage's parameters
+    (``dapple.runtime.parallel.zero.FlatShards``): every layer's bucketed tensors
+    (:meth:`LayerProfile.bucketed_sizes <dapple.core.layer_profile.LayerProfile.bucketed_sizes>`:
+    its untied trainable parameters one by one, tied copies are not in buckets), the stage's
+    last tensor first, cut by :func:`dapple.core.buckets.bucket_runs` at ``bucket_bytes``.
+    On a tensor rank a layer that shards has ``1/t`` of each. A layer whose profile does not
+    list its parameters one by one is one tensor of its untied bytes: larger than the cap it is
+    one bucket here, where the runtime cuts it at its parameters."""
     s, e = layers
     t = parallel.tensor_width
-    sizes = [
-        (layer.parameter_bytes - layer.tied_parameter_bytes)
-        / (t if parallel.tensor_parallel and layer.tensor_parallel else 1)
-        for layer in reversed(profile.layers[s:e])
-    ]
-    sizes = [x for x in sizes if x > 0]
+    sizes: list[float] = []
+    for layer in reversed(profile.layers[s:e]):
+        share = t if parallel.tensor_parallel and layer.tensor_parallel else 1
+        sizes += [x / share for x in reversed(layer.bucketed_sizes()) if x > 0]
     return [sum(sizes[i] for i in run) for run in bucket_runs(sizes, bucket_bytes)]
 
 

@@ -1,7 +1,8 @@
 """The profile as one rank of an expert-parallel stage holds it (:mod:`dapple.cost.moe`): each
 MoE layer's experts ``1/e_s`` (:func:`expert_sharded_profile`), and that profile's dense part
 apart from its experts (:func:`expert_parts`), which ZeRO-1/2 shards at e_s = r_s where the
-experts stay whole. Pure, no torch."""
+experts stay whole. A layer whose parameter bytes these change loses its sizes one by one
+(``LayerProfile.parameter_sizes``): its gradient buckets count it as one tensor. Pure, no torch."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ def _shard_layer(layer: LayerProfile, width: int) -> LayerProfile:
         parameter_bytes=layer.parameter_bytes - cut,
         cast_parameter_bytes=None if cast is None else max(0, cast - cut),
         moe=dataclasses.replace(layer.moe, expert_parameter_bytes=expert - cut),
+        parameter_sizes=None,
     )
 
 
@@ -54,7 +56,7 @@ def _part(layer: LayerProfile, width: int, experts: bool) -> LayerProfile:
     if layer.moe is None:
         return layer if not experts else dataclasses.replace(
             layer, parameter_bytes=0, cast_parameter_bytes=None, tied_parameter_bytes=0,
-            tied_layers=(),
+            tied_layers=(), parameter_sizes=None,
         )  # fmt: skip
     expert = layer.moe.expert_parameter_bytes
     mine = -(-expert // width)
@@ -63,11 +65,12 @@ def _part(layer: LayerProfile, width: int, experts: bool) -> LayerProfile:
         return dataclasses.replace(
             layer, parameter_bytes=mine, cast_parameter_bytes=None if cast is None else
             min(cast, mine), tied_parameter_bytes=0, tied_layers=(),
-            moe=dataclasses.replace(layer.moe, expert_parameter_bytes=mine),
+            moe=dataclasses.replace(layer.moe, expert_parameter_bytes=mine), parameter_sizes=None,
         )  # fmt: skip
     return dataclasses.replace(
         layer, parameter_bytes=layer.parameter_bytes - expert,
         cast_parameter_bytes=None if cast is None else max(0, cast - expert), moe=None,
+        parameter_sizes=None,
     )  # fmt: skip
 
 

@@ -241,9 +241,11 @@ def _tied_once(costs: list[LayerCost]) -> list[LayerCost]:
     holders = [i for i, c in enumerate(costs) if c.tied_parameters]
     if len(holders) == 1:
         c = costs[holders[0]]
+        table = (c.tied_parameters // 2,)  # first in registration order: the embedding's
         costs[holders[0]] = dataclasses.replace(
-            c, parameters=c.parameters - c.tied_parameters // 2, tied_parameters=0
-        )
+            c, parameters=c.parameters - c.tied_parameters // 2, tied_parameters=0,
+            tensors=None if c.tensors is None else table + c.tensors,
+        )  # fmt: skip
     return costs
 
 
@@ -276,6 +278,7 @@ def _layer_profile(
         tied_layers=tuple(j for j in holders if j != i) if c.tied_parameters else (),
         tensor_parallel=c.name.startswith("block"),
         moe=moe,
+        parameter_sizes=None if c.tensors is None else tuple(4 * n for n in c.tensors),
     )
 
 

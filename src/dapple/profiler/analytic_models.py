@@ -222,6 +222,55 @@ class TransformerSpec:
     def _norm_parameters(self) -> int:
         return self.hidden * (2 if self.norm == "layernorm" else 1)
 
+    # -- parameters one by one ---------------------------------------------------------------
+    def _norm_tensors(self) -> tuple[int, ...]:
+        return (self.hidden, self.hidden) if self.norm == "layernorm" else (self.hidden,)
+
+    def embedding_tensors(self) -> tuple[int, ...]:
+        """:meth:`embedding_parameters` tensor by tensor in Hugging Face's registration
+        order: the token table (a tied one included), positions, token types, norm. (The zoo
+        transformer's embedding holds its position table before the token table: a module's
+        own parameters come before its children's. They are the last tensors a stage cuts into
+        buckets, so the order can move only its last buckets' cut.)"""
+        h = self.hidden
+        out = [self.vocab * h]
+        out += [self.positions * h] if self.learned_positions else []
+        out += [self.token_types * h] if self.token_types else []
+        out += self._norm_tensors() if self.embedding_norm else ()
+        return tuple(out)
+
+    def block_tensors(self) -> tuple[int, ...] | None:
+        """:meth:`block_parameters` tensor by tensor in registration order, each weight
+        followed by its bias: a causal GELU block as GPT-2's and the zoo transformer's (norm,
+        one query-key-value projection, output projection, norm, MLP), a bidirectional one
+        as BERT's (query, key, value and output projections, norm, MLP, norm), any other as
+        Llama's (query, key, value and output projections, MLP, two norms). None for latent
+        attention or a mixture of experts (not listed)."""
+        if self.mla is not None or self.moe is not None:
+            return None
+        h, q, kv, f = self.hidden, self.heads * self.d_head, self.n_kv_heads * self.d_head, self.ffn
+        bias, qkv_bias = self.linear_bias, self.linear_bias or self.qkv_bias
+
+        def proj(n_in: int, n_out: int, with_bias: bool) -> list[int]:
+            return [n_in * n_out] + ([n_out] if with_bias else [])
+
+        norm = list(self._norm_tensors())
+        out = proj(q, h, bias)
+        mlp = proj(h, f, bias) * (2 if self.mlp == "swiglu" else 1) + proj(f, h, bias)
+        if self.mlp == "gelu" and self.causal:
+            return (*norm, *proj(h, q + 2 * kv, qkv_bias), *out, *norm, *mlp)
+        attn = proj(h, q, qkv_bias) + proj(h, kv, qkv_bias) * 2 + out
+        if not self.causal:
+            return (*attn, *norm, *mlp, *norm)
+        return (*attn, *mlp, *norm, *norm)
+
+    def head_tensors(self) -> tuple[int, ...]:
+        """:meth:`head_parameters` tensor by tensor in registration order: the final norm,
+        the projection (a tied table included) and its bias."""
+        out = list(self._norm_tensors()) if self.final_norm else []
+        out += [self.hidden * self.outputs] + ([self.outputs] if self.head_bias else [])
+        return tuple(out)
+
 
 ANALYTIC_KIND = "analytic-spec-v1"
 """What an analytic profile's fingerprint hashes (the prefix of its string): the layer count

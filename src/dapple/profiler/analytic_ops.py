@@ -106,6 +106,9 @@ class LayerCost:
     """Kept activations after checkpointing."""
     recomputed: tuple[Op, ...] = ()
     """Ops whose forward re-runs during the backward (checkpointing)."""
+    tensors: tuple[int, ...] | None = None
+    """The untied parameters (``parameters - tied_parameters``) tensor by tensor, in
+    registration order (``LayerProfile.parameter_sizes`` in elements); None: not listed."""
 
     @property
     def forward_flops(self) -> float:
@@ -341,7 +344,7 @@ def _head_ops(spec: TransformerSpec, s: float, e: int) -> list[Op]:
 
 def _layer(
     name: str, ops: list[Op], parameters: int, out_bytes: float, recompute: str,
-    block_input: float, tied: int = 0,
+    block_input: float, tied: int = 0, tensors: tuple[int, ...] | None = None,
 ) -> LayerCost:  # fmt: skip
     kept = sum(op.kept_bytes for op in ops)
     recomputed: tuple[Op, ...] = ()
@@ -355,6 +358,7 @@ def _layer(
     return LayerCost(
         name=name, ops=tuple(ops), parameters=parameters, tied_parameters=tied,
         output_bytes_per_sample=out_bytes, kept_bytes_per_sample=kept, recomputed=recomputed,
+        tensors=tensors,
     )  # fmt: skip
 
 
@@ -391,17 +395,21 @@ def layer_costs(
     e, s, h = prec.element_bytes, float(spec.seq), spec.hidden
     hidden_bytes = s * h * e
     tied = spec.hidden * spec.outputs if spec.tied_embeddings else 0
+    table = spec.embedding_tensors()
     embedding = _layer(
         "embedding", _embedding_ops(spec, s, e), spec.embedding_parameters(), hidden_bytes,
-        "none", 0.0, tied,
+        "none", 0.0, tied, table[1:] if tied else table,
     )  # fmt: skip
+    ends = spec.head_tensors()
+    proj = len(ends) - 1 - int(spec.head_bias)  # the projection's index, after the norm
     head = _layer(
         "lm_head", _head_ops(spec, s, e), spec.head_parameters(), s * spec.outputs * e, "none",
-        0.0, tied,
+        0.0, tied, ends[:proj] + ends[proj + 1 :] if tied else ends,
     )  # fmt: skip
     blocks = [
         _layer(f"block{i}", block_ops(spec.block(i), s, e, impl),
-               spec.block(i).block_parameters(), hidden_bytes, recompute, hidden_bytes)
+               spec.block(i).block_parameters(), hidden_bytes, recompute, hidden_bytes,
+               tensors=spec.block(i).block_tensors())
         for i in range(spec.layers)
     ]  # fmt: skip
     if autocast and prec.autocast:
@@ -443,6 +451,7 @@ def _merge(a: LayerCost, b: LayerCost, name: str) -> LayerCost:
         output_bytes_per_sample=b.output_bytes_per_sample,
         kept_bytes_per_sample=a.kept_bytes_per_sample + b.kept_bytes_per_sample,
         recomputed=a.recomputed + b.recomputed,
+        tensors=None if a.tensors is None or b.tensors is None else a.tensors + b.tensors,
     )
 
 

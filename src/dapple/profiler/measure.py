@@ -55,7 +55,13 @@ from dapple.profiler.length_passes import (
     workload_at_length,
 )
 
-__all__ = ["ProgressFn", "profile_workload", "resolve_device", "tied_layer_bytes"]
+__all__ = [
+    "ProgressFn",
+    "bucketed_parameter_sizes",
+    "profile_workload",
+    "resolve_device",
+    "tied_layer_bytes",
+]
 
 log = logging.getLogger(__name__)
 
@@ -314,6 +320,7 @@ def _profile(
     input_bytes = [float(tensor_bytes(x)) for x in xs]
     param_bytes: list[int] = []
     tied: list[tuple[int, tuple[int, ...]]] = []
+    bucketed: list[tuple[int, ...]] = []
     param_dtypes: set[torch.dtype] = set()
     classes: list[str] = []
     tp_plan = tp_plan_of(workload)
@@ -339,6 +346,7 @@ def _profile(
         trainable = trainable_params(layer)
         param_bytes.append(sum(p.numel() * p.element_size() for p in layer.parameters()))
         tied.append(tied_layer_bytes(workload, i, layer))
+        bucketed.append(bucketed_parameter_sizes(workload, i, layer))
         param_dtypes |= {p.dtype for p in layer.parameters()}
         classes.append(type(layer).__name__)
         shards[i] = _shards(layer, tp_plan, workload.name_of(i))
@@ -363,6 +371,7 @@ def _profile(
             tied_layers=tied[i][1],
             cast_parameter_bytes=casts[i],
             tensor_parallel=shards[i],
+            parameter_sizes=bucketed[i],
         )
         for i in range(n)
     )
@@ -389,14 +398,33 @@ def _shards(layer: nn.Module, tp_plan: dict[str, str], name: str) -> bool:
         return False
 
 
-def tied_layer_bytes(workload: Workload, i: int, layer: nn.Module) -> tuple[int, tuple[int, ...]]:
-    """Bytes of layer ``i``'s copies of tied parameters (``workload.tied_parameters``) and the
-    other layers holding copies of them."""
+def _tied_of(workload: Workload, i: int, layer: nn.Module) -> tuple[set[nn.Parameter], list[int]]:
+    """Layer ``i``'s copies of tied parameters (``workload.tied_parameters``) and the other
+    layers holding copies of them."""
     groups = [g for g in workload.tied_parameters if any(int(k) == i for k, _ in g)]
     names = {str(name) for g in groups for k, name in g if int(k) == i}
     mine = {layer.get_parameter(name) for name in names}  # tensors hash by identity
     others = sorted({int(k) for g in groups for k, _ in g if int(k) != i})
+    return mine, others
+
+
+def tied_layer_bytes(workload: Workload, i: int, layer: nn.Module) -> tuple[int, tuple[int, ...]]:
+    """Bytes of layer ``i``'s copies of tied parameters (``workload.tied_parameters``) and the
+    other layers holding copies of them."""
+    mine, others = _tied_of(workload, i, layer)
     return sum(p.numel() * p.element_size() for p in mine), tuple(others)
+
+
+def bucketed_parameter_sizes(workload: Workload, i: int, layer: nn.Module) -> tuple[int, ...]:
+    """Bytes of each of layer ``i``'s trainable parameters outside tied groups, in
+    registration order (``LayerProfile.parameter_sizes``): what a replicated stage's gradient
+    buckets hold (``dapple.runtime.parallel.zero.flat_parameters``)."""
+    tied = {id(p) for p in _tied_of(workload, i, layer)[0]}
+    return tuple(
+        p.numel() * p.element_size()
+        for p in layer.parameters()
+        if p.requires_grad and id(p) not in tied
+    )
 
 
 def _positive(t: AffineTime) -> AffineTime:
