@@ -195,9 +195,9 @@ def join_worker_group(rank: int, world: int, port: int) -> None:
     import torch
     import torch.distributed as dist
 
-    from dapple.core.cpu_cores import threads_per_worker
-    from dapple.core.host_memory import keep_freed_memory
-    from dapple.core.own_session import SHARED_SESSION_ENV
+    from dapple.host.cpu_cores import threads_per_worker
+    from dapple.host.host_memory import keep_freed_memory
+    from dapple.host.own_session import SHARED_SESSION_ENV
     from dapple.runtime.launch.local import pin_cores
 
     if os.environ.get(SHARED_SESSION_ENV) != "1":  # the footing of dapple's and torchrun's

@@ -34,7 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _bench_common import BENCH_MODEL, HERE, bench_transformer, header, load_note
-from dapple.core.cpu_cores import threads_per_worker, usable_cores
+from dapple.host.cpu_cores import threads_per_worker, usable_cores
 
 
 def _chain_ms(threads: int, batch: int, steps: int, start: Any, out: Any) -> None:

@@ -157,7 +157,7 @@ def _goal_cells(errs: list[float], rho: float) -> tuple[str, str]:
 def collect(args: argparse.Namespace) -> dict[str, Any]:
     """Profile, calibrate and measure on this machine: every input of :func:`report`."""
     from dapple.calibrate.machine import _matmul_alone_ms, calibrate, runtime_threads
-    from dapple.core.cpu_cores import usable_cores
+    from dapple.host.cpu_cores import usable_cores
     from dapple.profiler.measure import profile_workload
 
     G, M, nproc = args.global_batch, args.micro_batches, 4

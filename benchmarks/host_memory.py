@@ -1,5 +1,5 @@
 """One process, one stage: dapple's runtime vs a plain PyTorch loop, with and without
-:func:`dapple.core.host_memory.keep_freed_memory` (CPU, gloo world of one).
+:func:`dapple.host.host_memory.keep_freed_memory` (CPU, gloo world of one).
 
 The job is ``dapple demo``'s (:mod:`train_real`): the zoo transformer at the demo's sizes, seq
 64, G = 16, bf16 autocast, fused AdamW with weight decay, warm-up + cosine, clipping at 1, on a
@@ -49,9 +49,9 @@ def _run(runner: str, keep: bool, data_path: str, steps: int) -> dict[str, Any]:
     import torch.distributed as dist
 
     from dapple.cli.demo_cmd import DEMO_MODEL
-    from dapple.core.host_memory import keep_freed_memory
     from dapple.core.plan import Plan, StagePlan
     from dapple.datasets import BatchSource, TokenFile
+    from dapple.host.host_memory import keep_freed_memory
     from dapple.models.zoo import load_workload
     from dapple.runtime import TrainConfig, run_plan
     from dapple.runtime.optim import lr_at, param_groups, set_lr

@@ -215,7 +215,7 @@ def collect(args: argparse.Namespace) -> dict[str, Any]:
 
     from dapple.api import profile
     from dapple.calibrate.machine import _matmul_alone_ms, calibrate, runtime_threads
-    from dapple.core.cpu_cores import usable_cores
+    from dapple.host.cpu_cores import usable_cores
 
     nproc = 4
     threads = runtime_threads(nproc)

@@ -3,7 +3,7 @@
 Each run is a fresh ``dapple train`` of the same small plan (4 processes, 1 step), started
 standalone (``python -m dapple train ...``: the launcher starts the 4 workers), standalone with
 ``DAPPLE_SHARED_SESSION=1`` (the workers stay in the launcher's session, as before
-:mod:`dapple.core.own_session`), or by ``torchrun --standalone --nproc-per-node 4 -m dapple
+:mod:`dapple.host.own_session`), or by ``torchrun --standalone --nproc-per-node 4 -m dapple
 train ...`` (``python -m torch.distributed.run``: each of the 4 processes runs the command as
 one rank). The three alternate, ``--repeats`` rounds. Every line a run prints is stamped when it
 arrives here; the ``start-up: ...`` lines (printed as each phase starts, see
@@ -159,8 +159,8 @@ def main() -> None:
     ap.add_argument("--busy", type=int, default=6, help="spinning sessions of the 2nd condition")
     ap.add_argument("-o", "--out", default=None)
     args = ap.parse_args()
-    from dapple.core.own_session import SHARED_SESSION_ENV
     from dapple.core.plan import straight_plan
+    from dapple.host.own_session import SHARED_SESSION_ENV
 
     tmp = Path(tempfile.mkdtemp(prefix="dapple-startup-"))
     plan = tmp / "plan.json"
@@ -207,7 +207,7 @@ def _intro(repeats: int, train: list[str]) -> str:
         "1 step; OMP_NUM_THREADS=1 for all (torchrun's default). Columns: standalone (each "
         "worker in a session of its own, as torchrun's), standalone with "
         "`DAPPLE_SHARED_SESSION=1` (the workers in the launcher's session, as before "
-        f"`dapple.core.own_session`), torchrun. {repeats} runs of each, alternating; seconds, "
+        f"`dapple.host.own_session`), torchrun. {repeats} runs of each, alternating; seconds, "
         "median [min-max]."
     )
 
@@ -293,7 +293,7 @@ def _mechanism() -> list[str]:
         "the CPU equally between sessions, not between processes. torch's elastic agent starts "
         "every torchrun worker with `start_new_session=True`; standalone workers that stay in the "
         "launcher's session (`DAPPLE_SHARED_SESSION=1`, how they ran before "
-        "`dapple.core.own_session`) share one session's slot when other sessions want the CPU. "
+        "`dapple.host.own_session`) share one session's slot when other sessions want the CPU. "
         "Each standalone worker now starts a session of its own before it imports anything.",
     ]
 

@@ -280,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
         "dapple / DDP = median over rounds of the paired per-round ratio [range]; the "
         "wall-time column divides the same steps' tokens by their summed step times instead. "
         "Both runners' processes keep freed memory for the next step "
-        "(`dapple.core.host_memory.keep_freed_memory`, which dapple's CPU ranks call; the "
+        "(`dapple.host.host_memory.keep_freed_memory`, which dapple's CPU ranks call; the "
         "DDP workers call it too).",
         "",
         "| G | runner | tokens/s per round (median step) | median over rounds "

@@ -1,4 +1,4 @@
-"""Files written whole or not at all (:func:`dapple.core.atomic_file.write_atomically`), the one
+"""Files written whole or not at all (:func:`dapple.files.atomic_file.write_atomically`), the one
 writer of checkpoint files and token files."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from dapple.core import atomic_file
-from dapple.core.atomic_file import write_atomically
+from dapple.files import atomic_file
+from dapple.files.atomic_file import write_atomically
 
 
 def test_writes_the_bytes_and_leaves_no_temporary_file(tmp_path: Path) -> None:

@@ -303,7 +303,7 @@ def test_profile_refuses_more_threads_than_cores(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from builders import boom, one_error_line
-    from dapple.core.cpu_cores import usable_cores
+    from dapple.host.cpu_cores import usable_cores
 
     monkeypatch.setattr("dapple.profiler.measure.profile_workload", boom)
     argv = ["profile", "-m", "mlp", "--device", "cpu", "-o", str(tmp_path / "p.json")]

@@ -447,7 +447,7 @@ def test_unwritable_directory(tmp_path: Path, monkeypatch) -> None:
         raise PermissionError(13, "Permission denied")
 
     # tempfile.mkstemp: the write probe's and every atomic write's temporary file
-    monkeypatch.setattr("dapple.core.atomic_file.tempfile.mkstemp", denied)
+    monkeypatch.setattr("dapple.files.atomic_file.tempfile.mkstemp", denied)
     with pytest.raises(CheckpointError) as e:
         check_writable(tmp_path)
     _one_line(e, str(tmp_path), "Permission denied")

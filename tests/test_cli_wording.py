@@ -12,14 +12,14 @@ import pytest
 
 from builders import boom, one_error_line
 from dapple.cli import build_parser, main
-from dapple.cli.plan_local_cmd import train_command
+from dapple.cli.plan_local_cmd import plan_local_config_of, train_command
 
 
 def test_train_command_keeps_the_model_options() -> None:
     argv = ["plan-local", "-m", "transformer", "--set", "layers=8", "--set", "seq_choices=[8, 16]",
             "--global-batch-size", "8", "--out-dir", "o", "--precision", "bf16"]  # fmt: skip
     args = build_parser().parse_args(argv)
-    line = train_command(args, Path("o") / "plan.json")
+    line = train_command(plan_local_config_of(args), Path("o") / "plan.json")
     words = shlex.split(line)
     assert words[:2] == ["dapple", "train"]
     train = build_parser().parse_args(words[1:])  # it parses as a train command

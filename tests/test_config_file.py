@@ -27,9 +27,9 @@ from dapple.api.run_config import (
     resolve_train_config,
 )
 from dapple.cli import main
-from dapple.core.config_file import merge_values
 from dapple.core.plan import Plan, straight_plan
 from dapple.errors import ValidationError
+from dapple.files.config_file import merge_values
 from dapple.planner.plan_config import PLAN_SECTIONS, PlanConfig, dump_plan_config, load_plan_config
 from dapple.runtime.train_config import TrainConfig
 

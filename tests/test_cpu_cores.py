@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from dapple.calibrate.machine import runtime_threads
-from dapple.core.cpu_cores import threads_per_worker, usable_cores
+from dapple.host.cpu_cores import threads_per_worker, usable_cores
 from dapple.profiler.layer_measure import Timer
 
 needs_affinity = pytest.mark.skipif(

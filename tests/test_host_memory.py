@@ -1,4 +1,4 @@
-"""The CPU ranks' C allocator setting (:mod:`dapple.core.host_memory`)."""
+"""The CPU ranks' C allocator setting (:mod:`dapple.host.host_memory`)."""
 
 from __future__ import annotations
 
@@ -7,14 +7,14 @@ import sys
 
 import pytest
 
-from dapple.core import host_memory
+from dapple.host import host_memory
 
 # A step's pattern, five times: allocate 32 MiB of activations, free them all. Prints the
 # minor page faults of the worst round (after the first, which maps the memory once).
 _SCRIPT = """
 import resource, sys
 import torch
-from dapple.core.host_memory import keep_freed_memory
+from dapple.host.host_memory import keep_freed_memory
 if sys.argv[1] == "keep":
     assert keep_freed_memory()
 worst = 0

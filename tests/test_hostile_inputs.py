@@ -27,10 +27,10 @@ from hypothesis import strategies as st
 from builders import boom, make_cluster, make_profile
 from dapple.cli import main
 from dapple.core.cluster_presets import load_cluster
-from dapple.core.config_file import read_toml
 from dapple.core.plan import Plan, straight_plan
 from dapple.core.profile import ModelProfile
 from dapple.errors import DappleError
+from dapple.files.config_file import read_toml
 
 ROOT = os.geteuid() == 0 if hasattr(os, "geteuid") else False
 DEPTH = 100_000

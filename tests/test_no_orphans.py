@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from dapple.core.parent_death import end_with_parent
+from dapple.host.parent_death import end_with_parent
 
 DEADLINE_S = 60.0
 

@@ -19,8 +19,8 @@ from torch import nn
 from torch.utils.data import Dataset
 
 import runtime_workloads as rw
-from dapple.core.own_session import SHARED_SESSION_ENV
 from dapple.core.plan import Plan, straight_plan
+from dapple.host.own_session import SHARED_SESSION_ENV
 from dapple.models.split import loaded_tensors, with_weights, workload_from_module
 from dapple.runtime import TrainConfig, free_port, train
 from dapple.runtime.checkpoint import step_dir

@@ -2,9 +2,10 @@
 
 Architecture, one package per concept, each importing only those below it: ``cli`` > ``api``
 > ``calibrate`` > ``runtime`` | ``simulate`` | ``profiler`` > ``planner`` | ``models`` >
-``schedule`` > ``core``. ``core`` is the pure data model (profile, cluster, plan); ``planner``,
-``schedule`` and ``simulate`` are pure Python; ``runtime`` interprets the same lowered schedules
-the simulator runs. ``lint-imports`` checks the layering.
+``schedule`` > ``core`` > ``files`` | ``host``. ``core`` is the pure data model (profile,
+cluster, plan), ``files`` the files dapple reads and writes, ``host`` this machine and its
+processes; ``planner``, ``schedule`` and ``simulate`` are pure Python; ``runtime`` interprets the
+same lowered schedules the simulator runs. ``lint-imports`` checks the layering.
 
 The Python API (:mod:`dapple.api`) is re-exported lazily, so ``import dapple`` stays torch-free::
 

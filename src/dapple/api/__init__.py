@@ -32,9 +32,22 @@ flags read into it): ``dp.profile(cfg)`` measures it, or counts it with ``analyt
 A simulation is asked for by a :class:`~dapple.api.simulating.SimulateConfig` (``dapple
 simulate``'s flags read into it): ``dp.simulate(cfg)``.
 
-The functions live in :mod:`dapple.api.profiling` (profile), :mod:`dapple.api.planning`
-(plan, plan_local), :mod:`dapple.api.simulating` (simulate), :mod:`dapple.api.running` (train,
-generate) and :mod:`dapple.api.verifying` (verify, verify_many). They load on first use
+The other commands each read their flags into a typed configuration too, which one function
+takes: :class:`~dapple.api.generating.GenerateConfig` (``dp.generate(cfg)``),
+:class:`~dapple.api.planning_local.PlanLocalConfig` (``dp.plan_local(cfg)``),
+:class:`~dapple.api.calibrating.CalibrateConfig` (``dp.calibrate(cfg)``),
+:class:`~dapple.api.profiling.ImportConfig` (``dp.import_pipedream(cfg)``),
+:class:`~dapple.api.splitting.SplitConfig` (``dp.split(cfg)``),
+:class:`~dapple.api.exporting.ExportConfig` (``dp.export(cfg)``) and
+:class:`~dapple.api.preparing.PrepareConfig` (``dp.prepare_data(cfg)``).
+
+The functions live in :mod:`dapple.api.profiling` (profile, import_pipedream),
+:mod:`dapple.api.planning` (plan), :mod:`dapple.api.planning_local` (plan_local),
+:mod:`dapple.api.simulating` (simulate),
+:mod:`dapple.api.running` (train), :mod:`dapple.api.verifying` (verify, verify_many),
+:mod:`dapple.api.generating` (generate), :mod:`dapple.api.calibrating` (calibrate),
+:mod:`dapple.api.splitting` (split), :mod:`dapple.api.exporting` (export) and
+:mod:`dapple.api.preparing` (prepare_data). They load on first use
 (:pep:`562`), so a command that reads its configuration (:class:`~dapple.api.profiling.ProfileConfig`)
 refuses a bad value without importing torch.
 """
@@ -46,10 +59,16 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from dapple.api._inputs import PlanInputs, RunInputs, plan_inputs, plan_with, run_inputs
-    from dapple.api.planning import plan, plan_local
-    from dapple.api.profiling import ProfileConfig, profile
-    from dapple.api.running import generate, train
+    from dapple.api.calibrating import CalibrateConfig, calibrate
+    from dapple.api.exporting import ExportConfig, export
+    from dapple.api.generating import GenerateConfig, generate
+    from dapple.api.planning import plan
+    from dapple.api.planning_local import PlanLocalConfig, plan_local
+    from dapple.api.preparing import PrepareConfig, prepare_data
+    from dapple.api.profiling import ImportConfig, ProfileConfig, import_pipedream, profile
+    from dapple.api.running import train
     from dapple.api.simulating import SimulateConfig, simulate
+    from dapple.api.splitting import SplitConfig, split
     from dapple.api.verifying import verify, verify_many
     from dapple.models.spec import load
 
@@ -60,12 +79,24 @@ _HOMES = {
     "plan_with": "dapple.api._inputs",
     "run_inputs": "dapple.api._inputs",
     "plan": "dapple.api.planning",
-    "plan_local": "dapple.api.planning",
+    "plan_local": "dapple.api.planning_local",
+    "PlanLocalConfig": "dapple.api.planning_local",
     "SimulateConfig": "dapple.api.simulating",
     "simulate": "dapple.api.simulating",
     "ProfileConfig": "dapple.api.profiling",
     "profile": "dapple.api.profiling",
-    "generate": "dapple.api.running",
+    "generate": "dapple.api.generating",
+    "GenerateConfig": "dapple.api.generating",
+    "ImportConfig": "dapple.api.profiling",
+    "import_pipedream": "dapple.api.profiling",
+    "SplitConfig": "dapple.api.splitting",
+    "split": "dapple.api.splitting",
+    "ExportConfig": "dapple.api.exporting",
+    "export": "dapple.api.exporting",
+    "PrepareConfig": "dapple.api.preparing",
+    "prepare_data": "dapple.api.preparing",
+    "CalibrateConfig": "dapple.api.calibrating",
+    "calibrate": "dapple.api.calibrating",
     "train": "dapple.api.running",
     "verify": "dapple.api.verifying",
     "verify_many": "dapple.api.verifying",
@@ -88,19 +119,31 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "CalibrateConfig",
+    "ExportConfig",
+    "GenerateConfig",
+    "ImportConfig",
     "PlanInputs",
+    "PlanLocalConfig",
+    "PrepareConfig",
     "ProfileConfig",
     "RunInputs",
     "SimulateConfig",
+    "SplitConfig",
+    "calibrate",
+    "export",
     "generate",
+    "import_pipedream",
     "load",
     "plan",
     "plan_inputs",
     "plan_local",
     "plan_with",
+    "prepare_data",
     "profile",
     "run_inputs",
     "simulate",
+    "split",
     "train",
     "verify",
     "verify_many",

@@ -1,22 +1,17 @@
 """The Python API's planning side: plan a profiled model on a cluster.
 
-:func:`plan` and :func:`plan_local` (``dapple plan``, ``dapple plan-local``), re-exported by
-:mod:`dapple.api`.
+:func:`plan` (``dapple plan``), re-exported by :mod:`dapple.api`; planning for this machine's
+CPU cores is :mod:`dapple.api.planning_local`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, overload
 
-from dapple.api._inputs import (
-    PlanInputs,
-    WorkloadLike,
-    as_workload,
-    plan_inputs,
-)
+from dapple.api._inputs import PlanInputs, plan_inputs
 from dapple.core.cluster import Cluster
 from dapple.core.plan import Plan
 from dapple.core.planning_options import ZeroChoice
@@ -28,7 +23,7 @@ if TYPE_CHECKING:
     from dapple.planner.plan_config import PlanConfig
     from dapple.planner.search import Progress
 
-__all__ = ["plan", "plan_again", "plan_local"]
+__all__ = ["plan", "plan_again"]
 
 
 @overload
@@ -232,51 +227,8 @@ def _under_schedule(result: Plan, prof: ModelProfile, cl: Cluster, cfg: PlanConf
         assert chosen is not None
         return chosen
     if schedule is not None:
-        from dapple.cost.schedule_step import schedule_latency
-        from dapple.planner.registry import searched
-        from dapple.planner.schedule_choice import best_under_schedule
-        from dapple.schedule.registry import get_schedule
-        from dapple.simulate.plan_variants import with_schedule
+        from dapple.planner.schedule_choice import under_schedule
 
-        try:
-            result = with_schedule(result, schedule, cfg.virtual_stages)
-        except ValidationError:  # a V the DAPPLE planner's plan cannot hold: balanced pipelines
-            if get_schedule(schedule).cut is None or not searched(result):
-                raise
-            chosen = best_under_schedule(result, schedule, prof, cl, on_nonfinite=mode).plan
-            if chosen is None:
-                raise
-            return chosen
-        predicted = schedule_latency(result, prof, cl, on_nonfinite=mode)
-        return dataclasses.replace(result, predicted_step_ms=predicted)
+        return under_schedule(result, schedule, cfg.virtual_stages, prof, cl, on_nonfinite=mode)
     check_virtual_stages(cfg.virtual_stages, None)
     return result
-
-
-def plan_local(
-    workload: WorkloadLike,
-    global_batch_size: int,
-    nprocs: Sequence[int] = (2, 4),
-    *,
-    overrides: Mapping[str, Any] | None = None,
-    repeats: int = 5,
-    precision: str = "fp32",
-) -> Plan:
-    """The best plan for this machine's CPU cores over local process counts ``nprocs``: each
-    count is profiled as co-located workers (under ``precision``'s autocast, as ``dapple
-    plan-local --precision``), calibrated and planned; the lowest predicted L wins
-    (:func:`dapple.calibrate.local.plan_local`, which also returns every candidate).
-
-    Raises:
-        ValidationError: a bad model spec or a count below 2.
-    """
-    from dapple.calibrate.local import plan_local as _plan_local
-
-    best, _ = _plan_local(
-        as_workload(workload, overrides),
-        global_batch_size,
-        nprocs,
-        repeats=repeats,
-        precision=precision,
-    )
-    return best.plan

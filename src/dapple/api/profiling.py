@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from dapple.models.workload import Workload
     from dapple.profiler.measure import ProgressFn
 
-__all__ = ["MAX_RUNS", "ProfileConfig", "profile"]
+__all__ = ["MAX_RUNS", "ImportConfig", "ProfileConfig", "import_pipedream", "profile"]
 
 MAX_RUNS = 1000
 """The most timed (``repeats``) or untimed (``warmup``) runs per layer, batch size and length a
@@ -237,7 +237,7 @@ def _measured(
 ) -> ModelProfile:
     """The profile measured with torch: the device resolved and the host's memory checked
     before the model is built and measured; a mixture of experts' experts measured apart."""
-    from dapple.core.cpu_cores import usable_cores
+    from dapple.host.cpu_cores import usable_cores
     from dapple.models.zoo import load_workload
     from dapple.profiler.host_fit import (
         check_batch_memory,
@@ -341,3 +341,33 @@ def _out_of_memory_said(sizes: list[int]) -> Iterator[None]:
             f"profiling at --batch-sizes {','.join(map(str, sizes))} ran out of host memory "
             f"({one_line(e)}): give smaller batch sizes"
         ) from e
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ImportConfig:
+    """What ``dapple import-pipedream`` is asked for: a PipeDream profile and the profile file
+    to write."""
+
+    graph: str
+    """PipeDream's ``graph.txt``."""
+    output: str | None = None
+    """The profile JSON to write (``dapple import-pipedream`` requires it; None: not saved)."""
+    batch_size: int = 1
+    """PipeDream's profiling batch size (times and activations are divided by it)."""
+    name: str | None = None
+    """The model's name (None: the graph's folder or file name)."""
+
+
+def import_pipedream(cfg: ImportConfig) -> ModelProfile:
+    """The per-sample profile of a PipeDream ``graph.txt``, its graph linearised
+    (:func:`dapple.profiler.pipedream.import_pipedream`); saved to ``cfg.output`` when given.
+
+    Raises:
+        ValidationError: an unreadable file, a malformed line, a cycle, a bad batch size.
+    """
+    from dapple.profiler.pipedream import import_pipedream as read_graph
+
+    prof = read_graph(cfg.graph, batch_size=cfg.batch_size, model_name=cfg.name)
+    if cfg.output is not None:
+        prof.save(cfg.output)
+    return prof

@@ -42,8 +42,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dapple.core.config_file import Schema, dump, load
 from dapple.errors import ValidationError
+from dapple.files.config_file import Schema, dump, load
 from dapple.runtime.train_config import OPTIM_FIELDS, TrainConfig
 
 __all__ = [

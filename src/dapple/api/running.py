@@ -1,13 +1,13 @@
-"""The Python API's running side: train a plan, generate text.
+"""The Python API's running side: train a plan.
 
-:func:`train` and :func:`generate` (``dapple train``, ``dapple generate``), re-exported by
-:mod:`dapple.api`. Training checks the plan against the model before any worker starts.
+:func:`train` (``dapple train``), re-exported by :mod:`dapple.api`. Training checks the plan
+against the model before any worker starts.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, overload
 
@@ -32,11 +32,10 @@ from dapple.models.workload import Workload
 if TYPE_CHECKING:
     from dapple.api.run_config import RunConfig, RunOptions
     from dapple.models.fingerprint import Fingerprint
-    from dapple.models.generate import Generated
     from dapple.runtime import StepMetrics
     from dapple.runtime.launch.early import EarlyWorkers
 
-__all__ = ["generate", "train"]
+__all__ = ["train"]
 
 
 @overload
@@ -260,63 +259,3 @@ def _name(x: ModelProfile | Cluster | str | Path | None) -> str | None:
     if isinstance(x, ModelProfile):
         return x.model_name
     return x.name if isinstance(x, Cluster) else None if x is None else str(x)
-
-
-def generate(
-    workload: WorkloadLike,
-    prompt: str,
-    max_new_tokens: int = 64,
-    *,
-    checkpoint: str | Path | None = None,
-    overrides: Mapping[str, Any] | None = None,
-    tokenizer: str | Path | None = None,
-    temperature: float = 0.0,
-    seed: int = 0,
-    progress: Callable[[int, int], None] | None = None,
-) -> Generated:
-    """Continue ``prompt`` with a trained causal language model (``dapple generate``), on the
-    CPU (:func:`dapple.models.generate.generate_text`).
-
-    Args:
-        workload: A :class:`Workload` or a spec string; the model as it was trained.
-        prompt: The text to continue.
-        max_new_tokens: Tokens to add (generation does not stop at end-of-sequence).
-        checkpoint: A checkpoint root (its newest complete checkpoint) or one
-            ``step-NNNNNNNN`` directory; ``None``: the workload's own weights (pretrained ones
-            with ``overrides={"weights": DIR}``).
-        overrides: Factory keyword arguments when ``workload`` is a spec.
-        tokenizer: A Hugging Face tokenizer directory; ``None``: an ``hf:DIR`` model's own
-            tokenizer when DIR has one, else bytes (vocabulary 256).
-        temperature: 0: greedy; above 0: sampled from ``softmax(logits / temperature)``.
-        seed: Seed of the sampling.
-        progress: Called after each new token with ``(done, max_new_tokens)``.
-
-    Returns:
-        A :class:`~dapple.models.generate.Generated`: ``text`` (the prompt and its
-        continuation), ``ids``, ``prompt_tokens``, ``new_tokens``.
-
-    Raises:
-        ValidationError: An empty prompt, no checkpoint under ``checkpoint``, a tokenizer whose
-            vocabulary does not fit the model's, a bad spec or temperature, a count outside
-            1 .. :data:`~dapple.models.generate.MAX_NEW_TOKENS`.
-        CheckpointError: A checkpoint of another model, or a damaged one.
-    """
-    from dapple.models.generate import check_request, generate_text, tokenizer_for
-    from dapple.runtime.checkpoint import check_compatible, restore_stage
-    from dapple.runtime.export import newest_checkpoint, no_checkpoint_reason
-
-    wl = as_workload(workload, overrides)
-    tok = tokenizer_for(wl, tokenizer)
-    check_request(tok, prompt, max_new_tokens, temperature)  # before the model is built
-    ckpt = None if checkpoint is None else newest_checkpoint(checkpoint)
-    if checkpoint is not None and ckpt is None:
-        raise ValidationError(no_checkpoint_reason(checkpoint))
-    from dapple.profiler.host_fit import check_training_memory
-
-    check_training_memory(wl, 0.0, what="generating with")  # the whole model, once
-    model = wl.build_model(0)
-    if ckpt is not None:
-        check_compatible(ckpt, model_name=wl.name, num_layers=wl.num_layers)
-        restore_stage(ckpt, model, 0)
-    return generate_text(wl, model, prompt, max_new_tokens, tokenizer=tok,
-                         temperature=temperature, seed=seed, progress=progress)  # fmt: skip

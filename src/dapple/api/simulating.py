@@ -17,10 +17,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, overload
 
 from dapple.core.cluster import Cluster
-from dapple.core.config_file import Schema, dump, load
 from dapple.core.plan import Plan
 from dapple.core.planning_options import NONFINITE_MODES
 from dapple.core.profile import ModelProfile
+from dapple.files.config_file import Schema, dump, load
 
 if TYPE_CHECKING:
     from dapple.simulate import SimResult

@@ -50,8 +50,8 @@ from torch.distributed.constants import default_pg_timeout
 
 from dapple.calibrate.overheads import comm_cpu_fit, runtime_overheads
 from dapple.core.cluster import GIB, Cluster
-from dapple.core.cpu_cores import threads_per_worker, usable_cores
 from dapple.core.layer_profile import fit_affine
+from dapple.host.cpu_cores import threads_per_worker, usable_cores
 
 __all__ = [
     "DEFAULT_SIZES",
@@ -86,7 +86,7 @@ class CalibrationResult:
 
 def runtime_threads(nproc: int) -> int:
     """Intra-op threads the runtime gives each of ``nproc`` local CPU workers (the usable cores
-    over ``nproc``, :func:`dapple.core.cpu_cores.threads_per_worker`, as
+    over ``nproc``, :func:`dapple.host.cpu_cores.threads_per_worker`, as
     :func:`dapple.runtime.launch.launcher.init_distributed`); profile CPU workloads with this
     count."""
     return threads_per_worker(nproc)

@@ -12,9 +12,9 @@ import os
 import sys
 
 from dapple.cli._file_roles import refuse_input_overwrite
-from dapple.core.host_memory import keep_freed_memory
-from dapple.core.parent_death import end_with_parent
 from dapple.errors import DappleError
+from dapple.host.host_memory import keep_freed_memory
+from dapple.host.parent_death import end_with_parent
 from dapple.log_lines import LogLines, use_log_lines
 
 __all__ = ["LogLines", "build_parser", "main"]

@@ -24,7 +24,7 @@ from dapple.errors import ValidationError
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
 
-    from dapple.core.config_file import Schema
+    from dapple.files.config_file import Schema
 
 C = TypeVar("C", bound="DataclassInstance")
 
@@ -65,7 +65,7 @@ class Flag:
     dest: str
     """The flag's ``dest`` in the parsed namespace."""
     fields: tuple[tuple[str, str], ...]
-    """The ``(part, field)`` it sets (:mod:`dapple.core.config_file`)."""
+    """The ``(part, field)`` it sets (:mod:`dapple.files.config_file`)."""
     to_fields: Callable[[Any], tuple[Any, ...]] = _same
     """The parsed value as the fields' values (one each)."""
     to_flag: Callable[[tuple[Any, ...]], Any] = _first
@@ -186,7 +186,7 @@ def flags_named(args: argparse.Namespace, flags: Iterable[Flag]) -> Iterator[Non
     """Inside, a config's own check refusing a value a flag gave names that flag as the command
     line typed it (``--save-every must be >= 0``), not the field (``save_every``).
 
-    A check's message opens with the field it refuses (:class:`~dapple.core.config_file.
+    A check's message opens with the field it refuses (:class:`~dapple.files.config_file.
     FieldError`): that word, and any other ``snake_case`` field the message names, is replaced
     by the flag the command line gave for it. A field no flag gave (a ``--config`` file's, a
     default) keeps its name.
@@ -194,7 +194,7 @@ def flags_named(args: argparse.Namespace, flags: Iterable[Flag]) -> Iterator[Non
     Raises:
         ValidationError: the check's error, renamed.
     """
-    from dapple.core.config_file import FieldError
+    from dapple.files.config_file import FieldError
 
     try:
         yield
@@ -290,7 +290,7 @@ def config_of(args: argparse.Namespace, flags: Iterable[Flag], file: ConfigFile[
         ValidationError: a bad file or value, or a required field neither a flag nor the file
             gives (named as the flag, and as the file's key).
     """
-    from dapple.core.config_file import build, values_of
+    from dapple.files.config_file import build, values_of
 
     flags = tuple(flags)
     over = given_values(args, flags)

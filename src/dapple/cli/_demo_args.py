@@ -4,21 +4,42 @@ would be refused 30-50 s in (after the profile and calibration), or leave a part
 
 from __future__ import annotations
 
-import argparse
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
-from dapple.core.output_path import check_output_dir
 from dapple.errors import ValidationError
+from dapple.files.output_path import check_output_dir
 
-__all__ = ["DEMO_MARKER", "check_demo_args"]
+__all__ = ["DEMO_MARKER", "DemoConfig", "check_demo_args"]
 
 DEMO_MARKER = ".dapple-demo"
 """The file the demo writes first into its ``--out-dir``: a directory holding it (or the
 ``summary.json`` of a finished demo) is the demo's own, whose outputs a new run replaces."""
 
 
-def check_demo_args(args: argparse.Namespace) -> Path:
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DemoConfig:
+    """What ``dapple demo`` is asked for (its flags, with their defaults)."""
+
+    out_dir: str = "out/demo"
+    """Everything the demo writes goes here."""
+    nproc: int = 4
+    """Local processes (devices), at least 3: the demo trains an uneven pipeline."""
+    steps: int = 240
+    """Training steps."""
+    global_batch_size: int = 16
+    """Samples per step."""
+    seq_len: int = 64
+    """Tokens (bytes) per sample; the model is built with ``seq`` of it."""
+    corpus_mib: float = 2.0
+    """MiB of standard library sources to train on."""
+    model: str = "transformer"
+    """The model spec (the default: the zoo transformer at :data:`~dapple.cli.demo_cmd.
+    DEMO_MODEL`'s sizes)."""
+
+
+def check_demo_args(cfg: DemoConfig) -> Path:
     """Check the demo's counts, corpus size and output directory (whose ``checkpoints`` the
     demo starts over in: a checkpoint directory there holding files dapple did not write is
     refused, and so is any other non-empty directory the demo did not make); returns
@@ -27,32 +48,32 @@ def check_demo_args(args: argparse.Namespace) -> Path:
     Raises:
         ValidationError: naming the first offending flag and its value.
     """
-    if args.nproc < 3:
+    if cfg.nproc < 3:
         raise ValidationError(
-            f"--nproc {args.nproc}: the demo runs a pipeline with uneven replication, which "
+            f"--nproc {cfg.nproc}: the demo runs a pipeline with uneven replication, which "
             "needs at least 3 processes (2:1)"
         )
     from dapple.profiler.host_fit import check_local_processes  # imports torch: not at --help
 
-    check_local_processes(args.nproc, f"--nproc {args.nproc}")
+    check_local_processes(cfg.nproc, f"--nproc {cfg.nproc}")
     for flag, value in (
-        ("--steps", args.steps),
-        ("--global-batch-size", args.global_batch_size),
-        ("--seq-len", args.seq_len),
+        ("--steps", cfg.steps),
+        ("--global-batch-size", cfg.global_batch_size),
+        ("--seq-len", cfg.seq_len),
     ):
         if value < 1:
             raise ValidationError(f"{flag} must be >= 1, got {value}")
-    if not (math.isfinite(args.corpus_mib) and args.corpus_mib > 0):
-        raise ValidationError(f"--corpus-mib must be a number > 0, got {args.corpus_mib}")
-    corpus = _corpus_bytes(args.corpus_mib)  # bytes at most, one token each
-    need = args.global_batch_size * args.seq_len + 1
+    if not (math.isfinite(cfg.corpus_mib) and cfg.corpus_mib > 0):
+        raise ValidationError(f"--corpus-mib must be a number > 0, got {cfg.corpus_mib}")
+    corpus = _corpus_bytes(cfg.corpus_mib)  # bytes at most, one token each
+    need = cfg.global_batch_size * cfg.seq_len + 1
     if need > corpus:  # not one global batch of training samples: refused, never wrongly
         raise ValidationError(
-            f"--global-batch-size {args.global_batch_size} x --seq-len {args.seq_len} needs "
+            f"--global-batch-size {cfg.global_batch_size} x --seq-len {cfg.seq_len} needs "
             f"{need:,} tokens, more than the {corpus:,} tokens (bytes) of --corpus-mib "
-            f"{args.corpus_mib:g}"
+            f"{cfg.corpus_mib:g}"
         )
-    out = check_output_dir(args.out_dir, "--out-dir")
+    out = check_output_dir(cfg.out_dir, "--out-dir")
     from dapple.runtime.checkpoint import refuse_foreign
 
     refuse_foreign(out / "checkpoints", "give the demo another --out-dir")  # it starts over there

@@ -7,7 +7,7 @@ import argparse
 import os
 from collections.abc import Iterator
 
-from dapple.core.output_path import refuse_overwrite
+from dapple.files.output_path import refuse_overwrite
 
 __all__ = ["INPUT_OPTIONS", "OUTPUT_OPTIONS", "refuse_input_overwrite"]
 
@@ -42,7 +42,7 @@ def _role(args: argparse.Namespace, options: tuple[str, ...]) -> list[tuple[str,
 
 def refuse_input_overwrite(args: argparse.Namespace) -> None:
     """Refuse an output option that would replace a file an input option names
-    (:func:`dapple.core.output_path.refuse_overwrite`).
+    (:func:`dapple.files.output_path.refuse_overwrite`).
 
     Raises:
         ValidationError: naming both options and the path.

@@ -14,14 +14,17 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dapple.errors import ValidationError
+
+if TYPE_CHECKING:
+    from dapple.api.run_config import ModelConfig
 
 __all__ = [
     "add_model_argument",
     "add_model_arguments",
-    "model_overrides",
+    "model_config",
     "parse_overrides",
 ]
 
@@ -97,20 +100,20 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
     return out
 
 
-def model_overrides(args: argparse.Namespace) -> dict[str, Any]:
-    """Keyword arguments for ``load_workload`` from ``--set``, ``--split-at``, ``--weights`` and
-    ``--dynamic-dims`` (:meth:`~dapple.api.run_config.ModelConfig.overrides`).
+def model_config(args: argparse.Namespace) -> ModelConfig:
+    """The :class:`~dapple.api.run_config.ModelConfig` of ``-m``, ``--set``, ``--split-at``,
+    ``--weights`` and ``--dynamic-dims`` (the flags :func:`add_model_arguments` adds).
 
     Raises:
-        ValidationError: a ``--set`` item without ``=``, a bad ``--dynamic-dims`` item, a
-            missing or empty ``--weights``.
+        ValidationError: a ``--set`` item without ``=``.
     """
     from dapple.api.run_config import ModelConfig
 
     split_at = getattr(args, "split_at", None) or ""
     return ModelConfig(
+        spec=args.model,
         set=parse_overrides(args.set),
-        split_at=tuple(split_at.split(",")),
+        split_at=tuple(t.strip() for t in split_at.split(",") if t.strip()),
         weights=getattr(args, "weights", None),
         dynamic_dims=tuple(getattr(args, "dynamic_dims", None) or ()),
-    ).overrides()
+    )

@@ -50,7 +50,7 @@ def model_config_of(args: argparse.Namespace) -> ModelConfig | None:
         ValidationError: a bad file or value, or no model at all.
     """
     from dapple.api.run_config import ModelConfig
-    from dapple.core.config_file import dump, load
+    from dapple.files.config_file import dump, load
 
     schema = {"model": tuple(f for flag in MODEL_FLAGS for f in flag.fields)}
     file = ConfigFile(

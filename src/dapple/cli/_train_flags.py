@@ -160,7 +160,7 @@ def run_config_of(args: argparse.Namespace) -> RunConfig:
             bad value.
     """
     from dapple.api.run_config import RunConfig, load_run_config
-    from dapple.core.config_file import build, read_toml
+    from dapple.files.config_file import build, read_toml
 
     over = given_values(args, TRAIN_FLAGS)
     file = {} if args.config is None else read_toml(args.config)
@@ -183,7 +183,7 @@ def saves_at_the_end_only(args: argparse.Namespace, cfg: RunConfig) -> bool:
     """``cfg`` saves checkpoints (``--checkpoint-dir`` or ``[checkpoint] checkpoint_dir``) and
     neither the command line nor the ``--config`` file says how often (``--save-every``,
     ``[checkpoint] save_every``): such a run saves once, after its last step."""
-    from dapple.core.config_file import read_toml
+    from dapple.files.config_file import read_toml
 
     if cfg.train.checkpoint_dir is None or "save_every" in given(args):
         return False
@@ -256,7 +256,7 @@ def verify_config_of(args: argparse.Namespace) -> RunConfig:
         ValidationError: a bad value.
     """
     from dapple.api.run_config import RunConfig
-    from dapple.core.config_file import build
+    from dapple.files.config_file import build
 
     with flags_named(args, RUN_FLAGS):
         return build(RunConfig, parsed_values(args, RUN_FLAGS))
@@ -269,7 +269,7 @@ def required_inputs(cfg: RunConfig) -> tuple[str, str]:
         ValidationError: no plan or no model, named as the flag (or the file's key).
     """
     from dapple.api.run_config import RUN_SECTIONS
-    from dapple.core.config_file import values_of
+    from dapple.files.config_file import values_of
 
     missing = missing_required(values_of(cfg, RUN_SECTIONS), _REQUIRED, _file_key)
     if missing or cfg.plan.path is None or cfg.model.spec is None:

@@ -85,7 +85,7 @@ def add_show_arguments(p: argparse.ArgumentParser) -> None:
 def loss_curve_path(loss_curve: str | None, metrics_path: str | None) -> Path | None:
     """Where the loss curve goes: ``loss_curve``, else beside ``metrics_path`` (None:
     nowhere); ``dapple train`` checks it can be written
-    (:func:`dapple.core.output_path.check_picture_file`) before the run starts."""
+    (:func:`dapple.files.output_path.check_picture_file`) before the run starts."""
     if loss_curve is not None:
         return Path(loss_curve)
     if metrics_path is not None:

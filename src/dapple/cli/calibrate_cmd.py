@@ -7,11 +7,12 @@ import math
 
 from rich.table import Table
 
+from dapple.api.calibrating import CalibrateConfig
 from dapple.cli._console import StepProgress, console, print_table
-from dapple.core.output_path import check_output_file
 from dapple.errors import ValidationError
+from dapple.files.output_path import check_output_file
 
-__all__ = ["register"]
+__all__ = ["calibrate_config_of", "register", "run_config"]
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -25,26 +26,40 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.set_defaults(func=run)
 
 
+def calibrate_config_of(args: argparse.Namespace) -> CalibrateConfig:
+    """The :class:`~dapple.api.calibrating.CalibrateConfig` of ``dapple calibrate``'s flags."""
+    return CalibrateConfig(
+        nproc=args.nproc, output=args.output, repeats=args.repeats, max_mb=args.max_mb
+    )
+
+
 def run(args: argparse.Namespace) -> int:
-    from dapple.calibrate.machine import DEFAULT_SIZES, calibrate
+    return run_config(calibrate_config_of(args))
+
+
+def run_config(cfg: CalibrateConfig) -> int:
+    """Calibrate as ``cfg`` asks (:func:`dapple.api.calibrate`), print the measurements and the
+    fit, and write the cluster file (``dapple calibrate`` once its flags are read)."""
+    from dapple import api
+    from dapple.calibrate.machine import DEFAULT_SIZES
     from dapple.profiler.host_fit import check_local_processes
 
-    check_output_file(args.output, "--output cluster file")
+    assert cfg.output is not None  # -o is a required flag
+    check_output_file(cfg.output, "--output cluster file")
     least = DEFAULT_SIZES[1] / (1 << 20)
-    if not (math.isfinite(args.max_mb) and args.max_mb >= least):
+    if not (math.isfinite(cfg.max_mb) and cfg.max_mb >= least):
         raise ValidationError(
             f"--max-mb must be a number >= {least:g} (two message sizes to fit a line through), "
-            f"got {args.max_mb}"
+            f"got {cfg.max_mb}"
         )
-    if args.repeats < 1:
-        raise ValidationError(f"--repeats must be >= 1, got {args.repeats}")
-    if args.nproc < 2:
-        raise ValidationError(f"calibrate needs --nproc >= 2 to measure links, got {args.nproc}")
-    check_local_processes(args.nproc, f"--nproc {args.nproc}")
-    sizes = tuple(s for s in DEFAULT_SIZES if s <= args.max_mb * (1 << 20))
+    if cfg.repeats < 1:
+        raise ValidationError(f"--repeats must be >= 1, got {cfg.repeats}")
+    if cfg.nproc < 2:
+        raise ValidationError(f"calibrate needs --nproc >= 2 to measure links, got {cfg.nproc}")
+    check_local_processes(cfg.nproc, f"--nproc {cfg.nproc}")
     con = console()
-    with StepProgress("calibrate", detail=f"measuring {args.nproc} gloo processes", console=con):
-        res = calibrate(args.nproc, sizes=sizes, repeats=args.repeats)
+    with StepProgress("calibrate", detail=f"measuring {cfg.nproc} gloo processes", console=con):
+        res = api.calibrate(cfg)  # writes cfg.output
     t = Table(title=f"calibration: {res.nproc} processes, {res.backend}")
     for col in ("bytes", "p2p one-way ms", f"AllReduce({res.nproc}) ms"):
         t.add_column(col, justify="right")
@@ -65,6 +80,5 @@ def run(args: argparse.Namespace) -> int:
             f"load {c.background_load_per_server:.2f} (k busy workers each run at "
             "min(1, c/(k+E)) / min(1, c/(1+E)) of a lone worker's speed)"
         )
-    c.save(args.output)
-    con.print(f"wrote {args.output}")
+    con.print(f"wrote {cfg.output}")
     return 0

@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import argparse
 
+from dapple.api.preparing import PrepareConfig
 from dapple.cli._console import plain_doc
 from dapple.errors import ValidationError
 
-__all__ = ["register", "run_prepare"]
+__all__ = ["prepare_config_of", "register", "run_config", "run_prepare"]
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -61,19 +62,29 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     prep.set_defaults(func=run_prepare)
 
 
-def run_prepare(args: argparse.Namespace) -> int:
-    from dapple.datasets import prepare
-
-    if not 0 <= args.val_fraction < 1:  # the library's check names its argument
-        raise ValidationError(f"--val-fraction must be in [0, 1), got {args.val_fraction}")
-    out = prepare(
-        args.text_files,
-        args.output,
-        args.val_fraction,
-        args.tokenizer,
+def prepare_config_of(args: argparse.Namespace) -> PrepareConfig:
+    """The :class:`~dapple.api.preparing.PrepareConfig` of ``dapple data prepare``'s flags."""
+    return PrepareConfig(
+        text_files=tuple(args.text_files),
+        output=args.output,
+        val_fraction=args.val_fraction,
+        tokenizer=args.tokenizer,
         documents=args.documents,
-        text=True,
     )
+
+
+def run_prepare(args: argparse.Namespace) -> int:
+    return run_config(prepare_config_of(args))
+
+
+def run_config(cfg: PrepareConfig) -> int:
+    """Write the token files ``cfg`` asks for (:func:`dapple.api.prepare_data`) and say what
+    they hold (``dapple data prepare`` once its flags are read)."""
+    from dapple import api
+
+    if not 0 <= cfg.val_fraction < 1:  # the library's check names its argument
+        raise ValidationError(f"--val-fraction must be in [0, 1), got {cfg.val_fraction}")
+    out = api.prepare_data(cfg)
     print(
         f"{out.train}: {out.train_tokens:,} tokens; {out.val}: {out.val_tokens:,} tokens; "
         f"vocabulary {out.vocab_size:,} ({out.dtype}); {out.meta}"

@@ -35,6 +35,7 @@ from rich.console import Console
 from rich.table import Table
 
 from dapple.cli._console import StepProgress, console, format_seconds, print_table
+from dapple.cli._demo_args import DemoConfig
 from dapple.cli._demo_generate import generate_step
 from dapple.cli._demo_run import median_step_ms, one_thread, run_progress
 from dapple.cli._model_args import add_model_argument
@@ -42,7 +43,7 @@ from dapple.cli._model_args import add_model_argument
 if TYPE_CHECKING:
     from dapple.cli._demo_plan import Costed
 
-__all__ = ["DEMO_MODEL", "register"]
+__all__ = ["DEMO_MODEL", "demo_config_of", "register", "run_config"]
 
 DEMO_MODEL = {"layers": 4, "hidden": 128, "heads": 4, "vocab": 256}
 """The default model's sizes (``-m transformer``): a byte-level GPT of about 0.8M parameters."""
@@ -104,26 +105,44 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.set_defaults(func=run)
 
 
+def demo_config_of(args: argparse.Namespace) -> DemoConfig:
+    """The :class:`~dapple.cli._demo_args.DemoConfig` of ``dapple demo``'s flags."""
+    return DemoConfig(
+        out_dir=args.out_dir,
+        nproc=args.nproc,
+        steps=args.steps,
+        global_batch_size=args.global_batch_size,
+        seq_len=args.seq_len,
+        corpus_mib=args.corpus_mib,
+        model=args.model,
+    )
+
+
 def run(args: argparse.Namespace) -> int:
+    return run_config(demo_config_of(args))
+
+
+def run_config(cfg: DemoConfig) -> int:
+    """Run the demo ``cfg`` asks for (``dapple demo`` once its flags are read)."""
     import numpy as np
 
     from dapple.cli._demo_args import DEMO_MARKER, check_demo_args
     from dapple.cli._demo_corpus import nats_to_bits, stdlib_sources, unigram_entropy
     from dapple.datasets import TokenFile, prepare
 
-    out = check_demo_args(args)
+    out = check_demo_args(cfg)
     started = time.monotonic()
     con = console()
     out.mkdir(parents=True, exist_ok=True)
     (out / DEMO_MARKER).touch()  # the directory is the demo's: a later run may replace it
-    overrides: dict[str, Any] = {"seq": args.seq_len}
-    if args.model == "transformer":
+    overrides: dict[str, Any] = {"seq": cfg.seq_len}
+    if cfg.model == "transformer":
         overrides |= DEMO_MODEL
 
     con.rule("1. data: Python standard library sources as bytes")
-    sources = stdlib_sources(int(args.corpus_mib * 2**20))
+    sources = stdlib_sources(int(cfg.corpus_mib * 2**20))
     prep = prepare(sources, out / "data" / "train.bin", val_fraction=0.05)
-    train_data, val_data = TokenFile(prep.train, args.seq_len), TokenFile(prep.val, args.seq_len)
+    train_data, val_data = TokenFile(prep.train, cfg.seq_len), TokenFile(prep.val, cfg.seq_len)
     entropy = unigram_entropy(np.fromfile(prep.train, dtype=prep.dtype), prep.vocab_size)
     con.print(
         f"{len(sources)} files ({sources[0].name} .. {sources[-1].name}): "
@@ -134,12 +153,12 @@ def run(args: argparse.Namespace) -> int:
         "the loss of the best model that ignores context"
     )
 
-    planned = _plan_and_simulate(con, args, out, overrides)
+    planned = _plan_and_simulate(con, cfg, out, overrides)
     plan = planned.trained.plan
     sim_ms = planned.sim.step_ms
-    metrics = _train(con, args, out, plan, sim_ms, overrides, train_data, val_data, entropy)
-    generate_step(con, args.model, out, overrides, args.seq_len)
-    failed = _compare_and_verify(con, args, out, planned, overrides, train_data, metrics)
+    metrics = _train(con, cfg, out, plan, sim_ms, overrides, train_data, val_data, entropy)
+    generate_step(con, cfg.model, out, overrides, cfg.seq_len)
+    failed = _compare_and_verify(con, cfg, out, planned, overrides, train_data, metrics)
     final = [m.eval_loss for m in metrics if m.eval_loss is not None][-1]
     if final >= entropy:
         failed.append(f"validation loss {final:.3f} not below the unigram entropy {entropy:.3f}")
@@ -150,7 +169,7 @@ def run(args: argparse.Namespace) -> int:
                 "plan": plan.to_dict(),
                 "planner_choice": planned.choice.plan.to_dict(),
                 "why": planned.why,
-                "model": args.model,
+                "model": cfg.model,
                 "overrides": overrides,
                 "unigram_entropy_nats": entropy,
                 "simulated_step_ms": planned.sim.step_ms,
@@ -181,18 +200,18 @@ def _close(con: Console, failed: list[str], wall_s: float) -> int:
 
 
 def _plan_and_simulate(
-    con: Console, args: argparse.Namespace, out: Path, overrides: dict[str, Any]
+    con: Console, cfg: DemoConfig, out: Path, overrides: dict[str, Any]
 ) -> _Planned:
     """Profile, calibrate, plan (DAPPLE, the baselines and the best uneven pipeline), say why,
     and simulate the plan to train."""
-    profile, cluster = _profile_and_calibrate(con, args, out, overrides)
-    choice, trained, why = _plan(con, args, out, profile, cluster)
+    profile, cluster = _profile_and_calibrate(con, cfg, out, overrides)
+    choice, trained, why = _plan(con, cfg, out, profile, cluster)
     sim = _simulate(con, out, trained.plan, profile, cluster)
     return _Planned(choice=choice, trained=trained, sim=sim, why=why)
 
 
 def _profile_and_calibrate(
-    con: Console, args: argparse.Namespace, out: Path, overrides: dict[str, Any]
+    con: Console, cfg: DemoConfig, out: Path, overrides: dict[str, Any]
 ) -> tuple[Any, Any]:
     """The model's profile as one of ``--nproc`` workers, and the calibrated local cluster."""
     from dapple.calibrate.machine import calibrate
@@ -200,10 +219,10 @@ def _profile_and_calibrate(
     from dapple.profiler.host_fit import check_host_memory
     from dapple.profiler.measure import profile_workload
 
-    wl = load_workload(args.model, **overrides)
-    check_host_memory(wl, args.nproc)  # before any layer is built
-    con.rule(f"2. profile, calibrate and plan for {args.nproc} processes")
-    con.print(f"{wl.name}: {wl.num_layers} layers, profiled on cpu as one of {args.nproc} workers")
+    wl = load_workload(cfg.model, **overrides)
+    check_host_memory(wl, cfg.nproc)  # before any layer is built
+    con.rule(f"2. profile, calibrate and plan for {cfg.nproc} processes")
+    con.print(f"{wl.name}: {wl.num_layers} layers, profiled on cpu as one of {cfg.nproc} workers")
     batch_sizes = [1, 2, 4, 8]
     total = wl.num_layers * len(batch_sizes)
     with StepProgress(f"profile {wl.name}", total, console=con) as progress:
@@ -212,7 +231,7 @@ def _profile_and_calibrate(
             batch_sizes,
             device="cpu",
             num_threads=1,
-            co_workers=args.nproc,  # CPU time while the other workers train: they share cores
+            co_workers=cfg.nproc,  # CPU time while the other workers train: they share cores
             progress=progress,
         )
     profile.save(out / "profile.json")
@@ -220,14 +239,14 @@ def _profile_and_calibrate(
         f"{profile.num_layers} layers, {profile.parameter_bytes / 2**20:.2f} MiB of parameters "
         f"-> {out / 'profile.json'}"
     )
-    detail = f"measuring the links and the core share of {args.nproc} gloo processes"
+    detail = f"measuring the links and the core share of {cfg.nproc} gloo processes"
     with StepProgress("calibrate", detail=detail, console=con):
-        cal = calibrate(args.nproc, repeats=3, sizes=(1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 22))
+        cal = calibrate(cfg.nproc, repeats=3, sizes=(1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 22))
     cluster = cal.cluster
     cluster.save(out / "cluster.json")
     c = cluster.compute_cores_per_server
     share = (
-        f"the {args.nproc} processes share {c:.2f} full-speed workers' worth of cores "
+        f"the {cfg.nproc} processes share {c:.2f} full-speed workers' worth of cores "
         f"(background load {cluster.background_load_per_server:.2f})"
         if c is not None
         else f"compute slowdown {cluster.compute_slowdown:.2f}"
@@ -240,7 +259,7 @@ def _profile_and_calibrate(
 
 
 def _plan(
-    con: Console, args: argparse.Namespace, out: Path, profile: Any, cluster: Any
+    con: Console, cfg: DemoConfig, out: Path, profile: Any, cluster: Any
 ) -> tuple[Costed, Costed, list[str]]:
     """DAPPLE's plan, the baselines and the best uneven pipeline, in one table; why the planner
     chose its plan; which plan the demo trains. Returns the choice, the plan to train (both
@@ -249,7 +268,7 @@ def _plan(
     from dapple.planner import make_plan
     from dapple.planner.uneven import is_uneven_pipeline, uneven_pipeline
 
-    G = args.global_batch_size
+    G = cfg.global_batch_size
     costed = {"dapple": cost("dapple", make_plan(profile, cluster, G, "dapple"), profile, cluster)}
     for name in BASELINES:
         try:
@@ -257,10 +276,10 @@ def _plan(
         except Exception as e:  # a baseline may be infeasible; show why
             con.print(f"[yellow]{name}: {e}[/yellow]")
     choice = trained = costed["dapple"]
-    if not is_uneven_pipeline(choice.plan, args.nproc):
+    if not is_uneven_pipeline(choice.plan, cfg.nproc):
         uneven = uneven_pipeline(profile, cluster, G)
         trained = costed["uneven"] = cost("uneven", uneven, profile, cluster)
-    _print_candidates(con, args, costed, trained)
+    _print_candidates(con, cfg, costed, trained)
     reasons = why(choice, trained, [costed[n] for n in BASELINES if n in costed], cluster)
     for line in reasons:
         con.print(line, markup=False, highlight=False)
@@ -273,21 +292,21 @@ def _plan(
     else:
         con.print(
             f"trained: {trained.label}, the best plan with uneven replication over all "
-            f"{args.nproc} processes ({trained.step_ms / choice.step_ms:.2f}x dapple's predicted "
+            f"{cfg.nproc} processes ({trained.step_ms / choice.step_ms:.2f}x dapple's predicted "
             f"step): what only dapple runs; dapple's choice {choice.label} "
-            f"({out / 'plan-dapple.json'}) runs its {_first(_choice_steps(args.steps))} on the "
+            f"({out / 'plan-dapple.json'}) runs its {_first(_choice_steps(cfg.steps))} on the "
             "same batches in step 5"
         )
     return choice, trained, reasons
 
 
 def _print_candidates(
-    con: Console, args: argparse.Namespace, costed: dict[str, Costed], trained: Costed
+    con: Console, cfg: DemoConfig, costed: dict[str, Costed], trained: Costed
 ) -> None:
     """One row per planner (and the trained uneven pipeline): L, memory, against DP."""
     t = Table(
-        title=f"planners under the same cost model, global batch {args.global_batch_size}, "
-        f"{args.nproc} processes"
+        title=f"planners under the same cost model, global batch {cfg.global_batch_size}, "
+        f"{cfg.nproc} processes"
     )
     for col in ("planner", "processes", "stages", "replication", "M", "schedule",
                 "predicted L ms", "vs dp", "peak MiB"):  # fmt: skip
@@ -352,7 +371,7 @@ def _choice_steps(steps: int) -> int:
 
 def _train(
     con: Console,
-    args: argparse.Namespace,
+    cfg: DemoConfig,
     out: Path,
     plan: Any,
     simulated_ms: float,
@@ -366,14 +385,14 @@ def _train(
     from dapple.runtime.checkpoint import delete_checkpoints
     from dapple.runtime.reporting import write_loss_curve
 
-    steps = args.steps
+    steps = cfg.steps
     con.rule(f"3. train {plan.replication} for {steps} steps on {len(plan.devices)} processes")
     ckpt = out / "checkpoints"
     delete_checkpoints(ckpt)  # an earlier run's (only what a save writes: check_demo_args)
     eval_batches = max(1, min(4, len(val_data) // plan.global_batch_size))
     with run_progress(con, f"train {plan.replication}", steps, out / "metrics.jsonl"):
         metrics = api.train(
-            plan, args.model, steps, overrides=overrides, data=train_data, eval_data=val_data,
+            plan, cfg.model, steps, overrides=overrides, data=train_data, eval_data=val_data,
             eval_every=max(1, steps // 4), eval_batches=eval_batches,
             predicted_step_ms=simulated_ms, metrics_path=str(out / "metrics.jsonl"),
             checkpoint_dir=str(ckpt), save_every=steps, keep=1, **_options(steps),
@@ -407,7 +426,7 @@ def _train(
 
 def _compare_and_verify(
     con: Console,
-    args: argparse.Namespace,
+    cfg: DemoConfig,
     out: Path,
     planned: _Planned,
     overrides: dict[str, Any],
@@ -426,12 +445,12 @@ def _compare_and_verify(
         con.rule(f"5. verify {plan.replication} against one process")
     else:
         con.rule(f"5. dapple's choice on the same batches; verify {plan.replication}")
-        failed += _run_choice(con, args, out, planned, overrides, train_data, metrics)
+        failed += _run_choice(con, cfg, out, planned, overrides, train_data, metrics)
     detail = "against one process"
     with StepProgress(f"verify {plan.replication}", detail=detail, console=con), one_thread():
-        report = api.verify(plan, args.model, VERIFY_STEPS, overrides=overrides, data=train_data,
+        report = api.verify(plan, cfg.model, VERIFY_STEPS, overrides=overrides, data=train_data,
                             device="cpu", progress=False,  # the bar above says it
-                            **_options(args.steps))  # fmt: skip
+                            **_options(cfg.steps))  # fmt: skip
     print_report(con, report)
     if not report.ok:
         failed += [f"verify of {plan.replication}: {f}" for f in report.failures or ["MISMATCH"]]
@@ -440,7 +459,7 @@ def _compare_and_verify(
 
 def _run_choice(
     con: Console,
-    args: argparse.Namespace,
+    cfg: DemoConfig,
     out: Path,
     planned: _Planned,
     overrides: dict[str, Any],
@@ -452,11 +471,11 @@ def _run_choice(
     from dapple import api
 
     plan, choice = planned.trained.plan, planned.choice
-    steps = _choice_steps(args.steps)
+    steps = _choice_steps(cfg.steps)
     path = out / "choice-metrics.jsonl"
     with run_progress(con, f"train {choice.plan.replication}", steps, path):
-        mine = api.train(choice.plan, args.model, steps, overrides=overrides, data=train_data,
-                         metrics_path=str(path), **_options(args.steps))  # fmt: skip
+        mine = api.train(choice.plan, cfg.model, steps, overrides=overrides, data=train_data,
+                         metrics_path=str(path), **_options(cfg.steps))  # fmt: skip
     gap = max(abs(a.loss - b.loss) for a, b in zip(mine, metrics, strict=False))
     con.print(
         f"dapple's choice {choice.label}: losses {mine[0].loss:.4f} .. {mine[-1].loss:.4f}, "

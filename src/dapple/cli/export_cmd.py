@@ -6,10 +6,11 @@ from __future__ import annotations
 import argparse
 import re
 
-from dapple.cli._model_args import add_model_arguments, model_overrides
+from dapple.api.exporting import ExportConfig
+from dapple.cli._model_args import add_model_arguments, model_config
 from dapple.errors import ValidationError
 
-__all__ = ["parse_size", "register"]
+__all__ = ["export_config_of", "parse_size", "register", "run_config"]
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20}
 _UNITS["GIB"] = 2**30
@@ -52,22 +53,39 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.set_defaults(func=run)
 
 
-def run(args: argparse.Namespace) -> int:
-    from dapple.models.spec import load
-    from dapple.runtime.export import check_export_target, export_checkpoint
+def export_config_of(args: argparse.Namespace) -> ExportConfig:
+    """The :class:`ExportConfig` of ``dapple export``'s flags.
 
-    limit = parse_size(args.max_shard_size)
-    check_export_target(args.out_dir)  # before the model is built or the checkpoint read
-    workload = load(args.model, **model_overrides(args)) if args.model else None
-    result = export_checkpoint(args.checkpoint_dir, args.out_dir, workload, max_shard_bytes=limit)
+    Raises:
+        ValidationError: a bad ``--max-shard-size`` or ``--set`` item.
+    """
+    return ExportConfig(
+        checkpoint_dir=args.checkpoint_dir,
+        out_dir=args.out_dir,
+        max_shard_bytes=parse_size(args.max_shard_size),
+        model=model_config(args),
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    return run_config(export_config_of(args))
+
+
+def run_config(cfg: ExportConfig) -> int:
+    """Export what ``cfg`` asks for (:func:`dapple.api.export`) and say what was written
+    (``dapple export`` once its flags are read)."""
+    from dapple import api
+
+    result = api.export(cfg)
+    spec = cfg.model.spec
     print(
         f"exported step {result.step}: {result.num_tensors} tensors, "
         f"{result.total_bytes / 2**20:.1f} MiB in {len(result.files)} files to {result.path}"
         + (
             ""
             if result.config
-            else f" (no config.json: {args.model!r} is not a Hugging Face model)"
-            if args.model
+            else f" (no config.json: {spec!r} is not a Hugging Face model)"
+            if spec
             else " (no config.json: give -m for a Hugging Face model)"
         )
     )

@@ -15,14 +15,22 @@ import sys
 import unicodedata
 from typing import TYPE_CHECKING
 
+from dapple.api.generating import GenerateConfig
 from dapple.cli._console import StepProgress, console
-from dapple.cli._model_args import add_model_arguments, model_overrides
+from dapple.cli._model_args import add_model_arguments, model_config
 from dapple.errors import ValidationError
 
 if TYPE_CHECKING:
     from dapple.models.generate import Generated
 
-__all__ = ["PROGRESS_DELAY_S", "PROGRESS_MIN_TOKENS", "SEED_RANGE", "register"]
+__all__ = [
+    "PROGRESS_DELAY_S",
+    "PROGRESS_MIN_TOKENS",
+    "SEED_RANGE",
+    "generate_config_of",
+    "register",
+    "run_config",
+]
 
 PROGRESS_MIN_TOKENS = 256
 """A request for at least this many tokens shows progress on stderr (fewer: none)."""
@@ -71,32 +79,45 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.set_defaults(func=run)
 
 
+def generate_config_of(args: argparse.Namespace) -> GenerateConfig:
+    """The :class:`~dapple.api.generating.GenerateConfig` of ``dapple generate``'s flags.
+
+    Raises:
+        ValidationError: a ``--set`` item without ``=``.
+    """
+    return GenerateConfig(
+        model=model_config(args),
+        prompt=args.prompt,
+        max_new_tokens=args.max_new_tokens,
+        checkpoint_dir=args.checkpoint_dir,
+        tokenizer=args.tokenizer,
+        temperature=args.temperature,
+        seed=args.seed,
+    )
+
+
 def run(args: argparse.Namespace) -> int:
+    return run_config(generate_config_of(args))
+
+
+def run_config(cfg: GenerateConfig) -> int:
+    """Continue ``cfg``'s prompt (:func:`dapple.api.generate`) and print it with its
+    continuation on stdout (``dapple generate`` once its flags are read)."""
     from dapple import api
 
-    if (args.checkpoint_dir is None) == (args.weights is None):
+    if (cfg.checkpoint_dir is None) == (cfg.model.weights is None):
         raise ValidationError(
             "give the weights to generate with: --checkpoint-dir DIR (a training run's "
             "checkpoints) or --weights PATH (pretrained), one of them"
         )
-    _check_prompt_and_seed(args.prompt, args.seed)
+    _check_prompt_and_seed(cfg.prompt, cfg.seed)
     loaded = None
-    if args.checkpoint_dir is not None:
+    if cfg.checkpoint_dir is not None:
         from dapple.runtime.export import newest_checkpoint
 
-        loaded = newest_checkpoint(args.checkpoint_dir)  # none: api.generate says so, one line
-    with _progress(args.max_new_tokens) as progress:
-        result = api.generate(
-            args.model,
-            args.prompt,
-            args.max_new_tokens,
-            checkpoint=args.checkpoint_dir,
-            overrides=model_overrides(args),
-            tokenizer=args.tokenizer,
-            temperature=args.temperature,
-            seed=args.seed,
-            progress=progress,
-        )
+        loaded = newest_checkpoint(cfg.checkpoint_dir)  # none: api.generate says so, one line
+    with _progress(cfg.max_new_tokens) as progress:
+        result = api.generate(cfg, progress=progress)
     if loaded is not None:
         print(
             f"generated from the checkpoint of step {loaded.step} ({loaded.path})", file=sys.stderr

@@ -1,10 +1,16 @@
-"""``dapple import-pipedream``: convert a PipeDream ``graph.txt`` into a profile JSON."""
+"""``dapple import-pipedream``: convert a PipeDream ``graph.txt`` into a profile JSON.
+
+The flags are read once into a :class:`~dapple.api.profiling.ImportConfig`; :func:`run_config`
+converts it (:func:`dapple.api.import_pipedream`) and prints the profile.
+"""
 
 from __future__ import annotations
 
 import argparse
 
-__all__ = ["register"]
+from dapple.api.profiling import ImportConfig
+
+__all__ = ["import_config_of", "register", "run_config"]
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -20,16 +26,30 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.set_defaults(func=run)
 
 
+def import_config_of(args: argparse.Namespace) -> ImportConfig:
+    """The :class:`~dapple.api.profiling.ImportConfig` of ``dapple import-pipedream``'s flags."""
+    return ImportConfig(
+        graph=args.graph, output=args.output, batch_size=args.batch_size, name=args.name
+    )
+
+
 def run(args: argparse.Namespace) -> int:
+    return run_config(import_config_of(args))
+
+
+def run_config(cfg: ImportConfig) -> int:
+    """Convert the graph ``cfg`` names (:func:`dapple.api.import_pipedream`, which writes the
+    profile), print its layers and say what was written (``dapple import-pipedream`` once its
+    flags are read)."""
+    from dapple import api
     from dapple.cli._console import console
     from dapple.cli.profile_cmd import print_profile
-    from dapple.core.output_path import check_output_file
-    from dapple.profiler.pipedream import import_pipedream
+    from dapple.files.output_path import check_output_file
 
-    check_output_file(args.output, "--output profile file")
-    prof = import_pipedream(args.graph, batch_size=args.batch_size, model_name=args.name)
+    assert cfg.output is not None  # -o is a required flag
+    check_output_file(cfg.output, "--output profile file")
+    prof = api.import_pipedream(cfg)
     con = console()
     print_profile(con, prof)
-    prof.save(args.output)
-    con.print(f"wrote {args.output}: {prof.num_layers} layers (linearised PipeDream graph)")
+    con.print(f"wrote {cfg.output}: {prof.num_layers} layers (linearised PipeDream graph)")
     return 0

@@ -29,10 +29,10 @@ from dapple.cli._renamed import renamed
 from dapple.cli._run_args import add_on_nonfinite_argument, add_virtual_stages_argument
 from dapple.core.cluster import Cluster
 from dapple.core.cluster_presets import describe_presets
-from dapple.core.output_path import check_output_file
 from dapple.core.plan import Plan
 from dapple.core.profile import ModelProfile
 from dapple.errors import DappleError, InfeasibleError, ValidationError
+from dapple.files.output_path import check_output_file
 from dapple.planner.registry import DEFAULT_PLANNER, PLANNERS, planner_names, searched
 from dapple.schedule.registry import check_virtual_stages, get_schedule, schedule_names
 
@@ -241,8 +241,12 @@ def run_config(cfg: PlanConfig, *, compare: bool = False) -> int:
     if cfg.schedule and not get_schedule(cfg.schedule).uses_pipeline_latency:
         return _new_schedule(con, plan, inputs, cfg, dp_ms)
     profile, cluster = inputs.profile, inputs.cluster
-    if cfg.schedule:
-        plan = _under_schedule(plan, cfg.schedule, profile, cluster)
+    if cfg.schedule:  # GPipe or DAPPLE: predicted by L (equations 1-3)
+        from dapple.planner.schedule_choice import under_schedule
+
+        mode = cfg.on_nonfinite
+        v = cfg.virtual_stages
+        plan = under_schedule(plan, cfg.schedule, v, profile, cluster, on_nonfinite=mode)
     _print_plan(con, plan, profile, cluster, dp_ms)
     single = [str(i) for i, st in enumerate(plan.stages) if not st.parallel.data_parallel]
     zero = cfg.zero_stage
@@ -252,19 +256,6 @@ def run_config(cfg: PlanConfig, *, compare: bool = False) -> int:
         dataclasses.replace(plan, planned_with=options_of(cfg)).save(cfg.output)
         con.print(f"plan written to {cfg.output}")
     return 0
-
-
-def _under_schedule(plan: Plan, schedule: str, profile: ModelProfile, cluster: Cluster) -> Plan:
-    """The planner's plan under ``--schedule`` costed by L (gpipe, dapple): an interleaved
-    plan's chunks joined into one stage per device group
-    (:func:`~dapple.simulate.plan_variants.with_schedule`), predicted by L (equations 1-3)."""
-    from dapple.cost.pipeline import pipeline_latency
-    from dapple.simulate.plan_variants import with_schedule
-
-    plan = with_schedule(plan, schedule)
-    return dataclasses.replace(
-        plan, predicted_step_ms=pipeline_latency(plan, profile, cluster).L_ms
-    )
 
 
 def _print_plan(

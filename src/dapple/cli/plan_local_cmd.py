@@ -9,20 +9,23 @@ candidate and write the best plan with the profile and cluster it was made from,
 from __future__ import annotations
 
 import argparse
+import json
 import shlex
 from pathlib import Path
+from typing import Any
 
 from rich.table import Table
 
+from dapple.api.planning_local import OUTPUT_FILES, PlanLocalConfig
 from dapple.cli._console import StepProgress, console, print_table
-from dapple.cli._model_args import add_model_arguments, model_overrides
+from dapple.cli._model_args import add_model_arguments, model_config, parse_overrides
 from dapple.cli._renamed import renamed
 from dapple.cli._run_args import add_precision_argument
-from dapple.core.output_path import check_output_dir, check_output_file
 from dapple.core.precision import precision_of
 from dapple.errors import ValidationError
+from dapple.files.output_path import check_output_dir, check_output_file
 
-__all__ = ["parse_counts", "register"]
+__all__ = ["parse_counts", "plan_local_config_of", "register", "run_config", "train_command"]
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -66,49 +69,77 @@ def parse_counts(text: str) -> list[int]:
     return counts
 
 
-def train_command(args: argparse.Namespace, plan: Path) -> str:
+def plan_local_config_of(args: argparse.Namespace) -> PlanLocalConfig:
+    """The :class:`~dapple.api.planning_local.PlanLocalConfig` of ``dapple plan-local``'s
+    flags.
+
+    Raises:
+        ValidationError: bad ``--nprocs`` or a ``--set`` item without ``=``.
+    """
+    return PlanLocalConfig(
+        model=model_config(args),
+        global_batch_size=args.global_batch_size,
+        nprocs=tuple(parse_counts(args.nprocs)),
+        repeats=args.repeats,
+        precision=args.precision,
+        out_dir=args.out_dir,
+    )
+
+
+def _set_item(key: str, value: Any) -> str:
+    """A ``--set`` item that reads back as ``value`` (a string as it is, when it reads back)."""
+    if isinstance(value, str) and parse_overrides([f"{key}={value}"])[key] == value:
+        return f"{key}={value}"
+    return f"{key}={json.dumps(value)}"
+
+
+def train_command(cfg: PlanLocalConfig, plan: Path) -> str:
     """The ``dapple train`` command line for the chosen plan, with every model option given
     here (``--set``, ``--split-at``, ``--weights``, ``--dynamic-dims``) and the precision."""
-    argv = ["dapple", "train", "--plan", str(plan), "--model", args.model]
-    for item in args.set or []:
-        argv += ["--set", item]
-    for flag, dest in (("--split-at", "split_at"), ("--weights", "weights")):
-        if getattr(args, dest, None):
-            argv += [flag, str(getattr(args, dest))]
-    for item in getattr(args, "dynamic_dims", None) or []:
+    m = cfg.model
+    assert m.spec is not None  # -m is a required flag
+    argv = ["dapple", "train", "--plan", str(plan), "--model", m.spec]
+    for key, value in m.set.items():
+        argv += ["--set", _set_item(key, value)]
+    if m.split_at:
+        argv += ["--split-at", ",".join(m.split_at)]
+    if m.weights:
+        argv += ["--weights", m.weights]
+    for item in m.dynamic_dims:
         argv += ["--dynamic-dims", item]
-    if precision_of(args.precision).autocast:  # fp32, the default, goes unsaid
-        argv += ["--precision", args.precision]
+    if precision_of(cfg.precision).autocast:  # fp32, the default, goes unsaid
+        argv += ["--precision", cfg.precision]
     return shlex.join(argv)
 
 
 def run(args: argparse.Namespace) -> int:
-    from dapple.calibrate.local import plan_local
+    return run_config(plan_local_config_of(args))
+
+
+def run_config(cfg: PlanLocalConfig) -> int:
+    """Plan what ``cfg`` asks for (:func:`dapple.api.planning_local.plan_local_candidates`,
+    which writes the best count's files), print every candidate and the command that trains
+    the best (``dapple plan-local`` once its flags are read)."""
+    from dapple.api.planning_local import plan_local_candidates
     from dapple.models.zoo import load_workload
 
-    counts = parse_counts(args.nprocs)
-    if args.global_batch_size < 1:
-        raise ValidationError(f"--global-batch-size must be >= 1, got {args.global_batch_size}")
-    out = check_output_dir(args.out_dir, "--out-dir")  # before any measuring
-    for name in ("plan.json", "profile.json", "cluster.json"):
+    counts = cfg.nprocs
+    if cfg.global_batch_size < 1:
+        raise ValidationError(f"--global-batch-size must be >= 1, got {cfg.global_batch_size}")
+    assert cfg.out_dir is not None and cfg.model.spec is not None  # required flags
+    out = check_output_dir(cfg.out_dir, "--out-dir")  # before any measuring
+    for name in OUTPUT_FILES:
         check_output_file(out / name, "--out-dir file")
     from dapple.profiler.host_fit import check_host_memory, check_local_processes
 
-    check_local_processes(max(counts), f"--nprocs {args.nprocs}")
-    workload = load_workload(args.model, **model_overrides(args))
+    check_local_processes(max(counts), f"--nprocs {','.join(map(str, counts))}")
+    workload = load_workload(cfg.model.spec, **cfg.model.overrides())
 
     check_host_memory(workload, max(counts), what="planning")  # profiled with co-workers
     con = console()
     with StepProgress("plan-local", console=con) as progress:
-        best, cands = plan_local(
-            workload,
-            args.global_batch_size,
-            counts,
-            repeats=args.repeats,
-            precision=args.precision,
-            progress=progress,
-        )
-    t = Table(title=f"{workload.name}, global batch {args.global_batch_size}")
+        best, cands = plan_local_candidates(cfg, workload, progress)
+    t = Table(title=f"{workload.name}, global batch {cfg.global_batch_size}")
     for col in ("processes", "plan", "M", "predicted ms/step", "samples/s"):
         t.add_column(col, justify="right")
     for c in cands:
@@ -118,17 +149,13 @@ def run(args: argparse.Namespace) -> int:
             ":".join(str(s.replicas) for s in c.plan.stages),
             str(c.plan.num_micro_batches),
             f"{c.predicted_ms:.1f}",
-            f"{args.global_batch_size / c.predicted_ms * 1e3:.1f}",
+            f"{cfg.global_batch_size / c.predicted_ms * 1e3:.1f}",
         )
     print_table(con, t)
-    out.mkdir(parents=True, exist_ok=True)
-    best.plan.save(out / "plan.json")
-    best.profile.save(out / "profile.json")
-    best.cluster.save(out / "cluster.json")
     used = len(best.plan.devices)
     runs_on = "" if used == best.processes else f", the plan runs on {used} of them"
     con.print(
         f"* chosen: {best.processes} processes{runs_on} -> {out / 'plan.json'} (with "
-        f"profile.json and cluster.json); run it with: {train_command(args, out / 'plan.json')}"
+        f"profile.json and cluster.json); run it with: {train_command(cfg, out / 'plan.json')}"
     )
     return 0

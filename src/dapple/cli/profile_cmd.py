@@ -278,7 +278,7 @@ def run_config(cfg: ProfileConfig) -> int:
     """Profile what ``cfg`` asks for (:func:`dapple.api.profile`), print the layers and write
     the profile (``dapple profile`` once its flags are read)."""
     from dapple.api import profile
-    from dapple.core.output_path import check_output_file
+    from dapple.files.output_path import check_output_file
 
     assert cfg.output is not None  # -o is a required flag
     check_output_file(cfg.output, "--output profile file")  # before any measuring

@@ -191,7 +191,7 @@ def _check_outputs(cfg: SimulateConfig) -> None:
     Raises:
         ValidationError: naming the option and the path.
     """
-    from dapple.core.output_path import check_output_file, check_picture_file
+    from dapple.files.output_path import check_output_file, check_picture_file
 
     for opt in ("gantt", "memory", "layout", "trace"):
         path = getattr(cfg, opt)

@@ -1,17 +1,20 @@
-"""``dapple split``: show the layer chain a model is cut into (pieces, boundaries, tied weights)."""
+"""``dapple split``: show the layer chain a model is cut into (pieces, boundaries, tied weights).
+
+The flags are read once into a :class:`~dapple.api.splitting.SplitConfig`; :func:`run_config`
+runs the chain (:func:`dapple.api.split`) and prints it.
+"""
 
 from __future__ import annotations
 
 import argparse
-from typing import Any
 
 from rich.table import Table
 
+from dapple.api.splitting import SplitConfig
 from dapple.cli._console import console, print_table
-from dapple.cli._model_args import add_model_arguments, model_overrides
-from dapple.errors import ValidationError
+from dapple.cli._model_args import add_model_arguments, model_config
 
-__all__ = ["register"]
+__all__ = ["register", "run_config", "split_config_of"]
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -21,40 +24,35 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.set_defaults(func=run)
 
 
-def _describe(value: Any) -> str:
-    items = value if isinstance(value, tuple) else (value,)
-    return ", ".join(
-        f"{str(t.dtype).removeprefix('torch.')}[{','.join(map(str, t.shape))}]" for t in items
-    )
+def split_config_of(args: argparse.Namespace) -> SplitConfig:
+    """The :class:`SplitConfig` of ``dapple split``'s flags.
+
+    Raises:
+        ValidationError: a ``--set`` item without ``=``.
+    """
+    return SplitConfig(model=model_config(args), batch_size=args.batch_size)
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
+    return run_config(split_config_of(args))
 
-    from dapple.models.zoo import load_workload
-    from dapple.profiler.host_fit import check_training_memory
 
-    if args.batch_size < 1:
-        raise ValidationError(f"--batch-size must be >= 1, got {args.batch_size}")
-    overrides = model_overrides(args)
-    workload = load_workload(args.model, **overrides)
-    check_training_memory(workload, 0.0, what="splitting")  # the whole model is built below
-    tied = {(i, n): g for g, group in enumerate(workload.tied_parameters) for i, n in group}
-    chain = workload.build_model(0)
-    x, _ = workload.make_batch(args.batch_size, 0)
-    table = Table(title=f"{workload.name}: {workload.num_layers} layers (batch {args.batch_size})")
+def run_config(cfg: SplitConfig) -> int:
+    """Run ``cfg``'s model chain (:func:`dapple.api.split`) and print its pieces (``dapple
+    split`` once its flags are read)."""
+    from dapple import api
+
+    chain = api.split(cfg)
+    table = Table(title=f"{chain.model}: {chain.num_layers} layers (batch {cfg.batch_size})")
     for col in ("#", "layer", "params", "output", "tied"):
         table.add_column(col, justify="right" if col in ("#", "params") else "left")
-    with torch.no_grad():
-        for i, piece in enumerate(chain):
-            x = piece(x)
-            names = [n for n, _ in piece.named_parameters()]
-            table.add_row(
-                str(i),
-                workload.name_of(i),
-                f"{sum(p.numel() for p in piece.parameters()):,}",
-                _describe(x),
-                ", ".join(f"{n} (group {tied[(i, n)]})" for n in names if (i, n) in tied),
-            )
+    for i, piece in enumerate(chain.pieces):
+        table.add_row(
+            str(i),
+            piece.name,
+            f"{piece.params:,}",
+            piece.output,
+            ", ".join(f"{name} (group {g})" for name, g in piece.tied),
+        )
     print_table(console(), table)
     return 0

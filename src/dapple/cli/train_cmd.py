@@ -35,10 +35,10 @@ from dapple.cli._train_flags import (
 )
 from dapple.cli._train_show import add_show_arguments, loss_curve_path, print_summary
 from dapple.core.cluster_presets import describe_presets
-from dapple.core.output_path import check_output_dir, check_output_file, check_picture_file
 from dapple.core.plan import Plan
 from dapple.core.planning_options import NONFINITE_MODES
 from dapple.errors import ValidationError
+from dapple.files.output_path import check_output_dir, check_output_file, check_picture_file
 
 if TYPE_CHECKING:  # torch-free import of the CLI
     from dapple.api.run_config import RunConfig

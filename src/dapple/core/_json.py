@@ -8,8 +8,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from dapple.core.output_path import make_parent_dirs
 from dapple.errors import ValidationError
+from dapple.files.output_path import make_parent_dirs
+from dapple.files.text_file import read_text_file
 
 __all__ = [
     "as_float",
@@ -19,30 +20,8 @@ __all__ = [
     "get_field",
     "load_json_file",
     "parse_json_text",
-    "read_text_file",
     "require",
 ]
-
-
-def read_text_file(path: str | Path, what: str) -> str:
-    """The UTF-8 text of file ``path``; ``what`` names the file in errors (``"cluster file"``).
-
-    Raises:
-        ValidationError: the file is missing, a directory, unreadable, or not UTF-8 text (the
-            message names the first bad byte and its offset).
-    """
-    p = Path(path)
-    try:
-        raw = p.read_bytes()
-    except OSError as e:
-        raise ValidationError(f"cannot read {what} {str(p)!r}: {e.strerror or e}") from None
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise ValidationError(
-            f"{what} {str(p)!r} is not UTF-8 text: byte 0x{raw[e.start]:02x} at offset {e.start} "
-            "(a binary file?)"
-        ) from None
 
 
 def parse_json_text(text: str, where: str) -> Any:

@@ -10,10 +10,11 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from dapple.core._json import load_json_file, read_text_file, require
+from dapple.core._json import load_json_file, require
 from dapple.core.cluster import GIB, Cluster
 from dapple.core.device_kinds import DATASHEET_TFLOPS, DeviceKind
 from dapple.errors import ValidationError
+from dapple.files.text_file import read_text_file
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -31,13 +31,13 @@ from typing import Any
 
 import numpy as np
 
-from dapple.core.atomic_file import write_atomically
-from dapple.core.output_path import check_output_file, refuse_overwrite
 from dapple.datasets.documents import json_rows
 from dapple.datasets.packing import docs_path
 from dapple.datasets.token_file import META_NAME
 from dapple.datasets.tokenizer_dir import check_tokenizer_dir, load_hf_tokenizer
 from dapple.errors import ValidationError
+from dapple.files.atomic_file import write_atomically
+from dapple.files.output_path import check_output_file, refuse_overwrite
 
 __all__ = ["Prepared", "prepare", "val_path"]
 

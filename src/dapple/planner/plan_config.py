@@ -25,7 +25,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dapple.core.config_file import Schema, dump, load
 from dapple.core.plan import Plan
 from dapple.core.planning_options import (
     NONFINITE_MODES,
@@ -36,6 +35,7 @@ from dapple.core.planning_options import (
 )
 from dapple.core.tensor_layout import TENSOR_WIDTHS
 from dapple.errors import ValidationError, renamed_fields
+from dapple.files.config_file import Schema, dump, load
 from dapple.planner.registry import DEFAULT_PLANNER, get_planner
 
 __all__ = [

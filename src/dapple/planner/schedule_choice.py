@@ -36,6 +36,7 @@ __all__ = [
     "check_v_layers",
     "refine_cuts",
     "schedule_variants",
+    "under_schedule",
 ]
 
 
@@ -258,6 +259,44 @@ def best_schedule(
             "no schedule fits the memory: " + "; ".join(f"{c.label}: {c.note}" for c in choices)
         )
     return min(fits, key=lambda c: cast(SimResult, c.result).step_ms), choices
+
+
+def under_schedule(
+    plan: Plan,
+    schedule: str,
+    virtual_stages: int,
+    profile: ModelProfile,
+    cluster: Cluster,
+    *,
+    on_nonfinite: str = "stop",
+) -> Plan:
+    """The planned stages of ``plan`` under ``schedule`` (``virtual_stages`` chunks per device
+    group where it interleaves; :func:`~dapple.simulate.plan_variants.with_schedule`), its
+    step predicted as the schedule's own (:func:`~dapple.cost.schedule_step.schedule_latency`:
+    L of equations 1-3 for GPipe and DAPPLE, else its step rule under the step point of
+    ``on_nonfinite``). A schedule with its own cut (a V) that the DAPPLE planner's plan cannot
+    hold (a group of one layer): its best plan on balanced pipelines
+    (:func:`best_under_schedule`). The one schedule step of :func:`dapple.api.plan` and of
+    ``dapple plan --schedule`` with GPipe or DAPPLE.
+
+    Raises:
+        ValidationError: ``plan``'s stages cannot run under ``schedule`` (from
+            :func:`~dapple.simulate.plan_variants.with_schedule`) and, for a V on a searched
+            plan, no balanced pipeline fits either.
+    """
+    from dapple.planner.registry import searched
+
+    try:
+        new = with_schedule(plan, schedule, virtual_stages)
+    except ValidationError:  # a V the DAPPLE planner's plan cannot hold: balanced pipelines
+        if get_schedule(schedule).cut is None or not searched(plan):
+            raise
+        chosen = best_under_schedule(plan, schedule, profile, cluster, on_nonfinite=on_nonfinite)
+        if chosen.plan is None:
+            raise
+        return chosen.plan
+    predicted = schedule_latency(new, profile, cluster, on_nonfinite=on_nonfinite)
+    return dataclasses.replace(new, predicted_step_ms=predicted)
 
 
 def check_v_layers(schedule: str, profile: ModelProfile, cluster: Cluster) -> None:

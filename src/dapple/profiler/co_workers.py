@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from dapple.core.parent_death import end_with_parent
+from dapple.host.parent_death import end_with_parent
 from dapple.models.workload import Workload
 
 __all__ = ["CoWorkers"]
@@ -28,7 +28,7 @@ class CoWorkers:
     """``n`` forked processes training ``workload`` at batch ``b`` until :meth:`stop`.
 
     Each ends with this process however it ends (SIGKILL included):
-    :func:`dapple.core.parent_death.end_with_parent` is its first act. ``daemon=True`` alone
+    :func:`dapple.host.parent_death.end_with_parent` is its first act. ``daemon=True`` alone
     covers only a parent that exits through Python's shutdown.
     """
 

@@ -25,10 +25,10 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from dapple.core._json import read_text_file
 from dapple.core.layer_profile import AffineTime, LayerProfile
 from dapple.core.profile import ModelProfile
 from dapple.errors import ValidationError
+from dapple.files.text_file import read_text_file
 
 __all__ = [
     "PipeDreamGraph",

@@ -30,8 +30,8 @@ from typing import IO, Any
 
 import torch
 
-from dapple.core.output_path import make_parent_dirs
 from dapple.core.plan import Plan
+from dapple.files.output_path import make_parent_dirs
 from dapple.runtime.chunks import Executor
 from dapple.runtime.memory import ActivationMeter
 from dapple.runtime.step_metrics import StepMetrics

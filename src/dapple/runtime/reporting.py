@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from dapple.core.output_path import make_parent_dirs
 from dapple.datasets import IGNORE_INDEX
+from dapple.files.output_path import make_parent_dirs
 from dapple.runtime.step_metrics import StepMetrics
 from dapple.runtime.train_config import TrainConfig
 

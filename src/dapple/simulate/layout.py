@@ -21,8 +21,8 @@ import matplotlib.pyplot as plt
 from matplotlib.patches import FancyBboxPatch, Patch, Rectangle
 
 from dapple.core.cluster import Cluster
-from dapple.core.output_path import make_parent_dirs
 from dapple.core.plan import Plan, StagePlan
+from dapple.files.output_path import make_parent_dirs
 
 __all__ = ["layout_cells", "plot_layout", "server_label", "stage_label"]
 

@@ -18,7 +18,7 @@ import matplotlib.pyplot as plt
 from matplotlib.axes import Axes
 from matplotlib.patches import Patch
 
-from dapple.core.output_path import make_parent_dirs
+from dapple.files.output_path import make_parent_dirs
 from dapple.schedule.ir import ActionKind
 from dapple.simulate.engine import DeviceStats, SimResult
 

@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from dapple.core.output_path import make_parent_dirs
+from dapple.files.output_path import make_parent_dirs
 from dapple.schedule.ir import ActionKind
 from dapple.simulate.engine import DeviceStats, SimResult
 

@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from dapple.core.atomic_file import write_atomically
 from dapple.errors import DappleError
+from dapple.files.atomic_file import write_atomically
 
 logger = logging.getLogger("dapple.runtime.checkpoint")
 
@@ -154,7 +154,7 @@ def fsync_dir(path: Path) -> None:
 
 
 def atomic_write(path: Path, data: bytes) -> _FileRecord:
-    """Write ``data`` whole at ``path`` (:func:`~dapple.core.atomic_file.write_atomically`);
+    """Write ``data`` whole at ``path`` (:func:`~dapple.files.atomic_file.write_atomically`);
     its record for the manifest (name, size, sha256)."""
     write_atomically(path, data)
     return _FileRecord(path.name, len(data), hashlib.sha256(data).hexdigest())

@@ -4,7 +4,7 @@ A standalone ``dapple train`` loads (and traces) the model in the launcher to ch
 against it before any compute, and every worker loads it again to build its stage. Done one
 after the other, the launcher's load, the workers' start (a new session, the runtime's imports)
 and their load add up; ``torchrun`` has no launcher-side load at all. :class:`EarlyWorkers`
-starts the workers first thing: each takes its own session (:mod:`dapple.core.own_session`),
+starts the workers first thing: each takes its own session (:mod:`dapple.host.own_session`),
 binds its life to the launcher's, loads the model from its spec and then waits for its run on
 a pipe, while the launcher loads the model and checks the plan, the data and the checkpoints.
 
@@ -33,7 +33,7 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-from dapple.core.own_session import Deferred, run_in_own_session
+from dapple.host.own_session import Deferred, run_in_own_session
 from dapple.log_lines import use_log_lines
 from dapple.models.workload import Workload
 from dapple.runtime.launch.local import (

@@ -10,7 +10,7 @@ prints that one line (:func:`dapple.runtime.launch.failure.rank_report`).
 
 The standalone launcher (:mod:`dapple.runtime.launch.local`): its workers end when it ends, however
 it ends (SIGKILL included); SIGTERM or SIGINT to it stops every worker first; each worker runs in a
-session of its own (:mod:`dapple.core.own_session`: Ctrl-C reaches only the launcher, which stops
+session of its own (:mod:`dapple.host.own_session`: Ctrl-C reaches only the launcher, which stops
 them) and ignores SIGINT; the rendezvous and gloo listen on ``127.0.0.1`` only. It waits for all
 workers (at most ``timeout_s`` plus a grace period after the first failure, then kills stragglers)
 and reports every rank's exit code or signal. Rank 0 (and the first replica of each stage) prints
@@ -37,11 +37,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from dapple.core.cpu_cores import threads_per_worker
-from dapple.core.host_memory import keep_freed_memory
-from dapple.core.own_session import Deferred, run_in_own_session
 from dapple.core.plan import Plan
 from dapple.errors import DappleError, ValidationError
+from dapple.host.cpu_cores import threads_per_worker
+from dapple.host.host_memory import keep_freed_memory
+from dapple.host.own_session import Deferred, run_in_own_session
 from dapple.models.workload import Workload
 from dapple.runtime.comm import set_host_staged, transport_for
 from dapple.runtime.engine import run_plan, validate_run
@@ -134,7 +134,7 @@ def init_distributed(config: TrainConfig, local_world: int) -> torch.device:
     (:func:`dapple.runtime.launch.local.local_store`); anywhere else as the env says (RANK,
     WORLD_SIZE, MASTER_ADDR/PORT, e.g. from ``torchrun``, on any host). A CPU rank also sets its
     intra-op threads (the cores over the local processes) and keeps freed memory for the next
-    step (:func:`dapple.core.host_memory.keep_freed_memory`)."""
+    step (:func:`dapple.host.host_memory.keep_freed_memory`)."""
     local_rank = int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")))
     device = _pick_device(config.device, local_rank)
     pinned = pin_cores(local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", local_world)))
@@ -184,7 +184,7 @@ def spawn(
     The workers end with this process however it ends, meet on loopback only, and are stopped
     by SIGTERM or SIGINT to it (see the module docstring). Each starts a session of its own
     before it imports anything heavy, as ``torchrun``'s workers do
-    (:mod:`dapple.core.own_session`: on a busy machine they get torchrun's share of the CPU).
+    (:mod:`dapple.host.own_session`: on a busy machine they get torchrun's share of the CPU).
     With ``early`` (``nprocs`` of them, started before the run was known,
     :class:`~dapple.runtime.launch.early.EarlyWorkers`) they get the run instead of new processes.
     ``closing`` makes the line written to stderr when a signal stopped them (its name given).

@@ -1,7 +1,7 @@
 """A single-host launch beyond starting processes: workers that end with their launcher, and a
 rendezvous that listens on loopback only (used by :func:`dapple.runtime.launch.launcher.spawn`).
 
-Lifetimes. A worker starts in a session of its own (:mod:`dapple.core.own_session`: its share
+Lifetimes. A worker starts in a session of its own (:mod:`dapple.host.own_session`: its share
 of a busy machine's CPU, as a ``torchrun`` worker's; terminal signals reach only the launcher),
 bound to end with the launcher before it imports anything heavy, and once its code is imported
 arms :func:`end_with_launcher` as well: on Linux

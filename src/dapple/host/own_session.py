@@ -23,7 +23,7 @@ from collections.abc import Callable
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
-from dapple.core.parent_death import end_with_parent
+from dapple.host.parent_death import end_with_parent
 
 __all__ = ["SHARED_SESSION_ENV", "Deferred", "run_in_own_session"]
 
@@ -46,7 +46,7 @@ class Deferred:
 
 def run_in_own_session(call: bytes, launcher: int | None = None) -> None:
     """In a spawned worker: end with ``launcher`` (its pid, taken before the worker started;
-    :func:`dapple.core.parent_death.end_with_parent`) from now on, so that a launcher killed
+    :func:`dapple.host.parent_death.end_with_parent`) from now on, so that a launcher killed
     while the worker still imports leaves nothing behind; start a new session (see the module
     docstring; not with ``DAPPLE_SHARED_SESSION=1``, nor where sessions cannot be made); then
     unpickle and run the :class:`Deferred` call."""

@@ -29,8 +29,8 @@ from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, Union
 
-from dapple.core._json import read_text_file
 from dapple.errors import ValidationError
+from dapple.files.text_file import read_text_file
 
 if sys.version_info >= (3, 11):
     import tomllib
