@@ -88,7 +88,7 @@ def test_host_cpu_terms_are_measured_on_one_intra_op_thread(monkeypatch):
 
     monkeypatch.setattr(machine, "_point_to_point", record("p2p", ([], 0.0)))
     monkeypatch.setattr(machine, "runtime_overheads", record("overheads", (0.0, 0.0)))
-    monkeypatch.setattr(machine, "busy_sweep", record("sweep", [1.0]))
+    monkeypatch.setattr(machine, "busy_sweep_clocks", record("sweep", ([1.0], [1.0])))
     monkeypatch.setattr(dist, "barrier", lambda: None)
     old = torch.get_num_threads()
     torch.set_num_threads(2)

@@ -110,7 +110,7 @@ def test_co_worker_profile_is_cpu_time_under_load() -> None:
 
     wl = mlp(layers=2, in_features=8, hidden=16)
     prof = profile_workload(wl, [1, 2], repeats=2, warmup=1, num_threads=1, co_workers=2)
-    assert prof.device == "cpu (CPU time, 2 co-workers)"
+    assert prof.device == "cpu (CPU time, 2 co-workers)" and prof.clock == "cpu"
     assert all(x.forward.at(2) > 0 for x in prof.layers)
     with pytest.raises(ValidationError, match="co_workers must be an integer >= 1, got 0"):
         profile_workload(wl, [1], co_workers=0)

@@ -22,8 +22,12 @@ E = 0); plain per-thread fair sharing looks like E competing threads. ``busy_swe
 fixed matmul with k = 1 .. N workers computing at once and ``fit_sharing`` fits (c, E) of
 ``t_k / t_1 = max(1, (k + E) / c) / max(1, (1 + E) / c)`` (an idle machine gives c = cores,
 E = 0). The workers time a long run of matmuls after a barrier and keep the wall time per matmul of its
-middle half. (``_fit`` without ``cores``, the older calibration,
-puts the all-busy ratio ``t_shared / t_alone`` into ``compute_slowdown`` and leaves c unset.)
+middle half (:mod:`dapple.calibrate.compute_share`). Those ratios are relative to a lone
+worker; the same sweep's CPU time gives ``lone_wall_per_cpu`` = W, the lone worker's wall ms
+per CPU ms (1 on idle cores; 4-8 on 2 cores at load 15-28), which turns a CPU-time profile and
+the host terms into wall time (:mod:`dapple.cost.cpu_clock`). (``_fit`` without ``cores``, the
+older calibration, puts the all-busy ratio ``t_shared / t_alone`` into ``compute_slowdown`` and
+leaves c unset.)
 
 Launch: the local processes are started by :func:`dapple.runtime.spawn`, as training's are, so
 they end with the calling process however it ends (SIGKILL included), SIGTERM or SIGINT to it
@@ -33,13 +37,12 @@ stops them first, and they meet on loopback only (rank 0's TCPStore on the launc
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 import logging
 import os
 import statistics
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,6 +51,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.constants import default_pg_timeout
 
+from dapple.calibrate.compute_share import (
+    _matmul_ms,
+    busy_sweep,
+    busy_sweep_clocks,
+    fit_sharing,
+    lone_wall_per_cpu,
+)
 from dapple.calibrate.overheads import comm_cpu_fit, runtime_overheads
 from dapple.core.cluster import GIB, Cluster
 from dapple.core.layer_profile import fit_affine
@@ -57,6 +67,7 @@ __all__ = [
     "DEFAULT_SIZES",
     "CalibrationResult",
     "busy_sweep",
+    "busy_sweep_clocks",
     "calibrate",
     "fit_sharing",
     "runtime_threads",
@@ -90,44 +101,6 @@ def runtime_threads(nproc: int) -> int:
     :func:`dapple.runtime.launch.launcher.init_distributed`); profile CPU workloads with this
     count."""
     return threads_per_worker(nproc)
-
-
-MATMUL_WINDOW_MS = 160.0
-"""How long each worker of :func:`busy_sweep` (and the lone timing) runs matmuls back to back.
-A window of wall time, not a count of matmuls: with more busy workers than cores, a fixed count
-lets the first-scheduled workers finish early and the rest run on freed cores, so the timed
-stretches overlap only partly and every ratio above the core count reads low (1.47 for 4
-workers on 2 cores where they share at 2.0; :func:`fit_sharing` then fits a background load
-E of about 5 that the machine does not have, ``benchmarks/fidelity.md``)."""
-
-
-def _matmul_ms(
-    window_ms: float = MATMUL_WINDOW_MS,
-    n: int = 384,
-    clock: Callable[[], float] = time.perf_counter,
-) -> float:
-    """Wall time per ``n x n`` matmul over the middle half of a ``window_ms`` stretch of
-    back-to-back runs.
-
-    Wall time of the whole middle stretch, not per-matmul medians: a process descheduled by the
-    OS (cores shared) loses that time between matmuls. The edges are dropped because workers
-    started together may not all be running yet (or any more); every worker runs for the same
-    window, so their middle halves overlap whatever share of a core each one gets.
-    """
-    a = torch.randn(n, n)
-    b = torch.randn(n, n)
-    a @ b  # warm-up
-    start = clock()
-    end = start + window_ms / 1e3
-    stamps = [start]
-    while stamps[-1] < end:
-        a @ b
-        stamps.append(clock())
-    lo = bisect.bisect_left(stamps, start + window_ms / 4e3)
-    hi = bisect.bisect_right(stamps, start + 3 * window_ms / 4e3) - 1
-    if hi - lo < 1:  # matmuls longer than a quarter of the window: the whole stretch
-        lo, hi = 0, len(stamps) - 1
-    return (stamps[hi] - stamps[lo]) * 1e3 / (hi - lo)
 
 
 def _matmul_alone_ms(nproc: int) -> float:
@@ -172,7 +145,7 @@ def _measure(rank: int, world: int, sizes: tuple[int, ...], repeats: int) -> dic
             if it > 0:
                 times.append((time.perf_counter() - t0) * 1e3)
         ar.append(statistics.median(times))
-    sweep = busy_sweep(rank, world)
+    sweep, sweep_cpu = busy_sweep_clocks(rank, world)
     with _one_thread():
         action, step = runtime_overheads(rank, world)
     return {
@@ -180,6 +153,7 @@ def _measure(rank: int, world: int, sizes: tuple[int, ...], repeats: int) -> dic
         "ar": ar,
         "shared": sweep[-1],
         "sweep": sweep,
+        "sweep_cpu": sweep_cpu,
         "host": (action, step, comm_cpu),
     }
 
@@ -213,60 +187,6 @@ def _point_to_point(
     both = [torch.tensor(cpu, dtype=torch.float64) for _ in range(world)]
     dist.all_gather(both, torch.tensor(cpu, dtype=torch.float64))
     return p2p, comm_cpu_fit(sizes, [float(x) for x in both[0] + both[1]])
-
-
-def busy_sweep(
-    rank: int, world: int, window_ms: float = MATMUL_WINDOW_MS, sweeps: int = 3
-) -> list[float]:
-    """Matmul wall time (ms, median over the busy ranks) when k = 1 .. world ranks compute at
-    once (the others wait in a barrier, which takes no CPU). Call on every rank.
-
-    The sweep runs ``sweeps`` times and keeps each k's median: one load spike from another
-    program in a single measurement - say the k = 1 time, which would compress every ratio
-    and fake a background load E in :func:`fit_sharing` - does not move a median of three.
-    (Not the minimum: the fastest of several runs is biased low for large k, where a rank
-    that starts late after the barrier shares less of its window.) Every busy rank times the
-    same ``window_ms`` of wall time (:func:`_matmul_ms`), so their timed middles overlap.
-    """
-    runs: list[list[float]] = []
-    for _ in range(max(1, sweeps)):
-        out = []
-        for k in range(1, world + 1):
-            dist.barrier()
-            mine = _matmul_ms(window_ms) if rank < k else 0.0
-            dist.barrier()
-            gathered = [0.0] * world
-            dist.all_gather_object(gathered, mine)
-            out.append(statistics.median(gathered[:k]))
-        runs.append(out)
-    return [statistics.median(ts) for ts in zip(*runs, strict=True)]
-
-
-def fit_sharing(sweep_ms: Sequence[float], max_cores: float) -> tuple[float, float]:
-    """``(c, E)`` (``compute_cores_per_server``, ``background_load_per_server``) that best explain
-    a :func:`busy_sweep`: ``t_k / t_1 = max(1, (k + E) / c) / max(1, (1 + E) / c)`` by least
-    squares on the logs over a grid (c in [1, max_cores] step 0.01, E in [0, 8] step 0.05).
-
-    c below 1 is not needed: with a lone worker already sharing, ``(c, E)`` and ``(1, E')``
-    give the same ratios. Ties keep the largest c, then the smallest E (an idle machine gives
-    ``(max_cores, 0)``).
-    """
-    import math
-
-    t1 = sweep_ms[0]
-    obs = [(k, math.log(t / t1)) for k, t in enumerate(sweep_ms, start=1) if t > 0 and t1 > 0]
-    top = max(1.0, float(max_cores))
-    best_c, best_e, best = top, 0.0, math.inf
-    steps = round((top - 1.0) / 0.01)
-    for i in range(steps + 1):
-        c = 1.0 + (top - 1.0) * i / steps if steps else top
-        for j in range(161):
-            e = j * 0.05
-            base = math.log(max(1.0, (1 + e) / c))
-            err = sum((y - (math.log(max(1.0, (k + e) / c)) - base)) ** 2 for k, y in obs)
-            if err < best - 1e-9 or (abs(err - best) <= 1e-9 and c > best_c):
-                best_c, best_e, best = c, e, err
-    return best_c, best_e
 
 
 def _measure_and_leave(
@@ -331,11 +251,14 @@ def _fit(
     cores: float | None = None,
     sweep: Sequence[float] = (),
     host: Sequence[float] = (0.0, 0.0, 0.0),
+    sweep_cpu: Sequence[float] = (),
 ) -> CalibrationResult:
     """Fits links; ``cores`` (usable cores / threads per worker) selects the sharing model
     (module docstring), None the older all-busy ``compute_slowdown``; ``sweep`` is the
-    :func:`busy_sweep` the background load is fitted to (none: E = 0); ``host`` the runtime's
-    host CPU overheads ``(action ms, step ms, comm CPU ms per MiB)`` (:mod:`dapple.calibrate.overheads`)."""
+    :func:`busy_sweep` the background load is fitted to (none: E = 0) and ``sweep_cpu`` the
+    same sweep's CPU times, whose k = 1 gives ``lone_wall_per_cpu`` (none: 1); ``host`` the
+    runtime's host CPU overheads ``(action ms, step ms, comm CPU ms per MiB)``
+    (:mod:`dapple.calibrate.overheads`)."""
     notes = []
     p2p_bw, latency = _link_fit(sizes, p2p)
     if nproc > 1:
@@ -351,14 +274,16 @@ def _fit(
     gbps = bw * 8e3 / 1e9
     slowdown = max(1.0, shared / alone) if alone > 0 else 1.0
     capacity: float | None = None
-    load = 0.0
+    load, lone = 0.0, 1.0
     if cores is not None:
         capacity, load = fit_sharing(sweep, cores) if len(sweep) > 1 else (float(cores), 0.0)
+        lone = lone_wall_per_cpu(sweep, sweep_cpu)
         ratios = ", ".join(f"{t / sweep[0]:.2f}" for t in sweep) if sweep else "-"
         notes.append(
             f"compute: {cores:g} usable core(s) per server in worker units; matmul with "
             f"k = 1..{len(sweep)} busy: {ratios} x one alone -> compute_cores_per_server "
-            f"{capacity:.2f}, background load {load:.2f}; compute_slowdown 1.0"
+            f"{capacity:.2f}, background load {load:.2f}; compute_slowdown 1.0; a lone "
+            f"worker's wall ms per CPU ms {lone:.2f}"
         )
         slowdown = 1.0
     action, step, comm_cpu = host
@@ -379,6 +304,7 @@ def _fit(
         compute_slowdown=slowdown,
         compute_cores_per_server=capacity,
         background_load_per_server=load,
+        lone_wall_per_cpu=lone,
         action_overhead_ms=action,
         step_overhead_ms=step,
         comm_cpu_ms_per_mb=comm_cpu,
@@ -465,6 +391,7 @@ def _fit_measured(
         cores=usable_cores() / runtime_threads(local),
         sweep=res["sweep"],
         host=res.get("host", (0.0, 0.0, 0.0)),
+        sweep_cpu=res.get("sweep_cpu", ()),
     )
 
 

@@ -78,7 +78,9 @@ def run_config(cfg: CalibrateConfig) -> int:
         con.print(
             f"CPU sharing: {c.compute_cores_per_server:.2f} compute units per server, background "
             f"load {c.background_load_per_server:.2f} (k busy workers each run at "
-            "min(1, c/(k+E)) / min(1, c/(1+E)) of a lone worker's speed)"
+            "min(1, c/(k+E)) / min(1, c/(1+E)) of a lone worker's speed); a lone worker: "
+            f"{c.lone_wall_per_cpu:.2f} ms of wall time per ms of CPU time (1 on idle cores; "
+            "it scales CPU-time profiles and host terms, and moves with the machine's load)"
         )
     con.print(f"wrote {cfg.output}")
     return 0

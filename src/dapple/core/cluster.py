@@ -69,6 +69,13 @@ class Cluster:
     """E: runnable work of *other* programs competing for a server's compute units, in device
     units (only with ``compute_cores_per_server``): k devices computing at once then each get
     ``min(1, c / (k + E))`` of a unit, relative to ``min(1, c / (1 + E))`` for one alone."""
+    lone_wall_per_cpu: float = 1.0
+    """W: wall ms per CPU ms of one device computing alone on a server, other programs' load
+    included. It converts what was timed in CPU time - the layers of a CPU-clock profile
+    (``ModelProfile.clock``) and the host terms below - to a lone device's wall time
+    (:func:`dapple.cost.cpu_clock.on_wall_clock`); :meth:`compute_rate` is relative to that
+    lone device. 1.0 (at least): dedicated devices, or CPU cores no other program uses.
+    Measured by ``dapple calibrate`` (a lone worker's matmul in both clocks)."""
     action_overhead_ms: float = 0.0
     """Host CPU time the runtime spends per program action (F, B, SEND, RECV) beyond the
     profiled layer time: Python, autograd bookkeeping, posting a message. It competes for the
@@ -131,6 +138,11 @@ class Cluster:
         require(
             isinstance(e, (int, float)) and not isinstance(e, bool) and math.isfinite(e) and e >= 0,
             f"cluster {self.name!r}: background_load_per_server must be a number >= 0, got {e!r}",
+        )
+        w = self.lone_wall_per_cpu
+        require(
+            isinstance(w, (int, float)) and not isinstance(w, bool) and math.isfinite(w) and w >= 1,
+            f"cluster {self.name!r}: lone_wall_per_cpu must be a number >= 1, got {w!r}",
         )
         c = self.compute_cores_per_server
         require(
@@ -310,6 +322,9 @@ class Cluster:
             "compute_slowdown": self.compute_slowdown,
             "compute_cores_per_server": self.compute_cores_per_server,
             "background_load_per_server": self.background_load_per_server,
+            **(
+                {"lone_wall_per_cpu": self.lone_wall_per_cpu} if self.lone_wall_per_cpu != 1 else {}
+            ),
             "action_overhead_ms": self.action_overhead_ms,
             "step_overhead_ms": self.step_overhead_ms,
             "comm_cpu_ms_per_mb": self.comm_cpu_ms_per_mb,
@@ -389,6 +404,7 @@ class Cluster:
                 else num("compute_cores_per_server")
             ),
             background_load_per_server=num("background_load_per_server", 0.0),
+            lone_wall_per_cpu=num("lone_wall_per_cpu", 1.0),
             action_overhead_ms=num("action_overhead_ms", 0.0),
             step_overhead_ms=num("step_overhead_ms", 0.0),
             comm_cpu_ms_per_mb=num("comm_cpu_ms_per_mb", 0.0),

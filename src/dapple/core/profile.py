@@ -33,9 +33,22 @@ from dapple.core._json import (
 from dapple.core.layer_profile import LayerProfile
 from dapple.core.precision import TRAINING_PRECISIONS
 
-__all__ = ["PROFILE_SCHEMA_VERSION", "LengthProfile", "ModelProfile", "comparable_fingerprints"]
+__all__ = [
+    "PROFILE_CLOCKS",
+    "PROFILE_SCHEMA_VERSION",
+    "LengthProfile",
+    "ModelProfile",
+    "comparable_fingerprints",
+]
 
 PROFILE_SCHEMA_VERSION = 1
+
+PROFILE_CLOCKS = ("wall", "cpu")
+"""What a profile's times were measured in (:attr:`ModelProfile.clock`)."""
+
+_CPU_CLOCK_DEVICE = "cpu (CPU time, "
+"""How a co-worker profile's ``device`` reads (:func:`dapple.profiler.measure.profile_workload`):
+a file without ``clock`` whose device starts so was measured in CPU time."""
 
 
 def comparable_fingerprints(a: str | None, b: str | None) -> bool:
@@ -160,10 +173,20 @@ class ModelProfile:
     config's heads, key/value heads and MLP units each divisible by t); None: not recorded
     (an analytic, imported or older profile, a model without a Hugging Face config): the
     planner tries every width and the runtime checks the plan's."""
+    clock: str = "wall"
+    """What the layer times measure: ``wall`` time (CUDA events, or a CPU process's wall
+    clock), or ``cpu``, the CPU time of the profiling thread (a profile taken among co-workers,
+    :func:`dapple.profiler.measure.profile_workload`): time while scheduled, without waiting
+    for a core, which ``Cluster.lone_wall_per_cpu`` turns into wall time."""
     schema_version: int = PROFILE_SCHEMA_VERSION
 
     def __post_init__(self) -> None:
         require(len(self.layers) > 0, f"profile {self.model_name!r} has no layers")
+        require(
+            self.clock in PROFILE_CLOCKS,
+            f"profile {self.model_name!r}: clock must be one of {', '.join(PROFILE_CLOCKS)}, "
+            f"got {self.clock!r}"[:200],
+        )
         require(
             self.precision in TRAINING_PRECISIONS,
             f"profile {self.model_name!r}: precision must be one of "
@@ -272,6 +295,8 @@ class ModelProfile:
             out["model_fingerprint"] = self.model_fingerprint
         if self.tensor_widths is not None:
             out["tensor_widths"] = list(self.tensor_widths)
+        if self.clock != "wall":
+            out["clock"] = self.clock
         return out
 
     @staticmethod
@@ -293,10 +318,12 @@ class ModelProfile:
             isinstance(bs, list) and all(isinstance(b, int) for b in bs),
             f"{what}: batch_sizes must be a list of integers, got {bs!r}",
         )
+        device = str(d.get("device", "unknown"))
         return ModelProfile(
             model_name=str(get_field(d, "model_name", what)),
             dtype=str(d.get("dtype", "float32")),
-            device=str(d.get("device", "unknown")),
+            device=device,
+            clock=str(d.get("clock", "cpu" if device.startswith(_CPU_CLOCK_DEVICE) else "wall")),
             batch_sizes=tuple(bs),
             input_bytes_per_sample=as_nonneg(
                 d.get("input_bytes_per_sample", 0.0), f"{what}: input_bytes_per_sample"

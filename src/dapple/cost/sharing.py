@@ -54,7 +54,10 @@ def shared_compute_scale(
     Extension beyond the paper's equations 1-2 (which assume dedicated devices). The simulator
     models processor sharing: k devices of a server computing at once on c =
     ``cluster.compute_cores_per_server`` compute units each progress at ``min(1, c / k)``
-    (:meth:`Cluster.compute_rate`, which also covers a background load E). Device d of stage
+    (:meth:`Cluster.compute_rate`, which also covers a background load E), relative to one
+    device computing alone; F_s, B_s and the host CPU come in as that lone device's wall time
+    (a CPU-time profile and the host terms scaled by ``Cluster.lone_wall_per_cpu``,
+    :mod:`dapple.cost.cpu_clock`). Device d of stage
     s computes ``w_d = F_d + B_d`` per micro-batch over its own slice (plus its host CPU,
     :mod:`dapple.cost.host`). In the steady phase, ``T_s = (M - 1) period_Q`` unstretched
     (equation 1), every stage runs M - 1 micro-batches, so server sigma's concurrency is

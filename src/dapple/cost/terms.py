@@ -5,7 +5,8 @@ Two assemblies, each the only one of its kind:
 * :func:`stage_terms` - every term of a :class:`~dapple.core.plan.Plan`. Per computation stage:
   F, B and the split backward's I, W of each replica's slice (:mod:`dapple.cost.compute`; from
   its device kind's own profile where it has one, :mod:`dapple.core.kind_profiles`), the
-  host CPU extras of each replica (:mod:`dapple.cost.host`), AR(P_s, g_s), the synchronisation
+  host CPU extras of each replica (:mod:`dapple.cost.host`; CPU-time inputs as wall time,
+  :mod:`dapple.cost.cpu_clock`), AR(P_s, g_s), the synchronisation
   under the stage's zero stage and the optimizer update U_s (:mod:`dapple.cost.comm`). Per stage
   boundary: the comm stage (split-concat over the busiest link) and every slice transfer.
   :func:`dapple.cost.pipeline.pipeline_latency`, :func:`dapple.cost.schedule_step.schedule_latency`
@@ -43,6 +44,7 @@ from dapple.cost.comm import (
     transfer_ms,
 )
 from dapple.cost.compute import compute_ms, split_backward_ms
+from dapple.cost.cpu_clock import on_wall_clock
 from dapple.cost.host import HostExtra, apply_host, has_host_terms, host_extras, slowest_extra
 from dapple.cost.latency import Latency, cycle_paced, latency, steady_periods
 from dapple.cost.memory import boundary_bytes, sharded_layer_bytes, sharded_parameter_bytes
@@ -298,6 +300,7 @@ def stage_terms(
     """
     check_tensor_groups(plan, cluster)
     profile = profile_for_plan(profile, plan)
+    cluster = on_wall_clock(profile, cluster)  # CPU-time inputs as a lone device's wall time
     b = plan.micro_batch_size
     extras = host_extras(
         profile,

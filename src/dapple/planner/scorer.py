@@ -25,6 +25,7 @@ from dapple.core.planning_options import ZeroChoice
 from dapple.core.profile import ModelProfile
 from dapple.core.recompute import full_if
 from dapple.cost.comm import busiest_link_ms, link_loads, stage_sync_ms, stage_update_ms
+from dapple.cost.cpu_clock import on_wall_clock
 from dapple.cost.host import HostExtra, has_host_terms, stage_host_extras
 from dapple.cost.memory import boundary_bytes, sharded_layer_bytes, tensor_kept_bytes_per_sample
 from dapple.cost.peak_memory import in_flight_limit, stage_bytes, stage_state_bytes
@@ -78,6 +79,7 @@ class Scorer:
         tensor_width: int = 1,
     ) -> None:
         self.profile = profile
+        cluster = on_wall_clock(profile, cluster)  # CPU-time inputs as wall time, as stage_terms
         self.tensor_width = tensor_width
         """t: every stage's tensor width; candidates' devices are then the tensor groups of
         :func:`~dapple.planner.widths.group_cluster` (:attr:`cluster`)."""

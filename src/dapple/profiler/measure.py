@@ -148,7 +148,8 @@ def profile_workload(
             workers slow each other beyond time-slicing (caches, memory bandwidth), most at
             small batches; that inflation is in these times, and the time-slicing itself is
             the cluster's ``compute_cores_per_server`` (processor sharing in the simulator).
-            The profile's ``device`` then reads ``cpu (CPU time, N co-workers)``.
+            The profile's ``device`` then reads ``cpu (CPU time, N co-workers)`` and its
+            ``clock`` ``cpu``.
         precision: ``fp32``, or ``bf16``/``fp16``: every forward under that autocast, as
             ``dapple train --precision`` runs it (fp16 needs CUDA); recorded in the profile.
         split_backward: also time the two halves of each backward as the runtime's ZB-H1 runs
@@ -200,7 +201,9 @@ def profile_workload(
         torch.set_num_threads(old_threads)
     prof = median_layers(taken, mid)
     if shared:
-        prof = dataclasses.replace(prof, device=f"cpu (CPU time, {co_workers} co-workers)")
+        prof = dataclasses.replace(
+            prof, device=f"cpu (CPU time, {co_workers} co-workers)", clock="cpu"
+        )
     return dataclasses.replace(
         prof, model_fingerprint=model_fingerprint(workload), tensor_widths=_tensor_widths(workload)
     )
