@@ -333,8 +333,7 @@ def report(inp: dict[str, Any]) -> list[str]:
         "(in-run " + ("slowdown" if shared_cpu is None else "W") + ": min "
         f"{min(lone):.2f}, median {statistics.median(lone):.2f}, max {max(lone):.2f}; c: min "
         f"{min(caps):.2f}, median {statistics.median(caps):.2f}, max {max(caps):.2f}; E: min "
-        f"{min(loads):.2f}, median {statistics.median(loads):.2f}, max {max(loads):.2f}); same "
-        "profile, links and host terms; median over rounds.",
+        f"{min(loads):.2f}, median {statistics.median(loads):.2f}, max {max(loads):.2f}).",
         "",
         "| plan (replicas, cuts, M, schedule) | measured ms | old L ms (err) | sharing sim ms "
         "(err) | L, W = 1 ms (err) | L ms (err) | simulated ms (err) | L in-run ms (err) "
