@@ -261,14 +261,15 @@ def _fitted(
     """``cluster`` re-fitted to what was measured right before a chunk: the sharing (c, E)
     to its sweep; a lone worker's wall ms per CPU ms of the profile (the sweep's k = 1 matmul
     over the same matmul's CPU time: the profile holds CPU time, which a loaded machine
-    stretches; :mod:`fidelity` divides by the matmul's wall time after profiling instead);
-    the links' latency to one collective call's (the probe's all-to-all)."""
+    stretches); the links' latency to one collective call's (the probe's all-to-all)."""
     from dapple.calibrate.machine import fit_sharing
 
     c, e = fit_sharing(sweep, inp["usable_cores"] / inp["threads"])
     ref = inp.get("matmul_cpu_ms") or inp["matmul_alone_ms"]
+    # the in-run wall per CPU ms is the compute slowdown here, so the calibration's own
+    # lone_wall_per_cpu (dapple.cost.cpu_clock) is not charged on top of it
     out = dataclasses.replace(cluster, compute_cores_per_server=c, background_load_per_server=e,
-                              compute_slowdown=sweep[0] / ref)  # fmt: skip
+                              compute_slowdown=sweep[0] / ref, lone_wall_per_cpu=1.0)  # fmt: skip
     if probe is not None:
         out = dataclasses.replace(out, intra_server_latency_ms=probe[1],
                                   inter_server_latency_ms=probe[1])  # fmt: skip
