@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from builders import link_cluster, llm_layer
 from dapple.core.cluster import Cluster
+from dapple.core.cuts import with_cuts
 from dapple.core.plan import Plan
 from dapple.core.profile import ModelProfile
 from dapple.cost.schedule_step import device_memory_by_group, schedule_latency
@@ -28,6 +29,7 @@ from dapple.planner.interleaving import (
     best_interleaved,
     grid_offers,
     group_work_ms,
+    leaner_cuts,
     lower_bound_ms,
     memory_floor_bytes,
     own_offers,
@@ -91,6 +93,51 @@ def test_balanced_cuts_keep_every_chunk_non_empty() -> None:
     assert got == [0, 1, 2, 3, 4]  # four layers in four chunks: nothing can move
 
 
+def test_leaner_cuts_by_hand() -> None:
+    """P = 2, v = 2, six layers of cost 1 (T = 3, 3 at [0, 2, 3, 4, 6]) and a floor that
+    counts the first chunk's layers twice: the pair move of boundaries 1 and 3 (a layer each
+    way between the groups) lowers it from 5 to 4 with both T_g kept; every single move from
+    either cuts raises max T_g. It stops once the floor is within the target, and keeps the
+    cuts when no move lowers the floor."""
+    pre = [[0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0]] * 2
+
+    def floor(cuts: list[int]) -> float:
+        return 2.0 * cuts[1] + (cuts[2] - cuts[1])
+
+    assert floor([0, 2, 3, 4, 6]) == 5.0 and group_work_ms(pre, [0, 2, 3, 4, 6]) == [3.0, 3.0]
+    got = leaner_cuts(pre, [0, 2, 3, 4, 6], floor, target=0.0)
+    assert got == [0, 1, 3, 5, 6] and group_work_ms(pre, got) == [3.0, 3.0] and floor(got) == 4.0
+    assert leaner_cuts(pre, [0, 2, 3, 4, 6], floor, target=5.0) == [0, 2, 3, 4, 6]
+    assert leaner_cuts(pre, got, floor, target=0.0) == got  # a fixed point
+
+
+def test_a_balanced_re_cut_over_memory_is_moved_until_it_fits() -> None:
+    """8 blocks on 4 devices of 10 GiB, global batch 8: no interleaved grid point fits at its
+    own cuts or re-balanced by time (the re-balanced first chunk holds the most micro-batches
+    in flight), so the search before :func:`leaner_cuts` had no interleaved plan here. Moved
+    towards a lower memory floor at no larger max T_g, one does (L 9,801 ms, P = 2, M = 4)."""
+    prof, cluster, B = _llm(8, 0.25, 1.0), _cluster(1, 4, memory_gib=10.0), 8
+    scorers = _scorers(prof, cluster, B, 3)
+    offers = grid_offers(prof, cluster, B, [1], micro_batch_candidates(B), lambda p: True)
+    usable = cluster.usable_memory_bytes
+    got = best_interleaved(offers, scorers, prof, cluster, math.inf)
+    assert got is not None
+    L, _, plan = got
+    assert plan.predicted_step_ms == L == pytest.approx(schedule_latency(plan, prof, cluster))
+    assert pytest.approx(9801.039, rel=1e-6) == L
+    assert max(device_memory_by_group(plan, prof)) <= usable
+    o = next(
+        o
+        for o in offers
+        if (o.P, o.M, o.width, o.chunks[0][2:])
+        == (plan.num_groups, plan.num_micro_batches, 1, (2, 1))
+    )
+    pre = [_prefix(scorers[1], -(-o.b // r)) for _, _, r, _ in o.chunks[: o.P]]
+    recut = balanced_cuts(pre, o.cuts)
+    assert memory_floor_bytes(with_cuts(o.build(), recut), prof) > usable  # the old answer fails
+    assert plan.stages[0].layers != (recut[0], recut[1])
+
+
 def test_regather_variants_of_a_plan_without_zero3_is_the_plan() -> None:
     prof, cluster, B = _llm(), _cluster(), 8
     c = next(c for c in grid_candidates(prof, cluster, B) if c.point.schedule == "interleaved")
@@ -139,14 +186,24 @@ def _tp_ok(prof: ModelProfile, plan: Plan) -> bool:
 def _brute_force(
     offers: list[Offer], scorers: dict[int, Scorer], prof: ModelProfile, cluster: Cluster
 ) -> float:
-    """Least L over every offer at its own and its re-balanced cuts and every regather variant
-    that fits (no bound, no order), checking on the way that every bound holds."""
+    """Least L over every offer at its own, its re-balanced and (where the re-balanced plan's
+    memory floor is over) its leaner cuts and every regather variant that fits (no bound, no
+    order), checking on the way that every bound holds."""
     best = math.inf
     for o in offers:
         pre = [_prefix(scorers[t], -(-o.b // r)) for _, _, r, t in o.chunks[: o.P]]
         recut = balanced_cuts(pre, o.cuts)
         assert any_cuts_bound_ms(pre, o.v, o.M) <= lower_bound_ms(pre, recut, o.v, o.M)
-        for cuts in (o.cuts, recut):
+        tried = [o.cuts, recut]
+        usable = cluster.usable_memory_bytes
+
+        def floor(cuts: list[int], o: Offer = o) -> float:  # gathering once per step
+            return memory_floor_bytes(next(regather_variants(with_cuts(o.build(), cuts))), prof)
+
+        if floor(recut) > usable:  # and moved towards a floor within the devices' memory
+            tried.append(leaner_cuts(pre, recut, floor, usable))
+            assert any_cuts_bound_ms(pre, o.v, o.M) <= lower_bound_ms(pre, tried[-1], o.v, o.M)
+        for cuts in tried:
             plan = o.build()
             plan = dataclasses.replace(
                 plan,
@@ -297,3 +354,26 @@ def test_a_huge_batch_offers_and_costs_a_bounded_set_of_plans(
     assert seen
     assert all(p.num_micro_batches * p.num_stages <= MAX_INTERLEAVED_ACTIONS for p in seen)
     assert dapple_search(prof, cluster, B, zero_stage=3, interleaved=True).global_batch_size == B
+
+
+def test_llama3_8b_on_64_h100_keeps_the_memory_lean_re_cut() -> None:
+    """`plan_space.py`'s Llama-3 8B case (selective, sequence 8192, 8 x 8 H100, global batch
+    128, ZeRO-3, every width, interleaved): the 4-stage x 16 plan's re-balanced chunks read
+    2,121.1 ms but need 81.9 GiB on group 0; their memory-lean twin (embedding + 3 blocks in the
+    first chunk) reads the same and fits. Without :func:`leaner_cuts` the search returned a
+    1F1B plan of 2,252.1 ms."""
+    from dapple.core.cluster_presets import load_cluster
+    from dapple.planner.widths import width_candidates
+    from dapple.profiler.analytic import analytic_profile
+
+    prof = analytic_profile(
+        "llama3-8b", "h100", precision="bf16", seq_len=8192, recompute="selective"
+    )
+    cluster = load_cluster("h100-8x", servers=8)
+    plan = dapple_search(
+        prof, cluster, 128, tensor_widths=width_candidates(prof, cluster), zero_stage=3,
+        interleaved=True,
+    )  # fmt: skip
+    assert plan.schedule == "interleaved" and plan.num_groups == 4
+    assert plan.predicted_step_ms == pytest.approx(2121.1, abs=0.1)
+    assert max(device_memory_by_group(plan, prof)) <= cluster.usable_memory_bytes

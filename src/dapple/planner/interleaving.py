@@ -31,7 +31,11 @@ work does not grow with the global batch:
 
 Each candidate is also tried with its chunk boundaries re-balanced by time
 (:func:`balanced_cuts`: torchtitan splits by layer count, not time, and an embedding or an LM
-head is not a block), bounded until then by :func:`any_cuts_bound_ms`. A chunk of width t > 1
+head is not a block), bounded until then by :func:`any_cuts_bound_ms`. Cuts of equal
+``max_g T_g`` may differ in memory (the first chunks of the first groups hold the most
+micro-batches in flight), so where the re-balanced plan's :func:`memory_floor_bytes` is over the
+devices' memory, its boundaries are also moved until the floor is within it, at no larger
+``max_g T_g`` (:func:`leaner_cuts`), and that plan is tried too. A chunk of width t > 1
 must hold a shardable layer (``LayerProfile.tensor_parallel``; its t ranks would repeat its
 work otherwise), as in the DP. Pure, no torch.
 """
@@ -50,7 +54,7 @@ from dapple.core.cuts import rounded_to_chunks, with_cuts
 from dapple.core.plan import Plan, interleave
 from dapple.core.profile import ModelProfile
 from dapple.cost.at_length import profile_for_plan
-from dapple.cost.peak_memory import device_static, plan_stage_bytes
+from dapple.cost.peak_memory import StageBytes, device_static, plan_stage_bytes
 from dapple.cost.schedule_step import device_memory_by_group, schedule_latency
 from dapple.planner.grid import (
     INTERLEAVED,
@@ -73,6 +77,7 @@ __all__ = [
     "best_interleaved",
     "grid_offers",
     "group_work_ms",
+    "leaner_cuts",
     "lower_bound_ms",
     "memory_floor_bytes",
     "own_offers",
@@ -199,6 +204,46 @@ def balanced_cuts(pre: Sequence[Sequence[float]], cuts: Sequence[int]) -> list[i
     return out
 
 
+def leaner_cuts(
+    pre: Sequence[Sequence[float]],
+    cuts: Sequence[int],
+    floor: Callable[[list[int]], float],
+    target: float,
+) -> list[int]:
+    """Chunk boundaries with ``floor`` (a plan's memory at those cuts) at most ``target``, or as
+    low as reached, and ``max_g T_g`` no larger than at ``cuts``: a hill climb from ``cuts``, the
+    first move that lowers ``floor`` taken, until it is within ``target``, at most 4 N rounds (N
+    layers). The moves: boundaries k and k + P together in opposite directions by one layer (a
+    layer each way between the groups on either side of them, which keeps both T_g where the
+    two layers cost the same), then one boundary by one layer."""
+    P, out = len(pre), list(cuts)
+    cap = max(group_work_ms(pre, out)) * (1 + SLACK)
+    least = floor(out)
+    moves: list[tuple[tuple[int, int], ...]] = [
+        ((k, d), (k + P, -d)) for k in range(1, len(out) - 1 - P) for d in (-1, 1)
+    ]
+    moves += [((k, d),) for k in range(1, len(out) - 1) for d in (-1, 1)]
+    for _ in range(4 * (out[-1] + 1)):
+        if least <= target:
+            break
+        improved = False
+        for move in moves:
+            cand = list(out)
+            for k, d in move:
+                cand[k] += d
+            if any(b <= a for a, b in itertools.pairwise(cand)):
+                continue
+            if max(group_work_ms(pre, cand)) > cap:
+                continue
+            got = floor(cand)
+            if got < least:
+                out, least, improved = cand, got, True
+                break
+        if not improved:
+            break
+    return out
+
+
 def _shards(profile: ModelProfile, chunks: Sequence[ChunkStage]) -> bool:
     """Every chunk of width t > 1 holds a shardable layer."""
     tp = [x.tensor_parallel for x in profile.layers]
@@ -220,7 +265,9 @@ def best_interleaved(
     with ``predicted_step_ms`` = L; None when there is none.
 
     Best first by lower bound (module docstring), each offer at its own cuts and re-cut by
-    :func:`balanced_cuts` (bounded by :func:`any_cuts_bound_ms` until re-cut); a plan is costed
+    :func:`balanced_cuts` (bounded by :func:`any_cuts_bound_ms` until re-cut), and, when that
+    plan is reached and its memory floor is over the devices', at :func:`leaner_cuts`' cuts
+    (:func:`_leaner`, ranked by their own bound); a plan is costed
     by :func:`~dapple.cost.schedule_step.schedule_latency` while its bound is below the best L found,
     and its memory replayed (:func:`~dapple.cost.schedule_step.device_memory_by_group`) while its L
     is, its regather variants in turn (:func:`regather_variants`).
@@ -229,11 +276,14 @@ def best_interleaved(
     heap: list[tuple[float, int, int, list[int] | None]] = []  # (bound, width, entry, cuts)
     entries = itertools.count()
     offer_of: dict[int, Offer] = {}
+    recut: set[int] = set()  # the entries at balanced_cuts' cuts
+    usable = cluster.usable_memory_bytes
 
-    def push(bound: float, o: Offer, cuts: list[int] | None) -> None:
+    def push(bound: float, o: Offer, cuts: list[int] | None) -> int:
         n = next(entries)
         offer_of[n] = o
         heapq.heappush(heap, (bound, o.width, n, cuts))
+        return n
 
     for o in offers:
         pre = costs.groups(o)
@@ -247,16 +297,37 @@ def best_interleaved(
         if cuts is None:  # re-cut, then ranked by its own bound
             pre = costs.groups(o)
             new = balanced_cuts(pre, o.cuts)
-            if new != o.cuts and _shards(profile, _at_cuts(o, new)):
-                push(lower_bound_ms(pre, new, o.v, o.M), o, new)
+            if _shards(profile, _at_cuts(o, new)):
+                recut.add(push(lower_bound_ms(pre, new, o.v, o.M), o, new))
             continue
         plan = o.build() if cuts == o.cuts else with_cuts(o.build(), cuts)
+        if n in recut:  # over memory: also the leaner cuts, ranked by their own bound
+            pre = costs.groups(o)
+            lean = _leaner(pre, plan, profile, usable)
+            if lean is not None and _shards(profile, _at_cuts(o, lean)):
+                push(lower_bound_ms(pre, lean, o.v, o.M), o, lean)
+            if cuts == o.cuts:
+                continue  # costed at its own cuts
         for variant in regather_variants(plan, ZERO3_REGATHER in zero3_modes(profile)):
             L = _fitting_ms(variant, profile, cluster, limit)
             if L is not None:
                 best, limit = (L, width, dataclasses.replace(variant, predicted_step_ms=L)), L
                 break
     return best
+
+
+def _leaner(
+    pre: Sequence[Sequence[float]], plan: Plan, profile: ModelProfile, usable: float
+) -> list[int] | None:
+    """The cuts of :func:`leaner_cuts` from ``plan``'s, where the memory floor
+    (:func:`memory_floor_bytes`) of ``plan`` gathering once per step (its first
+    :func:`regather_variants`) is over ``usable``; None where it is not, or no move lowers it."""
+    floor = _floor_at(next(regather_variants(plan)), profile)
+    cuts = [s.layers[0] for s in plan.stages] + [plan.num_layers]
+    if floor(cuts) <= usable:
+        return None
+    lean = leaner_cuts(pre, cuts, floor, usable)
+    return None if lean == cuts else lean
 
 
 def _fitting_ms(
@@ -280,20 +351,40 @@ def memory_floor_bytes(plan: Plan, profile: ModelProfile) -> float:
     :func:`~dapple.schedule.interleaved.interleaved_warmup`, and one more), forward n of
     chunk ``(n // P) mod v`` (:func:`~dapple.cost.peak_memory.device_peak` reaches that level
     before any gradient exists)."""
-    P, v, M = plan.num_groups, plan.virtual_stages, plan.num_micro_batches
     memory = profile_for_plan(profile, plan)
+    return _floor(plan, [plan_stage_bytes(memory, s, plan.micro_batch_size) for s in plan.stages])
+
+
+def _floor(plan: Plan, parts: Sequence[StageBytes]) -> float:
+    """:func:`memory_floor_bytes` of ``plan`` given each (virtual) stage's bytes ``parts``."""
+    P, v, M = plan.num_groups, plan.virtual_stages, plan.num_micro_batches
     worst = 0.0
     for g, w in enumerate(interleaved_warmup(P, M, v)):
-        mine = [
-            plan_stage_bytes(memory, plan.stages[k], plan.micro_batch_size)
-            for k in range(g, plan.num_stages, P)
-        ]
+        mine = parts[g::P]
         cycles, rest = divmod(min(w + 1, M * v), P * v)  # forwards before the first backward
         held = sum(
             (cycles * P + min(max(rest - c * P, 0), P)) * sb.other for c, sb in enumerate(mine)
         )
         worst = max(worst, device_static(mine) + held)
     return worst
+
+
+def _floor_at(plan: Plan, profile: ModelProfile) -> Callable[[list[int]], float]:
+    """:func:`memory_floor_bytes` of ``plan`` at other chunk boundaries, each (virtual) stage's
+    bytes computed once per layer range."""
+    memory = profile_for_plan(profile, plan)
+    known: dict[tuple[int, int, int], StageBytes] = {}
+
+    def part(k: int, start: int, end: int) -> StageBytes:
+        if (k, start, end) not in known:
+            stage = dataclasses.replace(plan.stages[k], layers=(start, end))
+            known[k, start, end] = plan_stage_bytes(memory, stage, plan.micro_batch_size)
+        return known[k, start, end]
+
+    def floor(cuts: list[int]) -> float:
+        return _floor(plan, [part(k, cuts[k], cuts[k + 1]) for k in range(len(cuts) - 1)])
+
+    return floor
 
 
 def regather_variants(plan: Plan, regather: bool = True) -> Iterator[Plan]:
