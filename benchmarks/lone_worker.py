@@ -5,7 +5,7 @@ clocks, over time.
 (:func:`dapple.calibrate.compute_share.busy_sweep_clocks`, one sweep per sample: the matmul with
 k = 1 .. 4 ranks busy, in wall and in CPU time) ``--samples`` times per round, ``--every``
 seconds apart. Each round runs two worker groups one after the other: *own* - every worker in a
-session of its own, as dapple's launcher starts them (``dapple.core.own_session``; under
+session of its own, as dapple's launcher starts them (``dapple.host.own_session``; under
 ``sched_autogroup`` each gets one session's share of the CPU) - and *shared* - all in the
 benchmark's session (``DAPPLE_SHARED_SESSION=1``). Per footing: W = wall / CPU at k = 1
 (``Cluster.lone_wall_per_cpu``), the wall ratios t_k / t_1 the sharing fit reads, the CPU per
@@ -54,7 +54,7 @@ def _worker(rank: int, world: int, port: int, opts: dict[str, Any], out: str) ->
 
 def measure(rounds: int, samples: int, every: float) -> dict[str, list[dict[str, Any]]]:
     """Samples of both footings, alternating over ``rounds``."""
-    from dapple.core.own_session import SHARED_SESSION_ENV
+    from dapple.host.own_session import SHARED_SESSION_ENV
 
     got: dict[str, list[dict[str, Any]]] = {f: [] for f in FOOTINGS}
     opts = {"samples": samples, "every": every}
@@ -140,7 +140,7 @@ def report(got: dict[str, list[dict[str, Any]]], cores: float, every: float) -> 
 
 def main(argv: list[str] | None = None) -> int:
     from dapple.calibrate.machine import runtime_threads
-    from dapple.core.cpu_cores import usable_cores
+    from dapple.host.cpu_cores import usable_cores
 
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--rounds", type=int, default=2, help="rounds, each footing once")
