@@ -157,6 +157,18 @@ def error_spread(errs: Sequence[float]) -> tuple[str, int]:
     return cells, sum(x <= 0.10 for x in a)
 
 
+def error_row(name: str, errs: Sequence[float]) -> str:
+    """One markdown row of relative errors: name, count, median |error|, :func:`error_spread`'s
+    cells and how many lie below -5%."""
+    import statistics
+
+    spread, within = error_spread(errs)
+    return (
+        f"| {name} | {len(errs)} | {100 * statistics.median(abs(e) for e in errs):.1f}% "
+        f"| {spread} | {within} | {sum(e < -0.05 for e in errs)} |"
+    )
+
+
 def back_to_back_ms(step: Callable[[int], None], steps: Sequence[int]) -> list[float]:
     """This rank's ms per step over back-to-back ``step(k)`` calls after one barrier: the period
     between consecutive step ends, as dapple's ``step_ms`` (no barrier inside the chunk, whose

@@ -13,20 +13,11 @@ from __future__ import annotations
 
 import argparse
 import random
-import statistics
 
-from _bench_common import error_spread
+from _bench_common import error_row
 from bounded_latency import _case
 from dapple.cost.pipeline import pipeline_latency
 from dapple.simulate import simulate
-
-
-def _row(name: str, errs: list[float]) -> str:
-    spread, within = error_spread(errs)
-    return (
-        f"| {name} | {len(errs)} | {100 * statistics.median(abs(e) for e in errs):.1f}% "
-        f"| {spread} | {within} | {sum(e < -0.05 for e in errs)} |"
-    )
 
 
 def main() -> None:
@@ -45,9 +36,9 @@ def main() -> None:
     print("| plans | n | median abs. error | 90th pct abs. error | min / max error "
           "| within 10% | below -5% |")  # fmt: skip
     print("|---|---:|---:|---:|---:|---:|---:|")
-    print(_row("all", [r[5] for r in rows]))
+    print(error_row("all", [r[5] for r in rows]))
     for policy in ("A", "B"):
-        print(_row(f"policy {policy}", [r[5] for r in rows if r[1] == policy]))
+        print(error_row(f"policy {policy}", [r[5] for r in rows if r[1] == policy]))
     for i, policy, M, L, sim, err in sorted(rows, key=lambda r: r[5])[: args.worst]:
         print(
             f"- case {i}: policy {policy}, M = {M}: L {L:.1f}, simulated {sim:.1f} ({100 * err:+.1f}%)"

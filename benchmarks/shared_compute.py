@@ -15,9 +15,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import random
-import statistics
 
-from _bench_common import error_spread
+from _bench_common import error_row
 from bounded_latency import _case
 from dapple.core.cluster import Cluster
 from dapple.core.plan import Plan
@@ -47,14 +46,6 @@ def shared_case(rng: random.Random) -> tuple[Plan, ModelProfile, Cluster]:
     return plan, profile, cluster
 
 
-def _row(name: str, errs: list[float]) -> str:
-    spread, within = error_spread(errs)
-    return (
-        f"| {name} | {len(errs)} | {100 * statistics.median(abs(e) for e in errs):.1f}% "
-        f"| {spread} | {within} | {sum(e < -0.05 for e in errs)} |"
-    )
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--cases", type=int, default=300)
@@ -72,11 +63,11 @@ def main() -> None:
     print("| plans | n | median abs. error | 90th pct abs. error | min / max error "
           "| within 10% | below -5% |")  # fmt: skip
     print("|---|---:|---:|---:|---:|---:|---:|")
-    print(_row("all", [r[5] for r in rows]))
+    print(error_row("all", [r[5] for r in rows]))
     for sched in ("dapple", "gpipe"):
-        print(_row(sched, [r[5] for r in rows if r[1] == sched]))
-    print(_row("uneven replication", [r[5] for r in rows if r[2]]))
-    print(_row("even replication", [r[5] for r in rows if not r[2]]))
+        print(error_row(sched, [r[5] for r in rows if r[1] == sched]))
+    print(error_row("uneven replication", [r[5] for r in rows if r[2]]))
+    print(error_row("even replication", [r[5] for r in rows if not r[2]]))
     for i, sched, _, L, sim, err in sorted(rows, key=lambda r: -abs(r[5]))[: args.worst]:
         print(f"- case {i}: {sched}: L {L:.1f}, simulated {sim:.1f} ({100 * err:+.1f}%)")
 

@@ -4,6 +4,7 @@ builders live in ``builders.py``)."""
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 
 import pytest
 
@@ -17,6 +18,19 @@ def standalone(monkeypatch: pytest.MonkeyPatch) -> None:
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setattr("dapple.runtime.launch.early.EarlyWorkers", boom)
+
+
+@pytest.fixture(scope="module")
+def world_of_one() -> Iterator[None]:
+    """A gloo process group of this process alone (an in-memory store), for a module's
+    single-rank runs of the runtime."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 @pytest.fixture(autouse=True)

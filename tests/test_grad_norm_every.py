@@ -11,12 +11,10 @@ per gradient; clipping, which needs every step's norm, is refused with N > 1.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import runtime_workloads as rw
 from dapple.core.plan import straight_plan
@@ -34,13 +32,7 @@ CHECK_OPS = 6
 and the 0-d view (5 here), where the norm makes three per gradient."""
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_rank() -> Iterator[None]:
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # type: ignore[attr-defined]
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("world_of_one")
 
 
 def _run(wl: Workload, steps: int = STEPS, on_step: Any = None, **options: Any) -> Any:

@@ -23,13 +23,10 @@ memory reads giving ``torch.cuda``'s numbers without its flattening of every sta
 
 from __future__ import annotations
 
-import socket
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import runtime_workloads as rw
 from dapple.core.plan import straight_plan
@@ -78,18 +75,6 @@ the step's records and row are built by methods of their own, which ``on_nonfini
 shares, 8910ddd; 174 before;
 writing the norms into each group's vector takes 3 calls more than stacking them, 171; 201
 before a world of one read its row in one copy)."""
-
-
-@pytest.fixture(scope="module")
-def one_rank() -> Iterator[None]:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _config() -> TrainConfig:
@@ -155,13 +140,13 @@ def _extra(wl: Workload) -> dict[int, tuple[int, int]]:
 
 
 @pytest.fixture(scope="module")
-def extra(one_rank: None) -> dict[int, tuple[int, int]]:
+def extra(world_of_one: None) -> dict[int, tuple[int, int]]:
     """:func:`_extra` of the MLP."""
     return _extra(rw.mlp(LAYERS))
 
 
 @pytest.fixture(scope="module")
-def token_extra(one_rank: None) -> dict[int, tuple[int, int]]:
+def token_extra(world_of_one: None) -> dict[int, tuple[int, int]]:
     """:func:`_extra` of the token workload."""
     return _extra(_tokens())
 
@@ -295,7 +280,7 @@ PER_MESSAGE_CALLS = 6
 here; ``torch.distributed.isend`` with its checks took 38)."""
 
 
-def test_a_stage_message_is_posted_on_the_group_in_a_few_calls(one_rank: None) -> None:
+def test_a_stage_message_is_posted_on_the_group_in_a_few_calls(world_of_one: None) -> None:
     import cProfile
     import pstats
 

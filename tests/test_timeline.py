@@ -4,13 +4,9 @@ rank's program per step, in order, with the step's wall and CPU time; nothing wi
 from __future__ import annotations
 
 import json
-import socket
-from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
 import torch
-import torch.distributed as dist
 
 import runtime_workloads as rw
 from dapple.core.plan import straight_plan
@@ -22,25 +18,15 @@ from dapple.schedule.lower import lower
 STEPS, M = 3, 4
 
 
-@pytest.fixture(scope="module")
-def one_rank() -> Iterator[None]:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 def _run(steps: int = STEPS) -> None:
     plan = straight_plan(4, [0], global_batch_size=2 * M, num_micro_batches=M)
     cfg = TrainConfig(steps=steps, seed=0, optimizer="sgd", lr=0.01, timeout_s=60)
     run_plan(plan, rw.mlp(4), cfg, device=torch.device("cpu"))
 
 
-def test_each_step_records_every_action_of_the_program_in_order(one_rank, tmp_path, monkeypatch):
+def test_each_step_records_every_action_of_the_program_in_order(
+    world_of_one, tmp_path, monkeypatch
+):
     monkeypatch.setenv(ENV, str(tmp_path))
     _run()
     (f,) = tmp_path.glob("timeline-*.json")
@@ -66,7 +52,7 @@ def test_each_step_records_every_action_of_the_program_in_order(one_rank, tmp_pa
         assert sum(r["kind"] == "F" for r in acts) == M
 
 
-def test_without_the_variable_nothing_is_written_or_wrapped(one_rank, tmp_path, monkeypatch):
+def test_without_the_variable_nothing_is_written_or_wrapped(world_of_one, tmp_path, monkeypatch):
     monkeypatch.delenv(ENV, raising=False)
     monkeypatch.chdir(tmp_path)
     _run(steps=1)
