@@ -56,3 +56,27 @@ def test_no_plan_found_has_no_twins() -> None:
     from dapple.profiler.paper_models import load_profile
 
     assert zero_twins([], load_profile("paper:bert48"), PRESETS["paper-a"], 64) == []
+
+
+def test_405b_on_512_h100_refines_its_width_2_plan_without_zero2_too() -> None:
+    """Llama-3.1-405B (analytic H100, fp8, full re-computation) on 64 x 8 H100, global batch
+    256, widths 2, 4 and 8. Its width-2 plan (64 two-layer stages, M = 64) picks ZeRO-2 on 8
+    stages where ZeRO-1 and re-computation hold the same micro-batches (L 39,117.23 against
+    38,966.49 without ZeRO-2); the per-stage widths climbed from it to 34,636.46 (52 stages).
+    Refined without ZeRO-2 as well (:class:`~dapple.planner.zero_twins.WithoutZero2`) it ends
+    at 26,953.21 (28 stages), the plan the search found before the profile listed each layer's
+    ``parameter_sizes`` (ZeRO-2's in-flight buckets then fitted nowhere)."""
+    from dapple.cost.pipeline import pipeline_latency
+
+    prof = analytic_profile("llama3.1-405b", "h100", precision="fp8", recompute="full")
+    assert all(x.parameter_sizes for x in prof.layers)  # ZeRO-2 buckets by parameters
+    cluster = load_cluster("h100-8x", 64)
+    plan = dapple_search(prof, cluster, 256, zero_stage="auto", tensor_widths=[2, 4, 8])
+    assert plan.predicted_step_ms <= 26_953.21
+    got = pipeline_latency(plan, prof, cluster)
+    assert got.fits_memory and got.L_ms == pytest.approx(plan.predicted_step_ms, rel=1e-9)
+    from dapple.planner.zero_twins import WithoutZero2
+
+    no2 = WithoutZero2(prof, cluster, 256, "auto", 2)
+    assert [m.stage for m in no2._modes(0, 2, 4)] == [0, 1, 3]
+    assert [m.stage for m in Scorer(prof, cluster, 256, "auto", 2)._modes(0, 2, 4)] == [0, 1, 2, 3]
