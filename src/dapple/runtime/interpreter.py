@@ -206,7 +206,7 @@ class ProgramInterpreter:
             op._replace(run=self._apply_update) for op in self._reduce if op.action.kind is K.STEP
         ]
         """OPT's second part (clipping, optimizer step, ZeRO's gather): after the step point."""
-        self._timeline = Timeline.from_env({"rank": rank, "plan": plan.to_dict()})
+        self._timeline = Timeline.from_env(rank, plan)
         """This rank's measured timeline (None unless ``DAPPLE_TIMELINE`` is set)."""
         if self._timeline is not None:
             timed = self._timeline.wrap

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from dapple.core.plan import Plan
 from dapple.schedule.ir import Action
 
 __all__ = ["ENV", "Timeline"]
@@ -46,10 +47,11 @@ class Timeline:
         self._t0 = self._c0 = self._p0 = 0.0
 
     @classmethod
-    def from_env(cls, meta: dict[str, Any]) -> Timeline | None:
-        """A timeline writing to ``$DAPPLE_TIMELINE``, or None where it is unset or empty."""
+    def from_env(cls, rank: int, plan: Plan) -> Timeline | None:
+        """Rank ``rank``'s timeline of ``plan``, written to ``$DAPPLE_TIMELINE``; None (and
+        nothing built) where the variable is unset or empty."""
         folder = os.environ.get(ENV)
-        return cls(Path(folder), meta) if folder else None
+        return cls(Path(folder), {"rank": rank, "plan": plan.to_dict()}) if folder else None
 
     def begin_step(self, step: int) -> None:
         """Start step ``step``'s records; times are taken from now."""
