@@ -32,6 +32,7 @@ from dapple.core.cluster import Cluster
 from dapple.core.plan import Plan
 from dapple.core.profile import ModelProfile
 from dapple.simulate import simulate
+from dapple.simulate.result import SimResult
 from fidelity import label
 
 KINDS = ("F", "B", "RECV_F", "SEND_F", "RECV_B", "SEND_B", "AR", "OPT")
@@ -69,13 +70,13 @@ def measured(folder: Path) -> dict[str, dict[str, Any]]:
     return out
 
 
-def simulated(plan: Plan, profile: ModelProfile, cluster: Cluster) -> tuple[float, dict]:
+def simulated(plan: Plan, profile: ModelProfile, cluster: Cluster) -> tuple[SimResult, dict]:
     """The simulated step and per (stage, kind) its actions' durations."""
     r = simulate(plan, profile, cluster)
     acts: dict[tuple[int, str], list[float]] = defaultdict(list)
     for e in r.events:
         acts[e.action.stage, e.action.kind.value].append(e.duration_ms)
-    return r.step_ms, acts
+    return r, acts
 
 
 def report(inputs: Path, folder: Path) -> list[str]:
@@ -96,10 +97,11 @@ def report(inputs: Path, folder: Path) -> list[str]:
         m = meas.get(_key(pd))
         if m is None or not m["steps"]:
             continue
-        step, sim = simulated(plan, profile, cluster)
-        _, nominal = simulated(plan, profile, dedicated)
+        run, sim = simulated(plan, profile, cluster)
+        alone, nominal = simulated(plan, profile, dedicated)
+        step = run.step_ms
         med = lambda xs: statistics.median(xs) if xs else 0.0  # noqa: E731
-        busy = {d.device: d.busy_ms for d in simulate(plan, profile, dedicated).devices}
+        busy = {d.device: d.busy_ms for d in alone.devices}
         lines += [
             f"**{label(plan)}**: measured step {med(m['steps']):.1f} ms (median over ranks "
             f"and steps), simulated {step:.1f} ms. Per rank, medians over steps: wall ms / CPU "

@@ -85,6 +85,7 @@ from dapple.planner.expert_width import (
     with_and_without_widths,
     zero_zero_twin,
 )
+from dapple.planner.move_scores import WidthStage
 from dapple.planner.partition import block_partition
 from dapple.planner.scorer import Scored, Scorer, StageSpec
 from dapple.planner.search_offers import with_offers
@@ -373,11 +374,15 @@ def _without_zero2(
     made L higher there, and the local search may climb from it to a higher L than without."""
     if all(z.stage != 2 for z in scored.zero_modes):
         return []  # without ZeRO-2 each stage picks as it did: the same L
-    start = [(s, e, real_devices(d, t), t) for s, e, d in stages]
-    got = no2.score(start, M)
+    got = no2.score(_at_width(stages, t), M)
     if got is None or got.L_ms >= scored.L_ms:
         return []
     return _stage_widths(no2, t, stages, M, got, Ms)
+
+
+def _at_width(stages: list[StageSpec], t: int) -> list[WidthStage]:
+    """The width-t search's stages as per-stage-width stages: each on its real devices, width t."""
+    return [(s, e, real_devices(d, t), t) for s, e, d in stages]
 
 
 def _finest_start(
@@ -432,8 +437,7 @@ def _stage_widths(
 ) -> list[tuple[float, int, Plan]]:
     """The plan of per-stage widths refined from the width-t search's plan
     (:func:`~dapple.planner.stage_widths.refine_stage_widths`), when its L is lower."""
-    start = [(s, e, real_devices(d, t), t) for s, e, d in stages]
-    got = refine_stage_widths(mixed, start, M, Ms)
+    got = refine_stage_widths(mixed, _at_width(stages, t), M, Ms)
     if got is None or got[2].L_ms >= scored.L_ms:
         return []
     mixed_stages, m, best = got
