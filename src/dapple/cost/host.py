@@ -36,7 +36,7 @@ from dapple.core.cluster import Cluster
 from dapple.core.plan import transfers
 from dapple.core.profile import ModelProfile
 from dapple.cost.latency import cycle_paced, latency, steady_periods
-from dapple.cost.sharing import shared_compute_scale, shared_periods
+from dapple.cost.sharing import all_at_once, own_stretch, shared_compute_scale, shared_periods
 
 __all__ = [
     "MIB",
@@ -178,7 +178,10 @@ def apply_host(
     2. Only with ``cluster.compute_cores_per_server``: F_s, B_s and the per-step host CPU
        stretch by alpha_s (:func:`shared_compute_scale`, from the compute span: equations 1-3
        with the per-step host CPU in place of AR), the periods by the steady phase's bursts
-       and the servers' capacity (:func:`~dapple.cost.sharing.shared_periods`).
+       and the servers' capacity (:func:`~dapple.cost.sharing.shared_periods`). With M = 1
+       F_s, B_s stretch by their own replicas' sharing alone
+       (:func:`~dapple.cost.sharing.own_stretch`): the one micro-batch is at one stage at a
+       time, so a server's mean concurrency would spread a stage's burst over the others'.
     3. The per-step host CPU joins AR_s.
 
     Args:
@@ -210,9 +213,17 @@ def apply_host(
         span, _, steady, _, _ = latency(F2, B2, step, M, period, paced)
         scale = shared_compute_scale(span, steady, M, devices, cluster)
         period = shared_periods(F2, B2, K, M, period, [b for _, b in scale], devices, cluster)
-        F2 = [f * a for f, (a, _) in zip(F2, scale, strict=True)]
-        B2 = [v * a for v, (a, _) in zip(B2, scale, strict=True)]
-        step = [v * a for v, (a, _) in zip(step, scale, strict=True)]
+        fb = (  # M = 1: the one micro-batch is at one stage at a time, alone with its replicas
+            [1.0 if d is None else own_stretch(d, cluster) for d in devices]
+            if M == 1
+            else [a for a, _ in scale]
+        )
+        F2 = [f * a for f, a in zip(F2, fb, strict=True)]
+        B2 = [v * a for v, a in zip(B2, fb, strict=True)]
+        if M == 1:  # ... and its step's host CPU meets the others' backward and steps
+            step = [v * t for v, t in zip(step, all_at_once(devices, cluster), strict=True)]
+        else:
+            step = [v * a for v, (a, _) in zip(step, scale, strict=True)]
     return HostStages(
         F=F2,
         B=B2,

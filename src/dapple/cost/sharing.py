@@ -13,7 +13,14 @@ from dapple.core.cluster import Cluster
 from dapple.core.plan import split_sizes
 from dapple.cost.latency import steady_periods
 
-__all__ = ["shared_compute_scale", "shared_periods", "slice_work", "steady_stretch"]
+__all__ = [
+    "all_at_once",
+    "own_stretch",
+    "shared_compute_scale",
+    "shared_periods",
+    "slice_work",
+    "steady_stretch",
+]
 
 
 def slice_work(
@@ -114,6 +121,28 @@ def shared_compute_scale(
             continue
         srvs = [cluster.server_of(d) for d, _ in devs]
         out.append((max(alpha[x] for x in srvs), max(beta[x] for x in srvs)))
+    return out
+
+
+def own_stretch(devs: Sequence[tuple[int, float]], cluster: Cluster) -> float:
+    """The stretch of a stage's F_s, B_s when only its own replicas compute: they get their
+    slices of a micro-batch together, so on each server its busy replicas are the j largest
+    (nested, as in :func:`steady_stretch`) and the largest there finishes at ``1 /
+    E[rate(k)]``, relative to the stage's slowest slice. Exact with M = 1, where the one
+    micro-batch is at one stage at a time; a server's mean concurrency over the step would
+    spread the stage's burst over the time the other stages compute alone."""
+    on: dict[int, list[float]] = {}
+    for d, w in devs:
+        on.setdefault(cluster.server_of(d), []).append(w)
+    w_max = max(w for _, w in devs)
+    out = 1.0
+    for ws in on.values():
+        ws.sort(reverse=True)
+        if ws[0] <= 0.0:
+            continue
+        dist = _nested([w / ws[0] for w in ws])
+        rate = sum(p * cluster.compute_rate(k) for k, p in enumerate(dist) if p > 0.0)
+        out = max(out, ws[0] / (rate * w_max))
     return out
 
 
@@ -290,3 +319,21 @@ def _convolve(a: Sequence[float], b: Sequence[float]) -> list[float]:
             for j, pb in enumerate(b):
                 out[k + j] += pa * pb
     return out
+
+
+def all_at_once(
+    devices: Sequence[Sequence[tuple[int, float]] | None], cluster: Cluster
+) -> list[float]:
+    """Per stage ``1 / rate(k)`` with k every computing device of its servers (the largest over
+    them; 1.0 for comm stages): the stretch of work they all do at once, as the step's host
+    CPU at its end."""
+    count: dict[int, int] = {}
+    for devs in devices:
+        for d, _ in devs or ():
+            count[cluster.server_of(d)] = count.get(cluster.server_of(d), 0) + 1
+    return [
+        max((1.0 / cluster.compute_rate(count[cluster.server_of(d)]) for d, _ in devs), default=1.0)
+        if devs
+        else 1.0
+        for devs in devices
+    ]

@@ -94,8 +94,9 @@ class StageTerms:
     (:func:`~dapple.cost.comm.stage_update_ms`)."""
     work: tuple[tuple[int, float], ...] = ()
     """``(device, w_d)`` per replica, w_d the F + B of its own slice without host CPU
-    (:func:`~dapple.cost.sharing.slice_work`). Filled only on shared compute cores, the one
-    case the CPU-host pass reads it."""
+    (:func:`~dapple.cost.sharing.slice_work`); at expert width e_s > 1 its whole F + B, the
+    all-to-alls included (the simulator shares F and B as a whole). Filled only on shared compute
+    cores, the one case the CPU-host pass reads it."""
 
 
 class PipelineTerms(NamedTuple):
@@ -376,7 +377,10 @@ def _stage_terms(
     if cluster.kinds:  # devices of other speeds than the profile's
         replicas = at_speeds(replicas, [cluster.speed_of(x.device) for x in replicas])
     work = (
-        tuple(
+        tuple((x.device, x.forward_ms + x.backward_ms) for x in replicas)
+        if st.parallel.expert_parallel and cluster.compute_cores_per_server is not None
+        # the exchange runs inside F and B, shared like compute as the simulator shares it
+        else tuple(
             (d, w)
             for j, (_lead, w) in enumerate(
                 slice_work(
