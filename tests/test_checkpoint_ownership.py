@@ -238,7 +238,7 @@ def test_prepare_replaces_only_its_own_output(
 def test_resume_with_steps_already_done_is_refused(tmp_path: Path) -> None:
 
     import runtime_workloads as rw
-    from dapple.cli.train_cmd import check_long_run
+    from dapple.api._checks import check_long_run
     from dapple.runtime.checkpoint import CheckpointMeta, save_checkpoint, stage_layer_states
 
     m = rw.mlp().build_model(0)
@@ -248,21 +248,23 @@ def test_resume_with_steps_already_done_is_refused(tmp_path: Path) -> None:
         with pytest.raises(
             CheckpointError, match=rf"at step 5, which already covers --steps {steps}"
         ):
-            check_long_run(str(tmp_path), rw.mlp(), 4, resume=True, steps=steps)
+            check_long_run(str(tmp_path), rw.mlp(), 4, resume=True, steps=steps, flags=True)
+    with pytest.raises(CheckpointError, match=r"^resume: .* already covers steps 5: .*steps above"):
+        check_long_run(str(tmp_path), rw.mlp(), 4, resume=True, steps=5)  # the API's names
     check_long_run(str(tmp_path), rw.mlp(), 4, resume=True, steps=6)  # one step to go: fine
 
 
 def test_resume_on_synthetic_batches_with_another_seed_is_refused(tmp_path: Path) -> None:
 
     import runtime_workloads as rw
-    from dapple.cli.train_cmd import check_long_run
+    from dapple.api._checks import check_long_run
     from dapple.runtime.checkpoint import CheckpointMeta, save_checkpoint, stage_layer_states
 
     m = rw.mlp().build_model(0)
     meta = CheckpointMeta(model_name="test-mlp", num_layers=4, step=1, extra={"seed": 3})
     save_checkpoint(tmp_path, meta, stage_layer_states(m, 0))
     with pytest.raises(CheckpointError, match=r"synthetic batches of --seed 3, not 4.*--seed 3"):
-        check_long_run(str(tmp_path), rw.mlp(), 4, resume=True, synthetic_seed=4)
+        check_long_run(str(tmp_path), rw.mlp(), 4, resume=True, synthetic_seed=4, flags=True)
     check_long_run(str(tmp_path), rw.mlp(), 4, resume=True, synthetic_seed=3)
     check_long_run(str(tmp_path), rw.mlp(), 4, resume=True)  # a --data run: checked with the data
 
@@ -272,7 +274,7 @@ def test_resume_from_another_models_sizes_is_refused_before_launch(tmp_path: Pat
     from torch import nn
 
     import runtime_workloads as rw
-    from dapple.cli.train_cmd import check_long_run
+    from dapple.api._checks import check_long_run
     from dapple.runtime.checkpoint import CheckpointMeta, save_checkpoint, stage_layer_states
 
     wide = nn.Sequential(*[nn.Linear(3, 3) for _ in range(4)])

@@ -463,8 +463,8 @@ def test_process_killed_during_a_save_leaves_the_previous_checkpoint(spawned) ->
 def test_cli_rejects_unwritable_checkpoint_dir_and_foreign_checkpoint(
     tmp_path: Path, capsys
 ) -> None:
+    from dapple.api._checks import check_long_run
     from dapple.cli import main
-    from dapple.cli.train_cmd import check_long_run
     from dapple.runtime.checkpoint import CheckpointMeta, save_checkpoint, stage_layer_states
 
     blocker = tmp_path / "file"

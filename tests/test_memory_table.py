@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from builders import make_cluster, make_profile
+from dapple.api.predicting import planned_memory
 from dapple.cli._memory_table import NOTE_RATIO, memory_notes, memory_table, ratio_text
 from dapple.core.plan import straight_plan
 from dapple.runtime.step_metrics import StepMetrics
@@ -65,7 +66,7 @@ def test_the_printed_table_carries_its_notes(
         peak_resident_bytes=(300 * MIB, 300 * MIB),
         stage_resident_bytes=(10**6 * MIB, 10**6 * MIB), resident_kind="VmHWM",
     )  # fmt: skip
-    memory_table(plan, last, str(prof), str(cluster), "adamw")
+    memory_table(plan, last, planned_memory(plan, str(prof), str(cluster), "adamw"), "adamw")
     out = capsys.readouterr().out
     assert "estimate / added: the planner's estimate counts the stage's tensors" in out
     assert "stage 0: the estimate is" in out and "stage 1: the estimate is" in out

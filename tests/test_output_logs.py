@@ -164,6 +164,7 @@ def test_verify_report_whole() -> None:
 
 
 def test_train_memory_table_whole(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from dapple.api.predicting import planned_memory
     from dapple.cli._memory_table import memory_table
     from dapple.runtime.step_metrics import StepMetrics
 
@@ -176,7 +177,7 @@ def test_train_memory_table_whole(tmp_path: Path, capsys: pytest.CaptureFixture[
         peak_resident_bytes=(222222 * mib, 333333 * mib), stage_resident_bytes=(1 * mib, 2 * mib),
         resident_kind="VmHWM",
     )  # fmt: skip
-    memory_table(plan, last, prof, cluster, "adamw")
+    memory_table(plan, last, planned_memory(plan, prof, cluster, "adamw"), "adamw")
     _whole(capsys.readouterr().out, "123456.0 MiB", "654321.0 MiB", "333333.0 MiB",
            "planner estimate", "estimate / added", "peak held_activations")  # fmt: skip
 

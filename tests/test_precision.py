@@ -468,7 +468,7 @@ def test_memory_model_adds_the_weight_cast_cache_in_low_precision() -> None:
 def test_train_notes_a_profile_measured_in_another_precision(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from dapple.cli._precision import note_profile_precision
+    from dapple.api._checks import note_profile_precision
 
     prof = api.profile(rw.mlp(), [2], device="cpu", repeats=1, warmup=0, precision="bf16")
     prof.save(tmp_path / "p.json")

@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from dapple.errors import ValidationError
-from dapple.files.config_file import Schema, dump, load
+from dapple.files.config_file import Schema, build_over, dump, load, parse_values
 from dapple.runtime.train_config import OPTIM_FIELDS, TrainConfig
 
 __all__ = [
@@ -58,13 +58,13 @@ __all__ = [
     "RunConfig",
     "RunOptions",
     "check_documents",
-    "check_resumable",
     "dump_run_config",
     "load_run_config",
     "open_run_data",
     "resolve_eval",
     "resolve_train_config",
     "resolve_verify_config",
+    "run_config_from",
     "seq_len_overrides",
 ]
 
@@ -354,6 +354,21 @@ def load_run_config(
     return load(path, RUN_SECTIONS, RunConfig, ignore=PLAN_SECTIONS_OF_OTHER_COMMANDS, over=over)
 
 
+def run_config_from(
+    tables: dict[str, Any], where: str, *, over: dict[tuple[str, str], Any] | None = None
+) -> RunConfig:
+    """The :class:`RunConfig` of a run file's ``tables`` as read
+    (:func:`~dapple.files.config_file.read_toml`), with ``over`` on top: what
+    :func:`load_run_config` makes of the file, for a reader that holds its tables already.
+
+    Raises:
+        ValidationError: as :func:`load_run_config`, naming the file as ``where``.
+    """
+    values = parse_values(tables, RUN_SECTIONS, RunConfig, where,
+                          ignore=PLAN_SECTIONS_OF_OTHER_COMMANDS)  # fmt: skip
+    return build_over(RunConfig, values, over or {}, where)
+
+
 def dump_run_config(cfg: RunConfig) -> str:
     """``cfg`` as a run file that :func:`load_run_config` reads back to ``cfg``.
 
@@ -415,18 +430,6 @@ def resolve_verify_config(train: TrainConfig) -> TrainConfig:
     :data:`VERIFY_FIELDS`, every other field at its default (a verified run writes no
     checkpoint, metrics or evaluation)."""
     return TrainConfig(**{n: getattr(train, n) for n in VERIFY_FIELDS})
-
-
-def check_resumable(checkpoint_dir: str | None) -> None:
-    """``require_resume``: ``checkpoint_dir`` holds an intact checkpoint to resume.
-
-    Raises:
-        CheckpointError: none there.
-    """
-    from dapple.runtime.checkpoint import CheckpointError, find_resume_checkpoint
-
-    if checkpoint_dir is None or find_resume_checkpoint(checkpoint_dir).checkpoint is None:
-        raise CheckpointError(f"require_resume: no checkpoint to resume in {checkpoint_dir!r}")
 
 
 def open_run_data(data: Any, seq_len: int | None, documents: str | None = None) -> Any:

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, overload
 
-from dapple.api._checks import check_host, check_run, dataset, seq_overrides
+from dapple.api._checks import check_before_run, check_host, check_run, dataset, seq_overrides
 from dapple.api._inputs import (
     RunInputs,
     WorkloadLike,
@@ -22,7 +22,7 @@ from dapple.api._inputs import (
     run_inputs,
     with_profile_set,
 )
-from dapple.api.simulating import simulate
+from dapple.api.predicting import RunPrediction, predict_run
 from dapple.core.cluster import Cluster
 from dapple.core.plan import Plan
 from dapple.core.profile import ModelProfile
@@ -35,12 +35,21 @@ if TYPE_CHECKING:
     from dapple.runtime import StepMetrics
     from dapple.runtime.launch.early import EarlyWorkers
 
-__all__ = ["train"]
+__all__ = ["PLANNED_MEMORY", "train"]
+
+PLANNED_MEMORY = "planned_memory_bytes"
+"""The key of the last step's ``extra`` that holds the planner's per-replica memory estimate of
+each device group (:func:`~dapple.api.predicting.planned_memory`), for a run with a profile and
+cluster."""
 
 
 @overload
 def train(
-    plan: RunConfig, *, inputs: RunInputs | None = None, early: EarlyWorkers | None = None
+    plan: RunConfig,
+    *,
+    inputs: RunInputs | None = None,
+    early: EarlyWorkers | None = None,
+    flags: bool = False,
 ) -> list[StepMetrics]: ...
 @overload
 def train(
@@ -90,6 +99,7 @@ def train(
     max_restarts: int = 3,
     inputs: RunInputs | None = None,
     early: EarlyWorkers | None = None,
+    flags: bool = False,
     **options: Any,
 ) -> list[StepMetrics]:
     """Train a plan for ``steps`` synchronous steps (``dapple train``): ``train(cfg)`` runs a
@@ -123,20 +133,26 @@ def train(
         inputs: With a ``RunConfig``: what it names, already loaded (``dapple train`` loads
             them for its checks); None: loaded here (:func:`~dapple.api.run_inputs`).
         early: Workers already started for this run (``dapple train`` starts them first).
+        flags: The checks' messages name ``dapple train``'s flags (its own call).
         **options: The other :class:`dapple.runtime.TrainConfig` fields (``seed``,
             ``optimizer``, ``lr``, ``weight_decay``, ``zero_stage``, ``device``,
             ``metrics_path``, ``checkpoint_dir``, ``save_every``, ``resume``, ``eval_every``,
             ``precision``, ``echo``...).
 
     Returns:
-        Rank 0's metrics of every step.
+        Rank 0's metrics of every step. With ``profile`` and ``cluster`` each carries the
+        simulated step time (``predicted_step_ms``), and the last one's ``extra`` the planner's
+        memory estimate per device group under :data:`PLANNED_MEMORY`
+        (:func:`~dapple.api.predicting.predict_run`).
 
     Raises:
         ValidationError: Bad plan, workload or options; a plan made for another model
             (:meth:`~dapple.core.plan.Plan.check_model`); a ``profile`` measured on another
             model (:func:`~dapple.models.fingerprint.check_profile_model`); a stage of tensor
             width t_s > 1 the model cannot be cut over (:mod:`dapple.runtime.parallel.tensor_check`).
-        CheckpointError: ``require_resume`` and no checkpoint to resume.
+        CheckpointError: ``require_resume`` and no checkpoint to resume, or another
+            refusal of :func:`~dapple.api._checks.check_long_run` (a checkpoint directory
+            that holds checkpoints without ``resume``, a checkpoint of another model).
         RankFailure: A worker failed.
     """
     from dapple.api.run_config import RunConfig, RunOptions
@@ -146,7 +162,7 @@ def train(
         _only_config(locals(), options)
         given = _named(inputs or run_inputs(plan), plan.run)
         _check_inputs(given)
-        return _launch(plan, given, early)
+        return _launch(plan, given, early, flags)
     if workload is None or inputs is not None:
         raise ValidationError(
             "train(plan, workload, ...) needs a workload and takes no inputs (those go with a "
@@ -165,7 +181,7 @@ def train(
     given = dataclasses.replace(given, data=dataset(data, seq_len, documents),
                                 eval_data=dataset(eval_data, seq_len, documents))  # fmt: skip
     cfg = RunConfig(train=TrainConfig(steps=steps, **options), run=run)
-    return _launch(cfg, given, early)
+    return _launch(cfg, given, early, flags)
 
 
 def _only_config(given: dict[str, Any], options: dict[str, Any]) -> None:
@@ -177,7 +193,7 @@ def _only_config(given: dict[str, Any], options: dict[str, Any]) -> None:
     import inspect
 
     params = inspect.signature(train).parameters
-    own = ("plan", "inputs", "early", "options")
+    own = ("plan", "inputs", "early", "flags", "options")
     extra = [n for n, p in params.items() if n not in own and given[n] != p.default]
     extra += sorted(options)
     if extra:
@@ -208,36 +224,43 @@ def _check_inputs(inputs: RunInputs) -> None:
         _check_profile(profile, plan, wl, fingerprint)
 
 
-def _launch(cfg: RunConfig, inputs: RunInputs, early: EarlyWorkers | None) -> list[StepMetrics]:
-    """Train ``cfg`` on its checked ``inputs``: the options resolved
-    (:func:`~dapple.api.run_config.resolve_train_config`), checked, and handed to
-    :func:`dapple.runtime.train`."""
+def _launch(
+    cfg: RunConfig, inputs: RunInputs, early: EarlyWorkers | None, flags: bool
+) -> list[StepMetrics]:
+    """Train ``cfg`` on its checked ``inputs``: the run's checks
+    (:func:`~dapple.api._checks.check_before_run`; ``flags``: naming ``dapple train``'s),
+    the options resolved (:func:`~dapple.api.run_config.resolve_train_config`), checked, and
+    handed to :func:`dapple.runtime.train`."""
     from dapple.api.planning import plan_again
-    from dapple.api.run_config import check_resumable, resolve_train_config
+    from dapple.api.run_config import resolve_train_config
     from dapple.runtime import train as _train
     from dapple.runtime.launch.elastic import ElasticPolicy
-    from dapple.runtime.parallel.stage_mesh import check_mesh_run, zero_floored
+    from dapple.runtime.parallel.stage_mesh import check_mesh_run
 
+    cfg = check_before_run(cfg, inputs, flags=flags)
     run, run_plan, wl = cfg.run, inputs.plan, inputs.workload
     profile, cluster = inputs.profile, inputs.cluster
     n_eval = None if inputs.eval_data is None else len(inputs.eval_data)
     tc = resolve_train_config(cfg.train, run, n_eval, run_plan.global_batch_size)
     check_mesh_run(run_plan, wl, tc)  # what stages of t_s > 1 or ZeRO-3 cannot run yet
     check_host(wl, tc.device, tc.optimizer, tc.momentum, "training")
+    predicted: RunPrediction | None = None
     if profile is not None and cluster is not None:
-        floored = zero_floored(run_plan, tc.zero_stage)
-        predicted = simulate(floored, profile, cluster, on_nonfinite=tc.on_nonfinite).step_ms
-        tc = dataclasses.replace(tc, predicted_step_ms=predicted)
-    if run.require_resume:
-        check_resumable(tc.checkpoint_dir)
+        predicted = predict_run(run_plan, profile, cluster, tc)
+        tc = dataclasses.replace(tc, predicted_step_ms=predicted.step_ms)
     replan: ElasticPolicy | None = None
     if run.elastic and profile is not None and cluster is not None:
         prof, cl = with_profile_set(profile, as_cluster(cluster))  # a profile per kind, if given
         replan = ElasticPolicy(prof, cl, min_devices=run.min_devices,
                                max_restarts=run.max_restarts, zero_stage=tc.zero_stage,
                                plan_again=plan_again)  # fmt: skip
-    return _train(run_plan, wl, tc, data=inputs.data, eval_data=inputs.eval_data, early=early,
-                  elastic=replan)  # fmt: skip
+    metrics = _train(run_plan, wl, tc, data=inputs.data, eval_data=inputs.eval_data,
+                     early=early, elastic=replan)  # fmt: skip
+    if predicted is None or not metrics:
+        return metrics
+    last = metrics[-1]
+    planned = {PLANNED_MEMORY: list(predicted.memory_bytes)}
+    return [*metrics[:-1], dataclasses.replace(last, extra={**last.extra, **planned})]
 
 
 def _check_profile(

@@ -21,7 +21,6 @@ more than :data:`NOTE_RATIO` either way with its cause.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -114,41 +113,15 @@ def memory_notes(
     return lines
 
 
-def _estimates(plan: Plan, profile_spec: str, cluster_spec: str, optimizer: str,
-               momentum: float) -> list[float]:  # fmt: skip
-    """The planner's per-replica estimate of each stage (interleaved and ZB-H1: per device
-    group, all its chunks, by replaying the schedule's compute order)."""
-    from dapple.api._inputs import with_profile_set
-    from dapple.core.cluster_presets import load_cluster
-    from dapple.cost.pipeline import pipeline_latency
-    from dapple.runtime.train_config import state_factor
-    from dapple.schedule.registry import get_schedule
-
-    profile, cluster = with_profile_set(profile_spec, load_cluster(cluster_spec))
-    profile = dataclasses.replace(profile, optimizer_state_factor=state_factor(optimizer, momentum))
-    if not get_schedule(plan.schedule).uses_pipeline_latency:  # not L's rows: replay its order
-        from dapple.cost.schedule_step import device_memory_by_group
-
-        return list(device_memory_by_group(plan, profile))
-    rows = pipeline_latency(plan, profile, cluster).stages
-    return [float(r.memory_bytes) for r in rows if r.kind == "compute"]
-
-
-def memory_table(
-    plan: Plan,
-    last: StepMetrics,
-    profile_spec: str,
-    cluster_spec: str,
-    optimizer: str,
-    momentum: float = 0.0,
-) -> None:
-    """Print each stage's measured memory beside the planner's per-replica estimate, then
-    :func:`memory_notes`."""
+def memory_table(plan: Plan, last: StepMetrics, estimate: Sequence[float], optimizer: str) -> None:
+    """Print each stage's measured memory in ``last`` beside ``estimate``, the planner's
+    per-replica estimate of each device group with ``optimizer``'s state
+    (:func:`dapple.api.predicting.planned_memory`, which :func:`dapple.api.train` returns
+    with the metrics), then :func:`memory_notes`."""
     from rich.table import Table
 
     from dapple.cli._console import console, print_table
 
-    estimate = _estimates(plan, profile_spec, cluster_spec, optimizer, momentum)
     table = Table(title=f"memory per replica (planner: {optimizer} state, K_i in flight)")
     for col in ("stage", "replicas", f"peak {last.resident_kind}", "added by the stage",
                 f"peak {last.memory_kind}", "planner estimate", "estimate / added"):  # fmt: skip

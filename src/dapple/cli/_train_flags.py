@@ -35,9 +35,9 @@ __all__ = [
     "RUN_FLAGS",
     "TRAIN_FLAGS",
     "TRAIN_SECTIONS_HELP",
+    "read_run_config",
     "required_inputs",
     "run_config_of",
-    "saves_at_the_end_only",
     "verify_config_of",
 ]
 
@@ -153,13 +153,28 @@ def _file_key(f: tuple[str, str]) -> str:
 
 
 def run_config_of(args: argparse.Namespace) -> RunConfig:
-    """The run ``--config FILE`` and the flags the command line gave (those win) ask for.
+    """The run ``--config FILE`` and the flags the command line gave (those win) ask for
+    (:func:`read_run_config`).
 
     Raises:
         ValidationError: a bad file (:func:`~dapple.api.run_config.load_run_config`) or a
             bad value.
     """
-    from dapple.api.run_config import RunConfig, load_run_config
+    return read_run_config(args)[0]
+
+
+def read_run_config(args: argparse.Namespace) -> tuple[RunConfig, bool]:
+    """The run ``--config FILE`` (read once) and the flags the command line gave (those win)
+    ask for, and whether it saves checkpoints after its last step only: it saves them
+    (``--checkpoint-dir`` or ``[checkpoint] checkpoint_dir``) and neither the command line nor
+    the file says how often (``--save-every``, ``[checkpoint] save_every``); its
+    ``save_every`` is then its steps.
+
+    Raises:
+        ValidationError: a bad file (:func:`~dapple.api.run_config.load_run_config`) or a
+            bad value.
+    """
+    from dapple.api.run_config import RunConfig, run_config_from
     from dapple.files.config_file import build, read_toml
 
     over = given_values(args, TRAIN_FLAGS)
@@ -170,27 +185,19 @@ def run_config_of(args: argparse.Namespace) -> RunConfig:
         cfg = (
             build(RunConfig, over)
             if args.config is None
-            else load_run_config(args.config, over=over)
+            else run_config_from(file, str(args.config), over=over)
         )
-    if saves_at_the_end_only(args, cfg):
+    section = file.get("checkpoint", {})
+    at_end = not (
+        cfg.train.checkpoint_dir is None
+        or "save_every" in given(args)
+        or (isinstance(section, dict) and "save_every" in section)
+    )
+    if at_end:
         cfg = dataclasses.replace(
             cfg, train=dataclasses.replace(cfg.train, save_every=cfg.train.steps)
         )
-    return cfg
-
-
-def saves_at_the_end_only(args: argparse.Namespace, cfg: RunConfig) -> bool:
-    """``cfg`` saves checkpoints (``--checkpoint-dir`` or ``[checkpoint] checkpoint_dir``) and
-    neither the command line nor the ``--config`` file says how often (``--save-every``,
-    ``[checkpoint] save_every``): such a run saves once, after its last step."""
-    from dapple.files.config_file import read_toml
-
-    if cfg.train.checkpoint_dir is None or "save_every" in given(args):
-        return False
-    if args.config is None:
-        return True
-    section = read_toml(args.config).get("checkpoint", {})
-    return not (isinstance(section, dict) and "save_every" in section)
+    return cfg, at_end
 
 
 def _from(file: dict[str, Any], over: dict[tuple[str, str], Any], section: str, f: Any) -> Any:

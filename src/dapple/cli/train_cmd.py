@@ -17,37 +17,33 @@ import contextlib
 import dataclasses
 import os
 import statistics
-import sys
 from typing import TYPE_CHECKING, Any
 
 from dapple.cli._config_args import add_config_arguments
 from dapple.cli._console import plain_doc
 from dapple.cli._data_args import add_eval_data_argument
-from dapple.cli._precision import note_profile_precision
 from dapple.cli._profile_arg import add_profile_argument
 from dapple.cli._run_args import add_recompute_argument, add_run_arguments
 from dapple.cli._train_flags import (
     FILE_GIVES,
     TRAIN_SECTIONS_HELP,
+    read_run_config,
     required_inputs,
-    run_config_of,
-    saves_at_the_end_only,
 )
 from dapple.cli._train_show import add_show_arguments, loss_curve_path, print_summary
 from dapple.core.cluster_presets import describe_presets
 from dapple.core.plan import Plan
 from dapple.core.planning_options import NONFINITE_MODES
-from dapple.errors import ValidationError
 from dapple.files.output_path import check_output_dir, check_output_file, check_picture_file
 
 if TYPE_CHECKING:  # torch-free import of the CLI
+    from pathlib import Path
+
     from dapple.api.run_config import RunConfig
-    from dapple.models.workload import Workload
-    from dapple.runtime.checkpoint import Checkpoint
     from dapple.runtime.launch.early import EarlyWorkers
     from dapple.runtime.step_metrics import StepMetrics
 
-__all__ = ["DEFAULT_KEEP", "check_long_run", "register", "run", "run_config"]
+__all__ = ["DEFAULT_KEEP", "register", "run", "run_config"]
 
 DEFAULT_KEEP = 3
 """``--keep``: checkpoints kept on disk (each holds weights, optimizer state and RNG states)."""
@@ -154,155 +150,11 @@ def _register_long_run(p: argparse.ArgumentParser) -> None:
     )
 
 
-def check_long_run(
-    checkpoint_dir: str | None,
-    workload: Workload,
-    plan_num_layers: int,
-    *,
-    resume: bool,
-    require_resume: bool = False,
-    overwrite: bool = False,
-    optimizer: str | None = None,
-    save_every: int = 0,
-    steps: int | None = None,
-    synthetic_seed: int | None = None,
-) -> None:
-    """Before any worker gets its run, and without creating anything: the checkpoint directory is
-    writable; with ``resume`` the newest intact checkpoint (every file's size and hash as its
-    manifest lists, optimizer state whole; damaged newer ones are passed over with a warning)
-    is of this model and ``optimizer`` and the plan covers the model - no checkpoint at all is
-    a warning, or an error with ``require_resume``; without ``resume`` the directory holds no
-    checkpoints unless ``overwrite`` (a warning then); with ``steps`` the checkpoint resumed
-    is below it (a run asked for no more steps than are done would do nothing); with
-    ``synthetic_seed`` (a run on synthetic batches) a checkpoint saved on synthetic batches
-    has that seed (as ``--data`` runs must keep theirs). Warnings go to stderr, one line each.
-
-    Raises:
-        ValidationError: ``resume`` and ``overwrite`` together.
-        CheckpointError: unwritable directory, no intact or a foreign checkpoint to resume,
-            nothing to resume with ``require_resume``, a checkpoint at or past ``steps`` or of
-            another seed, or checkpoints of another run.
-    """
-    from dapple.runtime.checkpoint import (
-        check_writable,
-        describe_steps,
-        list_checkpoints,
-        refuse_foreign,
-        refuse_occupied,
-    )
-
-    if checkpoint_dir is None:
-        return
-    resume = resume or require_resume
-    if resume and overwrite:
-        raise ValidationError(
-            "--resume continues the checkpoints that --overwrite-checkpoints deletes: give one"
-        )
-    if resume:
-        _check_resume_point(
-            checkpoint_dir, workload, plan_num_layers, require_resume, optimizer, steps,
-            synthetic_seed,
-        )  # fmt: skip
-    elif overwrite:
-        refuse_foreign(
-            checkpoint_dir,
-            "--overwrite-checkpoints deletes only what dapple wrote: move them "
-            "away or choose another directory",
-        )
-        old = list_checkpoints(checkpoint_dir)
-        if old:
-            when = "at this run's first save" if save_every > 0 else "never: --save-every is 0"
-            _warn(
-                f"--overwrite-checkpoints: the {len(old)} checkpoints in {checkpoint_dir!r} "
-                f"({describe_steps(old)}) are deleted {when}"
-            )
-    else:
-        refuse_occupied(
-            checkpoint_dir,
-            "pass --resume to continue them, or --overwrite-checkpoints to delete them and "
-            "start over (or choose an empty directory)",
-        )
-    check_writable(checkpoint_dir)
-
-
-def _check_resume_point(
-    checkpoint_dir: str,
-    workload: Workload,
-    plan_num_layers: int,
-    require_resume: bool,
-    optimizer: str | None,
-    steps: int | None,
-    synthetic_seed: int | None,
-) -> None:
-    """:func:`check_long_run` with ``resume``: the checkpoint a run would resume from."""
-    from dapple.runtime.checkpoint import CheckpointError, check_compatible
-    from dapple.runtime.launch.run_checks import check_layer_tensors, resume_point
-    from dapple.runtime.longrun import OPTIMIZER_CLASSES
-
-    point = resume_point(checkpoint_dir)  # verified once: the launcher asks again
-    ck = point.checkpoint
-    if ck is None:
-        what = "no such directory" if not os.path.isdir(checkpoint_dir) else "none there"
-        if require_resume:
-            raise CheckpointError(
-                f"--require-resume: no checkpoint to resume in {checkpoint_dir!r} ({what})"
-            )
-        _warn(f"--resume: no checkpoint in {checkpoint_dir!r} ({what}): starting at step 0")
-        return
-    check_compatible(
-        ck,
-        model_name=workload.name,
-        num_layers=workload.num_layers,
-        plan_num_layers=plan_num_layers,
-        optimizer_type=OPTIMIZER_CLASSES.get(optimizer or ""),
-    )
-    check_layer_tensors(ck, workload)
-    for line in point.skipped:
-        _warn(f"{line}; resuming from the older step {ck.step} ({str(ck.path)!r})")
-    _check_continues(ck, steps, synthetic_seed)
-
-
-def _check_continues(ck: Checkpoint, steps: int | None, synthetic_seed: int | None) -> None:
-    """The run would continue ``ck``: the same synthetic seed, more steps than it has done."""
-    from dapple.runtime.checkpoint import CheckpointError
-
-    saved_seed = ck.meta.extra.get("seed")
-    if (
-        synthetic_seed is not None
-        and ck.meta.extra.get("data") is None
-        and saved_seed is not None
-        and saved_seed != synthetic_seed
-    ):
-        raise CheckpointError(
-            f"--resume: the checkpoint {str(ck.path)!r} was trained on synthetic batches "
-            f"of --seed {saved_seed}, not {synthetic_seed}: the run would not continue "
-            f"it; pass --seed {saved_seed}"
-        )
-    if steps is not None and ck.step >= steps:
-        raise CheckpointError(
-            f"--resume: the checkpoint {str(ck.path)!r} is at step {ck.step}, which "
-            f"already covers --steps {steps}: nothing to train; pass --steps above "
-            f"{ck.step} to go on"
-        )
-
-
-def _restarted(cfg: RunConfig) -> bool:
-    """Under ``torchrun``, a restarted attempt or an elastic run: it resumes whatever step it
-    finds (a run whose last save came just before a failure ends at once, not in an error)."""
-    if "RANK" not in os.environ:
-        return False
-    return cfg.run.elastic or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
-
-
 def _phase(line: str) -> None:
     """A start-up phase as it starts, on rank 0's stdout as the step lines (under ``torchrun``
     every rank runs this command; the others stay silent)."""
     if int(os.environ.get("RANK", "0")) == 0:
         print(line, flush=True)
-
-
-def _warn(line: str) -> None:
-    print(f"dapple: warning: {line}", file=sys.stderr, flush=True)
 
 
 def _check_output(path: str | os.PathLike[str] | None, what: str, *, picture: bool = False) -> None:
@@ -330,13 +182,13 @@ def _early_workers(
 
 
 def run(args: argparse.Namespace) -> int:
-    cfg = run_config_of(args)  # the flags and the --config file, read once
+    cfg, at_end = read_run_config(args)  # the flags and the --config file, read once
     if args.print_config:
         from dapple.api.run_config import dump_run_config
 
         print(dump_run_config(cfg), end="")
         return 0
-    if saves_at_the_end_only(args, cfg):
+    if at_end:
         _phase(
             f"checkpoints: one, after the last step (step {cfg.train.steps}), in "
             f"{cfg.train.checkpoint_dir} (--save-every N also saves every N steps)"
@@ -365,38 +217,49 @@ def run_config(cfg: RunConfig) -> int:
     with _early_workers(spec, overrides, len(plan.devices)) as early:
         metrics = _checked_train(cfg, plan, (spec, overrides), early)
     if metrics and int(os.environ.get("RANK", "0")) == 0:
-        if "replan" in metrics[-1].extra:  # the plan changed: no prediction or table fits
-            final = metrics[-1].extra["replication"]
-            k = metrics[-1].extra["replan"]
-            print(f"the run re-planned {'once' if k == 1 else f'{k} times'}; its last plan: "
-                  f"replication {final}")  # fmt: skip
-            print_summary(metrics, curve)
-            return 0
-        # the first step includes connection set-up and warm-up; report the rest when possible
-        steady = [m.step_ms for m in metrics[1:]] or [metrics[0].step_ms]
-        line = f"measured step time {statistics.median(steady):.1f} ms (median of {len(steady)})"
-        predicted = metrics[0].predicted_step_ms
-        print(line + ("" if predicted is None else f" vs predicted {predicted:.1f} ms (simulator)"))
-        profile, cluster, t = cfg.run.profile, cfg.run.cluster, cfg.train
-        if predicted is not None and profile is not None and cluster is not None:
-            from dapple.cli._prediction_note import prediction_basis
-
-            print(prediction_basis(profile, cluster, statistics.median(steady), predicted))
-        if profile is not None and cluster is not None:
-            from dapple.cli._memory_table import memory_table
-
-            memory_table(plan, metrics[-1], profile, cluster, t.optimizer, t.momentum)
-        print_summary(metrics, curve)
+        _report(cfg, plan, metrics, curve)
     return 0
+
+
+def _report(cfg: RunConfig, plan: Plan, metrics: list[StepMetrics], curve: Path | None) -> None:
+    """Rank 0 after the run: the measured step time beside the predicted one and what the
+    prediction rests on, the memory table (both with a profile and cluster; neither after a
+    re-plan: they were for the first plan), then :func:`print_summary`."""
+    from dapple.api.running import PLANNED_MEMORY
+
+    if "replan" in metrics[-1].extra:  # the plan changed: no prediction or table fits
+        final = metrics[-1].extra["replication"]
+        k = metrics[-1].extra["replan"]
+        print(f"the run re-planned {'once' if k == 1 else f'{k} times'}; its last plan: "
+              f"replication {final}")  # fmt: skip
+        print_summary(metrics, curve)
+        return
+    # the first step includes connection set-up and warm-up; report the rest when possible
+    steady = [m.step_ms for m in metrics[1:]] or [metrics[0].step_ms]
+    line = f"measured step time {statistics.median(steady):.1f} ms (median of {len(steady)})"
+    predicted = metrics[0].predicted_step_ms
+    print(line + ("" if predicted is None else f" vs predicted {predicted:.1f} ms (simulator)"))
+    profile, cluster = cfg.run.profile, cfg.run.cluster
+    if predicted is not None and profile is not None and cluster is not None:
+        from dapple.cli._prediction_note import prediction_basis
+
+        print(prediction_basis(profile, cluster, statistics.median(steady), predicted))
+    estimate = metrics[-1].extra.get(PLANNED_MEMORY)
+    if estimate is not None:
+        from dapple.cli._memory_table import memory_table
+
+        memory_table(plan, metrics[-1], estimate, cfg.train.optimizer)
+    print_summary(metrics, curve)
 
 
 def _checked_train(
     cfg: RunConfig, plan: Plan, model: tuple[str, dict[str, Any]], early: EarlyWorkers | None
 ) -> list[StepMetrics]:
     """Load the ``model`` (its spec and overrides; once here: every check before the launch
-    uses it, and each worker loads it again from its spec), check the plan, data and
-    checkpoints against it, then train through :func:`dapple.api.train` (on the ``early``
-    workers when given); rank 0's metrics."""
+    uses it, and each worker loads it again from its spec) and the data, check the plan against
+    the model, then train through :func:`dapple.api.train` (on the ``early`` workers when
+    given), which checks the data and checkpoints before any worker gets the run; rank 0's
+    metrics."""
     from dapple.api import RunInputs, load, train
     from dapple.api.run_config import open_run_data
 
@@ -404,33 +267,9 @@ def _checked_train(
     _phase(f"start-up: loading the model {spec}")
     wl = load(spec, **overrides)
     plan.check_model(wl.name, wl.num_layers)  # the plan was made for this model
-    d, t = cfg.data, cfg.train
+    d = cfg.data
     data, eval_data = (None if x is None else open_run_data(x, d.seq_len, d.documents)
                        for x in (d.path, d.eval_path))  # fmt: skip
-    if data is not None or eval_data is not None:  # before the checkpoint directory is made
-        from dapple.runtime.data import check_data
-
-        check_data(wl, data, plan.global_batch_size, t.seed, eval_data=eval_data)
-    if cfg.run.elastic and "RANK" in os.environ:
-        # every torchrun attempt of an elastic run goes on from the newest checkpoint
-        t = dataclasses.replace(t, resume=True, overwrite_checkpoints=False)
-    if t.checkpoint_dir is not None:
-        if t.resume or cfg.run.require_resume:  # every file of the newest one is hashed
-            _phase(f"start-up: checking the checkpoints in {t.checkpoint_dir}")
-        check_long_run(
-            t.checkpoint_dir,
-            wl,
-            plan.num_layers,
-            resume=t.resume,
-            require_resume=cfg.run.require_resume,
-            overwrite=t.overwrite_checkpoints,
-            optimizer=t.optimizer,
-            save_every=t.save_every,
-            steps=None if _restarted(cfg) else t.steps,
-            synthetic_seed=t.seed if data is None else None,
-        )
-    if cfg.run.profile is not None:
-        note_profile_precision(cfg.run.profile, t.precision)
-    shown = dataclasses.replace(t, echo=True, progress=True)  # step lines, a progress bar
+    shown = dataclasses.replace(cfg.train, echo=True, progress=True)  # step lines, a progress bar
     inputs = RunInputs(plan, wl, data=data, eval_data=eval_data)
-    return train(dataclasses.replace(cfg, train=shown), inputs=inputs, early=early)
+    return train(dataclasses.replace(cfg, train=shown), inputs=inputs, early=early, flags=True)
