@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dapple.api._inputs import RunInputs, WorkloadLike
+from dapple.api._inputs import RunInputs, WorkloadLike, say_phase
 from dapple.core.cluster import Cluster
 from dapple.core.plan import Plan
 from dapple.core.profile import ModelProfile
@@ -117,7 +117,7 @@ def check_before_run(cfg: RunConfig, inputs: RunInputs, *, flags: bool = False) 
         t = dataclasses.replace(t, resume=True, overwrite_checkpoints=False)
     if t.checkpoint_dir is not None:
         if (t.resume or cfg.run.require_resume) and t.echo:  # every file of the newest is hashed
-            _phase(f"start-up: checking the checkpoints in {t.checkpoint_dir}")
+            say_phase(f"start-up: checking the checkpoints in {t.checkpoint_dir}")
         check_long_run(
             t.checkpoint_dir,
             wl,
@@ -306,13 +306,6 @@ def _restarted(cfg: RunConfig) -> bool:
 def _option(name: str, flags: bool) -> str:
     """How a message names the option ``name``: ``dapple train``'s flag, or the field."""
     return "--" + name.replace("_", "-") if flags else name
-
-
-def _phase(line: str) -> None:
-    """A start-up phase as it starts, on rank 0's stdout as the step lines (under ``torchrun``
-    every rank runs this; the others stay silent)."""
-    if int(os.environ.get("RANK", "0")) == 0:
-        print(line, flush=True)
 
 
 def _warn(line: str) -> None:

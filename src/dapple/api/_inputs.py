@@ -11,6 +11,7 @@ plan's into :class:`PlanInputs` (:func:`plan_inputs`).
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +42,7 @@ __all__ = [
     "plan_inputs",
     "plan_with",
     "run_inputs",
+    "say_phase",
     "with_profile_set",
 ]
 
@@ -64,13 +66,14 @@ class RunInputs:
     cluster: Cluster | str | None = None
 
 
-def run_inputs(cfg: RunConfig, *, cli: bool = False) -> RunInputs:
+def run_inputs(cfg: RunConfig, *, cli: bool = False, echo: bool = False) -> RunInputs:
     """The plan, model and data ``cfg`` names, loaded (:class:`RunInputs`): the model's options
     and the data checked first, then the plan read, then the model built.
 
     Args:
         cfg: the run.
         cli: name the command-line flags in a schedule's message (:func:`plan_with`).
+        echo: rank 0 says when the model starts loading (:func:`say_phase`).
 
     Raises:
         ValidationError: no plan or model in ``cfg``, a bad plan or model, or data options
@@ -88,7 +91,16 @@ def run_inputs(cfg: RunConfig, *, cli: bool = False) -> RunInputs:
     data, evals = (None if x is None else open_run_data(x, d.seq_len, d.documents)
                    for x in (d.path, d.eval_path))  # fmt: skip
     plan = plan_with(c.path, c.schedule, c.policy, c.virtual_stages, cli=cli)
+    if echo:
+        say_phase(f"start-up: loading the model {cfg.model.spec}")
     return RunInputs(plan, load(cfg.model.spec, **overrides), data, evals)
+
+
+def say_phase(line: str) -> None:
+    """A run's start-up phase as it starts, on rank 0's stdout as the step lines (under
+    ``torchrun`` every rank runs the command; the others stay silent)."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(line, flush=True)
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,6 +2,17 @@
 
 :func:`train` (``dapple train``), re-exported by :mod:`dapple.api`. Training checks the plan
 against the model before any worker starts.
+
+A run's configuration goes one way, down: ``dapple train`` reads its flags and ``--config``
+file once into a :class:`~dapple.api.run_config.RunConfig` (:mod:`dapple.cli._train_flags`),
+checks where it will write, starts the workers and hands the config to :func:`train`. Here the
+plan, model and data it names are loaded (:func:`~dapple.api.run_inputs`), the config is
+checked against them (:mod:`dapple.api._checks`: the plan, the data, the checkpoints, the
+profile), its step time and memory are predicted
+(:mod:`dapple.api.predicting`), and it is resolved into the runtime's
+:class:`~dapple.runtime.train_config.TrainConfig`
+(:func:`~dapple.api.run_config.resolve_train_config`), which :func:`dapple.runtime.train` gets
+whole. What ``dapple train`` prints after the run it reads from the metrics returned.
 """
 
 from __future__ import annotations
@@ -130,8 +141,8 @@ def train(
         elastic, min_devices, max_restarts: As :class:`~dapple.api.run_config.RunOptions`:
             re-plan on ``profile`` and ``cluster`` for the devices left when one is lost
             (:mod:`dapple.runtime.launch.elastic`); the metrics then hold every attempt's steps.
-        inputs: With a ``RunConfig``: what it names, already loaded (``dapple train`` loads
-            them for its checks); None: loaded here (:func:`~dapple.api.run_inputs`).
+        inputs: With a ``RunConfig``: what it names, already loaded; None: loaded here
+            (:func:`~dapple.api.run_inputs`; with ``echo``, saying so).
         early: Workers already started for this run (``dapple train`` starts them first).
         flags: The checks' messages name ``dapple train``'s flags (its own call).
         **options: The other :class:`dapple.runtime.TrainConfig` fields (``seed``,
@@ -160,7 +171,7 @@ def train(
 
     if isinstance(plan, RunConfig):
         _only_config(locals(), options)
-        given = _named(inputs or run_inputs(plan), plan.run)
+        given = _named(inputs or run_inputs(plan, cli=flags, echo=plan.train.echo), plan.run)
         _check_inputs(given)
         return _launch(plan, given, early, flags)
     if workload is None or inputs is not None:

@@ -215,7 +215,7 @@ def run_config(cfg: RunConfig) -> int:
     _check_output(curve, "loss curve file", picture=True)
     overrides = cfg.model_overrides()
     with _early_workers(spec, overrides, len(plan.devices)) as early:
-        metrics = _checked_train(cfg, plan, (spec, overrides), early)
+        metrics = _checked_train(cfg, early)
     if metrics and int(os.environ.get("RANK", "0")) == 0:
         _report(cfg, plan, metrics, curve)
     return 0
@@ -252,24 +252,11 @@ def _report(cfg: RunConfig, plan: Plan, metrics: list[StepMetrics], curve: Path 
     print_summary(metrics, curve)
 
 
-def _checked_train(
-    cfg: RunConfig, plan: Plan, model: tuple[str, dict[str, Any]], early: EarlyWorkers | None
-) -> list[StepMetrics]:
-    """Load the ``model`` (its spec and overrides; once here: every check before the launch
-    uses it, and each worker loads it again from its spec) and the data, check the plan against
-    the model, then train through :func:`dapple.api.train` (on the ``early`` workers when
-    given), which checks the data and checkpoints before any worker gets the run; rank 0's
-    metrics."""
-    from dapple.api import RunInputs, load, train
-    from dapple.api.run_config import open_run_data
+def _checked_train(cfg: RunConfig, early: EarlyWorkers | None) -> list[StepMetrics]:
+    """Train ``cfg`` through :func:`dapple.api.train` (on the ``early`` workers when given),
+    which loads the plan, model and data, and checks them and the checkpoints before any
+    worker gets the run; rank 0's metrics, each step's line and a progress bar shown."""
+    from dapple.api import train
 
-    spec, overrides = model
-    _phase(f"start-up: loading the model {spec}")
-    wl = load(spec, **overrides)
-    plan.check_model(wl.name, wl.num_layers)  # the plan was made for this model
-    d = cfg.data
-    data, eval_data = (None if x is None else open_run_data(x, d.seq_len, d.documents)
-                       for x in (d.path, d.eval_path))  # fmt: skip
     shown = dataclasses.replace(cfg.train, echo=True, progress=True)  # step lines, a progress bar
-    inputs = RunInputs(plan, wl, data=data, eval_data=eval_data)
-    return train(dataclasses.replace(cfg, train=shown), inputs=inputs, early=early, flags=True)
+    return train(dataclasses.replace(cfg, train=shown), early=early, flags=True)
