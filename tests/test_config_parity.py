@@ -87,7 +87,8 @@ OVERRIDES = {
 API_ONLY_TRAIN = {
     "overrides": "the model factory's keywords: --set, --split-at, --weights, --dynamic-dims",
     "early": "workers dapple train starts before its checks",
-    "inputs": "with a RunConfig: what it names, already loaded (dapple train loads them first)",
+    "inputs": "with a RunConfig: what it names, already loaded (None: train loads them)",
+    "flags": "the checks' messages name dapple train's flags (its own call)",
     "options": "TrainConfig fields (each checked above)",
 }
 """:func:`dapple.api.train` parameters that are no single flag."""
@@ -385,9 +386,9 @@ def test_api_train_opens_documents_and_refuses_before_the_runtime(
     from dapple.runtime.checkpoint import CheckpointError
 
     plan = straight_plan(4, [0, 2], global_batch_size=4, num_micro_batches=2)
-    wl = load("runtime_workloads:mlp")
+    wl = load("transformer", layers=2, hidden=16, heads=2, seq=4)  # 4 chain layers
     docs = tmp_path / "docs.jsonl"
-    docs.write_text('{"ids": [1, 2, 3, 4, 5, 6]}\n{"ids": [7, 8, 9]}\n')
+    docs.write_text('{"ids": [1, 2, 3, 4, 5, 6]}\n{"ids": [7, 8, 9]}\n' * 3)  # G = 4 samples
     api.train(plan, wl, data=str(docs), seq_len=4, documents="pack")  # --pack
     assert type(runs[-1]["data"]).__name__ == "PackedDocuments"
     with pytest.raises(CheckpointError, match="require_resume: no checkpoint to resume"):
