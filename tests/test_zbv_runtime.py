@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -41,6 +42,76 @@ def test_a_message_to_oneself_is_matched_by_tag_in_either_order(tmp_path: Path) 
     finally:
         comm._Loopback._recvs.clear()  # the refused receive's, left by the error above
         dist.destroy_process_group()
+
+
+def _turn_links() -> tuple[Any, Any]:
+    """The messages of rank 1's chunks 1 and 2 of a ZB-V over 2 ranks (the turn of the V), built
+    without a process group: both chunks' links say they are rank 1's."""
+    from dapple.runtime.stage_links import StageLinks
+    from dapple.runtime.transport import BoundarySpec, TensorSpec
+
+    plan = with_schedule(straight_plan(4, [0, 2], global_batch_size=4, num_micro_batches=2), "zbv")
+    assert plan.stages_of_group(1) == (1, 2)
+    spec = BoundarySpec(is_tuple=False, tensors=(TensorSpec(torch.float32, (3,)),))
+    links = [StageLinks(plan, s, 0, [spec] * 3, torch.device("cpu")) for s in (1, 2)]
+    for x in links:
+        x.p2p.rank = 1
+    return links[0], links[1]
+
+
+def test_the_turn_of_the_v_hands_its_tensors_over_without_a_copy() -> None:
+    """Chunk 2 receives chunk 1's activations, and chunk 1 chunk 2's input gradients, as the
+    tensors themselves (their storage): no buffer, no copy, no message posted (counted: the only
+    aten op is the activations' detach); a receive waited for before its send is an error."""
+    from dapple.profiler.op_counts import OpCounter
+
+    one, two = _turn_links()
+    out = torch.randn(2, 3, requires_grad=True) * 2  # chunk 1's output of micro-batch 0
+    grad = torch.ones(2, 3)  # chunk 2's input gradient
+    counter = OpCounter()
+    counter.start()
+    two.post_recv(0, 0, False, None)  # posted early, as the interpreter does
+    sends = one.send_forward(0, 0, (out,))
+    (x,) = two.wait_concat(0, False)
+    x.requires_grad_(True)
+    x.grad = grad
+    two.keep_grads(0, (x,))
+    one.post_recv(0, 0, True, (out,))
+    two.send_backward(0, 0)
+    (g,) = one.wait_concat(0, True, (out,))
+    ops = counter.stop().ops
+    assert sends == [] and two.pending == [] and one.pending == []
+    assert x.untyped_storage().data_ptr() == out.untyped_storage().data_ptr()
+    assert g is x.grad
+    assert dict(ops) == {"aten::detach": 1}, ops
+    two.post_recv(1, 0, False, None)
+    with pytest.raises(RuntimeError, match=r"rank 1 waits for a message to itself \(tag \d+\)"):
+        two.wait_concat(1, False)
+    one.finish()
+
+
+def test_the_split_backward_detaches_a_stage_output_itself_unless_a_view_or_a_leaf() -> None:
+    """The forward keeps a stage's output for the split backward as it is (no copy), a copy only
+    of a view (torch refuses to detach one in place) or of a leaf (an input passed through); I
+    then W on an output that its own node saved (tanh) give autograd's gradients."""
+    from dapple.models.split_backward import input_gradients, weight_gradients
+    from dapple.runtime.stage import _detachable
+
+    lin = torch.nn.Linear(3, 3)
+    x = torch.randn(2, 3, requires_grad=True)
+    out = torch.tanh(lin(x))
+    assert _detachable(out) is out
+    view, leaf = out.view(3, 2), torch.ones(2, requires_grad=True)
+    for t in (view, leaf):
+        copy = _detachable(t)
+        assert copy is not t and torch.equal(copy, t) and not copy._is_view()
+    g = torch.randn_like(out)
+    want = torch.autograd.grad(out, [x, lin.weight, lin.bias], g, retain_graph=True)
+    groups = input_gradients([out], [g], [x], list(lin.parameters()))
+    weight_gradients(groups, list(lin.parameters()))
+    assert out.grad_fn is None  # detached in place by I
+    for got, ref in zip((x.grad, lin.weight.grad, lin.bias.grad), want, strict=True):
+        torch.testing.assert_close(got, ref)
 
 
 @pytest.mark.slow

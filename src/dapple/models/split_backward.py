@@ -25,7 +25,13 @@ from torch import nn
 
 from dapple.errors import ValidationError
 
-__all__ = ["ParamGroups", "input_gradients", "require_split_backward", "weight_gradients"]
+__all__ = [
+    "ParamGroups",
+    "input_gradients",
+    "require_split_backward",
+    "weight_gradients",
+    "weight_nodes",
+]
 
 ParamGroups = list[dict[str, Any]]
 """What ``I`` leaves for ``W``: torch's parameter groups with their captured gradients."""
@@ -59,9 +65,10 @@ def input_gradients(
     """``I``: accumulate the gradients of ``inputs`` into their ``.grad`` (``outputs`` given
     ``output_grads``; None: ``outputs`` is the loss) and return what ``W`` needs.
 
-    torch detaches ``outputs`` in place to free the graph above them, so they must be tensors
-    no autograd node saves and not views (:class:`~dapple.runtime.stage.StageExecutor` clones
-    its outputs in the forward)."""
+    torch detaches ``outputs`` in place to free the graph above them, so they must not be
+    views, which torch refuses to detach in place, nor leaves (an input passed through would be
+    detached too): :class:`~dapple.runtime.stage.StageExecutor` copies those of its outputs in
+    the forward. An output its own node saved (tanh's) is fine: the node keeps its own alias."""
     from torch.distributed.pipelining._backward import stage_backward_input
 
     _, groups = stage_backward_input(
@@ -73,28 +80,36 @@ def input_gradients(
     return groups
 
 
+def weight_nodes(weights: Sequence[nn.Parameter]) -> dict[Any, nn.Parameter]:
+    """Each of ``weights`` by its gradient accumulator, the autograd node ``I``'s groups name
+    it by. Holding the nodes keeps them the parameters' own from step to step (a parameter
+    keeps only a weak reference to its accumulator), so the map can be built once."""
+    from torch.distributed.pipelining._backward import _get_grad_fn_or_grad_acc
+
+    return {_get_grad_fn_or_grad_acc(p): p for p in weights}
+
+
 def weight_gradients(
     groups: ParamGroups,
     weights: Sequence[nn.Parameter],
     on_ready: Callable[[torch.Tensor], None] | None = None,
+    nodes: dict[Any, nn.Parameter] | None = None,
 ) -> None:
     """``W``: accumulate the gradients of ``weights`` from ``groups`` (:func:`input_gradients`'
     result for the same micro-batch), group by group; ``on_ready(p)`` after the last group that
-    adds to ``p``."""
-    from torch.distributed.pipelining._backward import (
-        _get_grad_fn_or_grad_acc,
-        stage_backward_weight,
-    )
+    adds to ``p``. ``nodes``: :func:`weight_nodes` of ``weights``, built once and held (None:
+    built here, a view per weight)."""
+    from torch.distributed.pipelining._backward import stage_backward_weight
 
-    param_of = {_get_grad_fn_or_grad_acc(p): p for p in weights}
+    param_of = weight_nodes(weights) if nodes is None else nodes
     left = Counter(node for group in groups for node in group["params"])
     for group in groups:
-        nodes = list(group["params"])
-        mine = [param_of[node] for node in nodes]  # torch maps only the weights it is given
+        in_group = list(group["params"])
+        mine = [param_of[node] for node in in_group]  # torch maps only the weights it is given
         stage_backward_weight(iter(mine), [group])
         if on_ready is None:
             continue
-        for node, p in zip(nodes, mine, strict=True):
+        for node, p in zip(in_group, mine, strict=True):
             left[node] -= 1
             if left[node] == 0:
                 on_ready(p)

@@ -77,8 +77,12 @@ class RankChunks:
 
     @property
     def loss_sum(self) -> torch.Tensor | float:
-        """The step's loss part (only the last stage's chunk has one; a device tensor)."""
-        return sum((ex.loss_sum for ex in self.chunks.values()), 0.0)
+        """The step's loss part: the last stage's chunk's (a device tensor; 0.0 on a rank
+        without the last stage). Read after every forward of the rank: nothing is added."""
+        for ex in self.chunks.values():
+            if ex.last:
+                return ex.loss_sum
+        return 0.0
 
     @property
     def waiting_on(self) -> tuple[str, int] | None:

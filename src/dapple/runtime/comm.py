@@ -13,9 +13,11 @@ on the group itself.
 ``DAPPLE_HOST_STAGED=1`` stages every tensor, CPU ones included (tests run the staged path on
 gloo/CPU that way).
 
-A message a rank sends itself (ZB-V's turn of the V: a rank's chunk 0 feeds its own chunk 1)
-never reaches ``torch.distributed``, which refuses it: :func:`isend` and :func:`irecv` match it
-by tag in this process (:class:`_Loopback`), the send copying into the receive's buffer.
+A message a rank sends itself never reaches ``torch.distributed``, which refuses it:
+:func:`isend` and :func:`irecv` match it by tag in this process (:class:`_Loopback`), the send
+copying into the receive's buffer. (A stage's messages between two chunks of one rank, the turn
+of a V, do not come here: :class:`dapple.runtime.stage_links.StageLinks` hands the tensors
+themselves over.)
 """
 
 from __future__ import annotations

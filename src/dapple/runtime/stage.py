@@ -26,7 +26,12 @@ from torch.utils.checkpoint import checkpoint
 
 from dapple.core.plan import Plan
 from dapple.models.rng import KeyedAttention, KeyedDropout, keyed
-from dapple.models.split_backward import ParamGroups, input_gradients, weight_gradients
+from dapple.models.split_backward import (
+    ParamGroups,
+    input_gradients,
+    weight_gradients,
+    weight_nodes,
+)
 from dapple.runtime.memory import ActivationMeter, Held
 from dapple.runtime.precision import Precision, to_fp32
 from dapple.runtime.slowdown import Slowdown, slowdown_factor
@@ -56,6 +61,17 @@ class _MicroBatch:
     """Split backward: what ``I`` left for ``W`` (:func:`input_gradients`)."""
     weights: list[nn.Parameter] = field(default_factory=list)
     """Split backward, ``live_weights``: the parameters ``I`` found in the module."""
+
+
+def _detachable(t: Any) -> Any:
+    """A stage output the split backward may detach in place (:func:`input_gradients`): the
+    output itself, or a copy where ``detach_`` would fail or reach back into the stage (a view,
+    which torch refuses to detach in place, or a leaf: an input passed through). A tensor an
+    autograd node saved as its own output (tanh's) is kept as the node's own alias, which the
+    detach leaves alone."""
+    if isinstance(t, torch.Tensor) and t.requires_grad and (t._is_view() or t.grad_fn is None):
+        return t.clone()
+    return t
 
 
 def draws_keyed(module: nn.Module) -> bool:
@@ -121,6 +137,9 @@ class StageExecutor:
         """Told of each parameter whose gradient a ``W`` completed (the interpreter's gradient
         reductions; a whole backward tells them through autograd's hooks instead)."""
         self.weights = [p for p in module.parameters() if p.requires_grad]
+        self._weight_nodes: dict[Any, nn.Parameter] | None = None
+        """Split backward: :attr:`weights` by their gradient accumulators (built at the first
+        ``W`` and held, :func:`weight_nodes`)."""
         self.metering = True
         """Count held activations in ``meter`` this step (the engine turns it off on steps whose
         peak is already known: saved-tensor hooks cost ~5% of a CPU step)."""
@@ -284,8 +303,12 @@ class StageExecutor:
         m = a.micro_batch
         st = self._mb[m]
         with self._keys(m), self.slow():
-            if st.groups is not None:
-                weight_gradients(st.groups, st.weights or self.weights, self.on_grad_ready)
+            if st.groups is not None and st.weights:  # FSDP2's whole parameters of this step
+                weight_gradients(st.groups, st.weights, self.on_grad_ready)
+            elif st.groups is not None:
+                if self._weight_nodes is None:
+                    self._weight_nodes = weight_nodes(self.weights)
+                weight_gradients(st.groups, self.weights, self.on_grad_ready, self._weight_nodes)
             elif st.whole is not None and st.whole[0]:
                 torch.autograd.backward(*st.whole)
         self._drop(m)
@@ -348,12 +371,8 @@ class StageExecutor:
             out = self._compute(m, st, xs)
         if not self.last:
             st.output = flatten(out)
-            if self.split:  # the split backward detaches its outputs in place: copies that
-                # no autograd node saves (a layer may save its own output, e.g. tanh)
-                st.output = tuple(
-                    t.clone() if isinstance(t, torch.Tensor) and t.requires_grad else t
-                    for t in st.output
-                )
+            if self.split:  # the split backward detaches its outputs in place
+                st.output = tuple(_detachable(t) for t in st.output)
             if metering:
                 st.held += self.meter.hold(st.output)
         self._mb[m] = st

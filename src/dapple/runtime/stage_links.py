@@ -11,6 +11,12 @@ message is preceded by its shape header (:func:`dapple.runtime.transport.shape_h
 forward receive posts the header's ``irecv`` early and the data's once the header arrived; a
 gradient receive sizes its buffers from the activations this stage sent (posted at once when
 they exist, else when the backward waits for them).
+
+A message between two chunks of the same rank (the turn of a V: rank P-1's chunk P-1 feeds its
+chunk P, whose input gradients come back) is handed over: the sender leaves the tensor itself
+(its rows, detached) under the message's tag and the receiver takes it, with no buffer, no copy,
+no shape header and no process group - as ``torch.distributed.pipelining`` passes a V's local
+activations and gradients between its stages.
 """
 
 from __future__ import annotations
@@ -36,6 +42,30 @@ from dapple.runtime.transport import (
 __all__ = ["StageLinks"]
 
 
+_HANDED: dict[int, torch.Tensor] = {}
+"""Messages between two chunks of this rank, by tag, from the send until the receive takes them
+(every one is taken within its step; :meth:`StageLinks.finish` and a new run's links forget any
+left)."""
+
+
+def _hand(t: torch.Tensor, tag: int) -> None:
+    """Leave ``t`` for this rank's receive of ``tag``."""
+    if tag in _HANDED:
+        raise RuntimeError(f"a message to this rank with tag {tag} is handed twice in one step")
+    _HANDED[tag] = t
+
+
+def _take(tag: int, rank: int) -> torch.Tensor:
+    """The tensor rank ``rank`` (this one) handed itself under ``tag``."""
+    try:
+        return _HANDED.pop(tag)
+    except KeyError:
+        raise RuntimeError(
+            f"rank {rank} waits for a message to itself (tag {tag}) that its program sends "
+            "later: the schedule must send before it receives"
+        ) from None
+
+
 @dataclass
 class _Recv:
     lo: int
@@ -47,6 +77,8 @@ class _Recv:
     """Dynamic shapes, forward: the shape header being received (data not posted yet)."""
     deferred: bool = False
     """Dynamic shapes, backward: posted when the backward waits (no activations yet)."""
+    handed: tuple[int, ...] = ()
+    """From this rank itself: the tags of the tensors taken at the wait (no buffers posted)."""
 
 
 def _peers(plan: Plan, s: int, other: int, tensor_rank: int) -> dict[int, tuple[list[int], int]]:
@@ -127,6 +159,7 @@ class StageLinks:
         """Forward and backward receives posted, by micro-batch."""
         self._grad_in: dict[int, tuple[torch.Tensor, ...]] = {}
         self._grad_in_left: dict[int, int] = {}
+        _HANDED.clear()  # what a run that failed mid-step left
 
     def poll(self) -> None:
         """Forget the sends that completed."""
@@ -143,6 +176,8 @@ class StageLinks:
         self.waiting_on = None
         self._grad_in.clear()
         self._grad_in_left.clear()
+        if _HANDED:  # a failed step's (each step takes all it hands)
+            _HANDED.clear()
 
     def post_recv(self, m: int, peer: int, backward: bool, outputs: Sequence[Any] | None) -> None:
         """Post the receives of micro-batch ``m``'s slice from replica ``peer``: activations
@@ -159,7 +194,12 @@ class StageLinks:
             lo, hi = self.in_rows[peer]
             rank = self.prev_ranks[peer][1]
             specs = list(self.in_spec.tensors)
-        if not self.dynamic:
+        if rank == self.p2p.rank:
+            tags = tuple(
+                message_tag(m, backward, i, self.s - 1 + backward) for i in range(len(specs))
+            )
+            table.setdefault(m, []).append(_Recv(lo, hi, rank, [], [], handed=tags))
+        elif not self.dynamic:
             bufs = [t.buffer(hi - lo, self.device) for t in specs]
             table.setdefault(m, []).append(
                 _Recv(lo, hi, rank, bufs, self._irecv(bufs, rank, m, backward))
@@ -184,7 +224,9 @@ class StageLinks:
         what = "gradients" if backward else "activations"
         pieces = sorted(self._recv[backward].pop(m), key=lambda r: r.lo)
         for r in pieces:  # dynamic shapes: size and post every piece's data before waiting
-            if r.header is not None:
+            if r.handed:
+                r.buffers = [_take(tag, r.rank) for tag in r.handed]
+            elif r.header is not None:
                 self._post_data_recv(r, m, what)
             elif r.deferred:
                 self._post_grad_recv(r, m, outputs)
@@ -204,6 +246,10 @@ class StageLinks:
         lo, hi = self.out_rows[peer]
         works = []
         for rank in self.next_ranks[peer][0]:
+            if rank == self.p2p.rank:
+                for i, t in enumerate(output):
+                    _hand(self._rows(t.detach(), lo, hi), message_tag(m, False, i, self.s))
+                continue
             if self.dynamic:
                 hdr = shape_header(output, self.device)
                 tag = message_tag(m, False, HEADER_INDEX, self.s)
@@ -229,7 +275,10 @@ class StageLinks:
             for i, g in enumerate(self._grad_in[m]):
                 piece = self._rows(g, lo, hi)
                 tag = message_tag(m, True, i, self.s - 1)
-                self.pending.append(self.p2p.isend(piece, rank, tag))
+                if rank == self.p2p.rank:
+                    _hand(piece, tag)
+                else:
+                    self.pending.append(self.p2p.isend(piece, rank, tag))
         self._grad_in_left[m] -= 1
         if self._grad_in_left[m] == 0:  # the pending sends keep their pieces alive
             del self._grad_in[m], self._grad_in_left[m]
