@@ -329,3 +329,22 @@ def test_cuda_memory_reads_give_torchs_numbers(monkeypatch: pytest.MonkeyPatch) 
     assert cuda_bytes(dev, "reserved_bytes", "current") == torch.cuda.memory_reserved(dev) == 10
     stats.clear()  # before CUDA is initialised
     assert cuda_bytes(dev, "allocated_bytes", "peak") == torch.cuda.max_memory_allocated(dev) == 0
+
+
+def test_a_parameters_gradient_accumulator_lives_through_the_run(world_of_one: None) -> None:
+    """Each parameter keeps one gradient accumulator (autograd's ``AccumulateGrad`` node) for
+    the run: a micro-batch's forward finds it, not a new one built after the previous
+    micro-batch's backward freed its graph (as a plain loop keeps it while its last loss
+    lives). A node marked at the first update carries its mark at the last."""
+    wl = rw.mlp(LAYERS)
+    plan = straight_plan(wl.num_layers, [0], global_batch_size=B * 4, num_micro_batches=4)
+    marks: list[list[Any]] = []
+
+    def on_update(step: int, module: torch.nn.Module, held: Any) -> None:
+        with torch.enable_grad():
+            nodes = [p.view_as(p).grad_fn.next_functions[0][0] for p in module.parameters()]
+        marks.append([n.metadata.setdefault("first step", step) for n in nodes])
+
+    run_plan(plan, wl, _config(), device=torch.device("cpu"), on_update=on_update)
+    assert len(marks) == WARMUP + 2 and len(marks[0]) == N_GRADS
+    assert marks[-1] == [0] * N_GRADS, marks[-1]

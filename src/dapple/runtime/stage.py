@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from dapple.core.plan import Plan
@@ -40,7 +41,7 @@ from dapple.runtime.transport import BoundarySpec, flatten, unflatten
 from dapple.schedule.ir import Action, ActionKind
 from dapple.schedule.registry import get_schedule
 
-__all__ = ["StageExecutor", "draws_keyed"]
+__all__ = ["StageExecutor", "draws_keyed", "grad_accumulators"]
 
 K = ActionKind
 _UNKEYED = contextlib.nullcontext()
@@ -84,6 +85,23 @@ def draws_keyed(module: nn.Module) -> bool:
         if not type(sub).__module__.startswith(("torch.", "dapple.")):
             return True
     return False
+
+
+def grad_accumulators(params: list[nn.Parameter]) -> list[Any]:
+    """The gradient accumulator (autograd's ``AccumulateGrad`` node) of each parameter that
+    requires a gradient (a DTensor's are left out: ZeRO-3 computes on the whole parameters it
+    gathers, each with its own).
+
+    Autograd holds a parameter's accumulator only while a graph refers to it: once a
+    micro-batch's backward has freed its graph, the next forward would build every one again
+    (and the backward destroy them). Holding them, as DDP's reducer does, keeps one per
+    parameter for the run."""
+    with torch.enable_grad():
+        return [
+            p.view_as(p).grad_fn.next_functions[0][0]  # type: ignore[union-attr]
+            for p in params
+            if p.requires_grad and not isinstance(p, DTensor)
+        ]
 
 
 class StageExecutor:
@@ -140,6 +158,9 @@ class StageExecutor:
         self._weight_nodes: dict[Any, nn.Parameter] | None = None
         """Split backward: :attr:`weights` by their gradient accumulators (built at the first
         ``W`` and held, :func:`weight_nodes`)."""
+        self._accumulators = grad_accumulators(self.weights)
+        """The parameters' gradient accumulators, held for the run (:func:`grad_accumulators`:
+        a micro-batch's forward finds them instead of building them)."""
         self.metering = True
         """Count held activations in ``meter`` this step (the engine turns it off on steps whose
         peak is already known: saved-tensor hooks cost ~5% of a CPU step)."""
