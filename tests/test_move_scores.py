@@ -16,13 +16,7 @@ from dapple.core.layer_profile import AffineTime, LayerProfile
 from dapple.core.profile import ModelProfile
 from dapple.planner.move_scores import ROUNDING, Move, WidthStage, _in_flight
 from dapple.planner.scorer import Scorer
-from dapple.planner.stage_widths import (
-    MixedScorer,
-    applied,
-    moves_of,
-    refine_stage_widths,
-    shift_moves,
-)
+from dapple.planner.stage_widths import MixedScorer, applied, moves_of, refine_stage_widths
 from dapple.schedule.registry import in_flight_counts
 
 GIB = 1024**3
@@ -100,43 +94,15 @@ def test_each_move_is_estimated_as_the_whole_plan_scores(
     _assert_estimated(ms, stages, M)
 
 
-@settings(max_examples=100, deadline=None)
-@given(_cases())
-def test_each_move_is_estimated_without_zero2_as_the_whole_plan_scores(
-    case: tuple[MixedScorer, list[WidthStage], int],
-) -> None:
-    """As above, every stage picking among its modes but ZeRO-2 (the climb's other way)."""
-    ms, stages, M = case
-    _assert_estimated(ms, stages, M, zero2=False)
-
-
-@settings(max_examples=100, deadline=None)
-@given(_cases())
-def test_a_plan_weighed_both_ways_scores_the_lower(
-    case: tuple[MixedScorer, list[WidthStage], int],
-) -> None:
-    """With ``zero2_by_L`` a plan's score is the lower L of its two ways (with ZeRO-2 first
-    on ties); without it, the way with ZeRO-2."""
-    ms, stages, M = case
-    both = MixedScorer(ms.scorers, zero2_by_L=True)
-    with2, no2 = ms.score(stages, M, zero2=True), ms.score(stages, M, zero2=False)
-    assert ms.score(stages, M) == with2
-    ways = [x for x in (with2, no2) if x is not None]
-    got = both.score(stages, M)
-    assert got == (min(ways, key=lambda x: x.L_ms) if ways else None)
-    if no2 is not None:
-        assert all(z.stage != 2 for z in no2.zero_modes)
-
-
-def _assert_estimated(ms: MixedScorer, stages: list[WidthStage], M: int, zero2: bool = True) -> int:
-    """Every move's estimate (shifts too) against its whole plan's score, with or without
-    ZeRO-2; how many of those plans bound a stage by D."""
-    moves = moves_of(ms, stages) + shift_moves(ms, stages)
-    est = ms.estimates(stages, moves, M, zero2)
+def _assert_estimated(ms: MixedScorer, stages: list[WidthStage], M: int) -> int:
+    """Every move's estimate against its whole plan's score; how many of those plans bound a
+    stage by D."""
+    moves = moves_of(ms, stages)
+    est = ms.estimates(stages, moves, M)
     assert est is not None and len(est) == len(moves)
     bound = 0
     for move, got in zip(moves, est, strict=True):
-        whole = ms.score(applied(stages, move), M, zero2)
+        whole = ms.score(applied(stages, move), M)
         if whole is None:
             assert got == float("inf"), move
         else:
@@ -159,22 +125,20 @@ class _EveryMove(MixedScorer):
     estimates."""
 
     def estimates(
-        self, stages: Sequence[WidthStage], moves: Sequence[Move], M: int, zero2: bool = True
+        self, stages: Sequence[WidthStage], moves: Sequence[Move], M: int
     ) -> list[float] | None:
         return None
 
 
 @settings(max_examples=60, deadline=None)
-@given(_cases(), st.booleans())
+@given(_cases())
 def test_the_climb_finds_what_scoring_every_move_finds(
-    case: tuple[MixedScorer, list[WidthStage], int], by_L: bool
+    case: tuple[MixedScorer, list[WidthStage], int],
 ) -> None:
     """The local search that scores only the moves its estimates keep ends where the one that
-    scores every move ends: the same stages, M and L (weighing each plan with and without
-    ZeRO-2 or not)."""
+    scores every move ends: the same stages, M and L."""
     ms, stages, M = case
-    ms = MixedScorer(ms.scorers, zero2_by_L=by_L)
-    brute = _EveryMove(ms.scorers, zero2_by_L=by_L)
+    brute = _EveryMove(ms.scorers)
     Ms = [m for m in (1, 2, 4, 8) if ms.global_batch_size % m == 0]
     assert refine_stage_widths(ms, stages, M, Ms) == refine_stage_widths(brute, stages, M, Ms)
 

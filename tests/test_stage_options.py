@@ -12,7 +12,7 @@ from dapple.core.profile import ModelProfile
 from dapple.cost.tensor import fsdp_pass_ms, replica_sync_ms
 from dapple.planner.placement import first_free_devices, remaining_devices
 from dapple.planner.scorer import Scorer
-from dapple.planner.stage_options import LazyOptions, StageOption, without_zero2
+from dapple.planner.stage_options import LazyOptions, StageOption
 from dapple.planner.zero_modes import UNSHARDED, ZeroMode
 
 
@@ -40,31 +40,6 @@ def test_lazy_options_cost_each_mode_once_when_first_read() -> None:
     with pytest.raises(IndexError):
         got[3]
     assert not LazyOptions((), make)
-
-
-def test_without_zero2_is_a_view_costing_each_mode_once_for_both() -> None:
-    """:func:`without_zero2` of lazy options keeps the other modes in order and costs none
-    before it is read; a mode read through either is costed once."""
-    modes = (UNSHARDED, ZeroMode(1), ZeroMode(2), ZeroMode(3))
-    costed: list[ZeroMode] = []
-
-    def make(mode: ZeroMode) -> StageOption:
-        costed.append(mode)
-        return _option(float(mode.stage))
-
-    every = LazyOptions(modes, make)
-    assert every[1] == (ZeroMode(1), _option(1.0)) and costed == [ZeroMode(1)]
-    no2 = without_zero2(every)
-    assert len(no2) == 3 and costed == [ZeroMode(1)]
-    assert list(no2) == [
-        (m, _option(float(m.stage))) for m in (UNSHARDED, ZeroMode(1), ZeroMode(3))
-    ]
-    assert costed == [ZeroMode(1), UNSHARDED, ZeroMode(3)]
-    assert every[3] == (ZeroMode(3), _option(3.0)) and every[0][0] == UNSHARDED
-    assert len(costed) == 3  # read through the view, kept for the whole
-    assert without_zero2([(ZeroMode(2), _option(2.0)), (UNSHARDED, _option(0.0))]) == [
-        (UNSHARDED, _option(0.0))
-    ]
 
 
 def _profile() -> ModelProfile:

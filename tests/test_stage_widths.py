@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import itertools
 
 import pytest
 from hypothesis import given, settings
@@ -24,10 +23,9 @@ from dapple.cost.pipeline import pipeline_latency
 from dapple.cost.schedule_step import schedule_latency
 from dapple.cost.terms import stage_terms
 from dapple.errors import InfeasibleError
-from dapple.planner.move_scores import WidthStage
 from dapple.planner.scorer import Scorer
-from dapple.planner.search import dapple_search, micro_batch_candidates
-from dapple.planner.stage_widths import MixedScorer, refine_stage_widths, regroup, shift_moves
+from dapple.planner.search import dapple_search
+from dapple.planner.stage_widths import MixedScorer, refine_stage_widths, regroup
 from dapple.simulate.engine import simulate
 
 GBPS = 8.0  # 8 Gbit/s = 1e6 bytes per ms: bytes / 1e6 = ms
@@ -333,59 +331,3 @@ def test_405b_on_16384_h100_reaches_below_the_24_stage_plan() -> None:
     plan = dapple_search(prof, cluster, 256, zero_stage="auto", interleaved=True)
     assert plan.predicted_step_ms <= 8_624.74
     assert simulate(plan, prof, cluster).step_ms == pytest.approx(plan.predicted_step_ms, rel=0.05)
-
-
-def test_shift_moves_move_a_stage_by_one_layer_keeping_its_length() -> None:
-    """The middle stage of three moved down and up by one layer; a stage left with no shardable
-    layer drops to t = 1 on its devices (the embedding alone); two stages have none."""
-    prof = ModelProfile(
-        model_name="embed-5-blocks",
-        layers=(
-            _layer("embed", 2.0, 0, tp=False),
-            *(_layer(f"b{i}", 1.0, 100_000_000, tp=True) for i in range(1, 6)),
-        ),
-    )
-    ms = MixedScorer({t: Scorer(prof, _cluster(), 4, tensor_width=t) for t in (1, 2)})
-    stages = [(0, 2, (0, 1), 2), (2, 4, (2,), 1), (4, 6, (3,), 1)]
-    assert shift_moves(ms, stages) == [
-        (0, 3, ((0, 1, (0, 1), 1), (1, 3, (2,), 1), (3, 6, (3,), 1))),
-        (0, 3, ((0, 3, (0, 1), 2), (3, 5, (2,), 1), (5, 6, (3,), 1))),
-    ]
-    assert shift_moves(ms, stages[1:]) == []
-
-
-def test_llama3_70b_bridge_row_climbs_out_of_either_tied_start() -> None:
-    """``benchmarks/published.md``'s row bridge-2511-llama3-70b (64 H100, global batch 128,
-    sequence 8,192, fp8): its width-2 DP plan (8 stages, M = 32) ties at one L with its last
-    cut at layer 72 or 73, and which one the DP returns moved when ZeRO-2's memory became per
-    parameter. One layer moves at a time, the climb from 73 stopped at 15,822.65 ms (7 stages)
-    where the cut 73 -> 72 (15,830.40) and 54 -> 53 (16,010.31) each raise L and both together
-    read 15,594.08, where the climb from 72 ends. Moving a stage whole (``shift_moves``) both
-    starts climb to the same plan, and the search's plan is no slower than that 15,594.08 one."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    from _published_model import cluster_for, load_runs, profile_for
-
-    run = next(r for r in load_runs()[1] if r["id"] == "bridge-2511-llama3-70b")
-    prof, cluster, B = profile_for(run), cluster_for(run), run["parallel"]["global_batch"]
-    ms = MixedScorer({t: Scorer(prof, cluster, B, "auto", t) for t in (1, 2, 4, 8)}, True)
-
-    def plan(cuts: list[int], widths: list[int], replicas: list[int]) -> list[WidthStage]:
-        at = [0, *itertools.accumulate(t * r for t, r in zip(widths, replicas, strict=True))]
-        return [(cuts[i], cuts[i + 1], tuple(range(at[i], at[i + 1])), t)
-                for i, t in enumerate(widths)]  # fmt: skip
-
-    starts = [plan([0, 10, 21, 32, 43, 54, 64, c, 80], [2] * 8, [4] * 8) for c in (72, 73)]
-    at_start = [ms.score(st, 32) for st in starts]
-    assert at_start[0] is not None and at_start[1] is not None
-    assert at_start[0].L_ms == at_start[1].L_ms  # the tie
-    old = ms.score(plan([0, 10, 21, 32, 43, 53, 72, 80], [4, 2, 2, 2, 2, 4, 2], [2] + [4] * 6), 32)
-    assert old is not None and old.L_ms == pytest.approx(15_594.08, abs=0.01)
-    Ms = micro_batch_candidates(B)
-    ends = [refine_stage_widths(ms, st, 32, Ms) for st in starts]
-    assert ends[0] is not None and ends[1] is not None
-    assert ends[1][0] == ends[0][0] and ends[1][2].L_ms <= old.L_ms
-    searched = dapple_search(prof, cluster, B, zero_stage="auto")
-    assert searched.predicted_step_ms <= old.L_ms

@@ -62,10 +62,9 @@ def test_405b_on_512_h100_refines_its_width_2_plan_without_zero2_too() -> None:
     """Llama-3.1-405B (analytic H100, fp8, full re-computation) on 64 x 8 H100, global batch
     256, widths 2, 4 and 8. Its width-2 plan (64 two-layer stages, M = 64) picks ZeRO-2 on 8
     stages where ZeRO-1 and re-computation hold the same micro-batches (L 39,117.23 against
-    38,966.49 without ZeRO-2); the per-stage widths climbed from it with ZeRO-2 to 34,636.46
-    (52 stages). Weighing each plan with and without ZeRO-2
-    (:attr:`~dapple.planner.stage_widths.MixedScorer.zero2_by_L`) the climb ends at 26,953.21
-    (28 stages), the plan the search found before the profile listed each layer's
+    38,966.49 without ZeRO-2); the per-stage widths climbed from it to 34,636.46 (52 stages).
+    Refined without ZeRO-2 as well (:class:`~dapple.planner.zero_twins.WithoutZero2`) it ends
+    at 26,953.21 (28 stages), the plan the search found before the profile listed each layer's
     ``parameter_sizes`` (ZeRO-2's in-flight buckets then fitted nowhere)."""
     from dapple.cost.pipeline import pipeline_latency
 
@@ -76,25 +75,8 @@ def test_405b_on_512_h100_refines_its_width_2_plan_without_zero2_too() -> None:
     assert plan.predicted_step_ms <= 26_953.21
     got = pipeline_latency(plan, prof, cluster)
     assert got.fits_memory and got.L_ms == pytest.approx(plan.predicted_step_ms, rel=1e-9)
+    from dapple.planner.zero_twins import WithoutZero2
 
-
-def test_the_405b_width_2_plan_scores_lower_without_zero2() -> None:
-    """The width-2 plan above, scored both ways: its own L is the lower one, and the plan
-    without ZeRO-2 records ZeRO-1 and re-computation where ZeRO-2 was picked."""
-    from dapple.planner.stage_widths import MixedScorer
-
-    prof = analytic_profile("llama3.1-405b", "h100", precision="fp8", recompute="full")
-    cluster = load_cluster("h100-8x", 64)
-    scorers = {t: Scorer(prof, cluster, 256, "auto", t) for t in (2, 4, 8)}
-    stages = [(2 * i, 2 * i + 2, tuple(range(8 * i, 8 * i + 8)), 2) for i in range(64)]
-    with2 = MixedScorer(scorers).score(stages, 64)
-    ms = MixedScorer(scorers, zero2_by_L=True)
-    no2 = ms.score(stages, 64, zero2=False)
-    assert with2 is not None and no2 is not None
-    assert with2.L_ms == pytest.approx(39_117.23, abs=0.01)
-    assert no2.L_ms == pytest.approx(38_966.49, abs=0.01)
-    assert ms.score(stages, 64) == no2 and ms.score(stages, 64, zero2=True) == with2
-    twos = [i for i, z in enumerate(with2.zero_modes) if z.stage == 2]
-    assert len(twos) == 8
-    assert all(no2.zero_modes[i].stage == 1 and no2.recompute[i] for i in twos)
-    assert all(not with2.recompute[i] for i in twos)
+    no2 = WithoutZero2(prof, cluster, 256, "auto", 2)
+    assert [m.stage for m in no2._modes(0, 2, 4)] == [0, 1, 3]
+    assert [m.stage for m in Scorer(prof, cluster, 256, "auto", 2)._modes(0, 2, 4)] == [0, 1, 2, 3]

@@ -17,10 +17,10 @@ grow with the batch), the warm-up policy A/B, and per stage re-computation and t
 bound D when memory demands them (:class:`dapple.planner.scorer.Scorer`), and the tensor width
 t_i of each stage: one search per width t with every stage of width t, each plan then refined to
 per-stage widths by a local search (:mod:`dapple.planner.stage_widths`), which also starts from
-the width's plan of most stages at that plan's M (:func:`_finest_start`); under
-``--zero-stage auto`` that local search weighs each plan with and without ZeRO-2
-(:func:`_zero2_by_L`: the per-stage pick of a zero mode is local). It offers the uniform
-torchtitan-style grid's 1F1B plans inside its space (:mod:`dapple.planner.grid`) and,
+the width's plan of most stages at that plan's M (:func:`_finest_start`) and, under
+``--zero-stage auto``, refines a plan also without ZeRO-2 where that lowers its L
+(:func:`_without_zero2`: the per-stage pick of a zero mode is local). It offers the
+uniform torchtitan-style grid's 1F1B plans inside its space (:mod:`dapple.planner.grid`) and,
 with ``interleaved=True``, interleaved 1F1B: its own plans cut into v = 2 chunks per device
 group and the grid's interleaved points, costed by the interleaved step rule and memory replay
 (:mod:`dapple.planner.interleaving`); its plan is never slower by L than any of them.
@@ -91,6 +91,7 @@ from dapple.planner.scorer import Scored, Scorer, StageSpec
 from dapple.planner.search_offers import with_offers
 from dapple.planner.stage_widths import MixedScorer, refine_stage_widths
 from dapple.planner.widths import real_devices, width_candidates
+from dapple.planner.zero_twins import without_zero2
 
 __all__ = [
     "DENSE_MICRO_BATCH_COUNTS",
@@ -319,18 +320,16 @@ def _search_widths(
     no per-stage widths follow). Each width's plan is then refined to per-stage widths t_i
     among them (:mod:`dapple.planner.stage_widths`) with ``stage_widths``, when more than one
     width is searched and some layer shards, and so is the width's plan of most stages at its M
-    (:func:`_finest_start`); under ``auto`` that local search weighs each plan with and
-    without ZeRO-2 (:func:`_zero2_by_L`). On a profile with MoE layers a width is searched
+    (:func:`_finest_start`), and under ``auto`` also without ZeRO-2 where that lowers the
+    plan's L (:func:`_without_zero2`). On a profile with MoE layers a width is searched
     once more with the expert widths at ZeRO 0 only
     (:func:`~dapple.planner.expert_width.zero_zero_twin`), a second start for the per-stage
     widths. ``limits``: :func:`~dapple.planner.cut_search.search_limits` given N, G and the
     devices of a width's groups."""
     shards = any(x.tensor_parallel for x in profile.layers)
-    by_L = _zero2_by_L(scorers)
-    mixed = (
-        MixedScorer(scorers, zero2_by_L=by_L) if stage_widths and len(scorers) > 1 and shards
-        else None
-    )  # fmt: skip
+    mixed = MixedScorer(scorers) if stage_widths and len(scorers) > 1 and shards else None
+    without = without_zero2(scorers) if mixed is not None else None
+    no2 = None if without is None else MixedScorer(without)
     found: list[tuple[float, int, Plan]] = []
     # the least L of the narrower widths' searches, every stage at width t; below_ms prunes
     # only where no per-stage widths follow (a uniform plan above it may refine below it)
@@ -356,14 +355,29 @@ def _search_widths(
                 if mix is not None:
                     found += _stage_widths(mix, t, stages, M, scored, Ms)
                     found += _finest_start(one, mix, t, best, Ms)
+                    if mix is mixed and no2 is not None:
+                        found += _without_zero2(no2, t, stages, M, scored, Ms)
     return found
 
 
-def _zero2_by_L(scorers: Mapping[int, Scorer]) -> bool:
-    """Whether the per-stage-width search weighs its plans with and without ZeRO-2
-    (:class:`~dapple.planner.stage_widths.MixedScorer`): under ``auto`` with plain
-    :class:`Scorer` s only (a scorer of expert widths picks its own modes)."""
-    return all(type(sc) is Scorer and sc.zero_stage == "auto" for sc in scorers.values())
+def _without_zero2(
+    no2: MixedScorer,
+    t: int,
+    stages: list[StageSpec],
+    M: int,
+    scored: Scored,
+    Ms: Sequence[int],
+) -> list[tuple[float, int, Plan]]:
+    """The width-t plan refined to per-stage widths (:func:`_stage_widths`) by ``no2``, the
+    scorers without ZeRO-2 (:class:`~dapple.planner.zero_twins.WithoutZero2`), when a stage of
+    its ``scored`` picks ZeRO-2 and the plan's L is lower without it: the local picks of ZeRO-2
+    made L higher there, and the local search may climb from it to a higher L than without."""
+    if all(z.stage != 2 for z in scored.zero_modes):
+        return []  # without ZeRO-2 each stage picks as it did: the same L
+    got = no2.score(_at_width(stages, t), M)
+    if got is None or got.L_ms >= scored.L_ms:
+        return []
+    return _stage_widths(no2, t, stages, M, got, Ms)
 
 
 def _at_width(stages: list[StageSpec], t: int) -> list[WidthStage]:

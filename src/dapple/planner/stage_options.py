@@ -16,14 +16,7 @@ from typing import NamedTuple, overload
 from dapple.cost.terms import StageTerms
 from dapple.planner.zero_modes import UNSHARDED, ZeroMode
 
-__all__ = [
-    "LazyOptions",
-    "StageOption",
-    "StageOptions",
-    "pick_zero_mode",
-    "stage_choice",
-    "without_zero2",
-]
+__all__ = ["LazyOptions", "StageOption", "StageOptions", "pick_zero_mode", "stage_choice"]
 
 
 class StageOption(NamedTuple):
@@ -85,11 +78,6 @@ class LazyOptions(Sequence[tuple[ZeroMode, StageOption]]):
         for i in range(len(self._modes)):
             yield self[i]
 
-    def only(self, keep: Callable[[ZeroMode], bool]) -> LazyOptions:
-        """The modes ``keep`` keeps, in order, each costed here when first read (by either)."""
-        modes = self._modes
-        return LazyOptions([m for m in modes if keep(m)], lambda m: self[modes.index(m)][1])
-
 
 def stage_choice(
     options: StageOptions, k: int, M: int, bounded: bool, recompute: bool | None = None
@@ -131,11 +119,3 @@ def pick_zero_mode(options: StageOptions, k: int, M: int) -> tuple[ZeroMode, Sta
     if best is None:
         return options[-1]
     return best[1], best[2]
-
-
-def without_zero2(options: StageOptions) -> StageOptions:
-    """``options`` but ZeRO-2's, in their order; of :class:`LazyOptions`, a view costing no
-    mode before it is read."""
-    if isinstance(options, LazyOptions):
-        return options.only(lambda z: z.stage != 2)
-    return [(z, r) for z, r in options if z.stage != 2]

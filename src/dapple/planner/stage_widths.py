@@ -9,18 +9,13 @@ a time, keeping a move only when the whole plan's L (equations 1-3, scored as th
   device count, t' among the searched widths);
 * cut: move the boundary between two stages by one layer; a stage left with no shardable layer
   (``LayerProfile.tensor_parallel``) drops to t = 1 on the same devices;
-* merge: two neighbouring stages become one on the union of their devices, at each width;
-* shift (only where none of the above improves): a stage moved by one layer, its length kept.
+* merge: two neighbouring stages become one on the union of their devices, at each width.
 
 Each round takes the best improving move (the first of least L); the rounds stop when none
-improves, then M is re-picked among the candidates and the rounds repeat until M stays. Under
-``--zero-stage auto`` (:attr:`MixedScorer.zero2_by_L`) a stage's zero mode is picked by its own
-cost (:func:`~dapple.planner.stage_options.pick_zero_mode`: ZeRO-2's M-fold gradient traffic
-against re-computation's M forward passes), so each round weighs the current plan with and
-without ZeRO-2 and takes its moves in the way of lower L (:func:`_round_way`). A round
-estimates all its moves at once (:mod:`dapple.planner.move_scores`) and scores whole, lowest
-estimate first, only those whose estimate may still beat the best scored. A stage of width t
-keeps its tensor groups aligned, each ``t`` consecutive devices starting at a multiple of t, so
+improves, then M is re-picked among the candidates and the rounds repeat until M stays. A
+round estimates all its moves at once (:mod:`dapple.planner.move_scores`) and scores whole,
+lowest estimate first, only those whose estimate may still beat the best scored. A stage of width t keeps
+its tensor groups aligned, each ``t`` consecutive devices starting at a multiple of t, so
 inside one server (t divides the server size) and on the tensor groups the width-t
 :class:`~dapple.planner.scorer.Scorer` represents: its cached terms cost the stage, and the
 plan records exactly what was scored. Pure, no torch.
@@ -37,12 +32,12 @@ from dapple.cost.memory import boundary_bytes
 from dapple.planner.move_scores import ROUNDING, Move, Row, WidthStage, estimate_moves, stage_row
 from dapple.planner.scorer import Scored, Scorer, score_options, scored_plan
 from dapple.planner.shares import kind_shares
-from dapple.planner.stage_options import StageOptions, without_zero2
+from dapple.planner.stage_options import StageOptions
 from dapple.planner.widths import TensorSums
 from dapple.planner.zero_modes import UNSHARDED
 from dapple.schedule.registry import get_schedule
 
-__all__ = ["MixedScorer", "applied", "moves_of", "refine_stage_widths", "regroup", "shift_moves"]
+__all__ = ["MixedScorer", "applied", "moves_of", "refine_stage_widths", "regroup"]
 
 MAX_ROUNDS_PER_LAYER = 4
 """The moves of one M stop after this many rounds per layer (each round lowers L)."""
@@ -70,10 +65,8 @@ class MixedScorer:
     t scores as ``scorers[t]`` scores it.
     """
 
-    def __init__(self, scorers: Mapping[int, Scorer], zero2_by_L: bool = False) -> None:
+    def __init__(self, scorers: Mapping[int, Scorer]) -> None:
         self.scorers = dict(scorers)
-        self.zero2_by_L = zero2_by_L
-        """Weigh each plan with and without ZeRO-2 (:meth:`score`, :func:`_climb`)."""
         one = next(iter(self.scorers.values()))
         self.profile = one.profile
         self.cluster = one.real_cluster
@@ -82,37 +75,27 @@ class MixedScorer:
         self.widths = sorted(self.scorers)
         self._shardable = TensorSums(self.profile, self.cluster, 1)
         self._links: dict[tuple[object, ...], list[tuple[float, float]]] = {}
-        self._options: dict[tuple[WidthStage, int, bool], StageOptions] = {}
+        self._options: dict[tuple[WidthStage, int], StageOptions] = {}
         """Each stage's options at b samples (:meth:`Scorer.stage_options`): a local search's
         candidates differ from the current plan in one or two stages, the rest are looked up."""
         self._comms: dict[tuple[object, ...], float] = {}
         """Each comm stage's time by ``(cut, devices, t, devices, t, b, shares, shares)``
         (:meth:`_comm_ms`)."""
-        self._rows: dict[tuple[WidthStage, int, int, bool], Row] = {}
-        """Each stage's :data:`~dapple.planner.move_scores.Row` by ``(stage, b, K_i, zero2)``."""
+        self._rows: dict[tuple[WidthStage, int, int], Row] = {}
+        """Each stage's :data:`~dapple.planner.move_scores.Row` by ``(stage, b, K_i)``."""
         self._spec = get_schedule(DEFAULT_SCHEDULE)
 
     def shards(self, s: int, e: int) -> bool:
         """Whether layers ``[s, e)`` hold a shardable layer."""
         return self._shardable.blocks(s, e) > 0
 
-    def score(
-        self, stages: Sequence[WidthStage], M: int, zero2: bool | None = None
-    ) -> Scored | None:
+    def score(self, stages: Sequence[WidthStage], M: int) -> Scored | None:
         """L of the candidate under the default schedule, or None when it does not fit memory
-        (or a stage of width t > 1 has no shardable layer). ``zero2``: whether a stage may
-        pick ZeRO-2 (:func:`~dapple.planner.stage_options.without_zero2`); None: may, and
-        with :attr:`zero2_by_L` the lower L of the two ways."""
-        if zero2 is None:
-            got = self.score(stages, M, True)
-            if not self.zero2_by_L or (got is not None and not _picks_zero2(got)):
-                return got  # without ZeRO-2 every stage picks as it did: the same L
-            other = self.score(stages, M, False)
-            return got if other is None or (got is not None and got.L_ms <= other.L_ms) else other
+        (or a stage of width t > 1 has no shardable layer)."""
         b = self.global_batch_size // M
         options = []
         for st in stages:
-            opts = self._stage_options(st, b, zero2)
+            opts = self._stage_options(st, b)
             if not opts:
                 return None
             options.append(opts)
@@ -127,12 +110,12 @@ class MixedScorer:
         return score_options(options, comm, extras, M, self.cluster, DEFAULT_SCHEDULE, self._spec)
 
     def estimates(
-        self, stages: Sequence[WidthStage], moves: Sequence[Move], M: int, zero2: bool = True
+        self, stages: Sequence[WidthStage], moves: Sequence[Move], M: int
     ) -> list[float] | None:
         """Each move's L from ``stages`` at M within
-        :data:`~dapple.planner.move_scores.ROUNDING` of :meth:`score`'s with ``zero2``
-        (``inf``: it does not fit), all at once
-        (:func:`~dapple.planner.move_scores.estimate_moves`); None on a cluster with host terms, whose CPU-host pass the estimate does not run, or under a
+        :data:`~dapple.planner.move_scores.ROUNDING` of :meth:`score`'s (``inf``: it does
+        not fit), all at once (:func:`~dapple.planner.move_scores.estimate_moves`); None on a
+        cluster with host terms, whose CPU-host pass the estimate does not run, or under a
         default schedule other than DAPPLE's, whose in-flight counts it assumes."""
         if has_host_terms(self.cluster) or self._spec.name != "dapple":
             return None
@@ -142,34 +125,29 @@ class MixedScorer:
             stages,
             moves,
             M,
-            lambda st, k: self._row(st, b, k, zero2),
+            lambda st, k: self._row(st, b, k),
             lambda src, dst: self._comm_ms(src, dst, b),
             spec.name,
             ("A", "B") if len(spec.policies) > 1 else spec.policies,
         )
 
-    def _row(self, st: WidthStage, b: int, k: int, zero2: bool) -> Row:
+    def _row(self, st: WidthStage, b: int, k: int) -> Row:
         """Stage ``st``'s terms at b samples holding k micro-batches
-        (:func:`~dapple.planner.move_scores.stage_row`), with or without ZeRO-2, remembered."""
-        key = (st, b, k, zero2)
+        (:func:`~dapple.planner.move_scores.stage_row`), remembered."""
+        key = (st, b, k)
         got = self._rows.get(key)
         if got is None:
-            opts = self._stage_options(st, b, zero2)
+            opts = self._stage_options(st, b)
             M = self.global_batch_size // b
             got = self._rows[key] = stage_row(opts, k, M, self._spec.bounded)
         return got
 
-    def _stage_options(self, st: WidthStage, b: int, zero2: bool = True) -> StageOptions:
-        """The options of stage ``st`` at b samples (:meth:`Scorer.stage_options`), without
-        ZeRO-2's unless ``zero2``."""
-        got = self._options.get((st, b, zero2))
+    def _stage_options(self, st: WidthStage, b: int) -> StageOptions:
+        """The options of stage ``st`` at b samples (:meth:`Scorer.stage_options`)."""
+        got = self._options.get((st, b))
         if got is None:
-            if zero2:
-                s, e, d, t = st
-                got = self.scorers[t].stage_options(s, e, _groups(d, t), b)
-            else:
-                got = without_zero2(self._stage_options(st, b))
-            self._options[st, b, zero2] = got
+            s, e, d, t = st
+            got = self._options[st, b] = self.scorers[t].stage_options(s, e, _groups(d, t), b)
         return got
 
     def _comm_ms(self, src: WidthStage, dst: WidthStage, b: int) -> float:
@@ -219,11 +197,6 @@ class MixedScorer:
         return scored_plan(planner, self.profile, self.global_batch_size, bare, M, scored)
 
 
-def _picks_zero2(scored: Scored) -> bool:
-    """Whether a stage of ``scored`` picks ZeRO-2."""
-    return any(z.stage == 2 for z in scored.zero_modes)
-
-
 def _groups(devices: tuple[int, ...], t: int) -> tuple[int, ...]:
     """The tensor groups of width t (ids of :func:`~dapple.planner.widths.group_cluster`)."""
     return devices if t == 1 else tuple(d // t for d in devices[::t])
@@ -267,21 +240,6 @@ def _merge_moves(ms: MixedScorer, stages: list[WidthStage]) -> Iterator[Move]:
                 yield i, i + 2, ((s0, e1, d, t),)
 
 
-def shift_moves(ms: MixedScorer, stages: list[WidthStage]) -> list[Move]:
-    """Each stage with a neighbour on either side moved by one layer, its length kept: the
-    two boundaries around it moved together (:func:`_narrowed`), which no one cut move
-    reaches when each alone raises L."""
-    out: list[Move] = []
-    for i in range(1, len(stages) - 1):
-        (s0, a, d0, t0), (_, c, d1, t1), (_, e2, d2, t2) = stages[i - 1 : i + 2]
-        for delta in (-1, 1):
-            if s0 < a + delta and c + delta < e2:
-                new = ((s0, a + delta, d0, t0), (a + delta, c + delta, d1, t1),
-                       (c + delta, e2, d2, t2))  # fmt: skip
-                out.append((i - 1, i + 2, tuple(_narrowed(ms, st) for st in new)))
-    return out
-
-
 def moves_of(ms: MixedScorer, stages: list[WidthStage]) -> list[Move]:
     """A round's moves from ``stages`` (module docstring), in the order the round weighs
     them: width, cut, merge."""
@@ -298,61 +256,24 @@ def _climb(
     ms: MixedScorer, stages: list[WidthStage], M: int, best: Scored
 ) -> tuple[list[WidthStage], Scored]:
     """Rounds of the best improving move (module docstring) at M until none improves: the
-    first move of least L below the current plan's (:func:`_best_move`); where none of a
-    round's moves improves, the first of least L of its :func:`shift_moves`."""
-    zero2 = True
-    if ms.zero2_by_L:  # best may be either way's (MixedScorer.score): from ZeRO-2's if it fits
-        with2 = ms.score(stages, M, True)
-        zero2, best = (False, best) if with2 is None else (True, with2)
+    first move of least L below the current plan's. Where :meth:`MixedScorer.estimates`
+    applies, only the moves whose estimate may beat the best scored so far are scored."""
     for _ in range(MAX_ROUNDS_PER_LAYER * ms.N):
-        zero2, best = _round_way(ms, stages, M, zero2, best)
-        found = _best_move(ms, stages, moves_of(ms, stages), M, best, zero2)
-        if found is None:
-            found = _best_move(ms, stages, shift_moves(ms, stages), M, best, zero2)
+        moves = moves_of(ms, stages)
+        est = ms.estimates(stages, moves, M)
+        order = range(len(moves)) if est is None else sorted(range(len(moves)), key=est.__getitem__)
+        found: tuple[int, Scored] | None = None
+        for m in order:
+            bar = (found[1] if found else best).L_ms
+            if est is not None and est[m] >= bar * (1 + ROUNDING):
+                break  # this move and the rest are above the best by more than rounding
+            got = ms.score(applied(stages, moves[m]), M)
+            if got is not None and (got.L_ms < bar or (found and got.L_ms == bar and m < found[0])):
+                found = (m, got)
         if found is None:
             break
-        stages, best = found
+        stages, best = applied(stages, moves[found[0]]), found[1]
     return stages, best
-
-
-def _best_move(
-    ms: MixedScorer,
-    stages: list[WidthStage],
-    moves: Sequence[Move],
-    M: int,
-    best: Scored,
-    zero2: bool,
-) -> tuple[list[WidthStage], Scored] | None:
-    """The plan of the first move of least L below ``best``'s, scored with or without ZeRO-2
-    (``zero2``), and its score; None when none is below. Where :meth:`MixedScorer.estimates`
-    applies, only the moves whose estimate may beat the best scored so far are scored."""
-    est = ms.estimates(stages, moves, M, zero2)
-    order = range(len(moves)) if est is None else sorted(range(len(moves)), key=est.__getitem__)
-    found: tuple[int, Scored] | None = None
-    for m in order:
-        bar = (found[1] if found else best).L_ms
-        if est is not None and est[m] >= bar * (1 + ROUNDING):
-            break  # this move and the rest are above the best by more than rounding
-        got = ms.score(applied(stages, moves[m]), M, zero2)
-        if got is not None and (got.L_ms < bar or (found and got.L_ms == bar and m < found[0])):
-            found = (m, got)
-    if found is None:
-        return None
-    return applied(stages, moves[found[0]]), found[1]
-
-
-def _round_way(
-    ms: MixedScorer, stages: list[WidthStage], M: int, zero2: bool, best: Scored
-) -> tuple[bool, Scored]:
-    """The way (with ZeRO-2 or without, :meth:`MixedScorer.score`) a round of
-    :func:`_climb` weighs its moves in, and the current plan's score that way: the way of lower
-    L for the plan ``stages`` scored ``best`` in the way ``zero2`` (with ZeRO-2 on ties)."""
-    if not ms.zero2_by_L or (zero2 and not _picks_zero2(best)):
-        return zero2, best  # without ZeRO-2 every stage picks as it does: the same L
-    other = ms.score(stages, M, not zero2)
-    if other is not None and (other.L_ms < best.L_ms or (not zero2 and other.L_ms == best.L_ms)):
-        return not zero2, other
-    return zero2, best
 
 
 def refine_stage_widths(

@@ -9,12 +9,17 @@ stage (:data:`TWIN_STAGES`): the same cuts, devices, widths and M, each stage's
 re-computation and D chosen again by that stage's scorer. The search offers the twins beside
 the plans (1F1B) and interleaves them with the plans (:mod:`dapple.planner.interleaving`), so
 a plan under auto is never slower by L than an explicit zero stage's on those structures.
-Pure, no torch.
+
+The per-stage pick is local (a stage's AR_s + U_s against M more forward passes), so on a plan
+L may be lower with ZeRO-1 and re-computation where the pick takes ZeRO-2 (its M-fold gradient
+traffic in AR_s), and the local search of per-stage widths from such a start may climb to a
+higher L: :class:`WithoutZero2` is auto without ZeRO-2, another scorer for that local search
+(:func:`without_zero2`). Pure, no torch.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from dapple.core.cluster import Cluster
 from dapple.core.plan import Plan
@@ -23,8 +28,9 @@ from dapple.core.profile import ModelProfile
 from dapple.planner.move_scores import WidthStage
 from dapple.planner.scorer import Scorer
 from dapple.planner.stage_widths import MixedScorer
+from dapple.planner.zero_modes import ZeroMode
 
-__all__ = ["TWIN_STAGES", "zero_twins"]
+__all__ = ["TWIN_STAGES", "WithoutZero2", "without_zero2", "zero_twins"]
 
 TWIN_STAGES: tuple[ZeroChoice, ...] = (0, 1, 2, 3)
 """The explicit zero stages a plan found under auto is re-scored at."""
@@ -68,3 +74,21 @@ def zero_twins(
                 seen.add(twin.stages)
                 out.append((got.L_ms, t, twin))
     return out
+
+
+class WithoutZero2(Scorer):
+    """A :class:`Scorer` under ``auto`` that offers a replicated stage every mode but ZeRO-2."""
+
+    def _modes(self, s: int, e: int, replicas: int) -> tuple[ZeroMode, ...]:
+        return tuple(m for m in super()._modes(s, e, replicas) if m.stage != 2)
+
+
+def without_zero2(scorers: Mapping[int, Scorer]) -> dict[int, Scorer] | None:
+    """``scorers`` (by tensor width) as :class:`WithoutZero2`, or None unless every one is a
+    plain :class:`Scorer` under ``auto`` (a scorer of expert widths picks its own modes)."""
+    if not all(type(sc) is Scorer and sc.zero_stage == "auto" for sc in scorers.values()):
+        return None
+    return {
+        t: WithoutZero2(sc.profile, sc.real_cluster, sc.global_batch_size, "auto", t)
+        for t, sc in scorers.items()
+    }
