@@ -282,3 +282,16 @@ def kept_section(out: Path, heading: str) -> list[str]:
         return []
     text = out.read_text().splitlines()
     return ["", *text[text.index(heading) :]] if heading in text else []
+
+
+def splice_between(md: Path, section: list[str], begin: str, end: str) -> None:
+    """Write ``section`` into ``md`` between the marker lines ``begin`` and ``end``, replacing what
+    was there (appended at the end, with the markers, when they are absent)."""
+    text = md.read_text() if md.exists() else ""
+    block = "\n".join([begin, *section, end])
+    if begin in text and end in text:
+        head, rest = text.split(begin, 1)
+        text = head + block + rest.split(end, 1)[1]
+    else:
+        text = text.rstrip("\n") + "\n\n" + block + "\n"
+    md.write_text(text)

@@ -36,7 +36,14 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _bench_common import BENCH_MODEL, bench_transformer, header, load_note, run_worker_group
+from _bench_common import (
+    BENCH_MODEL,
+    bench_transformer,
+    header,
+    load_note,
+    run_worker_group,
+    splice_between,
+)
 from _schedules_worker import TORCH_SCHEDULES, TorchPipe
 from dapple.core.plan import Plan, straight_plan
 from dapple.simulate.plan_variants import with_schedule
@@ -323,16 +330,9 @@ END = "<!-- schedules_measured_counts.py: end -->"
 
 
 def splice(md: Path, section: list[str]) -> None:
-    """Write ``section`` into ``md`` between :data:`BEGIN` and :data:`END`, replacing what was
-    there (appended at the end when the markers are absent)."""
-    text = md.read_text() if md.exists() else ""
-    block = "\n".join([BEGIN, *section, END])
-    if BEGIN in text and END in text:
-        head, rest = text.split(BEGIN, 1)
-        text = head + block + rest.split(END, 1)[1]
-    else:
-        text = text.rstrip("\n") + "\n\n" + block + "\n"
-    md.write_text(text)
+    """Write ``section`` into ``md`` between :data:`BEGIN` and :data:`END`
+    (:func:`_bench_common.splice`)."""
+    splice_between(md, section, BEGIN, END)
 
 
 if __name__ == "__main__":

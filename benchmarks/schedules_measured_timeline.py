@@ -42,7 +42,14 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _bench_common import bench_transformer, header, join_worker_group, load_note, run_worker_group
+from _bench_common import (
+    bench_transformer,
+    header,
+    join_worker_group,
+    load_note,
+    run_worker_group,
+    splice_between,
+)
 from _schedules_worker import TorchPipe
 from dapple.core.plan import Plan
 from schedules_measured_v import _commit, build_cases
@@ -355,21 +362,9 @@ def main(argv: list[str] | None = None) -> int:
     section = report(runs, args, head)
     if args.out:
         md = Path(args.out)
-        splice_at(md, section)
+        splice_between(md, section, BEGIN, END)
     print("\n".join(section))
     return 0
-
-
-def splice_at(md: Path, section: list[str]) -> None:
-    """``section`` into ``md`` between :data:`BEGIN` and :data:`END` (appended without them)."""
-    text = md.read_text() if md.exists() else ""
-    block = "\n".join([BEGIN, *section, END])
-    if BEGIN in text and END in text:
-        before, rest = text.split(BEGIN, 1)
-        text = before + block + rest.split(END, 1)[1]
-    else:
-        text = text.rstrip("\n") + "\n\n" + block + "\n"
-    md.write_text(text)
 
 
 if __name__ == "__main__":

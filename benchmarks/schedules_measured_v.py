@@ -41,6 +41,7 @@ from _bench_common import (
     header,
     load_note,
     run_worker_group,
+    splice_between,
 )
 from _schedules_worker import ACTION_KINDS, TORCH_SCHEDULES, worker
 from dapple.core.plan import Plan, interleave, straight_plan
@@ -248,16 +249,9 @@ def _commit() -> str:
 
 
 def splice(md: Path, section: list[str]) -> None:
-    """Write ``section`` into ``md`` between :data:`BEGIN` and :data:`END`, replacing what was
-    there (appended at the end when the markers are absent)."""
-    text = md.read_text() if md.exists() else ""
-    block = "\n".join([BEGIN, *section, END])
-    if BEGIN in text and END in text:
-        head, rest = text.split(BEGIN, 1)
-        text = head + block + rest.split(END, 1)[1]
-    else:
-        text = text.rstrip("\n") + "\n\n" + block + "\n"
-    md.write_text(text)
+    """Write ``section`` into ``md`` between :data:`BEGIN` and :data:`END`
+    (:func:`_bench_common.splice`)."""
+    splice_between(md, section, BEGIN, END)
 
 
 def main(argv: list[str] | None = None) -> int:
