@@ -223,6 +223,19 @@ def test_dapple_plan_is_not_slower_than_the_rows_own(rows, rid: str) -> None:  #
     assert got.planning_s > 0
 
 
+def test_the_search_shifts_a_stage_where_no_single_cut_improves(rows) -> None:  # type: ignore[no-untyped-def]
+    """bridge-2511-llama3-70b: the per-stage-width climb from the returned width-2 start ends
+    at L 15,822.65 ms where every single move raises L, while the other start's plan (L
+    15,594.08) fits; moving one stage by a layer, its length kept, reaches below both."""
+    from dapple.planner.search import dapple_search
+
+    run = rows["bridge-2511-llama3-70b"]
+    plan = dapple_search(
+        pm.profile_for(run), pm.cluster_for(run), run["parallel"]["global_batch"], zero_stage="auto"
+    )
+    assert plan.predicted_step_ms < 15_594.08
+
+
 def test_a_row_with_no_plan_that_fits_says_so(rows) -> None:  # type: ignore[no-untyped-def]
     run = rows["bridge-2511-llama3-8b"]
     small = dict(run, cluster=dict(run["cluster"], memory_gib=4))  # 8B on 8 GPUs of 4 GiB

@@ -25,7 +25,7 @@ from dapple.cost.terms import stage_terms
 from dapple.errors import InfeasibleError
 from dapple.planner.scorer import Scorer
 from dapple.planner.search import dapple_search
-from dapple.planner.stage_widths import MixedScorer, refine_stage_widths, regroup
+from dapple.planner.stage_widths import MixedScorer, refine_stage_widths, regroup, shift_moves
 from dapple.simulate.engine import simulate
 
 GBPS = 8.0  # 8 Gbit/s = 1e6 bytes per ms: bytes / 1e6 = ms
@@ -144,6 +144,22 @@ def test_refinement_merges_two_stages_into_one_tensor_group() -> None:
     assert got is not None
     assert got[0] == [(0, 1, (0, 1), 1), (1, 3, (2, 3), 2)]
     assert got[2].L_ms == pytest.approx(18.0)
+
+
+def test_shift_moves_a_middle_stage_by_one_layer_keeping_its_length() -> None:
+    """Three stages of two layers: the middle one shifts one layer either way (its neighbours
+    give and take a layer); the end stages have no neighbour on both sides and do not shift."""
+    prof = ModelProfile(
+        model_name="six", layers=tuple(_layer(f"b{i}", 1.0, 1000, tp=False) for i in range(6))
+    )
+    ms = MixedScorer({1: Scorer(prof, _cluster(per_server=3), 6)})
+    stages = [(0, 2, (0,), 1), (2, 4, (1,), 1), (4, 6, (2,), 1)]
+    assert shift_moves(ms, stages) == [
+        (0, 3, ((0, 1, (0,), 1), (1, 3, (1,), 1), (3, 6, (2,), 1))),
+        (0, 3, ((0, 3, (0,), 1), (3, 5, (1,), 1), (5, 6, (2,), 1))),
+    ]
+    # a neighbour of one layer cannot give it away
+    assert shift_moves(ms, [(0, 1, (0,), 1), (1, 5, (1,), 1), (5, 6, (2,), 1)]) == []
 
 
 def test_a_uniform_plan_scores_as_its_width_scorer() -> None:

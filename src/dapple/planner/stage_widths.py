@@ -9,7 +9,8 @@ a time, keeping a move only when the whole plan's L (equations 1-3, scored as th
   device count, t' among the searched widths);
 * cut: move the boundary between two stages by one layer; a stage left with no shardable layer
   (``LayerProfile.tensor_parallel``) drops to t = 1 on the same devices;
-* merge: two neighbouring stages become one on the union of their devices, at each width.
+* merge: two neighbouring stages become one on the union of their devices, at each width;
+* shift (only where none of the above improves): a stage moved by one layer, its length kept.
 
 Each round takes the best improving move (the first of least L); the rounds stop when none
 improves, then M is re-picked among the candidates and the rounds repeat until M stays. A
@@ -37,7 +38,7 @@ from dapple.planner.widths import TensorSums
 from dapple.planner.zero_modes import UNSHARDED
 from dapple.schedule.registry import get_schedule
 
-__all__ = ["MixedScorer", "applied", "moves_of", "refine_stage_widths", "regroup"]
+__all__ = ["MixedScorer", "applied", "moves_of", "refine_stage_widths", "regroup", "shift_moves"]
 
 MAX_ROUNDS_PER_LAYER = 4
 """The moves of one M stop after this many rounds per layer (each round lowers L)."""
@@ -252,28 +253,56 @@ def applied(stages: Sequence[WidthStage], move: Move) -> list[WidthStage]:
     return [*stages[:i], *new, *stages[j:]]
 
 
+def shift_moves(ms: MixedScorer, stages: list[WidthStage]) -> list[Move]:
+    """Each stage with a neighbour on either side moved by one layer, its length kept: the two
+    boundaries around it moved together, which no one cut move reaches when each alone raises
+    L (:func:`_narrowed` applied to the three stages)."""
+    out: list[Move] = []
+    for i in range(1, len(stages) - 1):
+        (s0, a, d0, t0), (_, c, d1, t1), (_, e2, d2, t2) = stages[i - 1 : i + 2]
+        for delta in (-1, 1):
+            if s0 < a + delta and c + delta < e2:
+                new = ((s0, a + delta, d0, t0), (a + delta, c + delta, d1, t1),
+                       (c + delta, e2, d2, t2))  # fmt: skip
+                out.append((i - 1, i + 2, tuple(_narrowed(ms, st) for st in new)))
+    return out
+
+
 def _climb(
     ms: MixedScorer, stages: list[WidthStage], M: int, best: Scored
 ) -> tuple[list[WidthStage], Scored]:
     """Rounds of the best improving move (module docstring) at M until none improves: the
-    first move of least L below the current plan's. Where :meth:`MixedScorer.estimates`
-    applies, only the moves whose estimate may beat the best scored so far are scored."""
+    first move of least L below the current plan's (:func:`_best_move`); where none of a
+    round's moves improves, the first of least L of its :func:`shift_moves`."""
     for _ in range(MAX_ROUNDS_PER_LAYER * ms.N):
-        moves = moves_of(ms, stages)
-        est = ms.estimates(stages, moves, M)
-        order = range(len(moves)) if est is None else sorted(range(len(moves)), key=est.__getitem__)
-        found: tuple[int, Scored] | None = None
-        for m in order:
-            bar = (found[1] if found else best).L_ms
-            if est is not None and est[m] >= bar * (1 + ROUNDING):
-                break  # this move and the rest are above the best by more than rounding
-            got = ms.score(applied(stages, moves[m]), M)
-            if got is not None and (got.L_ms < bar or (found and got.L_ms == bar and m < found[0])):
-                found = (m, got)
+        found = _best_move(ms, stages, moves_of(ms, stages), M, best)
+        if found is None:
+            found = _best_move(ms, stages, shift_moves(ms, stages), M, best)
         if found is None:
             break
-        stages, best = applied(stages, moves[found[0]]), found[1]
+        stages, best = found
     return stages, best
+
+
+def _best_move(
+    ms: MixedScorer, stages: list[WidthStage], moves: Sequence[Move], M: int, best: Scored
+) -> tuple[list[WidthStage], Scored] | None:
+    """The plan of the first move of least L below ``best``'s and its score; None when none is
+    below. Where :meth:`MixedScorer.estimates` applies, only the moves whose estimate may beat
+    the best scored so far are scored."""
+    est = ms.estimates(stages, moves, M)
+    order = range(len(moves)) if est is None else sorted(range(len(moves)), key=est.__getitem__)
+    found: tuple[int, Scored] | None = None
+    for m in order:
+        bar = (found[1] if found else best).L_ms
+        if est is not None and est[m] >= bar * (1 + ROUNDING):
+            break  # this move and the rest are above the best by more than rounding
+        got = ms.score(applied(stages, moves[m]), M)
+        if got is not None and (got.L_ms < bar or (found and got.L_ms == bar and m < found[0])):
+            found = (m, got)
+    if found is None:
+        return None
+    return applied(stages, moves[found[0]]), found[1]
 
 
 def refine_stage_widths(
