@@ -59,6 +59,7 @@ def test_out_dir_writes_each_pair_as_it_ends_and_skips_files_already_there(
 
     monkeypatch.setattr(cost_dump, "dump_pair", fake_pair)
     monkeypatch.setattr(cost_dump, "dump_extra", lambda: {"zero1/bert48": {"L": 9.0}})
+    monkeypatch.setattr(cost_dump, "dump_profiles", lambda: {"bert48": {"F": 1.0}})
     _write(tmp_path, "vgg19@paper-b", {"kept": 1})
     cost_dump.main(
         ["--out-dir", str(tmp_path), "--pairs", "bert48/paper-a", "vgg19/paper-b", "--no-best"]
@@ -67,4 +68,5 @@ def test_out_dir_writes_each_pair_as_it_ends_and_skips_files_already_there(
     assert json.loads((tmp_path / "bert48@paper-a.json").read_text()) == {"dapple": {"L": 1.0}}
     assert json.loads((tmp_path / "vgg19@paper-b.json").read_text()) == {"kept": 1}
     assert json.loads((tmp_path / "extra.json").read_text()) == {"zero1/bert48": {"L": 9.0}}
+    assert json.loads((tmp_path / "profiles.json").read_text()) == {"bert48": {"F": 1.0}}
     assert not list(tmp_path.glob("*.part"))
