@@ -64,9 +64,9 @@ def test_beats_the_slowest_kind_and_the_even_split(mixed_plan: Plan) -> None:
     assert mixed_plan.predicted_step_ms < 0.9 * schedule_latency(_even(mixed_plan), BERT, MIXED)
 
 
-def test_stage_time_is_its_slowest_replica() -> None:
-    st0 = make_plan(BERT, MIXED, 64).stages[0]
-    plan = make_plan(BERT, MIXED, 64)
+def test_stage_time_is_its_slowest_replica(mixed_plan: Plan) -> None:
+    plan = mixed_plan
+    st0 = plan.stages[0]
     b = plan.micro_batch_size
     terms = stage_terms(plan, BERT, MIXED).stages[0]
     want = max(
@@ -87,7 +87,7 @@ def test_at_speeds_divides_compute_only() -> None:
     assert got[1].host == reps[1].host and got[1].samples == reps[1].samples
 
 
-def test_speeds_above_one_are_searched_as_below() -> None:
+def test_speeds_above_one_are_searched_as_below(mixed_plan: Plan) -> None:
     fast = dataclasses.replace(
         MIXED, kinds=tuple(dataclasses.replace(k, speed=k.speed * 4) for k in MIXED.kinds)
     )
@@ -99,7 +99,7 @@ def test_speeds_above_one_are_searched_as_below() -> None:
         )
     plan = make_plan(BERT, fast, 64)
     assert plan.predicted_step_ms == pytest.approx(schedule_latency(plan, BERT, fast))
-    assert plan.predicted_step_ms < make_plan(BERT, MIXED, 64).predicted_step_ms
+    assert plan.predicted_step_ms < mixed_plan.predicted_step_ms
 
 
 def test_even_split_when_speeds_are_equal() -> None:
@@ -127,7 +127,7 @@ def test_memory_is_held_per_kind() -> None:
     assert small[0][1].d_nr == alone[0] < same[0][1].d_nr
 
 
-def test_cost_terms_follow_shares() -> None:
+def test_cost_terms_follow_shares(mixed_plan: Plan) -> None:
     """Split-concat links, host CPU, slice work, memory and F_s read the stage's shares."""
     from dapple.core.plan import transfers
     from dapple.cost.comm import link_loads, overlaps
@@ -145,7 +145,7 @@ def test_cost_terms_follow_shares() -> None:
     host = dataclasses.replace(MIXED, comm_cpu_ms_per_mb=1.0)
     rows = host_extras(BERT, host, [(0, 10, 2), (10, 50, 1)], 8, [(6, 2), None])[0]
     assert rows[0].forward_ms > rows[1].forward_ms
-    st = dataclasses.replace(make_plan(BERT, MIXED, 64).stages[0], shares=None)
+    st = dataclasses.replace(mixed_plan.stages[0], shares=None)
     st = dataclasses.replace(st, devices=(7, 8), shares=(1, 1))
     assert plan_stage_bytes(BERT, dataclasses.replace(st, shares=(3, 1)), 4) == plan_stage_bytes(
         BERT, st, 4, samples=3
@@ -155,13 +155,13 @@ def test_cost_terms_follow_shares() -> None:
     assert stage_compute_ms(BERT, MIXED, st, 2) == pytest.approx((f / v, b / v))
 
 
-def test_fits_memory_per_kind() -> None:
+def test_fits_memory_per_kind(mixed_plan: Plan) -> None:
     """A plan fits when each replica's share fits its own kind, though its largest share would
     not fit the smallest kind."""
     from dapple.cost.peak_memory import stage_peak
     from dapple.cost.pipeline import pipeline_latency
 
-    plan = make_plan(BERT, MIXED, 64)
+    plan = mixed_plan
     st, b = plan.stages[0], plan.micro_batch_size
     big, small = max(st.slice_sizes(b)), min(st.slice_sizes(b))
     k, M = st.max_in_flight or 1, plan.num_micro_batches

@@ -205,7 +205,7 @@ BLOCKS: dict[str, Way] = {
     ),
     "Two commands#1": Way(
         how="ci", lang="bash",
-        why="lint, types and the whole suite: .ci/run runs it verbatim; run here it would "
+        why="lint, types and the fast tier: .ci/run runs it verbatim; run here it would "
             "recurse into this test",
     ),
     "Architecture#0": Way(
