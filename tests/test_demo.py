@@ -134,8 +134,8 @@ def test_median_step_ms_skips_the_first_steps() -> None:
 
 
 # -- end to end ----------------------------------------------------------------------------------
-@pytest.mark.slow
 def test_demo_runs_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """In the fast tier (CI) on purpose: the README's main job, end to end."""
     out = tmp_path / "demo"
     args = ["demo", "--steps", "12", "--corpus-mib", "0.3", "--out-dir", str(out)]
     assert main(args) == 0

@@ -338,8 +338,9 @@ def _max_diff(
     return max(float((a[i][n] - b[i][n]).abs().max()) for i in a for n in a[i])
 
 
-@pytest.mark.slow
 def test_verify_adamw_cosine_warmup_binding_clip_under_3_1_1_2_1_and_2_2() -> None:
+    """In the fast tier (CI) on purpose: uneven replication, AdamW and a binding clip, each
+    plan's workers against one process."""
     wl = api.load("runtime_workloads:mlp")
     steps = 4
     reports = api.verify_many(
