@@ -141,7 +141,7 @@ def own_stretch(devs: Sequence[tuple[int, float]], cluster: Cluster) -> float:
         if ws[0] <= 0.0:
             continue
         dist = _nested([w / ws[0] for w in ws])
-        rate = sum(p * cluster.compute_rate(k) for k, p in enumerate(dist) if p > 0.0)
+        rate = _mean_rate(dist, cluster.compute_rate)
         out = max(out, ws[0] / (rate * w_max))
     return out
 
@@ -299,8 +299,13 @@ class _Server:
             for t in self.works:
                 if t != s and (s, t) not in self.apart:
                     dist = _convolve(dist, busy[t])
-            out[s] = 1.0 / sum(p * self.rates[k] for k, p in enumerate(dist) if p > 0.0)
+            out[s] = 1.0 / _mean_rate(dist, self.rates.__getitem__)
         return out
+
+
+def _mean_rate(dist: Sequence[float], rate: Callable[[int], float]) -> float:
+    """E[rate(k)] over a busy count k of distribution ``dist`` (``P(k)`` by k)."""
+    return sum(p * rate(k) for k, p in enumerate(dist) if p > 0.0)
 
 
 def _nested(fracs: Sequence[float]) -> list[float]:
