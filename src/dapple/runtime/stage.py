@@ -64,15 +64,20 @@ class _MicroBatch:
     """Split backward, ``live_weights``: the parameters ``I`` found in the module."""
 
 
-def _detachable(t: Any) -> Any:
-    """A stage output the split backward may detach in place (:func:`input_gradients`): the
+def _detachable(outputs: tuple[Any, ...]) -> tuple[Any, ...]:
+    """Stage outputs the split backward may detach in place (:func:`input_gradients`): each
     output itself, or a copy where ``detach_`` would fail or reach back into the stage (a view,
-    which torch refuses to detach in place, or a leaf: an input passed through). A tensor an
-    autograd node saved as its own output (tanh's) is kept as the node's own alias, which the
-    detach leaves alone."""
-    if isinstance(t, torch.Tensor) and t.requires_grad and (t._is_view() or t.grad_fn is None):
-        return t.clone()
-    return t
+    which torch refuses to detach in place, or a leaf: an input passed through). An output
+    only its own node saved (tanh's) is kept as the node's own alias, which the detach leaves
+    alone; with several outputs that carry gradients, one may be saved by the node of another
+    (``(a, f(a))``), which a detach in place would break: all of them are copied."""
+    grads = [t for t in outputs if isinstance(t, torch.Tensor) and t.requires_grad]
+    if len(grads) > 1:
+        return tuple(t.clone() if any(t is g for g in grads) else t for t in outputs)
+    return tuple(
+        t.clone() if any(t is g for g in grads) and (t._is_view() or t.grad_fn is None) else t
+        for t in outputs
+    )
 
 
 def draws_keyed(module: nn.Module) -> bool:
@@ -393,7 +398,7 @@ class StageExecutor:
         if not self.last:
             st.output = flatten(out)
             if self.split:  # the split backward detaches its outputs in place
-                st.output = tuple(_detachable(t) for t in st.output)
+                st.output = _detachable(st.output)
             if metering:
                 st.held += self.meter.hold(st.output)
         self._mb[m] = st
