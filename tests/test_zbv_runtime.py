@@ -100,10 +100,10 @@ def test_the_split_backward_detaches_a_stage_output_itself_unless_a_view_or_a_le
     lin = torch.nn.Linear(3, 3)
     x = torch.randn(2, 3, requires_grad=True)
     out = torch.tanh(lin(x))
-    assert _detachable(out) is out
+    assert _detachable((out,))[0] is out
     view, leaf = out.view(3, 2), torch.ones(2, requires_grad=True)
     for t in (view, leaf):
-        copy = _detachable(t)
+        (copy,) = _detachable((t,))
         assert copy is not t and torch.equal(copy, t) and not copy._is_view()
     g = torch.randn_like(out)
     want = torch.autograd.grad(out, [x, lin.weight, lin.bias], g, retain_graph=True)
@@ -111,6 +111,27 @@ def test_the_split_backward_detaches_a_stage_output_itself_unless_a_view_or_a_le
     weight_gradients(groups, list(lin.parameters()))
     assert out.grad_fn is None  # detached in place by I
     for got, ref in zip((x.grad, lin.weight.grad, lin.bias.grad), want, strict=True):
+        torch.testing.assert_close(got, ref)
+
+
+def test_the_split_backward_copies_outputs_when_one_may_be_saved_by_anothers_node() -> None:
+    """Outputs ``(a, a * w)``: ``a`` is saved by the product's node, so detaching it in place
+    would break W; both are copied, and I then W give autograd's gradients."""
+    from dapple.models.split_backward import input_gradients, weight_gradients
+    from dapple.runtime.stage import _detachable
+
+    lin, w = torch.nn.Linear(3, 3), torch.nn.Parameter(torch.randn(3))
+    x = torch.randn(2, 3, requires_grad=True)
+    a = lin(x)
+    outs = (a, a * w)
+    kept = _detachable(outs)
+    assert all(k is not o and torch.equal(k, o) for k, o in zip(kept, outs, strict=True))
+    params = [*lin.parameters(), w]
+    gs = [torch.randn_like(t) for t in kept]
+    want = torch.autograd.grad(kept, [x, *params], gs, retain_graph=True)
+    groups = input_gradients(list(kept), gs, [x], params)
+    weight_gradients(groups, params)
+    for got, ref in zip((x.grad, *(p.grad for p in params)), want, strict=True):
         torch.testing.assert_close(got, ref)
 
 
