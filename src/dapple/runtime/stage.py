@@ -71,12 +71,11 @@ def _detachable(outputs: tuple[Any, ...]) -> tuple[Any, ...]:
     only its own node saved (tanh's) is kept as the node's own alias, which the detach leaves
     alone; with several outputs that carry gradients, one may be saved by the node of another
     (``(a, f(a))``), which a detach in place would break: all of them are copied."""
-    grads = [t for t in outputs if isinstance(t, torch.Tensor) and t.requires_grad]
-    if len(grads) > 1:
-        return tuple(t.clone() if any(t is g for g in grads) else t for t in outputs)
+    grads = [isinstance(t, torch.Tensor) and t.requires_grad for t in outputs]
+    every = sum(grads) > 1
     return tuple(
-        t.clone() if any(t is g for g in grads) and (t._is_view() or t.grad_fn is None) else t
-        for t in outputs
+        t.clone() if g and (every or t._is_view() or t.grad_fn is None) else t
+        for t, g in zip(outputs, grads, strict=True)
     )
 
 
