@@ -210,6 +210,7 @@ class TorchPipe:
         chunks: list[list[int]],
         placement: list[int],
         blocks: int,
+        clip: float | None = None,
     ) -> None:
         from torch.distributed import pipelining as pp
 
@@ -227,7 +228,9 @@ class TorchPipe:
         self.sched = cls(
             stages[0] if kind == "1f1b" else stages, n_microbatches=M, loss_fn=self.wl.loss_fn
         )
-        self.opt = torch.optim.SGD([p for m in modules for p in m.parameters()], lr=LR)
+        self.params = [p for m in modules for p in m.parameters()]
+        self.opt = torch.optim.SGD(self.params, lr=LR)
+        self.clip = clip
 
     def step(self, k: int) -> None:
         """One optimizer step on the batch of seed ``k`` (built here, as dapple's runtime does)."""
@@ -235,8 +238,24 @@ class TorchPipe:
         args = (x,) if self.first else ()
         kwargs: dict[str, Any] = {"target": y, "losses": []} if self.last else {}
         self.sched.step(*args, **kwargs)
+        if self.clip is not None:
+            clip_over_ranks(self.params, self.clip)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
+
+
+def clip_over_ranks(params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+    """Clip ``params``' gradients by the pipeline's global norm as torchtitan clips a pipeline:
+    this rank's L2 norm (``torch.nn.utils.get_total_norm``) squared, all-reduced (sum) over the
+    ranks, its square root the total norm, every gradient scaled by
+    ``torch.nn.utils.clip_grads_with_norm_``; returns the total norm. The all-reduce waits for
+    every rank's last weight gradient, as dapple's step collective does."""
+    grads = [p.grad for p in params if p.grad is not None]
+    sq = torch.nn.utils.get_total_norm(grads, 2.0) ** 2
+    dist.all_reduce(sq, op=dist.ReduceOp.SUM)
+    total = sq.sqrt()
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return total
 
 
 def _agree(error: str | None) -> str | None:
@@ -298,7 +317,7 @@ def worker(
                     try:  # a schedule this torch cannot build here: a row "not run"
                         peers[i] = TorchPipe(
                             c["kind"], rank, opts["G"], opts["M"], c["chunks"], c["placement"],
-                            opts["blocks"],
+                            opts["blocks"], **c.get("torch", {}),
                         )  # fmt: skip
                     except Exception as e:
                         error = _first_line(e)

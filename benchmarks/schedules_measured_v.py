@@ -48,19 +48,33 @@ from dapple.core.plan import Plan, interleave, straight_plan
 from dapple.simulate.plan_variants import with_schedule
 from vs_torch_pipelining import LR, describe, even_bounds
 
+CLIP = 1.0
+"""The max norm of the pair that clips on both sides."""
 WORLD = 2
 """Ranks (processes) by default; ``--ranks`` sets another count."""
 BEGIN = "<!-- schedules_measured_v.py: begin -->"
 END = "<!-- schedules_measured_v.py: end -->"
-PAIRS: tuple[tuple[str, str, str, dict[str, str]], ...] = (
-    ("interleaved", "interleaved1f1b", "noise reference", {}),
-    ("zbv", "zbv", "goal", {}),
-    ("dualpipev", "dualpipev", "goal", {}),
-    ("zbv", "zbv", "no guard, measured separately", {"on_nonfinite": "off"}),
+PAIRS: tuple[tuple[str, str, str, dict[str, Any], dict[str, Any]], ...] = (
+    ("interleaved", "interleaved1f1b", "noise reference", {}, {}),
+    ("zbv", "zbv", "goal", {}, {}),
+    ("dualpipev", "dualpipev", "goal", {}, {}),
+    ("zbv", "zbv", "no guard, measured separately", {"on_nonfinite": "off"}, {}),
+    (
+        "zbv",
+        "zbv",
+        "both clip: torch by torchtitan's norm over the pipeline ranks",
+        {"clip_grad_norm": CLIP},
+        {"clip": CLIP},
+    ),
 )
-"""(dapple schedule, torch runner kind, role, dapple's TrainConfig options) of each pair. The
-last runs dapple's ZB-V without the non-finite guard (``on_nonfinite="off"``: no rank waits for
-the others' verdict before its optimizer step, as torch's schedules do not)."""
+"""(dapple schedule, torch runner kind, role, dapple's TrainConfig options, the torch runner's
+options) of each pair. The fourth runs dapple's ZB-V without the non-finite guard
+(``on_nonfinite="off"``: no rank waits for the others' verdict before its optimizer step, as
+torch's schedules do not). The fifth clips the global gradient norm on both sides: dapple under
+its guard (the norm travels in the guard's one collective), torch as torchtitan clips a pipeline
+(each rank's squared norm all-reduced over the pipeline ranks before its optimizer step,
+:meth:`_schedules_worker.TorchPipe.step`); both sides then wait for every rank's last weight
+gradient before any update."""
 
 
 def build_cases(blocks: int, G: int, M: int, ranks: int = WORLD) -> list[dict[str, Any]]:
@@ -70,7 +84,7 @@ def build_cases(blocks: int, G: int, M: int, ranks: int = WORLD) -> list[dict[st
     straight = straight_plan(wl.num_layers, b[:-1], global_batch_size=G, num_micro_batches=M)
     grp = f"straight {ranks} ranks {b[1:-1]}"
     cases: list[dict[str, Any]] = []
-    for schedule, kind, _, train in PAIRS:
+    for schedule, kind, _, train, peer in PAIRS:
         plan = (
             interleave(straight, 2)
             if schedule == "interleaved"
@@ -91,9 +105,11 @@ def build_cases(blocks: int, G: int, M: int, ranks: int = WORLD) -> list[dict[st
         cases.append(
             {
                 "group": grp,
-                "label": f"torch {TORCH_SCHEDULES[kind]}",
+                "label": f"torch {TORCH_SCHEDULES[kind]}"
+                + "".join(f", {k} {v}" for k, v in peer.items()),
                 "runner": "torch",
                 "kind": kind,
+                "torch": peer,
                 "chunks": chunks,
                 "placement": place,
             }
@@ -164,7 +180,7 @@ def report(
         "|---|---|---|---:|---:|---:|---|",
     ]
     ratios: dict[str, list[float]] = {}
-    for (_, _, role, _), d, t in zip(PAIRS, cases[0::2], cases[1::2], strict=True):
+    for (_, _, role, _, _), d, t in zip(PAIRS, cases[0::2], cases[1::2], strict=True):
         rd, rt = got[str(cases.index(d))], got[str(cases.index(t))]
         name = f"{d['label']} vs {t['label']} ({role})"
         err = rd["error"] or rt["error"]
@@ -209,7 +225,7 @@ def report(
         "",
     ]
     ref = ratios.get(_label(PAIRS[0][0], PAIRS[0][3]))
-    for schedule, _, role, train in PAIRS[1:]:
+    for schedule, _, role, train, _ in PAIRS[1:]:
         label = _label(schedule, train)
         if label not in ratios:
             lines.append(f"- {label}: **not measured** (a side did not run, row above).")

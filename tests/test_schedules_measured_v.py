@@ -16,7 +16,7 @@ from dapple.core.plan import Plan
 
 def test_each_pair_runs_the_same_chunks_in_the_same_placement() -> None:
     cases = smv.build_cases(blocks=6, G=8, M=4)  # 8 chain layers: 4 chunks of 2
-    assert [c["runner"] for c in cases] == ["dapple", "torch"] * 4
+    assert [c["runner"] for c in cases] == ["dapple", "torch"] * 5
     places = []
     for d, t in zip(cases[0::2], cases[1::2], strict=True):
         plan = Plan.from_dict(d["plan"])
@@ -29,13 +29,18 @@ def test_each_pair_runs_the_same_chunks_in_the_same_placement() -> None:
         ("zbv", "torch ScheduleZBVZeroBubble", [0, 1, 1, 0]),
         ("dualpipev", "torch ScheduleDualPipeV", [0, 1, 1, 0]),
         ("zbv", "torch ScheduleZBVZeroBubble", [0, 1, 1, 0]),
+        ("zbv", "torch ScheduleZBVZeroBubble, clip 1.0", [0, 1, 1, 0]),
     ]
-    assert [c["train"] for c in cases[0::2]] == [{}, {}, {}, {"on_nonfinite": "off"}]
+    assert [c["train"] for c in cases[0::2]] == [
+        {}, {}, {}, {"on_nonfinite": "off"}, {"clip_grad_norm": 1.0}
+    ]  # fmt: skip
+    assert [c["torch"] for c in cases[1::2]] == [{}, {}, {}, {}, {"clip": 1.0}]
     assert cases[6]["label"] == "dapple zbv, on_nonfinite off"
     assert cases[1]["chunks"] == [[0, 2], [2, 4], [4, 6], [6, 8]]
     four = smv.build_cases(blocks=6, G=8, M=8, ranks=4)  # 8 chunks of 1 layer
     assert [c["placement"] for c in four[1::2]] == [
         [0, 1, 2, 3, 0, 1, 2, 3],
+        [0, 1, 2, 3, 3, 2, 1, 0],
         [0, 1, 2, 3, 3, 2, 1, 0],
         [0, 1, 2, 3, 3, 2, 1, 0],
         [0, 1, 2, 3, 3, 2, 1, 0],
@@ -55,6 +60,8 @@ def test_the_ratio_is_torch_ms_over_dapple_ms_per_round() -> None:
         "dapple dualpipev": (100, 100),
         "torch ScheduleDualPipeV": (120, 110),
         "dapple zbv, on_nonfinite off": (85, 85),
+        "dapple zbv, clip_grad_norm 1.0": (100, 100),
+        "torch ScheduleZBVZeroBubble, clip 1.0": (101, 99),
     }
     got = {
         str(i): {
@@ -79,7 +86,11 @@ def test_the_ratio_is_torch_ms_over_dapple_ms_per_round() -> None:
         "dapple zbv, on_nonfinite off vs torch (goal >= 1.00x, no guard, measured separately): "
         "**met** (1.088x" in text
     )
-    assert text.count("within or above that noise") == 2 and text.count("below that noise") == 1
+    assert (
+        "dapple zbv, clip_grad_norm 1.0 vs torch (goal >= 1.00x, both clip: torch by "
+        "torchtitan's norm over the pipeline ranks): **met** (1.000x" in text
+    )
+    assert text.count("within or above that noise") == 3 and text.count("below that noise") == 1
     # per kind 1 ms (warm-up 9 dropped), main 1 - (F + B + I + W) = -3, process CPU 2
     assert "| 1 / 1 | 1 / 1 | 1 / 1 | 1 / 1 | 1 / 1 | -3 / -3 | 2 / 2 |" in text
 
@@ -98,3 +109,30 @@ def test_the_v_section_is_replaced_in_place_and_kept_by_the_main_script(tmp_path
     assert kept == f"\n{smv.BEGIN}\n## V\nsecond\n{smv.END}\n"
     md.write_text("# no section\n")
     assert schedules_measured._v_section(md) == ""
+
+
+def test_the_torch_peers_clip_equals_clip_grad_norm_in_one_process(tmp_path: Path) -> None:
+    """On one rank the all-reduce is the identity: ``clip_over_ranks`` returns the norm
+    ``torch.nn.utils.clip_grad_norm_`` returns and leaves the same gradients (clipped: the norm is
+    above the max)."""
+    import torch
+    import torch.distributed as dist
+
+    from _schedules_worker import clip_over_ranks
+
+    torch.manual_seed(0)
+    a = [torch.nn.Parameter(torch.randn(4, 3)) for _ in range(3)]
+    b = [torch.nn.Parameter(p.detach().clone()) for p in a]
+    for p, q in zip(a, b, strict=True):
+        p.grad = torch.randn(4, 3) * 5
+        q.grad = p.grad.clone()
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        got = clip_over_ranks(a, 1.0)
+    finally:
+        dist.destroy_process_group()
+    want = torch.nn.utils.clip_grad_norm_(b, 1.0)
+    assert float(want) > 1.0
+    assert torch.equal(got, want)
+    for p, q in zip(a, b, strict=True):
+        assert torch.equal(p.grad, q.grad)
