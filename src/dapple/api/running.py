@@ -135,12 +135,10 @@ def train(
         documents: ``pack`` or ``pad``: the paths hold documents, packed into samples or one
             per sample padded per batch (:func:`dapple.datasets.open_documents`).
         schedule, policy, virtual_stages: As in :func:`~dapple.api.verify`.
-        keep, eval_batches, require_resume, profile, cluster: As
-            :class:`~dapple.api.run_config.RunOptions` (``keep=None``: every checkpoint);
-            ``profile`` and ``cluster`` may be objects.
-        elastic, min_devices, max_restarts: As :class:`~dapple.api.run_config.RunOptions`:
-            re-plan on ``profile`` and ``cluster`` for the devices left when one is lost
-            (:mod:`dapple.runtime.launch.elastic`); the metrics then hold every attempt's steps.
+        keep, eval_batches, require_resume, profile, cluster, elastic, min_devices,
+            max_restarts: As :class:`~dapple.api.run_config.RunOptions` (``keep=None``: every
+            checkpoint; ``profile`` and ``cluster`` may be objects; ``elastic``: the metrics
+            hold every attempt's steps, :mod:`dapple.runtime.launch.elastic`).
         inputs: With a ``RunConfig``: what it names, already loaded; None: loaded here
             (:func:`~dapple.api.run_inputs`; with ``echo``, saying so).
         early: Workers already started for this run (``dapple train`` starts them first).
@@ -161,9 +159,8 @@ def train(
             (:meth:`~dapple.core.plan.Plan.check_model`); a ``profile`` measured on another
             model (:func:`~dapple.models.fingerprint.check_profile_model`); a stage of tensor
             width t_s > 1 the model cannot be cut over (:mod:`dapple.runtime.parallel.tensor_check`).
-        CheckpointError: ``require_resume`` and no checkpoint to resume, or another
-            refusal of :func:`~dapple.api._checks.check_long_run` (a checkpoint directory
-            that holds checkpoints without ``resume``, a checkpoint of another model).
+        CheckpointError: A refusal of :func:`~dapple.api._checks.check_long_run` (nothing to
+            resume under ``require_resume``, checkpoints without ``resume``, another model's).
         RankFailure: A worker failed.
     """
     from dapple.api.run_config import RunConfig, RunOptions
@@ -174,11 +171,8 @@ def train(
         given = _named(inputs or run_inputs(plan, cli=flags, echo=plan.train.echo), plan.run)
         _check_inputs(given)
         return _launch(plan, given, early, flags)
-    if workload is None or inputs is not None:
-        raise ValidationError(
-            "train(plan, workload, ...) needs a workload and takes no inputs (those go with a "
-            "RunConfig: train(cfg, inputs=...))"
-        )
+    _check_keyword_form(workload, inputs)
+    assert workload is not None
     run = RunOptions(keep=keep or 0, eval_batches=eval_batches, require_resume=require_resume,
                      elastic=elastic, min_devices=min_devices, max_restarts=max_restarts,
                      profile=_name(profile), cluster=_name(cluster))  # fmt: skip
@@ -193,6 +187,19 @@ def train(
                                 eval_data=dataset(eval_data, seq_len, documents))  # fmt: skip
     cfg = RunConfig(train=TrainConfig(steps=steps, **options), run=run)
     return _launch(cfg, given, early, flags)
+
+
+def _check_keyword_form(workload: WorkloadLike | None, inputs: RunInputs | None) -> None:
+    """``train(plan, workload, ...)`` has a workload and no loaded inputs.
+
+    Raises:
+        ValidationError: saying what the keyword form needs.
+    """
+    if workload is None or inputs is not None:
+        raise ValidationError(
+            "train(plan, workload, ...) needs a workload and takes no inputs (those go with a "
+            "RunConfig: train(cfg, inputs=...))"
+        )
 
 
 def _only_config(given: dict[str, Any], options: dict[str, Any]) -> None:
