@@ -21,7 +21,7 @@ The report goes into ``schedules_measured.md`` between the markers of :data:`BEG
 :data:`END` (replacing that section; ``schedules_measured.py`` keeps it when it rewrites the
 file).
 
-Usage: ``python benchmarks/schedules_measured_v.py [--rounds 8 --steps 4 --skip 1]``.
+Usage: ``python benchmarks/schedules_measured_v.py [--rounds 8 --steps 5 --skip 2]``.
 """
 
 from __future__ import annotations
@@ -49,6 +49,15 @@ from dapple.simulate.plan_variants import with_schedule
 from vs_torch_pipelining import LR, describe, even_bounds
 
 CLIP = 1.0
+"""The max norm of the pair that clips on both sides."""
+WARM_UP = 2
+"""Steps dropped at the start of each round, both sides. dapple's cases start a new run each
+round (:func:`dapple.runtime.run_plan`: the stages built, the step's memory allocated anew),
+torch's schedules are built once and kept; a fresh ZB-V run's second step still takes ~3,600
+minor page faults per rank (counted on 2026-12-01, ``RUSAGE_THREAD``), its third ~400, later
+ones ~3 (the allocator keeps freed memory, :mod:`dapple.host.host_memory`). With one step
+dropped, the measured steps of dapple's V cases carried those faults (~5,000 per step on both
+ranks, all in its I actions, against torch's ~120): the I's +6% CPU of the runs up to then."""
 """The max norm of the pair that clips on both sides."""
 WORLD = 2
 """Ranks (processes) by default; ``--ranks`` sets another count."""
@@ -273,8 +282,8 @@ def splice(md: Path, section: list[str]) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--rounds", type=int, default=8, help="alternating rounds")
-    ap.add_argument("--steps", type=int, default=4, help="steps per case per round")
-    ap.add_argument("--skip", type=int, default=1, help="warm-up steps dropped per round")
+    ap.add_argument("--steps", type=int, default=5, help="steps per case per round")
+    ap.add_argument("--skip", type=int, default=WARM_UP, help="warm-up steps dropped per round")
     ap.add_argument("--blocks", type=int, default=14, help="transformer blocks (+2 layers)")
     ap.add_argument("--ranks", type=int, default=WORLD, help="processes: the V over P ranks")
     ap.add_argument("--global-batch", type=int, default=32)

@@ -21,7 +21,7 @@ then ``all_reduce(MAX)``); every runner builds its batch inside the step; sample
 global batch over the median step time after warm-up. The configurations run in
 alternating rounds (dapple and peer back to back) so machine load hits both.
 
-Usage: ``python benchmarks/vs_torch_pipelining.py [--rounds 6 --chunk 3 --skip 1] [--no-planned]``.
+Usage: ``python benchmarks/vs_torch_pipelining.py [--rounds 6 --chunk 5 --skip 2] [--no-planned]``.
 """
 
 from __future__ import annotations
@@ -183,8 +183,14 @@ def describe(plan: Plan) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--rounds", type=int, default=6, help="interleaved rounds")
-    ap.add_argument("--chunk", type=int, default=3, help="steps per case per round")
-    ap.add_argument("--skip", type=int, default=1, help="warm-up steps dropped per chunk")
+    ap.add_argument("--chunk", type=int, default=5, help="steps per case per round")
+    ap.add_argument(
+        "--skip",
+        type=int,
+        default=2,
+        help="warm-up steps dropped per chunk "
+        "(dapple starts a run per chunk: its first two steps allocate its memory)",
+    )
     ap.add_argument("--global-batch", type=int, default=32)
     ap.add_argument("--micro-batches", type=int, default=8)
     ap.add_argument("--no-planned", action="store_true", help="skip the planned plan")
