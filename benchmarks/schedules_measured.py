@@ -27,7 +27,7 @@ the durations of those events), for the busiest rank and averaged over ranks.
 The V schedules are also measured on 2 ranks, with CPU per action kind, by
 ``schedules_measured_v.py``, whose section of the report this script keeps when it rewrites it.
 
-Usage: ``python benchmarks/schedules_measured.py [--rounds 4 --steps 4 --skip 1] [--no-uneven]``.
+Usage: ``python benchmarks/schedules_measured.py [--rounds 4 --steps 5 --skip 2] [--no-uneven]``.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ from _bench_common import (
     load_note,
     run_worker_group,
 )
-from _schedules_worker import TORCH_SCHEDULES, worker
+from _schedules_worker import TORCH_SCHEDULES, WARM_UP, worker
 from dapple.core.cluster import Cluster
 from dapple.core.plan import Plan, interleave, straight_plan
 from dapple.core.profile import ModelProfile
@@ -277,8 +277,8 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--rounds", type=int, default=4, help="alternating rounds")
-    ap.add_argument("--steps", type=int, default=4, help="steps per case per round")
-    ap.add_argument("--skip", type=int, default=1, help="warm-up steps dropped per round")
+    ap.add_argument("--steps", type=int, default=5, help="steps per case per round")
+    ap.add_argument("--skip", type=int, default=WARM_UP, help="warm-up steps dropped per round")
     ap.add_argument("--blocks", type=int, default=14, help="transformer blocks (+2 layers)")
     ap.add_argument("--global-batch", type=int, default=32)
     ap.add_argument("--micro-batches", type=int, default=8)

@@ -43,21 +43,13 @@ from _bench_common import (
     run_worker_group,
     splice_between,
 )
-from _schedules_worker import ACTION_KINDS, TORCH_SCHEDULES, worker
+from _schedules_worker import ACTION_KINDS, TORCH_SCHEDULES, WARM_UP, worker
 from dapple.core.plan import Plan, interleave, straight_plan
 from dapple.simulate.plan_variants import with_schedule
 from vs_torch_pipelining import LR, describe, even_bounds
 
 CLIP = 1.0
 """The max norm of the pair that clips on both sides."""
-WARM_UP = 2
-"""Steps dropped at the start of each round, both sides. dapple's cases start a new run each
-round (:func:`dapple.runtime.run_plan`: the stages built, the step's memory allocated anew),
-torch's schedules are built once and kept; a fresh ZB-V run's second step still takes ~3,600
-minor page faults per rank (counted on 2026-12-01, ``RUSAGE_THREAD``), its third ~400, later
-ones ~3 (the allocator keeps freed memory, :mod:`dapple.host.host_memory`). With one step
-dropped, the measured steps of dapple's V cases carried those faults (~5,000 per step on both
-ranks, all in its I actions, against torch's ~120): the I's +6% CPU of the runs up to then."""
 """The max norm of the pair that clips on both sides."""
 WORLD = 2
 """Ranks (processes) by default; ``--ranks`` sets another count."""
