@@ -50,6 +50,16 @@ BENCH_SPEC = "_bench_common:bench_transformer"
 """``module:factory`` spec of :func:`bench_transformer` for spawned workers."""
 
 
+WARM_UP = 2
+"""Steps dropped at the start of each round (or chunk), both sides. dapple's cases start a new
+run each round (:func:`dapple.runtime.run_plan`: the stages built, the step's memory allocated
+anew), torch's schedules and DDP are built once and kept; a fresh ZB-V run's second step still takes ~3,600
+minor page faults per rank (counted on 2026-12-01, ``RUSAGE_THREAD``), its third ~400, later
+ones ~3 (the allocator keeps freed memory, :mod:`dapple.host.host_memory`). With one step
+dropped, the measured steps of dapple's V cases carried those faults (~5,000 per step on both
+ranks, all in its I actions, against torch's 2-123): the I's +6% CPU of the runs up to then."""
+
+
 def bench_transformer(**overrides: Any) -> Workload:
     """The zoo transformer at :data:`BENCH_MODEL` sizes (keyword overrides allowed)."""
     from dapple.models.zoo import transformer

@@ -35,14 +35,6 @@ TORCH_SCHEDULES = {
     "dualpipev": "ScheduleDualPipeV",
 }
 """The ``torch.distributed.pipelining`` schedule class of each torch runner kind."""
-WARM_UP = 2
-"""Steps dropped at the start of each round, both sides. dapple's cases start a new run each
-round (:func:`dapple.runtime.run_plan`: the stages built, the step's memory allocated anew),
-torch's schedules are built once and kept; a fresh ZB-V run's second step still takes ~3,600
-minor page faults per rank (counted on 2026-12-01, ``RUSAGE_THREAD``), its third ~400, later
-ones ~3 (the allocator keeps freed memory, :mod:`dapple.host.host_memory`). With one step
-dropped, the measured steps of dapple's V cases carried those faults (~5,000 per step on both
-ranks, all in its I actions, against torch's ~120): the I's +6% CPU of the runs up to then."""
 
 
 # -- measuring the busy time of a dapple rank -----------------------------------------------

@@ -47,12 +47,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _bench_common import (
     BENCH_MODEL,
     HERE,
+    WARM_UP,
     bench_transformer,
     header,
     load_note,
     run_worker_group,
 )
-from _schedules_worker import TORCH_SCHEDULES, WARM_UP, worker
+from _schedules_worker import TORCH_SCHEDULES, worker
 from dapple.core.cluster import Cluster
 from dapple.core.plan import Plan, interleave, straight_plan
 from dapple.core.profile import ModelProfile

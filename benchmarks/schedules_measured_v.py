@@ -37,19 +37,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _bench_common import (
     BENCH_MODEL,
     HERE,
+    WARM_UP,
     bench_transformer,
     header,
     load_note,
     run_worker_group,
     splice_between,
 )
-from _schedules_worker import ACTION_KINDS, TORCH_SCHEDULES, WARM_UP, worker
+from _schedules_worker import ACTION_KINDS, TORCH_SCHEDULES, worker
 from dapple.core.plan import Plan, interleave, straight_plan
 from dapple.simulate.plan_variants import with_schedule
 from vs_torch_pipelining import LR, describe, even_bounds
 
 CLIP = 1.0
-"""The max norm of the pair that clips on both sides."""
 """The max norm of the pair that clips on both sides."""
 WORLD = 2
 """Ranks (processes) by default; ``--ranks`` sets another count."""

@@ -40,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _bench_common import (
     BENCH_MODEL,
     HERE,
+    WARM_UP,
     back_to_back_ms,
     bench_transformer,
     header,
@@ -184,13 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--rounds", type=int, default=6, help="interleaved rounds")
     ap.add_argument("--chunk", type=int, default=5, help="steps per case per round")
-    ap.add_argument(
-        "--skip",
-        type=int,
-        default=2,
-        help="warm-up steps dropped per chunk "
-        "(dapple starts a run per chunk: its first two steps allocate its memory)",
-    )
+    ap.add_argument("--skip", type=int, default=WARM_UP, help="warm-up steps dropped per chunk")
     ap.add_argument("--global-batch", type=int, default=32)
     ap.add_argument("--micro-batches", type=int, default=8)
     ap.add_argument("--no-planned", action="store_true", help="skip the planned plan")

@@ -171,8 +171,7 @@ def train(
         given = _named(inputs or run_inputs(plan, cli=flags, echo=plan.train.echo), plan.run)
         _check_inputs(given)
         return _launch(plan, given, early, flags)
-    _check_keyword_form(workload, inputs)
-    assert workload is not None
+    workload = _keyword_workload(workload, inputs)
     run = RunOptions(keep=keep or 0, eval_batches=eval_batches, require_resume=require_resume,
                      elastic=elastic, min_devices=min_devices, max_restarts=max_restarts,
                      profile=_name(profile), cluster=_name(cluster))  # fmt: skip
@@ -189,8 +188,8 @@ def train(
     return _launch(cfg, given, early, flags)
 
 
-def _check_keyword_form(workload: WorkloadLike | None, inputs: RunInputs | None) -> None:
-    """``train(plan, workload, ...)`` has a workload and no loaded inputs.
+def _keyword_workload(workload: WorkloadLike | None, inputs: RunInputs | None) -> WorkloadLike:
+    """The workload of ``train(plan, workload, ...)``, which has one and no loaded inputs.
 
     Raises:
         ValidationError: saying what the keyword form needs.
@@ -200,6 +199,7 @@ def _check_keyword_form(workload: WorkloadLike | None, inputs: RunInputs | None)
             "train(plan, workload, ...) needs a workload and takes no inputs (those go with a "
             "RunConfig: train(cfg, inputs=...))"
         )
+    return workload
 
 
 def _only_config(given: dict[str, Any], options: dict[str, Any]) -> None:
