@@ -121,6 +121,13 @@ def test_unknown_name_and_bad_overrides() -> None:
         get_workload("transformer", hidden=30, heads=4)
 
 
+@pytest.mark.parametrize("size", ["layers", "in_features", "hidden", "num_classes"])
+@pytest.mark.parametrize("value", [0, -1])
+def test_mlp_refuses_a_size_below_one(size: str, value: int) -> None:
+    with pytest.raises(ValidationError, match=f"mlp: need sizes >= 1, got .*{size}={value}"):
+        get_workload("mlp", **{size: value})
+
+
 def test_load_factory_from_file_and_module(tmp_path: Path) -> None:
     f = tmp_path / "mymodel.py"
     f.write_text(

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from dapple.errors import ValidationError
 from dapple.models.workload import Workload
 from dapple.models.zoo.common import generator
 
@@ -29,7 +30,15 @@ def mlp(
         in_features: input width; inputs are N(0, 1).
         hidden: hidden width.
         num_classes: classes of the random integer targets.
+
+    Raises:
+        ValidationError: a size below 1.
     """
+    if min(layers, in_features, hidden, num_classes) < 1:
+        raise ValidationError(
+            f"mlp: need sizes >= 1, got layers={layers} in_features={in_features} "
+            f"hidden={hidden} num_classes={num_classes}"
+        )
 
     def make_batch(batch_size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
         g = generator(seed)
