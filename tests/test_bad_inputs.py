@@ -401,6 +401,42 @@ def test_metrics_check_reaches_training(
     assert called == [str(tmp_path / "m.jsonl")]
 
 
+@pytest.mark.usefixtures("no_train")
+def test_the_api_checks_its_outputs_before_loading_anything(
+    mlp_plan: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``api.train`` (both forms) refuses rank 0's outputs it could not write before it loads
+    the plan or the model, naming the options as the API spells them."""
+    monkeypatch.setattr("dapple.api.running.run_inputs", boom)  # loading would fail the test
+    monkeypatch.setattr("dapple.api.running.plan_with", boom)
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    for options, needle in (
+        ({"metrics_path": str(tmp_path)}, "metrics_path file"),
+        ({"metrics_path": str(a_file / "m.jsonl")}, "is a file, not a directory"),
+        ({"tensorboard_dir": str(a_file)}, "tensorboard_dir"),
+        ({"checkpoint_dir": str(a_file)}, "checkpoint_dir"),
+    ):
+        with pytest.raises(ValidationError, match=needle):
+            api.train(mlp_plan, "mlp", **options)
+    cfg = _run_config(mlp_plan, metrics_path=str(tmp_path))
+    with pytest.raises(ValidationError, match="metrics_path file"):
+        api.train(cfg)
+    with pytest.raises(ValidationError, match="--metrics file"):
+        api.train(cfg, flags=True)
+    monkeypatch.setenv("RANK", "1")  # only rank 0 writes them
+    with pytest.raises(AssertionError, match="work started"):
+        api.train(cfg)
+
+
+def _run_config(plan: Path, **train: Any) -> Any:
+    """A ``RunConfig`` of the zoo ``mlp`` on ``plan`` with these ``TrainConfig`` fields."""
+    from dapple.api.run_config import ModelConfig, PlanChoice, RunConfig
+
+    return RunConfig(model=ModelConfig(spec="mlp"), plan=PlanChoice(path=str(plan)),
+                     train=TrainConfig(steps=1, **train))  # fmt: skip
+
+
 # ---------------------------------------------------------------------------------------------
 # 5. plans made for another model
 

@@ -18,7 +18,8 @@ A training run is also one typed configuration, :class:`~dapple.api.run_config.R
 (``dapple train``'s flags and a run file read into it, or ``dapple verify``'s flags):
 ``dp.train(cfg)`` runs it and ``dp.verify(cfg)`` checks it against one process; what it names
 is loaded once by :func:`run_inputs` (:class:`RunInputs`), its plan under the schedule and
-policy asked for by :func:`plan_with`. A plan is asked for by a
+policy asked for by :func:`plan_with`; :func:`check_outputs` refuses, before anything is
+loaded, a metrics file or a TensorBoard or checkpoint directory rank 0 could not write. A plan is asked for by a
 :class:`~dapple.planner.plan_config.PlanConfig` (``dapple plan``'s flags and a config file's
 ``[planning]`` section read into it): ``dp.plan(cfg)`` makes it, on what :func:`plan_inputs`
 loads (:class:`PlanInputs`).
@@ -58,6 +59,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from dapple.api._checks import check_outputs
     from dapple.api._inputs import PlanInputs, RunInputs, plan_inputs, plan_with, run_inputs
     from dapple.api.calibrating import CalibrateConfig, calibrate
     from dapple.api.exporting import ExportConfig, export
@@ -73,6 +75,7 @@ if TYPE_CHECKING:
     from dapple.models.spec import load
 
 _HOMES = {
+    "check_outputs": "dapple.api._checks",
     "PlanInputs": "dapple.api._inputs",
     "RunInputs": "dapple.api._inputs",
     "plan_inputs": "dapple.api._inputs",
@@ -131,6 +134,7 @@ __all__ = [
     "SimulateConfig",
     "SplitConfig",
     "calibrate",
+    "check_outputs",
     "export",
     "generate",
     "import_pipedream",

@@ -1,8 +1,9 @@
 """Checks the Python API's running side makes before any worker starts, and the inputs of a
 run it resolves (:mod:`dapple.api.running`, :mod:`dapple.api.verifying`).
 
-A training run's own checks, for ``dapple train`` and :func:`dapple.api.train` alike
-(:func:`check_before_run`): the data fit the model and the batch, the checkpoint directory is
+A training run's own checks, for ``dapple train`` and :func:`dapple.api.train` alike: before
+anything is loaded, rank 0 can write its outputs (:func:`check_outputs`); once the inputs are
+loaded (:func:`check_before_run`), the data fit the model and the batch, the checkpoint directory is
 writable and a resume's checkpoint continues this run (:func:`check_long_run`), and the profile
 a prediction is made from computes in the run's precision (:func:`note_profile_precision`).
 """
@@ -26,11 +27,13 @@ from dapple.models.workload import Workload
 if TYPE_CHECKING:
     from dapple.api.run_config import RunConfig
     from dapple.runtime.checkpoint import Checkpoint
+    from dapple.runtime.train_config import TrainConfig
 
 __all__ = [
     "check_before_run",
     "check_host",
     "check_long_run",
+    "check_outputs",
     "check_run",
     "dataset",
     "note_profile_precision",
@@ -45,6 +48,32 @@ def check_run(plan: Plan, wl: Workload, cluster: Cluster | None = None) -> None:
 
     plan.check_model(wl.name, wl.num_layers)
     check_tensor_run(plan, wl, cluster)
+
+
+def check_outputs(t: TrainConfig, *, flags: bool = False) -> TrainConfig:
+    """Rank 0, which writes them, refuses an output it could not write at the end - the metrics
+    file, the TensorBoard and the checkpoint directories (:mod:`dapple.files.output_path`:
+    missing folders are made by the writers, nothing is created here) - before anything is
+    loaded or any worker starts. ``flags``: messages name ``dapple train``'s flags (else the
+    options' names).
+
+    Returns:
+        ``t``, checked.
+
+    Raises:
+        ValidationError: one line naming the option, the path and why.
+    """
+    from dapple.files.output_path import check_output_dir, check_output_file
+
+    if int(os.environ.get("RANK", "0")) != 0:
+        return t
+    if t.metrics_path is not None:
+        check_output_file(t.metrics_path, "--metrics file" if flags else "metrics_path file")
+    for where, flag, name in ((t.tensorboard_dir, "--tensorboard", "tensorboard_dir"),
+                              (t.checkpoint_dir, "--checkpoint-dir", "checkpoint_dir")):  # fmt: skip
+        if where is not None:
+            check_output_dir(where, flag if flags else name)
+    return t
 
 
 def check_host(wl: Workload, device: str, optimizer: str, momentum: float, what: str) -> None:

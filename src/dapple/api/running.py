@@ -22,7 +22,14 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, overload
 
-from dapple.api._checks import check_before_run, check_host, check_run, dataset, seq_overrides
+from dapple.api._checks import (
+    check_before_run,
+    check_host,
+    check_outputs,
+    check_run,
+    dataset,
+    seq_overrides,
+)
 from dapple.api._inputs import (
     RunInputs,
     WorkloadLike,
@@ -141,8 +148,8 @@ def train(
             hold every attempt's steps, :mod:`dapple.runtime.launch.elastic`).
         inputs: With a ``RunConfig``: what it names, already loaded; None: loaded here
             (:func:`~dapple.api.run_inputs`; with ``echo``, saying so).
-        early: Workers already started for this run (``dapple train`` starts them first).
-        flags: The checks' messages name ``dapple train``'s flags (its own call).
+        early, flags: ``dapple train``'s own call: the workers it started first; the
+            checks' messages name its flags.
         **options: The other :class:`dapple.runtime.TrainConfig` fields (``seed``,
             ``optimizer``, ``lr``, ``weight_decay``, ``zero_stage``, ``device``,
             ``metrics_path``, ``checkpoint_dir``, ``save_every``, ``resume``, ``eval_every``,
@@ -155,9 +162,10 @@ def train(
         (:func:`~dapple.api.predicting.predict_run`).
 
     Raises:
-        ValidationError: Bad plan, workload or options; a plan made for another model
-            (:meth:`~dapple.core.plan.Plan.check_model`); a ``profile`` measured on another
-            model (:func:`~dapple.models.fingerprint.check_profile_model`); a stage of tensor
+        ValidationError: Bad plan, workload or options; an output rank 0 could not write,
+            before anything is loaded (:func:`~dapple.api._checks.check_outputs`); a plan made
+            for another model (:meth:`~dapple.core.plan.Plan.check_model`); a ``profile`` of
+            another model (:func:`~dapple.models.fingerprint.check_profile_model`); a stage of
             width t_s > 1 the model cannot be cut over (:mod:`dapple.runtime.parallel.tensor_check`).
         CheckpointError: A refusal of :func:`~dapple.api._checks.check_long_run` (nothing to
             resume under ``require_resume``, checkpoints without ``resume``, another model's).
@@ -168,23 +176,22 @@ def train(
 
     if isinstance(plan, RunConfig):
         _only_config(locals(), options)
+        check_outputs(plan.train, flags=flags)
         given = _named(inputs or run_inputs(plan, cli=flags, echo=plan.train.echo), plan.run)
         _check_inputs(given)
         return _launch(plan, given, early, flags)
     workload = _keyword_workload(workload, inputs)
+    train_cfg = check_outputs(TrainConfig(steps=steps, **options), flags=flags)
     run = RunOptions(keep=keep or 0, eval_batches=eval_batches, require_resume=require_resume,
                      elastic=elastic, min_devices=min_devices, max_restarts=max_restarts,
                      profile=_name(profile), cluster=_name(cluster))  # fmt: skip
-    given = RunInputs(
-        plan_with(plan, schedule, policy, virtual_stages),
-        as_workload(workload, seq_overrides(workload, overrides, seq_len)),
-        profile=profile,
-        cluster=cluster,
-    )
+    given = RunInputs(plan_with(plan, schedule, policy, virtual_stages),
+                      as_workload(workload, seq_overrides(workload, overrides, seq_len)),
+                      profile=profile, cluster=cluster)  # fmt: skip
     _check_inputs(given)
     given = dataclasses.replace(given, data=dataset(data, seq_len, documents),
                                 eval_data=dataset(eval_data, seq_len, documents))  # fmt: skip
-    cfg = RunConfig(train=TrainConfig(steps=steps, **options), run=run)
+    cfg = RunConfig(train=train_cfg, run=run)
     return _launch(cfg, given, early, flags)
 
 

@@ -34,7 +34,7 @@ from dapple.cli._train_show import add_show_arguments, loss_curve_path, print_su
 from dapple.core.cluster_presets import describe_presets
 from dapple.core.plan import Plan
 from dapple.core.planning_options import NONFINITE_MODES
-from dapple.files.output_path import check_output_dir, check_output_file, check_picture_file
+from dapple.files.output_path import check_output_file, check_picture_file
 
 if TYPE_CHECKING:  # torch-free import of the CLI
     from pathlib import Path
@@ -198,19 +198,14 @@ def run(args: argparse.Namespace) -> int:
 
 def run_config(cfg: RunConfig) -> int:
     """Train the run ``cfg`` asks for (``dapple train`` once its flags and file are read)."""
-    from dapple.api import plan_with
+    from dapple.api import check_outputs, plan_with
     from dapple.profiler.host_fit import check_device_available
 
     plan_path, spec = required_inputs(cfg)
     check_device_available(cfg.train.device)  # once here, not in each worker once started
     c = cfg.plan
     plan = plan_with(plan_path, c.schedule, c.policy, c.virtual_stages, cli=True)
-    _check_output(cfg.train.metrics_path, "--metrics file")
-    if int(os.environ.get("RANK", "0")) == 0:  # the writers make the folders and write in them
-        for where, flag in ((cfg.train.tensorboard_dir, "--tensorboard"),
-                            (cfg.train.checkpoint_dir, "--checkpoint-dir")):  # fmt: skip
-            if where is not None:
-                check_output_dir(where, flag)
+    check_outputs(cfg.train, flags=True)  # here too: before the workers start
     curve = loss_curve_path(cfg.run.loss_curve, cfg.train.metrics_path)
     _check_output(curve, "loss curve file", picture=True)
     overrides = cfg.model_overrides()
