@@ -98,3 +98,20 @@ def test_a_simulation_without_a_plan_is_refused(
     assert "--plan is required (or [simulate] plan in the --config file)" in capsys.readouterr().err
     with pytest.raises(ValidationError, match="needs a plan, a profile and a cluster"):
         simulate_runs(SimulateConfig(profile="paper:bert48", cluster="paper-a"))
+
+
+def test_simulate_cfg_writes_the_files_it_asks_for(saved: str, tmp_path: Path) -> None:
+    """``simulate(cfg)`` writes the Gantt chart, memory plot, layout and trace it names (as
+    ``dapple simulate`` does), and refuses one it cannot write before reading the plan."""
+    out = {k: tmp_path / f"{k}.{'json' if k == 'trace' else 'png'}"
+           for k in ("gantt", "memory", "layout", "trace")}  # fmt: skip
+    cfg = SimulateConfig(plan=saved, profile="paper:bert48", cluster="paper-a",
+                         **{k: str(v) for k, v in out.items()})  # fmt: skip
+    r = api.simulate(cfg)
+    assert r.step_ms > 0
+    assert all(p.stat().st_size > 0 for p in out.values()), out
+    assert out["trace"].read_text().lstrip().startswith(("{", "["))
+    bad = SimulateConfig(plan="missing.json", profile="paper:bert48", cluster="paper-a",
+                         gantt=str(tmp_path / "g.txt"))  # fmt: skip
+    with pytest.raises(ValidationError, match="gantt file .*unknown picture format '.txt'"):
+        api.simulate(bad)  # the format, before the missing plan is read

@@ -5,7 +5,8 @@ and :func:`simulate`.
 name; :func:`load_simulate_config`) are read once into a :class:`SimulateConfig`; :func:`simulate_runs`
 simulates what it asks for (the plan under its schedule and policy, and with
 ``other_schedule`` the schedule its own is measured against) and :func:`simulate` the plan's own
-run. The keyword form ``simulate(plan, profile, cluster, ...)`` takes objects or their files and
+run; :func:`check_files` and :func:`write_files` check, before anything is read, and write, after,
+the files it asks for (Gantt chart, memory plot, layout, trace). The keyword form ``simulate(plan, profile, cluster, ...)`` takes objects or their files and
 goes down the same path. Torch-free.
 """
 
@@ -29,10 +30,12 @@ __all__ = [
     "SIMULATE_SECTIONS",
     "SimulateConfig",
     "Simulated",
+    "check_files",
     "dump_simulate_config",
     "load_simulate_config",
     "simulate",
     "simulate_runs",
+    "write_files",
 ]
 
 
@@ -176,6 +179,53 @@ def simulate_runs(
     return Simulated(p, cl, runs, doubt)
 
 
+def check_files(cfg: SimulateConfig, *, flags: bool = False) -> None:
+    """Every file ``cfg`` asks for can be written, and each picture has a known format
+    (:mod:`dapple.files.output_path`), before anything is read or simulated; ``flags``:
+    messages name ``dapple simulate``'s flags.
+
+    Raises:
+        ValidationError: naming the option and the path.
+    """
+    from dapple.files.output_path import check_output_file, check_picture_file
+
+    for opt in ("gantt", "memory", "layout", "trace"):
+        path = getattr(cfg, opt)
+        if path is not None:
+            check = check_output_file if opt == "trace" else check_picture_file
+            check(path, f"--{opt} file" if flags else f"{opt} file")
+
+
+def write_files(cfg: SimulateConfig, done: Simulated) -> list[str]:
+    """Write the files ``cfg`` asks for from the simulation ``done``: the Gantt chart and the
+    memory plot of its runs, the plan's layout on the cluster, the first run's trace.
+
+    Returns:
+        The paths written, in that order.
+    """
+    written: list[str] = []
+    if cfg.gantt or cfg.memory:
+        from dapple.simulate.plots import plot_gantt, plot_memory
+
+        if cfg.gantt:
+            plot_gantt(done.runs, cfg.gantt)
+            written.append(cfg.gantt)
+        if cfg.memory:
+            plot_memory(done.runs, cfg.memory)
+            written.append(cfg.memory)
+    if cfg.layout:
+        from dapple.simulate.layout import plot_layout
+
+        plot_layout(done.plan, done.cluster, cfg.layout)
+        written.append(cfg.layout)
+    if cfg.trace:
+        from dapple.simulate.trace import write_trace
+
+        write_trace(done.runs[0][1], cfg.trace)
+        written.append(cfg.trace)
+    return written
+
+
 def _title(plan: Plan) -> str:
     from dapple.schedule.registry import get_schedule
 
@@ -207,7 +257,8 @@ def simulate(
     on_nonfinite: str = "stop",
 ) -> SimResult:
     """Simulate one step of a plan (``dapple simulate``): ``simulate(cfg)`` the plan a
-    :class:`SimulateConfig` names, under its schedule and policy, or ``simulate(plan, profile,
+    :class:`SimulateConfig` names, under its schedule and policy, writing the files it asks for
+    (:func:`check_files` first, :func:`write_files` after), or ``simulate(plan, profile,
     cluster, ...)`` the one its arguments give, down the same path (:func:`simulate_runs`).
 
     Args:
@@ -223,7 +274,7 @@ def simulate(
 
     Raises:
         ValidationError: see :func:`simulate_runs`; with a ``SimulateConfig``, any other
-            argument beside it.
+            argument beside it, or a file it asks for that cannot be written.
     """
     from dapple.errors import ValidationError
 
@@ -235,7 +286,10 @@ def simulate(
         if given:
             extra = ", ".join(given)
             raise ValidationError(f"simulate(cfg) takes its options from cfg, got also {extra}")
-        return simulate_runs(plan).runs[0][1]
+        check_files(plan)
+        done = simulate_runs(plan)
+        write_files(plan, done)
+        return done.runs[0][1]
     if profile is None or cluster is None:
         raise ValidationError("simulate(plan, profile, cluster) needs a profile and a cluster")
     cfg = SimulateConfig(

@@ -107,11 +107,11 @@ def run(args: argparse.Namespace) -> int:
 def run_config(cfg: SimulateConfig) -> int:
     """Simulate what ``cfg`` asks for, print each run and write the files asked for
     (``dapple simulate`` once its flags are read)."""
-    from dapple.api.simulating import simulate_runs
+    from dapple.api.simulating import check_files, simulate_runs, write_files
 
     if cfg.servers is not None and cfg.servers < 1:  # before the plan and profile are read
         raise ValidationError(f"--servers must be >= 1, got {cfg.servers}")
-    _check_outputs(cfg)
+    check_files(cfg, flags=True)
     done = simulate_runs(cfg, flags=True)
     if done.doubt is not None:
         print(f"dapple: warning: --profile {cfg.profile!r}: {done.doubt}", file=sys.stderr)
@@ -124,25 +124,8 @@ def run_config(cfg: SimulateConfig) -> int:
     experts = expert_line(plan)
     if experts is not None:
         con.print(experts)
-    if cfg.gantt or cfg.memory:
-        from dapple.simulate.plots import plot_gantt, plot_memory
-
-        if cfg.gantt:
-            plot_gantt(runs, cfg.gantt)
-            con.print(f"wrote {cfg.gantt}")
-        if cfg.memory:
-            plot_memory(runs, cfg.memory)
-            con.print(f"wrote {cfg.memory}")
-    if cfg.layout:
-        from dapple.simulate.layout import plot_layout
-
-        plot_layout(plan, cluster, cfg.layout)
-        con.print(f"wrote {cfg.layout}")
-    if cfg.trace:
-        from dapple.simulate.trace import write_trace
-
-        write_trace(runs[0][1], cfg.trace)
-        con.print(f"wrote {cfg.trace}")
+    for path in write_files(cfg, done):
+        con.print(f"wrote {path}")
     return 0
 
 
@@ -182,19 +165,3 @@ def _print_run(con: Console, title: str, r: SimResult, cluster: Cluster) -> None
             f"[yellow]warning: peak memory exceeds the {gib} GiB device memory on device(s) "
             f"{'; '.join(t for t, _ in over)}[/yellow]"
         )
-
-
-def _check_outputs(cfg: SimulateConfig) -> None:
-    """Every file asked for can be written, and each picture has a known format, before any
-    simulation.
-
-    Raises:
-        ValidationError: naming the option and the path.
-    """
-    from dapple.files.output_path import check_output_file, check_picture_file
-
-    for opt in ("gantt", "memory", "layout", "trace"):
-        path = getattr(cfg, opt)
-        if path is not None:
-            check = check_output_file if opt == "trace" else check_picture_file
-            check(path, f"--{opt} file")
