@@ -520,3 +520,27 @@ def test_profile_plan_train_with_the_right_and_a_wrong_model(
     one_error_line(capsys, "made for model 'mlp'")
     assert main([*argv, "-m", "mlp", "--metrics", str(metrics), "--timeout-s", "120"]) == 0
     assert len(metrics.read_text().splitlines()) == 1
+
+
+def test_the_api_checks_its_output_files_before_the_work(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``profile``, ``calibrate``, ``plan`` and ``plan_local`` of the Python API refuse an output
+    they could not write before they measure or search (as their commands do), not after."""
+    from dapple.api.run_config import ModelConfig
+
+    for where in ("dapple.profiler.measure.profile_workload", "dapple.calibrate.machine.calibrate",
+                  "dapple.planner.make_plan", "dapple.calibrate.local.plan_local"):  # fmt: skip
+        monkeypatch.setattr(where, boom)
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    bad = str(a_file / "out.json")  # under a file: no folder can be made there
+    with pytest.raises(ValidationError, match="output profile file .*is a file"):
+        api.profile(api.ProfileConfig(model=ModelConfig(spec="mlp"), output=bad))
+    with pytest.raises(ValidationError, match="output cluster file .*is a file"):
+        api.calibrate(api.CalibrateConfig(nproc=2, output=bad))
+    with pytest.raises(ValidationError, match="output plan file .*is a file"):
+        api.plan("paper:bert48", "paper-a", 64, output=bad)
+    with pytest.raises(ValidationError, match="out_dir .*is a file"):
+        api.plan_local(api.PlanLocalConfig(model=ModelConfig(spec="mlp"), global_batch_size=8,
+                                           out_dir=str(a_file)))  # fmt: skip

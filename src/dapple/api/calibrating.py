@@ -38,11 +38,15 @@ def calibrate(cfg: CalibrateConfig) -> CalibrationResult:
     ``cfg.output`` when given.
 
     Raises:
-        ValidationError: as :func:`dapple.calibrate.machine.calibrate`.
+        ValidationError: as :func:`dapple.calibrate.machine.calibrate`; an output file that
+            cannot be written (before any measuring).
     """
     from dapple.calibrate.machine import DEFAULT_SIZES
     from dapple.calibrate.machine import calibrate as measure
+    from dapple.files.output_path import check_output_file
 
+    if cfg.output is not None:  # before any measuring
+        check_output_file(cfg.output, "output cluster file")
     sizes = tuple(s for s in DEFAULT_SIZES if s <= cfg.max_mb * (1 << 20))
     res = measure(cfg.nproc, sizes=sizes, repeats=cfg.repeats)
     if cfg.output is not None:

@@ -172,10 +172,13 @@ def _name(x: ModelProfile | Cluster | str | Path) -> str | None:
 def _plan(cfg: PlanConfig, inputs: PlanInputs, progress: Progress | None) -> Plan:
     """The plan ``cfg`` asks for on its loaded ``inputs``: the planner's search, then the
     schedule asked for, recording ``cfg``'s options (:func:`~dapple.planner.plan_config.
-    options_of`); saved to ``cfg.output`` when given."""
+    options_of`); saved to ``cfg.output`` when given, which is checked before the search."""
+    from dapple.files.output_path import check_output_file
     from dapple.planner import make_plan
     from dapple.planner.plan_config import options_of, tensor_width_list
 
+    if cfg.output is not None:
+        check_output_file(cfg.output, "output plan file")
     prof, cl = inputs.profile, inputs.cluster
     if cfg.schedule not in (None, "best"):
         from dapple.planner.schedule_choice import check_v_layers

@@ -65,11 +65,17 @@ def plan_local_candidates(
         progress: Called per profiled layer, calibration and plan (``done, total, what``).
 
     Raises:
-        ValidationError: a bad model spec or a count below 2.
+        ValidationError: a bad model spec or a count below 2; an ``out_dir`` whose files
+            cannot be written (before any measuring).
     """
     from dapple.api._inputs import as_workload
     from dapple.calibrate.local import plan_local as plan_counts
+    from dapple.files.output_path import check_output_dir, check_output_file
 
+    if cfg.out_dir is not None:  # before any measuring
+        out = check_output_dir(cfg.out_dir, "out_dir")
+        for name in OUTPUT_FILES:
+            check_output_file(out / name, "out_dir file")
     if workload is None:
         assert cfg.model.spec is not None  # -m is a required flag
         workload = as_workload(cfg.model.spec, cfg.model.overrides())

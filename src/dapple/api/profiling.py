@@ -22,6 +22,7 @@ from dapple.api.run_config import ModelConfig
 from dapple.core.profile import ModelProfile
 from dapple.core.recompute import RECOMPUTE_MODES, recompute_of
 from dapple.errors import ValidationError, one_line
+from dapple.files.output_path import check_output_file
 
 if TYPE_CHECKING:
     from dapple.api._inputs import WorkloadLike
@@ -183,8 +184,10 @@ def _profile(
     cfg: ProfileConfig, workload: Workload | None, progress: ProgressFn | None
 ) -> ModelProfile:
     """The profile ``cfg`` asks for (of ``workload`` when given, else of ``cfg.model``);
-    saved to ``cfg.output`` when given."""
+    saved to ``cfg.output`` when given, which is checked before any measuring."""
     check_mode_options(cfg)
+    if cfg.output is not None:  # before any measuring
+        check_output_file(cfg.output, "output profile file")
     prof = _analytic(cfg) if cfg.analytic is not None else _measured(cfg, workload, progress)
     if cfg.output is not None:
         prof.save(cfg.output)
