@@ -544,3 +544,21 @@ def test_the_api_checks_its_output_files_before_the_work(
     with pytest.raises(ValidationError, match="out_dir .*is a file"):
         api.plan_local(api.PlanLocalConfig(model=ModelConfig(spec="mlp"), global_batch_size=8,
                                            out_dir=str(a_file)))  # fmt: skip
+
+
+def test_the_api_plan_local_refuses_before_it_measures(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``api.plan_local`` refuses a batch below 1 and more local processes than the host can
+    start before it profiles or starts anything (it profiled for a batch of 0, and tried to
+    start 1,000 processes), naming the options as the API spells them."""
+    from dapple.api.run_config import ModelConfig
+
+    monkeypatch.setattr("dapple.calibrate.local.plan_local", boom)
+    model = ModelConfig(spec="mlp")
+    with pytest.raises(ValidationError, match="global_batch_size must be >= 1, got 0"):
+        api.plan_local(api.PlanLocalConfig(model=model, global_batch_size=0))
+    with pytest.raises(ValidationError, match="nprocs 2,100000: 100,000 local processes need"):
+        api.plan_local(api.PlanLocalConfig(model=model, global_batch_size=8, nprocs=(2, 100000)))
+    with pytest.raises(AssertionError, match="work started"):
+        api.plan_local(api.PlanLocalConfig(model=model, global_batch_size=8, nprocs=(2,)))

@@ -4,7 +4,8 @@ behind ``dapple plan-local`` and :func:`plan_local`.
 ``dapple plan-local``'s flags are read once into a :class:`PlanLocalConfig`;
 :func:`plan_local_candidates` profiles, calibrates and plans for each process count it names
 (:func:`dapple.calibrate.local.plan_local`) and writes the best plan with its profile and
-cluster; :func:`plan_local` returns the best plan, of a config or of keyword arguments. Torch
+cluster, after :func:`check_plan_local` refused what it cannot do before anything is loaded or
+measured; :func:`plan_local` returns the best plan, of a config or of keyword arguments. Torch
 loads with the measurement, not with this module.
 """
 
@@ -24,7 +25,13 @@ if TYPE_CHECKING:
     from dapple.models.workload import Workload
     from dapple.profiler.measure import ProgressFn
 
-__all__ = ["OUTPUT_FILES", "PlanLocalConfig", "plan_local", "plan_local_candidates"]
+__all__ = [
+    "OUTPUT_FILES",
+    "PlanLocalConfig",
+    "check_plan_local",
+    "plan_local",
+    "plan_local_candidates",
+]
 
 OUTPUT_FILES = ("plan.json", "profile.json", "cluster.json")
 """The files :func:`plan_local_candidates` writes in ``out_dir``: the best plan, and the
@@ -50,10 +57,40 @@ class PlanLocalConfig:
     """Write :data:`OUTPUT_FILES` of the best count here (None: nothing written)."""
 
 
+def check_plan_local(cfg: PlanLocalConfig, *, flags: bool = False) -> None:
+    """What :func:`plan_local_candidates` refuses before it loads or measures anything: a batch
+    below 1, an ``out_dir`` whose files it could not write, more local processes than this
+    host's memory can start (:func:`dapple.profiler.host_fit.check_local_processes`);
+    ``flags``: messages name ``dapple plan-local``'s flags.
+
+    Raises:
+        ValidationError: one line naming the option and the value.
+    """
+    from dapple.errors import ValidationError
+    from dapple.files.output_path import check_output_dir, check_output_file
+    from dapple.profiler.host_fit import check_local_processes
+
+    batch, out_dir, nprocs = (
+        ("--global-batch-size", "--out-dir", "--nprocs") if flags
+        else ("global_batch_size", "out_dir", "nprocs")
+    )  # fmt: skip
+    if cfg.global_batch_size < 1:
+        raise ValidationError(f"{batch} must be >= 1, got {cfg.global_batch_size}")
+    if cfg.out_dir is not None:
+        out = check_output_dir(cfg.out_dir, out_dir)
+        for name in OUTPUT_FILES:
+            check_output_file(out / name, f"{out_dir} file")
+    counts = tuple(cfg.nprocs)
+    if counts and all(isinstance(n, int) for n in counts):  # the planner refuses the others
+        check_local_processes(max(counts), f"{nprocs} {','.join(map(str, counts))}")
+
+
 def plan_local_candidates(
     cfg: PlanLocalConfig,
     workload: Workload | None = None,
     progress: ProgressFn | None = None,
+    *,
+    flags: bool = False,
 ) -> tuple[LocalCandidate, list[LocalCandidate]]:
     """The best of ``cfg``'s process counts and every count's plan
     (:func:`dapple.calibrate.local.plan_local`); the best one's plan, profile and cluster
@@ -63,22 +100,23 @@ def plan_local_candidates(
         cfg: What to plan.
         workload: ``cfg.model`` already loaded (None: loaded here).
         progress: Called per profiled layer, calibration and plan (``done, total, what``).
+        flags: Messages name ``dapple plan-local``'s flags.
 
     Raises:
-        ValidationError: a bad model spec or a count below 2; an ``out_dir`` whose files
-            cannot be written (before any measuring).
+        ValidationError: a bad model spec or a count below 2; before any measuring, what
+            :func:`check_plan_local` refuses, or a model too large for the processes on this
+            host (:func:`dapple.profiler.host_fit.check_host_memory`).
     """
     from dapple.api._inputs import as_workload
     from dapple.calibrate.local import plan_local as plan_counts
-    from dapple.files.output_path import check_output_dir, check_output_file
+    from dapple.profiler.host_fit import check_host_memory
 
-    if cfg.out_dir is not None:  # before any measuring
-        out = check_output_dir(cfg.out_dir, "out_dir")
-        for name in OUTPUT_FILES:
-            check_output_file(out / name, "out_dir file")
+    check_plan_local(cfg, flags=flags)
     if workload is None:
         assert cfg.model.spec is not None  # -m is a required flag
         workload = as_workload(cfg.model.spec, cfg.model.overrides())
+    if cfg.nprocs and all(isinstance(n, int) for n in cfg.nprocs):
+        check_host_memory(workload, max(cfg.nprocs), what="planning")  # with co-workers
     best, cands = plan_counts(
         workload,
         cfg.global_batch_size,

@@ -16,14 +16,13 @@ from typing import Any
 
 from rich.table import Table
 
-from dapple.api.planning_local import OUTPUT_FILES, PlanLocalConfig
+from dapple.api.planning_local import PlanLocalConfig
 from dapple.cli._console import StepProgress, console, print_table
 from dapple.cli._model_args import add_model_arguments, model_config, parse_overrides
 from dapple.cli._renamed import renamed
 from dapple.cli._run_args import add_precision_argument
 from dapple.core.precision import precision_of
 from dapple.errors import ValidationError
-from dapple.files.output_path import check_output_dir, check_output_file
 
 __all__ = ["parse_counts", "plan_local_config_of", "register", "run_config", "train_command"]
 
@@ -120,25 +119,15 @@ def run_config(cfg: PlanLocalConfig) -> int:
     """Plan what ``cfg`` asks for (:func:`dapple.api.planning_local.plan_local_candidates`,
     which writes the best count's files), print every candidate and the command that trains
     the best (``dapple plan-local`` once its flags are read)."""
-    from dapple.api.planning_local import plan_local_candidates
+    from dapple.api.planning_local import check_plan_local, plan_local_candidates
     from dapple.models.zoo import load_workload
 
-    counts = cfg.nprocs
-    if cfg.global_batch_size < 1:
-        raise ValidationError(f"--global-batch-size must be >= 1, got {cfg.global_batch_size}")
     assert cfg.out_dir is not None and cfg.model.spec is not None  # required flags
-    out = check_output_dir(cfg.out_dir, "--out-dir")  # before any measuring
-    for name in OUTPUT_FILES:
-        check_output_file(out / name, "--out-dir file")
-    from dapple.profiler.host_fit import check_host_memory, check_local_processes
-
-    check_local_processes(max(counts), f"--nprocs {','.join(map(str, counts))}")
+    check_plan_local(cfg, flags=True)  # before the model is loaded
     workload = load_workload(cfg.model.spec, **cfg.model.overrides())
-
-    check_host_memory(workload, max(counts), what="planning")  # profiled with co-workers
     con = console()
     with StepProgress("plan-local", console=con) as progress:
-        best, cands = plan_local_candidates(cfg, workload, progress)
+        best, cands = plan_local_candidates(cfg, workload, progress, flags=True)
     t = Table(title=f"{workload.name}, global batch {cfg.global_batch_size}")
     for col in ("processes", "plan", "M", "predicted ms/step", "samples/s"):
         t.add_column(col, justify="right")
@@ -152,7 +141,7 @@ def run_config(cfg: PlanLocalConfig) -> int:
             f"{cfg.global_batch_size / c.predicted_ms * 1e3:.1f}",
         )
     print_table(con, t)
-    used = len(best.plan.devices)
+    used, out = len(best.plan.devices), Path(cfg.out_dir)
     runs_on = "" if used == best.processes else f", the plan runs on {used} of them"
     con.print(
         f"* chosen: {best.processes} processes{runs_on} -> {out / 'plan.json'} (with "
