@@ -535,13 +535,13 @@ def test_the_api_checks_its_output_files_before_the_work(
     a_file = tmp_path / "file"
     a_file.write_text("x")
     bad = str(a_file / "out.json")  # under a file: no folder can be made there
-    with pytest.raises(ValidationError, match="output profile file .*is a file"):
+    with pytest.raises(ValidationError, match=r"output profile file .*is a file"):
         api.profile(api.ProfileConfig(model=ModelConfig(spec="mlp"), output=bad))
-    with pytest.raises(ValidationError, match="output cluster file .*is a file"):
+    with pytest.raises(ValidationError, match=r"output cluster file .*is a file"):
         api.calibrate(api.CalibrateConfig(nproc=2, output=bad))
-    with pytest.raises(ValidationError, match="output plan file .*is a file"):
+    with pytest.raises(ValidationError, match=r"output plan file .*is a file"):
         api.plan("paper:bert48", "paper-a", 64, output=bad)
-    with pytest.raises(ValidationError, match="out_dir .*is a file"):
+    with pytest.raises(ValidationError, match=r"out_dir .*is a file"):
         api.plan_local(api.PlanLocalConfig(model=ModelConfig(spec="mlp"), global_batch_size=8,
                                            out_dir=str(a_file)))  # fmt: skip
 
@@ -562,3 +562,19 @@ def test_the_api_plan_local_refuses_before_it_measures(
         api.plan_local(api.PlanLocalConfig(model=model, global_batch_size=8, nprocs=(2, 100000)))
     with pytest.raises(AssertionError, match="work started"):
         api.plan_local(api.PlanLocalConfig(model=model, global_batch_size=8, nprocs=(2,)))
+
+
+def test_the_api_calibrate_refuses_before_any_process_starts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``api.calibrate`` makes ``dapple calibrate``'s checks itself, naming the options as the
+    API spells them: more processes than the host can start are refused before any starts."""
+    monkeypatch.setattr("dapple.calibrate.machine.calibrate", boom)
+    with pytest.raises(ValidationError, match="nproc 100000: 100,000 local processes need"):
+        api.calibrate(api.CalibrateConfig(nproc=100000))
+    with pytest.raises(ValidationError, match=r"^max_mb must be a number"):
+        api.calibrate(api.CalibrateConfig(max_mb=0.0))
+    with pytest.raises(ValidationError, match=r"^repeats must be >= 1, got 0"):
+        api.calibrate(api.CalibrateConfig(repeats=0))
+    with pytest.raises(AssertionError, match="work started"):
+        api.calibrate(api.CalibrateConfig(nproc=2))

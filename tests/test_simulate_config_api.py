@@ -113,5 +113,5 @@ def test_simulate_cfg_writes_the_files_it_asks_for(saved: str, tmp_path: Path) -
     assert out["trace"].read_text().lstrip().startswith(("{", "["))
     bad = SimulateConfig(plan="missing.json", profile="paper:bert48", cluster="paper-a",
                          gantt=str(tmp_path / "g.txt"))  # fmt: skip
-    with pytest.raises(ValidationError, match="gantt file .*unknown picture format '.txt'"):
+    with pytest.raises(ValidationError, match=r"gantt file .*unknown picture format '.txt'"):
         api.simulate(bad)  # the format, before the missing plan is read

@@ -3,19 +3,21 @@ calibrate`` and :func:`calibrate`.
 
 ``dapple calibrate``'s flags are read once into a :class:`CalibrateConfig`; ``calibrate(cfg)``
 measures this machine's links and compute sharing with local gloo processes and fits a cluster
-(:func:`dapple.calibrate.machine.calibrate`). Torch loads with the measurement, not with this
+(:func:`dapple.calibrate.machine.calibrate`), once :func:`check_calibrate` has refused what it
+cannot measure or write. Torch loads with the measurement, not with this
 module.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from dapple.calibrate.machine import CalibrationResult
 
-__all__ = ["CalibrateConfig", "calibrate"]
+__all__ = ["CalibrateConfig", "calibrate", "check_calibrate"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -32,21 +34,58 @@ class CalibrateConfig:
     """The largest message, in MiB."""
 
 
-def calibrate(cfg: CalibrateConfig) -> CalibrationResult:
+def check_calibrate(cfg: CalibrateConfig, *, flags: bool = False) -> None:
+    """What :func:`calibrate` refuses before any process starts: an output file it could not
+    write, a largest message below two sizes to fit a line through, ``repeats`` below 1,
+    ``nproc`` below 2 or more local processes than this host's memory can start
+    (:func:`dapple.profiler.host_fit.check_local_processes`); ``flags``: messages name
+    ``dapple calibrate``'s flags.
+
+    Raises:
+        ValidationError: one line naming the option and the value.
+    """
+    from dapple.calibrate.machine import DEFAULT_SIZES
+    from dapple.errors import ValidationError
+    from dapple.files.output_path import check_output_file
+    from dapple.profiler.host_fit import check_local_processes
+
+    def opt(name: str) -> str:
+        return "--" + name.replace("_", "-") if flags else name
+
+    if cfg.output is not None:
+        check_output_file(cfg.output, f"{opt('output')} cluster file")
+    least = DEFAULT_SIZES[1] / (1 << 20)
+    if not (math.isfinite(cfg.max_mb) and cfg.max_mb >= least):
+        raise ValidationError(
+            f"{opt('max_mb')} must be a number >= {least:g} (two message sizes to fit a line "
+            f"through), got {cfg.max_mb}"
+        )
+    if cfg.repeats < 1:
+        raise ValidationError(f"{opt('repeats')} must be >= 1, got {cfg.repeats}")
+    if cfg.nproc < 2:
+        raise ValidationError(
+            f"calibrate needs {opt('nproc')} >= 2 to measure links, got {cfg.nproc}"
+        )
+    check_local_processes(cfg.nproc, f"{opt('nproc')} {cfg.nproc}")
+
+
+def calibrate(cfg: CalibrateConfig, *, flags: bool = False) -> CalibrationResult:
     """Measure point-to-point and AllReduce times at the message sizes up to ``cfg.max_mb``
     and compute sharing on ``cfg.nproc`` local processes, fit the cluster, and save it to
     ``cfg.output`` when given.
 
+    Args:
+        cfg: What to measure and where to write it.
+        flags: Messages name ``dapple calibrate``'s flags.
+
     Raises:
-        ValidationError: as :func:`dapple.calibrate.machine.calibrate`; an output file that
-            cannot be written (before any measuring).
+        ValidationError: what :func:`check_calibrate` refuses, before any measuring; as
+            :func:`dapple.calibrate.machine.calibrate`.
     """
     from dapple.calibrate.machine import DEFAULT_SIZES
     from dapple.calibrate.machine import calibrate as measure
-    from dapple.files.output_path import check_output_file
 
-    if cfg.output is not None:  # before any measuring
-        check_output_file(cfg.output, "output cluster file")
+    check_calibrate(cfg, flags=flags)
     sizes = tuple(s for s in DEFAULT_SIZES if s <= cfg.max_mb * (1 << 20))
     res = measure(cfg.nproc, sizes=sizes, repeats=cfg.repeats)
     if cfg.output is not None:

@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import math
 
 from rich.table import Table
 
 from dapple.api.calibrating import CalibrateConfig
 from dapple.cli._console import StepProgress, console, print_table
-from dapple.errors import ValidationError
-from dapple.files.output_path import check_output_file
 
 __all__ = ["calibrate_config_of", "register", "run_config"]
 
@@ -41,25 +38,13 @@ def run_config(cfg: CalibrateConfig) -> int:
     """Calibrate as ``cfg`` asks (:func:`dapple.api.calibrate`), print the measurements and the
     fit, and write the cluster file (``dapple calibrate`` once its flags are read)."""
     from dapple import api
-    from dapple.calibrate.machine import DEFAULT_SIZES
-    from dapple.profiler.host_fit import check_local_processes
+    from dapple.api.calibrating import check_calibrate
 
     assert cfg.output is not None  # -o is a required flag
-    check_output_file(cfg.output, "--output cluster file")
-    least = DEFAULT_SIZES[1] / (1 << 20)
-    if not (math.isfinite(cfg.max_mb) and cfg.max_mb >= least):
-        raise ValidationError(
-            f"--max-mb must be a number >= {least:g} (two message sizes to fit a line through), "
-            f"got {cfg.max_mb}"
-        )
-    if cfg.repeats < 1:
-        raise ValidationError(f"--repeats must be >= 1, got {cfg.repeats}")
-    if cfg.nproc < 2:
-        raise ValidationError(f"calibrate needs --nproc >= 2 to measure links, got {cfg.nproc}")
-    check_local_processes(cfg.nproc, f"--nproc {cfg.nproc}")
+    check_calibrate(cfg, flags=True)  # before the progress line
     con = console()
     with StepProgress("calibrate", detail=f"measuring {cfg.nproc} gloo processes", console=con):
-        res = api.calibrate(cfg)  # writes cfg.output
+        res = api.calibrate(cfg, flags=True)  # writes cfg.output
     t = Table(title=f"calibration: {res.nproc} processes, {res.backend}")
     for col in ("bytes", "p2p one-way ms", f"AllReduce({res.nproc}) ms"):
         t.add_column(col, justify="right")
