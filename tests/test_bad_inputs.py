@@ -578,3 +578,20 @@ def test_the_api_calibrate_refuses_before_any_process_starts(
         api.calibrate(api.CalibrateConfig(repeats=0))
     with pytest.raises(AssertionError, match="work started"):
         api.calibrate(api.CalibrateConfig(nproc=2))
+
+
+def test_the_api_generate_refuses_a_seed_or_prompt_before_the_model(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``api.generate`` refuses a seed torch's generator cannot take (torch raised a bare
+    ``ValueError``) and a prompt that is not text, before it loads the model."""
+    from dapple.api.run_config import ModelConfig
+
+    monkeypatch.setattr("dapple.api._inputs.as_workload", boom)
+    model = ModelConfig(spec="transformer")
+    with pytest.raises(ValidationError, match=f"^seed must be an integer from .* got {2**70}"):
+        api.generate(api.GenerateConfig(model=model, prompt="x", seed=2**70))
+    with pytest.raises(ValidationError, match=r"^the prompt is not UTF-8 text: byte 0xe9"):
+        api.generate("transformer", "a\udce9b")
+    with pytest.raises(AssertionError, match="work started"):
+        api.generate(api.GenerateConfig(model=model, prompt="x", seed=-(2**63)))

@@ -20,9 +20,12 @@ if TYPE_CHECKING:
     from dapple.api._inputs import WorkloadLike
     from dapple.models.generate import Generated
 
-__all__ = ["GenerateConfig", "generate"]
+__all__ = ["SEED_RANGE", "GenerateConfig", "check_prompt_and_seed", "generate"]
 
 Progress = Callable[[int, int], None]
+
+SEED_RANGE = (-(2**63), 2**63 - 1)
+"""The seeds torch's generators take (a signed 64-bit seed)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -99,7 +102,8 @@ def generate(
         continuation), ``ids``, ``prompt_tokens``, ``new_tokens``.
 
     Raises:
-        ValidationError: An empty prompt, no checkpoint under ``checkpoint``, a tokenizer whose
+        ValidationError: An empty prompt or one that is not text, a seed torch's generator
+            does not take (:func:`check_prompt_and_seed`), no checkpoint under ``checkpoint``, a tokenizer whose
             vocabulary does not fit the model's, a bad spec or temperature, a count outside
             1 .. :data:`~dapple.models.generate.MAX_NEW_TOKENS`.
         CheckpointError: A checkpoint of another model, or a damaged one.
@@ -121,6 +125,7 @@ def generate(
         raise ValidationError(
             f"generate needs a model and a prompt, got {subject!r} and {prompt!r}"
         )
+    check_prompt_and_seed(prompt, seed)
     wl = as_workload(subject, overrides)
     tok = tokenizer_for(wl, tokenizer)
     check_request(tok, prompt, max_new_tokens, temperature)  # before the model is built
@@ -136,3 +141,26 @@ def generate(
         restore_stage(ckpt, model, 0)
     return generate_text(wl, model, prompt, max_new_tokens, tokenizer=tok,
                          temperature=temperature, seed=seed, progress=progress)  # fmt: skip
+
+
+def check_prompt_and_seed(prompt: str, seed: int, *, flags: bool = False) -> None:
+    """The prompt is text (bytes that are not UTF-8 reach Python as lone surrogates, which no
+    tokenizer takes) and the seed fits torch's generator (:data:`SEED_RANGE`), before the model
+    is loaded; ``flags``: messages name ``dapple generate``'s flags.
+
+    Raises:
+        ValidationError: naming the first bad byte, or the seed.
+    """
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as e:
+        byte = prompt[e.start].encode("utf-8", "surrogateescape")
+        raise ValidationError(
+            f"{'--prompt' if flags else 'the prompt'} is not UTF-8 text: byte 0x{byte.hex()} at "
+            f"character {e.start}"
+        ) from e
+    low, high = SEED_RANGE
+    if not (isinstance(seed, int) and low <= seed <= high):
+        raise ValidationError(
+            f"{'--seed' if flags else 'seed'} must be an integer from {low} to {high}, got {seed}"
+        )

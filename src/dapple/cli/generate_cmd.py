@@ -26,7 +26,6 @@ if TYPE_CHECKING:
 __all__ = [
     "PROGRESS_DELAY_S",
     "PROGRESS_MIN_TOKENS",
-    "SEED_RANGE",
     "generate_config_of",
     "register",
     "run_config",
@@ -104,13 +103,14 @@ def run_config(cfg: GenerateConfig) -> int:
     """Continue ``cfg``'s prompt (:func:`dapple.api.generate`) and print it with its
     continuation on stdout (``dapple generate`` once its flags are read)."""
     from dapple import api
+    from dapple.api.generating import check_prompt_and_seed
 
     if (cfg.checkpoint_dir is None) == (cfg.model.weights is None):
         raise ValidationError(
             "give the weights to generate with: --checkpoint-dir DIR (a training run's "
             "checkpoints) or --weights PATH (pretrained), one of them"
         )
-    _check_prompt_and_seed(cfg.prompt, cfg.seed)
+    check_prompt_and_seed(cfg.prompt, cfg.seed, flags=True)
     loaded = None
     if cfg.checkpoint_dir is not None:
         from dapple.runtime.export import newest_checkpoint
@@ -127,29 +127,6 @@ def run_config(cfg: GenerateConfig) -> int:
         print(cut, file=sys.stderr)
     print(terminal_safe(result.text) if sys.stdout.isatty() else result.text)
     return 0
-
-
-SEED_RANGE = (-(2**63), 2**63 - 1)
-"""The ``--seed`` values torch's generators take (a signed 64-bit seed)."""
-
-
-def _check_prompt_and_seed(prompt: str, seed: int) -> None:
-    """The prompt is text (bytes that are not UTF-8 reach Python as lone surrogates, which no
-    tokenizer takes) and the seed fits torch's generator, before the model is loaded.
-
-    Raises:
-        ValidationError: naming the first bad byte, or the seed.
-    """
-    try:
-        prompt.encode("utf-8")
-    except UnicodeEncodeError as e:
-        byte = prompt[e.start].encode("utf-8", "surrogateescape")
-        raise ValidationError(
-            f"--prompt is not UTF-8 text: byte 0x{byte.hex()} at character {e.start}"
-        ) from e
-    low, high = SEED_RANGE
-    if not low <= seed <= high:
-        raise ValidationError(f"--seed must be an integer from {low} to {high}, got {seed}")
 
 
 def _progress(new_tokens: int) -> contextlib.AbstractContextManager[StepProgress | None]:
