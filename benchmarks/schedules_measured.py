@@ -25,7 +25,8 @@ definition: ``1 - busy / step``, busy = the wall time a rank spends computing F,
 the durations of those events), for the busiest rank and averaged over ranks.
 
 The V schedules are also measured on 2 ranks, with CPU per action kind, by
-``schedules_measured_v.py``, whose section of the report this script keeps when it rewrites it.
+``schedules_measured_v.py``, whose sections of the report (from its first begin marker to the
+end of the file) this script keeps when it rewrites it.
 
 Usage: ``python benchmarks/schedules_measured.py [--rounds 4 --steps 5 --skip 2] [--no-uneven]``.
 """
@@ -258,14 +259,16 @@ def _split_cost_note(
 
 
 def _v_section(md: Path) -> str:
-    """The V-schedule section ``schedules_measured_v.py`` wrote into ``md`` (between its
-    markers), kept when this script rewrites the file; "" when there is none."""
-    from schedules_measured_v import BEGIN, END
+    """What ``md`` holds from the first section ``schedules_measured_v.py`` wrote into it (its
+    begin marker) to its end - that section, the later ones and the readings written beside
+    them, earlier runs of this report included - kept when this script rewrites the file; ""
+    when there is none."""
+    from schedules_measured_v import BEGIN
 
     text = md.read_text() if md.exists() else ""
-    if BEGIN not in text or END not in text:
+    if BEGIN not in text:
         return ""
-    return "\n" + BEGIN + text.split(BEGIN, 1)[1].split(END, 1)[0] + END + "\n"
+    return "\n" + BEGIN + text.split(BEGIN, 1)[1].rstrip("\n") + "\n"
 
 
 def _pct(x: float) -> str:

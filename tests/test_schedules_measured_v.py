@@ -107,6 +107,9 @@ def test_the_v_section_is_replaced_in_place_and_kept_by_the_main_script(tmp_path
     assert "second" in text and "first" not in text
     kept = schedules_measured._v_section(md)
     assert kept == f"\n{smv.BEGIN}\n## V\nsecond\n{smv.END}\n"
+    md.write_text(text + "\n## A reading and older runs after it\n\nkept\n")
+    kept = schedules_measured._v_section(md)  # everything from the marker on
+    assert kept.endswith(f"{smv.END}\n\n## A reading and older runs after it\n\nkept\n")
     md.write_text("# no section\n")
     assert schedules_measured._v_section(md) == ""
 
