@@ -19,8 +19,8 @@ A training run is also one typed configuration, :class:`~dapple.api.run_config.R
 ``dp.train(cfg)`` runs it and ``dp.verify(cfg)`` checks it against one process; what it names
 is loaded once by :func:`run_inputs` (:class:`RunInputs`), its plan under the schedule and
 policy asked for by :func:`plan_with`; :func:`check_outputs` refuses, before anything is
-loaded, a metrics file or a TensorBoard or checkpoint directory rank 0 could not write. A plan is asked for by a
-:class:`~dapple.planner.plan_config.PlanConfig` (``dapple plan``'s flags and a config file's
+loaded, a metrics file or a TensorBoard or checkpoint directory rank 0 could not write. A plan
+is asked for by a :class:`~dapple.planner.plan_config.PlanConfig` (``dapple plan``'s flags and a config file's
 ``[planning]`` section read into it): ``dp.plan(cfg)`` makes it, on what :func:`plan_inputs`
 loads (:class:`PlanInputs`).
 

@@ -3,9 +3,10 @@ run it resolves (:mod:`dapple.api.running`, :mod:`dapple.api.verifying`).
 
 A training run's own checks, for ``dapple train`` and :func:`dapple.api.train` alike: before
 anything is loaded, rank 0 can write its outputs (:func:`check_outputs`); once the inputs are
-loaded (:func:`check_before_run`), the data fit the model and the batch, the checkpoint directory is
-writable and a resume's checkpoint continues this run (:func:`check_long_run`), and the profile
-a prediction is made from computes in the run's precision (:func:`note_profile_precision`).
+loaded (:func:`check_before_run`), the data fit the model and the batch, the checkpoint
+directory is writable and a resume's checkpoint continues this run (:func:`check_long_run`),
+and the profile a prediction is made from computes in the run's precision
+(:func:`note_profile_precision`).
 """
 
 from __future__ import annotations

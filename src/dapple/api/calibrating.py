@@ -4,8 +4,7 @@ calibrate`` and :func:`calibrate`.
 ``dapple calibrate``'s flags are read once into a :class:`CalibrateConfig`; ``calibrate(cfg)``
 measures this machine's links and compute sharing with local gloo processes and fits a cluster
 (:func:`dapple.calibrate.machine.calibrate`), once :func:`check_calibrate` has refused what it
-cannot measure or write. Torch loads with the measurement, not with this
-module.
+cannot measure or write. Torch loads with the measurement, not with this module.
 """
 
 from __future__ import annotations

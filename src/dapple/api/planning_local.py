@@ -80,9 +80,16 @@ def check_plan_local(cfg: PlanLocalConfig, *, flags: bool = False) -> None:
         out = check_output_dir(cfg.out_dir, out_dir)
         for name in OUTPUT_FILES:
             check_output_file(out / name, f"{out_dir} file")
+    most = _most_processes(cfg)
+    if most is not None:
+        check_local_processes(most, f"{nprocs} {','.join(map(str, cfg.nprocs))}")
+
+
+def _most_processes(cfg: PlanLocalConfig) -> int | None:
+    """The largest of ``cfg.nprocs`` (None where a count is not an integer or there is none:
+    :func:`dapple.calibrate.local.plan_local` refuses those)."""
     counts = tuple(cfg.nprocs)
-    if counts and all(isinstance(n, int) for n in counts):  # the planner refuses the others
-        check_local_processes(max(counts), f"{nprocs} {','.join(map(str, counts))}")
+    return max(counts) if counts and all(isinstance(n, int) for n in counts) else None
 
 
 def plan_local_candidates(
@@ -115,8 +122,9 @@ def plan_local_candidates(
     if workload is None:
         assert cfg.model.spec is not None  # -m is a required flag
         workload = as_workload(cfg.model.spec, cfg.model.overrides())
-    if cfg.nprocs and all(isinstance(n, int) for n in cfg.nprocs):
-        check_host_memory(workload, max(cfg.nprocs), what="planning")  # with co-workers
+    most = _most_processes(cfg)
+    if most is not None:
+        check_host_memory(workload, most, what="planning")  # profiled with co-workers
     best, cands = plan_counts(
         workload,
         cfg.global_batch_size,
