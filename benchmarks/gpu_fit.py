@@ -253,7 +253,9 @@ def report(command: str) -> list[str]:
     lines += ["", "## Llama blocks, H200 and H100 (issue 41: each within 15%)", "",
               "The same fitted efficiencies on each datasheet; the H100 column compares an H100 "
               "prediction with the H200's measurement (no H100 was measured; it has 30% less "
-              "bandwidth and the same peaks).", "",
+              "bandwidth and the same peaks). `dapple profile --analytic h100 --kernels eager` "
+              "(`--analytic h200`: eager by default) makes these profiles; "
+              "`tests/test_gpu_fit.py` checks them through that command.", "",
               "| row | H200 F | H200 B | H100 F | H100 B |", "|---|---:|---:|---:|---:|"]  # fmt: skip
     worst = 0.0
     for r in rows:

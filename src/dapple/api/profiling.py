@@ -71,6 +71,11 @@ class ProfileConfig:
     recompute: str = "none"
     """With ``analytic``: what every block re-computes in its backward
     (:data:`~dapple.core.recompute.RECOMPUTE_MODES`)."""
+    kernels: str | None = None
+    """With ``analytic``: the kernel setting whose fitted efficiencies time the layers
+    (:data:`~dapple.profiler.analytic_devices.KERNEL_SETTINGS`: ``eager``, what dapple runs;
+    ``fused``, compiled or fused kernels); None: the datasheet's default (``h200``: eager;
+    the others: their own efficiencies)."""
 
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(ProfileConfig)}
@@ -225,7 +230,7 @@ def _analytic(cfg: ProfileConfig) -> ModelProfile:
     def at(seq: int | None) -> ModelProfile:
         return analytic_profile(
             str(cfg.model.spec), device, precision=precision, seq_len=seq,
-            recompute=cfg.recompute, batch_sizes=sizes, overrides=overrides,
+            recompute=cfg.recompute, batch_sizes=sizes, overrides=overrides, kernels=cfg.kernels,
         )  # fmt: skip
 
     if lens and len(set(lens)) > 1:
@@ -310,10 +315,33 @@ def check_mode_options(cfg: ProfileConfig) -> None:
             f"--recompute {cfg.recompute} applies to --analytic profiles only; a measured "
             "profile times each layer once (dapple train --recompute full re-computes the stages)"
         )
+    _check_kernels(cfg)
     if cfg.analytic is not None and cfg.co_workers != 1:
         raise ValidationError(
             f"--co-workers {cfg.co_workers} applies to measured CPU profiles only; --analytic "
             "runs nothing"
+        )
+
+
+def _check_kernels(cfg: ProfileConfig) -> None:
+    """Refuse a kernel setting without ``analytic`` (a measured profile times the kernels it
+    runs) and one that is not a setting.
+
+    Raises:
+        ValidationError: naming the setting.
+    """
+    from dapple.profiler.analytic_devices import KERNEL_SETTINGS
+
+    if cfg.kernels is None:
+        return
+    if cfg.analytic is None:
+        raise ValidationError(
+            f"--kernels {cfg.kernels} applies to --analytic profiles only; a measured profile "
+            "times the kernels it runs"
+        )
+    if cfg.kernels not in KERNEL_SETTINGS:
+        raise ValidationError(
+            f"--kernels must be one of {', '.join(KERNEL_SETTINGS)}, got {cfg.kernels!r}"
         )
 
 

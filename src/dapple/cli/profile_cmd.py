@@ -24,7 +24,7 @@ from dapple.cli._run_args import add_device_argument
 from dapple.core.profile import ModelProfile
 from dapple.core.recompute import RECOMPUTE_MODES
 from dapple.errors import ValidationError
-from dapple.profiler.analytic_devices import DEVICES
+from dapple.profiler.analytic_devices import DEVICES, KERNEL_SETTINGS
 
 if TYPE_CHECKING:
     pass
@@ -136,6 +136,15 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         help="with --analytic: what every block re-computes in its backward (activation "
         "checkpointing): none, selective (the attention core) or full (the whole block) "
         "(default %(default)s)",
+    )
+    p.add_argument(
+        "--kernels",
+        default=None,
+        choices=KERNEL_SETTINGS,
+        help="with --analytic: time the layers with the efficiencies fitted for eager PyTorch "
+        "under autocast (eager: what dapple runs) or for fused/compiled kernels (fused: "
+        "torchtitan, Megatron) on the measured H200 (h100, h200 only; default: h200 eager, "
+        "other datasheets their own efficiencies; benchmarks/gpu_fit.md)",
     )
     p.add_argument("--act-checkpoint", action=renamed("--recompute"), help=argparse.SUPPRESS)
     add_profile_config_arguments(p)  # the model from a run file's [model] section
@@ -265,7 +274,7 @@ def profile_config_of(args: argparse.Namespace) -> ProfileConfig | None:
         warmup=args.warmup, threads=args.threads, co_workers=args.co_workers,
         precision=args.precision, split_backward=args.split_backward,
         input_shape=None if analytic else _parse_shape(args.input_shape), analytic=args.analytic,
-        recompute=args.recompute,
+        recompute=args.recompute, kernels=args.kernels,
     )  # fmt: skip
 
 
