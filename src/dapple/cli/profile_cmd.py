@@ -310,7 +310,7 @@ def run_config(cfg: ProfileConfig) -> int:
     if cfg.analytic is not None:
         con.print(
             f"wrote {cfg.output}: {prof.num_layers} layers, {prof.parameter_bytes // 4:,} "
-            f"parameters (analytic, {prof.device})"
+            f"parameters ({prof.device})"
         )
     else:
         con.print(
