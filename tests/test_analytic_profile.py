@@ -380,3 +380,14 @@ def test_the_old_spelling_of_recompute_is_refused_with_the_new_one(
     assert exit_.value.code == 2 and not out.exists()
     err = capsys.readouterr().err
     assert err == "dapple: error: --act-checkpoint is spelled --recompute now (same meaning)\n"
+
+
+@pytest.mark.parametrize("sizes", [(1.5,), (True, 2), (), (0, 1), (2**21,)])
+def test_analytic_batch_sizes_are_positive_integers_within_the_limit(
+    sizes: tuple[object, ...],
+) -> None:
+    """The API's doors reach ``analytic_profile`` without the CLI's parsing: a float batch
+    size (which gave an affine fit through batch 1.5) or a bool is refused as the measured
+    profiler refuses it."""
+    with pytest.raises(ValidationError, match=r"batch_sizes must be positive|exceeds the analytic"):
+        analytic_profile("llama3-8b", "h100", batch_sizes=sizes)  # type: ignore[arg-type]

@@ -63,3 +63,27 @@ def test_reading_a_profile_config_does_not_import_torch() -> None:
         "ProfileConfig(model=ModelConfig(spec='mlp')); assert 'torch' not in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "message"),
+    [
+        ("repeats", 1.5, "--repeats must be from 1 to"),
+        ("warmup", 0.5, "--repeats must be from 1 to"),
+        ("repeats", True, "--repeats must be from 1 to"),
+        ("repeats", 0, "--repeats must be from 1 to"),  # refused after the model was built
+        ("num_threads", 1.5, "--threads must be an integer, got 1.5"),
+        ("co_workers", 2.0, "--co-workers must be an integer, got 2.0"),
+    ],
+)
+def test_the_keyword_form_refuses_counts_that_are_not_integers(
+    monkeypatch: pytest.MonkeyPatch, option: str, value: object, message: str
+) -> None:
+    """Counts the CLI parses as integers reach the Python API as given: a float failed inside
+    torch after the model was built (``TypeError``, ``set_num_threads expects an int``), and
+    the keyword form built the model before checking any option."""
+    from builders import boom
+
+    monkeypatch.setattr("dapple.models.zoo.load_workload", boom)
+    with pytest.raises(ValidationError, match=message):
+        api.profile("mlp", (1,), "cpu", **{option: value})

@@ -165,6 +165,7 @@ def profile(
         warmup=warmup, threads=num_threads, co_workers=co_workers, precision=precision,
         split_backward=split_backward,
     )  # fmt: skip
+    _check_before_work(cfg)  # before the model is built
     return _profile(cfg, as_workload(workload, overrides), progress)
 
 
@@ -190,9 +191,7 @@ def _profile(
 ) -> ModelProfile:
     """The profile ``cfg`` asks for (of ``workload`` when given, else of ``cfg.model``);
     saved to ``cfg.output`` when given, which is checked before any measuring."""
-    check_mode_options(cfg)
-    if cfg.output is not None:  # before any measuring
-        check_output_file(cfg.output, "output profile file")
+    _check_before_work(cfg)
     prof = _analytic(cfg) if cfg.analytic is not None else _measured(cfg, workload, progress)
     if cfg.output is not None:
         prof.save(cfg.output)
@@ -302,11 +301,19 @@ def check_mode_options(cfg: ProfileConfig) -> None:
                     f"{flag} {value} applies to measured profiles only (it times the layers); "
                     "--analytic runs nothing"
                 )
-    elif not (1 <= cfg.repeats <= MAX_RUNS and 0 <= cfg.warmup <= MAX_RUNS):
+    elif not (
+        _whole(cfg.repeats, cfg.warmup)
+        and 1 <= cfg.repeats <= MAX_RUNS
+        and 0 <= cfg.warmup <= MAX_RUNS
+    ):
         raise ValidationError(
             f"--repeats must be from 1 to {MAX_RUNS} (timed runs per layer) and --warmup from 0 "
-            f"to {MAX_RUNS}, got {cfg.repeats} and {cfg.warmup}"
+            f"to {MAX_RUNS}, got {cfg.repeats!r} and {cfg.warmup!r}"
         )
+    elif cfg.threads is not None and not _whole(cfg.threads):
+        raise ValidationError(f"--threads must be an integer, got {cfg.threads!r}")
+    if not _whole(cfg.co_workers):
+        raise ValidationError(f"--co-workers must be an integer, got {cfg.co_workers!r}")
     if cfg.co_workers < 1:
         raise ValidationError(f"--co-workers must be >= 1, got {cfg.co_workers}")
     recompute_of(cfg.recompute, "--recompute", RECOMPUTE_MODES)
@@ -321,6 +328,20 @@ def check_mode_options(cfg: ProfileConfig) -> None:
             f"--co-workers {cfg.co_workers} applies to measured CPU profiles only; --analytic "
             "runs nothing"
         )
+
+
+def _check_before_work(cfg: ProfileConfig) -> None:
+    """What ``cfg`` asks for checked before anything is built or measured: the options of the
+    kind of profile (:func:`check_mode_options`) and the output file."""
+    check_mode_options(cfg)
+    if cfg.output is not None:
+        check_output_file(cfg.output, "output profile file")
+
+
+def _whole(*values: object) -> bool:
+    """Whether every value is an ``int`` (a bool is not one): the Python API's doors get what
+    the CLI's parsing would have refused."""
+    return all(isinstance(v, int) and not isinstance(v, bool) for v in values)
 
 
 def _check_kernels(cfg: ProfileConfig) -> None:

@@ -222,10 +222,11 @@ def _batch_sizes(batch_sizes: Sequence[int]) -> list[int]:
     """The distinct batch sizes, sorted, each from 1 to :data:`MAX_BATCH_SIZE`.
 
     Raises:
-        ValidationError: none, one below 1 or one past the limit.
+        ValidationError: none, one that is not an integer (a float, a bool), one below 1 or
+            one past the limit.
     """
     sizes = sorted(set(batch_sizes))
-    if not sizes or sizes[0] < 1:
+    if not sizes or any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in sizes):
         raise ValidationError(f"batch_sizes must be positive integers, got {list(batch_sizes)}")
     if sizes[-1] > MAX_BATCH_SIZE:
         raise ValidationError(
