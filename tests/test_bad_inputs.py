@@ -595,3 +595,56 @@ def test_the_api_generate_refuses_a_seed_or_prompt_before_the_model(
         api.generate("transformer", "a\udce9b")
     with pytest.raises(AssertionError, match="work started"):
         api.generate(api.GenerateConfig(model=model, prompt="x", seed=-(2**63)))
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("steps", 1.5), ("steps", True), ("seed", 0.5), ("keep", 2.0), ("eval_batch_size", True),
+     ("grad_norm_every", 2.0), ("save_every", 1e3)],
+)  # fmt: skip
+def test_train_config_whole_numbers_are_integers(field: str, value: object) -> None:
+    """The Python API passes ``TrainConfig``'s counts through as given: ``steps=1.5`` started
+    every worker, and each failed (``'float' object cannot be interpreted as an integer``)."""
+    from dapple.runtime.train_config import TrainConfig
+
+    with pytest.raises(ValidationError, match=rf"^{field} must be an integer, got {value!r}$"):
+        TrainConfig(**{field: value})
+
+
+def test_train_config_takes_numpy_integers_and_none_where_optional() -> None:
+    import numpy as np
+
+    from dapple.runtime.train_config import TrainConfig
+
+    cfg = TrainConfig(steps=np.int64(3), keep=None, eval_batch_size=None)
+    assert cfg.steps == 3
+
+
+def test_the_api_refuses_a_fractional_step_count_before_any_worker(
+    mlp_plan: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("dapple.api.running._launch", boom)
+    for run in (api.train, api.verify):
+        with pytest.raises(ValidationError, match=r"steps must be an integer, got 1\.5"):
+            run(mlp_plan, "mlp", 1.5)
+
+
+def test_plan_local_repeats_are_a_bounded_count(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``dapple plan-local --repeats 1000000000`` profiled without end (profile's own
+    ``--repeats`` stops at 1,000); a float failed in torch."""
+    from dapple.api.profiling import MAX_RUNS
+    from dapple.api.run_config import ModelConfig
+
+    monkeypatch.setattr("dapple.calibrate.local.plan_local", boom)
+    monkeypatch.setattr("dapple.models.zoo.load_workload", boom)
+    argv = ["plan-local", "-m", "mlp", "--global-batch-size", "8", "--out-dir", str(tmp_path)]
+    assert main([*argv, "--repeats", str(10**9)]) == 2
+    err = capsys.readouterr().err
+    assert f"--repeats must be an integer from 1 to {MAX_RUNS}" in err and "1000000000" in err
+    model = ModelConfig(spec="mlp")
+    for bad in (0, 1.5, True, MAX_RUNS + 1):
+        cfg = api.PlanLocalConfig(model=model, global_batch_size=8, repeats=bad)  # type: ignore[arg-type]
+        with pytest.raises(ValidationError, match=r"^repeats must be an integer from 1 to"):
+            api.plan_local(cfg)

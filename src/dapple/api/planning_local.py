@@ -59,9 +59,10 @@ class PlanLocalConfig:
 
 def check_plan_local(cfg: PlanLocalConfig, *, flags: bool = False) -> None:
     """What :func:`plan_local_candidates` refuses before it loads or measures anything: a batch
-    below 1, an ``out_dir`` whose files it could not write, more local processes than this
-    host's memory can start (:func:`dapple.profiler.host_fit.check_local_processes`);
-    ``flags``: messages name ``dapple plan-local``'s flags.
+    below 1, ``repeats`` that is not a count from 1 to :data:`~dapple.api.profiling.MAX_RUNS`,
+    an ``out_dir`` whose files it could not write, more local processes than this host's
+    memory can start (:func:`dapple.profiler.host_fit.check_local_processes`); ``flags``:
+    messages name ``dapple plan-local``'s flags.
 
     Raises:
         ValidationError: one line naming the option and the value.
@@ -70,12 +71,19 @@ def check_plan_local(cfg: PlanLocalConfig, *, flags: bool = False) -> None:
     from dapple.files.output_path import check_output_dir, check_output_file
     from dapple.profiler.host_fit import check_local_processes
 
-    batch, out_dir, nprocs = (
-        ("--global-batch-size", "--out-dir", "--nprocs") if flags
-        else ("global_batch_size", "out_dir", "nprocs")
+    from dapple.api.profiling import MAX_RUNS
+
+    batch, out_dir, nprocs, repeats = (
+        ("--global-batch-size", "--out-dir", "--nprocs", "--repeats") if flags
+        else ("global_batch_size", "out_dir", "nprocs", "repeats")
     )  # fmt: skip
     if cfg.global_batch_size < 1:
         raise ValidationError(f"{batch} must be >= 1, got {cfg.global_batch_size}")
+    r = cfg.repeats
+    if isinstance(r, bool) or not isinstance(r, int) or not 1 <= r <= MAX_RUNS:
+        raise ValidationError(
+            f"{repeats} must be an integer from 1 to {MAX_RUNS} (timed runs per layer), got {r!r}"
+        )
     if cfg.out_dir is not None:
         out = check_output_dir(cfg.out_dir, out_dir)
         for name in OUTPUT_FILES:

@@ -19,8 +19,10 @@ optimizers, the learning-rate schedule and the clipping themselves are in
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -136,6 +138,30 @@ def check_optim(c: OptimOptions) -> None:
         raise ValidationError(f"clip_grad_norm must be a finite number > 0, got {clip}")
 
 
+_INTEGER_TYPES = {"int": False, "int | None": True}
+"""The annotations of :class:`TrainConfig`'s whole-number fields, and whether None is one of
+their values."""
+
+
+def _check_integers(c: TrainConfig) -> None:
+    """Every whole-number field of ``c`` holds an integer (``numbers.Integral``: Python's and
+    NumPy's; a bool is not one): the Python API passes values through as given, and a float
+    (``steps=1.5``) failed in every worker, after they started.
+
+    Raises:
+        ValidationError: the first field that does not, named with its value.
+    """
+    for f in dataclasses.fields(c):
+        optional = _INTEGER_TYPES.get(str(f.type))
+        if optional is None:
+            continue
+        v = getattr(c, f.name)
+        if v is None and optional:
+            continue
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+            raise ValidationError(f"{f.name} must be an integer, got {v!r}")
+
+
 def state_factor(optimizer: str, momentum: float = 0.0) -> float:
     """Bytes of gradients and optimizer state per parameter byte (the planner's
     ``optimizer_state_factor``): :data:`OPTIMIZER_STATE_FACTOR`, plus the momentum buffer of
@@ -245,6 +271,7 @@ class TrainConfig:
     (:mod:`dapple.runtime.parallel.zero`); a no-op on stages with one replica."""
 
     def __post_init__(self) -> None:
+        _check_integers(self)
         if self.recompute is not None:
             object.__setattr__(self, "recompute", recompute_of(self.recompute, "recompute"))
         _check_long_run(self)
