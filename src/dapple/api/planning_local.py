@@ -67,11 +67,10 @@ def check_plan_local(cfg: PlanLocalConfig, *, flags: bool = False) -> None:
     Raises:
         ValidationError: one line naming the option and the value.
     """
+    from dapple.api.profiling import MAX_RUNS
     from dapple.errors import ValidationError
     from dapple.files.output_path import check_output_dir, check_output_file
     from dapple.profiler.host_fit import check_local_processes
-
-    from dapple.api.profiling import MAX_RUNS
 
     batch, out_dir, nprocs, repeats = (
         ("--global-batch-size", "--out-dir", "--nprocs", "--repeats") if flags
