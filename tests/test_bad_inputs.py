@@ -568,14 +568,21 @@ def test_the_api_calibrate_refuses_before_any_process_starts(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """``api.calibrate`` makes ``dapple calibrate``'s checks itself, naming the options as the
-    API spells them: more processes than the host can start are refused before any starts."""
+    API spells them: more processes than the host can start, a repeat count without end and
+    counts that are not integers are refused before any process starts."""
     monkeypatch.setattr("dapple.calibrate.machine.calibrate", boom)
     with pytest.raises(ValidationError, match="nproc 100000: 100,000 local processes need"):
         api.calibrate(api.CalibrateConfig(nproc=100000))
     with pytest.raises(ValidationError, match=r"^max_mb must be a number"):
         api.calibrate(api.CalibrateConfig(max_mb=0.0))
-    with pytest.raises(ValidationError, match=r"^repeats must be >= 1, got 0"):
-        api.calibrate(api.CalibrateConfig(repeats=0))
+    for bad in (0, 10**9):  # 10**9 measured without end
+        with pytest.raises(
+            ValidationError, match=rf"^repeats must be from 1 to 1000 .*, got {bad}"
+        ):
+            api.calibrate(api.CalibrateConfig(repeats=bad))
+    for field, value in (("repeats", 1.5), ("nproc", 2.0), ("nproc", True)):
+        with pytest.raises(ValidationError, match=rf"^{field} must be an integer, got {value!r}"):
+            api.calibrate(api.CalibrateConfig(**{field: value}))  # type: ignore[arg-type]
     with pytest.raises(AssertionError, match="work started"):
         api.calibrate(api.CalibrateConfig(nproc=2))
 
@@ -627,6 +634,18 @@ def test_the_api_refuses_a_fractional_step_count_before_any_worker(
     for run in (api.train, api.verify):
         with pytest.raises(ValidationError, match=r"steps must be an integer, got 1\.5"):
             run(mlp_plan, "mlp", 1.5)
+    with pytest.raises(ValidationError, match=r"eval_batches must be an integer, got 2\.5"):
+        api.train(mlp_plan, "mlp", 1, eval_batches=2.5)  # RunOptions
+
+
+def test_calibrate_repeats_are_a_bounded_count(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """``dapple calibrate --repeats 1000000000`` measured without end."""
+    monkeypatch.setattr("dapple.calibrate.machine.calibrate", boom)
+    argv = ["calibrate", "--repeats", str(10**9), "-o", str(tmp_path / "c.json")]
+    assert main(argv) == 2
+    assert "--repeats must be from 1 to 1000" in capsys.readouterr().err
 
 
 def test_plan_local_repeats_are_a_bounded_count(

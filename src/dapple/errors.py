@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import numbers
 from collections.abc import Callable
-from typing import ParamSpec, TypeVar
+from typing import Any, ParamSpec, TypeVar
 
 __all__ = [
     "DappleError",
     "InfeasibleError",
     "ValidationError",
+    "check_integer_fields",
     "one_line",
     "renamed_fields",
     "renamed_keywords",
@@ -70,3 +73,26 @@ def renamed_fields(**new_of: str) -> Callable[[_C], _C]:
         return cls
 
     return wrap
+
+
+_INTEGER_TYPES = {"int": False, "int | None": True}
+"""The annotations of whole-number dataclass fields, and whether None is one of their values."""
+
+
+def check_integer_fields(obj: Any) -> None:
+    """Every field of the dataclass ``obj`` annotated ``int`` (or ``int | None``) holds an
+    integer (``numbers.Integral``: Python's and NumPy's; a bool is not one) or None where
+    allowed: the Python API passes values through as given, where the CLI parsed them.
+
+    Raises:
+        ValidationError: the first field that does not, named with its value.
+    """
+    for f in dataclasses.fields(obj):
+        optional = _INTEGER_TYPES.get(str(f.type))
+        if optional is None:
+            continue
+        v = getattr(obj, f.name)
+        if v is None and optional:
+            continue
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+            raise ValidationError(f"{f.name} must be an integer, got {v!r}")

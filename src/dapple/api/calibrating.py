@@ -35,18 +35,21 @@ class CalibrateConfig:
 
 def check_calibrate(cfg: CalibrateConfig, *, flags: bool = False) -> None:
     """What :func:`calibrate` refuses before any process starts: an output file it could not
-    write, a largest message below two sizes to fit a line through, ``repeats`` below 1,
-    ``nproc`` below 2 or more local processes than this host's memory can start
+    write, a count that is not an integer, a largest message below two sizes to fit a line
+    through, ``repeats`` outside 1 to :data:`~dapple.api.profiling.MAX_RUNS`, ``nproc`` below 2 or more local processes than this host's memory can start
     (:func:`dapple.profiler.host_fit.check_local_processes`); ``flags``: messages name
     ``dapple calibrate``'s flags.
 
     Raises:
         ValidationError: one line naming the option and the value.
     """
+    from dapple.api.profiling import MAX_RUNS
     from dapple.calibrate.machine import DEFAULT_SIZES
-    from dapple.errors import ValidationError
+    from dapple.errors import ValidationError, check_integer_fields
     from dapple.files.output_path import check_output_file
     from dapple.profiler.host_fit import check_local_processes
+
+    check_integer_fields(cfg)  # nproc=2.0, repeats=1.5 reached the processes
 
     def opt(name: str) -> str:
         return "--" + name.replace("_", "-") if flags else name
@@ -59,8 +62,11 @@ def check_calibrate(cfg: CalibrateConfig, *, flags: bool = False) -> None:
             f"{opt('max_mb')} must be a number >= {least:g} (two message sizes to fit a line "
             f"through), got {cfg.max_mb}"
         )
-    if cfg.repeats < 1:
-        raise ValidationError(f"{opt('repeats')} must be >= 1, got {cfg.repeats}")
+    if not 1 <= cfg.repeats <= MAX_RUNS:
+        raise ValidationError(
+            f"{opt('repeats')} must be from 1 to {MAX_RUNS} (timed repetitions per message "
+            f"size), got {cfg.repeats}"
+        )
     if cfg.nproc < 2:
         raise ValidationError(
             f"calibrate needs {opt('nproc')} >= 2 to measure links, got {cfg.nproc}"

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dapple.errors import ValidationError
+from dapple.errors import ValidationError, check_integer_fields
 from dapple.files.config_file import Schema, build_over, dump, load, parse_values
 from dapple.runtime.train_config import OPTIM_FIELDS, TrainConfig
 
@@ -183,6 +183,7 @@ class RunOptions:
     """Re-plans an elastic run may make."""
 
     def __post_init__(self) -> None:
+        check_integer_fields(self)
         if self.keep < 0:
             raise ValidationError(f"keep must be >= 0 (0 keeps every checkpoint), got {self.keep}")
         if self.eval_batches is not None and self.eval_batches < 1:

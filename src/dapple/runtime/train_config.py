@@ -19,10 +19,8 @@ optimizers, the learning-rate schedule and the clipping themselves are in
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import math
-import numbers
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -30,7 +28,7 @@ from dapple.core.parallelism import ZERO_STAGES
 from dapple.core.planning_options import NONFINITE_MODES
 from dapple.core.precision import TRAINING_PRECISIONS, precision_of
 from dapple.core.recompute import Recompute, recompute_of
-from dapple.errors import ValidationError
+from dapple.errors import ValidationError, check_integer_fields
 
 __all__ = [
     "LR_SCHEDULES",
@@ -136,30 +134,6 @@ def check_optim(c: OptimOptions) -> None:
     clip = c.clip_grad_norm
     if clip is not None and not (clip > 0 and math.isfinite(clip)):
         raise ValidationError(f"clip_grad_norm must be a finite number > 0, got {clip}")
-
-
-_INTEGER_TYPES = {"int": False, "int | None": True}
-"""The annotations of :class:`TrainConfig`'s whole-number fields, and whether None is one of
-their values."""
-
-
-def _check_integers(c: TrainConfig) -> None:
-    """Every whole-number field of ``c`` holds an integer (``numbers.Integral``: Python's and
-    NumPy's; a bool is not one): the Python API passes values through as given, and a float
-    (``steps=1.5``) failed in every worker, after they started.
-
-    Raises:
-        ValidationError: the first field that does not, named with its value.
-    """
-    for f in dataclasses.fields(c):
-        optional = _INTEGER_TYPES.get(str(f.type))
-        if optional is None:
-            continue
-        v = getattr(c, f.name)
-        if v is None and optional:
-            continue
-        if isinstance(v, bool) or not isinstance(v, numbers.Integral):
-            raise ValidationError(f"{f.name} must be an integer, got {v!r}")
 
 
 def state_factor(optimizer: str, momentum: float = 0.0) -> float:
@@ -271,7 +245,7 @@ class TrainConfig:
     (:mod:`dapple.runtime.parallel.zero`); a no-op on stages with one replica."""
 
     def __post_init__(self) -> None:
-        _check_integers(self)
+        check_integer_fields(self)  # a float steps=1.5 failed in every worker
         if self.recompute is not None:
             object.__setattr__(self, "recompute", recompute_of(self.recompute, "recompute"))
         _check_long_run(self)
