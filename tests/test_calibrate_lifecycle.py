@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from dapple.api.profiling import MAX_RUNS
 from test_launcher_lifecycle import (
     DEADLINE_S,
     START_S,
@@ -32,7 +33,8 @@ from test_launcher_lifecycle import (
 pytestmark = [pytest.mark.slow, linux_only]
 
 NPROC = 2
-REPEATS = 10_000_000  # far more than a test waits for: the workers are measuring throughout
+REPEATS = MAX_RUNS  # the most calibrate takes: at the default 16 MiB largest message it
+# measures for over a minute on 2 cores (83 s here), longer than a test waits
 
 
 class _Calibration(Launched):
@@ -40,7 +42,7 @@ class _Calibration(Launched):
 
     def __init__(self, tmp: Path, env: dict[str, str] | None = None) -> None:
         argv = ["calibrate", "--nproc", str(NPROC), "-o", str(tmp / "cluster.json"),
-                "--repeats", str(REPEATS), "--max-mb", "1"]  # fmt: skip
+                "--repeats", str(REPEATS)]  # fmt: skip
         super().__init__(tmp, argv, NPROC, env)
 
     def measuring(self) -> list[int]:
