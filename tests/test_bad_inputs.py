@@ -665,5 +665,5 @@ def test_plan_local_repeats_are_a_bounded_count(
     model = ModelConfig(spec="mlp")
     for bad in (0, 1.5, True, MAX_RUNS + 1):
         cfg = api.PlanLocalConfig(model=model, global_batch_size=8, repeats=bad)  # type: ignore[arg-type]
-        with pytest.raises(ValidationError, match=r"^repeats must be an integer from 1 to"):
+        with pytest.raises(ValidationError, match=r"^repeats must be an integer"):
             api.plan_local(cfg)

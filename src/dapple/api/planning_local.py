@@ -68,20 +68,21 @@ def check_plan_local(cfg: PlanLocalConfig, *, flags: bool = False) -> None:
         ValidationError: one line naming the option and the value.
     """
     from dapple.api.profiling import MAX_RUNS
-    from dapple.errors import ValidationError
+    from dapple.errors import ValidationError, check_integer_fields
     from dapple.files.output_path import check_output_dir, check_output_file
     from dapple.profiler.host_fit import check_local_processes
 
+    check_integer_fields(cfg)  # the keyword form passes counts through as given
     batch, out_dir, nprocs, repeats = (
         ("--global-batch-size", "--out-dir", "--nprocs", "--repeats") if flags
         else ("global_batch_size", "out_dir", "nprocs", "repeats")
     )  # fmt: skip
     if cfg.global_batch_size < 1:
         raise ValidationError(f"{batch} must be >= 1, got {cfg.global_batch_size}")
-    r = cfg.repeats
-    if isinstance(r, bool) or not isinstance(r, int) or not 1 <= r <= MAX_RUNS:
+    if not 1 <= cfg.repeats <= MAX_RUNS:
         raise ValidationError(
-            f"{repeats} must be an integer from 1 to {MAX_RUNS} (timed runs per layer), got {r!r}"
+            f"{repeats} must be an integer from 1 to {MAX_RUNS} (timed runs per layer), got "
+            f"{cfg.repeats}"
         )
     if cfg.out_dir is not None:
         out = check_output_dir(cfg.out_dir, out_dir)

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, overload
 from dapple.api.run_config import ModelConfig
 from dapple.core.profile import ModelProfile
 from dapple.core.recompute import RECOMPUTE_MODES, recompute_of
-from dapple.errors import ValidationError, one_line
+from dapple.errors import ValidationError, check_integer_fields, one_line
 from dapple.files.output_path import check_output_file
 
 if TYPE_CHECKING:
@@ -292,6 +292,7 @@ def check_mode_options(cfg: ProfileConfig) -> None:
         ValidationError: naming the option (as ``dapple profile``'s flag) and the kind of
             profile it applies to, or a count out of range.
     """
+    check_integer_fields(cfg)  # the keyword form passes counts through as given
     timing = (("--repeats", cfg.repeats, "repeats"), ("--warmup", cfg.warmup, "warmup"),
               ("--threads", cfg.threads, "threads"))  # fmt: skip
     if cfg.analytic is not None:
@@ -301,19 +302,11 @@ def check_mode_options(cfg: ProfileConfig) -> None:
                     f"{flag} {value} applies to measured profiles only (it times the layers); "
                     "--analytic runs nothing"
                 )
-    elif not (
-        _whole(cfg.repeats, cfg.warmup)
-        and 1 <= cfg.repeats <= MAX_RUNS
-        and 0 <= cfg.warmup <= MAX_RUNS
-    ):
+    elif not (1 <= cfg.repeats <= MAX_RUNS and 0 <= cfg.warmup <= MAX_RUNS):
         raise ValidationError(
             f"--repeats must be from 1 to {MAX_RUNS} (timed runs per layer) and --warmup from 0 "
-            f"to {MAX_RUNS}, got {cfg.repeats!r} and {cfg.warmup!r}"
+            f"to {MAX_RUNS}, got {cfg.repeats} and {cfg.warmup}"
         )
-    elif cfg.threads is not None and not _whole(cfg.threads):
-        raise ValidationError(f"--threads must be an integer, got {cfg.threads!r}")
-    if not _whole(cfg.co_workers):
-        raise ValidationError(f"--co-workers must be an integer, got {cfg.co_workers!r}")
     if cfg.co_workers < 1:
         raise ValidationError(f"--co-workers must be >= 1, got {cfg.co_workers}")
     recompute_of(cfg.recompute, "--recompute", RECOMPUTE_MODES)
@@ -336,12 +329,6 @@ def _check_before_work(cfg: ProfileConfig) -> None:
     check_mode_options(cfg)
     if cfg.output is not None:
         check_output_file(cfg.output, "output profile file")
-
-
-def _whole(*values: object) -> bool:
-    """Whether every value is an ``int`` (a bool is not one): the Python API's doors get what
-    the CLI's parsing would have refused."""
-    return all(isinstance(v, int) and not isinstance(v, bool) for v in values)
 
 
 def _check_kernels(cfg: ProfileConfig) -> None:
