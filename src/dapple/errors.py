@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import numbers
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, ParamSpec, TypeVar
 
 __all__ = [
@@ -14,6 +14,7 @@ __all__ = [
     "ValidationError",
     "check_integer_fields",
     "one_line",
+    "positive_integers",
     "renamed_fields",
     "renamed_keywords",
 ]
@@ -96,3 +97,10 @@ def check_integer_fields(obj: Any) -> None:
             continue
         if isinstance(v, bool) or not isinstance(v, numbers.Integral):
             raise ValidationError(f"{f.name} must be an integer, got {v!r}")
+
+
+def positive_integers(values: Iterable[object]) -> bool:
+    """Whether ``values`` holds at least one value and each is an ``int`` (a bool is not one)
+    of at least 1: a list of batch sizes or lengths, as the profilers take them."""
+    got = list(values)
+    return bool(got) and all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in got)

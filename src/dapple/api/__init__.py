@@ -20,9 +20,9 @@ A training run is also one typed configuration, :class:`~dapple.api.run_config.R
 is loaded once by :func:`run_inputs` (:class:`RunInputs`), its plan under the schedule and
 policy asked for by :func:`plan_with`; :func:`check_outputs` refuses, before anything is
 loaded, a metrics file or a TensorBoard or checkpoint directory rank 0 could not write. A plan
-is asked for by a :class:`~dapple.planner.plan_config.PlanConfig` (``dapple plan``'s flags and a config file's
-``[planning]`` section read into it): ``dp.plan(cfg)`` makes it, on what :func:`plan_inputs`
-loads (:class:`PlanInputs`).
+is asked for by a :class:`~dapple.planner.plan_config.PlanConfig` (``dapple plan``'s flags
+and a config file's ``[planning]`` section read into it): ``dp.plan(cfg)`` makes it, on what
+:func:`plan_inputs` loads (:class:`PlanInputs`).
 
 Workloads loaded from a spec (:func:`load`) pickle as their spec: spawned worker processes load
 them again, so models defined in a ``file.py`` train and verify like installed ones.

@@ -36,7 +36,8 @@ class CalibrateConfig:
 def check_calibrate(cfg: CalibrateConfig, *, flags: bool = False) -> None:
     """What :func:`calibrate` refuses before any process starts: an output file it could not
     write, a count that is not an integer, a largest message below two sizes to fit a line
-    through, ``repeats`` outside 1 to :data:`~dapple.api.profiling.MAX_RUNS`, ``nproc`` below 2 or more local processes than this host's memory can start
+    through, ``repeats`` outside 1 to :data:`~dapple.api.profiling.MAX_RUNS`, ``nproc`` below 2
+    or more local processes than this host's memory can start
     (:func:`dapple.profiler.host_fit.check_local_processes`); ``flags``: messages name
     ``dapple calibrate``'s flags.
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, overload
@@ -165,8 +165,8 @@ def profile(
         warmup=warmup, threads=num_threads, co_workers=co_workers, precision=precision,
         split_backward=split_backward,
     )  # fmt: skip
-    _check_before_work(cfg)  # before the model is built
-    return _profile(cfg, as_workload(workload, overrides), progress)
+    given = workload
+    return _profile(cfg, lambda: as_workload(given, overrides), progress)
 
 
 def _only_config(given: dict[str, Any]) -> None:
@@ -187,12 +187,20 @@ def _only_config(given: dict[str, Any]) -> None:
 
 
 def _profile(
-    cfg: ProfileConfig, workload: Workload | None, progress: ProgressFn | None
+    cfg: ProfileConfig,
+    load: Callable[[], Workload] | None,
+    progress: ProgressFn | None,
 ) -> ModelProfile:
-    """The profile ``cfg`` asks for (of ``workload`` when given, else of ``cfg.model``);
-    saved to ``cfg.output`` when given, which is checked before any measuring."""
-    _check_before_work(cfg)
-    prof = _analytic(cfg) if cfg.analytic is not None else _measured(cfg, workload, progress)
+    """The profile ``cfg`` asks for (of the workload ``load`` builds when given, else of
+    ``cfg.model``); saved to ``cfg.output`` when given. ``cfg``'s options and the output file
+    are checked before anything is built or measured."""
+    check_mode_options(cfg)
+    if cfg.output is not None:
+        check_output_file(cfg.output, "output profile file")
+    if cfg.analytic is not None:
+        prof = _analytic(cfg)
+    else:
+        prof = _measured(cfg, None if load is None else load(), progress)
     if cfg.output is not None:
         prof.save(cfg.output)
     return prof
@@ -321,14 +329,6 @@ def check_mode_options(cfg: ProfileConfig) -> None:
             f"--co-workers {cfg.co_workers} applies to measured CPU profiles only; --analytic "
             "runs nothing"
         )
-
-
-def _check_before_work(cfg: ProfileConfig) -> None:
-    """What ``cfg`` asks for checked before anything is built or measured: the options of the
-    kind of profile (:func:`check_mode_options`) and the output file."""
-    check_mode_options(cfg)
-    if cfg.output is not None:
-        check_output_file(cfg.output, "output profile file")
 
 
 def _check_kernels(cfg: ProfileConfig) -> None:

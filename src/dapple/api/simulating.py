@@ -2,13 +2,13 @@
 and :func:`simulate`.
 
 ``dapple simulate``'s flags and a config file's ``[simulate]`` section (each key its field's
-name; :func:`load_simulate_config`) are read once into a :class:`SimulateConfig`; :func:`simulate_runs`
-simulates what it asks for (the plan under its schedule and policy, and with
-``other_schedule`` the schedule its own is measured against) and :func:`simulate` the plan's own
-run; :func:`check_files` and :func:`write_files` check, before anything is read, and write,
-after, the files it asks for (Gantt chart, memory plot, layout, trace). The keyword form
-``simulate(plan, profile, cluster, ...)`` takes objects or their files and goes down the same
-path. Torch-free.
+name; :func:`load_simulate_config`) are read once into a :class:`SimulateConfig`;
+:func:`simulate_runs` simulates what it asks for (the plan under its schedule and policy, and
+with ``other_schedule`` the schedule its own is measured against) and :func:`simulate` the
+plan's own run; :func:`check_files` and :func:`write_files` check, before anything is read,
+and write, after, the files it asks for (Gantt chart, memory plot, layout, trace). The keyword
+form ``simulate(plan, profile, cluster, ...)`` takes objects or their files and goes down the
+same path. Torch-free.
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ from typing import Any
 from dapple.core.layer_profile import LayerProfile, fit_affine
 from dapple.core.precision import ANALYTIC_PRECISIONS, precision_of
 from dapple.core.profile import ModelProfile
-from dapple.errors import ValidationError
+from dapple.errors import ValidationError, positive_integers
 from dapple.profiler.analytic_devices import (
     FITTED,
     DeviceSpec,
@@ -226,7 +226,7 @@ def _batch_sizes(batch_sizes: Sequence[int]) -> list[int]:
             one past the limit.
     """
     sizes = sorted(set(batch_sizes))
-    if not sizes or any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in sizes):
+    if not positive_integers(sizes):
         raise ValidationError(f"batch_sizes must be positive integers, got {list(batch_sizes)}")
     if sizes[-1] > MAX_BATCH_SIZE:
         raise ValidationError(

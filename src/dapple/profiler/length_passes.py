@@ -25,7 +25,7 @@ import torch
 
 from dapple.core.layer_profile import AffineTime, LayerProfile
 from dapple.core.profile import LengthProfile, ModelProfile
-from dapple.errors import ValidationError
+from dapple.errors import ValidationError, positive_integers
 from dapple.models.shapes import DimsMap, run_dims
 from dapple.models.workload import Workload
 
@@ -47,9 +47,7 @@ def check_seq_lens(
         ValidationError: a length that is not a positive integer, a workload without a
             dynamic dimension, or a length outside a dimension's range (named).
     """
-    if not seq_lens or any(
-        not isinstance(L, int) or isinstance(L, bool) or L < 1 for L in seq_lens
-    ):
+    if not positive_integers(seq_lens):
         raise ValidationError(f"sequence lengths must be positive integers, got {list(seq_lens)}")
     dims = run_dims(workload, batch_size, seed)
     if not dims:

@@ -31,7 +31,7 @@ from dapple.core.layer_profile import AffineTime, LayerProfile, fit_affine
 from dapple.core.precision import TRAINING_PRECISIONS, precision_of
 from dapple.core.profile import ModelProfile
 from dapple.core.tensor_layout import TENSOR_WIDTHS
-from dapple.errors import ValidationError
+from dapple.errors import ValidationError, positive_integers
 from dapple.models.fingerprint import model_fingerprint
 from dapple.models.shapes import DimsMap
 from dapple.models.tp_plan import cut_by, hf_tensor_widths, tp_plan_of
@@ -281,7 +281,7 @@ def _check_options(
             ``seq_lens``.
     """
     sizes = sorted(set(batch_sizes))
-    if not sizes or any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in sizes):
+    if not positive_integers(sizes):
         raise ValidationError(f"batch sizes must be positive integers, got {list(batch_sizes)}")
     if repeats < 1 or warmup < 0:
         raise ValidationError(f"need repeats >= 1 and warmup >= 0, got {repeats} and {warmup}")
