@@ -62,6 +62,7 @@ def check_output(tmp_path: Path) -> None:
     expected = {"calibration.json", "layers.json", "realistic_memory.json",
                 "realistic_times.json", "plan_1stage.json", "plan_1to1.json",
                 "trace_plain.txt", "trace_dapple.txt", "trace_plain.json", "trace_dapple.json",
+                "trace_pieces.txt", "trace_pieces.json",
                 "profile_llama38b_measured.json", "profile_llama38b_analytic_h100.json",
                 "profile_zoo_measured.json", "profile_gpt2_measured.json", "config.json",
                 "cluster_h100-8x.json", "gpu.md"}  # fmt: skip
@@ -81,6 +82,12 @@ def check_output(tmp_path: Path) -> None:
     memory = json.loads((work / "realistic_memory.json").read_text())
     assert [(m["plan"], m["stage"]) for m in memory] == [("1 stage", 0), ("1:1", 0), ("1:1", 1)]
     assert all(v > 0 for m in memory for v in m["planned_mib"].values())
-    for who in ("plain", "dapple"):
+    times = json.loads((work / "realistic_times.json").read_text())
+    assert all(times[f"{who}_step_ms"] for who in ("plain", "pieces", "dapple")), times
+    assert "dapple / pieces" in gpu
+    census = [r for r in gpu.splitlines() if r.startswith(("| plain HF |", "| traced pieces |"))]
+    assert {r.split("|")[1].strip() for r in census} == {"plain HF", "traced pieces"}, census
+    assert all("attention" in r.split("|")[2] and int(r.split("|")[3]) > 0 for r in census)
+    for who in ("plain", "pieces", "dapple"):
         assert "Self CPU" in (work / f"trace_{who}.txt").read_text()
         assert json.loads((work / f"trace_{who}.json").read_text())["traceEvents"]
