@@ -6,8 +6,8 @@ Part ``gpu`` (one GPU; steps in order of importance, so a short lease loses the 
 
 1. ``versions``: Python, torch, CUDA, NCCL, cuDNN, transformers against dapple's minimum, cores.
 2. ``realistic``: Llama-3-8B shapes, 2 blocks, seq 4096, global batch 2: a plain HF loop and a
-   plain loop over dapple's traced pieces vs dapple (1 stage); planned vs measured memory,
-   1 stage and 1:1 (:mod:`gpu_realistic`).
+   plain loop over dapple's traced pieces vs dapple (1 stage; the traced model's attention
+   masked, and causal); planned vs measured memory, 1 stage and 1:1 (:mod:`gpu_realistic`).
 3. ``layers``: analytic vs measured time per layer, 3 models at width 4096 (:mod:`gpu_layers`).
 4. ``trace``: ``torch.profiler`` tables of one dapple step beside one plain HF step and one step
    of a plain loop over dapple's traced pieces; the attention kernels each model calls
@@ -56,9 +56,10 @@ from gpu_common import SKIPPED, Ctx, context  # noqa: E402
 # 9 s, verify 74 s, profile 83 s, vs_plain 52 s. The new steps are sized from run2-realistic.md
 # (plain and dapple steps of ~120-135 ms, a 14 s profile, a 1:1 step of 436 ms) plus start-ups.
 LIMIT_VERSIONS_S = 30
-LIMIT_REALISTIC_S = 210
-"""Three timed loops (plain HF, plain over the traced pieces, dapple) in 2 rounds, then the memory
-plans (run2 on 2026-11-30 timed two loops and ran out of its 150 s in the memory plans)."""
+LIMIT_REALISTIC_S = 240
+"""Four timed loops (plain HF, plain over the traced pieces, dapple masked and causal) in 2
+rounds, then the memory plans (run2 on 2026-11-30 timed two loops and ran out of its 150 s in the
+memory plans)."""
 LIMIT_LAYERS_S = 110
 LIMIT_TRACE_S = 100
 """Three profiled sides of ~4 steps each and two model builds for the attention census."""

@@ -1,8 +1,8 @@
 """GPU check, step ``realistic``: Llama-3-8B shapes (2 blocks, seq 4096, global batch 2, AdamW
 fused, bf16 autocast) trained by a plain Hugging Face loop, by the same plain loop over dapple's
-traced pieces of the model (``Workload.build_model``) and by dapple's runtime (1 stage), in
-interleaved rounds; then planned vs measured peak memory for 1 stage and a 1:1 plan (2 ranks
-sharing the GPU).
+traced pieces of the model (``Workload.build_model``) and by dapple's runtime (1 stage), the
+traced model as it comes and with ``attention=causal``, in interleaved rounds; then planned vs
+measured peak memory for 1 stage and a 1:1 plan (2 ranks sharing the GPU).
 
 Measured: median ms per step after :data:`WARMUP` steps (plain loops: ``torch.cuda.synchronize()``
 around each step; dapple: ``StepMetrics.step_ms``) and ``torch.cuda.max_memory_allocated``
@@ -92,19 +92,24 @@ def plain_run(ctx: Ctx, steps: int, pieces: bool = False) -> tuple[list[float], 
     return step_ms, fb_ms, peak
 
 
-def dapple_run(ctx: Ctx, spec: str, plan: Any, steps: int) -> tuple[list[float], list[float]]:
-    """dapple's runtime: step ms of each step, each rank's peak MiB at the last step."""
+def dapple_run(
+    ctx: Ctx, spec: str, plan: Any, steps: int, attention: str = "masked"
+) -> tuple[list[float], list[float]]:
+    """dapple's runtime (the traced model's ``attention``, :mod:`dapple.models.hf_attention`):
+    step ms of each step, each rank's peak MiB at the last step."""
     from dapple import api
 
     reset_peak(ctx.device)
-    m = api.train(plan, spec, steps, overrides={"seq": ctx.shapes["seq"]}, device=ctx.device,
+    overrides = {"seq": ctx.shapes["seq"], "attention": attention}
+    m = api.train(plan, spec, steps, overrides=overrides, device=ctx.device,
                   optimizer="adamw", lr=1e-4, precision="bf16")  # fmt: skip
     return [x.step_ms for x in m], [b / 2**20 for b in m[-1].peak_memory_bytes]
 
 
-RUNNERS = ("plain", "pieces", "dapple")
+RUNNERS = ("plain", "pieces", "dapple", "dapple causal")
 """The timed loops: plain HF, a plain loop over dapple's traced pieces (the model dapple runs,
-without its runtime), dapple's runtime."""
+without its runtime), dapple's runtime, and dapple's runtime with ``--set attention=causal`` (SDPA
+with ``is_causal`` and no mask, as the plain HF loop calls it)."""
 
 
 def _timing(ctx: Ctx, spec: str, one: Any, lines: list[str]) -> float:
@@ -117,8 +122,9 @@ def _timing(ctx: Ctx, spec: str, one: Any, lines: list[str]) -> float:
     rows = []
     for r in range(ctx.rounds):  # the order alternates
         for who in RUNNERS if r % 2 == 0 else RUNNERS[::-1]:
-            if who == "dapple":
-                ms, mem = dapple_run(ctx, spec, one, steps)
+            if who.startswith("dapple"):
+                mode = "causal" if who == "dapple causal" else "masked"
+                ms, mem = dapple_run(ctx, spec, one, steps, attention=mode)
                 p = mem[0]
             else:
                 ms, f, p = plain_run(ctx, steps, pieces=who == "pieces")
@@ -136,18 +142,20 @@ def _timing(ctx: Ctx, spec: str, one: Any, lines: list[str]) -> float:
     say("|---|---|---|---|")
     for row in rows:
         lines.append(row)
-    p, q, d = (statistics.median(ms_of[w]) for w in RUNNERS)
+    p, q, d, c = (statistics.median(ms_of[w]) for w in RUNNERS)
     fb_p, fb_q = (statistics.median(fb_of[w]) for w in ("plain", "pieces"))
     say()
     say(f"- plain HF: {p:.1f} ms per step (forward+backward {fb_p:.1f} ms); plain over the traced "
         f"pieces: {q:.1f} ms (forward+backward {fb_q:.1f} ms); dapple: {d:.1f} ms; "
         f"**dapple speed / plain: {p / d:.3f}** (goal >= 0.97); dapple / pieces {q / d:.3f} "
         f"(what the runtime costs); pieces / plain HF {p / q:.3f} (what the traced model "
-        "costs)")  # fmt: skip
+        f"costs); dapple with attention=causal: {c:.1f} ms, **speed / plain "
+        f"{p / c:.3f}**")  # fmt: skip
     save_json(ctx, "realistic_times.json",
               {"plain_step_ms": ms_of["plain"], "plain_fb_ms": fb_of["plain"],
                "pieces_step_ms": ms_of["pieces"], "pieces_fb_ms": fb_of["pieces"],
-               "dapple_step_ms": ms_of["dapple"], "peak_mib": peaks})  # fmt: skip
+               "dapple_step_ms": ms_of["dapple"],
+               "dapple_causal_step_ms": ms_of["dapple causal"], "peak_mib": peaks})  # fmt: skip
     return peaks["dapple"]
 
 

@@ -83,7 +83,7 @@ def check_output(tmp_path: Path) -> None:
     assert [(m["plan"], m["stage"]) for m in memory] == [("1 stage", 0), ("1:1", 0), ("1:1", 1)]
     assert all(v > 0 for m in memory for v in m["planned_mib"].values())
     times = json.loads((work / "realistic_times.json").read_text())
-    assert all(times[f"{who}_step_ms"] for who in ("plain", "pieces", "dapple")), times
+    assert all(times[f"{w}_step_ms"] for w in ("plain", "pieces", "dapple", "dapple_causal")), times
     assert "dapple / pieces" in gpu
     census = [r for r in gpu.splitlines() if r.startswith(("| plain HF |", "| traced pieces |"))]
     assert {r.split("|")[1].strip() for r in census} == {"plain HF", "traced pieces"}, census

@@ -32,6 +32,7 @@ from torch.nn import functional as F
 
 from dapple.datasets.documents import IGNORE_INDEX, masked_token_loss
 from dapple.errors import ValidationError, one_line
+from dapple.models.hf_attention import MASKED, check_attention, use_attention
 from dapple.models.shapes import DynamicDim
 from dapple.models.split import workload_from_module
 from dapple.models.workload import Workload
@@ -145,10 +146,12 @@ def _config_from_dir(path: str) -> Any:
 
 
 class _DirModel:
-    """Picklable factory: the causal LM whose ``config.json`` is in ``path`` (offline)."""
+    """Picklable factory: the causal LM whose ``config.json`` is in ``path`` (offline), its
+    attention as ``attention`` says (:func:`~dapple.models.hf_attention.use_attention`)."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, attention: str = MASKED) -> None:
         self.path = path
+        self.attention = attention
 
     def hf_config(self) -> Any:
         return _config_from_dir(self.path)
@@ -166,7 +169,8 @@ class _DirModel:
     def __call__(self) -> nn.Module:
         config = self.hf_config()
         config.use_cache = False
-        return _causal_lm_class(self.hf_class(config))(config)
+        model = _causal_lm_class(self.hf_class(config))(config)
+        return use_attention(model, getattr(self, "attention", MASKED))
 
 
 class _Model:
@@ -416,6 +420,7 @@ def hf_causal_lm(
     seq: int = 32,
     split_at: Sequence[str] | None = None,
     seq_choices: Sequence[int] | None = None,
+    attention: str = MASKED,
 ) -> Workload:
     """Any ``transformers`` causal LM from a local directory holding its ``config.json``.
 
@@ -429,11 +434,17 @@ def hf_causal_lm(
         seq: Tokens per sample (at most the config's ``max_position_embeddings``).
         split_at: Module names to cut before; ``None``: every decoder block.
         seq_choices: Tokens per sample changing from step to step, as in :func:`hf_gpt2`.
+        attention: ``masked`` (SDPA given the causal mask, as the traced model comes) or
+            ``causal`` (SDPA's ``is_causal``, no mask; a family of
+            :data:`~dapple.models.hf_attention.CAUSAL_FAMILIES` that runs SDPA):
+            :mod:`dapple.models.hf_attention`.
 
     Raises:
-        ValidationError: No readable config, no causal-LM class for it, a bad ``seq``, or a
-            model ``torch.export`` cannot trace.
+        ValidationError: No readable config, no causal-LM class for it, a bad ``seq``, an
+            unknown ``attention`` (or ``causal`` for another family or a model without SDPA),
+            or a model ``torch.export`` cannot trace.
     """
+    check_attention(attention)
     where = str(Path(path).resolve())
     config = _config_from_dir(where)
     vocab = int(config.vocab_size)
@@ -441,7 +452,7 @@ def hf_causal_lm(
     if seq < 2 or (limit is not None and seq > int(limit)):
         raise ValidationError(f"seq={seq} must be in [2, {limit}] for the config in {where}")
     return workload_from_module(
-        _DirModel(where),
+        _DirModel(where, attention),
         _CausalBatch(vocab, seq, seq_choices or ()),
         causal_lm_loss,
         split_at=split_at,

@@ -126,6 +126,27 @@ def layer_time_ms(
     return f, bw
 
 
+HF_ATTENTION = {"masked": "masked", "causal": "flash"}
+"""A traced Hugging Face causal LM's ``attention`` (``dapple.models.hf_attention``, named here
+because this module never imports torch) -> the attention it times: SDPA given the mask, or
+SDPA's causal kernel."""
+
+
+def _hf_attention(mode: Any, given: str | None) -> str:
+    """The attention timed for ``--set attention=mode`` of an ``hf:DIR`` model.
+
+    Raises:
+        ValidationError: an unknown mode, or ``given`` (the ``attention`` argument) another."""
+    if mode not in HF_ATTENTION:
+        raise ValidationError(f"attention must be one of {', '.join(HF_ATTENTION)}, got {mode!r}")
+    impl = HF_ATTENTION[mode]
+    if given is not None and given != impl:
+        raise ValidationError(
+            f"two attentions: the model's attention={mode} runs {impl!r}, attention={given!r}"
+        )
+    return impl
+
+
 def analytic_profile(
     model: str | TransformerSpec,
     device: str | DeviceSpec = "h100",
@@ -160,7 +181,9 @@ def analytic_profile(
             only the casts follow it. None: the device's ``default_kernels`` where fitted for
             ``precision`` (``h200``: eager), else the device's efficiencies without casts.
         fold_ends: merge the embedding into the first block and the head into the last.
-        overrides: zoo transformer arguments (``layers``, ``hidden``, ...), zoo names only.
+        overrides: zoo transformer arguments (``layers``, ``hidden``, ...), zoo names only;
+            for ``hf:DIR`` ``seq`` and ``attention`` (the traced model's, ``masked`` or
+            ``causal``: timed as ``masked`` or ``flash``, :data:`HF_ATTENTION`).
 
     Raises:
         ValidationError: unknown model, device, precision (or one the device lacks), mode;
@@ -168,7 +191,10 @@ def analytic_profile(
             :data:`~dapple.profiler.analytic_models.MAX_SEQ`,
             :data:`~dapple.profiler.analytic_models.MAX_PARAMETERS`).
     """
-    spec = resolve_spec(model, seq_len, **dict(overrides or {}))
+    overrides = dict(overrides or {})
+    if isinstance(model, str) and model.startswith("hf:") and "attention" in overrides:
+        attention = _hf_attention(overrides.pop("attention"), attention)
+    spec = resolve_spec(model, seq_len, **overrides)
     dev = device if isinstance(device, DeviceSpec) else get_device(device)
     if precision not in ANALYTIC_PRECISIONS:
         raise ValidationError(
