@@ -33,6 +33,7 @@ from dapple.errors import ValidationError
 __all__ = [
     "ATTENTION_MODES",
     "CAUSAL",
+    "CAUSAL_FAMILIES",
     "IMPLEMENTATION",
     "MASKED",
     "check_attention",
