@@ -2,7 +2,9 @@
 measured by dapple's own CUDA profiler (bf16 autocast), per layer, forward and backward, at
 batch sizes 1 and 2, for three models at the Llama's width cut to 2 blocks:
 
-- Llama-3-8B shapes (HF LLaMA, SDPA attention);
+- Llama-3-8B shapes (HF LLaMA, SDPA attention), the traced model as it comes (SDPA given the
+  causal mask) and with ``--set attention=causal`` (SDPA's ``is_causal``,
+  :mod:`dapple.models.hf_attention`): the rows a fit of the causal kernel needs;
 - GPT-2 shapes at width 4096 (HF GPT-2, vocabulary 50,257);
 - dapple's zoo transformer at width 4096 (eager attention), half the sequence.
 
@@ -62,6 +64,9 @@ def _models(ctx: Ctx) -> list[tuple[str, str, dict[str, Any], dict[str, Any]]]:
     return [
         ("Llama-3-8B shapes, 2 blocks (HF, SDPA)", llama_spec(ctx), {"seq": seq},
          {"seq_len": seq}),
+        ("Llama-3-8B shapes, 2 blocks (HF, SDPA, attention=causal)", llama_spec(ctx),
+         {"seq": seq, "attention": "causal"},
+         {"seq_len": seq, "overrides": {"attention": "causal"}}),
         ("GPT-2 shapes, width 4096, 2 blocks (HF, SDPA)", gpt2_spec(ctx), {"seq": seq},
          {"seq_len": seq}),
         ("zoo transformer, width 4096, 2 blocks (eager attention)", "transformer", zoo,
@@ -76,6 +81,7 @@ def _compare(ctx: Ctx, label: str, spec: str, load: dict[str, Any], an_kw: dict[
 
     say = lambda s="": _say(lines, s)  # noqa: E731
     tag = label.split(",")[0].split()[0].lower().replace("-", "")
+    tag += "_causal" if load.get("attention") == "causal" else ""
     say(f"### {label}")
     say()
     t0 = time.perf_counter()

@@ -79,6 +79,8 @@ def check_output(tmp_path: Path) -> None:
     rows = json.loads((work / "layers.json").read_text())
     assert {r["model"].split()[0] for r in rows} == {"Llama-3-8B", "GPT-2", "zoo"}
     assert all(r["measured_f_ms"] > 0 and r["h100_f_ms"] > 0 for r in rows)
+    assert any("attention=causal" in r["model"] for r in rows)
+    assert (work / "profile_llama38b_causal_measured.json").is_file()
     memory = json.loads((work / "realistic_memory.json").read_text())
     assert [(m["plan"], m["stage"]) for m in memory] == [("1 stage", 0), ("1:1", 0), ("1:1", 1)]
     assert all(v > 0 for m in memory for v in m["planned_mib"].values())
