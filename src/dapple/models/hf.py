@@ -30,9 +30,10 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from dapple.core.attention import MASKED, check_attention
 from dapple.datasets.documents import IGNORE_INDEX, masked_token_loss
 from dapple.errors import ValidationError, one_line
-from dapple.models.hf_attention import MASKED, check_attention, use_attention
+from dapple.models.hf_attention import use_attention
 from dapple.models.shapes import DynamicDim
 from dapple.models.split import workload_from_module
 from dapple.models.workload import Workload
@@ -170,7 +171,7 @@ class _DirModel:
         config = self.hf_config()
         config.use_cache = False
         model = _causal_lm_class(self.hf_class(config))(config)
-        return use_attention(model, getattr(self, "attention", MASKED))
+        return use_attention(model, self.attention)
 
 
 class _Model:

@@ -5,9 +5,10 @@ takes the shortcut its eager forward takes for an all-ones attention mask (SDPA 
 ``is_causal=True`` and no mask): the traced model materialises the ``[b, 1, s, s]`` causal mask in
 its prologue and hands it to every block's SDPA, which then cannot use its flash kernel, runs over
 all ``s^2`` tiles and, for grouped-query attention, gets K and V copied to every head first
-(``repeat_kv``). That is :data:`MASKED`, the traced model as ``transformers`` leaves it.
+(``repeat_kv``). That is ``masked`` (:data:`dapple.core.attention.MASKED`), the traced model
+as ``transformers`` leaves it.
 
-:data:`CAUSAL` registers an attention implementation with ``transformers``
+``causal`` registers an attention implementation with ``transformers``
 (:data:`IMPLEMENTATION`): the same SDPA function, with a mask function that returns no mask where
 the mask would be causal alone (no sliding window, no extra mask function, queries and keys of the
 same positions), so every block calls SDPA with ``is_causal=True`` and no mask, as the eager
@@ -28,36 +29,16 @@ from typing import Any
 
 from torch import nn
 
+from dapple.core.attention import CAUSAL, MASKED, check_attention
 from dapple.errors import ValidationError
 
-__all__ = [
-    "ATTENTION_MODES",
-    "CAUSAL",
-    "CAUSAL_FAMILIES",
-    "IMPLEMENTATION",
-    "MASKED",
-    "check_attention",
-    "use_attention",
-]
+__all__ = ["CAUSAL_FAMILIES", "IMPLEMENTATION", "use_attention"]
 
-MASKED = "masked"
-"""SDPA given the materialised causal mask (the traced model as ``transformers`` leaves it)."""
-CAUSAL = "causal"
-"""SDPA with ``is_causal=True`` and no mask where the mask is causal alone."""
-ATTENTION_MODES = (MASKED, CAUSAL)
 IMPLEMENTATION = "dapple_causal_sdpa"
-"""The attention implementation :data:`CAUSAL` registers with ``transformers``."""
+"""The attention implementation ``causal`` registers with ``transformers``."""
 CAUSAL_FAMILIES = ("codegen", "gemma", "gpt_neox", "llama", "mistral", "opt", "phi", "qwen2",
                    "stablelm")  # fmt: skip
-"""The ``model_type``s :data:`CAUSAL` is checked for (``tests/test_hf_attention.py``)."""
-
-
-def check_attention(mode: str) -> None:
-    """Refuse a mode other than :data:`ATTENTION_MODES` (one line naming them)."""
-    if mode not in ATTENTION_MODES:
-        raise ValidationError(
-            f"attention must be one of {', '.join(ATTENTION_MODES)}, got {mode!r}"
-        )
+"""The ``model_type``s ``causal`` is checked for (``tests/test_hf_attention.py``)."""
 
 
 def _causal_only_mask(*args: Any, **kwargs: Any) -> Any:
@@ -97,7 +78,7 @@ def use_attention(model: nn.Module, mode: str) -> nn.Module:
     """``model`` (a ``transformers`` causal LM) set to attention ``mode``; returned.
 
     Raises:
-        ValidationError: an unknown mode, or :data:`CAUSAL` for a family outside
+        ValidationError: an unknown mode, or ``causal`` for a family outside
             :data:`CAUSAL_FAMILIES` or a model that does not run SDPA (its config's attention
             implementation is named).
     """

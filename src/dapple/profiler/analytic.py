@@ -32,6 +32,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from dapple.core.attention import CAUSAL, MASKED, check_attention
 from dapple.core.layer_profile import LayerProfile, fit_affine
 from dapple.core.precision import ANALYTIC_PRECISIONS, precision_of
 from dapple.core.profile import ModelProfile
@@ -126,10 +127,9 @@ def layer_time_ms(
     return f, bw
 
 
-HF_ATTENTION = {"masked": "masked", "causal": "flash"}
-"""A traced Hugging Face causal LM's ``attention`` (``dapple.models.hf_attention``, named here
-because this module never imports torch) -> the attention it times: SDPA given the mask, or
-SDPA's causal kernel."""
+HF_ATTENTION = {MASKED: "masked", CAUSAL: "flash"}
+"""A traced Hugging Face causal LM's ``attention`` (:mod:`dapple.core.attention`) -> the attention
+it times: SDPA given the mask, or SDPA's causal kernel."""
 
 
 def _hf_attention(mode: Any, given: str | None) -> str:
@@ -137,8 +137,7 @@ def _hf_attention(mode: Any, given: str | None) -> str:
 
     Raises:
         ValidationError: an unknown mode, or ``given`` (the ``attention`` argument) another."""
-    if mode not in HF_ATTENTION:
-        raise ValidationError(f"attention must be one of {', '.join(HF_ATTENTION)}, got {mode!r}")
+    check_attention(mode)
     impl = HF_ATTENTION[mode]
     if given is not None and given != impl:
         raise ValidationError(
