@@ -243,3 +243,26 @@ def test_fidelity_replays_its_saved_inputs(tmp_path: Path) -> None:
         row = f"| {label(plan)} | {meas:.1f} | "
         assert row in text
         assert f"| {L:.1f} (" in text.split(row)[1].split("\n")[0]
+
+
+def test_step_gc_syscalls_counts_only_the_window():
+    from step_gc_syscalls import _syscalls, render
+
+    log = "\n".join([
+        '11 getrusage(RUSAGE_SELF, {...}) = 0',  # before the window: not counted
+        '11 write(5, "STEP-WINDOW-BEGIN\\n", 18) = 18',
+        '12 epoll_wait(7, [], 64, 1000) = 0',
+        '11 getrusage(RUSAGE_SELF, {...}) = 0',
+        '12 epoll_wait(7, [], 64, 1000) = 0',
+        '11 write(5, "STEP-WINDOW-END\\n", 16) = 16',
+        '11 brk(NULL) = 0x55',
+    ])  # fmt: skip
+    assert _syscalls(log) == {"epoll_wait": 2, "getrusage": 1}
+    res = {"collections": [1, 0, 0], "gc_ms": [0.5, 0.0, 0.0], "steps": 2}
+    lines = render({"dapple": {**res, "syscalls": {"epoll_wait": 2, "getrusage": 1}},
+                    "plain": {**res, "syscalls": None}})  # fmt: skip
+    assert (
+        "| dapple | 2 | 1 (0.5 ms), 0 (0.0 ms), 0 (0.0 ms) | 1.50: epoll_wait 1.00, getrusage 0.50 |"
+        in lines
+    )
+    assert "| plain | 2 | 1 (0.5 ms), 0 (0.0 ms), 0 (0.0 ms) | strace not installed |" in lines
