@@ -11,7 +11,9 @@ metrics and the non-finite guard on) trains in one process per side:
 - ``plain``: the plain loop over the same pieces (``runtime_overhead._plain_step``), the same
   steps.
 
-Per side: the collections the window ran, per generation, with their time (``gc.callbacks``),
+Per side: the collections the window ran, per generation, with their time (``gc.callbacks``);
+after the run, the objects the collector tracks and the time of one full collection (what a
+generation-2 collection inside a step would cost);
 and, when ``strace`` is on the machine, the system calls of every thread in the window, by name
 (the process writes a marker line to ``os.devnull`` at each end of the window, which ``strace`` logs).
 
@@ -40,7 +42,8 @@ from _bench_common import git_in, write_report
 
 ROOT = Path(__file__).resolve().parent.parent
 WARMUP, STEPS = 10, 60
-BEGIN, END = b"STEP-WINDOW-BEGIN\n", b"STEP-WINDOW-END\n"
+_BEGIN, _END = "STEP-WINDOW-BEGIN", "STEP-WINDOW-END"
+"""The window's marker lines, as the child writes them and as they stand in ``strace``'s log."""
 
 
 def child(side: str) -> dict[str, Any]:
@@ -67,7 +70,7 @@ def child(side: str) -> dict[str, Any]:
     marks = os.open(os.devnull, os.O_WRONLY)  # strace logs the write, whatever the file
 
     def window(begin: bool) -> None:
-        os.write(marks, BEGIN if begin else END)
+        os.write(marks, f"{_BEGIN if begin else _END}\n".encode())
         state["on"] = begin
 
     gc.callbacks.append(on_gc)
@@ -85,7 +88,12 @@ def child(side: str) -> dict[str, Any]:
                 window(m.step == WARMUP - 1)
 
         ro._dapple(wl, size, STEPS, on_step)
-    return {"collections": counts, "gc_ms": ms, "steps": STEPS - WARMUP}
+    tracked = len(gc.get_objects())
+    t0 = time.perf_counter()
+    gc.collect()
+    full_ms = (time.perf_counter() - t0) * 1e3
+    return {"collections": counts, "gc_ms": ms, "steps": STEPS - WARMUP,
+            "tracked": tracked, "full_ms": full_ms}  # fmt: skip
 
 
 def _syscalls(trace: str) -> Counter[str]:
@@ -93,9 +101,9 @@ def _syscalls(trace: str) -> Counter[str]:
     out: Counter[str] = Counter()
     inside = False
     for line in trace.splitlines():
-        if "STEP-WINDOW-BEGIN" in line:
+        if _BEGIN in line:
             inside = True
-        elif "STEP-WINDOW-END" in line:
+        elif _END in line:
             inside = False
         elif inside and (m := re.match(r"\d+\s+(\w+)\(", line)):
             out[m.group(1)] += 1
@@ -136,15 +144,16 @@ def render(results: dict[str, dict[str, Any]]) -> list[str]:
                 + ", ".join(f"{k} {v / n:.2f}" for k, v in Counter(sc).most_common(6))
             )
         )
-        rows.append(f"| {side} | {n} | {per_gen} | {calls} |")
+        full = f"{r['tracked']:,} / {r['full_ms']:.0f} ms"
+        rows.append(f"| {side} | {n} | {per_gen} | {full} | {calls} |")
     return [
         "# Garbage collections and system calls per step (issue 46)",
         "",
         f"Command: `python benchmarks/step_gc_syscalls.py`; date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; "
         f"commit {git_in(ROOT, 'rev-parse', '--short', 'HEAD')}; torch threads 1; tiny model of `runtime_overhead.py`, 1 stage, M = 4.",
         "",
-        "| side | steps in the window | collections in the window, generation 0, 1, 2 (their time) | system calls per step: all, then by name |",
-        "|---|---|---|---|",
+        "| side | steps in the window | collections in the window, generation 0, 1, 2 (their time) | after the run: tracked objects / one full collection | system calls per step: all, then by name |",
+        "|---|---|---|---|---|",
         *rows,
     ]
 

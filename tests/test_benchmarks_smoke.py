@@ -258,11 +258,15 @@ def test_step_gc_syscalls_counts_only_the_window():
         '11 brk(NULL) = 0x55',
     ])  # fmt: skip
     assert _syscalls(log) == {"epoll_wait": 2, "getrusage": 1}
-    res = {"collections": [1, 0, 0], "gc_ms": [0.5, 0.0, 0.0], "steps": 2}
+    res = {"collections": [1, 0, 0], "gc_ms": [0.5, 0.0, 0.0], "steps": 2, "tracked": 1234,
+           "full_ms": 180.4}  # fmt: skip
     lines = render({"dapple": {**res, "syscalls": {"epoll_wait": 2, "getrusage": 1}},
                     "plain": {**res, "syscalls": None}})  # fmt: skip
     assert (
-        "| dapple | 2 | 1 (0.5 ms), 0 (0.0 ms), 0 (0.0 ms) | 1.50: epoll_wait 1.00, getrusage 0.50 |"
+        "| dapple | 2 | 1 (0.5 ms), 0 (0.0 ms), 0 (0.0 ms) | 1,234 / 180 ms "
+        "| 1.50: epoll_wait 1.00, getrusage 0.50 |" in lines
+    )
+    assert (
+        "| plain | 2 | 1 (0.5 ms), 0 (0.0 ms), 0 (0.0 ms) | 1,234 / 180 ms | strace not installed |"
         in lines
     )
-    assert "| plain | 2 | 1 (0.5 ms), 0 (0.0 ms), 0 (0.0 ms) | strace not installed |" in lines
