@@ -270,3 +270,24 @@ def test_step_gc_syscalls_counts_only_the_window():
         "| plain | 2 | 1 (0.5 ms), 0 (0.0 ms), 0 (0.0 ms) | 1,234 / 180 ms | strace not installed |"
         in lines
     )
+
+
+def test_step_gap_renders_each_part_and_the_paired_ratio():
+    from step_gap import render
+
+    run = {"plain F": [4.0, 4.0], "plain B": [5.0, 5.0], "plain rest": [1.0, 1.0],
+           "dapple F": [4.0, 4.0], "dapple B": [5.5, 5.5], "dapple rest": [1.5, 1.5]}  # fmt: skip
+    lines = render({"shipped": [run]}, "cmd", ["load a", "load b"])
+    assert "| shipped | B | 5.000 | 5.500 | +0.500 | +5.0% |" in lines
+    assert "| shipped | rest | 1.000 | 1.500 | +0.500 | +5.0% |" in lines
+    step = next(line for line in lines if "**step**" in line)
+    assert step.startswith("| shipped | **step** | 10.000 | 11.000 | +1.000 | paired ratio 0.909")
+
+
+def test_step_gap_child_pairs_every_measured_step():
+    from step_gap import PARTS, run_child
+
+    out = run_child("tiny", "no norm, probe, tokens", 3)
+    assert sorted(out) == sorted(f"{s} {p}" for s in ("plain", "dapple") for p in PARTS)
+    assert all(len(v) == 3 and min(v) >= 0 for k, v in out.items() if not k.endswith("rest"))
+    assert all(len(out[f"{s} rest"]) == 3 for s in ("plain", "dapple"))
