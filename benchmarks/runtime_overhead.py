@@ -41,6 +41,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -229,7 +230,8 @@ class _Phases:
     def wrap(self, owner: Any, attr: str, phase: str, site: bool = False) -> None:
         f = getattr(owner, attr)
 
-        def timed(*args: Any, **kw: Any) -> Any:
+        @functools.wraps(f)  # its attributes too: torch's `hooked` mark on an optimizer's
+        def timed(*args: Any, **kw: Any) -> Any:  # step, or torch hooks the wrapper again
             if site:
                 caller = sys._getframe(1)
                 self.reads[
