@@ -32,6 +32,7 @@ __all__ = [
     "back_to_back_ms",
     "bench_transformer",
     "header",
+    "json_child",
     "load_note",
     "max_over_ranks",
     "median_after_warmup",
@@ -274,6 +275,22 @@ def git_in(src: Path, *args: str) -> str:
     return subprocess.run(
         ["git", "-C", str(src), *args], capture_output=True, text=True, check=False
     ).stdout.strip()
+
+
+def json_child(script: str, src: Path, args: Sequence[str], what: str) -> Any:
+    """Run ``python script --child *args`` in a process of its own, with ``src`` (a version's
+    ``src/`` folder) on its import path and one OpenMP thread, and return its last line of
+    standard output parsed as JSON (the child prints its result there).
+
+    Raises:
+        RuntimeError: the child failed; names ``what`` and ends with its last standard error.
+    """
+    env = dict(os.environ, PYTHONPATH=str(src), OMP_NUM_THREADS="1")
+    cmd = [sys.executable, script, "--child", *args]
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+    if res.returncode != 0:
+        raise RuntimeError(f"{what} failed:\n{res.stderr[-3000:]}")
+    return json.loads(res.stdout.strip().splitlines()[-1])
 
 
 def write_report(lines: Sequence[str], out: str | None) -> None:

@@ -45,7 +45,6 @@ import functools
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from collections import Counter
@@ -53,7 +52,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from _bench_common import git_in
+from _bench_common import git_in, json_child
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS: dict[str, dict[str, int]] = {
@@ -347,13 +346,9 @@ def child(model: str, warmup: int, steps: int) -> dict[str, Any]:
 
 # -- the driver -------------------------------------------------------------------------------
 def _run_child(src: Path, model: str, warmup: int, steps: int, every: int = 1) -> dict[str, Any]:
-    env = dict(os.environ, PYTHONPATH=str(src), OMP_NUM_THREADS=str(THREADS))
-    cmd = [sys.executable, __file__, "--child", model, "--warmup", str(warmup),
-           "--steps", str(steps), "--grad-norm-every", str(every)]  # fmt: skip
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
-    if out.returncode != 0:
-        raise RuntimeError(f"child {src} {model} failed:\n{out.stderr[-3000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    args = [model, "--warmup", str(warmup), "--steps", str(steps), "--grad-norm-every", str(every)]
+    result: dict[str, Any] = json_child(__file__, src, args, f"child {src} {model}")
+    return result
 
 
 def _report(results: dict[str, dict[str, list[dict[str, Any]]]], args: Any,

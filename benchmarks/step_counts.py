@@ -35,14 +35,13 @@ import argparse
 import json
 import os
 import socket
-import subprocess
 import sys
 import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from _bench_common import git_in
+from _bench_common import git_in, json_child
 
 ROOT = Path(__file__).resolve().parent.parent
 WARMUP = 3
@@ -181,12 +180,10 @@ def pipeline_child(m: int) -> dict[str, Any]:
 
 
 def _run_child(src: Path, m: int, stages: int = 1) -> dict[str, Any]:
-    env = dict(os.environ, PYTHONPATH=str(src), OMP_NUM_THREADS="1")
-    cmd = [sys.executable, __file__, "--child", str(m), "--stages", str(stages)]
-    res = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
-    if res.returncode != 0:
-        raise RuntimeError(f"child {src} M={m} failed:\n{res.stderr[-3000:]}")
-    return json.loads(res.stdout.strip().splitlines()[-1])
+    result: dict[str, Any] = json_child(
+        __file__, src, [str(m), "--stages", str(stages)], f"child {src} M={m}"
+    )
+    return result
 
 
 def _total(d: dict[str, int]) -> int:

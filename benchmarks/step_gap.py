@@ -37,15 +37,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from _bench_common import git_in, load_note, write_report
+from _bench_common import git_in, json_child, load_note, write_report
 
 ROOT = Path(__file__).resolve().parent.parent
 WARMUP = 10
@@ -82,6 +79,8 @@ def child(model: str, variant: str, steps: int) -> dict[str, list[float]]:
     out: dict[str, list[float]] = {f"{s} {p}": [] for s in ("plain", "dapple") for p in PARTS}
 
     def plain(k: int, keep: bool) -> None:
+        """``runtime_overhead._plain_step`` with the F and B marks inline (a timing hook in
+        that loop would add calls to the plain side of every other pairing)."""
         t_start = clock()
         f = bw = 0.0
         x, y = wl.make_batch(G, ro.SEED + k)
@@ -129,20 +128,16 @@ def child(model: str, variant: str, steps: int) -> dict[str, list[float]]:
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        ro._dapple(wl, size, WARMUP + steps, on_step)
+        ro._dapple(wl, size, total_steps, on_step)
     finally:
         dist.destroy_process_group()
     return out
 
 
 def run_child(model: str, variant: str, steps: int) -> dict[str, list[float]]:
-    env = dict(os.environ, OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT / "benchmarks")]))  # fmt: skip
-    cmd = [sys.executable, __file__, "--child", variant, "--model", model, "--steps", str(steps)]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        raise RuntimeError(f"{variant} failed:\n{done.stderr[-3000:]}")
-    result: dict[str, list[float]] = json.loads(done.stdout.strip().splitlines()[-1])
+    """One variant's paired steps, in a process of its own (this checkout's ``src/``)."""
+    args = [variant, "--model", model, "--steps", str(steps)]
+    result: dict[str, list[float]] = json_child(__file__, ROOT / "src", args, variant)
     return result
 
 

@@ -24,14 +24,13 @@ import argparse
 import json
 import os
 import re
-import subprocess
 import sys
 import time
 from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
-from _bench_common import git_in
+from _bench_common import git_in, json_child
 
 ROOT = Path(__file__).resolve().parent.parent
 WARMUP = 3
@@ -102,12 +101,7 @@ def child(m: int) -> dict[str, Any]:
 
 
 def _run_child(src: Path, m: int) -> dict[str, Any]:
-    env = dict(os.environ, PYTHONPATH=str(src), OMP_NUM_THREADS="1")
-    cmd = [sys.executable, __file__, "--child", str(m)]
-    res = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
-    if res.returncode != 0:
-        raise RuntimeError(f"child {src} M={m} failed:\n{res.stderr[-3000:]}")
-    counts: dict[str, Any] = json.loads(res.stdout.strip().splitlines()[-1])
+    counts: dict[str, Any] = json_child(__file__, src, [str(m)], f"child {src} M={m}")
     return counts
 
 
