@@ -30,9 +30,9 @@ TENSOR_WIDTHS_INTRO = [
     "",
     "From `benchmarks/planning_time_tp.py` (one run each; its docstring describes the profiles). "
     "`{1}`: no tensor parallelism; `uniform`: one DAPPLE search per width t with every stage of "
-    "width t (`dapple_search(..., stage_widths=False)`), each search pruned by the best L of the "
-    "narrower widths; `per stage`: each width's plan then refined stage by stage to its own width "
-    "t_i, re-split of a stage's devices, cut moves and merges (`dapple.planner.stage_widths`), "
+    "width t (`dapple_search(..., stage_widths=False)`), each search pruned by its own incumbent "
+    "only (until 2026-12-01 also by the best L of the narrower widths); `per stage`: each "
+    "width's plan then refined stage by stage to its own width t_i, re-split of a stage's devices, cut moves and merges (`dapple.planner.stage_widths`), "
     "the default; `interleaved`: also interleaved 1F1B, the search's plans and the grid's "
     "interleaved points (`dapple_search(..., interleaved=True)`, `dapple.planner.interleaving`); "
     "`ZeRO-3`: `zero_stage=3` (the grid's FSDP points join). CPU s: this process's CPU time "

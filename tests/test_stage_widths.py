@@ -10,7 +10,7 @@ import contextlib
 import dataclasses
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from dapple.core.cluster import Cluster
@@ -256,6 +256,16 @@ def test_mixed_plan_cost_model_scorer_and_simulator_agree() -> None:
     gbs=st.sampled_from([2, 4, 8]),
     lat=st.sampled_from([0.0, LAT, 1.0]),
     memory=st.sampled_from([64 * 1024**3, 1024**3]),
+)
+@example(  # the width-2 DP's plan above the width-1 L refines (M re-picked) below it
+    flags=[False, True, True],
+    times=[0.5, 2.0, 4.0, 0.5, 0.5],
+    params=[0, 10**6, 10**8, 0, 0],
+    servers=2,
+    per_server=4,
+    gbs=4,
+    lat=1.0,
+    memory=64 * 1024**3,
 )
 def test_planner_is_never_worse_than_a_uniform_width(
     flags: list[bool],

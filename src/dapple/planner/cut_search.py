@@ -208,8 +208,7 @@ class Incumbent:
     """The best plan found so far, over every M: its L prunes the search."""
 
     L_ms: float = math.inf
-    """Its pipeline latency L (inf until a plan fits); a bound alone while ``scored`` is None
-    (the best L of the widths searched before)."""
+    """Its pipeline latency L (inf until a plan fits)."""
     stages: list[StageSpec] = field(default_factory=list)
     M: int = 0
     scored: Scored | None = None
