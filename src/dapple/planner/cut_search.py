@@ -208,7 +208,8 @@ class Incumbent:
     """The best plan found so far, over every M: its L prunes the search."""
 
     L_ms: float = math.inf
-    """Its pipeline latency L (inf until a plan fits)."""
+    """Its pipeline latency L (inf until a plan fits); a bound alone while ``scored`` is None
+    (a caller's ``below_ms``)."""
     stages: list[StageSpec] = field(default_factory=list)
     M: int = 0
     scored: Scored | None = None

@@ -247,7 +247,9 @@ def dapple_search(
             (:mod:`dapple.planner.expert_width`); False: every replica holds all its experts;
             None (default): on a profile with MoE layers both (:func:`_both_expert_ways`).
         below_ms: return only a plan of L below this (InfeasibleError when none is). It
-            filters the plans found and does not prune the search (see :func:`_search_widths`).
+            starts each width's incumbent only where no per-stage widths follow (a uniform
+            plan above it may refine to one below it); like any bound that prunes, it may lose
+            a plan that :func:`_refine` would have taken below it (see :func:`_search_widths`).
 
     Raises:
         InfeasibleError: no plan fits device memory for any M.
@@ -272,7 +274,7 @@ def dapple_search(
     limits = partial(search_limits, max_stages=max_stages, states_per_layer=states_per_layer,
                      window=window, keep=keep, m_candidates=m_candidates)  # fmt: skip
     found = _search_widths(profile, global_batch_size, widths, scorers, Ms, limits, cut_limit,
-                           stage_widths, progress)  # fmt: skip
+                           stage_widths, below_ms, progress)  # fmt: skip
     found = with_offers(found, profile, cluster, global_batch_size, widths, scorers, Ms,
                         zero_stage=zero_stage, max_stages=max_stages, grid=grid,
                         interleaved=interleaved)  # fmt: skip
@@ -288,9 +290,9 @@ def _both_expert_ways(
     """On a profile with MoE layers: the search run with the expert widths offered and without
     (``progress`` reports the first only), keeping the plan of lower L
     (:func:`~dapple.planner.expert_width.with_and_without_widths`: a search that prunes is not
-    monotone in its options). In the second search only plans below the first's L count
-    (``below_ms``), and its DP runs for :data:`SECOND_PASS_M` M unless ``m_candidates`` is
-    given."""
+    monotone in its options). The second search is bounded: only plans below the first's L
+    count (``below_ms``, which prunes its DP), and its DP runs for :data:`SECOND_PASS_M` M
+    unless ``m_candidates`` is given."""
     return with_and_without_widths(
         lambda ep, below: search(
             m_candidates=m_candidates if ep or m_candidates != -1 else SECOND_PASS_M,
@@ -310,15 +312,17 @@ def _search_widths(
     limits: Callable[..., SearchLimits],
     cut_limit: int,
     stage_widths: bool,
+    below_ms: float,
     progress: Progress | None,
 ) -> list[tuple[float, int, Plan]]:
     """The DP's plans, ``(L, t, plan)``: one search per tensor width t of ``widths`` (its scorer
     in ``scorers``), every stage of width t, in the order of ``widths``. No width's L prunes
-    another's search, nor does a caller's bound: the DP's plan is refined after it
-    (:func:`_refine`: cut moves, then M picked again), which can take a plan above such a
-    bound to one below it. Each width's DP prunes by its own incumbent only, as that width
-    searched alone does, so the search is never worse than a width's own search. Each width's
-    plan is then refined to per-stage widths t_i
+    another's search: the DP's plan is refined after it (:func:`_refine`: cut moves, then M
+    picked again), which can take a plan above a narrower width's L to one below it. Each
+    width's DP prunes by its own incumbent only, as that width searched alone does, so the
+    search is never worse than a width's own search; the caller's ``below_ms`` alone starts
+    the incumbents, where no per-stage widths follow (the bounded second MoE pass,
+    :func:`_both_expert_ways`). Each width's plan is then refined to per-stage widths t_i
     among them (:mod:`dapple.planner.stage_widths`) with ``stage_widths``, when more than one
     width is searched and some layer shards, and so is the width's plan of most stages at its M
     (:func:`_finest_start`), and under ``auto`` also without ZeRO-2 where that lowers the
@@ -332,6 +336,9 @@ def _search_widths(
     without = without_zero2(scorers) if mixed is not None else None
     no2 = None if without is None else MixedScorer(without)
     found: list[tuple[float, int, Plan]] = []
+    # a caller's bound, not a narrower width's L; only where no per-stage widths follow (a
+    # uniform plan above it may refine below it)
+    start = below_ms if mixed is None else math.inf
     for i, t in enumerate(widths):
         sc = scorers[t]
         width_limits = dataclasses.replace(limits(sc.N, sc.G, devices=sc.G * t), drop_unfit=t > 1)
@@ -341,7 +348,7 @@ def _search_widths(
         if twin is not None:
             passes.append((twin, mixed and MixedScorer({**scorers, t: twin}), None))
         for one, mix, report in passes:
-            best = Incumbent()
+            best = Incumbent(start)
             _search_width(one, Ms, global_batch_size, width_limits, best, cut_limit, report)
             if best.scored is not None:
                 stages, M, scored = _refine(one, best.stages, best.M, best.scored, Ms)
